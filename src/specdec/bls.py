@@ -1,0 +1,90 @@
+"""The orchestrator's Proposer and Scorer over Triton BLS calls to draft_model and target_model.
+
+Both callees use Triton's sequence batcher: every call of one generation carries the same
+correlation ID, so Triton routes it to the model instance holding that sequence's KV cache, the first
+call carries the START flag and the release call the END flag. Imported only inside the server
+(`triton_python_backend_utils` exists only in a Python-backend stub).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from specdec import tensor_names as tn
+from specdec.orchestrator import Proposal, Scores
+from specdec.sampling import SamplingParams
+
+
+class BlsError(RuntimeError):
+    pass
+
+
+def _i32(value) -> np.ndarray:
+    return np.asarray(value, dtype=np.int32).reshape(1, -1)
+
+
+class _SequenceModel:
+    """Shared plumbing: one BLS call into a sequence-batched model."""
+
+    def __init__(self, pb_utils, model_name: str, timeout_us: int = 0):
+        self.pb = pb_utils
+        self.model_name = model_name
+        self.timeout_us = timeout_us
+        self._started: set[int] = set()
+
+    async def _call(self, seq_id: int, inputs: dict[str, np.ndarray], outputs: list[str], end: bool = False):
+        pb = self.pb
+        flags = 0
+        if seq_id not in self._started:
+            flags |= pb.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START
+            self._started.add(seq_id)
+        if end:
+            flags |= pb.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END
+            self._started.discard(seq_id)
+        request = pb.InferenceRequest(
+            model_name=self.model_name,
+            inputs=[pb.Tensor(name, value) for name, value in inputs.items()],
+            requested_output_names=outputs,
+            correlation_id=seq_id,
+            flags=flags,
+            timeout=self.timeout_us,
+        )
+        response = await request.async_exec()
+        if response.has_error():
+            raise BlsError(f"{self.model_name}: {response.error().message()}")
+        return {name: pb.get_output_tensor_by_name(response, name).as_numpy() for name in outputs}
+
+    async def release(self, seq_id: int) -> None:
+        if seq_id not in self._started:
+            return
+        await self._call(seq_id, {tn.INPUT_IDS: _i32([]), tn.CACHE_LENGTH: _i32([0]),
+                                  tn.RELEASE: np.array([[True]])}, [], end=True)
+
+
+class BlsProposer(_SequenceModel):
+    async def propose(self, seq_id: int, keep: int, new_ids: list[int], k: int,
+                      params: SamplingParams, round_seed: int) -> Proposal:
+        inputs = {
+            tn.INPUT_IDS: _i32(new_ids),
+            tn.CACHE_LENGTH: _i32([keep]),
+            tn.NUM_DRAFT_TOKENS: _i32([k]),
+            tn.TEMPERATURE: np.array([[params.temperature]], dtype=np.float32),
+            tn.TOP_K: _i32([params.top_k]),
+            tn.TOP_P: np.array([[params.top_p]], dtype=np.float32),
+            tn.SEED: np.array([[round_seed]], dtype=np.uint64),
+        }
+        outputs = [tn.DRAFT_TOKENS] + ([] if params.greedy else [tn.DRAFT_PROBS])
+        result = await self._call(seq_id, inputs, outputs)
+        probs = None if params.greedy else torch.from_numpy(result[tn.DRAFT_PROBS][0].copy())
+        return Proposal(result[tn.DRAFT_TOKENS][0].tolist(), probs)
+
+
+class BlsScorer(_SequenceModel):
+    async def score(self, seq_id: int, keep: int, new_ids: list[int], num_positions: int,
+                    want_logits: bool) -> Scores:
+        inputs = {tn.INPUT_IDS: _i32(new_ids), tn.CACHE_LENGTH: _i32([keep]), tn.NUM_LOGITS: _i32([num_positions])}
+        outputs = [tn.GREEDY_TOKENS] + ([tn.LOGITS] if want_logits else [])
+        result = await self._call(seq_id, inputs, outputs)
+        logits = torch.from_numpy(result[tn.LOGITS][0].copy()) if want_logits else None
+        return Scores(torch.from_numpy(result[tn.GREEDY_TOKENS][0].astype(np.int64)), logits)

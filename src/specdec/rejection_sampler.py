@@ -1,0 +1,71 @@
+"""The accept/reject rule of speculative decoding, as pure tensor functions with randomness passed in.
+
+Given K draft tokens x_1..x_K drawn from draft distributions p_d and the target's distributions p_t at
+the K+1 positions [after the prefix, after x_1, ..., after x_K] (one target forward pass):
+  accept x_i while u_i <= min(1, p_t(x_i) / p_d(x_i));
+  at the first rejection, sample the next token from normalize(max(0, p_t - p_d)) and stop;
+  if all K are accepted, sample a bonus token from p_t at position K+1.
+Every round emits between 1 and K+1 tokens and the output is distributed exactly as the target's
+(Leviathan et al. 2023, Theorem 1). Greedy decoding is the special case of one-hot distributions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Verdict:
+    num_accepted: int  # leading draft tokens accepted, 0..K
+    next_token: int  # the target's correction (on rejection) or bonus token (all accepted)
+
+
+def greedy_verify(draft_tokens: torch.Tensor, target_argmax: torch.Tensor) -> Verdict:
+    """Greedy rule: accept while the draft equals the target's argmax, then emit the target's argmax.
+
+    draft_tokens: (K,) int; target_argmax: (K+1,) int, argmax of the target at each verified position.
+    """
+    k = draft_tokens.shape[0]
+    assert target_argmax.shape[0] == k + 1, "target must score K+1 positions"
+    mismatch = (draft_tokens != target_argmax[:k]).nonzero()
+    num_accepted = int(mismatch[0, 0]) if mismatch.numel() else k
+    return Verdict(num_accepted, int(target_argmax[num_accepted]))
+
+
+def rejection_sample(
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor,
+    target_probs: torch.Tensor,
+    uniforms: torch.Tensor,
+    generator: torch.Generator | None = None,
+) -> Verdict:
+    """Lossless stochastic rule.
+
+    draft_tokens: (K,) int, drawn from draft_probs.
+    draft_probs: (K, V) draft distributions the tokens were drawn from (after sampling processing).
+    target_probs: (K+1, V) target distributions after identical processing.
+    uniforms: (K,) U[0, 1) draws, one per draft token (passed in so tests control randomness).
+    generator: used only for the single correction / bonus draw.
+    """
+    k = draft_tokens.shape[0]
+    assert draft_probs.shape[0] == k and target_probs.shape[0] == k + 1
+    positions = torch.arange(k)
+    p_target = target_probs[positions, draft_tokens]
+    p_draft = draft_probs[positions, draft_tokens]
+    # u <= p_t / p_d written without the division: p_d > 0 for any token the draft drew, and q >= p
+    # (target at least as likely as draft) always accepts.
+    rejected = (uniforms * p_draft > p_target).nonzero()
+    if not rejected.numel():
+        bonus = torch.multinomial(target_probs[k], 1, generator=generator)
+        return Verdict(k, int(bonus))
+    first = int(rejected[0, 0])
+    residual = (target_probs[first] - draft_probs[first]).clamp_min(0)
+    total = residual.sum()
+    if total <= 0:
+        # Only reachable through rounding when p_t == p_d (then rejection has probability 0): fall
+        # back to the target distribution itself, which is what the residual converges to.
+        residual, total = target_probs[first], target_probs[first].sum()
+    correction = torch.multinomial(residual / total, 1, generator=generator)
+    return Verdict(first, int(correction))

@@ -1,0 +1,65 @@
+"""Logits -> probabilities and sampling, applied identically to draft and target distributions.
+
+The same `logits_to_probs` runs on the draft's logits (inside draft_model) and on the target's
+(inside the orchestrator): rejection sampling is lossless only when both distributions went through
+identical temperature / top-k / top-p processing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 = greedy (argmax); > 0 = sample from softmax(logits / temperature)
+    top_k: int = 0  # keep the k most likely tokens; 0 = off
+    top_p: float = 1.0  # keep the smallest set whose mass reaches top_p; 1 = off
+    seed: int | None = None  # makes a sampled request reproducible
+
+    @property
+    def greedy(self) -> bool:
+        # top_k == 1 keeps only the argmax, which is greedy decoding whatever the temperature.
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Processed next-token distributions.
+
+    logits: (..., V) float. Returns (..., V) float32 probabilities summing to 1 over V.
+    Greedy params give a one-hot distribution on the argmax.
+    """
+    logits = logits.float()
+    if params.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    logits = logits / params.temperature
+    if params.top_k > 0 and params.top_k < logits.shape[-1]:
+        kth_largest = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth_largest, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        sorted_probs = sorted_logits.softmax(-1)
+        # Drop a token when the mass strictly before it already reaches top_p; the first always stays.
+        mass_before = sorted_probs.cumsum(-1) - sorted_probs
+        drop_sorted = mass_before >= params.top_p
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits.softmax(-1)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token per distribution. probs: (..., V). Returns (...) int64."""
+    flat = probs.reshape(-1, probs.shape[-1])
+    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+
+
+def make_generator(seed: int | None) -> torch.Generator:
+    """A CPU generator seeded from the request's seed, or from fresh entropy when it has none."""
+    generator = torch.Generator()
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)
+    return generator

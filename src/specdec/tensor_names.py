@@ -1,0 +1,60 @@
+"""Public tensor names and defaults: the one place models, clients, load tests and tests read them.
+
+Names follow TensorRT-LLM's ensemble and vLLM's Triton backend so Triton LLM clients work unchanged.
+Dims exclude the batch dimension (every public model has max_batch_size > 0).
+"""
+
+# ---- ensemble inputs -------------------------------------------------------------------------
+TEXT_INPUT = "text_input"  # STRING [1], required
+MAX_TOKENS = "max_tokens"  # INT32 [1]
+NUM_DRAFT_TOKENS = "num_draft_tokens"  # INT32 [1]; 0 = target-only decoding through the same path
+TEMPERATURE = "temperature"  # FP32 [1]; 0 = greedy
+TOP_K = "top_k"  # INT32 [1]; 0 = no top-k filter
+TOP_P = "top_p"  # FP32 [1]; 1 = no nucleus filter
+SEED = "seed"  # UINT64 [1]
+STREAM = "stream"  # BOOL [1]
+END_ID = "end_id"  # INT32 [1]
+DRAFT_MODEL = "draft_model"  # STRING [1]: which configured draft model proposes
+APPLY_CHAT_TEMPLATE = "apply_chat_template"  # BOOL [1]
+
+# ---- ensemble outputs ------------------------------------------------------------------------
+TEXT_OUTPUT = "text_output"  # STRING [-1]
+FINISH_REASON = "finish_reason"  # STRING [1]: length | stop | cancelled
+NUM_INPUT_TOKENS = "num_input_tokens"  # INT32 [1]
+NUM_OUTPUT_TOKENS = "num_output_tokens"  # INT32 [1]
+TOTAL_DRAFT_TOKENS = "total_draft_tokens"  # INT32 [1]
+TOTAL_ACCEPTED_DRAFT_TOKENS = "total_accepted_draft_tokens"  # INT32 [1]
+ACCEPTANCE_RATE = "acceptance_rate"  # FP32 [1]: accepted / drafted (0 when nothing was drafted)
+NUM_ROUNDS = "num_rounds"  # INT32 [1]: propose/verify rounds (target forward passes)
+
+# ---- internal tensors between the models -----------------------------------------------------
+INPUT_IDS = "input_ids"  # INT32 [-1]: preprocessing output; draft/target: tokens to append
+INPUT_LENGTH = "input_length"  # INT32 [1]
+OUTPUT_IDS = "output_ids"  # INT32 [-1]: tokens of this response
+PREFIX_IDS = "prefix_ids"  # INT32 [-1]: tokens emitted before output_ids (detokenization context)
+CACHE_LENGTH = "cache_length"  # INT32 [1]: keep this many cached tokens, drop the rest (rollback)
+NUM_LOGITS = "num_logits"  # INT32 [1]: target returns the last num_logits positions
+LOGITS = "logits"  # FP32 [-1, -1]
+GREEDY_TOKENS = "greedy_tokens"  # INT32 [-1]: argmax of each returned position
+DRAFT_TOKENS = "draft_tokens"  # INT32 [-1]
+DRAFT_PROBS = "draft_probs"  # FP32 [-1, -1]: processed draft distributions, one per draft token
+RELEASE = "release"  # BOOL [1]: free this sequence's cache (sent with the sequence END flag)
+
+# ---- finish reasons --------------------------------------------------------------------------
+FINISH_LENGTH = "length"
+FINISH_STOP = "stop"
+FINISH_CANCELLED = "cancelled"
+
+# ---- model names -----------------------------------------------------------------------------
+ENSEMBLE = "ensemble"
+PREPROCESSING = "preprocessing"
+SPECULATIVE_DECODING = "speculative_decoding"
+POSTPROCESSING = "postprocessing"
+DRAFT_MODEL_NAME = "draft_model"
+TARGET_MODEL_NAME = "target_model"
+
+# ---- defaults (overridable in speculative_decoding's config.pbtxt parameters) -------------------
+DEFAULT_MAX_TOKENS = 64
+DEFAULT_NUM_DRAFT_TOKENS = 4
+DEFAULT_MAX_NUM_DRAFT_TOKENS = 16
+DEFAULT_MAX_MAX_TOKENS = 1024

@@ -1,0 +1,136 @@
+"""Triton Python-backend adapters for draft_model and target_model over `CausalLM`.
+
+Both models are sequence-batched: a request's correlation ID names the sequence whose KV cache it
+extends. Inputs: input_ids (tokens to append), cache_length (cached tokens to keep: rollback), and
+`release` with the sequence END flag to free the cache. target_model returns the greedy tokens and,
+on request, the logits of the last num_logits positions; draft_model proposes num_draft_tokens tokens
+(and their distributions when sampling).
+"""
+
+from __future__ import annotations
+
+
+import numpy as np
+import torch
+
+from specdec import tensor_names as tn
+from specdec.causal_lm import CacheError, CausalLM, load_causal_lm
+from specdec.config import ModelParameters
+from specdec.sampling import SamplingParams, make_generator
+
+
+def _scalar(pb_utils, request, name, default=None):
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    if tensor is None:
+        return default
+    return tensor.as_numpy().reshape(-1)[0].item()
+
+
+class LanguageModelAdapter:
+    """Shared initialize / execute plumbing; `role` is 'draft' or 'target'."""
+
+    role = "target"
+
+    def initialize(self, args):
+        import triton_python_backend_utils as pb_utils
+
+        self.pb = pb_utils
+        params = ModelParameters(args["model_config"])
+        self.name = params.model_name
+        device = params.str("device", "cpu")
+        if args.get("model_instance_kind") == "GPU" and device == "cpu":
+            device = f"cuda:{args.get('model_instance_device_id', '0')}"
+        model = load_causal_lm(
+            params.str("model_path"),
+            device=device,
+            dtype=params.str("dtype", "float32", choices=("float32", "float16", "bfloat16", "float64")),
+            device_map=params.str("device_map", ""),
+        )
+        torch.set_num_threads(params.int("torch_threads", torch.get_num_threads(), low=1))
+        self.lm = CausalLM(
+            model,
+            max_sequences=params.int("max_sequences", 256, low=1),
+            idle_timeout_s=params.float("sequence_idle_timeout_s", 600.0, low=1.0),
+        )
+        # The families must outlive their metrics: keep references to both.
+        self.metric_families = [
+            pb_utils.MetricFamily(
+                name="specdec_model_tokens_processed_total",
+                description="Tokens run through the model's forward pass (prompt, catch-up, draft and verify tokens)",
+                kind=pb_utils.MetricFamily.COUNTER),
+            pb_utils.MetricFamily(
+                name="specdec_model_live_sequences",
+                description="Sequences whose KV cache the model currently holds",
+                kind=pb_utils.MetricFamily.GAUGE),
+        ]
+        self.tokens_metric, self.live_metric = (f.Metric(labels={"model": self.name}) for f in self.metric_families)
+
+    def execute(self, requests):
+        self.lm.evict_idle()
+        responses = []
+        for request in requests:  # steps of different sequences; each has its own cache
+            before = self.lm.tokens_processed
+            try:
+                responses.append(self._handle(request))
+            except CacheError as exc:
+                responses.append(self.pb.InferenceResponse(error=self.pb.TritonError(f"{self.name}: {exc}")))
+            except Exception as exc:  # noqa: BLE001 - report, keep serving
+                responses.append(self.pb.InferenceResponse(
+                    error=self.pb.TritonError(f"{self.name}: {type(exc).__name__}: {exc}")))
+            self.tokens_metric.increment(self.lm.tokens_processed - before)
+        self.live_metric.set(len(self.lm.sequences))
+        return responses
+
+    def _handle(self, request):
+        pb = self.pb
+        seq_id = request.correlation_id()
+        if _scalar(pb, request, tn.RELEASE, False):
+            self.lm.release(seq_id)
+            return pb.InferenceResponse(output_tensors=[])
+        new_ids = pb.get_input_tensor_by_name(request, tn.INPUT_IDS).as_numpy().reshape(-1).tolist()
+        keep = int(_scalar(pb, request, tn.CACHE_LENGTH, 0))
+        return self._step(request, seq_id, keep, new_ids)
+
+    def _step(self, request, seq_id, keep, new_ids):
+        raise NotImplementedError
+
+    def finalize(self):
+        self.lm.sequences.clear()
+
+
+class TargetModel(LanguageModelAdapter):
+    def _step(self, request, seq_id, keep, new_ids):
+        pb = self.pb
+        num_logits = int(_scalar(pb, request, tn.NUM_LOGITS, 1))
+        logits = self.lm.extend(seq_id, keep, new_ids, num_logits)
+        wanted = set(request.requested_output_names())
+        outputs = [pb.Tensor(tn.GREEDY_TOKENS, logits.argmax(-1).to(torch.int32).cpu().numpy()[None])]
+        if tn.LOGITS in wanted:
+            outputs.append(pb.Tensor(tn.LOGITS, logits.float().cpu().numpy()[None]))
+        return pb.InferenceResponse(output_tensors=outputs)
+
+
+class DraftModel(LanguageModelAdapter):
+    role = "draft"
+
+    def _step(self, request, seq_id, keep, new_ids):
+        pb = self.pb
+        k = int(_scalar(pb, request, tn.NUM_DRAFT_TOKENS, 1))
+        if k < 1:
+            raise CacheError(f"num_draft_tokens must be >= 1, got {k}")
+        params = SamplingParams(
+            temperature=float(_scalar(pb, request, tn.TEMPERATURE, 0.0)),
+            top_k=int(_scalar(pb, request, tn.TOP_K, 0)),
+            top_p=float(_scalar(pb, request, tn.TOP_P, 1.0)),
+        )
+        seed = _scalar(pb, request, tn.SEED, None)
+        generator = None if params.greedy else make_generator(seed)
+        tokens, probs = self.lm.propose(seq_id, keep, new_ids, k, params, generator)
+        outputs = [pb.Tensor(tn.DRAFT_TOKENS, np.asarray([tokens], dtype=np.int32))]
+        if tn.DRAFT_PROBS in set(request.requested_output_names()):
+            if probs is None:
+                probs = torch.zeros(0, self.lm.vocab_size)
+            outputs.append(pb.Tensor(tn.DRAFT_PROBS, probs.float().numpy()[None]))
+        return pb.InferenceResponse(output_tensors=outputs)
+
+

@@ -1,0 +1,76 @@
+"""Triton adapters for `preprocessing` (text -> token ids) and `postprocessing` (ids -> text)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from specdec import tensor_names as tn
+from specdec.config import ModelParameters
+from specdec.text import decode_delta, load_tokenizer
+
+
+class PreprocessingAdapter:
+    def initialize(self, args):
+        import triton_python_backend_utils as pb_utils
+
+        self.pb = pb_utils
+        params = ModelParameters(args["model_config"])
+        self.tokenizer = load_tokenizer(params.str("tokenizer_path"))
+        self.chat_template_default = params.bool("apply_chat_template", False)
+        if self.chat_template_default and not self.tokenizer.chat_template:
+            raise ValueError(f"{params.model_name}: parameter 'apply_chat_template' is true but the tokenizer has no chat template")
+
+    def execute(self, requests):
+        pb = self.pb
+        responses = []
+        for request in requests:
+            try:
+                ids = self._encode(request)
+                responses.append(pb.InferenceResponse(output_tensors=[
+                    pb.Tensor(tn.INPUT_IDS, np.asarray([ids], dtype=np.int32)),
+                    pb.Tensor(tn.INPUT_LENGTH, np.asarray([[len(ids)]], dtype=np.int32)),
+                ]))
+            except ValueError as exc:
+                responses.append(pb.InferenceResponse(error=pb.TritonError(str(exc), pb.TritonError.INVALID_ARG)))
+        return responses
+
+    def _encode(self, request) -> list[int]:
+        pb = self.pb
+        raw = pb.get_input_tensor_by_name(request, tn.TEXT_INPUT).as_numpy().reshape(-1)
+        if raw.size != 1:
+            raise ValueError(f"input '{tn.TEXT_INPUT}' must hold exactly one string, got {raw.size}")
+        value = raw[0]
+        try:
+            text = value.decode("utf-8") if isinstance(value, bytes) else str(value)
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"input '{tn.TEXT_INPUT}' is not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
+        if not text.strip():
+            raise ValueError(f"input '{tn.TEXT_INPUT}' is empty")
+        chat = pb.get_input_tensor_by_name(request, tn.APPLY_CHAT_TEMPLATE)
+        use_chat = self.chat_template_default if chat is None else bool(chat.as_numpy().reshape(-1)[0])
+        if use_chat:
+            if not self.tokenizer.chat_template:
+                raise ValueError(f"input '{tn.APPLY_CHAT_TEMPLATE}' is true but the tokenizer has no chat template")
+            return list(self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False))
+        return self.tokenizer.encode(text, add_special_tokens=True)
+
+
+class PostprocessingAdapter:
+    def initialize(self, args):
+        import triton_python_backend_utils as pb_utils
+
+        self.pb = pb_utils
+        self.tokenizer = load_tokenizer(ModelParameters(args["model_config"]).str("tokenizer_path"))
+
+    def execute(self, requests):
+        pb = self.pb
+        responses = []
+        for request in requests:
+            ids = pb.get_input_tensor_by_name(request, tn.OUTPUT_IDS).as_numpy().reshape(-1).tolist()
+            prefix_tensor = pb.get_input_tensor_by_name(request, tn.PREFIX_IDS)
+            prefix = [] if prefix_tensor is None else prefix_tensor.as_numpy().reshape(-1).tolist()
+            text = decode_delta(self.tokenizer, prefix, ids) if ids else ""
+            responses.append(pb.InferenceResponse(output_tensors=[
+                pb.Tensor(tn.TEXT_OUTPUT, np.array([[text.encode("utf-8")]], dtype=np.object_))]))
+        return responses
