@@ -2,7 +2,7 @@
 
 Given K draft tokens x_1..x_K drawn from draft distributions p_d and the target's distributions p_t at
 the K+1 positions [after the prefix, after x_1, ..., after x_K] (one target forward pass):
-  accept x_i while u_i <= min(1, p_t(x_i) / p_d(x_i));
+  accept x_i while u_i < p_t(x_i) / p_d(x_i), u_i ~ U[0, 1) (probability min(1, p_t / p_d));
   at the first rejection, sample the next token from normalize(max(0, p_t - p_d)) and stop;
   if all K are accepted, sample a bonus token from p_t at position K+1.
 Every round emits between 1 and K+1 tokens and the output is distributed exactly as the target's
@@ -54,9 +54,9 @@ def rejection_sample(
     positions = torch.arange(k)
     p_target = target_probs[positions, draft_tokens]
     p_draft = draft_probs[positions, draft_tokens]
-    # u <= p_t / p_d written without the division: p_d > 0 for any token the draft drew, and q >= p
-    # (target at least as likely as draft) always accepts.
-    rejected = (uniforms * p_draft > p_target).nonzero()
+    # Accept iff u < p_t / p_d (probability min(1, p_t / p_d) for u ~ U[0, 1)), written without the
+    # division: p_t >= p_d always accepts, and a token the target gives no mass is always rejected.
+    rejected = (uniforms * p_draft >= p_target).nonzero()
     if not rejected.numel():
         bonus = torch.multinomial(target_probs[k], 1, generator=generator)
         return Verdict(k, int(bonus))

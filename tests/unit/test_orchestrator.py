@@ -1,0 +1,197 @@
+"""The decode loop against scripted fakes that keep real per-sequence caches (token lists).
+
+The fakes compute every prediction from their own cached context, so any bookkeeping error (a wrong
+rollback point, a token sent twice or missed) changes the output and fails the comparison with plain
+greedy decoding.
+"""
+
+import asyncio
+
+import pytest
+import torch
+
+from specdec import tensor_names as tn
+from specdec.orchestrator import GenerationRequest, Proposal, Scores, Stats, generate
+from specdec.sampling import SamplingParams
+
+VOCAB = 50
+
+
+def true_next(context):
+    """The target's deterministic greedy 'language'."""
+    return (sum(context) * 31 + 7 * len(context)) % VOCAB
+
+
+def draft_next(context, agree_every):
+    """Agrees with the target except every `agree_every`-th position (0: always agrees)."""
+    token = true_next(context)
+    if agree_every and len(context) % agree_every == 0:
+        token = (token + 1) % VOCAB
+    return token
+
+
+class FakeModel:
+    def __init__(self):
+        self.caches = {}
+        self.tokens_processed = 0
+        self.calls = 0
+        self.released = []
+
+    def _extend(self, seq_id, keep, new_ids):
+        cache = self.caches.setdefault(seq_id, [])
+        assert keep <= len(cache), "asked to keep more than is cached"
+        del cache[keep:]
+        cache.extend(new_ids)
+        self.tokens_processed += len(new_ids)
+        self.calls += 1
+        return cache
+
+    async def release(self, seq_id):
+        self.released.append(seq_id)
+        self.caches.pop(seq_id, None)
+
+
+class FakeScorer(FakeModel):
+    async def score(self, seq_id, keep, new_ids, num_positions, want_logits):
+        cache = self._extend(seq_id, keep, new_ids)
+        n = len(cache)
+        greedy = [true_next(cache[:i]) for i in range(n - num_positions + 1, n + 1)]
+        return Scores(torch.tensor(greedy), None)
+
+
+class FakeProposer(FakeModel):
+    def __init__(self, agree_every=0):
+        super().__init__()
+        self.agree_every = agree_every
+
+    async def propose(self, seq_id, keep, new_ids, k, params, round_seed):
+        cache = self._extend(seq_id, keep, new_ids)
+        context = list(cache)
+        tokens = []
+        for step in range(k):
+            tokens.append(draft_next(context, self.agree_every))
+            context.append(tokens[-1])
+            if step < k - 1:
+                self._extend(seq_id, len(cache), [tokens[-1]])
+        return Proposal(tokens, None)
+
+
+def reference_greedy(prompt, n):
+    ids = list(prompt)
+    for _ in range(n):
+        ids.append(true_next(ids))
+    return ids[len(prompt):]
+
+
+def run(req, proposer, scorer, stats=None):
+    async def collect():
+        out = []
+        async for rnd in generate(req, proposer, scorer, stats):
+            out.append(rnd)
+        return out
+
+    return asyncio.run(collect())
+
+
+@pytest.mark.parametrize("k", [0, 1, 3, 8])
+@pytest.mark.parametrize("agree_every", [0, 2, 3, 7])
+def test_greedy_output_equals_target_only(k, agree_every):
+    prompt = [3, 1, 4, 1, 5]
+    req = GenerationRequest(seq_id=1, prompt_ids=prompt, max_tokens=40, num_draft_tokens=k)
+    stats = Stats()
+    proposer, scorer = FakeProposer(agree_every), FakeScorer()
+    rounds = run(req, proposer, scorer, stats)
+    output = [tok for rnd in rounds for tok in rnd.new_tokens]
+    assert output == reference_greedy(prompt, 40)
+    assert rounds[-1].finish_reason == tn.FINISH_LENGTH
+    # Token budget: each model processes at most P + R * (K + 1) tokens.
+    bound = len(prompt) + stats.rounds * (k + 1)
+    assert scorer.tokens_processed <= bound
+    assert proposer.tokens_processed <= bound
+    assert stats.rounds == scorer.calls
+    if k and agree_every == 0:
+        assert stats.acceptance_rate == 1.0
+    # Both caches are released at the end.
+    assert scorer.released == [1] and (proposer.released == [1] if k else proposer.released == [])
+
+
+def test_perfect_draft_needs_few_rounds():
+    req = GenerationRequest(seq_id=1, prompt_ids=[1, 2], max_tokens=20, num_draft_tokens=4)
+    stats = Stats()
+    run(req, FakeProposer(0), FakeScorer(), stats)
+    assert stats.rounds == 4  # 5 tokens per round
+    assert stats.accepted_per_position == [4, 4, 4, 4]
+
+
+def test_never_drafts_past_max_tokens():
+    req = GenerationRequest(seq_id=1, prompt_ids=[1, 2], max_tokens=6, num_draft_tokens=8)
+    stats = Stats()
+    rounds = run(req, FakeProposer(0), FakeScorer(), stats)
+    assert [len(r.new_tokens) for r in rounds] == [6]
+    assert stats.drafted == 5
+
+
+def test_stops_at_end_id_and_drops_it():
+    prompt = [3, 1, 4]
+    expected = reference_greedy(prompt, 30)
+    end = expected[5]
+    first = expected.index(end)
+    req = GenerationRequest(seq_id=1, prompt_ids=prompt, max_tokens=30, num_draft_tokens=3,
+                            end_ids=frozenset([end]))
+    rounds = run(req, FakeProposer(3), FakeScorer())
+    assert [t for r in rounds for t in r.new_tokens] == expected[:first]
+    assert rounds[-1].finish_reason == tn.FINISH_STOP
+
+
+def test_caches_released_when_consumer_stops_early():
+    proposer, scorer = FakeProposer(2), FakeScorer()
+    req = GenerationRequest(seq_id=9, prompt_ids=[1, 2, 3], max_tokens=50, num_draft_tokens=3)
+
+    async def take_two():
+        rounds = generate(req, proposer, scorer)
+        await rounds.__anext__()
+        await rounds.__anext__()
+        await rounds.aclose()  # what cancellation does
+
+    asyncio.run(take_two())
+    assert proposer.released == [9] and scorer.released == [9]
+
+
+def test_caches_released_when_a_call_fails():
+    class FailingScorer(FakeScorer):
+        async def score(self, *args, **kwargs):
+            if self.calls == 2:
+                raise RuntimeError("target died")
+            return await super().score(*args, **kwargs)
+
+    proposer, scorer = FakeProposer(), FailingScorer()
+    req = GenerationRequest(seq_id=4, prompt_ids=[1, 2], max_tokens=50, num_draft_tokens=2)
+    with pytest.raises(RuntimeError, match="target died"):
+        run(req, proposer, scorer)
+    assert proposer.released == [4] and scorer.released == [4]
+
+
+def test_sampled_rounds_use_logits_and_draft_probs():
+    """A sampled request asks the scorer for logits; with draft == target everything is accepted."""
+    vocab = 5
+
+    class SampledScorer(FakeModel):
+        async def score(self, seq_id, keep, new_ids, num_positions, want_logits):
+            assert want_logits
+            self._extend(seq_id, keep, new_ids)
+            logits = torch.zeros(num_positions, vocab)
+            return Scores(logits.argmax(-1), logits)
+
+    class SampledProposer(FakeModel):
+        async def propose(self, seq_id, keep, new_ids, k, params, round_seed):
+            self._extend(seq_id, keep, new_ids + [0] * (k - 1))
+            probs = torch.full((k, vocab), 1 / vocab)
+            return Proposal([round_seed % vocab] * k, probs)
+
+    req = GenerationRequest(seq_id=1, prompt_ids=[1], max_tokens=12, num_draft_tokens=3,
+                            sampling=SamplingParams(temperature=1.0, seed=5))
+    stats = Stats()
+    first = run(req, SampledProposer(), SampledScorer(), stats)
+    again = run(req, SampledProposer(), SampledScorer(), Stats())
+    assert stats.acceptance_rate == 1.0
+    assert [r.new_tokens for r in first] == [r.new_tokens for r in again]  # seeded: reproducible

@@ -1,0 +1,38 @@
+import re
+
+from specdec import tensor_names as tn
+from specdec.pairs import PairSpec
+from specdec.repository import SOURCE, render, set_parameter
+
+
+def test_set_parameter_replaces_and_adds():
+    cfg = 'parameters { key: "model_path", value: { string_value: "/models/x" } }\n'
+    out = set_parameter(cfg, "model_path", "/data/y")
+    assert '"/data/y"' in out and "/models/x" not in out
+    out = set_parameter(out, "dtype", "float16")
+    assert 'key: "dtype", value: { string_value: "float16" }' in out
+
+
+def test_render_points_every_model_at_the_pair(tmp_path):
+    pair = PairSpec(name="t", target_path="/w/target", tokenizer_path="/w/tok",
+                    draft_paths={"draft_model": "/w/draft", "draft_model_b": "/w/draft_b"},
+                    dtype="float64", max_context_tokens=512, apply_chat_template=True)
+    repo = render(pair, tmp_path / "repo", instance_kind="KIND_GPU")
+    cfg = {d.name: (d / "config.pbtxt").read_text() for d in repo.iterdir()}
+    assert '"/w/target"' in cfg["target_model"] and '"float64"' in cfg["target_model"]
+    assert '"/w/draft"' in cfg["draft_model"]
+    assert 'name: "draft_model_b"' in cfg["draft_model_b"] and '"/w/draft_b"' in cfg["draft_model_b"]
+    assert '"draft_model,draft_model_b"' in cfg["speculative_decoding"]
+    assert '"512"' in cfg["speculative_decoding"]
+    assert 'key: "apply_chat_template", value: { string_value: "true" }' in cfg["preprocessing"]
+    assert "KIND_CPU" not in cfg["target_model"] and "KIND_GPU" in cfg["target_model"]
+
+
+def test_ensemble_exposes_the_public_contract():
+    """Every public tensor name in tensor_names appears in the committed ensemble config."""
+    cfg = (SOURCE / "ensemble" / "config.pbtxt").read_text()
+    declared = set(re.findall(r'\{ name: "(\w+)"', cfg))
+    public = {tn.TEXT_INPUT, tn.MAX_TOKENS, tn.NUM_DRAFT_TOKENS, tn.TEMPERATURE, tn.TOP_K, tn.TOP_P, tn.SEED,
+              tn.STREAM, tn.END_ID, tn.DRAFT_MODEL, tn.TEXT_OUTPUT, tn.FINISH_REASON, tn.NUM_INPUT_TOKENS,
+              tn.NUM_OUTPUT_TOKENS, tn.TOTAL_DRAFT_TOKENS, tn.TOTAL_ACCEPTED_DRAFT_TOKENS, tn.ACCEPTANCE_RATE}
+    assert public <= declared

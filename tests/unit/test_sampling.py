@@ -1,0 +1,51 @@
+import pytest
+import torch
+
+from specdec.sampling import SamplingParams, logits_to_probs, make_generator, sample
+
+
+def test_greedy_is_one_hot_on_argmax():
+    logits = torch.tensor([[0.1, 2.0, -1.0], [3.0, 0.0, 0.0]])
+    probs = logits_to_probs(logits, SamplingParams(temperature=0.0))
+    assert torch.equal(probs, torch.tensor([[0.0, 1.0, 0.0], [1.0, 0.0, 0.0]]))
+
+
+def test_temperature_softmax():
+    logits = torch.tensor([1.0, 2.0, 3.0])
+    probs = logits_to_probs(logits, SamplingParams(temperature=2.0))
+    assert torch.allclose(probs, (logits / 2).softmax(-1))
+
+
+def test_top_k_keeps_k_largest():
+    logits = torch.tensor([1.0, 4.0, 3.0, 2.0])
+    probs = logits_to_probs(logits, SamplingParams(temperature=1.0, top_k=2))
+    assert probs[0] == 0 and probs[3] == 0
+    assert torch.allclose(probs[1:3].sum(), torch.tensor(1.0))
+
+
+def test_top_p_keeps_smallest_set_reaching_p():
+    probs_in = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    probs = logits_to_probs(probs_in.log(), SamplingParams(temperature=1.0, top_p=0.8))
+    # 0.5 alone < 0.8, 0.5 + 0.3 reaches it: tokens 0 and 1 stay
+    assert torch.allclose(probs, torch.tensor([0.625, 0.375, 0.0, 0.0]))
+
+
+def test_top_p_always_keeps_the_most_likely_token():
+    probs = logits_to_probs(torch.tensor([2.0, 1.0, 0.0]), SamplingParams(temperature=1.0, top_p=1e-6))
+    assert torch.equal(probs, torch.tensor([1.0, 0.0, 0.0]))
+
+
+@pytest.mark.parametrize("params", [SamplingParams(0.7, 5, 0.9), SamplingParams(1.3, 0, 1.0)])
+def test_probabilities_sum_to_one(params):
+    probs = logits_to_probs(torch.randn(3, 100), params)
+    assert torch.allclose(probs.sum(-1), torch.ones(3))
+
+
+def test_seeded_generator_reproduces():
+    probs = torch.full((10,), 0.1)
+    a = [int(sample(probs, make_generator(7))) for _ in range(5)]
+    b = [int(sample(probs, make_generator(7))) for _ in range(5)]
+    assert a == b
+    g = make_generator(7)
+    draws = {int(sample(probs, g)) for _ in range(50)}
+    assert len(draws) > 1
