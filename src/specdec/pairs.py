@@ -138,8 +138,15 @@ def default_pair() -> PairSpec:
 
         gguf = smollm2_gguf_path()
         log(f"converting {gguf.name} to safetensors in {target} (once, about 20 s)")
-        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        log("dequantized; saving")
+        gguf_model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        # transformers marks a GGUF-loaded model as quantized and refuses to save it: copy the
+        # dequantized weights into a plain model of the same config.
+        config = gguf_model.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        model = AutoModelForCausalLM.from_config(config)
+        model.load_state_dict(gguf_model.state_dict())
+        log("dequantized; saving safetensors")
         model.save_pretrained(target)
         AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(target)
         _mark_done(target)

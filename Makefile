@@ -1,0 +1,32 @@
+# One command to set up, one to serve, one to test. See README.md.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.specdec-setup
+
+.PHONY: setup serve test unit integration clean
+
+setup: $(STAMP)
+
+# Re-runs only when a requirement file changes: fast when already done.
+$(STAMP): requirements.txt requirements-dev.txt constraints.txt pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --disable-pip-version-check -q -r requirements.txt -r requirements-dev.txt -c constraints.txt
+	$(PY) -m pip install --disable-pip-version-check -q --no-deps -e .
+	touch $(STAMP)
+
+# PAIR=default (SmolLM2-135M-Instruct target) or PAIR=tiny; HTTP_PORT/GRPC_PORT/METRICS_PORT.
+serve: setup
+	PAIR=$${PAIR:-default} $(PY) -m specdec.launcher
+
+test: setup
+	$(PY) -m pytest -q
+
+unit: setup
+	$(PY) -m pytest -q tests/unit
+
+integration: setup
+	$(PY) -m pytest -q tests/integration
+
+clean:
+	rm -rf .cache

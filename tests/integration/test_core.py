@@ -1,0 +1,128 @@
+"""Speculative decoding served end to end by a real tritonserver with the tiny pair.
+
+Greedy speculative output must equal target-only output token for token (num_output_tokens and the
+text), whatever the draft: a partially agreeing draft (rejections and rollbacks every few tokens),
+the target itself (everything accepted) and an unrelated model (almost everything rejected).
+"""
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from specdec import tensor_names as tn
+
+from .helpers import grpc_stream, http_generate
+
+pytestmark = pytest.mark.integration
+
+PROMPTS = [
+    "Hello there, how are you today?",
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Once upon a time, in a land far away,",
+    "Summarize: the quick brown fox jumps over the lazy dog.",
+    "1, 2, 3, 4, 5,",
+    "Translate to French: good morning",
+    "Q: What is speculative decoding?\nA:",
+]
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def target_only(server):
+    return {p: grpc_stream(server.grpc_url, p, max_tokens=MAX_TOKENS, num_draft_tokens=0) for p in PROMPTS}
+
+
+def test_target_only_baseline_is_sane(target_only):
+    for prompt, result in target_only.items():
+        assert result[tn.NUM_OUTPUT_TOKENS] >= 1
+        assert result[tn.TEXT_OUTPUT]
+        assert result[tn.TOTAL_DRAFT_TOKENS] == 0
+        assert result[tn.NUM_ROUNDS] == result[tn.NUM_OUTPUT_TOKENS] + (result[tn.FINISH_REASON] == "stop")
+        assert result[tn.FINISH_REASON] in ("length", "stop")
+
+
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_greedy_speculative_equals_target_only(server, target_only, k):
+    drafted = accepted = 0
+    for prompt in PROMPTS:
+        result = grpc_stream(server.grpc_url, prompt, max_tokens=MAX_TOKENS, num_draft_tokens=k)
+        assert result[tn.TEXT_OUTPUT] == target_only[prompt][tn.TEXT_OUTPUT], prompt
+        assert result[tn.NUM_OUTPUT_TOKENS] == target_only[prompt][tn.NUM_OUTPUT_TOKENS]
+        assert result[tn.FINISH_REASON] == target_only[prompt][tn.FINISH_REASON]
+        drafted += result[tn.TOTAL_DRAFT_TOKENS]
+        accepted += result[tn.TOTAL_ACCEPTED_DRAFT_TOKENS]
+    # The default tiny draft agrees partially: both acceptances and rejections (rollbacks) happened.
+    assert 0 < accepted < drafted
+
+
+def test_draft_identical_to_target_accepts_every_token(server, target_only):
+    for prompt in PROMPTS[:4]:
+        result = grpc_stream(server.grpc_url, prompt, max_tokens=MAX_TOKENS, num_draft_tokens=4,
+                             draft_model="draft_model_exact")
+        assert result[tn.TEXT_OUTPUT] == target_only[prompt][tn.TEXT_OUTPUT]
+        assert result[tn.ACCEPTANCE_RATE] == 1.0
+        assert result[tn.TOTAL_ACCEPTED_DRAFT_TOKENS] == result[tn.TOTAL_DRAFT_TOKENS] > 0
+        # 5 tokens per round when everything is accepted
+        assert result[tn.NUM_ROUNDS] <= -(-MAX_TOKENS // 5) + 1
+
+
+def test_disagreeing_draft_still_gives_identical_output(server, target_only):
+    for prompt in PROMPTS[:4]:
+        result = grpc_stream(server.grpc_url, prompt, max_tokens=MAX_TOKENS, num_draft_tokens=4,
+                             draft_model="draft_model_random")
+        assert result[tn.TEXT_OUTPUT] == target_only[prompt][tn.TEXT_OUTPUT]
+        assert result[tn.ACCEPTANCE_RATE] < 0.2
+
+
+def test_http_generate_matches_grpc(server, target_only):
+    prompt = PROMPTS[1]
+    result = http_generate(server.http_url, prompt, max_tokens=MAX_TOKENS, num_draft_tokens=3)
+    assert result[tn.TEXT_OUTPUT] == target_only[prompt][tn.TEXT_OUTPUT]
+    assert result[tn.NUM_INPUT_TOKENS] == target_only[prompt][tn.NUM_INPUT_TOKENS]
+
+
+def test_concurrent_requests_equal_their_solo_output(server, target_only):
+    def one(i):
+        prompt = PROMPTS[i % len(PROMPTS)]
+        return prompt, grpc_stream(server.grpc_url, prompt, max_tokens=MAX_TOKENS, num_draft_tokens=1 + i % 5)
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(one, range(8)))
+    for prompt, result in results:
+        assert result[tn.TEXT_OUTPUT] == target_only[prompt][tn.TEXT_OUTPUT], prompt
+
+
+@pytest.mark.parametrize("k", [0, 4])
+def test_each_model_processes_at_most_prompt_plus_rounds_times_k_plus_one(server, k):
+    """No prefix is re-sent: P + R (K + 1) tokens per model at most, counted by the models' own metric."""
+    prompt = PROMPTS[3]
+    before = {m: server.metric("specdec_model_tokens_processed_total", model=m) for m in ("draft_model", "target_model")}
+    result = grpc_stream(server.grpc_url, prompt, max_tokens=40, num_draft_tokens=k)
+    after = {m: server.metric("specdec_model_tokens_processed_total", model=m) for m in ("draft_model", "target_model")}
+    p, r = result[tn.NUM_INPUT_TOKENS], result[tn.NUM_ROUNDS]
+    target_tokens = after["target_model"] - before["target_model"]
+    draft_tokens = after["draft_model"] - before["draft_model"]
+    assert target_tokens <= p + r * (k + 1)
+    assert draft_tokens <= p + r * (k + 1)
+    # Every generated token but the last went through the target; the prompt exactly once.
+    assert target_tokens >= p + result[tn.NUM_OUTPUT_TOKENS] - 1
+    assert (draft_tokens == 0) == (k == 0)
+
+
+def test_caches_are_freed_after_requests(server):
+    grpc_stream(server.grpc_url, PROMPTS[0], max_tokens=8, num_draft_tokens=2)
+    for model in ("draft_model", "target_model"):
+        assert server.metric("specdec_model_live_sequences", model=model) == 0
+
+
+def test_invalid_request_gets_clear_error_and_server_keeps_serving(server, target_only):
+    from .helpers import GenerationError
+
+    with pytest.raises(GenerationError, match="num_draft_tokens"):
+        grpc_stream(server.grpc_url, PROMPTS[0], num_draft_tokens=-1)
+    with pytest.raises(GenerationError, match="draft_model"):
+        grpc_stream(server.grpc_url, PROMPTS[0], draft_model="no_such_model")
+    assert server.ready()
+    ok = grpc_stream(server.grpc_url, PROMPTS[0], max_tokens=MAX_TOKENS, num_draft_tokens=2)
+    assert ok[tn.TEXT_OUTPUT] == target_only[PROMPTS[0]][tn.TEXT_OUTPUT]
