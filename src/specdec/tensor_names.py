@@ -14,6 +14,7 @@ TOP_P = "top_p"  # FP32 [1]; 1 = no nucleus filter
 SEED = "seed"  # UINT64 [1]
 STREAM = "stream"  # BOOL [1]
 END_ID = "end_id"  # INT32 [1]
+STOP_WORDS = "stop_words"  # STRING [-1]: generation ends before the first occurrence of any
 DRAFT_MODEL = "draft_model"  # STRING [1]: which configured draft model proposes
 APPLY_CHAT_TEMPLATE = "apply_chat_template"  # BOOL [1]
 
@@ -38,6 +39,8 @@ LOGITS = "logits"  # FP32 [-1, -1]
 GREEDY_TOKENS = "greedy_tokens"  # INT32 [-1]: argmax of each returned position
 DRAFT_TOKENS = "draft_tokens"  # INT32 [-1]
 DRAFT_PROBS = "draft_probs"  # FP32 [-1, -1]: processed draft distributions, one per draft token
+TEXT_LENGTH = "text_length"  # INT32 [1]: characters of the decoded chunk to keep; -1 = all (stop words)
+SEQUENCE_ID = "sequence_id"  # UINT64 [1]: the generation's key, for cancellation flags
 RELEASE = "release"  # BOOL [1]: free this sequence's cache (sent with the sequence END flag)
 
 # ---- finish reasons --------------------------------------------------------------------------

@@ -3,11 +3,13 @@
 Streaming sends token ids round by round, and postprocessing turns each chunk into text given a few
 preceding tokens as context. A chunk whose text would end inside a multi-byte character (an emoji or
 CJK character split over byte-level tokens decodes to U+FFFD) is held back until the character is
-complete, so concatenated stream deltas equal the non-streamed text exactly.
+complete, so concatenated stream deltas equal the non-streamed text exactly. Stop words are matched on
+text, across rounds, by the same emitter.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 REPLACEMENT_CHAR = "\ufffd"
@@ -41,22 +43,72 @@ def decode_delta(tokenizer, prefix_ids: list[int], ids: list[int]) -> str:
     return decode(tokenizer, ids)  # a normalizer rewrote the prefix: fall back to the chunk alone
 
 
-class StreamChunker:
-    """Decides which generated tokens can be streamed now: all but a trailing incomplete character."""
+@dataclass(frozen=True)
+class Emission:
+    ids: list[int]  # tokens to send now
+    prefix_ids: list[int]  # tokens sent before them: the decoding context
+    text: str  # the text they add, already cut at a stop word
+    text_length: int  # characters of decode_delta(prefix_ids, ids) to keep; -1 = all
+    stopped: bool  # a stop word was found: generation ends here
 
-    def __init__(self, tokenizer):
+
+class TextEmitter:
+    """Decides which generated tokens may be sent, and where a stop word ends the text.
+
+    Held back: a trailing incomplete character, and trailing text that could be the start of a stop
+    word (it may complete in the next round). A stop word found across rounds cuts the text at its
+    first character; the tokens it spans are sent with a text_length so nothing at or past it shows.
+    """
+
+    def __init__(self, tokenizer, stop_words: tuple[str, ...] = ()):
         self.tokenizer = tokenizer
+        self.stop_words = tuple(w for w in stop_words if w)
+        self.longest_stop = max((len(w) for w in self.stop_words), default=0)
         self.emitted: list[int] = []  # tokens already sent
         self.pending: list[int] = []  # tokens held back
+        self.text = ""  # text already sent
 
-    def push(self, new_ids: list[int], final: bool) -> tuple[list[int], list[int]] | None:
-        """Add a round's tokens; returns (chunk_ids, prefix_ids) to send now, or None to wait."""
+    def push(self, new_ids: list[int], final: bool) -> Emission | None:
+        """Add a round's tokens; returns what to send now, or None to wait for more."""
         self.pending += new_ids
         if not self.pending:
             return None
         prefix = self.emitted[-CONTEXT_TOKENS:]
-        if not final and decode_delta(self.tokenizer, prefix, self.pending).endswith(REPLACEMENT_CHAR):
+        pending_text = decode_delta(self.tokenizer, prefix, self.pending)
+        stop_at = self._find_stop(pending_text)
+        if stop_at is not None:
+            return self._emit(len(self.pending), prefix, pending_text[:stop_at], stop_at, stopped=True)
+        if final:
+            return self._emit(len(self.pending), prefix, pending_text, -1, stopped=False)
+        safe = len(pending_text) - self._held_chars(pending_text)
+        for count in range(len(self.pending), 0, -1):
+            text = pending_text if count == len(self.pending) else decode_delta(
+                self.tokenizer, prefix, self.pending[:count])
+            if len(text) <= safe and not text.endswith(REPLACEMENT_CHAR) and pending_text.startswith(text):
+                return self._emit(count, prefix, text, -1, stopped=False)
+        return None
+
+    def _find_stop(self, pending_text: str) -> int | None:
+        """Index in pending_text where the first stop word starts (it may begin in sent text's tail)."""
+        if not self.stop_words:
             return None
-        chunk, self.pending = self.pending, []
-        self.emitted += chunk
-        return chunk, prefix
+        tail = self.text[-(self.longest_stop - 1):] if self.longest_stop > 1 else ""
+        window = tail + pending_text
+        hits = [pos for pos in (window.find(w) for w in self.stop_words) if pos >= 0]
+        if not hits:
+            return None
+        return max(0, min(hits) - len(tail))
+
+    def _held_chars(self, pending_text: str) -> int:
+        """Length of the longest tail of pending_text that is a proper prefix of a stop word."""
+        for length in range(min(self.longest_stop - 1, len(pending_text)), 0, -1):
+            tail = pending_text[-length:]
+            if any(w.startswith(tail) for w in self.stop_words):
+                return length
+        return 0
+
+    def _emit(self, count, prefix, text, text_length, stopped) -> Emission:
+        ids, self.pending = self.pending[:count], self.pending[count:]
+        self.emitted += ids
+        self.text += text
+        return Emission(ids, prefix, text, text_length, stopped)

@@ -2,8 +2,9 @@
 
 `execute` is a coroutine (decoupled async execute, Triton 24.04+): each request runs as its own task
 on the stub's event loop and awaits its BLS calls with `async_exec`, so one instance interleaves the
-rounds of many requests instead of blocking on one. Non-streaming requests get one response; with
-`stream` each round's text-complete tokens go out as soon as they are accepted.
+rounds of many requests instead of blocking on one. A non-streaming request gets one response; with
+`stream`, each round's text-complete tokens go out as soon as they are accepted. Cancellation is
+checked every round; stopping the loop releases both models' caches.
 """
 
 from __future__ import annotations
@@ -11,15 +12,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import time
 
 import numpy as np
 
 from specdec import tensor_names as tn
 from specdec.bls import BlsProposer, BlsScorer
+from specdec.cancellation import CancellationBoard
 from specdec.config import ModelParameters
+from specdec.metrics import OrchestratorMetrics
 from specdec.orchestrator import GenerationRequest, Stats, generate
 from specdec.sampling import SamplingParams
-from specdec.text import StreamChunker, load_tokenizer
+from specdec.text import Emission, TextEmitter, load_tokenizer
 
 
 class InputError(ValueError):
@@ -40,6 +44,7 @@ class SpeculativeDecodingAdapter:
         self.max_num_draft_tokens = params.int("max_num_draft_tokens", tn.DEFAULT_MAX_NUM_DRAFT_TOKENS, low=0)
         self.default_num_draft_tokens = params.int("default_num_draft_tokens", tn.DEFAULT_NUM_DRAFT_TOKENS,
                                                    low=0, high=self.max_num_draft_tokens)
+        self.max_stop_words = params.int("max_stop_words", 16, low=0)
         timeout_us = params.int("bls_timeout_us", 0, low=0)
         draft_names = params.list("draft_models", tn.DRAFT_MODEL_NAME)
         if not draft_names:
@@ -49,6 +54,11 @@ class SpeculativeDecodingAdapter:
         self.scorer = BlsScorer(pb_utils, params.str("target_model", tn.TARGET_MODEL_NAME), timeout_us)
         eos = self.tokenizer.eos_token_id
         self.default_end_ids = frozenset([] if eos is None else [int(eos)])
+        self.metrics = OrchestratorMetrics(pb_utils, self.max_num_draft_tokens)
+        self.cancellations = CancellationBoard()
+        self.cancellations.sweep()
+        self.last_sweep = time.monotonic()
+        self.live = 0
 
     async def execute(self, requests):
         await asyncio.gather(*(self._serve(request) for request in requests))
@@ -57,59 +67,87 @@ class SpeculativeDecodingAdapter:
     # ---- one request -----------------------------------------------------------------------------
     async def _serve(self, request):
         pb = self.pb
+        arrived = time.monotonic()
+        if arrived - self.last_sweep > 60:
+            self.cancellations.sweep()
+            self.last_sweep = arrived
         sender = request.get_response_sender()
         try:
-            gen_request, stream = self._parse(request)
+            gen, stream, stop_words, draft_name = self._parse(request)
         except InputError as exc:
+            self.metrics.requests["invalid"].increment(1)
             sender.send(pb.InferenceResponse(error=pb.TritonError(str(exc), pb.TritonError.INVALID_ARG)),
                         flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             return
-        proposer = self.proposers[self._draft_name(request)]
         stats = Stats()
-        chunker = StreamChunker(self.tokenizer)
-        output: list[int] = []
-        finish = None
+        emitter = TextEmitter(self.tokenizer, stop_words)
+        first_sent = False
+
+        def send(emission: Emission | None, finish: str | None) -> None:
+            nonlocal first_sent
+            if not first_sent:
+                self.metrics.ttft.observe(time.monotonic() - arrived)
+                first_sent = True
+            flags = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if finish else 0
+            sender.send(self._response(emission, gen, emitter, stats, finish), flags=flags)
+
+        self.live += 1
+        self.metrics.live.set(self.live)
+        finish, last = None, None
         try:
-            async with contextlib.aclosing(generate(gen_request, proposer, self.scorer, stats)) as rounds:
+            async with contextlib.aclosing(generate(gen, self.proposers[draft_name], self.scorer, stats)) as rounds:
                 async for rnd in rounds:
-                    output += rnd.new_tokens
-                    finish = rnd.finish_reason
-                    if stream and not finish:
-                        chunk = chunker.push(rnd.new_tokens, final=False)
-                        if chunk:
-                            sender.send(self._response(chunk[0], chunk[1], gen_request, output, stats, None))
-                    if not finish and (sender.is_cancelled() or request.is_cancelled()):
+                    self.metrics.record_round(rnd.num_drafted, rnd.num_accepted)
+                    emission = emitter.push(rnd.new_tokens, final=rnd.finish_reason is not None)
+                    finish = rnd.finish_reason or (tn.FINISH_STOP if emission and emission.stopped else None)
+                    if finish is None and self._cancelled(request, sender, gen.seq_id):
                         finish = tn.FINISH_CANCELLED
+                    if finish:
+                        last = emission
                         break
+                    if stream and emission:
+                        send(emission, None)
         except Exception as exc:  # noqa: BLE001 - the request fails, the server keeps serving
+            self.metrics.requests["error"].increment(1)
             sender.send(pb.InferenceResponse(error=pb.TritonError(f"speculative_decoding: {exc}")),
                         flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             return
-        if stream:
-            chunk = chunker.push(output[len(chunker.emitted) + len(chunker.pending):], final=True) or ([], [])
-            final = self._response(chunk[0], chunk[1], gen_request, output, stats, finish)
-        else:
-            final = self._response(output, [], gen_request, output, stats, finish)
-        sender.send(final, flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        finally:
+            self.live -= 1
+            self.metrics.live.set(self.live)
+            self.cancellations.clear(gen.seq_id)
+        if finish == tn.FINISH_CANCELLED:
+            last = emitter.push([], final=True)
+        if not stream:  # one response: everything sent, cut where the emitter cut it
+            last = Emission(emitter.emitted, [], emitter.text, len(emitter.text), False)
+        send(last, finish)
+        self.metrics.record_request(finish, stats, len(emitter.emitted), time.monotonic() - arrived)
 
-    def _response(self, ids, prefix, req: GenerationRequest, output, stats: Stats, finish):
+    def _cancelled(self, request, sender, seq_id: int) -> bool:
+        # Direct callers' cancellation reaches this request; an ensemble's arrives through the board.
+        return sender.is_cancelled() or request.is_cancelled() or self.cancellations.is_cancelled(seq_id)
+
+    def _response(self, emission: Emission | None, req: GenerationRequest, emitter: TextEmitter, stats: Stats,
+                  finish: str | None):
         pb = self.pb
+        ids, prefix, length = (emission.ids, emission.prefix_ids, emission.text_length) if emission else ([], [], -1)
 
-        def i32(value):
-            return pb.Tensor(value[0], np.asarray(value[1], dtype=np.int32).reshape(1, -1))
+        def i32(name, values):
+            return pb.Tensor(name, np.asarray(values, dtype=np.int32).reshape(1, -1))
 
-        tensors = [
-            i32((tn.OUTPUT_IDS, ids)),
-            i32((tn.PREFIX_IDS, prefix)),
-            i32((tn.NUM_INPUT_TOKENS, [len(req.prompt_ids)])),
-            i32((tn.NUM_OUTPUT_TOKENS, [len(output)])),
-            i32((tn.TOTAL_DRAFT_TOKENS, [stats.drafted])),
-            i32((tn.TOTAL_ACCEPTED_DRAFT_TOKENS, [stats.accepted])),
-            i32((tn.NUM_ROUNDS, [stats.rounds])),
+        return pb.InferenceResponse(output_tensors=[
+            i32(tn.OUTPUT_IDS, ids),
+            i32(tn.PREFIX_IDS, prefix),
+            i32(tn.TEXT_LENGTH, [length]),
+            pb.Tensor(tn.SEQUENCE_ID, np.array([[req.seq_id]], dtype=np.uint64)),
+            i32(tn.NUM_INPUT_TOKENS, [len(req.prompt_ids)]),
+            i32(tn.NUM_OUTPUT_TOKENS, [len(emitter.emitted)]),
+            i32(tn.TOTAL_DRAFT_TOKENS, [stats.drafted]),
+            i32(tn.TOTAL_ACCEPTED_DRAFT_TOKENS, [stats.accepted]),
+            i32(tn.NUM_ROUNDS, [stats.rounds]),
             pb.Tensor(tn.ACCEPTANCE_RATE, np.array([[stats.acceptance_rate]], dtype=np.float32)),
             pb.Tensor(tn.FINISH_REASON, np.array([[(finish or "").encode()]], dtype=np.object_)),
-        ]
-        return pb.InferenceResponse(output_tensors=tensors)
+        ])
 
     # ---- input parsing and validation ---------------------------------------------------------------
     def _input(self, request, name, dtype):
@@ -129,14 +167,19 @@ class SpeculativeDecodingAdapter:
             raise InputError(f"input '{name}' must hold exactly one value, got shape {list(value.shape)}")
         return value.reshape(-1)[0].item()
 
-    def _draft_name(self, request) -> str:
-        value = self._input(request, tn.DRAFT_MODEL, np.object_)
-        if value is None or value.size == 0:
-            return self.default_draft
-        name = value.reshape(-1)[0]
-        return name.decode() if isinstance(name, bytes) else str(name)
+    def _strings(self, request, name) -> list[str]:
+        value = self._input(request, name, np.object_)
+        if value is None:
+            return []
+        out = []
+        for item in value.reshape(-1):
+            try:
+                out.append(item.decode("utf-8") if isinstance(item, bytes) else str(item))
+            except UnicodeDecodeError:
+                raise InputError(f"input '{name}' is not valid UTF-8") from None
+        return out
 
-    def _parse(self, request) -> tuple[GenerationRequest, bool]:
+    def _parse(self, request) -> tuple[GenerationRequest, bool, tuple[str, ...], str]:
         prompt_ids = self._input(request, tn.INPUT_IDS, np.int32)
         if prompt_ids is None or prompt_ids.size == 0:
             raise InputError(f"input '{tn.TEXT_INPUT}' is empty: the prompt needs at least one token")
@@ -153,8 +196,8 @@ class SpeculativeDecodingAdapter:
             raise InputError(
                 f"input '{tn.NUM_DRAFT_TOKENS}' must be within [0, {self.max_num_draft_tokens}], got {k}")
         temperature = self._scalar(request, tn.TEMPERATURE, np.float32, 0.0)
-        if not temperature >= 0.0:  # also rejects NaN
-            raise InputError(f"input '{tn.TEMPERATURE}' must be >= 0, got {temperature}")
+        if not 0.0 <= temperature < float("inf"):  # also rejects NaN
+            raise InputError(f"input '{tn.TEMPERATURE}' must be a finite number >= 0, got {temperature}")
         top_k = self._scalar(request, tn.TOP_K, np.int32, 0)
         if top_k < 0:
             raise InputError(f"input '{tn.TOP_K}' must be >= 0, got {top_k}")
@@ -164,9 +207,18 @@ class SpeculativeDecodingAdapter:
         seed = self._scalar(request, tn.SEED, np.uint64, None)
         stream = bool(self._scalar(request, tn.STREAM, np.bool_, False))
         end_id = self._scalar(request, tn.END_ID, np.int32, None)
+        if end_id is not None and not 0 <= end_id < len(self.tokenizer):
+            raise InputError(f"input '{tn.END_ID}' must be a token id within [0, {len(self.tokenizer)}), got {end_id}")
         end_ids = self.default_end_ids if end_id is None else frozenset([end_id])
-        if self._draft_name(request) not in self.proposers:
-            raise InputError(f"input '{tn.DRAFT_MODEL}' must be one of {sorted(self.proposers)}")
+        stop_words = tuple(self._strings(request, tn.STOP_WORDS))
+        if len(stop_words) > self.max_stop_words:
+            raise InputError(f"input '{tn.STOP_WORDS}' has {len(stop_words)} entries; at most {self.max_stop_words}")
+        if any(not word for word in stop_words):
+            raise InputError(f"input '{tn.STOP_WORDS}' contains an empty string")
+        names = self._strings(request, tn.DRAFT_MODEL)
+        draft_name = names[0] if names else self.default_draft
+        if len(names) > 1 or draft_name not in self.proposers:
+            raise InputError(f"input '{tn.DRAFT_MODEL}' must be one of {sorted(self.proposers)}, got {names}")
         gen = GenerationRequest(
             seq_id=random.getrandbits(63) | 1,  # nonzero: 0 means "no sequence" to Triton
             prompt_ids=prompt_ids,
@@ -175,4 +227,4 @@ class SpeculativeDecodingAdapter:
             sampling=SamplingParams(temperature, top_k, top_p, seed),
             end_ids=end_ids,
         )
-        return gen, stream
+        return gen, stream, stop_words, draft_name

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from specdec import tensor_names as tn
+from specdec.cancellation import CancellationBoard
 from specdec.config import ModelParameters
 from specdec.text import decode_delta, load_tokenizer
 
@@ -62,15 +63,26 @@ class PostprocessingAdapter:
 
         self.pb = pb_utils
         self.tokenizer = load_tokenizer(ModelParameters(args["model_config"]).str("tokenizer_path"))
+        self.cancellations = CancellationBoard()
 
     def execute(self, requests):
         pb = self.pb
         responses = []
         for request in requests:
+            if request.is_cancelled():
+                # The client cancelled the ensemble: tell the still-running orchestrator (see cancellation.py).
+                key = pb.get_input_tensor_by_name(request, tn.SEQUENCE_ID)
+                if key is not None:
+                    self.cancellations.cancel(int(key.as_numpy().reshape(-1)[0]))
+
             ids = pb.get_input_tensor_by_name(request, tn.OUTPUT_IDS).as_numpy().reshape(-1).tolist()
             prefix_tensor = pb.get_input_tensor_by_name(request, tn.PREFIX_IDS)
             prefix = [] if prefix_tensor is None else prefix_tensor.as_numpy().reshape(-1).tolist()
             text = decode_delta(self.tokenizer, prefix, ids) if ids else ""
+            length_tensor = pb.get_input_tensor_by_name(request, tn.TEXT_LENGTH)
+            length = -1 if length_tensor is None else int(length_tensor.as_numpy().reshape(-1)[0])
+            if length >= 0:  # the orchestrator cut the text at a stop word inside these tokens
+                text = text[:length]
             responses.append(pb.InferenceResponse(output_tensors=[
                 pb.Tensor(tn.TEXT_OUTPUT, np.array([[text.encode("utf-8")]], dtype=np.object_))]))
         return responses

@@ -1,0 +1,51 @@
+"""Cancellation flags shared by the processes of one tritonserver.
+
+Triton's ensemble scheduler propagates a client's cancellation only to the *next* step it schedules,
+not to a step already running: the long-running `speculative_decoding` request never sees it, while
+every `postprocessing` request scheduled after it arrives cancelled. So postprocessing raises the
+flag for the sequence it decodes and the orchestrator checks it every round.
+
+Flags are marker files in a directory private to the server (named after the tritonserver process,
+the parent of every stub), in /dev/shm when it exists: one stat per round, no configuration, and it
+works whatever the number of orchestrator instances.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from pathlib import Path
+
+
+def default_directory() -> Path:
+    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+    return base / f"specdec-cancel-{os.getppid()}"
+
+
+class CancellationBoard:
+    def __init__(self, directory: Path | None = None):
+        self.directory = directory or default_directory()
+        self.directory.mkdir(parents=True, exist_ok=True)
+
+    def _path(self, key: int) -> Path:
+        return self.directory / f"{key:x}"
+
+    def cancel(self, key: int) -> None:
+        self._path(key).touch()
+
+    def is_cancelled(self, key: int) -> bool:
+        return self._path(key).exists()
+
+    def clear(self, key: int) -> None:
+        self._path(key).unlink(missing_ok=True)
+
+    def sweep(self, older_than_s: float = 600.0) -> None:
+        """Remove flags raised after their generation had already finished."""
+        deadline = time.time() - older_than_s
+        for path in self.directory.iterdir():
+            try:
+                if path.stat().st_mtime < deadline:
+                    path.unlink(missing_ok=True)
+            except FileNotFoundError:
+                pass

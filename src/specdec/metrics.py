@@ -1,0 +1,67 @@
+"""Prometheus metrics of the orchestrator, on Triton's metrics port (pb_utils.MetricFamily).
+
+Every metric is documented in the README's Metrics section. The families are kept alive for as long as
+their metrics: Triton refuses to update a metric whose family was garbage-collected.
+"""
+
+from __future__ import annotations
+
+from specdec.orchestrator import Stats
+
+LATENCY_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0]
+
+
+class OrchestratorMetrics:
+    def __init__(self, pb_utils, max_num_draft_tokens: int):
+        family = pb_utils.MetricFamily
+        self._families = []
+
+        def make(name, description, kind):
+            f = family(name=name, description=description, kind=kind)
+            self._families.append(f)
+            return f
+
+        self.drafted = make("specdec_draft_tokens_total", "Draft tokens sent to verification",
+                            family.COUNTER).Metric(labels={})
+        self.accepted = make("specdec_accepted_draft_tokens_total", "Draft tokens accepted by the target",
+                             family.COUNTER).Metric(labels={})
+        self.rounds = make("specdec_rounds_total", "Propose/verify rounds (target forward passes)",
+                           family.COUNTER).Metric(labels={})
+        self.output_tokens = make("specdec_output_tokens_total", "Tokens returned to clients",
+                                  family.COUNTER).Metric(labels={})
+        accepted_len = make("specdec_accepted_length", "Draft tokens accepted per round (rounds that drafted)",
+                            family.HISTOGRAM)
+        self.accepted_length = accepted_len.Metric(labels={}, buckets=[float(i) for i in range(max_num_draft_tokens + 1)])
+        positions = range(1, max_num_draft_tokens + 1)
+        drafted_at = make("specdec_drafted_at_position_total",
+                          "Rounds that drafted a token at this position (1-based)", family.COUNTER)
+        accepted_at = make("specdec_accepted_at_position_total",
+                           "Rounds whose draft token at this position was accepted; / drafted = per-position acceptance",
+                           family.COUNTER)
+        self.drafted_at = {i: drafted_at.Metric(labels={"position": str(i)}) for i in positions}
+        self.accepted_at = {i: accepted_at.Metric(labels={"position": str(i)}) for i in positions}
+        self.ttft = make("specdec_time_to_first_token_seconds", "Request arrival to its first response",
+                         family.HISTOGRAM).Metric(labels={}, buckets=LATENCY_BUCKETS)
+        self.latency = make("specdec_request_latency_seconds", "Request arrival to its final response",
+                            family.HISTOGRAM).Metric(labels={}, buckets=LATENCY_BUCKETS)
+        self.live = make("specdec_live_sequences", "Requests currently generating",
+                         family.GAUGE).Metric(labels={})
+        requests = make("specdec_requests_total", "Finished requests by finish reason", family.COUNTER)
+        self.requests = {reason: requests.Metric(labels={"finish_reason": reason})
+                         for reason in ("length", "stop", "cancelled", "error", "invalid")}
+
+    def record_round(self, drafted: int, accepted: int) -> None:
+        self.rounds.increment(1)
+        if drafted:
+            self.drafted.increment(drafted)
+            self.accepted.increment(accepted)
+            self.accepted_length.observe(float(accepted))
+            for i in range(1, drafted + 1):
+                self.drafted_at[i].increment(1)
+            for i in range(1, accepted + 1):
+                self.accepted_at[i].increment(1)
+
+    def record_request(self, finish_reason: str, stats: Stats | None, output_tokens: int, latency_s: float) -> None:
+        self.requests[finish_reason].increment(1)
+        self.output_tokens.increment(output_tokens)
+        self.latency.observe(latency_s)

@@ -1,0 +1,271 @@
+"""The full generation API through `ensemble` on a real tritonserver: streaming, sampling, stop words,
+metrics, cancellation, validation and concurrency."""
+
+import queue
+import re
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+
+from specdec import tensor_names as tn
+
+from .helpers import GenerationError, _inputs, grpc_stream, http_generate
+
+pytestmark = pytest.mark.integration
+
+PROMPTS = ["Hello there, how are you today?", "Once upon a time, in a land far away,",
+           "Summarize: the quick brown fox jumps over the lazy dog.", "emoji 🚀🎉 and 中文 text:"]
+
+
+# ---- streaming --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("k", [0, 4])
+def test_grpc_stream_deltas_equal_non_streamed_text(server, k):
+    for prompt in PROMPTS:
+        whole = grpc_stream(server.grpc_url, prompt, max_tokens=40, num_draft_tokens=k)
+        streamed = grpc_stream(server.grpc_url, prompt, max_tokens=40, num_draft_tokens=k, stream=True)
+        assert streamed[tn.TEXT_OUTPUT] == whole[tn.TEXT_OUTPUT]
+        assert len(streamed["chunks"]) > 1  # it really streamed
+        assert all("\ufffd" not in chunk for chunk in streamed["chunks"][:-1])
+        assert streamed[tn.NUM_OUTPUT_TOKENS] == whole[tn.NUM_OUTPUT_TOKENS]
+
+
+def test_http_generate_stream_sse_equals_generate(server):
+    prompt = PROMPTS[1]
+    whole = http_generate(server.http_url, prompt, max_tokens=30, num_draft_tokens=3)
+    streamed = http_generate(server.http_url, prompt, stream=True, max_tokens=30, num_draft_tokens=3)
+    assert streamed[tn.TEXT_OUTPUT] == whole[tn.TEXT_OUTPUT]
+    assert len(streamed["chunks"]) > 1
+    assert streamed[tn.FINISH_REASON] == whole[tn.FINISH_REASON]
+
+
+# ---- sampling -------------------------------------------------------------------------------------
+def test_seeded_sampling_is_reproducible_and_seed_matters(server):
+    params = dict(max_tokens=30, num_draft_tokens=4, temperature=1.0, top_k=50, top_p=0.95)
+    a = grpc_stream(server.grpc_url, PROMPTS[0], seed=1234, **params)
+    b = grpc_stream(server.grpc_url, PROMPTS[0], seed=1234, **params)
+    c = grpc_stream(server.grpc_url, PROMPTS[0], seed=99, **params)
+    assert a[tn.TEXT_OUTPUT] == b[tn.TEXT_OUTPUT]
+    assert a[tn.TEXT_OUTPUT] != c[tn.TEXT_OUTPUT]
+    assert a[tn.TOTAL_DRAFT_TOKENS] > 0
+
+
+def test_top_k_1_sampling_equals_greedy(server):
+    greedy = grpc_stream(server.grpc_url, PROMPTS[2], max_tokens=30, num_draft_tokens=3)
+    top1 = grpc_stream(server.grpc_url, PROMPTS[2], max_tokens=30, num_draft_tokens=3, temperature=0.7, top_k=1, seed=5)
+    assert top1[tn.TEXT_OUTPUT] == greedy[tn.TEXT_OUTPUT]
+
+
+def test_sampling_with_exact_draft_accepts_everything(server):
+    result = grpc_stream(server.grpc_url, PROMPTS[0], max_tokens=30, num_draft_tokens=4, temperature=0.8,
+                         seed=3, draft_model="draft_model_exact")
+    assert result[tn.ACCEPTANCE_RATE] == 1.0
+
+
+# ---- stop conditions --------------------------------------------------------------------------------
+def test_stop_word_ends_text_before_it_streamed_or_not(server):
+    full = grpc_stream(server.grpc_url, PROMPTS[1], max_tokens=60, num_draft_tokens=4)[tn.TEXT_OUTPUT]
+    stop = full[len(full) // 2: len(full) // 2 + 3]  # three characters from the middle
+    assert len(stop) == 3 and stop in full
+    expected = full[:full.index(stop)]
+    stop_words = np.array([[b"zzz-never", stop.encode()]], dtype=np.object_)
+    for stream in (False, True):
+        result = grpc_stream(server.grpc_url, PROMPTS[1], max_tokens=60, num_draft_tokens=4, stream=stream,
+                             stop_words=stop_words)
+        assert result[tn.TEXT_OUTPUT] == expected
+        assert result[tn.FINISH_REASON] == tn.FINISH_STOP
+
+
+def test_max_tokens_is_exact_and_reports_length(server):
+    for k in (0, 3, 8):
+        result = grpc_stream(server.grpc_url, PROMPTS[0], max_tokens=7, num_draft_tokens=k, end_id=0)
+        assert result[tn.NUM_OUTPUT_TOKENS] == 7
+        assert result[tn.FINISH_REASON] == tn.FINISH_LENGTH
+
+
+def _rendered_parameter(server, model, key):
+    cfg = (server.run_dir / "model_repository" / model / "config.pbtxt").read_text()
+    return re.search(r'key: "' + key + r'", value: \{ string_value: "([^"]*)"', cfg).group(1)
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(server):
+    """Plain transformers greedy decoding of the served target, in-process: an independent reference."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = _rendered_parameter(server, "target_model", "model_path")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+
+    def run(prompt, n):
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+        new = out[0, ids.shape[1]:].tolist()
+        return new, tokenizer.decode(new, skip_special_tokens=True)
+
+    return run
+
+
+def test_served_greedy_equals_transformers_generate(server, hf_greedy):
+    for prompt in PROMPTS:
+        _, text = hf_greedy(prompt, 16)
+        for k in (0, 4):
+            result = grpc_stream(server.grpc_url, prompt, max_tokens=16, num_draft_tokens=k, end_id=0)
+            assert result[tn.TEXT_OUTPUT] == text, (prompt, k)
+
+
+def test_end_id_stops_generation(server, hf_greedy):
+    """Take the 5th greedy token as end_id: generation stops right before its first occurrence."""
+    ids, _ = hf_greedy(PROMPTS[3], 12)
+    end = ids[4]
+    first = ids.index(end)
+    for k in (0, 2):
+        result = grpc_stream(server.grpc_url, PROMPTS[3], max_tokens=12, num_draft_tokens=k, end_id=end)
+        assert result[tn.FINISH_REASON] == tn.FINISH_STOP
+        assert result[tn.NUM_OUTPUT_TOKENS] == first
+
+
+# ---- observability ------------------------------------------------------------------------------------
+def test_metrics_count_drafted_and_accepted_tokens(server):
+    before_drafted = server.metric("specdec_draft_tokens_total")
+    before_accepted = server.metric("specdec_accepted_draft_tokens_total")
+    before_requests = server.metric("specdec_requests_total")
+    result = grpc_stream(server.grpc_url, PROMPTS[0], max_tokens=20, num_draft_tokens=3)
+    assert server.metric("specdec_draft_tokens_total") - before_drafted == result[tn.TOTAL_DRAFT_TOKENS]
+    assert server.metric("specdec_accepted_draft_tokens_total") - before_accepted == result[tn.TOTAL_ACCEPTED_DRAFT_TOKENS]
+    assert server.metric("specdec_requests_total") - before_requests == 1
+    text = server.metrics()
+    for name in ("specdec_accepted_length_bucket", "specdec_accepted_at_position_total",
+                 "specdec_drafted_at_position_total", "specdec_time_to_first_token_seconds_count",
+                 "specdec_request_latency_seconds_count", "specdec_live_sequences"):
+        assert name in text, name
+    assert server.metric("specdec_accepted_at_position_total", position="1") <= \
+        server.metric("specdec_drafted_at_position_total", position="1")
+
+
+# ---- cancellation ---------------------------------------------------------------------------------------
+def _open_stream_and_cancel(url: str, prompt: str) -> int:
+    """Start a long streaming request, wait for its first chunk, cancel it. Returns chunks seen."""
+    client = grpcclient.InferenceServerClient(url)
+    chunks: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: chunks.put((result, error)))
+    client.async_stream_infer(tn.ENSEMBLE, _inputs(prompt, max_tokens=900, num_draft_tokens=2, stream=True, end_id=0))
+    result, error = chunks.get(timeout=60)
+    assert error is None, error
+    client.stop_stream(cancel_requests=True)
+    client.close()
+    return 1
+
+
+def test_cancelled_streams_free_their_caches(server):
+    cancelled_before = server.metric("specdec_requests_total", finish_reason="cancelled")
+    with ThreadPoolExecutor(20) as pool:
+        list(pool.map(lambda i: _open_stream_and_cancel(server.grpc_url, PROMPTS[i % 4]), range(20)))
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        live = [server.metric("specdec_live_sequences"),
+                server.metric("specdec_model_live_sequences", model="draft_model"),
+                server.metric("specdec_model_live_sequences", model="target_model")]
+        if live == [0, 0, 0]:
+            break
+        time.sleep(0.5)
+    assert live == [0, 0, 0]
+    # Generation stopped early (900 tokens each would take far longer than this test ran).
+    assert server.metric("specdec_requests_total", finish_reason="cancelled") - cancelled_before == 20
+    ok = grpc_stream(server.grpc_url, PROMPTS[0], max_tokens=20, num_draft_tokens=4)
+    again = grpc_stream(server.grpc_url, PROMPTS[0], max_tokens=20, num_draft_tokens=0)
+    assert ok[tn.TEXT_OUTPUT] == again[tn.TEXT_OUTPUT]
+
+
+# ---- validation --------------------------------------------------------------------------------------
+LONG_PROMPT = "word " * 1100
+
+BAD_REQUESTS = {
+    "max_tokens_zero": (PROMPTS[0], dict(max_tokens=0), "max_tokens"),
+    "max_tokens_over_limit": (PROMPTS[0], dict(max_tokens=5000), "max_tokens"),
+    "temperature_negative": (PROMPTS[0], dict(temperature=-0.5), "temperature"),
+    "temperature_nan": (PROMPTS[0], dict(temperature=float("nan")), "temperature"),
+    "top_p_zero": (PROMPTS[0], dict(top_p=0.0), "top_p"),
+    "top_p_above_one": (PROMPTS[0], dict(top_p=1.5), "top_p"),
+    "top_k_negative": (PROMPTS[0], dict(top_k=-1), "top_k"),
+    "num_draft_tokens_negative": (PROMPTS[0], dict(num_draft_tokens=-1), "num_draft_tokens"),
+    "num_draft_tokens_over_max": (PROMPTS[0], dict(num_draft_tokens=17), "num_draft_tokens"),
+    "empty_prompt": ("", {}, "text_input"),
+    "blank_prompt": ("   ", {}, "text_input"),
+    "prompt_over_context": (LONG_PROMPT, dict(max_tokens=10), "context"),
+    "end_id_out_of_range": (PROMPTS[0], dict(end_id=10**8), "end_id"),
+    "unknown_draft_model": (PROMPTS[0], dict(draft_model="nope"), "draft_model"),
+    "empty_stop_word": (PROMPTS[0], dict(stop_words=np.array([[b""]], dtype=np.object_)), "stop_words"),
+    "wrong_dtype": (PROMPTS[0], dict(max_tokens=np.array([[5.0]], dtype=np.float32)), "max_tokens"),
+    "wrong_shape": (PROMPTS[0], dict(max_tokens=np.array([[5, 6]], dtype=np.int32)), "max_tokens"),
+    "unknown_input": (PROMPTS[0], dict(frobnicate=np.array([[1]], dtype=np.int32)), "frobnicate"),
+}
+
+
+def _invalid_utf8_request(server):
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    text = grpcclient.InferInput(tn.TEXT_INPUT, [1, 1], "BYTES")
+    text.set_data_from_numpy(np.array([[b"bad \xff\xfe bytes"]], dtype=np.object_))
+    responses: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    client.async_stream_infer(tn.ENSEMBLE, [text])
+    result, error = responses.get(timeout=60)
+    client.stop_stream()
+    return error
+
+
+@pytest.mark.parametrize("case", sorted(BAD_REQUESTS))
+def test_bad_input_gets_a_clear_error_naming_the_field(server, case):
+    prompt, params, field = BAD_REQUESTS[case]
+    with pytest.raises(GenerationError, match=field):
+        grpc_stream(server.grpc_url, prompt, timeout=60, **params)
+    assert server.ready()
+
+
+def test_invalid_utf8_prompt_is_rejected(server):
+    error = _invalid_utf8_request(server)
+    assert error is not None and "text_input" in str(error) and "UTF-8" in str(error)
+
+
+def test_bad_inputs_concurrent_with_good_requests(server):
+    expected = {p: grpc_stream(server.grpc_url, p, max_tokens=16, num_draft_tokens=3)[tn.TEXT_OUTPUT]
+                for p in PROMPTS}
+
+    def bad(case):
+        prompt, params, field = BAD_REQUESTS[case]
+        try:
+            grpc_stream(server.grpc_url, prompt, timeout=60, **params)
+        except GenerationError as exc:
+            return field in str(exc)
+        return False
+
+    def good(i):
+        prompt = PROMPTS[i % len(PROMPTS)]
+        return grpc_stream(server.grpc_url, prompt, max_tokens=16, num_draft_tokens=3,
+                           stream=bool(i % 2))[tn.TEXT_OUTPUT] == expected[prompt]
+
+    with ThreadPoolExecutor(12) as pool:
+        bad_results = pool.map(bad, sorted(BAD_REQUESTS))
+        good_results = pool.map(good, range(8))
+        assert all(bad_results) and all(good_results)
+    assert server.ready()
+    for model in ("draft_model", "target_model"):
+        assert server.metric("specdec_model_live_sequences", model=model) == 0
+
+
+# ---- concurrency --------------------------------------------------------------------------------------
+def test_sixteen_concurrent_streams_equal_their_solo_text(server):
+    solo = {p: grpc_stream(server.grpc_url, p, max_tokens=24, num_draft_tokens=4)[tn.TEXT_OUTPUT] for p in PROMPTS}
+
+    def one(i):
+        prompt = PROMPTS[i % len(PROMPTS)]
+        return prompt, grpc_stream(server.grpc_url, prompt, max_tokens=24, num_draft_tokens=4, stream=True)
+
+    with ThreadPoolExecutor(16) as pool:
+        for prompt, result in pool.map(one, range(16)):
+            assert result[tn.TEXT_OUTPUT] == solo[prompt], prompt
