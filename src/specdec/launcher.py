@@ -88,17 +88,20 @@ def wait_ready(http_port: int, process: subprocess.Popen, timeout_s: float) -> N
     raise TimeoutError(f"tritonserver not ready after {timeout_s:.0f} s")
 
 
+def server_env(layout: ServerLayout) -> dict[str, str]:
+    """The environment tritonserver and its stubs need."""
+    # The stub's embedded interpreter finds its prefix through the first `python3` on PATH: put the
+    # running (venv) interpreter's directory first so the stubs import the venv's packages.
+    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    return dict(os.environ, LD_LIBRARY_PATH=layout.ld_library_path, PATH=path)
+
+
 def prepare(pair_name: str, run_dir: Path) -> tuple[list[str], dict[str, str]]:
     """Prepare the pair and everything tritonserver needs; returns (command, environment)."""
     pair = pairs.prepare_pair(pair_name)
     repo = repository.render(pair, run_dir / "model_repository")
     layout = triton_layout(run_dir)
-    # The stub's embedded interpreter finds its prefix through the first `python3` on PATH: put the
-    # running (venv) interpreter's directory first so the stubs import the venv's packages.
-    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
-    env = dict(os.environ, LD_LIBRARY_PATH=layout.ld_library_path, PATH=path,
-               # Each stub is its own process; split the cores rather than oversubscribe them.
-               OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(max(1, os.cpu_count() or 1))))
+    env = server_env(layout)
     ports = (int(os.environ.get("HTTP_PORT", 8000)), int(os.environ.get("GRPC_PORT", 8001)),
              int(os.environ.get("METRICS_PORT", 8002)))
     return server_command(layout, repo, *ports), env
