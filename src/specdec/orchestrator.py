@@ -72,6 +72,11 @@ class Stats:
     def acceptance_rate(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0
 
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens each round produced: the accepted draft tokens plus the target's own token."""
+        return 1.0 + self.accepted / self.rounds if self.rounds else 0.0
+
 
 @dataclass(frozen=True)
 class RoundOutput:

@@ -27,6 +27,7 @@ TOTAL_DRAFT_TOKENS = "total_draft_tokens"  # INT32 [1]
 TOTAL_ACCEPTED_DRAFT_TOKENS = "total_accepted_draft_tokens"  # INT32 [1]
 ACCEPTANCE_RATE = "acceptance_rate"  # FP32 [1]: accepted / drafted (0 when nothing was drafted)
 NUM_ROUNDS = "num_rounds"  # INT32 [1]: propose/verify rounds (target forward passes)
+MEAN_ACCEPTED_LENGTH = "mean_accepted_length"  # FP32 [1]: tokens per round = 1 + accepted / rounds
 
 # ---- internal tensors between the models -----------------------------------------------------
 INPUT_IDS = "input_ids"  # INT32 [-1]: preprocessing output; draft/target: tokens to append

@@ -146,6 +146,7 @@ class SpeculativeDecodingAdapter:
             i32(tn.TOTAL_ACCEPTED_DRAFT_TOKENS, [stats.accepted]),
             i32(tn.NUM_ROUNDS, [stats.rounds]),
             pb.Tensor(tn.ACCEPTANCE_RATE, np.array([[stats.acceptance_rate]], dtype=np.float32)),
+            pb.Tensor(tn.MEAN_ACCEPTED_LENGTH, np.array([[stats.mean_accepted_length]], dtype=np.float32)),
             pb.Tensor(tn.FINISH_REASON, np.array([[(finish or "").encode()]], dtype=np.object_)),
         ])
 

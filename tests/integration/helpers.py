@@ -135,7 +135,7 @@ def _inputs(prompt: str, **params) -> list:
 
 
 OUTPUTS = [tn.TEXT_OUTPUT, tn.FINISH_REASON, tn.NUM_INPUT_TOKENS, tn.NUM_OUTPUT_TOKENS, tn.TOTAL_DRAFT_TOKENS,
-           tn.TOTAL_ACCEPTED_DRAFT_TOKENS, tn.ACCEPTANCE_RATE, tn.NUM_ROUNDS]
+           tn.TOTAL_ACCEPTED_DRAFT_TOKENS, tn.ACCEPTANCE_RATE, tn.NUM_ROUNDS, tn.MEAN_ACCEPTED_LENGTH]
 
 
 def _decode_result(result) -> dict:

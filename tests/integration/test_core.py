@@ -62,6 +62,7 @@ def test_draft_identical_to_target_accepts_every_token(server, target_only):
                              draft_model="draft_model_exact")
         assert result[tn.TEXT_OUTPUT] == target_only[prompt][tn.TEXT_OUTPUT]
         assert result[tn.ACCEPTANCE_RATE] == 1.0
+        assert result[tn.MEAN_ACCEPTED_LENGTH] == pytest.approx(1 + result[tn.TOTAL_ACCEPTED_DRAFT_TOKENS] / result[tn.NUM_ROUNDS])
         assert result[tn.TOTAL_ACCEPTED_DRAFT_TOKENS] == result[tn.TOTAL_DRAFT_TOKENS] > 0
         # 5 tokens per round when everything is accepted
         assert result[tn.NUM_ROUNDS] <= -(-MAX_TOKENS // 5) + 1

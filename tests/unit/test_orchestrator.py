@@ -120,6 +120,7 @@ def test_perfect_draft_needs_few_rounds():
     stats = Stats()
     run(req, FakeProposer(0), FakeScorer(), stats)
     assert stats.rounds == 4  # 5 tokens per round
+    assert stats.mean_accepted_length == 5.0
     assert stats.accepted_per_position == [4, 4, 4, 4]
 
 
