@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.specdec-setup
 
-.PHONY: setup serve test unit integration clean
+.PHONY: setup serve test unit integration clean loadtest bench-concurrency
 
 setup: $(STAMP)
 
@@ -30,3 +30,14 @@ integration: setup
 
 clean:
 	rm -rf .cache
+
+# Locust against a running server (`make serve` in another shell). USERS, DURATION, HOST override.
+USERS ?= 8
+DURATION ?= 60s
+HOST ?= localhost:$${GRPC_PORT:-8001}
+loadtest: setup
+	$(VENV)/bin/locust -f loadtest/locustfile.py --headless -u $(USERS) -r $(USERS) -t $(DURATION) --stop-timeout 60 --host $(HOST)
+
+# Concurrency benchmark against a running server: 1, 2, 4, 8 streams, speculative vs target-only.
+bench-concurrency: setup
+	$(PY) loadtest/concurrency_bench.py --url localhost:$${GRPC_PORT:-8001}

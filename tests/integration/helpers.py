@@ -96,8 +96,24 @@ def start_server(tmp_dir: Path, pair: str = "tiny") -> Server:
     return server
 
 
+def busy(server: Server) -> dict[str, float]:
+    """Models with pending requests and the orchestrator's live generations (empty when idle)."""
+    out = {}
+    for line in server.metrics().splitlines():
+        if line.startswith(("nv_inference_pending_request_count", "specdec_live_sequences")):
+            name, value = line.rsplit(" ", 1)
+            if float(value):
+                out[name] = float(value)
+    return out
+
+
 def stop_server(server: Server) -> None:
-    """SIGTERM the launcher; it must stop tritonserver and every stub process."""
+    """Let the last (possibly client-abandoned) requests drain, then SIGTERM the launcher; it must stop
+    tritonserver and every stub process, and nothing may stay stuck in flight."""
+    deadline = time.monotonic() + 60
+    while (pending := busy(server)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not pending, f"requests still in flight 60 s after the last test: {pending}"
     server.process.send_signal(signal.SIGTERM)
     code = server.process.wait(timeout=90)
     deadline = time.monotonic() + 30
@@ -105,7 +121,7 @@ def stop_server(server: Server) -> None:
         time.sleep(0.5)
     leftover = stub_processes(server.run_dir)
     assert not leftover, f"stub processes left after SIGTERM: {leftover}"
-    assert code == 0, f"launcher exited with {code}"
+    assert code == 0, f"launcher exited with {code}:\n{server.log_path.read_text()[-3000:]}"
 
 
 # ---- request helpers (plain tritonclient, the way any Triton LLM client calls the ensemble) ----------

@@ -1,0 +1,58 @@
+"""Command line: stream generated text to the terminal, then a stats line.
+
+    python -m client "Write a haiku about GPUs" --stream --protocol grpc --url localhost:8001 --max-tokens 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from client.core import ClientError, GenerationParams
+from client.sync import Client
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m client", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("prompt")
+    p.add_argument("--protocol", choices=("grpc", "http"), default="grpc")
+    p.add_argument("--url", default=None, help="host:port (default localhost:8001 for grpc, localhost:8000 for http)")
+    p.add_argument("--model", default="ensemble")
+    p.add_argument("--stream", action="store_true", help="print text as it is accepted")
+    p.add_argument("--max-tokens", type=int)
+    p.add_argument("--num-draft-tokens", type=int, help="K; 0 = target-only")
+    p.add_argument("--temperature", type=float)
+    p.add_argument("--top-k", type=int)
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--end-id", type=int)
+    p.add_argument("--stop", action="append", default=[], help="stop word (repeatable)")
+    p.add_argument("--draft-model")
+    p.add_argument("--chat-template", dest="apply_chat_template", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--timeout", type=float, default=300.0)
+    args = p.parse_args(argv)
+    params = GenerationParams(
+        max_tokens=args.max_tokens, num_draft_tokens=args.num_draft_tokens, temperature=args.temperature,
+        top_k=args.top_k, top_p=args.top_p, seed=args.seed, end_id=args.end_id, stop_words=tuple(args.stop),
+        draft_model=args.draft_model, apply_chat_template=args.apply_chat_template)
+    client = Client(args.url, args.protocol, args.model, args.timeout)
+
+    def show(delta: str) -> None:
+        sys.stdout.write(delta)
+        sys.stdout.flush()
+
+    try:
+        result = client.generate(args.prompt, params, stream=args.stream, on_text=show if args.stream else None)
+    except ClientError as exc:
+        print(f"error ({type(exc).__name__}): {exc}", file=sys.stderr)
+        return 1
+    if not args.stream:
+        sys.stdout.write(result.text)
+    print()
+    print(result.stats_line(), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

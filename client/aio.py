@@ -1,0 +1,108 @@
+"""asyncio client: many concurrent requests from one event loop (gRPC streaming via tritonclient.grpc.aio,
+HTTP via aiohttp)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import tritonclient.grpc.aio as grpcaio
+
+from client.core import (
+    GenerationParams, GenerationResult, GenerationTimeoutError, InvalidArgumentError, ModelNotReadyError,
+    ResultBuilder, ServerUnavailableError, classify_error, fields_from_infer_result,
+)
+from client.sync import TextCallback, grpc_inputs, is_final, parse_sse_line
+from specdec import tensor_names as tn
+
+
+class AsyncClient:
+    def __init__(self, url: str | None = None, protocol: str = "grpc", model: str = tn.ENSEMBLE,
+                 timeout_s: float = 300.0):
+        if protocol not in ("grpc", "http"):
+            raise ValueError(f"protocol must be 'grpc' or 'http', got {protocol!r}")
+        self.protocol, self.model, self.timeout_s = protocol, model, timeout_s
+        self.url = url or ("localhost:8001" if protocol == "grpc" else "localhost:8000")
+        if protocol == "http" and not self.url.startswith(("http://", "https://")):
+            self.url = "http://" + self.url
+        self._grpc = grpcaio.InferenceServerClient(self.url) if protocol == "grpc" else None
+        self._http: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.close()
+
+    async def close(self) -> None:
+        if self._grpc is not None:
+            await self._grpc.close()
+        if self._http is not None:
+            await self._http.close()
+
+    async def generate(self, prompt: str, params: GenerationParams | None = None, stream: bool = False,
+                       on_text: TextCallback | None = None) -> GenerationResult:
+        params = params or GenerationParams()
+        try:
+            run = self._generate_grpc if self.protocol == "grpc" else self._generate_http
+            return await asyncio.wait_for(run(prompt, params, stream, on_text), self.timeout_s)
+        except asyncio.TimeoutError:
+            raise GenerationTimeoutError(f"no complete answer within {self.timeout_s} s") from None
+
+    async def _generate_grpc(self, prompt, params, stream, on_text) -> GenerationResult:
+        request = {"model_name": self.model, "inputs": grpc_inputs(params.tensors(prompt, stream)),
+                   "enable_empty_final_response": True}
+
+        async def requests_iter():
+            yield request
+
+        builder = ResultBuilder()
+        responses = self._grpc.stream_infer(requests_iter())
+        try:
+            async for result, error in responses:
+                if error is not None:
+                    raise classify_error(error.message(), str(error.status()))
+                if result.get_response().outputs:
+                    delta = builder.add(fields_from_infer_result(result))
+                    if on_text and delta:
+                        on_text(delta)
+                if is_final(result):
+                    break
+        except Exception as exc:
+            if isinstance(exc, (InvalidArgumentError, ModelNotReadyError, GenerationTimeoutError)):
+                raise
+            raise classify_error(str(exc)) from None
+        finally:
+            responses.cancel()
+        return builder.result
+
+    async def _generate_http(self, prompt, params, stream, on_text) -> GenerationResult:
+        if self._http is None:
+            self._http = aiohttp.ClientSession()
+        path = "generate_stream" if stream else "generate"
+        builder = ResultBuilder()
+        try:
+            async with self._http.post(f"{self.url}/v2/models/{self.model}/{path}",
+                                       json=params.json(prompt, stream)) as response:
+                if response.status != 200:
+                    text = await response.text()
+                    try:
+                        message = json.loads(text).get("error", text)
+                    except ValueError:
+                        message = text
+                    if response.status == 400 and "unknown model" not in message.lower():
+                        raise InvalidArgumentError(message)
+                    raise ModelNotReadyError(message) if response.status in (400, 404, 503) else classify_error(message)
+                if not stream:
+                    builder.add(await response.json())
+                    return builder.result
+                async for raw in response.content:
+                    payload = parse_sse_line(raw.decode("utf-8").strip())
+                    if payload is not None:
+                        delta = builder.add(payload)
+                        if on_text and delta:
+                            on_text(delta)
+        except aiohttp.ClientConnectionError as exc:
+            raise ServerUnavailableError(f"cannot reach {self.url}: {exc}") from None
+        return builder.result

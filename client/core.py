@@ -1,0 +1,171 @@
+"""Shared pieces of the sync and asyncio clients: typed parameters, the result, errors, timing."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from specdec import tensor_names as tn
+
+
+class ClientError(Exception):
+    """Base class of the client's errors."""
+
+
+class ServerUnavailableError(ClientError):
+    """Nothing answers at the address (server down, wrong port)."""
+
+
+class ModelNotReadyError(ClientError):
+    """The server answers but the model is unknown or not loaded yet."""
+
+
+class InvalidArgumentError(ClientError):
+    """The server refused an input; the message is the server's and names the field."""
+
+
+class GenerationTimeoutError(ClientError):
+    """No complete answer within the timeout."""
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    """Every public input of `ensemble` but the prompt; None = the server's default."""
+
+    max_tokens: int | None = None
+    num_draft_tokens: int | None = None  # 0 = target-only decoding
+    temperature: float | None = None  # 0 = greedy
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    end_id: int | None = None
+    stop_words: tuple[str, ...] = ()
+    draft_model: str | None = None
+    apply_chat_template: bool | None = None
+
+    def tensors(self, prompt: str, stream: bool) -> dict[str, np.ndarray]:
+        """Input tensors (batch of one) by name."""
+        arrays = {tn.TEXT_INPUT: np.array([[prompt.encode("utf-8")]], dtype=np.object_),
+                  tn.STREAM: np.array([[stream]], dtype=np.bool_)}
+        scalars = [(tn.MAX_TOKENS, self.max_tokens, np.int32), (tn.NUM_DRAFT_TOKENS, self.num_draft_tokens, np.int32),
+                   (tn.TEMPERATURE, self.temperature, np.float32), (tn.TOP_K, self.top_k, np.int32),
+                   (tn.TOP_P, self.top_p, np.float32), (tn.SEED, self.seed, np.uint64),
+                   (tn.END_ID, self.end_id, np.int32), (tn.APPLY_CHAT_TEMPLATE, self.apply_chat_template, np.bool_)]
+        for name, value, dtype in scalars:
+            if value is not None:
+                arrays[name] = np.array([[value]], dtype=dtype)
+        if self.draft_model is not None:
+            arrays[tn.DRAFT_MODEL] = np.array([[self.draft_model.encode()]], dtype=np.object_)
+        if self.stop_words:
+            arrays[tn.STOP_WORDS] = np.array([[w.encode("utf-8") for w in self.stop_words]], dtype=np.object_)
+        return arrays
+
+    def json(self, prompt: str, stream: bool) -> dict:
+        """The body of Triton's generate extension (/generate, /generate_stream)."""
+        body = {tn.TEXT_INPUT: prompt, tn.STREAM: stream}
+        for name in ("max_tokens", "num_draft_tokens", "temperature", "top_k", "top_p", "seed", "end_id",
+                     "draft_model", "apply_chat_template"):
+            value = getattr(self, name)
+            if value is not None:
+                body[name] = value
+        if self.stop_words:
+            body[tn.STOP_WORDS] = list(self.stop_words)
+        return body
+
+
+@dataclass
+class GenerationResult:
+    text: str = ""
+    finish_reason: str = ""
+    num_input_tokens: int = 0
+    num_output_tokens: int = 0
+    total_draft_tokens: int = 0
+    total_accepted_draft_tokens: int = 0
+    acceptance_rate: float = 0.0
+    mean_accepted_length: float = 0.0
+    num_rounds: int = 0
+    chunks: list[str] = field(default_factory=list)  # text of each response, in order
+    ttft_s: float = 0.0  # request sent -> first response
+    latency_s: float = 0.0  # request sent -> last response
+
+    @property
+    def itl_s(self) -> float:
+        """Inter-token latency (genai-perf): (latency - TTFT) / (output tokens - 1)."""
+        return (self.latency_s - self.ttft_s) / (self.num_output_tokens - 1) if self.num_output_tokens > 1 else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.num_output_tokens / self.latency_s if self.latency_s > 0 else 0.0
+
+    def stats_line(self) -> str:
+        return (f"[{self.finish_reason}] {self.num_input_tokens} in, {self.num_output_tokens} out, "
+                f"{self.num_rounds} rounds, acceptance {self.acceptance_rate:.2f} "
+                f"({self.total_accepted_draft_tokens}/{self.total_draft_tokens}), "
+                f"{self.mean_accepted_length:.2f} tokens/round, TTFT {self.ttft_s * 1000:.0f} ms, "
+                f"ITL {self.itl_s * 1000:.1f} ms, {self.tokens_per_s:.1f} tokens/s")
+
+
+_INT_FIELDS = (tn.NUM_INPUT_TOKENS, tn.NUM_OUTPUT_TOKENS, tn.TOTAL_DRAFT_TOKENS, tn.TOTAL_ACCEPTED_DRAFT_TOKENS,
+               tn.NUM_ROUNDS)
+_FLOAT_FIELDS = (tn.ACCEPTANCE_RATE, tn.MEAN_ACCEPTED_LENGTH)
+
+
+class ResultBuilder:
+    """Accumulates the responses of one request into a GenerationResult, timing them."""
+
+    def __init__(self):
+        self.result = GenerationResult()
+        self.sent = time.perf_counter()
+        self.first: float | None = None
+
+    def add(self, fields: dict) -> str:
+        """Add one response's fields (name -> python value); returns its text delta."""
+        now = time.perf_counter()
+        if self.first is None:
+            self.first = now
+            self.result.ttft_s = now - self.sent
+        self.result.latency_s = now - self.sent
+        delta = fields.get(tn.TEXT_OUTPUT, "") or ""
+        self.result.chunks.append(delta)
+        self.result.text += delta
+        if fields.get(tn.FINISH_REASON):
+            self.result.finish_reason = fields[tn.FINISH_REASON]
+        for name in _INT_FIELDS:
+            if name in fields:
+                setattr(self.result, name, int(fields[name]))
+        for name in _FLOAT_FIELDS:
+            if name in fields:
+                setattr(self.result, name, float(fields[name]))
+        return delta
+
+
+def fields_from_infer_result(result) -> dict:
+    """Python values of a tritonclient InferResult's outputs."""
+    out = {}
+    for name in (tn.TEXT_OUTPUT, tn.FINISH_REASON, *_INT_FIELDS, *_FLOAT_FIELDS):
+        value = result.as_numpy(name)
+        if value is None or value.size == 0:
+            continue
+        item = value.reshape(-1)[0]
+        out[name] = item.decode("utf-8") if isinstance(item, bytes) else item.item()
+    return out
+
+
+def classify_error(message: str, status: str = "") -> ClientError:
+    """Turn a server or transport error into the client's error types."""
+    text = f"{status} {message}"
+    lowered = text.lower()
+    if "unavailable" in lowered and ("connect" in lowered or "refused" in lowered) or "connection refused" in lowered:
+        return ServerUnavailableError(message)
+    if "deadline" in lowered or "timed out" in lowered or "timeout" in lowered:
+        return GenerationTimeoutError(message)
+    if "unknown model" in lowered or "not ready" in lowered or "not found" in lowered:
+        return ModelNotReadyError(message)
+    # Streamed errors carry no status code: recognise the server's wording (ours name "input '<field>'";
+    # Triton's own input checks say "inference input").
+    if any(marker in lowered for marker in ("invalid_arg", "invalid argument", "input '", "inference input",
+                                            "unexpected inference input")):
+        return InvalidArgumentError(message)
+    return ClientError(message)

@@ -1,0 +1,152 @@
+"""Synchronous client: gRPC streaming (ModelStreamInfer) or HTTP generate / generate_stream."""
+
+from __future__ import annotations
+
+import json
+import queue
+import time
+from typing import Callable
+
+import numpy as np
+import requests
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException, np_to_triton_dtype
+
+from client.core import (
+    ClientError, GenerationParams, GenerationResult, GenerationTimeoutError, InvalidArgumentError,
+    ModelNotReadyError, ResultBuilder, ServerUnavailableError, classify_error, fields_from_infer_result,
+)
+from specdec import tensor_names as tn
+
+TextCallback = Callable[[str], None]
+
+
+def grpc_inputs(arrays: dict[str, np.ndarray]) -> list:
+    inputs = []
+    for name, array in arrays.items():
+        tensor = grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    return inputs
+
+
+def is_final(result) -> bool:
+    param = result.get_response().parameters.get("triton_final_response")
+    return bool(param and param.bool_param)
+
+
+def parse_sse_line(line: str) -> dict | None:
+    """One Server-Sent Events line of /generate_stream: its JSON payload, or None for other lines."""
+    if not line.startswith("data:"):
+        return None
+    payload = json.loads(line[len("data:"):])
+    if "error" in payload:
+        raise classify_error(payload["error"])
+    return payload
+
+
+def http_error(response: requests.Response) -> ClientError:
+    try:
+        message = response.json().get("error", response.text)
+    except ValueError:
+        message = response.text
+    if response.status_code == 400:
+        lowered = message.lower()
+        if "unknown model" in lowered or "not ready" in lowered:
+            return ModelNotReadyError(message)
+        return InvalidArgumentError(message)
+    if response.status_code in (404, 503):
+        return ModelNotReadyError(message)
+    return classify_error(message, str(response.status_code))
+
+
+class Client:
+    """protocol 'grpc' (url host:port, default localhost:8001) or 'http' (url host:port or http://..., 8000)."""
+
+    def __init__(self, url: str | None = None, protocol: str = "grpc", model: str = tn.ENSEMBLE,
+                 timeout_s: float = 300.0):
+        if protocol not in ("grpc", "http"):
+            raise ValueError(f"protocol must be 'grpc' or 'http', got {protocol!r}")
+        self.protocol = protocol
+        self.model = model
+        self.timeout_s = timeout_s
+        default = "localhost:8001" if protocol == "grpc" else "localhost:8000"
+        self.url = url or default
+        if protocol == "http" and not self.url.startswith(("http://", "https://")):
+            self.url = "http://" + self.url
+
+    def is_ready(self) -> bool:
+        """True when the server is up and the model is loaded."""
+        try:
+            if self.protocol == "grpc":
+                with grpcclient.InferenceServerClient(self.url) as c:
+                    return c.is_server_ready() and c.is_model_ready(self.model)
+            r = requests.get(f"{self.url}/v2/models/{self.model}/ready", timeout=5)
+            return r.status_code == 200
+        except Exception:  # noqa: BLE001 - not ready is the answer to any failure
+            return False
+
+    def generate(self, prompt: str, params: GenerationParams | None = None, stream: bool = False,
+                 on_text: TextCallback | None = None) -> GenerationResult:
+        """Generate text; with stream=True, on_text receives each delta as it arrives."""
+        params = params or GenerationParams()
+        if self.protocol == "grpc":
+            return self._grpc(prompt, params, stream, on_text)
+        return self._http(prompt, params, stream, on_text)
+
+    def _grpc(self, prompt, params, stream, on_text) -> GenerationResult:
+        responses: queue.Queue = queue.Queue()
+        client = grpcclient.InferenceServerClient(self.url)
+        builder = ResultBuilder()
+        try:
+            try:
+                client.start_stream(callback=lambda result, error: responses.put((result, error)))
+                client.async_stream_infer(self.model, grpc_inputs(params.tensors(prompt, stream)),
+                                          enable_empty_final_response=True)
+            except InferenceServerException as exc:
+                raise classify_error(exc.message(), str(exc.status())) from None
+            deadline = time.monotonic() + self.timeout_s
+            while True:
+                try:
+                    result, error = responses.get(timeout=max(0.0, deadline - time.monotonic()))
+                except queue.Empty:
+                    client.stop_stream(cancel_requests=True)
+                    raise GenerationTimeoutError(f"no complete answer within {self.timeout_s} s") from None
+                if error is not None:
+                    raise classify_error(error.message(), str(error.status()))
+                if result.get_response().outputs:
+                    delta = builder.add(fields_from_infer_result(result))
+                    if on_text and delta:
+                        on_text(delta)
+                if is_final(result):
+                    return builder.result
+        finally:
+            client.stop_stream()
+            client.close()
+
+    def _http(self, prompt, params, stream, on_text) -> GenerationResult:
+        path = "generate_stream" if stream else "generate"
+        builder = ResultBuilder()
+        try:
+            response = requests.post(f"{self.url}/v2/models/{self.model}/{path}", json=params.json(prompt, stream),
+                                     stream=stream, timeout=(10, self.timeout_s))
+        except requests.ConnectionError as exc:
+            raise ServerUnavailableError(f"cannot reach {self.url}: {exc}") from None
+        except requests.Timeout:
+            raise GenerationTimeoutError(f"no answer within {self.timeout_s} s") from None
+        with response:
+            if response.status_code != 200:
+                raise http_error(response)
+            if not stream:
+                builder.add(response.json())
+                return builder.result
+            try:
+                for line in response.iter_lines(decode_unicode=True):
+                    payload = parse_sse_line(line or "")
+                    if payload is not None:
+                        delta = builder.add(payload)
+                        if on_text and delta:
+                            on_text(delta)
+            except requests.Timeout:
+                raise GenerationTimeoutError(f"no complete answer within {self.timeout_s} s") from None
+        return builder.result

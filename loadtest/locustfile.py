@@ -1,0 +1,239 @@
+"""Locust load test of the speculative decoding ensemble: gRPC streaming and HTTP generate_stream users.
+
+    locust -f loadtest/locustfile.py --headless -u 8 -r 8 -t 60s --host localhost:8001          # gRPC
+    locust -f loadtest/locustfile.py --headless -u 8 -r 8 -t 60s --host http://localhost:8000   # HTTP
+
+The host picks the user class (http:// -> HttpStreamUser, else GrpcStreamUser) unless classes are named on
+the command line. Per request it records into Locust's statistics the request itself ("generate"), its
+time to first token ("ttft") and its inter-token latency ("itl"), and at the end prints a summary:
+requests, failures, TTFT p50/p90/p99, ITL p50/p90, output tokens/s and mean acceptance rate
+(genai-perf definitions). Options (or environment): --max-tokens (SPECDEC_MAX_TOKENS, 64),
+--num-draft-tokens (SPECDEC_NUM_DRAFT_TOKENS, server default), --temperature (SPECDEC_TEMPERATURE),
+--prompts-file (SPECDEC_PROMPTS, loadtest/prompts.jsonl), --prompt-kind (SPECDEC_PROMPT_KIND: all |
+grounded | open).
+"""
+
+# gRPC must be made gevent-cooperative before any channel exists.
+import grpc.experimental.gevent as grpc_gevent
+
+grpc_gevent.init_gevent()
+
+import json  # noqa: E402
+import os  # noqa: E402
+import random  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import gevent.queue  # noqa: E402
+import tritonclient.grpc as grpcclient  # noqa: E402
+import requests  # noqa: E402
+from locust import User, events, task  # noqa: E402
+
+from client.core import GenerationParams, ResultBuilder, classify_error, fields_from_infer_result  # noqa: E402
+from client.sync import grpc_inputs, http_error, is_final, parse_sse_line  # noqa: E402
+from specdec import tensor_names as tn  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+
+
+@events.init_command_line_parser.add_listener
+def _options(parser):
+    env = os.environ.get
+    parser.add_argument("--max-tokens", type=int, default=int(env("SPECDEC_MAX_TOKENS", "64")))
+    parser.add_argument("--num-draft-tokens", type=int,
+                        default=int(env("SPECDEC_NUM_DRAFT_TOKENS")) if env("SPECDEC_NUM_DRAFT_TOKENS") else None)
+    parser.add_argument("--temperature", type=float,
+                        default=float(env("SPECDEC_TEMPERATURE")) if env("SPECDEC_TEMPERATURE") else None)
+    parser.add_argument("--prompts-file", default=env("SPECDEC_PROMPTS", str(HERE / "prompts.jsonl")))
+    parser.add_argument("--prompt-kind", default=env("SPECDEC_PROMPT_KIND", "all"), choices=("all", "grounded", "open"))
+
+
+class Samples:
+    """Per-request measurements for the end-of-run summary (one Locust process)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.ttft, self.itl, self.acceptance = [], [], []
+        self.output_tokens = 0
+        self.first_sent = None
+        self.last_done = None
+
+    def add(self, sent: float, result) -> None:
+        with self.lock:
+            self.ttft.append(result.ttft_s)
+            if result.num_output_tokens > 1:
+                self.itl.append(result.itl_s)
+            if result.total_draft_tokens:
+                self.acceptance.append(result.acceptance_rate)
+            self.output_tokens += result.num_output_tokens
+            self.first_sent = sent if self.first_sent is None else min(self.first_sent, sent)
+            done = sent + result.latency_s
+            self.last_done = done if self.last_done is None else max(self.last_done, done)
+
+
+SAMPLES = Samples()
+
+
+def percentile(values, q):
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
+
+
+@events.init.add_listener
+def _pick_user_class(environment, **_kwargs):
+    options = environment.parsed_options
+    if options is None or getattr(options, "user_classes", None) or not environment.host:
+        return
+    wanted = HttpStreamUser if environment.host.startswith(("http://", "https://")) else GrpcStreamUser
+    environment.user_classes = [wanted]
+
+
+@events.quitting.add_listener
+def _summary(environment, **_kwargs):
+    entries = [environment.stats.entries[key] for key in (("generate", "grpc"), ("generate", "http"))
+               if key in environment.stats.entries]
+    requests_done = sum(e.num_requests for e in entries)
+    failures = sum(e.num_failures for e in entries)
+    duration = (SAMPLES.last_done - SAMPLES.first_sent) if SAMPLES.first_sent is not None else 0.0
+    tokens_per_s = SAMPLES.output_tokens / duration if duration > 0 else 0.0
+    acceptance = sum(SAMPLES.acceptance) / len(SAMPLES.acceptance) if SAMPLES.acceptance else 0.0
+    lines = [
+        "",
+        "speculative decoding load summary",
+        f"  requests            {requests_done}",
+        f"  failures            {failures}",
+        f"  TTFT p50/p90/p99    {percentile(SAMPLES.ttft, 50) * 1000:.0f} / {percentile(SAMPLES.ttft, 90) * 1000:.0f}"
+        f" / {percentile(SAMPLES.ttft, 99) * 1000:.0f} ms",
+        f"  ITL p50/p90         {percentile(SAMPLES.itl, 50) * 1000:.1f} / {percentile(SAMPLES.itl, 90) * 1000:.1f} ms",
+        f"  output tokens/s     {tokens_per_s:.1f}  ({SAMPLES.output_tokens} tokens in {duration:.1f} s)",
+        f"  mean acceptance     {acceptance:.3f}",
+    ]
+    print("\n".join(lines), flush=True)
+
+
+class _SpecdecMixin:
+    """Prompt choice, parameters and recording shared by both user classes."""
+
+    request_type = "?"
+
+    def on_start(self):
+        options = self.environment.parsed_options
+        path = Path(getattr(options, "prompts_file", HERE / "prompts.jsonl"))
+        kind = getattr(options, "prompt_kind", "all")
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        self.prompts = [r["prompt"] for r in rows if kind == "all" or r.get("kind") == kind]
+        if not self.prompts:
+            raise ValueError(f"no prompts of kind {kind!r} in {path}")
+        self.params = GenerationParams(max_tokens=getattr(options, "max_tokens", 64),
+                                       num_draft_tokens=getattr(options, "num_draft_tokens", None),
+                                       temperature=getattr(options, "temperature", None))
+
+    def record(self, sent: float, result, exception) -> None:
+        fire = self.environment.events.request.fire
+        if exception is None:
+            fire(request_type=self.request_type, name="ttft", response_time=result.ttft_s * 1000,
+                 response_length=0, exception=None, context={})
+            fire(request_type=self.request_type, name="itl", response_time=result.itl_s * 1000,
+                 response_length=0, exception=None, context={})
+            SAMPLES.add(sent, result)
+        fire(request_type=self.request_type, name="generate",
+             response_time=(time.perf_counter() - sent) * 1000,
+             response_length=result.num_output_tokens if result else 0, exception=exception, context={})
+
+
+class GeventGrpcClient(grpcclient.InferenceServerClient):
+    """tritonclient's gRPC client closed only explicitly: closing a channel from __del__ at interpreter
+    exit hangs under gevent (seen), so on_stop / test_stop close it while the hub still runs."""
+
+    def __del__(self):
+        pass
+
+
+OPEN_GRPC_CLIENTS: set = set()
+
+
+@events.test_stop.add_listener
+def _close_grpc_clients(**_kwargs):
+    # Users killed at the time limit skip on_stop; a channel left to __del__ at interpreter exit hangs
+    # under gevent, so close every channel while the hub is still running.
+    while OPEN_GRPC_CLIENTS:
+        OPEN_GRPC_CLIENTS.pop().close()
+
+
+class GrpcStreamUser(_SpecdecMixin, User):
+    """Streams every request over gRPC ModelStreamInfer (host: host:port of the gRPC endpoint)."""
+
+    request_type = "grpc"
+
+    def on_start(self):
+        super().on_start()
+        self.client = GeventGrpcClient(self.host.replace("grpc://", ""))
+        OPEN_GRPC_CLIENTS.add(self.client)
+
+    def on_stop(self):
+        if self.client in OPEN_GRPC_CLIENTS:
+            OPEN_GRPC_CLIENTS.discard(self.client)
+            self.client.close()
+
+    @task
+    def generate(self):
+        responses: gevent.queue.Queue = gevent.queue.Queue()
+        builder = ResultBuilder()
+        sent = builder.sent
+        exception = None
+        self.client.start_stream(callback=lambda result, error: responses.put((result, error)))
+        try:
+            self.client.async_stream_infer(tn.ENSEMBLE, grpc_inputs(self.params.tensors(random.choice(self.prompts), True)),
+                                           enable_empty_final_response=True)
+            while True:
+                result, error = responses.get(timeout=600)
+                if error is not None:
+                    raise classify_error(error.message(), str(error.status()))
+                if result.get_response().outputs:
+                    builder.add(fields_from_infer_result(result))
+                if is_final(result):
+                    break
+        except Exception as exc:  # noqa: BLE001 - every failure is recorded as one
+            exception = exc
+        finally:
+            self.client.stop_stream()
+        self.record(sent, builder.result, exception)
+
+
+class HttpStreamUser(_SpecdecMixin, User):
+    """Streams every request over HTTP /v2/models/ensemble/generate_stream (host: http://host:port).
+
+    A plain requests session (gevent-patched by Locust) rather than HttpUser's client, so each request
+    is recorded once, by us, with its TTFT and ITL.
+    """
+
+    request_type = "http"
+
+    def on_start(self):
+        super().on_start()
+        self.session = requests.Session()
+
+    def on_stop(self):
+        self.session.close()
+
+    @task
+    def generate(self):
+        builder = ResultBuilder()
+        sent = builder.sent
+        exception = None
+        body = self.params.json(random.choice(self.prompts), True)
+        try:
+            with self.session.post(f"{self.host.rstrip('/')}/v2/models/{tn.ENSEMBLE}/generate_stream", json=body,
+                                   stream=True, timeout=(10, 600)) as response:
+                if response.status_code != 200:
+                    raise http_error(response)
+                for line in response.iter_lines(decode_unicode=True):
+                    payload = parse_sse_line(line or "")
+                    if payload is not None:
+                        builder.add(payload)
+        except Exception as exc:  # noqa: BLE001
+            exception = exc
+        self.record(sent, builder.result, exception)
