@@ -77,7 +77,8 @@ class BlsProposer(_SequenceModel):
         outputs = [tn.DRAFT_TOKENS] + ([] if params.greedy else [tn.DRAFT_PROBS])
         result = await self._call(seq_id, inputs, outputs)
         probs = None if params.greedy else torch.from_numpy(result[tn.DRAFT_PROBS][0].copy())
-        return Proposal(result[tn.DRAFT_TOKENS][0].tolist(), probs)
+        # The draft model runs every proposed token but the last through its cache.
+        return Proposal(result[tn.DRAFT_TOKENS][0].tolist(), probs, cached_length=keep + len(new_ids) + k - 1)
 
 
 class BlsScorer(_SequenceModel):

@@ -50,7 +50,11 @@ def triton_layout(work_dir: Path) -> ServerLayout:
     backend.mkdir(parents=True, exist_ok=True)
     for src in (server / "backends" / "python" / "libtriton_python.so",
                 server / "backends" / "python" / "triton_python_backend_utils.py", stub):
-        shutil.copy2(src, backend / src.name)
+        # Copy then rename: replacing a stub binary that an older server still runs is allowed,
+        # overwriting it in place is not ("Text file busy").
+        staging = backend / f".{src.name}.new"
+        shutil.copy2(src, staging)
+        os.replace(staging, backend / src.name)
     libs = [sysconfig.get_config_var("LIBDIR") or "", str(pkg.parent / "nvidia_pytriton.libs")]
     existing = os.environ.get("LD_LIBRARY_PATH", "")
     return ServerLayout(binary, backend.parent, ":".join(p for p in libs + [existing] if p))

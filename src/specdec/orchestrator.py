@@ -5,7 +5,7 @@ cache per sequence; every call says how many cached tokens to keep and which tok
 rejection rolls back by keeping fewer, and nothing already cached is sent again.
 
     round:  tokens = prompt + generated                     (length L)
-            draft:  keep D, append tokens[D:], propose x_1..x_K      (cache: L + K - 1)
+            draft:  keep D, append tokens[D:], propose x_1..x_K      (model cache: L + K - 1)
             target: keep T, append tokens[T:] + x_1..x_K, score K+1 positions   (cache: L + K)
             verdict: n accepted, next token y  ->  tokens += x_1..x_n, y
             valid prefixes: target L + n, draft L + min(n, K - 1)
@@ -27,8 +27,9 @@ from specdec.sampling import SamplingParams, logits_to_probs, make_generator
 
 @dataclass(frozen=True)
 class Proposal:
-    tokens: list[int]  # K draft tokens
-    probs: torch.Tensor | None  # (K, V) processed draft distributions; None for greedy
+    tokens: list[int]  # up to K draft tokens (a proposer may offer fewer, or none)
+    probs: torch.Tensor | None  # (len(tokens), V) processed draft distributions; None for greedy
+    cached_length: int = 0  # tokens the proposer's cache holds after the call (its valid prefix)
 
 
 @dataclass(frozen=True)
@@ -106,8 +107,9 @@ async def generate(req: GenerationRequest, proposer: Proposer, scorer: Scorer,
                 round_seed = int(torch.randint(0, 2**62, (1,), generator=generator)) if generator else 0
                 proposal = await proposer.propose(req.seq_id, draft_valid, tokens[draft_valid:], k,
                                                   req.sampling, round_seed)
-                draft_valid = len(tokens) + k - 1
+                draft_valid = proposal.cached_length
                 drafted_ever = True
+                k = len(proposal.tokens)  # no proposal (an n-gram miss) = a plain target-only round
             scores = await scorer.score(req.seq_id, target_valid, tokens[target_valid:] + proposal.tokens,
                                         k + 1, want_logits=not req.sampling.greedy)
             verdict = _verify(proposal, scores, req.sampling, generator)

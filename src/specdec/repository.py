@@ -48,6 +48,10 @@ def render(pair: PairSpec, dest: Path, instance_kind: str = "KIND_CPU") -> Path:
         cfg.write_text(cfg.read_text().replace('name: "draft_model"', f'name: "{name}"'))
     for name, path in drafts:
         edit(name, {"model_path": path, "dtype": pair.dtype})
-    edit("speculative_decoding", {**tokenizer, "draft_models": ",".join(name for name, _ in drafts),
+    draft_models = [name for name, _ in drafts] + list(pair.builtin_drafts)
+    if pair.default_draft:  # the first entry is the default
+        draft_models.remove(pair.default_draft)
+        draft_models.insert(0, pair.default_draft)
+    edit("speculative_decoding", {**tokenizer, "draft_models": ",".join(draft_models),
                                   "max_context_tokens": str(pair.max_context_tokens)})
     return dest

@@ -21,9 +21,13 @@ from specdec.bls import BlsProposer, BlsScorer
 from specdec.cancellation import CancellationBoard
 from specdec.config import ModelParameters
 from specdec.metrics import OrchestratorMetrics
+from specdec.ngram_proposer import NgramProposer
 from specdec.orchestrator import GenerationRequest, Stats, generate
 from specdec.sampling import SamplingParams
 from specdec.text import Emission, TextEmitter, load_tokenizer
+
+
+NGRAM = "ngram"
 
 
 class InputError(ValueError):
@@ -49,7 +53,9 @@ class SpeculativeDecodingAdapter:
         draft_names = params.list("draft_models", tn.DRAFT_MODEL_NAME)
         if not draft_names:
             raise ValueError(f"{params.model_name}: parameter 'draft_models' lists no model")
-        self.proposers = {name: BlsProposer(pb_utils, name, timeout_us) for name in draft_names}
+        # "ngram" is the built-in prompt-lookup method; any other name is a draft model to call over BLS.
+        self.proposers = {name: NgramProposer(vocab_size=len(self.tokenizer)) if name == NGRAM
+                          else BlsProposer(pb_utils, name, timeout_us) for name in draft_names}
         self.default_draft = draft_names[0]
         self.scorer = BlsScorer(pb_utils, params.str("target_model", tn.TARGET_MODEL_NAME), timeout_us)
         eos = self.tokenizer.eos_token_id

@@ -76,6 +76,16 @@ def test_disagreeing_draft_still_gives_identical_output(server, target_only):
         assert result[tn.ACCEPTANCE_RATE] < 0.2
 
 
+@pytest.mark.parametrize("k", [2, 5])
+def test_ngram_draft_gives_identical_output(server, target_only, k):
+    accepted = 0
+    for prompt in PROMPTS:
+        result = grpc_stream(server.grpc_url, prompt, max_tokens=MAX_TOKENS, num_draft_tokens=k, draft_model="ngram")
+        assert result[tn.TEXT_OUTPUT] == target_only[prompt][tn.TEXT_OUTPUT], prompt
+        accepted += result[tn.TOTAL_ACCEPTED_DRAFT_TOKENS]
+        assert result[tn.TOTAL_DRAFT_TOKENS] <= k * result[tn.NUM_ROUNDS]  # rounds without a match draft nothing
+
+
 def test_http_generate_matches_grpc(server, target_only):
     prompt = PROMPTS[1]
     result = http_generate(server.http_url, prompt, max_tokens=MAX_TOKENS, num_draft_tokens=3)

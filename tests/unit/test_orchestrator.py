@@ -73,7 +73,7 @@ class FakeProposer(FakeModel):
             context.append(tokens[-1])
             if step < k - 1:
                 self._extend(seq_id, len(cache), [tokens[-1]])
-        return Proposal(tokens, None)
+        return Proposal(tokens, None, cached_length=len(cache))
 
 
 def reference_greedy(prompt, n):
@@ -185,9 +185,9 @@ def test_sampled_rounds_use_logits_and_draft_probs():
 
     class SampledProposer(FakeModel):
         async def propose(self, seq_id, keep, new_ids, k, params, round_seed):
-            self._extend(seq_id, keep, new_ids + [0] * (k - 1))
+            cache = self._extend(seq_id, keep, new_ids + [0] * (k - 1))
             probs = torch.full((k, vocab), 1 / vocab)
-            return Proposal([round_seed % vocab] * k, probs)
+            return Proposal([round_seed % vocab] * k, probs, cached_length=len(cache))
 
     req = GenerationRequest(seq_id=1, prompt_ids=[1], max_tokens=12, num_draft_tokens=3,
                             sampling=SamplingParams(temperature=1.0, seed=5))

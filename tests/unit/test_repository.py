@@ -22,7 +22,7 @@ def test_render_points_every_model_at_the_pair(tmp_path):
     assert '"/w/target"' in cfg["target_model"] and '"float64"' in cfg["target_model"]
     assert '"/w/draft"' in cfg["draft_model"]
     assert 'name: "draft_model_b"' in cfg["draft_model_b"] and '"/w/draft_b"' in cfg["draft_model_b"]
-    assert '"draft_model,draft_model_b"' in cfg["speculative_decoding"]
+    assert '"draft_model,draft_model_b,ngram"' in cfg["speculative_decoding"]
     assert '"512"' in cfg["speculative_decoding"]
     assert 'key: "apply_chat_template", value: { string_value: "true" }' in cfg["preprocessing"]
     assert "KIND_CPU" not in cfg["target_model"] and "KIND_GPU" in cfg["target_model"]

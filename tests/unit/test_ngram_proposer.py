@@ -1,0 +1,59 @@
+import asyncio
+
+import pytest
+import torch
+
+from specdec.ngram_proposer import NgramProposer, lookup
+from specdec.rejection_sampler import rejection_sample
+from specdec.sampling import SamplingParams
+
+
+@pytest.mark.parametrize("tokens, k, expected", [
+    ([1, 2, 3, 9, 1, 2], 3, [3, 9, 1]),  # suffix [1, 2] occurred before: what followed it
+    ([1, 2, 3, 9, 1, 2], 1, [3]),
+    ([5, 6, 7, 8], 3, []),  # nothing repeats
+    ([4, 1, 2, 5, 1, 2, 6, 1, 2], 2, [6, 1]),  # the latest earlier occurrence wins
+    ([7, 3, 8, 3], 2, [8, 3]),  # falls back to a 1-gram
+    ([1, 2, 3, 4, 2, 3, 4], 5, [2, 3, 4]),  # [2, 3, 4] at 1 is followed by [2, 3, 4]: cut at the end
+])
+def test_lookup(tokens, k, expected):
+    assert lookup(tokens, k) == expected
+
+
+def test_longer_ngram_preferred_over_more_recent_shorter_one():
+    # 2-gram [1, 2] occurs at 0 (followed by 3); the 1-gram [2] occurs later at 5 (followed by 7).
+    assert lookup([1, 2, 3, 0, 0, 2, 7, 1, 2], 1) == [3]
+
+
+def test_min_ngram():
+    assert lookup([7, 3, 8, 3], 2, min_ngram=2) == []
+
+
+def test_proposer_tracks_the_sequence_and_rolls_back():
+    proposer = NgramProposer(vocab_size=10)
+
+    async def run():
+        first = await proposer.propose(1, 0, [1, 2, 3, 1, 2], 2, SamplingParams(), 0)
+        assert first.tokens == [3, 1] and first.cached_length == 5 and first.probs is None
+        # The target accepted 3 but not 1, then emitted 9: the orchestrator keeps the proposer's 5 valid
+        # tokens and sends what followed them.
+        second = await proposer.propose(1, 5, [3, 9], 2, SamplingParams(), 0)
+        assert proposer.sequences[1] == [1, 2, 3, 1, 2, 3, 9] and second.tokens == []
+        await proposer.release(1)
+        assert 1 not in proposer.sequences
+
+    asyncio.run(run())
+
+
+def test_sampled_proposal_is_one_hot_and_lossless():
+    proposer = NgramProposer(vocab_size=4)
+    proposal = asyncio.run(proposer.propose(1, 0, [1, 2, 1], 1, SamplingParams(temperature=1.0), 0))
+    assert proposal.tokens == [2] and torch.equal(proposal.probs, torch.tensor([[0.0, 0.0, 1.0, 0.0]]))
+    target = torch.tensor([[0.1, 0.2, 0.3, 0.4], [0.25, 0.25, 0.25, 0.25]])
+    g = torch.Generator().manual_seed(0)
+    counts = torch.zeros(4)
+    n = 20_000
+    for _ in range(n):
+        verdict = rejection_sample(torch.tensor([2]), proposal.probs, target, torch.rand(1, generator=g), g)
+        counts[2 if verdict.num_accepted else verdict.next_token] += 1
+    assert float((counts / n - target[0]).abs().sum()) < 0.03
