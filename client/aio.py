@@ -11,9 +11,9 @@ import tritonclient.grpc.aio as grpcaio
 
 from client.core import (
     GenerationParams, GenerationResult, GenerationTimeoutError, InvalidArgumentError, ModelNotReadyError,
-    ResultBuilder, ServerUnavailableError, classify_error, fields_from_infer_result,
+    ResultBuilder, ServerUnavailableError, classify_error,
 )
-from client.sync import TextCallback, grpc_inputs, is_final, parse_sse_line
+from client.sync import TextCallback, consume_grpc_response, grpc_inputs, parse_sse_line
 from specdec import tensor_names as tn
 
 
@@ -61,13 +61,7 @@ class AsyncClient:
         responses = self._grpc.stream_infer(requests_iter())
         try:
             async for result, error in responses:
-                if error is not None:
-                    raise classify_error(error.message(), str(error.status()))
-                if result.get_response().outputs:
-                    delta = builder.add(fields_from_infer_result(result))
-                    if on_text and delta:
-                        on_text(delta)
-                if is_final(result):
+                if consume_grpc_response(builder, result, error, on_text):
                     break
         except Exception as exc:
             if isinstance(exc, (InvalidArgumentError, ModelNotReadyError, GenerationTimeoutError)):

@@ -35,6 +35,17 @@ def is_final(result) -> bool:
     return bool(param and param.bool_param)
 
 
+def consume_grpc_response(builder: ResultBuilder, result, error, on_text: TextCallback | None) -> bool:
+    """Add one streamed gRPC response to the result; True when it was the request's last."""
+    if error is not None:
+        raise classify_error(error.message(), str(error.status()))
+    if result.get_response().outputs:
+        delta = builder.add(fields_from_infer_result(result))
+        if on_text and delta:
+            on_text(delta)
+    return is_final(result)
+
+
 def parse_sse_line(line: str) -> dict | None:
     """One Server-Sent Events line of /generate_stream: its JSON payload, or None for other lines."""
     if not line.startswith("data:"):
@@ -112,13 +123,7 @@ class Client:
                 except queue.Empty:
                     client.stop_stream(cancel_requests=True)
                     raise GenerationTimeoutError(f"no complete answer within {self.timeout_s} s") from None
-                if error is not None:
-                    raise classify_error(error.message(), str(error.status()))
-                if result.get_response().outputs:
-                    delta = builder.add(fields_from_infer_result(result))
-                    if on_text and delta:
-                        on_text(delta)
-                if is_final(result):
+                if consume_grpc_response(builder, result, error, on_text):
                     return builder.result
         finally:
             client.stop_stream()

@@ -30,8 +30,8 @@ import tritonclient.grpc as grpcclient  # noqa: E402
 import requests  # noqa: E402
 from locust import User, events, task  # noqa: E402
 
-from client.core import GenerationParams, ResultBuilder, classify_error, fields_from_infer_result  # noqa: E402
-from client.sync import grpc_inputs, http_error, is_final, parse_sse_line  # noqa: E402
+from client.core import GenerationParams, ResultBuilder  # noqa: E402
+from client.sync import consume_grpc_response, grpc_inputs, http_error, parse_sse_line  # noqa: E402
 from specdec import tensor_names as tn  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -188,14 +188,8 @@ class GrpcStreamUser(_SpecdecMixin, User):
         try:
             self.client.async_stream_infer(tn.ENSEMBLE, grpc_inputs(self.params.tensors(random.choice(self.prompts), True)),
                                            enable_empty_final_response=True)
-            while True:
-                result, error = responses.get(timeout=600)
-                if error is not None:
-                    raise classify_error(error.message(), str(error.status()))
-                if result.get_response().outputs:
-                    builder.add(fields_from_infer_result(result))
-                if is_final(result):
-                    break
+            while not consume_grpc_response(builder, *responses.get(timeout=600), None):
+                pass
         except Exception as exc:  # noqa: BLE001 - every failure is recorded as one
             exception = exc
         finally:

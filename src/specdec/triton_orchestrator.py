@@ -82,6 +82,11 @@ class SpeculativeDecodingAdapter:
             gen, stream, stop_words, draft_name = self._parse(request)
         except InputError as exc:
             self.metrics.requests["invalid"].increment(1)
+            # Triton 24.10's stub registers an async execute's future only after scheduling it; a coroutine
+            # that finishes first trips "Cannot remove future from background; KeyError" and the request is
+            # never released (server#8537; seen here as an ensemble that never unloads). Valid requests
+            # always await BLS calls; a rejected one yields long enough for the stub to register it.
+            await asyncio.sleep(0.005)
             sender.send(pb.InferenceResponse(error=pb.TritonError(str(exc), pb.TritonError.INVALID_ARG)),
                         flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             return

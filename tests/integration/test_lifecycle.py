@@ -1,0 +1,22 @@
+"""`make serve`'s launcher on a server of its own: ready, serving, and SIGTERM stops everything cleanly."""
+
+import pytest
+
+from specdec import tensor_names as tn
+
+from .helpers import GenerationError, grpc_stream, start_server, stop_server, stub_processes
+
+pytestmark = pytest.mark.integration
+
+
+def test_sigterm_stops_server_and_every_stub_with_exit_code_0(tmp_path):
+    server = start_server(tmp_path)
+    try:
+        assert len(stub_processes(server.run_dir)) == 7  # every Python model runs in its own stub
+        result = grpc_stream(server.grpc_url, "Hello", max_tokens=8, num_draft_tokens=2, stream=True)
+        assert result[tn.NUM_OUTPUT_TOKENS] == 8
+        with pytest.raises(GenerationError, match="max_tokens"):
+            grpc_stream(server.grpc_url, "Hello", max_tokens=0)
+    finally:
+        code = stop_server(server)  # asserts: nothing pending, no stub left, exit code 0
+    assert code == 0
