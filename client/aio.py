@@ -10,7 +10,7 @@ import aiohttp
 import tritonclient.grpc.aio as grpcaio
 
 from client.core import (
-    GenerationParams, GenerationResult, GenerationTimeoutError, InvalidArgumentError, ModelNotReadyError,
+    ClientError, GenerationParams, GenerationResult, GenerationTimeoutError, InvalidArgumentError, ModelNotReadyError,
     ResultBuilder, ServerUnavailableError, classify_error,
 )
 from client.sync import TextCallback, consume_grpc_response, grpc_inputs, parse_sse_line
@@ -59,16 +59,26 @@ class AsyncClient:
 
         builder = ResultBuilder()
         responses = self._grpc.stream_infer(requests_iter())
+        failure = None
+        finished = False
         try:
+            # Read the stream to its natural end, also after an error: cancelling the RPC right after an
+            # error response (before Triton's final flag) leaves the ensemble request in flight forever
+            # in Triton 24.10 (seen: the ensemble then never unloads).
             async for result, error in responses:
-                if consume_grpc_response(builder, result, error, on_text):
-                    break
-        except Exception as exc:
-            if isinstance(exc, (InvalidArgumentError, ModelNotReadyError, GenerationTimeoutError)):
-                raise
+                if finished:
+                    continue
+                try:
+                    finished = consume_grpc_response(builder, result, error, on_text)
+                except ClientError as exc:
+                    failure = failure or exc
+        except asyncio.CancelledError:
+            responses.cancel()  # timeout or caller cancelled: tell the server
+            raise
+        except Exception as exc:  # noqa: BLE001 - transport failures
             raise classify_error(str(exc)) from None
-        finally:
-            responses.cancel()
+        if failure is not None:
+            raise failure
         return builder.result
 
     async def _generate_http(self, prompt, params, stream, on_text) -> GenerationResult:
