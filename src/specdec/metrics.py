@@ -6,8 +6,6 @@ their metrics: Triton refuses to update a metric whose family was garbage-collec
 
 from __future__ import annotations
 
-from specdec.orchestrator import Stats
-
 LATENCY_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0]
 
 
@@ -61,7 +59,7 @@ class OrchestratorMetrics:
             for i in range(1, accepted + 1):
                 self.accepted_at[i].increment(1)
 
-    def record_request(self, finish_reason: str, stats: Stats | None, output_tokens: int, latency_s: float) -> None:
+    def record_request(self, finish_reason: str, output_tokens: int, latency_s: float) -> None:
         self.requests[finish_reason].increment(1)
         self.output_tokens.increment(output_tokens)
         self.latency.observe(latency_s)

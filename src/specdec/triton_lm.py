@@ -27,9 +27,7 @@ def _scalar(pb_utils, request, name, default=None):
 
 
 class LanguageModelAdapter:
-    """Shared initialize / execute plumbing; `role` is 'draft' or 'target'."""
-
-    role = "target"
+    """Shared initialize / execute plumbing; subclasses implement `_step`."""
 
     def initialize(self, args):
         import triton_python_backend_utils as pb_utils
@@ -111,8 +109,6 @@ class TargetModel(LanguageModelAdapter):
 
 
 class DraftModel(LanguageModelAdapter):
-    role = "draft"
-
     def _step(self, request, seq_id, keep, new_ids):
         pb = self.pb
         k = int(_scalar(pb, request, tn.NUM_DRAFT_TOKENS, 1))

@@ -132,7 +132,7 @@ class SpeculativeDecodingAdapter:
         if not stream:  # one response: everything sent, cut where the emitter cut it
             last = Emission(emitter.emitted, [], emitter.text, len(emitter.text), False)
         send(last, finish)
-        self.metrics.record_request(finish, stats, len(emitter.emitted), time.monotonic() - arrived)
+        self.metrics.record_request(finish, len(emitter.emitted), time.monotonic() - arrived)
 
     def _cancelled(self, request, sender, seq_id: int) -> bool:
         # Direct callers' cancellation reaches this request; an ensemble's arrives through the board.

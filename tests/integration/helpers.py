@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
+from tritonclient.utils import np_to_triton_dtype
 
 from specdec import tensor_names as tn
 
@@ -143,10 +144,7 @@ def _inputs(prompt: str, **params) -> list:
             arrays[name] = np.array([[str(value).encode()]], dtype=np.object_)
     tensors = []
     for name, array in arrays.items():
-        dtype = "BYTES" if array.dtype == np.object_ else {
-            np.dtype(np.int32): "INT32", np.dtype(np.float32): "FP32", np.dtype(np.uint64): "UINT64",
-            np.dtype(np.bool_): "BOOL", np.dtype(np.int64): "INT64", np.dtype(np.float64): "FP64"}[array.dtype]
-        tensor = grpcclient.InferInput(name, list(array.shape), dtype)
+        tensor = grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
         tensor.set_data_from_numpy(array)
         tensors.append(tensor)
     return tensors
