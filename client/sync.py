@@ -71,6 +71,16 @@ def http_error(response: requests.Response) -> ClientError:
     return classify_error(message, str(response.status_code))
 
 
+def _stream_start_error(exc: InferenceServerException, responses: queue.Queue) -> ClientError:
+    """The most specific error for a stream that failed while starting."""
+    try:
+        _, error = responses.get(timeout=2.0)
+    except queue.Empty:
+        error = None
+    cause = error if isinstance(error, InferenceServerException) else exc
+    return classify_error(cause.message(), str(cause.status()))
+
+
 class Client:
     """protocol 'grpc' (url host:port, default localhost:8001) or 'http' (url host:port or http://..., 8000)."""
 
@@ -115,7 +125,9 @@ class Client:
                 client.async_stream_infer(self.model, grpc_inputs(params.tensors(prompt, stream)),
                                           enable_empty_final_response=True)
             except InferenceServerException as exc:
-                raise classify_error(exc.message(), str(exc.status())) from None
+                # When the stream fails before the request is sent (server down), tritonclient reports only
+                # "stream is no longer in valid state" here and puts the real cause on the callback.
+                raise _stream_start_error(exc, responses) from None
             deadline = time.monotonic() + self.timeout_s
             while True:
                 try:

@@ -82,6 +82,34 @@ def test_server_down(protocol):
         client.generate(PROMPT, PARAMS)
 
 
+def test_server_down_found_after_the_stream_failed():
+    """The race behind a flaky CI run: tritonclient's stream thread already saw "connection refused" when
+    the request is sent, so the send only says "stream is no longer in valid state"; the client must still
+    report the server as down, from the callback's error."""
+    import queue
+    import time
+
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    from client.sync import _stream_start_error
+
+    responses: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(f"localhost:{free_ports(1)[0]}")
+    client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    deadline = time.monotonic() + 10
+    while responses.empty() and time.monotonic() < deadline:  # wait for the stream thread's error
+        time.sleep(0.02)
+    text = grpcclient.InferInput("text_input", [1, 1], "BYTES")
+    text.set_data_from_numpy(np.array([[PROMPT.encode()]], dtype=object))
+    with pytest.raises(InferenceServerException, match="no longer in valid state") as raised:
+        client.async_stream_infer("ensemble", [text])
+    assert isinstance(_stream_start_error(raised.value, responses), ServerUnavailableError)
+    client.stop_stream()
+    client.close()
+
+
 def test_timeout(server):
     from client import GenerationTimeoutError
 
