@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.specdec-setup
 
-.PHONY: setup serve test unit integration clean loadtest bench-concurrency
+.PHONY: setup serve test unit integration deploy-check image clean loadtest bench-concurrency
 
 setup: $(STAMP)
 
@@ -27,6 +27,14 @@ unit: setup
 
 integration: setup
 	$(PY) -m pytest -q tests/integration
+
+# The Helm chart (lint, render, Kubernetes schemas) and the Dockerfile (hadolint), no cluster needed.
+deploy-check: setup
+	$(PY) -m pytest -q tests/deploy
+
+# Needs a Docker engine (none on the CI machines): IMAGE=registry/specdec-triton:tag make image
+image:
+	docker build -f docker/Dockerfile -t $${IMAGE:-specdec-triton:0.1.0} .
 
 clean:
 	rm -rf .cache

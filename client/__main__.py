@@ -31,6 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--draft-model")
     p.add_argument("--chat-template", dest="apply_chat_template", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--timeout", type=float, default=300.0)
+    p.add_argument("--require-output", action="store_true",
+                   help="exit 2 unless the answer has text and finished by length or stop (a smoke test)")
     args = p.parse_args(argv)
     params = GenerationParams(
         max_tokens=args.max_tokens, num_draft_tokens=args.num_draft_tokens, temperature=args.temperature,
@@ -51,6 +53,10 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(result.text)
     print()
     print(result.stats_line(), file=sys.stderr)
+    if args.require_output and (not result.text.strip() or result.finish_reason not in ("length", "stop")):
+        print(f"error: expected generated text, got {result.text!r} (finish_reason {result.finish_reason!r})",
+              file=sys.stderr)
+        return 2
     return 0
 
 

@@ -1,12 +1,17 @@
 """Start a real tritonserver on our model repository: `python -m specdec.launcher` (what `make serve` runs).
 
-It finds the server binary shipped in the `nvidia-pytriton` wheel, assembles a backend directory with
-the Python-backend stub built for the running interpreter, sets the library path the stub needs
-(the interpreter's libpython first, then the wheel's bundled libraries), prepares the model pair,
-renders the model repository for it and runs tritonserver in the foreground. SIGTERM/SIGINT stop the
-server, which stops every stub process.
+It finds the server binary (the one shipped in the `nvidia-pytriton` wheel, or an installed Triton given
+by --triton-root, e.g. /opt/tritonserver in NVIDIA's image), assembles a backend directory with the
+Python-backend stub built for the running interpreter, sets the library path the stub needs (the
+interpreter's libpython first, then the wheel's bundled libraries), renders the model repository and runs
+tritonserver in the foreground. SIGTERM/SIGINT stop the server, which stops every stub process.
 
-Environment: PAIR (tiny | default), HTTP_PORT, GRPC_PORT, METRICS_PORT (8000/8001/8002).
+The repository comes from one of: a named pair (--pair / PAIR: tiny | default), a pair given by paths
+(--target PATH [--draft PATH | --draft ngram] with placement and request defaults), or an already
+rendered repository (--model-repository, as the Helm chart mounts it). Arguments after `--` go to
+tritonserver unchanged.
+
+Environment: PAIR, HTTP_PORT, GRPC_PORT, METRICS_PORT (8000/8001/8002).
 """
 
 from __future__ import annotations
@@ -35,15 +40,23 @@ class ServerLayout:
     ld_library_path: str
 
 
-def triton_layout(work_dir: Path) -> ServerLayout:
+def triton_layout(work_dir: Path, triton_root: Path | None = None) -> ServerLayout:
+    """Server binary and a backend directory whose Python stub matches the running interpreter.
+
+    The stubs come from the nvidia-pytriton wheel (built for Python 3.8-3.13 against Triton 2.51); the
+    binary and the Python backend library from triton_root when given, else from the same wheel.
+    """
     spec = importlib.util.find_spec("pytriton")
     if spec is None or spec.origin is None:
         raise FileNotFoundError("nvidia-pytriton is not installed (run `make setup`)")
     pkg = Path(spec.origin).parent
-    server = pkg / "tritonserver"
+    wheel_server = pkg / "tritonserver"
+    server = triton_root or wheel_server
     binary = server / "bin" / "tritonserver"
+    if not binary.exists():
+        raise FileNotFoundError(f"no tritonserver binary at {binary}")
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
-    stub = server / "python_backend_stubs" / version / "triton_python_backend_stub"
+    stub = wheel_server / "python_backend_stubs" / version / "triton_python_backend_stub"
     if not stub.exists():
         raise FileNotFoundError(f"no Python backend stub for Python {version} in {stub.parent.parent}")
     backend = work_dir / "backends" / "python"
@@ -60,7 +73,8 @@ def triton_layout(work_dir: Path) -> ServerLayout:
     return ServerLayout(binary, backend.parent, ":".join(p for p in libs + [existing] if p))
 
 
-def server_command(layout: ServerLayout, repo: Path, http: int, grpc: int, metrics: int) -> list[str]:
+def server_command(layout: ServerLayout, repo: Path, http: int, grpc: int, metrics: int,
+                   extra: list[str] | None = None) -> list[str]:
     return [
         str(layout.binary),
         f"--model-repository={repo}",
@@ -69,6 +83,7 @@ def server_command(layout: ServerLayout, repo: Path, http: int, grpc: int, metri
         "--strict-readiness=true",
         "--exit-on-error=true",
         "--log-verbose=0",
+        *(extra or []),
     ]
 
 
@@ -100,28 +115,78 @@ def server_env(layout: ServerLayout) -> dict[str, str]:
     return dict(os.environ, LD_LIBRARY_PATH=layout.ld_library_path, PATH=path)
 
 
+def redact(arg: str) -> str:
+    """Hide the header value of a restricted-API flag (the model repository API key) in logs."""
+    if arg.startswith(("--http-restricted-api=", "--grpc-restricted-protocol=")) and "=" in arg.split(":", 1)[-1]:
+        return arg[:arg.rindex("=") + 1] + "***"
+    return arg
+
+
+def ports() -> tuple[int, int, int]:
+    return (int(os.environ.get("HTTP_PORT", 8000)), int(os.environ.get("GRPC_PORT", 8001)),
+            int(os.environ.get("METRICS_PORT", 8002)))
+
+
 def prepare(pair_name: str, run_dir: Path) -> tuple[list[str], dict[str, str]]:
-    """Prepare the pair and everything tritonserver needs; returns (command, environment)."""
+    """Prepare a named pair and everything tritonserver needs; returns (command, environment)."""
     pair = pairs.prepare_pair(pair_name)
     repo = repository.render(pair, run_dir / "model_repository")
     layout = triton_layout(run_dir)
-    env = server_env(layout)
-    ports = (int(os.environ.get("HTTP_PORT", 8000)), int(os.environ.get("GRPC_PORT", 8001)),
-             int(os.environ.get("METRICS_PORT", 8002)))
-    return server_command(layout, repo, *ports), env
+    return server_command(layout, repo, *ports()), server_env(layout)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pair", default=os.environ.get("PAIR", "default"), choices=sorted(pairs.PAIRS))
+    custom = parser.add_argument_group("a pair given by paths (instead of --pair)")
+    custom.add_argument("--target", help="target model: HF directory or .gguf file")
+    custom.add_argument("--draft", default="ngram", help='draft model path, or "ngram" for prompt lookup')
+    custom.add_argument("--tokenizer", default="", help="tokenizer directory (default: the target's)")
+    custom.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
+    custom.add_argument("--device", default="cpu", choices=("cpu", "gpu"))
+    custom.add_argument("--target-gpu", type=int, default=0)
+    custom.add_argument("--spread-target", action="store_true",
+                        help="spread the target over every visible GPU (transformers device_map=auto)")
+    custom.add_argument("--draft-gpu", type=int, default=0)
+    custom.add_argument("--num-draft-tokens", type=int, default=4, help="default draft length per request")
+    custom.add_argument("--max-num-draft-tokens", type=int, default=16)
+    custom.add_argument("--max-context-tokens", type=int, default=2048)
+    custom.add_argument("--chat-template", action="store_true", help="apply the tokenizer's chat template")
+    parser.add_argument("--model-repository", help="serve this already rendered repository as is")
+    parser.add_argument("--triton-root", default=os.environ.get("TRITON_ROOT"),
+                        help="an installed Triton (e.g. /opt/tritonserver) instead of the wheel's server")
+    parser.add_argument("--run-dir", default=None, help="where the rendered repository and backends go")
+    parser.add_argument("--ready-timeout", type=float, default=600.0)
+    args, extra = parser.parse_known_args(argv)
+    if extra and extra[0] == "--":
+        extra = extra[1:]
+    if any(not arg.startswith("--") for arg in extra):
+        parser.error(f"unrecognized arguments: {' '.join(extra)} (server flags go after `--`)")
+    args.server_args = extra
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--pair", default=os.environ.get("PAIR", "default"), choices=sorted(pairs.PAIRS))
-    parser.add_argument("--run-dir", default=None, help="where the rendered repository goes (default .cache/run/<pair>)")
-    parser.add_argument("--ready-timeout", type=float, default=600.0)
-    args = parser.parse_args(argv)
-    run_dir = Path(args.run_dir or pairs.cache_dir() / "run" / args.pair).resolve()
-    command, env = prepare(args.pair, run_dir)
-    http_port = int(os.environ.get("HTTP_PORT", 8000))
-    log(f"starting tritonserver (pair {args.pair}): {' '.join(command)}")
-    process = subprocess.Popen(command, env=env)
+    args = parse_args(argv)
+    label = "custom" if args.target else ("repository" if args.model_repository else args.pair)
+    run_dir = Path(args.run_dir or pairs.cache_dir() / "run" / label).resolve()
+    if args.model_repository:
+        repo = Path(args.model_repository).resolve()
+    else:
+        if args.target:
+            pair = pairs.custom_pair(
+                args.target, args.draft, args.tokenizer, dtype=args.dtype, device=args.device,
+                target_gpu=args.target_gpu, spread_target=args.spread_target, draft_gpu=args.draft_gpu,
+                default_num_draft_tokens=args.num_draft_tokens, max_num_draft_tokens=args.max_num_draft_tokens,
+                max_context_tokens=args.max_context_tokens, apply_chat_template=args.chat_template)
+        else:
+            pair = pairs.prepare_pair(args.pair)
+        repo = repository.render(pair, run_dir / "model_repository")
+    layout = triton_layout(run_dir, Path(args.triton_root) if args.triton_root else None)
+    command = server_command(layout, repo, *ports(), extra=args.server_args)
+    http_port = ports()[0]
+    log(f"starting tritonserver ({label}): {' '.join(redact(arg) for arg in command)}")
+    process = subprocess.Popen(command, env=server_env(layout))
 
     def stop(signum, _frame):
         log(f"signal {signum}: stopping tritonserver")
@@ -132,8 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, stop)
     try:
         wait_ready(http_port, process, args.ready_timeout)
-        log(f"READY: http://localhost:{http_port} grpc localhost:{os.environ.get('GRPC_PORT', 8001)} "
-            f"metrics http://localhost:{os.environ.get('METRICS_PORT', 8002)}/metrics (pair {args.pair})")
+        log(f"READY: http://localhost:{http_port} grpc localhost:{ports()[1]} "
+            f"metrics http://localhost:{ports()[2]}/metrics ({label})")
     except (RuntimeError, TimeoutError) as exc:
         log(str(exc))
         if process.poll() is None:

@@ -38,6 +38,19 @@ class PairSpec:
     dtype: str = "float32"
     max_context_tokens: int = 2048
     apply_chat_template: bool = False
+    # Placement. "gpu": the target on target_gpu (or, with spread_target, over every GPU the server sees
+    # through transformers' device_map="auto"), each draft model on draft_gpu.
+    device: str = "cpu"
+    target_gpu: int = 0
+    spread_target: bool = False
+    draft_gpu: int = 0
+    # Request defaults and limits of speculative_decoding, and the models' sequence bookkeeping.
+    default_num_draft_tokens: int = 4
+    max_num_draft_tokens: int = 16
+    default_max_tokens: int = 64
+    max_max_tokens: int = 1024
+    max_sequences: int = 256
+    sequence_idle_timeout_s: int = 600
 
 
 def log(message: str) -> None:
@@ -172,6 +185,15 @@ def default_pair() -> PairSpec:
         draft_paths={"draft_model": str(draft)}, builtin_drafts=("ngram",), default_draft="ngram", dtype="float32",
         max_context_tokens=int(max_pos), apply_chat_template=True,
     )
+
+
+def custom_pair(target: str, draft: str = "ngram", tokenizer: str = "", **settings) -> PairSpec:
+    """A pair given by paths: `draft` is a model path (HF directory or .gguf) or "ngram" (prompt lookup)."""
+    if draft == "ngram":
+        return PairSpec(name="custom", target_path=target, tokenizer_path=tokenizer or target,
+                        default_draft="ngram", **settings)
+    return PairSpec(name="custom", target_path=target, tokenizer_path=tokenizer or target,
+                    draft_paths={"draft_model": draft}, **settings)
 
 
 PAIRS = {"tiny": tiny_pair, "default": default_pair}

@@ -24,34 +24,63 @@ def set_parameter(config: str, key: str, value: str) -> str:
     return config.rstrip("\n") + f'\nparameters {{ key: "{key}", value: {{ string_value: "{escaped}" }} }}\n'
 
 
-def render(pair: PairSpec, dest: Path, instance_kind: str = "KIND_CPU") -> Path:
+def instance_group(pair: PairSpec, role: str) -> str:
+    """The instance_group line of a language model ("target" or "draft") for the pair's placement.
+
+    One instance, never one per GPU: a sequence's KV cache lives in one instance. A spread target is
+    KIND_MODEL, so Triton leaves device placement to transformers' device_map.
+    """
+    if pair.device == "cpu":
+        return "instance_group [ { count: 1, kind: KIND_CPU } ]"
+    if role == "target" and pair.spread_target:
+        return "instance_group [ { count: 1, kind: KIND_MODEL } ]"
+    gpu = pair.target_gpu if role == "target" else pair.draft_gpu
+    return f"instance_group [ {{ count: 1, kind: KIND_GPU, gpus: [ {gpu} ] }} ]"
+
+
+def render(pair: PairSpec, dest: Path) -> Path:
+    """Write the model repository for `pair` to dest (replacing it); models without weights are left out."""
     if dest.exists():
         shutil.rmtree(dest)
     shutil.copytree(SOURCE, dest, ignore=shutil.ignore_patterns("__pycache__"))
 
-    def edit(model: str, settings: dict[str, str]) -> None:
+    def edit(model: str, settings: dict[str, str], instances: str | None = None) -> None:
         path = dest / model / "config.pbtxt"
         text = path.read_text()
         for key, value in settings.items():
             text = set_parameter(text, key, value)
-        text = re.sub(r"kind:\s*KIND_\w+", f"kind: {instance_kind}", text)
+        if instances:
+            text = re.sub(r"instance_group \[.*\]", instances, text)
         path.write_text(text)
+
+    def lm_settings(path: str, role: str) -> dict[str, str]:
+        on_gpu = pair.device == "gpu"
+        return {"model_path": path, "dtype": pair.dtype, "device": "cuda" if on_gpu else "cpu",
+                "device_map": "auto" if on_gpu and role == "target" and pair.spread_target else "",
+                "max_sequences": str(pair.max_sequences),
+                "sequence_idle_timeout_s": str(pair.sequence_idle_timeout_s)}
 
     tokenizer = {"tokenizer_path": pair.tokenizer_path}
     edit("preprocessing", {**tokenizer, "apply_chat_template": str(pair.apply_chat_template).lower()})
     edit("postprocessing", tokenizer)
-    edit("target_model", {"model_path": pair.target_path, "dtype": pair.dtype})
+    edit("target_model", lm_settings(pair.target_path, "target"), instance_group(pair, "target"))
     drafts = list(pair.draft_paths.items())
     for name, _ in drafts[1:]:
         shutil.copytree(dest / "draft_model", dest / name)
         cfg = dest / name / "config.pbtxt"
         cfg.write_text(cfg.read_text().replace('name: "draft_model"', f'name: "{name}"'))
+    if not drafts:  # model-free drafting only (prompt lookup): no draft model to load
+        shutil.rmtree(dest / "draft_model")
     for name, path in drafts:
-        edit(name, {"model_path": path, "dtype": pair.dtype})
+        edit(name, lm_settings(path, "draft"), instance_group(pair, "draft"))
     draft_models = [name for name, _ in drafts] + list(pair.builtin_drafts)
     if pair.default_draft:  # the first entry is the default
         draft_models.remove(pair.default_draft)
         draft_models.insert(0, pair.default_draft)
-    edit("speculative_decoding", {**tokenizer, "draft_models": ",".join(draft_models),
-                                  "max_context_tokens": str(pair.max_context_tokens)})
+    edit("speculative_decoding", {
+        **tokenizer, "draft_models": ",".join(draft_models),
+        "default_num_draft_tokens": str(pair.default_num_draft_tokens),
+        "max_num_draft_tokens": str(pair.max_num_draft_tokens),
+        "default_max_tokens": str(pair.default_max_tokens), "max_max_tokens": str(pair.max_max_tokens),
+        "max_context_tokens": str(pair.max_context_tokens)})
     return dest

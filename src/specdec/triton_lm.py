@@ -36,7 +36,8 @@ class LanguageModelAdapter:
         params = ModelParameters(args["model_config"])
         self.name = params.model_name
         device = params.str("device", "cpu")
-        if args.get("model_instance_kind") == "GPU" and device == "cpu":
+        # "cuda" (or "cpu" under a GPU instance group) means the GPU Triton gave this instance.
+        if args.get("model_instance_kind") == "GPU" and device in ("cpu", "cuda"):
             device = f"cuda:{args.get('model_instance_device_id', '0')}"
         model = load_causal_lm(
             params.str("model_path"),

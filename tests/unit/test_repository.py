@@ -16,8 +16,9 @@ def test_set_parameter_replaces_and_adds():
 def test_render_points_every_model_at_the_pair(tmp_path):
     pair = PairSpec(name="t", target_path="/w/target", tokenizer_path="/w/tok",
                     draft_paths={"draft_model": "/w/draft", "draft_model_b": "/w/draft_b"},
-                    dtype="float64", max_context_tokens=512, apply_chat_template=True)
-    repo = render(pair, tmp_path / "repo", instance_kind="KIND_GPU")
+                    dtype="float64", max_context_tokens=512, apply_chat_template=True, device="gpu",
+                    target_gpu=1, draft_gpu=0, default_num_draft_tokens=6)
+    repo = render(pair, tmp_path / "repo")
     cfg = {d.name: (d / "config.pbtxt").read_text() for d in repo.iterdir()}
     assert '"/w/target"' in cfg["target_model"] and '"float64"' in cfg["target_model"]
     assert '"/w/draft"' in cfg["draft_model"]
@@ -25,7 +26,20 @@ def test_render_points_every_model_at_the_pair(tmp_path):
     assert '"draft_model,draft_model_b,ngram"' in cfg["speculative_decoding"]
     assert '"512"' in cfg["speculative_decoding"]
     assert 'key: "apply_chat_template", value: { string_value: "true" }' in cfg["preprocessing"]
-    assert "KIND_CPU" not in cfg["target_model"] and "KIND_GPU" in cfg["target_model"]
+    assert "kind: KIND_GPU, gpus: [ 1 ]" in cfg["target_model"] and "kind: KIND_GPU, gpus: [ 0 ]" in cfg["draft_model"]
+    assert 'key: "device", value: { string_value: "cuda" }' in cfg["draft_model"]
+    assert 'key: "default_num_draft_tokens", value: { string_value: "6" }' in cfg["speculative_decoding"]
+    assert "KIND_CPU" in cfg["speculative_decoding"]  # tokenizers and the orchestrator stay on the CPU
+
+
+def test_render_spread_target_and_ngram_only(tmp_path):
+    pair = PairSpec(name="t", target_path="/w/target", tokenizer_path="/w/target", default_draft="ngram",
+                    device="gpu", spread_target=True)
+    repo = render(pair, tmp_path / "repo")
+    assert not (repo / "draft_model").exists()
+    target = (repo / "target_model" / "config.pbtxt").read_text()
+    assert "kind: KIND_MODEL" in target and 'key: "device_map", value: { string_value: "auto" }' in target
+    assert '"draft_models", value: { string_value: "ngram" }' in (repo / "speculative_decoding" / "config.pbtxt").read_text()
 
 
 def test_ensemble_exposes_the_public_contract():

@@ -1,0 +1,85 @@
+{{/* Names and labels. */}}
+{{- define "specdec.name" -}}
+{{- .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "specdec.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "specdec.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "specdec.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "specdec.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{ include "specdec.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/component: inference-server
+{{- end -}}
+
+{{- define "specdec.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "specdec.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "specdec.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+
+{{- define "specdec.adminSecretName" -}}
+{{- default (printf "%s-admin" (include "specdec.fullname" .)) .Values.server.modelRepositoryApi.existingSecret -}}
+{{- end -}}
+
+{{- define "specdec.modelsClaimName" -}}
+{{- if eq .Values.models.source "existingClaim" -}}
+{{- .Values.models.existingClaim.name -}}
+{{- else -}}
+{{- printf "%s-models" (include "specdec.fullname" .) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The models the server loads, in load order (explicit model control). */}}
+{{- define "specdec.modelNames" -}}
+{{- $names := list "preprocessing" "postprocessing" "target_model" -}}
+{{- if eq .Values.models.draft.method "model" -}}
+{{- $names = append $names "draft_model" -}}
+{{- end -}}
+{{- $names = concat $names (list "speculative_decoding" "ensemble") -}}
+{{- join "," $names -}}
+{{- end -}}
+
+{{/* Triton's queue-to-compute ratio for one pod, the autoscaling signal (PromQL). */}}
+{{- define "specdec.queueComputeQuery" -}}
+sum(rate(nv_inference_queue_duration_us{model="target_model",namespace="{{ .Release.Namespace }}",pod=~"{{ include "specdec.fullname" . }}-.*"}[1m])) / clamp_min(sum(rate(nv_inference_compute_infer_duration_us{model="target_model",namespace="{{ .Release.Namespace }}",pod=~"{{ include "specdec.fullname" . }}-.*"}[1m])), 1)
+{{- end -}}
+
+{{/* Cross-field checks JSON Schema cannot express; rendered (as nothing) by the Deployment. */}}
+{{- define "specdec.validate" -}}
+{{- $s := .Values.speculation -}}
+{{- if gt (int $s.defaultNumDraftTokens) (int $s.maxNumDraftTokens) -}}
+{{- fail (printf "speculation.defaultNumDraftTokens (%v) exceeds speculation.maxNumDraftTokens (%v)" $s.defaultNumDraftTokens $s.maxNumDraftTokens) -}}
+{{- end -}}
+{{- if gt (int $s.defaultMaxTokens) (int $s.maxMaxTokens) -}}
+{{- fail (printf "speculation.defaultMaxTokens (%v) exceeds speculation.maxMaxTokens (%v)" $s.defaultMaxTokens $s.maxMaxTokens) -}}
+{{- end -}}
+{{- $gpus := int .Values.gpu.count -}}
+{{- if and (gt $gpus 0) (or (ge (int .Values.gpu.targetGpu) $gpus) (ge (int .Values.gpu.draftGpu) $gpus)) -}}
+{{- fail (printf "gpu.targetGpu and gpu.draftGpu must be below gpu.count (%d)" $gpus) -}}
+{{- end -}}
+{{- if and .Values.gpu.spreadTarget (lt $gpus 2) -}}
+{{- fail "gpu.spreadTarget needs gpu.count of 2 or more" -}}
+{{- end -}}
+{{- if and .Values.autoscaling.enabled (gt (int .Values.autoscaling.minReplicas) (int .Values.autoscaling.maxReplicas)) -}}
+{{- fail "autoscaling.minReplicas exceeds autoscaling.maxReplicas" -}}
+{{- end -}}
+{{- end -}}

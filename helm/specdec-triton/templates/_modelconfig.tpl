@@ -1,0 +1,162 @@
+{{/*
+Triton model configurations for the pair in .Values: the committed config.pbtxt files in model_repository/
+with the chart's settings. tests/deploy checks that each one equals what `specdec.repository.render`
+(the local launcher) writes for the same settings, so the two cannot drift apart.
+*/}}
+
+{{- define "specdec.param" -}}
+parameters { key: {{ index . 0 | quote }}, value: { string_value: {{ index . 1 | toString | quote }} } }
+{{- end -}}
+
+{{- define "specdec.tokenizerPath" -}}
+{{- default .Values.models.target.path .Values.models.target.tokenizerPath -}}
+{{- end -}}
+
+{{- define "specdec.instanceGroup" -}}
+{{- $root := index . 0 -}}{{- $role := index . 1 -}}
+{{- if eq (int $root.Values.gpu.count) 0 -}}
+instance_group [ { count: 1, kind: KIND_CPU } ]
+{{- else if and (eq $role "target") $root.Values.gpu.spreadTarget -}}
+instance_group [ { count: 1, kind: KIND_MODEL } ]
+{{- else -}}
+instance_group [ { count: 1, kind: KIND_GPU, gpus: [ {{ ternary $root.Values.gpu.targetGpu $root.Values.gpu.draftGpu (eq $role "target") }} ] } ]
+{{- end -}}
+{{- end -}}
+
+{{- define "specdec.lmParams" -}}
+{{- $root := index . 0 -}}{{- $role := index . 1 -}}{{- $path := index . 2 -}}
+{{- $onGpu := gt (int $root.Values.gpu.count) 0 -}}
+{{ include "specdec.param" (list "model_path" $path) }}
+{{ include "specdec.param" (list "dtype" $root.Values.models.dtype) }}
+{{ include "specdec.param" (list "device" (ternary "cuda" "cpu" $onGpu)) }}
+{{ include "specdec.param" (list "device_map" (ternary "auto" "" (and $onGpu (eq $role "target") $root.Values.gpu.spreadTarget))) }}
+{{ include "specdec.param" (list "max_sequences" $root.Values.speculation.maxSequences) }}
+{{ include "specdec.param" (list "sequence_idle_timeout_s" $root.Values.speculation.sequenceIdleTimeoutSeconds) }}
+{{ include "specdec.instanceGroup" (list $root $role) }}
+{{- end -}}
+
+{{- define "specdec.config.preprocessing" -}}
+name: "preprocessing"
+backend: "python"
+max_batch_size: 64
+input [
+  { name: "text_input", data_type: TYPE_STRING, dims: [ 1 ] },
+  { name: "apply_chat_template", data_type: TYPE_BOOL, dims: [ 1 ], optional: true }
+]
+output [
+  { name: "input_ids", data_type: TYPE_INT32, dims: [ -1 ] },
+  { name: "input_length", data_type: TYPE_INT32, dims: [ 1 ] }
+]
+{{ include "specdec.param" (list "tokenizer_path" (include "specdec.tokenizerPath" .)) }}
+{{ include "specdec.param" (list "apply_chat_template" (ternary "true" "false" .Values.models.applyChatTemplate)) }}
+instance_group [ { count: 1, kind: KIND_CPU } ]
+{{- end -}}
+
+{{- define "specdec.config.postprocessing" -}}
+name: "postprocessing"
+backend: "python"
+max_batch_size: 64
+input [
+  { name: "output_ids", data_type: TYPE_INT32, dims: [ -1 ], allow_ragged_batch: true },
+  { name: "prefix_ids", data_type: TYPE_INT32, dims: [ -1 ], optional: true, allow_ragged_batch: true },
+  { name: "text_length", data_type: TYPE_INT32, dims: [ 1 ], optional: true },
+  { name: "sequence_id", data_type: TYPE_UINT64, dims: [ 1 ], optional: true }
+]
+output [
+  { name: "text_output", data_type: TYPE_STRING, dims: [ -1 ] }
+]
+{{ include "specdec.param" (list "tokenizer_path" (include "specdec.tokenizerPath" .)) }}
+instance_group [ { count: 1, kind: KIND_CPU } ]
+{{- end -}}
+
+{{- define "specdec.sequenceBatching" -}}
+sequence_batching {
+  max_sequence_idle_microseconds: 600000000
+  oldest { max_candidate_sequences: 256, max_queue_delay_microseconds: 0 }
+}
+{{- end -}}
+
+{{- define "specdec.config.draft_model" -}}
+name: "draft_model"
+backend: "python"
+max_batch_size: 64
+{{ include "specdec.sequenceBatching" . }}
+input [
+  { name: "input_ids", data_type: TYPE_INT32, dims: [ -1 ], allow_ragged_batch: true },
+  { name: "cache_length", data_type: TYPE_INT32, dims: [ 1 ] },
+  { name: "num_draft_tokens", data_type: TYPE_INT32, dims: [ 1 ], optional: true },
+  { name: "temperature", data_type: TYPE_FP32, dims: [ 1 ], optional: true },
+  { name: "top_k", data_type: TYPE_INT32, dims: [ 1 ], optional: true },
+  { name: "top_p", data_type: TYPE_FP32, dims: [ 1 ], optional: true },
+  { name: "seed", data_type: TYPE_UINT64, dims: [ 1 ], optional: true },
+  { name: "release", data_type: TYPE_BOOL, dims: [ 1 ], optional: true }
+]
+output [
+  { name: "draft_tokens", data_type: TYPE_INT32, dims: [ -1 ] },
+  { name: "draft_probs", data_type: TYPE_FP32, dims: [ -1, -1 ] }
+]
+{{ include "specdec.lmParams" (list . "draft" .Values.models.draft.path) }}
+{{- end -}}
+
+{{- define "specdec.config.target_model" -}}
+name: "target_model"
+backend: "python"
+max_batch_size: 64
+{{ include "specdec.sequenceBatching" . }}
+input [
+  { name: "input_ids", data_type: TYPE_INT32, dims: [ -1 ], allow_ragged_batch: true },
+  { name: "cache_length", data_type: TYPE_INT32, dims: [ 1 ] },
+  { name: "num_logits", data_type: TYPE_INT32, dims: [ 1 ], optional: true },
+  { name: "release", data_type: TYPE_BOOL, dims: [ 1 ], optional: true }
+]
+output [
+  { name: "greedy_tokens", data_type: TYPE_INT32, dims: [ -1 ] },
+  { name: "logits", data_type: TYPE_FP32, dims: [ -1, -1 ] }
+]
+{{ include "specdec.lmParams" (list . "target" .Values.models.target.path) }}
+{{- end -}}
+
+{{- define "specdec.config.speculative_decoding" -}}
+{{- $s := .Values.speculation -}}
+name: "speculative_decoding"
+backend: "python"
+max_batch_size: 64
+model_transaction_policy { decoupled: true }
+input [
+  { name: "input_ids", data_type: TYPE_INT32, dims: [ -1 ], allow_ragged_batch: true },
+  { name: "max_tokens", data_type: TYPE_INT32, dims: [ 1 ], optional: true },
+  { name: "num_draft_tokens", data_type: TYPE_INT32, dims: [ 1 ], optional: true },
+  { name: "temperature", data_type: TYPE_FP32, dims: [ 1 ], optional: true },
+  { name: "top_k", data_type: TYPE_INT32, dims: [ 1 ], optional: true },
+  { name: "top_p", data_type: TYPE_FP32, dims: [ 1 ], optional: true },
+  { name: "seed", data_type: TYPE_UINT64, dims: [ 1 ], optional: true },
+  { name: "stream", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },
+  { name: "end_id", data_type: TYPE_INT32, dims: [ 1 ], optional: true },
+  { name: "stop_words", data_type: TYPE_STRING, dims: [ -1 ], optional: true, allow_ragged_batch: true },
+  { name: "draft_model", data_type: TYPE_STRING, dims: [ 1 ], optional: true }
+]
+output [
+  { name: "output_ids", data_type: TYPE_INT32, dims: [ -1 ] },
+  { name: "prefix_ids", data_type: TYPE_INT32, dims: [ -1 ] },
+  { name: "text_length", data_type: TYPE_INT32, dims: [ 1 ] },
+  { name: "sequence_id", data_type: TYPE_UINT64, dims: [ 1 ] },
+  { name: "finish_reason", data_type: TYPE_STRING, dims: [ 1 ] },
+  { name: "num_input_tokens", data_type: TYPE_INT32, dims: [ 1 ] },
+  { name: "num_output_tokens", data_type: TYPE_INT32, dims: [ 1 ] },
+  { name: "total_draft_tokens", data_type: TYPE_INT32, dims: [ 1 ] },
+  { name: "total_accepted_draft_tokens", data_type: TYPE_INT32, dims: [ 1 ] },
+  { name: "acceptance_rate", data_type: TYPE_FP32, dims: [ 1 ] },
+  { name: "num_rounds", data_type: TYPE_INT32, dims: [ 1 ] },
+  { name: "mean_accepted_length", data_type: TYPE_FP32, dims: [ 1 ] }
+]
+{{ include "specdec.param" (list "tokenizer_path" (include "specdec.tokenizerPath" .)) }}
+{{ include "specdec.param" (list "target_model" "target_model") }}
+{{ include "specdec.param" (list "draft_models" (ternary "draft_model,ngram" "ngram" (eq .Values.models.draft.method "model"))) }}
+{{ include "specdec.param" (list "default_num_draft_tokens" $s.defaultNumDraftTokens) }}
+{{ include "specdec.param" (list "max_num_draft_tokens" $s.maxNumDraftTokens) }}
+{{ include "specdec.param" (list "default_max_tokens" $s.defaultMaxTokens) }}
+{{ include "specdec.param" (list "max_max_tokens" $s.maxMaxTokens) }}
+{{ include "specdec.param" (list "max_context_tokens" $s.maxContextTokens) }}
+{{ include "specdec.param" (list "max_stop_words" 16) }}
+instance_group [ { count: 1, kind: KIND_CPU } ]
+{{- end -}}

@@ -1,0 +1,234 @@
+"""The Helm chart, rendered by Helm's own engine (helm-python-sdk) and checked against the Kubernetes
+schemas (kubernetes-validate, strict), the chart's values schema and the local launcher's model repository."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+helm_python = pytest.importorskip("helm_python")
+from helm_python import Chart  # noqa: E402
+
+from specdec import launcher  # noqa: E402
+from specdec.pairs import REPO_ROOT, PairSpec  # noqa: E402
+from specdec.repository import render  # noqa: E402
+
+CHART = REPO_ROOT / "helm" / "specdec-triton"
+# The newest Kubernetes the validator knows and the oldest the chart supports (Chart.yaml kubeVersion).
+K8S_VERSIONS = (kubernetes_validate.latest_version(), "1.25.0")
+CRD_KINDS = {"ServiceMonitor", "PodMonitor", "ScaledObject"}  # not in the Kubernetes schemas
+
+COMBINATIONS = {
+    "defaults": {},
+    "new-claim": {"models": {"source": "newClaim", "newClaim": {"size": "50Gi", "storageClassName": "fast"}}},
+    "init-container": {"models": {"source": "initContainer"}},
+    "autoscaling-hpa": {"autoscaling": {"enabled": True, "minReplicas": 2, "maxReplicas": 6},
+                        "prometheusAdapterRules": {"enabled": True}},
+    "autoscaling-keda": {"keda": {"enabled": True}},
+    "monitoring": {"monitoring": {"serviceMonitor": {"enabled": True}, "podMonitor": {"enabled": True},
+                                  "grafanaDashboard": {"enabled": True}},
+                   "ingress": {"enabled": True, "className": "nginx", "grpc": {"enabled": True},
+                               "tls": [{"hosts": ["specdec.example.com"], "secretName": "tls"}]}},
+    "cpu-only-ngram": {"gpu": {"count": 0}, "models": {"draft": {"method": "ngram"}, "dtype": "float32"},
+                       "resources": {"requests": {"cpu": "2", "memory": "4Gi"}}},
+    "spread-target": {"gpu": {"count": 4, "spreadTarget": True, "draftGpu": 3},
+                      "speculation": {"defaultNumDraftTokens": 6, "maxContextTokens": 4096},
+                      "podDisruptionBudget": {"enabled": False}, "server": {"modelRepositoryApi": {"restricted": False}}},
+}
+
+
+def deep_merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for key, value in extra.items():
+        out[key] = deep_merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def render_chart(values: dict) -> list[dict]:
+    chart = Chart.load(CHART)
+    try:
+        files = chart.render(values, name="llm", namespace="serving")
+    finally:
+        chart.close()
+    docs = []
+    for path, text in files.items():
+        if path.endswith("NOTES.txt"):
+            continue
+        docs.extend(doc for doc in yaml.safe_load_all(text) if doc)
+    return docs
+
+
+def by_kind(docs: list[dict], kind: str) -> list[dict]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+def deployment(docs):
+    (dep,) = by_kind(docs, "Deployment")
+    return dep
+
+
+def chart_values(overrides: dict) -> dict:
+    return deep_merge(yaml.safe_load((CHART / "values.yaml").read_text()), overrides)
+
+
+def test_helm_lint_is_clean():
+    result = helm_python.lint(str(CHART))
+    assert result["errors"] == [] and result["messages"] == [], result
+
+
+@pytest.mark.parametrize("name", sorted(COMBINATIONS))
+def test_every_manifest_is_valid_kubernetes(name):
+    docs = render_chart(COMBINATIONS[name])
+    kinds = {d["kind"] for d in docs}
+    assert {"Deployment", "Service", "ConfigMap"} <= kinds
+    for doc in docs:
+        if doc["kind"] in CRD_KINDS:
+            assert doc["apiVersion"] in ("monitoring.coreos.com/v1", "keda.sh/v1alpha1")
+            assert doc["spec"]["scaleTargetRef" if doc["kind"] == "ScaledObject" else "selector"]
+            continue
+        for version in K8S_VERSIONS:
+            kubernetes_validate.validate(doc, version, strict=True)
+
+
+@pytest.mark.parametrize("name", sorted(COMBINATIONS))
+def test_pod_is_hardened_and_probed(name):
+    pod = deployment(render_chart(COMBINATIONS[name]))["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] == 1000
+    assert pod["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
+    for container in pod["containers"] + pod.get("initContainers", []):
+        sc = container["securityContext"]
+        assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"]["drop"] == ["ALL"]
+        assert sc["readOnlyRootFilesystem"] is True
+    (triton,) = pod["containers"]
+    assert triton["startupProbe"]["httpGet"]["path"] == "/v2/health/ready"
+    assert triton["livenessProbe"]["httpGet"]["path"] == "/v2/health/live"
+    assert triton["readinessProbe"]["httpGet"]["path"] == "/v2/health/ready"
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["mountPath"]: m["name"] for m in triton["volumeMounts"]}
+    assert volumes[mounts["/dev/shm"]]["emptyDir"]["medium"] == "Memory"
+    assert "emptyDir" in volumes[mounts["/tmp"]]  # the only writable path besides /dev/shm
+
+
+def test_gpu_limits_and_cpu_only():
+    gpu = deployment(render_chart({}))["spec"]["template"]["spec"]["containers"][0]
+    assert gpu["resources"]["limits"]["nvidia.com/gpu"] == 1
+    cpu = deployment(render_chart(COMBINATIONS["cpu-only-ngram"]))["spec"]["template"]["spec"]["containers"][0]
+    assert "nvidia.com/gpu" not in cpu["resources"].get("limits", {})
+    assert {"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"} in cpu["env"]
+
+
+def test_weights_sources():
+    def pod(name):
+        return deployment(render_chart(COMBINATIONS[name]))["spec"]["template"]["spec"]
+
+    existing = pod("defaults")
+    assert "initContainers" not in existing
+    assert {v["name"]: v for v in existing["volumes"]}["models"]["persistentVolumeClaim"]["claimName"] == "model-weights"
+    new = render_chart(COMBINATIONS["new-claim"])
+    (pvc,) = by_kind(new, "PersistentVolumeClaim")
+    assert pvc["spec"]["storageClassName"] == "fast" and pvc["spec"]["resources"]["requests"]["storage"] == "50Gi"
+    new_pod = deployment(new)["spec"]["template"]["spec"]
+    assert new_pod["initContainers"][0]["name"] == "fetch-models"
+    assert {v["name"]: v for v in new_pod["volumes"]}["models"]["persistentVolumeClaim"]["claimName"] == pvc["metadata"]["name"]
+    init = pod("init-container")
+    assert init["initContainers"] and "emptyDir" in {v["name"]: v for v in init["volumes"]}["models"]
+
+
+def test_autoscaling_and_monitoring_objects():
+    docs = render_chart(COMBINATIONS["autoscaling-hpa"])
+    (hpa,) = by_kind(docs, "HorizontalPodAutoscaler")
+    assert hpa["spec"]["metrics"][0]["pods"]["metric"]["name"] == "triton_queue_compute_ratio"
+    assert "replicas" not in deployment(docs)["spec"]  # the HPA owns the replica count
+    rules = [d for d in by_kind(docs, "ConfigMap") if d["metadata"]["name"].endswith("prometheus-adapter-rules")]
+    assert "nv_inference_queue_duration_us" in rules[0]["data"]["config.yaml"]
+    (scaled,) = by_kind(render_chart(COMBINATIONS["autoscaling-keda"]), "ScaledObject")
+    assert "nv_inference_compute_infer_duration_us" in scaled["spec"]["triggers"][0]["metadata"]["query"]
+    mon = render_chart(COMBINATIONS["monitoring"])
+    assert by_kind(mon, "ServiceMonitor")[0]["spec"]["endpoints"][0]["port"] == "metrics"
+    assert by_kind(mon, "PodMonitor")[0]["spec"]["podMetricsEndpoints"][0]["port"] == "metrics"
+    dashboard = [d for d in by_kind(mon, "ConfigMap") if d["metadata"]["name"].endswith("-dashboard")][0]
+    panels = yaml.safe_load(dashboard["data"]["specdec-triton.json"])["panels"]
+    titles = " ".join(p["title"] for p in panels).lower()
+    for needed in ("acceptance", "time to first token", "tokens/s", "queue"):
+        assert needed in titles
+    ingresses = by_kind(mon, "Ingress")
+    assert len(ingresses) == 2 and ingresses[1]["metadata"]["annotations"][
+        "nginx.ingress.kubernetes.io/backend-protocol"] == "GRPC"
+    (pdb,) = by_kind(render_chart({}), "PodDisruptionBudget")
+    assert pdb["spec"]["maxUnavailable"] == 1
+
+
+def test_helm_test_hook_sends_a_real_request():
+    (test_pod,) = [d for d in render_chart({}) if d["kind"] == "Pod"]
+    assert test_pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    container = test_pod["spec"]["containers"][0]
+    assert container["command"] == ["python", "-m", "client"] and "--require-output" in container["args"]
+    assert "--url=http://llm-specdec-triton:8000" in container["args"]
+    # The Service must not route to the test pod.
+    assert "app.kubernetes.io/name" not in test_pod["metadata"]["labels"]
+
+
+@pytest.mark.parametrize("bad, field", [
+    ({"models": {"dtype": "int4"}}, "/models/dtype"),
+    ({"models": {"draft": {"method": "eagle"}}}, "/models/draft/method"),
+    ({"models": {"target": {"path": "relative/dir"}}}, "/models/target/path"),
+    ({"gpu": {"count": -1}}, "/gpu/count"),
+    ({"speculation": {"maxNumDraftTokens": "many"}}, "/speculation/maxNumDraftTokens"),
+    ({"service": {"type": "Headless"}}, "/service/type"),
+    ({"unknownKey": True}, "unknownKey"),
+    ({"autoscaling": {"enabled": True}, "keda": {"enabled": True}}, "allOf"),
+    ({"speculation": {"defaultNumDraftTokens": 20, "maxNumDraftTokens": 16}}, "defaultNumDraftTokens"),
+    ({"gpu": {"count": 1, "draftGpu": 1}}, "gpu.draftGpu"),
+    ({"gpu": {"count": 1, "spreadTarget": True}}, "spreadTarget"),
+])
+def test_bad_values_are_rejected(bad, field):
+    with pytest.raises(helm_python.HelmError, match=re.escape(field)):
+        render_chart(bad)
+
+
+def normalized(config: str) -> list[str]:
+    """Config text without comments, one normalized line per statement line."""
+    lines = (re.sub(r"\s+", " ", line.split("#", 1)[0]).strip() for line in config.splitlines())
+    return [line for line in lines if line]
+
+
+def pair_for(values: dict) -> PairSpec:
+    """The PairSpec the local launcher would serve for the chart's settings."""
+    models, gpu, spec = values["models"], values["gpu"], values["speculation"]
+    model_draft = models["draft"]["method"] == "model"
+    return PairSpec(
+        name="chart", target_path=models["target"]["path"],
+        tokenizer_path=models["target"]["tokenizerPath"] or models["target"]["path"],
+        draft_paths={"draft_model": models["draft"]["path"]} if model_draft else {},
+        default_draft="" if model_draft else "ngram", dtype=models["dtype"],
+        max_context_tokens=spec["maxContextTokens"], apply_chat_template=models["applyChatTemplate"],
+        device="gpu" if gpu["count"] > 0 else "cpu", target_gpu=gpu["targetGpu"], spread_target=gpu["spreadTarget"],
+        draft_gpu=gpu["draftGpu"], default_num_draft_tokens=spec["defaultNumDraftTokens"],
+        max_num_draft_tokens=spec["maxNumDraftTokens"], default_max_tokens=spec["defaultMaxTokens"],
+        max_max_tokens=spec["maxMaxTokens"], max_sequences=spec["maxSequences"],
+        sequence_idle_timeout_s=spec["sequenceIdleTimeoutSeconds"])
+
+
+@pytest.mark.parametrize("name", ["defaults", "cpu-only-ngram", "spread-target"])
+def test_model_configuration_matches_the_launcher(name, tmp_path):
+    docs = render_chart(COMBINATIONS[name])
+    (configs,) = [d for d in by_kind(docs, "ConfigMap") if d["metadata"]["name"].endswith("-model-config")]
+    repo = render(pair_for(chart_values(COMBINATIONS[name])), tmp_path / "repo")
+    rendered = {d.name: (d / "config.pbtxt").read_text() for d in repo.iterdir() if d.name != "ensemble"}
+    assert {key.removesuffix(".config.pbtxt") for key in configs["data"]} == set(rendered)
+    for model, text in rendered.items():
+        assert normalized(configs["data"][f"{model}.config.pbtxt"]) == normalized(text), model
+
+    # The server loads exactly the rendered models; the launcher accepts the container's arguments.
+    triton = deployment(docs)["spec"]["template"]["spec"]["containers"][0]
+    args = launcher.parse_args(triton["args"])
+    assert args.model_repository == "/opt/specdec/model_repository"
+    loaded = {a.split("=", 1)[1] for a in args.server_args if a.startswith("--load-model=")}
+    assert loaded == {d.name for d in repo.iterdir()}
+    assert "--model-control-mode=explicit" in args.server_args
+    mounted = {Path(m["mountPath"]).parent.name for m in triton["volumeMounts"] if m["name"] == "model-config"}
+    assert mounted == set(rendered)
