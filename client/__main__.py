@@ -29,6 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--end-id", type=int)
     p.add_argument("--stop", action="append", default=[], help="stop word (repeatable)")
     p.add_argument("--draft-model")
+    p.add_argument("--adaptive-draft", dest="adaptive_draft", action=argparse.BooleanOptionalAction, default=None,
+                   help="adapt K per round (server default: on); --no-adaptive-draft drafts exactly --num-draft-tokens")
     p.add_argument("--chat-template", dest="apply_chat_template", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--require-output", action="store_true",
@@ -37,7 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     params = GenerationParams(
         max_tokens=args.max_tokens, num_draft_tokens=args.num_draft_tokens, temperature=args.temperature,
         top_k=args.top_k, top_p=args.top_p, seed=args.seed, end_id=args.end_id, stop_words=tuple(args.stop),
-        draft_model=args.draft_model, apply_chat_template=args.apply_chat_template)
+        draft_model=args.draft_model, apply_chat_template=args.apply_chat_template,
+        adaptive_draft=args.adaptive_draft)
     client = Client(args.url, args.protocol, args.model, args.timeout)
 
     def show(delta: str) -> None:

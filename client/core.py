@@ -35,7 +35,8 @@ class GenerationParams:
     """Every public input of `ensemble` but the prompt; None = the server's default."""
 
     max_tokens: int | None = None
-    num_draft_tokens: int | None = None  # 0 = target-only decoding
+    num_draft_tokens: int | None = None  # 0 = target-only decoding; the maximum K when adaptive
+    adaptive_draft: bool | None = None  # K adapts per round (the server's default: on)
     temperature: float | None = None  # 0 = greedy
     top_k: int | None = None
     top_p: float | None = None
@@ -52,7 +53,8 @@ class GenerationParams:
         scalars = [(tn.MAX_TOKENS, self.max_tokens, np.int32), (tn.NUM_DRAFT_TOKENS, self.num_draft_tokens, np.int32),
                    (tn.TEMPERATURE, self.temperature, np.float32), (tn.TOP_K, self.top_k, np.int32),
                    (tn.TOP_P, self.top_p, np.float32), (tn.SEED, self.seed, np.uint64),
-                   (tn.END_ID, self.end_id, np.int32), (tn.APPLY_CHAT_TEMPLATE, self.apply_chat_template, np.bool_)]
+                   (tn.END_ID, self.end_id, np.int32), (tn.APPLY_CHAT_TEMPLATE, self.apply_chat_template, np.bool_),
+                   (tn.ADAPTIVE_DRAFT, self.adaptive_draft, np.bool_)]
         for name, value, dtype in scalars:
             if value is not None:
                 arrays[name] = np.array([[value]], dtype=dtype)
@@ -66,7 +68,7 @@ class GenerationParams:
         """The body of Triton's generate extension (/generate, /generate_stream)."""
         body = {tn.TEXT_INPUT: prompt, tn.STREAM: stream}
         for name in ("max_tokens", "num_draft_tokens", "temperature", "top_k", "top_p", "seed", "end_id",
-                     "draft_model", "apply_chat_template"):
+                     "draft_model", "apply_chat_template", "adaptive_draft"):
             value = getattr(self, name)
             if value is not None:
                 body[name] = value

@@ -10,11 +10,15 @@ rejection rolls back by keeping fewer, and nothing already cached is sent again.
             verdict: n accepted, next token y  ->  tokens += x_1..x_n, y
             valid prefixes: target L + n, draft L + min(n, K - 1)
 
-num_draft_tokens = 0 runs target-only decoding through the same path (the benchmark baseline).
+num_draft_tokens = 0 runs target-only decoding through the same path (the benchmark baseline). With a
+DraftLengthPolicy, num_draft_tokens is the maximum and the policy picks each round's k from the
+acceptance so far and the measured costs (it may pick 0: a target-only round); the loop times every
+call for it.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Protocol
 
@@ -23,6 +27,7 @@ import torch
 from specdec import tensor_names as tn
 from specdec.rejection_sampler import Verdict, greedy_verify, rejection_sample
 from specdec.sampling import SamplingParams, logits_to_probs, make_generator
+from specdec.speculation_policy import DraftLengthPolicy
 
 
 @dataclass(frozen=True)
@@ -87,8 +92,8 @@ class RoundOutput:
     finish_reason: str | None  # set on the last round
 
 
-async def generate(req: GenerationRequest, proposer: Proposer, scorer: Scorer,
-                   stats: Stats | None = None) -> AsyncIterator[RoundOutput]:
+async def generate(req: GenerationRequest, proposer: Proposer, scorer: Scorer, stats: Stats | None = None,
+                   policy: DraftLengthPolicy | None = None) -> AsyncIterator[RoundOutput]:
     """Yield one RoundOutput per verify round until a stop condition; caches are released at the end,
     also when the consumer stops early (cancellation) or a call fails."""
     stats = stats if stats is not None else Stats()
@@ -101,18 +106,27 @@ async def generate(req: GenerationRequest, proposer: Proposer, scorer: Scorer,
     try:
         while True:
             # Never draft past max_tokens: the bonus token always fills the last slot.
-            k = max(0, min(req.num_draft_tokens, req.max_tokens - generated - 1))
+            wanted = policy.next_k() if policy else req.num_draft_tokens
+            k = max(0, min(wanted, req.max_tokens - generated - 1))
             proposal = Proposal([], None)
             if k > 0:
                 round_seed = int(torch.randint(0, 2**62, (1,), generator=generator)) if generator else 0
+                started = time.perf_counter()
                 proposal = await proposer.propose(req.seq_id, draft_valid, tokens[draft_valid:], k,
                                                   req.sampling, round_seed)
+                if policy:
+                    policy.observe_draft(k, time.perf_counter() - started)
                 draft_valid = proposal.cached_length
                 drafted_ever = True
                 k = len(proposal.tokens)  # no proposal (an n-gram miss) = a plain target-only round
-            scores = await scorer.score(req.seq_id, target_valid, tokens[target_valid:] + proposal.tokens,
-                                        k + 1, want_logits=not req.sampling.greedy)
+            new_ids = tokens[target_valid:] + proposal.tokens
+            started = time.perf_counter()
+            scores = await scorer.score(req.seq_id, target_valid, new_ids, k + 1, want_logits=not req.sampling.greedy)
+            if policy and len(new_ids) == k + 1:  # a plain round (no prompt prefill or catch-up)
+                policy.observe_verify(k + 1, time.perf_counter() - started)
             verdict = _verify(proposal, scores, req.sampling, generator)
+            if policy:
+                policy.update(k, verdict.num_accepted)
 
             new = proposal.tokens[:verdict.num_accepted] + [verdict.next_token]
             target_valid = len(tokens) + verdict.num_accepted

@@ -45,6 +45,7 @@ class PairSpec:
     spread_target: bool = False
     draft_gpu: int = 0
     # Request defaults and limits of speculative_decoding, and the models' sequence bookkeeping.
+    adaptive_draft: bool = True
     default_num_draft_tokens: int = 4
     max_num_draft_tokens: int = 16
     default_max_tokens: int = 64
@@ -184,6 +185,8 @@ def default_pair() -> PairSpec:
         name="default", target_path=str(target), tokenizer_path=str(target),
         draft_paths={"draft_model": str(draft)}, builtin_drafts=("ngram",), default_draft="ngram", dtype="float32",
         max_context_tokens=int(max_pos), apply_chat_template=True,
+        # Up to 8 tokens a round, adaptive: a lookup proposes at most the span it found.
+        default_num_draft_tokens=8,
     )
 
 

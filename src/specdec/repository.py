@@ -79,6 +79,7 @@ def render(pair: PairSpec, dest: Path) -> Path:
         draft_models.insert(0, pair.default_draft)
     edit("speculative_decoding", {
         **tokenizer, "draft_models": ",".join(draft_models),
+        "adaptive_draft": str(pair.adaptive_draft).lower(),
         "default_num_draft_tokens": str(pair.default_num_draft_tokens),
         "max_num_draft_tokens": str(pair.max_num_draft_tokens),
         "default_max_tokens": str(pair.default_max_tokens), "max_max_tokens": str(pair.max_max_tokens),

@@ -8,6 +8,7 @@ Dims exclude the batch dimension (every public model has max_batch_size > 0).
 TEXT_INPUT = "text_input"  # STRING [1], required
 MAX_TOKENS = "max_tokens"  # INT32 [1]
 NUM_DRAFT_TOKENS = "num_draft_tokens"  # INT32 [1]; 0 = target-only decoding through the same path
+ADAPTIVE_DRAFT = "adaptive_draft"  # BOOL [1]; true: num_draft_tokens is the maximum, K adapts per round
 TEMPERATURE = "temperature"  # FP32 [1]; 0 = greedy
 TOP_K = "top_k"  # INT32 [1]; 0 = no top-k filter
 TOP_P = "top_p"  # FP32 [1]; 1 = no nucleus filter

@@ -22,6 +22,7 @@ from specdec.cancellation import CancellationBoard
 from specdec.config import ModelParameters
 from specdec.metrics import OrchestratorMetrics
 from specdec.ngram_proposer import NgramProposer
+from specdec.speculation_policy import CostModel, DraftLengthPolicy
 from specdec.orchestrator import GenerationRequest, Stats, generate
 from specdec.sampling import SamplingParams
 from specdec.text import Emission, TextEmitter, load_tokenizer
@@ -49,6 +50,9 @@ class SpeculativeDecodingAdapter:
         self.default_num_draft_tokens = params.int("default_num_draft_tokens", tn.DEFAULT_NUM_DRAFT_TOKENS,
                                                    low=0, high=self.max_num_draft_tokens)
         self.max_stop_words = params.int("max_stop_words", 16, low=0)
+        # Adaptive draft length by default: num_draft_tokens is then the most a round drafts.
+        self.adaptive_draft = params.bool("adaptive_draft", True)
+        self.costs = CostModel()  # measured by every request, shared: the policy's c and v(k)
         timeout_us = params.int("bls_timeout_us", 0, low=0)
         draft_names = params.list("draft_models", tn.DRAFT_MODEL_NAME)
         if not draft_names:
@@ -79,7 +83,7 @@ class SpeculativeDecodingAdapter:
             self.last_sweep = arrived
         sender = request.get_response_sender()
         try:
-            gen, stream, stop_words, draft_name = self._parse(request)
+            gen, stream, stop_words, draft_name, adaptive = self._parse(request)
         except InputError as exc:
             self.metrics.requests["invalid"].increment(1)
             # Triton 24.10's stub registers an async execute's future only after scheduling it; a coroutine
@@ -106,7 +110,13 @@ class SpeculativeDecodingAdapter:
         self.metrics.live.set(self.live)
         finish, last = None, None
         try:
-            async with contextlib.aclosing(generate(gen, self.proposers[draft_name], self.scorer, stats)) as rounds:
+            # A seeded sampled request must be reproducible: measured costs vary from run to run, and a
+            # different K changes which random draws pick which token, so it drafts a fixed K.
+            reproducible = not gen.sampling.greedy and gen.sampling.seed is not None
+            policy = DraftLengthPolicy(gen.num_draft_tokens, self.costs, draft_name,
+                                       adaptive=adaptive and not reproducible, free=draft_name == NGRAM)
+            rounds = generate(gen, self.proposers[draft_name], self.scorer, stats, policy)
+            async with contextlib.aclosing(rounds) as rounds:
                 async for rnd in rounds:
                     self.metrics.record_round(rnd.num_drafted, rnd.num_accepted)
                     emission = emitter.push(rnd.new_tokens, final=rnd.finish_reason is not None)
@@ -191,7 +201,7 @@ class SpeculativeDecodingAdapter:
                 raise InputError(f"input '{name}' is not valid UTF-8") from None
         return out
 
-    def _parse(self, request) -> tuple[GenerationRequest, bool, tuple[str, ...], str]:
+    def _parse(self, request) -> tuple[GenerationRequest, bool, tuple[str, ...], str, bool]:
         prompt_ids = self._input(request, tn.INPUT_IDS, np.int32)
         if prompt_ids is None or prompt_ids.size == 0:
             raise InputError(f"input '{tn.TEXT_INPUT}' is empty: the prompt needs at least one token")
@@ -207,6 +217,7 @@ class SpeculativeDecodingAdapter:
         if not 0 <= k <= self.max_num_draft_tokens:
             raise InputError(
                 f"input '{tn.NUM_DRAFT_TOKENS}' must be within [0, {self.max_num_draft_tokens}], got {k}")
+        adaptive = bool(self._scalar(request, tn.ADAPTIVE_DRAFT, np.bool_, self.adaptive_draft))
         temperature = self._scalar(request, tn.TEMPERATURE, np.float32, 0.0)
         if not 0.0 <= temperature < float("inf"):  # also rejects NaN
             raise InputError(f"input '{tn.TEMPERATURE}' must be a finite number >= 0, got {temperature}")
@@ -239,4 +250,4 @@ class SpeculativeDecodingAdapter:
             sampling=SamplingParams(temperature, top_k, top_p, seed),
             end_ids=end_ids,
         )
-        return gen, stream, stop_words, draft_name
+        return gen, stream, stop_words, draft_name, adaptive

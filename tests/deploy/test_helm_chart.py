@@ -207,7 +207,8 @@ def pair_for(values: dict) -> PairSpec:
         default_draft="" if model_draft else "ngram", dtype=models["dtype"],
         max_context_tokens=spec["maxContextTokens"], apply_chat_template=models["applyChatTemplate"],
         device="gpu" if gpu["count"] > 0 else "cpu", target_gpu=gpu["targetGpu"], spread_target=gpu["spreadTarget"],
-        draft_gpu=gpu["draftGpu"], default_num_draft_tokens=spec["defaultNumDraftTokens"],
+        draft_gpu=gpu["draftGpu"], adaptive_draft=spec["adaptiveDraft"],
+        default_num_draft_tokens=spec["defaultNumDraftTokens"],
         max_num_draft_tokens=spec["maxNumDraftTokens"], default_max_tokens=spec["defaultMaxTokens"],
         max_max_tokens=spec["maxMaxTokens"], max_sequences=spec["maxSequences"],
         sequence_idle_timeout_s=spec["sequenceIdleTimeoutSeconds"])

@@ -131,7 +131,7 @@ def stop_server(server: Server, require_clean_exit: bool = True) -> int:
 def _inputs(prompt: str, **params) -> list:
     types = {tn.MAX_TOKENS: np.int32, tn.NUM_DRAFT_TOKENS: np.int32, tn.TEMPERATURE: np.float32,
              tn.TOP_K: np.int32, tn.TOP_P: np.float32, tn.SEED: np.uint64, tn.STREAM: np.bool_,
-             tn.END_ID: np.int32}
+             tn.END_ID: np.int32, tn.ADAPTIVE_DRAFT: np.bool_, tn.APPLY_CHAT_TEMPLATE: np.bool_}
     arrays = {tn.TEXT_INPUT: np.array([[prompt.encode()]], dtype=np.object_)}
     for name, value in params.items():
         if value is None:

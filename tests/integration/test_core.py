@@ -46,7 +46,7 @@ def test_target_only_baseline_is_sane(target_only):
 def test_greedy_speculative_equals_target_only(server, target_only, k):
     drafted = accepted = 0
     for prompt in PROMPTS:
-        result = grpc_stream(server.grpc_url, prompt, max_tokens=MAX_TOKENS, num_draft_tokens=k)
+        result = grpc_stream(server.grpc_url, prompt, max_tokens=MAX_TOKENS, num_draft_tokens=k, adaptive_draft=False)
         assert result[tn.TEXT_OUTPUT] == target_only[prompt][tn.TEXT_OUTPUT], prompt
         assert result[tn.NUM_OUTPUT_TOKENS] == target_only[prompt][tn.NUM_OUTPUT_TOKENS]
         assert result[tn.FINISH_REASON] == target_only[prompt][tn.FINISH_REASON]
@@ -59,7 +59,7 @@ def test_greedy_speculative_equals_target_only(server, target_only, k):
 def test_draft_identical_to_target_accepts_every_token(server, target_only):
     for prompt in PROMPTS[:4]:
         result = grpc_stream(server.grpc_url, prompt, max_tokens=MAX_TOKENS, num_draft_tokens=4,
-                             draft_model="draft_model_exact")
+                             draft_model="draft_model_exact", adaptive_draft=False)
         assert result[tn.TEXT_OUTPUT] == target_only[prompt][tn.TEXT_OUTPUT]
         assert result[tn.ACCEPTANCE_RATE] == 1.0
         assert result[tn.MEAN_ACCEPTED_LENGTH] == pytest.approx(1 + result[tn.TOTAL_ACCEPTED_DRAFT_TOKENS] / result[tn.NUM_ROUNDS])
@@ -68,10 +68,31 @@ def test_draft_identical_to_target_accepts_every_token(server, target_only):
         assert result[tn.NUM_ROUNDS] <= -(-MAX_TOKENS // 5) + 1
 
 
+def test_adaptive_draft_length_keeps_the_output_and_stops_a_useless_draft(server, target_only):
+    """Adaptive K (the default) is lossless, and a draft that never agrees is soon switched off: it
+    drafts far fewer tokens than the same request with a fixed K."""
+    fixed = adaptive = 0
+    for prompt in PROMPTS[:4]:
+        a = grpc_stream(server.grpc_url, prompt, max_tokens=MAX_TOKENS, num_draft_tokens=4,
+                        draft_model="draft_model_random")
+        f = grpc_stream(server.grpc_url, prompt, max_tokens=MAX_TOKENS, num_draft_tokens=4,
+                        draft_model="draft_model_random", adaptive_draft=False)
+        assert a[tn.TEXT_OUTPUT] == f[tn.TEXT_OUTPUT] == target_only[prompt][tn.TEXT_OUTPUT]
+        assert f[tn.TOTAL_DRAFT_TOKENS] <= 4 * f[tn.NUM_ROUNDS]
+        fixed += f[tn.TOTAL_DRAFT_TOKENS]
+        adaptive += a[tn.TOTAL_DRAFT_TOKENS]
+    assert adaptive < fixed / 2
+    for k in (1, 3):  # and with the partially agreeing draft, at any maximum K
+        for prompt in PROMPTS[4:]:
+            result = grpc_stream(server.grpc_url, prompt, max_tokens=MAX_TOKENS, num_draft_tokens=k)
+            assert result[tn.TEXT_OUTPUT] == target_only[prompt][tn.TEXT_OUTPUT], prompt
+            assert result[tn.TOTAL_DRAFT_TOKENS] <= k * result[tn.NUM_ROUNDS]
+
+
 def test_disagreeing_draft_still_gives_identical_output(server, target_only):
     for prompt in PROMPTS[:4]:
         result = grpc_stream(server.grpc_url, prompt, max_tokens=MAX_TOKENS, num_draft_tokens=4,
-                             draft_model="draft_model_random")
+                             draft_model="draft_model_random", adaptive_draft=False)
         assert result[tn.TEXT_OUTPUT] == target_only[prompt][tn.TEXT_OUTPUT]
         assert result[tn.ACCEPTANCE_RATE] < 0.2
 
@@ -109,7 +130,7 @@ def test_each_model_processes_at_most_prompt_plus_rounds_times_k_plus_one(server
     """No prefix is re-sent: P + R (K + 1) tokens per model at most, counted by the models' own metric."""
     prompt = PROMPTS[3]
     before = {m: server.metric("specdec_model_tokens_processed_total", model=m) for m in ("draft_model", "target_model")}
-    result = grpc_stream(server.grpc_url, prompt, max_tokens=40, num_draft_tokens=k)
+    result = grpc_stream(server.grpc_url, prompt, max_tokens=40, num_draft_tokens=k, adaptive_draft=False)
     after = {m: server.metric("specdec_model_tokens_processed_total", model=m) for m in ("draft_model", "target_model")}
     p, r = result[tn.NUM_INPUT_TOKENS], result[tn.NUM_ROUNDS]
     target_tokens = after["target_model"] - before["target_model"]

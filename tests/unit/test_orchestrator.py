@@ -83,10 +83,10 @@ def reference_greedy(prompt, n):
     return ids[len(prompt):]
 
 
-def run(req, proposer, scorer, stats=None):
+def run(req, proposer, scorer, stats=None, policy=None):
     async def collect():
         out = []
-        async for rnd in generate(req, proposer, scorer, stats):
+        async for rnd in generate(req, proposer, scorer, stats, policy):
             out.append(rnd)
         return out
 
@@ -113,6 +113,26 @@ def test_greedy_output_equals_target_only(k, agree_every):
         assert stats.acceptance_rate == 1.0
     # Both caches are released at the end.
     assert scorer.released == [1] and (proposer.released == [1] if k else proposer.released == [])
+
+
+@pytest.mark.parametrize("agree_every", [0, 2, 7])
+def test_adaptive_draft_length_keeps_the_output_and_feeds_the_policy(agree_every):
+    from specdec.speculation_policy import CostModel, DraftLengthPolicy
+
+    prompt = [3, 1, 4, 1, 5]
+    req = GenerationRequest(seq_id=1, prompt_ids=prompt, max_tokens=60, num_draft_tokens=8)
+    costs = CostModel()
+    policy = DraftLengthPolicy(8, costs, "fake")
+    stats = Stats()
+    rounds = run(req, FakeProposer(agree_every), FakeScorer(), stats, policy)
+    assert [tok for rnd in rounds for tok in rnd.new_tokens] == reference_greedy(prompt, 60)
+    assert all(rnd.num_drafted <= 8 for rnd in rounds)
+    # Every plain round was timed by its number of positions, and the draft per token.
+    assert costs.verify_s and all(1 <= n <= 9 for n in costs.verify_s) and "fake" in costs.draft_s
+    if agree_every == 0:  # a perfect draft: acceptance stays high, drafts stay long
+        assert policy.alpha > 0.9 and stats.acceptance_rate == 1.0
+    if agree_every == 2:  # a draft wrong at every other token: the policy drafts less than the maximum
+        assert stats.drafted < 8 * stats.rounds
 
 
 def test_perfect_draft_needs_few_rounds():

@@ -126,6 +126,7 @@ input [
   { name: "input_ids", data_type: TYPE_INT32, dims: [ -1 ], allow_ragged_batch: true },
   { name: "max_tokens", data_type: TYPE_INT32, dims: [ 1 ], optional: true },
   { name: "num_draft_tokens", data_type: TYPE_INT32, dims: [ 1 ], optional: true },
+  { name: "adaptive_draft", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },
   { name: "temperature", data_type: TYPE_FP32, dims: [ 1 ], optional: true },
   { name: "top_k", data_type: TYPE_INT32, dims: [ 1 ], optional: true },
   { name: "top_p", data_type: TYPE_FP32, dims: [ 1 ], optional: true },
@@ -152,6 +153,7 @@ output [
 {{ include "specdec.param" (list "tokenizer_path" (include "specdec.tokenizerPath" .)) }}
 {{ include "specdec.param" (list "target_model" "target_model") }}
 {{ include "specdec.param" (list "draft_models" (ternary "draft_model,ngram" "ngram" (eq .Values.models.draft.method "model"))) }}
+{{ include "specdec.param" (list "adaptive_draft" (ternary "true" "false" $s.adaptiveDraft)) }}
 {{ include "specdec.param" (list "default_num_draft_tokens" $s.defaultNumDraftTokens) }}
 {{ include "specdec.param" (list "max_num_draft_tokens" $s.maxNumDraftTokens) }}
 {{ include "specdec.param" (list "default_max_tokens" $s.defaultMaxTokens) }}

@@ -1,0 +1,251 @@
+"""Speculative vs target-only on the real default pair, served by Triton, against the theoretical bound
+and against transformers' assisted generation in-process (`make bench`).
+
+For each prompt set (bench/prompts_grounded.jsonl, bench/prompts_open.jsonl) and each draft setting, every
+prompt runs target-only (num_draft_tokens=0) and then speculative, side by side in the same run, greedy,
+through the served `ensemble` (gRPC). Then, with the server idle, the same models are timed in-process
+for the cost ratios: v(K) = verify K+1 positions / one target step, c = one draft token / one target
+step (prompt lookup: the lookup itself). Bound = E / (K·c + v(K)) with E = (1 - α^(K+1)) / (1 - α) at the
+measured α; efficiency = measured speedup / bound. The peer is transformers' `generate` on the same
+models and prompts: plain, `prompt_lookup_num_tokens=K`, `assistant_model=<draft>` (num_assistant_tokens=K,
+constant schedule).
+
+    python bench/speculative_bench.py [--url localhost:8001] [--max-tokens 96] [--quick]
+
+Without --url it starts its own server (PAIR=default) on free ports and stops it at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+from client import Client, GenerationParams  # noqa: E402
+from specdec import pairs  # noqa: E402
+from specdec.ngram_proposer import lookup  # noqa: E402
+from specdec.speculation_policy import speedup as bound  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Setting:
+    label: str
+    method: str  # draft_model input: "ngram" or "draft_model"
+    k: int
+    adaptive: bool
+
+
+SETTINGS = [
+    Setting("ngram, adaptive K<=8 (server default)", "ngram", 8, True),
+    Setting("ngram, K=4", "ngram", 4, False),
+    Setting("ngram, K=8", "ngram", 8, False),
+    Setting("layer-skip draft, K=2", "draft_model", 2, False),
+    Setting("layer-skip draft, adaptive K<=4", "draft_model", 4, True),
+]
+QUICK = [SETTINGS[0], SETTINGS[2], SETTINGS[4]]
+
+
+def load_prompts(kind: str, limit: int | None) -> list[str]:
+    lines = (HERE / f"prompts_{kind}.jsonl").read_text().splitlines()
+    return [json.loads(line)["prompt"] for line in lines if line.strip()][:limit]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server() -> tuple[subprocess.Popen, str]:
+    ports = {"HTTP_PORT": free_port(), "GRPC_PORT": free_port(), "METRICS_PORT": free_port()}
+    env = dict(os.environ, PAIR="default", **{k: str(v) for k, v in ports.items()})
+    log = open(HERE.parent / ".cache" / "bench-server.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "specdec.launcher", "--run-dir",
+                             str(HERE.parent / ".cache" / "run" / "bench")], env=env, stdout=log, stderr=log)
+    url = f"localhost:{ports['GRPC_PORT']}"
+    client = Client(url, "grpc")
+    deadline = time.monotonic() + 900
+    while not client.is_ready():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"server did not start; see {log.name}")
+        time.sleep(1)
+    return proc, url
+
+
+# ---- served --------------------------------------------------------------------------------------
+def served(url: str, prompts: dict[str, list[str]], settings: list[Setting], max_tokens: int) -> dict:
+    client = Client(url, "grpc", timeout_s=600)
+    warm = GenerationParams(max_tokens=8, num_draft_tokens=0)
+    client.generate("Hello", warm)
+    for s in settings:  # warm every path once (and the orchestrator's cost measurements)
+        client.generate(prompts["grounded"][0], GenerationParams(max_tokens=16, num_draft_tokens=s.k,
+                                                                 draft_model=s.method, adaptive_draft=s.adaptive))
+    results = {}
+    for kind, plist in prompts.items():
+        for s in settings:
+            agg = dict(base_tokens=0, base_s=0.0, tokens=0, s=0.0, drafted=0, accepted=0, rounds=0,
+                       drafting_rounds=0)
+            for prompt in plist:
+                base = client.generate(prompt, GenerationParams(max_tokens=max_tokens, num_draft_tokens=0))
+                spec = client.generate(prompt, GenerationParams(max_tokens=max_tokens, num_draft_tokens=s.k,
+                                                                draft_model=s.method, adaptive_draft=s.adaptive))
+                if spec.text != base.text:
+                    raise AssertionError(f"greedy speculative output differs from target-only for {prompt[:40]!r}")
+                agg["base_tokens"] += base.num_output_tokens
+                agg["base_s"] += base.latency_s
+                agg["tokens"] += spec.num_output_tokens
+                agg["s"] += spec.latency_s
+                agg["drafted"] += spec.total_draft_tokens
+                agg["accepted"] += spec.total_accepted_draft_tokens
+                agg["rounds"] += spec.num_rounds
+            results[(kind, s.label)] = agg
+            print(f"  {kind:8s} {s.label:40s} {agg['tokens'] / agg['s']:6.1f} tok/s vs "
+                  f"{agg['base_tokens'] / agg['base_s']:5.1f}", file=sys.stderr, flush=True)
+    return results
+
+
+# ---- in-process costs ----------------------------------------------------------------------------
+def median_time(fn, reps: int = 9) -> float:
+    times = []
+    for _ in range(reps):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def measure_costs(pair, prompt_ids: list[int], ks: list[int]) -> dict:
+    from specdec.causal_lm import CausalLM, load_causal_lm
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    target = CausalLM(load_causal_lm(pair.target_path, dtype=pair.dtype))
+    draft = CausalLM(load_causal_lm(pair.draft_paths["draft_model"], dtype=pair.dtype))
+    target.extend(1, 0, prompt_ids, 1)
+    draft.extend(1, 0, prompt_ids, 1)
+    n = len(prompt_ids)
+
+    def verify(positions):
+        return lambda: target.extend(1, n, list(range(100, 100 + positions)), positions)
+
+    step = median_time(verify(1))
+    v = {k: median_time(verify(k + 1)) / step for k in ks}
+    draft_token = median_time(lambda: draft.extend(1, n, [100], 1))
+    tokens = prompt_ids * 2
+    lookup_s = median_time(lambda: lookup(tokens, 8, 4, 2), reps=200)
+    return {"step_s": step, "v": v, "c": {"draft_model": draft_token / step, "ngram": lookup_s / step}}
+
+
+# ---- transformers' assisted generation -------------------------------------------------------------
+def transformers_peer(pair, prompts: dict[str, list[str]], max_tokens: int, k: int) -> dict:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(pair.tokenizer_path)
+    target = AutoModelForCausalLM.from_pretrained(pair.target_path, dtype=torch.float32).eval()
+    draft = AutoModelForCausalLM.from_pretrained(pair.draft_paths["draft_model"], dtype=torch.float32).eval()
+    draft.generation_config.num_assistant_tokens = k
+    draft.generation_config.num_assistant_tokens_schedule = "constant"
+    variants = {"plain": {}, "prompt_lookup": {"prompt_lookup_num_tokens": k},
+                "assistant_model": {"assistant_model": draft}}
+    out = {}
+    for kind, plist in prompts.items():
+        totals = {name: [0, 0.0] for name in variants}
+        for prompt in plist:
+            ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                          return_tensors="pt", return_dict=True)["input_ids"]
+            for name, extra in variants.items():
+                started = time.perf_counter()
+                with torch.inference_mode():
+                    gen = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                                          do_sample=False, **extra)
+                totals[name][1] += time.perf_counter() - started
+                totals[name][0] += gen.shape[1] - ids.shape[1]
+        out[kind] = {name: t / s for name, (t, s) in totals.items()}
+    return out
+
+
+# ---- report ---------------------------------------------------------------------------------------
+def report(results, costs, peer, settings, max_tokens, n_prompts) -> str:
+    lines = [f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
+             f"{platform.python_implementation()} {platform.python_version()}; greedy, max_tokens={max_tokens}, "
+             f"{n_prompts} prompts per set; one target step = {costs['step_s'] * 1000:.1f} ms in-process.", ""]
+    lines.append("| prompts | draft | target-only tok/s | speculative tok/s | speedup | α | tokens/round | c | v | bound | efficiency |")
+    lines.append("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for (kind, label), agg in results.items():
+        s = next(x for x in settings if x.label == label)
+        base = agg["base_tokens"] / agg["base_s"]
+        spec = agg["tokens"] / agg["s"]
+        alpha = agg["accepted"] / agg["drafted"] if agg["drafted"] else 0.0
+        per_round = agg["tokens"] / agg["rounds"] if agg["rounds"] else 0.0
+        # Adaptive settings: the bound at the mean drafted length of the rounds that drafted.
+        k = s.k if not s.adaptive else max(1, round(agg["drafted"] / max(1, agg["rounds"])))
+        c = costs["c"][s.method]
+        v = costs["v"].get(k) or costs["v"][min(costs["v"], key=lambda x: abs(x - k))]
+        b = bound(alpha, k, c, v)
+        lines.append(f"| {kind} | {label} | {base:.1f} | {spec:.1f} | **{spec / base:.2f}x** | {alpha:.2f} | "
+                     f"{per_round:.2f} | {c:.3f} | {v:.2f} | {b:.2f} | {spec / base / b:.2f} |")
+    lines.append("")
+    lines.append("transformers `generate` in-process, same models and prompts (tokens/s; speedup over its plain generate):")
+    lines.append("")
+    lines.append("| prompts | plain | prompt_lookup_num_tokens | assistant_model (layer-skip draft) |")
+    lines.append("| --- | --- | --- | --- |")
+    for kind, row in peer.items():
+        lines.append(f"| {kind} | {row['plain']:.1f} | {row['prompt_lookup']:.1f} ({row['prompt_lookup'] / row['plain']:.2f}x) "
+                     f"| {row['assistant_model']:.1f} ({row['assistant_model'] / row['plain']:.2f}x) |")
+    v_table = ", ".join(f"v({k})={v:.2f}" for k, v in sorted(costs["v"].items()))
+    lines.append("")
+    lines.append(f"Measured verify cost ratios: {v_table}.")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--url", help="gRPC host:port of a running default-pair server (else one is started)")
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--quick", action="store_true", help="4 prompts per set, 3 settings")
+    parser.add_argument("--peer-k", type=int, default=8, help="K for transformers' assisted generation")
+    parser.add_argument("--out", help="also write the report (markdown) here")
+    args = parser.parse_args(argv)
+    limit = 4 if args.quick else None
+    settings = QUICK if args.quick else SETTINGS
+    prompts = {kind: load_prompts(kind, limit) for kind in ("grounded", "open")}
+    pair = pairs.prepare_pair("default")
+    proc = None
+    url = args.url
+    if url is None:
+        print("starting the default-pair server ...", file=sys.stderr, flush=True)
+        proc, url = start_server()
+    try:
+        results = served(url, prompts, settings, args.max_tokens)
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(60)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(pair.tokenizer_path)
+    ids = tok.apply_chat_template([{"role": "user", "content": prompts["grounded"][0]}], add_generation_prompt=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    costs = measure_costs(pair, ids, sorted({1, 2, 4, 8} | {s.k for s in settings}))
+    peer = transformers_peer(pair, prompts, args.max_tokens, args.peer_k)
+    text = report(results, costs, peer, settings, args.max_tokens, len(prompts["grounded"]))
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

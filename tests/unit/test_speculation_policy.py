@@ -1,0 +1,113 @@
+"""The adaptive draft-length policy: the expected-speedup rule, measured costs, acceptance tracking."""
+
+import pytest
+
+from specdec.speculation_policy import (CostModel, DraftLengthPolicy, best_draft_length, expected_tokens,
+                                        speedup)
+
+
+def linear(slope):
+    return lambda k: 1.0 + slope * k
+
+
+def test_expected_tokens_closed_form_and_limits():
+    assert expected_tokens(0.0, 5) == 1.0  # nothing accepted: the target's own token
+    assert expected_tokens(1.0, 5) == 6.0  # everything accepted: K + 1
+    assert expected_tokens(0.5, 0) == 1.0
+    # The series 1 + α + ... + α^K.
+    assert expected_tokens(0.6, 4) == pytest.approx(sum(0.6 ** i for i in range(5)))
+
+
+def test_speedup_is_the_leviathan_bound():
+    # α = 0.8, K = 4, c = 0.05, v = 1.2: (1 - 0.8^5) / (0.2 · (4 · 0.05 + 1.2))
+    assert speedup(0.8, 4, 0.05, 1.2) == pytest.approx((1 - 0.8 ** 5) / 0.2 / 1.4)
+
+
+def test_no_speculation_when_it_cannot_pay():
+    # Low acceptance and a costly draft: target-only (k = 0) is best.
+    assert best_draft_length(0.1, 8, 0.3, linear(0.1)) == (0, 1.0)
+    # A free draft but verification that costs as much as a step per extra token: never pays either.
+    assert best_draft_length(0.5, 8, 0.0, linear(1.0))[0] == 0
+
+
+def test_longer_drafts_as_acceptance_rises():
+    ks = [best_draft_length(alpha, 16, 0.05, linear(0.05))[0] for alpha in (0.3, 0.6, 0.8, 0.95)]
+    assert ks == sorted(ks) and ks[0] < ks[-1]
+    assert ks[-1] >= 8
+
+
+def test_best_length_follows_a_non_linear_verify_table():
+    # The CPU shape measured on SmolLM2: verifying 2-3 positions costs more than 5.
+    table = {1: 1.63, 2: 2.07, 3: 1.57, 4: 1.44, 5: 1.44, 6: 1.77, 7: 1.5, 8: 1.78}
+    k, value = best_draft_length(0.6, 8, 0.0, table.__getitem__)
+    assert k in (4, 5) and value == pytest.approx(max(expected_tokens(0.6, j) / table[j] for j in table))
+
+
+def test_cost_model_measures_ratios_and_interpolates():
+    costs = CostModel(decay=0.0)  # no smoothing: the last sample is the value
+    assert costs.verify_cost(4) == pytest.approx(1.4)  # prior before any measurement
+    costs.observe_verify(1, 0.040)
+    costs.observe_verify(5, 0.060)
+    costs.observe_verify(9, 0.080)
+    assert costs.verify_cost(0) == 1.0
+    assert costs.verify_cost(4) == pytest.approx(1.5)  # 5 positions: 60 / 40 ms
+    assert costs.verify_cost(6) == pytest.approx(1.75)  # 7 positions: between 60 and 80 ms
+    assert costs.verify_cost(12) == pytest.approx(1.0 + 0.1 * 12)  # beyond what was measured: the prior
+    costs.observe_draft("model", 4, 0.032)  # 8 ms per drafted token
+    assert costs.draft_cost("model") == pytest.approx(0.2)
+    assert costs.draft_cost("never_seen") == costs.prior_draft_cost
+
+
+def test_policy_stops_drafting_on_rejections_and_resumes_on_acceptance():
+    costs = CostModel(decay=0.0)
+    for positions in range(1, 10):
+        costs.observe_verify(positions, 0.04 * (1 + 0.05 * (positions - 1)))
+    costs.observe_draft("model", 1, 0.008)  # c = 0.2
+    policy = DraftLengthPolicy(8, costs, "model")
+    first = policy.next_k()
+    assert first > 0  # prior α = 0.5 pays with c = 0.2 and cheap verification
+    for _ in range(6):
+        policy.update(4, 0)  # every first draft token rejected
+    assert policy.alpha < 0.2 and policy.next_k() == 0
+    for _ in range(8):
+        policy.update(4, 4)
+    assert policy.alpha > 0.8 and policy.next_k() > first
+
+
+def test_paused_costly_policy_probes_periodically():
+    costs = CostModel(decay=0.0)
+    costs.observe_verify(1, 0.04)
+    costs.observe_draft("model", 1, 0.02)  # c = 0.5: needs high acceptance
+    policy = DraftLengthPolicy(8, costs, "model", probe_every=4)
+    for _ in range(10):
+        policy.update(4, 0)
+    picks = [policy.next_k() for _ in range(8)]
+    assert picks.count(0) == 6 and all(k >= 1 for k in (picks[3], picks[7]))
+
+
+def test_free_proposer_keeps_looking_when_the_rule_says_stop():
+    costs = CostModel(decay=0.0)
+    costs.observe_verify(1, 0.04)
+    costs.observe_verify(9, 0.08)
+    policy = DraftLengthPolicy(8, costs, "ngram", free=True)
+    for _ in range(10):
+        policy.update(8, 0)
+    assert policy.alpha < 0.15
+    assert policy.next_k() == 8  # a lookup miss costs nothing; the next copied span is accepted whole
+
+
+def test_fixed_length_when_not_adaptive_and_zero_means_target_only():
+    costs = CostModel()
+    assert DraftLengthPolicy(5, costs, "model", adaptive=False).next_k() == 5
+    assert DraftLengthPolicy(0, costs, "model").next_k() == 0
+    assert DraftLengthPolicy(0, costs, "ngram", free=True).next_k() == 0
+
+
+def test_new_requests_start_from_the_servers_running_acceptance():
+    costs = CostModel()
+    first = DraftLengthPolicy(8, costs, "model")
+    for _ in range(200):
+        first.update(4, 4)
+    assert costs.prior_alpha("model") > 0.9
+    assert DraftLengthPolicy(8, costs, "model").alpha > 0.9
+    assert DraftLengthPolicy(8, costs, "ngram").alpha == 0.5  # other methods keep their own prior
