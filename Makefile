@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.specdec-setup
 
-.PHONY: setup serve test unit integration deploy-check image clean loadtest bench-concurrency
+.PHONY: setup serve test unit integration deploy-check image clean loadtest bench bench-concurrency bench-batching
 
 setup: $(STAMP)
 
@@ -46,6 +46,15 @@ HOST ?= localhost:$${GRPC_PORT:-8001}
 loadtest: setup
 	$(VENV)/bin/locust -f loadtest/locustfile.py --headless -u $(USERS) -r $(USERS) -t $(DURATION) --stop-timeout 60 --host $(HOST)
 
+# The real default pair: speculative vs target-only through the served ensemble, against the bound and
+# transformers' assisted generation (starts its own server; about 20 minutes on 2 cores).
+bench: setup
+	$(PY) bench/speculative_bench.py --out .cache/bench.md
+
 # Concurrency benchmark against a running server: 1, 2, 4, 8 streams, speculative vs target-only.
 bench-concurrency: setup
 	$(PY) loadtest/concurrency_bench.py --url localhost:$${GRPC_PORT:-8001}
+
+# 1-16 streams on servers it starts itself: one forward per sequence (batched_forward=false), then batched.
+bench-batching: setup
+	$(PY) loadtest/concurrency_bench.py --pair $${PAIR:-default} --compare-unbatched

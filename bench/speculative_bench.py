@@ -6,11 +6,13 @@ prompt runs target-only (num_draft_tokens=0) and then speculative, side by side 
 through the served `ensemble` (gRPC). Then, with the server idle, the same models are timed in-process
 for the cost ratios: v(K) = verify K+1 positions / one target step, c = one draft token / one target
 step (prompt lookup: the lookup itself). Bound = E / (K·c + v(K)) with E = (1 - α^(K+1)) / (1 - α) at the
-measured α; efficiency = measured speedup / bound. The peer is transformers' `generate` on the same
+measured α, taken over the rounds as they ran: the server's per-position counters give how many rounds
+drafted exactly j tokens (a prompt-lookup miss or an adaptive k = 0 drafts none, costing one step for one
+token), so bound = Σ_rounds E(α, j) / Σ_rounds (j·c + v(j)); efficiency = measured speedup / bound. The peer is transformers' `generate` on the same
 models and prompts: plain, `prompt_lookup_num_tokens=K`, `assistant_model=<draft>` (num_assistant_tokens=K,
 constant schedule).
 
-    python bench/speculative_bench.py [--url localhost:8001] [--max-tokens 96] [--quick]
+    python bench/speculative_bench.py [--url localhost:8001 --metrics-url localhost:8002] [--max-tokens 96] [--quick]
 
 Without --url it starts its own server (PAIR=default) on free ports and stops it at the end.
 """
@@ -21,11 +23,13 @@ import argparse
 import json
 import os
 import platform
+import signal
 import socket
 import statistics
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,7 +41,7 @@ sys.path.insert(0, str(HERE.parent))
 from client import Client, GenerationParams  # noqa: E402
 from specdec import pairs  # noqa: E402
 from specdec.ngram_proposer import lookup  # noqa: E402
-from specdec.speculation_policy import speedup as bound  # noqa: E402
+from specdec.speculation_policy import expected_tokens  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -69,24 +73,39 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server() -> tuple[subprocess.Popen, str]:
+def drafted_at(metrics_url: str | None) -> dict[int, float]:
+    """specdec_drafted_at_position_total by position: rounds that drafted at least that many tokens."""
+    if not metrics_url:
+        return {}
+    with urllib.request.urlopen(f"http://{metrics_url}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    out: dict[int, float] = {}
+    for line in text.splitlines():
+        if line.startswith("specdec_drafted_at_position_total{"):
+            position = int(line.split('position="', 1)[1].split('"', 1)[0])
+            out[position] = out.get(position, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def start_server() -> tuple[subprocess.Popen, str, str]:
     ports = {"HTTP_PORT": free_port(), "GRPC_PORT": free_port(), "METRICS_PORT": free_port()}
     env = dict(os.environ, PAIR="default", **{k: str(v) for k, v in ports.items()})
     log = open(HERE.parent / ".cache" / "bench-server.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "specdec.launcher", "--run-dir",
                              str(HERE.parent / ".cache" / "run" / "bench")], env=env, stdout=log, stderr=log)
-    url = f"localhost:{ports['GRPC_PORT']}"
+    url, metrics_url = f"localhost:{ports['GRPC_PORT']}", f"localhost:{ports['METRICS_PORT']}"
     client = Client(url, "grpc")
     deadline = time.monotonic() + 900
     while not client.is_ready():
         if proc.poll() is not None or time.monotonic() > deadline:
             raise RuntimeError(f"server did not start; see {log.name}")
         time.sleep(1)
-    return proc, url
+    return proc, url, metrics_url
 
 
 # ---- served --------------------------------------------------------------------------------------
-def served(url: str, prompts: dict[str, list[str]], settings: list[Setting], max_tokens: int) -> dict:
+def served(url: str, metrics_url: str | None, prompts: dict[str, list[str]], settings: list[Setting],
+           max_tokens: int) -> dict:
     client = Client(url, "grpc", timeout_s=600)
     warm = GenerationParams(max_tokens=8, num_draft_tokens=0)
     client.generate("Hello", warm)
@@ -96,8 +115,8 @@ def served(url: str, prompts: dict[str, list[str]], settings: list[Setting], max
     results = {}
     for kind, plist in prompts.items():
         for s in settings:
-            agg = dict(base_tokens=0, base_s=0.0, tokens=0, s=0.0, drafted=0, accepted=0, rounds=0,
-                       drafting_rounds=0)
+            agg = dict(base_tokens=0, base_s=0.0, tokens=0, s=0.0, drafted=0, accepted=0, rounds=0)
+            before = drafted_at(metrics_url)
             for prompt in plist:
                 base = client.generate(prompt, GenerationParams(max_tokens=max_tokens, num_draft_tokens=0))
                 spec = client.generate(prompt, GenerationParams(max_tokens=max_tokens, num_draft_tokens=s.k,
@@ -111,6 +130,10 @@ def served(url: str, prompts: dict[str, list[str]], settings: list[Setting], max
                 agg["drafted"] += spec.total_draft_tokens
                 agg["accepted"] += spec.total_accepted_draft_tokens
                 agg["rounds"] += spec.num_rounds
+            after = drafted_at(metrics_url)
+            at_least = {j: after[j] - before.get(j, 0.0) for j in after}  # rounds drafting >= j tokens
+            agg["rounds_by_k"] = {j: at_least[j] - at_least.get(j + 1, 0.0) for j in at_least
+                                  if at_least[j] - at_least.get(j + 1, 0.0) > 0}
             results[(kind, s.label)] = agg
             print(f"  {kind:8s} {s.label:40s} {agg['tokens'] / agg['s']:6.1f} tok/s vs "
                   f"{agg['base_tokens'] / agg['base_s']:5.1f}", file=sys.stderr, flush=True)
@@ -181,21 +204,24 @@ def report(results, costs, peer, settings, max_tokens, n_prompts) -> str:
     lines = [f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
              f"{platform.python_implementation()} {platform.python_version()}; greedy, max_tokens={max_tokens}, "
              f"{n_prompts} prompts per set; one target step = {costs['step_s'] * 1000:.1f} ms in-process.", ""]
-    lines.append("| prompts | draft | target-only tok/s | speculative tok/s | speedup | α | tokens/round | c | v | bound | efficiency |")
-    lines.append("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    lines.append("| prompts | draft | target-only tok/s | speculative tok/s | speedup | α | tokens/round | K (drafting rounds) | c | v | bound | efficiency |")
+    lines.append("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for (kind, label), agg in results.items():
         s = next(x for x in settings if x.label == label)
         base = agg["base_tokens"] / agg["base_s"]
         spec = agg["tokens"] / agg["s"]
         alpha = agg["accepted"] / agg["drafted"] if agg["drafted"] else 0.0
         per_round = agg["tokens"] / agg["rounds"] if agg["rounds"] else 0.0
-        # Adaptive settings: the bound at the mean drafted length of the rounds that drafted.
-        k = s.k if not s.adaptive else max(1, round(agg["drafted"] / max(1, agg["rounds"])))
         c = costs["c"][s.method]
-        v = costs["v"].get(k) or costs["v"][min(costs["v"], key=lambda x: abs(x - k))]
-        b = bound(alpha, k, c, v)
+        by_k = agg.get("rounds_by_k") or {s.k: agg["rounds"]}  # without metrics: every round drafted K
+        plain_rounds = max(0.0, agg["rounds"] - sum(by_k.values()))
+        gained = plain_rounds + sum(n * expected_tokens(alpha, j) for j, n in by_k.items())
+        spent = plain_rounds + sum(n * (j * c + costs["v"][j]) for j, n in by_k.items())
+        b = gained / spent
+        k_mean = sum(j * n for j, n in by_k.items()) / max(1.0, sum(by_k.values()))
+        v = sum(n * costs["v"][j] for j, n in by_k.items()) / max(1.0, sum(by_k.values()))
         lines.append(f"| {kind} | {label} | {base:.1f} | {spec:.1f} | **{spec / base:.2f}x** | {alpha:.2f} | "
-                     f"{per_round:.2f} | {c:.3f} | {v:.2f} | {b:.2f} | {spec / base / b:.2f} |")
+                     f"{per_round:.2f} | {k_mean:.1f} | {c:.3f} | {v:.2f} | {b:.2f} | {spec / base / b:.2f} |")
     lines.append("")
     lines.append("transformers `generate` in-process, same models and prompts (tokens/s; speedup over its plain generate):")
     lines.append("")
@@ -213,6 +239,7 @@ def report(results, costs, peer, settings, max_tokens, n_prompts) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--url", help="gRPC host:port of a running default-pair server (else one is started)")
+    parser.add_argument("--metrics-url", help="host:port of that server's metrics (for the per-round K counts)")
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--quick", action="store_true", help="4 prompts per set, 3 settings")
     parser.add_argument("--peer-k", type=int, default=8, help="K for transformers' assisted generation")
@@ -223,12 +250,13 @@ def main(argv=None) -> int:
     prompts = {kind: load_prompts(kind, limit) for kind in ("grounded", "open")}
     pair = pairs.prepare_pair("default")
     proc = None
-    url = args.url
+    url, metrics_url = args.url, args.metrics_url
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally below: stop our server
     if url is None:
         print("starting the default-pair server ...", file=sys.stderr, flush=True)
-        proc, url = start_server()
+        proc, url, metrics_url = start_server()
     try:
-        results = served(url, prompts, settings, args.max_tokens)
+        results = served(url, metrics_url, prompts, settings, args.max_tokens)
     finally:
         if proc is not None:
             proc.terminate()
@@ -238,7 +266,7 @@ def main(argv=None) -> int:
     tok = AutoTokenizer.from_pretrained(pair.tokenizer_path)
     ids = tok.apply_chat_template([{"role": "user", "content": prompts["grounded"][0]}], add_generation_prompt=True)
     ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-    costs = measure_costs(pair, ids, sorted({1, 2, 4, 8} | {s.k for s in settings}))
+    costs = measure_costs(pair, ids, list(range(1, max(s.k for s in settings) + 1)))
     peer = transformers_peer(pair, prompts, args.max_tokens, args.peer_k)
     text = report(results, costs, peer, settings, args.max_tokens, len(prompts["grounded"]))
     print(text)

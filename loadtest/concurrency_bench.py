@@ -1,6 +1,11 @@
 """Concurrency benchmark: N concurrent streams, speculative vs target-only (num_draft_tokens=0), side by side.
 
-    python loadtest/concurrency_bench.py --url localhost:8001 --concurrency 1 2 4 8 --requests-per-stream 3
+    python loadtest/concurrency_bench.py --url localhost:8001 --concurrency 1 2 4 8 16 --requests-per-stream 3
+    python loadtest/concurrency_bench.py --pair default --compare-unbatched   # starts its own servers
+
+With --pair it starts a server for that pair itself; with --compare-unbatched it first measures a server
+whose models run one forward per sequence (batched_forward=false), then the normal (batched) one, and
+adds the batched / unbatched throughput ratio.
 
 For each concurrency level and mode it runs `concurrency` streaming clients, each sending its share of
 requests back to back, and prints a Markdown table: output tokens/s (genai-perf: total output tokens /
@@ -15,7 +20,11 @@ import asyncio
 import json
 import platform
 import os
+import signal
+import socket
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -46,10 +55,47 @@ async def run_level(url, prompts, concurrency, per_stream, params):
     }
 
 
+def start_server(pair: str, overrides: list[str]) -> tuple[subprocess.Popen, str]:
+    ports = []
+    for _ in range(3):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            ports.append(sock.getsockname()[1])
+    env = dict(os.environ, HTTP_PORT=str(ports[0]), GRPC_PORT=str(ports[1]), METRICS_PORT=str(ports[2]))
+    run_dir = HERE.parent / ".cache" / "run" / f"bench-{pair}-{len(overrides)}"
+    log = open(HERE.parent / ".cache" / f"bench-concurrency-{pair}.log", "w")
+    args = [sys.executable, "-m", "specdec.launcher", "--pair", pair, "--run-dir", str(run_dir)]
+    for override in overrides:
+        args += ["--set", override]
+    proc = subprocess.Popen(args, env=env, stdout=log, stderr=log)
+    url = f"localhost:{ports[1]}"
+    from client import Client
+
+    deadline = time.monotonic() + 900
+    while not Client(url, "grpc").is_ready():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"server did not start; see {log.name}")
+        time.sleep(1)
+    return proc, url
+
+
+def measure(url, prompts, levels, per_stream, base, spec) -> dict:
+    rows = {}
+    for concurrency in levels:
+        rows[(concurrency, "target-only")] = asyncio.run(run_level(url, prompts, concurrency, per_stream, base))
+        rows[(concurrency, "speculative")] = asyncio.run(run_level(url, prompts, concurrency, per_stream, spec))
+        print(f"  {concurrency} streams: target-only {rows[(concurrency, 'target-only')]['tokens_per_s']:.1f}, "
+              f"speculative {rows[(concurrency, 'speculative')]['tokens_per_s']:.1f} tokens/s", file=sys.stderr, flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--url", default="localhost:8001")
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--pair", help="start a server for this pair (tiny | default) instead of using --url")
+    parser.add_argument("--compare-unbatched", action="store_true",
+                        help="with --pair: also measure a server with batched_forward=false")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--requests-per-stream", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--num-draft-tokens", type=int, default=None, help="speculative K (server default if unset)")
@@ -58,18 +104,42 @@ def main() -> None:
     prompts = [json.loads(line)["prompt"] for line in Path(args.prompts_file).read_text().splitlines() if line.strip()]
     spec = GenerationParams(max_tokens=args.max_tokens, num_draft_tokens=args.num_draft_tokens)
     base = GenerationParams(max_tokens=args.max_tokens, num_draft_tokens=0)
+    servers = {"batched": []}
+    if args.pair and args.compare_unbatched:
+        servers = {"unbatched": ["target_model.batched_forward=false", "draft_model.batched_forward=false"],
+                   "batched": []}
+    measured = {}
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally below: stop our server
+    for label, overrides in servers.items():
+        proc, url = start_server(args.pair, overrides) if args.pair else (None, args.url)
+        try:
+            print(f"measuring the {label} server at {url}", file=sys.stderr, flush=True)
+            measured[label] = measure(url, prompts, args.concurrency, args.requests_per_stream, base, spec)
+        finally:
+            if proc is not None:
+                proc.terminate()
+                proc.wait(120)
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, {platform.platform()}; "
-          f"server {args.url}; max_tokens {args.max_tokens}; {args.requests_per_stream} requests per stream")
+          f"pair {args.pair or args.url}; max_tokens {args.max_tokens}; {args.requests_per_stream} requests per stream")
     print()
-    print("| streams | mode | output tokens/s | TTFT p50 (ms) | ITL p50 (ms) | acceptance | speedup |")
-    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: |")
+    header = "| streams | mode | output tokens/s | TTFT p50 (ms) | ITL p50 (ms) | acceptance | vs target-only |"
+    if "unbatched" in measured:
+        header = ("| streams | mode | unbatched tokens/s | batched tokens/s | batched / unbatched | TTFT p50 (ms) | "
+                  "ITL p50 (ms) | acceptance | vs target-only (batched) |")
+    print(header)
+    print("|" + " --- |" * (header.count("|") - 1))
+    batched = measured["batched"]
     for concurrency in args.concurrency:
-        target_only = asyncio.run(run_level(args.url, prompts, concurrency, args.requests_per_stream, base))
-        speculative = asyncio.run(run_level(args.url, prompts, concurrency, args.requests_per_stream, spec))
-        for mode, row in (("target-only", target_only), ("speculative", speculative)):
-            ratio = row["tokens_per_s"] / target_only["tokens_per_s"]
-            print(f"| {concurrency} | {mode} | {row['tokens_per_s']:.1f} | {row['ttft_ms']:.0f} | {row['itl_ms']:.1f} | "
-                  f"{row['acceptance']:.2f} | {ratio:.2f}x |", flush=True)
+        for mode in ("target-only", "speculative"):
+            row = batched[(concurrency, mode)]
+            ratio = row["tokens_per_s"] / batched[(concurrency, "target-only")]["tokens_per_s"]
+            if "unbatched" in measured:
+                old = measured["unbatched"][(concurrency, mode)]["tokens_per_s"]
+                print(f"| {concurrency} | {mode} | {old:.1f} | {row['tokens_per_s']:.1f} | {row['tokens_per_s'] / old:.2f}x | "
+                      f"{row['ttft_ms']:.0f} | {row['itl_ms']:.1f} | {row['acceptance']:.2f} | {ratio:.2f}x |", flush=True)
+            else:
+                print(f"| {concurrency} | {mode} | {row['tokens_per_s']:.1f} | {row['ttft_ms']:.0f} | {row['itl_ms']:.1f} | "
+                      f"{row['acceptance']:.2f} | {ratio:.2f}x |", flush=True)
 
 
 if __name__ == "__main__":

@@ -6,8 +6,11 @@ tokens to append, so each round processes only new tokens and the prompt is neve
 Caches live in a keyed store with an idle timeout, so a sequence abandoned without a release call
 (client crash, orchestrator restart) cannot hold memory forever.
 
-Known limit: steps of different sequences run one forward each; the store's per-sequence layout is
-what a batched (padded) forward over several sequences will gather from.
+Steps of several sequences run as one padded forward pass (`extend_many`, `propose_many`): caches are
+left-padded to a common length and new tokens right-padded, with per-row positions and an attention
+mask, so each row computes exactly what its own forward would; each sequence then gets its slice back.
+On hardware where a forward's cost hardly depends on the number of rows (memory-bound decoding), B
+sequences cost about one.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -66,6 +69,18 @@ class _Sequence:
     cache: object  # transformers DynamicCache
     length: int = 0  # tokens currently in the cache
     last_used: float = field(default=0.0)
+
+
+class Step(NamedTuple):
+    """One sequence's part of a batched call: keep `keep` cached tokens, append `new_ids`."""
+
+    seq_id: int
+    keep: int
+    new_ids: list[int]
+    num_logits: int = 1  # extend: logits of the last num_logits new positions
+    k: int = 0  # propose: tokens to draft
+    params: SamplingParams = SamplingParams()
+    generator: torch.Generator | None = None
 
 
 class CausalLM:
@@ -137,6 +152,155 @@ class CausalLM:
         seq.length += len(new_ids)
         self.tokens_processed += len(new_ids)
         return out.logits[0, out.logits.shape[1] - num_logits:]
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes one cached token takes: keys and values of every layer."""
+        cfg = self.model.config
+        text = getattr(cfg, "get_text_config", lambda: cfg)()
+        heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        return 2 * text.num_hidden_layers * heads * head_dim * self.model.dtype.itemsize
+
+    @property
+    def cached_tokens(self) -> int:
+        return sum(seq.length for seq in self.sequences.values())
+
+    def _forward_rows(self, seqs: list[_Sequence], rows: list[list[int]], num_logits: list[int]) -> list[torch.Tensor]:
+        """One forward over several sequences; row b's cache grows by len(rows[b]) tokens and it gets
+        the logits (num_logits[b], V) of its last num_logits[b] new positions."""
+        from transformers import DynamicCache
+
+        if len(seqs) == 1:  # no padding needed
+            seq, new = seqs[0], rows[0]
+            input_ids = torch.tensor([new], dtype=torch.long, device=self.device)
+            positions = torch.arange(seq.length, seq.length + len(new), device=self.device).unsqueeze(0)
+            out = self.model(input_ids=input_ids, position_ids=positions, past_key_values=seq.cache, use_cache=True,
+                             logits_to_keep=max(num_logits[0], 1))
+            seq.length += len(new)
+            self.tokens_processed += len(new)
+            return [out.logits[0, out.logits.shape[1] - num_logits[0]:]]
+        lengths = [seq.length for seq in seqs]
+        past, width = max(lengths), max(len(r) for r in rows)
+        # The head runs only on the last `keep` padded positions: enough for every row's wanted logits.
+        keep = max(max(width - len(r) + n for r, n in zip(rows, num_logits)), 1)
+        batch = len(seqs)
+        input_ids = torch.zeros(batch, width, dtype=torch.long)
+        positions = torch.zeros(batch, width, dtype=torch.long)
+        mask = torch.zeros(batch, past + width, dtype=torch.long)
+        for b, (length, new) in enumerate(zip(lengths, rows)):
+            input_ids[b, :len(new)] = torch.tensor(new)
+            positions[b] = torch.arange(length, length + width)
+            # Cached tokens sit right-aligned before the new ones; padding on either side is masked out
+            # (right padding is also invisible by causality: it comes after every real token).
+            mask[b, past - length:past + len(new)] = 1
+        cache = DynamicCache(config=self.model.config)
+        if past:
+            layers = []
+            for i in range(len(self._layers(seqs[lengths.index(past)].cache))):
+                keys, values = [], []
+                for seq, length in zip(seqs, lengths):
+                    k, v = self._layer(seq, i)
+                    pad = (0, 0, past - length, 0)  # left-pad the sequence dimension
+                    keys.append(torch.nn.functional.pad(k, pad))
+                    values.append(torch.nn.functional.pad(v, pad))
+                layers.append((torch.cat(keys), torch.cat(values)))
+            cache = DynamicCache(layers, config=self.model.config)
+        out = self.model(input_ids=input_ids.to(self.device), attention_mask=mask.to(self.device),
+                         position_ids=positions.to(self.device), past_key_values=cache, use_cache=True,
+                         logits_to_keep=keep)
+        offset = width - keep  # out.logits[:, j] is padded position offset + j
+        for b, (seq, length, new) in enumerate(zip(seqs, lengths, rows)):
+            span = slice(past - length, past + len(new))
+            seq.cache = DynamicCache([(layer.keys[b:b + 1, :, span].contiguous(), layer.values[b:b + 1, :, span].contiguous())
+                                      for layer in self._layers(cache)], config=self.model.config)
+            seq.length = length + len(new)
+            self.tokens_processed += len(new)
+        return [out.logits[b, len(new) - n - offset:len(new) - offset] for b, (new, n) in enumerate(zip(rows, num_logits))]
+
+    @staticmethod
+    def _layers(cache) -> list:
+        return [layer for layer in cache.layers if getattr(layer, "is_initialized", True) and layer.keys is not None]
+
+    def _layer(self, seq: _Sequence, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        layers = self._layers(seq.cache) if seq.length else []
+        if i < len(layers):
+            return layers[i].keys, layers[i].values
+        # A sequence with nothing cached yet: an empty (1, heads, 0, head_dim) entry shaped like the others.
+        cfg = self.model.config
+        heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        empty = torch.zeros(1, heads, 0, head_dim, dtype=self.model.dtype, device=self.device)
+        return empty, empty
+
+    def _acquire_all(self, steps: list[Step]) -> tuple[list[int], list[CacheError | None]]:
+        """Acquire each step's sequence; returns the indices that are valid and a per-step error."""
+        ok, errors = [], []
+        seen = set()
+        for i, step in enumerate(steps):
+            try:
+                if step.seq_id in seen:
+                    raise CacheError(f"sequence {step.seq_id} has two steps in one batch")
+                if not step.new_ids:
+                    raise CacheError("no new tokens to append")
+                self._acquire(step.seq_id, step.keep)
+                seen.add(step.seq_id)
+                ok.append(i)
+                errors.append(None)
+            except CacheError as exc:
+                errors.append(exc)
+        return ok, errors
+
+    @torch.inference_mode()
+    def extend_many(self, steps: list[Step]) -> list[torch.Tensor | CacheError]:
+        """`extend` for several sequences in one forward pass: per step its (num_logits, V) logits, or
+        the CacheError that step raised (the others still run)."""
+        ok, errors = self._acquire_all(steps)
+        for i in ok:
+            if not 0 <= steps[i].num_logits <= len(steps[i].new_ids):
+                errors[i] = CacheError(f"num_logits={steps[i].num_logits} must be within [0, {len(steps[i].new_ids)}]")
+        ok = [i for i in ok if errors[i] is None]
+        results: list[torch.Tensor | CacheError] = list(errors)
+        if ok:
+            logits = self._forward_rows([self.sequences[steps[i].seq_id] for i in ok], [steps[i].new_ids for i in ok],
+                                        [steps[i].num_logits for i in ok])
+            for row, i in enumerate(ok):
+                results[i] = logits[row]
+        return results
+
+    @torch.inference_mode()
+    def propose_many(self, steps: list[Step]) -> list[tuple[list[int], torch.Tensor | None] | CacheError]:
+        """`propose` for several sequences: their draft forwards run together, one batched pass per
+        drafted position (a sequence that asked for fewer tokens leaves the batch early)."""
+        ok, errors = self._acquire_all(steps)
+        for i in ok:
+            if steps[i].k < 1:
+                errors[i] = CacheError(f"num_draft_tokens must be >= 1, got {steps[i].k}")
+        ok = [i for i in ok if errors[i] is None]
+        results: list = list(errors)
+        tokens = {i: [] for i in ok}
+        probs = {i: [] for i in ok}
+        active, rows = ok, [steps[i].new_ids for i in ok]
+        while active:
+            logits = self._forward_rows([self.sequences[steps[i].seq_id] for i in active], rows, [1] * len(active))
+            still = []
+            for row, i in enumerate(active):
+                last = logits[row][-1]
+                step = steps[i]
+                if step.params.greedy:
+                    token = int(last.argmax())
+                else:
+                    p = logits_to_probs(last, step.params)
+                    token = int(sample(p, step.generator))
+                    probs[i].append(p)
+                tokens[i].append(token)
+                if len(tokens[i]) < step.k:
+                    still.append(i)
+            # The last drafted token is not run through the model: nothing needs its logits yet.
+            active, rows = still, [[tokens[i][-1]] for i in still]
+        for i in ok:
+            results[i] = (tokens[i], torch.stack(probs[i]) if probs[i] else None)
+        return results
 
     @torch.inference_mode()
     def propose(self, seq_id: int, keep: int, new_ids: list[int], k: int, params: SamplingParams,

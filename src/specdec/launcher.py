@@ -152,6 +152,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     custom.add_argument("--max-num-draft-tokens", type=int, default=16)
     custom.add_argument("--max-context-tokens", type=int, default=2048)
     custom.add_argument("--chat-template", action="store_true", help="apply the tokenizer's chat template")
+    parser.add_argument("--set", action="append", default=[], metavar="MODEL.PARAMETER=VALUE",
+                        help="override a config.pbtxt parameter of the rendered repository (repeatable), "
+                             "e.g. target_model.batched_forward=false")
     parser.add_argument("--model-repository", help="serve this already rendered repository as is")
     parser.add_argument("--triton-root", default=os.environ.get("TRITON_ROOT"),
                         help="an installed Triton (e.g. /opt/tritonserver) instead of the wheel's server")
@@ -160,6 +163,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args, extra = parser.parse_known_args(argv)
     if extra and extra[0] == "--":
         extra = extra[1:]
+    if args.set and args.model_repository:
+        parser.error("--set edits a rendered repository; --model-repository is served as is")
     if any(not arg.startswith("--") for arg in extra):
         parser.error(f"unrecognized arguments: {' '.join(extra)} (server flags go after `--`)")
     args.server_args = extra
@@ -182,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             pair = pairs.prepare_pair(args.pair)
         repo = repository.render(pair, run_dir / "model_repository")
+        for setting in args.set:
+            repository.override(repo, setting)
     layout = triton_layout(run_dir, Path(args.triton_root) if args.triton_root else None)
     command = server_command(layout, repo, *ports(), extra=args.server_args)
     http_port = ports()[0]

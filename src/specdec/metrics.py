@@ -44,9 +44,11 @@ class OrchestratorMetrics:
                             family.HISTOGRAM).Metric(labels={}, buckets=LATENCY_BUCKETS)
         self.live = make("specdec_live_sequences", "Requests currently generating",
                          family.GAUGE).Metric(labels={})
+        self.queued = make("specdec_queued_requests", "Requests waiting for a slot (max_live_sequences reached)",
+                           family.GAUGE).Metric(labels={})
         requests = make("specdec_requests_total", "Finished requests by finish reason", family.COUNTER)
         self.requests = {reason: requests.Metric(labels={"finish_reason": reason})
-                         for reason in ("length", "stop", "cancelled", "error", "invalid")}
+                         for reason in ("length", "stop", "cancelled", "error", "invalid", "rejected")}
 
     def record_round(self, drafted: int, accepted: int) -> None:
         self.rounds.increment(1)

@@ -51,6 +51,8 @@ class PairSpec:
     default_max_tokens: int = 64
     max_max_tokens: int = 1024
     max_sequences: int = 256
+    max_live_sequences: int = 64
+    when_full: str = "queue"
     sequence_idle_timeout_s: int = 600
 
 

@@ -83,5 +83,16 @@ def render(pair: PairSpec, dest: Path) -> Path:
         "default_num_draft_tokens": str(pair.default_num_draft_tokens),
         "max_num_draft_tokens": str(pair.max_num_draft_tokens),
         "default_max_tokens": str(pair.default_max_tokens), "max_max_tokens": str(pair.max_max_tokens),
-        "max_context_tokens": str(pair.max_context_tokens)})
+        "max_context_tokens": str(pair.max_context_tokens),
+        "max_live_sequences": str(pair.max_live_sequences), "when_full": pair.when_full})
     return dest
+
+
+def override(repo: Path, setting: str) -> None:
+    """Apply "MODEL.PARAMETER=VALUE" to a rendered repository's config.pbtxt."""
+    target, sep, value = setting.partition("=")
+    model, dot, key = target.partition(".")
+    path = repo / model / "config.pbtxt"
+    if not (sep and dot and key) or not path.exists():
+        raise ValueError(f"--set wants MODEL.PARAMETER=VALUE with a model of {repo}, got {setting!r}")
+    path.write_text(set_parameter(path.read_text(), key, value))

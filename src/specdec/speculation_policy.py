@@ -117,8 +117,9 @@ class DraftLengthPolicy:
     free: the proposer costs (almost) nothing and may return fewer tokens than asked (prompt lookup):
     when the rule says k = 0 it still asks for k_max, because a miss costs nothing and matches come in
     bursts (on our grounded prompts, simulated over SmolLM2's greedy outputs: 1.52x against 1.45x when
-    pausing). A costly proposer pauses at k = 0 and probes every `probe_every` rounds at the k that
-    the prior acceptance would choose, so the estimate can recover.
+    pausing). A costly proposer pauses at k = 0 and probes with one token after `probe_every` rounds,
+    doubling the wait after every probe that is rejected (a probe costs c + v(1) - 1 steps: on CPU
+    about 0.9), so the estimate can recover without taxing a draft that never agrees.
     """
 
     def __init__(self, k_max: int, costs: CostModel, method: str, adaptive: bool = True, free: bool = False,
@@ -130,6 +131,7 @@ class DraftLengthPolicy:
         self.successes = 0.0  # decayed counts of accepted and rejected draft positions
         self.failures = 0.0
         self.paused_rounds = 0
+        self.probe_wait = probe_every
 
     @property
     def alpha(self) -> float:
@@ -142,22 +144,22 @@ class DraftLengthPolicy:
             return self.k_max
         k, _ = best_draft_length(self.alpha, self.k_max, self.costs.draft_cost(self.method), self.costs.verify_cost)
         if k > 0:
-            self.paused_rounds = 0
+            self.paused_rounds, self.probe_wait = 0, self.probe_every
             return k
         if self.free:
             return self.k_max
         self.paused_rounds += 1
-        if self.paused_rounds >= self.probe_every:
+        if self.paused_rounds >= self.probe_wait:
             self.paused_rounds = 0
-            probe, _ = best_draft_length(max(self.prior, 0.5), self.k_max, self.costs.draft_cost(self.method),
-                                         self.costs.verify_cost)
-            return max(probe, 1)
+            return 1
         return 0
 
     def update(self, drafted: int, accepted: int) -> None:
         """Record a verified round: `accepted` of `drafted` tokens, a rejection iff accepted < drafted."""
         if drafted <= 0:
             return
+        if drafted == 1 and self.paused_rounds == 0 and accepted == 0:  # a failed probe: wait longer next time
+            self.probe_wait *= 2
         self.successes = self.decay * self.successes + accepted
         self.failures = self.decay * self.failures + (1 if accepted < drafted else 0)
         self.costs.observe_acceptance(self.method, drafted, accepted)

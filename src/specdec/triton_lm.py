@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from specdec import tensor_names as tn
-from specdec.causal_lm import CacheError, CausalLM, load_causal_lm
+from specdec.causal_lm import CacheError, CausalLM, Step, load_causal_lm
 from specdec.config import ModelParameters
 from specdec.sampling import SamplingParams, make_generator
 
@@ -46,6 +46,8 @@ class LanguageModelAdapter:
             device_map=params.str("device_map", ""),
         )
         torch.set_num_threads(params.int("torch_threads", torch.get_num_threads(), low=1))
+        # false: one forward per sequence (the unbatched baseline of the batching benchmark).
+        self.batched = params.bool("batched_forward", True)
         self.lm = CausalLM(
             model,
             max_sequences=params.int("max_sequences", 256, low=1),
@@ -61,36 +63,59 @@ class LanguageModelAdapter:
                 name="specdec_model_live_sequences",
                 description="Sequences whose KV cache the model currently holds",
                 kind=pb_utils.MetricFamily.GAUGE),
+            pb_utils.MetricFamily(
+                name="specdec_model_kv_cache_bytes",
+                description="Bytes held by the model's KV caches (cached tokens x bytes per token)",
+                kind=pb_utils.MetricFamily.GAUGE),
         ]
-        self.tokens_metric, self.live_metric = (f.Metric(labels={"model": self.name}) for f in self.metric_families)
+        self.tokens_metric, self.live_metric, self.kv_metric = (
+            f.Metric(labels={"model": self.name}) for f in self.metric_families)
 
     def execute(self, requests):
+        """All pending steps (of different sequences: the sequence batcher sends one step per sequence
+        at a time) run as one batched forward; each request gets its own response or error."""
+        pb = self.pb
         self.lm.evict_idle()
-        responses = []
-        for request in requests:  # steps of different sequences; each has its own cache
-            before = self.lm.tokens_processed
+        before = self.lm.tokens_processed
+        responses: list = [None] * len(requests)
+        steps, owners = [], []
+        for i, request in enumerate(requests):
             try:
-                responses.append(self._handle(request))
-            except CacheError as exc:
-                responses.append(self.pb.InferenceResponse(error=self.pb.TritonError(f"{self.name}: {exc}")))
-            except Exception as exc:  # noqa: BLE001 - report, keep serving
-                responses.append(self.pb.InferenceResponse(
-                    error=self.pb.TritonError(f"{self.name}: {type(exc).__name__}: {exc}")))
-            self.tokens_metric.increment(self.lm.tokens_processed - before)
+                seq_id = request.correlation_id()
+                if _scalar(pb, request, tn.RELEASE, False):
+                    self.lm.release(seq_id)
+                    responses[i] = pb.InferenceResponse(output_tensors=[])
+                    continue
+                steps.append(self._parse_step(request, seq_id))
+                owners.append(i)
+            except (CacheError, ValueError) as exc:
+                responses[i] = self._error(exc)
+        if steps:
+            groups = [steps] if self.batched else [[step] for step in steps]
+            results = []
+            for group in groups:
+                try:
+                    results += self._run(group)
+                except Exception as exc:  # noqa: BLE001 - the batch fails, the server keeps serving
+                    results += [RuntimeError(f"{type(exc).__name__}: {exc}")] * len(group)
+            for i, step, result in zip(owners, steps, results):
+                responses[i] = self._error(result) if isinstance(result, Exception) else \
+                    self._respond(requests[i], step, result)
+        self.tokens_metric.increment(self.lm.tokens_processed - before)
         self.live_metric.set(len(self.lm.sequences))
+        self.kv_metric.set(self.lm.cached_tokens * self.lm.kv_bytes_per_token)
         return responses
 
-    def _handle(self, request):
-        pb = self.pb
-        seq_id = request.correlation_id()
-        if _scalar(pb, request, tn.RELEASE, False):
-            self.lm.release(seq_id)
-            return pb.InferenceResponse(output_tensors=[])
-        new_ids = pb.get_input_tensor_by_name(request, tn.INPUT_IDS).as_numpy().reshape(-1).tolist()
-        keep = int(_scalar(pb, request, tn.CACHE_LENGTH, 0))
-        return self._step(request, seq_id, keep, new_ids)
+    def _error(self, exc: Exception):
+        return self.pb.InferenceResponse(error=self.pb.TritonError(f"{self.name}: {exc}"))
 
-    def _step(self, request, seq_id, keep, new_ids):
+    def _parse_step(self, request, seq_id: int) -> Step:
+        raise NotImplementedError
+
+    def _run(self, steps: list[Step]) -> list:
+        raise NotImplementedError
+
+    def _respond(self, request, step: Step, result):
         raise NotImplementedError
 
     def finalize(self):
@@ -98,36 +123,46 @@ class LanguageModelAdapter:
 
 
 class TargetModel(LanguageModelAdapter):
-    def _step(self, request, seq_id, keep, new_ids):
+    def _parse_step(self, request, seq_id):
         pb = self.pb
-        num_logits = int(_scalar(pb, request, tn.NUM_LOGITS, 1))
-        logits = self.lm.extend(seq_id, keep, new_ids, num_logits)
-        wanted = set(request.requested_output_names())
+        return Step(seq_id, int(_scalar(pb, request, tn.CACHE_LENGTH, 0)),
+                    pb.get_input_tensor_by_name(request, tn.INPUT_IDS).as_numpy().reshape(-1).tolist(),
+                    num_logits=int(_scalar(pb, request, tn.NUM_LOGITS, 1)))
+
+    def _run(self, steps):
+        return self.lm.extend_many(steps)
+
+    def _respond(self, request, step, logits):
+        pb = self.pb
         outputs = [pb.Tensor(tn.GREEDY_TOKENS, logits.argmax(-1).to(torch.int32).cpu().numpy()[None])]
-        if tn.LOGITS in wanted:
+        if tn.LOGITS in set(request.requested_output_names()):
             outputs.append(pb.Tensor(tn.LOGITS, logits.float().cpu().numpy()[None]))
         return pb.InferenceResponse(output_tensors=outputs)
 
 
 class DraftModel(LanguageModelAdapter):
-    def _step(self, request, seq_id, keep, new_ids):
+    def _parse_step(self, request, seq_id):
         pb = self.pb
-        k = int(_scalar(pb, request, tn.NUM_DRAFT_TOKENS, 1))
-        if k < 1:
-            raise CacheError(f"num_draft_tokens must be >= 1, got {k}")
         params = SamplingParams(
             temperature=float(_scalar(pb, request, tn.TEMPERATURE, 0.0)),
             top_k=int(_scalar(pb, request, tn.TOP_K, 0)),
             top_p=float(_scalar(pb, request, tn.TOP_P, 1.0)),
         )
         seed = _scalar(pb, request, tn.SEED, None)
-        generator = None if params.greedy else make_generator(seed)
-        tokens, probs = self.lm.propose(seq_id, keep, new_ids, k, params, generator)
+        return Step(seq_id, int(_scalar(pb, request, tn.CACHE_LENGTH, 0)),
+                    pb.get_input_tensor_by_name(request, tn.INPUT_IDS).as_numpy().reshape(-1).tolist(),
+                    k=int(_scalar(pb, request, tn.NUM_DRAFT_TOKENS, 1)), params=params,
+                    generator=None if params.greedy else make_generator(seed))
+
+    def _run(self, steps):
+        return self.lm.propose_many(steps)
+
+    def _respond(self, request, step, result):
+        pb = self.pb
+        tokens, probs = result
         outputs = [pb.Tensor(tn.DRAFT_TOKENS, np.asarray([tokens], dtype=np.int32))]
         if tn.DRAFT_PROBS in set(request.requested_output_names()):
             if probs is None:
                 probs = torch.zeros(0, self.lm.vocab_size)
             outputs.append(pb.Tensor(tn.DRAFT_PROBS, probs.float().numpy()[None]))
         return pb.InferenceResponse(output_tensors=outputs)
-
-

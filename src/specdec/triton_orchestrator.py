@@ -53,6 +53,12 @@ class SpeculativeDecodingAdapter:
         # Adaptive draft length by default: num_draft_tokens is then the most a round drafts.
         self.adaptive_draft = params.bool("adaptive_draft", True)
         self.costs = CostModel()  # measured by every request, shared: the policy's c and v(k)
+        # At most max_live_sequences generate at once (each holds a KV cache in both models); over the
+        # cap a request waits for a slot, or with when_full=reject gets UNAVAILABLE at once.
+        self.max_live = params.int("max_live_sequences", 64, low=1)
+        self.when_full = params.str("when_full", "queue", choices=("queue", "reject"))
+        self.slots = asyncio.Semaphore(self.max_live)
+        self.queued = 0
         timeout_us = params.int("bls_timeout_us", 0, low=0)
         draft_names = params.list("draft_models", tn.DRAFT_MODEL_NAME)
         if not draft_names:
@@ -94,6 +100,27 @@ class SpeculativeDecodingAdapter:
             sender.send(pb.InferenceResponse(error=pb.TritonError(str(exc), pb.TritonError.INVALID_ARG)),
                         flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             return
+        if self.slots.locked() and self.when_full == "reject":
+            self.metrics.requests["rejected"].increment(1)
+            await asyncio.sleep(0.005)  # see the note on server#8537 above
+            sender.send(pb.InferenceResponse(error=pb.TritonError(
+                f"speculative_decoding: {self.max_live} sequences are generating (max_live_sequences); "
+                f"retry later", pb.TritonError.UNAVAILABLE)), flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            return
+        self.queued += 1
+        self.metrics.queued.set(self.queued)
+        try:
+            await self.slots.acquire()
+        finally:
+            self.queued -= 1
+            self.metrics.queued.set(self.queued)
+        try:
+            await self._generate(request, sender, arrived, gen, stream, stop_words, draft_name, adaptive)
+        finally:
+            self.slots.release()
+
+    async def _generate(self, request, sender, arrived, gen, stream, stop_words, draft_name, adaptive):
+        pb = self.pb
         stats = Stats()
         emitter = TextEmitter(self.tokenizer, stop_words)
         first_sent = False

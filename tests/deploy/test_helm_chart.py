@@ -211,6 +211,7 @@ def pair_for(values: dict) -> PairSpec:
         default_num_draft_tokens=spec["defaultNumDraftTokens"],
         max_num_draft_tokens=spec["maxNumDraftTokens"], default_max_tokens=spec["defaultMaxTokens"],
         max_max_tokens=spec["maxMaxTokens"], max_sequences=spec["maxSequences"],
+        max_live_sequences=spec["maxLiveSequences"], when_full=spec["whenFull"],
         sequence_idle_timeout_s=spec["sequenceIdleTimeoutSeconds"])
 
 

@@ -78,13 +78,15 @@ def stub_processes(run_dir: Path) -> list[str]:
     return [line for line in out.splitlines() if "triton_python_backend_stub" in line and str(run_dir) in line]
 
 
-def start_server(tmp_dir: Path, pair: str = "tiny") -> Server:
+def start_server(tmp_dir: Path, pair: str = "tiny", repository: Path | None = None) -> Server:
+    """A launcher-started tritonserver for a named pair, or for an already rendered repository."""
     http, grpc, metrics = free_ports(3)
     run_dir = tmp_dir / f"run-{pair}"
     log_path = tmp_dir / f"tritonserver-{pair}.log"
     env = dict(os.environ, PAIR=pair, HTTP_PORT=str(http), GRPC_PORT=str(grpc), METRICS_PORT=str(metrics))
     log = open(log_path, "w")
-    process = subprocess.Popen([sys.executable, "-m", "specdec.launcher", "--pair", pair, "--run-dir", str(run_dir)],
+    source = ["--model-repository", str(repository)] if repository else ["--pair", pair]
+    process = subprocess.Popen([sys.executable, "-m", "specdec.launcher", *source, "--run-dir", str(run_dir)],
                                env=env, stdout=log, stderr=subprocess.STDOUT)
     server = Server(http, grpc, metrics, run_dir, log_path, process)
     deadline = time.monotonic() + READY_TIMEOUT_S

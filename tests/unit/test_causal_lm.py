@@ -108,3 +108,69 @@ def test_release_and_idle_eviction(tiny_lm):
     now[0] = 12.0
     assert lm.evict_idle() == [2]
     assert set(lm.sequences) == {3}
+
+
+# ---- batched steps over several sequences ------------------------------------------------------------
+def test_batched_extend_equals_each_sequences_own_forward(tiny_lm):
+    """Different cache lengths, different numbers of new tokens, a new sequence and a rollback, in one
+    padded forward: every row's logits and resulting cache equal a fresh forward of that sequence."""
+    from specdec.causal_lm import Step
+
+    lm = CausalLM(tiny_lm)
+    lm.extend(1, 0, [5, 17, 3, 88, 41, 2, 9], 1)
+    lm.extend(2, 0, [7, 8], 1)
+    lm.extend(3, 0, [30, 31, 32, 33, 34], 1)
+    out = lm.extend_many([
+        Step(1, 7, [10, 11, 12, 13, 14], num_logits=5),  # a K=4 verify on the longest cache
+        Step(2, 2, [60], num_logits=1),  # a plain step
+        Step(3, 3, [70, 71], num_logits=2),  # roll back 2 tokens, then append
+        Step(4, 0, [1, 2, 3, 4, 5, 6, 7, 8, 9], num_logits=1),  # a new sequence's prompt
+    ])
+    expected = {
+        0: (full_logits(tiny_lm, [5, 17, 3, 88, 41, 2, 9, 10, 11, 12, 13, 14])[-5:]),
+        1: (full_logits(tiny_lm, [7, 8, 60])[-1:]),
+        2: (full_logits(tiny_lm, [30, 31, 32, 70, 71])[-2:]),
+        3: (full_logits(tiny_lm, [1, 2, 3, 4, 5, 6, 7, 8, 9])[-1:]),
+    }
+    for i, reference in expected.items():
+        assert out[i].shape == reference.shape
+        assert torch.allclose(out[i], reference, atol=1e-9), i
+    assert [lm.cached_length(s) for s in (1, 2, 3, 4)] == [12, 3, 5, 9]
+    # The caches handed back continue correctly, alone or batched again.
+    alone = lm.extend(2, 3, [61], 1)
+    assert torch.allclose(alone, full_logits(tiny_lm, [7, 8, 60, 61])[-1:], atol=1e-9)
+    again = lm.extend_many([Step(1, 8, [95], 1), Step(3, 5, [72], 1)])
+    assert torch.allclose(again[0], full_logits(tiny_lm, [5, 17, 3, 88, 41, 2, 9, 10, 95])[-1:], atol=1e-9)
+    assert torch.allclose(again[1], full_logits(tiny_lm, [30, 31, 32, 70, 71, 72])[-1:], atol=1e-9)
+
+
+def test_batched_step_errors_stay_with_their_step(tiny_lm):
+    from specdec.causal_lm import Step
+
+    lm = CausalLM(tiny_lm)
+    lm.extend(1, 0, [1, 2, 3], 1)
+    out = lm.extend_many([Step(1, 3, [4], 1), Step(9, 5, [1], 1), Step(2, 0, [], 1)])
+    assert torch.allclose(out[0], full_logits(tiny_lm, [1, 2, 3, 4])[-1:], atol=1e-9)
+    assert isinstance(out[1], CacheError) and "no cache" in str(out[1])
+    assert isinstance(out[2], CacheError)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_batched_propose_equals_one_by_one(tiny_lm, temperature):
+    from specdec.causal_lm import Step
+
+    params = SamplingParams(temperature=temperature)
+    solo, batched = CausalLM(tiny_lm), CausalLM(tiny_lm)
+    prompts = {1: [5, 17, 3, 88], 2: [7, 8], 3: [30, 31, 32, 33, 34, 35]}
+    ks = {1: 4, 2: 1, 3: 3}
+    expected = {}
+    for sid, prompt in prompts.items():
+        gen = make_generator(sid) if temperature else None
+        expected[sid] = solo.propose(sid, 0, prompt, ks[sid], params, gen)
+    steps = [Step(sid, 0, prompt, k=ks[sid], params=params, generator=make_generator(sid) if temperature else None)
+             for sid, prompt in prompts.items()]
+    for (tokens, probs), sid in zip(batched.propose_many(steps), prompts):
+        assert tokens == expected[sid][0]
+        if temperature:
+            assert torch.allclose(probs, expected[sid][1], atol=1e-9)
+        assert batched.cached_length(sid) == solo.cached_length(sid) == len(prompts[sid]) + ks[sid] - 1

@@ -50,3 +50,18 @@ def test_ensemble_exposes_the_public_contract():
               tn.STREAM, tn.END_ID, tn.DRAFT_MODEL, tn.TEXT_OUTPUT, tn.FINISH_REASON, tn.NUM_INPUT_TOKENS,
               tn.NUM_OUTPUT_TOKENS, tn.TOTAL_DRAFT_TOKENS, tn.TOTAL_ACCEPTED_DRAFT_TOKENS, tn.ACCEPTANCE_RATE}
     assert public <= declared
+
+
+def test_override_sets_one_models_parameter(tmp_path):
+    import pytest
+
+    from specdec.repository import override
+
+    pair = PairSpec(name="t", target_path="/w/target", tokenizer_path="/w/target", draft_paths={"draft_model": "/w/d"})
+    repo = render(pair, tmp_path / "repo")
+    override(repo, "target_model.batched_forward=false")
+    assert 'key: "batched_forward", value: { string_value: "false" }' in (repo / "target_model" / "config.pbtxt").read_text()
+    assert 'key: "batched_forward", value: { string_value: "true" }' in (repo / "draft_model" / "config.pbtxt").read_text()
+    for bad in ("target_model=1", "nosuchmodel.x=1", "target_model.x"):
+        with pytest.raises(ValueError, match="MODEL.PARAMETER=VALUE"):
+            override(repo, bad)

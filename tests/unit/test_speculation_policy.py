@@ -74,15 +74,22 @@ def test_policy_stops_drafting_on_rejections_and_resumes_on_acceptance():
     assert policy.alpha > 0.8 and policy.next_k() > first
 
 
-def test_paused_costly_policy_probes_periodically():
+def test_paused_costly_policy_probes_with_one_token_and_backs_off():
     costs = CostModel(decay=0.0)
     costs.observe_verify(1, 0.04)
     costs.observe_draft("model", 1, 0.02)  # c = 0.5: needs high acceptance
     policy = DraftLengthPolicy(8, costs, "model", probe_every=4)
     for _ in range(10):
         policy.update(4, 0)
-    picks = [policy.next_k() for _ in range(8)]
-    assert picks.count(0) == 6 and all(k >= 1 for k in (picks[3], picks[7]))
+    probes = []
+    for round_ in range(60):
+        k = policy.next_k()
+        if k:
+            probes.append(round_)
+            assert k == 1
+            policy.update(1, 0)  # the probe is rejected
+    # Waits of 4, 8, 16, 32 rounds between probes: each rejected probe doubles the next wait.
+    assert probes == [3, 11, 27, 59]
 
 
 def test_free_proposer_keeps_looking_when_the_rule_says_stop():

@@ -32,6 +32,7 @@ instance_group [ { count: 1, kind: KIND_GPU, gpus: [ {{ ternary $root.Values.gpu
 {{ include "specdec.param" (list "device_map" (ternary "auto" "" (and $onGpu (eq $role "target") $root.Values.gpu.spreadTarget))) }}
 {{ include "specdec.param" (list "max_sequences" $root.Values.speculation.maxSequences) }}
 {{ include "specdec.param" (list "sequence_idle_timeout_s" $root.Values.speculation.sequenceIdleTimeoutSeconds) }}
+{{ include "specdec.param" (list "batched_forward" "true") }}
 {{ include "specdec.instanceGroup" (list $root $role) }}
 {{- end -}}
 
@@ -160,5 +161,7 @@ output [
 {{ include "specdec.param" (list "max_max_tokens" $s.maxMaxTokens) }}
 {{ include "specdec.param" (list "max_context_tokens" $s.maxContextTokens) }}
 {{ include "specdec.param" (list "max_stop_words" 16) }}
+{{ include "specdec.param" (list "max_live_sequences" $s.maxLiveSequences) }}
+{{ include "specdec.param" (list "when_full" $s.whenFull) }}
 instance_group [ { count: 1, kind: KIND_CPU } ]
 {{- end -}}

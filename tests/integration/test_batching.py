@@ -1,0 +1,123 @@
+"""Concurrent requests share the draft and target forward passes (issue: batched speculation).
+
+16 mixed requests at once: different prompts, lengths, K, draft methods, streaming or not, adaptive or
+not, two cancelled mid-stream. Every finished one equals its solo target-only output token for token,
+the models really ran batched forwards (fewer executions than requests), and every cache is freed.
+"""
+
+import queue
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import tritonclient.grpc as grpcclient
+
+from specdec import tensor_names as tn
+
+from .helpers import _inputs, grpc_stream
+
+pytestmark = pytest.mark.integration
+
+PROMPTS = ["Hello there, how are you today?", "Once upon a time, in a land far away,",
+           "The quick brown fox jumps over the lazy dog.", "def fibonacci(n):",
+           "A B C D E F G H I J K L M N", "Numbers: 1 2 3 4 5 6 7 8 9 10 11 12",
+           "Speculative decoding drafts tokens with a small model and", "日本語のテキストと emoji 🎉 mixed"]
+DRAFTS = ["draft_model", "ngram", "draft_model_exact", "draft_model_random"]
+CANCELLED = {5, 12}
+
+
+def case(i):
+    return dict(prompt=PROMPTS[i % len(PROMPTS)], max_tokens=12 + 6 * (i % 4), num_draft_tokens=(0, 1, 3, 5, 8)[i % 5],
+                draft_model=DRAFTS[i % len(DRAFTS)], stream=bool(i % 2), adaptive_draft=bool(i % 3))
+
+
+def run_and_cancel(url, params):
+    client = grpcclient.InferenceServerClient(url)
+    chunks: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: chunks.put((result, error)))
+    options = {k: v for k, v in params.items() if k != "prompt"}
+    client.async_stream_infer(tn.ENSEMBLE, _inputs(params["prompt"], **{**options, "max_tokens": 900, "stream": True,
+                                                                       "end_id": 0}))
+    result, error = chunks.get(timeout=60)
+    assert error is None, error
+    client.stop_stream(cancel_requests=True)
+    client.close()
+    return None
+
+
+def test_sixteen_concurrent_mixed_requests_equal_their_solo_outputs(server):
+    cases = [case(i) for i in range(16)]
+    solo = {i: grpc_stream(server.grpc_url, c["prompt"], max_tokens=c["max_tokens"], num_draft_tokens=0)
+            for i, c in enumerate(cases) if i not in CANCELLED}
+    executions = {m: server.metric("nv_inference_exec_count", model=m) for m in ("target_model", "draft_model")}
+    requests = {m: server.metric("nv_inference_request_success", model=m) for m in ("target_model", "draft_model")}
+
+    def one(i):
+        c = cases[i]
+        if i in CANCELLED:
+            return run_and_cancel(server.grpc_url, c)
+        return grpc_stream(server.grpc_url, c["prompt"], **{k: v for k, v in c.items() if k != "prompt"})
+
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(one, range(16)))
+    for i, result in enumerate(results):
+        if i in CANCELLED:
+            continue
+        assert result[tn.TEXT_OUTPUT] == solo[i][tn.TEXT_OUTPUT], cases[i]
+        assert result[tn.NUM_OUTPUT_TOKENS] == solo[i][tn.NUM_OUTPUT_TOKENS]
+        if cases[i]["stream"]:
+            assert "".join(result["chunks"]) == result[tn.TEXT_OUTPUT]
+    # Batched: the target ran fewer forward passes than it answered steps.
+    target_steps = server.metric("nv_inference_request_success", model="target_model") - requests["target_model"]
+    target_execs = server.metric("nv_inference_exec_count", model="target_model") - executions["target_model"]
+    assert target_execs < target_steps, (target_execs, target_steps)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        live = [server.metric("specdec_live_sequences"), server.metric("specdec_queued_requests"),
+                server.metric("specdec_model_live_sequences", model="draft_model"),
+                server.metric("specdec_model_live_sequences", model="target_model"),
+                server.metric("specdec_model_kv_cache_bytes", model="target_model")]
+        if live == [0, 0, 0, 0, 0]:
+            break
+        time.sleep(0.5)
+    assert live == [0, 0, 0, 0, 0]
+
+
+@pytest.mark.parametrize("when_full", ["queue", "reject"])
+def test_live_sequence_cap_queues_or_rejects(tmp_path, when_full):
+    """max_live_sequences=2: six concurrent requests either all finish (queued for a slot) or the ones
+    over the cap get UNAVAILABLE with a retry hint; never more than two generate at once."""
+    import dataclasses
+
+    from specdec import pairs, repository
+
+    from .helpers import GenerationError, start_server, stop_server
+
+    pair = dataclasses.replace(pairs.tiny_pair(), max_live_sequences=2, when_full=when_full)
+    srv = start_server(tmp_path, repository=repository.render(pair, tmp_path / "repo"))
+    try:
+        def one(i):
+            try:
+                return grpc_stream(srv.grpc_url, PROMPTS[i], max_tokens=60, num_draft_tokens=3, stream=True)
+            except GenerationError as exc:
+                return exc
+
+        peak_live = peak_queued = 0
+        with ThreadPoolExecutor(6) as pool:
+            futures = [pool.submit(one, i) for i in range(6)]
+            while not all(f.done() for f in futures):
+                peak_live = max(peak_live, srv.metric("specdec_live_sequences"))
+                peak_queued = max(peak_queued, srv.metric("specdec_queued_requests"))
+                time.sleep(0.05)
+            results = [f.result() for f in futures]
+        assert peak_live <= 2
+        errors = [r for r in results if isinstance(r, Exception)]
+        if when_full == "queue":
+            assert errors == [] and peak_queued >= 1
+            assert all(r[tn.FINISH_REASON] in ("length", "stop") and r[tn.TEXT_OUTPUT] for r in results)
+        else:
+            assert errors and all("max_live_sequences" in str(e) and "retry later" in str(e) for e in errors)
+            assert srv.metric("specdec_requests_total", finish_reason="rejected") == len(errors)
+            assert len(errors) < 6
+    finally:
+        stop_server(srv, require_clean_exit=False)

@@ -1,0 +1,39 @@
+"""The real default pair (SmolLM2-135M-Instruct target) served by its own tritonserver: speculative greedy
+output equals target-only output, for the default draft (prompt lookup, adaptive K) and the draft model."""
+
+import json
+
+import pytest
+
+from specdec import tensor_names as tn
+from specdec.pairs import REPO_ROOT
+
+from .helpers import grpc_stream, start_server, stop_server
+
+pytestmark = pytest.mark.integration
+
+PROMPTS = [json.loads(line)["prompt"] for line in (REPO_ROOT / "bench" / "prompts_grounded.jsonl").read_text().splitlines()[:2]]
+PROMPTS += [json.loads(line)["prompt"] for line in (REPO_ROOT / "bench" / "prompts_open.jsonl").read_text().splitlines()[:1]]
+MAX_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def default_server(tmp_path_factory):
+    srv = start_server(tmp_path_factory.mktemp("triton-default"), pair="default")
+    yield srv
+    stop_server(srv, require_clean_exit=False)
+
+
+@pytest.mark.parametrize("draft, k, adaptive", [("ngram", None, None), ("draft_model", 3, False)])
+def test_real_pair_speculative_greedy_equals_target_only(default_server, draft, k, adaptive):
+    drafted = accepted = 0
+    for prompt in PROMPTS:
+        base = grpc_stream(default_server.grpc_url, prompt, max_tokens=MAX_TOKENS, num_draft_tokens=0)
+        spec = grpc_stream(default_server.grpc_url, prompt, max_tokens=MAX_TOKENS, num_draft_tokens=k,
+                           draft_model=draft, adaptive_draft=adaptive)
+        assert spec[tn.TEXT_OUTPUT] == base[tn.TEXT_OUTPUT], prompt
+        assert spec[tn.NUM_OUTPUT_TOKENS] == base[tn.NUM_OUTPUT_TOKENS]
+        assert base[tn.TOTAL_DRAFT_TOKENS] == 0
+        drafted += spec[tn.TOTAL_DRAFT_TOKENS]
+        accepted += spec[tn.TOTAL_ACCEPTED_DRAFT_TOKENS]
+    assert drafted > 0 and accepted > 0  # speculation really ran, and some drafts were accepted
