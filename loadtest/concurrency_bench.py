@@ -80,6 +80,7 @@ def start_server(pair: str, overrides: list[str]) -> tuple[subprocess.Popen, str
 
 
 def measure(url, prompts, levels, per_stream, base, spec) -> dict:
+    asyncio.run(run_level(url, prompts, 2, 1, spec))  # warm up both paths before anything is timed
     rows = {}
     for concurrency in levels:
         rows[(concurrency, "target-only")] = asyncio.run(run_level(url, prompts, concurrency, per_stream, base))
