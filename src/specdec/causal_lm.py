@@ -198,13 +198,15 @@ class CausalLM:
         if past:
             layers = []
             for i in range(len(self._layers(seqs[lengths.index(past)].cache))):
-                keys, values = [], []
-                for seq, length in zip(seqs, lengths):
-                    k, v = self._layer(seq, i)
-                    pad = (0, 0, past - length, 0)  # left-pad the sequence dimension
-                    keys.append(torch.nn.functional.pad(k, pad))
-                    values.append(torch.nn.functional.pad(v, pad))
-                layers.append((torch.cat(keys), torch.cat(values)))
+                k0, _ = self._layer(seqs[0], i)
+                keys = k0.new_zeros(batch, k0.shape[1], past, k0.shape[3])
+                values = torch.zeros_like(keys)
+                for b, (seq, length) in enumerate(zip(seqs, lengths)):
+                    if length:  # right-aligned: the left padding stays zero (and masked)
+                        k, v = self._layer(seq, i)
+                        keys[b, :, past - length:] = k[0]
+                        values[b, :, past - length:] = v[0]
+                layers.append((keys, values))
             cache = DynamicCache(layers, config=self.model.config)
         out = self.model(input_ids=input_ids.to(self.device), attention_mask=mask.to(self.device),
                          position_ids=positions.to(self.device), past_key_values=cache, use_cache=True,
