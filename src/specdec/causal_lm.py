@@ -90,8 +90,13 @@ class CausalLM:
     """
 
     def __init__(self, model, max_sequences: int = 256, idle_timeout_s: float = 600.0,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, min_forward_rows: int = 1):
         self.model = model
+        # A forward over fewer than this many token rows (but more than one) is padded up to it. On the
+        # 2-core CPU we measured, GEMMs of 2-3 rows take a slower BLAS path than 4 (the 49152-wide head:
+        # 9 ms at 1 row, 26 ms at 3, 14 ms at 4), so 2-3 sequences batched, or a 1-2 token draft verified,
+        # cost more than 4. Padding rows are masked out and never cached.
+        self.min_forward_rows = min_forward_rows
         self.max_sequences = max_sequences
         self.idle_timeout_s = idle_timeout_s
         self.clock = clock
@@ -171,7 +176,10 @@ class CausalLM:
         the logits (num_logits[b], V) of its last num_logits[b] new positions."""
         from transformers import DynamicCache
 
-        if len(seqs) == 1:  # no padding needed
+        rows_needed = self.min_forward_rows
+        padded = 1 < len(seqs) * max(len(r) for r in rows) < rows_needed or (
+            len(seqs) > 1 and len(seqs) * max(max(num_logits), 1) < rows_needed)
+        if len(seqs) == 1 and not padded:  # no padding needed
             seq, new = seqs[0], rows[0]
             input_ids = torch.tensor([new], dtype=torch.long, device=self.device)
             positions = torch.arange(seq.length, seq.length + len(new), device=self.device).unsqueeze(0)
@@ -182,9 +190,13 @@ class CausalLM:
             return [out.logits[0, out.logits.shape[1] - num_logits[0]:]]
         lengths = [seq.length for seq in seqs]
         past, width = max(lengths), max(len(r) for r in rows)
+        batch = len(seqs)
+        if padded:  # widen to at least min_forward_rows token rows (see __init__)
+            width = max(width, -(-rows_needed // batch))
         # The head runs only on the last `keep` padded positions: enough for every row's wanted logits.
         keep = max(max(width - len(r) + n for r, n in zip(rows, num_logits)), 1)
-        batch = len(seqs)
+        if padded:
+            keep = min(width, max(keep, -(-rows_needed // batch)))
         input_ids = torch.zeros(batch, width, dtype=torch.long)
         positions = torch.zeros(batch, width, dtype=torch.long)
         mask = torch.zeros(batch, past + width, dtype=torch.long)

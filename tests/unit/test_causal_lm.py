@@ -174,3 +174,24 @@ def test_batched_propose_equals_one_by_one(tiny_lm, temperature):
         if temperature:
             assert torch.allclose(probs, expected[sid][1], atol=1e-9)
         assert batched.cached_length(sid) == solo.cached_length(sid) == len(prompts[sid]) + ks[sid] - 1
+
+
+def test_padding_to_min_forward_rows_changes_nothing_but_the_shape(tiny_lm):
+    """min_forward_rows=4 pads a 2-token verify of one sequence and a 3-sequence step to 4 rows; the
+    logits and caches are those of the unpadded forwards."""
+    from specdec.causal_lm import Step
+
+    lm = CausalLM(tiny_lm, min_forward_rows=4)
+    lm.extend(1, 0, [5, 17, 3], 1)
+    two = lm.extend(1, 3, [88, 41], 2)
+    assert torch.allclose(two, full_logits(tiny_lm, [5, 17, 3, 88, 41])[-2:], atol=1e-9)
+    assert lm.cached_length(1) == 5
+    lm.extend(2, 0, [7, 8], 1)
+    lm.extend(3, 0, [30], 1)
+    out = lm.extend_many([Step(1, 5, [2], 1), Step(2, 2, [9], 1), Step(3, 1, [31], 1)])
+    for logits, ids in zip(out, ([5, 17, 3, 88, 41, 2], [7, 8, 9], [30, 31])):
+        assert logits.shape == (1, tiny_lm.config.vocab_size)
+        assert torch.allclose(logits, full_logits(tiny_lm, ids)[-1:], atol=1e-9)
+    assert [lm.cached_length(s) for s in (1, 2, 3)] == [6, 3, 2]
+    after = lm.extend(3, 2, [32], 1)  # the padded step left a clean cache behind
+    assert torch.allclose(after, full_logits(tiny_lm, [30, 31, 32])[-1:], atol=1e-9)
