@@ -139,33 +139,30 @@ class CausalLM:
         seq.last_used = self.clock()
         return seq
 
-    @torch.inference_mode()
     def extend(self, seq_id: int, keep: int, new_ids: list[int], num_logits: int) -> torch.Tensor:
         """Keep the first `keep` cached tokens, append `new_ids`, return logits of the last positions.
 
-        Returns (num_logits, V) in the model's dtype; num_logits <= len(new_ids).
+        Returns (num_logits, V) in the model's dtype; num_logits <= len(new_ids). One sequence's
+        `extend_many`; raises its CacheError.
         """
-        if not new_ids:
-            raise CacheError("no new tokens to append")
-        if not 0 <= num_logits <= len(new_ids):
-            raise CacheError(f"num_logits={num_logits} must be within [0, {len(new_ids)}] (the new tokens)")
-        seq = self._acquire(seq_id, keep)
-        input_ids = torch.tensor([new_ids], dtype=torch.long, device=self.device)
-        positions = torch.arange(seq.length, seq.length + len(new_ids), device=self.device).unsqueeze(0)
-        out = self.model(input_ids=input_ids, position_ids=positions, past_key_values=seq.cache,
-                         use_cache=True, logits_to_keep=max(num_logits, 1))
-        seq.length += len(new_ids)
-        self.tokens_processed += len(new_ids)
-        return out.logits[0, out.logits.shape[1] - num_logits:]
+        (result,) = self.extend_many([Step(seq_id, keep, new_ids, num_logits)])
+        if isinstance(result, CacheError):
+            raise result
+        return result
 
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """Bytes one cached token takes: keys and values of every layer."""
+    def _kv_heads_and_dim(self) -> tuple[int, int]:
         cfg = self.model.config
         text = getattr(cfg, "get_text_config", lambda: cfg)()
         heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        return 2 * text.num_hidden_layers * heads * head_dim * self.model.dtype.itemsize
+        return heads, head_dim
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes one cached token takes: keys and values of every layer."""
+        heads, head_dim = self._kv_heads_and_dim()
+        layers = getattr(self.model.config, "get_text_config", lambda: self.model.config)().num_hidden_layers
+        return 2 * layers * heads * head_dim * self.model.dtype.itemsize
 
     @property
     def cached_tokens(self) -> int:
@@ -241,14 +238,13 @@ class CausalLM:
         if i < len(layers):
             return layers[i].keys, layers[i].values
         # A sequence with nothing cached yet: an empty (1, heads, 0, head_dim) entry shaped like the others.
-        cfg = self.model.config
-        heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        heads, head_dim = self._kv_heads_and_dim()
         empty = torch.zeros(1, heads, 0, head_dim, dtype=self.model.dtype, device=self.device)
         return empty, empty
 
-    def _acquire_all(self, steps: list[Step]) -> tuple[list[int], list[CacheError | None]]:
-        """Acquire each step's sequence; returns the indices that are valid and a per-step error."""
+    def _acquire_all(self, steps: list[Step], problem: Callable[[Step], str | None]) -> tuple[list[int], list]:
+        """Check each step (`problem` returns what is wrong with it, or None) and only then acquire its
+        sequence, so a bad step leaves its cache untouched. Returns the valid indices and per-step errors."""
         ok, errors = [], []
         seen = set()
         for i, step in enumerate(steps):
@@ -257,6 +253,9 @@ class CausalLM:
                     raise CacheError(f"sequence {step.seq_id} has two steps in one batch")
                 if not step.new_ids:
                     raise CacheError("no new tokens to append")
+                message = problem(step)
+                if message:
+                    raise CacheError(message)
                 self._acquire(step.seq_id, step.keep)
                 seen.add(step.seq_id)
                 ok.append(i)
@@ -269,11 +268,9 @@ class CausalLM:
     def extend_many(self, steps: list[Step]) -> list[torch.Tensor | CacheError]:
         """`extend` for several sequences in one forward pass: per step its (num_logits, V) logits, or
         the CacheError that step raised (the others still run)."""
-        ok, errors = self._acquire_all(steps)
-        for i in ok:
-            if not 0 <= steps[i].num_logits <= len(steps[i].new_ids):
-                errors[i] = CacheError(f"num_logits={steps[i].num_logits} must be within [0, {len(steps[i].new_ids)}]")
-        ok = [i for i in ok if errors[i] is None]
+        ok, errors = self._acquire_all(steps, lambda step: None if 0 <= step.num_logits <= len(step.new_ids) else
+                                       f"num_logits={step.num_logits} must be within [0, {len(step.new_ids)}] "
+                                       "(the new tokens)")
         results: list[torch.Tensor | CacheError] = list(errors)
         if ok:
             logits = self._forward_rows([self.sequences[steps[i].seq_id] for i in ok], [steps[i].new_ids for i in ok],
@@ -286,11 +283,8 @@ class CausalLM:
     def propose_many(self, steps: list[Step]) -> list[tuple[list[int], torch.Tensor | None] | CacheError]:
         """`propose` for several sequences: their draft forwards run together, one batched pass per
         drafted position (a sequence that asked for fewer tokens leaves the batch early)."""
-        ok, errors = self._acquire_all(steps)
-        for i in ok:
-            if steps[i].k < 1:
-                errors[i] = CacheError(f"num_draft_tokens must be >= 1, got {steps[i].k}")
-        ok = [i for i in ok if errors[i] is None]
+        ok, errors = self._acquire_all(steps, lambda step: None if step.k >= 1 else
+                                       f"num_draft_tokens must be >= 1, got {step.k}")
         results: list = list(errors)
         tokens = {i: [] for i in ok}
         probs = {i: [] for i in ok}
@@ -316,7 +310,6 @@ class CausalLM:
             results[i] = (tokens[i], torch.stack(probs[i]) if probs[i] else None)
         return results
 
-    @torch.inference_mode()
     def propose(self, seq_id: int, keep: int, new_ids: list[int], k: int, params: SamplingParams,
                 generator: torch.Generator | None = None) -> tuple[list[int], torch.Tensor | None]:
         """Draft k tokens autoregressively after appending new_ids.
@@ -324,22 +317,12 @@ class CausalLM:
         Returns (tokens, probs): k draft tokens and, when sampling, their (k, V) float32 processed
         distributions (None when greedy: the greedy rule needs only the tokens). The last drafted token
         is not run through the model (nothing needs its logits until the next round), so the cache
-        grows by len(new_ids) + k - 1.
+        grows by len(new_ids) + k - 1. One sequence's `propose_many`; raises its CacheError.
         """
-        tokens: list[int] = []
-        probs: list[torch.Tensor] = []
-        logits = self.extend(seq_id, keep, new_ids, 1)[-1]
-        for step in range(k):
-            if params.greedy:
-                token = int(logits.argmax())
-            else:
-                p = logits_to_probs(logits, params)
-                token = int(sample(p, generator))
-                probs.append(p)
-            tokens.append(token)
-            if step < k - 1:
-                logits = self.extend(seq_id, self.cached_length(seq_id), [token], 1)[-1]
-        return tokens, (torch.stack(probs) if probs else None)
+        (result,) = self.propose_many([Step(seq_id, keep, new_ids, k=k, params=params, generator=generator)])
+        if isinstance(result, CacheError):
+            raise result
+        return result
 
     def release(self, seq_id: int) -> bool:
         return self.sequences.pop(seq_id, None) is not None

@@ -127,14 +127,6 @@ def ports() -> tuple[int, int, int]:
             int(os.environ.get("METRICS_PORT", 8002)))
 
 
-def prepare(pair_name: str, run_dir: Path) -> tuple[list[str], dict[str, str]]:
-    """Prepare a named pair and everything tritonserver needs; returns (command, environment)."""
-    pair = pairs.prepare_pair(pair_name)
-    repo = repository.render(pair, run_dir / "model_repository")
-    layout = triton_layout(run_dir)
-    return server_command(layout, repo, *ports()), server_env(layout)
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pair", default=os.environ.get("PAIR", "default"), choices=sorted(pairs.PAIRS))
@@ -190,8 +182,8 @@ def main(argv: list[str] | None = None) -> int:
         for setting in args.set:
             repository.override(repo, setting)
     layout = triton_layout(run_dir, Path(args.triton_root) if args.triton_root else None)
-    command = server_command(layout, repo, *ports(), extra=args.server_args)
-    http_port = ports()[0]
+    http_port, grpc_port, metrics_port = ports()
+    command = server_command(layout, repo, http_port, grpc_port, metrics_port, extra=args.server_args)
     log(f"starting tritonserver ({label}): {' '.join(redact(arg) for arg in command)}")
     process = subprocess.Popen(command, env=server_env(layout))
 
@@ -204,8 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, stop)
     try:
         wait_ready(http_port, process, args.ready_timeout)
-        log(f"READY: http://localhost:{http_port} grpc localhost:{ports()[1]} "
-            f"metrics http://localhost:{ports()[2]}/metrics ({label})")
+        log(f"READY: http://localhost:{http_port} grpc localhost:{grpc_port} "
+            f"metrics http://localhost:{metrics_port}/metrics ({label})")
     except (RuntimeError, TimeoutError) as exc:
         log(str(exc))
         if process.poll() is None:

@@ -132,6 +132,7 @@ class DraftLengthPolicy:
         self.failures = 0.0
         self.paused_rounds = 0
         self.probe_wait = probe_every
+        self.probing = False  # the round in flight is a one-token probe
 
     @property
     def alpha(self) -> float:
@@ -140,6 +141,7 @@ class DraftLengthPolicy:
         return a / (self.successes + self.failures + self.prior_weight)
 
     def next_k(self) -> int:
+        self.probing = False
         if self.k_max <= 0 or not self.adaptive:  # not adaptive: always k_max (the costs are still measured)
             return self.k_max
         k, _ = best_draft_length(self.alpha, self.k_max, self.costs.draft_cost(self.method), self.costs.verify_cost)
@@ -150,7 +152,7 @@ class DraftLengthPolicy:
             return self.k_max
         self.paused_rounds += 1
         if self.paused_rounds >= self.probe_wait:
-            self.paused_rounds = 0
+            self.paused_rounds, self.probing = 0, True
             return 1
         return 0
 
@@ -158,7 +160,7 @@ class DraftLengthPolicy:
         """Record a verified round: `accepted` of `drafted` tokens, a rejection iff accepted < drafted."""
         if drafted <= 0:
             return
-        if drafted == 1 and self.paused_rounds == 0 and accepted == 0:  # a failed probe: wait longer next time
+        if self.probing and accepted == 0:  # a failed probe: wait longer next time
             self.probe_wait *= 2
         self.successes = self.decay * self.successes + accepted
         self.failures = self.decay * self.failures + (1 if accepted < drafted else 0)

@@ -112,6 +112,13 @@ class LanguageModelAdapter:
         return self.pb.InferenceResponse(error=self.pb.TritonError(f"{self.name}: {exc}"))
 
     def _parse_step(self, request, seq_id: int) -> Step:
+        pb = self.pb
+        return Step(seq_id, int(_scalar(pb, request, tn.CACHE_LENGTH, 0)),
+                    pb.get_input_tensor_by_name(request, tn.INPUT_IDS).as_numpy().reshape(-1).tolist(),
+                    **self._step_options(request))
+
+    def _step_options(self, request) -> dict:
+        """The model-specific fields of a Step (num_logits, or k and sampling)."""
         raise NotImplementedError
 
     def _run(self, steps: list[Step]) -> list:
@@ -125,11 +132,8 @@ class LanguageModelAdapter:
 
 
 class TargetModel(LanguageModelAdapter):
-    def _parse_step(self, request, seq_id):
-        pb = self.pb
-        return Step(seq_id, int(_scalar(pb, request, tn.CACHE_LENGTH, 0)),
-                    pb.get_input_tensor_by_name(request, tn.INPUT_IDS).as_numpy().reshape(-1).tolist(),
-                    num_logits=int(_scalar(pb, request, tn.NUM_LOGITS, 1)))
+    def _step_options(self, request):
+        return {"num_logits": int(_scalar(self.pb, request, tn.NUM_LOGITS, 1))}
 
     def _run(self, steps):
         return self.lm.extend_many(steps)
@@ -143,7 +147,7 @@ class TargetModel(LanguageModelAdapter):
 
 
 class DraftModel(LanguageModelAdapter):
-    def _parse_step(self, request, seq_id):
+    def _step_options(self, request):
         pb = self.pb
         params = SamplingParams(
             temperature=float(_scalar(pb, request, tn.TEMPERATURE, 0.0)),
@@ -151,10 +155,8 @@ class DraftModel(LanguageModelAdapter):
             top_p=float(_scalar(pb, request, tn.TOP_P, 1.0)),
         )
         seed = _scalar(pb, request, tn.SEED, None)
-        return Step(seq_id, int(_scalar(pb, request, tn.CACHE_LENGTH, 0)),
-                    pb.get_input_tensor_by_name(request, tn.INPUT_IDS).as_numpy().reshape(-1).tolist(),
-                    k=int(_scalar(pb, request, tn.NUM_DRAFT_TOKENS, 1)), params=params,
-                    generator=None if params.greedy else make_generator(seed))
+        return {"k": int(_scalar(pb, request, tn.NUM_DRAFT_TOKENS, 1)), "params": params,
+                "generator": None if params.greedy else make_generator(seed)}
 
     def _run(self, steps):
         return self.lm.propose_many(steps)

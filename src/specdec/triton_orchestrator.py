@@ -137,11 +137,8 @@ class SpeculativeDecodingAdapter:
         self.metrics.live.set(self.live)
         finish, last = None, None
         try:
-            # A seeded sampled request must be reproducible: measured costs vary from run to run, and a
-            # different K changes which random draws pick which token, so it drafts a fixed K.
-            reproducible = not gen.sampling.greedy and gen.sampling.seed is not None
-            policy = DraftLengthPolicy(gen.num_draft_tokens, self.costs, draft_name,
-                                       adaptive=adaptive and not reproducible, free=draft_name == NGRAM)
+            policy = DraftLengthPolicy(gen.num_draft_tokens, self.costs, draft_name, adaptive=adaptive,
+                                       free=draft_name == NGRAM)
             rounds = generate(gen, self.proposers[draft_name], self.scorer, stats, policy)
             async with contextlib.aclosing(rounds) as rounds:
                 async for rnd in rounds:
@@ -277,4 +274,7 @@ class SpeculativeDecodingAdapter:
             sampling=SamplingParams(temperature, top_k, top_p, seed),
             end_ids=end_ids,
         )
+        # A seeded sampled request must be reproducible: measured costs vary from run to run, and a
+        # different K changes which random draws pick which token, so it drafts a fixed K.
+        adaptive = adaptive and (gen.sampling.greedy or seed is None)
         return gen, stream, stop_words, draft_name, adaptive

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-from tritonclient.utils import np_to_triton_dtype
+from client.sync import grpc_inputs
 
 from specdec import tensor_names as tn
 
@@ -144,12 +144,19 @@ def _inputs(prompt: str, **params) -> list:
             arrays[name] = np.array([[value]], dtype=types[name])
         else:
             arrays[name] = np.array([[str(value).encode()]], dtype=np.object_)
-    tensors = []
-    for name, array in arrays.items():
-        tensor = grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
-        tensor.set_data_from_numpy(array)
-        tensors.append(tensor)
-    return tensors
+    return grpc_inputs(arrays)
+
+
+def open_stream_and_cancel(url: str, prompt: str, **params) -> None:
+    """Start a long streaming request (900 tokens, no end token), wait for its first chunk, cancel it."""
+    client = grpcclient.InferenceServerClient(url)
+    chunks: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: chunks.put((result, error)))
+    client.async_stream_infer(tn.ENSEMBLE, _inputs(prompt, **{**params, "max_tokens": 900, "stream": True, "end_id": 0}))
+    _, error = chunks.get(timeout=60)
+    assert error is None, error
+    client.stop_stream(cancel_requests=True)
+    client.close()
 
 
 OUTPUTS = [tn.TEXT_OUTPUT, tn.FINISH_REASON, tn.NUM_INPUT_TOKENS, tn.NUM_OUTPUT_TOKENS, tn.TOTAL_DRAFT_TOKENS,

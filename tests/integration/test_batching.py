@@ -5,16 +5,14 @@ not, two cancelled mid-stream. Every finished one equals its solo target-only ou
 the models really ran batched forwards (fewer executions than requests), and every cache is freed.
 """
 
-import queue
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-import tritonclient.grpc as grpcclient
 
 from specdec import tensor_names as tn
 
-from .helpers import _inputs, grpc_stream
+from .helpers import grpc_stream, open_stream_and_cancel
 
 pytestmark = pytest.mark.integration
 
@@ -31,20 +29,6 @@ def case(i):
                 draft_model=DRAFTS[i % len(DRAFTS)], stream=bool(i % 2), adaptive_draft=bool(i % 3))
 
 
-def run_and_cancel(url, params):
-    client = grpcclient.InferenceServerClient(url)
-    chunks: queue.Queue = queue.Queue()
-    client.start_stream(callback=lambda result, error: chunks.put((result, error)))
-    options = {k: v for k, v in params.items() if k != "prompt"}
-    client.async_stream_infer(tn.ENSEMBLE, _inputs(params["prompt"], **{**options, "max_tokens": 900, "stream": True,
-                                                                       "end_id": 0}))
-    result, error = chunks.get(timeout=60)
-    assert error is None, error
-    client.stop_stream(cancel_requests=True)
-    client.close()
-    return None
-
-
 def test_sixteen_concurrent_mixed_requests_equal_their_solo_outputs(server):
     cases = [case(i) for i in range(16)]
     solo = {i: grpc_stream(server.grpc_url, c["prompt"], max_tokens=c["max_tokens"], num_draft_tokens=0)
@@ -55,7 +39,7 @@ def test_sixteen_concurrent_mixed_requests_equal_their_solo_outputs(server):
     def one(i):
         c = cases[i]
         if i in CANCELLED:
-            return run_and_cancel(server.grpc_url, c)
+            return open_stream_and_cancel(server.grpc_url, c["prompt"], **{k: v for k, v in c.items() if k != "prompt"})
         return grpc_stream(server.grpc_url, c["prompt"], **{k: v for k, v in c.items() if k != "prompt"})
 
     with ThreadPoolExecutor(16) as pool:

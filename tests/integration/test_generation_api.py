@@ -12,7 +12,7 @@ import tritonclient.grpc as grpcclient
 
 from specdec import tensor_names as tn
 
-from .helpers import GenerationError, _inputs, grpc_stream, http_generate
+from .helpers import GenerationError, grpc_stream, http_generate, open_stream_and_cancel
 
 pytestmark = pytest.mark.integration
 
@@ -148,23 +148,10 @@ def test_metrics_count_drafted_and_accepted_tokens(server):
 
 
 # ---- cancellation ---------------------------------------------------------------------------------------
-def _open_stream_and_cancel(url: str, prompt: str) -> int:
-    """Start a long streaming request, wait for its first chunk, cancel it. Returns chunks seen."""
-    client = grpcclient.InferenceServerClient(url)
-    chunks: queue.Queue = queue.Queue()
-    client.start_stream(callback=lambda result, error: chunks.put((result, error)))
-    client.async_stream_infer(tn.ENSEMBLE, _inputs(prompt, max_tokens=900, num_draft_tokens=2, stream=True, end_id=0))
-    result, error = chunks.get(timeout=60)
-    assert error is None, error
-    client.stop_stream(cancel_requests=True)
-    client.close()
-    return 1
-
-
 def test_cancelled_streams_free_their_caches(server):
     cancelled_before = server.metric("specdec_requests_total", finish_reason="cancelled")
     with ThreadPoolExecutor(20) as pool:
-        list(pool.map(lambda i: _open_stream_and_cancel(server.grpc_url, PROMPTS[i % 4]), range(20)))
+        list(pool.map(lambda i: open_stream_and_cancel(server.grpc_url, PROMPTS[i % 4], num_draft_tokens=2), range(20)))
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         live = [server.metric("specdec_live_sequences"),
