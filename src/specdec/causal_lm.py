@@ -6,22 +6,22 @@ tokens to append, so each round processes only new tokens and the prompt is neve
 Caches live in a keyed store with an idle timeout, so a sequence abandoned without a release call
 (client crash, orchestrator restart) cannot hold memory forever.
 
-Steps of several sequences run as one padded forward pass (`extend_many`, `propose_many`): caches are
-left-padded to a common length and new tokens right-padded, with per-row positions and an attention
-mask, so each row computes exactly what its own forward would; each sequence then gets its slice back.
-On hardware where a forward's cost hardly depends on the number of rows (memory-bound decoding), B
-sequences cost about one.
+Steps of several sequences run as one forward pass (`extend_many`, `propose_many`): new tokens are
+right-padded to a common width with per-row positions, and each row's attention reads and appends to its
+own sequence's KV buffers in place (`kv_cache.py`), so each row computes exactly what its own forward
+would and no cache is copied. Where a forward's cost hardly grows with its rows (memory-bound decoding,
+and small batches even on this CPU), B sequences cost far less than B forwards.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, NamedTuple
 
 import torch
 
+from specdec.kv_cache import KVBatch, SequenceKV, use_sequence_kv
 from specdec.sampling import SamplingParams, logits_to_probs, sample
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -64,13 +64,6 @@ def load_causal_lm(model_path: str, device: str = "cpu", dtype: str = "float32",
     return model.eval()
 
 
-@dataclass
-class _Sequence:
-    cache: object  # transformers DynamicCache
-    length: int = 0  # tokens currently in the cache
-    last_used: float = field(default=0.0)
-
-
 class Step(NamedTuple):
     """One sequence's part of a batched call: keep `keep` cached tokens, append `new_ids`."""
 
@@ -92,6 +85,7 @@ class CausalLM:
     def __init__(self, model, max_sequences: int = 256, idle_timeout_s: float = 600.0,
                  clock: Callable[[], float] = time.monotonic, min_forward_rows: int = 1):
         self.model = model
+        use_sequence_kv(model)
         # A forward over fewer than this many token rows (but more than one) is padded up to it. On the
         # 2-core CPU we measured, GEMMs of 2-3 rows take a slower BLAS path than 4 (the 49152-wide head:
         # 9 ms at 1 row, 26 ms at 3, 14 ms at 4), so 2-3 sequences batched, or a 1-2 token draft verified,
@@ -100,7 +94,7 @@ class CausalLM:
         self.max_sequences = max_sequences
         self.idle_timeout_s = idle_timeout_s
         self.clock = clock
-        self.sequences: dict[int, _Sequence] = {}
+        self.sequences: dict[int, SequenceKV] = {}
         self.tokens_processed = 0  # every token run through the model, for the token-count metric
 
     @property
@@ -115,9 +109,7 @@ class CausalLM:
         seq = self.sequences.get(seq_id)
         return seq.length if seq else 0
 
-    def _acquire(self, seq_id: int, keep: int) -> _Sequence:
-        from transformers import DynamicCache
-
+    def _acquire(self, seq_id: int, keep: int) -> SequenceKV:
         seq = self.sequences.get(seq_id)
         if seq is None:
             if keep != 0:
@@ -126,16 +118,13 @@ class CausalLM:
                     f" but cache_length={keep} was requested")
             if len(self.sequences) >= self.max_sequences:
                 raise CacheError(f"too many live sequences ({self.max_sequences}); retry later")
-            seq = self.sequences[seq_id] = _Sequence(DynamicCache(config=self.model.config))
+            heads, head_dim = self._kv_heads_and_dim()
+            seq = self.sequences[seq_id] = SequenceKV(
+                self._num_layers, heads, head_dim, self.model.dtype, self.device,
+                max_capacity=getattr(self.model.config, "max_position_embeddings", None))
         elif keep > seq.length:
             raise CacheError(f"cache_length={keep} exceeds the {seq.length} tokens cached for sequence {seq_id}")
-        elif keep == 0:
-            seq.cache, seq.length = DynamicCache(config=self.model.config), 0
-        elif keep < seq.length:
-            # Roll back rejected tokens. In transformers 5, crop(-n) removes the last n tokens
-            # (a positive argument is refused); tests/unit/test_causal_lm.py pins this behaviour.
-            seq.cache.crop(keep - seq.length)
-            seq.length = keep
+        seq.length = keep  # rollback: later writes overwrite the rejected positions
         seq.last_used = self.clock()
         return seq
 
@@ -158,89 +147,47 @@ class CausalLM:
         return heads, head_dim
 
     @property
+    def _num_layers(self) -> int:
+        return getattr(self.model.config, "get_text_config", lambda: self.model.config)().num_hidden_layers
+
+    @property
     def kv_bytes_per_token(self) -> int:
         """Bytes one cached token takes: keys and values of every layer."""
         heads, head_dim = self._kv_heads_and_dim()
-        layers = getattr(self.model.config, "get_text_config", lambda: self.model.config)().num_hidden_layers
-        return 2 * layers * heads * head_dim * self.model.dtype.itemsize
+        return 2 * self._num_layers * heads * head_dim * self.model.dtype.itemsize
 
     @property
     def cached_tokens(self) -> int:
         return sum(seq.length for seq in self.sequences.values())
 
-    def _forward_rows(self, seqs: list[_Sequence], rows: list[list[int]], num_logits: list[int]) -> list[torch.Tensor]:
+    @property
+    def kv_bytes_allocated(self) -> int:
+        """Bytes the sequences' KV buffers hold (their capacity, which grows by doubling)."""
+        return sum(seq.nbytes for seq in self.sequences.values())
+
+    def _forward_rows(self, seqs: list[SequenceKV], rows: list[list[int]], num_logits: list[int]) -> list[torch.Tensor]:
         """One forward over several sequences; row b's cache grows by len(rows[b]) tokens and it gets
         the logits (num_logits[b], V) of its last num_logits[b] new positions."""
-        from transformers import DynamicCache
-
-        rows_needed = self.min_forward_rows
-        padded = 1 < len(seqs) * max(len(r) for r in rows) < rows_needed or (
-            len(seqs) > 1 and len(seqs) * max(max(num_logits), 1) < rows_needed)
-        if len(seqs) == 1 and not padded:  # no padding needed
-            seq, new = seqs[0], rows[0]
-            input_ids = torch.tensor([new], dtype=torch.long, device=self.device)
-            positions = torch.arange(seq.length, seq.length + len(new), device=self.device).unsqueeze(0)
-            out = self.model(input_ids=input_ids, position_ids=positions, past_key_values=seq.cache, use_cache=True,
-                             logits_to_keep=max(num_logits[0], 1))
-            seq.length += len(new)
-            self.tokens_processed += len(new)
-            return [out.logits[0, out.logits.shape[1] - num_logits[0]:]]
-        lengths = [seq.length for seq in seqs]
-        past, width = max(lengths), max(len(r) for r in rows)
-        batch = len(seqs)
-        if padded:  # widen to at least min_forward_rows token rows (see __init__)
-            width = max(width, -(-rows_needed // batch))
+        batch, width = len(seqs), max(len(r) for r in rows)
         # The head runs only on the last `keep` padded positions: enough for every row's wanted logits.
         keep = max(max(width - len(r) + n for r, n in zip(rows, num_logits)), 1)
-        if padded:
+        rows_needed = self.min_forward_rows
+        if 1 < batch * width < rows_needed or (batch > 1 and batch * keep < rows_needed):
+            # Widen to at least min_forward_rows token rows (see __init__); padding is never cached.
+            width = max(width, -(-rows_needed // batch))
             keep = min(width, max(keep, -(-rows_needed // batch)))
         input_ids = torch.zeros(batch, width, dtype=torch.long)
         positions = torch.zeros(batch, width, dtype=torch.long)
-        mask = torch.zeros(batch, past + width, dtype=torch.long)
-        for b, (length, new) in enumerate(zip(lengths, rows)):
+        for b, (seq, new) in enumerate(zip(seqs, rows)):
             input_ids[b, :len(new)] = torch.tensor(new)
-            positions[b] = torch.arange(length, length + width)
-            # Cached tokens sit right-aligned before the new ones; padding on either side is masked out
-            # (right padding is also invisible by causality: it comes after every real token).
-            mask[b, past - length:past + len(new)] = 1
-        cache = DynamicCache(config=self.model.config)
-        if past:
-            layers = []
-            for i in range(len(self._layers(seqs[lengths.index(past)].cache))):
-                k0, _ = self._layer(seqs[0], i)
-                keys = k0.new_zeros(batch, k0.shape[1], past, k0.shape[3])
-                values = torch.zeros_like(keys)
-                for b, (seq, length) in enumerate(zip(seqs, lengths)):
-                    if length:  # right-aligned: the left padding stays zero (and masked)
-                        k, v = self._layer(seq, i)
-                        keys[b, :, past - length:] = k[0]
-                        values[b, :, past - length:] = v[0]
-                layers.append((keys, values))
-            cache = DynamicCache(layers, config=self.model.config)
-        out = self.model(input_ids=input_ids.to(self.device), attention_mask=mask.to(self.device),
-                         position_ids=positions.to(self.device), past_key_values=cache, use_cache=True,
-                         logits_to_keep=keep)
+            positions[b] = torch.arange(seq.length, seq.length + width)
+        out = self.model(input_ids=input_ids.to(self.device), position_ids=positions.to(self.device), use_cache=False,
+                         logits_to_keep=keep, kv_batch=KVBatch(seqs, width))
         offset = width - keep  # out.logits[:, j] is padded position offset + j
-        for b, (seq, length, new) in enumerate(zip(seqs, lengths, rows)):
-            span = slice(past - length, past + len(new))
-            seq.cache = DynamicCache([(layer.keys[b:b + 1, :, span].contiguous(), layer.values[b:b + 1, :, span].contiguous())
-                                      for layer in self._layers(cache)], config=self.model.config)
-            seq.length = length + len(new)
+        for seq, new in zip(seqs, rows):
+            seq.length += len(new)
             self.tokens_processed += len(new)
         return [out.logits[b, len(new) - n - offset:len(new) - offset] for b, (new, n) in enumerate(zip(rows, num_logits))]
-
-    @staticmethod
-    def _layers(cache) -> list:
-        return [layer for layer in cache.layers if getattr(layer, "is_initialized", True) and layer.keys is not None]
-
-    def _layer(self, seq: _Sequence, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        layers = self._layers(seq.cache) if seq.length else []
-        if i < len(layers):
-            return layers[i].keys, layers[i].values
-        # A sequence with nothing cached yet: an empty (1, heads, 0, head_dim) entry shaped like the others.
-        heads, head_dim = self._kv_heads_and_dim()
-        empty = torch.zeros(1, heads, 0, head_dim, dtype=self.model.dtype, device=self.device)
-        return empty, empty
 
     def _acquire_all(self, steps: list[Step], problem: Callable[[Step], str | None]) -> tuple[list[int], list]:
         """Check each step (`problem` returns what is wrong with it, or None) and only then acquire its

@@ -67,7 +67,7 @@ class LanguageModelAdapter:
                 kind=pb_utils.MetricFamily.GAUGE),
             pb_utils.MetricFamily(
                 name="specdec_model_kv_cache_bytes",
-                description="Bytes held by the model's KV caches (cached tokens x bytes per token)",
+                description="Bytes allocated for the model's KV caches (per-sequence buffers, grown by doubling)",
                 kind=pb_utils.MetricFamily.GAUGE),
         ]
         self.tokens_metric, self.live_metric, self.kv_metric = (
@@ -105,7 +105,7 @@ class LanguageModelAdapter:
                     self._respond(requests[i], step, result)
         self.tokens_metric.increment(self.lm.tokens_processed - before)
         self.live_metric.set(len(self.lm.sequences))
-        self.kv_metric.set(self.lm.cached_tokens * self.lm.kv_bytes_per_token)
+        self.kv_metric.set(self.lm.kv_bytes_allocated)
         return responses
 
     def _error(self, exc: Exception):

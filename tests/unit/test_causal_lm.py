@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-from transformers import DynamicCache
 
 from specdec.causal_lm import CacheError, CausalLM
 from specdec.sampling import SamplingParams, make_generator
@@ -11,15 +10,6 @@ from specdec.sampling import SamplingParams, make_generator
 def full_logits(model, ids):
     with torch.no_grad():
         return model(torch.tensor([ids])).logits[0]
-
-
-def test_dynamic_cache_crop_takes_negative_count(tiny_lm):
-    """Pins the installed transformers' crop semantics that rollback relies on."""
-    cache = DynamicCache(config=tiny_lm.config)
-    with torch.no_grad():
-        tiny_lm(torch.tensor([[1, 2, 3, 4, 5]]), past_key_values=cache, use_cache=True)
-    cache.crop(-2)
-    assert cache.get_seq_length() == 3
 
 
 def test_incremental_extend_matches_full_forward(tiny_lm):
@@ -195,3 +185,47 @@ def test_padding_to_min_forward_rows_changes_nothing_but_the_shape(tiny_lm):
     assert [lm.cached_length(s) for s in (1, 2, 3)] == [6, 3, 2]
     after = lm.extend(3, 2, [32], 1)  # the padded step left a clean cache behind
     assert torch.allclose(after, full_logits(tiny_lm, [30, 31, 32])[-1:], atol=1e-9)
+
+
+# ---- the per-sequence KV buffers (kv_cache.py) ---------------------------------------------------------
+def test_buffers_grow_past_their_initial_capacity_without_losing_content(tiny_lm):
+    """Steps that cross the 64-position initial capacity (and a rollback across it) still equal a fresh
+    forward: growing copies the valid positions."""
+    lm = CausalLM(tiny_lm)
+    ids = [int(x) for x in torch.randint(0, 97, (150,), generator=torch.Generator().manual_seed(3))]
+    lm.extend(1, 0, ids[:60], 1)
+    assert lm.sequences[1].capacity == 64
+    lm.extend(1, 60, ids[60:70], 1)  # crosses 64: doubles to 128
+    assert lm.sequences[1].capacity == 128
+    lm.extend(1, 70, [1, 2, 3], 3)  # drafted and rejected
+    grown = lm.extend(1, 70, ids[70:150], 2)  # roll back, then cross 128
+    assert torch.allclose(grown, full_logits(tiny_lm, ids)[-2:], atol=1e-9)
+    assert lm.sequences[1].capacity == 256 and lm.cached_length(1) == 150
+    assert lm.kv_bytes_allocated == 256 * lm.kv_bytes_per_token
+    lm.release(1)
+    assert lm.kv_bytes_allocated == 0
+
+
+def test_sliding_window_attention_matches_transformers():
+    """A model with a sliding window (Mistral) computes the window's mask per row like transformers does."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from specdec.causal_lm import Step
+
+    torch.manual_seed(1)
+    model = MistralForCausalLM(MistralConfig(
+        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, sliding_window=4, initializer_range=0.5)).to(torch.float64).eval()
+    reference = CausalLM(model)  # registers our attention; plain forwards fall back to transformers' SDPA
+    ids = [5, 17, 3, 88, 41, 2, 9, 10, 11, 12]
+    full = full_logits(model, ids)
+    windowless = MistralForCausalLM(MistralConfig(**{**model.config.to_dict(), "sliding_window": None}))
+    windowless.load_state_dict(model.state_dict())
+    assert not torch.allclose(full[-1], full_logits(windowless.to(torch.float64).eval(), ids)[-1])  # the window matters
+    reference.extend(1, 0, ids[:3], 1)
+    out = reference.extend_many([Step(1, 3, ids[3:8], 5), Step(2, 0, ids[:9], 2)])
+    assert torch.allclose(out[0], full[3:8], atol=1e-9)
+    assert torch.allclose(out[1], full[7:9], atol=1e-9)
+    assert torch.allclose(reference.extend(1, 8, ids[8:], 2), full[8:], atol=1e-9)
+    one_step = reference.extend(1, 10, [13], 1)  # a single query past the window
+    assert torch.allclose(one_step, full_logits(model, ids + [13])[-1:], atol=1e-9)

@@ -1,0 +1,124 @@
+"""Per-sequence KV buffers, and the attention that appends to them and reads them in place.
+
+Each sequence owns one preallocated key and value buffer per layer, (kv_heads, capacity, head_dim),
+grown by doubling. A forward step writes its new tokens' keys and values at [length, length + width)
+and attends over [0, length + width) of the same buffer: nothing is concatenated or copied per step
+(Hugging Face's DynamicCache concatenates every layer's whole cache on every step, and a batch of
+sequences with different lengths would need their caches copied into one padded tensor and back).
+Rolling back rejected draft tokens is just a smaller `length`: the stale entries are overwritten by the
+next step's writes.
+
+The attention runs per row: row b's queries attend to row b's own buffer, so sequences of different
+lengths share one forward pass (their projections, MLPs and head run as one batch, which is where
+batching pays) without padding their caches. It is registered with transformers' AttentionInterface
+and receives the batch through the `kv_batch` forward argument; a forward without it (a plain
+`model(ids)`) falls back to transformers' SDPA attention and masks, so the model stays usable as usual.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.nn.functional import scaled_dot_product_attention
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+ATTENTION = "specdec_sequence_kv"
+
+
+class SequenceKV:
+    """One sequence's cache: per layer keys and values (kv_heads, capacity, head_dim); the first
+    `length` positions are valid."""
+
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+                 capacity: int = 64, max_capacity: int | None = None):
+        self.max_capacity = max_capacity  # doubling stops here (the model's context)
+        self.keys = [torch.empty(kv_heads, capacity, head_dim, dtype=dtype, device=device) for _ in range(layers)]
+        self.values = [torch.empty_like(k) for k in self.keys]
+        self.length = 0
+        self.last_used = 0.0
+
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes allocated (capacity, not just the valid length)."""
+        return 2 * sum(k.nbytes for k in self.keys)
+
+    def reserve(self, positions: int) -> None:
+        """Make room for `positions` positions, doubling so that growth is amortized O(1) per token."""
+        if positions <= self.capacity:
+            return
+        doubled = 2 * self.capacity if self.max_capacity is None else min(2 * self.capacity, self.max_capacity)
+        capacity = max(positions, doubled)
+        for buffers in (self.keys, self.values):
+            for i, old in enumerate(buffers):
+                new = old.new_empty(old.shape[0], capacity, old.shape[2])
+                new[:, :self.length] = old[:, :self.length]
+                buffers[i] = new
+
+
+@dataclass
+class KVBatch:
+    """What one forward's attention needs: row b < len(seqs) belongs to seqs[b] (its new tokens start at
+    seqs[b].length); rows past len(seqs) are padding and attend to nothing. Every row has `width` query
+    positions (shorter rows are right-padded; their padding is written past the valid length and never
+    read by a real position, by causality)."""
+
+    seqs: list[SequenceKV]
+    width: int
+
+    def __post_init__(self):
+        for seq in self.seqs:
+            seq.reserve(seq.length + self.width)
+
+
+def _visible(length: int, width: int, window: int | None, device) -> torch.Tensor | None:
+    """(width, length + width) bool: query j (at position length + j) sees key i when i <= length + j
+    (and i > length + j - window with a sliding window). None when every key is visible."""
+    if width == 1 and not (window and length + 1 > window):
+        return None
+    mask = torch.ones(width, length + width, dtype=torch.bool, device=device).tril(length)
+    if window:
+        mask &= ~torch.ones_like(mask).tril(length - window)
+    return mask
+
+
+def sequence_kv_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
+                          dropout: float = 0.0, scaling: float | None = None, kv_batch: KVBatch | None = None,
+                          sliding_window: int | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """query (B, heads, W, D); key, value (B, kv_heads, W, D): the new positions after rotary embedding.
+    Returns (B, W, heads, D) like transformers' attention functions."""
+    if kv_batch is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      sliding_window=sliding_window, **kwargs)
+    if kwargs.get("softcap") is not None:
+        raise ValueError("attention logit softcapping is not supported by the sequence KV cache")
+    layer, width = module.layer_idx, kv_batch.width
+    out = query.new_zeros(query.shape[0], width, query.shape[1], query.shape[3])
+    for b, seq in enumerate(kv_batch.seqs):
+        end = seq.length + width
+        keys, values = seq.keys[layer], seq.values[layer]
+        keys[:, seq.length:end] = key[b]
+        values[:, seq.length:end] = value[b]
+        attended = scaled_dot_product_attention(
+            query[b:b + 1], keys[None, :, :end], values[None, :, :end],
+            attn_mask=_visible(seq.length, width, sliding_window, query.device), scale=scaling,
+            enable_gqa=query.shape[1] != key.shape[1])
+        out[b] = attended[0].transpose(0, 1)
+    return out, None
+
+
+AttentionInterface.register(ATTENTION, sequence_kv_attention)
+# Plain forwards (no kv_batch) get the masks transformers builds for SDPA (padding, sliding windows);
+# with a kv_batch the attention builds its own per row and ignores that one.
+AttentionMaskInterface.register(ATTENTION, sdpa_mask)
+
+
+def use_sequence_kv(model) -> None:
+    """Route the model's attention through `sequence_kv_attention`."""
+    model.set_attn_implementation(ATTENTION)
