@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from specdec import onednn_linear
 from specdec import tensor_names as tn
 from specdec.causal_lm import CacheError, CausalLM, Step, load_causal_lm
 from specdec.config import ModelParameters
@@ -44,7 +45,9 @@ class LanguageModelAdapter:
             device=device,
             dtype=params.str("dtype", "float32", choices=("float32", "float16", "bfloat16", "float64")),
             device_map=params.str("device_map", ""),
+            linear_kernels=params.str("linear_kernels", "auto", choices=onednn_linear.KINDS),
         )
+        prepacked = any(isinstance(m, onednn_linear.PrepackedLinear) for m in model.modules())
         torch.set_num_threads(params.int("torch_threads", torch.get_num_threads(), low=1))
         # false: one forward per sequence (the unbatched baseline of the batching benchmark).
         self.batched = params.bool("batched_forward", True)
@@ -52,8 +55,10 @@ class LanguageModelAdapter:
             model,
             max_sequences=params.int("max_sequences", 256, low=1),
             idle_timeout_s=params.float("sequence_idle_timeout_s", 600.0, low=1.0),
-            # 4 on CPU: 2-3 row GEMMs are slower than 4 there (measured; see CausalLM); 1 = no padding.
-            min_forward_rows=params.int("min_forward_rows", 4 if model.device.type == "cpu" else 1, low=1),
+            # 4 on CPU with torch's linear kernels: its 2-3 row GEMMs are slower than 4 (measured; see
+            # CausalLM). oneDNN's reordered weights have no such cliff; 1 = no padding.
+            min_forward_rows=params.int("min_forward_rows", 4 if model.device.type == "cpu" and not prepacked else 1,
+                                        low=1),
         )
         # The families must outlive their metrics: keep references to both.
         self.metric_families = [
