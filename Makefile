@@ -57,4 +57,4 @@ bench-concurrency: setup
 
 # 1-16 streams on servers it starts itself: one forward per sequence (batched_forward=false), then batched.
 bench-batching: setup
-	$(PY) loadtest/concurrency_bench.py --pair $${PAIR:-default} --compare-unbatched
+	$(PY) loadtest/concurrency_bench.py --pair $${PAIR:-default} --compare-unbatched --requests-per-level 16 --max-tokens 48

@@ -173,29 +173,37 @@ def measure_costs(pair, prompt_ids: list[int], ks: list[int]) -> dict:
 
 # ---- transformers' assisted generation -------------------------------------------------------------
 def transformers_peer(pair, prompts: dict[str, list[str]], max_tokens: int, k: int) -> dict:
+    """tokens/s per prompt set, kernel setting ("stock": torch's linear kernels, as transformers runs by
+    default; "onednn": the same prepacked linear layers our server uses) and variant."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from specdec.onednn_linear import prepack_linears
+
     tok = AutoTokenizer.from_pretrained(pair.tokenizer_path)
-    target = AutoModelForCausalLM.from_pretrained(pair.target_path, dtype=torch.float32).eval()
-    draft = AutoModelForCausalLM.from_pretrained(pair.draft_paths["draft_model"], dtype=torch.float32).eval()
-    draft.generation_config.num_assistant_tokens = k
-    draft.generation_config.num_assistant_tokens_schedule = "constant"
-    variants = {"plain": {}, "prompt_lookup": {"prompt_lookup_num_tokens": k},
-                "assistant_model": {"assistant_model": draft}}
     out = {}
-    for kind, plist in prompts.items():
-        totals = {name: [0, 0.0] for name in variants}
-        for prompt in plist:
-            ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                          return_tensors="pt", return_dict=True)["input_ids"]
-            for name, extra in variants.items():
-                started = time.perf_counter()
-                with torch.inference_mode():
-                    gen = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
-                                          do_sample=False, **extra)
-                totals[name][1] += time.perf_counter() - started
-                totals[name][0] += gen.shape[1] - ids.shape[1]
-        out[kind] = {name: t / s for name, (t, s) in totals.items()}
+    for kernels in ("stock", "onednn"):
+        target = AutoModelForCausalLM.from_pretrained(pair.target_path, dtype=torch.float32).eval()
+        draft = AutoModelForCausalLM.from_pretrained(pair.draft_paths["draft_model"], dtype=torch.float32).eval()
+        if kernels == "onednn":
+            prepack_linears(target)
+            prepack_linears(draft)
+        draft.generation_config.num_assistant_tokens = k
+        draft.generation_config.num_assistant_tokens_schedule = "constant"
+        variants = {"plain": {}, "prompt_lookup": {"prompt_lookup_num_tokens": k},
+                    "assistant_model": {"assistant_model": draft}}
+        for kind, plist in prompts.items():
+            totals = {name: [0, 0.0] for name in variants}
+            for prompt in plist:
+                ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                              return_tensors="pt", return_dict=True)["input_ids"]
+                for name, extra in variants.items():
+                    started = time.perf_counter()
+                    with torch.inference_mode():
+                        gen = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                                              do_sample=False, **extra)
+                    totals[name][1] += time.perf_counter() - started
+                    totals[name][0] += gen.shape[1] - ids.shape[1]
+            out[(kind, kernels)] = {name: t / s for name, (t, s) in totals.items()}
     return out
 
 
@@ -225,10 +233,11 @@ def report(results, costs, peer, settings, max_tokens, n_prompts) -> str:
     lines.append("")
     lines.append("transformers `generate` in-process, same models and prompts (tokens/s; speedup over its plain generate):")
     lines.append("")
-    lines.append("| prompts | plain | prompt_lookup_num_tokens | assistant_model (layer-skip draft) |")
-    lines.append("| --- | --- | --- | --- |")
-    for kind, row in peer.items():
-        lines.append(f"| {kind} | {row['plain']:.1f} | {row['prompt_lookup']:.1f} ({row['prompt_lookup'] / row['plain']:.2f}x) "
+    lines.append("| prompts | linear kernels | plain | prompt_lookup_num_tokens | assistant_model (layer-skip draft) |")
+    lines.append("| --- | --- | --- | --- | --- |")
+    for (kind, kernels), row in peer.items():
+        lines.append(f"| {kind} | {kernels} | {row['plain']:.1f} | {row['prompt_lookup']:.1f} "
+                     f"({row['prompt_lookup'] / row['plain']:.2f}x) "
                      f"| {row['assistant_model']:.1f} ({row['assistant_model'] / row['plain']:.2f}x) |")
     v_table = ", ".join(f"v({k})={v:.2f}" for k, v in sorted(costs["v"].items()))
     lines.append("")

@@ -1,7 +1,7 @@
 """Concurrency benchmark: N concurrent streams, speculative vs target-only (num_draft_tokens=0), side by side.
 
     python loadtest/concurrency_bench.py --url localhost:8001 --concurrency 1 2 4 8 16 --requests-per-stream 3
-    python loadtest/concurrency_bench.py --pair default --compare-unbatched   # starts its own servers
+    python loadtest/concurrency_bench.py --pair default --compare-unbatched --requests-per-level 16  # own servers
 
 With --pair it starts a server for that pair itself; with --compare-unbatched it first measures a server
 whose models run one forward per sequence (batched_forward=false), then the normal (batched) one, and
@@ -33,13 +33,19 @@ from client import AsyncClient, GenerationParams
 HERE = Path(__file__).resolve().parent
 
 
-async def run_level(url, prompts, concurrency, per_stream, params):
+async def run_level(url, prompts, concurrency, per_stream, params, per_level=None):
+    """`concurrency` streams send requests back to back: `per_stream` each, or with `per_level` that many
+    in all (the same prompts at every level, so levels compare the same work), taken in turn."""
     results = []
+    if per_level:
+        jobs = [prompts[i % len(prompts)] for i in range(max(per_level, concurrency))]
+    else:
+        jobs = [prompts[(w * per_stream + i) % len(prompts)] for w in range(concurrency) for i in range(per_stream)]
+    jobs.reverse()  # pop() takes them in order
     async with AsyncClient(url, "grpc") as client:
         async def stream_worker(worker):
-            for i in range(per_stream):
-                prompt = prompts[(worker * per_stream + i) % len(prompts)]
-                results.append(await client.generate(prompt, params, stream=True))
+            while jobs:
+                results.append(await client.generate(jobs.pop(), params, stream=True))
 
         start = time.perf_counter()
         await asyncio.gather(*(stream_worker(w) for w in range(concurrency)))
@@ -79,12 +85,12 @@ def start_server(pair: str, overrides: list[str]) -> tuple[subprocess.Popen, str
     return proc, url
 
 
-def measure(url, prompts, levels, per_stream, base, spec) -> dict:
+def measure(url, prompts, levels, per_stream, per_level, base, spec) -> dict:
     asyncio.run(run_level(url, prompts, 2, 1, spec))  # warm up both paths before anything is timed
     rows = {}
     for concurrency in levels:
-        rows[(concurrency, "target-only")] = asyncio.run(run_level(url, prompts, concurrency, per_stream, base))
-        rows[(concurrency, "speculative")] = asyncio.run(run_level(url, prompts, concurrency, per_stream, spec))
+        rows[(concurrency, "target-only")] = asyncio.run(run_level(url, prompts, concurrency, per_stream, base, per_level))
+        rows[(concurrency, "speculative")] = asyncio.run(run_level(url, prompts, concurrency, per_stream, spec, per_level))
         print(f"  {concurrency} streams: target-only {rows[(concurrency, 'target-only')]['tokens_per_s']:.1f}, "
               f"speculative {rows[(concurrency, 'speculative')]['tokens_per_s']:.1f} tokens/s", file=sys.stderr, flush=True)
     return rows
@@ -98,6 +104,8 @@ def main() -> None:
                         help="with --pair: also measure a server with batched_forward=false")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--requests-per-stream", type=int, default=2)
+    parser.add_argument("--requests-per-level", type=int, default=None,
+                        help="instead: this many requests at every level, shared by its streams")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--num-draft-tokens", type=int, default=None, help="speculative K (server default if unset)")
     parser.add_argument("--prompts-file", default=str(HERE / "prompts.jsonl"))
@@ -115,13 +123,16 @@ def main() -> None:
         proc, url = start_server(args.pair, overrides) if args.pair else (None, args.url)
         try:
             print(f"measuring the {label} server at {url}", file=sys.stderr, flush=True)
-            measured[label] = measure(url, prompts, args.concurrency, args.requests_per_stream, base, spec)
+            measured[label] = measure(url, prompts, args.concurrency, args.requests_per_stream, args.requests_per_level,
+                                     base, spec)
         finally:
             if proc is not None:
                 proc.terminate()
                 proc.wait(120)
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, {platform.platform()}; "
-          f"pair {args.pair or args.url}; max_tokens {args.max_tokens}; {args.requests_per_stream} requests per stream")
+          f"pair {args.pair or args.url}; max_tokens {args.max_tokens}; " + (
+              f"{args.requests_per_level} requests per level" if args.requests_per_level else
+              f"{args.requests_per_stream} requests per stream"))
     print()
     header = "| streams | mode | output tokens/s | TTFT p50 (ms) | ITL p50 (ms) | acceptance | vs target-only |"
     if "unbatched" in measured:
