@@ -85,7 +85,9 @@ class BlsScorer(_SequenceModel):
     async def score(self, seq_id: int, keep: int, new_ids: list[int], num_positions: int,
                     want_logits: bool) -> Scores:
         inputs = {tn.INPUT_IDS: _i32(new_ids), tn.CACHE_LENGTH: _i32([keep]), tn.NUM_LOGITS: _i32([num_positions])}
-        outputs = [tn.GREEDY_TOKENS] + ([tn.LOGITS] if want_logits else [])
+        outputs = [tn.GREEDY_TOKENS, tn.FORWARD_STATS] + ([tn.LOGITS] if want_logits else [])
         result = await self._call(seq_id, inputs, outputs)
         logits = torch.from_numpy(result[tn.LOGITS][0].copy()) if want_logits else None
-        return Scores(torch.from_numpy(result[tn.GREEDY_TOKENS][0].astype(np.int64)), logits)
+        rows, sequences, seconds = result[tn.FORWARD_STATS][0].tolist()
+        return Scores(torch.from_numpy(result[tn.GREEDY_TOKENS][0].astype(np.int64)), logits,
+                      forward=(int(rows), int(sequences), float(seconds)))

@@ -41,6 +41,7 @@ class Proposal:
 class Scores:
     greedy_tokens: torch.Tensor  # (K+1,) target argmax at each verified position
     logits: torch.Tensor | None  # (K+1, V) target logits; requested only when sampling
+    forward: tuple[int, int, float] | None = None  # the batched forward it ran in: rows, sequences, seconds
 
 
 class Proposer(Protocol):
@@ -108,7 +109,7 @@ async def generate(req: GenerationRequest, proposer: Proposer, scorer: Scorer, s
             # Never draft past max_tokens: the bonus token always fills the last slot.
             wanted = policy.next_k() if policy else req.num_draft_tokens
             k = max(0, min(wanted, req.max_tokens - generated - 1))
-            proposal = Proposal([], None)
+            proposal = shadow = Proposal([], None)
             if k > 0:
                 round_seed = int(torch.randint(0, 2**62, (1,), generator=generator)) if generator else 0
                 started = time.perf_counter()
@@ -119,14 +120,22 @@ async def generate(req: GenerationRequest, proposer: Proposer, scorer: Scorer, s
                 draft_valid = proposal.cached_length
                 drafted_ever = True
                 k = len(proposal.tokens)  # no proposal (an n-gram miss) = a plain target-only round
+            elif policy and policy.shadow:  # a free proposer paused: propose, but only to check it
+                shadow = await proposer.propose(req.seq_id, draft_valid, tokens[draft_valid:], 1, req.sampling, 0)
+                draft_valid = shadow.cached_length
+                drafted_ever = True
             new_ids = tokens[target_valid:] + proposal.tokens
             started = time.perf_counter()
             scores = await scorer.score(req.seq_id, target_valid, new_ids, k + 1, want_logits=not req.sampling.greedy)
             if policy and len(new_ids) == k + 1:  # a plain round (no prompt prefill or catch-up)
                 policy.observe_verify(k + 1, time.perf_counter() - started)
+            if policy and scores.forward:
+                policy.costs.observe_forward(*scores.forward)
             verdict = _verify(proposal, scores, req.sampling, generator)
             if policy:
                 policy.update(k, verdict.num_accepted)
+                if shadow.tokens:  # would its first token have been accepted? (greedy: the target's token)
+                    policy.update(1, int(shadow.tokens[0] == verdict.next_token))
 
             new = proposal.tokens[:verdict.num_accepted] + [verdict.next_token]
             target_valid = len(tokens) + verdict.num_accepted

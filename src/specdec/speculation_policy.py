@@ -65,6 +65,14 @@ class CostModel:
     verify_s: dict[int, _Ewma] = field(default_factory=dict)  # positions -> seconds
     draft_s: dict[str, _Ewma] = field(default_factory=dict)  # method -> seconds per drafted token
     alpha: dict[str, _Ewma] = field(default_factory=dict)  # method -> running acceptance (prior for requests)
+    forward_s: dict[int, _Ewma] = field(default_factory=dict)  # token rows -> seconds of a target forward
+    sequences: _Ewma = field(default_factory=lambda: _Ewma(0.9))  # sequences sharing a target forward
+
+    def observe_forward(self, rows: int, sequences: int, seconds: float) -> None:
+        """A batched target forward: `rows` token rows of `sequences` sequences took `seconds`."""
+        if rows > 0 and sequences > 0:
+            self.forward_s.setdefault(rows, _Ewma(self.decay)).add(seconds)
+            self.sequences.add(sequences)
 
     def observe_verify(self, positions: int, seconds: float) -> None:
         self.verify_s.setdefault(positions, _Ewma(self.decay)).add(seconds)
@@ -88,11 +96,37 @@ class CostModel:
             return known[lo] + (known[hi] - known[lo]) * (positions - lo) / (hi - lo)
         return None
 
+    def _forward_seconds(self, rows: int) -> float | None:
+        """T(rows) from the measured forwards: linear between the nearest measured row counts, and
+        beyond the largest along the line through the two largest (forward cost grows with rows)."""
+        known = sorted((n, e.value) for n, e in self.forward_s.items() if e.value is not None)
+        below = [(n, t) for n, t in known if n <= rows]
+        above = [(n, t) for n, t in known if n >= rows]
+        if below and above:
+            (lo, t_lo), (hi, t_hi) = below[-1], above[0]
+            return t_lo if hi == lo else t_lo + (t_hi - t_lo) * (rows - lo) / (hi - lo)
+        if len(below) >= 2:
+            (lo, t_lo), (hi, t_hi) = below[-2], below[-1]
+            return t_hi + max(0.0, (t_hi - t_lo) / (hi - lo)) * (rows - hi)
+        return None
+
     def verify_cost(self, k: int) -> float:
-        """v(k): seconds to verify k + 1 positions over seconds for 1 position."""
-        one = self._seconds(1)
+        """v(k): what a round verifying k + 1 positions costs, in target-only steps.
+
+        With the target's forwards measured (rows, sequences, seconds), this is the batch's view:
+        when n sequences share each forward, all of them drafting k turns a forward of n rows into one
+        of n(k + 1), so v(k) = T(n(k + 1)) / T(n). Alone (n = 1) that is the cost of verifying k + 1
+        positions; under load, where a forward of many rows stops being nearly free, it grows, and
+        speculation backs off exactly when it would cost the server throughput. Without forward
+        measurements: the request's own verify latency by positions."""
         if k == 0:
             return 1.0
+        if self.sequences.value is not None:
+            n = max(1, round(self.sequences.value))
+            alone, drafting = self._forward_seconds(n), self._forward_seconds(n * (k + 1))
+            if alone and drafting:
+                return max(drafting / alone, 1.0)
+        one = self._seconds(1)
         many = self._seconds(k + 1)
         if one is None or many is None:
             return 1.0 + self.prior_verify_slope * k
@@ -114,10 +148,12 @@ class CostModel:
 class DraftLengthPolicy:
     """One request's draft length, round by round.
 
-    free: the proposer costs (almost) nothing and may return fewer tokens than asked (prompt lookup):
-    when the rule says k = 0 it still asks for k_max, because a miss costs nothing and matches come in
-    bursts (on our grounded prompts, simulated over SmolLM2's greedy outputs: 1.52x against 1.45x when
-    pausing). A costly proposer pauses at k = 0 and probes with one token after `probe_every` rounds,
+    free: the proposer costs (almost) nothing and may return fewer tokens than asked (prompt lookup).
+    When the rule says k = 0 its proposal is still made but not verified (`shadow`): the loop checks
+    its first token against the target's own next token and feeds that to `update`, so the estimate
+    keeps learning at no cost and a burst of matches turns drafting back on after one round. (Always
+    drafting instead, because misses are free, is what we did before: it stops being free once rows of
+    a batched forward cost time.) A costly proposer pauses at k = 0 and probes with one token after `probe_every` rounds,
     doubling the wait after every probe that is rejected (a probe costs c + v(1) - 1 steps: on CPU
     about 0.9), so the estimate can recover without taxing a draft that never agrees.
     """
@@ -133,6 +169,7 @@ class DraftLengthPolicy:
         self.paused_rounds = 0
         self.probe_wait = probe_every
         self.probing = False  # the round in flight is a one-token probe
+        self.shadow = False  # the round in flight verifies nothing; its proposal is only checked
 
     @property
     def alpha(self) -> float:
@@ -141,7 +178,7 @@ class DraftLengthPolicy:
         return a / (self.successes + self.failures + self.prior_weight)
 
     def next_k(self) -> int:
-        self.probing = False
+        self.probing = self.shadow = False
         if self.k_max <= 0 or not self.adaptive:  # not adaptive: always k_max (the costs are still measured)
             return self.k_max
         k, _ = best_draft_length(self.alpha, self.k_max, self.costs.draft_cost(self.method), self.costs.verify_cost)
@@ -149,7 +186,8 @@ class DraftLengthPolicy:
             self.paused_rounds, self.probe_wait = 0, self.probe_every
             return k
         if self.free:
-            return self.k_max
+            self.shadow = True
+            return 0
         self.paused_rounds += 1
         if self.paused_rounds >= self.probe_wait:
             self.paused_rounds, self.probing = 0, True

@@ -39,6 +39,8 @@ CACHE_LENGTH = "cache_length"  # INT32 [1]: keep this many cached tokens, drop t
 NUM_LOGITS = "num_logits"  # INT32 [1]: target returns the last num_logits positions
 LOGITS = "logits"  # FP32 [-1, -1]
 GREEDY_TOKENS = "greedy_tokens"  # INT32 [-1]: argmax of each returned position
+# FP32 [3]: the target forward this step ran in: [token rows, sequences, seconds] (the policy's costs)
+FORWARD_STATS = "forward_stats"
 DRAFT_TOKENS = "draft_tokens"  # INT32 [-1]
 DRAFT_PROBS = "draft_probs"  # FP32 [-1, -1]: processed draft distributions, one per draft token
 TEXT_LENGTH = "text_length"  # INT32 [1]: characters of the decoded chunk to keep; -1 = all (stop words)

@@ -10,6 +10,8 @@ on request, the logits of the last num_logits positions; draft_model proposes nu
 from __future__ import annotations
 
 
+import time
+
 import numpy as np
 import torch
 
@@ -99,15 +101,19 @@ class LanguageModelAdapter:
                 responses[i] = self._error(exc)
         if steps:
             groups = [steps] if self.batched else [[step] for step in steps]
-            results = []
+            results, forwards = [], []
             for group in groups:
+                started = time.perf_counter()
                 try:
                     results += self._run(group)
                 except Exception as exc:  # noqa: BLE001 - the batch fails, the server keeps serving
                     results += [RuntimeError(f"{type(exc).__name__}: {exc}")] * len(group)
-            for i, step, result in zip(owners, steps, results):
+                # What this forward cost, for the orchestrator's cost model: rows, sequences, seconds.
+                forward = (sum(len(step.new_ids) for step in group), len(group), time.perf_counter() - started)
+                forwards += [forward] * len(group)
+            for i, step, result, forward in zip(owners, steps, results, forwards):
                 responses[i] = self._error(result) if isinstance(result, Exception) else \
-                    self._respond(requests[i], step, result)
+                    self._respond(requests[i], step, result, forward)
         self.tokens_metric.increment(self.lm.tokens_processed - before)
         self.live_metric.set(len(self.lm.sequences))
         self.kv_metric.set(self.lm.kv_bytes_allocated)
@@ -129,7 +135,7 @@ class LanguageModelAdapter:
     def _run(self, steps: list[Step]) -> list:
         raise NotImplementedError
 
-    def _respond(self, request, step: Step, result):
+    def _respond(self, request, step: Step, result, forward: tuple[int, int, float]):
         raise NotImplementedError
 
     def finalize(self):
@@ -143,11 +149,14 @@ class TargetModel(LanguageModelAdapter):
     def _run(self, steps):
         return self.lm.extend_many(steps)
 
-    def _respond(self, request, step, logits):
+    def _respond(self, request, step, logits, forward):
         pb = self.pb
         outputs = [pb.Tensor(tn.GREEDY_TOKENS, logits.argmax(-1).to(torch.int32).cpu().numpy()[None])]
-        if tn.LOGITS in set(request.requested_output_names()):
+        requested = set(request.requested_output_names())
+        if tn.LOGITS in requested:
             outputs.append(pb.Tensor(tn.LOGITS, logits.float().cpu().numpy()[None]))
+        if tn.FORWARD_STATS in requested:
+            outputs.append(pb.Tensor(tn.FORWARD_STATS, np.asarray([forward], dtype=np.float32)))
         return pb.InferenceResponse(output_tensors=outputs)
 
 
@@ -166,7 +175,7 @@ class DraftModel(LanguageModelAdapter):
     def _run(self, steps):
         return self.lm.propose_many(steps)
 
-    def _respond(self, request, step, result):
+    def _respond(self, request, step, result, forward):
         pb = self.pb
         tokens, probs = result
         outputs = [pb.Tensor(tn.DRAFT_TOKENS, np.asarray([tokens], dtype=np.int32))]

@@ -216,3 +216,38 @@ def test_sampled_rounds_use_logits_and_draft_probs():
     again = run(req, SampledProposer(), SampledScorer(), Stats())
     assert stats.acceptance_rate == 1.0
     assert [r.new_tokens for r in first] == [r.new_tokens for r in again]  # seeded: reproducible
+
+
+def test_paused_free_proposer_is_checked_in_the_shadow_and_feeds_forward_costs():
+    """Under a load where verifying costs too much (v(k) from batched forwards), a free proposer's
+    rounds verify nothing: the output is target-only's, nothing counts as drafted, but every shadow
+    proposal is checked against the target's token and the forward costs reach the cost model."""
+    from specdec.speculation_policy import CostModel, DraftLengthPolicy
+
+    class LoadedScorer(FakeScorer):
+        async def score(self, seq_id, keep, new_ids, num_positions, want_logits):
+            scores = await super().score(seq_id, keep, new_ids, num_positions, want_logits)
+            # 8 sequences per forward; rows cost a lot once the forward holds more than 8 of them.
+            return Scores(scores.greedy_tokens, None, forward=(8 * num_positions, 8, 0.05 * num_positions))
+
+    class CountingProposer(FakeProposer):
+        asked = []
+
+        async def propose(self, seq_id, keep, new_ids, k, params, round_seed):
+            self.asked.append(k)
+            return await super().propose(seq_id, keep, new_ids, k, params, round_seed)
+
+    prompt = [3, 1, 4, 1, 5]
+    req = GenerationRequest(seq_id=1, prompt_ids=prompt, max_tokens=30, num_draft_tokens=8)
+    costs = CostModel()
+    for rows in (8, 16, 72):
+        costs.observe_forward(rows, 8, 0.05 * rows / 8)  # T(8(k+1)) = (k+1) T(8): drafting never pays
+    policy = DraftLengthPolicy(8, costs, "ngram", free=True)
+    policy.successes, policy.failures, policy.prior_weight = 0.0, 5.0, 0.0  # a poor record so far
+    proposer, stats = CountingProposer(agree_every=2), Stats()
+    rounds = run(req, proposer, LoadedScorer(), stats, policy)
+    assert [tok for rnd in rounds for tok in rnd.new_tokens] == reference_greedy(prompt, 30)
+    assert stats.drafted == 0 and len(rounds) == 30  # target-only rounds
+    assert proposer.asked and set(proposer.asked) == {1}  # shadow proposals, one token each
+    assert policy.successes > 0  # its correct first tokens were seen
+    assert 8 in costs.forward_s and round(costs.sequences.value) == 8

@@ -92,7 +92,9 @@ def test_paused_costly_policy_probes_with_one_token_and_backs_off():
     assert probes == [3, 11, 27, 59]
 
 
-def test_free_proposer_keeps_looking_when_the_rule_says_stop():
+def test_free_proposer_pauses_into_shadow_checks_and_resumes_on_a_match():
+    """A free proposer whose proposals keep failing stops being verified (k = 0) but keeps proposing in
+    the shadow; shadow matches (fed to update like a one-token round) turn drafting back on."""
     costs = CostModel(decay=0.0)
     costs.observe_verify(1, 0.04)
     costs.observe_verify(9, 0.08)
@@ -100,7 +102,46 @@ def test_free_proposer_keeps_looking_when_the_rule_says_stop():
     for _ in range(10):
         policy.update(8, 0)
     assert policy.alpha < 0.15
-    assert policy.next_k() == 8  # a lookup miss costs nothing; the next copied span is accepted whole
+    assert policy.next_k() == 0 and policy.shadow  # not verified, still checked
+    for _ in range(3):
+        policy.update(1, 1)  # the shadow's first token was the target's
+    assert policy.next_k() > 0 and not policy.shadow
+
+
+def test_costly_proposer_never_shadows():
+    costs = CostModel(decay=0.0)
+    costs.observe_verify(1, 0.04)
+    costs.observe_verify(2, 0.08)
+    policy = DraftLengthPolicy(1, costs, "model")
+    for _ in range(10):
+        policy.update(1, 0)
+    assert policy.next_k() == 0 and not policy.shadow
+
+
+def test_verify_cost_from_batched_forwards_grows_with_load():
+    """v(k) = T(n(k+1)) / T(n) over measured target forwards: cheap alone, costly when n sequences
+    already fill each forward; interpolated between row counts and extrapolated past the largest."""
+    costs = CostModel(decay=0.0)
+    for rows, seconds in ((1, 0.030), (5, 0.033), (8, 0.050), (40, 0.085)):
+        costs.observe_forward(rows, 1, seconds)
+    assert abs(costs.verify_cost(4) - 0.033 / 0.030) < 1e-9  # alone: T(5) / T(1)
+    assert abs(costs.verify_cost(2) - (0.030 + 0.003 * 2 / 4) / 0.030) < 1e-9  # T(3) between T(1) and T(5)
+    for _ in range(50):
+        costs.observe_forward(8, 8, 0.050)  # now steps share forwards with 7 others
+    assert round(costs.sequences.value) == 8
+    assert abs(costs.verify_cost(4) - 0.085 / 0.050) < 1e-9  # T(40) / T(8)
+    extrapolated = 0.085 + (0.085 - 0.050) / 32 * 32  # T(72) along the line through T(8) and T(40)
+    assert abs(costs.verify_cost(8) - extrapolated / 0.050) < 1e-9
+    # At 8 sequences a 36% acceptance no longer pays for K=4; alone it does.
+    policy = DraftLengthPolicy(4, costs, "ngram", free=True)
+    policy.successes, policy.failures, policy.prior_weight = 0.36, 0.64, 0.0
+    assert policy.next_k() == 0 and policy.shadow
+    alone = CostModel(decay=0.0)
+    for rows, seconds in ((1, 0.030), (5, 0.033)):
+        alone.observe_forward(rows, 1, seconds)
+    policy = DraftLengthPolicy(4, alone, "ngram", free=True)
+    policy.successes, policy.failures, policy.prior_weight = 0.36, 0.64, 0.0
+    assert policy.next_k() > 0
 
 
 def test_fixed_length_when_not_adaptive_and_zero_means_target_only():

@@ -112,7 +112,8 @@ input [
 ]
 output [
   { name: "greedy_tokens", data_type: TYPE_INT32, dims: [ -1 ] },
-  { name: "logits", data_type: TYPE_FP32, dims: [ -1, -1 ] }
+  { name: "logits", data_type: TYPE_FP32, dims: [ -1, -1 ] },
+  { name: "forward_stats", data_type: TYPE_FP32, dims: [ 3 ] }
 ]
 {{ include "specdec.lmParams" (list . "target" .Values.models.target.path) }}
 {{- end -}}
