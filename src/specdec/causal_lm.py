@@ -6,10 +6,10 @@ tokens to append, so each round processes only new tokens and the prompt is neve
 Caches live in a keyed store with an idle timeout, so a sequence abandoned without a release call
 (client crash, orchestrator restart) cannot hold memory forever.
 
-Steps of several sequences run as one forward pass (`extend_many`, `propose_many`): new tokens are
-right-padded to a common width with per-row positions, and each row's attention reads and appends to its
-own sequence's KV buffers in place (`kv_cache.py`), so each row computes exactly what its own forward
-would and no cache is copied. Where a forward's cost hardly grows with its rows (memory-bound decoding,
+Steps of several sequences run as one packed forward pass (`extend_many`, `propose_many`): their new
+tokens back to back in one row with per-token positions (no padding to a common width), and each
+sequence's segment reads and appends to its own KV buffers in place (`kv_cache.py`), so each computes
+exactly what its own forward would and no cache is copied. Where a forward's cost hardly grows with its rows (memory-bound decoding,
 and small batches even on this CPU), B sequences cost far less than B forwards.
 """
 
@@ -173,28 +173,34 @@ class CausalLM:
         return sum(seq.nbytes for seq in self.sequences.values())
 
     def _forward_rows(self, seqs: list[SequenceKV], rows: list[list[int]], num_logits: list[int]) -> list[torch.Tensor]:
-        """One forward over several sequences; row b's cache grows by len(rows[b]) tokens and it gets
-        the logits (num_logits[b], V) of its last num_logits[b] new positions."""
-        batch, width = len(seqs), max(len(r) for r in rows)
-        # The head runs only on the last `keep` padded positions: enough for every row's wanted logits.
-        keep = max(max(width - len(r) + n for r, n in zip(rows, num_logits)), 1)
-        rows_needed = self.min_forward_rows
-        if 1 < batch * width < rows_needed or (batch > 1 and batch * keep < rows_needed):
-            # Widen to at least min_forward_rows token rows (see __init__); padding is never cached.
-            width = max(width, -(-rows_needed // batch))
-            keep = min(width, max(keep, -(-rows_needed // batch)))
-        input_ids = torch.zeros(batch, width, dtype=torch.long)
-        positions = torch.zeros(batch, width, dtype=torch.long)
-        for b, (seq, new) in enumerate(zip(seqs, rows)):
-            input_ids[b, :len(new)] = torch.tensor(new)
-            positions[b] = torch.arange(seq.length, seq.length + width)
-        out = self.model(input_ids=input_ids.to(self.device), position_ids=positions.to(self.device), use_cache=False,
-                         logits_to_keep=keep, kv_batch=KVBatch(seqs, width))
-        offset = width - keep  # out.logits[:, j] is padded position offset + j
-        for seq, new in zip(seqs, rows):
-            seq.length += len(new)
-            self.tokens_processed += len(new)
-        return [out.logits[b, len(new) - n - offset:len(new) - offset] for b, (new, n) in enumerate(zip(rows, num_logits))]
+        """One packed forward over several sequences; seqs[b]'s cache grows by len(rows[b]) tokens and it
+        gets the logits (num_logits[b], V) of its last num_logits[b] new positions."""
+        ids = [token for row in rows for token in row]
+        positions = [seq.length + j for seq, row in zip(seqs, rows) for j in range(len(row))]
+        heads, end = [], 0  # packed indices of the positions whose logits are wanted
+        for row, n in zip(rows, num_logits):
+            end += len(row)
+            heads += range(end - n, end)
+        # Pad a body or head of 2-3 rows to min_forward_rows (see __init__). Padding tokens follow every
+        # segment, attend to nothing and are never cached; padded head rows are dropped.
+        if 1 < len(ids) < self.min_forward_rows:
+            pad = self.min_forward_rows - len(ids)
+            ids, positions = ids + [0] * pad, positions + [positions[-1]] * pad
+        wanted = len(heads)
+        size = self.min_forward_rows if 1 < wanted < self.min_forward_rows else max(wanted, 1)
+        heads += [heads[-1] if heads else 0] * (size - wanted)
+        out = self.model(input_ids=torch.tensor([ids], device=self.device),
+                         position_ids=torch.tensor([positions], device=self.device), use_cache=False,
+                         logits_to_keep=torch.tensor(heads, device=self.device),
+                         kv_batch=KVBatch(seqs, [len(row) for row in rows]))
+        for seq, row in zip(seqs, rows):
+            seq.length += len(row)
+            self.tokens_processed += len(row)
+        logits, results, first = out.logits[0], [], 0
+        for n in num_logits:
+            results.append(logits[first:first + n])
+            first += n
+        return results
 
     def _acquire_all(self, steps: list[Step], problem: Callable[[Step], str | None]) -> tuple[list[int], list]:
         """Check each step (`problem` returns what is wrong with it, or None) and only then acquire its

@@ -8,9 +8,10 @@ sequences with different lengths would need their caches copied into one padded 
 Rolling back rejected draft tokens is just a smaller `length`: the stale entries are overwritten by the
 next step's writes.
 
-The attention runs per row: row b's queries attend to row b's own buffer, so sequences of different
-lengths share one forward pass (their projections, MLPs and head run as one batch, which is where
-batching pays) without padding their caches. It is registered with transformers' AttentionInterface
+Several sequences' steps run as one packed forward: their new tokens sit back to back in a single row
+(no padding to a common width, so a 9-token verify next to 1-token steps costs 9 + 1 + ... rows, not
+9 per sequence); the projections, MLPs and head run over all of them at once, which is where batching
+pays, and each sequence's segment attends to its own buffer. It is registered with transformers' AttentionInterface
 and receives the batch through the `kv_batch` forward argument; a forward without it (a plain
 `model(ids)`) falls back to transformers' SDPA attention and masks, so the model stays usable as usual.
 """
@@ -64,25 +65,28 @@ class SequenceKV:
 
 @dataclass
 class KVBatch:
-    """What one forward's attention needs: row b < len(seqs) belongs to seqs[b] (its new tokens start at
-    seqs[b].length); rows past len(seqs) are padding and attend to nothing. Every row has `width` query
-    positions (shorter rows are right-padded; their padding is written past the valid length and never
-    read by a real position, by causality)."""
+    """What one packed forward's attention needs: the forward's single row holds every sequence's new
+    tokens back to back, seqs[i]'s `counts[i]` tokens starting at `starts[i]` (they follow its
+    seqs[i].length cached ones); positions past the last segment are padding and attend to nothing."""
 
     seqs: list[SequenceKV]
-    width: int
+    counts: list[int]
 
     def __post_init__(self):
-        for seq in self.seqs:
-            seq.reserve(seq.length + self.width)
+        self.starts = []
+        start = 0
+        for seq, count in zip(self.seqs, self.counts):
+            seq.reserve(seq.length + count)
+            self.starts.append(start)
+            start += count
 
 
-def _visible(length: int, width: int, window: int | None, device) -> torch.Tensor | None:
-    """(width, length + width) bool: query j (at position length + j) sees key i when i <= length + j
+def _visible(length: int, count: int, window: int | None, device) -> torch.Tensor | None:
+    """(count, length + count) bool: new token j (at position length + j) sees key i when i <= length + j
     (and i > length + j - window with a sliding window). None when every key is visible."""
-    if width == 1 and not (window and length + 1 > window):
+    if count == 1 and not (window and length + 1 > window):
         return None
-    mask = torch.ones(width, length + width, dtype=torch.bool, device=device).tril(length)
+    mask = torch.ones(count, length + count, dtype=torch.bool, device=device).tril(length)
     if window:
         mask &= ~torch.ones_like(mask).tril(length - window)
     return mask
@@ -91,25 +95,26 @@ def _visible(length: int, width: int, window: int | None, device) -> torch.Tenso
 def sequence_kv_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
                           dropout: float = 0.0, scaling: float | None = None, kv_batch: KVBatch | None = None,
                           sliding_window: int | None = None, **kwargs) -> tuple[torch.Tensor, None]:
-    """query (B, heads, W, D); key, value (B, kv_heads, W, D): the new positions after rotary embedding.
-    Returns (B, W, heads, D) like transformers' attention functions."""
+    """query (1, heads, R, D); key, value (1, kv_heads, R, D): the packed new positions after rotary
+    embedding. Returns (1, R, heads, D) like transformers' attention functions."""
     if kv_batch is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       sliding_window=sliding_window, **kwargs)
     if kwargs.get("softcap") is not None:
         raise ValueError("attention logit softcapping is not supported by the sequence KV cache")
-    layer, width = module.layer_idx, kv_batch.width
-    out = query.new_zeros(query.shape[0], width, query.shape[1], query.shape[3])
-    for b, seq in enumerate(kv_batch.seqs):
-        end = seq.length + width
+    layer = module.layer_idx
+    out = query.new_zeros(1, query.shape[2], query.shape[1], query.shape[3])
+    for seq, start, count in zip(kv_batch.seqs, kv_batch.starts, kv_batch.counts):
+        new = slice(start, start + count)
+        end = seq.length + count
         keys, values = seq.keys[layer], seq.values[layer]
-        keys[:, seq.length:end] = key[b]
-        values[:, seq.length:end] = value[b]
+        keys[:, seq.length:end] = key[0, :, new]
+        values[:, seq.length:end] = value[0, :, new]
         attended = scaled_dot_product_attention(
-            query[b:b + 1], keys[None, :, :end], values[None, :, :end],
-            attn_mask=_visible(seq.length, width, sliding_window, query.device), scale=scaling,
+            query[:, :, new], keys[None, :, :end], values[None, :, :end],
+            attn_mask=_visible(seq.length, count, sliding_window, query.device), scale=scaling,
             enable_gqa=query.shape[1] != key.shape[1])
-        out[b] = attended[0].transpose(0, 1)
+        out[0, new] = attended[0].transpose(0, 1)
     return out, None
 
 

@@ -46,6 +46,13 @@ class OrchestratorMetrics:
                          family.GAUGE).Metric(labels={})
         self.queued = make("specdec_queued_requests", "Requests waiting for a slot (max_live_sequences reached)",
                            family.GAUGE).Metric(labels={})
+        self.sequences_per_forward = make(
+            "specdec_sequences_per_forward", "Sequences sharing a target forward (moving average; the policy's n)",
+            family.GAUGE).Metric(labels={})
+        verify_cost = make("specdec_verify_cost", "v(k): a round drafting k tokens, in target-only steps, as "
+                           "the adaptive policy currently estimates it", family.GAUGE)
+        self.verify_cost = {k: verify_cost.Metric(labels={"draft_tokens": str(k)}) for k in positions}
+        self._costs_published = 0.0
         requests = make("specdec_requests_total", "Finished requests by finish reason", family.COUNTER)
         self.requests = {reason: requests.Metric(labels={"finish_reason": reason})
                          for reason in ("length", "stop", "cancelled", "error", "invalid", "rejected")}
@@ -60,6 +67,16 @@ class OrchestratorMetrics:
                 self.drafted_at[i].increment(1)
             for i in range(1, accepted + 1):
                 self.accepted_at[i].increment(1)
+
+    def record_costs(self, costs, now: float) -> None:
+        """Publish the policy's cost estimates (CostModel), at most twice a second."""
+        if now - self._costs_published < 0.5:
+            return
+        self._costs_published = now
+        if costs.sequences.value is not None:
+            self.sequences_per_forward.set(costs.sequences.value)
+        for k, metric in self.verify_cost.items():
+            metric.set(costs.verify_cost(k))
 
     def record_request(self, finish_reason: str, output_tokens: int, latency_s: float) -> None:
         self.requests[finish_reason].increment(1)

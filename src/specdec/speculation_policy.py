@@ -6,12 +6,13 @@ the draft's cost per token and v(k) the cost of verifying k + 1 positions (v(0) 
 step). The policy drafts the k in [0, k_max] maximizing E(k) / (k·c + v(k)); k = 0 (target-only) wins
 when no k beats 1, so speculation switches itself off where it does not pay.
 
-The costs are measured, not assumed: the orchestrator times every verify call by its number of
-positions and every draft call per drafted token, in seconds, shared by all requests of a server
-(`CostModel`); ratios to the 1-position verify give v(k) and c. On CPU v(k) is far from linear (on
-SmolLM2-135M, 2 cores: v(1) ≈ 1.6, v(2) ≈ 2.0, v(4) ≈ 1.45: small GEMMs take slower BLAS paths), so
-the table is kept per size. Under load the measured times include queueing, so a saturated server
-drafts less. α is estimated per request with fast forgetting (acceptance comes in bursts: a copied
+The costs are measured, not assumed, shared by all requests of a server (`CostModel`): the target
+reports every forward it ran (token rows, sequences, seconds), and with n sequences per forward
+v(k) = T(n(k+1)) / T(n), the batch's view: drafting k for all n sequences multiplies a forward's rows
+by k + 1. Alone that is the cost of verifying k + 1 positions; under load it grows as rows stop being
+nearly free, so speculation backs off where it would cost throughput. (Without forward reports, the
+request's own verify latency by positions is used.) c is the draft's time per drafted token over the
+1-position verify. α is estimated per request with fast forgetting (acceptance comes in bursts: a copied
 span is accepted whole), starting from the server's running acceptance of the same draft method.
 """
 

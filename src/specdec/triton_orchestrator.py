@@ -143,6 +143,7 @@ class SpeculativeDecodingAdapter:
             async with contextlib.aclosing(rounds) as rounds:
                 async for rnd in rounds:
                     self.metrics.record_round(rnd.num_drafted, rnd.num_accepted)
+                    self.metrics.record_costs(self.costs, time.monotonic())
                     emission = emitter.push(rnd.new_tokens, final=rnd.finish_reason is not None)
                     finish = rnd.finish_reason or (tn.FINISH_STOP if emission and emission.stopped else None)
                     if finish is None and self._cancelled(request, sender, gen.seq_id):
