@@ -40,7 +40,7 @@ sys.path.insert(0, str(HERE.parent))
 
 from client import Client, GenerationParams  # noqa: E402
 from specdec import pairs  # noqa: E402
-from specdec.ngram_proposer import lookup  # noqa: E402
+from specdec.ngram_proposer import NgramIndex  # noqa: E402
 from specdec.speculation_policy import expected_tokens  # noqa: E402
 
 
@@ -166,8 +166,9 @@ def measure_costs(pair, prompt_ids: list[int], ks: list[int]) -> dict:
     step = median_time(verify(1))
     v = {k: median_time(verify(k + 1)) / step for k in ks}
     draft_token = median_time(lambda: draft.extend(1, n, [100], 1))
-    tokens = prompt_ids * 2
-    lookup_s = median_time(lambda: lookup(tokens, 8, 4, 2), reps=200)
+    index = NgramIndex(4, 2)
+    index.extend(prompt_ids * 2)
+    lookup_s = median_time(lambda: (index.extend([100]), index.lookup(8)), reps=200)  # a round's update + lookup
     return {"step_s": step, "v": v, "c": {"draft_model": draft_token / step, "ngram": lookup_s / step}}
 
 

@@ -32,8 +32,43 @@ def lookup(tokens: list[int], k: int, max_ngram: int = 3, min_ngram: int = 1) ->
     return []
 
 
+class NgramIndex:
+    """One sequence's tokens and, per n-gram size, the latest start of every n-gram that was followed by
+    a token: `lookup` in O(max_ngram) per round instead of a scan of the whole sequence (it runs every
+    round of every request, in the orchestrator process that shares the CPU with the models).
+    Equal to `lookup(tokens, k, max_ngram, min_ngram)` (tested on random sequences)."""
+
+    def __init__(self, max_ngram: int, min_ngram: int):
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.tokens: list[int] = []
+        self.latest: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(min_ngram, max_ngram + 1)}
+
+    def truncate(self, keep: int) -> None:
+        if keep < len(self.tokens):  # a rollback: rebuild (prompt lookup never rolls back in the loop)
+            tokens = self.tokens[:keep]
+            self.tokens, self.latest = [], {n: {} for n in self.latest}
+            self.extend(tokens)
+
+    def extend(self, new_ids: list[int]) -> None:
+        tokens = self.tokens
+        for token in new_ids:
+            end = len(tokens)  # the n-grams ending here are now followed by `token`
+            for n, table in self.latest.items():
+                if end >= n:
+                    table[tuple(tokens[end - n:end])] = end - n
+            tokens.append(token)
+
+    def lookup(self, k: int) -> list[int]:
+        tokens, length = self.tokens, len(self.tokens)
+        for n in range(min(self.max_ngram, length - 1), self.min_ngram - 1, -1):
+            start = self.latest[n].get(tuple(tokens[length - n:]))
+            if start is not None:
+                return tokens[start + n:start + n + k]
+        return []
+
+
 class NgramProposer:
-    """Proposer over `lookup`, keeping each sequence's tokens as its 'cache'.
+    """Proposer over `NgramIndex`, keeping each sequence's tokens as its 'cache'.
 
     min_ngram 2: a single repeated token predicts its continuation poorly; on SmolLM2 (2-core CPU,
     K=4, 64 tokens) min_ngram 1 measured α 0.13 and 1.01x on grounded prompts, 0.86x on open-ended
@@ -42,20 +77,22 @@ class NgramProposer:
 
     def __init__(self, max_ngram: int = 4, min_ngram: int = 2, vocab_size: int = 0):
         self.max_ngram, self.min_ngram, self.vocab_size = max_ngram, min_ngram, vocab_size
-        self.sequences: dict[int, list[int]] = {}
+        self.sequences: dict[int, NgramIndex] = {}
 
     async def propose(self, seq_id: int, keep: int, new_ids: list[int], k: int,
                       params: SamplingParams, round_seed: int) -> Proposal:
-        tokens = self.sequences.setdefault(seq_id, [])
-        del tokens[keep:]
-        tokens.extend(new_ids)
-        proposal = lookup(tokens, k, self.max_ngram, self.min_ngram)
+        index = self.sequences.get(seq_id)
+        if index is None:
+            index = self.sequences[seq_id] = NgramIndex(self.max_ngram, self.min_ngram)
+        index.truncate(keep)
+        index.extend(new_ids)
+        proposal = index.lookup(k)
         probs = None
         if proposal and not params.greedy:
             # A deterministic draft is the one-hot distribution on its token: rejection sampling then
             # accepts with probability p_target(x) and resamples from the target without x: lossless.
             probs = torch.nn.functional.one_hot(torch.tensor(proposal), self.vocab_size).float()
-        return Proposal(proposal, probs, cached_length=len(tokens))
+        return Proposal(proposal, probs, cached_length=len(index.tokens))
 
     async def release(self, seq_id: int) -> None:
         self.sequences.pop(seq_id, None)

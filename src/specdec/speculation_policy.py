@@ -68,12 +68,18 @@ class CostModel:
     alpha: dict[str, _Ewma] = field(default_factory=dict)  # method -> running acceptance (prior for requests)
     forward_s: dict[int, _Ewma] = field(default_factory=dict)  # token rows -> seconds of a target forward
     sequences: _Ewma = field(default_factory=lambda: _Ewma(0.9))  # sequences sharing a target forward
+    # v(k) is asked every round of every request, and computing it sorts the forward table: recompute
+    # only after every `refresh` new forward observations (the orchestrator's CPU is the target's too).
+    refresh: int = 16
+    _forwards_seen: int = 0
+    _v_memo: dict = field(default_factory=dict)
 
     def observe_forward(self, rows: int, sequences: int, seconds: float) -> None:
         """A batched target forward: `rows` token rows of `sequences` sequences took `seconds`."""
         if rows > 0 and sequences > 0:
             self.forward_s.setdefault(rows, _Ewma(self.decay)).add(seconds)
             self.sequences.add(sequences)
+            self._forwards_seen += 1
 
     def observe_verify(self, positions: int, seconds: float) -> None:
         self.verify_s.setdefault(positions, _Ewma(self.decay)).add(seconds)
@@ -123,10 +129,15 @@ class CostModel:
         if k == 0:
             return 1.0
         if self.sequences.value is not None:
-            n = max(1, round(self.sequences.value))
-            alone, drafting = self._forward_seconds(n), self._forward_seconds(n * (k + 1))
-            if alone and drafting:
-                return max(drafting / alone, 1.0)
+            key = (self._forwards_seen // self.refresh, k)
+            if key not in self._v_memo:
+                if len(self._v_memo) > 256:
+                    self._v_memo.clear()
+                n = max(1, round(self.sequences.value))
+                alone, drafting = self._forward_seconds(n), self._forward_seconds(n * (k + 1))
+                self._v_memo[key] = max(drafting / alone, 1.0) if alone and drafting else None
+            if self._v_memo[key] is not None:
+                return self._v_memo[key]
         one = self._seconds(1)
         many = self._seconds(k + 1)
         if one is None or many is None:

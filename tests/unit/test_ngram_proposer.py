@@ -3,7 +3,7 @@ import asyncio
 import pytest
 import torch
 
-from specdec.ngram_proposer import NgramProposer, lookup
+from specdec.ngram_proposer import NgramIndex, NgramProposer, lookup
 from specdec.rejection_sampler import rejection_sample
 from specdec.sampling import SamplingParams
 
@@ -38,7 +38,7 @@ def test_proposer_tracks_the_sequence_and_rolls_back():
         # The target accepted 3 but not 1, then emitted 9: the orchestrator keeps the proposer's 5 valid
         # tokens and sends what followed them.
         second = await proposer.propose(1, 5, [3, 9], 2, SamplingParams(), 0)
-        assert proposer.sequences[1] == [1, 2, 3, 1, 2, 3, 9] and second.tokens == []
+        assert proposer.sequences[1].tokens == [1, 2, 3, 1, 2, 3, 9] and second.tokens == []
         await proposer.release(1)
         assert 1 not in proposer.sequences
 
@@ -57,3 +57,25 @@ def test_sampled_proposal_is_one_hot_and_lossless():
         verdict = rejection_sample(torch.tensor([2]), proposal.probs, target, torch.rand(1, generator=g), g)
         counts[2 if verdict.num_accepted else verdict.next_token] += 1
     assert float((counts / n - target[0]).abs().sum()) < 0.03
+
+
+def test_index_equals_the_scan_on_random_sequences_with_rollbacks():
+    """The incremental index gives exactly what scanning the whole sequence gives, round after round."""
+    import random
+
+    rng = random.Random(0)
+    for trial in range(30):
+        max_ngram, min_ngram = rng.choice([(4, 2), (3, 1), (2, 2)])
+        index = NgramIndex(max_ngram, min_ngram)
+        tokens: list[int] = []
+        for _ in range(40):
+            if tokens and rng.random() < 0.1:  # a rollback
+                keep = rng.randrange(len(tokens))
+                del tokens[keep:]
+                index.truncate(keep)
+            new = [rng.randrange(6) for _ in range(rng.randrange(1, 4))]  # small vocabulary: many repeats
+            tokens += new
+            index.extend(new)
+            k = rng.randrange(1, 9)
+            assert index.tokens == tokens
+            assert index.lookup(k) == lookup(tokens, k, max_ngram, min_ngram), (trial, tokens, k)
