@@ -53,13 +53,14 @@ class Setting:
 
 
 SETTINGS = [
-    Setting("ngram, adaptive K<=8 (server default)", "ngram", 8, True),
+    Setting("ngram, adaptive K<=16 (server default)", "ngram", 16, True),
+    Setting("ngram, adaptive K<=8", "ngram", 8, True),
     Setting("ngram, K=4", "ngram", 4, False),
-    Setting("ngram, K=8", "ngram", 8, False),
+    Setting("ngram, K=16", "ngram", 16, False),
     Setting("layer-skip draft, K=2", "draft_model", 2, False),
     Setting("layer-skip draft, adaptive K<=4", "draft_model", 4, True),
 ]
-QUICK = [SETTINGS[0], SETTINGS[2], SETTINGS[4]]
+QUICK = [SETTINGS[0], SETTINGS[3], SETTINGS[5]]
 
 
 def load_prompts(kind: str, limit: int | None) -> list[str]:

@@ -187,8 +187,10 @@ def default_pair() -> PairSpec:
         name="default", target_path=str(target), tokenizer_path=str(target),
         draft_paths={"draft_model": str(draft)}, builtin_drafts=("ngram",), default_draft="ngram", dtype="float32",
         max_context_tokens=int(max_pos), apply_chat_template=True,
-        # Up to 8 tokens a round, adaptive: a lookup proposes at most the span it found.
-        default_num_draft_tokens=8,
+        # Up to 16 tokens a round, adaptive: a lookup proposes at most the span it found, and with
+        # oneDNN kernels verifying 17 positions costs about 1.1 target steps here (K<=16 measured 1.48x
+        # against 1.39x for K<=8 on the grounded prompts).
+        default_num_draft_tokens=16,
     )
 
 
