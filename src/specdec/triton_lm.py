@@ -79,13 +79,14 @@ class LanguageModelAdapter:
         ]
         self.tokens_metric, self.live_metric, self.kv_metric = (
             f.Metric(labels={"model": self.name}) for f in self.metric_families)
+        self._reported = {"tokens": 0, "live": None, "kv": None, "at": 0.0}
 
     def execute(self, requests):
         """All pending steps (of different sequences: the sequence batcher sends one step per sequence
         at a time) run as one batched forward; each request gets its own response or error."""
         pb = self.pb
         self.lm.evict_idle()
-        before = self.lm.tokens_processed
+        released = False
         responses: list = [None] * len(requests)
         steps, owners = [], []
         for i, request in enumerate(requests):
@@ -93,6 +94,7 @@ class LanguageModelAdapter:
                 seq_id = request.correlation_id()
                 if _scalar(pb, request, tn.RELEASE, False):
                     self.lm.release(seq_id)
+                    released = True
                     responses[i] = pb.InferenceResponse(output_tensors=[])
                     continue
                 steps.append(self._parse_step(request, seq_id))
@@ -114,10 +116,22 @@ class LanguageModelAdapter:
             for i, step, result, forward in zip(owners, steps, results, forwards):
                 responses[i] = self._error(result) if isinstance(result, Exception) else \
                     self._respond(requests[i], step, result, forward)
-        self.tokens_metric.increment(self.lm.tokens_processed - before)
-        self.live_metric.set(len(self.lm.sequences))
-        self.kv_metric.set(self.lm.kv_bytes_allocated)
+        self._report_metrics(flush=released)
         return responses
+
+    def _report_metrics(self, flush: bool) -> None:
+        """Update the metrics only when they changed, and the token counter at most twice a second or
+        when a sequence ends: each update is an IPC round trip to the server, paid per execute."""
+        reported, now = self._reported, time.monotonic()
+        pending = self.lm.tokens_processed - reported["tokens"]
+        if pending and (flush or now - reported["at"] >= 0.5):
+            self.tokens_metric.increment(pending)
+            reported["tokens"], reported["at"] = self.lm.tokens_processed, now
+        for key, metric, value in (("live", self.live_metric, len(self.lm.sequences)),
+                                   ("kv", self.kv_metric, self.lm.kv_bytes_allocated)):
+            if value != reported[key]:
+                metric.set(value)
+                reported[key] = value
 
     def _error(self, exc: Exception):
         return self.pb.InferenceResponse(error=self.pb.TritonError(f"{self.name}: {exc}"))

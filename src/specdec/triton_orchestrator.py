@@ -142,8 +142,9 @@ class SpeculativeDecodingAdapter:
             rounds = generate(gen, self.proposers[draft_name], self.scorer, stats, policy)
             async with contextlib.aclosing(rounds) as rounds:
                 async for rnd in rounds:
-                    self.metrics.record_round(rnd.num_drafted, rnd.num_accepted)
-                    self.metrics.record_costs(self.costs, time.monotonic())
+                    now = time.monotonic()
+                    self.metrics.record_round(rnd.num_drafted, rnd.num_accepted, now)
+                    self.metrics.record_costs(self.costs, now)
                     emission = emitter.push(rnd.new_tokens, final=rnd.finish_reason is not None)
                     finish = rnd.finish_reason or (tn.FINISH_STOP if emission and emission.stopped else None)
                     if finish is None and self._cancelled(request, sender, gen.seq_id):
@@ -161,6 +162,7 @@ class SpeculativeDecodingAdapter:
         finally:
             self.live -= 1
             self.metrics.live.set(self.live)
+            self.metrics.flush(time.monotonic())  # this request's rounds are counted before it ends
             self.cancellations.clear(gen.seq_id)
         if finish == tn.FINISH_CANCELLED:
             last = emitter.push([], final=True)

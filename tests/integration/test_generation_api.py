@@ -147,6 +147,20 @@ def test_metrics_count_drafted_and_accepted_tokens(server):
         server.metric("specdec_drafted_at_position_total", position="1")
 
 
+def test_cost_model_gauges_come_from_the_targets_forward_reports(server):
+    """target_model reports each forward (rows, sequences, seconds); the orchestrator's policy turns them
+    into v(k), published as gauges: at least one sequence per forward, and v(k) >= 1 (a round that
+    verifies more positions never costs less than a target-only step)."""
+    import time as clock
+
+    grpc_stream(server.grpc_url, PROMPTS[1], max_tokens=24, num_draft_tokens=4)
+    clock.sleep(0.6)  # the gauges are published at most twice a second
+    grpc_stream(server.grpc_url, PROMPTS[2], max_tokens=8, num_draft_tokens=4)
+    assert server.metric("specdec_sequences_per_forward") >= 1.0
+    costs = [server.metric("specdec_verify_cost", draft_tokens=str(k)) for k in (1, 2, 4)]
+    assert all(v >= 1.0 for v in costs), costs
+
+
 # ---- cancellation ---------------------------------------------------------------------------------------
 def test_cancelled_streams_free_their_caches(server):
     cancelled_before = server.metric("specdec_requests_total", finish_reason="cancelled")

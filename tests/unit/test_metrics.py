@@ -1,0 +1,79 @@
+"""The orchestrator's metrics: rounds are counted locally and sent in batches, with the same totals."""
+
+from specdec.metrics import OrchestratorMetrics
+
+
+class FakeMetric:
+    def __init__(self, log, name, labels):
+        self.log, self.key = log, (name, tuple(sorted(labels.items())))
+
+    def increment(self, value):
+        self.log.append(("inc", self.key, value))
+
+    def observe(self, value):
+        self.log.append(("obs", self.key, value))
+
+    def set(self, value):
+        self.log.append(("set", self.key, value))
+
+
+class FakePbUtils:
+    """Just enough of triton_python_backend_utils.MetricFamily; every call is logged (each is an IPC)."""
+
+    def __init__(self):
+        self.log = []
+        log = self.log
+
+        class MetricFamily:
+            COUNTER, GAUGE, HISTOGRAM = "counter", "gauge", "histogram"
+
+            def __init__(self, name, description, kind):
+                self.name = name
+
+            def Metric(self, labels, buckets=None):  # noqa: N802 - pb_utils' name
+                return FakeMetric(log, self.name, labels)
+
+        self.MetricFamily = MetricFamily
+
+
+def totals(log):
+    out = {}
+    for op, key, value in log:
+        if op == "inc":
+            out[key] = out.get(key, 0) + value
+        elif op == "obs":
+            out.setdefault(("observed",) + key, []).append(value)
+    return out
+
+
+def test_rounds_are_batched_and_flushed_with_exact_totals():
+    pb = FakePbUtils()
+    metrics = OrchestratorMetrics(pb, max_num_draft_tokens=4)
+    rounds = [(4, 2), (0, 0), (3, 3), (4, 0), (1, 1)]
+    for i, (drafted, accepted) in enumerate(rounds):
+        metrics.record_round(drafted, accepted, now=1.0 + 0.01 * i)
+    sent_before_flush = list(pb.log)
+    metrics.flush(now=1.1)
+    got = totals(pb.log)
+    assert len(sent_before_flush) < len(pb.log) / 2  # most updates waited for the flush
+    assert got[("specdec_rounds_total", ())] == 5
+    assert got[("specdec_draft_tokens_total", ())] == 12
+    assert got[("specdec_accepted_draft_tokens_total", ())] == 6
+    assert got[("specdec_drafted_at_position_total", (("position", "1"),))] == 4
+    assert got[("specdec_drafted_at_position_total", (("position", "4"),))] == 2
+    assert got[("specdec_accepted_at_position_total", (("position", "1"),))] == 3
+    assert got[("specdec_accepted_at_position_total", (("position", "3"),))] == 1
+    assert sorted(got[("observed", "specdec_accepted_length", ())]) == [0.0, 1.0, 2.0, 3.0]
+    pb.log.clear()
+    metrics.flush(now=1.2)
+    assert pb.log == []  # nothing pending: nothing sent
+
+
+def test_a_round_after_half_a_second_flushes_on_its_own():
+    pb = FakePbUtils()
+    metrics = OrchestratorMetrics(pb, max_num_draft_tokens=2)
+    metrics.record_round(2, 1, now=10.0)  # the first flush is due at once (nothing flushed yet)
+    metrics.record_round(2, 2, now=10.1)
+    assert totals(pb.log)[("specdec_rounds_total", ())] == 1
+    metrics.record_round(1, 0, now=10.7)
+    assert totals(pb.log)[("specdec_rounds_total", ())] == 3
