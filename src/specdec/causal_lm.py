@@ -9,8 +9,9 @@ Caches live in a keyed store with an idle timeout, so a sequence abandoned witho
 Steps of several sequences run as one packed forward pass (`extend_many`, `propose_many`): their new
 tokens back to back in one row with per-token positions (no padding to a common width), and each
 sequence's segment reads and appends to its own KV buffers in place (`kv_cache.py`), so each computes
-exactly what its own forward would and no cache is copied. Where a forward's cost hardly grows with its rows (memory-bound decoding,
-and small batches even on this CPU), B sequences cost far less than B forwards.
+exactly what its own forward would and no cache is copied. Where a forward's cost hardly grows with its
+rows (memory-bound decoding, and small batches even on this CPU), B sequences cost far less than B
+forwards.
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ class CausalLM:
         # A forward over fewer than this many token rows (but more than one) is padded up to it. On the
         # 2-core CPU we measured, GEMMs of 2-3 rows take a slower BLAS path than 4 (the 49152-wide head:
         # 9 ms at 1 row, 26 ms at 3, 14 ms at 4), so 2-3 sequences batched, or a 1-2 token draft verified,
-        # cost more than 4. Padding rows are masked out and never cached.
+        # cost more than 4. Padding rows attend to nothing and are never cached.
         self.min_forward_rows = min_forward_rows
         self.max_sequences = max_sequences
         self.idle_timeout_s = idle_timeout_s
@@ -162,10 +163,6 @@ class CausalLM:
         """Bytes one cached token takes: keys and values of every layer."""
         heads, head_dim = self._kv_heads_and_dim()
         return 2 * self._num_layers * heads * head_dim * self.model.dtype.itemsize
-
-    @property
-    def cached_tokens(self) -> int:
-        return sum(seq.length for seq in self.sequences.values())
 
     @property
     def kv_bytes_allocated(self) -> int:

@@ -130,7 +130,7 @@ async def generate(req: GenerationRequest, proposer: Proposer, scorer: Scorer, s
             if policy and len(new_ids) == k + 1:  # a plain round (no prompt prefill or catch-up)
                 policy.observe_verify(k + 1, time.perf_counter() - started)
             if policy and scores.forward:
-                policy.costs.observe_forward(*scores.forward)
+                policy.observe_forward(*scores.forward)
             verdict = _verify(proposal, scores, req.sampling, generator)
             if policy:
                 policy.update(k, verdict.num_accepted)

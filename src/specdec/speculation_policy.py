@@ -52,6 +52,21 @@ class _Ewma:
         self.value = sample if self.value is None else self.decay * self.value + (1 - self.decay) * sample
 
 
+def _interpolate(table: dict[int, _Ewma], x: int, extrapolate: bool) -> float | None:
+    """The table's value at x, linear between the nearest measured keys; beyond the largest key (when
+    `extrapolate`) along the non-decreasing line through the two largest. None where unknown."""
+    known = sorted((n, e.value) for n, e in table.items() if e.value is not None)
+    below = [(n, t) for n, t in known if n <= x]
+    above = [(n, t) for n, t in known if n >= x]
+    if below and above:
+        (lo, t_lo), (hi, t_hi) = below[-1], above[0]
+        return t_lo if hi == lo else t_lo + (t_hi - t_lo) * (x - lo) / (hi - lo)
+    if extrapolate and len(below) >= 2:
+        (lo, t_lo), (hi, t_hi) = below[-2], below[-1]
+        return t_hi + max(0.0, (t_hi - t_lo) / (hi - lo)) * (x - hi)
+    return None
+
+
 @dataclass
 class CostModel:
     """Measured round costs of one server: verify seconds by positions, draft seconds per token by method.
@@ -93,29 +108,13 @@ class CostModel:
             self.alpha.setdefault(method, _Ewma(0.98)).add(accepted / drafted)
 
     def _seconds(self, positions: int) -> float | None:
-        known = {n: e.value for n, e in self.verify_s.items() if e.value is not None}
-        if positions in known:
-            return known[positions]
-        below = [n for n in known if n < positions]
-        above = [n for n in known if n > positions]
-        if below and above:
-            lo, hi = max(below), min(above)
-            return known[lo] + (known[hi] - known[lo]) * (positions - lo) / (hi - lo)
-        return None
+        """Verify latency by positions, between measured sizes (no extrapolation)."""
+        return _interpolate(self.verify_s, positions, extrapolate=False)
 
     def _forward_seconds(self, rows: int) -> float | None:
-        """T(rows) from the measured forwards: linear between the nearest measured row counts, and
-        beyond the largest along the line through the two largest (forward cost grows with rows)."""
-        known = sorted((n, e.value) for n, e in self.forward_s.items() if e.value is not None)
-        below = [(n, t) for n, t in known if n <= rows]
-        above = [(n, t) for n, t in known if n >= rows]
-        if below and above:
-            (lo, t_lo), (hi, t_hi) = below[-1], above[0]
-            return t_lo if hi == lo else t_lo + (t_hi - t_lo) * (rows - lo) / (hi - lo)
-        if len(below) >= 2:
-            (lo, t_lo), (hi, t_hi) = below[-2], below[-1]
-            return t_hi + max(0.0, (t_hi - t_lo) / (hi - lo)) * (rows - hi)
-        return None
+        """T(rows) from the measured forwards; past the largest measured row count along the line
+        through the two largest (forward cost grows with rows)."""
+        return _interpolate(self.forward_s, rows, extrapolate=True)
 
     def verify_cost(self, k: int) -> float:
         """v(k): what a round verifying k + 1 positions costs, in target-only steps.
@@ -221,3 +220,6 @@ class DraftLengthPolicy:
 
     def observe_verify(self, positions: int, seconds: float) -> None:
         self.costs.observe_verify(positions, seconds)
+
+    def observe_forward(self, rows: int, sequences: int, seconds: float) -> None:
+        self.costs.observe_forward(rows, sequences, seconds)
