@@ -17,7 +17,7 @@ $(STAMP): requirements.txt requirements-dev.txt constraints.txt pyproject.toml
 
 # PAIR=default (SmolLM2-135M-Instruct target) or PAIR=tiny; HTTP_PORT/GRPC_PORT/METRICS_PORT.
 serve: setup
-	PAIR=$${PAIR:-default} $(PY) -m specdec.launcher
+	PAIR=$${PAIR:-default} $(PY) -m specdec.serving.launcher
 
 test: setup
 	$(PY) -m pytest -q

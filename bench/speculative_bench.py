@@ -24,24 +24,24 @@ import json
 import os
 import platform
 import signal
-import socket
 import statistics
-import subprocess
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from tabulate import tabulate
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 from client import Client, GenerationParams  # noqa: E402
-from specdec import pairs  # noqa: E402
-from specdec.ngram_proposer import NgramIndex  # noqa: E402
-from specdec.speculation_policy import expected_tokens  # noqa: E402
+from specdec import tensor_names as tn  # noqa: E402
+from specdec.decoding.draft_length import expected_tokens  # noqa: E402
+from specdec.decoding.ngram_proposer import NgramIndex  # noqa: E402
+from specdec.serving import pairs, server  # noqa: E402
+from specdec.serving.server import samples, scrape  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -53,10 +53,10 @@ class Setting:
 
 
 SETTINGS = [
-    Setting("ngram, adaptive K<=16 (server default)", "ngram", 16, True),
-    Setting("ngram, adaptive K<=8", "ngram", 8, True),
-    Setting("ngram, K=4", "ngram", 4, False),
-    Setting("ngram, K=16", "ngram", 16, False),
+    Setting("ngram, adaptive K<=16 (server default)", tn.NGRAM, 16, True),
+    Setting("ngram, adaptive K<=8", tn.NGRAM, 8, True),
+    Setting("ngram, K=4", tn.NGRAM, 4, False),
+    Setting("ngram, K=16", tn.NGRAM, 16, False),
     Setting("layer-skip draft, K=2", "draft_model", 2, False),
     Setting("layer-skip draft, adaptive K<=4", "draft_model", 4, True),
 ]
@@ -68,40 +68,15 @@ def load_prompts(kind: str, limit: int | None) -> list[str]:
     return [json.loads(line)["prompt"] for line in lines if line.strip()][:limit]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def drafted_at(metrics_url: str | None) -> dict[int, float]:
     """specdec_drafted_at_position_total by position: rounds that drafted at least that many tokens."""
     if not metrics_url:
         return {}
-    with urllib.request.urlopen(f"http://{metrics_url}/metrics", timeout=10) as response:
-        text = response.read().decode()
     out: dict[int, float] = {}
-    for line in text.splitlines():
-        if line.startswith("specdec_drafted_at_position_total{"):
-            position = int(line.split('position="', 1)[1].split('"', 1)[0])
-            out[position] = out.get(position, 0.0) + float(line.rsplit(" ", 1)[1])
+    for labels, value in samples(scrape(metrics_url), "specdec_drafted_at_position_total"):
+        position = int(labels["position"])
+        out[position] = out.get(position, 0.0) + value
     return out
-
-
-def start_server() -> tuple[subprocess.Popen, str, str]:
-    ports = {"HTTP_PORT": free_port(), "GRPC_PORT": free_port(), "METRICS_PORT": free_port()}
-    env = dict(os.environ, PAIR="default", **{k: str(v) for k, v in ports.items()})
-    log = open(HERE.parent / ".cache" / "bench-server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "specdec.launcher", "--run-dir",
-                             str(HERE.parent / ".cache" / "run" / "bench")], env=env, stdout=log, stderr=log)
-    url, metrics_url = f"localhost:{ports['GRPC_PORT']}", f"localhost:{ports['METRICS_PORT']}"
-    client = Client(url, "grpc")
-    deadline = time.monotonic() + 900
-    while not client.is_ready():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"server did not start; see {log.name}")
-        time.sleep(1)
-    return proc, url, metrics_url
 
 
 # ---- served --------------------------------------------------------------------------------------
@@ -152,7 +127,7 @@ def median_time(fn, reps: int = 9) -> float:
 
 
 def measure_costs(pair, prompt_ids: list[int], ks: list[int]) -> dict:
-    from specdec.causal_lm import CausalLM, load_causal_lm
+    from specdec.engine.executor import CausalLM, load_causal_lm
 
     torch.set_num_threads(os.cpu_count() or 1)
     target = CausalLM(load_causal_lm(pair.target_path, dtype=pair.dtype))
@@ -170,7 +145,7 @@ def measure_costs(pair, prompt_ids: list[int], ks: list[int]) -> dict:
     index = NgramIndex(4, 2)
     index.extend(prompt_ids * 2)
     lookup_s = median_time(lambda: (index.extend([100]), index.lookup(8)), reps=200)  # a round's update + lookup
-    return {"step_s": step, "v": v, "c": {"draft_model": draft_token / step, "ngram": lookup_s / step}}
+    return {"step_s": step, "v": v, "c": {"draft_model": draft_token / step, tn.NGRAM: lookup_s / step}}
 
 
 # ---- transformers' assisted generation -------------------------------------------------------------
@@ -179,7 +154,7 @@ def transformers_peer(pair, prompts: dict[str, list[str]], max_tokens: int, k: i
     default; "onednn": the same prepacked linear layers our server uses) and variant."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from specdec.onednn_linear import prepack_linears
+    from specdec.engine.onednn_linear import prepack_linears
 
     tok = AutoTokenizer.from_pretrained(pair.tokenizer_path)
     out = {}
@@ -214,8 +189,7 @@ def report(results, costs, peer, settings, max_tokens, n_prompts) -> str:
     lines = [f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
              f"{platform.python_implementation()} {platform.python_version()}; greedy, max_tokens={max_tokens}, "
              f"{n_prompts} prompts per set; one target step = {costs['step_s'] * 1000:.1f} ms in-process.", ""]
-    lines.append("| prompts | draft | target-only tok/s | speculative tok/s | speedup | α | tokens/round | K (drafting rounds) | c | v | bound | efficiency |")
-    lines.append("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    rows = []
     for (kind, label), agg in results.items():
         s = next(x for x in settings if x.label == label)
         base = agg["base_tokens"] / agg["base_s"]
@@ -230,17 +204,20 @@ def report(results, costs, peer, settings, max_tokens, n_prompts) -> str:
         b = gained / spent
         k_mean = sum(j * n for j, n in by_k.items()) / max(1.0, sum(by_k.values()))
         v = sum(n * costs["v"][j] for j, n in by_k.items()) / max(1.0, sum(by_k.values()))
-        lines.append(f"| {kind} | {label} | {base:.1f} | {spec:.1f} | **{spec / base:.2f}x** | {alpha:.2f} | "
-                     f"{per_round:.2f} | {k_mean:.1f} | {c:.3f} | {v:.2f} | {b:.2f} | {spec / base / b:.2f} |")
+        rows.append([kind, label, f"{base:.1f}", f"{spec:.1f}", f"**{spec / base:.2f}x**", f"{alpha:.2f}",
+                     f"{per_round:.2f}", f"{k_mean:.1f}", f"{c:.3f}", f"{v:.2f}", f"{b:.2f}", f"{spec / base / b:.2f}"])
+    lines.append(tabulate(rows, ["prompts", "draft", "target-only tok/s", "speculative tok/s", "speedup", "α",
+                                 "tokens/round", "K (drafting rounds)", "c", "v", "bound", "efficiency"],
+                          tablefmt="github", disable_numparse=True))
     lines.append("")
     lines.append("transformers `generate` in-process, same models and prompts (tokens/s; speedup over its plain generate):")
     lines.append("")
-    lines.append("| prompts | linear kernels | plain | prompt_lookup_num_tokens | assistant_model (layer-skip draft) |")
-    lines.append("| --- | --- | --- | --- | --- |")
-    for (kind, kernels), row in peer.items():
-        lines.append(f"| {kind} | {kernels} | {row['plain']:.1f} | {row['prompt_lookup']:.1f} "
-                     f"({row['prompt_lookup'] / row['plain']:.2f}x) "
-                     f"| {row['assistant_model']:.1f} ({row['assistant_model'] / row['plain']:.2f}x) |")
+    lines.append(tabulate(
+        [[kind, kernels, f"{row['plain']:.1f}", f"{row['prompt_lookup']:.1f} ({row['prompt_lookup'] / row['plain']:.2f}x)",
+          f"{row['assistant_model']:.1f} ({row['assistant_model'] / row['plain']:.2f}x)"]
+         for (kind, kernels), row in peer.items()],
+        ["prompts", "linear kernels", "plain", "prompt_lookup_num_tokens", "assistant_model (layer-skip draft)"],
+        tablefmt="github", disable_numparse=True))
     v_table = ", ".join(f"v({k})={v:.2f}" for k, v in sorted(costs["v"].items()))
     lines.append("")
     lines.append(f"Measured verify cost ratios: {v_table}.")
@@ -260,18 +237,19 @@ def main(argv=None) -> int:
     settings = QUICK if args.quick else SETTINGS
     prompts = {kind: load_prompts(kind, limit) for kind in ("grounded", "open")}
     pair = pairs.prepare_pair("default")
-    proc = None
+    own = None
     url, metrics_url = args.url, args.metrics_url
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally below: stop our server
     if url is None:
         print("starting the default-pair server ...", file=sys.stderr, flush=True)
-        proc, url, metrics_url = start_server()
+        cache = HERE.parent / ".cache"
+        own = server.start(cache / "run" / "bench", cache / "bench-server.log", ["--pair", "default"])
+        url, metrics_url = own.grpc_url, own.metrics_url
     try:
         results = served(url, metrics_url, prompts, settings, args.max_tokens)
     finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(60)
+        if own is not None:
+            own.stop(60)
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(pair.tokenizer_path)

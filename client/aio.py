@@ -4,14 +4,13 @@ HTTP via aiohttp)."""
 from __future__ import annotations
 
 import asyncio
-import json
 
 import aiohttp
 import tritonclient.grpc.aio as grpcaio
 
 from client.core import (
-    ClientError, GenerationParams, GenerationResult, GenerationTimeoutError, InvalidArgumentError, ModelNotReadyError,
-    ResultBuilder, ServerUnavailableError, classify_error,
+    ClientError, GenerationParams, GenerationResult, GenerationTimeoutError, ResultBuilder, ServerUnavailableError,
+    classify_error, classify_http_error, server_url,
 )
 from client.sync import TextCallback, consume_grpc_response, grpc_inputs, parse_sse_line
 from specdec import tensor_names as tn
@@ -20,12 +19,8 @@ from specdec import tensor_names as tn
 class AsyncClient:
     def __init__(self, url: str | None = None, protocol: str = "grpc", model: str = tn.ENSEMBLE,
                  timeout_s: float = 300.0):
-        if protocol not in ("grpc", "http"):
-            raise ValueError(f"protocol must be 'grpc' or 'http', got {protocol!r}")
+        self.url = server_url(url, protocol)
         self.protocol, self.model, self.timeout_s = protocol, model, timeout_s
-        self.url = url or ("localhost:8001" if protocol == "grpc" else "localhost:8000")
-        if protocol == "http" and not self.url.startswith(("http://", "https://")):
-            self.url = "http://" + self.url
         self._grpc = grpcaio.InferenceServerClient(self.url) if protocol == "grpc" else None
         self._http: aiohttp.ClientSession | None = None
 
@@ -90,14 +85,7 @@ class AsyncClient:
             async with self._http.post(f"{self.url}/v2/models/{self.model}/{path}",
                                        json=params.json(prompt, stream)) as response:
                 if response.status != 200:
-                    text = await response.text()
-                    try:
-                        message = json.loads(text).get("error", text)
-                    except ValueError:
-                        message = text
-                    if response.status == 400 and "unknown model" not in message.lower():
-                        raise InvalidArgumentError(message)
-                    raise ModelNotReadyError(message) if response.status in (400, 404, 503) else classify_error(message)
+                    raise classify_http_error(response.status, await response.text())
                 if not stream:
                     builder.add(await response.json())
                     return builder.result

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 
@@ -153,6 +154,30 @@ def fields_from_infer_result(result) -> dict:
         item = value.reshape(-1)[0]
         out[name] = item.decode("utf-8") if isinstance(item, bytes) else item.item()
     return out
+
+
+def server_url(url: str | None, protocol: str) -> str:
+    """The address to call: gRPC host:port (default localhost:8001), or an HTTP base URL (localhost:8000)."""
+    if protocol not in ("grpc", "http"):
+        raise ValueError(f"protocol must be 'grpc' or 'http', got {protocol!r}")
+    url = url or ("localhost:8001" if protocol == "grpc" else "localhost:8000")
+    if protocol == "http" and not url.startswith(("http://", "https://")):
+        url = "http://" + url
+    return url
+
+
+def classify_http_error(status: int, body: str) -> ClientError:
+    """The error of a non-200 answer of Triton's HTTP endpoints (body: its JSON {"error": ...} or text)."""
+    try:
+        message = json.loads(body).get("error", body)
+    except (ValueError, AttributeError):
+        message = body
+    lowered = message.lower()
+    if status in (404, 503) or (status == 400 and ("unknown model" in lowered or "not ready" in lowered)):
+        return ModelNotReadyError(message)
+    if status == 400:
+        return InvalidArgumentError(message)
+    return classify_error(message, str(status))
 
 
 def classify_error(message: str, status: str = "") -> ClientError:

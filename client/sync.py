@@ -13,8 +13,8 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
 from client.core import (
-    ClientError, GenerationParams, GenerationResult, GenerationTimeoutError, InvalidArgumentError,
-    ModelNotReadyError, ResultBuilder, ServerUnavailableError, classify_error, fields_from_infer_result,
+    ClientError, GenerationParams, GenerationResult, GenerationTimeoutError, ResultBuilder, ServerUnavailableError,
+    classify_error, classify_http_error, fields_from_infer_result, server_url,
 )
 from specdec import tensor_names as tn
 
@@ -56,21 +56,6 @@ def parse_sse_line(line: str) -> dict | None:
     return payload
 
 
-def http_error(response: requests.Response) -> ClientError:
-    try:
-        message = response.json().get("error", response.text)
-    except ValueError:
-        message = response.text
-    if response.status_code == 400:
-        lowered = message.lower()
-        if "unknown model" in lowered or "not ready" in lowered:
-            return ModelNotReadyError(message)
-        return InvalidArgumentError(message)
-    if response.status_code in (404, 503):
-        return ModelNotReadyError(message)
-    return classify_error(message, str(response.status_code))
-
-
 def _stream_start_error(exc: InferenceServerException, responses: queue.Queue) -> ClientError:
     """The most specific error for a stream that failed while starting."""
     try:
@@ -86,15 +71,8 @@ class Client:
 
     def __init__(self, url: str | None = None, protocol: str = "grpc", model: str = tn.ENSEMBLE,
                  timeout_s: float = 300.0):
-        if protocol not in ("grpc", "http"):
-            raise ValueError(f"protocol must be 'grpc' or 'http', got {protocol!r}")
-        self.protocol = protocol
-        self.model = model
-        self.timeout_s = timeout_s
-        default = "localhost:8001" if protocol == "grpc" else "localhost:8000"
-        self.url = url or default
-        if protocol == "http" and not self.url.startswith(("http://", "https://")):
-            self.url = "http://" + self.url
+        self.url = server_url(url, protocol)
+        self.protocol, self.model, self.timeout_s = protocol, model, timeout_s
 
     def is_ready(self) -> bool:
         """True when the server is up and the model is loaded."""
@@ -153,7 +131,7 @@ class Client:
             raise GenerationTimeoutError(f"no answer within {self.timeout_s} s") from None
         with response:
             if response.status_code != 200:
-                raise http_error(response)
+                raise classify_http_error(response.status_code, response.text)
             if not stream:
                 builder.add(response.json())
                 return builder.result

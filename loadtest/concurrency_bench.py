@@ -18,17 +18,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import platform
 import os
+import platform
 import signal
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+from tabulate import tabulate
+
 from client import AsyncClient, GenerationParams
+from specdec.serving import server
 
 HERE = Path(__file__).resolve().parent
 
@@ -61,28 +62,10 @@ async def run_level(url, prompts, concurrency, per_stream, params, per_level=Non
     }
 
 
-def start_server(pair: str, overrides: list[str]) -> tuple[subprocess.Popen, str]:
-    ports = []
-    for _ in range(3):
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            ports.append(sock.getsockname()[1])
-    env = dict(os.environ, HTTP_PORT=str(ports[0]), GRPC_PORT=str(ports[1]), METRICS_PORT=str(ports[2]))
-    run_dir = HERE.parent / ".cache" / "run" / f"bench-{pair}-{len(overrides)}"
-    log = open(HERE.parent / ".cache" / f"bench-concurrency-{pair}.log", "w")
-    args = [sys.executable, "-m", "specdec.launcher", "--pair", pair, "--run-dir", str(run_dir)]
-    for override in overrides:
-        args += ["--set", override]
-    proc = subprocess.Popen(args, env=env, stdout=log, stderr=log)
-    url = f"localhost:{ports[1]}"
-    from client import Client
-
-    deadline = time.monotonic() + 900
-    while not Client(url, "grpc").is_ready():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"server did not start; see {log.name}")
-        time.sleep(1)
-    return proc, url
+def start_server(pair: str, overrides: list[str]) -> server.ServerProcess:
+    cache = HERE.parent / ".cache"
+    args = ["--pair", pair] + [arg for override in overrides for arg in ("--set", override)]
+    return server.start(cache / "run" / f"bench-{pair}-{len(overrides)}", cache / f"bench-concurrency-{pair}.log", args)
 
 
 def measure(url, prompts, levels, per_stream, per_level, base, spec) -> dict:
@@ -120,38 +103,37 @@ def main() -> None:
     measured = {}
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally below: stop our server
     for label, overrides in servers.items():
-        proc, url = start_server(args.pair, overrides) if args.pair else (None, args.url)
+        own = start_server(args.pair, overrides) if args.pair else None
+        url = own.grpc_url if own else args.url
         try:
             print(f"measuring the {label} server at {url}", file=sys.stderr, flush=True)
             measured[label] = measure(url, prompts, args.concurrency, args.requests_per_stream, args.requests_per_level,
                                      base, spec)
         finally:
-            if proc is not None:
-                proc.terminate()
-                proc.wait(120)
+            if own is not None:
+                own.stop(120)
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, {platform.platform()}; "
           f"pair {args.pair or args.url}; max_tokens {args.max_tokens}; " + (
               f"{args.requests_per_level} requests per level" if args.requests_per_level else
               f"{args.requests_per_stream} requests per stream"))
     print()
-    header = "| streams | mode | output tokens/s | TTFT p50 (ms) | ITL p50 (ms) | acceptance | vs target-only |"
-    if "unbatched" in measured:
-        header = ("| streams | mode | unbatched tokens/s | batched tokens/s | batched / unbatched | TTFT p50 (ms) | "
-                  "ITL p50 (ms) | acceptance | vs target-only (batched) |")
-    print(header)
-    print("|" + " --- |" * (header.count("|") - 1))
+    compared = "unbatched" in measured
+    header = ["streams", "mode"] + (["unbatched tokens/s", "batched tokens/s", "batched / unbatched"] if compared
+                                    else ["output tokens/s"])
+    header += ["TTFT p50 (ms)", "ITL p50 (ms)", "acceptance", "vs target-only" + (" (batched)" if compared else "")]
+    rows = []
     batched = measured["batched"]
     for concurrency in args.concurrency:
         for mode in ("target-only", "speculative"):
             row = batched[(concurrency, mode)]
             ratio = row["tokens_per_s"] / batched[(concurrency, "target-only")]["tokens_per_s"]
-            if "unbatched" in measured:
+            throughput = [f"{row['tokens_per_s']:.1f}"]
+            if compared:
                 old = measured["unbatched"][(concurrency, mode)]["tokens_per_s"]
-                print(f"| {concurrency} | {mode} | {old:.1f} | {row['tokens_per_s']:.1f} | {row['tokens_per_s'] / old:.2f}x | "
-                      f"{row['ttft_ms']:.0f} | {row['itl_ms']:.1f} | {row['acceptance']:.2f} | {ratio:.2f}x |", flush=True)
-            else:
-                print(f"| {concurrency} | {mode} | {row['tokens_per_s']:.1f} | {row['ttft_ms']:.0f} | {row['itl_ms']:.1f} | "
-                      f"{row['acceptance']:.2f} | {ratio:.2f}x |", flush=True)
+                throughput = [f"{old:.1f}", throughput[0], f"{row['tokens_per_s'] / old:.2f}x"]
+            rows.append([concurrency, mode, *throughput, f"{row['ttft_ms']:.0f}", f"{row['itl_ms']:.1f}",
+                         f"{row['acceptance']:.2f}", f"{ratio:.2f}x"])
+    print(tabulate(rows, header, tablefmt="github", disable_numparse=True), flush=True)
 
 
 if __name__ == "__main__":

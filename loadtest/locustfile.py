@@ -31,7 +31,8 @@ import requests  # noqa: E402
 from locust import User, events, task  # noqa: E402
 
 from client.core import GenerationParams, ResultBuilder  # noqa: E402
-from client.sync import consume_grpc_response, grpc_inputs, http_error, parse_sse_line  # noqa: E402
+from client.core import classify_http_error  # noqa: E402
+from client.sync import consume_grpc_response, grpc_inputs, parse_sse_line  # noqa: E402
 from specdec import tensor_names as tn  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -223,7 +224,7 @@ class HttpStreamUser(_SpecdecMixin, User):
             with self.session.post(f"{self.host.rstrip('/')}/v2/models/{tn.ENSEMBLE}/generate_stream", json=body,
                                    stream=True, timeout=(10, 600)) as response:
                 if response.status_code != 200:
-                    raise http_error(response)
+                    raise classify_http_error(response.status_code, response.text)
                 for line in response.iter_lines(decode_unicode=True):
                     payload = parse_sse_line(line or "")
                     if payload is not None:

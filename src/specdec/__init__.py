@@ -1,17 +1,17 @@
 """specdec: speculative decoding served by NVIDIA Triton Inference Server.
 
-A draft model proposes K tokens, the target model verifies them in one forward pass and an
-accept/reject rule keeps exactly the target's output distribution (Leviathan et al. 2023,
-https://arxiv.org/abs/2211.17192; Chen et al. 2023, https://arxiv.org/abs/2302.01318).
+A draft proposes K tokens, the target model verifies them in one forward pass and an accept/reject rule
+keeps exactly the target's output distribution (Leviathan et al. 2023, https://arxiv.org/abs/2211.17192;
+Chen et al. 2023, https://arxiv.org/abs/2302.01318).
 
-Modules by role:
-  tensor_names       public tensor names and defaults shared by models, clients and tests
-  sampling           logits -> probabilities (temperature, top-k, top-p), sampling
-  rejection_sampler  the accept/reject rule, pure tensor functions
-  causal_lm          a Hugging Face causal LM with per-sequence KV caches and rollback
-  orchestrator       the propose -> verify -> accept loop (no Triton import)
-  bls                the loop's proposer/scorer over Triton BLS calls
-  pairs              building / converting the tiny and default model pairs
-  repository         rendering model_repository/ for a chosen pair
-  launcher           finding and starting tritonserver (``python -m specdec.launcher``)
+One subpackage per layer; imports point down only (each folder's docstring lists its modules):
+
+  serving/    launcher, model pairs, repository rendering, health check    (may import every layer below)
+  triton/     the Python-backend adapters behind model_repository/*/model.py, BLS proposer and scorer,
+              request parsing, metrics, cancellation                        (decoding, engine)
+  engine/     the model executor: per-sequence KV cache, packed forwards, kernels       (decoding.sampling)
+  decoding/   the pure algorithm: loop, rejection sampler, sampling, draft length, prompt lookup,
+              detokenization; no Triton, no model weights                  (nothing of ours)
+
+  tensor_names  the public tensor names, method names and defaults; every layer and the client read it
 """

@@ -1,4 +1,5 @@
-"""Public tensor names and defaults: the one place models, clients, load tests and tests read them.
+"""Public tensor names, names of things and defaults: the one place models, clients, load tests and tests
+read them. Every layer may import this module; it imports nothing.
 
 Names follow TensorRT-LLM's ensemble and vLLM's Triton backend so Triton LLM clients work unchanged.
 Dims exclude the batch dimension (every public model has max_batch_size > 0).
@@ -60,8 +61,17 @@ POSTPROCESSING = "postprocessing"
 DRAFT_MODEL_NAME = "draft_model"
 TARGET_MODEL_NAME = "target_model"
 
-# ---- defaults (overridable in speculative_decoding's config.pbtxt parameters) -------------------
+# ---- draft methods and weights --------------------------------------------------------------------
+NGRAM = "ngram"  # the built-in prompt-lookup draft (no model); any other draft name is a draft model
+DTYPE_NAMES = ("float32", "float16", "bfloat16", "float64")  # the models' `dtype` parameter
+
+# ---- request defaults (what a request that leaves an input out gets) ---------------------------------
+DEFAULT_TEMPERATURE = 0.0  # greedy
+DEFAULT_TOP_K = 0
+DEFAULT_TOP_P = 1.0
+# Overridable in speculative_decoding's config.pbtxt parameters (and the launcher's pair settings):
 DEFAULT_MAX_TOKENS = 64
 DEFAULT_NUM_DRAFT_TOKENS = 4
 DEFAULT_MAX_NUM_DRAFT_TOKENS = 16
 DEFAULT_MAX_MAX_TOKENS = 1024
+DEFAULT_MAX_CONTEXT_TOKENS = 2048

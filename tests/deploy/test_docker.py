@@ -16,8 +16,8 @@ import sys
 
 import yaml
 
-from specdec import launcher
-from specdec.pairs import REPO_ROOT
+from specdec.serving import launcher
+from specdec.serving.pairs import REPO_ROOT
 
 DOCKERFILE = REPO_ROOT / "docker" / "Dockerfile"
 COMPOSE = REPO_ROOT / "docker" / "compose.yaml"
@@ -64,13 +64,13 @@ def test_python_matches_the_tests_and_installs_the_setup_requirements():
 def test_runs_as_uid_1000_with_a_readiness_healthcheck():
     words = dict(instructions())
     assert words["USER"].split(":")[0] == "1000"
-    assert '"specdec.healthcheck"' in words["HEALTHCHECK"]
+    assert '"specdec.serving.healthcheck"' in words["HEALTHCHECK"]
 
 
 def test_container_command_is_one_the_launcher_accepts():
     entry = json.loads(dict(instructions())["ENTRYPOINT"])
     cmd = json.loads(dict(instructions())["CMD"])
-    assert entry[:3] == ["python", "-m", "specdec.launcher"]
+    assert entry[:3] == ["python", "-m", "specdec.serving.launcher"]
     args = launcher.parse_args(entry[3:] + cmd)
     assert args.triton_root == "/opt/tritonserver" and args.target == "/models/target" and args.device == "gpu"
     assert "--model-control-mode=none" in args.server_args
@@ -81,7 +81,7 @@ def test_compose_reserves_a_gpu_and_shared_memory():
     (device,) = service["deploy"]["resources"]["reservations"]["devices"]
     assert device["capabilities"] == ["gpu"] and device["count"] == 1
     assert service["shm_size"] and any(v.endswith(":/models:ro") for v in service["volumes"])
-    assert service["read_only"] is True and service["healthcheck"]["test"][-1] == "specdec.healthcheck"
+    assert service["read_only"] is True and service["healthcheck"]["test"][-1] == "specdec.serving.healthcheck"
     command = [re.sub(r"\$\{(\w+):-([^}]*)\}", r"\2", arg) for arg in service["command"]]
     args = launcher.parse_args(command)
     assert args.target == "/models/target" and args.draft == "/models/draft" and args.device == "gpu"

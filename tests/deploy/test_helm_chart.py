@@ -13,9 +13,9 @@ import yaml
 helm_python = pytest.importorskip("helm_python")
 from helm_python import Chart  # noqa: E402
 
-from specdec import launcher  # noqa: E402
-from specdec.pairs import REPO_ROOT, PairSpec  # noqa: E402
-from specdec.repository import render  # noqa: E402
+from specdec.serving import launcher  # noqa: E402
+from specdec.serving.pairs import REPO_ROOT, PairSpec  # noqa: E402
+from specdec.serving.repository import render  # noqa: E402
 
 CHART = REPO_ROOT / "helm" / "specdec-triton"
 # The newest Kubernetes the validator knows and the oldest the chart supports (Chart.yaml kubeVersion).

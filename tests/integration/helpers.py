@@ -3,15 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
 import queue
-import signal
-import socket
 import subprocess
-import sys
 import time
 import urllib.request
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -20,57 +15,10 @@ import tritonclient.grpc as grpcclient
 from client.sync import grpc_inputs
 
 from specdec import tensor_names as tn
+from specdec.serving import server as serving_server
+from specdec.serving.server import ServerProcess as Server
 
 READY_TIMEOUT_S = 300
-
-
-def free_ports(n: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(n)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
-
-
-@dataclass
-class Server:
-    http_port: int
-    grpc_port: int
-    metrics_port: int
-    run_dir: Path
-    log_path: Path
-    process: subprocess.Popen
-
-    @property
-    def grpc_url(self) -> str:
-        return f"localhost:{self.grpc_port}"
-
-    @property
-    def http_url(self) -> str:
-        return f"http://localhost:{self.http_port}"
-
-    def metrics(self) -> str:
-        with urllib.request.urlopen(f"http://localhost:{self.metrics_port}/metrics", timeout=10) as r:
-            return r.read().decode()
-
-    def metric(self, name: str, **labels) -> float:
-        """Sum of a Prometheus metric's samples whose labels include `labels`."""
-        total = 0.0
-        for line in self.metrics().splitlines():
-            if not line.startswith(name + "{") and not line.startswith(name + " "):
-                continue
-            if all(f'{k}="{v}"' in line for k, v in labels.items()):
-                total += float(line.rsplit(" ", 1)[1])
-        return total
-
-    def ready(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"{self.http_url}/v2/health/ready", timeout=5) as r:
-                return r.status == 200
-        except OSError:
-            return False
 
 
 def stub_processes(run_dir: Path) -> list[str]:
@@ -80,34 +28,19 @@ def stub_processes(run_dir: Path) -> list[str]:
 
 def start_server(tmp_dir: Path, pair: str = "tiny", repository: Path | None = None) -> Server:
     """A launcher-started tritonserver for a named pair, or for an already rendered repository."""
-    http, grpc, metrics = free_ports(3)
-    run_dir = tmp_dir / f"run-{pair}"
-    log_path = tmp_dir / f"tritonserver-{pair}.log"
-    env = dict(os.environ, PAIR=pair, HTTP_PORT=str(http), GRPC_PORT=str(grpc), METRICS_PORT=str(metrics))
-    log = open(log_path, "w")
     source = ["--model-repository", str(repository)] if repository else ["--pair", pair]
-    process = subprocess.Popen([sys.executable, "-m", "specdec.launcher", *source, "--run-dir", str(run_dir)],
-                               env=env, stdout=log, stderr=subprocess.STDOUT)
-    server = Server(http, grpc, metrics, run_dir, log_path, process)
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while not server.ready():
-        if process.poll() is not None or time.monotonic() > deadline:
-            process.kill()
-            tail = log_path.read_text()[-4000:]
-            pytest.fail(f"tritonserver ({pair}) did not become ready:\n{tail}")
-        time.sleep(0.5)
-    return server
+    try:
+        return serving_server.start(tmp_dir / f"run-{pair}", tmp_dir / f"tritonserver-{pair}.log", source,
+                                    ready_timeout_s=READY_TIMEOUT_S)
+    except serving_server.ServerStartError as exc:
+        pytest.fail(f"tritonserver ({pair}) did not become ready: {exc}")
 
 
 def busy(server: Server) -> dict[str, float]:
     """Models with pending requests and the orchestrator's live generations (empty when idle)."""
-    out = {}
-    for line in server.metrics().splitlines():
-        if line.startswith(("nv_inference_pending_request_count", "specdec_live_sequences")):
-            name, value = line.rsplit(" ", 1)
-            if float(value):
-                out[name] = float(value)
-    return out
+    text = server.metrics()
+    return {f"{name}{labels}": value for name in ("nv_inference_pending_request_count", "specdec_live_sequences")
+            for labels, value in serving_server.samples(text, name) if value}
 
 
 def stop_server(server: Server, require_clean_exit: bool = True) -> int:
@@ -117,8 +50,7 @@ def stop_server(server: Server, require_clean_exit: bool = True) -> int:
     while (pending := busy(server)) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not pending, f"requests still in flight 60 s after the last test: {pending}"
-    server.process.send_signal(signal.SIGTERM)
-    code = server.process.wait(timeout=90)
+    code = server.stop(timeout_s=90)
     deadline = time.monotonic() + 30
     while stub_processes(server.run_dir) and time.monotonic() < deadline:
         time.sleep(0.5)

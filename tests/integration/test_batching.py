@@ -73,7 +73,7 @@ def test_live_sequence_cap_queues_or_rejects(tmp_path, when_full):
     over the cap get UNAVAILABLE with a retry hint; never more than two generate at once."""
     import dataclasses
 
-    from specdec import pairs, repository
+    from specdec.serving import pairs, repository
 
     from .helpers import GenerationError, start_server, stop_server
 

@@ -9,7 +9,9 @@ import pytest
 from client import (AsyncClient, Client, GenerationParams, InvalidArgumentError, ModelNotReadyError,
                     ServerUnavailableError)
 
-from .helpers import free_ports, grpc_stream
+from specdec.serving.server import free_ports
+
+from .helpers import grpc_stream
 
 pytestmark = pytest.mark.integration
 

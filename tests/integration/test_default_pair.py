@@ -6,7 +6,7 @@ import json
 import pytest
 
 from specdec import tensor_names as tn
-from specdec.pairs import REPO_ROOT
+from specdec.serving.pairs import REPO_ROOT
 
 from .helpers import grpc_stream, start_server, stop_server
 

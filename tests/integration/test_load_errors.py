@@ -5,10 +5,10 @@ import subprocess
 
 import pytest
 
-from specdec import pairs, repository
-from specdec.launcher import server_command, server_env, triton_layout
+from specdec.serving import pairs, repository
+from specdec.serving.launcher import server_command, server_env, triton_layout
 
-from .helpers import free_ports
+from specdec.serving.server import free_ports
 
 pytestmark = pytest.mark.integration
 

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from specdec.causal_lm import load_causal_lm
-from specdec.config import ConfigError, ModelParameters
+from specdec.engine.executor import load_causal_lm
+from specdec.triton.config import ConfigError, ModelParameters
 
 
 def params(**values):

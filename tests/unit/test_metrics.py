@@ -1,6 +1,6 @@
 """The orchestrator's metrics: rounds are counted locally and sent in batches, with the same totals."""
 
-from specdec.metrics import OrchestratorMetrics
+from specdec.triton.metrics import OrchestratorMetrics
 
 
 class FakeMetric:

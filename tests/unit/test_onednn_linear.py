@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from specdec import onednn_linear
-from specdec.causal_lm import CausalLM, Step
+from specdec.engine import onednn_linear
+from specdec.engine.executor import CausalLM, Step
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from specdec.rejection_sampler import greedy_verify, rejection_sample
-from specdec.sampling import SamplingParams, logits_to_probs
+from specdec.decoding.rejection_sampler import greedy_verify, rejection_sample
+from specdec.decoding.sampling import SamplingParams, logits_to_probs
 
 
 def t(values):

@@ -1,8 +1,8 @@
 import re
 
 from specdec import tensor_names as tn
-from specdec.pairs import PairSpec
-from specdec.repository import SOURCE, render, set_parameter
+from specdec.serving.pairs import PairSpec
+from specdec.serving.repository import SOURCE, render, set_parameter
 
 
 def test_set_parameter_replaces_and_adds():
@@ -55,7 +55,7 @@ def test_ensemble_exposes_the_public_contract():
 def test_override_sets_one_models_parameter(tmp_path):
     import pytest
 
-    from specdec.repository import override
+    from specdec.serving.repository import override
 
     pair = PairSpec(name="t", target_path="/w/target", tokenizer_path="/w/target", draft_paths={"draft_model": "/w/d"})
     repo = render(pair, tmp_path / "repo")
@@ -65,3 +65,4 @@ def test_override_sets_one_models_parameter(tmp_path):
     for bad in ("target_model=1", "nosuchmodel.x=1", "target_model.x"):
         with pytest.raises(ValueError, match="MODEL.PARAMETER=VALUE"):
             override(repo, bad)
+

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from specdec.sampling import SamplingParams, logits_to_probs, make_generator, sample
+from specdec.decoding.sampling import SamplingParams, logits_to_probs, make_generator, sample
 
 
 def test_greedy_is_one_hot_on_argmax():

@@ -3,8 +3,8 @@
 import pytest
 from transformers import AutoTokenizer
 
-from specdec.pairs import smollm2_tokenizer_dir
-from specdec.text import REPLACEMENT_CHAR, TextEmitter, decode, decode_delta
+from specdec.serving.pairs import smollm2_tokenizer_dir
+from specdec.decoding.text import REPLACEMENT_CHAR, TextEmitter, decode, decode_delta
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 {{/*
 Triton model configurations for the pair in .Values: the committed config.pbtxt files in model_repository/
-with the chart's settings. tests/deploy checks that each one equals what `specdec.repository.render`
+with the chart's settings. tests/deploy checks that each one equals what `specdec.serving.repository.render`
 (the local launcher) writes for the same settings, so the two cannot drift apart.
 */}}
 
@@ -36,7 +36,7 @@ instance_group [ { count: 1, kind: KIND_GPU, gpus: [ {{ ternary $root.Values.gpu
 {{ include "specdec.instanceGroup" (list $root $role) }}
 {{- end -}}
 
-{{- define "specdec.config.preprocessing" -}}
+{{- define "specdec.triton.config.preprocessing" -}}
 name: "preprocessing"
 backend: "python"
 max_batch_size: 64
@@ -53,7 +53,7 @@ output [
 instance_group [ { count: 1, kind: KIND_CPU } ]
 {{- end -}}
 
-{{- define "specdec.config.postprocessing" -}}
+{{- define "specdec.triton.config.postprocessing" -}}
 name: "postprocessing"
 backend: "python"
 max_batch_size: 64
@@ -77,7 +77,7 @@ sequence_batching {
 }
 {{- end -}}
 
-{{- define "specdec.config.draft_model" -}}
+{{- define "specdec.triton.config.draft_model" -}}
 name: "draft_model"
 backend: "python"
 max_batch_size: 64
@@ -99,7 +99,7 @@ output [
 {{ include "specdec.lmParams" (list . "draft" .Values.models.draft.path) }}
 {{- end -}}
 
-{{- define "specdec.config.target_model" -}}
+{{- define "specdec.triton.config.target_model" -}}
 name: "target_model"
 backend: "python"
 max_batch_size: 64
@@ -118,7 +118,7 @@ output [
 {{ include "specdec.lmParams" (list . "target" .Values.models.target.path) }}
 {{- end -}}
 
-{{- define "specdec.config.speculative_decoding" -}}
+{{- define "specdec.triton.config.speculative_decoding" -}}
 {{- $s := .Values.speculation -}}
 name: "speculative_decoding"
 backend: "python"

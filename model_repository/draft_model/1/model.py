@@ -1,6 +1,6 @@
-"""Triton Python-backend entry point for `draft_model`: a thin adapter over specdec.triton_lm.DraftModel."""
+"""Triton Python-backend entry point for `draft_model`: a thin adapter over specdec.triton.language_models.DraftModel."""
 
-from specdec.triton_lm import DraftModel
+from specdec.triton.language_models import DraftModel
 
 
 class TritonPythonModel(DraftModel):

@@ -1,6 +1,6 @@
-"""Triton Python-backend entry point for `postprocessing`: a thin adapter over specdec.triton_text.PostprocessingAdapter."""
+"""Triton Python-backend entry point for `postprocessing`: a thin adapter over specdec.triton.text_models.PostprocessingAdapter."""
 
-from specdec.triton_text import PostprocessingAdapter
+from specdec.triton.text_models import PostprocessingAdapter
 
 
 class TritonPythonModel(PostprocessingAdapter):

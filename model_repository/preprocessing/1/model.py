@@ -1,6 +1,6 @@
-"""Triton Python-backend entry point for `preprocessing`: a thin adapter over specdec.triton_text.PreprocessingAdapter."""
+"""Triton Python-backend entry point for `preprocessing`: a thin adapter over specdec.triton.text_models.PreprocessingAdapter."""
 
-from specdec.triton_text import PreprocessingAdapter
+from specdec.triton.text_models import PreprocessingAdapter
 
 
 class TritonPythonModel(PreprocessingAdapter):

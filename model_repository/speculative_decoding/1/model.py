@@ -1,6 +1,6 @@
-"""Triton Python-backend entry point for `speculative_decoding`: a thin adapter over specdec.triton_orchestrator.SpeculativeDecodingAdapter."""
+"""Triton Python-backend entry point for `speculative_decoding`: a thin adapter over specdec.triton.orchestrator.SpeculativeDecodingAdapter."""
 
-from specdec.triton_orchestrator import SpeculativeDecodingAdapter
+from specdec.triton.orchestrator import SpeculativeDecodingAdapter
 
 
 class TritonPythonModel(SpeculativeDecodingAdapter):

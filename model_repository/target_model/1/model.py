@@ -1,6 +1,6 @@
-"""Triton Python-backend entry point for `target_model`: a thin adapter over specdec.triton_lm.TargetModel."""
+"""Triton Python-backend entry point for `target_model`: a thin adapter over specdec.triton.language_models.TargetModel."""
 
-from specdec.triton_lm import TargetModel
+from specdec.triton.language_models import TargetModel
 
 
 class TritonPythonModel(TargetModel):

@@ -1,23 +1,67 @@
-"""Prometheus metrics of the orchestrator, on Triton's metrics port (pb_utils.MetricFamily).
+"""Every Prometheus metric the project defines, on Triton's metrics port (pb_utils.MetricFamily):
+the orchestrator's (`OrchestratorMetrics`) and draft_model's / target_model's (`ModelMetrics`).
 
 Every metric is documented in the README's Metrics section. The families are kept alive for as long as
-their metrics: Triton refuses to update a metric whose family was garbage-collected.
+their metrics: Triton refuses to update a metric whose family was garbage-collected. Each update is an
+IPC round trip from the Python-backend stub to the server, so both classes batch them.
 """
 
 from __future__ import annotations
 
+import time
+
 LATENCY_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0]
+
+
+class _Families:
+    """Creates metric families and keeps them alive."""
+
+    def __init__(self, pb_utils):
+        self.kinds = pb_utils.MetricFamily
+        self.families = []
+
+    def __call__(self, name: str, description: str, kind):
+        family = self.kinds(name=name, description=description, kind=kind)
+        self.families.append(family)
+        return family
+
+
+class ModelMetrics:
+    """draft_model's and target_model's metrics, labelled with the model's name."""
+
+    def __init__(self, pb_utils, model_name: str):
+        make = self._make = _Families(pb_utils)
+        kinds = make.kinds
+        labels = {"model": model_name}
+        self.tokens = make("specdec_model_tokens_processed_total",
+                           "Tokens run through the model's forward pass (prompt, catch-up, draft and verify tokens)",
+                           kinds.COUNTER).Metric(labels=labels)
+        self.live = make("specdec_model_live_sequences", "Sequences whose KV cache the model currently holds",
+                         kinds.GAUGE).Metric(labels=labels)
+        self.kv_bytes = make("specdec_model_kv_cache_bytes",
+                             "Bytes allocated for the model's KV caches (per-sequence buffers, grown by doubling)",
+                             kinds.GAUGE).Metric(labels=labels)
+        self._tokens, self._at = 0, 0.0
+        self._gauges: dict[str, float | None] = {"live": None, "kv": None}
+
+    def report(self, tokens_processed: int, live_sequences: int, kv_bytes: int, flush: bool) -> None:
+        """Set the gauges only when they changed, and add to the token counter at most twice a second or
+        when a sequence ends (flush): this runs on every execute."""
+        now = time.monotonic()
+        pending = tokens_processed - self._tokens
+        if pending and (flush or now - self._at >= 0.5):
+            self.tokens.increment(pending)
+            self._tokens, self._at = tokens_processed, now
+        for key, metric, value in (("live", self.live, live_sequences), ("kv", self.kv_bytes, kv_bytes)):
+            if value != self._gauges[key]:
+                metric.set(value)
+                self._gauges[key] = value
 
 
 class OrchestratorMetrics:
     def __init__(self, pb_utils, max_num_draft_tokens: int):
-        family = pb_utils.MetricFamily
-        self._families = []
-
-        def make(name, description, kind):
-            f = family(name=name, description=description, kind=kind)
-            self._families.append(f)
-            return f
+        make = self._make = _Families(pb_utils)
+        family = make.kinds
 
         self.drafted = make("specdec_draft_tokens_total", "Draft tokens sent to verification",
                             family.COUNTER).Metric(labels={})

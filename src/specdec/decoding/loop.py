@@ -10,9 +10,9 @@ rejection rolls back by keeping fewer, and nothing already cached is sent again.
             verdict: n accepted, next token y  ->  tokens += x_1..x_n, y
             valid prefixes: target L + n, draft L + min(n, K - 1)
 
-num_draft_tokens = 0 runs target-only decoding through the same path (the benchmark baseline). With a
-DraftLengthPolicy, num_draft_tokens is the maximum and the policy picks each round's k from the
-acceptance so far and the measured costs (it may pick 0: a target-only round); the loop times every
+The DraftLengthPolicy owns K: fixed, it drafts K every round (K = 0 is target-only decoding through the
+same path, the benchmark baseline); adaptive, K is the maximum and it picks each round's k from the
+acceptance so far and the measured costs (it may pick 0: a target-only round). The loop times every
 call for it.
 """
 
@@ -20,42 +20,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Protocol
+from typing import AsyncIterator
 
 import torch
 
 from specdec import tensor_names as tn
-from specdec.rejection_sampler import Verdict, greedy_verify, rejection_sample
-from specdec.sampling import SamplingParams, logits_to_probs, make_generator
-from specdec.speculation_policy import DraftLengthPolicy
-
-
-@dataclass(frozen=True)
-class Proposal:
-    tokens: list[int]  # up to K draft tokens (a proposer may offer fewer, or none)
-    probs: torch.Tensor | None  # (len(tokens), V) processed draft distributions; None for greedy
-    cached_length: int = 0  # tokens the proposer's cache holds after the call (its valid prefix)
-
-
-@dataclass(frozen=True)
-class Scores:
-    greedy_tokens: torch.Tensor  # (K+1,) target argmax at each verified position
-    logits: torch.Tensor | None  # (K+1, V) target logits; requested only when sampling
-    forward: tuple[int, int, float] | None = None  # the batched forward it ran in: rows, sequences, seconds
-
-
-class Proposer(Protocol):
-    async def propose(self, seq_id: int, keep: int, new_ids: list[int], k: int,
-                      params: SamplingParams, round_seed: int) -> Proposal: ...
-
-    async def release(self, seq_id: int) -> None: ...
-
-
-class Scorer(Protocol):
-    async def score(self, seq_id: int, keep: int, new_ids: list[int], num_positions: int,
-                    want_logits: bool) -> Scores: ...
-
-    async def release(self, seq_id: int) -> None: ...
+from specdec.decoding.draft_length import DraftLengthPolicy
+from specdec.decoding.interfaces import Proposal, Proposer, Scorer, Scores
+from specdec.decoding.rejection_sampler import Verdict, greedy_verify, rejection_sample
+from specdec.decoding.sampling import SamplingParams, logits_to_probs, make_generator, pad_vocab
 
 
 @dataclass(frozen=True)
@@ -63,7 +36,6 @@ class GenerationRequest:
     seq_id: int  # unique per live request: keys both models' KV caches
     prompt_ids: list[int]
     max_tokens: int
-    num_draft_tokens: int  # K; 0 = target-only
     sampling: SamplingParams = SamplingParams()
     end_ids: frozenset[int] = frozenset()  # generation stops at (and drops) any of these
 
@@ -93,8 +65,8 @@ class RoundOutput:
     finish_reason: str | None  # set on the last round
 
 
-async def generate(req: GenerationRequest, proposer: Proposer, scorer: Scorer, stats: Stats | None = None,
-                   policy: DraftLengthPolicy | None = None) -> AsyncIterator[RoundOutput]:
+async def generate(req: GenerationRequest, proposer: Proposer, scorer: Scorer, policy: DraftLengthPolicy,
+                   stats: Stats | None = None) -> AsyncIterator[RoundOutput]:
     """Yield one RoundOutput per verify round until a stop condition; caches are released at the end,
     also when the consumer stops early (cancellation) or a call fails."""
     stats = stats if stats is not None else Stats()
@@ -107,35 +79,32 @@ async def generate(req: GenerationRequest, proposer: Proposer, scorer: Scorer, s
     try:
         while True:
             # Never draft past max_tokens: the bonus token always fills the last slot.
-            wanted = policy.next_k() if policy else req.num_draft_tokens
-            k = max(0, min(wanted, req.max_tokens - generated - 1))
-            proposal = shadow = Proposal([], None)
+            k = max(0, min(policy.next_k(), req.max_tokens - generated - 1))
+            proposal = shadow = Proposal([], None, draft_valid)
             if k > 0:
                 round_seed = int(torch.randint(0, 2**62, (1,), generator=generator)) if generator else 0
                 started = time.perf_counter()
                 proposal = await proposer.propose(req.seq_id, draft_valid, tokens[draft_valid:], k,
                                                   req.sampling, round_seed)
-                if policy:
-                    policy.observe_draft(k, time.perf_counter() - started)
+                policy.observe_draft(k, time.perf_counter() - started)
                 draft_valid = proposal.cached_length
                 drafted_ever = True
                 k = len(proposal.tokens)  # no proposal (an n-gram miss) = a plain target-only round
-            elif policy and policy.shadow:  # a free proposer paused: propose, but only to check it
+            elif policy.shadow:  # a free proposer paused: propose, but only to check it
                 shadow = await proposer.propose(req.seq_id, draft_valid, tokens[draft_valid:], 1, req.sampling, 0)
                 draft_valid = shadow.cached_length
                 drafted_ever = True
             new_ids = tokens[target_valid:] + proposal.tokens
             started = time.perf_counter()
             scores = await scorer.score(req.seq_id, target_valid, new_ids, k + 1, want_logits=not req.sampling.greedy)
-            if policy and len(new_ids) == k + 1:  # a plain round (no prompt prefill or catch-up)
+            if len(new_ids) == k + 1:  # a plain round (no prompt prefill or catch-up)
                 policy.observe_verify(k + 1, time.perf_counter() - started)
-            if policy and scores.forward:
-                policy.observe_forward(*scores.forward)
+            if scores.forward:
+                policy.observe_forward(scores.forward)
             verdict = _verify(proposal, scores, req.sampling, generator)
-            if policy:
-                policy.update(k, verdict.num_accepted)
-                if shadow.tokens:  # would its first token have been accepted? (greedy: the target's token)
-                    policy.update(1, int(shadow.tokens[0] == verdict.next_token))
+            policy.update(k, verdict.num_accepted)
+            if shadow.tokens:  # would its first token have been accepted? (greedy: the target's token)
+                policy.update(1, int(shadow.tokens[0] == verdict.next_token))
 
             new = proposal.tokens[:verdict.num_accepted] + [verdict.next_token]
             target_valid = len(tokens) + verdict.num_accepted
@@ -162,9 +131,16 @@ def _verify(proposal: Proposal, scores: Scores, params: SamplingParams,
         return greedy_verify(draft, scores.greedy_tokens.long())
     target_probs = logits_to_probs(scores.logits, params)
     k = len(proposal.tokens)
-    draft_probs = proposal.probs if proposal.probs is not None else torch.zeros(0, target_probs.shape[-1])
+    if proposal.probs is None:
+        # A deterministic draft (prompt lookup) is the one-hot distribution on its tokens: rejection
+        # sampling then accepts with probability p_target(x) and resamples from the target without x.
+        draft_probs = torch.nn.functional.one_hot(draft, target_probs.shape[-1]).float()
+    else:
+        draft_probs = proposal.probs
+    # The two models' logits may be of different widths (padded vocabularies): compare them as one.
+    width = max(target_probs.shape[-1], draft_probs.shape[-1])
     uniforms = torch.rand(k, generator=generator)
-    return rejection_sample(draft, draft_probs, target_probs, uniforms, generator)
+    return rejection_sample(draft, pad_vocab(draft_probs, width), pad_vocab(target_probs, width), uniforms, generator)
 
 
 def _record(stats: Stats, k: int, accepted: int) -> None:

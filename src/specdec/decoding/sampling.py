@@ -11,12 +11,14 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec import tensor_names as tn
+
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 0.0  # 0 = greedy (argmax); > 0 = sample from softmax(logits / temperature)
-    top_k: int = 0  # keep the k most likely tokens; 0 = off
-    top_p: float = 1.0  # keep the smallest set whose mass reaches top_p; 1 = off
+    temperature: float = tn.DEFAULT_TEMPERATURE  # 0 = greedy (argmax); > 0 = sample from softmax(logits / T)
+    top_k: int = tn.DEFAULT_TOP_K  # keep the k most likely tokens; 0 = off
+    top_p: float = tn.DEFAULT_TOP_P  # keep the smallest set whose mass reaches top_p; 1 = off
     seed: int | None = None  # makes a sampled request reproducible
 
     @property
@@ -49,15 +51,27 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     return logits.softmax(-1)
 
 
+def pad_vocab(probs: torch.Tensor, width: int) -> torch.Tensor:
+    """probs (..., V) widened to (..., width) with zero mass on the new ids (V <= width).
+
+    Models pad their vocabularies differently (to a multiple of 64 or 128, say) past the tokenizer's
+    ids; an id a model cannot produce has probability 0 under it, so comparing distributions of
+    different widths means padding the narrower one with zeros."""
+    if probs.shape[-1] == width:
+        return probs
+    return torch.nn.functional.pad(probs, (0, width - probs.shape[-1]))
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """One token per distribution. probs: (..., V). Returns (...) int64."""
     flat = probs.reshape(-1, probs.shape[-1])
     return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
 
 
-def make_generator(seed: int | None) -> torch.Generator:
-    """A CPU generator seeded from the request's seed, or from fresh entropy when it has none."""
-    generator = torch.Generator()
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
+    """A generator on `device` (where the probabilities it samples live: a CUDA tensor needs a CUDA
+    generator), seeded from the request's seed, or from fresh entropy when it has none."""
+    generator = torch.Generator(device=device)
     if seed is None:
         generator.seed()
     else:

@@ -11,15 +11,20 @@ from __future__ import annotations
 
 
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from specdec import onednn_linear
 from specdec import tensor_names as tn
-from specdec.causal_lm import CacheError, CausalLM, Step, load_causal_lm
-from specdec.config import ModelParameters
-from specdec.sampling import SamplingParams, make_generator
+from specdec.decoding.interfaces import ForwardStats
+from specdec.decoding.sampling import SamplingParams, make_generator
+from specdec.decoding.text import load_tokenizer, vocabulary_mismatch
+from specdec.engine import onednn_linear
+from specdec.engine.executor import CacheError, CausalLM, Step, load_causal_lm
+from specdec.triton.adapter import TritonAdapter
+from specdec.triton.config import ConfigError, ModelParameters
+from specdec.triton.metrics import ModelMetrics
 
 
 def _scalar(pb_utils, request, name, default=None):
@@ -29,14 +34,15 @@ def _scalar(pb_utils, request, name, default=None):
     return tensor.as_numpy().reshape(-1)[0].item()
 
 
-class LanguageModelAdapter:
-    """Shared initialize / execute plumbing; subclasses implement `_step`."""
+def host(tensor: torch.Tensor) -> np.ndarray:
+    """A tensor's values in host memory, wherever it lives: the one way tensors become numpy here."""
+    return tensor.detach().cpu().numpy()
 
-    def initialize(self, args):
-        import triton_python_backend_utils as pb_utils
 
-        self.pb = pb_utils
-        params = ModelParameters(args["model_config"])
+class LanguageModelAdapter(TritonAdapter):
+    """Shared load / execute plumbing; subclasses say what a step is and how it is answered."""
+
+    def load(self, params: ModelParameters, args: dict) -> None:
         self.name = params.model_name
         device = params.str("device", "cpu")
         # "cuda" (or "cpu" under a GPU instance group) means the GPU Triton gave this instance.
@@ -45,7 +51,7 @@ class LanguageModelAdapter:
         model = load_causal_lm(
             params.str("model_path"),
             device=device,
-            dtype=params.str("dtype", "float32", choices=("float32", "float16", "bfloat16", "float64")),
+            dtype=params.str("dtype", "float32", choices=tn.DTYPE_NAMES),
             device_map=params.str("device_map", ""),
             linear_kernels=params.str("linear_kernels", "auto", choices=onednn_linear.KINDS),
         )
@@ -62,24 +68,7 @@ class LanguageModelAdapter:
             min_forward_rows=params.int("min_forward_rows", 4 if model.device.type == "cpu" and not prepacked else 1,
                                         low=1),
         )
-        # The families must outlive their metrics: keep references to both.
-        self.metric_families = [
-            pb_utils.MetricFamily(
-                name="specdec_model_tokens_processed_total",
-                description="Tokens run through the model's forward pass (prompt, catch-up, draft and verify tokens)",
-                kind=pb_utils.MetricFamily.COUNTER),
-            pb_utils.MetricFamily(
-                name="specdec_model_live_sequences",
-                description="Sequences whose KV cache the model currently holds",
-                kind=pb_utils.MetricFamily.GAUGE),
-            pb_utils.MetricFamily(
-                name="specdec_model_kv_cache_bytes",
-                description="Bytes allocated for the model's KV caches (per-sequence buffers, grown by doubling)",
-                kind=pb_utils.MetricFamily.GAUGE),
-        ]
-        self.tokens_metric, self.live_metric, self.kv_metric = (
-            f.Metric(labels={"model": self.name}) for f in self.metric_families)
-        self._reported = {"tokens": 0, "live": None, "kv": None, "at": 0.0}
+        self.metrics = ModelMetrics(self.pb, self.name)
 
     def execute(self, requests):
         """All pending steps (of different sequences: the sequence batcher sends one step per sequence
@@ -111,27 +100,15 @@ class LanguageModelAdapter:
                 except Exception as exc:  # noqa: BLE001 - the batch fails, the server keeps serving
                     results += [RuntimeError(f"{type(exc).__name__}: {exc}")] * len(group)
                 # What this forward cost, for the orchestrator's cost model: rows, sequences, seconds.
-                forward = (sum(len(step.new_ids) for step in group), len(group), time.perf_counter() - started)
+                forward = ForwardStats(sum(len(step.new_ids) for step in group), len(group),
+                                       time.perf_counter() - started)
                 forwards += [forward] * len(group)
             for i, step, result, forward in zip(owners, steps, results, forwards):
                 responses[i] = self._error(result) if isinstance(result, Exception) else \
                     self._respond(requests[i], step, result, forward)
-        self._report_metrics(flush=released)
+        self.metrics.report(self.lm.tokens_processed, len(self.lm.sequences), self.lm.kv_bytes_allocated,
+                            flush=released)
         return responses
-
-    def _report_metrics(self, flush: bool) -> None:
-        """Update the metrics only when they changed, and the token counter at most twice a second or
-        when a sequence ends: each update is an IPC round trip to the server, paid per execute."""
-        reported, now = self._reported, time.monotonic()
-        pending = self.lm.tokens_processed - reported["tokens"]
-        if pending and (flush or now - reported["at"] >= 0.5):
-            self.tokens_metric.increment(pending)
-            reported["tokens"], reported["at"] = self.lm.tokens_processed, now
-        for key, metric, value in (("live", self.live_metric, len(self.lm.sequences)),
-                                   ("kv", self.kv_metric, self.lm.kv_bytes_allocated)):
-            if value != reported[key]:
-                metric.set(value)
-                reported[key] = value
 
     def _error(self, exc: Exception):
         return self.pb.InferenceResponse(error=self.pb.TritonError(f"{self.name}: {exc}"))
@@ -149,7 +126,7 @@ class LanguageModelAdapter:
     def _run(self, steps: list[Step]) -> list:
         raise NotImplementedError
 
-    def _respond(self, request, step: Step, result, forward: tuple[int, int, float]):
+    def _respond(self, request, step: Step, result, forward: ForwardStats):
         raise NotImplementedError
 
     def finalize(self):
@@ -165,16 +142,28 @@ class TargetModel(LanguageModelAdapter):
 
     def _respond(self, request, step, logits, forward):
         pb = self.pb
-        outputs = [pb.Tensor(tn.GREEDY_TOKENS, logits.argmax(-1).to(torch.int32).cpu().numpy()[None])]
+        outputs = [pb.Tensor(tn.GREEDY_TOKENS, host(logits.argmax(-1).to(torch.int32))[None])]
         requested = set(request.requested_output_names())
         if tn.LOGITS in requested:
-            outputs.append(pb.Tensor(tn.LOGITS, logits.float().cpu().numpy()[None]))
+            outputs.append(pb.Tensor(tn.LOGITS, host(logits.float())[None]))
         if tn.FORWARD_STATS in requested:
             outputs.append(pb.Tensor(tn.FORWARD_STATS, np.asarray([forward], dtype=np.float32)))
         return pb.InferenceResponse(output_tensors=outputs)
 
 
 class DraftModel(LanguageModelAdapter):
+    def load(self, params: ModelParameters, args: dict) -> None:
+        # Refuse, before the weights load, a draft that numbers tokens differently from the target.
+        target_tokenizer = params.str("target_tokenizer_path", "")
+        model_path = Path(params.str("model_path"))
+        has_tokenizer = model_path.suffix == ".gguf" or (model_path / "tokenizer_config.json").exists()
+        if target_tokenizer and has_tokenizer:
+            problem = vocabulary_mismatch(load_tokenizer(str(model_path)), load_tokenizer(target_tokenizer))
+            if problem:
+                raise ConfigError(f"{params.model_name}: the draft's tokenizer ({model_path}) differs from the "
+                                  f"target's ({target_tokenizer}): {problem}; a draft must share the target's vocabulary")
+        super().load(params, args)
+
     def _step_options(self, request):
         pb = self.pb
         params = SamplingParams(
@@ -184,7 +173,7 @@ class DraftModel(LanguageModelAdapter):
         )
         seed = _scalar(pb, request, tn.SEED, None)
         return {"k": int(_scalar(pb, request, tn.NUM_DRAFT_TOKENS, 1)), "params": params,
-                "generator": None if params.greedy else make_generator(seed)}
+                "generator": None if params.greedy else make_generator(seed, self.lm.logits_device)}
 
     def _run(self, steps):
         return self.lm.propose_many(steps)
@@ -196,5 +185,5 @@ class DraftModel(LanguageModelAdapter):
         if tn.DRAFT_PROBS in set(request.requested_output_names()):
             if probs is None:
                 probs = torch.zeros(0, self.lm.vocab_size)
-            outputs.append(pb.Tensor(tn.DRAFT_PROBS, probs.float().numpy()[None]))
+            outputs.append(pb.Tensor(tn.DRAFT_PROBS, host(probs.float())[None]))
         return pb.InferenceResponse(output_tensors=outputs)

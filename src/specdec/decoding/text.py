@@ -5,6 +5,11 @@ preceding tokens as context. A chunk whose text would end inside a multi-byte ch
 CJK character split over byte-level tokens decodes to U+FFFD) is held back until the character is
 complete, so concatenated stream deltas equal the non-streamed text exactly. Stop words are matched on
 text, across rounds, by the same emitter.
+
+Why not `tokenizers.decoders.DecodeStream`: it holds back incomplete characters too, but it is a state
+machine stepped token by token inside one process, while here the orchestrator decides what to send and
+the stateless postprocessing model decodes it from ids plus a few context tokens; and stop words need
+to hold back text that is complete but may begin a stop word, which it does not do.
 """
 
 from __future__ import annotations
@@ -26,6 +31,20 @@ def load_tokenizer(path: str):
     if p.is_file():
         return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
     return AutoTokenizer.from_pretrained(str(p))
+
+
+def vocabulary_mismatch(draft_tokenizer, target_tokenizer) -> str | None:
+    """What differs between two tokenizers' vocabularies (None when they map every token to the same id).
+
+    Speculative decoding compares the two models' distributions id by id: a draft that numbers tokens
+    differently proposes ids that mean something else to the target."""
+    draft, target = draft_tokenizer.get_vocab(), target_tokenizer.get_vocab()
+    if draft == target:
+        return None
+    differ = sorted(token for token in draft.keys() | target.keys() if draft.get(token) != target.get(token))
+    example = differ[0]
+    return (f"{len(draft)} vs {len(target)} tokens, {len(differ)} mapped differently "
+            f"(e.g. {example!r}: id {draft.get(example)} in the draft, {target.get(example)} in the target)")
 
 
 def decode(tokenizer, ids: list[int]) -> str:

@@ -12,8 +12,8 @@ import numpy as np
 import torch
 
 from specdec import tensor_names as tn
-from specdec.orchestrator import Proposal, Scores
-from specdec.sampling import SamplingParams
+from specdec.decoding.interfaces import ForwardStats, Proposal, Scores
+from specdec.decoding.sampling import SamplingParams
 
 
 class BlsError(RuntimeError):
@@ -90,4 +90,4 @@ class BlsScorer(_SequenceModel):
         logits = torch.from_numpy(result[tn.LOGITS][0].copy()) if want_logits else None
         rows, sequences, seconds = result[tn.FORWARD_STATS][0].tolist()
         return Scores(torch.from_numpy(result[tn.GREEDY_TOKENS][0].astype(np.int64)), logits,
-                      forward=(int(rows), int(sequences), float(seconds)))
+                      forward=ForwardStats(int(rows), int(sequences), float(seconds)))

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from specdec.causal_lm import CacheError, CausalLM
-from specdec.sampling import SamplingParams, make_generator
+from specdec.engine.executor import CacheError, CausalLM
+from specdec.decoding.sampling import SamplingParams, make_generator
 
 
 def full_logits(model, ids):
@@ -104,7 +104,7 @@ def test_release_and_idle_eviction(tiny_lm):
 def test_batched_extend_equals_each_sequences_own_forward(tiny_lm):
     """Different cache lengths, different numbers of new tokens, a new sequence and a rollback, in one
     padded forward: every row's logits and resulting cache equal a fresh forward of that sequence."""
-    from specdec.causal_lm import Step
+    from specdec.engine.executor import Step
 
     lm = CausalLM(tiny_lm)
     lm.extend(1, 0, [5, 17, 3, 88, 41, 2, 9], 1)
@@ -135,7 +135,7 @@ def test_batched_extend_equals_each_sequences_own_forward(tiny_lm):
 
 
 def test_batched_step_errors_stay_with_their_step(tiny_lm):
-    from specdec.causal_lm import Step
+    from specdec.engine.executor import Step
 
     lm = CausalLM(tiny_lm)
     lm.extend(1, 0, [1, 2, 3], 1)
@@ -147,7 +147,7 @@ def test_batched_step_errors_stay_with_their_step(tiny_lm):
 
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
 def test_batched_propose_equals_one_by_one(tiny_lm, temperature):
-    from specdec.causal_lm import Step
+    from specdec.engine.executor import Step
 
     params = SamplingParams(temperature=temperature)
     solo, batched = CausalLM(tiny_lm), CausalLM(tiny_lm)
@@ -169,7 +169,7 @@ def test_batched_propose_equals_one_by_one(tiny_lm, temperature):
 def test_padding_to_min_forward_rows_changes_nothing_but_the_shape(tiny_lm):
     """min_forward_rows=4 pads a 2-token verify of one sequence and a 3-sequence step to 4 rows; the
     logits and caches are those of the unpadded forwards."""
-    from specdec.causal_lm import Step
+    from specdec.engine.executor import Step
 
     lm = CausalLM(tiny_lm, min_forward_rows=4)
     lm.extend(1, 0, [5, 17, 3], 1)
@@ -210,7 +210,7 @@ def test_sliding_window_attention_matches_transformers():
     """A model with a sliding window (Mistral) computes the window's mask per row like transformers does."""
     from transformers import MistralConfig, MistralForCausalLM
 
-    from specdec.causal_lm import Step
+    from specdec.engine.executor import Step
 
     torch.manual_seed(1)
     model = MistralForCausalLM(MistralConfig(

@@ -1,4 +1,4 @@
-"""Start a real tritonserver on our model repository: `python -m specdec.launcher` (what `make serve` runs).
+"""Start a real tritonserver on our model repository: `python -m specdec.serving.launcher` (what `make serve` runs).
 
 It finds the server binary (the one shipped in the `nvidia-pytriton` wheel, or an installed Triton given
 by --triton-root, e.g. /opt/tritonserver in NVIDIA's image), assembles a backend directory with the
@@ -25,12 +25,13 @@ import subprocess
 import sys
 import sysconfig
 import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from specdec import pairs, repository
-from specdec.pairs import log
+from specdec import tensor_names as tn
+from specdec.serving import pairs, repository
+from specdec.serving.healthcheck import is_ready
+from specdec.serving.pairs import log
 
 
 @dataclass(frozen=True)
@@ -88,18 +89,13 @@ def server_command(layout: ServerLayout, repo: Path, http: int, grpc: int, metri
 
 
 def wait_ready(http_port: int, process: subprocess.Popen, timeout_s: float) -> None:
-    url = f"http://127.0.0.1:{http_port}/v2/health/ready"
     deadline = time.monotonic() + timeout_s
     last_note = 0.0
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"tritonserver exited with code {process.returncode} before it was ready")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            pass
+        if is_ready(http_port, timeout_s=2):
+            return
         if time.monotonic() - last_note > 10:
             log("models loading ...")
             last_note = time.monotonic()
@@ -132,17 +128,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--pair", default=os.environ.get("PAIR", "default"), choices=sorted(pairs.PAIRS))
     custom = parser.add_argument_group("a pair given by paths (instead of --pair)")
     custom.add_argument("--target", help="target model: HF directory or .gguf file")
-    custom.add_argument("--draft", default="ngram", help='draft model path, or "ngram" for prompt lookup')
+    custom.add_argument("--draft", default=tn.NGRAM, help=f'draft model path, or "{tn.NGRAM}" for prompt lookup')
     custom.add_argument("--tokenizer", default="", help="tokenizer directory (default: the target's)")
-    custom.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
+    custom.add_argument("--dtype", default="float32", choices=tn.DTYPE_NAMES)
     custom.add_argument("--device", default="cpu", choices=("cpu", "gpu"))
     custom.add_argument("--target-gpu", type=int, default=0)
     custom.add_argument("--spread-target", action="store_true",
                         help="spread the target over every visible GPU (transformers device_map=auto)")
     custom.add_argument("--draft-gpu", type=int, default=0)
-    custom.add_argument("--num-draft-tokens", type=int, default=4, help="default draft length per request")
-    custom.add_argument("--max-num-draft-tokens", type=int, default=16)
-    custom.add_argument("--max-context-tokens", type=int, default=2048)
+    custom.add_argument("--num-draft-tokens", type=int, default=tn.DEFAULT_NUM_DRAFT_TOKENS, help="default draft length per request")
+    custom.add_argument("--max-num-draft-tokens", type=int, default=tn.DEFAULT_MAX_NUM_DRAFT_TOKENS)
+    custom.add_argument("--max-context-tokens", type=int, default=tn.DEFAULT_MAX_CONTEXT_TOKENS)
     custom.add_argument("--chat-template", action="store_true", help="apply the tokenizer's chat template")
     parser.add_argument("--set", action="append", default=[], metavar="MODEL.PARAMETER=VALUE",
                         help="override a config.pbtxt parameter of the rendered repository (repeatable), "

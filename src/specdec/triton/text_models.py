@@ -5,17 +5,14 @@ from __future__ import annotations
 import numpy as np
 
 from specdec import tensor_names as tn
-from specdec.cancellation import CancellationBoard
-from specdec.config import ModelParameters
-from specdec.text import decode_delta, load_tokenizer
+from specdec.decoding.text import decode_delta, load_tokenizer
+from specdec.triton.adapter import TritonAdapter
+from specdec.triton.cancellation import CancellationBoard
+from specdec.triton.config import ModelParameters
 
 
-class PreprocessingAdapter:
-    def initialize(self, args):
-        import triton_python_backend_utils as pb_utils
-
-        self.pb = pb_utils
-        params = ModelParameters(args["model_config"])
+class PreprocessingAdapter(TritonAdapter):
+    def load(self, params: ModelParameters, args: dict) -> None:
         self.tokenizer = load_tokenizer(params.str("tokenizer_path"))
         self.chat_template_default = params.bool("apply_chat_template", False)
         if self.chat_template_default and not self.tokenizer.chat_template:
@@ -57,12 +54,9 @@ class PreprocessingAdapter:
         return self.tokenizer.encode(text, add_special_tokens=True)
 
 
-class PostprocessingAdapter:
-    def initialize(self, args):
-        import triton_python_backend_utils as pb_utils
-
-        self.pb = pb_utils
-        self.tokenizer = load_tokenizer(ModelParameters(args["model_config"]).str("tokenizer_path"))
+class PostprocessingAdapter(TritonAdapter):
+    def load(self, params: ModelParameters, args: dict) -> None:
+        self.tokenizer = load_tokenizer(params.str("tokenizer_path"))
         self.cancellations = CancellationBoard()
 
     def execute(self, requests):

@@ -33,10 +33,11 @@ class SequenceKV:
     """One sequence's cache: per layer keys and values (kv_heads, capacity, head_dim); the first
     `length` positions are valid."""
 
-    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+    def __init__(self, devices: list[torch.device], kv_heads: int, head_dim: int, dtype: torch.dtype,
                  capacity: int = 64, max_capacity: int | None = None):
+        """devices[i]: where layer i runs (a model spread over GPUs keeps each layer's cache beside it)."""
         self.max_capacity = max_capacity  # doubling stops here (the model's context)
-        self.keys = [torch.empty(kv_heads, capacity, head_dim, dtype=dtype, device=device) for _ in range(layers)]
+        self.keys = [torch.empty(kv_heads, capacity, head_dim, dtype=dtype, device=device) for device in devices]
         self.values = [torch.empty_like(k) for k in self.keys]
         self.length = 0
         self.last_used = 0.0
@@ -122,6 +123,22 @@ AttentionInterface.register(ATTENTION, sequence_kv_attention)
 # Plain forwards (no kv_batch) get the masks transformers builds for SDPA (padding, sliding windows);
 # with a kv_batch the attention builds its own per row and ignores that one.
 AttentionMaskInterface.register(ATTENTION, sdpa_mask)
+
+
+def layer_devices(model, num_layers: int) -> list[torch.device]:
+    """The device of each decoder layer's attention (its `layer_idx`), where that layer's KV buffers
+    belong; layers without parameters of their own fall back to the model's device.
+
+    With transformers' device_map="auto" a model's layers lie on several GPUs, and an attention reading a
+    cache on another device would copy it across on every step (or fail)."""
+    devices = [model.device] * num_layers
+    for module in model.modules():
+        index = getattr(module, "layer_idx", None)
+        if isinstance(index, int) and 0 <= index < num_layers:
+            parameter = next(module.parameters(recurse=True), None)
+            if parameter is not None:
+                devices[index] = parameter.device
+    return devices
 
 
 def use_sequence_kv(model) -> None:

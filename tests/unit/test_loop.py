@@ -11,8 +11,10 @@ import pytest
 import torch
 
 from specdec import tensor_names as tn
-from specdec.orchestrator import GenerationRequest, Proposal, Scores, Stats, generate
-from specdec.sampling import SamplingParams
+from specdec.decoding.draft_length import CostModel, DraftLengthPolicy
+from specdec.decoding.interfaces import ForwardStats, Proposal, Scores
+from specdec.decoding.loop import GenerationRequest, Stats, generate
+from specdec.decoding.sampling import SamplingParams
 
 VOCAB = 50
 
@@ -83,10 +85,10 @@ def reference_greedy(prompt, n):
     return ids[len(prompt):]
 
 
-def run(req, proposer, scorer, stats=None, policy=None):
+def run(req, proposer, scorer, policy, stats=None):
     async def collect():
         out = []
-        async for rnd in generate(req, proposer, scorer, stats, policy):
+        async for rnd in generate(req, proposer, scorer, policy, stats):
             out.append(rnd)
         return out
 
@@ -97,10 +99,10 @@ def run(req, proposer, scorer, stats=None, policy=None):
 @pytest.mark.parametrize("agree_every", [0, 2, 3, 7])
 def test_greedy_output_equals_target_only(k, agree_every):
     prompt = [3, 1, 4, 1, 5]
-    req = GenerationRequest(seq_id=1, prompt_ids=prompt, max_tokens=40, num_draft_tokens=k)
+    req = GenerationRequest(seq_id=1, prompt_ids=prompt, max_tokens=40)
     stats = Stats()
     proposer, scorer = FakeProposer(agree_every), FakeScorer()
-    rounds = run(req, proposer, scorer, stats)
+    rounds = run(req, proposer, scorer, DraftLengthPolicy.fixed(k), stats)
     output = [tok for rnd in rounds for tok in rnd.new_tokens]
     assert output == reference_greedy(prompt, 40)
     assert rounds[-1].finish_reason == tn.FINISH_LENGTH
@@ -117,14 +119,12 @@ def test_greedy_output_equals_target_only(k, agree_every):
 
 @pytest.mark.parametrize("agree_every", [0, 2, 7])
 def test_adaptive_draft_length_keeps_the_output_and_feeds_the_policy(agree_every):
-    from specdec.speculation_policy import CostModel, DraftLengthPolicy
-
     prompt = [3, 1, 4, 1, 5]
-    req = GenerationRequest(seq_id=1, prompt_ids=prompt, max_tokens=60, num_draft_tokens=8)
+    req = GenerationRequest(seq_id=1, prompt_ids=prompt, max_tokens=60)
     costs = CostModel()
     policy = DraftLengthPolicy(8, costs, "fake")
     stats = Stats()
-    rounds = run(req, FakeProposer(agree_every), FakeScorer(), stats, policy)
+    rounds = run(req, FakeProposer(agree_every), FakeScorer(), policy, stats)
     assert [tok for rnd in rounds for tok in rnd.new_tokens] == reference_greedy(prompt, 60)
     assert all(rnd.num_drafted <= 8 for rnd in rounds)
     # Every plain round was timed by its number of positions, and the draft per token.
@@ -136,18 +136,18 @@ def test_adaptive_draft_length_keeps_the_output_and_feeds_the_policy(agree_every
 
 
 def test_perfect_draft_needs_few_rounds():
-    req = GenerationRequest(seq_id=1, prompt_ids=[1, 2], max_tokens=20, num_draft_tokens=4)
+    req = GenerationRequest(seq_id=1, prompt_ids=[1, 2], max_tokens=20)
     stats = Stats()
-    run(req, FakeProposer(0), FakeScorer(), stats)
+    run(req, FakeProposer(0), FakeScorer(), DraftLengthPolicy.fixed(4), stats)
     assert stats.rounds == 4  # 5 tokens per round
     assert stats.mean_accepted_length == 5.0
     assert stats.accepted_per_position == [4, 4, 4, 4]
 
 
 def test_never_drafts_past_max_tokens():
-    req = GenerationRequest(seq_id=1, prompt_ids=[1, 2], max_tokens=6, num_draft_tokens=8)
+    req = GenerationRequest(seq_id=1, prompt_ids=[1, 2], max_tokens=6)
     stats = Stats()
-    rounds = run(req, FakeProposer(0), FakeScorer(), stats)
+    rounds = run(req, FakeProposer(0), FakeScorer(), DraftLengthPolicy.fixed(8), stats)
     assert [len(r.new_tokens) for r in rounds] == [6]
     assert stats.drafted == 5
 
@@ -157,19 +157,19 @@ def test_stops_at_end_id_and_drops_it():
     expected = reference_greedy(prompt, 30)
     end = expected[5]
     first = expected.index(end)
-    req = GenerationRequest(seq_id=1, prompt_ids=prompt, max_tokens=30, num_draft_tokens=3,
+    req = GenerationRequest(seq_id=1, prompt_ids=prompt, max_tokens=30,
                             end_ids=frozenset([end]))
-    rounds = run(req, FakeProposer(3), FakeScorer())
+    rounds = run(req, FakeProposer(3), FakeScorer(), DraftLengthPolicy.fixed(3))
     assert [t for r in rounds for t in r.new_tokens] == expected[:first]
     assert rounds[-1].finish_reason == tn.FINISH_STOP
 
 
 def test_caches_released_when_consumer_stops_early():
     proposer, scorer = FakeProposer(2), FakeScorer()
-    req = GenerationRequest(seq_id=9, prompt_ids=[1, 2, 3], max_tokens=50, num_draft_tokens=3)
+    req = GenerationRequest(seq_id=9, prompt_ids=[1, 2, 3], max_tokens=50)
 
     async def take_two():
-        rounds = generate(req, proposer, scorer)
+        rounds = generate(req, proposer, scorer, DraftLengthPolicy.fixed(3))
         await rounds.__anext__()
         await rounds.__anext__()
         await rounds.aclose()  # what cancellation does
@@ -186,9 +186,9 @@ def test_caches_released_when_a_call_fails():
             return await super().score(*args, **kwargs)
 
     proposer, scorer = FakeProposer(), FailingScorer()
-    req = GenerationRequest(seq_id=4, prompt_ids=[1, 2], max_tokens=50, num_draft_tokens=2)
+    req = GenerationRequest(seq_id=4, prompt_ids=[1, 2], max_tokens=50)
     with pytest.raises(RuntimeError, match="target died"):
-        run(req, proposer, scorer)
+        run(req, proposer, scorer, DraftLengthPolicy.fixed(2))
     assert proposer.released == [4] and scorer.released == [4]
 
 
@@ -209,11 +209,11 @@ def test_sampled_rounds_use_logits_and_draft_probs():
             probs = torch.full((k, vocab), 1 / vocab)
             return Proposal([round_seed % vocab] * k, probs, cached_length=len(cache))
 
-    req = GenerationRequest(seq_id=1, prompt_ids=[1], max_tokens=12, num_draft_tokens=3,
+    req = GenerationRequest(seq_id=1, prompt_ids=[1], max_tokens=12,
                             sampling=SamplingParams(temperature=1.0, seed=5))
     stats = Stats()
-    first = run(req, SampledProposer(), SampledScorer(), stats)
-    again = run(req, SampledProposer(), SampledScorer(), Stats())
+    first = run(req, SampledProposer(), SampledScorer(), DraftLengthPolicy.fixed(3), stats)
+    again = run(req, SampledProposer(), SampledScorer(), DraftLengthPolicy.fixed(3), Stats())
     assert stats.acceptance_rate == 1.0
     assert [r.new_tokens for r in first] == [r.new_tokens for r in again]  # seeded: reproducible
 
@@ -222,13 +222,11 @@ def test_paused_free_proposer_is_checked_in_the_shadow_and_feeds_forward_costs()
     """Under a load where verifying costs too much (v(k) from batched forwards), a free proposer's
     rounds verify nothing: the output is target-only's, nothing counts as drafted, but every shadow
     proposal is checked against the target's token and the forward costs reach the cost model."""
-    from specdec.speculation_policy import CostModel, DraftLengthPolicy
-
     class LoadedScorer(FakeScorer):
         async def score(self, seq_id, keep, new_ids, num_positions, want_logits):
             scores = await super().score(seq_id, keep, new_ids, num_positions, want_logits)
             # 8 sequences per forward; rows cost a lot once the forward holds more than 8 of them.
-            return Scores(scores.greedy_tokens, None, forward=(8 * num_positions, 8, 0.05 * num_positions))
+            return Scores(scores.greedy_tokens, None, forward=ForwardStats(8 * num_positions, 8, 0.05 * num_positions))
 
     class CountingProposer(FakeProposer):
         asked = []
@@ -238,14 +236,14 @@ def test_paused_free_proposer_is_checked_in_the_shadow_and_feeds_forward_costs()
             return await super().propose(seq_id, keep, new_ids, k, params, round_seed)
 
     prompt = [3, 1, 4, 1, 5]
-    req = GenerationRequest(seq_id=1, prompt_ids=prompt, max_tokens=30, num_draft_tokens=8)
+    req = GenerationRequest(seq_id=1, prompt_ids=prompt, max_tokens=30)
     costs = CostModel()
     for rows in (8, 16, 72):
-        costs.observe_forward(rows, 8, 0.05 * rows / 8)  # T(8(k+1)) = (k+1) T(8): drafting never pays
+        costs.observe_forward(ForwardStats(rows, 8, 0.05 * rows / 8))  # T(8(k+1)) = (k+1) T(8): drafting never pays
     policy = DraftLengthPolicy(8, costs, "ngram", free=True)
     policy.successes, policy.failures, policy.prior_weight = 0.0, 5.0, 0.0  # a poor record so far
     proposer, stats = CountingProposer(agree_every=2), Stats()
-    rounds = run(req, proposer, LoadedScorer(), stats, policy)
+    rounds = run(req, proposer, LoadedScorer(), policy, stats)
     assert [tok for rnd in rounds for tok in rnd.new_tokens] == reference_greedy(prompt, 30)
     assert stats.drafted == 0 and len(rounds) == 30  # target-only rounds
     assert proposer.asked and set(proposer.asked) == {1}  # shadow proposals, one token each

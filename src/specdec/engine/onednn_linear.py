@@ -1,12 +1,10 @@
 """Linear layers on oneDNN with weights reordered once at load (CPU, float32/bfloat16).
 
-On the 2-core x86_64 CPU we measure on, torch's default fp32 linear (MKL sgemm) re-reads the weights in
-a layout it must repack on every call, and it has a slow path for 2-9 rows: SmolLM2-135M's 49152-wide
-head takes 7.6 ms for one row and 13-24 ms for 2-9 rows. With the weight reordered once into oneDNN's
-blocked layout (what torch.compile's CPU backend does when it freezes weights), the same head takes
-2.4-3.3 ms for 1-9 rows. The whole target step drops from ~44 to ~33 ms, and verifying K+1 = 5-9
-positions costs about one step instead of 1.5-2: exactly the ratio speculative decoding and batching
-live on.
+Torch's default fp32 linear on CPU (MKL sgemm) repacks the weights on every call and has a slow path
+for 2-9 rows. With the weight reordered once into oneDNN's blocked layout (what torch.compile's CPU
+backend does when it freezes weights), a step is faster and a forward of K+1 rows costs about as much
+as one of a single row: exactly the ratio speculative decoding and batching live on (measured figures:
+README, "Measured design choices").
 
 `prepack_linears` swaps every `nn.Linear` for `PrepackedLinear`; the numbers agree with the dense layer
 to float rounding (unit-tested).

@@ -18,7 +18,9 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from specdec import tensor_names as tn
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TINY_SEED = 0
 
@@ -33,10 +35,10 @@ class PairSpec:
     target_path: str
     tokenizer_path: str
     draft_paths: dict[str, str] = field(default_factory=dict)  # draft model name -> weights; first = default
-    builtin_drafts: tuple[str, ...] = ("ngram",)  # model-free methods a request may choose
+    builtin_drafts: tuple[str, ...] = (tn.NGRAM,)  # model-free methods a request may choose
     default_draft: str = ""  # the method used when a request names none; "" = the first draft model
     dtype: str = "float32"
-    max_context_tokens: int = 2048
+    max_context_tokens: int = tn.DEFAULT_MAX_CONTEXT_TOKENS
     apply_chat_template: bool = False
     # Placement. "gpu": the target on target_gpu (or, with spread_target, over every GPU the server sees
     # through transformers' device_map="auto"), each draft model on draft_gpu.
@@ -46,10 +48,10 @@ class PairSpec:
     draft_gpu: int = 0
     # Request defaults and limits of speculative_decoding, and the models' sequence bookkeeping.
     adaptive_draft: bool = True
-    default_num_draft_tokens: int = 4
-    max_num_draft_tokens: int = 16
-    default_max_tokens: int = 64
-    max_max_tokens: int = 1024
+    default_num_draft_tokens: int = tn.DEFAULT_NUM_DRAFT_TOKENS
+    max_num_draft_tokens: int = tn.DEFAULT_MAX_NUM_DRAFT_TOKENS
+    default_max_tokens: int = tn.DEFAULT_MAX_TOKENS
+    max_max_tokens: int = tn.DEFAULT_MAX_MAX_TOKENS
     max_sequences: int = 256
     max_live_sequences: int = 64
     when_full: str = "queue"
@@ -182,23 +184,22 @@ def default_pair() -> PairSpec:
         _mark_done(draft)
     max_pos = json.loads((target / "config.json").read_text()).get("max_position_embeddings", 2048)
     # Prompt lookup first (the default): it costs nothing when it has no match, while the layer-skip
-    # draft model accepts too little on CPU to pay for itself (measured: 0.26x target-only at K=4).
+    # draft model accepts too little on CPU to pay for itself (README, "Measured design choices").
     return PairSpec(
         name="default", target_path=str(target), tokenizer_path=str(target),
-        draft_paths={"draft_model": str(draft)}, builtin_drafts=("ngram",), default_draft="ngram", dtype="float32",
+        draft_paths={"draft_model": str(draft)}, builtin_drafts=(tn.NGRAM,), default_draft=tn.NGRAM, dtype="float32",
         max_context_tokens=int(max_pos), apply_chat_template=True,
         # Up to 16 tokens a round, adaptive: a lookup proposes at most the span it found, and with
-        # oneDNN kernels verifying 17 positions costs about 1.1 target steps here (K<=16 measured 1.48x
-        # against 1.39x for K<=8 on the grounded prompts).
+        # oneDNN kernels verifying 17 positions costs about one target step (README, "Measured design choices").
         default_num_draft_tokens=16,
     )
 
 
-def custom_pair(target: str, draft: str = "ngram", tokenizer: str = "", **settings) -> PairSpec:
+def custom_pair(target: str, draft: str = tn.NGRAM, tokenizer: str = "", **settings) -> PairSpec:
     """A pair given by paths: `draft` is a model path (HF directory or .gguf) or "ngram" (prompt lookup)."""
-    if draft == "ngram":
+    if draft == tn.NGRAM:
         return PairSpec(name="custom", target_path=target, tokenizer_path=tokenizer or target,
-                        default_draft="ngram", **settings)
+                        default_draft=tn.NGRAM, **settings)
     return PairSpec(name="custom", target_path=target, tokenizer_path=tokenizer or target,
                     draft_paths={"draft_model": draft}, **settings)
 

@@ -10,7 +10,7 @@ import re
 import shutil
 from pathlib import Path
 
-from specdec.pairs import REPO_ROOT, PairSpec
+from specdec.serving.pairs import REPO_ROOT, PairSpec
 
 SOURCE = REPO_ROOT / "model_repository"
 
@@ -72,7 +72,8 @@ def render(pair: PairSpec, dest: Path) -> Path:
     if not drafts:  # model-free drafting only (prompt lookup): no draft model to load
         shutil.rmtree(dest / "draft_model")
     for name, path in drafts:
-        edit(name, lm_settings(path, "draft"), instance_group(pair, "draft"))
+        edit(name, {**lm_settings(path, "draft"), "target_tokenizer_path": pair.tokenizer_path},
+             instance_group(pair, "draft"))
     draft_models = [name for name, _ in drafts] + list(pair.builtin_drafts)
     if pair.default_draft:  # the first entry is the default
         draft_models.remove(pair.default_draft)

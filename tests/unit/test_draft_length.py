@@ -2,7 +2,9 @@
 
 import pytest
 
-from specdec.speculation_policy import (CostModel, DraftLengthPolicy, best_draft_length, expected_tokens,
+from specdec.decoding.interfaces import ForwardStats
+
+from specdec.decoding.draft_length import (CostModel, DraftLengthPolicy, best_draft_length, expected_tokens,
                                         speedup)
 
 
@@ -123,11 +125,11 @@ def test_verify_cost_from_batched_forwards_grows_with_load():
     already fill each forward; interpolated between row counts and extrapolated past the largest."""
     costs = CostModel(decay=0.0)
     for rows, seconds in ((1, 0.030), (5, 0.033), (8, 0.050), (40, 0.085)):
-        costs.observe_forward(rows, 1, seconds)
+        costs.observe_forward(ForwardStats(rows, 1, seconds))
     assert abs(costs.verify_cost(4) - 0.033 / 0.030) < 1e-9  # alone: T(5) / T(1)
     assert abs(costs.verify_cost(2) - (0.030 + 0.003 * 2 / 4) / 0.030) < 1e-9  # T(3) between T(1) and T(5)
     for _ in range(50):
-        costs.observe_forward(8, 8, 0.050)  # now steps share forwards with 7 others
+        costs.observe_forward(ForwardStats(8, 8, 0.050))  # now steps share forwards with 7 others
     assert round(costs.sequences.value) == 8
     assert abs(costs.verify_cost(4) - 0.085 / 0.050) < 1e-9  # T(40) / T(8)
     extrapolated = 0.085 + (0.085 - 0.050) / 32 * 32  # T(72) along the line through T(8) and T(40)
@@ -138,7 +140,7 @@ def test_verify_cost_from_batched_forwards_grows_with_load():
     assert policy.next_k() == 0 and policy.shadow
     alone = CostModel(decay=0.0)
     for rows, seconds in ((1, 0.030), (5, 0.033)):
-        alone.observe_forward(rows, 1, seconds)
+        alone.observe_forward(ForwardStats(rows, 1, seconds))
     policy = DraftLengthPolicy(4, alone, "ngram", free=True)
     policy.successes, policy.failures, policy.prior_weight = 0.36, 0.64, 0.0
     assert policy.next_k() > 0

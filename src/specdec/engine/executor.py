@@ -22,11 +22,12 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from specdec import onednn_linear
-from specdec.kv_cache import KVBatch, SequenceKV, use_sequence_kv
-from specdec.sampling import SamplingParams, logits_to_probs, sample
+from specdec import tensor_names as tn
+from specdec.engine import onednn_linear
+from specdec.engine.kv_cache import KVBatch, SequenceKV, layer_devices, use_sequence_kv
+from specdec.decoding.sampling import SamplingParams, logits_to_probs, sample
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
+DTYPES = {name: getattr(torch, name) for name in tn.DTYPE_NAMES}
 
 
 class CacheError(ValueError):
@@ -94,10 +95,13 @@ class CausalLM:
                  clock: Callable[[], float] = time.monotonic, min_forward_rows: int = 1):
         self.model = model
         use_sequence_kv(model)
-        # A forward over fewer than this many token rows (but more than one) is padded up to it. On the
-        # 2-core CPU we measured, GEMMs of 2-3 rows take a slower BLAS path than 4 (the 49152-wide head:
-        # 9 ms at 1 row, 26 ms at 3, 14 ms at 4), so 2-3 sequences batched, or a 1-2 token draft verified,
-        # cost more than 4. Padding rows attend to nothing and are never cached.
+        self.layer_devices = layer_devices(model, self._num_layers)  # each layer's KV buffers live beside it
+        head = model.get_output_embeddings()
+        # Where the logits come out (the last GPU of a spread model): sampling generators belong there.
+        self.logits_device = head.weight.device if head is not None and hasattr(head, "weight") else model.device
+        # A forward over fewer than this many token rows (but more than one) is padded up to it: with
+        # torch's own CPU kernels, GEMMs of 2-3 rows take a slower BLAS path than 4 (README, "Measured
+        # design choices"). Padding rows attend to nothing and are never cached.
         self.min_forward_rows = min_forward_rows
         self.max_sequences = max_sequences
         self.idle_timeout_s = idle_timeout_s
@@ -128,7 +132,7 @@ class CausalLM:
                 raise CacheError(f"too many live sequences ({self.max_sequences}); retry later")
             heads, head_dim = self._kv_heads_and_dim()
             seq = self.sequences[seq_id] = SequenceKV(
-                self._num_layers, heads, head_dim, self.model.dtype, self.device,
+                self.layer_devices, heads, head_dim, self.model.dtype,
                 max_capacity=getattr(self.model.config, "max_position_embeddings", None))
         elif keep > seq.length:
             raise CacheError(f"cache_length={keep} exceeds the {seq.length} tokens cached for sequence {seq_id}")

@@ -8,10 +8,8 @@ of the prompt. Runs inside the orchestrator process: a BLS call would cost more 
 
 from __future__ import annotations
 
-import torch
-
-from specdec.orchestrator import Proposal
-from specdec.sampling import SamplingParams
+from specdec.decoding.interfaces import Proposal
+from specdec.decoding.sampling import SamplingParams
 
 
 def lookup(tokens: list[int], k: int, max_ngram: int = 3, min_ngram: int = 1) -> list[int]:
@@ -70,13 +68,12 @@ class NgramIndex:
 class NgramProposer:
     """Proposer over `NgramIndex`, keeping each sequence's tokens as its 'cache'.
 
-    min_ngram 2: a single repeated token predicts its continuation poorly; on SmolLM2 (2-core CPU,
-    K=4, 64 tokens) min_ngram 1 measured α 0.13 and 1.01x on grounded prompts, 0.86x on open-ended
-    ones; min_ngram 2 measured α 0.38 and 1.13x grounded, 0.96x open-ended.
+    min_ngram 2: a single repeated token predicts its continuation poorly (README, "Measured design
+    choices").
     """
 
-    def __init__(self, max_ngram: int = 4, min_ngram: int = 2, vocab_size: int = 0):
-        self.max_ngram, self.min_ngram, self.vocab_size = max_ngram, min_ngram, vocab_size
+    def __init__(self, max_ngram: int = 4, min_ngram: int = 2):
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.sequences: dict[int, NgramIndex] = {}
 
     async def propose(self, seq_id: int, keep: int, new_ids: list[int], k: int,
@@ -86,13 +83,9 @@ class NgramProposer:
             index = self.sequences[seq_id] = NgramIndex(self.max_ngram, self.min_ngram)
         index.truncate(keep)
         index.extend(new_ids)
-        proposal = index.lookup(k)
-        probs = None
-        if proposal and not params.greedy:
-            # A deterministic draft is the one-hot distribution on its token: rejection sampling then
-            # accepts with probability p_target(x) and resamples from the target without x: lossless.
-            probs = torch.nn.functional.one_hot(torch.tensor(proposal), self.vocab_size).float()
-        return Proposal(proposal, probs, cached_length=len(index.tokens))
+        # No distributions: a deterministic draft, which the loop verifies as one-hot rows of the
+        # target's own logit width (a tokenizer's length is not the model's vocabulary width).
+        return Proposal(index.lookup(k), None, cached_length=len(index.tokens))
 
     async def release(self, seq_id: int) -> None:
         self.sequences.pop(seq_id, None)

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from specdec.decoding.interfaces import ForwardStats
+
 
 def expected_tokens(alpha: float, k: int) -> float:
     """Tokens a round yields on average: accepted drafts plus the target's own token. E(0) = 1."""
@@ -89,11 +91,11 @@ class CostModel:
     _forwards_seen: int = 0
     _v_memo: dict = field(default_factory=dict)
 
-    def observe_forward(self, rows: int, sequences: int, seconds: float) -> None:
+    def observe_forward(self, forward: ForwardStats) -> None:
         """A batched target forward: `rows` token rows of `sequences` sequences took `seconds`."""
-        if rows > 0 and sequences > 0:
-            self.forward_s.setdefault(rows, _Ewma(self.decay)).add(seconds)
-            self.sequences.add(sequences)
+        if forward.rows > 0 and forward.sequences > 0:
+            self.forward_s.setdefault(forward.rows, _Ewma(self.decay)).add(forward.seconds)
+            self.sequences.add(forward.sequences)
             self._forwards_seen += 1
 
     def observe_verify(self, positions: int, seconds: float) -> None:
@@ -157,7 +159,7 @@ class CostModel:
 
 
 class DraftLengthPolicy:
-    """One request's draft length, round by round.
+    """One request's draft length, round by round: the one owner of K (k_max; fixed when not adaptive).
 
     free: the proposer costs (almost) nothing and may return fewer tokens than asked (prompt lookup).
     When the rule says k = 0 its proposal is still made but not verified (`shadow`): the loop checks
@@ -181,6 +183,11 @@ class DraftLengthPolicy:
         self.probe_wait = probe_every
         self.probing = False  # the round in flight is a one-token probe
         self.shadow = False  # the round in flight verifies nothing; its proposal is only checked
+
+    @classmethod
+    def fixed(cls, k: int, method: str = "fixed") -> "DraftLengthPolicy":
+        """Always k draft tokens (0: target-only), with a cost model of its own."""
+        return cls(k, CostModel(), method, adaptive=False)
 
     @property
     def alpha(self) -> float:
@@ -221,5 +228,5 @@ class DraftLengthPolicy:
     def observe_verify(self, positions: int, seconds: float) -> None:
         self.costs.observe_verify(positions, seconds)
 
-    def observe_forward(self, rows: int, sequences: int, seconds: float) -> None:
-        self.costs.observe_forward(rows, sequences, seconds)
+    def observe_forward(self, forward: ForwardStats) -> None:
+        self.costs.observe_forward(forward)

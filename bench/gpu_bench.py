@@ -1,0 +1,327 @@
+"""The GPU benchmark (`make bench-gpu`): the served pair against the hardware, plain PyTorch and transformers.
+
+It builds the synthetic Llama-3-8B-shaped bf16 pair of the GPU notes (random weights, seed 0; every layer's
+residual branches scaled by `--residual-scale` so that the draft, the target's first 4 layers plus its
+final norm and head, agrees with it about as often as a real early-exit draft), or takes real weights with
+--target/--draft, and prints one table:
+
+  bound          weight bytes / measured memory bandwidth: the fastest a token can be (weight streaming)
+  reference      plain PyTorch, static KV cache + torch.compile(mode="reduce-overhead"): 1 and K+1 tokens
+  executor       the project's CausalLM.extend in process: 1 and K+1 tokens; the draft's step (c)
+  served         the `ensemble` through the launcher, greedy: K=0, K fixed, adaptive K<=K; 1 and 8 streams
+  transformers   `generate` in process: plain and assisted (the same draft, K constant)
+
+with α, tokens per round, the bound E/(K·c+v) at the measured α, efficiency = speedup / bound, and the
+fraction of requests whose speculative text equals the target-only text (bf16 rounds a (K+1)-row verify
+and a 1-row step differently, so this is measured, not assumed), for the project and for transformers.
+
+    python bench/gpu_bench.py                     # on a GPU machine: the 8B-shaped pair, bf16
+    python bench/gpu_bench.py --small --compile off --prompts 2 --max-tokens 16   # CPU: checks the script
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tabulate import tabulate
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+from client import AsyncClient, Client, GenerationParams  # noqa: E402
+from specdec.decoding.draft_length import expected_tokens  # noqa: E402
+from specdec.serving import pairs, server  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Shape:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    mlp: int
+    draft_layers: int
+
+
+SHAPES = {"8b": Shape(4096, 32, 32, 8, 14336, 4), "small": Shape(64, 4, 4, 2, 128, 1)}
+
+
+def log(message: str) -> None:
+    print(f"[bench-gpu] {message}", file=sys.stderr, flush=True)
+
+
+# ---- the pair ------------------------------------------------------------------------------------------
+def build_pair(root: Path, shape: Shape, dtype: torch.dtype, device: str, residual_scale: float) -> tuple[Path, Path]:
+    """Target (random, seeded) and its layer-skip draft, saved as Hugging Face directories (once)."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    target, draft = root / "target", root / "draft"
+    if (target / ".complete").exists() and (draft / ".complete").exists():
+        return target, draft
+    tokenizer = AutoTokenizer.from_pretrained(pairs.smollm2_tokenizer_dir())
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=shape.hidden, intermediate_size=shape.mlp,
+                         num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
+                         num_key_value_heads=shape.kv_heads, max_position_embeddings=4096, tie_word_embeddings=False,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    log(f"building the {shape} pair in {root} (seed 0)")
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(dtype)
+    with torch.no_grad():
+        for layer in model.model.layers:  # the residual stream stays close to the embedding: early exits agree
+            layer.self_attn.o_proj.weight.mul_(residual_scale)
+            layer.mlp.down_proj.weight.mul_(residual_scale)
+    model.save_pretrained(target)
+    tokenizer.save_pretrained(target)
+    (target / ".complete").write_text("ok\n")
+    model.model.layers = model.model.layers[:shape.draft_layers]
+    model.config.num_hidden_layers = shape.draft_layers
+    model.save_pretrained(draft)
+    tokenizer.save_pretrained(draft)
+    (draft / ".complete").write_text("ok\n")
+    del model
+    return target, draft
+
+
+def load(path: Path, dtype: torch.dtype, device: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def timed(fn, device: str, reps: int) -> float:
+    """Median seconds of fn() over reps calls, after two warm-up calls."""
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(reps):
+        sync(device)
+        started = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+# ---- in process ----------------------------------------------------------------------------------------
+def bandwidth(device: str) -> float:
+    """Bytes per second of a large device-to-device copy (read + write)."""
+    n = (1 << 28) if device.startswith("cuda") else (1 << 24)
+    src, dst = torch.empty(n, dtype=torch.uint8, device=device), torch.empty(n, dtype=torch.uint8, device=device)
+    return 2 * n / timed(lambda: dst.copy_(src), device, 10)
+
+
+def reference_steps(model, device: str, context: int, widths: list[int], compile_mode: str, reps: int) -> dict:
+    """Plain PyTorch: a static KV cache and (unless off) a compiled forward; seconds per step of each width."""
+    from transformers import StaticCache
+
+    cache = StaticCache(config=model.config, max_cache_len=context + max(widths) + 8)
+    forward = model.forward if compile_mode == "off" else torch.compile(model.forward, mode=compile_mode)
+    prompt = torch.randint(0, model.config.vocab_size, (1, context), device=device)
+    with torch.inference_mode():
+        model(prompt, past_key_values=cache, cache_position=torch.arange(context, device=device))
+        out = {}
+        for width in widths:
+            ids = torch.randint(0, model.config.vocab_size, (1, width), device=device)
+            positions = torch.arange(context, context + width, device=device)
+            # Always the same positions: the cache is overwritten there, shapes never change.
+            out[width] = timed(lambda: forward(ids, past_key_values=cache, cache_position=positions), device, reps)
+    return out
+
+
+def executor_steps(model, context: int, widths: list[int], reps: int) -> dict:
+    """The project's executor (what target_model runs): seconds per extend of each width after `context`."""
+    from specdec.engine.executor import CausalLM
+
+    lm = CausalLM(model)
+    prompt = torch.randint(0, model.config.vocab_size, (context,)).tolist()
+    lm.extend(1, 0, prompt, 1)
+    return {width: timed(lambda: lm.extend(1, context, prompt[:width], width), str(lm.device), reps)
+            for width in widths}
+
+
+def transformers_peer(target, draft, tokenizer, prompts: list[str], max_tokens: int, k: int, device: str) -> dict:
+    """tokens/s of plain and assisted greedy `generate`, and the fraction of prompts where they agree."""
+    draft.generation_config.num_assistant_tokens = k
+    draft.generation_config.num_assistant_tokens_schedule = "constant"
+    totals = {"plain": [0, 0.0], "assisted": [0, 0.0]}
+    equal = 0
+    for prompt in prompts:
+        ids = tokenizer(prompt, return_tensors="pt")["input_ids"].to(device)
+        texts = {}
+        for name, extra in (("plain", {}), ("assisted", {"assistant_model": draft})):
+            sync(device)
+            started = time.perf_counter()
+            with torch.inference_mode():
+                gen = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                                      min_new_tokens=max_tokens, do_sample=False, **extra)
+            sync(device)
+            totals[name][1] += time.perf_counter() - started
+            totals[name][0] += gen.shape[1] - ids.shape[1]
+            texts[name] = gen[0, ids.shape[1]:].tolist()
+        equal += texts["plain"] == texts["assisted"]
+    return {"plain": totals["plain"][0] / totals["plain"][1],
+            "assisted": totals["assisted"][0] / totals["assisted"][1], "equal": equal / len(prompts)}
+
+
+# ---- served --------------------------------------------------------------------------------------------
+def served_one_stream(url: str, prompts: list[str], max_tokens: int, k: int) -> dict:
+    """Batch 1: every prompt target-only, K fixed and adaptive K<=k, side by side."""
+    client = Client(url, "grpc", timeout_s=900)
+    settings = {"K=0": GenerationParams(max_tokens=max_tokens, num_draft_tokens=0),
+                f"K={k}": GenerationParams(max_tokens=max_tokens, num_draft_tokens=k, adaptive_draft=False),
+                f"adaptive K<={k}": GenerationParams(max_tokens=max_tokens, num_draft_tokens=k, adaptive_draft=True)}
+    for params in settings.values():  # warm every path
+        client.generate(prompts[0], GenerationParams(max_tokens=8, num_draft_tokens=params.num_draft_tokens))
+    out = {name: dict(tokens=0, s=0.0, drafted=0, accepted=0, rounds=0, equal=0) for name in settings}
+    for prompt in prompts:
+        texts = {}
+        for name, params in settings.items():
+            result = client.generate(prompt, params)
+            row = out[name]
+            row["tokens"] += result.num_output_tokens
+            row["s"] += result.latency_s
+            row["drafted"] += result.total_draft_tokens
+            row["accepted"] += result.total_accepted_draft_tokens
+            row["rounds"] += result.num_rounds
+            texts[name] = result.text
+            row["equal"] += result.text == texts["K=0"]
+    for row in out.values():
+        row["equal"] /= len(prompts)
+    return out
+
+
+async def served_streams(url: str, prompts: list[str], max_tokens: int, params: GenerationParams,
+                         streams: int) -> float:
+    """Output tokens/s of `streams` concurrent streams, each sending its share of 2 * streams requests."""
+    from dataclasses import replace
+
+    params = replace(params, max_tokens=max_tokens)
+    jobs = [prompts[i % len(prompts)] for i in range(2 * streams)]
+    results = []
+    async with AsyncClient(url, "grpc", timeout_s=900) as client:
+        async def worker():
+            while jobs:
+                results.append(await client.generate(jobs.pop(), params, stream=True))
+
+        started = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(streams)))
+        elapsed = time.perf_counter() - started
+    return sum(r.num_output_tokens for r in results) / elapsed
+
+
+# ---- the run -------------------------------------------------------------------------------------------
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--small", action="store_true", help="tiny shapes in float32 on CPU (checks the script)")
+    parser.add_argument("--target", help="a real target (HF directory) instead of the synthetic one")
+    parser.add_argument("--draft", help="its draft model (HF directory)")
+    parser.add_argument("--residual-scale", type=float, default=1.5e-4)
+    parser.add_argument("--dtype", default=None, help="default: bfloat16 on the GPU, float32 on CPU")
+    parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--prompts", type=int, default=6)
+    parser.add_argument("--context", type=int, default=256, help="context of the in-process step timings")
+    parser.add_argument("--compile", default="reduce-overhead", help='torch.compile mode of the reference, or "off"')
+    parser.add_argument("--out", help="also write the table (Markdown) here")
+    args = parser.parse_args(argv)
+    gpu = torch.cuda.is_available() and not args.small
+    device, kind = ("cuda", "gpu") if gpu else ("cpu", "cpu")
+    dtype_name = args.dtype or ("bfloat16" if gpu else "float32")
+    dtype = getattr(torch, dtype_name)
+    prompts = [json.loads(line)["prompt"] for line in (HERE / "prompts_open.jsonl").read_text().splitlines()
+               if line.strip()][:args.prompts]
+    if args.target:
+        target_path, draft_path = Path(args.target), Path(args.draft or args.target)
+    else:
+        shape = SHAPES["small" if args.small else "8b"]
+        root = pairs.cache_dir() / "pairs" / f"bench-{'small' if args.small else '8b'}-{dtype_name}-{args.residual_scale}"
+        target_path, draft_path = build_pair(root, shape, dtype, device, args.residual_scale)
+    widths = [1, args.k + 1]
+    reps = 20 if gpu else 5
+
+    # In process first, then free the memory for the server.
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(target_path)
+    target, draft = load(target_path, dtype, device), load(draft_path, dtype, device)
+    weight_bytes = sum(p.numel() * p.element_size() for p in target.parameters())
+    bytes_per_s = bandwidth(device)
+    log("timing the compiled reference")
+    reference = reference_steps(target, device, args.context, widths, args.compile, reps)
+    log("timing the executor")
+    executor = executor_steps(target, args.context, widths, reps)
+    draft_step = executor_steps(draft, args.context, [1], reps)[1]
+    log("transformers generate")
+    peer = transformers_peer(target, draft, tokenizer, prompts, args.max_tokens, args.k, device)
+    del target, draft
+    if gpu:
+        torch.cuda.empty_cache()
+
+    cache = pairs.cache_dir()
+    launcher_args = ["--target", str(target_path), "--draft", str(draft_path), "--device", kind, "--dtype", dtype_name,
+                     "--max-num-draft-tokens", str(max(args.k, 1))]
+    log("starting the server")
+    own = server.start(cache / "run" / "bench-gpu", cache / "bench-gpu-server.log", launcher_args)
+    try:
+        one = served_one_stream(own.grpc_url, prompts, args.max_tokens, args.k)
+        eight = {name: asyncio.run(served_streams(own.grpc_url, prompts, args.max_tokens, params, 8))
+                 for name, params in (("K=0", GenerationParams(num_draft_tokens=0)),
+                                      (f"adaptive K<={args.k}", GenerationParams(num_draft_tokens=args.k)))}
+    finally:
+        own.stop(120)
+
+    step, c = executor[1], draft_step / executor[1]
+    v = executor[args.k + 1] / step
+    base = one["K=0"]["tokens"] / one["K=0"]["s"]
+    rows = [["weight-streaming bound", f"{weight_bytes / bytes_per_s * 1e3:.2f} ms/token",
+             f"{bytes_per_s / weight_bytes:.1f}", "", "", "", "", "",
+             f"{weight_bytes / 1e9:.2f} GB at {bytes_per_s / 1e9:.0f} GB/s"],
+            ["plain PyTorch, static cache, compile=" + args.compile,
+             f"{reference[1] * 1e3:.2f} / {reference[args.k + 1] * 1e3:.2f} ms", f"{1 / reference[1]:.1f}",
+             "", "", "", "", "", f"1 / {args.k + 1} tokens per step"],
+            ["project executor (CausalLM.extend)", f"{executor[1] * 1e3:.2f} / {executor[args.k + 1] * 1e3:.2f} ms",
+             f"{1 / executor[1]:.1f}", "", "", "", "", "", f"c = {c:.3f}, v({args.k}) = {v:.2f}"]]
+    for name, row in one.items():
+        tps = row["tokens"] / row["s"]
+        alpha = row["accepted"] / row["drafted"] if row["drafted"] else 0.0
+        per_round = row["tokens"] / row["rounds"] if row["rounds"] else 0.0
+        k = args.k if row["drafted"] else 0
+        bound = expected_tokens(alpha, k) / (k * c + (v if k else 1.0))
+        rows.append([f"served, 1 stream, {name}", f"{1e3 / tps:.2f} ms/token", f"{tps:.1f}", f"{tps / base:.2f}x",
+                     f"{alpha:.2f}", f"{per_round:.2f}", f"{bound:.2f}", f"{tps / base / bound:.2f}",
+                     f"equal text {row['equal']:.0%}"])
+    for name, tps in eight.items():
+        rows.append([f"served, 8 streams, {name}", "", f"{tps:.1f}", f"{tps / base:.2f}x", "", "", "", "", ""])
+    rows.append(["transformers generate, plain", "", f"{peer['plain']:.1f}", f"{peer['plain'] / base:.2f}x",
+                 "", "", "", "", ""])
+    rows.append([f"transformers generate, assisted K={args.k}", "", f"{peer['assisted']:.1f}",
+                 f"{peer['assisted'] / base:.2f}x", "", "", "", "", f"equal text {peer['equal']:.0%}"])
+    machine = torch.cuda.get_device_name() if gpu else f"{platform.machine()} CPU"
+    header = (f"{machine}, torch {torch.__version__}, {dtype_name}, target {weight_bytes / 1e9:.2f} GB, "
+              f"{len(prompts)} prompts x {args.max_tokens} tokens, greedy")
+    table = tabulate(rows, ["", "time", "tokens/s", "vs served K=0", "α", "tokens/round", "bound", "efficiency",
+                            "notes"], tablefmt="github", disable_numparse=True)
+    text = f"{header}\n\n{table}"
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

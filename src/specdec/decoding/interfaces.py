@@ -1,0 +1,53 @@
+"""The types the decode loop exchanges with its proposer (draft side) and scorer (target side).
+
+Kept apart from the loop so that a proposer or scorer implementation imports these and never the loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple, Protocol
+
+import torch
+
+from specdec.decoding.sampling import SamplingParams
+
+
+class ForwardStats(NamedTuple):
+    """The batched target forward a step ran in: what the draft-length policy's cost model learns from."""
+
+    rows: int  # token rows in that forward (every sequence's new tokens, packed)
+    sequences: int  # sequences sharing it
+    seconds: float  # its wall time
+
+
+@dataclass(frozen=True)
+class Proposal:
+    tokens: list[int]  # up to K draft tokens (a proposer may offer fewer, or none)
+    # (len(tokens), V_draft) processed draft distributions; None when greedy, or for a deterministic draft
+    # (sampling then verifies one-hot rows)
+    probs: torch.Tensor | None
+    cached_length: int  # tokens the proposer's cache holds after the call (its valid prefix)
+
+
+@dataclass(frozen=True)
+class Scores:
+    greedy_tokens: torch.Tensor  # (K+1,) target argmax at each verified position
+    logits: torch.Tensor | None  # (K+1, V) target logits; requested only when sampling
+    forward: ForwardStats | None = None  # None where the scorer does not report its forwards
+
+
+class Proposer(Protocol):
+    async def propose(self, seq_id: int, keep: int, new_ids: list[int], k: int,
+                      params: SamplingParams, round_seed: int) -> Proposal:
+        """Keep `keep` cached tokens, append `new_ids`, draft up to k tokens."""
+
+    async def release(self, seq_id: int) -> None: ...
+
+
+class Scorer(Protocol):
+    async def score(self, seq_id: int, keep: int, new_ids: list[int], num_positions: int,
+                    want_logits: bool) -> Scores:
+        """Keep `keep` cached tokens, append `new_ids`, score the last `num_positions` positions."""
+
+    async def release(self, seq_id: int) -> None: ...

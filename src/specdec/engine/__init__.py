@@ -1,0 +1,10 @@
+"""The model executor: runs a Hugging Face causal LM step by step for many sequences at once.
+
+  executor       `CausalLM`: per-sequence caches with rollback, packed batched forwards, drafting
+  kv_cache       per-sequence KV buffers and the attention that appends to and reads them in place
+  onednn_linear  CPU linear layers with weights reordered once for oneDNN
+  local          the loop's Proposer and Scorer over in-process CausalLMs (tests, benchmarks)
+
+May import: torch, transformers, `specdec.tensor_names`, `specdec.decoding` (sampling, the interfaces).
+Never Triton.
+"""

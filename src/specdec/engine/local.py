@@ -1,0 +1,45 @@
+"""The loop's Proposer and Scorer over in-process `CausalLM`s: speculative decoding without a server.
+
+What the Triton adapters do over BLS, done by direct calls; the tests and benchmarks run the real loop on
+real models with it. Tensors come back to the host, as they do from a Triton model.
+"""
+
+from __future__ import annotations
+
+from specdec.decoding.interfaces import ForwardStats, Proposal, Scores
+from specdec.decoding.sampling import SamplingParams, make_generator
+from specdec.engine.executor import CausalLM
+
+
+class LocalProposer:
+    def __init__(self, lm: CausalLM):
+        self.lm = lm
+
+    async def propose(self, seq_id: int, keep: int, new_ids: list[int], k: int, params: SamplingParams,
+                      round_seed: int) -> Proposal:
+        generator = None if params.greedy else make_generator(round_seed, self.lm.logits_device)
+        tokens, probs = self.lm.propose(seq_id, keep, new_ids, k, params, generator)
+        # The draft runs every proposed token but the last through its cache.
+        return Proposal(tokens, None if probs is None else probs.float().cpu(), keep + len(new_ids) + k - 1)
+
+    async def release(self, seq_id: int) -> None:
+        self.lm.release(seq_id)
+
+
+class LocalScorer:
+    def __init__(self, lm: CausalLM):
+        self.lm = lm
+
+    async def score(self, seq_id: int, keep: int, new_ids: list[int], num_positions: int,
+                    want_logits: bool) -> Scores:
+        logits = self.lm.extend(seq_id, keep, new_ids, num_positions)
+        return Scores(logits.argmax(-1).cpu(), logits.float().cpu() if want_logits else None,
+                      ForwardStats(len(new_ids), 1, 0.0))
+
+    async def release(self, seq_id: int) -> None:
+        self.lm.release(seq_id)
+
+
+async def collect(rounds) -> list[int]:
+    """Every token a `generate` run emits."""
+    return [token async for rnd in rounds for token in rnd.new_tokens]

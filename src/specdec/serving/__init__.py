@@ -1,0 +1,10 @@
+"""Serving and deployment: a real tritonserver on our model repository, for a chosen model pair.
+
+  launcher     find tritonserver, assemble the Python-backend stub, render, run (`python -m specdec.serving.launcher`)
+  server       start the launcher as a child process and wait until ready (benchmarks, load tests, tests)
+  pairs        the model pairs (tiny, default, custom paths) prepared into a local cache
+  repository   render model_repository/ for a pair (config.pbtxt parameters, instance groups)
+  healthcheck  exit 0 when the local server is ready (the image's HEALTHCHECK)
+
+May import: every layer below, though it only needs `specdec.tensor_names` (models load in the server).
+"""

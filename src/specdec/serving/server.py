@@ -1,0 +1,122 @@
+"""A tritonserver started through the launcher as a child process: what benchmarks, load tests and the
+integration tests run against. `start` returns once the server is ready (or raises with its log's tail)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from specdec.serving.healthcheck import is_ready
+from specdec.serving.launcher import wait_ready
+
+
+def free_ports(n: int) -> list[int]:
+    """n TCP ports free on the loopback interface right now (all bound at once, so distinct)."""
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+class ServerStartError(RuntimeError):
+    pass
+
+
+@dataclass
+class ServerProcess:
+    http_port: int
+    grpc_port: int
+    metrics_port: int
+    run_dir: Path
+    log_path: Path
+    process: subprocess.Popen
+
+    @property
+    def grpc_url(self) -> str:
+        return f"localhost:{self.grpc_port}"
+
+    @property
+    def http_url(self) -> str:
+        return f"http://localhost:{self.http_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"localhost:{self.metrics_port}"
+
+    def ready(self) -> bool:
+        return is_ready(self.http_port)
+
+    def metrics(self) -> str:
+        return scrape(self.metrics_url)
+
+    def metric(self, name: str, **labels) -> float:
+        """Sum of a metric's samples whose labels include `labels` (0 when there are none)."""
+        return sum_samples(self.metrics(), name, **labels)
+
+    def log_tail(self, chars: int = 4000) -> str:
+        return self.log_path.read_text(errors="replace")[-chars:]
+
+    def stop(self, timeout_s: float = 90) -> int:
+        """SIGTERM the launcher (it stops tritonserver and its stubs); returns its exit code."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            return self.process.wait()
+
+
+def start(run_dir: Path, log_path: Path, launcher_args: list[str], ready_timeout_s: float = 900,
+          env: dict[str, str] | None = None) -> ServerProcess:
+    """Start `python -m specdec.serving.launcher LAUNCHER_ARGS --run-dir RUN_DIR` on free ports and wait
+    until it is ready; its output goes to log_path."""
+    http, grpc, metrics = free_ports(3)
+    env = dict(os.environ if env is None else env, HTTP_PORT=str(http), GRPC_PORT=str(grpc),
+               METRICS_PORT=str(metrics))
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "w") as log:
+        process = subprocess.Popen([sys.executable, "-m", "specdec.serving.launcher", *launcher_args,
+                                    "--run-dir", str(run_dir)], env=env, stdout=log, stderr=subprocess.STDOUT)
+    server = ServerProcess(http, grpc, metrics, run_dir, log_path, process)
+    try:
+        wait_ready(http, process, ready_timeout_s)
+    except (RuntimeError, TimeoutError) as exc:
+        server.stop(timeout_s=30)
+        raise ServerStartError(f"{exc}; launcher log {log_path}:\n{server.log_tail()}") from None
+    return server
+
+
+# ---- Prometheus text ---------------------------------------------------------------------------------
+def scrape(metrics_url: str) -> str:
+    """The Prometheus text of a metrics endpoint (host:port)."""
+    with urllib.request.urlopen(f"http://{metrics_url}/metrics", timeout=10) as response:
+        return response.read().decode()
+
+
+def samples(text: str, name: str) -> list[tuple[dict[str, str], float]]:
+    """(labels, value) of every sample of metric `name`, as the server spells it."""
+    from prometheus_client.parser import text_string_to_metric_families  # benchmarks and tests only
+
+    out = []
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            # The parser names every counter sample `..._total`, also Triton's (nv_inference_exec_count).
+            if sample.name == name or (family.name == name and sample.name == name + "_total"):
+                out.append((sample.labels, sample.value))
+    return out
+
+
+def sum_samples(text: str, name: str, **labels) -> float:
+    return sum(value for sample_labels, value in samples(text, name)
+               if all(sample_labels.get(k) == str(v) for k, v in labels.items()))

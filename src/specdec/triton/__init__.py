@@ -1,0 +1,15 @@
+"""The Triton Python-backend layer: what each model_repository/*/1/model.py subclasses, and its plumbing.
+
+  adapter          the base adapter: config validated in `initialize`, before any request
+  orchestrator     speculative_decoding: the decoupled BLS model running `decoding.loop.generate`
+  request          ParsedRequest: one request's inputs validated (no pb_utils; unit-tested)
+  bls              the loop's Proposer and Scorer as BLS calls into draft_model / target_model
+  language_models  draft_model and target_model over `engine.executor.CausalLM`
+  text_models      preprocessing (text -> ids) and postprocessing (ids -> text)
+  config           typed, validated config.pbtxt parameters
+  metrics          every Prometheus metric the models define
+  cancellation     cancellation flags shared by the server's processes
+
+May import: `specdec.decoding`, `specdec.engine`, `specdec.tensor_names`; `triton_python_backend_utils`
+only at load, inside a stub (adapter.py).
+"""

@@ -1,0 +1,181 @@
+"""Triton adapter for `speculative_decoding`: a decoupled BLS model running `orchestrator.generate`.
+
+`execute` is a coroutine (decoupled async execute, Triton 24.04+): each request runs as its own task
+on the stub's event loop and awaits its BLS calls with `async_exec`, so one instance interleaves the
+rounds of many requests instead of blocking on one. A non-streaming request gets one response; with
+`stream`, each round's text-complete tokens go out as soon as they are accepted. Cancellation is
+checked every round; stopping the loop releases both models' caches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+import numpy as np
+
+from specdec import tensor_names as tn
+from specdec.decoding.draft_length import CostModel, DraftLengthPolicy
+from specdec.decoding.loop import GenerationRequest, Stats, generate
+from specdec.decoding.ngram_proposer import NgramProposer
+from specdec.decoding.text import Emission, TextEmitter, load_tokenizer
+from specdec.triton.adapter import TritonAdapter
+from specdec.triton.bls import BlsProposer, BlsScorer
+from specdec.triton.cancellation import CancellationBoard
+from specdec.triton.config import ModelParameters
+from specdec.triton.metrics import OrchestratorMetrics
+from specdec.triton.request import InputError, ParsedRequest, RequestLimits
+
+
+class SpeculativeDecodingAdapter(TritonAdapter):
+    def load(self, params: ModelParameters, args: dict) -> None:
+        pb_utils = self.pb
+        self.tokenizer = load_tokenizer(params.str("tokenizer_path"))
+        eos = self.tokenizer.eos_token_id
+        self.limits = RequestLimits.from_parameters(params, len(self.tokenizer),
+                                                    frozenset([] if eos is None else [int(eos)]))
+        self.costs = CostModel()  # measured by every request, shared: the policy's c and v(k)
+        # At most max_live_sequences generate at once (each holds a KV cache in both models); over the
+        # cap a request waits for a slot, or with when_full=reject gets UNAVAILABLE at once.
+        self.max_live = params.int("max_live_sequences", 64, low=1)
+        self.when_full = params.str("when_full", "queue", choices=("queue", "reject"))
+        self.slots = asyncio.Semaphore(self.max_live)
+        self.queued = 0
+        timeout_us = params.int("bls_timeout_us", 0, low=0)
+        # "ngram" is the built-in prompt-lookup method; any other name is a draft model to call over BLS.
+        self.proposers = {name: NgramProposer() if name == tn.NGRAM
+                          else BlsProposer(pb_utils, name, timeout_us) for name in self.limits.draft_names}
+        self.scorer = BlsScorer(pb_utils, params.str("target_model", tn.TARGET_MODEL_NAME), timeout_us)
+        self.metrics = OrchestratorMetrics(pb_utils, self.limits.max_num_draft_tokens)
+        self.cancellations = CancellationBoard()
+        self.cancellations.sweep()
+        self.last_sweep = time.monotonic()
+        self.live = 0
+
+    async def execute(self, requests):
+        await asyncio.gather(*(self._serve(request) for request in requests))
+        return None
+
+    # ---- one request -----------------------------------------------------------------------------
+    async def _serve(self, request):
+        pb = self.pb
+        arrived = time.monotonic()
+        if arrived - self.last_sweep > 60:
+            self.cancellations.sweep()
+            self.last_sweep = arrived
+        sender = request.get_response_sender()
+        def lookup(name: str) -> np.ndarray | None:
+            tensor = pb.get_input_tensor_by_name(request, name)
+            return None if tensor is None else tensor.as_numpy()
+
+        try:
+            parsed = ParsedRequest.parse(lookup, self.limits)
+        except InputError as exc:
+            self.metrics.requests["invalid"].increment(1)
+            # Triton 24.10's stub registers an async execute's future only after scheduling it; a coroutine
+            # that finishes first trips "Cannot remove future from background; KeyError" and the request is
+            # never released (server#8537; seen here as an ensemble that never unloads). Valid requests
+            # always await BLS calls; a rejected one yields long enough for the stub to register it.
+            await asyncio.sleep(0.005)
+            sender.send(pb.InferenceResponse(error=pb.TritonError(str(exc), pb.TritonError.INVALID_ARG)),
+                        flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            return
+        if self.slots.locked() and self.when_full == "reject":
+            self.metrics.requests["rejected"].increment(1)
+            await asyncio.sleep(0.005)  # see the note on server#8537 above
+            sender.send(pb.InferenceResponse(error=pb.TritonError(
+                f"speculative_decoding: {self.max_live} sequences are generating (max_live_sequences); "
+                f"retry later", pb.TritonError.UNAVAILABLE)), flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            return
+        self.queued += 1
+        self.metrics.queued.set(self.queued)
+        try:
+            await self.slots.acquire()
+        finally:
+            self.queued -= 1
+            self.metrics.queued.set(self.queued)
+        try:
+            await self._generate(request, sender, arrived, parsed)
+        finally:
+            self.slots.release()
+
+    async def _generate(self, request, sender, arrived: float, parsed: ParsedRequest):
+        pb = self.pb
+        gen, stream = parsed.generation, parsed.stream
+        stats = Stats()
+        emitter = TextEmitter(self.tokenizer, parsed.stop_words)
+        first_sent = False
+
+        def send(emission: Emission | None, finish: str | None) -> None:
+            nonlocal first_sent
+            if not first_sent:
+                self.metrics.ttft.observe(time.monotonic() - arrived)
+                first_sent = True
+            flags = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if finish else 0
+            sender.send(self._response(emission, gen, emitter, stats, finish), flags=flags)
+
+        self.live += 1
+        self.metrics.live.set(self.live)
+        finish, last = None, None
+        try:
+            policy = DraftLengthPolicy(parsed.num_draft_tokens, self.costs, parsed.draft_name,
+                                       adaptive=parsed.adaptive, free=parsed.draft_name == tn.NGRAM)
+            rounds = generate(gen, self.proposers[parsed.draft_name], self.scorer, policy, stats)
+            async with contextlib.aclosing(rounds) as rounds:
+                async for rnd in rounds:
+                    now = time.monotonic()
+                    self.metrics.record_round(rnd.num_drafted, rnd.num_accepted, now)
+                    self.metrics.record_costs(self.costs, now)
+                    emission = emitter.push(rnd.new_tokens, final=rnd.finish_reason is not None)
+                    finish = rnd.finish_reason or (tn.FINISH_STOP if emission and emission.stopped else None)
+                    if finish is None and self._cancelled(request, sender, gen.seq_id):
+                        finish = tn.FINISH_CANCELLED
+                    if finish:
+                        last = emission
+                        break
+                    if stream and emission:
+                        send(emission, None)
+        except Exception as exc:  # noqa: BLE001 - the request fails, the server keeps serving
+            self.metrics.requests["error"].increment(1)
+            sender.send(pb.InferenceResponse(error=pb.TritonError(f"speculative_decoding: {exc}")),
+                        flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            return
+        finally:
+            self.live -= 1
+            self.metrics.live.set(self.live)
+            self.metrics.flush(time.monotonic())  # this request's rounds are counted before it ends
+            self.cancellations.clear(gen.seq_id)
+        if finish == tn.FINISH_CANCELLED:
+            last = emitter.push([], final=True)
+        if not stream:  # one response: everything sent, cut where the emitter cut it
+            last = Emission(emitter.emitted, [], emitter.text, len(emitter.text), False)
+        send(last, finish)
+        self.metrics.record_request(finish, len(emitter.emitted), time.monotonic() - arrived)
+
+    def _cancelled(self, request, sender, seq_id: int) -> bool:
+        # Direct callers' cancellation reaches this request; an ensemble's arrives through the board.
+        return sender.is_cancelled() or request.is_cancelled() or self.cancellations.is_cancelled(seq_id)
+
+    def _response(self, emission: Emission | None, req: GenerationRequest, emitter: TextEmitter, stats: Stats,
+                  finish: str | None):
+        pb = self.pb
+        ids, prefix, length = (emission.ids, emission.prefix_ids, emission.text_length) if emission else ([], [], -1)
+
+        def i32(name, values):
+            return pb.Tensor(name, np.asarray(values, dtype=np.int32).reshape(1, -1))
+
+        return pb.InferenceResponse(output_tensors=[
+            i32(tn.OUTPUT_IDS, ids),
+            i32(tn.PREFIX_IDS, prefix),
+            i32(tn.TEXT_LENGTH, [length]),
+            pb.Tensor(tn.SEQUENCE_ID, np.array([[req.seq_id]], dtype=np.uint64)),
+            i32(tn.NUM_INPUT_TOKENS, [len(req.prompt_ids)]),
+            i32(tn.NUM_OUTPUT_TOKENS, [len(emitter.emitted)]),
+            i32(tn.TOTAL_DRAFT_TOKENS, [stats.drafted]),
+            i32(tn.TOTAL_ACCEPTED_DRAFT_TOKENS, [stats.accepted]),
+            i32(tn.NUM_ROUNDS, [stats.rounds]),
+            pb.Tensor(tn.ACCEPTANCE_RATE, np.array([[stats.acceptance_rate]], dtype=np.float32)),
+            pb.Tensor(tn.MEAN_ACCEPTED_LENGTH, np.array([[stats.mean_accepted_length]], dtype=np.float32)),
+            pb.Tensor(tn.FINISH_REASON, np.array([[(finish or "").encode()]], dtype=np.object_)),
+        ])

@@ -1,0 +1,160 @@
+"""A `speculative_decoding` request's inputs, validated: `ParsedRequest.parse` over plain numpy arrays.
+
+No `pb_utils` here: the adapter hands in a lookup from input name to array, so every rule is unit-tested
+without a server. Every error names the input it refuses.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from specdec import tensor_names as tn
+from specdec.decoding.loop import GenerationRequest
+from specdec.decoding.sampling import SamplingParams
+from specdec.triton.config import ModelParameters
+
+InputLookup = Callable[[str], "np.ndarray | None"]  # input name -> its array, None when the request has none
+
+
+class InputError(ValueError):
+    """A bad request input; the message names the field."""
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What a request may ask for, from speculative_decoding's config parameters (validated at load)."""
+
+    vocab_size: int  # token ids a request may name (end_id)
+    draft_names: tuple[str, ...]  # draft methods a request may choose; the first is the default
+    default_end_ids: frozenset[int] = frozenset()
+    max_context: int = tn.DEFAULT_MAX_CONTEXT_TOKENS
+    max_max_tokens: int = tn.DEFAULT_MAX_MAX_TOKENS
+    default_max_tokens: int = tn.DEFAULT_MAX_TOKENS
+    max_num_draft_tokens: int = tn.DEFAULT_MAX_NUM_DRAFT_TOKENS
+    default_num_draft_tokens: int = tn.DEFAULT_NUM_DRAFT_TOKENS
+    adaptive_draft: bool = True  # num_draft_tokens is the most a round drafts; K adapts per round
+    max_stop_words: int = 16
+
+    @classmethod
+    def from_parameters(cls, params: ModelParameters, vocab_size: int, end_ids: frozenset[int]) -> RequestLimits:
+        max_max_tokens = params.int("max_max_tokens", tn.DEFAULT_MAX_MAX_TOKENS, low=1)
+        max_k = params.int("max_num_draft_tokens", tn.DEFAULT_MAX_NUM_DRAFT_TOKENS, low=0)
+        draft_names = tuple(params.list("draft_models", tn.DRAFT_MODEL_NAME))
+        if not draft_names:
+            raise ValueError(f"{params.model_name}: parameter 'draft_models' lists no model")
+        return cls(
+            vocab_size=vocab_size, draft_names=draft_names, default_end_ids=end_ids,
+            max_context=params.int("max_context_tokens", tn.DEFAULT_MAX_CONTEXT_TOKENS, low=2),
+            max_max_tokens=max_max_tokens,
+            default_max_tokens=params.int("default_max_tokens", tn.DEFAULT_MAX_TOKENS, low=1, high=max_max_tokens),
+            max_num_draft_tokens=max_k,
+            default_num_draft_tokens=params.int("default_num_draft_tokens", tn.DEFAULT_NUM_DRAFT_TOKENS, low=0,
+                                                high=max_k),
+            adaptive_draft=params.bool("adaptive_draft", True),
+            max_stop_words=params.int("max_stop_words", 16, low=0),
+        )
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    generation: GenerationRequest
+    num_draft_tokens: int  # K: every round's (fixed) or the most a round drafts (adaptive)
+    adaptive: bool
+    draft_name: str  # which proposer drafts
+    stream: bool
+    stop_words: tuple[str, ...]
+
+    @classmethod
+    def parse(cls, lookup: InputLookup, limits: RequestLimits, seq_id: int | None = None) -> ParsedRequest:
+        """Validate a request's inputs against `limits`; raises InputError naming the input.
+
+        seq_id keys both models' KV caches; by default a fresh random one (nonzero: 0 means "no
+        sequence" to Triton)."""
+        inputs = _Inputs(lookup)
+        prompt_ids = inputs.array(tn.INPUT_IDS, np.int32)
+        if prompt_ids is None or prompt_ids.size == 0:
+            raise InputError(f"input '{tn.TEXT_INPUT}' is empty: the prompt needs at least one token")
+        prompt_ids = prompt_ids.reshape(-1).tolist()
+        max_tokens = inputs.scalar(tn.MAX_TOKENS, np.int32, limits.default_max_tokens)
+        if not 1 <= max_tokens <= limits.max_max_tokens:
+            raise InputError(f"input '{tn.MAX_TOKENS}' must be within [1, {limits.max_max_tokens}], got {max_tokens}")
+        if len(prompt_ids) + max_tokens > limits.max_context:
+            raise InputError(
+                f"input '{tn.TEXT_INPUT}' has {len(prompt_ids)} tokens; with '{tn.MAX_TOKENS}'={max_tokens} that "
+                f"exceeds the model context of {limits.max_context} tokens")
+        k = inputs.scalar(tn.NUM_DRAFT_TOKENS, np.int32, limits.default_num_draft_tokens)
+        if not 0 <= k <= limits.max_num_draft_tokens:
+            raise InputError(
+                f"input '{tn.NUM_DRAFT_TOKENS}' must be within [0, {limits.max_num_draft_tokens}], got {k}")
+        adaptive = bool(inputs.scalar(tn.ADAPTIVE_DRAFT, np.bool_, limits.adaptive_draft))
+        temperature = inputs.scalar(tn.TEMPERATURE, np.float32, tn.DEFAULT_TEMPERATURE)
+        if not 0.0 <= temperature < float("inf"):  # also rejects NaN
+            raise InputError(f"input '{tn.TEMPERATURE}' must be a finite number >= 0, got {temperature}")
+        top_k = inputs.scalar(tn.TOP_K, np.int32, tn.DEFAULT_TOP_K)
+        if top_k < 0:
+            raise InputError(f"input '{tn.TOP_K}' must be >= 0, got {top_k}")
+        top_p = inputs.scalar(tn.TOP_P, np.float32, tn.DEFAULT_TOP_P)
+        if not 0.0 < top_p <= 1.0:
+            raise InputError(f"input '{tn.TOP_P}' must be within (0, 1], got {top_p}")
+        seed = inputs.scalar(tn.SEED, np.uint64, None)
+        end_id = inputs.scalar(tn.END_ID, np.int32, None)
+        if end_id is not None and not 0 <= end_id < limits.vocab_size:
+            raise InputError(f"input '{tn.END_ID}' must be a token id within [0, {limits.vocab_size}), got {end_id}")
+        stop_words = tuple(inputs.strings(tn.STOP_WORDS))
+        if len(stop_words) > limits.max_stop_words:
+            raise InputError(f"input '{tn.STOP_WORDS}' has {len(stop_words)} entries; at most {limits.max_stop_words}")
+        if any(not word for word in stop_words):
+            raise InputError(f"input '{tn.STOP_WORDS}' contains an empty string")
+        names = inputs.strings(tn.DRAFT_MODEL)
+        draft_name = names[0] if names else limits.draft_names[0]
+        if len(names) > 1 or draft_name not in limits.draft_names:
+            raise InputError(f"input '{tn.DRAFT_MODEL}' must be one of {sorted(limits.draft_names)}, got {names}")
+        sampling = SamplingParams(temperature, top_k, top_p, seed)
+        generation = GenerationRequest(
+            seq_id=seq_id if seq_id is not None else random.getrandbits(63) | 1,
+            prompt_ids=prompt_ids,
+            max_tokens=max_tokens,
+            sampling=sampling,
+            end_ids=limits.default_end_ids if end_id is None else frozenset([end_id]),
+        )
+        # A seeded sampled request must be reproducible: measured costs vary from run to run, and a
+        # different K changes which random draws pick which token, so it drafts a fixed K.
+        adaptive = adaptive and (sampling.greedy or seed is None)
+        return cls(generation, k, adaptive, draft_name, bool(inputs.scalar(tn.STREAM, np.bool_, False)), stop_words)
+
+
+class _Inputs:
+    def __init__(self, lookup: InputLookup):
+        self.lookup = lookup
+
+    def array(self, name: str, dtype) -> np.ndarray | None:
+        value = self.lookup(name)
+        if value is None:
+            return None
+        if value.dtype != dtype:
+            raise InputError(f"input '{name}' must be {np.dtype(dtype).name}, got {value.dtype.name}")
+        return value
+
+    def scalar(self, name: str, dtype, default):
+        value = self.array(name, dtype)
+        if value is None:
+            return default
+        if value.size != 1:
+            raise InputError(f"input '{name}' must hold exactly one value, got shape {list(value.shape)}")
+        return value.reshape(-1)[0].item()
+
+    def strings(self, name: str) -> list[str]:
+        value = self.array(name, np.object_)
+        if value is None:
+            return []
+        out = []
+        for item in value.reshape(-1):
+            try:
+                out.append(item.decode("utf-8") if isinstance(item, bytes) else str(item))
+            except UnicodeDecodeError:
+                raise InputError(f"input '{name}' is not valid UTF-8") from None
+        return out

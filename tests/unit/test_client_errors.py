@@ -1,0 +1,34 @@
+"""The sync and asyncio clients map server answers to the same error types (one mapping, in client.core)."""
+
+import json
+
+import pytest
+
+from client.core import (ClientError, InvalidArgumentError, ModelNotReadyError, classify_http_error,
+                         server_url)
+
+
+@pytest.mark.parametrize("status, message, kind", [
+    (400, "Request for unknown model: 'ensemble' is not found", ModelNotReadyError),
+    (400, "Request for unknown model: 'ensemble' has no available versions", ModelNotReadyError),
+    (400, "model 'ensemble' is not ready", ModelNotReadyError),
+    (400, "input 'max_tokens' must be within [1, 1024], got 0", InvalidArgumentError),
+    (404, "not found", ModelNotReadyError),
+    (503, "Server not ready", ModelNotReadyError),
+    (500, "boom", ClientError),
+])
+def test_http_errors(status, message, kind):
+    error = classify_http_error(status, json.dumps({"error": message}))
+    assert type(error) is kind and str(error) == message
+
+
+def test_http_error_with_a_plain_text_body():
+    assert str(classify_http_error(500, "upstream died")) == "upstream died"
+
+
+def test_server_url():
+    assert server_url(None, "grpc") == "localhost:8001"
+    assert server_url(None, "http") == "http://localhost:8000"
+    assert server_url("https://x:1", "http") == "https://x:1"
+    with pytest.raises(ValueError, match="protocol"):
+        server_url(None, "ws")

@@ -1,0 +1,115 @@
+"""ParsedRequest: every input rule of speculative_decoding, without a server."""
+
+import numpy as np
+import pytest
+
+from specdec import tensor_names as tn
+from specdec.triton.config import ModelParameters
+from specdec.triton.request import InputError, ParsedRequest, RequestLimits
+
+LIMITS = RequestLimits(vocab_size=100, draft_names=(tn.NGRAM, "draft_model"), default_end_ids=frozenset([2]),
+                       max_context=64, max_max_tokens=32, default_max_tokens=16, max_num_draft_tokens=8,
+                       default_num_draft_tokens=4, max_stop_words=2)
+
+
+def parse(**inputs):
+    arrays = {tn.INPUT_IDS: np.array([[5, 6, 7]], dtype=np.int32)}
+    for name, value in inputs.items():
+        if value is None:
+            arrays.pop(name, None)
+        elif isinstance(value, np.ndarray):
+            arrays[name] = value
+        else:
+            arrays[name] = np.array([[value]])
+    return ParsedRequest.parse(arrays.get, LIMITS, seq_id=7)
+
+
+def test_defaults_come_from_the_limits():
+    parsed = parse()
+    gen = parsed.generation
+    assert (gen.seq_id, gen.prompt_ids, gen.max_tokens, gen.end_ids) == (7, [5, 6, 7], 16, frozenset([2]))
+    assert gen.sampling.greedy and gen.sampling.top_p == tn.DEFAULT_TOP_P
+    assert (parsed.num_draft_tokens, parsed.adaptive, parsed.draft_name) == (4, True, tn.NGRAM)
+    assert (parsed.stream, parsed.stop_words) == (False, ())
+
+
+def test_values_are_read():
+    parsed = parse(**{tn.MAX_TOKENS: np.array([[20]], dtype=np.int32),
+                      tn.NUM_DRAFT_TOKENS: np.array([[0]], dtype=np.int32),
+                      tn.TEMPERATURE: np.array([[0.7]], dtype=np.float32),
+                      tn.TOP_K: np.array([[5]], dtype=np.int32), tn.TOP_P: np.array([[0.9]], dtype=np.float32),
+                      tn.STREAM: np.array([[True]]), tn.END_ID: np.array([[9]], dtype=np.int32),
+                      tn.STOP_WORDS: np.array([[b"\n\n", b"END"]], dtype=np.object_),
+                      tn.DRAFT_MODEL: np.array([[b"draft_model"]], dtype=np.object_)})
+    gen = parsed.generation
+    assert gen.max_tokens == 20 and gen.end_ids == frozenset([9])
+    assert (gen.sampling.temperature, gen.sampling.top_k) == (pytest.approx(0.7), 5)
+    assert parsed.num_draft_tokens == 0 and parsed.stream and parsed.stop_words == ("\n\n", "END")
+    assert parsed.draft_name == "draft_model"
+
+
+def test_seeded_sampling_drafts_a_fixed_k_greedy_stays_adaptive():
+    seeded = {tn.TEMPERATURE: np.array([[1.0]], dtype=np.float32), tn.SEED: np.array([[3]], dtype=np.uint64)}
+    assert not parse(**seeded).adaptive
+    assert parse(**{tn.SEED: np.array([[3]], dtype=np.uint64)}).adaptive  # greedy: the seed changes nothing
+    assert not parse(**{tn.ADAPTIVE_DRAFT: np.array([[False]])}).adaptive
+
+
+@pytest.mark.parametrize("name, value", [
+    (tn.INPUT_IDS, np.zeros((1, 0), dtype=np.int32)),
+    (tn.MAX_TOKENS, np.array([[0]], dtype=np.int32)),
+    (tn.MAX_TOKENS, np.array([[33]], dtype=np.int32)),
+    (tn.MAX_TOKENS, np.array([[5]], dtype=np.int64)),  # wrong dtype
+    (tn.MAX_TOKENS, np.array([[5, 6]], dtype=np.int32)),  # not one value
+    (tn.NUM_DRAFT_TOKENS, np.array([[9]], dtype=np.int32)),
+    (tn.NUM_DRAFT_TOKENS, np.array([[-1]], dtype=np.int32)),
+    (tn.TEMPERATURE, np.array([[-0.1]], dtype=np.float32)),
+    (tn.TEMPERATURE, np.array([[np.nan]], dtype=np.float32)),
+    (tn.TOP_K, np.array([[-1]], dtype=np.int32)),
+    (tn.TOP_P, np.array([[0.0]], dtype=np.float32)),
+    (tn.TOP_P, np.array([[1.5]], dtype=np.float32)),
+    (tn.END_ID, np.array([[100]], dtype=np.int32)),
+    (tn.STOP_WORDS, np.array([[b"a", b"b", b"c"]], dtype=np.object_)),
+    (tn.STOP_WORDS, np.array([[b""]], dtype=np.object_)),
+    (tn.STOP_WORDS, np.array([[b"\xff"]], dtype=np.object_)),
+    (tn.DRAFT_MODEL, np.array([[b"nope"]], dtype=np.object_)),
+    (tn.DRAFT_MODEL, np.array([[b"ngram", b"draft_model"]], dtype=np.object_)),
+])
+def test_bad_inputs_are_refused_by_name(name, value):
+    with pytest.raises(InputError) as info:
+        parse(**{name: value})
+    named = tn.TEXT_INPUT if name == tn.INPUT_IDS else name  # the user sent text, not ids
+    assert f"'{named}'" in str(info.value)
+
+
+def test_prompt_and_max_tokens_must_fit_the_context():
+    ids = np.arange(60, dtype=np.int32).reshape(1, -1)
+    with pytest.raises(InputError, match=f"'{tn.TEXT_INPUT}' has 60 tokens.*context of 64"):
+        parse(**{tn.INPUT_IDS: ids, tn.MAX_TOKENS: np.array([[5]], dtype=np.int32)})
+    assert parse(**{tn.INPUT_IDS: ids, tn.MAX_TOKENS: np.array([[4]], dtype=np.int32)}).generation.max_tokens == 4
+
+
+def test_missing_prompt_is_refused_by_name():
+    with pytest.raises(InputError, match=f"'{tn.TEXT_INPUT}'"):
+        ParsedRequest.parse({}.get, LIMITS)
+
+
+def test_fresh_sequence_ids_are_nonzero_and_distinct():
+    ids = {ParsedRequest.parse({tn.INPUT_IDS: np.array([[1]], dtype=np.int32)}.get, LIMITS).generation.seq_id
+           for _ in range(50)}
+    assert len(ids) == 50 and 0 not in ids
+
+
+def test_limits_from_config_are_validated_at_load():
+    def config(**parameters):
+        return {"name": "speculative_decoding",
+                "parameters": {k: {"string_value": v} for k, v in parameters.items()}}
+
+    limits = RequestLimits.from_parameters(ModelParameters(config(draft_models="ngram, draft_model",
+                                                                  max_num_draft_tokens="6")), 10, frozenset())
+    assert limits.draft_names == (tn.NGRAM, "draft_model") and limits.max_num_draft_tokens == 6
+    assert limits.default_num_draft_tokens == tn.DEFAULT_NUM_DRAFT_TOKENS
+    with pytest.raises(ValueError, match="'default_num_draft_tokens'"):
+        RequestLimits.from_parameters(ModelParameters(config(max_num_draft_tokens="2")), 10, frozenset())
+    with pytest.raises(ValueError, match="'draft_models'"):
+        RequestLimits.from_parameters(ModelParameters(config(draft_models=" , ")), 10, frozenset())
