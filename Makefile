@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.specdec-setup
 
-.PHONY: setup serve test unit integration deploy-check image clean loadtest bench bench-concurrency bench-batching
+.PHONY: setup serve test unit integration deploy-check image clean loadtest bench bench-concurrency bench-batching bench-gpu
 
 setup: $(STAMP)
 
@@ -58,3 +58,8 @@ bench-concurrency: setup
 # 1-16 streams on servers it starts itself: one forward per sequence (batched_forward=false), then batched.
 bench-batching: setup
 	$(PY) loadtest/concurrency_bench.py --pair $${PAIR:-default} --compare-unbatched --requests-per-level 16 --max-tokens 48
+
+# On a GPU machine: the 8B-shaped bf16 pair against the bound, compiled PyTorch and transformers
+# (BENCH_GPU_ARGS="--small --compile off" runs tiny shapes on CPU).
+bench-gpu: setup
+	$(PY) bench/gpu_bench.py --out .cache/bench-gpu.md $${BENCH_GPU_ARGS:-}

@@ -133,13 +133,19 @@ def reference_steps(model, device: str, context: int, widths: list[int], compile
     forward = model.forward if compile_mode == "off" else torch.compile(model.forward, mode=compile_mode)
     prompt = torch.randint(0, model.config.vocab_size, (1, context), device=device)
     with torch.inference_mode():
-        model(prompt, past_key_values=cache, cache_position=torch.arange(context, device=device))
+        model(prompt, past_key_values=cache)
         out = {}
         for width in widths:
             ids = torch.randint(0, model.config.vocab_size, (1, width), device=device)
-            positions = torch.arange(context, context + width, device=device)
-            # Always the same positions: the cache is overwritten there, shapes never change.
-            out[width] = timed(lambda: forward(ids, past_key_values=cache, cache_position=positions), device, reps)
+            positions = torch.arange(context, context + width, device=device)[None]
+
+            def step():
+                # Always the same positions (the cache's fill level is set back): shapes never change.
+                for layer in cache.layers:
+                    layer.cumulative_length.fill_(context)
+                forward(ids, past_key_values=cache, position_ids=positions)
+
+            out[width] = timed(step, device, reps)
     return out
 
 

@@ -1,0 +1,74 @@
+"""On a GPU: sampling with a draft model (seeded, reproducible), greedy equality in float32, a target
+spread over several GPUs, in process and through a real server. Skipped without CUDA."""
+
+import asyncio
+import pytest
+import torch
+
+from client import Client, GenerationParams
+from specdec.decoding.draft_length import DraftLengthPolicy
+from specdec.decoding.loop import GenerationRequest, generate
+from specdec.decoding.sampling import SamplingParams
+from specdec.engine.executor import CausalLM, load_causal_lm
+from specdec.engine.local import LocalProposer, LocalScorer, collect
+from specdec.serving import pairs, server
+
+PROMPT = [1, 400, 2000, 37, 912, 5, 77]
+
+
+@pytest.fixture(scope="module")
+def tiny_pair():
+    return pairs.tiny_pair()
+
+
+def run(target, draft, sampling, k, max_tokens=24):
+    req = GenerationRequest(seq_id=1, prompt_ids=PROMPT, max_tokens=max_tokens, sampling=sampling)
+    proposer = LocalProposer(draft)
+    return asyncio.run(collect(generate(req, proposer, LocalScorer(target), DraftLengthPolicy.fixed(k))))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_greedy_speculative_equals_target_only_on_the_gpu(tiny_pair, dtype):
+    target = CausalLM(load_causal_lm(tiny_pair.target_path, "cuda", dtype))
+    draft = CausalLM(load_causal_lm(tiny_pair.draft_paths["draft_model"], "cuda", dtype))
+    alone = run(target, draft, SamplingParams(), 0)
+    for k in (1, 3, 8):
+        assert run(target, draft, SamplingParams(), k) == alone
+
+
+def test_sampling_with_a_draft_model_on_the_gpu_is_seeded(tiny_pair):
+    target = CausalLM(load_causal_lm(tiny_pair.target_path, "cuda", "float32"))
+    draft = CausalLM(load_causal_lm(tiny_pair.draft_paths["draft_model"], "cuda", "float32"))
+    assert draft.logits_device.type == "cuda"
+    params = SamplingParams(temperature=0.8, top_p=0.95, seed=7)
+    assert run(target, draft, params, 4) == run(target, draft, params, 4)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_a_spread_target_keeps_each_layers_cache_on_its_gpu(tiny_pair):
+    model = load_causal_lm(tiny_pair.target_path, device_map="balanced", dtype="float32")
+    lm = CausalLM(model)
+    assert len({d for d in lm.layer_devices}) > 1
+    lm.extend(1, 0, PROMPT, 1)
+    seq = lm.sequences[1]
+    assert [k.device for k in seq.keys] == lm.layer_devices
+    reference = CausalLM(load_causal_lm(tiny_pair.target_path, "cuda:0", "float32"))
+    assert torch.allclose(lm.extend(1, len(PROMPT), [9, 10], 2).cpu(),
+                          reference.extend(1, 0, PROMPT + [9, 10], 2).cpu(), atol=1e-4)
+
+
+def test_served_on_the_gpu_samples_with_a_draft_model(tmp_path, tiny_pair):
+    """The served path that failed before: draft_model sampling on CUDA (generator device, host copies)."""
+    args = ["--target", tiny_pair.target_path, "--draft", tiny_pair.draft_paths["draft_model"],
+            "--device", "gpu", "--dtype", "float32"]
+    own = server.start(tmp_path / "run", tmp_path / "server.log", args, ready_timeout_s=600)
+    try:
+        client = Client(own.grpc_url)
+        sampled = GenerationParams(max_tokens=24, num_draft_tokens=4, temperature=0.8, seed=11)
+        first, again = client.generate("Hello there", sampled), client.generate("Hello there", sampled)
+        assert first.text == again.text and first.total_draft_tokens > 0
+        greedy = [client.generate("Once upon a time", GenerationParams(max_tokens=24, num_draft_tokens=k)).text
+                  for k in (0, 4)]
+        assert greedy[0] == greedy[1]
+    finally:
+        own.stop()
