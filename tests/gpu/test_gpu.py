@@ -13,6 +13,9 @@ from specdec.engine.executor import CausalLM, load_causal_lm
 from specdec.engine.local import LocalProposer, LocalScorer, collect
 from specdec.serving import pairs, server
 
+# Every test here needs CUDA: marked `gpu`, skipped where torch sees no GPU (CI stays CPU-only).
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
 PROMPT = [1, 400, 2000, 37, 912, 5, 77]
 
 

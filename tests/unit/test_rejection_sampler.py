@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from specdec.decoding.rejection_sampler import greedy_verify, rejection_sample
+from specdec.decoding.rejection_sampler import Verdict, greedy_verify, rejection_sample
 from specdec.decoding.sampling import SamplingParams, logits_to_probs
 
 
@@ -123,3 +123,129 @@ def test_top_k_1_sampling_equals_greedy():
     draft_tokens = logits[:3].argmax(-1)
     verdict = rejection_sample(draft_tokens, probs[:3], probs, torch.rand(3, generator=g), g)
     assert verdict == greedy_verify(draft_tokens, logits.argmax(-1))
+
+
+# ---- the joint distribution of whole rounds, against planted bugs ------------------------------------
+# A context-dependent pair: every prefix of up to K+1 tokens over a vocabulary of V has its own peaked
+# target and draft distributions (softmax of 3·randn) with top-k / top-p zeros, so a rejection at
+# position 2+ sees different rows than one at position 1, and the draft puts mass where the target has
+# none. Rounds of K = 3 run until K + 1 = 4 tokens are out; the empirical joint distribution of those 4
+# tokens is compared with the exact target joint by a chi-square test at significance 1e-3.
+V, K, ROUNDS = 5, 3, 12_000
+
+
+def _tables() -> tuple[dict, dict]:
+    """Target and draft rows per prefix; the draft's logits are the target's plus noise (a draft that
+    mostly agrees, so whole rounds are often accepted and the bonus token matters)."""
+    g = torch.Generator().manual_seed(10)
+    prefixes = [()]
+    for _ in range(K + 1):
+        prefixes += [p + (v,) for p in prefixes if len(p) == len(prefixes[-1]) for v in range(V)]
+    target, draft = {}, {}
+    for prefix in prefixes:
+        logits = 3 * torch.randn(V, generator=g)
+        target[prefix] = logits_to_probs(logits, SamplingParams(temperature=1.0, top_k=3))
+        draft[prefix] = logits_to_probs(logits + 1.5 * torch.randn(V, generator=g),
+                                        SamplingParams(temperature=1.0, top_p=0.9))
+    return target, draft
+
+
+TARGET, DRAFT = _tables()
+
+
+def _sample_joint(sampler, seed: int) -> torch.Tensor:
+    """Counts over the V^(K+1) joint outcomes of the first K+1 tokens."""
+    g = torch.Generator().manual_seed(seed)
+    counts = torch.zeros(V ** (K + 1))
+    for _ in range(ROUNDS):
+        out: tuple[int, ...] = ()
+        while len(out) < K + 1:
+            drafted, draft_rows = [], []
+            for _ in range(K):
+                row = DRAFT[(out + tuple(drafted))[:K + 1]]
+                draft_rows.append(row)
+                drafted.append(int(torch.multinomial(row, 1, generator=g)))
+            target_rows = torch.stack([TARGET[(out + tuple(drafted[:i]))[:K + 1]] for i in range(K + 1)])
+            verdict = sampler(torch.tensor(drafted), torch.stack(draft_rows), target_rows,
+                              torch.rand(K, generator=g), g)
+            out += tuple(drafted[:verdict.num_accepted]) + (verdict.next_token,)
+        index = 0
+        for token in out[:K + 1]:
+            index = index * V + token
+        counts[index] += 1
+    return counts
+
+
+def _exact_joint() -> torch.Tensor:
+    probs = torch.zeros(V ** (K + 1))
+    for index in range(V ** (K + 1)):
+        tokens = [(index // V ** (K - i)) % V for i in range(K + 1)]
+        p = 1.0
+        for i, token in enumerate(tokens):
+            p *= float(TARGET[tuple(tokens[:i])][token])
+        probs[index] = p
+    return probs
+
+
+def _chi_square_rejects(counts: torch.Tensor, expected_probs: torch.Tensor) -> bool:
+    """Chi-square goodness of fit at significance 1e-3; cells expecting < 5 counts are pooled (an observed
+    count where the target has no mass at all rejects outright)."""
+    n = float(counts.sum())
+    if counts[expected_probs == 0].sum() > 0:
+        return True
+    expected = expected_probs * n
+    big = expected >= 5
+    observed = torch.cat([counts[big], counts[~big].sum().reshape(1)])
+    wanted = torch.cat([expected[big], expected[~big].sum().reshape(1)])
+    keep = wanted > 0
+    statistic = float(((observed[keep] - wanted[keep]) ** 2 / wanted[keep]).sum())
+    dof = int(keep.sum()) - 1
+    z = 3.09  # one-sided normal quantile of 1e-3; Wilson-Hilferty approximation of the chi-square quantile
+    critical = dof * (1 - 2 / (9 * dof) + z * (2 / (9 * dof)) ** 0.5) ** 3
+    print(f"chi-square {statistic:.0f}, critical {critical:.0f} ({dof} degrees of freedom)")
+    return statistic > critical
+
+
+def _residual_as_mask(draft_tokens, draft_probs, target_probs, uniforms, generator=None):
+    """Planted bug: at a rejection, resample from the target where p_t > p_d (a mask), not max(0, p_t - p_d)."""
+    k = draft_tokens.shape[0]
+    positions = torch.arange(k)
+    rejected = (uniforms * draft_probs[positions, draft_tokens] >= target_probs[positions, draft_tokens]).nonzero()
+    if not rejected.numel():
+        return Verdict(k, int(torch.multinomial(target_probs[k], 1, generator=generator)))
+    first = int(rejected[0, 0])
+    masked = target_probs[first] * (target_probs[first] > draft_probs[first])
+    return Verdict(first, int(torch.multinomial(masked / masked.sum(), 1, generator=generator)))
+
+
+def _bonus_from_draft(draft_tokens, draft_probs, target_probs, uniforms, generator=None):
+    """Planted bug: when all K are accepted, the bonus token comes from the draft's last row."""
+    verdict = rejection_sample(draft_tokens, draft_probs, target_probs, uniforms, generator)
+    k = draft_tokens.shape[0]
+    if verdict.num_accepted == k:
+        return Verdict(k, int(torch.multinomial(draft_probs[k - 1], 1, generator=generator)))
+    return verdict
+
+
+def _first_row_at_every_rejection(draft_tokens, draft_probs, target_probs, uniforms, generator=None):
+    """Planted bug: a rejection at position 2+ takes its residual from the rows of position 1."""
+    k = draft_tokens.shape[0]
+    positions = torch.arange(k)
+    rejected = (uniforms * draft_probs[positions, draft_tokens] >= target_probs[positions, draft_tokens]).nonzero()
+    if not rejected.numel():
+        return Verdict(k, int(torch.multinomial(target_probs[k], 1, generator=generator)))
+    first = int(rejected[0, 0])
+    residual = (target_probs[0] - draft_probs[0]).clamp_min(0)
+    if residual.sum() <= 0:
+        residual = target_probs[0]
+    return Verdict(first, int(torch.multinomial(residual / residual.sum(), 1, generator=generator)))
+
+
+def test_rounds_give_exactly_the_targets_joint_distribution():
+    assert not _chi_square_rejects(_sample_joint(rejection_sample, seed=0), _exact_joint())
+
+
+@pytest.mark.parametrize("planted", [_residual_as_mask, _bonus_from_draft, _first_row_at_every_rejection])
+def test_the_joint_test_catches_planted_bugs(planted):
+    """The same test on a sampler with a known bug must fail: proof that it can."""
+    assert _chi_square_rejects(_sample_joint(planted, seed=0), _exact_joint())
