@@ -7,7 +7,6 @@ and the container's command line parsed by the launcher it runs.
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import re
 import shutil
@@ -21,8 +20,6 @@ from specdec.serving.pairs import REPO_ROOT
 
 DOCKERFILE = REPO_ROOT / "docker" / "Dockerfile"
 COMPOSE = REPO_ROOT / "docker" / "compose.yaml"
-# nvidia-pytriton release -> the NGC Triton release whose tritonserver it ships (pytriton's release notes).
-PYTRITON_TRITON_RELEASE = {"0.7.0": "24.10"}
 
 
 def instructions() -> list[tuple[str, str]]:
@@ -43,11 +40,23 @@ def test_hadolint_clean():
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_base_image_carries_the_tested_triton():
+def base_image_release() -> str:
+    """The NGC release (YY.MM) of the Dockerfile's tritonserver base image."""
     (base,) = [args for word, args in instructions() if word == "FROM"]
     match = re.fullmatch(r"nvcr\.io/nvidia/tritonserver:(\d\d\.\d\d)-py3", base)
     assert match, base
-    assert PYTRITON_TRITON_RELEASE[importlib.metadata.version("nvidia-pytriton")] == match.group(1)
+    return match.group(1)
+
+
+def ngc_release(server_version: str) -> str:
+    """The NGC release whose tritonserver reports this version: monthly releases, 2.51 = 24.10."""
+    months = int(server_version.split(".")[1]) - 51 + 24 * 12 + 10 - 1
+    return f"{months // 12:02d}.{months % 12 + 1:02d}"
+
+
+def test_release_arithmetic():
+    assert ngc_release("2.51.0") == "24.10" and ngc_release("2.53.0") == "24.12"
+    assert ngc_release("2.54.0") == "25.01" and ngc_release("2.50.0") == "24.09"
 
 
 def test_python_matches_the_tests_and_installs_the_setup_requirements():

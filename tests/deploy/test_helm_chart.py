@@ -10,7 +10,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-helm_python = pytest.importorskip("helm_python")
+# Imported, not importorskip'd: the chart tests must fail, never vanish, when the binding is broken.
+import helm_python  # noqa: E402
 from helm_python import Chart  # noqa: E402
 
 from specdec.serving import launcher  # noqa: E402

@@ -86,15 +86,15 @@ def test_live_sequence_cap_queues_or_rejects(tmp_path, when_full):
             except GenerationError as exc:
                 return exc
 
-        peak_live = peak_queued = 0
+        peak_queued = 0
         with ThreadPoolExecutor(6) as pool:
             futures = [pool.submit(one, i) for i in range(6)]
             while not all(f.done() for f in futures):
-                peak_live = max(peak_live, srv.metric("specdec_live_sequences"))
                 peak_queued = max(peak_queued, srv.metric("specdec_queued_requests"))
                 time.sleep(0.05)
             results = [f.result() for f in futures]
-        assert peak_live <= 2
+        # The server's own high-water mark: sampling the live gauge could miss a brief excess.
+        assert srv.metric("specdec_live_sequences_peak") == 2
         errors = [r for r in results if isinstance(r, Exception)]
         if when_full == "queue":
             assert errors == [] and peak_queued >= 1

@@ -20,3 +20,16 @@ def test_sigterm_stops_server_and_every_stub_with_exit_code_0(tmp_path):
     finally:
         code = stop_server(server)  # asserts: nothing pending, no stub left, exit code 0
     assert code == 0
+
+
+def test_the_image_base_is_the_triton_release_the_tests_serve_with(server):
+    """The Dockerfile's NGC base image must be the release of the tritonserver every test here runs (the
+    one the nvidia-pytriton wheel ships), read from the running server itself."""
+    import json
+    import urllib.request
+
+    from tests.deploy.test_docker import base_image_release, ngc_release
+
+    with urllib.request.urlopen(f"{server.http_url}/v2", timeout=10) as response:
+        version = json.loads(response.read())["version"]
+    assert ngc_release(version) == base_image_release(), version

@@ -192,29 +192,34 @@ def test_caches_released_when_a_call_fails():
     assert proposer.released == [4] and scorer.released == [4]
 
 
-def test_sampled_rounds_use_logits_and_draft_probs():
-    """A sampled request asks the scorer for logits; with draft == target everything is accepted."""
+@pytest.mark.parametrize("proposed, accepted", [(1, True), (3, False)])
+def test_sampled_rounds_accept_by_the_target_and_draft_probs(proposed, accepted):
+    """A sampled request asks the scorer for logits and verifies the draft's distributions against them.
+    The target puts (almost) all its mass on token 1: a draft proposing 1 is accepted every time, one
+    proposing 3 (with probability 1 under the draft) is rejected every time and replaced by 1. An
+    always-accept or always-reject rule fails one of the two cases."""
     vocab = 5
 
     class SampledScorer(FakeModel):
         async def score(self, seq_id, keep, new_ids, num_positions, want_logits):
             assert want_logits
             self._extend(seq_id, keep, new_ids)
-            logits = torch.zeros(num_positions, vocab)
+            logits = torch.full((num_positions, vocab), -30.0)
+            logits[:, 1] = 30.0
             return Scores(logits.argmax(-1), logits)
 
     class SampledProposer(FakeModel):
         async def propose(self, seq_id, keep, new_ids, k, params, round_seed):
-            cache = self._extend(seq_id, keep, new_ids + [0] * (k - 1))
-            probs = torch.full((k, vocab), 1 / vocab)
-            return Proposal([round_seed % vocab] * k, probs, cached_length=len(cache))
+            cache = self._extend(seq_id, keep, new_ids + [proposed] * (k - 1))
+            probs = torch.nn.functional.one_hot(torch.tensor([proposed] * k), vocab).float()
+            return Proposal([proposed] * k, probs, cached_length=len(cache))
 
-    req = GenerationRequest(seq_id=1, prompt_ids=[1], max_tokens=12,
-                            sampling=SamplingParams(temperature=1.0, seed=5))
+    req = GenerationRequest(seq_id=1, prompt_ids=[1], max_tokens=12, sampling=SamplingParams(temperature=1.0, seed=5))
     stats = Stats()
     first = run(req, SampledProposer(), SampledScorer(), DraftLengthPolicy.fixed(3), stats)
     again = run(req, SampledProposer(), SampledScorer(), DraftLengthPolicy.fixed(3), Stats())
-    assert stats.acceptance_rate == 1.0
+    assert [t for r in first for t in r.new_tokens] == [1] * 12
+    assert stats.acceptance_rate == (1.0 if accepted else 0.0)
     assert [r.new_tokens for r in first] == [r.new_tokens for r in again]  # seeded: reproducible
 
 

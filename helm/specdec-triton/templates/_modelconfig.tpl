@@ -97,6 +97,7 @@ output [
   { name: "draft_probs", data_type: TYPE_FP32, dims: [ -1, -1 ] }
 ]
 {{ include "specdec.lmParams" (list . "draft" .Values.models.draft.path) }}
+{{ include "specdec.param" (list "target_tokenizer_path" (include "specdec.tokenizerPath" .)) }}
 {{- end -}}
 
 {{- define "specdec.triton.config.target_model" -}}

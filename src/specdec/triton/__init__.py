@@ -4,6 +4,7 @@
   orchestrator     speculative_decoding: the decoupled BLS model running `decoding.loop.generate`
   request          ParsedRequest: one request's inputs validated (no pb_utils; unit-tested)
   bls              the loop's Proposer and Scorer as BLS calls into draft_model / target_model
+  fallback         a failing draft model is bypassed (target-only rounds) and retried after a wait
   language_models  draft_model and target_model over `engine.executor.CausalLM`
   text_models      preprocessing (text -> ids) and postprocessing (ids -> text)
   config           typed, validated config.pbtxt parameters

@@ -10,6 +10,7 @@ on request, the logits of the last num_logits positions; draft_model proposes nu
 from __future__ import annotations
 
 
+import threading
 import time
 from pathlib import Path
 
@@ -69,10 +70,32 @@ class LanguageModelAdapter(TritonAdapter):
                                         low=1),
         )
         self.metrics = ModelMetrics(self.pb, self.name)
+        # Abandoned sequences (no release call: a crashed orchestrator, a killed client) are evicted by
+        # time, also while no request arrives to run `execute`: a thread checks every quarter timeout.
+        # The lock keeps it out of a running forward.
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        interval = min(max(self.lm.idle_timeout_s / 4, 0.25), 30.0)
+        self._evictor = threading.Thread(target=self._evict_periodically, args=(interval,), daemon=True,
+                                         name=f"{self.name}-evictor")
+        self._evictor.start()
+
+    def _evict_periodically(self, interval_s: float) -> None:
+        while not self._stop.wait(interval_s):
+            with self._lock:
+                if self.lm.evict_idle():
+                    self._report_metrics(flush=True)
+
+    def _report_metrics(self, flush: bool) -> None:
+        self.metrics.report(self.lm.tokens_processed, len(self.lm.sequences), self.lm.kv_bytes_allocated, flush)
 
     def execute(self, requests):
         """All pending steps (of different sequences: the sequence batcher sends one step per sequence
         at a time) run as one batched forward; each request gets its own response or error."""
+        with self._lock:
+            return self._execute(requests)
+
+    def _execute(self, requests):
         pb = self.pb
         self.lm.evict_idle()
         released = False
@@ -106,8 +129,7 @@ class LanguageModelAdapter(TritonAdapter):
             for i, step, result, forward in zip(owners, steps, results, forwards):
                 responses[i] = self._error(result) if isinstance(result, Exception) else \
                     self._respond(requests[i], step, result, forward)
-        self.metrics.report(self.lm.tokens_processed, len(self.lm.sequences), self.lm.kv_bytes_allocated,
-                            flush=released)
+        self._report_metrics(flush=released)
         return responses
 
     def _error(self, exc: Exception):
@@ -130,6 +152,8 @@ class LanguageModelAdapter(TritonAdapter):
         raise NotImplementedError
 
     def finalize(self):
+        self._stop.set()
+        self._evictor.join(timeout=5)
         self.lm.sequences.clear()
 
 

@@ -88,6 +88,9 @@ class OrchestratorMetrics:
                             family.HISTOGRAM).Metric(labels={}, buckets=LATENCY_BUCKETS)
         self.live = make("specdec_live_sequences", "Requests currently generating",
                          family.GAUGE).Metric(labels={})
+        self.live_peak = make("specdec_live_sequences_peak", "The most requests that have generated at once",
+                              family.GAUGE).Metric(labels={})
+        self._live_peak = 0
         self.queued = make("specdec_queued_requests", "Requests waiting for a slot (max_live_sequences reached)",
                            family.GAUGE).Metric(labels={})
         self.sequences_per_forward = make(
@@ -96,6 +99,9 @@ class OrchestratorMetrics:
         verify_cost = make("specdec_verify_cost", "v(k): a round drafting k tokens, in target-only steps, as "
                            "the adaptive policy currently estimates it", family.GAUGE)
         self.verify_cost = {k: verify_cost.Metric(labels={"draft_tokens": str(k)}) for k in positions}
+        self.fallbacks = make("specdec_draft_fallbacks_total", "Rounds run target-only because their draft model "
+                              "failed or was out of rotation after failing", family.COUNTER)
+        self._fallback_metrics: dict = {}
         self._costs_published = 0.0
         self._flushed = 0.0
         self._reset_pending()
@@ -133,13 +139,22 @@ class OrchestratorMetrics:
             for i, count in enumerate(counts):
                 if count:
                     metrics[i + 1].increment(count)
+        for name, count in self._pending_fallbacks.items():
+            if name not in self._fallback_metrics:
+                self._fallback_metrics[name] = self.fallbacks.Metric(labels={"draft_model": name})
+            self._fallback_metrics[name].increment(count)
         self._reset_pending()
+
+    def record_fallback(self, draft_name: str) -> None:
+        """A round that ran target-only because its draft failed (sent with the next flush)."""
+        self._pending_fallbacks[draft_name] = self._pending_fallbacks.get(draft_name, 0) + 1
 
     def _reset_pending(self) -> None:
         self._pending_rounds = 0
         self._pending_lengths: list[int] = []
         self._pending_drafted_at = [0] * len(self.drafted_at)
         self._pending_accepted_at = [0] * len(self.accepted_at)
+        self._pending_fallbacks: dict[str, int] = {}
 
     def record_costs(self, costs, now: float) -> None:
         """Publish the policy's cost estimates (CostModel), at most twice a second."""
@@ -150,6 +165,12 @@ class OrchestratorMetrics:
             self.sequences_per_forward.set(costs.sequences.value)
         for k, metric in self.verify_cost.items():
             metric.set(costs.verify_cost(k))
+
+    def set_live(self, live: int) -> None:
+        self.live.set(live)
+        if live > self._live_peak:  # a high-water mark: a scrape between two samples cannot miss it
+            self._live_peak = live
+            self.live_peak.set(live)
 
     def record_request(self, finish_reason: str, output_tokens: int, latency_s: float) -> None:
         self.requests[finish_reason].increment(1)

@@ -24,6 +24,7 @@ from specdec.triton.adapter import TritonAdapter
 from specdec.triton.bls import BlsProposer, BlsScorer
 from specdec.triton.cancellation import CancellationBoard
 from specdec.triton.config import ModelParameters
+from specdec.triton.fallback import FallbackProposer
 from specdec.triton.metrics import OrchestratorMetrics
 from specdec.triton.request import InputError, ParsedRequest, RequestLimits
 
@@ -44,10 +45,13 @@ class SpeculativeDecodingAdapter(TritonAdapter):
         self.queued = 0
         timeout_us = params.int("bls_timeout_us", 0, low=0)
         # "ngram" is the built-in prompt-lookup method; any other name is a draft model to call over BLS.
-        self.proposers = {name: NgramProposer() if name == tn.NGRAM
-                          else BlsProposer(pb_utils, name, timeout_us) for name in self.limits.draft_names}
-        self.scorer = BlsScorer(pb_utils, params.str("target_model", tn.TARGET_MODEL_NAME), timeout_us)
         self.metrics = OrchestratorMetrics(pb_utils, self.limits.max_num_draft_tokens)
+        # A draft model that fails is bypassed (target-only rounds) and retried after a wait.
+        retry_s = params.float("draft_retry_after_s", 1.0, low=0.0)
+        self.proposers = {name: NgramProposer() if name == tn.NGRAM else FallbackProposer(
+            BlsProposer(pb_utils, name, timeout_us), name, self.metrics.record_fallback, retry_after_s=retry_s)
+            for name in self.limits.draft_names}
+        self.scorer = BlsScorer(pb_utils, params.str("target_model", tn.TARGET_MODEL_NAME), timeout_us)
         self.cancellations = CancellationBoard()
         self.cancellations.sweep()
         self.last_sweep = time.monotonic()
@@ -116,7 +120,7 @@ class SpeculativeDecodingAdapter(TritonAdapter):
             sender.send(self._response(emission, gen, emitter, stats, finish), flags=flags)
 
         self.live += 1
-        self.metrics.live.set(self.live)
+        self.metrics.set_live(self.live)
         finish, last = None, None
         try:
             policy = DraftLengthPolicy(parsed.num_draft_tokens, self.costs, parsed.draft_name,
@@ -143,15 +147,16 @@ class SpeculativeDecodingAdapter(TritonAdapter):
             return
         finally:
             self.live -= 1
-            self.metrics.live.set(self.live)
+            self.metrics.set_live(self.live)
             self.metrics.flush(time.monotonic())  # this request's rounds are counted before it ends
             self.cancellations.clear(gen.seq_id)
         if finish == tn.FINISH_CANCELLED:
             last = emitter.push([], final=True)
         if not stream:  # one response: everything sent, cut where the emitter cut it
             last = Emission(emitter.emitted, [], emitter.text, len(emitter.text), False)
-        send(last, finish)
+        # Counted before the final response leaves: a client that reads the metrics after it sees them.
         self.metrics.record_request(finish, len(emitter.emitted), time.monotonic() - arrived)
+        send(last, finish)
 
     def _cancelled(self, request, sender, seq_id: int) -> bool:
         # Direct callers' cancellation reaches this request; an ensemble's arrives through the board.

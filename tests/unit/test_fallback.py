@@ -1,0 +1,88 @@
+"""A failing draft model: the request finishes target-only with the same greedy output; the draft is out
+of rotation for a while, doubling while it keeps failing, and back after it answers."""
+
+import asyncio
+
+from specdec.decoding.draft_length import DraftLengthPolicy
+from specdec.decoding.loop import GenerationRequest, Stats, generate
+from specdec.decoding.sampling import SamplingParams
+from specdec.triton.fallback import FallbackProposer
+
+from .test_loop import FakeProposer, FakeScorer, reference_greedy
+
+
+class FlakyProposer(FakeProposer):
+    """Answers except on the calls listed in `fail_on` (1-based)."""
+
+    def __init__(self, fail_on):
+        super().__init__(agree_every=3)
+        self.fail_on, self.asked = set(fail_on), 0
+
+    async def propose(self, *args, **kwargs):
+        self.asked += 1
+        if self.asked in self.fail_on:
+            raise RuntimeError("draft_model: too many live sequences (1); retry later")
+        return await super().propose(*args, **kwargs)
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def run(req, proposer, stats=None):
+    async def collect():
+        return [t async for rnd in generate(req, proposer, FakeScorer(), DraftLengthPolicy.fixed(3), stats)
+                for t in rnd.new_tokens]
+
+    return asyncio.run(collect())
+
+
+def test_a_failing_draft_falls_back_to_target_only_with_the_same_output():
+    prompt = [3, 1, 4, 1, 5]
+    req = GenerationRequest(seq_id=1, prompt_ids=prompt, max_tokens=30)
+    failed = []
+    inner = FlakyProposer(fail_on={2})
+    clock = Clock()
+    proposer = FallbackProposer(inner, "draft_model", failed.append, retry_after_s=5.0, clock=clock)
+    stats = Stats()
+    assert run(req, proposer, stats) == reference_greedy(prompt, 30)
+    assert failed and set(failed) == {"draft_model"}  # the failing round and every round while out
+    assert not proposer.available and inner.released == [1, 1]  # dropped after the failure, and at the end
+    assert inner.asked == 2  # out of rotation: never called again during this (instant) request
+    clock.now = 5.0  # the wait is over: the next request drafts again
+    again = Stats()
+    assert run(GenerationRequest(seq_id=2, prompt_ids=prompt, max_tokens=30), proposer, again) == \
+        reference_greedy(prompt, 30)
+    assert again.drafted > 0 and proposer.available
+
+
+def test_the_wait_doubles_while_the_draft_keeps_failing_and_resets_when_it_answers():
+    clock = Clock()
+    inner = FlakyProposer(fail_on={1, 2, 3})
+    proposer = FallbackProposer(inner, "d", retry_after_s=1.0, max_retry_after_s=3.0, clock=clock)
+    params = SamplingParams()
+
+    def propose():
+        return asyncio.run(proposer.propose(1, 0, [1, 2], 2, params, 0))
+
+    waits = []
+    for _ in range(3):
+        assert propose().tokens == []
+        waits.append(proposer.out_until - clock.now)
+        clock.now = proposer.out_until
+    assert waits == [1.0, 2.0, 3.0]  # doubling, capped
+    assert propose().tokens  # the 4th call answers
+    assert proposer.wait == 1.0 and proposer.available
+
+
+def test_a_failing_release_does_not_propagate():
+    class BadRelease(FakeProposer):
+        async def release(self, seq_id):
+            raise RuntimeError("gone")
+
+    proposer = FallbackProposer(BadRelease(), "d")
+    asyncio.run(proposer.release(7))  # logged, not raised: the target's cache must still be released
