@@ -62,11 +62,12 @@ def stop_server(server: Server, require_clean_exit: bool = True) -> int:
 
 
 # ---- request helpers (plain tritonclient, the way any Triton LLM client calls the ensemble) ----------
-def _inputs(prompt: str, **params) -> list:
+def _inputs(prompt: str | None, **params) -> list:
+    """The ensemble's inputs; prompt None leaves text_input out."""
     types = {tn.MAX_TOKENS: np.int32, tn.NUM_DRAFT_TOKENS: np.int32, tn.TEMPERATURE: np.float32,
              tn.TOP_K: np.int32, tn.TOP_P: np.float32, tn.SEED: np.uint64, tn.STREAM: np.bool_,
              tn.END_ID: np.int32, tn.ADAPTIVE_DRAFT: np.bool_, tn.APPLY_CHAT_TEMPLATE: np.bool_}
-    arrays = {tn.TEXT_INPUT: np.array([[prompt.encode()]], dtype=np.object_)}
+    arrays = {} if prompt is None else {tn.TEXT_INPUT: np.array([[prompt.encode()]], dtype=np.object_)}
     for name, value in params.items():
         if value is None:
             continue
@@ -139,9 +140,10 @@ def grpc_stream(url: str, prompt: str, timeout: float = 120, **params) -> dict:
         client.close()
 
 
-def http_generate(base_url: str, prompt: str, timeout: float = 120, stream: bool = False, **params) -> dict:
+def http_generate(base_url: str, prompt: str | None, timeout: float = 120, stream: bool = False, **params) -> dict:
     """Triton's generate extension: /generate (one JSON) or /generate_stream (SSE)."""
-    body = {tn.TEXT_INPUT: prompt, **{k: v for k, v in params.items() if v is not None}}
+    body = {} if prompt is None else {tn.TEXT_INPUT: prompt}
+    body.update({k: v for k, v in params.items() if v is not None})
     if stream:
         body[tn.STREAM] = True
     path = "generate_stream" if stream else "generate"

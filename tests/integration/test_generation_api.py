@@ -199,6 +199,8 @@ BAD_REQUESTS = {
     "num_draft_tokens_negative": (PROMPTS[0], dict(num_draft_tokens=-1), "num_draft_tokens"),
     "num_draft_tokens_over_max": (PROMPTS[0], dict(num_draft_tokens=17), "num_draft_tokens"),
     "empty_prompt": ("", {}, "text_input"),
+    "missing_prompt": (None, dict(max_tokens=5), "text_input"),
+    "only_chat_template": (None, dict(apply_chat_template=True), "text_input"),
     "blank_prompt": ("   ", {}, "text_input"),
     "prompt_over_context": (LONG_PROMPT, dict(max_tokens=10), "context"),
     "end_id_out_of_range": (PROMPTS[0], dict(end_id=10**8), "end_id"),
@@ -227,6 +229,15 @@ def test_bad_input_gets_a_clear_error_naming_the_field(server, case):
     prompt, params, field = BAD_REQUESTS[case]
     with pytest.raises(GenerationError, match=field):
         grpc_stream(server.grpc_url, prompt, timeout=60, **params)
+    assert server.ready()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_missing_prompt_over_http_names_text_input(server, stream):
+    """Triton 24.10 checks an ensemble request's number of inputs, not which: without text_input it used to
+    complete with an empty answer."""
+    with pytest.raises(GenerationError, match="'text_input' is required"):
+        http_generate(server.http_url, None, timeout=60, stream=stream, max_tokens=5)
     assert server.ready()
 
 

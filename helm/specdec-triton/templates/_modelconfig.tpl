@@ -41,7 +41,18 @@ name: "preprocessing"
 backend: "python"
 max_batch_size: 64
 input [
-  { name: "text_input", data_type: TYPE_STRING, dims: [ 1 ] },
+  { name: "text_input", data_type: TYPE_STRING, dims: [ 1 ], optional: true },
+  { name: "max_tokens", data_type: TYPE_INT32, dims: [ 1 ], optional: true },
+  { name: "num_draft_tokens", data_type: TYPE_INT32, dims: [ 1 ], optional: true },
+  { name: "adaptive_draft", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },
+  { name: "temperature", data_type: TYPE_FP32, dims: [ 1 ], optional: true },
+  { name: "top_k", data_type: TYPE_INT32, dims: [ 1 ], optional: true },
+  { name: "top_p", data_type: TYPE_FP32, dims: [ 1 ], optional: true },
+  { name: "seed", data_type: TYPE_UINT64, dims: [ 1 ], optional: true },
+  { name: "stream", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },
+  { name: "end_id", data_type: TYPE_INT32, dims: [ 1 ], optional: true },
+  { name: "stop_words", data_type: TYPE_STRING, dims: [ -1 ], optional: true },
+  { name: "draft_model", data_type: TYPE_STRING, dims: [ 1 ], optional: true },
   { name: "apply_chat_template", data_type: TYPE_BOOL, dims: [ 1 ], optional: true }
 ]
 output [

@@ -34,7 +34,10 @@ class PreprocessingAdapter(TritonAdapter):
 
     def _encode(self, request) -> list[int]:
         pb = self.pb
-        raw = pb.get_input_tensor_by_name(request, tn.TEXT_INPUT).as_numpy().reshape(-1)
+        tensor = pb.get_input_tensor_by_name(request, tn.TEXT_INPUT)
+        if tensor is None:
+            raise ValueError(f"input '{tn.TEXT_INPUT}' is required (the prompt)")
+        raw = tensor.as_numpy().reshape(-1)
         if raw.size != 1:
             raise ValueError(f"input '{tn.TEXT_INPUT}' must hold exactly one string, got {raw.size}")
         value = raw[0]
