@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.specdec-setup
 
-.PHONY: setup serve test unit integration deploy-check image clean loadtest bench bench-concurrency bench-batching bench-gpu
+.PHONY: readme-examples soak setup serve test unit integration deploy-check image clean loadtest bench bench-concurrency bench-batching bench-gpu
 
 setup: $(STAMP)
 
@@ -63,3 +63,12 @@ bench-batching: setup
 # (BENCH_GPU_ARGS="--small --compile off" runs tiny shapes on CPU).
 bench-gpu: setup
 	$(PY) bench/gpu_bench.py --out .cache/bench-gpu.md $${BENCH_GPU_ARGS:-}
+
+# Rewrite the README's real-output examples from a default-pair server it starts (about a minute).
+readme-examples: setup
+	$(PY) bench/readme_examples.py
+
+# Locust against the default pair for SOAK_SECONDS (default 600) after a minute's warm-up: failures and the
+# server's memory (tritonserver and every stub) at start and end; exits 1 on a failure or >= 5 % growth.
+soak: setup
+	$(PY) loadtest/soak.py --duration $${SOAK_SECONDS:-600} --users $${SOAK_USERS:-8} --out .cache/soak.md

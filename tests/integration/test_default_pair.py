@@ -37,3 +37,19 @@ def test_real_pair_speculative_greedy_equals_target_only(default_server, draft, 
         drafted += spec[tn.TOTAL_DRAFT_TOKENS]
         accepted += spec[tn.TOTAL_ACCEPTED_DRAFT_TOKENS]
     assert drafted > 0 and accepted > 0  # speculation really ran, and some drafts were accepted
+
+
+def test_readme_examples_show_what_the_server_answers(default_server):
+    """The README's real-output examples (written by `make readme-examples`) cannot go stale: the same
+    greedy requests still get the same text."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("readme_examples", REPO_ROOT / "bench" / "readme_examples.py")
+    examples = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(examples)
+    _, answer = examples.http_example(default_server.http_url)
+    shown = examples.readme_http_answer()
+    for field in (tn.TEXT_OUTPUT, tn.FINISH_REASON, tn.NUM_INPUT_TOKENS, tn.NUM_OUTPUT_TOKENS):
+        assert answer[field] == shown[field], field
+    cli_text = examples.last_fence(examples.cli_example(default_server.grpc_url)).splitlines()[0]
+    assert cli_text == examples.last_fence(examples.readme_block("cli")).splitlines()[0]

@@ -1,0 +1,97 @@
+"""Regenerate the README's "real output" examples from a running default-pair server (`make readme-examples`).
+
+Each example sits between `<!-- example:NAME -->` and `<!-- /example:NAME -->` in README.md: the request
+(a curl command, or the command line client's invocation) and the output it really printed. This script
+sends those requests and rewrites the blocks, so the examples always show what the current code does;
+tests/integration/test_default_pair.py checks that the README's outputs still match the server's.
+
+    python bench/readme_examples.py [--url localhost:8000]   # without --url it starts its own server
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+README = HERE.parent / "README.md"
+sys.path.insert(0, str(HERE.parent))
+
+from specdec.serving import server  # noqa: E402
+
+# The examples: name -> (kind, what is sent). Greedy, so the text is deterministic.
+HTTP_BODY = {"text_input": "What is the capital of France? Answer in one sentence.", "max_tokens": 40}
+CLI_ARGS = ["Write one sentence about the sea.", "--stream", "--max-tokens", "40"]
+
+
+def http_example(base_url: str) -> tuple[str, dict]:
+    request = urllib.request.Request(f"{base_url}/v2/models/ensemble/generate", data=json.dumps(HTTP_BODY).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=300) as response:
+        answer = json.loads(response.read())
+    command = f"curl -s localhost:8000/v2/models/ensemble/generate \\\n  -d '{json.dumps(HTTP_BODY)}'"
+    block = f"```bash\n{command}\n```\n```json\n{json.dumps(answer, separators=(',', ':'), sort_keys=True)}\n```"
+    return block, answer
+
+
+def cli_example(grpc_url: str) -> str:
+    result = subprocess.run([sys.executable, "-m", "client", *CLI_ARGS, "--url", grpc_url], capture_output=True,
+                            text=True, timeout=300, cwd=HERE.parent, check=True)
+    shown = " ".join(f'"{a}"' if " " in a else a for a in CLI_ARGS)
+    return (f"```bash\n.venv/bin/python -m client {shown} --url localhost:8001\n```\n"
+            f"```\n{result.stdout.strip()}\n{result.stderr.strip().splitlines()[-1]}\n```")
+
+
+def replace_block(text: str, name: str, block: str) -> str:
+    pattern = re.compile(rf"<!-- example:{name} -->\n.*?<!-- /example:{name} -->", re.S)
+    if not pattern.search(text):
+        raise ValueError(f"README.md has no <!-- example:{name} --> block")
+    return pattern.sub(lambda m: f"<!-- example:{name} -->\n{block}\n<!-- /example:{name} -->", text)
+
+
+def readme_block(name: str) -> str:
+    match = re.search(rf"<!-- example:{name} -->\n(.*?)\n<!-- /example:{name} -->", README.read_text(), re.S)
+    if not match:
+        raise ValueError(f"README.md has no <!-- example:{name} --> block")
+    return match.group(1)
+
+
+def last_fence(block: str) -> str:
+    """The content of a block's last fenced code section (an example's output)."""
+    return re.findall(r"```[a-z]*\n(.*?)\n```", block, re.S)[-1]
+
+
+def readme_http_answer() -> dict:
+    """The JSON answer the README shows for the HTTP example."""
+    return json.loads(last_fence(readme_block("http")))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--http-url", help="http://host:port of a running default-pair server")
+    parser.add_argument("--grpc-url", help="host:port of its gRPC endpoint")
+    args = parser.parse_args(argv)
+    own = None
+    if not args.http_url:
+        cache = HERE.parent / ".cache"
+        own = server.start(cache / "run" / "readme", cache / "readme-server.log", ["--pair", "default"])
+        args.http_url, args.grpc_url = own.http_url, own.grpc_url
+    try:
+        http_block, _ = http_example(args.http_url)
+        cli_block = cli_example(args.grpc_url)
+    finally:
+        if own is not None:
+            own.stop()
+    text = replace_block(README.read_text(), "http", http_block)
+    README.write_text(replace_block(text, "cli", cli_block))
+    print(http_block, cli_block, sep="\n\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
