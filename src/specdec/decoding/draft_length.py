@@ -167,8 +167,8 @@ class DraftLengthPolicy:
     keeps learning at no cost and a burst of matches turns drafting back on after one round. (Always
     drafting instead, because misses are free, is what we did before: it stops being free once rows of
     a batched forward cost time.) A costly proposer pauses at k = 0 and probes with one token after `probe_every` rounds,
-    doubling the wait after every probe that is rejected (a probe costs c + v(1) - 1 steps: on CPU
-    about 0.9), so the estimate can recover without taxing a draft that never agrees.
+    doubling the wait after every probe that is rejected (a probe costs c + v(1) - 1 extra steps), so the
+    estimate can recover without taxing a draft that never agrees.
     """
 
     def __init__(self, k_max: int, costs: CostModel, method: str, adaptive: bool = True, free: bool = False,

@@ -173,10 +173,15 @@ class CausalLM:
         """Bytes the sequences' KV buffers hold (their capacity, which grows by doubling)."""
         return sum(seq.nbytes for seq in self.sequences.values())
 
-    def _forward_rows(self, seqs: list[SequenceKV], rows: list[list[int]], num_logits: list[int]) -> list[torch.Tensor]:
+    def _forward_rows(self, seqs: list[SequenceKV], rows: list, num_logits: list[int]) -> list[torch.Tensor]:
         """One packed forward over several sequences; seqs[b]'s cache grows by len(rows[b]) tokens and it
-        gets the logits (num_logits[b], V) of its last num_logits[b] new positions."""
-        ids = [token for row in rows for token in row]
+        gets the logits (num_logits[b], V) of its last num_logits[b] new positions. A row is a list of ids
+        or a 1-D tensor of ids already on the model's device (drafted tokens: no trip through the host)."""
+        if all(isinstance(row, list) for row in rows):
+            ids = torch.tensor([token for row in rows for token in row], device=self.device)
+        else:
+            ids = torch.cat([row if isinstance(row, torch.Tensor) else torch.tensor(row, device=self.device)
+                             for row in rows])
         positions = [seq.length + j for seq, row in zip(seqs, rows) for j in range(len(row))]
         heads, end = [], 0  # packed indices of the positions whose logits are wanted
         for row, n in zip(rows, num_logits):
@@ -186,11 +191,11 @@ class CausalLM:
         # segment, attend to nothing and are never cached; padded head rows are dropped.
         if 1 < len(ids) < self.min_forward_rows:
             pad = self.min_forward_rows - len(ids)
-            ids, positions = ids + [0] * pad, positions + [positions[-1]] * pad
+            ids, positions = torch.cat([ids, ids.new_zeros(pad)]), positions + [positions[-1]] * pad
         wanted = len(heads)
         size = self.min_forward_rows if 1 < wanted < self.min_forward_rows else max(wanted, 1)
         heads += [heads[-1] if heads else 0] * (size - wanted)
-        out = self.model(input_ids=torch.tensor([ids], device=self.device),
+        out = self.model(input_ids=ids[None],
                          position_ids=torch.tensor([positions], device=self.device), use_cache=False,
                          logits_to_keep=torch.tensor(heads, device=self.device),
                          kv_batch=KVBatch(seqs, [len(row) for row in rows]))
@@ -243,7 +248,9 @@ class CausalLM:
     @torch.inference_mode()
     def propose_many(self, steps: list[Step]) -> list[tuple[list[int], torch.Tensor | None] | CacheError]:
         """`propose` for several sequences: their draft forwards run together, one batched pass per
-        drafted position (a sequence that asked for fewer tokens leaves the batch early)."""
+        drafted position (a sequence that asked for fewer tokens leaves the batch early). Drafted tokens
+        stay on the model's device from one step to the next and come back to the host in one transfer
+        at the end: no host sync per drafted token."""
         ok, errors = self._acquire_all(steps, lambda step: None if step.k >= 1 else
                                        f"num_draft_tokens must be >= 1, got {step.k}")
         results: list = list(errors)
@@ -257,18 +264,22 @@ class CausalLM:
                 last = logits[row][-1]
                 step = steps[i]
                 if step.params.greedy:
-                    token = int(last.argmax())
+                    token = last.argmax()
                 else:
                     p = logits_to_probs(last, step.params)
-                    token = int(sample(p, step.generator))
+                    token = sample(p, step.generator)
                     probs[i].append(p)
-                tokens[i].append(token)
+                tokens[i].append(token.reshape(1))
                 if len(tokens[i]) < step.k:
                     still.append(i)
             # The last drafted token is not run through the model: nothing needs its logits yet.
-            active, rows = still, [[tokens[i][-1]] for i in still]
+            active, rows = still, [tokens[i][-1] for i in still]
+        drafted = torch.cat([t for i in ok for t in tokens[i]]).tolist() if ok else []  # the one transfer
+        first = 0
         for i in ok:
-            results[i] = (tokens[i], torch.stack(probs[i]) if probs[i] else None)
+            count = len(tokens[i])
+            results[i] = (drafted[first:first + count], torch.stack(probs[i]) if probs[i] else None)
+            first += count
         return results
 
     def propose(self, seq_id: int, keep: int, new_ids: list[int], k: int, params: SamplingParams,

@@ -191,9 +191,9 @@ class DraftModel(LanguageModelAdapter):
     def _step_options(self, request):
         pb = self.pb
         params = SamplingParams(
-            temperature=float(_scalar(pb, request, tn.TEMPERATURE, 0.0)),
-            top_k=int(_scalar(pb, request, tn.TOP_K, 0)),
-            top_p=float(_scalar(pb, request, tn.TOP_P, 1.0)),
+            temperature=float(_scalar(pb, request, tn.TEMPERATURE, tn.DEFAULT_TEMPERATURE)),
+            top_k=int(_scalar(pb, request, tn.TOP_K, tn.DEFAULT_TOP_K)),
+            top_p=float(_scalar(pb, request, tn.TOP_P, tn.DEFAULT_TOP_P)),
         )
         seed = _scalar(pb, request, tn.SEED, None)
         return {"k": int(_scalar(pb, request, tn.NUM_DRAFT_TOKENS, 1)), "params": params,
