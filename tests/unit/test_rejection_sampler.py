@@ -206,16 +206,27 @@ def _chi_square_rejects(counts: torch.Tensor, expected_probs: torch.Tensor) -> b
     return statistic > critical
 
 
-def _residual_as_mask(draft_tokens, draft_probs, target_probs, uniforms, generator=None):
-    """Planted bug: at a rejection, resample from the target where p_t > p_d (a mask), not max(0, p_t - p_d)."""
-    k = draft_tokens.shape[0]
-    positions = torch.arange(k)
-    rejected = (uniforms * draft_probs[positions, draft_tokens] >= target_probs[positions, draft_tokens]).nonzero()
-    if not rejected.numel():
-        return Verdict(k, int(torch.multinomial(target_probs[k], 1, generator=generator)))
-    first = int(rejected[0, 0])
-    masked = target_probs[first] * (target_probs[first] > draft_probs[first])
-    return Verdict(first, int(torch.multinomial(masked / masked.sum(), 1, generator=generator)))
+def _with_planted_residual(residual):
+    """rejection_sample with its residual replaced: residual(i, draft_probs, target_probs) gives the weights
+    a rejection at position i resamples from."""
+    def sampler(draft_tokens, draft_probs, target_probs, uniforms, generator=None):
+        k = draft_tokens.shape[0]
+        positions = torch.arange(k)
+        rejected = (uniforms * draft_probs[positions, draft_tokens] >= target_probs[positions, draft_tokens]).nonzero()
+        if not rejected.numel():
+            return Verdict(k, int(torch.multinomial(target_probs[k], 1, generator=generator)))
+        first = int(rejected[0, 0])
+        weights = residual(first, draft_probs, target_probs)
+        return Verdict(first, int(torch.multinomial(weights / weights.sum(), 1, generator=generator)))
+
+    return sampler
+
+
+# Planted bug: at a rejection, resample from the target where p_t > p_d (a mask), not max(0, p_t - p_d).
+_residual_as_mask = _with_planted_residual(lambda i, draft, target: target[i] * (target[i] > draft[i]))
+# Planted bug: a rejection at position 2+ takes its residual from the rows of position 1.
+_first_row_at_every_rejection = _with_planted_residual(
+    lambda i, draft, target: (target[0] - draft[0]).clamp_min(0) + 1e-12 * target[0])
 
 
 def _bonus_from_draft(draft_tokens, draft_probs, target_probs, uniforms, generator=None):
@@ -225,20 +236,6 @@ def _bonus_from_draft(draft_tokens, draft_probs, target_probs, uniforms, generat
     if verdict.num_accepted == k:
         return Verdict(k, int(torch.multinomial(draft_probs[k - 1], 1, generator=generator)))
     return verdict
-
-
-def _first_row_at_every_rejection(draft_tokens, draft_probs, target_probs, uniforms, generator=None):
-    """Planted bug: a rejection at position 2+ takes its residual from the rows of position 1."""
-    k = draft_tokens.shape[0]
-    positions = torch.arange(k)
-    rejected = (uniforms * draft_probs[positions, draft_tokens] >= target_probs[positions, draft_tokens]).nonzero()
-    if not rejected.numel():
-        return Verdict(k, int(torch.multinomial(target_probs[k], 1, generator=generator)))
-    first = int(rejected[0, 0])
-    residual = (target_probs[0] - draft_probs[0]).clamp_min(0)
-    if residual.sum() <= 0:
-        residual = target_probs[0]
-    return Verdict(first, int(torch.multinomial(residual / residual.sum(), 1, generator=generator)))
 
 
 def test_rounds_give_exactly_the_targets_joint_distribution():
