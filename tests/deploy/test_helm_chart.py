@@ -235,3 +235,14 @@ def test_model_configuration_matches_the_launcher(name, tmp_path):
     assert "--model-control-mode=explicit" in args.server_args
     mounted = {Path(m["mountPath"]).parent.name for m in triton["volumeMounts"] if m["name"] == "model-config"}
     assert mounted == set(rendered)
+
+
+def test_one_default_context_length_for_chart_launcher_and_image():
+    """The chart, the launcher (and so compose and the image) and the committed model configuration agree."""
+    from specdec import tensor_names as tn
+
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert values["speculation"]["maxContextTokens"] == tn.DEFAULT_MAX_CONTEXT_TOKENS
+    assert launcher.parse_args(["--target", "/m"]).max_context_tokens == tn.DEFAULT_MAX_CONTEXT_TOKENS
+    committed = (REPO_ROOT / "model_repository" / "speculative_decoding" / "config.pbtxt").read_text()
+    assert f'key: "max_context_tokens", value: {{ string_value: "{tn.DEFAULT_MAX_CONTEXT_TOKENS}" }}' in committed
