@@ -147,7 +147,9 @@ def test_autoscaling_and_monitoring_objects():
     rules = [d for d in by_kind(docs, "ConfigMap") if d["metadata"]["name"].endswith("prometheus-adapter-rules")]
     assert "nv_inference_queue_duration_us" in rules[0]["data"]["config.yaml"]
     (scaled,) = by_kind(render_chart(COMBINATIONS["autoscaling-keda"]), "ScaledObject")
-    assert "nv_inference_compute_infer_duration_us" in scaled["spec"]["triggers"][0]["metadata"]["query"]
+    trigger = scaled["spec"]["triggers"][0]
+    assert "nv_inference_compute_infer_duration_us" in trigger["metadata"]["query"]
+    assert trigger["metricType"] == "Value"  # the release-wide ratio, not divided by the replica count
     mon = render_chart(COMBINATIONS["monitoring"])
     assert by_kind(mon, "ServiceMonitor")[0]["spec"]["endpoints"][0]["port"] == "metrics"
     assert by_kind(mon, "PodMonitor")[0]["spec"]["podMetricsEndpoints"][0]["port"] == "metrics"
@@ -182,6 +184,7 @@ def test_helm_test_hook_sends_a_real_request():
     ({"service": {"type": "Headless"}}, "/service/type"),
     ({"unknownKey": True}, "unknownKey"),
     ({"autoscaling": {"enabled": True}, "keda": {"enabled": True}}, "allOf"),
+    ({"keda": {"enabled": True, "minReplicas": 0}}, "/keda/minReplicas"),
     ({"speculation": {"defaultNumDraftTokens": 20, "maxNumDraftTokens": 16}}, "defaultNumDraftTokens"),
     ({"gpu": {"count": 1, "draftGpu": 1}}, "gpu.draftGpu"),
     ({"gpu": {"count": 1, "spreadTarget": True}}, "spreadTarget"),
