@@ -249,3 +249,18 @@ def test_one_default_context_length_for_chart_launcher_and_image():
     assert launcher.parse_args(["--target", "/m"]).max_context_tokens == tn.DEFAULT_MAX_CONTEXT_TOKENS
     committed = (REPO_ROOT / "model_repository" / "speculative_decoding" / "config.pbtxt").read_text()
     assert f'key: "max_context_tokens", value: {{ string_value: "{tn.DEFAULT_MAX_CONTEXT_TOKENS}" }}' in committed
+
+
+@pytest.mark.parametrize("load_timeout, period", [(1200, 10), (95, 10), (600, 7)])
+def test_one_value_drives_the_launchers_load_timeout_and_the_startup_probe(load_timeout, period):
+    """The launcher gives up loading after server.loadTimeoutSeconds; the startup probe allows at least that
+    long (and at most one probe period more), so neither kills a slow load the other still waits for."""
+    docs = render_chart({"server": {"loadTimeoutSeconds": load_timeout, "launcherArgs": ["--run-dir=/tmp/run"]},
+                         "probes": {"startup": {"periodSeconds": period}}})
+    (triton,) = deployment(docs)["spec"]["template"]["spec"]["containers"]
+    args = launcher.parse_args(triton["args"])
+    assert args.ready_timeout == load_timeout
+    assert args.run_dir == "/tmp/run"  # launcher flags reach the launcher, not tritonserver
+    probe = triton["startupProbe"]
+    allowed = probe["periodSeconds"] * probe["failureThreshold"]
+    assert load_timeout < allowed <= load_timeout + 2 * period, (allowed, load_timeout)
