@@ -264,3 +264,19 @@ def test_one_value_drives_the_launchers_load_timeout_and_the_startup_probe(load_
     probe = triton["startupProbe"]
     allowed = probe["periodSeconds"] * probe["failureThreshold"]
     assert load_timeout < allowed <= load_timeout + 2 * period, (allowed, load_timeout)
+
+
+def test_rollouts_cannot_deadlock_on_a_single_node_claim():
+    """A ReadWriteOnce-only new claim: Recreate (a surge pod on another node would never mount it), and no
+    second replica at all; a shared claim keeps the surge-one rollout; updateStrategy overrides."""
+    rwo = {"models": {"source": "newClaim", "newClaim": {"accessModes": ["ReadWriteOnce"]}}}
+    assert deployment(render_chart(rwo))["spec"]["strategy"] == {"type": "Recreate"}
+    rox = {"models": {"source": "newClaim", "newClaim": {"accessModes": ["ReadOnlyMany"]}}, "replicaCount": 2}
+    assert deployment(render_chart(rox))["spec"]["strategy"] == {
+        "type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+    assert deployment(render_chart({}))["spec"]["strategy"]["type"] == "RollingUpdate"  # an existing claim
+    chosen = {"updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}}
+    assert deployment(render_chart(chosen))["spec"]["strategy"] == chosen["updateStrategy"]
+    for more in ({"replicaCount": 2}, {"autoscaling": {"enabled": True}}):
+        with pytest.raises(helm_python.HelmError, match="ReadWriteOnce"):
+            render_chart({**rwo, **more})

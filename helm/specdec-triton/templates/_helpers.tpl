@@ -82,4 +82,31 @@ sum(rate(nv_inference_queue_duration_us{model="target_model",namespace="{{ .Rele
 {{- if and .Values.autoscaling.enabled (gt (int .Values.autoscaling.minReplicas) (int .Values.autoscaling.maxReplicas)) -}}
 {{- fail "autoscaling.minReplicas exceeds autoscaling.maxReplicas" -}}
 {{- end -}}
+{{- if and (include "specdec.singleNodeClaim" .) (or (gt (int .Values.replicaCount) 1) .Values.autoscaling.enabled .Values.keda.enabled) -}}
+{{- fail "models.newClaim.accessModes is ReadWriteOnce only: pods on other nodes cannot mount it; use ReadOnlyMany or ReadWriteMany for more than one replica" -}}
+{{- end -}}
+{{- end -}}
+
+{{/* "true" when the weights live on a new claim that only one node can mount (ReadWriteOnce only). */}}
+{{- define "specdec.singleNodeClaim" -}}
+{{- $modes := .Values.models.newClaim.accessModes -}}
+{{- if and (eq .Values.models.source "newClaim") (not (has "ReadOnlyMany" $modes)) (not (has "ReadWriteMany" $modes)) -}}
+true
+{{- end -}}
+{{- end -}}
+
+{{/* The Deployment's strategy: updateStrategy when set; Recreate for a single-node claim (a surge pod
+     scheduled on another node could never mount it, and the rollout would hang); else a surge of one
+     with none unavailable (a new pod loads the models before an old one goes). */}}
+{{- define "specdec.strategy" -}}
+{{- if .Values.updateStrategy -}}
+{{ toYaml .Values.updateStrategy }}
+{{- else if include "specdec.singleNodeClaim" . -}}
+type: Recreate
+{{- else -}}
+type: RollingUpdate
+rollingUpdate:
+  maxSurge: 1
+  maxUnavailable: 0
+{{- end -}}
 {{- end -}}
