@@ -32,7 +32,9 @@ COMBINATIONS = {
     "autoscaling-keda": {"keda": {"enabled": True}},
     "monitoring": {"monitoring": {"serviceMonitor": {"enabled": True}, "podMonitor": {"enabled": True},
                                   "grafanaDashboard": {"enabled": True}},
-                   "ingress": {"enabled": True, "className": "nginx", "grpc": {"enabled": True},
+                   "ingress": {"enabled": True, "className": "nginx",
+                               "grpc": {"enabled": True, "tls": [{"hosts": ["grpc.specdec.example.com"],
+                                                                  "secretName": "grpc-tls"}]},
                                "tls": [{"hosts": ["specdec.example.com"], "secretName": "tls"}]}},
     "cpu-only-ngram": {"gpu": {"count": 0}, "models": {"draft": {"method": "ngram"}, "dtype": "float32"},
                        "resources": {"requests": {"cpu": "2", "memory": "4Gi"}}},
@@ -161,6 +163,10 @@ def test_autoscaling_and_monitoring_objects():
     ingresses = by_kind(mon, "Ingress")
     assert len(ingresses) == 2 and ingresses[1]["metadata"]["annotations"][
         "nginx.ingress.kubernetes.io/backend-protocol"] == "GRPC"
+    # Each host gets its own certificate: the gRPC Ingress does not reuse the HTTP host's TLS entry.
+    assert ingresses[1]["spec"]["tls"] == [{"hosts": ["grpc.specdec.example.com"], "secretName": "grpc-tls"}]
+    plain = render_chart({"ingress": {"enabled": True, "grpc": {"enabled": True, "withoutTls": True}}})
+    assert "tls" not in by_kind(plain, "Ingress")[1]["spec"]
     (pdb,) = by_kind(render_chart({}), "PodDisruptionBudget")
     assert pdb["spec"]["maxUnavailable"] == 1
 
@@ -185,6 +191,7 @@ def test_helm_test_hook_sends_a_real_request():
     ({"unknownKey": True}, "unknownKey"),
     ({"autoscaling": {"enabled": True}, "keda": {"enabled": True}}, "allOf"),
     ({"keda": {"enabled": True, "minReplicas": 0}}, "/keda/minReplicas"),
+    ({"ingress": {"enabled": True, "grpc": {"enabled": True}}}, "ingress.grpc.tls"),
     ({"speculation": {"defaultNumDraftTokens": 20, "maxNumDraftTokens": 16}}, "defaultNumDraftTokens"),
     ({"gpu": {"count": 1, "draftGpu": 1}}, "gpu.draftGpu"),
     ({"gpu": {"count": 1, "spreadTarget": True}}, "spreadTarget"),
