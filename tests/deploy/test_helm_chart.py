@@ -21,14 +21,13 @@ from specdec.serving.repository import render  # noqa: E402
 CHART = REPO_ROOT / "helm" / "specdec-triton"
 # The newest Kubernetes the validator knows and the oldest the chart supports (Chart.yaml kubeVersion).
 K8S_VERSIONS = (kubernetes_validate.latest_version(), "1.25.0")
-CRD_KINDS = {"ServiceMonitor", "PodMonitor", "ScaledObject"}  # not in the Kubernetes schemas
+CRD_KINDS = {"ServiceMonitor", "PodMonitor", "ScaledObject", "PrometheusRule"}  # not in the Kubernetes schemas
 
 COMBINATIONS = {
     "defaults": {},
     "new-claim": {"models": {"source": "newClaim", "newClaim": {"size": "50Gi", "storageClassName": "fast"}}},
     "init-container": {"models": {"source": "initContainer"}},
-    "autoscaling-hpa": {"autoscaling": {"enabled": True, "minReplicas": 2, "maxReplicas": 6},
-                        "prometheusAdapterRules": {"enabled": True}},
+    "autoscaling-hpa": {"autoscaling": {"enabled": True, "minReplicas": 2, "maxReplicas": 6}},
     "autoscaling-keda": {"keda": {"enabled": True}},
     "monitoring": {"monitoring": {"serviceMonitor": {"enabled": True}, "podMonitor": {"enabled": True},
                                   "grafanaDashboard": {"enabled": True}},
@@ -91,7 +90,8 @@ def test_every_manifest_is_valid_kubernetes(name):
     for doc in docs:
         if doc["kind"] in CRD_KINDS:
             assert doc["apiVersion"] in ("monitoring.coreos.com/v1", "keda.sh/v1alpha1")
-            assert doc["spec"]["scaleTargetRef" if doc["kind"] == "ScaledObject" else "selector"]
+            needed = {"ScaledObject": "scaleTargetRef", "PrometheusRule": "groups"}.get(doc["kind"], "selector")
+            assert doc["spec"][needed]
             continue
         for version in K8S_VERSIONS:
             kubernetes_validate.validate(doc, version, strict=True)
@@ -144,14 +144,23 @@ def test_weights_sources():
 def test_autoscaling_and_monitoring_objects():
     docs = render_chart(COMBINATIONS["autoscaling-hpa"])
     (hpa,) = by_kind(docs, "HorizontalPodAutoscaler")
-    assert hpa["spec"]["metrics"][0]["pods"]["metric"]["name"] == "triton_queue_compute_ratio"
+    assert hpa["spec"]["metrics"][0]["pods"]["metric"]["name"] == "specdec_scaling_signal"
     assert "replicas" not in deployment(docs)["spec"]  # the HPA owns the replica count
-    rules = [d for d in by_kind(docs, "ConfigMap") if d["metadata"]["name"].endswith("prometheus-adapter-rules")]
-    assert "nv_inference_queue_duration_us" in rules[0]["data"]["config.yaml"]
-    (scaled,) = by_kind(render_chart(COMBINATIONS["autoscaling-keda"]), "ScaledObject")
+    # One recorded signal for both autoscalers: Triton's queue ratio or the orchestrator's own backlog
+    # (requests waiting for a generation slot, which Triton's queue time cannot see), per pod.
+    (rule,) = by_kind(docs, "PrometheusRule")
+    (recorded,) = rule["spec"]["groups"][0]["rules"]
+    assert recorded["record"] == "specdec:scaling_signal"
+    for series in ("nv_inference_queue_duration_us", "nv_inference_compute_infer_duration_us",
+                   "specdec_queued_requests", "specdec_max_live_sequences"):
+        assert series in recorded["expr"], series
+    keda_docs = render_chart(COMBINATIONS["autoscaling-keda"])
+    (scaled,) = by_kind(keda_docs, "ScaledObject")
+    assert len(by_kind(keda_docs, "PrometheusRule")) == 1
     trigger = scaled["spec"]["triggers"][0]
-    assert "nv_inference_compute_infer_duration_us" in trigger["metadata"]["query"]
-    assert trigger["metricType"] == "Value"  # the release-wide ratio, not divided by the replica count
+    assert trigger["metadata"]["query"].startswith("avg(specdec:scaling_signal{")
+    assert trigger["metricType"] == "Value"  # the release's average, not divided again by the replica count
+    assert not by_kind(render_chart({}), "PrometheusRule")
     mon = render_chart(COMBINATIONS["monitoring"])
     assert by_kind(mon, "ServiceMonitor")[0]["spec"]["endpoints"][0]["port"] == "metrics"
     assert by_kind(mon, "PodMonitor")[0]["spec"]["podMetricsEndpoints"][0]["port"] == "metrics"

@@ -95,6 +95,7 @@ def test_live_sequence_cap_queues_or_rejects(tmp_path, when_full):
             results = [f.result() for f in futures]
         # The server's own high-water mark: sampling the live gauge could miss a brief excess.
         assert srv.metric("specdec_live_sequences_peak") == 2
+        assert srv.metric("specdec_max_live_sequences") == 2  # the chart's backlog signal divides by it
         errors = [r for r in results if isinstance(r, Exception)]
         if when_full == "queue":
             assert errors == [] and peak_queued >= 1

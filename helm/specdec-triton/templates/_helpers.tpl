@@ -59,8 +59,16 @@ app.kubernetes.io/component: inference-server
 {{- end -}}
 
 {{/* Triton's queue-to-compute ratio for one pod, the autoscaling signal (PromQL). */}}
-{{- define "specdec.queueComputeQuery" -}}
-sum(rate(nv_inference_queue_duration_us{model="target_model",namespace="{{ .Release.Namespace }}",pod=~"{{ include "specdec.fullname" . }}-.*"}[1m])) / clamp_min(sum(rate(nv_inference_compute_infer_duration_us{model="target_model",namespace="{{ .Release.Namespace }}",pod=~"{{ include "specdec.fullname" . }}-.*"}[1m])), 1)
+{{/* The recorded scaling signal (prometheusrule.yaml) and its expression, per pod of this release. */}}
+{{- define "specdec.scalingSignal" -}}specdec:scaling_signal{{- end -}}
+{{- define "specdec.scalingSignalExpr" -}}
+{{- $sel := printf "namespace=\"%s\",pod=~\"%s-.*\"" .Release.Namespace (include "specdec.fullname" .) -}}
+max by (namespace, pod) (label_replace(sum by (namespace, pod) (rate(nv_inference_queue_duration_us{model="target_model",{{ $sel }}}[1m])) / clamp_min(sum by (namespace, pod) (rate(nv_inference_compute_infer_duration_us{model="target_model",{{ $sel }}}[1m])), 1), "signal", "queue", "", "") or label_replace(sum by (namespace, pod) (specdec_queued_requests{ {{- $sel -}} }) / clamp_min(sum by (namespace, pod) (specdec_max_live_sequences{ {{- $sel -}} }), 1), "signal", "backlog", "", ""))
+{{- end -}}
+
+{{/* What KEDA compares with its threshold: the signal averaged over the release's pods. */}}
+{{- define "specdec.kedaQuery" -}}
+avg({{ include "specdec.scalingSignal" . }}{namespace="{{ .Release.Namespace }}",pod=~"{{ include "specdec.fullname" . }}-.*"})
 {{- end -}}
 
 {{/* Cross-field checks JSON Schema cannot express; rendered (as nothing) by the Deployment. */}}

@@ -93,6 +93,8 @@ class OrchestratorMetrics:
         self._live_peak = 0
         self.queued = make("specdec_queued_requests", "Requests waiting for a slot (max_live_sequences reached)",
                            family.GAUGE).Metric(labels={})
+        self.max_live = make("specdec_max_live_sequences", "Requests that may generate at once (max_live_sequences)",
+                             family.GAUGE).Metric(labels={})
         self.sequences_per_forward = make(
             "specdec_sequences_per_forward", "Sequences sharing a target forward (moving average; the policy's n)",
             family.GAUGE).Metric(labels={})

@@ -46,6 +46,7 @@ class SpeculativeDecodingAdapter(TritonAdapter):
         timeout_us = params.int("bls_timeout_us", 0, low=0)
         # "ngram" is the built-in prompt-lookup method; any other name is a draft model to call over BLS.
         self.metrics = OrchestratorMetrics(pb_utils, self.limits.max_num_draft_tokens)
+        self.metrics.max_live.set(self.max_live)  # the denominator of the chart's backlog signal
         # A draft model that fails is bypassed (target-only rounds) and retried after a wait.
         retry_s = params.float("draft_retry_after_s", 1.0, low=0.0)
         self.proposers = {name: NgramProposer() if name == tn.NGRAM else FallbackProposer(
