@@ -138,7 +138,26 @@ def test_weights_sources():
     assert new_pod["initContainers"][0]["name"] == "fetch-models"
     assert {v["name"]: v for v in new_pod["volumes"]}["models"]["persistentVolumeClaim"]["claimName"] == pvc["metadata"]["name"]
     init = pod("init-container")
-    assert init["initContainers"] and "emptyDir" in {v["name"]: v for v in init["volumes"]}["models"]
+    assert init["initContainers"] and {v["name"]: v for v in init["volumes"]}["models"]["emptyDir"]["sizeLimit"]
+
+
+def test_the_weights_fetch_installs_nothing_and_is_keyed_by_the_repositories():
+    """The init container runs the server's own image (no pip install at pod start: air-gapped clusters),
+    its fetch module takes the repositories from the values, and the token comes from a named Secret."""
+    values = {"models": {"source": "newClaim", "fetch": {"targetRepo": "org/target@v2", "draftRepo": "org/draft",
+                                                           "hfTokenSecret": {"name": "hf", "key": "token"}}}}
+    pod = deployment(render_chart(values))["spec"]["template"]["spec"]
+    (fetch,) = pod["initContainers"]
+    (triton,) = pod["containers"]
+    assert fetch["image"] == triton["image"] and fetch["command"] == ["python", "-m", "specdec.serving.fetch"]
+    assert "pip" not in " ".join(fetch["command"] + fetch.get("args", []))
+    env = {e["name"]: e for e in fetch["env"]}
+    assert env["TARGET_REPO"]["value"] == "org/target@v2" and env["DRAFT_REPO"]["value"] == "org/draft"
+    assert env["MODELS_DIR"]["value"] == "/models"
+    assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf", "key": "token"}
+    ngram = {"models": {"source": "newClaim", "draft": {"method": "ngram"}}}
+    (fetch,) = deployment(render_chart(ngram))["spec"]["template"]["spec"]["initContainers"]
+    assert {e["name"]: e.get("value") for e in fetch["env"]}["DRAFT_REPO"] == ""  # nothing to fetch
 
 
 def test_autoscaling_and_monitoring_objects():

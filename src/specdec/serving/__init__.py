@@ -5,6 +5,7 @@
   pairs        the model pairs (tiny, default, custom paths) prepared into a local cache
   repository   render model_repository/ for a pair (config.pbtxt parameters, instance groups)
   healthcheck  exit 0 when the local server is ready (the image's HEALTHCHECK)
+  fetch        download the pair's weights into a volume once (the chart's init container)
 
 May import: every layer below, though it only needs `specdec.tensor_names` (models load in the server).
 """

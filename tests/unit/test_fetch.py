@@ -1,0 +1,47 @@
+"""The init container's download: once, keyed by the repositories, never trusting a half-done download."""
+
+import pytest
+
+from specdec.serving.fetch import MARKER, fetch
+
+
+class Downloads:
+    def __init__(self, fail_on=None):
+        self.calls, self.fail_on = [], fail_on
+
+    def __call__(self, repo_id, revision, local_dir, token):
+        if repo_id == self.fail_on:
+            raise OSError("network")
+        self.calls.append((repo_id, revision, local_dir.name, token))
+        local_dir.mkdir(parents=True, exist_ok=True)
+        (local_dir / "config.json").write_text(repo_id)
+
+
+def test_downloads_once_then_skips(tmp_path):
+    first = Downloads()
+    assert fetch(tmp_path, "org/target@v1", "org/draft", "tok", download=first)
+    assert first.calls == [("org/target", "v1", "target", "tok"), ("org/draft", None, "draft", "tok")]
+    again = Downloads()
+    assert not fetch(tmp_path, "org/target@v1", "org/draft", download=again) and again.calls == []
+
+
+def test_a_changed_repository_downloads_again(tmp_path):
+    fetch(tmp_path, "org/target", "org/draft", download=Downloads())
+    changed = Downloads()
+    assert fetch(tmp_path, "org/other-target", "org/draft", download=changed)
+    assert [c[0] for c in changed.calls] == ["org/other-target", "org/draft"]
+    assert (tmp_path / "target" / "config.json").read_text() == "org/other-target"
+
+
+def test_a_failed_download_leaves_no_marker(tmp_path):
+    fetch(tmp_path, "org/target", "org/draft", download=Downloads())
+    with pytest.raises(OSError):
+        fetch(tmp_path, "org/target", "org/new-draft", download=Downloads(fail_on="org/new-draft"))
+    assert not (tmp_path / MARKER).exists()  # the next start retries instead of serving a mixed pair
+
+
+def test_prompt_lookup_pairs_need_no_draft(tmp_path):
+    (tmp_path / "draft").mkdir()
+    calls = Downloads()
+    fetch(tmp_path, "org/target", "", download=calls)
+    assert [c[0] for c in calls.calls] == ["org/target"] and not (tmp_path / "draft").exists()
