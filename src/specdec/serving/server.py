@@ -79,15 +79,16 @@ class ServerProcess:
 
 def start(run_dir: Path, log_path: Path, launcher_args: list[str], ready_timeout_s: float = 900,
           env: dict[str, str] | None = None) -> ServerProcess:
-    """Start `python -m specdec.serving.launcher LAUNCHER_ARGS --run-dir RUN_DIR` on free ports and wait
+    """Start `python -m specdec.serving.launcher --run-dir RUN_DIR LAUNCHER_ARGS` on free ports and wait
     until it is ready; its output goes to log_path."""
     http, grpc, metrics = free_ports(3)
     env = dict(os.environ if env is None else env, HTTP_PORT=str(http), GRPC_PORT=str(grpc),
                METRICS_PORT=str(metrics))
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "w") as log:
-        process = subprocess.Popen([sys.executable, "-m", "specdec.serving.launcher", *launcher_args,
-                                    "--run-dir", str(run_dir)], env=env, stdout=log, stderr=subprocess.STDOUT)
+        # --run-dir first: launcher_args may end with `-- <tritonserver flags>`.
+        process = subprocess.Popen([sys.executable, "-m", "specdec.serving.launcher", "--run-dir", str(run_dir),
+                                    *launcher_args], env=env, stdout=log, stderr=subprocess.STDOUT)
     server = ServerProcess(http, grpc, metrics, run_dir, log_path, process)
     try:
         wait_ready(http, process, ready_timeout_s)
