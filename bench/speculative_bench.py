@@ -41,7 +41,7 @@ from specdec import tensor_names as tn  # noqa: E402
 from specdec.decoding.draft_length import expected_tokens  # noqa: E402
 from specdec.decoding.ngram_proposer import NgramIndex  # noqa: E402
 from specdec.serving import pairs, server  # noqa: E402
-from specdec.serving.server import samples, scrape  # noqa: E402
+from specdec.serving.metrics_text import samples, scrape  # noqa: E402
 
 
 @dataclass(frozen=True)

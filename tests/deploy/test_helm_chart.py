@@ -109,7 +109,7 @@ def test_pod_is_hardened_and_probed(name):
     (triton,) = pod["containers"]
     assert triton["startupProbe"]["httpGet"]["path"] == "/v2/health/ready"
     assert triton["livenessProbe"]["httpGet"]["path"] == "/v2/health/live"
-    assert triton["readinessProbe"]["httpGet"]["path"] == "/v2/health/ready"
+    assert triton["readinessProbe"]["exec"]["command"] == ["python", "-m", "specdec.serving.healthcheck"]
     volumes = {v["name"]: v for v in pod["volumes"]}
     mounts = {m["mountPath"]: m["name"] for m in triton["volumeMounts"]}
     assert volumes[mounts["/dev/shm"]]["emptyDir"]["medium"] == "Memory"
@@ -315,3 +315,16 @@ def test_rollouts_cannot_deadlock_on_a_single_node_claim():
     for more in ({"replicaCount": 2}, {"autoscaling": {"enabled": True}}):
         with pytest.raises(helm_python.HelmError, match="ReadWriteOnce"):
             render_chart({**rwo, **more})
+
+
+def test_one_value_drives_the_drain_the_grace_period_and_the_exit():
+    """SIGTERM on rollout: preStop lets the endpoints drop the pod, the launcher drains for drainSeconds
+    (readiness, through the healthcheck, is already down), then Triton exits; the grace period covers all."""
+    docs = render_chart({"server": {"drainSeconds": 300}})
+    pod = deployment(docs)["spec"]["template"]["spec"]
+    (triton,) = pod["containers"]
+    args = launcher.parse_args(triton["args"])
+    assert args.drain_timeout == 300
+    exit_timeout = int(next(a for a in args.server_args if a.startswith("--exit-timeout-secs=")).split("=")[1])
+    pre_stop = int(triton["lifecycle"]["preStop"]["exec"]["command"][1])
+    assert pod["terminationGracePeriodSeconds"] > pre_stop + args.drain_timeout + exit_timeout

@@ -16,6 +16,7 @@ from client.sync import grpc_inputs
 
 from specdec import tensor_names as tn
 from specdec.serving import server as serving_server
+from specdec.serving.metrics_text import samples
 from specdec.serving.server import ServerProcess as Server
 
 READY_TIMEOUT_S = 300
@@ -40,7 +41,7 @@ def busy(server: Server) -> dict[str, float]:
     """Models with pending requests and the orchestrator's live generations (empty when idle)."""
     text = server.metrics()
     return {f"{name}{labels}": value for name in ("nv_inference_pending_request_count", "specdec_live_sequences")
-            for labels, value in serving_server.samples(text, name) if value}
+            for labels, value in samples(text, name) if value}
 
 
 def stop_server(server: Server, require_clean_exit: bool = True) -> int:

@@ -4,7 +4,8 @@ It finds the server binary (the one shipped in the `nvidia-pytriton` wheel, or a
 by --triton-root, e.g. /opt/tritonserver in NVIDIA's image), assembles a backend directory with the
 Python-backend stub built for the running interpreter, sets the library path the stub needs (the
 interpreter's libpython first, then the wheel's bundled libraries), renders the model repository and runs
-tritonserver in the foreground. SIGTERM/SIGINT stop the server, which stops every stub process.
+tritonserver in the foreground. SIGTERM/SIGINT drain first (readiness drops, the requests in flight finish,
+at most --drain-timeout), then stop the server, which stops every stub process; a second signal stops at once.
 
 The repository comes from one of: a named pair (--pair / PAIR: tiny | default), a pair given by paths
 (--target PATH [--draft PATH | --draft ngram] with placement and request defaults), or an already
@@ -24,13 +25,15 @@ import signal
 import subprocess
 import sys
 import sysconfig
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from specdec import tensor_names as tn
 from specdec.serving import pairs, repository
-from specdec.serving.healthcheck import is_ready
+from specdec.serving.healthcheck import drain_marker, is_ready
+from specdec.serving.metrics_text import scrape, sum_samples
 from specdec.serving.pairs import log
 
 
@@ -103,6 +106,42 @@ def wait_ready(http_port: int, process: subprocess.Popen, timeout_s: float) -> N
     raise TimeoutError(f"tritonserver not ready after {timeout_s:.0f} s")
 
 
+def in_flight(metrics_port: int) -> float:
+    """Requests the server still works on: generations, requests waiting for a generation slot, and
+    requests queued at any model (each BLS step of a stream is one)."""
+    text = scrape(f"127.0.0.1:{metrics_port}")
+    return sum(sum_samples(text, name) for name in
+               ("specdec_live_sequences", "specdec_queued_requests", "nv_inference_pending_request_count"))
+
+
+def drain(http_port: int, metrics_port: int, process: subprocess.Popen, timeout_s: float) -> None:
+    """Let the requests in flight finish before tritonserver stops: readiness drops at once (the marker),
+    then wait until nothing has been in flight for a second, or timeout_s.
+
+    Triton's own shutdown cannot do this for us: from SIGTERM on it refuses new inference requests, and
+    every round of a stream is a new BLS request to draft_model and target_model, so a stream in flight
+    would stall until --exit-timeout-secs and be cut."""
+    marker = drain_marker(http_port)
+    marker.touch()
+    deadline = time.monotonic() + timeout_s
+    idle_since = None
+    try:
+        while time.monotonic() < deadline and process.poll() is None:
+            try:
+                busy = in_flight(metrics_port)
+            except OSError:
+                break  # no metrics to read: nothing to wait for
+            now = time.monotonic()
+            idle_since = (idle_since or now) if busy == 0 else None
+            if idle_since is not None and now - idle_since >= 1.0:
+                log("drained: no request in flight")
+                return
+            time.sleep(0.25)
+        log(f"drain: requests still in flight after {timeout_s:.0f} s; stopping anyway")
+    finally:
+        marker.unlink(missing_ok=True)
+
+
 def server_env(layout: ServerLayout) -> dict[str, str]:
     """The environment tritonserver and its stubs need."""
     # The stub's embedded interpreter finds its prefix through the first `python3` on PATH: put the
@@ -148,6 +187,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="an installed Triton (e.g. /opt/tritonserver) instead of the wheel's server")
     parser.add_argument("--run-dir", default=None, help="where the rendered repository and backends go")
     parser.add_argument("--ready-timeout", type=float, default=600.0)
+    parser.add_argument("--drain-timeout", type=float, default=60.0,
+                        help="after SIGTERM: readiness drops, requests in flight may finish for this long")
     args, extra = parser.parse_known_args(argv)
     if extra and extra[0] == "--":
         extra = extra[1:]
@@ -181,28 +222,39 @@ def main(argv: list[str] | None = None) -> int:
     http_port, grpc_port, metrics_port = ports()
     command = server_command(layout, repo, http_port, grpc_port, metrics_port, extra=args.server_args)
     log(f"starting tritonserver ({label}): {' '.join(redact(arg) for arg in command)}")
+    drain_marker(http_port).unlink(missing_ok=True)  # left by an earlier server on this port
     process = subprocess.Popen(command, env=server_env(layout))
+    stopping = threading.Event()
+    serving = threading.Event()
 
     def stop(signum, _frame):
-        log(f"signal {signum}: stopping tritonserver")
-        if process.poll() is None:
-            process.terminate()
+        # The first signal drains (see `drain`); a second one, or one before the models are up, stops now.
+        if stopping.is_set() or not serving.is_set():
+            log(f"signal {signum}: stopping tritonserver")
+            if process.poll() is None:
+                process.terminate()
+        else:
+            log(f"signal {signum}: draining (a second signal stops at once)")
+        stopping.set()
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     try:
         wait_ready(http_port, process, args.ready_timeout)
+        serving.set()
         log(f"READY: http://localhost:{http_port} grpc localhost:{grpc_port} "
             f"metrics http://localhost:{metrics_port}/metrics ({label})")
     except (RuntimeError, TimeoutError) as exc:
         log(str(exc))
         if process.poll() is None:
             process.terminate()
-    try:
-        return process.wait()
-    except KeyboardInterrupt:
-        process.terminate()
-        return process.wait()
+    while process.poll() is None and not stopping.wait(0.5):
+        pass
+    if process.poll() is None and serving.is_set():
+        drain(http_port, metrics_port, process, args.drain_timeout)
+        if process.poll() is None:
+            process.terminate()
+    return process.wait()
 
 
 if __name__ == "__main__":

@@ -8,11 +8,11 @@ import signal
 import socket
 import subprocess
 import sys
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 from specdec.serving.healthcheck import is_ready
+from specdec.serving.metrics_text import scrape, sum_samples
 from specdec.serving.launcher import wait_ready
 
 
@@ -96,28 +96,3 @@ def start(run_dir: Path, log_path: Path, launcher_args: list[str], ready_timeout
         server.stop(timeout_s=30)
         raise ServerStartError(f"{exc}; launcher log {log_path}:\n{server.log_tail()}") from None
     return server
-
-
-# ---- Prometheus text ---------------------------------------------------------------------------------
-def scrape(metrics_url: str) -> str:
-    """The Prometheus text of a metrics endpoint (host:port)."""
-    with urllib.request.urlopen(f"http://{metrics_url}/metrics", timeout=10) as response:
-        return response.read().decode()
-
-
-def samples(text: str, name: str) -> list[tuple[dict[str, str], float]]:
-    """(labels, value) of every sample of metric `name`, as the server spells it."""
-    from prometheus_client.parser import text_string_to_metric_families  # benchmarks and tests only
-
-    out = []
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            # The parser names every counter sample `..._total`, also Triton's (nv_inference_exec_count).
-            if sample.name == name or (family.name == name and sample.name == name + "_total"):
-                out.append((sample.labels, sample.value))
-    return out
-
-
-def sum_samples(text: str, name: str, **labels) -> float:
-    return sum(value for sample_labels, value in samples(text, name)
-               if all(sample_labels.get(k) == str(v) for k, v in labels.items()))

@@ -1,6 +1,6 @@
 """Reading a server's Prometheus text (what benchmarks and tests compare)."""
 
-from specdec.serving.server import sum_samples
+from specdec.serving.metrics_text import sum_samples
 
 
 def test_metric_samples_are_read_as_the_server_spells_them():
