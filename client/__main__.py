@@ -27,6 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top-p", type=float)
     p.add_argument("--seed", type=int)
     p.add_argument("--end-id", type=int)
+    p.add_argument("--min-length", type=int, help="no end token ends generation before this many tokens")
+    p.add_argument("--ignore-eos", action="store_true", default=None, help="generate to --max-tokens")
     p.add_argument("--stop", action="append", default=[], help="stop word (repeatable)")
     p.add_argument("--draft-model")
     p.add_argument("--adaptive-draft", dest="adaptive_draft", action=argparse.BooleanOptionalAction, default=None,
@@ -40,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         max_tokens=args.max_tokens, num_draft_tokens=args.num_draft_tokens, temperature=args.temperature,
         top_k=args.top_k, top_p=args.top_p, seed=args.seed, end_id=args.end_id, stop_words=tuple(args.stop),
         draft_model=args.draft_model, apply_chat_template=args.apply_chat_template,
-        adaptive_draft=args.adaptive_draft)
+        adaptive_draft=args.adaptive_draft, min_length=args.min_length, ignore_eos=args.ignore_eos)
     client = Client(args.url, args.protocol, args.model, args.timeout)
 
     def show(delta: str) -> None:

@@ -43,6 +43,8 @@ class GenerationParams:
     top_p: float | None = None
     seed: int | None = None
     end_id: int | None = None
+    min_length: int | None = None  # no end token ends generation before this many tokens
+    ignore_eos: bool | None = None  # generate to max_tokens (benchmarks)
     stop_words: tuple[str, ...] = ()
     draft_model: str | None = None
     apply_chat_template: bool | None = None
@@ -55,7 +57,8 @@ class GenerationParams:
                    (tn.TEMPERATURE, self.temperature, np.float32), (tn.TOP_K, self.top_k, np.int32),
                    (tn.TOP_P, self.top_p, np.float32), (tn.SEED, self.seed, np.uint64),
                    (tn.END_ID, self.end_id, np.int32), (tn.APPLY_CHAT_TEMPLATE, self.apply_chat_template, np.bool_),
-                   (tn.ADAPTIVE_DRAFT, self.adaptive_draft, np.bool_)]
+                   (tn.ADAPTIVE_DRAFT, self.adaptive_draft, np.bool_), (tn.MIN_LENGTH, self.min_length, np.int32),
+                   (tn.IGNORE_EOS, self.ignore_eos, np.bool_)]
         for name, value, dtype in scalars:
             if value is not None:
                 arrays[name] = np.array([[value]], dtype=dtype)
@@ -69,7 +72,7 @@ class GenerationParams:
         """The body of Triton's generate extension (/generate, /generate_stream)."""
         body = {tn.TEXT_INPUT: prompt, tn.STREAM: stream}
         for name in ("max_tokens", "num_draft_tokens", "temperature", "top_k", "top_p", "seed", "end_id",
-                     "draft_model", "apply_chat_template", "adaptive_draft"):
+                     "draft_model", "apply_chat_template", "adaptive_draft", "min_length", "ignore_eos"):
             value = getattr(self, name)
             if value is not None:
                 body[name] = value

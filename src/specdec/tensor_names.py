@@ -16,6 +16,9 @@ TOP_P = "top_p"  # FP32 [1]; 1 = no nucleus filter
 SEED = "seed"  # UINT64 [1]
 STREAM = "stream"  # BOOL [1]
 END_ID = "end_id"  # INT32 [1]
+# For benchmark clients that force output lengths (TensorRT-LLM's and vLLM's conventions):
+MIN_LENGTH = "min_length"  # INT32 [1]: no end token ends generation before this many tokens
+IGNORE_EOS = "ignore_eos"  # BOOL [1]: end tokens never end generation (it runs to max_tokens)
 STOP_WORDS = "stop_words"  # STRING [-1]: generation ends before the first occurrence of any
 DRAFT_MODEL = "draft_model"  # STRING [1]: which configured draft model proposes
 APPLY_CHAT_TEMPLATE = "apply_chat_template"  # BOOL [1]

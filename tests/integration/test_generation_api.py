@@ -129,6 +129,25 @@ def test_end_id_stops_generation(server, hf_greedy):
         assert result[tn.NUM_OUTPUT_TOKENS] == first
 
 
+def test_benchmark_clients_can_force_the_output_length(server, hf_greedy):
+    """min_length (TensorRT-LLM's convention) and ignore_eos (vLLM's): an end token before min_length is
+    generated like any other; with ignore_eos generation runs to max_tokens."""
+    ids, _ = hf_greedy(PROMPTS[3], 12)
+    end = ids[0]  # the very first greedy token: without either input, nothing is generated
+    later = [i for i, token in enumerate(ids) if token == end and i >= 3]
+    for k in (0, 2):
+        assert grpc_stream(server.grpc_url, PROMPTS[3], max_tokens=12, num_draft_tokens=k,
+                           end_id=end)[tn.NUM_OUTPUT_TOKENS] == 0
+        forced = grpc_stream(server.grpc_url, PROMPTS[3], max_tokens=12, num_draft_tokens=k, end_id=end,
+                             ignore_eos=True)
+        assert forced[tn.NUM_OUTPUT_TOKENS] == 12 and forced[tn.FINISH_REASON] == tn.FINISH_LENGTH
+        at_least = grpc_stream(server.grpc_url, PROMPTS[3], max_tokens=12, num_draft_tokens=k, end_id=end,
+                               min_length=3)
+        assert at_least[tn.NUM_OUTPUT_TOKENS] == (later[0] if later else 12)
+    body = http_generate(server.http_url, PROMPTS[3], max_tokens=12, end_id=end, ignore_eos=True)
+    assert body[tn.NUM_OUTPUT_TOKENS] == 12
+
+
 # ---- observability ------------------------------------------------------------------------------------
 def test_metrics_count_drafted_and_accepted_tokens(server):
     before_drafted = server.metric("specdec_draft_tokens_total")
@@ -204,6 +223,7 @@ BAD_REQUESTS = {
     "blank_prompt": ("   ", {}, "text_input"),
     "prompt_over_context": (LONG_PROMPT, dict(max_tokens=10), "context"),
     "end_id_out_of_range": (PROMPTS[0], dict(end_id=10**8), "end_id"),
+    "min_length_over_max_tokens": (PROMPTS[0], dict(max_tokens=5, min_length=6), "min_length"),
     "unknown_draft_model": (PROMPTS[0], dict(draft_model="nope"), "draft_model"),
     "empty_stop_word": (PROMPTS[0], dict(stop_words=np.array([[b""]], dtype=np.object_)), "stop_words"),
     "wrong_dtype": (PROMPTS[0], dict(max_tokens=np.array([[5.0]], dtype=np.float32)), "max_tokens"),

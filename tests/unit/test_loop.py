@@ -164,6 +164,17 @@ def test_stops_at_end_id_and_drops_it():
     assert rounds[-1].finish_reason == tn.FINISH_STOP
 
 
+def test_end_tokens_before_min_tokens_are_generated_like_others():
+    prompt = [3, 1, 4]
+    expected = reference_greedy(prompt, 30)
+    end = expected[0]
+    later = next(i for i, t in enumerate(expected) if t == end and i >= 4)
+    req = GenerationRequest(seq_id=1, prompt_ids=prompt, max_tokens=30, end_ids=frozenset([end]), min_tokens=4)
+    rounds = run(req, FakeProposer(3), FakeScorer(), DraftLengthPolicy.fixed(3))
+    assert [t for r in rounds for t in r.new_tokens] == expected[:later]
+    assert rounds[-1].finish_reason == tn.FINISH_STOP
+
+
 def test_caches_released_when_consumer_stops_early():
     proposer, scorer = FakeProposer(2), FakeScorer()
     req = GenerationRequest(seq_id=9, prompt_ids=[1, 2, 3], max_tokens=50)

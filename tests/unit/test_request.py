@@ -48,6 +48,12 @@ def test_values_are_read():
     assert parsed.draft_name == "draft_model"
 
 
+def test_forced_lengths():
+    assert parse(**{tn.IGNORE_EOS: np.array([[True]])}).generation.end_ids == frozenset()
+    assert parse(**{tn.MIN_LENGTH: np.array([[7]], dtype=np.int32)}).generation.min_tokens == 7
+    assert parse().generation.min_tokens == 0
+
+
 def test_seeded_sampling_drafts_a_fixed_k_greedy_stays_adaptive():
     seeded = {tn.TEMPERATURE: np.array([[1.0]], dtype=np.float32), tn.SEED: np.array([[3]], dtype=np.uint64)}
     assert not parse(**seeded).adaptive
@@ -69,6 +75,8 @@ def test_seeded_sampling_drafts_a_fixed_k_greedy_stays_adaptive():
     (tn.TOP_P, np.array([[0.0]], dtype=np.float32)),
     (tn.TOP_P, np.array([[1.5]], dtype=np.float32)),
     (tn.END_ID, np.array([[100]], dtype=np.int32)),
+    (tn.MIN_LENGTH, np.array([[17]], dtype=np.int32)),  # over max_tokens (16)
+    (tn.MIN_LENGTH, np.array([[-1]], dtype=np.int32)),
     (tn.STOP_WORDS, np.array([[b"a", b"b", b"c"]], dtype=np.object_)),
     (tn.STOP_WORDS, np.array([[b""]], dtype=np.object_)),
     (tn.STOP_WORDS, np.array([[b"\xff"]], dtype=np.object_)),

@@ -51,6 +51,8 @@ input [
   { name: "seed", data_type: TYPE_UINT64, dims: [ 1 ], optional: true },
   { name: "stream", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },
   { name: "end_id", data_type: TYPE_INT32, dims: [ 1 ], optional: true },
+  { name: "min_length", data_type: TYPE_INT32, dims: [ 1 ], optional: true },
+  { name: "ignore_eos", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },
   { name: "stop_words", data_type: TYPE_STRING, dims: [ -1 ], optional: true },
   { name: "draft_model", data_type: TYPE_STRING, dims: [ 1 ], optional: true },
   { name: "apply_chat_template", data_type: TYPE_BOOL, dims: [ 1 ], optional: true }
@@ -147,6 +149,8 @@ input [
   { name: "seed", data_type: TYPE_UINT64, dims: [ 1 ], optional: true },
   { name: "stream", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },
   { name: "end_id", data_type: TYPE_INT32, dims: [ 1 ], optional: true },
+  { name: "min_length", data_type: TYPE_INT32, dims: [ 1 ], optional: true },
+  { name: "ignore_eos", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },
   { name: "stop_words", data_type: TYPE_STRING, dims: [ -1 ], optional: true, allow_ragged_batch: true },
   { name: "draft_model", data_type: TYPE_STRING, dims: [ 1 ], optional: true }
 ]

@@ -38,6 +38,7 @@ class GenerationRequest:
     max_tokens: int
     sampling: SamplingParams = SamplingParams()
     end_ids: frozenset[int] = frozenset()  # generation stops at (and drops) any of these
+    min_tokens: int = 0  # end tokens before this many generated tokens are generated like any other
 
 
 @dataclass
@@ -112,7 +113,7 @@ async def generate(req: GenerationRequest, proposer: Proposer, scorer: Scorer, p
             tokens += new
             _record(stats, k, verdict.num_accepted)
 
-            new, finish = _apply_stops(new, req.end_ids, req.max_tokens - generated)
+            new, finish = _apply_stops(new, req.end_ids, req.max_tokens - generated, req.min_tokens - generated)
             generated += len(new)
             yield RoundOutput(new, k, verdict.num_accepted, finish)
             if finish:
@@ -153,10 +154,12 @@ def _record(stats: Stats, k: int, accepted: int) -> None:
         stats.accepted_per_position[i] += 1
 
 
-def _apply_stops(new: list[int], end_ids: frozenset[int], budget: int) -> tuple[list[int], str | None]:
-    """Cut a round's tokens at the first end-of-sequence token (dropped) or at the token budget."""
+def _apply_stops(new: list[int], end_ids: frozenset[int], budget: int, min_index: int = 0
+                 ) -> tuple[list[int], str | None]:
+    """Cut a round's tokens at the first end-of-sequence token (dropped) at or after new[min_index], or at
+    the token budget."""
     for i, token in enumerate(new):
-        if token in end_ids and i < budget:
+        if token in end_ids and min_index <= i < budget:
             return new[:i], tn.FINISH_STOP
     if len(new) >= budget:
         return new[:budget], tn.FINISH_LENGTH

@@ -104,6 +104,10 @@ class ParsedRequest:
         end_id = inputs.scalar(tn.END_ID, np.int32, None)
         if end_id is not None and not 0 <= end_id < limits.vocab_size:
             raise InputError(f"input '{tn.END_ID}' must be a token id within [0, {limits.vocab_size}), got {end_id}")
+        min_length = inputs.scalar(tn.MIN_LENGTH, np.int32, 0)
+        if not 0 <= min_length <= max_tokens:
+            raise InputError(f"input '{tn.MIN_LENGTH}' must be within [0, {tn.MAX_TOKENS}={max_tokens}], got {min_length}")
+        ignore_eos = bool(inputs.scalar(tn.IGNORE_EOS, np.bool_, False))
         stop_words = tuple(inputs.strings(tn.STOP_WORDS))
         if len(stop_words) > limits.max_stop_words:
             raise InputError(f"input '{tn.STOP_WORDS}' has {len(stop_words)} entries; at most {limits.max_stop_words}")
@@ -119,7 +123,8 @@ class ParsedRequest:
             prompt_ids=prompt_ids,
             max_tokens=max_tokens,
             sampling=sampling,
-            end_ids=limits.default_end_ids if end_id is None else frozenset([end_id]),
+            end_ids=frozenset() if ignore_eos else limits.default_end_ids if end_id is None else frozenset([end_id]),
+            min_tokens=min_length,
         )
         # A seeded sampled request must be reproducible: measured costs vary from run to run, and a
         # different K changes which random draws pick which token, so it drafts a fixed K.
