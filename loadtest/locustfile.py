@@ -4,10 +4,12 @@
     locust -f loadtest/locustfile.py --headless -u 8 -r 8 -t 60s --host http://localhost:8000   # HTTP
 
 The host picks the user class (http:// -> HttpStreamUser, else GrpcStreamUser) unless classes are named on
-the command line. Per request it records into Locust's statistics the request itself ("generate"), its
-time to first token ("ttft") and its inter-token latency ("itl"), and at the end prints a summary:
-requests, failures, TTFT p50/p90/p99, ITL p50/p90, output tokens/s and mean acceptance rate
-(genai-perf definitions). Options (or environment): --max-tokens (SPECDEC_MAX_TOKENS, 64),
+the command line. Each request is one entry in Locust's statistics ("generate"); its time to first token,
+inter-token latency, output tokens and acceptance are kept beside them (as entries they would add to
+Locust's aggregated request rate), and at the end the summary prints requests, failures, TTFT
+p50/p90/p99, ITL p50/p90, output tokens/s and mean acceptance rate (genai-perf definitions); with --csv
+PREFIX they also go to PREFIX_specdec.csv. Distributed runs (--processes N, or --master/--worker) work:
+workers send their samples to the master with every stats report and the master prints the summary. Options (or environment): --max-tokens (SPECDEC_MAX_TOKENS, 64),
 --num-draft-tokens (SPECDEC_NUM_DRAFT_TOKENS, server default), --temperature (SPECDEC_TEMPERATURE),
 --prompts-file (SPECDEC_PROMPTS, loadtest/prompts.jsonl), --prompt-kind (SPECDEC_PROMPT_KIND: all |
 grounded | open).
@@ -18,6 +20,7 @@ import grpc.experimental.gevent as grpc_gevent
 
 grpc_gevent.init_gevent()
 
+import csv  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import random  # noqa: E402
@@ -29,6 +32,7 @@ import gevent.queue  # noqa: E402
 import tritonclient.grpc as grpcclient  # noqa: E402
 import requests  # noqa: E402
 from locust import User, events, task  # noqa: E402
+from locust.runners import WorkerRunner  # noqa: E402
 
 from client.core import GenerationParams, ResultBuilder  # noqa: E402
 from client.core import classify_http_error  # noqa: E402
@@ -51,7 +55,8 @@ def _options(parser):
 
 
 class Samples:
-    """Per-request measurements for the end-of-run summary (one Locust process)."""
+    """Per-request measurements for the end-of-run summary. Times are wall-clock (time.time()) so that
+    samples of several worker processes combine on the master."""
 
     def __init__(self):
         self.lock = threading.Lock()
@@ -60,17 +65,33 @@ class Samples:
         self.first_sent = None
         self.last_done = None
 
-    def add(self, sent: float, result) -> None:
+    def add(self, sent_perf: float, result) -> None:
+        sent = time.time() - (time.perf_counter() - sent_perf)
+        self.merge({"ttft": [result.ttft_s], "itl": [result.itl_s] if result.num_output_tokens > 1 else [],
+                    "acceptance": [result.acceptance_rate] if result.total_draft_tokens else [],
+                    "tokens": result.num_output_tokens, "first": sent, "last": sent + result.latency_s})
+
+    def merge(self, data: dict | None) -> None:
+        """Add samples (one request's, or a worker's report)."""
+        if not data:
+            return
         with self.lock:
-            self.ttft.append(result.ttft_s)
-            if result.num_output_tokens > 1:
-                self.itl.append(result.itl_s)
-            if result.total_draft_tokens:
-                self.acceptance.append(result.acceptance_rate)
-            self.output_tokens += result.num_output_tokens
-            self.first_sent = sent if self.first_sent is None else min(self.first_sent, sent)
-            done = sent + result.latency_s
-            self.last_done = done if self.last_done is None else max(self.last_done, done)
+            self.ttft += data["ttft"]
+            self.itl += data["itl"]
+            self.acceptance += data["acceptance"]
+            self.output_tokens += data["tokens"]
+            if data["first"] is not None:
+                self.first_sent = data["first"] if self.first_sent is None else min(self.first_sent, data["first"])
+                self.last_done = data["last"] if self.last_done is None else max(self.last_done, data["last"])
+
+    def take(self) -> dict:
+        """Everything since the last take, removed here (what a worker sends to the master)."""
+        with self.lock:
+            data = {"ttft": self.ttft, "itl": self.itl, "acceptance": self.acceptance, "tokens": self.output_tokens,
+                    "first": self.first_sent, "last": self.last_done}
+            self.ttft, self.itl, self.acceptance, self.output_tokens = [], [], [], 0
+            self.first_sent = self.last_done = None
+            return data
 
 
 SAMPLES = Samples()
@@ -92,8 +113,20 @@ def _pick_user_class(environment, **_kwargs):
     environment.user_classes = [wanted]
 
 
+@events.report_to_master.add_listener
+def _send_samples(client_id, data, **_kwargs):
+    data["specdec"] = SAMPLES.take()
+
+
+@events.worker_report.add_listener
+def _receive_samples(client_id, data, **_kwargs):
+    SAMPLES.merge(data.get("specdec"))
+
+
 @events.quitting.add_listener
 def _summary(environment, **_kwargs):
+    if isinstance(environment.runner, WorkerRunner):
+        return  # the master has this worker's samples and prints the summary
     entries = [environment.stats.entries[key] for key in (("generate", "grpc"), ("generate", "http"))
                if key in environment.stats.entries]
     requests_done = sum(e.num_requests for e in entries)
@@ -113,6 +146,17 @@ def _summary(environment, **_kwargs):
         f"  mean acceptance     {acceptance:.3f}",
     ]
     print("\n".join(lines), flush=True)
+    prefix = getattr(environment.parsed_options, "csv_prefix", None)
+    if prefix:
+        with open(f"{prefix}_specdec.csv", "w", newline="") as out:
+            writer = csv.writer(out)
+            writer.writerow(["metric", "count", "p50", "p90", "p99", "mean"])
+            for name, values, scale in (("ttft_ms", SAMPLES.ttft, 1000), ("itl_ms", SAMPLES.itl, 1000),
+                                        ("acceptance", SAMPLES.acceptance, 1)):
+                mean = sum(values) / len(values) * scale if values else float("nan")
+                writer.writerow([name, len(values)] + [f"{percentile(values, q) * scale:.3f}" for q in (50, 90, 99)]
+                                + [f"{mean:.3f}"])
+            writer.writerow(["output_tokens_per_s", SAMPLES.output_tokens, "", "", "", f"{tokens_per_s:.3f}"])
 
 
 class _SpecdecMixin:
@@ -133,14 +177,9 @@ class _SpecdecMixin:
                                        temperature=getattr(options, "temperature", None))
 
     def record(self, sent: float, result, exception) -> None:
-        fire = self.environment.events.request.fire
         if exception is None:
-            fire(request_type=self.request_type, name="ttft", response_time=result.ttft_s * 1000,
-                 response_length=0, exception=None, context={})
-            fire(request_type=self.request_type, name="itl", response_time=result.itl_s * 1000,
-                 response_length=0, exception=None, context={})
             SAMPLES.add(sent, result)
-        fire(request_type=self.request_type, name="generate",
+        self.environment.events.request.fire(request_type=self.request_type, name="generate",
              response_time=(time.perf_counter() - sent) * 1000,
              response_length=result.num_output_tokens if result else 0, exception=exception, context={})
 

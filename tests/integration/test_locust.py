@@ -12,31 +12,48 @@ pytestmark = pytest.mark.integration
 LOCUSTFILE = Path(__file__).resolve().parents[2] / "loadtest" / "locustfile.py"
 
 
-def run_locust(tmp_path, host, seconds=20):
+def run_locust(tmp_path, host, seconds=20, extra=()):
     prefix = tmp_path / "stats"
     try:
         out = subprocess.run(
             [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "-u", "4", "-r", "4",
              "-t", f"{seconds}s", "--stop-timeout", "30", "--host", host, "--csv", str(prefix),
-             "--max-tokens", "24"],
+             "--max-tokens", "24", *extra],
             capture_output=True, text=True, timeout=seconds + 90)
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"locust did not stop:\n{(exc.stdout or b'')[-3000:]}\n{(exc.stderr or b'')[-3000:]}")
     rows = list(csv.DictReader(open(f"{prefix}_stats.csv")))
-    return out, {(row["Type"], row["Name"]): row for row in rows}
+    latency = {row["metric"]: row for row in csv.DictReader(open(f"{prefix}_specdec.csv"))}
+    return out, {(row["Type"], row["Name"]): row for row in rows}, latency
 
 
 @pytest.mark.parametrize("scheme", ["grpc", "http"])
 def test_locust_headless_records_requests_and_ttft(server, tmp_path, scheme):
     host = server.grpc_url if scheme == "grpc" else server.http_url
-    out, rows = run_locust(tmp_path, host)
+    out, rows, latency = run_locust(tmp_path, host)
     assert out.returncode == 0, out.stderr[-3000:]
     generate = rows[(scheme, "generate")]
     assert int(generate["Request Count"]) > 0
     assert int(generate["Failure Count"]) == 0
-    ttft = rows[(scheme, "ttft")]
-    assert int(ttft["Request Count"]) > 0 and float(ttft["Median Response Time"]) > 0
-    assert (scheme, "itl") in rows
+    # Only requests are Locust entries: the aggregated request rate is the generate rate.
+    assert set(rows) == {(scheme, "generate"), ("", "Aggregated")}
+    assert rows[("", "Aggregated")]["Request Count"] == generate["Request Count"]
+    assert int(latency["ttft_ms"]["count"]) > 0 and float(latency["ttft_ms"]["p50"]) > 0
+    assert int(latency["itl_ms"]["count"]) > 0
     summary = out.stdout + out.stderr
     for line in ("requests", "failures", "TTFT p50/p90/p99", "ITL p50/p90", "output tokens/s", "mean acceptance"):
         assert line in summary
+
+
+def test_locust_distributed_summary_counts_every_workers_requests(server, tmp_path):
+    """--processes 2: a master and two workers; the master's summary has the workers' samples."""
+    out, rows, latency = run_locust(tmp_path, server.grpc_url, extra=["--processes", "2"])
+    assert out.returncode == 0, out.stderr[-3000:]
+    generate = rows[("grpc", "generate")]
+    requests_done = int(generate["Request Count"])
+    assert requests_done > 0 and int(generate["Failure Count"]) == 0
+    # Every finished request's TTFT reached the master (a request cut at the time limit has none).
+    assert 0 < int(latency["ttft_ms"]["count"]) <= requests_done
+    summary = out.stdout + out.stderr
+    assert summary.count("speculative decoding load summary") == 1  # the master's, not one per worker
+    assert f"requests            {requests_done}" in summary
