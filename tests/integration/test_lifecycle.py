@@ -13,6 +13,9 @@ def test_sigterm_stops_server_and_every_stub_with_exit_code_0(tmp_path):
     server = start_server(tmp_path)
     try:
         assert len(stub_processes(server.run_dir)) == 7  # every Python model runs in its own stub
+        log = server.log_path.read_text(errors="replace")
+        for model in ("target_model", "draft_model", "draft_model_exact", "draft_model_random"):
+            assert f"{model}: warmed up in" in log, model  # before READY: the first requests pay nothing
         result = grpc_stream(server.grpc_url, "Hello", max_tokens=8, num_draft_tokens=2, stream=True)
         assert result[tn.NUM_OUTPUT_TOKENS] == 8
         with pytest.raises(GenerationError, match="max_tokens"):

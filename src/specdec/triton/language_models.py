@@ -70,6 +70,7 @@ class LanguageModelAdapter(TritonAdapter):
                                         low=1),
         )
         self.metrics = ModelMetrics(self.pb, self.name)
+        self._warm_up()
         # Abandoned sequences (no release call: a crashed orchestrator, a killed client) are evicted by
         # time, also while no request arrives to run `execute`: a thread checks every quarter timeout.
         # The lock keeps it out of a running forward.
@@ -79,6 +80,18 @@ class LanguageModelAdapter(TritonAdapter):
         self._evictor = threading.Thread(target=self._evict_periodically, args=(interval,), daemon=True,
                                          name=f"{self.name}-evictor")
         self._evictor.start()
+
+    def _warm_up(self) -> None:
+        """Run the shapes of serving once before the server reports ready, so that the first requests do
+        not pay lazy initialization (CUDA context, cuBLAS handles and workspaces, kernel selection)."""
+        started = time.perf_counter()
+        self._warm_up_steps()
+        self.lm.tokens_processed = 0  # the metrics count served tokens only
+        self.pb.Logger.log_info(f"{self.name}: warmed up in {time.perf_counter() - started:.2f} s "
+                                f"on {self.lm.device}")
+
+    def _warm_up_steps(self) -> None:
+        raise NotImplementedError
 
     def _evict_periodically(self, interval_s: float) -> None:
         while not self._stop.wait(interval_s):
@@ -157,7 +170,17 @@ class LanguageModelAdapter(TritonAdapter):
         self.lm.sequences.clear()
 
 
+WARM_UP_SEQUENCE = 0  # Triton never uses correlation ID 0 for a sequence: it cannot collide with one
+
+
 class TargetModel(LanguageModelAdapter):
+    def _warm_up_steps(self):
+        prompt = list(range(1, 17))
+        self.lm.extend(WARM_UP_SEQUENCE, 0, prompt, 1)  # a prefill
+        self.lm.extend(WARM_UP_SEQUENCE, 16, [1], 1)  # a target-only step
+        self.lm.extend(WARM_UP_SEQUENCE, 17, [1, 2, 3, 4, 5], 5)  # a verify of K + 1 = 5 positions
+        self.lm.release(WARM_UP_SEQUENCE)
+
     def _step_options(self, request):
         return {"num_logits": int(_scalar(self.pb, request, tn.NUM_LOGITS, 1))}
 
@@ -176,6 +199,13 @@ class TargetModel(LanguageModelAdapter):
 
 
 class DraftModel(LanguageModelAdapter):
+    def _warm_up_steps(self):
+        prompt = list(range(1, 17))
+        self.lm.propose(WARM_UP_SEQUENCE, 0, prompt, 4, SamplingParams())  # greedy drafting
+        sampled = SamplingParams(temperature=1.0, top_p=0.9)
+        self.lm.propose(WARM_UP_SEQUENCE, 16, [1], 4, sampled, make_generator(0, self.lm.logits_device))
+        self.lm.release(WARM_UP_SEQUENCE)
+
     def load(self, params: ModelParameters, args: dict) -> None:
         # Refuse, before the weights load, a draft that numbers tokens differently from the target.
         target_tokenizer = params.str("target_tokenizer_path", "")
