@@ -8,40 +8,48 @@ import time
 
 import pytest
 
-from specdec import tensor_names as tn
+from client import Client, GenerationParams
 
-from .helpers import grpc_stream, start_server, stop_server, stub_processes
+from .helpers import start_server, stop_server, stub_processes
 
 pytestmark = pytest.mark.integration
+
+TOKENS = 300
 
 
 def test_sigterm_during_a_long_stream_lets_it_finish(tmp_path):
     server = start_server(tmp_path)
-    result, failure = {}, []
+    results, failures = [], []
+    first_text = threading.Event()
 
     def stream():
         try:
-            result.update(grpc_stream(server.grpc_url, "Once upon a time", max_tokens=200, num_draft_tokens=2,
-                                      end_id=0, stream=True, timeout=180))
+            params = GenerationParams(max_tokens=TOKENS, num_draft_tokens=2, ignore_eos=True)
+            results.append(Client(server.grpc_url, timeout_s=300).generate(
+                "Once upon a time", params, stream=True, on_text=lambda _delta: first_text.set()))
         except Exception as exc:  # noqa: BLE001 - reported below
-            failure.append(exc)
+            failures.append(exc)
+        first_text.set()
 
     worker = threading.Thread(target=stream)
     worker.start()
-    time.sleep(1.5)  # the stream is generating
-    assert worker.is_alive()
     try:
+        assert first_text.wait(timeout=120)
+        assert worker.is_alive(), (failures, results)  # still generating: 300 tokens take seconds
         server.process.terminate()  # SIGTERM, as Kubernetes sends it
-        time.sleep(0.5)
+        deadline = time.monotonic() + 5
+        while server.ready() and time.monotonic() < deadline:
+            time.sleep(0.1)
         assert not server.ready()  # readiness drops at once: new requests go elsewhere
         probe = subprocess.run([sys.executable, "-m", "specdec.serving.healthcheck"], capture_output=True, text=True,
                                env={"HTTP_PORT": str(server.http_port), "PATH": ""})
         assert probe.returncode == 1 and "draining" in probe.stderr
-        worker.join(timeout=180)
+        worker.join(timeout=240)
         code = server.process.wait(timeout=120)  # drained, then stopped by itself
     except BaseException:
         stop_server(server, require_clean_exit=False)
         raise
-    assert not failure, failure
-    assert result[tn.FINISH_REASON] == tn.FINISH_LENGTH and result[tn.NUM_OUTPUT_TOKENS] == 200
+    assert not failures, failures
+    (result,) = results
+    assert result.finish_reason == "length" and result.num_output_tokens == TOKENS
     assert code == 0 and not stub_processes(server.run_dir)

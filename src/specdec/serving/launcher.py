@@ -234,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
             if process.poll() is None:
                 process.terminate()
         else:
+            drain_marker(http_port).touch()  # readiness drops now, not at the main loop's next look
             log(f"signal {signum}: draining (a second signal stops at once)")
         stopping.set()
 
