@@ -78,3 +78,9 @@ DEFAULT_NUM_DRAFT_TOKENS = 4
 DEFAULT_MAX_NUM_DRAFT_TOKENS = 16
 DEFAULT_MAX_MAX_TOKENS = 1024
 DEFAULT_MAX_CONTEXT_TOKENS = 8192  # prompt + output tokens per sequence; the chart's default too
+
+# ---- executor settings of draft_model / target_model (config parameters, launcher and chart) ---------
+# auto: the static executor with CUDA graphs on GPUs, the eager one on CPU; off: eager everywhere;
+# graphs: require CUDA graphs.
+COMPILE_MODES = ("auto", "off", "graphs")
+EXECUTORS = ("auto", "static", "dynamic")  # auto: static on CUDA where the model family allows it

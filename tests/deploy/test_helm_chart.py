@@ -251,7 +251,9 @@ def pair_for(values: dict) -> PairSpec:
         max_num_draft_tokens=spec["maxNumDraftTokens"], default_max_tokens=spec["defaultMaxTokens"],
         max_max_tokens=spec["maxMaxTokens"], max_sequences=spec["maxSequences"],
         max_live_sequences=spec["maxLiveSequences"], when_full=spec["whenFull"],
-        sequence_idle_timeout_s=spec["sequenceIdleTimeoutSeconds"])
+        sequence_idle_timeout_s=spec["sequenceIdleTimeoutSeconds"], compile=values["executor"]["compile"],
+        kv_memory_fraction_target=values["executor"]["kvMemoryFraction"]["target"],
+        kv_memory_fraction_draft=values["executor"]["kvMemoryFraction"]["draft"])
 
 
 @pytest.mark.parametrize("name", ["defaults", "cpu-only-ngram", "spread-target"])

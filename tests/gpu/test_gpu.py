@@ -10,7 +10,9 @@ from specdec.decoding.draft_length import DraftLengthPolicy
 from specdec.decoding.loop import GenerationRequest, generate
 from specdec.decoding.sampling import SamplingParams
 from specdec.engine.executor import CausalLM, load_causal_lm
+from specdec.engine.executor import CacheError, Step
 from specdec.engine.local import LocalProposer, LocalScorer, collect
+from specdec.engine.static_executor import StaticCausalLM
 from specdec.serving import pairs, server
 
 # Every test here needs CUDA: marked `gpu`, skipped where torch sees no GPU (CI stays CPU-only).
@@ -75,3 +77,33 @@ def test_served_on_the_gpu_samples_with_a_draft_model(tmp_path, tiny_pair):
         assert greedy[0] == greedy[1]
     finally:
         own.stop()
+
+
+def test_cuda_graphs_match_eager_in_every_bucket(tiny_pair):
+    """Each (sequences, rows, window) bucket replayed as a CUDA graph gives the eager static forward's
+    logits (float64), with rollbacks, sequences of different lengths and windows crossed."""
+    model = load_causal_lm(tiny_pair.target_path, "cuda", "float64")
+    settings = dict(kv_pool_tokens=4096, block_size=8, max_context=512, max_batch=4, max_rows=5, min_window=16)
+    eager, graphs = StaticCausalLM(model, compile="off", **settings), StaticCausalLM(model, compile="graphs", **settings)
+    assert graphs.mode == "graphs"
+    ready, _ = graphs.warm_up(600)
+    assert ready == len(graphs.batch_sizes) * len(graphs.row_sizes) * len(graphs.window_sizes)
+    gen = torch.Generator().manual_seed(1)
+    lengths = {}
+    for seq, size in enumerate([3, 9, 30, 70, 200], 1):
+        prompt = torch.randint(0, 1000, (size,), generator=gen).tolist()
+        assert torch.allclose(eager.extend(seq, 0, prompt, 1), graphs.extend(seq, 0, prompt, 1))
+        lengths[seq] = size
+    for sequences in range(1, 6):
+        for rows in range(1, 6):
+            steps = []
+            for seq in range(1, sequences + 1):
+                count = max(1, rows - (seq % 2))
+                keep = max(1, lengths[seq] - (seq + rows) % 3)
+                steps.append(Step(seq, keep, torch.randint(0, 1000, (count,), generator=gen).tolist(), count))
+                lengths[seq] = keep + count
+            for a, b in zip(eager.extend_many(steps), graphs.extend_many(steps)):
+                assert not isinstance(b, CacheError)
+                assert torch.allclose(a, b, atol=1e-9), (sequences, rows)
+    tokens = [lm.propose(1, lengths[1], [5], 6, SamplingParams())[0] for lm in (eager, graphs)]
+    assert tokens[0] == tokens[1]

@@ -32,6 +32,10 @@ instance_group [ { count: 1, kind: KIND_GPU, gpus: [ {{ ternary $root.Values.gpu
 {{ include "specdec.param" (list "device_map" (ternary "auto" "" (and $onGpu (eq $role "target") $root.Values.gpu.spreadTarget))) }}
 {{ include "specdec.param" (list "max_sequences" $root.Values.speculation.maxSequences) }}
 {{ include "specdec.param" (list "sequence_idle_timeout_s" $root.Values.speculation.sequenceIdleTimeoutSeconds) }}
+{{ include "specdec.param" (list "max_num_draft_tokens" $root.Values.speculation.maxNumDraftTokens) }}
+{{ include "specdec.param" (list "max_context_tokens" $root.Values.speculation.maxContextTokens) }}
+{{ include "specdec.param" (list "compile" $root.Values.executor.compile) }}
+{{ include "specdec.param" (list "kv_memory_fraction" (index $root.Values.executor.kvMemoryFraction $role)) }}
 {{ include "specdec.param" (list "batched_forward" "true") }}
 {{ include "specdec.instanceGroup" (list $root $role) }}
 {{- end -}}

@@ -121,7 +121,9 @@ class CausalLM:
         seq = self.sequences.get(seq_id)
         return seq.length if seq else 0
 
-    def _acquire(self, seq_id: int, keep: int) -> SequenceKV:
+    def _acquire(self, seq_id: int, keep: int, grow: int = 0) -> SequenceKV:
+        """The sequence's cache rolled back to `keep` tokens, with room for `grow` more (CacheError if
+        there is none; a sequence that was new then holds nothing)."""
         seq = self.sequences.get(seq_id)
         if seq is None:
             if keep != 0:
@@ -130,15 +132,27 @@ class CausalLM:
                     f" but cache_length={keep} was requested")
             if len(self.sequences) >= self.max_sequences:
                 raise CacheError(f"too many live sequences ({self.max_sequences}); retry later")
-            heads, head_dim = self._kv_heads_and_dim()
-            seq = self.sequences[seq_id] = SequenceKV(
-                self.layer_devices, heads, head_dim, self.model.dtype,
-                max_capacity=getattr(self.model.config, "max_position_embeddings", None))
+            seq = self.sequences[seq_id] = self._new_sequence()
+            try:
+                self._reserve(seq, grow)
+            except CacheError:
+                self.release(seq_id)
+                raise
         elif keep > seq.length:
             raise CacheError(f"cache_length={keep} exceeds the {seq.length} tokens cached for sequence {seq_id}")
+        else:
+            self._reserve(seq, keep + grow)
         seq.length = keep  # rollback: later writes overwrite the rejected positions
         seq.last_used = self.clock()
         return seq
+
+    def _new_sequence(self):
+        heads, head_dim = self._kv_heads_and_dim()
+        return SequenceKV(self.layer_devices, heads, head_dim, self.model.dtype,
+                          max_capacity=getattr(self.model.config, "max_position_embeddings", None))
+
+    def _reserve(self, seq, positions: int) -> None:
+        """Make sure `seq` can hold `positions` tokens; here buffers grow on demand (`KVBatch`)."""
 
     def extend(self, seq_id: int, keep: int, new_ids: list[int], num_logits: int) -> torch.Tensor:
         """Keep the first `keep` cached tokens, append `new_ids`, return logits of the last positions.
@@ -222,7 +236,8 @@ class CausalLM:
                 message = problem(step)
                 if message:
                     raise CacheError(message)
-                self._acquire(step.seq_id, step.keep)
+                # Room for the new tokens, and for a proposal's drafted ones run through the model.
+                self._acquire(step.seq_id, step.keep, len(step.new_ids) + max(step.k - 1, 0))
                 seen.add(step.seq_id)
                 ok.append(i)
                 errors.append(None)

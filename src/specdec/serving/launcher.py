@@ -18,6 +18,7 @@ Environment: PAIR, HTTP_PORT, GRPC_PORT, METRICS_PORT (8000/8001/8002).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import os
 import shutil
@@ -179,6 +180,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     custom.add_argument("--max-num-draft-tokens", type=int, default=tn.DEFAULT_MAX_NUM_DRAFT_TOKENS)
     custom.add_argument("--max-context-tokens", type=int, default=tn.DEFAULT_MAX_CONTEXT_TOKENS)
     custom.add_argument("--chat-template", action="store_true", help="apply the tokenizer's chat template")
+    parser.add_argument("--compile", default="auto", choices=tn.COMPILE_MODES,
+                        help="the models' executor: auto = static shapes + CUDA graphs on GPUs, eager on CPU")
     parser.add_argument("--set", action="append", default=[], metavar="MODEL.PARAMETER=VALUE",
                         help="override a config.pbtxt parameter of the rendered repository (repeatable), "
                              "e.g. target_model.batched_forward=false")
@@ -215,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
                 max_context_tokens=args.max_context_tokens, apply_chat_template=args.chat_template)
         else:
             pair = pairs.prepare_pair(args.pair)
+        pair = dataclasses.replace(pair, compile=args.compile)
         repo = repository.render(pair, run_dir / "model_repository")
         for setting in args.set:
             repository.override(repo, setting)

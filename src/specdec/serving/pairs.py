@@ -46,6 +46,11 @@ class PairSpec:
     target_gpu: int = 0
     spread_target: bool = False
     draft_gpu: int = 0
+    # The executor's compile mode (auto: the static executor with CUDA graphs on GPUs, eager on CPU;
+    # off: eager everywhere) and each model's KV pool, a fraction of its device's free memory at load.
+    compile: str = "auto"
+    kv_memory_fraction_target: float = 0.5
+    kv_memory_fraction_draft: float = 0.1
     # Request defaults and limits of speculative_decoding, and the models' sequence bookkeeping.
     adaptive_draft: bool = True
     default_num_draft_tokens: int = tn.DEFAULT_NUM_DRAFT_TOKENS

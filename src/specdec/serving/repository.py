@@ -58,7 +58,12 @@ def render(pair: PairSpec, dest: Path) -> Path:
         return {"model_path": path, "dtype": pair.dtype, "device": "cuda" if on_gpu else "cpu",
                 "device_map": "auto" if on_gpu and role == "target" and pair.spread_target else "",
                 "max_sequences": str(pair.max_sequences),
-                "sequence_idle_timeout_s": str(pair.sequence_idle_timeout_s)}
+                "sequence_idle_timeout_s": str(pair.sequence_idle_timeout_s),
+                # The static executor's shapes: K + 1 rows per verify, sequences up to the context.
+                "max_num_draft_tokens": str(pair.max_num_draft_tokens),
+                "max_context_tokens": str(pair.max_context_tokens), "compile": pair.compile,
+                "kv_memory_fraction": str(pair.kv_memory_fraction_target if role == "target"
+                                          else pair.kv_memory_fraction_draft)}
 
     tokenizer = {"tokenizer_path": pair.tokenizer_path}
     edit("preprocessing", {**tokenizer, "apply_chat_template": str(pair.apply_chat_template).lower()})

@@ -42,7 +42,7 @@ class ModelParameters:
             raise self._fail(key, f"must be within [{low}, {high}], got {value}")
         return value
 
-    def float(self, key: str, default: float, low: float | None = None) -> float:
+    def float(self, key: str, default: float, low: float | None = None, high: float | None = None) -> float:
         raw = self.values.get(key, "")
         try:
             value = default if raw == "" else float(raw)
@@ -50,6 +50,8 @@ class ModelParameters:
             raise self._fail(key, f"must be a number, got {raw!r}") from None
         if low is not None and value < low:
             raise self._fail(key, f"must be >= {low}, got {value}")
+        if high is not None and value > high:
+            raise self._fail(key, f"must be <= {high}, got {value}")
         return value
 
     def bool(self, key: str, default: bool) -> bool:

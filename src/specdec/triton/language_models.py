@@ -21,8 +21,9 @@ from specdec import tensor_names as tn
 from specdec.decoding.interfaces import ForwardStats
 from specdec.decoding.sampling import SamplingParams, make_generator
 from specdec.decoding.text import load_tokenizer, vocabulary_mismatch
-from specdec.engine import onednn_linear
+from specdec.engine import onednn_linear, static_executor
 from specdec.engine.executor import CacheError, CausalLM, Step, load_causal_lm
+from specdec.engine.static_executor import StaticCausalLM
 from specdec.triton.adapter import TritonAdapter
 from specdec.triton.config import ConfigError, ModelParameters
 from specdec.triton.metrics import ModelMetrics
@@ -60,15 +61,45 @@ class LanguageModelAdapter(TritonAdapter):
         torch.set_num_threads(params.int("torch_threads", torch.get_num_threads(), low=1))
         # false: one forward per sequence (the unbatched baseline of the batching benchmark).
         self.batched = params.bool("batched_forward", True)
-        self.lm = CausalLM(
-            model,
-            max_sequences=params.int("max_sequences", 256, low=1),
-            idle_timeout_s=params.float("sequence_idle_timeout_s", 600.0, low=1.0),
-            # 4 on CPU with torch's linear kernels: its 2-3 row GEMMs are slower than 4 (measured; see
-            # CausalLM). oneDNN's reordered weights have no such cliff; 1 = no padding.
-            min_forward_rows=params.int("min_forward_rows", 4 if model.device.type == "cpu" and not prepacked else 1,
-                                        low=1),
-        )
+        max_sequences = params.int("max_sequences", 256, low=1)
+        idle_timeout_s = params.float("sequence_idle_timeout_s", 600.0, low=1.0)
+        executor = params.str("executor", "auto", choices=tn.EXECUTORS)
+        compile_mode = params.str("compile", "auto", choices=tn.COMPILE_MODES)
+        unsupported = static_executor.supports(model)
+        if executor == "static" and unsupported:
+            raise ConfigError(f"{self.name}: executor=static cannot run {params.str('model_path')}: {unsupported}")
+        # auto: the static executor where CUDA graphs pay (kernel launches dominate eager GPU steps);
+        # eagerly, on CPU or with compile=off, transformers' forward is as fast or faster (README,
+        # "Measured design choices") and its memory grows on demand.
+        wants_graphs = compile_mode == "graphs" or (compile_mode == "auto" and model.device.type == "cuda")
+        if executor == "static" or (executor == "auto" and wants_graphs and not unsupported):
+            self.lm = StaticCausalLM(
+                model, max_sequences=max_sequences, idle_timeout_s=idle_timeout_s,
+                kv_pool_tokens=params.int("kv_pool_tokens", 0, low=0),
+                kv_memory_fraction=params.float("kv_memory_fraction", 0.4, low=0.0, high=1.0),
+                block_size=params.int("kv_block_size", 32, low=1),
+                max_context=params.int("max_context_tokens", tn.DEFAULT_MAX_CONTEXT_TOKENS, low=1),
+                max_batch=params.int("max_batch_forward", 16, low=1),
+                max_rows=params.int("max_num_draft_tokens", tn.DEFAULT_MAX_NUM_DRAFT_TOKENS, low=1) + 1,
+                compile=compile_mode, log=self.pb.Logger.log_info)
+            started = time.perf_counter()
+            ready, _ = self.lm.warm_up(params.float("capture_time_budget_s", 120.0, low=0.0))
+            total = len(self.lm.batch_sizes) * len(self.lm.row_sizes) * len(self.lm.window_sizes)
+            self.pb.Logger.log_info(
+                f"{self.name}: static executor, eager (compile=off)" if self.lm.mode == "off" else
+                f"{self.name}: static executor: {ready} of {total} shape buckets captured as CUDA graphs in "
+                f"{time.perf_counter() - started:.1f} s (the rest on first use)")
+        else:
+            if compile_mode == "graphs":
+                raise ConfigError(f"{self.name}: compile={compile_mode} needs executor=static (got {executor}"
+                                  f"{', ' + unsupported if unsupported else ''})")
+            self.lm = CausalLM(
+                model, max_sequences=max_sequences, idle_timeout_s=idle_timeout_s,
+                # 4 on CPU with torch's linear kernels: its 2-3 row GEMMs are slower than 4 (measured; see
+                # CausalLM). oneDNN's reordered weights have no such cliff; 1 = no padding.
+                min_forward_rows=params.int("min_forward_rows",
+                                            4 if model.device.type == "cpu" and not prepacked else 1, low=1),
+            )
         self.metrics = ModelMetrics(self.pb, self.name)
         self._warm_up()
         # Abandoned sequences (no release call: a crashed orchestrator, a killed client) are evicted by
@@ -87,6 +118,7 @@ class LanguageModelAdapter(TritonAdapter):
         started = time.perf_counter()
         self._warm_up_steps()
         self.lm.tokens_processed = 0  # the metrics count served tokens only
+        self.forward_seconds = 0.0
         self.pb.Logger.log_info(f"{self.name}: warmed up in {time.perf_counter() - started:.2f} s "
                                 f"on {self.lm.device}")
 
@@ -100,7 +132,8 @@ class LanguageModelAdapter(TritonAdapter):
                     self._report_metrics(flush=True)
 
     def _report_metrics(self, flush: bool) -> None:
-        self.metrics.report(self.lm.tokens_processed, len(self.lm.sequences), self.lm.kv_bytes_allocated, flush)
+        self.metrics.report(self.lm.tokens_processed, len(self.lm.sequences), self.lm.kv_bytes_allocated, flush,
+                            self.forward_seconds)
 
     def execute(self, requests):
         """All pending steps (of different sequences: the sequence batcher sends one step per sequence
@@ -133,11 +166,14 @@ class LanguageModelAdapter(TritonAdapter):
                 started = time.perf_counter()
                 try:
                     results += self._run(group)
+                    if self.lm.device.type == "cuda":  # the time below is the GPU's, not the launch's
+                        torch.cuda.synchronize(self.lm.device)
                 except Exception as exc:  # noqa: BLE001 - the batch fails, the server keeps serving
                     results += [RuntimeError(f"{type(exc).__name__}: {exc}")] * len(group)
                 # What this forward cost, for the orchestrator's cost model: rows, sequences, seconds.
                 forward = ForwardStats(sum(len(step.new_ids) for step in group), len(group),
                                        time.perf_counter() - started)
+                self.forward_seconds += forward.seconds
                 forwards += [forward] * len(group)
             for i, step, result, forward in zip(owners, steps, results, forwards):
                 responses[i] = self._error(result) if isinstance(result, Exception) else \

@@ -39,19 +39,24 @@ class ModelMetrics:
         self.live = make("specdec_model_live_sequences", "Sequences whose KV cache the model currently holds",
                          kinds.GAUGE).Metric(labels=labels)
         self.kv_bytes = make("specdec_model_kv_cache_bytes",
-                             "Bytes allocated for the model's KV caches (per-sequence buffers, grown by doubling)",
-                             kinds.GAUGE).Metric(labels=labels)
-        self._tokens, self._at = 0, 0.0
+                             "Bytes of KV cache the model's sequences hold (pool blocks, or per-sequence buffers "
+                             "grown by doubling)", kinds.GAUGE).Metric(labels=labels)
+        self.forward_seconds = make("specdec_model_forward_seconds_total",
+                                    "Seconds spent in the model's forward passes (the rest of an execute is "
+                                    "the adapter's own work)", kinds.COUNTER).Metric(labels=labels)
+        self._tokens, self._at, self._seconds = 0, 0.0, 0.0
         self._gauges: dict[str, float | None] = {"live": None, "kv": None}
 
-    def report(self, tokens_processed: int, live_sequences: int, kv_bytes: int, flush: bool) -> None:
-        """Set the gauges only when they changed, and add to the token counter at most twice a second or
-        when a sequence ends (flush): this runs on every execute."""
+    def report(self, tokens_processed: int, live_sequences: int, kv_bytes: int, flush: bool,
+               forward_seconds: float = 0.0) -> None:
+        """Set the gauges only when they changed, and add to the counters at most twice a second or when
+        a sequence ends (flush): this runs on every execute. Counts are totals since load."""
         now = time.monotonic()
         pending = tokens_processed - self._tokens
         if pending and (flush or now - self._at >= 0.5):
             self.tokens.increment(pending)
-            self._tokens, self._at = tokens_processed, now
+            self.forward_seconds.increment(forward_seconds - self._seconds)
+            self._tokens, self._at, self._seconds = tokens_processed, now, forward_seconds
         for key, metric, value in (("live", self.live, live_sequences), ("kv", self.kv_bytes, kv_bytes)):
             if value != self._gauges[key]:
                 metric.set(value)

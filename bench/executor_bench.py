@@ -1,0 +1,132 @@
+"""In-process step times of the executors (`make bench-executor`): what one forward costs, no server.
+
+For a pair (the GPU bench's synthetic 8B-shaped one on a GPU, the tiny or default pair on CPU) it times,
+after a prompt of --context tokens: a target step of 1 token and a verify of K+1, for 1 and --batch
+sequences, and the draft proposing K tokens, with
+
+  dynamic      `CausalLM`: transformers' forward, per-sequence growing buffers (today's CPU executor)
+  static/off   `StaticCausalLM` eagerly: paged pool, bucketed shapes, no capture
+  static/graphs     the same, each bucket captured as a CUDA graph (GPU)
+  reference    plain PyTorch with transformers' static cache + torch.compile (GPU only)
+
+and how long capturing took. The target's logits in every mode are compared with the dynamic one's.
+
+    python bench/executor_bench.py --pair tiny                 # CPU
+    python bench/executor_bench.py --reference                 # GPU: the 8B-shaped pair
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tabulate import tabulate
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+import gpu_bench  # noqa: E402
+from specdec.decoding.sampling import SamplingParams  # noqa: E402
+from specdec.engine.executor import CausalLM, Step, load_causal_lm  # noqa: E402
+from specdec.engine.static_executor import StaticCausalLM  # noqa: E402
+from specdec.serving import pairs  # noqa: E402
+
+
+def make(model, mode: str, batch: int, k: int, context: int):
+    if mode == "dynamic":
+        return CausalLM(model), 0.0
+    lm = StaticCausalLM(model, max_sequences=batch + 1, max_context=context + 64, max_batch=batch,
+                        max_rows=k + 1, compile=mode)
+    ready, seconds = lm.warm_up(time_budget_s=240)
+    return lm, seconds
+
+
+def time_lm(lm, vocab: int, context: int, batch: int, k: int, reps: int, device: str) -> dict:
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, vocab, (context,), generator=gen).tolist() for _ in range(batch)]
+    for seq, prompt in enumerate(prompts, 1):
+        lm.extend(seq, 0, prompt, 1)
+    out = {}
+    for width in (1, k + 1):
+        for b in (1, batch):
+            steps = [Step(seq, context, prompts[seq - 1][:width], width) for seq in range(1, b + 1)]
+            out[(width, b)] = gpu_bench.timed(lambda: lm.extend_many(steps), device, reps)
+    out["logits"] = lm.extend(1, context, prompts[0][:k + 1], k + 1).float().cpu()
+    out["propose"] = gpu_bench.timed(lambda: lm.propose(1, context, prompts[0][:1], k, SamplingParams()), device, reps)
+    for seq in range(1, batch + 1):
+        lm.release(seq)
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pair", choices=("8b", "tiny", "default"), default=None,
+                        help="default: 8b on a GPU, tiny on CPU")
+    parser.add_argument("--modes", default=None, help="static executor modes, comma-separated "
+                        "(default: off,graphs on a GPU, off on CPU)")
+    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--reps", type=int, default=None)
+    parser.add_argument("--reference", action="store_true", help="also time the compiled static-cache reference")
+    parser.add_argument("--out", help="also write the table (Markdown) here")
+    args = parser.parse_args(argv)
+    gpu = torch.cuda.is_available()
+    device = "cuda" if gpu else "cpu"
+    pair = args.pair or ("8b" if gpu else "tiny")
+    dtype = args.dtype or ("bfloat16" if gpu else "float32")
+    modes = ["dynamic"] + (args.modes or ("off,graphs" if gpu else "off")).split(",")
+    reps = args.reps or (20 if gpu else 10)
+    if pair == "8b":
+        root = pairs.cache_dir() / "pairs" / f"bench-8b-{dtype}-0.00015"
+        target_path, draft_path = gpu_bench.build_pair(root, gpu_bench.SHAPES["8b"], getattr(torch, dtype), device,
+                                                       1.5e-4)
+    else:
+        spec = pairs.tiny_pair() if pair == "tiny" else pairs.default_pair()
+        target_path, draft_path = spec.target_path, next(iter(spec.draft_paths.values()))
+    rows, reference_logits = [], None
+    for role, path in (("target", target_path), ("draft", draft_path)):
+        model = load_causal_lm(str(path), device, dtype)
+        if args.reference and role == "target" and gpu:
+            widths = [1, args.k + 1]
+            ref = gpu_bench.reference_steps(model, device, args.context, widths, "reduce-overhead", reps)
+            rows.append([role, "reference (static cache, compiled)", f"{ref[1] * 1e3:.2f}", "",
+                         f"{ref[args.k + 1] * 1e3:.2f}", "", "", "", ""])
+            gpu_bench.log(" | ".join(rows[-1]))
+        for mode in modes:
+            gpu_bench.log(f"{role} {mode}")
+            lm, setup_s = make(model, mode, args.batch, args.k, args.context)
+            t = time_lm(lm, model.config.vocab_size, args.context, args.batch, args.k, reps, device)
+            if role == "target":
+                if mode == "dynamic":
+                    reference_logits = t["logits"]
+                diff = (t["logits"] - reference_logits).abs().max().item()
+            else:
+                diff = float("nan")
+            rows.append([role, mode] + [f"{t[(w, b)] * 1e3:.2f}" for w in (1, args.k + 1) for b in (1, args.batch)]
+                        + [f"{t['propose'] * 1e3:.2f}", f"{setup_s:.1f}", f"{diff:.2g}"])
+            gpu_bench.log(" | ".join(rows[-1]))  # as it comes: a run cut short still shows its rows
+            del lm
+            if gpu:
+                torch.cuda.empty_cache()
+        del model
+    machine = torch.cuda.get_device_name() if gpu else f"{platform.machine()} CPU, {torch.get_num_threads()} threads"
+    header = f"{machine}, torch {torch.__version__}, {pair} pair, {dtype}, context {args.context}, K={args.k}"
+    table = tabulate(rows, ["model", "executor", "1 row, 1 seq (ms)", f"1 row, {args.batch} seqs",
+                            f"{args.k + 1} rows, 1 seq", f"{args.k + 1} rows, {args.batch} seqs",
+                            f"propose {args.k} (ms)", "capture (s)", "max |Δ logits|"],
+                     tablefmt="github", disable_numparse=True)
+    print(f"{header}\n\n{table}")
+    if args.out:
+        Path(args.out).write_text(f"{header}\n\n{table}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""Where a served round's time goes (`make bench-overhead`): the serving floor, model cost ~0.
+
+Serves the tiny pair (its forwards cost about a millisecond: what remains is the serving machinery), runs
+greedy requests of fixed length at K=0 (target-only) and K fixed, one at a time, and splits each round's
+wall time with the server's own counters (deltas over the measured requests, per round):
+
+  target_model / draft_model forward   specdec_model_forward_seconds_total: the executor's forward passes
+  ... adapter                          Triton's compute_infer minus the forward: parsing inputs, building
+                                       the outputs, metrics (the Python model's own work)
+  ... Triton in/out + queue            compute_input + compute_output + queue: the backend moving tensors
+                                       to and from the stub, the sequence batcher's wait
+  orchestrator, BLS and client         the rest: the orchestrator's Python (decode loop, text, metrics),
+                                       its BLS calls' IPC, the ensemble's pre/postprocessing, the client
+
+    python bench/round_overhead.py                 # CPU (the dev machine's figures in the README)
+    python bench/round_overhead.py --device gpu    # the same with the models on the GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+import time
+from pathlib import Path
+
+from tabulate import tabulate
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+from client import Client, GenerationParams  # noqa: E402
+from specdec.serving import pairs, server  # noqa: E402
+from specdec.serving.metrics_text import sum_samples  # noqa: E402
+
+MODELS = ("target_model", "draft_model")
+TRITON = {"queue": "nv_inference_queue_duration_us", "input": "nv_inference_compute_input_duration_us",
+          "infer": "nv_inference_compute_infer_duration_us", "output": "nv_inference_compute_output_duration_us",
+          "calls": "nv_inference_request_success"}
+
+
+def counters(text: str) -> dict:
+    out = {"rounds": sum_samples(text, "specdec_rounds_total")}
+    for model in MODELS:
+        out[model, "forward"] = sum_samples(text, "specdec_model_forward_seconds_total", model=model)
+        for key, name in TRITON.items():
+            out[model, key] = sum_samples(text, name, model=model)
+    return out
+
+
+def measure(own, params: GenerationParams, prompts: list[str], repeats: int) -> dict:
+    client = Client(own.grpc_url, "grpc", timeout_s=600)
+    for prompt in prompts[:2]:  # warm this path
+        client.generate(prompt, params)
+    time.sleep(1.0)  # the model metrics are flushed at most twice a second
+    before, wall = counters(own.metrics()), 0.0
+    for _ in range(repeats):
+        for prompt in prompts:
+            started = time.perf_counter()
+            client.generate(prompt, params)
+            wall += time.perf_counter() - started
+    time.sleep(1.0)
+    after = counters(own.metrics())
+    delta = {key: after[key] - before[key] for key in after}
+    rounds = delta["rounds"]
+    out = {"round": wall / rounds * 1e3, "rounds": rounds}
+    models = 0.0
+    for model in MODELS:
+        forward = delta[model, "forward"] * 1e3 / rounds
+        infer = delta[model, "infer"] / 1e3 / rounds
+        edges = (delta[model, "queue"] + delta[model, "input"] + delta[model, "output"]) / 1e3 / rounds
+        out[model] = {"forward": forward, "adapter": max(infer - forward, 0.0), "triton": edges,
+                      "calls": delta[model, "calls"] / rounds}
+        models += infer + edges
+    out["rest"] = out["round"] - models
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
+    parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--launcher-arg", action="append", default=[], help="more launcher arguments")
+    parser.add_argument("--out", help="also write the table (Markdown) here")
+    args = parser.parse_args(argv)
+    pair = pairs.tiny_pair()
+    launcher_args = ["--target", pair.target_path, "--draft", pair.draft_paths["draft_model"],
+                     "--tokenizer", pair.tokenizer_path, "--device", args.device, *args.launcher_arg]
+    prompts = ["Once upon a time", "The capital of France is", "def fibonacci(n):"]
+    cache = pairs.cache_dir()
+    own = server.start(cache / "run" / "bench-overhead", cache / "bench-overhead-server.log", launcher_args)
+    try:
+        results = {}
+        for name, k in (("K=0", 0), (f"K={args.k}", args.k)):
+            params = GenerationParams(max_tokens=args.max_tokens, num_draft_tokens=k, adaptive_draft=False,
+                                      ignore_eos=True)
+            results[name] = measure(own, params, prompts, args.repeats)
+    finally:
+        own.stop()
+    rows = []
+    for name, r in results.items():
+        rows.append([name, "round (client wall time / rounds)", f"{r['round']:.2f}", f"{r['rounds']:.0f} rounds"])
+        for model in MODELS:
+            m = r[model]
+            if not m["calls"]:
+                continue
+            rows.append([name, f"{model} forward", f"{m['forward']:.2f}", f"{m['calls']:.2f} calls per round"])
+            rows.append([name, f"{model} adapter", f"{m['adapter']:.2f}", ""])
+            rows.append([name, f"{model} Triton in/out + queue", f"{m['triton']:.2f}", ""])
+        rows.append([name, "orchestrator, BLS, ensemble and client", f"{r['rest']:.2f}", ""])
+    header = (f"{platform.machine()} {args.device}, tiny pair, greedy, {args.max_tokens} tokens per request, "
+              f"one request at a time")
+    table = tabulate(rows, ["", "where", "ms per round", ""], tablefmt="github", disable_numparse=True)
+    print(f"{header}\n\n{table}")
+    if args.out:
+        Path(args.out).write_text(f"{header}\n\n{table}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

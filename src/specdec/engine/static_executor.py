@@ -1,0 +1,407 @@
+"""The static-shape executor: a paged KV pool allocated once, and forwards of a few fixed shapes that
+are captured once (CUDA graphs on the GPU) and replayed.
+
+`CausalLM` (executor.py) runs transformers' own forward with Python deciding every shape; on a GPU the
+host then spends longer launching kernels than the GPU spends running them. Here nothing in a decode
+or verify forward changes shape from one step to the next:
+
+- KV memory is one pool per layer, (blocks + 1, block_size, kv_heads, head_dim), allocated at load
+  within a budget (`kv_pool_tokens`); a sequence holds a list of blocks, grown as it grows and returned
+  when it ends. Rolling back rejected draft tokens is still just a smaller length. The extra block is
+  scratch: padding rows write there and nobody reads it. A step that needs a block when none is free
+  fails with a CacheError naming the budget (the sequence keeps what it had).
+- A forward's inputs are tensors of a bucketed shape: (B sequences, T rows each) token ids and
+  positions, where each row's key and value go (block, offset), each sequence's block table (B, W /
+  block_size) and how many keys each row may see. Attention gathers a sequence's blocks into a window
+  of W keys (W bucketed too) and masks by those counts, so lengths are data, not shapes.
+- Each (B, T, W) bucket is captured once as a CUDA graph (`compile="graphs"`, the default on CUDA) and
+  replayed: one launch per forward instead of hundreds. `compile="off"` runs the same forward eagerly
+  (the reference the tests compare against). Forwards outside the buckets (prompts of more than T rows)
+  run eagerly with their own shapes; more than B sequences run as several forwards. torch.compile was
+  measured and is not used (README, "Measured design choices").
+
+The forward is written here over the model's own modules (embeddings, norms, projections, rotary
+embedding, MLP, head), so it serves the Llama family (Llama, SmolLM2, Mistral without a sliding
+window, Qwen2/Qwen3); `supports` says whether a model qualifies, and `CausalLM` serves the rest.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Callable, NamedTuple
+
+import numpy as np
+import torch
+from torch.nn.functional import scaled_dot_product_attention
+
+from specdec import tensor_names as tn
+from specdec.engine.executor import CacheError, CausalLM
+
+COMPILE_MODES = tn.COMPILE_MODES
+CAPTURE_RESERVE_BYTES = 2 << 30  # capturing at load stops when less is free: room for eager prompts
+FAMILY = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def supports(model) -> str | None:
+    """None if the static forward can run `model`, else why not."""
+    config = model.config
+    if config.model_type not in FAMILY:
+        return f"model type {config.model_type!r} is not one of {FAMILY}"
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        return "sliding-window attention"
+    devices = {p.device for p in model.parameters()}
+    if len(devices) > 1:
+        return "a model spread over several devices"
+    return None
+
+
+def buckets(limit: int) -> list[int]:
+    """1, 2, 4, ... below `limit`, then `limit`: the sizes a dimension is padded up to."""
+    out = [1 << i for i in range(max(limit - 1, 0).bit_length()) if (1 << i) < limit]
+    return out + [limit]
+
+
+def bucket(value: int, sizes: list[int]) -> int | None:
+    return next((size for size in sizes if size >= value), None)
+
+
+class PagedSequence:
+    """One sequence in the pool: its blocks, in order; the first `length` positions are valid."""
+
+    def __init__(self):
+        self.blocks: list[int] = []
+        self.length = 0
+        self.last_used = 0.0
+
+
+class BlockPool:
+    """Per layer keys and values (blocks + 1, block_size, kv_heads, head_dim); the last block is scratch.
+
+    The memory is reserved, not written, at load (on CPU the pages are not even resident until used); a
+    block is zeroed the first time it is handed out. Attention masks the positions past a sequence's
+    length, but a masked weight of 0 times garbage that happens to be NaN is still NaN: the keys and
+    values it reads must be finite, which stale entries of a reused block are."""
+
+    def __init__(self, num_layers: int, blocks: int, block_size: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device):
+        shape = (blocks + 1, block_size, kv_heads, head_dim)
+        self.keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.block_size, self.blocks, self.scratch = block_size, blocks, blocks
+        self.free = list(range(blocks - 1, -1, -1))  # a stack: recently freed blocks are reused first
+        self.zeroed = [False] * blocks
+        self._zero(self.scratch)
+
+    def _zero(self, block: int) -> None:
+        for buffers in (self.keys, self.values):
+            for buffer in buffers:
+                buffer[block].zero_()
+
+    @property
+    def block_bytes(self) -> int:
+        return 2 * sum(k[0].nbytes for k in self.keys)
+
+    def grow(self, seq: PagedSequence, positions: int) -> None:
+        """Give seq enough blocks for `positions` tokens, or raise CacheError (seq unchanged)."""
+        needed = -(-positions // self.block_size) - len(seq.blocks)
+        if needed <= 0:
+            return
+        if needed > len(self.free):
+            raise CacheError(
+                f"KV cache budget full: {needed} more blocks of {self.block_size} tokens needed, "
+                f"{len(self.free)} of {self.blocks} free (kv_pool_tokens={self.blocks * self.block_size}); retry later")
+        for _ in range(needed):
+            block = self.free.pop()
+            if not self.zeroed[block]:
+                self._zero(block)
+                self.zeroed[block] = True
+            seq.blocks.append(block)
+
+    def release(self, seq: PagedSequence) -> None:
+        self.free += reversed(seq.blocks)
+        seq.blocks = []
+
+
+class Batch(NamedTuple):
+    """The tensors of one forward, all (B, T) but `table` (B, W / block_size)."""
+
+    ids: torch.Tensor
+    positions: torch.Tensor
+    write_block: torch.Tensor  # where each row's key and value go: block ...
+    write_offset: torch.Tensor  # ... and position within it
+    table: torch.Tensor  # each sequence's blocks, padded with the scratch block
+    visible: torch.Tensor  # how many keys (from position 0) each row attends to
+
+
+class LlamaForward:
+    """The forward over a Llama-family model's modules, reading and writing the pool. Shapes in, logits
+    (B, T, V) out; every shape is fixed by the inputs' shapes (graph-capturable)."""
+
+    def __init__(self, model, pool: BlockPool):
+        self.model, self.pool = model, pool
+        self.body = model.model
+        attn = self.body.layers[0].self_attn
+        self.head_dim = attn.head_dim
+        self.scaling = attn.scaling
+
+    def __call__(self, batch: Batch) -> torch.Tensor:
+        body, pool = self.body, self.pool
+        b, t = batch.ids.shape
+        hidden = body.embed_tokens(batch.ids)
+        cos, sin = body.rotary_emb(hidden, batch.positions)  # (B, T, D)
+        cos, sin = cos[:, None], sin[:, None]
+        window = batch.table.shape[1] * pool.block_size
+        # (B, T, W): row t of sequence b sees keys [0, visible[b, t])
+        mask = torch.arange(window, device=hidden.device) < batch.visible[..., None]
+        kv_heads = pool.keys[0].shape[2]
+        groups = body.config.num_attention_heads // kv_heads
+        # Grouped-query attention without repeating keys: a KV head's query heads are stacked along
+        # the row axis, (B, kv_heads, groups * T, D), so one plain attention call serves them all.
+        mask = mask[:, None, None].expand(b, 1, groups, t, window).reshape(b, 1, groups * t, window)
+        for index, layer in enumerate(body.layers):
+            attn = layer.self_attn
+            x = layer.input_layernorm(hidden)
+            q = attn.q_proj(x).view(b, t, -1, self.head_dim)
+            k = attn.k_proj(x).view(b, t, -1, self.head_dim)
+            v = attn.v_proj(x).view(b, t, -1, self.head_dim)
+            if hasattr(attn, "q_norm"):  # Qwen3 normalizes queries and keys per head
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            q, k = q.transpose(1, 2), k.transpose(1, 2)
+            q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+            keys, values = pool.keys[index], pool.values[index]
+            keys[batch.write_block, batch.write_offset] = k.transpose(1, 2)
+            values[batch.write_block, batch.write_offset] = v
+            seen_k = keys[batch.table].view(b, window, kv_heads, self.head_dim).transpose(1, 2)
+            seen_v = values[batch.table].view(b, window, kv_heads, self.head_dim).transpose(1, 2)
+            q = q.reshape(b, kv_heads, groups * t, self.head_dim)
+            out = scaled_dot_product_attention(q, seen_k, seen_v, attn_mask=mask, scale=self.scaling)
+            out = out.reshape(b, -1, t, self.head_dim).transpose(1, 2).reshape(b, t, -1)
+            hidden = hidden + attn.o_proj(out)
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        return self.model.lm_head(body.norm(hidden))
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class CapturedForward:
+    """One bucket's forward as a CUDA graph: static input tensors, the graph and its output. `run` copies
+    a batch in, replays, and returns the output (valid until the next run)."""
+
+    def __init__(self, forward: Callable[[Batch], torch.Tensor], shape: tuple[int, int, int], pool: BlockPool,
+                 device: torch.device, graph_pool, stream: torch.cuda.Stream):
+        b, t, blocks = shape
+        scratch = pool.scratch
+        self.inputs = Batch(
+            ids=torch.zeros(b, t, dtype=torch.long, device=device),
+            positions=torch.zeros(b, t, dtype=torch.long, device=device),
+            write_block=torch.full((b, t), scratch, dtype=torch.long, device=device),
+            write_offset=torch.zeros(b, t, dtype=torch.long, device=device),
+            table=torch.full((b, blocks), scratch, dtype=torch.long, device=device),
+            visible=torch.ones(b, t, dtype=torch.long, device=device))
+        # Warm up on a side stream (lazy initialization must not be captured), then capture. The static
+        # inputs point every write at the scratch block: capturing touches no sequence. One side stream
+        # for every bucket: the allocator caches freed memory per stream (and cuBLAS a workspace per
+        # stream), so a stream per bucket would keep one forward's worth of memory per bucket.
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            forward(self.inputs)
+        torch.cuda.current_stream(device).wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=graph_pool):
+            self.output = forward(self.inputs)
+
+    def run(self, batch: Batch) -> torch.Tensor:
+        for static, value in zip(self.inputs, batch):
+            static.copy_(value, non_blocking=True)
+        self.graph.replay()
+        return self.output
+
+
+class StaticCausalLM(CausalLM):
+    """`CausalLM` over the paged pool and captured forwards (same calls, same results)."""
+
+    def __init__(self, model, max_sequences: int = 256, idle_timeout_s: float = 600.0,
+                 clock: Callable[[], float] = time.monotonic, kv_pool_tokens: int = 0, block_size: int = 32,
+                 max_context: int = 8192, max_batch: int = 8, max_rows: int = 17, compile: str = "auto",
+                 kv_memory_fraction: float = 0.4, min_window: int = 128,
+                 log: Callable[[str], None] = lambda message: None):
+        """kv_pool_tokens: the pool's size in tokens; 0 derives it from max_sequences * max_context,
+        capped at kv_memory_fraction of the device's free memory (host memory on CPU).
+        max_batch / max_rows: the largest bucket of sequences per forward and rows per sequence
+        (verify forwards are K + 1 rows); min_window: the smallest bucket of keys attended over."""
+        problem = supports(model)
+        if problem:
+            raise ValueError(f"the static executor cannot run this model: {problem}")
+        if compile not in COMPILE_MODES:
+            raise ValueError(f"compile must be one of {COMPILE_MODES}, got {compile!r}")
+        super().__init__(model, max_sequences=max_sequences, idle_timeout_s=idle_timeout_s, clock=clock)
+        self.log = log
+        device = self.device
+        self.mode = ("graphs" if device.type == "cuda" else "off") if compile == "auto" else compile
+        if self.mode == "graphs" and device.type != "cuda":
+            raise ValueError("compile=graphs needs a CUDA device")
+        max_context = min(max_context, getattr(model.config, "max_position_embeddings", max_context) or max_context)
+        self.max_context = max_context
+        heads, head_dim = self._kv_heads_and_dim()
+        if not kv_pool_tokens:
+            kv_pool_tokens = min(max_sequences * max_context,
+                                 int(kv_memory_fraction * _free_memory(device)) // self.kv_bytes_per_token)
+        blocks = kv_pool_tokens // block_size
+        if blocks * block_size < max_context:
+            raise ValueError(
+                f"the KV pool ({kv_pool_tokens} tokens, {kv_pool_tokens * self.kv_bytes_per_token / 2**20:.0f} MiB) "
+                f"cannot hold one sequence of max_context={max_context} tokens: raise kv_pool_tokens or the memory")
+        self.pool = BlockPool(self._num_layers, blocks, block_size, heads, head_dim, model.dtype, device)
+        self.log(f"KV pool: {blocks} blocks of {block_size} tokens ({blocks * block_size} tokens, "
+                 f"{blocks * self.pool.block_bytes / 2**30:.2f} GiB) on {device}")
+        self.forward = LlamaForward(model, self.pool)
+        self.batch_sizes = buckets(max_batch)
+        self.row_sizes = buckets(max_rows)
+        # Windows of keys: min_window tokens doubling up to the context (in blocks).
+        smallest = max(1, min_window // block_size)
+        top = -(-max_context // block_size)
+        self.window_sizes = sorted({min(smallest << i, top) for i in range(max(top // smallest, 1).bit_length() + 1)})
+        self.captured: dict[tuple[int, int, int], CapturedForward] = {}
+        self._graph_pool = torch.cuda.graph_pool_handle() if self.mode == "graphs" else None
+        self._uncapturable: set[tuple[int, int, int]] = set()
+        self._capture_stream = torch.cuda.Stream(device) if self.mode == "graphs" else None
+
+    # ---- sequences in the pool --------------------------------------------------------------------
+    def _new_sequence(self) -> PagedSequence:
+        return PagedSequence()
+
+    def _reserve(self, seq: PagedSequence, positions: int) -> None:
+        if positions > self.max_context:
+            raise CacheError(f"{positions} tokens exceed the context of {self.max_context}")
+        self.pool.grow(seq, positions)
+
+    def release(self, seq_id: int) -> bool:
+        seq = self.sequences.pop(seq_id, None)
+        if seq is not None:
+            self.pool.release(seq)
+        return seq is not None
+
+    def evict_idle(self) -> list[int]:
+        deadline = self.clock() - self.idle_timeout_s
+        stale = [sid for sid, seq in self.sequences.items() if seq.last_used < deadline]
+        for sid in stale:
+            self.release(sid)
+        return stale
+
+    @property
+    def kv_bytes_allocated(self) -> int:
+        """Bytes of the pool's blocks that sequences hold."""
+        return sum(len(seq.blocks) for seq in self.sequences.values()) * self.pool.block_bytes
+
+    # ---- forwards ---------------------------------------------------------------------------------
+    def warm_up(self, time_budget_s: float = 120.0) -> tuple[int, float]:
+        """Capture every bucket, smallest windows first, until the time budget is spent; the rest are
+        captured on first use. Returns (buckets ready, seconds)."""
+        started = time.perf_counter()
+        if self.mode == "off":
+            return 0, 0.0
+        shapes = [(b, t, w) for w in self.window_sizes for b in self.batch_sizes for t in self.row_sizes]
+        free_before = torch.cuda.mem_get_info(self.device)[0]
+        for shape in shapes:
+            if time.perf_counter() - started > time_budget_s or self._captured(shape) is None:
+                break
+        self.log(f"{len(self.captured)} CUDA graphs captured, taking "
+                 f"{(free_before - torch.cuda.mem_get_info(self.device)[0]) / 2**30:.2f} GiB of device memory")
+        return len(self.captured), time.perf_counter() - started
+
+    def _captured(self, shape: tuple[int, int, int]) -> CapturedForward | None:
+        """The bucket's graph, captured now if need be; None if the device has no memory left for it
+        (that bucket, and larger ones, then run eagerly: slower, still correct)."""
+        if shape in self.captured:
+            return self.captured[shape]
+        if shape in self._uncapturable:
+            return None
+        if torch.cuda.mem_get_info(self.device)[0] < CAPTURE_RESERVE_BYTES:
+            if not self._uncapturable:
+                self.log(f"less than {CAPTURE_RESERVE_BYTES >> 20} MiB free on {self.device}: no more CUDA graphs "
+                         f"are captured (that much stays free for eager prompts); uncaptured buckets run eagerly")
+            self._uncapturable.add(shape)
+            return None
+        try:
+            forward = self.captured[shape] = CapturedForward(self.forward, shape, self.pool, self.device,
+                                                             self._graph_pool, self._capture_stream)
+        except torch.cuda.OutOfMemoryError:
+            self._uncapturable.add(shape)
+            torch.cuda.empty_cache()
+            self.log(f"no GPU memory left to capture the bucket {shape} (sequences, rows, key blocks): it runs "
+                     f"eagerly; lower kv_memory_fraction or kv_pool_tokens to leave room")
+            return None
+        return forward
+
+    def _forward_rows(self, seqs: list[PagedSequence], rows: list, num_logits: list[int]) -> list[torch.Tensor]:
+        """One forward per group of at most max_batch sequences whose new rows fit the row buckets; a
+        longer one (a prompt) runs alone and eagerly. Same contract as `CausalLM._forward_rows`."""
+        order = list(range(len(seqs)))
+        long = [i for i in order if len(rows[i]) > self.row_sizes[-1]]
+        short = [i for i in order if len(rows[i]) <= self.row_sizes[-1]]
+        groups = [[i] for i in long] + [short[j:j + self.batch_sizes[-1]]
+                                         for j in range(0, len(short), self.batch_sizes[-1])]
+        results: list = [None] * len(seqs)
+        for group in groups:
+            logits = self._forward_group([seqs[i] for i in group], [rows[i] for i in group],
+                                         [num_logits[i] for i in group])
+            for i, out in zip(group, logits):
+                results[i] = out
+        return results
+
+    def _forward_group(self, seqs: list[PagedSequence], rows: list, num_logits: list[int]) -> list[torch.Tensor]:
+        counts = [len(row) for row in rows]
+        block_size = self.pool.block_size
+        batch = bucket(len(seqs), self.batch_sizes)
+        width = bucket(max(counts), self.row_sizes)
+        needed_blocks = max(-(-(seq.length + count) // block_size) for seq, count in zip(seqs, counts))
+        window = bucket(needed_blocks, self.window_sizes)
+        bucketed = width is not None and batch is not None
+        if not bucketed:  # a prompt: its own shape, eagerly
+            batch, width = len(seqs), max(counts)
+        ids = np.zeros((batch, width), dtype=np.int64)
+        positions = np.zeros((batch, width), dtype=np.int64)
+        write_block = np.full((batch, width), self.pool.scratch, dtype=np.int64)
+        write_offset = np.zeros((batch, width), dtype=np.int64)
+        table = np.full((batch, window), self.pool.scratch, dtype=np.int64)
+        visible = np.ones((batch, width), dtype=np.int64)
+        on_device = []
+        for b, (seq, row, count) in enumerate(zip(seqs, rows, counts)):
+            where = seq.length + np.arange(count)
+            if isinstance(row, torch.Tensor):
+                on_device.append((b, row))
+            else:
+                ids[b, :count] = row
+            positions[b, :count] = where
+            positions[b, count:] = seq.length + count - 1  # padding rows: any valid position
+            blocks = np.asarray(seq.blocks, dtype=np.int64)
+            write_block[b, :count] = blocks[where // block_size]
+            write_offset[b, :count] = where % block_size
+            table[b, :len(seq.blocks[:window])] = blocks[:window]
+            visible[b, :count] = where + 1
+        device = self.device
+        inputs = Batch(*(torch.from_numpy(a).to(device, non_blocking=True)
+                         for a in (ids, positions, write_block, write_offset, table, visible)))
+        for b, row in on_device:  # drafted tokens stay on the device
+            inputs.ids[b, :len(row)] = row
+        captured = self._captured((batch, width, window)) if bucketed and self.mode != "off" else None
+        out = captured.run(inputs) if captured is not None else self.forward(inputs)
+        # The wanted rows, gathered into a new tensor (a captured output is overwritten by the next run).
+        wanted = [b * width + j for b, (count, n) in enumerate(zip(counts, num_logits)) for j in range(count - n, count)]
+        picked = out.reshape(batch * width, -1)[torch.tensor(wanted, device=device)]
+        for seq, count in zip(seqs, counts):
+            seq.length += count
+            self.tokens_processed += count
+        return list(torch.split(picked, num_logits))
+
+
+def _free_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    with open("/proc/meminfo") as meminfo:  # MemAvailable: what can be had without swapping
+        fields = dict(line.split(":", 1) for line in meminfo)
+    return int(fields["MemAvailable"].split()[0]) * 1024

@@ -1,0 +1,143 @@
+"""The static executor (paged pool, bucketed shapes) computes what the dynamic one does: every bucket,
+several sequences at different lengths, rollbacks, windows and blocks crossed; the budget refuses
+cleanly. CUDA-graph capture of the same buckets is compared in tests/gpu."""
+
+import math
+
+import pytest
+import torch
+
+from specdec.decoding.sampling import SamplingParams, make_generator
+from specdec.engine.executor import CacheError, CausalLM, Step
+from specdec.engine.static_executor import StaticCausalLM, bucket, buckets, supports
+
+
+def static(model, **settings):
+    options = dict(kv_pool_tokens=1024, block_size=8, max_context=256, max_batch=4, max_rows=5, min_window=16,
+                   compile="off")
+    return StaticCausalLM(model, **{**options, **settings})
+
+
+def test_buckets_double_up_to_the_limit():
+    assert buckets(1) == [1]
+    assert buckets(8) == [1, 2, 4, 8]
+    assert buckets(17) == [1, 2, 4, 8, 16, 17]
+    assert bucket(3, [1, 2, 4]) == 4 and bucket(5, [1, 2, 4]) is None
+
+
+def test_every_bucket_with_rollbacks_matches_the_dynamic_executor(tiny_lm):
+    """B sequences x T rows for every bucket (and between buckets: padded rows and padded sequences),
+    sequences of different lengths crossing blocks (8) and windows (16, 32, 64, ... tokens), with a
+    rollback of rejected rows before each step."""
+    dynamic, paged = CausalLM(tiny_lm), static(tiny_lm)
+    assert paged.batch_sizes == [1, 2, 4] and paged.row_sizes == [1, 2, 4, 5]
+    assert paged.window_sizes == [2, 4, 8, 16, 32]
+    gen = torch.Generator().manual_seed(1)
+    lengths = {}
+    for seq, size in enumerate([3, 7, 15, 30, 33], 1):  # 5 sequences: more than max_batch (two forwards)
+        prompt = torch.randint(0, 97, (size,), generator=gen).tolist()
+        a, b = dynamic.extend(seq, 0, prompt, 2), paged.extend(seq, 0, prompt, 2)
+        assert torch.allclose(a, b, atol=1e-10)
+        lengths[seq] = size
+    windows_seen = set()
+    for sequences in range(1, 6):
+        for rows in range(1, 6):
+            steps = []
+            for seq in range(1, sequences + 1):
+                count = max(1, rows - (seq % 2))  # neighbours with fewer rows: padding inside the bucket
+                keep = max(1, lengths[seq] - (seq + rows) % 3)  # roll back 0-2 rejected tokens
+                new = torch.randint(0, 97, (count,), generator=gen).tolist()
+                steps.append(Step(seq, keep, new, num_logits=count))
+                lengths[seq] = keep + count
+            windows_seen |= {bucket(-(-lengths[s] // 8), paged.window_sizes) for s in range(1, sequences + 1)}
+            for a, b in zip(dynamic.extend_many(steps), paged.extend_many(steps)):
+                assert not isinstance(b, CacheError)
+                assert torch.allclose(a, b, atol=1e-10), (sequences, rows)
+    assert {paged.cached_length(s) for s in lengths} == {dynamic.cached_length(s) for s in lengths}
+    assert windows_seen >= {2, 4, 8}  # 16, 32 and 64-token windows all used
+
+
+def test_a_prompt_longer_than_the_buckets_runs_beside_bucketed_steps(tiny_lm):
+    dynamic, paged = CausalLM(tiny_lm), static(tiny_lm)
+    for lm in (dynamic, paged):
+        lm.extend(1, 0, [4, 5, 6], 1)
+    steps = [Step(1, 3, [7], 1), Step(2, 0, list(range(1, 41)), 3)]  # 40 rows > max_rows: eager
+    for a, b in zip(dynamic.extend_many(steps), paged.extend_many(steps)):
+        assert torch.allclose(a, b, atol=1e-10)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.9, top_k=20)])
+def test_proposals_match_the_dynamic_executor(tiny_lm, params):
+    dynamic, paged = CausalLM(tiny_lm), static(tiny_lm)
+    results = []
+    for lm in (dynamic, paged):
+        steps = [Step(seq, 0, [seq, 9, 12, 40][:seq + 1], k=k, params=params,
+                      generator=None if params.greedy else make_generator(seq, lm.logits_device))
+                 for seq, k in ((1, 3), (2, 5), (3, 1))]
+        first = lm.propose_many(steps)
+        second = lm.propose(1, 4, [first[0][0][0], 77], 4, params,
+                            None if params.greedy else make_generator(5, lm.logits_device))
+        results.append((first, second))
+    (first_d, second_d), (first_p, second_p) = results
+    for (tokens_d, probs_d), (tokens_p, probs_p) in zip(first_d + [second_d], first_p + [second_p]):
+        assert tokens_d == tokens_p
+        assert (probs_d is None) == (probs_p is None)
+        if probs_d is not None:
+            assert torch.allclose(probs_d, probs_p, atol=1e-10)
+
+
+def test_the_budget_refuses_a_sequence_cleanly_and_frees_on_release(tiny_lm):
+    paged = static(tiny_lm, kv_pool_tokens=48, max_context=32)  # 6 blocks of 8 tokens
+    paged.extend(1, 0, list(range(1, 21)), 1)  # 3 blocks
+    paged.extend(2, 0, list(range(1, 17)), 1)  # 2 blocks: 1 left
+    held = paged.kv_bytes_allocated
+    with pytest.raises(CacheError, match="KV cache budget full.*kv_pool_tokens=48"):
+        paged.extend(3, 0, list(range(1, 12)), 1)  # needs 2
+    assert 3 not in paged.sequences and paged.kv_bytes_allocated == held  # nothing kept for it
+    # Growing past the budget fails that step only; the sequence keeps its tokens and its neighbour runs.
+    results = paged.extend_many([Step(2, 16, list(range(1, 9)), 1), Step(1, 20, list(range(1, 13)), 1)])
+    assert not isinstance(results[0], CacheError)  # took the last block
+    assert isinstance(results[1], CacheError) and "budget full" in str(results[1])
+    assert paged.cached_length(1) == 20 and paged.cached_length(2) == 24
+    with pytest.raises(CacheError, match="33 tokens exceed the context of 32"):
+        paged.extend(2, 24, list(range(9)), 1)
+    assert paged.release(1)
+    assert len(paged.pool.free) == 3
+    paged.extend(3, 0, list(range(1, 12)), 1)  # fits now
+    assert paged.kv_bytes_allocated == 5 * paged.pool.block_bytes
+
+
+def test_idle_eviction_returns_blocks(tiny_lm):
+    now = [0.0]
+    paged = static(tiny_lm, idle_timeout_s=10, clock=lambda: now[0])
+    paged.extend(1, 0, [1, 2, 3], 1)
+    now[0] = 11.0
+    assert paged.evict_idle() == [1]
+    assert len(paged.pool.free) == paged.pool.blocks
+
+
+def test_blocks_are_zeroed_before_first_use(tiny_lm):
+    """Masked keys weigh 0, but 0 x NaN is NaN: garbage in a fresh block must not reach the output."""
+    paged, dynamic = static(tiny_lm), CausalLM(tiny_lm)
+    for buffers in (paged.pool.keys, paged.pool.values):
+        for buffer in buffers:
+            buffer[:paged.pool.blocks].fill_(math.nan)  # what uninitialized memory may hold
+    a, b = dynamic.extend(1, 0, [3, 4, 5], 3), paged.extend(1, 0, [3, 4, 5], 3)
+    assert torch.allclose(a, b, atol=1e-10)
+
+
+def test_a_pool_too_small_for_one_context_is_refused_at_load(tiny_lm):
+    with pytest.raises(ValueError, match="cannot hold one sequence of max_context=256"):
+        static(tiny_lm, kv_pool_tokens=100)
+
+
+def test_other_model_families_are_named(tiny_lm):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    other = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50))
+    assert "gpt2" in supports(other)
+    with pytest.raises(ValueError, match="static executor cannot run this model: model type 'gpt2'"):
+        static(other)
+    assert supports(tiny_lm) is None
+    with pytest.raises(ValueError, match="compile=graphs needs a CUDA device"):
+        static(tiny_lm, compile="graphs")
