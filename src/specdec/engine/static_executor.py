@@ -144,6 +144,22 @@ class LlamaForward:
         attn = self.body.layers[0].self_attn
         self.head_dim = attn.head_dim
         self.scaling = attn.scaling
+        self.workspace: list[torch.Tensor] | None = None
+
+    def reserve_workspace(self, blocks: int) -> None:
+        """Gather windows of up to `blocks` blocks into two buffers allocated once and shared by every
+        layer and every captured graph. Gathering into fresh tensors instead, each graph would keep its
+        own (measured on an H100: 3.6 GiB for one 4-layer graph of 16 sequences x 8192 keys)."""
+        shape = (blocks, *self.pool.keys[0].shape[1:])
+        self.workspace = [torch.empty(shape, dtype=self.pool.keys[0].dtype, device=self.pool.keys[0].device)
+                          for _ in range(2)]
+
+    def _gather(self, buffer: torch.Tensor, table: torch.Tensor, which: int) -> torch.Tensor:
+        """buffer[table] (table (B, NB) -> (B * NB, block_size, kv_heads, D)), into the workspace if any."""
+        if self.workspace is None or table.numel() > self.workspace[which].shape[0]:
+            return buffer[table]
+        out = self.workspace[which][:table.numel()]
+        return torch.index_select(buffer, 0, table.reshape(-1), out=out)
 
     def __call__(self, batch: Batch) -> torch.Tensor:
         body, pool = self.body, self.pool
@@ -172,8 +188,8 @@ class LlamaForward:
             keys, values = pool.keys[index], pool.values[index]
             keys[batch.write_block, batch.write_offset] = k.transpose(1, 2)
             values[batch.write_block, batch.write_offset] = v
-            seen_k = keys[batch.table].view(b, window, kv_heads, self.head_dim).transpose(1, 2)
-            seen_v = values[batch.table].view(b, window, kv_heads, self.head_dim).transpose(1, 2)
+            seen_k = self._gather(keys, batch.table, 0).view(b, window, kv_heads, self.head_dim).transpose(1, 2)
+            seen_v = self._gather(values, batch.table, 1).view(b, window, kv_heads, self.head_dim).transpose(1, 2)
             q = q.reshape(b, kv_heads, groups * t, self.head_dim)
             out = scaled_dot_product_attention(q, seen_k, seen_v, attn_mask=mask, scale=self.scaling)
             out = out.reshape(b, -1, t, self.head_dim).transpose(1, 2).reshape(b, t, -1)
@@ -269,6 +285,8 @@ class StaticCausalLM(CausalLM):
         self._graph_pool = torch.cuda.graph_pool_handle() if self.mode == "graphs" else None
         self._uncapturable: set[tuple[int, int, int]] = set()
         self._capture_stream = torch.cuda.Stream(device) if self.mode == "graphs" else None
+        if self.mode == "graphs":
+            self.forward.reserve_workspace(self.batch_sizes[-1] * self.window_sizes[-1])
 
     # ---- sequences in the pool --------------------------------------------------------------------
     def _new_sequence(self) -> PagedSequence:
@@ -313,6 +331,7 @@ class StaticCausalLM(CausalLM):
                  f"{(free_before - torch.cuda.mem_get_info(self.device)[0]) / 2**30:.2f} GiB of device memory")
         return len(self.captured), time.perf_counter() - started
 
+    @torch.no_grad()
     def _captured(self, shape: tuple[int, int, int]) -> CapturedForward | None:
         """The bucket's graph, captured now if need be; None if the device has no memory left for it
         (that bucket, and larger ones, then run eagerly: slower, still correct)."""
