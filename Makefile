@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.specdec-setup
 
-.PHONY: readme-examples soak setup serve test unit integration deploy-check image clean loadtest bench bench-concurrency bench-batching bench-gpu
+.PHONY: readme-examples soak setup serve test unit integration deploy-check image clean loadtest bench bench-concurrency bench-batching bench-gpu bench-executor bench-overhead
 
 setup: $(STAMP)
 
@@ -63,6 +63,14 @@ bench-batching: setup
 # (BENCH_GPU_ARGS="--small --compile off" runs tiny shapes on CPU).
 bench-gpu: setup
 	$(PY) bench/gpu_bench.py --out .cache/bench-gpu.md $${BENCH_GPU_ARGS:-}
+
+# In-process forward costs of the executors (8B-shaped pair on a GPU, tiny pair on CPU; PAIR=default too).
+bench-executor: setup
+	$(PY) bench/executor_bench.py --out .cache/bench-executor.md $${BENCH_EXECUTOR_ARGS:-}
+
+# Where a served round's time goes (tiny pair): forwards, adapters, Triton, orchestrator. DEVICE=gpu too.
+bench-overhead: setup
+	$(PY) bench/round_overhead.py --device $${DEVICE:-cpu} --out .cache/bench-overhead.md
 
 # Rewrite the README's real-output examples from a default-pair server it starts (about a minute).
 readme-examples: setup

@@ -26,3 +26,30 @@ def test_gpu_bench_small_mode_prints_every_row(tmp_path):
     # float32: greedy speculative text equals target-only text on every prompt.
     served = [line for line in table.splitlines() if line.startswith("| served, 1 stream")]
     assert len(served) == 3 and all("equal text 100%" in line for line in served)
+
+
+def test_round_overhead_bench_splits_a_round(tmp_path):
+    out = tmp_path / "overhead.md"
+    script = SCRIPT.parent / "round_overhead.py"
+    result = subprocess.run([sys.executable, str(script), "--repeats", "1", "--max-tokens", "16", "--out", str(out)],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    rows = [line.split("|") for line in out.read_text().splitlines() if line.startswith("| K=")]
+    for k in ("K=0", "K=4"):
+        mine = {row[2].strip(): float(row[3]) for row in rows if row[1].strip() == k}
+        assert mine["target_model forward"] > 0 and mine["round (client wall time / rounds)"] > 0
+        parts = sum(value for name, value in mine.items() if not name.startswith("round"))
+        # the parts add up to the round (each printed to 0.01 ms)
+        assert abs(parts - mine["round (client wall time / rounds)"]) <= 0.005 * (len(mine) + 1)
+    assert any(row[2].strip() == "draft_model forward" for row in rows if row[1].strip() == "K=4")
+
+
+def test_executor_bench_compares_the_executors_on_the_tiny_pair(tmp_path):
+    out = tmp_path / "executor.md"
+    script = SCRIPT.parent / "executor_bench.py"
+    result = subprocess.run([sys.executable, str(script), "--pair", "tiny", "--reps", "2", "--batch", "2",
+                             "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    rows = [line.split("|") for line in out.read_text().splitlines() if line.startswith("| target")]
+    assert [row[2].strip() for row in rows] == ["dynamic", "off"]
+    assert float(rows[1][-2]) < 1e-4  # the static executor's logits equal the dynamic one's
