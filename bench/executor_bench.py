@@ -20,11 +20,9 @@ from __future__ import annotations
 import argparse
 import platform
 import sys
-import time
 from pathlib import Path
 
 import torch
-from tabulate import tabulate
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
@@ -118,13 +116,9 @@ def main(argv=None) -> int:
         del model
     machine = torch.cuda.get_device_name() if gpu else f"{platform.machine()} CPU, {torch.get_num_threads()} threads"
     header = f"{machine}, torch {torch.__version__}, {pair} pair, {dtype}, context {args.context}, K={args.k}"
-    table = tabulate(rows, ["model", "executor", "1 row, 1 seq (ms)", f"1 row, {args.batch} seqs",
-                            f"{args.k + 1} rows, 1 seq", f"{args.k + 1} rows, {args.batch} seqs",
-                            f"propose {args.k} (ms)", "capture (s)", "max |Δ logits|"],
-                     tablefmt="github", disable_numparse=True)
-    print(f"{header}\n\n{table}")
-    if args.out:
-        Path(args.out).write_text(f"{header}\n\n{table}\n")
+    gpu_bench.print_table(header, rows, ["model", "executor", "1 row, 1 seq (ms)", f"1 row, {args.batch} seqs",
+                                         f"{args.k + 1} rows, 1 seq", f"{args.k + 1} rows, {args.batch} seqs",
+                                         f"propose {args.k} (ms)", "capture (s)", "max |Δ logits|"], args.out)
     return 0
 
 

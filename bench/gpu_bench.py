@@ -239,6 +239,15 @@ async def served_streams(url: str, prompts: list[str], max_tokens: int, params: 
     return sum(r.num_output_tokens for r in results) / elapsed
 
 
+def print_table(header: str, rows: list, columns: list[str], out: str | None) -> None:
+    """Print a benchmark's table (GitHub Markdown, under a header naming the machine) and, with --out,
+    write it there too: what the README pastes."""
+    text = f"{header}\n\n{tabulate(rows, columns, tablefmt='github', disable_numparse=True)}"
+    print(text)
+    if out:
+        Path(out).write_text(text + "\n")
+
+
 # ---- the run -------------------------------------------------------------------------------------------
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -332,12 +341,8 @@ def main(argv=None) -> int:
     machine = torch.cuda.get_device_name() if gpu else f"{platform.machine()} CPU"
     header = (f"{machine}, torch {torch.__version__}, {dtype_name}, target {weight_bytes / 1e9:.2f} GB, "
               f"{len(prompts)} prompts x {args.max_tokens} tokens, greedy")
-    table = tabulate(rows, ["", "time", "tokens/s", "vs served K=0", "α", "tokens/round", "bound", "efficiency",
-                            "notes"], tablefmt="github", disable_numparse=True)
-    text = f"{header}\n\n{table}"
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    print_table(header, rows, ["", "time", "tokens/s", "vs served K=0", "α", "tokens/round", "bound", "efficiency",
+                               "notes"], args.out)
     return 0
 
 

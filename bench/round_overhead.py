@@ -24,12 +24,12 @@ import sys
 import time
 from pathlib import Path
 
-from tabulate import tabulate
-
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
 
 from client import Client, GenerationParams  # noqa: E402
+from gpu_bench import print_table  # noqa: E402
 from specdec.serving import pairs, server  # noqa: E402
 from specdec.serving.metrics_text import sum_samples  # noqa: E402
 
@@ -112,10 +112,7 @@ def main(argv=None) -> int:
         rows.append([name, "orchestrator, BLS, ensemble and client", f"{r['rest']:.2f}", ""])
     header = (f"{platform.machine()} {args.device}, tiny pair, greedy, {args.max_tokens} tokens per request, "
               f"one request at a time")
-    table = tabulate(rows, ["", "where", "ms per round", ""], tablefmt="github", disable_numparse=True)
-    print(f"{header}\n\n{table}")
-    if args.out:
-        Path(args.out).write_text(f"{header}\n\n{table}\n")
+    print_table(header, rows, ["", "where", "ms per round", ""], args.out)
     return 0
 
 

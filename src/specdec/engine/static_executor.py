@@ -27,7 +27,6 @@ window, Qwen2/Qwen3); `supports` says whether a model qualifies, and `CausalLM` 
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Callable, NamedTuple
 
