@@ -1,7 +1,7 @@
 """Where a served round's time goes (`make bench-overhead`): the serving floor, model cost ~0.
 
 Serves the tiny pair (its forwards cost about a millisecond: what remains is the serving machinery), runs
-greedy requests of fixed length at K=0 (target-only) and K fixed, one at a time, and splits each round's
+greedy (or, with --temperature, seeded sampled) requests of fixed length at K=0 (target-only) and K fixed, one at a time, and splits each round's
 wall time with the server's own counters (deltas over the measured requests, per round):
 
   target_model / draft_model forward   specdec_model_forward_seconds_total: the executor's forward passes
@@ -14,6 +14,10 @@ wall time with the server's own counters (deltas over the measured requests, per
 
     python bench/round_overhead.py                 # CPU (the dev machine's figures in the README)
     python bench/round_overhead.py --device gpu    # the same with the models on the GPU
+    python bench/round_overhead.py --device gpu --temperature 1 \
+        --launcher-arg=--set=target_model.device_outputs=false --launcher-arg=--set=draft_model.device_outputs=false
+                                                   # sampled rounds, logits through host memory (the default
+                                                   # hands them over on the device)
 """
 
 from __future__ import annotations
@@ -82,6 +86,7 @@ def main(argv=None) -> int:
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--temperature", type=float, default=0.0, help="> 0: sampled rounds (seeded)")
     parser.add_argument("--launcher-arg", action="append", default=[], help="more launcher arguments")
     parser.add_argument("--out", help="also write the table (Markdown) here")
     args = parser.parse_args(argv)
@@ -95,7 +100,8 @@ def main(argv=None) -> int:
         results = {}
         for name, k in (("K=0", 0), (f"K={args.k}", args.k)):
             params = GenerationParams(max_tokens=args.max_tokens, num_draft_tokens=k, adaptive_draft=False,
-                                      ignore_eos=True)
+                                      ignore_eos=True, temperature=args.temperature,
+                                      seed=1 if args.temperature else None)
             results[name] = measure(own, params, prompts, args.repeats)
     finally:
         own.stop()
@@ -110,8 +116,10 @@ def main(argv=None) -> int:
             rows.append([name, f"{model} adapter", f"{m['adapter']:.2f}", ""])
             rows.append([name, f"{model} Triton in/out + queue", f"{m['triton']:.2f}", ""])
         rows.append([name, "orchestrator, BLS, ensemble and client", f"{r['rest']:.2f}", ""])
-    header = (f"{platform.machine()} {args.device}, tiny pair, greedy, {args.max_tokens} tokens per request, "
-              f"one request at a time")
+    mode = f"sampled (temperature {args.temperature:g})" if args.temperature else "greedy"
+    extra = f", {' '.join(args.launcher_arg)}" if args.launcher_arg else ""
+    header = (f"{platform.machine()} {args.device}, tiny pair, {mode}, {args.max_tokens} tokens per request, "
+              f"one request at a time{extra}")
     print_table(header, rows, ["", "where", "ms per round", ""], args.out)
     return 0
 

@@ -130,17 +130,20 @@ def _verify(proposal: Proposal, scores: Scores, params: SamplingParams,
     draft = torch.tensor(proposal.tokens, dtype=torch.long)
     if params.greedy:
         return greedy_verify(draft, scores.greedy_tokens.long())
+    # Accept/reject where the target's logits are (on the GPU when the target handed them over there).
     target_probs = logits_to_probs(scores.logits, params)
+    device = target_probs.device
     k = len(proposal.tokens)
+    draft = draft.to(device)
     if proposal.probs is None:
         # A deterministic draft (prompt lookup) is the one-hot distribution on its tokens: rejection
         # sampling then accepts with probability p_target(x) and resamples from the target without x.
         draft_probs = torch.nn.functional.one_hot(draft, target_probs.shape[-1]).float()
     else:
-        draft_probs = proposal.probs
+        draft_probs = proposal.probs.to(device)
     # The two models' logits may be of different widths (padded vocabularies): compare them as one.
     width = max(target_probs.shape[-1], draft_probs.shape[-1])
-    uniforms = torch.rand(k, generator=generator)
+    uniforms = torch.rand(k, generator=generator).to(device)
     return rejection_sample(draft, pad_vocab(draft_probs, width), pad_vocab(target_probs, width), uniforms, generator)
 
 

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.decoding.sampling import sample
+
 
 @dataclass(frozen=True)
 class Verdict:
@@ -48,18 +50,18 @@ def rejection_sample(
     target_probs: (K+1, V) target distributions after identical processing.
     uniforms: (K,) U[0, 1) draws, one per draft token (passed in so tests control randomness).
     generator: used only for the single correction / bonus draw.
+    All tensors on one device (the target's logits stay where the target computed them).
     """
     k = draft_tokens.shape[0]
     assert draft_probs.shape[0] == k and target_probs.shape[0] == k + 1
-    positions = torch.arange(k)
+    positions = torch.arange(k, device=draft_tokens.device)
     p_target = target_probs[positions, draft_tokens]
     p_draft = draft_probs[positions, draft_tokens]
     # Accept iff u < p_t / p_d (probability min(1, p_t / p_d) for u ~ U[0, 1)), written without the
     # division: p_t >= p_d always accepts, and a token the target gives no mass is always rejected.
     rejected = (uniforms * p_draft >= p_target).nonzero()
     if not rejected.numel():
-        bonus = torch.multinomial(target_probs[k], 1, generator=generator)
-        return Verdict(k, int(bonus))
+        return Verdict(k, int(sample(target_probs[k], generator)))
     first = int(rejected[0, 0])
     residual = (target_probs[first] - draft_probs[first]).clamp_min(0)
     total = residual.sum()
@@ -67,5 +69,4 @@ def rejection_sample(
         # Only reachable through rounding when p_t == p_d (then rejection has probability 0): fall
         # back to the target distribution itself, which is what the residual converges to.
         residual, total = target_probs[first], target_probs[first].sum()
-    correction = torch.multinomial(residual / total, 1, generator=generator)
-    return Verdict(first, int(correction))
+    return Verdict(first, int(sample(residual / total, generator)))

@@ -63,7 +63,12 @@ def pad_vocab(probs: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """One token per distribution. probs: (..., V). Returns (...) int64."""
+    """One token per distribution. probs: (..., V). Returns (...) int64.
+
+    A generator on another device than probs (the orchestrator's CPU generator, the target's logits on
+    the GPU) seeds one on probs' device from its own stream: a seeded request stays reproducible."""
+    if generator is not None and generator.device != probs.device:
+        generator = make_generator(int(torch.randint(0, 2**62, (1,), generator=generator)), probs.device)
     flat = probs.reshape(-1, probs.shape[-1])
     return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
 

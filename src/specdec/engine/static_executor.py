@@ -132,6 +132,66 @@ class Batch(NamedTuple):
     table: torch.Tensor  # each sequence's blocks, padded with the scratch block
     visible: torch.Tensor  # how many keys (from position 0) each row attends to
 
+    @staticmethod
+    def size(b: int, t: int, blocks: int) -> int:
+        return 5 * b * t + b * blocks
+
+    @classmethod
+    def view(cls, flat, b: int, t: int, blocks: int) -> "Batch":
+        """The fields as views of one flat int64 buffer (tensor or array) laid out field after field, so
+        that a forward's inputs travel to the device in one copy."""
+        bt = b * t
+        rows = [flat[i * bt:(i + 1) * bt].reshape(b, t) for i in range(5)]
+        table = flat[5 * bt:5 * bt + b * blocks].reshape(b, blocks)
+        return cls(rows[0], rows[1], rows[2], rows[3], table, rows[4])
+
+    def clear(self, scratch: int) -> None:
+        """Padding values: id 0 at position 0, written to the scratch block, seeing one key."""
+        for field, value in zip(self, (0, 0, scratch, 0, scratch, 1)):
+            field[...] = value
+
+
+class InputStaging:
+    """Where a forward's integer inputs are assembled on the host before their one copy to the device.
+
+    On CUDA the host buffers are pinned and used in turn: a copy from pinned memory is asynchronous, so
+    the host prepares the next draft step while the GPU still runs this one (from pageable memory the
+    copy waits for the stream first: a host sync per drafted token). A buffer is refilled only once its
+    last copy has completed (an event per buffer). On CPU there is nothing to copy."""
+
+    SLOTS = 4
+
+    def __init__(self, device: torch.device, capacity: int = 4096):
+        self.device = device
+        self.pinned = device.type == "cuda"
+        self.buffers = [self._buffer(capacity) for _ in range(self.SLOTS if self.pinned else 1)]
+        self.events: list = [None] * len(self.buffers)
+        self.slot = 0
+
+    def _buffer(self, size: int) -> torch.Tensor:
+        return torch.empty(size, dtype=torch.long, pin_memory=self.pinned)
+
+    def host(self, size: int) -> np.ndarray:
+        """A host buffer of `size` int64 values to fill (until the next `host` call)."""
+        self.slot = (self.slot + 1) % len(self.buffers)
+        if self.events[self.slot] is not None:
+            self.events[self.slot].synchronize()
+        if self.buffers[self.slot].numel() < size:
+            self.buffers[self.slot] = self._buffer(max(size, 2 * self.buffers[self.slot].numel()))
+        return self.buffers[self.slot].cpu().numpy()[:size]  # a host tensor: .cpu() is itself
+
+    def send(self, size: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The last filled buffer on the device: copied into `out` (or a new tensor) on CUDA, the buffer
+        itself on CPU."""
+        source = self.buffers[self.slot][:size]
+        if not self.pinned:
+            return source
+        out = torch.empty(size, dtype=torch.long, device=self.device) if out is None else out[:size]
+        out.copy_(source, non_blocking=True)
+        self.events[self.slot] = torch.cuda.Event()
+        self.events[self.slot].record()
+        return out
+
 
 class LlamaForward:
     """The forward over a Llama-family model's modules, reading and writing the pool. Shapes in, logits
@@ -209,14 +269,10 @@ class CapturedForward:
     def __init__(self, forward: Callable[[Batch], torch.Tensor], shape: tuple[int, int, int], pool: BlockPool,
                  device: torch.device, graph_pool, stream: torch.cuda.Stream):
         b, t, blocks = shape
-        scratch = pool.scratch
-        self.inputs = Batch(
-            ids=torch.zeros(b, t, dtype=torch.long, device=device),
-            positions=torch.zeros(b, t, dtype=torch.long, device=device),
-            write_block=torch.full((b, t), scratch, dtype=torch.long, device=device),
-            write_offset=torch.zeros(b, t, dtype=torch.long, device=device),
-            table=torch.full((b, blocks), scratch, dtype=torch.long, device=device),
-            visible=torch.ones(b, t, dtype=torch.long, device=device))
+        # The static inputs, and room after them for the indices of the rows wanted (at most b * t).
+        self.flat = torch.zeros(Batch.size(b, t, blocks) + b * t, dtype=torch.long, device=device)
+        self.inputs = Batch.view(self.flat, b, t, blocks)
+        self.inputs.clear(pool.scratch)
         # Warm up on a side stream (lazy initialization must not be captured), then capture. The static
         # inputs point every write at the scratch block: capturing touches no sequence. One side stream
         # for every bucket: the allocator caches freed memory per stream (and cuBLAS a workspace per
@@ -229,9 +285,8 @@ class CapturedForward:
         with torch.cuda.graph(self.graph, pool=graph_pool):
             self.output = forward(self.inputs)
 
-    def run(self, batch: Batch) -> torch.Tensor:
-        for static, value in zip(self.inputs, batch):
-            static.copy_(value, non_blocking=True)
+    def run(self) -> torch.Tensor:
+        """Replay over what `flat` holds now; the output is valid until the next run."""
         self.graph.replay()
         return self.output
 
@@ -284,6 +339,7 @@ class StaticCausalLM(CausalLM):
         self._graph_pool = torch.cuda.graph_pool_handle() if self.mode == "graphs" else None
         self._uncapturable: set[tuple[int, int, int]] = set()
         self._capture_stream = torch.cuda.Stream(device) if self.mode == "graphs" else None
+        self.staging = InputStaging(device)
         if self.mode == "graphs":
             self.forward.reserve_workspace(self.batch_sizes[-1] * self.window_sizes[-1])
 
@@ -381,36 +437,35 @@ class StaticCausalLM(CausalLM):
         bucketed = width is not None and batch is not None
         if not bucketed:  # a prompt: its own shape, eagerly
             batch, width = len(seqs), max(counts)
-        ids = np.zeros((batch, width), dtype=np.int64)
-        positions = np.zeros((batch, width), dtype=np.int64)
-        write_block = np.full((batch, width), self.pool.scratch, dtype=np.int64)
-        write_offset = np.zeros((batch, width), dtype=np.int64)
-        table = np.full((batch, window), self.pool.scratch, dtype=np.int64)
-        visible = np.ones((batch, width), dtype=np.int64)
+        # Every input, and the indices of the rows wanted, in one host buffer and one copy.
+        wanted = [b * width + j for b, (count, n) in enumerate(zip(counts, num_logits)) for j in range(count - n, count)]
+        size = Batch.size(batch, width, window)
+        flat = self.staging.host(size + len(wanted))
+        host = Batch.view(flat, batch, width, window)
+        host.clear(self.pool.scratch)
         on_device = []
         for b, (seq, row, count) in enumerate(zip(seqs, rows, counts)):
             where = seq.length + np.arange(count)
             if isinstance(row, torch.Tensor):
                 on_device.append((b, row))
             else:
-                ids[b, :count] = row
-            positions[b, :count] = where
-            positions[b, count:] = seq.length + count - 1  # padding rows: any valid position
+                host.ids[b, :count] = row
+            host.positions[b, :count] = where
+            host.positions[b, count:] = seq.length + count - 1  # padding rows: any valid position
             blocks = np.asarray(seq.blocks, dtype=np.int64)
-            write_block[b, :count] = blocks[where // block_size]
-            write_offset[b, :count] = where % block_size
-            table[b, :len(seq.blocks[:window])] = blocks[:window]
-            visible[b, :count] = where + 1
-        device = self.device
-        inputs = Batch(*(torch.from_numpy(a).to(device, non_blocking=True)
-                         for a in (ids, positions, write_block, write_offset, table, visible)))
+            host.write_block[b, :count] = blocks[where // block_size]
+            host.write_offset[b, :count] = where % block_size
+            host.table[b, :len(seq.blocks[:window])] = blocks[:window]
+            host.visible[b, :count] = where + 1
+        flat[size:] = wanted
+        captured = self._captured((batch, width, window)) if bucketed and self.mode != "off" else None
+        device_flat = self.staging.send(size + len(wanted), captured.flat if captured is not None else None)
+        inputs = Batch.view(device_flat, batch, width, window)
         for b, row in on_device:  # drafted tokens stay on the device
             inputs.ids[b, :len(row)] = row
-        captured = self._captured((batch, width, window)) if bucketed and self.mode != "off" else None
-        out = captured.run(inputs) if captured is not None else self.forward(inputs)
+        out = captured.run() if captured is not None else self.forward(inputs)
         # The wanted rows, gathered into a new tensor (a captured output is overwritten by the next run).
-        wanted = [b * width + j for b, (count, n) in enumerate(zip(counts, num_logits)) for j in range(count - n, count)]
-        picked = out.reshape(batch * width, -1)[torch.tensor(wanted, device=device)]
+        picked = out.reshape(batch * width, -1)[device_flat[size:size + len(wanted)]]
         for seq, count in zip(seqs, counts):
             seq.length += count
             self.tokens_processed += count

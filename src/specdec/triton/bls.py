@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+import torch.utils.dlpack
 
 from specdec import tensor_names as tn
 from specdec.decoding.interfaces import ForwardStats, Proposal, Scores
@@ -18,6 +19,14 @@ from specdec.decoding.sampling import SamplingParams
 
 class BlsError(RuntimeError):
     pass
+
+
+def _torch(tensor) -> torch.Tensor:
+    """A BLS output as a torch tensor where it lives: a device tensor (a model's `device_outputs`) stays
+    on the device (DLPack, copied out of the response's buffer), a host one becomes a CPU tensor."""
+    if tensor.is_cpu():
+        return torch.from_numpy(tensor.as_numpy().copy())
+    return torch.utils.dlpack.from_dlpack(tensor.to_dlpack()).clone()
 
 
 def _i32(value) -> np.ndarray:
@@ -53,7 +62,7 @@ class _SequenceModel:
         response = await request.async_exec()
         if response.has_error():
             raise BlsError(f"{self.model_name}: {response.error().message()}")
-        return {name: pb.get_output_tensor_by_name(response, name).as_numpy() for name in outputs}
+        return {name: pb.get_output_tensor_by_name(response, name) for name in outputs}
 
     async def release(self, seq_id: int) -> None:
         if seq_id not in self._started:
@@ -76,9 +85,10 @@ class BlsProposer(_SequenceModel):
         }
         outputs = [tn.DRAFT_TOKENS] + ([] if params.greedy else [tn.DRAFT_PROBS])
         result = await self._call(seq_id, inputs, outputs)
-        probs = None if params.greedy else torch.from_numpy(result[tn.DRAFT_PROBS][0].copy())
+        probs = None if params.greedy else _torch(result[tn.DRAFT_PROBS])[0]
         # The draft model runs every proposed token but the last through its cache.
-        return Proposal(result[tn.DRAFT_TOKENS][0].tolist(), probs, cached_length=keep + len(new_ids) + k - 1)
+        return Proposal(result[tn.DRAFT_TOKENS].as_numpy()[0].tolist(), probs,
+                        cached_length=keep + len(new_ids) + k - 1)
 
 
 class BlsScorer(_SequenceModel):
@@ -87,7 +97,7 @@ class BlsScorer(_SequenceModel):
         inputs = {tn.INPUT_IDS: _i32(new_ids), tn.CACHE_LENGTH: _i32([keep]), tn.NUM_LOGITS: _i32([num_positions])}
         outputs = [tn.GREEDY_TOKENS, tn.FORWARD_STATS] + ([tn.LOGITS] if want_logits else [])
         result = await self._call(seq_id, inputs, outputs)
-        logits = torch.from_numpy(result[tn.LOGITS][0].copy()) if want_logits else None
-        rows, sequences, seconds = result[tn.FORWARD_STATS][0].tolist()
-        return Scores(torch.from_numpy(result[tn.GREEDY_TOKENS][0].astype(np.int64)), logits,
+        logits = _torch(result[tn.LOGITS])[0] if want_logits else None
+        rows, sequences, seconds = result[tn.FORWARD_STATS].as_numpy()[0].tolist()
+        return Scores(torch.from_numpy(result[tn.GREEDY_TOKENS].as_numpy()[0].astype(np.int64)), logits,
                       forward=ForwardStats(int(rows), int(sequences), float(seconds)))

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.utils.dlpack
 
 from specdec import tensor_names as tn
 from specdec.decoding.interfaces import ForwardStats
@@ -61,6 +62,9 @@ class LanguageModelAdapter(TritonAdapter):
         torch.set_num_threads(params.int("torch_threads", torch.get_num_threads(), low=1))
         # false: one forward per sequence (the unbatched baseline of the batching benchmark).
         self.batched = params.bool("batched_forward", True)
+        # On CUDA, logits and draft distributions go to the orchestrator as device tensors (DLPack; Triton
+        # hands them over by CUDA IPC): a sampled round's (K+1) x V floats never cross host memory.
+        self.device_outputs = params.bool("device_outputs", True)
         max_sequences = params.int("max_sequences", 256, low=1)
         idle_timeout_s = params.float("sequence_idle_timeout_s", 600.0, low=1.0)
         executor = params.str("executor", "auto", choices=tn.EXECUTORS)
@@ -181,6 +185,15 @@ class LanguageModelAdapter(TritonAdapter):
         self._report_metrics(flush=released)
         return responses
 
+    def _output(self, name: str, tensor: torch.Tensor):
+        """A response tensor: a CUDA tensor stays on the device (`device_outputs`), others go to the host."""
+        if self.device_outputs and tensor.is_cuda:
+            tensor = tensor.contiguous()
+            # DLPack carries no stream: the tensor must be complete before Triton reads it.
+            torch.cuda.current_stream(tensor.device).synchronize()
+            return self.pb.Tensor.from_dlpack(name, torch.utils.dlpack.to_dlpack(tensor))
+        return self.pb.Tensor(name, host(tensor))
+
     def _error(self, exc: Exception):
         return self.pb.InferenceResponse(error=self.pb.TritonError(f"{self.name}: {exc}"))
 
@@ -228,7 +241,7 @@ class TargetModel(LanguageModelAdapter):
         outputs = [pb.Tensor(tn.GREEDY_TOKENS, host(logits.argmax(-1).to(torch.int32))[None])]
         requested = set(request.requested_output_names())
         if tn.LOGITS in requested:
-            outputs.append(pb.Tensor(tn.LOGITS, host(logits.float())[None]))
+            outputs.append(self._output(tn.LOGITS, logits.float()[None]))
         if tn.FORWARD_STATS in requested:
             outputs.append(pb.Tensor(tn.FORWARD_STATS, np.asarray([forward], dtype=np.float32)))
         return pb.InferenceResponse(output_tensors=outputs)
@@ -275,5 +288,5 @@ class DraftModel(LanguageModelAdapter):
         if tn.DRAFT_PROBS in set(request.requested_output_names()):
             if probs is None:
                 probs = torch.zeros(0, self.lm.vocab_size)
-            outputs.append(pb.Tensor(tn.DRAFT_PROBS, host(probs.float())[None]))
+            outputs.append(self._output(tn.DRAFT_PROBS, probs.float()[None]))
         return pb.InferenceResponse(output_tensors=outputs)
