@@ -63,7 +63,7 @@ def stop_server(server: Server, require_clean_exit: bool = True) -> int:
 
 
 # ---- request helpers (plain tritonclient, the way any Triton LLM client calls the ensemble) ----------
-def _inputs(prompt: str | None, **params) -> list:
+def ensemble_inputs(prompt: str | None, **params) -> list:
     """The ensemble's inputs; prompt None leaves text_input out."""
     types = {tn.MAX_TOKENS: np.int32, tn.NUM_DRAFT_TOKENS: np.int32, tn.TEMPERATURE: np.float32,
              tn.TOP_K: np.int32, tn.TOP_P: np.float32, tn.SEED: np.uint64, tn.STREAM: np.bool_,
@@ -87,7 +87,7 @@ def open_stream_and_cancel(url: str, prompt: str, **params) -> None:
     client = grpcclient.InferenceServerClient(url)
     chunks: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: chunks.put((result, error)))
-    client.async_stream_infer(tn.ENSEMBLE, _inputs(prompt, **{**params, "max_tokens": 900, "stream": True, "end_id": 0}))
+    client.async_stream_infer(tn.ENSEMBLE, ensemble_inputs(prompt, **{**params, "max_tokens": 900, "stream": True, "end_id": 0}))
     _, error = chunks.get(timeout=60)
     assert error is None, error
     client.stop_stream(cancel_requests=True)
@@ -120,7 +120,7 @@ def grpc_stream(url: str, prompt: str, timeout: float = 120, **params) -> dict:
     responses: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: responses.put((result, error)))
     try:
-        client.async_stream_infer(tn.ENSEMBLE, _inputs(prompt, **params), enable_empty_final_response=True)
+        client.async_stream_infer(tn.ENSEMBLE, ensemble_inputs(prompt, **params), enable_empty_final_response=True)
         chunks, final = [], {}
         deadline = time.monotonic() + timeout
         while True:

@@ -12,7 +12,7 @@ import tritonclient.grpc as grpcclient
 
 from specdec import tensor_names as tn
 
-from .helpers import GenerationError, grpc_stream, http_generate, open_stream_and_cancel
+from .helpers import GenerationError, ensemble_inputs, grpc_stream, http_generate, open_stream_and_cancel
 
 pytestmark = pytest.mark.integration
 
@@ -202,6 +202,56 @@ def test_cancelled_streams_free_their_caches(server):
     ok = grpc_stream(server.grpc_url, PROMPTS[0], max_tokens=20, num_draft_tokens=4)
     again = grpc_stream(server.grpc_url, PROMPTS[0], max_tokens=20, num_draft_tokens=0)
     assert ok[tn.TEXT_OUTPUT] == again[tn.TEXT_OUTPUT]
+
+
+def _settled(server) -> tuple[float, float, float]:
+    """(rounds, target tokens, draft tokens) counters once no sequence is live and the counters are flushed."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and any(
+            server.metric(name, **labels) for name, labels in (("specdec_live_sequences", {}),
+                                                               ("specdec_model_live_sequences", {}))):
+        time.sleep(0.2)
+    time.sleep(1.2)  # the model counters are flushed at least every 0.5 s and when a sequence ends
+    return (server.metric("specdec_rounds_total"),
+            server.metric("specdec_model_tokens_processed_total", model="target_model"),
+            server.metric("specdec_model_tokens_processed_total", model="draft_model"))
+
+
+@pytest.mark.parametrize("k", [0, 4])
+def test_a_cancelled_stream_costs_at_most_one_round_more(server, k):
+    """A cancelled stream stops within a round. Through `ensemble` the orchestrator learns of the
+    cancellation when its next response reaches postprocessing (Triton cancels only steps it schedules
+    later), so beyond the rounds the client saw, the target may run: one finished and on its way (the
+    client cannot tell it apart), the one in flight, and, with K=0, one started before the flag was up;
+    with K>0 the check between draft and verify stops that one before the target runs it.
+    Fixed K and no end token make the target's tokens exact: prompt + K in the first round, K+1 after."""
+    rounds0, target0, draft0 = _settled(server)
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    chunks: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: chunks.put((result, error)))
+    client.async_stream_infer(tn.ENSEMBLE, ensemble_inputs(PROMPTS[1], max_tokens=900, stream=True, end_id=0,
+                                                   num_draft_tokens=k, adaptive_draft=False))
+    seen = 0
+    while seen < 6:
+        result, error = chunks.get(timeout=60)
+        assert error is None, error
+        seen = int(result.as_numpy(tn.NUM_ROUNDS).reshape(-1)[0])
+        prompt = int(result.as_numpy(tn.NUM_INPUT_TOKENS).reshape(-1)[0])
+    client.stop_stream(cancel_requests=True)
+    client.close()
+    rounds1, target1, draft1 = _settled(server)
+    rounds = rounds1 - rounds0
+    target_seen = prompt + k + (seen - 1) * (k + 1)
+    extra_target = target1 - target0 - target_seen
+    print(f"K={k}: the client saw {seen} rounds; the server ran {rounds:.0f}; the target processed "
+          f"{extra_target:.0f} tokens after the rounds seen, the draft {draft1 - draft0:.0f} in all")
+    most = 2 if k else 3
+    assert rounds - seen <= most, (rounds, seen)
+    assert 0 <= extra_target <= most * (k + 1)
+    # The draft: at most K+1 tokens per round (catch-up + K-1 drafted), one more round's draft than the
+    # target (drafting when the cancellation arrived), the prompt in the first.
+    assert draft1 - draft0 <= (prompt + k - 1 + (seen + 2) * (k + 1) if k else 0)
+    assert server.metric("specdec_live_sequences") == 0
 
 
 # ---- validation --------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import torch
 
@@ -67,9 +67,12 @@ class RoundOutput:
 
 
 async def generate(req: GenerationRequest, proposer: Proposer, scorer: Scorer, policy: DraftLengthPolicy,
-                   stats: Stats | None = None) -> AsyncIterator[RoundOutput]:
+                   stats: Stats | None = None, cancelled: Callable[[], bool] | None = None
+                   ) -> AsyncIterator[RoundOutput]:
     """Yield one RoundOutput per verify round until a stop condition; caches are released at the end,
-    also when the consumer stops early (cancellation) or a call fails."""
+    also when the consumer stops early (cancellation) or a call fails. `cancelled` is asked again between
+    a round's draft and its verify (a cancellation that arrived while drafting costs no target forward);
+    the consumer checks between rounds."""
     stats = stats if stats is not None else Stats()
     tokens = list(req.prompt_ids)
     draft_valid = 0  # tokens[:draft_valid] are in the draft's cache
@@ -91,6 +94,9 @@ async def generate(req: GenerationRequest, proposer: Proposer, scorer: Scorer, p
                 draft_valid = proposal.cached_length
                 drafted_ever = True
                 k = len(proposal.tokens)  # no proposal (an n-gram miss) = a plain target-only round
+                if cancelled is not None and cancelled():
+                    yield RoundOutput([], 0, 0, tn.FINISH_CANCELLED)
+                    return
             elif policy.shadow:  # a free proposer paused: propose, but only to check it
                 shadow = await proposer.propose(req.seq_id, draft_valid, tokens[draft_valid:], 1, req.sampling, 0)
                 draft_valid = shadow.cached_length

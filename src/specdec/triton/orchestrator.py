@@ -126,9 +126,13 @@ class SpeculativeDecodingAdapter(TritonAdapter):
         try:
             policy = DraftLengthPolicy(parsed.num_draft_tokens, self.costs, parsed.draft_name,
                                        adaptive=parsed.adaptive, free=parsed.draft_name == tn.NGRAM)
-            rounds = generate(gen, self.proposers[parsed.draft_name], self.scorer, policy, stats)
+            rounds = generate(gen, self.proposers[parsed.draft_name], self.scorer, policy, stats,
+                              cancelled=lambda: self._cancelled(request, sender, gen.seq_id))
             async with contextlib.aclosing(rounds) as rounds:
                 async for rnd in rounds:
+                    if rnd.finish_reason == tn.FINISH_CANCELLED:  # cancelled between draft and verify
+                        finish = rnd.finish_reason
+                        break
                     now = time.monotonic()
                     self.metrics.record_round(rnd.num_drafted, rnd.num_accepted, now)
                     self.metrics.record_costs(self.costs, now)
