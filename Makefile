@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.specdec-setup
 
-.PHONY: readme-examples soak setup serve test unit integration deploy-check image clean loadtest bench bench-concurrency bench-batching bench-gpu bench-executor bench-overhead
+.PHONY: readme-examples soak setup serve test unit integration deploy-check image image-lock clean loadtest bench bench-concurrency bench-batching bench-gpu bench-executor bench-overhead
 
 setup: $(STAMP)
 
@@ -35,6 +35,10 @@ deploy-check: setup
 # Needs a Docker engine (none on the CI machines): IMAGE=registry/specdec-triton:tag make image
 image:
 	docker build -f docker/Dockerfile -t $${IMAGE:-specdec-triton:0.1.0} .
+
+# docker/requirements.lock: the requirement files resolved for the image's platform, with hashes.
+image-lock:
+	python3 docker/lock.py
 
 clean:
 	rm -rf .cache

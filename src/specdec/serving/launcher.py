@@ -48,8 +48,10 @@ class ServerLayout:
 def triton_layout(work_dir: Path, triton_root: Path | None = None) -> ServerLayout:
     """Server binary and a backend directory whose Python stub matches the running interpreter.
 
-    The stubs come from the nvidia-pytriton wheel (built for Python 3.8-3.13 against Triton 2.51); the
-    binary and the Python backend library from triton_root when given, else from the same wheel.
+    The Python backend, its library and the stub for this interpreter, always comes from the
+    nvidia-pytriton wheel (Triton 2.51, stubs for Python 3.8-3.13): library and stub of one build. Only
+    the server binary comes from triton_root when given (an NGC image of the same release, which the
+    image test checks), else from the same wheel.
     """
     spec = importlib.util.find_spec("pytriton")
     if spec is None or spec.origin is None:
@@ -66,8 +68,8 @@ def triton_layout(work_dir: Path, triton_root: Path | None = None) -> ServerLayo
         raise FileNotFoundError(f"no Python backend stub for Python {version} in {stub.parent.parent}")
     backend = work_dir / "backends" / "python"
     backend.mkdir(parents=True, exist_ok=True)
-    for src in (server / "backends" / "python" / "libtriton_python.so",
-                server / "backends" / "python" / "triton_python_backend_utils.py", stub):
+    for src in (wheel_server / "backends" / "python" / "libtriton_python.so",
+                wheel_server / "backends" / "python" / "triton_python_backend_utils.py", stub):
         # Copy then rename: replacing a stub binary that an older server still runs is allowed,
         # overwriting it in place is not ("Text file busy").
         staging = backend / f".{src.name}.new"
