@@ -239,6 +239,12 @@ async def served_streams(url: str, prompts: list[str], max_tokens: int, params: 
     return sum(r.num_output_tokens for r in results) / elapsed
 
 
+def target_batches(own) -> tuple[float, float]:
+    """target_model's (requests, executions) so far: their ratio is the sequences a forward served."""
+    return (own.metric("nv_inference_request_success", model="target_model"),
+            own.metric("nv_inference_exec_count", model="target_model"))
+
+
 def print_table(header: str, rows: list, columns: list[str], out: str | None) -> None:
     """Print a benchmark's table (GitHub Markdown, under a header naming the machine) and, with --out,
     write it there too: what the README pastes."""
@@ -287,9 +293,14 @@ def main(argv=None) -> int:
     own = server.start(cache / "run" / "bench-gpu", cache / "bench-gpu-server.log", launcher_args)
     try:
         one = served_one_stream(own.grpc_url, prompts, args.max_tokens, args.k)
-        eight = {name: asyncio.run(served_streams(own.grpc_url, prompts, args.max_tokens, params, 8))
-                 for name, params in (("K=0", GenerationParams(num_draft_tokens=0)),
-                                      (f"adaptive K<={args.k}", GenerationParams(num_draft_tokens=args.k)))}
+        eight = {}
+        for name, params in (("K=0", GenerationParams(num_draft_tokens=0)),
+                             (f"adaptive K<={args.k}", GenerationParams(num_draft_tokens=args.k))):
+            before = target_batches(own)
+            tps = asyncio.run(served_streams(own.grpc_url, prompts, args.max_tokens, params, 8))
+            after = target_batches(own)
+            # How well the streams share forwards: target_model requests per execution (Triton's counters).
+            eight[name] = (tps, (after[0] - before[0]) / max(after[1] - before[1], 1))
     finally:
         own.stop(120)
 
@@ -332,8 +343,9 @@ def main(argv=None) -> int:
         rows.append([f"served, 1 stream, {name}", f"{1e3 / tps:.2f} ms/token", f"{tps:.1f}", f"{tps / base:.2f}x",
                      f"{alpha:.2f}", f"{per_round:.2f}", f"{bound:.2f}", f"{tps / base / bound:.2f}",
                      f"equal text {row['equal']:.0%}"])
-    for name, tps in eight.items():
-        rows.append([f"served, 8 streams, {name}", "", f"{tps:.1f}", f"{tps / base:.2f}x", "", "", "", "", ""])
+    for name, (tps, per_forward) in eight.items():
+        rows.append([f"served, 8 streams, {name}", "", f"{tps:.1f}", f"{tps / base:.2f}x", "", "", "", "",
+                     f"{per_forward:.1f} sequences per target forward"])
     rows.append(["transformers generate, plain", "", f"{peer['plain']:.1f}", f"{peer['plain'] / base:.2f}x",
                  "", "", "", "", ""])
     rows.append([f"transformers generate, assisted K={args.k}", "", f"{peer['assisted']:.1f}",

@@ -126,8 +126,10 @@ class SpeculativeDecodingAdapter(TritonAdapter):
         try:
             policy = DraftLengthPolicy(parsed.num_draft_tokens, self.costs, parsed.draft_name,
                                        adaptive=parsed.adaptive, free=parsed.draft_name == tn.NGRAM)
+            # Between draft and verify only the board is read (one stat): asking Triton (sender/request)
+            # is an IPC round trip each, paid once per round below.
             rounds = generate(gen, self.proposers[parsed.draft_name], self.scorer, policy, stats,
-                              cancelled=lambda: self._cancelled(request, sender, gen.seq_id))
+                              cancelled=lambda: self.cancellations.is_cancelled(gen.seq_id))
             async with contextlib.aclosing(rounds) as rounds:
                 async for rnd in rounds:
                     if rnd.finish_reason == tn.FINISH_CANCELLED:  # cancelled between draft and verify
