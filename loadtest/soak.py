@@ -16,6 +16,7 @@ import csv
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -47,6 +48,22 @@ def rss_mb(processes: dict[str, psutil.Process]) -> dict[str, float]:
     return {name: proc.memory_info().rss / 2**20 for name, proc in sorted(processes.items())}
 
 
+def rss_parts_mb(proc: psutil.Process) -> dict[str, float]:
+    """RSS split as the kernel counts it: anonymous (heap: tensors, allocator caches) and shared memory
+    (the Python backend's /dev/shm pool, which grows with concurrency and never shrinks)."""
+    fields = dict(line.split(":", 1) for line in open(f"/proc/{proc.pid}/status"))
+    return {part: int(fields[f"Rss{part.capitalize()}"].split()[0]) / 1024 for part in ("anon", "shmem")}
+
+
+def sample_every(processes: dict[str, psutil.Process], seconds: float, stop: threading.Event) -> list[dict]:
+    """RSS parts of every process every `seconds` until `stop` (in a thread while Locust runs)."""
+    samples = []
+    while True:
+        samples.append({name: rss_parts_mb(proc) for name, proc in sorted(processes.items())})
+        if stop.wait(seconds):
+            return samples
+
+
 def locust(grpc_url: str, seconds: float, users: int, csv_prefix: Path, max_tokens: int) -> dict:
     """Run Locust headless; returns its aggregated `generate` row and the summary it printed."""
     command = [sys.executable, "-m", "locust", "-f", str(HERE / "locustfile.py"), "--headless", "-u", str(users),
@@ -65,7 +82,9 @@ def locust(grpc_url: str, seconds: float, users: int, csv_prefix: Path, max_toke
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--duration", type=float, default=600, help="seconds of load after the warm-up")
-    parser.add_argument("--warmup", type=float, default=60)
+    parser.add_argument("--warmup", type=float, default=300,
+                        help="seconds of load before the first memory reading (the target levels off in ~5 min)")
+    parser.add_argument("--sample-every", type=float, default=60, help="seconds between memory samples")
     parser.add_argument("--users", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--pair", default="default")
@@ -84,23 +103,37 @@ def main(argv=None) -> int:
         warm = locust(args.grpc_url, args.warmup, args.users, work / "warmup", args.max_tokens)
         start = rss_mb(processes)
         started = time.monotonic()
+        stop, samples = threading.Event(), []
+        sampler = threading.Thread(target=lambda: samples.extend(sample_every(processes, args.sample_every, stop)))
+        sampler.start()
         run = locust(args.grpc_url, args.duration, args.users, work / "soak", args.max_tokens)
+        stop.set()
+        sampler.join()
         elapsed = time.monotonic() - started
         end = rss_mb(processes)
     finally:
         if own is not None:
             own.stop()
-    rows = [[name, f"{start[name]:.0f}", f"{end[name]:.0f}", f"{(end[name] / start[name] - 1) * 100:+.1f} %"]
-            for name in start]
+    first, last = samples[0], samples[-1]
+
+    def parts(name: str) -> str:
+        return " / ".join(f"{last[name][part] - first[name][part]:+.0f}" for part in ("anon", "shmem"))
+
+    rows = [[name, f"{start[name]:.0f}", f"{end[name]:.0f}", f"{(end[name] / start[name] - 1) * 100:+.1f} %",
+             parts(name)] for name in start]
     total_start, total_end = sum(start.values()), sum(end.values())
-    rows.append(["total", f"{total_start:.0f}", f"{total_end:.0f}", f"{(total_end / total_start - 1) * 100:+.1f} %"])
+    rows.append(["total", f"{total_start:.0f}", f"{total_end:.0f}", f"{(total_end / total_start - 1) * 100:+.1f} %", ""])
+    # Whether the largest grower levels off or keeps climbing: its RSS at each sample.
+    grower = max(start, key=lambda name: end[name] - start[name])
+    series = ", ".join(f"{sum(sample[grower].values()):.0f}" for sample in samples)
     text = "\n".join([
         f"soak: {args.pair} pair, {args.users} users, {args.max_tokens} tokens per request, "
         f"{args.warmup:.0f} s warm-up ({warm['requests']} requests, {warm['failures']} failures), "
         f"then {elapsed:.0f} s: {run['requests']} requests, {run['failures']} failures",
         *run["summary"], "",
-        tabulate(rows, ["process", "RSS after warm-up (MiB)", "RSS at end (MiB)", "growth"], tablefmt="github",
-                 disable_numparse=True)])
+        tabulate(rows, ["process", "RSS after warm-up (MiB)", "RSS at end (MiB)", "growth",
+                        "anonymous / shared growth (MiB)"], tablefmt="github", disable_numparse=True), "",
+        f"{grower} RSS (anonymous + shared, MiB) every {args.sample_every:.0f} s: {series}"])
     print(text)
     if args.out:
         Path(args.out).write_text(text + "\n")

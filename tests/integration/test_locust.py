@@ -1,6 +1,7 @@
 """Locust headless with the standard command line against the tiny-pair server; reads its CSV statistics."""
 
 import csv
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -57,3 +58,22 @@ def test_locust_distributed_summary_counts_every_workers_requests(server, tmp_pa
     summary = out.stdout + out.stderr
     assert summary.count("speculative decoding load summary") == 1  # the master's, not one per worker
     assert f"requests            {requests_done}" in summary
+
+
+def test_soak_reports_memory_over_time_against_a_running_server(server, tmp_path):
+    """`make soak`'s script, briefly, against the suite's server: no failures, every process's RSS at start
+    and end split into anonymous and shared growth, and the largest grower's RSS over time."""
+    script = LOCUSTFILE.parent / "soak.py"
+    out = tmp_path / "soak.md"
+    result = subprocess.run([sys.executable, str(script), "--grpc-url", server.grpc_url,
+                             "--server-pid", str(server.process.pid), "--duration", "12", "--warmup", "4",
+                             "--sample-every", "4", "--users", "2", "--max-tokens", "16", "--out", str(out)],
+                            capture_output=True, text=True, timeout=240)
+    assert result.returncode in (0, 1), result.stderr[-3000:]  # 1: grew >= 5 % (a 12 s run proves nothing)
+    report = out.read_text()
+    assert ", 0 failures" in report and "requests" in report
+    table = {line.split("|")[1].strip(): line for line in report.splitlines() if line.startswith("| ")}
+    assert {"target_model", "speculative_decoding", "tritonserver", "total"} <= set(table)
+    assert re.search(r"[+-]\d+ / [+-]\d+", table["target_model"])  # anonymous / shared growth
+    series = re.search(r"RSS \(anonymous \+ shared, MiB\) every 4 s: ([\d, ]+)", report)
+    assert series and len(series.group(1).split(",")) >= 3

@@ -150,12 +150,7 @@ def server_env(layout: ServerLayout) -> dict[str, str]:
     # The stub's embedded interpreter finds its prefix through the first `python3` on PATH: put the
     # running (venv) interpreter's directory first so the stubs import the venv's packages.
     path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
-    # glibc raises its mmap threshold to the size of every large block freed (up to 32 MiB), after which
-    # such blocks (KV buffers, activations) are carved from the heap and stay there when freed: a stub's
-    # RSS then climbs with each new sequence's buffers (the soak measured +14.5 % in 10 minutes). A fixed
-    # threshold keeps blocks >= 1 MiB mmapped, returned to the system on free. A value set by the user wins.
-    allocator = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20), "MALLOC_TRIM_THRESHOLD_": str(4 << 20)}
-    return {**allocator, **os.environ, "LD_LIBRARY_PATH": layout.ld_library_path, "PATH": path}
+    return dict(os.environ, LD_LIBRARY_PATH=layout.ld_library_path, PATH=path)
 
 
 def redact(arg: str) -> str:
