@@ -17,10 +17,10 @@ from pathlib import Path
 import yaml
 
 from specdec.serving import launcher
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "docker"))
-import lock  # noqa: E402  (docker/lock.py: the platform and driver facts the lock was made with)
 from specdec.serving.pairs import REPO_ROOT
+
+sys.path.insert(0, str(REPO_ROOT / "docker"))
+import lock  # noqa: E402  (docker/lock.py: the platform and driver facts the lock was made with)
 
 DOCKERFILE = REPO_ROOT / "docker" / "Dockerfile"
 LOCK = REPO_ROOT / "docker" / "requirements.lock"
