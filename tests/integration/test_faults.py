@@ -1,7 +1,7 @@
 """Faults on a server of its own (sequences idle for 2 s are evicted; draft_model holds one sequence):
 a sequence abandoned without its release call is evicted by time, also while no other request arrives;
 a draft model that fails mid-request (here: out of sequence slots) is bypassed, and the request finishes
-on target-only rounds with the same greedy output."""
+on target-only rounds with the same greedy output; the memory of ended sequences goes back to the OS."""
 
 import dataclasses
 import time
@@ -19,6 +19,7 @@ from .helpers import grpc_stream, start_server, stop_server
 pytestmark = pytest.mark.integration
 
 IDLE_TIMEOUT_S = 2
+HEAP_TRIM_S = 1
 
 
 def step_inputs(ids: list[int], keep: int) -> list:
@@ -35,6 +36,7 @@ def srv(tmp_path_factory):
     pair = dataclasses.replace(pairs.tiny_pair(), sequence_idle_timeout_s=IDLE_TIMEOUT_S)
     repo = repository.render(pair, tmp_path / "repo")
     repository.override(repo, "draft_model.max_sequences=1")
+    repository.override(repo, f"target_model.heap_trim_interval_s={HEAP_TRIM_S}")
     server = start_server(tmp_path, repository=repo)
     yield server
     stop_server(server, require_clean_exit=False)
@@ -82,3 +84,18 @@ def test_abandoned_sequences_are_evicted_by_time_without_other_requests(srv):
             client.infer(tn.TARGET_MODEL_NAME, step_inputs([8], 3), sequence_id=101)
     finally:
         client.close()
+
+
+def test_ended_sequences_memory_is_trimmed_back_to_the_os(srv):
+    """Once a sequence ends, target_model's evictor thread returns the freed heap within an interval or
+    two: its counter moves; with no sequence ended since, it stays."""
+    trims = lambda: srv.metric("specdec_model_heap_trims_total", model=tn.TARGET_MODEL_NAME)  # noqa: E731
+    time.sleep(3 * HEAP_TRIM_S)
+    settled = trims()
+    time.sleep(3 * HEAP_TRIM_S)
+    assert trims() == settled  # nothing ended: no trim
+    grpc_stream(srv.grpc_url, "Trim me afterwards", max_tokens=8, num_draft_tokens=0)
+    deadline = time.monotonic() + 10 * HEAP_TRIM_S
+    while trims() == settled and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert trims() > settled

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from specdec.engine.executor import CacheError, CausalLM
+from specdec.engine.executor import EXACT_ROWS, CacheError, CausalLM, padded_rows
 from specdec.decoding.sampling import SamplingParams, make_generator
 
 
@@ -185,6 +185,47 @@ def test_padding_to_min_forward_rows_changes_nothing_but_the_shape(tiny_lm):
     assert [lm.cached_length(s) for s in (1, 2, 3)] == [6, 3, 2]
     after = lm.extend(3, 2, [32], 1)  # the padded step left a clean cache behind
     assert torch.allclose(after, full_logits(tiny_lm, [30, 31, 32])[-1:], atol=1e-9)
+
+
+def test_padded_rows_bounds_the_shapes_and_the_padding():
+    assert [padded_rows(n, 4) for n in (1, 2, 3, 4, 5)] == [1, 4, 4, 4, 5]
+    assert [padded_rows(n, 1, bucketed=True) for n in (1, 2, 16, 17, 19, 32, 33, 300)] == [1, 2, 16, 18, 20, 32, 36, 320]
+    sizes = [padded_rows(n, 1, bucketed=True) for n in range(1, 4097)]
+    assert all(n <= size <= n * 1.125 for n, size in enumerate(sizes, 1))
+    assert sizes[:EXACT_ROWS] == list(range(1, EXACT_ROWS + 1))
+    assert len(set(sizes)) == EXACT_ROWS + 8 * 8  # 8 sizes per power of two past 16
+    assert padded_rows(300) == 300  # not bucketed: every size as it comes
+
+
+def test_row_buckets_change_nothing_but_the_shape(tiny_lm):
+    """row_buckets pads a 33-token prompt to 36 rows, a 17-position verify to 18 and a 3-sequence step of
+    19 rows to 20: the forwards run at the bucket sizes, the logits and caches are the unpadded ones."""
+    from specdec.engine.executor import Step
+
+    shapes = []
+    def record(_module, _args, kwargs):  # the executor's forwards (the reference ones pass no kv_batch)
+        if "kv_batch" in kwargs:
+            shapes.append((kwargs["input_ids"].shape[1], len(kwargs["logits_to_keep"])))
+
+    hook = tiny_lm.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        lm = CausalLM(tiny_lm, row_buckets=True)
+        ids = [int(x) for x in torch.randint(0, 97, (60,), generator=torch.Generator().manual_seed(5))]
+        prompt = lm.extend(1, 0, ids[:33], 33)
+        assert torch.allclose(prompt, full_logits(tiny_lm, ids[:33]), atol=1e-9)
+        verify = lm.extend(1, 33, ids[33:50], 17)
+        assert torch.allclose(verify, full_logits(tiny_lm, ids[:50])[33:], atol=1e-9)
+        lm.extend(2, 0, ids[:2], 1)
+        lm.extend(3, 0, ids[2:4], 1)
+        out = lm.extend_many([Step(1, 40, ids[40:47], 7), Step(2, 2, ids[4:10], 1), Step(3, 1, ids[10:16], 2)])
+        for logits, seq, n in zip(out, (ids[:47], ids[:2] + ids[4:10], ids[2:3] + ids[10:16]), (7, 1, 2)):
+            assert torch.allclose(logits, full_logits(tiny_lm, seq)[-n:], atol=1e-9)
+        assert [lm.cached_length(s) for s in (1, 2, 3)] == [47, 8, 7]
+        after = lm.extend(1, 47, [9], 1)  # the padded steps left clean caches behind
+        assert torch.allclose(after, full_logits(tiny_lm, ids[:47] + [9])[-1:], atol=1e-9)
+    finally:
+        hook.remove()
+    assert shapes == [(36, 36), (18, 18), (2, 1), (2, 1), (20, 10), (1, 1)]
 
 
 # ---- the per-sequence KV buffers (kv_cache.py) ---------------------------------------------------------

@@ -22,7 +22,7 @@ from specdec import tensor_names as tn
 from specdec.decoding.interfaces import ForwardStats
 from specdec.decoding.sampling import SamplingParams, make_generator
 from specdec.decoding.text import load_tokenizer, vocabulary_mismatch
-from specdec.engine import onednn_linear, static_executor
+from specdec.engine import host_memory, onednn_linear, static_executor
 from specdec.engine.executor import CacheError, CausalLM, Step, load_causal_lm
 from specdec.engine.static_executor import StaticCausalLM
 from specdec.triton.adapter import TritonAdapter
@@ -103,6 +103,7 @@ class LanguageModelAdapter(TritonAdapter):
                 # CausalLM). oneDNN's reordered weights have no such cliff; 1 = no padding.
                 min_forward_rows=params.int("min_forward_rows",
                                             4 if model.device.type == "cpu" and not prepacked else 1, low=1),
+                row_buckets=prepacked,
             )
         self.metrics = ModelMetrics(self.pb, self.name)
         self._warm_up()
@@ -111,7 +112,13 @@ class LanguageModelAdapter(TritonAdapter):
         # The lock keeps it out of a running forward.
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        # The same thread hands the host memory of ended sequences back to the OS, at most once per
+        # interval (0: never): glibc keeps it otherwise and the stub's RSS creeps up (README, "Soak").
+        self.heap_trim_interval_s = params.float("heap_trim_interval_s", 30.0, low=0.0)
+        self._freed_since_trim, self._last_trim = False, time.monotonic()
         interval = min(max(self.lm.idle_timeout_s / 4, 0.25), 30.0)
+        if self.heap_trim_interval_s:
+            interval = min(interval, max(self.heap_trim_interval_s, 0.25))
         self._evictor = threading.Thread(target=self._evict_periodically, args=(interval,), daemon=True,
                                          name=f"{self.name}-evictor")
         self._evictor.start()
@@ -133,7 +140,18 @@ class LanguageModelAdapter(TritonAdapter):
         while not self._stop.wait(interval_s):
             with self._lock:
                 if self.lm.evict_idle():
+                    self._freed_since_trim = True
                     self._report_metrics(flush=True)
+            self._trim_heap_if_due()
+
+    def _trim_heap_if_due(self) -> None:
+        # Outside the lock: forwards go on meanwhile (malloc_trim locks one heap at a time and ctypes
+        # releases the GIL), and a trim after a heavy churn can take tens of milliseconds.
+        now = time.monotonic()
+        if self.heap_trim_interval_s and self._freed_since_trim and now - self._last_trim >= self.heap_trim_interval_s:
+            self._freed_since_trim, self._last_trim = False, now
+            if host_memory.trim_heap():
+                self.metrics.heap_trims.increment(1)
 
     def _report_metrics(self, flush: bool) -> None:
         self.metrics.report(self.lm.tokens_processed, len(self.lm.sequences), self.lm.kv_bytes_allocated, flush,
@@ -156,7 +174,7 @@ class LanguageModelAdapter(TritonAdapter):
                 seq_id = request.correlation_id()
                 if _scalar(pb, request, tn.RELEASE, False):
                     self.lm.release(seq_id)
-                    released = True
+                    released = self._freed_since_trim = True
                     responses[i] = pb.InferenceResponse(output_tensors=[])
                     continue
                 steps.append(self._parse_step(request, seq_id))

@@ -44,6 +44,9 @@ class ModelMetrics:
         self.forward_seconds = make("specdec_model_forward_seconds_total",
                                     "Seconds spent in the model's forward passes (the rest of an execute is "
                                     "the adapter's own work)", kinds.COUNTER).Metric(labels=labels)
+        self.heap_trims = make("specdec_model_heap_trims_total",
+                               "Times the model's stub handed the freed host memory of ended sequences back to "
+                               "the OS (heap_trim_interval_s)", kinds.COUNTER).Metric(labels=labels)
         self._tokens, self._at, self._seconds = 0, 0.0, 0.0
         self._gauges: dict[str, float | None] = {"live": None, "kv": None}
 

@@ -1,0 +1,38 @@
+"""Giving freed host memory back to the operating system (glibc's `malloc_trim`).
+
+A CPU model stub allocates and frees buffers of many sizes per sequence (KV tensors that grow by
+concatenation, activations of prompts of every length). glibc keeps freed blocks in its heaps for reuse,
+and a heap whose top is still in use never shrinks on its own: the process's resident memory creeps up
+under a long mixed load although nothing is live (measured: README, "Soak"). `malloc_trim(0)` returns the
+free pages of every heap (`madvise(MADV_DONTNEED)` inside heaps, not only at their top).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+
+
+@functools.cache
+def _malloc_trim():
+    """glibc's malloc_trim, or None where the C library has none (musl, macOS)."""
+    name = ctypes.util.find_library("c")
+    try:
+        return ctypes.CDLL(name or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+def trim_heap() -> bool:
+    """Return the free pages of the C heaps to the OS; False where the C library cannot (not glibc).
+
+    Cheap when there is little to give back (milliseconds after a heavy churn: README); callers still keep
+    it off the hot path.
+    """
+    trim = _malloc_trim()
+    if trim is None:
+        return False
+    trim(0)
+    return True
+
