@@ -80,7 +80,7 @@ bench-overhead: setup
 readme-examples: setup
 	$(PY) bench/readme_examples.py
 
-# Locust against the default pair for SOAK_SECONDS (default 600) after a minute's warm-up: failures and the
+# Locust against the default pair for SOAK_SECONDS (default 600) after SOAK_WARMUP (default 300) s of warm-up: failures and the
 # server's memory (tritonserver and every stub) at start and end; exits 1 on a failure or >= 5 % growth.
 soak: setup
 	$(PY) loadtest/soak.py --duration $${SOAK_SECONDS:-600} --warmup $${SOAK_WARMUP:-300} --users $${SOAK_USERS:-8} --out .cache/soak.md
