@@ -74,12 +74,22 @@ class KVBatch:
     counts: list[int]
 
     def __post_init__(self):
+        # Every layer of the forward asks for the same masks (a sequence's length moves only after the
+        # forward): built once per (sequence, window), not once per layer.
+        self._masks: dict[tuple[int, int | None], torch.Tensor | None] = {}
         self.starts = []
         start = 0
         for seq, count in zip(self.seqs, self.counts):
             seq.reserve(seq.length + count)
             self.starts.append(start)
             start += count
+
+    def visible(self, i: int, window: int | None, device) -> torch.Tensor | None:
+        """seqs[i]'s attention mask in this forward (`_visible`), shared by every layer."""
+        key = (i, window)
+        if key not in self._masks:
+            self._masks[key] = _visible(self.seqs[i].length, self.counts[i], window, device)
+        return self._masks[key]
 
 
 def _visible(length: int, count: int, window: int | None, device) -> torch.Tensor | None:
@@ -105,7 +115,7 @@ def sequence_kv_attention(module, query: torch.Tensor, key: torch.Tensor, value:
         raise ValueError("attention logit softcapping is not supported by the sequence KV cache")
     layer = module.layer_idx
     out = query.new_zeros(1, query.shape[2], query.shape[1], query.shape[3])
-    for seq, start, count in zip(kv_batch.seqs, kv_batch.starts, kv_batch.counts):
+    for i, (seq, start, count) in enumerate(zip(kv_batch.seqs, kv_batch.starts, kv_batch.counts)):
         new = slice(start, start + count)
         end = seq.length + count
         keys, values = seq.keys[layer], seq.values[layer]
@@ -113,7 +123,7 @@ def sequence_kv_attention(module, query: torch.Tensor, key: torch.Tensor, value:
         values[:, seq.length:end] = value[0, :, new]
         attended = scaled_dot_product_attention(
             query[:, :, new], keys[None, :, :end], values[None, :, :end],
-            attn_mask=_visible(seq.length, count, sliding_window, query.device), scale=scaling,
+            attn_mask=kv_batch.visible(i, sliding_window, query.device), scale=scaling,
             enable_gqa=query.shape[1] != key.shape[1])
         out[0, new] = attended[0].transpose(0, 1)
     return out, None
