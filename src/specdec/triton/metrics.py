@@ -112,6 +112,8 @@ class OrchestratorMetrics:
         self.fallbacks = make("specdec_draft_fallbacks_total", "Rounds run target-only because their draft model "
                               "failed or was out of rotation after failing", family.COUNTER)
         self._fallback_metrics: dict = {}
+        self.gate_holds = make("specdec_verify_gate_holds_total", "Verify calls that waited at the gate for other "
+                               "requests' (verify_gather_ms)", family.COUNTER).Metric(labels={})
         self._costs_published = 0.0
         self._flushed = 0.0
         self._reset_pending()
@@ -153,14 +155,21 @@ class OrchestratorMetrics:
             if name not in self._fallback_metrics:
                 self._fallback_metrics[name] = self.fallbacks.Metric(labels={"draft_model": name})
             self._fallback_metrics[name].increment(count)
+        if self._pending_holds:
+            self.gate_holds.increment(self._pending_holds)
         self._reset_pending()
 
     def record_fallback(self, draft_name: str) -> None:
         """A round that ran target-only because its draft failed (sent with the next flush)."""
         self._pending_fallbacks[draft_name] = self._pending_fallbacks.get(draft_name, 0) + 1
 
+    def record_gate_hold(self) -> None:
+        """A verify call that waited at the gate (sent with the next flush)."""
+        self._pending_holds += 1
+
     def _reset_pending(self) -> None:
         self._pending_rounds = 0
+        self._pending_holds = 0
         self._pending_lengths: list[int] = []
         self._pending_drafted_at = [0] * len(self.drafted_at)
         self._pending_accepted_at = [0] * len(self.accepted_at)

@@ -27,6 +27,7 @@ from specdec.triton.config import ModelParameters
 from specdec.triton.fallback import FallbackProposer
 from specdec.triton.metrics import OrchestratorMetrics
 from specdec.triton.request import InputError, ParsedRequest, RequestLimits
+from specdec.triton.verify_gate import GatedScorer, VerifyGate
 
 
 class SpeculativeDecodingAdapter(TritonAdapter):
@@ -52,7 +53,11 @@ class SpeculativeDecodingAdapter(TritonAdapter):
         self.proposers = {name: NgramProposer() if name == tn.NGRAM else FallbackProposer(
             BlsProposer(pb_utils, name, timeout_us), name, self.metrics.record_fallback, retry_after_s=retry_s)
             for name in self.limits.draft_names}
-        self.scorer = BlsScorer(pb_utils, params.str("target_model", tn.TARGET_MODEL_NAME), timeout_us)
+        # Concurrent requests' verify calls wait for each other up to this window, so that target_model's
+        # forwards carry all of them (verify_gate.py); 0: each goes as soon as it is ready.
+        self.gate = VerifyGate(params.float("verify_gather_ms", 0.0, low=0.0) / 1e3, self.metrics.record_gate_hold)
+        self.scorer = GatedScorer(BlsScorer(pb_utils, params.str("target_model", tn.TARGET_MODEL_NAME), timeout_us),
+                                  self.gate)
         self.cancellations = CancellationBoard()
         self.cancellations.sweep()
         self.last_sweep = time.monotonic()
@@ -121,6 +126,7 @@ class SpeculativeDecodingAdapter(TritonAdapter):
             sender.send(self._response(emission, gen, emitter, stats, finish), flags=flags)
 
         self.live += 1
+        self.gate.enter()
         self.metrics.set_live(self.live)
         finish, last = None, None
         try:
@@ -154,6 +160,7 @@ class SpeculativeDecodingAdapter(TritonAdapter):
             return
         finally:
             self.live -= 1
+            self.gate.leave()
             self.metrics.set_live(self.live)
             self.metrics.flush(time.monotonic())  # this request's rounds are counted before it ends
             self.cancellations.clear(gen.seq_id)
