@@ -94,10 +94,14 @@ def server_command(layout: ServerLayout, repo: Path, http: int, grpc: int, metri
     ]
 
 
-def wait_ready(http_port: int, process: subprocess.Popen, timeout_s: float) -> None:
+def wait_ready(http_port: int, process: subprocess.Popen, timeout_s: float,
+               stop: threading.Event | None = None) -> None:
+    """Return once tritonserver is ready, or as soon as `stop` is set (a signal arrived)."""
     deadline = time.monotonic() + timeout_s
     last_note = 0.0
     while time.monotonic() < deadline:
+        if stop is not None and stop.is_set():
+            return
         if process.poll() is not None:
             raise RuntimeError(f"tritonserver exited with code {process.returncode} before it was ready")
         if is_ready(http_port, timeout_s=2):
@@ -235,6 +239,10 @@ def main(argv: list[str] | None = None) -> int:
 
     def stop(signum, _frame):
         # The first signal drains (see `drain`); a second one, or one before the models are up, stops now.
+        # "Up" is asked of Triton itself: the wait below notices readiness only at its next look, and a
+        # client that saw the server ready first may already be streaming.
+        if not (stopping.is_set() or serving.is_set()) and process.poll() is None and is_ready(http_port, 1.0):
+            serving.set()
         if stopping.is_set() or not serving.is_set():
             log(f"signal {signum}: stopping tritonserver")
             if process.poll() is None:
@@ -247,10 +255,11 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     try:
-        wait_ready(http_port, process, args.ready_timeout)
-        serving.set()
-        log(f"READY: http://localhost:{http_port} grpc localhost:{grpc_port} "
-            f"metrics http://localhost:{metrics_port}/metrics ({label})")
+        wait_ready(http_port, process, args.ready_timeout, stopping)
+        if not stopping.is_set():
+            serving.set()
+            log(f"READY: http://localhost:{http_port} grpc localhost:{grpc_port} "
+                f"metrics http://localhost:{metrics_port}/metrics ({label})")
     except (RuntimeError, TimeoutError) as exc:
         log(str(exc))
         if process.poll() is None:
