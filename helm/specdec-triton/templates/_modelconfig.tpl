@@ -32,6 +32,7 @@ instance_group [ { count: 1, kind: KIND_GPU, gpus: [ {{ ternary $root.Values.gpu
 {{ include "specdec.param" (list "device_map" (ternary "auto" "" (and $onGpu (eq $role "target") $root.Values.gpu.spreadTarget))) }}
 {{ include "specdec.param" (list "max_sequences" $root.Values.speculation.maxSequences) }}
 {{ include "specdec.param" (list "sequence_idle_timeout_s" $root.Values.speculation.sequenceIdleTimeoutSeconds) }}
+{{ include "specdec.param" (list "heap_trim_interval_s" $root.Values.speculation.heapTrimIntervalSeconds) }}
 {{ include "specdec.param" (list "max_num_draft_tokens" $root.Values.speculation.maxNumDraftTokens) }}
 {{ include "specdec.param" (list "max_context_tokens" $root.Values.speculation.maxContextTokens) }}
 {{ include "specdec.param" (list "compile" $root.Values.executor.compile) }}
@@ -184,5 +185,6 @@ output [
 {{ include "specdec.param" (list "max_stop_words" 16) }}
 {{ include "specdec.param" (list "max_live_sequences" $s.maxLiveSequences) }}
 {{ include "specdec.param" (list "when_full" $s.whenFull) }}
+{{ include "specdec.param" (list "verify_gather_ms" $s.verifyGatherMs) }}
 instance_group [ { count: 1, kind: KIND_CPU } ]
 {{- end -}}
