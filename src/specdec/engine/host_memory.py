@@ -27,12 +27,10 @@ def _malloc_trim():
 def trim_heap() -> bool:
     """Return the free pages of the C heaps to the OS; False where the C library cannot (not glibc).
 
-    Cheap when there is little to give back (milliseconds after a heavy churn: README); callers still keep
-    it off the hot path.
+    Its cost grows with what there is to give back (README, "Soak"): callers keep it off the hot path.
     """
     trim = _malloc_trim()
     if trim is None:
         return False
     trim(0)
     return True
-

@@ -61,7 +61,6 @@ class SpeculativeDecodingAdapter(TritonAdapter):
         self.cancellations = CancellationBoard()
         self.cancellations.sweep()
         self.last_sweep = time.monotonic()
-        self.live = 0
 
     async def execute(self, requests):
         await asyncio.gather(*(self._serve(request) for request in requests))
@@ -125,9 +124,8 @@ class SpeculativeDecodingAdapter(TritonAdapter):
             flags = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if finish else 0
             sender.send(self._response(emission, gen, emitter, stats, finish), flags=flags)
 
-        self.live += 1
-        self.gate.enter()
-        self.metrics.set_live(self.live)
+        self.gate.enter()  # the gate's count of live requests is the one the metric reports
+        self.metrics.set_live(self.gate.live)
         finish, last = None, None
         try:
             policy = DraftLengthPolicy(parsed.num_draft_tokens, self.costs, parsed.draft_name,
@@ -159,9 +157,8 @@ class SpeculativeDecodingAdapter(TritonAdapter):
                         flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             return
         finally:
-            self.live -= 1
             self.gate.leave()
-            self.metrics.set_live(self.live)
+            self.metrics.set_live(self.gate.live)
             self.metrics.flush(time.monotonic())  # this request's rounds are counted before it ends
             self.cancellations.clear(gen.seq_id)
         if finish == tn.FINISH_CANCELLED:
