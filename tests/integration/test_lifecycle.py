@@ -36,3 +36,20 @@ def test_the_image_base_is_the_triton_release_the_tests_serve_with(server):
     with urllib.request.urlopen(f"{server.http_url}/v2", timeout=10) as response:
         version = json.loads(response.read())["version"]
     assert ngc_release(version) == base_image_release(), version
+
+
+def test_the_stubs_run_with_the_launchers_openmp_spin_limit(server):
+    """Every model's stub inherits GOMP_SPINCOUNT: with libgomp's default an idle model's workers keep a
+    core busy for ~10 ms after each forward, through the next model's (README, "Where a served round goes")."""
+    import os
+
+    from specdec.serving.launcher import STUB_ENV_DEFAULTS
+
+    expected = os.environ.get("GOMP_SPINCOUNT", STUB_ENV_DEFAULTS["GOMP_SPINCOUNT"])
+    stubs = stub_processes(server.run_dir)
+    assert stubs
+    for line in stubs:
+        pid = line.split()[0]
+        with open(f"/proc/{pid}/environ", "rb") as env:
+            variables = dict(item.split(b"=", 1) for item in env.read().split(b"\0") if b"=" in item)
+        assert variables.get(b"GOMP_SPINCOUNT") == expected.encode(), line
