@@ -40,7 +40,7 @@ def test_the_image_base_is_the_triton_release_the_tests_serve_with(server):
 
 def test_the_stubs_run_with_the_launchers_openmp_spin_limit(server):
     """Every model's stub inherits GOMP_SPINCOUNT: with libgomp's default an idle model's workers keep a
-    core busy for ~10 ms after each forward, through the next model's (README, "Where a served round goes")."""
+    core busy for milliseconds after each forward, through the next model's (README, "Where a served round goes")."""
     import os
 
     from specdec.serving.launcher import STUB_ENV_DEFAULTS

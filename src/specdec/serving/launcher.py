@@ -151,7 +151,7 @@ def drain(http_port: int, metrics_port: int, process: subprocess.Popen, timeout_
 
 # Defaults for the stubs' environment; a value already in the environment wins. GOMP_SPINCOUNT: after
 # each parallel region torch's OpenMP workers (libgomp) spin this many iterations before they sleep;
-# libgomp's default, 300000, is about 10 ms on our CPU, so a model that has just answered keeps a core
+# libgomp's default, 300000, lasts milliseconds, so a model that has just answered keeps a core
 # busy through the next model's forward (a round is draft, then orchestrator, then target, each in its
 # own stub). 30000 is libgomp's own choice when threads outnumber cores, which across our stubs they
 # do; measured in the README ("Where a served round goes").
