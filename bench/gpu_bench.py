@@ -268,6 +268,11 @@ def main(argv=None) -> int:
     parser.add_argument("--context", type=int, default=256, help="context of the in-process step timings")
     parser.add_argument("--compile", default="reduce-overhead", help='torch.compile mode of the reference, or "off"')
     parser.add_argument("--out", help="also write the table (Markdown) here")
+    parser.add_argument("--served-only", action="store_true",
+                        help="only the served rows (no in-process timings, no transformers): for sweeping settings")
+    parser.add_argument("--launcher-arg", action="append", default=[],
+                        help="more launcher arguments, e.g. --launcher-arg=--set "
+                             "--launcher-arg=speculative_decoding.verify_gather_ms=10")
     args = parser.parse_args(argv)
     gpu = torch.cuda.is_available() and not args.small
     device, kind = ("cuda", "gpu") if gpu else ("cpu", "cpu")
@@ -288,7 +293,7 @@ def main(argv=None) -> int:
 
     cache = pairs.cache_dir()
     launcher_args = ["--target", str(target_path), "--draft", str(draft_path), "--device", kind, "--dtype", dtype_name,
-                     "--max-num-draft-tokens", str(max(args.k, 1))]
+                     "--max-num-draft-tokens", str(max(args.k, 1)), *args.launcher_arg]
     log("starting the server")
     own = server.start(cache / "run" / "bench-gpu", cache / "bench-gpu-server.log", launcher_args)
     try:
@@ -304,55 +309,62 @@ def main(argv=None) -> int:
     finally:
         own.stop(120)
 
-    # In process after the server has stopped: this process would otherwise hold GPU memory (the compiled
-    # reference keeps its weights and graphs alive) that the server's KV pools size themselves from.
-    from transformers import AutoTokenizer
+    rows = []
+    c = v = None  # the draft's step and the verify's cost in target steps (in process)
+    if not args.served_only:
+        # In process after the server has stopped: this process would otherwise hold GPU memory (the compiled
+        # reference keeps its weights and graphs alive) that the server's KV pools size themselves from.
+        from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(target_path)
-    target, draft = load(target_path, dtype, device), load(draft_path, dtype, device)
-    weight_bytes = sum(p.numel() * p.element_size() for p in target.parameters())
-    bytes_per_s = bandwidth(device)
-    log("timing the compiled reference")
-    reference = reference_steps(target, device, args.context, widths, args.compile, reps)
-    log("timing the executor")
-    executor = executor_steps(target, args.context, widths, reps)
-    draft_step = executor_steps(draft, args.context, [1], reps)[1]
-    log("transformers generate")
-    peer = transformers_peer(target, draft, tokenizer, prompts, args.max_tokens, args.k, device)
-    del target, draft
-    if gpu:
-        torch.cuda.empty_cache()
+        tokenizer = AutoTokenizer.from_pretrained(target_path)
+        target, draft = load(target_path, dtype, device), load(draft_path, dtype, device)
+        weight_bytes = sum(p.numel() * p.element_size() for p in target.parameters())
+        bytes_per_s = bandwidth(device)
+        log("timing the compiled reference")
+        reference = reference_steps(target, device, args.context, widths, args.compile, reps)
+        log("timing the executor")
+        executor = executor_steps(target, args.context, widths, reps)
+        draft_step = executor_steps(draft, args.context, [1], reps)[1]
+        log("transformers generate")
+        peer = transformers_peer(target, draft, tokenizer, prompts, args.max_tokens, args.k, device)
+        del target, draft
+        if gpu:
+            torch.cuda.empty_cache()
 
-    step, c = executor[1], draft_step / executor[1]
-    v = executor[args.k + 1] / step
+        step, c = executor[1], draft_step / executor[1]
+        v = executor[args.k + 1] / step
+        rows += [["weight-streaming bound", f"{weight_bytes / bytes_per_s * 1e3:.2f} ms/token",
+                  f"{bytes_per_s / weight_bytes:.1f}", "", "", "", "", "",
+                  f"{weight_bytes / 1e9:.2f} GB at {bytes_per_s / 1e9:.0f} GB/s"],
+                 ["plain PyTorch, static cache, compile=" + args.compile,
+                  f"{reference[1] * 1e3:.2f} / {reference[args.k + 1] * 1e3:.2f} ms", f"{1 / reference[1]:.1f}",
+                  "", "", "", "", "", f"1 / {args.k + 1} tokens per step"],
+                 ["project executor (what target_model runs)",
+                  f"{executor[1] * 1e3:.2f} / {executor[args.k + 1] * 1e3:.2f} ms",
+                  f"{1 / executor[1]:.1f}", "", "", "", "", "", f"c = {c:.3f}, v({args.k}) = {v:.2f}"]]
     base = one["K=0"]["tokens"] / one["K=0"]["s"]
-    rows = [["weight-streaming bound", f"{weight_bytes / bytes_per_s * 1e3:.2f} ms/token",
-             f"{bytes_per_s / weight_bytes:.1f}", "", "", "", "", "",
-             f"{weight_bytes / 1e9:.2f} GB at {bytes_per_s / 1e9:.0f} GB/s"],
-            ["plain PyTorch, static cache, compile=" + args.compile,
-             f"{reference[1] * 1e3:.2f} / {reference[args.k + 1] * 1e3:.2f} ms", f"{1 / reference[1]:.1f}",
-             "", "", "", "", "", f"1 / {args.k + 1} tokens per step"],
-            ["project executor (what target_model runs)", f"{executor[1] * 1e3:.2f} / {executor[args.k + 1] * 1e3:.2f} ms",
-             f"{1 / executor[1]:.1f}", "", "", "", "", "", f"c = {c:.3f}, v({args.k}) = {v:.2f}"]]
     for name, row in one.items():
         tps = row["tokens"] / row["s"]
         alpha = row["accepted"] / row["drafted"] if row["drafted"] else 0.0
         per_round = row["tokens"] / row["rounds"] if row["rounds"] else 0.0
         k = args.k if row["drafted"] else 0
-        bound = expected_tokens(alpha, k) / (k * c + (v if k else 1.0))
+        bound = expected_tokens(alpha, k) / (k * c + (v if k else 1.0)) if c is not None else None
         rows.append([f"served, 1 stream, {name}", f"{1e3 / tps:.2f} ms/token", f"{tps:.1f}", f"{tps / base:.2f}x",
-                     f"{alpha:.2f}", f"{per_round:.2f}", f"{bound:.2f}", f"{tps / base / bound:.2f}",
+                     f"{alpha:.2f}", f"{per_round:.2f}", f"{bound:.2f}" if bound else "",
+                     f"{tps / base / bound:.2f}" if bound else "",
                      f"equal text {row['equal']:.0%}"])
     for name, (tps, per_forward) in eight.items():
         rows.append([f"served, 8 streams, {name}", "", f"{tps:.1f}", f"{tps / base:.2f}x", "", "", "", "",
                      f"{per_forward:.1f} sequences per target forward"])
-    rows.append(["transformers generate, plain", "", f"{peer['plain']:.1f}", f"{peer['plain'] / base:.2f}x",
-                 "", "", "", "", ""])
-    rows.append([f"transformers generate, assisted K={args.k}", "", f"{peer['assisted']:.1f}",
-                 f"{peer['assisted'] / base:.2f}x", "", "", "", "", f"equal text {peer['equal']:.0%}"])
+    if not args.served_only:
+        rows.append(["transformers generate, plain", "", f"{peer['plain']:.1f}", f"{peer['plain'] / base:.2f}x",
+                     "", "", "", "", ""])
+        rows.append([f"transformers generate, assisted K={args.k}", "", f"{peer['assisted']:.1f}",
+                     f"{peer['assisted'] / base:.2f}x", "", "", "", "", f"equal text {peer['equal']:.0%}"])
     machine = torch.cuda.get_device_name() if gpu else f"{platform.machine()} CPU"
-    header = (f"{machine}, torch {torch.__version__}, {dtype_name}, target {weight_bytes / 1e9:.2f} GB, "
-              f"{len(prompts)} prompts x {args.max_tokens} tokens, greedy")
+    header = (f"{machine}, torch {torch.__version__}, {dtype_name}, {target_path.parent.name}/{target_path.name}, "
+              f"{len(prompts)} prompts x {args.max_tokens} tokens, greedy"
+              + (f", launcher {' '.join(args.launcher_arg)}" if args.launcher_arg else ""))
     print_table(header, rows, ["", "time", "tokens/s", "vs served K=0", "α", "tokens/round", "bound", "efficiency",
                                "notes"], args.out)
     return 0

@@ -9,6 +9,7 @@ from client import Client, GenerationParams
 from specdec.decoding.draft_length import DraftLengthPolicy
 from specdec.decoding.loop import GenerationRequest, generate
 from specdec.decoding.sampling import SamplingParams
+from specdec.engine import kernels
 from specdec.engine.executor import CausalLM, load_causal_lm
 from specdec.engine.executor import CacheError, Step
 from specdec.engine.local import LocalProposer, LocalScorer, collect
@@ -86,6 +87,10 @@ def test_cuda_graphs_match_eager_in_every_bucket(tiny_pair):
     settings = dict(kv_pool_tokens=4096, block_size=8, max_context=512, max_batch=4, max_rows=5, min_window=16)
     eager, graphs = StaticCausalLM(model, compile="off", **settings), StaticCausalLM(model, compile="graphs", **settings)
     assert graphs.mode == "graphs"
+    # The same fused pointwise kernels both ways: what differs is the capture (fused against eager
+    # kernels is tests/unit/test_static_executor.py's, on CPU).
+    assert graphs.forward.kernels is not kernels.EAGER
+    eager.forward.kernels = graphs.forward.kernels
     ready, _ = graphs.warm_up(600)
     assert ready == len(graphs.batch_sizes) * len(graphs.row_sizes) * len(graphs.window_sizes)
     gen = torch.Generator().manual_seed(1)

@@ -66,3 +66,19 @@ def test_override_sets_one_models_parameter(tmp_path):
         with pytest.raises(ValueError, match="MODEL.PARAMETER=VALUE"):
             override(repo, bad)
 
+
+
+def test_override_sets_the_sequence_batchers_delay(tmp_path):
+    import pytest
+
+    from specdec.serving.repository import override
+
+    pair = PairSpec(name="t", target_path="/w/target", tokenizer_path="/w/target", draft_paths={"draft_model": "/w/d"})
+    repo = render(pair, tmp_path / "repo")
+    override(repo, "target_model.max_queue_delay_microseconds=300")
+    config = (repo / "target_model" / "config.pbtxt").read_text()
+    assert "max_queue_delay_microseconds: 300 " in config and "max_queue_delay_microseconds" not in config.split("parameters")[-1]
+    assert "max_queue_delay_microseconds: 0 " in (repo / "draft_model" / "config.pbtxt").read_text()
+    for bad in ("target_model.max_queue_delay_microseconds=-1", "preprocessing.max_queue_delay_microseconds=5"):
+        with pytest.raises(ValueError, match="sequence batcher delay"):
+            override(repo, bad)

@@ -17,8 +17,12 @@ or verify forward changes shape from one step to the next:
 - Each (B, T, W) bucket is captured once as a CUDA graph (`compile="graphs"`, the default on CUDA) and
   replayed: one launch per forward instead of hundreds. `compile="off"` runs the same forward eagerly
   (the reference the tests compare against). Forwards outside the buckets (prompts of more than T rows)
-  run eagerly with their own shapes; more than B sequences run as several forwards. torch.compile was
-  measured and is not used (README, "Measured design choices").
+  run eagerly with their own shapes; more than B sequences run as several forwards.
+- Inside the forward, the matrix products are the model's own weights (a layer's query/key/value and
+  gate/up projections fused into one product each), and the pointwise work between them (norms, the
+  residual adds, rotary embedding, SiLU) goes through `kernels`: compiled by torch.compile into one
+  kernel each where CUDA graphs run. The whole forward is not compiled (README, "Measured design
+  choices").
 
 The forward is written here over the model's own modules (embeddings, norms, projections, rotary
 embedding, MLP, head), so it serves the Llama family (Llama, SmolLM2, Mistral without a sliding
@@ -35,6 +39,7 @@ import torch
 from torch.nn.functional import scaled_dot_product_attention
 
 from specdec import tensor_names as tn
+from specdec.engine import kernels
 from specdec.engine.executor import CacheError, CausalLM
 
 COMPILE_MODES = tn.COMPILE_MODES
@@ -193,17 +198,47 @@ class InputStaging:
         return out
 
 
-class LlamaForward:
-    """The forward over a Llama-family model's modules, reading and writing the pool. Shapes in, logits
-    (B, T, V) out; every shape is fixed by the inputs' shapes (graph-capturable)."""
+def fuse_linears(owner: torch.nn.Module, names: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """One weight (and bias) for the linears owner.<names> that read the same input (a layer's query, key
+    and value projections; its gate and up projections): one matrix product instead of several. The
+    modules' parameters become views of it, so the model is unchanged and no memory is added. None if
+    they are not all plain linears alike (CPU's reordered oneDNN linears, mixed biases)."""
+    fused = owner.__dict__.get("_fused_" + "_".join(names))
+    if fused is not None:  # a second executor over the same model
+        return fused
+    linears = [getattr(owner, name) for name in names]
+    if any(type(m) is not torch.nn.Linear for m in linears) or len({m.bias is None for m in linears}) > 1:
+        return None
+    with torch.no_grad():
+        weight = torch.cat([m.weight for m in linears])
+        bias = None if linears[0].bias is None else torch.cat([m.bias for m in linears])
+        sizes = [m.out_features for m in linears]
+        for m, part in zip(linears, weight.split(sizes)):
+            m.weight = torch.nn.Parameter(part, requires_grad=False)
+        if bias is not None:
+            for m, part in zip(linears, bias.split(sizes)):
+                m.bias = torch.nn.Parameter(part, requires_grad=False)
+    owner.__dict__["_fused_" + "_".join(names)] = (weight, bias)  # a plain attribute, not a parameter
+    return weight, bias
 
-    def __init__(self, model, pool: BlockPool):
-        self.model, self.pool = model, pool
+
+class LlamaForward:
+    """The forward over a Llama-family model's weights, reading and writing the pool. Shapes in, logits
+    (B, T, V) out; every shape is fixed by the inputs' shapes (graph-capturable). The pointwise work
+    runs through `kernels` (compiled into one kernel each on CUDA, see kernels.py); each layer's
+    query/key/value and gate/up projections are one matrix product each."""
+
+    def __init__(self, model, pool: BlockPool, kernels_: kernels.Kernels = kernels.EAGER):
+        self.model, self.pool, self.kernels = model, pool, kernels_
         self.body = model.model
         attn = self.body.layers[0].self_attn
         self.head_dim = attn.head_dim
         self.scaling = attn.scaling
         self.workspace: list[torch.Tensor] | None = None
+        self.qkv = [fuse_linears(layer.self_attn, ("q_proj", "k_proj", "v_proj")) for layer in self.body.layers]
+        plain_silu = isinstance(self.body.layers[0].mlp.act_fn, torch.nn.SiLU)
+        self.gate_up = [fuse_linears(layer.mlp, ("gate_proj", "up_proj")) if plain_silu else None
+                        for layer in self.body.layers]
 
     def reserve_workspace(self, blocks: int) -> None:
         """Gather windows of up to `blocks` blocks into two buffers allocated once and shared by every
@@ -220,12 +255,28 @@ class LlamaForward:
         out = self.workspace[which][:table.numel()]
         return torch.index_select(buffer, 0, table.reshape(-1), out=out)
 
+    def _qkv(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        """x (N, H) -> (N, (heads + 2 kv_heads) D): queries, keys and values side by side."""
+        if self.qkv[index] is not None:
+            weight, bias = self.qkv[index]
+            return torch.nn.functional.linear(x, weight, bias)
+        attn = self.body.layers[index].self_attn
+        return torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], dim=-1)
+
+    def _mlp(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        mlp = self.body.layers[index].mlp
+        if self.gate_up[index] is None:
+            return mlp(x)
+        weight, bias = self.gate_up[index]
+        return mlp.down_proj(self.kernels.silu_mul(torch.nn.functional.linear(x, weight, bias)))
+
     def __call__(self, batch: Batch) -> torch.Tensor:
-        body, pool = self.body, self.pool
+        body, pool, fn = self.body, self.pool, self.kernels
         b, t = batch.ids.shape
-        hidden = body.embed_tokens(batch.ids)
-        cos, sin = body.rotary_emb(hidden, batch.positions)  # (B, T, D)
-        cos, sin = cos[:, None], sin[:, None]
+        n = b * t
+        hidden = body.embed_tokens(batch.ids).reshape(n, -1)  # (N, H): the residual stream
+        cos, sin = body.rotary_emb(hidden, batch.positions.reshape(1, n))  # (1, N, D)
+        cos, sin = cos.reshape(n, -1), sin.reshape(n, -1)
         window = batch.table.shape[1] * pool.block_size
         # (B, T, W): row t of sequence b sees keys [0, visible[b, t])
         mask = torch.arange(window, device=hidden.device) < batch.visible[..., None]
@@ -234,32 +285,33 @@ class LlamaForward:
         # Grouped-query attention without repeating keys: a KV head's query heads are stacked along
         # the row axis, (B, kv_heads, groups * T, D), so one plain attention call serves them all.
         mask = mask[:, None, None].expand(b, 1, groups, t, window).reshape(b, 1, groups * t, window)
-        for index, layer in enumerate(body.layers):
+        layers = body.layers
+        norm = layers[0].input_layernorm
+        x = fn.rms_norm(hidden, norm.weight, norm.variance_epsilon)
+        heads = body.config.num_attention_heads
+        for index, layer in enumerate(layers):
             attn = layer.self_attn
-            x = layer.input_layernorm(hidden)
-            q = attn.q_proj(x).view(b, t, -1, self.head_dim)
-            k = attn.k_proj(x).view(b, t, -1, self.head_dim)
-            v = attn.v_proj(x).view(b, t, -1, self.head_dim)
+            qkv = self._qkv(index, x)
+            v = qkv[:, (heads + kv_heads) * self.head_dim:]
             if hasattr(attn, "q_norm"):  # Qwen3 normalizes queries and keys per head
-                q, k = attn.q_norm(q), attn.k_norm(k)
-            q, k = q.transpose(1, 2), k.transpose(1, 2)
-            q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+                q, k = fn.rotate_qk(qkv, cos, sin, heads, kv_heads, attn.q_norm.weight, attn.k_norm.weight,
+                                    attn.q_norm.variance_epsilon)
+            else:
+                q, k = fn.rotate_qk(qkv, cos, sin, heads, kv_heads)
             keys, values = pool.keys[index], pool.values[index]
-            keys[batch.write_block, batch.write_offset] = k.transpose(1, 2)
-            values[batch.write_block, batch.write_offset] = v
+            keys[batch.write_block, batch.write_offset] = k.view(b, t, kv_heads, self.head_dim)
+            values[batch.write_block, batch.write_offset] = v.view(b, t, kv_heads, self.head_dim)
             seen_k = self._gather(keys, batch.table, 0).view(b, window, kv_heads, self.head_dim).transpose(1, 2)
             seen_v = self._gather(values, batch.table, 1).view(b, window, kv_heads, self.head_dim).transpose(1, 2)
-            q = q.reshape(b, kv_heads, groups * t, self.head_dim)
+            q = q.view(b, t, -1, self.head_dim).transpose(1, 2).reshape(b, kv_heads, groups * t, self.head_dim)
             out = scaled_dot_product_attention(q, seen_k, seen_v, attn_mask=mask, scale=self.scaling)
-            out = out.reshape(b, -1, t, self.head_dim).transpose(1, 2).reshape(b, t, -1)
-            hidden = hidden + attn.o_proj(out)
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-        return self.model.lm_head(body.norm(hidden))
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+            out = out.reshape(b, -1, t, self.head_dim).transpose(1, 2).reshape(n, -1)
+            post = layer.post_attention_layernorm
+            hidden, x = fn.add_rms_norm(hidden, attn.o_proj(out), post.weight, post.variance_epsilon)
+            # The residual add ends in the next layer's input norm, or the final one.
+            following = layers[index + 1].input_layernorm if index + 1 < len(layers) else body.norm
+            hidden, x = fn.add_rms_norm(hidden, self._mlp(index, x), following.weight, following.variance_epsilon)
+        return self.model.lm_head(x).view(b, t, -1)
 
 
 class CapturedForward:
@@ -297,12 +349,13 @@ class StaticCausalLM(CausalLM):
     def __init__(self, model, max_sequences: int = 256, idle_timeout_s: float = 600.0,
                  clock: Callable[[], float] = time.monotonic, kv_pool_tokens: int = 0, block_size: int = 32,
                  max_context: int = 8192, max_batch: int = 8, max_rows: int = 17, compile: str = "auto",
-                 kv_memory_fraction: float = 0.4, min_window: int = 128,
+                 kv_memory_fraction: float = 0.4, min_window: int = 128, fuse_kernels: bool | None = None,
                  log: Callable[[str], None] = lambda message: None):
         """kv_pool_tokens: the pool's size in tokens; 0 derives it from max_sequences * max_context,
         capped at kv_memory_fraction of the device's free memory (host memory on CPU).
         max_batch / max_rows: the largest bucket of sequences per forward and rows per sequence
-        (verify forwards are K + 1 rows); min_window: the smallest bucket of keys attended over."""
+        (verify forwards are K + 1 rows); min_window: the smallest bucket of keys attended over;
+        fuse_kernels: the pointwise work compiled into fused kernels (kernels.py); None: with CUDA graphs."""
         problem = supports(model)
         if problem:
             raise ValueError(f"the static executor cannot run this model: {problem}")
@@ -329,6 +382,8 @@ class StaticCausalLM(CausalLM):
         self.log(f"KV pool: {blocks} blocks of {block_size} tokens ({blocks * block_size} tokens, "
                  f"{blocks * self.pool.block_bytes / 2**30:.2f} GiB) on {device}")
         self.forward = LlamaForward(model, self.pool)
+        if fuse_kernels or (fuse_kernels is None and self.mode == "graphs"):
+            self.fuse()
         self.batch_sizes = buckets(max_batch)
         self.row_sizes = buckets(max_rows)
         # Windows of keys: min_window tokens doubling up to the context (in blocks).
@@ -342,6 +397,29 @@ class StaticCausalLM(CausalLM):
         self.staging = InputStaging(device)
         if self.mode == "graphs":
             self.forward.reserve_workspace(self.batch_sizes[-1] * self.window_sizes[-1])
+
+    def fuse(self) -> bool:
+        """Run the pointwise work through compiled kernels, compiled now: forwards of 1 and of 3 rows,
+        under no_grad (what captures run in) and inference_mode (eager prompts), every write going to the
+        scratch block, so that nothing compiles later, while a CUDA graph is captured. If compiling
+        fails (no inductor backend for the device, no compiler) the eager kernels stay, logged: slower,
+        same results. Returns whether the compiled ones are in use."""
+        started = time.perf_counter()
+        self.forward.kernels = kernels.compiled()
+        try:
+            for mode in (torch.no_grad, torch.inference_mode):
+                for rows in (1, 3):
+                    with mode():
+                        flat = torch.zeros(Batch.size(1, rows, 1), dtype=torch.long, device=self.device)
+                        batch = Batch.view(flat, 1, rows, 1)
+                        batch.clear(self.pool.scratch)
+                        self.forward(batch)
+        except Exception as error:  # noqa: BLE001: any compiler failure leaves the eager path, which works
+            self.forward.kernels = kernels.EAGER
+            self.log(f"fused kernels: torch.compile failed ({type(error).__name__}: {error}); eager kernels")
+            return False
+        self.log(f"fused kernels: compiled in {time.perf_counter() - started:.1f} s")
+        return True
 
     # ---- sequences in the pool --------------------------------------------------------------------
     def _new_sequence(self) -> PagedSequence:
@@ -378,12 +456,14 @@ class StaticCausalLM(CausalLM):
         if self.mode == "off":
             return 0, 0.0
         shapes = [(b, t, w) for w in self.window_sizes for b in self.batch_sizes for t in self.row_sizes]
-        free_before = torch.cuda.mem_get_info(self.device)[0]
+        # This process's allocator, not the device's free memory: another model loading on the same GPU
+        # at the same time would count too.
+        reserved_before = torch.cuda.memory_reserved(self.device)
         for shape in shapes:
             if time.perf_counter() - started > time_budget_s or self._captured(shape) is None:
                 break
         self.log(f"{len(self.captured)} CUDA graphs captured, taking "
-                 f"{(free_before - torch.cuda.mem_get_info(self.device)[0]) / 2**30:.2f} GiB of device memory")
+                 f"{(torch.cuda.memory_reserved(self.device) - reserved_before) / 2**30:.2f} GiB of device memory")
         return len(self.captured), time.perf_counter() - started
 
     @torch.no_grad()

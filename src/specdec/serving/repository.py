@@ -94,11 +94,23 @@ def render(pair: PairSpec, dest: Path) -> Path:
     return dest
 
 
+BATCHER_DELAY = "max_queue_delay_microseconds"
+
+
 def override(repo: Path, setting: str) -> None:
-    """Apply "MODEL.PARAMETER=VALUE" to a rendered repository's config.pbtxt."""
+    """Apply "MODEL.PARAMETER=VALUE" to a rendered repository's config.pbtxt. MODEL.max_queue_delay_microseconds
+    sets the sequence batcher's delay (a config field, not a parameter): how long a forward waits for more
+    sequences."""
     target, sep, value = setting.partition("=")
     model, dot, key = target.partition(".")
     path = repo / model / "config.pbtxt"
     if not (sep and dot and key) or not path.exists():
         raise ValueError(f"--set wants MODEL.PARAMETER=VALUE with a model of {repo}, got {setting!r}")
-    path.write_text(set_parameter(path.read_text(), key, value))
+    text = path.read_text()
+    if key == BATCHER_DELAY:
+        if not value.isdigit() or BATCHER_DELAY not in text:
+            raise ValueError(f"--set {setting!r}: {model} has no sequence batcher delay, or {value!r} is not "
+                             f"a whole number of microseconds")
+        path.write_text(re.sub(BATCHER_DELAY + r":\s*\d+", f"{BATCHER_DELAY}: {value}", text))
+        return
+    path.write_text(set_parameter(text, key, value))

@@ -85,7 +85,9 @@ class LanguageModelAdapter(TritonAdapter):
                 max_context=params.int("max_context_tokens", tn.DEFAULT_MAX_CONTEXT_TOKENS, low=1),
                 max_batch=params.int("max_batch_forward", 16, low=1),
                 max_rows=params.int("max_num_draft_tokens", tn.DEFAULT_MAX_NUM_DRAFT_TOKENS, low=1) + 1,
-                compile=compile_mode, log=self.pb.Logger.log_info)
+                # true (default): fused pointwise kernels where CUDA graphs run; false: never
+                compile=compile_mode, fuse_kernels=None if params.bool("fuse_kernels", True) else False,
+                log=self.pb.Logger.log_info)
             started = time.perf_counter()
             ready, _ = self.lm.warm_up(params.float("capture_time_budget_s", 120.0, low=0.0))
             total = len(self.lm.batch_sizes) * len(self.lm.row_sizes) * len(self.lm.window_sizes)

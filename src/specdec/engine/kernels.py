@@ -1,0 +1,86 @@
+"""The pointwise work of a Llama-family layer as pure functions, and their compiled form.
+
+Eagerly each of these is several kernels (an RMSNorm alone is seven: cast, square, mean, add, rsqrt,
+multiply, multiply); a 32-layer step then runs about a thousand tiny kernels around its matrix products,
+and inside a CUDA graph each still costs its few microseconds. `compiled()` hands back the same functions
+through `torch.compile` (inductor, dynamic shapes: one kernel each, for every bucket), which the static
+executor captures into its graphs like any other kernel. The math is the model's own (transformers'
+LlamaRMSNorm, rotary embedding and SiLU MLP): eagerly these give its results; compiled, the same up to
+the rounding of fused float arithmetic (README, "The static executor").
+
+Shapes: N rows (a forward's B x T tokens, flattened), H hidden, I intermediate, heads x D per head.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import torch
+from torch.nn.functional import silu
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x (..., H), weight (H,) -> (..., H): in float32, rounded to x's dtype before the weight."""
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+def add_rms_norm(residual: torch.Tensor, update: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """residual, update (N, H) -> (residual + update, its RMSNorm): a layer's residual add and the next
+    norm in one pass."""
+    residual = residual + update
+    return residual, rms_norm(residual, weight, eps)
+
+
+def rotate_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int,
+              q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
+              eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """qkv (N, (heads + 2 kv_heads) D): a layer's fused query/key/value projection; cos/sin (N, D) ->
+    queries (N, heads, D) and keys (N, kv_heads, D), contiguous, with the rotary embedding applied (after
+    a per-head RMSNorm where the model has one: Qwen3's q_norm / k_norm weights (D,))."""
+    n, d = qkv.shape[0], cos.shape[-1]
+    q = qkv[:, :heads * d].view(n, heads, d)
+    k = qkv[:, heads * d:(heads + kv_heads) * d].view(n, kv_heads, d)
+    if q_norm is not None:
+        q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
+    cos, sin = cos[:, None], sin[:, None]
+    half = d // 2
+
+    def rope(x: torch.Tensor) -> torch.Tensor:
+        return (x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin).contiguous()
+
+    return rope(q), rope(k)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up (N, 2I), gate then up -> (N, I): SiLU(gate) * up."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return silu(gate) * up
+
+
+# Round bfloat16/float16 intermediates where the eager code rounds them (inductor otherwise keeps a fused
+# kernel's intermediates in float32). The float32 arithmetic of the norm still rounds differently once
+# fused (reduction order, rsqrt): ~1e-6 on the logits of the tests' float64 model, whose norm, like
+# transformers', computes in float32.
+OPTIONS = {"emulate_precision_casts": True}
+
+
+class Kernels(NamedTuple):
+    rms_norm: Callable
+    add_rms_norm: Callable
+    rotate_qk: Callable
+    silu_mul: Callable
+
+
+EAGER = Kernels(rms_norm, add_rms_norm, rotate_qk, silu_mul)
+
+
+def compiled() -> Kernels:
+    """The functions through torch.compile (inductor; one fused kernel each). They compile on first
+    use: the executor warms them up before it captures anything (`StaticCausalLM.fuse`). The first call
+    with one row compiles for one row; the first with more compiles once for any number of rows
+    (torch.compile's automatic dynamic shapes): every other size is a constant of the model."""
+    return Kernels(*(torch.compile(fn, fullgraph=True, options=OPTIONS) for fn in EAGER))
