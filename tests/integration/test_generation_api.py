@@ -12,6 +12,8 @@ import tritonclient.grpc as grpcclient
 
 from specdec import tensor_names as tn
 
+from client.sync import grpc_inputs
+
 from .helpers import GenerationError, ensemble_inputs, grpc_stream, http_generate, open_stream_and_cancel
 
 pytestmark = pytest.mark.integration
@@ -252,6 +254,31 @@ def test_a_cancelled_stream_costs_at_most_one_round_more(server, k):
     # target (drafting when the cancellation arrived), the prompt in the first.
     assert draft1 - draft0 <= (prompt + k - 1 + (seen + 2) * (k + 1) if k else 0)
     assert server.metric("specdec_live_sequences") == 0
+
+
+def test_a_cancelled_direct_stream_stops_and_frees_its_caches(server):
+    """A client streaming from `speculative_decoding` itself (token ids in, no ensemble) and cancelling:
+    Triton flags that request, and the orchestrator's per-round check sees it (no postprocessing step
+    raises the board's flag here)."""
+    cancelled_before = server.metric("specdec_requests_total", finish_reason="cancelled")
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    chunks: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: chunks.put((result, error)))
+    inputs = grpc_inputs({tn.INPUT_IDS: np.array([[1, 400, 2000, 37, 912]], dtype=np.int32),
+                          tn.MAX_TOKENS: np.array([[900]], dtype=np.int32),
+                          tn.NUM_DRAFT_TOKENS: np.array([[2]], dtype=np.int32),
+                          tn.STREAM: np.array([[True]]), tn.IGNORE_EOS: np.array([[True]])})
+    client.async_stream_infer(tn.SPECULATIVE_DECODING, inputs)
+    for _ in range(3):
+        _, error = chunks.get(timeout=60)
+        assert error is None, error
+    client.stop_stream(cancel_requests=True)
+    client.close()
+    rounds0, _, _ = _settled(server)  # a stream left running would keep a live sequence: _settled waits it out
+    assert server.metric("specdec_requests_total", finish_reason="cancelled") - cancelled_before == 1
+    assert server.metric("specdec_live_sequences") == 0
+    time.sleep(1.0)
+    assert server.metric("specdec_rounds_total") == rounds0  # nothing runs on
 
 
 # ---- validation --------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ checked every round; stopping the loop releases both models' caches.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import time
 
@@ -58,6 +59,11 @@ class SpeculativeDecodingAdapter(TritonAdapter):
         self.gate = VerifyGate(params.float("verify_gather_ms", 0.0, low=0.0) / 1e3, self.metrics.record_gate_hold)
         self.scorer = GatedScorer(BlsScorer(pb_utils, params.str("target_model", tn.TARGET_MODEL_NAME), timeout_us),
                                   self.gate)
+        # A streamed response and the cancellation check are IPC round trips to the backend process that
+        # block their thread (GIL released) for hundreds of microseconds: on the event loop they would
+        # hold up every other request's round. Each request awaits its own before its next round, so its
+        # responses stay in order.
+        self.ipc = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="specdec-ipc")
         self.cancellations = CancellationBoard()
         self.cancellations.sweep()
         self.last_sweep = time.monotonic()
@@ -105,24 +111,26 @@ class SpeculativeDecodingAdapter(TritonAdapter):
             self.queued -= 1
             self.metrics.queued.set(self.queued)
         try:
-            await self._generate(request, sender, arrived, parsed)
+            await self._generate(sender, arrived, parsed)
         finally:
             self.slots.release()
 
-    async def _generate(self, request, sender, arrived: float, parsed: ParsedRequest):
+    async def _generate(self, sender, arrived: float, parsed: ParsedRequest):
         pb = self.pb
         gen, stream = parsed.generation, parsed.stream
         stats = Stats()
         emitter = TextEmitter(self.tokenizer, parsed.stop_words)
         first_sent = False
+        loop = asyncio.get_running_loop()
+        # The last round's streamed response and cancellation check, on an IPC thread (see `load`).
+        in_flight: asyncio.Future | None = None
 
-        def send(emission: Emission | None, finish: str | None) -> None:
+        def response(emission: Emission | None, finish: str | None):
             nonlocal first_sent
             if not first_sent:
                 self.metrics.ttft.observe(time.monotonic() - arrived)
                 first_sent = True
-            flags = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if finish else 0
-            sender.send(self._response(emission, gen, emitter, stats, finish), flags=flags)
+            return self._response(emission, gen, emitter, stats, finish)
 
         self.gate.enter()  # the gate's count of live requests is the one the metric reports
         self.metrics.set_live(self.gate.live)
@@ -130,8 +138,8 @@ class SpeculativeDecodingAdapter(TritonAdapter):
         try:
             policy = DraftLengthPolicy(parsed.num_draft_tokens, self.costs, parsed.draft_name,
                                        adaptive=parsed.adaptive, free=parsed.draft_name == tn.NGRAM)
-            # Between draft and verify only the board is read (one stat): asking Triton (sender/request)
-            # is an IPC round trip each, paid once per round below.
+            # Between draft and verify only the board is read (one stat): asking Triton is an IPC round
+            # trip, paid once per round below, off the event loop.
             rounds = generate(gen, self.proposers[parsed.draft_name], self.scorer, policy, stats,
                               cancelled=lambda: self.cancellations.is_cancelled(gen.seq_id))
             async with contextlib.aclosing(rounds) as rounds:
@@ -144,15 +152,21 @@ class SpeculativeDecodingAdapter(TritonAdapter):
                     self.metrics.record_costs(self.costs, now)
                     emission = emitter.push(rnd.new_tokens, final=rnd.finish_reason is not None)
                     finish = rnd.finish_reason or (tn.FINISH_STOP if emission and emission.stopped else None)
-                    if finish is None and self._cancelled(request, sender, gen.seq_id):
+                    # An ensemble's cancellation arrives through the board (a stat); a direct caller's
+                    # reaches the sender, asked after the previous round's response (done by now).
+                    if finish is None and self.cancellations.is_cancelled(gen.seq_id):
                         finish = tn.FINISH_CANCELLED
+                    if in_flight is not None:
+                        cancelled, in_flight = await in_flight, None
+                        finish = finish or (tn.FINISH_CANCELLED if cancelled else None)
                     if finish:
                         last = emission
                         break
-                    if stream and emission:
-                        send(emission, None)
+                    out = response(emission, None) if stream and emission else None
+                    in_flight = loop.run_in_executor(self.ipc, self._send_and_check, sender, out)
         except Exception as exc:  # noqa: BLE001 - the request fails, the server keeps serving
             self.metrics.requests["error"].increment(1)
+            await self._settle(in_flight)
             sender.send(pb.InferenceResponse(error=pb.TritonError(f"speculative_decoding: {exc}")),
                         flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             return
@@ -165,13 +179,25 @@ class SpeculativeDecodingAdapter(TritonAdapter):
             last = emitter.push([], final=True)
         if not stream:  # one response: everything sent, cut where the emitter cut it
             last = Emission(emitter.emitted, [], emitter.text, len(emitter.text), False)
+        await self._settle(in_flight)  # a round that ended without a finish reason
         # Counted before the final response leaves: a client that reads the metrics after it sees them.
         self.metrics.record_request(finish, len(emitter.emitted), time.monotonic() - arrived)
-        send(last, finish)
+        sender.send(response(last, finish), flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
-    def _cancelled(self, request, sender, seq_id: int) -> bool:
-        # Direct callers' cancellation reaches this request; an ensemble's arrives through the board.
-        return sender.is_cancelled() or request.is_cancelled() or self.cancellations.is_cancelled(seq_id)
+    @staticmethod
+    def _send_and_check(sender, response) -> bool:
+        """On an IPC thread: send a streamed response (if any), then ask whether the request was
+        cancelled. Both wait on the backend process with the GIL released."""
+        if response is not None:
+            sender.send(response, flags=0)
+        return sender.is_cancelled()
+
+    @staticmethod
+    async def _settle(in_flight: asyncio.Future | None) -> None:
+        """Let a response still in flight leave before the request's final one (its error is moot)."""
+        if in_flight is not None:
+            with contextlib.suppress(Exception):
+                await in_flight
 
     def _response(self, emission: Emission | None, req: GenerationRequest, emitter: TextEmitter, stats: Stats,
                   finish: str | None):
