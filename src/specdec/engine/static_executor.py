@@ -456,12 +456,14 @@ class StaticCausalLM(CausalLM):
         if self.mode == "off":
             return 0, 0.0
         shapes = [(b, t, w) for w in self.window_sizes for b in self.batch_sizes for t in self.row_sizes]
-        # This process's allocator, not the device's free memory: another model loading on the same GPU
-        # at the same time would count too.
+        # This process's allocator, not the device's free memory (another model loading on the same GPU
+        # at the same time would count too), without its cached free blocks (eager forwards leave some).
+        torch.cuda.empty_cache()
         reserved_before = torch.cuda.memory_reserved(self.device)
         for shape in shapes:
             if time.perf_counter() - started > time_budget_s or self._captured(shape) is None:
                 break
+        torch.cuda.empty_cache()
         self.log(f"{len(self.captured)} CUDA graphs captured, taking "
                  f"{(torch.cuda.memory_reserved(self.device) - reserved_before) / 2**30:.2f} GiB of device memory")
         return len(self.captured), time.perf_counter() - started
