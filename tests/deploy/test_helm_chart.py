@@ -215,6 +215,7 @@ def test_helm_test_hook_sends_a_real_request():
     ({"models": {"target": {"path": "relative/dir"}}}, "/models/target/path"),
     ({"gpu": {"count": -1}}, "/gpu/count"),
     ({"speculation": {"maxNumDraftTokens": "many"}}, "/speculation/maxNumDraftTokens"),
+    ({"executor": {"fuseKernels": "yes"}}, "/executor/fuseKernels"),
     ({"service": {"type": "Headless"}}, "/service/type"),
     ({"unknownKey": True}, "unknownKey"),
     ({"autoscaling": {"enabled": True}, "keda": {"enabled": True}}, "allOf"),
@@ -252,6 +253,7 @@ def pair_for(values: dict) -> PairSpec:
         max_max_tokens=spec["maxMaxTokens"], max_sequences=spec["maxSequences"],
         max_live_sequences=spec["maxLiveSequences"], when_full=spec["whenFull"],
         sequence_idle_timeout_s=spec["sequenceIdleTimeoutSeconds"], compile=values["executor"]["compile"],
+        fuse_kernels=values["executor"]["fuseKernels"],
         kv_memory_fraction_target=values["executor"]["kvMemoryFraction"]["target"],
         kv_memory_fraction_draft=values["executor"]["kvMemoryFraction"]["draft"])
 

@@ -49,6 +49,7 @@ class PairSpec:
     # The executor's compile mode (auto: the static executor with CUDA graphs on GPUs, eager on CPU;
     # off: eager everywhere) and each model's KV pool, a fraction of its device's free memory at load.
     compile: str = "auto"
+    fuse_kernels: bool = True  # where CUDA graphs run: pointwise work compiled into fused kernels
     kv_memory_fraction_target: float = 0.5
     kv_memory_fraction_draft: float = 0.1
     # Request defaults and limits of speculative_decoding, and the models' sequence bookkeeping.
