@@ -1,10 +1,11 @@
 """The pointwise work of a Llama-family layer as pure functions, and their compiled form.
 
-Eagerly each of these is several kernels (an RMSNorm alone is seven: cast, square, mean, add, rsqrt,
-multiply, multiply); a 32-layer step then runs about a thousand tiny kernels around its matrix products,
-and inside a CUDA graph each still costs its few microseconds. `compiled()` hands back the same functions
-through `torch.compile` (inductor, dynamic shapes: one kernel each, for every bucket), which the static
-executor captures into its graphs like any other kernel. The math is the model's own (transformers'
+Eagerly each of these is several kernels (an RMSNorm is a cast, a square, a mean, an add, an rsqrt, a
+product, a cast back and the weight's product), every layer runs them all around its matrix products,
+and inside a CUDA graph each kernel still costs its launch slot and a round trip through memory.
+`compiled()` hands back the same functions through `torch.compile` (inductor, automatic dynamic shapes:
+one kernel each, for every bucket), which the static executor captures into its graphs like any other
+kernel; what that saves is measured in the README ("The static executor"). The math is the model's own (transformers'
 LlamaRMSNorm, rotary embedding and SiLU MLP): eagerly these give its results; compiled, the same up to
 the rounding of fused float arithmetic (README, "The static executor").
 
