@@ -163,3 +163,32 @@ def test_other_model_families_are_named(tiny_lm):
     assert supports(tiny_lm) is None
     with pytest.raises(ValueError, match="compile=graphs needs a CUDA device"):
         static(tiny_lm, compile="graphs")
+
+
+FAMILIES = {
+    "qwen2": ("Qwen2", {}),  # biases on the query/key/value projections
+    "qwen3": ("Qwen3", {"head_dim": 8}),  # per-head RMSNorm of queries and keys
+    "mistral": ("Mistral", {"sliding_window": None}),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_the_other_families_match_the_dynamic_executor_eager_and_fused(family):
+    """Qwen2 (fused projection with biases), Qwen3 (q/k norms inside the fused rotary) and Mistral run the
+    same static forward: a prompt, then a step after rolling one token back, against transformers' own
+    forward; eagerly to the last bit, with the compiled kernels to the float32 rounding of their norms."""
+    import transformers
+
+    prefix, extra = FAMILIES[family]
+    config = getattr(transformers, f"{prefix}Config")(
+        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.5, **extra)
+    torch.manual_seed(0)
+    model = getattr(transformers, f"{prefix}ForCausalLM")(config).to(torch.float64).eval()
+    assert supports(model) is None
+    for fused, atol in ((False, 1e-10), (True, 1e-4)):
+        dynamic, paged = CausalLM(model), static(model, fuse_kernels=fused)
+        assert all(f is not None for f in paged.forward.qkv + paged.forward.gate_up)  # one product each
+        for keep, ids, wanted in ((0, [3, 5, 7, 9, 11, 13], 2), (5, [4, 6, 8], 3)):
+            a, b = dynamic.extend(1, keep, ids, wanted), paged.extend(1, keep, ids, wanted)
+            assert torch.allclose(a, b, atol=atol), (family, fused, (a - b).abs().max())
