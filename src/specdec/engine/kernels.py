@@ -6,7 +6,7 @@ and inside a CUDA graph each kernel still costs its launch slot and a round trip
 `compiled()` hands back the same functions through `torch.compile` (inductor, automatic dynamic shapes:
 one kernel each, for every bucket), which the static executor captures into its graphs like any other
 kernel; what that saves is measured in the README ("The static executor"). The math is the model's own (transformers'
-LlamaRMSNorm, rotary embedding and SiLU MLP): eagerly these give its results; compiled, the same up to
+LlamaRMSNorm and rotary embedding): eagerly these give its results; compiled, the same up to
 the rounding of fused float arithmetic (README, "The static executor").
 
 Shapes: N rows (a forward's B x T tokens, flattened), H hidden, I intermediate, heads x D per head.
@@ -17,7 +17,6 @@ from __future__ import annotations
 from typing import Callable, NamedTuple
 
 import torch
-from torch.nn.functional import silu
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -56,12 +55,6 @@ def rotate_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: in
     return rope(q), rope(k)
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """gate_up (N, 2I), gate then up -> (N, I): SiLU(gate) * up."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return silu(gate) * up
-
-
 # Round bfloat16/float16 intermediates where the eager code rounds them (inductor otherwise keeps a fused
 # kernel's intermediates in float32). The float32 arithmetic of the norm still rounds differently once
 # fused (reduction order, rsqrt): ~1e-6 on the logits of the tests' float64 model, whose norm, like
@@ -73,10 +66,9 @@ class Kernels(NamedTuple):
     rms_norm: Callable
     add_rms_norm: Callable
     rotate_qk: Callable
-    silu_mul: Callable
 
 
-EAGER = Kernels(rms_norm, add_rms_norm, rotate_qk, silu_mul)
+EAGER = Kernels(rms_norm, add_rms_norm, rotate_qk)
 
 
 def compiled() -> Kernels:

@@ -18,11 +18,11 @@ or verify forward changes shape from one step to the next:
   replayed: one launch per forward instead of hundreds. `compile="off"` runs the same forward eagerly
   (the reference the tests compare against). Forwards outside the buckets (prompts of more than T rows)
   run eagerly with their own shapes; more than B sequences run as several forwards.
-- Inside the forward, the matrix products are the model's own weights (a layer's query/key/value and
-  gate/up projections fused into one product each), and the pointwise work between them (norms, the
-  residual adds, rotary embedding, SiLU) goes through `kernels`: compiled by torch.compile into one
-  kernel each where CUDA graphs run. The whole forward is not compiled (README, "Measured design
-  choices").
+- Inside the forward, the matrix products are the model's own weights (a layer's query/key/value
+  projections fused into one product), and the pointwise work between them (norms, the residual adds,
+  rotary embedding) goes through `kernels`: compiled by torch.compile into one kernel each where CUDA
+  graphs run. The MLP runs as the model's module (its gate and up products and its activation). The
+  whole forward is not compiled (README, "Measured design choices").
 
 The forward is written here over the model's own modules (embeddings, norms, projections, rotary
 embedding, MLP, head), so it serves the Llama family (Llama, SmolLM2, Mistral without a sliding
@@ -200,7 +200,7 @@ class InputStaging:
 
 def fuse_linears(owner: torch.nn.Module, names: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """One weight (and bias) for the linears owner.<names> that read the same input (a layer's query, key
-    and value projections; its gate and up projections): one matrix product instead of several. The
+    and value projections): one matrix product instead of several. The
     modules' parameters become views of it, so the model is unchanged and no memory is added. None if
     they are not all plain linears alike (CPU's reordered oneDNN linears, mixed biases)."""
     fused = owner.__dict__.get("_fused_" + "_".join(names))
@@ -226,7 +226,7 @@ class LlamaForward:
     """The forward over a Llama-family model's weights, reading and writing the pool. Shapes in, logits
     (B, T, V) out; every shape is fixed by the inputs' shapes (graph-capturable). The pointwise work
     runs through `kernels` (compiled into one kernel each on CUDA, see kernels.py); each layer's
-    query/key/value and gate/up projections are one matrix product each."""
+    query/key/value projections are one matrix product. The MLP is the model's own module."""
 
     def __init__(self, model, pool: BlockPool, kernels_: kernels.Kernels = kernels.EAGER):
         self.model, self.pool, self.kernels = model, pool, kernels_
@@ -236,9 +236,6 @@ class LlamaForward:
         self.scaling = attn.scaling
         self.workspace: list[torch.Tensor] | None = None
         self.qkv = [fuse_linears(layer.self_attn, ("q_proj", "k_proj", "v_proj")) for layer in self.body.layers]
-        plain_silu = isinstance(self.body.layers[0].mlp.act_fn, torch.nn.SiLU)
-        self.gate_up = [fuse_linears(layer.mlp, ("gate_proj", "up_proj")) if plain_silu else None
-                        for layer in self.body.layers]
 
     def reserve_workspace(self, blocks: int) -> None:
         """Gather windows of up to `blocks` blocks into two buffers allocated once and shared by every
@@ -262,13 +259,6 @@ class LlamaForward:
             return torch.nn.functional.linear(x, weight, bias)
         attn = self.body.layers[index].self_attn
         return torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], dim=-1)
-
-    def _mlp(self, index: int, x: torch.Tensor) -> torch.Tensor:
-        mlp = self.body.layers[index].mlp
-        if self.gate_up[index] is None:
-            return mlp(x)
-        weight, bias = self.gate_up[index]
-        return mlp.down_proj(self.kernels.silu_mul(torch.nn.functional.linear(x, weight, bias)))
 
     def __call__(self, batch: Batch) -> torch.Tensor:
         body, pool, fn = self.body, self.pool, self.kernels
@@ -310,7 +300,7 @@ class LlamaForward:
             hidden, x = fn.add_rms_norm(hidden, attn.o_proj(out), post.weight, post.variance_epsilon)
             # The residual add ends in the next layer's input norm, or the final one.
             following = layers[index + 1].input_layernorm if index + 1 < len(layers) else body.norm
-            hidden, x = fn.add_rms_norm(hidden, self._mlp(index, x), following.weight, following.variance_epsilon)
+            hidden, x = fn.add_rms_norm(hidden, layer.mlp(x), following.weight, following.variance_epsilon)
         return self.model.lm_head(x).view(b, t, -1)
 
 
