@@ -5,11 +5,11 @@ product, a cast back and the weight's product), every layer runs them all around
 and inside a CUDA graph each kernel still costs its launch slot and a round trip through memory.
 `compiled()` hands back the same functions through `torch.compile` (inductor, automatic dynamic shapes:
 one kernel each, for every bucket), which the static executor captures into its graphs like any other
-kernel; what that saves is measured in the README ("The static executor"). The math is the model's own (transformers'
-LlamaRMSNorm and rotary embedding): eagerly these give its results; compiled, the same up to
-the rounding of fused float arithmetic (README, "The static executor").
+kernel. The math is the model's own (transformers' LlamaRMSNorm and rotary embedding): eagerly these
+give its results; compiled, the same up to the rounding of fused float arithmetic. What that saves and
+costs is measured in the README ("The static executor").
 
-Shapes: N rows (a forward's B x T tokens, flattened), H hidden, I intermediate, heads x D per head.
+Shapes: N rows (a forward's B x T tokens, flattened), H hidden, heads x D per head.
 """
 
 from __future__ import annotations

@@ -200,9 +200,9 @@ class InputStaging:
 
 def fuse_linears(owner: torch.nn.Module, names: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """One weight (and bias) for the linears owner.<names> that read the same input (a layer's query, key
-    and value projections): one matrix product instead of several. The
-    modules' parameters become views of it, so the model is unchanged and no memory is added. None if
-    they are not all plain linears alike (CPU's reordered oneDNN linears, mixed biases)."""
+    and value projections): one matrix product instead of several. The modules' parameters become views
+    of it, so the model is unchanged and no memory is added. None if they are not all plain linears
+    alike (CPU's reordered oneDNN linears, mixed biases)."""
     fused = owner.__dict__.get("_fused_" + "_".join(names))
     if fused is not None:  # a second executor over the same model
         return fused
@@ -228,8 +228,9 @@ class LlamaForward:
     runs through `kernels` (compiled into one kernel each on CUDA, see kernels.py); each layer's
     query/key/value projections are one matrix product. The MLP is the model's own module."""
 
-    def __init__(self, model, pool: BlockPool, kernels_: kernels.Kernels = kernels.EAGER):
-        self.model, self.pool, self.kernels = model, pool, kernels_
+    def __init__(self, model, pool: BlockPool):
+        self.model, self.pool = model, pool
+        self.kernels = kernels.EAGER  # StaticCausalLM.fuse swaps in the compiled ones
         self.body = model.model
         attn = self.body.layers[0].self_attn
         self.head_dim = attn.head_dim
@@ -388,12 +389,12 @@ class StaticCausalLM(CausalLM):
         if self.mode == "graphs":
             self.forward.reserve_workspace(self.batch_sizes[-1] * self.window_sizes[-1])
 
-    def fuse(self) -> bool:
+    def fuse(self) -> None:
         """Run the pointwise work through compiled kernels, compiled now: forwards of 1 and of 3 rows,
         under no_grad (what captures run in) and inference_mode (eager prompts), every write going to the
         scratch block, so that nothing compiles later, while a CUDA graph is captured. If compiling
         fails (no inductor backend for the device, no compiler) the eager kernels stay, logged: slower,
-        same results. Returns whether the compiled ones are in use."""
+        same results."""
         started = time.perf_counter()
         self.forward.kernels = kernels.compiled()
         try:
@@ -407,9 +408,8 @@ class StaticCausalLM(CausalLM):
         except Exception as error:  # noqa: BLE001: any compiler failure leaves the eager path, which works
             self.forward.kernels = kernels.EAGER
             self.log(f"fused kernels: torch.compile failed ({type(error).__name__}: {error}); eager kernels")
-            return False
+            return
         self.log(f"fused kernels: compiled in {time.perf_counter() - started:.1f} s")
-        return True
 
     # ---- sequences in the pool --------------------------------------------------------------------
     def _new_sequence(self) -> PagedSequence:

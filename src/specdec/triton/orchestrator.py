@@ -61,8 +61,8 @@ class SpeculativeDecodingAdapter(TritonAdapter):
                                   self.gate)
         # A streamed response and the cancellation check are IPC round trips to the backend process that
         # block their thread (GIL released) for hundreds of microseconds: on the event loop they would
-        # hold up every other request's round. Each request awaits its own before its next round, so its
-        # responses stay in order.
+        # hold up every other request's round. A request's response leaves while its next round runs; the
+        # request collects it before sending the next one, so its responses stay in order.
         self.ipc = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="specdec-ipc")
         self.cancellations = CancellationBoard()
         self.cancellations.sweep()
