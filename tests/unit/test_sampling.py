@@ -1,7 +1,19 @@
 import pytest
 import torch
 
-from specdec.decoding.sampling import SamplingParams, logits_to_probs, make_generator, sample
+from specdec.decoding.sampling import SamplingParams, greedy, logits_to_probs, make_generator, sample
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_greedy_picks_argmax_tokens_ties_and_nan_included(dtype):
+    torch.manual_seed(0)
+    logits = torch.randn(6, 1000).to(dtype)
+    logits[1, [7, 500]] = 100.0  # a tie: the first maximum, as argmax
+    logits[2, [3, 9]] = float("nan")  # NaN is the maximum, its first position, as argmax
+    logits[3] = 0.0
+    assert greedy(logits).tolist() == logits.argmax(-1).tolist()
+    assert greedy(logits)[1:4].tolist() == [7, 3, 0]
+    assert greedy(logits[0]).item() == logits[0].argmax().item()
 
 
 def test_greedy_is_one_hot_on_argmax():

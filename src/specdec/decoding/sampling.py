@@ -27,6 +27,13 @@ class SamplingParams:
         return self.temperature == 0.0 or self.top_k == 1
 
 
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """The greedy token of each row: logits (..., V) -> (...,) int64, the first maximum (argmax's tokens,
+    ties and NaN alike). Through `max`, whose CPU reduction is about 3x faster than `argmax`'s over a
+    vocabulary row (README, "Measured design choices"); draft, target and tests all pick tokens here."""
+    return logits.max(-1).indices
+
+
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Processed next-token distributions.
 
@@ -35,7 +42,7 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     """
     logits = logits.float()
     if params.greedy:
-        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+        return torch.nn.functional.one_hot(greedy(logits), logits.shape[-1]).float()
     logits = logits / params.temperature
     if params.top_k > 0 and params.top_k < logits.shape[-1]:
         kth_largest = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]

@@ -25,7 +25,7 @@ import torch
 from specdec import tensor_names as tn
 from specdec.engine import onednn_linear
 from specdec.engine.kv_cache import KVBatch, SequenceKV, layer_devices, use_sequence_kv
-from specdec.decoding.sampling import SamplingParams, logits_to_probs, sample
+from specdec.decoding.sampling import SamplingParams, greedy, logits_to_probs, sample
 
 DTYPES = {name: getattr(torch, name) for name in tn.DTYPE_NAMES}
 
@@ -300,7 +300,7 @@ class CausalLM:
                 last = logits[row][-1]
                 step = steps[i]
                 if step.params.greedy:
-                    token = last.argmax()
+                    token = greedy(last)
                 else:
                     p = logits_to_probs(last, step.params)
                     token = sample(p, step.generator)

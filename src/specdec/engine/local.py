@@ -7,7 +7,7 @@ real models with it. Tensors come back to the host, as they do from a Triton mod
 from __future__ import annotations
 
 from specdec.decoding.interfaces import ForwardStats, Proposal, Scores
-from specdec.decoding.sampling import SamplingParams, make_generator
+from specdec.decoding.sampling import SamplingParams, greedy, make_generator
 from specdec.engine.executor import CausalLM
 
 
@@ -33,7 +33,7 @@ class LocalScorer:
     async def score(self, seq_id: int, keep: int, new_ids: list[int], num_positions: int,
                     want_logits: bool) -> Scores:
         logits = self.lm.extend(seq_id, keep, new_ids, num_positions)
-        return Scores(logits.argmax(-1).cpu(), logits.float().cpu() if want_logits else None,
+        return Scores(greedy(logits).cpu(), logits.float().cpu() if want_logits else None,
                       ForwardStats(len(new_ids), 1, 0.0))
 
     async def release(self, seq_id: int) -> None:

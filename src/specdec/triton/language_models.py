@@ -20,7 +20,7 @@ import torch.utils.dlpack
 
 from specdec import tensor_names as tn
 from specdec.decoding.interfaces import ForwardStats
-from specdec.decoding.sampling import SamplingParams, make_generator
+from specdec.decoding.sampling import SamplingParams, greedy, make_generator
 from specdec.decoding.text import load_tokenizer, vocabulary_mismatch
 from specdec.engine import host_memory, onednn_linear, static_executor
 from specdec.engine.executor import CacheError, CausalLM, Step, load_causal_lm
@@ -199,6 +199,10 @@ class LanguageModelAdapter(TritonAdapter):
                                        time.perf_counter() - started)
                 self.forward_seconds += forward.seconds
                 forwards += [forward] * len(group)
+            try:
+                results = self._gather(results)
+            except Exception as exc:  # noqa: BLE001 - as a failed forward: every step gets the error
+                results = [RuntimeError(f"{type(exc).__name__}: {exc}")] * len(results)
             for i, step, result, forward in zip(owners, steps, results, forwards):
                 responses[i] = self._error(result) if isinstance(result, Exception) else \
                     self._respond(requests[i], step, result, forward)
@@ -230,6 +234,10 @@ class LanguageModelAdapter(TritonAdapter):
     def _run(self, steps: list[Step]) -> list:
         raise NotImplementedError
 
+    def _gather(self, results: list) -> list:
+        """What the responses need of the execution's results, prepared for all of them at once."""
+        return results
+
     def _respond(self, request, step: Step, result, forward: ForwardStats):
         raise NotImplementedError
 
@@ -256,9 +264,20 @@ class TargetModel(LanguageModelAdapter):
     def _run(self, steps):
         return self.lm.extend_many(steps)
 
-    def _respond(self, request, step, logits, forward):
+    def _gather(self, results):
+        """Per step (logits, greedy tokens) or its error. Every step's greedy tokens come to the host in
+        one copy: on CUDA the execution waits for the device once, not once per request."""
+        scored = [logits for logits in results if not isinstance(logits, Exception)]
+        if not scored:
+            return results
+        tokens = host(torch.cat([greedy(logits) for logits in scored]).to(torch.int32))
+        per_step = iter(np.split(tokens, np.cumsum([len(logits) for logits in scored])[:-1]))
+        return [logits if isinstance(logits, Exception) else (logits, next(per_step)) for logits in results]
+
+    def _respond(self, request, step, result, forward):
         pb = self.pb
-        outputs = [pb.Tensor(tn.GREEDY_TOKENS, host(logits.argmax(-1).to(torch.int32))[None])]
+        logits, tokens = result
+        outputs = [pb.Tensor(tn.GREEDY_TOKENS, tokens[None])]
         requested = set(request.requested_output_names())
         if tn.LOGITS in requested:
             outputs.append(self._output(tn.LOGITS, logits.float()[None]))
