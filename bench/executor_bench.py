@@ -8,6 +8,7 @@ sequences, and the draft proposing K tokens, with
   static/off   `StaticCausalLM` eagerly: paged pool, bucketed shapes, no capture
   static/graphs     the same, each bucket captured as a CUDA graph, pointwise work in fused kernels (GPU)
   static/graphs-unfused   CUDA graphs over the eager pointwise kernels
+  static/graphs-mlp       the graphs with each SiLU MLP's gate/up products fused too (`fuse_mlp`)
   reference    plain PyTorch with transformers' static cache + torch.compile (GPU only)
 
 and how long capturing took. The target's logits in every mode are compared with the dynamic one's.
@@ -41,9 +42,11 @@ def make(model, mode: str, batch: int, k: int, context: int):
     if mode == "dynamic":
         return CausalLM(model), 0.0
     started = time.perf_counter()
-    # "graphs-unfused": CUDA graphs over the eager pointwise kernels (what fuse_kernels saves)
+    # "graphs-unfused": CUDA graphs over the eager pointwise kernels (what fuse_kernels saves);
+    # "graphs-mlp": the MLP's gate/up products fused as well (what fuse_mlp saves)
     lm = StaticCausalLM(model, max_sequences=batch + 1, max_context=context + 64, max_batch=batch,
-                        max_rows=k + 1, compile=mode.removesuffix("-unfused"), fuse_kernels=mode != "graphs-unfused")
+                        max_rows=k + 1, compile=mode.removesuffix("-unfused").removesuffix("-mlp"),
+                        fuse_kernels=mode != "graphs-unfused", fuse_mlp=mode.endswith("-mlp"))
     lm.warm_up(time_budget_s=240)
     return lm, time.perf_counter() - started  # compiling the fused kernels and capturing
 

@@ -80,16 +80,20 @@ def test_served_on_the_gpu_samples_with_a_draft_model(tmp_path, tiny_pair):
         own.stop()
 
 
-def test_cuda_graphs_match_eager_in_every_bucket(tiny_pair):
+@pytest.mark.parametrize("fuse_mlp", [False, True])
+def test_cuda_graphs_match_eager_in_every_bucket(tiny_pair, fuse_mlp):
     """Each (sequences, rows, window) bucket replayed as a CUDA graph gives the eager static forward's
-    logits (float64), with rollbacks, sequences of different lengths and windows crossed."""
+    logits (float64), with rollbacks, sequences of different lengths and windows crossed; with the MLP's
+    gate/up products fused or not."""
     model = load_causal_lm(tiny_pair.target_path, "cuda", "float64")
-    settings = dict(kv_pool_tokens=4096, block_size=8, max_context=512, max_batch=4, max_rows=5, min_window=16)
+    settings = dict(kv_pool_tokens=4096, block_size=8, max_context=512, max_batch=4, max_rows=5, min_window=16,
+                    fuse_mlp=fuse_mlp)
     eager, graphs = StaticCausalLM(model, compile="off", **settings), StaticCausalLM(model, compile="graphs", **settings)
     assert graphs.mode == "graphs"
     # The same fused pointwise kernels both ways: what differs is the capture (fused against eager
     # kernels is tests/unit/test_static_executor.py's, on CPU).
     assert graphs.forward.kernels is not kernels.EAGER
+    assert all((f is not None) == fuse_mlp for f in graphs.forward.gate_up)
     eager.forward.kernels = graphs.forward.kernels
     ready, _ = graphs.warm_up(600)
     assert ready == len(graphs.batch_sizes) * len(graphs.row_sizes) * len(graphs.window_sizes)

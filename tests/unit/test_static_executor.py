@@ -79,6 +79,33 @@ def test_compiled_kernels_match_eager_in_every_bucket_and_compile_only_at_load(t
     assert counters["stats"]["unique_graphs"] == compiles
 
 
+def test_the_fused_mlp_matches_the_models_own_in_every_bucket_eager_and_compiled(tiny_lm):
+    """fuse_mlp: one gate/up product and silu(gate) * up give transformers' MLP to float64 rounding
+    eagerly, and with the compiled kernels what the compiled kernels give without it."""
+    paged = static(tiny_lm, fuse_mlp=True)
+    assert all(f is not None for f in paged.forward.gate_up)
+    run_every_bucket(CausalLM(tiny_lm), paged, atol=1e-10)
+    from torch._dynamo.utils import counters
+
+    fused, reference = static(tiny_lm, fuse_kernels=True, fuse_mlp=True), static(tiny_lm, fuse_kernels=True)
+    assert all(f is not None for f in fused.forward.gate_up)
+    compiles = counters["stats"]["unique_graphs"]
+    run_every_bucket(reference, fused, atol=1e-4)
+    assert counters["stats"]["unique_graphs"] == compiles  # silu_mul compiled at load too
+
+
+def test_a_non_silu_mlp_is_left_to_the_model(tiny_lm):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**{**tiny_lm.config.to_dict(), "hidden_act": "gelu"})
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(torch.float64).eval()
+    paged = static(model, fuse_mlp=True)
+    assert paged.forward.gate_up == [None, None]
+    a, b = CausalLM(model).extend(1, 0, [3, 5, 7], 3), paged.extend(1, 0, [3, 5, 7], 3)
+    assert torch.allclose(a, b, atol=1e-10)
+
+
 def test_a_prompt_longer_than_the_buckets_runs_beside_bucketed_steps(tiny_lm):
     dynamic, paged = CausalLM(tiny_lm), static(tiny_lm)
     for lm in (dynamic, paged):

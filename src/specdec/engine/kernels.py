@@ -9,7 +9,7 @@ kernel. The math is the model's own (transformers' LlamaRMSNorm and rotary embed
 give its results; compiled, the same up to the rounding of fused float arithmetic. What that saves and
 costs is measured in the README ("The static executor").
 
-Shapes: N rows (a forward's B x T tokens, flattened), H hidden, heads x D per head.
+Shapes: N rows (a forward's B x T tokens, flattened), H hidden, heads x D per head, I the MLP's width.
 """
 
 from __future__ import annotations
@@ -55,6 +55,13 @@ def rotate_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: in
     return rope(q), rope(k)
 
 
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up (N, 2I): a SiLU MLP's fused gate and up projections -> silu(gate) * up (N, I), the input of
+    its down projection (transformers' LlamaMLP computes the same from two products)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
 # Round bfloat16/float16 intermediates where the eager code rounds them (inductor otherwise keeps a fused
 # kernel's intermediates in float32). The float32 arithmetic of the norm still rounds differently once
 # fused (reduction order, rsqrt): ~1e-6 on the logits of the tests' float64 model, whose norm, like
@@ -66,9 +73,10 @@ class Kernels(NamedTuple):
     rms_norm: Callable
     add_rms_norm: Callable
     rotate_qk: Callable
+    silu_mul: Callable
 
 
-EAGER = Kernels(rms_norm, add_rms_norm, rotate_qk)
+EAGER = Kernels(rms_norm, add_rms_norm, rotate_qk, silu_mul)
 
 
 def compiled() -> Kernels:

@@ -21,7 +21,8 @@ or verify forward changes shape from one step to the next:
 - Inside the forward, the matrix products are the model's own weights (a layer's query/key/value
   projections fused into one product), and the pointwise work between them (norms, the residual adds,
   rotary embedding) goes through `kernels`: compiled by torch.compile into one kernel each where CUDA
-  graphs run. The MLP runs as the model's module (its gate and up products and its activation). The
+  graphs run. The MLP runs as the model's module (its gate and up products and its activation), or
+  with `fuse_mlp` as one gate/up product and one SiLU x up kernel (off by default until measured). The
   whole forward is not compiled (README, "Measured design choices").
 
 The forward is written here over the model's own modules (embeddings, norms, projections, rotary
@@ -226,9 +227,10 @@ class LlamaForward:
     """The forward over a Llama-family model's weights, reading and writing the pool. Shapes in, logits
     (B, T, V) out; every shape is fixed by the inputs' shapes (graph-capturable). The pointwise work
     runs through `kernels` (compiled into one kernel each on CUDA, see kernels.py); each layer's
-    query/key/value projections are one matrix product. The MLP is the model's own module."""
+    query/key/value projections are one matrix product. The MLP is the model's own module, or with
+    `fuse_mlp` (a SiLU MLP) its gate and up projections as one product and `kernels.silu_mul`."""
 
-    def __init__(self, model, pool: BlockPool):
+    def __init__(self, model, pool: BlockPool, fuse_mlp: bool = False):
         self.model, self.pool = model, pool
         self.kernels = kernels.EAGER  # StaticCausalLM.fuse swaps in the compiled ones
         self.body = model.model
@@ -237,6 +239,10 @@ class LlamaForward:
         self.scaling = attn.scaling
         self.workspace: list[torch.Tensor] | None = None
         self.qkv = [fuse_linears(layer.self_attn, ("q_proj", "k_proj", "v_proj")) for layer in self.body.layers]
+        # transformers names the activation in the config (its module, SiLUActivation, is not nn.SiLU).
+        silu = getattr(model.config, "hidden_act", None) in ("silu", "swish")
+        self.gate_up = [fuse_linears(layer.mlp, ("gate_proj", "up_proj")) if fuse_mlp and silu else None
+                        for layer in self.body.layers]
 
     def reserve_workspace(self, blocks: int) -> None:
         """Gather windows of up to `blocks` blocks into two buffers allocated once and shared by every
@@ -260,6 +266,13 @@ class LlamaForward:
             return torch.nn.functional.linear(x, weight, bias)
         attn = self.body.layers[index].self_attn
         return torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], dim=-1)
+
+    def _mlp(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        mlp = self.body.layers[index].mlp
+        if self.gate_up[index] is None:
+            return mlp(x)
+        weight, bias = self.gate_up[index]
+        return mlp.down_proj(self.kernels.silu_mul(torch.nn.functional.linear(x, weight, bias)))
 
     def __call__(self, batch: Batch) -> torch.Tensor:
         body, pool, fn = self.body, self.pool, self.kernels
@@ -301,7 +314,7 @@ class LlamaForward:
             hidden, x = fn.add_rms_norm(hidden, attn.o_proj(out), post.weight, post.variance_epsilon)
             # The residual add ends in the next layer's input norm, or the final one.
             following = layers[index + 1].input_layernorm if index + 1 < len(layers) else body.norm
-            hidden, x = fn.add_rms_norm(hidden, layer.mlp(x), following.weight, following.variance_epsilon)
+            hidden, x = fn.add_rms_norm(hidden, self._mlp(index, x), following.weight, following.variance_epsilon)
         return self.model.lm_head(x).view(b, t, -1)
 
 
@@ -341,12 +354,14 @@ class StaticCausalLM(CausalLM):
                  clock: Callable[[], float] = time.monotonic, kv_pool_tokens: int = 0, block_size: int = 32,
                  max_context: int = 8192, max_batch: int = 8, max_rows: int = 17, compile: str = "auto",
                  kv_memory_fraction: float = 0.4, min_window: int = 128, fuse_kernels: bool | None = None,
-                 log: Callable[[str], None] = lambda message: None):
+                 fuse_mlp: bool = False, log: Callable[[str], None] = lambda message: None):
         """kv_pool_tokens: the pool's size in tokens; 0 derives it from max_sequences * max_context,
         capped at kv_memory_fraction of the device's free memory (host memory on CPU).
         max_batch / max_rows: the largest bucket of sequences per forward and rows per sequence
         (verify forwards are K + 1 rows); min_window: the smallest bucket of keys attended over;
-        fuse_kernels: the pointwise work compiled into fused kernels (kernels.py); None: with CUDA graphs."""
+        fuse_kernels: the pointwise work compiled into fused kernels (kernels.py); None: with CUDA graphs.
+        fuse_mlp: a SiLU MLP's gate and up projections as one product (off: not yet measured on a GPU;
+        `executor_bench.py --modes graphs,graphs-mlp` compares)."""
         problem = supports(model)
         if problem:
             raise ValueError(f"the static executor cannot run this model: {problem}")
@@ -372,7 +387,7 @@ class StaticCausalLM(CausalLM):
         self.pool = BlockPool(self._num_layers, blocks, block_size, heads, head_dim, model.dtype, device)
         self.log(f"KV pool: {blocks} blocks of {block_size} tokens ({blocks * block_size} tokens, "
                  f"{blocks * self.pool.block_bytes / 2**30:.2f} GiB) on {device}")
-        self.forward = LlamaForward(model, self.pool)
+        self.forward = LlamaForward(model, self.pool, fuse_mlp)
         if fuse_kernels or (fuse_kernels is None and self.mode == "graphs"):
             self.fuse()
         self.batch_sizes = buckets(max_batch)
