@@ -12,6 +12,9 @@ wall time with the server's own counters (deltas over the measured requests, per
   orchestrator, BLS and client         the rest: the orchestrator's Python (decode loop, text, metrics),
                                        its BLS calls' IPC, the ensemble's pre/postprocessing, the client
 
+and the CPU time each server process used per round (Linux): tritonserver and every model's stub; a
+model's forwards count once per thread that ran them.
+
     python bench/round_overhead.py                 # CPU (the dev machine's figures in the README)
     python bench/round_overhead.py --device gpu    # the same with the models on the GPU
     python bench/round_overhead.py --device gpu --temperature 1 \
@@ -23,7 +26,9 @@ wall time with the server's own counters (deltas over the measured requests, per
 from __future__ import annotations
 
 import argparse
+import os
 import platform
+import re
 import sys
 import time
 from pathlib import Path
@@ -43,6 +48,32 @@ TRITON = {"queue": "nv_inference_queue_duration_us", "input": "nv_inference_comp
           "calls": "nv_inference_request_success"}
 
 
+def server_cpu(root_pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) so far of the launcher's descendants by role: tritonserver, and each
+    Python model's stub by model name (Linux /proc; {} elsewhere). Per round these say which process
+    the serving machinery's time goes to, steadier than wall time on a shared machine."""
+    proc, tick = Path("/proc"), os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    parents, stats, names = {}, {}, {}
+    for entry in proc.glob("[0-9]*"):
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        pid = int(entry.name)
+        parents[pid], stats[pid] = int(fields[1]), (int(fields[11]) + int(fields[12])) / tick
+        match = re.search(r"/([^/ ]+)/1/model\.py", command)
+        names[pid] = match.group(1) if match else "tritonserver" if "tritonserver" in command.split(" ")[0] else None
+    out: dict[str, float] = {}
+    for pid, name in names.items():
+        ancestor = parents.get(pid)
+        while ancestor and ancestor != root_pid:
+            ancestor = parents.get(ancestor)
+        if name and ancestor == root_pid:
+            out[name] = out.get(name, 0.0) + stats[pid]
+    return out
+
+
 def counters(text: str) -> dict:
     out = {"rounds": sum_samples(text, "specdec_rounds_total")}
     for model in MODELS:
@@ -57,12 +88,13 @@ def measure(own, params: GenerationParams, prompts: list[str], repeats: int) -> 
     for prompt in prompts[:2]:  # warm this path
         client.generate(prompt, params)
     time.sleep(1.0)  # the model metrics are flushed at most twice a second
-    before, wall = counters(own.metrics()), 0.0
+    before, wall, cpu_before = counters(own.metrics()), 0.0, server_cpu(own.process.pid)
     for _ in range(repeats):
         for prompt in prompts:
             started = time.perf_counter()
             client.generate(prompt, params)
             wall += time.perf_counter() - started
+    cpu_after = server_cpu(own.process.pid)
     time.sleep(1.0)
     after = counters(own.metrics())
     delta = {key: after[key] - before[key] for key in after}
@@ -77,6 +109,8 @@ def measure(own, params: GenerationParams, prompts: list[str], repeats: int) -> 
                       "calls": delta[model, "calls"] / rounds}
         models += infer + edges
     out["rest"] = out["round"] - models
+    out["cpu"] = {name: (cpu_after[name] - cpu_before.get(name, 0.0)) * 1e3 / rounds for name in cpu_after
+                  if cpu_after[name] > cpu_before.get(name, 0.0)}
     return out
 
 
@@ -116,6 +150,8 @@ def main(argv=None) -> int:
             rows.append([name, f"{model} adapter", f"{m['adapter']:.2f}", ""])
             rows.append([name, f"{model} Triton in/out + queue", f"{m['triton']:.2f}", ""])
         rows.append([name, "orchestrator, BLS, ensemble and client", f"{r['rest']:.2f}", ""])
+        for process, ms in sorted(r["cpu"].items(), key=lambda item: -item[1]):
+            rows.append([name, f"CPU time: {process}", f"{ms:.2f}", "user + system, all its threads"])
     mode = f"sampled (temperature {args.temperature:g})" if args.temperature else "greedy"
     extra = f", {' '.join(args.launcher_arg)}" if args.launcher_arg else ""
     header = (f"{platform.machine()} {args.device}, tiny pair, {mode}, {args.max_tokens} tokens per request, "

@@ -256,10 +256,11 @@ def test_a_cancelled_stream_costs_at_most_one_round_more(server, k):
     assert server.metric("specdec_live_sequences") == 0
 
 
-def test_a_cancelled_direct_stream_stops_and_frees_its_caches(server):
-    """A client streaming from `speculative_decoding` itself (token ids in, no ensemble) and cancelling:
-    Triton flags that request, and the orchestrator's per-round check sees it (no postprocessing step
-    raises the board's flag here)."""
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_cancelled_direct_stream_stops_and_frees_its_caches(server, stream):
+    """A client calling `speculative_decoding` itself (token ids in, no ensemble) and cancelling: Triton
+    flags that request, and the orchestrator's check sees it (no postprocessing step raises the board's
+    flag here): with every streamed response, or every CANCEL_POLL_S when it sends one at the end."""
     cancelled_before = server.metric("specdec_requests_total", finish_reason="cancelled")
     client = grpcclient.InferenceServerClient(server.grpc_url)
     chunks: queue.Queue = queue.Queue()
@@ -267,11 +268,18 @@ def test_a_cancelled_direct_stream_stops_and_frees_its_caches(server):
     inputs = grpc_inputs({tn.INPUT_IDS: np.array([[1, 400, 2000, 37, 912]], dtype=np.int32),
                           tn.MAX_TOKENS: np.array([[900]], dtype=np.int32),
                           tn.NUM_DRAFT_TOKENS: np.array([[2]], dtype=np.int32),
-                          tn.STREAM: np.array([[True]]), tn.IGNORE_EOS: np.array([[True]])})
+                          tn.STREAM: np.array([[stream]]), tn.IGNORE_EOS: np.array([[True]])})
+    started = server.metric("specdec_rounds_total")
     client.async_stream_infer(tn.SPECULATIVE_DECODING, inputs)
-    for _ in range(3):
-        _, error = chunks.get(timeout=60)
-        assert error is None, error
+    if stream:
+        for _ in range(3):
+            _, error = chunks.get(timeout=60)
+            assert error is None, error
+    else:  # nothing comes back before the end: cancel once rounds run
+        deadline = time.monotonic() + 60
+        while server.metric("specdec_rounds_total") == started and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert chunks.empty()
     client.stop_stream(cancel_requests=True)
     client.close()
     rounds0, _, _ = _settled(server)  # a stream left running would keep a live sequence: _settled waits it out

@@ -26,6 +26,7 @@ def t(values):
 def test_greedy_verify(draft, target, accepted, nxt):
     verdict = greedy_verify(t(draft), t(target))
     assert (verdict.num_accepted, verdict.next_token) == (accepted, nxt)
+    assert greedy_verify(draft, target) == verdict  # lists, as the loop passes them
 
 
 def test_greedy_verify_requires_k_plus_one_positions():

@@ -133,9 +133,9 @@ async def generate(req: GenerationRequest, proposer: Proposer, scorer: Scorer, p
 
 def _verify(proposal: Proposal, scores: Scores, params: SamplingParams,
             generator: torch.Generator | None) -> Verdict:
-    draft = torch.tensor(proposal.tokens, dtype=torch.long)
     if params.greedy:
-        return greedy_verify(draft, scores.greedy_tokens.long())
+        return greedy_verify(proposal.tokens, scores.greedy_tokens.tolist())
+    draft = torch.tensor(proposal.tokens, dtype=torch.long)
     # Accept/reject where the target's logits are (on the GPU when the target handed them over there).
     target_probs = logits_to_probs(scores.logits, params)
     device = target_probs.device

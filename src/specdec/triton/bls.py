@@ -74,15 +74,16 @@ class _SequenceModel:
 class BlsProposer(_SequenceModel):
     async def propose(self, seq_id: int, keep: int, new_ids: list[int], k: int,
                       params: SamplingParams, round_seed: int) -> Proposal:
-        inputs = {
-            tn.INPUT_IDS: _i32(new_ids),
-            tn.CACHE_LENGTH: _i32([keep]),
-            tn.NUM_DRAFT_TOKENS: _i32([k]),
-            tn.TEMPERATURE: np.array([[params.temperature]], dtype=np.float32),
-            tn.TOP_K: _i32([params.top_k]),
-            tn.TOP_P: np.array([[params.top_p]], dtype=np.float32),
-            tn.SEED: np.array([[round_seed]], dtype=np.uint64),
-        }
+        inputs = {tn.INPUT_IDS: _i32(new_ids), tn.CACHE_LENGTH: _i32([keep]), tn.NUM_DRAFT_TOKENS: _i32([k])}
+        # Greedy drafting is what draft_model does without sampling inputs: every tensor left out is one
+        # less to build, pass through tritonserver and parse, on every round.
+        if not params.greedy:
+            inputs.update({
+                tn.TEMPERATURE: np.array([[params.temperature]], dtype=np.float32),
+                tn.TOP_K: _i32([params.top_k]),
+                tn.TOP_P: np.array([[params.top_p]], dtype=np.float32),
+                tn.SEED: np.array([[round_seed]], dtype=np.uint64),
+            })
         outputs = [tn.DRAFT_TOKENS] + ([] if params.greedy else [tn.DRAFT_PROBS])
         result = await self._call(seq_id, inputs, outputs)
         probs = None if params.greedy else _torch(result[tn.DRAFT_PROBS])[0]
@@ -94,7 +95,9 @@ class BlsProposer(_SequenceModel):
 class BlsScorer(_SequenceModel):
     async def score(self, seq_id: int, keep: int, new_ids: list[int], num_positions: int,
                     want_logits: bool) -> Scores:
-        inputs = {tn.INPUT_IDS: _i32(new_ids), tn.CACHE_LENGTH: _i32([keep]), tn.NUM_LOGITS: _i32([num_positions])}
+        inputs = {tn.INPUT_IDS: _i32(new_ids), tn.CACHE_LENGTH: _i32([keep])}
+        if num_positions != 1:  # target_model's default: a target-only round's one position
+            inputs[tn.NUM_LOGITS] = _i32([num_positions])
         outputs = [tn.GREEDY_TOKENS, tn.FORWARD_STATS] + ([tn.LOGITS] if want_logits else [])
         result = await self._call(seq_id, inputs, outputs)
         logits = _torch(result[tn.LOGITS])[0] if want_logits else None

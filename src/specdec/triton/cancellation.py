@@ -27,6 +27,7 @@ class CancellationBoard:
     def __init__(self, directory: Path | None = None):
         self.directory = directory or default_directory()
         self.directory.mkdir(parents=True, exist_ok=True)
+        self._prefix = f"{self.directory}{os.sep}"
 
     def _path(self, key: int) -> Path:
         return self.directory / f"{key:x}"
@@ -35,7 +36,8 @@ class CancellationBoard:
         self._path(key).touch()
 
     def is_cancelled(self, key: int) -> bool:
-        return self._path(key).exists()
+        # Twice a round: a plain string and os.stat, not a Path object.
+        return os.path.exists(f"{self._prefix}{key:x}")
 
     def clear(self, key: int) -> None:
         self._path(key).unlink(missing_ok=True)

@@ -31,6 +31,12 @@ from specdec.triton.request import InputError, ParsedRequest, RequestLimits
 from specdec.triton.verify_gate import GatedScorer, VerifyGate
 
 
+# How often a round without a streamed response asks Triton whether a direct caller cancelled (an IPC round
+# trip through a thread, the costliest bookkeeping of a round; a streamed response asks with every send).
+# An ensemble's cancellation comes through the board, checked every round (a stat).
+CANCEL_POLL_S = 0.01
+
+
 class SpeculativeDecodingAdapter(TritonAdapter):
     def load(self, params: ModelParameters, args: dict) -> None:
         pb_utils = self.pb
@@ -124,6 +130,7 @@ class SpeculativeDecodingAdapter(TritonAdapter):
         loop = asyncio.get_running_loop()
         # The last round's streamed response and cancellation check, on an IPC thread (see `load`).
         in_flight: asyncio.Future | None = None
+        asked = arrived
 
         def response(emission: Emission | None, finish: str | None):
             nonlocal first_sent
@@ -163,7 +170,9 @@ class SpeculativeDecodingAdapter(TritonAdapter):
                         last = emission
                         break
                     out = response(emission, None) if stream and emission else None
-                    in_flight = loop.run_in_executor(self.ipc, self._send_and_check, sender, out)
+                    if out is not None or now - asked >= CANCEL_POLL_S:
+                        asked = now
+                        in_flight = loop.run_in_executor(self.ipc, self._send_and_check, sender, out)
         except Exception as exc:  # noqa: BLE001 - the request fails, the server keeps serving
             self.metrics.requests["error"].increment(1)
             await self._settle(in_flight)
