@@ -36,7 +36,7 @@ COMBINATIONS = {
                                                                   "secretName": "grpc-tls"}]},
                                "tls": [{"hosts": ["specdec.example.com"], "secretName": "tls"}]}},
     "cpu-only-ngram": {"gpu": {"count": 0}, "models": {"draft": {"method": "ngram"}, "dtype": "float32"},
-                       "resources": {"requests": {"cpu": "2", "memory": "4Gi"}}},
+                       "resources": {"requests": {"cpu": "2", "memory": "4Gi"}}, "executor": {"torchThreads": 2}},
     "spread-target": {"gpu": {"count": 4, "spreadTarget": True, "draftGpu": 3},
                       "speculation": {"defaultNumDraftTokens": 6, "maxContextTokens": 4096},
                       "podDisruptionBudget": {"enabled": False}, "server": {"modelRepositoryApi": {"restricted": False}}},
@@ -216,6 +216,8 @@ def test_helm_test_hook_sends_a_real_request():
     ({"gpu": {"count": -1}}, "/gpu/count"),
     ({"speculation": {"maxNumDraftTokens": "many"}}, "/speculation/maxNumDraftTokens"),
     ({"executor": {"fuseKernels": "yes"}}, "/executor/fuseKernels"),
+    ({"executor": {"torchThreads": 0}}, "/executor/torchThreads"),
+    ({"executor": {"torchThreads": "many"}}, "/executor/torchThreads"),
     ({"service": {"type": "Headless"}}, "/service/type"),
     ({"unknownKey": True}, "unknownKey"),
     ({"autoscaling": {"enabled": True}, "keda": {"enabled": True}}, "allOf"),
@@ -253,7 +255,7 @@ def pair_for(values: dict) -> PairSpec:
         max_max_tokens=spec["maxMaxTokens"], max_sequences=spec["maxSequences"],
         max_live_sequences=spec["maxLiveSequences"], when_full=spec["whenFull"],
         sequence_idle_timeout_s=spec["sequenceIdleTimeoutSeconds"], compile=values["executor"]["compile"],
-        fuse_kernels=values["executor"]["fuseKernels"],
+        fuse_kernels=values["executor"]["fuseKernels"], torch_threads=str(values["executor"]["torchThreads"]),
         kv_memory_fraction_target=values["executor"]["kvMemoryFraction"]["target"],
         kv_memory_fraction_draft=values["executor"]["kvMemoryFraction"]["draft"])
 

@@ -1,5 +1,7 @@
 """`make serve`'s launcher on a server of its own: ready, serving, and SIGTERM stops everything cleanly."""
 
+import re
+
 import pytest
 
 from specdec import tensor_names as tn
@@ -16,6 +18,7 @@ def test_sigterm_stops_server_and_every_stub_with_exit_code_0(tmp_path):
         log = server.log_path.read_text(errors="replace")
         for model in ("target_model", "draft_model", "draft_model_exact", "draft_model_random"):
             assert f"{model}: warmed up in" in log, model  # before READY: the first requests pay nothing
+            assert re.search(rf"{model}: warmed up in [\d.]+ s on cpu, torch threads: [1-9]\d*", log), model
         result = grpc_stream(server.grpc_url, "Hello", max_tokens=8, num_draft_tokens=2, stream=True)
         assert result[tn.NUM_OUTPUT_TOKENS] == 8
         with pytest.raises(GenerationError, match="max_tokens"):

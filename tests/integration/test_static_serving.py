@@ -2,6 +2,8 @@
 speculative output equals target-only output, seeded sampling repeats, the pool's blocks are reported and
 returned when requests end, and a pool too small for the context fails the load naming the parameter."""
 
+import re
+
 import pytest
 
 from client import Client, GenerationParams
@@ -19,9 +21,12 @@ def static_args(*more):
 
 
 def test_static_executor_serves_exactly(tmp_path):
-    own = server.start(tmp_path / "run", tmp_path / "server.log", static_args())
+    # One torch thread for the draft (torch_threads as a count: what a small model on CPU may want).
+    own = server.start(tmp_path / "run", tmp_path / "server.log", static_args("--set", "draft_model.torch_threads=1"))
     try:
-        assert "target_model: static executor, eager (compile=off)" in own.log_path.read_text()
+        log = own.log_path.read_text()
+        assert "target_model: static executor, eager (compile=off)" in log
+        assert re.search(r"draft_model: warmed up in [\d.]+ s on cpu, torch threads: 1", log)
         client = Client(own.grpc_url)
         for prompt in ("Once upon a time", "The capital of France is"):
             alone, fast = (client.generate(prompt, GenerationParams(max_tokens=40, num_draft_tokens=k)) for k in (0, 4))

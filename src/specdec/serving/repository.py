@@ -62,7 +62,7 @@ def render(pair: PairSpec, dest: Path) -> Path:
                 # The static executor's shapes: K + 1 rows per verify, sequences up to the context.
                 "max_num_draft_tokens": str(pair.max_num_draft_tokens),
                 "max_context_tokens": str(pair.max_context_tokens), "compile": pair.compile,
-                "fuse_kernels": str(pair.fuse_kernels).lower(),
+                "fuse_kernels": str(pair.fuse_kernels).lower(), "torch_threads": pair.torch_threads,
                 "kv_memory_fraction": str(pair.kv_memory_fraction_target if role == "target"
                                           else pair.kv_memory_fraction_draft)}
 

@@ -22,7 +22,7 @@ from specdec import tensor_names as tn
 from specdec.decoding.interfaces import ForwardStats
 from specdec.decoding.sampling import SamplingParams, greedy, make_generator
 from specdec.decoding.text import load_tokenizer, vocabulary_mismatch
-from specdec.engine import host_memory, onednn_linear, static_executor
+from specdec.engine import host_memory, onednn_linear, static_executor, threads
 from specdec.engine.executor import CacheError, CausalLM, Step, load_causal_lm
 from specdec.engine.static_executor import StaticCausalLM
 from specdec.triton.adapter import TritonAdapter
@@ -59,7 +59,9 @@ class LanguageModelAdapter(TritonAdapter):
             linear_kernels=params.str("linear_kernels", "auto", choices=onednn_linear.KINDS),
         )
         prepacked = any(isinstance(m, onednn_linear.PrepackedLinear) for m in model.modules())
-        torch.set_num_threads(params.int("torch_threads", torch.get_num_threads(), low=1))
+        # auto: torch's own count (a thread per core), at most the CPUs this process may use (threads.py).
+        torch.set_num_threads(min(torch.get_num_threads(), threads.available_cpus())
+                              if params.str("torch_threads", "auto") == "auto" else params.int("torch_threads", 1, low=1))
         # false: one forward per sequence (the unbatched baseline of the batching benchmark).
         self.batched = params.bool("batched_forward", True)
         # On CUDA, logits and draft distributions go to the orchestrator as device tensors (DLPack; Triton
@@ -133,7 +135,7 @@ class LanguageModelAdapter(TritonAdapter):
         self.lm.tokens_processed = 0  # the metrics count served tokens only
         self.forward_seconds = 0.0
         self.pb.Logger.log_info(f"{self.name}: warmed up in {time.perf_counter() - started:.2f} s "
-                                f"on {self.lm.device}")
+                                f"on {self.lm.device}, torch threads: {torch.get_num_threads()}")
 
     def _warm_up_steps(self) -> None:
         raise NotImplementedError
