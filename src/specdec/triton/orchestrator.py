@@ -4,7 +4,8 @@
 on the stub's event loop and awaits its BLS calls with `async_exec`, so one instance interleaves the
 rounds of many requests instead of blocking on one. A non-streaming request gets one response; with
 `stream`, each round's text-complete tokens go out as soon as they are accepted. Cancellation is
-checked every round; stopping the loop releases both models' caches.
+checked every round (an ensemble's) or every CANCEL_POLL_S and with every streamed response (a direct
+caller's); stopping the loop releases both models' caches.
 """
 
 from __future__ import annotations
