@@ -38,9 +38,12 @@ def test_round_overhead_bench_splits_a_round(tmp_path):
     for k in ("K=0", "K=4"):
         mine = {row[2].strip(): float(row[3]) for row in rows if row[1].strip() == k}
         assert mine["target_model forward"] > 0 and mine["round (client wall time / rounds)"] > 0
-        parts = sum(value for name, value in mine.items() if not name.startswith("round"))
-        # the parts add up to the round (each printed to 0.01 ms)
-        assert abs(parts - mine["round (client wall time / rounds)"]) <= 0.005 * (len(mine) + 1)
+        split = {name: value for name, value in mine.items() if not name.startswith(("round", "CPU time"))}
+        # the parts of the wall time add up to the round (each printed to 0.01 ms)
+        assert abs(sum(split.values()) - mine["round (client wall time / rounds)"]) <= 0.005 * (len(split) + 1)
+        # and each server process's CPU time per round is there beside them (Linux /proc)
+        assert mine["CPU time: speculative_decoding"] > 0 and mine["CPU time: target_model"] > 0
+        assert mine["CPU time: tritonserver"] > 0
     assert any(row[2].strip() == "draft_model forward" for row in rows if row[1].strip() == "K=4")
 
 
