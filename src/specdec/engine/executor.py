@@ -114,7 +114,9 @@ class CausalLM:
                  clock: Callable[[], float] = time.monotonic, min_forward_rows: int = 1,
                  row_buckets: bool = False):
         self.model = model
-        self._device: torch.device | None = None
+        # Where inputs go (a spread model: its first layer's), read once: transformers looks it up through
+        # the parameters on every access, several times per forward.
+        self._device = model.device
         use_sequence_kv(model)
         self.layer_devices = layer_devices(model, self._num_layers)  # each layer's KV buffers live beside it
         head = model.get_output_embeddings()
@@ -137,10 +139,6 @@ class CausalLM:
 
     @property
     def device(self) -> torch.device:
-        # Where inputs go (a spread model: its first layer's). Read once: transformers looks it up through
-        # the parameters on every access, several times per forward.
-        if self._device is None:
-            self._device = self.model.device
         return self._device
 
     def cached_length(self, seq_id: int) -> int:
