@@ -2,10 +2,12 @@
 
     python loadtest/concurrency_bench.py --url localhost:8001 --concurrency 1 2 4 8 16 --requests-per-stream 3
     python loadtest/concurrency_bench.py --pair default --compare-unbatched --requests-per-level 16  # own servers
+    python loadtest/concurrency_bench.py --pair default --compare-orchestrators 1 2 --concurrency 1 4 8
 
 With --pair it starts a server for that pair itself; with --compare-unbatched it first measures a server
 whose models run one forward per sequence (batched_forward=false), then the normal (batched) one, and
-adds the batched / unbatched throughput ratio.
+adds the batched / unbatched throughput ratio; with --compare-orchestrators, one server per number of
+speculative_decoding instances, the ratio of the last to the first.
 
 For each concurrency level and mode it runs `concurrency` streaming clients, each sending its share of
 requests back to back, and prints a Markdown table: output tokens/s (genai-perf: total output tokens /
@@ -62,10 +64,10 @@ async def run_level(url, prompts, concurrency, per_stream, params, per_level=Non
     }
 
 
-def start_server(pair: str, overrides: list[str]) -> server.ServerProcess:
+def start_server(pair: str, launcher_args: list[str]) -> server.ServerProcess:
     cache = HERE.parent / ".cache"
-    args = ["--pair", pair] + [arg for override in overrides for arg in ("--set", override)]
-    return server.start(cache / "run" / f"bench-{pair}-{len(overrides)}", cache / f"bench-concurrency-{pair}.log", args)
+    return server.start(cache / "run" / f"bench-{pair}", cache / f"bench-concurrency-{pair}.log",
+                        ["--pair", pair, *launcher_args])
 
 
 def measure(url, prompts, levels, per_stream, per_level, base, spec) -> dict:
@@ -85,6 +87,8 @@ def main() -> None:
     parser.add_argument("--pair", help="start a server for this pair (tiny | default) instead of using --url")
     parser.add_argument("--compare-unbatched", action="store_true",
                         help="with --pair: also measure a server with batched_forward=false")
+    parser.add_argument("--compare-orchestrators", type=int, nargs="+", metavar="N",
+                        help="with --pair: one server per number of orchestrator instances, in this order")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--requests-per-stream", type=int, default=2)
     parser.add_argument("--requests-per-level", type=int, default=None,
@@ -96,14 +100,19 @@ def main() -> None:
     prompts = [json.loads(line)["prompt"] for line in Path(args.prompts_file).read_text().splitlines() if line.strip()]
     spec = GenerationParams(max_tokens=args.max_tokens, num_draft_tokens=args.num_draft_tokens)
     base = GenerationParams(max_tokens=args.max_tokens, num_draft_tokens=0)
-    servers = {"batched": []}
-    if args.pair and args.compare_unbatched:
-        servers = {"unbatched": ["target_model.batched_forward=false", "draft_model.batched_forward=false"],
-                   "batched": []}
+    if (args.compare_unbatched or args.compare_orchestrators) and not args.pair:
+        parser.error("--compare-* starts its own servers: give --pair")
+    servers = {"batched": []}  # label -> launcher arguments
+    if args.compare_unbatched:
+        servers = {"unbatched": ["--set", "target_model.batched_forward=false",
+                                 "--set", "draft_model.batched_forward=false"], "batched": []}
+    elif args.compare_orchestrators:
+        servers = {f"{n} orchestrator{'s' if n > 1 else ''}": [f"--orchestrator-instances={n}"]
+                   for n in args.compare_orchestrators}
     measured = {}
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally below: stop our server
-    for label, overrides in servers.items():
-        own = start_server(args.pair, overrides) if args.pair else None
+    for label, launcher_args in servers.items():
+        own = start_server(args.pair, launcher_args) if args.pair else None
         url = own.grpc_url if own else args.url
         try:
             print(f"measuring the {label} server at {url}", file=sys.stderr, flush=True)
@@ -117,20 +126,22 @@ def main() -> None:
               f"{args.requests_per_level} requests per level" if args.requests_per_level else
               f"{args.requests_per_stream} requests per stream"))
     print()
-    compared = "unbatched" in measured
-    header = ["streams", "mode"] + (["unbatched tokens/s", "batched tokens/s", "batched / unbatched"] if compared
+    # With several servers: each one's throughput and the last / first ratio; the other columns are the last's.
+    labels = list(measured)
+    first, last = labels[0], labels[-1]
+    compared = len(labels) > 1
+    header = ["streams", "mode"] + ([f"{label} tokens/s" for label in labels] + [f"{last} / {first}"] if compared
                                     else ["output tokens/s"])
-    header += ["TTFT p50 (ms)", "ITL p50 (ms)", "acceptance", "vs target-only" + (" (batched)" if compared else "")]
+    header += ["TTFT p50 (ms)", "ITL p50 (ms)", "acceptance", "vs target-only" + (f" ({last})" if compared else "")]
     rows = []
-    batched = measured["batched"]
+    final = measured[last]
     for concurrency in args.concurrency:
         for mode in ("target-only", "speculative"):
-            row = batched[(concurrency, mode)]
-            ratio = row["tokens_per_s"] / batched[(concurrency, "target-only")]["tokens_per_s"]
-            throughput = [f"{row['tokens_per_s']:.1f}"]
+            row = final[(concurrency, mode)]
+            ratio = row["tokens_per_s"] / final[(concurrency, "target-only")]["tokens_per_s"]
+            throughput = [f"{measured[label][(concurrency, mode)]['tokens_per_s']:.1f}" for label in labels]
             if compared:
-                old = measured["unbatched"][(concurrency, mode)]["tokens_per_s"]
-                throughput = [f"{old:.1f}", throughput[0], f"{row['tokens_per_s'] / old:.2f}x"]
+                throughput.append(f"{row['tokens_per_s'] / measured[first][(concurrency, mode)]['tokens_per_s']:.2f}x")
             rows.append([concurrency, mode, *throughput, f"{row['ttft_ms']:.0f}", f"{row['itl_ms']:.1f}",
                          f"{row['acceptance']:.2f}", f"{ratio:.2f}x"])
     print(tabulate(rows, header, tablefmt="github", disable_numparse=True), flush=True)

@@ -78,6 +78,9 @@ DEFAULT_NUM_DRAFT_TOKENS = 4
 DEFAULT_MAX_NUM_DRAFT_TOKENS = 16
 DEFAULT_MAX_MAX_TOKENS = 1024
 DEFAULT_MAX_CONTEXT_TOKENS = 8192  # prompt + output tokens per sequence; the chart's default too
+# speculative_decoding stub processes: concurrent streams' rounds run in parallel, not on one Python thread
+# (README, "Measured design choices"); the committed config and the chart's default too.
+DEFAULT_ORCHESTRATOR_INSTANCES = 2
 
 # ---- executor settings of draft_model / target_model (config parameters, launcher and chart) ---------
 # auto: the static executor with CUDA graphs on GPUs, the eager one on CPU; off: eager everywhere;

@@ -36,7 +36,8 @@ COMBINATIONS = {
                                                                   "secretName": "grpc-tls"}]},
                                "tls": [{"hosts": ["specdec.example.com"], "secretName": "tls"}]}},
     "cpu-only-ngram": {"gpu": {"count": 0}, "models": {"draft": {"method": "ngram"}, "dtype": "float32"},
-                       "resources": {"requests": {"cpu": "2", "memory": "4Gi"}}, "executor": {"torchThreads": 2}},
+                       "resources": {"requests": {"cpu": "2", "memory": "4Gi"}}, "executor": {"torchThreads": 2},
+                       "speculation": {"orchestratorInstances": 1}},
     "spread-target": {"gpu": {"count": 4, "spreadTarget": True, "draftGpu": 3},
                       "speculation": {"defaultNumDraftTokens": 6, "maxContextTokens": 4096},
                       "podDisruptionBudget": {"enabled": False}, "server": {"modelRepositoryApi": {"restricted": False}}},
@@ -217,6 +218,7 @@ def test_helm_test_hook_sends_a_real_request():
     ({"speculation": {"maxNumDraftTokens": "many"}}, "/speculation/maxNumDraftTokens"),
     ({"executor": {"fuseKernels": "yes"}}, "/executor/fuseKernels"),
     ({"executor": {"torchThreads": 0}}, "/executor/torchThreads"),
+    ({"speculation": {"orchestratorInstances": 0}}, "/speculation/orchestratorInstances"),
     ({"executor": {"torchThreads": "many"}}, "/executor/torchThreads"),
     ({"service": {"type": "Headless"}}, "/service/type"),
     ({"unknownKey": True}, "unknownKey"),
@@ -254,6 +256,7 @@ def pair_for(values: dict) -> PairSpec:
         max_num_draft_tokens=spec["maxNumDraftTokens"], default_max_tokens=spec["defaultMaxTokens"],
         max_max_tokens=spec["maxMaxTokens"], max_sequences=spec["maxSequences"],
         max_live_sequences=spec["maxLiveSequences"], when_full=spec["whenFull"],
+        orchestrator_instances=spec["orchestratorInstances"],
         sequence_idle_timeout_s=spec["sequenceIdleTimeoutSeconds"], compile=values["executor"]["compile"],
         fuse_kernels=values["executor"]["fuseKernels"], torch_threads=str(values["executor"]["torchThreads"]),
         kv_memory_fraction_target=values["executor"]["kvMemoryFraction"]["target"],
@@ -290,6 +293,17 @@ def test_one_default_context_length_for_chart_launcher_and_image():
     assert launcher.parse_args(["--target", "/m"]).max_context_tokens == tn.DEFAULT_MAX_CONTEXT_TOKENS
     committed = (REPO_ROOT / "model_repository" / "speculative_decoding" / "config.pbtxt").read_text()
     assert f'key: "max_context_tokens", value: {{ string_value: "{tn.DEFAULT_MAX_CONTEXT_TOKENS}" }}' in committed
+
+
+def test_one_default_orchestrator_instance_count_for_chart_launcher_and_image():
+    from specdec import tensor_names as tn
+
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert values["speculation"]["orchestratorInstances"] == tn.DEFAULT_ORCHESTRATOR_INSTANCES
+    assert launcher.parse_args(["--target", "/m"]).orchestrator_instances == tn.DEFAULT_ORCHESTRATOR_INSTANCES
+    assert PairSpec("p", "/m", "/m").orchestrator_instances == tn.DEFAULT_ORCHESTRATOR_INSTANCES
+    committed = (REPO_ROOT / "model_repository" / "speculative_decoding" / "config.pbtxt").read_text()
+    assert f"instance_group [ {{ count: {tn.DEFAULT_ORCHESTRATOR_INSTANCES}, kind: KIND_CPU }} ]" in committed
 
 
 @pytest.mark.parametrize("load_timeout, period", [(1200, 10), (95, 10), (600, 7)])

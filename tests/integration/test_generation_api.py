@@ -171,18 +171,31 @@ def test_metrics_count_drafted_and_accepted_tokens(server):
 def test_cost_model_gauges_come_from_the_targets_forward_reports(server):
     """target_model reports each forward (rows, sequences, seconds); the orchestrator's policy turns them
     into v(k), published as gauges: at least one sequence per forward, and v(k) >= 1 (a round that
-    verifies more positions never costs less than a target-only step)."""
+    verifies more positions never costs less than a target-only step). Each orchestrator instance
+    publishes its own policy's gauges, labelled with the instance."""
     import time as clock
 
-    grpc_stream(server.grpc_url, PROMPTS[1], max_tokens=24, num_draft_tokens=4)
-    clock.sleep(0.6)  # the gauges are published at most twice a second
-    grpc_stream(server.grpc_url, PROMPTS[2], max_tokens=8, num_draft_tokens=4)
-    assert server.metric("specdec_sequences_per_forward") >= 1.0
-    costs = [server.metric("specdec_verify_cost", draft_tokens=str(k)) for k in (1, 2, 4)]
-    # v(k) is clamped at 1, so ">= 1" alone proves nothing: the gauges must also have left the prior
-    # 1 + 0.1·k, i.e. come from measured costs.
-    assert all(v >= 1.0 for v in costs), costs
-    assert costs != pytest.approx([1.1, 1.2, 1.4]), costs
+    from specdec.serving.metrics_text import samples
+
+    prior = pytest.approx([1.1, 1.2, 1.4])  # v(k) = 1 + 0.1·k before anything is measured
+    for _ in range(8):  # until an instance has measured and published (which instance Triton picks varies)
+        grpc_stream(server.grpc_url, PROMPTS[1], max_tokens=24, num_draft_tokens=4)
+        clock.sleep(0.6)  # the gauges are published at most twice a second, from a round
+        grpc_stream(server.grpc_url, PROMPTS[2], max_tokens=8, num_draft_tokens=4)
+        text = server.metrics()
+        by_instance: dict[str, dict[int, float]] = {}
+        for labels, value in samples(text, "specdec_verify_cost"):
+            by_instance.setdefault(labels["instance"], {})[int(labels["draft_tokens"])] = value
+        # An instance that has run no round yet has published nothing (0).
+        costs = [[gauges[k] for k in (1, 2, 4)] for gauges in by_instance.values() if any(gauges.values())]
+        if any(instance != prior for instance in costs):
+            break
+    assert len(by_instance) == tn.DEFAULT_ORCHESTRATOR_INSTANCES, by_instance
+    assert max(value for _, value in samples(text, "specdec_sequences_per_forward")) >= 1.0
+    # v(k) is clamped at 1, so ">= 1" alone proves nothing: the gauges must also have left the prior,
+    # i.e. come from measured costs.
+    assert costs and all(v >= 1.0 for instance in costs for v in instance), costs
+    assert any(instance != prior for instance in costs), costs
 
 
 # ---- cancellation ---------------------------------------------------------------------------------------

@@ -56,3 +56,20 @@ def test_executor_bench_compares_the_executors_on_the_tiny_pair(tmp_path):
     rows = [line.split("|") for line in out.read_text().splitlines() if line.startswith("| target")]
     assert [row[2].strip() for row in rows] == ["dynamic", "off"]
     assert float(rows[1][-2]) < 1e-4  # the static executor's logits equal the dynamic one's
+
+
+def test_concurrency_bench_compares_orchestrator_counts(tmp_path):
+    """`loadtest/concurrency_bench.py --compare-orchestrators 1 2`: a server per count, both serving, one table."""
+    script = SCRIPT.parents[1] / "loadtest" / "concurrency_bench.py"
+    result = subprocess.run([sys.executable, str(script), "--pair", "tiny", "--compare-orchestrators", "1", "2",
+                             "--concurrency", "2", "--requests-per-level", "2", "--max-tokens", "8",
+                             "--num-draft-tokens", "3"], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    lines = [line.split("|")[1:-1] for line in result.stdout.splitlines() if line.startswith("|")]
+    header = [cell.strip() for cell in lines[0]]
+    assert header[2:5] == ["1 orchestrator tokens/s", "2 orchestrators tokens/s", "2 orchestrators / 1 orchestrator"]
+    rows = {row[1].strip(): row for row in lines[2:] if row[0].strip() == "2"}
+    assert set(rows) == {"target-only", "speculative"}
+    for row in rows.values():
+        one, two, ratio = float(row[2]), float(row[3]), float(row[4].strip().rstrip("x"))
+        assert one > 0 and two > 0 and ratio == pytest.approx(two / one, abs=0.01)

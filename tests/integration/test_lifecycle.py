@@ -1,10 +1,12 @@
 """`make serve`'s launcher on a server of its own: ready, serving, and SIGTERM stops everything cleanly."""
 
 import re
+import subprocess
 
 import pytest
 
 from specdec import tensor_names as tn
+from specdec.triton import cancellation, slots
 
 from .helpers import GenerationError, grpc_stream, start_server, stop_server, stub_processes
 
@@ -14,7 +16,8 @@ pytestmark = pytest.mark.integration
 def test_sigterm_stops_server_and_every_stub_with_exit_code_0(tmp_path):
     server = start_server(tmp_path)
     try:
-        assert len(stub_processes(server.run_dir)) == 7  # every Python model runs in its own stub
+        # Every Python model instance runs in its own stub: six models once, the orchestrator per instance.
+        assert len(stub_processes(server.run_dir)) == 6 + tn.DEFAULT_ORCHESTRATOR_INSTANCES
         log = server.log_path.read_text(errors="replace")
         for model in ("target_model", "draft_model", "draft_model_exact", "draft_model_random"):
             assert f"{model}: warmed up in" in log, model  # before READY: the first requests pay nothing
@@ -23,9 +26,15 @@ def test_sigterm_stops_server_and_every_stub_with_exit_code_0(tmp_path):
         assert result[tn.NUM_OUTPUT_TOKENS] == 8
         with pytest.raises(GenerationError, match="max_tokens"):
             grpc_stream(server.grpc_url, "Hello", max_tokens=0)
+        # The stubs' shared scratch (cancellation flags, live-sequence slots) is named after tritonserver.
+        stub_pid = stub_processes(server.run_dir)[0].split()[0]
+        triton_pid = int(subprocess.run(["ps", "-o", "ppid=", "-p", stub_pid], capture_output=True, text=True).stdout)
+        scratch = [cancellation.default_directory(triton_pid), *slots.server_directories(triton_pid)]
+        assert len(scratch) == 2 and all(path.is_dir() for path in scratch), scratch
     finally:
         code = stop_server(server)  # asserts: nothing pending, no stub left, exit code 0
     assert code == 0
+    assert not any(path.exists() for path in scratch), scratch  # the launcher removed it
 
 
 def test_the_image_base_is_the_triton_release_the_tests_serve_with(server):

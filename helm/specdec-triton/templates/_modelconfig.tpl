@@ -188,5 +188,5 @@ output [
 {{ include "specdec.param" (list "max_live_sequences" $s.maxLiveSequences) }}
 {{ include "specdec.param" (list "when_full" $s.whenFull) }}
 {{ include "specdec.param" (list "verify_gather_ms" $s.verifyGatherMs) }}
-instance_group [ { count: 1, kind: KIND_CPU } ]
+instance_group [ { count: {{ int $s.orchestratorInstances }}, kind: KIND_CPU } ]
 {{- end -}}

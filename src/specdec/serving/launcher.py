@@ -36,6 +36,7 @@ from specdec.serving import pairs, repository
 from specdec.serving.healthcheck import drain_marker, is_ready
 from specdec.serving.metrics_text import scrape, sum_samples
 from specdec.serving.pairs import log
+from specdec.triton import cancellation, slots
 
 
 @dataclass(frozen=True)
@@ -197,6 +198,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     custom.add_argument("--chat-template", action="store_true", help="apply the tokenizer's chat template")
     parser.add_argument("--compile", default="auto", choices=tn.COMPILE_MODES,
                         help="the models' executor: auto = static shapes + CUDA graphs on GPUs, eager on CPU")
+    parser.add_argument("--orchestrator-instances", type=int, default=tn.DEFAULT_ORCHESTRATOR_INSTANCES,
+                        help="speculative_decoding processes (concurrent streams' rounds run in parallel)")
     parser.add_argument("--set", action="append", default=[], metavar="MODEL.PARAMETER=VALUE",
                         help="override a config.pbtxt parameter of the rendered repository (repeatable), "
                              "e.g. target_model.batched_forward=false")
@@ -212,6 +215,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         extra = extra[1:]
     if args.set and args.model_repository:
         parser.error("--set edits a rendered repository; --model-repository is served as is")
+    if args.orchestrator_instances < 1:
+        parser.error(f"--orchestrator-instances must be at least 1, got {args.orchestrator_instances}")
     if any(not arg.startswith("--") for arg in extra):
         parser.error(f"unrecognized arguments: {' '.join(extra)} (server flags go after `--`)")
     args.server_args = extra
@@ -233,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
                 max_context_tokens=args.max_context_tokens, apply_chat_template=args.chat_template)
         else:
             pair = pairs.prepare_pair(args.pair)
-        pair = dataclasses.replace(pair, compile=args.compile)
+        pair = dataclasses.replace(pair, compile=args.compile, orchestrator_instances=args.orchestrator_instances)
         repo = repository.render(pair, run_dir / "model_repository")
         for setting in args.set:
             repository.override(repo, setting)
@@ -279,7 +284,11 @@ def main(argv: list[str] | None = None) -> int:
         drain(http_port, metrics_port, process, args.drain_timeout)
         if process.poll() is None:
             process.terminate()
-    return process.wait()
+    code = process.wait()
+    # The cancellation flags and live-sequence slots its stubs shared (named after the server's PID).
+    for scratch in [cancellation.default_directory(process.pid), *slots.server_directories(process.pid)]:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return code
 
 
 if __name__ == "__main__":

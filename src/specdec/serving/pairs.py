@@ -60,8 +60,9 @@ class PairSpec:
     default_max_tokens: int = tn.DEFAULT_MAX_TOKENS
     max_max_tokens: int = tn.DEFAULT_MAX_MAX_TOKENS
     max_sequences: int = 256
-    max_live_sequences: int = 64
+    max_live_sequences: int = 64  # across all orchestrator instances
     when_full: str = "queue"
+    orchestrator_instances: int = tn.DEFAULT_ORCHESTRATOR_INSTANCES
     sequence_idle_timeout_s: int = 600
 
 

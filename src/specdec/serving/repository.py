@@ -1,7 +1,7 @@
 """Render `model_repository/` for a chosen pair: copy it and set the config.pbtxt parameters.
 
 The committed configs are valid Triton configs (paths default to /models/... as in the image); this
-rewrites only `parameters` values and instance kinds, and adds one draft_model copy per extra draft.
+rewrites only `parameters` values and instance groups, and adds one draft_model copy per extra draft.
 """
 
 from __future__ import annotations
@@ -91,7 +91,8 @@ def render(pair: PairSpec, dest: Path) -> Path:
         "max_num_draft_tokens": str(pair.max_num_draft_tokens),
         "default_max_tokens": str(pair.default_max_tokens), "max_max_tokens": str(pair.max_max_tokens),
         "max_context_tokens": str(pair.max_context_tokens),
-        "max_live_sequences": str(pair.max_live_sequences), "when_full": pair.when_full})
+        "max_live_sequences": str(pair.max_live_sequences), "when_full": pair.when_full},
+        f"instance_group [ {{ count: {pair.orchestrator_instances}, kind: KIND_CPU }} ]")
     return dest
 
 

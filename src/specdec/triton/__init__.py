@@ -10,6 +10,7 @@
   config           typed, validated config.pbtxt parameters
   metrics          every Prometheus metric the models define
   cancellation     cancellation flags shared by the server's processes
+  slots            the live-sequence cap shared by the orchestrator's instances (file locks)
 
 May import: `specdec.decoding`, `specdec.engine`, `specdec.tensor_names`; `triton_python_backend_utils`
 only at load, inside a stub (adapter.py).

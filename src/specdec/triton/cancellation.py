@@ -18,9 +18,13 @@ import time
 from pathlib import Path
 
 
-def default_directory() -> Path:
-    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-    return base / f"specdec-cancel-{os.getppid()}"
+def scratch_base() -> Path:
+    """Where the directories the stubs of one server share go (this board, the live-sequence slots)."""
+    return Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+
+
+def default_directory(server_pid: int | None = None) -> Path:
+    return scratch_base() / f"specdec-cancel-{server_pid or os.getppid()}"
 
 
 class CancellationBoard:

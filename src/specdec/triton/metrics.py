@@ -67,9 +67,13 @@ class ModelMetrics:
 
 
 class OrchestratorMetrics:
-    def __init__(self, pb_utils, max_num_draft_tokens: int):
+    """The orchestrator's metrics. Every instance of the model (a stub process each) updates the same
+    counters and histograms, which add up; a gauge of one instance's state carries `instance`."""
+
+    def __init__(self, pb_utils, max_num_draft_tokens: int, instance: str = ""):
         make = self._make = _Families(pb_utils)
         family = make.kinds
+        mine = {"instance": instance}
 
         self.drafted = make("specdec_draft_tokens_total", "Draft tokens sent to verification",
                             family.COUNTER).Metric(labels={})
@@ -94,21 +98,23 @@ class OrchestratorMetrics:
                          family.HISTOGRAM).Metric(labels={}, buckets=LATENCY_BUCKETS)
         self.latency = make("specdec_request_latency_seconds", "Request arrival to its final response",
                             family.HISTOGRAM).Metric(labels={}, buckets=LATENCY_BUCKETS)
-        self.live = make("specdec_live_sequences", "Requests currently generating",
-                         family.GAUGE).Metric(labels={})
-        self.live_peak = make("specdec_live_sequences_peak", "The most requests that have generated at once",
-                              family.GAUGE).Metric(labels={})
+        self.live = make("specdec_live_sequences", "Requests currently generating in this instance",
+                         family.GAUGE).Metric(labels=mine)
+        self.live_peak = make("specdec_live_sequences_peak", "The most requests that have generated at once in the "
+                              "server, as far as this instance has seen (the highest live-sequence slot it took)",
+                              family.GAUGE).Metric(labels=mine)
         self._live_peak = 0
-        self.queued = make("specdec_queued_requests", "Requests waiting for a slot (max_live_sequences reached)",
-                           family.GAUGE).Metric(labels={})
+        self.queued = make("specdec_queued_requests", "Requests waiting in this instance for a slot "
+                           "(max_live_sequences reached)", family.GAUGE).Metric(labels=mine)
+        # The server-wide cap: every instance sets the same value, so it carries no instance label.
         self.max_live = make("specdec_max_live_sequences", "Requests that may generate at once (max_live_sequences)",
                              family.GAUGE).Metric(labels={})
         self.sequences_per_forward = make(
             "specdec_sequences_per_forward", "Sequences sharing a target forward (moving average; the policy's n)",
-            family.GAUGE).Metric(labels={})
+            family.GAUGE).Metric(labels=mine)
         verify_cost = make("specdec_verify_cost", "v(k): a round drafting k tokens, in target-only steps, as "
                            "the adaptive policy currently estimates it", family.GAUGE)
-        self.verify_cost = {k: verify_cost.Metric(labels={"draft_tokens": str(k)}) for k in positions}
+        self.verify_cost = {k: verify_cost.Metric(labels={"draft_tokens": str(k), **mine}) for k in positions}
         self.fallbacks = make("specdec_draft_fallbacks_total", "Rounds run target-only because their draft model "
                               "failed or was out of rotation after failing", family.COUNTER)
         self._fallback_metrics: dict = {}
@@ -185,11 +191,13 @@ class OrchestratorMetrics:
         for k, metric in self.verify_cost.items():
             metric.set(costs.verify_cost(k))
 
-    def set_live(self, live: int) -> None:
+    def set_live(self, live: int, peak: int) -> None:
+        """This instance's live requests, and the server's high-water mark as this instance knows it (a
+        mark: a scrape between two samples cannot miss it)."""
         self.live.set(live)
-        if live > self._live_peak:  # a high-water mark: a scrape between two samples cannot miss it
-            self._live_peak = live
-            self.live_peak.set(live)
+        if peak > self._live_peak:
+            self._live_peak = peak
+            self.live_peak.set(peak)
 
     def record_request(self, finish_reason: str, output_tokens: int, latency_s: float) -> None:
         self.requests[finish_reason].increment(1)

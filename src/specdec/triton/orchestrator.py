@@ -29,6 +29,7 @@ from specdec.triton.config import ModelParameters
 from specdec.triton.fallback import FallbackProposer
 from specdec.triton.metrics import OrchestratorMetrics
 from specdec.triton.request import InputError, ParsedRequest, RequestLimits
+from specdec.triton.slots import SlotPool
 from specdec.triton.verify_gate import GatedScorer, VerifyGate
 
 
@@ -46,15 +47,18 @@ class SpeculativeDecodingAdapter(TritonAdapter):
         self.limits = RequestLimits.from_parameters(params, len(self.tokenizer),
                                                     frozenset([] if eos is None else [int(eos)]))
         self.costs = CostModel()  # measured by every request, shared: the policy's c and v(k)
-        # At most max_live_sequences generate at once (each holds a KV cache in both models); over the
-        # cap a request waits for a slot, or with when_full=reject gets UNAVAILABLE at once.
+        # At most max_live_sequences generate at once across every instance of this model (each holds a
+        # KV cache in both models; slots.py); over the cap a request waits for a slot, or with
+        # when_full=reject gets UNAVAILABLE at once.
         self.max_live = params.int("max_live_sequences", 64, low=1)
         self.when_full = params.str("when_full", "queue", choices=("queue", "reject"))
-        self.slots = asyncio.Semaphore(self.max_live)
+        self.slots = SlotPool(self.max_live)
         self.queued = 0
         timeout_us = params.int("bls_timeout_us", 0, low=0)
         # "ngram" is the built-in prompt-lookup method; any other name is a draft model to call over BLS.
-        self.metrics = OrchestratorMetrics(pb_utils, self.limits.max_num_draft_tokens)
+        # Gauges of one instance carry its name: the server's figure is their sum (or max for the peak).
+        self.metrics = OrchestratorMetrics(pb_utils, self.limits.max_num_draft_tokens,
+                                           args.get("model_instance_name", params.model_name))
         self.metrics.max_live.set(self.max_live)  # the denominator of the chart's backlog signal
         # A draft model that fails is bypassed (target-only rounds) and retried after a wait.
         retry_s = params.float("draft_retry_after_s", 1.0, low=0.0)
@@ -103,24 +107,26 @@ class SpeculativeDecodingAdapter(TritonAdapter):
             sender.send(pb.InferenceResponse(error=pb.TritonError(str(exc), pb.TritonError.INVALID_ARG)),
                         flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             return
-        if self.slots.locked() and self.when_full == "reject":
+        slot = self.slots.take_now()
+        if slot is None and self.when_full == "reject":
             self.metrics.requests["rejected"].increment(1)
             await asyncio.sleep(0.005)  # see the note on server#8537 above
             sender.send(pb.InferenceResponse(error=pb.TritonError(
                 f"speculative_decoding: {self.max_live} sequences are generating (max_live_sequences); "
                 f"retry later", pb.TritonError.UNAVAILABLE)), flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             return
-        self.queued += 1
-        self.metrics.queued.set(self.queued)
-        try:
-            await self.slots.acquire()
-        finally:
-            self.queued -= 1
+        if slot is None:
+            self.queued += 1
             self.metrics.queued.set(self.queued)
+            try:
+                slot = await self.slots.acquire()
+            finally:
+                self.queued -= 1
+                self.metrics.queued.set(self.queued)
         try:
             await self._generate(sender, arrived, parsed)
         finally:
-            self.slots.release()
+            self.slots.release(slot)
 
     async def _generate(self, sender, arrived: float, parsed: ParsedRequest):
         pb = self.pb
@@ -141,7 +147,7 @@ class SpeculativeDecodingAdapter(TritonAdapter):
             return self._response(emission, gen, emitter, stats, finish)
 
         self.gate.enter()  # the gate's count of live requests is the one the metric reports
-        self.metrics.set_live(self.gate.live)
+        self.metrics.set_live(self.gate.live, self.slots.highest)
         finish, last = None, None
         try:
             policy = DraftLengthPolicy(parsed.num_draft_tokens, self.costs, parsed.draft_name,
@@ -182,7 +188,7 @@ class SpeculativeDecodingAdapter(TritonAdapter):
             return
         finally:
             self.gate.leave()
-            self.metrics.set_live(self.gate.live)
+            self.metrics.set_live(self.gate.live, self.slots.highest)
             self.metrics.flush(time.monotonic())  # this request's rounds are counted before it ends
             self.cancellations.clear(gen.seq_id)
         if finish == tn.FINISH_CANCELLED:

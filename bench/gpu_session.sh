@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Everything a lent GPU machine should measure, in parts that each fit one 10-minute device command:
+#
+#   source .gpukit/activate.sh && bash bench/gpu_session.sh tests bench          # ~8 min
+#   source .gpukit/activate.sh && bash bench/gpu_session.sh orchestrators executor
+#
+# Parts:
+#   tests          tests/gpu (greedy equality in float32/float64, seeded sampling, CUDA graphs vs eager)
+#   bench          `make bench-gpu`'s table: the 8B-shaped pair against the bound, compiled PyTorch and
+#                  transformers, served at 1 and 8 streams (the README's GPU table)
+#   orchestrators  the served rows again with one orchestrator instance (the default is two): the A/B
+#                  behind speculation.orchestratorInstances
+#   executor       in-process steps of the static executor, with and without the fused SiLU MLP (fuse_mlp),
+#                  against the compiled static-cache reference
+#
+# Results go to $OUT (the device tool brings that folder back), or .cache/gpu-session here.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${OUT:-.cache/gpu-session}"
+mkdir -p "$out"
+python="${PYTHON:-python3}"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu.txt" 2>&1
+"$python" -c "import torch; print(torch.__version__, torch.version.cuda)" >> "$out/gpu.txt" 2>&1
+
+run() {  # run NAME SECONDS COMMAND...: its output in $out/NAME.log, its exit code and time in summary.txt
+  local name=$1 seconds=$2 started=$SECONDS
+  shift 2
+  timeout "$seconds" "$@" > "$out/$name.log" 2>&1
+  echo "$name: exit $? after $((SECONDS - started)) s" | tee -a "$out/summary.txt"
+}
+
+for part in "$@"; do
+  case "$part" in
+    tests) run tests-gpu 240 "$python" -m pytest -q -m gpu tests/gpu -p no:cacheprovider ;;
+    bench) run bench-gpu 420 "$python" bench/gpu_bench.py --out "$out/bench-gpu.md" ;;
+    orchestrators)
+      run bench-gpu-1-orchestrator 300 "$python" bench/gpu_bench.py --served-only --prompts 4 \
+        --launcher-arg=--orchestrator-instances=1 --out "$out/bench-gpu-1-orchestrator.md"
+      run bench-gpu-2-orchestrators 300 "$python" bench/gpu_bench.py --served-only --prompts 4 \
+        --launcher-arg=--orchestrator-instances=2 --out "$out/bench-gpu-2-orchestrators.md" ;;
+    executor) run executor 240 "$python" bench/executor_bench.py --modes graphs,graphs-mlp --reference \
+        --out "$out/executor.md" ;;
+    *) echo "unknown part: $part (tests, bench, orchestrators, executor)" >&2; exit 2 ;;
+  esac
+done

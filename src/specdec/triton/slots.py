@@ -1,0 +1,75 @@
+"""The live-sequence cap (`max_live_sequences`) held across every orchestrator instance of one tritonserver.
+
+Each `speculative_decoding` instance is its own stub process, so an asyncio semaphore would cap each
+instance separately. A slot is instead an exclusive `flock` on one of `total` files in a directory
+private to the server (named after the tritonserver process, like the cancellation board): taking one
+is a few system calls per request, a process that dies frees its slots with its file descriptors, and a
+slot taken in one instance is taken for all of them.
+
+Slots are taken lowest index first, so when slot i is taken slots 0..i-1 are held: the highest index
+taken plus one is how many requests generated at once at the busiest moment (`highest`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import fcntl
+import os
+from pathlib import Path
+
+from specdec.triton.cancellation import scratch_base
+
+
+def default_directory(total: int, server_pid: int | None = None) -> Path:
+    # The cap in the name: instances that disagree on it cannot share slots by accident.
+    return scratch_base() / f"specdec-slots-{server_pid or os.getppid()}-{total}"
+
+
+def server_directories(server_pid: int) -> list[Path]:
+    """Every slot directory of a server's stubs (one per cap they were loaded with)."""
+    return sorted(scratch_base().glob(f"specdec-slots-{server_pid}-*"))
+
+
+class SlotPool:
+    def __init__(self, total: int, directory: Path | None = None, poll_s: float = 0.005):
+        if total < 1:
+            raise ValueError(f"a slot pool needs at least one slot, got {total}")
+        self.total = total
+        self.directory = directory or default_directory(total)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._prefix = f"{self.directory}{os.sep}"
+        self.poll_s = poll_s
+        self.highest = 0  # the most slots this process has seen taken at once (the index it took + 1)
+        self._waiting = asyncio.Lock()  # this process's waiters take free slots in arrival order
+
+    def try_acquire(self) -> int | None:
+        """Take the lowest free slot: its file descriptor (hand it to `release`), or None when all are taken."""
+        for index in range(self.total):
+            fd = os.open(f"{self._prefix}{index}", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as exc:
+                os.close(fd)
+                if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                    continue
+                raise
+            self.highest = max(self.highest, index + 1)
+            return fd
+        return None
+
+    def take_now(self) -> int | None:
+        """A free slot unless requests of this process already wait for one (they go first), else None."""
+        return None if self._waiting.locked() else self.try_acquire()
+
+    async def acquire(self) -> int:
+        """Wait for a slot. Waiters of this process go in arrival order; across processes the first to poll
+        after a release wins (a slot is polled for every `poll_s` only while the server is full)."""
+        async with self._waiting:
+            while (fd := self.try_acquire()) is None:
+                await asyncio.sleep(self.poll_s)
+            return fd
+
+    @staticmethod
+    def release(fd: int) -> None:
+        os.close(fd)  # closing the only descriptor of the open file drops its lock

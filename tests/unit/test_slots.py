@@ -1,0 +1,145 @@
+"""The live-sequence cap shared by orchestrator instances: slots are file locks, so two pools over one
+directory (two instances) share the cap, and a process that dies frees what it held."""
+
+import asyncio
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from specdec.triton.slots import SlotPool
+
+
+def test_two_pools_share_the_cap(tmp_path):
+    a, b = SlotPool(3, tmp_path), SlotPool(3, tmp_path)
+    held = [a.try_acquire(), b.try_acquire(), a.try_acquire()]
+    assert None not in held
+    assert b.try_acquire() is None and a.try_acquire() is None
+    SlotPool.release(held[0])
+    again = b.try_acquire()
+    assert again is not None and a.try_acquire() is None
+    for fd in held[1:] + [again]:
+        SlotPool.release(fd)
+    assert [a.try_acquire() for _ in range(3)].count(None) == 0
+
+
+def test_lowest_slot_first_gives_the_peak(tmp_path):
+    a, b = SlotPool(4, tmp_path), SlotPool(4, tmp_path)
+    first = a.try_acquire()
+    assert a.highest == 1
+    second = b.try_acquire()
+    assert b.highest == 2  # slot 0 was held by the other pool: two at once
+    SlotPool.release(first)
+    SlotPool.release(second)
+    fd = b.try_acquire()
+    assert (a.highest, b.highest) == (1, 2)  # a high-water mark: it never falls
+    SlotPool.release(fd)
+
+
+def test_a_waiter_gets_the_slot_another_pool_frees(tmp_path):
+    a, b = SlotPool(1, tmp_path, poll_s=0.001), SlotPool(1, tmp_path, poll_s=0.001)
+    held = a.try_acquire()
+
+    async def scenario():
+        waiter = asyncio.ensure_future(b.acquire())
+        await asyncio.sleep(0.02)
+        assert not waiter.done()
+        SlotPool.release(held)
+        return await asyncio.wait_for(waiter, 2)
+
+    fd = asyncio.run(scenario())
+    assert a.try_acquire() is None
+    SlotPool.release(fd)
+
+
+def test_waiters_of_one_pool_go_in_arrival_order(tmp_path):
+    pool = SlotPool(1, tmp_path, poll_s=0.001)
+    held = pool.try_acquire()
+    order = []
+
+    async def wait(name):
+        fd = await pool.acquire()
+        order.append(name)
+        await asyncio.sleep(0.005)
+        SlotPool.release(fd)
+
+    async def scenario():
+        tasks = []
+        for name in "abc":
+            tasks.append(asyncio.ensure_future(wait(name)))
+            await asyncio.sleep(0.005)
+        SlotPool.release(held)
+        await asyncio.wait_for(asyncio.gather(*tasks), 5)
+
+    asyncio.run(scenario())
+    assert order == ["a", "b", "c"]
+
+
+def test_a_cancelled_waiter_takes_no_slot(tmp_path):
+    pool = SlotPool(1, tmp_path, poll_s=0.001)
+    held = pool.try_acquire()
+
+    async def scenario():
+        waiter = asyncio.ensure_future(pool.acquire())
+        await asyncio.sleep(0.01)
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+
+    asyncio.run(scenario())
+    SlotPool.release(held)
+    fd = pool.try_acquire()
+    assert fd is not None  # the cancelled waiter holds nothing
+    SlotPool.release(fd)
+
+
+def test_a_dead_process_frees_its_slots(tmp_path):
+    """A stub that crashes holding slots does not shrink the cap for the instances that remain."""
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import sys, time
+        from pathlib import Path
+        from specdec.triton.slots import SlotPool
+        pool = SlotPool(2, Path({str(tmp_path)!r}))
+        held = [pool.try_acquire(), pool.try_acquire()]
+        print("held", flush=True)
+        time.sleep(60)
+    """)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        pool = SlotPool(2, tmp_path)
+        assert pool.try_acquire() is None
+        holder.kill()
+        holder.wait(10)
+        fds = [pool.try_acquire(), pool.try_acquire()]
+        assert None not in fds
+        for fd in fds:
+            SlotPool.release(fd)
+    finally:
+        holder.kill()
+
+
+def test_at_least_one_slot(tmp_path):
+    with pytest.raises(ValueError, match="at least one slot"):
+        SlotPool(0, tmp_path)
+
+
+def test_a_newcomer_does_not_pass_the_waiters(tmp_path):
+    """`take_now` gives a free slot only while nobody of this process waits: a request arriving just after
+    a release cannot take the slot a queued one polls for."""
+    pool = SlotPool(1, tmp_path, poll_s=0.05)
+    held = pool.try_acquire()
+
+    async def scenario():
+        waiter = asyncio.ensure_future(pool.acquire())
+        await asyncio.sleep(0.01)
+        SlotPool.release(held)
+        assert pool.take_now() is None  # free, but the waiter is first
+        return await asyncio.wait_for(waiter, 2)
+
+    fd = asyncio.run(scenario())
+    assert pool.take_now() is None  # held by the waiter now
+    SlotPool.release(fd)
+    fd = pool.take_now()
+    assert fd is not None
+    SlotPool.release(fd)
