@@ -239,10 +239,13 @@ async def served_streams(url: str, prompts: list[str], max_tokens: int, params: 
     return sum(r.num_output_tokens for r in results) / elapsed
 
 
-def target_batches(own) -> tuple[float, float]:
-    """target_model's (requests, executions) so far: their ratio is the sequences a forward served."""
+def target_batches(own) -> tuple[float, float, float]:
+    """target_model's (requests, executions, seconds in forwards) so far: requests / executions is the
+    sequences a forward served; forward seconds / wall time how busy the target's device was (the rest is
+    host work between forwards: the adapter, Triton, waiting for the streams' next calls)."""
     return (own.metric("nv_inference_request_success", model="target_model"),
-            own.metric("nv_inference_exec_count", model="target_model"))
+            own.metric("nv_inference_exec_count", model="target_model"),
+            own.metric("specdec_model_forward_seconds_total", model="target_model"))
 
 
 def print_table(header: str, rows: list, columns: list[str], out: str | None) -> None:
@@ -301,11 +304,14 @@ def main(argv=None) -> int:
         eight = {}
         for name, params in (("K=0", GenerationParams(num_draft_tokens=0)),
                              (f"adaptive K<={args.k}", GenerationParams(num_draft_tokens=args.k))):
-            before = target_batches(own)
+            before, started = target_batches(own), time.perf_counter()
             tps = asyncio.run(served_streams(own.grpc_url, prompts, args.max_tokens, params, 8))
+            wall = time.perf_counter() - started
+            time.sleep(0.6)  # target_model adds to its forward-seconds counter at most twice a second
             after = target_batches(own)
-            # How well the streams share forwards: target_model requests per execution (Triton's counters).
-            eight[name] = (tps, (after[0] - before[0]) / max(after[1] - before[1], 1))
+            # How well the streams share forwards: target_model requests per execution (Triton's counters),
+            # and the share of the wall time target_model spent in forwards.
+            eight[name] = (tps, (after[0] - before[0]) / max(after[1] - before[1], 1), (after[2] - before[2]) / wall)
     finally:
         own.stop(120)
 
@@ -353,9 +359,9 @@ def main(argv=None) -> int:
                      f"{alpha:.2f}", f"{per_round:.2f}", f"{bound:.2f}" if bound else "",
                      f"{tps / base / bound:.2f}" if bound else "",
                      f"equal text {row['equal']:.0%}"])
-    for name, (tps, per_forward) in eight.items():
+    for name, (tps, per_forward, busy) in eight.items():
         rows.append([f"served, 8 streams, {name}", "", f"{tps:.1f}", f"{tps / base:.2f}x", "", "", "", "",
-                     f"{per_forward:.1f} sequences per target forward"])
+                     f"{per_forward:.1f} sequences per target forward, target in forwards {busy:.0%} of the time"])
     if not args.served_only:
         rows.append(["transformers generate, plain", "", f"{peer['plain']:.1f}", f"{peer['plain'] / base:.2f}x",
                      "", "", "", "", ""])

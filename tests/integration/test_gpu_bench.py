@@ -1,6 +1,7 @@
 """`make bench-gpu`'s script in its small CPU mode: builds its pair, times it in process, serves it through
 the launcher and prints the whole table (the GPU figures themselves come from a GPU machine)."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +27,10 @@ def test_gpu_bench_small_mode_prints_every_row(tmp_path):
     # float32: greedy speculative text equals target-only text on every prompt.
     served = [line for line in table.splitlines() if line.startswith("| served, 1 stream")]
     assert len(served) == 3 and all("equal text 100%" in line for line in served)
+    # 8 streams: how many sequences a target forward carried and how busy the target was.
+    eight = [line for line in table.splitlines() if line.startswith("| served, 8 streams")]
+    busy = [re.search(r"target in forwards (\d+)% of the time", line) for line in eight]
+    assert len(eight) == 2 and all(match and 0 < int(match.group(1)) <= 100 for match in busy), eight
 
 
 def test_round_overhead_bench_splits_a_round(tmp_path):

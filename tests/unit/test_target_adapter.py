@@ -33,3 +33,47 @@ def test_an_execution_of_errors_only_returns_the_errors(tiny_lm):
     (result,) = adapter._gather(adapter._run([Step(1, 2, [5], 1)]))
     with pytest.raises(CacheError, match="has no cache"):
         raise result
+
+
+class _Tensor:
+    def __init__(self, name, value):
+        self._name, self._value = name, np.asarray(value)
+
+    def name(self):
+        return self._name
+
+    def as_numpy(self):
+        return self._value
+
+
+class _Request:
+    """The two calls of pb_utils' InferenceRequest that parsing makes, counting the listings."""
+
+    def __init__(self, **inputs):
+        self._inputs = [_Tensor(name, value) for name, value in inputs.items()]
+        self.listed = 0
+
+    def inputs(self):
+        self.listed += 1
+        return list(self._inputs)
+
+
+def test_a_step_is_parsed_from_one_listing_of_the_requests_inputs():
+    from specdec import tensor_names as tn
+    from specdec.triton.language_models import DraftModel, _inputs
+
+    request = _Request(**{tn.INPUT_IDS: [[4, 5, 6]], tn.CACHE_LENGTH: [[7]], tn.NUM_LOGITS: [[3]]})
+    step = TargetModel.__new__(TargetModel)._parse_step(_inputs(request), 11)
+    assert (step.seq_id, step.keep, step.new_ids, step.num_logits) == (11, 7, [4, 5, 6], 3)
+    assert request.listed == 1
+    bare = TargetModel.__new__(TargetModel)._parse_step(_inputs(_Request(**{tn.INPUT_IDS: [[1]]})), 2)
+    assert (bare.keep, bare.num_logits) == (0, 1)  # the optional inputs' defaults
+    draft = DraftModel.__new__(DraftModel)
+    draft.lm = type("LM", (), {"logits_device": torch.device("cpu")})()
+    request = _Request(**{tn.INPUT_IDS: [[1, 2]], tn.CACHE_LENGTH: [[0]], tn.NUM_DRAFT_TOKENS: [[5]],
+                          tn.TEMPERATURE: [[0.7]], tn.TOP_K: [[20]], tn.TOP_P: [[0.9]], tn.SEED: [[3]]})
+    step = draft._parse_step(_inputs(request), 1)
+    assert step.k == 5 and step.params.temperature == pytest.approx(0.7) and step.params.top_k == 20
+    assert step.generator is not None and request.listed == 1
+    with pytest.raises(ValueError, match=tn.INPUT_IDS):
+        TargetModel.__new__(TargetModel)._parse_step(_inputs(_Request(**{tn.CACHE_LENGTH: [[0]]})), 1)

@@ -30,8 +30,14 @@ from specdec.triton.config import ConfigError, ModelParameters
 from specdec.triton.metrics import ModelMetrics
 
 
-def _scalar(pb_utils, request, name, default=None):
-    tensor = pb_utils.get_input_tensor_by_name(request, name)
+def _inputs(request) -> dict:
+    """A request's input tensors by name, listed once: pb_utils.get_input_tensor_by_name lists them all
+    (a call into the stub that builds every tensor object) on each lookup, and a step reads up to six."""
+    return {tensor.name(): tensor for tensor in request.inputs()}
+
+
+def _scalar(inputs: dict, name, default=None):
+    tensor = inputs.get(name)
     if tensor is None:
         return default
     return tensor.as_numpy().reshape(-1)[0].item()
@@ -176,12 +182,13 @@ class LanguageModelAdapter(TritonAdapter):
         for i, request in enumerate(requests):
             try:
                 seq_id = request.correlation_id()
-                if _scalar(pb, request, tn.RELEASE, False):
+                inputs = _inputs(request)
+                if _scalar(inputs, tn.RELEASE, False):
                     self.lm.release(seq_id)
                     released = self._freed_since_trim = True
                     responses[i] = pb.InferenceResponse(output_tensors=[])
                     continue
-                steps.append(self._parse_step(request, seq_id))
+                steps.append(self._parse_step(inputs, seq_id))
                 owners.append(i)
             except (CacheError, ValueError) as exc:
                 responses[i] = self._error(exc)
@@ -223,13 +230,14 @@ class LanguageModelAdapter(TritonAdapter):
     def _error(self, exc: Exception):
         return self.pb.InferenceResponse(error=self.pb.TritonError(f"{self.name}: {exc}"))
 
-    def _parse_step(self, request, seq_id: int) -> Step:
-        pb = self.pb
-        return Step(seq_id, int(_scalar(pb, request, tn.CACHE_LENGTH, 0)),
-                    pb.get_input_tensor_by_name(request, tn.INPUT_IDS).as_numpy().reshape(-1).tolist(),
-                    **self._step_options(request))
+    def _parse_step(self, inputs: dict, seq_id: int) -> Step:
+        ids = inputs.get(tn.INPUT_IDS)
+        if ids is None:
+            raise ValueError(f"missing input {tn.INPUT_IDS}")
+        return Step(seq_id, int(_scalar(inputs, tn.CACHE_LENGTH, 0)), ids.as_numpy().reshape(-1).tolist(),
+                    **self._step_options(inputs))
 
-    def _step_options(self, request) -> dict:
+    def _step_options(self, inputs: dict) -> dict:
         """The model-specific fields of a Step (num_logits, or k and sampling)."""
         raise NotImplementedError
 
@@ -260,8 +268,8 @@ class TargetModel(LanguageModelAdapter):
         self.lm.extend(WARM_UP_SEQUENCE, 17, [1, 2, 3, 4, 5], 5)  # a verify of K + 1 = 5 positions
         self.lm.release(WARM_UP_SEQUENCE)
 
-    def _step_options(self, request):
-        return {"num_logits": int(_scalar(self.pb, request, tn.NUM_LOGITS, 1))}
+    def _step_options(self, inputs):
+        return {"num_logits": int(_scalar(inputs, tn.NUM_LOGITS, 1))}
 
     def _run(self, steps):
         return self.lm.extend_many(steps)
@@ -308,15 +316,14 @@ class DraftModel(LanguageModelAdapter):
                                   f"target's ({target_tokenizer}): {problem}; a draft must share the target's vocabulary")
         super().load(params, args)
 
-    def _step_options(self, request):
-        pb = self.pb
+    def _step_options(self, inputs):
         params = SamplingParams(
-            temperature=float(_scalar(pb, request, tn.TEMPERATURE, tn.DEFAULT_TEMPERATURE)),
-            top_k=int(_scalar(pb, request, tn.TOP_K, tn.DEFAULT_TOP_K)),
-            top_p=float(_scalar(pb, request, tn.TOP_P, tn.DEFAULT_TOP_P)),
+            temperature=float(_scalar(inputs, tn.TEMPERATURE, tn.DEFAULT_TEMPERATURE)),
+            top_k=int(_scalar(inputs, tn.TOP_K, tn.DEFAULT_TOP_K)),
+            top_p=float(_scalar(inputs, tn.TOP_P, tn.DEFAULT_TOP_P)),
         )
-        seed = _scalar(pb, request, tn.SEED, None)
-        return {"k": int(_scalar(pb, request, tn.NUM_DRAFT_TOKENS, 1)), "params": params,
+        seed = _scalar(inputs, tn.SEED, None)
+        return {"k": int(_scalar(inputs, tn.NUM_DRAFT_TOKENS, 1)), "params": params,
                 "generator": None if params.greedy else make_generator(seed, self.lm.logits_device)}
 
     def _run(self, steps):
