@@ -50,8 +50,9 @@ TRITON = {"queue": "nv_inference_queue_duration_us", "input": "nv_inference_comp
 
 def server_cpu(root_pid: int) -> dict[str, float]:
     """CPU seconds (user + system) so far of the launcher's descendants by role: tritonserver, and each
-    Python model's stub by model name (Linux /proc; {} elsewhere). Per round these say which process
-    the serving machinery's time goes to, steadier than wall time on a shared machine."""
+    Python model's stubs by model name, a model's instances summed (Linux /proc; {} elsewhere). Per
+    round these say which process the serving machinery's time goes to, steadier than wall time on a
+    shared machine."""
     proc, tick = Path("/proc"), os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
     parents, stats, names = {}, {}, {}
     for entry in proc.glob("[0-9]*"):

@@ -74,6 +74,8 @@ def test_soak_reports_memory_over_time_against_a_running_server(server, tmp_path
     assert ", 0 failures" in report and "requests" in report
     table = {line.split("|")[1].strip(): line for line in report.splitlines() if line.startswith("| ")}
     assert {"target_model", "speculative_decoding", "tritonserver", "total"} <= set(table)
+    # One row per stub: the orchestrator's second instance has its own.
+    assert "speculative_decoding #2" in table, sorted(table)
     assert re.search(r"[+-]\d+ / [+-]\d+", table["target_model"])  # anonymous / shared growth
     series = re.search(r"RSS \(anonymous \+ shared, MiB\) every 4 s: ([\d, ]+)", report)
     assert series and len(series.group(1).split(",")) >= 3
