@@ -41,8 +41,11 @@ def server_processes(pid: int) -> dict[str, psutil.Process]:
             # The stub's arguments: its model repository path ends in <model>/<version>/model.py.
             model = next((Path(a).parts[-3] for a in cmd if a.endswith("model.py")), f"stub {proc.pid}")
             # A model with several instances (the orchestrator's two) has a stub each: number them.
-            count = sum(1 for name in out if name == model or name.startswith(f"{model} #"))
-            out[model if not count else f"{model} #{count + 1}"] = proc
+            name, n = model, 1
+            while name in out:
+                n += 1
+                name = f"{model} #{n}"
+            out[name] = proc
     return out
 
 

@@ -46,7 +46,7 @@ class SpeculativeDecodingAdapter(TritonAdapter):
         eos = self.tokenizer.eos_token_id
         self.limits = RequestLimits.from_parameters(params, len(self.tokenizer),
                                                     frozenset([] if eos is None else [int(eos)]))
-        self.costs = CostModel()  # measured by every request, shared: the policy's c and v(k)
+        self.costs = CostModel()  # measured by every request of this instance, shared: the policy's c and v(k)
         # At most max_live_sequences generate at once across every instance of this model (each holds a
         # KV cache in both models; slots.py); over the cap a request waits for a slot, or with
         # when_full=reject gets UNAVAILABLE at once.
