@@ -23,6 +23,7 @@ import importlib.util
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import sysconfig
@@ -95,9 +96,20 @@ def server_command(layout: ServerLayout, repo: Path, http: int, grpc: int, metri
     ]
 
 
+def accepts(port: int, timeout_s: float = 1.0) -> bool:
+    """True when something listens on 127.0.0.1:port."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
 def wait_ready(http_port: int, process: subprocess.Popen, timeout_s: float,
-               stop: threading.Event | None = None) -> None:
-    """Return once tritonserver is ready, or as soon as `stop` is set (a signal arrived)."""
+               stop: threading.Event | None = None, metrics_port: int | None = None) -> None:
+    """Return once tritonserver is ready and, given metrics_port, its metrics endpoint listens (Triton opens
+    it after the HTTP endpoint, so "ready" alone leaves a moment where a scrape is refused); or as soon as
+    `stop` is set (a signal arrived)."""
     deadline = time.monotonic() + timeout_s
     last_note = 0.0
     while time.monotonic() < deadline:
@@ -105,7 +117,7 @@ def wait_ready(http_port: int, process: subprocess.Popen, timeout_s: float,
             return
         if process.poll() is not None:
             raise RuntimeError(f"tritonserver exited with code {process.returncode} before it was ready")
-        if is_ready(http_port, timeout_s=2):
+        if is_ready(http_port, timeout_s=2) and (metrics_port is None or accepts(metrics_port)):
             return
         if time.monotonic() - last_note > 10:
             log("models loading ...")
@@ -269,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     try:
-        wait_ready(http_port, process, args.ready_timeout, stopping)
+        wait_ready(http_port, process, args.ready_timeout, stopping, metrics_port)
         if not stopping.is_set():
             serving.set()
             log(f"READY: http://localhost:{http_port} grpc localhost:{grpc_port} "

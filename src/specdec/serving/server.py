@@ -91,7 +91,7 @@ def start(run_dir: Path, log_path: Path, launcher_args: list[str], ready_timeout
                                     *launcher_args], env=env, stdout=log, stderr=subprocess.STDOUT)
     server = ServerProcess(http, grpc, metrics, run_dir, log_path, process)
     try:
-        wait_ready(http, process, ready_timeout_s)
+        wait_ready(http, process, ready_timeout_s, metrics_port=metrics)
     except (RuntimeError, TimeoutError) as exc:
         server.stop(timeout_s=30)
         raise ServerStartError(f"{exc}; launcher log {log_path}:\n{server.log_tail()}") from None
