@@ -14,6 +14,7 @@ from client.core import (
     GenerationTimeoutError,
     InvalidArgumentError,
     ModelNotReadyError,
+    ServerBusyError,
     ServerUnavailableError,
 )
 from client.sync import Client
@@ -21,5 +22,5 @@ from client.aio import AsyncClient
 
 __all__ = [
     "AsyncClient", "Client", "ClientError", "GenerationParams", "GenerationResult", "GenerationTimeoutError",
-    "InvalidArgumentError", "ModelNotReadyError", "ServerUnavailableError",
+    "InvalidArgumentError", "ModelNotReadyError", "ServerBusyError", "ServerUnavailableError",
 ]

@@ -31,6 +31,13 @@ class GenerationTimeoutError(ClientError):
     """No complete answer within the timeout."""
 
 
+class ServerBusyError(ClientError):
+    """The server is at capacity (max_live_sequences with when_full=reject, or a model's KV cache full):
+    the same request can succeed later. Recognised by its message, which ends "retry later"
+    (`tn.RETRY_LATER`): through the ensemble neither a gRPC stream's error nor the HTTP generate endpoint's
+    status (400) says UNAVAILABLE."""
+
+
 @dataclass(frozen=True)
 class GenerationParams:
     """Every public input of `ensemble` but the prompt; None = the server's default."""
@@ -176,6 +183,8 @@ def classify_http_error(status: int, body: str) -> ClientError:
     except (ValueError, AttributeError):
         message = body
     lowered = message.lower()
+    if tn.RETRY_LATER in lowered:
+        return ServerBusyError(message)
     if status in (404, 503) or (status == 400 and ("unknown model" in lowered or "not ready" in lowered)):
         return ModelNotReadyError(message)
     if status == 400:
@@ -191,6 +200,8 @@ def classify_error(message: str, status: str = "") -> ClientError:
         return ServerUnavailableError(message)
     if "deadline" in lowered or "timed out" in lowered or "timeout" in lowered:
         return GenerationTimeoutError(message)
+    if tn.RETRY_LATER in lowered:  # the server's capacity refusals (a gRPC stream's error has no status)
+        return ServerBusyError(message)
     if "unknown model" in lowered or "not ready" in lowered or "not found" in lowered:
         return ModelNotReadyError(message)
     # Streamed errors carry no status code: recognise the server's wording (ours name "input '<field>'";

@@ -41,6 +41,9 @@ OUTPUT_IDS = "output_ids"  # INT32 [-1]: tokens of this response
 PREFIX_IDS = "prefix_ids"  # INT32 [-1]: tokens emitted before output_ids (detokenization context)
 CACHE_LENGTH = "cache_length"  # INT32 [1]: keep this many cached tokens, drop the rest (rollback)
 NUM_LOGITS = "num_logits"  # INT32 [1]: target returns the last num_logits positions
+# INT32 [1]: on a sequence's first step, the positions its whole generation needs (set aside then, or the
+# step is answered UNAVAILABLE: the model's KV budget is full)
+RESERVE_TOKENS = "reserve_tokens"
 LOGITS = "logits"  # FP32 [-1, -1]
 GREEDY_TOKENS = "greedy_tokens"  # INT32 [-1]: argmax of each returned position
 # FP32 [3]: the target forward this step ran in: [token rows, sequences, seconds] (the policy's costs)
@@ -50,6 +53,11 @@ DRAFT_PROBS = "draft_probs"  # FP32 [-1, -1]: processed draft distributions, one
 TEXT_LENGTH = "text_length"  # INT32 [1]: characters of the decoded chunk to keep; -1 = all (stop words)
 SEQUENCE_ID = "sequence_id"  # UINT64 [1]: the generation's key, for cancellation flags
 RELEASE = "release"  # BOOL [1]: free this sequence's cache (sent with the sequence END flag)
+
+# Ends the message of every refusal for capacity (max_live_sequences, a model's KV budget or sequence
+# limit): the same request can succeed later. A BLS response keeps an error's message but not its code,
+# so the orchestrator recognises a model's refusal by it, and so do clients reading a stream's error.
+RETRY_LATER = "retry later"
 
 # ---- finish reasons --------------------------------------------------------------------------
 FINISH_LENGTH = "length"

@@ -1,12 +1,19 @@
 """The static executor (paged pool, bucketed shapes; eager on CPU) served by a real tritonserver: greedy
 speculative output equals target-only output, seeded sampling repeats, the pool's blocks are reported and
-returned when requests end, and a pool too small for the context fails the load naming the parameter."""
+returned when requests end, a pool too small for the context fails the load naming the parameter, and a
+request the pool has no room for waits for it (or, with when_full=reject, is refused UNAVAILABLE)."""
 
 import re
+import threading
+import time
+import urllib.error
+import urllib.request
+import json
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from client import Client, GenerationParams
+from client import Client, GenerationParams, ServerBusyError
 from specdec.serving import pairs, server
 
 pytestmark = pytest.mark.integration
@@ -46,3 +53,78 @@ def test_a_pool_smaller_than_the_context_fails_the_load_naming_it(tmp_path):
         server.start(tmp_path / "run", tmp_path / "server.log", args, ready_timeout_s=300)
     log = (tmp_path / "server.log").read_text()
     assert "cannot hold one sequence of max_context=" in log and "raise kv_pool_tokens" in log
+
+
+# target_model's pool holds 128 tokens (4 blocks of 32) and so does its context: a request of ~110 tokens
+# reserves 4 blocks at its start, and a second one finds no room until the first ends.
+SMALL_POOL = ("--set", "target_model.kv_pool_tokens=128", "--set", "target_model.max_context_tokens=128",
+              "--set", "speculative_decoding.max_context_tokens=128")
+LONG = GenerationParams(max_tokens=110, num_draft_tokens=3, ignore_eos=True)
+PROMPT = "Once upon a time"
+
+
+def overlapping(client: Client, second):
+    """Run a LONG request, and `second()` once the first has streamed its first text (it holds the pool)."""
+    started = threading.Event()
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(client.generate, PROMPT, LONG, True, lambda _text: started.set())
+        assert started.wait(120)
+        try:
+            other = second()
+        except Exception as exc:  # noqa: BLE001 - the caller checks what it got
+            other = exc
+        return first.result(), other
+
+
+def test_a_request_waits_for_kv_room_and_keeps_its_output(tmp_path):
+    own = server.start(tmp_path / "run", tmp_path / "server.log", static_args(*SMALL_POOL))
+    try:
+        client = Client(own.grpc_url)
+        solo = client.generate(PROMPT, LONG)
+        queued = []
+
+        def second():
+            with ThreadPoolExecutor(1) as pool:
+                waiting = pool.submit(client.generate, PROMPT, LONG)
+                while not waiting.done():
+                    queued.append(own.metric("specdec_queued_requests"))
+                    time.sleep(0.02)
+                return waiting.result()
+
+        first, other = overlapping(client, second)
+        assert not isinstance(other, Exception), other
+        assert first.text == other.text == solo.text and solo.num_output_tokens == 110
+        # It waited for room, counted among the queued requests meanwhile, and was not refused.
+        assert max(queued) >= 1 and own.metric("specdec_queued_requests") == 0
+        assert own.metric("specdec_requests_total", finish_reason="rejected") == 0
+        assert own.metric("specdec_model_kv_cache_bytes", model="target_model") == 0
+    finally:
+        own.stop()
+
+
+def test_with_when_full_reject_a_request_without_kv_room_is_refused_unavailable(tmp_path):
+    own = server.start(tmp_path / "run", tmp_path / "server.log",
+                       static_args(*SMALL_POOL, "--set", "speculative_decoding.when_full=reject"))
+    try:
+        client = Client(own.grpc_url)
+
+        def over_http():  # the generate endpoint, as any HTTP caller sees it
+            body = json.dumps(LONG.json(PROMPT, False)).encode()
+            request = urllib.request.Request(f"{own.http_url}/v2/models/ensemble/generate", data=body,
+                                             headers={"Content-Type": "application/json"})
+            with pytest.raises(urllib.error.HTTPError) as raised:
+                urllib.request.urlopen(request, timeout=60)
+            return raised.value.code, raised.value.read().decode()
+
+        first, (status, body) = overlapping(client, over_http)
+        assert first.num_output_tokens == 110
+        # Through the ensemble the generate endpoint answers this refusal 400 (not 503); the message says it.
+        assert status == 400 and "KV cache budget full" in body and "kv_pool_tokens=128" in body, (status, body)
+        assert body.rstrip('"}').endswith("retry later")
+        first, refused = overlapping(client, lambda: client.generate(PROMPT, LONG))  # over gRPC, typed
+        assert isinstance(refused, ServerBusyError) and "retry later" in str(refused), refused
+        assert own.metric("specdec_requests_total", finish_reason="rejected") == 2
+        assert client.generate(PROMPT, LONG).text == first.text  # room again once the first has ended
+        assert own.metric("specdec_model_kv_cache_bytes", model="target_model") == 0
+    finally:
+        own.stop()

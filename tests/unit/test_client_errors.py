@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from client.core import (ClientError, InvalidArgumentError, ModelNotReadyError, classify_http_error,
-                         server_url)
+from client.core import (ClientError, InvalidArgumentError, ModelNotReadyError, ServerBusyError, classify_error,
+                         classify_http_error, server_url)
 
 
 @pytest.mark.parametrize("status, message, kind", [
@@ -15,11 +15,19 @@ from client.core import (ClientError, InvalidArgumentError, ModelNotReadyError, 
     (400, "input 'max_tokens' must be within [1, 1024], got 0", InvalidArgumentError),
     (404, "not found", ModelNotReadyError),
     (503, "Server not ready", ModelNotReadyError),
+    (503, "speculative_decoding: target_model: KV cache budget full: ... (kv_pool_tokens=128); retry later",
+     ServerBusyError),
     (500, "boom", ClientError),
 ])
 def test_http_errors(status, message, kind):
     error = classify_http_error(status, json.dumps({"error": message}))
     assert type(error) is kind and str(error) == message
+
+
+def test_a_streamed_capacity_refusal_is_busy():
+    message = "speculative_decoding: 2 sequences are generating (max_live_sequences); retry later"
+    assert type(classify_error(message)) is ServerBusyError
+    assert type(classify_error("boom")) is ClientError
 
 
 def test_http_error_with_a_plain_text_body():

@@ -1,9 +1,11 @@
 """A failing draft model: the request finishes target-only with the same greedy output; the draft is out
-of rotation for a while, doubling while it keeps failing, and back after it answers."""
+of rotation for a while, doubling while it keeps failing, and back after it answers. A draft without room
+for one sequence keeps serving the others."""
 
 import asyncio
 
 from specdec.decoding.draft_length import DraftLengthPolicy
+from specdec.decoding.interfaces import NoCapacity
 from specdec.decoding.loop import GenerationRequest, Stats, generate
 from specdec.decoding.sampling import SamplingParams
 from specdec.triton.fallback import FallbackProposer
@@ -86,3 +88,33 @@ def test_a_failing_release_does_not_propagate():
 
     proposer = FallbackProposer(BadRelease(), "d")
     asyncio.run(proposer.release(7))  # logged, not raised: the target's cache must still be released
+
+
+def test_a_draft_without_room_for_a_sequence_stays_in_rotation_for_the_others():
+    class Roomless(FakeProposer):
+        asked = 0
+
+        async def propose(self, seq_id, keep, new_ids, k, params, round_seed, reserve=0):
+            self.asked += 1
+            if seq_id == 1:
+                raise NoCapacity("draft_model: KV cache budget full")
+            return await super().propose(seq_id, keep, new_ids, k, params, round_seed, reserve)
+
+        async def release(self, seq_id):
+            self.released.append(seq_id)
+
+    clock = Clock()
+    inner = Roomless()
+    proposer = FallbackProposer(inner, "d", retry_after_s=1.0, clock=clock)
+    params = SamplingParams()
+
+    def propose(seq_id, keep=0):
+        return asyncio.run(proposer.propose(seq_id, keep, [1, 2], 2, params, 0, reserve=10))
+
+    assert propose(1).tokens == [] and inner.released == [1]  # its sequence at the batcher is ended
+    assert proposer.available and propose(2).tokens  # the draft serves other sequences
+    assert propose(1).tokens == [] and inner.asked == 2  # sequence 1 is not asked again yet...
+    clock.now = 1.0
+    assert propose(1).tokens == [] and inner.asked == 3 and inner.released == [1, 1]  # ...until the wait is over
+    asyncio.run(proposer.release(1))
+    assert 1 not in proposer.no_room_until

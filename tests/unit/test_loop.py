@@ -12,7 +12,7 @@ import torch
 
 from specdec import tensor_names as tn
 from specdec.decoding.draft_length import CostModel, DraftLengthPolicy
-from specdec.decoding.interfaces import ForwardStats, Proposal, Scores
+from specdec.decoding.interfaces import ForwardStats, NoCapacity, Proposal, Scores
 from specdec.decoding.loop import GenerationRequest, Stats, generate
 from specdec.decoding.sampling import SamplingParams
 
@@ -38,6 +38,8 @@ class FakeModel:
         self.tokens_processed = 0
         self.calls = 0
         self.released = []
+        self.reserves = []  # every call's reserve
+        self.peak = 0  # the longest any cache has been
 
     def _extend(self, seq_id, keep, new_ids):
         cache = self.caches.setdefault(seq_id, [])
@@ -46,6 +48,7 @@ class FakeModel:
         cache.extend(new_ids)
         self.tokens_processed += len(new_ids)
         self.calls += 1
+        self.peak = max(self.peak, len(cache))
         return cache
 
     async def release(self, seq_id):
@@ -54,7 +57,8 @@ class FakeModel:
 
 
 class FakeScorer(FakeModel):
-    async def score(self, seq_id, keep, new_ids, num_positions, want_logits):
+    async def score(self, seq_id, keep, new_ids, num_positions, want_logits, reserve=0):
+        self.reserves.append(reserve)
         cache = self._extend(seq_id, keep, new_ids)
         n = len(cache)
         greedy = [true_next(cache[:i]) for i in range(n - num_positions + 1, n + 1)]
@@ -66,7 +70,8 @@ class FakeProposer(FakeModel):
         super().__init__()
         self.agree_every = agree_every
 
-    async def propose(self, seq_id, keep, new_ids, k, params, round_seed):
+    async def propose(self, seq_id, keep, new_ids, k, params, round_seed, reserve=0):
+        self.reserves.append(reserve)
         cache = self._extend(seq_id, keep, new_ids)
         context = list(cache)
         tokens = []
@@ -203,6 +208,68 @@ def test_caches_released_when_a_call_fails():
     assert proposer.released == [4] and scorer.released == [4]
 
 
+@pytest.mark.parametrize("k", [0, 1, 4])
+def test_first_calls_reserve_what_the_caches_ever_hold(k):
+    """Each model's first call asks for room for the whole generation (prompt + max_tokens), the others
+    for none, and no cache grows past it (it is what a KV budget sets aside at the start)."""
+    proposer, scorer = FakeProposer(agree_every=3), FakeScorer()
+    req = GenerationRequest(seq_id=1, prompt_ids=[4, 8, 15], max_tokens=23)
+    run(req, proposer, scorer, DraftLengthPolicy.fixed(k))
+    for model in (scorer, proposer) if k else (scorer,):
+        assert model.reserves[0] == 3 + 23 and not any(model.reserves[1:])
+        assert model.peak <= 3 + 23
+    assert scorer.peak >= 3 + 23 - 1  # the bound is tight: the last round's verify nearly fills it
+
+
+class RoomlessScorer(FakeScorer):
+    """Has no room for a new sequence for its first `full_for` first calls."""
+
+    def __init__(self, full_for):
+        super().__init__()
+        self.full_for = full_for
+
+    async def score(self, seq_id, keep, new_ids, num_positions, want_logits, reserve=0):
+        if reserve and self.full_for:
+            self.full_for -= 1
+            raise NoCapacity("target_model: KV cache budget full")
+        return await super().score(seq_id, keep, new_ids, num_positions, want_logits, reserve)
+
+
+def test_a_new_sequence_waits_for_room_and_keeps_its_output():
+    proposer, scorer = FakeProposer(agree_every=3), RoomlessScorer(full_for=3)
+    waits = []
+
+    async def wait_for_room():
+        waits.append(1)
+        return True
+
+    async def go():
+        rounds = generate(GenerationRequest(seq_id=2, prompt_ids=[1, 2, 3], max_tokens=20), proposer, scorer,
+                          DraftLengthPolicy.fixed(3), wait_for_room=wait_for_room)
+        return [t async for r in rounds for t in r.new_tokens]
+
+    assert asyncio.run(go()) == reference_greedy([1, 2, 3], 20)
+    assert len(waits) == 3
+    assert proposer.reserves.count(3 + 20) == 1  # the draft's first proposal was not redone while waiting
+
+
+@pytest.mark.parametrize("waiter", [None, "gives up"])
+def test_no_room_and_no_wait_raises_and_releases(waiter):
+    proposer, scorer = FakeProposer(), RoomlessScorer(full_for=1)
+
+    async def give_up():
+        return False
+
+    async def go():
+        rounds = generate(GenerationRequest(seq_id=5, prompt_ids=[1, 2], max_tokens=8), proposer, scorer,
+                          DraftLengthPolicy.fixed(2), wait_for_room=give_up if waiter else None)
+        return [t async for r in rounds for t in r.new_tokens]
+
+    with pytest.raises(NoCapacity, match="budget full"):
+        asyncio.run(go())
+    assert proposer.released == [5] and scorer.released == [5]
+
+
 @pytest.mark.parametrize("proposed, accepted", [(1, True), (3, False)])
 def test_sampled_rounds_accept_by_the_target_and_draft_probs(proposed, accepted):
     """A sampled request asks the scorer for logits and verifies the draft's distributions against them.
@@ -212,7 +279,7 @@ def test_sampled_rounds_accept_by_the_target_and_draft_probs(proposed, accepted)
     vocab = 5
 
     class SampledScorer(FakeModel):
-        async def score(self, seq_id, keep, new_ids, num_positions, want_logits):
+        async def score(self, seq_id, keep, new_ids, num_positions, want_logits, reserve=0):
             assert want_logits
             self._extend(seq_id, keep, new_ids)
             logits = torch.full((num_positions, vocab), -30.0)
@@ -220,7 +287,7 @@ def test_sampled_rounds_accept_by_the_target_and_draft_probs(proposed, accepted)
             return Scores(logits.argmax(-1), logits)
 
     class SampledProposer(FakeModel):
-        async def propose(self, seq_id, keep, new_ids, k, params, round_seed):
+        async def propose(self, seq_id, keep, new_ids, k, params, round_seed, reserve=0):
             cache = self._extend(seq_id, keep, new_ids + [proposed] * (k - 1))
             probs = torch.nn.functional.one_hot(torch.tensor([proposed] * k), vocab).float()
             return Proposal([proposed] * k, probs, cached_length=len(cache))
@@ -239,7 +306,7 @@ def test_paused_free_proposer_is_checked_in_the_shadow_and_feeds_forward_costs()
     rounds verify nothing: the output is target-only's, nothing counts as drafted, but every shadow
     proposal is checked against the target's token and the forward costs reach the cost model."""
     class LoadedScorer(FakeScorer):
-        async def score(self, seq_id, keep, new_ids, num_positions, want_logits):
+        async def score(self, seq_id, keep, new_ids, num_positions, want_logits, reserve=0):
             scores = await super().score(seq_id, keep, new_ids, num_positions, want_logits)
             # 8 sequences per forward; rows cost a lot once the forward holds more than 8 of them.
             return Scores(scores.greedy_tokens, None, forward=ForwardStats(8 * num_positions, 8, 0.05 * num_positions))
@@ -247,7 +314,7 @@ def test_paused_free_proposer_is_checked_in_the_shadow_and_feeds_forward_costs()
     class CountingProposer(FakeProposer):
         asked = []
 
-        async def propose(self, seq_id, keep, new_ids, k, params, round_seed):
+        async def propose(self, seq_id, keep, new_ids, k, params, round_seed, reserve=0):
             self.asked.append(k)
             return await super().propose(seq_id, keep, new_ids, k, params, round_seed)
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from specdec.decoding.sampling import SamplingParams, make_generator
-from specdec.engine.executor import CacheError, CausalLM, Step
+from specdec.engine.executor import CacheError, CapacityError, CausalLM, Step
 from specdec.engine.static_executor import StaticCausalLM, bucket, buckets, supports
 
 
@@ -154,6 +154,36 @@ def test_the_budget_refuses_a_sequence_cleanly_and_frees_on_release(tiny_lm):
     assert len(paged.pool.free) == 3
     paged.extend(3, 0, list(range(1, 12)), 1)  # fits now
     assert paged.kv_bytes_allocated == 5 * paged.pool.block_bytes
+
+
+def test_a_new_sequence_reserves_its_generation_up_front(tiny_lm):
+    """A first step's reserve takes the blocks of the whole generation (up to the context), so growing
+    into it never fails; a sequence that does not fit is refused with CapacityError and holds nothing;
+    the logits are those of an unreserved step."""
+    paged = static(tiny_lm, kv_pool_tokens=48, max_context=32)  # 6 blocks of 8 tokens
+    plain = static(tiny_lm, kv_pool_tokens=48, max_context=32)
+    logits = paged.extend(1, 0, [5, 6, 7], 1, reserve=20)  # 3 blocks now, 1 used
+    assert len(paged.sequences[1].blocks) == 3 and torch.equal(logits, plain.extend(1, 0, [5, 6, 7], 1))
+    with pytest.raises(CapacityError, match="KV cache budget full"):
+        paged.extend(2, 0, [1, 2], 1, reserve=100)  # clamped to the context, 4 blocks: 3 are free
+    assert 2 not in paged.sequences and len(paged.pool.free) == 3  # nothing kept for it
+    paged.extend(2, 0, [1, 2], 1, reserve=24)  # 3 blocks, none left
+    with pytest.raises(CapacityError, match="KV cache budget full"):
+        paged.extend(3, 0, [1], 1)
+    paged.extend(1, 3, list(range(1, 18)), 1, reserve=999)  # grows within its reservation (20); reserve ignored
+    assert len(paged.sequences[1].blocks) == 3
+    paged.release(1), paged.release(2)
+    paged.extend(4, 0, [1, 2], 1, reserve=100)
+    assert len(paged.sequences[4].blocks) == 4  # the context (32 tokens), not 100
+    tokens, _ = paged.propose(3, 0, [1], 2, SamplingParams(), reserve=9)  # the draft side reserves too
+    assert len(tokens) == 2 and len(paged.sequences[3].blocks) == 2
+
+
+def test_the_sequence_limit_is_a_capacity_error(tiny_lm):
+    lm = CausalLM(tiny_lm, max_sequences=1)
+    lm.extend(1, 0, [1, 2], 1, reserve=1000)  # no budget here: the reserve takes nothing
+    with pytest.raises(CapacityError, match="max_sequences"):
+        lm.extend(2, 0, [1], 1)
 
 
 def test_idle_eviction_returns_blocks(tiny_lm):

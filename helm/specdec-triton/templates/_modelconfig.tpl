@@ -105,6 +105,7 @@ max_batch_size: 64
 input [
   { name: "input_ids", data_type: TYPE_INT32, dims: [ -1 ], allow_ragged_batch: true },
   { name: "cache_length", data_type: TYPE_INT32, dims: [ 1 ] },
+  { name: "reserve_tokens", data_type: TYPE_INT32, dims: [ 1 ], optional: true },
   { name: "num_draft_tokens", data_type: TYPE_INT32, dims: [ 1 ], optional: true },
   { name: "temperature", data_type: TYPE_FP32, dims: [ 1 ], optional: true },
   { name: "top_k", data_type: TYPE_INT32, dims: [ 1 ], optional: true },
@@ -128,6 +129,7 @@ max_batch_size: 64
 input [
   { name: "input_ids", data_type: TYPE_INT32, dims: [ -1 ], allow_ragged_batch: true },
   { name: "cache_length", data_type: TYPE_INT32, dims: [ 1 ] },
+  { name: "reserve_tokens", data_type: TYPE_INT32, dims: [ 1 ], optional: true },
   { name: "num_logits", data_type: TYPE_INT32, dims: [ 1 ], optional: true },
   { name: "release", data_type: TYPE_BOOL, dims: [ 1 ], optional: true }
 ]

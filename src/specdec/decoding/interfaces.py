@@ -37,17 +37,25 @@ class Scores:
     forward: ForwardStats | None = None  # None where the scorer does not report its forwards
 
 
+class NoCapacity(RuntimeError):
+    """A model has no room for a new sequence now (its KV budget or sequence limit is reached): the same
+    call can succeed once other sequences end."""
+
+
 class Proposer(Protocol):
     async def propose(self, seq_id: int, keep: int, new_ids: list[int], k: int,
-                      params: SamplingParams, round_seed: int) -> Proposal:
-        """Keep `keep` cached tokens, append `new_ids`, draft up to k tokens."""
+                      params: SamplingParams, round_seed: int, reserve: int = 0) -> Proposal:
+        """Keep `keep` cached tokens, append `new_ids`, draft up to k tokens. On a sequence's first call
+        `reserve` is the room its whole generation needs (positions), which a model with a KV budget
+        sets aside then or raises NoCapacity."""
 
     async def release(self, seq_id: int) -> None: ...
 
 
 class Scorer(Protocol):
     async def score(self, seq_id: int, keep: int, new_ids: list[int], num_positions: int,
-                    want_logits: bool) -> Scores:
-        """Keep `keep` cached tokens, append `new_ids`, score the last `num_positions` positions."""
+                    want_logits: bool, reserve: int = 0) -> Scores:
+        """Keep `keep` cached tokens, append `new_ids`, score the last `num_positions` positions;
+        `reserve` as for `Proposer.propose`."""
 
     async def release(self, seq_id: int) -> None: ...

@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Awaitable, Callable
 
 import torch
 
 from specdec import tensor_names as tn
 from specdec.decoding.draft_length import DraftLengthPolicy
-from specdec.decoding.interfaces import Proposal, Proposer, Scorer, Scores
+from specdec.decoding.interfaces import NoCapacity, Proposal, Proposer, Scorer, Scores
 from specdec.decoding.rejection_sampler import Verdict, greedy_verify, rejection_sample
 from specdec.decoding.sampling import SamplingParams, logits_to_probs, make_generator, pad_vocab
 
@@ -67,13 +67,20 @@ class RoundOutput:
 
 
 async def generate(req: GenerationRequest, proposer: Proposer, scorer: Scorer, policy: DraftLengthPolicy,
-                   stats: Stats | None = None, cancelled: Callable[[], bool] | None = None
-                   ) -> AsyncIterator[RoundOutput]:
+                   stats: Stats | None = None, cancelled: Callable[[], bool] | None = None,
+                   wait_for_room: Callable[[], Awaitable[bool]] | None = None) -> AsyncIterator[RoundOutput]:
     """Yield one RoundOutput per verify round until a stop condition; caches are released at the end,
     also when the consumer stops early (cancellation) or a call fails. `cancelled` is asked again between
     a round's draft and its verify (a cancellation that arrived while drafting costs no target forward);
-    the consumer checks between rounds."""
+    the consumer checks between rounds.
+
+    Each model's first call for the sequence reserves room for the whole generation (prompt + max_tokens
+    positions: neither cache ever holds more), so a generation that starts can finish. When the scorer
+    has no room yet (NoCapacity), `wait_for_room` is awaited and the call retried while it returns True;
+    without it, or once it returns False, NoCapacity propagates. A proposer without room is the
+    proposer's business (`FallbackProposer` runs such rounds target-only)."""
     stats = stats if stats is not None else Stats()
+    reserve = len(req.prompt_ids) + req.max_tokens
     tokens = list(req.prompt_ids)
     draft_valid = 0  # tokens[:draft_valid] are in the draft's cache
     target_valid = 0  # tokens[:target_valid] are in the target's cache
@@ -89,7 +96,7 @@ async def generate(req: GenerationRequest, proposer: Proposer, scorer: Scorer, p
                 round_seed = int(torch.randint(0, 2**62, (1,), generator=generator)) if generator else 0
                 started = time.perf_counter()
                 proposal = await proposer.propose(req.seq_id, draft_valid, tokens[draft_valid:], k,
-                                                  req.sampling, round_seed)
+                                                  req.sampling, round_seed, reserve=0 if draft_valid else reserve)
                 policy.observe_draft(k, time.perf_counter() - started)
                 draft_valid = proposal.cached_length
                 drafted_ever = True
@@ -98,12 +105,14 @@ async def generate(req: GenerationRequest, proposer: Proposer, scorer: Scorer, p
                     yield RoundOutput([], 0, 0, tn.FINISH_CANCELLED)
                     return
             elif policy.shadow:  # a free proposer paused: propose, but only to check it
-                shadow = await proposer.propose(req.seq_id, draft_valid, tokens[draft_valid:], 1, req.sampling, 0)
+                shadow = await proposer.propose(req.seq_id, draft_valid, tokens[draft_valid:], 1, req.sampling, 0,
+                                                reserve=0 if draft_valid else reserve)
                 draft_valid = shadow.cached_length
                 drafted_ever = True
             new_ids = tokens[target_valid:] + proposal.tokens
             started = time.perf_counter()
-            scores = await scorer.score(req.seq_id, target_valid, new_ids, k + 1, want_logits=not req.sampling.greedy)
+            scores = await _score(scorer, req, target_valid, new_ids, k + 1, 0 if target_valid else reserve,
+                                  wait_for_room)
             if len(new_ids) == k + 1:  # a plain round (no prompt prefill or catch-up)
                 policy.observe_verify(k + 1, time.perf_counter() - started)
             if scores.forward:
@@ -129,6 +138,19 @@ async def generate(req: GenerationRequest, proposer: Proposer, scorer: Scorer, p
         if drafted_ever:
             await proposer.release(req.seq_id)
         await scorer.release(req.seq_id)
+
+
+async def _score(scorer: Scorer, req: GenerationRequest, keep: int, new_ids: list[int], positions: int,
+                 reserve: int, wait_for_room: Callable[[], Awaitable[bool]] | None) -> Scores:
+    """The verify call; a sequence's first one (reserve > 0) retries while the target has no room for it
+    and `wait_for_room` says to."""
+    while True:
+        try:
+            return await scorer.score(req.seq_id, keep, new_ids, positions, want_logits=not req.sampling.greedy,
+                                      reserve=reserve)
+        except NoCapacity:
+            if not reserve or wait_for_room is None or not await wait_for_room():
+                raise
 
 
 def _verify(proposal: Proposal, scores: Scores, params: SamplingParams,

@@ -77,7 +77,7 @@ class NgramProposer:
         self.sequences: dict[int, NgramIndex] = {}
 
     async def propose(self, seq_id: int, keep: int, new_ids: list[int], k: int,
-                      params: SamplingParams, round_seed: int) -> Proposal:
+                      params: SamplingParams, round_seed: int, reserve: int = 0) -> Proposal:
         index = self.sequences.get(seq_id)
         if index is None:
             index = self.sequences[seq_id] = NgramIndex(self.max_ngram, self.min_ngram)

@@ -53,6 +53,11 @@ class CacheError(ValueError):
     """A request that does not match the sequence's cached state (a client or orchestrator bug)."""
 
 
+class CapacityError(CacheError):
+    """No room for the sequence now (the KV budget or the live-sequence limit is reached): the same step
+    can succeed once other sequences end. The adapters answer it UNAVAILABLE."""
+
+
 def resolve_dtype(name: str) -> torch.dtype:
     if name not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {name!r}")
@@ -102,6 +107,9 @@ class Step(NamedTuple):
     k: int = 0  # propose: tokens to draft
     params: SamplingParams = SamplingParams()
     generator: torch.Generator | None = None
+    # A new sequence's room for its whole generation, taken at its first step (so that a sequence that
+    # starts can finish): positions, or 0 for just this step's. Ignored once the sequence exists.
+    reserve: int = 0
 
 
 class CausalLM:
@@ -145,9 +153,10 @@ class CausalLM:
         seq = self.sequences.get(seq_id)
         return seq.length if seq else 0
 
-    def _acquire(self, seq_id: int, keep: int, grow: int = 0) -> SequenceKV:
+    def _acquire(self, seq_id: int, keep: int, grow: int = 0, reserve: int = 0) -> SequenceKV:
         """The sequence's cache rolled back to `keep` tokens, with room for `grow` more (CacheError if
-        there is none; a sequence that was new then holds nothing)."""
+        there is none; a sequence that was new then holds nothing). A new sequence also takes room for
+        `reserve` positions (`Step.reserve`)."""
         seq = self.sequences.get(seq_id)
         if seq is None:
             if keep != 0:
@@ -155,10 +164,12 @@ class CausalLM:
                     f"sequence {seq_id} has no cache (never started, released or evicted after idling)"
                     f" but cache_length={keep} was requested")
             if len(self.sequences) >= self.max_sequences:
-                raise CacheError(f"too many live sequences ({self.max_sequences}); retry later")
+                raise CapacityError(f"too many live sequences ({self.max_sequences}, max_sequences); {tn.RETRY_LATER}")
             seq = self.sequences[seq_id] = self._new_sequence()
             try:
                 self._reserve(seq, grow)
+                if reserve > grow:
+                    self._hold(seq, reserve)
             except CacheError:
                 self.release(seq_id)
                 raise
@@ -178,13 +189,17 @@ class CausalLM:
     def _reserve(self, seq, positions: int) -> None:
         """Make sure `seq` can hold `positions` tokens; here buffers grow on demand (`KVBatch`)."""
 
-    def extend(self, seq_id: int, keep: int, new_ids: list[int], num_logits: int) -> torch.Tensor:
+    def _hold(self, seq, positions: int) -> None:
+        """Set room aside for `positions` tokens of a new sequence's generation (CapacityError when there
+        is none). Here memory is not budgeted: nothing to hold."""
+
+    def extend(self, seq_id: int, keep: int, new_ids: list[int], num_logits: int, reserve: int = 0) -> torch.Tensor:
         """Keep the first `keep` cached tokens, append `new_ids`, return logits of the last positions.
 
         Returns (num_logits, V) in the model's dtype; num_logits <= len(new_ids). One sequence's
         `extend_many`; raises its CacheError.
         """
-        (result,) = self.extend_many([Step(seq_id, keep, new_ids, num_logits)])
+        (result,) = self.extend_many([Step(seq_id, keep, new_ids, num_logits, reserve=reserve)])
         if isinstance(result, CacheError):
             raise result
         return result
@@ -261,7 +276,7 @@ class CausalLM:
                 if message:
                     raise CacheError(message)
                 # Room for the new tokens, and for a proposal's drafted ones run through the model.
-                self._acquire(step.seq_id, step.keep, len(step.new_ids) + max(step.k - 1, 0))
+                self._acquire(step.seq_id, step.keep, len(step.new_ids) + max(step.k - 1, 0), step.reserve)
                 seen.add(step.seq_id)
                 ok.append(i)
                 errors.append(None)
@@ -322,7 +337,7 @@ class CausalLM:
         return results
 
     def propose(self, seq_id: int, keep: int, new_ids: list[int], k: int, params: SamplingParams,
-                generator: torch.Generator | None = None) -> tuple[list[int], torch.Tensor | None]:
+                generator: torch.Generator | None = None, reserve: int = 0) -> tuple[list[int], torch.Tensor | None]:
         """Draft k tokens autoregressively after appending new_ids.
 
         Returns (tokens, probs): k draft tokens and, when sampling, their (k, V) float32 processed
@@ -330,7 +345,8 @@ class CausalLM:
         is not run through the model (nothing needs its logits until the next round), so the cache
         grows by len(new_ids) + k - 1. One sequence's `propose_many`; raises its CacheError.
         """
-        (result,) = self.propose_many([Step(seq_id, keep, new_ids, k=k, params=params, generator=generator)])
+        (result,) = self.propose_many([Step(seq_id, keep, new_ids, k=k, params=params, generator=generator,
+                                            reserve=reserve)])
         if isinstance(result, CacheError):
             raise result
         return result

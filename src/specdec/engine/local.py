@@ -6,9 +6,9 @@ real models with it. Tensors come back to the host, as they do from a Triton mod
 
 from __future__ import annotations
 
-from specdec.decoding.interfaces import ForwardStats, Proposal, Scores
+from specdec.decoding.interfaces import ForwardStats, NoCapacity, Proposal, Scores
 from specdec.decoding.sampling import SamplingParams, greedy, make_generator
-from specdec.engine.executor import CausalLM
+from specdec.engine.executor import CapacityError, CausalLM
 
 
 class LocalProposer:
@@ -16,9 +16,12 @@ class LocalProposer:
         self.lm = lm
 
     async def propose(self, seq_id: int, keep: int, new_ids: list[int], k: int, params: SamplingParams,
-                      round_seed: int) -> Proposal:
+                      round_seed: int, reserve: int = 0) -> Proposal:
         generator = None if params.greedy else make_generator(round_seed, self.lm.logits_device)
-        tokens, probs = self.lm.propose(seq_id, keep, new_ids, k, params, generator)
+        try:
+            tokens, probs = self.lm.propose(seq_id, keep, new_ids, k, params, generator, reserve)
+        except CapacityError as exc:
+            raise NoCapacity(str(exc)) from None
         # The draft runs every proposed token but the last through its cache.
         return Proposal(tokens, None if probs is None else probs.float().cpu(), keep + len(new_ids) + k - 1)
 
@@ -31,8 +34,11 @@ class LocalScorer:
         self.lm = lm
 
     async def score(self, seq_id: int, keep: int, new_ids: list[int], num_positions: int,
-                    want_logits: bool) -> Scores:
-        logits = self.lm.extend(seq_id, keep, new_ids, num_positions)
+                    want_logits: bool, reserve: int = 0) -> Scores:
+        try:
+            logits = self.lm.extend(seq_id, keep, new_ids, num_positions, reserve)
+        except CapacityError as exc:
+            raise NoCapacity(str(exc)) from None
         return Scores(greedy(logits).cpu(), logits.float().cpu() if want_logits else None,
                       ForwardStats(len(new_ids), 1, 0.0))
 

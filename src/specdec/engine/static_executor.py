@@ -8,8 +8,10 @@ or verify forward changes shape from one step to the next:
 - KV memory is one pool per layer, (blocks + 1, block_size, kv_heads, head_dim), allocated at load
   within a budget (`kv_pool_tokens`); a sequence holds a list of blocks, grown as it grows and returned
   when it ends. Rolling back rejected draft tokens is still just a smaller length. The extra block is
-  scratch: padding rows write there and nobody reads it. A step that needs a block when none is free
-  fails with a CacheError naming the budget (the sequence keeps what it had).
+  scratch: padding rows write there and nobody reads it. A new sequence takes the blocks of its whole
+  generation at its first step (`Step.reserve`, up to the context), so one that starts can finish; a
+  step that needs blocks when too few are free fails with a CapacityError naming the budget (the
+  sequence keeps what it had).
 - A forward's inputs are tensors of a bucketed shape: (B sequences, T rows each) token ids and
   positions, where each row's key and value go (block, offset), each sequence's block table (B, W /
   block_size) and how many keys each row may see. Attention gathers a sequence's blocks into a window
@@ -41,7 +43,7 @@ from torch.nn.functional import scaled_dot_product_attention
 
 from specdec import tensor_names as tn
 from specdec.engine import kernels
-from specdec.engine.executor import CacheError, CausalLM
+from specdec.engine.executor import CacheError, CapacityError, CausalLM
 
 COMPILE_MODES = tn.COMPILE_MODES
 CAPTURE_RESERVE_BYTES = 2 << 30  # capturing at load stops when less is free: room for eager prompts
@@ -108,14 +110,14 @@ class BlockPool:
         return 2 * sum(k[0].nbytes for k in self.keys)
 
     def grow(self, seq: PagedSequence, positions: int) -> None:
-        """Give seq enough blocks for `positions` tokens, or raise CacheError (seq unchanged)."""
+        """Give seq enough blocks for `positions` tokens, or raise CapacityError (seq unchanged)."""
         needed = -(-positions // self.block_size) - len(seq.blocks)
         if needed <= 0:
             return
         if needed > len(self.free):
-            raise CacheError(
+            raise CapacityError(
                 f"KV cache budget full: {needed} more blocks of {self.block_size} tokens needed, "
-                f"{len(self.free)} of {self.blocks} free (kv_pool_tokens={self.blocks * self.block_size}); retry later")
+                f"{len(self.free)} of {self.blocks} free (kv_pool_tokens={self.blocks * self.block_size}); {tn.RETRY_LATER}")
         for _ in range(needed):
             block = self.free.pop()
             if not self.zeroed[block]:
@@ -434,6 +436,10 @@ class StaticCausalLM(CausalLM):
         if positions > self.max_context:
             raise CacheError(f"{positions} tokens exceed the context of {self.max_context}")
         self.pool.grow(seq, positions)
+
+    def _hold(self, seq: PagedSequence, positions: int) -> None:
+        # A generation longer than the context fails when it gets there, not at its start.
+        self.pool.grow(seq, min(positions, self.max_context))
 
     def release(self, seq_id: int) -> bool:
         seq = self.sequences.pop(seq_id, None)

@@ -13,7 +13,7 @@ import torch
 import torch.utils.dlpack
 
 from specdec import tensor_names as tn
-from specdec.decoding.interfaces import ForwardStats, Proposal, Scores
+from specdec.decoding.interfaces import ForwardStats, NoCapacity, Proposal, Scores
 from specdec.decoding.sampling import SamplingParams
 
 
@@ -61,7 +61,12 @@ class _SequenceModel:
         )
         response = await request.async_exec()
         if response.has_error():
-            raise BlsError(f"{self.model_name}: {response.error().message()}")
+            # The model has no room for a new sequence now (its KV budget or sequence limit): it answers
+            # UNAVAILABLE, but a BLS response carries only the message (the code reads INTERNAL).
+            message = response.error().message()
+            if not message.startswith(f"{self.model_name}: "):  # our adapters name themselves; Triton may not
+                message = f"{self.model_name}: {message}"
+            raise (NoCapacity if message.endswith(tn.RETRY_LATER) else BlsError)(message)
         return {name: pb.get_output_tensor_by_name(response, name) for name in outputs}
 
     async def release(self, seq_id: int) -> None:
@@ -73,8 +78,10 @@ class _SequenceModel:
 
 class BlsProposer(_SequenceModel):
     async def propose(self, seq_id: int, keep: int, new_ids: list[int], k: int,
-                      params: SamplingParams, round_seed: int) -> Proposal:
+                      params: SamplingParams, round_seed: int, reserve: int = 0) -> Proposal:
         inputs = {tn.INPUT_IDS: _i32(new_ids), tn.CACHE_LENGTH: _i32([keep]), tn.NUM_DRAFT_TOKENS: _i32([k])}
+        if reserve:
+            inputs[tn.RESERVE_TOKENS] = _i32([reserve])
         # Greedy drafting is what draft_model does without sampling inputs: every tensor left out is one
         # less to build, pass through tritonserver and parse, on every round.
         if not params.greedy:
@@ -94,8 +101,10 @@ class BlsProposer(_SequenceModel):
 
 class BlsScorer(_SequenceModel):
     async def score(self, seq_id: int, keep: int, new_ids: list[int], num_positions: int,
-                    want_logits: bool) -> Scores:
+                    want_logits: bool, reserve: int = 0) -> Scores:
         inputs = {tn.INPUT_IDS: _i32(new_ids), tn.CACHE_LENGTH: _i32([keep])}
+        if reserve:
+            inputs[tn.RESERVE_TOKENS] = _i32([reserve])
         if num_positions != 1:  # target_model's default: a target-only round's one position
             inputs[tn.NUM_LOGITS] = _i32([num_positions])
         outputs = [tn.GREEDY_TOKENS, tn.FORWARD_STATS] + ([tn.LOGITS] if want_logits else [])

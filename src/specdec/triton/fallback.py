@@ -7,6 +7,9 @@ cache for that sequence is dropped (its state after a failed call is unknown) an
 prompt when drafting resumes. After a failure the draft is out of rotation for `retry_after_s`, doubling
 while it keeps failing (up to `max_retry_after_s`): no request waits on a dead draft, and the first call
 after the wait is the probe that brings it back.
+
+A draft without room for a new sequence (NoCapacity: its KV budget is full) is not failing: that one
+sequence runs target-only rounds and asks again after `retry_after_s`, the draft stays in rotation.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import sys
 import time
 from typing import Callable
 
-from specdec.decoding.interfaces import Proposal, Proposer
+from specdec.decoding.interfaces import NoCapacity, Proposal, Proposer
 from specdec.decoding.sampling import SamplingParams
 
 
@@ -28,17 +31,22 @@ class FallbackProposer:
         self.wait = retry_after_s
         self.out_until = 0.0  # the draft is out of rotation until then
         self.fallbacks = 0  # rounds that ran target-only because the draft failed or was out
+        self.no_room_until: dict[int, float] = {}  # sequences the draft had no room for, until when
 
     @property
     def available(self) -> bool:
         return self.clock() >= self.out_until
 
     async def propose(self, seq_id: int, keep: int, new_ids: list[int], k: int, params: SamplingParams,
-                      round_seed: int) -> Proposal:
-        if not self.available:
+                      round_seed: int, reserve: int = 0) -> Proposal:
+        if not self.available or self.no_room_until.get(seq_id, 0.0) > self.clock():
             return self._fallback(keep)
         try:
-            proposal = await self.inner.propose(seq_id, keep, new_ids, k, params, round_seed)
+            proposal = await self.inner.propose(seq_id, keep, new_ids, k, params, round_seed, reserve)
+        except NoCapacity:
+            await self.release(seq_id)  # ends the sequence the call started at Triton's batcher
+            self.no_room_until[seq_id] = self.clock() + self.initial_wait
+            return self._fallback(0)
         except Exception as exc:  # noqa: BLE001 - any draft failure: this round goes target-only
             print(f"[specdec] draft {self.name!r} failed, out of rotation for {self.wait:.1f} s: {exc}",
                   file=sys.stderr, flush=True)
@@ -55,6 +63,7 @@ class FallbackProposer:
         return Proposal([], None, cached_length)
 
     async def release(self, seq_id: int) -> None:
+        self.no_room_until.pop(seq_id, None)
         try:
             await self.inner.release(seq_id)
         except Exception as exc:  # noqa: BLE001 - a release that fails must not keep the target's cache

@@ -23,7 +23,7 @@ from specdec.decoding.interfaces import ForwardStats
 from specdec.decoding.sampling import SamplingParams, greedy, make_generator
 from specdec.decoding.text import load_tokenizer, vocabulary_mismatch
 from specdec.engine import host_memory, onednn_linear, static_executor, threads
-from specdec.engine.executor import CacheError, CausalLM, Step, load_causal_lm
+from specdec.engine.executor import CacheError, CapacityError, CausalLM, Step, load_causal_lm
 from specdec.engine.static_executor import StaticCausalLM
 from specdec.triton.adapter import TritonAdapter
 from specdec.triton.config import ConfigError, ModelParameters
@@ -228,14 +228,17 @@ class LanguageModelAdapter(TritonAdapter):
         return self.pb.Tensor(name, host(tensor))
 
     def _error(self, exc: Exception):
-        return self.pb.InferenceResponse(error=self.pb.TritonError(f"{self.name}: {exc}"))
+        # No room for a new sequence (KV budget, max_sequences) is UNAVAILABLE: the orchestrator waits for
+        # room or refuses the request with it, as over max_live_sequences.
+        code = self.pb.TritonError.UNAVAILABLE if isinstance(exc, CapacityError) else self.pb.TritonError.INTERNAL
+        return self.pb.InferenceResponse(error=self.pb.TritonError(f"{self.name}: {exc}", code))
 
     def _parse_step(self, inputs: dict, seq_id: int) -> Step:
         ids = inputs.get(tn.INPUT_IDS)
         if ids is None:
             raise ValueError(f"missing input {tn.INPUT_IDS}")
         return Step(seq_id, int(_scalar(inputs, tn.CACHE_LENGTH, 0)), ids.as_numpy().reshape(-1).tolist(),
-                    **self._step_options(inputs))
+                    reserve=int(_scalar(inputs, tn.RESERVE_TOKENS, 0)), **self._step_options(inputs))
 
     def _step_options(self, inputs: dict) -> dict:
         """The model-specific fields of a Step (num_logits, or k and sampling)."""

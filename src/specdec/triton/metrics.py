@@ -105,7 +105,8 @@ class OrchestratorMetrics:
                               family.GAUGE).Metric(labels=mine)
         self._live_peak = 0
         self.queued = make("specdec_queued_requests", "Requests waiting in this instance for a slot "
-                           "(max_live_sequences reached)", family.GAUGE).Metric(labels=mine)
+                           "(max_live_sequences reached) or for room in target_model's KV cache",
+                           family.GAUGE).Metric(labels=mine)
         # The server-wide cap: every instance sets the same value, so it carries no instance label.
         self.max_live = make("specdec_max_live_sequences", "Requests that may generate at once (max_live_sequences)",
                              family.GAUGE).Metric(labels={})

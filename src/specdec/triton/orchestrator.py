@@ -19,6 +19,7 @@ import numpy as np
 
 from specdec import tensor_names as tn
 from specdec.decoding.draft_length import CostModel, DraftLengthPolicy
+from specdec.decoding.interfaces import NoCapacity
 from specdec.decoding.loop import GenerationRequest, Stats, generate
 from specdec.decoding.ngram_proposer import NgramProposer
 from specdec.decoding.text import Emission, TextEmitter, load_tokenizer
@@ -37,6 +38,9 @@ from specdec.triton.verify_gate import GatedScorer, VerifyGate
 # trip through a thread, the costliest bookkeeping of a round; a streamed response asks with every send).
 # An ensemble's cancellation comes through the board, checked every round (a stat).
 CANCEL_POLL_S = 0.01
+# A new request that target_model has no KV room for yet asks again after this wait, doubling up to the
+# second value: a retry is one BLS call that fails before any forward.
+ROOM_RETRY_S = (0.01, 0.1)
 
 
 class SpeculativeDecodingAdapter(TritonAdapter):
@@ -50,6 +54,8 @@ class SpeculativeDecodingAdapter(TritonAdapter):
         # At most max_live_sequences generate at once across every instance of this model (each holds a
         # KV cache in both models; slots.py); over the cap a request waits for a slot, or with
         # when_full=reject gets UNAVAILABLE at once.
+        # The same choice when target_model has no KV room for a new request (its budget is full): wait
+        # for room, or UNAVAILABLE at once.
         self.max_live = params.int("max_live_sequences", 64, low=1)
         self.when_full = params.str("when_full", "queue", choices=("queue", "reject"))
         self.slots = SlotPool(self.max_live)
@@ -113,20 +119,23 @@ class SpeculativeDecodingAdapter(TritonAdapter):
             await asyncio.sleep(0.005)  # see the note on server#8537 above
             sender.send(pb.InferenceResponse(error=pb.TritonError(
                 f"speculative_decoding: {self.max_live} sequences are generating (max_live_sequences); "
-                f"retry later", pb.TritonError.UNAVAILABLE)), flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                f"{tn.RETRY_LATER}", pb.TritonError.UNAVAILABLE)), flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             return
         if slot is None:
-            self.queued += 1
-            self.metrics.queued.set(self.queued)
+            self.count_queued(1)
             try:
                 slot = await self.slots.acquire()
             finally:
-                self.queued -= 1
-                self.metrics.queued.set(self.queued)
+                self.count_queued(-1)
         try:
             await self._generate(sender, arrived, parsed)
         finally:
             self.slots.release(slot)
+
+    def count_queued(self, change: int) -> None:
+        """Requests waiting for a slot or for KV room (`specdec_queued_requests`)."""
+        self.queued += change
+        self.metrics.queued.set(self.queued)
 
     async def _generate(self, sender, arrived: float, parsed: ParsedRequest):
         pb = self.pb
@@ -146,6 +155,7 @@ class SpeculativeDecodingAdapter(TritonAdapter):
                 first_sent = True
             return self._response(emission, gen, emitter, stats, finish)
 
+        room = RoomWait(self, gen.seq_id, sender)
         self.gate.enter()  # the gate's count of live requests is the one the metric reports
         self.metrics.set_live(self.gate.live, self.slots.highest)
         finish, last = None, None
@@ -155,9 +165,10 @@ class SpeculativeDecodingAdapter(TritonAdapter):
             # Between draft and verify only the board is read (one stat): asking Triton is an IPC round
             # trip, paid once per round below, off the event loop.
             rounds = generate(gen, self.proposers[parsed.draft_name], self.scorer, policy, stats,
-                              cancelled=lambda: self.cancellations.is_cancelled(gen.seq_id))
+                              cancelled=lambda: self.cancellations.is_cancelled(gen.seq_id), wait_for_room=room)
             async with contextlib.aclosing(rounds) as rounds:
                 async for rnd in rounds:
+                    room.admitted()
                     if rnd.finish_reason == tn.FINISH_CANCELLED:  # cancelled between draft and verify
                         finish = rnd.finish_reason
                         break
@@ -180,6 +191,15 @@ class SpeculativeDecodingAdapter(TritonAdapter):
                     if out is not None or now - asked >= CANCEL_POLL_S:
                         asked = now
                         in_flight = loop.run_in_executor(self.ipc, self._send_and_check, sender, out)
+        except NoCapacity as exc:  # target_model has no room for it: refused (when_full=reject) or cancelled
+            await self._settle(in_flight)
+            if not room.cancelled:
+                self.metrics.requests["rejected"].increment(1)
+                sender.send(pb.InferenceResponse(error=pb.TritonError(f"speculative_decoding: {exc}",
+                                                                      pb.TritonError.UNAVAILABLE)),
+                            flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                return
+            finish, in_flight = tn.FINISH_CANCELLED, None
         except Exception as exc:  # noqa: BLE001 - the request fails, the server keeps serving
             self.metrics.requests["error"].increment(1)
             await self._settle(in_flight)
@@ -187,6 +207,7 @@ class SpeculativeDecodingAdapter(TritonAdapter):
                         flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             return
         finally:
+            room.admitted()
             self.gate.leave()
             self.metrics.set_live(self.gate.live, self.slots.highest)
             self.metrics.flush(time.monotonic())  # this request's rounds are counted before it ends
@@ -237,3 +258,34 @@ class SpeculativeDecodingAdapter(TritonAdapter):
             pb.Tensor(tn.MEAN_ACCEPTED_LENGTH, np.array([[stats.mean_accepted_length]], dtype=np.float32)),
             pb.Tensor(tn.FINISH_REASON, np.array([[(finish or "").encode()]], dtype=np.object_)),
         ])
+
+
+class RoomWait:
+    """A new request's wait for room in target_model's KV cache (`generate`'s wait_for_room): counted
+    among the queued requests while it waits; gives up at once with when_full=reject, or when the
+    request is cancelled (then `cancelled` is set)."""
+
+    def __init__(self, adapter: SpeculativeDecodingAdapter, seq_id: int, sender):
+        self.adapter, self.seq_id, self.sender = adapter, seq_id, sender
+        self.waits, self.queued, self.cancelled = 0, False, False
+
+    async def __call__(self) -> bool:
+        adapter = self.adapter
+        if adapter.when_full == "reject":
+            return False
+        self.cancelled = adapter.cancellations.is_cancelled(self.seq_id) or await asyncio.get_running_loop(
+        ).run_in_executor(adapter.ipc, self.sender.is_cancelled)
+        if self.cancelled:
+            return False
+        if not self.queued:
+            self.queued = True
+            adapter.count_queued(1)
+        await asyncio.sleep(min(ROOM_RETRY_S[0] * 2 ** self.waits, ROOM_RETRY_S[1]))
+        self.waits += 1
+        return True
+
+    def admitted(self) -> None:
+        """The request has its room (or is over): no longer queued."""
+        if self.queued:
+            self.queued = False
+            self.adapter.count_queued(-1)

@@ -1,0 +1,79 @@
+"""A new request waiting for room in target_model's KV cache (`RoomWait`, the loop's wait_for_room):
+counted as queued once while it waits, refused at once with when_full=reject, and ended by a cancellation
+from either source (the board for an ensemble's, the response sender for a direct caller's)."""
+
+import asyncio
+import concurrent.futures
+
+import pytest
+
+from specdec.triton import orchestrator
+from specdec.triton.orchestrator import RoomWait
+
+
+class Board:
+    def __init__(self):
+        self.cancelled = set()
+
+    def is_cancelled(self, seq_id):
+        return seq_id in self.cancelled
+
+
+class Adapter:
+    def __init__(self, when_full="queue"):
+        self.when_full, self.cancellations, self.queued = when_full, Board(), 0
+        self.ipc = concurrent.futures.ThreadPoolExecutor(1)
+
+    def count_queued(self, change):
+        self.queued += change
+
+
+class Sender:
+    def __init__(self):
+        self.cancelled = False
+
+    def is_cancelled(self):
+        return self.cancelled
+
+
+@pytest.fixture(autouse=True)
+def quick(monkeypatch):
+    monkeypatch.setattr(orchestrator, "ROOM_RETRY_S", (0.001, 0.002))
+
+
+def test_waits_counted_once_then_admitted():
+    adapter = Adapter()
+    room = RoomWait(adapter, 3, Sender())
+
+    async def main():
+        assert await room() and await room() and await room()
+        assert adapter.queued == 1 and room.waits == 3
+        room.admitted()
+        room.admitted()  # idempotent: every round and the request's end call it
+        return adapter.queued
+
+    assert asyncio.run(main()) == 0
+
+
+def test_reject_never_waits():
+    adapter = Adapter("reject")
+    room = RoomWait(adapter, 3, Sender())
+    assert not asyncio.run(room()) and adapter.queued == 0 and not room.cancelled
+
+
+@pytest.mark.parametrize("where", ["board", "sender"])
+def test_a_cancellation_ends_the_wait(where):
+    adapter, sender = Adapter(), Sender()
+    room = RoomWait(adapter, 3, sender)
+
+    async def main():
+        assert await room()
+        if where == "board":
+            adapter.cancellations.cancelled.add(3)
+        else:
+            sender.cancelled = True
+        assert not await room()
+        room.admitted()
+
+    asyncio.run(main())
+    assert room.cancelled and adapter.queued == 0
