@@ -3,12 +3,12 @@ speculative output equals target-only output, seeded sampling repeats, the pool'
 returned when requests end, a pool too small for the context fails the load naming the parameter, and a
 request the pool has no room for waits for it (or, with when_full=reject, is refused UNAVAILABLE)."""
 
+import json
 import re
 import threading
 import time
 import urllib.error
 import urllib.request
-import json
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -27,24 +27,38 @@ def static_args(*more):
     return args + list(more)
 
 
-def test_static_executor_serves_exactly(tmp_path):
+# target_model's pool holds 128 tokens (4 blocks of 32) and so does its context: a request of ~110 tokens
+# reserves 4 blocks at its start, and a second one finds no room until the first ends.
+SMALL_POOL = ("--set", "target_model.kv_pool_tokens=128", "--set", "target_model.max_context_tokens=128",
+              "--set", "speculative_decoding.max_context_tokens=128")
+LONG = GenerationParams(max_tokens=110, num_draft_tokens=3, ignore_eos=True)
+PROMPT = "Once upon a time"
+
+
+@pytest.fixture(scope="module")
+def small_pool(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("static")
     # One torch thread for the draft (torch_threads as a count: what a small model on CPU may want).
-    own = server.start(tmp_path / "run", tmp_path / "server.log", static_args("--set", "draft_model.torch_threads=1"))
-    try:
-        log = own.log_path.read_text()
-        assert "target_model: static executor, eager (compile=off)" in log
-        assert re.search(r"draft_model: warmed up in [\d.]+ s on cpu, torch threads: 1", log)
-        client = Client(own.grpc_url)
-        for prompt in ("Once upon a time", "The capital of France is"):
-            alone, fast = (client.generate(prompt, GenerationParams(max_tokens=40, num_draft_tokens=k)) for k in (0, 4))
-            assert fast.text == alone.text and fast.total_draft_tokens > 0
-        sampled = GenerationParams(max_tokens=20, num_draft_tokens=3, temperature=0.8, seed=3)
-        assert client.generate("Hi", sampled).text == client.generate("Hi", sampled).text
-        # Every request has ended: the pools hold no blocks.
-        assert own.metric("specdec_model_kv_cache_bytes", model="target_model") == 0
-        assert own.metric("specdec_model_tokens_processed_total", model="target_model") > 0
-    finally:
-        own.stop()
+    own = server.start(tmp_path / "run", tmp_path / "server.log",
+                       static_args(*SMALL_POOL, "--set", "draft_model.torch_threads=1"))
+    yield own
+    own.stop()
+
+
+def test_static_executor_serves_exactly(small_pool):
+    own = small_pool
+    log = own.log_path.read_text()
+    assert "target_model: static executor, eager (compile=off)" in log
+    assert re.search(r"draft_model: warmed up in [\d.]+ s on cpu, torch threads: 1", log)
+    client = Client(own.grpc_url)
+    for prompt in ("Once upon a time", "The capital of France is"):
+        alone, fast = (client.generate(prompt, GenerationParams(max_tokens=40, num_draft_tokens=k)) for k in (0, 4))
+        assert fast.text == alone.text and fast.total_draft_tokens > 0
+    sampled = GenerationParams(max_tokens=20, num_draft_tokens=3, temperature=0.8, seed=3)
+    assert client.generate("Hi", sampled).text == client.generate("Hi", sampled).text
+    # Every request has ended: the pools hold no blocks.
+    assert own.metric("specdec_model_kv_cache_bytes", model="target_model") == 0
+    assert own.metric("specdec_model_tokens_processed_total", model="target_model") > 0
 
 
 def test_a_pool_smaller_than_the_context_fails_the_load_naming_it(tmp_path):
@@ -53,14 +67,6 @@ def test_a_pool_smaller_than_the_context_fails_the_load_naming_it(tmp_path):
         server.start(tmp_path / "run", tmp_path / "server.log", args, ready_timeout_s=300)
     log = (tmp_path / "server.log").read_text()
     assert "cannot hold one sequence of max_context=" in log and "raise kv_pool_tokens" in log
-
-
-# target_model's pool holds 128 tokens (4 blocks of 32) and so does its context: a request of ~110 tokens
-# reserves 4 blocks at its start, and a second one finds no room until the first ends.
-SMALL_POOL = ("--set", "target_model.kv_pool_tokens=128", "--set", "target_model.max_context_tokens=128",
-              "--set", "speculative_decoding.max_context_tokens=128")
-LONG = GenerationParams(max_tokens=110, num_draft_tokens=3, ignore_eos=True)
-PROMPT = "Once upon a time"
 
 
 def overlapping(client: Client, second):
@@ -76,30 +82,27 @@ def overlapping(client: Client, second):
         return first.result(), other
 
 
-def test_a_request_waits_for_kv_room_and_keeps_its_output(tmp_path):
-    own = server.start(tmp_path / "run", tmp_path / "server.log", static_args(*SMALL_POOL))
-    try:
-        client = Client(own.grpc_url)
-        solo = client.generate(PROMPT, LONG)
-        queued = []
+def test_a_request_waits_for_kv_room_and_keeps_its_output(small_pool):
+    own = small_pool
+    client = Client(own.grpc_url)
+    solo = client.generate(PROMPT, LONG)
+    queued = []
 
-        def second():
-            with ThreadPoolExecutor(1) as pool:
-                waiting = pool.submit(client.generate, PROMPT, LONG)
-                while not waiting.done():
-                    queued.append(own.metric("specdec_queued_requests"))
-                    time.sleep(0.02)
-                return waiting.result()
+    def second():
+        with ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(client.generate, PROMPT, LONG)
+            while not waiting.done():
+                queued.append(own.metric("specdec_queued_requests"))
+                time.sleep(0.02)
+            return waiting.result()
 
-        first, other = overlapping(client, second)
-        assert not isinstance(other, Exception), other
-        assert first.text == other.text == solo.text and solo.num_output_tokens == 110
-        # It waited for room, counted among the queued requests meanwhile, and was not refused.
-        assert max(queued) >= 1 and own.metric("specdec_queued_requests") == 0
-        assert own.metric("specdec_requests_total", finish_reason="rejected") == 0
-        assert own.metric("specdec_model_kv_cache_bytes", model="target_model") == 0
-    finally:
-        own.stop()
+    first, other = overlapping(client, second)
+    assert not isinstance(other, Exception), other
+    assert first.text == other.text == solo.text and solo.num_output_tokens == 110
+    # It waited for room, counted among the queued requests meanwhile, and was not refused.
+    assert max(queued) >= 1 and own.metric("specdec_queued_requests") == 0
+    assert own.metric("specdec_requests_total", finish_reason="rejected") == 0
+    assert own.metric("specdec_model_kv_cache_bytes", model="target_model") == 0
 
 
 def test_with_when_full_reject_a_request_without_kv_room_is_refused_unavailable(tmp_path):
