@@ -16,6 +16,8 @@ import pytest
 from client import Client, GenerationParams, ServerBusyError
 from specdec.serving import pairs, server
 
+from .helpers import stop_server
+
 pytestmark = pytest.mark.integration
 
 
@@ -42,7 +44,7 @@ def small_pool(tmp_path_factory):
     own = server.start(tmp_path / "run", tmp_path / "server.log",
                        static_args(*SMALL_POOL, "--set", "draft_model.torch_threads=1"))
     yield own
-    own.stop()
+    stop_server(own)  # nothing in flight, no stub left, exit code 0
 
 
 def test_static_executor_serves_exactly(small_pool):
@@ -130,4 +132,4 @@ def test_with_when_full_reject_a_request_without_kv_room_is_refused_unavailable(
         assert client.generate(PROMPT, LONG).text == first.text  # room again once the first has ended
         assert own.metric("specdec_model_kv_cache_bytes", model="target_model") == 0
     finally:
-        own.stop()
+        stop_server(own)

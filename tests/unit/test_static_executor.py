@@ -203,6 +203,11 @@ def test_blocks_are_zeroed_before_first_use(tiny_lm):
             buffer[:paged.pool.blocks].fill_(math.nan)  # what uninitialized memory may hold
     a, b = dynamic.extend(1, 0, [3, 4, 5], 3), paged.extend(1, 0, [3, 4, 5], 3)
     assert torch.allclose(a, b, atol=1e-10)
+    paged.extend(2, 0, [1], 1, reserve=40)  # 5 blocks of 8 at once: all zeroed together, no others
+    taken = paged.sequences[2].blocks
+    assert len(taken) == 5
+    for buffer in paged.pool.keys + paged.pool.values:
+        assert torch.isfinite(buffer[taken]).all() and buffer[paged.pool.free[-1]].isnan().all()
 
 
 def test_a_pool_too_small_for_one_context_is_refused_at_load(tiny_lm):

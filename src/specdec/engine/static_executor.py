@@ -98,12 +98,15 @@ class BlockPool:
         self.block_size, self.blocks, self.scratch = block_size, blocks, blocks
         self.free = list(range(blocks - 1, -1, -1))  # a stack: recently freed blocks are reused first
         self.zeroed = [False] * blocks
-        self._zero(self.scratch)
+        self._zero([self.scratch])
 
-    def _zero(self, block: int) -> None:
+    def _zero(self, blocks: list[int]) -> None:
+        # One write per buffer for all of them: a new sequence takes its whole reservation at once, and
+        # on a GPU a write per block and buffer would be thousands of launches for a long generation.
+        index = torch.tensor(blocks, device=self.keys[0].device)
         for buffers in (self.keys, self.values):
             for buffer in buffers:
-                buffer[block].zero_()
+                buffer.index_fill_(0, index, 0)
 
     @property
     def block_bytes(self) -> int:
@@ -118,12 +121,13 @@ class BlockPool:
             raise CapacityError(
                 f"KV cache budget full: {needed} more blocks of {self.block_size} tokens needed, "
                 f"{len(self.free)} of {self.blocks} free (kv_pool_tokens={self.blocks * self.block_size}); {tn.RETRY_LATER}")
-        for _ in range(needed):
-            block = self.free.pop()
-            if not self.zeroed[block]:
-                self._zero(block)
+        taken = [self.free.pop() for _ in range(needed)]
+        fresh = [block for block in taken if not self.zeroed[block]]
+        if fresh:
+            self._zero(fresh)
+            for block in fresh:
                 self.zeroed[block] = True
-            seq.blocks.append(block)
+        seq.blocks += taken
 
     def release(self, seq: PagedSequence) -> None:
         self.free += reversed(seq.blocks)

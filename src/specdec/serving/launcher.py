@@ -18,6 +18,7 @@ Environment: PAIR, HTTP_PORT, GRPC_PORT, METRICS_PORT (8000/8001/8002).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib.util
 import os
@@ -259,7 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     command = server_command(layout, repo, http_port, grpc_port, metrics_port, extra=args.server_args)
     log(f"starting tritonserver ({label}): {' '.join(redact(arg) for arg in command)}")
     drain_marker(http_port).unlink(missing_ok=True)  # left by an earlier server on this port
-    process = subprocess.Popen(command, env=server_env(layout))
+    # Its own process group, which its stubs join: whatever outlives it is found and stopped below.
+    process = subprocess.Popen(command, env=server_env(layout), start_new_session=True)
     stopping = threading.Event()
     serving = threading.Event()
 
@@ -297,6 +299,10 @@ def main(argv: list[str] | None = None) -> int:
         if process.poll() is None:
             process.terminate()
     code = process.wait()
+    # Nothing of the server may outlive it: an orphaned stub would hold its memory (on a GPU, device
+    # memory) for good. One was seen once (README, "Draining on shutdown").
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signal.SIGKILL)
     # The cancellation flags and live-sequence slots its stubs shared (named after the server's PID).
     for scratch in [cancellation.default_directory(process.pid), *slots.server_directories(process.pid)]:
         shutil.rmtree(scratch, ignore_errors=True)
