@@ -170,8 +170,9 @@ def test_a_new_sequence_reserves_its_generation_up_front(tiny_lm):
     paged.extend(2, 0, [1, 2], 1, reserve=24)  # 3 blocks, none left
     with pytest.raises(CapacityError, match="KV cache budget full"):
         paged.extend(3, 0, [1], 1)
-    paged.extend(1, 3, list(range(1, 18)), 1, reserve=999)  # grows within its reservation (20); reserve ignored
+    grown = paged.extend(1, 3, list(range(1, 18)), 2, reserve=999)  # within its reservation (20); reserve ignored
     assert len(paged.sequences[1].blocks) == 3
+    assert torch.allclose(grown, plain.extend(1, 3, list(range(1, 18)), 2), atol=1e-10)  # crossing blocks
     paged.release(1), paged.release(2)
     paged.extend(4, 0, [1, 2], 1, reserve=100)
     assert len(paged.sequences[4].blocks) == 4  # the context (32 tokens), not 100

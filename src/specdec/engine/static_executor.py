@@ -99,6 +99,8 @@ class BlockPool:
         self.free = list(range(blocks - 1, -1, -1))  # a stack: recently freed blocks are reused first
         self.zeroed = [False] * blocks
         self._zero([self.scratch])
+        # Read on every execute (the KV-bytes gauge): computed once, not from 2 x layers tensor views.
+        self.block_bytes = 2 * sum(k[0].nbytes for k in self.keys)
 
     def _zero(self, blocks: list[int]) -> None:
         # One write per buffer for all of them: a new sequence takes its whole reservation at once, and
@@ -108,9 +110,6 @@ class BlockPool:
             for buffer in buffers:
                 buffer.index_fill_(0, index, 0)
 
-    @property
-    def block_bytes(self) -> int:
-        return 2 * sum(k[0].nbytes for k in self.keys)
 
     def grow(self, seq: PagedSequence, positions: int) -> None:
         """Give seq enough blocks for `positions` tokens, or raise CapacityError (seq unchanged)."""
@@ -549,10 +548,11 @@ class StaticCausalLM(CausalLM):
                 host.ids[b, :count] = row
             host.positions[b, :count] = where
             host.positions[b, count:] = seq.length + count - 1  # padding rows: any valid position
-            blocks = np.asarray(seq.blocks, dtype=np.int64)
+            # The blocks this forward reaches (a sequence holds its whole reservation from its start).
+            blocks = np.asarray(seq.blocks[:window], dtype=np.int64)
             host.write_block[b, :count] = blocks[where // block_size]
             host.write_offset[b, :count] = where % block_size
-            host.table[b, :len(seq.blocks[:window])] = blocks[:window]
+            host.table[b, :len(blocks)] = blocks
             host.visible[b, :count] = where + 1
         flat[size:] = wanted
         captured = self._captured((batch, width, window)) if bucketed and self.mode != "off" else None
