@@ -1,6 +1,7 @@
 """A new request waiting for room in target_model's KV cache (`RoomWait`, the loop's wait_for_room):
-counted as queued once while it waits, refused at once with when_full=reject, and ended by a cancellation
-from either source (the board for an ensemble's, the response sender for a direct caller's)."""
+counted as queued once while it waits and not as live (nor at the verify gate), refused at once with
+when_full=reject, and ended by a cancellation from either source (the board for an ensemble's, the
+response sender for a direct caller's)."""
 
 import asyncio
 import concurrent.futures
@@ -19,10 +20,34 @@ class Board:
         return seq_id in self.cancelled
 
 
+class Gate:
+    def __init__(self):
+        self.live = 1  # the waiting request itself
+
+    def enter(self):
+        self.live += 1
+
+    def leave(self):
+        self.live -= 1
+
+
+class Metrics:
+    def __init__(self):
+        self.live = []
+
+    def set_live(self, live, peak):
+        self.live.append(live)
+
+
+class Slots:
+    highest = 1
+
+
 class Adapter:
     def __init__(self, when_full="queue"):
         self.when_full, self.cancellations, self.queued = when_full, Board(), 0
         self.ipc = concurrent.futures.ThreadPoolExecutor(1)
+        self.gate, self.metrics, self.slots = Gate(), Metrics(), Slots()
 
     def count_queued(self, change):
         self.queued += change
@@ -48,11 +73,13 @@ def test_waits_counted_once_then_admitted():
     async def main():
         assert await room() and await room() and await room()
         assert adapter.queued == 1 and room.waits == 3
+        assert adapter.gate.live == 0 and adapter.metrics.live == [0]  # waiting is not generating
         room.admitted()
         room.admitted()  # idempotent: every round and the request's end call it
         return adapter.queued
 
     assert asyncio.run(main()) == 0
+    assert adapter.gate.live == 1 and adapter.metrics.live == [0, 1]
 
 
 def test_reject_never_waits():
@@ -76,4 +103,4 @@ def test_a_cancellation_ends_the_wait(where):
         room.admitted()
 
     asyncio.run(main())
-    assert room.cancelled and adapter.queued == 0
+    assert room.cancelled and adapter.queued == 0 and adapter.gate.live == 1

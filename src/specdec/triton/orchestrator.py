@@ -261,8 +261,9 @@ class SpeculativeDecodingAdapter(TritonAdapter):
 
 
 class RoomWait:
-    """A new request's wait for room in target_model's KV cache (`generate`'s wait_for_room): counted
-    among the queued requests while it waits; gives up at once with when_full=reject, or when the
+    """A new request's wait for room in target_model's KV cache (`generate`'s wait_for_room): while it
+    waits it counts among the queued requests, not the live ones (nor for the verify gate, which would
+    otherwise hold the others' verifies for it); gives up at once with when_full=reject, or when the
     request is cancelled (then `cancelled` is set)."""
 
     def __init__(self, adapter: SpeculativeDecodingAdapter, seq_id: int, sender):
@@ -279,13 +280,18 @@ class RoomWait:
             return False
         if not self.queued:
             self.queued = True
+            adapter.gate.leave()
             adapter.count_queued(1)
+            adapter.metrics.set_live(adapter.gate.live, adapter.slots.highest)
         await asyncio.sleep(min(ROOM_RETRY_S[0] * 2 ** self.waits, ROOM_RETRY_S[1]))
         self.waits += 1
         return True
 
     def admitted(self) -> None:
-        """The request has its room (or is over): no longer queued."""
+        """The request has its room (or is over): live again, no longer queued."""
         if self.queued:
             self.queued = False
-            self.adapter.count_queued(-1)
+            adapter = self.adapter
+            adapter.gate.enter()
+            adapter.count_queued(-1)
+            adapter.metrics.set_live(adapter.gate.live, adapter.slots.highest)
