@@ -91,21 +91,22 @@ def test_a_request_waits_for_kv_room_and_keeps_its_output(small_pool):
     solo = client.generate(PROMPT, LONG)
     queued = []
 
-    def second():
-        with ThreadPoolExecutor(1) as pool:
-            waiting = pool.submit(client.generate, PROMPT, LONG)
-            while not waiting.done():
+    def two_more():  # the pool holds one: they wait, then run one after the other
+        with ThreadPoolExecutor(2) as pool:
+            waiting = [pool.submit(client.generate, PROMPT, LONG) for _ in range(2)]
+            while not all(w.done() for w in waiting):
                 text = own.metrics()
                 queued.append((sum_samples(text, "specdec_queued_requests"),
                                sum_samples(text, "specdec_live_sequences")))
                 time.sleep(0.02)
-            return waiting.result()
+            return [w.result() for w in waiting]
 
-    first, other = overlapping(client, second)
-    assert not isinstance(other, Exception), other
-    assert first.text == other.text == solo.text and solo.num_output_tokens == 110
-    # It waited for room, counted among the queued requests meanwhile (not the live ones), and was not
-    # refused. (Live is the first request's 1, or 0 between its end and the waiter's next try.)
+    first, others = overlapping(client, two_more)
+    assert not isinstance(others, Exception), others
+    assert first.text == others[0].text == others[1].text == solo.text and solo.num_output_tokens == 110
+    # They waited for room, counted among the queued requests meanwhile (not the live ones), and were not
+    # refused. (Live is the one running request's 1, or 0 between its end and a waiter's next try.)
+    assert max(waiters for waiters, _ in queued) == 2, queued
     waiting = [live for waiters, live in queued if waiters]
     assert 1 in waiting and all(live <= 1 for live in waiting), queued
     assert own.metric("specdec_queued_requests") == 0

@@ -1,7 +1,8 @@
 """A new request waiting for room in target_model's KV cache (`RoomWait`, the loop's wait_for_room):
-counted as queued once while it waits and not as live (nor at the verify gate), refused at once with
-when_full=reject, and ended by a cancellation from either source (the board for an ensemble's, the
-response sender for a direct caller's)."""
+counted as queued once while it waits and not as live (nor at the verify gate), the waiters of an
+instance asking in turn (arrival order, one at a time), refused at once with when_full=reject, and ended
+by a cancellation from either source (the board for an ensemble's, the response sender for a direct
+caller's), also while waiting for its turn."""
 
 import asyncio
 import concurrent.futures
@@ -48,6 +49,7 @@ class Adapter:
         self.when_full, self.cancellations, self.queued = when_full, Board(), 0
         self.ipc = concurrent.futures.ThreadPoolExecutor(1)
         self.gate, self.metrics, self.slots = Gate(), Metrics(), Slots()
+        self.room_turn = asyncio.Lock()
 
     def count_queued(self, change):
         self.queued += change
@@ -64,6 +66,7 @@ class Sender:
 @pytest.fixture(autouse=True)
 def quick(monkeypatch):
     monkeypatch.setattr(orchestrator, "ROOM_RETRY_S", (0.001, 0.002))
+    monkeypatch.setattr(orchestrator, "ROOM_CANCEL_POLL_S", 0.01)
 
 
 def test_waits_counted_once_then_admitted():
@@ -104,3 +107,45 @@ def test_a_cancellation_ends_the_wait(where):
 
     asyncio.run(main())
     assert room.cancelled and adapter.queued == 0 and adapter.gate.live == 1
+
+
+def test_only_the_first_waiter_asks_and_the_others_follow_in_arrival_order():
+    adapter = Adapter()
+    adapter.gate.live = 3
+    rooms = [RoomWait(adapter, seq_id, Sender()) for seq_id in (1, 2, 3)]
+    asked = []
+
+    async def waiter(room, times):
+        for _ in range(times):  # the loop's retries: each True is one more call to target_model
+            assert await room()
+            asked.append(room.seq_id)
+        room.admitted()
+
+    async def main():
+        tasks = [asyncio.ensure_future(waiter(room, 3)) for room in rooms]
+        await asyncio.gather(*tasks)
+
+    asyncio.run(main())
+    assert asked == [1, 1, 1, 2, 2, 2, 3, 3, 3]  # never two waiters asking in the same stretch
+    assert adapter.queued == 0 and adapter.gate.live == 3 and not adapter.room_turn.locked()
+
+
+def test_a_waiter_cancelled_before_its_turn_leaves_the_line():
+    adapter = Adapter()
+    first, second = RoomWait(adapter, 1, Sender()), RoomWait(adapter, 2, Sender())
+
+    async def main():
+        assert await first()  # holds the turn
+        waiting = asyncio.ensure_future(second())
+        await asyncio.sleep(0.03)
+        assert not waiting.done()
+        adapter.cancellations.cancelled.add(2)
+        assert not await waiting and second.cancelled
+        second.admitted()  # the request's end
+        first.admitted()
+        third = RoomWait(adapter, 3, Sender())
+        assert await third()  # the line moves on: nobody holds a stale turn
+        third.admitted()
+
+    asyncio.run(main())
+    assert adapter.queued == 0 and not adapter.room_turn.locked()

@@ -39,8 +39,10 @@ from specdec.triton.verify_gate import GatedScorer, VerifyGate
 # An ensemble's cancellation comes through the board, checked every round (a stat).
 CANCEL_POLL_S = 0.01
 # A new request that target_model has no KV room for yet asks again after this wait, doubling up to the
-# second value: a retry is one BLS call that fails before any forward.
+# second value: a retry is one BLS call that fails before any forward. Only the first of an instance's
+# waiters asks; the others check for a cancellation this often while they wait for their turn.
 ROOM_RETRY_S = (0.01, 0.1)
+ROOM_CANCEL_POLL_S = 0.5
 
 
 class SpeculativeDecodingAdapter(TritonAdapter):
@@ -59,6 +61,7 @@ class SpeculativeDecodingAdapter(TritonAdapter):
         self.max_live = params.int("max_live_sequences", 64, low=1)
         self.when_full = params.str("when_full", "queue", choices=("queue", "reject"))
         self.slots = SlotPool(self.max_live)
+        self.room_turn = asyncio.Lock()  # held by the request that asks target_model for room (RoomWait)
         self.queued = 0
         timeout_us = params.int("bls_timeout_us", 0, low=0)
         # "ngram" is the built-in prompt-lookup method; any other name is a draft model to call over BLS.
@@ -261,34 +264,54 @@ class SpeculativeDecodingAdapter(TritonAdapter):
 
 
 class RoomWait:
-    """A new request's wait for room in target_model's KV cache (`generate`'s wait_for_room): while it
-    waits it counts among the queued requests, not the live ones (nor for the verify gate, which would
-    otherwise hold the others' verifies for it); gives up at once with when_full=reject, or when the
-    request is cancelled (then `cancelled` is set)."""
+    """A new request's wait for room in target_model's KV cache (`generate`'s wait_for_room).
+
+    The waiters of an instance take turns in arrival order (`room_turn`): only the first asks target_model
+    again, so the retries stay one per instance however many wait (each is a BLS call target_model has
+    to answer between its forwards). While it waits a request counts among the queued requests, not the
+    live ones (nor for the verify gate, which would otherwise hold the others' verifies for it). It gives
+    up at once with when_full=reject, or when the request is cancelled (then `cancelled` is set).
+    """
 
     def __init__(self, adapter: SpeculativeDecodingAdapter, seq_id: int, sender):
         self.adapter, self.seq_id, self.sender = adapter, seq_id, sender
         self.waits, self.queued, self.cancelled = 0, False, False
+        self.turn: asyncio.Future | None = None  # its place in the instance's line (acquiring room_turn)
 
     async def __call__(self) -> bool:
+        """Wait until this request should ask again (True), or give up (False)."""
         adapter = self.adapter
-        if adapter.when_full == "reject":
-            return False
-        self.cancelled = adapter.cancellations.is_cancelled(self.seq_id) or await asyncio.get_running_loop(
-        ).run_in_executor(adapter.ipc, self.sender.is_cancelled)
-        if self.cancelled:
+        if adapter.when_full == "reject" or await self._is_cancelled():
             return False
         if not self.queued:
             self.queued = True
             adapter.gate.leave()
             adapter.count_queued(1)
             adapter.metrics.set_live(adapter.gate.live, adapter.slots.highest)
+        if self.turn is None:
+            self.turn = asyncio.ensure_future(adapter.room_turn.acquire())
+        while not self.turn.done():
+            await asyncio.wait({self.turn}, timeout=ROOM_CANCEL_POLL_S)
+            if not self.turn.done() and await self._is_cancelled():
+                return False
         await asyncio.sleep(min(ROOM_RETRY_S[0] * 2 ** self.waits, ROOM_RETRY_S[1]))
         self.waits += 1
         return True
 
+    async def _is_cancelled(self) -> bool:
+        adapter = self.adapter
+        self.cancelled = adapter.cancellations.is_cancelled(self.seq_id) or await asyncio.get_running_loop(
+        ).run_in_executor(adapter.ipc, self.sender.is_cancelled)
+        return self.cancelled
+
     def admitted(self) -> None:
-        """The request has its room (or is over): live again, no longer queued."""
+        """The request has its room (or is over): the next waiter's turn; live again, no longer queued."""
+        if self.turn is not None:
+            turn, self.turn = self.turn, None
+            if turn.done() and not turn.cancelled():
+                self.adapter.room_turn.release()
+            else:
+                turn.cancel()  # asyncio.Lock passes a wake-up it had already given on to the next waiter
         if self.queued:
             self.queued = False
             adapter = self.adapter
