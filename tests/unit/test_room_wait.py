@@ -54,6 +54,9 @@ class Adapter:
     def count_queued(self, change):
         self.queued += change
 
+    def report_live(self):
+        self.metrics.set_live(self.gate.live, self.slots.highest)
+
 
 class Sender:
     def __init__(self):

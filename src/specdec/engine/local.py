@@ -6,9 +6,20 @@ real models with it. Tensors come back to the host, as they do from a Triton mod
 
 from __future__ import annotations
 
+import contextlib
+
 from specdec.decoding.interfaces import ForwardStats, NoCapacity, Proposal, Scores
 from specdec.decoding.sampling import SamplingParams, greedy, make_generator
 from specdec.engine.executor import CapacityError, CausalLM
+
+
+@contextlib.contextmanager
+def _no_capacity():
+    """The executor's CapacityError as the loop's NoCapacity (what a served model's UNAVAILABLE becomes)."""
+    try:
+        yield
+    except CapacityError as exc:
+        raise NoCapacity(str(exc)) from None
 
 
 class LocalProposer:
@@ -18,10 +29,8 @@ class LocalProposer:
     async def propose(self, seq_id: int, keep: int, new_ids: list[int], k: int, params: SamplingParams,
                       round_seed: int, reserve: int = 0) -> Proposal:
         generator = None if params.greedy else make_generator(round_seed, self.lm.logits_device)
-        try:
+        with _no_capacity():
             tokens, probs = self.lm.propose(seq_id, keep, new_ids, k, params, generator, reserve)
-        except CapacityError as exc:
-            raise NoCapacity(str(exc)) from None
         # The draft runs every proposed token but the last through its cache.
         return Proposal(tokens, None if probs is None else probs.float().cpu(), keep + len(new_ids) + k - 1)
 
@@ -35,10 +44,8 @@ class LocalScorer:
 
     async def score(self, seq_id: int, keep: int, new_ids: list[int], num_positions: int,
                     want_logits: bool, reserve: int = 0) -> Scores:
-        try:
+        with _no_capacity():
             logits = self.lm.extend(seq_id, keep, new_ids, num_positions, reserve)
-        except CapacityError as exc:
-            raise NoCapacity(str(exc)) from None
         return Scores(greedy(logits).cpu(), logits.float().cpu() if want_logits else None,
                       ForwardStats(len(new_ids), 1, 0.0))
 

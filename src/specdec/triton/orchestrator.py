@@ -135,6 +135,10 @@ class SpeculativeDecodingAdapter(TritonAdapter):
         finally:
             self.slots.release(slot)
 
+    def report_live(self) -> None:
+        """This instance's generating requests (the verify gate's count) and the server's peak, to the gauges."""
+        self.metrics.set_live(self.gate.live, self.slots.highest)
+
     def count_queued(self, change: int) -> None:
         """Requests waiting for a slot or for KV room (`specdec_queued_requests`)."""
         self.queued += change
@@ -160,7 +164,7 @@ class SpeculativeDecodingAdapter(TritonAdapter):
 
         room = RoomWait(self, gen.seq_id, sender)
         self.gate.enter()  # the gate's count of live requests is the one the metric reports
-        self.metrics.set_live(self.gate.live, self.slots.highest)
+        self.report_live()
         finish, last = None, None
         try:
             policy = DraftLengthPolicy(parsed.num_draft_tokens, self.costs, parsed.draft_name,
@@ -212,7 +216,7 @@ class SpeculativeDecodingAdapter(TritonAdapter):
         finally:
             room.admitted()
             self.gate.leave()
-            self.metrics.set_live(self.gate.live, self.slots.highest)
+            self.report_live()
             self.metrics.flush(time.monotonic())  # this request's rounds are counted before it ends
             self.cancellations.clear(gen.seq_id)
         if finish == tn.FINISH_CANCELLED:
@@ -287,7 +291,7 @@ class RoomWait:
             self.queued = True
             adapter.gate.leave()
             adapter.count_queued(1)
-            adapter.metrics.set_live(adapter.gate.live, adapter.slots.highest)
+            adapter.report_live()
         if self.turn is None:
             self.turn = asyncio.ensure_future(adapter.room_turn.acquire())
         while not self.turn.done():
@@ -317,4 +321,4 @@ class RoomWait:
             adapter = self.adapter
             adapter.gate.enter()
             adapter.count_queued(-1)
-            adapter.metrics.set_live(adapter.gate.live, adapter.slots.highest)
+            adapter.report_live()
