@@ -46,6 +46,9 @@ def test_round_overhead_bench_splits_a_round(tmp_path):
         split = {name: value for name, value in mine.items() if not name.startswith(("round", "CPU time"))}
         # the parts of the wall time add up to the round (each printed to 0.01 ms)
         assert abs(sum(split.values()) - mine["round (client wall time / rounds)"]) <= 0.005 * (len(split) + 1)
+        forwards = sum(value for name, value in split.items() if name.endswith(" forward"))
+        machinery = mine["round minus the forwards: the serving machinery"]
+        assert abs(machinery - (mine["round (client wall time / rounds)"] - forwards)) <= 0.02 and machinery > 0
         # and each server process's CPU time per round is there beside them (Linux /proc)
         assert mine["CPU time: speculative_decoding"] > 0 and mine["CPU time: target_model"] > 0
         assert mine["CPU time: tritonserver"] > 0
