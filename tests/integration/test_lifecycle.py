@@ -6,7 +6,7 @@ import subprocess
 import pytest
 
 from specdec import tensor_names as tn
-from specdec.triton import cancellation, slots
+from specdec.triton import cancellation, room, slots
 
 from .helpers import GenerationError, grpc_stream, start_server, stop_server, stub_processes
 
@@ -26,11 +26,13 @@ def test_sigterm_stops_server_and_every_stub_with_exit_code_0(tmp_path):
         assert result[tn.NUM_OUTPUT_TOKENS] == 8
         with pytest.raises(GenerationError, match="max_tokens"):
             grpc_stream(server.grpc_url, "Hello", max_tokens=0)
-        # The stubs' shared scratch (cancellation flags, live-sequence slots) is named after tritonserver.
+        # The stubs' shared scratch (cancellation flags, live-sequence slots, the KV-room line) is named
+        # after tritonserver.
         stub_pid = stub_processes(server.run_dir)[0].split()[0]
         triton_pid = int(subprocess.run(["ps", "-o", "ppid=", "-p", stub_pid], capture_output=True, text=True).stdout)
-        scratch = [cancellation.default_directory(triton_pid), *slots.server_directories(triton_pid)]
-        assert len(scratch) == 2 and all(path.is_dir() for path in scratch), scratch
+        scratch = [cancellation.default_directory(triton_pid), room.default_directory(triton_pid),
+                   *slots.server_directories(triton_pid)]
+        assert len(scratch) == 3 and all(path.is_dir() for path in scratch), scratch
     finally:
         code = stop_server(server)  # asserts: nothing pending, no stub left, exit code 0
     assert code == 0

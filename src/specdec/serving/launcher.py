@@ -38,7 +38,7 @@ from specdec.serving import pairs, repository
 from specdec.serving.healthcheck import drain_marker, is_ready
 from specdec.serving.metrics_text import scrape, sum_samples
 from specdec.serving.pairs import log
-from specdec.triton import cancellation, slots
+from specdec.triton import cancellation, room, slots
 
 
 @dataclass(frozen=True)
@@ -303,8 +303,9 @@ def main(argv: list[str] | None = None) -> int:
     # memory) for good. One was seen once (README, "Draining on shutdown").
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(process.pid, signal.SIGKILL)
-    # The cancellation flags and live-sequence slots its stubs shared (named after the server's PID).
-    for scratch in [cancellation.default_directory(process.pid), *slots.server_directories(process.pid)]:
+    # The cancellation flags, live-sequence slots and KV-room line its stubs shared (named after its PID).
+    for scratch in [cancellation.default_directory(process.pid), room.default_directory(process.pid),
+                    *slots.server_directories(process.pid)]:
         shutil.rmtree(scratch, ignore_errors=True)
     return code
 

@@ -30,6 +30,7 @@ from specdec.triton.config import ModelParameters
 from specdec.triton.fallback import FallbackProposer
 from specdec.triton.metrics import OrchestratorMetrics
 from specdec.triton.request import InputError, ParsedRequest, RequestLimits
+from specdec.triton.room import RoomLine, RoomWait
 from specdec.triton.slots import SlotPool
 from specdec.triton.verify_gate import GatedScorer, VerifyGate
 
@@ -38,12 +39,6 @@ from specdec.triton.verify_gate import GatedScorer, VerifyGate
 # trip through a thread, the costliest bookkeeping of a round; a streamed response asks with every send).
 # An ensemble's cancellation comes through the board, checked every round (a stat).
 CANCEL_POLL_S = 0.01
-# A new request that target_model has no KV room for yet asks again after this wait, doubling up to the
-# second value, or as soon as a request of its instance has released its caches: a retry is one BLS call
-# that fails before any forward. Only the first of an instance's waiters asks; the others check for a
-# cancellation this often while they wait for their turn.
-ROOM_RETRY_S = (0.01, 0.1)
-ROOM_CANCEL_POLL_S = 0.5
 
 
 class SpeculativeDecodingAdapter(TritonAdapter):
@@ -62,7 +57,7 @@ class SpeculativeDecodingAdapter(TritonAdapter):
         self.max_live = params.int("max_live_sequences", 64, low=1)
         self.when_full = params.str("when_full", "queue", choices=("queue", "reject"))
         self.slots = SlotPool(self.max_live)
-        self.room = RoomLine()  # this instance's requests waiting for KV room in target_model
+        self.room = RoomLine()  # the server's requests waiting for KV room in target_model (room.py)
         self.queued = 0
         timeout_us = params.int("bls_timeout_us", 0, low=0)
         # "ngram" is the built-in prompt-lookup method; any other name is a draft model to call over BLS.
@@ -168,8 +163,8 @@ class SpeculativeDecodingAdapter(TritonAdapter):
         self.report_live()
         finish, last, started = None, None, False
         try:
-            # First come, first served: while requests of this instance wait for KV room, a new one lines
-            # up behind them instead of taking room the first in line waits for.
+            # First come, first served: while requests wait for KV room, a new one lines up behind them
+            # instead of taking room the first in line waits for.
             if not await room.line_up():
                 raise NoCapacity("cancelled while waiting in line for KV room")  # room.cancelled is set
             started = True
@@ -221,7 +216,7 @@ class SpeculativeDecodingAdapter(TritonAdapter):
             return
         finally:
             room.admitted()
-            if started:  # its caches are released by now: the first in line asks again at once
+            if started:  # its caches are released by now: the first in line may ask again at once
                 self.room.freed()
             self.gate.leave()
             self.report_live()
@@ -273,115 +268,3 @@ class SpeculativeDecodingAdapter(TritonAdapter):
             pb.Tensor(tn.MEAN_ACCEPTED_LENGTH, np.array([[stats.mean_accepted_length]], dtype=np.float32)),
             pb.Tensor(tn.FINISH_REASON, np.array([[(finish or "").encode()]], dtype=np.object_)),
         ])
-
-
-class RoomLine:
-    """An instance's requests waiting for room in target_model's KV cache, first come first served.
-
-    `turn` is held by the request whose turn it is to ask target_model; the others wait for it in arrival
-    order. `released` counts the instance's requests that have released their caches, so the first in
-    line asks again as soon as room may have come free here rather than after its back-off (room freed
-    by the other instances is found by the back-off's retries).
-    """
-
-    def __init__(self):
-        self.turn = asyncio.Lock()
-        self.length = 0  # requests in line, the one whose turn it is included
-        self.released = 0
-        self._freed: asyncio.Future | None = None
-
-    def freed(self) -> None:
-        """A request of this instance has released its caches."""
-        self.released += 1
-        if self._freed is not None and not self._freed.done():
-            self._freed.set_result(None)
-
-    async def until_freed(self, timeout_s: float, seen: int) -> None:
-        """Sleep `timeout_s`, or less if a request releases its caches meanwhile, or none if one has since
-        the caller's count was `seen`."""
-        if self.released != seen:
-            return
-        if self._freed is None or self._freed.done():
-            self._freed = asyncio.get_running_loop().create_future()
-        await asyncio.wait({self._freed}, timeout=timeout_s)
-
-
-class RoomWait:
-    """A new request's wait for room in target_model's KV cache (`generate`'s wait_for_room).
-
-    The waiters of an instance take turns in arrival order (`RoomLine`): only the first asks target_model
-    again, so the retries stay one per instance however many wait (each is a BLS call target_model has
-    to answer between its forwards), and a new request lines up behind them (`line_up`) rather than take
-    the room they wait for. While it waits a request counts among the queued requests, not the live ones
-    (nor for the verify gate, which would otherwise hold the others' verifies for it). It gives up at once
-    with when_full=reject, or when the request is cancelled (then `cancelled` is set).
-    """
-
-    def __init__(self, adapter: SpeculativeDecodingAdapter, seq_id: int, sender):
-        self.adapter, self.seq_id, self.sender = adapter, seq_id, sender
-        self.line: RoomLine = adapter.room
-        self.waits, self.queued, self.cancelled = 0, False, False
-        self.turn: asyncio.Future | None = None  # its place in the line (acquiring the line's turn)
-        self.seen = self.line.released  # releases before its last call to target_model
-
-    async def line_up(self) -> bool:
-        """Before a new request's first call: behind the instance's line if there is one. False: cancelled
-        while it waited."""
-        if not self.line.length:
-            return True
-        self._queue()
-        return await self._my_turn()
-
-    async def __call__(self) -> bool:
-        """Wait until this request should ask again (True), or give up (False)."""
-        if self.adapter.when_full == "reject" or await self._is_cancelled():
-            return False
-        self._queue()
-        if not await self._my_turn():
-            return False
-        await self.line.until_freed(min(ROOM_RETRY_S[0] * 2 ** self.waits, ROOM_RETRY_S[1]), self.seen)
-        self.seen = self.line.released
-        self.waits += 1
-        return True
-
-    def _queue(self) -> None:
-        """Counted as queued, not live (once); in the line."""
-        if not self.queued:
-            self.queued = True
-            adapter = self.adapter
-            adapter.gate.leave()
-            adapter.count_queued(1)
-            adapter.report_live()
-        if self.turn is None:
-            self.line.length += 1
-            self.turn = asyncio.ensure_future(self.line.turn.acquire())
-
-    async def _my_turn(self) -> bool:
-        """Wait for its turn, asking for a cancellation every ROOM_CANCEL_POLL_S; False if cancelled."""
-        while not self.turn.done():
-            await asyncio.wait({self.turn}, timeout=ROOM_CANCEL_POLL_S)
-            if not self.turn.done() and await self._is_cancelled():
-                return False
-        return True
-
-    async def _is_cancelled(self) -> bool:
-        adapter = self.adapter
-        self.cancelled = adapter.cancellations.is_cancelled(self.seq_id) or await asyncio.get_running_loop(
-        ).run_in_executor(adapter.ipc, self.sender.is_cancelled)
-        return self.cancelled
-
-    def admitted(self) -> None:
-        """The request has its room (or is over): the next waiter's turn; live again, no longer queued."""
-        if self.turn is not None:
-            turn, self.turn = self.turn, None
-            self.line.length -= 1
-            if turn.done() and not turn.cancelled():
-                self.line.turn.release()
-            else:
-                turn.cancel()  # asyncio.Lock passes a wake-up it had already given on to the next waiter
-        if self.queued:
-            self.queued = False
-            adapter = self.adapter
-            adapter.gate.enter()
-            adapter.count_queued(-1)
-            adapter.report_live()

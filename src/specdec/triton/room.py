@@ -1,0 +1,232 @@
+"""Waiting for room in target_model's KV cache: first come, first served across every orchestrator instance.
+
+A new request reserves its whole generation in target_model's KV pool with its first call; when the
+pool is full that call is refused (`NoCapacity`) and the request waits (`when_full: queue`) or is
+refused UNAVAILABLE (`reject`). Waiting requests form one line per server, whatever instance they run
+in, so that a long request is not passed again and again by short ones that fit the room it waits for:
+
+- A place in line is a ticket: a file named by the monotonic clock (system-wide on Linux) at the moment
+  the request joined, in a directory private to the server (named after the tritonserver process, like
+  the cancellation board and the slots), held under an exclusive `flock` while it waits. The line is the
+  sorted names; a ticket whose lock is free belongs to a process that died and is removed by whoever
+  finds it first.
+- Only the first in line asks target_model again; a new request joins the line whenever there is one
+  instead of asking first. Within an instance its waiters take turns through an asyncio lock, so one
+  request per instance reads the line (one directory listing per `poll_s`), however long it is.
+- The first in line asks again after ROOM_RETRY_S (10 ms doubling to 100 ms) or as soon as any request
+  of the server has released its caches: a request that ends while others wait appends a byte to a
+  file the first in line watches (`poll_s`), and wakes its own instance's first in line at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import fcntl
+import itertools
+import os
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from specdec.triton.cancellation import scratch_base
+
+if TYPE_CHECKING:
+    from specdec.triton.orchestrator import SpeculativeDecodingAdapter
+
+# The first in line asks target_model again after this wait, doubling up to the second value, or as soon
+# as a request has released its caches: a retry is one BLS call that fails before any forward.
+ROOM_RETRY_S = (0.01, 0.1)
+# How often a waiter that is not first checks whether its request was cancelled (an IPC round trip).
+ROOM_CANCEL_POLL_S = 0.5
+
+
+def default_directory(server_pid: int | None = None) -> Path:
+    return scratch_base() / f"specdec-room-{server_pid or os.getppid()}"
+
+
+class Ticket:
+    """A place in line: the file's name and the descriptor holding its lock."""
+
+    def __init__(self, name: str, fd: int):
+        self.name, self.fd = name, fd
+
+
+class RoomLine:
+    """The server's line for KV room, as one orchestrator instance sees it (see the module's docstring)."""
+
+    def __init__(self, directory: Path | None = None, poll_s: float = 0.005):
+        base = directory or default_directory()
+        self.tickets = base / "line"
+        self.tickets.mkdir(parents=True, exist_ok=True)
+        self._prefix = f"{self.tickets}{os.sep}"
+        # A byte is appended when a request ends while others wait: its size changes with every release
+        # (appends are atomic), and it is emptied when the line is.
+        self._released = os.open(base / "released", os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+        self.poll_s = poll_s
+        self.turn = asyncio.Lock()  # this instance's waiters read the line one at a time, in arrival order
+        self._numbers = itertools.count()
+        self._mine: set[str] = set()
+        self._freed: asyncio.Future | None = None  # wakes this instance's first in line
+
+    # ---- the line -------------------------------------------------------------------------------------
+    def waiting(self) -> bool:
+        """Whether any request of the server waits for room (one directory listing)."""
+        return bool(os.listdir(self.tickets))
+
+    def join(self) -> Ticket:
+        name = f"{time.monotonic_ns():020d}-{os.getpid()}-{next(self._numbers)}"
+        # Locked before it is in line (renamed into it), so no reader ever takes it for abandoned.
+        unlisted = f"{self.tickets.parent}{os.sep}.{name}"
+        fd = os.open(unlisted, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        os.rename(unlisted, f"{self._prefix}{name}")
+        self._mine.add(name)
+        return Ticket(name, fd)
+
+    def leave(self, ticket: Ticket) -> None:
+        self._mine.discard(ticket.name)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(f"{self._prefix}{ticket.name}")
+        os.close(ticket.fd)
+        if not self.waiting():  # racing a release only makes a waiter ask once more
+            os.ftruncate(self._released, 0)
+
+    def first(self) -> str | None:
+        """The ticket whose turn it is, removing the tickets of processes that died on the way."""
+        for name in sorted(os.listdir(self.tickets)):
+            if name in self._mine or not self._abandoned(name):
+                return name
+        return None
+
+    def _abandoned(self, name: str) -> bool:
+        try:
+            fd = os.open(f"{self._prefix}{name}", os.O_RDWR | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return True  # left the line meanwhile
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                return False  # its request still waits
+            raise
+        finally:
+            os.close(fd)  # drops the lock if it was taken
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(f"{self._prefix}{name}")
+        return True
+
+    # ---- caches released --------------------------------------------------------------------------
+    def freed(self) -> None:
+        """A request of this instance has released its caches: the first in line may find room now."""
+        if self._freed is not None and not self._freed.done():
+            self._freed.set_result(None)
+        if self.waiting():
+            os.write(self._released, b"\0")
+
+    def released(self) -> int:
+        """A count that changes whenever a request of the server releases its caches while others wait."""
+        return os.fstat(self._released).st_size
+
+    async def until_freed(self, timeout_s: float, seen: int) -> None:
+        """Sleep `timeout_s`, or less if a request releases its caches meanwhile (at once if one has since
+        `released()` read `seen`)."""
+        if self._freed is None or self._freed.done():
+            self._freed = asyncio.get_running_loop().create_future()
+        deadline = time.monotonic() + timeout_s
+        while self.released() == seen and not self._freed.done():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            await asyncio.wait({self._freed}, timeout=min(left, self.poll_s))
+
+
+class RoomWait:
+    """A new request's wait for room in target_model's KV cache (`generate`'s wait_for_room).
+
+    `line_up` before its first call puts it behind the server's line if there is one; called after a
+    refusal it joins the line and waits until it is first, then for ROOM_RETRY_S or a release, and says
+    to ask again. While it waits a request counts among the queued requests, not the live ones (nor for
+    the verify gate, which would otherwise hold the others' verifies for it). It gives up at once with
+    when_full=reject, or when the request is cancelled (then `cancelled` is set).
+    """
+
+    def __init__(self, adapter: SpeculativeDecodingAdapter, seq_id: int, sender):
+        self.adapter, self.seq_id, self.sender = adapter, seq_id, sender
+        self.line: RoomLine = adapter.room
+        self.waits, self.queued, self.cancelled = 0, False, False
+        self.ticket: Ticket | None = None
+        self.turn: asyncio.Future | None = None  # its instance's turn to read the line (acquiring line.turn)
+        self.seen = self.line.released()  # the last release before its last call to target_model
+
+    async def line_up(self) -> bool:
+        """Before a new request's first call: behind the server's line if there is one. False: cancelled
+        while it waited."""
+        if not self.line.waiting():
+            return True
+        self._queue()
+        return await self._first_in_line()
+
+    async def __call__(self) -> bool:
+        """Wait until this request should ask again (True), or give up (False)."""
+        if self.adapter.when_full == "reject" or await self._is_cancelled():
+            return False
+        self._queue()
+        if not await self._first_in_line():
+            return False
+        await self.line.until_freed(min(ROOM_RETRY_S[0] * 2 ** self.waits, ROOM_RETRY_S[1]), self.seen)
+        self.seen = self.line.released()
+        self.waits += 1
+        return True
+
+    def _queue(self) -> None:
+        """Counted as queued, not live, and in line (once)."""
+        if not self.queued:
+            self.queued = True
+            adapter = self.adapter
+            adapter.gate.leave()
+            adapter.count_queued(1)
+            adapter.report_live()
+        if self.ticket is None:
+            self.ticket = self.line.join()
+            self.turn = asyncio.ensure_future(self.line.turn.acquire())
+
+    async def _first_in_line(self) -> bool:
+        """Wait for its instance's turn, then until its ticket is first in the server's line, asking for a
+        cancellation every ROOM_CANCEL_POLL_S; False if cancelled."""
+        while not self.turn.done():
+            await asyncio.wait({self.turn}, timeout=ROOM_CANCEL_POLL_S)
+            if not self.turn.done() and await self._is_cancelled():
+                return False
+        asked = time.monotonic()
+        while self.line.first() != self.ticket.name:
+            await asyncio.sleep(self.line.poll_s)
+            if time.monotonic() - asked >= ROOM_CANCEL_POLL_S:
+                asked = time.monotonic()
+                if await self._is_cancelled():
+                    return False
+        return True
+
+    async def _is_cancelled(self) -> bool:
+        adapter = self.adapter
+        self.cancelled = adapter.cancellations.is_cancelled(self.seq_id) or await asyncio.get_running_loop(
+        ).run_in_executor(adapter.ipc, self.sender.is_cancelled)
+        return self.cancelled
+
+    def admitted(self) -> None:
+        """The request has its room (or is over): out of the line, the next waiter's turn; live again."""
+        if self.ticket is not None:
+            self.line.leave(self.ticket)
+            self.ticket = None
+            turn, self.turn = self.turn, None
+            if turn.done() and not turn.cancelled():
+                self.line.turn.release()
+            else:
+                turn.cancel()  # asyncio.Lock passes a wake-up it had already given on to the next waiter
+        if self.queued:
+            self.queued = False
+            adapter = self.adapter
+            adapter.gate.enter()
+            adapter.count_queued(-1)
+            adapter.report_live()
