@@ -12,6 +12,9 @@
 #                  behind speculation.orchestratorInstances
 #   executor       in-process steps of the static executor, with and without the fused SiLU MLP (fuse_mlp),
 #                  against the compiled static-cache reference
+#   streams        the 8-stream target (>= 4x one stream): four orchestrator instances, and concurrent
+#                  verifies gathered into one forward (verify_gather_ms + the batcher's delay) with two
+#                  and with four instances (~7 min; a third command: `bash bench/gpu_session.sh streams`)
 #
 # Results go to $OUT (the device tool brings that folder back), or .cache/gpu-session here.
 set -uo pipefail
@@ -38,8 +41,17 @@ for part in "$@"; do
         --launcher-arg=--orchestrator-instances=1 --out "$out/bench-gpu-1-orchestrator.md"
       run bench-gpu-2-orchestrators 300 "$python" bench/gpu_bench.py --served-only --prompts 4 \
         --launcher-arg=--orchestrator-instances=2 --out "$out/bench-gpu-2-orchestrators.md" ;;
+    streams)
+      gathered=(--launcher-arg=--set=speculative_decoding.verify_gather_ms=5
+                --launcher-arg=--set=target_model.max_queue_delay_microseconds=300)
+      run streams-4-orchestrators 200 "$python" bench/gpu_bench.py --served-only --prompts 2 \
+        --launcher-arg=--orchestrator-instances=4 --out "$out/streams-4-orchestrators.md"
+      run streams-2-gathered 200 "$python" bench/gpu_bench.py --served-only --prompts 2 "${gathered[@]}" \
+        --out "$out/streams-2-gathered.md"
+      run streams-4-gathered 200 "$python" bench/gpu_bench.py --served-only --prompts 2 "${gathered[@]}" \
+        --launcher-arg=--orchestrator-instances=4 --out "$out/streams-4-gathered.md" ;;
     executor) run executor 240 "$python" bench/executor_bench.py --modes graphs,graphs-mlp --reference \
         --out "$out/executor.md" ;;
-    *) echo "unknown part: $part (tests, bench, orchestrators, executor)" >&2; exit 2 ;;
+    *) echo "unknown part: $part (tests, bench, orchestrators, executor, streams)" >&2; exit 2 ;;
   esac
 done
