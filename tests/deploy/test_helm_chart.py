@@ -189,6 +189,8 @@ def test_autoscaling_and_monitoring_objects():
     titles = " ".join(p["title"] for p in panels).lower()
     for needed in ("acceptance", "time to first token", "tokens/s", "queue"):
         assert needed in titles
+    exprs = " ".join(target["expr"] for panel in panels for target in panel["targets"])
+    assert "specdec_queue_time_seconds_bucket" in exprs  # the orchestrator's own waits, beside Triton's
     ingresses = by_kind(mon, "Ingress")
     assert len(ingresses) == 2 and ingresses[1]["metadata"]["annotations"][
         "nginx.ingress.kubernetes.io/backend-protocol"] == "GRPC"

@@ -102,6 +102,9 @@ def test_live_sequence_cap_queues_or_rejects(tmp_path, when_full):
         errors = [r for r in results if isinstance(r, Exception)]
         if when_full == "queue":
             assert errors == [] and peak_queued >= 1
+            # The slot waits are in the queue-time histogram: six requests, some of them waited.
+            assert srv.metric("specdec_queue_time_seconds_count") == 6
+            assert srv.metric("specdec_queue_time_seconds_sum") > 0
             assert all(r[tn.FINISH_REASON] in ("length", "stop") and r[tn.TEXT_OUTPUT] for r in results)
         else:
             assert errors and all("max_live_sequences" in str(e) and "retry later" in str(e) for e in errors)

@@ -89,6 +89,7 @@ def test_a_request_waits_for_kv_room_and_keeps_its_output(small_pool):
     own = small_pool
     client = Client(own.grpc_url)
     solo = client.generate(PROMPT, LONG)
+    waits_before = own.metric("specdec_queue_time_seconds_count"), own.metric("specdec_queue_time_seconds_sum")
     queued = []
 
     def two_more():  # the pool holds one: they wait, then run one after the other
@@ -111,6 +112,11 @@ def test_a_request_waits_for_kv_room_and_keeps_its_output(small_pool):
     assert 1 in waiting and all(live <= 1 for live in waiting), queued
     assert own.metric("specdec_queued_requests") == 0
     assert own.metric("specdec_requests_total", finish_reason="rejected") == 0
+    # Every request's wait is observed: the first's ~0; the second waiter waited a whole generation of the
+    # first waiter's at least (half a solo one: this machine's noise).
+    count = own.metric("specdec_queue_time_seconds_count") - waits_before[0]
+    waited = own.metric("specdec_queue_time_seconds_sum") - waits_before[1]
+    assert count == 3 and waited >= 0.5 * solo.latency_s, (count, waited, solo.latency_s)
     assert own.metric("specdec_model_kv_cache_bytes", model="target_model") == 0
 
 

@@ -97,12 +97,14 @@ def test_waits_counted_once_then_admitted(line_dir):
     async def main():
         assert await room() and await room() and await room()
         assert adapter.queued == 1 and room.waits == 3 and adapter.room.waiting()
+        await asyncio.sleep(0.02)
         assert adapter.gate.live == 0 and adapter.metrics.live == [0]  # waiting is not generating
         room.admitted()
         room.admitted()  # idempotent: every round and the request's end call it
 
     asyncio.run(main())
     assert empty(adapter) and adapter.gate.live == 1 and adapter.metrics.live == [0, 1]
+    assert 0.02 < room.waited_s < 5  # what the queue-time histogram gets
 
 
 def test_reject_never_waits(line_dir):
@@ -160,6 +162,7 @@ def test_a_new_request_lines_up_behind_the_waiters_of_any_instance(line_dir):
     async def main():
         assert await newcomer.line_up() and not newcomer.queued  # no line: its first call goes at once
         newcomer.admitted()
+        assert newcomer.waited_s == 0
         assert await first()  # no room for the first: it is first in line
         late = RoomWait(there, 3, Sender())
         lining = asyncio.ensure_future(late.line_up())
@@ -168,6 +171,7 @@ def test_a_new_request_lines_up_behind_the_waiters_of_any_instance(line_dir):
         first.admitted()  # the first got its room
         assert await lining  # now it is the late one's turn to ask
         late.admitted()
+        assert late.waited_s >= 0.05
 
     asyncio.run(main())
     assert empty(here) and empty(there)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import time
 
 LATENCY_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0]
+# Most requests wait for nothing: the first bucket tells those apart from the ones that queued.
+QUEUE_BUCKETS = [0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0]
 
 
 class _Families:
@@ -98,6 +100,9 @@ class OrchestratorMetrics:
                          family.HISTOGRAM).Metric(labels={}, buckets=LATENCY_BUCKETS)
         self.latency = make("specdec_request_latency_seconds", "Request arrival to its final response",
                             family.HISTOGRAM).Metric(labels={}, buckets=LATENCY_BUCKETS)
+        self.queue_time = make("specdec_queue_time_seconds", "Time a request waited for a generation slot "
+                               "(max_live_sequences) and for room in target_model's KV cache",
+                               family.HISTOGRAM).Metric(labels={}, buckets=QUEUE_BUCKETS)
         self.live = make("specdec_live_sequences", "Requests currently generating in this instance",
                          family.GAUGE).Metric(labels=mine)
         self.live_peak = make("specdec_live_sequences_peak", "The most requests that have generated at once in the "

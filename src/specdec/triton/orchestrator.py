@@ -120,14 +120,16 @@ class SpeculativeDecodingAdapter(TritonAdapter):
                 f"speculative_decoding: {self.max_live} sequences are generating (max_live_sequences); "
                 f"{tn.RETRY_LATER}", pb.TritonError.UNAVAILABLE)), flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             return
+        slot_wait = 0.0
         if slot is None:
             self.count_queued(1)
             try:
                 slot = await self.slots.acquire()
             finally:
                 self.count_queued(-1)
+            slot_wait = time.monotonic() - arrived
         try:
-            await self._generate(sender, arrived, parsed)
+            await self._generate(sender, arrived, parsed, slot_wait)
         finally:
             self.slots.release(slot)
 
@@ -140,7 +142,7 @@ class SpeculativeDecodingAdapter(TritonAdapter):
         self.queued += change
         self.metrics.queued.set(self.queued)
 
-    async def _generate(self, sender, arrived: float, parsed: ParsedRequest):
+    async def _generate(self, sender, arrived: float, parsed: ParsedRequest, slot_wait: float):
         pb = self.pb
         gen, stream = parsed.generation, parsed.stream
         stats = Stats()
@@ -218,6 +220,7 @@ class SpeculativeDecodingAdapter(TritonAdapter):
             room.admitted()
             if started:  # its caches are released by now: the first in line may ask again at once
                 self.room.freed()
+            self.metrics.queue_time.observe(slot_wait + room.waited_s)
             self.gate.leave()
             self.report_live()
             self.metrics.flush(time.monotonic())  # this request's rounds are counted before it ends

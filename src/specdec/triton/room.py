@@ -156,6 +156,7 @@ class RoomWait:
         self.adapter, self.seq_id, self.sender = adapter, seq_id, sender
         self.line: RoomLine = adapter.room
         self.waits, self.queued, self.cancelled = 0, False, False
+        self.waited_s, self._since = 0.0, 0.0  # time spent queued, for the queue-time histogram
         self.ticket: Ticket | None = None
         self.turn: asyncio.Future | None = None  # its instance's turn to read the line (acquiring line.turn)
         self.seen = self.line.released()  # the last release before its last call to target_model
@@ -183,7 +184,7 @@ class RoomWait:
     def _queue(self) -> None:
         """Counted as queued, not live, and in line (once)."""
         if not self.queued:
-            self.queued = True
+            self.queued, self._since = True, time.monotonic()
             adapter = self.adapter
             adapter.gate.leave()
             adapter.count_queued(1)
@@ -226,6 +227,7 @@ class RoomWait:
                 turn.cancel()  # asyncio.Lock passes a wake-up it had already given on to the next waiter
         if self.queued:
             self.queued = False
+            self.waited_s += time.monotonic() - self._since
             adapter = self.adapter
             adapter.gate.enter()
             adapter.count_queued(-1)
