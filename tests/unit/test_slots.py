@@ -1,5 +1,6 @@
 """The live-sequence cap shared by orchestrator instances: slots are file locks, so two pools over one
-directory (two instances) share the cap, and a process that dies frees what it held."""
+directory (two instances) share the cap, their waiters form one line in arrival order, and a process
+that dies frees what it held."""
 
 import asyncio
 import subprocess
@@ -76,6 +77,50 @@ def test_waiters_of_one_pool_go_in_arrival_order(tmp_path):
     assert order == ["a", "b", "c"]
 
 
+def test_waiters_of_two_pools_go_in_arrival_order(tmp_path):
+    """One line for the server: whichever instance a request waits in, the slot goes to the first to come."""
+    # The second instance polls 20x as often: without one line its waiters would take every slot first.
+    pools = [SlotPool(1, tmp_path, poll_s=0.02), SlotPool(1, tmp_path, poll_s=0.001)]
+    held = pools[0].try_acquire()
+    order = []
+
+    async def wait(pool, name):
+        fd = await pool.acquire()
+        order.append(name)
+        await asyncio.sleep(0.005)
+        SlotPool.release(fd)
+
+    async def scenario():
+        tasks = []
+        for i, name in enumerate("abcd"):  # alternating instances
+            tasks.append(asyncio.ensure_future(wait(pools[i % 2], name)))
+            await asyncio.sleep(0.005)
+        SlotPool.release(held)
+        await asyncio.wait_for(asyncio.gather(*tasks), 5)
+
+    asyncio.run(scenario())
+    assert order == ["a", "b", "c", "d"]
+    assert not pools[0].line.waiting()
+
+
+def test_a_newcomer_of_another_instance_does_not_pass_the_waiters(tmp_path):
+    here, there = SlotPool(1, tmp_path, poll_s=0.05), SlotPool(1, tmp_path, poll_s=0.05)
+    held = here.try_acquire()
+
+    async def scenario():
+        waiter = asyncio.ensure_future(here.acquire())
+        await asyncio.sleep(0.01)
+        SlotPool.release(held)
+        assert there.take_now() is None  # free, but a request of the other instance waits for it
+        return await asyncio.wait_for(waiter, 2)
+
+    fd = asyncio.run(scenario())
+    SlotPool.release(fd)
+    fd = there.take_now()  # nobody waits any more
+    assert fd is not None
+    SlotPool.release(fd)
+
+
 def test_a_cancelled_waiter_takes_no_slot(tmp_path):
     pool = SlotPool(1, tmp_path, poll_s=0.001)
     held = pool.try_acquire()
@@ -88,8 +133,9 @@ def test_a_cancelled_waiter_takes_no_slot(tmp_path):
             await waiter
 
     asyncio.run(scenario())
+    assert not pool.line.waiting()  # nor its place in line
     SlotPool.release(held)
-    fd = pool.try_acquire()
+    fd = pool.take_now()
     assert fd is not None  # the cancelled waiter holds nothing
     SlotPool.release(fd)
 

@@ -11,6 +11,8 @@
   metrics          every Prometheus metric the models define
   cancellation     cancellation flags shared by the server's processes
   slots            the live-sequence cap shared by the orchestrator's instances (file locks)
+  room             waiting for room in target_model's KV cache, first come first served
+  line             the server-wide first-come-first-served line of those waits (file locks)
 
 May import: `specdec.decoding`, `specdec.engine`, `specdec.tensor_names`; `triton_python_backend_utils`
 only at load, inside a stub (adapter.py).

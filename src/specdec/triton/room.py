@@ -5,11 +5,8 @@ pool is full that call is refused (`NoCapacity`) and the request waits (`when_fu
 refused UNAVAILABLE (`reject`). Waiting requests form one line per server, whatever instance they run
 in, so that a long request is not passed again and again by short ones that fit the room it waits for:
 
-- A place in line is a ticket: a file named by the monotonic clock (system-wide on Linux) at the moment
-  the request joined, in a directory private to the server (named after the tritonserver process, like
-  the cancellation board and the slots), held under an exclusive `flock` while it waits. The line is the
-  sorted names; a ticket whose lock is free belongs to a process that died and is removed by whoever
-  finds it first.
+- The line is a `TicketLine` (line.py): a ticket per waiting request, ordered by arrival, in a
+  directory private to the server; a process that dies leaves no place behind.
 - Only the first in line asks target_model again; a new request joins the line whenever there is one
   instead of asking first. Within an instance its waiters take turns through an asyncio lock, so one
   request per instance reads the line (one directory listing per `poll_s`), however long it is.
@@ -21,16 +18,13 @@ in, so that a long request is not passed again and again by short ones that fit 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import errno
-import fcntl
-import itertools
 import os
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from specdec.triton.cancellation import scratch_base
+from specdec.triton.line import Ticket, TicketLine
 
 if TYPE_CHECKING:
     from specdec.triton.orchestrator import SpeculativeDecodingAdapter
@@ -46,76 +40,34 @@ def default_directory(server_pid: int | None = None) -> Path:
     return scratch_base() / f"specdec-room-{server_pid or os.getppid()}"
 
 
-class Ticket:
-    """A place in line: the file's name and the descriptor holding its lock."""
-
-    def __init__(self, name: str, fd: int):
-        self.name, self.fd = name, fd
-
-
 class RoomLine:
     """The server's line for KV room, as one orchestrator instance sees it (see the module's docstring)."""
 
     def __init__(self, directory: Path | None = None, poll_s: float = 0.005):
         base = directory or default_directory()
-        self.tickets = base / "line"
-        self.tickets.mkdir(parents=True, exist_ok=True)
-        self._prefix = f"{self.tickets}{os.sep}"
+        self.line = TicketLine(base / "line")
         # A byte is appended when a request ends while others wait: its size changes with every release
         # (appends are atomic), and it is emptied when the line is.
         self._released = os.open(base / "released", os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
         self.poll_s = poll_s
         self.turn = asyncio.Lock()  # this instance's waiters read the line one at a time, in arrival order
-        self._numbers = itertools.count()
-        self._mine: set[str] = set()
         self._freed: asyncio.Future | None = None  # wakes this instance's first in line
 
     # ---- the line -------------------------------------------------------------------------------------
     def waiting(self) -> bool:
-        """Whether any request of the server waits for room (one directory listing)."""
-        return bool(os.listdir(self.tickets))
+        """Whether any request of the server waits for room."""
+        return self.line.waiting()
 
     def join(self) -> Ticket:
-        name = f"{time.monotonic_ns():020d}-{os.getpid()}-{next(self._numbers)}"
-        # Locked before it is in line (renamed into it), so no reader ever takes it for abandoned.
-        unlisted = f"{self.tickets.parent}{os.sep}.{name}"
-        fd = os.open(unlisted, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        os.rename(unlisted, f"{self._prefix}{name}")
-        self._mine.add(name)
-        return Ticket(name, fd)
+        return self.line.join()
 
     def leave(self, ticket: Ticket) -> None:
-        self._mine.discard(ticket.name)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(f"{self._prefix}{ticket.name}")
-        os.close(ticket.fd)
-        if not self.waiting():  # racing a release only makes a waiter ask once more
+        self.line.leave(ticket)
+        if not self.line.waiting():  # racing a release only makes a waiter ask once more
             os.ftruncate(self._released, 0)
 
     def first(self) -> str | None:
-        """The ticket whose turn it is, removing the tickets of processes that died on the way."""
-        for name in sorted(os.listdir(self.tickets)):
-            if name in self._mine or not self._abandoned(name):
-                return name
-        return None
-
-    def _abandoned(self, name: str) -> bool:
-        try:
-            fd = os.open(f"{self._prefix}{name}", os.O_RDWR | os.O_CLOEXEC)
-        except FileNotFoundError:
-            return True  # left the line meanwhile
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                return False  # its request still waits
-            raise
-        finally:
-            os.close(fd)  # drops the lock if it was taken
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(f"{self._prefix}{name}")
-        return True
+        return self.line.first()
 
     # ---- caches released --------------------------------------------------------------------------
     def freed(self) -> None:

@@ -8,6 +8,9 @@ slot taken in one instance is taken for all of them.
 
 Slots are taken lowest index first, so when slot i is taken slots 0..i-1 are held: the highest index
 taken plus one is how many requests generated at once at the busiest moment (`highest`).
+
+Over the cap, requests wait in one line for the whole server, first come first served (line.py): only the
+first in line polls for a free slot, and a new request takes one at once only while nobody waits.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import os
 from pathlib import Path
 
 from specdec.triton.cancellation import scratch_base
+from specdec.triton.line import TicketLine
 
 
 def default_directory(total: int, server_pid: int | None = None) -> Path:
@@ -41,7 +45,8 @@ class SlotPool:
         self._prefix = f"{self.directory}{os.sep}"
         self.poll_s = poll_s
         self.highest = 0  # the most slots this process has seen taken at once (the index it took + 1)
-        self._waiting = asyncio.Lock()  # this process's waiters take free slots in arrival order
+        self.line = TicketLine(self.directory / "line")  # the server's waiters, in arrival order
+        self._waiting = asyncio.Lock()  # this process's waiters read the line one at a time
 
     def try_acquire(self) -> int | None:
         """Take the lowest free slot: its file descriptor (hand it to `release`), or None when all are taken."""
@@ -59,16 +64,20 @@ class SlotPool:
         return None
 
     def take_now(self) -> int | None:
-        """A free slot unless requests of this process already wait for one (they go first), else None."""
-        return None if self._waiting.locked() else self.try_acquire()
+        """A free slot unless requests already wait for one (they go first), else None."""
+        return None if self.line.waiting() else self.try_acquire()
 
     async def acquire(self) -> int:
-        """Wait for a slot. Waiters of this process go in arrival order; across processes the first to poll
-        after a release wins (a slot is polled for every `poll_s` only while the server is full)."""
-        async with self._waiting:
-            while (fd := self.try_acquire()) is None:
-                await asyncio.sleep(self.poll_s)
-            return fd
+        """Wait for a slot, first come first served across the server's processes: only the first in line
+        polls for one (every `poll_s`, only while the server is full)."""
+        ticket = self.line.join()
+        try:
+            async with self._waiting:
+                while self.line.first() != ticket.name or (fd := self.try_acquire()) is None:
+                    await asyncio.sleep(self.poll_s)
+                return fd
+        finally:
+            self.line.leave(ticket)
 
     @staticmethod
     def release(fd: int) -> None:
