@@ -40,12 +40,12 @@ def default_directory(server_pid: int | None = None) -> Path:
     return scratch_base() / f"specdec-room-{server_pid or os.getppid()}"
 
 
-class RoomLine:
+class RoomLine(TicketLine):
     """The server's line for KV room, as one orchestrator instance sees it (see the module's docstring)."""
 
     def __init__(self, directory: Path | None = None, poll_s: float = 0.005):
         base = directory or default_directory()
-        self.line = TicketLine(base / "line")
+        super().__init__(base / "line")
         # A byte is appended when a request ends while others wait: its size changes with every release
         # (appends are atomic), and it is emptied when the line is.
         self._released = os.open(base / "released", os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
@@ -53,21 +53,10 @@ class RoomLine:
         self.turn = asyncio.Lock()  # this instance's waiters read the line one at a time, in arrival order
         self._freed: asyncio.Future | None = None  # wakes this instance's first in line
 
-    # ---- the line -------------------------------------------------------------------------------------
-    def waiting(self) -> bool:
-        """Whether any request of the server waits for room."""
-        return self.line.waiting()
-
-    def join(self) -> Ticket:
-        return self.line.join()
-
     def leave(self, ticket: Ticket) -> None:
-        self.line.leave(ticket)
-        if not self.line.waiting():  # racing a release only makes a waiter ask once more
+        super().leave(ticket)
+        if not self.waiting():  # racing a release only makes a waiter ask once more
             os.ftruncate(self._released, 0)
-
-    def first(self) -> str | None:
-        return self.line.first()
 
     # ---- caches released --------------------------------------------------------------------------
     def freed(self) -> None:
