@@ -156,6 +156,33 @@ def test_the_budget_refuses_a_sequence_cleanly_and_frees_on_release(tiny_lm):
     assert paged.kv_bytes_allocated == 5 * paged.pool.block_bytes
 
 
+def test_a_refused_step_keeps_no_frame_alive(tiny_lm):
+    """A step's error goes back without its traceback: that would hold the caller's frame (in the server,
+    the adapter's requests and responses) in a reference cycle until the collector runs, and in a Python-
+    backend stub the collector's last run may be at its exit, where freeing them was seen to hang."""
+    import gc
+    import weakref
+
+    class Marker:
+        pass
+
+    def caller(lm):  # stands for the adapter's execute: its locals live as long as its frame
+        marker = Marker()
+        results = lm.extend_many([Step(3, 0, list(range(1, 12)), 1, reserve=30)])
+        return weakref.ref(marker), results
+
+    for lm in (static(tiny_lm, kv_pool_tokens=16, max_context=16), CausalLM(tiny_lm, max_sequences=1)):
+        lm.extend(1, 0, [1, 2], 1)  # the pool (or the sequence limit) is full
+        gc.disable()
+        try:
+            ref, results = caller(lm)
+            assert isinstance(results[0], CacheError) and results[0].__traceback__ is None
+            del results
+            assert ref() is None  # freed by reference counting: no cycle
+        finally:
+            gc.enable()
+
+
 def test_a_new_sequence_reserves_its_generation_up_front(tiny_lm):
     """A first step's reserve takes the blocks of the whole generation (up to the context), so growing
     into it never fails; a sequence that does not fit is refused with CapacityError and holds nothing;

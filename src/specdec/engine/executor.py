@@ -281,7 +281,10 @@ class CausalLM:
                 ok.append(i)
                 errors.append(None)
             except CacheError as exc:
-                errors.append(exc)
+                # Kept without its traceback: that would hold this frame and its callers' (in a server,
+                # the adapter's requests and responses) in a cycle only the garbage collector frees; a
+                # target_model stub left to free such cycles at its exit was seen hanging there.
+                errors.append(exc.with_traceback(None))
         return ok, errors
 
     @torch.inference_mode()
