@@ -106,9 +106,46 @@ def test_live_sequence_cap_queues_or_rejects(tmp_path, when_full):
             assert srv.metric("specdec_queue_time_seconds_count") == 6
             assert srv.metric("specdec_queue_time_seconds_sum") > 0
             assert all(r[tn.FINISH_REASON] in ("length", "stop") and r[tn.TEXT_OUTPUT] for r in results)
+            _a_direct_caller_cancelled_in_the_slot_queue_leaves_it(srv)
         else:
             assert errors and all("max_live_sequences" in str(e) and "retry later" in str(e) for e in errors)
             assert srv.metric("specdec_requests_total", finish_reason="rejected") == len(errors)
             assert len(errors) < 6
     finally:
         stop_server(srv, require_clean_exit=False)
+
+
+
+def _a_direct_caller_cancelled_in_the_slot_queue_leaves_it(srv):
+    """Both slots busy with long generations; a client calling speculative_decoding itself waits for a
+    slot and cancels: its request leaves the queue within a cancellation check, not when a slot frees."""
+    import queue
+
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+    from client.sync import grpc_inputs
+
+    cancelled_before = srv.metric("specdec_requests_total", finish_reason="cancelled")
+    with ThreadPoolExecutor(2) as pool:
+        longs = [pool.submit(grpc_stream, srv.grpc_url, PROMPTS[i], max_tokens=900, num_draft_tokens=0,
+                             ignore_eos=True) for i in range(2)]
+        deadline = time.monotonic() + 60
+        while srv.metric("specdec_live_sequences") < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        client = grpcclient.InferenceServerClient(srv.grpc_url)
+        client.start_stream(callback=lambda result, error: None)
+        client.async_stream_infer(tn.SPECULATIVE_DECODING, grpc_inputs({
+            tn.INPUT_IDS: np.array([[1, 400, 2000, 37]], dtype=np.int32), tn.MAX_TOKENS: np.array([[50]], dtype=np.int32),
+            tn.STREAM: np.array([[True]])}))
+        while srv.metric("specdec_queued_requests") < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert srv.metric("specdec_queued_requests") == 1
+        client.stop_stream(cancel_requests=True)
+        client.close()
+        left = time.monotonic() + 5
+        while srv.metric("specdec_queued_requests") and time.monotonic() < left:
+            time.sleep(0.05)
+        assert srv.metric("specdec_queued_requests") == 0
+        assert srv.metric("specdec_requests_total", finish_reason="cancelled") == cancelled_before + 1
+        assert not any(f.done() for f in longs)  # it left the line while both slots were still taken
+        assert all(f.result()[tn.NUM_OUTPUT_TOKENS] == 900 for f in longs)

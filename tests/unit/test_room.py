@@ -16,7 +16,9 @@ import time
 
 import pytest
 
+from specdec.triton import line as line_module
 from specdec.triton import room as room_module
+from specdec.triton.orchestrator import SpeculativeDecodingAdapter
 from specdec.triton.room import RoomLine, RoomWait
 
 
@@ -60,6 +62,8 @@ class Adapter:
         self.gate, self.metrics, self.slots = Gate(), Metrics(), Slots()
         self.room = RoomLine(directory, poll_s=0.001)
 
+    is_cancelled = SpeculativeDecodingAdapter.is_cancelled  # the board, then the sender
+
     def count_queued(self, change):
         self.queued += change
 
@@ -78,7 +82,7 @@ class Sender:
 @pytest.fixture(autouse=True)
 def quick(monkeypatch):
     monkeypatch.setattr(room_module, "ROOM_RETRY_S", (0.001, 0.002))
-    monkeypatch.setattr(room_module, "ROOM_CANCEL_POLL_S", 0.01)
+    monkeypatch.setattr(line_module, "CANCEL_CHECK_S", 0.01)
 
 
 @pytest.fixture

@@ -104,6 +104,41 @@ def test_a_cancelled_waiter_takes_no_slot(tmp_path):
     SlotPool.release(fd)
 
 
+def test_a_waiter_whose_request_is_cancelled_leaves_the_line(tmp_path, monkeypatch):
+    """A direct caller that cancels while its request waits for a slot: asked every CANCEL_CHECK_S, the
+    waiter gives up its place (None), whether it was first in line or behind its instance's earlier
+    waiter, and the others keep their order."""
+    from specdec.triton import line as line_module
+
+    monkeypatch.setattr(line_module, "CANCEL_CHECK_S", 0.01)
+    pool = SlotPool(1, tmp_path, poll_s=0.001)
+    held = pool.try_acquire()
+    cancelled = set()
+    asked = []
+
+    async def wait(name):
+        async def is_cancelled():
+            asked.append(name)
+            return name in cancelled
+        return name, await pool.acquire(is_cancelled)
+
+    async def scenario():
+        first, second, third = (asyncio.ensure_future(wait(name)) for name in "abc")
+        await asyncio.sleep(0.05)
+        assert {"a", "b"} <= set(asked)  # the first in line and one waiting for its turn both ask
+        cancelled.update("ab")
+        assert await asyncio.wait_for(first, 1) == ("a", None)  # first in line
+        assert await asyncio.wait_for(second, 1) == ("b", None)  # behind it in this instance
+        assert not third.done()  # still waits: nothing was freed
+        SlotPool.release(held)
+        name, fd = await asyncio.wait_for(third, 1)
+        return fd
+
+    fd = asyncio.run(scenario())
+    assert fd is not None and not pool.line.waiting()
+    SlotPool.release(fd)
+
+
 def test_a_dead_process_frees_its_slots(tmp_path):
     """A stub that crashes holding slots does not shrink the cap for the instances that remain."""
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""

@@ -17,6 +17,9 @@ import os
 import time
 from pathlib import Path
 
+# How often a request waiting in line asks whether it was cancelled (for a direct caller, an IPC round trip).
+CANCEL_CHECK_S = 0.5
+
 
 class Ticket:
     """A place in line: the file's name and the descriptor holding its lock."""

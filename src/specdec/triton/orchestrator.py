@@ -124,14 +124,26 @@ class SpeculativeDecodingAdapter(TritonAdapter):
         if slot is None:
             self.count_queued(1)
             try:
-                slot = await self.slots.acquire()
+                slot = await self.slots.acquire(lambda: self.is_cancelled(parsed.generation.seq_id, sender))
             finally:
                 self.count_queued(-1)
             slot_wait = time.monotonic() - arrived
+            if slot is None:  # a direct caller cancelled it while it waited: it ends holding nothing
+                self.metrics.queue_time.observe(slot_wait)
+                self.metrics.record_request(tn.FINISH_CANCELLED, 0, slot_wait)
+                sender.send(self._response(None, parsed.generation, TextEmitter(self.tokenizer), Stats(),
+                                           tn.FINISH_CANCELLED), flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                return
         try:
             await self._generate(sender, arrived, parsed, slot_wait)
         finally:
             self.slots.release(slot)
+
+    async def is_cancelled(self, seq_id: int, sender) -> bool:
+        """Whether a waiting request was cancelled: by its ensemble's client (the board) or by a direct
+        caller (Triton's flag, asked on an IPC thread)."""
+        return self.cancellations.is_cancelled(seq_id) or await asyncio.get_running_loop().run_in_executor(
+            self.ipc, sender.is_cancelled)
 
     def report_live(self) -> None:
         """This instance's generating requests (the verify gate's count) and the server's peak, to the gauges."""

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from specdec.triton import line as lines
 from specdec.triton.cancellation import scratch_base
 from specdec.triton.line import Ticket, TicketLine
 
@@ -32,8 +33,6 @@ if TYPE_CHECKING:
 # The first in line asks target_model again after this wait, doubling up to the second value, or as soon
 # as a request has released its caches: a retry is one BLS call that fails before any forward.
 ROOM_RETRY_S = (0.01, 0.1)
-# How often a waiter that is not first checks whether its request was cancelled (an IPC round trip).
-ROOM_CANCEL_POLL_S = 0.5
 
 
 def default_directory(server_pid: int | None = None) -> Path:
@@ -136,24 +135,22 @@ class RoomWait:
 
     async def _first_in_line(self) -> bool:
         """Wait for its instance's turn, then until its ticket is first in the server's line, asking for a
-        cancellation every ROOM_CANCEL_POLL_S; False if cancelled."""
+        cancellation every CANCEL_CHECK_S (line.py); False if cancelled."""
         while not self.turn.done():
-            await asyncio.wait({self.turn}, timeout=ROOM_CANCEL_POLL_S)
+            await asyncio.wait({self.turn}, timeout=lines.CANCEL_CHECK_S)
             if not self.turn.done() and await self._is_cancelled():
                 return False
         asked = time.monotonic()
         while self.line.first() != self.ticket.name:
             await asyncio.sleep(self.line.poll_s)
-            if time.monotonic() - asked >= ROOM_CANCEL_POLL_S:
+            if time.monotonic() - asked >= lines.CANCEL_CHECK_S:
                 asked = time.monotonic()
                 if await self._is_cancelled():
                     return False
         return True
 
     async def _is_cancelled(self) -> bool:
-        adapter = self.adapter
-        self.cancelled = adapter.cancellations.is_cancelled(self.seq_id) or await asyncio.get_running_loop(
-        ).run_in_executor(adapter.ipc, self.sender.is_cancelled)
+        self.cancelled = await self.adapter.is_cancelled(self.seq_id, self.sender)
         return self.cancelled
 
     def admitted(self) -> None:

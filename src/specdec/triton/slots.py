@@ -19,8 +19,11 @@ import asyncio
 import errno
 import fcntl
 import os
+import time
 from pathlib import Path
+from typing import Awaitable, Callable
 
+from specdec.triton import line as lines
 from specdec.triton.cancellation import scratch_base
 from specdec.triton.line import TicketLine
 
@@ -67,17 +70,31 @@ class SlotPool:
         """A free slot unless requests already wait for one (they go first), else None."""
         return None if self.line.waiting() else self.try_acquire()
 
-    async def acquire(self) -> int:
+    async def acquire(self, cancelled: Callable[[], Awaitable[bool]] | None = None) -> int | None:
         """Wait for a slot, first come first served across the server's processes: only the first in line
-        polls for one (every `poll_s`, only while the server is full)."""
+        polls for one (every `poll_s`, only while the server is full). `cancelled` is asked every
+        CANCEL_CHECK_S (line.py) meanwhile: once it says True the request leaves the line (None)."""
         ticket = self.line.join()
+        turn = asyncio.ensure_future(self._waiting.acquire())  # this process's earlier waiters go first
         try:
-            async with self._waiting:
-                while self.line.first() != ticket.name or (fd := self.try_acquire()) is None:
-                    await asyncio.sleep(self.poll_s)
-                return fd
+            while not turn.done():
+                await asyncio.wait({turn}, timeout=lines.CANCEL_CHECK_S)
+                if not turn.done() and cancelled is not None and await cancelled():
+                    return None
+            asked = time.monotonic()
+            while self.line.first() != ticket.name or (fd := self.try_acquire()) is None:
+                await asyncio.sleep(self.poll_s)
+                if cancelled is not None and time.monotonic() - asked >= lines.CANCEL_CHECK_S:
+                    asked = time.monotonic()
+                    if await cancelled():
+                        return None
+            return fd
         finally:
             self.line.leave(ticket)
+            if turn.done() and not turn.cancelled():
+                self._waiting.release()
+            else:
+                turn.cancel()  # asyncio.Lock passes a wake-up it had already given on to the next waiter
 
     @staticmethod
     def release(fd: int) -> None:
