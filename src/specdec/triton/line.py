@@ -9,6 +9,7 @@ process that died (its descriptors closed, its locks dropped) and is removed by 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 import fcntl
@@ -16,6 +17,9 @@ import itertools
 import os
 import time
 from pathlib import Path
+from typing import Awaitable, Callable, TypeVar
+
+T = TypeVar("T")
 
 # How often a request waiting in line asks whether it was cancelled (for a direct caller, an IPC round trip).
 CANCEL_CHECK_S = 0.5
@@ -79,3 +83,35 @@ class TicketLine:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(f"{self._prefix}{name}")
         return True
+
+
+async def wait_in_line(
+    turn: asyncio.Future,
+    attempt: Callable[[], T | None],
+    poll_s: float,
+    cancelled: Callable[[], Awaitable[bool]] | None = None,
+) -> T | None:
+    """A waiter's whole wait: first for `turn` (an `asyncio.Lock.acquire()` in flight: the process's
+    earlier waiters read the line first), then `attempt()` every `poll_s` until it returns a result (for
+    example a slot once the waiter's ticket is first). `cancelled` is asked every CANCEL_CHECK_S meanwhile:
+    once it says True the wait ends with None. The caller leaves the line and ends its turn (`end_turn`)."""
+    while not turn.done():
+        await asyncio.wait({turn}, timeout=CANCEL_CHECK_S)
+        if not turn.done() and cancelled is not None and await cancelled():
+            return None
+    asked = time.monotonic()
+    while (result := attempt()) is None:
+        await asyncio.sleep(poll_s)
+        if cancelled is not None and time.monotonic() - asked >= CANCEL_CHECK_S:
+            asked = time.monotonic()
+            if await cancelled():
+                return None
+    return result
+
+
+def end_turn(lock: asyncio.Lock, turn: asyncio.Future) -> None:
+    """Give the process's next waiter its turn, whether or not this one's had come."""
+    if turn.done() and not turn.cancelled():
+        lock.release()
+    else:
+        turn.cancel()  # asyncio.Lock passes a wake-up it had already given on to the next waiter

@@ -136,18 +136,11 @@ class RoomWait:
     async def _first_in_line(self) -> bool:
         """Wait for its instance's turn, then until its ticket is first in the server's line, asking for a
         cancellation every CANCEL_CHECK_S (line.py); False if cancelled."""
-        while not self.turn.done():
-            await asyncio.wait({self.turn}, timeout=lines.CANCEL_CHECK_S)
-            if not self.turn.done() and await self._is_cancelled():
-                return False
-        asked = time.monotonic()
-        while self.line.first() != self.ticket.name:
-            await asyncio.sleep(self.line.poll_s)
-            if time.monotonic() - asked >= lines.CANCEL_CHECK_S:
-                asked = time.monotonic()
-                if await self._is_cancelled():
-                    return False
-        return True
+        name = self.ticket.name
+        first = await lines.wait_in_line(
+            self.turn, lambda: self.line.first() == name or None, self.line.poll_s, self._is_cancelled
+        )
+        return first is not None
 
     async def _is_cancelled(self) -> bool:
         self.cancelled = await self.adapter.is_cancelled(self.seq_id, self.sender)
@@ -158,11 +151,8 @@ class RoomWait:
         if self.ticket is not None:
             self.line.leave(self.ticket)
             self.ticket = None
-            turn, self.turn = self.turn, None
-            if turn.done() and not turn.cancelled():
-                self.line.turn.release()
-            else:
-                turn.cancel()  # asyncio.Lock passes a wake-up it had already given on to the next waiter
+            lines.end_turn(self.line.turn, self.turn)
+            self.turn = None
         if self.queued:
             self.queued = False
             self.waited_s += time.monotonic() - self._since

@@ -19,7 +19,6 @@ import asyncio
 import errno
 import fcntl
 import os
-import time
 from pathlib import Path
 from typing import Awaitable, Callable
 
@@ -77,24 +76,12 @@ class SlotPool:
         ticket = self.line.join()
         turn = asyncio.ensure_future(self._waiting.acquire())  # this process's earlier waiters go first
         try:
-            while not turn.done():
-                await asyncio.wait({turn}, timeout=lines.CANCEL_CHECK_S)
-                if not turn.done() and cancelled is not None and await cancelled():
-                    return None
-            asked = time.monotonic()
-            while self.line.first() != ticket.name or (fd := self.try_acquire()) is None:
-                await asyncio.sleep(self.poll_s)
-                if cancelled is not None and time.monotonic() - asked >= lines.CANCEL_CHECK_S:
-                    asked = time.monotonic()
-                    if await cancelled():
-                        return None
-            return fd
+            return await lines.wait_in_line(
+                turn, lambda: self.try_acquire() if self.line.first() == ticket.name else None, self.poll_s, cancelled
+            )
         finally:
             self.line.leave(ticket)
-            if turn.done() and not turn.cancelled():
-                self._waiting.release()
-            else:
-                turn.cancel()  # asyncio.Lock passes a wake-up it had already given on to the next waiter
+            lines.end_turn(self._waiting, turn)
 
     @staticmethod
     def release(fd: int) -> None:
