@@ -110,7 +110,12 @@ def test_pod_is_hardened_and_probed(name):
     (triton,) = pod["containers"]
     assert triton["startupProbe"]["httpGet"]["path"] == "/v2/health/ready"
     assert triton["livenessProbe"]["httpGet"]["path"] == "/v2/health/live"
-    assert triton["readinessProbe"]["exec"]["command"] == ["python", "-m", "specdec.serving.healthcheck"]
+    # The launcher's readiness endpoint (ready and not draining), on the port its HEALTH_PORT names.
+    assert triton["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "health"}
+    ports = {port["name"]: port["containerPort"] for port in triton["ports"]}
+    env = {var["name"]: var.get("value") for var in triton["env"]}
+    assert {name: str(ports[name]) for name in ("http", "grpc", "metrics", "health")} == {
+        "http": env["HTTP_PORT"], "grpc": env["GRPC_PORT"], "metrics": env["METRICS_PORT"], "health": env["HEALTH_PORT"]}
     volumes = {v["name"]: v for v in pod["volumes"]}
     mounts = {m["mountPath"]: m["name"] for m in triton["volumeMounts"]}
     assert volumes[mounts["/dev/shm"]]["emptyDir"]["medium"] == "Memory"

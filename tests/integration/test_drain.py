@@ -5,6 +5,8 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 
 import pytest
 
@@ -15,6 +17,15 @@ from .helpers import start_server, stop_server, stub_processes
 pytestmark = pytest.mark.integration
 
 TOKENS = 300
+
+
+def _readiness(server) -> tuple[int, str]:
+    """What the launcher's readiness endpoint answers."""
+    try:
+        with urllib.request.urlopen(server.readiness_url, timeout=10) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
 
 
 def test_sigterm_during_a_long_stream_lets_it_finish(tmp_path):
@@ -34,6 +45,7 @@ def test_sigterm_during_a_long_stream_lets_it_finish(tmp_path):
     worker = threading.Thread(target=stream)
     worker.start()
     try:
+        assert _readiness(server) == (200, "ready\n")  # the chart's readiness probe
         assert first_text.wait(timeout=120)
         assert worker.is_alive(), (failures, results)  # still generating: 300 tokens take seconds
         server.process.terminate()  # SIGTERM, as Kubernetes sends it
@@ -44,6 +56,8 @@ def test_sigterm_during_a_long_stream_lets_it_finish(tmp_path):
         probe = subprocess.run([sys.executable, "-m", "specdec.serving.healthcheck"], capture_output=True, text=True,
                                env={"HTTP_PORT": str(server.http_port), "PATH": ""})
         assert probe.returncode == 1 and "draining" in probe.stderr
+        status, text = _readiness(server)
+        assert status == 503 and "draining" in text
         worker.join(timeout=240)
         code = server.process.wait(timeout=120)  # drained, then stopped by itself
     except BaseException:

@@ -1,14 +1,16 @@
 """The launcher's wait for a server: HTTP readiness alone is not enough, the metrics endpoint must listen
 too (Triton opens it some tens of milliseconds after HTTP, and the first scrape of a test or of the
-drain would be refused)."""
+drain would be refused). And its readiness endpoint (GET /ready), against a stand-in for Triton's."""
 
 import http.server
 import socket
 import threading
+import urllib.error
+import urllib.request
 
 import pytest
 
-from specdec.serving import launcher
+from specdec.serving import healthcheck, launcher
 from specdec.serving.server import free_ports
 
 
@@ -46,3 +48,51 @@ def test_ready_waits_for_the_metrics_endpoint(ready_http):
         listener.bind(("127.0.0.1", metrics_port))
         listener.listen()
         launcher.wait_ready(ready_http, _Running(), timeout_s=5, metrics_port=metrics_port)
+
+
+def _get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def test_the_readiness_endpoint_answers_for_the_server_and_its_drain(ready_http):
+    endpoint = healthcheck.ReadinessEndpoint(0, ready_http, host="127.0.0.1")
+    url = f"http://127.0.0.1:{endpoint.port}"
+    marker = healthcheck.drain_marker(ready_http)
+    try:
+        assert _get(url + "/ready") == (200, "ready\n")
+        marker.touch()  # what the launcher does on SIGTERM
+        status, text = _get(url + "/ready")
+        assert status == 503 and "draining" in text
+        marker.unlink()
+        assert _get(url + "/ready?verbose=1")[0] == 200
+        status, text = _get(url + "/v2/health/ready")
+        assert status == 404 and "GET /ready" in text
+    finally:
+        marker.unlink(missing_ok=True)
+        endpoint.close()
+    (nothing_there,) = free_ports(1)
+    endpoint = healthcheck.ReadinessEndpoint(0, nothing_there, host="127.0.0.1")
+    try:
+        status, text = _get(f"http://127.0.0.1:{endpoint.port}/ready")
+        assert status == 503 and f"127.0.0.1:{nothing_there}/v2/health/ready" in text and "draining" not in text
+    finally:
+        endpoint.close()
+
+
+def test_a_taken_health_port_stops_the_launcher_before_tritonserver_starts(monkeypatch, tmp_path, capsys):
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        monkeypatch.setenv("HEALTH_PORT", str(port))
+        started = []
+        monkeypatch.setattr(launcher.subprocess, "Popen", lambda *a, **k: started.append(a))
+        monkeypatch.setattr(launcher, "triton_layout", lambda *a, **k: launcher.ServerLayout(tmp_path, tmp_path, ""))
+        (repo := tmp_path / "repo").mkdir()
+        assert launcher.main(["--model-repository", str(repo), "--run-dir", str(tmp_path)]) == 1
+    assert not started
+    assert f"HEALTH_PORT {port}: cannot serve the readiness endpoint" in capsys.readouterr().err

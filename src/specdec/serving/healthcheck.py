@@ -1,5 +1,6 @@
-"""Exit 0 when the local tritonserver is ready (`python -m specdec.serving.healthcheck`): the image's
-HEALTHCHECK and the chart's readiness probe.
+"""Whether the local tritonserver is ready, asked two ways: `python -m specdec.serving.healthcheck` exits 0
+when it is (the image's HEALTHCHECK), and the launcher answers GET /ready on HEALTH_PORT (the chart's
+readiness probe: an HTTP probe, so the kubelet starts no process in the pod every few seconds).
 
 Ready means /v2/health/ready answers 200 (with --strict-readiness: every model is loaded) and the server is
 not draining: after SIGTERM the launcher raises a marker and lets the streams in flight finish, and
@@ -8,11 +9,15 @@ readiness must drop at once so that new requests go elsewhere. The port comes fr
 
 from __future__ import annotations
 
+import http.server
 import os
 import sys
 import tempfile
+import threading
 import urllib.request
 from pathlib import Path
+
+READY_PATH = "/ready"  # the launcher's readiness endpoint (HEALTH_PORT)
 
 
 def ready_url(http_port: int, host: str = "127.0.0.1") -> str:
@@ -36,13 +41,62 @@ def is_ready(http_port: int, timeout_s: float = 4.0) -> bool:
         return False
 
 
+def not_ready(http_port: int, timeout_s: float = 4.0) -> str | None:
+    """None when the server on http_port is ready, else why not (one line)."""
+    if is_ready(http_port, timeout_s):
+        return None
+    draining = " (draining)" if drain_marker(http_port).exists() else ""
+    return f"not ready{draining}: {ready_url(http_port)}"
+
+
+def health_port() -> int:
+    """The launcher's readiness endpoint's port (HEALTH_PORT, default 8003; 0: no endpoint)."""
+    return int(os.environ.get("HEALTH_PORT", 8003))
+
+
+class ReadinessEndpoint:
+    """GET /ready on `port` (all interfaces: the kubelet probes the pod's address): 200 while the server
+    on http_port is ready, 503 with the reason otherwise; served from a daemon thread of the launcher.
+    Raises OSError at construction when the port is taken."""
+
+    def __init__(self, port: int, http_port: int, host: str = "0.0.0.0"):
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 (the stdlib's name)
+                if self.path.split("?", 1)[0] != READY_PATH:
+                    self._answer(404, f"not found: {self.path} (readiness is GET {READY_PATH})")
+                    return
+                # Within the probes' 5 s timeout, with room for the answer.
+                reason = not_ready(http_port, timeout_s=2.0)
+                self._answer(503 if reason else 200, reason or "ready")
+
+            def _answer(self, status: int, text: str) -> None:
+                body = f"{text}\n".encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "text/plain; charset=utf-8")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *_args):
+                pass  # a probe every few seconds would flood the server's log
+
+        self.server = http.server.ThreadingHTTPServer((host, port), Handler)
+        self.server.daemon_threads = True
+        self.port = self.server.server_address[1]
+        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True, name="readiness-endpoint")
+        self._thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
 def main() -> int:
-    port = int(os.environ.get("HTTP_PORT", "8000"))
-    if is_ready(port):
-        return 0
-    draining = " (draining)" if drain_marker(port).exists() else ""
-    print(f"not ready{draining}: {ready_url(port)}", file=sys.stderr)
-    return 1
+    reason = not_ready(int(os.environ.get("HTTP_PORT", "8000")))
+    if reason:
+        print(reason, file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":

@@ -12,7 +12,8 @@ The repository comes from one of: a named pair (--pair / PAIR: tiny | default), 
 rendered repository (--model-repository, as the Helm chart mounts it). Arguments after `--` go to
 tritonserver unchanged.
 
-Environment: PAIR, HTTP_PORT, GRPC_PORT, METRICS_PORT (8000/8001/8002).
+Environment: PAIR, HTTP_PORT, GRPC_PORT, METRICS_PORT (8000/8001/8002), and HEALTH_PORT (8003; 0: none):
+the launcher's own readiness endpoint, GET /ready (ready and not draining; healthcheck.py).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from pathlib import Path
 
 from specdec import tensor_names as tn
 from specdec.serving import pairs, repository
-from specdec.serving.healthcheck import drain_marker, is_ready
+from specdec.serving.healthcheck import READY_PATH, ReadinessEndpoint, drain_marker, health_port, is_ready
 from specdec.serving.metrics_text import scrape, sum_samples
 from specdec.serving.pairs import log
 from specdec.triton import cancellation, room, slots
@@ -260,6 +261,15 @@ def main(argv: list[str] | None = None) -> int:
     command = server_command(layout, repo, http_port, grpc_port, metrics_port, extra=args.server_args)
     log(f"starting tritonserver ({label}): {' '.join(redact(arg) for arg in command)}")
     drain_marker(http_port).unlink(missing_ok=True)  # left by an earlier server on this port
+    endpoint = None
+    if health_port():
+        try:
+            endpoint = ReadinessEndpoint(health_port(), http_port)
+        except OSError as exc:
+            log(f"HEALTH_PORT {health_port()}: cannot serve the readiness endpoint ({exc}); "
+                "set HEALTH_PORT to a free port, or to 0 for none")
+            return 1
+        log(f"readiness: http://localhost:{endpoint.port}{READY_PATH}")
     # Its own process group, which its stubs join: whatever outlives it is found and stopped below.
     process = subprocess.Popen(command, env=server_env(layout), start_new_session=True)
     stopping = threading.Event()
@@ -299,6 +309,8 @@ def main(argv: list[str] | None = None) -> int:
         if process.poll() is None:
             process.terminate()
     code = process.wait()
+    if endpoint is not None:
+        endpoint.close()
     # Nothing of the server may outlive it: an orphaned stub would hold its memory (on a GPU, device
     # memory) for good. One was seen once (README, "Draining on shutdown").
     with contextlib.suppress(ProcessLookupError, PermissionError):

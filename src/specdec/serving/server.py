@@ -11,7 +11,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from specdec.serving.healthcheck import is_ready
+from specdec.serving.healthcheck import READY_PATH, is_ready
 from specdec.serving.metrics_text import scrape, sum_samples
 from specdec.serving.launcher import wait_ready
 
@@ -37,6 +37,7 @@ class ServerProcess:
     http_port: int
     grpc_port: int
     metrics_port: int
+    health_port: int  # the launcher's readiness endpoint (GET /ready)
     run_dir: Path
     log_path: Path
     process: subprocess.Popen
@@ -48,6 +49,11 @@ class ServerProcess:
     @property
     def http_url(self) -> str:
         return f"http://localhost:{self.http_port}"
+
+    @property
+    def readiness_url(self) -> str:
+        """The launcher's readiness endpoint (the chart's readiness probe)."""
+        return f"http://localhost:{self.health_port}{READY_PATH}"
 
     @property
     def metrics_url(self) -> str:
@@ -81,15 +87,15 @@ def start(run_dir: Path, log_path: Path, launcher_args: list[str], ready_timeout
           env: dict[str, str] | None = None) -> ServerProcess:
     """Start `python -m specdec.serving.launcher --run-dir RUN_DIR LAUNCHER_ARGS` on free ports and wait
     until it is ready; its output goes to log_path."""
-    http, grpc, metrics = free_ports(3)
+    http, grpc, metrics, health = free_ports(4)
     env = dict(os.environ if env is None else env, HTTP_PORT=str(http), GRPC_PORT=str(grpc),
-               METRICS_PORT=str(metrics))
+               METRICS_PORT=str(metrics), HEALTH_PORT=str(health))
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "w") as log:
         # --run-dir first: launcher_args may end with `-- <tritonserver flags>`.
         process = subprocess.Popen([sys.executable, "-m", "specdec.serving.launcher", "--run-dir", str(run_dir),
                                     *launcher_args], env=env, stdout=log, stderr=subprocess.STDOUT)
-    server = ServerProcess(http, grpc, metrics, run_dir, log_path, process)
+    server = ServerProcess(http, grpc, metrics, health, run_dir, log_path, process)
     try:
         wait_ready(http, process, ready_timeout_s, metrics_port=metrics)
     except (RuntimeError, TimeoutError) as exc:
