@@ -34,6 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--adaptive-draft", dest="adaptive_draft", action=argparse.BooleanOptionalAction, default=None,
                    help="adapt K per round (server default: on); --no-adaptive-draft drafts exactly --num-draft-tokens")
     p.add_argument("--chat-template", dest="apply_chat_template", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--log-probs", dest="return_log_probs", action="store_true", default=None,
+                   help="print each output token's log-probability under the target (and their sum)")
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--require-output", action="store_true",
                    help="exit 2 unless the answer has text and finished by length or stop (a smoke test)")
@@ -42,7 +44,8 @@ def main(argv: list[str] | None = None) -> int:
         max_tokens=args.max_tokens, num_draft_tokens=args.num_draft_tokens, temperature=args.temperature,
         top_k=args.top_k, top_p=args.top_p, seed=args.seed, end_id=args.end_id, stop_words=tuple(args.stop),
         draft_model=args.draft_model, apply_chat_template=args.apply_chat_template,
-        adaptive_draft=args.adaptive_draft, min_length=args.min_length, ignore_eos=args.ignore_eos)
+        adaptive_draft=args.adaptive_draft, min_length=args.min_length, ignore_eos=args.ignore_eos,
+        return_log_probs=args.return_log_probs)
     client = Client(args.url, args.protocol, args.model, args.timeout)
 
     def show(delta: str) -> None:
@@ -58,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(result.text)
     print()
     print(result.stats_line(), file=sys.stderr)
+    if args.return_log_probs:
+        print(f"log-probabilities: {' '.join(f'{v:.4f}' for v in result.log_probs)} "
+              f"(sum {result.cum_log_probs:.4f})", file=sys.stderr)
     if args.require_output and (not result.text.strip() or result.finish_reason not in ("length", "stop")):
         print(f"error: expected generated text, got {result.text!r} (finish_reason {result.finish_reason!r})",
               file=sys.stderr)

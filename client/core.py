@@ -55,6 +55,7 @@ class GenerationParams:
     stop_words: tuple[str, ...] = ()
     draft_model: str | None = None
     apply_chat_template: bool | None = None
+    return_log_probs: bool | None = None  # each token's log-probability under the target (result.log_probs)
 
     def tensors(self, prompt: str, stream: bool) -> dict[str, np.ndarray]:
         """Input tensors (batch of one) by name."""
@@ -65,7 +66,7 @@ class GenerationParams:
                    (tn.TOP_P, self.top_p, np.float32), (tn.SEED, self.seed, np.uint64),
                    (tn.END_ID, self.end_id, np.int32), (tn.APPLY_CHAT_TEMPLATE, self.apply_chat_template, np.bool_),
                    (tn.ADAPTIVE_DRAFT, self.adaptive_draft, np.bool_), (tn.MIN_LENGTH, self.min_length, np.int32),
-                   (tn.IGNORE_EOS, self.ignore_eos, np.bool_)]
+                   (tn.IGNORE_EOS, self.ignore_eos, np.bool_), (tn.RETURN_LOG_PROBS, self.return_log_probs, np.bool_)]
         for name, value, dtype in scalars:
             if value is not None:
                 arrays[name] = np.array([[value]], dtype=dtype)
@@ -79,7 +80,8 @@ class GenerationParams:
         """The body of Triton's generate extension (/generate, /generate_stream)."""
         body = {tn.TEXT_INPUT: prompt, tn.STREAM: stream}
         for name in ("max_tokens", "num_draft_tokens", "temperature", "top_k", "top_p", "seed", "end_id",
-                     "draft_model", "apply_chat_template", "adaptive_draft", "min_length", "ignore_eos"):
+                     "draft_model", "apply_chat_template", "adaptive_draft", "min_length", "ignore_eos",
+                     "return_log_probs"):
             value = getattr(self, name)
             if value is not None:
                 body[name] = value
@@ -100,6 +102,9 @@ class GenerationResult:
     mean_accepted_length: float = 0.0
     num_rounds: int = 0
     chunks: list[str] = field(default_factory=list)  # text of each response, in order
+    # With return_log_probs: the target's log-probability of each output token, and their sum
+    log_probs: list[float] = field(default_factory=list)
+    cum_log_probs: float = 0.0
     ttft_s: float = 0.0  # request sent -> first response
     latency_s: float = 0.0  # request sent -> last response
 
@@ -122,7 +127,7 @@ class GenerationResult:
 
 _INT_FIELDS = (tn.NUM_INPUT_TOKENS, tn.NUM_OUTPUT_TOKENS, tn.TOTAL_DRAFT_TOKENS, tn.TOTAL_ACCEPTED_DRAFT_TOKENS,
                tn.NUM_ROUNDS)
-_FLOAT_FIELDS = (tn.ACCEPTANCE_RATE, tn.MEAN_ACCEPTED_LENGTH)
+_FLOAT_FIELDS = (tn.ACCEPTANCE_RATE, tn.MEAN_ACCEPTED_LENGTH, tn.CUM_LOG_PROBS)
 
 
 class ResultBuilder:
@@ -151,6 +156,11 @@ class ResultBuilder:
         for name in _FLOAT_FIELDS:
             if name in fields:
                 setattr(self.result, name, float(fields[name]))
+        if tn.OUTPUT_LOG_PROBS in fields:  # a list; Triton's HTTP generate endpoint writes one value bare
+            values = fields[tn.OUTPUT_LOG_PROBS]
+            self.result.log_probs += [float(v) for v in (values if isinstance(values, list) else [values])]
+        if tn.CUM_LOG_PROBS in fields:
+            self.result.cum_log_probs = float(fields[tn.CUM_LOG_PROBS])
         return delta
 
 
@@ -163,6 +173,9 @@ def fields_from_infer_result(result) -> dict:
             continue
         item = value.reshape(-1)[0]
         out[name] = item.decode("utf-8") if isinstance(item, bytes) else item.item()
+    log_probs = result.as_numpy(tn.OUTPUT_LOG_PROBS)
+    if log_probs is not None:
+        out[tn.OUTPUT_LOG_PROBS] = log_probs.reshape(-1).tolist()
     return out
 
 

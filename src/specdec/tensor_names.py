@@ -22,6 +22,7 @@ IGNORE_EOS = "ignore_eos"  # BOOL [1]: end tokens never end generation (it runs 
 STOP_WORDS = "stop_words"  # STRING [-1]: generation ends before the first occurrence of any
 DRAFT_MODEL = "draft_model"  # STRING [1]: which configured draft model proposes
 APPLY_CHAT_TEMPLATE = "apply_chat_template"  # BOOL [1]
+RETURN_LOG_PROBS = "return_log_probs"  # BOOL [1]: also return each generated token's log-probability
 
 # ---- ensemble outputs ------------------------------------------------------------------------
 TEXT_OUTPUT = "text_output"  # STRING [-1]
@@ -33,6 +34,10 @@ TOTAL_ACCEPTED_DRAFT_TOKENS = "total_accepted_draft_tokens"  # INT32 [1]
 ACCEPTANCE_RATE = "acceptance_rate"  # FP32 [1]: accepted / drafted (0 when nothing was drafted)
 NUM_ROUNDS = "num_rounds"  # INT32 [1]: propose/verify rounds (target forward passes)
 MEAN_ACCEPTED_LENGTH = "mean_accepted_length"  # FP32 [1]: tokens per round = 1 + accepted / rounds
+# With return_log_probs: the target's log-probability of each token of this response (its raw distribution:
+# before temperature, top_k and top_p), and their sum over every token generated so far.
+OUTPUT_LOG_PROBS = "output_log_probs"  # FP32 [-1]
+CUM_LOG_PROBS = "cum_log_probs"  # FP32 [1]
 
 # ---- internal tensors between the models -----------------------------------------------------
 INPUT_IDS = "input_ids"  # INT32 [-1]: preprocessing output; draft/target: tokens to append
@@ -46,6 +51,7 @@ NUM_LOGITS = "num_logits"  # INT32 [1]: target returns the last num_logits posit
 RESERVE_TOKENS = "reserve_tokens"
 LOGITS = "logits"  # FP32 [-1, -1]
 GREEDY_TOKENS = "greedy_tokens"  # INT32 [-1]: argmax of each returned position
+GREEDY_LOG_PROBS = "greedy_log_probs"  # FP32 [-1]: each greedy token's log-probability (log-softmax)
 # FP32 [3]: the target forward this step ran in: [token rows, sequences, seconds] (the policy's costs)
 FORWARD_STATS = "forward_stats"
 DRAFT_TOKENS = "draft_tokens"  # INT32 [-1]

@@ -8,10 +8,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
+import torch
 import tritonclient.grpc as grpcclient
 
 from specdec import tensor_names as tn
 
+from client import Client, GenerationParams
 from client.sync import grpc_inputs
 
 from .helpers import GenerationError, ensemble_inputs, grpc_stream, http_generate, open_stream_and_cancel
@@ -93,14 +95,18 @@ def _rendered_parameter(server, model, key):
 
 
 @pytest.fixture(scope="module")
-def hf_greedy(server):
-    """Plain transformers greedy decoding of the served target, in-process: an independent reference."""
-    import torch
+def hf_target(server):
+    """The served target in transformers, in process (float64): an independent reference."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = _rendered_parameter(server, "target_model", "model_path")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval(), AutoTokenizer.from_pretrained(path)
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(hf_target):
+    """Plain transformers greedy decoding of the served target."""
+    model, tokenizer = hf_target
 
     def run(prompt, n):
         ids = tokenizer(prompt, return_tensors="pt").input_ids
@@ -300,6 +306,79 @@ def test_a_cancelled_direct_stream_stops_and_frees_its_caches(server, stream):
     assert server.metric("specdec_live_sequences") == 0
     time.sleep(1.0)
     assert server.metric("specdec_rounds_total") == rounds0  # nothing runs on
+
+
+# ---- log-probabilities ----------------------------------------------------------------------------------
+def _reference_log_probs(model, prompt_ids: list[int], output_ids: list[int]) -> torch.Tensor:
+    """The target's log-probability of each output token, from one transformers forward over both."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt_ids + output_ids])).logits[0, len(prompt_ids) - 1:-1]
+    return torch.log_softmax(logits, -1)[torch.arange(len(output_ids)), torch.tensor(output_ids)]
+
+
+def _direct_with_log_probs(server, prompt_ids: list[int], **params) -> tuple[list[int], list[float], float]:
+    """`speculative_decoding` called with token ids, streamed, return_log_probs on: every response's
+    output_ids and output_log_probs in order, and the last cum_log_probs."""
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    responses: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    arrays = {tn.INPUT_IDS: np.array([prompt_ids], dtype=np.int32), tn.STREAM: np.array([[True]]),
+              tn.IGNORE_EOS: np.array([[True]]), tn.RETURN_LOG_PROBS: np.array([[True]]),
+              tn.ADAPTIVE_DRAFT: np.array([[False]])}
+    types = {tn.MAX_TOKENS: np.int32, tn.NUM_DRAFT_TOKENS: np.int32, tn.TEMPERATURE: np.float32, tn.SEED: np.uint64}
+    arrays.update({name: np.array([[value]], dtype=types[name]) for name, value in params.items() if name in types})
+    if tn.DRAFT_MODEL in params:
+        arrays[tn.DRAFT_MODEL] = np.array([[params[tn.DRAFT_MODEL].encode()]], dtype=np.object_)
+    ids, log_probs, cum = [], [], None
+    try:
+        client.async_stream_infer(tn.SPECULATIVE_DECODING, grpc_inputs(arrays), enable_empty_final_response=True)
+        while True:
+            result, error = responses.get(timeout=120)
+            assert error is None, error
+            if result.get_response().outputs:
+                ids += result.as_numpy(tn.OUTPUT_IDS).reshape(-1).tolist()
+                log_probs += result.as_numpy(tn.OUTPUT_LOG_PROBS).reshape(-1).tolist()
+                cum = float(result.as_numpy(tn.CUM_LOG_PROBS).reshape(-1)[0])
+            final = result.get_response().parameters.get("triton_final_response")
+            if final and final.bool_param:
+                return ids, log_probs, cum
+    finally:
+        client.stop_stream()
+        client.close()
+
+
+@pytest.mark.parametrize("k,temperature,draft", [
+    (0, 0.0, "draft_model"), (4, 0.0, "draft_model"), (4, 1.0, "draft_model"), (3, 1.0, "draft_model_random")])
+def test_log_probs_are_the_targets_for_every_token(server, hf_target, k, temperature, draft):
+    """Greedy rounds send the target's greedy log-probabilities, sampled rounds compute them from the
+    logits, accepted draft tokens and corrections alike: each equals transformers' log-softmax of the
+    target at that position (the raw distribution: temperature does not enter)."""
+    model, tokenizer = hf_target
+    prompt_ids = tokenizer(PROMPTS[1]).input_ids
+    ids, log_probs, cum = _direct_with_log_probs(server, prompt_ids, max_tokens=40, num_draft_tokens=k,
+                                                  temperature=temperature, seed=7, draft_model=draft)
+    assert len(ids) == len(log_probs) == 40
+    reference = _reference_log_probs(model, prompt_ids, ids)
+    assert torch.allclose(torch.tensor(log_probs, dtype=torch.float64), reference, atol=1e-4), (log_probs, reference)
+    assert cum == pytest.approx(sum(log_probs), abs=1e-3)
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_ensemble_log_probs_streamed_or_not_over_grpc_and_http(server, hf_target, hf_greedy, protocol):
+    model, tokenizer = hf_target
+    new, _ = hf_greedy(PROMPTS[0], 16)
+    reference = _reference_log_probs(model, tokenizer(PROMPTS[0]).input_ids, new)
+    client = Client(server.grpc_url if protocol == "grpc" else server.http_url, protocol=protocol)
+    for k in (0, 4):
+        for stream in (False, True):
+            result = client.generate(PROMPTS[0], GenerationParams(max_tokens=16, num_draft_tokens=k, end_id=0,
+                                                                  return_log_probs=True), stream=stream)
+            assert torch.allclose(torch.tensor(result.log_probs, dtype=torch.float64), reference, atol=1e-4), (k, stream)
+            assert result.cum_log_probs == pytest.approx(float(reference.sum()), abs=1e-3)
+            if stream:
+                assert len(result.chunks) > 1
+    plain = client.generate(PROMPTS[0], GenerationParams(max_tokens=16, end_id=0))
+    assert plain.log_probs == [] and plain.cum_log_probs == 0.0  # not asked for: not sent
 
 
 # ---- validation --------------------------------------------------------------------------------------

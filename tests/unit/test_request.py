@@ -30,7 +30,7 @@ def test_defaults_come_from_the_limits():
     assert (gen.seq_id, gen.prompt_ids, gen.max_tokens, gen.end_ids) == (7, [5, 6, 7], 16, frozenset([2]))
     assert gen.sampling.greedy and gen.sampling.top_p == tn.DEFAULT_TOP_P
     assert (parsed.num_draft_tokens, parsed.adaptive, parsed.draft_name) == (4, True, tn.NGRAM)
-    assert (parsed.stream, parsed.stop_words) == (False, ())
+    assert (parsed.stream, parsed.stop_words, gen.log_probs) == (False, (), False)
 
 
 def test_values_are_read():
@@ -46,6 +46,12 @@ def test_values_are_read():
     assert (gen.sampling.temperature, gen.sampling.top_k) == (pytest.approx(0.7), 5)
     assert parsed.num_draft_tokens == 0 and parsed.stream and parsed.stop_words == ("\n\n", "END")
     assert parsed.draft_name == "draft_model"
+
+
+def test_return_log_probs_is_read_and_typed():
+    assert parse(**{tn.RETURN_LOG_PROBS: np.array([[True]])}).generation.log_probs
+    with pytest.raises(InputError, match=tn.RETURN_LOG_PROBS):
+        parse(**{tn.RETURN_LOG_PROBS: np.array([[1]], dtype=np.int32)})
 
 
 def test_forced_lengths():

@@ -62,7 +62,8 @@ input [
   { name: "ignore_eos", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },
   { name: "stop_words", data_type: TYPE_STRING, dims: [ -1 ], optional: true },
   { name: "draft_model", data_type: TYPE_STRING, dims: [ 1 ], optional: true },
-  { name: "apply_chat_template", data_type: TYPE_BOOL, dims: [ 1 ], optional: true }
+  { name: "apply_chat_template", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },
+  { name: "return_log_probs", data_type: TYPE_BOOL, dims: [ 1 ], optional: true }
 ]
 output [
   { name: "input_ids", data_type: TYPE_INT32, dims: [ -1 ] },
@@ -135,6 +136,7 @@ input [
 ]
 output [
   { name: "greedy_tokens", data_type: TYPE_INT32, dims: [ -1 ] },
+  { name: "greedy_log_probs", data_type: TYPE_FP32, dims: [ -1 ] },
   { name: "logits", data_type: TYPE_FP32, dims: [ -1, -1 ] },
   { name: "forward_stats", data_type: TYPE_FP32, dims: [ 3 ] }
 ]
@@ -161,7 +163,8 @@ input [
   { name: "min_length", data_type: TYPE_INT32, dims: [ 1 ], optional: true },
   { name: "ignore_eos", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },
   { name: "stop_words", data_type: TYPE_STRING, dims: [ -1 ], optional: true, allow_ragged_batch: true },
-  { name: "draft_model", data_type: TYPE_STRING, dims: [ 1 ], optional: true }
+  { name: "draft_model", data_type: TYPE_STRING, dims: [ 1 ], optional: true },
+  { name: "return_log_probs", data_type: TYPE_BOOL, dims: [ 1 ], optional: true }
 ]
 output [
   { name: "output_ids", data_type: TYPE_INT32, dims: [ -1 ] },
@@ -175,7 +178,9 @@ output [
   { name: "total_accepted_draft_tokens", data_type: TYPE_INT32, dims: [ 1 ] },
   { name: "acceptance_rate", data_type: TYPE_FP32, dims: [ 1 ] },
   { name: "num_rounds", data_type: TYPE_INT32, dims: [ 1 ] },
-  { name: "mean_accepted_length", data_type: TYPE_FP32, dims: [ 1 ] }
+  { name: "mean_accepted_length", data_type: TYPE_FP32, dims: [ 1 ] },
+  { name: "output_log_probs", data_type: TYPE_FP32, dims: [ -1 ] },
+  { name: "cum_log_probs", data_type: TYPE_FP32, dims: [ 1 ] }
 ]
 {{ include "specdec.param" (list "tokenizer_path" (include "specdec.tokenizerPath" .)) }}
 {{ include "specdec.param" (list "target_model" "target_model") }}

@@ -35,6 +35,8 @@ class Scores:
     greedy_tokens: torch.Tensor  # (K+1,) target argmax at each verified position
     logits: torch.Tensor | None  # (K+1, V) target logits; requested only when sampling
     forward: ForwardStats | None = None  # None where the scorer does not report its forwards
+    # (K+1,) float32: each greedy token's log-probability (sampling.greedy_log_probs), when asked for
+    log_probs: torch.Tensor | None = None
 
 
 class NoCapacity(RuntimeError):
@@ -54,8 +56,8 @@ class Proposer(Protocol):
 
 class Scorer(Protocol):
     async def score(self, seq_id: int, keep: int, new_ids: list[int], num_positions: int,
-                    want_logits: bool, reserve: int = 0) -> Scores:
+                    want_logits: bool, reserve: int = 0, want_log_probs: bool = False) -> Scores:
         """Keep `keep` cached tokens, append `new_ids`, score the last `num_positions` positions;
-        `reserve` as for `Proposer.propose`."""
+        `reserve` as for `Proposer.propose`; `want_log_probs`: also the greedy tokens' log-probabilities."""
 
     async def release(self, seq_id: int) -> None: ...

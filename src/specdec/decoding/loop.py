@@ -28,7 +28,7 @@ from specdec import tensor_names as tn
 from specdec.decoding.draft_length import DraftLengthPolicy
 from specdec.decoding.interfaces import NoCapacity, Proposal, Proposer, Scorer, Scores
 from specdec.decoding.rejection_sampler import Verdict, greedy_verify, rejection_sample
-from specdec.decoding.sampling import SamplingParams, logits_to_probs, make_generator, pad_vocab
+from specdec.decoding.sampling import SamplingParams, logits_to_probs, make_generator, pad_vocab, token_log_probs
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,7 @@ class GenerationRequest:
     sampling: SamplingParams = SamplingParams()
     end_ids: frozenset[int] = frozenset()  # generation stops at (and drops) any of these
     min_tokens: int = 0  # end tokens before this many generated tokens are generated like any other
+    log_probs: bool = False  # report each generated token's log-probability under the target
 
 
 @dataclass
@@ -64,6 +65,7 @@ class RoundOutput:
     num_drafted: int
     num_accepted: int
     finish_reason: str | None  # set on the last round
+    log_probs: list[float] | None = None  # with req.log_probs: the target's, one per new token
 
 
 async def generate(req: GenerationRequest, proposer: Proposer, scorer: Scorer, policy: DraftLengthPolicy,
@@ -123,6 +125,7 @@ async def generate(req: GenerationRequest, proposer: Proposer, scorer: Scorer, p
                 policy.update(1, int(shadow.tokens[0] == verdict.next_token))
 
             new = proposal.tokens[:verdict.num_accepted] + [verdict.next_token]
+            log_probs = _log_probs(scores, new, req.sampling) if req.log_probs else None
             target_valid = len(tokens) + verdict.num_accepted
             draft_valid = min(draft_valid, target_valid)
             tokens += new
@@ -130,7 +133,7 @@ async def generate(req: GenerationRequest, proposer: Proposer, scorer: Scorer, p
 
             new, finish = _apply_stops(new, req.end_ids, req.max_tokens - generated, req.min_tokens - generated)
             generated += len(new)
-            yield RoundOutput(new, k, verdict.num_accepted, finish)
+            yield RoundOutput(new, k, verdict.num_accepted, finish, log_probs and log_probs[:len(new)])
             if finish:
                 return
     finally:
@@ -146,8 +149,9 @@ async def _score(scorer: Scorer, req: GenerationRequest, keep: int, new_ids: lis
     and `wait_for_room` says to."""
     while True:
         try:
+            # Greedy rounds ship no logits: the target sends its tokens' log-probabilities instead.
             return await scorer.score(req.seq_id, keep, new_ids, positions, want_logits=not req.sampling.greedy,
-                                      reserve=reserve)
+                                      reserve=reserve, want_log_probs=req.log_probs and req.sampling.greedy)
         except NoCapacity:
             if not reserve or wait_for_room is None or not await wait_for_room():
                 raise
@@ -173,6 +177,14 @@ def _verify(proposal: Proposal, scores: Scores, params: SamplingParams,
     width = max(target_probs.shape[-1], draft_probs.shape[-1])
     uniforms = torch.rand(k, generator=generator).to(device)
     return rejection_sample(draft, pad_vocab(draft_probs, width), pad_vocab(target_probs, width), uniforms, generator)
+
+
+def _log_probs(scores: Scores, new: list[int], params: SamplingParams) -> list[float]:
+    """The target's log-probability of each of a round's tokens (its raw distribution, before sampling's
+    temperature and filters). Greedy: every token is the target's greedy token at its position."""
+    if params.greedy:
+        return scores.log_probs[:len(new)].tolist()
+    return token_log_probs(scores.logits[:len(new)], torch.tensor(new, dtype=torch.long)).tolist()
 
 
 def _record(stats: Stats, k: int, accepted: int) -> None:

@@ -34,6 +34,19 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
     return logits.max(-1).indices
 
 
+def greedy_log_probs(logits: torch.Tensor) -> torch.Tensor:
+    """The log-probability of each row's greedy token under the row's softmax: logits (..., V) ->
+    (...,) float32, max - logsumexp (no (..., V) log-softmax is materialised)."""
+    logits = logits.float()
+    return logits.max(-1).values - logits.logsumexp(-1)
+
+
+def token_log_probs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """log_softmax(logits)[i, tokens[i]]: logits (n, V), tokens (n,) int64 -> (n,) float32."""
+    logits = logits.float()
+    return logits.gather(-1, tokens.to(logits.device)[:, None])[:, 0] - logits.logsumexp(-1)
+
+
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Processed next-token distributions.
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 
 from specdec.decoding.interfaces import ForwardStats, NoCapacity, Proposal, Scores
-from specdec.decoding.sampling import SamplingParams, greedy, make_generator
+from specdec.decoding.sampling import SamplingParams, greedy, greedy_log_probs, make_generator
 from specdec.engine.executor import CapacityError, CausalLM
 
 
@@ -43,11 +43,11 @@ class LocalScorer:
         self.lm = lm
 
     async def score(self, seq_id: int, keep: int, new_ids: list[int], num_positions: int,
-                    want_logits: bool, reserve: int = 0) -> Scores:
+                    want_logits: bool, reserve: int = 0, want_log_probs: bool = False) -> Scores:
         with _no_capacity():
             logits = self.lm.extend(seq_id, keep, new_ids, num_positions, reserve)
         return Scores(greedy(logits).cpu(), logits.float().cpu() if want_logits else None,
-                      ForwardStats(len(new_ids), 1, 0.0))
+                      ForwardStats(len(new_ids), 1, 0.0), greedy_log_probs(logits).cpu() if want_log_probs else None)
 
     async def release(self, seq_id: int) -> None:
         self.lm.release(seq_id)

@@ -101,15 +101,17 @@ class BlsProposer(_SequenceModel):
 
 class BlsScorer(_SequenceModel):
     async def score(self, seq_id: int, keep: int, new_ids: list[int], num_positions: int,
-                    want_logits: bool, reserve: int = 0) -> Scores:
+                    want_logits: bool, reserve: int = 0, want_log_probs: bool = False) -> Scores:
         inputs = {tn.INPUT_IDS: _i32(new_ids), tn.CACHE_LENGTH: _i32([keep])}
         if reserve:
             inputs[tn.RESERVE_TOKENS] = _i32([reserve])
         if num_positions != 1:  # target_model's default: a target-only round's one position
             inputs[tn.NUM_LOGITS] = _i32([num_positions])
-        outputs = [tn.GREEDY_TOKENS, tn.FORWARD_STATS] + ([tn.LOGITS] if want_logits else [])
+        outputs = [tn.GREEDY_TOKENS, tn.FORWARD_STATS] + ([tn.LOGITS] if want_logits else []) + (
+            [tn.GREEDY_LOG_PROBS] if want_log_probs else [])
         result = await self._call(seq_id, inputs, outputs)
         logits = _torch(result[tn.LOGITS])[0] if want_logits else None
         rows, sequences, seconds = result[tn.FORWARD_STATS].as_numpy()[0].tolist()
+        log_probs = torch.from_numpy(result[tn.GREEDY_LOG_PROBS].as_numpy()[0].copy()) if want_log_probs else None
         return Scores(torch.from_numpy(result[tn.GREEDY_TOKENS].as_numpy()[0].astype(np.int64)), logits,
-                      forward=ForwardStats(int(rows), int(sequences), float(seconds)))
+                      forward=ForwardStats(int(rows), int(sequences), float(seconds)), log_probs=log_probs)

@@ -20,7 +20,7 @@ import torch.utils.dlpack
 
 from specdec import tensor_names as tn
 from specdec.decoding.interfaces import ForwardStats
-from specdec.decoding.sampling import SamplingParams, greedy, make_generator
+from specdec.decoding.sampling import SamplingParams, greedy, greedy_log_probs, make_generator
 from specdec.decoding.text import load_tokenizer, vocabulary_mismatch
 from specdec.engine import host_memory, onednn_linear, static_executor, threads
 from specdec.engine.executor import CacheError, CapacityError, CausalLM, Step, load_causal_lm
@@ -294,6 +294,8 @@ class TargetModel(LanguageModelAdapter):
         requested = set(request.requested_output_names())
         if tn.LOGITS in requested:
             outputs.append(self._output(tn.LOGITS, logits.float()[None]))
+        if tn.GREEDY_LOG_PROBS in requested:  # return_log_probs on a greedy round: K + 1 floats, not logits
+            outputs.append(pb.Tensor(tn.GREEDY_LOG_PROBS, host(greedy_log_probs(logits))[None]))
         if tn.FORWARD_STATS in requested:
             outputs.append(pb.Tensor(tn.FORWARD_STATS, np.asarray([forward], dtype=np.float32)))
         return pb.InferenceResponse(output_tensors=outputs)

@@ -132,7 +132,7 @@ class SpeculativeDecodingAdapter(TritonAdapter):
                 self.metrics.queue_time.observe(slot_wait)
                 self.metrics.record_request(tn.FINISH_CANCELLED, 0, slot_wait)
                 sender.send(self._response(None, parsed.generation, TextEmitter(self.tokenizer), Stats(),
-                                           tn.FINISH_CANCELLED), flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                                           tn.FINISH_CANCELLED, []), flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                 return
         try:
             await self._generate(sender, arrived, parsed, slot_wait)
@@ -159,6 +159,7 @@ class SpeculativeDecodingAdapter(TritonAdapter):
         gen, stream = parsed.generation, parsed.stream
         stats = Stats()
         emitter = TextEmitter(self.tokenizer, parsed.stop_words)
+        log_probs: list[float] = []  # with return_log_probs: one per generated token, in order
         first_sent = False
         loop = asyncio.get_running_loop()
         # The last round's streamed response and cancellation check, on an IPC thread (see `load`).
@@ -170,7 +171,7 @@ class SpeculativeDecodingAdapter(TritonAdapter):
             if not first_sent:
                 self.metrics.ttft.observe(time.monotonic() - arrived)
                 first_sent = True
-            return self._response(emission, gen, emitter, stats, finish)
+            return self._response(emission, gen, emitter, stats, finish, log_probs)
 
         room = RoomWait(self, gen.seq_id, sender)
         self.gate.enter()  # the gate's count of live requests is the one the metric reports
@@ -194,6 +195,8 @@ class SpeculativeDecodingAdapter(TritonAdapter):
                     if rnd.finish_reason == tn.FINISH_CANCELLED:  # cancelled between draft and verify
                         finish = rnd.finish_reason
                         break
+                    if rnd.log_probs:
+                        log_probs += rnd.log_probs
                     now = time.monotonic()
                     self.metrics.record_round(rnd.num_drafted, rnd.num_accepted, now)
                     self.metrics.record_costs(self.costs, now)
@@ -262,14 +265,22 @@ class SpeculativeDecodingAdapter(TritonAdapter):
                 await in_flight
 
     def _response(self, emission: Emission | None, req: GenerationRequest, emitter: TextEmitter, stats: Stats,
-                  finish: str | None):
+                  finish: str | None, log_probs: list[float]):
         pb = self.pb
         ids, prefix, length = (emission.ids, emission.prefix_ids, emission.text_length) if emission else ([], [], -1)
 
         def i32(name, values):
             return pb.Tensor(name, np.asarray(values, dtype=np.int32).reshape(1, -1))
 
-        return pb.InferenceResponse(output_tensors=[
+        def f32(name, values):
+            return pb.Tensor(name, np.asarray(values, dtype=np.float32).reshape(1, -1))
+
+        # Only with return_log_probs (not two more tensors in every response). The emitted tokens are a
+        # prefix of the generated ones, and this response's ids the last of them.
+        sent = len(emitter.emitted)
+        extra = [f32(tn.OUTPUT_LOG_PROBS, log_probs[sent - len(ids):sent]),
+                 f32(tn.CUM_LOG_PROBS, [sum(log_probs[:sent])])] if req.log_probs else []
+        return pb.InferenceResponse(output_tensors=extra + [
             i32(tn.OUTPUT_IDS, ids),
             i32(tn.PREFIX_IDS, prefix),
             i32(tn.TEXT_LENGTH, [length]),

@@ -125,6 +125,7 @@ class ParsedRequest:
             sampling=sampling,
             end_ids=frozenset() if ignore_eos else limits.default_end_ids if end_id is None else frozenset([end_id]),
             min_tokens=min_length,
+            log_probs=bool(inputs.scalar(tn.RETURN_LOG_PROBS, np.bool_, False)),
         )
         # A seeded sampled request must be reproducible: measured costs vary from run to run, and a
         # different K changes which random draws pick which token, so it drafts a fixed K.

@@ -76,9 +76,9 @@ class GatedScorer:
         self.scorer, self.gate = scorer, gate
 
     async def score(self, seq_id: int, keep: int, new_ids: list[int], num_positions: int,
-                    want_logits: bool, reserve: int = 0) -> Scores:
+                    want_logits: bool, reserve: int = 0, want_log_probs: bool = False) -> Scores:
         return await self.gate.through(
-            lambda: self.scorer.score(seq_id, keep, new_ids, num_positions, want_logits, reserve))
+            lambda: self.scorer.score(seq_id, keep, new_ids, num_positions, want_logits, reserve, want_log_probs))
 
     async def release(self, seq_id: int) -> None:
         await self.scorer.release(seq_id)
