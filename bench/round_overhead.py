@@ -19,6 +19,8 @@ model's forwards count once per thread that ran them.
 
     python bench/round_overhead.py                 # CPU (the dev machine's figures in the README)
     python bench/round_overhead.py --device gpu    # the same with the models on the GPU
+    python bench/round_overhead.py --stream        # streamed requests (a response per round, as the
+                                                   # served benchmarks send them)
     python bench/round_overhead.py --device gpu --temperature 1 \
         --launcher-arg=--set=target_model.device_outputs=false --launcher-arg=--set=draft_model.device_outputs=false
                                                    # sampled rounds, logits through host memory (the default
@@ -86,16 +88,16 @@ def counters(text: str) -> dict:
     return out
 
 
-def measure(own, params: GenerationParams, prompts: list[str], repeats: int) -> dict:
+def measure(own, params: GenerationParams, prompts: list[str], repeats: int, stream: bool = False) -> dict:
     client = Client(own.grpc_url, "grpc", timeout_s=600)
     for prompt in prompts[:2]:  # warm this path
-        client.generate(prompt, params)
+        client.generate(prompt, params, stream=stream)
     time.sleep(1.0)  # the model metrics are flushed at most twice a second
     before, wall, cpu_before = counters(own.metrics()), 0.0, server_cpu(own.process.pid)
     for _ in range(repeats):
         for prompt in prompts:
             started = time.perf_counter()
-            client.generate(prompt, params)
+            client.generate(prompt, params, stream=stream)
             wall += time.perf_counter() - started
     cpu_after = server_cpu(own.process.pid)
     time.sleep(1.0)
@@ -124,6 +126,7 @@ def main(argv=None) -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--temperature", type=float, default=0.0, help="> 0: sampled rounds (seeded)")
+    parser.add_argument("--stream", action="store_true", help="streamed requests: a response per round")
     parser.add_argument("--launcher-arg", action="append", default=[], help="more launcher arguments")
     parser.add_argument("--out", help="also write the table (Markdown) here")
     args = parser.parse_args(argv)
@@ -139,7 +142,7 @@ def main(argv=None) -> int:
             params = GenerationParams(max_tokens=args.max_tokens, num_draft_tokens=k, adaptive_draft=False,
                                       ignore_eos=True, temperature=args.temperature,
                                       seed=1 if args.temperature else None)
-            results[name] = measure(own, params, prompts, args.repeats)
+            results[name] = measure(own, params, prompts, args.repeats, args.stream)
     finally:
         own.stop()
     rows = []
@@ -159,6 +162,7 @@ def main(argv=None) -> int:
         for process, ms in sorted(r["cpu"].items(), key=lambda item: -item[1]):
             rows.append([name, f"CPU time: {process}", f"{ms:.2f}", "user + system, all its threads"])
     mode = f"sampled (temperature {args.temperature:g})" if args.temperature else "greedy"
+    mode += ", streamed" if args.stream else ""
     extra = f", {' '.join(args.launcher_arg)}" if args.launcher_arg else ""
     header = (f"{platform.machine()} {args.device}, tiny pair, {mode}, {args.max_tokens} tokens per request, "
               f"one request at a time{extra}")
