@@ -76,6 +76,19 @@ def test_served_on_the_gpu_samples_with_a_draft_model(tmp_path, tiny_pair):
         greedy = [client.generate("Once upon a time", GenerationParams(max_tokens=24, num_draft_tokens=k)).text
                   for k in (0, 4)]
         assert greedy[0] == greedy[1]
+        # return_log_probs: greedy rounds from target_model's greedy_log_probs (a 1-row and a 5-row forward
+        # agree up to float32 rounding), sampled rounds from the logits handed over on the device.
+        scored = [client.generate("Once upon a time", GenerationParams(max_tokens=24, num_draft_tokens=k,
+                                                                       return_log_probs=True)) for k in (0, 4)]
+        assert scored[0].text == scored[1].text == greedy[0]
+        assert len(scored[0].log_probs) == len(scored[1].log_probs) == scored[0].num_output_tokens
+        assert torch.allclose(torch.tensor(scored[0].log_probs), torch.tensor(scored[1].log_probs), atol=1e-3)
+        sampled_scored = client.generate("Hello there", GenerationParams(max_tokens=24, num_draft_tokens=4,
+                                                                         temperature=0.8, seed=11, return_log_probs=True))
+        assert sampled_scored.text == first.text  # asking changes no token
+        assert len(sampled_scored.log_probs) == sampled_scored.num_output_tokens
+        assert all(v <= 0 for v in sampled_scored.log_probs)
+        assert sampled_scored.cum_log_probs == pytest.approx(sum(sampled_scored.log_probs), abs=1e-2)
     finally:
         own.stop()
 
