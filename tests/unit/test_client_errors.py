@@ -1,11 +1,13 @@
-"""The sync and asyncio clients map server answers to the same error types (one mapping, in client.core)."""
+"""The sync and asyncio clients map server answers to the same error types (one mapping, in client.core),
+and build results the same way (ResultBuilder)."""
 
 import json
 
 import pytest
 
-from client.core import (ClientError, InvalidArgumentError, ModelNotReadyError, ServerBusyError, classify_error,
-                         classify_http_error, server_url)
+from client.core import (ClientError, GenerationParams, InvalidArgumentError, ModelNotReadyError, ResultBuilder,
+                         ServerBusyError, classify_error, classify_http_error, server_url)
+from specdec import tensor_names as tn
 
 
 @pytest.mark.parametrize("status, message, kind", [
@@ -40,3 +42,16 @@ def test_server_url():
     assert server_url("https://x:1", "http") == "https://x:1"
     with pytest.raises(ValueError, match="protocol"):
         server_url(None, "ws")
+
+
+def test_log_probs_accumulate_over_responses_listed_or_bare():
+    """gRPC responses give lists; Triton's HTTP generate endpoint writes a one-token response's value bare."""
+    builder = ResultBuilder()
+    builder.add({tn.TEXT_OUTPUT: "a", tn.OUTPUT_LOG_PROBS: [-0.5, -1.0], tn.CUM_LOG_PROBS: -1.5})
+    builder.add({tn.TEXT_OUTPUT: "b", tn.OUTPUT_LOG_PROBS: -0.25, tn.CUM_LOG_PROBS: -1.75})
+    builder.add({tn.TEXT_OUTPUT: "", tn.OUTPUT_LOG_PROBS: [], tn.CUM_LOG_PROBS: -1.75, tn.FINISH_REASON: "length"})
+    result = builder.result
+    assert (result.text, result.log_probs, result.cum_log_probs) == ("ab", [-0.5, -1.0, -0.25], -1.75)
+    assert GenerationParams(return_log_probs=True).tensors("hi", False)[tn.RETURN_LOG_PROBS].tolist() == [[True]]
+    assert GenerationParams(return_log_probs=True).json("hi", True)["return_log_probs"] is True
+    assert "return_log_probs" not in GenerationParams().json("hi", True)
