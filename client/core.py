@@ -159,8 +159,6 @@ class ResultBuilder:
         if tn.OUTPUT_LOG_PROBS in fields:  # a list; Triton's HTTP generate endpoint writes one value bare
             values = fields[tn.OUTPUT_LOG_PROBS]
             self.result.log_probs += [float(v) for v in (values if isinstance(values, list) else [values])]
-        if tn.CUM_LOG_PROBS in fields:
-            self.result.cum_log_probs = float(fields[tn.CUM_LOG_PROBS])
         return delta
 
 
