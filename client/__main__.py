@@ -30,6 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--min-length", type=int, help="no end token ends generation before this many tokens")
     p.add_argument("--ignore-eos", action="store_true", default=None, help="generate to --max-tokens")
     p.add_argument("--stop", action="append", default=[], help="stop word (repeatable)")
+    p.add_argument("--bad-word", action="append", default=[],
+                   help="a word the output never contains, as tokens (repeatable; mid-text words need their space)")
     p.add_argument("--draft-model")
     p.add_argument("--adaptive-draft", dest="adaptive_draft", action=argparse.BooleanOptionalAction, default=None,
                    help="adapt K per round (server default: on); --no-adaptive-draft drafts exactly --num-draft-tokens")
@@ -43,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     params = GenerationParams(
         max_tokens=args.max_tokens, num_draft_tokens=args.num_draft_tokens, temperature=args.temperature,
         top_k=args.top_k, top_p=args.top_p, seed=args.seed, end_id=args.end_id, stop_words=tuple(args.stop),
+        bad_words=tuple(args.bad_word),
         draft_model=args.draft_model, apply_chat_template=args.apply_chat_template,
         adaptive_draft=args.adaptive_draft, min_length=args.min_length, ignore_eos=args.ignore_eos,
         return_log_probs=args.return_log_probs)

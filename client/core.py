@@ -53,6 +53,7 @@ class GenerationParams:
     min_length: int | None = None  # no end token ends generation before this many tokens
     ignore_eos: bool | None = None  # generate to max_tokens (benchmarks)
     stop_words: tuple[str, ...] = ()
+    bad_words: tuple[str, ...] = ()  # token sequences the output never contains (mid-text words: " word")
     draft_model: str | None = None
     apply_chat_template: bool | None = None
     return_log_probs: bool | None = None  # each token's log-probability under the target (result.log_probs)
@@ -72,8 +73,9 @@ class GenerationParams:
                 arrays[name] = np.array([[value]], dtype=dtype)
         if self.draft_model is not None:
             arrays[tn.DRAFT_MODEL] = np.array([[self.draft_model.encode()]], dtype=np.object_)
-        if self.stop_words:
-            arrays[tn.STOP_WORDS] = np.array([[w.encode("utf-8") for w in self.stop_words]], dtype=np.object_)
+        for name, words in ((tn.STOP_WORDS, self.stop_words), (tn.BAD_WORDS, self.bad_words)):
+            if words:
+                arrays[name] = np.array([[w.encode("utf-8") for w in words]], dtype=np.object_)
         return arrays
 
     def json(self, prompt: str, stream: bool) -> dict:
@@ -85,8 +87,9 @@ class GenerationParams:
             value = getattr(self, name)
             if value is not None:
                 body[name] = value
-        if self.stop_words:
-            body[tn.STOP_WORDS] = list(self.stop_words)
+        for name, words in ((tn.STOP_WORDS, self.stop_words), (tn.BAD_WORDS, self.bad_words)):
+            if words:
+                body[name] = list(words)
         return body
 
 

@@ -19,7 +19,11 @@ END_ID = "end_id"  # INT32 [1]
 # For benchmark clients that force output lengths (TensorRT-LLM's and vLLM's conventions):
 MIN_LENGTH = "min_length"  # INT32 [1]: no end token ends generation before this many tokens
 IGNORE_EOS = "ignore_eos"  # BOOL [1]: end tokens never end generation (it runs to max_tokens)
-STOP_WORDS = "stop_words"  # STRING [-1]: generation ends before the first occurrence of any
+STOP_WORDS = "stop_words"  # STRING [-1]: generation ends before the first occurrence of any ("" = none)
+BAD_WORDS = "bad_words"  # STRING [-1]: token sequences the output never contains ("" = none)
+# TensorRT-LLM's ensemble inputs that its clients send; only their one supported value is accepted:
+BEAM_WIDTH = "beam_width"  # INT32 [1]: 1 (speculative decoding decodes one sequence)
+EXCLUDE_INPUT_IN_OUTPUT = "exclude_input_in_output"  # BOOL [1]: true (text_output is the generated text)
 DRAFT_MODEL = "draft_model"  # STRING [1]: which configured draft model proposes
 APPLY_CHAT_TEMPLATE = "apply_chat_template"  # BOOL [1]
 RETURN_LOG_PROBS = "return_log_probs"  # BOOL [1]: also return each generated token's log-probability

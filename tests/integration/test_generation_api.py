@@ -381,6 +381,42 @@ def test_ensemble_log_probs_streamed_or_not_over_grpc_and_http(server, hf_target
     assert plain.log_probs == [] and plain.cum_log_probs == 0.0  # not asked for: not sent
 
 
+# ---- bad words and TensorRT-LLM's client inputs ---------------------------------------------------------
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_bad_words_match_transformers_bad_words_ids(server, hf_target, hf_greedy, protocol):
+    """Banned words, named as text the way a client names them, give transformers' greedy generate with
+    `bad_words_ids` (an independent implementation of the same rule), target-only and speculative."""
+    model, tokenizer = hf_target
+    prompt = PROMPTS[1]
+    plain, plain_text = hf_greedy(prompt, 24)
+    words = (tokenizer.decode(plain[2:3]), tokenizer.decode(plain[6:8]))  # a one-token and a two-token word
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0,
+                             bad_words_ids=[tokenizer.encode(w, add_special_tokens=False) for w in words])
+    expected = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    assert expected != plain_text  # the bans change the answer
+    client = Client(server.grpc_url if protocol == "grpc" else server.http_url, protocol=protocol)
+    for k in (0, 4):
+        for stream in (False, True):
+            result = client.generate(prompt, GenerationParams(max_tokens=24, num_draft_tokens=k, end_id=0,
+                                                              bad_words=words), stream=stream)
+            assert result.text == expected, (k, stream)
+
+
+def test_tensorrt_llm_client_inputs_are_served(server):
+    """What TensorRT-LLM's end-to-end clients send besides the prompt: bad_words and stop_words [""] for
+    none, beam_width 1, exclude_input_in_output true. The answer is the plain request's."""
+    plain = grpc_stream(server.grpc_url, PROMPTS[2], max_tokens=16, num_draft_tokens=3)
+    sent = grpc_stream(server.grpc_url, PROMPTS[2], max_tokens=16, num_draft_tokens=3, stream=True,
+                       bad_words=np.array([[b""]], dtype=np.object_), stop_words=np.array([[b""]], dtype=np.object_),
+                       beam_width=np.array([[1]], dtype=np.int32), exclude_input_in_output=np.array([[True]]))
+    assert sent[tn.TEXT_OUTPUT] == plain[tn.TEXT_OUTPUT] and len(sent["chunks"]) > 1
+    over_http = http_generate(server.http_url, PROMPTS[2], max_tokens=16, num_draft_tokens=3, bad_words=[""],
+                              stop_words=[""], beam_width=1, exclude_input_in_output=True)
+    assert over_http[tn.TEXT_OUTPUT] == plain[tn.TEXT_OUTPUT]
+
+
 # ---- validation --------------------------------------------------------------------------------------
 LONG_PROMPT = "word " * 1100
 
@@ -402,7 +438,14 @@ BAD_REQUESTS = {
     "end_id_out_of_range": (PROMPTS[0], dict(end_id=10**8), "end_id"),
     "min_length_over_max_tokens": (PROMPTS[0], dict(max_tokens=5, min_length=6), "min_length"),
     "unknown_draft_model": (PROMPTS[0], dict(draft_model="nope"), "draft_model"),
-    "empty_stop_word": (PROMPTS[0], dict(stop_words=np.array([[b""]], dtype=np.object_)), "stop_words"),
+    "too_many_stop_words": (PROMPTS[0], dict(stop_words=np.array([[b"w%d" % i for i in range(17)]], dtype=np.object_)),
+                            "stop_words"),
+    "too_many_bad_words": (PROMPTS[0], dict(bad_words=np.array([[b" w%d" % i for i in range(17)]], dtype=np.object_)),
+                           "bad_words"),
+    "beam_width_2": (PROMPTS[0], dict(beam_width=np.array([[2]], dtype=np.int32)), "beam_width"),
+    "beam_width_wrong_dtype": (PROMPTS[0], dict(beam_width=np.array([[1]], dtype=np.uint32)), "beam_width"),
+    "exclude_input_in_output_false": (PROMPTS[0], dict(exclude_input_in_output=np.array([[False]])),
+                                      "exclude_input_in_output"),
     "wrong_dtype": (PROMPTS[0], dict(max_tokens=np.array([[5.0]], dtype=np.float32)), "max_tokens"),
     "wrong_shape": (PROMPTS[0], dict(max_tokens=np.array([[5, 6]], dtype=np.int32)), "max_tokens"),
     "unknown_input": (PROMPTS[0], dict(frobnicate=np.array([[1]], dtype=np.int32)), "frobnicate"),

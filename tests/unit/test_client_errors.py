@@ -55,3 +55,13 @@ def test_log_probs_accumulate_over_responses_listed_or_bare():
     assert GenerationParams(return_log_probs=True).tensors("hi", False)[tn.RETURN_LOG_PROBS].tolist() == [[True]]
     assert GenerationParams(return_log_probs=True).json("hi", True)["return_log_probs"] is True
     assert "return_log_probs" not in GenerationParams().json("hi", True)
+
+
+def test_word_lists_go_out_as_string_lists_over_grpc_and_http():
+    params = GenerationParams(stop_words=("\n\n",), bad_words=(" Paris", "ü"))
+    arrays = params.tensors("hi", stream=False)
+    assert arrays[tn.BAD_WORDS].tolist() == [[b" Paris", "ü".encode()]] and arrays[tn.STOP_WORDS].tolist() == [[b"\n\n"]]
+    body = params.json("hi", stream=False)
+    assert body[tn.BAD_WORDS] == [" Paris", "ü"] and body[tn.STOP_WORDS] == ["\n\n"]
+    assert tn.BAD_WORDS not in GenerationParams().tensors("hi", stream=False)
+    assert tn.BAD_WORDS not in GenerationParams().json("hi", stream=False)

@@ -9,7 +9,7 @@ from specdec.triton.request import InputError, ParsedRequest, RequestLimits
 
 LIMITS = RequestLimits(vocab_size=100, draft_names=(tn.NGRAM, "draft_model"), default_end_ids=frozenset([2]),
                        max_context=64, max_max_tokens=32, default_max_tokens=16, max_num_draft_tokens=8,
-                       default_num_draft_tokens=4, max_stop_words=2)
+                       default_num_draft_tokens=4, max_stop_words=2, max_bad_words=2)
 
 
 def parse(**inputs):
@@ -21,7 +21,12 @@ def parse(**inputs):
             arrays[name] = value
         else:
             arrays[name] = np.array([[value]])
-    return ParsedRequest.parse(arrays.get, LIMITS, seq_id=7)
+    return ParsedRequest.parse(arrays.get, LIMITS, seq_id=7, encode=_encode)
+
+
+def _encode(word: str) -> list[int]:
+    """A stand-in tokenizer: a token per character (its code point), none for a blank word."""
+    return [ord(c) for c in word.strip()]
 
 
 def test_defaults_come_from_the_limits():
@@ -46,6 +51,18 @@ def test_values_are_read():
     assert (gen.sampling.temperature, gen.sampling.top_k) == (pytest.approx(0.7), 5)
     assert parsed.num_draft_tokens == 0 and parsed.stream and parsed.stop_words == ("\n\n", "END")
     assert parsed.draft_name == "draft_model"
+
+
+def test_bad_words_are_encoded_and_empty_entries_mean_none():
+    parsed = parse(**{tn.BAD_WORDS: np.array([[b"ab", b"", b"c"]], dtype=np.object_),
+                      tn.STOP_WORDS: np.array([[b""]], dtype=np.object_)})
+    assert parsed.generation.bad_words == ((97, 98), (99,)) and parsed.stop_words == ()
+    # TensorRT-LLM's clients send [""] for "none": counted after dropping them.
+    assert parse(**{tn.BAD_WORDS: np.array([[b"", b"", b"a"]], dtype=np.object_)}).generation.bad_words == ((97,),)
+    assert parse().generation.bad_words == ()
+    with pytest.raises(InputError, match=f"'{tn.BAD_WORDS}'.*tokenizer"):
+        ParsedRequest.parse({tn.INPUT_IDS: np.array([[1]], dtype=np.int32),
+                             tn.BAD_WORDS: np.array([[b"a"]], dtype=np.object_)}.get, LIMITS)
 
 
 def test_return_log_probs_is_read_and_typed():
@@ -84,7 +101,9 @@ def test_seeded_sampling_drafts_a_fixed_k_greedy_stays_adaptive():
     (tn.MIN_LENGTH, np.array([[17]], dtype=np.int32)),  # over max_tokens (16)
     (tn.MIN_LENGTH, np.array([[-1]], dtype=np.int32)),
     (tn.STOP_WORDS, np.array([[b"a", b"b", b"c"]], dtype=np.object_)),
-    (tn.STOP_WORDS, np.array([[b""]], dtype=np.object_)),
+    (tn.BAD_WORDS, np.array([[b"a", b"b", b"c"]], dtype=np.object_)),
+    (tn.BAD_WORDS, np.array([[b" "]], dtype=np.object_)),  # encodes to no token
+    (tn.BAD_WORDS, np.array([[b"\xff"]], dtype=np.object_)),
     (tn.STOP_WORDS, np.array([[b"\xff"]], dtype=np.object_)),
     (tn.DRAFT_MODEL, np.array([[b"nope"]], dtype=np.object_)),
     (tn.DRAFT_MODEL, np.array([[b"ngram", b"draft_model"]], dtype=np.object_)),

@@ -61,6 +61,9 @@ input [
   { name: "min_length", data_type: TYPE_INT32, dims: [ 1 ], optional: true },
   { name: "ignore_eos", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },
   { name: "stop_words", data_type: TYPE_STRING, dims: [ -1 ], optional: true },
+  { name: "bad_words", data_type: TYPE_STRING, dims: [ -1 ], optional: true },
+  { name: "beam_width", data_type: TYPE_INT32, dims: [ 1 ], optional: true },
+  { name: "exclude_input_in_output", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },
   { name: "draft_model", data_type: TYPE_STRING, dims: [ 1 ], optional: true },
   { name: "apply_chat_template", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },
   { name: "return_log_probs", data_type: TYPE_BOOL, dims: [ 1 ], optional: true }
@@ -163,6 +166,7 @@ input [
   { name: "min_length", data_type: TYPE_INT32, dims: [ 1 ], optional: true },
   { name: "ignore_eos", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },
   { name: "stop_words", data_type: TYPE_STRING, dims: [ -1 ], optional: true, allow_ragged_batch: true },
+  { name: "bad_words", data_type: TYPE_STRING, dims: [ -1 ], optional: true, allow_ragged_batch: true },
   { name: "draft_model", data_type: TYPE_STRING, dims: [ 1 ], optional: true },
   { name: "return_log_probs", data_type: TYPE_BOOL, dims: [ 1 ], optional: true }
 ]
@@ -192,6 +196,7 @@ output [
 {{ include "specdec.param" (list "max_max_tokens" $s.maxMaxTokens) }}
 {{ include "specdec.param" (list "max_context_tokens" $s.maxContextTokens) }}
 {{ include "specdec.param" (list "max_stop_words" 16) }}
+{{ include "specdec.param" (list "max_bad_words" 16) }}
 {{ include "specdec.param" (list "max_live_sequences" $s.maxLiveSequences) }}
 {{ include "specdec.param" (list "when_full" $s.whenFull) }}
 {{ include "specdec.param" (list "verify_gather_ms" $s.verifyGatherMs) }}

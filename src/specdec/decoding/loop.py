@@ -25,10 +25,11 @@ from typing import AsyncIterator, Awaitable, Callable
 import torch
 
 from specdec import tensor_names as tn
+from specdec.decoding.bad_words import banned_tokens, mask_banned
 from specdec.decoding.draft_length import DraftLengthPolicy
 from specdec.decoding.interfaces import NoCapacity, Proposal, Proposer, Scorer, Scores
 from specdec.decoding.rejection_sampler import Verdict, greedy_verify, rejection_sample
-from specdec.decoding.sampling import SamplingParams, logits_to_probs, make_generator, pad_vocab, token_log_probs
+from specdec.decoding.sampling import SamplingParams, greedy, logits_to_probs, make_generator, pad_vocab, token_log_probs
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,7 @@ class GenerationRequest:
     end_ids: frozenset[int] = frozenset()  # generation stops at (and drops) any of these
     min_tokens: int = 0  # end tokens before this many generated tokens are generated like any other
     log_probs: bool = False  # report each generated token's log-probability under the target
+    bad_words: tuple[tuple[int, ...], ...] = ()  # token sequences the output never contains (bad_words.py)
 
 
 @dataclass
@@ -119,13 +121,14 @@ async def generate(req: GenerationRequest, proposer: Proposer, scorer: Scorer, p
                 policy.observe_verify(k + 1, time.perf_counter() - started)
             if scores.forward:
                 policy.observe_forward(scores.forward)
-            verdict = _verify(proposal, scores, req.sampling, generator)
+            bans = banned_tokens(tokens, proposal.tokens, req.bad_words, k + 1) if req.bad_words else None
+            verdict = _verify(proposal, scores, req.sampling, generator, bans)
             policy.update(k, verdict.num_accepted)
             if shadow.tokens:  # would its first token have been accepted? (greedy: the target's token)
                 policy.update(1, int(shadow.tokens[0] == verdict.next_token))
 
             new = proposal.tokens[:verdict.num_accepted] + [verdict.next_token]
-            log_probs = _log_probs(scores, new, req.sampling) if req.log_probs else None
+            log_probs = _log_probs(scores, new) if req.log_probs else None
             target_valid = len(tokens) + verdict.num_accepted
             draft_valid = min(draft_valid, target_valid)
             tokens += new
@@ -147,23 +150,26 @@ async def _score(scorer: Scorer, req: GenerationRequest, keep: int, new_ids: lis
                  reserve: int, wait_for_room: Callable[[], Awaitable[bool]] | None) -> Scores:
     """The verify call; a sequence's first one (reserve > 0) retries while the target has no room for it
     and `wait_for_room` says to."""
+    # Greedy rounds ship no logits (the target sends its tokens' log-probabilities instead), unless bad
+    # words must be banned from them first.
+    want_logits = not req.sampling.greedy or bool(req.bad_words)
     while True:
         try:
-            # Greedy rounds ship no logits: the target sends its tokens' log-probabilities instead.
-            return await scorer.score(req.seq_id, keep, new_ids, positions, want_logits=not req.sampling.greedy,
-                                      reserve=reserve, want_log_probs=req.log_probs and req.sampling.greedy)
+            return await scorer.score(req.seq_id, keep, new_ids, positions, want_logits=want_logits,
+                                      reserve=reserve, want_log_probs=req.log_probs and not want_logits)
         except NoCapacity:
             if not reserve or wait_for_room is None or not await wait_for_room():
                 raise
 
 
-def _verify(proposal: Proposal, scores: Scores, params: SamplingParams,
-            generator: torch.Generator | None) -> Verdict:
+def _verify(proposal: Proposal, scores: Scores, params: SamplingParams, generator: torch.Generator | None,
+            bans: list[list[int]] | None = None) -> Verdict:
+    logits = mask_banned(scores.logits, bans) if bans else scores.logits
     if params.greedy:
-        return greedy_verify(proposal.tokens, scores.greedy_tokens.tolist())
+        return greedy_verify(proposal.tokens, (scores.greedy_tokens if logits is None else greedy(logits)).tolist())
     draft = torch.tensor(proposal.tokens, dtype=torch.long)
     # Accept/reject where the target's logits are (on the GPU when the target handed them over there).
-    target_probs = logits_to_probs(scores.logits, params)
+    target_probs = logits_to_probs(logits, params)
     device = target_probs.device
     k = len(proposal.tokens)
     draft = draft.to(device)
@@ -179,10 +185,11 @@ def _verify(proposal: Proposal, scores: Scores, params: SamplingParams,
     return rejection_sample(draft, pad_vocab(draft_probs, width), pad_vocab(target_probs, width), uniforms, generator)
 
 
-def _log_probs(scores: Scores, new: list[int], params: SamplingParams) -> list[float]:
+def _log_probs(scores: Scores, new: list[int]) -> list[float]:
     """The target's log-probability of each of a round's tokens (its raw distribution, before sampling's
-    temperature and filters). Greedy: every token is the target's greedy token at its position."""
-    if params.greedy:
+    temperature and filters, and before bans). Without logits (a greedy round): every token is the target's
+    greedy token at its position, and the target sent their log-probabilities."""
+    if scores.logits is None:
         return scores.log_probs[:len(new)].tolist()
     return token_log_probs(scores.logits[:len(new)], torch.tensor(new, dtype=torch.long)).tolist()
 

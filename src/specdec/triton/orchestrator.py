@@ -101,7 +101,7 @@ class SpeculativeDecodingAdapter(TritonAdapter):
             return None if tensor is None else tensor.as_numpy()
 
         try:
-            parsed = ParsedRequest.parse(lookup, self.limits)
+            parsed = ParsedRequest.parse(lookup, self.limits, encode=self._encode_word)
         except InputError as exc:
             self.metrics.requests["invalid"].increment(1)
             # Triton 24.10's stub registers an async execute's future only after scheduling it; a coroutine
@@ -138,6 +138,10 @@ class SpeculativeDecodingAdapter(TritonAdapter):
             await self._generate(sender, arrived, parsed, slot_wait)
         finally:
             self.slots.release(slot)
+
+    def _encode_word(self, word: str) -> list[int]:
+        """A bad word's tokens as the target would generate them: no special tokens around them."""
+        return self.tokenizer.encode(word, add_special_tokens=False)
 
     async def is_cancelled(self, seq_id: int, sender) -> bool:
         """Whether a waiting request was cancelled: by its ensemble's client (the board) or by a direct

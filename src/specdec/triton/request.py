@@ -18,6 +18,7 @@ from specdec.decoding.sampling import SamplingParams
 from specdec.triton.config import ModelParameters
 
 InputLookup = Callable[[str], "np.ndarray | None"]  # input name -> its array, None when the request has none
+Encode = Callable[[str], "list[int]"]  # text -> token ids, without special tokens (the target's tokenizer)
 
 
 class InputError(ValueError):
@@ -38,6 +39,7 @@ class RequestLimits:
     default_num_draft_tokens: int = tn.DEFAULT_NUM_DRAFT_TOKENS
     adaptive_draft: bool = True  # num_draft_tokens is the most a round drafts; K adapts per round
     max_stop_words: int = 16
+    max_bad_words: int = 16
 
     @classmethod
     def from_parameters(cls, params: ModelParameters, vocab_size: int, end_ids: frozenset[int]) -> RequestLimits:
@@ -56,6 +58,7 @@ class RequestLimits:
                                                 high=max_k),
             adaptive_draft=params.bool("adaptive_draft", True),
             max_stop_words=params.int("max_stop_words", 16, low=0),
+            max_bad_words=params.int("max_bad_words", 16, low=0),
         )
 
 
@@ -69,11 +72,13 @@ class ParsedRequest:
     stop_words: tuple[str, ...]
 
     @classmethod
-    def parse(cls, lookup: InputLookup, limits: RequestLimits, seq_id: int | None = None) -> ParsedRequest:
+    def parse(cls, lookup: InputLookup, limits: RequestLimits, seq_id: int | None = None,
+              encode: Encode | None = None) -> ParsedRequest:
         """Validate a request's inputs against `limits`; raises InputError naming the input.
 
         seq_id keys both models' KV caches; by default a fresh random one (nonzero: 0 means "no
-        sequence" to Triton)."""
+        sequence" to Triton). `encode` turns bad words into token sequences (required when a request
+        has any)."""
         inputs = _Inputs(lookup)
         prompt_ids = inputs.array(tn.INPUT_IDS, np.int32)
         if prompt_ids is None or prompt_ids.size == 0:
@@ -108,11 +113,8 @@ class ParsedRequest:
         if not 0 <= min_length <= max_tokens:
             raise InputError(f"input '{tn.MIN_LENGTH}' must be within [0, {tn.MAX_TOKENS}={max_tokens}], got {min_length}")
         ignore_eos = bool(inputs.scalar(tn.IGNORE_EOS, np.bool_, False))
-        stop_words = tuple(inputs.strings(tn.STOP_WORDS))
-        if len(stop_words) > limits.max_stop_words:
-            raise InputError(f"input '{tn.STOP_WORDS}' has {len(stop_words)} entries; at most {limits.max_stop_words}")
-        if any(not word for word in stop_words):
-            raise InputError(f"input '{tn.STOP_WORDS}' contains an empty string")
+        stop_words = inputs.words(tn.STOP_WORDS, limits.max_stop_words)
+        bad_words = tuple(_bad_word_ids(word, encode) for word in inputs.words(tn.BAD_WORDS, limits.max_bad_words))
         names = inputs.strings(tn.DRAFT_MODEL)
         draft_name = names[0] if names else limits.draft_names[0]
         if len(names) > 1 or draft_name not in limits.draft_names:
@@ -126,11 +128,21 @@ class ParsedRequest:
             end_ids=frozenset() if ignore_eos else limits.default_end_ids if end_id is None else frozenset([end_id]),
             min_tokens=min_length,
             log_probs=bool(inputs.scalar(tn.RETURN_LOG_PROBS, np.bool_, False)),
+            bad_words=bad_words,
         )
         # A seeded sampled request must be reproducible: measured costs vary from run to run, and a
         # different K changes which random draws pick which token, so it drafts a fixed K.
         adaptive = adaptive and (sampling.greedy or seed is None)
         return cls(generation, k, adaptive, draft_name, bool(inputs.scalar(tn.STREAM, np.bool_, False)), stop_words)
+
+
+def _bad_word_ids(word: str, encode: Encode | None) -> tuple[int, ...]:
+    if encode is None:
+        raise InputError(f"input '{tn.BAD_WORDS}' is not supported here (no tokenizer)")
+    ids = tuple(int(token) for token in encode(word))
+    if not ids:
+        raise InputError(f"input '{tn.BAD_WORDS}': {word!r} encodes to no token")
+    return ids
 
 
 class _Inputs:
@@ -152,6 +164,13 @@ class _Inputs:
         if value.size != 1:
             raise InputError(f"input '{name}' must hold exactly one value, got shape {list(value.shape)}")
         return value.reshape(-1)[0].item()
+
+    def words(self, name: str, most: int) -> tuple[str, ...]:
+        """A list of words; empty strings are dropped (TensorRT-LLM's clients send [""] for none)."""
+        words = tuple(word for word in self.strings(name) if word)
+        if len(words) > most:
+            raise InputError(f"input '{name}' has {len(words)} entries; at most {most}")
+        return words
 
     def strings(self, name: str) -> list[str]:
         value = self.array(name, np.object_)

@@ -23,6 +23,7 @@ class PreprocessingAdapter(TritonAdapter):
         responses = []
         for request in requests:
             try:
+                self._check_fixed_inputs(request)
                 ids = self._encode(request)
                 responses.append(pb.InferenceResponse(output_tensors=[
                     pb.Tensor(tn.INPUT_IDS, np.asarray([ids], dtype=np.int32)),
@@ -31,6 +32,19 @@ class PreprocessingAdapter(TritonAdapter):
             except ValueError as exc:
                 responses.append(pb.InferenceResponse(error=pb.TritonError(str(exc), pb.TritonError.INVALID_ARG)))
         return responses
+
+    def _check_fixed_inputs(self, request) -> None:
+        """TensorRT-LLM's clients send beam_width and exclude_input_in_output: their one value that
+        speculative decoding serves is accepted, any other refused by name."""
+        for name, dtype, supported, why in (
+                (tn.BEAM_WIDTH, np.int32, 1, "speculative decoding decodes one sequence (no beam search)"),
+                (tn.EXCLUDE_INPUT_IN_OUTPUT, np.bool_, True, "text_output holds the generated text only")):
+            tensor = self.pb.get_input_tensor_by_name(request, name)
+            if tensor is None:
+                continue
+            value = tensor.as_numpy().reshape(-1)
+            if value.dtype != dtype or value.size != 1 or value[0].item() != supported:
+                raise ValueError(f"input '{name}' must be {str(supported).lower()} here ({why}), got {value.tolist()}")
 
     def _encode(self, request) -> list[int]:
         pb = self.pb
