@@ -89,6 +89,16 @@ def test_served_on_the_gpu_samples_with_a_draft_model(tmp_path, tiny_pair):
         assert len(sampled_scored.log_probs) == sampled_scored.num_output_tokens
         assert all(v <= 0 for v in sampled_scored.log_probs)
         assert sampled_scored.cum_log_probs == pytest.approx(sum(sampled_scored.log_probs), abs=1e-2)
+        # bad_words: bans applied to the target's logits where they live (greedy rounds then fetch them).
+        from transformers import AutoTokenizer
+        tokens = AutoTokenizer.from_pretrained(tiny_pair.tokenizer_path).encode(greedy[0], add_special_tokens=False)
+        word = AutoTokenizer.from_pretrained(tiny_pair.tokenizer_path).decode(tokens[3:4])
+        banned = [client.generate("Once upon a time", GenerationParams(max_tokens=24, num_draft_tokens=k,
+                                                                       bad_words=(word,))).text for k in (0, 4)]
+        assert banned[0] == banned[1] != greedy[0]
+        banned_sampled = [client.generate("Hello there", GenerationParams(
+            max_tokens=24, num_draft_tokens=4, temperature=0.8, seed=11, bad_words=(word,))).text for _ in range(2)]
+        assert banned_sampled[0] == banned_sampled[1]
     finally:
         own.stop()
 
