@@ -18,6 +18,7 @@ STREAM = "stream"  # BOOL [1]
 END_ID = "end_id"  # INT32 [1]
 # For benchmark clients that force output lengths (TensorRT-LLM's and vLLM's conventions):
 MIN_LENGTH = "min_length"  # INT32 [1]: no end token ends generation before this many tokens
+MIN_TOKENS = "min_tokens"  # INT32 [1]: the same, by the name of TensorRT-LLM's current ensemble, vLLM and aiperf
 IGNORE_EOS = "ignore_eos"  # BOOL [1]: end tokens never end generation (it runs to max_tokens)
 STOP_WORDS = "stop_words"  # STRING [-1]: generation ends before the first occurrence of any ("" = none)
 BAD_WORDS = "bad_words"  # STRING [-1]: token sequences the output never contains ("" = none)

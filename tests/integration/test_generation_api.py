@@ -154,6 +154,9 @@ def test_benchmark_clients_can_force_the_output_length(server, hf_greedy):
         assert at_least[tn.NUM_OUTPUT_TOKENS] == (later[0] if later else 12)
     body = http_generate(server.http_url, PROMPTS[3], max_tokens=12, end_id=end, ignore_eos=True)
     assert body[tn.NUM_OUTPUT_TOKENS] == 12
+    # min_tokens: the same setting by the name of TensorRT-LLM's current ensemble, vLLM and aiperf.
+    body = http_generate(server.http_url, PROMPTS[3], max_tokens=12, end_id=end, min_tokens=3)
+    assert body[tn.NUM_OUTPUT_TOKENS] == at_least[tn.NUM_OUTPUT_TOKENS]
 
 
 # ---- observability ------------------------------------------------------------------------------------
@@ -437,6 +440,10 @@ BAD_REQUESTS = {
     "prompt_over_context": (LONG_PROMPT, dict(max_tokens=10), "context"),
     "end_id_out_of_range": (PROMPTS[0], dict(end_id=10**8), "end_id"),
     "min_length_over_max_tokens": (PROMPTS[0], dict(max_tokens=5, min_length=6), "min_length"),
+    "min_tokens_over_max_tokens": (PROMPTS[0], dict(max_tokens=5, min_tokens=np.array([[6]], dtype=np.int32)),
+                                   "min_tokens"),
+    "min_length_and_min_tokens_disagree": (PROMPTS[0], dict(max_tokens=5, min_length=2,
+                                                            min_tokens=np.array([[3]], dtype=np.int32)), "min_tokens"),
     "unknown_draft_model": (PROMPTS[0], dict(draft_model="nope"), "draft_model"),
     "too_many_stop_words": (PROMPTS[0], dict(stop_words=np.array([[b"w%d" % i for i in range(17)]], dtype=np.object_)),
                             "stop_words"),

@@ -74,6 +74,12 @@ def test_return_log_probs_is_read_and_typed():
 def test_forced_lengths():
     assert parse(**{tn.IGNORE_EOS: np.array([[True]])}).generation.end_ids == frozenset()
     assert parse(**{tn.MIN_LENGTH: np.array([[7]], dtype=np.int32)}).generation.min_tokens == 7
+    # min_tokens is the same setting under TensorRT-LLM's current, vLLM's and aiperf's name.
+    assert parse(**{tn.MIN_TOKENS: np.array([[5]], dtype=np.int32)}).generation.min_tokens == 5
+    both = {tn.MIN_LENGTH: np.array([[5]], dtype=np.int32), tn.MIN_TOKENS: np.array([[5]], dtype=np.int32)}
+    assert parse(**both).generation.min_tokens == 5
+    with pytest.raises(InputError, match=f"'{tn.MIN_LENGTH}' and '{tn.MIN_TOKENS}'.* 5 and 6"):
+        parse(**{**both, tn.MIN_TOKENS: np.array([[6]], dtype=np.int32)})
     assert parse().generation.min_tokens == 0
 
 
@@ -100,6 +106,7 @@ def test_seeded_sampling_drafts_a_fixed_k_greedy_stays_adaptive():
     (tn.END_ID, np.array([[100]], dtype=np.int32)),
     (tn.MIN_LENGTH, np.array([[17]], dtype=np.int32)),  # over max_tokens (16)
     (tn.MIN_LENGTH, np.array([[-1]], dtype=np.int32)),
+    (tn.MIN_TOKENS, np.array([[17]], dtype=np.int32)),
     (tn.STOP_WORDS, np.array([[b"a", b"b", b"c"]], dtype=np.object_)),
     (tn.BAD_WORDS, np.array([[b"a", b"b", b"c"]], dtype=np.object_)),
     (tn.BAD_WORDS, np.array([[b" "]], dtype=np.object_)),  # encodes to no token

@@ -109,9 +109,7 @@ class ParsedRequest:
         end_id = inputs.scalar(tn.END_ID, np.int32, None)
         if end_id is not None and not 0 <= end_id < limits.vocab_size:
             raise InputError(f"input '{tn.END_ID}' must be a token id within [0, {limits.vocab_size}), got {end_id}")
-        min_length = inputs.scalar(tn.MIN_LENGTH, np.int32, 0)
-        if not 0 <= min_length <= max_tokens:
-            raise InputError(f"input '{tn.MIN_LENGTH}' must be within [0, {tn.MAX_TOKENS}={max_tokens}], got {min_length}")
+        min_length = _min_length(inputs, max_tokens)
         ignore_eos = bool(inputs.scalar(tn.IGNORE_EOS, np.bool_, False))
         stop_words = inputs.words(tn.STOP_WORDS, limits.max_stop_words)
         bad_words = tuple(_bad_word_ids(word, encode) for word in inputs.words(tn.BAD_WORDS, limits.max_bad_words))
@@ -134,6 +132,19 @@ class ParsedRequest:
         # different K changes which random draws pick which token, so it drafts a fixed K.
         adaptive = adaptive and (sampling.greedy or seed is None)
         return cls(generation, k, adaptive, draft_name, bool(inputs.scalar(tn.STREAM, np.bool_, False)), stop_words)
+
+
+def _min_length(inputs: _Inputs, max_tokens: int) -> int:
+    """min_length or min_tokens (one meaning, both names in use by clients); both only if they agree."""
+    given = {name: value for name in (tn.MIN_LENGTH, tn.MIN_TOKENS)
+             if (value := inputs.scalar(name, np.int32, None)) is not None}
+    if len(set(given.values())) > 1:
+        raise InputError(f"inputs '{tn.MIN_LENGTH}' and '{tn.MIN_TOKENS}' are one setting; got {given[tn.MIN_LENGTH]} "
+                         f"and {given[tn.MIN_TOKENS]}")
+    for name, value in given.items():
+        if not 0 <= value <= max_tokens:
+            raise InputError(f"input '{name}' must be within [0, {tn.MAX_TOKENS}={max_tokens}], got {value}")
+    return next(iter(given.values()), 0)
 
 
 def _bad_word_ids(word: str, encode: Encode | None) -> tuple[int, ...]:
