@@ -1,3 +1,5 @@
+import copy
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -11,3 +13,12 @@ def tiny_lm():
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                          initializer_range=0.5)
     return LlamaForCausalLM(config).to(torch.float64).eval()
+
+
+def noisy_copy(target):
+    """The target with noise on its head: a draft that agrees with the target often, not always (rejections)."""
+    draft = copy.deepcopy(target)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        draft.lm_head.weight.add_(torch.randn_like(draft.lm_head.weight) * draft.lm_head.weight.std() * 0.7)
+    return draft

@@ -3,7 +3,6 @@
 the target's banned distribution)."""
 
 import asyncio
-import copy
 import math
 import random
 
@@ -16,6 +15,8 @@ from specdec.decoding.ngram_proposer import NgramProposer
 from specdec.decoding.sampling import SamplingParams
 from specdec.engine.executor import CausalLM
 from specdec.engine.local import LocalProposer, LocalScorer
+
+from .conftest import noisy_copy
 
 PROMPT = [5, 17, 3, 5, 17, 3, 8, 40, 5, 17]
 
@@ -60,15 +61,6 @@ def test_mask_sets_banned_logits_to_minus_infinity_in_a_copy():
     assert mask_banned(logits, [[], [], []]) is logits
 
 
-def _draft(target):
-    """The target with noise on its head: it agrees with the target often, not always (rejections)."""
-    draft = copy.deepcopy(target)
-    torch.manual_seed(1)
-    with torch.no_grad():
-        draft.lm_head.weight.add_(torch.randn_like(draft.lm_head.weight) * draft.lm_head.weight.std() * 0.7)
-    return draft
-
-
 def _run(req, proposer, scorer, k):
     async def main():
         return [t async for rnd in generate(req, proposer, scorer, DraftLengthPolicy.fixed(k)) for t in rnd.new_tokens]
@@ -97,7 +89,7 @@ def test_greedy_speculation_under_bans_is_greedy_target_decoding_under_them(tiny
                  LocalScorer(CausalLM(tiny_lm)), 0)
     # Ban what greedy decoding does produce: a one-token word and a two-token word of its output.
     bad_words = ((plain[2],), (plain[6], plain[7]))
-    proposer = NgramProposer(min_ngram=1) if draft == "ngram" else LocalProposer(CausalLM(_draft(tiny_lm)))
+    proposer = NgramProposer(min_ngram=1) if draft == "ngram" else LocalProposer(CausalLM(noisy_copy(tiny_lm)))
     output = _run(GenerationRequest(seq_id=2, prompt_ids=PROMPT, max_tokens=30, bad_words=bad_words),
                   proposer, LocalScorer(CausalLM(tiny_lm)), k)
     assert output != plain
@@ -116,7 +108,7 @@ def test_sampled_speculation_follows_the_targets_banned_distribution(tiny_lm):
     masked = logits.clone()
     masked[order[:2]] = float("-inf")
     expected = torch.softmax(masked.double(), -1)
-    target, proposer = CausalLM(tiny_lm), LocalProposer(CausalLM(_draft(tiny_lm)))
+    target, proposer = CausalLM(tiny_lm), LocalProposer(CausalLM(noisy_copy(tiny_lm)))
     n = 1500
     counts = torch.zeros(len(expected), dtype=torch.float64)
     seconds = []

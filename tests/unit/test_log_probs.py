@@ -3,7 +3,6 @@ distribution, checked against one forward of the target over prompt + output (re
 process), greedy and sampled, with a draft model and prompt lookup, and cut where generation stops."""
 
 import asyncio
-import copy
 
 import pytest
 import torch
@@ -14,16 +13,9 @@ from specdec.decoding.sampling import SamplingParams, greedy_log_probs, token_lo
 from specdec.engine.executor import CausalLM
 from specdec.engine.local import LocalProposer, LocalScorer
 
+from .conftest import noisy_copy
+
 PROMPT = [5, 17, 3, 5, 17, 3, 8, 40, 5, 17]
-
-
-def _draft(target):
-    """The target with noise on its head: it agrees with the target often, not always (rejections)."""
-    draft = copy.deepcopy(target)
-    torch.manual_seed(1)
-    with torch.no_grad():
-        draft.lm_head.weight.add_(torch.randn_like(draft.lm_head.weight) * draft.lm_head.weight.std() * 0.7)
-    return draft
 
 
 def test_greedy_and_token_log_probs_are_the_log_softmax_entries():
@@ -55,7 +47,7 @@ def _run(req, proposer, scorer, k):
     ("none", 0, 0.0), ("draft_model", 3, 0.0), ("ngram", 4, 0.0), ("draft_model", 3, 1.0), ("ngram", 4, 0.8)])
 def test_each_token_carries_the_targets_log_probability(tiny_lm, draft, k, temperature):
     target = CausalLM(tiny_lm)
-    proposer = NgramProposer(min_ngram=1) if draft == "ngram" else LocalProposer(CausalLM(_draft(tiny_lm)))
+    proposer = NgramProposer(min_ngram=1) if draft == "ngram" else LocalProposer(CausalLM(noisy_copy(tiny_lm)))
     req = GenerationRequest(seq_id=3, prompt_ids=PROMPT, max_tokens=40, log_probs=True,
                             sampling=SamplingParams(temperature=temperature, seed=11))
     rounds = _run(req, proposer, LocalScorer(target), k)
@@ -70,7 +62,7 @@ def test_each_token_carries_the_targets_log_probability(tiny_lm, draft, k, tempe
                           atol=1e-4)
     plain = _run(GenerationRequest(seq_id=4, prompt_ids=PROMPT, max_tokens=40,
                                    sampling=SamplingParams(temperature=temperature, seed=11)),
-                 NgramProposer(min_ngram=1) if draft == "ngram" else LocalProposer(CausalLM(_draft(tiny_lm))),
+                 NgramProposer(min_ngram=1) if draft == "ngram" else LocalProposer(CausalLM(noisy_copy(tiny_lm))),
                  LocalScorer(CausalLM(tiny_lm)), k)
     assert all(rnd.log_probs is None for rnd in plain)  # not asked: nothing computed
     assert [token for rnd in plain for token in rnd.new_tokens] == output  # asking changes no token
@@ -79,12 +71,12 @@ def test_each_token_carries_the_targets_log_probability(tiny_lm, draft, k, tempe
 def test_log_probs_are_cut_with_the_tokens_at_an_end_token(tiny_lm):
     target = CausalLM(tiny_lm)
     free = _run(GenerationRequest(seq_id=5, prompt_ids=PROMPT, max_tokens=30, log_probs=True),
-                LocalProposer(CausalLM(_draft(tiny_lm))), LocalScorer(target), 4)
+                LocalProposer(CausalLM(noisy_copy(tiny_lm))), LocalScorer(target), 4)
     output = [token for rnd in free for token in rnd.new_tokens]
     end = output[12]  # generation stops at its first occurrence, which is dropped
     stopped = _run(GenerationRequest(seq_id=6, prompt_ids=PROMPT, max_tokens=30, log_probs=True,
                                      end_ids=frozenset([end])),
-                   LocalProposer(CausalLM(_draft(tiny_lm))), LocalScorer(CausalLM(tiny_lm)), 4)
+                   LocalProposer(CausalLM(noisy_copy(tiny_lm))), LocalScorer(CausalLM(tiny_lm)), 4)
     kept = [token for rnd in stopped for token in rnd.new_tokens]
     assert kept == output[:output.index(end)] and stopped[-1].finish_reason == "stop"
     assert [len(rnd.log_probs) for rnd in stopped] == [len(rnd.new_tokens) for rnd in stopped]
