@@ -22,6 +22,9 @@ MIN_TOKENS = "min_tokens"  # INT32 [1]: the same, by the name of TensorRT-LLM's 
 IGNORE_EOS = "ignore_eos"  # BOOL [1]: end tokens never end generation (it runs to max_tokens)
 STOP_WORDS = "stop_words"  # STRING [-1]: generation ends before the first occurrence of any ("" = none)
 BAD_WORDS = "bad_words"  # STRING [-1]: token sequences the output never contains ("" = none)
+# STRING [1]: vLLM's Triton backend's JSON of sampling settings; its keys stand for inputs here
+# (request.SAMPLING_PARAMETER_KEYS), each given once, as a key or as its input
+SAMPLING_PARAMETERS = "sampling_parameters"
 # TensorRT-LLM's ensemble inputs that its clients send; only their one supported value is accepted:
 BEAM_WIDTH = "beam_width"  # INT32 [1]: 1 (speculative decoding decodes one sequence)
 EXCLUDE_INPUT_IN_OUTPUT = "exclude_input_in_output"  # BOOL [1]: true (text_output is the generated text)

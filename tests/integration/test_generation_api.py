@@ -1,6 +1,7 @@
 """The full generation API through `ensemble` on a real tritonserver: streaming, sampling, stop words,
 metrics, cancellation, validation and concurrency."""
 
+import json
 import queue
 import re
 import time
@@ -420,6 +421,20 @@ def test_tensorrt_llm_client_inputs_are_served(server):
     assert over_http[tn.TEXT_OUTPUT] == plain[tn.TEXT_OUTPUT]
 
 
+def test_vllm_backend_client_requests_are_served(server):
+    """What clients of Triton's vLLM backend send: the sampling settings as one JSON string, and
+    exclude_input_in_output. Same answer as the same settings as inputs, over gRPC and HTTP."""
+    settings = json.dumps({"max_tokens": 12, "temperature": 0, "ignore_eos": True, "n": 1})
+    plain = grpc_stream(server.grpc_url, PROMPTS[0], max_tokens=12, ignore_eos=True, num_draft_tokens=3)
+    sent = grpc_stream(server.grpc_url, PROMPTS[0], num_draft_tokens=3, stream=True,
+                       exclude_input_in_output=np.array([[True]]),
+                       sampling_parameters=np.array([[settings.encode()]], dtype=np.object_))
+    assert sent[tn.TEXT_OUTPUT] == plain[tn.TEXT_OUTPUT] and sent[tn.NUM_OUTPUT_TOKENS] == 12
+    over_http = http_generate(server.http_url, PROMPTS[0], num_draft_tokens=3, exclude_input_in_output=True,
+                              sampling_parameters=settings)
+    assert over_http[tn.TEXT_OUTPUT] == plain[tn.TEXT_OUTPUT]
+
+
 # ---- validation --------------------------------------------------------------------------------------
 LONG_PROMPT = "word " * 1100
 
@@ -449,6 +464,11 @@ BAD_REQUESTS = {
                             "stop_words"),
     "too_many_bad_words": (PROMPTS[0], dict(bad_words=np.array([[b" w%d" % i for i in range(17)]], dtype=np.object_)),
                            "bad_words"),
+    "sampling_parameters_unknown_key": (PROMPTS[0], dict(sampling_parameters=np.array([[b'{"logit_bias": {}}']],
+                                                                                      dtype=np.object_)),
+                                        "logit_bias"),
+    "sampling_parameters_and_input": (PROMPTS[0], dict(max_tokens=5, sampling_parameters=np.array(
+        [[b'{"max_tokens": 6}']], dtype=np.object_)), "sampling_parameters"),
     "beam_width_2": (PROMPTS[0], dict(beam_width=np.array([[2]], dtype=np.int32)), "beam_width"),
     "beam_width_wrong_dtype": (PROMPTS[0], dict(beam_width=np.array([[1]], dtype=np.uint32)), "beam_width"),
     "exclude_input_in_output_false": (PROMPTS[0], dict(exclude_input_in_output=np.array([[False]])),

@@ -1,10 +1,13 @@
 """ParsedRequest: every input rule of speculative_decoding, without a server."""
 
+import json
+
 import numpy as np
 import pytest
 
 from specdec import tensor_names as tn
 from specdec.triton.config import ModelParameters
+from specdec.decoding.sampling import SamplingParams
 from specdec.triton.request import InputError, ParsedRequest, RequestLimits
 
 LIMITS = RequestLimits(vocab_size=100, draft_names=(tn.NGRAM, "draft_model"), default_end_ids=frozenset([2]),
@@ -153,3 +156,43 @@ def test_limits_from_config_are_validated_at_load():
         RequestLimits.from_parameters(ModelParameters(config(max_num_draft_tokens="2")), 10, frozenset())
     with pytest.raises(ValueError, match="'draft_models'"):
         RequestLimits.from_parameters(ModelParameters(config(draft_models=" , ")), 10, frozenset())
+
+
+def _vllm(settings) -> dict:
+    return {tn.SAMPLING_PARAMETERS: np.array([[json.dumps(settings).encode()]], dtype=np.object_)}
+
+
+def test_vllm_sampling_parameters_stand_for_their_inputs():
+    parsed = parse(**_vllm({"max_tokens": 20, "temperature": "0.5", "top_p": 0.9, "top_k": -1, "seed": "3",
+                            "min_tokens": 2, "ignore_eos": "true", "stop": "END", "bad_words": ["ab", "c"],
+                            "presence_penalty": None, "n": 1, "repetition_penalty": 1.0}))  # null or neutral: as if absent
+    gen = parsed.generation
+    assert (gen.max_tokens, gen.min_tokens, gen.end_ids, parsed.stop_words) == (20, 2, frozenset(), ("END",))
+    assert gen.sampling == SamplingParams(0.5, 0, pytest.approx(0.9), 3)  # vLLM's top_k -1 is "off": our 0
+    assert gen.bad_words == ((97, 98), (99,))
+    assert parse(**_vllm({"stop": ["a", "b"], "top_k": 5})).stop_words == ("a", "b")
+    assert parse(**_vllm({})).generation.max_tokens == LIMITS.default_max_tokens
+
+
+@pytest.mark.parametrize("value, message", [
+    (np.array([[b"{not json"]], dtype=np.object_), "not valid JSON"),
+    (np.array([[b"[1, 2]"]], dtype=np.object_), "JSON object"),
+    (_vllm({"n": 2})[tn.SAMPLING_PARAMETERS], "key 'n' is supported only at 1"),
+    (_vllm({"logit_bias": {"5": 1}})[tn.SAMPLING_PARAMETERS], "key 'logit_bias' is not supported"),
+    (_vllm({"max_tokens": 1.5})[tn.SAMPLING_PARAMETERS], "key 'max_tokens' must be an integer"),
+    (_vllm({"max_tokens": True})[tn.SAMPLING_PARAMETERS], "key 'max_tokens' must be an integer"),
+    (_vllm({"temperature": "hot"})[tn.SAMPLING_PARAMETERS], "key 'temperature' must be a number"),
+    (_vllm({"seed": -1})[tn.SAMPLING_PARAMETERS], "key 'seed' must be >= 0"),
+    (_vllm({"ignore_eos": 1})[tn.SAMPLING_PARAMETERS], "key 'ignore_eos' must be true or false"),
+    (_vllm({"stop": [1]})[tn.SAMPLING_PARAMETERS], "key 'stop' must be a string or a list of strings"),
+])
+def test_bad_sampling_parameters_are_refused_by_name(value, message):
+    with pytest.raises(InputError, match=f"'{tn.SAMPLING_PARAMETERS}'.*{message}"):
+        parse(**{tn.SAMPLING_PARAMETERS: value})
+
+
+def test_sampling_parameters_keep_the_inputs_rules():
+    with pytest.raises(InputError, match=f"key 'max_tokens' and input '{tn.MAX_TOKENS}' are one setting"):
+        parse(**{**_vllm({"max_tokens": 5}), tn.MAX_TOKENS: np.array([[5]], dtype=np.int32)})
+    with pytest.raises(InputError, match=f"'{tn.TEMPERATURE}' must be a finite number"):
+        parse(**_vllm({"temperature": -1}))

@@ -63,6 +63,7 @@ input [
   { name: "ignore_eos", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },
   { name: "stop_words", data_type: TYPE_STRING, dims: [ -1 ], optional: true },
   { name: "bad_words", data_type: TYPE_STRING, dims: [ -1 ], optional: true },
+  { name: "sampling_parameters", data_type: TYPE_STRING, dims: [ 1 ], optional: true },
   { name: "beam_width", data_type: TYPE_INT32, dims: [ 1 ], optional: true },
   { name: "exclude_input_in_output", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },
   { name: "draft_model", data_type: TYPE_STRING, dims: [ 1 ], optional: true },
@@ -169,6 +170,7 @@ input [
   { name: "ignore_eos", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },
   { name: "stop_words", data_type: TYPE_STRING, dims: [ -1 ], optional: true, allow_ragged_batch: true },
   { name: "bad_words", data_type: TYPE_STRING, dims: [ -1 ], optional: true, allow_ragged_batch: true },
+  { name: "sampling_parameters", data_type: TYPE_STRING, dims: [ 1 ], optional: true },
   { name: "draft_model", data_type: TYPE_STRING, dims: [ 1 ], optional: true },
   { name: "return_log_probs", data_type: TYPE_BOOL, dims: [ 1 ], optional: true }
 ]

@@ -6,6 +6,7 @@ without a server. Every error names the input it refuses.
 
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import dataclass
 from typing import Callable
@@ -23,6 +24,19 @@ Encode = Callable[[str], "list[int]"]  # text -> token ids, without special toke
 
 class InputError(ValueError):
     """A bad request input; the message names the field."""
+
+
+# vLLM's Triton backend takes its sampling settings as one JSON string (`sampling_parameters`); these keys
+# are inputs of ours under another form (vLLM's top_k -1 is "off", our 0). Any other key is refused by name.
+SAMPLING_PARAMETER_KEYS = {
+    "max_tokens": (tn.MAX_TOKENS, np.int32), "temperature": (tn.TEMPERATURE, np.float32),
+    "top_p": (tn.TOP_P, np.float32), "top_k": (tn.TOP_K, np.int32), "seed": (tn.SEED, np.uint64),
+    "min_tokens": (tn.MIN_TOKENS, np.int32), "ignore_eos": (tn.IGNORE_EOS, np.bool_),
+    "stop": (tn.STOP_WORDS, np.object_), "bad_words": (tn.BAD_WORDS, np.object_),
+}
+# Settings vLLM's clients send at their neutral values: accepted at those (or null), refused otherwise.
+NEUTRAL_SAMPLING_PARAMETERS = {"n": 1, "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0,
+                               "repetition_penalty": 1}
 
 
 @dataclass(frozen=True)
@@ -79,7 +93,7 @@ class ParsedRequest:
         seq_id keys both models' KV caches; by default a fresh random one (nonzero: 0 means "no
         sequence" to Triton). `encode` turns bad words into token sequences (required when a request
         has any)."""
-        inputs = _Inputs(lookup)
+        inputs = _Inputs(_with_sampling_parameters(lookup))
         prompt_ids = inputs.array(tn.INPUT_IDS, np.int32)
         if prompt_ids is None or prompt_ids.size == 0:
             raise InputError(f"input '{tn.TEXT_INPUT}' is empty: the prompt needs at least one token")
@@ -132,6 +146,64 @@ class ParsedRequest:
         # different K changes which random draws pick which token, so it drafts a fixed K.
         adaptive = adaptive and (sampling.greedy or seed is None)
         return cls(generation, k, adaptive, draft_name, bool(inputs.scalar(tn.STREAM, np.bool_, False)), stop_words)
+
+
+def _with_sampling_parameters(lookup: InputLookup) -> InputLookup:
+    """`lookup`, with the keys of a `sampling_parameters` JSON (vLLM's form) as the inputs they stand for."""
+    raw = lookup(tn.SAMPLING_PARAMETERS)
+    if raw is None:
+        return lookup
+    field = f"input '{tn.SAMPLING_PARAMETERS}'"
+    if raw.size != 1:
+        raise InputError(f"{field} must hold exactly one JSON string, got {raw.size}")
+    try:
+        text = raw.reshape(-1)[0]
+        settings = json.loads(text.decode("utf-8") if isinstance(text, bytes) else str(text))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise InputError(f"{field} is not valid JSON: {exc}") from None
+    if not isinstance(settings, dict):
+        raise InputError(f"{field} must be a JSON object, got {type(settings).__name__}")
+    arrays: dict[str, np.ndarray] = {}
+    for key, value in settings.items():
+        if value is None or (key in NEUTRAL_SAMPLING_PARAMETERS and not isinstance(value, bool)
+                             and value == NEUTRAL_SAMPLING_PARAMETERS[key]):
+            continue  # unset, or a setting speculative decoding does not have at its neutral value
+        if key in NEUTRAL_SAMPLING_PARAMETERS:
+            raise InputError(f"{field}: key {key!r} is supported only at {NEUTRAL_SAMPLING_PARAMETERS[key]}, got {value!r}")
+        if key not in SAMPLING_PARAMETER_KEYS:
+            raise InputError(f"{field}: key {key!r} is not supported (supported: {', '.join(SAMPLING_PARAMETER_KEYS)}; "
+                             f"at their neutral values: {', '.join(NEUTRAL_SAMPLING_PARAMETERS)})")
+        name, dtype = SAMPLING_PARAMETER_KEYS[key]
+        if lookup(name) is not None:
+            raise InputError(f"{field}: key {key!r} and input '{name}' are one setting; send one of them")
+        arrays[name] = _setting(f"{field}: key {key!r}", value, dtype)
+        if key == "top_k" and arrays[name].item() == -1:
+            arrays[name] = np.zeros((1, 1), dtype=np.int32)
+    return lambda name: arrays[name] if name in arrays else lookup(name)
+
+
+def _setting(what: str, value, dtype) -> np.ndarray:
+    """One JSON setting as the (1, n) array its input would be. Numbers and booleans may come as strings
+    (vLLM's backend converts them too)."""
+    if dtype is np.object_:
+        words = [value] if isinstance(value, str) else value
+        if not isinstance(words, list) or not all(isinstance(word, str) for word in words):
+            raise InputError(f"{what} must be a string or a list of strings, got {value!r}")
+        return np.array([words], dtype=np.object_).reshape(1, -1)
+    if dtype is np.bool_:
+        flag = {"true": True, "false": False}.get(value.lower()) if isinstance(value, str) else value
+        if not isinstance(flag, bool):
+            raise InputError(f"{what} must be true or false, got {value!r}")
+        return np.array([[flag]])
+    try:
+        number = float(value) if isinstance(value, (str, int, float)) and not isinstance(value, bool) else None
+    except ValueError:
+        number = None
+    if number is None or (dtype is not np.float32 and not number.is_integer()):
+        raise InputError(f"{what} must be {'a number' if dtype is np.float32 else 'an integer'}, got {value!r}")
+    if dtype is np.uint64 and number < 0:
+        raise InputError(f"{what} must be >= 0, got {value!r}")
+    return np.array([[number if dtype is np.float32 else int(number)]], dtype=dtype)
 
 
 def _min_length(inputs: _Inputs, max_tokens: int) -> int:
