@@ -28,6 +28,7 @@ SAMPLING_PARAMETERS = "sampling_parameters"
 # TensorRT-LLM's ensemble inputs that its clients send; only their one supported value is accepted:
 BEAM_WIDTH = "beam_width"  # INT32 [1]: 1 (speculative decoding decodes one sequence)
 EXCLUDE_INPUT_IN_OUTPUT = "exclude_input_in_output"  # BOOL [1]: true (text_output is the generated text)
+PAD_ID = "pad_id"  # INT32 [1]: a token id >= 0; no effect (responses carry no padding)
 DRAFT_MODEL = "draft_model"  # STRING [1]: which configured draft model proposes
 APPLY_CHAT_TEMPLATE = "apply_chat_template"  # BOOL [1]
 RETURN_LOG_PROBS = "return_log_probs"  # BOOL [1]: also return each generated token's log-probability

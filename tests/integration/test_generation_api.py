@@ -410,14 +410,15 @@ def test_bad_words_match_transformers_bad_words_ids(server, hf_target, hf_greedy
 
 def test_tensorrt_llm_client_inputs_are_served(server):
     """What TensorRT-LLM's end-to-end clients send besides the prompt: bad_words and stop_words [""] for
-    none, beam_width 1, exclude_input_in_output true. The answer is the plain request's."""
-    plain = grpc_stream(server.grpc_url, PROMPTS[2], max_tokens=16, num_draft_tokens=3)
+    none, beam_width 1, exclude_input_in_output true, pad_id and end_id. The answer is the plain request's."""
+    plain = grpc_stream(server.grpc_url, PROMPTS[2], max_tokens=16, num_draft_tokens=3, end_id=0)
     sent = grpc_stream(server.grpc_url, PROMPTS[2], max_tokens=16, num_draft_tokens=3, stream=True,
                        bad_words=np.array([[b""]], dtype=np.object_), stop_words=np.array([[b""]], dtype=np.object_),
-                       beam_width=np.array([[1]], dtype=np.int32), exclude_input_in_output=np.array([[True]]))
+                       beam_width=np.array([[1]], dtype=np.int32), exclude_input_in_output=np.array([[True]]),
+                       pad_id=np.array([[2]], dtype=np.int32), end_id=np.array([[0]], dtype=np.int32))
     assert sent[tn.TEXT_OUTPUT] == plain[tn.TEXT_OUTPUT] and len(sent["chunks"]) > 1
     over_http = http_generate(server.http_url, PROMPTS[2], max_tokens=16, num_draft_tokens=3, bad_words=[""],
-                              stop_words=[""], beam_width=1, exclude_input_in_output=True)
+                              stop_words=[""], beam_width=1, exclude_input_in_output=True, pad_id=2, end_id=0)
     assert over_http[tn.TEXT_OUTPUT] == plain[tn.TEXT_OUTPUT]
 
 
@@ -469,6 +470,7 @@ BAD_REQUESTS = {
                                         "logit_bias"),
     "sampling_parameters_and_input": (PROMPTS[0], dict(max_tokens=5, sampling_parameters=np.array(
         [[b'{"max_tokens": 6}']], dtype=np.object_)), "sampling_parameters"),
+    "pad_id_negative": (PROMPTS[0], dict(pad_id=np.array([[-1]], dtype=np.int32)), "pad_id"),
     "beam_width_2": (PROMPTS[0], dict(beam_width=np.array([[2]], dtype=np.int32)), "beam_width"),
     "beam_width_wrong_dtype": (PROMPTS[0], dict(beam_width=np.array([[1]], dtype=np.uint32)), "beam_width"),
     "exclude_input_in_output_false": (PROMPTS[0], dict(exclude_input_in_output=np.array([[False]])),

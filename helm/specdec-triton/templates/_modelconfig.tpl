@@ -65,6 +65,7 @@ input [
   { name: "bad_words", data_type: TYPE_STRING, dims: [ -1 ], optional: true },
   { name: "sampling_parameters", data_type: TYPE_STRING, dims: [ 1 ], optional: true },
   { name: "beam_width", data_type: TYPE_INT32, dims: [ 1 ], optional: true },
+  { name: "pad_id", data_type: TYPE_INT32, dims: [ 1 ], optional: true },
   { name: "exclude_input_in_output", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },
   { name: "draft_model", data_type: TYPE_STRING, dims: [ 1 ], optional: true },
   { name: "apply_chat_template", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },

@@ -34,8 +34,9 @@ class PreprocessingAdapter(TritonAdapter):
         return responses
 
     def _check_fixed_inputs(self, request) -> None:
-        """TensorRT-LLM's clients send beam_width and exclude_input_in_output: their one value that
-        speculative decoding serves is accepted, any other refused by name."""
+        """TensorRT-LLM's clients send beam_width, exclude_input_in_output and pad_id: the one value of the
+        first two that speculative decoding serves is accepted, any other refused by name; pad_id is checked
+        and has no effect."""
         for name, dtype, supported, why in (
                 (tn.BEAM_WIDTH, np.int32, 1, "speculative decoding decodes one sequence (no beam search)"),
                 (tn.EXCLUDE_INPUT_IN_OUTPUT, np.bool_, True, "text_output holds the generated text only")):
@@ -45,6 +46,9 @@ class PreprocessingAdapter(TritonAdapter):
             value = tensor.as_numpy().reshape(-1)
             if value.dtype != dtype or value.size != 1 or value[0].item() != supported:
                 raise ValueError(f"input '{name}' must be {str(supported).lower()} here ({why}), got {value.tolist()}")
+        pad_id = self.pb.get_input_tensor_by_name(request, tn.PAD_ID)  # TensorRT-LLM pads beams with it; no beams here
+        if pad_id is not None and (pad_id.as_numpy().size != 1 or pad_id.as_numpy().reshape(-1)[0] < 0):
+            raise ValueError(f"input '{tn.PAD_ID}' must be one token id >= 0, got {pad_id.as_numpy().reshape(-1).tolist()}")
 
     def _encode(self, request) -> list[int]:
         pb = self.pb
