@@ -47,8 +47,9 @@ class PreprocessingAdapter(TritonAdapter):
             if value.dtype != dtype or value.size != 1 or value[0].item() != supported:
                 raise ValueError(f"input '{name}' must be {str(supported).lower()} here ({why}), got {value.tolist()}")
         pad_id = self.pb.get_input_tensor_by_name(request, tn.PAD_ID)  # TensorRT-LLM pads beams with it; no beams here
-        if pad_id is not None and (pad_id.as_numpy().size != 1 or pad_id.as_numpy().reshape(-1)[0] < 0):
-            raise ValueError(f"input '{tn.PAD_ID}' must be one token id >= 0, got {pad_id.as_numpy().reshape(-1).tolist()}")
+        pad_ids = None if pad_id is None else pad_id.as_numpy().reshape(-1)
+        if pad_ids is not None and (pad_ids.size != 1 or pad_ids[0] < 0):
+            raise ValueError(f"input '{tn.PAD_ID}' must be one token id >= 0, got {pad_ids.tolist()}")
 
     def _encode(self, request) -> list[int]:
         pb = self.pb
