@@ -26,6 +26,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top-k", type=int)
     p.add_argument("--top-p", type=float)
     p.add_argument("--seed", type=int)
+    p.add_argument("--repetition-penalty", type=float, help="> 0; 1 = off (tokens of prompt and output)")
+    p.add_argument("--presence-penalty", type=float, help="[-2, 2]; 0 = off (tokens already in the output)")
+    p.add_argument("--frequency-penalty", type=float, help="[-2, 2]; 0 = off (per occurrence in the output)")
     p.add_argument("--end-id", type=int)
     p.add_argument("--min-length", type=int, help="no end token ends generation before this many tokens")
     p.add_argument("--ignore-eos", action="store_true", default=None, help="generate to --max-tokens")
@@ -45,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     params = GenerationParams(
         max_tokens=args.max_tokens, num_draft_tokens=args.num_draft_tokens, temperature=args.temperature,
         top_k=args.top_k, top_p=args.top_p, seed=args.seed, end_id=args.end_id, stop_words=tuple(args.stop),
-        bad_words=tuple(args.bad_word),
+        bad_words=tuple(args.bad_word), repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
         draft_model=args.draft_model, apply_chat_template=args.apply_chat_template,
         adaptive_draft=args.adaptive_draft, min_length=args.min_length, ignore_eos=args.ignore_eos,
         return_log_probs=args.return_log_probs)

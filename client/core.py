@@ -49,6 +49,9 @@ class GenerationParams:
     top_k: int | None = None
     top_p: float | None = None
     seed: int | None = None
+    repetition_penalty: float | None = None  # > 0, 1 = off: tokens of prompt and output made less likely
+    presence_penalty: float | None = None  # [-2, 2], 0 = off: subtracted from tokens already in the output
+    frequency_penalty: float | None = None  # [-2, 2], 0 = off: subtracted per occurrence in the output
     end_id: int | None = None
     min_length: int | None = None  # no end token ends generation before this many tokens
     ignore_eos: bool | None = None  # generate to max_tokens (benchmarks)
@@ -65,6 +68,9 @@ class GenerationParams:
         scalars = [(tn.MAX_TOKENS, self.max_tokens, np.int32), (tn.NUM_DRAFT_TOKENS, self.num_draft_tokens, np.int32),
                    (tn.TEMPERATURE, self.temperature, np.float32), (tn.TOP_K, self.top_k, np.int32),
                    (tn.TOP_P, self.top_p, np.float32), (tn.SEED, self.seed, np.uint64),
+                   (tn.REPETITION_PENALTY, self.repetition_penalty, np.float32),
+                   (tn.PRESENCE_PENALTY, self.presence_penalty, np.float32),
+                   (tn.FREQUENCY_PENALTY, self.frequency_penalty, np.float32),
                    (tn.END_ID, self.end_id, np.int32), (tn.APPLY_CHAT_TEMPLATE, self.apply_chat_template, np.bool_),
                    (tn.ADAPTIVE_DRAFT, self.adaptive_draft, np.bool_), (tn.MIN_LENGTH, self.min_length, np.int32),
                    (tn.IGNORE_EOS, self.ignore_eos, np.bool_), (tn.RETURN_LOG_PROBS, self.return_log_probs, np.bool_)]
@@ -81,9 +87,9 @@ class GenerationParams:
     def json(self, prompt: str, stream: bool) -> dict:
         """The body of Triton's generate extension (/generate, /generate_stream)."""
         body = {tn.TEXT_INPUT: prompt, tn.STREAM: stream}
-        for name in ("max_tokens", "num_draft_tokens", "temperature", "top_k", "top_p", "seed", "end_id",
-                     "draft_model", "apply_chat_template", "adaptive_draft", "min_length", "ignore_eos",
-                     "return_log_probs"):
+        for name in ("max_tokens", "num_draft_tokens", "temperature", "top_k", "top_p", "seed",
+                     "repetition_penalty", "presence_penalty", "frequency_penalty", "end_id", "draft_model",
+                     "apply_chat_template", "adaptive_draft", "min_length", "ignore_eos", "return_log_probs"):
             value = getattr(self, name)
             if value is not None:
                 body[name] = value

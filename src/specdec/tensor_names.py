@@ -22,6 +22,12 @@ MIN_TOKENS = "min_tokens"  # INT32 [1]: the same, by the name of TensorRT-LLM's 
 IGNORE_EOS = "ignore_eos"  # BOOL [1]: end tokens never end generation (it runs to max_tokens)
 STOP_WORDS = "stop_words"  # STRING [-1]: generation ends before the first occurrence of any ("" = none)
 BAD_WORDS = "bad_words"  # STRING [-1]: token sequences the output never contains ("" = none)
+# FP32 [1] each, on the target's logits before temperature (decoding/penalties.py): repetition divides a
+# positive logit of a token in prompt + output by r (multiplies a negative one); frequency and presence
+# subtract f x its count and p once it occurs in the output
+REPETITION_PENALTY = "repetition_penalty"
+PRESENCE_PENALTY = "presence_penalty"
+FREQUENCY_PENALTY = "frequency_penalty"
 # STRING [1]: vLLM's Triton backend's JSON of sampling settings; its keys stand for inputs here
 # (request.SAMPLING_PARAMETER_KEYS), each given once, as a key or as its input
 SAMPLING_PARAMETERS = "sampling_parameters"
@@ -95,6 +101,10 @@ DTYPE_NAMES = ("float32", "float16", "bfloat16", "float64")  # the models' `dtyp
 DEFAULT_TEMPERATURE = 0.0  # greedy
 DEFAULT_TOP_K = 0
 DEFAULT_TOP_P = 1.0
+DEFAULT_REPETITION_PENALTY = 1.0  # off
+DEFAULT_PRESENCE_PENALTY = 0.0  # off
+DEFAULT_FREQUENCY_PENALTY = 0.0  # off
+MAX_ABS_PRESENCE_FREQUENCY_PENALTY = 2.0  # vLLM's and OpenAI's range: [-2, 2]
 # Overridable in speculative_decoding's config.pbtxt parameters (and the launcher's pair settings):
 DEFAULT_MAX_TOKENS = 64
 DEFAULT_NUM_DRAFT_TOKENS = 4

@@ -99,6 +99,14 @@ def test_served_on_the_gpu_samples_with_a_draft_model(tmp_path, tiny_pair):
         banned_sampled = [client.generate("Hello there", GenerationParams(
             max_tokens=24, num_draft_tokens=4, temperature=0.8, seed=11, bad_words=(word,))).text for _ in range(2)]
         assert banned_sampled[0] == banned_sampled[1]
+        # Penalties: applied to the target's logits where they live, on greedy and sampled rounds.
+        penalties = dict(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.5)
+        penalised = [client.generate("Once upon a time", GenerationParams(max_tokens=24, num_draft_tokens=k,
+                                                                          **penalties)).text for k in (0, 4)]
+        assert penalised[0] == penalised[1] != greedy[0]
+        penalised_sampled = [client.generate("Hello there", GenerationParams(
+            max_tokens=24, num_draft_tokens=4, temperature=0.8, seed=11, **penalties)).text for _ in range(2)]
+        assert penalised_sampled[0] == penalised_sampled[1]
     finally:
         own.stop()
 

@@ -1,6 +1,7 @@
 """The full generation API through `ensemble` on a real tritonserver: streaming, sampling, stop words,
 metrics, cancellation, validation and concurrency."""
 
+import dataclasses
 import json
 import queue
 import re
@@ -408,6 +409,61 @@ def test_bad_words_match_transformers_bad_words_ids(server, hf_target, hf_greedy
             assert result.text == expected, (k, stream)
 
 
+# ---- penalties -----------------------------------------------------------------------------------------
+def _penalised_greedy(model, ids, n, repetition, presence, frequency):
+    """Greedy decoding one token at a time, each position's logits penalised by the definition."""
+    tokens = ids[0].tolist()
+    prompt_length = len(tokens)
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(torch.tensor([tokens])).logits[0, -1]
+            output = tokens[prompt_length:]
+            for token in set(tokens):
+                logits[token] = logits[token] / repetition if logits[token] > 0 else logits[token] * repetition
+            for token in set(output):
+                logits[token] = logits[token] - frequency * output.count(token) - presence
+            tokens.append(int(logits.argmax()))
+    return tokens[prompt_length:]
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_penalties_match_transformers_and_the_definition(server, hf_target, hf_greedy, protocol):
+    """repetition_penalty alone gives transformers' greedy generate with `repetition_penalty`; with presence
+    and frequency penalties, greedy decoding penalised by the definition. Target-only and speculative,
+    streamed or not."""
+    model, tokenizer = hf_target
+    prompt = PROMPTS[2]
+    _, plain_text = hf_greedy(prompt, 24)
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0,
+                             repetition_penalty=1.3)
+    cases = [(GenerationParams(repetition_penalty=1.3),
+              tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)),
+             (GenerationParams(repetition_penalty=1.1, presence_penalty=0.6, frequency_penalty=0.4),
+              tokenizer.decode(_penalised_greedy(model, ids, 24, 1.1, 0.6, 0.4), skip_special_tokens=True))]
+    client = Client(server.grpc_url if protocol == "grpc" else server.http_url, protocol=protocol)
+    for penalties, expected in cases:
+        assert expected != plain_text  # the penalties change the answer
+        for k in (0, 4):
+            for stream in (False, True):
+                params = dataclasses.replace(penalties, max_tokens=24, num_draft_tokens=k, end_id=0)
+                assert client.generate(prompt, params, stream=stream).text == expected, (penalties, k, stream)
+
+
+def test_sampled_penalised_requests_are_reproducible_and_penalised(server):
+    """A seeded sampled request with penalties repeats exactly; the penalties change what it samples."""
+    client = Client(server.grpc_url)
+    changed = 0
+    for seed in range(4):
+        params = GenerationParams(max_tokens=24, num_draft_tokens=4, temperature=0.5, seed=seed, end_id=0)
+        penalised = dataclasses.replace(params, repetition_penalty=3.0, presence_penalty=2.0, frequency_penalty=2.0)
+        first, again = (client.generate(PROMPTS[1], penalised).text for _ in range(2))
+        assert first == again
+        changed += first != client.generate(PROMPTS[1], params).text
+    assert changed >= 2, changed
+
+
 def test_tensorrt_llm_client_inputs_are_served(server):
     """What TensorRT-LLM's end-to-end clients send besides the prompt: bad_words and stop_words [""] for
     none, beam_width 1, exclude_input_in_output true, pad_id and end_id. The answer is the plain request's."""
@@ -470,6 +526,14 @@ BAD_REQUESTS = {
                                         "logit_bias"),
     "sampling_parameters_and_input": (PROMPTS[0], dict(max_tokens=5, sampling_parameters=np.array(
         [[b'{"max_tokens": 6}']], dtype=np.object_)), "sampling_parameters"),
+    "repetition_penalty_zero": (PROMPTS[0], dict(repetition_penalty=np.array([[0.0]], dtype=np.float32)),
+                                "repetition_penalty"),
+    "presence_penalty_over_2": (PROMPTS[0], dict(presence_penalty=np.array([[2.5]], dtype=np.float32)),
+                                "presence_penalty"),
+    "frequency_penalty_nan": (PROMPTS[0], dict(frequency_penalty=np.array([[np.nan]], dtype=np.float32)),
+                              "frequency_penalty"),
+    "sampling_parameters_penalty": (PROMPTS[0], dict(sampling_parameters=np.array(
+        [[b'{"frequency_penalty": -3}']], dtype=np.object_)), "frequency_penalty"),
     "pad_id_negative": (PROMPTS[0], dict(pad_id=np.array([[-1]], dtype=np.int32)), "pad_id"),
     "beam_width_2": (PROMPTS[0], dict(beam_width=np.array([[2]], dtype=np.int32)), "beam_width"),
     "beam_width_wrong_dtype": (PROMPTS[0], dict(beam_width=np.array([[1]], dtype=np.uint32)), "beam_width"),

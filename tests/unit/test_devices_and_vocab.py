@@ -94,7 +94,8 @@ def test_a_draft_token_beyond_the_targets_vocabulary_is_rejected_and_resampled()
     params = SamplingParams(temperature=1.0)
     g = torch.Generator().manual_seed(0)
     for _ in range(200):
-        verdict = _verify(Proposal([7], draft_probs, 1), Scores(target_logits.argmax(-1), target_logits), params, g)
+        verdict = _verify(Proposal([7], draft_probs, 1), Scores(target_logits.argmax(-1), target_logits), target_logits,
+                          params, g)
         assert verdict.num_accepted == 0 and 0 <= verdict.next_token < 6
 
 

@@ -61,7 +61,7 @@ def test_sampled_lookup_is_verified_as_one_hot_at_the_targets_width():
     counts = torch.zeros(6)
     n = 20_000
     for _ in range(n):
-        verdict = _verify(proposal, scores, params, g)
+        verdict = _verify(proposal, scores, scores.logits, params, g)
         counts[2 if verdict.num_accepted else verdict.next_token] += 1
     assert float((counts / n - target[0]).abs().sum()) < 0.03
 

@@ -7,6 +7,7 @@ import pytest
 
 from specdec import tensor_names as tn
 from specdec.triton.config import ModelParameters
+from specdec.decoding.penalties import Penalties
 from specdec.decoding.sampling import SamplingParams
 from specdec.triton.request import InputError, ParsedRequest, RequestLimits
 
@@ -68,6 +69,14 @@ def test_bad_words_are_encoded_and_empty_entries_mean_none():
                              tn.BAD_WORDS: np.array([[b"a"]], dtype=np.object_)}.get, LIMITS)
 
 
+def test_penalties_are_read_and_default_to_off():
+    assert parse().generation.penalties == Penalties() and not parse().generation.penalties.active
+    gen = parse(**{tn.REPETITION_PENALTY: np.array([[1.25]], dtype=np.float32),
+                   tn.PRESENCE_PENALTY: np.array([[-2.0]], dtype=np.float32),
+                   tn.FREQUENCY_PENALTY: np.array([[0.5]], dtype=np.float32)}).generation
+    assert gen.penalties == Penalties(1.25, -2.0, 0.5) and gen.edits_logits
+
+
 def test_return_log_probs_is_read_and_typed():
     assert parse(**{tn.RETURN_LOG_PROBS: np.array([[True]])}).generation.log_probs
     with pytest.raises(InputError, match=tn.RETURN_LOG_PROBS):
@@ -110,6 +119,12 @@ def test_seeded_sampling_drafts_a_fixed_k_greedy_stays_adaptive():
     (tn.MIN_LENGTH, np.array([[17]], dtype=np.int32)),  # over max_tokens (16)
     (tn.MIN_LENGTH, np.array([[-1]], dtype=np.int32)),
     (tn.MIN_TOKENS, np.array([[17]], dtype=np.int32)),
+    (tn.REPETITION_PENALTY, np.array([[0.0]], dtype=np.float32)),
+    (tn.REPETITION_PENALTY, np.array([[np.inf]], dtype=np.float32)),
+    (tn.REPETITION_PENALTY, np.array([[1.2]], dtype=np.float64)),  # wrong dtype
+    (tn.PRESENCE_PENALTY, np.array([[2.5]], dtype=np.float32)),
+    (tn.PRESENCE_PENALTY, np.array([[np.nan]], dtype=np.float32)),
+    (tn.FREQUENCY_PENALTY, np.array([[-2.01]], dtype=np.float32)),
     (tn.STOP_WORDS, np.array([[b"a", b"b", b"c"]], dtype=np.object_)),
     (tn.BAD_WORDS, np.array([[b"a", b"b", b"c"]], dtype=np.object_)),
     (tn.BAD_WORDS, np.array([[b" "]], dtype=np.object_)),  # encodes to no token
@@ -165,13 +180,16 @@ def _vllm(settings) -> dict:
 def test_vllm_sampling_parameters_stand_for_their_inputs():
     parsed = parse(**_vllm({"max_tokens": 20, "temperature": "0.5", "top_p": 0.9, "top_k": -1, "seed": "3",
                             "min_tokens": 2, "ignore_eos": "true", "stop": "END", "bad_words": ["ab", "c"],
-                            "presence_penalty": None, "n": 1, "repetition_penalty": 1.0}))  # null or neutral: as if absent
+                            "presence_penalty": None, "n": 1, "best_of": None}))  # null or neutral: as if absent
     gen = parsed.generation
     assert (gen.max_tokens, gen.min_tokens, gen.end_ids, parsed.stop_words) == (20, 2, frozenset(), ("END",))
     assert gen.sampling == SamplingParams(0.5, 0, pytest.approx(0.9), 3)  # vLLM's top_k -1 is "off": our 0
     assert gen.bad_words == ((97, 98), (99,))
     assert parse(**_vllm({"stop": ["a", "b"], "top_k": 5})).stop_words == ("a", "b")
     assert parse(**_vllm({})).generation.max_tokens == LIMITS.default_max_tokens
+    penalised = parse(**_vllm({"repetition_penalty": "1.1", "presence_penalty": 0.5, "frequency_penalty": -1}))
+    assert penalised.generation.penalties == Penalties(pytest.approx(1.1), 0.5, -1.0)
+    assert not parse(**_vllm({"repetition_penalty": 1, "frequency_penalty": 0})).generation.penalties.active
 
 
 @pytest.mark.parametrize("value, message", [
@@ -185,6 +203,7 @@ def test_vllm_sampling_parameters_stand_for_their_inputs():
     (_vllm({"seed": -1})[tn.SAMPLING_PARAMETERS], "key 'seed' must be >= 0"),
     (_vllm({"ignore_eos": 1})[tn.SAMPLING_PARAMETERS], "key 'ignore_eos' must be true or false"),
     (_vllm({"stop": [1]})[tn.SAMPLING_PARAMETERS], "key 'stop' must be a string or a list of strings"),
+    (_vllm({"repetition_penalty": "high"})[tn.SAMPLING_PARAMETERS], "key 'repetition_penalty' must be a number"),
 ])
 def test_bad_sampling_parameters_are_refused_by_name(value, message):
     with pytest.raises(InputError, match=f"'{tn.SAMPLING_PARAMETERS}'.*{message}"):
@@ -196,3 +215,5 @@ def test_sampling_parameters_keep_the_inputs_rules():
         parse(**{**_vllm({"max_tokens": 5}), tn.MAX_TOKENS: np.array([[5]], dtype=np.int32)})
     with pytest.raises(InputError, match=f"'{tn.TEMPERATURE}' must be a finite number"):
         parse(**_vllm({"temperature": -1}))
+    with pytest.raises(InputError, match=f"'{tn.PRESENCE_PENALTY}' must be within \\[-2, 2\\]"):
+        parse(**_vllm({"presence_penalty": 3}))

@@ -28,6 +28,7 @@ from specdec import tensor_names as tn
 from specdec.decoding.bad_words import banned_tokens, mask_banned
 from specdec.decoding.draft_length import DraftLengthPolicy
 from specdec.decoding.interfaces import NoCapacity, Proposal, Proposer, Scorer, Scores
+from specdec.decoding.penalties import Penalties, penalize
 from specdec.decoding.rejection_sampler import Verdict, greedy_verify, rejection_sample
 from specdec.decoding.sampling import SamplingParams, greedy, logits_to_probs, make_generator, pad_vocab, token_log_probs
 
@@ -42,6 +43,12 @@ class GenerationRequest:
     min_tokens: int = 0  # end tokens before this many generated tokens are generated like any other
     log_probs: bool = False  # report each generated token's log-probability under the target
     bad_words: tuple[tuple[int, ...], ...] = ()  # token sequences the output never contains (bad_words.py)
+    penalties: Penalties = Penalties()  # repetition / presence / frequency (penalties.py)
+
+    @property
+    def edits_logits(self) -> bool:
+        """Whether the target's logits are changed before anything reads them (so greedy rounds need them)."""
+        return bool(self.bad_words) or self.penalties.active
 
 
 @dataclass
@@ -121,8 +128,8 @@ async def generate(req: GenerationRequest, proposer: Proposer, scorer: Scorer, p
                 policy.observe_verify(k + 1, time.perf_counter() - started)
             if scores.forward:
                 policy.observe_forward(scores.forward)
-            bans = banned_tokens(tokens, proposal.tokens, req.bad_words, k + 1) if req.bad_words else None
-            verdict = _verify(proposal, scores, req.sampling, generator, bans)
+            logits = _edited_logits(req, tokens, proposal.tokens, scores.logits)
+            verdict = _verify(proposal, scores, logits, req.sampling, generator)
             policy.update(k, verdict.num_accepted)
             if shadow.tokens:  # would its first token have been accepted? (greedy: the target's token)
                 policy.update(1, int(shadow.tokens[0] == verdict.next_token))
@@ -150,9 +157,9 @@ async def _score(scorer: Scorer, req: GenerationRequest, keep: int, new_ids: lis
                  reserve: int, wait_for_room: Callable[[], Awaitable[bool]] | None) -> Scores:
     """The verify call; a sequence's first one (reserve > 0) retries while the target has no room for it
     and `wait_for_room` says to."""
-    # Greedy rounds ship no logits (the target sends its tokens' log-probabilities instead), unless bad
-    # words must be banned from them first.
-    want_logits = not req.sampling.greedy or bool(req.bad_words)
+    # Greedy rounds ship no logits (the target sends its tokens' log-probabilities instead), unless
+    # penalties or bad words must edit them first.
+    want_logits = not req.sampling.greedy or req.edits_logits
     while True:
         try:
             return await scorer.score(req.seq_id, keep, new_ids, positions, want_logits=want_logits,
@@ -162,9 +169,23 @@ async def _score(scorer: Scorer, req: GenerationRequest, keep: int, new_ids: lis
                 raise
 
 
-def _verify(proposal: Proposal, scores: Scores, params: SamplingParams, generator: torch.Generator | None,
-            bans: list[list[int]] | None = None) -> Verdict:
-    logits = mask_banned(scores.logits, bans) if bans else scores.logits
+def _edited_logits(req: GenerationRequest, tokens: list[int], draft: list[int],
+                   logits: torch.Tensor | None) -> torch.Tensor | None:
+    """The target's logits [k+1, V] under the request's penalties, then its bans (position j follows
+    tokens + draft[:j]); unchanged when it has neither, None when none were shipped."""
+    if logits is None or not req.edits_logits:
+        return logits
+    if req.penalties.active:
+        logits = penalize(logits, req.prompt_ids, tokens[len(req.prompt_ids):], draft, req.penalties)
+    if req.bad_words:
+        logits = mask_banned(logits, banned_tokens(tokens, draft, req.bad_words, logits.shape[0]))
+    return logits
+
+
+def _verify(proposal: Proposal, scores: Scores, logits: torch.Tensor | None, params: SamplingParams,
+            generator: torch.Generator | None) -> Verdict:
+    """The round's verdict from the target's (edited) logits; greedy rounds without logits use the tokens
+    the target picked."""
     if params.greedy:
         return greedy_verify(proposal.tokens, (scores.greedy_tokens if logits is None else greedy(logits)).tolist())
     draft = torch.tensor(proposal.tokens, dtype=torch.long)
@@ -186,9 +207,9 @@ def _verify(proposal: Proposal, scores: Scores, params: SamplingParams, generato
 
 
 def _log_probs(scores: Scores, new: list[int]) -> list[float]:
-    """The target's log-probability of each of a round's tokens (its raw distribution, before sampling's
-    temperature and filters, and before bans). Without logits (a greedy round): every token is the target's
-    greedy token at its position, and the target sent their log-probabilities."""
+    """The target's log-probability of each of a round's tokens (its raw distribution, before penalties,
+    bans and sampling's temperature and filters). Without logits (a greedy round): every token is the
+    target's greedy token at its position, and the target sent their log-probabilities."""
     if scores.logits is None:
         return scores.log_probs[:len(new)].tolist()
     return token_log_probs(scores.logits[:len(new)], torch.tensor(new, dtype=torch.long)).tolist()

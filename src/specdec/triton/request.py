@@ -15,6 +15,7 @@ import numpy as np
 
 from specdec import tensor_names as tn
 from specdec.decoding.loop import GenerationRequest
+from specdec.decoding.penalties import Penalties
 from specdec.decoding.sampling import SamplingParams
 from specdec.triton.config import ModelParameters
 
@@ -33,10 +34,11 @@ SAMPLING_PARAMETER_KEYS = {
     "top_p": (tn.TOP_P, np.float32), "top_k": (tn.TOP_K, np.int32), "seed": (tn.SEED, np.uint64),
     "min_tokens": (tn.MIN_TOKENS, np.int32), "ignore_eos": (tn.IGNORE_EOS, np.bool_),
     "stop": (tn.STOP_WORDS, np.object_), "bad_words": (tn.BAD_WORDS, np.object_),
+    "repetition_penalty": (tn.REPETITION_PENALTY, np.float32), "presence_penalty": (tn.PRESENCE_PENALTY, np.float32),
+    "frequency_penalty": (tn.FREQUENCY_PENALTY, np.float32),
 }
 # Settings vLLM's clients send at their neutral values: accepted at those (or null), refused otherwise.
-NEUTRAL_SAMPLING_PARAMETERS = {"n": 1, "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0,
-                               "repetition_penalty": 1}
+NEUTRAL_SAMPLING_PARAMETERS = {"n": 1, "best_of": 1}
 
 
 @dataclass(frozen=True)
@@ -120,6 +122,7 @@ class ParsedRequest:
         if not 0.0 < top_p <= 1.0:
             raise InputError(f"input '{tn.TOP_P}' must be within (0, 1], got {top_p}")
         seed = inputs.scalar(tn.SEED, np.uint64, None)
+        penalties = _penalties(inputs)
         end_id = inputs.scalar(tn.END_ID, np.int32, None)
         if end_id is not None and not 0 <= end_id < limits.vocab_size:
             raise InputError(f"input '{tn.END_ID}' must be a token id within [0, {limits.vocab_size}), got {end_id}")
@@ -141,6 +144,7 @@ class ParsedRequest:
             min_tokens=min_length,
             log_probs=bool(inputs.scalar(tn.RETURN_LOG_PROBS, np.bool_, False)),
             bad_words=bad_words,
+            penalties=penalties,
         )
         # A seeded sampled request must be reproducible: measured costs vary from run to run, and a
         # different K changes which random draws pick which token, so it drafts a fixed K.
@@ -217,6 +221,21 @@ def _min_length(inputs: _Inputs, max_tokens: int) -> int:
         if not 0 <= value <= max_tokens:
             raise InputError(f"input '{name}' must be within [0, {tn.MAX_TOKENS}={max_tokens}], got {value}")
     return next(iter(given.values()), 0)
+
+
+def _penalties(inputs: _Inputs) -> Penalties:
+    repetition = inputs.scalar(tn.REPETITION_PENALTY, np.float32, tn.DEFAULT_REPETITION_PENALTY)
+    if not 0.0 < repetition < float("inf"):  # also rejects NaN
+        raise InputError(f"input '{tn.REPETITION_PENALTY}' must be a finite number > 0 (1 = off), got {repetition}")
+    limit = tn.MAX_ABS_PRESENCE_FREQUENCY_PENALTY
+    values = []
+    for name, default in ((tn.PRESENCE_PENALTY, tn.DEFAULT_PRESENCE_PENALTY),
+                          (tn.FREQUENCY_PENALTY, tn.DEFAULT_FREQUENCY_PENALTY)):
+        value = inputs.scalar(name, np.float32, default)
+        if not -limit <= value <= limit:
+            raise InputError(f"input '{name}' must be within [-{limit:g}, {limit:g}] (0 = off), got {value}")
+        values.append(value)
+    return Penalties(repetition, *values)
 
 
 def _bad_word_ids(word: str, encode: Encode | None) -> tuple[int, ...]:
