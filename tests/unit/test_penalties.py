@@ -12,7 +12,7 @@ import torch
 from specdec.decoding.draft_length import DraftLengthPolicy
 from specdec.decoding.loop import GenerationRequest, generate
 from specdec.decoding.ngram_proposer import NgramProposer
-from specdec.decoding.penalties import Penalties, penalize
+from specdec.decoding.penalties import Penalties, TokenOccurrences, penalize
 from specdec.decoding.sampling import SamplingParams
 from specdec.engine.executor import CausalLM
 from specdec.engine.local import LocalProposer, LocalScorer
@@ -35,9 +35,16 @@ def _naive(logits_row, context, generated, penalties):
     return out
 
 
+def _penalize(logits, prompt, generated, draft, penalties):
+    """penalize over the occurrences of prompt + generated, as the loop calls it."""
+    occurrences = TokenOccurrences(prompt)
+    occurrences.add_output(generated)
+    return penalize(logits, *occurrences.rows(draft, logits.shape[0], logits.shape[1]), penalties)
+
+
 def test_a_position_is_penalised_by_the_definition():
     logits = torch.tensor([[2.0, -1.0, 0.5, 3.0]])
-    out = penalize(logits, prompt=[1], generated=[3, 3], draft=[], penalties=Penalties(2.0, 0.25, 0.5))
+    out = _penalize(logits, prompt=[1], generated=[3, 3], draft=[], penalties=Penalties(2.0, 0.25, 0.5))
     # 1 (prompt only): -1 * 2; 3 (twice in the output): 3 / 2 - 0.5 * 2 - 0.25; the rest unchanged.
     assert out.tolist() == [[2.0, -2.0, 0.5, 0.25]]
     assert logits.tolist() == [[2.0, -1.0, 0.5, 3.0]]  # a copy
@@ -54,7 +61,7 @@ def test_verify_positions_count_the_drafts_before_them_on_random_cases():
         penalties = Penalties(rng.choice([1.0, 0.5, 1.7]), rng.choice([0.0, -0.4, 1.1]), rng.choice([0.0, 0.3, -2.0]))
         logits = torch.randn(len(draft) + 1, width, dtype=torch.float64)
         logits[0, 0] = 0.0
-        out = penalize(logits, prompt, generated, draft, penalties)
+        out = _penalize(logits, prompt, generated, draft, penalties)
         for j in range(len(draft) + 1):
             output = generated + draft[:j]
             expected = _naive(logits[j], [t for t in prompt if t < width] + output, output, penalties)
@@ -65,12 +72,24 @@ def test_repetition_is_transformers_repetition_penalty_and_half_precision_is_com
     torch.manual_seed(0)
     logits = torch.randn(3, 50)
     prompt, generated, draft = [4, 9, 4], [11, 0], [30, 9]
-    ours = penalize(logits.to(torch.bfloat16), prompt, generated, draft, Penalties(repetition=1.3))
+    ours = _penalize(logits.to(torch.bfloat16), prompt, generated, draft, Penalties(repetition=1.3))
     assert ours.dtype == torch.float32
     for j in range(3):
         ids = torch.tensor([prompt + generated + draft[:j]])
         theirs = RepetitionPenaltyLogitsProcessor(1.3)(ids, logits.to(torch.bfloat16)[j:j + 1].float())
         torch.testing.assert_close(ours[j], theirs[0], rtol=0, atol=0)
+
+
+def test_occurrences_grow_with_the_output_and_a_round_sees_its_drafts():
+    occurrences = TokenOccurrences([4, 2, 4])
+    occurrences.add_output([2, 7, 7])
+    assert (occurrences.ids.tolist(), occurrences.counts.tolist()) == ([4, 2, 7], [0, 1, 2])
+    columns, counts, present = occurrences.rows([9, 7, 9], positions=4, width=10)
+    assert columns.tolist() == [4, 2, 7, 9]
+    assert counts.tolist() == [[0, 1, 2, 0], [0, 1, 2, 1], [0, 1, 3, 1], [0, 1, 3, 2]]
+    assert present.tolist() == [[True, True, True, False], [True] * 4, [True] * 4, [True] * 4]
+    columns, counts, present = occurrences.rows([9], positions=2, width=8)  # 9: no column in 8 logits
+    assert columns.tolist() == [4, 2, 7] and counts.shape == present.shape == (2, 3)
 
 
 def _run(req, proposer, scorer, k):

@@ -28,7 +28,7 @@ from specdec import tensor_names as tn
 from specdec.decoding.bad_words import banned_tokens, mask_banned
 from specdec.decoding.draft_length import DraftLengthPolicy
 from specdec.decoding.interfaces import NoCapacity, Proposal, Proposer, Scorer, Scores
-from specdec.decoding.penalties import Penalties, penalize
+from specdec.decoding.penalties import Penalties, TokenOccurrences, penalize
 from specdec.decoding.rejection_sampler import Verdict, greedy_verify, rejection_sample
 from specdec.decoding.sampling import SamplingParams, greedy, logits_to_probs, make_generator, pad_vocab, token_log_probs
 
@@ -98,6 +98,7 @@ async def generate(req: GenerationRequest, proposer: Proposer, scorer: Scorer, p
     generated = 0
     generator = None if req.sampling.greedy else make_generator(req.sampling.seed)
     drafted_ever = False
+    occurrences = TokenOccurrences(req.prompt_ids) if req.penalties.active else None
     try:
         while True:
             # Never draft past max_tokens: the bonus token always fills the last slot.
@@ -128,7 +129,7 @@ async def generate(req: GenerationRequest, proposer: Proposer, scorer: Scorer, p
                 policy.observe_verify(k + 1, time.perf_counter() - started)
             if scores.forward:
                 policy.observe_forward(scores.forward)
-            logits = _edited_logits(req, tokens, proposal.tokens, scores.logits)
+            logits = _edited_logits(req, tokens, proposal.tokens, scores.logits, occurrences)
             verdict = _verify(proposal, scores, logits, req.sampling, generator)
             policy.update(k, verdict.num_accepted)
             if shadow.tokens:  # would its first token have been accepted? (greedy: the target's token)
@@ -139,6 +140,8 @@ async def generate(req: GenerationRequest, proposer: Proposer, scorer: Scorer, p
             target_valid = len(tokens) + verdict.num_accepted
             draft_valid = min(draft_valid, target_valid)
             tokens += new
+            if occurrences is not None:
+                occurrences.add_output(new)
             _record(stats, k, verdict.num_accepted)
 
             new, finish = _apply_stops(new, req.end_ids, req.max_tokens - generated, req.min_tokens - generated)
@@ -169,14 +172,16 @@ async def _score(scorer: Scorer, req: GenerationRequest, keep: int, new_ids: lis
                 raise
 
 
-def _edited_logits(req: GenerationRequest, tokens: list[int], draft: list[int],
-                   logits: torch.Tensor | None) -> torch.Tensor | None:
-    """The target's logits [k+1, V] under the request's penalties, then its bans (position j follows
-    tokens + draft[:j]); unchanged when it has neither, None when none were shipped."""
+def _edited_logits(req: GenerationRequest, tokens: list[int], draft: list[int], logits: torch.Tensor | None,
+                   occurrences: TokenOccurrences | None) -> torch.Tensor | None:
+    """The target's logits [k+1, V] under the request's penalties (`occurrences`: its tokens so far), then
+    its bans (position j follows tokens + draft[:j]); unchanged when it has neither, None when none were
+    shipped."""
     if logits is None or not req.edits_logits:
         return logits
-    if req.penalties.active:
-        logits = penalize(logits, req.prompt_ids, tokens[len(req.prompt_ids):], draft, req.penalties)
+    if occurrences is not None:
+        positions, width = logits.shape
+        logits = penalize(logits, *occurrences.rows(draft, positions, width, logits.device), req.penalties)
     if req.bad_words:
         logits = mask_banned(logits, banned_tokens(tokens, draft, req.bad_words, logits.shape[0]))
     return logits

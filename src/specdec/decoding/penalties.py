@@ -10,6 +10,10 @@ before temperature, top-k and top-p (and before the greedy argmax). The repetiti
 Speculation stays exact: verify position j penalises with the round's drafts x_1..x_j as generated
 tokens, exactly what target-only decoding would have generated before it had it accepted them. The draft
 needs no penalties for the accept/reject rule to stay exact (it would only be accepted more often).
+
+Only the columns of tokens that occur change, so the work is over those (a few thousand at most), not
+the vocabulary: `TokenOccurrences` keeps a request's distinct tokens and output counts as tokens are
+accepted, and `penalize` edits those columns of a copy.
 """
 
 from __future__ import annotations
@@ -34,32 +38,66 @@ class Penalties:
                 or self.frequency != tn.DEFAULT_FREQUENCY_PENALTY)
 
 
-def penalize(logits: torch.Tensor, prompt: Sequence[int], generated: Sequence[int], draft: Sequence[int],
-             penalties: Penalties) -> torch.Tensor:
-    """logits [P, V] of a verify's P positions, penalised (a new tensor; half precisions computed in float32).
+class TokenOccurrences:
+    """A request's distinct tokens (prompt and output) and how often each occurs in the output, grown as
+    tokens are accepted: a round costs work in its new tokens and drafts, not in the context's length."""
 
-    Position j follows prompt + generated + draft[:j]; draft needs at least P - 1 tokens. Ids >= V (none
-    a model produces) are ignored."""
-    positions, width = logits.shape
-    if logits.dtype in (torch.float16, torch.bfloat16):
-        logits = logits.float()
-    device = logits.device
-    # counts[j, t]: occurrences of t among generated + draft[:j]; the drafts add one token per position.
-    history = torch.tensor([t for t in generated if t < width], dtype=torch.long)
-    counts = torch.bincount(history, minlength=width).to(device=device, dtype=logits.dtype).repeat(positions, 1)
-    steps = [(j, token) for j in range(1, positions) for token in draft[:j] if token < width]
-    if steps:
-        rows, cols = (torch.tensor(column, dtype=torch.long, device=device) for column in zip(*steps))
-        counts.index_put_((rows, cols), torch.ones(len(steps), dtype=logits.dtype, device=device), accumulate=True)
-    out = logits
+    def __init__(self, prompt: Sequence[int]):
+        self._column = {token: i for i, token in enumerate(dict.fromkeys(prompt))}
+        self.ids = torch.tensor(list(self._column), dtype=torch.long)  # [S] distinct tokens, first seen first
+        self.counts = torch.zeros(len(self._column))  # [S] float32: occurrences of ids[i] in the output
+
+    def add_output(self, tokens: Sequence[int]) -> None:
+        new = [token for token in dict.fromkeys(tokens) if token not in self._column]
+        if new:
+            self._column.update({token: len(self._column) + i for i, token in enumerate(new)})
+            self.ids = torch.cat([self.ids, torch.tensor(new, dtype=torch.long)])
+            self.counts = torch.cat([self.counts, torch.zeros(len(new))])
+        self.counts.index_add_(0, torch.tensor([self._column[token] for token in tokens], dtype=torch.long),
+                               torch.ones(len(tokens)))
+
+    def rows(self, draft: Sequence[int], positions: int, width: int, device: torch.device | str = "cpu"
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What the `positions` positions of a verify see, position j after the drafts draft[:j]:
+        (columns [S] int64 token ids, counts [P, S] float32 output occurrences, present [P, S] bool: in
+        prompt + output + draft[:j]). S: the distinct tokens plus the drafts not among them yet, less any
+        id >= width (a vocabulary of `width` logits has no column for it)."""
+        seen = len(self._column)
+        extra: dict[int, int] = {}
+        increments = []  # (row, column): draft[i] counts from row i + 1 on
+        for i, token in enumerate(draft[:max(positions - 1, 0)]):
+            column = self._column.get(token)
+            if column is None:
+                column = extra.setdefault(token, seen + len(extra))
+            increments += [(row, column) for row in range(i + 1, positions)]
+        columns = torch.cat([self.ids, torch.tensor(list(extra), dtype=torch.long)]) if extra else self.ids
+        counts = torch.cat([self.counts, torch.zeros(len(extra))]).repeat(positions, 1)
+        if increments:
+            rows, cols = zip(*increments)
+            counts.index_put_((torch.tensor(rows), torch.tensor(cols)), torch.ones(len(increments)), accumulate=True)
+        present = torch.ones(positions, len(columns), dtype=torch.bool)
+        present[:, seen:] = counts[:, seen:] > 0  # a draft token only after it is drafted
+        if len(columns) and int(columns.max()) >= width:  # on the host: a mask on the device would sync it
+            keep = columns < width
+            columns, counts, present = columns[keep], counts[:, keep], present[:, keep]
+        return columns.to(device), counts.to(device), present.to(device)
+
+
+def penalize(logits: torch.Tensor, columns: torch.Tensor, counts: torch.Tensor, present: torch.Tensor,
+             penalties: Penalties) -> torch.Tensor:
+    """logits [P, V] penalised in the given columns (a new tensor; half precisions computed in float32).
+
+    columns [S] int64 distinct token ids < V; counts [P, S] their occurrences in each position's output;
+    present [P, S] whether each occurs in the position's prompt + output (`TokenOccurrences.rows`)."""
+    out = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits.clone()
+    counts = counts.to(out.dtype)
+    values = out[:, columns]
     if penalties.repetition != tn.DEFAULT_REPETITION_PENALTY:
-        seen = counts > 0
-        in_prompt = torch.tensor(sorted({t for t in prompt if t < width}), dtype=torch.long, device=device)
-        seen[:, in_prompt] = True
-        penalised = torch.where(out > 0, out / penalties.repetition, out * penalties.repetition)
-        out = torch.where(seen, penalised, out)
+        repeated = torch.where(values > 0, values / penalties.repetition, values * penalties.repetition)
+        values = torch.where(present, repeated, values)
     if penalties.frequency != tn.DEFAULT_FREQUENCY_PENALTY:
-        out = out - penalties.frequency * counts
+        values = values - penalties.frequency * counts
     if penalties.presence != tn.DEFAULT_PRESENCE_PENALTY:
-        out = out - penalties.presence * (counts > 0).to(out.dtype)
+        values = values - penalties.presence * (counts > 0).to(out.dtype)
+    out[:, columns] = values
     return out
