@@ -25,6 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--temperature", type=float)
     p.add_argument("--top-k", type=int)
     p.add_argument("--top-p", type=float)
+    p.add_argument("--min-p", type=float, help="keep tokens at least this x the most likely one's probability")
     p.add_argument("--seed", type=int)
     p.add_argument("--repetition-penalty", type=float, help="> 0; 1 = off (tokens of prompt and output)")
     p.add_argument("--presence-penalty", type=float, help="[-2, 2]; 0 = off (tokens already in the output)")
@@ -47,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     params = GenerationParams(
         max_tokens=args.max_tokens, num_draft_tokens=args.num_draft_tokens, temperature=args.temperature,
-        top_k=args.top_k, top_p=args.top_p, seed=args.seed, end_id=args.end_id, stop_words=tuple(args.stop),
+        top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed, end_id=args.end_id, stop_words=tuple(args.stop),
         bad_words=tuple(args.bad_word), repetition_penalty=args.repetition_penalty,
         presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
         draft_model=args.draft_model, apply_chat_template=args.apply_chat_template,

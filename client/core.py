@@ -48,6 +48,7 @@ class GenerationParams:
     temperature: float | None = None  # 0 = greedy
     top_k: int | None = None
     top_p: float | None = None
+    min_p: float | None = None  # keep tokens at least min_p x the most likely one's probability
     seed: int | None = None
     repetition_penalty: float | None = None  # > 0, 1 = off: tokens of prompt and output made less likely
     presence_penalty: float | None = None  # [-2, 2], 0 = off: subtracted from tokens already in the output
@@ -67,7 +68,8 @@ class GenerationParams:
                   tn.STREAM: np.array([[stream]], dtype=np.bool_)}
         scalars = [(tn.MAX_TOKENS, self.max_tokens, np.int32), (tn.NUM_DRAFT_TOKENS, self.num_draft_tokens, np.int32),
                    (tn.TEMPERATURE, self.temperature, np.float32), (tn.TOP_K, self.top_k, np.int32),
-                   (tn.TOP_P, self.top_p, np.float32), (tn.SEED, self.seed, np.uint64),
+                   (tn.TOP_P, self.top_p, np.float32), (tn.MIN_P, self.min_p, np.float32),
+                   (tn.SEED, self.seed, np.uint64),
                    (tn.REPETITION_PENALTY, self.repetition_penalty, np.float32),
                    (tn.PRESENCE_PENALTY, self.presence_penalty, np.float32),
                    (tn.FREQUENCY_PENALTY, self.frequency_penalty, np.float32),
@@ -87,7 +89,7 @@ class GenerationParams:
     def json(self, prompt: str, stream: bool) -> dict:
         """The body of Triton's generate extension (/generate, /generate_stream)."""
         body = {tn.TEXT_INPUT: prompt, tn.STREAM: stream}
-        for name in ("max_tokens", "num_draft_tokens", "temperature", "top_k", "top_p", "seed",
+        for name in ("max_tokens", "num_draft_tokens", "temperature", "top_k", "top_p", "min_p", "seed",
                      "repetition_penalty", "presence_penalty", "frequency_penalty", "end_id", "draft_model",
                      "apply_chat_template", "adaptive_draft", "min_length", "ignore_eos", "return_log_probs"):
             value = getattr(self, name)

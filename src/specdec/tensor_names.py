@@ -13,6 +13,7 @@ ADAPTIVE_DRAFT = "adaptive_draft"  # BOOL [1]; true: num_draft_tokens is the max
 TEMPERATURE = "temperature"  # FP32 [1]; 0 = greedy
 TOP_K = "top_k"  # INT32 [1]; 0 = no top-k filter
 TOP_P = "top_p"  # FP32 [1]; 1 = no nucleus filter
+MIN_P = "min_p"  # FP32 [1]; keep tokens at least min_p x the most likely one's probability; 0 = off
 SEED = "seed"  # UINT64 [1]
 STREAM = "stream"  # BOOL [1]
 END_ID = "end_id"  # INT32 [1]
@@ -101,6 +102,7 @@ DTYPE_NAMES = ("float32", "float16", "bfloat16", "float64")  # the models' `dtyp
 DEFAULT_TEMPERATURE = 0.0  # greedy
 DEFAULT_TOP_K = 0
 DEFAULT_TOP_P = 1.0
+DEFAULT_MIN_P = 0.0
 DEFAULT_REPETITION_PENALTY = 1.0  # off
 DEFAULT_PRESENCE_PENALTY = 0.0  # off
 DEFAULT_FREQUENCY_PENALTY = 0.0  # off

@@ -107,6 +107,10 @@ def test_served_on_the_gpu_samples_with_a_draft_model(tmp_path, tiny_pair):
         penalised_sampled = [client.generate("Hello there", GenerationParams(
             max_tokens=24, num_draft_tokens=4, temperature=0.8, seed=11, **penalties)).text for _ in range(2)]
         assert penalised_sampled[0] == penalised_sampled[1]
+        # min_p: the draft's and the target's distributions filtered alike, on the device.
+        min_p = [client.generate("Hello there", GenerationParams(max_tokens=24, num_draft_tokens=4, temperature=1.0,
+                                                                 seed=11, min_p=0.1)) for _ in range(2)]
+        assert min_p[0].text == min_p[1].text and min_p[0].total_draft_tokens > 0
     finally:
         own.stop()
 

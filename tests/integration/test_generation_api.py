@@ -503,6 +503,7 @@ BAD_REQUESTS = {
     "top_p_zero": (PROMPTS[0], dict(top_p=0.0), "top_p"),
     "top_p_above_one": (PROMPTS[0], dict(top_p=1.5), "top_p"),
     "top_k_negative": (PROMPTS[0], dict(top_k=-1), "top_k"),
+    "min_p_above_one": (PROMPTS[0], dict(min_p=np.array([[1.5]], dtype=np.float32)), "min_p"),
     "num_draft_tokens_negative": (PROMPTS[0], dict(num_draft_tokens=-1), "num_draft_tokens"),
     "num_draft_tokens_over_max": (PROMPTS[0], dict(num_draft_tokens=17), "num_draft_tokens"),
     "empty_prompt": ("", {}, "text_input"),

@@ -1,6 +1,6 @@
 """Lossless sampling end to end, through the real server: the first two generated tokens of many seeded
 requests follow the target's exact joint distribution, with speculation (a draft model, prompt lookup) as
-without it, at temperature 1.0 with top-k and at 0.7 with top-p.
+without it, at temperature 1.0 with top-k, at 0.7 with top-p and at 1.0 with min-p.
 
 The exact distribution comes from the same tiny target in process (float64, the same `logits_to_probs`):
 p(t1, t2) = p(t1 | prompt) · p(t2 | prompt, t1), mapped to the text the server returns (an end-of-sequence
@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import pytest
 import torch
 
@@ -33,7 +34,8 @@ PROMPT = "the cat sat on the mat and the cat sat on the"
 # Filters keep the joint support small enough for 300 requests to test (at T=1.0 unfiltered, the tiny
 # target spreads two tokens over millions of outcomes).
 SETTINGS = {"T=1.0, top_k=8": SamplingParams(temperature=1.0, top_k=8),
-            "T=0.7, top_p=0.8": SamplingParams(temperature=0.7, top_p=0.8)}
+            "T=0.7, top_p=0.8": SamplingParams(temperature=0.7, top_p=0.8),
+            "T=1.0, min_p=0.1": SamplingParams(temperature=1.0, min_p=0.1)}
 METHODS = {"target-only": dict(num_draft_tokens=0), "draft model K=3": dict(num_draft_tokens=3),
            "prompt lookup K=3": dict(num_draft_tokens=3, draft_model=tn.NGRAM)}
 
@@ -97,7 +99,8 @@ def test_first_two_tokens_follow_the_targets_joint_distribution(server, target, 
     expected = exact_text_distribution(*target, params)
     assert len([p for p in expected.values() if p * REQUESTS >= 5]) >= 3  # enough cells to test anything
     sampling = dict(temperature=params.temperature, top_k=params.top_k or None,
-                    top_p=params.top_p if params.top_p < 1 else None)
+                    top_p=params.top_p if params.top_p < 1 else None,
+                    min_p=np.array([[params.min_p]], dtype=np.float32) if params.min_p else None)
     for method, extra in METHODS.items():
         def one(seed):
             return grpc_stream(server.grpc_url, PROMPT, max_tokens=2, seed=seed, **sampling, **extra)

@@ -68,10 +68,11 @@ def test_word_lists_go_out_as_string_lists_over_grpc_and_http():
     assert tn.BAD_WORDS not in GenerationParams().json("hi", stream=False)
 
 
-def test_penalties_go_out_as_fp32_scalars_over_grpc_and_json_numbers_over_http():
-    params = GenerationParams(repetition_penalty=1.2, frequency_penalty=-0.5)
+def test_penalties_and_min_p_go_out_as_fp32_scalars_over_grpc_and_json_numbers_over_http():
+    params = GenerationParams(repetition_penalty=1.2, frequency_penalty=-0.5, min_p=0.5)
     arrays = params.tensors("hi", stream=False)
     assert arrays[tn.REPETITION_PENALTY].dtype == np.float32 and arrays[tn.REPETITION_PENALTY].tolist() == [[1.2000000476837158]]
     assert arrays[tn.FREQUENCY_PENALTY].tolist() == [[-0.5]] and tn.PRESENCE_PENALTY not in arrays
+    assert arrays[tn.MIN_P].dtype == np.float32 and arrays[tn.MIN_P].tolist() == [[0.5]]
     body = params.json("hi", stream=True)
     assert (body[tn.REPETITION_PENALTY], body[tn.FREQUENCY_PENALTY]) == (1.2, -0.5) and tn.PRESENCE_PENALTY not in body

@@ -52,7 +52,8 @@ def test_values_are_read():
                       tn.DRAFT_MODEL: np.array([[b"draft_model"]], dtype=np.object_)})
     gen = parsed.generation
     assert gen.max_tokens == 20 and gen.end_ids == frozenset([9])
-    assert (gen.sampling.temperature, gen.sampling.top_k) == (pytest.approx(0.7), 5)
+    assert (gen.sampling.temperature, gen.sampling.top_k, gen.sampling.min_p) == (pytest.approx(0.7), 5, 0.0)
+    assert parse(**{tn.MIN_P: np.array([[0.25]], dtype=np.float32)}).generation.sampling.min_p == 0.25
     assert parsed.num_draft_tokens == 0 and parsed.stream and parsed.stop_words == ("\n\n", "END")
     assert parsed.draft_name == "draft_model"
 
@@ -115,6 +116,9 @@ def test_seeded_sampling_drafts_a_fixed_k_greedy_stays_adaptive():
     (tn.TOP_K, np.array([[-1]], dtype=np.int32)),
     (tn.TOP_P, np.array([[0.0]], dtype=np.float32)),
     (tn.TOP_P, np.array([[1.5]], dtype=np.float32)),
+    (tn.MIN_P, np.array([[-0.1]], dtype=np.float32)),
+    (tn.MIN_P, np.array([[1.5]], dtype=np.float32)),
+    (tn.MIN_P, np.array([[np.nan]], dtype=np.float32)),
     (tn.END_ID, np.array([[100]], dtype=np.int32)),
     (tn.MIN_LENGTH, np.array([[17]], dtype=np.int32)),  # over max_tokens (16)
     (tn.MIN_LENGTH, np.array([[-1]], dtype=np.int32)),
@@ -186,6 +190,7 @@ def test_vllm_sampling_parameters_stand_for_their_inputs():
     assert gen.sampling == SamplingParams(0.5, 0, pytest.approx(0.9), 3)  # vLLM's top_k -1 is "off": our 0
     assert gen.bad_words == ((97, 98), (99,))
     assert parse(**_vllm({"stop": ["a", "b"], "top_k": 5})).stop_words == ("a", "b")
+    assert parse(**_vllm({"min_p": "0.05"})).generation.sampling.min_p == pytest.approx(0.05)
     assert parse(**_vllm({})).generation.max_tokens == LIMITS.default_max_tokens
     penalised = parse(**_vllm({"repetition_penalty": "1.1", "presence_penalty": 0.5, "frequency_penalty": -1}))
     assert penalised.generation.penalties == Penalties(pytest.approx(1.1), 0.5, -1.0)

@@ -61,3 +61,30 @@ def test_seeded_generator_reproduces():
     g = make_generator(7)
     draws = {int(sample(probs, g)) for _ in range(50)}
     assert len(draws) > 1
+
+
+def test_min_p_keeps_tokens_at_least_min_p_times_the_most_likely():
+    probs_in = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    probs = logits_to_probs(probs_in.log(), SamplingParams(temperature=1.0, min_p=0.2))
+    # kept: p >= 0.2 * 0.5 = 0.1, i.e. the first three
+    torch.testing.assert_close(probs, torch.tensor([0.5, 0.3, 0.15, 0.0]) / 0.95)
+    only_max = logits_to_probs(probs_in.log(), SamplingParams(temperature=1.0, min_p=1.0))
+    assert torch.equal(only_max, torch.tensor([1.0, 0.0, 0.0, 0.0]))
+
+
+@pytest.mark.parametrize("params", [SamplingParams(0.8, 0, 1.0, min_p=0.05), SamplingParams(1.3, 40, 0.9, min_p=0.1),
+                                    SamplingParams(0.6, 0, 0.95, min_p=0.3), SamplingParams(1.0, 20, 1.0)])
+def test_processing_equals_transformers_warpers(params):
+    """Temperature, top-k, top-p and min-p as transformers' generate chains its warpers."""
+    from transformers.generation.logits_process import (MinPLogitsWarper, TemperatureLogitsWarper,
+                                                        TopKLogitsWarper, TopPLogitsWarper)
+    torch.manual_seed(1)
+    logits = torch.randn(4, 500) * 3
+    scores = TemperatureLogitsWarper(params.temperature)(None, logits.clone())
+    if params.top_k:
+        scores = TopKLogitsWarper(params.top_k)(None, scores)
+    if params.top_p < 1:
+        scores = TopPLogitsWarper(params.top_p)(None, scores)
+    if params.min_p:
+        scores = MinPLogitsWarper(params.min_p)(None, scores)
+    torch.testing.assert_close(logits_to_probs(logits, params), scores.softmax(-1))

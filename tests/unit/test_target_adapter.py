@@ -71,9 +71,11 @@ def test_a_step_is_parsed_from_one_listing_of_the_requests_inputs():
     draft = DraftModel.__new__(DraftModel)
     draft.lm = type("LM", (), {"logits_device": torch.device("cpu")})()
     request = _Request(**{tn.INPUT_IDS: [[1, 2]], tn.CACHE_LENGTH: [[0]], tn.NUM_DRAFT_TOKENS: [[5]],
-                          tn.TEMPERATURE: [[0.7]], tn.TOP_K: [[20]], tn.TOP_P: [[0.9]], tn.SEED: [[3]]})
+                          tn.TEMPERATURE: [[0.7]], tn.TOP_K: [[20]], tn.TOP_P: [[0.9]], tn.MIN_P: [[0.1]],
+                          tn.SEED: [[3]]})
     step = draft._parse_step(_inputs(request), 1)
     assert step.k == 5 and step.params.temperature == pytest.approx(0.7) and step.params.top_k == 20
+    assert step.params.min_p == pytest.approx(0.1)
     assert step.generator is not None and request.listed == 1
     with pytest.raises(ValueError, match=tn.INPUT_IDS):
         TargetModel.__new__(TargetModel)._parse_step(_inputs(_Request(**{tn.CACHE_LENGTH: [[0]]})), 1)

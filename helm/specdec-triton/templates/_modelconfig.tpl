@@ -55,6 +55,7 @@ input [
   { name: "temperature", data_type: TYPE_FP32, dims: [ 1 ], optional: true },
   { name: "top_k", data_type: TYPE_INT32, dims: [ 1 ], optional: true },
   { name: "top_p", data_type: TYPE_FP32, dims: [ 1 ], optional: true },
+  { name: "min_p", data_type: TYPE_FP32, dims: [ 1 ], optional: true },
   { name: "seed", data_type: TYPE_UINT64, dims: [ 1 ], optional: true },
   { name: "stream", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },
   { name: "end_id", data_type: TYPE_INT32, dims: [ 1 ], optional: true },
@@ -120,6 +121,7 @@ input [
   { name: "temperature", data_type: TYPE_FP32, dims: [ 1 ], optional: true },
   { name: "top_k", data_type: TYPE_INT32, dims: [ 1 ], optional: true },
   { name: "top_p", data_type: TYPE_FP32, dims: [ 1 ], optional: true },
+  { name: "min_p", data_type: TYPE_FP32, dims: [ 1 ], optional: true },
   { name: "seed", data_type: TYPE_UINT64, dims: [ 1 ], optional: true },
   { name: "release", data_type: TYPE_BOOL, dims: [ 1 ], optional: true }
 ]
@@ -166,6 +168,7 @@ input [
   { name: "temperature", data_type: TYPE_FP32, dims: [ 1 ], optional: true },
   { name: "top_k", data_type: TYPE_INT32, dims: [ 1 ], optional: true },
   { name: "top_p", data_type: TYPE_FP32, dims: [ 1 ], optional: true },
+  { name: "min_p", data_type: TYPE_FP32, dims: [ 1 ], optional: true },
   { name: "seed", data_type: TYPE_UINT64, dims: [ 1 ], optional: true },
   { name: "stream", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },
   { name: "end_id", data_type: TYPE_INT32, dims: [ 1 ], optional: true },

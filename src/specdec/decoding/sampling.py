@@ -20,6 +20,7 @@ class SamplingParams:
     top_k: int = tn.DEFAULT_TOP_K  # keep the k most likely tokens; 0 = off
     top_p: float = tn.DEFAULT_TOP_P  # keep the smallest set whose mass reaches top_p; 1 = off
     seed: int | None = None  # makes a sampled request reproducible
+    min_p: float = tn.DEFAULT_MIN_P  # keep tokens with probability >= min_p x the largest; 0 = off
 
     @property
     def greedy(self) -> bool:
@@ -48,7 +49,8 @@ def token_log_probs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Processed next-token distributions.
+    """Processed next-token distributions: temperature, then top-k, top-p and min-p (transformers'
+    order of its warpers).
 
     logits: (..., V) float. Returns (..., V) float32 probabilities summing to 1 over V.
     Greedy params give a one-hot distribution on the argmax.
@@ -68,6 +70,10 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         drop_sorted = mass_before >= params.top_p
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
+    if params.min_p > 0.0:
+        # Drop tokens less likely than min_p x the most likely one (which always stays).
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < params.min_p * probs.max(-1, keepdim=True).values, float("-inf"))
     return logits.softmax(-1)
 
 

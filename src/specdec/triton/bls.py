@@ -91,6 +91,8 @@ class BlsProposer(_SequenceModel):
                 tn.TOP_P: np.array([[params.top_p]], dtype=np.float32),
                 tn.SEED: np.array([[round_seed]], dtype=np.uint64),
             })
+            if params.min_p:
+                inputs[tn.MIN_P] = np.array([[params.min_p]], dtype=np.float32)
         outputs = [tn.DRAFT_TOKENS] + ([] if params.greedy else [tn.DRAFT_PROBS])
         result = await self._call(seq_id, inputs, outputs)
         probs = None if params.greedy else _torch(result[tn.DRAFT_PROBS])[0]

@@ -326,6 +326,7 @@ class DraftModel(LanguageModelAdapter):
             temperature=float(_scalar(inputs, tn.TEMPERATURE, tn.DEFAULT_TEMPERATURE)),
             top_k=int(_scalar(inputs, tn.TOP_K, tn.DEFAULT_TOP_K)),
             top_p=float(_scalar(inputs, tn.TOP_P, tn.DEFAULT_TOP_P)),
+            min_p=float(_scalar(inputs, tn.MIN_P, tn.DEFAULT_MIN_P)),
         )
         seed = _scalar(inputs, tn.SEED, None)
         return {"k": int(_scalar(inputs, tn.NUM_DRAFT_TOKENS, 1)), "params": params,

@@ -31,7 +31,8 @@ class InputError(ValueError):
 # are inputs of ours under another form (vLLM's top_k -1 is "off", our 0). Any other key is refused by name.
 SAMPLING_PARAMETER_KEYS = {
     "max_tokens": (tn.MAX_TOKENS, np.int32), "temperature": (tn.TEMPERATURE, np.float32),
-    "top_p": (tn.TOP_P, np.float32), "top_k": (tn.TOP_K, np.int32), "seed": (tn.SEED, np.uint64),
+    "top_p": (tn.TOP_P, np.float32), "top_k": (tn.TOP_K, np.int32), "min_p": (tn.MIN_P, np.float32),
+    "seed": (tn.SEED, np.uint64),
     "min_tokens": (tn.MIN_TOKENS, np.int32), "ignore_eos": (tn.IGNORE_EOS, np.bool_),
     "stop": (tn.STOP_WORDS, np.object_), "bad_words": (tn.BAD_WORDS, np.object_),
     "repetition_penalty": (tn.REPETITION_PENALTY, np.float32), "presence_penalty": (tn.PRESENCE_PENALTY, np.float32),
@@ -121,6 +122,9 @@ class ParsedRequest:
         top_p = inputs.scalar(tn.TOP_P, np.float32, tn.DEFAULT_TOP_P)
         if not 0.0 < top_p <= 1.0:
             raise InputError(f"input '{tn.TOP_P}' must be within (0, 1], got {top_p}")
+        min_p = inputs.scalar(tn.MIN_P, np.float32, tn.DEFAULT_MIN_P)
+        if not 0.0 <= min_p <= 1.0:  # also rejects NaN
+            raise InputError(f"input '{tn.MIN_P}' must be within [0, 1], got {min_p}")
         seed = inputs.scalar(tn.SEED, np.uint64, None)
         penalties = _penalties(inputs)
         end_id = inputs.scalar(tn.END_ID, np.int32, None)
@@ -134,7 +138,7 @@ class ParsedRequest:
         draft_name = names[0] if names else limits.draft_names[0]
         if len(names) > 1 or draft_name not in limits.draft_names:
             raise InputError(f"input '{tn.DRAFT_MODEL}' must be one of {sorted(limits.draft_names)}, got {names}")
-        sampling = SamplingParams(temperature, top_k, top_p, seed)
+        sampling = SamplingParams(temperature, top_k, top_p, seed, min_p)
         generation = GenerationRequest(
             seq_id=seq_id if seq_id is not None else random.getrandbits(63) | 1,
             prompt_ids=prompt_ids,
