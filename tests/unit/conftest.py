@@ -1,18 +1,47 @@
+import asyncio
 import copy
 
+import numpy as np
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 
+def tiny_llama(vocab_size: int, seed: int, initializer_range: float, max_positions: int):
+    """A tiny llama built from a config with a fixed seed (no download), float64 for exact comparisons."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
+                         initializer_range=initializer_range)
+    return LlamaForCausalLM(config).to(torch.float64).eval()
+
+
 @pytest.fixture(scope="session")
 def tiny_lm():
-    """A tiny llama built from a config with a fixed seed (no download), float64 for exact comparisons."""
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         initializer_range=0.5)
-    return LlamaForCausalLM(config).to(torch.float64).eval()
+    return tiny_llama(97, seed=0, initializer_range=0.5, max_positions=256)
+
+
+def run_fixed_k(req, proposer, scorer, k):
+    """The tokens the decode loop generates for req with a fixed draft length k."""
+    from specdec.decoding.draft_length import DraftLengthPolicy
+    from specdec.decoding.loop import generate
+
+    async def main():
+        return [t async for rnd in generate(req, proposer, scorer, DraftLengthPolicy.fixed(k)) for t in rnd.new_tokens]
+    return asyncio.run(main())
+
+
+class FakeTensor:
+    """A pb_utils.Tensor's read side: name() and as_numpy()."""
+
+    def __init__(self, name, value):
+        self._name, self._value = name, np.asarray(value)
+
+    def name(self):
+        return self._name
+
+    def as_numpy(self):
+        return self._value
 
 
 def noisy_copy(target):

@@ -2,21 +2,19 @@
 (greedy speculative output equals greedy target-only decoding under the same bans; sampled output follows
 the target's banned distribution)."""
 
-import asyncio
 import math
 import random
 
 import pytest
 import torch
 from specdec.decoding.bad_words import banned_tokens, mask_banned
-from specdec.decoding.draft_length import DraftLengthPolicy
-from specdec.decoding.loop import GenerationRequest, generate
+from specdec.decoding.loop import GenerationRequest
 from specdec.decoding.ngram_proposer import NgramProposer
 from specdec.decoding.sampling import SamplingParams
 from specdec.engine.executor import CausalLM
 from specdec.engine.local import LocalProposer, LocalScorer
 
-from .conftest import noisy_copy
+from .conftest import noisy_copy, run_fixed_k
 
 PROMPT = [5, 17, 3, 5, 17, 3, 8, 40, 5, 17]
 
@@ -61,12 +59,6 @@ def test_mask_sets_banned_logits_to_minus_infinity_in_a_copy():
     assert mask_banned(logits, [[], [], []]) is logits
 
 
-def _run(req, proposer, scorer, k):
-    async def main():
-        return [t async for rnd in generate(req, proposer, scorer, DraftLengthPolicy.fixed(k)) for t in rnd.new_tokens]
-    return asyncio.run(main())
-
-
 def _reference_greedy(model, prompt, n, bad_words):
     """Greedy decoding one token at a time over the whole sequence, banned tokens masked by definition."""
     tokens = list(prompt)
@@ -85,12 +77,12 @@ def _contains(output, word):
 
 @pytest.mark.parametrize("draft,k", [("none", 0), ("draft_model", 3), ("ngram", 4)])
 def test_greedy_speculation_under_bans_is_greedy_target_decoding_under_them(tiny_lm, draft, k):
-    plain = _run(GenerationRequest(seq_id=1, prompt_ids=PROMPT, max_tokens=30), NgramProposer(),
+    plain = run_fixed_k(GenerationRequest(seq_id=1, prompt_ids=PROMPT, max_tokens=30), NgramProposer(),
                  LocalScorer(CausalLM(tiny_lm)), 0)
     # Ban what greedy decoding does produce: a one-token word and a two-token word of its output.
     bad_words = ((plain[2],), (plain[6], plain[7]))
     proposer = NgramProposer(min_ngram=1) if draft == "ngram" else LocalProposer(CausalLM(noisy_copy(tiny_lm)))
-    output = _run(GenerationRequest(seq_id=2, prompt_ids=PROMPT, max_tokens=30, bad_words=bad_words),
+    output = run_fixed_k(GenerationRequest(seq_id=2, prompt_ids=PROMPT, max_tokens=30, bad_words=bad_words),
                   proposer, LocalScorer(CausalLM(tiny_lm)), k)
     assert output != plain
     assert output == _reference_greedy(tiny_lm, PROMPT, 30, bad_words)
@@ -113,7 +105,7 @@ def test_sampled_speculation_follows_the_targets_banned_distribution(tiny_lm):
     counts = torch.zeros(len(expected), dtype=torch.float64)
     seconds = []
     for seed in range(n):
-        out = _run(GenerationRequest(seq_id=10 + seed, prompt_ids=PROMPT, max_tokens=2, bad_words=bad_words,
+        out = run_fixed_k(GenerationRequest(seq_id=10 + seed, prompt_ids=PROMPT, max_tokens=2, bad_words=bad_words,
                                      sampling=SamplingParams(temperature=1.0, seed=seed)),
                    proposer, LocalScorer(target), 1)
         counts[out[0]] += 1

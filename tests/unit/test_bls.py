@@ -10,17 +10,10 @@ from specdec import tensor_names as tn
 from specdec.decoding.sampling import SamplingParams
 from specdec.triton.bls import BlsProposer
 
+from .conftest import FakeTensor
 
-class _Tensor:
-    def __init__(self, name, value):
-        self._name, self._value = name, np.asarray(value)
 
-    def name(self):
-        return self._name
-
-    def as_numpy(self):
-        return self._value
-
+class _Tensor(FakeTensor):
     def is_cpu(self):
         return True
 

@@ -2,24 +2,21 @@
 and transformers, and the decode loop with real tiny models (greedy speculative output equals greedy
 target-only decoding under the same penalties; sampled output follows the penalised target)."""
 
-import asyncio
 import itertools
 import math
 import random
 
 import pytest
 import torch
-from specdec.decoding.draft_length import DraftLengthPolicy
-from specdec.decoding.loop import GenerationRequest, generate
+from specdec.decoding.loop import GenerationRequest
 from specdec.decoding.ngram_proposer import NgramProposer
 from specdec.decoding.penalties import Penalties, TokenOccurrences, penalize
 from specdec.decoding.sampling import SamplingParams
 from specdec.engine.executor import CausalLM
 from specdec.engine.local import LocalProposer, LocalScorer
-from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
-from .conftest import noisy_copy
+from .conftest import noisy_copy, run_fixed_k, tiny_llama
 
 PROMPT = [5, 17, 3, 5, 17, 3, 8, 40, 5, 17]
 
@@ -92,12 +89,6 @@ def test_occurrences_grow_with_the_output_and_a_round_sees_its_drafts():
     assert columns.tolist() == [4, 2, 7] and counts.shape == present.shape == (2, 3)
 
 
-def _run(req, proposer, scorer, k):
-    async def main():
-        return [t async for rnd in generate(req, proposer, scorer, DraftLengthPolicy.fixed(k)) for t in rnd.new_tokens]
-    return asyncio.run(main())
-
-
 def _reference_greedy(model, prompt, n, penalties):
     """Greedy decoding one token at a time over the whole sequence, penalised by definition."""
     tokens = list(prompt)
@@ -113,10 +104,10 @@ PENALTIES = Penalties(repetition=1.5, presence=0.5, frequency=0.8)
 
 @pytest.mark.parametrize("draft,k", [("none", 0), ("draft_model", 3), ("ngram", 4)])
 def test_greedy_speculation_under_penalties_is_greedy_target_decoding_under_them(tiny_lm, draft, k):
-    plain = _run(GenerationRequest(seq_id=1, prompt_ids=PROMPT, max_tokens=30), NgramProposer(),
+    plain = run_fixed_k(GenerationRequest(seq_id=1, prompt_ids=PROMPT, max_tokens=30), NgramProposer(),
                  LocalScorer(CausalLM(tiny_lm)), 0)
     proposer = NgramProposer(min_ngram=1) if draft == "ngram" else LocalProposer(CausalLM(noisy_copy(tiny_lm)))
-    output = _run(GenerationRequest(seq_id=2, prompt_ids=PROMPT, max_tokens=30, penalties=PENALTIES),
+    output = run_fixed_k(GenerationRequest(seq_id=2, prompt_ids=PROMPT, max_tokens=30, penalties=PENALTIES),
                   proposer, LocalScorer(CausalLM(tiny_lm)), k)
     assert output != plain
     assert output == _reference_greedy(tiny_lm, PROMPT, 30, PENALTIES)
@@ -127,7 +118,7 @@ def test_greedy_repetition_penalty_matches_transformers_generate(tiny_lm):
         theirs = tiny_lm.generate(torch.tensor([PROMPT]), max_new_tokens=24, do_sample=False, repetition_penalty=1.4,
                                   attention_mask=torch.ones(1, len(PROMPT), dtype=torch.long),
                                   pad_token_id=0, eos_token_id=None)[0, len(PROMPT):].tolist()
-    ours = _run(GenerationRequest(seq_id=3, prompt_ids=PROMPT, max_tokens=24, penalties=Penalties(repetition=1.4)),
+    ours = run_fixed_k(GenerationRequest(seq_id=3, prompt_ids=PROMPT, max_tokens=24, penalties=Penalties(repetition=1.4)),
                 LocalProposer(CausalLM(noisy_copy(tiny_lm))), LocalScorer(CausalLM(tiny_lm)), 3)
     assert ours == theirs
 
@@ -135,11 +126,7 @@ def test_greedy_repetition_penalty_matches_transformers_generate(tiny_lm):
 @pytest.fixture(scope="module")
 def small_vocab_lm():
     """A tiny llama with 8 token ids, so the exact distribution of three sampled tokens can be enumerated."""
-    torch.manual_seed(3)
-    config = LlamaConfig(vocab_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         initializer_range=0.3)
-    return LlamaForCausalLM(config).to(torch.float64).eval()
+    return tiny_llama(8, seed=3, initializer_range=0.3, max_positions=64)
 
 
 def _exact_joint(model, prompt, penalties, length):
@@ -176,7 +163,7 @@ def test_sampled_speculation_follows_the_penalised_target(small_vocab_lm):
     n = 3000
     seen_pairs, seen_thirds = {}, {}
     for seed in range(n):
-        out = _run(GenerationRequest(seq_id=100 + seed, prompt_ids=prompt, max_tokens=3, penalties=penalties,
+        out = run_fixed_k(GenerationRequest(seq_id=100 + seed, prompt_ids=prompt, max_tokens=3, penalties=penalties,
                                      sampling=SamplingParams(temperature=1.0, seed=seed)),
                    proposer, LocalScorer(target), 2)
         seen_pairs[tuple(out[:2])] = seen_pairs.get(tuple(out[:2]), 0) + 1

@@ -7,6 +7,8 @@ import torch
 from specdec.engine.executor import CacheError, CausalLM, Step
 from specdec.triton.language_models import TargetModel
 
+from .conftest import FakeTensor
+
 
 def test_one_execution_answers_each_step_with_its_own_tokens_and_errors_in_place(tiny_lm):
     adapter = TargetModel.__new__(TargetModel)  # the step logic only: no Triton stub here
@@ -35,15 +37,7 @@ def test_an_execution_of_errors_only_returns_the_errors(tiny_lm):
         raise result
 
 
-class _Tensor:
-    def __init__(self, name, value):
-        self._name, self._value = name, np.asarray(value)
-
-    def name(self):
-        return self._name
-
-    def as_numpy(self):
-        return self._value
+_Tensor = FakeTensor
 
 
 class _Request:
