@@ -4,7 +4,7 @@ names TensorRT-LLM's and vLLM's clients send).
 At a position whose preceding tokens are prompt + generated, a token's logit l becomes
     l / r  (l > 0)  or  l * r  (l <= 0)         if the token occurs in prompt + generated  (repetition r)
     then  - f * count - p * [count > 0]           count: its occurrences in generated  (frequency f, presence p)
-before temperature, top-k and top-p (and before the greedy argmax). The repetition rule is transformers'
+before temperature, top-k, top-p and min-p (and before the greedy argmax). The repetition rule is transformers'
 `repetition_penalty`; presence and frequency count generated tokens only, as vLLM and OpenAI do.
 
 Speculation stays exact: verify position j penalises with the round's drafts x_1..x_j as generated
