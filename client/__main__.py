@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from client.core import ClientError, GenerationParams
 from client.sync import Client
+from specdec import tensor_names as tn
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,6 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chat-template", dest="apply_chat_template", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--log-probs", dest="return_log_probs", action="store_true", default=None,
                    help="print each output token's log-probability under the target (and their sum)")
+    p.add_argument("--guide-type", choices=tn.GUIDE_TYPES,
+                   help="structured output: the text follows --guide (json: any JSON object, no --guide needed)")
+    p.add_argument("--guide", help="a JSON schema, regex, GBNF/Lark grammar or JSON list of choices; @FILE reads a file")
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--require-output", action="store_true",
                    help="exit 2 unless the answer has text and finished by length or stop (a smoke test)")
@@ -53,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
         presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
         draft_model=args.draft_model, apply_chat_template=args.apply_chat_template,
         adaptive_draft=args.adaptive_draft, min_length=args.min_length, ignore_eos=args.ignore_eos,
-        return_log_probs=args.return_log_probs)
+        return_log_probs=args.return_log_probs, guide_type=args.guide_type,
+        guide=Path(args.guide[1:]).read_text() if args.guide and args.guide.startswith("@") else args.guide)
     client = Client(args.url, args.protocol, args.model, args.timeout)
 
     def show(delta: str) -> None:

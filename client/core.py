@@ -61,6 +61,10 @@ class GenerationParams:
     draft_model: str | None = None
     apply_chat_template: bool | None = None
     return_log_probs: bool | None = None  # each token's log-probability under the target (result.log_probs)
+    # Structured output: json | json_schema | regex | ebnf_grammar | choice, and its schema, pattern, grammar or
+    # JSON list of choices (none for json: any JSON object)
+    guide_type: str | None = None
+    guide: str | None = None
 
     def tensors(self, prompt: str, stream: bool) -> dict[str, np.ndarray]:
         """Input tensors (batch of one) by name."""
@@ -84,6 +88,9 @@ class GenerationParams:
         for name, words in ((tn.STOP_WORDS, self.stop_words), (tn.BAD_WORDS, self.bad_words)):
             if words:
                 arrays[name] = np.array([[w.encode("utf-8") for w in words]], dtype=np.object_)
+        for name, text in ((tn.GUIDED_DECODING_GUIDE_TYPE, self.guide_type), (tn.GUIDED_DECODING_GUIDE, self.guide)):
+            if text is not None:
+                arrays[name] = np.array([[text.encode("utf-8")]], dtype=np.object_)
         return arrays
 
     def json(self, prompt: str, stream: bool) -> dict:
@@ -98,6 +105,9 @@ class GenerationParams:
         for name, words in ((tn.STOP_WORDS, self.stop_words), (tn.BAD_WORDS, self.bad_words)):
             if words:
                 body[name] = list(words)
+        for name, text in ((tn.GUIDED_DECODING_GUIDE_TYPE, self.guide_type), (tn.GUIDED_DECODING_GUIDE, self.guide)):
+            if text is not None:
+                body[name] = text
         return body
 
 

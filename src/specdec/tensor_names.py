@@ -39,6 +39,13 @@ PAD_ID = "pad_id"  # INT32 [1]: a token id >= 0; no effect (responses carry no p
 DRAFT_MODEL = "draft_model"  # STRING [1]: which configured draft model proposes
 APPLY_CHAT_TEMPLATE = "apply_chat_template"  # BOOL [1]
 RETURN_LOG_PROBS = "return_log_probs"  # BOOL [1]: also return each generated token's log-probability
+# Structured output (TensorRT-LLM's names; decoding/grammar.py): the output follows a guide of this type,
+# one of GUIDE_TYPES. vLLM's `sampling_parameters` key `guided_decoding` (or `structured_outputs`) says the same.
+GUIDED_DECODING_GUIDE_TYPE = "guided_decoding_guide_type"  # STRING [1]
+GUIDED_DECODING_GUIDE = "guided_decoding_guide"  # STRING [1]: the schema, pattern, grammar or choices
+# json: any JSON object (the guide is empty); json_schema: a JSON schema; regex; ebnf_grammar: GBNF or Lark;
+# choice: a JSON list of strings, the output is one of them
+GUIDE_TYPES = ("json", "json_schema", "regex", "ebnf_grammar", "choice")
 
 # ---- ensemble outputs ------------------------------------------------------------------------
 TEXT_OUTPUT = "text_output"  # STRING [-1]

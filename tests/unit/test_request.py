@@ -222,3 +222,63 @@ def test_sampling_parameters_keep_the_inputs_rules():
         parse(**_vllm({"temperature": -1}))
     with pytest.raises(InputError, match=f"'{tn.PRESENCE_PENALTY}' must be within \\[-2, 2\\]"):
         parse(**_vllm({"presence_penalty": 3}))
+
+
+def _compile_guide(guide_type, guide):
+    """A stand-in compiler: the guide as it arrived, refusing the word "bad"."""
+    from specdec.decoding.grammar import GuideError
+    if guide == "bad":
+        raise GuideError("does not compile")
+    return (guide_type, guide)
+
+
+def parse_guided(**inputs):
+    arrays = {tn.INPUT_IDS: np.array([[5, 6, 7]], dtype=np.int32)}
+    arrays.update({name: value if isinstance(value, np.ndarray) else np.array([[value]], dtype=np.object_)
+                   for name, value in inputs.items()})
+    return ParsedRequest.parse(arrays.get, LIMITS, seq_id=7, encode=_encode, compile_guide=_compile_guide)
+
+
+def test_a_guide_comes_as_tensorrt_llms_inputs_or_vllms_guided_decoding():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    assert parse_guided().generation.grammar is None
+    assert parse_guided(**{tn.GUIDED_DECODING_GUIDE_TYPE: b"", tn.GUIDED_DECODING_GUIDE: b""}).generation.grammar is None
+    assert parse_guided(**{tn.GUIDED_DECODING_GUIDE_TYPE: b"regex", tn.GUIDED_DECODING_GUIDE: b"[0-9]+"}
+                        ).generation.grammar == ("regex", "[0-9]+")
+    assert parse_guided(**{tn.GUIDED_DECODING_GUIDE_TYPE: b"json"}).generation.grammar == ("json", "")
+    for key in ("guided_decoding", "structured_outputs"):
+        for value in ({"json": schema, "backend": "xgrammar"}, json.dumps({"json": json.dumps(schema)})):
+            assert parse_guided(**_vllm({key: value})).generation.grammar == ("json_schema", json.dumps(schema))
+    vllm = {"regex": ("regex", "a+"), "choice": ("choice", json.dumps(["x", "y"])), "grammar": ("ebnf_grammar", "g"),
+            "json_object": ("json", "")}
+    for key, expected in vllm.items():
+        value = {"regex": "a+", "choice": ["x", "y"], "grammar": "g", "json_object": True}[key]
+        assert parse_guided(**_vllm({"guided_decoding": {key: value, "whitespace_pattern": None}})).generation.grammar == expected
+    # A guided request's greedy rounds fetch the target's logits, to mask them.
+    assert parse_guided(**{tn.GUIDED_DECODING_GUIDE_TYPE: b"json"}).generation.edits_logits
+
+
+@pytest.mark.parametrize("inputs, message", [
+    ({tn.GUIDED_DECODING_GUIDE_TYPE: b"xml", tn.GUIDED_DECODING_GUIDE: b"<a/>"},
+     f"'{tn.GUIDED_DECODING_GUIDE_TYPE}' must be one of json, json_schema"),
+    ({tn.GUIDED_DECODING_GUIDE: b"[0-9]"}, f"'{tn.GUIDED_DECODING_GUIDE}' needs '{tn.GUIDED_DECODING_GUIDE_TYPE}'"),
+    ({tn.GUIDED_DECODING_GUIDE_TYPE: b"regex", tn.GUIDED_DECODING_GUIDE: b"bad"},
+     f"'{tn.GUIDED_DECODING_GUIDE}' \\(regex\\): does not compile"),
+    (_vllm({"guided_decoding": {"regex": "a", "choice": ["b"]}}), "exactly one of json, regex"),
+    (_vllm({"guided_decoding": {}}), "exactly one of json, regex.*none"),
+    (_vllm({"guided_decoding": "{oops"}), "key 'guided_decoding' is not valid JSON"),
+    (_vllm({"guided_decoding": ["a"]}), "key 'guided_decoding' must be an object"),
+    (_vllm({"guided_decoding": {"regex": 5}}), "'regex' must be a string"),
+    (_vllm({"guided_decoding": {"json_object": "yes"}}), "'json_object' must be true"),
+    (_vllm({"guided_decoding": {"regex": "a", "whitespace_pattern": " "}}), "'whitespace_pattern' is supported only at None"),
+    (_vllm({"guided_decoding": {"regex": "a", "structural_tag": "t"}}), "'structural_tag' is not supported"),
+    ({**_vllm({"structured_outputs": {"regex": "a"}}), tn.GUIDED_DECODING_GUIDE_TYPE: b"json"},
+     f"key 'structured_outputs' and input '{tn.GUIDED_DECODING_GUIDE_TYPE}'"),
+    (_vllm({"structured_outputs": {"regex": "a"}, "guided_decoding": {"regex": "b"}}), "are one setting"),
+])
+def test_bad_guides_are_refused_by_name(inputs, message):
+    with pytest.raises(InputError, match=message):
+        parse_guided(**inputs)
+    with pytest.raises(InputError, match="not supported here"):  # no tokenizer, no grammar
+        ParsedRequest.parse({tn.INPUT_IDS: np.array([[5]], dtype=np.int32),
+                             tn.GUIDED_DECODING_GUIDE_TYPE: np.array([[b"json"]], dtype=np.object_)}.get, LIMITS)

@@ -73,7 +73,9 @@ input [
   { name: "exclude_input_in_output", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },
   { name: "draft_model", data_type: TYPE_STRING, dims: [ 1 ], optional: true },
   { name: "apply_chat_template", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },
-  { name: "return_log_probs", data_type: TYPE_BOOL, dims: [ 1 ], optional: true }
+  { name: "return_log_probs", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },
+  { name: "guided_decoding_guide_type", data_type: TYPE_STRING, dims: [ 1 ], optional: true },
+  { name: "guided_decoding_guide", data_type: TYPE_STRING, dims: [ 1 ], optional: true }
 ]
 output [
   { name: "input_ids", data_type: TYPE_INT32, dims: [ -1 ] },
@@ -182,7 +184,9 @@ input [
   { name: "frequency_penalty", data_type: TYPE_FP32, dims: [ 1 ], optional: true },
   { name: "sampling_parameters", data_type: TYPE_STRING, dims: [ 1 ], optional: true },
   { name: "draft_model", data_type: TYPE_STRING, dims: [ 1 ], optional: true },
-  { name: "return_log_probs", data_type: TYPE_BOOL, dims: [ 1 ], optional: true }
+  { name: "return_log_probs", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },
+  { name: "guided_decoding_guide_type", data_type: TYPE_STRING, dims: [ 1 ], optional: true },
+  { name: "guided_decoding_guide", data_type: TYPE_STRING, dims: [ 1 ], optional: true }
 ]
 output [
   { name: "output_ids", data_type: TYPE_INT32, dims: [ -1 ] },

@@ -27,6 +27,7 @@ import torch
 from specdec import tensor_names as tn
 from specdec.decoding.bad_words import banned_tokens, mask_banned
 from specdec.decoding.draft_length import DraftLengthPolicy
+from specdec.decoding.grammar import Grammar, GrammarMatcher, mask_disallowed
 from specdec.decoding.interfaces import NoCapacity, Proposal, Proposer, Scorer, Scores
 from specdec.decoding.penalties import Penalties, TokenOccurrences, penalize
 from specdec.decoding.rejection_sampler import Verdict, greedy_verify, rejection_sample
@@ -44,11 +45,12 @@ class GenerationRequest:
     log_probs: bool = False  # report each generated token's log-probability under the target
     bad_words: tuple[tuple[int, ...], ...] = ()  # token sequences the output never contains (bad_words.py)
     penalties: Penalties = Penalties()  # repetition / presence / frequency (penalties.py)
+    grammar: Grammar | None = None  # structured output: the output follows it (grammar.py)
 
     @property
     def edits_logits(self) -> bool:
         """Whether the target's logits are changed before anything reads them (so greedy rounds need them)."""
-        return bool(self.bad_words) or self.penalties.active
+        return bool(self.bad_words) or self.penalties.active or self.grammar is not None
 
 
 @dataclass
@@ -99,6 +101,7 @@ async def generate(req: GenerationRequest, proposer: Proposer, scorer: Scorer, p
     generator = None if req.sampling.greedy else make_generator(req.sampling.seed)
     drafted_ever = False
     occurrences = TokenOccurrences(req.prompt_ids) if req.penalties.active else None
+    matcher = req.grammar.matcher() if req.grammar is not None else None
     try:
         while True:
             # Never draft past max_tokens: the bonus token always fills the last slot.
@@ -112,6 +115,8 @@ async def generate(req: GenerationRequest, proposer: Proposer, scorer: Scorer, p
                 policy.observe_draft(k, time.perf_counter() - started)
                 draft_valid = proposal.cached_length
                 drafted_ever = True
+                if matcher is not None and (req.sampling.greedy or proposal.probs is None):
+                    proposal = _within_grammar(proposal, matcher)  # exact only for these (grammar.py)
                 k = len(proposal.tokens)  # no proposal (an n-gram miss) = a plain target-only round
                 if cancelled is not None and cancelled():
                     yield RoundOutput([], 0, 0, tn.FINISH_CANCELLED)
@@ -129,7 +134,7 @@ async def generate(req: GenerationRequest, proposer: Proposer, scorer: Scorer, p
                 policy.observe_verify(k + 1, time.perf_counter() - started)
             if scores.forward:
                 policy.observe_forward(scores.forward)
-            logits = _edited_logits(req, tokens, proposal.tokens, scores.logits, occurrences)
+            logits = _edited_logits(req, tokens, proposal.tokens, scores.logits, occurrences, matcher)
             verdict = _verify(proposal, scores, logits, req.sampling, generator)
             policy.update(k, verdict.num_accepted)
             if shadow.tokens:  # would its first token have been accepted? (greedy: the target's token)
@@ -144,7 +149,11 @@ async def generate(req: GenerationRequest, proposer: Proposer, scorer: Scorer, p
                 occurrences.add_output(new)
             _record(stats, k, verdict.num_accepted)
 
-            new, finish = _apply_stops(new, req.end_ids, req.max_tokens - generated, req.min_tokens - generated)
+            end = matcher.advance(new) if matcher is not None else None  # the grammar complete: it ends here
+            new, finish = _apply_stops(new if end is None else new[:end], req.end_ids, req.max_tokens - generated,
+                                       req.min_tokens - generated)
+            if end is not None and len(new) == end:
+                finish = tn.FINISH_STOP
             generated += len(new)
             yield RoundOutput(new, k, verdict.num_accepted, finish, log_probs and log_probs[:len(new)])
             if finish:
@@ -173,10 +182,10 @@ async def _score(scorer: Scorer, req: GenerationRequest, keep: int, new_ids: lis
 
 
 def _edited_logits(req: GenerationRequest, tokens: list[int], draft: list[int], logits: torch.Tensor | None,
-                   occurrences: TokenOccurrences | None) -> torch.Tensor | None:
+                   occurrences: TokenOccurrences | None, matcher: GrammarMatcher | None = None) -> torch.Tensor | None:
     """The target's logits [k+1, V] under the request's penalties (`occurrences`: its tokens so far), then
-    its bans (position j follows tokens + draft[:j]); unchanged when it has neither, None when none were
-    shipped."""
+    its bans and its grammar (`matcher`: at the output so far; position j follows tokens + draft[:j]);
+    unchanged when it has none of them, None when none were shipped."""
     if logits is None or not req.edits_logits:
         return logits
     if occurrences is not None:
@@ -184,7 +193,18 @@ def _edited_logits(req: GenerationRequest, tokens: list[int], draft: list[int], 
         logits = penalize(logits, *occurrences.rows(draft, positions, width, logits.device), req.penalties)
     if req.bad_words:
         logits = mask_banned(logits, banned_tokens(tokens, draft, req.bad_words, logits.shape[0]))
+    if matcher is not None:
+        logits = mask_disallowed(logits, matcher.allowed(draft, *logits.shape))
     return logits
+
+
+def _within_grammar(proposal: Proposal, matcher: GrammarMatcher) -> Proposal:
+    """The proposal cut before its first token the grammar refuses (for greedy or deterministic drafts)."""
+    valid = matcher.valid_prefix(proposal.tokens)
+    if valid == len(proposal.tokens):
+        return proposal
+    probs = None if proposal.probs is None else proposal.probs[:valid]
+    return Proposal(proposal.tokens[:valid], probs, proposal.cached_length)
 
 
 def _verify(proposal: Proposal, scores: Scores, logits: torch.Tensor | None, params: SamplingParams,

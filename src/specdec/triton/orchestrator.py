@@ -19,6 +19,7 @@ import numpy as np
 
 from specdec import tensor_names as tn
 from specdec.decoding.draft_length import CostModel, DraftLengthPolicy
+from specdec.decoding.grammar import GuideCompiler
 from specdec.decoding.interfaces import NoCapacity
 from specdec.decoding.loop import GenerationRequest, Stats, generate
 from specdec.decoding.ngram_proposer import NgramProposer
@@ -45,6 +46,7 @@ class SpeculativeDecodingAdapter(TritonAdapter):
     def load(self, params: ModelParameters, args: dict) -> None:
         pb_utils = self.pb
         self.tokenizer = load_tokenizer(params.str("tokenizer_path"))
+        self.guides = GuideCompiler(self.tokenizer)  # structured output's grammars over the same tokenizer
         eos = self.tokenizer.eos_token_id
         self.limits = RequestLimits.from_parameters(params, len(self.tokenizer),
                                                     frozenset([] if eos is None else [int(eos)]))
@@ -101,7 +103,8 @@ class SpeculativeDecodingAdapter(TritonAdapter):
             return None if tensor is None else tensor.as_numpy()
 
         try:
-            parsed = ParsedRequest.parse(lookup, self.limits, encode=self._encode_word)
+            parsed = ParsedRequest.parse(lookup, self.limits, encode=self._encode_word,
+                                         compile_guide=self.guides.compile)
         except InputError as exc:
             self.metrics.requests["invalid"].increment(1)
             # Triton 24.10's stub registers an async execute's future only after scheduling it; a coroutine

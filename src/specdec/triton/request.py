@@ -14,6 +14,7 @@ from typing import Callable
 import numpy as np
 
 from specdec import tensor_names as tn
+from specdec.decoding.grammar import Grammar, GuideError
 from specdec.decoding.loop import GenerationRequest
 from specdec.decoding.penalties import Penalties
 from specdec.decoding.sampling import SamplingParams
@@ -21,6 +22,7 @@ from specdec.triton.config import ModelParameters
 
 InputLookup = Callable[[str], "np.ndarray | None"]  # input name -> its array, None when the request has none
 Encode = Callable[[str], "list[int]"]  # text -> token ids, without special tokens (the target's tokenizer)
+CompileGuide = Callable[[str, str], Grammar]  # (guide type, guide) -> its grammar; raises GuideError
 
 
 class InputError(ValueError):
@@ -40,6 +42,13 @@ SAMPLING_PARAMETER_KEYS = {
 }
 # Settings vLLM's clients send at their neutral values: accepted at those (or null), refused otherwise.
 NEUTRAL_SAMPLING_PARAMETERS = {"n": 1, "best_of": 1}
+# vLLM's structured-output settings (an object, or its JSON): one of these keys names the guide ...
+GUIDED_DECODING_KEYS = ("guided_decoding", "structured_outputs")
+GUIDE_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "ebnf_grammar",
+              "json_object": "json"}
+# ... and these may come at their neutral values (`backend`: any; this server has one).
+NEUTRAL_GUIDE_KEYS = {"whitespace_pattern": None, "disable_fallback": False, "disable_any_whitespace": False,
+                      "disable_additional_properties": False}
 
 
 @dataclass(frozen=True)
@@ -90,12 +99,12 @@ class ParsedRequest:
 
     @classmethod
     def parse(cls, lookup: InputLookup, limits: RequestLimits, seq_id: int | None = None,
-              encode: Encode | None = None) -> ParsedRequest:
+              encode: Encode | None = None, compile_guide: CompileGuide | None = None) -> ParsedRequest:
         """Validate a request's inputs against `limits`; raises InputError naming the input.
 
         seq_id keys both models' KV caches; by default a fresh random one (nonzero: 0 means "no
-        sequence" to Triton). `encode` turns bad words into token sequences (required when a request
-        has any)."""
+        sequence" to Triton). `encode` turns bad words into token sequences and `compile_guide` a guide
+        into its grammar (each required when a request has any)."""
         inputs = _Inputs(_with_sampling_parameters(lookup))
         prompt_ids = inputs.array(tn.INPUT_IDS, np.int32)
         if prompt_ids is None or prompt_ids.size == 0:
@@ -149,6 +158,7 @@ class ParsedRequest:
             log_probs=bool(inputs.scalar(tn.RETURN_LOG_PROBS, np.bool_, False)),
             bad_words=bad_words,
             penalties=penalties,
+            grammar=_grammar(inputs, compile_guide),
         )
         # A seeded sampled request must be reproducible: measured costs vary from run to run, and a
         # different K changes which random draws pick which token, so it drafts a fixed K.
@@ -173,13 +183,21 @@ def _with_sampling_parameters(lookup: InputLookup) -> InputLookup:
         raise InputError(f"{field} must be a JSON object, got {type(settings).__name__}")
     arrays: dict[str, np.ndarray] = {}
     for key, value in settings.items():
+        if key in GUIDED_DECODING_KEYS and value is not None:
+            for name in (tn.GUIDED_DECODING_GUIDE_TYPE, tn.GUIDED_DECODING_GUIDE):
+                if lookup(name) is not None or name in arrays:
+                    raise InputError(f"{field}: key {key!r} and input '{name}' (or another such key) are one setting; "
+                                     f"send one of them")
+            arrays.update(_guide_setting(f"{field}: key {key!r}", value))
+            continue
         if value is None or (key in NEUTRAL_SAMPLING_PARAMETERS and not isinstance(value, bool)
                              and value == NEUTRAL_SAMPLING_PARAMETERS[key]):
             continue  # unset, or a setting speculative decoding does not have at its neutral value
         if key in NEUTRAL_SAMPLING_PARAMETERS:
             raise InputError(f"{field}: key {key!r} is supported only at {NEUTRAL_SAMPLING_PARAMETERS[key]}, got {value!r}")
         if key not in SAMPLING_PARAMETER_KEYS:
-            raise InputError(f"{field}: key {key!r} is not supported (supported: {', '.join(SAMPLING_PARAMETER_KEYS)}; "
+            raise InputError(f"{field}: key {key!r} is not supported (supported: {', '.join(SAMPLING_PARAMETER_KEYS)}, "
+                             f"{', '.join(GUIDED_DECODING_KEYS)}; "
                              f"at their neutral values: {', '.join(NEUTRAL_SAMPLING_PARAMETERS)})")
         name, dtype = SAMPLING_PARAMETER_KEYS[key]
         if lookup(name) is not None:
@@ -188,6 +206,59 @@ def _with_sampling_parameters(lookup: InputLookup) -> InputLookup:
         if key == "top_k" and arrays[name].item() == -1:
             arrays[name] = np.zeros((1, 1), dtype=np.int32)
     return lambda name: arrays[name] if name in arrays else lookup(name)
+
+
+def _guide_setting(what: str, value) -> dict[str, np.ndarray]:
+    """vLLM's guided_decoding / structured_outputs object (or its JSON) as our two guide inputs."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as exc:
+            raise InputError(f"{what} is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise InputError(f"{what} must be an object, got {type(value).__name__}")
+    guides = {key: v for key, v in value.items() if key in GUIDE_KEYS and v is not None and v is not False}
+    for key, v in value.items():
+        if key in NEUTRAL_GUIDE_KEYS and v is not None and v != NEUTRAL_GUIDE_KEYS[key]:
+            raise InputError(f"{what}: {key!r} is supported only at {NEUTRAL_GUIDE_KEYS[key]!r}, got {v!r}")
+        if key not in GUIDE_KEYS and key not in NEUTRAL_GUIDE_KEYS and key != "backend":
+            raise InputError(f"{what}: {key!r} is not supported (one of {', '.join(GUIDE_KEYS)})")
+    if len(guides) != 1:
+        raise InputError(f"{what} must set exactly one of {', '.join(GUIDE_KEYS)}, got {sorted(guides) or 'none'}")
+    (key, guide), = guides.items()
+    if key == "json_object":
+        if guide is not True:
+            raise InputError(f"{what}: 'json_object' must be true, got {guide!r}")
+        guide = ""
+    elif key in ("json", "choice") and not isinstance(guide, str):
+        guide = json.dumps(guide)  # a schema object or a list of choices, as the guide's JSON text
+    elif not isinstance(guide, str):
+        raise InputError(f"{what}: {key!r} must be a string, got {type(guide).__name__}")
+    return {tn.GUIDED_DECODING_GUIDE_TYPE: np.array([[GUIDE_KEYS[key]]], dtype=np.object_),
+            tn.GUIDED_DECODING_GUIDE: np.array([[guide]], dtype=np.object_)}
+
+
+def _grammar(inputs: _Inputs, compile_guide: CompileGuide | None) -> Grammar | None:
+    """The request's structured-output grammar (TensorRT-LLM's two inputs), None when it has none."""
+    types, guides = inputs.strings(tn.GUIDED_DECODING_GUIDE_TYPE), inputs.strings(tn.GUIDED_DECODING_GUIDE)
+    for name, values in ((tn.GUIDED_DECODING_GUIDE_TYPE, types), (tn.GUIDED_DECODING_GUIDE, guides)):
+        if len(values) > 1:
+            raise InputError(f"input '{name}' must hold exactly one string, got {len(values)}")
+    guide_type, guide = (types or [""])[0], (guides or [""])[0]
+    if not guide_type:  # TensorRT-LLM's clients send "" for none
+        if guide:
+            raise InputError(f"input '{tn.GUIDED_DECODING_GUIDE}' needs '{tn.GUIDED_DECODING_GUIDE_TYPE}' "
+                             f"(one of {', '.join(tn.GUIDE_TYPES)})")
+        return None
+    if guide_type not in tn.GUIDE_TYPES:
+        raise InputError(f"input '{tn.GUIDED_DECODING_GUIDE_TYPE}' must be one of {', '.join(tn.GUIDE_TYPES)}, "
+                         f"got {guide_type!r}")
+    if compile_guide is None:
+        raise InputError(f"input '{tn.GUIDED_DECODING_GUIDE_TYPE}' is not supported here (no tokenizer)")
+    try:
+        return compile_guide(guide_type, guide)
+    except GuideError as exc:
+        raise InputError(f"input '{tn.GUIDED_DECODING_GUIDE}' ({guide_type}): {exc}") from None
 
 
 def _setting(what: str, value, dtype) -> np.ndarray:

@@ -1,0 +1,212 @@
+"""Structured output: each verify position's mask against a matcher that never saw the drafts, the end of a
+grammar, and the decode loop with real tiny models over SmolLM2's tokenizer (greedy speculative output
+equals constrained greedy target-only decoding; sampled output follows the constrained target exactly)."""
+
+import json
+import math
+
+import llguidance
+import numpy as np
+import pytest
+import torch
+from specdec.decoding.grammar import GuideCompiler, GuideError
+from specdec.decoding.interfaces import Proposal
+from specdec.decoding.loop import GenerationRequest, _within_grammar
+from specdec.decoding.ngram_proposer import NgramProposer
+from specdec.decoding.sampling import SamplingParams
+from specdec.decoding.text import load_tokenizer
+from specdec.engine.executor import CausalLM
+from specdec.engine.local import LocalProposer, LocalScorer
+from specdec.serving.pairs import smollm2_tokenizer_dir
+
+from .conftest import noisy_copy, run_fixed_k, tiny_llama
+
+EOS = 2  # SmolLM2's <|im_end|>
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+          "properties": {"name": {"type": "string", "maxLength": 6}, "age": {"type": "integer", "minimum": 0, "maximum": 99}},
+          "x-guidance": {"whitespace_flexible": False}}
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(str(smollm2_tokenizer_dir()))
+
+
+@pytest.fixture(scope="module")
+def guides(tokenizer):
+    return GuideCompiler(tokenizer)
+
+
+@pytest.fixture(scope="module")
+def lm():
+    """A tiny llama over SmolLM2's whole vocabulary, so that grammars over its tokenizer apply."""
+    return tiny_llama(49152, seed=0, initializer_range=0.5, max_positions=512)
+
+
+def _reference_allowed(guides, grammar, prefix):
+    """The set of tokens allowed after `prefix`, from a fresh matcher that consumed it one token at a time."""
+    matcher = llguidance.LLMatcher(guides.tokenizer, grammar.definition, log_level=0)
+    assert matcher.consume_tokens(prefix)
+    bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
+    return set(np.flatnonzero(bits[:guides.tokenizer.vocab_size]).tolist())
+
+
+def test_each_position_allows_what_follows_the_output_and_the_drafts_before_it(guides, tokenizer):
+    grammar = guides.compile("json_schema", json.dumps(SCHEMA))
+    matcher = grammar.matcher()
+    output = tokenizer.encode('{"name":"Bo', add_special_tokens=False)
+    assert matcher.advance(output) is None
+    draft = tokenizer.encode('b","age":4', add_special_tokens=False)
+    width = 49200  # a padded head: the columns past the tokenizer's vocabulary are never allowed
+    allowed = matcher.allowed(draft, len(draft) + 1, width)
+    assert allowed.shape == (len(draft) + 1, width) and not allowed[:, 49152:].any()
+    for j in range(len(draft) + 1):
+        assert set(allowed[j].nonzero().flatten().tolist()) == _reference_allowed(guides, grammar, output + draft[:j])
+    # Position 1 of a draft whose first token the grammar refuses follows that token: it allows everything
+    # (the verdict never reads it); the matcher is where it was.
+    refused = tokenizer.encode("\n", add_special_tokens=False)  # no raw newline inside a JSON string
+    assert matcher.valid_prefix(refused + draft) == 0
+    again = matcher.allowed(refused + draft, 3, 49152)
+    assert again[1:].all() and torch.equal(again[0], allowed[0, :49152])
+    assert matcher.valid_prefix(draft) == len(draft)
+
+
+def test_the_output_ends_where_the_grammar_ends(guides, tokenizer):
+    grammar = guides.compile("json_schema", json.dumps(SCHEMA))
+    complete = tokenizer.encode('{"name":"Bob","age":42}', add_special_tokens=False)
+    matcher = grammar.matcher()
+    assert matcher.advance(complete[:3]) is None
+    assert matcher.advance(complete[3:] + [EOS]) == len(complete) - 3  # nothing may follow "}": it ends there
+    # A grammar that may go on or end: its end-of-sequence token ends it and is dropped.
+    digits = guides.compile("regex", "[0-9]+").matcher()
+    assert digits.advance([tokenizer.convert_tokens_to_ids("4"), EOS]) == 1
+
+
+@pytest.mark.parametrize("guide_type,guide,message", [
+    ("regex", "[0-9", "unclosed character class"), ("json_schema", "{", "expected"),
+    ("json_schema", '{"type": "foo"}', "foo"), ("choice", "[]", "JSON list of non-empty strings"),
+    ("choice", '["a", 3]', "JSON list"), ("ebnf_grammar", "root ::= (", "Expected"), ("regex", " ", "empty"),
+    ("xml", "<a/>", "unknown guide type")])
+def test_a_guide_that_does_not_compile_says_why(guides, guide_type, guide, message):
+    with pytest.raises(GuideError, match=message):
+        guides.compile(guide_type, guide)
+
+
+def _reference_greedy(model, guides, grammar, prompt, n):
+    """Target-only greedy decoding one token at a time under the grammar, ending where the grammar ends."""
+    tokens, output = list(prompt), []
+    matcher = llguidance.LLMatcher(guides.tokenizer, grammar.definition, log_level=0)
+    with torch.no_grad():
+        while len(output) < n and not matcher.is_stopped():
+            logits = model(torch.tensor([tokens])).logits[0, -1]
+            allowed = torch.zeros_like(logits, dtype=torch.bool)
+            allowed[list(_reference_allowed(guides, grammar, output))] = True
+            token = int(logits.masked_fill(~allowed, float("-inf")).argmax())
+            assert matcher.consume_token(token)
+            if matcher.stop_reason() == "EndOfSentence":
+                break
+            tokens.append(token)
+            output.append(token)
+    return output
+
+
+@pytest.mark.parametrize("draft,k", [("none", 0), ("draft_model", 3), ("ngram", 4)])
+def test_greedy_speculation_under_a_schema_is_constrained_greedy_target_decoding(lm, guides, tokenizer, draft, k):
+    grammar = guides.compile("json_schema", json.dumps(SCHEMA))
+    prompt = tokenizer.encode('Answer in JSON, e.g. {"name":"Ann","age":7}: ', add_special_tokens=False)
+    proposer = NgramProposer(min_ngram=1) if draft == "ngram" else LocalProposer(CausalLM(noisy_copy(lm)))
+    output = run_fixed_k(GenerationRequest(seq_id=1, prompt_ids=prompt, max_tokens=40, grammar=grammar,
+                                           end_ids=frozenset([EOS])), proposer, LocalScorer(CausalLM(lm)), k)
+    assert output == _reference_greedy(lm, guides, grammar, prompt, 40)
+    value = json.loads(tokenizer.decode(output))
+    assert set(value) == {"name", "age"} and len(value["name"]) <= 6 and 0 <= value["age"] <= 99
+    plain = run_fixed_k(GenerationRequest(seq_id=2, prompt_ids=prompt, max_tokens=len(output)), NgramProposer(),
+                        LocalScorer(CausalLM(lm)), 0)
+    assert plain != output  # the random model left to itself writes no JSON
+
+
+def test_greedy_and_deterministic_proposals_are_cut_before_a_refused_token_sampled_ones_are_not(guides, tokenizer):
+    matcher = guides.compile("regex", "[0-9]+").matcher()
+    digit, letter = tokenizer.convert_tokens_to_ids("4"), tokenizer.convert_tokens_to_ids("a")
+    cut = _within_grammar(Proposal([digit, digit, letter, digit], None, 10), matcher)
+    assert cut.tokens == [digit, digit] and cut.probs is None and cut.cached_length == 10
+    probs = torch.rand(4, 49152)
+    cut = _within_grammar(Proposal([digit, letter, digit, digit], probs, 10), matcher)
+    assert cut.tokens == [digit] and torch.equal(cut.probs, probs[:1])
+    # In the loop, a sampled draft model's proposal stays whole (grammar.py): counted in the round's drafts.
+
+
+COLOURS = ["red", "green", "blue", "purple"]
+
+
+def _exact_choice_distribution(model, guides, grammar, tokenizer, prompt):
+    """P(text) of sampling the constrained target token by token (temperature 1), every tokenization of
+    every choice enumerated."""
+    result: dict[str, float] = {}
+
+    def walk(output, probability):
+        matcher = llguidance.LLMatcher(guides.tokenizer, grammar.definition, log_level=0)
+        assert matcher.consume_tokens(output)
+        if matcher.is_stopped():
+            text = tokenizer.decode(output)
+            result[text] = result.get(text, 0.0) + probability
+            return
+        allowed = sorted(_reference_allowed(guides, grammar, output))
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + output])).logits[0, -1]
+        probs = torch.softmax(logits[allowed], -1)
+        for token, p in zip(allowed, probs.tolist()):
+            assert token != EOS  # no choice is a prefix of another: the grammar ends after each
+            walk(output + [token], probability * p)
+
+    walk([], 1.0)
+    return result
+
+
+class MixedProposer:
+    """A sampled draft whose every token comes from one fixed distribution: mostly tokens of the choices,
+    often one the grammar refuses. Cutting such a proposal at that token would bias the output: a test
+    that this draft passes tells a kept proposal from a cut one."""
+
+    def __init__(self, tokenizer):
+        words = ["gr", "purple", "p", "red", "blue"]  # "gr": the target's likeliest first token
+        ids = [tokenizer.convert_tokens_to_ids(w) for w in words] + [tokenizer.convert_tokens_to_ids("x")]
+        assert all(isinstance(i, int) and i > EOS for i in ids)
+        self.probs = torch.zeros(49152)
+        self.probs[ids] = torch.tensor([0.35, 0.05, 0.05, 0.05, 0.05, 0.45])
+
+    async def propose(self, seq_id, keep, new_ids, k, params, round_seed, reserve=0):
+        generator = torch.Generator().manual_seed(round_seed)
+        tokens = torch.multinomial(self.probs, k, replacement=True, generator=generator).tolist()
+        return Proposal(tokens, self.probs.expand(k, -1).clone(), keep + len(new_ids) + k - 1)
+
+    async def release(self, seq_id):
+        pass
+
+
+@pytest.mark.parametrize("draft,k", [("mixed", 2), ("draft_model", 2), ("ngram", 3)])
+def test_sampled_speculation_follows_the_constrained_target(lm, guides, tokenizer, draft, k):
+    """Which colour comes out, against the exact distribution of sampling the constrained target. Sampled
+    proposals are kept whole (a draft model's, and one that often proposes a refused token), prompt lookup's
+    are cut at a refused token."""
+    grammar = guides.compile("choice", json.dumps(COLOURS))
+    prompt = tokenizer.encode("Pick one: red, green, blue, purple. purple? purple", add_special_tokens=False)
+    exact = _exact_choice_distribution(lm, guides, grammar, tokenizer, prompt)
+    assert set(exact) == set(COLOURS) and math.isclose(sum(exact.values()), 1.0, rel_tol=1e-9)
+    target = CausalLM(lm)
+    proposer = {"mixed": lambda: MixedProposer(tokenizer), "draft_model": lambda: LocalProposer(CausalLM(noisy_copy(lm))),
+                "ngram": lambda: NgramProposer(min_ngram=1)}[draft]()
+    n = 1500
+    seen: dict[str, int] = {}
+    for seed in range(n):
+        out = run_fixed_k(GenerationRequest(seq_id=10 + seed, prompt_ids=prompt, max_tokens=8, grammar=grammar,
+                                            sampling=SamplingParams(temperature=1.0, seed=seed)),
+                          proposer, LocalScorer(target), k)
+        text = tokenizer.decode(out)
+        seen[text] = seen.get(text, 0) + 1
+    assert set(seen) <= set(COLOURS)
+    tv = 0.5 * sum(abs(seen.get(c, 0) / n - p) for c, p in exact.items())
+    noise = 0.5 * sum(math.sqrt(2 * p * (1 - p) / (math.pi * n)) for p in exact.values())
+    assert tv < 2 * noise + 0.01, (tv, noise, seen, exact)
+    # The test can tell: the uniform choice is far from the exact distribution.
+    assert 0.5 * sum(abs(0.25 - p) for p in exact.values()) > 3 * (2 * noise + 0.01), exact
