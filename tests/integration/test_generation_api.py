@@ -492,6 +492,63 @@ def test_vllm_backend_client_requests_are_served(server):
     assert over_http[tn.TEXT_OUTPUT] == plain[tn.TEXT_OUTPUT]
 
 
+# ---- structured output ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def guides(hf_target):
+    from specdec.decoding.grammar import GuideCompiler
+
+    return GuideCompiler(hf_target[1])
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_structured_output_is_constrained_greedy_target_decoding(server, hf_target, guides, protocol):
+    """A JSON schema guide: target-only and speculative, streamed or not, the text is greedy decoding of the
+    served target masked token by token by a fresh matcher, and it parses as the schema says."""
+    from tests.unit.test_grammar import SCHEMA, constrained_greedy
+
+    model, tokenizer = hf_target
+    prompt = PROMPTS[2]
+    grammar = guides.compile("json_schema", json.dumps(SCHEMA))
+    expected = tokenizer.decode(constrained_greedy(model, guides, grammar, tokenizer(prompt).input_ids, 40))
+    value = json.loads(expected)
+    assert set(value) == {"name", "age"} and len(value["name"]) <= 6 and 0 <= value["age"] <= 99
+    client = Client(server.grpc_url if protocol == "grpc" else server.http_url, protocol=protocol)
+    for k in (0, 4):
+        for stream in (False, True):
+            params = GenerationParams(max_tokens=40, num_draft_tokens=k, guide_type="json_schema", guide=json.dumps(SCHEMA))
+            result = client.generate(prompt, params, stream=stream)
+            assert (result.text, result.finish_reason) == (expected, tn.FINISH_STOP), (k, stream)
+    # vLLM's form of the same guide.
+    settings = json.dumps({"max_tokens": 40, "guided_decoding": {"json": SCHEMA, "backend": "xgrammar"}})
+    assert http_generate(server.http_url, prompt, num_draft_tokens=4, sampling_parameters=settings)[tn.TEXT_OUTPUT] == expected
+
+
+def test_sampled_structured_output_keeps_to_its_guide(server):
+    """Seeded sampled requests with a choice, a regex and any-JSON guide: every answer follows its guide,
+    repeats exactly with its seed, and the seeds do not all give one answer."""
+    client = Client(server.grpc_url)
+    choices = ["red", "green", "blue", "purple"]
+    seen = set()
+    for seed in range(8):
+        settings = json.dumps({"temperature": 4.0, "seed": seed, "max_tokens": 8,  # this target likes "purple"
+                               "structured_outputs": {"choice": choices}})
+        answers = [http_generate(server.http_url, PROMPTS[0], num_draft_tokens=3, sampling_parameters=settings)
+                   for _ in range(2)]
+        assert answers[0][tn.TEXT_OUTPUT] == answers[1][tn.TEXT_OUTPUT] in choices
+        assert answers[0][tn.FINISH_REASON] == tn.FINISH_STOP
+        seen.add(answers[0][tn.TEXT_OUTPUT])
+    assert len(seen) > 1
+    for seed in range(3):
+        params = GenerationParams(max_tokens=24, num_draft_tokens=4, temperature=0.8, seed=seed,
+                                  guide_type="regex", guide="[a-z]{2,8}-[0-9]{3}")
+        assert re.fullmatch("[a-z]{2,8}-[0-9]{3}", client.generate(PROMPTS[1], params, stream=True).text)
+        any_json = client.generate(PROMPTS[1], dataclasses.replace(params, max_tokens=64, guide_type="json", guide=None))
+        if any_json.finish_reason == tn.FINISH_STOP:
+            assert isinstance(json.loads(any_json.text), dict)
+        else:  # cut by max_tokens: an object's beginning
+            assert any_json.text.startswith("{") and any_json.finish_reason == tn.FINISH_LENGTH
+
+
 # ---- validation --------------------------------------------------------------------------------------
 LONG_PROMPT = "word " * 1100
 
@@ -535,6 +592,14 @@ BAD_REQUESTS = {
                               "frequency_penalty"),
     "sampling_parameters_penalty": (PROMPTS[0], dict(sampling_parameters=np.array(
         [[b'{"frequency_penalty": -3}']], dtype=np.object_)), "frequency_penalty"),
+    "guide_type_unknown": (PROMPTS[0], dict(guided_decoding_guide_type=np.array([[b"xml"]], dtype=np.object_),
+                                            guided_decoding_guide=np.array([[b"<a/>"]], dtype=np.object_)),
+                           "guided_decoding_guide_type"),
+    "guide_does_not_compile": (PROMPTS[0], dict(guided_decoding_guide_type=np.array([[b"regex"]], dtype=np.object_),
+                                                guided_decoding_guide=np.array([[b"[0-9"]], dtype=np.object_)),
+                               "guided_decoding_guide"),
+    "guide_schema_invalid": (PROMPTS[0], dict(sampling_parameters=np.array(
+        [[b'{"guided_decoding": {"json": {"type": "foo"}}}']], dtype=np.object_)), "guided_decoding_guide"),
     "pad_id_negative": (PROMPTS[0], dict(pad_id=np.array([[-1]], dtype=np.int32)), "pad_id"),
     "beam_width_2": (PROMPTS[0], dict(beam_width=np.array([[2]], dtype=np.int32)), "beam_width"),
     "beam_width_wrong_dtype": (PROMPTS[0], dict(beam_width=np.array([[1]], dtype=np.uint32)), "beam_width"),

@@ -92,7 +92,7 @@ def test_a_guide_that_does_not_compile_says_why(guides, guide_type, guide, messa
         guides.compile(guide_type, guide)
 
 
-def _reference_greedy(model, guides, grammar, prompt, n):
+def constrained_greedy(model, guides, grammar, prompt, n):
     """Target-only greedy decoding one token at a time under the grammar, ending where the grammar ends."""
     tokens, output = list(prompt), []
     matcher = llguidance.LLMatcher(guides.tokenizer, grammar.definition, log_level=0)
@@ -117,7 +117,7 @@ def test_greedy_speculation_under_a_schema_is_constrained_greedy_target_decoding
     proposer = NgramProposer(min_ngram=1) if draft == "ngram" else LocalProposer(CausalLM(noisy_copy(lm)))
     output = run_fixed_k(GenerationRequest(seq_id=1, prompt_ids=prompt, max_tokens=40, grammar=grammar,
                                            end_ids=frozenset([EOS])), proposer, LocalScorer(CausalLM(lm)), k)
-    assert output == _reference_greedy(lm, guides, grammar, prompt, 40)
+    assert output == constrained_greedy(lm, guides, grammar, prompt, 40)
     value = json.loads(tokenizer.decode(output))
     assert set(value) == {"name", "age"} and len(value["name"]) <= 6 and 0 <= value["age"] <= 99
     plain = run_fixed_k(GenerationRequest(seq_id=2, prompt_ids=prompt, max_tokens=len(output)), NgramProposer(),
