@@ -2,6 +2,9 @@
 spread over several GPUs, in process and through a real server. Skipped without CUDA."""
 
 import asyncio
+import json
+import re
+
 import pytest
 import torch
 
@@ -111,6 +114,17 @@ def test_served_on_the_gpu_samples_with_a_draft_model(tmp_path, tiny_pair):
         min_p = [client.generate("Hello there", GenerationParams(max_tokens=24, num_draft_tokens=4, temperature=1.0,
                                                                  seed=11, min_p=0.1)) for _ in range(2)]
         assert min_p[0].text == min_p[1].text and min_p[0].total_draft_tokens > 0
+        # Structured output: the grammar's masks go to the logits on the device; greedy K=0 == K=4, a JSON
+        # that parses; a sampled guided request repeats with its seed.
+        from tests.unit.test_grammar import SCHEMA
+        guided = [client.generate("Once upon a time", GenerationParams(max_tokens=40, num_draft_tokens=k,
+                                                                       guide_type="json_schema", guide=json.dumps(SCHEMA)))
+                  for k in (0, 4)]
+        assert guided[0].text == guided[1].text and set(json.loads(guided[0].text)) == {"name", "age"}
+        guided_sampled = [client.generate("Hello there", GenerationParams(
+            max_tokens=24, num_draft_tokens=4, temperature=1.0, seed=11, guide_type="regex",
+            guide="[a-z]{2,8}-[0-9]{3}")).text for _ in range(2)]
+        assert guided_sampled[0] == guided_sampled[1] and re.fullmatch("[a-z]{2,8}-[0-9]{3}", guided_sampled[0])
     finally:
         own.stop()
 
