@@ -2,6 +2,7 @@
 grammar, and the decode loop with real tiny models over SmolLM2's tokenizer (greedy speculative output
 equals constrained greedy target-only decoding; sampled output follows the constrained target exactly)."""
 
+import asyncio
 import json
 import math
 
@@ -136,7 +137,44 @@ def test_greedy_and_deterministic_proposals_are_cut_before_a_refused_token_sampl
     # In the loop, a sampled draft model's proposal stays whole (grammar.py): counted in the round's drafts.
 
 
+class CountingProposer(NgramProposer):
+    """Prompt lookup that counts its calls."""
+
+    calls = 0
+
+    async def propose(self, *args, **kwargs):
+        self.calls += 1
+        return await super().propose(*args, **kwargs)
+
+
+def test_text_the_grammar_forces_is_proposed_without_the_draft(lm, guides, tokenizer):
+    """A compact JSON schema forces its keys and their punctuation: those rounds propose that text's tokens
+    and call no proposer; the output is target-only decoding's, in fewer rounds."""
+    from specdec.decoding.draft_length import DraftLengthPolicy
+    from specdec.decoding.loop import Stats, generate
+
+    grammar = guides.compile("json_schema", json.dumps(SCHEMA))
+    matcher = grammar.matcher()
+    assert tokenizer.decode(matcher.forced(8)) == '{"name":"' and matcher.forced(1) == matcher.forced(8)[:1]
+    assert matcher.forced(0) == []
+    prompt = tokenizer.encode("JSON please: ", add_special_tokens=False)
+
+    async def run(k, proposer):
+        stats = Stats()
+        rounds = generate(GenerationRequest(seq_id=5, prompt_ids=prompt, max_tokens=40, grammar=grammar),
+                          proposer, LocalScorer(CausalLM(lm)), DraftLengthPolicy.fixed(k), stats)
+        return [t async for rnd in rounds for t in rnd.new_tokens], stats
+
+    plain, plain_stats = asyncio.run(run(0, NgramProposer()))  # K = 0: target-only, nothing forced
+    assert plain_stats.rounds == len(plain)  # one token a round; the grammar ends at "}"
+    proposer = CountingProposer()
+    output, stats = asyncio.run(run(4, proposer))
+    assert output == plain and stats.rounds < plain_stats.rounds and stats.accepted >= 5
+    assert proposer.calls < stats.rounds  # the forced rounds did not ask it
+
+
 COLOURS = ["red", "green", "blue", "purple"]
+PREFIXED = ["colour: red", "colour: green", "colour: blue"]  # "colour: " is forced: proposed free
 
 
 def _exact_choice_distribution(model, guides, grammar, tokenizer, prompt):
@@ -184,15 +222,16 @@ class MixedProposer:
         pass
 
 
-@pytest.mark.parametrize("draft,k", [("mixed", 2), ("draft_model", 2), ("ngram", 3)])
-def test_sampled_speculation_follows_the_constrained_target(lm, guides, tokenizer, draft, k):
+@pytest.mark.parametrize("choices,draft,k", [(COLOURS, "mixed", 2), (COLOURS, "draft_model", 2), (COLOURS, "ngram", 3),
+                                             (PREFIXED, "draft_model", 2)])
+def test_sampled_speculation_follows_the_constrained_target(lm, guides, tokenizer, choices, draft, k):
     """Which colour comes out, against the exact distribution of sampling the constrained target. Sampled
     proposals are kept whole (a draft model's, and one that often proposes a refused token), prompt lookup's
     are cut at a refused token."""
-    grammar = guides.compile("choice", json.dumps(COLOURS))
+    grammar = guides.compile("choice", json.dumps(choices))
     prompt = tokenizer.encode("Pick one: red, green, blue, purple. purple? purple", add_special_tokens=False)
     exact = _exact_choice_distribution(lm, guides, grammar, tokenizer, prompt)
-    assert set(exact) == set(COLOURS) and math.isclose(sum(exact.values()), 1.0, rel_tol=1e-9)
+    assert set(exact) == set(choices) and math.isclose(sum(exact.values()), 1.0, rel_tol=1e-9)
     target = CausalLM(lm)
     proposer = {"mixed": lambda: MixedProposer(tokenizer), "draft_model": lambda: LocalProposer(CausalLM(noisy_copy(lm))),
                 "ngram": lambda: NgramProposer(min_ngram=1)}[draft]()
@@ -204,9 +243,9 @@ def test_sampled_speculation_follows_the_constrained_target(lm, guides, tokenize
                           proposer, LocalScorer(target), k)
         text = tokenizer.decode(out)
         seen[text] = seen.get(text, 0) + 1
-    assert set(seen) <= set(COLOURS)
+    assert set(seen) <= set(choices)
     tv = 0.5 * sum(abs(seen.get(c, 0) / n - p) for c, p in exact.items())
     noise = 0.5 * sum(math.sqrt(2 * p * (1 - p) / (math.pi * n)) for p in exact.values())
     assert tv < 2 * noise + 0.01, (tv, noise, seen, exact)
     # The test can tell: the uniform choice is far from the exact distribution.
-    assert 0.5 * sum(abs(0.25 - p) for p in exact.values()) > 3 * (2 * noise + 0.01), exact
+    assert 0.5 * sum(abs(1 / len(choices) - p) for p in exact.values()) > 3 * (2 * noise + 0.01), exact

@@ -9,7 +9,10 @@ processing and the accept/reject test). Speculative output is then exactly targe
 same constraint: a drafted token the grammar refuses is never the target's greedy choice and has target
 probability 0 when sampling (always rejected; after it no position is read).
 
-Drafts: a greedy request's proposal, or a deterministic one (prompt lookup), is cut before its first token
+Drafts: where the grammar forces the next text (a JSON schema's next key, its quotes and colon), that
+text's tokens are the round's proposal, with no draft forward: a deterministic proposal, as prompt lookup's,
+so the output is unchanged and the target accepts them unless it prefers another tokenization. Otherwise a
+greedy request's proposal, or a deterministic one (prompt lookup), is cut before its first token
 the grammar refuses. The target would reject that token with certainty and then emit the same token
 (greedy) or sample from p_t itself (a one-hot draft's residual is p_t where p_t(x) = 0), so the cut changes
 no output and saves verify positions. A sampled draft model's proposal stays whole: whether it would be
@@ -94,7 +97,18 @@ class GrammarMatcher:
         self._matcher = llguidance.LLMatcher(grammar.tokenizer, grammar.definition, log_level=0)
         if self._matcher.is_error():
             raise GuideError(_short(self._matcher.get_error()))
+        self._tokenizer = grammar.tokenizer
         self.vocab_size = grammar.tokenizer.vocab_size
+
+    def forced(self, limit: int) -> list[int]:
+        """At most `limit` tokens spelling the text the grammar forces next (a schema's next key and its
+        punctuation), tokenized as the tokenizer would: a deterministic proposal that costs no draft forward.
+        The target still verifies it (it may prefer another tokenization of the same text)."""
+        text = self._matcher.compute_ff_bytes() if limit > 0 else b""
+        if not text:
+            return []
+        tokens = self._tokenizer.tokenize_bytes(text)[:limit]
+        return tokens[:self.valid_prefix(tokens)]
 
     def valid_prefix(self, tokens: list[int]) -> int:
         """How many leading `tokens` the grammar allows from here (no state change)."""

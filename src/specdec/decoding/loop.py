@@ -105,9 +105,14 @@ async def generate(req: GenerationRequest, proposer: Proposer, scorer: Scorer, p
     try:
         while True:
             # Never draft past max_tokens: the bonus token always fills the last slot.
-            k = max(0, min(policy.next_k(), req.max_tokens - generated - 1))
+            room = req.max_tokens - generated - 1
+            k = max(0, min(policy.next_k(), room))
             proposal = shadow = Proposal([], None, draft_valid)
-            if k > 0:
+            # Text the grammar forces is this round's proposal, free (grammar.py); K = 0 stays target-only.
+            forced = matcher.forced(min(policy.k_max, room)) if matcher is not None else []
+            if forced:
+                proposal, k = Proposal(forced, None, draft_valid), len(forced)
+            elif k > 0:
                 round_seed = int(torch.randint(0, 2**62, (1,), generator=generator)) if generator else 0
                 started = time.perf_counter()
                 proposal = await proposer.propose(req.seq_id, draft_valid, tokens[draft_valid:], k,
@@ -136,7 +141,8 @@ async def generate(req: GenerationRequest, proposer: Proposer, scorer: Scorer, p
                 policy.observe_forward(scores.forward)
             logits = _edited_logits(req, tokens, proposal.tokens, scores.logits, occurrences, matcher)
             verdict = _verify(proposal, scores, logits, req.sampling, generator)
-            policy.update(k, verdict.num_accepted)
+            if not forced:  # the policy learns the proposer's acceptance, not the grammar's
+                policy.update(k, verdict.num_accepted)
             if shadow.tokens:  # would its first token have been accepted? (greedy: the target's token)
                 policy.update(1, int(shadow.tokens[0] == verdict.next_token))
 
