@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.specdec-setup
 
-.PHONY: readme-examples soak setup serve test unit integration deploy-check image image-lock clean loadtest bench bench-concurrency bench-batching bench-gpu bench-executor bench-overhead
+.PHONY: readme-examples soak setup serve test unit integration deploy-check image image-lock clean loadtest bench bench-concurrency bench-batching bench-gpu bench-executor bench-overhead bench-structured
 
 setup: $(STAMP)
 
@@ -73,6 +73,11 @@ bench-executor: setup
 	$(PY) bench/executor_bench.py --out .cache/bench-executor.md $${BENCH_EXECUTOR_ARGS:-}
 
 # Where a served round's time goes (tiny pair): forwards, adapters, Triton, orchestrator. DEVICE=gpu too.
+# Structured output in process (no server): the grammar's forced text proposed free, against target-only
+# and prompt lookup alone, on the default pair.
+bench-structured: setup
+	$(PY) bench/structured_bench.py --out .cache/bench-structured.md
+
 bench-overhead: setup
 	$(PY) bench/round_overhead.py --device $${DEVICE:-cpu} --out .cache/bench-overhead.md
 

@@ -87,3 +87,18 @@ def test_concurrency_bench_compares_orchestrator_counts(tmp_path):
     for row in rows.values():
         one, two, ratio = float(row[2]), float(row[3]), float(row[4].strip().rstrip("x"))
         assert one > 0 and two > 0 and ratio == pytest.approx(two / one, abs=0.01)
+
+
+def test_structured_bench_runs_every_mode_with_equal_text(tmp_path):
+    """`make bench-structured` on the tiny pair: every schema, whitespace setting and proposal mode, the text
+    the same in all three, and forced text proposed (rounds fewer than tokens) where the JSON is compact."""
+    out = tmp_path / "structured.md"
+    result = subprocess.run([sys.executable, str(SCRIPT.parent / "structured_bench.py"), "--pair", "tiny",
+                             "--max-tokens", "16", "--repeats", "1", "--out", str(out)],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in out.read_text().splitlines()
+            if line.startswith("| ") and not line.startswith(("| schema", "| ---"))]
+    assert len(rows) == 12 and all(row[-1] == "yes" for row in rows)
+    forced = [row for row in rows if row[1] == "compact" and row[2] == "lookup + forced"]
+    assert forced and all(int(row[4]) < int(row[3]) for row in forced)

@@ -254,6 +254,13 @@ def test_a_guide_comes_as_tensorrt_llms_inputs_or_vllms_guided_decoding():
     for key, expected in vllm.items():
         value = {"regex": "a+", "choice": ["x", "y"], "grammar": "g", "json_object": True}[key]
         assert parse_guided(**_vllm({"guided_decoding": {key: value, "whitespace_pattern": None}})).generation.grammar == expected
+    # vLLM's disable_any_whitespace: a compact JSON guide (llguidance's option in the schema).
+    compact = parse_guided(**_vllm({"guided_decoding": {"json": schema, "disable_any_whitespace": True}})).generation
+    assert compact.grammar == ("json_schema", json.dumps({**schema, "x-guidance": {"whitespace_flexible": False}}))
+    compact = parse_guided(**_vllm({"guided_decoding": {"json_object": True, "disable_any_whitespace": True}}))
+    assert compact.generation.grammar == ("json_schema", json.dumps({"type": "object", "x-guidance": {"whitespace_flexible": False}}))
+    assert parse_guided(**_vllm({"guided_decoding": {"regex": "a", "disable_any_whitespace": True}})
+                        ).generation.grammar == ("regex", "a")
     # A guided request's greedy rounds fetch the target's logits, to mask them.
     assert parse_guided(**{tn.GUIDED_DECODING_GUIDE_TYPE: b"json"}).generation.edits_logits
 
@@ -272,6 +279,9 @@ def test_a_guide_comes_as_tensorrt_llms_inputs_or_vllms_guided_decoding():
     (_vllm({"guided_decoding": {"json_object": "yes"}}), "'json_object' must be true"),
     (_vllm({"guided_decoding": {"regex": "a", "whitespace_pattern": " "}}), "'whitespace_pattern' is supported only at None"),
     (_vllm({"guided_decoding": {"regex": "a", "structural_tag": "t"}}), "'structural_tag' is not supported"),
+    (_vllm({"guided_decoding": {"json": "[1]", "disable_any_whitespace": True}}), "must be a JSON schema object"),
+    (_vllm({"guided_decoding": {"json": "{", "disable_any_whitespace": True}}), "'json' is not valid JSON"),
+    (_vllm({"guided_decoding": {"regex": "a", "disable_any_whitespace": "yes"}}), "must be true or false"),
     ({**_vllm({"structured_outputs": {"regex": "a"}}), tn.GUIDED_DECODING_GUIDE_TYPE: b"json"},
      f"key 'structured_outputs' and input '{tn.GUIDED_DECODING_GUIDE_TYPE}'"),
     (_vllm({"structured_outputs": {"regex": "a"}, "guided_decoding": {"regex": "b"}}), "are one setting"),

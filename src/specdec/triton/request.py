@@ -46,9 +46,9 @@ NEUTRAL_SAMPLING_PARAMETERS = {"n": 1, "best_of": 1}
 GUIDED_DECODING_KEYS = ("guided_decoding", "structured_outputs")
 GUIDE_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "ebnf_grammar",
               "json_object": "json"}
-# ... and these may come at their neutral values (`backend`: any; this server has one).
-NEUTRAL_GUIDE_KEYS = {"whitespace_pattern": None, "disable_fallback": False, "disable_any_whitespace": False,
-                      "disable_additional_properties": False}
+# ... and these may come at their neutral values (`backend`: any; this server has one), but for
+# `disable_any_whitespace`: true makes a JSON guide compact (llguidance's whitespace_flexible: false).
+NEUTRAL_GUIDE_KEYS = {"whitespace_pattern": None, "disable_fallback": False, "disable_additional_properties": False}
 
 
 @dataclass(frozen=True)
@@ -221,7 +221,7 @@ def _guide_setting(what: str, value) -> dict[str, np.ndarray]:
     for key, v in value.items():
         if key in NEUTRAL_GUIDE_KEYS and v is not None and v != NEUTRAL_GUIDE_KEYS[key]:
             raise InputError(f"{what}: {key!r} is supported only at {NEUTRAL_GUIDE_KEYS[key]!r}, got {v!r}")
-        if key not in GUIDE_KEYS and key not in NEUTRAL_GUIDE_KEYS and key != "backend":
+        if key not in GUIDE_KEYS and key not in NEUTRAL_GUIDE_KEYS and key not in ("backend", "disable_any_whitespace"):
             raise InputError(f"{what}: {key!r} is not supported (one of {', '.join(GUIDE_KEYS)})")
     if len(guides) != 1:
         raise InputError(f"{what} must set exactly one of {', '.join(GUIDE_KEYS)}, got {sorted(guides) or 'none'}")
@@ -234,7 +234,20 @@ def _guide_setting(what: str, value) -> dict[str, np.ndarray]:
         guide = json.dumps(guide)  # a schema object or a list of choices, as the guide's JSON text
     elif not isinstance(guide, str):
         raise InputError(f"{what}: {key!r} must be a string, got {type(guide).__name__}")
-    return {tn.GUIDED_DECODING_GUIDE_TYPE: np.array([[GUIDE_KEYS[key]]], dtype=np.object_),
+    compact = value.get("disable_any_whitespace")
+    if compact not in (None, False, True):
+        raise InputError(f"{what}: 'disable_any_whitespace' must be true or false, got {compact!r}")
+    guide_type = GUIDE_KEYS[key]
+    if compact and guide_type in ("json", "json_schema"):  # other guides say their whitespace themselves
+        try:
+            schema = json.loads(guide) if guide else {"type": "object"}
+        except ValueError as exc:
+            raise InputError(f"{what}: 'json' is not valid JSON: {exc}") from None
+        if not isinstance(schema, dict):
+            raise InputError(f"{what}: 'json' must be a JSON schema object")
+        schema["x-guidance"] = {**schema.get("x-guidance", {}), "whitespace_flexible": False}
+        guide_type, guide = "json_schema", json.dumps(schema)
+    return {tn.GUIDED_DECODING_GUIDE_TYPE: np.array([[guide_type]], dtype=np.object_),
             tn.GUIDED_DECODING_GUIDE: np.array([[guide]], dtype=np.object_)}
 
 

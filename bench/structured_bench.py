@@ -1,0 +1,121 @@
+"""Structured output under speculation, in process (`make bench-structured`): what the grammar's forced text
+proposed as drafts is worth, against target-only decoding and prompt lookup alone, no server.
+
+For each JSON schema, with JSON's optional whitespace allowed (llguidance's default) or not
+(`"x-guidance": {"whitespace_flexible": false}`), greedy, it runs the real decode loop on the pair's target:
+
+  target-only        K = 0 (nothing is proposed, forced text included)
+  lookup             prompt lookup, K fixed, the grammar's forced text not proposed
+  lookup + forced    the same, with forced text proposed free where the grammar has some (the default)
+
+interleaved over --repeats, and prints tokens, rounds, tokens per round, tokens/s, the speedup over
+target-only and whether the three outputs are equal (they must be).
+
+    python bench/structured_bench.py                       # the default pair (SmolLM2-135M-Instruct)
+    python bench/structured_bench.py --pair tiny --max-tokens 24 --repeats 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from specdec.decoding.draft_length import DraftLengthPolicy  # noqa: E402
+from specdec.decoding.grammar import GrammarMatcher, GuideCompiler  # noqa: E402
+from specdec.decoding.loop import GenerationRequest, Stats, generate  # noqa: E402
+from specdec.decoding.ngram_proposer import NgramProposer  # noqa: E402
+from specdec.decoding.text import load_tokenizer  # noqa: E402
+from specdec.engine.executor import CausalLM, load_causal_lm  # noqa: E402
+from specdec.engine.local import LocalScorer  # noqa: E402
+from specdec.serving import pairs  # noqa: E402
+
+CASES = [
+    ("person", "Describe a fictional person as JSON.",
+     {"type": "object", "required": ["name", "age", "city", "occupation", "hobbies"],
+      "properties": {"name": {"type": "string"}, "age": {"type": "integer"}, "city": {"type": "string"},
+                     "occupation": {"type": "string"}, "hobbies": {"type": "array", "items": {"type": "string"}}}}),
+    ("book", "Recommend a classic novel as JSON.",
+     {"type": "object", "required": ["title", "author", "year", "genre", "rating"],
+      "properties": {"title": {"type": "string"}, "author": {"type": "string"}, "year": {"type": "integer"},
+                     "genre": {"type": "string"}, "rating": {"type": "number"}}}),
+]
+MODES = ("target-only", "lookup", "lookup + forced")
+
+
+async def _run(lm, tokenizer, grammar, prompt_ids, max_tokens, k):
+    stats = Stats()
+    req = GenerationRequest(seq_id=1, prompt_ids=prompt_ids, max_tokens=max_tokens, grammar=grammar,
+                            end_ids=frozenset([tokenizer.eos_token_id]))
+    started = time.perf_counter()
+    tokens = [t async for rnd in generate(req, NgramProposer(), LocalScorer(lm), DraftLengthPolicy.fixed(k), stats)
+              for t in rnd.new_tokens]
+    return tokens, stats, time.perf_counter() - started
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--pair", choices=("default", "tiny"), default="default")
+    p.add_argument("--num-draft-tokens", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=120)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", help="also write the table here")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    pair = pairs.default_pair() if args.pair == "default" else pairs.tiny_pair()
+    tokenizer = load_tokenizer(pair.tokenizer_path)
+    lm = CausalLM(load_causal_lm(pair.target_path, "cpu", pair.dtype))
+    guides = GuideCompiler(tokenizer)
+    forced = GrammarMatcher.forced
+    rows = []
+    for name, prompt, schema in CASES:
+        prompt_ids = list(tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                                        tokenize=True, return_dict=True)["input_ids"]
+                          if tokenizer.chat_template else tokenizer.encode(prompt))
+        for flexible in (True, False):
+            guide = schema if flexible else {**schema, "x-guidance": {"whitespace_flexible": False}}
+            grammar = guides.compile("json_schema", json.dumps(guide))
+            seconds = {mode: [] for mode in MODES}
+            outputs = {}
+            for _ in range(args.repeats):
+                for mode in MODES:  # interleaved: this machine's speed drifts
+                    GrammarMatcher.forced = forced if mode == "lookup + forced" else (lambda self, limit: [])
+                    try:
+                        k = 0 if mode == "target-only" else args.num_draft_tokens
+                        tokens, stats, took = asyncio.run(_run(lm, tokenizer, grammar, prompt_ids, args.max_tokens, k))
+                    finally:
+                        GrammarMatcher.forced = forced
+                    seconds[mode].append(took)
+                    outputs[mode] = (tokens, stats)
+            base = len(outputs["target-only"][0]) / statistics.median(seconds["target-only"])
+            equal = len({tuple(tokens) for tokens, _ in outputs.values()}) == 1
+            for mode in MODES:
+                tokens, stats = outputs[mode]
+                rate = len(tokens) / statistics.median(seconds[mode])
+                rows.append(f"| {name} | {'flexible' if flexible else 'compact'} | {mode} | {len(tokens)} | {stats.rounds} | "
+                            f"{len(tokens) / stats.rounds:.2f} | {stats.accepted}/{stats.drafted} | {rate:.1f} | "
+                            f"{rate / base:.2f}x | {'yes' if equal else 'NO'} |")
+    table = "\n".join([
+        f"{args.pair} pair, greedy, K={args.num_draft_tokens}, max_tokens={args.max_tokens}, {args.threads} torch threads, "
+        f"median of {args.repeats} interleaved runs, {platform.processor() or platform.machine()}",
+        "",
+        "| schema | whitespace | proposals | tokens | rounds | tokens/round | accepted/drafted | tokens/s | vs target-only | equal text |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |", *rows])
+    print(table)
+    if args.out:
+        Path(args.out).write_text(table + "\n")
+    return 0 if all(row.endswith("yes |") for row in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
