@@ -492,6 +492,38 @@ def test_vllm_backend_client_requests_are_served(server):
     assert over_http[tn.TEXT_OUTPUT] == plain[tn.TEXT_OUTPUT]
 
 
+def test_vllm_token_id_settings_are_served(server, hf_target, hf_greedy):
+    """sampling_parameters' logit_bias and allowed_token_ids give greedy decoding of the served target under
+    the definition; stop_token_ids end the text before the first of them. K 0 and 4, gRPC and HTTP."""
+    model, tokenizer = hf_target
+    prompt = PROMPTS[1]
+    plain_ids, plain_text = hf_greedy(prompt, 16)
+    bias = {plain_ids[0]: -100.0, plain_ids[3]: 5.0}
+    allowed = sorted(set(range(0, len(tokenizer), 3)) | set(bias))
+    ids = tokenizer(prompt).input_ids
+    expected = []
+    with torch.no_grad():
+        for _ in range(16):
+            logits = model(torch.tensor([ids + expected])).logits[0, -1]
+            keep = torch.full_like(logits, float("-inf"))
+            keep[allowed] = 0.0
+            for token, value in bias.items():
+                keep[token] += value
+            expected.append(int((logits + keep).argmax()))
+    expected_text = tokenizer.decode(expected, skip_special_tokens=True)
+    assert expected_text != plain_text
+    settings = {"max_tokens": 16, "logit_bias": {str(t): v for t, v in bias.items()}, "allowed_token_ids": allowed}
+    stop = plain_ids[4]
+    for k in (0, 4):
+        answer = http_generate(server.http_url, prompt, num_draft_tokens=k, end_id=0,
+                               sampling_parameters=json.dumps(settings))
+        assert answer[tn.TEXT_OUTPUT] == expected_text, k
+        stopped = grpc_stream(server.grpc_url, prompt, num_draft_tokens=k, end_id=0, sampling_parameters=np.array(
+            [[json.dumps({"max_tokens": 16, "stop_token_ids": [stop]}).encode()]], dtype=np.object_))
+        assert stopped[tn.TEXT_OUTPUT] == tokenizer.decode(plain_ids[:plain_ids.index(stop)], skip_special_tokens=True)
+        assert stopped[tn.FINISH_REASON] == tn.FINISH_STOP
+
+
 # ---- structured output ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def guides(hf_target):
@@ -579,9 +611,13 @@ BAD_REQUESTS = {
                             "stop_words"),
     "too_many_bad_words": (PROMPTS[0], dict(bad_words=np.array([[b" w%d" % i for i in range(17)]], dtype=np.object_)),
                            "bad_words"),
-    "sampling_parameters_unknown_key": (PROMPTS[0], dict(sampling_parameters=np.array([[b'{"logit_bias": {}}']],
+    "sampling_parameters_unknown_key": (PROMPTS[0], dict(sampling_parameters=np.array([[b'{"use_beam_search": true}']],
                                                                                       dtype=np.object_)),
-                                        "logit_bias"),
+                                        "use_beam_search"),
+    "logit_bias_out_of_range": (PROMPTS[0], dict(sampling_parameters=np.array([[b'{"logit_bias": {"5": 101}}']],
+                                                                              dtype=np.object_)), "logit_bias"),
+    "stop_token_id_beyond_vocabulary": (PROMPTS[0], dict(sampling_parameters=np.array(
+        [[b'{"stop_token_ids": [100000000]}']], dtype=np.object_)), "stop_token_ids"),
     "sampling_parameters_and_input": (PROMPTS[0], dict(max_tokens=5, sampling_parameters=np.array(
         [[b'{"max_tokens": 6}']], dtype=np.object_)), "sampling_parameters"),
     "repetition_penalty_zero": (PROMPTS[0], dict(repetition_penalty=np.array([[0.0]], dtype=np.float32)),

@@ -201,7 +201,18 @@ def test_vllm_sampling_parameters_stand_for_their_inputs():
     (np.array([[b"{not json"]], dtype=np.object_), "not valid JSON"),
     (np.array([[b"[1, 2]"]], dtype=np.object_), "JSON object"),
     (_vllm({"n": 2})[tn.SAMPLING_PARAMETERS], "key 'n' is supported only at 1"),
-    (_vllm({"logit_bias": {"5": 1}})[tn.SAMPLING_PARAMETERS], "key 'logit_bias' is not supported"),
+    (_vllm({"use_beam_search": True})[tn.SAMPLING_PARAMETERS], "key 'use_beam_search' is not supported"),
+    (_vllm({"logit_bias": [5]})[tn.SAMPLING_PARAMETERS], "key 'logit_bias' must be an object"),
+    (_vllm({"logit_bias": {"a": 1}})[tn.SAMPLING_PARAMETERS], "key 'logit_bias': 'a' is not a token id"),
+    (_vllm({"logit_bias": {"5": 100.5}})[tn.SAMPLING_PARAMETERS], "the bias of token 5 must be a number within"),
+    (_vllm({"logit_bias": {"5": "1"}})[tn.SAMPLING_PARAMETERS], "the bias of token 5 must be a number"),
+    (_vllm({"logit_bias": {"5": 1, "05": 2}})[tn.SAMPLING_PARAMETERS], "names a token id twice"),
+    (_vllm({"logit_bias": {"100": 1}})[tn.SAMPLING_PARAMETERS], "key 'logit_bias': token id 100 is not within"),
+    (_vllm({"allowed_token_ids": 5})[tn.SAMPLING_PARAMETERS], "key 'allowed_token_ids' must be a list"),
+    (_vllm({"allowed_token_ids": []})[tn.SAMPLING_PARAMETERS], "'allowed_token_ids' is empty"),
+    (_vllm({"stop_token_ids": [-1]})[tn.SAMPLING_PARAMETERS], "key 'stop_token_ids': token id -1 is not within"),
+    (_vllm({"stop_token_ids": [1.5]})[tn.SAMPLING_PARAMETERS], "key 'stop_token_ids': 1.5 is not a token id"),
+    (_vllm({"stop_token_ids": list(range(1025))})[tn.SAMPLING_PARAMETERS], "at most 1024"),
     (_vllm({"max_tokens": 1.5})[tn.SAMPLING_PARAMETERS], "key 'max_tokens' must be an integer"),
     (_vllm({"max_tokens": True})[tn.SAMPLING_PARAMETERS], "key 'max_tokens' must be an integer"),
     (_vllm({"temperature": "hot"})[tn.SAMPLING_PARAMETERS], "key 'temperature' must be a number"),
@@ -213,6 +224,17 @@ def test_vllm_sampling_parameters_stand_for_their_inputs():
 def test_bad_sampling_parameters_are_refused_by_name(value, message):
     with pytest.raises(InputError, match=f"'{tn.SAMPLING_PARAMETERS}'.*{message}"):
         parse(**{tn.SAMPLING_PARAMETERS: value})
+
+
+def test_vllm_token_id_settings_are_read():
+    from specdec.decoding.logit_bias import TokenBias
+
+    gen = parse(**_vllm({"logit_bias": {"5": -100, 7: 2.5}, "allowed_token_ids": [5, 7, 9],
+                         "stop_token_ids": [11, 12]})).generation
+    assert gen.token_bias == TokenBias(((5, -100.0), (7, 2.5)), frozenset([5, 7, 9])) and gen.edits_logits
+    assert gen.end_ids == frozenset([2, 11, 12])  # the end id, and the stop tokens beside it
+    assert parse(**_vllm({"stop_token_ids": [11], "ignore_eos": True})).generation.end_ids == frozenset([11])
+    assert not parse(**_vllm({"logit_bias": {}})).generation.token_bias.active
 
 
 def test_sampling_parameters_keep_the_inputs_rules():

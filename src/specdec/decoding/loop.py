@@ -28,6 +28,7 @@ from specdec import tensor_names as tn
 from specdec.decoding.bad_words import banned_tokens, mask_banned
 from specdec.decoding.draft_length import DraftLengthPolicy
 from specdec.decoding.grammar import Grammar, GrammarMatcher, mask_disallowed
+from specdec.decoding.logit_bias import TokenBias, apply_bias
 from specdec.decoding.interfaces import NoCapacity, Proposal, Proposer, Scorer, Scores
 from specdec.decoding.penalties import Penalties, TokenOccurrences, penalize
 from specdec.decoding.rejection_sampler import Verdict, greedy_verify, rejection_sample
@@ -46,11 +47,12 @@ class GenerationRequest:
     bad_words: tuple[tuple[int, ...], ...] = ()  # token sequences the output never contains (bad_words.py)
     penalties: Penalties = Penalties()  # repetition / presence / frequency (penalties.py)
     grammar: Grammar | None = None  # structured output: the output follows it (grammar.py)
+    token_bias: TokenBias = TokenBias()  # logit_bias and allowed_token_ids (logit_bias.py)
 
     @property
     def edits_logits(self) -> bool:
         """Whether the target's logits are changed before anything reads them (so greedy rounds need them)."""
-        return bool(self.bad_words) or self.penalties.active or self.grammar is not None
+        return bool(self.bad_words) or self.penalties.active or self.grammar is not None or self.token_bias.active
 
 
 @dataclass
@@ -189,11 +191,13 @@ async def _score(scorer: Scorer, req: GenerationRequest, keep: int, new_ids: lis
 
 def _edited_logits(req: GenerationRequest, tokens: list[int], draft: list[int], logits: torch.Tensor | None,
                    occurrences: TokenOccurrences | None, matcher: GrammarMatcher | None = None) -> torch.Tensor | None:
-    """The target's logits [k+1, V] under the request's penalties (`occurrences`: its tokens so far), then
-    its bans and its grammar (`matcher`: at the output so far; position j follows tokens + draft[:j]);
+    """The target's logits [k+1, V] under the request's logit bias and allowed tokens, its penalties
+    (`occurrences`: its tokens so far), then its bans and its grammar (`matcher`: at the output so far; position j follows tokens + draft[:j]);
     unchanged when it has none of them, None when none were shipped."""
     if logits is None or not req.edits_logits:
         return logits
+    if req.token_bias.active:
+        logits = apply_bias(logits, req.token_bias)
     if occurrences is not None:
         positions, width = logits.shape
         logits = penalize(logits, *occurrences.rows(draft, positions, width, logits.device), req.penalties)

@@ -15,6 +15,7 @@ import numpy as np
 
 from specdec import tensor_names as tn
 from specdec.decoding.grammar import Grammar, GuideError
+from specdec.decoding.logit_bias import MAX_ABS_BIAS, TokenBias
 from specdec.decoding.loop import GenerationRequest
 from specdec.decoding.penalties import Penalties
 from specdec.decoding.sampling import SamplingParams
@@ -42,6 +43,9 @@ SAMPLING_PARAMETER_KEYS = {
 }
 # Settings vLLM's clients send at their neutral values: accepted at those (or null), refused otherwise.
 NEUTRAL_SAMPLING_PARAMETERS = {"n": 1, "best_of": 1}
+# vLLM's keys that no input stands for: token ids (and biases), read from the JSON into arrays of these names.
+TOKEN_ID_KEYS = ("logit_bias", "allowed_token_ids", "stop_token_ids")
+MAX_TOKEN_IDS = 1024  # entries in logit_bias or stop_token_ids
 # vLLM's structured-output settings (an object, or its JSON): one of these keys names the guide ...
 GUIDED_DECODING_KEYS = ("guided_decoding", "structured_outputs")
 GUIDE_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "ebnf_grammar",
@@ -141,6 +145,8 @@ class ParsedRequest:
             raise InputError(f"input '{tn.END_ID}' must be a token id within [0, {limits.vocab_size}), got {end_id}")
         min_length = _min_length(inputs, max_tokens)
         ignore_eos = bool(inputs.scalar(tn.IGNORE_EOS, np.bool_, False))
+        # vLLM's stop_token_ids: end tokens besides the end id (ignore_eos leaves them), dropped from the text.
+        stop_ids = frozenset(_token_ids(inputs, "stop_token_ids", limits.vocab_size) or [])
         stop_words = inputs.words(tn.STOP_WORDS, limits.max_stop_words)
         bad_words = tuple(_bad_word_ids(word, encode) for word in inputs.words(tn.BAD_WORDS, limits.max_bad_words))
         names = inputs.strings(tn.DRAFT_MODEL)
@@ -153,12 +159,14 @@ class ParsedRequest:
             prompt_ids=prompt_ids,
             max_tokens=max_tokens,
             sampling=sampling,
-            end_ids=frozenset() if ignore_eos else limits.default_end_ids if end_id is None else frozenset([end_id]),
+            end_ids=stop_ids | (frozenset() if ignore_eos else limits.default_end_ids if end_id is None
+                                else frozenset([end_id])),
             min_tokens=min_length,
             log_probs=bool(inputs.scalar(tn.RETURN_LOG_PROBS, np.bool_, False)),
             bad_words=bad_words,
             penalties=penalties,
             grammar=_grammar(inputs, compile_guide),
+            token_bias=_token_bias(inputs, limits.vocab_size),
         )
         # A seeded sampled request must be reproducible: measured costs vary from run to run, and a
         # different K changes which random draws pick which token, so it drafts a fixed K.
@@ -183,6 +191,9 @@ def _with_sampling_parameters(lookup: InputLookup) -> InputLookup:
         raise InputError(f"{field} must be a JSON object, got {type(settings).__name__}")
     arrays: dict[str, np.ndarray] = {}
     for key, value in settings.items():
+        if key in TOKEN_ID_KEYS and value is not None:
+            arrays.update(_token_id_setting(f"{field}: key {key!r}", key, value))
+            continue
         if key in GUIDED_DECODING_KEYS and value is not None:
             for name in (tn.GUIDED_DECODING_GUIDE_TYPE, tn.GUIDED_DECODING_GUIDE):
                 if lookup(name) is not None or name in arrays:
@@ -197,7 +208,7 @@ def _with_sampling_parameters(lookup: InputLookup) -> InputLookup:
             raise InputError(f"{field}: key {key!r} is supported only at {NEUTRAL_SAMPLING_PARAMETERS[key]}, got {value!r}")
         if key not in SAMPLING_PARAMETER_KEYS:
             raise InputError(f"{field}: key {key!r} is not supported (supported: {', '.join(SAMPLING_PARAMETER_KEYS)}, "
-                             f"{', '.join(GUIDED_DECODING_KEYS)}; "
+                             f"{', '.join(TOKEN_ID_KEYS + GUIDED_DECODING_KEYS)}; "
                              f"at their neutral values: {', '.join(NEUTRAL_SAMPLING_PARAMETERS)})")
         name, dtype = SAMPLING_PARAMETER_KEYS[key]
         if lookup(name) is not None:
@@ -206,6 +217,62 @@ def _with_sampling_parameters(lookup: InputLookup) -> InputLookup:
         if key == "top_k" and arrays[name].item() == -1:
             arrays[name] = np.zeros((1, 1), dtype=np.int32)
     return lambda name: arrays[name] if name in arrays else lookup(name)
+
+
+def _token_id_setting(what: str, key: str, value) -> dict[str, np.ndarray]:
+    """logit_bias ({token id: bias}, ids also as strings, as JSON keys are) or a list of token ids, as
+    arrays named by the key (ids; with logit_bias also `logit_bias.values`). Ranges are checked in parse."""
+    if key == "logit_bias":
+        if not isinstance(value, dict):
+            raise InputError(f"{what} must be an object of token id: bias, got {type(value).__name__}")
+        items = list(value.items())
+    else:
+        if not isinstance(value, list):
+            raise InputError(f"{what} must be a list of token ids, got {type(value).__name__}")
+        items = [(token, 0.0) for token in value]
+    if len(items) > MAX_TOKEN_IDS and key != "allowed_token_ids":  # that one may list much of the vocabulary
+        raise InputError(f"{what} has {len(items)} entries; at most {MAX_TOKEN_IDS}")
+    ids, values = [], []
+    for token, bias in items:
+        try:
+            ids.append(int(token) if not isinstance(token, (bool, float)) else None)
+        except ValueError:
+            ids.append(None)
+        if ids[-1] is None:
+            raise InputError(f"{what}: {token!r} is not a token id")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -MAX_ABS_BIAS <= bias <= MAX_ABS_BIAS:
+            raise InputError(f"{what}: the bias of token {token} must be a number within "
+                             f"[-{MAX_ABS_BIAS:g}, {MAX_ABS_BIAS:g}], got {bias!r}")
+        values.append(float(bias))
+    if len(set(ids)) != len(ids):
+        raise InputError(f"{what} names a token id twice")
+    arrays = {key: np.array([ids], dtype=np.int64)}
+    if key == "logit_bias":
+        arrays["logit_bias.values"] = np.array([values], dtype=np.float32)
+    return arrays
+
+
+def _token_ids(inputs: _Inputs, key: str, vocab_size: int) -> list[int] | None:
+    """A TOKEN_ID_KEYS setting's ids, each a token of the vocabulary; None when the request has none."""
+    array = inputs.array(key, np.int64)
+    if array is None:
+        return None
+    ids = array.reshape(-1).tolist()
+    for token in ids:
+        if not 0 <= token < vocab_size:
+            raise InputError(f"input '{tn.SAMPLING_PARAMETERS}': key {key!r}: token id {token} is not within "
+                             f"[0, {vocab_size})")
+    return ids
+
+
+def _token_bias(inputs: _Inputs, vocab_size: int) -> TokenBias:
+    biased = _token_ids(inputs, "logit_bias", vocab_size) or []
+    allowed = _token_ids(inputs, "allowed_token_ids", vocab_size)
+    if allowed is not None and not allowed:
+        raise InputError(f"input '{tn.SAMPLING_PARAMETERS}': key 'allowed_token_ids' is empty: no token could follow")
+    values = inputs.array("logit_bias.values", np.float32)
+    return TokenBias(tuple(zip(biased, values.reshape(-1).tolist() if values is not None else [])),
+                     None if allowed is None else frozenset(allowed))
 
 
 def _guide_setting(what: str, value) -> dict[str, np.ndarray]:
