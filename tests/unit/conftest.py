@@ -31,6 +31,23 @@ def run_fixed_k(req, proposer, scorer, k):
     return asyncio.run(main())
 
 
+def greedy_plain_and_edited(lm, prompt, draft, k, n, **edits):
+    """Greedy outputs of the loop on `lm`: target-only without the request's logit edits, and with them
+    (`edits`: GenerationRequest fields), drafted by `draft` ("none", "draft_model": a noisy copy, or "ngram")
+    with a fixed K."""
+    from specdec.decoding.loop import GenerationRequest
+    from specdec.decoding.ngram_proposer import NgramProposer
+    from specdec.engine.executor import CausalLM
+    from specdec.engine.local import LocalProposer, LocalScorer
+
+    plain = run_fixed_k(GenerationRequest(seq_id=1, prompt_ids=prompt, max_tokens=n), NgramProposer(),
+                        LocalScorer(CausalLM(lm)), 0)
+    proposer = NgramProposer(min_ngram=1) if draft == "ngram" else LocalProposer(CausalLM(noisy_copy(lm)))
+    edited = run_fixed_k(GenerationRequest(seq_id=2, prompt_ids=prompt, max_tokens=n, **edits), proposer,
+                         LocalScorer(CausalLM(lm)), k)
+    return plain, edited
+
+
 class FakeTensor:
     """A pb_utils.Tensor's read side: name() and as_numpy()."""
 

@@ -11,12 +11,11 @@ import torch
 from specdec.decoding.interfaces import Proposal
 from specdec.decoding.logit_bias import TokenBias, apply_bias
 from specdec.decoding.loop import GenerationRequest
-from specdec.decoding.ngram_proposer import NgramProposer
 from specdec.decoding.sampling import SamplingParams
 from specdec.engine.executor import CausalLM
 from specdec.engine.local import LocalProposer, LocalScorer
 
-from .conftest import noisy_copy, run_fixed_k, tiny_llama
+from .conftest import greedy_plain_and_edited, noisy_copy, run_fixed_k, tiny_llama
 
 PROMPT = [5, 17, 3, 5, 17, 3, 8, 40, 5, 17]
 
@@ -61,11 +60,7 @@ BIAS = TokenBias(((5, 4.0), (17, -100.0), (40, 3.0)), frozenset(range(0, 97, 2))
 
 @pytest.mark.parametrize("draft,k", [("none", 0), ("draft_model", 3), ("ngram", 4)])
 def test_greedy_speculation_under_a_bias_is_greedy_target_decoding_under_it(tiny_lm, draft, k):
-    plain = run_fixed_k(GenerationRequest(seq_id=1, prompt_ids=PROMPT, max_tokens=24), NgramProposer(),
-                        LocalScorer(CausalLM(tiny_lm)), 0)
-    proposer = NgramProposer(min_ngram=1) if draft == "ngram" else LocalProposer(CausalLM(noisy_copy(tiny_lm)))
-    output = run_fixed_k(GenerationRequest(seq_id=2, prompt_ids=PROMPT, max_tokens=24, token_bias=BIAS),
-                         proposer, LocalScorer(CausalLM(tiny_lm)), k)
+    plain, output = greedy_plain_and_edited(tiny_lm, PROMPT, draft, k, 24, token_bias=BIAS)
     assert output != plain and 17 not in output and set(output) <= BIAS.allowed
     assert output == _reference_greedy(tiny_lm, PROMPT, 24, BIAS)
 

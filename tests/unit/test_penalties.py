@@ -9,14 +9,13 @@ import random
 import pytest
 import torch
 from specdec.decoding.loop import GenerationRequest
-from specdec.decoding.ngram_proposer import NgramProposer
 from specdec.decoding.penalties import Penalties, TokenOccurrences, penalize
 from specdec.decoding.sampling import SamplingParams
 from specdec.engine.executor import CausalLM
 from specdec.engine.local import LocalProposer, LocalScorer
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
-from .conftest import noisy_copy, run_fixed_k, tiny_llama
+from .conftest import greedy_plain_and_edited, noisy_copy, run_fixed_k, tiny_llama
 
 PROMPT = [5, 17, 3, 5, 17, 3, 8, 40, 5, 17]
 
@@ -104,11 +103,7 @@ PENALTIES = Penalties(repetition=1.5, presence=0.5, frequency=0.8)
 
 @pytest.mark.parametrize("draft,k", [("none", 0), ("draft_model", 3), ("ngram", 4)])
 def test_greedy_speculation_under_penalties_is_greedy_target_decoding_under_them(tiny_lm, draft, k):
-    plain = run_fixed_k(GenerationRequest(seq_id=1, prompt_ids=PROMPT, max_tokens=30), NgramProposer(),
-                 LocalScorer(CausalLM(tiny_lm)), 0)
-    proposer = NgramProposer(min_ngram=1) if draft == "ngram" else LocalProposer(CausalLM(noisy_copy(tiny_lm)))
-    output = run_fixed_k(GenerationRequest(seq_id=2, prompt_ids=PROMPT, max_tokens=30, penalties=PENALTIES),
-                  proposer, LocalScorer(CausalLM(tiny_lm)), k)
+    plain, output = greedy_plain_and_edited(tiny_lm, PROMPT, draft, k, 30, penalties=PENALTIES)
     assert output != plain
     assert output == _reference_greedy(tiny_lm, PROMPT, 30, PENALTIES)
 
