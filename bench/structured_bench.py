@@ -11,8 +11,12 @@ For each JSON schema, with JSON's optional whitespace allowed (llguidance's defa
 interleaved over --repeats, and prints tokens, rounds, tokens per round, tokens/s, the speedup over
 target-only and whether the three outputs are equal (they must be).
 
+With --url, the same requests go through a running server's ensemble instead (`make serve`; gRPC): target-only
+against prompt lookup with K fixed (the server proposes forced text), each request's tokens/s from the client.
+
     python bench/structured_bench.py                       # the default pair (SmolLM2-135M-Instruct)
     python bench/structured_bench.py --pair tiny --max-tokens 24 --repeats 1
+    python bench/structured_bench.py --url localhost:8001  # served
 """
 
 from __future__ import annotations
@@ -69,8 +73,11 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=120)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--url", help="a running server's gRPC host:port: measure served requests")
     p.add_argument("--out", help="also write the table here")
     args = p.parse_args(argv)
+    if args.url:
+        return _served(args)
     torch.set_num_threads(args.threads)
     pair = pairs.default_pair() if args.pair == "default" else pairs.tiny_pair()
     tokenizer = load_tokenizer(pair.tokenizer_path)
@@ -111,6 +118,40 @@ def main(argv=None) -> int:
         "",
         "| schema | whitespace | proposals | tokens | rounds | tokens/round | accepted/drafted | tokens/s | vs target-only | equal text |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |", *rows])
+    print(table)
+    if args.out:
+        Path(args.out).write_text(table + "\n")
+    return 0 if all(row.endswith("yes |") for row in rows) else 1
+
+
+def _served(args) -> int:
+    from client import Client, GenerationParams
+
+    client = Client(args.url)
+    rows = []
+    for name, prompt, schema in CASES:
+        for flexible in (True, False):
+            guide = json.dumps(schema if flexible else {**schema, "x-guidance": {"whitespace_flexible": False}})
+            rates, results = {0: [], args.num_draft_tokens: []}, {}
+            for _ in range(args.repeats):
+                for k in rates:  # interleaved
+                    result = client.generate(prompt, GenerationParams(
+                        max_tokens=args.max_tokens, num_draft_tokens=k, adaptive_draft=False, draft_model="ngram",
+                        apply_chat_template=True, guide_type="json_schema", guide=guide))
+                    rates[k].append(result.tokens_per_s)
+                    results[k] = result
+            base, fast = (statistics.median(rates[k]) for k in rates)
+            spec = results[args.num_draft_tokens]
+            rows.append(f"| {name} | {'flexible' if flexible else 'compact'} | {spec.num_output_tokens} | {base:.1f} | "
+                        f"{fast:.1f} | {fast / base:.2f}x | {spec.num_output_tokens / spec.num_rounds:.2f} | "
+                        f"{'yes' if results[0].text == spec.text else 'NO'} |")
+    table = "\n".join([
+        f"served at {args.url}, greedy, prompt lookup K={args.num_draft_tokens} fixed, max_tokens={args.max_tokens}, "
+        f"median of {args.repeats} interleaved requests",
+        "",
+        f"| schema | whitespace | tokens | target-only tokens/s | K={args.num_draft_tokens} tokens/s | speedup | "
+        "tokens/round | equal text |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |", *rows])
     print(table)
     if args.out:
         Path(args.out).write_text(table + "\n")

@@ -581,6 +581,21 @@ def test_sampled_structured_output_keeps_to_its_guide(server):
             assert any_json.text.startswith("{") and any_json.finish_reason == tn.FINISH_LENGTH
 
 
+def test_structured_bench_served_mode(server):
+    """`bench/structured_bench.py --url`: every schema and whitespace setting served, speculative text equal
+    to target-only text."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "bench" / "structured_bench.py"
+    result = subprocess.run([sys.executable, str(script), "--url", server.grpc_url, "--max-tokens", "16",
+                             "--repeats", "1"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    rows = [line for line in result.stdout.splitlines() if line.startswith("| person") or line.startswith("| book")]
+    assert len(rows) == 4 and all(row.endswith("| yes |") for row in rows)
+
+
 # ---- validation --------------------------------------------------------------------------------------
 LONG_PROMPT = "word " * 1100
 
