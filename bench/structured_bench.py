@@ -112,15 +112,18 @@ def main(argv=None) -> int:
                 rows.append(f"| {name} | {'flexible' if flexible else 'compact'} | {mode} | {len(tokens)} | {stats.rounds} | "
                             f"{len(tokens) / stats.rounds:.2f} | {stats.accepted}/{stats.drafted} | {rate:.1f} | "
                             f"{rate / base:.2f}x | {'yes' if equal else 'NO'} |")
-    table = "\n".join([
-        f"{args.pair} pair, greedy, K={args.num_draft_tokens}, max_tokens={args.max_tokens}, {args.threads} torch threads, "
-        f"median of {args.repeats} interleaved runs, {platform.processor() or platform.machine()}",
-        "",
-        "| schema | whitespace | proposals | tokens | rounds | tokens/round | accepted/drafted | tokens/s | vs target-only | equal text |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |", *rows])
+    return _report(f"{args.pair} pair, greedy, K={args.num_draft_tokens}, max_tokens={args.max_tokens}, {args.threads} "
+                   f"torch threads, median of {args.repeats} interleaved runs, {platform.processor() or platform.machine()}",
+                   ["schema", "whitespace", "proposals", "tokens", "rounds", "tokens/round", "accepted/drafted",
+                    "tokens/s", "vs target-only", "equal text"], rows, args.out)
+
+
+def _report(title: str, columns: list[str], rows: list[str], out: str | None) -> int:
+    """Print (and with `out` write) the table; exit status 1 when some mode's text differed."""
+    table = "\n".join([title, "", "| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns), *rows])
     print(table)
-    if args.out:
-        Path(args.out).write_text(table + "\n")
+    if out:
+        Path(out).write_text(table + "\n")
     return 0 if all(row.endswith("yes |") for row in rows) else 1
 
 
@@ -145,17 +148,10 @@ def _served(args) -> int:
             rows.append(f"| {name} | {'flexible' if flexible else 'compact'} | {spec.num_output_tokens} | {base:.1f} | "
                         f"{fast:.1f} | {fast / base:.2f}x | {spec.num_output_tokens / spec.num_rounds:.2f} | "
                         f"{'yes' if results[0].text == spec.text else 'NO'} |")
-    table = "\n".join([
-        f"served at {args.url}, greedy, prompt lookup K={args.num_draft_tokens} fixed, max_tokens={args.max_tokens}, "
-        f"median of {args.repeats} interleaved requests",
-        "",
-        f"| schema | whitespace | tokens | target-only tokens/s | K={args.num_draft_tokens} tokens/s | speedup | "
-        "tokens/round | equal text |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |", *rows])
-    print(table)
-    if args.out:
-        Path(args.out).write_text(table + "\n")
-    return 0 if all(row.endswith("yes |") for row in rows) else 1
+    return _report(f"served at {args.url}, greedy, prompt lookup K={args.num_draft_tokens} fixed, "
+                   f"max_tokens={args.max_tokens}, median of {args.repeats} interleaved requests",
+                   ["schema", "whitespace", "tokens", "target-only tokens/s", f"K={args.num_draft_tokens} tokens/s",
+                    "speedup", "tokens/round", "equal text"], rows, args.out)
 
 
 if __name__ == "__main__":
