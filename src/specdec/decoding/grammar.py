@@ -66,7 +66,7 @@ class GuideCompiler:
         """guide_type: one of tn.GUIDE_TYPES; guide: its text (ignored for "json"). Raises GuideError."""
         if guide_type not in tn.GUIDE_TYPES:
             raise GuideError(f"unknown guide type {guide_type!r} (one of {', '.join(tn.GUIDE_TYPES)})")
-        if guide_type != "json" and not guide.strip():
+        if guide_type != "json" and not guide:  # (a lone space is a valid regex)
             raise GuideError(f"a {guide_type} guide is empty")
         try:
             if guide_type == "choice":
