@@ -9,6 +9,7 @@ rejection sampling stays exact for any draft distribution (a biased request may 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -24,6 +25,16 @@ class TokenBias:
     def active(self) -> bool:
         return bool(self.bias) or self.allowed is not None
 
+    # As tensors, built once per request (a list of thousands of allowed ids costs milliseconds per round).
+    @cached_property
+    def allowed_ids(self) -> torch.Tensor:
+        return torch.tensor(sorted(self.allowed or ()), dtype=torch.long)
+
+    @cached_property
+    def bias_ids_and_values(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return (torch.tensor([token for token, _ in self.bias], dtype=torch.long),
+                torch.tensor([bias for _, bias in self.bias], dtype=torch.float32))
+
 
 def apply_bias(logits: torch.Tensor, token_bias: TokenBias) -> torch.Tensor:
     """logits [P, V] with the biases added and the tokens outside `allowed` at -inf (a copy; ids at or
@@ -31,11 +42,12 @@ def apply_bias(logits: torch.Tensor, token_bias: TokenBias) -> torch.Tensor:
     out = logits.float().clone()
     width = out.shape[-1]
     if token_bias.allowed is not None:
+        ids = token_bias.allowed_ids
         keep = torch.zeros(width, dtype=torch.bool)
-        keep[[token for token in token_bias.allowed if token < width]] = True
+        keep[ids[ids < width]] = True
         out.masked_fill_(~keep.to(out.device), float("-inf"))
-    pairs = [(token, bias) for token, bias in token_bias.bias if token < width]
-    if pairs:
-        ids = torch.tensor([token for token, _ in pairs], device=out.device)
-        out[:, ids] += torch.tensor([bias for _, bias in pairs], dtype=out.dtype, device=out.device)
+    ids, values = token_bias.bias_ids_and_values
+    inside = ids < width
+    if inside.any():
+        out[:, ids[inside].to(out.device)] += values[inside].to(out.device)
     return out
