@@ -14,9 +14,17 @@ target-only and whether the three outputs are equal (they must be).
 With --url, the same requests go through a running server's ensemble instead (`make serve`; gRPC): target-only
 against prompt lookup with K fixed (the server proposes forced text), each request's tokens/s from the client.
 
+With --url and --stall, what guides cost other requests: --streams plain streamed requests (target-only) run
+for --seconds alone, then beside a client sending one guided request after another (a large JSON schema: 60
+objects of 6 fields, 4 tokens each), the same schema every time or a schema new to the server every time,
+and it prints the gaps between the plain streams' responses (median, p99, max) and the guided requests'
+latency. A guide compiles for milliseconds; where that runs on the orchestrator's event loop every other
+request's round waits for it.
+
     python bench/structured_bench.py                       # the default pair (SmolLM2-135M-Instruct)
     python bench/structured_bench.py --pair tiny --max-tokens 24 --repeats 1
     python bench/structured_bench.py --url localhost:8001  # served
+    python bench/structured_bench.py --url localhost:8001 --stall
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import platform
 import statistics
 import sys
@@ -74,10 +83,13 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--url", help="a running server's gRPC host:port: measure served requests")
+    p.add_argument("--stall", action="store_true", help="with --url: other streams' gaps while guides compile")
+    p.add_argument("--streams", type=int, default=4, help="--stall: plain streams")
+    p.add_argument("--seconds", type=float, default=20.0, help="--stall: how long each phase runs")
     p.add_argument("--out", help="also write the table here")
     args = p.parse_args(argv)
     if args.url:
-        return _served(args)
+        return _stall(args) if args.stall else _served(args)
     torch.set_num_threads(args.threads)
     pair = pairs.default_pair() if args.pair == "default" else pairs.tiny_pair()
     tokenizer = load_tokenizer(pair.tokenizer_path)
@@ -118,13 +130,14 @@ def main(argv=None) -> int:
                     "tokens/s", "vs target-only", "equal text"], rows, args.out)
 
 
-def _report(title: str, columns: list[str], rows: list[str], out: str | None) -> int:
-    """Print (and with `out` write) the table; exit status 1 when some mode's text differed."""
+def _report(title: str, columns: list[str], rows: list[str], out: str | None, compares_text: bool = True) -> int:
+    """Print (and with `out` write) the table; exit status 1 when some mode's text differed (rows that
+    compare text end with their "equal text" column)."""
     table = "\n".join([title, "", "| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns), *rows])
     print(table)
     if out:
         Path(out).write_text(table + "\n")
-    return 0 if all(row.endswith("yes |") for row in rows) else 1
+    return 0 if not compares_text or all(row.endswith("yes |") for row in rows) else 1
 
 
 def _served(args) -> int:
@@ -152,6 +165,67 @@ def _served(args) -> int:
                    f"max_tokens={args.max_tokens}, median of {args.repeats} interleaved requests",
                    ["schema", "whitespace", "tokens", "target-only tokens/s", f"K={args.num_draft_tokens} tokens/s",
                     "speedup", "tokens/round", "equal text"], rows, args.out)
+
+
+def _large_schema(tag: str) -> str:
+    """A JSON schema of 60 objects of 6 fields each; `tag` in its names makes it new to the server."""
+    fields = {f"sub_{tag}_{j}": {"type": ["string", "integer"]} for j in range(6)}
+    return json.dumps({"type": "object", "properties": {f"field_{tag}_{i}": {"type": "object", "properties": fields}
+                                                        for i in range(60)}})
+
+
+def _stall(args) -> int:
+    import itertools
+    import threading
+
+    from client import Client, GenerationParams
+
+    def plain(stop, gaps):
+        client = Client(args.url)
+        while not stop.is_set():
+            last = None
+
+            def seen(_delta):
+                nonlocal last
+                now = time.perf_counter()
+                if last is not None:
+                    gaps.append(now - last)
+                last = now
+
+            client.generate("Tell me a long story about a lighthouse keeper.", GenerationParams(
+                max_tokens=args.max_tokens, num_draft_tokens=0, ignore_eos=True), stream=True, on_text=seen)
+
+    def guided(stop, latencies, tags):
+        client = Client(args.url)
+        while not stop.is_set():
+            started = time.perf_counter()
+            client.generate("Answer in JSON.", GenerationParams(max_tokens=4, num_draft_tokens=0,
+                                                                guide_type="json_schema", guide=_large_schema(next(tags))))
+            latencies.append(time.perf_counter() - started)
+
+    rows = []
+    unique = itertools.count()
+    for phase, tags in (("plain streams alone", None), ("+ the same schema again and again", itertools.repeat("same")),
+                        ("+ a schema new to the server each time", (f"n{os.getpid()}x{i}" for i in unique))):
+        stop, gaps, latencies = threading.Event(), [], []
+        workers = [threading.Thread(target=plain, args=(stop, gaps)) for _ in range(args.streams)]
+        if tags is not None:
+            workers.append(threading.Thread(target=guided, args=(stop, latencies, tags)))
+        for worker in workers:
+            worker.start()
+        time.sleep(args.seconds)
+        stop.set()
+        for worker in workers:
+            worker.join()
+        gaps.sort()
+        ms = [gaps[len(gaps) // 2] * 1e3, gaps[int(len(gaps) * 0.99)] * 1e3, gaps[-1] * 1e3]
+        guided_ms = f"{statistics.median(latencies) * 1e3:.1f}" if latencies else ""
+        rows.append(f"| {phase} | {len(gaps)} | {ms[0]:.1f} | {ms[1]:.1f} | {ms[2]:.1f} | {len(latencies) or ''} | "
+                    f"{guided_ms} |")
+    return _report(f"served at {args.url}, {args.streams} plain streams (target-only, {args.max_tokens} tokens each), "
+                   f"{args.seconds:g} s per phase",
+                   ["phase", "plain responses", "gap median ms", "gap p99 ms", "gap max ms", "guided requests",
+                    "guided latency median ms"], rows, args.out, compares_text=False)
 
 
 if __name__ == "__main__":

@@ -583,7 +583,7 @@ def test_sampled_structured_output_keeps_to_its_guide(server):
 
 def test_structured_bench_served_mode(server):
     """`bench/structured_bench.py --url`: every schema and whitespace setting served, speculative text equal
-    to target-only text."""
+    to target-only text; with --stall, its three phases run."""
     import subprocess
     import sys
     from pathlib import Path
@@ -594,6 +594,14 @@ def test_structured_bench_served_mode(server):
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     rows = [line for line in result.stdout.splitlines() if line.startswith("| person") or line.startswith("| book")]
     assert len(rows) == 4 and all(row.endswith("| yes |") for row in rows)
+    # --stall: plain streams' response gaps alone, then beside guided requests (the same schema, new ones).
+    result = subprocess.run([sys.executable, str(script), "--url", server.grpc_url, "--stall", "--streams", "2",
+                             "--seconds", "2", "--max-tokens", "8"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    rows = [line.split("|")[1:-1] for line in result.stdout.splitlines() if line.startswith("| plain")
+            or line.startswith("| +")]
+    assert len(rows) == 3 and all(int(row[1]) > 0 for row in rows)  # plain responses in every phase
+    assert not rows[0][5].strip() and all(int(row[5]) > 0 for row in rows[1:])  # guided requests beside them
 
 
 # ---- validation --------------------------------------------------------------------------------------
@@ -651,6 +659,9 @@ BAD_REQUESTS = {
                                "guided_decoding_guide"),
     "guide_schema_invalid": (PROMPTS[0], dict(sampling_parameters=np.array(
         [[b'{"guided_decoding": {"json": {"type": "foo"}}}']], dtype=np.object_)), "guided_decoding_guide"),
+    "guide_too_many_choices": (PROMPTS[0], dict(sampling_parameters=np.array(
+        [[json.dumps({"guided_decoding": {"choice": [f"c{i}" for i in range(1025)]}}).encode()]], dtype=np.object_)),
+        "guided_decoding_guide"),
     "pad_id_negative": (PROMPTS[0], dict(pad_id=np.array([[-1]], dtype=np.int32)), "pad_id"),
     "beam_width_2": (PROMPTS[0], dict(beam_width=np.array([[2]], dtype=np.int32)), "beam_width"),
     "beam_width_wrong_dtype": (PROMPTS[0], dict(beam_width=np.array([[1]], dtype=np.uint32)), "beam_width"),

@@ -10,7 +10,7 @@ import llguidance
 import numpy as np
 import pytest
 import torch
-from specdec.decoding.grammar import GuideCompiler, GuideError
+from specdec.decoding.grammar import MAX_CHOICES, GuideCompiler, GuideError, mask_disallowed, unpack_allowed
 from specdec.decoding.interfaces import Proposal
 from specdec.decoding.loop import GenerationRequest, _within_grammar
 from specdec.decoding.ngram_proposer import NgramProposer
@@ -59,17 +59,35 @@ def test_each_position_allows_what_follows_the_output_and_the_drafts_before_it(g
     assert matcher.advance(output) is None
     draft = tokenizer.encode('b","age":4', add_special_tokens=False)
     width = 49200  # a padded head: the columns past the tokenizer's vocabulary are never allowed
-    allowed = matcher.allowed(draft, len(draft) + 1, width)
+    bits = matcher.allowed(draft, len(draft) + 1)
+    assert bits.shape == (len(draft) + 1, 49152 // 32) and bits.dtype == torch.int32
+    allowed = unpack_allowed(bits, width)
     assert allowed.shape == (len(draft) + 1, width) and not allowed[:, 49152:].any()
+    assert torch.equal(unpack_allowed(bits, 49000), allowed[:, :49000])  # a narrower head: cut
+    logits = torch.randn(len(draft) + 1, width, dtype=torch.float64)
+    masked = mask_disallowed(logits, bits)
+    assert torch.equal(masked[allowed], logits[allowed]) and torch.isneginf(masked[~allowed]).all()
     for j in range(len(draft) + 1):
         assert set(allowed[j].nonzero().flatten().tolist()) == _reference_allowed(guides, grammar, output + draft[:j])
     # Position 1 of a draft whose first token the grammar refuses follows that token: it allows everything
     # (the verdict never reads it); the matcher is where it was.
     refused = tokenizer.encode("\n", add_special_tokens=False)  # no raw newline inside a JSON string
     assert matcher.valid_prefix(refused + draft) == 0
-    again = matcher.allowed(refused + draft, 3, 49152)
+    again = unpack_allowed(matcher.allowed(refused + draft, 3), 49152)
     assert again[1:].all() and torch.equal(again[0], allowed[0, :49152])
     assert matcher.valid_prefix(draft) == len(draft)
+
+
+def test_a_bitmask_unpacks_the_same_on_the_host_and_on_a_device():
+    """The GPU's unpacking (tensor ops on the logits' device) against the host's (numpy), run here on CPU."""
+    from specdec.decoding.grammar import _unpack_on_device, _unpack_on_host
+
+    bits = torch.randint(-2**31, 2**31 - 1, (5, 1536), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+    bits[0] = -1  # every bit, the sign bit included
+    bits[1] = 0
+    host, device = _unpack_on_host(bits), _unpack_on_device(bits)
+    assert host.shape == (5, 49152) and torch.equal(host, device) and host[0].all() and not host[1].any()
+    assert host[2, 32 * 7 + 5] == bool((int(bits[2, 7]) >> 5) & 1)
 
 
 def test_the_output_ends_where_the_grammar_ends(guides, tokenizer):
@@ -87,10 +105,45 @@ def test_the_output_ends_where_the_grammar_ends(guides, tokenizer):
     ("regex", "[0-9", "unclosed character class"), ("json_schema", "{", "expected"),
     ("json_schema", '{"type": "foo"}', "foo"), ("choice", "[]", "JSON list of non-empty strings"),
     ("choice", '["a", 3]', "JSON list"), ("ebnf_grammar", "root ::= (", "Expected"), ("regex", "", "empty"),
-    ("xml", "<a/>", "unknown guide type")])
+    ("xml", "<a/>", "unknown guide type"),
+    ("choice", json.dumps([f"option {i}" for i in range(MAX_CHOICES + 1)]), f"at most {MAX_CHOICES} choices")])
 def test_a_guide_that_does_not_compile_says_why(guides, guide_type, guide, message):
     with pytest.raises(GuideError, match=message):
         guides.compile(guide_type, guide)
+
+
+def test_a_guide_compiles_once_and_each_request_gets_its_own_matcher(tokenizer):
+    guides = GuideCompiler(tokenizer, cached=2)
+    once = guides.compile("json_schema", json.dumps(SCHEMA))
+    grammar = guides.compile("json_schema", json.dumps(SCHEMA))  # its second time: compiled again and kept
+    assert grammar is not once and guides.compile("json_schema", json.dumps(SCHEMA)) is grammar
+    first, second = grammar.matcher(), grammar.matcher()
+    head = tokenizer.encode('{"name":"Bo', add_special_tokens=False)
+    assert first.advance(head) is None
+    assert second.valid_prefix(head) == len(head) and first.valid_prefix(head) < len(head)  # independent
+    assert grammar.matcher().valid_prefix(head) == len(head)  # the cached start did not move
+    for _ in range(2):
+        guides.compile("regex", "[0-9]+")
+        guides.compile("regex", "[a-z]+")  # kept: the least recently used (the schema) leaves the cache
+    assert guides.compile("regex", "[a-z]+") is guides.compile("regex", "[a-z]+")
+    assert guides.compile("json_schema", json.dumps(SCHEMA)) is not grammar
+    with pytest.raises(GuideError):  # a failure is not cached: it fails again
+        guides.compile("regex", "[0-9")
+    with pytest.raises(GuideError):
+        guides.compile("regex", "[0-9")
+
+
+def test_the_longest_choice_list_matches_past_its_first_token(guides, tokenizer):
+    """llguidance's parser refuses a row of over 2000 items only when matching starts (2000 choices failed
+    at the first token): the limit is refused at compile time, and a list at the limit matches."""
+    choices = [f"option number {i}" for i in range(MAX_CHOICES)]
+    matcher = guides.compile("choice", json.dumps(choices)).matcher()
+    tokens = tokenizer.encode(choices[-1], add_special_tokens=False)
+    forced = matcher.forced(8)
+    assert tokenizer.decode(forced) == "option number " and matcher.advance(forced) is None
+    rest = tokens[len(forced):]
+    assert unpack_allowed(matcher.allowed(rest, len(rest) + 1), 49152)[0, rest[0]]
+    assert matcher.advance(rest) == len(rest)  # the grammar is complete after the choice
 
 
 def constrained_greedy(model, guides, grammar, prompt, n):

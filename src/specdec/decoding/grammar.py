@@ -27,6 +27,7 @@ that token is not part of the output.
 from __future__ import annotations
 
 import json
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import llguidance
@@ -36,18 +37,30 @@ import torch
 from specdec import tensor_names as tn
 
 MAX_ERROR_CHARS = 300  # llguidance's messages can quote the whole grammar; a client gets the start
+# Each choice is one alternative of the grammar's start rule: llguidance's parser refuses a row of more than
+# 2000 items at the first token (seen with 2000 choices), so longer lists are refused when they compile.
+MAX_CHOICES = 1024
 
 
 class GuideError(ValueError):
     """A guide that does not compile (its message says why; the caller names the field)."""
 
 
-@dataclass(frozen=True)
+# Compiled guides kept per compiler: clients send the same schema again and again. Bounded, because a large
+# schema's grammar and matcher hold over a megabyte (README, "Structured output").
+CACHED_GUIDES = 64
+SEEN_GUIDES = 4096  # guides remembered (by hash) as compiled once: the second time, one is kept
+
+
+@dataclass(frozen=True, eq=False)
 class Grammar:
-    """A compiled guide: llguidance's grammar definition and the tokenizer it is matched over."""
+    """A compiled guide: llguidance's grammar definition over a tokenizer, and a matcher at its start with
+    its first forced text and mask computed. A request's matcher is a copy of it: building a matcher parses
+    the grammar again, milliseconds for a large schema, a copy does not."""
 
     tokenizer: llguidance.LLTokenizer
     definition: str
+    start: llguidance.LLMatcher
 
     def matcher(self) -> GrammarMatcher:
         return GrammarMatcher(self)
@@ -55,15 +68,32 @@ class Grammar:
 
 class GuideCompiler:
     """Compiles guides for one tokenizer (converting a Hugging Face tokenizer takes ~0.3 s: once per model
-    instance, at load)."""
+    instance, at load) and keeps the CACHED_GUIDES used last, so a guide sent again costs a lookup and a
+    matcher copy instead of milliseconds of compiling on the orchestrator's event loop."""
 
-    def __init__(self, hf_tokenizer):
+    def __init__(self, hf_tokenizer, cached: int = CACHED_GUIDES):
         import llguidance.hf
 
         self.tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer)
+        self._cached, self._cache = cached, OrderedDict()
+        self._seen: OrderedDict[int, None] = OrderedDict()  # hashes of guides compiled once and not kept
 
     def compile(self, guide_type: str, guide: str) -> Grammar:
         """guide_type: one of tn.GUIDE_TYPES; guide: its text (ignored for "json"). Raises GuideError."""
+        key = (guide_type, guide)
+        grammar = self._cache.pop(key, None)
+        if grammar is None:
+            grammar = self._compile(guide_type, guide)  # a failure raises: nothing is kept
+            # Kept from its second time on: compiling gets slower while matchers are held (measured), so a
+            # stream of guides that each come once is compiled as if nothing were kept.
+            if _first_time(self._seen, hash(key), SEEN_GUIDES):
+                return grammar
+        self._cache[key] = grammar  # the most recently used last
+        while len(self._cache) > self._cached:
+            self._cache.popitem(last=False)
+        return grammar
+
+    def _compile(self, guide_type: str, guide: str) -> Grammar:
         if guide_type not in tn.GUIDE_TYPES:
             raise GuideError(f"unknown guide type {guide_type!r} (one of {', '.join(tn.GUIDE_TYPES)})")
         if guide_type != "json" and not guide:  # (a lone space is a valid regex)
@@ -73,6 +103,8 @@ class GuideCompiler:
                 choices = json.loads(guide)
                 if not (isinstance(choices, list) and choices and all(isinstance(c, str) and c for c in choices)):
                     raise GuideError("a choice guide must be a JSON list of non-empty strings")
+                if len(choices) > MAX_CHOICES:
+                    raise GuideError(f"a choice guide may list at most {MAX_CHOICES} choices, got {len(choices)}")
                 definition = llguidance.LLMatcher.grammar_from_lark(
                     "start: " + " | ".join(json.dumps(choice) for choice in choices))
             elif guide_type == "json":
@@ -87,18 +119,35 @@ class GuideCompiler:
         failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(definition, self.tokenizer)
         if failed:
             raise GuideError(_short(messages[0]))
-        return Grammar(self.tokenizer, definition)
+        start = llguidance.LLMatcher(self.tokenizer, definition, log_level=0)
+        if start.is_error():
+            raise GuideError(_short(start.get_error()))
+        start.compute_ff_bytes()  # the first forced text and mask: computed once, copied with the matcher
+        start.compute_bitmask()
+        if start.is_error():
+            raise GuideError(_short(start.get_error()))
+        return Grammar(self.tokenizer, definition, start)
+
+
+def _first_time(seen: OrderedDict, key: int, limit: int) -> bool:
+    """Whether `key` is new to `seen`: then it is remembered (the oldest forgotten past `limit`), else forgotten."""
+    if key in seen:
+        del seen[key]
+        return False
+    seen[key] = None
+    while len(seen) > limit:
+        seen.popitem(last=False)
+    return True
 
 
 class GrammarMatcher:
     """One request's place in its grammar: it has consumed the request's output so far."""
 
     def __init__(self, grammar: Grammar):
-        self._matcher = llguidance.LLMatcher(grammar.tokenizer, grammar.definition, log_level=0)
-        if self._matcher.is_error():
-            raise GuideError(_short(self._matcher.get_error()))
+        self._matcher = grammar.start.deep_copy()
         self._tokenizer = grammar.tokenizer
         self.vocab_size = grammar.tokenizer.vocab_size
+        self.words = (self.vocab_size + 31) // 32  # 32-bit words of a bitmask row
 
     def forced(self, limit: int) -> list[int]:
         """At most `limit` tokens spelling the text the grammar forces next (a schema's next key and its
@@ -114,24 +163,22 @@ class GrammarMatcher:
         """How many leading `tokens` the grammar allows from here (no state change)."""
         return self._matcher.validate_tokens(tokens) if tokens else 0
 
-    def allowed(self, draft: list[int], positions: int, width: int) -> torch.Tensor:
-        """(positions, width) bool: the tokens allowed at each verify position; position j follows the output
-        so far plus draft[:j]. Rows after the first draft token the grammar refuses allow everything (the
-        verdict never reads them). Ids at or beyond the tokenizer's vocabulary are never allowed."""
+    def allowed(self, draft: list[int], positions: int) -> torch.Tensor:
+        """(positions, words) int32 bitmask of the tokens allowed at each verify position: bit i of word w is
+        token 32 w + i; position j follows the output so far plus draft[:j]. Rows after the first draft token
+        the grammar refuses allow everything (the verdict never reads them). Tokens past the tokenizer's
+        vocabulary are never allowed in the others. llguidance writes each row in place."""
         valid = self.valid_prefix(draft[:positions - 1])
-        rows = []
+        bits = torch.full((positions, self.words), -1, dtype=torch.int32)
         for j in range(valid + 1):
-            rows.append(np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint32))
+            self._matcher.unsafe_compute_mask_ptr(bits[j].data_ptr(), self.words * 4)
             if j < valid and not self._matcher.consume_token(draft[j]):
                 raise RuntimeError(f"grammar matcher: {_short(self._matcher.get_error())}")
         if valid and not self._matcher.rollback(valid):
             raise RuntimeError(f"grammar matcher: {_short(self._matcher.get_error())}")
-        # Bit i of 32-bit word w is token 32 w + i (little-endian words, little-endian bits).
-        unpacked = np.unpackbits(np.stack(rows).view(np.uint8), axis=1, bitorder="little")[:, :min(width, self.vocab_size)]
-        allowed = torch.zeros(positions, width, dtype=torch.bool)
-        allowed[valid + 1:] = True
-        allowed[:valid + 1, :unpacked.shape[1]] = torch.from_numpy(unpacked.astype(bool))
-        return allowed
+        if self._matcher.is_error():
+            raise RuntimeError(f"grammar matcher: {_short(self._matcher.get_error())}")
+        return bits
 
     def advance(self, tokens: list[int]) -> int | None:
         """Consume a round's tokens (each one allowed where it stands). Returns where the output ends when the
@@ -145,9 +192,31 @@ class GrammarMatcher:
         return None
 
 
-def mask_disallowed(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-    """logits [P, V] with every token `allowed` [P, V] (bool) leaves out set to -inf (a copy)."""
-    return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
+def unpack_allowed(bits: torch.Tensor, width: int) -> torch.Tensor:
+    """bits [P, W] int32 bitmask (GrammarMatcher.allowed) -> [P, width] bool, on the bits' device; columns
+    past 32 W (a padded head) are not allowed."""
+    allowed = _unpack_on_host(bits) if bits.device.type == "cpu" else _unpack_on_device(bits)
+    if allowed.shape[1] >= width:
+        return allowed[:, :width]
+    return torch.nn.functional.pad(allowed, (0, width - allowed.shape[1]), value=False)
+
+
+def _unpack_on_host(bits: torch.Tensor) -> torch.Tensor:
+    # numpy's bit unpacking: on CPU faster than the tensor ops of _unpack_on_device (which build a
+    # [P, W, 32] int32 intermediate). Little-endian words, little-endian bits: bit i of word w is token 32 w + i.
+    return torch.from_numpy(np.unpackbits(bits.numpy().view(np.uint8), axis=1, bitorder="little")).view(torch.bool)
+
+
+def _unpack_on_device(bits: torch.Tensor) -> torch.Tensor:
+    shifts = torch.arange(32, dtype=torch.int32, device=bits.device)
+    return ((bits.unsqueeze(-1) >> shifts) & 1).bool().reshape(bits.shape[0], -1)
+
+
+def mask_disallowed(logits: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """logits [P, V] with every token the bitmask `bits` [P, W] (GrammarMatcher.allowed) leaves out set to -inf
+    (a copy). The bitmask, 1/32 of a bool mask, is what crosses to the logits' device; it unpacks there."""
+    return logits.masked_fill(~unpack_allowed(bits.to(logits.device, non_blocking=True), logits.shape[1]),
+                              float("-inf"))
 
 
 def _short(message: str) -> str:

@@ -204,7 +204,7 @@ def _edited_logits(req: GenerationRequest, tokens: list[int], draft: list[int], 
     if req.bad_words:
         logits = mask_banned(logits, banned_tokens(tokens, draft, req.bad_words, logits.shape[0]))
     if matcher is not None:
-        logits = mask_disallowed(logits, matcher.allowed(draft, *logits.shape))
+        logits = mask_disallowed(logits, matcher.allowed(draft, logits.shape[0]))
     return logits
 
 

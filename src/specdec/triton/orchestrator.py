@@ -98,12 +98,11 @@ class SpeculativeDecodingAdapter(TritonAdapter):
             self.cancellations.sweep()
             self.last_sweep = arrived
         sender = request.get_response_sender()
-        def lookup(name: str) -> np.ndarray | None:
-            tensor = pb.get_input_tensor_by_name(request, name)
-            return None if tensor is None else tensor.as_numpy()
-
+        # Listed once: pb_utils.get_input_tensor_by_name lists every input on each lookup, and parsing looks
+        # up some thirty names.
+        inputs = {tensor.name(): tensor.as_numpy() for tensor in request.inputs()}
         try:
-            parsed = ParsedRequest.parse(lookup, self.limits, encode=self._encode_word,
+            parsed = ParsedRequest.parse(inputs.get, self.limits, encode=self._encode_word,
                                          compile_guide=self.guides.compile)
         except InputError as exc:
             self.metrics.requests["invalid"].increment(1)
