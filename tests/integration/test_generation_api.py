@@ -524,6 +524,36 @@ def test_vllm_token_id_settings_are_served(server, hf_target, hf_greedy):
         assert stopped[tn.FINISH_REASON] == tn.FINISH_STOP
 
 
+def test_vllm_text_settings_are_served(server, hf_target, hf_greedy):
+    """sampling_parameters' include_stop_str_in_output keeps the stop word at the text's end (streamed or
+    not), truncate_prompt_tokens generates from the prompt's last tokens, and vLLM's neutral
+    skip_special_tokens / spaces_between_special_tokens / detokenize are accepted."""
+    model, tokenizer = hf_target
+    prompt = PROMPTS[1]
+    _, plain_text = hf_greedy(prompt, 16)
+    stop = plain_text[len(plain_text) // 2:len(plain_text) // 2 + 3]
+    assert stop.strip() and plain_text.find(stop) > 0
+    kept = plain_text[:plain_text.index(stop) + len(stop)]
+    settings = json.dumps({"max_tokens": 16, "stop": [stop], "include_stop_str_in_output": True,
+                           "skip_special_tokens": True, "spaces_between_special_tokens": True, "detokenize": True})
+    for k in (0, 4):
+        answer = http_generate(server.http_url, prompt, num_draft_tokens=k, sampling_parameters=settings)
+        assert answer[tn.TEXT_OUTPUT] == kept and answer[tn.FINISH_REASON] == tn.FINISH_STOP, k
+        streamed = grpc_stream(server.grpc_url, prompt, num_draft_tokens=k, stream=True,
+                               sampling_parameters=np.array([[settings.encode()]], dtype=np.object_))
+        assert "".join(streamed["chunks"]) == kept, k
+    ids = tokenizer(prompt).input_ids
+    last = ids[-3:]
+    expected = []
+    with torch.no_grad():
+        for _ in range(8):
+            expected.append(int(model(torch.tensor([last + expected])).logits[0, -1].argmax()))
+    answer = http_generate(server.http_url, prompt, num_draft_tokens=4, end_id=0, sampling_parameters=json.dumps(
+        {"max_tokens": 8, "truncate_prompt_tokens": 3}))
+    assert answer[tn.NUM_INPUT_TOKENS] == 3 and len(ids) > 3
+    assert answer[tn.TEXT_OUTPUT] == tokenizer.decode(expected, skip_special_tokens=True)
+
+
 # ---- structured output ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def guides(hf_target):
@@ -662,6 +692,10 @@ BAD_REQUESTS = {
     "guide_too_many_choices": (PROMPTS[0], dict(sampling_parameters=np.array(
         [[json.dumps({"guided_decoding": {"choice": [f"c{i}" for i in range(1025)]}}).encode()]], dtype=np.object_)),
         "guided_decoding_guide"),
+    "skip_special_tokens_false": (PROMPTS[0], dict(sampling_parameters=np.array(
+        [[b'{"skip_special_tokens": false}']], dtype=np.object_)), "skip_special_tokens"),
+    "truncate_prompt_tokens_zero": (PROMPTS[0], dict(sampling_parameters=np.array(
+        [[b'{"truncate_prompt_tokens": 0}']], dtype=np.object_)), "truncate_prompt_tokens"),
     "pad_id_negative": (PROMPTS[0], dict(pad_id=np.array([[-1]], dtype=np.int32)), "pad_id"),
     "beam_width_2": (PROMPTS[0], dict(beam_width=np.array([[2]], dtype=np.int32)), "beam_width"),
     "beam_width_wrong_dtype": (PROMPTS[0], dict(beam_width=np.array([[1]], dtype=np.uint32)), "beam_width"),

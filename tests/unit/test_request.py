@@ -220,10 +220,36 @@ def test_vllm_sampling_parameters_stand_for_their_inputs():
     (_vllm({"ignore_eos": 1})[tn.SAMPLING_PARAMETERS], "key 'ignore_eos' must be true or false"),
     (_vllm({"stop": [1]})[tn.SAMPLING_PARAMETERS], "key 'stop' must be a string or a list of strings"),
     (_vllm({"repetition_penalty": "high"})[tn.SAMPLING_PARAMETERS], "key 'repetition_penalty' must be a number"),
+    (_vllm({"n": True})[tn.SAMPLING_PARAMETERS], "key 'n' must be an integer"),
+    (_vllm({"skip_special_tokens": False})[tn.SAMPLING_PARAMETERS], "key 'skip_special_tokens' is supported only at true"),
+    (_vllm({"detokenize": "no"})[tn.SAMPLING_PARAMETERS], "key 'detokenize' must be true or false"),
+    (_vllm({"include_stop_str_in_output": 1})[tn.SAMPLING_PARAMETERS], "key 'include_stop_str_in_output' must be true"),
+    (_vllm({"truncate_prompt_tokens": 0})[tn.SAMPLING_PARAMETERS], "key 'truncate_prompt_tokens' must be >= 1 or -1"),
+    (_vllm({"truncate_prompt_tokens": 2.5})[tn.SAMPLING_PARAMETERS], "key 'truncate_prompt_tokens' must be an integer"),
+    (_vllm({"logprobs": 1})[tn.SAMPLING_PARAMETERS], "key 'logprobs' is not supported"),
 ])
 def test_bad_sampling_parameters_are_refused_by_name(value, message):
     with pytest.raises(InputError, match=f"'{tn.SAMPLING_PARAMETERS}'.*{message}"):
         parse(**{tn.SAMPLING_PARAMETERS: value})
+
+
+def test_vllm_text_settings_are_read_and_neutral_ones_accepted():
+    neutral = {"skip_special_tokens": True, "spaces_between_special_tokens": "true", "detokenize": True}
+    parsed = parse(**_vllm({**neutral, "stop": "END"}))
+    assert parsed.stop_words == ("END",) and not parsed.include_stop
+    assert parse(**_vllm({"stop": "END", "include_stop_str_in_output": "true"})).include_stop
+    assert not parse(**_vllm({"include_stop_str_in_output": False})).include_stop
+
+
+def test_vllm_truncate_prompt_tokens_keeps_the_prompts_last_tokens():
+    prompt = np.array([list(range(10, 70))], dtype=np.int32)  # 60 tokens in a context of 64
+    cut = parse(**{tn.INPUT_IDS: prompt, **_vllm({"truncate_prompt_tokens": 5, "max_tokens": 8})}).generation
+    assert cut.prompt_ids == list(range(65, 70))
+    assert parse(**_vllm({"truncate_prompt_tokens": 50})).generation.prompt_ids == [5, 6, 7]  # shorter: whole
+    fitted = parse(**{tn.INPUT_IDS: prompt, **_vllm({"truncate_prompt_tokens": -1, "max_tokens": 8})}).generation
+    assert fitted.prompt_ids == list(range(14, 70))  # -1: what fits before max_tokens in the context (64 - 8)
+    with pytest.raises(InputError, match="'text_input' has 60 tokens"):  # without it, the same prompt is refused
+        parse(**{tn.INPUT_IDS: prompt, **_vllm({"max_tokens": 8})})
 
 
 def test_vllm_token_id_settings_are_read():

@@ -20,9 +20,9 @@ TEXTS = [
 ]
 
 
-def stream(tokenizer, ids, round_size, stop_words=()):
+def stream(tokenizer, ids, round_size, stop_words=(), include_stop=False):
     """Feed ids round by round; returns (deltas as postprocessing would decode them, emitter, stopped)."""
-    emitter = TextEmitter(tokenizer, stop_words)
+    emitter = TextEmitter(tokenizer, stop_words, include_stop)
     deltas = []
     rounds = [ids[i:i + round_size] for i in range(0, len(ids), round_size)]
     for i, rnd in enumerate(rounds):
@@ -65,6 +65,27 @@ def test_stop_word_cuts_text_before_it_across_rounds(tokenizer, round_size, stop
     deltas, emitter, stopped = stream(tokenizer, ids, round_size, stop_words=("never-matches", stop))
     assert stopped
     assert "".join(deltas) == text[:text.index(stop)]
+
+
+@pytest.mark.parametrize("round_size", [1, 2, 4])
+@pytest.mark.parametrize("stop", ["STOP", "fox jumps", "ox", "🎉", "umps over the"])
+def test_a_stop_word_kept_in_the_text_ends_it_across_rounds(tokenizer, round_size, stop):
+    """vLLM's include_stop_str_in_output: the text ends after the stop word."""
+    text = "The quick brown fox jumps over the 🎉 lazy dog. STOP here and more text after."
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    deltas, emitter, stopped = stream(tokenizer, ids, round_size, ("never-matches", stop), include_stop=True)
+    assert stopped
+    assert "".join(deltas) == emitter.text == text[:text.index(stop) + len(stop)]
+
+
+def test_of_stop_words_starting_together_the_first_listed_is_kept(tokenizer):
+    ids = tokenizer.encode("one two three four", add_special_tokens=False)
+    whole = len(ids)  # one round: both words are found at once
+    assert stream(tokenizer, ids, whole, ("two three", "two"), include_stop=True)[1].text == "one two three"
+    assert stream(tokenizer, ids, whole, ("two", "two three"), include_stop=True)[1].text == "one two"
+    assert stream(tokenizer, ids, whole, ("three", "two"), include_stop=True)[1].text == "one two"  # the earliest
+    # Round by round the shorter word is complete first and ends the text there, as token-by-token checks do.
+    assert stream(tokenizer, ids, 1, ("two three", "two"), include_stop=True)[1].text == "one two"
 
 
 def test_no_text_of_a_possible_stop_word_is_sent_early(tokenizer):

@@ -76,11 +76,13 @@ class TextEmitter:
 
     Held back: a trailing incomplete character, and trailing text that could be the start of a stop
     word (it may complete in the next round). A stop word found across rounds cuts the text at its
-    first character; the tokens it spans are sent with a text_length so nothing at or past it shows.
+    first character (with `include_stop`, after its last); the tokens it spans are sent with a text_length
+    so nothing past the cut shows.
     """
 
-    def __init__(self, tokenizer, stop_words: tuple[str, ...] = ()):
+    def __init__(self, tokenizer, stop_words: tuple[str, ...] = (), include_stop: bool = False):
         self.tokenizer = tokenizer
+        self.include_stop = include_stop
         self.stop_words = tuple(w for w in stop_words if w)
         self.longest_stop = max((len(w) for w in self.stop_words), default=0)
         self.emitted: list[int] = []  # tokens already sent
@@ -108,15 +110,19 @@ class TextEmitter:
         return None
 
     def _find_stop(self, pending_text: str) -> int | None:
-        """Index in pending_text where the first stop word starts (it may begin in sent text's tail)."""
+        """Index in pending_text where the text ends at the first stop word: where it starts (it may begin in
+        sent text's tail), or with include_stop where it ends (of the words starting there, the first listed)."""
         if not self.stop_words:
             return None
         tail = self.text[-(self.longest_stop - 1):] if self.longest_stop > 1 else ""
         window = tail + pending_text
-        hits = [pos for pos in (window.find(w) for w in self.stop_words) if pos >= 0]
+        hits = [(pos, word) for word in self.stop_words if (pos := window.find(word)) >= 0]
         if not hits:
             return None
-        return max(0, min(hits) - len(tail))
+        start = min(pos for pos, _ in hits)
+        if self.include_stop:
+            return start + len(next(word for pos, word in hits if pos == start)) - len(tail)
+        return max(0, start - len(tail))
 
     def _held_chars(self, pending_text: str) -> int:
         """Length of the longest tail of pending_text that is a proper prefix of a stop word."""

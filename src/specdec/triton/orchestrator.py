@@ -164,7 +164,7 @@ class SpeculativeDecodingAdapter(TritonAdapter):
         pb = self.pb
         gen, stream = parsed.generation, parsed.stream
         stats = Stats()
-        emitter = TextEmitter(self.tokenizer, parsed.stop_words)
+        emitter = TextEmitter(self.tokenizer, parsed.stop_words, parsed.include_stop)
         log_probs: list[float] = []  # with return_log_probs: one per generated token, in order
         first_sent = False
         loop = asyncio.get_running_loop()

@@ -42,9 +42,14 @@ SAMPLING_PARAMETER_KEYS = {
     "frequency_penalty": (tn.FREQUENCY_PENALTY, np.float32),
 }
 # Settings vLLM's clients send at their neutral values: accepted at those (or null), refused otherwise.
-NEUTRAL_SAMPLING_PARAMETERS = {"n": 1, "best_of": 1}
-# vLLM's keys that no input stands for: token ids (and biases), read from the JSON into arrays of these names.
+# (The text is always detokenized without special tokens, as vLLM's defaults do.)
+NEUTRAL_SAMPLING_PARAMETERS = {"n": 1, "best_of": 1, "skip_special_tokens": True, "spaces_between_special_tokens": True,
+                               "detokenize": True}
+# vLLM's keys that no input stands for: token ids (and biases), read from the JSON into arrays of these names ...
 TOKEN_ID_KEYS = ("logit_bias", "allowed_token_ids", "stop_token_ids")
+# ... and these settings: the stop string kept at the text's end, and the prompt cut to its last N tokens
+# (-1: as many as fit before max_tokens in the context).
+VLLM_KEYS = {"include_stop_str_in_output": np.bool_, "truncate_prompt_tokens": np.int32}
 MAX_TOKEN_IDS = 1024  # entries in logit_bias or stop_token_ids
 # vLLM's structured-output settings (an object, or its JSON): one of these keys names the guide ...
 GUIDED_DECODING_KEYS = ("guided_decoding", "structured_outputs")
@@ -100,6 +105,7 @@ class ParsedRequest:
     draft_name: str  # which proposer drafts
     stream: bool
     stop_words: tuple[str, ...]
+    include_stop: bool = False  # the stop word that ends the text stays at its end (vLLM's include_stop_str_in_output)
 
     @classmethod
     def parse(cls, lookup: InputLookup, limits: RequestLimits, seq_id: int | None = None,
@@ -117,6 +123,8 @@ class ParsedRequest:
         max_tokens = inputs.scalar(tn.MAX_TOKENS, np.int32, limits.default_max_tokens)
         if not 1 <= max_tokens <= limits.max_max_tokens:
             raise InputError(f"input '{tn.MAX_TOKENS}' must be within [1, {limits.max_max_tokens}], got {max_tokens}")
+        prompt_ids = _truncated(prompt_ids, inputs.scalar("truncate_prompt_tokens", np.int32, None),
+                                limits.max_context - max_tokens)
         if len(prompt_ids) + max_tokens > limits.max_context:
             raise InputError(
                 f"input '{tn.TEXT_INPUT}' has {len(prompt_ids)} tokens; with '{tn.MAX_TOKENS}'={max_tokens} that "
@@ -171,7 +179,20 @@ class ParsedRequest:
         # A seeded sampled request must be reproducible: measured costs vary from run to run, and a
         # different K changes which random draws pick which token, so it drafts a fixed K.
         adaptive = adaptive and (sampling.greedy or seed is None)
-        return cls(generation, k, adaptive, draft_name, bool(inputs.scalar(tn.STREAM, np.bool_, False)), stop_words)
+        return cls(generation, k, adaptive, draft_name, bool(inputs.scalar(tn.STREAM, np.bool_, False)), stop_words,
+                   bool(inputs.scalar("include_stop_str_in_output", np.bool_, False)))
+
+
+def _truncated(prompt_ids: list[int], keep: int | None, room: int) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: the last `room`, what fits before
+    max_tokens in the context); the whole prompt when it is shorter, or without the setting."""
+    if keep is None:
+        return prompt_ids
+    if keep == -1:
+        keep = max(room, 1)
+    if keep < 1:
+        raise InputError(f"input '{tn.SAMPLING_PARAMETERS}': key 'truncate_prompt_tokens' must be >= 1 or -1, got {keep}")
+    return prompt_ids[-keep:]
 
 
 def _with_sampling_parameters(lookup: InputLookup) -> InputLookup:
@@ -201,14 +222,20 @@ def _with_sampling_parameters(lookup: InputLookup) -> InputLookup:
                                      f"send one of them")
             arrays.update(_guide_setting(f"{field}: key {key!r}", value))
             continue
-        if value is None or (key in NEUTRAL_SAMPLING_PARAMETERS and not isinstance(value, bool)
-                             and value == NEUTRAL_SAMPLING_PARAMETERS[key]):
-            continue  # unset, or a setting speculative decoding does not have at its neutral value
+        if value is None:
+            continue  # unset
+        if key in VLLM_KEYS:
+            arrays[key] = _setting(f"{field}: key {key!r}", value, VLLM_KEYS[key])
+            continue
         if key in NEUTRAL_SAMPLING_PARAMETERS:
-            raise InputError(f"{field}: key {key!r} is supported only at {NEUTRAL_SAMPLING_PARAMETERS[key]}, got {value!r}")
+            neutral = NEUTRAL_SAMPLING_PARAMETERS[key]
+            if _setting(f"{field}: key {key!r}", value, np.bool_ if isinstance(neutral, bool) else np.int32).item() \
+                    != neutral:
+                raise InputError(f"{field}: key {key!r} is supported only at {json.dumps(neutral)}, got {value!r}")
+            continue  # a setting speculative decoding does not have, at its neutral value
         if key not in SAMPLING_PARAMETER_KEYS:
             raise InputError(f"{field}: key {key!r} is not supported (supported: {', '.join(SAMPLING_PARAMETER_KEYS)}, "
-                             f"{', '.join(TOKEN_ID_KEYS + GUIDED_DECODING_KEYS)}; "
+                             f"{', '.join(TOKEN_ID_KEYS + tuple(VLLM_KEYS) + GUIDED_DECODING_KEYS)}; "
                              f"at their neutral values: {', '.join(NEUTRAL_SAMPLING_PARAMETERS)})")
         name, dtype = SAMPLING_PARAMETER_KEYS[key]
         if lookup(name) is not None:
