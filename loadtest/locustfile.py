@@ -12,7 +12,8 @@ PREFIX they also go to PREFIX_specdec.csv. Distributed runs (--processes N, or -
 workers send their samples to the master with every stats report and the master prints the summary. Options (or environment): --max-tokens (SPECDEC_MAX_TOKENS, 64),
 --num-draft-tokens (SPECDEC_NUM_DRAFT_TOKENS, server default), --temperature (SPECDEC_TEMPERATURE),
 --prompts-file (SPECDEC_PROMPTS, loadtest/prompts.jsonl), --prompt-kind (SPECDEC_PROMPT_KIND: all |
-grounded | open).
+grounded | open), --guided-fraction (SPECDEC_GUIDED_FRACTION, 0: the share of requests that carry a guide,
+structured output) with --guides-file (SPECDEC_GUIDES, loadtest/guided.jsonl: prompt, guide_type, guide).
 """
 
 # gRPC must be made gevent-cooperative before any channel exists.
@@ -21,6 +22,7 @@ import grpc.experimental.gevent as grpc_gevent
 grpc_gevent.init_gevent()
 
 import csv  # noqa: E402
+import dataclasses  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import random  # noqa: E402
@@ -52,6 +54,8 @@ def _options(parser):
                         default=float(env("SPECDEC_TEMPERATURE")) if env("SPECDEC_TEMPERATURE") else None)
     parser.add_argument("--prompts-file", default=env("SPECDEC_PROMPTS", str(HERE / "prompts.jsonl")))
     parser.add_argument("--prompt-kind", default=env("SPECDEC_PROMPT_KIND", "all"), choices=("all", "grounded", "open"))
+    parser.add_argument("--guided-fraction", type=float, default=float(env("SPECDEC_GUIDED_FRACTION", "0")))
+    parser.add_argument("--guides-file", default=env("SPECDEC_GUIDES", str(HERE / "guided.jsonl")))
 
 
 class Samples:
@@ -175,6 +179,26 @@ class _SpecdecMixin:
         self.params = GenerationParams(max_tokens=getattr(options, "max_tokens", 64),
                                        num_draft_tokens=getattr(options, "num_draft_tokens", None),
                                        temperature=getattr(options, "temperature", None))
+        self.guided_fraction = getattr(options, "guided_fraction", 0.0)
+        if not 0.0 <= self.guided_fraction <= 1.0:
+            raise ValueError(f"--guided-fraction must be within [0, 1], got {self.guided_fraction}")
+        self.guided = []
+        if self.guided_fraction:
+            path = Path(getattr(options, "guides_file", HERE / "guided.jsonl"))
+            for line in path.read_text().splitlines():
+                if line.strip():
+                    row = json.loads(line)
+                    guide = row["guide"] if isinstance(row["guide"], str) else json.dumps(row["guide"])
+                    self.guided.append((row["prompt"], dataclasses.replace(self.params, guide_type=row["guide_type"],
+                                                                           guide=guide)))
+            if not self.guided:
+                raise ValueError(f"no guided requests in {path}")
+
+    def request(self) -> tuple[str, GenerationParams]:
+        """The next request's prompt and parameters: a guided one with probability --guided-fraction."""
+        if self.guided and random.random() < self.guided_fraction:
+            return random.choice(self.guided)
+        return random.choice(self.prompts), self.params
 
     def record(self, sent: float, result, exception) -> None:
         if exception is None:
@@ -226,7 +250,8 @@ class GrpcStreamUser(_SpecdecMixin, User):
         exception = None
         self.client.start_stream(callback=lambda result, error: responses.put((result, error)))
         try:
-            self.client.async_stream_infer(tn.ENSEMBLE, grpc_inputs(self.params.tensors(random.choice(self.prompts), True)),
+            prompt, params = self.request()
+            self.client.async_stream_infer(tn.ENSEMBLE, grpc_inputs(params.tensors(prompt, True)),
                                            enable_empty_final_response=True)
             while not consume_grpc_response(builder, *responses.get(timeout=600), None):
                 pass
@@ -258,7 +283,8 @@ class HttpStreamUser(_SpecdecMixin, User):
         builder = ResultBuilder()
         sent = builder.sent
         exception = None
-        body = self.params.json(random.choice(self.prompts), True)
+        prompt, params = self.request()
+        body = params.json(prompt, True)
         try:
             with self.session.post(f"{self.host.rstrip('/')}/v2/models/{tn.ENSEMBLE}/generate_stream", json=body,
                                    stream=True, timeout=(10, 600)) as response:

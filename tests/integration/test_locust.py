@@ -46,6 +46,37 @@ def test_locust_headless_records_requests_and_ttft(server, tmp_path, scheme):
         assert line in summary
 
 
+def test_locust_sends_guided_requests(server, tmp_path):
+    """--guided-fraction 1: every request carries a guide from the guides file. The project's file serves
+    without a failure; a file whose guide does not compile fails every request (so the guides are sent)."""
+    out, rows, _ = run_locust(tmp_path, server.grpc_url, seconds=12, extra=["--guided-fraction", "1"])
+    assert out.returncode == 0, out.stderr[-3000:]
+    generate = rows[("grpc", "generate")]
+    assert int(generate["Request Count"]) > 0 and int(generate["Failure Count"]) == 0
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"prompt": "Hi", "guide_type": "regex", "guide": "[0-9"}\n')
+    out, rows, _ = run_locust(tmp_path, server.http_url, seconds=8,
+                              extra=["--guided-fraction", "1", "--guides-file", str(broken)])
+    generate = rows[("http", "generate")]
+    assert int(generate["Request Count"]) > 0 and generate["Failure Count"] == generate["Request Count"]
+    assert "guided_decoding_guide" in out.stdout + out.stderr
+
+
+def test_every_load_test_guide_compiles():
+    import json
+
+    from specdec.decoding.grammar import GuideCompiler
+    from specdec.decoding.text import load_tokenizer
+    from specdec.serving.pairs import smollm2_tokenizer_dir
+
+    guides = GuideCompiler(load_tokenizer(str(smollm2_tokenizer_dir())))
+    rows = [json.loads(line) for line in (LOCUSTFILE.parent / "guided.jsonl").read_text().splitlines() if line.strip()]
+    assert {row["guide_type"] for row in rows} == {"json_schema", "choice", "regex"}
+    for row in rows:
+        guide = row["guide"] if isinstance(row["guide"], str) else json.dumps(row["guide"])
+        guides.compile(row["guide_type"], guide)
+
+
 def test_locust_distributed_summary_counts_every_workers_requests(server, tmp_path):
     """--processes 2: a master and two workers; the master's summary has the workers' samples."""
     out, rows, latency = run_locust(tmp_path, server.grpc_url, extra=["--processes", "2"])
