@@ -15,10 +15,10 @@ With --url, the same requests go through a running server's ensemble instead (`m
 against prompt lookup with K fixed (the server proposes forced text), each request's tokens/s from the client.
 
 With --url and --stall, what guides cost other requests: --streams plain streamed requests (target-only) run
-for --seconds alone, then beside a client sending one guided request after another (a large JSON schema: 60
-objects of 6 fields, 4 tokens each), the same schema every time or a schema new to the server every time,
-and it prints the gaps between the plain streams' responses (median, p99, max) and the guided requests'
-latency. A guide compiles for milliseconds; where that runs on the orchestrator's event loop every other
+for --seconds alone, then beside a client sending one guided request after another (a large JSON schema,
+--schema-objects objects of 6 fields, 60 by default; 4 tokens each), the same schema every time or a schema
+new to the server every time, and it prints the gaps between the plain streams' responses (median, p99, max)
+and the guided requests' latency. A guide compiles for milliseconds; where that runs on the orchestrator's event loop every other
 request's round waits for it.
 
     python bench/structured_bench.py                       # the default pair (SmolLM2-135M-Instruct)
@@ -86,6 +86,7 @@ def main(argv=None) -> int:
     p.add_argument("--stall", action="store_true", help="with --url: other streams' gaps while guides compile")
     p.add_argument("--streams", type=int, default=4, help="--stall: plain streams")
     p.add_argument("--seconds", type=float, default=20.0, help="--stall: how long each phase runs")
+    p.add_argument("--schema-objects", type=int, default=60, help="--stall: objects (of 6 fields) in the guided schema")
     p.add_argument("--out", help="also write the table here")
     args = p.parse_args(argv)
     if args.url:
@@ -167,11 +168,11 @@ def _served(args) -> int:
                     "speedup", "tokens/round", "equal text"], rows, args.out)
 
 
-def _large_schema(tag: str) -> str:
-    """A JSON schema of 60 objects of 6 fields each; `tag` in its names makes it new to the server."""
+def _large_schema(tag: str, objects: int = 60) -> str:
+    """A JSON schema of `objects` objects of 6 fields each; `tag` in its names makes it new to the server."""
     fields = {f"sub_{tag}_{j}": {"type": ["string", "integer"]} for j in range(6)}
     return json.dumps({"type": "object", "properties": {f"field_{tag}_{i}": {"type": "object", "properties": fields}
-                                                        for i in range(60)}})
+                                                        for i in range(objects)}})
 
 
 def _stall(args) -> int:
@@ -199,11 +200,16 @@ def _stall(args) -> int:
         client = Client(args.url)
         while not stop.is_set():
             started = time.perf_counter()
-            client.generate("Answer in JSON.", GenerationParams(max_tokens=4, num_draft_tokens=0,
-                                                                guide_type="json_schema", guide=_large_schema(next(tags))))
+            guide = _large_schema(next(tags), args.schema_objects)
+            try:
+                client.generate("Answer in JSON.", GenerationParams(max_tokens=4, num_draft_tokens=0,
+                                                                    guide_type="json_schema", guide=guide))
+            except Exception as exc:  # noqa: BLE001 - counted, and the run goes on
+                failures.append(str(exc))
+                continue
             latencies.append(time.perf_counter() - started)
 
-    rows = []
+    rows, failures = [], []
     unique = itertools.count()
     for phase, tags in (("plain streams alone", None), ("+ the same schema again and again", itertools.repeat("same")),
                         ("+ a schema new to the server each time", (f"n{os.getpid()}x{i}" for i in unique))):
@@ -223,9 +229,18 @@ def _stall(args) -> int:
         rows.append(f"| {phase} | {len(gaps)} | {ms[0]:.1f} | {ms[1]:.1f} | {ms[2]:.1f} | {len(latencies) or ''} | "
                     f"{guided_ms} |")
     return _report(f"served at {args.url}, {args.streams} plain streams (target-only, {args.max_tokens} tokens each), "
-                   f"{args.seconds:g} s per phase",
+                   f"{args.seconds:g} s per phase, a schema of {args.schema_objects} objects "
+                   f"({len(_large_schema('x', args.schema_objects))} characters)",
                    ["phase", "plain responses", "gap median ms", "gap p99 ms", "gap max ms", "guided requests",
-                    "guided latency median ms"], rows, args.out, compares_text=False)
+                    "guided latency median ms"], rows, args.out, compares_text=False) or \
+        _failed(failures)
+
+
+def _failed(failures: list[str]) -> int:
+    """Exit status 1, naming the first failure, when some guided request failed."""
+    if failures:
+        print(f"{len(failures)} guided requests failed, e.g.: {failures[0]}")
+    return int(bool(failures))
 
 
 if __name__ == "__main__":

@@ -611,6 +611,32 @@ def test_sampled_structured_output_keeps_to_its_guide(server):
             assert any_json.text.startswith("{") and any_json.finish_reason == tn.FINISH_LENGTH
 
 
+def test_a_large_guide_compiles_on_a_thread_and_is_served(server):
+    """A guide over THREAD_GUIDE_CHARS compiles off the orchestrator's event loop: served alike, greedy K=0
+    and K=4 equal, the JSON keeping to the schema; a plain stream beside it finishes too."""
+    from specdec.triton.orchestrator import THREAD_GUIDE_CHARS
+
+    optional = {f"note_{i:04d}": {"type": "string", "description": "padding " * 4} for i in range(300)}
+    schema = {"type": "object", "required": ["city"], "additionalProperties": False,
+              "properties": {"city": {"type": "string", "maxLength": 12}, **optional},
+              "x-guidance": {"whitespace_flexible": False}}
+    guide = json.dumps(schema)
+    assert THREAD_GUIDE_CHARS < len(guide) <= 65536
+    client = Client(server.grpc_url)
+    with ThreadPoolExecutor(3) as pool:
+        plain = pool.submit(client.generate, PROMPTS[0], GenerationParams(max_tokens=24, ignore_eos=True), True)
+        answers = [pool.submit(client.generate, PROMPTS[1], GenerationParams(
+            max_tokens=48, num_draft_tokens=k, guide_type="json_schema", guide=guide)) for k in (0, 4)]
+        texts = [answer.result().text for answer in answers]
+        assert plain.result().num_output_tokens == 24
+    assert texts[0] == texts[1]
+    if answers[0].result().finish_reason == tn.FINISH_STOP:
+        value = json.loads(texts[0])
+        assert "city" in value and set(value) <= set(schema["properties"])
+    else:
+        assert texts[0].startswith('{"')
+
+
 def test_structured_bench_served_mode(server):
     """`bench/structured_bench.py --url`: every schema and whitespace setting served, speculative text equal
     to target-only text; with --stall, its three phases run."""
@@ -696,6 +722,9 @@ BAD_REQUESTS = {
         [[b'{"skip_special_tokens": false}']], dtype=np.object_)), "skip_special_tokens"),
     "truncate_prompt_tokens_zero": (PROMPTS[0], dict(sampling_parameters=np.array(
         [[b'{"truncate_prompt_tokens": 0}']], dtype=np.object_)), "truncate_prompt_tokens"),
+    "guide_over_max_guide_chars": (PROMPTS[0], dict(guided_decoding_guide_type=np.array([[b"regex"]], dtype=np.object_),
+                                                    guided_decoding_guide=np.array([[b"a" * 65537]], dtype=np.object_)),
+                                   "guided_decoding_guide"),
     "pad_id_negative": (PROMPTS[0], dict(pad_id=np.array([[-1]], dtype=np.int32)), "pad_id"),
     "beam_width_2": (PROMPTS[0], dict(beam_width=np.array([[2]], dtype=np.int32)), "beam_width"),
     "beam_width_wrong_dtype": (PROMPTS[0], dict(beam_width=np.array([[1]], dtype=np.uint32)), "beam_width"),

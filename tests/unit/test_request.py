@@ -294,6 +294,9 @@ def test_a_guide_comes_as_tensorrt_llms_inputs_or_vllms_guided_decoding():
     assert parse_guided(**{tn.GUIDED_DECODING_GUIDE_TYPE: b"regex", tn.GUIDED_DECODING_GUIDE: b"[0-9]+"}
                         ).generation.grammar == ("regex", "[0-9]+")
     assert parse_guided(**{tn.GUIDED_DECODING_GUIDE_TYPE: b"json"}).generation.grammar == ("json", "")
+    longest = "a" * LIMITS.max_guide_chars  # max_guide_chars itself is allowed
+    assert parse_guided(**{tn.GUIDED_DECODING_GUIDE_TYPE: b"regex", tn.GUIDED_DECODING_GUIDE: longest.encode()}
+                        ).generation.grammar == ("regex", longest)
     for key in ("guided_decoding", "structured_outputs"):
         for value in ({"json": schema, "backend": "xgrammar"}, json.dumps({"json": json.dumps(schema)})):
             assert parse_guided(**_vllm({key: value})).generation.grammar == ("json_schema", json.dumps(schema))
@@ -333,6 +336,9 @@ def test_a_guide_comes_as_tensorrt_llms_inputs_or_vllms_guided_decoding():
     ({**_vllm({"structured_outputs": {"regex": "a"}}), tn.GUIDED_DECODING_GUIDE_TYPE: b"json"},
      f"key 'structured_outputs' and input '{tn.GUIDED_DECODING_GUIDE_TYPE}'"),
     (_vllm({"structured_outputs": {"regex": "a"}, "guided_decoding": {"regex": "b"}}), "are one setting"),
+    ({tn.GUIDED_DECODING_GUIDE_TYPE: b"regex", tn.GUIDED_DECODING_GUIDE: b"a" * (LIMITS.max_guide_chars + 1)},
+     f"'{tn.GUIDED_DECODING_GUIDE}' has {LIMITS.max_guide_chars + 1} characters; at most {LIMITS.max_guide_chars} "
+     f"\\(max_guide_chars\\)"),
 ])
 def test_bad_guides_are_refused_by_name(inputs, message):
     with pytest.raises(InputError, match=message):

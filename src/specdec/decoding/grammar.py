@@ -27,6 +27,7 @@ that token is not part of the output.
 from __future__ import annotations
 
 import json
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -69,7 +70,7 @@ class Grammar:
 class GuideCompiler:
     """Compiles guides for one tokenizer (converting a Hugging Face tokenizer takes ~0.3 s: once per model
     instance, at load) and keeps the CACHED_GUIDES used last, so a guide sent again costs a lookup and a
-    matcher copy instead of milliseconds of compiling on the orchestrator's event loop."""
+    matcher copy instead of milliseconds of compiling. Thread-safe."""
 
     def __init__(self, hf_tokenizer, cached: int = CACHED_GUIDES):
         import llguidance.hf
@@ -77,20 +78,24 @@ class GuideCompiler:
         self.tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer)
         self._cached, self._cache = cached, OrderedDict()
         self._seen: OrderedDict[int, None] = OrderedDict()  # hashes of guides compiled once and not kept
+        self._lock = threading.Lock()  # large guides compile on a thread, small ones on the event loop
 
     def compile(self, guide_type: str, guide: str) -> Grammar:
         """guide_type: one of tn.GUIDE_TYPES; guide: its text (ignored for "json"). Raises GuideError."""
         key = (guide_type, guide)
-        grammar = self._cache.pop(key, None)
+        with self._lock:
+            grammar = self._cache.pop(key, None)
         if grammar is None:
             grammar = self._compile(guide_type, guide)  # a failure raises: nothing is kept
             # Kept from its second time on: compiling gets slower while matchers are held (measured), so a
             # stream of guides that each come once is compiled as if nothing were kept.
-            if _first_time(self._seen, hash(key), SEEN_GUIDES):
-                return grammar
-        self._cache[key] = grammar  # the most recently used last
-        while len(self._cache) > self._cached:
-            self._cache.popitem(last=False)
+            with self._lock:
+                if _first_time(self._seen, hash(key), SEEN_GUIDES):
+                    return grammar
+        with self._lock:
+            self._cache[key] = grammar  # the most recently used last
+            while len(self._cache) > self._cached:
+                self._cache.popitem(last=False)
         return grammar
 
     def _compile(self, guide_type: str, guide: str) -> Grammar:

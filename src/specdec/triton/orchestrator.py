@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import time
 
 import numpy as np
@@ -34,6 +35,17 @@ from specdec.triton.request import InputError, ParsedRequest, RequestLimits
 from specdec.triton.room import RoomLine, RoomWait
 from specdec.triton.slots import SlotPool
 from specdec.triton.verify_gate import GatedScorer, VerifyGate
+
+
+# Guides longer than this (characters of the guide input or of the sampling_parameters JSON that may hold
+# one) compile on a thread (see `_serve`).
+THREAD_GUIDE_CHARS = 16384
+
+
+def _guide_chars(inputs: dict) -> int:
+    """The characters of a request's inputs that may hold a guide."""
+    return sum(len(item) for name in (tn.GUIDED_DECODING_GUIDE, tn.SAMPLING_PARAMETERS) if name in inputs
+               for item in inputs[name].reshape(-1) if isinstance(item, (bytes, str)))
 
 
 # How often a round without a streamed response asks Triton whether a direct caller cancelled (an IPC round
@@ -82,6 +94,7 @@ class SpeculativeDecodingAdapter(TritonAdapter):
         # hold up every other request's round. A request's response leaves while its next round runs; the
         # request collects it before sending the next one, so its responses stay in order.
         self.ipc = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="specdec-ipc")
+        self.compiling = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="specdec-guide")
         self.cancellations = CancellationBoard()
         self.cancellations.sweep()
         self.last_sweep = time.monotonic()
@@ -101,9 +114,14 @@ class SpeculativeDecodingAdapter(TritonAdapter):
         # Listed once: pb_utils.get_input_tensor_by_name lists every input on each lookup, and parsing looks
         # up some thirty names.
         inputs = {tensor.name(): tensor.as_numpy() for tensor in request.inputs()}
+        parse = functools.partial(ParsedRequest.parse, inputs.get, self.limits, encode=self._encode_word,
+                                  compile_guide=self.guides.compile)
         try:
-            parsed = ParsedRequest.parse(inputs.get, self.limits, encode=self._encode_word,
-                                         compile_guide=self.guides.compile)
+            # A large guide compiles on a thread: on the event loop every other request's round would wait
+            # for it. Small ones compile here: on a thread, taking turns at the GIL with the event loop, a
+            # compile takes longer than it stalls the others (README, "Structured output").
+            parsed = await asyncio.get_running_loop().run_in_executor(self.compiling, parse) \
+                if _guide_chars(inputs) > THREAD_GUIDE_CHARS else parse()
         except InputError as exc:
             self.metrics.requests["invalid"].increment(1)
             # Triton 24.10's stub registers an async execute's future only after scheduling it; a coroutine

@@ -75,6 +75,9 @@ class RequestLimits:
     adaptive_draft: bool = True  # num_draft_tokens is the most a round drafts; K adapts per round
     max_stop_words: int = 16
     max_bad_words: int = 16
+    # A guide compiles on the orchestrator's event loop, stalling its other requests meanwhile: compiling
+    # grows with the guide (README, "Structured output"), so its length is bounded.
+    max_guide_chars: int = 65536
 
     @classmethod
     def from_parameters(cls, params: ModelParameters, vocab_size: int, end_ids: frozenset[int]) -> RequestLimits:
@@ -94,6 +97,7 @@ class RequestLimits:
             adaptive_draft=params.bool("adaptive_draft", True),
             max_stop_words=params.int("max_stop_words", 16, low=0),
             max_bad_words=params.int("max_bad_words", 16, low=0),
+            max_guide_chars=params.int("max_guide_chars", 65536, low=1),
         )
 
 
@@ -173,7 +177,7 @@ class ParsedRequest:
             log_probs=bool(inputs.scalar(tn.RETURN_LOG_PROBS, np.bool_, False)),
             bad_words=bad_words,
             penalties=penalties,
-            grammar=_grammar(inputs, compile_guide),
+            grammar=_grammar(inputs, compile_guide, limits.max_guide_chars),
             token_bias=_token_bias(inputs, limits.vocab_size),
         )
         # A seeded sampled request must be reproducible: measured costs vary from run to run, and a
@@ -345,7 +349,7 @@ def _guide_setting(what: str, value) -> dict[str, np.ndarray]:
             tn.GUIDED_DECODING_GUIDE: np.array([[guide]], dtype=np.object_)}
 
 
-def _grammar(inputs: _Inputs, compile_guide: CompileGuide | None) -> Grammar | None:
+def _grammar(inputs: _Inputs, compile_guide: CompileGuide | None, max_chars: int) -> Grammar | None:
     """The request's structured-output grammar (TensorRT-LLM's two inputs), None when it has none."""
     types, guides = inputs.strings(tn.GUIDED_DECODING_GUIDE_TYPE), inputs.strings(tn.GUIDED_DECODING_GUIDE)
     for name, values in ((tn.GUIDED_DECODING_GUIDE_TYPE, types), (tn.GUIDED_DECODING_GUIDE, guides)):
@@ -362,6 +366,9 @@ def _grammar(inputs: _Inputs, compile_guide: CompileGuide | None) -> Grammar | N
                          f"got {guide_type!r}")
     if compile_guide is None:
         raise InputError(f"input '{tn.GUIDED_DECODING_GUIDE_TYPE}' is not supported here (no tokenizer)")
+    if len(guide) > max_chars:
+        raise InputError(f"input '{tn.GUIDED_DECODING_GUIDE}' has {len(guide)} characters; at most {max_chars} "
+                         f"(max_guide_chars)")
     try:
         return compile_guide(guide_type, guide)
     except GuideError as exc:
