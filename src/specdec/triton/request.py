@@ -75,8 +75,8 @@ class RequestLimits:
     adaptive_draft: bool = True  # num_draft_tokens is the most a round drafts; K adapts per round
     max_stop_words: int = 16
     max_bad_words: int = 16
-    # A guide compiles on the orchestrator's event loop, stalling its other requests meanwhile: compiling
-    # grows with the guide (README, "Structured output"), so its length is bounded.
+    # A guide compiles when its request arrives (a large one on a thread, a small one on the orchestrator's
+    # event loop); compiling grows with the guide (README, "Structured output"), so its length is bounded.
     max_guide_chars: int = 65536
 
     @classmethod
