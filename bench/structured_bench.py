@@ -228,17 +228,12 @@ def _stall(args) -> int:
         guided_ms = f"{statistics.median(latencies) * 1e3:.1f}" if latencies else ""
         rows.append(f"| {phase} | {len(gaps)} | {ms[0]:.1f} | {ms[1]:.1f} | {ms[2]:.1f} | {len(latencies) or ''} | "
                     f"{guided_ms} |")
-    return _report(f"served at {args.url}, {args.streams} plain streams (target-only, {args.max_tokens} tokens each), "
-                   f"{args.seconds:g} s per phase, a schema of {args.schema_objects} objects "
-                   f"({len(_large_schema('x', args.schema_objects))} characters)",
-                   ["phase", "plain responses", "gap median ms", "gap p99 ms", "gap max ms", "guided requests",
-                    "guided latency median ms"], rows, args.out, compares_text=False) or \
-        _failed(failures)
-
-
-def _failed(failures: list[str]) -> int:
-    """Exit status 1, naming the first failure, when some guided request failed."""
-    if failures:
+    _report(f"served at {args.url}, {args.streams} plain streams (target-only, {args.max_tokens} tokens each), "
+            f"{args.seconds:g} s per phase, a schema of {args.schema_objects} objects "
+            f"({len(_large_schema('x', args.schema_objects))} characters)",
+            ["phase", "plain responses", "gap median ms", "gap p99 ms", "gap max ms", "guided requests",
+             "guided latency median ms"], rows, args.out, compares_text=False)
+    if failures:  # exit status 1, naming the first
         print(f"{len(failures)} guided requests failed, e.g.: {failures[0]}")
     return int(bool(failures))
 
