@@ -267,7 +267,9 @@ def pair_for(values: dict) -> PairSpec:
         sequence_idle_timeout_s=spec["sequenceIdleTimeoutSeconds"], compile=values["executor"]["compile"],
         fuse_kernels=values["executor"]["fuseKernels"], torch_threads=str(values["executor"]["torchThreads"]),
         kv_memory_fraction_target=values["executor"]["kvMemoryFraction"]["target"],
-        kv_memory_fraction_draft=values["executor"]["kvMemoryFraction"]["draft"])
+        kv_memory_fraction_draft=values["executor"]["kvMemoryFraction"]["draft"],
+        prefix_caching=values["executor"]["prefixCaching"]["enabled"],
+        prefix_cache_tokens=values["executor"]["prefixCaching"]["tokens"])
 
 
 @pytest.mark.parametrize("name", ["defaults", "cpu-only-ngram", "spread-target"])

@@ -64,6 +64,26 @@ def test_static_executor_serves_exactly(small_pool):
     assert own.metric("specdec_model_tokens_processed_total", model="target_model") > 0
 
 
+def test_repeated_prompts_are_served_from_the_pools_blocks(small_pool):
+    """Prefix caching in the pool: a prompt sent again reuses its full blocks (released, they stayed cached
+    in the pool), greedy and speculative, with the text computed from scratch; cached blocks are not held."""
+    own = small_pool
+    prompt = ("Opening hours are eight to six on weekdays and nine to one on Saturdays; the store is closed on "
+              "Sundays and public holidays. Deliveries within twenty kilometres are free for orders above fifty francs. Returns are accepted "
+              "within thirty days with the receipt, except for cut materials such as chains, ropes, cables and "
+              "timber. The workshop sharpens knives and tools while customers wait.")
+    client = Client(own.grpc_url)
+    hits = {m: own.metric("specdec_model_prefix_cache_hits_total", model=m) for m in ("target_model", "draft_model")}
+    cold = client.generate(prompt, GenerationParams(max_tokens=16, num_draft_tokens=3))
+    assert own.metric("specdec_model_prefix_cache_hits_total", model="target_model") == hits["target_model"]
+    for k in (0, 3):
+        assert client.generate(prompt, GenerationParams(max_tokens=16, num_draft_tokens=k)).text == cold.text
+    found = {m: own.metric("specdec_model_prefix_cache_hits_total", model=m) - hits[m] for m in hits}
+    reusable = (cold.num_input_tokens - 1) // 32 * 32
+    assert reusable >= 64 and found["target_model"] == 2 * reusable and found["draft_model"] == reusable
+    assert own.metric("specdec_model_kv_cache_bytes", model="target_model") == 0
+
+
 def test_a_pool_smaller_than_the_context_fails_the_load_naming_it(tmp_path):
     args = static_args("--set", "target_model.kv_pool_tokens=64")
     with pytest.raises(server.ServerStartError):

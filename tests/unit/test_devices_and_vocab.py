@@ -62,7 +62,7 @@ def test_each_layers_kv_buffers_live_on_that_layers_device():
     model.model.layers[1].to("meta")
     lm = CausalLM(model)
     assert [d.type for d in layer_devices(model, 3)] == ["cpu", "meta", "cpu"]
-    seq = lm._acquire(5, 0)
+    seq = lm._new_sequence()
     assert [k.device.type for k in seq.keys] == ["cpu", "meta", "cpu"]
     assert [v.device.type for v in seq.values] == ["cpu", "meta", "cpu"]
     seq.reserve(seq.capacity + 1)  # growth keeps each buffer where it was

@@ -13,8 +13,9 @@ from specdec.engine.static_executor import StaticCausalLM, bucket, buckets, supp
 
 
 def static(model, **settings):
+    # Prefix caching off unless a test is about it: these tests count the pool's free blocks.
     options = dict(kv_pool_tokens=1024, block_size=8, max_context=256, max_batch=4, max_rows=5, min_window=16,
-                   compile="off")
+                   compile="off", prefix_caching=False)
     return StaticCausalLM(model, **{**options, **settings})
 
 
@@ -56,8 +57,9 @@ def run_every_bucket(reference, paged, atol: float) -> None:
     assert windows_seen >= {2, 4, 8}  # 16, 32 and 64-token windows all used
 
 
-def test_every_bucket_with_rollbacks_matches_the_dynamic_executor(tiny_lm):
-    paged = static(tiny_lm)
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_every_bucket_with_rollbacks_matches_the_dynamic_executor(tiny_lm, prefix_caching):
+    paged = static(tiny_lm, prefix_caching=prefix_caching)
     paged.forward.reserve_workspace(4 * 32)  # the gather buffers the CUDA graphs share
     run_every_bucket(CausalLM(tiny_lm), paged, atol=1e-10)
 

@@ -39,6 +39,8 @@ instance_group [ { count: 1, kind: KIND_GPU, gpus: [ {{ ternary $root.Values.gpu
 {{ include "specdec.param" (list "fuse_kernels" $root.Values.executor.fuseKernels) }}
 {{ include "specdec.param" (list "kv_memory_fraction" (index $root.Values.executor.kvMemoryFraction $role)) }}
 {{ include "specdec.param" (list "torch_threads" $root.Values.executor.torchThreads) }}
+{{ include "specdec.param" (list "prefix_caching" $root.Values.executor.prefixCaching.enabled) }}
+{{ include "specdec.param" (list "prefix_cache_tokens" $root.Values.executor.prefixCaching.tokens) }}
 {{ include "specdec.param" (list "batched_forward" "true") }}
 {{ include "specdec.instanceGroup" (list $root $role) }}
 {{- end -}}

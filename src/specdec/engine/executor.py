@@ -24,7 +24,8 @@ import torch
 
 from specdec import tensor_names as tn
 from specdec.engine import onednn_linear
-from specdec.engine.kv_cache import KVBatch, SequenceKV, layer_devices, use_sequence_kv
+from specdec.engine.kv_cache import BlockStore, KVBatch, SequenceKV, layer_devices, use_sequence_kv
+from specdec.engine.prefix_cache import ROOT, PrefixIndex
 from specdec.decoding.sampling import SamplingParams, greedy, logits_to_probs, sample
 
 DTYPES = {name: getattr(torch, name) for name in tn.DTYPE_NAMES}
@@ -120,7 +121,7 @@ class CausalLM:
 
     def __init__(self, model, max_sequences: int = 256, idle_timeout_s: float = 600.0,
                  clock: Callable[[], float] = time.monotonic, min_forward_rows: int = 1,
-                 row_buckets: bool = False):
+                 row_buckets: bool = False, prefix_cache_tokens: int = 0, block_size: int = 32):
         self.model = model
         # Where inputs go (a spread model: its first layer's), read once: transformers looks it up through
         # the parameters on every access, several times per forward.
@@ -140,6 +141,15 @@ class CausalLM:
         self.clock = clock
         self.sequences: dict[int, SequenceKV] = {}
         self.tokens_processed = 0  # every token run through the model, for the token-count metric
+        # Prefix caching: keyed blocks of `block_size` tokens, copied into a store of prefix_cache_tokens
+        # (rounded down to blocks; 0: off). Counted: tokens of new sequences' first steps, and how many of
+        # them were found cached.
+        self.prefix = PrefixIndex(block_size) if prefix_cache_tokens >= block_size else None
+        if self.prefix is not None:
+            heads, head_dim = self._kv_heads_and_dim()
+            self.store = BlockStore(self.prefix, prefix_cache_tokens // block_size, self.layer_devices, heads,
+                                    head_dim, model.dtype)
+        self.prefix_queried_tokens = self.prefix_hit_tokens = 0
 
     @property
     def vocab_size(self) -> int:
@@ -153,12 +163,16 @@ class CausalLM:
         seq = self.sequences.get(seq_id)
         return seq.length if seq else 0
 
-    def _acquire(self, seq_id: int, keep: int, grow: int = 0, reserve: int = 0) -> SequenceKV:
-        """The sequence's cache rolled back to `keep` tokens, with room for `grow` more (CacheError if
+    def _acquire(self, step: Step, grow: int = 0) -> int:
+        """The step's sequence rolled back to `step.keep` tokens, with room for `grow` more (CacheError if
         there is none; a sequence that was new then holds nothing). A new sequence also takes room for
-        `reserve` positions (`Step.reserve`)."""
+        `step.reserve` positions (`Step.reserve`), and may start from cached blocks of its prompt
+        (prefix caching, where the executor has it): returns how many of the step's new tokens it found
+        cached (they are not run again), 0 otherwise."""
+        seq_id, keep = step.seq_id, step.keep
         seq = self.sequences.get(seq_id)
-        if seq is None:
+        cached, new = 0, seq is None
+        if new:
             if keep != 0:
                 raise CacheError(
                     f"sequence {seq_id} has no cache (never started, released or evicted after idling)"
@@ -167,9 +181,10 @@ class CausalLM:
                 raise CapacityError(f"too many live sequences ({self.max_sequences}, max_sequences); {tn.RETRY_LATER}")
             seq = self.sequences[seq_id] = self._new_sequence()
             try:
+                cached = self._reuse_prefix(seq, step)
                 self._reserve(seq, grow)
-                if reserve > grow:
-                    self._hold(seq, reserve)
+                if step.reserve > grow:
+                    self._hold(seq, step.reserve)
             except CacheError:
                 self.release(seq_id)
                 raise
@@ -177,9 +192,73 @@ class CausalLM:
             raise CacheError(f"cache_length={keep} exceeds the {seq.length} tokens cached for sequence {seq_id}")
         else:
             self._reserve(seq, keep + grow)
-        seq.length = keep  # rollback: later writes overwrite the rejected positions
+            self._keep(seq, keep)
+        seq.length = keep + cached  # rollback: later writes overwrite the rejected positions
         seq.last_used = self.clock()
-        return seq
+        if self.prefix is not None and new:  # counted once it holds its room: a refused step comes again
+            self.prefix_queried_tokens += len(step.new_ids)
+            self.prefix_hit_tokens += cached
+        return cached
+
+    # ---- prefix caching (prefix_cache.py): the index is common, where blocks live is each executor's ----
+    def _reuse_prefix(self, seq, step: Step) -> int:
+        """Give a new sequence the cached blocks of its prompt's longest known prefix; returns their tokens."""
+        if self.prefix is None:
+            return 0
+        ids = step.new_ids
+        # The step's last num_logits positions (at least one: a proposal drafts from the last) are run.
+        reusable = (len(ids) - max(step.num_logits, 1)) // self.prefix.block_size
+        blocks, chain = self.prefix.match(ids, reusable) if reusable > 0 else ([], [])
+        if not blocks:
+            return 0
+        self._adopt(seq, blocks)
+        seq.chain = chain
+        cached = len(blocks) * self.prefix.block_size
+        seq.tokens = list(ids[:cached])
+        return cached
+
+    def _keep(self, seq, keep: int) -> None:
+        """A step keeps `keep` of seq's cached tokens (the caller has confirmed them) and overwrites the
+        rest: the full blocks below `keep` are keyed, the keyed ones from `keep` on are not any more."""
+        if self.prefix is None:
+            return
+        self._register(seq, keep)
+        first = keep // self.prefix.block_size
+        self._rewrite_from(seq, first)
+        del seq.chain[first:]
+
+    def _register(self, seq, confirmed: int) -> None:
+        """Key seq's full blocks within its first `confirmed` positions (tokens that will not be rolled
+        back: the caller kept them, or they are a prompt) in the index, so later prompts find them."""
+        size = self.prefix.block_size
+        for j in range(len(seq.chain), min(confirmed, len(seq.tokens)) // size):
+            tokens = tuple(seq.tokens[j * size:(j + 1) * size])
+            if -1 in tokens:  # a drafted token the host has not seen yet
+                return
+            seq.chain.append(self._key_block(seq, j, seq.chain[-1] if seq.chain else ROOT, tokens))
+
+    def _forward(self, seqs: list, rows: list, num_logits: list[int]) -> list[torch.Tensor]:
+        """`_forward_rows`, noting each sequence's tokens and keying its newly confirmed full blocks."""
+        if self.prefix is None:
+            return self._forward_rows(seqs, rows, num_logits)
+        for seq, row in zip(seqs, rows):
+            del seq.tokens[seq.length:]
+            seq.tokens += [-1] * len(row) if isinstance(row, torch.Tensor) else row
+        logits = self._forward_rows(seqs, rows, num_logits)
+        for seq, n in zip(seqs, num_logits):  # rows after the first with logits are drafts: unconfirmed
+            self._register(seq, seq.length - max(n - 1, 0))
+        return logits
+
+    def _adopt(self, seq, blocks: list[int]) -> None:
+        """A new sequence starts with the contents of these keyed blocks: copied from the store here."""
+        self.store.load(seq, blocks)
+
+    def _key_block(self, seq, j: int, parent: int, tokens: tuple[int, ...]) -> int:
+        """Key seq's block j (positions j * block_size ...): copied into the store here. Returns its serial."""
+        return self.store.save(seq, j, parent, tokens)
+
+    def _rewrite_from(self, seq, j: int) -> None:
+        """seq writes into its blocks from j on next. Here they are its own buffers: nothing to do."""
 
     def _new_sequence(self):
         heads, head_dim = self._kv_heads_and_dim()
@@ -263,7 +342,9 @@ class CausalLM:
 
     def _acquire_all(self, steps: list[Step], problem: Callable[[Step], str | None]) -> tuple[list[int], list]:
         """Check each step (`problem` returns what is wrong with it, or None) and only then acquire its
-        sequence, so a bad step leaves its cache untouched. Returns the valid indices and per-step errors."""
+        sequence, so a bad step leaves its cache untouched. Returns the valid indices and per-step errors;
+        a step whose prompt starts with cached tokens is replaced, in `steps`, by the step that runs only
+        the rest."""
         ok, errors = [], []
         seen = set()
         for i, step in enumerate(steps):
@@ -276,7 +357,9 @@ class CausalLM:
                 if message:
                     raise CacheError(message)
                 # Room for the new tokens, and for a proposal's drafted ones run through the model.
-                self._acquire(step.seq_id, step.keep, len(step.new_ids) + max(step.k - 1, 0), step.reserve)
+                cached = self._acquire(step, len(step.new_ids) + max(step.k - 1, 0))
+                if cached:  # the prompt's first `cached` tokens are in the cache already
+                    steps[i] = step._replace(keep=cached, new_ids=step.new_ids[cached:])
                 seen.add(step.seq_id)
                 ok.append(i)
                 errors.append(None)
@@ -291,13 +374,14 @@ class CausalLM:
     def extend_many(self, steps: list[Step]) -> list[torch.Tensor | CacheError]:
         """`extend` for several sequences in one forward pass: per step its (num_logits, V) logits, or
         the CacheError that step raised (the others still run)."""
+        steps = list(steps)  # _acquire_all may shorten a step (prefix caching); the caller's stay as sent
         ok, errors = self._acquire_all(steps, lambda step: None if 0 <= step.num_logits <= len(step.new_ids) else
                                        f"num_logits={step.num_logits} must be within [0, {len(step.new_ids)}] "
                                        "(the new tokens)")
         results: list[torch.Tensor | CacheError] = list(errors)
         if ok:
-            logits = self._forward_rows([self.sequences[steps[i].seq_id] for i in ok], [steps[i].new_ids for i in ok],
-                                        [steps[i].num_logits for i in ok])
+            logits = self._forward([self.sequences[steps[i].seq_id] for i in ok], [steps[i].new_ids for i in ok],
+                                   [steps[i].num_logits for i in ok])
             for row, i in enumerate(ok):
                 results[i] = logits[row]
         return results
@@ -308,6 +392,7 @@ class CausalLM:
         drafted position (a sequence that asked for fewer tokens leaves the batch early). Drafted tokens
         stay on the model's device from one step to the next and come back to the host in one transfer
         at the end: no host sync per drafted token."""
+        steps = list(steps)
         ok, errors = self._acquire_all(steps, lambda step: None if step.k >= 1 else
                                        f"num_draft_tokens must be >= 1, got {step.k}")
         results: list = list(errors)
@@ -315,7 +400,7 @@ class CausalLM:
         probs = {i: [] for i in ok}
         active, rows = ok, [steps[i].new_ids for i in ok]
         while active:
-            logits = self._forward_rows([self.sequences[steps[i].seq_id] for i in active], rows, [1] * len(active))
+            logits = self._forward([self.sequences[steps[i].seq_id] for i in active], rows, [1] * len(active))
             still = []
             for row, i in enumerate(active):
                 last = logits[row][-1]
@@ -336,6 +421,9 @@ class CausalLM:
         for i in ok:
             count = len(tokens[i])
             results[i] = (drafted[first:first + count], torch.stack(probs[i]) if probs[i] else None)
+            if self.prefix is not None:  # the drafted tokens run through the model, known on the host now
+                seq = self.sequences[steps[i].seq_id]
+                seq.tokens[seq.length - count + 1:seq.length] = drafted[first:first + count - 1]
             first += count
         return results
 

@@ -18,6 +18,7 @@ and receives the batch through the `kv_batch` forward argument; a forward withou
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +26,8 @@ from torch.nn.functional import scaled_dot_product_attention
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from specdec.engine.prefix_cache import PrefixIndex
 
 ATTENTION = "specdec_sequence_kv"
 
@@ -41,6 +44,8 @@ class SequenceKV:
         self.values = [torch.empty_like(k) for k in self.keys]
         self.length = 0
         self.last_used = 0.0
+        self.tokens: list[int] = []  # with prefix caching: the token at each position (-1: not known yet)
+        self.chain: list[int] = []  # with prefix caching: serials of its leading blocks keyed in the index
 
     @property
     def capacity(self) -> int:
@@ -62,6 +67,60 @@ class SequenceKV:
                 new = old.new_empty(old.shape[0], capacity, old.shape[2])
                 new[:, :self.length] = old[:, :self.length]
                 buffers[i] = new
+
+
+class BlockStore:
+    """The dynamic executor's prefix cache: keyed blocks' keys and values copied out of the sequences
+    that computed them, per layer (blocks, kv_heads, block_size, head_dim) beside the layer, within a
+    budget of `blocks`; when full, the least recently used block is evicted. A new sequence whose prompt
+    starts with keyed blocks gets a copy of them (`load`): one copy per layer, where its prefill would run
+    the whole model over those tokens."""
+
+    def __init__(self, index: PrefixIndex, blocks: int, devices: list[torch.device], kv_heads: int, head_dim: int,
+                 dtype: torch.dtype):
+        size = index.block_size
+        # Reserved, not written: on CPU the pages become resident as blocks are first used.
+        self.keys = [torch.empty(blocks, kv_heads, size, head_dim, dtype=dtype, device=device) for device in devices]
+        self.values = [torch.empty_like(k) for k in self.keys]
+        self.index, self.blocks = index, blocks
+        self.free = list(range(blocks - 1, -1, -1))
+        self.used: OrderedDict[int, None] = OrderedDict()  # keyed blocks, least recently used first
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the keyed blocks hold."""
+        return len(self.used) * 2 * sum(k[0].nbytes for k in self.keys)
+
+    def save(self, seq: "SequenceKV", j: int, parent: int, tokens: tuple[int, ...]) -> int:
+        """Key seq's block j (it holds `tokens` after the prefix `parent`), copying it in unless the store
+        has it already; returns its serial."""
+        serial = self.index.find(parent, tokens)
+        if serial is not None:
+            return serial
+        if self.free:
+            block = self.free.pop()
+        else:
+            block, _ = self.used.popitem(last=False)
+            self.index.remove(block)
+        size = self.index.block_size
+        for store, buffers in ((self.keys, seq.keys), (self.values, seq.values)):
+            for layer, buffer in zip(store, buffers):
+                layer[block] = buffer[:, j * size:(j + 1) * size]
+        self.used[block] = None
+        return self.index.add(block, parent, tokens)
+
+    def load(self, seq: "SequenceKV", blocks: list[int]) -> None:
+        """seq (new) starts with these blocks' keys and values at positions 0 .. len(blocks) * block_size."""
+        cached = len(blocks) * self.index.block_size
+        seq.reserve(cached)
+        index = torch.tensor(blocks)
+        for store, buffers in ((self.keys, seq.keys), (self.values, seq.values)):
+            for layer, buffer in zip(store, buffers):
+                # (n, kv_heads, block_size, D) -> (kv_heads, n * block_size, D)
+                picked = layer.index_select(0, index.to(layer.device))
+                buffer[:, :cached] = picked.transpose(0, 1).reshape(buffer.shape[0], cached, -1)
+        for block in blocks:
+            self.used.move_to_end(block)
 
 
 @dataclass

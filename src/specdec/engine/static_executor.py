@@ -35,6 +35,7 @@ window, Qwen2/Qwen3); `supports` says whether a model qualifies, and `CausalLM` 
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from typing import Callable, NamedTuple
 
 import numpy as np
@@ -43,7 +44,8 @@ from torch.nn.functional import scaled_dot_product_attention
 
 from specdec import tensor_names as tn
 from specdec.engine import kernels
-from specdec.engine.executor import CacheError, CapacityError, CausalLM
+from specdec.engine.executor import CacheError, CapacityError, CausalLM, Step
+from specdec.engine.prefix_cache import PrefixIndex
 
 COMPILE_MODES = tn.COMPILE_MODES
 CAPTURE_RESERVE_BYTES = 2 << 30  # capturing at load stops when less is free: room for eager prompts
@@ -74,12 +76,16 @@ def bucket(value: int, sizes: list[int]) -> int | None:
 
 
 class PagedSequence:
-    """One sequence in the pool: its blocks, in order; the first `length` positions are valid."""
+    """One sequence in the pool: its blocks, in order; the first `length` positions are valid. With
+    prefix caching, also the token at each position (-1 where a drafted token is not yet known on the
+    host) and the serials of its leading blocks that are keyed in the index (`prefix_cache.py`)."""
 
     def __init__(self):
         self.blocks: list[int] = []
         self.length = 0
         self.last_used = 0.0
+        self.tokens: list[int] = []
+        self.chain: list[int] = []
 
 
 class BlockPool:
@@ -88,19 +94,31 @@ class BlockPool:
     The memory is reserved, not written, at load (on CPU the pages are not even resident until used); a
     block is zeroed the first time it is handed out. Attention masks the positions past a sequence's
     length, but a masked weight of 0 times garbage that happens to be NaN is still NaN: the keys and
-    values it reads must be finite, which stale entries of a reused block are."""
+    values it reads must be finite, which stale entries of a reused block are.
+
+    With a prefix index, a block may be held by several sequences (`refs`), and a registered block that
+    no sequence holds any more stays `cached` (its contents reusable by a later prompt) until the pool
+    needs it: free blocks are handed out first, then cached ones, least recently released first."""
 
     def __init__(self, num_layers: int, blocks: int, block_size: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, index: PrefixIndex | None = None):
         shape = (blocks + 1, block_size, kv_heads, head_dim)
         self.keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.block_size, self.blocks, self.scratch = block_size, blocks, blocks
         self.free = list(range(blocks - 1, -1, -1))  # a stack: recently freed blocks are reused first
         self.zeroed = [False] * blocks
+        self.index = index
+        self.refs = [0] * blocks  # sequences holding each block
+        self.cached: OrderedDict[int, None] = OrderedDict()  # registered, held by none: oldest first
         self._zero([self.scratch])
         # Read on every execute (the KV-bytes gauge): computed once, not from 2 x layers tensor views.
         self.block_bytes = 2 * sum(k[0].nbytes for k in self.keys)
+
+    @property
+    def held(self) -> int:
+        """Blocks that sequences hold (a shared one counts once)."""
+        return self.blocks - len(self.free) - len(self.cached)
 
     def _zero(self, blocks: list[int]) -> None:
         # One write per buffer for all of them: a new sequence takes its whole reservation at once, and
@@ -110,28 +128,64 @@ class BlockPool:
             for buffer in buffers:
                 buffer.index_fill_(0, index, 0)
 
-
-    def grow(self, seq: PagedSequence, positions: int) -> None:
-        """Give seq enough blocks for `positions` tokens, or raise CapacityError (seq unchanged)."""
-        needed = -(-positions // self.block_size) - len(seq.blocks)
-        if needed <= 0:
-            return
-        if needed > len(self.free):
+    def _take(self, count: int) -> list[int]:
+        """`count` blocks for a sequence's own use (CapacityError, nothing taken, if there are fewer)."""
+        if count > len(self.free) + len(self.cached):
             raise CapacityError(
-                f"KV cache budget full: {needed} more blocks of {self.block_size} tokens needed, "
-                f"{len(self.free)} of {self.blocks} free (kv_pool_tokens={self.blocks * self.block_size}); {tn.RETRY_LATER}")
-        taken = [self.free.pop() for _ in range(needed)]
+                f"KV cache budget full: {count} more blocks of {self.block_size} tokens needed, "
+                f"{len(self.free) + len(self.cached)} of {self.blocks} free (kv_pool_tokens={self.blocks * self.block_size}); "
+                f"{tn.RETRY_LATER}")
+        taken = [self.free.pop() for _ in range(min(count, len(self.free)))]
+        while len(taken) < count:  # evict the least recently used cached prefixes
+            block, _ = self.cached.popitem(last=False)
+            self.index.remove(block)
+            taken.append(block)
         fresh = [block for block in taken if not self.zeroed[block]]
         if fresh:
             self._zero(fresh)
             for block in fresh:
                 self.zeroed[block] = True
-        seq.blocks += taken
+        for block in taken:
+            self.refs[block] = 1
+        return taken
+
+    def grow(self, seq: PagedSequence, positions: int) -> None:
+        """Give seq enough blocks for `positions` tokens, or raise CapacityError (seq unchanged)."""
+        needed = -(-positions // self.block_size) - len(seq.blocks)
+        if needed > 0:
+            seq.blocks += self._take(needed)
+
+    def share(self, seq: PagedSequence, blocks: list[int]) -> None:
+        """seq (new, no blocks yet) starts with these registered blocks, which other sequences may hold."""
+        for block in blocks:
+            self.refs[block] += 1
+            self.cached.pop(block, None)
+        seq.blocks = list(blocks)
+
+    def make_private(self, seq: PagedSequence, j: int) -> None:
+        """Before seq writes into its block j: a block other sequences hold is replaced by a copy of its
+        own, and a registered one it holds alone leaves the index (its contents are about to change)."""
+        block = seq.blocks[j]
+        if self.refs[block] > 1:
+            (copy,) = self._take(1)
+            for buffer in self.keys + self.values:
+                buffer[copy] = buffer[block]
+            self.refs[block] -= 1
+            seq.blocks[j] = copy
+        elif self.index is not None and self.index.registered(block):
+            self.index.remove(block)
 
     def release(self, seq: PagedSequence) -> None:
-        self.free += reversed(seq.blocks)
+        # Last blocks first: a released prompt's tail is evicted before its head, which more prompts share.
+        for block in reversed(seq.blocks):
+            self.refs[block] -= 1
+            if self.refs[block]:
+                continue
+            if self.index is not None and self.index.registered(block):
+                self.cached[block] = None
+            else:
+                self.free.append(block)
         seq.blocks = []
-
 
 class Batch(NamedTuple):
     """The tensors of one forward, all (B, T) but `table` (B, W / block_size)."""
@@ -359,14 +413,17 @@ class StaticCausalLM(CausalLM):
                  clock: Callable[[], float] = time.monotonic, kv_pool_tokens: int = 0, block_size: int = 32,
                  max_context: int = 8192, max_batch: int = 8, max_rows: int = 17, compile: str = "auto",
                  kv_memory_fraction: float = 0.4, min_window: int = 128, fuse_kernels: bool | None = None,
-                 fuse_mlp: bool = False, log: Callable[[str], None] = lambda message: None):
+                 fuse_mlp: bool = False, prefix_caching: bool = True,
+                 log: Callable[[str], None] = lambda message: None):
         """kv_pool_tokens: the pool's size in tokens; 0 derives it from max_sequences * max_context,
         capped at kv_memory_fraction of the device's free memory (host memory on CPU).
         max_batch / max_rows: the largest bucket of sequences per forward and rows per sequence
         (verify forwards are K + 1 rows); min_window: the smallest bucket of keys attended over;
         fuse_kernels: the pointwise work compiled into fused kernels (kernels.py); None: with CUDA graphs.
         fuse_mlp: a SiLU MLP's gate and up projections as one product (off: not yet measured on a GPU;
-        `executor_bench.py --modes graphs,graphs-mlp` compares)."""
+        `executor_bench.py --modes graphs,graphs-mlp` compares).
+        prefix_caching: a new sequence reuses the pool's blocks that hold its prompt's first tokens
+        (`prefix_cache.py`); their keys and values are those its own prefill would write."""
         problem = supports(model)
         if problem:
             raise ValueError(f"the static executor cannot run this model: {problem}")
@@ -389,7 +446,9 @@ class StaticCausalLM(CausalLM):
             raise ValueError(
                 f"the KV pool ({kv_pool_tokens} tokens, {kv_pool_tokens * self.kv_bytes_per_token / 2**20:.0f} MiB) "
                 f"cannot hold one sequence of max_context={max_context} tokens: raise kv_pool_tokens or the memory")
-        self.pool = BlockPool(self._num_layers, blocks, block_size, heads, head_dim, model.dtype, device)
+        # The pool holds the cached prefixes (in its blocks no sequence needs): no store of their own.
+        self.prefix = PrefixIndex(block_size) if prefix_caching else None
+        self.pool = BlockPool(self._num_layers, blocks, block_size, heads, head_dim, model.dtype, device, self.prefix)
         self.log(f"KV pool: {blocks} blocks of {block_size} tokens ({blocks * block_size} tokens, "
                  f"{blocks * self.pool.block_bytes / 2**30:.2f} GiB) on {device}")
         self.forward = LlamaForward(model, self.pool, fuse_mlp)
@@ -444,6 +503,17 @@ class StaticCausalLM(CausalLM):
         # A generation longer than the context fails when it gets there, not at its start.
         self.pool.grow(seq, min(positions, self.max_context))
 
+    def _adopt(self, seq: PagedSequence, blocks: list[int]) -> None:
+        self.pool.share(seq, blocks)  # no copy: the blocks are held by one more sequence
+
+    def _key_block(self, seq: PagedSequence, j: int, parent: int, tokens: tuple[int, ...]) -> int:
+        return self.prefix.add(seq.blocks[j], parent, tokens)
+
+    def _rewrite_from(self, seq: PagedSequence, j: int) -> None:
+        # Shared or keyed blocks are never written: the sequence takes a copy, or the index lets go.
+        for block in range(j, len(seq.chain)):
+            self.pool.make_private(seq, block)
+
     def release(self, seq_id: int) -> bool:
         seq = self.sequences.pop(seq_id, None)
         if seq is not None:
@@ -459,8 +529,9 @@ class StaticCausalLM(CausalLM):
 
     @property
     def kv_bytes_allocated(self) -> int:
-        """Bytes of the pool's blocks that sequences hold."""
-        return sum(len(seq.blocks) for seq in self.sequences.values()) * self.pool.block_bytes
+        """Bytes of the pool's blocks that sequences hold (cached prefixes that none holds are not counted:
+        they make room whenever it is needed)."""
+        return self.pool.held * self.pool.block_bytes
 
     # ---- forwards ---------------------------------------------------------------------------------
     def warm_up(self, time_budget_s: float = 120.0) -> tuple[int, float]:

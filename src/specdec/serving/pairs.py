@@ -53,6 +53,8 @@ class PairSpec:
     torch_threads: str = "auto"  # each model's CPU threads: torch's count capped by the CPUs granted, or a count
     kv_memory_fraction_target: float = 0.5
     kv_memory_fraction_draft: float = 0.1
+    prefix_caching: bool = True  # prompts reuse earlier prompts' KV blocks (language_models.py)
+    prefix_cache_tokens: int = 4096  # the eager executor's prefix store, per model
     # Request defaults and limits of speculative_decoding, and the models' sequence bookkeeping.
     adaptive_draft: bool = True
     default_num_draft_tokens: int = tn.DEFAULT_NUM_DRAFT_TOKENS

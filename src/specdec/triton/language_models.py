@@ -77,6 +77,10 @@ class LanguageModelAdapter(TritonAdapter):
         idle_timeout_s = params.float("sequence_idle_timeout_s", 600.0, low=1.0)
         executor = params.str("executor", "auto", choices=tn.EXECUTORS)
         compile_mode = params.str("compile", "auto", choices=tn.COMPILE_MODES)
+        # Prefix caching: a new sequence's prompt reuses the KV blocks of earlier prompts that began the
+        # same way (the static executor's pool blocks; the dynamic one's store of prefix_cache_tokens).
+        prefix_caching = params.bool("prefix_caching", True)
+        block_size = params.int("kv_block_size", 32, low=1)
         unsupported = static_executor.supports(model)
         if executor == "static" and unsupported:
             raise ConfigError(f"{self.name}: executor=static cannot run {params.str('model_path')}: {unsupported}")
@@ -89,7 +93,7 @@ class LanguageModelAdapter(TritonAdapter):
                 model, max_sequences=max_sequences, idle_timeout_s=idle_timeout_s,
                 kv_pool_tokens=params.int("kv_pool_tokens", 0, low=0),
                 kv_memory_fraction=params.float("kv_memory_fraction", 0.4, low=0.0, high=1.0),
-                block_size=params.int("kv_block_size", 32, low=1),
+                block_size=block_size, prefix_caching=prefix_caching,
                 max_context=params.int("max_context_tokens", tn.DEFAULT_MAX_CONTEXT_TOKENS, low=1),
                 max_batch=params.int("max_batch_forward", 16, low=1),
                 max_rows=params.int("max_num_draft_tokens", tn.DEFAULT_MAX_NUM_DRAFT_TOKENS, low=1) + 1,
@@ -114,6 +118,8 @@ class LanguageModelAdapter(TritonAdapter):
                 min_forward_rows=params.int("min_forward_rows",
                                             4 if model.device.type == "cpu" and not prepacked else 1, low=1),
                 row_buckets=prepacked,
+                prefix_cache_tokens=params.int("prefix_cache_tokens", 4096, low=0) if prefix_caching else 0,
+                block_size=block_size,
             )
         self.metrics = ModelMetrics(self.pb, self.name)
         self._warm_up()
@@ -139,6 +145,7 @@ class LanguageModelAdapter(TritonAdapter):
         started = time.perf_counter()
         self._warm_up_steps()
         self.lm.tokens_processed = 0  # the metrics count served tokens only
+        self.lm.prefix_queried_tokens = self.lm.prefix_hit_tokens = 0
         self.forward_seconds = 0.0
         self.pb.Logger.log_info(f"{self.name}: warmed up in {time.perf_counter() - started:.2f} s "
                                 f"on {self.lm.device}, torch threads: {torch.get_num_threads()}")
@@ -165,7 +172,7 @@ class LanguageModelAdapter(TritonAdapter):
 
     def _report_metrics(self, flush: bool) -> None:
         self.metrics.report(self.lm.tokens_processed, len(self.lm.sequences), self.lm.kv_bytes_allocated, flush,
-                            self.forward_seconds)
+                            self.forward_seconds, (self.lm.prefix_queried_tokens, self.lm.prefix_hit_tokens))
 
     def execute(self, requests):
         """All pending steps (of different sequences: the sequence batcher sends one step per sequence

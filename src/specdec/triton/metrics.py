@@ -49,19 +49,30 @@ class ModelMetrics:
         self.heap_trims = make("specdec_model_heap_trims_total",
                                "Times the model's stub handed the freed host memory of ended sequences back to "
                                "the OS (heap_trim_interval_s)", kinds.COUNTER).Metric(labels=labels)
-        self._tokens, self._at, self._seconds = 0, 0.0, 0.0
+        self.prefix_queries = make("specdec_model_prefix_cache_queries_total",
+                                   "Prompt tokens of new sequences looked up in the prefix cache",
+                                   kinds.COUNTER).Metric(labels=labels)
+        self.prefix_hits = make("specdec_model_prefix_cache_hits_total",
+                                "Prompt tokens found in the prefix cache (their keys and values reused, not computed)",
+                                kinds.COUNTER).Metric(labels=labels)
+        self._tokens, self._at, self._seconds, self._prefix = 0, 0.0, 0.0, (0, 0)
         self._gauges: dict[str, float | None] = {"live": None, "kv": None}
 
     def report(self, tokens_processed: int, live_sequences: int, kv_bytes: int, flush: bool,
-               forward_seconds: float = 0.0) -> None:
+               forward_seconds: float = 0.0, prefix: tuple[int, int] = (0, 0)) -> None:
         """Set the gauges only when they changed, and add to the counters at most twice a second or when
-        a sequence ends (flush): this runs on every execute. Counts are totals since load."""
+        a sequence ends (flush): this runs on every execute. Counts are totals since load; `prefix` is
+        (prompt tokens looked up, found) in the prefix cache."""
         now = time.monotonic()
         pending = tokens_processed - self._tokens
         if pending and (flush or now - self._at >= 0.5):
             self.tokens.increment(pending)
             self.forward_seconds.increment(forward_seconds - self._seconds)
             self._tokens, self._at, self._seconds = tokens_processed, now, forward_seconds
+            if prefix != self._prefix:
+                self.prefix_queries.increment(prefix[0] - self._prefix[0])
+                self.prefix_hits.increment(prefix[1] - self._prefix[1])
+                self._prefix = prefix
         for key, metric, value in (("live", self.live, live_sequences), ("kv", self.kv_bytes, kv_bytes)):
             if value != self._gauges[key]:
                 metric.set(value)

@@ -1,0 +1,76 @@
+"""Prefix caching: full KV blocks found again by the tokens they hold, so a new sequence whose prompt
+starts like an earlier one (a shared system prompt, few-shot examples, the conversation so far in a
+chat's next turn) reuses those blocks instead of running the prefix through the model again.
+
+A block's key is (its parent's serial, its block_size tokens): the parent is the entry of the block
+before it, so a key names the whole prefix up to the block's end at the same positions, exactly (the
+token tuples are compared, not hashed digests: no collision can hand a sequence another prompt's keys
+and values). Every registration gets a new serial, so when a block is evicted and its number reused,
+the entries that followed it can no longer be reached: lookups walk from the root.
+
+This module is only the index (which block holds which prefix). The static executor's pool
+(static_executor.BlockPool) owns its blocks, counts the sequences holding each, and keeps the registered
+blocks nobody holds as an LRU it evicts from when free blocks run out; the rule that keeps a shared
+block's contents right is that a registered or shared block is never written (a sequence that rolls back
+into one first takes a copy). The dynamic executor, whose sequences own growable buffers, copies keyed
+blocks into a store of its own and out of it (kv_cache.BlockStore).
+"""
+
+from __future__ import annotations
+
+ROOT = 0  # the parent serial of a sequence's first block
+
+
+class PrefixIndex:
+    """Registered blocks by key; each registered block's key and serial."""
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self._blocks: dict[tuple[int, tuple[int, ...]], int] = {}  # key -> block
+        self._entries: dict[int, tuple[tuple[int, tuple[int, ...]], int]] = {}  # block -> (key, serial)
+        self._next_serial = ROOT + 1
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def registered(self, block: int) -> bool:
+        return block in self._entries
+
+    def match(self, tokens: list[int], max_blocks: int) -> tuple[list[int], list[int]]:
+        """The registered blocks holding tokens[:n * block_size] for the largest n <= max_blocks, and
+        their serials (the chain a sequence that takes them continues from)."""
+        blocks, serials, parent, size = [], [], ROOT, self.block_size
+        for j in range(max_blocks):
+            block = self._blocks.get((parent, tuple(tokens[j * size:(j + 1) * size])))
+            if block is None:
+                break
+            parent = self._entries[block][1]
+            blocks.append(block)
+            serials.append(parent)
+        return blocks, serials
+
+    def find(self, parent: int, tokens: tuple[int, ...]) -> int | None:
+        """The serial of the registered block holding `tokens` after the prefix `parent` ends, if any."""
+        block = self._blocks.get((parent, tokens))
+        return None if block is None else self._entries[block][1]
+
+    def add(self, block: int, parent: int, tokens: tuple[int, ...]) -> int:
+        """Register `block` as holding `tokens` after the prefix whose last block has serial `parent`;
+        returns the serial its successor names as parent. If another block already holds that prefix,
+        `block` stays unregistered (a duplicate, freed with its sequence) and that block's serial is
+        returned, so the sequence's chain goes on."""
+        key = (parent, tokens)
+        existing = self._blocks.get(key)
+        if existing is not None:
+            return self._entries[existing][1]
+        serial = self._next_serial
+        self._next_serial += 1
+        self._blocks[key] = block
+        self._entries[block] = (key, serial)
+        return serial
+
+    def remove(self, block: int) -> None:
+        """Forget what `block` holds (it is evicted or about to be written); its successors' entries
+        become unreachable and age out of the LRU like any unused block."""
+        key, _ = self._entries.pop(block)
+        del self._blocks[key]

@@ -1,0 +1,73 @@
+"""Prefix caching served by a real tritonserver (the tiny pair, float64, the eager executor's store; the
+static executor's pool is served in test_static_serving.py): requests sharing a long system prompt
+compute it once, over gRPC and HTTP, greedy and speculative, and their text is the text computed from
+scratch; the models count what they looked up and found."""
+
+import pytest
+
+from specdec import tensor_names as tn
+
+from .helpers import grpc_stream, http_generate
+
+pytestmark = pytest.mark.integration
+
+# 138 tokens (the tiny pair's tokenizer): four full blocks of 32 and a tail. Used by no other test, so its first request computes it.
+SYSTEM = ("You are the support assistant of a hardware store in a small mountain town. Answer in two short "
+          "sentences, politely, and never invent prices: if you do not know one, say that a colleague will call "
+          "back. Opening hours are eight to six on weekdays and nine to one on Saturdays; the store is closed on "
+          "Sundays and public holidays. Deliveries within twenty kilometres are free for orders above fifty "
+          "francs. Returns are accepted within thirty days with the receipt, except for cut materials such as "
+          "chains, ropes, cables and timber. The workshop sharpens knives and tools while customers wait.\n\n")
+QUESTIONS = ["Question: can I return a rope I bought last week?\nAnswer:",
+             "Question: are you open on Sunday morning?\nAnswer:"]
+MODELS = ("target_model", "draft_model")
+
+
+def counters(server) -> dict:
+    return {(name, model): server.metric(f"specdec_model_{name}", model=model)
+            for name in ("prefix_cache_queries_total", "prefix_cache_hits_total", "tokens_processed_total")
+            for model in MODELS}
+
+
+def delta(before: dict, after: dict, name: str, model: str) -> float:
+    return after[(name, model)] - before[(name, model)]
+
+
+def test_a_shared_system_prompt_is_computed_once_and_reused_exactly(server):
+    prompt = SYSTEM + QUESTIONS[0]
+    start = counters(server)
+    cold = grpc_stream(server.grpc_url, prompt, max_tokens=20, num_draft_tokens=4, adaptive_draft=False)
+    first = counters(server)
+    tokens = cold[tn.NUM_INPUT_TOKENS]
+    assert tokens > 128
+    for model in MODELS:  # nothing cached yet: the whole prompt ran
+        assert delta(start, first, "prefix_cache_queries_total", model) >= tokens
+        assert delta(start, first, "prefix_cache_hits_total", model) == 0
+        assert delta(start, first, "tokens_processed_total", model) >= tokens
+
+    # The same prompt again, target-only over HTTP and speculative over gRPC: the same text, from blocks.
+    again = http_generate(server.http_url, prompt, max_tokens=20, num_draft_tokens=0)
+    second = counters(server)
+    assert again[tn.TEXT_OUTPUT] == cold[tn.TEXT_OUTPUT]
+    reusable = (tokens - 1) // 32 * 32
+    assert delta(first, second, "prefix_cache_hits_total", "target_model") == reusable
+    assert delta(first, second, "tokens_processed_total", "target_model") <= tokens - reusable + 20
+    spec = grpc_stream(server.grpc_url, prompt, max_tokens=20, num_draft_tokens=4, adaptive_draft=False)
+    third = counters(server)
+    assert spec[tn.TEXT_OUTPUT] == cold[tn.TEXT_OUTPUT]
+    for model in MODELS:
+        assert delta(second, third, "prefix_cache_hits_total", model) >= reusable
+
+    # Another question after the same system prompt, K=0 then K=4: the same text.
+    other = SYSTEM + QUESTIONS[1]
+    results = [grpc_stream(server.grpc_url, other, max_tokens=20, num_draft_tokens=k, adaptive_draft=False)
+               for k in (0, 4)]
+    assert results[0][tn.TEXT_OUTPUT] == results[1][tn.TEXT_OUTPUT]
+    # The first finds the system prompt's full blocks (3: the fourth holds the question's start), the
+    # second every full block of its prompt.
+    found = 3 * 32 + (results[0][tn.NUM_INPUT_TOKENS] - 1) // 32 * 32
+    assert delta(third, counters(server), "prefix_cache_hits_total", "target_model") == found
+    for model in MODELS:
+        assert server.metric("specdec_model_live_sequences", model=model) == 0
+        assert server.metric("specdec_model_kv_cache_bytes", model=model) == 0  # the store is not a sequence's
+

@@ -1,0 +1,205 @@
+"""Prefix caching in the static executor: a new sequence reuses the pool's blocks that hold its prompt's
+first tokens, and everything it computes is what it would have computed from scratch: one after another
+and side by side, with drafts, rollbacks into shared blocks, eviction, and whole speculative generations."""
+
+import pytest
+import torch
+
+from specdec.decoding.sampling import SamplingParams
+from specdec.engine.executor import CausalLM, Step
+from specdec.engine.prefix_cache import ROOT, PrefixIndex
+from specdec.engine.static_executor import StaticCausalLM
+
+from .conftest import run_fixed_k
+
+
+def paged(model, **settings):
+    options = dict(kv_pool_tokens=1024, block_size=8, max_context=256, max_batch=4, max_rows=5, min_window=16,
+                   compile="off", prefix_caching=True)
+    return StaticCausalLM(model, **{**options, **settings})
+
+
+def dynamic(model, prefix_caching=True, **settings):
+    """The dynamic executor, its prefix store holding 64 blocks of 8 unless told otherwise."""
+    return CausalLM(model, **{"block_size": 8, "prefix_cache_tokens": 512 if prefix_caching else 0, **settings})
+
+
+EXECUTORS = {"static": paged, "dynamic": dynamic}
+
+
+def prompt(n: int, seed: int = 0) -> list[int]:
+    return torch.randint(1, 97, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_the_index_matches_whole_prefixes_exactly():
+    index = PrefixIndex(block_size=2)
+    a = index.add(10, ROOT, (1, 2))
+    b = index.add(11, a, (3, 4))
+    assert index.match([1, 2, 3, 4, 5], 2) == ([10, 11], [a, b])
+    assert index.match([1, 2, 3, 4], 1) == ([10], [a])  # at most max_blocks
+    assert index.match([1, 2, 3, 9], 2) == ([10], [a])
+    assert index.match([3, 4, 1, 2], 2) == ([], [])  # the same tokens at other positions are another key
+    assert index.add(12, ROOT, (1, 2)) == a and not index.registered(12)  # a duplicate stays out
+    index.remove(10)  # evicted: what followed it can no longer be reached, even once 10 is reused
+    assert index.match([1, 2, 3, 4], 2) == ([], [])
+    c = index.add(10, ROOT, (1, 2))
+    assert c != a and index.match([1, 2, 3, 4], 2) == ([10], [c])
+    assert len(index) == 2  # 10 again, and 11 left to age out
+
+
+@pytest.mark.parametrize("kind", EXECUTORS)
+def test_a_repeated_prompt_runs_only_its_uncached_tail_with_the_same_logits(tiny_lm, kind):
+    lm, reference = EXECUTORS[kind](tiny_lm), EXECUTORS[kind](tiny_lm, prefix_caching=False)
+    ids = prompt(29)
+    first = lm.extend(1, 0, ids, 2)
+    assert lm.tokens_processed == 29
+    second = lm.extend(2, 0, ids, 2)  # while the first still holds its blocks
+    assert lm.tokens_processed == 29 + 5  # 3 full blocks of 8 reused
+    expected = reference.extend(1, 0, ids, 2)
+    assert torch.allclose(first, expected, atol=1e-10) and torch.allclose(second, expected, atol=1e-10)
+    assert (lm.prefix_queried_tokens, lm.prefix_hit_tokens) == (58, 24)
+    if kind == "static":  # shared blocks count once; released, they stay cached but are not held
+        assert lm.sequences[2].blocks[:3] == lm.sequences[1].blocks[:3]
+        assert lm.kv_bytes_allocated == (4 + 1) * lm.pool.block_bytes
+    lm.release(1), lm.release(2)
+    if kind == "static":
+        assert lm.kv_bytes_allocated == 0 and len(lm.pool.cached) == 3
+    third = lm.extend(3, 0, ids + [5, 6], 1)  # after both ended
+    assert lm.prefix_hit_tokens == 48 and torch.allclose(third, reference.extend(1, 29, [5, 6], 1), atol=1e-10)
+
+
+@pytest.mark.parametrize("kind", EXECUTORS)
+def test_at_least_the_positions_whose_logits_are_wanted_run(tiny_lm, kind):
+    lm = EXECUTORS[kind](tiny_lm)
+    ids = prompt(16)  # two full blocks
+    lm.extend(1, 0, ids, 1)
+    before = lm.tokens_processed
+    lm.extend(2, 0, ids, 1)
+    assert lm.tokens_processed - before == 8  # the last block runs: its last position's logits are wanted
+    lm.extend(3, 0, ids, 9)
+    assert lm.tokens_processed - before == 8 + 16  # 9 logits: nothing reusable
+
+
+@pytest.mark.parametrize("kind", EXECUTORS)
+def test_shared_prefixes_with_decoding_rollbacks_and_a_rollback_into_shared_blocks(tiny_lm, kind):
+    """Sequences sharing a prompt decode side by side in one forward with verify-like steps and rejections;
+    one then rolls back into the shared blocks (a client may): it gets a copy, the others keep theirs."""
+    lm, reference = EXECUTORS[kind](tiny_lm), CausalLM(tiny_lm)
+    gen = torch.Generator().manual_seed(3)
+    shared = prompt(20, seed=1)
+    lengths = {}
+    for seq in (1, 2, 3):
+        ids = shared + prompt(seq, seed=10 + seq)
+        a, b = reference.extend(seq, 0, ids, 1), lm.extend(seq, 0, ids, 1)
+        assert torch.allclose(a, b, atol=1e-10)
+        lengths[seq] = len(ids)
+    assert lm.prefix_hit_tokens == 2 * 16
+    for _ in range(6):
+        steps = []
+        for seq in (1, 2, 3):
+            keep = lengths[seq] - int(torch.randint(0, 3, (1,), generator=gen))  # 0-2 rejected tokens
+            new = torch.randint(1, 97, (4,), generator=gen).tolist()
+            steps.append(Step(seq, keep, new, num_logits=4))
+            lengths[seq] = keep + 4
+        for a, b in zip(reference.extend_many(steps), lm.extend_many(steps)):
+            assert torch.allclose(a, b, atol=1e-10)
+    held = list(lm.sequences[2].blocks[:2]) if kind == "static" else []
+    rolled = reference.extend(1, 5, [7, 8, 9], 3), lm.extend(1, 5, [7, 8, 9], 3)
+    assert torch.allclose(*rolled, atol=1e-10)
+    if kind == "static":
+        assert lm.sequences[1].blocks[0] not in held and lm.sequences[2].blocks[:2] == held  # a copy of its own
+    steps = [Step(seq, lengths[seq], [11], 1) for seq in (2, 3)]
+    for a, b in zip(reference.extend_many(steps), lm.extend_many(steps)):
+        assert torch.allclose(a, b, atol=1e-10)
+    # The prompt is still found, with the keys and values it had.
+    later = reference.extend(9, 0, shared + [4], 1), lm.extend(9, 0, shared + [4], 1)
+    assert lm.prefix_hit_tokens == 3 * 16 and torch.allclose(*later, atol=1e-10)
+
+
+def test_a_rollback_into_a_block_it_alone_holds_rekeys_that_block(tiny_lm):
+    lm, reference = paged(tiny_lm), paged(tiny_lm, prefix_caching=False)
+    ids = prompt(20, seed=2)
+    lm.extend(1, 0, ids, 1)
+    assert len(lm.prefix) == 2
+    blocks = list(lm.sequences[1].blocks)
+    lm.extend(1, 3, [5, 5, 5, 5, 5], 1)  # rewrites positions 3..7 of block 0, in place
+    assert lm.sequences[1].blocks == blocks
+    assert lm.prefix.match(ids, 2) == ([], []) and lm.prefix.match(ids[:3] + [5] * 5, 1)[0] == blocks[:1]
+    after = lm.extend(2, 0, ids, 1)  # nothing reusable: block 0 no longer holds the prompt
+    assert lm.prefix_hit_tokens == 0 and torch.allclose(after, reference.extend(1, 0, ids, 1), atol=1e-10)
+
+
+def test_cached_blocks_are_evicted_oldest_first_when_the_pool_needs_them(tiny_lm):
+    lm = paged(tiny_lm, kv_pool_tokens=64, max_context=64)  # 8 blocks of 8
+    old, new = prompt(17, seed=4), prompt(17, seed=5)
+    lm.extend(1, 0, old, 1)
+    lm.extend(2, 0, new, 1)
+    lm.release(1), lm.release(2)
+    assert len(lm.pool.cached) == 4 and len(lm.pool.free) == 4 and lm.kv_bytes_allocated == 0
+    lm.extend(3, 0, prompt(9, seed=6), 1, reserve=40)  # 5 blocks: the 4 free ones, then old's tail
+    assert len(lm.prefix.match(old, 2)[0]) == 1 and len(lm.prefix.match(new, 2)[0]) == 2
+    lm.extend(4, 0, new + [1], 1)  # takes new's cached blocks back, and evicts old's head for its third
+    assert lm.prefix_hit_tokens == 16 and not lm.pool.cached and not lm.pool.free
+    assert lm.prefix.match(old, 2) == ([], [])
+
+
+@pytest.mark.parametrize("kind", EXECUTORS)
+def test_drafted_tokens_are_cached_once_the_caller_keeps_them(tiny_lm, kind):
+    """A proposal's drafted tokens run through the model on the device; once a later step keeps them
+    (accepted), their full blocks are found by the next prompt that holds them: a chat's next turn."""
+    draft, reference = EXECUTORS[kind](tiny_lm), EXECUTORS[kind](tiny_lm, prefix_caching=False)
+    ids = prompt(6, seed=7)
+    for lm in (draft, reference):
+        tokens, _ = lm.propose(1, 0, ids, 4, SamplingParams())
+        assert lm.cached_length(1) == 9
+    assert len(draft.prefix) == 0  # positions 6..8 are drafts: the first block is not confirmed yet
+    draft.propose(1, 9, [tokens[-1], 3], 2, SamplingParams())  # all four accepted, then a bonus token
+    assert len(draft.prefix) == 1
+    turn = ids + tokens + [3, 8, 8, 8]
+    a, b = draft.propose(2, 0, turn, 3, SamplingParams()), reference.propose(2, 0, turn, 3, SamplingParams())
+    assert draft.prefix_hit_tokens == 8 and a == b
+
+
+@pytest.mark.parametrize("kind", EXECUTORS)
+def test_speculative_generations_sharing_a_system_prompt_equal_target_only(tiny_lm, kind):
+    """The whole loop on in-process executors: three requests with one system prompt, then a second turn
+    holding the first's answer, drafted with K=4 from cached prefixes, give target-only's tokens."""
+    from specdec.decoding.loop import GenerationRequest
+    from specdec.engine.local import LocalProposer, LocalScorer
+    from .conftest import noisy_copy
+
+    system = prompt(40, seed=8)
+    target, draft = EXECUTORS[kind](tiny_lm), EXECUTORS[kind](noisy_copy(tiny_lm))
+    plain = LocalScorer(CausalLM(tiny_lm))
+    proposer, scorer = LocalProposer(draft), LocalScorer(target)
+    seq = 0
+    for user in (prompt(3, seed=9), prompt(5, seed=10), prompt(3, seed=9)):
+        seq += 1
+        req = GenerationRequest(seq_id=seq, prompt_ids=system + user, max_tokens=20)
+        out = run_fixed_k(req, proposer, scorer, 4)
+        assert out == run_fixed_k(req, proposer, plain, 0)
+    turn = GenerationRequest(seq_id=seq + 1, prompt_ids=system + user + out + prompt(2, seed=11), max_tokens=12)
+    hits = target.prefix_hit_tokens
+    assert run_fixed_k(turn, proposer, scorer, 4) == run_fixed_k(turn, proposer, plain, 0)
+    assert target.prefix_hit_tokens - hits >= 56  # the system prompt, the question and most of the answer
+    assert draft.prefix_hit_tokens > 0 and not target.sequences and not draft.sequences
+
+
+def test_the_dynamic_store_copies_blocks_in_and_evicts_the_least_recently_used(tiny_lm):
+    lm, reference = dynamic(tiny_lm, prefix_cache_tokens=32), CausalLM(tiny_lm)  # 4 blocks of 8
+    a, b, c = prompt(17, seed=12), prompt(17, seed=13), prompt(17, seed=14)
+    for seq, ids in enumerate((a, b), 1):
+        lm.extend(seq, 0, ids, 1)
+        lm.release(seq)
+    assert len(lm.store.used) == 4 and not lm.store.free
+    lm.extend(3, 0, a + [2], 1)  # a's blocks: used again, so b's are now the oldest
+    lm.extend(4, 0, c, 1)  # keys c's two blocks: b's are evicted
+    assert lm.prefix.match(b, 2) == ([], []) and len(lm.prefix.match(a, 2)[0]) == 2
+    lm.release(3), lm.release(4)  # the store is not the sequences' memory: it keeps its blocks
+    assert len(lm.store.used) == 4 and lm.store.nbytes == 4 * 2 * 2 * 8 * 2 * 8 * 8
+    # A sequence copies its blocks in and writes past them into its own buffers: the store is unchanged.
+    kept = [k.clone() for k in lm.store.keys]
+    out = lm.extend(5, 0, c + [9, 9], 2)
+    assert torch.allclose(out, reference.extend(1, 0, c + [9, 9], 2), atol=1e-10)
+    lm.extend(5, 3, [1, 1, 1], 1)  # a rollback into the copied blocks
+    assert all(torch.equal(x, y) for x, y in zip(kept, lm.store.keys))
