@@ -71,3 +71,24 @@ def test_a_shared_system_prompt_is_computed_once_and_reused_exactly(server):
         assert server.metric("specdec_model_live_sequences", model=model) == 0
         assert server.metric("specdec_model_kv_cache_bytes", model=model) == 0  # the store is not a sequence's
 
+
+
+def test_the_prefix_bench_runs_against_a_server(server, tmp_path):
+    """`bench/prefix_bench.py --url`: the shared prompts are found in the cache, the unique ones not."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "bench" / "prefix_bench.py"
+    out = tmp_path / "prefix.md"
+    result = subprocess.run([sys.executable, str(script), "--url", server.grpc_url, "--metrics-url", server.metrics_url,
+                             "--system-words", "120", "--requests", "2", "--max-tokens", "4", "--out", str(out)],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    rows = {cells[0]: cells for cells in ([c.strip() for c in line.split("|")[1:-1]]
+                                          for line in out.read_text().splitlines() if line.startswith("| ")
+                                          and not line.startswith(("| prompts", "| ---")))}
+    assert set(rows) == {"shared", "unique"}
+    found = {kind: [float(x) for x in rows[kind][4].split(" / ")] for kind in rows}
+    assert found["shared"][0] >= 96 and found["unique"][0] == 0  # prompt tokens found / looked up
+    assert found["shared"][1] == found["unique"][1] or abs(found["shared"][1] - found["unique"][1]) < 8

@@ -203,3 +203,13 @@ def test_the_dynamic_store_copies_blocks_in_and_evicts_the_least_recently_used(t
     assert torch.allclose(out, reference.extend(1, 0, c + [9, 9], 2), atol=1e-10)
     lm.extend(5, 3, [1, 1, 1], 1)  # a rollback into the copied blocks
     assert all(torch.equal(x, y) for x, y in zip(kept, lm.store.keys))
+
+
+def test_a_prompt_longer_than_the_dynamic_store_keeps_its_first_blocks(tiny_lm):
+    lm, reference = dynamic(tiny_lm, prefix_cache_tokens=32), CausalLM(tiny_lm)  # 4 blocks of 8
+    ids = prompt(80, seed=15)  # 9 full blocks confirmed
+    lm.extend(1, 0, ids, 1)
+    assert len(lm.prefix) == 4 and len(lm.prefix.match(ids, 9)[0]) == 4
+    lm.release(1)
+    out = lm.extend(2, 0, ids + [3], 1)
+    assert lm.prefix_hit_tokens == 32 and torch.allclose(out, reference.extend(1, 0, ids + [3], 1), atol=1e-10)

@@ -230,12 +230,15 @@ class CausalLM:
     def _register(self, seq, confirmed: int) -> None:
         """Key seq's full blocks within its first `confirmed` positions (tokens that will not be rolled
         back: the caller kept them, or they are a prompt) in the index, so later prompts find them."""
-        size = self.prefix.block_size
-        for j in range(len(seq.chain), min(confirmed, len(seq.tokens)) // size):
+        size, first = self.prefix.block_size, len(seq.chain)
+        blocks = []
+        for j in range(first, min(confirmed, len(seq.tokens)) // size):
             tokens = tuple(seq.tokens[j * size:(j + 1) * size])
             if -1 in tokens:  # a drafted token the host has not seen yet
-                return
-            seq.chain.append(self._key_block(seq, j, seq.chain[-1] if seq.chain else ROOT, tokens))
+                break
+            blocks.append(tokens)
+        if blocks:
+            seq.chain += self._key_blocks(seq, first, seq.chain[-1] if seq.chain else ROOT, blocks)
 
     def _forward(self, seqs: list, rows: list, num_logits: list[int]) -> list[torch.Tensor]:
         """`_forward_rows`, noting each sequence's tokens and keying its newly confirmed full blocks."""
@@ -253,9 +256,10 @@ class CausalLM:
         """A new sequence starts with the contents of these keyed blocks: copied from the store here."""
         self.store.load(seq, blocks)
 
-    def _key_block(self, seq, j: int, parent: int, tokens: tuple[int, ...]) -> int:
-        """Key seq's block j (positions j * block_size ...): copied into the store here. Returns its serial."""
-        return self.store.save(seq, j, parent, tokens)
+    def _key_blocks(self, seq, first: int, parent: int, blocks: list[tuple[int, ...]]) -> list[int]:
+        """Key seq's blocks first, first + 1, ... (holding `blocks`' tokens; the first follows the prefix
+        `parent`): copied into the store here. Returns their serials (fewer if the store is full of them)."""
+        return self.store.save(seq, first, parent, blocks)
 
     def _rewrite_from(self, seq, j: int) -> None:
         """seq writes into its blocks from j on next. Here they are its own buffers: nothing to do."""

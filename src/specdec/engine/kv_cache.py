@@ -91,23 +91,41 @@ class BlockStore:
         """Bytes the keyed blocks hold."""
         return len(self.used) * 2 * sum(k[0].nbytes for k in self.keys)
 
-    def save(self, seq: "SequenceKV", j: int, parent: int, tokens: tuple[int, ...]) -> int:
-        """Key seq's block j (it holds `tokens` after the prefix `parent`), copying it in unless the store
-        has it already; returns its serial."""
-        serial = self.index.find(parent, tokens)
-        if serial is not None:
-            return serial
+    def save(self, seq: "SequenceKV", first: int, parent: int, blocks: list[tuple[int, ...]]) -> list[int]:
+        """Key seq's blocks first, first + 1, ... (blocks[i] their tokens; the first follows the prefix
+        `parent`), copying in those the store does not hold yet: one copy per layer for all of them.
+        Returns their serials; fewer when more new blocks come than the store holds (it keeps the first)."""
+        serials, rows, taken = [], [], []
+        for j, tokens in enumerate(blocks, first):
+            serial = self.index.find(parent, tokens)
+            if serial is None:
+                if len(taken) == self.blocks:  # the next would evict one of these
+                    break
+                block = self._take()
+                serial = self.index.add(block, parent, tokens)
+                rows.append(j)
+                taken.append(block)
+            serials.append(serial)
+            parent = serial
+        if taken:
+            size, end = self.index.block_size, (rows[-1] + 1) * self.index.block_size
+            rows_at, blocks_at = torch.tensor(rows), torch.tensor(taken)
+            for store, buffers in ((self.keys, seq.keys), (self.values, seq.values)):
+                for layer, buffer in zip(store, buffers):
+                    # (kv_heads, positions, D) -> the rows' blocks (n, kv_heads, block_size, D)
+                    picked = buffer[:, :end].unflatten(1, (-1, size)).index_select(1, rows_at.to(buffer.device))
+                    layer.index_copy_(0, blocks_at.to(layer.device), picked.transpose(0, 1))
+        return serials
+
+    def _take(self) -> int:
+        """A block to fill: a free one, or the least recently used one, evicted."""
         if self.free:
             block = self.free.pop()
         else:
             block, _ = self.used.popitem(last=False)
             self.index.remove(block)
-        size = self.index.block_size
-        for store, buffers in ((self.keys, seq.keys), (self.values, seq.values)):
-            for layer, buffer in zip(store, buffers):
-                layer[block] = buffer[:, j * size:(j + 1) * size]
         self.used[block] = None
-        return self.index.add(block, parent, tokens)
+        return block
 
     def load(self, seq: "SequenceKV", blocks: list[int]) -> None:
         """seq (new) starts with these blocks' keys and values at positions 0 .. len(blocks) * block_size."""

@@ -506,8 +506,12 @@ class StaticCausalLM(CausalLM):
     def _adopt(self, seq: PagedSequence, blocks: list[int]) -> None:
         self.pool.share(seq, blocks)  # no copy: the blocks are held by one more sequence
 
-    def _key_block(self, seq: PagedSequence, j: int, parent: int, tokens: tuple[int, ...]) -> int:
-        return self.prefix.add(seq.blocks[j], parent, tokens)
+    def _key_blocks(self, seq: PagedSequence, first: int, parent: int, blocks: list[tuple[int, ...]]) -> list[int]:
+        serials = []
+        for j, tokens in enumerate(blocks, first):  # no copy: the pool's block itself is keyed
+            parent = self.prefix.add(seq.blocks[j], parent, tokens)
+            serials.append(parent)
+        return serials
 
     def _rewrite_from(self, seq: PagedSequence, j: int) -> None:
         # Shared or keyed blocks are never written: the sequence takes a copy, or the index lets go.
