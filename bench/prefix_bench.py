@@ -11,8 +11,15 @@ two kinds, `--requests` of each after one warm-up of each; it prints TTFT (reque
 latency and output tokens/s (median, p90), and from the models' own metrics, per request, the prompt
 tokens looked up and found in the prefix cache and the tokens each model ran.
 
+With --stall, what long prompts cost other requests (chunked prefill): --streams plain streamed requests
+(short prompts, target-only) run for --seconds alone, then beside a client sending one long prompt after
+another (unique: nothing cached), and it prints the gaps between the plain streams' responses (median,
+p99, max) and the long requests' TTFT. Compare servers with `prefill_chunk_tokens` set differently.
+
     python bench/prefix_bench.py --pair default          # starts the default pair's server of its own
     python bench/prefix_bench.py --url localhost:8001 --metrics-url localhost:8002
+    python bench/prefix_bench.py --pair default --stall --launcher-arg=--set \
+        --launcher-arg=speculative_decoding.prefill_chunk_tokens=0
 """
 
 from __future__ import annotations
@@ -106,6 +113,57 @@ def measure(url: str, metrics_url: str | None, args) -> tuple[dict, set[int]]:
     return rows, prompt_tokens
 
 
+def stall(url: str, args) -> list[str]:
+    """Table rows: the plain streams' response gaps alone, then beside long unique prompts."""
+    import threading
+
+    system = system_prompt(args.system_words)
+    tags = itertools.count(200001)
+    rows = []
+
+    def plain(stop, gaps):
+        client = Client(url, timeout_s=600)
+        while not stop.is_set():
+            last = None
+
+            def seen(_delta):
+                nonlocal last
+                now = time.perf_counter()
+                if last is not None:
+                    gaps.append(now - last)
+                last = now
+
+            client.generate("Tell me a long story about a lighthouse keeper.", GenerationParams(
+                max_tokens=args.max_tokens, num_draft_tokens=0, ignore_eos=True), stream=True, on_text=seen)
+
+    def long(stop, ttfts):
+        client = Client(url, timeout_s=600)
+        while not stop.is_set():
+            started = time.perf_counter()
+            prompt = f"Ticket {next(tags)}. {system}\n\nQuestion: {QUESTIONS[0]}\nAnswer:"
+            result = client.generate(prompt, GenerationParams(max_tokens=2, num_draft_tokens=0), stream=True)
+            ttfts.append(result.ttft_s)
+            stop.wait(max(0.0, args.long_every - (time.perf_counter() - started)))
+
+    for phase, with_long in (("plain streams alone", False), ("+ long prompts", True)):
+        stop, gaps, ttfts = threading.Event(), [], []
+        workers = [threading.Thread(target=plain, args=(stop, gaps)) for _ in range(args.streams)]
+        if with_long:
+            workers.append(threading.Thread(target=long, args=(stop, ttfts)))
+        for worker in workers:
+            worker.start()
+        time.sleep(args.seconds)
+        stop.set()
+        for worker in workers:
+            worker.join()
+        gaps.sort()
+        ms = [gaps[len(gaps) // 2] * 1e3, percentile(gaps, 0.99) * 1e3, gaps[-1] * 1e3]
+        long_ms = f"{statistics.median(ttfts) * 1e3:.0f}" if ttfts else ""
+        rows.append(f"| {phase} | {len(gaps)} | {ms[0]:.0f} | {ms[1]:.0f} | {ms[2]:.0f} | {len(ttfts) or ''} | "
+                    f"{long_ms} |")
+    return rows
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", default="localhost:8001", help="a running server's gRPC host:port")
@@ -116,6 +174,11 @@ def main(argv=None) -> int:
     p.add_argument("--requests", type=int, default=6, help="timed requests of each kind")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--num-draft-tokens", type=int, default=None, help="K (the server's default if unset)")
+    p.add_argument("--stall", action="store_true", help="plain streams' gaps beside long prompts (chunked prefill)")
+    p.add_argument("--streams", type=int, default=4, help="--stall: plain streams")
+    p.add_argument("--seconds", type=float, default=30.0, help="--stall: how long each phase runs")
+    p.add_argument("--long-every", type=float, default=0.0,
+                   help="--stall: a long prompt starts every this many seconds (0: one after another)")
     p.add_argument("--draft-model", help="the draft (a draft model's name, or ngram; the server's default if unset)")
     p.add_argument("--out", help="also write the table here")
     args = p.parse_args(argv)
@@ -129,10 +192,24 @@ def main(argv=None) -> int:
         url = own.grpc_url if own else args.url
         metrics_url = own.metrics_url if own else args.metrics_url
         started = time.perf_counter()
-        rows, prompt_tokens = measure(url, metrics_url, args)
+        if args.stall:
+            lines = stall(url, args)
+        else:
+            rows, prompt_tokens = measure(url, metrics_url, args)
     finally:
         if own is not None:
             own.stop(120)
+    if args.stall:
+        title = (f"{args.pair or url} {' '.join(args.launcher_arg)}, {args.streams} plain streams (target-only, "
+                 f"{args.max_tokens} tokens each), {args.seconds:g} s per phase, long prompts of a "
+                 f"{args.system_words}-word system prompt {f'every {args.long_every:g} s' if args.long_every else 'one after another'}; {platform.machine()}, {os.cpu_count()} cores")
+        columns = ["phase", "plain responses", "gap median ms", "gap p99 ms", "gap max ms", "long prompts",
+                   "long prompt TTFT median ms"]
+        table = "\n".join([title, "", "| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns), *lines])
+        print(table)
+        if args.out:
+            Path(args.out).write_text(table + "\n")
+        return 0
     k = "server default" if args.num_draft_tokens is None else args.num_draft_tokens
     draft = args.draft_model or "the server's default draft"
     title = (f"{args.pair or url}, {min(prompt_tokens)}-{max(prompt_tokens)} prompt tokens ({args.system_words}-word system prompt), "

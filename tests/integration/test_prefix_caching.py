@@ -1,7 +1,8 @@
-"""Prefix caching served by a real tritonserver (the tiny pair, float64, the eager executor's store; the
-static executor's pool is served in test_static_serving.py): requests sharing a long system prompt
-compute it once, over gRPC and HTTP, greedy and speculative, and their text is the text computed from
-scratch; the models count what they looked up and found."""
+"""Prefix caching and chunked prefill served by a real tritonserver (the tiny pair, float64, the eager
+executor's store; the static executor's pool is served in test_static_serving.py): requests sharing a
+long system prompt compute it once, over gRPC and HTTP, greedy and speculative, and their text is the
+text computed from scratch; the models count what they looked up and found; a prompt longer than
+prefill_chunk_tokens (512) reaches the models in chunks, and is found again chunk after chunk."""
 
 import pytest
 
@@ -70,7 +71,33 @@ def test_a_shared_system_prompt_is_computed_once_and_reused_exactly(server):
     for model in MODELS:
         assert server.metric("specdec_model_live_sequences", model=model) == 0
         assert server.metric("specdec_model_kv_cache_bytes", model=model) == 0  # the store is not a sequence's
+        assert server.metric("specdec_model_prefix_cache_bytes", model=model) > 0
 
+
+
+def test_a_prompt_longer_than_a_chunk_is_sent_in_chunks_and_found_again_whole(server):
+    prompt = "The store's policies, in full.\n" + (SYSTEM * 5)[:2560] + QUESTIONS[1]  # ~590 tokens: two chunks
+    start = counters(server)
+    calls = server.metric("nv_inference_request_success", model="target_model")
+    cold = grpc_stream(server.grpc_url, prompt, max_tokens=12, num_draft_tokens=4, adaptive_draft=False)
+    tokens = cold[tn.NUM_INPUT_TOKENS]
+    assert 512 + 32 < tokens < 1024 - 12
+    # Every round's call, the release, and one more: the prompt's first chunk.
+    assert server.metric("nv_inference_request_success", model="target_model") - calls == cold[tn.NUM_ROUNDS] + 2
+    first = counters(server)
+    for model in MODELS:
+        assert delta(start, first, "prefix_cache_hits_total", model) == 0
+    assert delta(start, first, "prefix_cache_queries_total", "target_model") == tokens + 4  # the prompt and K
+    assert delta(start, first, "prefix_cache_queries_total", "draft_model") == tokens
+    again = []
+    for k in (0, 4):
+        before = counters(server)
+        again.append(grpc_stream(server.grpc_url, prompt, max_tokens=12, num_draft_tokens=k, adaptive_draft=False))
+        found = {m: delta(before, counters(server), "prefix_cache_hits_total", m) for m in MODELS}
+        # The first chunk (512 tokens, no logits wanted) is found whole, the second up to its last block.
+        reusable = 512 + (tokens - 512 - 1) // 32 * 32
+        assert found == {"target_model": reusable, "draft_model": reusable if k else 0}, k
+    assert again[0][tn.TEXT_OUTPUT] == again[1][tn.TEXT_OUTPUT] == cold[tn.TEXT_OUTPUT]
 
 
 def test_the_prefix_bench_runs_against_a_server(server, tmp_path):

@@ -69,9 +69,9 @@ def test_repeated_prompts_are_served_from_the_pools_blocks(small_pool):
     in the pool), greedy and speculative, with the text computed from scratch; cached blocks are not held."""
     own = small_pool
     prompt = ("Opening hours are eight to six on weekdays and nine to one on Saturdays; the store is closed on "
-              "Sundays and public holidays. Deliveries within twenty kilometres are free for orders above fifty francs. Returns are accepted "
-              "within thirty days with the receipt, except for cut materials such as chains, ropes, cables and "
-              "timber. The workshop sharpens knives and tools while customers wait.")
+              "Sundays and public holidays. Deliveries within twenty kilometres are free for orders above fifty "
+              "francs. Returns are accepted within thirty days with the receipt, except for cut materials such as "
+              "chains, ropes, cables and timber. The workshop sharpens knives and tools while customers wait.")
     client = Client(own.grpc_url)
     hits = {m: own.metric("specdec_model_prefix_cache_hits_total", model=m) for m in ("target_model", "draft_model")}
     cold = client.generate(prompt, GenerationParams(max_tokens=16, num_draft_tokens=3))
@@ -82,6 +82,7 @@ def test_repeated_prompts_are_served_from_the_pools_blocks(small_pool):
     reusable = (cold.num_input_tokens - 1) // 32 * 32
     assert reusable >= 64 and found["target_model"] == 2 * reusable and found["draft_model"] == reusable
     assert own.metric("specdec_model_kv_cache_bytes", model="target_model") == 0
+    assert own.metric("specdec_model_prefix_cache_bytes", model="target_model") > 0  # kept, not held
 
 
 def test_a_pool_smaller_than_the_context_fails_the_load_naming_it(tmp_path):

@@ -1,5 +1,6 @@
-"""What the orchestrator's BLS proposer sends draft_model, with a stand-in for pb_utils (the stub's module
-exists only inside a server): sampling settings only when sampling, min_p only when set."""
+"""What the orchestrator's BLS proposer and scorer send the models, with a stand-in for pb_utils (the
+stub's module exists only inside a server): sampling settings only when sampling, min_p only when set;
+long prompts in chunks."""
 
 import asyncio
 
@@ -8,7 +9,7 @@ import torch
 
 from specdec import tensor_names as tn
 from specdec.decoding.sampling import SamplingParams
-from specdec.triton.bls import BlsProposer
+from specdec.triton.bls import BlsProposer, BlsScorer
 
 from .conftest import FakeTensor
 
@@ -30,7 +31,9 @@ class _Pb:
     def InferenceRequest(self, model_name, inputs, requested_output_names, correlation_id, flags, timeout):  # noqa: N802
         self.sent.append({t.name(): t.as_numpy() for t in inputs})
         outputs = {tn.DRAFT_TOKENS: _Tensor(tn.DRAFT_TOKENS, [[3, 4]]),
-                   tn.DRAFT_PROBS: _Tensor(tn.DRAFT_PROBS, np.full((1, 2, 5), 0.2, dtype=np.float32))}
+                   tn.DRAFT_PROBS: _Tensor(tn.DRAFT_PROBS, np.full((1, 2, 5), 0.2, dtype=np.float32)),
+                   tn.GREEDY_TOKENS: _Tensor(tn.GREEDY_TOKENS, [[7, 8]]),
+                   tn.FORWARD_STATS: _Tensor(tn.FORWARD_STATS, [[2, 1, 0.01]])}
 
         class _Response:
             def has_error(self):
@@ -62,3 +65,28 @@ def test_sampling_settings_go_to_the_draft_only_when_sampling_and_min_p_only_whe
     assert (sent[tn.TEMPERATURE].item(), sent[tn.SEED].item()) == (np.float32(0.9), 7)
     asyncio.run(proposer.propose(1, 4, [6], 2, SamplingParams(temperature=0.9), 8))
     assert tn.MIN_P not in pb.sent[-1] and tn.TEMPERATURE in pb.sent[-1]
+
+
+def test_a_long_prompt_goes_in_chunks_that_ask_for_nothing_the_first_taking_the_room():
+    pb = _Pb()
+    scorer, proposer = BlsScorer(pb, tn.TARGET_MODEL_NAME, prefill_chunk=4), BlsProposer(pb, tn.DRAFT_MODEL_NAME,
+                                                                                     prefill_chunk=4)
+    prompt = list(range(1, 12))  # 11 tokens
+    scores = asyncio.run(scorer.score(1, 0, prompt + [50, 51], 2, want_logits=False, reserve=40))
+    assert scores.greedy_tokens.tolist() == [7, 8]
+    sent = [{name: value.reshape(-1).tolist() for name, value in call.items()} for call in pb.sent]
+    assert sent == [
+        {tn.INPUT_IDS: [1, 2, 3, 4], tn.CACHE_LENGTH: [0], tn.NUM_LOGITS: [0], tn.RESERVE_TOKENS: [40]},
+        {tn.INPUT_IDS: [5, 6, 7, 8], tn.CACHE_LENGTH: [4], tn.NUM_LOGITS: [0]},
+        {tn.INPUT_IDS: [9, 10, 11, 50, 51], tn.CACHE_LENGTH: [8], tn.NUM_LOGITS: [2]},  # at most 4 + 2 tokens
+    ]
+    pb.sent.clear()
+    proposal = asyncio.run(proposer.propose(2, 0, prompt, 2, SamplingParams(), 0, reserve=40))
+    assert proposal.tokens == [3, 4] and proposal.cached_length == 11 + 2 - 1
+    assert [call[tn.NUM_DRAFT_TOKENS].item() for call in pb.sent] == [0, 0, 2]
+    assert [call[tn.CACHE_LENGTH].item() for call in pb.sent] == [0, 4, 8]
+    assert [tn.RESERVE_TOKENS in call for call in pb.sent] == [True, False, False]
+    pb.sent.clear()
+    asyncio.run(scorer.score(1, 13, [52], 1, want_logits=False))  # a round: one call, as without chunks
+    asyncio.run(BlsScorer(pb, tn.TARGET_MODEL_NAME).score(3, 0, prompt, 1, want_logits=False))  # 0: off
+    assert [len(call[tn.INPUT_IDS].reshape(-1)) for call in pb.sent] == [1, 11]

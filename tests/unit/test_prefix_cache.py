@@ -64,6 +64,9 @@ def test_a_repeated_prompt_runs_only_its_uncached_tail_with_the_same_logits(tiny
     lm.release(1), lm.release(2)
     if kind == "static":
         assert lm.kv_bytes_allocated == 0 and len(lm.pool.cached) == 3
+        assert lm.prefix_cache_bytes == 3 * lm.pool.block_bytes
+    else:  # the store: 3 blocks of 8 positions, keys and values of 2 layers x 2 heads x 8 float64s
+        assert lm.prefix_cache_bytes == 3 * 8 * 2 * 2 * 2 * 8 * 8
     third = lm.extend(3, 0, ids + [5, 6], 1)  # after both ended
     assert lm.prefix_hit_tokens == 48 and torch.allclose(third, reference.extend(1, 29, [5, 6], 1), atol=1e-10)
 
@@ -213,3 +216,38 @@ def test_a_prompt_longer_than_the_dynamic_store_keeps_its_first_blocks(tiny_lm):
     lm.release(1)
     out = lm.extend(2, 0, ids + [3], 1)
     assert lm.prefix_hit_tokens == 32 and torch.allclose(out, reference.extend(1, 0, ids + [3], 1), atol=1e-10)
+
+
+@pytest.mark.parametrize("kind", EXECUTORS)
+def test_a_prompt_sent_in_chunks_finds_its_blocks_chunk_after_chunk(tiny_lm, kind):
+    """A prompt's chunks (num_logits=0 but the last) go on with known blocks from where the previous one
+    ended, up to the whole of a chunk that needs no logits; a decode step at a block boundary is not a
+    lookup."""
+    lm, reference = EXECUTORS[kind](tiny_lm), CausalLM(tiny_lm)
+    ids = prompt(40, seed=16)
+    lm.extend(1, 0, ids, 1)
+    lm.release(1)
+    processed, queried = lm.tokens_processed, lm.prefix_queried_tokens
+    chunks = [lm.extend(2, 0, ids[:16], 0), lm.extend(2, 16, ids[16:32], 0), lm.extend(2, 32, ids[32:] + [7], 2)]
+    assert [len(c) for c in chunks] == [0, 0, 2] and lm.tokens_processed - processed == 9
+    assert lm.prefix_hit_tokens == 40 - 8 and lm.prefix_queried_tokens - queried == 41  # every chunk looked up
+    assert torch.allclose(chunks[-1], reference.extend(1, 0, ids + [7], 2), atol=1e-10)
+    lm.extend(2, 41, [5, 6, 7], 3)  # to 44
+    lm.extend(2, 44, [1, 2, 3, 4], 4)  # 48: a block boundary
+    lm.extend(2, 48, [9], 1)
+    assert lm.prefix_queried_tokens - queried == 41
+
+
+@pytest.mark.parametrize("kind", EXECUTORS)
+def test_a_drafts_prompt_chunks_append_without_drafting(tiny_lm, kind):
+    """num_draft_tokens=0 appends a prompt's chunk (found in the cache where it can be); the proposal
+    after the last chunk is the one a whole-prompt proposal gives."""
+    draft, reference = EXECUTORS[kind](tiny_lm), EXECUTORS[kind](tiny_lm, prefix_caching=False)
+    ids = prompt(30, seed=17)
+    greedy = SamplingParams()
+    assert draft.propose(1, 0, ids[:16], 0, greedy) == ([], None)
+    assert draft.propose(1, 16, ids[16:], 3, greedy) == reference.propose(1, 0, ids, 3, greedy)
+    draft.release(1)
+    processed = draft.tokens_processed
+    assert draft.propose(2, 0, ids[:16], 0, greedy) == ([], None)  # found whole: nothing runs
+    assert draft.tokens_processed == processed and draft.cached_length(2) == 16

@@ -221,5 +221,6 @@ output [
 {{ include "specdec.param" (list "max_live_sequences" $s.maxLiveSequences) }}
 {{ include "specdec.param" (list "when_full" $s.whenFull) }}
 {{ include "specdec.param" (list "verify_gather_ms" $s.verifyGatherMs) }}
+{{ include "specdec.param" (list "prefill_chunk_tokens" $s.prefillChunkTokens) }}
 instance_group [ { count: {{ int $s.orchestratorInstances }}, kind: KIND_CPU } ]
 {{- end -}}

@@ -150,6 +150,8 @@ class CausalLM:
             self.store = BlockStore(self.prefix, prefix_cache_tokens // block_size, self.layer_devices, heads,
                                     head_dim, model.dtype)
         self.prefix_queried_tokens = self.prefix_hit_tokens = 0
+        width = head.weight.shape[0] if head is not None and hasattr(head, "weight") else self.vocab_size
+        self._no_logits = torch.empty(0, width, dtype=model.dtype, device=self.logits_device)
 
     @property
     def vocab_size(self) -> int:
@@ -171,8 +173,7 @@ class CausalLM:
         cached (they are not run again), 0 otherwise."""
         seq_id, keep = step.seq_id, step.keep
         seq = self.sequences.get(seq_id)
-        cached, new = 0, seq is None
-        if new:
+        if seq is None:
             if keep != 0:
                 raise CacheError(
                     f"sequence {seq_id} has no cache (never started, released or evicted after idling)"
@@ -181,7 +182,7 @@ class CausalLM:
                 raise CapacityError(f"too many live sequences ({self.max_sequences}, max_sequences); {tn.RETRY_LATER}")
             seq = self.sequences[seq_id] = self._new_sequence()
             try:
-                cached = self._reuse_prefix(seq, step)
+                cached, queried = self._reuse_prefix(seq, step, 0)
                 self._reserve(seq, grow)
                 if step.reserve > grow:
                     self._hold(seq, step.reserve)
@@ -193,29 +194,38 @@ class CausalLM:
         else:
             self._reserve(seq, keep + grow)
             self._keep(seq, keep)
+            # A prompt sent in chunks: each chunk may go on with blocks the index knows.
+            cached, queried = self._reuse_prefix(seq, step, keep)
         seq.length = keep + cached  # rollback: later writes overwrite the rejected positions
         seq.last_used = self.clock()
-        if self.prefix is not None and new:  # counted once it holds its room: a refused step comes again
-            self.prefix_queried_tokens += len(step.new_ids)
-            self.prefix_hit_tokens += cached
+        # Counted once the step holds its room (a refused first step is asked again).
+        self.prefix_queried_tokens += queried
+        self.prefix_hit_tokens += cached
         return cached
 
     # ---- prefix caching (prefix_cache.py): the index is common, where blocks live is each executor's ----
-    def _reuse_prefix(self, seq, step: Step) -> int:
-        """Give a new sequence the cached blocks of its prompt's longest known prefix; returns their tokens."""
-        if self.prefix is None:
-            return 0
-        ids = step.new_ids
-        # The step's last num_logits positions (at least one: a proposal drafts from the last) are run.
-        reusable = (len(ids) - max(step.num_logits, 1)) // self.prefix.block_size
-        blocks, chain = self.prefix.match(ids, reusable) if reusable > 0 else ([], [])
-        if not blocks:
-            return 0
-        self._adopt(seq, blocks)
-        seq.chain = chain
-        cached = len(blocks) * self.prefix.block_size
-        seq.tokens = list(ids[:cached])
-        return cached
+    def _reuse_prefix(self, seq, step: Step, start: int) -> tuple[int, int]:
+        """A new sequence's first step, or the next chunk of a prompt sent in chunks (steps wanting no
+        logits): where seq's cached tokens (`start`) are all in keyed blocks, give it the known blocks that
+        continue them with the step's new tokens. Returns their tokens, and the tokens looked up (the
+        prefix cache's metrics: every prompt token, no generated one)."""
+        if self.prefix is None or not seq.prefilling:
+            return 0, 0
+        seq.prefilling = step.k == 0 and step.num_logits == 0  # a prompt's chunk: more of it follows
+        ids, size = step.new_ids, self.prefix.block_size
+        if start != len(seq.chain) * size:
+            return 0, len(ids)
+        # The positions whose logits are wanted run (a proposal's last one, which it drafts from).
+        reusable = (len(ids) - (step.num_logits if step.k == 0 else 1)) // size
+        blocks, chain = self.prefix.match(ids, reusable, seq.chain[-1] if seq.chain else ROOT) if reusable > 0 \
+            else ([], [])
+        cached = len(blocks) * size
+        if blocks:
+            self._adopt(seq, blocks, start // size)
+            seq.chain += chain
+            del seq.tokens[start:]
+            seq.tokens += ids[:cached]
+        return cached, len(ids)
 
     def _keep(self, seq, keep: int) -> None:
         """A step keeps `keep` of seq's cached tokens (the caller has confirmed them) and overwrites the
@@ -252,9 +262,10 @@ class CausalLM:
             self._register(seq, seq.length - max(n - 1, 0))
         return logits
 
-    def _adopt(self, seq, blocks: list[int]) -> None:
-        """A new sequence starts with the contents of these keyed blocks: copied from the store here."""
-        self.store.load(seq, blocks)
+    def _adopt(self, seq, blocks: list[int], first: int) -> None:
+        """seq's blocks first, first + 1, ... get the contents of these keyed blocks: copied from the store
+        here."""
+        self.store.load(seq, blocks, first)
 
     def _key_blocks(self, seq, first: int, parent: int, blocks: list[tuple[int, ...]]) -> list[int]:
         """Key seq's blocks first, first + 1, ... (holding `blocks`' tokens; the first follows the prefix
@@ -303,6 +314,11 @@ class CausalLM:
         """Bytes one cached token takes: keys and values of every layer."""
         heads, head_dim = self._kv_heads_and_dim()
         return 2 * self._num_layers * heads * head_dim * self.model.dtype.itemsize
+
+    @property
+    def prefix_cache_bytes(self) -> int:
+        """Bytes of keyed blocks kept for later prompts and held by no sequence (here: the store's)."""
+        return self.store.nbytes if self.prefix is not None else 0
 
     @property
     def kv_bytes_allocated(self) -> int:
@@ -383,10 +399,15 @@ class CausalLM:
                                        f"num_logits={step.num_logits} must be within [0, {len(step.new_ids)}] "
                                        "(the new tokens)")
         results: list[torch.Tensor | CacheError] = list(errors)
-        if ok:
-            logits = self._forward([self.sequences[steps[i].seq_id] for i in ok], [steps[i].new_ids for i in ok],
-                                   [steps[i].num_logits for i in ok])
-            for row, i in enumerate(ok):
+        # A prompt's chunk found whole in the prefix cache has nothing left to run (and wants no logits).
+        run = [i for i in ok if steps[i].new_ids]
+        for i in ok:
+            if not steps[i].new_ids:
+                results[i] = self._no_logits
+        if run:
+            logits = self._forward([self.sequences[steps[i].seq_id] for i in run], [steps[i].new_ids for i in run],
+                                   [steps[i].num_logits for i in run])
+            for row, i in enumerate(run):
                 results[i] = logits[row]
         return results
 
@@ -397,18 +418,23 @@ class CausalLM:
         stay on the model's device from one step to the next and come back to the host in one transfer
         at the end: no host sync per drafted token."""
         steps = list(steps)
-        ok, errors = self._acquire_all(steps, lambda step: None if step.k >= 1 else
-                                       f"num_draft_tokens must be >= 1, got {step.k}")
+        ok, errors = self._acquire_all(steps, lambda step: None if step.k >= 0 else
+                                       f"num_draft_tokens must be >= 0, got {step.k}")
         results: list = list(errors)
         tokens = {i: [] for i in ok}
         probs = {i: [] for i in ok}
-        active, rows = ok, [steps[i].new_ids for i in ok]
+        # k = 0: a prompt's chunk, appended and nothing drafted (nothing at all if the prefix cache had it).
+        active = [i for i in ok if steps[i].new_ids]
+        rows = [steps[i].new_ids for i in active]
         while active:
-            logits = self._forward([self.sequences[steps[i].seq_id] for i in active], rows, [1] * len(active))
+            logits = self._forward([self.sequences[steps[i].seq_id] for i in active], rows,
+                                   [int(steps[i].k > 0) for i in active])
             still = []
             for row, i in enumerate(active):
-                last = logits[row][-1]
                 step = steps[i]
+                if step.k == 0:
+                    continue
+                last = logits[row][-1]
                 if step.params.greedy:
                     token = greedy(last)
                 else:
@@ -420,12 +446,12 @@ class CausalLM:
                     still.append(i)
             # The last drafted token is not run through the model: nothing needs its logits yet.
             active, rows = still, [tokens[i][-1] for i in still]
-        drafted = torch.cat([t for i in ok for t in tokens[i]]).tolist() if ok else []  # the one transfer
+        drafted = torch.cat([t for i in ok for t in tokens[i]]).tolist() if any(tokens.values()) else []  # one transfer
         first = 0
         for i in ok:
             count = len(tokens[i])
             results[i] = (drafted[first:first + count], torch.stack(probs[i]) if probs[i] else None)
-            if self.prefix is not None:  # the drafted tokens run through the model, known on the host now
+            if self.prefix is not None and count:  # the drafted tokens run through the model, known now
                 seq = self.sequences[steps[i].seq_id]
                 seq.tokens[seq.length - count + 1:seq.length] = drafted[first:first + count - 1]
             first += count
@@ -438,10 +464,11 @@ class CausalLM:
         Returns (tokens, probs): k draft tokens and, when sampling, their (k, V) float32 processed
         distributions (None when greedy: the greedy rule needs only the tokens). The last drafted token
         is not run through the model (nothing needs its logits until the next round), so the cache
-        grows by len(new_ids) + k - 1. One sequence's `propose_many`; raises its CacheError.
+        grows by len(new_ids) + k - 1. k = 0 only appends (a prompt's chunk). One sequence's
+        `propose_many`; raises its CacheError.
         """
-        (result,) = self.propose_many([Step(seq_id, keep, new_ids, k=k, params=params, generator=generator,
-                                            reserve=reserve)])
+        (result,) = self.propose_many([Step(seq_id, keep, new_ids, num_logits=int(k > 0), k=k, params=params,
+                                            generator=generator, reserve=reserve)])
         if isinstance(result, CacheError):
             raise result
         return result

@@ -46,6 +46,7 @@ class SequenceKV:
         self.last_used = 0.0
         self.tokens: list[int] = []  # with prefix caching: the token at each position (-1: not known yet)
         self.chain: list[int] = []  # with prefix caching: serials of its leading blocks keyed in the index
+        self.prefilling = True  # its prompt is still arriving (in chunks): looked up in the prefix cache
 
     @property
     def capacity(self) -> int:
@@ -127,16 +128,17 @@ class BlockStore:
         self.used[block] = None
         return block
 
-    def load(self, seq: "SequenceKV", blocks: list[int]) -> None:
-        """seq (new) starts with these blocks' keys and values at positions 0 .. len(blocks) * block_size."""
-        cached = len(blocks) * self.index.block_size
-        seq.reserve(cached)
+    def load(self, seq: "SequenceKV", blocks: list[int], first: int = 0) -> None:
+        """seq gets these blocks' keys and values at its blocks first, first + 1, ..."""
+        size = self.index.block_size
+        start, end = first * size, (first + len(blocks)) * size
+        seq.reserve(end)
         index = torch.tensor(blocks)
         for store, buffers in ((self.keys, seq.keys), (self.values, seq.values)):
             for layer, buffer in zip(store, buffers):
                 # (n, kv_heads, block_size, D) -> (kv_heads, n * block_size, D)
                 picked = layer.index_select(0, index.to(layer.device))
-                buffer[:, :cached] = picked.transpose(0, 1).reshape(buffer.shape[0], cached, -1)
+                buffer[:, start:end] = picked.transpose(0, 1).reshape(buffer.shape[0], end - start, -1)
         for block in blocks:
             self.used.move_to_end(block)
 

@@ -36,10 +36,11 @@ class PrefixIndex:
     def registered(self, block: int) -> bool:
         return block in self._entries
 
-    def match(self, tokens: list[int], max_blocks: int) -> tuple[list[int], list[int]]:
-        """The registered blocks holding tokens[:n * block_size] for the largest n <= max_blocks, and
-        their serials (the chain a sequence that takes them continues from)."""
-        blocks, serials, parent, size = [], [], ROOT, self.block_size
+    def match(self, tokens: list[int], max_blocks: int, parent: int = ROOT) -> tuple[list[int], list[int]]:
+        """The registered blocks holding tokens[:n * block_size] after the prefix `parent` (the whole
+        prefix before them: ROOT for a prompt's start) for the largest n <= max_blocks, and their serials
+        (the chain a sequence that takes them continues from)."""
+        blocks, serials, size = [], [], self.block_size
         for j in range(max_blocks):
             block = self._blocks.get((parent, tuple(tokens[j * size:(j + 1) * size])))
             if block is None:

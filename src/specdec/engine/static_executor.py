@@ -78,7 +78,8 @@ def bucket(value: int, sizes: list[int]) -> int | None:
 class PagedSequence:
     """One sequence in the pool: its blocks, in order; the first `length` positions are valid. With
     prefix caching, also the token at each position (-1 where a drafted token is not yet known on the
-    host) and the serials of its leading blocks that are keyed in the index (`prefix_cache.py`)."""
+    host), the serials of its leading blocks that are keyed in the index (`prefix_cache.py`), and whether
+    its prompt is still arriving in chunks."""
 
     def __init__(self):
         self.blocks: list[int] = []
@@ -86,6 +87,7 @@ class PagedSequence:
         self.last_used = 0.0
         self.tokens: list[int] = []
         self.chain: list[int] = []
+        self.prefilling = True
 
 
 class BlockPool:
@@ -155,12 +157,18 @@ class BlockPool:
         if needed > 0:
             seq.blocks += self._take(needed)
 
-    def share(self, seq: PagedSequence, blocks: list[int]) -> None:
-        """seq (new, no blocks yet) starts with these registered blocks, which other sequences may hold."""
-        for block in blocks:
+    def share(self, seq: PagedSequence, blocks: list[int], first: int = 0) -> None:
+        """seq's blocks first, first + 1, ... become these registered blocks, which other sequences may
+        hold; the private blocks it had there (reserved, not written yet) go back to the free list."""
+        for j, block in enumerate(blocks, first):
             self.refs[block] += 1
             self.cached.pop(block, None)
-        seq.blocks = list(blocks)
+            if j < len(seq.blocks):
+                self.refs[seq.blocks[j]] -= 1
+                self.free.append(seq.blocks[j])
+                seq.blocks[j] = block
+            else:
+                seq.blocks.append(block)
 
     def make_private(self, seq: PagedSequence, j: int) -> None:
         """Before seq writes into its block j: a block other sequences hold is replaced by a copy of its
@@ -503,8 +511,8 @@ class StaticCausalLM(CausalLM):
         # A generation longer than the context fails when it gets there, not at its start.
         self.pool.grow(seq, min(positions, self.max_context))
 
-    def _adopt(self, seq: PagedSequence, blocks: list[int]) -> None:
-        self.pool.share(seq, blocks)  # no copy: the blocks are held by one more sequence
+    def _adopt(self, seq: PagedSequence, blocks: list[int], first: int) -> None:
+        self.pool.share(seq, blocks, first)  # no copy: the blocks are held by one more sequence
 
     def _key_blocks(self, seq: PagedSequence, first: int, parent: int, blocks: list[tuple[int, ...]]) -> list[int]:
         serials = []
@@ -530,6 +538,10 @@ class StaticCausalLM(CausalLM):
         for sid in stale:
             self.release(sid)
         return stale
+
+    @property
+    def prefix_cache_bytes(self) -> int:
+        return len(self.pool.cached) * self.pool.block_bytes
 
     @property
     def kv_bytes_allocated(self) -> int:

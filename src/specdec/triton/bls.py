@@ -34,13 +34,32 @@ def _i32(value) -> np.ndarray:
 
 
 class _SequenceModel:
-    """Shared plumbing: one BLS call into a sequence-batched model."""
+    """Shared plumbing: one BLS call into a sequence-batched model.
 
-    def __init__(self, pb_utils, model_name: str, timeout_us: int = 0):
+    `prefill_chunk` (tokens; 0: off): a call appending more tokens than that beyond the positions it
+    needs (a long prompt) goes first as calls of that many tokens that ask for nothing back (chunked
+    prefill): each is one execute of the model, so the other requests' rounds run between them instead
+    of waiting for the whole prompt's forward. Chunks the model's prefix cache holds are not run again."""
+
+    def __init__(self, pb_utils, model_name: str, timeout_us: int = 0, prefill_chunk: int = 0):
         self.pb = pb_utils
         self.model_name = model_name
         self.timeout_us = timeout_us
+        self.prefill_chunk = prefill_chunk
         self._started: set[int] = set()
+
+    async def _prefill(self, seq_id: int, keep: int, new_ids: list[int], needed: int, reserve: int,
+                       chunk_inputs: dict[str, np.ndarray], output: str) -> tuple[int, list[int], int]:
+        """Send new_ids in chunks while more than `needed` tokens would be left after one; returns the
+        (keep, new_ids, reserve) of the call that remains."""
+        chunk = self.prefill_chunk
+        while chunk and len(new_ids) - needed > chunk:
+            inputs = {tn.INPUT_IDS: _i32(new_ids[:chunk]), tn.CACHE_LENGTH: _i32([keep]), **chunk_inputs}
+            if reserve:  # the first call takes the generation's room
+                inputs[tn.RESERVE_TOKENS] = _i32([reserve])
+            await self._call(seq_id, inputs, [output])
+            keep, new_ids, reserve = keep + chunk, new_ids[chunk:], 0
+        return keep, new_ids, reserve
 
     async def _call(self, seq_id: int, inputs: dict[str, np.ndarray], outputs: list[str], end: bool = False):
         pb = self.pb
@@ -79,6 +98,8 @@ class _SequenceModel:
 class BlsProposer(_SequenceModel):
     async def propose(self, seq_id: int, keep: int, new_ids: list[int], k: int,
                       params: SamplingParams, round_seed: int, reserve: int = 0) -> Proposal:
+        keep, new_ids, reserve = await self._prefill(seq_id, keep, new_ids, 1, reserve,
+                                                     {tn.NUM_DRAFT_TOKENS: _i32([0])}, tn.DRAFT_TOKENS)
         inputs = {tn.INPUT_IDS: _i32(new_ids), tn.CACHE_LENGTH: _i32([keep]), tn.NUM_DRAFT_TOKENS: _i32([k])}
         if reserve:
             inputs[tn.RESERVE_TOKENS] = _i32([reserve])
@@ -104,6 +125,8 @@ class BlsProposer(_SequenceModel):
 class BlsScorer(_SequenceModel):
     async def score(self, seq_id: int, keep: int, new_ids: list[int], num_positions: int,
                     want_logits: bool, reserve: int = 0, want_log_probs: bool = False) -> Scores:
+        keep, new_ids, reserve = await self._prefill(seq_id, keep, new_ids, num_positions, reserve,
+                                                     {tn.NUM_LOGITS: _i32([0])}, tn.GREEDY_TOKENS)
         inputs = {tn.INPUT_IDS: _i32(new_ids), tn.CACHE_LENGTH: _i32([keep])}
         if reserve:
             inputs[tn.RESERVE_TOKENS] = _i32([reserve])

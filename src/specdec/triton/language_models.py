@@ -172,7 +172,8 @@ class LanguageModelAdapter(TritonAdapter):
 
     def _report_metrics(self, flush: bool) -> None:
         self.metrics.report(self.lm.tokens_processed, len(self.lm.sequences), self.lm.kv_bytes_allocated, flush,
-                            self.forward_seconds, (self.lm.prefix_queried_tokens, self.lm.prefix_hit_tokens))
+                            self.forward_seconds, (self.lm.prefix_queried_tokens, self.lm.prefix_hit_tokens),
+                            self.lm.prefix_cache_bytes)
 
     def execute(self, requests):
         """All pending steps (of different sequences: the sequence batcher sends one step per sequence
@@ -336,7 +337,8 @@ class DraftModel(LanguageModelAdapter):
             min_p=float(_scalar(inputs, tn.MIN_P, tn.DEFAULT_MIN_P)),
         )
         seed = _scalar(inputs, tn.SEED, None)
-        return {"k": int(_scalar(inputs, tn.NUM_DRAFT_TOKENS, 1)), "params": params,
+        k = int(_scalar(inputs, tn.NUM_DRAFT_TOKENS, 1))  # 0: a prompt's chunk, appended only
+        return {"k": k, "num_logits": int(k > 0), "params": params,
                 "generator": None if params.greedy else make_generator(seed, self.lm.logits_device)}
 
     def _run(self, steps):

@@ -55,14 +55,18 @@ class ModelMetrics:
         self.prefix_hits = make("specdec_model_prefix_cache_hits_total",
                                 "Prompt tokens found in the prefix cache (their keys and values reused, not computed)",
                                 kinds.COUNTER).Metric(labels=labels)
+        self.prefix_bytes = make("specdec_model_prefix_cache_bytes",
+                                 "Bytes of KV blocks kept for later prompts that no sequence holds (the static "
+                                 "executor's pool blocks, given up whenever room is needed; the eager one's store)",
+                                 kinds.GAUGE).Metric(labels=labels)
         self._tokens, self._at, self._seconds, self._prefix = 0, 0.0, 0.0, (0, 0)
-        self._gauges: dict[str, float | None] = {"live": None, "kv": None}
+        self._gauges: dict[str, float | None] = {"live": None, "kv": None, "prefix": None}
 
     def report(self, tokens_processed: int, live_sequences: int, kv_bytes: int, flush: bool,
-               forward_seconds: float = 0.0, prefix: tuple[int, int] = (0, 0)) -> None:
+               forward_seconds: float = 0.0, prefix: tuple[int, int] = (0, 0), prefix_bytes: int = 0) -> None:
         """Set the gauges only when they changed, and add to the counters at most twice a second or when
         a sequence ends (flush): this runs on every execute. Counts are totals since load; `prefix` is
-        (prompt tokens looked up, found) in the prefix cache."""
+        (prompt tokens looked up, found) in the prefix cache, `prefix_bytes` what it keeps."""
         now = time.monotonic()
         pending = tokens_processed - self._tokens
         if pending and (flush or now - self._at >= 0.5):
@@ -73,7 +77,8 @@ class ModelMetrics:
                 self.prefix_queries.increment(prefix[0] - self._prefix[0])
                 self.prefix_hits.increment(prefix[1] - self._prefix[1])
                 self._prefix = prefix
-        for key, metric, value in (("live", self.live, live_sequences), ("kv", self.kv_bytes, kv_bytes)):
+        for key, metric, value in (("live", self.live, live_sequences), ("kv", self.kv_bytes, kv_bytes),
+                                   ("prefix", self.prefix_bytes, prefix_bytes)):
             if value != self._gauges[key]:
                 metric.set(value)
                 self._gauges[key] = value

@@ -74,6 +74,8 @@ class SpeculativeDecodingAdapter(TritonAdapter):
         self.room = RoomLine()  # the server's requests waiting for KV room in target_model (room.py)
         self.queued = 0
         timeout_us = params.int("bls_timeout_us", 0, low=0)
+        # Prompts longer than this go to each model in chunks, other requests' rounds between them (bls.py).
+        chunk = params.int("prefill_chunk_tokens", 512, low=0)
         # "ngram" is the built-in prompt-lookup method; any other name is a draft model to call over BLS.
         # Gauges of one instance carry its name: the server's figure is their sum (or max for the peak).
         self.metrics = OrchestratorMetrics(pb_utils, self.limits.max_num_draft_tokens,
@@ -82,13 +84,13 @@ class SpeculativeDecodingAdapter(TritonAdapter):
         # A draft model that fails is bypassed (target-only rounds) and retried after a wait.
         retry_s = params.float("draft_retry_after_s", 1.0, low=0.0)
         self.proposers = {name: NgramProposer() if name == tn.NGRAM else FallbackProposer(
-            BlsProposer(pb_utils, name, timeout_us), name, self.metrics.record_fallback, retry_after_s=retry_s)
+            BlsProposer(pb_utils, name, timeout_us, chunk), name, self.metrics.record_fallback, retry_after_s=retry_s)
             for name in self.limits.draft_names}
         # Concurrent requests' verify calls wait for each other up to this window, so that target_model's
         # forwards carry all of them (verify_gate.py); 0: each goes as soon as it is ready.
         self.gate = VerifyGate(params.float("verify_gather_ms", 0.0, low=0.0) / 1e3, self.metrics.record_gate_hold)
-        self.scorer = GatedScorer(BlsScorer(pb_utils, params.str("target_model", tn.TARGET_MODEL_NAME), timeout_us),
-                                  self.gate)
+        self.scorer = GatedScorer(BlsScorer(pb_utils, params.str("target_model", tn.TARGET_MODEL_NAME), timeout_us,
+                                            chunk), self.gate)
         # A streamed response and the cancellation check are IPC round trips to the backend process that
         # block their thread (GIL released) for hundreds of microseconds: on the event loop they would
         # hold up every other request's round. A request's response leaves while its next round runs; the
