@@ -42,14 +42,8 @@ from specdec.serving.metrics_text import scrape, sum_samples  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 MODELS = ("target_model", "draft_model")
-SYSTEM = ("You are the support assistant of a hardware store in a small mountain town. Answer in two short sentences, "
-          "politely, and never invent prices: if you do not know one, say that a colleague will call back. Opening "
-          "hours are eight to six on weekdays and nine to one on Saturdays; the store is closed on Sundays and public "
-          "holidays. Deliveries within twenty kilometres are free for orders above fifty francs. Returns are accepted "
-          "within thirty days with the receipt, except for cut materials such as chains, ropes, cables and timber. The "
-          "workshop sharpens knives, scissors and garden tools while customers wait, and repairs lawn mowers within a "
-          "week. Paint is mixed to order in any colour of the three main charts; mixed paint cannot be returned. Keys "
-          "are cut while you wait, except security keys, which need the owner's card and take three days. ")
+# A shared system prompt: the load test's (locustfile.py --system-prompt-file), repeated to length.
+SYSTEM = (HERE.parent / "loadtest" / "system_prompt.txt").read_text().strip()
 QUESTIONS = ["Can I return a rope I bought last week?", "Are you open on Sunday morning?",
              "How long does a lawn mower repair take?", "Do you deliver to the next valley?",
              "Can you mix a paint colour from a photo?", "Can I get a security key copied today?"]

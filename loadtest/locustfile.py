@@ -13,7 +13,9 @@ workers send their samples to the master with every stats report and the master 
 --num-draft-tokens (SPECDEC_NUM_DRAFT_TOKENS, server default), --temperature (SPECDEC_TEMPERATURE),
 --prompts-file (SPECDEC_PROMPTS, loadtest/prompts.jsonl), --prompt-kind (SPECDEC_PROMPT_KIND: all |
 grounded | open), --guided-fraction (SPECDEC_GUIDED_FRACTION, 0: the share of requests that carry a guide,
-structured output) with --guides-file (SPECDEC_GUIDES, loadtest/guided.jsonl: prompt, guide_type, guide).
+structured output) with --guides-file (SPECDEC_GUIDES, loadtest/guided.jsonl: prompt, guide_type, guide),
+--system-prompt-file (SPECDEC_SYSTEM_PROMPT, none: a text every prompt starts with, as a shared system prompt
+does; loadtest/system_prompt.txt is one; the server's prefix caching computes it once).
 """
 
 # gRPC must be made gevent-cooperative before any channel exists.
@@ -56,6 +58,7 @@ def _options(parser):
     parser.add_argument("--prompt-kind", default=env("SPECDEC_PROMPT_KIND", "all"), choices=("all", "grounded", "open"))
     parser.add_argument("--guided-fraction", type=float, default=float(env("SPECDEC_GUIDED_FRACTION", "0")))
     parser.add_argument("--guides-file", default=env("SPECDEC_GUIDES", str(HERE / "guided.jsonl")))
+    parser.add_argument("--system-prompt-file", default=env("SPECDEC_SYSTEM_PROMPT", ""))
 
 
 class Samples:
@@ -193,12 +196,17 @@ class _SpecdecMixin:
                                                                            guide=guide)))
             if not self.guided:
                 raise ValueError(f"no guided requests in {path}")
+        system = getattr(options, "system_prompt_file", "")
+        self.system = Path(system).read_text().strip() + "\n\n" if system else ""
 
     def request(self) -> tuple[str, GenerationParams]:
-        """The next request's prompt and parameters: a guided one with probability --guided-fraction."""
+        """The next request's prompt (after the shared system prompt, if any) and parameters: a guided one
+        with probability --guided-fraction."""
         if self.guided and random.random() < self.guided_fraction:
-            return random.choice(self.guided)
-        return random.choice(self.prompts), self.params
+            prompt, params = random.choice(self.guided)
+        else:
+            prompt, params = random.choice(self.prompts), self.params
+        return self.system + prompt, params
 
     def record(self, sent: float, result, exception) -> None:
         if exception is None:

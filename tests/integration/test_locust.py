@@ -62,6 +62,20 @@ def test_locust_sends_guided_requests(server, tmp_path):
     assert "guided_decoding_guide" in out.stdout + out.stderr
 
 
+def test_locust_prepends_a_shared_system_prompt_that_the_server_caches(server, tmp_path):
+    """--system-prompt-file: every prompt starts with the file's text; after the first requests the target
+    finds it in its prefix cache (at least its first three blocks each time)."""
+    before = server.metric("specdec_model_prefix_cache_hits_total", model="target_model")
+    out, rows, _ = run_locust(tmp_path, server.grpc_url, seconds=10,
+                              extra=["--system-prompt-file", str(LOCUSTFILE.parent / "system_prompt.txt")])
+    assert out.returncode == 0, out.stderr[-3000:]
+    generate = rows[("grpc", "generate")]
+    count = int(generate["Request Count"])
+    assert count >= 8 and int(generate["Failure Count"]) == 0
+    found = server.metric("specdec_model_prefix_cache_hits_total", model="target_model") - before
+    assert found >= 3 * 32 * (count - 4)  # the 4 users' first requests may run side by side, all new
+
+
 def test_every_load_test_guide_compiles():
     import json
 

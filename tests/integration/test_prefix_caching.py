@@ -1,14 +1,17 @@
 """Prefix caching and chunked prefill served by a real tritonserver (the tiny pair, float64, the eager
 executor's store; the static executor's pool is served in test_static_serving.py): requests sharing a
 long system prompt compute it once, over gRPC and HTTP, greedy and speculative, and their text is the
-text computed from scratch; the models count what they looked up and found; a prompt longer than
-prefill_chunk_tokens (512) reaches the models in chunks, and is found again chunk after chunk."""
+text computed from scratch; the models count what they looked up and found. On a server of its own
+with prefill_chunk_tokens=512, a longer prompt reaches the models in chunks, and is found again chunk
+after chunk."""
 
 import pytest
 
 from specdec import tensor_names as tn
 
-from .helpers import grpc_stream, http_generate
+from specdec.serving import server as serving
+
+from .helpers import grpc_stream, http_generate, stop_server
 
 pytestmark = pytest.mark.integration
 
@@ -75,7 +78,17 @@ def test_a_shared_system_prompt_is_computed_once_and_reused_exactly(server):
 
 
 
-def test_a_prompt_longer_than_a_chunk_is_sent_in_chunks_and_found_again_whole(server):
+@pytest.fixture(scope="module")
+def chunked(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("chunked")
+    own = serving.start(tmp_path / "run", tmp_path / "server.log",
+                        ["--pair", "tiny", "--set", "speculative_decoding.prefill_chunk_tokens=512"])
+    yield own
+    stop_server(own)
+
+
+def test_a_prompt_longer_than_a_chunk_is_sent_in_chunks_and_found_again_whole(chunked):
+    server = chunked
     prompt = "The store's policies, in full.\n" + (SYSTEM * 5)[:2560] + QUESTIONS[1]  # ~590 tokens: two chunks
     start = counters(server)
     calls = server.metric("nv_inference_request_success", model="target_model")

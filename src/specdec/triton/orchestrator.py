@@ -74,8 +74,9 @@ class SpeculativeDecodingAdapter(TritonAdapter):
         self.room = RoomLine()  # the server's requests waiting for KV room in target_model (room.py)
         self.queued = 0
         timeout_us = params.int("bls_timeout_us", 0, low=0)
-        # Prompts longer than this go to each model in chunks, other requests' rounds between them (bls.py).
-        chunk = params.int("prefill_chunk_tokens", 512, low=0)
+        # Prompts longer than this go to each model in chunks, other requests' rounds between them (bls.py);
+        # 0 (default): whole. Off until measured to pay: on CPU it traded the tail for throughput (README).
+        chunk = params.int("prefill_chunk_tokens", 0, low=0)
         # "ngram" is the built-in prompt-lookup method; any other name is a draft model to call over BLS.
         # Gauges of one instance carry its name: the server's figure is their sum (or max for the peak).
         self.metrics = OrchestratorMetrics(pb_utils, self.limits.max_num_draft_tokens,
