@@ -35,6 +35,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import beside  # noqa: E402
 
 from client import Client, GenerationParams  # noqa: E402
 from specdec.serving import server  # noqa: E402
@@ -109,51 +112,25 @@ def measure(url: str, metrics_url: str | None, args) -> tuple[dict, set[int]]:
 
 def stall(url: str, args) -> list[str]:
     """Table rows: the plain streams' response gaps alone, then beside long unique prompts."""
-    import threading
-
     system = system_prompt(args.system_words)
     tags = itertools.count(200001)
     rows = []
+    for name, with_long in (("plain streams alone", False), ("+ long prompts", True)):
+        ttfts = []
 
-    def plain(stop, gaps):
-        client = Client(url, timeout_s=600)
-        while not stop.is_set():
-            last = None
+        def long(stop):
+            client = Client(url, timeout_s=600)
+            while not stop.is_set():
+                started = time.perf_counter()
+                prompt = f"Ticket {next(tags)}. {system}\n\nQuestion: {QUESTIONS[0]}\nAnswer:"
+                ttfts.append(client.generate(prompt, GenerationParams(max_tokens=2, num_draft_tokens=0),
+                                             stream=True).ttft_s)
+                stop.wait(max(0.0, args.long_every - (time.perf_counter() - started)))
 
-            def seen(_delta):
-                nonlocal last
-                now = time.perf_counter()
-                if last is not None:
-                    gaps.append(now - last)
-                last = now
-
-            client.generate("Tell me a long story about a lighthouse keeper.", GenerationParams(
-                max_tokens=args.max_tokens, num_draft_tokens=0, ignore_eos=True), stream=True, on_text=seen)
-
-    def long(stop, ttfts):
-        client = Client(url, timeout_s=600)
-        while not stop.is_set():
-            started = time.perf_counter()
-            prompt = f"Ticket {next(tags)}. {system}\n\nQuestion: {QUESTIONS[0]}\nAnswer:"
-            result = client.generate(prompt, GenerationParams(max_tokens=2, num_draft_tokens=0), stream=True)
-            ttfts.append(result.ttft_s)
-            stop.wait(max(0.0, args.long_every - (time.perf_counter() - started)))
-
-    for phase, with_long in (("plain streams alone", False), ("+ long prompts", True)):
-        stop, gaps, ttfts = threading.Event(), [], []
-        workers = [threading.Thread(target=plain, args=(stop, gaps)) for _ in range(args.streams)]
-        if with_long:
-            workers.append(threading.Thread(target=long, args=(stop, ttfts)))
-        for worker in workers:
-            worker.start()
-        time.sleep(args.seconds)
-        stop.set()
-        for worker in workers:
-            worker.join()
-        gaps.sort()
-        ms = [gaps[len(gaps) // 2] * 1e3, percentile(gaps, 0.99) * 1e3, gaps[-1] * 1e3]
+        gaps = beside.phase(url, args.streams, args.max_tokens, args.seconds, long if with_long else None)
+        ms = beside.gap_ms(gaps)
         long_ms = f"{statistics.median(ttfts) * 1e3:.0f}" if ttfts else ""
-        rows.append(f"| {phase} | {len(gaps)} | {ms[0]:.0f} | {ms[1]:.0f} | {ms[2]:.0f} | {len(ttfts) or ''} | "
+        rows.append(f"| {name} | {len(gaps)} | {ms[0]:.0f} | {ms[1]:.0f} | {ms[2]:.0f} | {len(ttfts) or ''} | "
                     f"{long_ms} |")
     return rows
 

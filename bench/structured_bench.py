@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from specdec.decoding.draft_length import DraftLengthPolicy  # noqa: E402
 from specdec.decoding.grammar import GrammarMatcher, GuideCompiler  # noqa: E402
@@ -177,54 +178,31 @@ def _large_schema(tag: str, objects: int = 60) -> str:
 
 def _stall(args) -> int:
     import itertools
-    import threading
 
+    import beside
     from client import Client, GenerationParams
-
-    def plain(stop, gaps):
-        client = Client(args.url)
-        while not stop.is_set():
-            last = None
-
-            def seen(_delta):
-                nonlocal last
-                now = time.perf_counter()
-                if last is not None:
-                    gaps.append(now - last)
-                last = now
-
-            client.generate("Tell me a long story about a lighthouse keeper.", GenerationParams(
-                max_tokens=args.max_tokens, num_draft_tokens=0, ignore_eos=True), stream=True, on_text=seen)
-
-    def guided(stop, latencies, tags):
-        client = Client(args.url)
-        while not stop.is_set():
-            started = time.perf_counter()
-            guide = _large_schema(next(tags), args.schema_objects)
-            try:
-                client.generate("Answer in JSON.", GenerationParams(max_tokens=4, num_draft_tokens=0,
-                                                                    guide_type="json_schema", guide=guide))
-            except Exception as exc:  # noqa: BLE001 - counted, and the run goes on
-                failures.append(str(exc))
-                continue
-            latencies.append(time.perf_counter() - started)
 
     rows, failures = [], []
     unique = itertools.count()
     for phase, tags in (("plain streams alone", None), ("+ the same schema again and again", itertools.repeat("same")),
                         ("+ a schema new to the server each time", (f"n{os.getpid()}x{i}" for i in unique))):
-        stop, gaps, latencies = threading.Event(), [], []
-        workers = [threading.Thread(target=plain, args=(stop, gaps)) for _ in range(args.streams)]
-        if tags is not None:
-            workers.append(threading.Thread(target=guided, args=(stop, latencies, tags)))
-        for worker in workers:
-            worker.start()
-        time.sleep(args.seconds)
-        stop.set()
-        for worker in workers:
-            worker.join()
-        gaps.sort()
-        ms = [gaps[len(gaps) // 2] * 1e3, gaps[int(len(gaps) * 0.99)] * 1e3, gaps[-1] * 1e3]
+        latencies = []
+
+        def guided(stop):
+            client = Client(args.url)
+            while not stop.is_set():
+                started = time.perf_counter()
+                guide = _large_schema(next(tags), args.schema_objects)
+                try:
+                    client.generate("Answer in JSON.", GenerationParams(max_tokens=4, num_draft_tokens=0,
+                                                                        guide_type="json_schema", guide=guide))
+                except Exception as exc:  # noqa: BLE001 - counted, and the run goes on
+                    failures.append(str(exc))
+                    continue
+                latencies.append(time.perf_counter() - started)
+
+        gaps = beside.phase(args.url, args.streams, args.max_tokens, args.seconds, guided if tags is not None else None)
+        ms = beside.gap_ms(gaps)
         guided_ms = f"{statistics.median(latencies) * 1e3:.1f}" if latencies else ""
         rows.append(f"| {phase} | {len(gaps)} | {ms[0]:.1f} | {ms[1]:.1f} | {ms[2]:.1f} | {len(latencies) or ''} | "
                     f"{guided_ms} |")
