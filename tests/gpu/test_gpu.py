@@ -185,3 +185,33 @@ def test_rejection_sampling_runs_where_the_logits_are():
         n = on_gpu.num_accepted
         mass = target[n] if n == 4 else (target[n] - draft[n]).clamp_min(0)
         assert mass[on_gpu.next_token] > 0
+
+
+def test_prefix_caching_under_cuda_graphs_shares_blocks_with_the_same_logits(tiny_pair):
+    """On the GPU's default path (static executor, CUDA graphs): sequences sharing a prompt hold the same
+    pool blocks and compute what a pool without prefix caching computes, float64, through decode steps in
+    captured buckets and a rollback into the shared blocks (a copy of its own)."""
+    model = load_causal_lm(tiny_pair.target_path, "cuda", "float64")
+    settings = dict(kv_pool_tokens=4096, block_size=8, max_context=512, max_batch=4, max_rows=5, min_window=16,
+                    compile="graphs")
+    shared, plain = StaticCausalLM(model, **settings), StaticCausalLM(model, prefix_caching=False, **settings)
+    gen = torch.Generator().manual_seed(2)
+    system = torch.randint(0, 1000, (70,), generator=gen).tolist()
+    lengths = {}
+    for seq in (1, 2, 3):
+        ids = system + torch.randint(0, 1000, (seq,), generator=gen).tolist()
+        assert torch.allclose(shared.extend(seq, 0, ids, 1, reserve=120), plain.extend(seq, 0, ids, 1, reserve=120),
+                              atol=1e-9)
+        lengths[seq] = len(ids)
+    assert shared.prefix_hit_tokens == 2 * 64 and shared.sequences[2].blocks[:8] == shared.sequences[1].blocks[:8]
+    for _ in range(4):
+        steps = [Step(seq, lengths[seq] - seq % 2, torch.randint(0, 1000, (3,), generator=gen).tolist(), 3)
+                 for seq in (1, 2, 3)]
+        for seq in (1, 2, 3):
+            lengths[seq] += 3 - seq % 2
+        for a, b in zip(plain.extend_many(steps), shared.extend_many(steps)):
+            assert torch.allclose(a, b, atol=1e-9)
+    steps = [Step(1, 20, [4, 5], 2), Step(2, lengths[2], [6], 1)]  # 1 rolls back into the shared blocks
+    for a, b in zip(plain.extend_many(steps), shared.extend_many(steps)):
+        assert torch.allclose(a, b, atol=1e-9)
+    assert shared.sequences[1].blocks[2] != shared.sequences[2].blocks[2]
