@@ -92,6 +92,15 @@ def build_pair(root: Path, shape: Shape, dtype: torch.dtype, device: str, residu
     return target, draft
 
 
+RESIDUAL_SCALE = 1.5e-4
+
+
+def synthetic_pair(small: bool, dtype_name: str, device: str, residual_scale: float = RESIDUAL_SCALE) -> tuple[Path, Path]:
+    """The 8B-shaped pair (or with `small` the tiny one), built once under the cache directory."""
+    root = pairs.cache_dir() / "pairs" / f"bench-{'small' if small else '8b'}-{dtype_name}-{residual_scale}"
+    return build_pair(root, SHAPES["small" if small else "8b"], getattr(torch, dtype_name), device, residual_scale)
+
+
 def load(path: Path, dtype: torch.dtype, device: str):
     from transformers import AutoModelForCausalLM
 
@@ -263,7 +272,7 @@ def main(argv=None) -> int:
     parser.add_argument("--small", action="store_true", help="tiny shapes in float32 on CPU (checks the script)")
     parser.add_argument("--target", help="a real target (HF directory) instead of the synthetic one")
     parser.add_argument("--draft", help="its draft model (HF directory)")
-    parser.add_argument("--residual-scale", type=float, default=1.5e-4)
+    parser.add_argument("--residual-scale", type=float, default=RESIDUAL_SCALE)
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on the GPU, float32 on CPU")
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=96)
@@ -286,9 +295,7 @@ def main(argv=None) -> int:
     if args.target:
         target_path, draft_path = Path(args.target), Path(args.draft or args.target)
     else:
-        shape = SHAPES["small" if args.small else "8b"]
-        root = pairs.cache_dir() / "pairs" / f"bench-{'small' if args.small else '8b'}-{dtype_name}-{args.residual_scale}"
-        target_path, draft_path = build_pair(root, shape, dtype, device, args.residual_scale)
+        target_path, draft_path = synthetic_pair(args.small, dtype_name, device, args.residual_scale)
     widths = [1, args.k + 1]
     reps = 20 if gpu else 5
     if gpu:

@@ -15,6 +15,9 @@
 #   streams        the 8-stream target (>= 4x one stream): four orchestrator instances, and concurrent
 #                  verifies gathered into one forward (verify_gather_ms + the batcher's delay) with two
 #                  and with four instances (~7 min; a third command: `bash bench/gpu_session.sh streams`)
+#   prefix         prefix caching on the 8B-shaped pair: a shared 1500-word system prompt against unshared
+#                  ones (TTFT), and chunked prefill: plain streams' gaps beside long prompts, whole and in
+#                  chunks of 512 (~9 min; `bash bench/gpu_session.sh prefix`)
 #
 # Results go to $OUT (the device tool brings that folder back), or .cache/gpu-session here.
 set -uo pipefail
@@ -50,8 +53,16 @@ for part in "$@"; do
         --out "$out/streams-2-gathered.md"
       run streams-4-gathered 200 "$python" bench/gpu_bench.py --served-only --prompts 2 "${gathered[@]}" \
         --launcher-arg=--orchestrator-instances=4 --out "$out/streams-4-gathered.md" ;;
+    prefix)
+      run prefix-cache 200 "$python" bench/prefix_bench.py --pair gpu-8b --draft-model draft_model \
+        --system-words 1500 --out "$out/prefix-cache.md"
+      for chunk in 0 512; do
+        run "prefill-chunk-$chunk" 170 "$python" bench/prefix_bench.py --pair gpu-8b --stall --seconds 30 \
+          --long-every 1 --system-words 1500 --launcher-arg=--set \
+          "--launcher-arg=speculative_decoding.prefill_chunk_tokens=$chunk" --out "$out/prefill-chunk-$chunk.md"
+      done ;;
     executor) run executor 240 "$python" bench/executor_bench.py --modes graphs,graphs-mlp --reference \
         --out "$out/executor.md" ;;
-    *) echo "unknown part: $part (tests, bench, orchestrators, executor, streams)" >&2; exit 2 ;;
+    *) echo "unknown part: $part (tests, bench, orchestrators, executor, streams, prefix)" >&2; exit 2 ;;
   esac
 done

@@ -18,8 +18,9 @@ p99, max) and the long requests' TTFT. Compare servers with `prefill_chunk_token
 
     python bench/prefix_bench.py --pair default          # starts the default pair's server of its own
     python bench/prefix_bench.py --url localhost:8001 --metrics-url localhost:8002
-    python bench/prefix_bench.py --pair default --stall --launcher-arg=--set \
-        --launcher-arg=speculative_decoding.prefill_chunk_tokens=0
+    python bench/prefix_bench.py --pair default --stall --long-every 3 --launcher-arg=--set \
+        --launcher-arg=speculative_decoding.prefill_chunk_tokens=512
+    python bench/prefix_bench.py --pair gpu-8b --draft-model draft_model   # gpu_bench.py's 8B-shaped pair
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # beside, gpu_bench
 
 import beside  # noqa: E402
 
@@ -65,6 +66,19 @@ def counters(metrics_url: str | None) -> dict:
     return {(name, model): sum_samples(text, f"specdec_model_{name}", model=model)
             for name in ("prefix_cache_queries_total", "prefix_cache_hits_total", "tokens_processed_total")
             for model in MODELS}
+
+
+def pair_arguments(pair: str) -> list[str]:
+    """Launcher arguments serving `pair`: a named pair, or gpu_bench.py's synthetic ones (gpu-8b: the
+    8B-shaped bf16 pair on the GPU, built once; gpu-small: its tiny float32 version on CPU)."""
+    if not pair.startswith("gpu-"):
+        return ["--pair", pair]
+    import gpu_bench
+
+    small = pair == "gpu-small"
+    dtype, device = ("float32", "cpu") if small else ("bfloat16", "cuda")
+    target, draft = gpu_bench.synthetic_pair(small, dtype, device)
+    return ["--target", str(target), "--draft", str(draft), "--device", "cpu" if small else "gpu", "--dtype", dtype]
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -139,7 +153,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", default="localhost:8001", help="a running server's gRPC host:port")
     p.add_argument("--metrics-url", help="its metrics host:port (the per-request cache columns need it)")
-    p.add_argument("--pair", help="start a server for this pair (tiny | default) instead of using --url")
+    p.add_argument("--pair", help="start a server for this pair (tiny | default | gpu-8b | gpu-small) instead of "
+                                  "using --url")
     p.add_argument("--launcher-arg", action="append", default=[], help="with --pair: one more launcher argument")
     p.add_argument("--system-words", type=int, default=700, help="the shared system prompt's length in words")
     p.add_argument("--requests", type=int, default=6, help="timed requests of each kind")
@@ -159,7 +174,7 @@ def main(argv=None) -> int:
         if args.pair:
             cache = HERE.parent / ".cache"
             own = server.start(cache / "run" / f"bench-prefix-{args.pair}", cache / f"bench-prefix-{args.pair}.log",
-                               ["--pair", args.pair, *args.launcher_arg])
+                               [*pair_arguments(args.pair), *args.launcher_arg])
         url = own.grpc_url if own else args.url
         metrics_url = own.metrics_url if own else args.metrics_url
         started = time.perf_counter()
