@@ -98,9 +98,14 @@ class BlockStore:
         Returns their serials; fewer when more new blocks come than the store holds (it keeps the first)."""
         serials, rows, taken = [], [], []
         for j, tokens in enumerate(blocks, first):
-            serial = self.index.find(parent, tokens)
-            if serial is None:
-                if len(taken) == self.blocks:  # the next would evict one of these
+            found = self.index.find(parent, tokens)
+            if found is not None:  # the store has it: used again
+                block, serial = found
+                self.used.move_to_end(block)
+            else:
+                # Blocks found come before blocks taken (a new block's serial is nobody's parent yet), so
+                # while fewer than `blocks` are taken the least recently used is none of them.
+                if len(taken) == self.blocks:
                     break
                 block = self._take()
                 serial = self.index.add(block, parent, tokens)

@@ -50,10 +50,10 @@ class PrefixIndex:
             serials.append(parent)
         return blocks, serials
 
-    def find(self, parent: int, tokens: tuple[int, ...]) -> int | None:
-        """The serial of the registered block holding `tokens` after the prefix `parent` ends, if any."""
+    def find(self, parent: int, tokens: tuple[int, ...]) -> tuple[int, int] | None:
+        """The registered block holding `tokens` after the prefix `parent` ends, and its serial, if any."""
         block = self._blocks.get((parent, tokens))
-        return None if block is None else self._entries[block][1]
+        return None if block is None else (block, self._entries[block][1])
 
     def add(self, block: int, parent: int, tokens: tuple[int, ...]) -> int:
         """Register `block` as holding `tokens` after the prefix whose last block has serial `parent`;
