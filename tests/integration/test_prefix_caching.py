@@ -15,9 +15,10 @@ from .helpers import grpc_stream, http_generate, stop_server
 
 pytestmark = pytest.mark.integration
 
-# 138 tokens (the tiny pair's tokenizer): four full blocks of 32 and a tail. Used by no other test, so its first request computes it.
-SYSTEM = ("You are the support assistant of a hardware store in a small mountain town. Answer in two short "
-          "sentences, politely, and never invent prices: if you do not know one, say that a colleague will call "
+# ~140 tokens (the tiny pair's tokenizer): four full blocks of 32 and a tail. Its first words are no other
+# test's (loadtest/system_prompt.txt, which Locust's test sends, has the rest), so its first request computes it.
+SYSTEM = ("Served-cache test. You are the support assistant of a hardware store in a small mountain town. "
+          "Answer in two short sentences, politely, and never invent prices: if you do not know one, say that a colleague will call "
           "back. Opening hours are eight to six on weekdays and nine to one on Saturdays; the store is closed on "
           "Sundays and public holidays. Deliveries within twenty kilometres are free for orders above fifty "
           "francs. Returns are accepted within thirty days with the receipt, except for cut materials such as "
@@ -25,6 +26,17 @@ SYSTEM = ("You are the support assistant of a hardware store in a small mountain
 QUESTIONS = ["Question: can I return a rope I bought last week?\nAnswer:",
              "Question: are you open on Sunday morning?\nAnswer:"]
 MODELS = ("target_model", "draft_model")
+
+
+def shared_blocks(a: str, b: str) -> int:
+    """Full blocks of 32 tokens two prompts begin with alike (the tiny pair's tokenizer, no chat template)."""
+    from specdec.decoding.text import load_tokenizer
+    from specdec.serving.pairs import tiny_pair
+
+    tokenizer = load_tokenizer(tiny_pair().tokenizer_path)
+    ids = [tokenizer.encode(text) for text in (a, b)]
+    common = next((i for i, (x, y) in enumerate(zip(*ids)) if x != y), min(map(len, ids)))
+    return common // 32
 
 
 def counters(server) -> dict:
@@ -67,9 +79,8 @@ def test_a_shared_system_prompt_is_computed_once_and_reused_exactly(server):
     results = [grpc_stream(server.grpc_url, other, max_tokens=20, num_draft_tokens=k, adaptive_draft=False)
                for k in (0, 4)]
     assert results[0][tn.TEXT_OUTPUT] == results[1][tn.TEXT_OUTPUT]
-    # The first finds the system prompt's full blocks (3: the fourth holds the question's start), the
-    # second every full block of its prompt.
-    found = 3 * 32 + (results[0][tn.NUM_INPUT_TOKENS] - 1) // 32 * 32
+    # The first finds the full blocks the two questions' prompts share, the second every full block of its own.
+    found = shared_blocks(SYSTEM + QUESTIONS[0], other) * 32 + (results[0][tn.NUM_INPUT_TOKENS] - 1) // 32 * 32
     assert delta(third, counters(server), "prefix_cache_hits_total", "target_model") == found
     for model in MODELS:
         assert server.metric("specdec_model_live_sequences", model=model) == 0
