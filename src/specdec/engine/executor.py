@@ -12,6 +12,11 @@ sequence's segment reads and appends to its own KV buffers in place (`kv_cache.p
 exactly what its own forward would and no cache is copied. Where a forward's cost hardly grows with its
 rows (memory-bound decoding, and small batches even on this CPU), B sequences cost far less than B
 forwards.
+
+With prefix caching a new sequence (or the next chunk of a prompt sent in chunks) starts from the keys
+and values of earlier prompts that began the same way, and runs only the rest: `prefix_cache.py` keys
+full blocks by their tokens; here they are copied into a store and out of it (kv_cache.BlockStore), the
+static executor shares its pool's blocks instead.
 """
 
 from __future__ import annotations

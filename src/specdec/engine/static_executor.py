@@ -11,7 +11,8 @@ or verify forward changes shape from one step to the next:
   scratch: padding rows write there and nobody reads it. A new sequence takes the blocks of its whole
   generation at its first step (`Step.reserve`, up to the context), so one that starts can finish; a
   step that needs blocks when too few are free fails with a CapacityError naming the budget (the
-  sequence keeps what it had).
+  sequence keeps what it had). With prefix caching, sequences whose prompts begin alike hold the same
+  full blocks, and the blocks of ended prompts stay cached until the pool needs them (`prefix_cache.py`).
 - A forward's inputs are tensors of a bucketed shape: (B sequences, T rows each) token ids and
   positions, where each row's key and value go (block, offset), each sequence's block table (B, W /
   block_size) and how many keys each row may see. Attention gathers a sequence's blocks into a window
@@ -194,6 +195,7 @@ class BlockPool:
             else:
                 self.free.append(block)
         seq.blocks = []
+
 
 class Batch(NamedTuple):
     """The tensors of one forward, all (B, T) but `table` (B, W / block_size)."""
@@ -523,8 +525,8 @@ class StaticCausalLM(CausalLM):
 
     def _rewrite_from(self, seq: PagedSequence, j: int) -> None:
         # Shared or keyed blocks are never written: the sequence takes a copy, or the index lets go.
-        for block in range(j, len(seq.chain)):
-            self.pool.make_private(seq, block)
+        for index in range(j, len(seq.chain)):
+            self.pool.make_private(seq, index)
 
     def release(self, seq_id: int) -> bool:
         seq = self.sequences.pop(seq_id, None)
