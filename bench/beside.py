@@ -48,6 +48,12 @@ def phase(url: str, streams: int, max_tokens: int, seconds: float,
     return sorted(gaps)
 
 
+def percentile(values: list[float], q: float) -> float:
+    """The q-quantile (0 < q < 1) of values, nearest rank below."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
 def gap_ms(gaps: list[float]) -> tuple[float, float, float]:
-    """Median, p99 and max of sorted gaps, in ms."""
-    return gaps[len(gaps) // 2] * 1e3, gaps[min(len(gaps) - 1, int(len(gaps) * 0.99))] * 1e3, gaps[-1] * 1e3
+    """Median, p99 and max of gaps, in ms."""
+    return percentile(gaps, 0.5) * 1e3, percentile(gaps, 0.99) * 1e3, max(gaps) * 1e3

@@ -81,11 +81,6 @@ def pair_arguments(pair: str) -> list[str]:
     return ["--target", str(target), "--draft", str(draft), "--device", "cpu" if small else "gpu", "--dtype", dtype]
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 def measure(url: str, metrics_url: str | None, args) -> tuple[dict, set[int]]:
     client = Client(url, timeout_s=600)
     system = system_prompt(args.system_words)
@@ -118,8 +113,8 @@ def measure(url: str, metrics_url: str | None, args) -> tuple[dict, set[int]]:
         latency = [r.latency_s * 1000 for r in done]
         rate = [r.num_output_tokens / r.latency_s for r in done]
         per = {key: value / len(done) for key, value in usage[kind].items()}
-        rows[kind] = {"ttft": (statistics.median(ttft), percentile(ttft, 0.9)),
-                      "latency": (statistics.median(latency), percentile(latency, 0.9)),
+        rows[kind] = {"ttft": (statistics.median(ttft), beside.percentile(ttft, 0.9)),
+                      "latency": (statistics.median(latency), beside.percentile(latency, 0.9)),
                       "rate": statistics.median(rate), "usage": per}
     return rows, prompt_tokens
 

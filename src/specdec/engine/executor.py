@@ -173,9 +173,9 @@ class CausalLM:
     def _acquire(self, step: Step, grow: int = 0) -> int:
         """The step's sequence rolled back to `step.keep` tokens, with room for `grow` more (CacheError if
         there is none; a sequence that was new then holds nothing). A new sequence also takes room for
-        `step.reserve` positions (`Step.reserve`), and may start from cached blocks of its prompt
-        (prefix caching, where the executor has it): returns how many of the step's new tokens it found
-        cached (they are not run again), 0 otherwise."""
+        `step.reserve` positions (`Step.reserve`). A new sequence, or the next chunk of a prompt sent in
+        chunks, may go on from cached blocks (prefix caching, where the executor has it): returns how many
+        of the step's new tokens it found cached (they are not run again), 0 otherwise."""
         seq_id, keep = step.seq_id, step.keep
         seq = self.sequences.get(seq_id)
         if seq is None:
@@ -221,7 +221,7 @@ class CausalLM:
         if start != len(seq.chain) * size:
             return 0, len(ids)
         # The positions whose logits are wanted run (a proposal's last one, which it drafts from).
-        reusable = (len(ids) - (step.num_logits if step.k == 0 else 1)) // size
+        reusable = (len(ids) - step.num_logits) // size
         blocks, chain = self.prefix.match(ids, reusable, seq.chain[-1] if seq.chain else ROOT) if reusable > 0 \
             else ([], [])
         cached = len(blocks) * size
@@ -422,7 +422,8 @@ class CausalLM:
         drafted position (a sequence that asked for fewer tokens leaves the batch early). Drafted tokens
         stay on the model's device from one step to the next and come back to the host in one transfer
         at the end: no host sync per drafted token."""
-        steps = list(steps)
+        # A proposal wants its last position's logits (it drafts from them); k = 0, a prompt's chunk, none.
+        steps = [step._replace(num_logits=int(step.k > 0)) for step in steps]
         ok, errors = self._acquire_all(steps, lambda step: None if step.k >= 0 else
                                        f"num_draft_tokens must be >= 0, got {step.k}")
         results: list = list(errors)
@@ -433,7 +434,7 @@ class CausalLM:
         rows = [steps[i].new_ids for i in active]
         while active:
             logits = self._forward([self.sequences[steps[i].seq_id] for i in active], rows,
-                                   [int(steps[i].k > 0) for i in active])
+                                   [steps[i].num_logits for i in active])
             still = []
             for row, i in enumerate(active):
                 step = steps[i]
@@ -472,8 +473,8 @@ class CausalLM:
         grows by len(new_ids) + k - 1. k = 0 only appends (a prompt's chunk). One sequence's
         `propose_many`; raises its CacheError.
         """
-        (result,) = self.propose_many([Step(seq_id, keep, new_ids, num_logits=int(k > 0), k=k, params=params,
-                                            generator=generator, reserve=reserve)])
+        (result,) = self.propose_many([Step(seq_id, keep, new_ids, k=k, params=params, generator=generator,
+                                            reserve=reserve)])
         if isinstance(result, CacheError):
             raise result
         return result

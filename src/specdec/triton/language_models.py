@@ -337,8 +337,8 @@ class DraftModel(LanguageModelAdapter):
             min_p=float(_scalar(inputs, tn.MIN_P, tn.DEFAULT_MIN_P)),
         )
         seed = _scalar(inputs, tn.SEED, None)
-        k = int(_scalar(inputs, tn.NUM_DRAFT_TOKENS, 1))  # 0: a prompt's chunk, appended only
-        return {"k": k, "num_logits": int(k > 0), "params": params,
+        # num_draft_tokens 0: a prompt's chunk, appended only
+        return {"k": int(_scalar(inputs, tn.NUM_DRAFT_TOKENS, 1)), "params": params,
                 "generator": None if params.greedy else make_generator(seed, self.lm.logits_device)}
 
     def _run(self, steps):
