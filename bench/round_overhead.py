@@ -21,6 +21,7 @@ model's forwards count once per thread that ran them.
     python bench/round_overhead.py --device gpu    # the same with the models on the GPU
     python bench/round_overhead.py --stream        # streamed requests (a response per round, as the
                                                    # served benchmarks send them)
+    python bench/round_overhead.py --regex '[a-z ]{64,}'   # structured output: guided rounds
     python bench/round_overhead.py --device gpu --temperature 1 \
         --launcher-arg=--set=target_model.device_outputs=false --launcher-arg=--set=draft_model.device_outputs=false
                                                    # sampled rounds, logits through host memory (the default
@@ -127,6 +128,7 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--temperature", type=float, default=0.0, help="> 0: sampled rounds (seeded)")
     parser.add_argument("--stream", action="store_true", help="streamed requests: a response per round")
+    parser.add_argument("--regex", help="structured output: every request follows this regex guide")
     parser.add_argument("--launcher-arg", action="append", default=[], help="more launcher arguments")
     parser.add_argument("--out", help="also write the table (Markdown) here")
     args = parser.parse_args(argv)
@@ -141,7 +143,8 @@ def main(argv=None) -> int:
         for name, k in (("K=0", 0), (f"K={args.k}", args.k)):
             params = GenerationParams(max_tokens=args.max_tokens, num_draft_tokens=k, adaptive_draft=False,
                                       ignore_eos=True, temperature=args.temperature,
-                                      seed=1 if args.temperature else None)
+                                      seed=1 if args.temperature else None,
+                                      guide_type="regex" if args.regex else None, guide=args.regex)
             results[name] = measure(own, params, prompts, args.repeats, args.stream)
     finally:
         own.stop()
@@ -163,6 +166,7 @@ def main(argv=None) -> int:
             rows.append([name, f"CPU time: {process}", f"{ms:.2f}", "user + system, all its threads"])
     mode = f"sampled (temperature {args.temperature:g})" if args.temperature else "greedy"
     mode += ", streamed" if args.stream else ""
+    mode += f", guided by the regex {args.regex!r}" if args.regex else ""
     extra = f", {' '.join(args.launcher_arg)}" if args.launcher_arg else ""
     header = (f"{platform.machine()} {args.device}, tiny pair, {mode}, {args.max_tokens} tokens per request, "
               f"one request at a time{extra}")

@@ -69,6 +69,9 @@ OUTPUT_IDS = "output_ids"  # INT32 [-1]: tokens of this response
 PREFIX_IDS = "prefix_ids"  # INT32 [-1]: tokens emitted before output_ids (detokenization context)
 CACHE_LENGTH = "cache_length"  # INT32 [1]: keep this many cached tokens, drop the rest (rollback)
 NUM_LOGITS = "num_logits"  # INT32 [1]: target returns the last num_logits positions
+# INT32 [num_logits, ceil(V / 32)]: bit i of word w allows token 32 w + i at that position (structured output):
+# greedy_tokens are then the best allowed tokens, their log-probabilities still the raw distribution's
+ALLOWED_TOKENS = "allowed_tokens"
 # INT32 [1]: on a sequence's first step, the positions its whole generation needs (set aside then, or the
 # step is answered UNAVAILABLE: the model's KV budget is full)
 RESERVE_TOKENS = "reserve_tokens"

@@ -565,13 +565,19 @@ def guides(hf_target):
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
 def test_structured_output_is_constrained_greedy_target_decoding(server, hf_target, guides, protocol):
     """A JSON schema guide: target-only and speculative, streamed or not, the text is greedy decoding of the
-    served target masked token by token by a fresh matcher, and it parses as the schema says."""
+    served target masked token by token by a fresh matcher, and it parses as the schema says. target_model
+    picks the tokens with the grammar's bitmask; their log-probabilities are the raw distribution's."""
     from tests.unit.test_grammar import SCHEMA, constrained_greedy
 
     model, tokenizer = hf_target
     prompt = PROMPTS[2]
     grammar = guides.compile("json_schema", json.dumps(SCHEMA))
-    expected = tokenizer.decode(constrained_greedy(model, guides, grammar, tokenizer(prompt).input_ids, 40))
+    prompt_ids = tokenizer(prompt).input_ids
+    output_ids = constrained_greedy(model, guides, grammar, prompt_ids, 40)
+    expected = tokenizer.decode(output_ids)
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt_ids + output_ids])).logits[0, len(prompt_ids) - 1:-1]
+    expected_log_probs = torch.log_softmax(logits.double(), -1).gather(-1, torch.tensor(output_ids)[:, None])[:, 0]
     value = json.loads(expected)
     assert set(value) == {"name", "age"} and len(value["name"]) <= 6 and 0 <= value["age"] <= 99
     client = Client(server.grpc_url if protocol == "grpc" else server.http_url, protocol=protocol)
@@ -580,6 +586,9 @@ def test_structured_output_is_constrained_greedy_target_decoding(server, hf_targ
             params = GenerationParams(max_tokens=40, num_draft_tokens=k, guide_type="json_schema", guide=json.dumps(SCHEMA))
             result = client.generate(prompt, params, stream=stream)
             assert (result.text, result.finish_reason) == (expected, tn.FINISH_STOP), (k, stream)
+        params = GenerationParams(max_tokens=40, num_draft_tokens=k, guide_type="json_schema", guide=json.dumps(SCHEMA),
+                                  return_log_probs=True)
+        assert client.generate(prompt, params).log_probs == pytest.approx(expected_log_probs.tolist(), abs=1e-4), k
     # vLLM's form of the same guide.
     settings = json.dumps({"max_tokens": 40, "guided_decoding": {"json": SCHEMA, "backend": "xgrammar"}})
     assert http_generate(server.http_url, prompt, num_draft_tokens=4, sampling_parameters=settings)[tn.TEXT_OUTPUT] == expected

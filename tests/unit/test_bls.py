@@ -1,6 +1,6 @@
 """What the orchestrator's BLS proposer and scorer send the models, with a stand-in for pb_utils (the
 stub's module exists only inside a server): sampling settings only when sampling, min_p only when set;
-long prompts in chunks."""
+long prompts in chunks; a grammar's bitmask with a verify."""
 
 import asyncio
 
@@ -90,3 +90,15 @@ def test_a_long_prompt_goes_in_chunks_that_ask_for_nothing_the_first_taking_the_
     asyncio.run(scorer.score(1, 13, [52], 1, want_logits=False))  # a round: one call, as without chunks
     asyncio.run(BlsScorer(pb, tn.TARGET_MODEL_NAME).score(3, 0, prompt, 1, want_logits=False))  # 0: off
     assert [len(call[tn.INPUT_IDS].reshape(-1)) for call in pb.sent] == [1, 11]
+
+
+def test_a_grammar_bitmask_goes_with_the_verify_and_no_logits_come_back():
+    pb = _Pb()
+    bits = torch.tensor([[0b110, -1], [-1, 7]], dtype=torch.int32)
+    scores = asyncio.run(BlsScorer(pb, tn.TARGET_MODEL_NAME).score(1, 3, [5, 6], 2, want_logits=False,
+                                                                    allowed=bits))
+    assert scores.greedy_tokens.tolist() == [7, 8] and scores.logits is None
+    sent = pb.sent[-1][tn.ALLOWED_TOKENS]
+    assert sent.dtype == np.int32 and sent.shape == (1, 2, 2) and sent[0].tolist() == bits.tolist()
+    asyncio.run(BlsScorer(pb, tn.TARGET_MODEL_NAME).score(1, 5, [7], 1, want_logits=False))
+    assert tn.ALLOWED_TOKENS not in pb.sent[-1]

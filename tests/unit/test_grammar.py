@@ -10,14 +10,16 @@ import llguidance
 import numpy as np
 import pytest
 import torch
-from specdec.decoding.grammar import MAX_CHOICES, GuideCompiler, GuideError, mask_disallowed, unpack_allowed
+from specdec.decoding.grammar import MAX_CHOICES, GuideCompiler, GuideError
 from specdec.decoding.interfaces import Proposal
+from specdec.decoding.logit_bias import TokenBias
 from specdec.decoding.loop import GenerationRequest, _within_grammar
 from specdec.decoding.ngram_proposer import NgramProposer
 from specdec.decoding.sampling import SamplingParams
 from specdec.decoding.text import load_tokenizer
 from specdec.engine.executor import CausalLM
 from specdec.engine.local import LocalProposer, LocalScorer
+from specdec.decoding.token_mask import allowed_greedy, mask_disallowed, unpack_allowed
 from specdec.serving.pairs import smollm2_tokenizer_dir
 
 from .conftest import noisy_copy, run_fixed_k, tiny_llama
@@ -80,7 +82,7 @@ def test_each_position_allows_what_follows_the_output_and_the_drafts_before_it(g
 
 def test_a_bitmask_unpacks_the_same_on_the_host_and_on_a_device():
     """The GPU's unpacking (tensor ops on the logits' device) against the host's (numpy), run here on CPU."""
-    from specdec.decoding.grammar import _unpack_on_device, _unpack_on_host
+    from specdec.decoding.token_mask import _unpack_on_device, _unpack_on_host
 
     bits = torch.randint(-2**31, 2**31 - 1, (5, 1536), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
     bits[0] = -1  # every bit, the sign bit included
@@ -177,6 +179,56 @@ def test_greedy_speculation_under_a_schema_is_constrained_greedy_target_decoding
     plain = run_fixed_k(GenerationRequest(seq_id=2, prompt_ids=prompt, max_tokens=len(output)), NgramProposer(),
                         LocalScorer(CausalLM(lm)), 0)
     assert plain != output  # the random model left to itself writes no JSON
+
+
+class RecordingScorer(LocalScorer):
+    """The in-process scorer, noting of every verify whether it shipped logits and sent a bitmask."""
+
+    def __init__(self, lm):
+        super().__init__(lm)
+        self.calls = []
+
+    async def score(self, *args, want_logits, allowed=None, **kwargs):
+        self.calls.append((want_logits, allowed is not None))
+        return await super().score(*args, want_logits=want_logits, allowed=allowed, **kwargs)
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_a_greedy_grammar_alone_is_picked_by_the_target_with_no_logits_shipped(lm, guides, tokenizer, k):
+    """A greedy request whose only edit is its grammar sends each verify the grammar's bitmask and gets the
+    best allowed tokens back, no logits; with another edit (a zero logit bias: it changes nothing) the logits
+    come to the loop, which masks them. Same tokens, same log-probabilities (the raw distribution's)."""
+    from specdec.decoding.draft_length import DraftLengthPolicy
+    from specdec.decoding.loop import generate
+
+    grammar = guides.compile("json_schema", json.dumps(SCHEMA))
+    prompt = tokenizer.encode("JSON please: ", add_special_tokens=False)
+
+    async def run(scorer, **edits):
+        req = GenerationRequest(seq_id=3, prompt_ids=prompt, max_tokens=30, grammar=grammar, log_probs=True,
+                                end_ids=frozenset([EOS]), **edits)
+        rounds = [rnd async for rnd in generate(req, LocalProposer(CausalLM(noisy_copy(lm))), scorer,
+                                                DraftLengthPolicy.fixed(k))]
+        return [t for rnd in rounds for t in rnd.new_tokens], [p for rnd in rounds for p in rnd.log_probs]
+
+    picked_by_target, shipped = RecordingScorer(CausalLM(lm)), RecordingScorer(CausalLM(lm))
+    tokens, log_probs = asyncio.run(run(picked_by_target))
+    edited, edited_log_probs = asyncio.run(run(shipped, token_bias=TokenBias(bias=((5, 0.0),))))
+    assert set(picked_by_target.calls) == {(False, True)} and set(shipped.calls) == {(True, False)}
+    assert tokens == edited == constrained_greedy(lm, guides, grammar, prompt, 30)
+    assert log_probs == pytest.approx(edited_log_probs, abs=1e-6)
+    json.loads(tokenizer.decode(tokens))
+
+
+def test_the_best_allowed_token_is_the_masked_argmax(guides, tokenizer):
+    matcher = guides.compile("regex", "[0-9]+").matcher()
+    digit = tokenizer.convert_tokens_to_ids("4")
+    bits = matcher.allowed([digit, digit], 3)  # each row after the digits before it
+    logits = torch.randn(3, 49152, dtype=torch.float64)
+    picked = allowed_greedy(logits, bits)
+    assert picked.tolist() == mask_disallowed(logits, bits).argmax(-1).tolist()
+    assert all(tokenizer.decode([t]).isdigit() for t in picked.tolist())
+    assert picked.tolist() != logits.argmax(-1).tolist()
 
 
 def test_greedy_and_deterministic_proposals_are_cut_before_a_refused_token_sampled_ones_are_not(guides, tokenizer):

@@ -57,7 +57,8 @@ class FakeModel:
 
 
 class FakeScorer(FakeModel):
-    async def score(self, seq_id, keep, new_ids, num_positions, want_logits, reserve=0, want_log_probs=False):
+    async def score(self, seq_id, keep, new_ids, num_positions, want_logits, reserve=0, want_log_probs=False,
+                    allowed=None):
         self.reserves.append(reserve)
         cache = self._extend(seq_id, keep, new_ids)
         n = len(cache)
@@ -228,7 +229,8 @@ class RoomlessScorer(FakeScorer):
         super().__init__()
         self.full_for = full_for
 
-    async def score(self, seq_id, keep, new_ids, num_positions, want_logits, reserve=0, want_log_probs=False):
+    async def score(self, seq_id, keep, new_ids, num_positions, want_logits, reserve=0, want_log_probs=False,
+                    allowed=None):
         if reserve and self.full_for:
             self.full_for -= 1
             raise NoCapacity("target_model: KV cache budget full")
@@ -279,7 +281,8 @@ def test_sampled_rounds_accept_by_the_target_and_draft_probs(proposed, accepted)
     vocab = 5
 
     class SampledScorer(FakeModel):
-        async def score(self, seq_id, keep, new_ids, num_positions, want_logits, reserve=0, want_log_probs=False):
+        async def score(self, seq_id, keep, new_ids, num_positions, want_logits, reserve=0, want_log_probs=False,
+                        allowed=None):
             assert want_logits
             self._extend(seq_id, keep, new_ids)
             logits = torch.full((num_positions, vocab), -30.0)
@@ -306,7 +309,8 @@ def test_paused_free_proposer_is_checked_in_the_shadow_and_feeds_forward_costs()
     rounds verify nothing: the output is target-only's, nothing counts as drafted, but every shadow
     proposal is checked against the target's token and the forward costs reach the cost model."""
     class LoadedScorer(FakeScorer):
-        async def score(self, seq_id, keep, new_ids, num_positions, want_logits, reserve=0, want_log_probs=False):
+        async def score(self, seq_id, keep, new_ids, num_positions, want_logits, reserve=0, want_log_probs=False,
+                        allowed=None):
             scores = await super().score(seq_id, keep, new_ids, num_positions, want_logits)
             # 8 sequences per forward; rows cost a lot once the forward holds more than 8 of them.
             return Scores(scores.greedy_tokens, None, forward=ForwardStats(8 * num_positions, 8, 0.05 * num_positions))

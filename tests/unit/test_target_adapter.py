@@ -15,7 +15,7 @@ def test_one_execution_answers_each_step_with_its_own_tokens_and_errors_in_place
     adapter.lm = CausalLM(tiny_lm)
     steps = [Step(1, 0, [5, 6, 7], 3), Step(2, 4, [1], 1),  # sequence 2 has no cache: an error
              Step(3, 0, [9, 8], 1), Step(4, 0, [2], 0)]
-    results = adapter._gather(adapter._run(steps))
+    results = adapter._gather(steps, adapter._run(steps))
     assert isinstance(results[1], CacheError)
     solo = CausalLM(tiny_lm)
     for step, result in zip(steps, results):
@@ -32,7 +32,8 @@ def test_one_execution_answers_each_step_with_its_own_tokens_and_errors_in_place
 def test_an_execution_of_errors_only_returns_the_errors(tiny_lm):
     adapter = TargetModel.__new__(TargetModel)
     adapter.lm = CausalLM(tiny_lm)
-    (result,) = adapter._gather(adapter._run([Step(1, 2, [5], 1)]))
+    steps = [Step(1, 2, [5], 1)]
+    (result,) = adapter._gather(steps, adapter._run(steps))
     with pytest.raises(CacheError, match="has no cache"):
         raise result
 
@@ -73,3 +74,38 @@ def test_a_step_is_parsed_from_one_listing_of_the_requests_inputs():
     assert step.generator is not None and request.listed == 1
     with pytest.raises(ValueError, match=tn.INPUT_IDS):
         TargetModel.__new__(TargetModel)._parse_step(_inputs(_Request(**{tn.CACHE_LENGTH: [[0]]})), 1)
+
+
+def test_a_step_with_an_allowed_tokens_bitmask_gets_the_best_allowed_tokens(tiny_lm):
+    """The grammar's bitmask, sent with a verify, picks among the allowed tokens where the logits are; the
+    other steps of the execution keep their plain argmax. A bitmask of the wrong shape is refused by name."""
+    from specdec import tensor_names as tn
+
+    adapter = TargetModel.__new__(TargetModel)
+    adapter.lm = CausalLM(tiny_lm)
+    vocab = tiny_lm.config.vocab_size
+    words = (vocab + 31) // 32
+    bits = torch.zeros(3, words, dtype=torch.int32)
+    bits[:, 0] = 0b1010  # tokens 1 and 3 only
+    bits[2, 0] = -1  # the last position: tokens 0-31
+    steps = [Step(1, 0, [5, 6, 7], 3, allowed=bits), Step(2, 0, [5, 6, 7], 3)]
+    (masked_logits, masked), (plain_logits, plain) = adapter._gather(steps, adapter._run(steps))
+    assert torch.equal(masked_logits, plain_logits)
+    assert plain.tolist() == plain_logits.argmax(-1).tolist()
+    expected = [int(masked_logits[0, [1, 3]].argmax()) * 2 + 1, int(masked_logits[1, [1, 3]].argmax()) * 2 + 1,
+                int(masked_logits[2, :32].argmax())]
+    assert masked.tolist() == expected and masked.tolist() != plain.tolist()
+
+    parse = TargetModel.__new__(TargetModel)._step_options
+    options = parse(_inputs_of(**{tn.NUM_LOGITS: [[3]], tn.ALLOWED_TOKENS: bits.numpy()[None]}))
+    assert options["num_logits"] == 3 and torch.equal(options["allowed"], bits)
+    assert parse(_inputs_of(**{tn.NUM_LOGITS: [[3]]}))["allowed"] is None
+    for wrong in (bits.numpy()[None, :2], bits.numpy(), np.zeros((1, 3, 0), dtype=np.int32)):
+        with pytest.raises(ValueError, match=tn.ALLOWED_TOKENS):
+            parse(_inputs_of(**{tn.NUM_LOGITS: [[3]], tn.ALLOWED_TOKENS: wrong}))
+
+
+def _inputs_of(**inputs):
+    from specdec.triton.language_models import _inputs
+
+    return _inputs(_Request(**inputs))

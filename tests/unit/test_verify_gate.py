@@ -122,8 +122,8 @@ def test_gated_scorer_passes_scores_and_releases_through():
         gate.enter()
         scorer = GatedScorer(fake, gate)
         assert await scorer.score(7, 3, [1, 2], 2, True) == "scores"
-        assert await scorer.score(8, 0, [1, 2], 1, False, reserve=30, want_log_probs=True) == "scores"
+        assert await scorer.score(8, 0, [1, 2], 1, False, reserve=30, want_log_probs=True, allowed="bits") == "scores"
         await scorer.release(7)
         return fake.calls
-    assert run(main()) == [("score", (7, 3, [1, 2], 2, True, 0, False)), ("score", (8, 0, [1, 2], 1, False, 30, True)),
-                           ("release", 7)]
+    assert run(main()) == [("score", (7, 3, [1, 2], 2, True, 0, False, None)),
+                           ("score", (8, 0, [1, 2], 1, False, 30, True, "bits")), ("release", 7)]

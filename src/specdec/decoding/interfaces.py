@@ -32,10 +32,10 @@ class Proposal:
 
 @dataclass(frozen=True)
 class Scores:
-    greedy_tokens: torch.Tensor  # (K+1,) target argmax at each verified position
+    greedy_tokens: torch.Tensor  # (K+1,) target argmax at each verified position (among the allowed tokens)
     logits: torch.Tensor | None  # (K+1, V) target logits; requested only when sampling
     forward: ForwardStats | None = None  # None where the scorer does not report its forwards
-    # (K+1,) float32: each greedy token's log-probability (sampling.greedy_log_probs), when asked for
+    # (K+1,) float32: each greedy token's log-probability (log-softmax of the raw logits), when asked for
     log_probs: torch.Tensor | None = None
 
 
@@ -56,8 +56,11 @@ class Proposer(Protocol):
 
 class Scorer(Protocol):
     async def score(self, seq_id: int, keep: int, new_ids: list[int], num_positions: int,
-                    want_logits: bool, reserve: int = 0, want_log_probs: bool = False) -> Scores:
+                    want_logits: bool, reserve: int = 0, want_log_probs: bool = False,
+                    allowed: torch.Tensor | None = None) -> Scores:
         """Keep `keep` cached tokens, append `new_ids`, score the last `num_positions` positions;
-        `reserve` as for `Proposer.propose`; `want_log_probs`: also the greedy tokens' log-probabilities."""
+        `reserve` as for `Proposer.propose`; `want_log_probs`: also the greedy tokens' log-probabilities;
+        `allowed`: a (num_positions, words) int32 bitmask (grammar.GrammarMatcher.allowed): each greedy
+        token is the best of its position's allowed tokens (structured output, picked where the logits are)."""
 
     async def release(self, seq_id: int) -> None: ...

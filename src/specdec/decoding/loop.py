@@ -27,7 +27,8 @@ import torch
 from specdec import tensor_names as tn
 from specdec.decoding.bad_words import banned_tokens, mask_banned
 from specdec.decoding.draft_length import DraftLengthPolicy
-from specdec.decoding.grammar import Grammar, GrammarMatcher, mask_disallowed
+from specdec.decoding.grammar import Grammar, GrammarMatcher
+from specdec.decoding.token_mask import mask_disallowed
 from specdec.decoding.logit_bias import TokenBias, apply_bias
 from specdec.decoding.interfaces import NoCapacity, Proposal, Proposer, Scorer, Scores
 from specdec.decoding.penalties import Penalties, TokenOccurrences, penalize
@@ -53,6 +54,14 @@ class GenerationRequest:
     def edits_logits(self) -> bool:
         """Whether the target's logits are changed before anything reads them (so greedy rounds need them)."""
         return bool(self.bad_words) or self.penalties.active or self.grammar is not None or self.token_bias.active
+
+    @property
+    def target_picks(self) -> bool:
+        """Whether the target applies the request's one edit itself: a greedy request whose grammar is all
+        that edits its logits sends the grammar's bitmask with each verify and gets the best allowed tokens
+        back, so no (K+1) x V logits leave the target (on a GPU, none leave the device)."""
+        return (self.sampling.greedy and self.grammar is not None and not self.bad_words
+                and not self.penalties.active and not self.token_bias.active)
 
 
 @dataclass
@@ -134,9 +143,10 @@ async def generate(req: GenerationRequest, proposer: Proposer, scorer: Scorer, p
                 draft_valid = shadow.cached_length
                 drafted_ever = True
             new_ids = tokens[target_valid:] + proposal.tokens
+            allowed = matcher.allowed(proposal.tokens, k + 1) if req.target_picks else None
             started = time.perf_counter()
             scores = await _score(scorer, req, target_valid, new_ids, k + 1, 0 if target_valid else reserve,
-                                  wait_for_room)
+                                  wait_for_room, allowed)
             if len(new_ids) == k + 1:  # a plain round (no prompt prefill or catch-up)
                 policy.observe_verify(k + 1, time.perf_counter() - started)
             if scores.forward:
@@ -174,16 +184,18 @@ async def generate(req: GenerationRequest, proposer: Proposer, scorer: Scorer, p
 
 
 async def _score(scorer: Scorer, req: GenerationRequest, keep: int, new_ids: list[int], positions: int,
-                 reserve: int, wait_for_room: Callable[[], Awaitable[bool]] | None) -> Scores:
-    """The verify call; a sequence's first one (reserve > 0) retries while the target has no room for it
-    and `wait_for_room` says to."""
+                 reserve: int, wait_for_room: Callable[[], Awaitable[bool]] | None,
+                 allowed: torch.Tensor | None = None) -> Scores:
+    """The verify call (`allowed`: the grammar's bitmask, for the target to pick with); a sequence's first
+    one (reserve > 0) retries while the target has no room for it and `wait_for_room` says to."""
     # Greedy rounds ship no logits (the target sends its tokens' log-probabilities instead), unless
-    # penalties or bad words must edit them first.
-    want_logits = not req.sampling.greedy or req.edits_logits
+    # penalties, biases or bad words must edit them first (a grammar alone: the target picks with its mask).
+    want_logits = not req.sampling.greedy or (req.edits_logits and allowed is None)
     while True:
         try:
             return await scorer.score(req.seq_id, keep, new_ids, positions, want_logits=want_logits,
-                                      reserve=reserve, want_log_probs=req.log_probs and not want_logits)
+                                      reserve=reserve, want_log_probs=req.log_probs and not want_logits,
+                                      allowed=allowed)
         except NoCapacity:
             if not reserve or wait_for_room is None or not await wait_for_room():
                 raise

@@ -116,6 +116,9 @@ class Step(NamedTuple):
     # A new sequence's room for its whole generation, taken at its first step (so that a sequence that
     # starts can finish): positions, or 0 for just this step's. Ignored once the sequence exists.
     reserve: int = 0
+    # extend, read by whoever picks tokens from the logits (not the forward): (num_logits, words) int32
+    # bitmask of the tokens each position's greedy pick may take (grammar.GrammarMatcher.allowed)
+    allowed: torch.Tensor | None = None
 
 
 class CausalLM:

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import contextlib
 
+import torch
+
 from specdec.decoding.interfaces import ForwardStats, NoCapacity, Proposal, Scores
-from specdec.decoding.sampling import SamplingParams, greedy, greedy_log_probs, make_generator
+from specdec.decoding.sampling import SamplingParams, greedy, greedy_log_probs, make_generator, token_log_probs
+from specdec.decoding.token_mask import allowed_greedy
 from specdec.engine.executor import CapacityError, CausalLM
 
 
@@ -43,11 +46,16 @@ class LocalScorer:
         self.lm = lm
 
     async def score(self, seq_id: int, keep: int, new_ids: list[int], num_positions: int,
-                    want_logits: bool, reserve: int = 0, want_log_probs: bool = False) -> Scores:
+                    want_logits: bool, reserve: int = 0, want_log_probs: bool = False,
+                    allowed: torch.Tensor | None = None) -> Scores:
         with _no_capacity():
             logits = self.lm.extend(seq_id, keep, new_ids, num_positions, reserve)
-        return Scores(greedy(logits).cpu(), logits.float().cpu() if want_logits else None,
-                      ForwardStats(len(new_ids), 1, 0.0), greedy_log_probs(logits).cpu() if want_log_probs else None)
+        tokens = greedy(logits) if allowed is None else allowed_greedy(logits, allowed)
+        log_probs = None
+        if want_log_probs:
+            log_probs = greedy_log_probs(logits) if allowed is None else token_log_probs(logits, tokens)
+        return Scores(tokens.cpu(), logits.float().cpu() if want_logits else None,
+                      ForwardStats(len(new_ids), 1, 0.0), None if log_probs is None else log_probs.cpu())
 
     async def release(self, seq_id: int) -> None:
         self.lm.release(seq_id)

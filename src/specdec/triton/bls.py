@@ -124,7 +124,8 @@ class BlsProposer(_SequenceModel):
 
 class BlsScorer(_SequenceModel):
     async def score(self, seq_id: int, keep: int, new_ids: list[int], num_positions: int,
-                    want_logits: bool, reserve: int = 0, want_log_probs: bool = False) -> Scores:
+                    want_logits: bool, reserve: int = 0, want_log_probs: bool = False,
+                    allowed: torch.Tensor | None = None) -> Scores:
         keep, new_ids, reserve = await self._prefill(seq_id, keep, new_ids, num_positions, reserve,
                                                      {tn.NUM_LOGITS: _i32([0])}, tn.GREEDY_TOKENS)
         inputs = {tn.INPUT_IDS: _i32(new_ids), tn.CACHE_LENGTH: _i32([keep])}
@@ -132,6 +133,8 @@ class BlsScorer(_SequenceModel):
             inputs[tn.RESERVE_TOKENS] = _i32([reserve])
         if num_positions != 1:  # target_model's default: a target-only round's one position
             inputs[tn.NUM_LOGITS] = _i32([num_positions])
+        if allowed is not None:  # (K+1) x V/32 words instead of (K+1) x V logits back
+            inputs[tn.ALLOWED_TOKENS] = allowed.numpy()[None]
         outputs = [tn.GREEDY_TOKENS, tn.FORWARD_STATS] + ([tn.LOGITS] if want_logits else []) + (
             [tn.GREEDY_LOG_PROBS] if want_log_probs else [])
         result = await self._call(seq_id, inputs, outputs)

@@ -2,8 +2,9 @@
 
 Both models are sequence-batched: a request's correlation ID names the sequence whose KV cache it
 extends. Inputs: input_ids (tokens to append), cache_length (cached tokens to keep: rollback), and
-`release` with the sequence END flag to free the cache. target_model returns the greedy tokens and,
-on request, the logits of the last num_logits positions; draft_model proposes num_draft_tokens tokens
+`release` with the sequence END flag to free the cache. target_model returns the greedy tokens (the best
+of those an `allowed_tokens` bitmask allows, when one comes) and, on request, the logits of the last
+num_logits positions; draft_model proposes num_draft_tokens tokens
 (and their distributions when sampling).
 """
 
@@ -20,7 +21,8 @@ import torch.utils.dlpack
 
 from specdec import tensor_names as tn
 from specdec.decoding.interfaces import ForwardStats
-from specdec.decoding.sampling import SamplingParams, greedy, greedy_log_probs, make_generator
+from specdec.decoding.token_mask import allowed_greedy
+from specdec.decoding.sampling import SamplingParams, greedy, greedy_log_probs, make_generator, token_log_probs
 from specdec.decoding.text import load_tokenizer, vocabulary_mismatch
 from specdec.engine import host_memory, onednn_linear, static_executor, threads
 from specdec.engine.executor import CacheError, CapacityError, CausalLM, Step, load_causal_lm
@@ -217,7 +219,7 @@ class LanguageModelAdapter(TritonAdapter):
                 self.forward_seconds += forward.seconds
                 forwards += [forward] * len(group)
             try:
-                results = self._gather(results)
+                results = self._gather(steps, results)
             except Exception as exc:  # noqa: BLE001 - as a failed forward: every step gets the error
                 results = [RuntimeError(f"{type(exc).__name__}: {exc}")] * len(results)
             for i, step, result, forward in zip(owners, steps, results, forwards):
@@ -255,7 +257,7 @@ class LanguageModelAdapter(TritonAdapter):
     def _run(self, steps: list[Step]) -> list:
         raise NotImplementedError
 
-    def _gather(self, results: list) -> list:
+    def _gather(self, steps: list[Step], results: list) -> list:
         """What the responses need of the execution's results, prepared for all of them at once."""
         return results
 
@@ -280,19 +282,29 @@ class TargetModel(LanguageModelAdapter):
         self.lm.release(WARM_UP_SEQUENCE)
 
     def _step_options(self, inputs):
-        return {"num_logits": int(_scalar(inputs, tn.NUM_LOGITS, 1))}
+        num_logits = int(_scalar(inputs, tn.NUM_LOGITS, 1))
+        allowed = inputs.get(tn.ALLOWED_TOKENS)
+        if allowed is not None:  # structured output: the greedy picks keep to the grammar (grammar.py)
+            allowed = allowed.as_numpy()
+            if allowed.ndim != 3 or allowed.shape[0] != 1 or allowed.shape[1] != num_logits or not allowed.shape[2]:
+                raise ValueError(f"{tn.ALLOWED_TOKENS} must be [1, {tn.NUM_LOGITS} = {num_logits}, words], got "
+                                 f"{list(allowed.shape)}")
+            allowed = torch.from_numpy(allowed[0])
+        return {"num_logits": num_logits, "allowed": allowed}
 
     def _run(self, steps):
         return self.lm.extend_many(steps)
 
-    def _gather(self, results):
-        """Per step (logits, greedy tokens) or its error. Every step's greedy tokens come to the host in
-        one copy: on CUDA the execution waits for the device once, not once per request."""
-        scored = [logits for logits in results if not isinstance(logits, Exception)]
+    def _gather(self, steps, results):
+        """Per step (logits, greedy tokens) or its error; a step with an allowed-tokens bitmask gets the best
+        allowed tokens. Every step's greedy tokens come to the host in one copy: on CUDA the execution waits
+        for the device once, not once per request."""
+        scored = [(step, logits) for step, logits in zip(steps, results) if not isinstance(logits, Exception)]
         if not scored:
             return results
-        tokens = host(torch.cat([greedy(logits) for logits in scored]).to(torch.int32))
-        per_step = iter(np.split(tokens, np.cumsum([len(logits) for logits in scored])[:-1]))
+        tokens = host(torch.cat([greedy(logits) if step.allowed is None else allowed_greedy(logits, step.allowed)
+                                 for step, logits in scored]).to(torch.int32))
+        per_step = iter(np.split(tokens, np.cumsum([len(logits) for _, logits in scored])[:-1]))
         return [logits if isinstance(logits, Exception) else (logits, next(per_step)) for logits in results]
 
     def _respond(self, request, step, result, forward):
@@ -303,7 +315,9 @@ class TargetModel(LanguageModelAdapter):
         if tn.LOGITS in requested:
             outputs.append(self._output(tn.LOGITS, logits.float()[None]))
         if tn.GREEDY_LOG_PROBS in requested:  # return_log_probs on a greedy round: K + 1 floats, not logits
-            outputs.append(pb.Tensor(tn.GREEDY_LOG_PROBS, host(greedy_log_probs(logits))[None]))
+            log_probs = greedy_log_probs(logits) if step.allowed is None else \
+                token_log_probs(logits, torch.from_numpy(tokens).long())  # the raw distribution's, as unmasked
+            outputs.append(pb.Tensor(tn.GREEDY_LOG_PROBS, host(log_probs)[None]))
         if tn.FORWARD_STATS in requested:
             outputs.append(pb.Tensor(tn.FORWARD_STATS, np.asarray([forward], dtype=np.float32)))
         return pb.InferenceResponse(output_tensors=outputs)

@@ -16,6 +16,8 @@ from __future__ import annotations
 import asyncio
 from typing import Awaitable, Callable, TypeVar
 
+import torch
+
 from specdec.decoding.interfaces import Scorer, Scores
 
 T = TypeVar("T")
@@ -76,9 +78,10 @@ class GatedScorer:
         self.scorer, self.gate = scorer, gate
 
     async def score(self, seq_id: int, keep: int, new_ids: list[int], num_positions: int,
-                    want_logits: bool, reserve: int = 0, want_log_probs: bool = False) -> Scores:
-        return await self.gate.through(
-            lambda: self.scorer.score(seq_id, keep, new_ids, num_positions, want_logits, reserve, want_log_probs))
+                    want_logits: bool, reserve: int = 0, want_log_probs: bool = False,
+                    allowed: torch.Tensor | None = None) -> Scores:
+        return await self.gate.through(lambda: self.scorer.score(seq_id, keep, new_ids, num_positions, want_logits,
+                                                                 reserve, want_log_probs, allowed))
 
     async def release(self, seq_id: int) -> None:
         await self.scorer.release(seq_id)
