@@ -18,6 +18,8 @@
 #   prefix         prefix caching on the 8B-shaped pair: a shared 1500-word system prompt against unshared
 #                  ones (TTFT), and chunked prefill: plain streams' gaps beside long prompts, whole and in
 #                  chunks of 512 (~9 min; `bash bench/gpu_session.sh prefix`)
+#   overhead       where a served round goes on the GPU (tiny pair): greedy, sampled, and guided by a regex
+#                  (target_model picking with the grammar's bitmask) (~3 min)
 #
 # Results go to $OUT (the device tool brings that folder back), or .cache/gpu-session here.
 set -uo pipefail
@@ -61,8 +63,14 @@ for part in "$@"; do
           --long-every 1 --system-words 1500 --launcher-arg=--set \
           "--launcher-arg=speculative_decoding.prefill_chunk_tokens=$chunk" --out "$out/prefill-chunk-$chunk.md"
       done ;;
+    overhead)
+      run overhead-greedy 120 "$python" bench/round_overhead.py --device gpu --out "$out/overhead-greedy.md"
+      run overhead-sampled 120 "$python" bench/round_overhead.py --device gpu --temperature 1 \
+        --out "$out/overhead-sampled.md"
+      run overhead-guided 120 "$python" bench/round_overhead.py --device gpu --regex '[a-z ]{64,}' \
+        --out "$out/overhead-guided.md" ;;
     executor) run executor 240 "$python" bench/executor_bench.py --modes graphs,graphs-mlp --reference \
         --out "$out/executor.md" ;;
-    *) echo "unknown part: $part (tests, bench, orchestrators, executor, streams, prefix)" >&2; exit 2 ;;
+    *) echo "unknown part: $part (tests, bench, orchestrators, executor, streams, prefix, overhead)" >&2; exit 2 ;;
   esac
 done

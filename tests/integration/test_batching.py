@@ -149,3 +149,62 @@ def _a_direct_caller_cancelled_in_the_slot_queue_leaves_it(srv):
         assert srv.metric("specdec_requests_total", finish_reason="cancelled") == cancelled_before + 1
         assert not any(f.done() for f in longs)  # it left the line while both slots were still taken
         assert all(f.result()[tn.NUM_OUTPUT_TOKENS] == 900 for f in longs)
+
+
+# ---- one input set per model ------------------------------------------------------------------------------
+DELAY_US = 200_000  # the models' batcher waits this long for more sequences: concurrent steps meet in it
+
+
+@pytest.fixture(scope="module")
+def waiting(tmp_path_factory):
+    """A server whose models' sequence batchers wait for more sequences before each execution."""
+    import dataclasses
+
+    from specdec.serving import pairs, repository
+
+    from .helpers import start_server, stop_server
+
+    tmp_path = tmp_path_factory.mktemp("batcher-delay")
+    pair = dataclasses.replace(pairs.tiny_pair(), orchestrator_instances=1)
+    repo = repository.render(pair, tmp_path / "repo")
+    for model in ("target_model", *pair.draft_paths):
+        repository.override(repo, f"{model}.max_queue_delay_microseconds={DELAY_US}")
+    server = start_server(tmp_path, repository=repo)
+    yield server
+    stop_server(server)
+
+
+@pytest.mark.parametrize("drafting", [False, True])
+def test_steps_of_every_kind_share_executions(waiting, drafting):
+    """Triton's sequence batcher puts requests into one execution only when they carry the same inputs, so
+    target-only steps, verifies of several lengths, with a grammar's bitmask or not, greedy and sampled
+    drafts, first steps and later ones must all send one input set per model (bls.py), or they run in
+    executions of their own. Four such streams at once, with the batchers waiting for each other's steps:
+    the executions carry most of them (with sets apart, greedy and sampled drafts never shared one), and
+    each stream's text is its solo text. Without a draft model every stream's round is one target step;
+    with one, every stream drafts."""
+    server = waiting
+    guided = dict(guided_decoding_guide_type="regex", guided_decoding_guide="[a-z ]{100,}")
+    if drafting:
+        # The exact draft (the target's weights) has every draft accepted: the streams end together.
+        kinds = [dict(num_draft_tokens=3), dict(num_draft_tokens=3, temperature=0.7, seed=5),
+                 dict(num_draft_tokens=3, temperature=0.8, seed=3), dict(num_draft_tokens=3, temperature=1.0, seed=4)]
+        draft = "draft_model_exact"
+    else:
+        kinds = [dict(num_draft_tokens=0), dict(num_draft_tokens=0, **guided), dict(num_draft_tokens=3),
+                 dict(num_draft_tokens=2, temperature=0.8, seed=3)]
+        draft = "ngram"
+    params = [dict(max_tokens=24, ignore_eos=True, adaptive_draft=False, draft_model=draft, **kind) for kind in kinds]
+    solo = [grpc_stream(server.grpc_url, PROMPTS[i], **p) for i, p in enumerate(params)]
+    models = ("target_model", draft) if drafting else ("target_model",)
+    counts = lambda: {(name, m): server.metric(name, model=m)  # noqa: E731
+                      for name in ("nv_inference_exec_count", "nv_inference_request_success") for m in models}
+    before = counts()
+    with ThreadPoolExecutor(len(params)) as pool:
+        together = list(pool.map(lambda i: grpc_stream(server.grpc_url, PROMPTS[i], **params[i]), range(len(params))))
+    assert [r[tn.TEXT_OUTPUT] for r in together] == [r[tn.TEXT_OUTPUT] for r in solo]
+    after = counts()
+    per_execution = {m: (after["nv_inference_request_success", m] - before["nv_inference_request_success", m])
+                     / (after["nv_inference_exec_count", m] - before["nv_inference_exec_count", m]) for m in models}
+    print(f"steps per execution: {per_execution}")
+    assert all(steps > 2.5 for steps in per_execution.values()), per_execution

@@ -1,6 +1,6 @@
 """What the orchestrator's BLS proposer and scorer send the models, with a stand-in for pb_utils (the
-stub's module exists only inside a server): sampling settings only when sampling, min_p only when set;
-long prompts in chunks; a grammar's bitmask with a verify."""
+stub's module exists only inside a server): one input set per model, whatever the call; long prompts in
+chunks; a grammar's bitmask with a verify."""
 
 import asyncio
 
@@ -52,19 +52,30 @@ class _Pb:
         return response.outputs[name]
 
 
-def test_sampling_settings_go_to_the_draft_only_when_sampling_and_min_p_only_when_set():
+def _input_sets(sent):
+    return {frozenset(call) for call in sent}
+
+
+def test_every_draft_call_carries_one_input_set_with_the_sampling_settings_greedy_or_not():
+    """Triton's sequence batcher runs requests together only when they carry the same inputs: greedy and
+    sampled proposals, first calls and later ones all send the same set (greedy settings included)."""
     pb = _Pb()
     proposer = BlsProposer(pb, tn.DRAFT_MODEL_NAME)
-    greedy = asyncio.run(proposer.propose(1, 0, [1, 2], 2, SamplingParams(), 0))
+    greedy = asyncio.run(proposer.propose(1, 0, [1, 2], 2, SamplingParams(), 0, reserve=30))
     assert greedy.tokens == [3, 4] and greedy.probs is None
-    assert set(pb.sent[-1]) == {tn.INPUT_IDS, tn.CACHE_LENGTH, tn.NUM_DRAFT_TOKENS}
+    assert pb.sent[-1][tn.TEMPERATURE].item() == 0.0 and pb.sent[-1][tn.RESERVE_TOKENS].item() == 30
     sampled = asyncio.run(proposer.propose(1, 2, [5], 2, SamplingParams(temperature=0.9, top_p=0.8, min_p=0.1), 7))
     assert sampled.probs.shape == (2, 5) and isinstance(sampled.probs, torch.Tensor)
     sent = pb.sent[-1]
     assert sent[tn.MIN_P].dtype == np.float32 and sent[tn.MIN_P].item() == np.float32(0.1)
-    assert (sent[tn.TEMPERATURE].item(), sent[tn.SEED].item()) == (np.float32(0.9), 7)
+    assert (sent[tn.TEMPERATURE].item(), sent[tn.SEED].item(), sent[tn.RESERVE_TOKENS].item()) == (np.float32(0.9), 7, 0)
     asyncio.run(proposer.propose(1, 4, [6], 2, SamplingParams(temperature=0.9), 8))
-    assert tn.MIN_P not in pb.sent[-1] and tn.TEMPERATURE in pb.sent[-1]
+    assert pb.sent[-1][tn.MIN_P].item() == 0.0 and not pb.sent[-1][tn.RELEASE].item()
+    asyncio.run(proposer.release(1))
+    assert pb.sent[-1][tn.RELEASE].item() and pb.sent[-1][tn.NUM_DRAFT_TOKENS].item() == 0
+    assert _input_sets(pb.sent) == {frozenset([tn.INPUT_IDS, tn.CACHE_LENGTH, tn.RESERVE_TOKENS, tn.RELEASE,
+                                               tn.NUM_DRAFT_TOKENS, tn.TEMPERATURE, tn.TOP_K, tn.TOP_P, tn.MIN_P,
+                                               tn.SEED])}
 
 
 def test_a_long_prompt_goes_in_chunks_that_ask_for_nothing_the_first_taking_the_room():
@@ -76,16 +87,21 @@ def test_a_long_prompt_goes_in_chunks_that_ask_for_nothing_the_first_taking_the_
     assert scores.greedy_tokens.tolist() == [7, 8]
     sent = [{name: value.reshape(-1).tolist() for name, value in call.items()} for call in pb.sent]
     assert sent == [
-        {tn.INPUT_IDS: [1, 2, 3, 4], tn.CACHE_LENGTH: [0], tn.NUM_LOGITS: [0], tn.RESERVE_TOKENS: [40]},
-        {tn.INPUT_IDS: [5, 6, 7, 8], tn.CACHE_LENGTH: [4], tn.NUM_LOGITS: [0]},
-        {tn.INPUT_IDS: [9, 10, 11, 50, 51], tn.CACHE_LENGTH: [8], tn.NUM_LOGITS: [2]},  # at most 4 + 2 tokens
+        {tn.INPUT_IDS: [1, 2, 3, 4], tn.CACHE_LENGTH: [0], tn.RESERVE_TOKENS: [40], tn.NUM_LOGITS: [0],
+         tn.RELEASE: [False], tn.ALLOWED_TOKENS: []},
+        {tn.INPUT_IDS: [5, 6, 7, 8], tn.CACHE_LENGTH: [4], tn.RESERVE_TOKENS: [0], tn.NUM_LOGITS: [0],
+         tn.RELEASE: [False], tn.ALLOWED_TOKENS: []},
+        # at most 4 + 2 tokens
+        {tn.INPUT_IDS: [9, 10, 11, 50, 51], tn.CACHE_LENGTH: [8], tn.RESERVE_TOKENS: [0], tn.NUM_LOGITS: [2],
+         tn.RELEASE: [False], tn.ALLOWED_TOKENS: []},
     ]
     pb.sent.clear()
     proposal = asyncio.run(proposer.propose(2, 0, prompt, 2, SamplingParams(), 0, reserve=40))
     assert proposal.tokens == [3, 4] and proposal.cached_length == 11 + 2 - 1
     assert [call[tn.NUM_DRAFT_TOKENS].item() for call in pb.sent] == [0, 0, 2]
     assert [call[tn.CACHE_LENGTH].item() for call in pb.sent] == [0, 4, 8]
-    assert [tn.RESERVE_TOKENS in call for call in pb.sent] == [True, False, False]
+    assert [call[tn.RESERVE_TOKENS].item() for call in pb.sent] == [40, 0, 0]
+    assert len(_input_sets(pb.sent)) == 1  # chunks carry the step's input set
     pb.sent.clear()
     asyncio.run(scorer.score(1, 13, [52], 1, want_logits=False))  # a round: one call, as without chunks
     asyncio.run(BlsScorer(pb, tn.TARGET_MODEL_NAME).score(3, 0, prompt, 1, want_logits=False))  # 0: off
@@ -95,10 +111,14 @@ def test_a_long_prompt_goes_in_chunks_that_ask_for_nothing_the_first_taking_the_
 def test_a_grammar_bitmask_goes_with_the_verify_and_no_logits_come_back():
     pb = _Pb()
     bits = torch.tensor([[0b110, -1], [-1, 7]], dtype=torch.int32)
-    scores = asyncio.run(BlsScorer(pb, tn.TARGET_MODEL_NAME).score(1, 3, [5, 6], 2, want_logits=False,
-                                                                    allowed=bits))
+    scorer = BlsScorer(pb, tn.TARGET_MODEL_NAME)
+    scores = asyncio.run(scorer.score(1, 3, [5, 6], 2, want_logits=False, allowed=bits))
     assert scores.greedy_tokens.tolist() == [7, 8] and scores.logits is None
     sent = pb.sent[-1][tn.ALLOWED_TOKENS]
     assert sent.dtype == np.int32 and sent.shape == (1, 2, 2) and sent[0].tolist() == bits.tolist()
-    asyncio.run(BlsScorer(pb, tn.TARGET_MODEL_NAME).score(1, 5, [7], 1, want_logits=False))
-    assert tn.ALLOWED_TOKENS not in pb.sent[-1]
+    asyncio.run(scorer.score(1, 5, [7], 1, want_logits=False))
+    assert pb.sent[-1][tn.ALLOWED_TOKENS].size == 0 and pb.sent[-1][tn.NUM_LOGITS].item() == 1  # every token
+    asyncio.run(scorer.release(1))
+    assert pb.sent[-1][tn.RELEASE].item() and pb.sent[-1][tn.NUM_LOGITS].item() == 0
+    assert _input_sets(pb.sent) == {frozenset([tn.INPUT_IDS, tn.CACHE_LENGTH, tn.RESERVE_TOKENS, tn.RELEASE,
+                                               tn.NUM_LOGITS, tn.ALLOWED_TOKENS])}

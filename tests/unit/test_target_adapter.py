@@ -100,7 +100,9 @@ def test_a_step_with_an_allowed_tokens_bitmask_gets_the_best_allowed_tokens(tiny
     options = parse(_inputs_of(**{tn.NUM_LOGITS: [[3]], tn.ALLOWED_TOKENS: bits.numpy()[None]}))
     assert options["num_logits"] == 3 and torch.equal(options["allowed"], bits)
     assert parse(_inputs_of(**{tn.NUM_LOGITS: [[3]]}))["allowed"] is None
-    for wrong in (bits.numpy()[None, :2], bits.numpy(), np.zeros((1, 3, 0), dtype=np.int32)):
+    empty = np.zeros((1, 0, 0), dtype=np.int32)  # what the orchestrator sends unguided steps
+    assert parse(_inputs_of(**{tn.NUM_LOGITS: [[3]], tn.ALLOWED_TOKENS: empty}))["allowed"] is None
+    for wrong in (bits.numpy()[None, :2], bits.numpy(), bits.numpy()[None, :, :1].repeat(2, 0)):
         with pytest.raises(ValueError, match=tn.ALLOWED_TOKENS):
             parse(_inputs_of(**{tn.NUM_LOGITS: [[3]], tn.ALLOWED_TOKENS: wrong}))
 

@@ -147,7 +147,7 @@ input [
   { name: "cache_length", data_type: TYPE_INT32, dims: [ 1 ] },
   { name: "reserve_tokens", data_type: TYPE_INT32, dims: [ 1 ], optional: true },
   { name: "num_logits", data_type: TYPE_INT32, dims: [ 1 ], optional: true },
-  { name: "allowed_tokens", data_type: TYPE_INT32, dims: [ -1, -1 ], optional: true },
+  { name: "allowed_tokens", data_type: TYPE_INT32, dims: [ -1, -1 ], optional: true, allow_ragged_batch: true },
   { name: "release", data_type: TYPE_BOOL, dims: [ 1 ], optional: true }
 ]
 output [

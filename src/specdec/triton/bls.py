@@ -33,13 +33,31 @@ def _i32(value) -> np.ndarray:
     return np.asarray(value, dtype=np.int32).reshape(1, -1)
 
 
+_TRUE, _FALSE = np.array([[True]]), np.array([[False]])
+
+
+def _sampling_inputs(params: SamplingParams, seed: int) -> dict[str, np.ndarray]:
+    """draft_model's sampling settings (greedy ones too: see _SequenceModel)."""
+    return {tn.TEMPERATURE: np.array([[params.temperature]], dtype=np.float32), tn.TOP_K: _i32([params.top_k]),
+            tn.TOP_P: np.array([[params.top_p]], dtype=np.float32),
+            tn.MIN_P: np.array([[params.min_p]], dtype=np.float32), tn.SEED: np.array([[seed]], dtype=np.uint64)}
+
+
 class _SequenceModel:
     """Shared plumbing: one BLS call into a sequence-batched model.
+
+    Every call of a model carries the same set of inputs, defaults included (a reservation of 0, release
+    false, greedy sampling settings, an empty bitmask): Triton's sequence batcher puts requests into one
+    execution only when they carry the same inputs, so a call that left one out ran in a forward of its own
+    (measured: README, "One input set per model"). `QUIET` holds the model's own inputs as a call that asks
+    for nothing back sends them (a prompt's chunk, the release).
 
     `prefill_chunk` (tokens; 0: off): a call appending more tokens than that beyond the positions it
     needs (a long prompt) goes first as calls of that many tokens that ask for nothing back (chunked
     prefill): each is one execute of the model, so the other requests' rounds run between them instead
     of waiting for the whole prompt's forward. Chunks the model's prefix cache holds are not run again."""
+
+    QUIET: dict[str, np.ndarray] = {}
 
     def __init__(self, pb_utils, model_name: str, timeout_us: int = 0, prefill_chunk: int = 0):
         self.pb = pb_utils
@@ -49,19 +67,19 @@ class _SequenceModel:
         self._started: set[int] = set()
 
     async def _prefill(self, seq_id: int, keep: int, new_ids: list[int], needed: int, reserve: int,
-                       chunk_inputs: dict[str, np.ndarray], output: str) -> tuple[int, list[int], int]:
+                       output: str) -> tuple[int, list[int], int]:
         """Send new_ids in chunks while more than `needed` tokens would be left after one; returns the
         (keep, new_ids, reserve) of the call that remains."""
         chunk = self.prefill_chunk
         while chunk and len(new_ids) - needed > chunk:
-            inputs = {tn.INPUT_IDS: _i32(new_ids[:chunk]), tn.CACHE_LENGTH: _i32([keep]), **chunk_inputs}
-            if reserve:  # the first call takes the generation's room
-                inputs[tn.RESERVE_TOKENS] = _i32([reserve])
-            await self._call(seq_id, inputs, [output])
+            await self._call(seq_id, new_ids[:chunk], keep, [output], reserve=reserve)  # the first takes the room
             keep, new_ids, reserve = keep + chunk, new_ids[chunk:], 0
         return keep, new_ids, reserve
 
-    async def _call(self, seq_id: int, inputs: dict[str, np.ndarray], outputs: list[str], end: bool = False):
+    async def _call(self, seq_id: int, new_ids: list[int], keep: int, outputs: list[str], reserve: int = 0,
+                    end: bool = False, **own: np.ndarray):
+        """Keep `keep` cached tokens and append new_ids, the model's own inputs `own` (QUIET's otherwise);
+        `end`: release the sequence."""
         pb = self.pb
         flags = 0
         if seq_id not in self._started:
@@ -70,6 +88,8 @@ class _SequenceModel:
         if end:
             flags |= pb.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END
             self._started.discard(seq_id)
+        inputs = {tn.INPUT_IDS: _i32(new_ids), tn.CACHE_LENGTH: _i32([keep]), tn.RESERVE_TOKENS: _i32([reserve]),
+                  tn.RELEASE: _TRUE if end else _FALSE, **self.QUIET, **own}
         request = pb.InferenceRequest(
             model_name=self.model_name,
             inputs=[pb.Tensor(name, value) for name, value in inputs.items()],
@@ -91,31 +111,18 @@ class _SequenceModel:
     async def release(self, seq_id: int) -> None:
         if seq_id not in self._started:
             return
-        await self._call(seq_id, {tn.INPUT_IDS: _i32([]), tn.CACHE_LENGTH: _i32([0]),
-                                  tn.RELEASE: np.array([[True]])}, [], end=True)
+        await self._call(seq_id, [], 0, [], end=True)
 
 
 class BlsProposer(_SequenceModel):
+    QUIET = {tn.NUM_DRAFT_TOKENS: _i32([0]), **_sampling_inputs(SamplingParams(), 0)}  # appends only
+
     async def propose(self, seq_id: int, keep: int, new_ids: list[int], k: int,
                       params: SamplingParams, round_seed: int, reserve: int = 0) -> Proposal:
-        keep, new_ids, reserve = await self._prefill(seq_id, keep, new_ids, 1, reserve,
-                                                     {tn.NUM_DRAFT_TOKENS: _i32([0])}, tn.DRAFT_TOKENS)
-        inputs = {tn.INPUT_IDS: _i32(new_ids), tn.CACHE_LENGTH: _i32([keep]), tn.NUM_DRAFT_TOKENS: _i32([k])}
-        if reserve:
-            inputs[tn.RESERVE_TOKENS] = _i32([reserve])
-        # Greedy drafting is what draft_model does without sampling inputs: every tensor left out is one
-        # less to build, pass through tritonserver and parse, on every round.
-        if not params.greedy:
-            inputs.update({
-                tn.TEMPERATURE: np.array([[params.temperature]], dtype=np.float32),
-                tn.TOP_K: _i32([params.top_k]),
-                tn.TOP_P: np.array([[params.top_p]], dtype=np.float32),
-                tn.SEED: np.array([[round_seed]], dtype=np.uint64),
-            })
-            if params.min_p:
-                inputs[tn.MIN_P] = np.array([[params.min_p]], dtype=np.float32)
+        keep, new_ids, reserve = await self._prefill(seq_id, keep, new_ids, 1, reserve, tn.DRAFT_TOKENS)
         outputs = [tn.DRAFT_TOKENS] + ([] if params.greedy else [tn.DRAFT_PROBS])
-        result = await self._call(seq_id, inputs, outputs)
+        result = await self._call(seq_id, new_ids, keep, outputs, reserve,
+                                  **{tn.NUM_DRAFT_TOKENS: _i32([k]), **_sampling_inputs(params, round_seed)})
         probs = None if params.greedy else _torch(result[tn.DRAFT_PROBS])[0]
         # The draft model runs every proposed token but the last through its cache.
         return Proposal(result[tn.DRAFT_TOKENS].as_numpy()[0].tolist(), probs,
@@ -123,21 +130,17 @@ class BlsProposer(_SequenceModel):
 
 
 class BlsScorer(_SequenceModel):
+    QUIET = {tn.NUM_LOGITS: _i32([0]), tn.ALLOWED_TOKENS: np.zeros((1, 0, 0), dtype=np.int32)}  # empty: every token
+
     async def score(self, seq_id: int, keep: int, new_ids: list[int], num_positions: int,
                     want_logits: bool, reserve: int = 0, want_log_probs: bool = False,
                     allowed: torch.Tensor | None = None) -> Scores:
-        keep, new_ids, reserve = await self._prefill(seq_id, keep, new_ids, num_positions, reserve,
-                                                     {tn.NUM_LOGITS: _i32([0])}, tn.GREEDY_TOKENS)
-        inputs = {tn.INPUT_IDS: _i32(new_ids), tn.CACHE_LENGTH: _i32([keep])}
-        if reserve:
-            inputs[tn.RESERVE_TOKENS] = _i32([reserve])
-        if num_positions != 1:  # target_model's default: a target-only round's one position
-            inputs[tn.NUM_LOGITS] = _i32([num_positions])
-        if allowed is not None:  # (K+1) x V/32 words instead of (K+1) x V logits back
-            inputs[tn.ALLOWED_TOKENS] = allowed.numpy()[None]
+        keep, new_ids, reserve = await self._prefill(seq_id, keep, new_ids, num_positions, reserve, tn.GREEDY_TOKENS)
         outputs = [tn.GREEDY_TOKENS, tn.FORWARD_STATS] + ([tn.LOGITS] if want_logits else []) + (
             [tn.GREEDY_LOG_PROBS] if want_log_probs else [])
-        result = await self._call(seq_id, inputs, outputs)
+        # The grammar's (K+1) x V/32 words instead of (K+1) x V logits back.
+        mask = {} if allowed is None else {tn.ALLOWED_TOKENS: allowed.cpu().numpy()[None]}
+        result = await self._call(seq_id, new_ids, keep, outputs, reserve, **{tn.NUM_LOGITS: _i32([num_positions]), **mask})
         logits = _torch(result[tn.LOGITS])[0] if want_logits else None
         rows, sequences, seconds = result[tn.FORWARD_STATS].as_numpy()[0].tolist()
         log_probs = torch.from_numpy(result[tn.GREEDY_LOG_PROBS].as_numpy()[0].copy()) if want_log_probs else None

@@ -284,9 +284,11 @@ class TargetModel(LanguageModelAdapter):
     def _step_options(self, inputs):
         num_logits = int(_scalar(inputs, tn.NUM_LOGITS, 1))
         allowed = inputs.get(tn.ALLOWED_TOKENS)
+        allowed = None if allowed is None else allowed.as_numpy()
+        if allowed is not None and not allowed.size:  # empty: every token (the orchestrator's unguided steps)
+            allowed = None
         if allowed is not None:  # structured output: the greedy picks keep to the grammar (grammar.py)
-            allowed = allowed.as_numpy()
-            if allowed.ndim != 3 or allowed.shape[0] != 1 or allowed.shape[1] != num_logits or not allowed.shape[2]:
+            if allowed.ndim != 3 or allowed.shape[0] != 1 or allowed.shape[1] != num_logits:
                 raise ValueError(f"{tn.ALLOWED_TOKENS} must be [1, {tn.NUM_LOGITS} = {num_logits}, words], got "
                                  f"{list(allowed.shape)}")
             allowed = torch.from_numpy(allowed[0])
