@@ -208,3 +208,20 @@ def test_steps_of_every_kind_share_executions(waiting, drafting):
                      / (after["nv_inference_exec_count", m] - before["nv_inference_exec_count", m]) for m in models}
     print(f"steps per execution: {per_execution}")
     assert all(steps > 2.5 for steps in per_execution.values()), per_execution
+
+
+def test_the_mixed_load_bench_runs_against_a_server(server, tmp_path):
+    """`bench/mixed_load.py`: every mix runs and reports throughput and the target's steps per execution."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "bench" / "mixed_load.py"
+    out = tmp_path / "mixed.md"
+    result = subprocess.run([sys.executable, str(script), "--url", server.grpc_url, "--metrics-url", server.metrics_url,
+                             "--streams", "2", "--seconds", "2", "--max-tokens", "8", "--out", str(out)],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in out.read_text().splitlines() if line.startswith("| ")]
+    assert [row[0] for row in rows[1:]] == ["k0", "k0-k4", "default", "default-guided"]
+    assert all(float(row[1]) > 0 and float(row[2]) >= 1.0 for row in rows[1:]), rows
