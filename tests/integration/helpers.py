@@ -166,3 +166,13 @@ def http_generate(base_url: str, prompt: str | None, timeout: float = 120, strea
     final["chunks"] = [e.get(tn.TEXT_OUTPUT, "") for e in events]
     final[tn.TEXT_OUTPUT] = "".join(final["chunks"])
     return final
+
+
+def run_bench(script: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run `bench/<script>` with this interpreter; fails the test, with its output's tail, if it fails."""
+    import sys
+
+    path = Path(__file__).resolve().parents[2] / "bench" / script
+    result = subprocess.run([sys.executable, str(path), *args], capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    return result

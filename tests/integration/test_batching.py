@@ -13,7 +13,7 @@ import pytest
 from specdec import tensor_names as tn
 from specdec.serving.metrics_text import samples
 
-from .helpers import grpc_stream, open_stream_and_cancel
+from .helpers import grpc_stream, open_stream_and_cancel, run_bench
 
 pytestmark = pytest.mark.integration
 
@@ -212,16 +212,9 @@ def test_steps_of_every_kind_share_executions(waiting, drafting):
 
 def test_the_mixed_load_bench_runs_against_a_server(server, tmp_path):
     """`bench/mixed_load.py`: every mix runs and reports throughput and the target's steps per execution."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    script = Path(__file__).resolve().parents[2] / "bench" / "mixed_load.py"
     out = tmp_path / "mixed.md"
-    result = subprocess.run([sys.executable, str(script), "--url", server.grpc_url, "--metrics-url", server.metrics_url,
-                             "--streams", "2", "--seconds", "2", "--max-tokens", "8", "--out", str(out)],
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    run_bench("mixed_load.py", "--url", server.grpc_url, "--metrics-url", server.metrics_url, "--streams", "2",
+              "--seconds", "2", "--max-tokens", "8", "--out", str(out))
     rows = [[c.strip() for c in line.split("|")[1:-1]] for line in out.read_text().splitlines() if line.startswith("| ")]
     assert [row[0] for row in rows[1:]] == ["k0", "k0-k4", "default", "default-guided"]
     assert all(float(row[1]) > 0 and float(row[2]) >= 1.0 for row in rows[1:]), rows

@@ -11,7 +11,7 @@ from specdec import tensor_names as tn
 
 from specdec.serving import server as serving
 
-from .helpers import grpc_stream, http_generate, stop_server
+from .helpers import grpc_stream, http_generate, run_bench, stop_server
 
 pytestmark = pytest.mark.integration
 
@@ -127,16 +127,9 @@ def test_a_prompt_longer_than_a_chunk_is_sent_in_chunks_and_found_again_whole(ch
 def test_the_prefix_bench_runs_against_a_server(server, tmp_path):
     """`bench/prefix_bench.py --url`: the shared prompts are found in the cache, the unique ones not; with
     --stall, its two phases run."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    script = Path(__file__).resolve().parents[2] / "bench" / "prefix_bench.py"
     out = tmp_path / "prefix.md"
-    result = subprocess.run([sys.executable, str(script), "--url", server.grpc_url, "--metrics-url", server.metrics_url,
-                             "--system-words", "120", "--requests", "2", "--max-tokens", "4", "--out", str(out)],
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    run_bench("prefix_bench.py", "--url", server.grpc_url, "--metrics-url", server.metrics_url, "--system-words", "120",
+              "--requests", "2", "--max-tokens", "4", "--out", str(out))
     rows = {cells[0]: cells for cells in ([c.strip() for c in line.split("|")[1:-1]]
                                           for line in out.read_text().splitlines() if line.startswith("| ")
                                           and not line.startswith(("| prompts", "| ---")))}
@@ -145,10 +138,8 @@ def test_the_prefix_bench_runs_against_a_server(server, tmp_path):
     assert found["shared"][0] >= 96 and found["unique"][0] == 0  # prompt tokens found / looked up
     assert found["shared"][1] == found["unique"][1] or abs(found["shared"][1] - found["unique"][1]) < 8
     # --stall: plain streams' response gaps alone, then beside long prompts.
-    result = subprocess.run([sys.executable, str(script), "--url", server.grpc_url, "--stall", "--streams", "2",
-                             "--seconds", "2", "--max-tokens", "8", "--system-words", "120"],
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    result = run_bench("prefix_bench.py", "--url", server.grpc_url, "--stall", "--streams", "2", "--seconds", "2",
+                       "--max-tokens", "8", "--system-words", "120")
     rows = [line.split("|")[1:-1] for line in result.stdout.splitlines() if line.startswith(("| plain", "| +"))]
     assert len(rows) == 2 and all(int(row[1]) > 0 for row in rows)  # plain responses in both phases
     assert not rows[0][5].strip() and int(rows[1][5]) > 0  # long prompts beside them in the second
