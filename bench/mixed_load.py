@@ -66,14 +66,16 @@ def run_mix(args, mix: str, rows: list[dict]) -> list[str]:
             j += 1
 
     cpu = server_cpu(args.launcher_pid) if args.launcher_pid else {}
-    steps, executions, started = target("nv_inference_request_success"), target("nv_inference_exec_count"), time.monotonic()
+    steps, executions = target("nv_inference_request_success"), target("nv_inference_exec_count")
+    started = time.monotonic()
     threads = [threading.Thread(target=stream, args=(i,)) for i in range(args.streams)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
     wall = time.monotonic() - started
-    per_execution = (target("nv_inference_request_success") - steps) / max(target("nv_inference_exec_count") - executions, 1)
+    per_execution = ((target("nv_inference_request_success") - steps)
+                     / max(target("nv_inference_exec_count") - executions, 1))
     used = server_cpu(args.launcher_pid) if args.launcher_pid else {}
     return [mix, f"{sum(tokens) / wall:.1f}", f"{per_execution:.2f}",
             *(f"{used.get(name, 0.0) - cpu.get(name, 0.0):.1f}" if used else "" for name in PROCESSES)]

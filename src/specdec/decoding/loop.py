@@ -28,12 +28,12 @@ from specdec import tensor_names as tn
 from specdec.decoding.bad_words import banned_tokens, mask_banned
 from specdec.decoding.draft_length import DraftLengthPolicy
 from specdec.decoding.grammar import Grammar, GrammarMatcher
-from specdec.decoding.token_mask import mask_disallowed
 from specdec.decoding.logit_bias import TokenBias, apply_bias
 from specdec.decoding.interfaces import NoCapacity, Proposal, Proposer, Scorer, Scores
 from specdec.decoding.penalties import Penalties, TokenOccurrences, penalize
 from specdec.decoding.rejection_sampler import Verdict, greedy_verify, rejection_sample
 from specdec.decoding.sampling import SamplingParams, greedy, logits_to_probs, make_generator, pad_vocab, token_log_probs
+from specdec.decoding.token_mask import mask_disallowed
 
 
 @dataclass(frozen=True)

@@ -48,8 +48,8 @@ class _SequenceModel:
 
     Every call of a model carries the same set of inputs, defaults included (a reservation of 0, release
     false, greedy sampling settings, an empty bitmask): Triton's sequence batcher puts requests into one
-    execution only when they carry the same inputs, so a call that left one out ran in a forward of its own
-    (measured: README, "One input set per model"). `QUIET` holds the model's own inputs as a call that asks
+    execution only when they carry the same inputs, so a call that left one out ran in an execution of its
+    own (measured: README, "One input set per model"). `QUIET` holds the model's own inputs as a call that asks
     for nothing back sends them (a prompt's chunk, the release).
 
     `prefill_chunk` (tokens; 0: off): a call appending more tokens than that beyond the positions it
@@ -130,7 +130,8 @@ class BlsProposer(_SequenceModel):
 
 
 class BlsScorer(_SequenceModel):
-    QUIET = {tn.NUM_LOGITS: _i32([0]), tn.ALLOWED_TOKENS: np.zeros((1, 0, 0), dtype=np.int32)}  # empty: every token
+    # An empty bitmask: every token.
+    QUIET = {tn.NUM_LOGITS: _i32([0]), tn.ALLOWED_TOKENS: np.zeros((1, 0, 0), dtype=np.int32)}
 
     async def score(self, seq_id: int, keep: int, new_ids: list[int], num_positions: int,
                     want_logits: bool, reserve: int = 0, want_log_probs: bool = False,
@@ -140,7 +141,8 @@ class BlsScorer(_SequenceModel):
             [tn.GREEDY_LOG_PROBS] if want_log_probs else [])
         # The grammar's (K+1) x V/32 words instead of (K+1) x V logits back.
         mask = {} if allowed is None else {tn.ALLOWED_TOKENS: allowed.cpu().numpy()[None]}
-        result = await self._call(seq_id, new_ids, keep, outputs, reserve, **{tn.NUM_LOGITS: _i32([num_positions]), **mask})
+        result = await self._call(seq_id, new_ids, keep, outputs, reserve,
+                                  **{tn.NUM_LOGITS: _i32([num_positions]), **mask})
         logits = _torch(result[tn.LOGITS])[0] if want_logits else None
         rows, sequences, seconds = result[tn.FORWARD_STATS].as_numpy()[0].tolist()
         log_probs = torch.from_numpy(result[tn.GREEDY_LOG_PROBS].as_numpy()[0].copy()) if want_log_probs else None
