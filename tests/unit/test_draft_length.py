@@ -8,8 +8,9 @@ from specdec.decoding.draft_length import (CostModel, DraftLengthPolicy, best_dr
                                         speedup)
 
 
-def linear(slope):
-    return lambda k: 1.0 + slope * k
+def linear(slope, draft_cost=0.0):
+    """round_cost(k) of a draft costing `draft_cost` per token and a verify growing by `slope` per token."""
+    return lambda k: 1.0 + slope * k + draft_cost * k
 
 
 def test_expected_tokens_closed_form_and_limits():
@@ -21,19 +22,19 @@ def test_expected_tokens_closed_form_and_limits():
 
 
 def test_speedup_is_the_leviathan_bound():
-    # α = 0.8, K = 4, c = 0.05, v = 1.2: (1 - 0.8^5) / (0.2 · (4 · 0.05 + 1.2))
-    assert speedup(0.8, 4, 0.05, 1.2) == pytest.approx((1 - 0.8 ** 5) / 0.2 / 1.4)
+    # α = 0.8, K = 4, d(4) = 4 · 0.05, v = 1.2: (1 - 0.8^5) / (0.2 · (4 · 0.05 + 1.2))
+    assert speedup(0.8, 4, 4 * 0.05 + 1.2) == pytest.approx((1 - 0.8 ** 5) / 0.2 / 1.4)
 
 
 def test_no_speculation_when_it_cannot_pay():
     # Low acceptance and a costly draft: target-only (k = 0) is best.
-    assert best_draft_length(0.1, 8, 0.3, linear(0.1)) == (0, 1.0)
+    assert best_draft_length(0.1, 8, linear(0.1, 0.3)) == (0, 1.0)
     # A free draft but verification that costs as much as a step per extra token: never pays either.
-    assert best_draft_length(0.5, 8, 0.0, linear(1.0))[0] == 0
+    assert best_draft_length(0.5, 8, linear(1.0))[0] == 0
 
 
 def test_longer_drafts_as_acceptance_rises():
-    ks = [best_draft_length(alpha, 16, 0.05, linear(0.05))[0] for alpha in (0.3, 0.6, 0.8, 0.95)]
+    ks = [best_draft_length(alpha, 16, linear(0.05, 0.05))[0] for alpha in (0.3, 0.6, 0.8, 0.95)]
     assert ks == sorted(ks) and ks[0] < ks[-1]
     assert ks[-1] >= 8
 
@@ -41,7 +42,7 @@ def test_longer_drafts_as_acceptance_rises():
 def test_best_length_follows_a_non_linear_verify_table():
     # The CPU shape measured on SmolLM2: verifying 2-3 positions costs more than 5.
     table = {1: 1.63, 2: 2.07, 3: 1.57, 4: 1.44, 5: 1.44, 6: 1.77, 7: 1.5, 8: 1.78}
-    k, value = best_draft_length(0.6, 8, 0.0, table.__getitem__)
+    k, value = best_draft_length(0.6, 8, table.__getitem__)
     assert k in (4, 5) and value == pytest.approx(max(expected_tokens(0.6, j) / table[j] for j in table))
 
 
@@ -55,9 +56,47 @@ def test_cost_model_measures_ratios_and_interpolates():
     assert costs.verify_cost(4) == pytest.approx(1.5)  # 5 positions: 60 / 40 ms
     assert costs.verify_cost(6) == pytest.approx(1.75)  # 7 positions: between 60 and 80 ms
     assert costs.verify_cost(12) == pytest.approx(1.0 + 0.1 * 12)  # beyond what was measured: the prior
-    costs.observe_draft("model", 4, 0.032)  # 8 ms per drafted token
-    assert costs.draft_cost("model") == pytest.approx(0.2)
-    assert costs.draft_cost("never_seen") == costs.prior_draft_cost
+    costs.observe_draft("model", 4, 0.032)  # one size measured: 8 ms per drafted token
+    assert costs.draft_cost("model", 4) == pytest.approx(0.8)
+    assert costs.draft_cost("model", 2) == pytest.approx(0.4)
+    assert costs.draft_cost("model", 0) == 0.0
+    assert costs.draft_cost("never_seen", 3) == pytest.approx(3 * costs.prior_draft_cost)
+    assert costs.round_cost("model", 4) == pytest.approx(0.8 + 1.5)
+    assert costs.round_cost("model", 0) == 1.0
+
+
+def test_draft_call_cost_keeps_its_fixed_part():
+    """A served draft call = a fixed part (BLS round trip, request handling) + a cost per step: measured by
+    k, d(k) is interpolated between sizes and extrapolated along the lines through the nearest two, never
+    below proportional."""
+    costs = CostModel(decay=0.0)
+    costs.observe_verify(1, 0.010)
+    for k in (2, 4):
+        costs.observe_draft("model", k, 0.002 + 0.0013 * k)  # 2 ms fixed + 1.3 ms per token
+    assert costs.draft_cost("model", 3) == pytest.approx(0.59)  # between: (2 + 3.9) / 10
+    assert costs.draft_cost("model", 6) == pytest.approx(0.98)  # past 4: along the line
+    assert costs.draft_cost("model", 1) == pytest.approx(0.33)  # below 2: the fixed part stays
+    steep = CostModel(decay=0.0)
+    steep.observe_verify(1, 0.010)
+    steep.observe_draft("model", 2, 0.002)
+    steep.observe_draft("model", 3, 0.006)  # noise: the line below would cross zero; proportional instead
+    assert steep.draft_cost("model", 1) == pytest.approx(0.1)
+    steep.observe_draft("model", 3, 0.001)  # a line falling with k: flat below
+    assert steep.draft_cost("model", 1) == pytest.approx(0.2)
+
+
+def test_a_fixed_draft_call_cost_does_not_pull_k_down():
+    """The served GPU shape (8B-shaped target, 4-layer draft): a 9.7 ms verify, draft calls of 2 ms + 1.3 ms
+    per token, α = 0.78. Drafting 4 pays most; a short draft's call, dearer per token, must not make the
+    policy believe every drafted token costs that much (per-token costs from the last k ran gave K = 2)."""
+    costs = CostModel(decay=0.0)
+    costs.observe_verify(1, 0.0097)
+    costs.observe_verify(5, 0.0101)
+    policy = DraftLengthPolicy(4, costs, "model")
+    policy.successes, policy.failures, policy.prior_weight = 0.78, 0.22, 0.0
+    for k in (4, 1):  # K=4 rounds ran, then a short one (a probe, or a dip in α)
+        costs.observe_draft("model", k, 0.002 + 0.0013 * k)
+    assert policy.next_k() == 4
 
 
 def test_policy_stops_drafting_on_rejections_and_resumes_on_acceptance():
@@ -161,3 +200,9 @@ def test_new_requests_start_from_the_servers_running_acceptance():
     assert costs.prior_alpha("model") > 0.9
     assert DraftLengthPolicy(8, costs, "model").alpha > 0.9
     assert DraftLengthPolicy(8, costs, "ngram").alpha == 0.5  # other methods keep their own prior
+    # The server's α is on the requests' scale: accepted tokens over accepted plus rejections (2 of 4
+    # accepted every round is α = 2/3, a per-token rate, where accepted over drafted would say 1/2).
+    half = CostModel()
+    for _ in range(200):
+        DraftLengthPolicy(8, half, "model").update(4, 2)
+    assert half.prior_alpha("model") == pytest.approx(2 / 3)

@@ -1,23 +1,28 @@
 """How many tokens to draft each round: the expected-speedup rule over measured costs.
 
 With a per-token acceptance rate α (the i.i.d. approximation of Leviathan et al.), a round that drafts
-k tokens produces E(k) = (1 - α^(k+1)) / (1 - α) tokens and costs k·c + v(k) target steps, where c is
-the draft's cost per token and v(k) the cost of verifying k + 1 positions (v(0) = 1: a target-only
-step). The policy drafts the k in [0, k_max] maximizing E(k) / (k·c + v(k)); k = 0 (target-only) wins
-when no k beats 1, so speculation switches itself off where it does not pay.
+k tokens produces E(k) = (1 - α^(k+1)) / (1 - α) tokens and costs d(k) + v(k) target steps, where d(k)
+is the draft call's cost for k tokens and v(k) the cost of verifying k + 1 positions (v(0) = 1: a
+target-only step). The policy drafts the k in [0, k_max] maximizing E(k) / (d(k) + v(k)); k = 0
+(target-only) wins when no k beats 1, so speculation switches itself off where it does not pay.
 
 The costs are measured, not assumed, shared by all requests of a server (`CostModel`): the target
 reports every forward it ran (token rows, sequences, seconds), and with n sequences per forward
 v(k) = T(n(k+1)) / T(n), the batch's view: drafting k for all n sequences multiplies a forward's rows
 by k + 1. Alone that is the cost of verifying k + 1 positions; under load it grows as rows stop being
 nearly free, so speculation backs off where it would cost throughput. (Without forward reports, the
-request's own verify latency by positions is used.) c is the draft's time per drafted token over the
-1-position verify. α is estimated per request with fast forgetting (acceptance comes in bursts: a copied
-span is accepted whole), starting from the server's running acceptance of the same draft method.
+request's own verify latency by positions is used.) d(k) is the draft call's time for k tokens over the
+1-position verify, measured by k: a served draft call has a fixed part (its BLS round trip, the draft
+model's request handling) besides its steps, so d(k) is not k·d(1). Reading it as k·c with c from
+whatever k ran made short drafts look cheap per token when long ones ran and dear once short ones did,
+and K drifted down. α is estimated per request with fast forgetting (acceptance comes in bursts: a copied
+span is accepted whole), starting from the server's running acceptance of the same draft method, both
+as accepted tokens over accepted tokens plus rejections (the geometric estimate of a per-token rate).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from specdec.decoding.interfaces import ForwardStats
@@ -30,16 +35,17 @@ def expected_tokens(alpha: float, k: int) -> float:
     return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
-def speedup(alpha: float, k: int, draft_cost: float, verify_cost: float) -> float:
-    """E(k) / (k·c + v(k)): the speedup over target-only of always drafting k (the bound)."""
-    return expected_tokens(alpha, k) / (k * draft_cost + verify_cost)
+def speedup(alpha: float, k: int, round_cost: float) -> float:
+    """E(k) / (d(k) + v(k)): the speedup over target-only of always drafting k (the bound), given the
+    round's cost d(k) + v(k) in target-only steps."""
+    return expected_tokens(alpha, k) / round_cost
 
 
-def best_draft_length(alpha: float, k_max: int, draft_cost: float, verify_cost) -> tuple[int, float]:
-    """(k, value) maximizing speedup over k in [0, k_max]; verify_cost(k) gives v(k), v(0) = 1."""
+def best_draft_length(alpha: float, k_max: int, round_cost: Callable[[int], float]) -> tuple[int, float]:
+    """(k, value) maximizing speedup over k in [0, k_max]; round_cost(k) gives d(k) + v(k), 1 at k = 0."""
     best_k, best = 0, 1.0
     for k in range(1, k_max + 1):
-        value = speedup(alpha, k, draft_cost, verify_cost(k))
+        value = speedup(alpha, k, round_cost(k))
         if value > best + 1e-9:
             best_k, best = k, value
     return best_k, best
@@ -52,6 +58,23 @@ class _Ewma:
 
     def add(self, sample: float) -> None:
         self.value = sample if self.value is None else self.decay * self.value + (1 - self.decay) * sample
+
+
+@dataclass
+class _Acceptance:
+    """Decayed counts of accepted tokens and of rejections; value: their geometric estimate of α."""
+    decay: float
+    accepted: float = 0.0
+    rejected: float = 0.0
+
+    def add(self, accepted: int, rejected: int) -> None:
+        self.accepted = self.decay * self.accepted + accepted
+        self.rejected = self.decay * self.rejected + rejected
+
+    @property
+    def value(self) -> float | None:
+        seen = self.accepted + self.rejected
+        return self.accepted / seen if seen > 0 else None
 
 
 def _interpolate(table: dict[int, _Ewma], x: int, extrapolate: bool) -> float | None:
@@ -69,20 +92,39 @@ def _interpolate(table: dict[int, _Ewma], x: int, extrapolate: bool) -> float | 
     return None
 
 
+def _call_seconds(table: dict[int, _Ewma], k: int) -> float | None:
+    """A draft call's seconds for k tokens from the calls measured by k: linear between measured sizes,
+    past the largest along the line through the two largest, below the smallest along the line through
+    the two smallest (the call's fixed part stays) but never below proportional. One size measured:
+    proportional (its fixed part is unknown). None before any."""
+    known = sorted((n, e.value) for n, e in table.items() if e.value is not None)
+    if not known:
+        return None
+    if len(known) == 1:
+        n, t = known[0]
+        return t * k / n
+    between = _interpolate(table, k, extrapolate=True)
+    if between is not None:
+        return between
+    (lo, t_lo), (hi, t_hi) = known[0], known[1]
+    slope = max(0.0, (t_hi - t_lo) / (hi - lo))
+    return max(t_lo - slope * (lo - k), t_lo * k / lo)
+
+
 @dataclass
 class CostModel:
-    """Measured round costs of one server: verify seconds by positions, draft seconds per token by method.
+    """Measured round costs of one server: verify seconds by positions, draft call seconds by method and k.
 
     Until a size has been measured its cost comes from the nearest measured sizes (linear), and before
-    anything is measured from the prior v(k) = 1 + prior_verify_slope·k and c = prior_draft_cost.
+    anything is measured from the prior v(k) = 1 + prior_verify_slope·k and d(k) = prior_draft_cost·k.
     """
 
     prior_verify_slope: float = 0.1
     prior_draft_cost: float = 0.3
     decay: float = 0.9
     verify_s: dict[int, _Ewma] = field(default_factory=dict)  # positions -> seconds
-    draft_s: dict[str, _Ewma] = field(default_factory=dict)  # method -> seconds per drafted token
-    alpha: dict[str, _Ewma] = field(default_factory=dict)  # method -> running acceptance (prior for requests)
+    draft_s: dict[str, dict[int, _Ewma]] = field(default_factory=dict)  # method -> tokens -> seconds per call
+    alpha: dict[str, _Acceptance] = field(default_factory=dict)  # method -> running acceptance (requests' prior)
     forward_s: dict[int, _Ewma] = field(default_factory=dict)  # token rows -> seconds of a target forward
     sequences: _Ewma = field(default_factory=lambda: _Ewma(0.9))  # sequences sharing a target forward
     # v(k) is asked every round of every request, and computing it sorts the forward table: recompute
@@ -103,11 +145,11 @@ class CostModel:
 
     def observe_draft(self, method: str, tokens: int, seconds: float) -> None:
         if tokens > 0:
-            self.draft_s.setdefault(method, _Ewma(self.decay)).add(seconds / tokens)
+            self.draft_s.setdefault(method, {}).setdefault(tokens, _Ewma(self.decay)).add(seconds)
 
     def observe_acceptance(self, method: str, drafted: int, accepted: int) -> None:
         if drafted > 0:
-            self.alpha.setdefault(method, _Ewma(0.98)).add(accepted / drafted)
+            self.alpha.setdefault(method, _Acceptance(0.98)).add(accepted, int(accepted < drafted))
 
     def _seconds(self, positions: int) -> float | None:
         """Verify latency by positions, between measured sizes (no extrapolation)."""
@@ -145,13 +187,19 @@ class CostModel:
             return 1.0 + self.prior_verify_slope * k
         return many / one
 
-    def draft_cost(self, method: str) -> float:
-        """c: seconds per drafted token over seconds of a 1-position verify (a target step)."""
+    def draft_cost(self, method: str, k: int) -> float:
+        """d(k): seconds of a draft call for k tokens over seconds of a 1-position verify (a target step)."""
+        if k == 0:
+            return 0.0
         one = self._seconds(1)
-        per_token = self.draft_s.get(method)
-        if one is None or per_token is None or per_token.value is None:
-            return self.prior_draft_cost
-        return per_token.value / one
+        seconds = _call_seconds(self.draft_s.get(method, {}), k)
+        if one is None or seconds is None:
+            return self.prior_draft_cost * k
+        return seconds / one
+
+    def round_cost(self, method: str, k: int) -> float:
+        """d(k) + v(k): a round drafting k tokens with `method`, in target-only steps (1 at k = 0)."""
+        return self.draft_cost(method, k) + self.verify_cost(k)
 
     def prior_alpha(self, method: str, default: float = 0.5) -> float:
         running = self.alpha.get(method)
@@ -167,7 +215,7 @@ class DraftLengthPolicy:
     keeps learning at no cost and a burst of matches turns drafting back on after one round. (Always
     drafting instead, because misses are free, is what we did before: it stops being free once rows of
     a batched forward cost time.) A costly proposer pauses at k = 0 and probes with one token after `probe_every` rounds,
-    doubling the wait after every probe that is rejected (a probe costs c + v(1) - 1 extra steps), so the
+    doubling the wait after every probe that is rejected (a probe costs d(1) + v(1) - 1 extra steps), so the
     estimate can recover without taxing a draft that never agrees.
     """
 
@@ -199,7 +247,7 @@ class DraftLengthPolicy:
         self.probing = self.shadow = False
         if self.k_max <= 0 or not self.adaptive:  # not adaptive: always k_max (the costs are still measured)
             return self.k_max
-        k, _ = best_draft_length(self.alpha, self.k_max, self.costs.draft_cost(self.method), self.costs.verify_cost)
+        k, _ = best_draft_length(self.alpha, self.k_max, lambda j: self.costs.round_cost(self.method, j))
         if k > 0:
             self.paused_rounds, self.probe_wait = 0, self.probe_every
             return k
