@@ -8,8 +8,8 @@
 #   tests          tests/gpu (greedy equality in float32/float64, seeded sampling, CUDA graphs vs eager)
 #   bench          `make bench-gpu`'s table: the 8B-shaped pair against the bound, compiled PyTorch and
 #                  transformers, served at 1 and 8 streams (the README's GPU table)
-#   orchestrators  the served rows again with one orchestrator instance (the default is two): the A/B
-#                  behind speculation.orchestratorInstances
+#   orchestrators  the served rows with one orchestrator instance and with two: the A/B behind the GPU
+#                  default of speculation.orchestratorInstances (one)
 #   executor       in-process steps of the static executor, with and without the fused SiLU MLP (fuse_mlp),
 #                  against the compiled static-cache reference
 #   streams        the 8-stream target (>= 4x one stream): four orchestrator instances, and concurrent
@@ -21,7 +21,9 @@
 #   overhead       where a served round goes on the GPU (tiny pair): greedy, sampled, and guided by a regex
 #                  (target_model picking with the grammar's bitmask) (~3 min)
 #
-# Results go to $OUT (the device tool brings that folder back), or .cache/gpu-session here.
+# Results go to $OUT (the device tool brings that folder back), or .cache/gpu-session here. The device
+# tool returns at most 8 files: `bench` writes 4 with gpu.txt and summary.txt, `overhead` 6, so run those
+# two in separate commands.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-.cache/gpu-session}"

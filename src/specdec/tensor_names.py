@@ -123,9 +123,11 @@ DEFAULT_NUM_DRAFT_TOKENS = 4
 DEFAULT_MAX_NUM_DRAFT_TOKENS = 16
 DEFAULT_MAX_MAX_TOKENS = 1024
 DEFAULT_MAX_CONTEXT_TOKENS = 8192  # prompt + output tokens per sequence; the chart's default too
-# speculative_decoding stub processes: concurrent streams' rounds run in parallel, not on one Python thread
-# (README, "Measured design choices"); the committed config and the chart's default too.
-DEFAULT_ORCHESTRATOR_INSTANCES = 2
+# speculative_decoding stub processes by the models' device: on CPU two, concurrent streams' rounds in
+# parallel, not on one Python thread; with the models on GPUs one, where a second gained nothing and each
+# instance's adaptive policy measured its costs apart (README, "Measured design choices"). The committed
+# config (CPU), the launcher's and the chart's defaults (by gpu.count) too.
+DEFAULT_ORCHESTRATOR_INSTANCES = {"cpu": 2, "gpu": 1}
 
 # ---- executor settings of draft_model / target_model (config parameters, launcher and chart) ---------
 # auto: the static executor with CUDA graphs on GPUs, the eager one on CPU; off: eager everywhere;

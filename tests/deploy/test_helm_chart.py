@@ -14,7 +14,7 @@ import yaml
 import helm_python  # noqa: E402
 from helm_python import Chart  # noqa: E402
 
-from specdec.serving import launcher  # noqa: E402
+from specdec.serving import launcher, repository  # noqa: E402
 from specdec.serving.pairs import REPO_ROOT, PairSpec  # noqa: E402
 from specdec.serving.repository import render  # noqa: E402
 
@@ -38,6 +38,7 @@ COMBINATIONS = {
     "cpu-only-ngram": {"gpu": {"count": 0}, "models": {"draft": {"method": "ngram"}, "dtype": "float32"},
                        "resources": {"requests": {"cpu": "2", "memory": "4Gi"}}, "executor": {"torchThreads": 2},
                        "speculation": {"orchestratorInstances": 1}},
+    "cpu-only-defaults": {"gpu": {"count": 0}, "models": {"dtype": "float32"}},
     "spread-target": {"gpu": {"count": 4, "spreadTarget": True, "draftGpu": 3},
                       "speculation": {"defaultNumDraftTokens": 6, "maxContextTokens": 4096},
                       "podDisruptionBudget": {"enabled": False}, "server": {"modelRepositoryApi": {"restricted": False}}},
@@ -272,8 +273,9 @@ def pair_for(values: dict) -> PairSpec:
         prefix_cache_tokens=values["executor"]["prefixCaching"]["tokens"])
 
 
-@pytest.mark.parametrize("name", ["defaults", "cpu-only-ngram", "spread-target"])
-def test_model_configuration_matches_the_launcher(name, tmp_path):
+@pytest.mark.parametrize("name, orchestrators", [("defaults", 1), ("cpu-only-ngram", 1), ("cpu-only-defaults", 2),
+                                                 ("spread-target", 1)])
+def test_model_configuration_matches_the_launcher(name, orchestrators, tmp_path):
     docs = render_chart(COMBINATIONS[name])
     (configs,) = [d for d in by_kind(docs, "ConfigMap") if d["metadata"]["name"].endswith("-model-config")]
     repo = render(pair_for(chart_values(COMBINATIONS[name])), tmp_path / "repo")
@@ -281,6 +283,8 @@ def test_model_configuration_matches_the_launcher(name, tmp_path):
     assert {key.removesuffix(".config.pbtxt") for key in configs["data"]} == set(rendered)
     for model, text in rendered.items():
         assert normalized(configs["data"][f"{model}.config.pbtxt"]) == normalized(text), model
+    # Orchestrator processes: one with GPUs, two on a CPU-only pod, unless set.
+    assert f"instance_group [ {{ count: {orchestrators}, kind: KIND_CPU }} ]" in rendered["speculative_decoding"]
 
     # The server loads exactly the rendered models; the launcher accepts the container's arguments.
     triton = deployment(docs)["spec"]["template"]["spec"]["containers"][0]
@@ -308,11 +312,17 @@ def test_one_default_orchestrator_instance_count_for_chart_launcher_and_image():
     from specdec import tensor_names as tn
 
     values = yaml.safe_load((CHART / "values.yaml").read_text())
-    assert values["speculation"]["orchestratorInstances"] == tn.DEFAULT_ORCHESTRATOR_INSTANCES
-    assert launcher.parse_args(["--target", "/m"]).orchestrator_instances == tn.DEFAULT_ORCHESTRATOR_INSTANCES
-    assert PairSpec("p", "/m", "/m").orchestrator_instances == tn.DEFAULT_ORCHESTRATOR_INSTANCES
+    # Unset everywhere: the count follows the models' device (the chart's gpu.count; the chart's renders
+    # are compared with the launcher's for GPU and CPU-only values in the parity test below).
+    assert values["speculation"]["orchestratorInstances"] is None
+    assert launcher.parse_args(["--target", "/m"]).orchestrator_instances is None
+    for device in ("cpu", "gpu"):
+        pair = PairSpec("p", "/m", "/m", device=device)
+        assert repository.orchestrator_instances(pair) == tn.DEFAULT_ORCHESTRATOR_INSTANCES[device]
+    assert repository.orchestrator_instances(PairSpec("p", "/m", "/m", device="gpu", orchestrator_instances=3)) == 3
+    assert tn.DEFAULT_ORCHESTRATOR_INSTANCES == {"cpu": 2, "gpu": 1}  # the README's measured choice
     committed = (REPO_ROOT / "model_repository" / "speculative_decoding" / "config.pbtxt").read_text()
-    assert f"instance_group [ {{ count: {tn.DEFAULT_ORCHESTRATOR_INSTANCES}, kind: KIND_CPU }} ]" in committed
+    assert f"instance_group [ {{ count: {tn.DEFAULT_ORCHESTRATOR_INSTANCES['cpu']}, kind: KIND_CPU }} ]" in committed
 
 
 @pytest.mark.parametrize("load_timeout, period", [(1200, 10), (95, 10), (600, 7)])

@@ -201,7 +201,7 @@ def test_cost_model_gauges_come_from_the_targets_forward_reports(server):
         costs = [[gauges[k] for k in (1, 2, 4)] for gauges in by_instance.values() if any(gauges.values())]
         if any(instance != prior for instance in costs):
             break
-    assert len(by_instance) == tn.DEFAULT_ORCHESTRATOR_INSTANCES, by_instance
+    assert len(by_instance) == tn.DEFAULT_ORCHESTRATOR_INSTANCES["cpu"], by_instance
     assert max(value for _, value in samples(text, "specdec_sequences_per_forward")) >= 1.0
     # v(k) is clamped at 1, so ">= 1" alone proves nothing: the gauges must also have left the prior,
     # i.e. come from measured costs.

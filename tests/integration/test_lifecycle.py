@@ -17,7 +17,7 @@ def test_sigterm_stops_server_and_every_stub_with_exit_code_0(tmp_path):
     server = start_server(tmp_path)
     try:
         # Every Python model instance runs in its own stub: six models once, the orchestrator per instance.
-        assert len(stub_processes(server.run_dir)) == 6 + tn.DEFAULT_ORCHESTRATOR_INSTANCES
+        assert len(stub_processes(server.run_dir)) == 6 + tn.DEFAULT_ORCHESTRATOR_INSTANCES["cpu"]
         log = server.log_path.read_text(errors="replace")
         for model in ("target_model", "draft_model", "draft_model_exact", "draft_model_random"):
             assert f"{model}: warmed up in" in log, model  # before READY: the first requests pay nothing

@@ -206,3 +206,19 @@ def test_new_requests_start_from_the_servers_running_acceptance():
     for _ in range(200):
         DraftLengthPolicy(8, half, "model").update(4, 2)
     assert half.prior_alpha("model") == pytest.approx(2 / 3)
+
+
+def test_round_costs_follow_new_measurements():
+    """d(k) + v(k) is memoized (asked for every k every round) but follows what is measured: exact while
+    observations are few, refreshed every `refresh` observations after."""
+    costs = CostModel(decay=0.0)
+    costs.observe_verify(1, 0.010)
+    costs.observe_verify(5, 0.0105)
+    policy = DraftLengthPolicy(4, costs, "model")
+    policy.successes, policy.failures, policy.prior_weight = 0.7, 0.3, 0.0
+    costs.observe_draft("model", 4, 0.004)  # cheap: draft all 4
+    assert policy.next_k() == 4
+    for _ in range(costs.refresh * 3):  # the draft turns dear (another model on its GPU, say)
+        costs.observe_draft("model", 4, 0.040)
+    assert costs.round_cost("model", 4) == pytest.approx(4.0 + 1.05)
+    assert policy.next_k() == 0

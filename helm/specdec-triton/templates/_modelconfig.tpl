@@ -223,5 +223,5 @@ output [
 {{ include "specdec.param" (list "when_full" $s.whenFull) }}
 {{ include "specdec.param" (list "verify_gather_ms" $s.verifyGatherMs) }}
 {{ include "specdec.param" (list "prefill_chunk_tokens" $s.prefillChunkTokens) }}
-instance_group [ { count: {{ int $s.orchestratorInstances }}, kind: KIND_CPU } ]
+instance_group [ { count: {{ int ($s.orchestratorInstances | default (ternary 1 2 (gt (int .Values.gpu.count) 0))) }}, kind: KIND_CPU } ]
 {{- end -}}

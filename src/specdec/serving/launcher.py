@@ -212,8 +212,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     custom.add_argument("--chat-template", action="store_true", help="apply the tokenizer's chat template")
     parser.add_argument("--compile", default="auto", choices=tn.COMPILE_MODES,
                         help="the models' executor: auto = static shapes + CUDA graphs on GPUs, eager on CPU")
-    parser.add_argument("--orchestrator-instances", type=int, default=tn.DEFAULT_ORCHESTRATOR_INSTANCES,
-                        help="speculative_decoding processes (concurrent streams' rounds run in parallel)")
+    parser.add_argument("--orchestrator-instances", type=int, default=None,
+                        help="speculative_decoding processes (concurrent streams' rounds run in parallel); default "
+                             f"{tn.DEFAULT_ORCHESTRATOR_INSTANCES['gpu']} with --device gpu, "
+                             f"{tn.DEFAULT_ORCHESTRATOR_INSTANCES['cpu']} on CPU")
     parser.add_argument("--set", action="append", default=[], metavar="MODEL.PARAMETER=VALUE",
                         help="override a config.pbtxt parameter of the rendered repository (repeatable), "
                              "e.g. target_model.batched_forward=false")
@@ -229,7 +231,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         extra = extra[1:]
     if args.set and args.model_repository:
         parser.error("--set edits a rendered repository; --model-repository is served as is")
-    if args.orchestrator_instances < 1:
+    if args.orchestrator_instances is not None and args.orchestrator_instances < 1:
         parser.error(f"--orchestrator-instances must be at least 1, got {args.orchestrator_instances}")
     if any(not arg.startswith("--") for arg in extra):
         parser.error(f"unrecognized arguments: {' '.join(extra)} (server flags go after `--`)")

@@ -64,7 +64,7 @@ class PairSpec:
     max_sequences: int = 256
     max_live_sequences: int = 64  # across all orchestrator instances
     when_full: str = "queue"
-    orchestrator_instances: int = tn.DEFAULT_ORCHESTRATOR_INSTANCES
+    orchestrator_instances: int | None = None  # None: tn.DEFAULT_ORCHESTRATOR_INSTANCES for the device
     sequence_idle_timeout_s: int = 600
 
 

@@ -10,6 +10,7 @@ import re
 import shutil
 from pathlib import Path
 
+from specdec import tensor_names as tn
 from specdec.serving.pairs import REPO_ROOT, PairSpec
 
 SOURCE = REPO_ROOT / "model_repository"
@@ -36,6 +37,11 @@ def instance_group(pair: PairSpec, role: str) -> str:
         return "instance_group [ { count: 1, kind: KIND_MODEL } ]"
     gpu = pair.target_gpu if role == "target" else pair.draft_gpu
     return f"instance_group [ {{ count: 1, kind: KIND_GPU, gpus: [ {gpu} ] }} ]"
+
+
+def orchestrator_instances(pair: PairSpec) -> int:
+    """speculative_decoding processes: the pair's count, else the default for its models' device."""
+    return pair.orchestrator_instances or tn.DEFAULT_ORCHESTRATOR_INSTANCES[pair.device]
 
 
 def render(pair: PairSpec, dest: Path) -> Path:
@@ -93,7 +99,7 @@ def render(pair: PairSpec, dest: Path) -> Path:
         "default_max_tokens": str(pair.default_max_tokens), "max_max_tokens": str(pair.max_max_tokens),
         "max_context_tokens": str(pair.max_context_tokens),
         "max_live_sequences": str(pair.max_live_sequences), "when_full": pair.when_full},
-        f"instance_group [ {{ count: {pair.orchestrator_instances}, kind: KIND_CPU }} ]")
+        f"instance_group [ {{ count: {orchestrator_instances(pair)}, kind: KIND_CPU }} ]")
     return dest
 
 
