@@ -18,6 +18,8 @@
 #   prefix         prefix caching on the 8B-shaped pair: a shared 1500-word system prompt against unshared
 #                  ones (TTFT), and chunked prefill: plain streams' gaps beside long prompts, whole and in
 #                  chunks of 512 (~9 min; `bash bench/gpu_session.sh prefix`)
+#   pipeline       the served rows with the models' execute pipelined (pipelined_execute=true: host work
+#                  overlapping the forwards) and without, one server after the other (~9 min)
 #   overhead       where a served round goes on the GPU (tiny pair): greedy, sampled, and guided by a regex
 #                  (target_model picking with the grammar's bitmask) (~3 min)
 #
@@ -71,8 +73,14 @@ for part in "$@"; do
         --out "$out/overhead-sampled.md"
       run overhead-guided 120 "$python" bench/round_overhead.py --device gpu --regex '[a-z ]{64,}' \
         --out "$out/overhead-guided.md" ;;
+    pipeline)
+      piped=(--launcher-arg=--set=target_model.pipelined_execute=true
+             --launcher-arg=--set=draft_model.pipelined_execute=true)
+      run pipeline-on 270 "$python" bench/gpu_bench.py --served-only --prompts 4 "${piped[@]}" \
+        --out "$out/pipeline-on.md"
+      run pipeline-off 270 "$python" bench/gpu_bench.py --served-only --prompts 4 --out "$out/pipeline-off.md" ;;
     executor) run executor 240 "$python" bench/executor_bench.py --modes graphs,graphs-mlp --reference \
         --out "$out/executor.md" ;;
-    *) echo "unknown part: $part (tests, bench, orchestrators, executor, streams, prefix, overhead)" >&2; exit 2 ;;
+    *) echo "unknown part: $part (tests, bench, orchestrators, executor, streams, prefix, pipeline, overhead)" >&2; exit 2 ;;
   esac
 done

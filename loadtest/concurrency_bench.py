@@ -3,11 +3,13 @@
     python loadtest/concurrency_bench.py --url localhost:8001 --concurrency 1 2 4 8 16 --requests-per-stream 3
     python loadtest/concurrency_bench.py --pair default --compare-unbatched --requests-per-level 16  # own servers
     python loadtest/concurrency_bench.py --pair default --compare-orchestrators 1 2 --concurrency 1 4 8
+    python loadtest/concurrency_bench.py --pair tiny --compare-pipelined --concurrency 1 8
 
 With --pair it starts a server for that pair itself; with --compare-unbatched it first measures a server
 whose models run one forward per sequence (batched_forward=false), then the normal (batched) one, and
 adds the batched / unbatched throughput ratio; with --compare-orchestrators, one server per number of
-speculative_decoding instances, the ratio of the last to the first.
+speculative_decoding instances, the ratio of the last to the first; with --compare-pipelined, a server
+whose models answer from their own threads (pipelined_execute=true) against one that does not.
 
 For each concurrency level and mode it runs `concurrency` streaming clients, each sending its share of
 requests back to back, and prints a Markdown table: output tokens/s (genai-perf: total output tokens /
@@ -89,6 +91,8 @@ def main() -> None:
                         help="with --pair: also measure a server with batched_forward=false")
     parser.add_argument("--compare-orchestrators", type=int, nargs="+", metavar="N",
                         help="with --pair: one server per number of orchestrator instances, in this order")
+    parser.add_argument("--compare-pipelined", action="store_true",
+                        help="with --pair: the models synchronous, then with pipelined_execute=true")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--requests-per-stream", type=int, default=2)
     parser.add_argument("--requests-per-level", type=int, default=None,
@@ -100,12 +104,15 @@ def main() -> None:
     prompts = [json.loads(line)["prompt"] for line in Path(args.prompts_file).read_text().splitlines() if line.strip()]
     spec = GenerationParams(max_tokens=args.max_tokens, num_draft_tokens=args.num_draft_tokens)
     base = GenerationParams(max_tokens=args.max_tokens, num_draft_tokens=0)
-    if (args.compare_unbatched or args.compare_orchestrators) and not args.pair:
+    if (args.compare_unbatched or args.compare_orchestrators or args.compare_pipelined) and not args.pair:
         parser.error("--compare-* starts its own servers: give --pair")
     servers = {"batched": []}  # label -> launcher arguments
     if args.compare_unbatched:
         servers = {"unbatched": ["--set", "target_model.batched_forward=false",
                                  "--set", "draft_model.batched_forward=false"], "batched": []}
+    elif args.compare_pipelined:
+        servers = {"synchronous": [], "pipelined": [arg for model in ("target_model", "draft_model") for arg in
+                                                    ("--set", f"{model}.pipelined_execute=true")]}
     elif args.compare_orchestrators:
         servers = {f"{n} orchestrator{'s' if n > 1 else ''}": [f"--orchestrator-instances={n}"]
                    for n in args.compare_orchestrators}

@@ -42,6 +42,7 @@ instance_group [ { count: 1, kind: KIND_GPU, gpus: [ {{ ternary $root.Values.gpu
 {{ include "specdec.param" (list "prefix_caching" $root.Values.executor.prefixCaching.enabled) }}
 {{ include "specdec.param" (list "prefix_cache_tokens" $root.Values.executor.prefixCaching.tokens) }}
 {{ include "specdec.param" (list "batched_forward" "true") }}
+{{ include "specdec.param" (list "pipelined_execute" $root.Values.executor.pipelinedExecute) }}
 {{ include "specdec.instanceGroup" (list $root $role) }}
 {{- end -}}
 

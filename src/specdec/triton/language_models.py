@@ -11,6 +11,7 @@ num_logits positions; draft_model proposes num_draft_tokens tokens
 from __future__ import annotations
 
 
+import contextlib
 import threading
 import time
 from pathlib import Path
@@ -30,6 +31,10 @@ from specdec.engine.static_executor import StaticCausalLM
 from specdec.triton.adapter import TritonAdapter
 from specdec.triton.config import ConfigError, ModelParameters
 from specdec.triton.metrics import ModelMetrics
+from specdec.triton.pipeline import Job, Pipeline
+
+
+RELEASED = object()  # the outcome of a release job (its answer: an empty response)
 
 
 def _inputs(request) -> dict:
@@ -140,6 +145,12 @@ class LanguageModelAdapter(TritonAdapter):
         self._evictor = threading.Thread(target=self._evict_periodically, args=(interval,), daemon=True,
                                          name=f"{self.name}-evictor")
         self._evictor.start()
+        # true: execute only parses and hands the steps to two threads of the model's own, the next batch
+        # is handed over at once, and the forwards overlap the host work around them (pipeline.py).
+        self.pipeline = Pipeline(self.name, self._run_locked, self._answer, self._send, self.pb.Logger.log_warn) \
+            if params.bool("pipelined_execute", False) else None
+        if self.pipeline is not None:
+            self.pb.Logger.log_info(f"{self.name}: pipelined execute: steps run and are answered on the model's threads")
 
     def _warm_up(self) -> None:
         """Run the shapes of serving once before the server reports ready, so that the first requests do
@@ -179,29 +190,42 @@ class LanguageModelAdapter(TritonAdapter):
 
     def execute(self, requests):
         """All pending steps (of different sequences: the sequence batcher sends one step per sequence
-        at a time) run as one batched forward; each request gets its own response or error."""
-        with self._lock:
-            return self._execute(requests)
+        at a time) run as one batched forward; each request gets its own response or error. Pipelined,
+        the steps are handed to the pipeline's threads and answered from there (pipeline.py)."""
+        jobs = [self._parse(request) for request in requests]
+        if self.pipeline is not None:
+            self.pipeline.submit(jobs)
+            return None
+        outcomes = self._run_locked(jobs)
+        return [self._answer(job, outcome) for job, outcome in zip(jobs, outcomes)]
 
-    def _execute(self, requests):
-        pb = self.pb
+    def _parse(self, request) -> Job:
+        seq_id = request.correlation_id()
+        try:
+            inputs = _inputs(request)
+            if _scalar(inputs, tn.RELEASE, False):
+                return Job(request, seq_id)
+            return Job(request, seq_id, self._parse_step(inputs, seq_id))
+        except (CacheError, ValueError) as exc:
+            return Job(request, seq_id, error=exc)
+
+    def _run_jobs(self, jobs: list[Job]) -> list:
+        """Per job its outcome: (result, ForwardStats) for a step, RELEASED for a release, or an Exception.
+        The steps run as one batched forward (one per step with batched_forward false)."""
         self.lm.evict_idle()
+        outcomes: list = [job.error for job in jobs]
         released = False
-        responses: list = [None] * len(requests)
         steps, owners = [], []
-        for i, request in enumerate(requests):
-            try:
-                seq_id = request.correlation_id()
-                inputs = _inputs(request)
-                if _scalar(inputs, tn.RELEASE, False):
-                    self.lm.release(seq_id)
-                    released = self._freed_since_trim = True
-                    responses[i] = pb.InferenceResponse(output_tensors=[])
-                    continue
-                steps.append(self._parse_step(inputs, seq_id))
+        for i, job in enumerate(jobs):
+            if job.error is not None:
+                continue
+            if job.step is None:
+                self.lm.release(job.seq_id)
+                released = self._freed_since_trim = True
+                outcomes[i] = RELEASED
+            else:
+                steps.append(job.step)
                 owners.append(i)
-            except (CacheError, ValueError) as exc:
-                responses[i] = self._error(exc)
         if steps:
             groups = [steps] if self.batched else [[step] for step in steps]
             results, forwards = [], []
@@ -222,11 +246,31 @@ class LanguageModelAdapter(TritonAdapter):
                 results = self._gather(steps, results)
             except Exception as exc:  # noqa: BLE001 - as a failed forward: every step gets the error
                 results = [RuntimeError(f"{type(exc).__name__}: {exc}")] * len(results)
-            for i, step, result, forward in zip(owners, steps, results, forwards):
-                responses[i] = self._error(result) if isinstance(result, Exception) else \
-                    self._respond(requests[i], step, result, forward)
+            for i, result, forward in zip(owners, results, forwards):
+                outcomes[i] = result if isinstance(result, Exception) else (result, forward)
         self._report_metrics(flush=released)
-        return responses
+        return outcomes
+
+    def _run_locked(self, jobs: list[Job]) -> list:
+        # The pipeline's runner is a thread of its own: its current CUDA device is not the one Triton gave.
+        device = torch.cuda.device(self.lm.device) if self.lm.device.type == "cuda" else contextlib.nullcontext()
+        with self._lock, device:
+            return self._run_jobs(jobs)
+
+    def _answer(self, job: Job, outcome):
+        """A job's response: its error, the empty answer to a release, or its step's outputs."""
+        if isinstance(outcome, Exception):
+            return self._error(outcome)
+        if outcome is RELEASED:
+            return self.pb.InferenceResponse(output_tensors=[])
+        try:
+            return self._respond(job.request, job.step, *outcome)
+        except Exception as exc:  # noqa: BLE001 - this request fails, the others are answered
+            return self._error(RuntimeError(f"{type(exc).__name__}: {exc}"))
+
+    def _send(self, job: Job, response) -> None:
+        """Pipelined: a request's one response goes through its sender (execute returned None)."""
+        job.request.get_response_sender().send(response, flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def _output(self, name: str, tensor: torch.Tensor):
         """A response tensor: a CUDA tensor stays on the device (`device_outputs`), others go to the host."""
@@ -265,6 +309,8 @@ class LanguageModelAdapter(TritonAdapter):
         raise NotImplementedError
 
     def finalize(self):
+        if self.pipeline is not None:
+            self.pipeline.stop()
         self._stop.set()
         self._evictor.join(timeout=5)
         self.lm.sequences.clear()
