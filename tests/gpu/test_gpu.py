@@ -66,10 +66,15 @@ def test_a_spread_target_keeps_each_layers_cache_on_its_gpu(tiny_pair):
                           reference.extend(1, 0, PROMPT + [9, 10], 2).cpu(), atol=1e-4)
 
 
-def test_served_on_the_gpu_samples_with_a_draft_model(tmp_path, tiny_pair):
-    """The served path that failed before: draft_model sampling on CUDA (generator device, host copies)."""
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_served_on_the_gpu_samples_with_a_draft_model(tmp_path, tiny_pair, pipelined):
+    """The served path that failed before: draft_model sampling on CUDA (generator device, host copies);
+    and the same with the models' execute pipelined (responses built on a stream of their own while the
+    next forward runs)."""
     args = ["--target", tiny_pair.target_path, "--draft", tiny_pair.draft_paths["draft_model"],
             "--device", "gpu", "--dtype", "float32"]
+    if pipelined:
+        args += ["--set", "target_model.pipelined_execute=true", "--set", "draft_model.pipelined_execute=true"]
     own = server.start(tmp_path / "run", tmp_path / "server.log", args, ready_timeout_s=600)
     try:
         client = Client(own.grpc_url)

@@ -1,7 +1,8 @@
-"""pipelined_execute served by a real tritonserver: draft_model and target_model answer through their
-requests' senders from their own threads (pipeline.py), on the static executor (what GPUs run; eager on
-CPU). Concurrent mixed requests, two of them cancelled mid-stream, each equal their solo target-only
-output token for token; every cache is freed and the server stops cleanly (the pipelines' threads too)."""
+"""pipelined_execute served by a real tritonserver: draft_model and target_model return from execute once
+their forward is done and answer through their requests' senders from a thread of their own
+(responder.py), on the static executor (what GPUs run; eager on CPU). Concurrent mixed requests, two of
+them cancelled mid-stream, each equal their solo target-only output token for token; every cache is
+freed and the server stops cleanly (the responder threads too)."""
 
 import time
 from concurrent.futures import ThreadPoolExecutor

@@ -11,7 +11,6 @@ num_logits positions; draft_model proposes num_draft_tokens tokens
 from __future__ import annotations
 
 
-import contextlib
 import threading
 import time
 from pathlib import Path
@@ -31,7 +30,7 @@ from specdec.engine.static_executor import StaticCausalLM
 from specdec.triton.adapter import TritonAdapter
 from specdec.triton.config import ConfigError, ModelParameters
 from specdec.triton.metrics import ModelMetrics
-from specdec.triton.pipeline import Job, Pipeline
+from specdec.triton.responder import Job, Responder
 
 
 RELEASED = object()  # the outcome of a release job (its answer: an empty response)
@@ -145,12 +144,12 @@ class LanguageModelAdapter(TritonAdapter):
         self._evictor = threading.Thread(target=self._evict_periodically, args=(interval,), daemon=True,
                                          name=f"{self.name}-evictor")
         self._evictor.start()
-        # true: execute only parses and hands the steps to two threads of the model's own, the next batch
-        # is handed over at once, and the forwards overlap the host work around them (pipeline.py).
-        self.pipeline = Pipeline(self.name, self._run_locked, self._answer, self._send, self.pb.Logger.log_warn) \
-            if params.bool("pipelined_execute", False) else None
-        if self.pipeline is not None:
-            self.pb.Logger.log_info(f"{self.name}: pipelined execute: steps run and are answered on the model's threads")
+        # true: execute returns once its forward is done, and a thread of the model's own builds and sends
+        # the responses while Triton hands over the next batch (responder.py).
+        self.responder = None
+        if params.bool("pipelined_execute", False):
+            self.responder = self._responder()
+            self.pb.Logger.log_info(f"{self.name}: pipelined execute: responses sent from the model's responder thread")
 
     def _warm_up(self) -> None:
         """Run the shapes of serving once before the server reports ready, so that the first requests do
@@ -191,12 +190,13 @@ class LanguageModelAdapter(TritonAdapter):
     def execute(self, requests):
         """All pending steps (of different sequences: the sequence batcher sends one step per sequence
         at a time) run as one batched forward; each request gets its own response or error. Pipelined,
-        the steps are handed to the pipeline's threads and answered from there (pipeline.py)."""
+        the responses are built and sent by the responder's thread (responder.py) and execute returns."""
         jobs = [self._parse(request) for request in requests]
-        if self.pipeline is not None:
-            self.pipeline.submit(jobs)
+        with self._lock:
+            outcomes = self._run_jobs(jobs)
+        if self.responder is not None:
+            self.responder.submit(jobs, outcomes)
             return None
-        outcomes = self._run_locked(jobs)
         return [self._answer(job, outcome) for job, outcome in zip(jobs, outcomes)]
 
     def _parse(self, request) -> Job:
@@ -234,7 +234,8 @@ class LanguageModelAdapter(TritonAdapter):
                 try:
                     results += self._run(group)
                     if self.lm.device.type == "cuda":  # the time below is the GPU's, not the launch's
-                        torch.cuda.synchronize(self.lm.device)
+                        # (the forward's stream only: not a pipelined responder's, responder.py)
+                        torch.cuda.current_stream(self.lm.device).synchronize()
                 except Exception as exc:  # noqa: BLE001 - the batch fails, the server keeps serving
                     results += [RuntimeError(f"{type(exc).__name__}: {exc}")] * len(group)
                 # What this forward cost, for the orchestrator's cost model: rows, sequences, seconds.
@@ -251,11 +252,18 @@ class LanguageModelAdapter(TritonAdapter):
         self._report_metrics(flush=released)
         return outcomes
 
-    def _run_locked(self, jobs: list[Job]) -> list:
-        # The pipeline's runner is a thread of its own: its current CUDA device is not the one Triton gave.
-        device = torch.cuda.device(self.lm.device) if self.lm.device.type == "cuda" else contextlib.nullcontext()
-        with self._lock, device:
-            return self._run_jobs(jobs)
+    def _responder(self) -> Responder:
+        answer = self._answer
+        if self.lm.device.type == "cuda":
+            # The responder's kernels (an output's dtype conversion, log-probabilities) go on a stream of
+            # their own: on the default one they would queue behind the next batch's forward, and a response
+            # would wait for it. Their inputs are complete: execute synchronized before handing them over.
+            stream = torch.cuda.Stream(self.lm.device)
+
+            def answer(job: Job, outcome):
+                with torch.cuda.device(self.lm.device), torch.cuda.stream(stream):
+                    return self._answer(job, outcome)
+        return Responder(self.name, answer, self._send, self.pb.Logger.log_warn)
 
     def _answer(self, job: Job, outcome):
         """A job's response: its error, the empty answer to a release, or its step's outputs."""
@@ -309,8 +317,8 @@ class LanguageModelAdapter(TritonAdapter):
         raise NotImplementedError
 
     def finalize(self):
-        if self.pipeline is not None:
-            self.pipeline.stop()
+        if self.responder is not None:
+            self.responder.stop()
         self._stop.set()
         self._evictor.join(timeout=5)
         self.lm.sequences.clear()

@@ -1,15 +1,16 @@
-"""pipelined_execute: execute hands the steps over and returns; the model's threads run them and answer
-every request exactly once, through its sender (pipeline.py, language_models.py)."""
+"""pipelined_execute: execute runs its batch and returns; the model's responder thread answers every
+request exactly once, through its sender (responder.py, language_models.py)."""
 
 import threading
 import time
 import types
 
 import numpy as np
+
 from specdec import tensor_names as tn
 from specdec.engine.executor import CausalLM
 from specdec.triton.language_models import DraftModel, TargetModel
-from specdec.triton.pipeline import Job, Pipeline
+from specdec.triton.responder import Job, Responder
 
 from .conftest import FakeTensor
 
@@ -62,7 +63,7 @@ class _OutTensor:
 
 
 FAKE_PB = types.SimpleNamespace(InferenceResponse=_Response, TritonError=_Error, Tensor=_OutTensor,
-                                TRITONSERVER_RESPONSE_COMPLETE_FINAL=1)
+                                TRITONSERVER_RESPONSE_COMPLETE_FINAL=1, Logger=types.SimpleNamespace(log_warn=print))
 
 
 def _adapter(cls, lm, pipelined):
@@ -71,8 +72,7 @@ def _adapter(cls, lm, pipelined):
     adapter.device_outputs, adapter.forward_seconds, adapter._freed_since_trim = True, 0.0, False
     adapter._lock = threading.Lock()
     adapter._report_metrics = lambda flush: None
-    adapter.pipeline = Pipeline("test", adapter._run_locked, adapter._answer, adapter._send, print) \
-        if pipelined else None
+    adapter.responder = adapter._responder() if pipelined else None
     return adapter
 
 
@@ -94,7 +94,7 @@ def _serve(adapter, batches):
     answered = []
     for batch in batches:
         returned = adapter.execute(batch)
-        if adapter.pipeline is None:
+        if adapter.responder is None:
             for request, response in zip(batch, returned):
                 request.sent.append((request, response, 1))
         else:
@@ -122,7 +122,7 @@ def test_pipelined_target_answers_each_request_once_as_the_synchronous_path(tiny
     try:
         piped = _serve(adapter, _rounds())
     finally:
-        adapter.pipeline.stop()
+        adapter.responder.stop()
     assert len(piped) == len(plain) == 10
     for a, b in zip(plain, piped):
         assert (a.error is None) == (b.error is None)
@@ -137,75 +137,47 @@ def test_pipelined_target_answers_each_request_once_as_the_synchronous_path(tiny
     assert adapter.lm.sequences == {}  # released
 
 
-def test_steps_queued_while_a_forward_runs_share_the_next_forward(tiny_lm):
+def test_execute_returns_before_its_responses_are_sent(tiny_lm):
     adapter = _adapter(TargetModel, CausalLM(tiny_lm), pipelined=True)
-    gate, calls = threading.Event(), []
-    run = adapter._run_jobs
+    gate, send = threading.Event(), adapter._send
 
-    def slow_run(jobs):  # the first forward waits until every other step has been handed over
-        calls.append(sorted(job.seq_id for job in jobs))
-        if len(calls) == 1:
-            assert gate.wait(10)
-        return run(jobs)
-    adapter._run_jobs = slow_run
+    def held_send(job, response):
+        assert gate.wait(10)
+        send(job, response)
+    adapter.responder._send = held_send
     try:
-        first = [_verify(1, [5, 6], 0, 1)]
-        adapter.execute(first)
-        time.sleep(0.05)  # the runner has taken it
-        later = [[_verify(seq, [5, 6], 0, 1)] for seq in (2, 3, 4)] + [[_verify(1, [3], 2, 1)]]
-        for batch in later:
-            assert adapter.execute(batch) is None
+        request = _verify(1, [5, 6, 7], 0, 2)
+        assert adapter.execute([request]) is None
+        assert not request.sent and 1 in adapter.lm.sequences  # the forward ran, the response waits
         gate.set()
-        _wait_answered(first + [r for batch in later for r in batch])
+        _wait_answered([request])
     finally:
-        adapter.pipeline.stop()
-    # Everything handed over while the first forward ran shares the next: sequence 1's next step too,
-    # its first step being done by then.
-    assert calls == [[1], [1, 2, 3, 4]], calls
-    assert all(r.sent[0][1].error is None for batch in later for r in batch)
+        adapter.responder.stop()
+    assert request.sent[0][1].tensors[tn.GREEDY_TOKENS].shape == (1, 2)
 
 
-def test_one_sequence_runs_once_per_batch_in_the_order_its_jobs_came():
-    seen, answered = [], []
-    pipeline = Pipeline("t", lambda jobs: seen.append([(j.seq_id, j.step) for j in jobs]) or [j.step for j in jobs],
-                        lambda job, outcome: (job.seq_id, outcome), lambda job, response: answered.append(response),
-                        print)
-    pipeline._ready.acquire()  # hold the runner until all jobs are queued
-    try:
-        pipeline._pending.extend([Job(None, 1, "a"), Job(None, 2, "b"), Job(None, 1, "c"), Job(None, 1, "d")])
-        pipeline._ready.notify()
-    finally:
-        pipeline._ready.release()
-    deadline = time.monotonic() + 10
-    while len(answered) < 4 and time.monotonic() < deadline:
-        time.sleep(0.005)
-    pipeline.stop()
-    assert seen == [[(1, "a"), (2, "b")], [(1, "c")], [(1, "d")]]
-    assert sorted(answered) == [(1, "a"), (1, "c"), (1, "d"), (2, "b")]
+def test_the_responder_answers_in_order_past_failures_and_after_it_stopped():
+    answered, gate, logged = [], threading.Event(), []
 
+    def answer(job, outcome):
+        if outcome == "bad answer":
+            raise AssertionError("answer must not raise; the responder logs it and goes on")
+        return (job.seq_id, outcome)
 
-def test_a_failing_batch_and_an_unloading_model_still_answer_every_job():
-    answered, release = [], threading.Event()
-
-    def run(jobs):
-        if jobs[0].step == "boom":
-            raise ValueError("the forward broke")
-        assert release.wait(10)
-        return ["ok"] * len(jobs)
-    pipeline = Pipeline("t", run, lambda job, outcome: (job.seq_id, str(outcome)),
-                        lambda job, response: answered.append(response), print)
-    pipeline.submit([Job(None, 1, "boom")])
-    deadline = time.monotonic() + 10
-    while not answered and time.monotonic() < deadline:
-        time.sleep(0.005)
-    assert answered == [(1, "ValueError: the forward broke")]
-    pipeline.submit([Job(None, 2, "slow")])  # in flight when the model unloads
-    time.sleep(0.05)
-    pipeline.submit([Job(None, 3, "queued")])
-    threading.Timer(0.1, release.set).start()
-    pipeline.stop()
-    pipeline.submit([Job(None, 4, "late")])  # after unloading: answered at once
-    assert sorted(answered[1:]) == [(2, "ok"), (3, "the model is unloading"), (4, "the model is unloading")]
+    def send(job, response):
+        assert gate.wait(10)
+        if job.seq_id == 3:
+            raise RuntimeError("the client is gone")
+        answered.append((response, threading.current_thread().name))
+    responder = Responder("t", answer, send, logged.append)
+    responder.submit([Job(None, 1), Job(None, 2), Job(None, 3)], ["a", "bad answer", "c"])
+    responder.submit([Job(None, 4)], ["d"])
+    gate.set()
+    responder.stop()  # what is queued is sent first
+    assert answered == [((1, "a"), "t-responder"), ((4, "d"), "t-responder")]
+    assert [line.split(":")[0] for line in logged] == ["could not answer sequence 2", "could not answer sequence 3"]
+    responder.submit([Job(None, 5)], ["e"])  # after unloading: answered at once, here
+    assert answered[-1] == ((5, "e"), threading.current_thread().name)
 
 
 def test_pipelined_draft_proposes_what_the_synchronous_path_proposes(tiny_lm):
@@ -220,8 +192,8 @@ def test_pipelined_draft_proposes_what_the_synchronous_path_proposes(tiny_lm):
         try:
             results.append([r.tensors[tn.DRAFT_TOKENS].tolist() for r in _serve(adapter, rounds())])
         finally:
-            if adapter.pipeline is not None:
-                adapter.pipeline.stop()
+            if adapter.responder is not None:
+                adapter.responder.stop()
     assert results[0] == results[1] and [len(t[0]) for t in results[0]] == [4, 4, 2]
 
 
@@ -231,4 +203,3 @@ def test_pipelined_execute_is_off_by_default_and_a_config_parameter():
     for model in ("target_model", "draft_model"):
         config = (REPO_ROOT / "model_repository" / model / "config.pbtxt").read_text()
         assert 'key: "pipelined_execute", value: { string_value: "false" }' in config
-
