@@ -7,7 +7,10 @@ freed and the server stops cleanly (the responder threads too)."""
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import pytest
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
 
 from specdec import tensor_names as tn
 from specdec.serving import pairs, server
@@ -75,3 +78,36 @@ def test_concurrent_requests_equal_their_solo_outputs_and_free_their_caches(pipe
     assert live == [0, 0, 0]
     log = pipelined.log_path.read_text()
     assert "target_model: pipelined execute" in log and "draft_model: pipelined execute" in log
+
+
+def test_bad_steps_get_their_errors_through_the_sender_and_the_model_keeps_serving(pipelined):
+    """target_model called directly: each bad step's error, named, reaches its caller through the sender;
+    a good step and its sequence's release beside them still work."""
+    client = grpcclient.InferenceServerClient(pipelined.grpc_url)
+
+    def step(ids, keep, num_logits=1, release=False):
+        inputs = [grpcclient.InferInput(tn.INPUT_IDS, [1, len(ids)], "INT32"),
+                  grpcclient.InferInput(tn.CACHE_LENGTH, [1, 1], "INT32"),
+                  grpcclient.InferInput(tn.NUM_LOGITS, [1, 1], "INT32"),
+                  grpcclient.InferInput(tn.RELEASE, [1, 1], "BOOL")]
+        for tensor, value in zip(inputs, ([ids], [[keep]], [[num_logits]], [[release]])):
+            tensor.set_data_from_numpy(np.array(value, dtype=np.bool_ if tensor.name() == tn.RELEASE else np.int32))
+        return inputs
+    try:
+        with pytest.raises(InferenceServerException, match="target_model: .*no cache"):
+            # (start and end at once: a sequence left open counts as in flight until Triton's idle timeout)
+            client.infer(tn.TARGET_MODEL_NAME, step([8], 3), sequence_id=901, sequence_start=True, sequence_end=True)
+        with pytest.raises(InferenceServerException, match="target_model: num_logits=5 must be within"):
+            client.infer(tn.TARGET_MODEL_NAME, step([5, 6], 0, num_logits=5), sequence_id=902, sequence_start=True,
+                         sequence_end=True)
+        good = client.infer(tn.TARGET_MODEL_NAME, step([5, 6, 7], 0, num_logits=2), sequence_id=903,
+                            sequence_start=True)
+        assert good.as_numpy(tn.GREEDY_TOKENS).shape == (1, 2)
+        assert pipelined.metric("specdec_model_live_sequences", model=tn.TARGET_MODEL_NAME) >= 1
+        client.infer(tn.TARGET_MODEL_NAME, step([], 0, num_logits=0, release=True), sequence_id=903, sequence_end=True)
+        deadline = time.monotonic() + 5
+        while pipelined.metric("specdec_model_live_sequences", model=tn.TARGET_MODEL_NAME) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert pipelined.metric("specdec_model_live_sequences", model=tn.TARGET_MODEL_NAME) == 0
+    finally:
+        client.close()
