@@ -9,7 +9,8 @@ With --pair it starts a server for that pair itself; with --compare-unbatched it
 whose models run one forward per sequence (batched_forward=false), then the normal (batched) one, and
 adds the batched / unbatched throughput ratio; with --compare-orchestrators, one server per number of
 speculative_decoding instances, the ratio of the last to the first; with --compare-pipelined, a server
-whose models answer from their own threads (pipelined_execute=true) against one that does not.
+whose models answer from their own threads (pipelined_execute=true) against one that does not; --repeat N
+starts the compared servers N times, interleaved (A, B, A, B), each run's throughput a column of its own.
 
 For each concurrency level and mode it runs `concurrency` streaming clients, each sending its share of
 requests back to back, and prints a Markdown table: output tokens/s (genai-perf: total output tokens /
@@ -93,6 +94,9 @@ def main() -> None:
                         help="with --pair: one server per number of orchestrator instances, in this order")
     parser.add_argument("--compare-pipelined", action="store_true",
                         help="with --pair: the models synchronous, then with pipelined_execute=true")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="with --compare-*: start the compared servers this many times, interleaved "
+                             "(A, B, A, B): this machine's run-to-run spread shows beside the difference")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--requests-per-stream", type=int, default=2)
     parser.add_argument("--requests-per-level", type=int, default=None,
@@ -116,6 +120,9 @@ def main() -> None:
     elif args.compare_orchestrators:
         servers = {f"{n} orchestrator{'s' if n > 1 else ''}": [f"--orchestrator-instances={n}"]
                    for n in args.compare_orchestrators}
+    if args.repeat > 1:
+        servers = {f"{label}{f' #{n + 1}' if n else ''}": launcher_args for n in range(args.repeat)
+                   for label, launcher_args in servers.items()}
     measured = {}
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally below: stop our server
     for label, launcher_args in servers.items():
