@@ -107,7 +107,7 @@ def _serve(adapter, batches):
 
 
 def _rounds():
-    """Three rounds of three sequences (one with a bad step), then their releases."""
+    """Three rounds of two or three sequences (a bad step in the first and the last), then the releases."""
     return [
         [_verify(1, [5, 6, 7], 0, 1), _verify(2, [9, 8], 0, 2), _verify(3, [1], 4, 1)],  # 3: no cache
         [_verify(1, [4, 4, 4], 3, 3), _verify(2, [3], 1, 1)],  # 2 rolls back to 1 token
