@@ -6,6 +6,7 @@
   bls              the loop's Proposer and Scorer as BLS calls into draft_model / target_model
   fallback         a failing draft model is bypassed (target-only rounds) and retried after a wait
   language_models  draft_model and target_model over `engine.executor.CausalLM`
+  responder        pipelined_execute: a model's responses sent from a thread of its own
   text_models      preprocessing (text -> ids) and postprocessing (ids -> text)
   config           typed, validated config.pbtxt parameters
   metrics          every Prometheus metric the models define
@@ -13,6 +14,7 @@
   slots            the live-sequence cap shared by the orchestrator's instances (file locks)
   room             waiting for room in target_model's KV cache, first come first served
   line             the server-wide first-come-first-served line of those waits (file locks)
+  verify_gate      concurrent requests' verify calls lined up (verify_gather_ms)
 
 May import: `specdec.decoding`, `specdec.engine`, `specdec.tensor_names`; `triton_python_backend_utils`
 only at load, inside a stub (adapter.py).
