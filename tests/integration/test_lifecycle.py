@@ -1,10 +1,18 @@
-"""`make serve`'s launcher on a server of its own: ready, serving, and SIGTERM stops everything cleanly."""
+"""`make serve`'s launcher on a server of its own: ready and serving; then SIGTERM, as Kubernetes sends it on a
+rollout or scale-down, drops readiness at once, lets the stream in flight finish and stops the server, every
+stub and the stubs' shared scratch, with exit code 0."""
 
 import re
 import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
 
 import pytest
 
+from client import Client, GenerationParams
 from specdec import tensor_names as tn
 from specdec.triton import cancellation, room, slots
 
@@ -12,30 +20,89 @@ from .helpers import GenerationError, grpc_stream, start_server, stop_server, st
 
 pytestmark = pytest.mark.integration
 
+TOKENS = 300  # the stream SIGTERM meets: seconds of generation
 
-def test_sigterm_stops_server_and_every_stub_with_exit_code_0(tmp_path):
-    server = start_server(tmp_path)
+
+@pytest.fixture(scope="module")
+def own(tmp_path_factory):
+    server = start_server(tmp_path_factory.mktemp("lifecycle"))
+    yield server
+    if server.process.poll() is None:  # a test failed before the SIGTERM test stopped it
+        stop_server(server, require_clean_exit=False)
+
+
+def _readiness(server) -> tuple[int, str]:
+    """What the launcher's readiness endpoint answers."""
     try:
-        # Every Python model instance runs in its own stub: six models once, the orchestrator per instance.
-        assert len(stub_processes(server.run_dir)) == 6 + tn.DEFAULT_ORCHESTRATOR_INSTANCES["cpu"]
-        log = server.log_path.read_text(errors="replace")
-        for model in ("target_model", "draft_model", "draft_model_exact", "draft_model_random"):
-            assert f"{model}: warmed up in" in log, model  # before READY: the first requests pay nothing
-            assert re.search(rf"{model}: warmed up in [\d.]+ s on cpu, torch threads: [1-9]\d*", log), model
-        result = grpc_stream(server.grpc_url, "Hello", max_tokens=8, num_draft_tokens=2, stream=True)
-        assert result[tn.NUM_OUTPUT_TOKENS] == 8
-        with pytest.raises(GenerationError, match="max_tokens"):
-            grpc_stream(server.grpc_url, "Hello", max_tokens=0)
-        # The stubs' shared scratch (cancellation flags, live-sequence slots, the KV-room line) is named
-        # after tritonserver.
-        stub_pid = stub_processes(server.run_dir)[0].split()[0]
-        triton_pid = int(subprocess.run(["ps", "-o", "ppid=", "-p", stub_pid], capture_output=True, text=True).stdout)
-        scratch = [cancellation.default_directory(triton_pid), room.default_directory(triton_pid),
-                   *slots.server_directories(triton_pid)]
-        assert len(scratch) == 3 and all(path.is_dir() for path in scratch), scratch
-    finally:
-        code = stop_server(server)  # asserts: nothing pending, no stub left, exit code 0
+        with urllib.request.urlopen(server.readiness_url, timeout=10) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def _scratch(server) -> list:
+    """The stubs' shared scratch (cancellation flags, live-sequence slots, the KV-room line), named after
+    tritonserver."""
+    stub_pid = stub_processes(server.run_dir)[0].split()[0]
+    triton_pid = int(subprocess.run(["ps", "-o", "ppid=", "-p", stub_pid], capture_output=True, text=True).stdout)
+    return [cancellation.default_directory(triton_pid), room.default_directory(triton_pid),
+            *slots.server_directories(triton_pid)]
+
+
+def test_every_model_is_warmed_up_in_its_own_stub_before_ready(own):
+    # Every Python model instance runs in its own stub: six models once, the orchestrator per instance.
+    assert len(stub_processes(own.run_dir)) == 6 + tn.DEFAULT_ORCHESTRATOR_INSTANCES["cpu"]
+    log = own.log_path.read_text(errors="replace")
+    for model in ("target_model", "draft_model", "draft_model_exact", "draft_model_random"):
+        assert f"{model}: warmed up in" in log, model  # before READY: the first requests pay nothing
+        assert re.search(rf"{model}: warmed up in [\d.]+ s on cpu, torch threads: [1-9]\d*", log), model
+    result = grpc_stream(own.grpc_url, "Hello", max_tokens=8, num_draft_tokens=2, stream=True)
+    assert result[tn.NUM_OUTPUT_TOKENS] == 8
+    with pytest.raises(GenerationError, match="max_tokens"):
+        grpc_stream(own.grpc_url, "Hello", max_tokens=0)
+    scratch = _scratch(own)
+    assert len(scratch) == 3 and all(path.is_dir() for path in scratch), scratch
+
+
+def test_sigterm_during_a_long_stream_lets_it_finish_then_stops_everything(own):
+    scratch = _scratch(own)
+    results, failures = [], []
+    first_text = threading.Event()
+
+    def stream():
+        try:
+            params = GenerationParams(max_tokens=TOKENS, num_draft_tokens=2, ignore_eos=True)
+            results.append(Client(own.grpc_url, timeout_s=300).generate(
+                "Once upon a time", params, stream=True, on_text=lambda _delta: first_text.set()))
+        except Exception as exc:  # noqa: BLE001 - reported below
+            failures.append(exc)
+        first_text.set()
+
+    worker = threading.Thread(target=stream)
+    worker.start()
+    assert _readiness(own) == (200, "ready\n")  # the chart's readiness probe
+    assert first_text.wait(timeout=120)
+    assert worker.is_alive(), (failures, results)  # still generating: 300 tokens take seconds
+    own.process.terminate()  # SIGTERM, as Kubernetes sends it
+    deadline = time.monotonic() + 5
+    while own.ready() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not own.ready()  # readiness drops at once: new requests go elsewhere
+    probe = subprocess.run([sys.executable, "-m", "specdec.serving.healthcheck"], capture_output=True, text=True,
+                           env={"HTTP_PORT": str(own.http_port), "PATH": ""})
+    assert probe.returncode == 1 and "draining" in probe.stderr
+    status, text = _readiness(own)
+    assert status == 503 and "draining" in text
+    worker.join(timeout=240)
+    code = own.process.wait(timeout=120)  # drained, then stopped by itself
+    assert not failures, failures
+    (result,) = results
+    assert result.finish_reason == "length" and result.num_output_tokens == TOKENS
     assert code == 0
+    deadline = time.monotonic() + 30
+    while stub_processes(own.run_dir) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not stub_processes(own.run_dir)
     assert not any(path.exists() for path in scratch), scratch  # the launcher removed it
 
 

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.integration
 LOCUSTFILE = Path(__file__).resolve().parents[2] / "loadtest" / "locustfile.py"
 
 
-def run_locust(tmp_path, host, seconds=20, extra=()):
+def run_locust(tmp_path, host, seconds=10, extra=()):
     prefix = tmp_path / "stats"
     try:
         out = subprocess.run(

@@ -86,7 +86,9 @@ def test_repeated_prompts_are_served_from_the_pools_blocks(small_pool):
 
 
 def test_a_pool_smaller_than_the_context_fails_the_load_naming_it(tmp_path):
-    args = static_args("--set", "target_model.kv_pool_tokens=64")
+    # Only target_model loads (Triton's explicit model control): the others would load in vain.
+    args = static_args("--set", "target_model.kv_pool_tokens=64", "--", "--model-control-mode=explicit",
+                       "--load-model=target_model")
     with pytest.raises(server.ServerStartError):
         server.start(tmp_path / "run", tmp_path / "server.log", args, ready_timeout_s=300)
     log = (tmp_path / "server.log").read_text()
