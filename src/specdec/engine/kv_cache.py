@@ -27,26 +27,22 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from specdec.engine.prefix_cache import PrefixIndex
+from specdec.engine.prefix_cache import PrefixIndex, SequenceState
 
 ATTENTION = "specdec_sequence_kv"
 
 
-class SequenceKV:
+class SequenceKV(SequenceState):
     """One sequence's cache: per layer keys and values (kv_heads, capacity, head_dim); the first
     `length` positions are valid."""
 
     def __init__(self, devices: list[torch.device], kv_heads: int, head_dim: int, dtype: torch.dtype,
                  capacity: int = 64, max_capacity: int | None = None):
         """devices[i]: where layer i runs (a model spread over GPUs keeps each layer's cache beside it)."""
+        super().__init__()
         self.max_capacity = max_capacity  # doubling stops here (the model's context)
         self.keys = [torch.empty(kv_heads, capacity, head_dim, dtype=dtype, device=device) for device in devices]
         self.values = [torch.empty_like(k) for k in self.keys]
-        self.length = 0
-        self.last_used = 0.0
-        self.tokens: list[int] = []  # with prefix caching: the token at each position (-1: not known yet)
-        self.chain: list[int] = []  # with prefix caching: serials of its leading blocks keyed in the index
-        self.prefilling = True  # its prompt is still arriving (in chunks): looked up in the prefix cache
 
     @property
     def capacity(self) -> int:

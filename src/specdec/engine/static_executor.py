@@ -46,7 +46,7 @@ from torch.nn.functional import scaled_dot_product_attention
 from specdec import tensor_names as tn
 from specdec.engine import kernels
 from specdec.engine.executor import CacheError, CapacityError, CausalLM, Step
-from specdec.engine.prefix_cache import PrefixIndex
+from specdec.engine.prefix_cache import PrefixIndex, SequenceState
 
 COMPILE_MODES = tn.COMPILE_MODES
 CAPTURE_RESERVE_BYTES = 2 << 30  # capturing at load stops when less is free: room for eager prompts
@@ -76,19 +76,12 @@ def bucket(value: int, sizes: list[int]) -> int | None:
     return next((size for size in sizes if size >= value), None)
 
 
-class PagedSequence:
-    """One sequence in the pool: its blocks, in order; the first `length` positions are valid. With
-    prefix caching, also the token at each position (-1 where a drafted token is not yet known on the
-    host), the serials of its leading blocks that are keyed in the index (`prefix_cache.py`), and whether
-    its prompt is still arriving in chunks."""
+class PagedSequence(SequenceState):
+    """One sequence in the pool: its blocks, in order."""
 
     def __init__(self):
+        super().__init__()
         self.blocks: list[int] = []
-        self.length = 0
-        self.last_used = 0.0
-        self.tokens: list[int] = []
-        self.chain: list[int] = []
-        self.prefilling = True
 
 
 class BlockPool:
