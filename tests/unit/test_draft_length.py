@@ -192,6 +192,33 @@ def test_fixed_length_when_not_adaptive_and_zero_means_target_only():
     assert DraftLengthPolicy(0, costs, "ngram", free=True).next_k() == 0
 
 
+def test_a_busy_server_makes_every_round_target_only_and_leaves_the_estimate_alone():
+    """max_drafting_sequences: while `busy` says True, fixed and adaptive policies draft nothing, a free
+    proposer does not even shadow, and a paused costly one neither probes nor counts the round."""
+    load = {"busy": True}
+    busy = lambda: load["busy"]  # noqa: E731
+    costs = CostModel(decay=0.0)
+    costs.observe_verify(1, 0.04)
+    costs.observe_draft("model", 1, 0.02)
+    fixed = DraftLengthPolicy(5, costs, "model", adaptive=False, busy=busy)
+    free = DraftLengthPolicy(8, costs, "ngram", free=True, busy=busy)
+    for _ in range(10):
+        free.update(8, 0)  # paused: idle, it would shadow
+    costly = DraftLengthPolicy(8, costs, "model", probe_every=2, busy=busy)
+    for _ in range(10):
+        costly.update(4, 0)  # paused: idle, it would probe every other round
+    alpha = costly.alpha
+    for _ in range(6):
+        assert fixed.next_k() == 0
+        assert free.next_k() == 0 and not free.shadow
+        assert costly.next_k() == 0 and not costly.probing
+    assert costly.paused_rounds == 0 and costly.alpha == alpha
+    load["busy"] = False
+    assert fixed.next_k() == 5
+    assert free.next_k() == 0 and free.shadow
+    assert [costly.next_k() for _ in range(2)] == [0, 1]  # the probe schedule went on from where it was
+
+
 def test_new_requests_start_from_the_servers_running_acceptance():
     costs = CostModel()
     first = DraftLengthPolicy(8, costs, "model")

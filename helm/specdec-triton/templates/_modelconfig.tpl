@@ -223,6 +223,7 @@ output [
 {{ include "specdec.param" (list "max_live_sequences" $s.maxLiveSequences) }}
 {{ include "specdec.param" (list "when_full" $s.whenFull) }}
 {{ include "specdec.param" (list "verify_gather_ms" $s.verifyGatherMs) }}
+{{ include "specdec.param" (list "max_drafting_sequences" $s.maxDraftingSequences) }}
 {{ include "specdec.param" (list "prefill_chunk_tokens" $s.prefillChunkTokens) }}
 instance_group [ { count: {{ int ($s.orchestratorInstances | default (ternary 1 2 (gt (int .Values.gpu.count) 0))) }}, kind: KIND_CPU } ]
 {{- end -}}

@@ -236,8 +236,12 @@ class DraftLengthPolicy:
     """
 
     def __init__(self, k_max: int, costs: CostModel, method: str, adaptive: bool = True, free: bool = False,
-                 decay: float = 0.7, prior_weight: float = 1.0, probe_every: int = 8):
+                 decay: float = 0.7, prior_weight: float = 1.0, probe_every: int = 8,
+                 busy: Callable[[], bool] | None = None):
+        """busy: asked every round; while it says True the round drafts nothing (the server's load is past
+        where speculation pays, `max_drafting_sequences`), adaptive or not."""
         self.k_max, self.costs, self.method, self.adaptive, self.free = k_max, costs, method, adaptive, free
+        self.busy = busy
         self.decay, self.probe_every = decay, probe_every
         self.prior = costs.prior_alpha(method)
         self.prior_weight = prior_weight
@@ -261,6 +265,8 @@ class DraftLengthPolicy:
 
     def next_k(self) -> int:
         self.probing = self.shadow = False
+        if self.busy is not None and self.busy():
+            return 0  # not a pause of the adaptive rule: its estimate and probe schedule stay as they are
         if self.k_max <= 0 or not self.adaptive:  # not adaptive: always k_max (the costs are still measured)
             return self.k_max
         k, _ = best_draft_length(self.alpha, self.k_max, lambda j: self.costs.round_cost(self.method, j))

@@ -90,6 +90,9 @@ class SpeculativeDecodingAdapter(TritonAdapter):
         # Concurrent requests' verify calls wait for each other up to this window, so that target_model's
         # forwards carry all of them (verify_gate.py); 0: each goes as soon as it is ready.
         self.gate = VerifyGate(params.float("verify_gather_ms", 0.0, low=0.0) / 1e3, self.metrics.record_gate_hold)
+        # Past this many live requests (this instance's, the gate's count) every round is target-only: when
+        # batched forwards are compute-bound, drafted rows cost the other sequences time. 0: no limit.
+        self.max_drafting = params.int("max_drafting_sequences", 0, low=0)
         self.scorer = GatedScorer(BlsScorer(pb_utils, params.str("target_model", tn.TARGET_MODEL_NAME), timeout_us,
                                             chunk), self.gate)
         # A streamed response and the cancellation check are IPC round trips to the backend process that
@@ -211,7 +214,8 @@ class SpeculativeDecodingAdapter(TritonAdapter):
                 raise NoCapacity("cancelled while waiting in line for KV room")  # room.cancelled is set
             started = True
             policy = DraftLengthPolicy(parsed.num_draft_tokens, self.costs, parsed.draft_name,
-                                       adaptive=parsed.adaptive, free=parsed.draft_name == tn.NGRAM)
+                                       adaptive=parsed.adaptive, free=parsed.draft_name == tn.NGRAM,
+                                       busy=(lambda: self.gate.live > self.max_drafting) if self.max_drafting else None)
             # Between draft and verify only the board is read (one stat): asking Triton is an IPC round
             # trip, paid once per round below, off the event loop.
             rounds = generate(gen, self.proposers[parsed.draft_name], self.scorer, policy, stats,

@@ -1,0 +1,48 @@
+"""`max_drafting_sequences` on a server of its own (one orchestrator instance, the limit at 1): a request
+drafts while it generates alone; while another one generates, every round of both is target-only, with the
+same greedy text."""
+
+import threading
+
+import pytest
+
+from client import Client, GenerationParams
+from specdec import tensor_names as tn
+from specdec.serving import server
+
+from .helpers import grpc_stream, stop_server
+
+pytestmark = pytest.mark.integration
+
+DRAFTED = dict(num_draft_tokens=3, adaptive_draft=False)  # without the limit: 3 drafted tokens every round
+
+
+@pytest.fixture(scope="module")
+def limited(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("max-drafting")
+    own = server.start(tmp_path / "run", tmp_path / "server.log",
+                       ["--pair", "tiny", "--orchestrator-instances", "1",
+                        "--set", "speculative_decoding.max_drafting_sequences=1"])
+    yield own
+    stop_server(own)  # nothing in flight, no stub left, exit code 0
+
+
+def test_rounds_are_target_only_while_more_requests_generate_than_the_limit(limited):
+    prompt = "Once upon a time, in a land far away,"
+    alone = grpc_stream(limited.grpc_url, prompt, max_tokens=24, **DRAFTED)
+    assert alone[tn.TOTAL_DRAFT_TOKENS] == 3 * alone[tn.NUM_ROUNDS] > 0
+
+    started, long = threading.Event(), []
+    params = GenerationParams(max_tokens=600, ignore_eos=True, **DRAFTED)
+    worker = threading.Thread(target=lambda: long.append(Client(limited.grpc_url, timeout_s=300).generate(
+        "Hello there, how are you today?", params, stream=True, on_text=lambda _delta: started.set())))
+    worker.start()
+    assert started.wait(timeout=120)
+    beside = grpc_stream(limited.grpc_url, prompt, max_tokens=24, **DRAFTED)
+    assert worker.is_alive()  # the long one generated all along
+    worker.join(timeout=300)
+    assert beside[tn.TEXT_OUTPUT] == alone[tn.TEXT_OUTPUT]
+    assert beside[tn.TOTAL_DRAFT_TOKENS] == 0 and beside[tn.NUM_ROUNDS] == beside[tn.NUM_OUTPUT_TOKENS]
+    (result,) = long
+    # It drafted before and after the other request, not beside it.
+    assert result.num_output_tokens == 600 and 0 < result.total_draft_tokens < 3 * result.num_rounds
