@@ -175,6 +175,13 @@ class SpeculativeDecodingAdapter(TritonAdapter):
         return self.cancellations.is_cancelled(seq_id) or await asyncio.get_running_loop().run_in_executor(
             self.ipc, sender.is_cancelled)
 
+    def _busy(self, gen: GenerationRequest):
+        """The policy's load check (max_drafting_sequences). A seeded sampled request keeps its K: a
+        different K draws different tokens, and it must be reproducible whatever the load."""
+        if not self.max_drafting or (not gen.sampling.greedy and gen.sampling.seed is not None):
+            return None
+        return lambda: self.gate.live > self.max_drafting
+
     def report_live(self) -> None:
         """This instance's generating requests (the verify gate's count) and the server's peak, to the gauges."""
         self.metrics.set_live(self.gate.live, self.slots.highest)
@@ -215,7 +222,7 @@ class SpeculativeDecodingAdapter(TritonAdapter):
             started = True
             policy = DraftLengthPolicy(parsed.num_draft_tokens, self.costs, parsed.draft_name,
                                        adaptive=parsed.adaptive, free=parsed.draft_name == tn.NGRAM,
-                                       busy=(lambda: self.gate.live > self.max_drafting) if self.max_drafting else None)
+                                       busy=self._busy(gen))
             # Between draft and verify only the board is read (one stat): asking Triton is an IPC round
             # trip, paid once per round below, off the event loop.
             rounds = generate(gen, self.proposers[parsed.draft_name], self.scorer, policy, stats,
