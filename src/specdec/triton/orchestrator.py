@@ -15,6 +15,7 @@ import concurrent.futures
 import contextlib
 import functools
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -175,7 +176,7 @@ class SpeculativeDecodingAdapter(TritonAdapter):
         return self.cancellations.is_cancelled(seq_id) or await asyncio.get_running_loop().run_in_executor(
             self.ipc, sender.is_cancelled)
 
-    def _busy(self, gen: GenerationRequest):
+    def _busy(self, gen: GenerationRequest) -> Callable[[], bool] | None:
         """The policy's load check (max_drafting_sequences). A seeded sampled request keeps its K: a
         different K draws different tokens, and it must be reproducible whatever the load."""
         if not self.max_drafting or (not gen.sampling.greedy and gen.sampling.seed is not None):
