@@ -31,6 +31,8 @@ def test_rounds_are_target_only_while_more_requests_generate_than_the_limit(limi
     prompt = "Once upon a time, in a land far away,"
     alone = grpc_stream(limited.grpc_url, prompt, max_tokens=24, **DRAFTED)
     assert alone[tn.TOTAL_DRAFT_TOKENS] > 0
+    limited_rounds = lambda: limited.metric("specdec_load_limited_rounds_total")  # noqa: E731
+    assert limited_rounds() == 0
     seeded = dict(max_tokens=24, temperature=1.0, seed=7, **DRAFTED)
     seeded_alone = grpc_stream(limited.grpc_url, prompt, **seeded)
 
@@ -46,6 +48,7 @@ def test_rounds_are_target_only_while_more_requests_generate_than_the_limit(limi
     worker.join(timeout=300)
     assert beside[tn.TEXT_OUTPUT] == alone[tn.TEXT_OUTPUT]
     assert beside[tn.TOTAL_DRAFT_TOKENS] == 0 and beside[tn.NUM_ROUNDS] == beside[tn.NUM_OUTPUT_TOKENS]
+    assert limited_rounds() >= beside[tn.NUM_ROUNDS]  # its rounds, and the long one's beside it
     assert seeded_beside[tn.TEXT_OUTPUT] == seeded_alone[tn.TEXT_OUTPUT]
     assert seeded_beside[tn.TOTAL_DRAFT_TOKENS] == seeded_alone[tn.TOTAL_DRAFT_TOKENS] > 0
     (result,) = long

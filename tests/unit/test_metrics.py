@@ -52,6 +52,8 @@ def test_rounds_are_batched_and_flushed_with_exact_totals():
     rounds = [(4, 2), (0, 0), (3, 3), (4, 0), (1, 1)]
     for i, (drafted, accepted) in enumerate(rounds):
         metrics.record_round(drafted, accepted, now=1.0 + 0.01 * i)
+    metrics.record_load_limited()
+    metrics.record_load_limited()
     sent_before_flush = list(pb.log)
     metrics.flush(now=1.1)
     got = totals(pb.log)
@@ -64,6 +66,7 @@ def test_rounds_are_batched_and_flushed_with_exact_totals():
     assert got[("specdec_accepted_at_position_total", (("position", "1"),))] == 3
     assert got[("specdec_accepted_at_position_total", (("position", "3"),))] == 1
     assert sorted(got[("observed", "specdec_accepted_length", ())]) == [0.0, 1.0, 2.0, 3.0]
+    assert got[("specdec_load_limited_rounds_total", ())] == 2
     pb.log.clear()
     metrics.flush(now=1.2)
     assert pb.log == []  # nothing pending: nothing sent

@@ -265,9 +265,11 @@ class DraftLengthPolicy:
 
     def next_k(self) -> int:
         self.probing = self.shadow = False
+        if self.k_max <= 0:
+            return 0
         if self.busy is not None and self.busy():
             return 0  # not a pause of the adaptive rule: its estimate and probe schedule stay as they are
-        if self.k_max <= 0 or not self.adaptive:  # not adaptive: always k_max (the costs are still measured)
+        if not self.adaptive:  # always k_max (the costs are still measured)
             return self.k_max
         k, _ = best_draft_length(self.alpha, self.k_max, lambda j: self.costs.round_cost(self.method, j))
         if k > 0:

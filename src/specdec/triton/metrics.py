@@ -140,6 +140,8 @@ class OrchestratorMetrics:
         self.fallbacks = make("specdec_draft_fallbacks_total", "Rounds run target-only because their draft model "
                               "failed or was out of rotation after failing", family.COUNTER)
         self._fallback_metrics: dict = {}
+        self.load_limited = make("specdec_load_limited_rounds_total", "Rounds run target-only because more requests "
+                                 "than max_drafting_sequences were generating", family.COUNTER).Metric(labels={})
         self.gate_holds = make("specdec_verify_gate_holds_total", "Verify calls that waited at the gate for other "
                                "requests' (verify_gather_ms)", family.COUNTER).Metric(labels={})
         self._costs_published = 0.0
@@ -185,11 +187,17 @@ class OrchestratorMetrics:
             self._fallback_metrics[name].increment(count)
         if self._pending_holds:
             self.gate_holds.increment(self._pending_holds)
+        if self._pending_limited:
+            self.load_limited.increment(self._pending_limited)
         self._reset_pending()
 
     def record_fallback(self, draft_name: str) -> None:
         """A round that ran target-only because its draft failed (sent with the next flush)."""
         self._pending_fallbacks[draft_name] = self._pending_fallbacks.get(draft_name, 0) + 1
+
+    def record_load_limited(self) -> None:
+        """A round made target-only by max_drafting_sequences (sent with the next flush)."""
+        self._pending_limited += 1
 
     def record_gate_hold(self) -> None:
         """A verify call that waited at the gate (sent with the next flush)."""
@@ -198,6 +206,7 @@ class OrchestratorMetrics:
     def _reset_pending(self) -> None:
         self._pending_rounds = 0
         self._pending_holds = 0
+        self._pending_limited = 0
         self._pending_lengths: list[int] = []
         self._pending_drafted_at = [0] * len(self.drafted_at)
         self._pending_accepted_at = [0] * len(self.accepted_at)

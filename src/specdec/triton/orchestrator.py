@@ -181,7 +181,13 @@ class SpeculativeDecodingAdapter(TritonAdapter):
         different K draws different tokens, and it must be reproducible whatever the load."""
         if not self.max_drafting or (not gen.sampling.greedy and gen.sampling.seed is not None):
             return None
-        return lambda: self.gate.live > self.max_drafting
+
+        def busy() -> bool:
+            if self.gate.live <= self.max_drafting:
+                return False
+            self.metrics.record_load_limited()
+            return True
+        return busy
 
     def report_live(self) -> None:
         """This instance's generating requests (the verify gate's count) and the server's peak, to the gauges."""
