@@ -8,7 +8,8 @@ final norm and head, agrees with it about as often as a real early-exit draft), 
   bound          weight bytes / measured memory bandwidth: the fastest a token can be (weight streaming)
   reference      plain PyTorch, static KV cache + torch.compile(mode="reduce-overhead"): 1 and K+1 tokens
   executor       the project's CausalLM.extend in process: 1 and K+1 tokens; the draft's step (c)
-  served         the `ensemble` through the launcher, greedy: K=0, K fixed, adaptive K<=K; 1 and 8 streams
+  served         the `ensemble` through the launcher, greedy: K=0, K fixed, adaptive K<=K; 1 stream, and
+                 8 concurrent ones (--streams: other counts)
   transformers   `generate` in process: plain and assisted (the same draft, K constant)
 
 with α, tokens per round, the bound E/(K·c+v) at the measured α, efficiency = speedup / bound, and the
@@ -282,6 +283,9 @@ def main(argv=None) -> int:
     parser.add_argument("--out", help="also write the table (Markdown) here")
     parser.add_argument("--served-only", action="store_true",
                         help="only the served rows (no in-process timings, no transformers): for sweeping settings")
+    parser.add_argument("--streams", type=int, nargs="+", default=[8],
+                        help="concurrent streams of the many-stream rows (e.g. 8 16 32: where speculation stops "
+                             "paying, and max_drafting_sequences)")
     parser.add_argument("--launcher-arg", action="append", default=[],
                         help="more launcher arguments, e.g. --launcher-arg=--set "
                              "--launcher-arg=speculative_decoding.verify_gather_ms=10")
@@ -308,17 +312,19 @@ def main(argv=None) -> int:
     own = server.start(cache / "run" / "bench-gpu", cache / "bench-gpu-server.log", launcher_args)
     try:
         one = served_one_stream(own.grpc_url, prompts, args.max_tokens, args.k)
-        eight = {}
-        for name, params in (("K=0", GenerationParams(num_draft_tokens=0)),
-                             (f"adaptive K<={args.k}", GenerationParams(num_draft_tokens=args.k))):
-            before, started = target_batches(own), time.perf_counter()
-            tps = asyncio.run(served_streams(own.grpc_url, prompts, args.max_tokens, params, 8))
-            wall = time.perf_counter() - started
-            time.sleep(0.6)  # target_model adds to its forward-seconds counter at most twice a second
-            after = target_batches(own)
-            # How well the streams share forwards: target_model requests per execution (Triton's counters),
-            # and the share of the wall time target_model spent in forwards.
-            eight[name] = (tps, (after[0] - before[0]) / max(after[1] - before[1], 1), (after[2] - before[2]) / wall)
+        many = {}
+        for streams in args.streams:
+            for name, params in (("K=0", GenerationParams(num_draft_tokens=0)),
+                                 (f"adaptive K<={args.k}", GenerationParams(num_draft_tokens=args.k))):
+                before, started = target_batches(own), time.perf_counter()
+                tps = asyncio.run(served_streams(own.grpc_url, prompts, args.max_tokens, params, streams))
+                wall = time.perf_counter() - started
+                time.sleep(0.6)  # target_model adds to its forward-seconds counter at most twice a second
+                after = target_batches(own)
+                # How well the streams share forwards: target_model requests per execution (Triton's
+                # counters), and the share of the wall time target_model spent in forwards.
+                many[streams, name] = (tps, (after[0] - before[0]) / max(after[1] - before[1], 1),
+                                       (after[2] - before[2]) / wall)
     finally:
         own.stop(120)
 
@@ -366,8 +372,8 @@ def main(argv=None) -> int:
                      f"{alpha:.2f}", f"{per_round:.2f}", f"{bound:.2f}" if bound else "",
                      f"{tps / base / bound:.2f}" if bound else "",
                      f"equal text {row['equal']:.0%}"])
-    for name, (tps, per_forward, busy) in eight.items():
-        rows.append([f"served, 8 streams, {name}", "", f"{tps:.1f}", f"{tps / base:.2f}x", "", "", "", "",
+    for (streams, name), (tps, per_forward, busy) in many.items():
+        rows.append([f"served, {streams} streams, {name}", "", f"{tps:.1f}", f"{tps / base:.2f}x", "", "", "", "",
                      f"{per_forward:.1f} sequences per target forward, target in forwards {busy:.0%} of the time"])
     if not args.served_only:
         rows.append(["transformers generate, plain", "", f"{peer['plain']:.1f}", f"{peer['plain'] / base:.2f}x",

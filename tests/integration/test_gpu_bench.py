@@ -17,7 +17,8 @@ SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "gpu_bench.py"
 def test_gpu_bench_small_mode_prints_every_row(tmp_path):
     out = tmp_path / "table.md"
     result = subprocess.run([sys.executable, str(SCRIPT), "--small", "--compile", "off", "--prompts", "2",
-                             "--max-tokens", "12", "--out", str(out)], capture_output=True, text=True, timeout=600)
+                             "--max-tokens", "12", "--streams", "3", "8", "--out", str(out)],
+                            capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     table = out.read_text()
     for row in ("weight-streaming bound", "plain PyTorch, static cache", "project executor",
@@ -28,10 +29,10 @@ def test_gpu_bench_small_mode_prints_every_row(tmp_path):
     # float32: greedy speculative text equals target-only text on every prompt.
     served = [line for line in table.splitlines() if line.startswith("| served, 1 stream")]
     assert len(served) == 3 and all("equal text 100%" in line for line in served)
-    # 8 streams: how many sequences a target forward carried and how busy the target was.
-    eight = [line for line in table.splitlines() if line.startswith("| served, 8 streams")]
-    busy = [re.search(r"target in forwards (\d+)% of the time", line) for line in eight]
-    assert len(eight) == 2 and all(match and 0 < int(match.group(1)) <= 100 for match in busy), eight
+    # 3 and 8 streams (--streams): how many sequences a target forward carried and how busy the target was.
+    many = [line for line in table.splitlines() if line.startswith(("| served, 3 streams", "| served, 8 streams"))]
+    busy = [re.search(r"target in forwards (\d+)% of the time", line) for line in many]
+    assert len(many) == 4 and all(match and 0 < int(match.group(1)) <= 100 for match in busy), many
 
 
 def test_round_overhead_bench_splits_a_round(tmp_path):
