@@ -27,6 +27,14 @@ def stub_processes(run_dir: Path) -> list[str]:
     return [line for line in out.splitlines() if "triton_python_backend_stub" in line and str(run_dir) in line]
 
 
+def stubs_left(run_dir: Path, wait_s: float = 30) -> list[str]:
+    """The server's stub processes still running after up to wait_s (they exit just after tritonserver)."""
+    deadline = time.monotonic() + wait_s
+    while stub_processes(run_dir) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return stub_processes(run_dir)
+
+
 def start_server(tmp_dir: Path, pair: str = "tiny", repository: Path | None = None) -> Server:
     """A launcher-started tritonserver for a named pair, or for an already rendered repository."""
     source = ["--model-repository", str(repository)] if repository else ["--pair", pair]
@@ -52,10 +60,7 @@ def stop_server(server: Server, require_clean_exit: bool = True) -> int:
         time.sleep(0.5)
     assert not pending, f"requests still in flight 60 s after the last test: {pending}"
     code = server.stop(timeout_s=90)
-    deadline = time.monotonic() + 30
-    while stub_processes(server.run_dir) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    leftover = stub_processes(server.run_dir)
+    leftover = stubs_left(server.run_dir)
     assert not leftover, f"stub processes left after SIGTERM: {leftover}"
     if require_clean_exit:
         assert code == 0, f"launcher exited with {code}:\n{server.log_path.read_text()[-3000:]}"

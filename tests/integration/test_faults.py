@@ -62,11 +62,11 @@ def test_a_failing_draft_model_falls_back_to_target_only(srv):
 def test_abandoned_sequences_are_evicted_by_time_without_other_requests(srv):
     time.sleep(1.5 * IDLE_TIMEOUT_S)  # what earlier tests left is gone
     client = grpcclient.InferenceServerClient(srv.grpc_url)
+    # Sequences start on target_model (two) and draft_model (its one slot), never released (no END flag).
+    opened = [(tn.TARGET_MODEL_NAME, 101), (tn.TARGET_MODEL_NAME, 102), (tn.DRAFT_MODEL_NAME, 103)]
     try:
-        # Sequences start on target_model (two) and draft_model (its one slot), never released (no END flag).
-        for model, seqs in ((tn.TARGET_MODEL_NAME, (101, 102)), (tn.DRAFT_MODEL_NAME, (103,))):
-            for seq in seqs:
-                client.infer(model, step_inputs([5, 6, 7], 0), sequence_id=seq, sequence_start=True)
+        for model, seq in opened:
+            client.infer(model, step_inputs([5, 6, 7], 0), sequence_id=seq, sequence_start=True)
         assert srv.metric("specdec_model_live_sequences", model=tn.TARGET_MODEL_NAME) == 2
         assert srv.metric("specdec_model_kv_cache_bytes", model=tn.TARGET_MODEL_NAME) > 0
         # No request reaches the models from now on: only the eviction timer can free them.
@@ -85,12 +85,11 @@ def test_abandoned_sequences_are_evicted_by_time_without_other_requests(srv):
     finally:
         # Triton's sequence batcher holds the three slots until an END flag (the model's eviction does not
         # reach it), and shutdown would wait its full exit timeout on them as "in-flight inferences".
-        for model, seqs in ((tn.TARGET_MODEL_NAME, (101, 102)), (tn.DRAFT_MODEL_NAME, (103,))):
-            for seq in seqs:
-                try:
-                    client.infer(model, step_inputs([8], 3), sequence_id=seq, sequence_end=True)
-                except Exception:  # noqa: BLE001 - refused as evicted; the END flag still frees the slot
-                    pass
+        for model, seq in opened:
+            try:
+                client.infer(model, step_inputs([8], 3), sequence_id=seq, sequence_end=True)
+            except Exception:  # noqa: BLE001 - refused as evicted; the END flag still frees the slot
+                pass
         client.close()
 
 

@@ -10,10 +10,11 @@ the entries that followed it can no longer be reached: lookups walk from the roo
 
 This module is the index (which block holds which prefix) and the state both executors keep of a
 sequence (`SequenceState`). The static executor's pool (static_executor.BlockPool) owns its blocks,
-counts the sequences holding each, and keeps the registered blocks nobody holds as an LRU it evicts from when free blocks run out; the rule that keeps a shared
-block's contents right is that a registered or shared block is never written (a sequence that rolls back
-into one first takes a copy). The dynamic executor, whose sequences own growable buffers, copies keyed
-blocks into a store of its own and out of it (kv_cache.BlockStore).
+counts the sequences holding each, and keeps the registered blocks nobody holds as an LRU it evicts from
+when free blocks run out; the rule that keeps a shared block's contents right is that a registered or
+shared block is never written (a sequence that rolls back into one first takes a copy). The dynamic
+executor, whose sequences own growable buffers, copies keyed blocks into a store of its own and out of it
+(kv_cache.BlockStore).
 """
 
 from __future__ import annotations
