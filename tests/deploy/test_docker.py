@@ -135,6 +135,18 @@ def test_compose_reserves_a_gpu_and_shared_memory():
     assert args.target == "/models/target" and args.draft == "/models/draft" and args.device == "gpu"
 
 
+def test_compiled_kernels_outlive_the_container_in_one_place_for_image_compose_and_chart():
+    """The image points torch.compile's cache (TORCHINDUCTOR_CACHE_DIR) into /var/cache/specdec, owned by
+    its user; compose mounts a named volume there and the chart its compile-cache volume."""
+    env = dict(re.findall(r"(\w+)=(\S+)", dict(instructions())["ENV"]))
+    cache = Path(env["TORCHINDUCTOR_CACHE_DIR"])
+    assert any(word == "RUN" and f"chown -R 1000:1000 {cache.parent}" in args for word, args in instructions())
+    compose = yaml.safe_load(COMPOSE.read_text())
+    assert f"compile-cache:{cache.parent}" in compose["services"]["triton"]["volumes"] and "compile-cache" in compose["volumes"]
+    chart = yaml.safe_load((REPO_ROOT / "helm" / "specdec-triton" / "values.yaml").read_text())
+    assert chart["compileCache"]["mountPath"] == str(cache.parent)
+
+
 def test_dockerignore_keeps_the_build_context_small():
     ignored = (REPO_ROOT / ".dockerignore").read_text().split()
     assert ".venv" in ignored and ".cache" in ignored

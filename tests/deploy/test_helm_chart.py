@@ -39,6 +39,7 @@ COMBINATIONS = {
                        "resources": {"requests": {"cpu": "2", "memory": "4Gi"}}, "executor": {"torchThreads": 2},
                        "speculation": {"orchestratorInstances": 1}},
     "cpu-only-defaults": {"gpu": {"count": 0}, "models": {"dtype": "float32"}},
+    "compile-cache-claim": {"compileCache": {"source": "existingClaim", "existingClaim": {"name": "specdec-kernels"}}},
     "spread-target": {"gpu": {"count": 4, "spreadTarget": True, "draftGpu": 3},
                       "speculation": {"defaultNumDraftTokens": 6, "maxContextTokens": 4096},
                       "podDisruptionBudget": {"enabled": False}, "server": {"modelRepositoryApi": {"restricted": False}}},
@@ -120,7 +121,8 @@ def test_pod_is_hardened_and_probed(name):
     volumes = {v["name"]: v for v in pod["volumes"]}
     mounts = {m["mountPath"]: m["name"] for m in triton["volumeMounts"]}
     assert volumes[mounts["/dev/shm"]]["emptyDir"]["medium"] == "Memory"
-    assert "emptyDir" in volumes[mounts["/tmp"]]  # the only writable path besides /dev/shm
+    assert "emptyDir" in volumes[mounts["/tmp"]]  # writable, with /dev/shm and the compile cache
+    assert {m["name"] for m in triton["volumeMounts"] if not m.get("readOnly")} == {"shm", "tmp", "compile-cache"}
 
 
 def test_gpu_limits_and_cpu_only():
@@ -129,6 +131,20 @@ def test_gpu_limits_and_cpu_only():
     cpu = deployment(render_chart(COMBINATIONS["cpu-only-ngram"]))["spec"]["template"]["spec"]["containers"][0]
     assert "nvidia.com/gpu" not in cpu["resources"].get("limits", {})
     assert {"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"} in cpu["env"]
+
+
+def test_compiled_kernels_are_cached_on_a_volume():
+    """TORCHINDUCTOR_CACHE_DIR lies in the compile-cache volume: the pod's emptyDir by default (it outlives
+    a container restart), or a claim every new pod finds the kernels on."""
+    for name, kind in (("defaults", "emptyDir"), ("compile-cache-claim", "persistentVolumeClaim")):
+        pod = deployment(render_chart(COMBINATIONS[name]))["spec"]["template"]["spec"]
+        (triton,) = pod["containers"]
+        env = {var["name"]: var.get("value") for var in triton["env"]}
+        (mount,) = [m["mountPath"] for m in triton["volumeMounts"] if m["name"] == "compile-cache"]
+        assert mount == "/var/cache/specdec" and env["TORCHINDUCTOR_CACHE_DIR"] == "/var/cache/specdec/inductor"
+        volume = {v["name"]: v for v in pod["volumes"]}["compile-cache"]
+        assert kind in volume, volume
+    assert volume["persistentVolumeClaim"]["claimName"] == "specdec-kernels"
 
 
 def test_weights_sources():
@@ -236,6 +252,8 @@ def test_helm_test_hook_sends_a_real_request():
     ({"speculation": {"defaultNumDraftTokens": 20, "maxNumDraftTokens": 16}}, "defaultNumDraftTokens"),
     ({"gpu": {"count": 1, "draftGpu": 1}}, "gpu.draftGpu"),
     ({"gpu": {"count": 1, "spreadTarget": True}}, "spreadTarget"),
+    ({"compileCache": {"source": "hostPath"}}, "/compileCache/source"),
+    ({"compileCache": {"source": "existingClaim"}}, "/compileCache/existingClaim/name"),
 ])
 def test_bad_values_are_rejected(bad, field):
     with pytest.raises(helm_python.HelmError, match=re.escape(field)):

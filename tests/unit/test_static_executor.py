@@ -3,6 +3,7 @@ several sequences at different lengths, rollbacks, windows and blocks crossed; t
 cleanly. CUDA-graph capture of the same buckets is compared in tests/gpu."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -79,6 +80,23 @@ def test_compiled_kernels_match_eager_in_every_bucket_and_compile_only_at_load(t
     compiles = counters["stats"]["unique_graphs"]
     run_every_bucket(static(tiny_lm), paged, atol=1e-4)  # measured: at most 3e-5 on logits up to 10
     assert counters["stats"]["unique_graphs"] == compiles
+
+
+def test_a_new_process_loads_the_kernels_from_inductors_cache(tiny_lm):
+    """What a new server (a new pod) does where the compile cache outlives the last one: it compiles
+    nothing. Here a reset of dynamo and of inductor's in-process caches stands for the new process; what
+    remains is the on-disk cache, which the first load filled (or an earlier test did). The load says so."""
+    import torch._dynamo
+    from torch._inductor.utils import clear_caches
+
+    static(tiny_lm, fuse_kernels=True)
+    torch._dynamo.reset()
+    clear_caches()
+    logs = []
+    static(tiny_lm, fuse_kernels=True, log=logs.append)
+    (line,) = [line for line in logs if line.startswith("fused kernels")]
+    loaded = int(re.search(r"0 compiled, (\d+) loaded; inductor's cache in \S+\)$", line).group(1))
+    assert loaded >= 4, line  # at least one graph per kernel function
 
 
 def test_the_fused_mlp_matches_the_models_own_in_every_bucket_eager_and_compiled(tiny_lm):

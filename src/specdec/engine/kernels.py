@@ -79,6 +79,24 @@ class Kernels(NamedTuple):
 EAGER = Kernels(rms_norm, add_rms_norm, rotate_qk, silu_mul)
 
 
+def cache_counts() -> tuple[int, int]:
+    """This process's kernels compiled so far and those loaded from inductor's on-disk cache (its FX graph
+    cache misses and hits). The cache lives in TORCHINDUCTOR_CACHE_DIR (`cache_location`): where it outlives
+    the process (a volume: README, "Compiled kernels"), a new server loads instead of compiling."""
+    from torch._dynamo.utils import counters
+
+    return counters["inductor"]["fxgraph_cache_miss"], counters["inductor"]["fxgraph_cache_hit"]
+
+
+def cache_location() -> str:
+    """Where inductor caches compiled kernels: TORCHINDUCTOR_CACHE_DIR, or its default under the temporary
+    directory; or that its cache is off (TORCHINDUCTOR_FX_GRAPH_CACHE=0: then nothing counts)."""
+    from torch._inductor import config
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return f"in {cache_dir()}" if config.fx_graph_cache else "off"
+
+
 def compiled() -> Kernels:
     """The functions through torch.compile (inductor; one fused kernel each). They compile on first
     use: the executor warms them up before it captures anything (`StaticCausalLM.fuse`). The first call

@@ -477,7 +477,7 @@ class StaticCausalLM(CausalLM):
         scratch block, so that nothing compiles later, while a CUDA graph is captured. If compiling
         fails (no inductor backend for the device, no compiler) the eager kernels stay, logged: slower,
         same results."""
-        started = time.perf_counter()
+        started, (compiled, loaded) = time.perf_counter(), kernels.cache_counts()
         self.forward.kernels = kernels.compiled()
         try:
             for mode in (torch.no_grad, torch.inference_mode):
@@ -491,7 +491,9 @@ class StaticCausalLM(CausalLM):
             self.forward.kernels = kernels.EAGER
             self.log(f"fused kernels: torch.compile failed ({type(error).__name__}: {error}); eager kernels")
             return
-        self.log(f"fused kernels: compiled in {time.perf_counter() - started:.1f} s")
+        compiled, loaded = (now - before for now, before in zip(kernels.cache_counts(), (compiled, loaded)))
+        self.log(f"fused kernels: ready in {time.perf_counter() - started:.1f} s ({compiled} compiled, {loaded} "
+                 f"loaded; inductor's cache {kernels.cache_location()})")
 
     # ---- sequences in the pool --------------------------------------------------------------------
     def _new_sequence(self) -> PagedSequence:
