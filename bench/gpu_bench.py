@@ -9,7 +9,8 @@ final norm and head, agrees with it about as often as a real early-exit draft), 
   reference      plain PyTorch, static KV cache + torch.compile(mode="reduce-overhead"): 1 and K+1 tokens
   executor       the project's CausalLM.extend in process: 1 and K+1 tokens; the draft's step (c)
   served         the `ensemble` through the launcher, greedy: K=0, K fixed, adaptive K<=K; 1 stream, and
-                 8 concurrent ones (--streams: other counts)
+                 8 concurrent ones (--streams: other counts), with how the streams shared each model's
+                 forwards (sequences per forward, the share of the time in forwards)
   transformers   `generate` in process: plain and assisted (the same draft, K constant)
 
 with α, tokens per round, the bound E/(K·c+v) at the measured α, efficiency = speedup / bound, and the
@@ -231,8 +232,9 @@ def served_one_stream(url: str, prompts: list[str], max_tokens: int, k: int) -> 
 
 
 async def served_streams(url: str, prompts: list[str], max_tokens: int, params: GenerationParams,
-                         streams: int) -> float:
-    """Output tokens/s of `streams` concurrent streams, each sending its share of 2 * streams requests."""
+                         streams: int) -> dict:
+    """`streams` concurrent streams, each sending its share of 2 * streams requests: output tokens/s, and
+    the requests' tokens, drafted and accepted tokens and rounds summed."""
     from dataclasses import replace
 
     params = replace(params, max_tokens=max_tokens)
@@ -246,16 +248,30 @@ async def served_streams(url: str, prompts: list[str], max_tokens: int, params: 
         started = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(streams)))
         elapsed = time.perf_counter() - started
-    return sum(r.num_output_tokens for r in results) / elapsed
+    tokens = sum(r.num_output_tokens for r in results)
+    return {"tps": tokens / elapsed, "tokens": tokens, "drafted": sum(r.total_draft_tokens for r in results),
+            "accepted": sum(r.total_accepted_draft_tokens for r in results),
+            "rounds": sum(r.num_rounds for r in results)}
 
 
-def target_batches(own) -> tuple[float, float, float]:
-    """target_model's (requests, executions, seconds in forwards) so far: requests / executions is the
-    sequences a forward served; forward seconds / wall time how busy the target's device was (the rest is
-    host work between forwards: the adapter, Triton, waiting for the streams' next calls)."""
-    return (own.metric("nv_inference_request_success", model="target_model"),
-            own.metric("nv_inference_exec_count", model="target_model"),
-            own.metric("specdec_model_forward_seconds_total", model="target_model"))
+def model_batches(own, model: str) -> tuple[float, float, float]:
+    """A model's (requests, executions, seconds in forwards) so far: requests / executions is the
+    sequences a forward served; forward seconds / wall time how busy the model kept its device (the rest
+    is host work between forwards: the adapter, Triton, waiting for the streams' next calls)."""
+    return (own.metric("nv_inference_request_success", model=model),
+            own.metric("nv_inference_exec_count", model=model),
+            own.metric("specdec_model_forward_seconds_total", model=model))
+
+
+def batching_note(before: dict, after: dict, wall: float) -> str:
+    """How the streams shared each model's forwards (model_batches before and after, per model)."""
+    notes = []
+    for model in ("target_model", "draft_model"):
+        (r0, e0, f0), (r1, e1, f1) = before[model], after[model]
+        if e1 > e0:
+            notes.append(f"{model.split('_')[0]}: {(r1 - r0) / (e1 - e0):.1f} sequences per forward, "
+                         f"in forwards {(f1 - f0) / wall:.0%} of the time")
+    return "; ".join(notes)
 
 
 def print_table(header: str, rows: list, columns: list[str], out: str | None) -> None:
@@ -314,17 +330,19 @@ def main(argv=None) -> int:
         one = served_one_stream(own.grpc_url, prompts, args.max_tokens, args.k)
         many = {}
         for streams in args.streams:
+            # Fixed K beside adaptive: whether speculation pays under load, apart from what the policy picks.
             for name, params in (("K=0", GenerationParams(num_draft_tokens=0)),
+                                 (f"K={args.k}", GenerationParams(num_draft_tokens=args.k, adaptive_draft=False)),
                                  (f"adaptive K<={args.k}", GenerationParams(num_draft_tokens=args.k))):
-                before, started = target_batches(own), time.perf_counter()
-                tps = asyncio.run(served_streams(own.grpc_url, prompts, args.max_tokens, params, streams))
+                before = {model: model_batches(own, model) for model in ("target_model", "draft_model")}
+                started = time.perf_counter()
+                result = asyncio.run(served_streams(own.grpc_url, prompts, args.max_tokens, params, streams))
                 wall = time.perf_counter() - started
-                time.sleep(0.6)  # target_model adds to its forward-seconds counter at most twice a second
-                after = target_batches(own)
-                # How well the streams share forwards: target_model requests per execution (Triton's
-                # counters), and the share of the wall time target_model spent in forwards.
-                many[streams, name] = (tps, (after[0] - before[0]) / max(after[1] - before[1], 1),
-                                       (after[2] - before[2]) / wall)
+                time.sleep(0.6)  # the models add to their forward-seconds counters at most twice a second
+                after = {model: model_batches(own, model) for model in ("target_model", "draft_model")}
+                # How well the streams share forwards: a model's requests per execution (Triton's counters),
+                # and the share of the wall time it spent in forwards.
+                many[streams, name] = (result, batching_note(before, after, wall))
     finally:
         own.stop(120)
 
@@ -372,9 +390,12 @@ def main(argv=None) -> int:
                      f"{alpha:.2f}", f"{per_round:.2f}", f"{bound:.2f}" if bound else "",
                      f"{tps / base / bound:.2f}" if bound else "",
                      f"equal text {row['equal']:.0%}"])
-    for (streams, name), (tps, per_forward, busy) in many.items():
-        rows.append([f"served, {streams} streams, {name}", "", f"{tps:.1f}", f"{tps / base:.2f}x", "", "", "", "",
-                     f"{per_forward:.1f} sequences per target forward, target in forwards {busy:.0%} of the time"])
+    for (streams, name), (result, note) in many.items():
+        tps = result["tps"]
+        alpha = f"{result['accepted'] / result['drafted']:.2f}" if result["drafted"] else ""
+        rows.append([f"served, {streams} streams, {name}", "", f"{tps:.1f}", f"{tps / base:.2f}x", alpha,
+                     f"{result['tokens'] / max(result['rounds'], 1):.2f}", "", "",
+                     f"{result['drafted'] / max(result['rounds'], 1):.2f} drafted per round; {note}"])
     if not args.served_only:
         rows.append(["transformers generate, plain", "", f"{peer['plain']:.1f}", f"{peer['plain'] / base:.2f}x",
                      "", "", "", "", ""])

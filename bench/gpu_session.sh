@@ -20,9 +20,10 @@
 #                  chunks of 512 (~9 min; `bash bench/gpu_session.sh prefix`)
 #   pipeline       the served rows with the models' execute pipelined (pipelined_execute=true: host work
 #                  overlapping the forwards) and without, one server after the other (~9 min)
-#   load           speculation under load: 8, 16 and 32 streams, K=0 against adaptive, with no limit and
-#                  with max_drafting_sequences=8 (one server each, ~8 min): does speculation stop paying
-#                  at some count, and does the limit give K=0's throughput back there
+#   load           speculation under load: 8, 16 and 32 streams, K=0 against fixed K=4 and adaptive, with no
+#                  limit and with max_drafting_sequences=8 (one server each, ~9 min): does speculation stop
+#                  paying at some count (fixed K: apart from the policy's choice), and does the limit give
+#                  K=0's throughput back there
 #   overhead       where a served round goes on the GPU (tiny pair): greedy, sampled, and guided by a regex
 #                  (target_model picking with the grammar's bitmask) (~3 min)
 #
@@ -83,9 +84,9 @@ for part in "$@"; do
         --out "$out/pipeline-on.md"
       run pipeline-off 270 "$python" bench/gpu_bench.py --served-only --prompts 4 --out "$out/pipeline-off.md" ;;
     load)
-      run load-unlimited 240 "$python" bench/gpu_bench.py --served-only --prompts 2 --streams 8 16 32 \
+      run load-unlimited 270 "$python" bench/gpu_bench.py --served-only --prompts 2 --streams 8 16 32 \
         --out "$out/load-unlimited.md"
-      run load-limit-8 240 "$python" bench/gpu_bench.py --served-only --prompts 2 --streams 8 16 32 \
+      run load-limit-8 270 "$python" bench/gpu_bench.py --served-only --prompts 2 --streams 8 16 32 \
         --launcher-arg=--set=speculative_decoding.max_drafting_sequences=8 --out "$out/load-limit-8.md" ;;
     executor) run executor 240 "$python" bench/executor_bench.py --modes graphs,graphs-mlp --reference \
         --out "$out/executor.md" ;;

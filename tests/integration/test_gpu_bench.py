@@ -23,16 +23,22 @@ def test_gpu_bench_small_mode_prints_every_row(tmp_path):
     table = out.read_text()
     for row in ("weight-streaming bound", "plain PyTorch, static cache", "project executor",
                 "served, 1 stream, K=0", "served, 1 stream, K=4", "served, 1 stream, adaptive K<=4",
-                "served, 8 streams, K=0", "served, 8 streams, adaptive K<=4", "transformers generate, plain",
+                "served, 8 streams, K=0", "served, 8 streams, K=4", "served, 8 streams, adaptive K<=4",
+                "transformers generate, plain",
                 "transformers generate, assisted K=4"):
         assert row in table, row
     # float32: greedy speculative text equals target-only text on every prompt.
     served = [line for line in table.splitlines() if line.startswith("| served, 1 stream")]
     assert len(served) == 3 and all("equal text 100%" in line for line in served)
-    # 3 and 8 streams (--streams): how many sequences a target forward carried and how busy the target was.
+    # 3 and 8 streams (--streams): how many sequences a target forward carried and how busy the target was,
+    # the same of the draft where one drafted, and what a round drafted and yielded.
     many = [line for line in table.splitlines() if line.startswith(("| served, 3 streams", "| served, 8 streams"))]
-    busy = [re.search(r"target in forwards (\d+)% of the time", line) for line in many]
-    assert len(many) == 4 and all(match and 0 < int(match.group(1)) <= 100 for match in busy), many
+    busy = [re.search(r"target: [\d.]+ sequences per forward, in forwards (\d+)% of the time", line) for line in many]
+    assert len(many) == 6 and all(match and 0 < int(match.group(1)) <= 100 for match in busy), many
+    fixed = [line for line in many if "streams, K=4 " in line]
+    drafted = [re.search(r"([\d.]+) drafted per round; .*draft: [\d.]+ sequences per forward", line) for line in fixed]
+    assert len(fixed) == 2 and all(match and 0 < float(match.group(1)) <= 4 for match in drafted), fixed
+    assert all(" 0.00 drafted per round" in line and "draft:" not in line for line in many if "K=0" in line), many
 
 
 def test_round_overhead_bench_splits_a_round(tmp_path):
