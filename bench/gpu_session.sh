@@ -12,9 +12,10 @@
 #                  default of speculation.orchestratorInstances (one)
 #   executor       in-process steps of the static executor, with and without the fused SiLU MLP (fuse_mlp),
 #                  against the compiled static-cache reference
-#   streams        the 8-stream target (>= 4x one stream): four orchestrator instances, and concurrent
-#                  verifies gathered into one forward (verify_gather_ms + the batcher's delay) with two
-#                  and with four instances (~7 min; a third command: `bash bench/gpu_session.sh streams`)
+#   streams        the 8-stream rows with draft_model's sequence batcher waiting 300 and 1000 us to fill its
+#                  executions, and 1000 us with target_model's waiting 300 us: whether the draft's batching is
+#                  what 8 speculative streams lack (~7 min; `bash bench/gpu_session.sh streams`). Measured on
+#                  host D and left: four orchestrator instances, verify_gather_ms (README, "On a GPU")
 #   prefix         prefix caching on the 8B-shaped pair: a shared 1500-word system prompt against unshared
 #                  ones (TTFT), and chunked prefill: plain streams' gaps beside long prompts, whole and in
 #                  chunks of 512 (~9 min; `bash bench/gpu_session.sh prefix`)
@@ -55,14 +56,13 @@ for part in "$@"; do
       run bench-gpu-2-orchestrators 300 "$python" bench/gpu_bench.py --served-only --prompts 4 \
         --launcher-arg=--orchestrator-instances=2 --out "$out/bench-gpu-2-orchestrators.md" ;;
     streams)
-      gathered=(--launcher-arg=--set=speculative_decoding.verify_gather_ms=5
-                --launcher-arg=--set=target_model.max_queue_delay_microseconds=300)
-      run streams-4-orchestrators 200 "$python" bench/gpu_bench.py --served-only --prompts 2 \
-        --launcher-arg=--orchestrator-instances=4 --out "$out/streams-4-orchestrators.md"
-      run streams-2-gathered 200 "$python" bench/gpu_bench.py --served-only --prompts 2 "${gathered[@]}" \
-        --out "$out/streams-2-gathered.md"
-      run streams-4-gathered 200 "$python" bench/gpu_bench.py --served-only --prompts 2 "${gathered[@]}" \
-        --launcher-arg=--orchestrator-instances=4 --out "$out/streams-4-gathered.md" ;;
+      for delay in 300 1000; do
+        run "streams-draft-delay-$delay" 190 "$python" bench/gpu_bench.py --served-only --prompts 2 \
+          "--launcher-arg=--set=draft_model.max_queue_delay_microseconds=$delay" --out "$out/streams-draft-delay-$delay.md"
+      done
+      run streams-both-delays 190 "$python" bench/gpu_bench.py --served-only --prompts 2 \
+        --launcher-arg=--set=draft_model.max_queue_delay_microseconds=1000 \
+        --launcher-arg=--set=target_model.max_queue_delay_microseconds=300 --out "$out/streams-both-delays.md" ;;
     prefix)
       run prefix-cache 200 "$python" bench/prefix_bench.py --pair gpu-8b --draft-model draft_model \
         --system-words 1500 --out "$out/prefix-cache.md"
