@@ -106,6 +106,8 @@ TARGET_MODEL_NAME = "target_model"
 
 # ---- draft methods and weights --------------------------------------------------------------------
 NGRAM = "ngram"  # the built-in prompt-lookup draft (no model); any other draft name is a draft model
+SUFFIX = "suffix"  # built in too: prompt lookup over the request's tokens and earlier requests' (a shared cache)
+BUILTIN_DRAFTS = (NGRAM, SUFFIX)  # the model-free methods: a draft costs (almost) nothing
 DTYPE_NAMES = ("float32", "float16", "bfloat16", "float64")  # the models' `dtype` parameter
 
 # ---- request defaults (what a request that leaves an input out gets) ---------------------------------

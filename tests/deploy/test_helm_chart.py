@@ -39,6 +39,8 @@ COMBINATIONS = {
                        "resources": {"requests": {"cpu": "2", "memory": "4Gi"}}, "executor": {"torchThreads": 2},
                        "speculation": {"orchestratorInstances": 1}},
     "cpu-only-defaults": {"gpu": {"count": 0}, "models": {"dtype": "float32"}},
+    "cpu-only-suffix": {"gpu": {"count": 0}, "models": {"draft": {"method": "suffix"}, "dtype": "float32"},
+                        "speculation": {"suffixCacheTokens": 262144}},
     "compile-cache-claim": {"compileCache": {"source": "existingClaim", "existingClaim": {"name": "specdec-kernels"}}},
     "spread-target": {"gpu": {"count": 4, "spreadTarget": True, "draftGpu": 3},
                       "speculation": {"defaultNumDraftTokens": 6, "maxContextTokens": 4096},
@@ -178,9 +180,10 @@ def test_the_weights_fetch_installs_nothing_and_is_keyed_by_the_repositories():
     assert env["TARGET_REPO"]["value"] == "org/target@v2" and env["DRAFT_REPO"]["value"] == "org/draft"
     assert env["MODELS_DIR"]["value"] == "/models"
     assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf", "key": "token"}
-    ngram = {"models": {"source": "newClaim", "draft": {"method": "ngram"}}}
-    (fetch,) = deployment(render_chart(ngram))["spec"]["template"]["spec"]["initContainers"]
-    assert {e["name"]: e.get("value") for e in fetch["env"]}["DRAFT_REPO"] == ""  # nothing to fetch
+    for method in ("ngram", "suffix"):  # built in: no draft model to fetch
+        values = {"models": {"source": "newClaim", "draft": {"method": method}}}
+        (fetch,) = deployment(render_chart(values))["spec"]["template"]["spec"]["initContainers"]
+        assert {e["name"]: e.get("value") for e in fetch["env"]}["DRAFT_REPO"] == "", method
 
 
 def test_autoscaling_and_monitoring_objects():
@@ -274,7 +277,7 @@ def pair_for(values: dict) -> PairSpec:
         name="chart", target_path=models["target"]["path"],
         tokenizer_path=models["target"]["tokenizerPath"] or models["target"]["path"],
         draft_paths={"draft_model": models["draft"]["path"]} if model_draft else {},
-        default_draft="" if model_draft else "ngram", dtype=models["dtype"],
+        default_draft="" if model_draft else models["draft"]["method"], dtype=models["dtype"],
         max_context_tokens=spec["maxContextTokens"], apply_chat_template=models["applyChatTemplate"],
         device="gpu" if gpu["count"] > 0 else "cpu", target_gpu=gpu["targetGpu"], spread_target=gpu["spreadTarget"],
         draft_gpu=gpu["draftGpu"], adaptive_draft=spec["adaptiveDraft"],
@@ -292,7 +295,7 @@ def pair_for(values: dict) -> PairSpec:
 
 
 @pytest.mark.parametrize("name, orchestrators", [("defaults", 1), ("cpu-only-ngram", 1), ("cpu-only-defaults", 2),
-                                                 ("spread-target", 1)])
+                                                 ("cpu-only-suffix", 2), ("spread-target", 1)])
 def test_model_configuration_matches_the_launcher(name, orchestrators, tmp_path):
     docs = render_chart(COMBINATIONS[name])
     (configs,) = [d for d in by_kind(docs, "ConfigMap") if d["metadata"]["name"].endswith("-model-config")]

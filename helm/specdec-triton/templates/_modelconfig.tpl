@@ -210,7 +210,8 @@ output [
 ]
 {{ include "specdec.param" (list "tokenizer_path" (include "specdec.tokenizerPath" .)) }}
 {{ include "specdec.param" (list "target_model" "target_model") }}
-{{ include "specdec.param" (list "draft_models" (ternary "draft_model,ngram" "ngram" (eq .Values.models.draft.method "model"))) }}
+{{ include "specdec.param" (list "draft_models" (get (dict "model" "draft_model,ngram,suffix" "ngram" "ngram,suffix" "suffix" "suffix,ngram") .Values.models.draft.method)) }}
+{{ include "specdec.param" (list "suffix_cache_tokens" $s.suffixCacheTokens) }}
 {{ include "specdec.param" (list "adaptive_draft" (ternary "true" "false" $s.adaptiveDraft)) }}
 {{ include "specdec.param" (list "default_num_draft_tokens" $s.defaultNumDraftTokens) }}
 {{ include "specdec.param" (list "max_num_draft_tokens" $s.maxNumDraftTokens) }}

@@ -57,12 +57,17 @@ class NgramIndex:
             tokens.append(token)
 
     def lookup(self, k: int) -> list[int]:
+        return self.match(k)[1]
+
+    def match(self, k: int) -> tuple[int, list[int]]:
+        """(where the matched earlier occurrence ends, up to k tokens that followed it); (0, []) if none."""
         tokens, length = self.tokens, len(self.tokens)
         for n in range(min(self.max_ngram, length - 1), self.min_ngram - 1, -1):
             start = self.latest[n].get(tuple(tokens[length - n:]))
             if start is not None:
-                return tokens[start + n:start + n + k]
-        return []
+                follow = tokens[start + n:start + n + k]
+                return (start + n, follow) if follow else (0, [])
+        return 0, []
 
 
 class NgramProposer:

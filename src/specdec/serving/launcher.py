@@ -202,7 +202,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--pair", default=os.environ.get("PAIR", "default"), choices=sorted(pairs.PAIRS))
     custom = parser.add_argument_group("a pair given by paths (instead of --pair)")
     custom.add_argument("--target", help="target model: HF directory or .gguf file")
-    custom.add_argument("--draft", default=tn.NGRAM, help=f'draft model path, or "{tn.NGRAM}" for prompt lookup')
+    custom.add_argument("--draft", default=tn.NGRAM,
+                        help=f'draft model path, or "{tn.NGRAM}" for prompt lookup, or "{tn.SUFFIX}" for prompt '
+                             "lookup also over earlier requests' text")
     custom.add_argument("--tokenizer", default="", help="tokenizer directory (default: the target's)")
     custom.add_argument("--dtype", default="float32", choices=tn.DTYPE_NAMES)
     custom.add_argument("--device", default="cpu", choices=("cpu", "gpu"))

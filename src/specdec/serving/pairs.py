@@ -35,7 +35,7 @@ class PairSpec:
     target_path: str
     tokenizer_path: str
     draft_paths: dict[str, str] = field(default_factory=dict)  # draft model name -> weights; first = default
-    builtin_drafts: tuple[str, ...] = (tn.NGRAM,)  # model-free methods a request may choose
+    builtin_drafts: tuple[str, ...] = tn.BUILTIN_DRAFTS  # model-free methods a request may choose
     default_draft: str = ""  # the method used when a request names none; "" = the first draft model
     dtype: str = "float32"
     max_context_tokens: int = tn.DEFAULT_MAX_CONTEXT_TOKENS
@@ -197,7 +197,7 @@ def default_pair() -> PairSpec:
     # draft model accepts too little on CPU to pay for itself (README, "Measured design choices").
     return PairSpec(
         name="default", target_path=str(target), tokenizer_path=str(target),
-        draft_paths={"draft_model": str(draft)}, builtin_drafts=(tn.NGRAM,), default_draft=tn.NGRAM, dtype="float32",
+        draft_paths={"draft_model": str(draft)}, default_draft=tn.NGRAM, dtype="float32",
         max_context_tokens=int(max_pos), apply_chat_template=True,
         # Up to 16 tokens a round, adaptive: a lookup proposes at most the span it found, and with
         # oneDNN kernels verifying 17 positions costs about one target step (README, "Measured design choices").
@@ -206,10 +206,11 @@ def default_pair() -> PairSpec:
 
 
 def custom_pair(target: str, draft: str = tn.NGRAM, tokenizer: str = "", **settings) -> PairSpec:
-    """A pair given by paths: `draft` is a model path (HF directory or .gguf) or "ngram" (prompt lookup)."""
-    if draft == tn.NGRAM:
+    """A pair given by paths: `draft` is a model path (HF directory or .gguf) or a built-in method: "ngram"
+    (prompt lookup) or "suffix" (prompt lookup also over earlier requests' text)."""
+    if draft in tn.BUILTIN_DRAFTS:
         return PairSpec(name="custom", target_path=target, tokenizer_path=tokenizer or target,
-                        default_draft=tn.NGRAM, **settings)
+                        default_draft=draft, **settings)
     return PairSpec(name="custom", target_path=target, tokenizer_path=tokenizer or target,
                     draft_paths={"draft_model": draft}, **settings)
 

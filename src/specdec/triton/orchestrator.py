@@ -25,6 +25,7 @@ from specdec.decoding.grammar import GuideCompiler
 from specdec.decoding.interfaces import NoCapacity
 from specdec.decoding.loop import GenerationRequest, Stats, generate
 from specdec.decoding.ngram_proposer import NgramProposer
+from specdec.decoding.suffix_proposer import SuffixCache, SuffixProposer
 from specdec.decoding.text import Emission, TextEmitter, load_tokenizer
 from specdec.triton.adapter import TritonAdapter
 from specdec.triton.bls import BlsProposer, BlsScorer
@@ -78,14 +79,19 @@ class SpeculativeDecodingAdapter(TritonAdapter):
         # Prompts longer than this go to each model in chunks, other requests' rounds between them (bls.py);
         # 0 (default): whole. Off until measured to pay: on CPU it traded the tail for throughput (README).
         chunk = params.int("prefill_chunk_tokens", 0, low=0)
-        # "ngram" is the built-in prompt-lookup method; any other name is a draft model to call over BLS.
         # Gauges of one instance carry its name: the server's figure is their sum (or max for the peak).
         self.metrics = OrchestratorMetrics(pb_utils, self.limits.max_num_draft_tokens,
                                            args.get("model_instance_name", params.model_name))
         self.metrics.max_live.set(self.max_live)  # the denominator of the chart's backlog signal
+        # "ngram" and "suffix" are built in (prompt lookup; "suffix" also over the text of this instance's
+        # earlier requests, up to suffix_cache_tokens); any other name is a draft model to call over BLS.
         # A draft model that fails is bypassed (target-only rounds) and retried after a wait.
         retry_s = params.float("draft_retry_after_s", 1.0, low=0.0)
-        self.proposers = {name: NgramProposer() if name == tn.NGRAM else FallbackProposer(
+        # Every finished request's prompt and output go into the suffix cache (while "suffix" is offered).
+        self.suffix_cache = SuffixCache(params.int("suffix_cache_tokens", 262144, low=0)) \
+            if tn.SUFFIX in self.limits.draft_names else None
+        builtin = {tn.NGRAM: NgramProposer, tn.SUFFIX: lambda: SuffixProposer(self.suffix_cache)}
+        self.proposers = {name: builtin[name]() if name in builtin else FallbackProposer(
             BlsProposer(pb_utils, name, timeout_us, chunk), name, self.metrics.record_fallback, retry_after_s=retry_s)
             for name in self.limits.draft_names}
         # Concurrent requests' verify calls wait for each other up to this window, so that target_model's
@@ -204,6 +210,7 @@ class SpeculativeDecodingAdapter(TritonAdapter):
         stats = Stats()
         emitter = TextEmitter(self.tokenizer, parsed.stop_words, parsed.include_stop)
         log_probs: list[float] = []  # with return_log_probs: one per generated token, in order
+        generated: list[int] = []  # the target's tokens, for the suffix cache
         first_sent = False
         loop = asyncio.get_running_loop()
         # The last round's streamed response and cancellation check, on an IPC thread (see `load`).
@@ -228,7 +235,7 @@ class SpeculativeDecodingAdapter(TritonAdapter):
                 raise NoCapacity("cancelled while waiting in line for KV room")  # room.cancelled is set
             started = True
             policy = DraftLengthPolicy(parsed.num_draft_tokens, self.costs, parsed.draft_name,
-                                       adaptive=parsed.adaptive, free=parsed.draft_name == tn.NGRAM,
+                                       adaptive=parsed.adaptive, free=parsed.draft_name in tn.BUILTIN_DRAFTS,
                                        busy=self._busy(gen))
             # Between draft and verify only the board is read (one stat): asking Triton is an IPC round
             # trip, paid once per round below, off the event loop.
@@ -242,6 +249,7 @@ class SpeculativeDecodingAdapter(TritonAdapter):
                         break
                     if rnd.log_probs:
                         log_probs += rnd.log_probs
+                    generated += rnd.new_tokens
                     now = time.monotonic()
                     self.metrics.record_round(rnd.num_drafted, rnd.num_accepted, now)
                     self.metrics.record_costs(self.costs, now)
@@ -280,6 +288,8 @@ class SpeculativeDecodingAdapter(TritonAdapter):
             room.admitted()
             if started:  # its caches are released by now: the first in line may ask again at once
                 self.room.freed()
+                if self.suffix_cache is not None:
+                    self.suffix_cache.add(gen.prompt_ids + generated)
             self.metrics.queue_time.observe(slot_wait + room.waited_s)
             self.gate.leave()
             self.report_live()

@@ -1,0 +1,111 @@
+"""Suffix drafting: prompt lookup over the request's own tokens and over earlier requests' text.
+
+Prompt lookup (`ngram_proposer`) finds the sequence's suffix only in its own prompt and output. Workloads
+that repeat themselves across requests (agents re-emitting code and tool calls, extraction into one JSON
+schema, templated answers) continue text another request already produced; SuffixDecoding (Oliaro et al.
+2024) drafts from a store of earlier outputs for that reason. Here `SuffixCache` keeps the token
+sequences of finished requests (prompt and output, whatever draft method they used), newest first, up to
+a token budget, indexed by their n-grams. A round proposes from whichever match is longer: the latest earlier occurrence of the suffix in
+the request's own tokens (ties go to it), or in the cache, each measured back to `max_match` tokens.
+
+Still a deterministic draft verified by the target: the output is the target's, greedy or sampled, whatever
+the cache holds. What the cache changes is how fast a request runs, which depends on other requests'
+text: a timing signal across requests, as with any shared cache (README, "Draft methods").
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from specdec.decoding.interfaces import Proposal
+from specdec.decoding.ngram_proposer import NgramIndex
+from specdec.decoding.sampling import SamplingParams
+
+
+def match_length(a: list[int], a_end: int, b: list[int], b_end: int, limit: int) -> int:
+    """How many tokens a[:a_end] and b[:b_end] have in common at their ends, at most `limit`."""
+    n, top = 0, min(limit, a_end, b_end)
+    while n < top and a[a_end - 1 - n] == b[b_end - 1 - n]:
+        n += 1
+    return n
+
+
+class SuffixCache:
+    """Finished requests' token sequences, the newest kept while their tokens sum to at most `max_tokens`
+    (0: none kept), and where each `ngram`-gram of them was last followed by a token.
+
+    Evicted sequences leave stale index entries behind (skipped by `lookup`); the index is rebuilt from
+    the sequences kept once it holds twice their tokens. One per orchestrator process: its requests
+    share it, on the event loop (no lock)."""
+
+    def __init__(self, max_tokens: int, ngram: int = 4, max_match: int = 64):
+        self.max_tokens, self.ngram, self.max_match = max_tokens, ngram, max_match
+        self.sequences: OrderedDict[int, list[int]] = OrderedDict()  # key -> tokens, oldest first
+        self.tokens = 0  # held in `sequences`
+        self.index: dict[tuple[int, ...], tuple[int, int]] = {}  # n-gram -> (key, its end), latest
+        self._next_key = 0
+
+    def add(self, tokens: list[int]) -> None:
+        """Keep a finished request's tokens (the last max_tokens of them), evicting the oldest."""
+        tokens = list(tokens[-self.max_tokens:]) if self.max_tokens else []
+        if len(tokens) <= self.ngram:
+            return
+        key, self._next_key = self._next_key, self._next_key + 1
+        self.sequences[key] = tokens
+        self.tokens += len(tokens)
+        self._index(key, tokens)
+        while self.tokens > self.max_tokens:
+            _, evicted = self.sequences.popitem(last=False)
+            self.tokens -= len(evicted)
+        if len(self.index) > 2 * max(self.tokens, 1):
+            self.index = {}
+            for kept, sequence in self.sequences.items():
+                self._index(kept, sequence)
+
+    def _index(self, key: int, tokens: list[int]) -> None:
+        n = self.ngram
+        for end in range(n, len(tokens)):  # an n-gram ending at `end` and followed by tokens[end]
+            self.index[tuple(tokens[end - n:end])] = (key, end)
+
+    def lookup(self, tokens: list[int], k: int) -> tuple[int, list[int]]:
+        """(match length, up to k tokens) continuing the latest cached occurrence of tokens' suffix;
+        (0, []) without one of at least `ngram` tokens."""
+        if k <= 0 or len(tokens) < self.ngram:
+            return 0, []
+        hit = self.index.get(tuple(tokens[-self.ngram:]))
+        if hit is None:
+            return 0, []
+        key, end = hit
+        sequence = self.sequences.get(key)
+        if sequence is None:  # evicted since
+            return 0, []
+        return match_length(sequence, end, tokens, len(tokens), self.max_match), sequence[end:end + k]
+
+
+class SuffixProposer:
+    """Proposer over a request's own `NgramIndex` and the shared `SuffixCache`. What fills the cache is the
+    caller's business: the orchestrator adds every finished request's prompt and output, whatever its
+    draft method."""
+
+    def __init__(self, cache: SuffixCache, max_ngram: int = 4, min_ngram: int = 2):
+        self.cache, self.max_ngram, self.min_ngram = cache, max_ngram, min_ngram
+        self.sequences: dict[int, NgramIndex] = {}
+
+    async def propose(self, seq_id: int, keep: int, new_ids: list[int], k: int,
+                      params: SamplingParams, round_seed: int, reserve: int = 0) -> Proposal:
+        index = self.sequences.get(seq_id)
+        if index is None:
+            index = self.sequences[seq_id] = NgramIndex(self.max_ngram, self.min_ngram)
+        index.truncate(keep)
+        index.extend(new_ids)
+        tokens = index.tokens
+        end, own = index.match(k)
+        theirs_length, theirs = self.cache.lookup(tokens, k)
+        # The own match measured as far back as the cache's: the longer one proposes, the own on a tie.
+        if theirs and theirs_length > (match_length(tokens, end, tokens, len(tokens), self.cache.max_match)
+                                       if own else 0):
+            own = theirs
+        return Proposal(own, None, cached_length=len(tokens))
+
+    async def release(self, seq_id: int) -> None:
+        self.sequences.pop(seq_id, None)
