@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.specdec-setup
 
-.PHONY: readme-examples soak setup serve test unit integration deploy-check image image-lock clean loadtest bench bench-concurrency bench-batching bench-gpu bench-executor bench-overhead bench-structured bench-prefix
+.PHONY: readme-examples soak setup serve test unit integration deploy-check image image-lock clean loadtest bench bench-concurrency bench-batching bench-gpu bench-executor bench-overhead bench-structured bench-prefix bench-suffix
 
 setup: $(STAMP)
 
@@ -81,6 +81,9 @@ bench-structured: setup
 # Prefix caching: a shared system prompt against unshareable ones, side by side (starts its own server).
 bench-prefix: setup
 	$(PY) bench/prefix_bench.py --pair $${PAIR:-default} --out .cache/bench-prefix.md
+
+bench-suffix: setup
+	$(PY) bench/suffix_bench.py --pair $${PAIR:-default} --out .cache/bench-suffix.md
 
 bench-overhead: setup
 	$(PY) bench/round_overhead.py --device $${DEVICE:-cpu} --out .cache/bench-overhead.md

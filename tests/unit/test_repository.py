@@ -23,7 +23,7 @@ def test_render_points_every_model_at_the_pair(tmp_path):
     assert '"/w/target"' in cfg["target_model"] and '"float64"' in cfg["target_model"]
     assert '"/w/draft"' in cfg["draft_model"]
     assert 'name: "draft_model_b"' in cfg["draft_model_b"] and '"/w/draft_b"' in cfg["draft_model_b"]
-    assert '"draft_model,draft_model_b,ngram"' in cfg["speculative_decoding"]
+    assert '"draft_model,draft_model_b,ngram,suffix"' in cfg["speculative_decoding"]
     assert '"512"' in cfg["speculative_decoding"]
     assert 'key: "apply_chat_template", value: { string_value: "true" }' in cfg["preprocessing"]
     assert "kind: KIND_GPU, gpus: [ 1 ]" in cfg["target_model"] and "kind: KIND_GPU, gpus: [ 0 ]" in cfg["draft_model"]
@@ -39,7 +39,7 @@ def test_render_spread_target_and_ngram_only(tmp_path):
     assert not (repo / "draft_model").exists()
     target = (repo / "target_model" / "config.pbtxt").read_text()
     assert "kind: KIND_MODEL" in target and 'key: "device_map", value: { string_value: "auto" }' in target
-    assert '"draft_models", value: { string_value: "ngram" }' in (repo / "speculative_decoding" / "config.pbtxt").read_text()
+    assert '"draft_models", value: { string_value: "ngram,suffix" }' in (repo / "speculative_decoding" / "config.pbtxt").read_text()
 
 
 def test_ensemble_exposes_the_public_contract():

@@ -1,0 +1,115 @@
+"""Suffix drafting against prompt lookup on workloads that repeat across requests (`make bench-suffix`).
+
+`suffix` drafts from the request's own tokens and from earlier requests' prompts and outputs (a cache per
+orchestrator instance); `ngram` from the request's own only. Two workloads, each a set of prompts sent
+one at a time, greedy (or seeded sampled with --temperature), through the served `ensemble`:
+
+  templated   different inputs, one output format (a JSON record per fictional person, the same fields):
+              later answers repeat the earlier ones' skeleton
+  repeated    the open-ended prompts of bench/prompts_open.jsonl, each sent once (first pass) and then
+              again (second pass; sampled: with another seed)
+
+Every request finished feeds the cache, whatever its method, so the order is fixed: on a fresh server
+(one orchestrator instance, so that one cache sees everything) each workload runs with `suffix` first
+(the repeated one: both passes), then target-only, then `ngram`; side by side in one run. Rows: tokens/s,
+speedup over target-only, acceptance, tokens per round, and (greedy) the fraction of requests whose text
+equals target-only's: all of them. Sampled, a seeded request's tokens depend on its draft lengths.
+
+    python bench/suffix_bench.py [--max-tokens 96] [--temperature 0.7] [--out table.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+from client import Client, GenerationParams  # noqa: E402
+from gpu_bench import print_table  # noqa: E402
+from specdec import tensor_names as tn  # noqa: E402
+from specdec.serving import pairs, server  # noqa: E402
+
+PEOPLE = [("Ada", "a lighthouse keeper in Norway"), ("Bruno", "a baker in Lyon"),
+          ("Chen", "a violin maker in Taipei"), ("Dalia", "a marine biologist in Cairo"),
+          ("Emeka", "a taxi driver in Lagos"), ("Freya", "a beekeeper in Oslo"),
+          ("Gustavo", "a chess coach in Lima"), ("Hana", "a potter in Kyoto")]
+TEMPLATE = ("Write a JSON object describing {name}, {who}. Use exactly these fields: name, age, city, "
+            "occupation, hobbies (a list of three), and a one-sentence bio.")
+
+
+def workloads(prompts: int) -> dict[str, list[str]]:
+    open_ended = [json.loads(line)["prompt"] for line in (HERE / "prompts_open.jsonl").read_text().splitlines()
+                  if line.strip()][:prompts]
+    return {"templated": [TEMPLATE.format(name=name, who=who) for name, who in PEOPLE[:prompts]],
+            "repeated": open_ended}
+
+
+def run(client: Client, prompts: list[str], params: GenerationParams) -> dict:
+    out = dict(tokens=0, s=0.0, drafted=0, accepted=0, rounds=0, texts=[])
+    for prompt in prompts:
+        result = client.generate(prompt, params)
+        out["tokens"] += result.num_output_tokens
+        out["s"] += result.latency_s
+        out["drafted"] += result.total_draft_tokens
+        out["accepted"] += result.total_accepted_draft_tokens
+        out["rounds"] += result.num_rounds
+        out["texts"].append(result.text)
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pair", default="default", choices=sorted(pairs.PAIRS))
+    parser.add_argument("--prompts", type=int, default=8, help="prompts per workload (at most 8)")
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--k", type=int, default=16, help="the most a round drafts (adaptive)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="> 0: seeded sampling (seed per prompt)")
+    parser.add_argument("--out", help="also write the table (Markdown) here")
+    args = parser.parse_args(argv)
+    cache = pairs.cache_dir()
+    own = server.start(cache / "run" / "bench-suffix", cache / "bench-suffix-server.log",
+                       ["--pair", args.pair, "--orchestrator-instances", "1"])
+    rows = []
+    try:
+        client = Client(own.grpc_url, "grpc", timeout_s=600)
+        client.generate("Hello", GenerationParams(max_tokens=8, num_draft_tokens=0))  # warm the path
+        for workload, prompts in workloads(args.prompts).items():
+            def params(method: str | None, k: int, seed: int = 7) -> GenerationParams:
+                return GenerationParams(max_tokens=args.max_tokens, num_draft_tokens=k, draft_model=method,
+                                        temperature=args.temperature, seed=seed if args.temperature else None,
+                                        ignore_eos=True, apply_chat_template=True)
+            # suffix first: every finished request feeds the cache, target-only and ngram ones too.
+            results = {f"{tn.SUFFIX}, adaptive K<={args.k}": run(client, prompts, params(tn.SUFFIX, args.k))}
+            if workload == "repeated":
+                results[f"{tn.SUFFIX}, adaptive K<={args.k}, second pass"] = run(
+                    client, prompts, params(tn.SUFFIX, args.k, seed=8))
+            results["target-only"] = run(client, prompts, params(None, 0))
+            results[f"{tn.NGRAM}, adaptive K<={args.k}"] = run(client, prompts, params(tn.NGRAM, args.k))
+            base = results["target-only"]
+            for name in sorted(results, key=lambda name: (name != "target-only", not name.startswith(tn.NGRAM), name)):
+                r = results[name]
+                tps = r["tokens"] / r["s"]
+                # Sampled, a seeded request's tokens depend on its draft lengths: equal text is not expected.
+                equal = sum(a == b for a, b in zip(r["texts"], base["texts"])) / len(prompts)
+                rows.append([workload, name, f"{tps:.1f}", f"{tps / (base['tokens'] / base['s']):.2f}x",
+                             f"{r['accepted'] / r['drafted']:.2f}" if r["drafted"] else "",
+                             f"{r['tokens'] / r['rounds']:.2f}", "" if args.temperature else f"{equal:.0%}"])
+                print(f"  {workload:9s} {name:36s} {tps:6.1f} tok/s", file=sys.stderr, flush=True)
+    finally:
+        own.stop()
+    mode = f"sampled (temperature {args.temperature:g}, seeded)" if args.temperature else "greedy"
+    header = (f"{platform.machine()} CPU, {args.pair} pair, {mode}, {args.max_tokens} tokens per request "
+              f"(ignore_eos), one request at a time, one orchestrator instance")
+    print_table(header, rows, ["workload", "method", "tokens/s", "vs target-only", "acceptance", "tokens/round",
+                               "equal text"], args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
