@@ -5,7 +5,7 @@ import asyncio
 import random
 
 from specdec.decoding.sampling import SamplingParams
-from specdec.decoding.suffix_proposer import SuffixCache, SuffixProposer, match_length
+from specdec.decoding.suffix_proposer import SuffixCache, SuffixProposer, _gram, match_length
 
 
 def propose(proposer, seq_id, keep, new_ids, k):
@@ -38,20 +38,22 @@ def test_the_newest_occurrence_wins_and_the_oldest_sequences_are_evicted():
     assert cache.lookup([0, 1, 2], 3) == (2, [7, 8, 9])  # the later request's continuation
     cache.add([6, 6, 6, 6, 6])  # 15 tokens > 12: the first request goes
     assert list(cache.sequences.values()) == [[1, 2, 7, 8, 9], [6, 6, 6, 6, 6]] and cache.tokens == 10
-    assert cache.lookup([0, 3, 4], 1) == (0, [])  # its index entries are stale: skipped
-    assert cache.lookup([0, 1, 2], 1) == (2, [7])
+    assert cache.lookup([0, 3, 4], 1) == (0, [])  # its index entries went with it
+    assert cache.lookup([0, 1, 2], 1) == (2, [7])  # [1, 2] was the newer request's: kept
 
 
-def test_the_index_is_rebuilt_once_stale_entries_outnumber_the_tokens_kept():
+def test_the_index_names_exactly_the_latest_occurrences_in_the_sequences_kept():
     rng = random.Random(0)
     cache = SuffixCache(50, ngram=3)
-    for _ in range(200):
-        cache.add([rng.randrange(1000) for _ in range(20)])
-        assert cache.tokens <= 50 and len(cache.index) <= 2 * cache.tokens
-    # Every entry left that points at a kept sequence points at the n-gram it names.
-    for gram, (key, end) in cache.index.items():
-        if key in cache.sequences:
-            assert tuple(cache.sequences[key][end - 3:end]) == gram
+    for _ in range(300):
+        cache.add([rng.randrange(6) for _ in range(rng.randrange(3, 21))])  # a small alphabet: n-grams recur
+        assert cache.tokens <= 50
+        latest = {}
+        for key, sequence in cache.sequences.items():  # oldest first: later occurrences overwrite
+            for end in range(3, len(sequence)):
+                latest[tuple(sequence[end - 3:end])] = (key, end)
+        assert {gram: cache.index[_gram(list(gram), 3, 3)] for gram in latest} == {
+            gram: key << 32 | end for gram, (key, end) in latest.items()} and len(cache.index) == len(latest)
 
 
 def test_a_zero_budget_keeps_nothing():

@@ -30,19 +30,38 @@ def match_length(a: list[int], a_end: int, b: list[int], b_end: int, limit: int)
     return n
 
 
+_BITS = 24  # per token id in an n-gram's key (ids below 2**24: every vocabulary)
+
+
+def _gram(tokens: list[int], end: int, n: int) -> int:
+    """The n tokens before `end` packed into one int: a smaller key than their tuple (memory per token)."""
+    key = 0
+    for token in tokens[end - n:end]:
+        key = key << _BITS | token
+    return key
+
+
+def _grams(tokens: list[int], n: int):
+    """(end, `_gram(tokens, end, n)`) for every end from n on, each key rolled from the last."""
+    mask, key = (1 << _BITS * n) - 1, _gram(tokens, n - 1, n - 1)
+    for end in range(n, len(tokens) + 1):
+        key = (key << _BITS | tokens[end - 1]) & mask
+        yield end, key
+
+
 class SuffixCache:
     """Finished requests' token sequences, the newest kept while their tokens sum to at most `max_tokens`
     (0: none kept), and where each `ngram`-gram of them was last followed by a token.
 
-    Evicted sequences leave stale index entries behind (skipped by `lookup`); the index is rebuilt from
-    the sequences kept once it holds twice their tokens. One per orchestrator process: its requests
-    share it, on the event loop (no lock)."""
+    Adding and evicting a sequence each cost one pass over its tokens (an evicted sequence takes its
+    index entries along, unless a newer sequence has taken the n-gram over): no rebuild, so no pause of
+    the event loop every request shares (one cache per orchestrator process, no lock)."""
 
     def __init__(self, max_tokens: int, ngram: int = 4, max_match: int = 64):
         self.max_tokens, self.ngram, self.max_match = max_tokens, ngram, max_match
         self.sequences: OrderedDict[int, list[int]] = OrderedDict()  # key -> tokens, oldest first
         self.tokens = 0  # held in `sequences`
-        self.index: dict[tuple[int, ...], tuple[int, int]] = {}  # n-gram -> (key, its end), latest
+        self.index: dict[int, int] = {}  # n-gram (`_gram`) -> its latest occurrence: key << 32 | its end
         self._next_key = 0
 
     def add(self, tokens: list[int]) -> None:
@@ -55,30 +74,27 @@ class SuffixCache:
         self.tokens += len(tokens)
         self._index(key, tokens)
         while self.tokens > self.max_tokens:
-            _, evicted = self.sequences.popitem(last=False)
-            self.tokens -= len(evicted)
-        if len(self.index) > 2 * max(self.tokens, 1):
-            self.index = {}
-            for kept, sequence in self.sequences.items():
-                self._index(kept, sequence)
+            evicted, sequence = self.sequences.popitem(last=False)
+            self.tokens -= len(sequence)
+            index, base = self.index, evicted << 32
+            for end, gram in _grams(sequence[:-1], self.ngram):
+                if index.get(gram) == base | end:
+                    del index[gram]
 
     def _index(self, key: int, tokens: list[int]) -> None:
-        n = self.ngram
-        for end in range(n, len(tokens)):  # an n-gram ending at `end` and followed by tokens[end]
-            self.index[tuple(tokens[end - n:end])] = (key, end)
+        index, base = self.index, key << 32
+        for end, gram in _grams(tokens[:-1], self.ngram):  # an n-gram ending at `end`, followed by tokens[end]
+            index[gram] = base | end
 
     def lookup(self, tokens: list[int], k: int) -> tuple[int, list[int]]:
         """(match length, up to k tokens) continuing the latest cached occurrence of tokens' suffix;
         (0, []) without one of at least `ngram` tokens."""
         if k <= 0 or len(tokens) < self.ngram:
             return 0, []
-        hit = self.index.get(tuple(tokens[-self.ngram:]))
+        hit = self.index.get(_gram(tokens, len(tokens), self.ngram))
         if hit is None:
             return 0, []
-        key, end = hit
-        sequence = self.sequences.get(key)
-        if sequence is None:  # evicted since
-            return 0, []
+        sequence, end = self.sequences[hit >> 32], hit & 0xFFFFFFFF
         return match_length(sequence, end, tokens, len(tokens), self.max_match), sequence[end:end + k]
 
 
