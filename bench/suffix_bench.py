@@ -16,6 +16,9 @@ speedup over target-only, acceptance, tokens per round, and (greedy) the fractio
 equals target-only's: all of them. Sampled, a seeded request's tokens depend on its draft lengths.
 
     python bench/suffix_bench.py [--max-tokens 96] [--temperature 0.7] [--out table.md]
+    python bench/suffix_bench.py --url localhost:8001 --pair tiny   # a running server: one orchestrator
+                                                                     # instance, and no earlier requests
+                                                                     # of these prompts, for figures that mean this
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ def run(client: Client, prompts: list[str], params: GenerationParams) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--url", help="a running server's gRPC address instead of starting one (--pair: its pair)")
     parser.add_argument("--pair", default="default", choices=sorted(pairs.PAIRS))
     parser.add_argument("--prompts", type=int, default=8, help="prompts per workload (at most 8)")
     parser.add_argument("--max-tokens", type=int, default=96)
@@ -73,11 +77,11 @@ def main(argv=None) -> int:
     parser.add_argument("--out", help="also write the table (Markdown) here")
     args = parser.parse_args(argv)
     cache = pairs.cache_dir()
-    own = server.start(cache / "run" / "bench-suffix", cache / "bench-suffix-server.log",
-                       ["--pair", args.pair, "--orchestrator-instances", "1"])
+    own = None if args.url else server.start(cache / "run" / "bench-suffix", cache / "bench-suffix-server.log",
+                                             ["--pair", args.pair, "--orchestrator-instances", "1"])
     rows = []
     try:
-        client = Client(own.grpc_url, "grpc", timeout_s=600)
+        client = Client(args.url or own.grpc_url, "grpc", timeout_s=600)
         client.generate("Hello", GenerationParams(max_tokens=8, num_draft_tokens=0))  # warm the path
         for workload, prompts in workloads(args.prompts).items():
             def params(method: str | None, k: int, seed: int = 7) -> GenerationParams:
@@ -102,7 +106,8 @@ def main(argv=None) -> int:
                              f"{r['tokens'] / r['rounds']:.2f}", "" if args.temperature else f"{equal:.0%}"])
                 print(f"  {workload:9s} {name:36s} {tps:6.1f} tok/s", file=sys.stderr, flush=True)
     finally:
-        own.stop()
+        if own is not None:
+            own.stop()
     mode = f"sampled (temperature {args.temperature:g}, seeded)" if args.temperature else "greedy"
     header = (f"{platform.machine()} CPU, {args.pair} pair, {mode}, {args.max_tokens} tokens per request "
               f"(ignore_eos), one request at a time, one orchestrator instance")

@@ -54,6 +54,9 @@ def _options(parser):
                         default=int(env("SPECDEC_NUM_DRAFT_TOKENS")) if env("SPECDEC_NUM_DRAFT_TOKENS") else None)
     parser.add_argument("--temperature", type=float,
                         default=float(env("SPECDEC_TEMPERATURE")) if env("SPECDEC_TEMPERATURE") else None)
+    parser.add_argument("--draft-model", default=env("SPECDEC_DRAFT_MODEL") or None,
+                        help="the draft method every request asks for (a draft model, ngram, suffix); "
+                             "unset: the server's default")
     parser.add_argument("--prompts-file", default=env("SPECDEC_PROMPTS", str(HERE / "prompts.jsonl")))
     parser.add_argument("--prompt-kind", default=env("SPECDEC_PROMPT_KIND", "all"), choices=("all", "grounded", "open"))
     parser.add_argument("--guided-fraction", type=float, default=float(env("SPECDEC_GUIDED_FRACTION", "0")))
@@ -181,7 +184,8 @@ class _SpecdecMixin:
             raise ValueError(f"no prompts of kind {kind!r} in {path}")
         self.params = GenerationParams(max_tokens=getattr(options, "max_tokens", 64),
                                        num_draft_tokens=getattr(options, "num_draft_tokens", None),
-                                       temperature=getattr(options, "temperature", None))
+                                       temperature=getattr(options, "temperature", None),
+                                       draft_model=getattr(options, "draft_model", None))
         self.guided_fraction = getattr(options, "guided_fraction", 0.0)
         if not 0.0 <= self.guided_fraction <= 1.0:
             raise ValueError(f"--guided-fraction must be within [0, 1], got {self.guided_fraction}")

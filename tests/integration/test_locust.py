@@ -62,6 +62,15 @@ def test_locust_sends_guided_requests(server, tmp_path):
     assert "guided_decoding_guide" in out.stdout + out.stderr
 
 
+def test_locust_asks_for_the_draft_method_it_is_given(server, tmp_path):
+    """--draft-model: every request names that method. A name the server does not offer fails every
+    request, the error naming the input: the name is sent."""
+    out, rows, _ = run_locust(tmp_path, server.http_url, seconds=6, extra=["--draft-model", "no_such_draft"])
+    generate = rows[("http", "generate")]
+    assert int(generate["Request Count"]) > 0 and generate["Failure Count"] == generate["Request Count"]
+    assert "draft_model" in out.stdout + out.stderr
+
+
 def test_locust_prepends_a_shared_system_prompt_that_the_server_caches(server, tmp_path):
     """--system-prompt-file: every prompt starts with the file's text; after the first requests the target
     finds it in its prefix cache (at least its first three blocks each time)."""

@@ -1,8 +1,12 @@
-"""`max_drafting_sequences` on a server of its own (one orchestrator instance, the limit at 1): a request
-drafts while it generates alone; while another one generates, every round of both is target-only, with the
-same greedy text. A seeded sampled request keeps drafting: its text must not depend on the load."""
+"""A server of its own with one orchestrator instance and `max_drafting_sequences` at 1: a request drafts
+while it generates alone; while another one generates, every round of both is target-only, with the same
+greedy text. A seeded sampled request keeps drafting: its text must not depend on the load. And `make
+bench-suffix`'s script against it (one instance: one suffix cache sees every request)."""
 
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -53,3 +57,20 @@ def test_rounds_are_target_only_while_more_requests_generate_than_the_limit(limi
     assert seeded_beside[tn.TOTAL_DRAFT_TOKENS] == seeded_alone[tn.TOTAL_DRAFT_TOKENS] > 0
     (result,) = long
     assert result.num_output_tokens == 600 and result.total_draft_tokens > 0  # it drafted while alone
+
+
+def test_suffix_bench_drafts_the_second_pass_from_the_first(limited, tmp_path):
+    """`bench/suffix_bench.py` (`make bench-suffix`) on this server: every row, the text equal to target-only's
+    (greedy), and the repeated workload's second pass drafted from the first one's answers (more tokens per
+    round). One request at a time: the limit never holds."""
+    out = tmp_path / "suffix.md"
+    script = Path(__file__).resolve().parents[2] / "bench" / "suffix_bench.py"
+    result = subprocess.run([sys.executable, str(script), "--url", limited.grpc_url, "--pair", "tiny", "--prompts", "2",
+                             "--max-tokens", "16", "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    lines = [line for line in out.read_text().splitlines()
+             if line.startswith("| ") and not line.startswith(("| workload", "| ---"))]
+    rows = {(cells[0], cells[1]): cells for cells in ([cell.strip() for cell in line.split("|")[1:-1]] for line in lines)}
+    assert len(rows) == 7 and all(cells[-1] == "100%" for cells in rows.values())
+    first, second = rows["repeated", "suffix, adaptive K<=16"], rows["repeated", "suffix, adaptive K<=16, second pass"]
+    assert float(second[5]) > float(first[5]) and float(second[4]) > 0.5, (first, second)

@@ -90,7 +90,11 @@ class NgramProposer:
         index.extend(new_ids)
         # No distributions: a deterministic draft, which the loop verifies as one-hot rows of the
         # target's own logit width (a tokenizer's length is not the model's vocabulary width).
-        return Proposal(index.lookup(k), None, cached_length=len(index.tokens))
+        return Proposal(self._draft(index, k), None, cached_length=len(index.tokens))
+
+    def _draft(self, index: NgramIndex, k: int) -> list[int]:
+        """Up to k tokens for the sequence `index` holds."""
+        return index.lookup(k)
 
     async def release(self, seq_id: int) -> None:
         self.sequences.pop(seq_id, None)

@@ -17,9 +17,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from specdec.decoding.interfaces import Proposal
-from specdec.decoding.ngram_proposer import NgramIndex
-from specdec.decoding.sampling import SamplingParams
+from specdec.decoding.ngram_proposer import NgramIndex, NgramProposer
 
 
 def match_length(a: list[int], a_end: int, b: list[int], b_end: int, limit: int) -> int:
@@ -98,30 +96,21 @@ class SuffixCache:
         return match_length(sequence, end, tokens, len(tokens), self.max_match), sequence[end:end + k]
 
 
-class SuffixProposer:
-    """Proposer over a request's own `NgramIndex` and the shared `SuffixCache`. What fills the cache is the
-    caller's business: the orchestrator adds every finished request's prompt and output, whatever its
-    draft method."""
+class SuffixProposer(NgramProposer):
+    """Prompt lookup over a request's own tokens (`NgramProposer`) and the shared `SuffixCache`. What fills
+    the cache is the caller's business: the orchestrator adds every finished request's prompt and output,
+    whatever its draft method."""
 
     def __init__(self, cache: SuffixCache, max_ngram: int = 4, min_ngram: int = 2):
-        self.cache, self.max_ngram, self.min_ngram = cache, max_ngram, min_ngram
-        self.sequences: dict[int, NgramIndex] = {}
+        super().__init__(max_ngram, min_ngram)
+        self.cache = cache
 
-    async def propose(self, seq_id: int, keep: int, new_ids: list[int], k: int,
-                      params: SamplingParams, round_seed: int, reserve: int = 0) -> Proposal:
-        index = self.sequences.get(seq_id)
-        if index is None:
-            index = self.sequences[seq_id] = NgramIndex(self.max_ngram, self.min_ngram)
-        index.truncate(keep)
-        index.extend(new_ids)
+    def _draft(self, index: NgramIndex, k: int) -> list[int]:
         tokens = index.tokens
         end, own = index.match(k)
         theirs_length, theirs = self.cache.lookup(tokens, k)
         # The own match measured as far back as the cache's: the longer one proposes, the own on a tie.
         if theirs and theirs_length > (match_length(tokens, end, tokens, len(tokens), self.cache.max_match)
                                        if own else 0):
-            own = theirs
-        return Proposal(own, None, cached_length=len(tokens))
-
-    async def release(self, seq_id: int) -> None:
-        self.sequences.pop(seq_id, None)
+            return theirs
+        return own
