@@ -5,8 +5,9 @@ that repeat themselves across requests (agents re-emitting code and tool calls, 
 schema, templated answers) continue text another request already produced; SuffixDecoding (Oliaro et al.
 2024) drafts from a store of earlier outputs for that reason. Here `SuffixCache` keeps the token
 sequences of finished requests (prompt and output, whatever draft method they used), newest first, up to
-a token budget, indexed by their n-grams. A round proposes from whichever match is longer: the latest earlier occurrence of the suffix in
-the request's own tokens (ties go to it), or in the cache, each measured back to `max_match` tokens.
+a token budget, indexed by their n-grams. A round proposes from whichever match is longer: the latest
+earlier occurrence of the suffix in the request's own tokens (ties go to it), or in the cache, each
+measured back to `max_match` tokens.
 
 Still a deterministic draft verified by the target: the output is the target's, greedy or sampled, whatever
 the cache holds. What the cache changes is how fast a request runs, which depends on other requests'
@@ -64,7 +65,7 @@ class SuffixCache:
 
     def add(self, tokens: list[int]) -> None:
         """Keep a finished request's tokens (the last max_tokens of them), evicting the oldest."""
-        tokens = list(tokens[-self.max_tokens:]) if self.max_tokens else []
+        tokens = tokens[-self.max_tokens:] if self.max_tokens else []  # a copy: the cache keeps it
         if len(tokens) <= self.ngram:
             return
         key, self._next_key = self._next_key, self._next_key + 1

@@ -210,7 +210,6 @@ class SpeculativeDecodingAdapter(TritonAdapter):
         stats = Stats()
         emitter = TextEmitter(self.tokenizer, parsed.stop_words, parsed.include_stop)
         log_probs: list[float] = []  # with return_log_probs: one per generated token, in order
-        generated: list[int] = []  # the target's tokens, for the suffix cache
         first_sent = False
         loop = asyncio.get_running_loop()
         # The last round's streamed response and cancellation check, on an IPC thread (see `load`).
@@ -249,7 +248,6 @@ class SpeculativeDecodingAdapter(TritonAdapter):
                         break
                     if rnd.log_probs:
                         log_probs += rnd.log_probs
-                    generated += rnd.new_tokens
                     now = time.monotonic()
                     self.metrics.record_round(rnd.num_drafted, rnd.num_accepted, now)
                     self.metrics.record_costs(self.costs, now)
@@ -289,7 +287,7 @@ class SpeculativeDecodingAdapter(TritonAdapter):
             if started:  # its caches are released by now: the first in line may ask again at once
                 self.room.freed()
                 if self.suffix_cache is not None:
-                    self.suffix_cache.add(gen.prompt_ids + generated)
+                    self.suffix_cache.add(gen.prompt_ids + emitter.emitted + emitter.pending)  # all it generated
             self.metrics.queue_time.observe(slot_wait + room.waited_s)
             self.gate.leave()
             self.report_live()
