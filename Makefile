@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.specdec-setup
 
-.PHONY: readme-examples soak setup serve test unit integration deploy-check image image-lock clean loadtest bench bench-concurrency bench-batching bench-gpu bench-executor bench-overhead bench-structured bench-prefix bench-suffix
+.PHONY: readme-examples soak setup serve test unit integration deploy-check image image-lock clean loadtest bench bench-concurrency bench-batching bench-gpu bench-executor bench-overhead bench-structured bench-prefix bench-suffix gpukit
 
 setup: $(STAMP)
 
@@ -67,6 +67,14 @@ bench-batching: setup
 # (BENCH_GPU_ARGS="--small --compile off" runs tiny shapes on CPU).
 bench-gpu: setup
 	$(PY) bench/gpu_bench.py --out .cache/bench-gpu.md $${BENCH_GPU_ARGS:-}
+
+# What a run on a lent GPU machine carries (it reaches no registry; bench/gpu_session.sh says how to run):
+# the shared kit (tritonserver, transformers, numpy 1.26, tritonclient, the tokenizer) and the project's
+# wheels that kit does not hold (llguidance: the orchestrator imports it to serve structured output).
+gpukit: setup
+	bash ../shared/tools/gpukit.sh
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_31_x86_64 -d .gpukit $$(grep '^llguidance==' requirements.txt)
 
 # In-process forward costs of the executors (8B-shaped pair on a GPU, tiny pair on CPU; PAIR=default too).
 bench-executor: setup

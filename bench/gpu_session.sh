@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Everything a lent GPU machine should measure, in parts that each fit one 10-minute device command:
+# Everything a lent GPU machine should measure, in parts that each fit one 10-minute device command.
+# Build the kit once here (`make gpukit`), carry `.gpukit`, and start each device command with
+# `source .gpukit/activate.sh`; GPU_SESSION_SECONDS=N keeps the whole run within N seconds:
 #
 #   source .gpukit/activate.sh && bash bench/gpu_session.sh tests bench          # ~8 min
 #   source .gpukit/activate.sh && bash bench/gpu_session.sh orchestrators executor
@@ -20,7 +22,8 @@
 #                  ones (TTFT), and chunked prefill: plain streams' gaps beside long prompts, whole and in
 #                  chunks of 512 (~9 min; `bash bench/gpu_session.sh prefix`)
 #   pipeline       the served rows with the models' execute pipelined (pipelined_execute=true: host work
-#                  overlapping the forwards) and without, one server after the other (~9 min)
+#                  overlapping the forwards) and without, one server after the other (~2 min on an H200;
+#                  named twice, the second pair runs in the other order; measured there: no gain)
 #   load           speculation under load: 8, 16 and 32 streams, K=0 against fixed K=4 and adaptive, with no
 #                  limit and with max_drafting_sequences=8 (one server each, ~9 min): does speculation stop
 #                  paying at some count (fixed K: apart from the policy's choice), and does the limit give
@@ -39,11 +42,31 @@ python="${PYTHON:-python3}"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu.txt" 2>&1
 "$python" -c "import torch; print(torch.__version__, torch.version.cuda)" >> "$out/gpu.txt" 2>&1
 
+# GPU_SESSION_SECONDS: the whole script's budget (a device command's limit less what follows it): each run's
+# timeout is cut to what is left, and a run with under a minute left is skipped, so the results so far come
+# back whole.
+budget=${GPU_SESSION_SECONDS:-0}
+cache="$("$python" -c 'from specdec.serving import pairs; print(pairs.cache_dir())' 2>/dev/null || echo .cache)"
+
+# The kit must hold every package the server imports: without one, each server fails at load and every
+# part reports nothing (a kit without llguidance cost a GPU session's first run).
+if ! missing=$("$python" -c 'import llguidance, tritonclient.grpc, transformers, specdec.decoding.grammar' 2>&1); then
+  echo "the GPU kit lacks a package the server needs (make gpukit builds it): ${missing##*$'\n'}" | tee -a "$out/summary.txt"
+  exit 2
+fi
+
 run() {  # run NAME SECONDS COMMAND...: its output in $out/NAME.log, its exit code and time in summary.txt
   local name=$1 seconds=$2 started=$SECONDS
   shift 2
+  if [ "$budget" -gt 0 ]; then
+    local left=$((budget - SECONDS))
+    if [ "$left" -lt 60 ]; then echo "$name: skipped, ${left} s left" | tee -a "$out/summary.txt"; return; fi
+    [ "$seconds" -gt "$left" ] && seconds=$left
+  fi
   timeout "$seconds" "$@" > "$out/$name.log" 2>&1
   echo "$name: exit $? after $((SECONDS - started)) s" | tee -a "$out/summary.txt"
+  # A served bench's server log (each bench starts its own server, which writes it anew).
+  [ -f "$cache/bench-gpu-server.log" ] && mv -f "$cache/bench-gpu-server.log" "$out/$name.server.log"
 }
 
 for part in "$@"; do
@@ -77,12 +100,16 @@ for part in "$@"; do
         --out "$out/overhead-sampled.md"
       run overhead-guided 120 "$python" bench/round_overhead.py --device gpu --regex '[a-z ]{64,}' \
         --out "$out/overhead-guided.md" ;;
-    pipeline)
+    pipeline)  # named twice, the second pair runs in the other order (on, off, off, on)
       piped=(--launcher-arg=--set=target_model.pipelined_execute=true
              --launcher-arg=--set=draft_model.pipelined_execute=true)
-      run pipeline-on 270 "$python" bench/gpu_bench.py --served-only --prompts 4 "${piped[@]}" \
-        --out "$out/pipeline-on.md"
-      run pipeline-off 270 "$python" bench/gpu_bench.py --served-only --prompts 4 --out "$out/pipeline-off.md" ;;
+      pipeline_round=$((${pipeline_round:-0} + 1))
+      orders=("on off" "off on")
+      for mode in ${orders[$(((pipeline_round + 1) % 2))]}; do
+        if [ "$mode" = on ]; then extra=("${piped[@]}"); else extra=(); fi
+        run "pipeline-$mode-$pipeline_round" 270 "$python" bench/gpu_bench.py --served-only --prompts 4 \
+          "${extra[@]}" --out "$out/pipeline-$mode-$pipeline_round.md"
+      done ;;
     load)
       run load-unlimited 270 "$python" bench/gpu_bench.py --served-only --prompts 2 --streams 8 16 32 \
         --out "$out/load-unlimited.md"

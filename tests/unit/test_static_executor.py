@@ -114,6 +114,13 @@ def test_the_fused_mlp_matches_the_models_own_in_every_bucket_eager_and_compiled
     assert counters["stats"]["unique_graphs"] == compiles  # silu_mul compiled at load too
 
 
+def test_the_mlp_is_fused_by_default_only_where_cuda_graphs_run(tiny_lm):
+    """fuse_mlp None (the served default) fuses with CUDA graphs only: eager forwards (here, CPU) keep the
+    model's own MLP module; an explicit False keeps it everywhere."""
+    assert static(tiny_lm).forward.gate_up == [None, None]
+    assert static(tiny_lm, fuse_mlp=False).forward.gate_up == [None, None]
+
+
 def test_a_non_silu_mlp_is_left_to_the_model(tiny_lm):
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -25,7 +25,7 @@ or verify forward changes shape from one step to the next:
   projections fused into one product), and the pointwise work between them (norms, the residual adds,
   rotary embedding) goes through `kernels`: compiled by torch.compile into one kernel each where CUDA
   graphs run. The MLP runs as the model's module (its gate and up products and its activation), or
-  with `fuse_mlp` as one gate/up product and one SiLU x up kernel (off by default until measured). The
+  with `fuse_mlp` as one gate/up product and one SiLU x up kernel (by default where CUDA graphs run). The
   whole forward is not compiled (README, "Measured design choices").
 
 The forward is written here over the model's own modules (embeddings, norms, projections, rotary
@@ -416,15 +416,15 @@ class StaticCausalLM(CausalLM):
                  clock: Callable[[], float] = time.monotonic, kv_pool_tokens: int = 0, block_size: int = 32,
                  max_context: int = 8192, max_batch: int = 8, max_rows: int = 17, compile: str = "auto",
                  kv_memory_fraction: float = 0.4, min_window: int = 128, fuse_kernels: bool | None = None,
-                 fuse_mlp: bool = False, prefix_caching: bool = True,
+                 fuse_mlp: bool | None = None, prefix_caching: bool = True,
                  log: Callable[[str], None] = lambda message: None):
         """kv_pool_tokens: the pool's size in tokens; 0 derives it from max_sequences * max_context,
         capped at kv_memory_fraction of the device's free memory (host memory on CPU).
         max_batch / max_rows: the largest bucket of sequences per forward and rows per sequence
         (verify forwards are K + 1 rows); min_window: the smallest bucket of keys attended over;
         fuse_kernels: the pointwise work compiled into fused kernels (kernels.py); None: with CUDA graphs.
-        fuse_mlp: a SiLU MLP's gate and up projections as one product (off: not yet measured on a GPU;
-        `executor_bench.py --modes graphs,graphs-mlp` compares).
+        fuse_mlp: a SiLU MLP's gate and up projections as one product; None: where CUDA graphs run
+        (`executor_bench.py --modes graphs,graphs-mlp` compares, README "The static executor").
         prefix_caching: a new sequence reuses the pool's blocks that hold its prompt's first tokens
         (`prefix_cache.py`); their keys and values are those its own prefill would write."""
         problem = supports(model)
@@ -454,7 +454,7 @@ class StaticCausalLM(CausalLM):
         self.pool = BlockPool(self._num_layers, blocks, block_size, heads, head_dim, model.dtype, device, self.prefix)
         self.log(f"KV pool: {blocks} blocks of {block_size} tokens ({blocks * block_size} tokens, "
                  f"{blocks * self.pool.block_bytes / 2**30:.2f} GiB) on {device}")
-        self.forward = LlamaForward(model, self.pool, fuse_mlp)
+        self.forward = LlamaForward(model, self.pool, self.mode == "graphs" if fuse_mlp is None else fuse_mlp)
         if fuse_kernels or (fuse_kernels is None and self.mode == "graphs"):
             self.fuse()
         self.batch_sizes = buckets(max_batch)

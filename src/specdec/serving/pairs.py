@@ -50,6 +50,7 @@ class PairSpec:
     # off: eager everywhere) and each model's KV pool, a fraction of its device's free memory at load.
     compile: str = "auto"
     fuse_kernels: bool = True  # where CUDA graphs run: pointwise work compiled into fused kernels
+    fuse_mlp: bool = True  # where CUDA graphs run: a SiLU MLP's gate and up products as one
     torch_threads: str = "auto"  # each model's CPU threads: torch's count capped by the CPUs granted, or a count
     kv_memory_fraction_target: float = 0.5
     kv_memory_fraction_draft: float = 0.1

@@ -68,7 +68,8 @@ def render(pair: PairSpec, dest: Path) -> Path:
                 # The static executor's shapes: K + 1 rows per verify, sequences up to the context.
                 "max_num_draft_tokens": str(pair.max_num_draft_tokens),
                 "max_context_tokens": str(pair.max_context_tokens), "compile": pair.compile,
-                "fuse_kernels": str(pair.fuse_kernels).lower(), "torch_threads": pair.torch_threads,
+                "fuse_kernels": str(pair.fuse_kernels).lower(), "fuse_mlp": str(pair.fuse_mlp).lower(),
+                "torch_threads": pair.torch_threads,
                 "prefix_caching": str(pair.prefix_caching).lower(), "prefix_cache_tokens": str(pair.prefix_cache_tokens),
                 "kv_memory_fraction": str(pair.kv_memory_fraction_target if role == "target"
                                           else pair.kv_memory_fraction_draft)}

@@ -105,6 +105,8 @@ class LanguageModelAdapter(TritonAdapter):
                 max_rows=params.int("max_num_draft_tokens", tn.DEFAULT_MAX_NUM_DRAFT_TOKENS, low=1) + 1,
                 # true (default): fused pointwise kernels where CUDA graphs run; false: never
                 compile=compile_mode, fuse_kernels=None if params.bool("fuse_kernels", True) else False,
+                # true (default): a SiLU MLP's gate and up products as one where CUDA graphs run; false: never
+                fuse_mlp=None if params.bool("fuse_mlp", True) else False,
                 log=self.pb.Logger.log_info)
             started = time.perf_counter()
             ready, _ = self.lm.warm_up(params.float("capture_time_budget_s", 120.0, low=0.0))
@@ -112,7 +114,8 @@ class LanguageModelAdapter(TritonAdapter):
             self.pb.Logger.log_info(
                 f"{self.name}: static executor, eager (compile=off)" if self.lm.mode == "off" else
                 f"{self.name}: static executor: {ready} of {total} shape buckets captured as CUDA graphs in "
-                f"{time.perf_counter() - started:.1f} s (the rest on first use)")
+                f"{time.perf_counter() - started:.1f} s (the rest on first use)"
+                f"{'; MLP gate/up products fused' if any(self.lm.forward.gate_up) else ''}")
         else:
             if compile_mode == "graphs":
                 raise ConfigError(f"{self.name}: compile={compile_mode} needs executor=static (got {executor}"
