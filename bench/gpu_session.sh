@@ -30,6 +30,10 @@
 #                  K=0's throughput back there
 #   overhead       where a served round goes on the GPU (tiny pair): greedy, sampled, and guided by a regex
 #                  (target_model picking with the grammar's bitmask) (~3 min)
+#   mps            the served rows under CUDA MPS (one server with nvidia-cuda-mps-control's daemon running,
+#                  one without): on an H200, 8 speculative streams kept each model in forwards 1.8-2.0x as
+#                  long as its work alone, as two time-sliced CUDA contexts would (README, "On an H200");
+#                  under MPS the draft's and the target's kernels may run side by side (~2 min)
 #
 # Results go to $OUT (the device tool brings that folder back), or .cache/gpu-session here. The device
 # tool returns at most 8 files: `bench` writes 4 with gpu.txt and summary.txt, `overhead` 6, so run those
@@ -115,8 +119,19 @@ for part in "$@"; do
         --out "$out/load-unlimited.md"
       run load-limit-8 270 "$python" bench/gpu_bench.py --served-only --prompts 2 --streams 8 16 32 \
         --launcher-arg=--set=speculative_decoding.max_drafting_sequences=8 --out "$out/load-limit-8.md" ;;
+    mps)
+      if ! mps=$(command -v nvidia-cuda-mps-control); then
+        echo "mps: skipped, nvidia-cuda-mps-control not found" | tee -a "$out/summary.txt"
+      else
+        # The daemon's default pipe directory (/tmp/nvidia-mps) is where every CUDA client looks.
+        "$mps" -d && echo "mps: daemon started" >> "$out/summary.txt"
+        run mps-on 200 "$python" bench/gpu_bench.py --served-only --prompts 4 --out "$out/mps-on.md"
+        echo quit | "$mps"
+        sleep 2
+        run mps-off 200 "$python" bench/gpu_bench.py --served-only --prompts 4 --out "$out/mps-off.md"
+      fi ;;
     executor) run executor 240 "$python" bench/executor_bench.py --modes graphs,graphs-mlp --reference \
         --out "$out/executor.md" ;;
-    *) echo "unknown part: $part (tests, bench, orchestrators, executor, streams, prefix, pipeline, load, overhead)" >&2; exit 2 ;;
+    *) echo "unknown part: $part (tests, bench, orchestrators, executor, streams, prefix, pipeline, load, overhead, mps)" >&2; exit 2 ;;
   esac
 done
