@@ -274,6 +274,25 @@ def batching_note(before: dict, after: dict, wall: float) -> str:
     return "; ".join(notes)
 
 
+def sharing_note(before: dict, after: dict, wall: float, costs: dict) -> str:
+    """Given what one forward of each model costs alone in process (seconds), how much of the wall time
+    the executions' forwards would have filled alone, and how much longer each model was in forwards
+    served. Draft and target are two stubs, two CUDA contexts, which one GPU time-slices: where both are
+    busy, each forward also waits out the other's kernels (an estimate from counters, not a trace). The
+    costs are one sequence's: on a GPU a decode forward's cost hardly depends on its sequences (1 and 8
+    within 3 % on an H200); on CPU it grows with them, and the figures there overstate the stretch."""
+    alone, stretch = 0.0, []
+    for model, cost in costs.items():
+        (_, e0, f0), (_, e1, f1) = before[model], after[model]
+        if e1 > e0 and cost:
+            work = (e1 - e0) * cost
+            alone += work
+            stretch.append(f"{model.split('_')[0]} {(f1 - f0) / work:.1f}x")
+    if not stretch:
+        return ""
+    return f"alone the forwards would fill {alone / wall:.0%} of the time, served they took {', '.join(stretch)} as long"
+
+
 def print_table(header: str, rows: list, columns: list[str], out: str | None) -> None:
     """Print a benchmark's table (GitHub Markdown, under a header naming the machine) and, with --out,
     write it there too: what the README pastes."""
@@ -342,7 +361,7 @@ def main(argv=None) -> int:
                 after = {model: model_batches(own, model) for model in ("target_model", "draft_model")}
                 # How well the streams share forwards: a model's requests per execution (Triton's counters),
                 # and the share of the wall time it spent in forwards.
-                many[streams, name] = (result, batching_note(before, after, wall))
+                many[streams, name] = (result, before, after, wall)
     finally:
         own.stop(120)
 
@@ -390,8 +409,14 @@ def main(argv=None) -> int:
                      f"{alpha:.2f}", f"{per_round:.2f}", f"{bound:.2f}" if bound else "",
                      f"{tps / base / bound:.2f}" if bound else "",
                      f"equal text {row['equal']:.0%}"])
-    for (streams, name), (result, note) in many.items():
+    for (streams, name), (result, before, after, wall) in many.items():
         tps = result["tps"]
+        note = batching_note(before, after, wall)
+        if c is not None:  # in-process costs: a verify of (drafted per round + 1) rows, a draft step per token
+            drafted = result["drafted"] / max(result["rounds"], 1)
+            verify = executor[1] + (executor[args.k + 1] - executor[1]) * drafted / args.k
+            note += "; " + sharing_note(before, after, wall, {"target_model": verify,
+                                                              "draft_model": drafted * draft_step})
         alpha = f"{result['accepted'] / result['drafted']:.2f}" if result["drafted"] else ""
         rows.append([f"served, {streams} streams, {name}", "", f"{tps:.1f}", f"{tps / base:.2f}x", alpha,
                      f"{result['tokens'] / max(result['rounds'], 1):.2f}", "", "",

@@ -39,6 +39,12 @@ def test_gpu_bench_small_mode_prints_every_row(tmp_path):
     drafted = [re.search(r"([\d.]+) drafted per round; .*draft: [\d.]+ sequences per forward", line) for line in fixed]
     assert len(fixed) == 2 and all(match and 0 < float(match.group(1)) <= 4 for match in drafted), fixed
     assert all(" 0.00 drafted per round" in line and "draft:" not in line for line in many if "K=0" in line), many
+    # With the in-process costs: how much of the time the forwards would fill alone, and how much longer
+    # each model was in forwards served (the draft's too where one drafted).
+    shared = [re.search(r"alone the forwards would fill (\d+)% of the time, served they took target ([\d.]+)x"
+                        r"(, draft ([\d.]+)x)? as long", line) for line in many]
+    assert all(match and int(match.group(1)) > 0 and float(match.group(2)) > 0 for match in shared), many
+    assert all(bool(match.group(3)) == ("K=0" not in line) for match, line in zip(shared, many)), many
 
 
 def test_round_overhead_bench_splits_a_round(tmp_path):
