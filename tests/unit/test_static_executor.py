@@ -121,6 +121,18 @@ def test_the_mlp_is_fused_by_default_only_where_cuda_graphs_run(tiny_lm):
     assert static(tiny_lm, fuse_mlp=False).forward.gate_up == [None, None]
 
 
+def test_linears_fuse_only_where_the_module_has_them_all():
+    """A SiLU MLP of another layout (no gate_proj) is left to its own module, not an AttributeError."""
+    from specdec.engine.static_executor import fuse_linears
+
+    class Mlp(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up_proj = torch.nn.Linear(4, 8, bias=False)
+
+    assert fuse_linears(Mlp(), ("gate_proj", "up_proj")) is None
+
+
 def test_a_non_silu_mlp_is_left_to_the_model(tiny_lm):
     from transformers import LlamaConfig, LlamaForCausalLM
 
