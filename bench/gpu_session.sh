@@ -35,13 +35,28 @@
 #                  long as its work alone, as two time-sliced CUDA contexts would (README, "On an H200");
 #                  under MPS the draft's and the target's kernels may run side by side (~2 min)
 #
-# Results go to $OUT (the device tool brings that folder back), or .cache/gpu-session here. The device
-# tool returns at most 8 files: `bench` writes 4 with gpu.txt and summary.txt, `overhead` 6, so run those
-# two in separate commands.
+# Results: with $OUT set (the folder the device tool brings back, at most 8 files), every part's table,
+# log and server log go to /tmp/gpu-session, and on exit $OUT receives four files: tables.md (every table),
+# summary.txt (each part's exit code and time), gpu.txt and session.tgz (all of it). Without $OUT they stay
+# in .cache/gpu-session. So one command runs any parts:
+#
+#   source .gpukit/activate.sh && GPU_SESSION_SECONDS=540 bash bench/gpu_session.sh bench mps streams
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out="${OUT:-.cache/gpu-session}"
+dest="${OUT:-}"
+if [ -n "$dest" ]; then out=/tmp/gpu-session; rm -rf "$out"; else out=.cache/gpu-session; fi
 mkdir -p "$out"
+touch "$out/summary.txt"
+
+pack() {
+  [ -n "$dest" ] || return 0
+  for table in "$out"/*.md; do
+    [ -e "$table" ] && { echo "## $(basename "$table")"; cat "$table"; echo; }
+  done > "$dest/tables.md"
+  cp "$out/summary.txt" "$out/gpu.txt" "$dest/" 2>/dev/null
+  tar czf "$dest/session.tgz" -C "$out" .
+}
+trap pack EXIT
 python="${PYTHON:-python3}"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu.txt" 2>&1
 "$python" -c "import torch; print(torch.__version__, torch.version.cuda)" >> "$out/gpu.txt" 2>&1
@@ -67,6 +82,7 @@ run() {  # run NAME SECONDS COMMAND...: its output in $out/NAME.log, its exit co
     if [ "$left" -lt 60 ]; then echo "$name: skipped, ${left} s left" | tee -a "$out/summary.txt"; return; fi
     [ "$seconds" -gt "$left" ] && seconds=$left
   fi
+  rm -f "$cache/bench-gpu-server.log"  # an earlier server's: not this part's
   timeout "$seconds" "$@" > "$out/$name.log" 2>&1
   echo "$name: exit $? after $((SECONDS - started)) s" | tee -a "$out/summary.txt"
   # A served bench's server log (each bench starts its own server, which writes it anew).
