@@ -280,7 +280,7 @@ def sharing_note(before: dict, after: dict, wall: float, costs: dict) -> str:
     served. Draft and target are two stubs, two CUDA contexts, which one GPU time-slices: where both are
     busy, each forward also waits out the other's kernels (an estimate from counters, not a trace). The
     costs are one sequence's: on a GPU a decode forward's cost hardly depends on its sequences (1 and 8
-    within 3 % on an H200); on CPU it grows with them, and the figures there overstate the stretch."""
+    within 4 % on an H200); on CPU it grows with them, and the figures there overstate the stretch."""
     alone, stretch = 0.0, []
     for model, cost in costs.items():
         (_, e0, f0), (_, e1, f1) = before[model], after[model]
