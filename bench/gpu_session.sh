@@ -125,7 +125,7 @@ for part in "$@"; do
              --launcher-arg=--set=draft_model.pipelined_execute=true)
       pipeline_round=$((${pipeline_round:-0} + 1))
       orders=("on off" "off on")
-      for mode in ${orders[$(((pipeline_round + 1) % 2))]}; do
+      for mode in ${orders[$(((pipeline_round - 1) % 2))]}; do
         if [ "$mode" = on ]; then extra=("${piped[@]}"); else extra=(); fi
         run "pipeline-$mode-$pipeline_round" 270 "$python" bench/gpu_bench.py --served-only --prompts 4 \
           "${extra[@]}" --out "$out/pipeline-$mode-$pipeline_round.md"
@@ -139,11 +139,16 @@ for part in "$@"; do
       if ! mps=$(command -v nvidia-cuda-mps-control); then
         echo "mps: skipped, nvidia-cuda-mps-control not found" | tee -a "$out/summary.txt"
       else
-        # The daemon's default pipe directory (/tmp/nvidia-mps) is where every CUDA client looks.
-        "$mps" -d && echo "mps: daemon started" >> "$out/summary.txt"
-        run mps-on 200 "$python" bench/gpu_bench.py --served-only --prompts 4 --out "$out/mps-on.md"
-        echo quit | "$mps"
-        sleep 2
+        # The daemon's default pipe directory (/tmp/nvidia-mps) is where every CUDA client looks. Without a
+        # daemon the "on" row would be a second "off" row under the wrong name: not run then.
+        if "$mps" -d; then
+          echo "mps: daemon started" >> "$out/summary.txt"
+          run mps-on 200 "$python" bench/gpu_bench.py --served-only --prompts 4 --out "$out/mps-on.md"
+          echo quit | "$mps"
+          sleep 2
+        else
+          echo "mps-on: skipped, the MPS daemon did not start" | tee -a "$out/summary.txt"
+        fi
         run mps-off 200 "$python" bench/gpu_bench.py --served-only --prompts 4 --out "$out/mps-off.md"
       fi ;;
     executor) run executor 240 "$python" bench/executor_bench.py --modes graphs,graphs-mlp --reference \
