@@ -8,9 +8,10 @@ final norm and head, agrees with it about as often as a real early-exit draft), 
   bound          weight bytes / measured memory bandwidth: the fastest a token can be (weight streaming)
   reference      plain PyTorch, static KV cache + torch.compile(mode="reduce-overhead"): 1 and K+1 tokens
   executor       the project's CausalLM.extend in process: 1 and K+1 tokens; the draft's step (c)
-  served         the `ensemble` through the launcher, greedy: K=0, K fixed, adaptive K<=K; 1 stream, and
-                 8 concurrent ones (--streams: other counts), with how the streams shared each model's
-                 forwards (sequences per forward, the share of the time in forwards)
+  served         the `ensemble` through the launcher, greedy: K=0, K fixed, adaptive K<=K; 1 stream (with
+                 --extra-k, more K beside the same K=0), and 8 concurrent ones (--streams: other counts),
+                 with how the streams shared each model's forwards (sequences per forward, the share of
+                 the time in forwards and in the adapter's whole execute)
   transformers   `generate` in process: plain and assisted (the same draft, K constant)
 
 with α, tokens per round, the bound E/(K·c+v) at the measured α, efficiency = speedup / bound, and the
@@ -205,15 +206,26 @@ def transformers_peer(target, draft, tokenizer, prompts: list[str], max_tokens: 
 
 
 # ---- served --------------------------------------------------------------------------------------------
-def served_one_stream(url: str, prompts: list[str], max_tokens: int, k: int) -> dict:
-    """Batch 1: every prompt target-only, K fixed and adaptive K<=k, side by side."""
+def one_stream_settings(k: int, extra_k: list[int]) -> dict:
+    """The batch-1 rows by name: K=0, K fixed and adaptive K<=k, then each extra K fixed and adaptive up to
+    the largest (the K that pays best, measured beside the same K=0 rather than across servers)."""
+    settings = {"K=0": (0, False), f"K={k}": (k, False), f"adaptive K<={k}": (k, True)}
+    for extra in extra_k:
+        settings[f"K={extra}"] = (extra, False)
+    if extra_k and max(extra_k) > k:
+        settings[f"adaptive K<={max(extra_k)}"] = (max(extra_k), True)
+    return settings
+
+
+def served_one_stream(url: str, prompts: list[str], max_tokens: int, k: int, extra_k: list[int] = ()) -> dict:
+    """Batch 1: every prompt target-only, K fixed and adaptive K<=k (and extra_k's rows), side by side."""
     client = Client(url, "grpc", timeout_s=900)
-    settings = {"K=0": GenerationParams(max_tokens=max_tokens, num_draft_tokens=0),
-                f"K={k}": GenerationParams(max_tokens=max_tokens, num_draft_tokens=k, adaptive_draft=False),
-                f"adaptive K<={k}": GenerationParams(max_tokens=max_tokens, num_draft_tokens=k, adaptive_draft=True)}
+    settings = {name: GenerationParams(max_tokens=max_tokens, num_draft_tokens=kk, adaptive_draft=adaptive)
+                for name, (kk, adaptive) in one_stream_settings(k, list(extra_k)).items()}
     for params in settings.values():  # warm every path
         client.generate(prompts[0], GenerationParams(max_tokens=8, num_draft_tokens=params.num_draft_tokens))
-    out = {name: dict(tokens=0, s=0.0, drafted=0, accepted=0, rounds=0, equal=0) for name in settings}
+    out = {name: dict(tokens=0, s=0.0, drafted=0, accepted=0, rounds=0, equal=0, k=params.num_draft_tokens)
+           for name, params in settings.items()}
     for prompt in prompts:
         texts = {}
         for name, params in settings.items():
@@ -254,23 +266,31 @@ async def served_streams(url: str, prompts: list[str], max_tokens: int, params: 
             "rounds": sum(r.num_rounds for r in results)}
 
 
-def model_batches(own, model: str) -> tuple[float, float, float]:
-    """A model's (requests, executions, seconds in forwards) so far: requests / executions is the
-    sequences a forward served; forward seconds / wall time how busy the model kept its device (the rest
-    is host work between forwards: the adapter, Triton, waiting for the streams' next calls)."""
+def model_batches(own, model: str) -> tuple[float, float, float, float]:
+    """A model's (requests, executions, seconds in forwards, seconds in execute) so far: requests /
+    executions is the sequences a forward served; forward seconds / wall time how busy the model kept its
+    device, and the executions' own time (Triton's batch statistics: each execution's compute_infer once,
+    not once per request) says where the rest went: inside execute, the adapter (parsing, responses);
+    outside it, Triton and waiting for the streams' next calls."""
+    import tritonclient.http as httpclient
+
+    with httpclient.InferenceServerClient(own.http_url.removeprefix("http://")) as client:
+        stats = client.get_inference_statistics(model)["model_stats"]
+    executing = sum(int(batch["compute_infer"]["ns"]) for entry in stats for batch in entry.get("batch_stats", []))
     return (own.metric("nv_inference_request_success", model=model),
             own.metric("nv_inference_exec_count", model=model),
-            own.metric("specdec_model_forward_seconds_total", model=model))
+            own.metric("specdec_model_forward_seconds_total", model=model),
+            executing / 1e9)
 
 
 def batching_note(before: dict, after: dict, wall: float) -> str:
     """How the streams shared each model's forwards (model_batches before and after, per model)."""
     notes = []
     for model in ("target_model", "draft_model"):
-        (r0, e0, f0), (r1, e1, f1) = before[model], after[model]
+        (r0, e0, f0, x0), (r1, e1, f1, x1) = before[model], after[model]
         if e1 > e0:
             notes.append(f"{model.split('_')[0]}: {(r1 - r0) / (e1 - e0):.1f} sequences per forward, "
-                         f"in forwards {(f1 - f0) / wall:.0%} of the time")
+                         f"in forwards {(f1 - f0) / wall:.0%} of the time, in execute {(x1 - x0) / wall:.0%}")
     return "; ".join(notes)
 
 
@@ -283,7 +303,7 @@ def sharing_note(before: dict, after: dict, wall: float, costs: dict) -> str:
     within 4 % on an H200); on CPU it grows with them, and the figures there overstate the stretch."""
     alone, stretch = 0.0, []
     for model, cost in costs.items():
-        (_, e0, f0), (_, e1, f1) = before[model], after[model]
+        (_, e0, f0, _), (_, e1, f1, _) = before[model], after[model]
         if e1 > e0 and cost:
             work = (e1 - e0) * cost
             alone += work
@@ -311,6 +331,8 @@ def main(argv=None) -> int:
     parser.add_argument("--residual-scale", type=float, default=RESIDUAL_SCALE)
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on the GPU, float32 on CPU")
     parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--extra-k", type=int, nargs="+", default=[],
+                        help="more batch-1 rows in the same server: each K fixed, and adaptive up to the largest")
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--prompts", type=int, default=6)
     parser.add_argument("--context", type=int, default=256, help="context of the in-process step timings")
@@ -336,17 +358,18 @@ def main(argv=None) -> int:
     else:
         target_path, draft_path = synthetic_pair(args.small, dtype_name, device, args.residual_scale)
     widths = [1, args.k + 1]
+    all_k = sorted({args.k, *args.extra_k})
     reps = 20 if gpu else 5
     if gpu:
         torch.cuda.empty_cache()  # building the pair left its memory in this process's cache
 
     cache = pairs.cache_dir()
     launcher_args = ["--target", str(target_path), "--draft", str(draft_path), "--device", kind, "--dtype", dtype_name,
-                     "--max-num-draft-tokens", str(max(args.k, 1)), *args.launcher_arg]
+                     "--max-num-draft-tokens", str(max(*all_k, 1)), *args.launcher_arg]
     log("starting the server")
     own = server.start(cache / "run" / "bench-gpu", cache / "bench-gpu-server.log", launcher_args)
     try:
-        one = served_one_stream(own.grpc_url, prompts, args.max_tokens, args.k)
+        one = served_one_stream(own.grpc_url, prompts, args.max_tokens, args.k, args.extra_k)
         many = {}
         for streams in args.streams:
             # Fixed K beside adaptive: whether speculation pays under load, apart from what the policy picks.
@@ -379,7 +402,7 @@ def main(argv=None) -> int:
         log("timing the compiled reference")
         reference = reference_steps(target, device, args.context, widths, args.compile, reps)
         log("timing the executor")
-        executor = executor_steps(target, args.context, widths, reps)
+        executor = executor_steps(target, args.context, sorted({1, *(k + 1 for k in all_k)}), reps)
         draft_step = executor_steps(draft, args.context, [1], reps)[1]
         log("transformers generate")
         peer = transformers_peer(target, draft, tokenizer, prompts, args.max_tokens, args.k, device)
@@ -403,8 +426,9 @@ def main(argv=None) -> int:
         tps = row["tokens"] / row["s"]
         alpha = row["accepted"] / row["drafted"] if row["drafted"] else 0.0
         per_round = row["tokens"] / row["rounds"] if row["rounds"] else 0.0
-        k = args.k if row["drafted"] else 0
-        bound = expected_tokens(alpha, k) / (k * c + (v if k else 1.0)) if c is not None else None
+        k = row["k"] if row["drafted"] else 0
+        bound = (expected_tokens(alpha, k) / (k * c + (executor[k + 1] / step if k else 1.0))
+                 if c is not None else None)
         rows.append([f"served, 1 stream, {name}", f"{1e3 / tps:.2f} ms/token", f"{tps:.1f}", f"{tps / base:.2f}x",
                      f"{alpha:.2f}", f"{per_round:.2f}", f"{bound:.2f}" if bound else "",
                      f"{tps / base / bound:.2f}" if bound else "",

@@ -30,6 +30,9 @@
 #                  K=0's throughput back there
 #   overhead       where a served round goes on the GPU (tiny pair): greedy, sampled, and guided by a regex
 #                  (target_model picking with the grammar's bitmask) (~3 min)
+#   ksweep         batch-1 draft lengths past 4: two servers, K=5 and 6 (verify buckets up to 7 rows) and K=7 and
+#                  8 (up to 9), each beside its own K=0, with adaptive up to 6 and 8 (~2 min): which K pays best
+#                  on this GPU, against K=4's 1.76-1.79x on an H200
 #   mps            the served rows under CUDA MPS (one server with nvidia-cuda-mps-control's daemon running,
 #                  one without): on an H200, 8 speculative streams kept each model in forwards 1.8-2.0x as
 #                  long as its work alone, as two time-sliced CUDA contexts would (README, "On an H200");
@@ -151,8 +154,14 @@ for part in "$@"; do
         fi
         run mps-off 200 "$python" bench/gpu_bench.py --served-only --prompts 4 --out "$out/mps-off.md"
       fi ;;
+    ksweep)
+      for ks in "6 5" "8 7"; do
+        read -r k extra <<< "$ks"
+        run "ksweep-$k" 200 "$python" bench/gpu_bench.py --served-only --prompts 4 --k "$k" --extra-k "$extra" \
+          --out "$out/ksweep-$k.md"
+      done ;;
     executor) run executor 240 "$python" bench/executor_bench.py --modes graphs,graphs-mlp --reference \
         --out "$out/executor.md" ;;
-    *) echo "unknown part: $part (tests, bench, orchestrators, executor, streams, prefix, pipeline, load, overhead, mps)" >&2; exit 2 ;;
+    *) echo "unknown part: $part (tests, bench, orchestrators, executor, streams, prefix, pipeline, load, overhead, mps, ksweep)" >&2; exit 2 ;;
   esac
 done

@@ -17,24 +17,31 @@ SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "gpu_bench.py"
 def test_gpu_bench_small_mode_prints_every_row(tmp_path):
     out = tmp_path / "table.md"
     result = subprocess.run([sys.executable, str(SCRIPT), "--small", "--compile", "off", "--prompts", "2",
-                             "--max-tokens", "12", "--streams", "3", "8", "--out", str(out)],
+                             "--max-tokens", "12", "--streams", "3", "8", "--extra-k", "6", "--out", str(out)],
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     table = out.read_text()
     for row in ("weight-streaming bound", "plain PyTorch, static cache", "project executor",
                 "served, 1 stream, K=0", "served, 1 stream, K=4", "served, 1 stream, adaptive K<=4",
+                "served, 1 stream, K=6", "served, 1 stream, adaptive K<=6",
                 "served, 8 streams, K=0", "served, 8 streams, K=4", "served, 8 streams, adaptive K<=4",
                 "transformers generate, plain",
                 "transformers generate, assisted K=4"):
         assert row in table, row
     # float32: greedy speculative text equals target-only text on every prompt.
     served = [line for line in table.splitlines() if line.startswith("| served, 1 stream")]
-    assert len(served) == 3 and all("equal text 100%" in line for line in served)
+    assert len(served) == 5 and all("equal text 100%" in line for line in served)
+    # --extra-k 6: its rows drafted up to 6 per round, and each has its own bound from its own verify cost
+    six = [line.split("|") for line in served if "K=6" in line or "K<=6" in line]
+    assert all(float(cells[7]) > 0 for cells in six), six
     # 3 and 8 streams (--streams): how many sequences a target forward carried and how busy the target was,
     # the same of the draft where one drafted, and what a round drafted and yielded.
     many = [line for line in table.splitlines() if line.startswith(("| served, 3 streams", "| served, 8 streams"))]
-    busy = [re.search(r"target: [\d.]+ sequences per forward, in forwards (\d+)% of the time", line) for line in many]
+    busy = [re.search(r"target: [\d.]+ sequences per forward, in forwards (\d+)% of the time, in execute (\d+)%",
+                      line) for line in many]
     assert len(many) == 6 and all(match and 0 < int(match.group(1)) <= 100 for match in busy), many
+    # execute holds the forward: its share is at least the forwards' (each printed to 1 %)
+    assert all(int(match.group(1)) <= int(match.group(2)) + 1 <= 102 for match in busy), many
     fixed = [line for line in many if "streams, K=4 " in line]
     drafted = [re.search(r"([\d.]+) drafted per round; .*draft: [\d.]+ sequences per forward", line) for line in fixed]
     assert len(fixed) == 2 and all(match and 0 < float(match.group(1)) <= 4 for match in drafted), fixed
