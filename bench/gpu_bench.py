@@ -272,10 +272,10 @@ def model_batches(own, model: str) -> tuple[float, float, float, float]:
     device, and the executions' own time (Triton's batch statistics: each execution's compute_infer once,
     not once per request) says where the rest went: inside execute, the adapter (parsing, responses);
     outside it, Triton and waiting for the streams' next calls."""
-    import tritonclient.http as httpclient
+    import tritonclient.grpc as grpcclient  # gRPC: the GPU kit's tritonclient has no HTTP dependencies
 
-    with httpclient.InferenceServerClient(own.http_url.removeprefix("http://")) as client:
-        stats = client.get_inference_statistics(model)["model_stats"]
+    with grpcclient.InferenceServerClient(own.grpc_url) as client:
+        stats = client.get_inference_statistics(model, as_json=True)["model_stats"]
     executing = sum(int(batch["compute_infer"]["ns"]) for entry in stats for batch in entry.get("batch_stats", []))
     return (own.metric("nv_inference_request_success", model=model),
             own.metric("nv_inference_exec_count", model=model),
