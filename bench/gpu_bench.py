@@ -206,10 +206,15 @@ def transformers_peer(target, draft, tokenizer, prompts: list[str], max_tokens: 
 
 
 # ---- served --------------------------------------------------------------------------------------------
-def one_stream_settings(k: int, extra_k: list[int]) -> dict:
-    """The batch-1 rows by name: K=0, K fixed and adaptive K<=k, then each extra K fixed and adaptive up to
-    the largest (the K that pays best, measured beside the same K=0 rather than across servers)."""
+SETTINGS = ("K=0", "K", "adaptive")  # --settings: the served rows' kinds
+
+
+def one_stream_settings(k: int, extra_k: list[int], kinds=SETTINGS) -> dict:
+    """The batch-1 rows by name: K=0, K fixed and adaptive K<=k (those of `kinds`), then each extra K fixed
+    and adaptive up to the largest (the K that pays best, measured beside the same K=0 rather than across
+    servers)."""
     settings = {"K=0": (0, False), f"K={k}": (k, False), f"adaptive K<={k}": (k, True)}
+    settings = {name: value for name, value, kind in zip(settings, settings.values(), SETTINGS) if kind in kinds}
     for extra in extra_k:
         settings[f"K={extra}"] = (extra, False)
     if extra_k and max(extra_k) > k:
@@ -217,11 +222,12 @@ def one_stream_settings(k: int, extra_k: list[int]) -> dict:
     return settings
 
 
-def served_one_stream(url: str, prompts: list[str], max_tokens: int, k: int, extra_k: list[int] = ()) -> dict:
+def served_one_stream(url: str, prompts: list[str], max_tokens: int, k: int, extra_k: list[int] = (),
+                      kinds=SETTINGS) -> dict:
     """Batch 1: every prompt target-only, K fixed and adaptive K<=k (and extra_k's rows), side by side."""
     client = Client(url, "grpc", timeout_s=900)
     settings = {name: GenerationParams(max_tokens=max_tokens, num_draft_tokens=kk, adaptive_draft=adaptive)
-                for name, (kk, adaptive) in one_stream_settings(k, list(extra_k)).items()}
+                for name, (kk, adaptive) in one_stream_settings(k, list(extra_k), kinds).items()}
     for params in settings.values():  # warm every path
         client.generate(prompts[0], GenerationParams(max_tokens=8, num_draft_tokens=params.num_draft_tokens))
     out = {name: dict(tokens=0, s=0.0, drafted=0, accepted=0, rounds=0, equal=0, k=params.num_draft_tokens)
@@ -237,7 +243,7 @@ def served_one_stream(url: str, prompts: list[str], max_tokens: int, k: int, ext
             row["accepted"] += result.total_accepted_draft_tokens
             row["rounds"] += result.num_rounds
             texts[name] = result.text
-            row["equal"] += result.text == texts["K=0"]
+            row["equal"] += result.text == texts.get("K=0", result.text)
     for row in out.values():
         row["equal"] /= len(prompts)
     return out
@@ -340,9 +346,13 @@ def main(argv=None) -> int:
     parser.add_argument("--out", help="also write the table (Markdown) here")
     parser.add_argument("--served-only", action="store_true",
                         help="only the served rows (no in-process timings, no transformers): for sweeping settings")
-    parser.add_argument("--streams", type=int, nargs="+", default=[8],
+    parser.add_argument("--streams", type=int, nargs="*", default=[8],
                         help="concurrent streams of the many-stream rows (e.g. 8 16 32: where speculation stops "
                              "paying, and max_drafting_sequences)")
+    parser.add_argument("--settings", nargs="+", choices=SETTINGS, default=list(SETTINGS),
+                        help="the served rows' kinds (e.g. K=0 alone, for a profile of target-only serving)")
+    parser.add_argument("--no-one-stream", action="store_true",
+                        help="only the many-stream rows (their x column then blank)")
     parser.add_argument("--launcher-arg", action="append", default=[],
                         help="more launcher arguments, e.g. --launcher-arg=--set "
                              "--launcher-arg=speculative_decoding.verify_gather_ms=10")
@@ -369,13 +379,16 @@ def main(argv=None) -> int:
     log("starting the server")
     own = server.start(cache / "run" / "bench-gpu", cache / "bench-gpu-server.log", launcher_args)
     try:
-        one = served_one_stream(own.grpc_url, prompts, args.max_tokens, args.k, args.extra_k)
+        one = {} if args.no_one_stream else served_one_stream(own.grpc_url, prompts, args.max_tokens, args.k,
+                                                              args.extra_k, args.settings)
         many = {}
         for streams in args.streams:
             # Fixed K beside adaptive: whether speculation pays under load, apart from what the policy picks.
-            for name, params in (("K=0", GenerationParams(num_draft_tokens=0)),
-                                 (f"K={args.k}", GenerationParams(num_draft_tokens=args.k, adaptive_draft=False)),
-                                 (f"adaptive K<={args.k}", GenerationParams(num_draft_tokens=args.k))):
+            for name, params, kind in (("K=0", GenerationParams(num_draft_tokens=0), "K=0"),
+                                       (f"K={args.k}", GenerationParams(num_draft_tokens=args.k, adaptive_draft=False), "K"),
+                                       (f"adaptive K<={args.k}", GenerationParams(num_draft_tokens=args.k), "adaptive")):
+                if kind not in args.settings:
+                    continue
                 before = {model: model_batches(own, model) for model in ("target_model", "draft_model")}
                 started = time.perf_counter()
                 result = asyncio.run(served_streams(own.grpc_url, prompts, args.max_tokens, params, streams))
@@ -421,7 +434,10 @@ def main(argv=None) -> int:
                  ["project executor (what target_model runs)",
                   f"{executor[1] * 1e3:.2f} / {executor[args.k + 1] * 1e3:.2f} ms",
                   f"{1 / executor[1]:.1f}", "", "", "", "", "", f"c = {c:.3f}, v({args.k}) = {v:.2f}"]]
-    base = one["K=0"]["tokens"] / one["K=0"]["s"]
+    base = one["K=0"]["tokens"] / one["K=0"]["s"] if "K=0" in one else None
+
+    def versus(tps: float) -> str:
+        return f"{tps / base:.2f}x" if base else ""
     for name, row in one.items():
         tps = row["tokens"] / row["s"]
         alpha = row["accepted"] / row["drafted"] if row["drafted"] else 0.0
@@ -429,9 +445,9 @@ def main(argv=None) -> int:
         k = row["k"] if row["drafted"] else 0
         bound = (expected_tokens(alpha, k) / (k * c + (executor[k + 1] / step if k else 1.0))
                  if c is not None else None)
-        rows.append([f"served, 1 stream, {name}", f"{1e3 / tps:.2f} ms/token", f"{tps:.1f}", f"{tps / base:.2f}x",
+        rows.append([f"served, 1 stream, {name}", f"{1e3 / tps:.2f} ms/token", f"{tps:.1f}", versus(tps),
                      f"{alpha:.2f}", f"{per_round:.2f}", f"{bound:.2f}" if bound else "",
-                     f"{tps / base / bound:.2f}" if bound else "",
+                     f"{tps / base / bound:.2f}" if bound and base else "",
                      f"equal text {row['equal']:.0%}"])
     for (streams, name), (result, before, after, wall) in many.items():
         tps = result["tps"]
@@ -442,14 +458,14 @@ def main(argv=None) -> int:
             note += "; " + sharing_note(before, after, wall, {"target_model": verify,
                                                               "draft_model": drafted * draft_step})
         alpha = f"{result['accepted'] / result['drafted']:.2f}" if result["drafted"] else ""
-        rows.append([f"served, {streams} streams, {name}", "", f"{tps:.1f}", f"{tps / base:.2f}x", alpha,
+        rows.append([f"served, {streams} streams, {name}", "", f"{tps:.1f}", versus(tps), alpha,
                      f"{result['tokens'] / max(result['rounds'], 1):.2f}", "", "",
                      f"{result['drafted'] / max(result['rounds'], 1):.2f} drafted per round; {note}"])
     if not args.served_only:
-        rows.append(["transformers generate, plain", "", f"{peer['plain']:.1f}", f"{peer['plain'] / base:.2f}x",
+        rows.append(["transformers generate, plain", "", f"{peer['plain']:.1f}", versus(peer["plain"]),
                      "", "", "", "", ""])
         rows.append([f"transformers generate, assisted K={args.k}", "", f"{peer['assisted']:.1f}",
-                     f"{peer['assisted'] / base:.2f}x", "", "", "", "", f"equal text {peer['equal']:.0%}"])
+                     versus(peer["assisted"]), "", "", "", "", f"equal text {peer['equal']:.0%}"])
     machine = torch.cuda.get_device_name() if gpu else f"{platform.machine()} CPU"
     header = (f"{machine}, torch {torch.__version__}, {dtype_name}, {target_path.parent.name}/{target_path.name}, "
               f"{len(prompts)} prompts x {args.max_tokens} tokens, greedy"

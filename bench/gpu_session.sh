@@ -33,10 +33,14 @@
 #   ksweep         batch-1 draft lengths past 4: two servers, K=5 and 6 (verify buckets up to 7 rows) and K=7 and
 #                  8 (up to 9), each beside its own K=0, with adaptive up to 6 and 8 (~2 min): which K pays best
 #                  on this GPU, against K=4's 1.76-1.79x on an H200
-#   mps            the served rows under CUDA MPS (one server with nvidia-cuda-mps-control's daemon running,
-#                  one without): on an H200, 8 speculative streams kept each model in forwards 1.8-2.0x as
-#                  long as its work alone, as two time-sliced CUDA contexts would (README, "On an H200");
-#                  under MPS the draft's and the target's kernels may run side by side (~2 min)
+#   mps            the served rows with the launcher's --mps (a CUDA MPS daemon of the server's own) and
+#                  without (~2 min; named twice, off on on off): on an H200, 8 speculative streams kept each
+#                  model in forwards 1.8-2.0x as long as its work alone, as two time-sliced CUDA contexts
+#                  would; under MPS the draft's and the target's kernels run side by side (README, "CUDA MPS")
+#   profile        cProfile over draft_model's and target_model's execute (SPECDEC_PROFILE_DIR): 8 target-only
+#                  streams, then 1 stream at K=0, 4 and adaptive; pstats' reports in profile-*.txt (~2 min):
+#                  where the host time inside an execution goes (the adapter's share: "in execute" - "in
+#                  forwards" in the many-stream rows)
 #
 # Results: with $OUT set (the folder the device tool brings back, at most 8 files), every part's table,
 # log and server log go to /tmp/gpu-session, and on exit $OUT receives four files: tables.md (every table),
@@ -138,22 +142,22 @@ for part in "$@"; do
         --out "$out/load-unlimited.md"
       run load-limit-8 270 "$python" bench/gpu_bench.py --served-only --prompts 2 --streams 8 16 32 \
         --launcher-arg=--set=speculative_decoding.max_drafting_sequences=8 --out "$out/load-limit-8.md" ;;
-    mps)
-      if ! mps=$(command -v nvidia-cuda-mps-control); then
-        echo "mps: skipped, nvidia-cuda-mps-control not found" | tee -a "$out/summary.txt"
-      else
-        # The daemon's default pipe directory (/tmp/nvidia-mps) is where every CUDA client looks. Without a
-        # daemon the "on" row would be a second "off" row under the wrong name: not run then.
-        if "$mps" -d; then
-          echo "mps: daemon started" >> "$out/summary.txt"
-          run mps-on 200 "$python" bench/gpu_bench.py --served-only --prompts 4 --out "$out/mps-on.md"
-          echo quit | "$mps"
-          sleep 2
-        else
-          echo "mps-on: skipped, the MPS daemon did not start" | tee -a "$out/summary.txt"
-        fi
-        run mps-off 200 "$python" bench/gpu_bench.py --served-only --prompts 4 --out "$out/mps-off.md"
-      fi ;;
+    mps)  # the launcher's --mps (a daemon of the server's own); named twice, the second pair runs on, off
+      mps_round=$((${mps_round:-0} + 1))
+      orders=("off on" "on off")
+      for mode in ${orders[$(((mps_round - 1) % 2))]}; do
+        if [ "$mode" = on ]; then extra=(--launcher-arg=--mps); else extra=(); fi
+        run "mps-$mode-$mps_round" 200 "$python" bench/gpu_bench.py --served-only --prompts 4 "${extra[@]}" \
+          --out "$out/mps-$mode-$mps_round.md"
+      done ;;
+    profile)  # cProfile over the models' execute (SPECDEC_PROFILE_DIR): 8 target-only streams, then 1 stream
+      run profile-8-streams 200 env SPECDEC_PROFILE_DIR="$out/profile-8-streams" "$python" bench/gpu_bench.py \
+        --served-only --prompts 4 --settings K=0 --no-one-stream --streams 8 --out "$out/profile-8-streams.md"
+      run profile-1-stream 200 env SPECDEC_PROFILE_DIR="$out/profile-1-stream" "$python" bench/gpu_bench.py \
+        --served-only --prompts 4 --streams --out "$out/profile-1-stream.md"
+      for dir in profile-8-streams profile-1-stream; do
+        [ -d "$out/$dir" ] && "$python" -m specdec.triton.profiling "$out/$dir" > "$out/$dir.txt" 2>&1
+      done ;;
     ksweep)
       for ks in "6 5" "8 7"; do
         read -r k extra <<< "$ks"
@@ -162,6 +166,6 @@ for part in "$@"; do
       done ;;
     executor) run executor 240 "$python" bench/executor_bench.py --modes graphs,graphs-mlp --reference \
         --out "$out/executor.md" ;;
-    *) echo "unknown part: $part (tests, bench, orchestrators, executor, streams, prefix, pipeline, load, overhead, mps, ksweep)" >&2; exit 2 ;;
+    *) echo "unknown part: $part (tests, bench, orchestrators, executor, streams, prefix, pipeline, load, overhead, mps, ksweep, profile)" >&2; exit 2 ;;
   esac
 done

@@ -130,6 +130,11 @@ def test_pod_is_hardened_and_probed(name):
 def test_gpu_limits_and_cpu_only():
     gpu = deployment(render_chart({}))["spec"]["template"]["spec"]["containers"][0]
     assert gpu["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert "--mps" not in gpu["args"]
+    # gpu.mps: the launcher's flag, before the `--` that ends the launcher's own arguments
+    args = deployment(render_chart({"gpu": {"mps": True}}))["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args.index("--mps") < args.index("--")
+    assert launcher.parse_args(args[:args.index("--")]).mps
     cpu = deployment(render_chart(COMBINATIONS["cpu-only-ngram"]))["spec"]["template"]["spec"]["containers"][0]
     assert "nvidia.com/gpu" not in cpu["resources"].get("limits", {})
     assert {"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"} in cpu["env"]
@@ -256,6 +261,8 @@ def test_helm_test_hook_sends_a_real_request():
     ({"speculation": {"defaultNumDraftTokens": 20, "maxNumDraftTokens": 16}}, "defaultNumDraftTokens"),
     ({"gpu": {"count": 1, "draftGpu": 1}}, "gpu.draftGpu"),
     ({"gpu": {"count": 1, "spreadTarget": True}}, "spreadTarget"),
+    ({"gpu": {"count": 0, "mps": True}}, "gpu.mps needs a GPU"),
+    ({"gpu": {"mps": "yes"}}, "/gpu/mps"),
     ({"compileCache": {"source": "hostPath"}}, "/compileCache/source"),
     ({"compileCache": {"source": "existingClaim"}}, "/compileCache/existingClaim/name"),
 ])

@@ -13,3 +13,52 @@ def test_stub_defaults_apply_and_a_users_value_wins(monkeypatch):
     assert env["LD_LIBRARY_PATH"] == "/lib-x"
     monkeypatch.setenv("GOMP_SPINCOUNT", "300000")
     assert launcher.server_env(layout)["GOMP_SPINCOUNT"] == "300000"
+
+
+def _fake_control(tmp_path, exit_code=0):
+    """A stand-in nvidia-cuda-mps-control that records each call: its arguments, its stdin and the pipe
+    directory it was given."""
+    calls = tmp_path / "calls"
+    script = tmp_path / "bin" / "nvidia-cuda-mps-control"
+    script.parent.mkdir()
+    script.write_text(f"#!/bin/sh\n"
+                      f"echo \"args=$* pipe=$CUDA_MPS_PIPE_DIRECTORY log=$CUDA_MPS_LOG_DIRECTORY stdin=$(cat)\" >> {calls}\n"
+                      f"[ {exit_code} = 0 ] || echo 'cannot start' >&2\n"
+                      f"exit {exit_code}\n")
+    script.chmod(0o755)
+    return script, calls
+
+
+def test_the_mps_daemon_gets_directories_of_its_own_and_quits_when_told(tmp_path, monkeypatch):
+    from specdec.serving import mps
+
+    script, calls = _fake_control(tmp_path)
+    monkeypatch.setenv("PATH", f"{script.parent}:/usr/bin:/bin")
+    daemon = mps.MpsDaemon(tmp_path / "run" / "mps")
+    daemon.start()
+    pipe, log = daemon.env["CUDA_MPS_PIPE_DIRECTORY"], daemon.env["CUDA_MPS_LOG_DIRECTORY"]
+    assert Path(pipe).is_dir() and Path(log).is_dir() and pipe.startswith(str(tmp_path / "run" / "mps"))
+    # the server's processes are pointed at the same directories
+    layout = launcher.ServerLayout(Path("/bin/tritonserver"), Path("/backends"), "/lib-x")
+    env = launcher.server_env(layout, daemon.env)
+    assert env["CUDA_MPS_PIPE_DIRECTORY"] == pipe and env["CUDA_MPS_LOG_DIRECTORY"] == log
+    daemon.stop()
+    daemon.stop()  # once only
+    lines = calls.read_text().splitlines()
+    assert lines == [f"args=-d pipe={pipe} log={log} stdin=", f"args= pipe={pipe} log={log} stdin=quit"]
+
+
+def test_mps_without_its_control_binary_or_with_a_failing_one_is_refused_with_why(tmp_path, monkeypatch):
+    import pytest
+
+    from specdec.serving import mps
+
+    monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))
+    with pytest.raises(mps.MpsError, match="nvidia-cuda-mps-control not found on PATH"):
+        mps.MpsDaemon(tmp_path / "mps").start()
+    script, _ = _fake_control(tmp_path, exit_code=3)
+    monkeypatch.setenv("PATH", f"{script.parent}:/usr/bin:/bin")
+    daemon = mps.MpsDaemon(tmp_path / "mps")
+    with pytest.raises(mps.MpsError, match="-d exited with 3: cannot start"):
+        daemon.start()
+    daemon.stop()  # nothing started: nothing to tell

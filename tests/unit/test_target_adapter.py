@@ -113,3 +113,25 @@ def _inputs_of(**inputs):
     from specdec.triton.language_models import _inputs
 
     return _inputs(_Request(**inputs))
+
+
+def test_execute_profile_is_off_without_its_variable_and_writes_pstats_with_it(tmp_path, monkeypatch):
+    import pstats
+
+    from specdec.triton import profiling
+
+    monkeypatch.delenv(profiling.ENV, raising=False)
+    assert profiling.execute_profile("target_model") is None
+    monkeypatch.setenv(profiling.ENV, str(tmp_path / "p"))
+    profile = profiling.execute_profile("target_model")
+
+    def work():
+        return sum(range(1000))
+
+    with profile:
+        work()
+    work()  # outside: not profiled
+    profile.write()
+    stats = pstats.Stats(str(profile.path)).stats
+    calls = {name: value[1] for (_, _, name), value in stats.items()}
+    assert profile.path.name.startswith("target_model-") and calls["work"] == 1

@@ -87,6 +87,9 @@ avg({{ include "specdec.scalingSignal" . }}{namespace="{{ .Release.Namespace }}"
 {{- if and .Values.gpu.spreadTarget (lt $gpus 2) -}}
 {{- fail "gpu.spreadTarget needs gpu.count of 2 or more" -}}
 {{- end -}}
+{{- if and .Values.gpu.mps (eq $gpus 0) -}}
+{{- fail "gpu.mps needs a GPU (gpu.count 1 or more)" -}}
+{{- end -}}
 {{- if and .Values.autoscaling.enabled (gt (int .Values.autoscaling.minReplicas) (int .Values.autoscaling.maxReplicas)) -}}
 {{- fail "autoscaling.minReplicas exceeds autoscaling.maxReplicas" -}}
 {{- end -}}

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specdec import tensor_names as tn
-from specdec.serving import pairs, repository
+from specdec.serving import mps, pairs, repository
 from specdec.serving.healthcheck import READY_PATH, ReadinessEndpoint, drain_marker, health_port, is_ready
 from specdec.serving.metrics_text import scrape, sum_samples
 from specdec.serving.pairs import log
@@ -177,12 +177,13 @@ def drain(http_port: int, metrics_port: int, process: subprocess.Popen, timeout_
 STUB_ENV_DEFAULTS = {"GOMP_SPINCOUNT": "30000"}
 
 
-def server_env(layout: ServerLayout) -> dict[str, str]:
-    """The environment tritonserver and its stubs need."""
+def server_env(layout: ServerLayout, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment tritonserver and its stubs need (`extra`: e.g. the MPS daemon's directories)."""
     # The stub's embedded interpreter finds its prefix through the first `python3` on PATH: put the
     # running (venv) interpreter's directory first so the stubs import the venv's packages.
     path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
-    return {**STUB_ENV_DEFAULTS, **os.environ, "LD_LIBRARY_PATH": layout.ld_library_path, "PATH": path}
+    return {**STUB_ENV_DEFAULTS, **os.environ, "LD_LIBRARY_PATH": layout.ld_library_path, "PATH": path,
+            **(extra or {})}
 
 
 def redact(arg: str) -> str:
@@ -222,6 +223,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="speculative_decoding processes (concurrent streams' rounds run in parallel); default "
                              f"{tn.DEFAULT_ORCHESTRATOR_INSTANCES['gpu']} with --device gpu, "
                              f"{tn.DEFAULT_ORCHESTRATOR_INSTANCES['cpu']} on CPU")
+    parser.add_argument("--mps", action="store_true",
+                        help="run the server's processes under a CUDA MPS daemon of its own: the draft's and the "
+                             "target's kernels side by side on a shared GPU instead of time-sliced")
     parser.add_argument("--set", action="append", default=[], metavar="MODEL.PARAMETER=VALUE",
                         help="override a config.pbtxt parameter of the rendered repository (repeatable), "
                              "e.g. target_model.batched_forward=false")
@@ -278,8 +282,20 @@ def main(argv: list[str] | None = None) -> int:
                 "set HEALTH_PORT to a free port, or to 0 for none")
             return 1
         log(f"readiness: http://localhost:{endpoint.port}{READY_PATH}")
+    mps_daemon = None
+    if args.mps:
+        mps_daemon = mps.MpsDaemon(run_dir / "mps")
+        try:
+            mps_daemon.start()
+        except mps.MpsError as exc:
+            log(str(exc))
+            if endpoint is not None:
+                endpoint.close()
+            return 1
+        log(f"CUDA MPS: a daemon of this server's own ({mps_daemon.env['CUDA_MPS_PIPE_DIRECTORY']})")
     # Its own process group, which its stubs join: whatever outlives it is found and stopped below.
-    process = subprocess.Popen(command, env=server_env(layout), start_new_session=True)
+    process = subprocess.Popen(command, env=server_env(layout, mps_daemon.env if mps_daemon else None),
+                               start_new_session=True)
     stopping = threading.Event()
     serving = threading.Event()
 
@@ -323,6 +339,8 @@ def main(argv: list[str] | None = None) -> int:
     # memory) for good. One was seen once (README, "Draining on shutdown").
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(process.pid, signal.SIGKILL)
+    if mps_daemon is not None:  # its clients are gone
+        mps_daemon.stop()
     # The cancellation flags, live-sequence slots and KV-room line its stubs shared (named after its PID).
     for scratch in [cancellation.default_directory(process.pid), room.default_directory(process.pid),
                     *slots.server_directories(process.pid)]:

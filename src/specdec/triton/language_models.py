@@ -30,6 +30,7 @@ from specdec.engine.static_executor import StaticCausalLM
 from specdec.triton.adapter import TritonAdapter
 from specdec.triton.config import ConfigError, ModelParameters
 from specdec.triton.metrics import ModelMetrics
+from specdec.triton.profiling import execute_profile
 from specdec.triton.responder import Job, Responder
 
 
@@ -150,6 +151,9 @@ class LanguageModelAdapter(TritonAdapter):
         # true: execute returns once its forward is done, and a thread of the model's own builds and sends
         # the responses while Triton hands over the next batch (responder.py).
         self.responder = None
+        self.profile = execute_profile(self.name)  # SPECDEC_PROFILE_DIR set: cProfile over execute (profiling.py)
+        if self.profile is not None:
+            self.pb.Logger.log_info(f"{self.name}: profiling execute into {self.profile.path}")
         if params.bool("pipelined_execute", False):
             self.responder = self._responder()
             self.pb.Logger.log_info(f"{self.name}: pipelined execute: responses sent from the model's responder thread")
@@ -194,6 +198,12 @@ class LanguageModelAdapter(TritonAdapter):
         """All pending steps (of different sequences: the sequence batcher sends one step per sequence
         at a time) run as one batched forward; each request gets its own response or error. Pipelined,
         the responses are built and sent by the responder's thread (responder.py) and execute returns."""
+        if self.profile is None:
+            return self._execute(requests)
+        with self.profile:
+            return self._execute(requests)
+
+    def _execute(self, requests):
         jobs = [self._parse(request) for request in requests]
         with self._lock:
             outcomes = self._run_jobs(jobs)
@@ -320,6 +330,8 @@ class LanguageModelAdapter(TritonAdapter):
         raise NotImplementedError
 
     def finalize(self):
+        if self.profile is not None:
+            self.profile.write()
         if self.responder is not None:
             self.responder.stop()
         self._stop.set()
