@@ -36,7 +36,8 @@
 #   mps            the served rows with the launcher's --mps (a CUDA MPS daemon of the server's own) and
 #                  without (~2 min; named twice, off on on off): on an H200, 8 speculative streams kept each
 #                  model in forwards 1.8-2.0x as long as its work alone, as two time-sliced CUDA contexts
-#                  would; under MPS the draft's and the target's kernels run side by side (README, "CUDA MPS")
+#                  would; under MPS the draft's and the target's kernels run side by side (README, "CUDA MPS");
+#                  with K=5's batch-1 row beside K=4's (the verify buckets then 1, 2, 4, 6 rows)
 #   profile        cProfile over draft_model's and target_model's execute (SPECDEC_PROFILE_DIR): 8 target-only
 #                  streams, then 1 stream at K=0, 4 and adaptive; pstats' reports in profile-*.txt (~2 min):
 #                  where the host time inside an execution goes (the adapter's share: "in execute" - "in
@@ -147,8 +148,8 @@ for part in "$@"; do
       orders=("off on" "on off")
       for mode in ${orders[$(((mps_round - 1) % 2))]}; do
         if [ "$mode" = on ]; then extra=(--launcher-arg=--mps); else extra=(); fi
-        run "mps-$mode-$mps_round" 200 "$python" bench/gpu_bench.py --served-only --prompts 4 "${extra[@]}" \
-          --out "$out/mps-$mode-$mps_round.md"
+        run "mps-$mode-$mps_round" 200 "$python" bench/gpu_bench.py --served-only --prompts 4 --extra-k 5 \
+          "${extra[@]}" --out "$out/mps-$mode-$mps_round.md"
       done ;;
     profile)  # cProfile over the models' execute (SPECDEC_PROFILE_DIR): 8 target-only streams, then 1 stream
       run profile-8-streams 200 env SPECDEC_PROFILE_DIR="$out/profile-8-streams" "$python" bench/gpu_bench.py \
