@@ -38,6 +38,9 @@
 #                  model in forwards 1.8-2.0x as long as its work alone, as two time-sliced CUDA contexts
 #                  would; under MPS the draft's and the target's kernels run side by side (README, "CUDA MPS");
 #                  with K=5's batch-1 row beside K=4's (the verify buckets then 1, 2, 4, 6 rows)
+#   prompts        the served rows with prompts in captured buckets of their own (prefill_graph_rows=512) and
+#                  with eager prompts (the default), K=5 beside K=4 (~2 min; named twice: on off off on): the
+#                  profile part found each eager prompt a large share of the 8-stream target's execute time
 #   profile        cProfile over draft_model's and target_model's execute (SPECDEC_PROFILE_DIR): 8 target-only
 #                  streams, then 1 stream at K=0, 4 and adaptive; pstats' reports in profile-*.txt (~2 min):
 #                  where the host time inside an execution goes (the adapter's share: "in execute" - "in
@@ -151,6 +154,17 @@ for part in "$@"; do
         run "mps-$mode-$mps_round" 200 "$python" bench/gpu_bench.py --served-only --prompts 4 --extra-k 5 \
           "${extra[@]}" --out "$out/mps-$mode-$mps_round.md"
       done ;;
+    prompts)  # prompts in captured buckets (prefill_graph_rows=512) against eager prompts; twice: on off off on
+      prompts_round=$((${prompts_round:-0} + 1))
+      orders=("on off" "off on")
+      for mode in ${orders[$(((prompts_round - 1) % 2))]}; do
+        if [ "$mode" = on ]; then
+          extra=(--launcher-arg=--set=target_model.prefill_graph_rows=512
+                 --launcher-arg=--set=draft_model.prefill_graph_rows=512)
+        else extra=(); fi
+        run "prompts-$mode-$prompts_round" 200 "$python" bench/gpu_bench.py --served-only --prompts 4 --extra-k 5 \
+          "${extra[@]}" --out "$out/prompts-$mode-$prompts_round.md"
+      done ;;
     profile)  # cProfile over the models' execute (SPECDEC_PROFILE_DIR): 8 target-only streams, then 1 stream
       run profile-8-streams 200 env SPECDEC_PROFILE_DIR="$out/profile-8-streams" "$python" bench/gpu_bench.py \
         --served-only --prompts 4 --settings K=0 --no-one-stream --streams 8 --out "$out/profile-8-streams.md"
@@ -167,6 +181,6 @@ for part in "$@"; do
       done ;;
     executor) run executor 240 "$python" bench/executor_bench.py --modes graphs,graphs-mlp --reference \
         --out "$out/executor.md" ;;
-    *) echo "unknown part: $part (tests, bench, orchestrators, executor, streams, prefix, pipeline, load, overhead, mps, ksweep, profile)" >&2; exit 2 ;;
+    *) echo "unknown part: $part (tests, bench, orchestrators, executor, streams, prefix, pipeline, load, overhead, mps, ksweep, profile, prompts)" >&2; exit 2 ;;
   esac
 done

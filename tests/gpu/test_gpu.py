@@ -173,6 +173,29 @@ def test_cuda_graphs_match_eager_in_every_bucket(tiny_pair, fuse_mlp):
     assert tokens[0] == tokens[1]
 
 
+def test_prompt_buckets_replayed_as_cuda_graphs_give_the_eager_logits(tiny_pair):
+    """prefill_rows: prompts beyond the row buckets replay captured prompt buckets (one sequence, padded
+    rows, the head on the rows wanted) with the eager static forward's logits (float64), captured at
+    warm-up; then decode steps after them in the ordinary buckets."""
+    model = load_causal_lm(tiny_pair.target_path, "cuda", "float64")
+    settings = dict(kv_pool_tokens=4096, block_size=8, max_context=512, max_batch=4, max_rows=5, min_window=16,
+                    prefill_rows=64)
+    eager, graphs = StaticCausalLM(model, compile="off", **settings), StaticCausalLM(model, compile="graphs", **settings)
+    eager.forward.kernels = graphs.forward.kernels
+    assert graphs.prefill_sizes == [8, 16, 32, 64]
+    ready, _ = graphs.warm_up(600)
+    prompt_shapes = {shape for shape in graphs.captured if shape[1] > 5}
+    assert prompt_shapes and all(shape[0] == 1 for shape in prompt_shapes)
+    gen = torch.Generator().manual_seed(4)
+    for seq, (size, wanted) in enumerate([(6, 1), (8, 5), (17, 3), (33, 1), (64, 5), (65, 1)], 1):
+        prompt = torch.randint(0, 1000, (size,), generator=gen).tolist()
+        a, b = eager.extend(seq, 0, prompt, wanted), graphs.extend(seq, 0, prompt, wanted, reserve=size + 8)
+        assert torch.allclose(a, b, atol=1e-9), (size, (a - b).abs().max())
+        a, b = eager.extend(seq, size, [7, 8], 2), graphs.extend(seq, size, [7, 8], 2)
+        assert torch.allclose(a, b, atol=1e-9), size
+    assert len(graphs.captured) == ready  # nothing captured after warm-up for these
+
+
 def test_rejection_sampling_runs_where_the_logits_are():
     """The orchestrator's accept/reject on device-resident logits (DLPack hand-over) with its CPU generator:
     the same uniforms give the same acceptances as on the CPU, and every correction has residual mass."""

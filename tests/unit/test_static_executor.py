@@ -321,3 +321,50 @@ def test_the_other_families_match_the_dynamic_executor_eager_and_fused(family):
         for keep, ids, wanted in ((0, [3, 5, 7, 9, 11, 13], 2), (5, [4, 6, 8], 3)):
             a, b = dynamic.extend(1, keep, ids, wanted), paged.extend(1, keep, ids, wanted)
             assert torch.allclose(a, b, atol=atol), (family, fused, (a - b).abs().max())
+
+
+def test_prompts_in_prompt_buckets_give_the_eager_logits(tiny_lm):
+    """prefill_rows: a prompt beyond the row buckets runs alone in a padded power-of-two bucket whose head
+    covers only the rows wanted (K + 1 at most): the same logits as the dynamic executor, at every size
+    around the buckets' edges, after a prefix of its own (a window crossed), for proposals too; a prompt
+    longer than prefill_rows, or wanting more rows than the head's, still runs eagerly."""
+    paged = static(tiny_lm, prefill_rows=40)
+    assert paged.row_sizes == [1, 2, 4, 5] and paged.prefill_sizes == [8, 16, 32, 40] and paged.head_rows == 5
+    dynamic = CausalLM(tiny_lm)
+    gen = torch.Generator().manual_seed(3)
+    for seq, (size, wanted) in enumerate([(6, 1), (8, 5), (9, 3), (16, 1), (17, 5), (33, 2), (40, 1), (41, 1),
+                                          (12, 7)], 1):
+        prompt = torch.randint(0, 97, (size,), generator=gen).tolist()
+        a, b = dynamic.extend(seq, 0, prompt, wanted), paged.extend(seq, 0, prompt, wanted)
+        assert b.shape == (wanted, a.shape[-1]) and torch.allclose(a, b, atol=1e-10), (size, (a - b).abs().max())
+        # then a second long chunk after it (its keys in the pool), and a decode step: still the same
+        more = torch.randint(0, 97, (20,), generator=gen).tolist()
+        a, b = dynamic.extend(seq, size, more, 2), paged.extend(seq, size, more, 2)
+        assert torch.allclose(a, b, atol=1e-10), (size, (a - b).abs().max())
+        a, b = dynamic.extend(seq, size + 20, [5], 1), paged.extend(seq, size + 20, [5], 1)
+        assert torch.allclose(a, b, atol=1e-10)
+    # a draft's first call: its prompt in a bucket, then drafting from the one row of logits it wanted
+    first = [lm.propose(50, 0, list(range(1, 20)), 3, SamplingParams()) for lm in (dynamic, paged)]
+    assert first[0][0] == first[1][0]
+
+
+def test_prompt_buckets_are_off_by_default_and_a_prompt_then_runs_eagerly_with_the_head_on_its_rows(tiny_lm):
+    paged = static(tiny_lm)
+    assert paged.prefill_sizes == []
+    calls = []
+    forward = paged.forward
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(forward, name)
+
+        def __call__(self, batch, head_rows=None):
+            calls.append((tuple(batch.ids.shape), None if head_rows is None else len(head_rows)))
+            return forward(batch, head_rows)
+
+    paged.forward = Spy()
+    a = CausalLM(tiny_lm).extend(1, 0, list(range(1, 24)), 2)
+    assert torch.allclose(a, paged.extend(1, 0, list(range(1, 24)), 2), atol=1e-10)
+    assert calls == [((1, 23), 2)]  # its own shape, eagerly, the head on the 2 rows wanted
+    paged.extend(1, 23, [4, 5], 2)
+    assert calls[-1] == ((1, 2), None)  # a bucketed step: every row's logits, picked after

@@ -35,6 +35,8 @@ window, Qwen2/Qwen3); `supports` says whether a model qualifies, and `CausalLM` 
 
 from __future__ import annotations
 
+import functools
+
 import time
 from collections import OrderedDict
 from typing import Callable, NamedTuple
@@ -336,7 +338,9 @@ class LlamaForward:
         weight, bias = self.gate_up[index]
         return mlp.down_proj(self.kernels.silu_mul(torch.nn.functional.linear(x, weight, bias)))
 
-    def __call__(self, batch: Batch) -> torch.Tensor:
+    def __call__(self, batch: Batch, head_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (B, T, V); with head_rows (R,) indices into the B * T rows, only theirs: (R, V) (a prompt
+        wants one or K + 1 rows of logits, not one per token)."""
         body, pool, fn = self.body, self.pool, self.kernels
         b, t = batch.ids.shape
         n = b * t
@@ -377,6 +381,8 @@ class LlamaForward:
             # The residual add ends in the next layer's input norm, or the final one.
             following = layers[index + 1].input_layernorm if index + 1 < len(layers) else body.norm
             hidden, x = fn.add_rms_norm(hidden, self._mlp(index, x), following.weight, following.variance_epsilon)
+        if head_rows is not None:
+            return self.model.lm_head(x.index_select(0, head_rows))
         return self.model.lm_head(x).view(b, t, -1)
 
 
@@ -384,13 +390,19 @@ class CapturedForward:
     """One bucket's forward as a CUDA graph: static input tensors, the graph and its output. `run` copies
     a batch in, replays, and returns the output (valid until the next run)."""
 
-    def __init__(self, forward: Callable[[Batch], torch.Tensor], shape: tuple[int, int, int], pool: BlockPool,
-                 device: torch.device, graph_pool, stream: torch.cuda.Stream):
+    def __init__(self, forward: Callable[..., torch.Tensor], shape: tuple[int, int, int], pool: BlockPool,
+                 device: torch.device, graph_pool, stream: torch.cuda.Stream, head_rows: int = 0):
         b, t, blocks = shape
-        # The static inputs, and room after them for the indices of the rows wanted (at most b * t).
-        self.flat = torch.zeros(Batch.size(b, t, blocks) + b * t, dtype=torch.long, device=device)
+        # The static inputs, and room after them for the indices of the rows wanted (at most b * t). With
+        # head_rows (a prompt's bucket) the head runs on the first head_rows of those indices only: the
+        # output is (head_rows, V), not one row of logits per token.
+        size = Batch.size(b, t, blocks)
+        self.flat = torch.zeros(size + b * t, dtype=torch.long, device=device)
         self.inputs = Batch.view(self.flat, b, t, blocks)
         self.inputs.clear(pool.scratch)
+        if head_rows:
+            head = self.flat[size:size + head_rows]
+            forward = functools.partial(forward, head_rows=head)
         # Warm up on a side stream (lazy initialization must not be captured), then capture. The static
         # inputs point every write at the scratch block: capturing touches no sequence. One side stream
         # for every bucket: the allocator caches freed memory per stream (and cuBLAS a workspace per
@@ -416,7 +428,7 @@ class StaticCausalLM(CausalLM):
                  clock: Callable[[], float] = time.monotonic, kv_pool_tokens: int = 0, block_size: int = 32,
                  max_context: int = 8192, max_batch: int = 8, max_rows: int = 17, compile: str = "auto",
                  kv_memory_fraction: float = 0.4, min_window: int = 128, fuse_kernels: bool | None = None,
-                 fuse_mlp: bool | None = None, prefix_caching: bool = True,
+                 fuse_mlp: bool | None = None, prefix_caching: bool = True, prefill_rows: int = 0,
                  log: Callable[[str], None] = lambda message: None):
         """kv_pool_tokens: the pool's size in tokens; 0 derives it from max_sequences * max_context,
         capped at kv_memory_fraction of the device's free memory (host memory on CPU).
@@ -426,7 +438,10 @@ class StaticCausalLM(CausalLM):
         fuse_mlp: a SiLU MLP's gate and up projections as one product; None: where CUDA graphs run
         (`executor_bench.py --modes graphs,graphs-mlp` compares, README "The static executor").
         prefix_caching: a new sequence reuses the pool's blocks that hold its prompt's first tokens
-        (`prefix_cache.py`); their keys and values are those its own prefill would write."""
+        (`prefix_cache.py`); their keys and values are those its own prefill would write.
+        prefill_rows: prompts of up to this many rows (beyond max_rows) run alone in buckets of their own,
+        powers of two, padded, their head on the rows wanted only: captured like the others where graphs
+        run (an eager prompt pays a launch per kernel); 0: every longer prompt runs eagerly."""
         problem = supports(model)
         if problem:
             raise ValueError(f"the static executor cannot run this model: {problem}")
@@ -459,6 +474,9 @@ class StaticCausalLM(CausalLM):
             self.fuse()
         self.batch_sizes = buckets(max_batch)
         self.row_sizes = buckets(max_rows)
+        # A prompt's buckets (one sequence): powers of two above the row buckets, then prefill_rows.
+        self.prefill_sizes = [size for size in buckets(prefill_rows) if size > max_rows] if prefill_rows > max_rows else []
+        self.head_rows = max_rows  # the logits a prompt's bucket returns (its first call's K + 1 at most)
         # Windows of keys: min_window tokens doubling up to the context (in blocks).
         smallest = max(1, min_window // block_size)
         top = -(-max_context // block_size)
@@ -554,6 +572,8 @@ class StaticCausalLM(CausalLM):
         if self.mode == "off":
             return 0, 0.0
         shapes = [(b, t, w) for w in self.window_sizes for b in self.batch_sizes for t in self.row_sizes]
+        # A prompt's buckets after them, in windows that can hold the prompt.
+        shapes += [(1, t, w) for w in self.window_sizes for t in self.prefill_sizes if w * self.pool.block_size >= t]
         # This process's allocator, not the device's free memory (another model loading on the same GPU
         # at the same time would count too), without its cached free blocks (eager forwards leave some).
         torch.cuda.empty_cache()
@@ -581,8 +601,9 @@ class StaticCausalLM(CausalLM):
             self._uncapturable.add(shape)
             return None
         try:
-            forward = self.captured[shape] = CapturedForward(self.forward, shape, self.pool, self.device,
-                                                             self._graph_pool, self._capture_stream)
+            forward = self.captured[shape] = CapturedForward(
+                self.forward, shape, self.pool, self.device, self._graph_pool, self._capture_stream,
+                head_rows=self.head_rows if shape[1] > self.row_sizes[-1] else 0)
         except torch.cuda.OutOfMemoryError:
             self._uncapturable.add(shape)
             torch.cuda.empty_cache()
@@ -614,11 +635,17 @@ class StaticCausalLM(CausalLM):
         width = bucket(max(counts), self.row_sizes)
         needed_blocks = max(-(-(seq.length + count) // block_size) for seq, count in zip(seqs, counts))
         window = bucket(needed_blocks, self.window_sizes)
-        bucketed = width is not None and batch is not None
+        # A prompt (rows beyond the row buckets) in a prompt bucket of its own: the head on its wanted rows.
+        prompt = width is None and len(seqs) == 1 and num_logits[0] <= self.head_rows
+        if prompt:
+            width = bucket(counts[0], self.prefill_sizes)
+        bucketed = width is not None and batch is not None and window is not None
         if not bucketed:  # a prompt: its own shape, eagerly
             batch, width = len(seqs), max(counts)
         # Every input, and the indices of the rows wanted, in one host buffer and one copy.
         wanted = [b * width + j for b, (count, n) in enumerate(zip(counts, num_logits)) for j in range(count - n, count)]
+        head = len(wanted) if not (prompt and bucketed) else self.head_rows  # a bucket's: padded (row 0)
+        wanted += [0] * (head - len(wanted))
         size = Batch.size(batch, width, window)
         flat = self.staging.host(size + len(wanted))
         host = Batch.view(flat, batch, width, window)
@@ -644,9 +671,13 @@ class StaticCausalLM(CausalLM):
         inputs = Batch.view(device_flat, batch, width, window)
         for b, row in on_device:  # drafted tokens stay on the device
             inputs.ids[b, :len(row)] = row
-        out = captured.run() if captured is not None else self.forward(inputs)
-        # The wanted rows, gathered into a new tensor (a captured output is overwritten by the next run).
-        picked = out.reshape(batch * width, -1)[device_flat[size:size + len(wanted)]]
+        if width > self.row_sizes[-1]:  # a prompt: the head on the wanted rows only, in their order
+            out = captured.run() if captured is not None else self.forward(inputs, device_flat[size:size + len(wanted)])
+            picked = out[:sum(num_logits)].clone()  # a captured output is overwritten by the next run
+        else:
+            out = captured.run() if captured is not None else self.forward(inputs)
+            # The wanted rows, gathered into a new tensor (a captured output is overwritten by the next run).
+            picked = out.reshape(batch * width, -1)[device_flat[size:size + len(wanted)]]
         for seq, count in zip(seqs, counts):
             seq.length += count
             self.tokens_processed += count

@@ -108,10 +108,14 @@ class LanguageModelAdapter(TritonAdapter):
                 compile=compile_mode, fuse_kernels=None if params.bool("fuse_kernels", True) else False,
                 # true (default): a SiLU MLP's gate and up products as one where CUDA graphs run; false: never
                 fuse_mlp=None if params.bool("fuse_mlp", True) else False,
+                # > max_num_draft_tokens + 1: prompts up to this many rows in captured buckets of their own
+                # (eagerly, padding them would only cost)
+                prefill_rows=params.int("prefill_graph_rows", 0, low=0) if wants_graphs else 0,
                 log=self.pb.Logger.log_info)
             started = time.perf_counter()
             ready, _ = self.lm.warm_up(params.float("capture_time_budget_s", 120.0, low=0.0))
-            total = len(self.lm.batch_sizes) * len(self.lm.row_sizes) * len(self.lm.window_sizes)
+            total = len(self.lm.batch_sizes) * len(self.lm.row_sizes) * len(self.lm.window_sizes) + sum(
+                w * self.lm.pool.block_size >= t for w in self.lm.window_sizes for t in self.lm.prefill_sizes)
             self.pb.Logger.log_info(
                 f"{self.name}: static executor, eager (compile=off)" if self.lm.mode == "off" else
                 f"{self.name}: static executor: {ready} of {total} shape buckets captured as CUDA graphs in "
