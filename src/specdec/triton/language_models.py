@@ -58,6 +58,8 @@ def host(tensor: torch.Tensor) -> np.ndarray:
 class LanguageModelAdapter(TritonAdapter):
     """Shared load / execute plumbing; subclasses say what a step is and how it is answered."""
 
+    profile = None  # an ExecuteProfile when SPECDEC_PROFILE_DIR is set (load)
+
     def load(self, params: ModelParameters, args: dict) -> None:
         self.name = params.model_name
         device = params.str("device", "cpu")
