@@ -1,6 +1,7 @@
 """Two launcher options on one real server (tiny pair): `--mps` (a stand-in nvidia-cuda-mps-control, as this
-machine has no GPU: the daemon is started before tritonserver with directories of the server's own, every stub
-is pointed at them, and the daemon is told to quit after the server stopped) and SPECDEC_PROFILE_DIR (each
+machine has no GPU: the daemon is started before tritonserver with local directories of this launch's own,
+every stub is pointed at them, and the daemon is told to quit after the server stopped, its directories
+removed) and SPECDEC_PROFILE_DIR (each
 language model's stub profiles its execute calls into a cProfile file pstats reads)."""
 
 import os
@@ -30,9 +31,11 @@ def test_mps_and_profiling_on_a_served_pair(tmp_path, monkeypatch):
     run_dir = tmp_path / "run"
     server = serving_server.start(run_dir, tmp_path / "server.log", ["--pair", "tiny", "--mps"],
                                   ready_timeout_s=READY_TIMEOUT_S)
-    pipe = str(run_dir / "mps" / "pipe")
     try:
-        assert calls.read_text().split() == ["-d", pipe]  # started, and nothing else yet
+        started = calls.read_text().split()
+        assert started[0] == "-d" and len(started) == 2  # started, and nothing else yet
+        pipe = started[1]  # a directory of this launch's own, local
+        assert Path(pipe).is_dir() and Path(pipe).name == "pipe" and Path(pipe).parent.name.startswith("specdec-mps-")
         stubs = stub_processes(server.run_dir)
         assert stubs
         for line in stubs:  # every stub would reach the daemon through its pipe directory
@@ -45,6 +48,7 @@ def test_mps_and_profiling_on_a_served_pair(tmp_path, monkeypatch):
     finally:
         stop_server(server)
     assert calls.read_text().split() == ["-d", pipe, pipe, "quit"]  # told to quit once the server was gone
+    assert not Path(pipe).parent.exists()  # and its directories removed
     log = server.log_path.read_text(errors="replace")
     assert "CUDA MPS: a daemon of this server's own" in log and "target_model: profiling execute into" in log
     for model, forward in (("target_model", "extend_many"), ("draft_model", "propose_many")):

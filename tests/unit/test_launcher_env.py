@@ -46,6 +46,13 @@ def test_the_mps_daemon_gets_directories_of_its_own_and_quits_when_told(tmp_path
     daemon.stop()  # once only
     lines = calls.read_text().splitlines()
     assert lines == [f"args=-d pipe={pipe} log={log} stdin=", f"args= pipe={pipe} log={log} stdin=quit"]
+    assert Path(pipe).is_dir()  # a directory it was given stays
+    # by default a new local directory per launch, removed at stop
+    own = mps.MpsDaemon()
+    assert own.directory.name.startswith("specdec-mps-") and own.directory.is_dir()
+    own.start()
+    own.stop()
+    assert not own.directory.exists()
 
 
 def test_mps_without_its_control_binary_or_with_a_failing_one_is_refused_with_why(tmp_path, monkeypatch):

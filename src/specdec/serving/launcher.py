@@ -284,11 +284,12 @@ def main(argv: list[str] | None = None) -> int:
         log(f"readiness: http://localhost:{endpoint.port}{READY_PATH}")
     mps_daemon = None
     if args.mps:
-        mps_daemon = mps.MpsDaemon(run_dir / "mps")
+        mps_daemon = mps.MpsDaemon()
         try:
             mps_daemon.start()
         except mps.MpsError as exc:
             log(str(exc))
+            mps_daemon.stop()
             if endpoint is not None:
                 endpoint.close()
             return 1

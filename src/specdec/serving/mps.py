@@ -4,9 +4,11 @@ quit after it.
 draft_model and target_model run in two stub processes, two CUDA contexts, and without MPS one GPU
 time-slices between them: under concurrent speculative streams each model's forwards also wait out the
 other's kernels. Under MPS both processes' kernels go through one server and run side by side (README,
-"CUDA MPS": what it gained and cost on an H200). The daemon gets pipe and log directories of its own (under
-the run directory), and the server's processes are pointed at them, so it neither meets nor disturbs a
-daemon the host runs with the default /tmp/nvidia-mps.
+"CUDA MPS": what it gained and cost on an H200). The daemon gets pipe and log directories of its own, new
+for each launch in the local temporary directory (NVIDIA: the pipes must be local and not shared between
+nodes; a run directory may sit on a shared volume), and the server's processes are pointed at them: it
+neither meets nor disturbs a daemon the host runs with the default /tmp/nvidia-mps, nor one left behind by
+a launcher that was killed.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 CONTROL = "nvidia-cuda-mps-control"
@@ -24,8 +27,10 @@ class MpsError(RuntimeError):
 
 
 class MpsDaemon:
-    def __init__(self, directory: Path, control: str = CONTROL):
-        self.directory = Path(directory)
+    def __init__(self, directory: Path | None = None, control: str = CONTROL):
+        """directory: where its pipes and logs go; default a new one in the temporary directory, removed at stop."""
+        self.owned = directory is None
+        self.directory = Path(tempfile.mkdtemp(prefix="specdec-mps-")) if directory is None else Path(directory)
         self.control = control
         self.env = {"CUDA_MPS_PIPE_DIRECTORY": str(self.directory / "pipe"),
                     "CUDA_MPS_LOG_DIRECTORY": str(self.directory / "log")}
@@ -54,3 +59,5 @@ class MpsDaemon:
         if self.started:
             self._run([], stdin="quit\n")
             self.started = False
+        if self.owned:
+            shutil.rmtree(self.directory, ignore_errors=True)
