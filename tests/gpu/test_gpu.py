@@ -184,6 +184,7 @@ def test_prompt_buckets_replayed_as_cuda_graphs_give_the_eager_logits(tiny_pair)
     eager.forward.kernels = graphs.forward.kernels
     assert graphs.prefill_sizes == [8, 16, 32, 64]
     ready, _ = graphs.warm_up(600)
+    assert ready == len(graphs.bucket_shapes())  # the prompt buckets too
     prompt_shapes = {shape for shape in graphs.captured if shape[1] > 5}
     assert prompt_shapes and all(shape[0] == 1 for shape in prompt_shapes)
     gen = torch.Generator().manual_seed(4)

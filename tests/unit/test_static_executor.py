@@ -330,6 +330,11 @@ def test_prompts_in_prompt_buckets_give_the_eager_logits(tiny_lm):
     longer than prefill_rows, or wanting more rows than the head's, still runs eagerly."""
     paged = static(tiny_lm, prefill_rows=40)
     assert paged.row_sizes == [1, 2, 4, 5] and paged.prefill_sizes == [8, 16, 32, 40] and paged.head_rows == 5
+    # what warm-up would capture: the decode buckets, then each prompt bucket in the windows (2-32 blocks of
+    # 8 tokens) that can hold it
+    shapes = paged.bucket_shapes()
+    assert len(shapes) == 3 * 4 * 5 + 5 + 5 + 4 + 3 and shapes[-1] == (1, 40, 32)
+    assert (1, 16, 2) in shapes and (1, 32, 2) not in shapes
     dynamic = CausalLM(tiny_lm)
     gen = torch.Generator().manual_seed(3)
     for seq, (size, wanted) in enumerate([(6, 1), (8, 5), (9, 3), (16, 1), (17, 5), (33, 2), (40, 1), (41, 1),

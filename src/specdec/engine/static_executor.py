@@ -36,7 +36,6 @@ window, Qwen2/Qwen3); `supports` says whether a model qualifies, and `CausalLM` 
 from __future__ import annotations
 
 import functools
-
 import time
 from collections import OrderedDict
 from typing import Callable, NamedTuple
@@ -565,15 +564,20 @@ class StaticCausalLM(CausalLM):
         return self.pool.held * self.pool.block_bytes
 
     # ---- forwards ---------------------------------------------------------------------------------
+    def bucket_shapes(self) -> list[tuple[int, int, int]]:
+        """Every (sequences, rows, key blocks) bucket, in the order warm_up captures them: smallest windows
+        first, then a prompt's buckets in the windows that can hold the prompt."""
+        shapes = [(b, t, w) for w in self.window_sizes for b in self.batch_sizes for t in self.row_sizes]
+        return shapes + [(1, t, w) for w in self.window_sizes for t in self.prefill_sizes
+                         if w * self.pool.block_size >= t]
+
     def warm_up(self, time_budget_s: float = 120.0) -> tuple[int, float]:
-        """Capture every bucket, smallest windows first, until the time budget is spent; the rest are
-        captured on first use. Returns (buckets ready, seconds)."""
+        """Capture every bucket until the time budget is spent; the rest are captured on first use.
+        Returns (buckets ready, seconds)."""
         started = time.perf_counter()
         if self.mode == "off":
             return 0, 0.0
-        shapes = [(b, t, w) for w in self.window_sizes for b in self.batch_sizes for t in self.row_sizes]
-        # A prompt's buckets after them, in windows that can hold the prompt.
-        shapes += [(1, t, w) for w in self.window_sizes for t in self.prefill_sizes if w * self.pool.block_size >= t]
+        shapes = self.bucket_shapes()
         # This process's allocator, not the device's free memory (another model loading on the same GPU
         # at the same time would count too), without its cached free blocks (eager forwards leave some).
         torch.cuda.empty_cache()

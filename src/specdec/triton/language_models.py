@@ -116,8 +116,7 @@ class LanguageModelAdapter(TritonAdapter):
                 log=self.pb.Logger.log_info)
             started = time.perf_counter()
             ready, _ = self.lm.warm_up(params.float("capture_time_budget_s", 120.0, low=0.0))
-            total = len(self.lm.batch_sizes) * len(self.lm.row_sizes) * len(self.lm.window_sizes) + sum(
-                w * self.lm.pool.block_size >= t for w in self.lm.window_sizes for t in self.lm.prefill_sizes)
+            total = len(self.lm.bucket_shapes())
             self.pb.Logger.log_info(
                 f"{self.name}: static executor, eager (compile=off)" if self.lm.mode == "off" else
                 f"{self.name}: static executor: {ready} of {total} shape buckets captured as CUDA graphs in "
