@@ -213,13 +213,11 @@ def one_stream_settings(k: int, extra_k: list[int], kinds=SETTINGS) -> dict:
     """The batch-1 rows by name: K=0, K fixed and adaptive K<=k (those of `kinds`), then each extra K fixed
     and adaptive up to the largest (the K that pays best, measured beside the same K=0 rather than across
     servers)."""
-    settings = {"K=0": (0, False), f"K={k}": (k, False), f"adaptive K<={k}": (k, True)}
-    settings = {name: value for name, value, kind in zip(settings, settings.values(), SETTINGS) if kind in kinds}
-    for extra in extra_k:
-        settings[f"K={extra}"] = (extra, False)
+    rows = [("K=0", 0, False, "K=0"), (f"K={k}", k, False, "K"), (f"adaptive K<={k}", k, True, "adaptive")]
+    rows += [(f"K={extra}", extra, False, "K") for extra in extra_k]
     if extra_k and max(extra_k) > k:
-        settings[f"adaptive K<={max(extra_k)}"] = (max(extra_k), True)
-    return settings
+        rows.append((f"adaptive K<={max(extra_k)}", max(extra_k), True, "adaptive"))
+    return {name: (drafted, adaptive) for name, drafted, adaptive, kind in rows if kind in kinds}
 
 
 def served_one_stream(url: str, prompts: list[str], max_tokens: int, k: int, extra_k: list[int] = (),
