@@ -9,7 +9,7 @@ final norm and head, agrees with it about as often as a real early-exit draft), 
   reference      plain PyTorch, static KV cache + torch.compile(mode="reduce-overhead"): 1 and K+1 tokens
   executor       the project's CausalLM.extend in process: 1 and K+1 tokens; the draft's step (c)
   served         the `ensemble` through the launcher, greedy: K=0, K fixed, adaptive K<=K; 1 stream (with
-                 --extra-k, more K beside the same K=0), and 8 concurrent ones (--streams: other counts),
+                 --extra-k, more K beside the same K=0; and the first token alone), and 8 concurrent ones (--streams: other counts),
                  with how the streams shared each model's forwards (sequences per forward, the share of
                  the time in forwards and in the adapter's whole execute)
   transformers   `generate` in process: plain and assisted (the same draft, K constant)
@@ -247,6 +247,14 @@ def served_one_stream(url: str, prompts: list[str], max_tokens: int, k: int, ext
     return out
 
 
+def served_first_token(url: str, prompts: list[str]) -> float:
+    """Mean seconds to the first token alone (max_tokens=1: the prompt's forward and one round's serving;
+    a round that can produce one token drafts nothing): what prompt buckets change (prefill_graph_rows)."""
+    client = Client(url, "grpc", timeout_s=900)
+    return statistics.mean(client.generate(prompt, GenerationParams(max_tokens=1, num_draft_tokens=0)).latency_s
+                            for prompt in prompts)
+
+
 async def served_streams(url: str, prompts: list[str], max_tokens: int, params: GenerationParams,
                          streams: int) -> dict:
     """`streams` concurrent streams, each sending its share of 2 * streams requests: output tokens/s, and
@@ -379,6 +387,7 @@ def main(argv=None) -> int:
     try:
         one = {} if args.no_one_stream else served_one_stream(own.grpc_url, prompts, args.max_tokens, args.k,
                                                               args.extra_k, args.settings)
+        first_token = None if args.no_one_stream else served_first_token(own.grpc_url, prompts)
         many = {}
         for streams in args.streams:
             # Fixed K beside adaptive: whether speculation pays under load, apart from what the policy picks.
@@ -447,6 +456,9 @@ def main(argv=None) -> int:
                      f"{alpha:.2f}", f"{per_round:.2f}", f"{bound:.2f}" if bound else "",
                      f"{tps / base / bound:.2f}" if bound and base else "",
                      f"equal text {row['equal']:.0%}"])
+    if first_token is not None:
+        rows.append(["served, 1 stream, first token alone", f"{first_token * 1e3:.2f} ms", "", "", "", "", "", "",
+                     "max_tokens=1: the prompt's forward and one round"])
     for (streams, name), (result, before, after, wall) in many.items():
         tps = result["tps"]
         note = batching_note(before, after, wall)

@@ -29,7 +29,9 @@ def test_gpu_bench_small_mode_prints_every_row(tmp_path):
                 "transformers generate, assisted K=4"):
         assert row in table, row
     # float32: greedy speculative text equals target-only text on every prompt.
-    served = [line for line in table.splitlines() if line.startswith("| served, 1 stream")]
+    first = re.search(r"\| served, 1 stream, first token alone +\| +([\d.]+) ms", table)
+    assert first and float(first.group(1)) > 0, table
+    served = [line for line in table.splitlines() if line.startswith("| served, 1 stream") and "first token" not in line]
     assert len(served) == 5 and all("equal text 100%" in line for line in served)
     # --extra-k 6: its rows drafted up to 6 per round, and each has its own bound from its own verify cost
     six = [line.split("|") for line in served if "K=6" in line or "K<=6" in line]
