@@ -100,6 +100,25 @@ run() {  # run NAME SECONDS COMMAND...: its output in $out/NAME.log, its exit co
   [ -f "$cache/bench-gpu-server.log" ] && mv -f "$cache/bench-gpu-server.log" "$out/$name.server.log"
 }
 
+# ab NAME FIRST SECONDS BENCH_ARGS -- ON_ARGS...: gpu_bench's served rows with ON_ARGS ("on") and without
+# ("off"), FIRST of the two first; the part's second call runs them in the other order (named twice: ABBA).
+# BENCH_ARGS (one word list) apply to both.
+declare -A rounds
+ab() {
+  local name=$1 first=$2 seconds=$3 bench=$4 mode
+  shift 5
+  rounds[$name]=$((${rounds[$name]:-0} + 1))
+  local order=(on off)
+  [ "$first" = off ] && order=(off on)
+  [ $((rounds[$name] % 2)) = 0 ] && order=("${order[1]}" "${order[0]}")
+  for mode in "${order[@]}"; do
+    if [ "$mode" = on ]; then extra=("$@"); else extra=(); fi
+    # shellcheck disable=SC2086  # BENCH_ARGS split into words
+    run "$name-$mode-${rounds[$name]}" "$seconds" "$python" bench/gpu_bench.py --served-only --prompts 4 $bench \
+      "${extra[@]}" --out "$out/$name-$mode-${rounds[$name]}.md"
+  done
+}
+
 for part in "$@"; do
   case "$part" in
     tests) run tests-gpu 240 "$python" -m pytest -q -m gpu tests/gpu -p no:cacheprovider ;;
@@ -131,40 +150,18 @@ for part in "$@"; do
         --out "$out/overhead-sampled.md"
       run overhead-guided 120 "$python" bench/round_overhead.py --device gpu --regex '[a-z ]{64,}' \
         --out "$out/overhead-guided.md" ;;
-    pipeline)  # named twice, the second pair runs in the other order (on, off, off, on)
-      piped=(--launcher-arg=--set=target_model.pipelined_execute=true
-             --launcher-arg=--set=draft_model.pipelined_execute=true)
-      pipeline_round=$((${pipeline_round:-0} + 1))
-      orders=("on off" "off on")
-      for mode in ${orders[$(((pipeline_round - 1) % 2))]}; do
-        if [ "$mode" = on ]; then extra=("${piped[@]}"); else extra=(); fi
-        run "pipeline-$mode-$pipeline_round" 270 "$python" bench/gpu_bench.py --served-only --prompts 4 \
-          "${extra[@]}" --out "$out/pipeline-$mode-$pipeline_round.md"
-      done ;;
+    pipeline)  # named twice: on, off, off, on
+      ab pipeline on 270 "" -- --launcher-arg=--set=target_model.pipelined_execute=true \
+        --launcher-arg=--set=draft_model.pipelined_execute=true ;;
     load)
       run load-unlimited 270 "$python" bench/gpu_bench.py --served-only --prompts 2 --streams 8 16 32 \
         --out "$out/load-unlimited.md"
       run load-limit-8 270 "$python" bench/gpu_bench.py --served-only --prompts 2 --streams 8 16 32 \
         --launcher-arg=--set=speculative_decoding.max_drafting_sequences=8 --out "$out/load-limit-8.md" ;;
-    mps)  # the launcher's --mps (a daemon of the server's own); named twice, the second pair runs on, off
-      mps_round=$((${mps_round:-0} + 1))
-      orders=("off on" "on off")
-      for mode in ${orders[$(((mps_round - 1) % 2))]}; do
-        if [ "$mode" = on ]; then extra=(--launcher-arg=--mps); else extra=(); fi
-        run "mps-$mode-$mps_round" 200 "$python" bench/gpu_bench.py --served-only --prompts 4 --extra-k 5 \
-          "${extra[@]}" --out "$out/mps-$mode-$mps_round.md"
-      done ;;
+    mps) ab mps off 200 "--extra-k 5" -- --launcher-arg=--mps ;;  # a daemon of the server's own; named twice: off on on off
     prompts)  # prompts in captured buckets (prefill_graph_rows=512) against eager prompts; twice: on off off on
-      prompts_round=$((${prompts_round:-0} + 1))
-      orders=("on off" "off on")
-      for mode in ${orders[$(((prompts_round - 1) % 2))]}; do
-        if [ "$mode" = on ]; then
-          extra=(--launcher-arg=--set=target_model.prefill_graph_rows=512
-                 --launcher-arg=--set=draft_model.prefill_graph_rows=512)
-        else extra=(); fi
-        run "prompts-$mode-$prompts_round" 200 "$python" bench/gpu_bench.py --served-only --prompts 4 --extra-k 5 \
-          "${extra[@]}" --out "$out/prompts-$mode-$prompts_round.md"
-      done ;;
+      ab prompts on 200 "--extra-k 5" -- --launcher-arg=--set=target_model.prefill_graph_rows=512 \
+        --launcher-arg=--set=draft_model.prefill_graph_rows=512 ;;
     profile)  # cProfile over the models' execute (SPECDEC_PROFILE_DIR): 8 target-only streams, then 1 stream
       run profile-8-streams 200 env SPECDEC_PROFILE_DIR="$out/profile-8-streams" "$python" bench/gpu_bench.py \
         --served-only --prompts 4 --settings K=0 --no-one-stream --streams 8 --out "$out/profile-8-streams.md"

@@ -643,7 +643,7 @@ class StaticCausalLM(CausalLM):
         prompt = width is None and len(seqs) == 1 and num_logits[0] <= self.head_rows
         if prompt:
             width = bucket(counts[0], self.prefill_sizes)
-        bucketed = width is not None and batch is not None and window is not None
+        bucketed = width is not None and batch is not None
         if not bucketed:  # a prompt: its own shape, eagerly
             batch, width = len(seqs), max(counts)
         # Every input, and the indices of the rows wanted, in one host buffer and one copy.
