@@ -137,19 +137,21 @@ def _build_tiny(out: Path, num_layers: int, seed: int, tokenizer, base=None, noi
 
 
 def tiny_pair() -> PairSpec:
-    from transformers import AutoTokenizer, LlamaForCausalLM
-
     root = cache_dir() / "pairs" / "tiny"
-    tokenizer = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir())
     # Noise of 1% of each tensor's std gives greedy agreement of about 0.64 with the target.
     noise = 0.01
     target, draft, random_draft = root / "target", root / f"draft-noise{noise}", root / "draft-random"
+    # Built once: importing transformers to find that out would cost every launch seconds.
     if not (_done(target) and _done(draft) and _done(random_draft)):
+        from transformers import AutoTokenizer, LlamaForCausalLM
+
         log(f"building the tiny pair in {root} (seed {TINY_SEED})")
-    _build_tiny(target, 2, TINY_SEED, tokenizer)
-    if not _done(draft):
-        _build_tiny(draft, 2, TINY_SEED + 1, tokenizer, base=LlamaForCausalLM.from_pretrained(target), noise=noise)
-    _build_tiny(random_draft, 1, TINY_SEED + 2, tokenizer)
+        tokenizer = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir())
+        _build_tiny(target, 2, TINY_SEED, tokenizer)
+        if not _done(draft):
+            _build_tiny(draft, 2, TINY_SEED + 1, tokenizer, base=LlamaForCausalLM.from_pretrained(target),
+                        noise=noise)
+        _build_tiny(random_draft, 1, TINY_SEED + 2, tokenizer)
     return PairSpec(
         name="tiny", target_path=str(target), tokenizer_path=str(target),
         draft_paths={"draft_model": str(draft), "draft_model_exact": str(target),
