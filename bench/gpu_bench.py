@@ -8,13 +8,15 @@ final norm and head, agrees with it about as often as a real early-exit draft), 
   bound          weight bytes / measured memory bandwidth: the fastest a token can be (weight streaming)
   reference      plain PyTorch, static KV cache + torch.compile(mode="reduce-overhead"): 1 and K+1 tokens
   executor       the project's CausalLM.extend in process: 1 and K+1 tokens; the draft's step (c)
-  served         the `ensemble` through the launcher, greedy: K=0, K fixed, adaptive K<=K; 1 stream (with
-                 --extra-k, more K beside the same K=0; and the first token alone), and 8 concurrent ones (--streams: other counts),
+  served         the `ensemble` through the launcher, greedy, streamed (--no-stream: one response per request
+                 in the 1-stream rows): K=0, K fixed, adaptive K<=K; 1 stream (with --extra-k, more K beside
+                 the same K=0; and the first token alone), and 8 concurrent ones (--streams: other counts),
                  with how the streams shared each model's forwards (sequences per forward, the share of
                  the time in forwards and in the adapter's whole execute)
   transformers   `generate` in process: plain and assisted (the same draft, K constant)
 
-with α, tokens per round, the bound E/(K·c+v) at the measured α, efficiency = speedup / bound, and the
+with α, tokens per round, the median TTFT and ITL of the streamed requests (ITL as genai-perf defines it:
+(latency - TTFT) / (output tokens - 1)), the bound E/(K·c+v) at the measured α, efficiency = speedup / bound, and the
 fraction of requests whose speculative text equals the target-only text (bf16 rounds a (K+1)-row verify
 and a 1-row step differently, so this is measured, not assumed), for the project and for transformers.
 
@@ -221,22 +223,26 @@ def one_stream_settings(k: int, extra_k: list[int], kinds=SETTINGS) -> dict:
 
 
 def served_one_stream(url: str, prompts: list[str], max_tokens: int, k: int, extra_k: list[int] = (),
-                      kinds=SETTINGS) -> dict:
-    """Batch 1: every prompt target-only, K fixed and adaptive K<=k (and extra_k's rows), side by side."""
+                      kinds=SETTINGS, stream: bool = True) -> dict:
+    """Batch 1: every prompt target-only, K fixed and adaptive K<=k (and extra_k's rows), side by side;
+    streamed (a response per round, as chat clients ask: TTFT and ITL per request) or not."""
     client = Client(url, "grpc", timeout_s=900)
     settings = {name: GenerationParams(max_tokens=max_tokens, num_draft_tokens=kk, adaptive_draft=adaptive)
                 for name, (kk, adaptive) in one_stream_settings(k, list(extra_k), kinds).items()}
     for params in settings.values():  # warm every path
         client.generate(prompts[0], GenerationParams(max_tokens=8, num_draft_tokens=params.num_draft_tokens))
-    out = {name: dict(tokens=0, s=0.0, drafted=0, accepted=0, rounds=0, equal=0, k=params.num_draft_tokens)
-           for name, params in settings.items()}
+    out = {name: dict(tokens=0, s=0.0, drafted=0, accepted=0, rounds=0, equal=0, k=params.num_draft_tokens,
+                      ttft=[], itl=[]) for name, params in settings.items()}
     for prompt in prompts:
         texts = {}
         for name, params in settings.items():
-            result = client.generate(prompt, params)
+            result = client.generate(prompt, params, stream=stream)
             row = out[name]
             row["tokens"] += result.num_output_tokens
             row["s"] += result.latency_s
+            if stream:
+                row["ttft"].append(result.ttft_s)
+                row["itl"].append(result.itl_s)
             row["drafted"] += result.total_draft_tokens
             row["accepted"] += result.total_accepted_draft_tokens
             row["rounds"] += result.num_rounds
@@ -275,7 +281,13 @@ async def served_streams(url: str, prompts: list[str], max_tokens: int, params: 
     tokens = sum(r.num_output_tokens for r in results)
     return {"tps": tokens / elapsed, "tokens": tokens, "drafted": sum(r.total_draft_tokens for r in results),
             "accepted": sum(r.total_accepted_draft_tokens for r in results),
-            "rounds": sum(r.num_rounds for r in results)}
+            "rounds": sum(r.num_rounds for r in results),
+            "ttft": [r.ttft_s for r in results], "itl": [r.itl_s for r in results]}
+
+
+def median_ms(values: list[float]) -> str:
+    """A latency column's cell: the median in ms, blank where nothing was streamed."""
+    return f"{statistics.median(values) * 1e3:.1f}" if values else ""
 
 
 def model_batches(own, model: str) -> tuple[float, float, float, float]:
@@ -359,6 +371,9 @@ def main(argv=None) -> int:
                         help="the served rows' kinds (e.g. K=0 alone, for a profile of target-only serving)")
     parser.add_argument("--no-one-stream", action="store_true",
                         help="only the many-stream rows (their x column then blank)")
+    parser.add_argument("--no-stream", action="store_true",
+                        help="the 1-stream rows unstreamed, one response per request (no TTFT or ITL): how "
+                             "the README's GPU figures before the TTFT and ITL columns were measured")
     parser.add_argument("--launcher-arg", action="append", default=[],
                         help="more launcher arguments, e.g. --launcher-arg=--set "
                              "--launcher-arg=speculative_decoding.verify_gather_ms=10")
@@ -386,7 +401,7 @@ def main(argv=None) -> int:
     own = server.start(cache / "run" / "bench-gpu", cache / "bench-gpu-server.log", launcher_args)
     try:
         one = {} if args.no_one_stream else served_one_stream(own.grpc_url, prompts, args.max_tokens, args.k,
-                                                              args.extra_k, args.settings)
+                                                              args.extra_k, args.settings, not args.no_stream)
         first_token = None if args.no_one_stream else served_first_token(own.grpc_url, prompts)
         many = {}
         for streams in args.streams:
@@ -433,14 +448,14 @@ def main(argv=None) -> int:
         step, c = executor[1], draft_step / executor[1]
         v = executor[args.k + 1] / step
         rows += [["weight-streaming bound", f"{weight_bytes / bytes_per_s * 1e3:.2f} ms/token",
-                  f"{bytes_per_s / weight_bytes:.1f}", "", "", "", "", "",
+                  f"{bytes_per_s / weight_bytes:.1f}", "", "", "", "", "", "", "",
                   f"{weight_bytes / 1e9:.2f} GB at {bytes_per_s / 1e9:.0f} GB/s"],
                  ["plain PyTorch, static cache, compile=" + args.compile,
                   f"{reference[1] * 1e3:.2f} / {reference[args.k + 1] * 1e3:.2f} ms", f"{1 / reference[1]:.1f}",
-                  "", "", "", "", "", f"1 / {args.k + 1} tokens per step"],
+                  "", "", "", "", "", "", "", f"1 / {args.k + 1} tokens per step"],
                  ["project executor (what target_model runs)",
                   f"{executor[1] * 1e3:.2f} / {executor[args.k + 1] * 1e3:.2f} ms",
-                  f"{1 / executor[1]:.1f}", "", "", "", "", "", f"c = {c:.3f}, v({args.k}) = {v:.2f}"]]
+                  f"{1 / executor[1]:.1f}", "", "", "", "", "", "", "", f"c = {c:.3f}, v({args.k}) = {v:.2f}"]]
     base = one["K=0"]["tokens"] / one["K=0"]["s"] if "K=0" in one else None
 
     def versus(tps: float) -> str:
@@ -453,11 +468,12 @@ def main(argv=None) -> int:
         bound = (expected_tokens(alpha, k) / (k * c + (executor[k + 1] / step if k else 1.0))
                  if c is not None else None)
         rows.append([f"served, 1 stream, {name}", f"{1e3 / tps:.2f} ms/token", f"{tps:.1f}", versus(tps),
-                     f"{alpha:.2f}", f"{per_round:.2f}", f"{bound:.2f}" if bound else "",
+                     f"{alpha:.2f}", f"{per_round:.2f}", median_ms(row["ttft"]), median_ms(row["itl"]),
+                     f"{bound:.2f}" if bound else "",
                      f"{tps / base / bound:.2f}" if bound and base else "",
                      f"equal text {row['equal']:.0%}"])
     if first_token is not None:
-        rows.append(["served, 1 stream, first token alone", f"{first_token * 1e3:.2f} ms", "", "", "", "", "", "",
+        rows.append(["served, 1 stream, first token alone", f"{first_token * 1e3:.2f} ms", *[""] * 8,
                      "max_tokens=1: the prompt's forward and one round"])
     for (streams, name), (result, before, after, wall) in many.items():
         tps = result["tps"]
@@ -469,19 +485,21 @@ def main(argv=None) -> int:
                                                               "draft_model": drafted * draft_step})
         alpha = f"{result['accepted'] / result['drafted']:.2f}" if result["drafted"] else ""
         rows.append([f"served, {streams} streams, {name}", "", f"{tps:.1f}", versus(tps), alpha,
-                     f"{result['tokens'] / max(result['rounds'], 1):.2f}", "", "",
+                     f"{result['tokens'] / max(result['rounds'], 1):.2f}", median_ms(result["ttft"]),
+                     median_ms(result["itl"]), "", "",
                      f"{result['drafted'] / max(result['rounds'], 1):.2f} drafted per round; {note}"])
     if not args.served_only:
         rows.append(["transformers generate, plain", "", f"{peer['plain']:.1f}", versus(peer["plain"]),
-                     "", "", "", "", ""])
+                     "", "", "", "", "", "", ""])
         rows.append([f"transformers generate, assisted K={args.k}", "", f"{peer['assisted']:.1f}",
-                     versus(peer["assisted"]), "", "", "", "", f"equal text {peer['equal']:.0%}"])
+                     versus(peer["assisted"]), "", "", "", "", "", "", f"equal text {peer['equal']:.0%}"])
     machine = torch.cuda.get_device_name() if gpu else f"{platform.machine()} CPU"
     header = (f"{machine}, torch {torch.__version__}, {dtype_name}, {target_path.parent.name}/{target_path.name}, "
               f"{len(prompts)} prompts x {args.max_tokens} tokens, greedy"
+              + (", 1-stream rows unstreamed" if args.no_stream else "")
               + (f", launcher {' '.join(args.launcher_arg)}" if args.launcher_arg else ""))
-    print_table(header, rows, ["", "time", "tokens/s", "vs served K=0", "α", "tokens/round", "bound", "efficiency",
-                               "notes"], args.out)
+    print_table(header, rows, ["", "time", "tokens/s", "vs served K=0", "α", "tokens/round", "TTFT p50 (ms)",
+                               "ITL p50 (ms)", "bound", "efficiency", "notes"], args.out)
     return 0
 
 

@@ -35,7 +35,11 @@ def test_gpu_bench_small_mode_prints_every_row(tmp_path):
     assert len(served) == 5 and all("equal text 100%" in line for line in served)
     # --extra-k 6: its rows drafted up to 6 per round, and each has its own bound from its own verify cost
     six = [line.split("|") for line in served if "K=6" in line or "K<=6" in line]
-    assert all(float(cells[7]) > 0 for cells in six), six
+    assert all(float(cells[9]) > 0 for cells in six), six
+    # Streamed (the default): every served row's median TTFT and ITL; the first token alone has neither.
+    streamed = served + [line for line in table.splitlines() if line.startswith("| served, ") and " streams" in line]
+    latencies = [[float(cell) for cell in line.split("|")[7:9]] for line in streamed]
+    assert len(latencies) == 11 and all(ttft > 0 and itl > 0 for ttft, itl in latencies), streamed
     # 3 and 8 streams (--streams): how many sequences a target forward carried and how busy the target was,
     # the same of the draft where one drafted, and what a round drafted and yielded.
     many = [line for line in table.splitlines() if line.startswith(("| served, 3 streams", "| served, 8 streams"))]
