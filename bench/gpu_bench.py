@@ -15,10 +15,11 @@ final norm and head, agrees with it about as often as a real early-exit draft), 
                  the time in forwards and in the adapter's whole execute)
   transformers   `generate` in process: plain and assisted (the same draft, K constant)
 
-with α, tokens per round, the median TTFT and ITL of the streamed requests (ITL as genai-perf defines it:
-(latency - TTFT) / (output tokens - 1)), the bound E/(K·c+v) at the measured α, efficiency = speedup / bound, and the
-fraction of requests whose speculative text equals the target-only text (bf16 rounds a (K+1)-row verify
-and a 1-row step differently, so this is measured, not assumed), for the project and for transformers.
+with α, tokens per round, the median TTFT and ITL of the streamed requests (ITL as genai-perf defines
+it: (latency - TTFT) / (output tokens - 1)), the bound E/(K·c+v) at the measured α, efficiency = speedup /
+bound, and the fraction of requests whose speculative text equals the target-only text (bf16 rounds a
+(K+1)-row verify and a 1-row step differently, so this is measured, not assumed), for the project and for
+transformers.
 
     python bench/gpu_bench.py                     # on a GPU machine: the 8B-shaped pair, bf16
     python bench/gpu_bench.py --small --compile off --prompts 2 --max-tokens 16   # CPU: checks the script
