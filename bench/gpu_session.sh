@@ -41,6 +41,10 @@
 #   prompts        the served rows with prompts in captured buckets of their own (prefill_graph_rows=512) and
 #                  with eager prompts (the default), K=5 beside K=4 (~2 min; named twice: on off off on): the
 #                  profile part found each eager prompt a large share of the 8-stream target's execute time
+#   maxk           the served rows with the deployment's default max_num_draft_tokens=16 (verify buckets up to 17
+#                  rows: prompts of up to 17 tokens replay graphs, K=4's verify pads to 8 rows) against the bench's
+#                  max K of 5 (buckets up to 6 rows: these prompts run eagerly), K=5 beside K=4 (~2 min; named
+#                  twice: off on on off): what a deployment with the chart's defaults gets
 #   profile        cProfile over draft_model's and target_model's execute (SPECDEC_PROFILE_DIR): 8 target-only
 #                  streams, then 1 stream at K=0, 4 and adaptive; pstats' reports in profile-*.txt (~2 min):
 #                  where the host time inside an execution goes (the adapter's share: "in execute" - "in
@@ -159,6 +163,7 @@ for part in "$@"; do
       run load-limit-8 270 "$python" bench/gpu_bench.py --served-only --prompts 2 --streams 8 16 32 \
         --launcher-arg=--set=speculative_decoding.max_drafting_sequences=8 --out "$out/load-limit-8.md" ;;
     mps) ab mps off 200 "--extra-k 5" -- --launcher-arg=--mps ;;  # a daemon of the server's own; named twice: off on on off
+    maxk) ab maxk off 200 "--extra-k 5" -- --launcher-arg=--max-num-draft-tokens=16 ;;  # named twice: off on on off
     prompts)  # prompts in captured buckets (prefill_graph_rows=512) against eager prompts; twice: on off off on
       ab prompts on 200 "--extra-k 5" -- --launcher-arg=--set=target_model.prefill_graph_rows=512 \
         --launcher-arg=--set=draft_model.prefill_graph_rows=512 ;;
@@ -178,6 +183,6 @@ for part in "$@"; do
       done ;;
     executor) run executor 240 "$python" bench/executor_bench.py --modes graphs,graphs-mlp --reference \
         --out "$out/executor.md" ;;
-    *) echo "unknown part: $part (tests, bench, orchestrators, executor, streams, prefix, pipeline, load, overhead, mps, ksweep, profile, prompts)" >&2; exit 2 ;;
+    *) echo "unknown part: $part (tests, bench, orchestrators, executor, streams, prefix, pipeline, load, overhead, mps, ksweep, profile, prompts, maxk)" >&2; exit 2 ;;
   esac
 done
