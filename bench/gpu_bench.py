@@ -243,7 +243,8 @@ def served_one_stream(url: str, prompts: list[str], max_tokens: int, k: int, ext
             row["s"] += result.latency_s
             if stream:
                 row["ttft"].append(result.ttft_s)
-                row["itl"].append(result.itl_s)
+                if result.num_output_tokens > 1:  # one token has no inter-token latency
+                    row["itl"].append(result.itl_s)
             row["drafted"] += result.total_draft_tokens
             row["accepted"] += result.total_accepted_draft_tokens
             row["rounds"] += result.num_rounds
@@ -283,7 +284,7 @@ async def served_streams(url: str, prompts: list[str], max_tokens: int, params: 
     return {"tps": tokens / elapsed, "tokens": tokens, "drafted": sum(r.total_draft_tokens for r in results),
             "accepted": sum(r.total_accepted_draft_tokens for r in results),
             "rounds": sum(r.num_rounds for r in results),
-            "ttft": [r.ttft_s for r in results], "itl": [r.itl_s for r in results]}
+            "ttft": [r.ttft_s for r in results], "itl": [r.itl_s for r in results if r.num_output_tokens > 1]}
 
 
 def median_ms(values: list[float]) -> str:
