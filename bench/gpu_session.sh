@@ -55,7 +55,7 @@
 # summary.txt (each part's exit code and time), gpu.txt and session.tgz (all of it). Without $OUT they stay
 # in .cache/gpu-session. So one command runs any parts:
 #
-#   source .gpukit/activate.sh && GPU_SESSION_SECONDS=540 bash bench/gpu_session.sh tests prompts prompts
+#   source .gpukit/activate.sh && GPU_SESSION_SECONDS=540 bash bench/gpu_session.sh tests prompts maxk
 set -uo pipefail
 cd "$(dirname "$0")/.."
 dest="${OUT:-}"
