@@ -80,7 +80,6 @@ gpukit: setup
 bench-executor: setup
 	$(PY) bench/executor_bench.py --out .cache/bench-executor.md $${BENCH_EXECUTOR_ARGS:-}
 
-# Where a served round's time goes (tiny pair): forwards, adapters, Triton, orchestrator. DEVICE=gpu too.
 # Structured output in process (no server): the grammar's forced text proposed free, against target-only
 # and prompt lookup alone, on the default pair.
 bench-structured: setup
@@ -90,9 +89,11 @@ bench-structured: setup
 bench-prefix: setup
 	$(PY) bench/prefix_bench.py --pair $${PAIR:-default} --out .cache/bench-prefix.md
 
+# Suffix drafting (earlier requests' text) against prompt lookup on workloads that repeat across requests.
 bench-suffix: setup
 	$(PY) bench/suffix_bench.py --pair $${PAIR:-default} --out .cache/bench-suffix.md
 
+# Where a served round's time goes (tiny pair): forwards, adapters, Triton, orchestrator. DEVICE=gpu too.
 bench-overhead: setup
 	$(PY) bench/round_overhead.py --device $${DEVICE:-cpu} --out .cache/bench-overhead.md
 

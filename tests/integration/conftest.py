@@ -4,12 +4,16 @@ import warnings
 
 import pytest
 
+from specdec.serving import pairs, repository
+
 from .helpers import start_server, stop_server
 
 
 @pytest.fixture(scope="session")
 def server(tmp_path_factory):
-    srv = start_server(tmp_path_factory.mktemp("triton"))
+    """With the test drafts (`draft_model_exact`, `draft_model_random`) beside `draft_model`."""
+    tmp_path = tmp_path_factory.mktemp("triton")
+    srv = start_server(tmp_path, repository=repository.render(pairs.tiny_pair(test_drafts=True), tmp_path / "repo"))
     yield srv
     # Strict here: nothing pending and every stub gone. A clean exit code is asserted by
     # test_lifecycle.py on a server of its own; after this session's hundreds of requests, cancellations

