@@ -119,8 +119,6 @@ def test_live_sequence_cap_queues_or_rejects(tmp_path, when_full):
 def _a_direct_caller_cancelled_in_the_slot_queue_leaves_it(srv):
     """Both slots busy with long generations; a client calling speculative_decoding itself waits for a
     slot and cancels: its request leaves the queue within a cancellation check, not when a slot frees."""
-    import queue
-
     import numpy as np
     import tritonclient.grpc as grpcclient
     from client.sync import grpc_inputs

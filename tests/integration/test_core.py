@@ -34,7 +34,7 @@ def target_only(server):
 
 
 def test_target_only_baseline_is_sane(target_only):
-    for prompt, result in target_only.items():
+    for result in target_only.values():
         assert result[tn.NUM_OUTPUT_TOKENS] >= 1
         assert result[tn.TEXT_OUTPUT]
         assert result[tn.TOTAL_DRAFT_TOKENS] == 0

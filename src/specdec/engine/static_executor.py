@@ -46,7 +46,7 @@ from torch.nn.functional import scaled_dot_product_attention
 
 from specdec import tensor_names as tn
 from specdec.engine import kernels
-from specdec.engine.executor import CacheError, CapacityError, CausalLM, Step
+from specdec.engine.executor import CacheError, CapacityError, CausalLM
 from specdec.engine.prefix_cache import PrefixIndex, SequenceState
 
 COMPILE_MODES = tn.COMPILE_MODES
