@@ -30,6 +30,10 @@
 #                  K=0's throughput back there
 #   overhead       where a served round goes on the GPU (tiny pair): greedy, sampled, and guided by a regex
 #                  (target_model picking with the grammar's bitmask) (~3 min)
+#   overhead8b     where a served round goes with the 8B-shaped pair (greedy, K=0 and K=4, verify buckets as
+#                  the bench sets them) (~3 min): its K=4 round spent ~5.3 ms outside the in-process forwards on
+#                  an H200 (15.5 ms per round at 210 tokens/s against 10.2 ms of forwards), its K=0 round ~2.4
+#                  ms, against 3.0 and 1.8 ms for the tiny pair's machinery on host D: which part grows
 #   ksweep         batch-1 draft lengths past 4: two servers, K=5 and 6 (verify buckets up to 7 rows) and K=7 and
 #                  8 (up to 9), each beside its own K=0, with adaptive up to 6 and 8 (~2 min): which K pays best
 #                  on this GPU, against K=4's 1.76-1.79x on an H200
@@ -56,6 +60,7 @@
 # in .cache/gpu-session. So one command runs any parts:
 #
 #   source .gpukit/activate.sh && GPU_SESSION_SECONDS=540 bash bench/gpu_session.sh tests prompts maxk
+#   source .gpukit/activate.sh && GPU_SESSION_SECONDS=540 bash bench/gpu_session.sh prompts maxk overhead8b
 set -uo pipefail
 cd "$(dirname "$0")/.."
 dest="${OUT:-}"
@@ -97,11 +102,15 @@ run() {  # run NAME SECONDS COMMAND...: its output in $out/NAME.log, its exit co
     if [ "$left" -lt 60 ]; then echo "$name: skipped, ${left} s left" | tee -a "$out/summary.txt"; return; fi
     [ "$seconds" -gt "$left" ] && seconds=$left
   fi
-  rm -f "$cache/bench-gpu-server.log"  # an earlier server's: not this part's
+  local log
+  rm -f "$cache/bench-gpu-server.log" "$cache/bench-overhead-server.log"  # an earlier server's: not this part's
   timeout "$seconds" "$@" > "$out/$name.log" 2>&1
   echo "$name: exit $? after $((SECONDS - started)) s" | tee -a "$out/summary.txt"
   # A served bench's server log (each bench starts its own server, which writes it anew).
-  [ -f "$cache/bench-gpu-server.log" ] && mv -f "$cache/bench-gpu-server.log" "$out/$name.server.log"
+  for log in "$cache/bench-gpu-server.log" "$cache/bench-overhead-server.log"; do
+    [ -f "$log" ] && mv -f "$log" "$out/$name.server.log"
+  done
+  return 0
 }
 
 # ab NAME FIRST SECONDS BENCH_ARGS -- ON_ARGS...: gpu_bench's served rows with ON_ARGS ("on") and without
@@ -154,6 +163,9 @@ for part in "$@"; do
         --out "$out/overhead-sampled.md"
       run overhead-guided 120 "$python" bench/round_overhead.py --device gpu --regex '[a-z ]{64,}' \
         --out "$out/overhead-guided.md" ;;
+    overhead8b)
+      run overhead-8b 300 "$python" bench/round_overhead.py --device gpu --pair 8b \
+        --launcher-arg=--max-num-draft-tokens=4 --out "$out/overhead-8b.md" ;;
     pipeline)  # named twice: on, off, off, on
       ab pipeline on 270 "" -- --launcher-arg=--set=target_model.pipelined_execute=true \
         --launcher-arg=--set=draft_model.pipelined_execute=true ;;
@@ -183,6 +195,6 @@ for part in "$@"; do
       done ;;
     executor) run executor 240 "$python" bench/executor_bench.py --modes graphs,graphs-mlp --reference \
         --out "$out/executor.md" ;;
-    *) echo "unknown part: $part (tests, bench, orchestrators, executor, streams, prefix, pipeline, load, overhead, mps, ksweep, profile, prompts, maxk)" >&2; exit 2 ;;
+    *) echo "unknown part: $part (tests, bench, orchestrators, executor, streams, prefix, pipeline, load, overhead, overhead8b, mps, ksweep, profile, prompts, maxk)" >&2; exit 2 ;;
   esac
 done

@@ -1,7 +1,8 @@
 """Where a served round's time goes (`make bench-overhead`): the serving machinery around the models.
 
 Serves the tiny pair (two layers, but a float64 head over SmolLM2's whole vocabulary: on CPU its forwards
-are not free, so they are split out), runs greedy (or, with --temperature, seeded sampled) requests of
+are not free, so they are split out), or with --pair 8b `make bench-gpu`'s synthetic 8B-shaped bf16 pair
+(GPU only; `--pair small`: its tiny-shaped twin, float32 on CPU), runs greedy (or, with --temperature, seeded sampled) requests of
 fixed length at K=0 (target-only) and K fixed, one at a time, and splits each round's
 wall time with the server's own counters (deltas over the measured requests, per round):
 
@@ -19,6 +20,9 @@ model's forwards count once per thread that ran them.
 
     python bench/round_overhead.py                 # CPU (the dev machine's figures in the README)
     python bench/round_overhead.py --device gpu    # the same with the models on the GPU
+    python bench/round_overhead.py --device gpu --pair 8b --launcher-arg=--max-num-draft-tokens=4
+                                                   # the served 8B-shaped pair's rounds, split (verify
+                                                   # buckets as `make bench-gpu` sets them)
     python bench/round_overhead.py --stream        # streamed requests (a response per round, as the
                                                    # served benchmarks send them)
     python bench/round_overhead.py --regex '[a-z ]{64,}'   # structured output: guided rounds
@@ -43,7 +47,7 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 from client import Client, GenerationParams  # noqa: E402
-from gpu_bench import print_table  # noqa: E402
+from gpu_bench import print_table, synthetic_pair  # noqa: E402
 from specdec.serving import pairs, server  # noqa: E402
 from specdec.serving.metrics_text import sum_samples  # noqa: E402
 
@@ -120,9 +124,28 @@ def measure(own, params: GenerationParams, prompts: list[str], repeats: int, str
     return out
 
 
+PAIRS = ("tiny", "8b", "small")
+
+
+def served_pair(name: str, device: str) -> tuple[str, list[str]]:
+    """(the table's label, the launcher's pair arguments) for a --pair name: the tiny test pair, or
+    gpu_bench's synthetic pair (built once, in bfloat16 on the GPU and float32 on CPU)."""
+    if name == "tiny":
+        pair = pairs.tiny_pair()
+        return "tiny pair", ["--target", pair.target_path, "--draft", pair.draft_paths["draft_model"],
+                             "--tokenizer", pair.tokenizer_path]
+    if name == "8b" and device != "gpu":
+        raise ValueError("--pair 8b needs --device gpu (a 16 GB bfloat16 model; --pair small is its CPU twin)")
+    dtype = "bfloat16" if device == "gpu" else "float32"
+    target, draft = synthetic_pair(name == "small", dtype, "cuda" if device == "gpu" else "cpu")
+    label = "synthetic 8B-shaped pair" if name == "8b" else "synthetic small pair"
+    return f"{label} ({dtype})", ["--target", str(target), "--draft", str(draft), "--dtype", dtype]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
+    parser.add_argument("--pair", choices=PAIRS, default="tiny")
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
@@ -132,9 +155,11 @@ def main(argv=None) -> int:
     parser.add_argument("--launcher-arg", action="append", default=[], help="more launcher arguments")
     parser.add_argument("--out", help="also write the table (Markdown) here")
     args = parser.parse_args(argv)
-    pair = pairs.tiny_pair()
-    launcher_args = ["--target", pair.target_path, "--draft", pair.draft_paths["draft_model"],
-                     "--tokenizer", pair.tokenizer_path, "--device", args.device, *args.launcher_arg]
+    try:
+        label, pair_args = served_pair(args.pair, args.device)
+    except ValueError as exc:
+        parser.error(str(exc))
+    launcher_args = [*pair_args, "--device", args.device, *args.launcher_arg]
     prompts = ["Once upon a time", "The capital of France is", "def fibonacci(n):"]
     cache = pairs.cache_dir()
     own = server.start(cache / "run" / "bench-overhead", cache / "bench-overhead-server.log", launcher_args)
@@ -168,7 +193,7 @@ def main(argv=None) -> int:
     mode += ", streamed" if args.stream else ""
     mode += f", guided by the regex {args.regex!r}" if args.regex else ""
     extra = f", {' '.join(args.launcher_arg)}" if args.launcher_arg else ""
-    header = (f"{platform.machine()} {args.device}, tiny pair, {mode}, {args.max_tokens} tokens per request, "
+    header = (f"{platform.machine()} {args.device}, {label}, {mode}, {args.max_tokens} tokens per request, "
               f"one request at a time{extra}")
     print_table(header, rows, ["", "where", "ms per round", ""], args.out)
     return 0

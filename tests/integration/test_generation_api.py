@@ -7,6 +7,7 @@ import queue
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -92,7 +93,11 @@ def test_max_tokens_is_exact_and_reports_length(server):
 
 
 def _rendered_parameter(server, model, key):
-    cfg = (server.run_dir / "model_repository" / model / "config.pbtxt").read_text()
+    """A parameter of the repository the server serves: the one it was given, or the launcher's rendering."""
+    args = list(server.process.args)
+    repo = (Path(args[args.index("--model-repository") + 1]) if "--model-repository" in args
+            else server.run_dir / "model_repository")
+    cfg = (repo / model / "config.pbtxt").read_text()
     return re.search(r'key: "' + key + r'", value: \{ string_value: "([^"]*)"', cfg).group(1)
 
 

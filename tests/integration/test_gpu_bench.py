@@ -61,11 +61,14 @@ def test_gpu_bench_small_mode_prints_every_row(tmp_path):
 
 
 def test_round_overhead_bench_splits_a_round(tmp_path):
+    """On the synthetic pair's small twin (`--pair small`: the code path of the GPU's `--pair 8b`; the
+    default tiny pair differs only in the paths it passes the launcher)."""
     out = tmp_path / "overhead.md"
     script = SCRIPT.parent / "round_overhead.py"
-    result = subprocess.run([sys.executable, str(script), "--repeats", "1", "--max-tokens", "16", "--out", str(out)],
-                            capture_output=True, text=True, timeout=600)
+    result = subprocess.run([sys.executable, str(script), "--pair", "small", "--repeats", "1", "--max-tokens", "16",
+                             "--out", str(out)], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
+    assert "cpu, synthetic small pair (float32), greedy" in out.read_text()
     rows = [line.split("|") for line in out.read_text().splitlines() if line.startswith("| K=")]
     for k in ("K=0", "K=4"):
         mine = {row[2].strip(): float(row[3]) for row in rows if row[1].strip() == k}
@@ -80,6 +83,12 @@ def test_round_overhead_bench_splits_a_round(tmp_path):
         assert mine["CPU time: speculative_decoding"] > 0 and mine["CPU time: target_model"] > 0
         assert mine["CPU time: tritonserver"] > 0
     assert any(row[2].strip() == "draft_model forward" for row in rows if row[1].strip() == "K=4")
+
+
+def test_round_overhead_bench_refuses_the_8b_pair_on_cpu():
+    result = subprocess.run([sys.executable, str(SCRIPT.parent / "round_overhead.py"), "--pair", "8b"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "--pair 8b needs --device gpu" in result.stderr
 
 
 def test_executor_bench_compares_the_executors_on_the_tiny_pair(tmp_path):
