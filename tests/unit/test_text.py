@@ -97,3 +97,43 @@ def test_no_text_of_a_possible_stop_word_is_sent_early(tokenizer):
     more = emitter.push(tokenizer.encode("NE", add_special_tokens=False), final=True)
     assert emitter.text == "abc STONE"
     assert not more.stopped
+
+
+def test_a_tokenizers_backend_directory_loads_as_autotokenizer_would_without_torch(tokenizer, tmp_path):
+    """load_tokenizer's direct path (a tokenizer_config.json naming TokenizersBackend) gives AutoTokenizer's
+    tokenizer: the same vocabulary, special tokens, encodings, decodings and chat template; and it leaves
+    torch unimported (what preprocessing and postprocessing save). Another class goes through AutoTokenizer."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    from specdec.decoding.text import load_tokenizer
+
+    path = smollm2_tokenizer_dir()
+    assert json.loads((path / "tokenizer_config.json").read_text())["tokenizer_class"] == "TokenizersBackend"
+    light = load_tokenizer(str(path))
+    assert type(light) is type(tokenizer) and light.init_kwargs == tokenizer.init_kwargs
+    assert light.get_vocab() == tokenizer.get_vocab() and light.all_special_ids == tokenizer.all_special_ids
+    for text in TEXTS + ["<|im_start|>user\nhi<|im_end|>", ""]:
+        for special in (True, False):
+            ids = tokenizer.encode(text, add_special_tokens=special)
+            assert light.encode(text, add_special_tokens=special) == ids
+            assert light.decode(ids) == tokenizer.decode(ids)
+    chat = [{"role": "user", "content": TEXTS[1]}]
+    assert (light.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False)
+            == tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False))
+
+    check = ("import sys; from specdec.decoding.text import load_tokenizer; t = load_tokenizer(sys.argv[1]); "
+             "t.apply_chat_template([{'role': 'user', 'content': 'hi'}], tokenize=True); "
+             "print(type(t).__name__, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", check, str(path)], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["TokenizersBackend", "False"], out.stderr[-2000:]
+
+    other = tmp_path / "other"
+    shutil.copytree(path, other)
+    config = json.loads((other / "tokenizer_config.json").read_text())
+    (other / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "PreTrainedTokenizerFast"}))
+    out = subprocess.run([sys.executable, "-c", check, str(other)], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split()[1] == "True", out.stderr[-2000:]  # AutoTokenizer's way, torch and all
+    assert load_tokenizer(str(other)).encode(TEXTS[0]) == tokenizer.encode(TEXTS[0])

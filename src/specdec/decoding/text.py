@@ -14,6 +14,7 @@ to hold back text that is complete but may begin a stop word, which it does not 
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,15 +23,33 @@ CONTEXT_TOKENS = 6  # preceding tokens sent with a chunk: enough for byte-level 
 
 
 def load_tokenizer(path: str):
-    """A Hugging Face tokenizer from a model/tokenizer directory or a GGUF file."""
-    from transformers import AutoTokenizer
+    """A Hugging Face tokenizer from a model/tokenizer directory or a GGUF file.
 
+    A directory whose tokenizer_config.json names `TokenizersBackend` and no code of its own (what
+    transformers 5 writes for a tokenizer.json tokenizer: both pairs here) is loaded with that class:
+    AutoTokenizer returns the same class for it, but first imports the model-configuration machinery and
+    with it torch, seconds of CPU and a few hundred MB in stubs that need text only (preprocessing,
+    postprocessing). Anything else goes through AutoTokenizer."""
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"tokenizer_path {path!r} does not exist")
+    if p.is_dir() and _names_tokenizers_backend(p / "tokenizer_config.json"):
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+        return TokenizersBackend.from_pretrained(str(p))
+    from transformers import AutoTokenizer
+
     if p.is_file():
         return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
     return AutoTokenizer.from_pretrained(str(p))
+
+
+def _names_tokenizers_backend(config: Path) -> bool:
+    try:
+        settings = json.loads(config.read_text())
+    except (OSError, ValueError):
+        return False
+    return settings.get("tokenizer_class") == "TokenizersBackend" and "auto_map" not in settings
 
 
 def vocabulary_mismatch(draft_tokenizer, target_tokenizer) -> str | None:
