@@ -28,8 +28,8 @@ def load_tokenizer(path: str):
     A directory whose tokenizer_config.json names `TokenizersBackend` and no code of its own (what
     transformers 5 writes for a tokenizer.json tokenizer: both pairs here) is loaded with that class:
     AutoTokenizer returns the same class for it, but first imports the model-configuration machinery and
-    with it torch, seconds of CPU and a few hundred MB in stubs that need text only (preprocessing,
-    postprocessing). Anything else goes through AutoTokenizer."""
+    with it torch, which stubs that need text only (preprocessing, postprocessing) would then load and hold
+    for nothing (README, "Measured design choices"). Anything else goes through AutoTokenizer."""
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"tokenizer_path {path!r} does not exist")

