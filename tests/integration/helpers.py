@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import queue
+import re
 import subprocess
 import time
 import urllib.request
@@ -35,6 +36,25 @@ def stubs_left(run_dir: Path, wait_s: float = 30) -> list[str]:
     return stub_processes(run_dir)
 
 
+def uptime_s() -> float:
+    return float(Path("/proc/uptime").read_text().split()[0])
+
+
+def stub_crashes(pids: set[int], since_s: float) -> list[str]:
+    """The kernel's log lines of segfaults of these processes since that uptime (the kernel logs a crashed
+    process's signal; Triton does not when a stub dies after its model unloaded). Empty where the
+    kernel log cannot be read."""
+    result = subprocess.run(["dmesg"], capture_output=True, text=True)
+    if result.returncode != 0:
+        return []
+    crashes = []
+    for line in result.stdout.splitlines():
+        match = re.match(r"\[\s*([0-9.]+)\]\s+\S+\[(\d+)\]: segfault", line)
+        if match and int(match.group(2)) in pids and float(match.group(1)) >= since_s - 1.0:
+            crashes.append(line)
+    return crashes
+
+
 def start_server(tmp_dir: Path, pair: str = "tiny", repository: Path | None = None) -> Server:
     """A launcher-started tritonserver for a named pair, or for an already rendered repository."""
     source = ["--model-repository", str(repository)] if repository else ["--pair", pair]
@@ -54,14 +74,18 @@ def busy(server: Server) -> dict[str, float]:
 
 def stop_server(server: Server, require_clean_exit: bool = True) -> int:
     """Let the last (possibly client-abandoned) requests drain, then SIGTERM the launcher; it must stop
-    tritonserver and every stub process, and nothing may stay stuck in flight. Returns the exit code."""
+    tritonserver and every stub process, none of them crashing on the way out, and nothing may stay stuck
+    in flight. Returns the exit code."""
     deadline = time.monotonic() + 60
     while (pending := busy(server)) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not pending, f"requests still in flight 60 s after the last test: {pending}"
+    stubs, since = {int(line.split()[0]) for line in stub_processes(server.run_dir)}, uptime_s()
     code = server.stop(timeout_s=90)
     leftover = stubs_left(server.run_dir)
     assert not leftover, f"stub processes left after SIGTERM: {leftover}"
+    crashes = stub_crashes(stubs, since)
+    assert not crashes, f"stubs crashed on the way out: {crashes}"
     if require_clean_exit:
         assert code == 0, f"launcher exited with {code}:\n{server.log_path.read_text()[-3000:]}"
     return code

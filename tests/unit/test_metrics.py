@@ -1,6 +1,11 @@
-"""The orchestrator's metrics: rounds are counted locally and sent in batches, with the same totals."""
+"""The orchestrator's metrics: rounds are counted locally and sent in batches, with the same totals; at
+unload every metric is let go while the stub still runs."""
 
-from specdec.triton.metrics import OrchestratorMetrics
+import sys
+import weakref
+
+from specdec.triton import adapter
+from specdec.triton.metrics import ModelMetrics, OrchestratorMetrics
 
 
 class FakeMetric:
@@ -22,16 +27,20 @@ class FakePbUtils:
 
     def __init__(self):
         self.log = []
-        log = self.log
+        self.made = []  # weak references to every family and metric made
+        log, made = self.log, self.made
 
         class MetricFamily:
             COUNTER, GAUGE, HISTOGRAM = "counter", "gauge", "histogram"
 
             def __init__(self, name, description, kind):
                 self.name = name
+                made.append(weakref.ref(self))
 
             def Metric(self, labels, buckets=None):  # noqa: N802 - pb_utils' name
-                return FakeMetric(log, self.name, labels)
+                metric = FakeMetric(log, self.name, labels)
+                made.append(weakref.ref(metric))
+                return metric
 
         self.MetricFamily = MetricFamily
 
@@ -80,3 +89,30 @@ def test_a_round_after_half_a_second_flushes_on_its_own():
     assert totals(pb.log)[("specdec_rounds_total", ())] == 1
     metrics.record_round(1, 0, now=10.7)
     assert totals(pb.log)[("specdec_rounds_total", ())] == 3
+
+
+def test_close_lets_go_of_every_metric_and_family():
+    """Left to the stub's exit, a metric's destructor reaches the stub being torn down: every stub with
+    metrics segfaulted at each unload (triton-inference-server/server#8662). The models' finalize closes
+    their metrics first; the integration tests' stop_server checks the kernel's log for crashed stubs."""
+    pb = FakePbUtils()
+    metrics = [OrchestratorMetrics(pb, max_num_draft_tokens=4), ModelMetrics(pb, "target_model")]
+    metrics[0].record_round(4, 2, now=1.0)
+    metrics[1].report(10, 1, 1024, flush=True)
+    assert pb.made and all(ref() is not None for ref in pb.made)
+    for each in metrics:
+        each.close()
+    assert [ref for ref in pb.made if ref() is not None] == []
+
+
+def test_finalize_skips_the_interpreters_teardown_only_in_a_stub(monkeypatch):
+    """After finalize a stub exits at once (os._exit from the first exit handler); any other process
+    (a test calling finalize) keeps its exit code."""
+    registered = []
+    monkeypatch.setattr(adapter.atexit, "register", registered.append)
+    monkeypatch.delitem(sys.modules, adapter.STUB_MODULE, raising=False)
+    adapter.TritonAdapter().finalize()
+    assert registered == []
+    monkeypatch.setitem(sys.modules, adapter.STUB_MODULE, object())
+    adapter.TritonAdapter().finalize()
+    assert registered == [adapter._exit_now]

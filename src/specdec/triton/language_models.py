@@ -342,6 +342,8 @@ class LanguageModelAdapter(TritonAdapter):
         self._stop.set()
         self._evictor.join(timeout=5)
         self.lm.sequences.clear()
+        self.metrics.close()
+        super().finalize()
 
 
 WARM_UP_SEQUENCE = 0  # Triton never uses correlation ID 0 for a sequence: it cannot collide with one

@@ -28,7 +28,15 @@ class _Families:
         return family
 
 
-class ModelMetrics:
+class _MetricSet:
+    def close(self) -> None:
+        """Let go of every metric and family now, while the stub runs (the model's `finalize`): left to the
+        stub's exit, their destructors reach the stub being torn down, and every stub with metrics
+        segfaulted at each unload (triton-inference-server/server#8662). No update may follow."""
+        self.__dict__.clear()
+
+
+class ModelMetrics(_MetricSet):
     """draft_model's and target_model's metrics, labelled with the model's name."""
 
     def __init__(self, pb_utils, model_name: str):
@@ -84,7 +92,7 @@ class ModelMetrics:
                 self._gauges[key] = value
 
 
-class OrchestratorMetrics:
+class OrchestratorMetrics(_MetricSet):
     """The orchestrator's metrics. Every instance of the model (a stub process each) updates the same
     counters and histograms, which add up; a gauge of one instance's state carries `instance`."""
 

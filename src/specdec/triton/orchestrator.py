@@ -116,6 +116,10 @@ class SpeculativeDecodingAdapter(TritonAdapter):
         await asyncio.gather(*(self._serve(request) for request in requests))
         return None
 
+    def finalize(self):
+        self.metrics.close()
+        super().finalize()
+
     # ---- one request -----------------------------------------------------------------------------
     async def _serve(self, request):
         pb = self.pb
