@@ -57,10 +57,11 @@
 # Results: with $OUT set (the folder the device tool brings back, at most 8 files), every part's table,
 # log and server log go to /tmp/gpu-session, and on exit $OUT receives four files: tables.md (every table),
 # summary.txt (each part's exit code and time), gpu.txt and session.tgz (all of it). Without $OUT they stay
-# in .cache/gpu-session. So one command runs any parts:
+# in .cache/gpu-session. So one command runs any parts, in the order named. A session lent 15 device-minutes
+# (a start takes 1-2 of them) has room for one full command: name the parts most wanted first, and what no
+# longer fits the budget is skipped, the rest coming back whole. The next one, in that order (~9 min):
 #
-#   source .gpukit/activate.sh && GPU_SESSION_SECONDS=540 bash bench/gpu_session.sh tests prompts maxk
-#   source .gpukit/activate.sh && GPU_SESSION_SECONDS=540 bash bench/gpu_session.sh prompts maxk overhead8b
+#   source .gpukit/activate.sh && GPU_SESSION_SECONDS=540 bash bench/gpu_session.sh tests overhead8b prompts maxk
 set -uo pipefail
 cd "$(dirname "$0")/.."
 dest="${OUT:-}"

@@ -26,6 +26,7 @@ model's forwards count once per thread that ran them.
     python bench/round_overhead.py --stream        # streamed requests (a response per round, as the
                                                    # served benchmarks send them)
     python bench/round_overhead.py --regex '[a-z ]{64,}'   # structured output: guided rounds
+    python bench/round_overhead.py --temperature 1 --top-p 0.9          # sampled rounds with a nucleus
     python bench/round_overhead.py --device gpu --temperature 1 \
         --launcher-arg=--set=target_model.device_outputs=false --launcher-arg=--set=draft_model.device_outputs=false
                                                    # sampled rounds, logits through host memory (the default
@@ -150,6 +151,7 @@ def main(argv=None) -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--temperature", type=float, default=0.0, help="> 0: sampled rounds (seeded)")
+    parser.add_argument("--top-p", type=float, help="sampled rounds' top_p (with --temperature)")
     parser.add_argument("--stream", action="store_true", help="streamed requests: a response per round")
     parser.add_argument("--regex", help="structured output: every request follows this regex guide")
     parser.add_argument("--launcher-arg", action="append", default=[], help="more launcher arguments")
@@ -159,6 +161,8 @@ def main(argv=None) -> int:
         label, pair_args = served_pair(args.pair, args.device)
     except ValueError as exc:
         parser.error(str(exc))
+    if args.top_p is not None and not args.temperature:
+        parser.error("--top-p applies to sampled rounds: give --temperature too")
     launcher_args = [*pair_args, "--device", args.device, *args.launcher_arg]
     prompts = ["Once upon a time", "The capital of France is", "def fibonacci(n):"]
     cache = pairs.cache_dir()
@@ -167,7 +171,7 @@ def main(argv=None) -> int:
         results = {}
         for name, k in (("K=0", 0), (f"K={args.k}", args.k)):
             params = GenerationParams(max_tokens=args.max_tokens, num_draft_tokens=k, adaptive_draft=False,
-                                      ignore_eos=True, temperature=args.temperature,
+                                      ignore_eos=True, temperature=args.temperature, top_p=args.top_p,
                                       seed=1 if args.temperature else None,
                                       guide_type="regex" if args.regex else None, guide=args.regex)
             results[name] = measure(own, params, prompts, args.repeats, args.stream)
@@ -189,7 +193,8 @@ def main(argv=None) -> int:
                      "adapters, Triton in/out, orchestrator, BLS, ensemble, client"])
         for process, ms in sorted(r["cpu"].items(), key=lambda item: -item[1]):
             rows.append([name, f"CPU time: {process}", f"{ms:.2f}", "user + system, all its threads"])
-    mode = f"sampled (temperature {args.temperature:g})" if args.temperature else "greedy"
+    mode = f"sampled (temperature {args.temperature:g}{'' if args.top_p is None else f', top_p {args.top_p:g}'})" \
+        if args.temperature else "greedy"
     mode += ", streamed" if args.stream else ""
     mode += f", guided by the regex {args.regex!r}" if args.regex else ""
     extra = f", {' '.join(args.launcher_arg)}" if args.launcher_arg else ""

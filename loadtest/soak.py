@@ -7,6 +7,8 @@ tokens/s and the RSS at start (after warm-up) and end, per process and in total.
 RSS growth under 5 % after warm-up.
 
     python loadtest/soak.py --duration 600 --users 8        # what `make soak` runs (SOAK_SECONDS, SOAK_USERS)
+    python loadtest/soak.py --launcher-arg=--set=target_model.executor=static \
+        --launcher-arg=--set=draft_model.executor=static      # the static executor's KV pool, on CPU eagerly
 """
 
 from __future__ import annotations
@@ -95,12 +97,16 @@ def main(argv=None) -> int:
     parser.add_argument("--pair", default="default")
     parser.add_argument("--grpc-url", help="a running server instead of one started here (with --server-pid)")
     parser.add_argument("--server-pid", type=int)
+    parser.add_argument("--launcher-arg", action="append", default=[],
+                        help="more arguments for the server started here (repeatable)")
     parser.add_argument("--out", help="also write the table (Markdown) here")
     args = parser.parse_args(argv)
+    if args.launcher_arg and args.grpc_url is not None:
+        parser.error("--launcher-arg applies to the server started here, not to --grpc-url's")
     own = None
     if args.grpc_url is None:
         cache = HERE.parent / ".cache"
-        own = server.start(cache / "run" / "soak", cache / "soak-server.log", ["--pair", args.pair])
+        own = server.start(cache / "run" / "soak", cache / "soak-server.log", ["--pair", args.pair, *args.launcher_arg])
         args.grpc_url, args.server_pid = own.grpc_url, own.process.pid
     try:
         processes = server_processes(args.server_pid)
@@ -131,8 +137,9 @@ def main(argv=None) -> int:
     # Whether the largest grower levels off or keeps climbing: its RSS at each sample.
     grower = max(start, key=lambda name: end[name] - start[name])
     series = ", ".join(f"{sum(sample[grower].values()):.0f}" for sample in samples)
+    settings = f" ({' '.join(args.launcher_arg)})" if args.launcher_arg else ""
     text = "\n".join([
-        f"soak: {args.pair} pair, {args.users} users, {args.max_tokens} tokens per request, "
+        f"soak: {args.pair} pair{settings}, {args.users} users, {args.max_tokens} tokens per request, "
         f"{args.warmup:.0f} s warm-up ({warm['requests']} requests, {warm['failures']} failures), "
         f"then {elapsed:.0f} s: {run['requests']} requests, {run['failures']} failures",
         *run["summary"], "",

@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from specdec.decoding.sampling import SamplingParams, greedy, logits_to_probs, make_generator, sample
+from specdec.decoding.sampling import (NUCLEUS_PROBE, SamplingParams, greedy, logits_to_probs, make_generator, sample,
+                                      sorted_top_p_floor, top_p_floor)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
@@ -45,6 +46,44 @@ def test_top_p_keeps_smallest_set_reaching_p():
 def test_top_p_always_keeps_the_most_likely_token():
     probs = logits_to_probs(torch.tensor([2.0, 1.0, 0.0]), SamplingParams(temperature=1.0, top_p=1e-6))
     assert torch.equal(probs, torch.tensor([1.0, 0.0, 0.0]))
+
+
+def _top_p_by_position(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The textbook rule, for reference: sort, drop a token once the mass before it reaches top_p."""
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    sorted_probs = sorted_logits.softmax(-1)
+    drop_sorted = sorted_probs.cumsum(-1) - sorted_probs >= top_p
+    return logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf")).softmax(-1)
+
+
+@pytest.mark.parametrize("vocab, dtype", [(300, torch.float64), (49152, torch.float32)])
+def test_top_p_on_cpu_finds_the_nucleus_a_full_sort_finds(vocab, dtype):
+    """The CPU path (the most likely NUCLEUS_PROBE tokens, a partial sort where the nucleus is wider)
+    against sorting whole rows: rows from peaked to nearly flat, nuclei of one token to most of the
+    vocabulary, in a (2, 4, V) batch. The same boundary, and the textbook rule's tokens."""
+    torch.manual_seed(3)
+    scales = torch.tensor([0.05, 0.3, 1.0, 2.0, 4.0, 8.0, 16.0, 40.0], dtype=dtype)
+    logits = (torch.randn(8, vocab, dtype=dtype) * scales[:, None]).reshape(2, 4, vocab)
+    wide = 0
+    for top_p in (1e-6, 0.5, 0.9, 0.999):
+        probs = logits.float().softmax(-1)
+        floor = top_p_floor(probs, top_p)
+        assert floor.shape == (2, 4, 1)
+        assert torch.equal(floor.reshape(8, 1), sorted_top_p_floor(probs.reshape(8, vocab), top_p))
+        kept = (probs >= floor).sum(-1)
+        wide += int((kept > NUCLEUS_PROBE).sum())
+        processed = logits_to_probs(logits, SamplingParams(temperature=1.0, top_p=top_p))
+        torch.testing.assert_close(processed, _top_p_by_position(logits.float(), top_p))
+    if vocab > NUCLEUS_PROBE:
+        assert wide > 0  # some rows took the partial sort
+
+
+def test_top_p_keeps_tokens_tied_at_the_boundary_together():
+    """Which of several equally likely tokens a sort puts first is arbitrary: all of them stay."""
+    probs = logits_to_probs(torch.tensor([0.4, 0.2, 0.2, 0.2]).log(), SamplingParams(temperature=1.0, top_p=0.5))
+    torch.testing.assert_close(probs, torch.tensor([0.4, 0.2, 0.2, 0.2]))
+    wide = torch.full((1000,), 1.0).log()  # a flat row beyond the probe: every token ties
+    assert bool((logits_to_probs(wide, SamplingParams(temperature=1.0, top_p=0.5)) > 0).all())
 
 
 @pytest.mark.parametrize("params", [SamplingParams(0.7, 5, 0.9), SamplingParams(1.3, 0, 1.0)])

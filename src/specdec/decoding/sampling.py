@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from specdec import tensor_names as tn
@@ -63,18 +64,53 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         kth_largest = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth_largest, float("-inf"))
     if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        sorted_probs = sorted_logits.softmax(-1)
-        # Drop a token when the mass strictly before it already reaches top_p; the first always stays.
-        mass_before = sorted_probs.cumsum(-1) - sorted_probs
-        drop_sorted = mass_before >= params.top_p
-        drop = drop_sorted.scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < top_p_floor(probs, params.top_p), float("-inf"))
     if params.min_p > 0.0:
         # Drop tokens less likely than min_p x the most likely one (which always stays).
         probs = logits.softmax(-1)
         logits = logits.masked_fill(probs < params.min_p * probs.max(-1, keepdim=True).values, float("-inf"))
     return logits.softmax(-1)
+
+
+# Top-p on CPU finds each row's nucleus among its NUCLEUS_PROBE most likely tokens (a partial top-k) and
+# sorts only where the nucleus is wider: torch's CPU sort of a whole vocabulary row costs milliseconds
+# (README, "Measured design choices"), and the orchestrator runs it on every sampled round's K + 1 rows.
+NUCLEUS_PROBE = 256
+
+
+def _nucleus_floor(sorted_probs: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """sorted_probs (N, n), each row descending -> ((N, 1) the probability of the last token the nucleus
+    keeps, (N, 1) how many of the n it keeps). Top-p keeps tokens while the mass before them is under
+    top_p; the first always stays."""
+    mass_before = sorted_probs.cumsum(-1) - sorted_probs
+    kept = (mass_before < top_p).sum(-1, keepdim=True)
+    return sorted_probs.gather(-1, kept.clamp(min=1) - 1), kept
+
+
+def sorted_top_p_floor(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """`top_p_floor` by sorting whole rows: (N, V) -> (N, 1). On a GPU, where a sort is cheap, this is
+    the path: no host synchronization."""
+    return _nucleus_floor(probs.sort(-1, descending=True).values, top_p)[0]
+
+
+def top_p_floor(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The probability of the least likely token top-p keeps: probs (..., V) -> (..., 1). Top-p keeps
+    the most likely tokens until the mass before the next one reaches top_p (the first always stays);
+    the tokens it keeps are those at least this likely (tokens tied at the boundary stay together)."""
+    flat = probs.reshape(-1, probs.shape[-1])
+    if flat.device.type != "cpu" or flat.shape[-1] <= NUCLEUS_PROBE:
+        return sorted_top_p_floor(flat, top_p).reshape(*probs.shape[:-1], 1)
+    floor, kept = _nucleus_floor(flat.topk(NUCLEUS_PROBE, -1).values, top_p)
+    # A row may keep more than the probe holds. The mass strictly above its last kept token is under top_p,
+    # so the tokens at most that likely hold over 1 - top_p: that token's probability is above
+    # (1 - top_p) / V. Sorting the tokens above half that (room for rounding) finds the same nucleus.
+    least = (1.0 - top_p) / (2 * flat.shape[-1])
+    for row in (kept[:, 0] == NUCLEUS_PROBE).nonzero()[:, 0].tolist():
+        candidates = flat[row][flat[row] >= least].numpy()
+        ordered = torch.from_numpy(-np.sort(-candidates))  # numpy's value sort: ~2x torch's, no indices
+        floor[row] = _nucleus_floor(ordered[None], top_p)[0][0]
+    return floor.reshape(*probs.shape[:-1], 1)
 
 
 def pad_vocab(probs: torch.Tensor, width: int) -> torch.Tensor:
