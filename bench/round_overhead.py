@@ -1,8 +1,9 @@
 """Where a served round's time goes (`make bench-overhead`): the serving machinery around the models.
 
 Serves the tiny pair (two layers, but a float64 head over SmolLM2's whole vocabulary: on CPU its forwards
-are not free, so they are split out), or with --pair 8b `make bench-gpu`'s synthetic 8B-shaped bf16 pair
-(GPU only; `--pair small`: its tiny-shaped twin, float32 on CPU), runs greedy (or, with --temperature,
+are not free, so they are split out), or `--pair default` (SmolLM2-135M, drafting by prompt lookup), or
+with --pair 8b `make bench-gpu`'s synthetic 8B-shaped bf16 pair (GPU only; `--pair small`: its tiny-shaped
+twin, float32 on CPU), runs greedy (or, with --temperature,
 seeded sampled) requests of fixed length at K=0 (target-only) and K fixed, one at a time, and splits each
 round's wall time with the server's own counters (deltas over the measured requests, per round):
 
@@ -125,7 +126,7 @@ def measure(own, params: GenerationParams, prompts: list[str], repeats: int, str
     return out
 
 
-PAIRS = ("tiny", "8b", "small")
+PAIRS = ("tiny", "default", "8b", "small")
 
 
 def served_pair(name: str, device: str) -> tuple[str, list[str]]:
@@ -135,6 +136,8 @@ def served_pair(name: str, device: str) -> tuple[str, list[str]]:
         pair = pairs.tiny_pair()
         return "tiny pair", ["--target", pair.target_path, "--draft", pair.draft_paths["draft_model"],
                              "--tokenizer", pair.tokenizer_path]
+    if name == "default":  # SmolLM2-135M served as `make serve` serves it (drafting by prompt lookup)
+        return "default pair", ["--pair", "default"]
     if name == "8b" and device != "gpu":
         raise ValueError("--pair 8b needs --device gpu (a 16 GB bfloat16 model; --pair small is its CPU twin)")
     dtype = "bfloat16" if device == "gpu" else "float32"

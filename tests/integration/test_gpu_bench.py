@@ -85,10 +85,12 @@ def test_round_overhead_bench_splits_a_round(tmp_path):
     assert any(row[2].strip() == "draft_model forward" for row in rows if row[1].strip() == "K=4")
 
 
-def test_round_overhead_bench_refuses_the_8b_pair_on_cpu():
-    result = subprocess.run([sys.executable, str(SCRIPT.parent / "round_overhead.py"), "--pair", "8b"],
-                            capture_output=True, text=True, timeout=120)
+def test_round_overhead_bench_refuses_the_8b_pair_on_cpu_and_top_p_without_sampling():
+    script = str(SCRIPT.parent / "round_overhead.py")
+    result = subprocess.run([sys.executable, script, "--pair", "8b"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "--pair 8b needs --device gpu" in result.stderr
+    result = subprocess.run([sys.executable, script, "--top-p", "0.9"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "--top-p applies to sampled rounds" in result.stderr
 
 
 def test_executor_bench_compares_the_executors_on_the_tiny_pair(tmp_path):
