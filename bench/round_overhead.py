@@ -3,9 +3,9 @@
 Serves the tiny pair (two layers, but a float64 head over SmolLM2's whole vocabulary: on CPU its forwards
 are not free, so they are split out), or `--pair default` (SmolLM2-135M, drafting by prompt lookup), or
 with --pair 8b `make bench-gpu`'s synthetic 8B-shaped bf16 pair (GPU only; `--pair small`: its tiny-shaped
-twin, float32 on CPU), runs greedy (or, with --temperature,
-seeded sampled) requests of fixed length at K=0 (target-only) and K fixed, one at a time, and splits each
-round's wall time with the server's own counters (deltas over the measured requests, per round):
+twin, float32 on CPU), runs greedy (or, with --temperature, seeded sampled) requests of fixed length at
+K=0 (target-only) and K fixed, one at a time, and splits each round's wall time with the server's own
+counters (deltas over the measured requests, per round):
 
   target_model / draft_model forward   specdec_model_forward_seconds_total: the executor's forward passes
   ... adapter                          Triton's compute_infer minus the forward: parsing inputs, building

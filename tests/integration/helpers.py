@@ -43,8 +43,11 @@ def uptime_s() -> float:
 def stub_crashes(pids: set[int], since_s: float) -> list[str]:
     """The kernel's log lines of segfaults of these processes since that uptime (the kernel logs a crashed
     process's signal; Triton does not when a stub dies after its model unloaded). Empty where the
-    kernel log cannot be read."""
-    result = subprocess.run(["dmesg"], capture_output=True, text=True)
+    kernel log cannot be read (no permission, or no dmesg on the machine)."""
+    try:
+        result = subprocess.run(["dmesg"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
     if result.returncode != 0:
         return []
     crashes = []
