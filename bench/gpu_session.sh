@@ -33,7 +33,8 @@
 #   overhead8b     where a served round goes with the 8B-shaped pair (greedy, K=0 and K=4, verify buckets as
 #                  the bench sets them) (~3 min): its K=4 round spent ~5.3 ms outside the in-process forwards on
 #                  an H200 (15.5 ms per round at 210 tokens/s against 10.2 ms of forwards), its K=0 round ~2.4
-#                  ms, against 3.0 and 1.8 ms for the tiny pair's machinery on host D: which part grows
+#                  ms, against 3.0 and 1.8 ms for the tiny pair's machinery on host D: which part grows.
+#                  Host E (H100): 3.7 ms of machinery per K=4 round, 2.0 ms per K=0 round (README)
 #   ksweep         batch-1 draft lengths past 4: two servers, K=5 and 6 (verify buckets up to 7 rows) and K=7 and
 #                  8 (up to 9), each beside its own K=0, with adaptive up to 6 and 8 (~2 min): which K pays best
 #                  on this GPU, against K=4's 1.76-1.79x on an H200
@@ -42,13 +43,13 @@
 #                  model in forwards 1.8-2.0x as long as its work alone, as two time-sliced CUDA contexts
 #                  would; under MPS the draft's and the target's kernels run side by side (README, "CUDA MPS");
 #                  with K=5's batch-1 row beside K=4's (the verify buckets then 1, 2, 4, 6 rows)
-#   prompts        the served rows with prompts in captured buckets of their own (prefill_graph_rows=512) and
-#                  with eager prompts (the default), K=5 beside K=4 (~2 min; named twice: on off off on): the
-#                  profile part found each eager prompt a large share of the 8-stream target's execute time
+#   prompts        the served rows with prompts in captured buckets of their own (prefill_graph_rows=512, the
+#                  default) and with eager prompts (0), K=5 beside K=4 (~2 min; named twice: on off off on).
+#                  Measured on H100 host E (two passes on, off): buckets ahead in every row, TTFT 42-52 -> 16 ms
 #   maxk           the served rows with the deployment's default max_num_draft_tokens=16 (verify buckets up to 17
 #                  rows: prompts of up to 17 tokens replay graphs, K=4's verify pads to 8 rows) against the bench's
 #                  max K of 5 (buckets up to 6 rows: these prompts run eagerly), K=5 beside K=4 (~2 min; named
-#                  twice: off on on off): what a deployment with the chart's defaults gets
+#                  twice: off on on off): what a deployment with the chart's defaults gets (one pass on host E)
 #   profile        cProfile over draft_model's and target_model's execute (SPECDEC_PROFILE_DIR): 8 target-only
 #                  streams, then 1 stream at K=0, 4 and adaptive; pstats' reports in profile-*.txt (~2 min):
 #                  where the host time inside an execution goes (the adapter's share: "in execute" - "in
@@ -59,13 +60,16 @@
 # summary.txt (each part's exit code and time), gpu.txt and session.tgz (all of it). Without $OUT they stay
 # in .cache/gpu-session. So one command runs any parts, in the order named. A session lent 15 device-minutes
 # (a start takes 1-2 of them) has room for one full command: name the parts most wanted first, and what no
-# longer fits the budget is skipped, the rest coming back whole. The next one, in that order (~9 min):
+# longer fits the budget is skipped, the rest coming back whole. The next one, in that order (~7 min): the full
+# table with prompt buckets on (the default since host E), and the deployment's max K against the bench's:
 #
-#   source .gpukit/activate.sh && GPU_SESSION_SECONDS=540 bash bench/gpu_session.sh tests overhead8b prompts maxk
+#   source .gpukit/activate.sh && GPU_SESSION_SECONDS=540 bash bench/gpu_session.sh tests bench maxk
 set -uo pipefail
 cd "$(dirname "$0")/.."
 dest="${OUT:-}"
-if [ -n "$dest" ]; then out=/tmp/gpu-session; rm -rf "$out"; else out=.cache/gpu-session; fi
+# GPU_SESSION_DIR: where the logs and tables go (the tests' own folder); else as above.
+if [ -n "${GPU_SESSION_DIR:-}" ]; then out=$GPU_SESSION_DIR
+elif [ -n "$dest" ]; then out=/tmp/gpu-session; rm -rf "$out"; else out=.cache/gpu-session; fi
 mkdir -p "$out"
 touch "$out/summary.txt"
 
@@ -114,19 +118,25 @@ run() {  # run NAME SECONDS COMMAND...: its output in $out/NAME.log, its exit co
   return 0
 }
 
-# ab NAME FIRST SECONDS BENCH_ARGS -- ON_ARGS...: gpu_bench's served rows with ON_ARGS ("on") and without
-# ("off"), FIRST of the two first; the part's second call runs them in the other order (named twice: ABBA).
-# BENCH_ARGS (one word list) apply to both.
+# ab NAME FIRST SECONDS BENCH_ARGS -- ON_ARGS... [--off OFF_ARGS...]: gpu_bench's served rows with ON_ARGS
+# ("on") and with OFF_ARGS, by default none ("off"), FIRST of the two first; the part's second call runs them
+# in the other order (named twice: ABBA). BENCH_ARGS (one word list) apply to both.
 declare -A rounds
 ab() {
   local name=$1 first=$2 seconds=$3 bench=$4 mode
   shift 5
+  local on_args=() off_args=() side=on arg
+  for arg in "$@"; do
+    if [ "$arg" = --off ]; then side=off
+    elif [ "$side" = on ]; then on_args+=("$arg")
+    else off_args+=("$arg"); fi
+  done
   rounds[$name]=$((${rounds[$name]:-0} + 1))
   local order=(on off)
   [ "$first" = off ] && order=(off on)
   [ $((rounds[$name] % 2)) = 0 ] && order=("${order[1]}" "${order[0]}")
   for mode in "${order[@]}"; do
-    if [ "$mode" = on ]; then extra=("$@"); else extra=(); fi
+    if [ "$mode" = on ]; then extra=("${on_args[@]}"); else extra=("${off_args[@]}"); fi
     # shellcheck disable=SC2086  # BENCH_ARGS split into words
     run "$name-$mode-${rounds[$name]}" "$seconds" "$python" bench/gpu_bench.py --served-only --prompts 4 $bench \
       "${extra[@]}" --out "$out/$name-$mode-${rounds[$name]}.md"
@@ -177,9 +187,10 @@ for part in "$@"; do
         --launcher-arg=--set=speculative_decoding.max_drafting_sequences=8 --out "$out/load-limit-8.md" ;;
     mps) ab mps off 200 "--extra-k 5" -- --launcher-arg=--mps ;;  # a daemon of the server's own; named twice: off on on off
     maxk) ab maxk off 200 "--extra-k 5" -- --launcher-arg=--max-num-draft-tokens=16 ;;  # named twice: off on on off
-    prompts)  # prompts in captured buckets (prefill_graph_rows=512) against eager prompts; twice: on off off on
+    prompts)  # prompts in captured buckets (prefill_graph_rows=512) against eager prompts (0); twice: on off off on
       ab prompts on 200 "--extra-k 5" -- --launcher-arg=--set=target_model.prefill_graph_rows=512 \
-        --launcher-arg=--set=draft_model.prefill_graph_rows=512 ;;
+        --launcher-arg=--set=draft_model.prefill_graph_rows=512 --off \
+        --launcher-arg=--set=target_model.prefill_graph_rows=0 --launcher-arg=--set=draft_model.prefill_graph_rows=0 ;;
     profile)  # cProfile over the models' execute (SPECDEC_PROFILE_DIR): 8 target-only streams, then 1 stream
       run profile-8-streams 200 env SPECDEC_PROFILE_DIR="$out/profile-8-streams" "$python" bench/gpu_bench.py \
         --served-only --prompts 4 --settings K=0 --no-one-stream --streams 8 --out "$out/profile-8-streams.md"

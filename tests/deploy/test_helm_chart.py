@@ -43,7 +43,7 @@ COMBINATIONS = {
                         "speculation": {"suffixCacheTokens": 262144}},
     "compile-cache-claim": {"compileCache": {"source": "existingClaim", "existingClaim": {"name": "specdec-kernels"}}},
     "spread-target": {"gpu": {"count": 4, "spreadTarget": True, "draftGpu": 3, "mps": True},
-                      "executor": {"prefillGraphRows": 512},
+                      "executor": {"prefillGraphRows": 0},
                       "speculation": {"defaultNumDraftTokens": 6, "maxContextTokens": 4096},
                       "podDisruptionBudget": {"enabled": False}, "server": {"modelRepositoryApi": {"restricted": False}}},
 }
@@ -339,6 +339,18 @@ def test_one_default_context_length_for_chart_launcher_and_image():
     assert launcher.parse_args(["--target", "/m"]).max_context_tokens == tn.DEFAULT_MAX_CONTEXT_TOKENS
     committed = (REPO_ROOT / "model_repository" / "speculative_decoding" / "config.pbtxt").read_text()
     assert f'key: "max_context_tokens", value: {{ string_value: "{tn.DEFAULT_MAX_CONTEXT_TOKENS}" }}' in committed
+
+
+def test_one_default_for_prompts_in_cuda_graphs_in_chart_launcher_and_configs():
+    """prefill_graph_rows: the chart, the launcher's pair and both committed model configurations agree."""
+    from specdec import tensor_names as tn
+
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert values["executor"]["prefillGraphRows"] == tn.DEFAULT_PREFILL_GRAPH_ROWS
+    assert PairSpec("p", "/m", "/m").prefill_graph_rows == tn.DEFAULT_PREFILL_GRAPH_ROWS
+    for model in ("target_model", "draft_model"):
+        committed = (REPO_ROOT / "model_repository" / model / "config.pbtxt").read_text()
+        assert f'key: "prefill_graph_rows", value: {{ string_value: "{tn.DEFAULT_PREFILL_GRAPH_ROWS}" }}' in committed
 
 
 def test_one_default_orchestrator_instance_count_for_chart_launcher_and_image():

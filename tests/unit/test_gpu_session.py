@@ -24,3 +24,24 @@ def test_every_documented_part_is_a_case_and_the_refusal_names_them_all():
     for line in re.findall(r"bash bench/gpu_session\.sh ([a-z0-9 ]+)", text):
         assert set(line.split()) <= set(cases), line
 
+
+def test_an_ab_part_gives_each_side_its_own_arguments_in_abba_order(tmp_path):
+    """`prompts` sets prefill_graph_rows=512 on one side and 0 on the other (512 is the default, so "off"
+    must say 0); `maxk`'s off side adds nothing. Run with a stand-in python that logs its arguments."""
+    fake = tmp_path / "python"
+    fake.write_text(f'#!/bin/sh\n[ "$1" = -c ] && {{ echo {tmp_path}; exit 0; }}\necho "$@"\n')
+    fake.chmod(0o755)
+    out = tmp_path / "session"
+    env = {"PATH": "/usr/bin:/bin", "PYTHON": str(fake), "HOME": str(tmp_path), "GPU_SESSION_DIR": str(out)}
+    result = subprocess.run(["bash", str(SCRIPT), "prompts", "prompts", "maxk"], capture_output=True, text=True,
+                            env=env, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    order = re.findall(r"^(\S+): exit 0", (out / "summary.txt").read_text(), re.MULTILINE)
+    assert order == ["prompts-on-1", "prompts-off-1", "prompts-off-2", "prompts-on-2", "maxk-off-1", "maxk-on-1"]
+    logged = {name: (out / f"{name}.log").read_text() for name in order}
+    for run in ("1", "2"):
+        assert "target_model.prefill_graph_rows=512" in logged[f"prompts-on-{run}"]
+        assert "draft_model.prefill_graph_rows=0" in logged[f"prompts-off-{run}"]
+        assert "prefill_graph_rows=512" not in logged[f"prompts-off-{run}"]
+    assert "--launcher-arg" not in logged["maxk-off-1"]
+    assert "--max-num-draft-tokens=16" in logged["maxk-on-1"]
