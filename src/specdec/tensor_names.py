@@ -138,6 +138,6 @@ COMPILE_MODES = ("auto", "off", "graphs")
 EXECUTORS = ("auto", "static", "dynamic")  # auto: static on CUDA where the model family allows it
 # Where CUDA graphs run, prompts of up to this many tokens replay captured buckets of their own (powers of
 # two; 0: eager prompts). On an H100 they took the 8B-shaped pair's TTFT from 42-52 to 16 ms and its 8
-# target-only streams from 3.67-3.74x to 4.01-4.12x one stream, for 39 more graphs (0.11 GiB, 4.3 s of
-# capture) per model (README, "An H100 session").
+# target-only streams from 3.67-3.74x to 4.01-4.12x one stream, for 39 more graphs per model (0.11 GiB;
+# the target's capture at load 7.7 -> 12.0 s) (README, "An H100 session").
 DEFAULT_PREFILL_GRAPH_ROWS = 512
