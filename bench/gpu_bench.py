@@ -10,7 +10,8 @@ final norm and head, agrees with it about as often as a real early-exit draft), 
   executor       the project's CausalLM.extend in process: 1 and K+1 tokens; the draft's step (c)
   served         the `ensemble` through the launcher, greedy, streamed (--no-stream: one response per request
                  in the 1-stream rows): K=0, K fixed, adaptive K<=K; 1 stream (with --extra-k, more K beside
-                 the same K=0; and the first token alone), and 8 concurrent ones (--streams: other counts),
+                 the same K=0; and the first token alone, for the bench's prompts and for prompts of
+                 --long-prompts tokens), and 8 concurrent ones (--streams: other counts),
                  with how the streams shared each model's forwards (sequences per forward, the share of
                  the time in forwards and in the adapter's whole execute)
   transformers   `generate` in process: plain and assisted (the same draft, K constant)
@@ -255,6 +256,19 @@ def served_one_stream(url: str, prompts: list[str], max_tokens: int, k: int, ext
     return out
 
 
+def long_prompts(tokenizer, prompts: list[str], tokens: int, count: int) -> list[str]:
+    """`count` prompts of about `tokens` tokens: the bench's prompts strung together, each opening with a tag
+    of its own, so that no two start alike (prefix caching would serve a later one from the first's keys and
+    values, and its first token would time no prompt at all)."""
+    filler = " ".join(prompts)
+    filler = " ".join([filler] * (tokens // max(len(tokenizer(filler)["input_ids"]), 1) + 1))
+    out = []
+    for index in range(count):
+        ids = tokenizer(f"[{tokens}-token prompt {index}] {filler}")["input_ids"][:tokens]
+        out.append(tokenizer.decode(ids, skip_special_tokens=True))
+    return out
+
+
 def served_first_token(url: str, prompts: list[str]) -> float:
     """Mean seconds to the first token alone (max_tokens=1: the prompt's forward and one round's serving;
     a round that can produce one token drafts nothing): what prompt buckets change (prefill_graph_rows)."""
@@ -361,6 +375,10 @@ def main(argv=None) -> int:
                         help="more batch-1 rows in the same server: each K fixed, and adaptive up to the largest")
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--prompts", type=int, default=6)
+    parser.add_argument("--long-prompts", type=int, nargs="*", default=[200, 480],
+                        help="first-token rows for prompts of about these many tokens (beyond the bench's short "
+                             "ones: a deployment's verify buckets take prompts of up to K_max + 1 tokens, "
+                             "prefill_graph_rows longer ones)")
     parser.add_argument("--context", type=int, default=256, help="context of the in-process step timings")
     parser.add_argument("--compile", default="reduce-overhead", help='torch.compile mode of the reference, or "off"')
     parser.add_argument("--out", help="also write the table (Markdown) here")
@@ -405,6 +423,15 @@ def main(argv=None) -> int:
         one = {} if args.no_one_stream else served_one_stream(own.grpc_url, prompts, args.max_tokens, args.k,
                                                               args.extra_k, args.settings, not args.no_stream)
         first_token = None if args.no_one_stream else served_first_token(own.grpc_url, prompts)
+        long_first = {}  # prompt length asked -> (the prompts' token counts, mean seconds to the first token)
+        if not args.no_one_stream and args.long_prompts:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(target_path)
+            for tokens in args.long_prompts:
+                texts = long_prompts(tokenizer, prompts, tokens, len(prompts))
+                lengths = [len(tokenizer(text)["input_ids"]) for text in texts]
+                long_first[tokens] = (lengths, served_first_token(own.grpc_url, texts))
         many = {}
         for streams in args.streams:
             # Fixed K beside adaptive: whether speculation pays under load, apart from what the policy picks.
@@ -477,6 +504,9 @@ def main(argv=None) -> int:
     if first_token is not None:
         rows.append(["served, 1 stream, first token alone", f"{first_token * 1e3:.2f} ms", *[""] * 8,
                      "max_tokens=1: the prompt's forward and one round"])
+    for tokens, (lengths, seconds) in long_first.items():
+        rows.append([f"served, 1 stream, first token alone, {tokens}-token prompts", f"{seconds * 1e3:.2f} ms",
+                     *[""] * 8, f"max_tokens=1; {len(lengths)} prompts of {min(lengths)}-{max(lengths)} tokens"])
     for (streams, name), (result, before, after, wall) in many.items():
         tps = result["tps"]
         note = batching_note(before, after, wall)

@@ -31,6 +31,12 @@ def test_gpu_bench_small_mode_prints_every_row(tmp_path):
     # float32: greedy speculative text equals target-only text on every prompt.
     first = re.search(r"\| served, 1 stream, first token alone +\| +([\d.]+) ms", table)
     assert first and float(first.group(1)) > 0, table
+    # --long-prompts (default 200 and 480 tokens): a first-token row each, its prompts about that long
+    for tokens in (200, 480):
+        row = re.search(rf"\| served, 1 stream, first token alone, {tokens}-token prompts +\| +([\d.]+) ms.*"
+                        rf"2 prompts of (\d+)-(\d+) tokens", table)
+        assert row and float(row.group(1)) > 0, table
+        assert tokens - 8 <= int(row.group(2)) <= int(row.group(3)) <= tokens + 8, row.group(0)
     served = [line for line in table.splitlines() if line.startswith("| served, 1 stream") and "first token" not in line]
     assert len(served) == 5 and all("equal text 100%" in line for line in served)
     # --extra-k 6: its rows drafted up to 6 per round, and each has its own bound from its own verify cost
