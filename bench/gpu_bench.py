@@ -408,6 +408,9 @@ def main(argv=None) -> int:
         target_path, draft_path = Path(args.target), Path(args.draft or args.target)
     else:
         target_path, draft_path = synthetic_pair(args.small, dtype_name, device, args.residual_scale)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(target_path)  # the long prompts' and transformers' rows
     widths = [1, args.k + 1]
     all_k = sorted({args.k, *args.extra_k})
     reps = 20 if gpu else 5
@@ -425,9 +428,6 @@ def main(argv=None) -> int:
         first_token = None if args.no_one_stream else served_first_token(own.grpc_url, prompts)
         long_first = {}  # prompt length asked -> (the prompts' token counts, mean seconds to the first token)
         if not args.no_one_stream and args.long_prompts:
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(target_path)
             for tokens in args.long_prompts:
                 texts = long_prompts(tokenizer, prompts, tokens, len(prompts))
                 lengths = [len(tokenizer(text)["input_ids"]) for text in texts]
@@ -457,9 +457,6 @@ def main(argv=None) -> int:
     if not args.served_only:
         # In process after the server has stopped: this process would otherwise hold GPU memory (the compiled
         # reference keeps its weights and graphs alive) that the server's KV pools size themselves from.
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(target_path)
         target, draft = load(target_path, dtype, device), load(draft_path, dtype, device)
         weight_bytes = sum(p.numel() * p.element_size() for p in target.parameters())
         bytes_per_s = bandwidth(device)

@@ -112,7 +112,8 @@ class LanguageModelAdapter(TritonAdapter):
                 fuse_mlp=None if params.bool("fuse_mlp", True) else False,
                 # > max_num_draft_tokens + 1: prompts up to this many rows in captured buckets of their own
                 # (eagerly, padding them would only cost)
-                prefill_rows=params.int("prefill_graph_rows", tn.DEFAULT_PREFILL_GRAPH_ROWS, low=0) if wants_graphs else 0,
+                prefill_rows=params.int("prefill_graph_rows", tn.DEFAULT_PREFILL_GRAPH_ROWS, low=0)
+                if wants_graphs else 0,
                 log=self.pb.Logger.log_info)
             started = time.perf_counter()
             ready, _ = self.lm.warm_up(params.float("capture_time_budget_s", 120.0, low=0.0))
