@@ -9,9 +9,10 @@ STAMP := $(VENV)/.specdec-setup
 setup: $(STAMP)
 
 # Re-runs only when a requirement file changes: fast when already done.
-$(STAMP): requirements.txt requirements-dev.txt constraints.txt pyproject.toml
+$(STAMP): requirements.txt requirements-dev.txt requirements-data.txt constraints.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --disable-pip-version-check -q -r requirements.txt -r requirements-dev.txt -c constraints.txt
+	$(PY) -m pip install --disable-pip-version-check -q --no-deps -r requirements-data.txt
 	$(PY) -m pip install --disable-pip-version-check -q --no-deps -e .
 	touch $(STAMP)
 
@@ -53,7 +54,7 @@ loadtest: setup
 # The real default pair: speculative vs target-only through the served ensemble, against the bound and
 # transformers' assisted generation (starts its own server; about 20 minutes on 2 cores).
 bench: setup
-	$(PY) bench/speculative_bench.py --out .cache/bench.md
+	$(PY) -m bench.speculative_bench --out .cache/bench.md
 
 # Concurrency benchmark against a running server: 1, 2, 4, 8 streams, speculative vs target-only.
 bench-concurrency: setup
@@ -66,7 +67,7 @@ bench-batching: setup
 # On a GPU machine: the 8B-shaped bf16 pair against the bound, compiled PyTorch and transformers
 # (BENCH_GPU_ARGS="--small --compile off" runs tiny shapes on CPU).
 bench-gpu: setup
-	$(PY) bench/gpu_bench.py --out .cache/bench-gpu.md $${BENCH_GPU_ARGS:-}
+	$(PY) -m bench.gpu_bench --out .cache/bench-gpu.md $${BENCH_GPU_ARGS:-}
 
 # What a run on a lent GPU machine carries (it reaches no registry; bench/gpu_session.sh says how to run):
 # the shared kit (tritonserver, transformers, numpy 1.26, tritonclient, the tokenizer) and the project's
@@ -78,28 +79,28 @@ gpukit: setup
 
 # In-process forward costs of the executors (8B-shaped pair on a GPU, tiny pair on CPU; PAIR=default too).
 bench-executor: setup
-	$(PY) bench/executor_bench.py --out .cache/bench-executor.md $${BENCH_EXECUTOR_ARGS:-}
+	$(PY) -m bench.executor_bench --out .cache/bench-executor.md $${BENCH_EXECUTOR_ARGS:-}
 
 # Structured output in process (no server): the grammar's forced text proposed free, against target-only
 # and prompt lookup alone, on the default pair.
 bench-structured: setup
-	$(PY) bench/structured_bench.py --out .cache/bench-structured.md
+	$(PY) -m bench.structured_bench --out .cache/bench-structured.md
 
 # Prefix caching: a shared system prompt against unshareable ones, side by side (starts its own server).
 bench-prefix: setup
-	$(PY) bench/prefix_bench.py --pair $${PAIR:-default} --out .cache/bench-prefix.md
+	$(PY) -m bench.prefix_bench --pair $${PAIR:-default} --out .cache/bench-prefix.md
 
 # Suffix drafting (earlier requests' text) against prompt lookup on workloads that repeat across requests.
 bench-suffix: setup
-	$(PY) bench/suffix_bench.py --pair $${PAIR:-default} --out .cache/bench-suffix.md
+	$(PY) -m bench.suffix_bench --pair $${PAIR:-default} --out .cache/bench-suffix.md
 
 # Where a served round's time goes (tiny pair): forwards, adapters, Triton, orchestrator. DEVICE=gpu too.
 bench-overhead: setup
-	$(PY) bench/round_overhead.py --device $${DEVICE:-cpu} --out .cache/bench-overhead.md
+	$(PY) -m bench.round_overhead --device $${DEVICE:-cpu} --out .cache/bench-overhead.md
 
 # Rewrite the README's real-output examples from a default-pair server it starts (about a minute).
 readme-examples: setup
-	$(PY) bench/readme_examples.py
+	$(PY) -m bench.readme_examples
 
 # Locust against the default pair for SOAK_SECONDS (default 600) after SOAK_WARMUP (default 300) s of warm-up: failures and the
 # server's memory (tritonserver and every stub) at start and end; exits 1 on a failure or >= 5 % growth.

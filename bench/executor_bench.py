@@ -4,8 +4,8 @@ For a pair (the GPU bench's synthetic 8B-shaped one on a GPU, the tiny or defaul
 after a prompt of --context tokens: a target step of 1 token and a verify of K+1, for 1 and --batch
 sequences, and the draft proposing K tokens, with
 
-  dynamic      `CausalLM`: transformers' forward, per-sequence growing buffers (today's CPU executor)
-  static/off   `StaticCausalLM` eagerly: paged pool, bucketed shapes, no capture
+  dynamic      `dynamic_executor`: transformers' forward, per-sequence growing buffers (the CPU default)
+  static/off   `static_executor` eagerly: paged pool, bucketed shapes, no capture
   static/graphs     the same, each bucket captured as a CUDA graph, pointwise work in fused kernels (GPU)
   static/graphs-unfused   CUDA graphs over the eager pointwise kernels
   static/graphs-mlp       the graphs with each SiLU MLP's gate/up products fused too (`fuse_mlp`)
@@ -13,8 +13,8 @@ sequences, and the draft proposing K tokens, with
 
 and how long capturing took. The target's logits in every mode are compared with the dynamic one's.
 
-    python bench/executor_bench.py --pair tiny                 # CPU
-    python bench/executor_bench.py --reference                 # GPU: the 8B-shaped pair
+    python -m bench.executor_bench --pair tiny                 # CPU
+    python -m bench.executor_bench --reference                 # GPU: the 8B-shaped pair
 """
 
 from __future__ import annotations
@@ -27,24 +27,23 @@ from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
+from bench import gpu_bench, report
+from specdec.decoding.sampling import SamplingParams
+from specdec.engine.build import dynamic_executor, static_executor
+from specdec.engine.executor import Step
+from specdec.engine.loading import load_causal_lm
+from specdec.serving import pairs
 
-import gpu_bench  # noqa: E402
-from specdec.decoding.sampling import SamplingParams  # noqa: E402
-from specdec.engine.executor import CausalLM, Step, load_causal_lm  # noqa: E402
-from specdec.engine.static_executor import StaticCausalLM  # noqa: E402
-from specdec.serving import pairs  # noqa: E402
+HERE = Path(__file__).resolve().parent
 
 
 def make(model, mode: str, batch: int, k: int, context: int):
     if mode == "dynamic":
-        return CausalLM(model), 0.0
+        return dynamic_executor(model), 0.0
     started = time.perf_counter()
     # "graphs-unfused": CUDA graphs over the eager pointwise kernels (what fuse_kernels saves);
     # "graphs-mlp": the MLP's gate/up products fused as well (what fuse_mlp saves)
-    lm = StaticCausalLM(model, max_sequences=batch + 1, max_context=context + 64, max_batch=batch,
+    lm = static_executor(model, max_sequences=batch + 1, max_context=context + 64, max_batch=batch,
                         max_rows=k + 1, compile=mode.removesuffix("-unfused").removesuffix("-mlp"),
                         fuse_kernels=mode != "graphs-unfused", fuse_mlp=mode.endswith("-mlp"))
     lm.warm_up(time_budget_s=240)
@@ -81,6 +80,7 @@ def main(argv=None) -> int:
     parser.add_argument("--reps", type=int, default=None)
     parser.add_argument("--reference", action="store_true", help="also time the compiled static-cache reference")
     parser.add_argument("--out", help="also write the table (Markdown) here")
+    parser.add_argument("--results", metavar="NAME", help="also write it as docs/results/<date>-NAME.md")
     args = parser.parse_args(argv)
     gpu = torch.cuda.is_available()
     device = "cuda" if gpu else "cpu"
@@ -123,9 +123,11 @@ def main(argv=None) -> int:
         del model
     machine = torch.cuda.get_device_name() if gpu else f"{platform.machine()} CPU, {torch.get_num_threads()} threads"
     header = f"{machine}, torch {torch.__version__}, {pair} pair, {dtype}, context {args.context}, K={args.k}"
-    gpu_bench.print_table(header, rows, ["model", "executor", "1 row, 1 seq (ms)", f"1 row, {args.batch} seqs",
+    text = report.print_table(header, rows, ["model", "executor", "1 row, 1 seq (ms)", f"1 row, {args.batch} seqs",
                                          f"{args.k + 1} rows, 1 seq", f"{args.k + 1} rows, {args.batch} seqs",
                                          f"propose {args.k} (ms)", "compile + capture (s)", "max |Δ logits|"], args.out)
+    if args.results:
+        report.write_results(args.results, "The executors' forward costs in process: `make bench-executor`", text)
     return 0
 
 

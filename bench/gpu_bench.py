@@ -7,7 +7,7 @@ final norm and head, agrees with it about as often as a real early-exit draft), 
 
   bound          weight bytes / measured memory bandwidth: the fastest a token can be (weight streaming)
   reference      plain PyTorch, static KV cache + torch.compile(mode="reduce-overhead"): 1 and K+1 tokens
-  executor       the project's CausalLM.extend in process: 1 and K+1 tokens; the draft's step (c)
+  executor       the project's Executor.extend in process: 1 and K+1 tokens; the draft's step (c)
   served         the `ensemble` through the launcher, greedy, streamed (--no-stream: one response per request
                  in the 1-stream rows): K=0, K fixed, adaptive K<=K; 1 stream (with --extra-k, more K beside
                  the same K=0; and the first token alone, for the bench's prompts and for prompts of
@@ -22,8 +22,8 @@ bound, and the fraction of requests whose speculative text equals the target-onl
 (K+1)-row verify and a 1-row step differently, so this is measured, not assumed), for the project and for
 transformers.
 
-    python bench/gpu_bench.py                     # on a GPU machine: the 8B-shaped pair, bf16
-    python bench/gpu_bench.py --small --compile off --prompts 2 --max-tokens 16   # CPU: checks the script
+    python -m bench.gpu_bench                     # on a GPU machine: the 8B-shaped pair, bf16
+    python -m bench.gpu_bench --small --compile off --prompts 2 --max-tokens 16   # CPU: checks the script
 """
 
 from __future__ import annotations
@@ -39,14 +39,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tabulate import tabulate
+
+from bench import report
+from bench.report import print_table
+from client import AsyncClient, Client, GenerationParams
+from specdec.decoding.draft_length import expected_tokens
+from specdec.serving import pairs, server
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-
-from client import AsyncClient, Client, GenerationParams  # noqa: E402
-from specdec.decoding.draft_length import expected_tokens  # noqa: E402
-from specdec.serving import pairs, server  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -168,14 +168,13 @@ def reference_steps(model, device: str, context: int, widths: list[int], compile
 def executor_steps(model, context: int, widths: list[int], reps: int) -> dict:
     """The project's executor as target_model runs it (the static one with CUDA graphs on a GPU):
     seconds per extend of each width after `context`."""
-    from specdec.engine.executor import CausalLM
-    from specdec.engine.static_executor import StaticCausalLM
+    from specdec.engine.build import dynamic_executor, static_executor
 
     if model.device.type == "cuda":
-        lm = StaticCausalLM(model, max_sequences=2, max_context=context + 64, max_batch=1, max_rows=max(widths))
+        lm = static_executor(model, max_sequences=2, max_context=context + 64, max_batch=1, max_rows=max(widths))
         lm.warm_up()
     else:
-        lm = CausalLM(model)
+        lm = dynamic_executor(model)
     prompt = torch.randint(0, model.config.vocab_size, (context,)).tolist()
     lm.extend(1, 0, prompt, 1)
     return {width: timed(lambda: lm.extend(1, context, prompt[:width], width), str(lm.device), reps)
@@ -353,15 +352,6 @@ def sharing_note(before: dict, after: dict, wall: float, costs: dict) -> str:
     return f"alone the forwards would fill {alone / wall:.0%} of the time, served they took {', '.join(stretch)} as long"
 
 
-def print_table(header: str, rows: list, columns: list[str], out: str | None) -> None:
-    """Print a benchmark's table (GitHub Markdown, under a header naming the machine) and, with --out,
-    write it there too: what the README pastes."""
-    text = f"{header}\n\n{tabulate(rows, columns, tablefmt='github', disable_numparse=True)}"
-    print(text)
-    if out:
-        Path(out).write_text(text + "\n")
-
-
 # ---- the run -------------------------------------------------------------------------------------------
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -382,6 +372,7 @@ def main(argv=None) -> int:
     parser.add_argument("--context", type=int, default=256, help="context of the in-process step timings")
     parser.add_argument("--compile", default="reduce-overhead", help='torch.compile mode of the reference, or "off"')
     parser.add_argument("--out", help="also write the table (Markdown) here")
+    parser.add_argument("--results", metavar="NAME", help="also write it as docs/results/<date>-NAME.md")
     parser.add_argument("--served-only", action="store_true",
                         help="only the served rows (no in-process timings, no transformers): for sweeping settings")
     parser.add_argument("--streams", type=int, nargs="*", default=[8],
@@ -393,7 +384,7 @@ def main(argv=None) -> int:
                         help="only the many-stream rows (their x column then blank)")
     parser.add_argument("--no-stream", action="store_true",
                         help="the 1-stream rows unstreamed, one response per request (no TTFT or ITL): how "
-                             "the README's GPU figures before the TTFT and ITL columns were measured")
+                             "the first GPU figures in docs/results/ were measured")
     parser.add_argument("--launcher-arg", action="append", default=[],
                         help="more launcher arguments, e.g. --launcher-arg=--set "
                              "--launcher-arg=speculative_decoding.verify_gather_ms=10")
@@ -527,8 +518,10 @@ def main(argv=None) -> int:
               f"{len(prompts)} prompts x {args.max_tokens} tokens, greedy"
               + (", 1-stream rows unstreamed" if args.no_stream else "")
               + (f", launcher {' '.join(args.launcher_arg)}" if args.launcher_arg else ""))
-    print_table(header, rows, ["", "time", "tokens/s", "vs served K=0", "α", "tokens/round", "TTFT p50 (ms)",
+    text = print_table(header, rows, ["", "time", "tokens/s", "vs served K=0", "α", "tokens/round", "TTFT p50 (ms)",
                                "ITL p50 (ms)", "bound", "efficiency", "notes"], args.out)
+    if args.results:
+        report.write_results(args.results, "The 8B-shaped pair on a GPU: `make bench-gpu`", text)
     return 0
 
 

@@ -9,7 +9,7 @@
 # Parts:
 #   tests          tests/gpu (greedy equality in float32/float64, seeded sampling, CUDA graphs vs eager)
 #   bench          `make bench-gpu`'s table: the 8B-shaped pair against the bound, compiled PyTorch and
-#                  transformers, served at 1 and 8 streams (the README's GPU table)
+#                  transformers, served at 1 and 8 streams (the GPU table of docs/results/)
 #   orchestrators  the served rows with one orchestrator instance and with two: the A/B behind the GPU
 #                  default of speculation.orchestratorInstances (one)
 #   executor       in-process steps of the static executor, with and without the fused SiLU MLP (fuse_mlp),
@@ -17,7 +17,7 @@
 #   streams        the 8-stream rows with draft_model's sequence batcher waiting 300 and 1000 us to fill its
 #                  executions, and 1000 us with target_model's waiting 300 us: whether the draft's batching is
 #                  what 8 speculative streams lack (~7 min; `bash bench/gpu_session.sh streams`). Measured on
-#                  host D and left: four orchestrator instances, verify_gather_ms (README, "On a GPU")
+#                  host D and left: four orchestrator instances, verify_gather_ms
 #   prefix         prefix caching on the 8B-shaped pair: a shared 1500-word system prompt against unshared
 #                  ones (TTFT), and chunked prefill: plain streams' gaps beside long prompts, whole and in
 #                  chunks of 512 (~9 min; `bash bench/gpu_session.sh prefix`)
@@ -34,14 +34,14 @@
 #                  the bench sets them) (~3 min): its K=4 round spent ~5.3 ms outside the in-process forwards on
 #                  an H200 (15.5 ms per round at 210 tokens/s against 10.2 ms of forwards), its K=0 round ~2.4
 #                  ms, against 3.0 and 1.8 ms for the tiny pair's machinery on host D: which part grows.
-#                  Host E (H100): 3.7 ms of machinery per K=4 round, 2.0 ms per K=0 round (README)
+#                  Host E (H100): 3.7 ms of machinery per K=4 round, 2.0 ms per K=0 round
 #   ksweep         batch-1 draft lengths past 4: two servers, K=5 and 6 (verify buckets up to 7 rows) and K=7 and
 #                  8 (up to 9), each beside its own K=0, with adaptive up to 6 and 8 (~2 min): which K pays best
 #                  on this GPU, against K=4's 1.76-1.79x on an H200
 #   mps            the served rows with the launcher's --mps (a CUDA MPS daemon of the server's own) and
 #                  without (~2 min; named twice, off on on off): on an H200, 8 speculative streams kept each
 #                  model in forwards 1.8-2.0x as long as its work alone, as two time-sliced CUDA contexts
-#                  would; under MPS the draft's and the target's kernels run side by side (README, "CUDA MPS");
+#                  would; under MPS the draft's and the target's kernels run side by side;
 #                  with K=5's batch-1 row beside K=4's (the verify buckets then 1, 2, 4, 6 rows)
 #   prompts        the served rows with prompts in captured buckets of their own (prefill_graph_rows=512, the
 #                  default) and with eager prompts (0), K=5 beside K=4 (~2 min; named twice: on off off on).
@@ -138,7 +138,7 @@ ab() {
   for mode in "${order[@]}"; do
     if [ "$mode" = on ]; then extra=("${on_args[@]}"); else extra=("${off_args[@]}"); fi
     # shellcheck disable=SC2086  # BENCH_ARGS split into words
-    run "$name-$mode-${rounds[$name]}" "$seconds" "$python" bench/gpu_bench.py --served-only --prompts 4 $bench \
+    run "$name-$mode-${rounds[$name]}" "$seconds" "$python" -m bench.gpu_bench --served-only --prompts 4 $bench \
       "${extra[@]}" --out "$out/$name-$mode-${rounds[$name]}.md"
   done
 }
@@ -146,44 +146,44 @@ ab() {
 for part in "$@"; do
   case "$part" in
     tests) run tests-gpu 240 "$python" -m pytest -q -m gpu tests/gpu -p no:cacheprovider ;;
-    bench) run bench-gpu 420 "$python" bench/gpu_bench.py --out "$out/bench-gpu.md" ;;
+    bench) run bench-gpu 420 "$python" -m bench.gpu_bench --out "$out/bench-gpu.md" ;;
     orchestrators)
-      run bench-gpu-1-orchestrator 300 "$python" bench/gpu_bench.py --served-only --prompts 4 \
+      run bench-gpu-1-orchestrator 300 "$python" -m bench.gpu_bench --served-only --prompts 4 \
         --launcher-arg=--orchestrator-instances=1 --out "$out/bench-gpu-1-orchestrator.md"
-      run bench-gpu-2-orchestrators 300 "$python" bench/gpu_bench.py --served-only --prompts 4 \
+      run bench-gpu-2-orchestrators 300 "$python" -m bench.gpu_bench --served-only --prompts 4 \
         --launcher-arg=--orchestrator-instances=2 --out "$out/bench-gpu-2-orchestrators.md" ;;
     streams)
       for delay in 300 1000; do
-        run "streams-draft-delay-$delay" 190 "$python" bench/gpu_bench.py --served-only --prompts 2 \
+        run "streams-draft-delay-$delay" 190 "$python" -m bench.gpu_bench --served-only --prompts 2 \
           "--launcher-arg=--set=draft_model.max_queue_delay_microseconds=$delay" --out "$out/streams-draft-delay-$delay.md"
       done
-      run streams-both-delays 190 "$python" bench/gpu_bench.py --served-only --prompts 2 \
+      run streams-both-delays 190 "$python" -m bench.gpu_bench --served-only --prompts 2 \
         --launcher-arg=--set=draft_model.max_queue_delay_microseconds=1000 \
         --launcher-arg=--set=target_model.max_queue_delay_microseconds=300 --out "$out/streams-both-delays.md" ;;
     prefix)
-      run prefix-cache 200 "$python" bench/prefix_bench.py --pair gpu-8b --draft-model draft_model \
+      run prefix-cache 200 "$python" -m bench.prefix_bench --pair gpu-8b --draft-model draft_model \
         --system-words 1500 --out "$out/prefix-cache.md"
       for chunk in 0 512; do
-        run "prefill-chunk-$chunk" 170 "$python" bench/prefix_bench.py --pair gpu-8b --stall --seconds 30 \
+        run "prefill-chunk-$chunk" 170 "$python" -m bench.prefix_bench --pair gpu-8b --stall --seconds 30 \
           --long-every 1 --system-words 1500 --launcher-arg=--set \
           "--launcher-arg=speculative_decoding.prefill_chunk_tokens=$chunk" --out "$out/prefill-chunk-$chunk.md"
       done ;;
     overhead)
-      run overhead-greedy 120 "$python" bench/round_overhead.py --device gpu --out "$out/overhead-greedy.md"
-      run overhead-sampled 120 "$python" bench/round_overhead.py --device gpu --temperature 1 \
+      run overhead-greedy 120 "$python" -m bench.round_overhead --device gpu --out "$out/overhead-greedy.md"
+      run overhead-sampled 120 "$python" -m bench.round_overhead --device gpu --temperature 1 \
         --out "$out/overhead-sampled.md"
-      run overhead-guided 120 "$python" bench/round_overhead.py --device gpu --regex '[a-z ]{64,}' \
+      run overhead-guided 120 "$python" -m bench.round_overhead --device gpu --regex '[a-z ]{64,}' \
         --out "$out/overhead-guided.md" ;;
     overhead8b)
-      run overhead-8b 300 "$python" bench/round_overhead.py --device gpu --pair 8b \
+      run overhead-8b 300 "$python" -m bench.round_overhead --device gpu --pair 8b \
         --launcher-arg=--max-num-draft-tokens=4 --out "$out/overhead-8b.md" ;;
     pipeline)  # named twice: on, off, off, on
       ab pipeline on 270 "" -- --launcher-arg=--set=target_model.pipelined_execute=true \
         --launcher-arg=--set=draft_model.pipelined_execute=true ;;
     load)
-      run load-unlimited 270 "$python" bench/gpu_bench.py --served-only --prompts 2 --streams 8 16 32 \
+      run load-unlimited 270 "$python" -m bench.gpu_bench --served-only --prompts 2 --streams 8 16 32 \
         --out "$out/load-unlimited.md"
-      run load-limit-8 270 "$python" bench/gpu_bench.py --served-only --prompts 2 --streams 8 16 32 \
+      run load-limit-8 270 "$python" -m bench.gpu_bench --served-only --prompts 2 --streams 8 16 32 \
         --launcher-arg=--set=speculative_decoding.max_drafting_sequences=8 --out "$out/load-limit-8.md" ;;
     mps) ab mps off 200 "--extra-k 5" -- --launcher-arg=--mps ;;  # a daemon of the server's own; named twice: off on on off
     maxk) ab maxk off 200 "--extra-k 5" -- --launcher-arg=--max-num-draft-tokens=16 ;;  # named twice: off on on off
@@ -192,9 +192,9 @@ for part in "$@"; do
         --launcher-arg=--set=draft_model.prefill_graph_rows=512 --off \
         --launcher-arg=--set=target_model.prefill_graph_rows=0 --launcher-arg=--set=draft_model.prefill_graph_rows=0 ;;
     profile)  # cProfile over the models' execute (SPECDEC_PROFILE_DIR): 8 target-only streams, then 1 stream
-      run profile-8-streams 200 env SPECDEC_PROFILE_DIR="$out/profile-8-streams" "$python" bench/gpu_bench.py \
+      run profile-8-streams 200 env SPECDEC_PROFILE_DIR="$out/profile-8-streams" "$python" -m bench.gpu_bench \
         --served-only --prompts 4 --settings K=0 --no-one-stream --streams 8 --out "$out/profile-8-streams.md"
-      run profile-1-stream 200 env SPECDEC_PROFILE_DIR="$out/profile-1-stream" "$python" bench/gpu_bench.py \
+      run profile-1-stream 200 env SPECDEC_PROFILE_DIR="$out/profile-1-stream" "$python" -m bench.gpu_bench \
         --served-only --prompts 4 --streams --out "$out/profile-1-stream.md"
       for dir in profile-8-streams profile-1-stream; do
         [ -d "$out/$dir" ] && "$python" -m specdec.triton.profiling "$out/$dir" > "$out/$dir.txt" 2>&1
@@ -202,10 +202,10 @@ for part in "$@"; do
     ksweep)
       for ks in "6 5" "8 7"; do
         read -r k extra <<< "$ks"
-        run "ksweep-$k" 200 "$python" bench/gpu_bench.py --served-only --prompts 4 --k "$k" --extra-k "$extra" \
+        run "ksweep-$k" 200 "$python" -m bench.gpu_bench --served-only --prompts 4 --k "$k" --extra-k "$extra" \
           --out "$out/ksweep-$k.md"
       done ;;
-    executor) run executor 240 "$python" bench/executor_bench.py --modes graphs,graphs-mlp --reference \
+    executor) run executor 240 "$python" -m bench.executor_bench --modes graphs,graphs-mlp --reference \
         --out "$out/executor.md" ;;
     *) echo "unknown part: $part (tests, bench, orchestrators, executor, streams, prefix, pipeline, load, overhead, overhead8b, mps, ksweep, profile, prompts, maxk)" >&2; exit 2 ;;
   esac

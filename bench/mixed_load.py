@@ -10,11 +10,10 @@ seconds tritonserver and the stubs used meanwhile:
   default         the server's defaults (its draft method, adaptive K)
   default-guided  the same, half the streams asking for the row's structured output
 
-Triton's sequence batcher puts steps into one execution only when they carry the same inputs (README,
-"One input set per model"): mixes of kinds show whether they do.
+Triton's sequence batcher puts steps into one execution only when they carry the same inputs: mixes of kinds show whether they do.
 
     make serve &
-    python bench/mixed_load.py --url localhost:8001 --metrics-url localhost:8002 \\
+    python -m bench.mixed_load --url localhost:8001 --metrics-url localhost:8002 \\
         --launcher-pid $(pgrep -f specdec.serving.launcher)
 """
 
@@ -28,14 +27,12 @@ import threading
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
+from client import Client, GenerationParams
+from bench.report import print_table
+from bench.round_overhead import server_cpu
+from specdec.serving.metrics_text import scrape, sum_samples
 
-from client import Client, GenerationParams  # noqa: E402
-from gpu_bench import print_table  # noqa: E402
-from round_overhead import server_cpu  # noqa: E402
-from specdec.serving.metrics_text import scrape, sum_samples  # noqa: E402
+HERE = Path(__file__).resolve().parent
 
 MIXES = ("k0", "k0-k4", "default", "default-guided")
 PROCESSES = ("tritonserver", "target_model", "draft_model", "speculative_decoding")

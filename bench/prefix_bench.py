@@ -16,11 +16,11 @@ With --stall, what long prompts cost other requests (chunked prefill): --streams
 another (unique: nothing cached), and it prints the gaps between the plain streams' responses (median,
 p99, max) and the long requests' TTFT. Compare servers with `prefill_chunk_tokens` set differently.
 
-    python bench/prefix_bench.py --pair default          # starts the default pair's server of its own
-    python bench/prefix_bench.py --url localhost:8001 --metrics-url localhost:8002
-    python bench/prefix_bench.py --pair default --stall --long-every 3 --launcher-arg=--set \
+    python -m bench.prefix_bench --pair default          # starts the default pair's server of its own
+    python -m bench.prefix_bench --url localhost:8001 --metrics-url localhost:8002
+    python -m bench.prefix_bench --pair default --stall --long-every 3 --launcher-arg=--set \
         --launcher-arg=speculative_decoding.prefill_chunk_tokens=512
-    python bench/prefix_bench.py --pair gpu-8b --draft-model draft_model   # gpu_bench.py's 8B-shaped pair
+    python -m bench.prefix_bench --pair gpu-8b --draft-model draft_model   # gpu_bench.py's 8B-shaped pair
 """
 
 from __future__ import annotations
@@ -35,14 +35,13 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # beside, gpu_bench
 
-import beside  # noqa: E402
+from bench import beside
 
-from client import Client, GenerationParams  # noqa: E402
-from specdec.serving import server  # noqa: E402
-from specdec.serving.metrics_text import scrape, sum_samples  # noqa: E402
+from client import Client, GenerationParams
+from specdec.serving import server
+from specdec.serving.metrics_text import scrape, sum_samples
 
 HERE = Path(__file__).resolve().parent
 MODELS = ("target_model", "draft_model")

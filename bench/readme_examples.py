@@ -5,7 +5,7 @@ Each example sits between `<!-- example:NAME -->` and `<!-- /example:NAME -->` i
 sends those requests and rewrites the blocks, so the examples always show what the current code does;
 tests/integration/test_default_pair.py checks that the README's outputs still match the server's.
 
-    python bench/readme_examples.py [--url localhost:8000]   # without --url it starts its own server
+    python -m bench.readme_examples [--url localhost:8000]   # without --url it starts its own server
 """
 
 from __future__ import annotations
@@ -18,11 +18,10 @@ import sys
 import urllib.request
 from pathlib import Path
 
+from specdec.serving import server
+
 HERE = Path(__file__).resolve().parent
 README = HERE.parent / "README.md"
-sys.path.insert(0, str(HERE.parent))
-
-from specdec.serving import server  # noqa: E402
 
 # The examples: name -> (kind, what is sent). Greedy, so the text is deterministic.
 HTTP_BODY = {"text_input": "What is the capital of France? Answer in one sentence.", "max_tokens": 40}

@@ -19,16 +19,16 @@ counters (deltas over the measured requests, per round):
 and the CPU time each server process used per round (Linux): tritonserver and every model's stub; a
 model's forwards count once per thread that ran them.
 
-    python bench/round_overhead.py                 # CPU (the dev machine's figures in the README)
-    python bench/round_overhead.py --device gpu    # the same with the models on the GPU
-    python bench/round_overhead.py --device gpu --pair 8b --launcher-arg=--max-num-draft-tokens=4
+    python -m bench.round_overhead                 # CPU
+    python -m bench.round_overhead --device gpu    # the same with the models on the GPU
+    python -m bench.round_overhead --device gpu --pair 8b --launcher-arg=--max-num-draft-tokens=4
                                                    # the served 8B-shaped pair's rounds, split (verify
                                                    # buckets as `make bench-gpu` sets them)
-    python bench/round_overhead.py --stream        # streamed requests (a response per round, as the
+    python -m bench.round_overhead --stream        # streamed requests (a response per round, as the
                                                    # served benchmarks send them)
-    python bench/round_overhead.py --regex '[a-z ]{64,}'   # structured output: guided rounds
-    python bench/round_overhead.py --temperature 1 --top-p 0.9          # sampled rounds with a nucleus
-    python bench/round_overhead.py --device gpu --temperature 1 \
+    python -m bench.round_overhead --regex '[a-z ]{64,}'   # structured output: guided rounds
+    python -m bench.round_overhead --temperature 1 --top-p 0.9          # sampled rounds with a nucleus
+    python -m bench.round_overhead --device gpu --temperature 1 \
         --launcher-arg=--set=target_model.device_outputs=false --launcher-arg=--set=draft_model.device_outputs=false
                                                    # sampled rounds, logits through host memory (the default
                                                    # hands them over on the device)
@@ -44,14 +44,13 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
+from client import Client, GenerationParams
+from bench.gpu_bench import synthetic_pair
+from bench.report import print_table
+from specdec.serving import pairs, server
+from specdec.serving.metrics_text import sum_samples
 
-from client import Client, GenerationParams  # noqa: E402
-from gpu_bench import print_table, synthetic_pair  # noqa: E402
-from specdec.serving import pairs, server  # noqa: E402
-from specdec.serving.metrics_text import sum_samples  # noqa: E402
+HERE = Path(__file__).resolve().parent
 
 MODELS = ("target_model", "draft_model")
 TRITON = {"queue": "nv_inference_queue_duration_us", "input": "nv_inference_compute_input_duration_us",

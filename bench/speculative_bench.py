@@ -12,7 +12,7 @@ token), so bound = Σ_rounds E(α, j) / Σ_rounds (j·c + v(j)); efficiency = me
 models and prompts: plain, `prompt_lookup_num_tokens=K`, `assistant_model=<draft>` (num_assistant_tokens=K,
 constant schedule).
 
-    python bench/speculative_bench.py [--url localhost:8001 --metrics-url localhost:8002] [--max-tokens 96] [--quick]
+    python -m bench.speculative_bench [--url localhost:8001 --metrics-url localhost:8002] [--max-tokens 96] [--quick]
 
 Without --url it starts its own server (PAIR=default) on free ports and stops it at the end.
 """
@@ -33,15 +33,15 @@ from pathlib import Path
 import torch
 from tabulate import tabulate
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
+from bench.report import emit, write_results
+from client import Client, GenerationParams
+from specdec import tensor_names as tn
+from specdec.decoding.draft_length import expected_tokens
+from specdec.decoding.ngram_proposer import NgramIndex
+from specdec.serving import pairs, server
+from specdec.serving.metrics_text import samples, scrape
 
-from client import Client, GenerationParams  # noqa: E402
-from specdec import tensor_names as tn  # noqa: E402
-from specdec.decoding.draft_length import expected_tokens  # noqa: E402
-from specdec.decoding.ngram_proposer import NgramIndex  # noqa: E402
-from specdec.serving import pairs, server  # noqa: E402
-from specdec.serving.metrics_text import samples, scrape  # noqa: E402
+HERE = Path(__file__).resolve().parent
 
 
 @dataclass(frozen=True)
@@ -127,11 +127,12 @@ def median_time(fn, reps: int = 9) -> float:
 
 
 def measure_costs(pair, prompt_ids: list[int], ks: list[int]) -> dict:
-    from specdec.engine.executor import CausalLM, load_causal_lm
+    from specdec.engine.build import dynamic_executor
+    from specdec.engine.loading import load_causal_lm
 
     torch.set_num_threads(os.cpu_count() or 1)
-    target = CausalLM(load_causal_lm(pair.target_path, dtype=pair.dtype))
-    draft = CausalLM(load_causal_lm(pair.draft_paths["draft_model"], dtype=pair.dtype))
+    target = dynamic_executor(load_causal_lm(pair.target_path, dtype=pair.dtype))
+    draft = dynamic_executor(load_causal_lm(pair.draft_paths["draft_model"], dtype=pair.dtype))
     target.extend(1, 0, prompt_ids, 1)
     draft.extend(1, 0, prompt_ids, 1)
     n = len(prompt_ids)
@@ -232,6 +233,7 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="4 prompts per set, 3 settings")
     parser.add_argument("--peer-k", type=int, default=8, help="K for transformers' assisted generation")
     parser.add_argument("--out", help="also write the report (markdown) here")
+    parser.add_argument("--results", metavar="NAME", help="also write it as docs/results/<date>-NAME.md")
     args = parser.parse_args(argv)
     limit = 4 if args.quick else None
     settings = QUICK if args.quick else SETTINGS
@@ -258,9 +260,9 @@ def main(argv=None) -> int:
     costs = measure_costs(pair, ids, list(range(1, max(s.k for s in settings) + 1)))
     peer = transformers_peer(pair, prompts, args.max_tokens, args.peer_k)
     text = report(results, costs, peer, settings, args.max_tokens, len(prompts["grounded"]))
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    emit(text, args.out)
+    if args.results:
+        write_results(args.results, "The served default pair against target-only: `make bench`", text)
     return 0
 
 

@@ -21,10 +21,10 @@ new to the server every time, and it prints the gaps between the plain streams' 
 and the guided requests' latency. A guide compiles for milliseconds; where that runs on the orchestrator's event loop every other
 request's round waits for it.
 
-    python bench/structured_bench.py                       # the default pair (SmolLM2-135M-Instruct)
-    python bench/structured_bench.py --pair tiny --max-tokens 24 --repeats 1
-    python bench/structured_bench.py --url localhost:8001  # served
-    python bench/structured_bench.py --url localhost:8001 --stall
+    python -m bench.structured_bench                       # the default pair (SmolLM2-135M-Instruct)
+    python -m bench.structured_bench --pair tiny --max-tokens 24 --repeats 1
+    python -m bench.structured_bench --url localhost:8001  # served
+    python -m bench.structured_bench --url localhost:8001 --stall
 """
 
 from __future__ import annotations
@@ -41,17 +41,15 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from specdec.decoding.draft_length import DraftLengthPolicy  # noqa: E402
-from specdec.decoding.grammar import GrammarMatcher, GuideCompiler  # noqa: E402
-from specdec.decoding.loop import GenerationRequest, Stats, generate  # noqa: E402
-from specdec.decoding.ngram_proposer import NgramProposer  # noqa: E402
-from specdec.decoding.text import load_tokenizer  # noqa: E402
-from specdec.engine.executor import CausalLM, load_causal_lm  # noqa: E402
-from specdec.engine.local import LocalScorer  # noqa: E402
-from specdec.serving import pairs  # noqa: E402
+from specdec.decoding.draft_length import DraftLengthPolicy
+from specdec.decoding.grammar import GrammarMatcher, GuideCompiler
+from specdec.decoding.loop import GenerationRequest, Stats, generate
+from specdec.decoding.ngram_proposer import NgramProposer
+from specdec.decoding.text import load_tokenizer
+from specdec.engine.build import dynamic_executor
+from specdec.engine.loading import load_causal_lm
+from specdec.engine.local import LocalScorer
+from specdec.serving import pairs
 
 CASES = [
     ("person", "Describe a fictional person as JSON.",
@@ -95,7 +93,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     pair = pairs.default_pair() if args.pair == "default" else pairs.tiny_pair()
     tokenizer = load_tokenizer(pair.tokenizer_path)
-    lm = CausalLM(load_causal_lm(pair.target_path, "cpu", pair.dtype))
+    lm = dynamic_executor(load_causal_lm(pair.target_path, "cpu", pair.dtype))
     guides = GuideCompiler(tokenizer)
     forced = GrammarMatcher.forced
     rows = []

@@ -15,8 +15,8 @@ Every request finished feeds the cache, whatever its method, so the order is fix
 speedup over target-only, acceptance, tokens per round, and (greedy) the fraction of requests whose text
 equals target-only's: all of them. Sampled, a seeded request's tokens depend on its draft lengths.
 
-    python bench/suffix_bench.py [--max-tokens 96] [--temperature 0.7] [--out table.md]
-    python bench/suffix_bench.py --url localhost:8001 --pair tiny   # a running server: one orchestrator
+    python -m bench.suffix_bench [--max-tokens 96] [--temperature 0.7] [--out table.md]
+    python -m bench.suffix_bench --url localhost:8001 --pair tiny   # a running server: one orchestrator
                                                                      # instance, and no earlier requests
                                                                      # of these prompts, for figures that mean this
 """
@@ -29,14 +29,12 @@ import platform
 import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
+from client import Client, GenerationParams
+from bench.report import print_table
+from specdec import tensor_names as tn
+from specdec.serving import pairs, server
 
-from client import Client, GenerationParams  # noqa: E402
-from gpu_bench import print_table  # noqa: E402
-from specdec import tensor_names as tn  # noqa: E402
-from specdec.serving import pairs, server  # noqa: E402
+HERE = Path(__file__).resolve().parent
 
 PEOPLE = [("Ada", "a lighthouse keeper in Norway"), ("Bruno", "a baker in Lyon"),
           ("Chen", "a violin maker in Taipei"), ("Dalia", "a marine biologist in Cairo"),

@@ -25,10 +25,9 @@ from pathlib import Path
 import psutil
 from tabulate import tabulate
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
+from specdec.serving import server
 
-from specdec.serving import server  # noqa: E402
+HERE = Path(__file__).resolve().parent
 
 
 def server_processes(pid: int) -> dict[str, psutil.Process]:

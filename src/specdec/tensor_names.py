@@ -82,6 +82,7 @@ GREEDY_LOG_PROBS = "greedy_log_probs"  # FP32 [-1]: each greedy token's log-prob
 FORWARD_STATS = "forward_stats"
 DRAFT_TOKENS = "draft_tokens"  # INT32 [-1]
 DRAFT_PROBS = "draft_probs"  # FP32 [-1, -1]: processed draft distributions, one per draft token
+CACHED_LENGTH = "cached_length"  # INT32 [1]: tokens the draft's cache holds after the proposal
 TEXT_LENGTH = "text_length"  # INT32 [1]: characters of the decoded chunk to keep; -1 = all (stop words)
 SEQUENCE_ID = "sequence_id"  # UINT64 [1]: the generation's key, for cancellation flags
 RELEASE = "release"  # BOOL [1]: free this sequence's cache (sent with the sequence END flag)
@@ -127,7 +128,7 @@ DEFAULT_MAX_MAX_TOKENS = 1024
 DEFAULT_MAX_CONTEXT_TOKENS = 8192  # prompt + output tokens per sequence; the chart's default too
 # speculative_decoding stub processes by the models' device: on CPU two, concurrent streams' rounds in
 # parallel, not on one Python thread; with the models on GPUs one, where a second gained nothing and each
-# instance's adaptive policy measured its costs apart (README, "Measured design choices"). The committed
+# instance's adaptive policy measured its costs apart. The committed
 # config (CPU), the launcher's and the chart's defaults (by gpu.count) too.
 DEFAULT_ORCHESTRATOR_INSTANCES = {"cpu": 2, "gpu": 1}
 
@@ -137,7 +138,6 @@ DEFAULT_ORCHESTRATOR_INSTANCES = {"cpu": 2, "gpu": 1}
 COMPILE_MODES = ("auto", "off", "graphs")
 EXECUTORS = ("auto", "static", "dynamic")  # auto: static on CUDA where the model family allows it
 # Where CUDA graphs run, prompts of up to this many tokens replay captured buckets of their own (powers of
-# two; 0: eager prompts). On an H100 they took the 8B-shaped pair's TTFT from 42-52 to 16 ms and its 8
-# target-only streams from 3.67-3.74x to 4.01-4.12x one stream, for 39 more graphs per model (0.11 GiB;
-# the target's capture at load 7.7 -> 12.0 s) (README, "An H100 session").
+# two; 0: eager prompts): an eager prompt pays a kernel launch per operation, which dominated the time
+# to first token on a GPU, for a few more graphs per model.
 DEFAULT_PREFILL_GRAPH_ROWS = 512

@@ -73,6 +73,7 @@ def test_python_matches_the_tests_and_installs_the_locked_requirements():
     assert "docker/requirements.lock ./" in copies and "model_repository ./model_repository" in copies
     makefile = (REPO_ROOT / "Makefile").read_text()
     assert "-r requirements.txt" in makefile and "-c constraints.txt" in makefile  # what the lock is made from
+    assert "--no-deps -r requirements-data.txt" in makefile
 
 
 def pins(path) -> dict[str, str]:
@@ -90,7 +91,8 @@ def test_the_lock_pins_every_package_with_a_hash_and_agrees_with_the_setup_requi
     assert all(re.fullmatch(r"[A-Za-z0-9_.\-]+==\S+ --hash=sha256:[0-9a-f]{64}", line) for line in lines), lines
     locked = pins(LOCK)
     assert len(locked) == len(lines)  # each package once
-    required, constrained = pins(REPO_ROOT / "requirements.txt"), pins(REPO_ROOT / "constraints.txt")
+    required = {**pins(REPO_ROOT / "requirements.txt"), **pins(REPO_ROOT / "requirements-data.txt")}
+    constrained = pins(REPO_ROOT / "constraints.txt")
     assert {name: locked.get(name) for name in required} == required  # every top-level pin, same version
     assert {name: version for name, version in locked.items() if name in constrained} == \
         {name: constrained[name] for name in locked if name in constrained}
@@ -105,7 +107,7 @@ def test_the_locked_torch_is_a_cuda_build_and_its_driver_is_stated():
     driver = lock.DRIVER[runtime.split(".")[0]]
     assert f"driver >= {driver}" in LOCK.read_text()
     assert f"driver >= {driver}" in DOCKERFILE.read_text()
-    assert f"driver >= {driver}" in (REPO_ROOT / "README.md").read_text()
+    assert f"driver >= {driver}" in (REPO_ROOT / "docs" / "deployment.md").read_text()  # what users read
 
 
 def test_runs_as_uid_1000_with_a_readiness_healthcheck():

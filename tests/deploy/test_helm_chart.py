@@ -365,7 +365,7 @@ def test_one_default_orchestrator_instance_count_for_chart_launcher_and_image():
         pair = PairSpec("p", "/m", "/m", device=device)
         assert repository.orchestrator_instances(pair) == tn.DEFAULT_ORCHESTRATOR_INSTANCES[device]
     assert repository.orchestrator_instances(PairSpec("p", "/m", "/m", device="gpu", orchestrator_instances=3)) == 3
-    assert tn.DEFAULT_ORCHESTRATOR_INSTANCES == {"cpu": 2, "gpu": 1}  # the README's measured choice
+    assert tn.DEFAULT_ORCHESTRATOR_INSTANCES == {"cpu": 2, "gpu": 1}  # the measured choice (docs/design.md)
     committed = (REPO_ROOT / "model_repository" / "speculative_decoding" / "config.pbtxt").read_text()
     assert f"instance_group [ {{ count: {tn.DEFAULT_ORCHESTRATOR_INSTANCES['cpu']}, kind: KIND_CPU }} ]" in committed
 

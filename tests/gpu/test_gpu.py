@@ -13,10 +13,10 @@ from specdec.decoding.draft_length import DraftLengthPolicy
 from specdec.decoding.loop import GenerationRequest, generate
 from specdec.decoding.sampling import SamplingParams
 from specdec.engine import kernels
-from specdec.engine.executor import CausalLM, load_causal_lm
+from specdec.engine.build import dynamic_executor, static_executor
 from specdec.engine.executor import CacheError, Step
+from specdec.engine.loading import load_causal_lm
 from specdec.engine.local import LocalProposer, LocalScorer, collect
-from specdec.engine.static_executor import StaticCausalLM
 from specdec.serving import pairs, server
 
 # Every test here needs CUDA: marked `gpu`, skipped where torch sees no GPU (CI stays CPU-only).
@@ -38,16 +38,16 @@ def run(target, draft, sampling, k, max_tokens=24):
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_greedy_speculative_equals_target_only_on_the_gpu(tiny_pair, dtype):
-    target = CausalLM(load_causal_lm(tiny_pair.target_path, "cuda", dtype))
-    draft = CausalLM(load_causal_lm(tiny_pair.draft_paths["draft_model"], "cuda", dtype))
+    target = dynamic_executor(load_causal_lm(tiny_pair.target_path, "cuda", dtype))
+    draft = dynamic_executor(load_causal_lm(tiny_pair.draft_paths["draft_model"], "cuda", dtype))
     alone = run(target, draft, SamplingParams(), 0)
     for k in (1, 3, 8):
         assert run(target, draft, SamplingParams(), k) == alone
 
 
 def test_sampling_with_a_draft_model_on_the_gpu_is_seeded(tiny_pair):
-    target = CausalLM(load_causal_lm(tiny_pair.target_path, "cuda", "float32"))
-    draft = CausalLM(load_causal_lm(tiny_pair.draft_paths["draft_model"], "cuda", "float32"))
+    target = dynamic_executor(load_causal_lm(tiny_pair.target_path, "cuda", "float32"))
+    draft = dynamic_executor(load_causal_lm(tiny_pair.draft_paths["draft_model"], "cuda", "float32"))
     assert draft.logits_device.type == "cuda"
     params = SamplingParams(temperature=0.8, top_p=0.95, seed=7)
     assert run(target, draft, params, 4) == run(target, draft, params, 4)
@@ -56,12 +56,12 @@ def test_sampling_with_a_draft_model_on_the_gpu_is_seeded(tiny_pair):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_a_spread_target_keeps_each_layers_cache_on_its_gpu(tiny_pair):
     model = load_causal_lm(tiny_pair.target_path, device_map="balanced", dtype="float32")
-    lm = CausalLM(model)
-    assert len({d for d in lm.layer_devices}) > 1
+    lm = dynamic_executor(model)
+    assert len({d for d in lm.kv.layer_devices}) > 1
     lm.extend(1, 0, PROMPT, 1)
     seq = lm.sequences[1]
-    assert [k.device for k in seq.keys] == lm.layer_devices
-    reference = CausalLM(load_causal_lm(tiny_pair.target_path, "cuda:0", "float32"))
+    assert [k.device for k in seq.keys] == lm.kv.layer_devices
+    reference = dynamic_executor(load_causal_lm(tiny_pair.target_path, "cuda:0", "float32"))
     assert torch.allclose(lm.extend(1, len(PROMPT), [9, 10], 2).cpu(),
                           reference.extend(1, 0, PROMPT + [9, 10], 2).cpu(), atol=1e-4)
 
@@ -142,15 +142,15 @@ def test_cuda_graphs_match_eager_in_every_bucket(tiny_pair, fuse_mlp):
     model = load_causal_lm(tiny_pair.target_path, "cuda", "float64")
     settings = dict(kv_pool_tokens=4096, block_size=8, max_context=512, max_batch=4, max_rows=5, min_window=16,
                     fuse_mlp=fuse_mlp)
-    eager, graphs = StaticCausalLM(model, compile="off", **settings), StaticCausalLM(model, compile="graphs", **settings)
-    assert graphs.mode == "graphs"
+    eager, graphs = static_executor(model, compile="off", **settings), static_executor(model, compile="graphs", **settings)
+    assert graphs.forward.mode == "graphs"
     # The same fused pointwise kernels both ways: what differs is the capture (fused against eager
     # kernels is tests/unit/test_static_executor.py's, on CPU).
-    assert graphs.forward.kernels is not kernels.EAGER
-    assert all((f is not None) == fuse_mlp for f in graphs.forward.gate_up)
-    eager.forward.kernels = graphs.forward.kernels
+    assert graphs.forward.llama.kernels is not kernels.EAGER
+    assert all((f is not None) == fuse_mlp for f in graphs.forward.llama.gate_up)
+    eager.forward.llama.kernels = graphs.forward.llama.kernels
     ready, _ = graphs.warm_up(600)
-    assert ready == len(graphs.batch_sizes) * len(graphs.row_sizes) * len(graphs.window_sizes)
+    assert ready == len(graphs.forward.batch_sizes) * len(graphs.forward.row_sizes) * len(graphs.forward.window_sizes)
     gen = torch.Generator().manual_seed(1)
     lengths = {}
     for seq, size in enumerate([3, 9, 30, 70, 200], 1):
@@ -180,12 +180,12 @@ def test_prompt_buckets_replayed_as_cuda_graphs_give_the_eager_logits(tiny_pair)
     model = load_causal_lm(tiny_pair.target_path, "cuda", "float64")
     settings = dict(kv_pool_tokens=4096, block_size=8, max_context=512, max_batch=4, max_rows=5, min_window=16,
                     prefill_rows=64)
-    eager, graphs = StaticCausalLM(model, compile="off", **settings), StaticCausalLM(model, compile="graphs", **settings)
-    eager.forward.kernels = graphs.forward.kernels
-    assert graphs.prefill_sizes == [8, 16, 32, 64]
+    eager, graphs = static_executor(model, compile="off", **settings), static_executor(model, compile="graphs", **settings)
+    eager.forward.llama.kernels = graphs.forward.llama.kernels
+    assert graphs.forward.prefill_sizes == [8, 16, 32, 64]
     ready, _ = graphs.warm_up(600)
-    assert ready == len(graphs.bucket_shapes())  # the prompt buckets too
-    prompt_shapes = {shape for shape in graphs.captured if shape[1] > 5}
+    assert ready == len(graphs.forward.bucket_shapes())  # the prompt buckets too
+    prompt_shapes = {shape for shape in graphs.forward.captured if shape[1] > 5}
     assert prompt_shapes and all(shape[0] == 1 for shape in prompt_shapes)
     gen = torch.Generator().manual_seed(4)
     for seq, (size, wanted) in enumerate([(6, 1), (8, 5), (17, 3), (33, 1), (64, 5), (65, 1)], 1):
@@ -194,7 +194,28 @@ def test_prompt_buckets_replayed_as_cuda_graphs_give_the_eager_logits(tiny_pair)
         assert torch.allclose(a, b, atol=1e-9), (size, (a - b).abs().max())
         a, b = eager.extend(seq, size, [7, 8], 2), graphs.extend(seq, size, [7, 8], 2)
         assert torch.allclose(a, b, atol=1e-9), size
-    assert len(graphs.captured) == ready  # nothing captured after warm-up for these
+    assert len(graphs.forward.captured) == ready  # nothing captured after warm-up for these
+
+
+def test_hidden_states_replayed_as_cuda_graphs_equal_the_eager_forward(tiny_pair):
+    """hidden_layers under CUDA graphs: each step's logits and chosen layers' outputs (the last layer's after
+    the final norm) equal the eager static forward's and transformers' own, in float64."""
+    model = load_causal_lm(tiny_pair.target_path, "cuda", "float64")
+    last = len(model.model.layers) - 1
+    settings = dict(kv_pool_tokens=4096, block_size=8, max_context=512, max_batch=4, max_rows=5, min_window=16,
+                    hidden_layers=(last, 0))
+    eager, graphs = static_executor(model, compile="off", **settings), static_executor(model, compile="graphs", **settings)
+    eager.forward.llama.kernels = graphs.forward.llama.kernels
+    graphs.warm_up(600)
+    prompt = list(range(3, 40))
+    steps = [[Step(1, 0, prompt, 2)], [Step(1, len(prompt), [5, 6, 7], 3)], [Step(1, len(prompt) + 3, [8], 1)]]
+    for batch in steps:
+        (a,), (b,) = eager.extend_many(batch, with_hidden=True), graphs.extend_many(batch, with_hidden=True)
+        assert torch.allclose(a.logits, b.logits, atol=1e-9) and torch.allclose(a.hidden, b.hidden, atol=1e-9)
+    with torch.no_grad():
+        reference = model(torch.tensor([prompt + [5, 6, 7, 8]], device="cuda"), output_hidden_states=True)
+    assert torch.allclose(b.hidden[:, 0], reference.hidden_states[last + 1][0, -1:], atol=1e-9)
+    assert torch.allclose(b.hidden[:, 1], reference.hidden_states[1][0, -1:], atol=1e-9)
 
 
 def test_rejection_sampling_runs_where_the_logits_are():
@@ -223,7 +244,7 @@ def test_prefix_caching_under_cuda_graphs_shares_blocks_with_the_same_logits(tin
     model = load_causal_lm(tiny_pair.target_path, "cuda", "float64")
     settings = dict(kv_pool_tokens=4096, block_size=8, max_context=512, max_batch=4, max_rows=5, min_window=16,
                     compile="graphs")
-    shared, plain = StaticCausalLM(model, **settings), StaticCausalLM(model, prefix_caching=False, **settings)
+    shared, plain = static_executor(model, **settings), static_executor(model, prefix_caching=False, **settings)
     gen = torch.Generator().manual_seed(2)
     system = torch.randint(0, 1000, (70,), generator=gen).tolist()
     lengths = {}

@@ -201,10 +201,12 @@ def http_generate(base_url: str, prompt: str | None, timeout: float = 120, strea
 
 
 def run_bench(script: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    """Run `bench/<script>` with this interpreter; fails the test, with its output's tail, if it fails."""
+    """Run `bench/<script>` (as the module bench.<script>, from the repository's root) with this interpreter;
+    fails the test, with its output's tail, if it fails."""
     import sys
 
-    path = Path(__file__).resolve().parents[2] / "bench" / script
-    result = subprocess.run([sys.executable, str(path), *args], capture_output=True, text=True, timeout=timeout)
+    root = Path(__file__).resolve().parents[2]
+    result = subprocess.run([sys.executable, "-m", f"bench.{script.removesuffix('.py')}", *args], capture_output=True,
+                            text=True, timeout=timeout, cwd=root)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     return result

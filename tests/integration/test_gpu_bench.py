@@ -11,14 +11,19 @@ import pytest
 
 pytestmark = pytest.mark.integration
 
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "gpu_bench.py"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def bench(name: str) -> list[str]:
+    """The command that runs bench/<name>.py: as a module, from the repository's root (`cwd=REPO_ROOT`)."""
+    return [sys.executable, "-m", f"bench.{name}"]
 
 
 def test_gpu_bench_small_mode_prints_every_row(tmp_path):
     out = tmp_path / "table.md"
-    result = subprocess.run([sys.executable, str(SCRIPT), "--small", "--compile", "off", "--prompts", "2",
+    result = subprocess.run([*bench("gpu_bench"), "--small", "--compile", "off", "--prompts", "2",
                              "--max-tokens", "12", "--streams", "3", "8", "--extra-k", "6", "--out", str(out)],
-                            capture_output=True, text=True, timeout=600)
+                            capture_output=True, text=True, timeout=600, cwd=REPO_ROOT)
     assert result.returncode == 0, result.stderr[-4000:]
     table = out.read_text()
     for row in ("weight-streaming bound", "plain PyTorch, static cache", "project executor",
@@ -70,9 +75,8 @@ def test_round_overhead_bench_splits_a_round(tmp_path):
     """On the synthetic pair's small twin (`--pair small`: the code path of the GPU's `--pair 8b`; the
     default tiny pair differs only in the paths it passes the launcher)."""
     out = tmp_path / "overhead.md"
-    script = SCRIPT.parent / "round_overhead.py"
-    result = subprocess.run([sys.executable, str(script), "--pair", "small", "--repeats", "1", "--max-tokens", "16",
-                             "--out", str(out)], capture_output=True, text=True, timeout=600)
+    result = subprocess.run([*bench("round_overhead"), "--pair", "small", "--repeats", "1", "--max-tokens", "16",
+                             "--out", str(out)], capture_output=True, text=True, timeout=600, cwd=REPO_ROOT)
     assert result.returncode == 0, result.stderr[-4000:]
     assert "cpu, synthetic small pair (float32), greedy" in out.read_text()
     rows = [line.split("|") for line in out.read_text().splitlines() if line.startswith("| K=")]
@@ -92,21 +96,19 @@ def test_round_overhead_bench_splits_a_round(tmp_path):
 
 
 def test_round_overhead_bench_refuses_the_8b_pair_on_cpu_and_top_p_without_sampling():
-    script = str(SCRIPT.parent / "round_overhead.py")
-    result = subprocess.run([sys.executable, script, "--pair", "8b"], capture_output=True, text=True, timeout=120)
+    result = subprocess.run([*bench("round_overhead"), "--pair", "8b"], capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
     assert result.returncode == 2 and "--pair 8b needs --device gpu" in result.stderr
-    result = subprocess.run([sys.executable, script, "--top-p", "0.9"], capture_output=True, text=True, timeout=120)
+    result = subprocess.run([*bench("round_overhead"), "--top-p", "0.9"], capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
     assert result.returncode == 2 and "--top-p applies to sampled rounds" in result.stderr
 
 
 def test_executor_bench_compares_the_executors_on_the_tiny_pair(tmp_path):
     out = tmp_path / "executor.md"
-    script = SCRIPT.parent / "executor_bench.py"
     # Its own inductor cache: the fused kernels compile here, not from entries other processes of the suite
     # write meanwhile (one unexplained 0.064 difference in a suite run; 8.6e-05 in every run alone).
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
-    result = subprocess.run([sys.executable, str(script), "--pair", "tiny", "--reps", "2", "--batch", "2",
-                             "--out", str(out)], capture_output=True, text=True, timeout=600, env=env)
+    result = subprocess.run([*bench("executor_bench"), "--pair", "tiny", "--reps", "2", "--batch", "2",
+                             "--out", str(out)], capture_output=True, text=True, timeout=600, env=env, cwd=REPO_ROOT)
     assert result.returncode == 0, result.stderr[-4000:]
     table = out.read_text()
     rows = [line.split("|") for line in table.splitlines() if line.startswith("| target")]
@@ -117,7 +119,7 @@ def test_executor_bench_compares_the_executors_on_the_tiny_pair(tmp_path):
 
 def test_concurrency_bench_compares_orchestrator_counts(tmp_path):
     """`loadtest/concurrency_bench.py --compare-orchestrators 1 2`: a server per count, both serving, one table."""
-    script = SCRIPT.parents[1] / "loadtest" / "concurrency_bench.py"
+    script = REPO_ROOT / "loadtest" / "concurrency_bench.py"
     result = subprocess.run([sys.executable, str(script), "--pair", "tiny", "--compare-orchestrators", "1", "2",
                              "--concurrency", "2", "--requests-per-level", "2", "--max-tokens", "8",
                              "--num-draft-tokens", "3"], capture_output=True, text=True, timeout=600)
@@ -136,9 +138,9 @@ def test_structured_bench_runs_every_mode_with_equal_text(tmp_path):
     """`make bench-structured` on the tiny pair: every schema, whitespace setting and proposal mode, the text
     the same in all three, and forced text proposed (rounds fewer than tokens) where the JSON is compact."""
     out = tmp_path / "structured.md"
-    result = subprocess.run([sys.executable, str(SCRIPT.parent / "structured_bench.py"), "--pair", "tiny",
+    result = subprocess.run([*bench("structured_bench"), "--pair", "tiny",
                              "--max-tokens", "16", "--repeats", "1", "--out", str(out)],
-                            capture_output=True, text=True, timeout=600)
+                            capture_output=True, text=True, timeout=600, cwd=REPO_ROOT)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in out.read_text().splitlines()
             if line.startswith("| ") and not line.startswith(("| schema", "| ---"))]

@@ -14,7 +14,7 @@ import pytest
 
 from client import Client, GenerationParams
 from specdec import tensor_names as tn
-from specdec.triton import cancellation, room, slots
+from specdec.triton.admission import cancellation, kv_room, sequence_slots
 
 from .helpers import GenerationError, grpc_stream, start_server, stop_server, stub_processes, stubs_left
 
@@ -45,8 +45,8 @@ def _scratch(server) -> list:
     tritonserver."""
     stub_pid = stub_processes(server.run_dir)[0].split()[0]
     triton_pid = int(subprocess.run(["ps", "-o", "ppid=", "-p", stub_pid], capture_output=True, text=True).stdout)
-    return [cancellation.default_directory(triton_pid), room.default_directory(triton_pid),
-            *slots.server_directories(triton_pid)]
+    return [cancellation.default_directory(triton_pid), kv_room.default_directory(triton_pid),
+            *sequence_slots.server_directories(triton_pid)]
 
 
 def test_every_model_is_warmed_up_in_its_own_stub_before_ready(own):
@@ -119,7 +119,7 @@ def test_the_image_base_is_the_triton_release_the_tests_serve_with(server):
 
 def test_the_stubs_run_with_the_launchers_openmp_spin_limit(server):
     """Every model's stub inherits GOMP_SPINCOUNT: with libgomp's default an idle model's workers keep a
-    core busy for milliseconds after each forward, through the next model's (README, "Where a served round goes")."""
+    core busy for milliseconds after each forward, through the next model's."""
     import os
 
     from specdec.serving.launcher import STUB_ENV_DEFAULTS

@@ -64,9 +64,10 @@ def test_suffix_bench_drafts_the_second_pass_from_the_first(limited, tmp_path):
     (greedy), and the repeated workload's second pass drafted from the first one's answers (more tokens per
     round). One request at a time: the limit never holds."""
     out = tmp_path / "suffix.md"
-    script = Path(__file__).resolve().parents[2] / "bench" / "suffix_bench.py"
-    result = subprocess.run([sys.executable, str(script), "--url", limited.grpc_url, "--pair", "tiny", "--prompts", "2",
-                             "--max-tokens", "16", "--out", str(out)], capture_output=True, text=True, timeout=600)
+    root = Path(__file__).resolve().parents[2]
+    result = subprocess.run([sys.executable, "-m", "bench.suffix_bench", "--url", limited.grpc_url, "--pair", "tiny", "--prompts", "2",
+                             "--max-tokens", "16", "--out", str(out)], capture_output=True, text=True, timeout=600,
+                            cwd=root)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     lines = [line for line in out.read_text().splitlines()
              if line.startswith("| ") and not line.startswith(("| workload", "| ---"))]

@@ -55,5 +55,5 @@ def test_concurrent_streams_wait_for_each_other_and_keep_their_outputs(gated, k)
     rounds = gated.metric("specdec_rounds_total") - rounds
     assert holds() - before >= rounds / 4, (holds() - before, rounds)
     # And target_model ran fewer forwards than it answered steps (how many fewer depends on how far apart
-    # the BLS calls reach it: README, "verify_gather_ms").
+    # the BLS calls reach it).
     assert metric("nv_inference_exec_count") - execs < metric("nv_inference_request_success") - steps

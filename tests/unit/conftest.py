@@ -37,14 +37,14 @@ def greedy_plain_and_edited(lm, prompt, draft, k, n, **edits):
     with a fixed K."""
     from specdec.decoding.loop import GenerationRequest
     from specdec.decoding.ngram_proposer import NgramProposer
-    from specdec.engine.executor import CausalLM
+    from specdec.engine.build import dynamic_executor
     from specdec.engine.local import LocalProposer, LocalScorer
 
     plain = run_fixed_k(GenerationRequest(seq_id=1, prompt_ids=prompt, max_tokens=n), NgramProposer(),
-                        LocalScorer(CausalLM(lm)), 0)
-    proposer = NgramProposer(min_ngram=1) if draft == "ngram" else LocalProposer(CausalLM(noisy_copy(lm)))
+                        LocalScorer(dynamic_executor(lm)), 0)
+    proposer = NgramProposer(min_ngram=1) if draft == "ngram" else LocalProposer(dynamic_executor(noisy_copy(lm)))
     edited = run_fixed_k(GenerationRequest(seq_id=2, prompt_ids=prompt, max_tokens=n, **edits), proposer,
-                         LocalScorer(CausalLM(lm)), k)
+                         LocalScorer(dynamic_executor(lm)), k)
     return plain, edited
 
 

@@ -1,5 +1,5 @@
-"""loadtest/aiperf_payload.json, the body aiperf's template endpoint sends (README, "Benchmarking with
-NVIDIA's aiperf"): rendered as aiperf renders it (Jinja2 with autoescape), it is JSON whose fields are
+"""loadtest/aiperf_payload.json, the body aiperf's template endpoint sends (docs/benchmarking.md):
+rendered as aiperf renders it (Jinja2 with autoescape), it is JSON whose fields are
 ensemble inputs of the right types, whatever the prompt holds."""
 
 import json

@@ -11,7 +11,7 @@ from specdec.decoding.bad_words import banned_tokens, mask_banned
 from specdec.decoding.loop import GenerationRequest
 from specdec.decoding.ngram_proposer import NgramProposer
 from specdec.decoding.sampling import SamplingParams
-from specdec.engine.executor import CausalLM
+from specdec.engine.build import dynamic_executor
 from specdec.engine.local import LocalProposer, LocalScorer
 
 from .conftest import noisy_copy, run_fixed_k
@@ -78,12 +78,12 @@ def _contains(output, word):
 @pytest.mark.parametrize("draft,k", [("none", 0), ("draft_model", 3), ("ngram", 4)])
 def test_greedy_speculation_under_bans_is_greedy_target_decoding_under_them(tiny_lm, draft, k):
     plain = run_fixed_k(GenerationRequest(seq_id=1, prompt_ids=PROMPT, max_tokens=30), NgramProposer(),
-                 LocalScorer(CausalLM(tiny_lm)), 0)
+                 LocalScorer(dynamic_executor(tiny_lm)), 0)
     # Ban what greedy decoding does produce: a one-token word and a two-token word of its output.
     bad_words = ((plain[2],), (plain[6], plain[7]))
-    proposer = NgramProposer(min_ngram=1) if draft == "ngram" else LocalProposer(CausalLM(noisy_copy(tiny_lm)))
+    proposer = NgramProposer(min_ngram=1) if draft == "ngram" else LocalProposer(dynamic_executor(noisy_copy(tiny_lm)))
     output = run_fixed_k(GenerationRequest(seq_id=2, prompt_ids=PROMPT, max_tokens=30, bad_words=bad_words),
-                  proposer, LocalScorer(CausalLM(tiny_lm)), k)
+                  proposer, LocalScorer(dynamic_executor(tiny_lm)), k)
     assert output != plain
     assert output == _reference_greedy(tiny_lm, PROMPT, 30, bad_words)
     assert not any(_contains(output, word) for word in bad_words)
@@ -100,7 +100,7 @@ def test_sampled_speculation_follows_the_targets_banned_distribution(tiny_lm):
     masked = logits.clone()
     masked[order[:2]] = float("-inf")
     expected = torch.softmax(masked.double(), -1)
-    target, proposer = CausalLM(tiny_lm), LocalProposer(CausalLM(noisy_copy(tiny_lm)))
+    target, proposer = dynamic_executor(tiny_lm), LocalProposer(dynamic_executor(noisy_copy(tiny_lm)))
     n = 1500
     counts = torch.zeros(len(expected), dtype=torch.float64)
     seconds = []

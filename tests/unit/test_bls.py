@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from specdec import tensor_names as tn
+from specdec.decoding.interfaces import VerifyCall
 from specdec.decoding.sampling import SamplingParams
 from specdec.triton.bls import BlsProposer, BlsScorer
 
@@ -29,8 +30,12 @@ class _Pb:
         self.sent = []
 
     def InferenceRequest(self, model_name, inputs, requested_output_names, correlation_id, flags, timeout):  # noqa: N802
-        self.sent.append({t.name(): t.as_numpy() for t in inputs})
+        sent = {t.name(): t.as_numpy() for t in inputs}
+        self.sent.append(sent)
+        # What the draft model's executor reports: every drafted token but the last runs through its cache.
+        cached = sent[tn.CACHE_LENGTH].item() + sent[tn.INPUT_IDS].size + sent.get(tn.NUM_DRAFT_TOKENS, np.ones(1)).item() - 1
         outputs = {tn.DRAFT_TOKENS: _Tensor(tn.DRAFT_TOKENS, [[3, 4]]),
+                   tn.CACHED_LENGTH: _Tensor(tn.CACHED_LENGTH, [[cached]]),
                    tn.DRAFT_PROBS: _Tensor(tn.DRAFT_PROBS, np.full((1, 2, 5), 0.2, dtype=np.float32)),
                    tn.GREEDY_TOKENS: _Tensor(tn.GREEDY_TOKENS, [[7, 8]]),
                    tn.FORWARD_STATS: _Tensor(tn.FORWARD_STATS, [[2, 1, 0.01]])}
@@ -83,7 +88,7 @@ def test_a_long_prompt_goes_in_chunks_that_ask_for_nothing_the_first_taking_the_
     scorer, proposer = BlsScorer(pb, tn.TARGET_MODEL_NAME, prefill_chunk=4), BlsProposer(pb, tn.DRAFT_MODEL_NAME,
                                                                                      prefill_chunk=4)
     prompt = list(range(1, 12))  # 11 tokens
-    scores = asyncio.run(scorer.score(1, 0, prompt + [50, 51], 2, want_logits=False, reserve=40))
+    scores = asyncio.run(scorer.score(VerifyCall(1, 0, prompt + [50, 51], 2, reserve=40)))
     assert scores.greedy_tokens.tolist() == [7, 8]
     sent = [{name: value.reshape(-1).tolist() for name, value in call.items()} for call in pb.sent]
     assert sent == [
@@ -103,8 +108,8 @@ def test_a_long_prompt_goes_in_chunks_that_ask_for_nothing_the_first_taking_the_
     assert [call[tn.RESERVE_TOKENS].item() for call in pb.sent] == [40, 0, 0]
     assert len(_input_sets(pb.sent)) == 1  # chunks carry the step's input set
     pb.sent.clear()
-    asyncio.run(scorer.score(1, 13, [52], 1, want_logits=False))  # a round: one call, as without chunks
-    asyncio.run(BlsScorer(pb, tn.TARGET_MODEL_NAME).score(3, 0, prompt, 1, want_logits=False))  # 0: off
+    asyncio.run(scorer.score(VerifyCall(1, 13, [52], 1)))  # a round: one call, as without chunks
+    asyncio.run(BlsScorer(pb, tn.TARGET_MODEL_NAME).score(VerifyCall(3, 0, prompt, 1)))  # 0: off
     assert [len(call[tn.INPUT_IDS].reshape(-1)) for call in pb.sent] == [1, 11]
 
 
@@ -112,11 +117,11 @@ def test_a_grammar_bitmask_goes_with_the_verify_and_no_logits_come_back():
     pb = _Pb()
     bits = torch.tensor([[0b110, -1], [-1, 7]], dtype=torch.int32)
     scorer = BlsScorer(pb, tn.TARGET_MODEL_NAME)
-    scores = asyncio.run(scorer.score(1, 3, [5, 6], 2, want_logits=False, allowed=bits))
+    scores = asyncio.run(scorer.score(VerifyCall(1, 3, [5, 6], 2, allowed=bits)))
     assert scores.greedy_tokens.tolist() == [7, 8] and scores.logits is None
     sent = pb.sent[-1][tn.ALLOWED_TOKENS]
     assert sent.dtype == np.int32 and sent.shape == (1, 2, 2) and sent[0].tolist() == bits.tolist()
-    asyncio.run(scorer.score(1, 5, [7], 1, want_logits=False))
+    asyncio.run(scorer.score(VerifyCall(1, 5, [7], 1)))
     assert pb.sent[-1][tn.ALLOWED_TOKENS].size == 0 and pb.sent[-1][tn.NUM_LOGITS].item() == 1  # every token
     asyncio.run(scorer.release(1))
     assert pb.sent[-1][tn.RELEASE].item() and pb.sent[-1][tn.NUM_LOGITS].item() == 0

@@ -1,7 +1,7 @@
 import os
 import time
 
-from specdec.triton.cancellation import CancellationBoard
+from specdec.triton.admission.cancellation import CancellationBoard
 
 
 def test_flags_are_shared_through_the_directory(tmp_path):

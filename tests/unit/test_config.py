@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from specdec.engine.executor import load_causal_lm
+from specdec.engine.loading import load_causal_lm
 from specdec.triton.config import ConfigError, ModelParameters
 
 

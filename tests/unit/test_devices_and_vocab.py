@@ -15,7 +15,7 @@ from specdec.decoding.loop import GenerationRequest, generate
 from specdec.decoding.ngram_proposer import NgramProposer
 from specdec.decoding.sampling import SamplingParams, make_generator
 from specdec.decoding.text import vocabulary_mismatch
-from specdec.engine.executor import CausalLM
+from specdec.engine.build import dynamic_executor
 from specdec.engine.kv_cache import layer_devices
 from specdec.engine.local import LocalProposer, LocalScorer, collect
 
@@ -60,9 +60,9 @@ def test_each_layers_kv_buffers_live_on_that_layers_device():
     """A spread model (device_map=auto) has layers on several devices; 'meta' stands in for a second GPU."""
     model = tiny(TOKENS, 3, 0)
     model.model.layers[1].to("meta")
-    lm = CausalLM(model)
+    lm = dynamic_executor(model)
     assert [d.type for d in layer_devices(model, 3)] == ["cpu", "meta", "cpu"]
-    seq = lm._new_sequence()
+    seq = lm.kv.new_sequence()
     assert [k.device.type for k in seq.keys] == ["cpu", "meta", "cpu"]
     assert [v.device.type for v in seq.values] == ["cpu", "meta", "cpu"]
     seq.reserve(seq.capacity + 1)  # growth keeps each buffer where it was
@@ -72,8 +72,8 @@ def test_each_layers_kv_buffers_live_on_that_layers_device():
 @pytest.mark.parametrize("draft", ["ngram", "draft_model"])
 def test_padded_vocabularies_of_different_widths_sample_without_error(draft):
     """Target logits 160 wide, draft 128 wide, tokenizer 90 ids: the rows are compared as one width."""
-    target = CausalLM(tiny(160, 2, 0))
-    proposer = NgramProposer(min_ngram=1) if draft == "ngram" else LocalProposer(CausalLM(tiny(128, 1, 1)))
+    target = dynamic_executor(tiny(160, 2, 0))
+    proposer = NgramProposer(min_ngram=1) if draft == "ngram" else LocalProposer(dynamic_executor(tiny(128, 1, 1)))
     prompt = [5, 6, 7, 5, 6, 7, 5, 6]  # repeats, so prompt lookup proposes
     for seed in range(3):
         req = GenerationRequest(seq_id=1, prompt_ids=prompt, max_tokens=12,
@@ -100,7 +100,7 @@ def test_a_draft_token_beyond_the_targets_vocabulary_is_rejected_and_resampled()
 
 
 def test_seeded_sampling_with_a_draft_model_is_reproducible():
-    target, draft = CausalLM(tiny(160, 2, 0)), CausalLM(tiny(128, 1, 1))
+    target, draft = dynamic_executor(tiny(160, 2, 0)), dynamic_executor(tiny(128, 1, 1))
     req = GenerationRequest(seq_id=3, prompt_ids=[1, 2, 3], max_tokens=16,
                             sampling=SamplingParams(temperature=0.8, seed=42))
 

@@ -3,8 +3,10 @@
 import pytest
 import torch
 
-from specdec.engine.executor import EXACT_ROWS, CacheError, CausalLM, padded_rows
 from specdec.decoding.sampling import SamplingParams, make_generator
+from specdec.engine.build import dynamic_executor
+from specdec.engine.executor import CacheError
+from specdec.engine.transformers_forward import EXACT_ROWS, padded_rows
 
 
 def full_logits(model, ids):
@@ -13,7 +15,7 @@ def full_logits(model, ids):
 
 
 def test_incremental_extend_matches_full_forward(tiny_lm):
-    lm = CausalLM(tiny_lm)
+    lm = dynamic_executor(tiny_lm)
     ids = [5, 17, 3, 88, 41, 2, 9]
     first = lm.extend(1, 0, ids[:4], 2)
     second = lm.extend(1, 4, ids[4:], 3)
@@ -25,7 +27,7 @@ def test_incremental_extend_matches_full_forward(tiny_lm):
 
 def test_rollback_after_rejection_is_consistent(tiny_lm):
     """Append rejected tokens, roll back to the accepted prefix, continue: same as never drafting them."""
-    lm = CausalLM(tiny_lm)
+    lm = dynamic_executor(tiny_lm)
     prompt = [5, 17, 3, 88]
     lm.extend(7, 0, prompt, 1)
     lm.extend(7, 4, [10, 11, 12, 13], 4)  # a (K+1)-token verify; only 10 is accepted
@@ -36,14 +38,14 @@ def test_rollback_after_rejection_is_consistent(tiny_lm):
 
 
 def test_rollback_to_zero_restarts_the_sequence(tiny_lm):
-    lm = CausalLM(tiny_lm)
+    lm = dynamic_executor(tiny_lm)
     lm.extend(3, 0, [1, 2, 3], 1)
     again = lm.extend(3, 0, [4, 5], 1)
     assert torch.allclose(again, full_logits(tiny_lm, [4, 5])[-1:], atol=1e-10)
 
 
 def test_sequences_are_independent(tiny_lm):
-    lm = CausalLM(tiny_lm)
+    lm = dynamic_executor(tiny_lm)
     lm.extend(1, 0, [1, 2, 3], 1)
     b = lm.extend(2, 0, [7, 8], 1)
     a = lm.extend(1, 3, [4], 1)
@@ -52,30 +54,30 @@ def test_sequences_are_independent(tiny_lm):
 
 
 def test_greedy_propose_matches_greedy_decoding(tiny_lm):
-    lm = CausalLM(tiny_lm)
+    lm = dynamic_executor(tiny_lm)
     prompt = [5, 17, 3]
-    tokens, probs = lm.propose(1, 0, prompt, 4, SamplingParams())
+    tokens, probs, cached_length = lm.propose(1, 0, prompt, 4, SamplingParams())
     ids = list(prompt)
     for _ in range(4):
         ids.append(int(full_logits(tiny_lm, ids)[-1].argmax()))
     assert tokens == ids[3:] and probs is None
-    assert lm.cached_length(1) == 3 + 4 - 1  # the last proposal is not run through the model
+    assert lm.cached_length(1) == cached_length == 3 + 4 - 1  # the last proposal is not run through the model
 
 
 def test_sampled_propose_is_reproducible_and_returns_distributions(tiny_lm):
     params = SamplingParams(temperature=1.0, top_k=20)
     runs = []
     for _ in range(2):
-        lm = CausalLM(tiny_lm)
+        lm = dynamic_executor(tiny_lm)
         runs.append(lm.propose(1, 0, [5, 6], 3, params, make_generator(11)))
-    (tokens_a, probs_a), (tokens_b, probs_b) = runs
+    (tokens_a, probs_a, _), (tokens_b, probs_b, _) = runs
     assert tokens_a == tokens_b and torch.equal(probs_a, probs_b)
     assert probs_a.shape == (3, 97)
     assert all(probs_a[i, tok] > 0 for i, tok in enumerate(tokens_a))
 
 
 def test_cache_errors_name_the_problem(tiny_lm):
-    lm = CausalLM(tiny_lm, max_sequences=1)
+    lm = dynamic_executor(tiny_lm, max_sequences=1)
     with pytest.raises(CacheError, match="has no cache"):
         lm.extend(1, 3, [1], 1)
     lm.extend(1, 0, [1, 2], 1)
@@ -89,7 +91,7 @@ def test_cache_errors_name_the_problem(tiny_lm):
 
 def test_release_and_idle_eviction(tiny_lm):
     now = [0.0]
-    lm = CausalLM(tiny_lm, idle_timeout_s=10, clock=lambda: now[0])
+    lm = dynamic_executor(tiny_lm, idle_timeout_s=10, clock=lambda: now[0])
     lm.extend(1, 0, [1], 1)
     lm.extend(2, 0, [1], 1)
     assert lm.release(1) and not lm.release(1)
@@ -106,7 +108,7 @@ def test_batched_extend_equals_each_sequences_own_forward(tiny_lm):
     padded forward: every row's logits and resulting cache equal a fresh forward of that sequence."""
     from specdec.engine.executor import Step
 
-    lm = CausalLM(tiny_lm)
+    lm = dynamic_executor(tiny_lm)
     lm.extend(1, 0, [5, 17, 3, 88, 41, 2, 9], 1)
     lm.extend(2, 0, [7, 8], 1)
     lm.extend(3, 0, [30, 31, 32, 33, 34], 1)
@@ -137,7 +139,7 @@ def test_batched_extend_equals_each_sequences_own_forward(tiny_lm):
 def test_batched_step_errors_stay_with_their_step(tiny_lm):
     from specdec.engine.executor import Step
 
-    lm = CausalLM(tiny_lm)
+    lm = dynamic_executor(tiny_lm)
     lm.extend(1, 0, [1, 2, 3], 1)
     out = lm.extend_many([Step(1, 3, [4], 1), Step(9, 5, [1], 1), Step(2, 0, [], 1)])
     assert torch.allclose(out[0], full_logits(tiny_lm, [1, 2, 3, 4])[-1:], atol=1e-9)
@@ -150,7 +152,7 @@ def test_batched_propose_equals_one_by_one(tiny_lm, temperature):
     from specdec.engine.executor import Step
 
     params = SamplingParams(temperature=temperature)
-    solo, batched = CausalLM(tiny_lm), CausalLM(tiny_lm)
+    solo, batched = dynamic_executor(tiny_lm), dynamic_executor(tiny_lm)
     prompts = {1: [5, 17, 3, 88], 2: [7, 8], 3: [30, 31, 32, 33, 34, 35]}
     ks = {1: 4, 2: 1, 3: 3}
     expected = {}
@@ -159,7 +161,7 @@ def test_batched_propose_equals_one_by_one(tiny_lm, temperature):
         expected[sid] = solo.propose(sid, 0, prompt, ks[sid], params, gen)
     steps = [Step(sid, 0, prompt, k=ks[sid], params=params, generator=make_generator(sid) if temperature else None)
              for sid, prompt in prompts.items()]
-    for (tokens, probs), sid in zip(batched.propose_many(steps), prompts):
+    for (tokens, probs, _), sid in zip(batched.propose_many(steps), prompts):
         assert tokens == expected[sid][0]
         if temperature:
             assert torch.allclose(probs, expected[sid][1], atol=1e-9)
@@ -171,7 +173,7 @@ def test_padding_to_min_forward_rows_changes_nothing_but_the_shape(tiny_lm):
     logits and caches are those of the unpadded forwards."""
     from specdec.engine.executor import Step
 
-    lm = CausalLM(tiny_lm, min_forward_rows=4)
+    lm = dynamic_executor(tiny_lm, min_forward_rows=4)
     lm.extend(1, 0, [5, 17, 3], 1)
     two = lm.extend(1, 3, [88, 41], 2)
     assert torch.allclose(two, full_logits(tiny_lm, [5, 17, 3, 88, 41])[-2:], atol=1e-9)
@@ -209,7 +211,7 @@ def test_row_buckets_change_nothing_but_the_shape(tiny_lm):
 
     hook = tiny_lm.register_forward_pre_hook(record, with_kwargs=True)
     try:
-        lm = CausalLM(tiny_lm, row_buckets=True)
+        lm = dynamic_executor(tiny_lm, row_buckets=True)
         ids = [int(x) for x in torch.randint(0, 97, (60,), generator=torch.Generator().manual_seed(5))]
         prompt = lm.extend(1, 0, ids[:33], 33)
         assert torch.allclose(prompt, full_logits(tiny_lm, ids[:33]), atol=1e-9)
@@ -232,7 +234,7 @@ def test_row_buckets_change_nothing_but_the_shape(tiny_lm):
 def test_buffers_grow_past_their_initial_capacity_without_losing_content(tiny_lm):
     """Steps that cross the 64-position initial capacity (and a rollback across it) still equal a fresh
     forward: growing copies the valid positions."""
-    lm = CausalLM(tiny_lm)
+    lm = dynamic_executor(tiny_lm)
     ids = [int(x) for x in torch.randint(0, 97, (150,), generator=torch.Generator().manual_seed(3))]
     lm.extend(1, 0, ids[:60], 1)
     assert lm.sequences[1].capacity == 64
@@ -257,7 +259,7 @@ def test_sliding_window_attention_matches_transformers():
     model = MistralForCausalLM(MistralConfig(
         vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, sliding_window=4, initializer_range=0.5)).to(torch.float64).eval()
-    reference = CausalLM(model)  # registers our attention; plain forwards fall back to transformers' SDPA
+    reference = dynamic_executor(model)  # registers our attention; plain forwards fall back to transformers' SDPA
     ids = [5, 17, 3, 88, 41, 2, 9, 10, 11, 12]
     full = full_logits(model, ids)
     windowless = MistralForCausalLM(MistralConfig(**{**model.config.to_dict(), "sliding_window": None}))

@@ -81,13 +81,24 @@ def test_the_wait_doubles_while_the_draft_keeps_failing_and_resets_when_it_answe
     assert proposer.wait == 1.0 and proposer.available
 
 
-def test_a_failing_release_does_not_propagate():
+def test_a_failing_release_does_not_propagate_and_the_targets_cache_is_still_released(capsys):
     class BadRelease(FakeProposer):
         async def release(self, seq_id):
+            self.released.append(seq_id)
             raise RuntimeError("gone")
 
-    proposer = FallbackProposer(BadRelease(), "d")
-    asyncio.run(proposer.release(7))  # logged, not raised: the target's cache must still be released
+    inner, scorer = BadRelease(agree_every=3), FakeScorer()
+    proposer = FallbackProposer(inner, "d")
+    prompt = [1, 2, 3, 1, 2]
+
+    async def collect():
+        rounds = generate(GenerationRequest(seq_id=7, prompt_ids=prompt, max_tokens=12), proposer, scorer,
+                          DraftLengthPolicy.fixed(3))
+        return [t async for rnd in rounds for t in rnd.new_tokens]
+
+    assert asyncio.run(collect()) == reference_greedy(prompt, 12)  # the request completes, same output
+    assert inner.released == [7] and scorer.released == [7]  # the draft was asked; the target freed anyway
+    assert "releasing sequence 7 failed: gone" in capsys.readouterr().err  # logged, not raised
 
 
 def test_a_draft_without_room_for_a_sequence_stays_in_rotation_for_the_others():

@@ -17,9 +17,9 @@ from specdec.decoding.loop import GenerationRequest, _within_grammar
 from specdec.decoding.ngram_proposer import NgramProposer
 from specdec.decoding.sampling import SamplingParams
 from specdec.decoding.text import load_tokenizer
-from specdec.engine.executor import CausalLM
-from specdec.engine.local import LocalProposer, LocalScorer
 from specdec.decoding.token_mask import allowed_greedy, mask_disallowed, unpack_allowed
+from specdec.engine.build import dynamic_executor
+from specdec.engine.local import LocalProposer, LocalScorer
 from specdec.serving.pairs import smollm2_tokenizer_dir
 
 from .conftest import noisy_copy, run_fixed_k, tiny_llama
@@ -170,14 +170,14 @@ def constrained_greedy(model, guides, grammar, prompt, n):
 def test_greedy_speculation_under_a_schema_is_constrained_greedy_target_decoding(lm, guides, tokenizer, draft, k):
     grammar = guides.compile("json_schema", json.dumps(SCHEMA))
     prompt = tokenizer.encode('Answer in JSON, e.g. {"name":"Ann","age":7}: ', add_special_tokens=False)
-    proposer = NgramProposer(min_ngram=1) if draft == "ngram" else LocalProposer(CausalLM(noisy_copy(lm)))
+    proposer = NgramProposer(min_ngram=1) if draft == "ngram" else LocalProposer(dynamic_executor(noisy_copy(lm)))
     output = run_fixed_k(GenerationRequest(seq_id=1, prompt_ids=prompt, max_tokens=40, grammar=grammar,
-                                           end_ids=frozenset([EOS])), proposer, LocalScorer(CausalLM(lm)), k)
+                                           end_ids=frozenset([EOS])), proposer, LocalScorer(dynamic_executor(lm)), k)
     assert output == constrained_greedy(lm, guides, grammar, prompt, 40)
     value = json.loads(tokenizer.decode(output))
     assert set(value) == {"name", "age"} and len(value["name"]) <= 6 and 0 <= value["age"] <= 99
     plain = run_fixed_k(GenerationRequest(seq_id=2, prompt_ids=prompt, max_tokens=len(output)), NgramProposer(),
-                        LocalScorer(CausalLM(lm)), 0)
+                        LocalScorer(dynamic_executor(lm)), 0)
     assert plain != output  # the random model left to itself writes no JSON
 
 
@@ -188,9 +188,9 @@ class RecordingScorer(LocalScorer):
         super().__init__(lm)
         self.calls = []
 
-    async def score(self, *args, want_logits, allowed=None, **kwargs):
-        self.calls.append((want_logits, allowed is not None))
-        return await super().score(*args, want_logits=want_logits, allowed=allowed, **kwargs)
+    async def score(self, call):
+        self.calls.append((call.want_logits, call.allowed is not None))
+        return await super().score(call)
 
 
 @pytest.mark.parametrize("k", [0, 3])
@@ -207,11 +207,11 @@ def test_a_greedy_grammar_alone_is_picked_by_the_target_with_no_logits_shipped(l
     async def run(scorer, **edits):
         req = GenerationRequest(seq_id=3, prompt_ids=prompt, max_tokens=30, grammar=grammar, log_probs=True,
                                 end_ids=frozenset([EOS]), **edits)
-        rounds = [rnd async for rnd in generate(req, LocalProposer(CausalLM(noisy_copy(lm))), scorer,
+        rounds = [rnd async for rnd in generate(req, LocalProposer(dynamic_executor(noisy_copy(lm))), scorer,
                                                 DraftLengthPolicy.fixed(k))]
         return [t for rnd in rounds for t in rnd.new_tokens], [p for rnd in rounds for p in rnd.log_probs]
 
-    picked_by_target, shipped = RecordingScorer(CausalLM(lm)), RecordingScorer(CausalLM(lm))
+    picked_by_target, shipped = RecordingScorer(dynamic_executor(lm)), RecordingScorer(dynamic_executor(lm))
     tokens, log_probs = asyncio.run(run(picked_by_target))
     edited, edited_log_probs = asyncio.run(run(shipped, token_bias=TokenBias(bias=((5, 0.0),))))
     assert set(picked_by_target.calls) == {(False, True)} and set(shipped.calls) == {(True, False)}
@@ -267,7 +267,7 @@ def test_text_the_grammar_forces_is_proposed_without_the_draft(lm, guides, token
     async def run(k, proposer):
         stats = Stats()
         rounds = generate(GenerationRequest(seq_id=5, prompt_ids=prompt, max_tokens=40, grammar=grammar),
-                          proposer, LocalScorer(CausalLM(lm)), DraftLengthPolicy.fixed(k), stats)
+                          proposer, LocalScorer(dynamic_executor(lm)), DraftLengthPolicy.fixed(k), stats)
         return [t async for rnd in rounds for t in rnd.new_tokens], stats
 
     plain, plain_stats = asyncio.run(run(0, NgramProposer()))  # K = 0: target-only, nothing forced
@@ -337,8 +337,8 @@ def test_sampled_speculation_follows_the_constrained_target(lm, guides, tokenize
     prompt = tokenizer.encode("Pick one: red, green, blue, purple. purple? purple", add_special_tokens=False)
     exact = _exact_choice_distribution(lm, guides, grammar, tokenizer, prompt)
     assert set(exact) == set(choices) and math.isclose(sum(exact.values()), 1.0, rel_tol=1e-9)
-    target = CausalLM(lm)
-    proposer = {"mixed": lambda: MixedProposer(tokenizer), "draft_model": lambda: LocalProposer(CausalLM(noisy_copy(lm))),
+    target = dynamic_executor(lm)
+    proposer = {"mixed": lambda: MixedProposer(tokenizer), "draft_model": lambda: LocalProposer(dynamic_executor(noisy_copy(lm))),
                 "ngram": lambda: NgramProposer(min_ngram=1)}[draft]()
     n = 1500
     seen: dict[str, int] = {}

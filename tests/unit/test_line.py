@@ -1,4 +1,4 @@
-"""The server-wide first-come-first-served line (`line.py`) the admission waits share: ordered by arrival
+"""The server-wide first-come-first-served line (`ticket_line.py`) the admission waits share: ordered by arrival
 across processes, a ticket left is gone, a killed process's ticket skipped and removed."""
 
 import os
@@ -6,7 +6,7 @@ import signal
 import subprocess
 import sys
 
-from specdec.triton.line import TicketLine
+from specdec.triton.admission.ticket_line import TicketLine
 
 
 def test_tickets_go_in_arrival_order_across_lines(tmp_path):
@@ -22,7 +22,7 @@ def test_tickets_go_in_arrival_order_across_lines(tmp_path):
 
 
 def test_a_killed_process_ticket_is_skipped_and_removed(tmp_path):
-    code = ("import sys, time; from pathlib import Path; from specdec.triton.line import TicketLine; "
+    code = ("import sys, time; from pathlib import Path; from specdec.triton.admission.ticket_line import TicketLine; "
             "TicketLine(Path(sys.argv[1])).join(); print('in line', flush=True); time.sleep(60)")
     other = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "line")], stdout=subprocess.PIPE, text=True)
     try:

@@ -10,7 +10,7 @@ from specdec.decoding.draft_length import DraftLengthPolicy
 from specdec.decoding.loop import GenerationRequest, generate
 from specdec.decoding.ngram_proposer import NgramProposer
 from specdec.decoding.sampling import SamplingParams, greedy_log_probs, token_log_probs
-from specdec.engine.executor import CausalLM
+from specdec.engine.build import dynamic_executor
 from specdec.engine.local import LocalProposer, LocalScorer
 
 from .conftest import noisy_copy
@@ -46,8 +46,8 @@ def _run(req, proposer, scorer, k):
 @pytest.mark.parametrize("draft,k,temperature", [
     ("none", 0, 0.0), ("draft_model", 3, 0.0), ("ngram", 4, 0.0), ("draft_model", 3, 1.0), ("ngram", 4, 0.8)])
 def test_each_token_carries_the_targets_log_probability(tiny_lm, draft, k, temperature):
-    target = CausalLM(tiny_lm)
-    proposer = NgramProposer(min_ngram=1) if draft == "ngram" else LocalProposer(CausalLM(noisy_copy(tiny_lm)))
+    target = dynamic_executor(tiny_lm)
+    proposer = NgramProposer(min_ngram=1) if draft == "ngram" else LocalProposer(dynamic_executor(noisy_copy(tiny_lm)))
     req = GenerationRequest(seq_id=3, prompt_ids=PROMPT, max_tokens=40, log_probs=True,
                             sampling=SamplingParams(temperature=temperature, seed=11))
     rounds = _run(req, proposer, LocalScorer(target), k)
@@ -62,21 +62,21 @@ def test_each_token_carries_the_targets_log_probability(tiny_lm, draft, k, tempe
                           atol=1e-4)
     plain = _run(GenerationRequest(seq_id=4, prompt_ids=PROMPT, max_tokens=40,
                                    sampling=SamplingParams(temperature=temperature, seed=11)),
-                 NgramProposer(min_ngram=1) if draft == "ngram" else LocalProposer(CausalLM(noisy_copy(tiny_lm))),
-                 LocalScorer(CausalLM(tiny_lm)), k)
+                 NgramProposer(min_ngram=1) if draft == "ngram" else LocalProposer(dynamic_executor(noisy_copy(tiny_lm))),
+                 LocalScorer(dynamic_executor(tiny_lm)), k)
     assert all(rnd.log_probs is None for rnd in plain)  # not asked: nothing computed
     assert [token for rnd in plain for token in rnd.new_tokens] == output  # asking changes no token
 
 
 def test_log_probs_are_cut_with_the_tokens_at_an_end_token(tiny_lm):
-    target = CausalLM(tiny_lm)
+    target = dynamic_executor(tiny_lm)
     free = _run(GenerationRequest(seq_id=5, prompt_ids=PROMPT, max_tokens=30, log_probs=True),
-                LocalProposer(CausalLM(noisy_copy(tiny_lm))), LocalScorer(target), 4)
+                LocalProposer(dynamic_executor(noisy_copy(tiny_lm))), LocalScorer(target), 4)
     output = [token for rnd in free for token in rnd.new_tokens]
     end = output[12]  # generation stops at its first occurrence, which is dropped
     stopped = _run(GenerationRequest(seq_id=6, prompt_ids=PROMPT, max_tokens=30, log_probs=True,
                                      end_ids=frozenset([end])),
-                   LocalProposer(CausalLM(noisy_copy(tiny_lm))), LocalScorer(CausalLM(tiny_lm)), 4)
+                   LocalProposer(dynamic_executor(noisy_copy(tiny_lm))), LocalScorer(dynamic_executor(tiny_lm)), 4)
     kept = [token for rnd in stopped for token in rnd.new_tokens]
     assert kept == output[:output.index(end)] and stopped[-1].finish_reason == "stop"
     assert [len(rnd.log_probs) for rnd in stopped] == [len(rnd.new_tokens) for rnd in stopped]

@@ -12,7 +12,7 @@ from specdec.decoding.interfaces import Proposal
 from specdec.decoding.logit_bias import TokenBias, apply_bias
 from specdec.decoding.loop import GenerationRequest
 from specdec.decoding.sampling import SamplingParams
-from specdec.engine.executor import CausalLM
+from specdec.engine.build import dynamic_executor
 from specdec.engine.local import LocalProposer, LocalScorer
 
 from .conftest import greedy_plain_and_edited, noisy_copy, run_fixed_k, tiny_llama
@@ -90,8 +90,8 @@ def test_sampled_speculation_follows_the_biased_target(draft):
             second = torch.softmax(_naive(model(torch.tensor([prompt + [a]])).logits[0, -1], token_bias), -1)
             for b in range(8):
                 exact[(a, b)] = float(first[a] * second[b])
-    target = CausalLM(model)
-    proposer = LocalProposer(CausalLM(noisy_copy(model))) if draft == "draft_model" else FixedProposer()
+    target = dynamic_executor(model)
+    proposer = LocalProposer(dynamic_executor(noisy_copy(model))) if draft == "draft_model" else FixedProposer()
     n = 3000
     seen = {}
     for seed in range(n):

@@ -57,12 +57,11 @@ class FakeModel:
 
 
 class FakeScorer(FakeModel):
-    async def score(self, seq_id, keep, new_ids, num_positions, want_logits, reserve=0, want_log_probs=False,
-                    allowed=None):
-        self.reserves.append(reserve)
-        cache = self._extend(seq_id, keep, new_ids)
+    async def score(self, call):
+        self.reserves.append(call.reserve)
+        cache = self._extend(call.seq_id, call.keep, call.new_ids)
         n = len(cache)
-        greedy = [true_next(cache[:i]) for i in range(n - num_positions + 1, n + 1)]
+        greedy = [true_next(cache[:i]) for i in range(n - call.num_positions + 1, n + 1)]
         return Scores(torch.tensor(greedy), None)
 
 
@@ -229,12 +228,11 @@ class RoomlessScorer(FakeScorer):
         super().__init__()
         self.full_for = full_for
 
-    async def score(self, seq_id, keep, new_ids, num_positions, want_logits, reserve=0, want_log_probs=False,
-                    allowed=None):
-        if reserve and self.full_for:
+    async def score(self, call):
+        if call.reserve and self.full_for:
             self.full_for -= 1
             raise NoCapacity("target_model: KV cache budget full")
-        return await super().score(seq_id, keep, new_ids, num_positions, want_logits, reserve)
+        return await super().score(call)
 
 
 def test_a_new_sequence_waits_for_room_and_keeps_its_output():
@@ -281,11 +279,10 @@ def test_sampled_rounds_accept_by_the_target_and_draft_probs(proposed, accepted)
     vocab = 5
 
     class SampledScorer(FakeModel):
-        async def score(self, seq_id, keep, new_ids, num_positions, want_logits, reserve=0, want_log_probs=False,
-                        allowed=None):
-            assert want_logits
-            self._extend(seq_id, keep, new_ids)
-            logits = torch.full((num_positions, vocab), -30.0)
+        async def score(self, call):
+            assert call.want_logits
+            self._extend(call.seq_id, call.keep, call.new_ids)
+            logits = torch.full((call.num_positions, vocab), -30.0)
             logits[:, 1] = 30.0
             return Scores(logits.argmax(-1), logits)
 
@@ -309,11 +306,11 @@ def test_paused_free_proposer_is_checked_in_the_shadow_and_feeds_forward_costs()
     rounds verify nothing: the output is target-only's, nothing counts as drafted, but every shadow
     proposal is checked against the target's token and the forward costs reach the cost model."""
     class LoadedScorer(FakeScorer):
-        async def score(self, seq_id, keep, new_ids, num_positions, want_logits, reserve=0, want_log_probs=False,
-                        allowed=None):
-            scores = await super().score(seq_id, keep, new_ids, num_positions, want_logits)
+        async def score(self, call):
+            scores = await super().score(call)
             # 8 sequences per forward; rows cost a lot once the forward holds more than 8 of them.
-            return Scores(scores.greedy_tokens, None, forward=ForwardStats(8 * num_positions, 8, 0.05 * num_positions))
+            n = call.num_positions
+            return Scores(scores.greedy_tokens, None, forward=ForwardStats(8 * n, 8, 0.05 * n))
 
     class CountingProposer(FakeProposer):
         asked = []

@@ -7,7 +7,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from specdec.engine import onednn_linear
-from specdec.engine.executor import CausalLM, Step
+from specdec.engine.build import dynamic_executor
+from specdec.engine.executor import Step
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 
@@ -36,7 +37,7 @@ def test_prepacked_model_gives_the_dense_models_logits(fp32_llama):
     packed_model = copy.deepcopy(fp32_llama)
     assert onednn_linear.prepack_linears(packed_model) == 2 * 7 + 1  # q, k, v, o, gate, up, down per layer + head
     assert not any(isinstance(m, torch.nn.Linear) for m in packed_model.modules())
-    dense, packed = CausalLM(copy.deepcopy(fp32_llama)), CausalLM(packed_model)
+    dense, packed = dynamic_executor(copy.deepcopy(fp32_llama)), dynamic_executor(packed_model)
     for lm in (dense, packed):
         lm.extend(1, 0, [5, 17, 3, 88], 1)
     steps = [Step(1, 4, [10, 11, 12], 3), Step(2, 0, [7, 8, 9, 1, 2], 2)]

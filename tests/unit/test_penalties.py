@@ -11,7 +11,7 @@ import torch
 from specdec.decoding.loop import GenerationRequest
 from specdec.decoding.penalties import Penalties, TokenOccurrences, penalize
 from specdec.decoding.sampling import SamplingParams
-from specdec.engine.executor import CausalLM
+from specdec.engine.build import dynamic_executor
 from specdec.engine.local import LocalProposer, LocalScorer
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
@@ -114,7 +114,7 @@ def test_greedy_repetition_penalty_matches_transformers_generate(tiny_lm):
                                   attention_mask=torch.ones(1, len(PROMPT), dtype=torch.long),
                                   pad_token_id=0, eos_token_id=None)[0, len(PROMPT):].tolist()
     ours = run_fixed_k(GenerationRequest(seq_id=3, prompt_ids=PROMPT, max_tokens=24, penalties=Penalties(repetition=1.4)),
-                LocalProposer(CausalLM(noisy_copy(tiny_lm))), LocalScorer(CausalLM(tiny_lm)), 3)
+                LocalProposer(dynamic_executor(noisy_copy(tiny_lm))), LocalScorer(dynamic_executor(tiny_lm)), 3)
     assert ours == theirs
 
 
@@ -154,7 +154,7 @@ def test_sampled_speculation_follows_the_penalised_target(small_vocab_lm):
     exact = _exact_joint(small_vocab_lm, prompt, penalties, 3)
     pairs = {key: sum(p for full, p in exact.items() if full[:2] == key) for key in itertools.product(range(8), repeat=2)}
     thirds = {(t,): sum(p for full, p in exact.items() if full[2] == t) for t in range(8)}
-    target, proposer = CausalLM(small_vocab_lm), LocalProposer(CausalLM(noisy_copy(small_vocab_lm)))
+    target, proposer = dynamic_executor(small_vocab_lm), LocalProposer(dynamic_executor(noisy_copy(small_vocab_lm)))
     n = 3000
     seen_pairs, seen_thirds = {}, {}
     for seed in range(n):

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from specdec.decoding.sampling import SamplingParams
-from specdec.engine.executor import CausalLM, Step
+from specdec.engine.build import dynamic_executor, static_executor
+from specdec.engine.executor import Step
 from specdec.engine.prefix_cache import ROOT, PrefixIndex
-from specdec.engine.static_executor import StaticCausalLM
 
 from .conftest import run_fixed_k
 
@@ -16,12 +16,12 @@ from .conftest import run_fixed_k
 def paged(model, **settings):
     options = dict(kv_pool_tokens=1024, block_size=8, max_context=256, max_batch=4, max_rows=5, min_window=16,
                    compile="off", prefix_caching=True)
-    return StaticCausalLM(model, **{**options, **settings})
+    return static_executor(model, **{**options, **settings})
 
 
 def dynamic(model, prefix_caching=True, **settings):
     """The dynamic executor, its prefix store holding 64 blocks of 8 unless told otherwise."""
-    return CausalLM(model, **{"block_size": 8, "prefix_cache_tokens": 512 if prefix_caching else 0, **settings})
+    return dynamic_executor(model, **{"block_size": 8, "prefix_cache_tokens": 512 if prefix_caching else 0, **settings})
 
 
 EXECUTORS = {"static": paged, "dynamic": dynamic}
@@ -60,11 +60,11 @@ def test_a_repeated_prompt_runs_only_its_uncached_tail_with_the_same_logits(tiny
     assert (lm.prefix_queried_tokens, lm.prefix_hit_tokens) == (58, 24)
     if kind == "static":  # shared blocks count once; released, they stay cached but are not held
         assert lm.sequences[2].blocks[:3] == lm.sequences[1].blocks[:3]
-        assert lm.kv_bytes_allocated == (4 + 1) * lm.pool.block_bytes
+        assert lm.kv_bytes_allocated == (4 + 1) * lm.kv.pool.block_bytes
     lm.release(1), lm.release(2)
     if kind == "static":
-        assert lm.kv_bytes_allocated == 0 and len(lm.pool.cached) == 3
-        assert lm.prefix_cache_bytes == 3 * lm.pool.block_bytes
+        assert lm.kv_bytes_allocated == 0 and len(lm.kv.pool.cached) == 3
+        assert lm.prefix_cache_bytes == 3 * lm.kv.pool.block_bytes
     else:  # the store: 3 blocks of 8 positions, keys and values of 2 layers x 2 heads x 8 float64s
         assert lm.prefix_cache_bytes == 3 * 8 * 2 * 2 * 2 * 8 * 8
     third = lm.extend(3, 0, ids + [5, 6], 1)  # after both ended
@@ -87,7 +87,7 @@ def test_at_least_the_positions_whose_logits_are_wanted_run(tiny_lm, kind):
 def test_shared_prefixes_with_decoding_rollbacks_and_a_rollback_into_shared_blocks(tiny_lm, kind):
     """Sequences sharing a prompt decode side by side in one forward with verify-like steps and rejections;
     one then rolls back into the shared blocks (a client may): it gets a copy, the others keep theirs."""
-    lm, reference = EXECUTORS[kind](tiny_lm), CausalLM(tiny_lm)
+    lm, reference = EXECUTORS[kind](tiny_lm), dynamic_executor(tiny_lm)
     gen = torch.Generator().manual_seed(3)
     shared = prompt(20, seed=1)
     lengths = {}
@@ -138,11 +138,11 @@ def test_cached_blocks_are_evicted_oldest_first_when_the_pool_needs_them(tiny_lm
     lm.extend(1, 0, old, 1)
     lm.extend(2, 0, new, 1)
     lm.release(1), lm.release(2)
-    assert len(lm.pool.cached) == 4 and len(lm.pool.free) == 4 and lm.kv_bytes_allocated == 0
+    assert len(lm.kv.pool.cached) == 4 and len(lm.kv.pool.free) == 4 and lm.kv_bytes_allocated == 0
     lm.extend(3, 0, prompt(9, seed=6), 1, reserve=40)  # 5 blocks: the 4 free ones, then old's tail
     assert len(lm.prefix.match(old, 2)[0]) == 1 and len(lm.prefix.match(new, 2)[0]) == 2
     lm.extend(4, 0, new + [1], 1)  # takes new's cached blocks back, and evicts old's head for its third
-    assert lm.prefix_hit_tokens == 16 and not lm.pool.cached and not lm.pool.free
+    assert lm.prefix_hit_tokens == 16 and not lm.kv.pool.cached and not lm.kv.pool.free
     assert lm.prefix.match(old, 2) == ([], [])
 
 
@@ -153,7 +153,7 @@ def test_drafted_tokens_are_cached_once_the_caller_keeps_them(tiny_lm, kind):
     draft, reference = EXECUTORS[kind](tiny_lm), EXECUTORS[kind](tiny_lm, prefix_caching=False)
     ids = prompt(6, seed=7)
     for lm in (draft, reference):
-        tokens, _ = lm.propose(1, 0, ids, 4, SamplingParams())
+        tokens = lm.propose(1, 0, ids, 4, SamplingParams()).tokens
         assert lm.cached_length(1) == 9
     assert len(draft.prefix) == 0  # positions 6..8 are drafts: the first block is not confirmed yet
     draft.propose(1, 9, [tokens[-1], 3], 2, SamplingParams())  # all four accepted, then a bonus token
@@ -173,7 +173,7 @@ def test_speculative_generations_sharing_a_system_prompt_equal_target_only(tiny_
 
     system = prompt(40, seed=8)
     target, draft = EXECUTORS[kind](tiny_lm), EXECUTORS[kind](noisy_copy(tiny_lm))
-    plain = LocalScorer(CausalLM(tiny_lm))
+    plain = LocalScorer(dynamic_executor(tiny_lm))
     proposer, scorer = LocalProposer(draft), LocalScorer(target)
     seq = 0
     for user in (prompt(3, seed=9), prompt(5, seed=10), prompt(3, seed=9)):
@@ -189,27 +189,27 @@ def test_speculative_generations_sharing_a_system_prompt_equal_target_only(tiny_
 
 
 def test_the_dynamic_store_copies_blocks_in_and_evicts_the_least_recently_used(tiny_lm):
-    lm, reference = dynamic(tiny_lm, prefix_cache_tokens=32), CausalLM(tiny_lm)  # 4 blocks of 8
+    lm, reference = dynamic(tiny_lm, prefix_cache_tokens=32), dynamic_executor(tiny_lm)  # 4 blocks of 8
     a, b, c = prompt(17, seed=12), prompt(17, seed=13), prompt(17, seed=14)
     for seq, ids in enumerate((a, b), 1):
         lm.extend(seq, 0, ids, 1)
         lm.release(seq)
-    assert len(lm.store.used) == 4 and not lm.store.free
+    assert len(lm.kv.store.used) == 4 and not lm.kv.store.free
     lm.extend(3, 0, a + [2], 1)  # a's blocks: used again, so b's are now the oldest
     lm.extend(4, 0, c, 1)  # keys c's two blocks: b's are evicted
     assert lm.prefix.match(b, 2) == ([], []) and len(lm.prefix.match(a, 2)[0]) == 2
     lm.release(3), lm.release(4)  # the store is not the sequences' memory: it keeps its blocks
-    assert len(lm.store.used) == 4 and lm.store.nbytes == 4 * 2 * 2 * 8 * 2 * 8 * 8
+    assert len(lm.kv.store.used) == 4 and lm.kv.store.nbytes == 4 * 2 * 2 * 8 * 2 * 8 * 8
     # A sequence copies its blocks in and writes past them into its own buffers: the store is unchanged.
-    kept = [k.clone() for k in lm.store.keys]
+    kept = [k.clone() for k in lm.kv.store.keys]
     out = lm.extend(5, 0, c + [9, 9], 2)
     assert torch.allclose(out, reference.extend(1, 0, c + [9, 9], 2), atol=1e-10)
     lm.extend(5, 3, [1, 1, 1], 1)  # a rollback into the copied blocks
-    assert all(torch.equal(x, y) for x, y in zip(kept, lm.store.keys))
+    assert all(torch.equal(x, y) for x, y in zip(kept, lm.kv.store.keys))
 
 
 def test_a_prompt_longer_than_the_dynamic_store_keeps_its_first_blocks(tiny_lm):
-    lm, reference = dynamic(tiny_lm, prefix_cache_tokens=32), CausalLM(tiny_lm)  # 4 blocks of 8
+    lm, reference = dynamic(tiny_lm, prefix_cache_tokens=32), dynamic_executor(tiny_lm)  # 4 blocks of 8
     ids = prompt(80, seed=15)  # 9 full blocks confirmed
     lm.extend(1, 0, ids, 1)
     assert len(lm.prefix) == 4 and len(lm.prefix.match(ids, 9)[0]) == 4
@@ -223,7 +223,7 @@ def test_a_prompt_sent_in_chunks_finds_its_blocks_chunk_after_chunk(tiny_lm, kin
     """A prompt's chunks (num_logits=0 but the last) go on with known blocks from where the previous one
     ended, up to the whole of a chunk that needs no logits; a decode step at a block boundary is not a
     lookup."""
-    lm, reference = EXECUTORS[kind](tiny_lm), CausalLM(tiny_lm)
+    lm, reference = EXECUTORS[kind](tiny_lm), dynamic_executor(tiny_lm)
     ids = prompt(40, seed=16)
     lm.extend(1, 0, ids, 1)
     lm.release(1)
@@ -245,9 +245,9 @@ def test_a_drafts_prompt_chunks_append_without_drafting(tiny_lm, kind):
     draft, reference = EXECUTORS[kind](tiny_lm), EXECUTORS[kind](tiny_lm, prefix_caching=False)
     ids = prompt(30, seed=17)
     greedy = SamplingParams()
-    assert draft.propose(1, 0, ids[:16], 0, greedy) == ([], None)
+    assert draft.propose(1, 0, ids[:16], 0, greedy) == ([], None, 16)
     assert draft.propose(1, 16, ids[16:], 3, greedy) == reference.propose(1, 0, ids, 3, greedy)
     draft.release(1)
     processed = draft.tokens_processed
-    assert draft.propose(2, 0, ids[:16], 0, greedy) == ([], None)  # found whole: nothing runs
+    assert draft.propose(2, 0, ids[:16], 0, greedy) == ([], None, 16)  # found whole: nothing runs
     assert draft.tokens_processed == processed and draft.cached_length(2) == 16

@@ -8,7 +8,7 @@ import types
 import numpy as np
 
 from specdec import tensor_names as tn
-from specdec.engine.executor import CausalLM
+from specdec.engine.build import dynamic_executor
 from specdec.triton.language_models import DraftModel, TargetModel
 from specdec.triton.responder import Job, Responder
 
@@ -117,8 +117,8 @@ def _rounds():
 
 
 def test_pipelined_target_answers_each_request_once_as_the_synchronous_path(tiny_lm):
-    plain = _serve(_adapter(TargetModel, CausalLM(tiny_lm), pipelined=False), _rounds())
-    adapter = _adapter(TargetModel, CausalLM(tiny_lm), pipelined=True)
+    plain = _serve(_adapter(TargetModel, dynamic_executor(tiny_lm), pipelined=False), _rounds())
+    adapter = _adapter(TargetModel, dynamic_executor(tiny_lm), pipelined=True)
     try:
         piped = _serve(adapter, _rounds())
     finally:
@@ -138,7 +138,7 @@ def test_pipelined_target_answers_each_request_once_as_the_synchronous_path(tiny
 
 
 def test_execute_returns_before_its_responses_are_sent(tiny_lm):
-    adapter = _adapter(TargetModel, CausalLM(tiny_lm), pipelined=True)
+    adapter = _adapter(TargetModel, dynamic_executor(tiny_lm), pipelined=True)
     gate, send = threading.Event(), adapter._send
 
     def held_send(job, response):
@@ -188,7 +188,7 @@ def test_pipelined_draft_proposes_what_the_synchronous_path_proposes(tiny_lm):
                                                    tn.NUM_DRAFT_TOKENS: [[2]]})]]
     results = []
     for pipelined in (False, True):
-        adapter = _adapter(DraftModel, CausalLM(tiny_lm), pipelined)
+        adapter = _adapter(DraftModel, dynamic_executor(tiny_lm), pipelined)
         try:
             results.append([r.tensors[tn.DRAFT_TOKENS].tolist() for r in _serve(adapter, rounds())])
         finally:

@@ -1,4 +1,4 @@
-"""Waiting for room in target_model's KV cache (`room.py`: `RoomLine`, one per orchestrator instance over a
+"""Waiting for room in target_model's KV cache (`kv_room.py`: `RoomLine`, one per orchestrator instance over a
 directory the server's instances share, and `RoomWait`, the loop's wait_for_room): counted as queued once
 while it waits and not as live (nor at the verify gate); one line for every instance, first come first
 served, in which only the first asks and a new request lines up behind the waiters; the first in line
@@ -16,10 +16,11 @@ import time
 
 import pytest
 
-from specdec.triton import line as line_module
-from specdec.triton import room as room_module
+from specdec.triton.admission import ticket_line as line_module
+from specdec.triton.admission import kv_room as room_module
 from specdec.triton.orchestrator import SpeculativeDecodingAdapter
-from specdec.triton.room import RoomLine, RoomWait
+from specdec.triton.admission.counts import RequestCounts
+from specdec.triton.admission.kv_room import RoomLine, RoomWait
 
 
 class Board:
@@ -49,26 +50,26 @@ class Metrics:
         self.live.append(live)
 
 
-class Slots:
-    highest = 1
-
-
 class Adapter:
-    """An orchestrator instance as RoomWait sees it; instances made over one directory share the line."""
+    """An orchestrator instance as far as RoomWait goes; instances made over one directory share the line."""
 
     def __init__(self, directory, when_full="queue"):
-        self.when_full, self.cancellations, self.queued = when_full, Board(), 0
+        self.when_full, self.cancellations = when_full, Board()
         self.ipc = concurrent.futures.ThreadPoolExecutor(1)
-        self.gate, self.metrics, self.slots = Gate(), Metrics(), Slots()
+        self.gate, self.metrics = Gate(), Metrics()
+        self.counts = RequestCounts(self.gate, lambda live, queued: self.metrics.set_live(live, 1))
         self.room = RoomLine(directory, poll_s=0.001)
 
     is_cancelled = SpeculativeDecodingAdapter.is_cancelled  # the board, then the sender
 
-    def count_queued(self, change):
-        self.queued += change
+    @property
+    def queued(self):
+        return self.counts.queued
 
-    def report_live(self):
-        self.metrics.set_live(self.gate.live, self.slots.highest)
+    def wait(self, seq_id, sender):
+        """A request's RoomWait, as the orchestrator makes it."""
+        return RoomWait(self.room, self.counts, lambda: self.is_cancelled(seq_id, sender),
+                        reject=self.when_full == "reject")
 
 
 class Sender:
@@ -96,7 +97,7 @@ def empty(adapter):
 
 def test_waits_counted_once_then_admitted(line_dir):
     adapter = Adapter(line_dir)
-    room = RoomWait(adapter, 3, Sender())
+    room = adapter.wait(3, Sender())
 
     async def main():
         assert await room() and await room() and await room()
@@ -113,14 +114,14 @@ def test_waits_counted_once_then_admitted(line_dir):
 
 def test_reject_never_waits(line_dir):
     adapter = Adapter(line_dir, "reject")
-    room = RoomWait(adapter, 3, Sender())
+    room = adapter.wait(3, Sender())
     assert not asyncio.run(room()) and adapter.queued == 0 and not room.cancelled and not adapter.room.waiting()
 
 
 @pytest.mark.parametrize("where", ["board", "sender"])
 def test_a_cancellation_ends_the_wait(line_dir, where):
     adapter, sender = Adapter(line_dir), Sender()
-    room = RoomWait(adapter, 3, sender)
+    room = adapter.wait(3, sender)
 
     async def main():
         assert await room()
@@ -138,19 +139,19 @@ def test_a_cancellation_ends_the_wait(line_dir, where):
 def test_one_line_across_instances_in_arrival_order(line_dir):
     """Waiters of two instances (one directory) ask one at a time, in the order they joined."""
     first, second = Adapter(line_dir), Adapter(line_dir)
-    rooms = [RoomWait(adapter, seq_id, Sender()) for seq_id, adapter in ((1, first), (2, second), (3, first))]
+    rooms = [adapter.wait(seq_id, Sender()) for seq_id, adapter in ((1, first), (2, second), (3, first))]
     asked = []
 
-    async def waiter(room, times):
+    async def waiter(seq_id, room, times):
         for _ in range(times):  # the loop's retries: each True is one more call to target_model
             assert await room()
-            asked.append(room.seq_id)
+            asked.append(seq_id)
         room.admitted()
 
     async def main():
         tasks = []
-        for room in rooms:  # joined in this order
-            tasks.append(asyncio.ensure_future(waiter(room, 3)))
+        for seq_id, room in enumerate(rooms, 1):  # joined in this order
+            tasks.append(asyncio.ensure_future(waiter(seq_id, room, 3)))
             await asyncio.sleep(0.005)
         await asyncio.gather(*tasks)
 
@@ -161,14 +162,14 @@ def test_one_line_across_instances_in_arrival_order(line_dir):
 
 def test_a_new_request_lines_up_behind_the_waiters_of_any_instance(line_dir):
     here, there = Adapter(line_dir), Adapter(line_dir)
-    first, newcomer = RoomWait(here, 1, Sender()), RoomWait(there, 2, Sender())
+    first, newcomer = here.wait(1, Sender()), there.wait(2, Sender())
 
     async def main():
         assert await newcomer.line_up() and not newcomer.queued  # no line: its first call goes at once
         newcomer.admitted()
         assert newcomer.waited_s == 0
         assert await first()  # no room for the first: it is first in line
-        late = RoomWait(there, 3, Sender())
+        late = there.wait(3, Sender())
         lining = asyncio.ensure_future(late.line_up())
         await asyncio.sleep(0.05)
         assert not lining.done() and late.queued and there.queued == 1  # behind the first, queued
@@ -183,7 +184,7 @@ def test_a_new_request_lines_up_behind_the_waiters_of_any_instance(line_dir):
 
 def test_a_waiter_cancelled_before_its_turn_leaves_the_line(line_dir):
     adapter = Adapter(line_dir)
-    first, second = RoomWait(adapter, 1, Sender()), RoomWait(adapter, 2, Sender())
+    first, second = adapter.wait(1, Sender()), adapter.wait(2, Sender())
 
     async def main():
         assert await first()  # holds the turn
@@ -194,7 +195,7 @@ def test_a_waiter_cancelled_before_its_turn_leaves_the_line(line_dir):
         assert not await waiting and second.cancelled
         second.admitted()  # the request's end
         first.admitted()
-        third = RoomWait(adapter, 3, Sender())
+        third = adapter.wait(3, Sender())
         assert await third()  # the line moves on: nobody holds a stale turn or place
         third.admitted()
 
@@ -204,7 +205,7 @@ def test_a_waiter_cancelled_before_its_turn_leaves_the_line(line_dir):
 
 def test_a_request_cancelled_in_line_never_asks(line_dir):
     here, there = Adapter(line_dir), Adapter(line_dir)
-    first, late = RoomWait(here, 1, Sender()), RoomWait(there, 2, Sender())
+    first, late = here.wait(1, Sender()), there.wait(2, Sender())
 
     async def main():
         assert await first()
@@ -224,7 +225,7 @@ def test_a_release_wakes_the_first_in_line_before_its_back_off(line_dir, monkeyp
     monkeypatch.setattr(room_module, "ROOM_RETRY_S", (5.0, 5.0))
     here = Adapter(line_dir)
     releasing = here if where == "same instance" else Adapter(line_dir)
-    room = RoomWait(here, 1, Sender())
+    room = here.wait(1, Sender())
 
     async def main():
         asyncio.get_running_loop().call_later(0.05, releasing.room.freed)  # another request ends
@@ -247,13 +248,13 @@ def test_a_release_wakes_the_first_in_line_before_its_back_off(line_dir, monkeyp
 def test_the_place_of_a_process_that_died_is_skipped(line_dir):
     """A process killed while in line (its ticket's lock dropped with it) does not hold the line up."""
     line_dir.mkdir(parents=True)
-    code = ("import sys, time; from pathlib import Path; from specdec.triton.room import RoomLine; "
+    code = ("import sys, time; from pathlib import Path; from specdec.triton.admission.kv_room import RoomLine; "
             "RoomLine(Path(sys.argv[1])).join(); print('in line', flush=True); time.sleep(60)")
     other = subprocess.Popen([sys.executable, "-c", code, str(line_dir)], stdout=subprocess.PIPE, text=True)
     try:
         assert other.stdout.readline().strip() == "in line"
         adapter = Adapter(line_dir)
-        room = RoomWait(adapter, 1, Sender())
+        room = adapter.wait(1, Sender())
 
         async def blocked():
             assert await room.line_up() is False  # behind the live process: cancelled while waiting
@@ -266,7 +267,7 @@ def test_the_place_of_a_process_that_died_is_skipped(line_dir):
         other.send_signal(signal.SIGKILL)
         other.wait()
     adapter = Adapter(line_dir)
-    room = RoomWait(adapter, 2, Sender())
+    room = adapter.wait(2, Sender())
 
     async def main():
         # First in line: the dead process's ticket is skipped and removed (else this would wait for ever).

@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from specdec.triton.slots import SlotPool
+from specdec.triton.admission.sequence_slots import SlotPool
 
 
 def test_two_pools_share_the_cap(tmp_path):
@@ -108,7 +108,7 @@ def test_a_waiter_whose_request_is_cancelled_leaves_the_line(tmp_path, monkeypat
     """A direct caller that cancels while its request waits for a slot: asked every CANCEL_CHECK_S, the
     waiter gives up its place (None), whether it was first in line or behind its instance's earlier
     waiter, and the others keep their order."""
-    from specdec.triton import line as line_module
+    from specdec.triton.admission import ticket_line as line_module
 
     monkeypatch.setattr(line_module, "CANCEL_CHECK_S", 0.01)
     pool = SlotPool(1, tmp_path, poll_s=0.001)
@@ -144,7 +144,7 @@ def test_a_dead_process_frees_its_slots(tmp_path):
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import sys, time
         from pathlib import Path
-        from specdec.triton.slots import SlotPool
+        from specdec.triton.admission.sequence_slots import SlotPool
         pool = SlotPool(2, Path({str(tmp_path)!r}))
         held = [pool.try_acquire(), pool.try_acquire()]
         print("held", flush=True)

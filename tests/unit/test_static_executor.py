@@ -9,15 +9,17 @@ import pytest
 import torch
 
 from specdec.decoding.sampling import SamplingParams, make_generator
-from specdec.engine.executor import CacheError, CapacityError, CausalLM, Step
-from specdec.engine.static_executor import StaticCausalLM, bucket, buckets, supports
+from specdec.engine.build import dynamic_executor, static_executor
+from specdec.engine.executor import CacheError, CapacityError, Step
+from specdec.engine.llama_forward import supports
+from specdec.engine.static_forward import bucket, buckets
 
 
 def static(model, **settings):
     # Prefix caching off unless a test is about it: these tests count the pool's free blocks.
     options = dict(kv_pool_tokens=1024, block_size=8, max_context=256, max_batch=4, max_rows=5, min_window=16,
                    compile="off", prefix_caching=False)
-    return StaticCausalLM(model, **{**options, **settings})
+    return static_executor(model, **{**options, **settings})
 
 
 def test_buckets_double_up_to_the_limit():
@@ -31,8 +33,8 @@ def run_every_bucket(reference, paged, atol: float) -> None:
     """B sequences x T rows for every bucket (and between buckets: padded rows and padded sequences),
     sequences of different lengths crossing blocks (8) and windows (16, 32, 64, ... tokens), with a
     rollback of rejected rows before each step: `paged` gives `reference`'s logits throughout."""
-    assert paged.batch_sizes == [1, 2, 4] and paged.row_sizes == [1, 2, 4, 5]
-    assert paged.window_sizes == [2, 4, 8, 16, 32]
+    assert paged.forward.batch_sizes == [1, 2, 4] and paged.forward.row_sizes == [1, 2, 4, 5]
+    assert paged.forward.window_sizes == [2, 4, 8, 16, 32]
     gen = torch.Generator().manual_seed(1)
     lengths = {}
     for seq, size in enumerate([3, 7, 15, 30, 33], 1):  # 5 sequences: more than max_batch (two forwards)
@@ -50,7 +52,7 @@ def run_every_bucket(reference, paged, atol: float) -> None:
                 new = torch.randint(0, 97, (count,), generator=gen).tolist()
                 steps.append(Step(seq, keep, new, num_logits=count))
                 lengths[seq] = keep + count
-            windows_seen |= {bucket(-(-lengths[s] // 8), paged.window_sizes) for s in range(1, sequences + 1)}
+            windows_seen |= {bucket(-(-lengths[s] // 8), paged.forward.window_sizes) for s in range(1, sequences + 1)}
             for a, b in zip(reference.extend_many(steps), paged.extend_many(steps)):
                 assert not isinstance(b, CacheError)
                 assert torch.allclose(a, b, atol=atol), (sequences, rows, (a - b).abs().max())
@@ -61,8 +63,8 @@ def run_every_bucket(reference, paged, atol: float) -> None:
 @pytest.mark.parametrize("prefix_caching", [False, True])
 def test_every_bucket_with_rollbacks_matches_the_dynamic_executor(tiny_lm, prefix_caching):
     paged = static(tiny_lm, prefix_caching=prefix_caching)
-    paged.forward.reserve_workspace(4 * 32)  # the gather buffers the CUDA graphs share
-    run_every_bucket(CausalLM(tiny_lm), paged, atol=1e-10)
+    paged.forward.llama.reserve_workspace(4 * 32)  # the gather buffers the CUDA graphs share
+    run_every_bucket(dynamic_executor(tiny_lm), paged, atol=1e-10)
 
 
 def test_compiled_kernels_match_eager_in_every_bucket_and_compile_only_at_load(tiny_lm):
@@ -76,7 +78,7 @@ def test_compiled_kernels_match_eager_in_every_bucket_and_compile_only_at_load(t
     from specdec.engine import kernels
 
     paged = static(tiny_lm, fuse_kernels=True)
-    assert paged.forward.kernels is not kernels.EAGER and all(f is not None for f in paged.forward.qkv)
+    assert paged.forward.llama.kernels is not kernels.EAGER and all(f is not None for f in paged.forward.llama.qkv)
     compiles = counters["stats"]["unique_graphs"]
     run_every_bucket(static(tiny_lm), paged, atol=1e-4)  # measured: at most 3e-5 on logits up to 10
     assert counters["stats"]["unique_graphs"] == compiles
@@ -103,12 +105,12 @@ def test_the_fused_mlp_matches_the_models_own_in_every_bucket_eager_and_compiled
     """fuse_mlp: one gate/up product and silu(gate) * up give transformers' MLP to float64 rounding
     eagerly, and with the compiled kernels what the compiled kernels give without it."""
     paged = static(tiny_lm, fuse_mlp=True)
-    assert all(f is not None for f in paged.forward.gate_up)
-    run_every_bucket(CausalLM(tiny_lm), paged, atol=1e-10)
+    assert all(f is not None for f in paged.forward.llama.gate_up)
+    run_every_bucket(dynamic_executor(tiny_lm), paged, atol=1e-10)
     from torch._dynamo.utils import counters
 
     fused, reference = static(tiny_lm, fuse_kernels=True, fuse_mlp=True), static(tiny_lm, fuse_kernels=True)
-    assert all(f is not None for f in fused.forward.gate_up)
+    assert all(f is not None for f in fused.forward.llama.gate_up)
     compiles = counters["stats"]["unique_graphs"]
     run_every_bucket(reference, fused, atol=1e-4)
     assert counters["stats"]["unique_graphs"] == compiles  # silu_mul compiled at load too
@@ -117,13 +119,13 @@ def test_the_fused_mlp_matches_the_models_own_in_every_bucket_eager_and_compiled
 def test_the_mlp_is_fused_by_default_only_where_cuda_graphs_run(tiny_lm):
     """fuse_mlp None (the served default) fuses with CUDA graphs only: eager forwards (here, CPU) keep the
     model's own MLP module; an explicit False keeps it everywhere."""
-    assert static(tiny_lm).forward.gate_up == [None, None]
-    assert static(tiny_lm, fuse_mlp=False).forward.gate_up == [None, None]
+    assert static(tiny_lm).forward.llama.gate_up == [None, None]
+    assert static(tiny_lm, fuse_mlp=False).forward.llama.gate_up == [None, None]
 
 
 def test_linears_fuse_only_where_the_module_has_them_all():
     """A SiLU MLP of another layout (no gate_proj) is left to its own module, not an AttributeError."""
-    from specdec.engine.static_executor import fuse_linears
+    from specdec.engine.llama_forward import fuse_linears
 
     class Mlp(torch.nn.Module):
         def __init__(self):
@@ -140,13 +142,13 @@ def test_a_non_silu_mlp_is_left_to_the_model(tiny_lm):
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).to(torch.float64).eval()
     paged = static(model, fuse_mlp=True)
-    assert paged.forward.gate_up == [None, None]
-    a, b = CausalLM(model).extend(1, 0, [3, 5, 7], 3), paged.extend(1, 0, [3, 5, 7], 3)
+    assert paged.forward.llama.gate_up == [None, None]
+    a, b = dynamic_executor(model).extend(1, 0, [3, 5, 7], 3), paged.extend(1, 0, [3, 5, 7], 3)
     assert torch.allclose(a, b, atol=1e-10)
 
 
 def test_a_prompt_longer_than_the_buckets_runs_beside_bucketed_steps(tiny_lm):
-    dynamic, paged = CausalLM(tiny_lm), static(tiny_lm)
+    dynamic, paged = dynamic_executor(tiny_lm), static(tiny_lm)
     for lm in (dynamic, paged):
         lm.extend(1, 0, [4, 5, 6], 1)
     steps = [Step(1, 3, [7], 1), Step(2, 0, list(range(1, 41)), 3)]  # 40 rows > max_rows: eager
@@ -156,7 +158,7 @@ def test_a_prompt_longer_than_the_buckets_runs_beside_bucketed_steps(tiny_lm):
 
 @pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.9, top_k=20)])
 def test_proposals_match_the_dynamic_executor(tiny_lm, params):
-    dynamic, paged = CausalLM(tiny_lm), static(tiny_lm)
+    dynamic, paged = dynamic_executor(tiny_lm), static(tiny_lm)
     results = []
     for lm in (dynamic, paged):
         steps = [Step(seq, 0, [seq, 9, 12, 40][:seq + 1], k=k, params=params,
@@ -167,7 +169,7 @@ def test_proposals_match_the_dynamic_executor(tiny_lm, params):
                             None if params.greedy else make_generator(5, lm.logits_device))
         results.append((first, second))
     (first_d, second_d), (first_p, second_p) = results
-    for (tokens_d, probs_d), (tokens_p, probs_p) in zip(first_d + [second_d], first_p + [second_p]):
+    for (tokens_d, probs_d, _), (tokens_p, probs_p, _) in zip(first_d + [second_d], first_p + [second_p]):
         assert tokens_d == tokens_p
         assert (probs_d is None) == (probs_p is None)
         if probs_d is not None:
@@ -190,9 +192,9 @@ def test_the_budget_refuses_a_sequence_cleanly_and_frees_on_release(tiny_lm):
     with pytest.raises(CacheError, match="33 tokens exceed the context of 32"):
         paged.extend(2, 24, list(range(9)), 1)
     assert paged.release(1)
-    assert len(paged.pool.free) == 3
+    assert len(paged.kv.pool.free) == 3
     paged.extend(3, 0, list(range(1, 12)), 1)  # fits now
-    assert paged.kv_bytes_allocated == 5 * paged.pool.block_bytes
+    assert paged.kv_bytes_allocated == 5 * paged.kv.pool.block_bytes
 
 
 def test_a_refused_step_keeps_no_frame_alive(tiny_lm):
@@ -210,7 +212,7 @@ def test_a_refused_step_keeps_no_frame_alive(tiny_lm):
         results = lm.extend_many([Step(3, 0, list(range(1, 12)), 1, reserve=30)])
         return weakref.ref(marker), results
 
-    for lm in (static(tiny_lm, kv_pool_tokens=16, max_context=16), CausalLM(tiny_lm, max_sequences=1)):
+    for lm in (static(tiny_lm, kv_pool_tokens=16, max_context=16), dynamic_executor(tiny_lm, max_sequences=1)):
         lm.extend(1, 0, [1, 2], 1)  # the pool (or the sequence limit) is full
         gc.disable()
         try:
@@ -232,7 +234,7 @@ def test_a_new_sequence_reserves_its_generation_up_front(tiny_lm):
     assert len(paged.sequences[1].blocks) == 3 and torch.equal(logits, plain.extend(1, 0, [5, 6, 7], 1))
     with pytest.raises(CapacityError, match="KV cache budget full"):
         paged.extend(2, 0, [1, 2], 1, reserve=100)  # clamped to the context, 4 blocks: 3 are free
-    assert 2 not in paged.sequences and len(paged.pool.free) == 3  # nothing kept for it
+    assert 2 not in paged.sequences and len(paged.kv.pool.free) == 3  # nothing kept for it
     paged.extend(2, 0, [1, 2], 1, reserve=24)  # 3 blocks, none left
     with pytest.raises(CapacityError, match="KV cache budget full"):
         paged.extend(3, 0, [1], 1)
@@ -242,12 +244,12 @@ def test_a_new_sequence_reserves_its_generation_up_front(tiny_lm):
     paged.release(1), paged.release(2)
     paged.extend(4, 0, [1, 2], 1, reserve=100)
     assert len(paged.sequences[4].blocks) == 4  # the context (32 tokens), not 100
-    tokens, _ = paged.propose(3, 0, [1], 2, SamplingParams(), reserve=9)  # the draft side reserves too
+    tokens = paged.propose(3, 0, [1], 2, SamplingParams(), reserve=9).tokens  # the draft side reserves too
     assert len(tokens) == 2 and len(paged.sequences[3].blocks) == 2
 
 
 def test_the_sequence_limit_is_a_capacity_error(tiny_lm):
-    lm = CausalLM(tiny_lm, max_sequences=1)
+    lm = dynamic_executor(tiny_lm, max_sequences=1)
     lm.extend(1, 0, [1, 2], 1, reserve=1000)  # no budget here: the reserve takes nothing
     with pytest.raises(CapacityError, match="max_sequences"):
         lm.extend(2, 0, [1], 1)
@@ -259,22 +261,22 @@ def test_idle_eviction_returns_blocks(tiny_lm):
     paged.extend(1, 0, [1, 2, 3], 1)
     now[0] = 11.0
     assert paged.evict_idle() == [1]
-    assert len(paged.pool.free) == paged.pool.blocks
+    assert len(paged.kv.pool.free) == paged.kv.pool.blocks
 
 
 def test_blocks_are_zeroed_before_first_use(tiny_lm):
     """Masked keys weigh 0, but 0 x NaN is NaN: garbage in a fresh block must not reach the output."""
-    paged, dynamic = static(tiny_lm), CausalLM(tiny_lm)
-    for buffers in (paged.pool.keys, paged.pool.values):
+    paged, dynamic = static(tiny_lm), dynamic_executor(tiny_lm)
+    for buffers in (paged.kv.pool.keys, paged.kv.pool.values):
         for buffer in buffers:
-            buffer[:paged.pool.blocks].fill_(math.nan)  # what uninitialized memory may hold
+            buffer[:paged.kv.pool.blocks].fill_(math.nan)  # what uninitialized memory may hold
     a, b = dynamic.extend(1, 0, [3, 4, 5], 3), paged.extend(1, 0, [3, 4, 5], 3)
     assert torch.allclose(a, b, atol=1e-10)
     paged.extend(2, 0, [1], 1, reserve=40)  # 5 blocks of 8 at once: all zeroed together, no others
     taken = paged.sequences[2].blocks
     assert len(taken) == 5
-    for buffer in paged.pool.keys + paged.pool.values:
-        assert torch.isfinite(buffer[taken]).all() and buffer[paged.pool.free[-1]].isnan().all()
+    for buffer in paged.kv.pool.keys + paged.kv.pool.values:
+        assert torch.isfinite(buffer[taken]).all() and buffer[paged.kv.pool.free[-1]].isnan().all()
 
 
 def test_a_pool_too_small_for_one_context_is_refused_at_load(tiny_lm):
@@ -316,8 +318,8 @@ def test_the_other_families_match_the_dynamic_executor_eager_and_fused(family):
     model = getattr(transformers, f"{prefix}ForCausalLM")(config).to(torch.float64).eval()
     assert supports(model) is None
     for fused, atol in ((False, 1e-10), (True, 1e-4)):
-        dynamic, paged = CausalLM(model), static(model, fuse_kernels=fused)
-        assert all(f is not None for f in paged.forward.qkv)  # one product each
+        dynamic, paged = dynamic_executor(model), static(model, fuse_kernels=fused)
+        assert all(f is not None for f in paged.forward.llama.qkv)  # one product each
         for keep, ids, wanted in ((0, [3, 5, 7, 9, 11, 13], 2), (5, [4, 6, 8], 3)):
             a, b = dynamic.extend(1, keep, ids, wanted), paged.extend(1, keep, ids, wanted)
             assert torch.allclose(a, b, atol=atol), (family, fused, (a - b).abs().max())
@@ -329,13 +331,13 @@ def test_prompts_in_prompt_buckets_give_the_eager_logits(tiny_lm):
     around the buckets' edges, after a prefix of its own (a window crossed), for proposals too; a prompt
     longer than prefill_rows, or wanting more rows than the head's, still runs eagerly."""
     paged = static(tiny_lm, prefill_rows=40)
-    assert paged.row_sizes == [1, 2, 4, 5] and paged.prefill_sizes == [8, 16, 32, 40] and paged.head_rows == 5
+    assert paged.forward.row_sizes == [1, 2, 4, 5] and paged.forward.prefill_sizes == [8, 16, 32, 40] and paged.forward.head_rows == 5
     # what warm-up would capture: the decode buckets, then each prompt bucket in the windows (2-32 blocks of
     # 8 tokens) that can hold it
-    shapes = paged.bucket_shapes()
+    shapes = paged.forward.bucket_shapes()
     assert len(shapes) == 3 * 4 * 5 + 5 + 5 + 4 + 3 and shapes[-1] == (1, 40, 32)
     assert (1, 16, 2) in shapes and (1, 32, 2) not in shapes
-    dynamic = CausalLM(tiny_lm)
+    dynamic = dynamic_executor(tiny_lm)
     gen = torch.Generator().manual_seed(3)
     for seq, (size, wanted) in enumerate([(6, 1), (8, 5), (9, 3), (16, 1), (17, 5), (33, 2), (40, 1), (41, 1),
                                           (12, 7)], 1):
@@ -355,9 +357,9 @@ def test_prompts_in_prompt_buckets_give_the_eager_logits(tiny_lm):
 
 def test_prompt_buckets_are_off_by_default_and_a_prompt_then_runs_eagerly_with_the_head_on_its_rows(tiny_lm):
     paged = static(tiny_lm)
-    assert paged.prefill_sizes == []
+    assert paged.forward.prefill_sizes == []
     calls = []
-    forward = paged.forward
+    forward = paged.forward.llama
 
     class Spy:
         def __getattr__(self, name):
@@ -367,8 +369,8 @@ def test_prompt_buckets_are_off_by_default_and_a_prompt_then_runs_eagerly_with_t
             calls.append((tuple(batch.ids.shape), None if head_rows is None else len(head_rows)))
             return forward(batch, head_rows)
 
-    paged.forward = Spy()
-    a = CausalLM(tiny_lm).extend(1, 0, list(range(1, 24)), 2)
+    paged.forward.llama = Spy()
+    a = dynamic_executor(tiny_lm).extend(1, 0, list(range(1, 24)), 2)
     assert torch.allclose(a, paged.extend(1, 0, list(range(1, 24)), 2), atol=1e-10)
     assert calls == [((1, 23), 2)]  # its own shape, eagerly, the head on the 2 rows wanted
     paged.extend(1, 23, [4, 5], 2)

@@ -93,7 +93,7 @@ def test_greedy_output_is_the_targets_whatever_the_cache_holds(tiny_lm):
     """Greedy through the decode loop with suffix drafting: the same tokens as target-only, also when the
     cache holds the answer (a repeat: long proposals accepted) or misleading text (rejections)."""
     from specdec.decoding.loop import GenerationRequest
-    from specdec.engine.executor import CausalLM
+    from specdec.engine.build import dynamic_executor
     from specdec.engine.local import LocalScorer
 
     from specdec.decoding.draft_length import DraftLengthPolicy
@@ -108,11 +108,11 @@ def test_greedy_output_is_the_targets_whatever_the_cache_holds(tiny_lm):
         return asyncio.run(main()), stats
 
     prompt = [5, 17, 3, 88, 41, 9]
-    target_only, _ = run(1, SuffixProposer(SuffixCache(0)), LocalScorer(CausalLM(tiny_lm)), 0)
+    target_only, _ = run(1, SuffixProposer(SuffixCache(0)), LocalScorer(dynamic_executor(tiny_lm)), 0)
     cache = SuffixCache(10_000)
     rng = random.Random(1)
     cache.add(prompt + [rng.randrange(97) for _ in range(40)])  # misleading: the prompt, then noise
-    proposer, scorer = SuffixProposer(cache), LocalScorer(CausalLM(tiny_lm))
+    proposer, scorer = SuffixProposer(cache), LocalScorer(dynamic_executor(tiny_lm))
     first, misled = run(2, proposer, scorer, 6)
     cache.add(prompt + first)  # what the orchestrator does when a request ends
     second, repeated = run(3, proposer, scorer, 6)

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from specdec.engine.executor import CacheError, CausalLM, Step
+from specdec.engine.build import dynamic_executor
+from specdec.engine.executor import CacheError, Step
 from specdec.triton.language_models import TargetModel
 
 from .conftest import FakeTensor
@@ -12,12 +13,12 @@ from .conftest import FakeTensor
 
 def test_one_execution_answers_each_step_with_its_own_tokens_and_errors_in_place(tiny_lm):
     adapter = TargetModel.__new__(TargetModel)  # the step logic only: no Triton stub here
-    adapter.lm = CausalLM(tiny_lm)
+    adapter.lm = dynamic_executor(tiny_lm)
     steps = [Step(1, 0, [5, 6, 7], 3), Step(2, 4, [1], 1),  # sequence 2 has no cache: an error
              Step(3, 0, [9, 8], 1), Step(4, 0, [2], 0)]
     results = adapter._gather(steps, adapter._run(steps))
     assert isinstance(results[1], CacheError)
-    solo = CausalLM(tiny_lm)
+    solo = dynamic_executor(tiny_lm)
     for step, result in zip(steps, results):
         if step.seq_id == 2:
             continue
@@ -31,7 +32,7 @@ def test_one_execution_answers_each_step_with_its_own_tokens_and_errors_in_place
 
 def test_an_execution_of_errors_only_returns_the_errors(tiny_lm):
     adapter = TargetModel.__new__(TargetModel)
-    adapter.lm = CausalLM(tiny_lm)
+    adapter.lm = dynamic_executor(tiny_lm)
     steps = [Step(1, 2, [5], 1)]
     (result,) = adapter._gather(steps, adapter._run(steps))
     with pytest.raises(CacheError, match="has no cache"):
@@ -82,7 +83,7 @@ def test_a_step_with_an_allowed_tokens_bitmask_gets_the_best_allowed_tokens(tiny
     from specdec import tensor_names as tn
 
     adapter = TargetModel.__new__(TargetModel)
-    adapter.lm = CausalLM(tiny_lm)
+    adapter.lm = dynamic_executor(tiny_lm)
     vocab = tiny_lm.config.vocab_size
     words = (vocab + 31) // 32
     bits = torch.zeros(3, words, dtype=torch.int32)

@@ -6,7 +6,8 @@ import time
 
 import pytest
 
-from specdec.triton.verify_gate import GatedScorer, VerifyGate
+from specdec.decoding.interfaces import VerifyCall
+from specdec.triton.admission.verify_gate import GatedScorer, VerifyGate
 
 LONG = 5.0  # a window no test should ever wait out, unless it means to
 
@@ -109,8 +110,8 @@ def test_gated_scorer_passes_scores_and_releases_through():
         def __init__(self):
             self.calls = []
 
-        async def score(self, *args):
-            self.calls.append(("score", args))
+        async def score(self, call):
+            self.calls.append(("score", call))
             return "scores"
 
         async def release(self, seq_id):
@@ -121,9 +122,10 @@ def test_gated_scorer_passes_scores_and_releases_through():
         gate = Counted(LONG)
         gate.enter()
         scorer = GatedScorer(fake, gate)
-        assert await scorer.score(7, 3, [1, 2], 2, True) == "scores"
-        assert await scorer.score(8, 0, [1, 2], 1, False, reserve=30, want_log_probs=True, allowed="bits") == "scores"
+        assert await scorer.score(first) == "scores"
+        assert await scorer.score(second) == "scores"
         await scorer.release(7)
         return fake.calls
-    assert run(main()) == [("score", (7, 3, [1, 2], 2, True, 0, False, None)),
-                           ("score", (8, 0, [1, 2], 1, False, 30, True, "bits")), ("release", 7)]
+    first = VerifyCall(7, 3, [1, 2], 2, want_logits=True)
+    second = VerifyCall(8, 0, [1, 2], 1, reserve=30, want_log_probs=True, allowed="bits")
+    assert run(main()) == [("score", first), ("score", second), ("release", 7)]

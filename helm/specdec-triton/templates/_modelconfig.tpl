@@ -134,7 +134,8 @@ input [
 ]
 output [
   { name: "draft_tokens", data_type: TYPE_INT32, dims: [ -1 ] },
-  { name: "draft_probs", data_type: TYPE_FP32, dims: [ -1, -1 ] }
+  { name: "draft_probs", data_type: TYPE_FP32, dims: [ -1, -1 ] },
+  { name: "cached_length", data_type: TYPE_INT32, dims: [ 1 ] }
 ]
 {{ include "specdec.lmParams" (list . "draft" .Values.models.draft.path) }}
 {{ include "specdec.param" (list "target_tokenizer_path" (include "specdec.tokenizerPath" .)) }}

@@ -1,10 +1,15 @@
 """The decoding algorithm, pure: no Triton import, no model; torch tensors in, tokens out.
 
   loop               propose -> verify -> accept, one round per target forward (`generate`)
-  interfaces         Proposal, Scores, ForwardStats and the Proposer / Scorer protocols the loop calls
+  interfaces         Proposal, VerifyCall, Scores, ForwardStats and the Proposer / Scorer protocols the loop calls
   rejection_sampler  the accept/reject rule (greedy and lossless stochastic), pure tensor functions
   sampling           logits -> probabilities (temperature, top-k, top-p), sampling, seeded generators
   draft_length       how many tokens to draft each round: the expected-speedup rule over measured costs
+  penalties          repetition, presence and frequency penalties on the target's logits
+  bad_words          token sequences the output never contains
+  logit_bias         logit_bias and allowed_token_ids (vLLM's and OpenAI's token-level settings)
+  grammar            structured output: a grammar's mask per position and its forced text, exact under speculation
+  token_mask         allowed-token bitmasks read where the logits are
   ngram_proposer     prompt lookup: a Proposer with no model
   suffix_proposer    prompt lookup also over earlier requests' text: a cache they share
   text               tokenizer loading, incremental detokenization, stop words

@@ -47,7 +47,7 @@ class GuideError(ValueError):
 
 
 # Compiled guides kept per compiler: clients send the same schema again and again. Bounded, because a large
-# schema's grammar and matcher hold over a megabyte (README, "Structured output").
+# schema's grammar and matcher hold over a megabyte.
 CACHED_GUIDES = 64
 SEEN_GUIDES = 4096  # guides remembered (by hash) as compiled once: the second time, one is kept
 

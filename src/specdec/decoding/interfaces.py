@@ -31,6 +31,25 @@ class Proposal:
 
 
 @dataclass(frozen=True)
+class VerifyCall:
+    """One verify call to the scorer: keep `keep` cached tokens, append `new_ids`, score the last
+    `num_positions` positions."""
+
+    seq_id: int
+    keep: int
+    new_ids: list[int]
+    num_positions: int
+    want_logits: bool = False  # the (num_positions, V) logits back (sampling, or logits edited on the host)
+    # On a sequence's first call: the room its whole generation needs (positions), which a model with a KV
+    # budget sets aside then or raises NoCapacity
+    reserve: int = 0
+    want_log_probs: bool = False  # the greedy tokens' log-probabilities back
+    # (num_positions, words) int32 bitmask (grammar.GrammarMatcher.allowed): each greedy token is the best of
+    # its position's allowed tokens (structured output, picked where the logits are)
+    allowed: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
 class Scores:
     greedy_tokens: torch.Tensor  # (K+1,) target argmax at each verified position (among the allowed tokens)
     logits: torch.Tensor | None  # (K+1, V) target logits; requested only when sampling
@@ -55,12 +74,7 @@ class Proposer(Protocol):
 
 
 class Scorer(Protocol):
-    async def score(self, seq_id: int, keep: int, new_ids: list[int], num_positions: int,
-                    want_logits: bool, reserve: int = 0, want_log_probs: bool = False,
-                    allowed: torch.Tensor | None = None) -> Scores:
-        """Keep `keep` cached tokens, append `new_ids`, score the last `num_positions` positions;
-        `reserve` as for `Proposer.propose`; `want_log_probs`: also the greedy tokens' log-probabilities;
-        `allowed`: a (num_positions, words) int32 bitmask (grammar.GrammarMatcher.allowed): each greedy
-        token is the best of its position's allowed tokens (structured output, picked where the logits are)."""
+    async def score(self, call: VerifyCall) -> Scores:
+        """Run the verify call (see `VerifyCall`)."""
 
     async def release(self, seq_id: int) -> None: ...

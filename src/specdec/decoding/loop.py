@@ -29,7 +29,7 @@ from specdec.decoding.bad_words import banned_tokens, mask_banned
 from specdec.decoding.draft_length import DraftLengthPolicy
 from specdec.decoding.grammar import Grammar, GrammarMatcher
 from specdec.decoding.logit_bias import TokenBias, apply_bias
-from specdec.decoding.interfaces import NoCapacity, Proposal, Proposer, Scorer, Scores
+from specdec.decoding.interfaces import NoCapacity, Proposal, Proposer, Scorer, Scores, VerifyCall
 from specdec.decoding.penalties import Penalties, TokenOccurrences, penalize
 from specdec.decoding.rejection_sampler import Verdict, greedy_verify, rejection_sample
 from specdec.decoding.sampling import SamplingParams, greedy, logits_to_probs, make_generator, pad_vocab, token_log_probs
@@ -193,9 +193,9 @@ async def _score(scorer: Scorer, req: GenerationRequest, keep: int, new_ids: lis
     want_logits = not req.sampling.greedy or (req.edits_logits and allowed is None)
     while True:
         try:
-            return await scorer.score(req.seq_id, keep, new_ids, positions, want_logits=want_logits,
-                                      reserve=reserve, want_log_probs=req.log_probs and not want_logits,
-                                      allowed=allowed)
+            return await scorer.score(VerifyCall(req.seq_id, keep, new_ids, positions, want_logits=want_logits,
+                                                 reserve=reserve, want_log_probs=req.log_probs and not want_logits,
+                                                 allowed=allowed))
         except NoCapacity:
             if not reserve or wait_for_room is None or not await wait_for_room():
                 raise

@@ -73,8 +73,8 @@ class NgramIndex:
 class NgramProposer:
     """Proposer over `NgramIndex`, keeping each sequence's tokens as its 'cache'.
 
-    min_ngram 2: a single repeated token predicts its continuation poorly (README, "Measured design
-    choices").
+    min_ngram 2: a single repeated token predicts its continuation poorly (measured: acceptance 0.13
+    against 0.38 with 2).
     """
 
     def __init__(self, max_ngram: int = 4, min_ngram: int = 2):

@@ -32,7 +32,7 @@ class SamplingParams:
 def greedy(logits: torch.Tensor) -> torch.Tensor:
     """The greedy token of each row: logits (..., V) -> (...,) int64, the first maximum (argmax's tokens,
     ties and NaN alike). Through `max`, whose CPU reduction is about 3x faster than `argmax`'s over a
-    vocabulary row (README, "Measured design choices"); draft, target and tests all pick tokens here."""
+    vocabulary row; draft, target and tests all pick tokens here."""
     return logits.max(-1).indices
 
 
@@ -75,7 +75,7 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
 
 # Top-p on CPU finds each row's nucleus among its NUCLEUS_PROBE most likely tokens (a partial top-k) and
 # sorts only where the nucleus is wider: torch's CPU sort of a whole vocabulary row costs milliseconds
-# (README, "Measured design choices"), and the orchestrator runs it on every sampled round's K + 1 rows.
+# (~4 ms for 49152 tokens), and the orchestrator runs it on every sampled round's K + 1 rows.
 NUCLEUS_PROBE = 256
 
 
@@ -135,7 +135,7 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> tor
     if flat.device.type != "cpu":
         return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
     # On CPU by inverting the cumulative distribution: torch's CPU multinomial costs ~1 ms per
-    # 49152-token row (README, "Measured design choices"), and the draft samples each drafted token.
+    # 49152-token row, and the draft samples each drafted token.
     cdf = flat.double().cumsum(-1)
     total = cdf[:, -1:]
     if not bool(torch.isfinite(total).all() and (total > 0).all() and (flat >= 0).all()):

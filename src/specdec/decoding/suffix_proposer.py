@@ -11,7 +11,7 @@ measured back to `max_match` tokens.
 
 Still a deterministic draft verified by the target: the output is the target's, greedy or sampled, whatever
 the cache holds. What the cache changes is how fast a request runs, which depends on other requests'
-text: a timing signal across requests, as with any shared cache (README, "Draft methods").
+text: a timing signal across requests, as with any shared cache (`suffix_cache_tokens` 0 keeps none).
 """
 
 from __future__ import annotations

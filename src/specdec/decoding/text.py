@@ -29,7 +29,7 @@ def load_tokenizer(path: str):
     transformers 5 writes for a tokenizer.json tokenizer: both pairs here) is loaded with that class:
     AutoTokenizer returns the same class for it, but first imports the model-configuration machinery and
     with it torch, which stubs that need text only (preprocessing, postprocessing) would then load and hold
-    for nothing (README, "Measured design choices"). Anything else goes through AutoTokenizer."""
+    for nothing (hundreds of MB and seconds at load). Anything else goes through AutoTokenizer."""
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"tokenizer_path {path!r} does not exist")

@@ -1,14 +1,24 @@
-"""The model executor: runs a Hugging Face causal LM step by step for many sequences at once.
+"""The model executor: runs a causal LM step by step for many sequences at once.
 
-  executor       `CausalLM`: per-sequence caches with rollback, packed batched forwards, drafting
-  kv_cache       per-sequence KV buffers and the attention that appends to and reads them in place
-  static_executor  `StaticCausalLM`: a preallocated paged KV pool, forwards captured as CUDA graphs
+  executor       `Executor`: a KV store plus a forward; sequences with rollback, admission, prefix
+                 caching's bookkeeping, packed batched forwards, drafting
+  interfaces     Step, Drafted, and the KVStore and Forward protocols the executor is composed of
+  build          `build_executor(model, ExecutorConfig)`: which store and forward serve a model
+  kv_cache       the contiguous KV store: per-sequence buffers and the attention that reads them in place
+  paged_kv       the paged KV store: one block pool per layer allocated at load, within a budget
   prefix_cache   prefix caching's index: full KV blocks found again by the prompt tokens they hold;
-                 the state both executors keep of a sequence
+                 the state every store keeps of a sequence
+  transformers_forward  the eager forward: transformers' own, over packed rows (any architecture)
+  static_forward the static forward: bucketed shapes over the paged pool, replayed as CUDA graphs
+  llama_forward  the Llama-family forward the static one runs, written over the model's modules
+  cuda_graphs    pinned input staging and one bucket's forward captured as a CUDA graph
   kernels        a Llama layer's pointwise math as pure functions, and their compiled (fused) form
+  loading        loads a model (Hugging Face directory or GGUF file) on a device, in a dtype
   onednn_linear  CPU linear layers with weights reordered once for oneDNN
+  errors         CacheError, CapacityError
   host_memory    gives freed host memory back to the OS (glibc malloc_trim)
-  local          the loop's Proposer and Scorer over in-process CausalLMs (tests, benchmarks)
+  threads        the CPUs this process may use
+  local          the loop's Proposer and Scorer over in-process executors (tests, benchmarks)
 
 May import: torch, transformers, `specdec.tensor_names`, `specdec.decoding` (sampling, the interfaces).
 Never Triton.

@@ -3,7 +3,7 @@
 A CPU model stub allocates and frees buffers of many sizes per sequence (KV tensors that grow by
 concatenation, activations of prompts of every length). glibc keeps freed blocks in its heaps for reuse,
 and a heap whose top is still in use never shrinks on its own: the process's resident memory creeps up
-under a long mixed load although nothing is live (measured: README, "Soak"). `malloc_trim(0)` returns the
+under a long mixed load although nothing is live. `malloc_trim(0)` returns the
 free pages of every heap (`madvise(MADV_DONTNEED)` inside heaps, not only at their top).
 """
 
@@ -27,7 +27,8 @@ def _malloc_trim():
 def trim_heap() -> bool:
     """Return the free pages of the C heaps to the OS; False where the C library cannot (not glibc).
 
-    Its cost grows with what there is to give back (README, "Soak"): callers keep it off the hot path.
+    Its cost grows with what there is to give back (hundreds of milliseconds after a heavy churn):
+    callers keep it off the hot path.
     """
     trim = _malloc_trim()
     if trim is None:

@@ -6,8 +6,7 @@ and inside a CUDA graph each kernel still costs its launch slot and a round trip
 `compiled()` hands back the same functions through `torch.compile` (inductor, automatic dynamic shapes:
 one kernel each, for every bucket), which the static executor captures into its graphs like any other
 kernel. The math is the model's own (transformers' LlamaRMSNorm and rotary embedding): eagerly these
-give its results; compiled, the same up to the rounding of fused float arithmetic. What that saves and
-costs is measured in the README ("The static executor").
+give its results; compiled, the same up to the rounding of fused float arithmetic.
 
 Shapes: N rows (a forward's B x T tokens, flattened), H hidden, heads x D per head, I the MLP's width.
 """
@@ -82,7 +81,7 @@ EAGER = Kernels(rms_norm, add_rms_norm, rotate_qk, silu_mul)
 def cache_counts() -> tuple[int, int]:
     """This process's kernels compiled so far and those loaded from inductor's on-disk cache (its FX graph
     cache misses and hits). The cache lives in TORCHINDUCTOR_CACHE_DIR (`cache_location`): where it outlives
-    the process (a volume: README, "Compiled kernels"), a new server loads instead of compiling."""
+    the process (a volume), a new server loads instead of compiling."""
     from torch._dynamo.utils import counters
 
     return counters["inductor"]["fxgraph_cache_miss"], counters["inductor"]["fxgraph_cache_hit"]
@@ -99,7 +98,7 @@ def cache_location() -> str:
 
 def compiled() -> Kernels:
     """The functions through torch.compile (inductor; one fused kernel each). They compile on first
-    use: the executor warms them up before it captures anything (`StaticCausalLM.fuse`). The first call
+    use: the executor warms them up before it captures anything (`StaticForward.fuse`). The first call
     with one row compiles for one row; the first with more compiles once for any number of rows
     (torch.compile's automatic dynamic shapes): every other size is a constant of the model."""
     return Kernels(*(torch.compile(fn, fullgraph=True, options=OPTIONS) for fn in EAGER))

@@ -1,4 +1,5 @@
-"""Per-sequence KV buffers, and the attention that appends to them and reads them in place.
+"""The contiguous KV store: per-sequence KV buffers, and the attention that appends to them and reads
+them in place (the eager forward's, `transformers_forward.py`).
 
 Each sequence owns one preallocated key and value buffer per layer, (kv_heads, capacity, head_dim),
 grown by doubling. A forward step writes its new tokens' keys and values at [length, length + width)
@@ -30,6 +31,15 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from specdec.engine.prefix_cache import PrefixIndex, SequenceState
 
 ATTENTION = "specdec_sequence_kv"
+
+
+def kv_layout(model) -> tuple[int, int, int]:
+    """(layers, kv_heads, head_dim) of a model's KV cache."""
+    cfg = model.config
+    text = getattr(cfg, "get_text_config", lambda: cfg)()
+    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    return text.num_hidden_layers, heads, head_dim
 
 
 class SequenceKV(SequenceState):
@@ -152,6 +162,7 @@ class KVBatch:
 
     seqs: list[SequenceKV]
     counts: list[int]
+    trees: list[tuple[int, ...] | None] | None = None  # per sequence: its new tokens' parents (Step.tree)
 
     def __post_init__(self):
         # Every layer of the forward asks for the same masks (a sequence's length moves only after the
@@ -168,7 +179,9 @@ class KVBatch:
         """seqs[i]'s attention mask in this forward (`_visible`), shared by every layer."""
         key = (i, window)
         if key not in self._masks:
-            self._masks[key] = _visible(self.seqs[i].length, self.counts[i], window, device)
+            tree = self.trees[i] if self.trees else None
+            self._masks[key] = _visible(self.seqs[i].length, self.counts[i], window, device) if tree is None \
+                else tree_mask(self.seqs[i].length, tree, device)
         return self._masks[key]
 
 
@@ -181,6 +194,28 @@ def _visible(length: int, count: int, window: int | None, device) -> torch.Tenso
     if window:
         mask &= ~torch.ones_like(mask).tril(length - window)
     return mask
+
+
+def tree_depths(tree: tuple[int, ...]) -> list[int]:
+    """Each node's depth (0: it follows the cached tokens), for parents that come before their children."""
+    depths: list[int] = []
+    for node, parent in enumerate(tree):
+        if not -1 <= parent < node:
+            raise ValueError(f"tree: node {node}'s parent must be -1 or an earlier node, got {parent}")
+        depths.append(0 if parent < 0 else depths[parent] + 1)
+    return depths
+
+
+def tree_mask(length: int, tree: tuple[int, ...], device) -> torch.Tensor:
+    """(count, length + count) bool: node j sees every cached key and the keys of its ancestors and itself."""
+    count = len(tree)
+    mask = torch.zeros(count, length + count, dtype=torch.bool)
+    mask[:, :length] = True
+    for node, parent in enumerate(tree):
+        mask[node, length + node] = True
+        if parent >= 0:
+            mask[node, length:] |= mask[parent, length:]
+    return mask.to(device)
 
 
 def sequence_kv_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
@@ -234,3 +269,54 @@ def layer_devices(model, num_layers: int) -> list[torch.device]:
 def use_sequence_kv(model) -> None:
     """Route the model's attention through `sequence_kv_attention`."""
     model.set_attn_implementation(ATTENTION)
+
+
+class ContiguousKV:
+    """A KV store of one growable buffer per sequence and layer (`SequenceKV`), each beside its layer.
+
+    Memory is not budgeted: buffers grow on demand as a forward writes (`KVBatch`), so `reserve` and
+    `hold` have nothing to do and a sequence's release is just dropping it. With prefix caching
+    (prefix_cache_tokens >= block_size) keyed blocks are copied into a `BlockStore` of that many tokens
+    and out of it into new sequences."""
+
+    def __init__(self, model, prefix_cache_tokens: int = 0, block_size: int = 32):
+        layers, self.kv_heads, self.head_dim = kv_layout(model)
+        self.dtype = model.dtype
+        self.layer_devices = layer_devices(model, layers)  # each layer's KV buffers live beside it
+        self.max_capacity = getattr(model.config, "max_position_embeddings", None)
+        self.prefix = PrefixIndex(block_size) if prefix_cache_tokens >= block_size else None
+        self.store = BlockStore(self.prefix, prefix_cache_tokens // block_size, self.layer_devices, self.kv_heads,
+                                self.head_dim, self.dtype) if self.prefix is not None else None
+
+    def new_sequence(self) -> SequenceKV:
+        return SequenceKV(self.layer_devices, self.kv_heads, self.head_dim, self.dtype, max_capacity=self.max_capacity)
+
+    def reserve(self, seq: SequenceKV, positions: int) -> None:
+        """Room for `positions` tokens: the buffers grow when a forward writes them."""
+
+    def hold(self, seq: SequenceKV, positions: int) -> None:
+        """A new sequence's generation: memory is not budgeted, nothing to set aside."""
+
+    def adopt(self, seq: SequenceKV, blocks: list[int], first: int) -> None:
+        """seq's blocks first, first + 1, ... get the contents of these keyed blocks: copied from the store."""
+        self.store.load(seq, blocks, first)
+
+    def key_blocks(self, seq: SequenceKV, first: int, parent: int, blocks: list[tuple[int, ...]]) -> list[int]:
+        """Key seq's blocks first, first + 1, ... (holding `blocks`' tokens; the first follows the prefix
+        `parent`): copied into the store. Returns their serials (fewer if the store is full of them)."""
+        return self.store.save(seq, first, parent, blocks)
+
+    def rewrite_from(self, seq: SequenceKV, j: int) -> None:
+        """seq writes into its blocks from j on next: they are its own buffers, nothing to do."""
+
+    def release(self, seq: SequenceKV) -> None:
+        """The buffers go with the sequence."""
+
+    def bytes_held(self, sequences) -> int:
+        """Bytes the sequences' KV buffers hold (their capacity, which grows by doubling)."""
+        return sum(seq.nbytes for seq in sequences)
+
+    @property
+    def prefix_cache_bytes(self) -> int:
+        """Bytes of keyed blocks kept for later prompts (the store's)."""
+        return self.store.nbytes if self.store is not None else 0

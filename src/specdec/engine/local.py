@@ -1,4 +1,4 @@
-"""The loop's Proposer and Scorer over in-process `CausalLM`s: speculative decoding without a server.
+"""The loop's Proposer and Scorer over in-process `Executor`s: speculative decoding without a server.
 
 What the Triton adapters do over BLS, done by direct calls; the tests and benchmarks run the real loop on
 real models with it. Tensors come back to the host, as they do from a Triton model.
@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import contextlib
 
-import torch
-
-from specdec.decoding.interfaces import ForwardStats, NoCapacity, Proposal, Scores
+from specdec.decoding.interfaces import ForwardStats, NoCapacity, Proposal, Scores, VerifyCall
 from specdec.decoding.sampling import SamplingParams, greedy, greedy_log_probs, make_generator, token_log_probs
 from specdec.decoding.token_mask import allowed_greedy
-from specdec.engine.executor import CapacityError, CausalLM
+from specdec.engine.errors import CapacityError
+from specdec.engine.executor import Executor
 
 
 @contextlib.contextmanager
@@ -26,36 +25,35 @@ def _no_capacity():
 
 
 class LocalProposer:
-    def __init__(self, lm: CausalLM):
+    def __init__(self, lm: Executor):
         self.lm = lm
 
     async def propose(self, seq_id: int, keep: int, new_ids: list[int], k: int, params: SamplingParams,
                       round_seed: int, reserve: int = 0) -> Proposal:
         generator = None if params.greedy else make_generator(round_seed, self.lm.logits_device)
         with _no_capacity():
-            tokens, probs = self.lm.propose(seq_id, keep, new_ids, k, params, generator, reserve)
-        # The draft runs every proposed token but the last through its cache.
-        return Proposal(tokens, None if probs is None else probs.float().cpu(), keep + len(new_ids) + k - 1)
+            drafted = self.lm.propose(seq_id, keep, new_ids, k, params, generator, reserve)
+        probs = None if drafted.probs is None else drafted.probs.float().cpu()
+        return Proposal(drafted.tokens, probs, drafted.cached_length)
 
     async def release(self, seq_id: int) -> None:
         self.lm.release(seq_id)
 
 
 class LocalScorer:
-    def __init__(self, lm: CausalLM):
+    def __init__(self, lm: Executor):
         self.lm = lm
 
-    async def score(self, seq_id: int, keep: int, new_ids: list[int], num_positions: int,
-                    want_logits: bool, reserve: int = 0, want_log_probs: bool = False,
-                    allowed: torch.Tensor | None = None) -> Scores:
+    async def score(self, call: VerifyCall) -> Scores:
         with _no_capacity():
-            logits = self.lm.extend(seq_id, keep, new_ids, num_positions, reserve)
+            logits = self.lm.extend(call.seq_id, call.keep, call.new_ids, call.num_positions, call.reserve)
+        allowed = call.allowed
         tokens = greedy(logits) if allowed is None else allowed_greedy(logits, allowed)
         log_probs = None
-        if want_log_probs:
+        if call.want_log_probs:
             log_probs = greedy_log_probs(logits) if allowed is None else token_log_probs(logits, tokens)
-        return Scores(tokens.cpu(), logits.float().cpu() if want_logits else None,
-                      ForwardStats(len(new_ids), 1, 0.0), None if log_probs is None else log_probs.cpu())
+        return Scores(tokens.cpu(), logits.float().cpu() if call.want_logits else None,
+                      ForwardStats(len(call.new_ids), 1, 0.0), None if log_probs is None else log_probs.cpu())
 
     async def release(self, seq_id: int) -> None:
         self.lm.release(seq_id)

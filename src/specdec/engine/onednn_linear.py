@@ -3,8 +3,7 @@
 Torch's default fp32 linear on CPU (MKL sgemm) repacks the weights on every call and has a slow path
 for 2-9 rows. With the weight reordered once into oneDNN's blocked layout (what torch.compile's CPU
 backend does when it freezes weights), a step is faster and a forward of K+1 rows costs about as much
-as one of a single row: exactly the ratio speculative decoding and batching live on (measured figures:
-README, "Measured design choices").
+as one of a single row: exactly the ratio speculative decoding and batching live on.
 
 `prepack_linears` swaps every `nn.Linear` for `PrepackedLinear`; the numbers agree with the dense layer
 to float rounding (unit-tested).

@@ -8,12 +8,12 @@ token tuples are compared, not hashed digests: no collision can hand a sequence 
 and values). Every registration gets a new serial, so when a block is evicted and its number reused,
 the entries that followed it can no longer be reached: lookups walk from the root.
 
-This module is the index (which block holds which prefix) and the state both executors keep of a
-sequence (`SequenceState`). The static executor's pool (static_executor.BlockPool) owns its blocks,
+This module is the index (which block holds which prefix) and the state both KV stores keep of a
+sequence (`SequenceState`). The paged store's pool (paged_kv.BlockPool) owns its blocks,
 counts the sequences holding each, and keeps the registered blocks nobody holds as an LRU it evicts from
 when free blocks run out; the rule that keeps a shared block's contents right is that a registered or
-shared block is never written (a sequence that rolls back into one first takes a copy). The dynamic
-executor, whose sequences own growable buffers, copies keyed blocks into a store of its own and out of it
+shared block is never written (a sequence that rolls back into one first takes a copy). The contiguous
+store, whose sequences own growable buffers, copies keyed blocks into a store of its own and out of it
 (kv_cache.BlockStore).
 """
 
@@ -23,8 +23,8 @@ ROOT = 0  # the parent serial of a sequence's first block
 
 
 class SequenceState:
-    """What either executor keeps of one sequence besides its keys and values (kv_cache.SequenceKV,
-    static_executor.PagedSequence): the first `length` positions are valid; when it last ran (idle
+    """What either KV store keeps of one sequence besides its keys and values (kv_cache.SequenceKV,
+    paged_kv.PagedSequence): the first `length` positions are valid; when it last ran (idle
     eviction); with prefix caching, the token at each position (-1 where a drafted token is not yet known
     on the host), the serials of its leading blocks keyed in the index, and whether its prompt is still
     arriving in chunks (looked up in the index while it is)."""

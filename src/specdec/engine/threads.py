@@ -4,8 +4,7 @@ torch starts one worker per core of the machine, not per CPU a container was gra
 CPUs on a 64-core node runs 32-thread forwards in 4 CPUs' worth of time, and every model stub (draft,
 target) does so. `auto` keeps torch's count but no more than the CPUs this process may actually use
 (`available_cpus`). Fewer threads than that can pay for a small model, whose steps hardly speed up on a
-second thread while it takes a core the other stubs need (measured: README, "Measured design choices");
-that is a count a deployment sets.
+second thread while it takes a core the other stubs need; that is a count a deployment sets.
 """
 
 from __future__ import annotations

@@ -6,6 +6,8 @@
   repository   render model_repository/ for a pair (config.pbtxt parameters, instance groups)
   healthcheck  exit 0 when the local server is ready (the image's HEALTHCHECK)
   fetch        download the pair's weights into a volume once (the chart's init container)
+  mps          a CUDA MPS control daemon of the launcher's own (`--mps`)
+  metrics_text reading a server's Prometheus text (the launcher's drain, benchmarks, tests)
 
 May import: every layer below, though it only needs `specdec.tensor_names` (models load in the server).
 """

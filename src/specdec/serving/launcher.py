@@ -39,7 +39,7 @@ from specdec.serving import mps, pairs, repository
 from specdec.serving.healthcheck import READY_PATH, ReadinessEndpoint, drain_marker, health_port, is_ready
 from specdec.serving.metrics_text import scrape, sum_samples
 from specdec.serving.pairs import log
-from specdec.triton import cancellation, room, slots
+from specdec.triton.admission import cancellation, kv_room, sequence_slots
 
 
 @dataclass(frozen=True)
@@ -173,7 +173,7 @@ def drain(http_port: int, metrics_port: int, process: subprocess.Popen, timeout_
 # libgomp's default, 300000, lasts milliseconds, so a model that has just answered keeps a core
 # busy through the next model's forward (a round is draft, then orchestrator, then target, each in its
 # own stub). 30000 is libgomp's own choice when threads outnumber cores, which across our stubs they
-# do; measured in the README ("Where a served round goes").
+# do (a 2-core machine's K=4 round took half as long with it).
 STUB_ENV_DEFAULTS = {"GOMP_SPINCOUNT": "30000"}
 
 
@@ -337,14 +337,14 @@ def main(argv: list[str] | None = None) -> int:
     if endpoint is not None:
         endpoint.close()
     # Nothing of the server may outlive it: an orphaned stub would hold its memory (on a GPU, device
-    # memory) for good. One was seen once (README, "Draining on shutdown").
+    # memory) for good. One was seen once, half an hour after its server stopped.
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(process.pid, signal.SIGKILL)
     if mps_daemon is not None:  # its clients are gone
         mps_daemon.stop()
     # The cancellation flags, live-sequence slots and KV-room line its stubs shared (named after its PID).
-    for scratch in [cancellation.default_directory(process.pid), room.default_directory(process.pid),
-                    *slots.server_directories(process.pid)]:
+    for scratch in [cancellation.default_directory(process.pid), kv_room.default_directory(process.pid),
+                    *sequence_slots.server_directories(process.pid)]:
         shutil.rmtree(scratch, ignore_errors=True)
     return code
 

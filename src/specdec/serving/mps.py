@@ -3,8 +3,7 @@ quit after it.
 
 draft_model and target_model run in two stub processes, two CUDA contexts, and without MPS one GPU
 time-slices between them: under concurrent speculative streams each model's forwards also wait out the
-other's kernels. Under MPS both processes' kernels go through one server and run side by side (README,
-"CUDA MPS": what it gained and cost on an H200). The daemon gets pipe and log directories of its own, new
+other's kernels. Under MPS both processes' kernels go through one server and run side by side. The daemon gets pipe and log directories of its own, new
 for each launch in the local temporary directory (NVIDIA: the pipes must be local and not shared between
 nodes; a run directory may sit on a shared volume), and the server's processes are pointed at them: it
 neither meets nor disturbs a daemon the host runs with the default /tmp/nvidia-mps, nor one left behind by

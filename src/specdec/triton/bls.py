@@ -13,8 +13,9 @@ import torch
 import torch.utils.dlpack
 
 from specdec import tensor_names as tn
-from specdec.decoding.interfaces import ForwardStats, NoCapacity, Proposal, Scores
+from specdec.decoding.interfaces import NoCapacity, Proposal, Scores, VerifyCall
 from specdec.decoding.sampling import SamplingParams
+from specdec.triton import wire
 
 
 class BlsError(RuntimeError):
@@ -29,35 +30,21 @@ def _torch(tensor) -> torch.Tensor:
     return torch.utils.dlpack.from_dlpack(tensor.to_dlpack()).clone()
 
 
-def _i32(value) -> np.ndarray:
-    return np.asarray(value, dtype=np.int32).reshape(1, -1)
-
-
-_TRUE, _FALSE = np.array([[True]]), np.array([[False]])
-
-
-def _sampling_inputs(params: SamplingParams, seed: int) -> dict[str, np.ndarray]:
-    """draft_model's sampling settings (greedy ones too: see _SequenceModel)."""
-    return {tn.TEMPERATURE: np.array([[params.temperature]], dtype=np.float32), tn.TOP_K: _i32([params.top_k]),
-            tn.TOP_P: np.array([[params.top_p]], dtype=np.float32),
-            tn.MIN_P: np.array([[params.min_p]], dtype=np.float32), tn.SEED: np.array([[seed]], dtype=np.uint64)}
-
-
 class _SequenceModel:
     """Shared plumbing: one BLS call into a sequence-batched model.
 
     Every call of a model carries the same set of inputs, defaults included (a reservation of 0, release
     false, greedy sampling settings, an empty bitmask): Triton's sequence batcher puts requests into one
     execution only when they carry the same inputs, so a call that left one out ran in an execution of its
-    own (measured: README, "One input set per model"). `QUIET` holds the model's own inputs as a call that asks
-    for nothing back sends them (a prompt's chunk, the release).
+    own (wire.py encodes them). `QUIET` holds the model's own inputs as a call that asks for nothing back
+    sends them (a prompt's chunk, the release).
 
     `prefill_chunk` (tokens; 0: off): a call appending more tokens than that beyond the positions it
     needs (a long prompt) goes first as calls of that many tokens that ask for nothing back (chunked
     prefill): each is one execute of the model, so the other requests' rounds run between them instead
     of waiting for the whole prompt's forward. Chunks the model's prefix cache holds are not run again."""
 
-    QUIET: dict[str, np.ndarray] = {}
+    QUIET: wire.Arrays = {}
 
     def __init__(self, pb_utils, model_name: str, timeout_us: int = 0, prefill_chunk: int = 0):
         self.pb = pb_utils
@@ -77,7 +64,7 @@ class _SequenceModel:
         return keep, new_ids, reserve
 
     async def _call(self, seq_id: int, new_ids: list[int], keep: int, outputs: list[str], reserve: int = 0,
-                    end: bool = False, **own: np.ndarray):
+                    end: bool = False, own: wire.Arrays | None = None) -> dict:
         """Keep `keep` cached tokens and append new_ids, the model's own inputs `own` (QUIET's otherwise);
         `end`: release the sequence."""
         pb = self.pb
@@ -88,8 +75,7 @@ class _SequenceModel:
         if end:
             flags |= pb.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END
             self._started.discard(seq_id)
-        inputs = {tn.INPUT_IDS: _i32(new_ids), tn.CACHE_LENGTH: _i32([keep]), tn.RESERVE_TOKENS: _i32([reserve]),
-                  tn.RELEASE: _TRUE if end else _FALSE, **self.QUIET, **own}
+        inputs = {**wire.StepMessage(keep, new_ids, reserve, end).encode(), **self.QUIET, **(own or {})}
         request = pb.InferenceRequest(
             model_name=self.model_name,
             inputs=[pb.Tensor(name, value) for name, value in inputs.items()],
@@ -115,36 +101,31 @@ class _SequenceModel:
 
 
 class BlsProposer(_SequenceModel):
-    QUIET = {tn.NUM_DRAFT_TOKENS: _i32([0]), **_sampling_inputs(SamplingParams(), 0)}  # appends only
+    QUIET = wire.QUIET_PROPOSE.encode()  # appends only
 
     async def propose(self, seq_id: int, keep: int, new_ids: list[int], k: int,
                       params: SamplingParams, round_seed: int, reserve: int = 0) -> Proposal:
         keep, new_ids, reserve = await self._prefill(seq_id, keep, new_ids, 1, reserve, tn.DRAFT_TOKENS)
-        outputs = [tn.DRAFT_TOKENS] + ([] if params.greedy else [tn.DRAFT_PROBS])
+        outputs = [tn.DRAFT_TOKENS, tn.CACHED_LENGTH] + ([] if params.greedy else [tn.DRAFT_PROBS])
         result = await self._call(seq_id, new_ids, keep, outputs, reserve,
-                                  **{tn.NUM_DRAFT_TOKENS: _i32([k]), **_sampling_inputs(params, round_seed)})
+                                  own=wire.ProposeMessage(k, params, round_seed).encode())
+        drafted = wire.DraftedMessage.decode({name: result[name].as_numpy() for name in outputs[:2]})
         probs = None if params.greedy else _torch(result[tn.DRAFT_PROBS])[0]
-        # The draft model runs every proposed token but the last through its cache.
-        return Proposal(result[tn.DRAFT_TOKENS].as_numpy()[0].tolist(), probs,
-                        cached_length=keep + len(new_ids) + k - 1)
+        return Proposal(drafted.tokens, probs, drafted.cached_length)
 
 
 class BlsScorer(_SequenceModel):
-    # An empty bitmask: every token.
-    QUIET = {tn.NUM_LOGITS: _i32([0]), tn.ALLOWED_TOKENS: np.zeros((1, 0, 0), dtype=np.int32)}
+    QUIET = wire.QUIET_VERIFY.encode()
 
-    async def score(self, seq_id: int, keep: int, new_ids: list[int], num_positions: int,
-                    want_logits: bool, reserve: int = 0, want_log_probs: bool = False,
-                    allowed: torch.Tensor | None = None) -> Scores:
-        keep, new_ids, reserve = await self._prefill(seq_id, keep, new_ids, num_positions, reserve, tn.GREEDY_TOKENS)
-        outputs = [tn.GREEDY_TOKENS, tn.FORWARD_STATS] + ([tn.LOGITS] if want_logits else []) + (
-            [tn.GREEDY_LOG_PROBS] if want_log_probs else [])
+    async def score(self, call: VerifyCall) -> Scores:
+        keep, new_ids, reserve = await self._prefill(call.seq_id, call.keep, call.new_ids, call.num_positions,
+                                                     call.reserve, tn.GREEDY_TOKENS)
+        answer = [tn.GREEDY_TOKENS, tn.FORWARD_STATS] + ([tn.GREEDY_LOG_PROBS] if call.want_log_probs else [])
+        outputs = answer + ([tn.LOGITS] if call.want_logits else [])
         # The grammar's (K+1) x V/32 words instead of (K+1) x V logits back.
-        mask = {} if allowed is None else {tn.ALLOWED_TOKENS: allowed.cpu().numpy()[None]}
-        result = await self._call(seq_id, new_ids, keep, outputs, reserve,
-                                  **{tn.NUM_LOGITS: _i32([num_positions]), **mask})
-        logits = _torch(result[tn.LOGITS])[0] if want_logits else None
-        rows, sequences, seconds = result[tn.FORWARD_STATS].as_numpy()[0].tolist()
-        log_probs = torch.from_numpy(result[tn.GREEDY_LOG_PROBS].as_numpy()[0].copy()) if want_log_probs else None
-        return Scores(torch.from_numpy(result[tn.GREEDY_TOKENS].as_numpy()[0].astype(np.int64)), logits,
-                      forward=ForwardStats(int(rows), int(sequences), float(seconds)), log_probs=log_probs)
+        result = await self._call(call.seq_id, new_ids, keep, outputs, reserve,
+                                  own=wire.VerifyMessage(call.num_positions, call.allowed).encode())
+        verified = wire.VerifiedMessage.decode({name: result[name].as_numpy() for name in answer})
+        logits = _torch(result[tn.LOGITS])[0] if call.want_logits else None
+        log_probs = None if verified.log_probs is None else torch.from_numpy(verified.log_probs)
+        return Scores(torch.from_numpy(verified.greedy_tokens.astype(np.int64)), logits, verified.forward, log_probs)

@@ -1,4 +1,4 @@
-"""Triton Python-backend adapters for draft_model and target_model over `CausalLM`.
+"""Triton Python-backend adapters for draft_model and target_model over an `engine.executor.Executor`.
 
 Both models are sequence-batched: a request's correlation ID names the sequence whose KV cache it
 extends. Inputs: input_ids (tokens to append), cache_length (cached tokens to keep: rollback), and
@@ -24,30 +24,25 @@ from specdec.decoding.interfaces import ForwardStats
 from specdec.decoding.token_mask import allowed_greedy
 from specdec.decoding.sampling import SamplingParams, greedy, greedy_log_probs, make_generator, token_log_probs
 from specdec.decoding.text import load_tokenizer, vocabulary_mismatch
-from specdec.engine import host_memory, onednn_linear, static_executor, threads
-from specdec.engine.executor import CacheError, CapacityError, CausalLM, Step, load_causal_lm
-from specdec.engine.static_executor import StaticCausalLM
+from specdec.engine import host_memory, onednn_linear, threads
+from specdec.engine.build import ExecutorConfig, build_executor
+from specdec.engine.executor import CacheError, CapacityError, Step
+from specdec.engine.loading import load_causal_lm
 from specdec.triton.adapter import TritonAdapter
 from specdec.triton.config import ConfigError, ModelParameters
 from specdec.triton.metrics import ModelMetrics
 from specdec.triton.profiling import execute_profile
+from specdec.triton import wire
 from specdec.triton.responder import Job, Responder
 
 
 RELEASED = object()  # the outcome of a release job (its answer: an empty response)
 
 
-def _inputs(request) -> dict:
-    """A request's input tensors by name, listed once: pb_utils.get_input_tensor_by_name lists them all
-    (a call into the stub that builds every tensor object) on each lookup, and a step reads up to six."""
-    return {tensor.name(): tensor for tensor in request.inputs()}
-
-
-def _scalar(inputs: dict, name, default=None):
-    tensor = inputs.get(name)
-    if tensor is None:
-        return default
-    return tensor.as_numpy().reshape(-1)[0].item()
+def _inputs(request) -> wire.Arrays:
+    """A request's inputs by name, listed once: pb_utils.get_input_tensor_by_name lists them all (a call
+    into the stub that builds every tensor object) on each lookup, and a step reads up to ten."""
+    return {tensor.name(): tensor.as_numpy() for tensor in request.inputs()}
 
 
 def host(tensor: torch.Tensor) -> np.ndarray:
@@ -73,7 +68,6 @@ class LanguageModelAdapter(TritonAdapter):
             device_map=params.str("device_map", ""),
             linear_kernels=params.str("linear_kernels", "auto", choices=onednn_linear.KINDS),
         )
-        prepacked = any(isinstance(m, onednn_linear.PrepackedLinear) for m in model.modules())
         # auto: torch's own count (a thread per core), at most the CPUs this process may use (threads.py).
         torch.set_num_threads(min(torch.get_num_threads(), threads.available_cpus())
                               if params.str("torch_threads", "auto") == "auto" else params.int("torch_threads", 1, low=1))
@@ -82,61 +76,30 @@ class LanguageModelAdapter(TritonAdapter):
         # On CUDA, logits and draft distributions go to the orchestrator as device tensors (DLPack; Triton
         # hands them over by CUDA IPC): a sampled round's (K+1) x V floats never cross host memory.
         self.device_outputs = params.bool("device_outputs", True)
-        max_sequences = params.int("max_sequences", 256, low=1)
-        idle_timeout_s = params.float("sequence_idle_timeout_s", 600.0, low=1.0)
-        executor = params.str("executor", "auto", choices=tn.EXECUTORS)
-        compile_mode = params.str("compile", "auto", choices=tn.COMPILE_MODES)
-        # Prefix caching: a new sequence's prompt reuses the KV blocks of earlier prompts that began the
-        # same way (the static executor's pool blocks; the dynamic one's store of prefix_cache_tokens).
-        prefix_caching = params.bool("prefix_caching", True)
-        block_size = params.int("kv_block_size", 32, low=1)
-        unsupported = static_executor.supports(model)
-        if executor == "static" and unsupported:
-            raise ConfigError(f"{self.name}: executor=static cannot run {params.str('model_path')}: {unsupported}")
-        # auto: the static executor where CUDA graphs pay (kernel launches dominate eager GPU steps);
-        # eagerly, on CPU or with compile=off, transformers' forward is as fast or faster (README,
-        # "Measured design choices") and its memory grows on demand.
-        wants_graphs = compile_mode == "graphs" or (compile_mode == "auto" and model.device.type == "cuda")
-        if executor == "static" or (executor == "auto" and wants_graphs and not unsupported):
-            self.lm = StaticCausalLM(
-                model, max_sequences=max_sequences, idle_timeout_s=idle_timeout_s,
-                kv_pool_tokens=params.int("kv_pool_tokens", 0, low=0),
-                kv_memory_fraction=params.float("kv_memory_fraction", 0.4, low=0.0, high=1.0),
-                block_size=block_size, prefix_caching=prefix_caching,
-                max_context=params.int("max_context_tokens", tn.DEFAULT_MAX_CONTEXT_TOKENS, low=1),
-                max_batch=params.int("max_batch_forward", 16, low=1),
-                max_rows=params.int("max_num_draft_tokens", tn.DEFAULT_MAX_NUM_DRAFT_TOKENS, low=1) + 1,
-                # true (default): fused pointwise kernels where CUDA graphs run; false: never
-                compile=compile_mode, fuse_kernels=None if params.bool("fuse_kernels", True) else False,
-                # true (default): a SiLU MLP's gate and up products as one where CUDA graphs run; false: never
-                fuse_mlp=None if params.bool("fuse_mlp", True) else False,
-                # > max_num_draft_tokens + 1: prompts up to this many rows in captured buckets of their own
-                # (eagerly, padding them would only cost)
-                prefill_rows=params.int("prefill_graph_rows", tn.DEFAULT_PREFILL_GRAPH_ROWS, low=0)
-                if wants_graphs else 0,
-                log=self.pb.Logger.log_info)
-            started = time.perf_counter()
-            ready, _ = self.lm.warm_up(params.float("capture_time_budget_s", 120.0, low=0.0))
-            total = len(self.lm.bucket_shapes())
-            self.pb.Logger.log_info(
-                f"{self.name}: static executor, eager (compile=off)" if self.lm.mode == "off" else
-                f"{self.name}: static executor: {ready} of {total} shape buckets captured as CUDA graphs in "
-                f"{time.perf_counter() - started:.1f} s (the rest on first use)"
-                f"{'; MLP gate/up products fused' if any(self.lm.forward.gate_up) else ''}")
-        else:
-            if compile_mode == "graphs":
-                raise ConfigError(f"{self.name}: compile={compile_mode} needs executor=static (got {executor}"
-                                  f"{', ' + unsupported if unsupported else ''})")
-            self.lm = CausalLM(
-                model, max_sequences=max_sequences, idle_timeout_s=idle_timeout_s,
-                # 4 on CPU with torch's linear kernels: its 2-3 row GEMMs are slower than 4 (measured; see
-                # CausalLM). oneDNN's reordered weights have no such cliff; 1 = no padding.
-                min_forward_rows=params.int("min_forward_rows",
-                                            4 if model.device.type == "cpu" and not prepacked else 1, low=1),
-                row_buckets=prepacked,
-                prefix_cache_tokens=params.int("prefix_cache_tokens", 4096, low=0) if prefix_caching else 0,
-                block_size=block_size,
-            )
+        default = ExecutorConfig()
+        config = ExecutorConfig(
+            executor=params.str("executor", default.executor, choices=tn.EXECUTORS),
+            compile=params.str("compile", default.compile, choices=tn.COMPILE_MODES),
+            max_sequences=params.int("max_sequences", default.max_sequences, low=1),
+            idle_timeout_s=params.float("sequence_idle_timeout_s", default.idle_timeout_s, low=1.0),
+            prefix_caching=params.bool("prefix_caching", default.prefix_caching),
+            block_size=params.int("kv_block_size", default.block_size, low=1),
+            prefix_cache_tokens=params.int("prefix_cache_tokens", default.prefix_cache_tokens, low=0),
+            min_forward_rows=params.int("min_forward_rows", 0, low=0) or None,  # 0: the executor's choice
+            kv_pool_tokens=params.int("kv_pool_tokens", default.kv_pool_tokens, low=0),
+            kv_memory_fraction=params.float("kv_memory_fraction", default.kv_memory_fraction, low=0.0, high=1.0),
+            max_context=params.int("max_context_tokens", default.max_context, low=1),
+            max_batch=params.int("max_batch_forward", default.max_batch, low=1),
+            max_rows=params.int("max_num_draft_tokens", default.max_rows - 1, low=1) + 1,
+            fuse_kernels=params.bool("fuse_kernels", default.fuse_kernels),
+            fuse_mlp=params.bool("fuse_mlp", default.fuse_mlp),
+            prefill_graph_rows=params.int("prefill_graph_rows", default.prefill_graph_rows, low=0))
+        try:
+            self.lm = build_executor(model, config, log=self.pb.Logger.log_info)
+        except ValueError as exc:
+            raise ConfigError(f"{self.name}: {exc} ({params.str('model_path')})") from None
+        ready, seconds = self.lm.warm_up(params.float("capture_time_budget_s", 120.0, low=0.0))
+        self.pb.Logger.log_info(f"{self.name}: {self.lm.forward.summary(ready, seconds)}")
         self.metrics = ModelMetrics(self.pb, self.name)
         self._warm_up()
         # Abandoned sequences (no release call: a crashed orchestrator, a killed client) are evicted by
@@ -145,7 +108,7 @@ class LanguageModelAdapter(TritonAdapter):
         self._lock = threading.Lock()
         self._stop = threading.Event()
         # The same thread hands the host memory of ended sequences back to the OS, at most once per
-        # interval (0: never): glibc keeps it otherwise and the stub's RSS creeps up (README, "Soak").
+        # interval (0: never): glibc keeps it otherwise and the stub's RSS creeps up under load.
         self.heap_trim_interval_s = params.float("heap_trim_interval_s", 30.0, low=0.0)
         self._freed_since_trim, self._last_trim = False, time.monotonic()
         interval = min(max(self.lm.idle_timeout_s / 4, 0.25), 30.0)
@@ -222,7 +185,7 @@ class LanguageModelAdapter(TritonAdapter):
         seq_id = request.correlation_id()
         try:
             inputs = _inputs(request)
-            if _scalar(inputs, tn.RELEASE, False):
+            if wire.StepMessage.decode(inputs).release:
                 return Job(request, seq_id)
             return Job(request, seq_id, self._parse_step(inputs, seq_id))
         except (CacheError, ValueError) as exc:
@@ -314,14 +277,11 @@ class LanguageModelAdapter(TritonAdapter):
         code = self.pb.TritonError.UNAVAILABLE if isinstance(exc, CapacityError) else self.pb.TritonError.INTERNAL
         return self.pb.InferenceResponse(error=self.pb.TritonError(f"{self.name}: {exc}", code))
 
-    def _parse_step(self, inputs: dict, seq_id: int) -> Step:
-        ids = inputs.get(tn.INPUT_IDS)
-        if ids is None:
-            raise ValueError(f"missing input {tn.INPUT_IDS}")
-        return Step(seq_id, int(_scalar(inputs, tn.CACHE_LENGTH, 0)), ids.as_numpy().reshape(-1).tolist(),
-                    reserve=int(_scalar(inputs, tn.RESERVE_TOKENS, 0)), **self._step_options(inputs))
+    def _parse_step(self, inputs: wire.Arrays, seq_id: int) -> Step:
+        message = wire.StepMessage.decode(inputs)
+        return Step(seq_id, message.keep, message.new_ids, reserve=message.reserve, **self._step_options(inputs))
 
-    def _step_options(self, inputs: dict) -> dict:
+    def _step_options(self, inputs: wire.Arrays) -> dict:
         """The model-specific fields of a Step (num_logits, or k and sampling)."""
         raise NotImplementedError
 
@@ -359,17 +319,8 @@ class TargetModel(LanguageModelAdapter):
         self.lm.release(WARM_UP_SEQUENCE)
 
     def _step_options(self, inputs):
-        num_logits = int(_scalar(inputs, tn.NUM_LOGITS, 1))
-        allowed = inputs.get(tn.ALLOWED_TOKENS)
-        allowed = None if allowed is None else allowed.as_numpy()
-        if allowed is not None and not allowed.size:  # empty: every token (the orchestrator's unguided steps)
-            allowed = None
-        if allowed is not None:  # structured output: the greedy picks keep to the grammar (grammar.py)
-            if allowed.ndim != 3 or allowed.shape[0] != 1 or allowed.shape[1] != num_logits:
-                raise ValueError(f"{tn.ALLOWED_TOKENS} must be [1, {tn.NUM_LOGITS} = {num_logits}, words], got "
-                                 f"{list(allowed.shape)}")
-            allowed = torch.from_numpy(allowed[0])
-        return {"num_logits": num_logits, "allowed": allowed}
+        message = wire.VerifyMessage.decode(inputs)  # allowed: structured output's picks keep to the grammar
+        return {"num_logits": message.num_logits, "allowed": message.allowed}
 
     def _run(self, steps):
         return self.lm.extend_many(steps)
@@ -389,16 +340,15 @@ class TargetModel(LanguageModelAdapter):
     def _respond(self, request, step, result, forward):
         pb = self.pb
         logits, tokens = result
-        outputs = [pb.Tensor(tn.GREEDY_TOKENS, tokens[None])]
         requested = set(request.requested_output_names())
+        log_probs = None
+        if tn.GREEDY_LOG_PROBS in requested:  # return_log_probs on a greedy round: K + 1 floats, not logits
+            log_probs = host(greedy_log_probs(logits) if step.allowed is None else
+                             token_log_probs(logits, torch.from_numpy(tokens).long()))  # the raw distribution's
+        message = wire.VerifiedMessage(tokens, forward if tn.FORWARD_STATS in requested else None, log_probs)
+        outputs = [pb.Tensor(name, value) for name, value in message.encode().items()]
         if tn.LOGITS in requested:
             outputs.append(self._output(tn.LOGITS, logits.float()[None]))
-        if tn.GREEDY_LOG_PROBS in requested:  # return_log_probs on a greedy round: K + 1 floats, not logits
-            log_probs = greedy_log_probs(logits) if step.allowed is None else \
-                token_log_probs(logits, torch.from_numpy(tokens).long())  # the raw distribution's, as unmasked
-            outputs.append(pb.Tensor(tn.GREEDY_LOG_PROBS, host(log_probs)[None]))
-        if tn.FORWARD_STATS in requested:
-            outputs.append(pb.Tensor(tn.FORWARD_STATS, np.asarray([forward], dtype=np.float32)))
         return pb.InferenceResponse(output_tensors=outputs)
 
 
@@ -423,24 +373,17 @@ class DraftModel(LanguageModelAdapter):
         super().load(params, args)
 
     def _step_options(self, inputs):
-        params = SamplingParams(
-            temperature=float(_scalar(inputs, tn.TEMPERATURE, tn.DEFAULT_TEMPERATURE)),
-            top_k=int(_scalar(inputs, tn.TOP_K, tn.DEFAULT_TOP_K)),
-            top_p=float(_scalar(inputs, tn.TOP_P, tn.DEFAULT_TOP_P)),
-            min_p=float(_scalar(inputs, tn.MIN_P, tn.DEFAULT_MIN_P)),
-        )
-        seed = _scalar(inputs, tn.SEED, None)
-        # num_draft_tokens 0: a prompt's chunk, appended only
-        return {"k": int(_scalar(inputs, tn.NUM_DRAFT_TOKENS, 1)), "params": params,
-                "generator": None if params.greedy else make_generator(seed, self.lm.logits_device)}
+        message = wire.ProposeMessage.decode(inputs)  # num_draft_tokens 0: a prompt's chunk, appended only
+        generator = None if message.params.greedy else make_generator(message.seed, self.lm.logits_device)
+        return {"k": message.k, "params": message.params, "generator": generator}
 
     def _run(self, steps):
         return self.lm.propose_many(steps)
 
     def _respond(self, request, step, result, forward):
         pb = self.pb
-        tokens, probs = result
-        outputs = [pb.Tensor(tn.DRAFT_TOKENS, np.asarray([tokens], dtype=np.int32))]
+        tokens, probs, cached_length = result
+        outputs = [pb.Tensor(name, value) for name, value in wire.DraftedMessage(tokens, cached_length).encode().items()]
         if tn.DRAFT_PROBS in set(request.requested_output_names()):
             if probs is None:
                 probs = torch.zeros(0, self.lm.vocab_size)

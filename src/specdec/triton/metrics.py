@@ -1,7 +1,7 @@
 """Every Prometheus metric the project defines, on Triton's metrics port (pb_utils.MetricFamily):
 the orchestrator's (`OrchestratorMetrics`) and draft_model's / target_model's (`ModelMetrics`).
 
-Every metric is documented in the README's Metrics section. The families are kept alive for as long as
+docs/deployment.md lists every metric. The families are kept alive for as long as
 their metrics: Triton refuses to update a metric whose family was garbage-collected. Each update is an
 IPC round trip from the Python-backend stub to the server, so both classes batch them.
 """

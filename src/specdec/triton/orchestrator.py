@@ -29,14 +29,15 @@ from specdec.decoding.suffix_proposer import SuffixCache, SuffixProposer
 from specdec.decoding.text import Emission, TextEmitter, load_tokenizer
 from specdec.triton.adapter import TritonAdapter
 from specdec.triton.bls import BlsProposer, BlsScorer
-from specdec.triton.cancellation import CancellationBoard
+from specdec.triton.admission.cancellation import CancellationBoard
+from specdec.triton.admission.counts import RequestCounts
 from specdec.triton.config import ModelParameters
 from specdec.triton.fallback import FallbackProposer
 from specdec.triton.metrics import OrchestratorMetrics
 from specdec.triton.request import InputError, ParsedRequest, RequestLimits
-from specdec.triton.room import RoomLine, RoomWait
-from specdec.triton.slots import SlotPool
-from specdec.triton.verify_gate import GatedScorer, VerifyGate
+from specdec.triton.admission.kv_room import RoomLine, RoomWait
+from specdec.triton.admission.sequence_slots import SlotPool
+from specdec.triton.admission.verify_gate import GatedScorer, VerifyGate
 
 
 # Guides longer than this (characters of the guide input or of the sampling_parameters JSON that may hold
@@ -66,18 +67,17 @@ class SpeculativeDecodingAdapter(TritonAdapter):
                                                     frozenset([] if eos is None else [int(eos)]))
         self.costs = CostModel()  # measured by every request of this instance, shared: the policy's c and v(k)
         # At most max_live_sequences generate at once across every instance of this model (each holds a
-        # KV cache in both models; slots.py); over the cap a request waits for a slot, or with
+        # KV cache in both models; sequence_slots.py); over the cap a request waits for a slot, or with
         # when_full=reject gets UNAVAILABLE at once.
         # The same choice when target_model has no KV room for a new request (its budget is full): wait
         # for room, or UNAVAILABLE at once.
         self.max_live = params.int("max_live_sequences", 64, low=1)
         self.when_full = params.str("when_full", "queue", choices=("queue", "reject"))
         self.slots = SlotPool(self.max_live)
-        self.room = RoomLine()  # the server's requests waiting for KV room in target_model (room.py)
-        self.queued = 0
+        self.room = RoomLine()  # the server's requests waiting for KV room in target_model (kv_room.py)
         timeout_us = params.int("bls_timeout_us", 0, low=0)
         # Prompts longer than this go to each model in chunks, other requests' rounds between them (bls.py);
-        # 0 (default): whole. Off until measured to pay: on CPU it traded the tail for throughput (README).
+        # 0 (default): whole. Off until measured to pay: on CPU it traded the tail for throughput.
         chunk = params.int("prefill_chunk_tokens", 0, low=0)
         # Gauges of one instance carry its name: the server's figure is their sum (or max for the peak).
         self.metrics = OrchestratorMetrics(pb_utils, self.limits.max_num_draft_tokens,
@@ -97,6 +97,7 @@ class SpeculativeDecodingAdapter(TritonAdapter):
         # Concurrent requests' verify calls wait for each other up to this window, so that target_model's
         # forwards carry all of them (verify_gate.py); 0: each goes as soon as it is ready.
         self.gate = VerifyGate(params.float("verify_gather_ms", 0.0, low=0.0) / 1e3, self.metrics.record_gate_hold)
+        self.counts = RequestCounts(self.gate, self._publish_counts)
         # Past this many live requests (this instance's, the gate's count) every round is target-only: when
         # batched forwards are compute-bound, drafted rows cost the other sequences time. 0: no limit.
         self.max_drafting = params.int("max_drafting_sequences", 0, low=0)
@@ -136,7 +137,7 @@ class SpeculativeDecodingAdapter(TritonAdapter):
         try:
             # A large guide compiles on a thread: on the event loop every other request's round would wait
             # for it. Small ones compile here: on a thread, taking turns at the GIL with the event loop, a
-            # compile takes longer than it stalls the others (README, "Structured output").
+            # compile takes longer than it stalls the others.
             parsed = await asyncio.get_running_loop().run_in_executor(self.compiling, parse) \
                 if _guide_chars(inputs) > THREAD_GUIDE_CHARS else parse()
         except InputError as exc:
@@ -159,11 +160,11 @@ class SpeculativeDecodingAdapter(TritonAdapter):
             return
         slot_wait = 0.0
         if slot is None:
-            self.count_queued(1)
+            self.counts.waiting(1)
             try:
                 slot = await self.slots.acquire(lambda: self.is_cancelled(parsed.generation.seq_id, sender))
             finally:
-                self.count_queued(-1)
+                self.counts.waiting(-1)
             slot_wait = time.monotonic() - arrived
             if slot is None:  # a direct caller cancelled it while it waited: it ends holding nothing
                 self.metrics.queue_time.observe(slot_wait)
@@ -193,43 +194,25 @@ class SpeculativeDecodingAdapter(TritonAdapter):
             return None
 
         def busy() -> bool:
-            if self.gate.live <= self.max_drafting:
+            if self.counts.live <= self.max_drafting:
                 return False
             self.metrics.record_load_limited()
             return True
         return busy
 
-    def report_live(self) -> None:
-        """This instance's generating requests (the verify gate's count) and the server's peak, to the gauges."""
-        self.metrics.set_live(self.gate.live, self.slots.highest)
-
-    def count_queued(self, change: int) -> None:
-        """Requests waiting for a slot or for KV room (`specdec_queued_requests`)."""
-        self.queued += change
-        self.metrics.queued.set(self.queued)
+    def _publish_counts(self, live: int, queued: int) -> None:
+        """This instance's generating requests and the server's peak, and its queued requests (waiting for a
+        slot or for KV room, `specdec_queued_requests`), to the gauges."""
+        self.metrics.set_live(live, self.slots.highest)
+        self.metrics.queued.set(queued)
 
     async def _generate(self, sender, arrived: float, parsed: ParsedRequest, slot_wait: float):
-        pb = self.pb
-        gen, stream = parsed.generation, parsed.stream
-        stats = Stats()
-        emitter = TextEmitter(self.tokenizer, parsed.stop_words, parsed.include_stop)
-        log_probs: list[float] = []  # with return_log_probs: one per generated token, in order
-        first_sent = False
-        loop = asyncio.get_running_loop()
-        # The last round's streamed response and cancellation check, on an IPC thread (see `load`).
-        in_flight: asyncio.Future | None = None
-        asked = arrived
-
-        def response(emission: Emission | None, finish: str | None):
-            nonlocal first_sent
-            if not first_sent:
-                self.metrics.ttft.observe(time.monotonic() - arrived)
-                first_sent = True
-            return self._response(emission, gen, emitter, stats, finish, log_probs)
-
-        room = RoomWait(self, gen.seq_id, sender)
-        self.gate.enter()  # the gate's count of live requests is the one the metric reports
-        self.report_live()
+        """One admitted request: its wait for KV room, its rounds, its responses, and what it leaves behind."""
+        gen = parsed.generation
+        out = _Responses(self, sender, parsed, arrived)
+        room = RoomWait(self.room, self.counts, functools.partial(self.is_cancelled, gen.seq_id, sender),
+                        reject=self.when_full == "reject")
+        self.counts.started()
         finish, last, started = None, None, False
         try:
             # First come, first served: while requests wait for KV room, a new one lines up behind them
@@ -241,70 +224,41 @@ class SpeculativeDecodingAdapter(TritonAdapter):
                                        adaptive=parsed.adaptive, free=parsed.draft_name in tn.BUILTIN_DRAFTS,
                                        busy=self._busy(gen))
             # Between draft and verify only the board is read (one stat): asking Triton is an IPC round
-            # trip, paid once per round below, off the event loop.
-            rounds = generate(gen, self.proposers[parsed.draft_name], self.scorer, policy, stats,
+            # trip, paid once per round (`_Responses.round`), off the event loop.
+            rounds = generate(gen, self.proposers[parsed.draft_name], self.scorer, policy, out.stats,
                               cancelled=lambda: self.cancellations.is_cancelled(gen.seq_id), wait_for_room=room)
             async with contextlib.aclosing(rounds) as rounds:
                 async for rnd in rounds:
                     room.admitted()
-                    if rnd.finish_reason == tn.FINISH_CANCELLED:  # cancelled between draft and verify
-                        finish = rnd.finish_reason
-                        break
-                    if rnd.log_probs:
-                        log_probs += rnd.log_probs
-                    now = time.monotonic()
-                    self.metrics.record_round(rnd.num_drafted, rnd.num_accepted, now)
-                    self.metrics.record_costs(self.costs, now)
-                    emission = emitter.push(rnd.new_tokens, final=rnd.finish_reason is not None)
-                    finish = rnd.finish_reason or (tn.FINISH_STOP if emission and emission.stopped else None)
-                    # An ensemble's cancellation arrives through the board (a stat); a direct caller's
-                    # reaches the sender, asked after the previous round's response (done by now).
-                    if finish is None and self.cancellations.is_cancelled(gen.seq_id):
-                        finish = tn.FINISH_CANCELLED
-                    if in_flight is not None:
-                        cancelled, in_flight = await in_flight, None
-                        finish = finish or (tn.FINISH_CANCELLED if cancelled else None)
+                    finish, last = await out.round(rnd)
                     if finish:
-                        last = emission
                         break
-                    out = response(emission, None) if stream and emission else None
-                    if out is not None or now - asked >= CANCEL_POLL_S:
-                        asked = now
-                        in_flight = loop.run_in_executor(self.ipc, self._send_and_check, sender, out)
         except NoCapacity as exc:  # target_model has no room for it: refused (when_full=reject) or cancelled
-            await self._settle(in_flight)
+            await out.settle()
             if not room.cancelled:
                 self.metrics.requests["rejected"].increment(1)
-                sender.send(pb.InferenceResponse(error=pb.TritonError(f"speculative_decoding: {exc}",
-                                                                      pb.TritonError.UNAVAILABLE)),
-                            flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-                return
-            finish, in_flight = tn.FINISH_CANCELLED, None
+                return self._fail(sender, exc, self.pb.TritonError.UNAVAILABLE)
+            finish = tn.FINISH_CANCELLED
         except Exception as exc:  # noqa: BLE001 - the request fails, the server keeps serving
             self.metrics.requests["error"].increment(1)
-            await self._settle(in_flight)
-            sender.send(pb.InferenceResponse(error=pb.TritonError(f"speculative_decoding: {exc}")),
-                        flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-            return
+            await out.settle()
+            return self._fail(sender, exc, self.pb.TritonError.INTERNAL)
         finally:
             room.admitted()
             if started:  # its caches are released by now: the first in line may ask again at once
                 self.room.freed()
-                if self.suffix_cache is not None:
-                    self.suffix_cache.add(gen.prompt_ids + emitter.emitted + emitter.pending)  # all it generated
+                if self.suffix_cache is not None:  # all it generated
+                    self.suffix_cache.add(gen.prompt_ids + out.emitter.emitted + out.emitter.pending)
             self.metrics.queue_time.observe(slot_wait + room.waited_s)
-            self.gate.leave()
-            self.report_live()
+            self.counts.ended()
             self.metrics.flush(time.monotonic())  # this request's rounds are counted before it ends
             self.cancellations.clear(gen.seq_id)
-        if finish == tn.FINISH_CANCELLED:
-            last = emitter.push([], final=True)
-        if not stream:  # one response: everything sent, cut where the emitter cut it
-            last = Emission(emitter.emitted, [], emitter.text, len(emitter.text), False)
-        await self._settle(in_flight)  # a round that ended without a finish reason
-        # Counted before the final response leaves: a client that reads the metrics after it sees them.
-        self.metrics.record_request(finish, len(emitter.emitted), time.monotonic() - arrived)
-        sender.send(response(last, finish), flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        await out.final(finish, last)
+
+    def _fail(self, sender, exc: Exception, code) -> None:
+        pb = self.pb
+        sender.send(pb.InferenceResponse(error=pb.TritonError(f"speculative_decoding: {exc}", code)),
+                    flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     @staticmethod
     def _send_and_check(sender, response) -> bool:
@@ -313,13 +267,6 @@ class SpeculativeDecodingAdapter(TritonAdapter):
         if response is not None:
             sender.send(response, flags=0)
         return sender.is_cancelled()
-
-    @staticmethod
-    async def _settle(in_flight: asyncio.Future | None) -> None:
-        """Let a response still in flight leave before the request's final one (its error is moot)."""
-        if in_flight is not None:
-            with contextlib.suppress(Exception):
-                await in_flight
 
     def _response(self, emission: Emission | None, req: GenerationRequest, emitter: TextEmitter, stats: Stats,
                   finish: str | None, log_probs: list[float]):
@@ -351,3 +298,73 @@ class SpeculativeDecodingAdapter(TritonAdapter):
             pb.Tensor(tn.MEAN_ACCEPTED_LENGTH, np.array([[stats.mean_accepted_length]], dtype=np.float32)),
             pb.Tensor(tn.FINISH_REASON, np.array([[(finish or "").encode()]], dtype=np.object_)),
         ])
+
+
+class _Responses:
+    """One request's side of the conversation: its text (stop words cut), statistics and log-probabilities;
+    each round's streamed response and cancellation check, sent on an IPC thread while the next round
+    runs (the request collects it before sending the next, so its responses stay in order); the final
+    response."""
+
+    def __init__(self, adapter: SpeculativeDecodingAdapter, sender, parsed: ParsedRequest, arrived: float):
+        self.adapter, self.sender, self.arrived = adapter, sender, arrived
+        self.gen, self.stream = parsed.generation, parsed.stream
+        self.stats = Stats()
+        self.emitter = TextEmitter(adapter.tokenizer, parsed.stop_words, parsed.include_stop)
+        self.log_probs: list[float] = []  # with return_log_probs: one per generated token, in order
+        self.in_flight: asyncio.Future | None = None  # the last round's streamed response and check
+        self.asked = arrived  # when Triton was last asked whether the caller cancelled
+        self.first_sent = False
+
+    def response(self, emission: Emission | None, finish: str | None):
+        if not self.first_sent:
+            self.adapter.metrics.ttft.observe(time.monotonic() - self.arrived)
+            self.first_sent = True
+        return self.adapter._response(emission, self.gen, self.emitter, self.stats, finish, self.log_probs)
+
+    async def round(self, rnd) -> tuple[str | None, Emission | None]:
+        """A round's tokens counted and pushed into the text, streamed where they make text; returns the
+        finish reason (None: go on) and the round's emission."""
+        adapter = self.adapter
+        if rnd.finish_reason == tn.FINISH_CANCELLED:  # cancelled between draft and verify
+            return rnd.finish_reason, None
+        if rnd.log_probs:
+            self.log_probs += rnd.log_probs
+        now = time.monotonic()
+        adapter.metrics.record_round(rnd.num_drafted, rnd.num_accepted, now)
+        adapter.metrics.record_costs(adapter.costs, now)
+        emission = self.emitter.push(rnd.new_tokens, final=rnd.finish_reason is not None)
+        finish = rnd.finish_reason or (tn.FINISH_STOP if emission and emission.stopped else None)
+        # An ensemble's cancellation arrives through the board (a stat); a direct caller's reaches the
+        # sender, asked after the previous round's response (done by now).
+        if finish is None and adapter.cancellations.is_cancelled(self.gen.seq_id):
+            finish = tn.FINISH_CANCELLED
+        if self.in_flight is not None:
+            cancelled, self.in_flight = await self.in_flight, None
+            finish = finish or (tn.FINISH_CANCELLED if cancelled else None)
+        if finish:
+            return finish, emission
+        out = self.response(emission, None) if self.stream and emission else None
+        if out is not None or now - self.asked >= CANCEL_POLL_S:
+            self.asked = now
+            self.in_flight = asyncio.get_running_loop().run_in_executor(
+                adapter.ipc, adapter._send_and_check, self.sender, out)
+        return None, emission
+
+    async def settle(self) -> None:
+        """Let a response still in flight leave before the request's final one (its error is moot)."""
+        if self.in_flight is not None:
+            with contextlib.suppress(Exception):
+                await self.in_flight
+            self.in_flight = None
+
+    async def final(self, finish: str | None, last: Emission | None) -> None:
+        pb = self.adapter.pb
+        if finish == tn.FINISH_CANCELLED:
+            last = self.emitter.push([], final=True)
+        if not self.stream:  # one response: everything sent, cut where the emitter cut it
+            last = Emission(self.emitter.emitted, [], self.emitter.text, len(self.emitter.text), False)
+        await self.settle()  # a round that ended without a finish reason
+        # Counted before the final response leaves: a client that reads the metrics after it sees them.
+        self.adapter.metrics.record_request(finish, len(self.emitter.emitted), time.monotonic() - self.arrived)
+        self.sender.send(self.response(last, finish), flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)

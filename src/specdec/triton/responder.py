@@ -9,8 +9,7 @@ Pipelined, `execute` parses and runs its batch as before, hands the outcomes to 
 None (a non-decoupled Python model may answer through each request's response sender, exactly one final
 response per request; checked with Triton 24.10): Triton hands over the next batch at once, and its
 forward runs while the responder builds and sends the last one's responses. The forward stays in the
-stub's own thread: run from another thread, the tiny pair's served forward on CPU took 1.5x as long
-(README, "Pipelined execute").
+stub's own thread: run from another thread, the tiny pair's served forward on CPU took 1.5x as long.
 
 Every job gets exactly one answer, also when the model unloads with answers still queued.
 """

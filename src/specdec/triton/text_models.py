@@ -7,7 +7,7 @@ import numpy as np
 from specdec import tensor_names as tn
 from specdec.decoding.text import decode_delta, load_tokenizer
 from specdec.triton.adapter import TritonAdapter
-from specdec.triton.cancellation import CancellationBoard
+from specdec.triton.admission.cancellation import CancellationBoard
 from specdec.triton.config import ModelParameters
 
 

@@ -3,7 +3,7 @@
 Every live request of an orchestrator runs in one event loop and handles its previous round's answer
 in turn, so their verify calls leave spread out, and target_model's sequence batcher (no queue delay)
 starts a forward with whoever has arrived: on the H100, 8 streams' forwards carried 3.7 sequences on
-average, in groups that alternate (README, "On a GPU"). The gate holds a verify call until every live
+average, in groups that alternate. The gate holds a verify call until every live
 request waits at it, or until `window_s` has passed since the first one did; then they all go. A
 single stream never waits; with several, a forward can carry all of them, and the window bounds what a
 request waits for one that is slow (drafting, or finishing).
@@ -16,9 +16,7 @@ from __future__ import annotations
 import asyncio
 from typing import Awaitable, Callable, TypeVar
 
-import torch
-
-from specdec.decoding.interfaces import Scorer, Scores
+from specdec.decoding.interfaces import Scorer, Scores, VerifyCall
 
 T = TypeVar("T")
 
@@ -77,11 +75,8 @@ class GatedScorer:
     def __init__(self, scorer: Scorer, gate: VerifyGate):
         self.scorer, self.gate = scorer, gate
 
-    async def score(self, seq_id: int, keep: int, new_ids: list[int], num_positions: int,
-                    want_logits: bool, reserve: int = 0, want_log_probs: bool = False,
-                    allowed: torch.Tensor | None = None) -> Scores:
-        return await self.gate.through(lambda: self.scorer.score(seq_id, keep, new_ids, num_positions, want_logits,
-                                                                 reserve, want_log_probs, allowed))
+    async def score(self, call: VerifyCall) -> Scores:
+        return await self.gate.through(lambda: self.scorer.score(call))
 
     async def release(self, seq_id: int) -> None:
         await self.scorer.release(seq_id)

@@ -1,7 +1,7 @@
 """A first-come-first-served line shared by the stub processes of one server (every orchestrator instance).
 
-Used for the waits of admission: for a live-sequence slot (`slots.py`) and for room in target_model's KV
-cache (`room.py`). A place in line is a ticket: a file named by the monotonic clock (system-wide on
+Used for the waits of admission: for a live-sequence slot (`sequence_slots.py`) and for room in target_model's KV
+cache (`kv_room.py`). A place in line is a ticket: a file named by the monotonic clock (system-wide on
 Linux) at the moment its request joined, in a directory private to the server, held under an exclusive
 `flock` while the request waits. The line is the sorted names. A ticket whose lock is free belongs to a
 process that died (its descriptors closed, its locks dropped) and is removed by whoever finds it first.

@@ -9,7 +9,7 @@ slot taken in one instance is taken for all of them.
 Slots are taken lowest index first, so when slot i is taken slots 0..i-1 are held: the highest index
 taken plus one is how many requests generated at once at the busiest moment (`highest`).
 
-Over the cap, requests wait in one line for the whole server, first come first served (line.py): only the
+Over the cap, requests wait in one line for the whole server, first come first served (ticket_line.py): only the
 first in line polls for a free slot, and a new request takes one at once only while nobody waits.
 """
 
@@ -22,9 +22,9 @@ import os
 from pathlib import Path
 from typing import Awaitable, Callable
 
-from specdec.triton import line as lines
-from specdec.triton.cancellation import scratch_base
-from specdec.triton.line import TicketLine
+from specdec.triton.admission import ticket_line as lines
+from specdec.triton.admission.cancellation import scratch_base
+from specdec.triton.admission.ticket_line import TicketLine
 
 
 def default_directory(total: int, server_pid: int | None = None) -> Path:
@@ -72,7 +72,7 @@ class SlotPool:
     async def acquire(self, cancelled: Callable[[], Awaitable[bool]] | None = None) -> int | None:
         """Wait for a slot, first come first served across the server's processes: only the first in line
         polls for one (every `poll_s`, only while the server is full). `cancelled` is asked every
-        CANCEL_CHECK_S (line.py) meanwhile: once it says True the request leaves the line (None)."""
+        CANCEL_CHECK_S (ticket_line.py) meanwhile: once it says True the request leaves the line (None)."""
         ticket = self.line.join()
         turn = asyncio.ensure_future(self._waiting.acquire())  # this process's earlier waiters go first
         try:

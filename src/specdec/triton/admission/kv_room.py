@@ -5,7 +5,7 @@ pool is full that call is refused (`NoCapacity`) and the request waits (`when_fu
 refused UNAVAILABLE (`reject`). Waiting requests form one line per server, whatever instance they run
 in, so that a long request is not passed again and again by short ones that fit the room it waits for:
 
-- The line is a `TicketLine` (line.py): a ticket per waiting request, ordered by arrival, in a
+- The line is a `TicketLine` (ticket_line.py): a ticket per waiting request, ordered by arrival, in a
   directory private to the server; a process that dies leaves no place behind.
 - Only the first in line asks target_model again; a new request joins the line whenever there is one
   instead of asking first. Within an instance its waiters take turns through an asyncio lock, so one
@@ -21,14 +21,12 @@ import asyncio
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Awaitable, Callable
 
-from specdec.triton import line as lines
-from specdec.triton.cancellation import scratch_base
-from specdec.triton.line import Ticket, TicketLine
-
-if TYPE_CHECKING:
-    from specdec.triton.orchestrator import SpeculativeDecodingAdapter
+from specdec.triton.admission import ticket_line as lines
+from specdec.triton.admission.cancellation import scratch_base
+from specdec.triton.admission.counts import RequestCounts
+from specdec.triton.admission.ticket_line import Ticket, TicketLine
 
 # The first in line asks target_model again after this wait, doubling up to the second value, or as soon
 # as a request has released its caches: a retry is one BLS call that fails before any forward.
@@ -92,9 +90,10 @@ class RoomWait:
     when_full=reject, or when the request is cancelled (then `cancelled` is set).
     """
 
-    def __init__(self, adapter: SpeculativeDecodingAdapter, seq_id: int, sender):
-        self.adapter, self.seq_id, self.sender = adapter, seq_id, sender
-        self.line: RoomLine = adapter.room
+    def __init__(self, line: RoomLine, counts: RequestCounts, is_cancelled: Callable[[], Awaitable[bool]],
+                 reject: bool = False):
+        """is_cancelled: asks the request's cancellation sources; reject: when_full=reject (no waiting)."""
+        self.line, self.counts, self.is_cancelled, self.reject = line, counts, is_cancelled, reject
         self.waits, self.queued, self.cancelled = 0, False, False
         self.waited_s, self._since = 0.0, 0.0  # time spent queued, for the queue-time histogram
         self.ticket: Ticket | None = None
@@ -111,7 +110,7 @@ class RoomWait:
 
     async def __call__(self) -> bool:
         """Wait until this request should ask again (True), or give up (False)."""
-        if self.adapter.when_full == "reject" or await self._is_cancelled():
+        if self.reject or await self._is_cancelled():
             return False
         self._queue()
         if not await self._first_in_line():
@@ -125,17 +124,14 @@ class RoomWait:
         """Counted as queued, not live, and in line (once)."""
         if not self.queued:
             self.queued, self._since = True, time.monotonic()
-            adapter = self.adapter
-            adapter.gate.leave()
-            adapter.count_queued(1)
-            adapter.report_live()
+            self.counts.queue()
         if self.ticket is None:
             self.ticket = self.line.join()
             self.turn = asyncio.ensure_future(self.line.turn.acquire())
 
     async def _first_in_line(self) -> bool:
         """Wait for its instance's turn, then until its ticket is first in the server's line, asking for a
-        cancellation every CANCEL_CHECK_S (line.py); False if cancelled."""
+        cancellation every CANCEL_CHECK_S (ticket_line.py); False if cancelled."""
         name = self.ticket.name
         first = await lines.wait_in_line(
             self.turn, lambda: self.line.first() == name or None, self.line.poll_s, self._is_cancelled
@@ -143,7 +139,7 @@ class RoomWait:
         return first is not None
 
     async def _is_cancelled(self) -> bool:
-        self.cancelled = await self.adapter.is_cancelled(self.seq_id, self.sender)
+        self.cancelled = await self.is_cancelled()
         return self.cancelled
 
     def admitted(self) -> None:
@@ -156,7 +152,4 @@ class RoomWait:
         if self.queued:
             self.queued = False
             self.waited_s += time.monotonic() - self._since
-            adapter = self.adapter
-            adapter.gate.enter()
-            adapter.count_queued(-1)
-            adapter.report_live()
+            self.counts.admit()

@@ -1,0 +1,116 @@
+"""Building an executor: which KV store and which forward serve a model, from one configuration.
+
+  dynamic  `kv_cache.ContiguousKV` + `TransformersForward`: any architecture transformers runs, any
+           device, a model spread over GPUs; memory grows on demand
+  static   `paged_kv.PagedKV` + `StaticForward`: the Llama family on one device, a KV pool allocated at
+           load, forwards in bucketed shapes replayed as CUDA graphs
+
+`build_executor` makes the choice the adapters and benchmarks share: "auto" takes the static executor
+where CUDA graphs pay (on a GPU, kernel launches dominate eager steps) and the model allows it, and the
+dynamic one elsewhere (eagerly, on CPU, transformers' forward is as fast or faster and its memory grows
+on demand).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from specdec import tensor_names as tn
+from specdec.engine import onednn_linear
+from specdec.engine.executor import Executor
+from specdec.engine.kv_cache import ContiguousKV
+from specdec.engine.llama_forward import supports
+from specdec.engine.paged_kv import PagedKV
+from specdec.engine.static_forward import StaticForward
+from specdec.engine.transformers_forward import TransformersForward
+
+
+@dataclass(frozen=True)
+class ExecutorConfig:
+    """Every setting an executor takes; the model configs' parameters of the same names set them."""
+
+    executor: str = "auto"  # tn.EXECUTORS: auto, static, dynamic
+    compile: str = "auto"  # tn.COMPILE_MODES: auto (CUDA graphs on a GPU), off, graphs
+    max_sequences: int = 256  # live sequences at once
+    idle_timeout_s: float = 600.0  # a sequence unused this long is evicted (no release call came)
+    prefix_caching: bool = True  # prompts reuse the KV blocks of earlier prompts that began alike
+    block_size: int = 32  # tokens per KV block (the prefix cache's unit; the paged pool's)
+    hidden_layers: tuple[int, ...] = ()  # layers whose output a forward also returns (a trained draft's input)
+    # dynamic
+    prefix_cache_tokens: int = 4096  # the prefix cache's store of copied blocks
+    # pad 2..n-1-row forwards to n (None: 4 on CPU with torch's own linear kernels, whose 2-3 row GEMMs are
+    # slower than 4 rows; oneDNN's reordered weights have no such cliff)
+    min_forward_rows: int | None = None
+    row_buckets: bool | None = None  # bound the row counts oneDNN sees (None: with oneDNN's linears)
+    # static
+    kv_pool_tokens: int = 0  # the pool's size; 0: max_sequences x max_context within kv_memory_fraction
+    kv_memory_fraction: float = 0.4  # of the device's free memory at load, at most, for the pool
+    max_context: int = tn.DEFAULT_MAX_CONTEXT_TOKENS
+    max_batch: int = 16  # sequences per bucketed forward
+    max_rows: int = tn.DEFAULT_MAX_NUM_DRAFT_TOKENS + 1  # rows per sequence in a bucket: K + 1
+    fuse_kernels: bool = True  # where CUDA graphs run: pointwise work compiled into fused kernels
+    fuse_mlp: bool = True  # where CUDA graphs run: a SiLU MLP's gate and up products as one
+    prefill_graph_rows: int = tn.DEFAULT_PREFILL_GRAPH_ROWS  # with CUDA graphs: prompts up to this long captured
+    min_window: int = 128  # the smallest bucket of keys attended over
+
+
+def dynamic_executor(model, max_sequences: int = 256, idle_timeout_s: float = 600.0,
+                     clock: Callable[[], float] = time.monotonic, min_forward_rows: int = 1,
+                     row_buckets: bool = False, prefix_cache_tokens: int = 0, block_size: int = 32,
+                     hidden_layers: tuple[int, ...] = ()) -> Executor:
+    """Transformers' forward over per-sequence KV buffers (see the module's docstring)."""
+    return Executor(model, ContiguousKV(model, prefix_cache_tokens, block_size),
+                    TransformersForward(model, min_forward_rows, row_buckets, hidden_layers),
+                    max_sequences=max_sequences, idle_timeout_s=idle_timeout_s, clock=clock)
+
+
+def static_executor(model, max_sequences: int = 256, idle_timeout_s: float = 600.0,
+                    clock: Callable[[], float] = time.monotonic, kv_pool_tokens: int = 0, block_size: int = 32,
+                    max_context: int = 8192, max_batch: int = 8, max_rows: int = 17, compile: str = "auto",
+                    kv_memory_fraction: float = 0.4, min_window: int = 128, fuse_kernels: bool | None = None,
+                    fuse_mlp: bool | None = None, prefix_caching: bool = True, prefill_rows: int = 0,
+                    log: Callable[[str], None] = lambda message: None, hidden_layers: tuple[int, ...] = ()) -> Executor:
+    """The static Llama forward over a paged pool (see the module's docstring; the arguments are
+    `PagedKV`'s and `StaticForward`'s)."""
+    problem = supports(model)
+    if problem:
+        raise ValueError(f"the static executor cannot run this model: {problem}")
+    if compile not in tn.COMPILE_MODES:  # before the pool is allocated
+        raise ValueError(f"compile must be one of {tn.COMPILE_MODES}, got {compile!r}")
+    kv = PagedKV(model, max_sequences, max_context, kv_pool_tokens, kv_memory_fraction, block_size, prefix_caching, log)
+    forward = StaticForward(model, kv, max_batch, max_rows, compile, min_window, fuse_kernels, fuse_mlp,
+                            prefill_rows, log, hidden_layers)
+    return Executor(model, kv, forward, max_sequences=max_sequences, idle_timeout_s=idle_timeout_s, clock=clock)
+
+
+def build_executor(model, config: ExecutorConfig, log: Callable[[str], None] = lambda message: None) -> Executor:
+    """The executor `config` asks for over `model` (ValueError, saying why, for a choice the model or the
+    device cannot take)."""
+    unsupported = supports(model)
+    if config.executor == "static" and unsupported:
+        raise ValueError(f"executor=static cannot run this model: {unsupported}")
+    wants_graphs = config.compile == "graphs" or (config.compile == "auto" and model.device.type == "cuda")
+    if config.executor == "static" or (config.executor == "auto" and wants_graphs and not unsupported):
+        return static_executor(
+            model, max_sequences=config.max_sequences, idle_timeout_s=config.idle_timeout_s,
+            kv_pool_tokens=config.kv_pool_tokens, kv_memory_fraction=config.kv_memory_fraction,
+            block_size=config.block_size, prefix_caching=config.prefix_caching, max_context=config.max_context,
+            max_batch=config.max_batch, max_rows=config.max_rows, compile=config.compile,
+            fuse_kernels=None if config.fuse_kernels else False, fuse_mlp=None if config.fuse_mlp else False,
+            # eagerly, padding prompts into buckets would only cost
+            prefill_rows=config.prefill_graph_rows if wants_graphs else 0, min_window=config.min_window, log=log,
+            hidden_layers=config.hidden_layers)
+    if config.compile == "graphs":
+        raise ValueError(f"compile=graphs needs executor=static (got {config.executor}"
+                         f"{', ' + unsupported if unsupported else ''})")
+    prepacked = any(isinstance(m, onednn_linear.PrepackedLinear) for m in model.modules())
+    min_rows = config.min_forward_rows
+    if min_rows is None:
+        min_rows = 4 if model.device.type == "cpu" and not prepacked else 1
+    return dynamic_executor(
+        model, max_sequences=config.max_sequences, idle_timeout_s=config.idle_timeout_s, min_forward_rows=min_rows,
+        row_buckets=prepacked if config.row_buckets is None else config.row_buckets,
+        prefix_cache_tokens=config.prefix_cache_tokens if config.prefix_caching else 0, block_size=config.block_size,
+        hidden_layers=config.hidden_layers)

@@ -1,0 +1,88 @@
+"""The types the executor exchanges: a step it takes, a proposal it returns, and the two parts it is
+composed of (a KV store and a forward), as protocols each implementation follows."""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Protocol
+
+import torch
+
+from specdec.decoding.sampling import SamplingParams
+from specdec.engine.prefix_cache import PrefixIndex, SequenceState
+
+
+class Step(NamedTuple):
+    """One sequence's part of a batched call: keep `keep` cached tokens, append `new_ids`."""
+
+    seq_id: int
+    keep: int
+    new_ids: list[int]
+    num_logits: int = 1  # extend: logits of the last num_logits new positions
+    k: int = 0  # propose: tokens to draft
+    params: SamplingParams = SamplingParams()
+    generator: torch.Generator | None = None
+    # A new sequence's room for its whole generation, taken at its first step (so that a sequence that
+    # starts can finish): positions, or 0 for just this step's. Ignored once the sequence exists.
+    reserve: int = 0
+    # extend, read by whoever picks tokens from the logits (not the forward): (num_logits, words) int32
+    # bitmask of the tokens each position's greedy pick may take (grammar.GrammarMatcher.allowed)
+    allowed: torch.Tensor | None = None
+    # extend: the new tokens as a tree of candidates, not a chain: tree[i] is the index in new_ids of token
+    # i's parent (before i), or -1 where it follows the cached tokens. Each token attends to the cache and to
+    # its ancestors, at the position after its parent's. None: a chain.
+    tree: tuple[int, ...] | None = None
+
+
+class Scored(NamedTuple):
+    """One sequence's part of `extend_many(..., with_hidden=True)`."""
+
+    logits: torch.Tensor  # (num_logits, V)
+    # (num_logits, len(hidden_layers), H): each chosen layer's output as transformers' hidden_states give it
+    # (the residual stream after layer l; the last layer's after the final norm)
+    hidden: torch.Tensor
+
+
+class ForwardOutput(NamedTuple):
+    logits: list[torch.Tensor]  # per sequence (num_logits, V)
+    hidden: list[torch.Tensor] | None  # per sequence (num_logits, len(hidden_layers), H); None without layers
+
+
+class Drafted(NamedTuple):
+    """One sequence's proposal: what `propose` returns."""
+
+    tokens: list[int]  # the drafted tokens
+    probs: torch.Tensor | None  # (len(tokens), V) processed draft distributions when sampling, else None
+    cached_length: int  # tokens the sequence's cache holds after the call (its valid prefix)
+
+
+class KVStore(Protocol):
+    """Where sequences' keys and values live (kv_cache.ContiguousKV, paged_kv.PagedKV)."""
+
+    prefix: PrefixIndex | None  # prefix caching's index; None: off
+
+    def new_sequence(self) -> SequenceState: ...
+    def reserve(self, seq, positions: int) -> None: ...  # room for positions tokens, or CacheError
+    def hold(self, seq, positions: int) -> None: ...  # a new sequence's whole generation, or CapacityError
+    def adopt(self, seq, blocks: list[int], first: int) -> None: ...  # keyed blocks become seq's
+    def key_blocks(self, seq, first: int, parent: int, blocks: list[tuple[int, ...]]) -> list[int]: ...
+    def rewrite_from(self, seq, j: int) -> None: ...  # seq writes into its blocks from j on next
+    def release(self, seq) -> None: ...
+    def bytes_held(self, sequences) -> int: ...
+    prefix_cache_bytes: int
+
+
+class Forward(Protocol):
+    """Runs the model over new rows of several sequences (TransformersForward, StaticForward)."""
+
+    hidden_layers: tuple[int, ...]  # layers whose output (the residual stream) a forward also returns
+    supports_trees: bool  # whether rows may be trees (`Step.tree`)
+
+    def __call__(self, seqs: list, rows: list, num_logits: list[int],
+                 trees: list[tuple[int, ...] | None] | None = None) -> ForwardOutput:
+        """seqs[b]'s new tokens rows[b] (ids, or a 1-D tensor of ids on the device) written to its cache
+        after its seqs[b].length cached ones, as a chain or as the tree trees[b]; returns per sequence the
+        logits (num_logits[b], V) of its last new positions, and the hidden states of `hidden_layers` at
+        those positions. The caller moves the lengths on."""
+
+    def warm_up(self, time_budget_s: float) -> tuple[int, float]: ...  # (buckets captured, seconds)
+    def summary(self, ready: int, seconds: float) -> str: ...  # a log line: what runs, what was captured

@@ -1,0 +1,199 @@
+"""A Llama-family forward written over the model's own modules, reading and writing a paged KV pool
+(`paged_kv.BlockPool`), in which no shape depends on the data: graph-capturable (`static_forward.py`).
+
+The matrix products are the model's own weights (a layer's query/key/value projections fused into one
+product), and the pointwise work between them (norms, the residual adds, rotary embedding) goes through
+`kernels`: compiled by torch.compile into one kernel each where CUDA graphs run. The MLP runs as the
+model's module (its gate and up products and its activation), or with `fuse_mlp` as one gate/up product
+and one SiLU x up kernel. It serves the Llama family (Llama, SmolLM2, Mistral without a sliding window,
+Qwen2/Qwen3); `supports` says whether a model qualifies (the eager transformers forward serves the rest).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch.nn.functional import scaled_dot_product_attention
+
+from specdec.engine import kernels
+
+FAMILY = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def supports(model) -> str | None:
+    """None if the static forward can run `model`, else why not."""
+    config = model.config
+    if config.model_type not in FAMILY:
+        return f"model type {config.model_type!r} is not one of {FAMILY}"
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        return "sliding-window attention"
+    devices = {p.device for p in model.parameters()}
+    if len(devices) > 1:
+        return "a model spread over several devices"
+    return None
+
+
+class Batch(NamedTuple):
+    """The tensors of one forward, all (B, T) but `table` (B, W / block_size)."""
+
+    ids: torch.Tensor
+    positions: torch.Tensor
+    write_block: torch.Tensor  # where each row's key and value go: block ...
+    write_offset: torch.Tensor  # ... and position within it
+    table: torch.Tensor  # each sequence's blocks, padded with the scratch block
+    visible: torch.Tensor  # how many keys (from position 0) each row attends to
+
+    @staticmethod
+    def size(b: int, t: int, blocks: int) -> int:
+        return 5 * b * t + b * blocks
+
+    @classmethod
+    def view(cls, flat, b: int, t: int, blocks: int) -> "Batch":
+        """The fields as views of one flat int64 buffer (tensor or array) laid out field after field, so
+        that a forward's inputs travel to the device in one copy."""
+        bt = b * t
+        rows = [flat[i * bt:(i + 1) * bt].reshape(b, t) for i in range(5)]
+        table = flat[5 * bt:5 * bt + b * blocks].reshape(b, blocks)
+        return cls(rows[0], rows[1], rows[2], rows[3], table, rows[4])
+
+    def clear(self, scratch: int) -> None:
+        """Padding values: id 0 at position 0, written to the scratch block, seeing one key."""
+        for field, value in zip(self, (0, 0, scratch, 0, scratch, 1)):
+            field[...] = value
+
+
+def fuse_linears(owner: torch.nn.Module, names: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """One weight (and bias) for the linears owner.<names> that read the same input (a layer's query, key
+    and value projections): one matrix product instead of several. The modules' parameters become views
+    of it, so the model is unchanged and no memory is added. None if they are not all plain linears
+    alike (CPU's reordered oneDNN linears, mixed biases, a module without one of the names)."""
+    fused = owner.__dict__.get("_fused_" + "_".join(names))
+    if fused is not None:  # a second executor over the same model
+        return fused
+    linears = [getattr(owner, name, None) for name in names]
+    if any(type(m) is not torch.nn.Linear for m in linears) or len({m.bias is None for m in linears}) > 1:
+        return None
+    with torch.no_grad():
+        weight = torch.cat([m.weight for m in linears])
+        bias = None if linears[0].bias is None else torch.cat([m.bias for m in linears])
+        sizes = [m.out_features for m in linears]
+        for m, part in zip(linears, weight.split(sizes)):
+            m.weight = torch.nn.Parameter(part, requires_grad=False)
+        if bias is not None:
+            for m, part in zip(linears, bias.split(sizes)):
+                m.bias = torch.nn.Parameter(part, requires_grad=False)
+    owner.__dict__["_fused_" + "_".join(names)] = (weight, bias)  # a plain attribute, not a parameter
+    return weight, bias
+
+
+class LlamaForward:
+    """The forward over a Llama-family model's weights, reading and writing the pool. Shapes in, logits
+    (B, T, V) out; every shape is fixed by the inputs' shapes (graph-capturable). The pointwise work
+    runs through `kernels` (compiled into one kernel each on CUDA, see kernels.py); each layer's
+    query/key/value projections are one matrix product. The MLP is the model's own module, or with
+    `fuse_mlp` (a SiLU MLP) its gate and up projections as one product and `kernels.silu_mul`."""
+
+    def __init__(self, model, pool, fuse_mlp: bool = False, hidden_layers: tuple[int, ...] = ()):
+        self.model, self.pool = model, pool
+        self.hidden_layers = tuple(hidden_layers)  # a forward also returns the residual stream after these
+        self.kernels = kernels.EAGER  # StaticForward.fuse swaps in the compiled ones
+        self.body = model.model
+        attn = self.body.layers[0].self_attn
+        self.head_dim = attn.head_dim
+        self.scaling = attn.scaling
+        self.workspace: list[torch.Tensor] | None = None
+        self.qkv = [fuse_linears(layer.self_attn, ("q_proj", "k_proj", "v_proj")) for layer in self.body.layers]
+        # transformers names the activation in the config (its module, SiLUActivation, is not nn.SiLU).
+        silu = getattr(model.config, "hidden_act", None) in ("silu", "swish")
+        self.gate_up = [fuse_linears(layer.mlp, ("gate_proj", "up_proj")) if fuse_mlp and silu else None
+                        for layer in self.body.layers]
+
+    def reserve_workspace(self, blocks: int) -> None:
+        """Gather windows of up to `blocks` blocks into two buffers allocated once and shared by every
+        layer and every captured graph. Gathering into fresh tensors instead, each graph would keep its
+        own (measured on an H100: 3.6 GiB for one 4-layer graph of 16 sequences x 8192 keys)."""
+        shape = (blocks, *self.pool.keys[0].shape[1:])
+        self.workspace = [torch.empty(shape, dtype=self.pool.keys[0].dtype, device=self.pool.keys[0].device)
+                          for _ in range(2)]
+
+    def _gather(self, buffer: torch.Tensor, table: torch.Tensor, which: int) -> torch.Tensor:
+        """buffer[table] (table (B, NB) -> (B * NB, block_size, kv_heads, D)), into the workspace if any."""
+        if self.workspace is None or table.numel() > self.workspace[which].shape[0]:
+            return buffer[table]
+        out = self.workspace[which][:table.numel()]
+        return torch.index_select(buffer, 0, table.reshape(-1), out=out)
+
+    def _qkv(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        """x (N, H) -> (N, (heads + 2 kv_heads) D): queries, keys and values side by side."""
+        if self.qkv[index] is not None:
+            weight, bias = self.qkv[index]
+            return torch.nn.functional.linear(x, weight, bias)
+        attn = self.body.layers[index].self_attn
+        return torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], dim=-1)
+
+    def _mlp(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        mlp = self.body.layers[index].mlp
+        if self.gate_up[index] is None:
+            return mlp(x)
+        weight, bias = self.gate_up[index]
+        return mlp.down_proj(self.kernels.silu_mul(torch.nn.functional.linear(x, weight, bias)))
+
+    def __call__(self, batch: Batch, head_rows: torch.Tensor | None = None):
+        """Logits (B, T, V); with head_rows (R,) indices into the B * T rows, only theirs: (R, V) (a prompt
+        wants one or K + 1 rows of logits, not one per token). With hidden_layers, (logits, hidden): the
+        residual stream after each of those layers, (B, T, L, H) or (R, L, H)."""
+        body, pool, fn = self.body, self.pool, self.kernels
+        b, t = batch.ids.shape
+        n = b * t
+        hidden = body.embed_tokens(batch.ids).reshape(n, -1)  # (N, H): the residual stream
+        cos, sin = body.rotary_emb(hidden, batch.positions.reshape(1, n))  # (1, N, D)
+        cos, sin = cos.reshape(n, -1), sin.reshape(n, -1)
+        window = batch.table.shape[1] * pool.block_size
+        # (B, T, W): row t of sequence b sees keys [0, visible[b, t])
+        mask = torch.arange(window, device=hidden.device) < batch.visible[..., None]
+        kv_heads = pool.keys[0].shape[2]
+        groups = body.config.num_attention_heads // kv_heads
+        # Grouped-query attention without repeating keys: a KV head's query heads are stacked along
+        # the row axis, (B, kv_heads, groups * T, D), so one plain attention call serves them all.
+        mask = mask[:, None, None].expand(b, 1, groups, t, window).reshape(b, 1, groups * t, window)
+        layers = body.layers
+        norm = layers[0].input_layernorm
+        x = fn.rms_norm(hidden, norm.weight, norm.variance_epsilon)
+        heads = body.config.num_attention_heads
+        kept = []  # the output of each of hidden_layers
+        for index, layer in enumerate(layers):
+            attn = layer.self_attn
+            qkv = self._qkv(index, x)
+            v = qkv[:, (heads + kv_heads) * self.head_dim:]
+            if hasattr(attn, "q_norm"):  # Qwen3 normalizes queries and keys per head
+                q, k = fn.rotate_qk(qkv, cos, sin, heads, kv_heads, attn.q_norm.weight, attn.k_norm.weight,
+                                    attn.q_norm.variance_epsilon)
+            else:
+                q, k = fn.rotate_qk(qkv, cos, sin, heads, kv_heads)
+            keys, values = pool.keys[index], pool.values[index]
+            keys[batch.write_block, batch.write_offset] = k.view(b, t, kv_heads, self.head_dim)
+            values[batch.write_block, batch.write_offset] = v.view(b, t, kv_heads, self.head_dim)
+            seen_k = self._gather(keys, batch.table, 0).view(b, window, kv_heads, self.head_dim).transpose(1, 2)
+            seen_v = self._gather(values, batch.table, 1).view(b, window, kv_heads, self.head_dim).transpose(1, 2)
+            q = q.view(b, t, -1, self.head_dim).transpose(1, 2).reshape(b, kv_heads, groups * t, self.head_dim)
+            out = scaled_dot_product_attention(q, seen_k, seen_v, attn_mask=mask, scale=self.scaling)
+            out = out.reshape(b, -1, t, self.head_dim).transpose(1, 2).reshape(n, -1)
+            post = layer.post_attention_layernorm
+            hidden, x = fn.add_rms_norm(hidden, attn.o_proj(out), post.weight, post.variance_epsilon)
+            # The residual add ends in the next layer's input norm, or the final one.
+            following = layers[index + 1].input_layernorm if index + 1 < len(layers) else body.norm
+            hidden, x = fn.add_rms_norm(hidden, self._mlp(index, x), following.weight, following.variance_epsilon)
+            if index in self.hidden_layers:  # transformers' hidden_states: the last layer's after the final norm
+                kept.append(x if index + 1 == len(layers) else hidden)
+        if head_rows is not None:
+            logits = self.model.lm_head(x.index_select(0, head_rows))
+        else:
+            logits = self.model.lm_head(x).view(b, t, -1)
+        if not self.hidden_layers:
+            return logits
+        ranked = sorted(set(self.hidden_layers))  # `kept` is in the layers' order
+        stacked = torch.stack([kept[ranked.index(layer)] for layer in self.hidden_layers], dim=1)  # (N, L, H)
+        if head_rows is not None:
+            return logits, stacked.index_select(0, head_rows)
+        return logits, stacked.view(b, t, *stacked.shape[1:])

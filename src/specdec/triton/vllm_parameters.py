@@ -1,0 +1,198 @@
+"""vLLM's form of a request's settings: one `sampling_parameters` JSON string (vLLM's Triton backend), read
+into the inputs of ours they stand for, so that one parser validates both forms.
+
+Keys that are inputs of ours under another form (`SAMPLING_PARAMETER_KEYS`) become those inputs; token-id
+settings (logit_bias, allowed_token_ids, stop_token_ids), vLLM's own settings and its structured-output
+object become arrays the parser reads by their vLLM names; settings speculative decoding does not have
+are accepted at their neutral values only; anything else is refused by name.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from specdec import tensor_names as tn
+from specdec.decoding.logit_bias import MAX_ABS_BIAS
+from specdec.triton.inputs import InputError, InputLookup
+
+# vLLM's Triton backend takes its sampling settings as one JSON string (`sampling_parameters`); these keys
+# are inputs of ours under another form (vLLM's top_k -1 is "off", our 0). Any other key is refused by name.
+SAMPLING_PARAMETER_KEYS = {
+    "max_tokens": (tn.MAX_TOKENS, np.int32), "temperature": (tn.TEMPERATURE, np.float32),
+    "top_p": (tn.TOP_P, np.float32), "top_k": (tn.TOP_K, np.int32), "min_p": (tn.MIN_P, np.float32),
+    "seed": (tn.SEED, np.uint64),
+    "min_tokens": (tn.MIN_TOKENS, np.int32), "ignore_eos": (tn.IGNORE_EOS, np.bool_),
+    "stop": (tn.STOP_WORDS, np.object_), "bad_words": (tn.BAD_WORDS, np.object_),
+    "repetition_penalty": (tn.REPETITION_PENALTY, np.float32), "presence_penalty": (tn.PRESENCE_PENALTY, np.float32),
+    "frequency_penalty": (tn.FREQUENCY_PENALTY, np.float32),
+}
+# Settings vLLM's clients send at their neutral values: accepted at those (or null), refused otherwise.
+# (The text is always detokenized without special tokens, as vLLM's defaults do.)
+NEUTRAL_SAMPLING_PARAMETERS = {"n": 1, "best_of": 1, "skip_special_tokens": True, "spaces_between_special_tokens": True,
+                               "detokenize": True}
+# vLLM's keys that no input stands for: token ids (and biases), read from the JSON into arrays of these names ...
+TOKEN_ID_KEYS = ("logit_bias", "allowed_token_ids", "stop_token_ids")
+# ... and these settings: the stop string kept at the text's end, and the prompt cut to its last N tokens
+# (-1: as many as fit before max_tokens in the context).
+VLLM_KEYS = {"include_stop_str_in_output": np.bool_, "truncate_prompt_tokens": np.int32}
+MAX_TOKEN_IDS = 1024  # entries in logit_bias or stop_token_ids
+# vLLM's structured-output settings (an object, or its JSON): one of these keys names the guide ...
+GUIDED_DECODING_KEYS = ("guided_decoding", "structured_outputs")
+GUIDE_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "ebnf_grammar",
+              "json_object": "json"}
+# ... and these may come at their neutral values (`backend`: any; this server has one), but for
+# `disable_any_whitespace`: true makes a JSON guide compact (llguidance's whitespace_flexible: false).
+NEUTRAL_GUIDE_KEYS = {"whitespace_pattern": None, "disable_fallback": False, "disable_additional_properties": False}
+
+
+def with_sampling_parameters(lookup: InputLookup) -> InputLookup:
+    """`lookup`, with the keys of a `sampling_parameters` JSON (vLLM's form) as the inputs they stand for."""
+    raw = lookup(tn.SAMPLING_PARAMETERS)
+    if raw is None:
+        return lookup
+    field = f"input '{tn.SAMPLING_PARAMETERS}'"
+    if raw.size != 1:
+        raise InputError(f"{field} must hold exactly one JSON string, got {raw.size}")
+    try:
+        text = raw.reshape(-1)[0]
+        settings = json.loads(text.decode("utf-8") if isinstance(text, bytes) else str(text))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise InputError(f"{field} is not valid JSON: {exc}") from None
+    if not isinstance(settings, dict):
+        raise InputError(f"{field} must be a JSON object, got {type(settings).__name__}")
+    arrays: dict[str, np.ndarray] = {}
+    for key, value in settings.items():
+        if key in TOKEN_ID_KEYS and value is not None:
+            arrays.update(_token_id_setting(f"{field}: key {key!r}", key, value))
+            continue
+        if key in GUIDED_DECODING_KEYS and value is not None:
+            for name in (tn.GUIDED_DECODING_GUIDE_TYPE, tn.GUIDED_DECODING_GUIDE):
+                if lookup(name) is not None or name in arrays:
+                    raise InputError(f"{field}: key {key!r} and input '{name}' (or another such key) are one setting; "
+                                     f"send one of them")
+            arrays.update(_guide_setting(f"{field}: key {key!r}", value))
+            continue
+        if value is None:
+            continue  # unset
+        if key in VLLM_KEYS:
+            arrays[key] = _setting(f"{field}: key {key!r}", value, VLLM_KEYS[key])
+            continue
+        if key in NEUTRAL_SAMPLING_PARAMETERS:
+            neutral = NEUTRAL_SAMPLING_PARAMETERS[key]
+            if _setting(f"{field}: key {key!r}", value, np.bool_ if isinstance(neutral, bool) else np.int32).item() \
+                    != neutral:
+                raise InputError(f"{field}: key {key!r} is supported only at {json.dumps(neutral)}, got {value!r}")
+            continue  # a setting speculative decoding does not have, at its neutral value
+        if key not in SAMPLING_PARAMETER_KEYS:
+            raise InputError(f"{field}: key {key!r} is not supported (supported: {', '.join(SAMPLING_PARAMETER_KEYS)}, "
+                             f"{', '.join(TOKEN_ID_KEYS + tuple(VLLM_KEYS) + GUIDED_DECODING_KEYS)}; "
+                             f"at their neutral values: {', '.join(NEUTRAL_SAMPLING_PARAMETERS)})")
+        name, dtype = SAMPLING_PARAMETER_KEYS[key]
+        if lookup(name) is not None:
+            raise InputError(f"{field}: key {key!r} and input '{name}' are one setting; send one of them")
+        arrays[name] = _setting(f"{field}: key {key!r}", value, dtype)
+        if key == "top_k" and arrays[name].item() == -1:
+            arrays[name] = np.zeros((1, 1), dtype=np.int32)
+    return lambda name: arrays[name] if name in arrays else lookup(name)
+
+
+def _token_id_setting(what: str, key: str, value) -> dict[str, np.ndarray]:
+    """logit_bias ({token id: bias}, ids also as strings, as JSON keys are) or a list of token ids, as
+    arrays named by the key (ids; with logit_bias also `logit_bias.values`). Ranges are checked in parse."""
+    if key == "logit_bias":
+        if not isinstance(value, dict):
+            raise InputError(f"{what} must be an object of token id: bias, got {type(value).__name__}")
+        items = list(value.items())
+    else:
+        if not isinstance(value, list):
+            raise InputError(f"{what} must be a list of token ids, got {type(value).__name__}")
+        items = [(token, 0.0) for token in value]
+    if len(items) > MAX_TOKEN_IDS and key != "allowed_token_ids":  # that one may list much of the vocabulary
+        raise InputError(f"{what} has {len(items)} entries; at most {MAX_TOKEN_IDS}")
+    ids, values = [], []
+    for token, bias in items:
+        try:
+            ids.append(int(token) if not isinstance(token, (bool, float)) else None)
+        except ValueError:
+            ids.append(None)
+        if ids[-1] is None:
+            raise InputError(f"{what}: {token!r} is not a token id")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -MAX_ABS_BIAS <= bias <= MAX_ABS_BIAS:
+            raise InputError(f"{what}: the bias of token {token} must be a number within "
+                             f"[-{MAX_ABS_BIAS:g}, {MAX_ABS_BIAS:g}], got {bias!r}")
+        values.append(float(bias))
+    if len(set(ids)) != len(ids):
+        raise InputError(f"{what} names a token id twice")
+    arrays = {key: np.array([ids], dtype=np.int64)}
+    if key == "logit_bias":
+        arrays["logit_bias.values"] = np.array([values], dtype=np.float32)
+    return arrays
+
+
+def _guide_setting(what: str, value) -> dict[str, np.ndarray]:
+    """vLLM's guided_decoding / structured_outputs object (or its JSON) as our two guide inputs."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as exc:
+            raise InputError(f"{what} is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise InputError(f"{what} must be an object, got {type(value).__name__}")
+    guides = {key: v for key, v in value.items() if key in GUIDE_KEYS and v is not None and v is not False}
+    for key, v in value.items():
+        if key in NEUTRAL_GUIDE_KEYS and v is not None and v != NEUTRAL_GUIDE_KEYS[key]:
+            raise InputError(f"{what}: {key!r} is supported only at {NEUTRAL_GUIDE_KEYS[key]!r}, got {v!r}")
+        if key not in GUIDE_KEYS and key not in NEUTRAL_GUIDE_KEYS and key not in ("backend", "disable_any_whitespace"):
+            raise InputError(f"{what}: {key!r} is not supported (one of {', '.join(GUIDE_KEYS)})")
+    if len(guides) != 1:
+        raise InputError(f"{what} must set exactly one of {', '.join(GUIDE_KEYS)}, got {sorted(guides) or 'none'}")
+    (key, guide), = guides.items()
+    if key == "json_object":
+        if guide is not True:
+            raise InputError(f"{what}: 'json_object' must be true, got {guide!r}")
+        guide = ""
+    elif key in ("json", "choice") and not isinstance(guide, str):
+        guide = json.dumps(guide)  # a schema object or a list of choices, as the guide's JSON text
+    elif not isinstance(guide, str):
+        raise InputError(f"{what}: {key!r} must be a string, got {type(guide).__name__}")
+    compact = value.get("disable_any_whitespace")
+    if compact not in (None, False, True):
+        raise InputError(f"{what}: 'disable_any_whitespace' must be true or false, got {compact!r}")
+    guide_type = GUIDE_KEYS[key]
+    if compact and guide_type in ("json", "json_schema"):  # other guides say their whitespace themselves
+        try:
+            schema = json.loads(guide) if guide else {"type": "object"}
+        except ValueError as exc:
+            raise InputError(f"{what}: 'json' is not valid JSON: {exc}") from None
+        if not isinstance(schema, dict):
+            raise InputError(f"{what}: 'json' must be a JSON schema object")
+        schema["x-guidance"] = {**schema.get("x-guidance", {}), "whitespace_flexible": False}
+        guide_type, guide = "json_schema", json.dumps(schema)
+    return {tn.GUIDED_DECODING_GUIDE_TYPE: np.array([[guide_type]], dtype=np.object_),
+            tn.GUIDED_DECODING_GUIDE: np.array([[guide]], dtype=np.object_)}
+
+
+def _setting(what: str, value, dtype) -> np.ndarray:
+    """One JSON setting as the (1, n) array its input would be. Numbers and booleans may come as strings
+    (vLLM's backend converts them too)."""
+    if dtype is np.object_:
+        words = [value] if isinstance(value, str) else value
+        if not isinstance(words, list) or not all(isinstance(word, str) for word in words):
+            raise InputError(f"{what} must be a string or a list of strings, got {value!r}")
+        return np.array([words], dtype=np.object_).reshape(1, -1)
+    if dtype is np.bool_:
+        flag = {"true": True, "false": False}.get(value.lower()) if isinstance(value, str) else value
+        if not isinstance(flag, bool):
+            raise InputError(f"{what} must be true or false, got {value!r}")
+        return np.array([[flag]])
+    try:
+        number = float(value) if isinstance(value, (str, int, float)) and not isinstance(value, bool) else None
+    except ValueError:
+        number = None
+    if number is None or (dtype is not np.float32 and not number.is_integer()):
+        raise InputError(f"{what} must be {'a number' if dtype is np.float32 else 'an integer'}, got {value!r}")
+    if dtype is np.uint64 and number < 0:
+        raise InputError(f"{what} must be >= 0, got {value!r}")
+    return np.array([[number if dtype is np.float32 else int(number)]], dtype=dtype)

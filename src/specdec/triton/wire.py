@@ -1,0 +1,159 @@
+"""The BLS messages between the orchestrator and draft_model / target_model, encoded and decoded in one
+place: each message kind's tensors by name, as numpy arrays, both ways.
+
+  step       what both models take: the sequence's cached tokens to keep, the tokens to append, a new
+             sequence's room (reserve), release
+  propose    draft_model's own inputs: K and the sampling settings (with the round's seed)
+  drafted    draft_model's answer: the drafted tokens and the cache's length after them
+  verify     target_model's own inputs: how many positions to score, the grammar's bitmask
+  verified   target_model's answer: greedy tokens and the forward's statistics (logits, log-probabilities
+             and draft distributions travel as tensors of their own, on the device where they can)
+
+Every call of a model carries the same input set, defaults included: Triton's sequence batcher runs
+requests in one execution only when they carry the same inputs. No pb_utils here: the adapters wrap these
+arrays into Triton tensors, so every encoding round-trips in a unit test.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from specdec import tensor_names as tn
+from specdec.decoding.interfaces import ForwardStats
+from specdec.decoding.sampling import SamplingParams
+
+Arrays = dict[str, np.ndarray]
+
+
+def _i32(values) -> np.ndarray:
+    return np.asarray(values, dtype=np.int32).reshape(1, -1)
+
+
+def _f32(value: float) -> np.ndarray:
+    return np.array([[value]], dtype=np.float32)
+
+
+def _scalar(inputs: Arrays, name: str, default):
+    value = inputs.get(name)
+    return default if value is None else value.reshape(-1)[0].item()
+
+
+@dataclass(frozen=True)
+class StepMessage:
+    """What every call to either model says about its sequence."""
+
+    keep: int  # cached tokens to keep (rollback is a smaller keep)
+    new_ids: list[int]  # tokens to append
+    reserve: int = 0  # a new sequence's room for its whole generation (positions)
+    release: bool = False  # free the sequence's cache (sent with the sequence END flag)
+
+    def encode(self) -> Arrays:
+        return {tn.INPUT_IDS: _i32(self.new_ids), tn.CACHE_LENGTH: _i32([self.keep]),
+                tn.RESERVE_TOKENS: _i32([self.reserve]), tn.RELEASE: np.array([[self.release]])}
+
+    @classmethod
+    def decode(cls, inputs: Arrays) -> StepMessage:
+        ids = inputs.get(tn.INPUT_IDS)
+        if ids is None:
+            raise ValueError(f"missing input {tn.INPUT_IDS}")
+        return cls(int(_scalar(inputs, tn.CACHE_LENGTH, 0)), ids.reshape(-1).tolist(),
+                   int(_scalar(inputs, tn.RESERVE_TOKENS, 0)), bool(_scalar(inputs, tn.RELEASE, False)))
+
+
+@dataclass(frozen=True)
+class ProposeMessage:
+    """draft_model's own inputs. k = 0 appends only (a prompt's chunk)."""
+
+    k: int
+    params: SamplingParams = SamplingParams()
+    seed: int | None = None  # the round's seed for the draft's generator (None: unseeded; sent as 0)
+
+    def encode(self) -> Arrays:
+        params = self.params
+        return {tn.NUM_DRAFT_TOKENS: _i32([self.k]), tn.TEMPERATURE: _f32(params.temperature),
+                tn.TOP_K: _i32([params.top_k]), tn.TOP_P: _f32(params.top_p), tn.MIN_P: _f32(params.min_p),
+                tn.SEED: np.array([[self.seed or 0]], dtype=np.uint64)}
+
+    @classmethod
+    def decode(cls, inputs: Arrays) -> ProposeMessage:
+        params = SamplingParams(
+            temperature=float(_scalar(inputs, tn.TEMPERATURE, tn.DEFAULT_TEMPERATURE)),
+            top_k=int(_scalar(inputs, tn.TOP_K, tn.DEFAULT_TOP_K)),
+            top_p=float(_scalar(inputs, tn.TOP_P, tn.DEFAULT_TOP_P)),
+            min_p=float(_scalar(inputs, tn.MIN_P, tn.DEFAULT_MIN_P)),
+        )
+        return cls(int(_scalar(inputs, tn.NUM_DRAFT_TOKENS, 1)), params, _scalar(inputs, tn.SEED, None))
+
+
+@dataclass(frozen=True)
+class DraftedMessage:
+    """draft_model's answer (its distributions, when sampling, go as the DRAFT_PROBS tensor)."""
+
+    tokens: list[int]
+    cached_length: int  # tokens the draft's cache holds after the proposal
+
+    def encode(self) -> Arrays:
+        return {tn.DRAFT_TOKENS: _i32(self.tokens), tn.CACHED_LENGTH: _i32([self.cached_length])}
+
+    @classmethod
+    def decode(cls, outputs: Arrays) -> DraftedMessage:
+        return cls(outputs[tn.DRAFT_TOKENS].reshape(-1).tolist(), int(outputs[tn.CACHED_LENGTH].reshape(-1)[0]))
+
+
+@dataclass(frozen=True)
+class VerifyMessage:
+    """target_model's own inputs. num_logits = 0 appends only (a prompt's chunk)."""
+
+    num_logits: int
+    allowed: torch.Tensor | None = None  # (num_logits, words) int32 bitmask; None: every token
+
+    def encode(self) -> Arrays:
+        # An empty bitmask stands for none: the input is always there (one input set).
+        allowed = np.zeros((1, 0, 0), dtype=np.int32) if self.allowed is None else self.allowed.cpu().numpy()[None]
+        return {tn.NUM_LOGITS: _i32([self.num_logits]), tn.ALLOWED_TOKENS: allowed}
+
+    @classmethod
+    def decode(cls, inputs: Arrays) -> VerifyMessage:
+        num_logits = int(_scalar(inputs, tn.NUM_LOGITS, 1))
+        allowed = inputs.get(tn.ALLOWED_TOKENS)
+        if allowed is None or not allowed.size:
+            return cls(num_logits)
+        if allowed.ndim != 3 or allowed.shape[0] != 1 or allowed.shape[1] != num_logits:
+            raise ValueError(f"{tn.ALLOWED_TOKENS} must be [1, {tn.NUM_LOGITS} = {num_logits}, words], got "
+                             f"{list(allowed.shape)}")
+        return cls(num_logits, torch.from_numpy(np.ascontiguousarray(allowed[0])))
+
+
+@dataclass(frozen=True)
+class VerifiedMessage:
+    """target_model's answer (logits go as the LOGITS tensor, on the device where they can)."""
+
+    greedy_tokens: np.ndarray  # (num_logits,) int32
+    forward: ForwardStats | None = None  # the batched forward the step ran in
+    log_probs: np.ndarray | None = None  # (num_logits,) float32, when asked for
+
+    def encode(self) -> Arrays:
+        out = {tn.GREEDY_TOKENS: _i32(self.greedy_tokens)}
+        if self.forward is not None:
+            out[tn.FORWARD_STATS] = np.asarray([self.forward], dtype=np.float32)
+        if self.log_probs is not None:
+            out[tn.GREEDY_LOG_PROBS] = np.asarray(self.log_probs, dtype=np.float32).reshape(1, -1)
+        return out
+
+    @classmethod
+    def decode(cls, outputs: Arrays) -> VerifiedMessage:
+        forward = outputs.get(tn.FORWARD_STATS)
+        if forward is not None:
+            rows, sequences, seconds = forward.reshape(-1).tolist()
+            forward = ForwardStats(int(rows), int(sequences), float(seconds))
+        log_probs = outputs.get(tn.GREEDY_LOG_PROBS)
+        return cls(outputs[tn.GREEDY_TOKENS].reshape(-1).astype(np.int32), forward,
+                   None if log_probs is None else log_probs.reshape(-1).copy())
+
+
+# What a call that asks for nothing back sends as the model's own inputs (a prompt's chunk, a release).
+QUIET_PROPOSE = ProposeMessage(0)
+QUIET_VERIFY = VerifyMessage(0)
