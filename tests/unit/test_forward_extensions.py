@@ -56,8 +56,8 @@ def test_a_bad_tree_is_refused_naming_it_and_the_static_forward_refuses_trees(ti
 @pytest.mark.parametrize("kind", ["dynamic", "static"])
 def test_hidden_states_of_chosen_layers_come_with_the_logits(tiny_lm, kind):
     """With hidden_layers, each step also gets the residual stream after those layers (in the order asked)
-    at the positions whose logits it gets: transformers' own hidden_states, in both executors, prompts and
-    steps, two sequences in one forward."""
+    at every position it ran (a trained head reads every one): transformers' own hidden_states, in both
+    executors, prompts and steps, two sequences in one forward."""
     layers = (1, 0)
     build = dynamic_executor if kind == "dynamic" else lambda model, **kw: static_executor(
         model, kv_pool_tokens=256, block_size=8, max_context=128, max_batch=2, max_rows=5, min_window=16,
@@ -66,12 +66,13 @@ def test_hidden_states_of_chosen_layers_come_with_the_logits(tiny_lm, kind):
     other = [30, 31, 32]
     first = lm.extend_many([Step(1, 0, PROMPT, num_logits=2), Step(2, 0, other, num_logits=1)], with_hidden=True)
     second = lm.extend_many([Step(1, len(PROMPT), [7, 9], num_logits=2)], with_hidden=True)
-    for (logits, hidden), ids, n in ((first[0], PROMPT, 2), (first[1], other, 1), (second[0], PROMPT + [7, 9], 2)):
+    for (logits, hidden), ids, n, ran in ((first[0], PROMPT, 2, len(PROMPT)), (first[1], other, 1, 3),
+                                          (second[0], PROMPT + [7, 9], 2, 2)):
         reference = full(tiny_lm, ids, output_hidden_states=True)
-        assert hidden.shape == (n, 2, 32)
+        assert hidden.shape == (ran, 2, 32)
         assert torch.allclose(logits, reference.logits[0, -n:], atol=1e-10)
         for column, layer in enumerate(layers):
-            assert torch.allclose(hidden[:, column], reference.hidden_states[layer + 1][0, -n:], atol=1e-10)
+            assert torch.allclose(hidden[:, column], reference.hidden_states[layer + 1][0, -ran:], atol=1e-10)
     plain = lm.extend_many([Step(3, 0, [1, 2], 1), Step(4, 0, [1, 2], 0)])  # without with_hidden: logits alone
     assert [tuple(logits.shape) for logits in plain] == [(1, 97), (0, 97)]
 

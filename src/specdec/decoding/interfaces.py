@@ -47,6 +47,8 @@ class VerifyCall:
     # (num_positions, words) int32 bitmask (grammar.GrammarMatcher.allowed): each greedy token is the best of
     # its position's allowed tokens (structured output, picked where the logits are)
     allowed: torch.Tensor | None = None
+    # the target's features at the new positions back (a trained head drafts from them; Scores.features)
+    want_features: bool = False
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,9 @@ class Scores:
     forward: ForwardStats | None = None  # None where the scorer does not report its forwards
     # (K+1,) float32: each greedy token's log-probability (log-softmax of the raw logits), when asked for
     log_probs: torch.Tensor | None = None
+    # (rows, F): with want_features, the target's features (the chosen layers' states, concatenated) at the
+    # call's last `rows` new positions (all of them, unless a prefix cache served the first ones)
+    features: torch.Tensor | None = None
 
 
 class NoCapacity(RuntimeError):
@@ -64,8 +69,12 @@ class NoCapacity(RuntimeError):
 
 
 class Proposer(Protocol):
+    # A trained head's proposer sets this: the loop then asks the target for its features and hands them
+    # to propose (`features`: (rows, F) at the rows positions before new_ids' last token)
+    wants_features: bool = False
+
     async def propose(self, seq_id: int, keep: int, new_ids: list[int], k: int,
-                      params: SamplingParams, round_seed: int, reserve: int = 0) -> Proposal:
+                      params: SamplingParams, round_seed: int, reserve: int = 0, **features) -> Proposal:
         """Keep `keep` cached tokens, append `new_ids`, draft up to k tokens. On a sequence's first call
         `reserve` is the room its whole generation needs (positions), which a model with a KV budget
         sets aside then or raises NoCapacity."""

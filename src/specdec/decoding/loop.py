@@ -113,6 +113,7 @@ async def generate(req: GenerationRequest, proposer: Proposer, scorer: Scorer, p
     drafted_ever = False
     occurrences = TokenOccurrences(req.prompt_ids) if req.penalties.active else None
     matcher = req.grammar.matcher() if req.grammar is not None else None
+    features = Features() if getattr(proposer, "wants_features", False) else None
     try:
         while True:
             # Never draft past max_tokens: the bonus token always fills the last slot.
@@ -127,7 +128,8 @@ async def generate(req: GenerationRequest, proposer: Proposer, scorer: Scorer, p
                 round_seed = int(torch.randint(0, 2**62, (1,), generator=generator)) if generator else 0
                 started = time.perf_counter()
                 proposal = await proposer.propose(req.seq_id, draft_valid, tokens[draft_valid:], k,
-                                                  req.sampling, round_seed, reserve=0 if draft_valid else reserve)
+                                                  req.sampling, round_seed, reserve=0 if draft_valid else reserve,
+                                                  **_features_for(features, draft_valid))
                 policy.observe_draft(k, time.perf_counter() - started)
                 draft_valid = proposal.cached_length
                 drafted_ever = True
@@ -139,14 +141,15 @@ async def generate(req: GenerationRequest, proposer: Proposer, scorer: Scorer, p
                     return
             elif policy.shadow:  # a free proposer paused: propose, but only to check it
                 shadow = await proposer.propose(req.seq_id, draft_valid, tokens[draft_valid:], 1, req.sampling, 0,
-                                                reserve=0 if draft_valid else reserve)
+                                                reserve=0 if draft_valid else reserve,
+                                                **_features_for(features, draft_valid))
                 draft_valid = shadow.cached_length
                 drafted_ever = True
             new_ids = tokens[target_valid:] + proposal.tokens
             allowed = matcher.allowed(proposal.tokens, k + 1) if req.target_picks else None
             started = time.perf_counter()
             scores = await _score(scorer, req, target_valid, new_ids, k + 1, 0 if target_valid else reserve,
-                                  wait_for_room, allowed)
+                                  wait_for_room, allowed, features is not None)
             if len(new_ids) == k + 1:  # a plain round (no prompt prefill or catch-up)
                 policy.observe_verify(k + 1, time.perf_counter() - started)
             if scores.forward:
@@ -160,6 +163,8 @@ async def generate(req: GenerationRequest, proposer: Proposer, scorer: Scorer, p
 
             new = proposal.tokens[:verdict.num_accepted] + [verdict.next_token]
             log_probs = _log_probs(scores, new) if req.log_probs else None
+            if features is not None:  # the target's features at the positions it keeps
+                features.add(scores.features, target_valid + len(new_ids), len(tokens) + verdict.num_accepted)
             target_valid = len(tokens) + verdict.num_accepted
             draft_valid = min(draft_valid, target_valid)
             tokens += new
@@ -185,7 +190,7 @@ async def generate(req: GenerationRequest, proposer: Proposer, scorer: Scorer, p
 
 async def _score(scorer: Scorer, req: GenerationRequest, keep: int, new_ids: list[int], positions: int,
                  reserve: int, wait_for_room: Callable[[], Awaitable[bool]] | None,
-                 allowed: torch.Tensor | None = None) -> Scores:
+                 allowed: torch.Tensor | None = None, want_features: bool = False) -> Scores:
     """The verify call (`allowed`: the grammar's bitmask, for the target to pick with); a sequence's first
     one (reserve > 0) retries while the target has no room for it and `wait_for_room` says to."""
     # Greedy rounds ship no logits (the target sends its tokens' log-probabilities instead), unless
@@ -195,10 +200,43 @@ async def _score(scorer: Scorer, req: GenerationRequest, keep: int, new_ids: lis
         try:
             return await scorer.score(VerifyCall(req.seq_id, keep, new_ids, positions, want_logits=want_logits,
                                                  reserve=reserve, want_log_probs=req.log_probs and not want_logits,
-                                                 allowed=allowed))
+                                                 allowed=allowed, want_features=want_features))
         except NoCapacity:
             if not reserve or wait_for_room is None or not await wait_for_room():
                 raise
+
+
+class Features:
+    """The target's features (Scores.features) the head has not read yet: rows for the positions
+    [end - len(rows), end), end being the target's valid prefix."""
+
+    def __init__(self):
+        self.rows: torch.Tensor | None = None
+        self.end = 0
+
+    def add(self, new: torch.Tensor | None, new_end: int, valid: int) -> None:
+        """A verify's rows, for the positions up to new_end, of which those below `valid` stay (accepted)."""
+        if new is None:
+            return
+        new = new[:len(new) - (new_end - valid)] if new_end > valid else new
+        first = valid - len(new)
+        if self.rows is not None and self.end == first:  # contiguous; else a gap: the older rows are no use
+            new = torch.cat([self.rows, new.to(self.rows.device)])
+        self.rows, self.end = new, valid
+
+    def since(self, start: int) -> torch.Tensor | None:
+        """The rows of positions start.. end - 1 that are held (the last ones where some are missing)."""
+        if self.rows is None:
+            return None
+        self.rows = self.rows[max(len(self.rows) - (self.end - start), 0):]  # the older ones are read
+        return self.rows
+
+
+def _features_for(features: Features | None, draft_valid: int) -> dict:
+    """propose's `features` argument: what a trained head reads, for proposers that want it."""
+    if features is None:
+        return {}
+    return {"features": features.since(draft_valid)}
 
 
 def _edited_logits(req: GenerationRequest, tokens: list[int], draft: list[int], logits: torch.Tensor | None,

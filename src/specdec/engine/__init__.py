@@ -11,6 +11,9 @@
   transformers_forward  the eager forward: transformers' own, over packed rows (any architecture)
   static_forward the static forward: bucketed shapes over the paged pool, replayed as CUDA graphs
   llama_forward  the Llama-family forward the static one runs, written over the model's modules
+  draft_heads    trained draft heads (EAGLE-1, EAGLE-3, Medusa): the modules, read and written in the
+                 layouts their authors publish (and vLLM's), refused when made for another target
+  head_executor  drafting with a head over the target's features, per-sequence KV with rollback
   cuda_graphs    pinned input staging and one bucket's forward captured as a CUDA graph
   kernels        a Llama layer's pointwise math as pure functions, and their compiled (fused) form
   loading        loads a model (Hugging Face directory or GGUF file) on a device, in a dtype

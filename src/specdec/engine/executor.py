@@ -237,7 +237,7 @@ class Executor:
     def extend_many(self, steps: list[Step], with_hidden: bool = False) -> list[torch.Tensor | Scored | CacheError]:
         """`extend` for several sequences in one forward pass: per step its (num_logits, V) logits, or
         the CacheError that step raised (the others still run). with_hidden: per step `Scored`, the logits
-        with the hidden states of the forward's `hidden_layers` at the same positions."""
+        with the hidden states of the forward's `hidden_layers` at every position it ran."""
         if with_hidden and not self.forward.hidden_layers:
             raise ValueError("with_hidden needs an executor built with hidden_layers")
         steps = list(steps)  # _acquire_all may shorten a step (prefix caching); the caller's stay as sent

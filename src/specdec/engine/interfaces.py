@@ -31,20 +31,24 @@ class Step(NamedTuple):
     # i's parent (before i), or -1 where it follows the cached tokens. Each token attends to the cache and to
     # its ancestors, at the position after its parent's. None: a chain.
     tree: tuple[int, ...] | None = None
+    # propose, for a trained head (head_executor.py): (rows, F) the target's features at the rows positions
+    # before the last new token (fewer than it needs: the first ones are missing)
+    features: torch.Tensor | None = None
 
 
 class Scored(NamedTuple):
     """One sequence's part of `extend_many(..., with_hidden=True)`."""
 
     logits: torch.Tensor  # (num_logits, V)
-    # (num_logits, len(hidden_layers), H): each chosen layer's output as transformers' hidden_states give it
-    # (the residual stream after layer l; the last layer's after the final norm)
+    # (rows, len(hidden_layers), H) at every new position the forward ran (a prefix cache's tokens are not
+    # run: the rows are the step's last ones): each chosen layer's output as transformers' hidden_states
+    # give it (the residual stream after layer l; the last layer's after the final norm)
     hidden: torch.Tensor
 
 
 class ForwardOutput(NamedTuple):
     logits: list[torch.Tensor]  # per sequence (num_logits, V)
-    hidden: list[torch.Tensor] | None  # per sequence (num_logits, len(hidden_layers), H); None without layers
+    hidden: list[torch.Tensor] | None  # per sequence (new rows, len(hidden_layers), H); None without layers
 
 
 class Drafted(NamedTuple):
@@ -82,7 +86,7 @@ class Forward(Protocol):
         """seqs[b]'s new tokens rows[b] (ids, or a 1-D tensor of ids on the device) written to its cache
         after its seqs[b].length cached ones, as a chain or as the tree trees[b]; returns per sequence the
         logits (num_logits[b], V) of its last new positions, and the hidden states of `hidden_layers` at
-        those positions. The caller moves the lengths on."""
+        every new position. The caller moves the lengths on."""
 
     def warm_up(self, time_budget_s: float) -> tuple[int, float]: ...  # (buckets captured, seconds)
     def summary(self, ready: int, seconds: float) -> str: ...  # a log line: what runs, what was captured

@@ -142,7 +142,7 @@ class LlamaForward:
     def __call__(self, batch: Batch, head_rows: torch.Tensor | None = None):
         """Logits (B, T, V); with head_rows (R,) indices into the B * T rows, only theirs: (R, V) (a prompt
         wants one or K + 1 rows of logits, not one per token). With hidden_layers, (logits, hidden): the
-        residual stream after each of those layers, (B, T, L, H) or (R, L, H)."""
+        residual stream after each of those layers at every row, (B, T, L, H)."""
         body, pool, fn = self.body, self.pool, self.kernels
         b, t = batch.ids.shape
         n = b * t
@@ -194,6 +194,4 @@ class LlamaForward:
             return logits
         ranked = sorted(set(self.hidden_layers))  # `kept` is in the layers' order
         stacked = torch.stack([kept[ranked.index(layer)] for layer in self.hidden_layers], dim=1)  # (N, L, H)
-        if head_rows is not None:
-            return logits, stacked.index_select(0, head_rows)
         return logits, stacked.view(b, t, *stacked.shape[1:])

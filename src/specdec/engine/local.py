@@ -12,7 +12,8 @@ from specdec.decoding.interfaces import ForwardStats, NoCapacity, Proposal, Scor
 from specdec.decoding.sampling import SamplingParams, greedy, greedy_log_probs, make_generator, token_log_probs
 from specdec.decoding.token_mask import allowed_greedy
 from specdec.engine.errors import CapacityError
-from specdec.engine.executor import Executor
+from specdec.engine.executor import Executor, Step
+from specdec.engine.head_executor import HeadExecutor
 
 
 @contextlib.contextmanager
@@ -25,14 +26,17 @@ def _no_capacity():
 
 
 class LocalProposer:
-    def __init__(self, lm: Executor):
+    """Over an `Executor` (a draft model) or a `HeadExecutor` (a trained head: it reads the target's features)."""
+
+    def __init__(self, lm: Executor | HeadExecutor):
         self.lm = lm
+        self.wants_features = isinstance(lm, HeadExecutor)
 
     async def propose(self, seq_id: int, keep: int, new_ids: list[int], k: int, params: SamplingParams,
-                      round_seed: int, reserve: int = 0) -> Proposal:
+                      round_seed: int, reserve: int = 0, **features) -> Proposal:
         generator = None if params.greedy else make_generator(round_seed, self.lm.logits_device)
         with _no_capacity():
-            drafted = self.lm.propose(seq_id, keep, new_ids, k, params, generator, reserve)
+            drafted = self.lm.propose(seq_id, keep, new_ids, k, params, generator, reserve, **features)
         probs = None if drafted.probs is None else drafted.probs.float().cpu()
         return Proposal(drafted.tokens, probs, drafted.cached_length)
 
@@ -45,15 +49,19 @@ class LocalScorer:
         self.lm = lm
 
     async def score(self, call: VerifyCall) -> Scores:
+        step = Step(call.seq_id, call.keep, call.new_ids, call.num_positions, reserve=call.reserve)
         with _no_capacity():
-            logits = self.lm.extend(call.seq_id, call.keep, call.new_ids, call.num_positions, call.reserve)
+            (result,) = self.lm.extend_many([step], with_hidden=call.want_features)
+            if isinstance(result, Exception):
+                raise result
+        logits, features = (result.logits, result.hidden.flatten(1).cpu()) if call.want_features else (result, None)
         allowed = call.allowed
         tokens = greedy(logits) if allowed is None else allowed_greedy(logits, allowed)
         log_probs = None
         if call.want_log_probs:
             log_probs = greedy_log_probs(logits) if allowed is None else token_log_probs(logits, tokens)
         return Scores(tokens.cpu(), logits.float().cpu() if call.want_logits else None,
-                      ForwardStats(len(call.new_ids), 1, 0.0), None if log_probs is None else log_probs.cpu())
+                      ForwardStats(len(call.new_ids), 1, 0.0), None if log_probs is None else log_probs.cpu(), features)
 
     async def release(self, seq_id: int) -> None:
         self.lm.release(seq_id)

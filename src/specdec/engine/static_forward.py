@@ -58,8 +58,8 @@ class StaticForward:
     None: with CUDA graphs. prefill_rows: prompts of up to this many rows (beyond max_rows) run alone in
     buckets of their own, powers of two, padded, their head on the rows wanted only: captured like the
     others where graphs run (an eager prompt pays a launch per kernel); 0: every longer prompt runs
-    eagerly. hidden_layers: a forward also returns the residual stream after these layers at the positions
-    whose logits it returns (captured with the rest). Rows are chains (no `Step.tree` yet)."""
+    eagerly. hidden_layers: a forward also returns the residual stream after these layers at every new
+    position (captured with the rest). Rows are chains (no `Step.tree` yet)."""
 
     supports_trees = False
 
@@ -251,10 +251,12 @@ class StaticForward:
         if width > self.row_sizes[-1]:  # a prompt: the head on the wanted rows only, in their order
             out = captured.run() if captured is not None else self.llama(inputs, rows_wanted)
             # Copied: a captured output is overwritten by the next run.
-            picked = [part[:sum(num_logits)].clone() for part in (out if self.hidden_layers else (out,))]
+            logits = (out[0] if self.hidden_layers else out)[:sum(num_logits)].clone()
         else:
             out = captured.run() if captured is not None else self.llama(inputs)
             # The wanted rows, gathered into new tensors (a captured output is overwritten by the next run).
-            picked = [part.flatten(0, 1)[rows_wanted] for part in (out if self.hidden_layers else (out,))]
-        split = [list(torch.split(part, num_logits)) for part in picked]
-        return ForwardOutput(split[0], split[1] if self.hidden_layers else None)
+            logits = (out[0] if self.hidden_layers else out).flatten(0, 1)[rows_wanted]
+        hidden = None
+        if self.hidden_layers:  # every new row's (B, T, L, H), gathered: a captured output is overwritten
+            hidden = [out[1][b, :count].clone() for b, count in enumerate(counts)]
+        return ForwardOutput(list(torch.split(logits, num_logits)), hidden)

@@ -38,8 +38,8 @@ class TransformersForward:
     min_forward_rows: a forward over fewer token rows than this (but more than one) is padded up to it:
     with torch's own CPU kernels, GEMMs of 2-3 rows take a slower BLAS path than 4. Padding rows attend
     to nothing and are never cached. row_buckets: bound the shapes oneDNN's kernel cache keeps
-    (`padded_rows`). hidden_layers: a forward also returns the residual stream after these layers at the
-    positions whose logits it returns (what a trained draft head reads). Rows may be trees (`Step.tree`)."""
+    (`padded_rows`). hidden_layers: a forward also returns the residual stream after these layers at every
+    new position (what a trained draft head reads). Rows may be trees (`Step.tree`)."""
 
     supports_trees = True
 
@@ -100,8 +100,9 @@ class TransformersForward:
         logits = list(out.logits[0][:wanted].split(split))
         if not self.hidden_layers:
             return ForwardOutput(logits, None)
-        # hidden_states[0] is the embeddings' output, [l + 1] layer l's: (1, rows, H) each
-        picked = torch.tensor(heads[:wanted], dtype=torch.long, device=out.hidden_states[0].device)
-        hidden = torch.stack([out.hidden_states[layer + 1][0].index_select(0, picked) for layer in self.hidden_layers],
-                             dim=1)  # (wanted, L, H)
-        return ForwardOutput(logits, list(hidden.split(split)))
+        # hidden_states[0] is the embeddings' output, [l + 1] layer l's: (1, rows, H) each; every new row's
+        # (a head reads the target's features at every position), the padding's dropped
+        counts = [len(row) for row in rows]
+        hidden = torch.stack([out.hidden_states[layer + 1][0, :sum(counts)] for layer in self.hidden_layers],
+                             dim=1)  # (rows, L, H)
+        return ForwardOutput(logits, list(hidden.split(counts)))

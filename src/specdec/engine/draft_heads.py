@@ -1,0 +1,404 @@
+"""Trained draft heads (EAGLE-1, EAGLE-3, Medusa) in the layouts their authors publish, read and written.
+
+A head drafts from the target's own features (hidden states) rather than from tokens alone:
+
+  EAGLE-1  entry i: fc(embed(token i+1) ‖ f_i) -> one Llama decoder layer without input norm -> feature;
+           logits = the target's lm_head(feature). f_i is the target's last hidden state after its final
+           norm, later the head's own output feature.
+  EAGLE-3  entry i: input_layernorm(embed(token i+1)) ‖ hidden_norm(g_i) -> attention over 2h -> MLP ->
+           g_{i+1} (pre-norm); logits = lm_head(norm(g)) over a reduced draft vocabulary (target id =
+           draft id + d2t[draft id]). g_i = fc(the target's states entering three of its layers) for the
+           target's positions, the head's own pre-norm output after that.
+  Medusa   head j: [x + SiLU(Linear(x))] * L then Linear(h, V): token t+j+2 from the target's post-norm
+           last hidden state at t (no cache, no recurrence).
+
+The target's states are the executor's `hidden_layers` (the residual stream after a layer; the last one's
+after the final norm, transformers' `hidden_states[l + 1]`): `HeadConfig.feature_layers` says which.
+Published key names (SafeAILab/EAGLE, FasterDecoding/Medusa) and vLLM's renamed ones are both read;
+`save_head` writes the published ones. Facts and sources: docs/drafts.md.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+EAGLE, EAGLE3, MEDUSA = "eagle", "eagle3", "medusa"
+KINDS = (EAGLE, EAGLE3, MEDUSA)
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "medusa_lm_head.safetensors", "medusa_lm_head.pt")
+
+
+class HeadError(ValueError):
+    """A head that cannot be read, or does not fit its target."""
+
+
+@dataclass(frozen=True)
+class HeadConfig:
+    kind: str
+    hidden_size: int
+    vocab_size: int  # the target's vocabulary (the head's logits are over it, scattered for EAGLE-3)
+    draft_vocab_size: int = 0  # EAGLE-3's reduced head; 0: the whole vocabulary
+    num_attention_heads: int = 0
+    num_key_value_heads: int = 0
+    intermediate_size: int = 0
+    rms_norm_eps: float = 1e-6
+    fc_bias: bool = False  # some EAGLE-1 heads have fc.bias
+    # EAGLE-3: the target layers whose output it reads (the config's eagle_aux_hidden_state_layer_ids);
+    # empty: the default, the states entering layers 2, N // 2 and N - 3 of an N-layer target
+    aux_layers: tuple[int, ...] = ()
+    target_hidden_size: int = 0  # EAGLE-3: the target's width, when it differs from the head's
+    medusa_heads: int = 0
+    medusa_layers: int = 0
+    raw: dict = field(default_factory=dict, compare=False)  # config.json as read (rotary settings)
+
+    def feature_layers(self, target_layers: int) -> tuple[int, ...]:
+        """The executor's hidden_layers (outputs of those layers) whose states are the head's features."""
+        if self.kind != EAGLE3:
+            return (target_layers - 1,)  # the last layer's output after the final norm
+        if self.aux_layers:
+            return tuple(self.aux_layers)
+        return (1, target_layers // 2 - 1, target_layers - 4)  # entering 2, N // 2, N - 3
+
+    @property
+    def feature_width(self) -> int:
+        """Floats per position of the target features the head reads."""
+        width = self.target_hidden_size or self.hidden_size
+        return 3 * width if self.kind == EAGLE3 else width
+
+    @property
+    def head_dim(self) -> int:
+        return self.raw.get("head_dim") or self.hidden_size // self.num_attention_heads
+
+    @classmethod
+    def from_json(cls, raw: dict, where: str) -> HeadConfig:
+        def need(key):
+            if key not in raw:
+                raise HeadError(f"{where}: config.json has no {key!r}")
+            return raw[key]
+        if "medusa_num_heads" in raw:
+            return cls(MEDUSA, need("hidden_size"), need("vocab_size"), medusa_heads=int(raw["medusa_num_heads"]),
+                       medusa_layers=int(raw.get("medusa_num_layers", 1)), raw=raw)
+        eagle3 = "draft_vocab_size" in raw or any("eagle3" in a.lower() for a in raw.get("architectures", []))
+        ids = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") or ()
+        return cls(EAGLE3 if eagle3 else EAGLE, need("hidden_size"), need("vocab_size"),
+                   draft_vocab_size=int(raw.get("draft_vocab_size") or 0) if eagle3 else 0,
+                   num_attention_heads=need("num_attention_heads"),
+                   num_key_value_heads=raw.get("num_key_value_heads") or raw["num_attention_heads"],
+                   intermediate_size=need("intermediate_size"), rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+                   fc_bias=bool(raw.get("bias", False)) and not eagle3, aux_layers=tuple(int(i) for i in ids),
+                   target_hidden_size=int(raw.get("target_hidden_size") or 0), raw=raw)
+
+    def to_json(self) -> dict:
+        if self.kind == MEDUSA:
+            return {**self.raw, "hidden_size": self.hidden_size, "vocab_size": self.vocab_size,
+                    "medusa_num_heads": self.medusa_heads, "medusa_num_layers": self.medusa_layers}
+        out = {**self.raw, "model_type": "llama", "num_hidden_layers": 1, "hidden_size": self.hidden_size,
+               "vocab_size": self.vocab_size, "num_attention_heads": self.num_attention_heads,
+               "num_key_value_heads": self.num_key_value_heads, "intermediate_size": self.intermediate_size,
+               "rms_norm_eps": self.rms_norm_eps, "hidden_act": "silu"}
+        if self.kind == EAGLE3:
+            out.update(architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=self.draft_vocab_size or self.vocab_size)
+            if self.aux_layers:
+                out["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(self.aux_layers)}
+            if self.target_hidden_size:
+                out["target_hidden_size"] = self.target_hidden_size
+        else:
+            out.update(architectures=["LlamaForCausalLM"], bias=self.fc_bias)
+        return out
+
+
+class _Attention(nn.Module):
+    def __init__(self, config: HeadConfig, in_width: int):
+        super().__init__()
+        heads, kv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        self.heads, self.kv_heads, self.head_dim = heads, kv, d
+        self.q_proj = nn.Linear(in_width, heads * d, bias=False)
+        self.k_proj = nn.Linear(in_width, kv * d, bias=False)
+        self.v_proj = nn.Linear(in_width, kv * d, bias=False)
+        self.o_proj = nn.Linear(heads * d, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: HeadCache, start: int) -> torch.Tensor:
+        """x (m, in) at positions start.. start+m-1; its keys and values written into `cache` there; each row
+        attends to the cache before it and to itself. Returns (m, h)."""
+        m = x.shape[0]
+        q = self.q_proj(x).view(m, self.heads, self.head_dim).transpose(0, 1)[None]  # (1, heads, m, D)
+        k = self.k_proj(x).view(m, self.kv_heads, self.head_dim).transpose(0, 1)[None]
+        v = self.v_proj(x).view(m, self.kv_heads, self.head_dim).transpose(0, 1)[None]
+        q, k = apply_rotary_pos_emb(q, k, cos[None], sin[None])
+        keys, values = cache.write(start, k[0].transpose(0, 1), v[0].transpose(0, 1))  # (start + m, kv, D)
+        groups = self.heads // self.kv_heads
+        keys = keys.transpose(0, 1).repeat_interleave(groups, 0)[None]
+        values = values.transpose(0, 1).repeat_interleave(groups, 0)[None]
+        visible = torch.arange(start + m, device=x.device) <= (start + torch.arange(m, device=x.device))[:, None]
+        out = nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=visible)
+        return self.o_proj(out[0].transpose(0, 1).reshape(m, -1))
+
+
+class _MLP(nn.Module):
+    def __init__(self, config: HeadConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class _Layer(nn.Module):
+    """EAGLE's one decoder layer; EAGLE-3's takes [norm(embed) ‖ norm(hidden)] (2h) into attention."""
+
+    def __init__(self, config: HeadConfig):
+        super().__init__()
+        h = config.hidden_size
+        eagle3 = config.kind == EAGLE3
+        self.self_attn = _Attention(config, 2 * h if eagle3 else h)
+        self.mlp = _MLP(config)
+        self.post_attention_layernorm = LlamaRMSNorm(h, config.rms_norm_eps)
+        if eagle3:
+            self.input_layernorm = LlamaRMSNorm(h, config.rms_norm_eps)
+            self.hidden_norm = LlamaRMSNorm(h, config.rms_norm_eps)
+
+
+class HeadCache:
+    """One sequence's keys and values in a head's one layer: (capacity, kv_heads, D) each, grown by doubling;
+    `length` entries valid (a rollback is a smaller length)."""
+
+    def __init__(self):
+        self.keys = self.values = None
+        self.length = 0
+
+    def write(self, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        end = start + k.shape[0]
+        if self.keys is None or end > self.keys.shape[0]:
+            capacity = max(64, 1 << (end - 1).bit_length())
+            keys = k.new_zeros(capacity, *k.shape[1:])
+            values = v.new_zeros(capacity, *v.shape[1:])
+            if self.keys is not None:
+                keys[:start], values[:start] = self.keys[:start], self.values[:start]
+            self.keys, self.values = keys, values
+        self.keys[start:end], self.values[start:end] = k, v
+        self.length = end
+        return self.keys[:end], self.values[:end]
+
+    @property
+    def bytes(self) -> int:
+        return 0 if self.keys is None else 2 * self.keys.numel() * self.keys.element_size()
+
+
+class EagleHead(nn.Module):
+    """An EAGLE-1 or EAGLE-3 head. `embed` (V, h) is the target's token embedding; EAGLE-1 also reads the
+    target's `lm_head` (V, h); EAGLE-3 has its own over the draft vocabulary."""
+
+    def __init__(self, config: HeadConfig):
+        super().__init__()
+        self.config = config
+        h = config.hidden_size
+        if config.kind == EAGLE3:
+            self.fc = nn.Linear(config.feature_width, h, bias=False)
+            self.midlayer = _Layer(config)
+            self.norm = LlamaRMSNorm(h, config.rms_norm_eps)
+            draft_vocab = config.draft_vocab_size or config.vocab_size
+            self.lm_head = nn.Linear(h, draft_vocab, bias=False)
+            self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.long))
+            self.register_buffer("t2d", torch.ones(config.vocab_size, dtype=torch.bool) if draft_vocab == config.vocab_size
+                                 else torch.zeros(config.vocab_size, dtype=torch.bool))
+        else:
+            self.fc = nn.Linear(2 * h, h, bias=config.fc_bias)
+            self.layers = nn.ModuleList([_Layer(config)])
+        llama = LlamaConfig(**{k: v for k, v in config.raw.items() if k in ("rope_theta", "rope_scaling",
+                                                                             "max_position_embeddings")},
+                            hidden_size=h, num_attention_heads=config.num_attention_heads, head_dim=config.head_dim)
+        self.rotary = LlamaRotaryEmbedding(llama)
+        self.embed: torch.Tensor | None = None  # the target's (set by attach)
+        self.target_head: torch.Tensor | None = None
+
+    def attach(self, embed: torch.Tensor, target_head: torch.Tensor | None) -> None:
+        """Borrow the target's tensors (plain tensors, not parameters: not the head's to save or train)."""
+        self.embed = embed.detach()
+        self.target_head = None if target_head is None else target_head.detach()
+
+    def from_target(self, features: torch.Tensor) -> torch.Tensor:
+        """The hidden input of the target's positions: EAGLE-3's fc over its (m, 3h) states; EAGLE-1's as they are."""
+        return self.fc(features) if self.config.kind == EAGLE3 else features
+
+    def forward(self, tokens: torch.Tensor, hidden: torch.Tensor, cache: HeadCache, start: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Entries start.. start+m-1: tokens (m,) (token i+1 of entry i), hidden (m, h) (`from_target`'s or
+        the head's own output). Returns (the next hidden (m, h), logits over the target's vocabulary (m, V))."""
+        positions = torch.arange(start, start + tokens.shape[0], device=tokens.device)
+        embeds = nn.functional.embedding(tokens, self.embed).to(hidden.dtype)
+        cos, sin = self.rotary(hidden, positions[None])
+        if self.config.kind == EAGLE3:
+            layer = self.midlayer
+            x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden)], dim=-1)
+            residual = hidden
+        else:
+            layer = self.layers[0]
+            x = residual = self.fc(torch.cat([embeds, hidden], dim=-1))
+        x = residual + layer.self_attn(x, cos[0], sin[0], cache, start)
+        out = x + layer.mlp(layer.post_attention_layernorm(x))
+        if self.config.kind != EAGLE3:
+            return out, nn.functional.linear(out, self.target_head)
+        draft_logits = self.lm_head(self.norm(out))
+        if draft_logits.shape[-1] == self.config.vocab_size:
+            return out, draft_logits
+        logits = draft_logits.new_full((draft_logits.shape[0], self.config.vocab_size), float("-inf"))
+        ids = torch.arange(draft_logits.shape[-1], device=logits.device) + self.d2t
+        return out, logits.index_copy(1, ids, draft_logits)
+
+
+class _ResBlock(nn.Module):
+    def __init__(self, h: int):
+        super().__init__()
+        self.linear = nn.Linear(h, h)
+
+    def forward(self, x):
+        return x + nn.functional.silu(self.linear(x))
+
+
+class MedusaHeads(nn.Module):
+    """Medusa's heads: heads[j](f_t) are the logits of token t + j + 2 (the target's own head gives t + 1)."""
+
+    def __init__(self, config: HeadConfig):
+        super().__init__()
+        self.config = config
+        h = config.hidden_size
+        self.heads = nn.ModuleList([nn.Sequential(*[_ResBlock(h) for _ in range(config.medusa_layers)],
+                                                  nn.Linear(h, config.vocab_size, bias=False))
+                                    for _ in range(config.medusa_heads)])
+
+    def forward(self, feature: torch.Tensor, count: int) -> torch.Tensor:
+        """feature (h,) -> the first `count` heads' logits (count, V)."""
+        return torch.stack([head(feature) for head in self.heads[:count]])
+
+
+def _published(kind: str, state: dict) -> dict:
+    """Key names as the authors publish them, from vLLM's renamed ones where a file has those."""
+    out = {}
+    for key, value in state.items():
+        key = key.removeprefix("model.")
+        if kind == EAGLE3:
+            key = key.replace("layers.0.", "midlayer.", 1) if key.startswith("layers.0.") else key
+        if kind == MEDUSA:
+            parts = key.split(".")
+            if parts[0] == "blocks":  # blocks.{i}.layers.{j}.weight -> {i}.{j}.linear.weight
+                key = f"{parts[1]}.{parts[3]}.linear.{parts[4]}"
+            elif parts[0] == "lm_heads":  # lm_heads.{i}.weight -> {i}.{L}.weight (filled in below)
+                key = f"{parts[1]}.head.{parts[2]}"
+        out[key] = value
+    return out
+
+
+def _read_weights(path: Path) -> dict:
+    for name in WEIGHT_FILES:
+        file = path / name
+        if file.exists():
+            if file.suffix == ".safetensors":
+                from safetensors.torch import load_file
+                return load_file(str(file))
+            return torch.load(file, map_location="cpu", weights_only=True)
+    raise HeadError(f"{path}: no head weights (looked for {', '.join(WEIGHT_FILES)})")
+
+
+def load_head(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+              ) -> EagleHead | MedusaHeads:
+    """Read a head directory (config.json and its weights) in its published layout or vLLM's."""
+    path = Path(path)
+    config_file = path / "config.json"
+    if not config_file.exists():
+        raise HeadError(f"{path}: no config.json (a draft head directory holds config.json and its weights)")
+    config = HeadConfig.from_json(json.loads(config_file.read_text()), str(path))
+    state = _published(config.kind, _read_weights(path))
+    state.pop("embed_tokens.weight", None)  # some EAGLE-1 files carry the target's embedding: it is read there
+    if config.kind == MEDUSA:
+        state = {key.replace(".head.", f".{config.medusa_layers}."): value for key, value in state.items()}
+        module = MedusaHeads(config)
+        state = {f"heads.{key}": value for key, value in state.items()}
+    else:
+        module = EagleHead(config)
+    missing, unexpected = module.load_state_dict(state, strict=False)
+    missing = [key for key in missing if not key.startswith("rotary.")]
+    if missing or unexpected:
+        raise HeadError(f"{path}: not a {config.kind} head's weights: missing {sorted(missing)[:6]}, "
+                        f"unexpected {sorted(unexpected)[:6]}")
+    return module.to(device=device, dtype=dtype).eval()
+
+
+def save_head(head: EagleHead | MedusaHeads, path: str | Path) -> Path:
+    """Write `head` as its authors publish it: config.json and model.safetensors (EAGLE-1, EAGLE-3 with
+    `midlayer.` keys, d2t and t2d) or medusa_lm_head.safetensors (keys {i}.{j}.linear.*, {i}.{L}.weight)."""
+    from safetensors.torch import save_file
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    state = {key: value.detach().contiguous().cpu() for key, value in head.state_dict().items()
+             if not key.startswith("rotary.")}
+    if isinstance(head, MedusaHeads):
+        state = {key.removeprefix("heads."): value for key, value in state.items()}
+        name = "medusa_lm_head.safetensors"
+    else:
+        name = "model.safetensors"
+    save_file(state, str(path / name))
+    (path / "config.json").write_text(json.dumps(head.config.to_json(), indent=2) + "\n")
+    return path
+
+
+def random_head(kind: str, target_config, seed: int = 0, draft_vocab_size: int = 0, medusa_heads: int = 4,
+                aux_layers: tuple[int, ...] = ()) -> EagleHead | MedusaHeads:
+    """A head of `kind` shaped for a transformers target config, with random weights (fixed seed): a head of
+    no quality, which speculation must still keep lossless (tests), and where training starts."""
+    text = target_config.get_text_config()
+    raw = {key: getattr(text, key) for key in ("rope_theta", "max_position_embeddings") if hasattr(text, key)}
+    if getattr(text, "rope_scaling", None):
+        raw["rope_scaling"] = text.rope_scaling
+    config = HeadConfig(kind, text.hidden_size, text.vocab_size, draft_vocab_size=draft_vocab_size if kind == EAGLE3 else 0,
+                        num_attention_heads=text.num_attention_heads,
+                        num_key_value_heads=text.num_key_value_heads or text.num_attention_heads,
+                        intermediate_size=text.intermediate_size, rms_norm_eps=text.rms_norm_eps,
+                        aux_layers=tuple(aux_layers), medusa_heads=medusa_heads if kind == MEDUSA else 0,
+                        medusa_layers=1 if kind == MEDUSA else 0, raw=raw)
+    torch.manual_seed(seed)
+    head = MedusaHeads(config) if kind == MEDUSA else EagleHead(config)
+    with torch.no_grad():
+        for name, parameter in head.named_parameters():
+            if "norm" not in name:
+                parameter.normal_(0.0, 0.5 / parameter.shape[-1] ** 0.5)
+        if kind == EAGLE3 and head.lm_head.out_features < text.vocab_size:
+            # The draft vocabulary: the first draft_vocab ids (training picks the most frequent instead).
+            head.t2d.zero_()
+            head.t2d[:head.lm_head.out_features] = True
+    return head.eval()
+
+
+def target_tensors(model) -> tuple[torch.Tensor, torch.Tensor]:
+    """A transformers target's token embedding (V, h) and lm_head (V, h) weights: what a head attaches."""
+    return model.get_input_embeddings().weight, model.get_output_embeddings().weight
+
+
+def check_fits(head: EagleHead | MedusaHeads, target_config, head_path: str, target_path: str) -> None:
+    """Refuse a head made for another target, naming both: width, vocabulary, layer ids, d2t's range."""
+    text = target_config.get_text_config()
+    config = head.config
+    problems = []
+    target_width = config.target_hidden_size or config.hidden_size
+    if target_width != text.hidden_size:
+        problems.append(f"the head reads hidden size {target_width}, the target has {text.hidden_size}")
+    if config.kind != EAGLE3 and config.hidden_size != text.hidden_size:
+        problems.append(f"the head's hidden size {config.hidden_size} is not the target's {text.hidden_size}")
+    if config.vocab_size != text.vocab_size:
+        problems.append(f"the head's vocabulary has {config.vocab_size} tokens, the target's {text.vocab_size}")
+    layers = config.feature_layers(text.num_hidden_layers)
+    if any(not 0 <= layer < text.num_hidden_layers for layer in layers):
+        problems.append(f"the head reads layers {list(layers)}, the target has {text.num_hidden_layers}")
+    if config.kind == EAGLE3 and len(head.d2t):
+        ids = torch.arange(len(head.d2t)) + head.d2t.cpu()
+        if int(ids.min()) < 0 or int(ids.max()) >= config.vocab_size:
+            problems.append("its d2t maps draft tokens outside the target's vocabulary")
+    if problems:
+        raise HeadError(f"the draft head {head_path} does not fit the target {target_path}: {'; '.join(problems)}")

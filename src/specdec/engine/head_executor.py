@@ -1,0 +1,179 @@
+"""Drafting with a trained head (draft_heads.py) over the target's features, for many sequences.
+
+The decode loop hands a head what it hands any draft (keep `keep` entries, append `new_ids` =
+tokens[keep:]) plus the target's features at the positions before the last token (`Step.features`). A
+head's entry i pairs the target's feature at position i with token i + 1, so a call with tokens up to
+position N - 1 fills entries keep .. N - 2 from features f_keep .. f_{N-2}, then drafts: entry N - 2's
+output gives x_1, and each further entry runs on the head's own output feature and the token it drafted.
+The drafted entries are dropped afterwards (`cached_length` = N - 1): the next call fills those
+positions again from the target's real features, as EAGLE does.
+
+Features the call lacks (the target's prefix cache served those positions: it ran none of them) are
+zeros: the head drafts worse there, never wrongly (verification decides). No features at all (a
+sequence's first round, before the target ran) drafts nothing.
+
+The executor surface is the one the draft_model adapter uses (sequences, release, evict_idle,
+propose_many, counters); sequences run one after another (a head's step is a small fraction of the
+target's).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from specdec.decoding.sampling import SamplingParams, greedy, logits_to_probs, sample
+from specdec.engine.draft_heads import EagleHead, HeadCache, MedusaHeads
+from specdec.engine.errors import CacheError, CapacityError
+from specdec.engine.interfaces import Drafted, Step
+
+
+@dataclass
+class HeadSequence:
+    cache: HeadCache = field(default_factory=HeadCache)
+    # The newest entry's output (EAGLE: the head's feature (1, h) and logits (V,), what the next draft
+    # starts from; Medusa: the target's feature (F,))
+    last_feature: torch.Tensor | None = None
+    last_logits: torch.Tensor | None = None
+    entries: int = 0  # entries holding the target's features (Medusa: positions seen)
+    last_used: float = 0.0
+
+
+class _NoForward:
+    """What the adapter reads of an executor's forward: nothing is captured for a head."""
+
+    hidden_layers: tuple[int, ...] = ()
+
+    def summary(self, ready: int, seconds: float) -> str:
+        return "draft head: eager, per-sequence KV buffers"
+
+
+class HeadExecutor:
+    def __init__(self, head: EagleHead | MedusaHeads, max_sequences: int = 256, idle_timeout_s: float = 600.0,
+                 clock: Callable[[], float] = time.monotonic):
+        self.head = head
+        self.config = head.config
+        parameter = next(head.parameters())
+        self.device = self.logits_device = parameter.device
+        self.dtype = parameter.dtype
+        self.vocab_size = self.config.vocab_size
+        self.max_sequences, self.idle_timeout_s, self.clock = max_sequences, idle_timeout_s, clock
+        self.sequences: dict[int, HeadSequence] = {}
+        self.forward = _NoForward()
+        self.tokens_processed = 0
+        self.prefix_queried_tokens = self.prefix_hit_tokens = 0
+        self.prefix_cache_bytes = 0
+
+    @property
+    def kv_bytes_allocated(self) -> int:
+        return sum(seq.cache.bytes for seq in self.sequences.values())
+
+    def warm_up(self, time_budget_s: float = 0.0) -> tuple[int, float]:
+        return 0, 0.0
+
+    def release(self, seq_id: int) -> bool:
+        return self.sequences.pop(seq_id, None) is not None
+
+    def evict_idle(self) -> list[int]:
+        deadline = self.clock() - self.idle_timeout_s
+        stale = [sid for sid, seq in self.sequences.items() if seq.last_used < deadline]
+        for sid in stale:
+            self.release(sid)
+        return stale
+
+    @torch.inference_mode()
+    def propose_many(self, steps: list[Step]) -> list[Drafted | CacheError]:
+        results: list = []
+        for step in steps:
+            try:
+                results.append(self._propose(step))
+            except CacheError as exc:
+                results.append(exc.with_traceback(None))
+        return results
+
+    def propose(self, seq_id: int, keep: int, new_ids: list[int], k: int, params: SamplingParams,
+                generator: torch.Generator | None = None, reserve: int = 0,
+                features: torch.Tensor | None = None) -> Drafted:
+        (result,) = self.propose_many([Step(seq_id, keep, new_ids, k=k, params=params, generator=generator,
+                                            reserve=reserve, features=features)])
+        if isinstance(result, CacheError):
+            raise result
+        return result
+
+    def _sequence(self, step: Step) -> HeadSequence:
+        seq = self.sequences.get(step.seq_id)
+        if seq is None:
+            if len(self.sequences) >= self.max_sequences:
+                raise CapacityError(f"{self.max_sequences} sequences are live (max_sequences)")
+            seq = self.sequences[step.seq_id] = HeadSequence()
+        if step.k < 0:
+            raise CacheError(f"num_draft_tokens must be >= 0, got {step.k}")
+        if not step.new_ids:
+            raise CacheError("no new tokens to append")
+        if step.keep > seq.entries:
+            raise CacheError(f"keep={step.keep} exceeds the {seq.entries} entries cached for sequence {step.seq_id}")
+        seq.last_used = self.clock()
+        return seq
+
+    def _features(self, step: Step, needed: int) -> torch.Tensor:
+        """The (needed, F) features of entries keep .. keep + needed - 1: the call's last ones, zeros before
+        them where it has fewer (positions the target's prefix cache served)."""
+        given = step.features if step.features is not None else torch.zeros(0, self.config.feature_width)
+        given = given[-needed:].to(device=self.device, dtype=self.dtype) if needed else given[:0]
+        if given.shape[0] < needed:
+            given = torch.cat([given.new_zeros(needed - given.shape[0], given.shape[1]), given])
+        return given
+
+    def _propose(self, step: Step) -> Drafted:
+        seq = self._sequence(step)
+        needed = len(step.new_ids) - 1  # entries keep .. N - 2, each pairing f_i with token i + 1
+        if needed and (step.features is None or not len(step.features)):
+            # No feature at all: the target has not run these positions yet (a first round)
+            return Drafted([], None, step.keep)
+        if isinstance(self.head, MedusaHeads):
+            return self._propose_medusa(seq, step, needed)
+        head: EagleHead = self.head
+        features = self._features(step, needed)
+        if needed:
+            tokens = torch.tensor(step.new_ids[1:], device=self.device)
+            hidden, logits = head(tokens, head.from_target(features), seq.cache, step.keep)
+            seq.last_feature, seq.last_logits = hidden[-1:], logits[-1]
+            self.tokens_processed += needed
+        seq.entries = seq.cache.length = step.keep + needed
+        if step.k == 0 or seq.entries == 0 or seq.last_feature is None:
+            return Drafted([], None, seq.entries)
+        drafted, probs = [], []
+        hidden, logits = seq.last_feature, seq.last_logits
+        for j in range(step.k):
+            token = self._pick(logits, step, probs)
+            drafted.append(token)
+            if j + 1 < step.k:  # entry N - 1 + j: the head's own feature with the token it drafted
+                hidden, logits = head(token.reshape(1), hidden, seq.cache, seq.entries + j)
+                logits = logits[-1]
+        seq.cache.length = seq.entries  # the drafted entries go: the target's features replace them
+        return Drafted(torch.cat(drafted).tolist(), torch.stack(probs) if probs else None, seq.entries)
+
+    def _propose_medusa(self, seq: HeadSequence, step: Step, needed: int) -> Drafted:
+        if needed:
+            seq.last_feature = self._features(step, needed)[-1]
+        seq.entries = step.keep + needed
+        count = min(step.k, self.config.medusa_heads)
+        if not count or seq.last_feature is None:
+            return Drafted([], None, seq.entries)
+        logits = self.head(seq.last_feature, count)
+        probs: list = []
+        drafted = [self._pick(row, step, probs) for row in logits]
+        return Drafted(torch.cat(drafted).tolist(), torch.stack(probs) if probs else None, seq.entries)
+
+    @staticmethod
+    def _pick(logits: torch.Tensor, step: Step, probs: list) -> torch.Tensor:
+        """logits (V,) -> a (1,) token: greedy, or sampled from the processed distribution (kept in probs)."""
+        if step.params.greedy:
+            return greedy(logits).reshape(1)
+        p = logits_to_probs(logits, step.params)
+        probs.append(p)
+        return sample(p, step.generator).reshape(1)
+

@@ -1,0 +1,235 @@
+"""Trained draft heads (EAGLE-1, EAGLE-3, Medusa): their files both ways, refusal of a head made for another
+target, and speculation with heads of no quality staying lossless in process (greedy token for token,
+sampling in distribution, the head's cache consistent after rejections)."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from specdec.decoding.draft_length import DraftLengthPolicy
+from specdec.decoding.loop import GenerationRequest, Stats, generate
+from specdec.decoding.ngram_proposer import NgramProposer
+from specdec.decoding.sampling import SamplingParams
+from specdec.engine.build import dynamic_executor, static_executor
+from specdec.engine.draft_heads import (EAGLE, EAGLE3, KINDS, MEDUSA, HeadCache, HeadError, check_fits, load_head,
+                                        random_head, save_head, target_tensors)
+from specdec.engine.head_executor import HeadExecutor
+from specdec.engine.local import LocalProposer, LocalScorer
+from tests.unit.conftest import run_fixed_k
+from tests.unit.test_rejection_sampler import _chi_square_rejects
+
+PROMPT = [5, 17, 3, 88, 41, 9, 60]
+AUX = (0, 1, 1)  # EAGLE-3's layers on a 2-layer target (its default needs at least 4)
+
+
+def head_for(tiny_lm, kind, seed=0, **kwargs):
+    head = random_head(kind, tiny_lm.config, seed=seed, aux_layers=AUX if kind == EAGLE3 else (),
+                       **({"draft_vocab_size": 64} if kind == EAGLE3 else {}), **kwargs).to(torch.float64)
+    if kind != MEDUSA:
+        head.attach(*target_tensors(tiny_lm))
+    return head
+
+
+def pair(tiny_lm, kind, seed=0, executor="dynamic"):
+    head = head_for(tiny_lm, kind, seed)
+    layers = head.config.feature_layers(tiny_lm.config.num_hidden_layers)
+    if executor == "dynamic":
+        target = dynamic_executor(tiny_lm, hidden_layers=layers)
+    else:
+        target = static_executor(tiny_lm, kv_pool_tokens=512, block_size=8, max_context=128, max_batch=2,
+                                 max_rows=6, min_window=16, compile="off", hidden_layers=layers)
+    return LocalProposer(HeadExecutor(head)), LocalScorer(target)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_head_written_is_read_back_with_the_published_key_names(tiny_lm, tmp_path, kind):
+    head = head_for(tiny_lm, kind)
+    save_head(head, tmp_path / kind)
+    files = {EAGLE: "model.safetensors", EAGLE3: "model.safetensors", MEDUSA: "medusa_lm_head.safetensors"}
+    keys = set(load_file(str(tmp_path / kind / files[kind])))
+    published = {EAGLE: {"fc.weight", "layers.0.self_attn.q_proj.weight", "layers.0.mlp.gate_proj.weight",
+                         "layers.0.post_attention_layernorm.weight"},
+                 EAGLE3: {"fc.weight", "midlayer.hidden_norm.weight", "midlayer.input_layernorm.weight",
+                          "midlayer.self_attn.q_proj.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"},
+                 MEDUSA: {"0.0.linear.weight", "0.0.linear.bias", "0.1.weight", "3.1.weight"}}[kind]
+    assert published <= keys
+    assert not any("input_layernorm" in key for key in keys) or kind == EAGLE3  # EAGLE-1 has none
+    config = json.loads((tmp_path / kind / "config.json").read_text())
+    back = load_head(tmp_path / kind, dtype=torch.float64)
+    assert back.config.kind == kind and back.config.feature_width == head.config.feature_width
+    assert config.get("draft_vocab_size", 64) == 64
+    for name, value in head.state_dict().items():
+        assert torch.equal(back.state_dict()[name], value), name
+
+
+@pytest.mark.parametrize("kind", [EAGLE3, MEDUSA])
+def test_vllm_renamed_keys_are_read_too(tiny_lm, tmp_path, kind):
+    head = head_for(tiny_lm, kind)
+    save_head(head, tmp_path / "published")
+    name = "model.safetensors" if kind == EAGLE3 else "medusa_lm_head.safetensors"
+    state = load_file(str(tmp_path / "published" / name))
+    if kind == EAGLE3:  # vLLM: midlayer. -> layers.0.
+        renamed = {key.replace("midlayer.", "layers.0."): value for key, value in state.items()}
+    else:  # vLLM: {i}.{j}.linear.* -> blocks.{i}.layers.{j}.*, {i}.{L}.weight -> lm_heads.{i}.weight
+        renamed = {}
+        for key, value in state.items():
+            parts = key.split(".")
+            renamed[f"blocks.{parts[0]}.layers.{parts[1]}.{parts[3]}" if parts[2] == "linear"
+                    else f"lm_heads.{parts[0]}.weight"] = value
+    (tmp_path / "vllm").mkdir()
+    (tmp_path / "vllm" / "config.json").write_text((tmp_path / "published" / "config.json").read_text())
+    save_file(renamed, str(tmp_path / "vllm" / ("model.safetensors" if kind == EAGLE3 else "model.safetensors")))
+    back = load_head(tmp_path / "vllm", dtype=torch.float64)
+    for key, value in head.state_dict().items():
+        assert torch.equal(back.state_dict()[key], value), key
+
+
+def test_heads_that_do_not_fit_are_refused_naming_both(tiny_lm, tmp_path):
+    from transformers import LlamaConfig
+    other = LlamaConfig(vocab_size=120, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2)
+    head = random_head(EAGLE3, other, aux_layers=(0, 1, 5))
+    with pytest.raises(HeadError, match=r"the draft head /heads/h does not fit the target /models/t: .*hidden size 48.*"
+                                        r"vocabulary has 120.*layers \[0, 1, 5\]"):
+        check_fits(head, tiny_lm.config, "/heads/h", "/models/t")
+    check_fits(head_for(tiny_lm, EAGLE3), tiny_lm.config, "/heads/h", "/models/t")  # a fitting one passes
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 32, "vocab_size": 97, "num_attention_heads": 4,
+                                                      "intermediate_size": 64}))
+    with pytest.raises(HeadError, match="no head weights"):
+        load_head(tmp_path)
+    save_file({"fc.weight": torch.zeros(32, 64)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(HeadError, match="not a eagle head's weights: missing"):
+        load_head(tmp_path)
+
+
+def reference_greedy(tiny_lm, prompt, n):
+    return run_fixed_k(GenerationRequest(seq_id=1, prompt_ids=prompt, max_tokens=n), NgramProposer(),
+                       LocalScorer(dynamic_executor(tiny_lm)), 0)
+
+
+@pytest.mark.parametrize("executor", ["dynamic", "static"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_greedy_speculation_with_a_random_head_equals_target_only(tiny_lm, kind, executor):
+    expected = reference_greedy(tiny_lm, PROMPT, 24)
+    proposer, scorer = pair(tiny_lm, kind, executor=executor)
+    for k in (1, 3):
+        stats = Stats()
+
+        async def run():
+            rounds = generate(GenerationRequest(seq_id=7 + k, prompt_ids=PROMPT, max_tokens=24), proposer, scorer,
+                              DraftLengthPolicy.fixed(k), stats)
+            return [t async for rnd in rounds for t in rnd.new_tokens]
+        import asyncio
+        assert asyncio.run(run()) == expected
+        # The head drafts every round after the first (the last ones: up to the tokens left)
+        assert stats.drafted >= k * (stats.rounds - 1 - k)
+    assert not proposer.lm.sequences  # released at the end
+
+
+def test_a_head_that_copies_the_target_is_accepted_and_its_cache_matches_a_fresh_run(tiny_lm):
+    """A Medusa head whose first head is the target's own lm_head drafts the target's next-next token only
+    by luck; an EAGLE-1 head is checked differently: after a generation with rejections its cache entries
+    equal one pass of the head over the same features (rollback leaves no stale entry)."""
+    head = head_for(tiny_lm, EAGLE)
+    layers = head.config.feature_layers(2)
+    target = dynamic_executor(tiny_lm, hidden_layers=layers)
+    executor = HeadExecutor(head)
+    proposer = LocalProposer(executor)
+    stats = Stats()
+
+    async def run():
+        rounds = generate(GenerationRequest(seq_id=3, prompt_ids=PROMPT, max_tokens=20), proposer,
+                          LocalScorer(target), DraftLengthPolicy.fixed(3), stats)
+        tokens = []
+        async for rnd in rounds:
+            tokens += rnd.new_tokens
+            if len(tokens) >= 19:
+                cache = executor.sequences[3].cache
+                return tokens, cache.keys[:cache.length].clone(), cache.length
+    import asyncio
+    tokens, keys, entries = asyncio.run(run())
+    assert stats.drafted > stats.accepted  # rejections happened
+    # One pass: the target's features over prompt + output, the head over all entries at once.
+    ids = PROMPT + tokens
+    with torch.no_grad():
+        hidden = tiny_lm(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0]
+    fresh = HeadCache()
+    with torch.no_grad():
+        head(torch.tensor(ids[1:entries + 1]), hidden[:entries], fresh, 0)
+    assert torch.allclose(keys, fresh.keys[:entries], atol=1e-9)
+
+
+def _marginals(tiny_lm, prompt, temperature):
+    """The target's exact distributions of generated tokens 2 and 3, sampled at `temperature`."""
+    def softmax(logits):
+        return torch.softmax(logits.double() / temperature, -1)
+    with torch.no_grad():
+        p1 = softmax(tiny_lm(torch.tensor([prompt])).logits[0, -1])
+        vocab = len(p1)
+        ids = torch.tensor([prompt + [t] for t in range(vocab)])
+        p2_given = softmax(tiny_lm(ids).logits[:, -1])  # (t1, t2)
+        p2 = p1 @ p2_given
+        joint12 = p1[:, None] * p2_given
+        pairs = torch.tensor([prompt + [a, b] for a in range(vocab) for b in range(vocab)])
+        p3_given = torch.cat([softmax(tiny_lm(chunk).logits[:, -1])
+                              for chunk in pairs.split(2048)])
+        p3 = joint12.reshape(-1) @ p3_given
+    return p2, p3
+
+
+@pytest.mark.parametrize("kind", [EAGLE3, MEDUSA])
+def test_sampled_speculation_with_a_head_follows_the_targets_distribution(tiny_lm, kind):
+    """Tokens 2 and 3 (the first round a head drafts in) against the target's exact marginals."""
+    temperature = 0.6
+    p2, p3 = _marginals(tiny_lm, PROMPT, temperature)
+    proposer, scorer = pair(tiny_lm, kind, seed=3)
+    n = 400
+    counts = torch.zeros(2, len(p2), dtype=torch.float64)
+    for seed in range(n):
+        out = run_fixed_k(GenerationRequest(seq_id=100 + seed, prompt_ids=PROMPT, max_tokens=4,
+                                            sampling=SamplingParams(temperature=temperature, seed=seed)),
+                          proposer, scorer, 2)
+        counts[0, out[1]] += 1
+        counts[1, out[2]] += 1
+    assert not _chi_square_rejects(counts[0], p2) and not _chi_square_rejects(counts[1], p3)
+
+
+def _draws_greedily(drafted):
+    """Planted bug: the most likely token drafted, the distribution reported as if it had been sampled."""
+    return type(drafted)(drafted.probs.argmax(-1).tolist(), drafted.probs, drafted.cached_length)
+
+
+@pytest.mark.parametrize("kind", [EAGLE, EAGLE3, MEDUSA, "planted"])
+def test_a_sampling_head_draws_from_the_distributions_it_reports(tiny_lm, kind):
+    """What rejection sampling's exactness rests on (its own joint test: test_rejection_sampler.py): each
+    drafted token comes from the distribution reported with it. The first and second drafted tokens of
+    one state, over many seeds, against the reported rows (the second given the first: the most frequent
+    first token's draws); a head drafting its argmax fails."""
+    head = head_for(tiny_lm, EAGLE if kind == "planted" else kind, seed=3)
+    executor = HeadExecutor(head)
+    layers = head.config.feature_layers(2)
+    with torch.no_grad():
+        out = tiny_lm(torch.tensor([PROMPT]), output_hidden_states=True)
+    features = torch.cat([out.hidden_states[layer + 1][0] for layer in layers], dim=-1)[:-1]
+    params = SamplingParams(temperature=0.8)
+    firsts, seconds, rows = [], {}, {}
+    for seed in range(1500):
+        drafted = executor.propose(1, 0, PROMPT, 2, params, torch.Generator().manual_seed(seed), features=features)
+        if kind == "planted":
+            drafted = _draws_greedily(drafted)
+        executor.release(1)
+        firsts.append(drafted.tokens[0])
+        rows.setdefault("first", drafted.probs[0])
+        seconds.setdefault(drafted.tokens[0], []).append(drafted.tokens[1])
+        rows.setdefault(drafted.tokens[0], drafted.probs[1])
+    counts = torch.bincount(torch.tensor(firsts), minlength=97).double()
+    common = max(seconds, key=lambda token: len(seconds[token]))
+    second_counts = torch.bincount(torch.tensor(seconds[common]), minlength=97).double()
+    rejected = [_chi_square_rejects(counts, rows["first"].double())]
+    if (rows[common] * len(seconds[common]) >= 5).sum() >= 1:  # cells enough to test (not all pooled)
+        rejected.append(_chi_square_rejects(second_counts, rows[common].double()))
+    if kind == MEDUSA:  # Medusa's second head does not read the first token: its row is the same for all
+        assert torch.equal(rows[common], executor.propose(1, 0, PROMPT, 2, params, None, features=features).probs[1])
+    assert any(rejected) == (kind == "planted"), rejected
