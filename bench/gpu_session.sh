@@ -8,6 +8,8 @@
 #
 # Parts:
 #   tests          tests/gpu (greedy equality in float32/float64, seeded sampling, CUDA graphs vs eager)
+#   heads          a trained head's draft step (EAGLE-1, EAGLE-3, Medusa) against the 8B-shaped target's step and
+#                  its 4-layer layer-skip draft's, in process (bench/head_bench.py; ~3 min with the pair's build)
 #   bench          `make bench-gpu`'s table: the 8B-shaped pair against the bound, compiled PyTorch and
 #                  transformers, served at 1 and 8 streams (the GPU table of docs/results/)
 #   orchestrators  the served rows with one orchestrator instance and with two: the A/B behind the GPU
@@ -147,6 +149,7 @@ for part in "$@"; do
   case "$part" in
     tests) run tests-gpu 240 "$python" -m pytest -q -m gpu tests/gpu -p no:cacheprovider ;;
     bench) run bench-gpu 420 "$python" -m bench.gpu_bench --out "$out/bench-gpu.md" ;;
+    heads) run head-bench 300 "$python" -m bench.head_bench --out "$out/head-bench.md" ;;
     orchestrators)
       run bench-gpu-1-orchestrator 300 "$python" -m bench.gpu_bench --served-only --prompts 4 \
         --launcher-arg=--orchestrator-instances=1 --out "$out/bench-gpu-1-orchestrator.md"
@@ -207,6 +210,6 @@ for part in "$@"; do
       done ;;
     executor) run executor 240 "$python" -m bench.executor_bench --modes graphs,graphs-mlp --reference \
         --out "$out/executor.md" ;;
-    *) echo "unknown part: $part (tests, bench, orchestrators, executor, streams, prefix, pipeline, load, overhead, overhead8b, mps, ksweep, profile, prompts, maxk)" >&2; exit 2 ;;
+    *) echo "unknown part: $part (tests, heads, bench, orchestrators, executor, streams, prefix, pipeline, load, overhead, overhead8b, mps, ksweep, profile, prompts, maxk)" >&2; exit 2 ;;
   esac
 done

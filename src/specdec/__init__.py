@@ -7,6 +7,8 @@ Chen et al. 2023, https://arxiv.org/abs/2302.01318).
 One subpackage per layer; imports point down only (each folder's docstring lists its modules):
 
   serving/    launcher, model pairs, repository rendering, health check    (may import every layer below)
+  train/      training draft heads (EAGLE-3) on a target's own answers: python -m specdec.train
+                                                                            (engine, decoding)
   triton/     the Python-backend adapters behind model_repository/*/model.py, BLS proposer and scorer,
               request parsing, metrics, cancellation                        (decoding, engine)
   engine/     the model executor: per-sequence KV cache, packed forwards, kernels       (decoding.sampling)

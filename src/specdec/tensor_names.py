@@ -83,6 +83,9 @@ FORWARD_STATS = "forward_stats"
 DRAFT_TOKENS = "draft_tokens"  # INT32 [-1]
 DRAFT_PROBS = "draft_probs"  # FP32 [-1, -1]: processed draft distributions, one per draft token
 CACHED_LENGTH = "cached_length"  # INT32 [1]: tokens the draft's cache holds after the proposal
+# FP32 [-1, -1]: the target's features (its hidden_layers' states, concatenated) at every new position:
+# target_model's output on request, a draft head's input (the positions before its last new token)
+FEATURES = "features"
 TEXT_LENGTH = "text_length"  # INT32 [1]: characters of the decoded chunk to keep; -1 = all (stop words)
 SEQUENCE_ID = "sequence_id"  # UINT64 [1]: the generation's key, for cancellation flags
 RELEASE = "release"  # BOOL [1]: free this sequence's cache (sent with the sequence END flag)
@@ -108,6 +111,8 @@ TARGET_MODEL_NAME = "target_model"
 # ---- draft methods and weights --------------------------------------------------------------------
 NGRAM = "ngram"  # the built-in prompt-lookup draft (no model); any other draft name is a draft model
 SUFFIX = "suffix"  # built in too: prompt lookup over the request's tokens and earlier requests' (a shared cache)
+DEFAULT_HEAD_NAME = "draft_head"  # the model name of a head served without one given (--draft-head DIR)
+DRAFT_KINDS = ("model", "head")  # draft_model's draft_kind: a causal LM, or a trained head over features
 BUILTIN_DRAFTS = (NGRAM, SUFFIX)  # the model-free methods: a draft costs (almost) nothing
 DTYPE_NAMES = ("float32", "float16", "bfloat16", "float64")  # the models' `dtype` parameter
 

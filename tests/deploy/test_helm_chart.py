@@ -41,6 +41,7 @@ COMBINATIONS = {
     "cpu-only-defaults": {"gpu": {"count": 0}, "models": {"dtype": "float32"}},
     "cpu-only-suffix": {"gpu": {"count": 0}, "models": {"draft": {"method": "suffix"}, "dtype": "float32"},
                         "speculation": {"suffixCacheTokens": 262144}},
+    "eagle-head": {"models": {"draft": {"method": "head", "path": "/models/eagle3-head"}}},
     "compile-cache-claim": {"compileCache": {"source": "existingClaim", "existingClaim": {"name": "specdec-kernels"}}},
     "spread-target": {"gpu": {"count": 4, "spreadTarget": True, "draftGpu": 3, "mps": True},
                       "executor": {"prefillGraphRows": 0},
@@ -282,12 +283,13 @@ def normalized(config: str) -> list[str]:
 def pair_for(values: dict) -> PairSpec:
     """The PairSpec the local launcher would serve for the chart's settings."""
     models, gpu, spec = values["models"], values["gpu"], values["speculation"]
-    model_draft = models["draft"]["method"] == "model"
+    method = models["draft"]["method"]
     return PairSpec(
         name="chart", target_path=models["target"]["path"],
         tokenizer_path=models["target"]["tokenizerPath"] or models["target"]["path"],
-        draft_paths={"draft_model": models["draft"]["path"]} if model_draft else {},
-        default_draft="" if model_draft else models["draft"]["method"], dtype=models["dtype"],
+        draft_paths={"draft_model": models["draft"]["path"]} if method == "model" else {},
+        draft_heads={"draft_model": models["draft"]["path"]} if method == "head" else {},
+        default_draft="" if method in ("model", "head") else method, dtype=models["dtype"],
         max_context_tokens=spec["maxContextTokens"], apply_chat_template=models["applyChatTemplate"],
         device="gpu" if gpu["count"] > 0 else "cpu", target_gpu=gpu["targetGpu"], spread_target=gpu["spreadTarget"],
         draft_gpu=gpu["draftGpu"], adaptive_draft=spec["adaptiveDraft"],
@@ -307,7 +309,7 @@ def pair_for(values: dict) -> PairSpec:
 
 
 @pytest.mark.parametrize("name, orchestrators", [("defaults", 1), ("cpu-only-ngram", 1), ("cpu-only-defaults", 2),
-                                                 ("cpu-only-suffix", 2), ("spread-target", 1)])
+                                                 ("cpu-only-suffix", 2), ("spread-target", 1), ("eagle-head", 1)])
 def test_model_configuration_matches_the_launcher(name, orchestrators, tmp_path):
     docs = render_chart(COMBINATIONS[name])
     (configs,) = [d for d in by_kind(docs, "ConfigMap") if d["metadata"]["name"].endswith("-model-config")]

@@ -265,3 +265,47 @@ def test_prefix_caching_under_cuda_graphs_shares_blocks_with_the_same_logits(tin
     for a, b in zip(plain.extend_many(steps), shared.extend_many(steps)):
         assert torch.allclose(a, b, atol=1e-9)
     assert shared.sequences[1].blocks[2] != shared.sequences[2].blocks[2]
+
+
+def _random_eagle3(target_config, tmp_path=None):
+    from specdec.engine.draft_heads import EAGLE3, random_head, save_head
+    head = random_head(EAGLE3, target_config, seed=1, aux_layers=(0, 1, 1), draft_vocab_size=4096)
+    return head if tmp_path is None else save_head(head, tmp_path / "eagle3-head")
+
+
+def test_a_head_drafts_from_features_captured_in_cuda_graphs_losslessly(tiny_pair):
+    """An EAGLE-3 head on the GPU over the static executor's features (CUDA graphs): greedy equal to
+    target-only, sampling seeded and reproducible."""
+    from specdec.engine.draft_heads import read_target_tensors
+    from specdec.engine.head_executor import HeadExecutor
+    model = load_causal_lm(tiny_pair.target_path, "cuda", "float64")
+    target = static_executor(model, kv_pool_tokens=4096, block_size=8, max_context=512, max_batch=2, max_rows=5,
+                             min_window=16, compile="graphs", hidden_layers=(0, 1, 1))
+    target.warm_up(600)
+    head = _random_eagle3(model.config).to(device="cuda", dtype=torch.float64)
+    _, embed, _ = read_target_tensors(tiny_pair.target_path, "cuda", torch.float64)
+    head.attach(embed, None)
+
+    draft = HeadExecutor(head)
+    alone = run(target, draft, SamplingParams(), 0)
+    assert run(target, draft, SamplingParams(), 3) == alone
+    params = SamplingParams(temperature=0.8, seed=3)
+    assert run(target, draft, params, 3) == run(target, draft, params, 3)
+
+
+def test_served_on_the_gpu_with_a_head(tmp_path, tiny_pair):
+    """A head served on the GPU: target_model's features handed to it on the device (DLPack)."""
+    from transformers import AutoConfig
+    head_dir = _random_eagle3(AutoConfig.from_pretrained(tiny_pair.target_path), tmp_path)
+    args = ["--target", tiny_pair.target_path, "--device", "gpu", "--dtype", "float32", "--draft-head", str(head_dir)]
+    own = server.start(tmp_path / "run", tmp_path / "server.log", args, ready_timeout_s=600)
+    try:
+        client = Client(own.grpc_url)
+        greedy = [client.generate("Once upon a time", GenerationParams(max_tokens=24, num_draft_tokens=k,
+                                                                       adaptive_draft=False)) for k in (0, 4)]
+        assert greedy[0].text == greedy[1].text and greedy[1].total_draft_tokens > 0
+        sampled = GenerationParams(max_tokens=24, num_draft_tokens=4, temperature=0.8, seed=11, adaptive_draft=False)
+        first, again = client.generate("Hello there", sampled), client.generate("Hello there", sampled)
+        assert first.text == again.text and first.total_draft_tokens > 0
+    finally:
+        own.stop()

@@ -60,6 +60,9 @@ class FakeTensor:
     def as_numpy(self):
         return self._value
 
+    def is_cpu(self):
+        return True
+
 
 def noisy_copy(target):
     """The target with noise on its head: a draft that agrees with the target often, not always (rejections)."""

@@ -22,7 +22,8 @@ def test_one_execution_answers_each_step_with_its_own_tokens_and_errors_in_place
     for step, result in zip(steps, results):
         if step.seq_id == 2:
             continue
-        logits, tokens = result
+        logits, tokens, features = result
+        assert features is None  # no head served: no hidden_layers
         expected = solo.extend(step.seq_id, 0, step.new_ids, step.num_logits)
         assert torch.allclose(logits, expected, atol=1e-10, rtol=0)  # float64: one packed forward vs one alone
         assert tokens.dtype == np.int32 and tokens.tolist() == expected.argmax(-1).tolist()
@@ -90,7 +91,7 @@ def test_a_step_with_an_allowed_tokens_bitmask_gets_the_best_allowed_tokens(tiny
     bits[:, 0] = 0b1010  # tokens 1 and 3 only
     bits[2, 0] = -1  # the last position: tokens 0-31
     steps = [Step(1, 0, [5, 6, 7], 3, allowed=bits), Step(2, 0, [5, 6, 7], 3)]
-    (masked_logits, masked), (plain_logits, plain) = adapter._gather(steps, adapter._run(steps))
+    (masked_logits, masked, _), (plain_logits, plain, _) = adapter._gather(steps, adapter._run(steps))
     # The bitmask picks; it leaves the logits alone (equal up to rounding: a batched forward's rows may
     # round differently, as on an AMD EPYC host's AVX-512 kernels).
     torch.testing.assert_close(masked_logits, plain_logits, rtol=0, atol=1e-12)

@@ -23,10 +23,22 @@ instance_group [ { count: 1, kind: KIND_GPU, gpus: [ {{ ternary $root.Values.gpu
 {{- end -}}
 {{- end -}}
 
+{{- define "specdec.headPaths" -}}
+{{- if eq .Values.models.draft.method "head" -}}{{ .Values.models.draft.path }}{{- end -}}
+{{- end -}}
+
 {{- define "specdec.lmParams" -}}
 {{- $root := index . 0 -}}{{- $role := index . 1 -}}{{- $path := index . 2 -}}
 {{- $onGpu := gt (int $root.Values.gpu.count) 0 -}}
+{{- $head := eq $root.Values.models.draft.method "head" -}}
 {{ include "specdec.param" (list "model_path" $path) }}
+{{- if eq $role "target" }}
+{{ include "specdec.param" (list "draft_heads" (include "specdec.headPaths" $root)) }}
+{{- else }}
+{{ include "specdec.param" (list "draft_kind" (ternary "head" "model" $head)) }}
+{{ include "specdec.param" (list "target_path" (ternary $root.Values.models.target.path "" $head)) }}
+{{ include "specdec.param" (list "target_draft_heads" (include "specdec.headPaths" $root)) }}
+{{- end }}
 {{ include "specdec.param" (list "dtype" $root.Values.models.dtype) }}
 {{ include "specdec.param" (list "device" (ternary "cuda" "cpu" $onGpu)) }}
 {{ include "specdec.param" (list "device_map" (ternary "auto" "" (and $onGpu (eq $role "target") $root.Values.gpu.spreadTarget))) }}
@@ -130,7 +142,8 @@ input [
   { name: "top_p", data_type: TYPE_FP32, dims: [ 1 ], optional: true },
   { name: "min_p", data_type: TYPE_FP32, dims: [ 1 ], optional: true },
   { name: "seed", data_type: TYPE_UINT64, dims: [ 1 ], optional: true },
-  { name: "release", data_type: TYPE_BOOL, dims: [ 1 ], optional: true }
+  { name: "release", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },
+  { name: "features", data_type: TYPE_FP32, dims: [ -1, -1 ], optional: true, allow_ragged_batch: true }
 ]
 output [
   { name: "draft_tokens", data_type: TYPE_INT32, dims: [ -1 ] },
@@ -158,6 +171,7 @@ output [
   { name: "greedy_tokens", data_type: TYPE_INT32, dims: [ -1 ] },
   { name: "greedy_log_probs", data_type: TYPE_FP32, dims: [ -1 ] },
   { name: "logits", data_type: TYPE_FP32, dims: [ -1, -1 ] },
+  { name: "features", data_type: TYPE_FP32, dims: [ -1, -1 ] },
   { name: "forward_stats", data_type: TYPE_FP32, dims: [ 3 ] }
 ]
 {{ include "specdec.lmParams" (list . "target" .Values.models.target.path) }}
@@ -213,7 +227,8 @@ output [
 ]
 {{ include "specdec.param" (list "tokenizer_path" (include "specdec.tokenizerPath" .)) }}
 {{ include "specdec.param" (list "target_model" "target_model") }}
-{{ include "specdec.param" (list "draft_models" (get (dict "model" "draft_model,ngram,suffix" "ngram" "ngram,suffix" "suffix" "suffix,ngram") .Values.models.draft.method)) }}
+{{ include "specdec.param" (list "draft_models" (get (dict "model" "draft_model,ngram,suffix" "head" "draft_model,ngram,suffix" "ngram" "ngram,suffix" "suffix" "suffix,ngram") .Values.models.draft.method)) }}
+{{ include "specdec.param" (list "head_drafts" (ternary "draft_model" "" (eq .Values.models.draft.method "head"))) }}
 {{ include "specdec.param" (list "suffix_cache_tokens" $s.suffixCacheTokens) }}
 {{ include "specdec.param" (list "adaptive_draft" (ternary "true" "false" $s.adaptiveDraft)) }}
 {{ include "specdec.param" (list "default_num_draft_tokens" $s.defaultNumDraftTokens) }}

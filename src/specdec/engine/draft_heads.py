@@ -402,3 +402,49 @@ def check_fits(head: EagleHead | MedusaHeads, target_config, head_path: str, tar
             problems.append("its d2t maps draft tokens outside the target's vocabulary")
     if problems:
         raise HeadError(f"the draft head {head_path} does not fit the target {target_path}: {'; '.join(problems)}")
+
+
+def read_target_tensors(target_path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+                        ) -> tuple[object, torch.Tensor, torch.Tensor]:
+    """(config, embedding (V, h), lm_head (V, h)) of a transformers target directory in safetensors, read
+    without loading the rest of its weights: what a head in a process of its own borrows (a copy)."""
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    path = Path(target_path)
+    if path.suffix == ".gguf" or not path.is_dir():
+        raise HeadError(f"{path}: a draft head needs its target as a transformers directory in safetensors")
+    config = AutoConfig.from_pretrained(path)
+    index = path / "model.safetensors.index.json"
+    files = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists()
+             else ["model.safetensors"])
+    wanted = {"embed": ("model.embed_tokens.weight", "embed_tokens.weight", "model.language_model.embed_tokens.weight"),
+              "head": ("lm_head.weight",)}
+    found: dict[str, torch.Tensor] = {}
+    for name in files:
+        if not (path / name).exists():
+            raise HeadError(f"{path}: no {name} (a draft head reads the target's embedding from its safetensors)")
+        with safe_open(str(path / name), framework="pt") as handle:
+            keys = set(handle.keys())
+            for role, candidates in wanted.items():
+                for key in candidates:
+                    if role not in found and key in keys:
+                        found[role] = handle.get_tensor(key)
+    if "embed" not in found:
+        raise HeadError(f"{path}: no token embedding among its tensors")
+    embed = found["embed"].to(device=device, dtype=dtype)
+    head = found["head"].to(device=device, dtype=dtype) if "head" in found else embed  # tied embeddings
+    return config, embed, head
+
+
+def served_layers(head_paths: list[str], target_layers: int) -> tuple[int, ...]:
+    """The target layers whose states target_model serves for these heads (the union, in the heads' order):
+    target_model computes them at load, and each head's draft_model the same, to find its columns."""
+    layers: list[int] = []
+    for path in head_paths:
+        config_file = Path(path) / "config.json"
+        if not config_file.exists():
+            raise HeadError(f"{path}: no config.json (a draft head directory holds config.json and its weights)")
+        config = HeadConfig.from_json(json.loads(config_file.read_text()), path)
+        layers += [layer for layer in config.feature_layers(target_layers) if layer not in layers]
+    return tuple(layers)

@@ -198,6 +198,24 @@ def ports() -> tuple[int, int, int]:
             int(os.environ.get("METRICS_PORT", 8002)))
 
 
+def with_heads(pair: pairs.PairSpec, heads: list[str], default_draft: str = "") -> pairs.PairSpec:
+    """The pair with --draft-head's heads ([NAME=]DIR each) and --default-draft applied."""
+    named = dict(pair.draft_heads)
+    for spec in heads:
+        name, sep, path = spec.rpartition("=")
+        name = name if sep else tn.DEFAULT_HEAD_NAME
+        if name in named or name in pair.draft_paths or name in tn.BUILTIN_DRAFTS or not name.replace("_", "").isalnum():
+            raise ValueError(f"--draft-head {spec!r}: {name!r} is taken or not a model name (letters, digits, _)")
+        if not (Path(path) / "config.json").exists():
+            raise ValueError(f"--draft-head {spec!r}: {path} holds no config.json (a head directory)")
+        named[name] = str(Path(path).resolve())
+    default = default_draft or (next(iter(named)) if heads else pair.default_draft)
+    offered = set(pair.draft_paths) | set(named) | set(pair.builtin_drafts)
+    if default and default not in offered:
+        raise ValueError(f"--default-draft {default!r} is not among the drafts served: {sorted(offered)}")
+    return dataclasses.replace(pair, draft_heads=named, default_draft=default)
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pair", default=os.environ.get("PAIR", "default"), choices=sorted(pairs.PAIRS))
@@ -217,6 +235,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     custom.add_argument("--max-num-draft-tokens", type=int, default=tn.DEFAULT_MAX_NUM_DRAFT_TOKENS)
     custom.add_argument("--max-context-tokens", type=int, default=tn.DEFAULT_MAX_CONTEXT_TOKENS)
     custom.add_argument("--chat-template", action="store_true", help="apply the tokenizer's chat template")
+    parser.add_argument("--draft-head", action="append", default=[], metavar="[NAME=]DIR",
+                        help="serve a trained draft head (EAGLE-1, EAGLE-3 or Medusa, in its published layout) "
+                             f"over the target as draft model NAME (default {tn.DEFAULT_HEAD_NAME}); repeatable. "
+                             "The first becomes the default draft unless --default-draft names another")
+    parser.add_argument("--default-draft", default="",
+                        help="the draft a request that names none gets (a draft model, a head, ngram or suffix)")
     parser.add_argument("--compile", default="auto", choices=tn.COMPILE_MODES,
                         help="the models' executor: auto = static shapes + CUDA graphs on GPUs, eager on CPU")
     parser.add_argument("--orchestrator-instances", type=int, default=None,
@@ -265,6 +289,12 @@ def main(argv: list[str] | None = None) -> int:
         else:
             pair = pairs.prepare_pair(args.pair)
         pair = dataclasses.replace(pair, compile=args.compile, orchestrator_instances=args.orchestrator_instances)
+        if args.draft_head or args.default_draft:
+            try:
+                pair = with_heads(pair, args.draft_head, args.default_draft)
+            except ValueError as exc:
+                log(str(exc))
+                return 2
         repo = repository.render(pair, run_dir / "model_repository")
         for setting in args.set:
             repository.override(repo, setting)

@@ -36,6 +36,8 @@ class PairSpec:
     target_path: str
     tokenizer_path: str
     draft_paths: dict[str, str] = field(default_factory=dict)  # draft model name -> weights; first = default
+    # trained heads (EAGLE-1, EAGLE-3, Medusa: draft_heads.py) served as draft models: name -> head directory
+    draft_heads: dict[str, str] = field(default_factory=dict)
     builtin_drafts: tuple[str, ...] = tn.BUILTIN_DRAFTS  # model-free methods a request may choose
     default_draft: str = ""  # the method used when a request names none; "" = the first draft model
     dtype: str = "float32"

@@ -78,23 +78,32 @@ def render(pair: PairSpec, dest: Path) -> Path:
     tokenizer = {"tokenizer_path": pair.tokenizer_path}
     edit("preprocessing", {**tokenizer, "apply_chat_template": str(pair.apply_chat_template).lower()})
     edit("postprocessing", tokenizer)
-    edit("target_model", lm_settings(pair.target_path, "target"), instance_group(pair, "target"))
+    # target_model serves the features every head reads (draft_heads.served_layers); each head knows the list
+    heads = ",".join(pair.draft_heads.values())
+    edit("target_model", {**lm_settings(pair.target_path, "target"), "draft_heads": heads},
+         instance_group(pair, "target"))
     drafts = list(pair.draft_paths.items())
-    for name, _ in drafts[1:]:
+    for name, _ in drafts[1:] + list(pair.draft_heads.items()):
+        if name == "draft_model":
+            continue
         shutil.copytree(dest / "draft_model", dest / name)
         cfg = dest / name / "config.pbtxt"
         cfg.write_text(cfg.read_text().replace('name: "draft_model"', f'name: "{name}"'))
-    if not drafts:  # model-free drafting only (prompt lookup): no draft model to load
+    if not drafts and "draft_model" not in pair.draft_heads:  # model-free drafting only: no draft model to load
         shutil.rmtree(dest / "draft_model")
     for name, path in drafts:
         edit(name, {**lm_settings(path, "draft"), "target_tokenizer_path": pair.tokenizer_path},
              instance_group(pair, "draft"))
-    draft_models = [name for name, _ in drafts] + list(pair.builtin_drafts)
+    for name, path in pair.draft_heads.items():
+        edit(name, {**lm_settings(path, "draft"), "draft_kind": "head", "target_path": pair.target_path,
+                    "target_draft_heads": heads, "target_tokenizer_path": pair.tokenizer_path},
+             instance_group(pair, "draft"))
+    draft_models = [name for name, _ in drafts] + list(pair.draft_heads) + list(pair.builtin_drafts)
     if pair.default_draft:  # the first entry is the default
         draft_models.remove(pair.default_draft)
         draft_models.insert(0, pair.default_draft)
     edit("speculative_decoding", {
-        **tokenizer, "draft_models": ",".join(draft_models),
+        **tokenizer, "draft_models": ",".join(draft_models), "head_drafts": ",".join(pair.draft_heads),
         "adaptive_draft": str(pair.adaptive_draft).lower(),
         "default_num_draft_tokens": str(pair.default_num_draft_tokens),
         "max_num_draft_tokens": str(pair.max_num_draft_tokens),

@@ -22,12 +22,24 @@ class BlsError(RuntimeError):
     pass
 
 
+NO_FEATURES = np.zeros((1, 0, 0), dtype=np.float32)  # a head's call without features (the input is always there)
+
+
 def _torch(tensor) -> torch.Tensor:
     """A BLS output as a torch tensor where it lives: a device tensor (a model's `device_outputs`) stays
     on the device (DLPack, copied out of the response's buffer), a host one becomes a CPU tensor."""
     if tensor.is_cpu():
         return torch.from_numpy(tensor.as_numpy().copy())
     return torch.utils.dlpack.from_dlpack(tensor.to_dlpack()).clone()
+
+
+def _tensor(pb, name: str, value):
+    """An input tensor: numpy as it is; a torch tensor from the host, or handed over on its device (DLPack)."""
+    if isinstance(value, torch.Tensor):
+        if value.is_cuda:
+            return pb.Tensor.from_dlpack(name, torch.utils.dlpack.to_dlpack(value.contiguous()))
+        value = value.cpu().numpy()
+    return pb.Tensor(name, value)
 
 
 class _SequenceModel:
@@ -54,12 +66,14 @@ class _SequenceModel:
         self._started: set[int] = set()
 
     async def _prefill(self, seq_id: int, keep: int, new_ids: list[int], needed: int, reserve: int,
-                       output: str) -> tuple[int, list[int], int]:
+                       outputs: list[str], answers: list | None = None) -> tuple[int, list[int], int]:
         """Send new_ids in chunks while more than `needed` tokens would be left after one; returns the
-        (keep, new_ids, reserve) of the call that remains."""
+        (keep, new_ids, reserve) of the call that remains. `answers` collects the chunks' outputs."""
         chunk = self.prefill_chunk
         while chunk and len(new_ids) - needed > chunk:
-            await self._call(seq_id, new_ids[:chunk], keep, [output], reserve=reserve)  # the first takes the room
+            answer = await self._call(seq_id, new_ids[:chunk], keep, outputs, reserve=reserve)  # the first takes the room
+            if answers is not None:
+                answers.append(answer)
             keep, new_ids, reserve = keep + chunk, new_ids[chunk:], 0
         return keep, new_ids, reserve
 
@@ -78,7 +92,7 @@ class _SequenceModel:
         inputs = {**wire.StepMessage(keep, new_ids, reserve, end).encode(), **self.QUIET, **(own or {})}
         request = pb.InferenceRequest(
             model_name=self.model_name,
-            inputs=[pb.Tensor(name, value) for name, value in inputs.items()],
+            inputs=[_tensor(pb, name, value) for name, value in inputs.items()],
             requested_output_names=outputs,
             correlation_id=seq_id,
             flags=flags,
@@ -101,14 +115,28 @@ class _SequenceModel:
 
 
 class BlsProposer(_SequenceModel):
+    """A draft model; with wants_features, a trained head: each call carries the target's features
+    (`features`, an empty tensor when there are none), and a prompt is never chunked (its features
+    come whole, and a head's pass over a prompt is cheap)."""
+
     QUIET = wire.QUIET_PROPOSE.encode()  # appends only
 
+    def __init__(self, pb_utils, model_name: str, timeout_us: int = 0, prefill_chunk: int = 0,
+                 wants_features: bool = False):
+        super().__init__(pb_utils, model_name, timeout_us, 0 if wants_features else prefill_chunk)
+        self.wants_features = wants_features
+        if wants_features:  # every call carries the same input set (wire.py)
+            self.QUIET = {**self.QUIET, tn.FEATURES: NO_FEATURES}
+
     async def propose(self, seq_id: int, keep: int, new_ids: list[int], k: int,
-                      params: SamplingParams, round_seed: int, reserve: int = 0) -> Proposal:
-        keep, new_ids, reserve = await self._prefill(seq_id, keep, new_ids, 1, reserve, tn.DRAFT_TOKENS)
+                      params: SamplingParams, round_seed: int, reserve: int = 0,
+                      features: torch.Tensor | None = None) -> Proposal:
+        keep, new_ids, reserve = await self._prefill(seq_id, keep, new_ids, 1, reserve, [tn.DRAFT_TOKENS])
         outputs = [tn.DRAFT_TOKENS, tn.CACHED_LENGTH] + ([] if params.greedy else [tn.DRAFT_PROBS])
-        result = await self._call(seq_id, new_ids, keep, outputs, reserve,
-                                  own=wire.ProposeMessage(k, params, round_seed).encode())
+        own = wire.ProposeMessage(k, params, round_seed).encode()
+        if self.wants_features:
+            own[tn.FEATURES] = NO_FEATURES if features is None else features.float()[None]
+        result = await self._call(seq_id, new_ids, keep, outputs, reserve, own=own)
         drafted = wire.DraftedMessage.decode({name: result[name].as_numpy() for name in outputs[:2]})
         probs = None if params.greedy else _torch(result[tn.DRAFT_PROBS])[0]
         return Proposal(drafted.tokens, probs, drafted.cached_length)
@@ -118,14 +146,21 @@ class BlsScorer(_SequenceModel):
     QUIET = wire.QUIET_VERIFY.encode()
 
     async def score(self, call: VerifyCall) -> Scores:
-        keep, new_ids, reserve = await self._prefill(call.seq_id, call.keep, call.new_ids, call.num_positions,
-                                                     call.reserve, tn.GREEDY_TOKENS)
+        chunks: list[dict] = []  # a chunked prompt's answers: their features, with want_features
+        keep, new_ids, reserve = await self._prefill(
+            call.seq_id, call.keep, call.new_ids, call.num_positions, call.reserve,
+            [tn.GREEDY_TOKENS] + ([tn.FEATURES] if call.want_features else []), chunks)
         answer = [tn.GREEDY_TOKENS, tn.FORWARD_STATS] + ([tn.GREEDY_LOG_PROBS] if call.want_log_probs else [])
-        outputs = answer + ([tn.LOGITS] if call.want_logits else [])
+        outputs = answer + ([tn.LOGITS] if call.want_logits else []) + ([tn.FEATURES] if call.want_features else [])
         # The grammar's (K+1) x V/32 words instead of (K+1) x V logits back.
         result = await self._call(call.seq_id, new_ids, keep, outputs, reserve,
                                   own=wire.VerifyMessage(call.num_positions, call.allowed).encode())
         verified = wire.VerifiedMessage.decode({name: result[name].as_numpy() for name in answer})
         logits = _torch(result[tn.LOGITS])[0] if call.want_logits else None
         log_probs = None if verified.log_probs is None else torch.from_numpy(verified.log_probs)
-        return Scores(torch.from_numpy(verified.greedy_tokens.astype(np.int64)), logits, verified.forward, log_probs)
+        features = None
+        if call.want_features:  # (rows, F) over every chunk and the last call, where they live
+            parts = [_torch(part[tn.FEATURES])[0] for part in chunks + [result]]
+            features = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return Scores(torch.from_numpy(verified.greedy_tokens.astype(np.int64)), logits, verified.forward, log_probs,
+                      features)

@@ -26,7 +26,9 @@ from specdec.decoding.sampling import SamplingParams, greedy, greedy_log_probs, 
 from specdec.decoding.text import load_tokenizer, vocabulary_mismatch
 from specdec.engine import host_memory, onednn_linear, threads
 from specdec.engine.build import ExecutorConfig, build_executor
-from specdec.engine.executor import CacheError, CapacityError, Step
+from specdec.engine.draft_heads import HeadError, check_fits, load_head, read_target_tensors, served_layers
+from specdec.engine.executor import CacheError, CapacityError, Scored, Step
+from specdec.engine.head_executor import HeadExecutor
 from specdec.engine.loading import load_causal_lm
 from specdec.triton.adapter import TritonAdapter
 from specdec.triton.config import ConfigError, ModelParameters
@@ -41,8 +43,10 @@ RELEASED = object()  # the outcome of a release job (its answer: an empty respon
 
 def _inputs(request) -> wire.Arrays:
     """A request's inputs by name, listed once: pb_utils.get_input_tensor_by_name lists them all (a call
-    into the stub that builds every tensor object) on each lookup, and a step reads up to ten."""
-    return {tensor.name(): tensor.as_numpy() for tensor in request.inputs()}
+    into the stub that builds every tensor object) on each lookup, and a step reads up to ten. A device
+    tensor (a head's features handed over on the GPU) stays there, as a torch tensor."""
+    return {tensor.name(): tensor.as_numpy() if tensor.is_cpu() else torch.utils.dlpack.from_dlpack(tensor.to_dlpack())
+            for tensor in request.inputs()}
 
 
 def host(tensor: torch.Tensor) -> np.ndarray:
@@ -61,13 +65,6 @@ class LanguageModelAdapter(TritonAdapter):
         # "cuda" (or "cpu" under a GPU instance group) means the GPU Triton gave this instance.
         if args.get("model_instance_kind") == "GPU" and device in ("cpu", "cuda"):
             device = f"cuda:{args.get('model_instance_device_id', '0')}"
-        model = load_causal_lm(
-            params.str("model_path"),
-            device=device,
-            dtype=params.str("dtype", "float32", choices=tn.DTYPE_NAMES),
-            device_map=params.str("device_map", ""),
-            linear_kernels=params.str("linear_kernels", "auto", choices=onednn_linear.KINDS),
-        )
         # auto: torch's own count (a thread per core), at most the CPUs this process may use (threads.py).
         torch.set_num_threads(min(torch.get_num_threads(), threads.available_cpus())
                               if params.str("torch_threads", "auto") == "auto" else params.int("torch_threads", 1, low=1))
@@ -76,6 +73,20 @@ class LanguageModelAdapter(TritonAdapter):
         # On CUDA, logits and draft distributions go to the orchestrator as device tensors (DLPack; Triton
         # hands them over by CUDA IPC): a sampled round's (K+1) x V floats never cross host memory.
         self.device_outputs = params.bool("device_outputs", True)
+        self.lm = self._executor(params, device)
+        ready, seconds = self.lm.warm_up(params.float("capture_time_budget_s", 120.0, low=0.0))
+        self.pb.Logger.log_info(f"{self.name}: {self.lm.forward.summary(ready, seconds)}")
+        self._start(params)
+
+    def _executor(self, params: ModelParameters, device: str):
+        """The executor over the model at model_path (`Executor`), built as the parameters say."""
+        model = load_causal_lm(
+            params.str("model_path"),
+            device=device,
+            dtype=params.str("dtype", "float32", choices=tn.DTYPE_NAMES),
+            device_map=params.str("device_map", ""),
+            linear_kernels=params.str("linear_kernels", "auto", choices=onednn_linear.KINDS),
+        )
         default = ExecutorConfig()
         config = ExecutorConfig(
             executor=params.str("executor", default.executor, choices=tn.EXECUTORS),
@@ -93,13 +104,23 @@ class LanguageModelAdapter(TritonAdapter):
             max_rows=params.int("max_num_draft_tokens", default.max_rows - 1, low=1) + 1,
             fuse_kernels=params.bool("fuse_kernels", default.fuse_kernels),
             fuse_mlp=params.bool("fuse_mlp", default.fuse_mlp),
-            prefill_graph_rows=params.int("prefill_graph_rows", default.prefill_graph_rows, low=0))
+            prefill_graph_rows=params.int("prefill_graph_rows", default.prefill_graph_rows, low=0),
+            hidden_layers=self._served_layers(params, model.config.get_text_config().num_hidden_layers))
         try:
-            self.lm = build_executor(model, config, log=self.pb.Logger.log_info)
+            return build_executor(model, config, log=self.pb.Logger.log_info)
         except ValueError as exc:
             raise ConfigError(f"{self.name}: {exc} ({params.str('model_path')})") from None
-        ready, seconds = self.lm.warm_up(params.float("capture_time_budget_s", 120.0, low=0.0))
-        self.pb.Logger.log_info(f"{self.name}: {self.lm.forward.summary(ready, seconds)}")
+
+    def _served_layers(self, params: ModelParameters, target_layers: int) -> tuple[int, ...]:
+        """The layers whose states the served heads read (draft_heads: target_model's list of them)."""
+        key = "draft_heads" if isinstance(self, TargetModel) else "target_draft_heads"
+        try:
+            return served_layers(params.list(key), target_layers)
+        except HeadError as exc:
+            raise ConfigError(f"{self.name}: parameter '{key}': {exc}") from None
+
+    def _start(self, params: ModelParameters) -> None:
+        """Metrics, the warm-up, the evictor thread and the optional responder, once the executor is built."""
         self.metrics = ModelMetrics(self.pb, self.name)
         self._warm_up()
         # Abandoned sequences (no release call: a crashed orchestrator, a killed client) are evicted by
@@ -323,23 +344,28 @@ class TargetModel(LanguageModelAdapter):
         return {"num_logits": message.num_logits, "allowed": message.allowed}
 
     def _run(self, steps):
-        return self.lm.extend_many(steps)
+        # With hidden_layers (a draft head is served), every step's features come too (Scored): a head's
+        # rounds ask for them, and a forward computes them anyway.
+        return self.lm.extend_many(steps, with_hidden=bool(self.lm.forward.hidden_layers))
 
     def _gather(self, steps, results):
-        """Per step (logits, greedy tokens) or its error; a step with an allowed-tokens bitmask gets the best
-        allowed tokens. Every step's greedy tokens come to the host in one copy: on CUDA the execution waits
-        for the device once, not once per request."""
-        scored = [(step, logits) for step, logits in zip(steps, results) if not isinstance(logits, Exception)]
+        """Per step (logits, greedy tokens, features or None) or its error; a step with an allowed-tokens
+        bitmask gets the best allowed tokens. Every step's greedy tokens come to the host in one copy: on
+        CUDA the execution waits for the device once, not once per request."""
+        results = [(result.logits, result.hidden) if isinstance(result, Scored) else
+                   result if isinstance(result, Exception) else (result, None) for result in results]
+        scored = [(step, result[0]) for step, result in zip(steps, results) if not isinstance(result, Exception)]
         if not scored:
             return results
         tokens = host(torch.cat([greedy(logits) if step.allowed is None else allowed_greedy(logits, step.allowed)
                                  for step, logits in scored]).to(torch.int32))
         per_step = iter(np.split(tokens, np.cumsum([len(logits) for _, logits in scored])[:-1]))
-        return [logits if isinstance(logits, Exception) else (logits, next(per_step)) for logits in results]
+        return [result if isinstance(result, Exception) else (result[0], next(per_step), result[1])
+                for result in results]
 
     def _respond(self, request, step, result, forward):
         pb = self.pb
-        logits, tokens = result
+        logits, tokens, hidden = result
         requested = set(request.requested_output_names())
         log_probs = None
         if tn.GREEDY_LOG_PROBS in requested:  # return_log_probs on a greedy round: K + 1 floats, not logits
@@ -349,12 +375,24 @@ class TargetModel(LanguageModelAdapter):
         outputs = [pb.Tensor(name, value) for name, value in message.encode().items()]
         if tn.LOGITS in requested:
             outputs.append(self._output(tn.LOGITS, logits.float()[None]))
+        if tn.FEATURES in requested:
+            if hidden is None:
+                raise ValueError(f"{tn.FEATURES} asked for, but no hidden_layers are configured")
+            outputs.append(self._output(tn.FEATURES, hidden.flatten(1).float()[None]))  # (1, rows, L x H)
         return pb.InferenceResponse(output_tensors=outputs)
 
 
 class DraftModel(LanguageModelAdapter):
     def _warm_up_steps(self):
         prompt = list(range(1, 17))
+        if isinstance(self.lm, HeadExecutor):  # a head drafts from features: zeros will do
+            features = torch.zeros(15, self.lm.config.feature_width, device=self.lm.device)
+            self.lm.propose(WARM_UP_SEQUENCE, 0, prompt, 4, SamplingParams(), features=features)
+            sampled = SamplingParams(temperature=1.0, top_p=0.9)
+            self.lm.propose(WARM_UP_SEQUENCE, 15, [16, 1], 4, sampled, make_generator(0, self.lm.logits_device),
+                            features=features[:1])
+            self.lm.release(WARM_UP_SEQUENCE)
+            return
         self.lm.propose(WARM_UP_SEQUENCE, 0, prompt, 4, SamplingParams())  # greedy drafting
         sampled = SamplingParams(temperature=1.0, top_p=0.9)
         self.lm.propose(WARM_UP_SEQUENCE, 16, [1], 4, sampled, make_generator(0, self.lm.logits_device))
@@ -372,10 +410,57 @@ class DraftModel(LanguageModelAdapter):
                                   f"target's ({target_tokenizer}): {problem}; a draft must share the target's vocabulary")
         super().load(params, args)
 
+    def _executor(self, params: ModelParameters, device: str):
+        if params.str("draft_kind", "model", choices=tn.DRAFT_KINDS) == "model":
+            return super()._executor(params, device)
+        # A trained head: the target's embedding (and EAGLE-1's lm_head) copied into this process.
+        head_path, target_path = params.str("model_path"), params.str("target_path")
+        dtype = getattr(torch, params.str("dtype", "float32", choices=tn.DTYPE_NAMES))
+        try:
+            head = load_head(head_path, device, dtype)
+            target_config, embed, lm_head = read_target_tensors(target_path, device, dtype)
+            check_fits(head, target_config, head_path, target_path)
+        except HeadError as exc:
+            raise ConfigError(f"{self.name}: {exc}") from None
+        if hasattr(head, "attach"):
+            head.attach(embed, lm_head)
+        # The target returns the states of the layers its heads read, concatenated: this head's, in its order
+        target_layers = target_config.get_text_config().num_hidden_layers
+        served = self._served_layers(params, target_layers)
+        wanted = head.config.feature_layers(target_layers)
+        missing = [layer for layer in wanted if layer not in served]
+        if missing:
+            raise ConfigError(f"{self.name}: the head {head_path} reads the target's layers {list(wanted)}, but "
+                              f"target_model serves {list(served)} (target_draft_heads must list target_model's "
+                              f"draft_heads, this head among them)")
+        self.feature_columns = [served.index(layer) for layer in wanted]
+        self.served_layers = len(served)
+        self.pb.Logger.log_info(f"{self.name}: {head.config.kind} head {head_path} over the target {target_path}, "
+                                f"reading layers {list(wanted)}")
+        return HeadExecutor(head, max_sequences=params.int("max_sequences", 256, low=1),
+                            idle_timeout_s=params.float("sequence_idle_timeout_s", 600.0, low=1.0))
+
     def _step_options(self, inputs):
         message = wire.ProposeMessage.decode(inputs)  # num_draft_tokens 0: a prompt's chunk, appended only
         generator = None if message.params.greedy else make_generator(message.seed, self.lm.logits_device)
-        return {"k": message.k, "params": message.params, "generator": generator}
+        options = {"k": message.k, "params": message.params, "generator": generator}
+        if isinstance(self.lm, HeadExecutor):
+            options["features"] = self._features(inputs.get(tn.FEATURES))
+        return options
+
+    def _features(self, value) -> torch.Tensor | None:
+        """The head's columns of the target's features input [1, rows, L x H] (None: absent or empty)."""
+        if value is None:
+            return None
+        features = torch.tensor(value) if isinstance(value, np.ndarray) else value  # a device tensor as it is
+        if not features.numel():
+            return None
+        features = features[0]
+        rows, width = features.shape
+        if width % self.served_layers:
+            raise ValueError(f"{tn.FEATURES} has {width} columns, not a multiple of the target's "
+                             f"{self.served_layers} layers")
+        return features.view(rows, self.served_layers, -1)[:, self.feature_columns].flatten(1)
 
     def _run(self, steps):
         return self.lm.propose_many(steps)

@@ -31,7 +31,7 @@ from specdec.triton.adapter import TritonAdapter
 from specdec.triton.bls import BlsProposer, BlsScorer
 from specdec.triton.admission.cancellation import CancellationBoard
 from specdec.triton.admission.counts import RequestCounts
-from specdec.triton.config import ModelParameters
+from specdec.triton.config import ConfigError, ModelParameters
 from specdec.triton.fallback import FallbackProposer
 from specdec.triton.metrics import OrchestratorMetrics
 from specdec.triton.request import InputError, ParsedRequest, RequestLimits
@@ -91,8 +91,14 @@ class SpeculativeDecodingAdapter(TritonAdapter):
         self.suffix_cache = SuffixCache(params.int("suffix_cache_tokens", 262144, low=0)) \
             if tn.SUFFIX in self.limits.draft_names else None
         builtin = {tn.NGRAM: NgramProposer, tn.SUFFIX: lambda: SuffixProposer(self.suffix_cache)}
+        # Trained heads (draft_kind head): their rounds ask target_model for its features and pass them on.
+        heads = set(params.list("head_drafts"))
+        if heads - set(self.limits.draft_names):
+            raise ConfigError(f"head_drafts {sorted(heads - set(self.limits.draft_names))} are not among "
+                              f"draft_models {list(self.limits.draft_names)}")
         self.proposers = {name: builtin[name]() if name in builtin else FallbackProposer(
-            BlsProposer(pb_utils, name, timeout_us, chunk), name, self.metrics.record_fallback, retry_after_s=retry_s)
+            BlsProposer(pb_utils, name, timeout_us, chunk, wants_features=name in heads), name,
+            self.metrics.record_fallback, retry_after_s=retry_s)
             for name in self.limits.draft_names}
         # Concurrent requests' verify calls wait for each other up to this window, so that target_model's
         # forwards carry all of them (verify_gate.py); 0: each goes as soon as it is ready.

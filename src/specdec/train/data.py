@@ -1,0 +1,84 @@
+"""Self-distillation data for a draft head: prompts answered by the target itself, and the target's
+features over each prompt + answer (a head must learn the target's own distribution, so the answers are
+the target's, not a dataset's).
+
+A `Sample` holds one conversation's tokens and, per position, what training reads: the features the head
+is served (the target's `hidden_layers` states, concatenated), the target's last hidden state after its
+final norm (its logits over any vocabulary subset are `lm_head` rows times it) and the target's greedy
+next token.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+PROMPTS = Path(__file__).with_name("prompts.jsonl")  # shipped; disjoint from bench/'s (a unit test says so)
+
+
+@dataclass
+class Sample:
+    tokens: torch.Tensor  # (L,) int64: prompt + answer
+    features: torch.Tensor  # (L, F): the head's input at each position
+    final: torch.Tensor  # (L, h): the target's last hidden state after its final norm
+    greedy: torch.Tensor  # (L,) int64: the target's argmax next token at each position
+    prompt_length: int
+
+
+def load_prompts(path: str | Path = PROMPTS) -> list[str]:
+    """Prompts, one JSON object per line with a "prompt" field (or plain lines of text)."""
+    out = []
+    for line in Path(path).read_text().splitlines():
+        line = line.strip()
+        if line:
+            out.append(json.loads(line)["prompt"] if line.startswith("{") else line)
+    return out
+
+
+def encode(tokenizer, prompt: str, chat_template: bool) -> list[int]:
+    if chat_template and getattr(tokenizer, "chat_template", None):
+        return list(tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, return_dict=False,
+                                                  tokenize=True))
+    return tokenizer.encode(prompt, add_special_tokens=True)
+
+
+@torch.no_grad()  # not inference_mode: training reads these tensors under autograd
+def answer_and_featurize(model, tokenizer, prompts: list[str], layers: tuple[int, ...], answer_tokens: int,
+                         chat_template: bool = True, log=print) -> list[Sample]:
+    """The target's greedy answer to each prompt (up to answer_tokens, ending at its end token), then one
+    forward over prompt + answer for the features of `layers` (executor convention: the output of layer l,
+    transformers' hidden_states[l + 1]; the last layer's after the final norm)."""
+    samples = []
+    device = model.device
+    for i, prompt in enumerate(prompts):
+        ids = encode(tokenizer, prompt, chat_template)
+        out = model.generate(torch.tensor([ids], device=device), max_new_tokens=answer_tokens, do_sample=False,
+                             pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
+        tokens = out[0]
+        full = model(tokens[None], output_hidden_states=True)
+        states = full.hidden_states
+        samples.append(Sample(
+            tokens=tokens.cpu(),
+            features=torch.cat([states[layer + 1][0] for layer in layers], dim=-1).float().cpu(),
+            final=states[-1][0].float().cpu(),
+            greedy=full.logits[0].argmax(-1).cpu(),
+            prompt_length=len(ids)))
+        if (i + 1) % 10 == 0 or i + 1 == len(prompts):
+            log(f"answered {i + 1}/{len(prompts)} prompts ({sum(len(s.tokens) for s in samples)} tokens)")
+    return samples
+
+
+def draft_vocabulary(samples: list[Sample], vocab_size: int, size: int) -> torch.Tensor:
+    """The `size` target tokens most frequent in the samples' answers (then the prompts'), ascending ids:
+    EAGLE-3's reduced head predicts these only."""
+    counts = torch.zeros(vocab_size, dtype=torch.float64)
+    for sample in samples:
+        counts.index_add_(0, sample.tokens[sample.prompt_length:], torch.ones(len(sample.tokens) - sample.prompt_length,
+                                                                              dtype=torch.float64))
+        counts.index_add_(0, sample.tokens[:sample.prompt_length], torch.full((sample.prompt_length,), 1e-3,
+                                                                              dtype=torch.float64))
+    counts += torch.arange(vocab_size, 0, -1, dtype=torch.float64) * 1e-12  # ties: lower ids first
+    return counts.topk(min(size, vocab_size)).indices.sort().values

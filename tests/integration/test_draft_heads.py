@@ -1,0 +1,178 @@
+"""Trained draft heads served (real tritonserver, tiny pair): an EAGLE-3 head trained here by the training
+command, and random EAGLE-1, EAGLE-3 and Medusa heads, each a draft_model of its own over target_model's
+features. Greedy output equals target-only output with every head; the trained head is accepted where a
+random one is not (its features arrive right over BLS); a head made for another target is refused at load
+naming both."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+from pathlib import Path
+
+import pytest
+from transformers import AutoConfig, LlamaConfig
+
+from specdec import tensor_names as tn
+from specdec.engine.draft_heads import EAGLE, EAGLE3, MEDUSA, random_head, save_head
+from specdec.serving import pairs, repository
+from specdec.train.data import load_prompts
+
+from .helpers import grpc_stream, http_generate, start_server, stop_server
+from .test_load_errors import load_only
+
+pytestmark = pytest.mark.integration
+
+AUX = "0,1,1"  # EAGLE-3's layers on the tiny 2-layer target (its default needs at least 4)
+TRAIN_PROMPTS = 40
+
+
+@pytest.fixture(scope="module")
+def heads(tmp_path_factory):
+    root = tmp_path_factory.mktemp("heads")
+    pair = pairs.tiny_pair()
+    # The training command on the tiny pair: seconds. The tiny target's text has no structure to generalise
+    # from, so the trained head is asked about prompts it trained on (the test is of the plumbing).
+    trained = root / "trained"
+    command = [sys.executable, "-m", "specdec.train", "--target", pair.target_path, "--out", str(trained),
+               "--max-prompts", str(TRAIN_PROMPTS), "--answer-tokens", "48", "--epochs", "20", "--lr", "3e-3",
+               "--draft-vocab", "2048", "--aux-layers", AUX, "--steps", "3", "--no-chat-template", "--device", "cpu"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    config = AutoConfig.from_pretrained(pair.target_path)
+    paths = {"head_trained": trained}
+    for kind in (EAGLE, EAGLE3, MEDUSA):
+        head = random_head(kind, config, seed=1, aux_layers=(0, 1, 1) if kind == EAGLE3 else (),
+                           draft_vocab_size=4096 if kind == EAGLE3 else 0)
+        paths[f"head_random_{kind}"] = save_head(head, root / kind)
+    return {name: str(path) for name, path in paths.items()}, json.loads((trained / "training.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def head_server(heads, tmp_path_factory):
+    paths, _ = heads
+    tmp = tmp_path_factory.mktemp("head-server")
+    pair = dataclasses.replace(pairs.tiny_pair(), draft_heads=paths)
+    server = start_server(tmp, repository=repository.render(pair, tmp / "repo"))
+    yield server
+    stop_server(server)
+
+
+def test_the_training_command_lowers_the_loss_and_writes_the_published_layout(heads):
+    paths, record = heads
+    assert record["held_out_loss"] < record["held_out_loss_before"], record
+    keys = set(json.loads((Path(paths["head_trained"]) / "config.json").read_text()))
+    assert {"draft_vocab_size", "eagle_config"} <= keys
+
+
+@pytest.mark.parametrize("name", ["head_trained", "head_random_eagle", "head_random_eagle3", "head_random_medusa"])
+def test_greedy_output_with_a_head_equals_target_only(head_server, name):
+    for prompt in ("the cat sat on the mat", load_prompts()[0]):
+        plain = grpc_stream(head_server.grpc_url, prompt, max_tokens=32, num_draft_tokens=0)
+        drafted = grpc_stream(head_server.grpc_url, prompt, max_tokens=32, num_draft_tokens=3, draft_model=name,
+                              adaptive_draft=False)
+        assert drafted[tn.TEXT_OUTPUT] == plain[tn.TEXT_OUTPUT], name
+        assert drafted[tn.TOTAL_DRAFT_TOKENS] >= 3 * (drafted["num_rounds"] - 4), drafted  # it drafted each round
+    over_http = http_generate(head_server.http_url, prompt, max_tokens=16, num_draft_tokens=2, draft_model=name)
+    assert over_http[tn.TEXT_OUTPUT] == grpc_stream(head_server.grpc_url, prompt, max_tokens=16,
+                                                    num_draft_tokens=0)[tn.TEXT_OUTPUT]
+
+
+def test_a_trained_head_is_accepted_where_a_random_one_is_not(head_server):
+    accepted = {}
+    for name in ("head_trained", "head_random_eagle3"):
+        drafted = accepted_total = 0
+        for prompt in load_prompts()[:6]:  # prompts the head trained on
+            out = grpc_stream(head_server.grpc_url, prompt, max_tokens=40, num_draft_tokens=3, draft_model=name,
+                              adaptive_draft=False)
+            drafted += out[tn.TOTAL_DRAFT_TOKENS]
+            accepted_total += out[tn.TOTAL_ACCEPTED_DRAFT_TOKENS]
+        accepted[name] = accepted_total / drafted
+    assert accepted["head_trained"] > 0.05 and accepted["head_random_eagle3"] < 0.02, accepted
+
+
+def test_sampled_requests_with_a_head_are_reproducible(head_server):
+    runs = [grpc_stream(head_server.grpc_url, "the cat sat on the mat", max_tokens=24, num_draft_tokens=3,
+                        draft_model="head_trained", temperature=1.0, top_k=16, seed=seed) for seed in (5, 5, 6)]
+    assert runs[0][tn.TEXT_OUTPUT] == runs[1][tn.TEXT_OUTPUT] != runs[2][tn.TEXT_OUTPUT]
+    assert runs[0][tn.TOTAL_DRAFT_TOKENS] > 0
+
+
+def test_a_head_made_for_another_target_is_refused_at_load_naming_both(tmp_path):
+    other = LlamaConfig(vocab_size=1000, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2)
+    path = save_head(random_head(EAGLE, other), tmp_path / "wrong-head")
+    pair = dataclasses.replace(pairs.tiny_pair(), draft_heads={"head_wrong": str(path)})
+    result = load_only(tmp_path, pair, "head_wrong")
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert f"the draft head {path} does not fit the target {pair.target_path}" in output, output[-2000:]
+    assert "vocabulary has 1000 tokens" in output
+
+
+def exact_three_token_texts(prompt: str, params) -> dict[str, float]:
+    """The target's exact distribution of the text three sampled tokens decode to (an end token ends it)."""
+    from collections import Counter
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from specdec.decoding.sampling import logits_to_probs
+    from specdec.decoding.text import decode
+
+    pair = pairs.tiny_pair()
+    model = AutoModelForCausalLM.from_pretrained(pair.target_path, dtype=torch.float64).eval()
+    tokenizer = AutoTokenizer.from_pretrained(pair.tokenizer_path)
+    ids, eos = tokenizer.encode(prompt, add_special_tokens=True), tokenizer.eos_token_id
+
+    def support(prefixes):
+        with torch.inference_mode():
+            probs = logits_to_probs(model(torch.tensor([ids + p for p in prefixes])).logits[:, -1], params)
+        return [[(int(t), float(probs[i, t])) for t in probs[i].nonzero()[:, 0]] for i in range(len(prefixes))]
+
+    out: Counter = Counter()
+    (first,) = support([[]])
+    seconds = support([[t1] for t1, _ in first])
+    pairs_ = [([t1, t2], p1 * p2) for (t1, p1), row in zip(first, seconds) for t2, p2 in row if t1 != eos and t2 != eos]
+    thirds = support([prefix for prefix, _ in pairs_])
+    for (t1, p1), row in zip(first, seconds):
+        if t1 == eos:
+            out[""] += p1
+            continue
+        for t2, p2 in row:
+            if t2 == eos:
+                out[decode(tokenizer, [t1])] += p1 * p2
+    for (prefix, p12), row in zip(pairs_, thirds):
+        for t3, p3 in row:
+            out[decode(tokenizer, prefix if t3 == eos else prefix + [t3])] += p12 * p3
+    return dict(out)
+
+
+@pytest.mark.parametrize("name", ["head_random_eagle", "head_random_medusa", "head_trained"])  # trained: EAGLE-3
+def test_sampled_output_with_a_head_follows_the_targets_distribution(head_server, name):
+    """The first three tokens (a head drafts from the second round on: the second token is its draft's)
+    of many seeded requests against the target's exact distribution of their text (chi-square, 1e-3)."""
+    from collections import Counter
+    from concurrent.futures import ThreadPoolExecutor
+
+    from specdec.decoding.sampling import SamplingParams
+
+    from .test_sampling_distribution import chi_square
+
+    prompt, requests = "the cat sat on the mat and the cat sat on the", 300
+    params = SamplingParams(temperature=1.0, top_k=4)
+    expected = exact_three_token_texts(prompt, params)
+    assert len([p for p in expected.values() if p * requests >= 5]) >= 3  # enough cells to test anything
+
+    def one(seed):
+        return grpc_stream(head_server.grpc_url, prompt, max_tokens=3, seed=seed, temperature=1.0, top_k=4,
+                           num_draft_tokens=2, draft_model=name, adaptive_draft=False)
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(one, range(requests)))
+    assert sum(r[tn.TOTAL_DRAFT_TOKENS] for r in results) >= requests // 2  # the head drafted
+    statistic, critical = chi_square(Counter(r[tn.TEXT_OUTPUT] for r in results), expected, requests)
+    assert statistic < critical, (name, statistic, critical)
