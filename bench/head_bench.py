@@ -58,9 +58,10 @@ def draft_step_ms(lm, device, reps: int) -> float:
     return median_ms(lambda: lm.propose(2, CONTEXT, [5], K, SamplingParams()), device, reps) / K
 
 
-def head_step_ms(head, device, reps: int) -> float:
+def head_step_ms(head, device, reps: int, graphs: bool = False) -> float:
     """A head's ms per drafted token: a round's call reads 2 new features (one accepted token) and drafts K."""
-    executor = HeadExecutor(head)
+    executor = HeadExecutor(head, graphs=graphs, max_context=1024)
+    executor.warm_up()
     width = head.config.feature_width
     dtype = next(head.parameters()).dtype
     prompt = list(range(1, CONTEXT + 1))
@@ -108,8 +109,9 @@ def main(argv=None) -> int:
         head = head.to(device=device, dtype=dtype)
         if kind != MEDUSA:
             head.attach(embed, lm_head)
-        ms = head_step_ms(head, device, args.reps)
-        rows.append([f"{kind} head (eager)", f"{ms:.2f}", f"{ms / target_ms:.3f}"])
+        for graphs in ((False, True) if device.type == "cuda" and kind != MEDUSA else (False,)):
+            ms = head_step_ms(head, device, args.reps, graphs)
+            rows.append([f"{kind} head ({'CUDA graphs' if graphs else 'eager'})", f"{ms:.2f}", f"{ms / target_ms:.3f}"])
         del head
     text = print_table(f"Draft step against the target's step, in process: {what}; {report.machine()}. "
                        f"Drafts: ms per drafted token at K={K} after {CONTEXT} tokens of context.",

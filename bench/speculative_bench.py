@@ -61,6 +61,9 @@ SETTINGS = [
     Setting("layer-skip draft, adaptive K<=4", "draft_model", 4, True),
 ]
 QUICK = [SETTINGS[0], SETTINGS[3], SETTINGS[5]]
+HEAD = tn.DEFAULT_HEAD_NAME  # with --draft-head: the trained head's rows
+HEAD_SETTINGS = [Setting("EAGLE-3 head, K=3", HEAD, 3, False), Setting("EAGLE-3 head, K=5", HEAD, 5, False),
+                 Setting("EAGLE-3 head, adaptive K<=6", HEAD, 6, True)]
 
 
 def load_prompts(kind: str, limit: int | None) -> list[str]:
@@ -126,7 +129,25 @@ def median_time(fn, reps: int = 9) -> float:
     return statistics.median(times)
 
 
-def measure_costs(pair, prompt_ids: list[int], ks: list[int]) -> dict:
+def head_cost_s(head_dir: str, target_path: str, prompt_ids: list[int]) -> float:
+    """Seconds per token a head drafts (K=4 after a round's features), in process."""
+    from specdec.decoding.sampling import SamplingParams
+    from specdec.engine.draft_heads import load_head, read_target_tensors
+    from specdec.engine.head_executor import HeadExecutor
+
+    head = load_head(head_dir)
+    _, embed, lm_head = read_target_tensors(target_path)
+    if hasattr(head, "attach"):
+        head.attach(embed, lm_head)
+    executor = HeadExecutor(head)
+    n, width = len(prompt_ids), head.config.feature_width
+    executor.propose(1, 0, prompt_ids, 0, SamplingParams(), features=torch.zeros(n - 1, width))
+    features = torch.zeros(2, width)
+    return median_time(lambda: executor.propose(1, n - 1, [100, 101, 102], 4, SamplingParams(),
+                                                 features=features)) / 4
+
+
+def measure_costs(pair, prompt_ids: list[int], ks: list[int], head_dir: str | None = None) -> dict:
     from specdec.engine.build import dynamic_executor
     from specdec.engine.loading import load_causal_lm
 
@@ -146,7 +167,10 @@ def measure_costs(pair, prompt_ids: list[int], ks: list[int]) -> dict:
     index = NgramIndex(4, 2)
     index.extend(prompt_ids * 2)
     lookup_s = median_time(lambda: (index.extend([100]), index.lookup(8)), reps=200)  # a round's update + lookup
-    return {"step_s": step, "v": v, "c": {"draft_model": draft_token / step, tn.NGRAM: lookup_s / step}}
+    c = {"draft_model": draft_token / step, tn.NGRAM: lookup_s / step}
+    if head_dir:
+        c[HEAD] = head_cost_s(head_dir, pair.target_path, prompt_ids) / step
+    return {"step_s": step, "v": v, "c": c}
 
 
 # ---- transformers' assisted generation -------------------------------------------------------------
@@ -210,6 +234,10 @@ def report(results, costs, peer, settings, max_tokens, n_prompts) -> str:
     lines.append(tabulate(rows, ["prompts", "draft", "target-only tok/s", "speculative tok/s", "speedup", "α",
                                  "tokens/round", "K (drafting rounds)", "c", "v", "bound", "efficiency"],
                           tablefmt="github", disable_numparse=True))
+    if not peer:
+        lines.append("")
+        lines.append(f"Measured verify cost ratios: {', '.join(f'v({k})={v:.2f}' for k, v in sorted(costs['v'].items()))}.")
+        return "\n".join(lines)
     lines.append("")
     lines.append("transformers `generate` in-process, same models and prompts (tokens/s; speedup over its plain generate):")
     lines.append("")
@@ -234,9 +262,16 @@ def main(argv=None) -> int:
     parser.add_argument("--peer-k", type=int, default=8, help="K for transformers' assisted generation")
     parser.add_argument("--out", help="also write the report (markdown) here")
     parser.add_argument("--results", metavar="NAME", help="also write it as docs/results/<date>-NAME.md")
+    parser.add_argument("--draft-head", metavar="DIR", help="also serve this trained head (python -m specdec.train) "
+                        "and add its rows")
+    parser.add_argument("--head-only", action="store_true", help="with --draft-head: the server's default and the "
+                        "head's rows only")
+    parser.add_argument("--no-peer", action="store_true", help="leave out transformers' generate")
     args = parser.parse_args(argv)
     limit = 4 if args.quick else None
     settings = QUICK if args.quick else SETTINGS
+    if args.draft_head:
+        settings = ([SETTINGS[0]] if args.head_only else settings) + HEAD_SETTINGS
     prompts = {kind: load_prompts(kind, limit) for kind in ("grounded", "open")}
     pair = pairs.prepare_pair("default")
     own = None
@@ -245,7 +280,8 @@ def main(argv=None) -> int:
     if url is None:
         print("starting the default-pair server ...", file=sys.stderr, flush=True)
         cache = HERE.parent / ".cache"
-        own = server.start(cache / "run" / "bench", cache / "bench-server.log", ["--pair", "default"])
+        head = ["--draft-head", args.draft_head, "--default-draft", tn.NGRAM] if args.draft_head else []
+        own = server.start(cache / "run" / "bench", cache / "bench-server.log", ["--pair", "default", *head])
         url, metrics_url = own.grpc_url, own.metrics_url
     try:
         results = served(url, metrics_url, prompts, settings, args.max_tokens)
@@ -257,8 +293,8 @@ def main(argv=None) -> int:
     tok = AutoTokenizer.from_pretrained(pair.tokenizer_path)
     ids = tok.apply_chat_template([{"role": "user", "content": prompts["grounded"][0]}], add_generation_prompt=True)
     ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-    costs = measure_costs(pair, ids, list(range(1, max(s.k for s in settings) + 1)))
-    peer = transformers_peer(pair, prompts, args.max_tokens, args.peer_k)
+    costs = measure_costs(pair, ids, list(range(1, max(s.k for s in settings) + 1)), args.draft_head)
+    peer = {} if args.no_peer else transformers_peer(pair, prompts, args.max_tokens, args.peer_k)
     text = report(results, costs, peer, settings, args.max_tokens, len(prompts["grounded"]))
     emit(text, args.out)
     if args.results:

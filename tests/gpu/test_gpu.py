@@ -11,7 +11,7 @@ import torch
 from client import Client, GenerationParams
 from specdec.decoding.draft_length import DraftLengthPolicy
 from specdec.decoding.loop import GenerationRequest, generate
-from specdec.decoding.sampling import SamplingParams
+from specdec.decoding.sampling import SamplingParams, make_generator
 from specdec.engine import kernels
 from specdec.engine.build import dynamic_executor, static_executor
 from specdec.engine.executor import CacheError, Step
@@ -309,3 +309,35 @@ def test_served_on_the_gpu_with_a_head(tmp_path, tiny_pair):
         assert first.text == again.text and first.total_draft_tokens > 0
     finally:
         own.stop()
+
+
+def test_a_heads_captured_draft_steps_equal_its_eager_ones(tiny_pair):
+    """The one-token draft steps replayed as CUDA graphs (head_graphs.py) propose what the eager steps do:
+    the same greedy tokens, the same sampled distributions (float64), over several rounds with rollback and
+    across window buckets."""
+    from specdec.engine.draft_heads import read_target_tensors
+    from specdec.engine.head_executor import HeadExecutor
+    from transformers import AutoConfig
+    head = _random_eagle3(AutoConfig.from_pretrained(tiny_pair.target_path)).to(device="cuda", dtype=torch.float64)
+    _, embed, _ = read_target_tensors(tiny_pair.target_path, "cuda", torch.float64)
+    head.attach(embed, None)
+    eager, graphs = HeadExecutor(head, graphs=False), HeadExecutor(head, graphs=True, max_context=512)
+    assert graphs.warm_up()[0] == 3  # windows 128, 256, 512
+    width = head.config.feature_width
+    torch.manual_seed(0)
+    prompt = list(range(5, 125))
+    features = torch.randn(len(prompt) - 1, width, dtype=torch.float64)
+    sampled = SamplingParams(temperature=0.9)
+    for executor in (eager, graphs):
+        executor.propose(1, 0, prompt, 0, SamplingParams(), features=features)
+    keep = len(prompt) - 1
+    for round_ in range(12):  # past position 128: the second window bucket
+        new = torch.randn(3, width, dtype=torch.float64)
+        a = eager.propose(1, keep, [7, 8, 9, 10], 4, SamplingParams(), features=new)
+        b = graphs.propose(1, keep, [7, 8, 9, 10], 4, SamplingParams(), features=new)
+        assert a.tokens == b.tokens and a.cached_length == b.cached_length == keep + 3
+        keep = a.cached_length
+        a = eager.propose(2 + round_, 0, prompt, 4, sampled, make_generator(round_, "cuda:0"), features=features)
+        b = graphs.propose(2 + round_, 0, prompt, 4, sampled, make_generator(round_, "cuda:0"), features=features)
+        assert a.tokens == b.tokens and torch.allclose(a.probs, b.probs, atol=1e-9)
+    assert graphs.sequences[1].slot is not None

@@ -233,3 +233,41 @@ def test_a_sampling_head_draws_from_the_distributions_it_reports(tiny_lm, kind):
     if kind == MEDUSA:  # Medusa's second head does not read the first token: its row is the same for all
         assert torch.equal(rows[common], executor.propose(1, 0, PROMPT, 2, params, None, features=features).probs[1])
     assert any(rejected) == (kind == "planted"), rejected
+
+
+def test_a_heads_rounds_run_every_prompt_position_past_the_prefix_cache(tiny_lm):
+    """Positions a prefix cache serves are not run, so they have no features: a round that asks for
+    features runs the whole prompt (its blocks still keyed), and one that does not reuses them."""
+    import asyncio
+
+    from specdec.decoding.interfaces import VerifyCall
+    target = dynamic_executor(tiny_lm, prefix_cache_tokens=256, block_size=4, hidden_layers=(1,))
+    scorer = LocalScorer(target)
+    prompt = list(range(3, 23))
+
+    def score(seq_id, want_features):
+        scores = asyncio.run(scorer.score(VerifyCall(seq_id, 0, prompt, 1, want_features=want_features)))
+        asyncio.run(scorer.release(seq_id))
+        return scores
+
+    first = score(1, True)
+    assert first.features.shape == (len(prompt), 32)
+    again = score(2, True)
+    assert target.prefix_hit_tokens == 0 and torch.equal(again.features, first.features)
+    score(3, False)
+    assert target.prefix_hit_tokens == 16  # the blocks the head's rounds keyed serve a plain request
+
+
+def test_a_head_executor_evicts_idle_sequences_and_refuses_past_its_limit(tiny_lm):
+    from specdec.engine.errors import CapacityError
+    now = [0.0]
+    executor = HeadExecutor(head_for(tiny_lm, EAGLE), max_sequences=2, idle_timeout_s=10, clock=lambda: now[0])
+    features = torch.zeros(len(PROMPT) - 1, 32, dtype=torch.float64)
+    executor.propose(1, 0, PROMPT, 2, SamplingParams(), features=features)
+    now[0] = 6.0
+    executor.propose(2, 0, PROMPT, 2, SamplingParams(), features=features)
+    with pytest.raises(CapacityError, match="max_sequences"):
+        executor.propose(3, 0, PROMPT, 2, SamplingParams(), features=features)
+    now[0] = 12.0
+    assert executor.evict_idle() == [1] and set(executor.sequences) == {2}
+    assert executor.kv_bytes_allocated > 0 and executor.release(2) and not executor.release(2)

@@ -14,6 +14,7 @@
   draft_heads    trained draft heads (EAGLE-1, EAGLE-3, Medusa): the modules, read and written in the
                  layouts their authors publish (and vLLM's), refused when made for another target
   head_executor  drafting with a head over the target's features, per-sequence KV with rollback
+  head_graphs    a head's one-token draft step replayed as CUDA graphs over a pool of sequences' KV
   cuda_graphs    pinned input staging and one bucket's forward captured as a CUDA graph
   kernels        a Llama layer's pointwise math as pure functions, and their compiled (fused) form
   loading        loads a model (Hugging Face directory or GGUF file) on a device, in a dtype

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import nn
@@ -123,19 +124,19 @@ class _Attention(nn.Module):
         self.v_proj = nn.Linear(in_width, kv * d, bias=False)
         self.o_proj = nn.Linear(heads * d, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: HeadCache, start: int) -> torch.Tensor:
-        """x (m, in) at positions start.. start+m-1; its keys and values written into `cache` there; each row
-        attends to the cache before it and to itself. Returns (m, h)."""
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, window: Window) -> torch.Tensor:
+        """x (m, in) -> (m, h): its keys and values go where `window` puts them, and each row attends to
+        the keys `window` returns where its mask allows (HeadCache.window: the cache before it and
+        itself)."""
         m = x.shape[0]
         q = self.q_proj(x).view(m, self.heads, self.head_dim).transpose(0, 1)[None]  # (1, heads, m, D)
         k = self.k_proj(x).view(m, self.kv_heads, self.head_dim).transpose(0, 1)[None]
         v = self.v_proj(x).view(m, self.kv_heads, self.head_dim).transpose(0, 1)[None]
         q, k = apply_rotary_pos_emb(q, k, cos[None], sin[None])
-        keys, values = cache.write(start, k[0].transpose(0, 1), v[0].transpose(0, 1))  # (start + m, kv, D)
+        keys, values, visible = window(k[0].transpose(0, 1), v[0].transpose(0, 1))  # (L, kv, D) each, (m, L)
         groups = self.heads // self.kv_heads
         keys = keys.transpose(0, 1).repeat_interleave(groups, 0)[None]
         values = values.transpose(0, 1).repeat_interleave(groups, 0)[None]
-        visible = torch.arange(start + m, device=x.device) <= (start + torch.arange(m, device=x.device))[:, None]
         out = nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=visible)
         return self.o_proj(out[0].transpose(0, 1).reshape(m, -1))
 
@@ -166,17 +167,26 @@ class _Layer(nn.Module):
             self.hidden_norm = LlamaRMSNorm(h, config.rms_norm_eps)
 
 
+# Where a head's attention puts a step's keys and values and what it attends to:
+# (k, v) (m, kv, D) each -> (keys (L, kv, D), values (L, kv, D), visible (m, L) bool)
+Window = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
 class HeadCache:
-    """One sequence's keys and values in a head's one layer: (capacity, kv_heads, D) each, grown by doubling;
+    """One sequence's keys and values in a head's one layer: (capacity, kv_heads, D) each, grown by doubling,
+    or fixed views given (a slot of head_graphs.HeadPool: nothing is reallocated, captured steps read it);
     `length` entries valid (a rollback is a smaller length)."""
 
-    def __init__(self):
-        self.keys = self.values = None
+    def __init__(self, keys: torch.Tensor | None = None, values: torch.Tensor | None = None):
+        self.keys, self.values = keys, values
+        self.fixed = keys is not None
         self.length = 0
 
     def write(self, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         end = start + k.shape[0]
         if self.keys is None or end > self.keys.shape[0]:
+            if self.fixed:
+                raise ValueError(f"the head's cache holds {self.keys.shape[0]} positions, {end} asked for")
             capacity = max(64, 1 << (end - 1).bit_length())
             keys = k.new_zeros(capacity, *k.shape[1:])
             values = v.new_zeros(capacity, *v.shape[1:])
@@ -186,6 +196,15 @@ class HeadCache:
         self.keys[start:end], self.values[start:end] = k, v
         self.length = end
         return self.keys[:end], self.values[:end]
+
+    def window(self, start: int) -> Window:
+        """Rows at positions start.. written here; each sees the cache before it and itself."""
+        def attend(k, v):
+            keys, values = self.write(start, k, v)
+            m, end = k.shape[0], start + k.shape[0]
+            visible = torch.arange(end, device=k.device) <= (start + torch.arange(m, device=k.device))[:, None]
+            return keys, values, visible
+        return attend
 
     @property
     def bytes(self) -> int:
@@ -233,6 +252,11 @@ class EagleHead(nn.Module):
         """Entries start.. start+m-1: tokens (m,) (token i+1 of entry i), hidden (m, h) (`from_target`'s or
         the head's own output). Returns (the next hidden (m, h), logits over the target's vocabulary (m, V))."""
         positions = torch.arange(start, start + tokens.shape[0], device=tokens.device)
+        return self.step(tokens, hidden, positions, cache.window(start))
+
+    def step(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, window: Window
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` with the positions (m,) and the keys' place given: what a captured step replays."""
         embeds = nn.functional.embedding(tokens, self.embed).to(hidden.dtype)
         cos, sin = self.rotary(hidden, positions[None])
         if self.config.kind == EAGLE3:
@@ -242,7 +266,7 @@ class EagleHead(nn.Module):
         else:
             layer = self.layers[0]
             x = residual = self.fc(torch.cat([embeds, hidden], dim=-1))
-        x = residual + layer.self_attn(x, cos[0], sin[0], cache, start)
+        x = residual + layer.self_attn(x, cos[0], sin[0], window)
         out = x + layer.mlp(layer.post_attention_layernorm(x))
         if self.config.kind != EAGLE3:
             return out, nn.functional.linear(out, self.target_head)
@@ -250,7 +274,7 @@ class EagleHead(nn.Module):
         if draft_logits.shape[-1] == self.config.vocab_size:
             return out, draft_logits
         logits = draft_logits.new_full((draft_logits.shape[0], self.config.vocab_size), float("-inf"))
-        ids = torch.arange(draft_logits.shape[-1], device=logits.device) + self.d2t
+        ids = torch.arange(draft_logits.shape[-1], device=logits.device) + self.d2t  # draft id -> target id
         return out, logits.index_copy(1, ids, draft_logits)
 
 

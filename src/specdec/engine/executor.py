@@ -136,6 +136,8 @@ class Executor:
         if self.prefix is None or not seq.prefilling:
             return 0, 0
         seq.prefilling = step.k == 0 and step.num_logits == 0  # a prompt's chunk: more of it follows
+        if step.whole:  # every position runs (its blocks are still keyed for later prompts)
+            return 0, 0
         ids, size = step.new_ids, self.prefix.block_size
         if start != len(seq.chain) * size:
             return 0, len(ids)

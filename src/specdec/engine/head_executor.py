@@ -28,12 +28,14 @@ import torch
 from specdec.decoding.sampling import SamplingParams, greedy, logits_to_probs, sample
 from specdec.engine.draft_heads import EagleHead, HeadCache, MedusaHeads
 from specdec.engine.errors import CacheError, CapacityError
+from specdec.engine.executor import Executor
 from specdec.engine.interfaces import Drafted, Step
 
 
 @dataclass
 class HeadSequence:
     cache: HeadCache = field(default_factory=HeadCache)
+    slot: int | None = None  # its slot of the pool (captured steps), None: a cache of its own (eager)
     # The newest entry's output (EAGLE: the head's feature (1, h) and logits (V,), what the next draft
     # starts from; Medusa: the target's feature (F,))
     last_feature: torch.Tensor | None = None
@@ -51,9 +53,24 @@ class _NoForward:
         return "draft head: eager, per-sequence KV buffers"
 
 
+class _Captured(_NoForward):
+    def __init__(self, pool, steps):
+        self.pool, self.steps = pool, steps
+
+    def summary(self, ready: int, seconds: float) -> str:
+        return (f"draft head: one-token steps as CUDA graphs ({ready} window buckets up to {self.pool.capacity} "
+                f"positions, captured in {seconds:.1f} s), a pool of {len(self.pool.keys)} sequences "
+                f"({self.pool.bytes / 2**20:.0f} MiB); more sequences run eagerly")
+
+
 class HeadExecutor:
+    """graphs (EAGLE heads on CUDA; default there): the one-token draft steps replay CUDA graphs over a pool
+    of `graph_slots` sequences x `max_context` positions (head_graphs.py); sequences past the slots run
+    eagerly."""
+
     def __init__(self, head: EagleHead | MedusaHeads, max_sequences: int = 256, idle_timeout_s: float = 600.0,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, graphs: bool | None = None, max_context: int = 8192,
+                 graph_slots: int = 32):
         self.head = head
         self.config = head.config
         parameter = next(head.parameters())
@@ -66,23 +83,37 @@ class HeadExecutor:
         self.tokens_processed = 0
         self.prefix_queried_tokens = self.prefix_hit_tokens = 0
         self.prefix_cache_bytes = 0
+        if graphs is None:
+            graphs = self.device.type == "cuda"
+        self.pool = self.steps = None
+        if graphs and isinstance(head, EagleHead):
+            from specdec.engine.head_graphs import CapturedSteps, HeadPool
+            self.pool = HeadPool(head, min(graph_slots, max_sequences), max_context)
+            self.steps = CapturedSteps(head, self.pool)
+            self.forward = _Captured(self.pool, self.steps)
 
     @property
     def kv_bytes_allocated(self) -> int:
-        return sum(seq.cache.bytes for seq in self.sequences.values())
+        own = sum(seq.cache.bytes for seq in self.sequences.values() if seq.slot is None)
+        return own + (self.pool.bytes if self.pool is not None else 0)
 
     def warm_up(self, time_budget_s: float = 0.0) -> tuple[int, float]:
-        return 0, 0.0
+        """Capture the draft steps' graphs (with graphs): (buckets, seconds)."""
+        if self.steps is None:
+            return 0, 0.0
+        started = time.perf_counter()
+        with torch.inference_mode():
+            self.steps.capture()
+        return len(self.steps.graphs), time.perf_counter() - started
 
     def release(self, seq_id: int) -> bool:
-        return self.sequences.pop(seq_id, None) is not None
+        seq = self.sequences.pop(seq_id, None)
+        if seq is not None and seq.slot is not None:
+            self.pool.release(seq.slot)
+        return seq is not None
 
-    def evict_idle(self) -> list[int]:
-        deadline = self.clock() - self.idle_timeout_s
-        stale = [sid for sid, seq in self.sequences.items() if seq.last_used < deadline]
-        for sid in stale:
-            self.release(sid)
-        return stale
+    # The executor's own rule, over the same fields (sequences, last_used, clock, idle_timeout_s, release)
+    evict_idle = Executor.evict_idle
 
     @torch.inference_mode()
     def propose_many(self, steps: list[Step]) -> list[Drafted | CacheError]:
@@ -108,13 +139,18 @@ class HeadExecutor:
         if seq is None:
             if len(self.sequences) >= self.max_sequences:
                 raise CapacityError(f"{self.max_sequences} sequences are live (max_sequences)")
-            seq = self.sequences[step.seq_id] = HeadSequence()
+            taken = self.pool.cache() if self.pool is not None else None
+            seq = self.sequences[step.seq_id] = (HeadSequence() if taken is None else
+                                                 HeadSequence(cache=taken[1], slot=taken[0]))
         if step.k < 0:
             raise CacheError(f"num_draft_tokens must be >= 0, got {step.k}")
         if not step.new_ids:
             raise CacheError("no new tokens to append")
         if step.keep > seq.entries:
             raise CacheError(f"keep={step.keep} exceeds the {seq.entries} entries cached for sequence {step.seq_id}")
+        if seq.cache.fixed and step.keep + len(step.new_ids) + step.k > self.pool.capacity:
+            raise CacheError(f"the head's context holds {self.pool.capacity} positions (max_context_tokens), "
+                             f"{step.keep + len(step.new_ids) + step.k} asked for")
         seq.last_used = self.clock()
         return seq
 
@@ -151,8 +187,11 @@ class HeadExecutor:
             token = self._pick(logits, step, probs)
             drafted.append(token)
             if j + 1 < step.k:  # entry N - 1 + j: the head's own feature with the token it drafted
-                hidden, logits = head(token.reshape(1), hidden, seq.cache, seq.entries + j)
-                logits = logits[-1]
+                if seq.slot is not None and self.steps.graphs:  # captured (warm_up)
+                    hidden, logits = self.steps.run(token, hidden, seq.entries + j, seq.slot)
+                else:
+                    hidden, logits = head(token.reshape(1), hidden, seq.cache, seq.entries + j)
+                    logits = logits[-1]
         seq.cache.length = seq.entries  # the drafted entries go: the target's features replace them
         return Drafted(torch.cat(drafted).tolist(), torch.stack(probs) if probs else None, seq.entries)
 

@@ -31,6 +31,8 @@ class Step(NamedTuple):
     # i's parent (before i), or -1 where it follows the cached tokens. Each token attends to the cache and to
     # its ancestors, at the position after its parent's. None: a chain.
     tree: tuple[int, ...] | None = None
+    # extend: run every new token even where a prefix cache holds it (a head reads every position's features)
+    whole: bool = False
     # propose, for a trained head (head_executor.py): (rows, F) the target's features at the rows positions
     # before the last new token (fewer than it needs: the first ones are missing)
     features: torch.Tensor | None = None

@@ -47,27 +47,34 @@ def encode(tokenizer, prompt: str, chat_template: bool) -> list[int]:
 
 @torch.no_grad()  # not inference_mode: training reads these tensors under autograd
 def answer_and_featurize(model, tokenizer, prompts: list[str], layers: tuple[int, ...], answer_tokens: int,
-                         chat_template: bool = True, log=print) -> list[Sample]:
-    """The target's greedy answer to each prompt (up to answer_tokens, ending at its end token), then one
-    forward over prompt + answer for the features of `layers` (executor convention: the output of layer l,
-    transformers' hidden_states[l + 1]; the last layer's after the final norm)."""
+                         chat_template: bool = True, batch: int = 8, log=print) -> list[Sample]:
+    """The target's greedy answer to each prompt (up to answer_tokens, ending at its end token; `batch`
+    prompts at a time, left-padded), then one forward over each prompt + answer for the features of
+    `layers` (executor convention: the output of layer l, transformers' hidden_states[l + 1]; the last
+    layer's after the final norm)."""
     samples = []
     device = model.device
-    for i, prompt in enumerate(prompts):
-        ids = encode(tokenizer, prompt, chat_template)
-        out = model.generate(torch.tensor([ids], device=device), max_new_tokens=answer_tokens, do_sample=False,
-                             pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
-        tokens = out[0]
-        full = model(tokens[None], output_hidden_states=True)
-        states = full.hidden_states
-        samples.append(Sample(
-            tokens=tokens.cpu(),
-            features=torch.cat([states[layer + 1][0] for layer in layers], dim=-1).float().cpu(),
-            final=states[-1][0].float().cpu(),
-            greedy=full.logits[0].argmax(-1).cpu(),
-            prompt_length=len(ids)))
-        if (i + 1) % 10 == 0 or i + 1 == len(prompts):
-            log(f"answered {i + 1}/{len(prompts)} prompts ({sum(len(s.tokens) for s in samples)} tokens)")
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    for start in range(0, len(prompts), batch):
+        encoded = [encode(tokenizer, prompt, chat_template) for prompt in prompts[start:start + batch]]
+        width = max(len(ids) for ids in encoded)
+        ids = torch.tensor([[pad] * (width - len(row)) + row for row in encoded], device=device)
+        mask = torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in encoded], device=device)
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=answer_tokens, do_sample=False,
+                             pad_token_id=pad)
+        for row, prompt_ids in zip(out[:, width:].tolist(), encoded):
+            answer = row[:row.index(eos) + 1] if eos in row else row  # the end token kept, padding dropped
+            tokens = torch.tensor(prompt_ids + answer, device=device)
+            full = model(tokens[None], output_hidden_states=True)
+            states = full.hidden_states
+            samples.append(Sample(
+                tokens=tokens.cpu(),
+                features=torch.cat([states[layer + 1][0] for layer in layers], dim=-1).float().cpu(),
+                final=states[-1][0].float().cpu(),
+                greedy=full.logits[0].argmax(-1).cpu(),
+                prompt_length=len(prompt_ids)))
+        log(f"answered {len(samples)}/{len(prompts)} prompts ({sum(len(s.tokens) for s in samples)} tokens)")
     return samples
 
 

@@ -208,7 +208,7 @@ class LanguageModelAdapter(TritonAdapter):
             inputs = _inputs(request)
             if wire.StepMessage.decode(inputs).release:
                 return Job(request, seq_id)
-            return Job(request, seq_id, self._parse_step(inputs, seq_id))
+            return Job(request, seq_id, self._parse_step(inputs, seq_id, frozenset(request.requested_output_names())))
         except (CacheError, ValueError) as exc:
             return Job(request, seq_id, error=exc)
 
@@ -298,11 +298,13 @@ class LanguageModelAdapter(TritonAdapter):
         code = self.pb.TritonError.UNAVAILABLE if isinstance(exc, CapacityError) else self.pb.TritonError.INTERNAL
         return self.pb.InferenceResponse(error=self.pb.TritonError(f"{self.name}: {exc}", code))
 
-    def _parse_step(self, inputs: wire.Arrays, seq_id: int) -> Step:
+    def _parse_step(self, inputs: wire.Arrays, seq_id: int, wanted: frozenset = frozenset()) -> Step:
+        """The step a request asks for (`wanted`: the names of the outputs it asks for)."""
         message = wire.StepMessage.decode(inputs)
-        return Step(seq_id, message.keep, message.new_ids, reserve=message.reserve, **self._step_options(inputs))
+        return Step(seq_id, message.keep, message.new_ids, reserve=message.reserve,
+                    **self._step_options(inputs, wanted))
 
-    def _step_options(self, inputs: wire.Arrays) -> dict:
+    def _step_options(self, inputs: wire.Arrays, wanted: frozenset) -> dict:
         """The model-specific fields of a Step (num_logits, or k and sampling)."""
         raise NotImplementedError
 
@@ -339,9 +341,10 @@ class TargetModel(LanguageModelAdapter):
         self.lm.extend(WARM_UP_SEQUENCE, 17, [1, 2, 3, 4, 5], 5)  # a verify of K + 1 = 5 positions
         self.lm.release(WARM_UP_SEQUENCE)
 
-    def _step_options(self, inputs):
+    def _step_options(self, inputs, wanted=frozenset()):
         message = wire.VerifyMessage.decode(inputs)  # allowed: structured output's picks keep to the grammar
-        return {"num_logits": message.num_logits, "allowed": message.allowed}
+        # A head's rounds want the features of every position: a prompt runs whole, prefix cache or not
+        return {"num_logits": message.num_logits, "allowed": message.allowed, "whole": tn.FEATURES in wanted}
 
     def _run(self, steps):
         # With hidden_layers (a draft head is served), every step's features come too (Scored): a head's
@@ -437,10 +440,14 @@ class DraftModel(LanguageModelAdapter):
         self.served_layers = len(served)
         self.pb.Logger.log_info(f"{self.name}: {head.config.kind} head {head_path} over the target {target_path}, "
                                 f"reading layers {list(wanted)}")
+        # On CUDA its one-token steps replay CUDA graphs (head_graphs.py) unless compile is off.
+        compile_mode = params.str("compile", "auto", choices=tn.COMPILE_MODES)
         return HeadExecutor(head, max_sequences=params.int("max_sequences", 256, low=1),
-                            idle_timeout_s=params.float("sequence_idle_timeout_s", 600.0, low=1.0))
+                            idle_timeout_s=params.float("sequence_idle_timeout_s", 600.0, low=1.0),
+                            graphs=False if compile_mode == "off" else None,
+                            max_context=params.int("max_context_tokens", 8192, low=1))
 
-    def _step_options(self, inputs):
+    def _step_options(self, inputs, wanted=frozenset()):
         message = wire.ProposeMessage.decode(inputs)  # num_draft_tokens 0: a prompt's chunk, appended only
         generator = None if message.params.greedy else make_generator(message.seed, self.lm.logits_device)
         options = {"k": message.k, "params": message.params, "generator": generator}
