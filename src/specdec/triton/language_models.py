@@ -344,7 +344,8 @@ class TargetModel(LanguageModelAdapter):
     def _step_options(self, inputs, wanted=frozenset()):
         message = wire.VerifyMessage.decode(inputs)  # allowed: structured output's picks keep to the grammar
         # A head's rounds want the features of every position: a prompt runs whole, prefix cache or not
-        return {"num_logits": message.num_logits, "allowed": message.allowed, "whole": tn.FEATURES in wanted}
+        return {"num_logits": message.num_logits, "allowed": message.allowed,
+                "whole": tn.FEATURES in wanted and bool(self.lm.forward.hidden_layers)}
 
     def _run(self, steps):
         # With hidden_layers (a draft head is served), every step's features come too (Scored): a head's
@@ -378,10 +379,10 @@ class TargetModel(LanguageModelAdapter):
         outputs = [pb.Tensor(name, value) for name, value in message.encode().items()]
         if tn.LOGITS in requested:
             outputs.append(self._output(tn.LOGITS, logits.float()[None]))
-        if tn.FEATURES in requested:
-            if hidden is None:
-                raise ValueError(f"{tn.FEATURES} asked for, but no hidden_layers are configured")
-            outputs.append(self._output(tn.FEATURES, hidden.flatten(1).float()[None]))  # (1, rows, L x H)
+        if tn.FEATURES in requested:  # (1, rows, L x H); none served (no head): empty. A request naming no
+            # outputs asks for them all, features too
+            features = hidden.flatten(1).float()[None] if hidden is not None else torch.zeros(1, 0, 0)
+            outputs.append(self._output(tn.FEATURES, features))
         return pb.InferenceResponse(output_tensors=outputs)
 
 
