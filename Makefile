@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.specdec-setup
 
-.PHONY: readme-examples soak setup serve test unit integration deploy-check image image-lock clean loadtest bench bench-concurrency bench-batching bench-gpu bench-executor bench-overhead bench-structured bench-prefix bench-suffix gpukit
+.PHONY: readme-examples soak setup serve test unit integration deploy-check image image-lock clean loadtest bench bench-concurrency bench-batching bench-gpu bench-executor bench-overhead bench-structured bench-prefix bench-suffix bench-openai gpukit
 
 setup: $(STAMP)
 
@@ -55,6 +55,10 @@ loadtest: setup
 # transformers' assisted generation (starts its own server; about 20 minutes on 2 cores).
 bench: setup
 	$(PY) -m bench.speculative_bench --out .cache/bench.md
+
+# The OpenAI API's own cost: TTFT and chunk gaps through it against direct gRPC streaming, its CPU per token.
+bench-openai: setup
+	$(PY) -m bench.openai_gateway_bench --out .cache/bench-openai.md
 
 # Concurrency benchmark against a running server: 1, 2, 4, 8 streams, speculative vs target-only.
 bench-concurrency: setup

@@ -26,6 +26,7 @@ README = HERE.parent / "README.md"
 # The examples: name -> (kind, what is sent). Greedy, so the text is deterministic.
 HTTP_BODY = {"text_input": "What is the capital of France? Answer in one sentence.", "max_tokens": 40}
 CLI_ARGS = ["Write one sentence about the sea.", "--stream", "--max-tokens", "40"]
+OPENAI_MESSAGES = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 
 
 def http_example(base_url: str) -> tuple[str, dict]:
@@ -36,6 +37,24 @@ def http_example(base_url: str) -> tuple[str, dict]:
     command = f"curl -s localhost:8000/v2/models/ensemble/generate \\\n  -d '{json.dumps(HTTP_BODY)}'"
     block = f"```bash\n{command}\n```\n```json\n{json.dumps(answer, separators=(',', ':'), sort_keys=True)}\n```"
     return block, answer
+
+
+def openai_example(openai_url: str) -> tuple[str, dict]:
+    """A chat completion through the OpenAI API (openai_url: its base URL, http://host:port/v1)."""
+    with urllib.request.urlopen(f"{openai_url}/models", timeout=60) as response:
+        model = json.loads(response.read())["data"][0]["id"]
+    body = {"model": model, "messages": OPENAI_MESSAGES, "max_tokens": 40, "temperature": 0}
+    request = urllib.request.Request(f"{openai_url}/chat/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=300) as response:
+        answer = json.loads(response.read())
+    command = f"curl -s localhost:9000/v1/chat/completions \\\n  -d '{json.dumps(body)}'"
+    block = f"```bash\n{command}\n```\n```json\n{json.dumps(answer, separators=(',', ':'))}\n```"
+    return block, answer
+
+
+def readme_openai_answer() -> dict:
+    return json.loads(last_fence(readme_block("openai")))
 
 
 def cli_example(grpc_url: str) -> str:
@@ -74,21 +93,24 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--http-url", help="http://host:port of a running default-pair server")
     parser.add_argument("--grpc-url", help="host:port of its gRPC endpoint")
+    parser.add_argument("--openai-url", help="its OpenAI API's base URL (http://host:9000/v1)")
     args = parser.parse_args(argv)
     own = None
     if not args.http_url:
         cache = HERE.parent / ".cache"
         own = server.start(cache / "run" / "readme", cache / "readme-server.log", ["--pair", "default"])
-        args.http_url, args.grpc_url = own.http_url, own.grpc_url
+        args.http_url, args.grpc_url, args.openai_url = own.http_url, own.grpc_url, own.openai_url
     try:
         http_block, _ = http_example(args.http_url)
         cli_block = cli_example(args.grpc_url)
+        openai_block, _ = openai_example(args.openai_url)
     finally:
         if own is not None:
             own.stop()
     text = replace_block(README.read_text(), "http", http_block)
+    text = replace_block(text, "openai", openai_block)
     README.write_text(replace_block(text, "cli", cli_block))
-    print(http_block, cli_block, sep="\n\n")
+    print(http_block, cli_block, openai_block, sep="\n\n")
     return 0
 
 

@@ -1,10 +1,15 @@
-"""Locust load test of the speculative decoding ensemble: gRPC streaming and HTTP generate_stream users.
+"""Locust load test of the speculative decoding ensemble: gRPC streaming, HTTP generate_stream and OpenAI API
+users.
 
     locust -f loadtest/locustfile.py --headless -u 8 -r 8 -t 60s --host localhost:8001          # gRPC
     locust -f loadtest/locustfile.py --headless -u 8 -r 8 -t 60s --host http://localhost:8000   # HTTP
+    locust -f loadtest/locustfile.py --headless -u 8 -r 8 -t 60s --host http://localhost:9000/v1  # OpenAI API
 
-The host picks the user class (http:// -> HttpStreamUser, else GrpcStreamUser) unless classes are named on
-the command line. Each request is one entry in Locust's statistics ("generate"); its time to first token,
+The host picks the user class (.../v1 -> OpenAIUser: streamed chat completions with usage; other http://
+-> HttpStreamUser; else GrpcStreamUser) unless classes are named on the command line. OpenAIUser sends
+temperature 0 unless --temperature says otherwise (OpenAI's default, 1, would make its runs incomparable
+with the other users'), the model --openai-model (SPECDEC_OPENAI_MODEL; default: the first /v1/models
+lists) and the key SPECDEC_API_KEY if set. Each request is one entry in Locust's statistics ("generate"); its time to first token,
 inter-token latency, output tokens and acceptance are kept beside them (as entries they would add to
 Locust's aggregated request rate), and at the end the summary prints requests, failures, TTFT
 p50/p90/p99, ITL p50/p90, output tokens/s and mean acceptance rate (genai-perf definitions); with --csv
@@ -62,6 +67,7 @@ def _options(parser):
     parser.add_argument("--guided-fraction", type=float, default=float(env("SPECDEC_GUIDED_FRACTION", "0")))
     parser.add_argument("--guides-file", default=env("SPECDEC_GUIDES", str(HERE / "guided.jsonl")))
     parser.add_argument("--system-prompt-file", default=env("SPECDEC_SYSTEM_PROMPT", ""))
+    parser.add_argument("--openai-model", default=env("SPECDEC_OPENAI_MODEL", ""))
 
 
 class Samples:
@@ -119,7 +125,10 @@ def _pick_user_class(environment, **_kwargs):
     options = environment.parsed_options
     if options is None or getattr(options, "user_classes", None) or not environment.host:
         return
-    wanted = HttpStreamUser if environment.host.startswith(("http://", "https://")) else GrpcStreamUser
+    if environment.host.rstrip("/").endswith("/v1"):
+        wanted = OpenAIUser
+    else:
+        wanted = HttpStreamUser if environment.host.startswith(("http://", "https://")) else GrpcStreamUser
     environment.user_classes = [wanted]
 
 
@@ -137,7 +146,7 @@ def _receive_samples(client_id, data, **_kwargs):
 def _summary(environment, **_kwargs):
     if isinstance(environment.runner, WorkerRunner):
         return  # the master has this worker's samples and prints the summary
-    entries = [environment.stats.entries[key] for key in (("generate", "grpc"), ("generate", "http"))
+    entries = [environment.stats.entries[key] for key in (("generate", "grpc"), ("generate", "http"), ("generate", "openai"))
                if key in environment.stats.entries]
     requests_done = sum(e.num_requests for e in entries)
     failures = sum(e.num_failures for e in entries)
@@ -306,6 +315,75 @@ class HttpStreamUser(_SpecdecMixin, User):
                     payload = parse_sse_line(line or "")
                     if payload is not None:
                         builder.add(payload)
+        except Exception as exc:  # noqa: BLE001
+            exception = exc
+        self.record(sent, builder.result, exception)
+
+
+# A guide of the load test's guides file as the OpenAI API's vLLM-style `structured_outputs` object.
+_OPENAI_GUIDES = {"json": lambda guide: {"json_object": True}, "json_schema": lambda guide: {"json": json.loads(guide)},
+                  "regex": lambda guide: {"regex": guide}, "ebnf_grammar": lambda guide: {"grammar": guide},
+                  "choice": lambda guide: {"choice": json.loads(guide)}}
+
+
+class OpenAIUser(_SpecdecMixin, User):
+    """Streams every request as an OpenAI chat completion (host: the API's base URL, http://host:9000/v1),
+    with stream_options.include_usage: TTFT at the first chunk with content, output tokens from `usage`,
+    acceptance from the response's `speculative_decoding` statistics."""
+
+    request_type = "openai"
+
+    def on_start(self):
+        super().on_start()
+        self.session = requests.Session()
+        key = os.environ.get("SPECDEC_API_KEY")
+        if key:
+            self.session.headers["Authorization"] = f"Bearer {key}"
+        self.base = self.host.rstrip("/")
+        self.model = getattr(self.environment.parsed_options, "openai_model", "") or \
+            self.session.get(f"{self.base}/models", timeout=30).json()["data"][0]["id"]
+
+    def on_stop(self):
+        self.session.close()
+
+    def body(self, prompt: str, params: GenerationParams) -> dict:
+        body = {"model": self.model, "messages": [{"role": "user", "content": prompt}], "stream": True,
+                "stream_options": {"include_usage": True}, "max_tokens": params.max_tokens,
+                "temperature": params.temperature if params.temperature is not None else 0.0}
+        if params.num_draft_tokens is not None:
+            body["num_draft_tokens"] = params.num_draft_tokens
+        if params.draft_model is not None:
+            body["draft_model"] = params.draft_model
+        if params.guide_type:
+            body["structured_outputs"] = _OPENAI_GUIDES[params.guide_type](params.guide)
+        return body
+
+    @task
+    def generate(self):
+        builder = ResultBuilder()
+        sent = builder.sent
+        exception = None
+        prompt, params = self.request()
+        try:
+            with self.session.post(f"{self.base}/chat/completions", json=self.body(prompt, params), stream=True,
+                                   timeout=(10, 600)) as response:
+                if response.status_code != 200:
+                    raise classify_http_error(response.status_code, response.text)
+                for line in response.iter_lines(decode_unicode=True):
+                    if not line or not line.startswith("data:") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[len("data:"):])
+                    if "error" in chunk:
+                        raise classify_http_error(500, json.dumps({"error": chunk["error"]["message"]}))
+                    fields = dict(chunk.get("speculative_decoding") or {})
+                    content = "".join((c.get("delta") or {}).get("content") or "" for c in chunk.get("choices", []))
+                    if content:
+                        fields[tn.TEXT_OUTPUT] = content
+                    if chunk.get("usage"):
+                        fields[tn.NUM_OUTPUT_TOKENS] = chunk["usage"]["completion_tokens"]
+                        fields[tn.NUM_INPUT_TOKENS] = chunk["usage"]["prompt_tokens"]
+                    if fields:  # not the role chunk, which carries no token (TTFT stays honest)
+                        builder.add(fields)
         except Exception as exc:  # noqa: BLE001
             exception = exc
         self.record(sent, builder.result, exception)

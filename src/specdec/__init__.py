@@ -7,6 +7,7 @@ Chen et al. 2023, https://arxiv.org/abs/2302.01318).
 One subpackage per layer; imports point down only (each folder's docstring lists its modules):
 
   serving/    launcher, model pairs, repository rendering, health check    (may import every layer below)
+  gateway/    the OpenAI-compatible API, a process beside tritonserver       (decoding.text)
   train/      training draft heads (EAGLE-3) on a target's own answers: python -m specdec.train
                                                                             (engine, decoding)
   triton/     the Python-backend adapters behind model_repository/*/model.py, BLS proposer and scorer,

@@ -6,7 +6,11 @@ Dims exclude the batch dimension (every public model has max_batch_size > 0).
 """
 
 # ---- ensemble inputs -------------------------------------------------------------------------
-TEXT_INPUT = "text_input"  # STRING [1], required
+TEXT_INPUT = "text_input"  # STRING [1]: the prompt; this or messages is required
+# STRING [1]: instead of text_input, a chat as a JSON list of {"role": ..., "content": "..."} rendered through the
+# tokenizer's chat template with the assistant's turn opened (what the OpenAI API's chat endpoint sends)
+MESSAGES = "messages"
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_TOKENS = "max_tokens"  # INT32 [1]
 NUM_DRAFT_TOKENS = "num_draft_tokens"  # INT32 [1]; 0 = target-only decoding through the same path
 ADAPTIVE_DRAFT = "adaptive_draft"  # BOOL [1]; true: num_draft_tokens is the maximum, K adapts per round
@@ -49,6 +53,7 @@ GUIDE_TYPES = ("json", "json_schema", "regex", "ebnf_grammar", "choice")
 
 # ---- ensemble outputs ------------------------------------------------------------------------
 TEXT_OUTPUT = "text_output"  # STRING [-1]
+OUTPUT_IDS = "output_ids"  # INT32 [-1]: the tokens of this response (public; postprocessing decodes them)
 FINISH_REASON = "finish_reason"  # STRING [1]: length | stop | cancelled
 NUM_INPUT_TOKENS = "num_input_tokens"  # INT32 [1]
 NUM_OUTPUT_TOKENS = "num_output_tokens"  # INT32 [1]
@@ -65,7 +70,6 @@ CUM_LOG_PROBS = "cum_log_probs"  # FP32 [1]
 # ---- internal tensors between the models -----------------------------------------------------
 INPUT_IDS = "input_ids"  # INT32 [-1]: preprocessing output; draft/target: tokens to append
 INPUT_LENGTH = "input_length"  # INT32 [1]
-OUTPUT_IDS = "output_ids"  # INT32 [-1]: tokens of this response
 PREFIX_IDS = "prefix_ids"  # INT32 [-1]: tokens emitted before output_ids (detokenization context)
 CACHE_LENGTH = "cache_length"  # INT32 [1]: keep this many cached tokens, drop the rest (rollback)
 NUM_LOGITS = "num_logits"  # INT32 [1]: target returns the last num_logits positions

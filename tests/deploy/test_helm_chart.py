@@ -414,3 +414,25 @@ def test_one_value_drives_the_drain_the_grace_period_and_the_exit():
     exit_timeout = int(next(a for a in args.server_args if a.startswith("--exit-timeout-secs=")).split("=")[1])
     pre_stop = int(triton["lifecycle"]["preStop"]["exec"]["command"][1])
     assert pod["terminationGracePeriodSeconds"] > pre_stop + args.drain_timeout + exit_timeout
+
+
+def test_the_openai_api_has_a_port_a_service_port_an_ingress_path_and_a_key_from_a_secret():
+    docs = render_chart({"ingress": {"enabled": True}, "openai": {"servedModelNames": ["llama-3.1-8b", "llama"],
+                                                                   "apiKeySecret": "openai-key"}})
+    triton = deployment(docs)["spec"]["template"]["spec"]["containers"][0]
+    ports = {port["name"]: port["containerPort"] for port in triton["ports"]}
+    env = {var["name"]: var for var in triton["env"]}
+    assert str(ports["openai"]) == env["OPENAI_PORT"]["value"] == "9000"
+    assert env["SPECDEC_API_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "openai-key", "key": "api-key"}
+    args = triton["args"][:triton["args"].index("--")]
+    assert launcher.parse_args(args).served_model_name == ["llama-3.1-8b", "llama"]
+    (service,) = by_kind(docs, "Service")
+    assert {"name": "openai", "port": 9000, "targetPort": "openai", "protocol": "TCP"} in service["spec"]["ports"]
+    (ingress,) = by_kind(docs, "Ingress")
+    paths = {p["path"]: p["backend"]["service"]["port"]["name"] for p in ingress["spec"]["rules"][0]["http"]["paths"]}
+    assert paths == {"/v1": "openai", "/": "http"}
+    off = render_chart({"openai": {"enabled": False}, "ingress": {"enabled": True}})
+    triton = deployment(off)["spec"]["template"]["spec"]["containers"][0]
+    assert {var["name"]: var.get("value") for var in triton["env"]}["OPENAI_PORT"] == "0"
+    assert "openai" not in {port["name"] for port in triton["ports"]}
+    assert "SPECDEC_API_KEY" not in {var["name"] for var in triton["env"]}

@@ -51,5 +51,9 @@ def test_readme_examples_show_what_the_server_answers(default_server):
     shown = examples.readme_http_answer()
     for field in (tn.TEXT_OUTPUT, tn.FINISH_REASON, tn.NUM_INPUT_TOKENS, tn.NUM_OUTPUT_TOKENS):
         assert answer[field] == shown[field], field
+    _, chat = examples.openai_example(default_server.openai_url)
+    shown = examples.readme_openai_answer()
+    assert chat["choices"][0]["message"] == shown["choices"][0]["message"]
+    assert chat["usage"] == shown["usage"] and chat["model"] == shown["model"]
     cli_text = examples.last_fence(examples.cli_example(default_server.grpc_url)).splitlines()[0]
     assert cli_text == examples.last_fence(examples.readme_block("cli")).splitlines()[0]

@@ -1,6 +1,7 @@
 """`make serve`'s launcher on a server of its own: ready and serving; then SIGTERM, as Kubernetes sends it on a
-rollout or scale-down, drops readiness at once, lets the stream in flight finish and stops the server, every
-stub and the stubs' shared scratch, with exit code 0."""
+rollout or scale-down, drops readiness at once, lets the streams in flight finish (one over gRPC, one through
+the OpenAI API) and stops the server, the OpenAI API's process, every stub and the stubs' shared scratch,
+with exit code 0."""
 
 import re
 import subprocess
@@ -9,7 +10,9 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
+import openai
 import pytest
 
 from client import Client, GenerationParams
@@ -68,7 +71,7 @@ def test_every_model_is_warmed_up_in_its_own_stub_before_ready(own):
 def test_sigterm_during_a_long_stream_lets_it_finish_then_stops_everything(own):
     scratch = _scratch(own)
     results, failures = [], []
-    first_text = threading.Event()
+    first_text, first_chat = threading.Event(), threading.Event()
 
     def stream():
         try:
@@ -79,11 +82,31 @@ def test_sigterm_during_a_long_stream_lets_it_finish_then_stops_everything(own):
             failures.append(exc)
         first_text.set()
 
+    def chat():
+        try:
+            api = openai.OpenAI(base_url=own.openai_url, api_key="unused", max_retries=0, timeout=300)
+            chunks = []
+            for chunk in api.chat.completions.create(
+                    model=api.models.list().data[0].id, messages=[{"role": "user", "content": "Once upon a time"}],
+                    max_tokens=TOKENS, temperature=0, stream=True, stream_options={"include_usage": True},
+                    extra_body={"ignore_eos": True, "num_draft_tokens": 2}):
+                chunks.append(chunk)
+                first_chat.set()
+            results.append(chunks)
+        except Exception as exc:  # noqa: BLE001 - reported below
+            failures.append(exc)
+        first_chat.set()
+
     worker = threading.Thread(target=stream)
     worker.start()
+    chatter = threading.Thread(target=chat)
+    chatter.start()
+    gateway = subprocess.run(["pgrep", "-f", f"specdec.gateway --port {own.openai_port} "], capture_output=True,
+                             text=True).stdout.split()
+    assert len(gateway) == 1, gateway
     assert _readiness(own) == (200, "ready\n")  # the chart's readiness probe
-    assert first_text.wait(timeout=120)
-    assert worker.is_alive(), (failures, results)  # still generating: 300 tokens take seconds
+    assert first_text.wait(timeout=120) and first_chat.wait(timeout=120)
+    assert worker.is_alive() and chatter.is_alive(), (failures, results)  # still generating: 300 tokens take seconds
     own.process.terminate()  # SIGTERM, as Kubernetes sends it
     deadline = time.monotonic() + 5
     while own.ready() and time.monotonic() < deadline:
@@ -95,10 +118,15 @@ def test_sigterm_during_a_long_stream_lets_it_finish_then_stops_everything(own):
     status, text = _readiness(own)
     assert status == 503 and "draining" in text
     worker.join(timeout=240)
+    chatter.join(timeout=240)
     code = own.process.wait(timeout=120)  # drained, then stopped by itself
     assert not failures, failures
-    (result,) = results
+    (result,) = [r for r in results if not isinstance(r, list)]
     assert result.finish_reason == "length" and result.num_output_tokens == TOKENS
+    (chunks,) = [r for r in results if isinstance(r, list)]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == TOKENS
+    assert not Path(f"/proc/{gateway[0]}").exists()  # the OpenAI API's process stopped too
     assert code == 0
     assert not stubs_left(own.run_dir)
     assert not any(path.exists() for path in scratch), scratch  # the launcher removed it

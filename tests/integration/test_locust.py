@@ -28,9 +28,9 @@ def run_locust(tmp_path, host, seconds=10, extra=()):
     return out, {(row["Type"], row["Name"]): row for row in rows}, latency
 
 
-@pytest.mark.parametrize("scheme", ["grpc", "http"])
+@pytest.mark.parametrize("scheme", ["grpc", "http", "openai"])
 def test_locust_headless_records_requests_and_ttft(server, tmp_path, scheme):
-    host = server.grpc_url if scheme == "grpc" else server.http_url
+    host = {"grpc": server.grpc_url, "http": server.http_url, "openai": server.openai_url}[scheme]
     out, rows, latency = run_locust(tmp_path, host)
     assert out.returncode == 0, out.stderr[-3000:]
     generate = rows[(scheme, "generate")]

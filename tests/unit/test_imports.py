@@ -9,7 +9,7 @@ import specdec
 
 ROOT = Path(specdec.__file__).parent
 # Each layer may import the layers after it, never one before it.
-LAYERS = ["serving", "train", "triton", "engine", "decoding"]
+LAYERS = ["serving", "gateway", "train", "triton", "engine", "decoding"]
 
 
 def modules() -> dict[str, Path]:

@@ -18,6 +18,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from specdec import tensor_names as tn
+
 REPLACEMENT_CHAR = "\ufffd"
 CONTEXT_TOKENS = 6  # preceding tokens sent with a chunk: enough for byte-level and SentencePiece merges
 
@@ -156,3 +158,28 @@ class TextEmitter:
         self.emitted += ids
         self.text += text
         return Emission(ids, prefix, text, text_length, stopped)
+
+
+def chat_messages(raw: str, field: str) -> list[dict[str, str]]:
+    """A chat (the `messages` input): a JSON list of {"role": one of CHAT_ROLES, "content": text}, checked;
+    ValueError names `field` and the message at fault."""
+    try:
+        messages = json.loads(raw)
+    except ValueError as exc:
+        raise ValueError(f"input '{field}' is not JSON ({exc})") from None
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"input '{field}' must be a non-empty JSON list of {{\"role\", \"content\"}} objects")
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise ValueError(f"input '{field}'[{i}] must be an object with 'role' and 'content'")
+        role, content = message.get("role"), message.get("content")
+        if role not in tn.CHAT_ROLES:
+            raise ValueError(f"input '{field}'[{i}].role must be one of {list(tn.CHAT_ROLES)}, got {role!r}")
+        if not isinstance(content, str):
+            raise ValueError(f"input '{field}'[{i}].content must be a string, got {type(content).__name__}")
+        unknown = sorted(set(message) - {"role", "content", "name"})
+        if unknown:
+            raise ValueError(f"input '{field}'[{i}] has fields this server does not take: {unknown}")
+        out.append({key: message[key] for key in ("role", "content", "name") if key in message})
+    return out

@@ -5,6 +5,7 @@
   pairs        the model pairs (tiny, default, custom paths) prepared into a local cache
   repository   render model_repository/ for a pair (config.pbtxt parameters, instance groups)
   healthcheck  exit 0 when the local server is ready (the image's HEALTHCHECK)
+  gateway_process  the OpenAI API's process as the launcher runs it (started, restarted, drained first)
   fetch        download the pair's weights into a volume once (the chart's init container)
   mps          a CUDA MPS control daemon of the launcher's own (`--mps`)
   metrics_text reading a server's Prometheus text (the launcher's drain, benchmarks, tests)

@@ -2,9 +2,10 @@
 when it is (the image's HEALTHCHECK), and the launcher answers GET /ready on HEALTH_PORT (the chart's
 readiness probe: an HTTP probe, so the kubelet starts no process in the pod every few seconds).
 
-Ready means /v2/health/ready answers 200 (with --strict-readiness: every model is loaded) and the server is
-not draining: after SIGTERM the launcher raises a marker and lets the streams in flight finish, and
-readiness must drop at once so that new requests go elsewhere. The port comes from HTTP_PORT (default 8000).
+Ready means /v2/health/ready answers 200 (with --strict-readiness: every model is loaded), the server is
+not draining (after SIGTERM the launcher raises a marker and lets the streams in flight finish, and
+readiness must drop at once so that new requests go elsewhere), and, where the launcher runs the OpenAI API
+(OPENAI_PORT, not 0), its GET /health answers 200. The ports come from HTTP_PORT (default 8000) and OPENAI_PORT.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import urllib.request
 from pathlib import Path
 
 READY_PATH = "/ready"  # the launcher's readiness endpoint (HEALTH_PORT)
+GATEWAY_HEALTH_PATH = "/health"  # the OpenAI API's (specdec.gateway): 200 once it reaches a ready ensemble
 
 
 def ready_url(http_port: int, host: str = "127.0.0.1") -> str:
@@ -29,24 +31,34 @@ def drain_marker(http_port: int) -> Path:
     return Path(tempfile.gettempdir()) / f"specdec-draining-{http_port}"
 
 
-def is_ready(http_port: int, timeout_s: float = 4.0) -> bool:
-    """True when the server on http_port reports ready and is not draining; any failure to answer is
-    'not ready'."""
-    if drain_marker(http_port).exists():
-        return False
+def is_ready(http_port: int, timeout_s: float = 4.0, openai_port: int = 0) -> bool:
+    """True when the server on http_port reports ready and is not draining, and the OpenAI API on
+    openai_port (0: none) answers its health check; any failure to answer is 'not ready'."""
+    return not_ready(http_port, timeout_s, openai_port) is None
+
+
+def answers(url: str, timeout_s: float) -> bool:
     try:
-        with urllib.request.urlopen(ready_url(http_port), timeout=timeout_s) as response:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
             return response.status == 200
     except OSError:
         return False
 
 
-def not_ready(http_port: int, timeout_s: float = 4.0) -> str | None:
-    """None when the server on http_port is ready, else why not (one line)."""
-    if is_ready(http_port, timeout_s):
-        return None
-    draining = " (draining)" if drain_marker(http_port).exists() else ""
-    return f"not ready{draining}: {ready_url(http_port)}"
+def gateway_url(openai_port: int, host: str = "127.0.0.1") -> str:
+    return f"http://{host}:{openai_port}{GATEWAY_HEALTH_PATH}"
+
+
+def not_ready(http_port: int, timeout_s: float = 4.0, openai_port: int = 0) -> str | None:
+    """None when the server on http_port (and the OpenAI API on openai_port, unless 0) is ready, else why
+    not (one line)."""
+    if drain_marker(http_port).exists():
+        return f"not ready (draining): {ready_url(http_port)}"
+    if not answers(ready_url(http_port), timeout_s):
+        return f"not ready: {ready_url(http_port)}"
+    if openai_port and not answers(gateway_url(openai_port), timeout_s):
+        return f"not ready: the OpenAI API at {gateway_url(openai_port)}"
+    return None
 
 
 def health_port() -> int:
@@ -54,19 +66,24 @@ def health_port() -> int:
     return int(os.environ.get("HEALTH_PORT", 8003))
 
 
+def openai_port() -> int:
+    """The OpenAI API's port (OPENAI_PORT, default 9000, Triton's own OpenAI frontend's; 0: none)."""
+    return int(os.environ.get("OPENAI_PORT", 9000))
+
+
 class ReadinessEndpoint:
     """GET /ready on `port` (all interfaces: the kubelet probes the pod's address): 200 while the server
     on http_port is ready, 503 with the reason otherwise; served from a daemon thread of the launcher.
     Raises OSError at construction when the port is taken."""
 
-    def __init__(self, port: int, http_port: int, host: str = "0.0.0.0"):
+    def __init__(self, port: int, http_port: int, host: str = "0.0.0.0", openai_port: int = 0):
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_GET(self):  # noqa: N802 (the stdlib's name)
                 if self.path.split("?", 1)[0] != READY_PATH:
                     self._answer(404, f"not found: {self.path} (readiness is GET {READY_PATH})")
                     return
                 # Within the probes' 5 s timeout, with room for the answer.
-                reason = not_ready(http_port, timeout_s=2.0)
+                reason = not_ready(http_port, timeout_s=2.0, openai_port=openai_port)
                 self._answer(503 if reason else 200, reason or "ready")
 
             def _answer(self, status: int, text: str) -> None:
@@ -92,7 +109,7 @@ class ReadinessEndpoint:
 
 
 def main() -> int:
-    reason = not_ready(int(os.environ.get("HTTP_PORT", "8000")))
+    reason = not_ready(int(os.environ.get("HTTP_PORT", "8000")), openai_port=openai_port())
     if reason:
         print(reason, file=sys.stderr)
         return 1

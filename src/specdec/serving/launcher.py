@@ -12,8 +12,10 @@ The repository comes from one of: a named pair (--pair / PAIR: tiny | default), 
 rendered repository (--model-repository, as the Helm chart mounts it). Arguments after `--` go to
 tritonserver unchanged.
 
-Environment: PAIR, HTTP_PORT, GRPC_PORT, METRICS_PORT (8000/8001/8002), and HEALTH_PORT (8003; 0: none):
-the launcher's own readiness endpoint, GET /ready (ready and not draining; healthcheck.py).
+Environment: PAIR, HTTP_PORT, GRPC_PORT, METRICS_PORT (8000/8001/8002), HEALTH_PORT (8003; 0: none):
+the launcher's own readiness endpoint, GET /ready (ready and not draining; healthcheck.py), and OPENAI_PORT
+(9000; 0: none): the OpenAI-compatible API (`specdec.gateway`), a process the launcher runs beside the
+server, restarts if it dies and drains first (SPECDEC_API_KEY: the key its clients must send).
 """
 
 from __future__ import annotations
@@ -36,7 +38,10 @@ from pathlib import Path
 
 from specdec import tensor_names as tn
 from specdec.serving import mps, pairs, repository
-from specdec.serving.healthcheck import READY_PATH, ReadinessEndpoint, drain_marker, health_port, is_ready
+from specdec.serving.gateway_process import GatewayProcess, default_model_name, repository_tokenizer
+from specdec.serving.healthcheck import (
+    READY_PATH, ReadinessEndpoint, answers, drain_marker, gateway_url, health_port, is_ready, openai_port,
+)
 from specdec.serving.metrics_text import scrape, sum_samples
 from specdec.serving.pairs import log
 from specdec.triton.admission import cancellation, kv_room, sequence_slots
@@ -130,6 +135,18 @@ def wait_ready(http_port: int, process: subprocess.Popen, timeout_s: float,
             last_note = time.monotonic()
         time.sleep(0.5)
     raise TimeoutError(f"tritonserver not ready after {timeout_s:.0f} s")
+
+
+def wait_gateway(gateway: GatewayProcess, stop: threading.Event, timeout_s: float = 60.0) -> None:
+    """Wait until the OpenAI API answers its health check (it starts in about a second, beside models that
+    take far longer; a gateway that does not come up is logged, and readiness keeps saying not ready)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and not stop.is_set():
+        if answers(gateway_url(gateway.port), 2.0):
+            return
+        gateway.keep_alive()
+        time.sleep(0.25)
+    log(f"the OpenAI API does not answer at {gateway_url(gateway.port)}")
 
 
 def in_flight(metrics_port: int) -> float:
@@ -253,6 +270,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--set", action="append", default=[], metavar="MODEL.PARAMETER=VALUE",
                         help="override a config.pbtxt parameter of the rendered repository (repeatable), "
                              "e.g. target_model.batched_forward=false")
+    parser.add_argument("--served-model-name", action="append", default=[],
+                        help="the model name OpenAI clients send (repeatable: aliases); default: the target's "
+                             "directory name")
     parser.add_argument("--model-repository", help="serve this already rendered repository as is")
     parser.add_argument("--triton-root", default=os.environ.get("TRITON_ROOT"),
                         help="an installed Triton (e.g. /opt/tritonserver) instead of the wheel's server")
@@ -303,10 +323,19 @@ def main(argv: list[str] | None = None) -> int:
     command = server_command(layout, repo, http_port, grpc_port, metrics_port, extra=args.server_args)
     log(f"starting tritonserver ({label}): {' '.join(redact(arg) for arg in command)}")
     drain_marker(http_port).unlink(missing_ok=True)  # left by an earlier server on this port
+    gateway = None
+    if openai_port():
+        if accepts(openai_port()):
+            log(f"OPENAI_PORT {openai_port()}: the port is taken; set OPENAI_PORT to a free port, or to 0 for no "
+                "OpenAI API")
+            return 1
+        tokenizer = repository_tokenizer(repo)
+        gateway = GatewayProcess(openai_port(), grpc_port, args.served_model_name or [default_model_name(tokenizer)],
+                                 tokenizer, args.drain_timeout, dict(os.environ))
     endpoint = None
     if health_port():
         try:
-            endpoint = ReadinessEndpoint(health_port(), http_port)
+            endpoint = ReadinessEndpoint(health_port(), http_port, openai_port=gateway.port if gateway else 0)
         except OSError as exc:
             log(f"HEALTH_PORT {health_port()}: cannot serve the readiness endpoint ({exc}); "
                 "set HEALTH_PORT to a free port, or to 0 for none")
@@ -327,6 +356,8 @@ def main(argv: list[str] | None = None) -> int:
     # Its own process group, which its stubs join: whatever outlives it is found and stopped below.
     process = subprocess.Popen(command, env=server_env(layout, mps_daemon.env if mps_daemon else None),
                                start_new_session=True)
+    if gateway is not None:
+        gateway.start()
     stopping = threading.Event()
     serving = threading.Event()
 
@@ -351,18 +382,29 @@ def main(argv: list[str] | None = None) -> int:
         wait_ready(http_port, process, args.ready_timeout, stopping, metrics_port)
         if not stopping.is_set():
             serving.set()
+            openai = ""
+            if gateway is not None:
+                wait_gateway(gateway, stopping)
+                openai = f" OpenAI API {gateway.url}"
             log(f"READY: http://localhost:{http_port} grpc localhost:{grpc_port} "
-                f"metrics http://localhost:{metrics_port}/metrics ({label})")
+                f"metrics http://localhost:{metrics_port}/metrics{openai} ({label})")
     except (RuntimeError, TimeoutError) as exc:
         log(str(exc))
         if process.poll() is None:
             process.terminate()
     while process.poll() is None and not stopping.wait(0.5):
-        pass
+        if gateway is not None:
+            gateway.keep_alive()
+    if gateway is not None:
+        gateway.drain()  # it takes no new connection; its answers in flight are served below
     if process.poll() is None and serving.is_set():
         drain(http_port, metrics_port, process, args.drain_timeout)
+        if gateway is not None:
+            gateway.wait(args.drain_timeout)
         if process.poll() is None:
             process.terminate()
+    if gateway is not None:
+        gateway.wait(10)
     code = process.wait()
     if endpoint is not None:
         endpoint.close()

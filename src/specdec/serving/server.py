@@ -8,10 +8,11 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from specdec.serving.healthcheck import READY_PATH, is_ready
+from specdec.serving.healthcheck import READY_PATH, answers, gateway_url, is_ready
 from specdec.serving.metrics_text import scrape, sum_samples
 from specdec.serving.launcher import wait_ready
 
@@ -32,12 +33,23 @@ class ServerStartError(RuntimeError):
     pass
 
 
+def wait_openai(server: "ServerProcess", timeout_s: float) -> None:
+    """Until the OpenAI API the launcher started answers its health check (it comes up in a second or two,
+    the models far later: this rarely waits)."""
+    deadline = time.monotonic() + timeout_s
+    while not answers(gateway_url(server.openai_port), 2.0):
+        if time.monotonic() > deadline or server.process.poll() is not None:
+            raise RuntimeError(f"the OpenAI API does not answer at {gateway_url(server.openai_port)}")
+        time.sleep(0.2)
+
+
 @dataclass
 class ServerProcess:
     http_port: int
     grpc_port: int
     metrics_port: int
     health_port: int  # the launcher's readiness endpoint (GET /ready)
+    openai_port: int  # the OpenAI API (specdec.gateway) the launcher runs beside the server
     run_dir: Path
     log_path: Path
     process: subprocess.Popen
@@ -54,6 +66,11 @@ class ServerProcess:
     def readiness_url(self) -> str:
         """The launcher's readiness endpoint (the chart's readiness probe)."""
         return f"http://localhost:{self.health_port}{READY_PATH}"
+
+    @property
+    def openai_url(self) -> str:
+        """The OpenAI API's base URL (what openai.OpenAI(base_url=...) takes)."""
+        return f"http://localhost:{self.openai_port}/v1"
 
     @property
     def metrics_url(self) -> str:
@@ -87,17 +104,18 @@ def start(run_dir: Path, log_path: Path, launcher_args: list[str], ready_timeout
           env: dict[str, str] | None = None) -> ServerProcess:
     """Start `python -m specdec.serving.launcher --run-dir RUN_DIR LAUNCHER_ARGS` on free ports and wait
     until it is ready; its output goes to log_path."""
-    http, grpc, metrics, health = free_ports(4)
+    http, grpc, metrics, health, openai = free_ports(5)
     env = dict(os.environ if env is None else env, HTTP_PORT=str(http), GRPC_PORT=str(grpc),
-               METRICS_PORT=str(metrics), HEALTH_PORT=str(health))
+               METRICS_PORT=str(metrics), HEALTH_PORT=str(health), OPENAI_PORT=str(openai))
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "w") as log:
         # --run-dir first: launcher_args may end with `-- <tritonserver flags>`.
         process = subprocess.Popen([sys.executable, "-m", "specdec.serving.launcher", "--run-dir", str(run_dir),
                                     *launcher_args], env=env, stdout=log, stderr=subprocess.STDOUT)
-    server = ServerProcess(http, grpc, metrics, health, run_dir, log_path, process)
+    server = ServerProcess(http, grpc, metrics, health, openai, run_dir, log_path, process)
     try:
         wait_ready(http, process, ready_timeout_s, metrics_port=metrics)
+        wait_openai(server, 60.0)
     except (RuntimeError, TimeoutError) as exc:
         server.stop(timeout_s=30)
         raise ServerStartError(f"{exc}; launcher log {log_path}:\n{server.log_tail()}") from None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from specdec import tensor_names as tn
-from specdec.decoding.text import decode_delta, load_tokenizer
+from specdec.decoding.text import chat_messages, decode_delta, load_tokenizer
 from specdec.triton.adapter import TritonAdapter
 from specdec.triton.admission.cancellation import CancellationBoard
 from specdec.triton.config import ModelParameters
@@ -53,17 +53,18 @@ class PreprocessingAdapter(TritonAdapter):
 
     def _encode(self, request) -> list[int]:
         pb = self.pb
+        chat_tensor = pb.get_input_tensor_by_name(request, tn.MESSAGES)
         tensor = pb.get_input_tensor_by_name(request, tn.TEXT_INPUT)
+        if chat_tensor is not None:
+            if tensor is not None:
+                raise ValueError(f"inputs '{tn.TEXT_INPUT}' and '{tn.MESSAGES}' exclude each other: send one")
+            if not self.tokenizer.chat_template:
+                raise ValueError(f"input '{tn.MESSAGES}' needs a chat template, and the tokenizer has none")
+            messages = chat_messages(_one_string(chat_tensor, tn.MESSAGES), tn.MESSAGES)
+            return self._chat_ids(messages, tn.MESSAGES)
         if tensor is None:
-            raise ValueError(f"input '{tn.TEXT_INPUT}' is required (the prompt)")
-        raw = tensor.as_numpy().reshape(-1)
-        if raw.size != 1:
-            raise ValueError(f"input '{tn.TEXT_INPUT}' must hold exactly one string, got {raw.size}")
-        value = raw[0]
-        try:
-            text = value.decode("utf-8") if isinstance(value, bytes) else str(value)
-        except UnicodeDecodeError as exc:
-            raise ValueError(f"input '{tn.TEXT_INPUT}' is not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
+            raise ValueError(f"input '{tn.TEXT_INPUT}' is required (the prompt; or '{tn.MESSAGES}', a chat)")
+        text = _one_string(tensor, tn.TEXT_INPUT)
         if not text.strip():
             raise ValueError(f"input '{tn.TEXT_INPUT}' is empty")
         chat = pb.get_input_tensor_by_name(request, tn.APPLY_CHAT_TEMPLATE)
@@ -71,9 +72,26 @@ class PreprocessingAdapter(TritonAdapter):
         if use_chat:
             if not self.tokenizer.chat_template:
                 raise ValueError(f"input '{tn.APPLY_CHAT_TEMPLATE}' is true but the tokenizer has no chat template")
-            return list(self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False))
+            return self._chat_ids([{"role": "user", "content": text}], tn.APPLY_CHAT_TEMPLATE)
         return self.tokenizer.encode(text, add_special_tokens=True)
+
+    def _chat_ids(self, messages: list[dict], field: str) -> list[int]:
+        try:
+            return list(self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+        except Exception as exc:  # noqa: BLE001 - a template may raise anything (e.g. roles it refuses)
+            raise ValueError(f"input '{field}': the chat template refused it ({exc})") from None
+
+
+def _one_string(tensor, name: str) -> str:
+    raw = tensor.as_numpy().reshape(-1)
+    if raw.size != 1:
+        raise ValueError(f"input '{name}' must hold exactly one string, got {raw.size}")
+    value = raw[0]
+    try:
+        return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"input '{name}' is not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
 
 
 class PostprocessingAdapter(TritonAdapter):

@@ -1,0 +1,176 @@
+"""What the OpenAI API costs (`make bench-openai`): the same streamed requests through the gateway and
+straight to the ensemble over gRPC, interleaved in one run against one server.
+
+Serves the tiny pair (or `--pair default`), sends each prompt both ways at a fixed K, greedy, one request at
+a time (and with --concurrency N, N at once), and prints per path: time to first token and the gap between
+consecutive chunks (p50/p99), their difference to the direct path at the median, and the gateway process's
+CPU time per streamed chunk and per output token (Linux /proc). Every client runs in this process on one
+asyncio loop: the direct one is client/aio.py's (tritonclient gRPC asyncio); through the gateway, the official
+`openai` SDK's AsyncOpenAI and a bare aiohttp client (what the gateway costs without the SDK's own work),
+each a streamed completion (text in, as the direct request sends it).
+
+    python -m bench.openai_gateway_bench                      # tiny pair, 1 and 4 streams
+    python -m bench.openai_gateway_bench --results openai-gateway
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+import openai
+
+from bench import report
+from client import GenerationParams
+from client.aio import AsyncClient
+from specdec.serving import server as serving
+
+HERE = Path(__file__).resolve().parent
+
+
+def prompts(n: int) -> list[str]:
+    rows = [json.loads(line)["prompt"] for name in ("prompts_open.jsonl", "prompts_grounded.jsonl")
+            for line in (HERE / name).read_text().splitlines() if line.strip()]
+    return [rows[i % len(rows)] for i in range(n)]
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def gateway_pid(port: int) -> int:
+    out = subprocess.run(["pgrep", "-f", f"specdec.gateway --port {port} "], capture_output=True, text=True).stdout
+    return int(out.split()[0])
+
+
+async def direct(client: AsyncClient, prompt: str, params: GenerationParams) -> tuple[float, list[float], int]:
+    """(TTFT, gaps between chunks, output tokens) of one streamed request straight to the ensemble."""
+    stamps: list[float] = []
+    sent = time.perf_counter()
+    result = await client.generate(prompt, params, stream=True, on_text=lambda _text: stamps.append(time.perf_counter()))
+    return stamps[0] - sent, [b - a for a, b in zip(stamps, stamps[1:])], result.num_output_tokens
+
+
+async def through_gateway(client: openai.AsyncOpenAI, model: str, prompt: str, params: GenerationParams):
+    stamps: list[float] = []
+    tokens = 0
+    sent = time.perf_counter()
+    stream = await client.completions.create(model=model, prompt=prompt, max_tokens=params.max_tokens, temperature=0,
+                                             stream=True, stream_options={"include_usage": True},
+                                             extra_body={"num_draft_tokens": params.num_draft_tokens,
+                                                         "adaptive_draft": False})
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].text:
+            stamps.append(time.perf_counter())
+        if chunk.usage:
+            tokens = chunk.usage.completion_tokens
+    return stamps[0] - sent, [b - a for a, b in zip(stamps, stamps[1:])], tokens
+
+
+async def through_raw(session: aiohttp.ClientSession, url: str, model: str, prompt: str, params: GenerationParams):
+    """The same request from a bare aiohttp client: the gateway's cost without the SDK's own."""
+    stamps: list[float] = []
+    tokens = 0
+    body = {"model": model, "prompt": prompt, "max_tokens": params.max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}, "num_draft_tokens": params.num_draft_tokens,
+            "adaptive_draft": False}
+    sent = time.perf_counter()
+    async with session.post(f"{url}/completions", json=body) as response:
+        async for line in response.content:
+            if not line.startswith(b"data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if chunk["choices"] and chunk["choices"][0]["text"]:
+                stamps.append(time.perf_counter())
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+    return stamps[0] - sent, [b - a for a, b in zip(stamps, stamps[1:])], tokens
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
+
+
+async def run(srv, texts: list[str], params: GenerationParams, concurrency: int) -> dict:
+    grpc_client = AsyncClient(srv.grpc_url, timeout_s=600)
+    api = openai.AsyncOpenAI(base_url=srv.openai_url, api_key="unused", max_retries=0, timeout=600)
+    model = (await api.models.list()).data[0].id
+    session = aiohttp.ClientSession()
+    pid = gateway_pid(srv.openai_port)
+    calls = {"direct": lambda p: direct(grpc_client, p, params),
+             "gateway, openai SDK": lambda p: through_gateway(api, model, p, params),
+             "gateway, aiohttp client": lambda p: through_raw(session, srv.openai_url, model, p, params)}
+    out = {path: {"ttft": [], "gaps": [], "tokens": 0, "cpu": 0.0} for path in calls}
+    for call in calls.values():  # warm every path
+        await call(texts[0])
+    order = list(calls)
+    for start in range(0, len(texts), concurrency):
+        batch = texts[start:start + concurrency]
+        order = order[1:] + order[:1]  # each path first in turn: drift spreads over all
+        for path in order:
+            before = cpu_seconds(pid)
+            results = await asyncio.gather(*[calls[path](p) for p in batch])
+            out[path]["cpu"] += cpu_seconds(pid) - before
+            for ttft, gaps, tokens in results:
+                out[path]["ttft"].append(ttft)
+                out[path]["gaps"] += gaps
+                out[path]["tokens"] += tokens
+    await grpc_client.close()
+    await api.close()
+    await session.close()
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pair", default="tiny", choices=("tiny", "default"))
+    parser.add_argument("--requests", type=int, default=24)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--num-draft-tokens", type=int, default=4)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--out", help="also write the table here")
+    parser.add_argument("--results", metavar="NAME", help="also write it as docs/results/<date>-NAME.md")
+    args = parser.parse_args()
+    params = GenerationParams(max_tokens=args.max_tokens, num_draft_tokens=args.num_draft_tokens, adaptive_draft=False,
+                              temperature=0.0, ignore_eos=True)
+    work = Path(tempfile.mkdtemp(prefix="openai-bench-"))
+    srv = serving.start(work / "run", work / "server.log", ["--pair", args.pair])
+    rows = []
+    try:
+        for concurrency in args.concurrency:
+            measured = asyncio.run(run(srv, prompts(args.requests), params, concurrency))
+            d = measured["direct"]
+            for path, m in measured.items():
+                chunks = len(m["gaps"]) + len(m["ttft"])
+                gateway = path != "direct"
+                rows.append([concurrency, path, f"{pct(m['ttft'], 50) * 1e3:.1f}", f"{pct(m['ttft'], 99) * 1e3:.1f}",
+                             f"{pct(m['gaps'], 50) * 1e3:.2f}", f"{pct(m['gaps'], 99) * 1e3:.2f}", f"{m['tokens']}",
+                             f"{(statistics.median(m['ttft']) - statistics.median(d['ttft'])) * 1e3:+.1f}" if gateway else "",
+                             f"{(statistics.median(m['gaps']) - statistics.median(d['gaps'])) * 1e3:+.2f}" if gateway else "",
+                             f"{m['cpu'] / chunks * 1e6:.0f}" if gateway else "",
+                             f"{m['cpu'] / m['tokens'] * 1e6:.0f}" if gateway else ""])
+    finally:
+        srv.stop()
+    header = (f"OpenAI API against direct gRPC streaming, {args.pair} pair, {args.requests} requests per path and "
+              f"concurrency, {args.max_tokens} tokens each, K={args.num_draft_tokens} fixed, greedy "
+              f"({report.machine()})")
+    text = report.print_table(header, rows, ["streams", "path", "TTFT p50 ms", "TTFT p99 ms", "chunk gap p50 ms",
+                                             "chunk gap p99 ms", "output tokens", "TTFT over direct (median) ms",
+                                             "gap over direct (median) ms", "gateway CPU µs/chunk",
+                                             "gateway CPU µs/token"], args.out)
+    if args.results:
+        report.write_results(args.results, "The OpenAI API's own cost: `make bench-openai`", text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,10 @@
+"""The OpenAI-compatible API: a small process of its own in front of tritonserver (`python -m specdec.gateway`),
+talking to the ensemble over gRPC; the launcher runs it beside the server (OPENAI_PORT). docs/openai.md.
+
+  protocol   OpenAI requests checked and mapped onto the ensemble's inputs; response objects, errors (pure)
+  upstream   one ensemble gRPC stream per request (tritonclient asyncio), cancelled when the caller leaves
+  app        the HTTP endpoints (aiohttp): chat, completions, models, health; streaming, API keys
+  __main__   the command line
+
+May import: `specdec.tensor_names` and `specdec.decoding.text` (the tokenizer, for log-probabilities' tokens).
+"""

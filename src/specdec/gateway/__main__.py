@@ -1,0 +1,61 @@
+"""`python -m specdec.gateway`: serve the OpenAI API for the ensemble of a running tritonserver.
+
+Environment: OPENAI_PORT (9000), GRPC_PORT (8001, the server's), SPECDEC_API_KEY (an API key clients must
+send as `Authorization: Bearer <key>`; none: no check). SIGTERM stops taking connections and lets the
+answers in flight finish (at most --drain-timeout), as the launcher's drain expects.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from aiohttp import web
+
+from specdec.gateway.app import Gateway, token_text_from
+from specdec.gateway.upstream import Upstream
+
+DEFAULT_PORT = 9000  # Triton's own OpenAI frontend's port: its clients' configurations work unchanged
+API_KEY_ENV = "SPECDEC_API_KEY"
+
+
+def log(message: str) -> None:
+    print(f"[specdec.gateway] {message}", file=sys.stderr, flush=True)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--grpc-url", default=f"127.0.0.1:{os.environ.get('GRPC_PORT', 8001)}",
+                        help="the tritonserver's gRPC endpoint")
+    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--port", type=int, default=int(os.environ.get("OPENAI_PORT", DEFAULT_PORT)))
+    parser.add_argument("--served-model-name", action="append", default=[],
+                        help="the model name clients send (repeatable: aliases); the first is listed first")
+    parser.add_argument("--tokenizer", default="", help="the target's tokenizer (the text of log-probabilities' tokens)")
+    parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV, ""),
+                        help=f"require this key (default: ${API_KEY_ENV}; none: no check)")
+    parser.add_argument("--drain-timeout", type=float, default=60.0)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not args.served_model_name:
+        log("--served-model-name is required (the name clients send as `model`)")
+        return 2
+    token_text = None
+    if args.tokenizer:
+        from specdec.decoding.text import load_tokenizer
+
+        token_text = token_text_from(load_tokenizer(args.tokenizer))
+    gateway = Gateway(Upstream(args.grpc_url), tuple(args.served_model_name), token_text, args.api_key or None)
+    log(f"OpenAI API: http://{args.host}:{args.port}/v1 (models {', '.join(args.served_model_name)}; "
+        f"server {args.grpc_url}; API key {'required' if args.api_key else 'not required'})")
+    web.run_app(gateway.app(), host=args.host, port=args.port, print=None, access_log=None,
+                shutdown_timeout=args.drain_timeout, handler_cancellation=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

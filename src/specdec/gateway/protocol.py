@@ -1,0 +1,337 @@
+"""The OpenAI API's requests and responses, and their mapping onto the ensemble's inputs: pure functions, no
+network. A request is checked for what is OpenAI's own (the chat, `n`, tools, `response_format`,
+`logprobs`, stream options); its sampling settings travel as vLLM's `sampling_parameters` JSON, which the
+server already parses, so every range and combination is checked in one place (the server), and its
+refusals name the field. Objects follow openai-python's types (`ChatCompletion`, `ChatCompletionChunk`,
+`Completion`), field by field.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from specdec import tensor_names as tn
+
+# Fields a client may send that change nothing here (bookkeeping of OpenAI's platform).
+IGNORED_FIELDS = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
+                  "parallel_tool_calls")
+# OpenAI's and vLLM's sampling settings that are keys of the server's `sampling_parameters` under the same name.
+SAMPLING_FIELDS = ("temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty",
+                   # vLLM's extras, as its OpenAI server takes them
+                   "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
+                   "bad_words", "allowed_token_ids", "include_stop_str_in_output", "skip_special_tokens",
+                   "spaces_between_special_tokens", "truncate_prompt_tokens", "structured_outputs")
+# vLLM's older structured-output fields -> the key of its `structured_outputs` object they stand for
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+# This server's own: the speculative settings of a request, as extension fields.
+SPECULATIVE_FIELDS = {"num_draft_tokens": (tn.NUM_DRAFT_TOKENS, np.int32), "adaptive_draft": (tn.ADAPTIVE_DRAFT, np.bool_),
+                      "draft_model": (tn.DRAFT_MODEL, np.object_)}
+COMMON_FIELDS = ("model", "stream", "stream_options", "n", "logit_bias", "logprobs", "max_tokens",
+                 *SAMPLING_FIELDS, *GUIDED_FIELDS, *SPECULATIVE_FIELDS, *IGNORED_FIELDS)
+CHAT_FIELDS = (*COMMON_FIELDS, "messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
+               "tool_choice", "functions", "function_call")
+COMPLETION_FIELDS = (*COMMON_FIELDS, "prompt", "echo", "suffix", "best_of")
+OPENAI_TEMPERATURE = 1.0  # OpenAI's default: a request that sets no temperature samples
+STATS = (tn.NUM_ROUNDS, tn.TOTAL_DRAFT_TOKENS, tn.TOTAL_ACCEPTED_DRAFT_TOKENS, tn.ACCEPTANCE_RATE,
+         tn.MEAN_ACCEPTED_LENGTH)
+STATS_FIELD = "speculative_decoding"  # the response's extension object holding STATS
+
+
+class ApiError(Exception):
+    """An answer in OpenAI's error form: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    @property
+    def kind(self) -> str:
+        return {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
+                503: "service_unavailable", 429: "rate_limit_error"}.get(self.status, "server_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def invalid(param: str, message: str) -> ApiError:
+    return ApiError(400, f"{param}: {message}", param=param)
+
+
+@dataclass
+class Generation:
+    """One OpenAI request, mapped: the ensemble's inputs and how to answer."""
+
+    chat: bool
+    model: str
+    inputs: dict[str, np.ndarray]
+    stream: bool = False
+    include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats (vLLM): usage on every chunk
+    logprobs: bool = False
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def response_id(self) -> str:
+        return ("chatcmpl-" if self.chat else "cmpl-") + self.id
+
+
+def _string(value: str) -> np.ndarray:
+    return np.array([[value.encode("utf-8")]], dtype=np.object_)
+
+
+def _check_fields(body: dict, allowed: tuple[str, ...]) -> None:
+    unknown = sorted(set(body) - set(allowed))
+    if unknown:
+        raise invalid(unknown[0], "unrecognized request argument (not supported by this server)")
+
+
+def _typed(body: dict, name: str, kinds: tuple[type, ...], what: str):
+    value = body.get(name)
+    if value is not None and (not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds)):
+        raise invalid(name, f"must be {what}, got {json.dumps(value)[:80]}")
+    return value
+
+
+def _model(body: dict, served: tuple[str, ...]) -> str:
+    model = _typed(body, "model", (str,), "a string")
+    if model is None:
+        return served[0]
+    if model not in served:
+        raise ApiError(404, f"The model `{model}` does not exist (served: {', '.join(served)})", param="model",
+                       code="model_not_found")
+    return model
+
+
+def _common(body: dict, chat: bool) -> tuple[dict, dict[str, np.ndarray], dict]:
+    """(sampling_parameters, other inputs, stream settings) of the fields both endpoints take."""
+    if _typed(body, "n", (int,), "an integer") not in (None, 1):
+        raise invalid("n", "only 1 is supported (speculative decoding decodes one sequence per request)")
+    stream = bool(_typed(body, "stream", (bool,), "a boolean"))
+    options = _typed(body, "stream_options", (dict,), "an object")
+    if options is not None and not stream:
+        raise invalid("stream_options", "is only allowed when stream is true")
+    options = options or {}
+    unknown = sorted(set(options) - {"include_usage", "continuous_usage_stats"})
+    if unknown:
+        raise invalid(f"stream_options.{unknown[0]}", "unrecognized (supported: include_usage, continuous_usage_stats)")
+    for key in options:
+        _typed(options, key, (bool,), "a boolean")
+    settings = {"include_usage": bool(options.get("include_usage")),
+                "continuous_usage": bool(options.get("continuous_usage_stats"))}
+
+    sampling = {name: body[name] for name in SAMPLING_FIELDS if body.get(name) is not None}
+    sampling.setdefault("temperature", OPENAI_TEMPERATURE)
+    limits = [(name, body.get(name)) for name in ("max_completion_tokens", "max_tokens") if body.get(name) is not None]
+    if len({value for _, value in limits}) > 1:
+        raise invalid("max_completion_tokens", "and max_tokens differ; send one")
+    if limits:
+        name, value = limits[0]
+        _typed(body, name, (int,), "an integer")
+        sampling["max_tokens"] = value
+    bias = _typed(body, "logit_bias", (dict,), "an object of token ids to biases")
+    if bias:
+        sampling["logit_bias"] = bias  # token ids as JSON keys (strings); the server checks ids and ranges
+    guided = {GUIDED_FIELDS[name]: body[name] for name in GUIDED_FIELDS if body.get(name) is not None}
+    if guided:
+        if "structured_outputs" in sampling or len(guided) > 1:
+            raise invalid(next(iter(n for n in GUIDED_FIELDS if body.get(n) is not None)),
+                          "give one structured-output setting")
+        sampling["structured_outputs"] = guided
+    inputs = {}
+    for name, (tensor, dtype) in SPECULATIVE_FIELDS.items():
+        value = body.get(name)
+        if value is None:
+            continue
+        if dtype is np.object_:
+            inputs[tensor] = _string(_typed(body, name, (str,), "a string"))
+        elif dtype is np.bool_:
+            inputs[tensor] = np.array([[_typed(body, name, (bool,), "a boolean")]], dtype=np.bool_)
+        else:
+            inputs[tensor] = np.array([[_typed(body, name, (int,), "an integer")]], dtype=dtype)
+    return sampling, inputs, {"stream": stream, **settings}
+
+
+def _finish(sampling: dict, inputs: dict[str, np.ndarray], stream: bool, logprobs: bool) -> dict[str, np.ndarray]:
+    inputs = dict(inputs)
+    inputs[tn.SAMPLING_PARAMETERS] = _string(json.dumps(sampling))
+    inputs[tn.STREAM] = np.array([[stream]], dtype=np.bool_)
+    if logprobs:
+        inputs[tn.RETURN_LOG_PROBS] = np.array([[True]], dtype=np.bool_)
+    return inputs
+
+
+def _content(message: dict, i: int) -> str:
+    content = message.get("content")
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # content parts: text only
+        texts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise invalid(f"messages[{i}].content[{j}]", "only text parts ({\"type\": \"text\", \"text\": ...}) are supported")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise invalid(f"messages[{i}].content", "must be a string or a list of text parts")
+
+
+def chat_messages(body: dict) -> list[dict]:
+    """The request's messages as the server's `messages` input takes them (text content; developer
+    messages as system ones, which every chat template knows)."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise invalid("messages", "is required: a non-empty list of messages")
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise invalid(f"messages[{i}]", "must be an object")
+        role = message.get("role")
+        if role not in ("system", "developer", "user", "assistant"):
+            raise invalid(f"messages[{i}].role", f"must be system, developer, user or assistant, got {json.dumps(role)}"
+                          + (" (tools are not supported)" if role in ("tool", "function") else ""))
+        extra = sorted(set(message) - {"role", "content", "name"})
+        if extra and not all(message[key] in (None, [], "") for key in extra):
+            raise invalid(f"messages[{i}].{extra[0]}", "is not supported (tools, audio and refusals are not)")
+        entry = {"role": "system" if role == "developer" else role, "content": _content(message, i)}
+        if isinstance(message.get("name"), str):
+            entry["name"] = message["name"]
+        out.append(entry)
+    return out
+
+
+def parse_chat(body: dict, served: tuple[str, ...]) -> Generation:
+    """A /v1/chat/completions body -> the ensemble's inputs (ApiError naming the field otherwise)."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    _check_fields(body, CHAT_FIELDS)
+    model = _model(body, served)
+    for name in ("tools", "functions"):
+        if body.get(name):
+            raise invalid(name, "tool and function calling are not supported")
+    for name in ("tool_choice", "function_call"):
+        if body.get(name) not in (None, "none"):
+            raise invalid(name, "tool and function calling are not supported")
+    sampling, inputs, stream = _common(body, chat=True)
+    logprobs = bool(_typed(body, "logprobs", (bool,), "a boolean"))
+    top = _typed(body, "top_logprobs", (int,), "an integer")
+    if top:
+        raise invalid("top_logprobs", "the target returns the log-probability of each chosen token only; "
+                                      "send logprobs: true with top_logprobs 0 or none")
+    fmt = _typed(body, "response_format", (dict,), "an object")
+    if fmt is not None:
+        kind = fmt.get("type")
+        if kind == "json_object":
+            guide = {"json_object": True}
+        elif kind == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+                raise invalid("response_format.json_schema", "must be an object with a 'schema' object")
+            guide = {"json": spec.get("schema", {})}
+        elif kind == "text":
+            guide = None
+        else:
+            raise invalid("response_format.type", f"must be text, json_object or json_schema, got {json.dumps(kind)}")
+        if guide is not None:
+            if "structured_outputs" in sampling:
+                raise invalid("response_format", "and structured_outputs both constrain the output; send one")
+            sampling["structured_outputs"] = guide
+    inputs[tn.MESSAGES] = _string(json.dumps(chat_messages(body)))
+    return Generation(chat=True, model=model, inputs=_finish(sampling, inputs, stream["stream"], logprobs),
+                      stream=stream["stream"], include_usage=stream["include_usage"],
+                      continuous_usage=stream["continuous_usage"], logprobs=logprobs)
+
+
+def parse_completion(body: dict, served: tuple[str, ...]) -> Generation:
+    """A /v1/completions body -> the ensemble's inputs (ApiError naming the field otherwise)."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    _check_fields(body, COMPLETION_FIELDS)
+    model = _model(body, served)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str):
+        raise invalid("prompt", "must be one string (lists of prompts and token ids are not supported)")
+    if _typed(body, "echo", (bool,), "a boolean"):
+        raise invalid("echo", "only false is supported")
+    if body.get("suffix") not in (None, ""):
+        raise invalid("suffix", "is not supported")
+    if _typed(body, "best_of", (int,), "an integer") not in (None, 1):
+        raise invalid("best_of", "only 1 is supported")
+    sampling, inputs, stream = _common(body, chat=False)
+    count = _typed(body, "logprobs", (int,), "an integer")
+    if count:
+        raise invalid("logprobs", "the target returns the log-probability of each chosen token only: send 0")
+    logprobs = count == 0
+    inputs[tn.TEXT_INPUT] = _string(prompt)
+    return Generation(chat=False, model=model, inputs=_finish(sampling, inputs, stream["stream"], logprobs),
+                      stream=stream["stream"], include_usage=stream["include_usage"],
+                      continuous_usage=stream["continuous_usage"], logprobs=logprobs)
+
+
+# ---- errors of the server, as OpenAI errors ----------------------------------------------------------------
+_KEY = re.compile(r"key '([a-z_]+)'")
+_INPUT = re.compile(r"input '([a-z_]+)'")
+_INPUT_FIELDS = {tn.STOP_WORDS: "stop", tn.MESSAGES: "messages", tn.TEXT_INPUT: "prompt",
+                 tn.GUIDED_DECODING_GUIDE: "response_format", tn.NUM_DRAFT_TOKENS: "num_draft_tokens",
+                 tn.DRAFT_MODEL: "draft_model", tn.MAX_TOKENS: "max_tokens"}
+
+
+def server_error(message: str, unavailable: bool = False) -> ApiError:
+    """A refusal of the ensemble as an OpenAI error: capacity and readiness are 503 (retry), a refused
+    input 400 naming the request's field it came from, anything else 500."""
+    lowered = message.lower()
+    if tn.RETRY_LATER in lowered or unavailable:
+        return ApiError(503, message, code="server_busy" if tn.RETRY_LATER in lowered else "unavailable")
+    key, name = _KEY.search(message), _INPUT.search(message)
+    if key or name or "invalid argument" in lowered or "invalid_arg" in lowered:
+        param = key.group(1) if key else (_INPUT_FIELDS.get(name.group(1), name.group(1)) if name else None)
+        return ApiError(400, message, param=param)
+    return ApiError(500, message)
+
+
+# ---- responses -----------------------------------------------------------------------------------------------
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def logprobs_object(chat: bool, tokens: list[str], values: list[float], offset: int = 0) -> dict:
+    """The choice's `logprobs`: chat's per-token `content` entries, or the completions API's lists (each
+    token's text offset counts from `offset`, the text already sent)."""
+    if chat:
+        return {"content": [{"token": token, "logprob": value, "bytes": list(token.encode("utf-8")),
+                             "top_logprobs": []} for token, value in zip(tokens, values)], "refusal": None}
+    offsets, at = [], offset
+    for token in tokens:
+        offsets.append(at)
+        at += len(token)
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": None, "text_offset": offsets}
+
+
+def choice(gen: Generation, text: str | None, finish_reason: str | None, logprobs: dict | None,
+           delta: bool, first: bool = False) -> dict:
+    """One entry of `choices`: a chat message or delta, or a completion's text."""
+    if gen.chat:
+        body = {"role": "assistant", "content": text} if (not delta or first) else (
+            {} if text is None else {"content": text})
+        return {"index": 0, ("delta" if delta else "message"): body, "logprobs": logprobs, "finish_reason": finish_reason}
+    return {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def envelope(gen: Generation, choices: list[dict], chunk: bool) -> dict:
+    kind = ("chat.completion.chunk" if chunk else "chat.completion") if gen.chat else "text_completion"
+    return {"id": gen.response_id, "object": kind, "created": gen.created, "model": gen.model,
+            "system_fingerprint": None, "choices": choices}
+
+
+def sse(payload: dict | str) -> bytes:
+    """One Server-Sent Event, as OpenAI's SDK reads it."""
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n".encode("utf-8")

@@ -1,0 +1,147 @@
+"""The gateway's one way to the server: the ensemble's gRPC stream (`ModelStreamInfer`) from asyncio, one
+stream per request, cancelled when the request's caller goes away."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+import numpy as np
+import tritonclient.grpc.aio as grpcaio
+from tritonclient.grpc import InferInput, InferRequestedOutput
+from tritonclient.utils import InferenceServerException, np_to_triton_dtype
+
+from specdec import tensor_names as tn
+from specdec.gateway.protocol import STATS, ApiError, server_error
+
+_INT_STATS = (tn.NUM_INPUT_TOKENS, tn.NUM_OUTPUT_TOKENS, tn.NUM_ROUNDS, tn.TOTAL_DRAFT_TOKENS,
+              tn.TOTAL_ACCEPTED_DRAFT_TOKENS)
+_STAT_NAMES = frozenset((tn.NUM_INPUT_TOKENS, tn.NUM_OUTPUT_TOKENS, *STATS))
+_OUTPUTS = (tn.TEXT_OUTPUT, tn.OUTPUT_IDS, tn.FINISH_REASON, tn.NUM_INPUT_TOKENS, tn.NUM_OUTPUT_TOKENS, *STATS)
+
+
+@dataclass
+class Piece:
+    """One response of the ensemble: a text delta, its tokens and (on request) their log-probabilities;
+    the last one also says why generation ended and carries the statistics."""
+
+    text: str = ""
+    ids: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    finish_reason: str = ""
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+def _inputs(arrays: dict[str, np.ndarray]) -> list[InferInput]:
+    out = []
+    for name, array in arrays.items():
+        tensor = InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
+        tensor.set_data_from_numpy(array)
+        out.append(tensor)
+    return out
+
+
+_NUMBERS = {"INT32": "<i4", "FP32": "<f4", "INT64": "<i8", "FP64": "<f8"}
+
+
+def _strings(raw: bytes) -> list[bytes]:
+    """A BYTES tensor's raw form: each element a 4-byte little-endian length, then its bytes."""
+    out, at = [], 0
+    while at < len(raw):
+        size = int.from_bytes(raw[at:at + 4], "little")
+        out.append(raw[at + 4:at + 4 + size])
+        at += 4 + size
+    return out
+
+
+def _piece(result) -> Piece:
+    """One response's outputs, read in one pass over the message (tritonclient's as_numpy looks each name up
+    anew: with ten outputs per response that was a fifth of the gateway's time per chunk)."""
+    response = result.get_response()
+    piece = Piece()
+    for output, raw in zip(response.outputs, response.raw_output_contents):
+        name = output.name
+        if output.datatype == "BYTES":
+            values = _strings(raw)
+            if name == tn.TEXT_OUTPUT:
+                piece.text = b"".join(values).decode("utf-8")
+            elif name == tn.FINISH_REASON and values:
+                piece.finish_reason = values[0].decode()
+            continue
+        values = np.frombuffer(raw, dtype=_NUMBERS[output.datatype])
+        if name == tn.OUTPUT_IDS:
+            piece.ids = values.tolist()
+        elif name == tn.OUTPUT_LOG_PROBS:
+            piece.log_probs = values.tolist()
+        elif values.size and name in _STAT_NAMES:
+            piece.stats[name] = int(values[0]) if name in _INT_STATS else float(values[0])
+    return piece
+
+
+def _is_final(result) -> bool:
+    final = result.get_response().parameters.get("triton_final_response")
+    return final is not None and final.bool_param
+
+
+class Upstream:
+    """The ensemble of the server at `url` (gRPC host:port)."""
+
+    def __init__(self, url: str, model: str = tn.ENSEMBLE):
+        self.url, self.model = url, model
+        self._client: grpcaio.InferenceServerClient | None = None
+
+    @property
+    def client(self) -> grpcaio.InferenceServerClient:
+        # Made on first use: a gRPC asyncio channel belongs to the event loop it was made on (the server's).
+        if self._client is None:
+            self._client = grpcaio.InferenceServerClient(self.url)
+        return self._client
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.close()
+
+    async def ready(self) -> bool:
+        try:
+            return await self.client.is_model_ready(self.model, client_timeout=2.0)
+        except Exception:  # noqa: BLE001 - any failure to answer is "not ready"
+            return False
+
+    async def generate(self, arrays: dict[str, np.ndarray], log_probs: bool) -> AsyncIterator[Piece]:
+        """The request's responses as they come. Closing the iterator early (the caller went away)
+        cancels the request on the server, which frees its sequence within a round."""
+        outputs = [InferRequestedOutput(name) for name in _OUTPUTS]
+        if log_probs:
+            outputs.append(InferRequestedOutput(tn.OUTPUT_LOG_PROBS))
+        request = {"model_name": self.model, "inputs": _inputs(arrays), "outputs": outputs,
+                   "enable_empty_final_response": True}
+
+        async def requests():
+            yield request
+
+        responses = self.client.stream_infer(requests())
+        failure, finished, complete = None, False, False
+        try:
+            # Read the stream to its end, also after an error: cancelling the RPC right after an error
+            # response (before Triton's final flag) leaves the ensemble request in flight forever in
+            # Triton 24.10 (client/aio.py saw it first).
+            async for result, error in responses:
+                if finished:
+                    continue
+                if error is not None:
+                    failure, finished = failure or error, True
+                    continue
+                if result.get_response().outputs:
+                    yield _piece(result)
+                finished = _is_final(result)
+            complete = True
+        except InferenceServerException as exc:
+            raise server_error(exc.message() or str(exc), unavailable=True) from None
+        finally:
+            if not complete:
+                responses.cancel()
+        if failure is not None:
+            message = failure.message() if hasattr(failure, "message") else str(failure)
+            raise server_error(message or str(failure))
+        if not finished:
+            raise ApiError(503, "the server ended the stream without a final response", code="unavailable")

@@ -1,0 +1,80 @@
+"""The OpenAI API's process (`python -m specdec.gateway`) as the launcher runs it beside tritonserver:
+started with the server, restarted if it dies, drained first on SIGTERM (it stops taking connections and
+finishes the answers in flight while tritonserver, still up, serves them)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from specdec.serving.healthcheck import gateway_url
+from specdec.serving.pairs import log
+
+_TOKENIZER = re.compile(r'key: "tokenizer_path", value: \{ string_value: "([^"]*)" \}')
+
+
+def repository_tokenizer(repo: Path) -> str:
+    """The tokenizer the rendered repository's preprocessing model loads ("" when it names none)."""
+    try:
+        match = _TOKENIZER.search((repo / "preprocessing" / "config.pbtxt").read_text())
+    except OSError:
+        return ""
+    return match.group(1) if match else ""
+
+
+def default_model_name(tokenizer_path: str) -> str:
+    """The name clients send as `model` unless --served-model-name says otherwise: the target's directory
+    (or GGUF file) name, as vLLM names a model by its path."""
+    path = Path(tokenizer_path)
+    return (path.stem if path.suffix == ".gguf" else path.name) or "specdec"
+
+
+class GatewayProcess:
+    def __init__(self, port: int, grpc_port: int, names: list[str], tokenizer: str, drain_timeout_s: float,
+                 env: dict[str, str]):
+        self.port = port
+        self.command = [sys.executable, "-m", "specdec.gateway", "--port", str(port),
+                        "--grpc-url", f"127.0.0.1:{grpc_port}", "--drain-timeout", str(drain_timeout_s),
+                        *[arg for name in names for arg in ("--served-model-name", name)]]
+        if tokenizer:
+            self.command += ["--tokenizer", tokenizer]
+        self.env, self.drain_timeout_s = env, drain_timeout_s
+        self.process: subprocess.Popen | None = None
+        self.restarts = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://localhost:{self.port}/v1"
+
+    def start(self) -> None:
+        self.process = subprocess.Popen(self.command, env=self.env)
+
+    def keep_alive(self) -> None:
+        """Start it again if it died (readiness says not ready meanwhile, as its health check fails)."""
+        if self.process is not None and self.process.poll() is not None:
+            self.restarts += 1
+            log(f"the OpenAI API exited with code {self.process.returncode}; starting it again "
+                f"(restart {self.restarts})")
+            time.sleep(min(5.0, 0.5 * self.restarts))  # a gateway that cannot start must not spin
+            self.start()
+
+    def drain(self) -> None:
+        """SIGTERM: it stops accepting connections; the answers in flight run on (wait with `wait`)."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+
+    def wait(self, timeout_s: float) -> None:
+        if self.process is None:
+            return
+        try:
+            self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            log(f"the OpenAI API still answering after {timeout_s:.0f} s; stopping it")
+            self.process.kill()
+            self.process.wait()
+
+    def health_url(self) -> str:
+        return gateway_url(self.port)

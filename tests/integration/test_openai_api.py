@@ -1,0 +1,271 @@
+"""The OpenAI-compatible API (`specdec.gateway`, started by the launcher beside the session's server) through
+the official `openai` SDK: chat and completions, sync, async and streamed, against the ensemble called
+directly over gRPC with the same settings; structured output, log-probabilities, errors, API keys and
+clients that go away."""
+
+import asyncio
+import json
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import openai
+import pytest
+
+from specdec import tensor_names as tn
+from specdec.serving.healthcheck import answers, gateway_url
+from specdec.serving.server import free_ports
+
+from .helpers import GenerationError, ensemble_inputs, grpc_stream
+
+CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three colours."}]
+PROMPT = "Once upon a time, in a land far away,"
+
+
+@pytest.fixture(scope="module")
+def api(server):
+    client = openai.OpenAI(base_url=server.openai_url, api_key="unused", max_retries=0, timeout=120)
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="module")
+def model(api):
+    return api.models.list().data[0].id
+
+
+def _messages_stream(server, messages, **params) -> dict:
+    """The ensemble called directly with the chat as its `messages` input (what the gateway sends)."""
+    return grpc_stream(server.grpc_url, None, messages=json.dumps(messages), **params)
+
+
+def test_models_health_and_an_unknown_model(server, api, model):
+    assert answers(gateway_url(server.openai_port), 5)
+    assert [m.id for m in api.models.list().data] == [model] and api.models.retrieve(model).id == model
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        api.chat.completions.create(model="no-such-model", messages=CHAT, max_tokens=4)
+
+
+def test_chat_equals_the_ensemble_and_streams_as_openai_does(server, api, model):
+    """Greedy chat, whole and streamed: the text equals the ensemble's for the same chat; one id, the role
+    first, usage only in the last chunk (choices empty), the statistics with the finish."""
+    direct = _messages_stream(server, CHAT, max_tokens=24, num_draft_tokens=3, temperature=0.0)
+    whole = api.chat.completions.create(model=model, messages=CHAT, max_tokens=24, temperature=0,
+                                        extra_body={"num_draft_tokens": 3})
+    assert whole.choices[0].message.content == direct[tn.TEXT_OUTPUT]
+    assert whole.choices[0].message.role == "assistant" and whole.object == "chat.completion"
+    assert whole.choices[0].finish_reason == direct[tn.FINISH_REASON] == "length"
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (direct[tn.NUM_INPUT_TOKENS], 24)
+    assert whole.usage.total_tokens == whole.usage.prompt_tokens + 24
+    stats = whole.model_extra["speculative_decoding"]
+    assert stats["num_rounds"] == direct[tn.NUM_ROUNDS] and stats["total_draft_tokens"] > 0
+
+    chunks = list(api.chat.completions.create(model=model, messages=CHAT, max_tokens=24, temperature=0, stream=True,
+                                              stream_options={"include_usage": True},
+                                              extra_body={"num_draft_tokens": 3}))
+    assert len({c.id for c in chunks}) == 1 and all(c.object == "chat.completion.chunk" for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == direct[tn.TEXT_OUTPUT]
+    assert len(chunks) > 3  # streamed round by round, not in one piece
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 24
+    assert all(c.usage is None for c in chunks[:-1])
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == ["length"]
+
+
+def test_completions_sync_async_and_streamed_equal_the_ensemble(server, api, model):
+    direct = grpc_stream(server.grpc_url, PROMPT, max_tokens=20, num_draft_tokens=4, temperature=0.0,
+                         draft_model="draft_model")
+    whole = api.completions.create(model=model, prompt=PROMPT, max_tokens=20, temperature=0,
+                                   extra_body={"num_draft_tokens": 4, "draft_model": "draft_model"})
+    assert whole.choices[0].text == direct[tn.TEXT_OUTPUT] and whole.object == "text_completion"
+    assert whole.usage.prompt_tokens == direct[tn.NUM_INPUT_TOKENS]
+    streamed = api.completions.create(model=model, prompt=PROMPT, max_tokens=20, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == direct[tn.TEXT_OUTPUT]
+
+    async def concurrently():
+        async with openai.AsyncOpenAI(base_url=server.openai_url, api_key="unused", max_retries=0) as client:
+            async def one():
+                stream = await client.completions.create(model=model, prompt=PROMPT, max_tokens=20, temperature=0,
+                                                         stream=True)
+                return "".join([c.choices[0].text async for c in stream if c.choices])
+            return await asyncio.gather(*[one() for _ in range(4)])
+
+    assert asyncio.run(concurrently()) == [direct[tn.TEXT_OUTPUT]] * 4
+
+
+def test_sampling_settings_reach_the_ensemble(server, api, model):
+    """A seeded sampled request with OpenAI's and vLLM's settings gives the ensemble's text for the same
+    settings given as vLLM's `sampling_parameters` (so each setting arrived), and OpenAI's default
+    temperature (1) samples."""
+    settings = {"temperature": 0.9, "top_p": 0.95, "top_k": 40, "seed": 11, "presence_penalty": 0.5,
+                "frequency_penalty": 0.3, "repetition_penalty": 1.2, "min_p": 0.01}
+    direct = grpc_stream(server.grpc_url, PROMPT, max_tokens=16, num_draft_tokens=2, adaptive_draft=False,
+                         sampling_parameters=json.dumps(settings))
+    out = api.completions.create(model=model, prompt=PROMPT, max_tokens=16, **{k: settings[k] for k in
+                                 ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty")},
+                                 extra_body={"top_k": 40, "repetition_penalty": 1.2, "min_p": 0.01,
+                                             "num_draft_tokens": 2, "adaptive_draft": False})
+    assert out.choices[0].text == direct[tn.TEXT_OUTPUT]
+    greedy = api.completions.create(model=model, prompt=PROMPT, max_tokens=16, temperature=0).choices[0].text
+    sampled = {api.completions.create(model=model, prompt=PROMPT, max_tokens=16, seed=s).choices[0].text
+               for s in range(3)}
+    assert sampled != {greedy} and len(sampled) > 1
+
+
+def test_stop_logit_bias_and_length_finish(server, api, model):
+    base = api.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0).choices[0].text
+    word = base.split()[2]
+    stopped = api.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0, stop=[word])
+    assert stopped.choices[0].text == base[:base.index(word)] and stopped.choices[0].finish_reason == "stop"
+    biased = api.completions.create(model=model, prompt=PROMPT, max_tokens=4, temperature=0,
+                                    logit_bias={"42": 100})
+    assert biased.choices[0].text == grpc_stream(server.grpc_url, PROMPT, max_tokens=4, temperature=0.0,
+                                                 sampling_parameters=json.dumps({"logit_bias": {"42": 100}}))[tn.TEXT_OUTPUT]
+
+
+def test_structured_output_follows_the_schema(api, model):
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False,
+              "x-guidance": {"whitespace_flexible": False}}
+    out = api.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "A person as JSON."}], max_tokens=60, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema}})
+    value = json.loads(out.choices[0].message.content)
+    assert set(value) == {"name", "age"} and isinstance(value["age"], int)
+    choice = api.completions.create(model=model, prompt="Yes or no?", max_tokens=8, temperature=0,
+                                    extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert choice.choices[0].text in ("yes", "no")
+
+
+def test_log_probs_match_the_ensemble(server, api, model):
+    direct = grpc_stream(server.grpc_url, None, messages=json.dumps(CHAT), max_tokens=10, temperature=0.0,
+                         return_log_probs=True)
+    client = grpc_log_probs(server, CHAT)
+    out = api.chat.completions.create(model=model, messages=CHAT, max_tokens=10, temperature=0, logprobs=True)
+    entries = out.choices[0].logprobs.content
+    assert "".join(e.token for e in entries) == out.choices[0].message.content == direct[tn.TEXT_OUTPUT]
+    assert np.allclose([e.logprob for e in entries], client, atol=1e-5)
+    assert all(e.top_logprobs == [] and bytes(e.bytes).decode() == e.token for e in entries)
+    streamed = api.chat.completions.create(model=model, messages=CHAT, max_tokens=10, temperature=0, logprobs=True,
+                                           stream=True)
+    values = [e.logprob for c in streamed if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert np.allclose(values, client, atol=1e-5)
+    completion = api.completions.create(model=model, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=0)
+    lp = completion.choices[0].logprobs
+    assert "".join(lp.tokens) == completion.choices[0].text and len(lp.token_logprobs) == 6
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(6)]
+
+
+def grpc_log_probs(server, messages) -> list[float]:
+    import queue
+
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    out: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: out.put((result, error)))
+    client.async_stream_infer(tn.ENSEMBLE, ensemble_inputs(None, messages=json.dumps(messages), max_tokens=10,
+                                                           temperature=0.0, return_log_probs=True, stream=True),
+                              enable_empty_final_response=True)
+    values = []
+    while True:
+        result, error = out.get(timeout=60)
+        assert error is None, error
+        if result.get_response().outputs and result.as_numpy(tn.OUTPUT_LOG_PROBS) is not None:
+            values += result.as_numpy(tn.OUTPUT_LOG_PROBS).reshape(-1).tolist()
+        if result.get_response().parameters["triton_final_response"].bool_param:
+            break
+    client.stop_stream()
+    client.close()
+    return values
+
+
+@pytest.mark.parametrize("request_args, param", [
+    ({"n": 2}, "n"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+    ({"logprobs": True, "top_logprobs": 3}, "top_logprobs"),
+    ({"presence_penalty": 5.0}, "presence_penalty"),  # refused by the server, named as the request's field
+    ({"extra_body": {"top_k": "many"}}, "top_k"),
+    ({"extra_body": {"num_draft_tokens": 999}}, "num_draft_tokens"),
+    ({"extra_body": {"draft_model": "nope"}}, "draft_model"),
+    ({"extra_body": {"frobnicate": 1}}, "frobnicate"),
+    ({"response_format": {"type": "yaml"}}, "response_format.type"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+])
+def test_refusals_are_openai_errors_naming_the_field(api, model, request_args, param):
+    args = {"model": model, "messages": CHAT, "max_tokens": 4, **request_args}
+    with pytest.raises(openai.BadRequestError) as caught:
+        api.chat.completions.create(**args)
+    assert caught.value.status_code == 400 and caught.value.body["param"] == param, caught.value.body
+    assert api.chat.completions.create(model=model, messages=CHAT, max_tokens=2).choices[0].finish_reason  # serving on
+
+
+def test_a_chat_the_server_refuses_names_messages(server):
+    with pytest.raises(GenerationError, match="messages"):
+        grpc_stream(server.grpc_url, None, messages=json.dumps([{"role": "king", "content": "hi"}]), max_tokens=2)
+    with pytest.raises(GenerationError, match="exclude each other"):
+        grpc_stream(server.grpc_url, "hi", messages=json.dumps(CHAT), max_tokens=2)
+
+
+def test_an_api_key_is_required_when_set(server, model):
+    """A gateway of its own with a key, in front of the same server."""
+    port = free_ports(1)[0]
+    process = subprocess.Popen([sys.executable, "-m", "specdec.gateway", "--port", str(port), "--grpc-url",
+                                server.grpc_url, "--served-model-name", model], env={"SPECDEC_API_KEY": "s3cret",
+                                                                                    "PATH": "/usr/bin:/bin"})
+    try:
+        deadline = time.monotonic() + 60
+        while not answers(gateway_url(port), 2) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        url = f"http://localhost:{port}/v1"
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=url, api_key="wrong", max_retries=0).models.list()
+        good = openai.OpenAI(base_url=url, api_key="s3cret", max_retries=0)
+        assert good.completions.create(model=model, prompt=PROMPT, max_tokens=3).usage.completion_tokens == 3
+        assert answers(gateway_url(port), 2)  # the health check needs no key (probes have none)
+    finally:
+        process.terminate()
+        process.wait(30)
+
+
+def _settled_cancelled(server, before: float, expected: int) -> None:
+    """Every cancelled request counted, nothing live, no round running on."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        live = [server.metric("specdec_live_sequences"),
+                server.metric("specdec_model_live_sequences", model="target_model")]
+        cancelled = server.metric("specdec_requests_total", finish_reason="cancelled") - before
+        if live == [0, 0] and cancelled == expected:
+            break
+        time.sleep(0.3)
+    assert live == [0, 0] and cancelled == expected, (live, cancelled)
+    rounds = server.metric("specdec_rounds_total")
+    time.sleep(1.0)
+    assert server.metric("specdec_rounds_total") == rounds
+
+
+def test_a_client_that_goes_away_cancels_its_generation(server, api, model):
+    """Mid-stream (the SDK's stream closed after two chunks) and without reading a byte (the connection
+    closed once the generation runs): the server cancels the sequence and frees it."""
+    before = server.metric("specdec_requests_total", finish_reason="cancelled")
+    stream = api.completions.create(model=model, prompt=PROMPT, max_tokens=900, temperature=0, stream=True,
+                                    extra_body={"ignore_eos": True})
+    for i, _ in enumerate(stream):
+        if i == 2:
+            break
+    stream.close()
+    _settled_cancelled(server, before, 1)
+    body = json.dumps({"model": model, "prompt": PROMPT, "max_tokens": 900, "ignore_eos": True,
+                       "stream": True}).encode()
+    with socket.create_connection(("127.0.0.1", server.openai_port)) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        deadline = time.monotonic() + 30  # closed, without reading a byte, once the generation runs
+        while not server.metric("specdec_live_sequences") and time.monotonic() < deadline:
+            time.sleep(0.02)
+    _settled_cancelled(server, before, 2)
+    assert api.completions.create(model=model, prompt=PROMPT, max_tokens=3).usage.completion_tokens == 3

@@ -1,0 +1,118 @@
+"""The OpenAI API's requests mapped onto the ensemble's inputs, and its error and response objects (pure; the
+served API is tested in tests/integration/test_openai_api.py)."""
+
+import json
+
+import numpy as np
+import pytest
+
+from specdec import tensor_names as tn
+from specdec.gateway import protocol
+from specdec.gateway.protocol import ApiError, parse_chat, parse_completion, server_error
+
+SERVED = ("m", "alias")
+CHAT = [{"role": "user", "content": "hi"}]
+
+
+def sampling(gen) -> dict:
+    return json.loads(gen.inputs[tn.SAMPLING_PARAMETERS][0, 0].decode())
+
+
+def test_chat_maps_settings_onto_sampling_parameters_and_inputs():
+    gen = parse_chat({"model": "alias", "messages": CHAT, "max_completion_tokens": 9, "top_p": 0.5, "seed": 3,
+                      "stop": "x", "presence_penalty": 0.1, "logit_bias": {"7": -100}, "top_k": -1,
+                      "num_draft_tokens": 5, "draft_model": "ngram", "adaptive_draft": False, "user": "u1"}, SERVED)
+    assert gen.model == "alias" and gen.chat and not gen.stream
+    assert sampling(gen) == {"temperature": 1.0, "top_p": 0.5, "seed": 3, "stop": "x", "presence_penalty": 0.1,
+                             "top_k": -1, "max_tokens": 9, "logit_bias": {"7": -100}}
+    assert gen.inputs[tn.NUM_DRAFT_TOKENS].dtype == np.int32 and gen.inputs[tn.NUM_DRAFT_TOKENS][0, 0] == 5
+    assert gen.inputs[tn.DRAFT_MODEL][0, 0] == b"ngram" and gen.inputs[tn.ADAPTIVE_DRAFT][0, 0] == np.False_
+    assert json.loads(gen.inputs[tn.MESSAGES][0, 0]) == CHAT and tn.TEXT_INPUT not in gen.inputs
+    assert gen.response_id.startswith("chatcmpl-")
+
+
+def test_messages_are_normalized_for_the_chat_template():
+    messages = [{"role": "developer", "content": "be brief"},
+                {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}], "name": "x"},
+                {"role": "assistant", "content": "ok", "tool_calls": []}]
+    assert protocol.chat_messages({"messages": messages}) == [
+        {"role": "system", "content": "be brief"}, {"role": "user", "content": "ab", "name": "x"},
+        {"role": "assistant", "content": "ok"}]
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"n": 3}, "n"), ({"tool_choice": "auto"}, "tool_choice"), ({"top_logprobs": 2, "logprobs": True}, "top_logprobs"),
+    ({"max_tokens": 4, "max_completion_tokens": 5}, "max_completion_tokens"), ({"max_tokens": "4"}, "max_tokens"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"), ({"stream": "yes"}, "stream"),
+    ({"stream": True, "stream_options": {"x": 1}}, "stream_options.x"), ({"bogus": 1}, "bogus"),
+    ({"messages": []}, "messages"), ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+                                     "messages[0].content[0]"),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}]}, "messages[0].tool_calls"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": "no"}}}, "response_format.json_schema"),
+    ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "response_format"),
+    ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_regex"), ({"num_draft_tokens": 2.5}, "num_draft_tokens"),
+])
+def test_chat_refusals_name_the_field(body, param):
+    with pytest.raises(ApiError) as caught:
+        parse_chat({"model": "m", "messages": CHAT, **body}, SERVED)
+    assert caught.value.status == 400 and caught.value.param == param
+    assert caught.value.body()["error"]["type"] == "invalid_request_error"
+
+
+def test_an_unknown_model_is_404_and_none_is_the_first():
+    with pytest.raises(ApiError) as caught:
+        parse_chat({"model": "other", "messages": CHAT}, SERVED)
+    assert caught.value.status == 404 and caught.value.code == "model_not_found"
+    assert parse_chat({"messages": CHAT}, SERVED).model == "m"
+
+
+def test_response_format_and_guided_fields_become_structured_outputs():
+    schema = {"type": "object"}
+    gen = parse_chat({"messages": CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}},
+                     SERVED)
+    assert sampling(gen)["structured_outputs"] == {"json": schema}
+    assert sampling(parse_chat({"messages": CHAT, "response_format": {"type": "json_object"}}, SERVED))[
+        "structured_outputs"] == {"json_object": True}
+    assert "structured_outputs" not in sampling(parse_chat({"messages": CHAT, "response_format": {"type": "text"}}, SERVED))
+    assert sampling(parse_completion({"prompt": "p", "guided_choice": ["a", "b"]}, SERVED))["structured_outputs"] == {
+        "choice": ["a", "b"]}
+
+
+def test_completions_take_one_prompt_and_logprobs_zero():
+    gen = parse_completion({"model": "m", "prompt": ["only"], "logprobs": 0, "stream": True,
+                            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+                            "temperature": 0, "ignore_eos": True, "min_tokens": 3}, SERVED)
+    assert gen.inputs[tn.TEXT_INPUT][0, 0] == b"only" and gen.logprobs and gen.inputs[tn.RETURN_LOG_PROBS][0, 0]
+    assert gen.stream and gen.include_usage and gen.continuous_usage and gen.inputs[tn.STREAM][0, 0]
+    assert sampling(gen) == {"temperature": 0, "ignore_eos": True, "min_tokens": 3}
+    for body, param in (({"prompt": ["a", "b"]}, "prompt"), ({"prompt": [1, 2]}, "prompt"), ({"prompt": "a", "echo": True}, "echo"),
+                        ({"prompt": "a", "logprobs": 2}, "logprobs"), ({"prompt": "a", "best_of": 2}, "best_of"),
+                        ({"prompt": "a", "suffix": "z"}, "suffix"), ({"prompt": "a", "messages": CHAT}, "messages")):
+        with pytest.raises(ApiError) as caught:
+            parse_completion(body, SERVED)
+        assert caught.value.param == param
+
+
+def test_server_refusals_become_openai_errors_naming_the_request_field():
+    key = server_error("in ensemble 'ensemble', input 'sampling_parameters': key 'top_k' must be an integer")
+    assert (key.status, key.param) == (400, "top_k")
+    stop = server_error("input 'stop_words' has 20 words; at most 16")
+    assert (stop.status, stop.param) == (400, "stop")
+    busy = server_error(f"max_live_sequences (8) reached; {tn.RETRY_LATER}")
+    assert (busy.status, busy.code) == (503, "server_busy")
+    assert server_error("Stub process is not healthy").status == 500
+    assert server_error("connection refused", unavailable=True).status == 503
+
+
+def test_log_probs_objects_and_chunks():
+    chat = protocol.logprobs_object(True, ["a", "é"], [-0.5, -1.0])
+    assert chat["content"][1] == {"token": "é", "logprob": -1.0, "bytes": [195, 169], "top_logprobs": []}
+    text = protocol.logprobs_object(False, ["ab", "c", "de"], [-1.0, -2.0, -3.0], offset=5)
+    assert text["text_offset"] == [5, 7, 8] and text["tokens"] == ["ab", "c", "de"]
+    gen = parse_chat({"messages": CHAT, "stream": True}, SERVED)
+    first = protocol.choice(gen, "", None, None, delta=True, first=True)
+    later = protocol.choice(gen, "x", "stop", None, delta=True)
+    assert first["delta"] == {"role": "assistant", "content": ""} and later["delta"] == {"content": "x"}
+    chunk = protocol.envelope(gen, [later], chunk=True)
+    assert chunk["object"] == "chat.completion.chunk" and chunk["id"] == gen.response_id
+    assert protocol.sse(chunk).startswith(b"data: {") and protocol.sse("[DONE]") == b"data: [DONE]\n\n"
