@@ -269,3 +269,30 @@ def test_a_client_that_goes_away_cancels_its_generation(server, api, model):
             time.sleep(0.02)
     _settled_cancelled(server, before, 2)
     assert api.completions.create(model=model, prompt=PROMPT, max_tokens=3).usage.completion_tokens == 3
+
+
+def test_a_disconnect_stops_the_generation_within_a_round_or_so(server, model):
+    """Target-only rounds (one token each) with vLLM's continuous usage: the client knows how many rounds it
+    saw when it hangs up. The server runs at most the direct stream's bound more (a round on its way, the
+    one in flight, one started before the flag: test_generation_api.py) plus one in the gateway's hands."""
+    import requests
+
+    cancelled = server.metric("specdec_requests_total", finish_reason="cancelled")
+    _settled_cancelled(server, cancelled, 0)
+    rounds_before = server.metric("specdec_rounds_total")
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 900, "ignore_eos": True, "temperature": 0,
+            "num_draft_tokens": 0, "stream": True, "stream_options": {"include_usage": True,
+                                                                     "continuous_usage_stats": True}}
+    seen = 0
+    with requests.post(f"{server.openai_url}/completions", json=body, stream=True, timeout=60) as response:
+        for line in response.iter_lines():
+            if line.startswith(b"data: {"):
+                chunk = json.loads(line[6:])
+                assert chunk["usage"]["completion_tokens"] >= seen  # continuous usage: on every chunk
+                seen = chunk["usage"]["completion_tokens"]
+                if seen >= 6:
+                    break
+    _settled_cancelled(server, cancelled, 1)
+    ran = server.metric("specdec_rounds_total") - rounds_before
+    print(f"the client saw {seen} rounds; the server ran {ran:.0f}")
+    assert seen <= ran <= seen + 4

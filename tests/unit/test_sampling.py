@@ -147,3 +147,12 @@ def test_processing_equals_transformers_warpers(params):
     if params.min_p:
         scores = MinPLogitsWarper(params.min_p)(None, scores)
     torch.testing.assert_close(logits_to_probs(logits, params), scores.softmax(-1))
+
+
+def test_devices_named_with_and_without_an_index_are_one():
+    from specdec.decoding.sampling import same_device
+
+    assert same_device("cpu", torch.device("cpu")) and same_device(torch.device("cpu", 0), "cpu")
+    assert not same_device("cpu", "meta")
+    if torch.cuda.is_available():
+        assert same_device("cuda", f"cuda:{torch.cuda.current_device()}")

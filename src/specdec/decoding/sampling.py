@@ -129,8 +129,9 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> tor
 
     A generator on another device than probs (the orchestrator's CPU generator, the target's logits on
     the GPU) seeds one on probs' device from its own stream: a seeded request stays reproducible."""
-    if generator is not None and generator.device != probs.device:
-        generator = make_generator(int(torch.randint(0, 2**62, (1,), generator=generator)), probs.device)
+    if generator is not None and not same_device(generator.device, probs.device):
+        seed = torch.randint(0, 2**62, (1,), generator=generator, device=generator.device)
+        generator = make_generator(int(seed), probs.device)
     flat = probs.reshape(-1, probs.shape[-1])
     if flat.device.type != "cpu":
         return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
@@ -145,6 +146,18 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> tor
     u = torch.minimum(torch.rand(flat.shape[0], 1, generator=generator, dtype=torch.float64) * total,
                       torch.nextafter(total, torch.zeros_like(total)))
     return torch.searchsorted(cdf, u, right=True).reshape(probs.shape[:-1])
+
+
+def same_device(a: torch.device | str, b: torch.device | str) -> bool:
+    """Whether two devices are one: `cuda` (a generator made for "cuda") and `cuda:0` (a tensor on the current
+    device) are, where a plain comparison says they differ."""
+    def key(device):
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            return "cuda", torch.cuda.current_device()
+        return device.type, device.index or 0
+
+    return key(a) == key(b)
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:

@@ -126,7 +126,8 @@ def _common(body: dict, chat: bool) -> tuple[dict, dict[str, np.ndarray], dict]:
     settings = {"include_usage": bool(options.get("include_usage")),
                 "continuous_usage": bool(options.get("continuous_usage_stats"))}
 
-    sampling = {name: body[name] for name in SAMPLING_FIELDS if body.get(name) is not None}
+    # null and [] are unset (clients send `stop: []`, LangChain `stop: null`)
+    sampling = {name: body[name] for name in SAMPLING_FIELDS if body.get(name) not in (None, [])}
     sampling.setdefault("temperature", OPENAI_TEMPERATURE)
     limits = [(name, body.get(name)) for name in ("max_completion_tokens", "max_tokens") if body.get(name) is not None]
     if len({value for _, value in limits}) > 1:

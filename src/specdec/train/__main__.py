@@ -50,7 +50,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from specdec.engine.draft_heads import EAGLE3, random_head, save_head
+    from specdec.engine.draft_heads import EAGLE3, HeadConfig, random_head, save_head
     from specdec.train import data, eagle3
 
     started = time.monotonic()
@@ -63,8 +63,8 @@ def main(argv=None) -> int:
     model = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     aux = tuple(int(x) for x in args.aux_layers.split(",") if x.strip())
-    head = random_head(EAGLE3, model.config, seed=args.seed, draft_vocab_size=args.draft_vocab, aux_layers=aux)
-    layers = head.config.feature_layers(model.config.get_text_config().num_hidden_layers)
+    text = model.config.get_text_config()
+    layers = HeadConfig(EAGLE3, text.hidden_size, text.vocab_size, aux_layers=aux).feature_layers(text.num_hidden_layers)
     cached = out / "data.pt"
     if cached.exists():
         saved = torch.load(cached, weights_only=False)

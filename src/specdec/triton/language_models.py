@@ -58,6 +58,8 @@ class LanguageModelAdapter(TritonAdapter):
     """Shared load / execute plumbing; subclasses say what a step is and how it is answered."""
 
     profile = None  # an ExecuteProfile when SPECDEC_PROFILE_DIR is set (load)
+    # The parameter listing the served heads whose features this model's executor returns or reads
+    heads_parameter = ""
 
     def load(self, params: ModelParameters, args: dict) -> None:
         self.name = params.model_name
@@ -113,7 +115,7 @@ class LanguageModelAdapter(TritonAdapter):
 
     def _served_layers(self, params: ModelParameters, target_layers: int) -> tuple[int, ...]:
         """The layers whose states the served heads read (draft_heads: target_model's list of them)."""
-        key = "draft_heads" if isinstance(self, TargetModel) else "target_draft_heads"
+        key = self.heads_parameter
         try:
             return served_layers(params.list(key), target_layers)
         except HeadError as exc:
@@ -334,6 +336,8 @@ WARM_UP_SEQUENCE = 0  # Triton never uses correlation ID 0 for a sequence: it ca
 
 
 class TargetModel(LanguageModelAdapter):
+    heads_parameter = "draft_heads"  # the heads it returns features for
+
     def _warm_up_steps(self):
         prompt = list(range(1, 17))
         self.lm.extend(WARM_UP_SEQUENCE, 0, prompt, 1)  # a prefill
@@ -387,6 +391,8 @@ class TargetModel(LanguageModelAdapter):
 
 
 class DraftModel(LanguageModelAdapter):
+    heads_parameter = "target_draft_heads"  # every head the target serves features for (its layer union)
+
     def _warm_up_steps(self):
         prompt = list(range(1, 17))
         if isinstance(self.lm, HeadExecutor):  # a head drafts from features: zeros will do
