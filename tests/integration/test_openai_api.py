@@ -5,10 +5,14 @@ clients that go away."""
 
 import asyncio
 import json
+import os
+import signal
 import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 
 import numpy as np
 import openai
@@ -296,3 +300,27 @@ def test_a_disconnect_stops_the_generation_within_a_round_or_so(server, model):
     ran = server.metric("specdec_rounds_total") - rounds_before
     print(f"the client saw {seen} rounds; the server ran {ran:.0f}")
     assert seen <= ran <= seen + 4
+
+
+def test_a_gateway_that_dies_is_started_again_and_readiness_says_so(server, api, model):
+    """SIGKILL the OpenAI API's process: the launcher's readiness answers 503 naming it until the launcher
+    has started it again, then 200, and it serves."""
+    def readiness() -> tuple[int, str]:
+        try:
+            with urllib.request.urlopen(server.readiness_url, timeout=10) as response:
+                return response.status, response.read().decode()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read().decode()
+
+    (pid,) = subprocess.run(["pgrep", "-f", f"specdec.gateway --port {server.openai_port} "], capture_output=True,
+                            text=True).stdout.split()
+    assert readiness() == (200, "ready\n")
+    os.kill(int(pid), signal.SIGKILL)
+    status, text = readiness()
+    assert status == 503 and "OpenAI API" in text, (status, text)
+    deadline = time.monotonic() + 60
+    while readiness()[0] != 200 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert readiness() == (200, "ready\n")
+    assert api.completions.create(model=model, prompt=PROMPT, max_tokens=3).usage.completion_tokens == 3
+    assert "the OpenAI API exited" in server.log_tail(20000)
