@@ -29,14 +29,21 @@ CLI_ARGS = ["Write one sentence about the sea.", "--stream", "--max-tokens", "40
 OPENAI_MESSAGES = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 
 
-def http_example(base_url: str) -> tuple[str, dict]:
-    request = urllib.request.Request(f"{base_url}/v2/models/ensemble/generate", data=json.dumps(HTTP_BODY).encode(),
-                                     headers={"Content-Type": "application/json"})
+def _post_json(url: str, body: dict) -> dict:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=300) as response:
-        answer = json.loads(response.read())
-    command = f"curl -s localhost:8000/v2/models/ensemble/generate \\\n  -d '{json.dumps(HTTP_BODY)}'"
-    block = f"```bash\n{command}\n```\n```json\n{json.dumps(answer, separators=(',', ':'), sort_keys=True)}\n```"
-    return block, answer
+        return json.loads(response.read())
+
+
+def _example(url_shown: str, body: dict, answer: dict, sort_keys: bool) -> str:
+    """A README example: the curl command and the answer it got."""
+    command = f"curl -s {url_shown} \\\n  -d '{json.dumps(body)}'"
+    return f"```bash\n{command}\n```\n```json\n{json.dumps(answer, separators=(',', ':'), sort_keys=sort_keys)}\n```"
+
+
+def http_example(base_url: str) -> tuple[str, dict]:
+    answer = _post_json(f"{base_url}/v2/models/ensemble/generate", HTTP_BODY)
+    return _example("localhost:8000/v2/models/ensemble/generate", HTTP_BODY, answer, sort_keys=True), answer
 
 
 def openai_example(openai_url: str) -> tuple[str, dict]:
@@ -44,13 +51,8 @@ def openai_example(openai_url: str) -> tuple[str, dict]:
     with urllib.request.urlopen(f"{openai_url}/models", timeout=60) as response:
         model = json.loads(response.read())["data"][0]["id"]
     body = {"model": model, "messages": OPENAI_MESSAGES, "max_tokens": 40, "temperature": 0}
-    request = urllib.request.Request(f"{openai_url}/chat/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=300) as response:
-        answer = json.loads(response.read())
-    command = f"curl -s localhost:9000/v1/chat/completions \\\n  -d '{json.dumps(body)}'"
-    block = f"```bash\n{command}\n```\n```json\n{json.dumps(answer, separators=(',', ':'))}\n```"
-    return block, answer
+    answer = _post_json(f"{openai_url}/chat/completions", body)
+    return _example("localhost:9000/v1/chat/completions", body, answer, sort_keys=False), answer
 
 
 def readme_openai_answer() -> dict:
