@@ -96,3 +96,58 @@ def test_a_taken_health_port_stops_the_launcher_before_tritonserver_starts(monke
         assert launcher.main(["--model-repository", str(repo), "--run-dir", str(tmp_path)]) == 1
     assert not started
     assert f"HEALTH_PORT {port}: cannot serve the readiness endpoint" in capsys.readouterr().err
+
+
+class _Health(http.server.BaseHTTPRequestHandler):
+    """Stands in for the OpenAI API's GET /health."""
+
+    def do_GET(self):  # noqa: N802 (the stdlib's name)
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+
+    def log_message(self, *_args):
+        pass
+
+
+def test_readiness_covers_the_openai_api(ready_http):
+    gateway = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Health)
+    threading.Thread(target=gateway.serve_forever, daemon=True).start()
+    (nothing_there,) = free_ports(1)
+    up = healthcheck.ReadinessEndpoint(0, ready_http, host="127.0.0.1", openai_port=gateway.server_address[1])
+    down = healthcheck.ReadinessEndpoint(0, ready_http, host="127.0.0.1", openai_port=nothing_there)
+    try:
+        assert _get(f"http://127.0.0.1:{up.port}/ready") == (200, "ready\n")
+        status, text = _get(f"http://127.0.0.1:{down.port}/ready")
+        assert status == 503 and f"the OpenAI API at http://127.0.0.1:{nothing_there}/health" in text
+    finally:
+        up.close()
+        down.close()
+        gateway.shutdown()
+        gateway.server_close()
+
+
+def test_a_taken_openai_port_stops_the_launcher_before_tritonserver_starts(monkeypatch, tmp_path, capsys):
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        monkeypatch.setenv("OPENAI_PORT", str(port))
+        monkeypatch.setenv("HEALTH_PORT", "0")
+        started = []
+        monkeypatch.setattr(launcher.subprocess, "Popen", lambda *a, **k: started.append(a))
+        monkeypatch.setattr(launcher, "triton_layout", lambda *a, **k: launcher.ServerLayout(tmp_path, tmp_path, ""))
+        (repo := tmp_path / "repo").mkdir()
+        assert launcher.main(["--model-repository", str(repo), "--run-dir", str(tmp_path)]) == 1
+    assert not started
+    assert f"OPENAI_PORT {port}: the port is taken" in capsys.readouterr().err
+
+
+def test_the_served_model_name_defaults_to_the_tokenizers_directory(tmp_path):
+    from specdec.serving.gateway_process import default_model_name, repository_tokenizer
+
+    (tmp_path / "preprocessing").mkdir()
+    (tmp_path / "preprocessing" / "config.pbtxt").write_text(
+        'parameters { key: "tokenizer_path", value: { string_value: "/models/smollm2-135m-instruct" } }\n')
+    assert repository_tokenizer(tmp_path) == "/models/smollm2-135m-instruct"
+    assert default_model_name(repository_tokenizer(tmp_path)) == "smollm2-135m-instruct"
+    assert default_model_name("/w/llama-3.1-8b-q4.gguf") == "llama-3.1-8b-q4" and repository_tokenizer(tmp_path / "x") == ""
