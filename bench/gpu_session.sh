@@ -52,6 +52,9 @@
 #                  rows: prompts of up to 17 tokens replay graphs, K=4's verify pads to 8 rows) against the bench's
 #                  max K of 5 (buckets up to 6 rows: these prompts run eagerly), K=5 beside K=4 (~2 min; named
 #                  twice: off on on off): what a deployment with the chart's defaults gets (one pass on host E)
+#   kernels        the 8B-shaped target's captured step kernel by kernel (torch.profiler), each weight kind's
+#                  product alone (cuBLAS and cuBLASLt, 1/5/16 rows) and the decode attention's SDPA backends
+#                  (bench/kernel_profile.py, ~3 min): what keeps the step from the bound (issue 47)
 #   profile        cProfile over draft_model's and target_model's execute (SPECDEC_PROFILE_DIR): 8 target-only
 #                  streams, then 1 stream at K=0, 4 and adaptive; pstats' reports in profile-*.txt (~2 min):
 #                  where the host time inside an execution goes (the adapter's share: "in execute" - "in
@@ -202,6 +205,7 @@ for part in "$@"; do
       for dir in profile-8-streams profile-1-stream; do
         [ -d "$out/$dir" ] && "$python" -m specdec.triton.profiling "$out/$dir" > "$out/$dir.txt" 2>&1
       done ;;
+    kernels) run kernels 300 "$python" -m bench.kernel_profile --out "$out/kernels.md" ;;
     ksweep)
       for ks in "6 5" "8 7"; do
         read -r k extra <<< "$ks"
@@ -210,6 +214,6 @@ for part in "$@"; do
       done ;;
     executor) run executor 240 "$python" -m bench.executor_bench --modes graphs,graphs-mlp --reference \
         --out "$out/executor.md" ;;
-    *) echo "unknown part: $part (tests, heads, bench, orchestrators, executor, streams, prefix, pipeline, load, overhead, overhead8b, mps, ksweep, profile, prompts, maxk)" >&2; exit 2 ;;
+    *) echo "unknown part: $part (tests, heads, bench, orchestrators, executor, streams, prefix, pipeline, load, overhead, overhead8b, mps, ksweep, profile, prompts, maxk, kernels)" >&2; exit 2 ;;
   esac
 done
