@@ -218,6 +218,38 @@ def test_hidden_states_replayed_as_cuda_graphs_equal_the_eager_forward(tiny_pair
     assert torch.allclose(b.hidden[:, 1], reference.hidden_states[1][0, -1:], atol=1e-9)
 
 
+def test_trees_replayed_as_cuda_graphs_equal_each_branch_and_keep_the_accepted_path(tiny_pair):
+    """Token trees in the captured decode buckets (float64): trees of different shapes beside a chain in
+    one forward give every node the logits of its branch run alone (transformers' own forward); after a
+    branch that is not the first is accepted (`Step.path`), the next step's logits are the chain's."""
+    model = load_causal_lm(tiny_pair.target_path, "cuda", "float64")
+    settings = dict(kv_pool_tokens=4096, block_size=8, max_context=512, max_batch=4, max_rows=8, min_window=16)
+    eager, graphs = static_executor(model, compile="off", **settings), static_executor(model, compile="graphs", **settings)
+    eager.forward.llama.kernels = graphs.forward.llama.kernels
+    graphs.warm_up(600)
+    prompts = {1: PROMPT, 2: list(range(40, 75)), 3: [9, 8, 7]}
+    trees = {1: ([7, 9, 11, 13, 15, 19, 21], (-1, 0, -1, 2, 2, 1, 4)), 2: ([3, 4, 5], (-1, -1, 1)), 3: ([6, 7], None)}
+    for lm in (eager, graphs):
+        lm.extend_many([Step(seq, 0, prompt, 1, reserve=64) for seq, prompt in prompts.items()])
+    steps = [Step(seq, len(prompts[seq]), ids, len(ids), tree=tree) for seq, (ids, tree) in trees.items()]
+    out = [eager.extend_many(steps), graphs.extend_many(steps)]
+    for (seq, (ids, tree)), a, b in zip(trees.items(), *out):
+        assert torch.allclose(a, b, atol=1e-9), seq
+        for node in range(len(ids)):
+            path, at = [], node
+            while at >= 0:
+                path.append(ids[at])
+                at = tree[at] if tree else at - 1
+            with torch.no_grad():
+                expected = model(torch.tensor([prompts[seq] + path[::-1]], device="cuda")).logits[0, -1]
+            assert torch.allclose(b[node], expected, atol=1e-9), (seq, node)
+    keep = len(PROMPT) + 3  # nodes 2 -> 4 -> 6 accepted: 11, 15, 21
+    (a,), (b,) = (lm.extend_many([Step(1, keep, [30, 31], 2, path=(2, 4, 6))]) for lm in (eager, graphs))
+    with torch.no_grad():
+        expected = model(torch.tensor([PROMPT + [11, 15, 21, 30, 31]], device="cuda")).logits[0, -2:]
+    assert torch.allclose(a, b, atol=1e-9) and torch.allclose(b, expected, atol=1e-9)
+
+
 def test_rejection_sampling_runs_where_the_logits_are():
     """The orchestrator's accept/reject on device-resident logits (DLPack hand-over) with its CPU generator:
     the same uniforms give the same acceptances as on the CPU, and every correction has residual mass."""

@@ -27,30 +27,104 @@ def test_tree_masks_and_depths():
         tree_depths((-1, 2, 0))
 
 
-def test_a_tree_scores_every_node_as_a_forward_of_its_own_branch_would(tiny_lm):
+def _executor(model, kind: str, prefix_caching: bool = False, **kwargs):
+    if kind == "dynamic":
+        return dynamic_executor(model, prefix_cache_tokens=64 if prefix_caching else 0, block_size=8, **kwargs)
+    return static_executor(model, kv_pool_tokens=512, block_size=8, max_context=128, max_batch=4, max_rows=8,
+                           min_window=16, compile="off", prefix_caching=prefix_caching, **kwargs)
+
+
+KINDS = ["dynamic", "static"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_tree_scores_every_node_as_a_forward_of_its_own_branch_would(tiny_lm, kind):
     """Nodes a -> b, c -> d -> e (two branches after the cached prompt): each node's logits are those of the
     prompt followed by its path; a tree that is a chain gives the chain's logits."""
-    lm = dynamic_executor(tiny_lm)
+    lm = _executor(tiny_lm, kind)
     lm.extend(1, 0, PROMPT, 1)
     a, b, c, d, e = 7, 9, 11, 13, 15
     (logits,) = lm.extend_many([Step(1, len(PROMPT), [a, b, c, d, e], num_logits=5, tree=(-1, 0, -1, 2, 3))])
     for node, path in enumerate([[a], [a, b], [c], [c, d], [c, d, e]]):
         expected = full(tiny_lm, PROMPT + path).logits[0, -1]
         assert torch.allclose(logits[node], expected, atol=1e-10), node
-    chain = dynamic_executor(tiny_lm)
+    chain = _executor(tiny_lm, kind)
     chain.extend(1, 0, PROMPT, 1)
     (as_tree,) = lm.extend_many([Step(1, len(PROMPT), [a, b, c], num_logits=3, tree=(-1, 0, 1))])
     assert torch.allclose(as_tree, chain.extend(1, len(PROMPT), [a, b, c], 3), atol=1e-10)
 
 
-def test_a_bad_tree_is_refused_naming_it_and_the_static_forward_refuses_trees(tiny_lm):
-    lm = dynamic_executor(tiny_lm)
+# Three sequences of different lengths in one forward: two trees of different shapes and a chain.
+BATCH = [
+    (1, [5, 17, 3, 88, 41], [7, 9, 11, 13, 15, 19], (-1, 0, -1, 2, 2, 1)),
+    (2, [60, 2, 44, 9, 9, 30, 71, 12, 3, 50, 8], [21, 22, 23], (-1, -1, 1)),
+    (3, [33, 34], [40, 41], None),
+]
+
+
+def _paths(ids, tree):
+    out = []
+    for node in range(len(ids)):
+        path, at = [], node
+        while at >= 0:
+            path.append(ids[at])
+            at = tree[at]
+        out.append(path[::-1])
+    return out
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_trees_of_several_sequences_in_one_forward_match_each_branch_run_alone(tiny_lm, kind):
+    lm = _executor(tiny_lm, kind)
+    lm.extend_many([Step(seq, 0, prompt, 1) for seq, prompt, _, _ in BATCH])
+    out = lm.extend_many([Step(seq, len(prompt), ids, num_logits=len(ids), tree=tree)
+                          for seq, prompt, ids, tree in BATCH])
+    for (seq, prompt, ids, tree), logits in zip(BATCH, out):
+        paths = _paths(ids, tree) if tree else [ids[:j + 1] for j in range(len(ids))]
+        for node, path in enumerate(paths):
+            assert torch.allclose(logits[node], full(tiny_lm, prompt + path).logits[0, -1], atol=1e-10), (seq, node)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_after_accepting_a_branch_the_cache_is_the_chains(tiny_lm, kind, prefix_caching):
+    """A tree verified, a branch that is not the first accepted (`Step.path`), then steps go on: every
+    later logit equals the plain forward of the prompt, the accepted tokens and what follows; a rollback
+    within the path (keep < its end) too; and a second tree after the first."""
+    lm = _executor(tiny_lm, kind, prefix_caching)
+    prompt = [5, 17, 3, 88, 41, 60, 2, 44, 9]  # more than a block of 8: prefix caching keys one
+    lm.extend(1, 0, prompt, 1)
+    ids, tree = [7, 9, 11, 13, 15, 19], (-1, 0, -1, 2, 2, 1)
+    lm.extend_many([Step(1, len(prompt), ids, num_logits=len(ids), tree=tree)])
+    accepted = [11, 15]  # nodes 2 -> 4
+    (logits,) = lm.extend_many([Step(1, len(prompt) + 2, [23, 24], num_logits=2, path=(2, 4))])
+    reference = full(tiny_lm, prompt + accepted + [23, 24]).logits[0, -2:]
+    assert torch.allclose(logits, reference, atol=1e-10)
+    # A second tree, of which only the root's second child's first node is kept, and rolled back within.
+    so_far = prompt + accepted + [23, 24]
+    lm.extend_many([Step(1, len(so_far), [30, 31, 32], num_logits=3, tree=(-1, -1, 1))])
+    (logits,) = lm.extend_many([Step(1, len(so_far) + 1, [40], num_logits=1, path=(1, 2))])
+    assert torch.allclose(logits[0], full(tiny_lm, so_far + [31, 40]).logits[0, -1], atol=1e-10)
+    if prefix_caching:  # the accepted tokens are known to the host: a new prompt finds their blocks
+        assert lm.sequences[1].tokens[:len(so_far) + 2] == so_far + [31, 40]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_bad_trees_and_paths_are_refused_naming_them(tiny_lm, kind):
+    lm = _executor(tiny_lm, kind)
     (error,) = lm.extend_many([Step(1, 0, [1, 2, 3], num_logits=1, tree=(-1, 2, 0))])
     assert isinstance(error, CacheError) and "tree" in str(error) and 1 not in lm.sequences
-    paged = static_executor(tiny_lm, kv_pool_tokens=256, block_size=8, max_context=128, max_batch=2, max_rows=5,
-                            min_window=16, compile="off", prefix_caching=False)
-    (error,) = paged.extend_many([Step(1, 0, [1, 2], num_logits=2, tree=(-1, -1))])
-    assert isinstance(error, CacheError) and "chains only" in str(error)
+    lm.extend(1, 0, PROMPT, 1)
+    (error,) = lm.extend_many([Step(1, len(PROMPT), [1], 1, path=(0,))])
+    assert isinstance(error, CacheError) and "was not a tree" in str(error)
+    lm.extend_many([Step(1, len(PROMPT), [1, 2, 3], num_logits=3, tree=(-1, -1, 0))])
+    for path, keep, message in (((1, 2), len(PROMPT) + 2, "not a path"), ((2,), len(PROMPT) + 1, "not a path"),
+                                ((0, 2), len(PROMPT) + 3, "exceeds")):
+        (error,) = lm.extend_many([Step(1, keep, [4], 1, path=path)])
+        assert isinstance(error, CacheError) and message in str(error), (path, str(error))
+    if kind == "static":  # trees run in the decode buckets: at most max_rows nodes
+        (error,) = lm.extend_many([Step(2, 0, list(range(9)), 1, tree=tuple(range(-1, 8)))])
+        assert isinstance(error, CacheError) and "exceeds" in str(error) and "8" in str(error)
 
 
 @pytest.mark.parametrize("kind", ["dynamic", "static"])

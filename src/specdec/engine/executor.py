@@ -115,6 +115,8 @@ class Executor:
         elif keep > seq.length:
             raise CacheError(f"cache_length={keep} exceeds the {seq.length} tokens cached for sequence {seq_id}")
         else:
+            if step.path is not None:
+                self._accept_path(seq, step.path)
             self.kv.reserve(seq, keep + grow)
             self._keep(seq, keep)
             # A prompt sent in chunks: each chunk may go on with blocks the index knows.
@@ -125,6 +127,33 @@ class Executor:
         self.prefix_queried_tokens += queried
         self.prefix_hit_tokens += cached
         return cached
+
+    def _accept_path(self, seq, path: tuple[int, ...]) -> None:
+        """The previous step's tree: its accepted nodes' keys and values move to the positions a chain of
+        them would have had (node path[j] to start + j), so that the sequence goes on as if it had drafted
+        that chain alone; the rest of the tree is dropped with the rollback to `keep`."""
+        start, _, tokens = seq.tree
+        moves = [(start + node, start + j) for j, node in enumerate(path) if node != j]
+        if moves:
+            self.kv.move(seq, [source for source, _ in moves], [target for _, target in moves])
+        if self.prefix is not None and tokens is not None:  # known now: the blocks can be keyed later
+            seq.tokens[start:start + len(path)] = [tokens[node] for node in path]
+        seq.tree = None
+
+    def _path_problem(self, step: Step) -> str | None:
+        """What is wrong with a step's `path`, or None."""
+        seq = self.sequences.get(step.seq_id)
+        if seq is None or seq.tree is None:
+            return f"path={list(step.path)} given, but sequence {step.seq_id}'s last step was not a tree"
+        start, tree, _ = seq.tree
+        if any(not 0 <= node < len(tree) for node in step.path) or \
+                any(tree[node] != (step.path[j - 1] if j else -1) for j, node in enumerate(step.path)):
+            return (f"path={list(step.path)} is not a path from the root of the last step's tree (parents "
+                    f"{list(tree)})")
+        if step.keep > start + len(step.path):
+            return (f"cache_length={step.keep} exceeds the {start} tokens before the tree and its {len(step.path)} "
+                    f"accepted nodes")
+        return None
 
     def _reuse_prefix(self, seq, step: Step, start: int) -> tuple[int, int]:
         """A new sequence's first step, or the next chunk of a prompt sent in chunks (steps wanting no
@@ -185,7 +214,10 @@ class Executor:
                 # -1: not known on the host (a drafted token), or not a sequence (a tree's nodes): never keyed
                 seq.tokens += [-1] * len(row) if isinstance(row, torch.Tensor) or tree is not None else row
         out = self.forward(seqs, rows, num_logits, trees)
-        for seq, row in zip(seqs, rows):
+        for seq, row, tree in zip(seqs, rows, trees or [None] * len(seqs)):
+            # A tree is remembered until the next step, whose `path` says which of its nodes to keep.
+            seq.tree = None if tree is None else (seq.length, tuple(tree),
+                                                  None if isinstance(row, torch.Tensor) else list(row))
             seq.length += len(row)
             self.tokens_processed += len(row)
         if self.prefix is not None:
@@ -206,7 +238,7 @@ class Executor:
                     raise CacheError(f"sequence {step.seq_id} has two steps in one batch")
                 if not step.new_ids:
                     raise CacheError("no new tokens to append")
-                message = problem(step)
+                message = problem(step) or (self._path_problem(step) if step.path is not None else None)
                 if message:
                     raise CacheError(message)
                 # Room for the new tokens, and for a proposal's drafted ones run through the model.
@@ -228,11 +260,12 @@ class Executor:
             return f"num_logits={step.num_logits} must be within [0, {len(step.new_ids)}] (the new tokens)"
         if step.tree is None:
             return None
-        if not self.forward.supports_trees:
-            return "this executor's forward verifies chains only (tree given)"
         if len(step.tree) != len(step.new_ids) or any(not -1 <= parent < node for node, parent in enumerate(step.tree)):
             return (f"tree must give each of the {len(step.new_ids)} new tokens its parent: -1 or an earlier "
                     f"token's index, got {list(step.tree)}")
+        limit = self.forward.max_tree_rows
+        if limit is not None and len(step.tree) > limit:
+            return f"a tree of {len(step.tree)} tokens exceeds this executor's {limit} (its largest row bucket)"
         return None
 
     @torch.inference_mode()

@@ -31,6 +31,10 @@ class Step(NamedTuple):
     # i's parent (before i), or -1 where it follows the cached tokens. Each token attends to the cache and to
     # its ancestors, at the position after its parent's. None: a chain.
     tree: tuple[int, ...] | None = None
+    # extend and propose: the sequence's previous step was a tree, and these of its nodes (indices into that
+    # step's new tokens, root to leaf) were accepted: their keys and values move to the positions right
+    # after the tree's start before anything else, and `keep` counts them (at most start + len(path)).
+    path: tuple[int, ...] | None = None
     # extend: run every new token even where a prefix cache holds it (a head reads every position's features)
     whole: bool = False
     # propose, for a trained head (head_executor.py): (rows, F) the target's features at the rows positions
@@ -72,6 +76,7 @@ class KVStore(Protocol):
     def adopt(self, seq, blocks: list[int], first: int) -> None: ...  # keyed blocks become seq's
     def key_blocks(self, seq, first: int, parent: int, blocks: list[tuple[int, ...]]) -> list[int]: ...
     def rewrite_from(self, seq, j: int) -> None: ...  # seq writes into its blocks from j on next
+    def move(self, seq, source: list[int], target: list[int]) -> None: ...  # entries at positions source to target
     def release(self, seq) -> None: ...
     def bytes_held(self, sequences) -> int: ...
     prefix_cache_bytes: int
@@ -81,7 +86,7 @@ class Forward(Protocol):
     """Runs the model over new rows of several sequences (TransformersForward, StaticForward)."""
 
     hidden_layers: tuple[int, ...]  # layers whose output (the residual stream) a forward also returns
-    supports_trees: bool  # whether rows may be trees (`Step.tree`)
+    max_tree_rows: int | None  # the largest tree a row may be (`Step.tree`); None: any
 
     def __call__(self, seqs: list, rows: list, num_logits: list[int],
                  trees: list[tuple[int, ...] | None] | None = None) -> ForwardOutput:

@@ -28,6 +28,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from specdec.decoding.tree_sampler import check_tree, depths
 from specdec.engine.prefix_cache import PrefixIndex, SequenceState
 
 ATTENTION = "specdec_sequence_kv"
@@ -197,13 +198,10 @@ def _visible(length: int, count: int, window: int | None, device) -> torch.Tenso
 
 
 def tree_depths(tree: tuple[int, ...]) -> list[int]:
-    """Each node's depth (0: it follows the cached tokens), for parents that come before their children."""
-    depths: list[int] = []
-    for node, parent in enumerate(tree):
-        if not -1 <= parent < node:
-            raise ValueError(f"tree: node {node}'s parent must be -1 or an earlier node, got {parent}")
-        depths.append(0 if parent < 0 else depths[parent] + 1)
-    return depths
+    """Each node's depth (0: it follows the cached tokens), for parents that come before their children
+    (ValueError otherwise)."""
+    check_tree(tree)
+    return depths(tree)
 
 
 def tree_mask(length: int, tree: tuple[int, ...], device) -> torch.Tensor:
@@ -308,6 +306,14 @@ class ContiguousKV:
 
     def rewrite_from(self, seq: SequenceKV, j: int) -> None:
         """seq writes into its blocks from j on next: they are its own buffers, nothing to do."""
+
+    def move(self, seq: SequenceKV, source: list[int], target: list[int]) -> None:
+        """The keys and values at positions `source` copied to positions `target` (an accepted tree path
+        to where a chain would have put it), every layer: one indexed copy per buffer."""
+        for buffers in (seq.keys, seq.values):
+            for buffer in buffers:
+                src = torch.tensor(source, device=buffer.device)
+                buffer[:, torch.tensor(target, device=buffer.device)] = buffer[:, src]  # read, then write
 
     def release(self, seq: SequenceKV) -> None:
         """The buffers go with the sequence."""

@@ -43,24 +43,53 @@ class Batch(NamedTuple):
     write_offset: torch.Tensor  # ... and position within it
     table: torch.Tensor  # each sequence's blocks, padded with the scratch block
     visible: torch.Tensor  # how many keys (from position 0) each row attends to
+    # A tree's rows (`Step.tree`) also see the keys of their ancestors among the sequence's new rows, which
+    # sit at [visible, visible + T): bit j set where row j is one of them (or the row itself). 0: a chain.
+    ancestors: torch.Tensor
+
+    FIELDS = 6  # the (B, T) fields
 
     @staticmethod
     def size(b: int, t: int, blocks: int) -> int:
-        return 5 * b * t + b * blocks
+        return Batch.FIELDS * b * t + b * blocks
 
     @classmethod
     def view(cls, flat, b: int, t: int, blocks: int) -> "Batch":
         """The fields as views of one flat int64 buffer (tensor or array) laid out field after field, so
         that a forward's inputs travel to the device in one copy."""
         bt = b * t
-        rows = [flat[i * bt:(i + 1) * bt].reshape(b, t) for i in range(5)]
-        table = flat[5 * bt:5 * bt + b * blocks].reshape(b, blocks)
-        return cls(rows[0], rows[1], rows[2], rows[3], table, rows[4])
+        rows = [flat[i * bt:(i + 1) * bt].reshape(b, t) for i in range(cls.FIELDS)]
+        table = flat[cls.FIELDS * bt:cls.FIELDS * bt + b * blocks].reshape(b, blocks)
+        return cls(rows[0], rows[1], rows[2], rows[3], table, rows[4], rows[5])
 
     def clear(self, scratch: int) -> None:
         """Padding values: id 0 at position 0, written to the scratch block, seeing one key."""
-        for field, value in zip(self, (0, 0, scratch, 0, scratch, 1)):
+        for field, value in zip(self, (0, 0, scratch, 0, scratch, 1, 0)):
             field[...] = value
+
+
+MAX_TREE_ROWS = 64  # a tree's rows per sequence: its ancestors are the bits of one int64
+
+
+def ancestor_bits(tree: tuple[int, ...]) -> list[int]:
+    """Each node's ancestors among the tree's rows, itself included, as the bits of an int64 (bit 63 as
+    the sign, which `Batch.ancestors` holds): tree[i] is node i's parent, -1 or an earlier node."""
+    bits: list[int] = []
+    for node, parent in enumerate(tree):
+        bits.append((bits[parent] if parent >= 0 else 0) | (1 << node))
+    return [b - (1 << 64) if b >= 1 << 63 else b for b in bits]
+
+
+def attention_mask(batch: Batch, window: int) -> torch.Tensor:
+    """(B, T, W) bool: row t of sequence b sees the keys before visible[b, t], and where it is a tree's
+    row, the keys of its ancestors right after them (bit j of ancestors[b, t]: the key at visible + j)."""
+    keys = torch.arange(window, device=batch.visible.device)
+    visible = batch.visible[..., None]
+    mask = keys < visible
+    offset = keys - visible  # (B, T, W): a key's row in the tree, where it is one
+    in_tree = (offset >= 0) & (offset < MAX_TREE_ROWS)
+    bit = (batch.ancestors[..., None] >> offset.clamp(0, MAX_TREE_ROWS - 1)) & 1
+    return mask | (in_tree & (bit == 1))
 
 
 def fuse_linears(owner: torch.nn.Module, names: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
@@ -150,8 +179,7 @@ class LlamaForward:
         cos, sin = body.rotary_emb(hidden, batch.positions.reshape(1, n))  # (1, N, D)
         cos, sin = cos.reshape(n, -1), sin.reshape(n, -1)
         window = batch.table.shape[1] * pool.block_size
-        # (B, T, W): row t of sequence b sees keys [0, visible[b, t])
-        mask = torch.arange(window, device=hidden.device) < batch.visible[..., None]
+        mask = attention_mask(batch, window)  # (B, T, W)
         kv_heads = pool.keys[0].shape[2]
         groups = body.config.num_attention_heads // kv_heads
         # Grouped-query attention without repeating keys: a KV head's query heads are stacked along

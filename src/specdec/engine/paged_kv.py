@@ -197,6 +197,18 @@ class PagedKV:
         for index in range(j, len(seq.chain)):
             self.pool.make_private(seq, index)
 
+    def move(self, seq: PagedSequence, source: list[int], target: list[int]) -> None:
+        """The keys and values at positions `source` copied to positions `target` (an accepted tree path to
+        where a chain would have put it), every layer. The target blocks were written by the tree's own
+        forward, so they are the sequence's own (`rewrite_from` made them so)."""
+        size, device = self.pool.block_size, self.pool.keys[0].device
+        blocks = torch.tensor(seq.blocks, device=device)
+        src, dst = torch.tensor(source, device=device), torch.tensor(target, device=device)
+        src_block, src_offset = blocks[src // size], src % size
+        dst_block, dst_offset = blocks[dst // size], dst % size
+        for buffer in self.pool.keys + self.pool.values:
+            buffer[dst_block, dst_offset] = buffer[src_block, src_offset]
+
     def release(self, seq: PagedSequence) -> None:
         self.pool.release(seq)
 

@@ -35,6 +35,9 @@ class SequenceState:
         self.tokens: list[int] = []
         self.chain: list[int] = []
         self.prefilling = True
+        # After a step whose new tokens were a tree (`Step.tree`): (the position it started at, its parents,
+        # its tokens where the host knows them), which the next step's `Step.path` picks from; else None.
+        self.tree: tuple[int, tuple[int, ...], list[int] | None] | None = None
 
 
 class PrefixIndex:

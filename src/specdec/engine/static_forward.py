@@ -31,7 +31,8 @@ from specdec import tensor_names as tn
 from specdec.engine import kernels
 from specdec.engine.cuda_graphs import CapturedForward, InputStaging
 from specdec.engine.interfaces import ForwardOutput
-from specdec.engine.llama_forward import Batch, LlamaForward
+from specdec.engine.llama_forward import MAX_TREE_ROWS, Batch, LlamaForward, ancestor_bits
+from specdec.engine.kv_cache import tree_depths
 from specdec.engine.paged_kv import PagedKV, PagedSequence
 
 COMPILE_MODES = tn.COMPILE_MODES
@@ -59,9 +60,10 @@ class StaticForward:
     buckets of their own, powers of two, padded, their head on the rows wanted only: captured like the
     others where graphs run (an eager prompt pays a launch per kernel); 0: every longer prompt runs
     eagerly. hidden_layers: a forward also returns the residual stream after these layers at every new
-    position (captured with the rest). Rows are chains (no `Step.tree` yet)."""
-
-    supports_trees = False
+    position (captured with the rest). Rows may be trees (`Step.tree`) of up to max_rows nodes (and
+    MAX_TREE_ROWS): they run in the decode buckets, each node at the position after its parent's, seeing
+    the cache and its ancestors (`llama_forward.attention_mask`), its key and value written at the slot of
+    its row."""
 
     def __init__(self, model, kv: PagedKV, max_batch: int = 8, max_rows: int = 17, compile: str = "auto",
                  min_window: int = 128, fuse_kernels: bool | None = None, fuse_mlp: bool | None = None,
@@ -87,6 +89,7 @@ class StaticForward:
         # A prompt's buckets (one sequence): powers of two above the row buckets, then prefill_rows.
         self.prefill_sizes = [size for size in buckets(prefill_rows) if size > max_rows] if prefill_rows > max_rows else []
         self.head_rows = max_rows  # the logits a prompt's bucket returns (its first call's K + 1 at most)
+        self.max_tree_rows = min(max_rows, MAX_TREE_ROWS)  # a tree runs in a decode bucket
         # Windows of keys: min_window tokens doubling up to the context (in blocks).
         block_size = self.pool.block_size
         smallest = max(1, min_window // block_size)
@@ -185,9 +188,10 @@ class StaticForward:
     def __call__(self, seqs: list[PagedSequence], rows: list, num_logits: list[int],
                  trees: list | None = None) -> ForwardOutput:
         """One forward per group of at most max_batch sequences whose new rows fit the row buckets; a
-        longer one (a prompt) runs alone. Same contract as `TransformersForward.__call__`, chains only."""
-        if trees and any(trees):
-            raise ValueError("the static forward verifies chains only (Step.tree)")
+        longer one (a prompt) runs alone. Same contract as `TransformersForward.__call__`."""
+        trees = trees or [None] * len(seqs)
+        if any(tree is not None and len(tree) > self.max_tree_rows for tree in trees):
+            raise ValueError(f"a tree of more than {self.max_tree_rows} nodes (max_rows, at most {MAX_TREE_ROWS})")
         order = list(range(len(seqs)))
         long = [i for i in order if len(rows[i]) > self.row_sizes[-1]]
         short = [i for i in order if len(rows[i]) <= self.row_sizes[-1]]
@@ -197,14 +201,15 @@ class StaticForward:
         hidden: list | None = [None] * len(seqs) if self.hidden_layers else None
         for group in groups:
             out = self._forward_group([seqs[i] for i in group], [rows[i] for i in group],
-                                      [num_logits[i] for i in group])
+                                      [num_logits[i] for i in group], [trees[i] for i in group])
             for j, i in enumerate(group):
                 logits[i] = out.logits[j]
                 if hidden is not None:
                     hidden[i] = out.hidden[j]
         return ForwardOutput(logits, hidden)
 
-    def _forward_group(self, seqs: list[PagedSequence], rows: list, num_logits: list[int]) -> ForwardOutput:
+    def _forward_group(self, seqs: list[PagedSequence], rows: list, num_logits: list[int],
+                       trees: list) -> ForwardOutput:
         counts = [len(row) for row in rows]
         block_size = self.pool.block_size
         batch = bucket(len(seqs), self.batch_sizes)
@@ -227,20 +232,25 @@ class StaticForward:
         host = Batch.view(flat, batch, width, window)
         host.clear(self.pool.scratch)
         on_device = []
-        for b, (seq, row, count) in enumerate(zip(seqs, rows, counts)):
-            where = seq.length + np.arange(count)
+        for b, (seq, row, count, tree) in enumerate(zip(seqs, rows, counts, trees)):
+            where = seq.length + np.arange(count)  # the slots the rows' keys and values go to
             if isinstance(row, torch.Tensor):
                 on_device.append((b, row))
             else:
                 host.ids[b, :count] = row
-            host.positions[b, :count] = where
-            host.positions[b, count:] = seq.length + count - 1  # padding rows: any valid position
             # The blocks this forward reaches (a sequence holds its whole reservation from its start).
             blocks = np.asarray(seq.blocks[:window], dtype=np.int64)
             host.write_block[b, :count] = blocks[where // block_size]
             host.write_offset[b, :count] = where % block_size
             host.table[b, :len(blocks)] = blocks
-            host.visible[b, :count] = where + 1
+            if tree is None:
+                host.positions[b, :count] = where
+                host.visible[b, :count] = where + 1
+            else:  # a node sits after its parent, sees the cache and (ancestors) its own path
+                host.positions[b, :count] = seq.length + np.asarray(tree_depths(tree))
+                host.visible[b, :count] = seq.length
+                host.ancestors[b, :count] = ancestor_bits(tree)
+            host.positions[b, count:] = seq.length + count - 1  # padding rows: any valid position
         flat[size:] = wanted
         captured = self._captured((batch, width, window)) if bucketed and self.mode != "off" else None
         device_flat = self.staging.send(size + len(wanted), captured.flat if captured is not None else None)

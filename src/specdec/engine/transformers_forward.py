@@ -41,7 +41,7 @@ class TransformersForward:
     (`padded_rows`). hidden_layers: a forward also returns the residual stream after these layers at every
     new position (what a trained draft head reads). Rows may be trees (`Step.tree`)."""
 
-    supports_trees = True
+    max_tree_rows = None  # any tree: its mask is built per sequence
 
     def __init__(self, model, min_forward_rows: int = 1, row_buckets: bool = False,
                  hidden_layers: tuple[int, ...] = ()):
