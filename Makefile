@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.specdec-setup
 
-.PHONY: readme-examples soak setup serve test unit integration deploy-check image image-lock clean loadtest bench bench-concurrency bench-batching bench-gpu bench-executor bench-overhead bench-structured bench-prefix bench-suffix bench-openai gpukit
+.PHONY: readme-examples soak setup serve test unit integration deploy-check image image-lock clean loadtest bench bench-concurrency bench-batching bench-gpu bench-executor bench-overhead bench-structured bench-prefix bench-suffix bench-openai bench-trees gpukit
 
 setup: $(STAMP)
 
@@ -97,6 +97,10 @@ bench-prefix: setup
 # Suffix drafting (earlier requests' text) against prompt lookup on workloads that repeat across requests.
 bench-suffix: setup
 	$(PY) -m bench.suffix_bench --pair $${PAIR:-default} --out .cache/bench-suffix.md
+
+# Token trees against chains (prompt lookup, in process, side by side): default pair unless PAIR=tiny.
+bench-trees: setup
+	$(PY) -m bench.tree_bench --pair $${PAIR:-default} --out .cache/bench-trees.md
 
 # Where a served round's time goes (tiny pair): forwards, adapters, Triton, orchestrator. DEVICE=gpu too.
 bench-overhead: setup

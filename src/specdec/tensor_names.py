@@ -76,6 +76,12 @@ NUM_LOGITS = "num_logits"  # INT32 [1]: target returns the last num_logits posit
 # INT32 [num_logits, ceil(V / 32)]: bit i of word w allows token 32 w + i at that position (structured output):
 # greedy_tokens are then the best allowed tokens, their log-probabilities still the raw distribution's
 ALLOWED_TOKENS = "allowed_tokens"
+# INT32 [-1]: the new tokens as a tree of candidates (each one's parent among them, -1 after the cache);
+# empty: a chain
+TREE_PARENTS = "tree_parents"
+# INT32 [-1]: the last step was a tree and these of its new tokens were accepted, root to leaf: their keys
+# and values move where a chain's would be before this step runs; empty: none
+ACCEPTED_PATH = "accepted_path"
 # INT32 [1]: on a sequence's first step, the positions its whole generation needs (set aside then, or the
 # step is answered UNAVAILABLE: the model's KV budget is full)
 RESERVE_TOKENS = "reserve_tokens"

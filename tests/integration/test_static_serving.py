@@ -42,8 +42,10 @@ PROMPT = "Once upon a time"
 def small_pool(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("static")
     # One torch thread for the draft (torch_threads as a count: what a small model on CPU may want).
+    # Prompt lookup proposes trees of up to 3 continuations (lookup_branches).
     own = server.start(tmp_path / "run", tmp_path / "server.log",
-                       static_args(*SMALL_POOL, "--set", "draft_model.torch_threads=1"))
+                       static_args(*SMALL_POOL, "--set", "draft_model.torch_threads=1",
+                                   "--set", "speculative_decoding.lookup_branches=3"))
     yield own
     stop_server(own)  # nothing in flight, no stub left, exit code 0
 
@@ -62,6 +64,23 @@ def test_static_executor_serves_exactly(small_pool):
     # Every request has ended: the pools hold no blocks.
     assert own.metric("specdec_model_kv_cache_bytes", model="target_model") == 0
     assert own.metric("specdec_model_tokens_processed_total", model="target_model") > 0
+
+
+def test_prompt_lookup_trees_are_verified_exactly(small_pool):
+    """lookup_branches=3: a prompt whose suffix occurred three times before, each time followed differently,
+    gets token trees; greedy text equals target-only text over gRPC and HTTP, rounds verified trees (the
+    metric), and every sequence's blocks go back."""
+    prompt = "red apple green pear red apple blue plum red apple gold fig red apple"
+    trees = lambda: small_pool.metric("specdec_tree_rounds_total")  # noqa: E731
+    before = trees()
+    for url, protocol in ((small_pool.grpc_url, "grpc"), (small_pool.http_url, "http")):
+        client = Client(url, protocol=protocol)
+        alone = client.generate(prompt, GenerationParams(max_tokens=32, num_draft_tokens=0))
+        lookup = client.generate(prompt, GenerationParams(max_tokens=32, num_draft_tokens=6, adaptive_draft=False,
+                                                          draft_model="ngram"))
+        assert lookup.text == alone.text and lookup.total_draft_tokens > 0
+    assert trees() > before
+    assert small_pool.metric("specdec_model_kv_cache_bytes", model="target_model") == 0
 
 
 def test_repeated_prompts_are_served_from_the_pools_blocks(small_pool):

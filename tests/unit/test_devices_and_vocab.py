@@ -96,7 +96,7 @@ def test_a_draft_token_beyond_the_targets_vocabulary_is_rejected_and_resampled()
     for _ in range(200):
         verdict = _verify(Proposal([7], draft_probs, 1), Scores(target_logits.argmax(-1), target_logits), target_logits,
                           params, g)
-        assert verdict.num_accepted == 0 and 0 <= verdict.next_token < 6
+        assert verdict.path == () and 0 <= verdict.next_token < 6
 
 
 def test_seeded_sampling_with_a_draft_model_is_reproducible():

@@ -122,9 +122,16 @@ def test_bad_trees_and_paths_are_refused_naming_them(tiny_lm, kind):
                                 ((0, 2), len(PROMPT) + 3, "exceeds")):
         (error,) = lm.extend_many([Step(1, keep, [4], 1, path=path)])
         assert isinstance(error, CacheError) and message in str(error), (path, str(error))
-    if kind == "static":  # trees run in the decode buckets: at most max_rows nodes
-        (error,) = lm.extend_many([Step(2, 0, list(range(9)), 1, tree=tuple(range(-1, 8)))])
+    if kind == "static":  # trees run in the decode buckets: at most max_rows nodes after a leading chain
+        (error,) = lm.extend_many([Step(2, 0, list(range(9)), 1, tree=(-1,) * 9)])
         assert isinstance(error, CacheError) and "exceeds" in str(error) and "8" in str(error)
+        # a prompt of 12 tokens, then 5 candidates under its last one: the prompt runs as a chain first
+        tree = tuple(range(-1, 11)) + (11, 11, 12, 12, 13)
+        ids = PROMPT + [30, 31, 32, 33, 34, 35, 36] + [7, 9, 11, 13, 15]
+        (logits,) = lm.extend_many([Step(3, 0, ids, 6, tree=tree)])
+        assert torch.allclose(logits[3], full(tiny_lm, ids[:12] + [7, 11]).logits[0, -1], atol=1e-10)
+        (logits,) = lm.extend_many([Step(3, 14, [40], 1, path=tuple(range(12)) + (12, 15))])
+        assert torch.allclose(logits[0], full(tiny_lm, ids[:12] + [7, 13, 40]).logits[0, -1], atol=1e-10)
 
 
 @pytest.mark.parametrize("kind", ["dynamic", "static"])

@@ -62,7 +62,7 @@ def test_sampled_lookup_is_verified_as_one_hot_at_the_targets_width():
     n = 20_000
     for _ in range(n):
         verdict = _verify(proposal, scores, scores.logits, params, g)
-        counts[2 if verdict.num_accepted else verdict.next_token] += 1
+        counts[2 if verdict.path else verdict.next_token] += 1
     assert float((counts / n - target[0]).abs().sum()) < 0.03
 
 
@@ -86,3 +86,40 @@ def test_index_equals_the_scan_on_random_sequences_with_rollbacks():
             k = rng.randrange(1, 9)
             assert index.tokens == tokens
             assert index.lookup(k) == lookup(tokens, k, max_ngram, min_ngram), (trial, tokens, k)
+
+
+# ---- trees: several continuations at once ----------------------------------------------------------
+def test_continuations_come_longest_match_and_most_recent_first():
+    from specdec.decoding.ngram_proposer import NgramIndex
+
+    index = NgramIndex(3, 1, occurrences=3)
+    index.extend([1, 2, 3, 9, 1, 2, 4, 8, 7, 2, 5, 1, 2])
+    # "1 2" occurred at 0 and 4 (followed by 3 and 4); then "2" alone at 9 (followed by 5)
+    assert index.continuations(2, 5) == [[4, 8], [3, 9], [5, 1]]
+    assert index.continuations(2, 1) == [index.lookup(2)] == [[4, 8]]
+    plain = NgramIndex(3, 1)  # one occurrence kept: the chain's lookup only
+    plain.extend([1, 2, 3, 9, 1, 2, 4, 8, 7, 2, 5, 1, 2])
+    assert plain.continuations(2, 5)[0] == [4, 8]
+
+
+def test_merge_shares_prefixes_and_fills_level_by_level():
+    from specdec.decoding.ngram_proposer import merge
+
+    assert merge([[1, 2, 3], [1, 2, 4], [5, 6]], 10) == ([1, 5, 2, 6, 3, 4], (-1, -1, 0, 1, 2, 2))
+    assert merge([[1, 2, 3], [5, 6, 7]], 4) == ([1, 5, 2, 6], (-1, -1, 0, 1))  # the budget: both keep a share
+    assert merge([[1, 2, 3]], 2) == ([1, 2], (-1, 0))
+    assert merge([], 4) == ([], ())
+
+
+def test_a_branching_proposer_proposes_a_tree_and_a_chain_when_one_continuation():
+    import asyncio
+
+    from specdec.decoding.sampling import SamplingParams
+
+    proposer = NgramProposer(max_ngram=2, min_ngram=1, branches=3)
+    tree = asyncio.run(proposer.propose(1, 0, [3, 4, 5, 6, 3, 4, 7, 8, 3, 4], 4, SamplingParams(), 0))
+    assert tree.tokens == [7, 5, 8, 6] and tree.parents == (-1, -1, 0, 1)
+    chain = asyncio.run(proposer.propose(2, 0, [1, 2, 3, 1, 2], 4, SamplingParams(), 0))
+    assert chain.tokens == [3, 1, 2] and chain.parents is None
+    with pytest.raises(ValueError, match="branches"):
+        NgramProposer(branches=0)

@@ -166,6 +166,8 @@ input [
   { name: "reserve_tokens", data_type: TYPE_INT32, dims: [ 1 ], optional: true },
   { name: "num_logits", data_type: TYPE_INT32, dims: [ 1 ], optional: true },
   { name: "allowed_tokens", data_type: TYPE_INT32, dims: [ -1, -1 ], optional: true, allow_ragged_batch: true },
+  { name: "tree_parents", data_type: TYPE_INT32, dims: [ -1 ], optional: true, allow_ragged_batch: true },
+  { name: "accepted_path", data_type: TYPE_INT32, dims: [ -1 ], optional: true, allow_ragged_batch: true },
   { name: "release", data_type: TYPE_BOOL, dims: [ 1 ], optional: true }
 ]
 output [
@@ -231,6 +233,7 @@ output [
 {{ include "specdec.param" (list "draft_models" (get (dict "model" "draft_model,ngram,suffix" "head" "draft_model,ngram,suffix" "ngram" "ngram,suffix" "suffix" "suffix,ngram") .Values.models.draft.method)) }}
 {{ include "specdec.param" (list "head_drafts" (ternary "draft_model" "" (eq .Values.models.draft.method "head"))) }}
 {{ include "specdec.param" (list "suffix_cache_tokens" $s.suffixCacheTokens) }}
+{{ include "specdec.param" (list "lookup_branches" $s.lookupBranches) }}
 {{ include "specdec.param" (list "adaptive_draft" (ternary "true" "false" $s.adaptiveDraft)) }}
 {{ include "specdec.param" (list "default_num_draft_tokens" $s.defaultNumDraftTokens) }}
 {{ include "specdec.param" (list "max_num_draft_tokens" $s.maxNumDraftTokens) }}

@@ -25,9 +25,13 @@ class ForwardStats(NamedTuple):
 class Proposal:
     tokens: list[int]  # up to K draft tokens (a proposer may offer fewer, or none)
     # (len(tokens), V_draft) processed draft distributions; None when greedy, or for a deterministic draft
-    # (sampling then verifies one-hot rows)
+    # (sampling then verifies one-hot rows). For a tree: (len(tokens) + 1, V_draft), row r the distribution
+    # the children of row r (0: the root, i + 1: token i) were drawn from without replacement
     probs: torch.Tensor | None
     cached_length: int  # tokens the proposer's cache holds after the call (its valid prefix)
+    # A tree of candidates (tree_sampler.py): parents[i] is token i's parent, an earlier token, or -1 where
+    # it follows the sequence. None: a chain.
+    parents: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -49,6 +53,12 @@ class VerifyCall:
     allowed: torch.Tensor | None = None
     # the target's features at the new positions back (a trained head drafts from them; Scores.features)
     want_features: bool = False
+    # new_ids as a tree (engine Step.tree: each token's parent among new_ids, or -1): a tree of candidates
+    # after the tokens the cache lacks. num_positions then counts the last new_ids (a node's row each).
+    tree: tuple[int, ...] | None = None
+    # The previous call was a tree and these of its new_ids were accepted (root to leaf): they become the
+    # cache's positions after that call's `keep` (engine Step.path)
+    path: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)

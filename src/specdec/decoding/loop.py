@@ -10,6 +10,12 @@ rejection rolls back by keeping fewer, and nothing already cached is sent again.
             verdict: n accepted, next token y  ->  tokens += x_1..x_n, y
             valid prefixes: target L + n, draft L + min(n, K - 1)
 
+A proposal may be a tree of candidates (`Proposal.parents`): the target scores every node in the same
+forward, the verdict is the accepted path (tree_sampler.py), and the next verify moves that path's
+keys and values where a chain's would be (`VerifyCall.path`). Requests whose logits are edited on the
+host (penalties, bad words, biases, a grammar) or that feed a trained head verify the tree's first
+branch as a chain.
+
 The DraftLengthPolicy owns K: fixed, it drafts K every round (K = 0 is target-only decoding through the
 same path, the benchmark baseline); adaptive, K is the maximum and it picks each round's k from the
 acceptance so far and the measured costs (it may pick 0: a target-only round). The loop times every
@@ -31,9 +37,11 @@ from specdec.decoding.grammar import Grammar, GrammarMatcher
 from specdec.decoding.logit_bias import TokenBias, apply_bias
 from specdec.decoding.interfaces import NoCapacity, Proposal, Proposer, Scorer, Scores, VerifyCall
 from specdec.decoding.penalties import Penalties, TokenOccurrences, penalize
-from specdec.decoding.rejection_sampler import Verdict, greedy_verify, rejection_sample
+from specdec.decoding.rejection_sampler import greedy_verify, rejection_sample
 from specdec.decoding.sampling import SamplingParams, greedy, logits_to_probs, make_generator, pad_vocab, token_log_probs
 from specdec.decoding.token_mask import mask_disallowed
+from specdec.decoding.tree_sampler import (DETERMINISTIC, SAMPLED, TreeVerdict, children, depths, greedy_tree_verify,
+                                           tree_rejection_sample)
 
 
 @dataclass(frozen=True)
@@ -88,6 +96,7 @@ class RoundOutput:
     num_accepted: int
     finish_reason: str | None  # set on the last round
     log_probs: list[float] | None = None  # with req.log_probs: the target's, one per new token
+    depth: int | None = None  # a tree's (its longest branch, num_drafted its nodes); None: a chain
 
 
 async def generate(req: GenerationRequest, proposer: Proposer, scorer: Scorer, policy: DraftLengthPolicy,
@@ -114,6 +123,8 @@ async def generate(req: GenerationRequest, proposer: Proposer, scorer: Scorer, p
     occurrences = TokenOccurrences(req.prompt_ids) if req.penalties.active else None
     matcher = req.grammar.matcher() if req.grammar is not None else None
     features = Features() if getattr(proposer, "wants_features", False) else None
+    trees = not req.edits_logits and features is None  # else a tree's first branch is verified as a chain
+    path = None  # the last verify was a tree: the accepted nodes among its new_ids
     try:
         while True:
             # Never draft past max_tokens: the bonus token always fills the last slot.
@@ -133,6 +144,8 @@ async def generate(req: GenerationRequest, proposer: Proposer, scorer: Scorer, p
                 policy.observe_draft(k, time.perf_counter() - started)
                 draft_valid = proposal.cached_length
                 drafted_ever = True
+                if proposal.parents is not None and not trees:
+                    proposal = first_branch(proposal)
                 if matcher is not None and (req.sampling.greedy or proposal.probs is None):
                     proposal = _within_grammar(proposal, matcher)  # exact only for these (grammar.py)
                 k = len(proposal.tokens)  # no proposal (an n-gram miss) = a plain target-only round
@@ -147,30 +160,35 @@ async def generate(req: GenerationRequest, proposer: Proposer, scorer: Scorer, p
                 drafted_ever = True
             new_ids = tokens[target_valid:] + proposal.tokens
             allowed = matcher.allowed(proposal.tokens, k + 1) if req.target_picks else None
+            tree = _with_catch_up(len(new_ids) - k, proposal.parents)
             started = time.perf_counter()
             scores = await _score(scorer, req, target_valid, new_ids, k + 1, 0 if target_valid else reserve,
-                                  wait_for_room, allowed, features is not None)
+                                  wait_for_room, allowed, features is not None, tree, path)
             if len(new_ids) == k + 1:  # a plain round (no prompt prefill or catch-up)
                 policy.observe_verify(k + 1, time.perf_counter() - started)
             if scores.forward:
                 policy.observe_forward(scores.forward)
             logits = _edited_logits(req, tokens, proposal.tokens, scores.logits, occurrences, matcher)
             verdict = _verify(proposal, scores, logits, req.sampling, generator)
-            if not forced:  # the policy learns the proposer's acceptance, not the grammar's
-                policy.update(k, verdict.num_accepted)
+            accepted = len(verdict.path)
+            if not forced:  # the policy learns the proposer's acceptance (along a branch), not the grammar's
+                policy.update(k if tree is None else max(depths(proposal.parents)) + 1, accepted)
             if shadow.tokens:  # would its first token have been accepted? (greedy: the target's token)
                 policy.update(1, int(shadow.tokens[0] == verdict.next_token))
 
-            new = proposal.tokens[:verdict.num_accepted] + [verdict.next_token]
-            log_probs = _log_probs(scores, new) if req.log_probs else None
+            new = [proposal.tokens[node] for node in verdict.path] + [verdict.next_token]
+            log_probs = _log_probs(scores, new, verdict.path) if req.log_probs else None
             if features is not None:  # the target's features at the positions it keeps
-                features.add(scores.features, target_valid + len(new_ids), len(tokens) + verdict.num_accepted)
-            target_valid = len(tokens) + verdict.num_accepted
+                features.add(scores.features, target_valid + len(new_ids), len(tokens) + accepted)
+            # A tree: the catch-up tokens and the accepted nodes are what the target's cache keeps of it
+            caught_up = len(new_ids) - k
+            path = None if tree is None else tuple(range(caught_up)) + tuple(caught_up + n for n in verdict.path)
+            target_valid = len(tokens) + accepted
             draft_valid = min(draft_valid, target_valid)
             tokens += new
             if occurrences is not None:
                 occurrences.add_output(new)
-            _record(stats, k, verdict.num_accepted)
+            _record(stats, k, accepted)
 
             end = matcher.advance(new) if matcher is not None else None  # the grammar complete: it ends here
             new, finish = _apply_stops(new if end is None else new[:end], req.end_ids, req.max_tokens - generated,
@@ -178,7 +196,8 @@ async def generate(req: GenerationRequest, proposer: Proposer, scorer: Scorer, p
             if end is not None and len(new) == end:
                 finish = tn.FINISH_STOP
             generated += len(new)
-            yield RoundOutput(new, k, verdict.num_accepted, finish, log_probs and log_probs[:len(new)])
+            yield RoundOutput(new, k, accepted, finish, log_probs and log_probs[:len(new)],
+                              None if tree is None else max(depths(proposal.parents)) + 1)
             if finish:
                 return
     finally:
@@ -190,7 +209,8 @@ async def generate(req: GenerationRequest, proposer: Proposer, scorer: Scorer, p
 
 async def _score(scorer: Scorer, req: GenerationRequest, keep: int, new_ids: list[int], positions: int,
                  reserve: int, wait_for_room: Callable[[], Awaitable[bool]] | None,
-                 allowed: torch.Tensor | None = None, want_features: bool = False) -> Scores:
+                 allowed: torch.Tensor | None = None, want_features: bool = False,
+                 tree: tuple[int, ...] | None = None, path: tuple[int, ...] | None = None) -> Scores:
     """The verify call (`allowed`: the grammar's bitmask, for the target to pick with); a sequence's first
     one (reserve > 0) retries while the target has no room for it and `wait_for_room` says to."""
     # Greedy rounds ship no logits (the target sends its tokens' log-probabilities instead), unless
@@ -200,7 +220,8 @@ async def _score(scorer: Scorer, req: GenerationRequest, keep: int, new_ids: lis
         try:
             return await scorer.score(VerifyCall(req.seq_id, keep, new_ids, positions, want_logits=want_logits,
                                                  reserve=reserve, want_log_probs=req.log_probs and not want_logits,
-                                                 allowed=allowed, want_features=want_features))
+                                                 allowed=allowed, want_features=want_features, tree=tree,
+                                                 path=path))
         except NoCapacity:
             if not reserve or wait_for_room is None or not await wait_for_room():
                 raise
@@ -268,17 +289,30 @@ def _within_grammar(proposal: Proposal, matcher: GrammarMatcher) -> Proposal:
 
 
 def _verify(proposal: Proposal, scores: Scores, logits: torch.Tensor | None, params: SamplingParams,
-            generator: torch.Generator | None) -> Verdict:
-    """The round's verdict from the target's (edited) logits; greedy rounds without logits use the tokens
-    the target picked."""
+            generator: torch.Generator | None) -> TreeVerdict:
+    """The round's verdict from the target's (edited) logits: the accepted drafted tokens (a chain's
+    first n, or a tree's path) and the next token; greedy rounds without logits use the tokens the target
+    picked."""
+    tokens, parents = proposal.tokens, proposal.parents
     if params.greedy:
-        return greedy_verify(proposal.tokens, (scores.greedy_tokens if logits is None else greedy(logits)).tolist())
-    draft = torch.tensor(proposal.tokens, dtype=torch.long)
+        picked = (scores.greedy_tokens if logits is None else greedy(logits)).tolist()
+        if parents is not None:
+            return greedy_tree_verify(tokens, parents, picked)
+        verdict = greedy_verify(tokens, picked)
+        return TreeVerdict(tuple(range(verdict.num_accepted)), verdict.next_token)
     # Accept/reject where the target's logits are (on the GPU when the target handed them over there).
     target_probs = logits_to_probs(logits, params)
     device = target_probs.device
-    k = len(proposal.tokens)
-    draft = draft.to(device)
+    k = len(tokens)
+    draft = torch.tensor(tokens, dtype=torch.long, device=device)
+    uniforms = torch.rand(k, generator=generator).to(device)
+    if parents is not None:
+        # Without distributions (prompt lookup, top-k) the children are point masses (tree_sampler.py).
+        draft_probs = None if proposal.probs is None else proposal.probs.to(device)
+        width = max(target_probs.shape[-1], 0 if draft_probs is None else draft_probs.shape[-1])
+        return tree_rejection_sample(tokens, parents, pad_vocab(target_probs, width), uniforms,
+                                     DETERMINISTIC if draft_probs is None else SAMPLED,
+                                     None if draft_probs is None else pad_vocab(draft_probs, width), generator)
     if proposal.probs is None:
         # A deterministic draft (prompt lookup) is the one-hot distribution on its tokens: rejection
         # sampling then accepts with probability p_target(x) and resamples from the target without x.
@@ -287,17 +321,42 @@ def _verify(proposal: Proposal, scores: Scores, logits: torch.Tensor | None, par
         draft_probs = proposal.probs.to(device)
     # The two models' logits may be of different widths (padded vocabularies): compare them as one.
     width = max(target_probs.shape[-1], draft_probs.shape[-1])
-    uniforms = torch.rand(k, generator=generator).to(device)
-    return rejection_sample(draft, pad_vocab(draft_probs, width), pad_vocab(target_probs, width), uniforms, generator)
+    verdict = rejection_sample(draft, pad_vocab(draft_probs, width), pad_vocab(target_probs, width), uniforms, generator)
+    return TreeVerdict(tuple(range(verdict.num_accepted)), verdict.next_token)
 
 
-def _log_probs(scores: Scores, new: list[int]) -> list[float]:
+def _with_catch_up(catch_up: int, parents: tuple[int, ...] | None) -> tuple[int, ...] | None:
+    """A tree proposal's parents over the whole verify's new_ids: the `catch_up` tokens the target's cache
+    lacks come first, a chain, and the tree's roots hang from the last of them. None for a chain."""
+    if not parents:  # a chain, or nothing proposed
+        return None
+    return tuple(range(-1, catch_up - 1)) + tuple(catch_up - 1 if p < 0 else catch_up + p for p in parents)
+
+
+def first_branch(proposal: Proposal) -> Proposal:
+    """A tree proposal's first branch (each node's first child) as a chain: exact as a chain, since a
+    first child was drawn from its parent's distribution itself (or is a point mass)."""
+    if proposal.parents is None:
+        return proposal
+    below = children(proposal.parents)
+    branch, row = [], 0
+    while below[row]:
+        node = below[row][0]
+        branch.append((node, row))
+        row = node + 1
+    probs = None if proposal.probs is None else proposal.probs[[r for _, r in branch]]
+    return Proposal([proposal.tokens[node] for node, _ in branch], probs, proposal.cached_length)
+
+
+def _log_probs(scores: Scores, new: list[int], path: tuple[int, ...]) -> list[float]:
     """The target's log-probability of each of a round's tokens (its raw distribution, before penalties,
-    bans and sampling's temperature and filters). Without logits (a greedy round): every token is the
-    target's greedy token at its position, and the target sent their log-probabilities."""
+    bans and sampling's temperature and filters): the scored rows along the accepted path (a chain's
+    first ones). Without logits (a greedy round): every token is the target's greedy token at its row,
+    and the target sent their log-probabilities."""
+    rows = [0] + [node + 1 for node in path]
     if scores.logits is None:
-        return scores.log_probs[:len(new)].tolist()
-    return token_log_probs(scores.logits[:len(new)], torch.tensor(new, dtype=torch.long)).tolist()
+        return scores.log_probs[rows].tolist()
+    return token_log_probs(scores.logits[rows], torch.tensor(new, dtype=torch.long)).tolist()
 
 
 def _record(stats: Stats, k: int, accepted: int) -> None:

@@ -4,6 +4,10 @@ the sequence's own suffix (Saxena 2023, "prompt lookup decoding"; transformers' 
 No model, so a draft costs nothing and a round without a match is a plain target-only step. It pays on
 grounded tasks (summarise, rewrite, edit code, answer from a given text), where the output copies spans
 of the prompt. Runs inside the orchestrator process: a BLS call would cost more than the lookup.
+
+With `branches` > 1 it proposes a token tree: the continuations of up to that many earlier occurrences
+(the longest n-gram's, most recent first, then shorter ones'), merged where they agree (`merge`), so
+that one verify tries them all.
 """
 
 from __future__ import annotations
@@ -36,28 +40,54 @@ class NgramIndex:
     round of every request, in the orchestrator process that shares the CPU with the models).
     Equal to `lookup(tokens, k, max_ngram, min_ngram)` (tested on random sequences)."""
 
-    def __init__(self, max_ngram: int, min_ngram: int):
+    def __init__(self, max_ngram: int, min_ngram: int, occurrences: int = 1):
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.occurrences = occurrences  # starts kept per n-gram: the latest, and older ones for trees
         self.tokens: list[int] = []
         self.latest: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(min_ngram, max_ngram + 1)}
+        # Only with occurrences > 1: each n-gram's earlier starts, most recent last
+        self.older: dict[int, dict[tuple[int, ...], list[int]]] = {n: {} for n in self.latest}
 
     def truncate(self, keep: int) -> None:
         if keep < len(self.tokens):  # a rollback: rebuild (prompt lookup never rolls back in the loop)
             tokens = self.tokens[:keep]
-            self.tokens, self.latest = [], {n: {} for n in self.latest}
+            self.tokens = []
+            self.latest, self.older = {n: {} for n in self.latest}, {n: {} for n in self.latest}
             self.extend(tokens)
 
     def extend(self, new_ids: list[int]) -> None:
-        tokens = self.tokens
+        tokens, more = self.tokens, self.occurrences > 1
         for token in new_ids:
             end = len(tokens)  # the n-grams ending here are now followed by `token`
             for n, table in self.latest.items():
                 if end >= n:
-                    table[tuple(tokens[end - n:end])] = end - n
+                    gram = tuple(tokens[end - n:end])
+                    if more and gram in table:
+                        earlier = self.older[n].setdefault(gram, [])
+                        earlier.append(table[gram])
+                        del earlier[:-(self.occurrences - 1)]
+                    table[gram] = end - n
             tokens.append(token)
 
     def lookup(self, k: int) -> list[int]:
         return self.match(k)[1]
+
+    def continuations(self, k: int, count: int) -> list[list[int]]:
+        """Up to `count` different continuations of up to k tokens: those of the longest suffix n-gram's
+        occurrences, most recent first, then the shorter n-grams'. The first is `lookup`'s."""
+        tokens, length, out = self.tokens, len(self.tokens), []
+        for n in range(min(self.max_ngram, length - 1), self.min_ngram - 1, -1):
+            gram = tuple(tokens[length - n:])
+            latest = self.latest[n].get(gram)
+            if latest is None:
+                continue
+            for start in [latest] + self.older[n].get(gram, [])[::-1]:
+                follow = tokens[start + n:start + n + k]
+                if follow and follow not in out:
+                    out.append(follow)
+                    if len(out) == count:
+                        return out
+        return out
 
     def match(self, k: int) -> tuple[int, list[int]]:
         """(where the matched earlier occurrence ends, up to k tokens that followed it); (0, []) if none."""
@@ -70,6 +100,31 @@ class NgramIndex:
         return 0, []
 
 
+def merge(continuations: list[list[int]], budget: int) -> tuple[list[int], tuple[int, ...]]:
+    """Continuations as one token tree of at most `budget` nodes: (tokens, parents), where a common
+    prefix is one branch. Filled level by level (every continuation's first token, then every second
+    one, ...), so each keeps a share of the budget; the first continuation's tokens come first at each
+    level (the first child is the most likely)."""
+    tokens: list[int] = []
+    parents: list[int] = []
+    nodes: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
+    at = [-1] * len(continuations)  # each continuation's node so far
+    for depth in range(max((len(c) for c in continuations), default=0)):
+        for i, continuation in enumerate(continuations):
+            if depth >= len(continuation) or at[i] is None:
+                continue
+            key = (at[i], continuation[depth])
+            if key not in nodes:
+                if len(tokens) == budget:
+                    at[i] = None  # out of budget: this continuation stops here
+                    continue
+                nodes[key] = len(tokens)
+                tokens.append(continuation[depth])
+                parents.append(at[i])
+            at[i] = nodes[key]
+    return tokens, tuple(parents)
+
+
 class NgramProposer:
     """Proposer over `NgramIndex`, keeping each sequence's tokens as its 'cache'.
 
@@ -77,24 +132,35 @@ class NgramProposer:
     against 0.38 with 2).
     """
 
-    def __init__(self, max_ngram: int = 4, min_ngram: int = 2):
-        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+    def __init__(self, max_ngram: int = 4, min_ngram: int = 2, branches: int = 1):
+        if branches < 1:
+            raise ValueError(f"branches must be >= 1, got {branches}")
+        self.max_ngram, self.min_ngram, self.branches = max_ngram, min_ngram, branches
         self.sequences: dict[int, NgramIndex] = {}
 
     async def propose(self, seq_id: int, keep: int, new_ids: list[int], k: int,
                       params: SamplingParams, round_seed: int, reserve: int = 0) -> Proposal:
         index = self.sequences.get(seq_id)
         if index is None:
-            index = self.sequences[seq_id] = NgramIndex(self.max_ngram, self.min_ngram)
+            index = self.sequences[seq_id] = NgramIndex(self.max_ngram, self.min_ngram, self.branches)
         index.truncate(keep)
         index.extend(new_ids)
         # No distributions: a deterministic draft, which the loop verifies as one-hot rows of the
         # target's own logit width (a tokenizer's length is not the model's vocabulary width).
-        return Proposal(self._draft(index, k), None, cached_length=len(index.tokens))
+        if self.branches == 1:
+            return Proposal(self._draft(index, k), None, cached_length=len(index.tokens))
+        tokens, parents = merge(self._drafts(index, k), k)
+        # One continuation merges into a chain: sent as one (no tree bookkeeping downstream).
+        chain = all(parent == node - 1 for node, parent in enumerate(parents))
+        return Proposal(tokens, None, cached_length=len(index.tokens), parents=None if chain else parents)
 
     def _draft(self, index: NgramIndex, k: int) -> list[int]:
         """Up to k tokens for the sequence `index` holds."""
         return index.lookup(k)
+
+    def _drafts(self, index: NgramIndex, k: int) -> list[list[int]]:
+        """Up to `branches` continuations of up to k tokens, the likeliest first."""
+        return index.continuations(k, self.branches)
 
     async def release(self, seq_id: int) -> None:
         self.sequences.pop(seq_id, None)

@@ -102,8 +102,8 @@ class SuffixProposer(NgramProposer):
     the cache is the caller's business: the orchestrator adds every finished request's prompt and output,
     whatever its draft method."""
 
-    def __init__(self, cache: SuffixCache, max_ngram: int = 4, min_ngram: int = 2):
-        super().__init__(max_ngram, min_ngram)
+    def __init__(self, cache: SuffixCache, max_ngram: int = 4, min_ngram: int = 2, branches: int = 1):
+        super().__init__(max_ngram, min_ngram, branches)
         self.cache = cache
 
     def _draft(self, index: NgramIndex, k: int) -> list[int]:
@@ -115,3 +115,14 @@ class SuffixProposer(NgramProposer):
                                        if own else 0):
             return theirs
         return own
+
+    def _drafts(self, index: NgramIndex, k: int) -> list[list[int]]:
+        """The cache's continuation beside the sequence's own ones (the longer match first, as `_draft`)."""
+        first = self._draft(index, k)
+        own = index.continuations(k, self.branches)
+        theirs = self.cache.lookup(index.tokens, k)[1]
+        out = [first] if first else []
+        for continuation in own + [theirs]:
+            if continuation and continuation not in out and len(out) < self.branches:
+                out.append(continuation)
+        return out

@@ -34,6 +34,16 @@ from specdec.engine.prefix_cache import ROOT, PrefixIndex, SequenceState
 __all__ = ["CacheError", "CapacityError", "Drafted", "Executor", "Forward", "KVStore", "Scored", "Step"]
 
 
+def leading_chain(tree: tuple[int, ...], num_logits: int) -> int:
+    """How many of a tree step's first tokens form a chain that can run ahead of the rest: every node
+    below them hangs from the chain's last token or deeper (which stays, as the tree's root row), and no
+    wanted logits are among them."""
+    lead = 1
+    while lead < len(tree) and tree[lead] == lead - 1 and all(p >= lead for p in tree[lead + 1:]):
+        lead += 1
+    return max(0, min(lead - 1, len(tree) - num_logits))
+
+
 class Executor:
     """Per-sequence incremental forward passes over one model: a KV store plus a forward.
 
@@ -264,8 +274,10 @@ class Executor:
             return (f"tree must give each of the {len(step.new_ids)} new tokens its parent: -1 or an earlier "
                     f"token's index, got {list(step.tree)}")
         limit = self.forward.max_tree_rows
-        if limit is not None and len(step.tree) > limit:
-            return f"a tree of {len(step.tree)} tokens exceeds this executor's {limit} (its largest row bucket)"
+        size = len(step.tree) - leading_chain(step.tree, step.num_logits)  # what runs as a tree
+        if limit is not None and size > limit:
+            return (f"a tree of {size} tokens (after its leading chain) exceeds this executor's {limit} (its "
+                    f"largest row bucket)")
         return None
 
     @torch.inference_mode()
@@ -284,11 +296,40 @@ class Executor:
             if not steps[i].new_ids:
                 results[i] = self._no_logits if not with_hidden else Scored(self._no_logits, self._no_hidden())
         if run:
+            trees = self._run_leading_chains(steps, run)
             out = self._forward([self.sequences[steps[i].seq_id] for i in run], [steps[i].new_ids for i in run],
                                 [steps[i].num_logits for i in run], [steps[i].tree for i in run])
+            for i, (lead, tree, ids) in trees.items():  # the tree as the next step's path counts it
+                seq = self.sequences[steps[i].seq_id]
+                seq.tree = (seq.tree[0] - lead, tree, ids)
             for row, i in enumerate(run):
                 results[i] = out.logits[row] if not with_hidden else Scored(out.logits[row], out.hidden[row])
         return results
+
+    def _run_leading_chains(self, steps: list[Step], run: list[int]) -> dict[int, tuple]:
+        """A tree step that starts with a chain (the tokens a cache lacks before the candidates: a prompt,
+        in a first round) runs that chain first, as a step of its own, and then the tree from the chain's
+        last token: a tree runs where trees fit (a static executor's decode buckets) and a prompt where
+        prompts do. Rewrites those steps in `steps`; returns per step (the chain's length run ahead, the
+        original tree and tokens), which the step's path refers to."""
+        leads = {}
+        for i in run:
+            tree = steps[i].tree
+            if tree is None:
+                continue
+            lead = leading_chain(tree, steps[i].num_logits)
+            if lead > 0:
+                leads[i] = lead
+        if not leads:
+            return {}
+        self._forward([self.sequences[steps[i].seq_id] for i in leads], [steps[i].new_ids[:lead] for i, lead in
+                                                                       leads.items()], [0] * len(leads))
+        out = {}
+        for i, lead in leads.items():
+            step = steps[i]
+            out[i] = (lead, step.tree, step.new_ids if isinstance(step.new_ids, list) else None)
+            steps[i] = step._replace(new_ids=step.new_ids[lead:], tree=tuple(p - lead for p in step.tree[lead:]))
+        return out
 
     def _no_hidden(self) -> torch.Tensor:
         size = self.model.config.get_text_config().hidden_size

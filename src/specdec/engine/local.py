@@ -50,7 +50,8 @@ class LocalScorer:
 
     async def score(self, call: VerifyCall) -> Scores:
         step = Step(call.seq_id, call.keep, call.new_ids, call.num_positions, reserve=call.reserve,
-                    whole=call.want_features)  # a head reads every position's features: no prefix reuse
+                    whole=call.want_features,  # a head reads every position's features: no prefix reuse
+                    tree=call.tree, path=call.path)
         with _no_capacity():
             (result,) = self.lm.extend_many([step], with_hidden=call.want_features)
             if isinstance(result, Exception):

@@ -147,14 +147,16 @@ class BlsScorer(_SequenceModel):
 
     async def score(self, call: VerifyCall) -> Scores:
         chunks: list[dict] = []  # a chunked prompt's answers: their features, with want_features
-        keep, new_ids, reserve = await self._prefill(
+        # A tree goes whole (its parents and the next call's path count its tokens from the first): target_model
+        # runs its leading chain, a prompt's tokens, ahead of it (engine/executor.leading_chain)
+        keep, new_ids, reserve = (call.keep, call.new_ids, call.reserve) if call.tree is not None else await self._prefill(
             call.seq_id, call.keep, call.new_ids, call.num_positions, call.reserve,
             [tn.GREEDY_TOKENS] + ([tn.FEATURES] if call.want_features else []), chunks)
         answer = [tn.GREEDY_TOKENS, tn.FORWARD_STATS] + ([tn.GREEDY_LOG_PROBS] if call.want_log_probs else [])
         outputs = answer + ([tn.LOGITS] if call.want_logits else []) + ([tn.FEATURES] if call.want_features else [])
         # The grammar's (K+1) x V/32 words instead of (K+1) x V logits back.
         result = await self._call(call.seq_id, new_ids, keep, outputs, reserve,
-                                  own=wire.VerifyMessage(call.num_positions, call.allowed).encode())
+                                  own=wire.VerifyMessage(call.num_positions, call.allowed, call.tree, call.path).encode())
         verified = wire.VerifiedMessage.decode({name: result[name].as_numpy() for name in answer})
         logits = _torch(result[tn.LOGITS])[0] if call.want_logits else None
         log_probs = None if verified.log_probs is None else torch.from_numpy(verified.log_probs)

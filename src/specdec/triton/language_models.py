@@ -348,8 +348,8 @@ class TargetModel(LanguageModelAdapter):
     def _step_options(self, inputs, wanted=frozenset()):
         message = wire.VerifyMessage.decode(inputs)  # allowed: structured output's picks keep to the grammar
         # A head's rounds want the features of every position: a prompt runs whole, prefix cache or not
-        return {"num_logits": message.num_logits, "allowed": message.allowed,
-                "whole": tn.FEATURES in wanted and bool(self.lm.forward.hidden_layers)}
+        return {"num_logits": message.num_logits, "allowed": message.allowed, "tree": message.tree,
+                "path": message.path, "whole": tn.FEATURES in wanted and bool(self.lm.forward.hidden_layers)}
 
     def _run(self, steps):
         # With hidden_layers (a draft head is served), every step's features come too (Scored): a head's

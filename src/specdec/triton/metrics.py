@@ -109,6 +109,8 @@ class OrchestratorMetrics(_MetricSet):
                            family.COUNTER).Metric(labels={})
         self.output_tokens = make("specdec_output_tokens_total", "Tokens returned to clients",
                                   family.COUNTER).Metric(labels={})
+        self.tree_rounds = make("specdec_tree_rounds_total", "Rounds that verified a token tree (its nodes count as "
+                                "drafted tokens, its depths as the positions drafted)", family.COUNTER).Metric(labels={})
         accepted_len = make("specdec_accepted_length", "Draft tokens accepted per round (rounds that drafted)",
                             family.HISTOGRAM)
         self.accepted_length = accepted_len.Metric(labels={}, buckets=[float(i) for i in range(max_num_draft_tokens + 1)])
@@ -159,15 +161,18 @@ class OrchestratorMetrics(_MetricSet):
         self.requests = {reason: requests.Metric(labels={"finish_reason": reason})
                          for reason in ("length", "stop", "cancelled", "error", "invalid", "rejected")}
 
-    def record_round(self, drafted: int, accepted: int, now: float) -> None:
+    def record_round(self, drafted: int, accepted: int, now: float, depth: int | None = None) -> None:
         """Count a round locally; `flush` sends the totals. Every metric update is an IPC round trip from
         the Python-backend stub to the server, and a round with K = 16 touches ~35 metrics: done per
         round, that cost more than the rounds' own bookkeeping (a serving overhead speculation pays
-        on every round)."""
+        on every round). A tree of `drafted` nodes counts its depths as the positions drafted."""
         self._pending_rounds += 1
         if drafted:
+            self._pending_drafted += drafted
             self._pending_lengths.append(accepted)
-            for i in range(drafted):
+            if depth is not None:
+                self._pending_trees += 1
+            for i in range(drafted if depth is None else depth):
                 self._pending_drafted_at[i] += 1
             for i in range(accepted):
                 self._pending_accepted_at[i] += 1
@@ -179,10 +184,11 @@ class OrchestratorMetrics(_MetricSet):
         self._flushed = now
         if self._pending_rounds:
             self.rounds.increment(self._pending_rounds)
-        drafted, accepted = sum(self._pending_drafted_at), sum(self._pending_accepted_at)
-        if drafted:
-            self.drafted.increment(drafted)
-            self.accepted.increment(accepted)
+        if self._pending_drafted:
+            self.drafted.increment(self._pending_drafted)
+            self.accepted.increment(sum(self._pending_accepted_at))
+        if self._pending_trees:
+            self.tree_rounds.increment(self._pending_trees)
         for length in self._pending_lengths:
             self.accepted_length.observe(float(length))
         for counts, metrics in ((self._pending_drafted_at, self.drafted_at), (self._pending_accepted_at, self.accepted_at)):
@@ -213,6 +219,8 @@ class OrchestratorMetrics(_MetricSet):
 
     def _reset_pending(self) -> None:
         self._pending_rounds = 0
+        self._pending_drafted = 0
+        self._pending_trees = 0
         self._pending_holds = 0
         self._pending_limited = 0
         self._pending_lengths: list[int] = []

@@ -90,7 +90,10 @@ class SpeculativeDecodingAdapter(TritonAdapter):
         # Every finished request's prompt and output go into the suffix cache (while "suffix" is offered).
         self.suffix_cache = SuffixCache(params.int("suffix_cache_tokens", 262144, low=0)) \
             if tn.SUFFIX in self.limits.draft_names else None
-        builtin = {tn.NGRAM: NgramProposer, tn.SUFFIX: lambda: SuffixProposer(self.suffix_cache)}
+        # Prompt lookup's continuations of up to this many earlier occurrences, as one token tree (1: a chain)
+        branches = params.int("lookup_branches", 1, low=1, high=8)
+        builtin = {tn.NGRAM: lambda: NgramProposer(branches=branches),
+                   tn.SUFFIX: lambda: SuffixProposer(self.suffix_cache, branches=branches)}
         # Trained heads (draft_kind head): their rounds ask target_model for its features and pass them on.
         heads = set(params.list("head_drafts"))
         if heads - set(self.limits.draft_names):
@@ -337,7 +340,7 @@ class _Responses:
         if rnd.log_probs:
             self.log_probs += rnd.log_probs
         now = time.monotonic()
-        adapter.metrics.record_round(rnd.num_drafted, rnd.num_accepted, now)
+        adapter.metrics.record_round(rnd.num_drafted, rnd.num_accepted, now, rnd.depth)
         adapter.metrics.record_costs(adapter.costs, now)
         emission = self.emitter.push(rnd.new_tokens, final=rnd.finish_reason is not None)
         finish = rnd.finish_reason or (tn.FINISH_STOP if emission and emission.stopped else None)

@@ -109,22 +109,34 @@ class VerifyMessage:
 
     num_logits: int
     allowed: torch.Tensor | None = None  # (num_logits, words) int32 bitmask; None: every token
+    tree: tuple[int, ...] | None = None  # the new tokens' parents (a tree of candidates); None: a chain
+    path: tuple[int, ...] | None = None  # the last step's tree nodes accepted; None: none
 
     def encode(self) -> Arrays:
-        # An empty bitmask stands for none: the input is always there (one input set).
+        # An empty bitmask, tree or path stands for none: the input is always there (one input set).
         allowed = np.zeros((1, 0, 0), dtype=np.int32) if self.allowed is None else self.allowed.cpu().numpy()[None]
-        return {tn.NUM_LOGITS: _i32([self.num_logits]), tn.ALLOWED_TOKENS: allowed}
+        return {tn.NUM_LOGITS: _i32([self.num_logits]), tn.ALLOWED_TOKENS: allowed,
+                tn.TREE_PARENTS: _i32(self.tree or []), tn.ACCEPTED_PATH: _i32(self.path or [])}
 
     @classmethod
     def decode(cls, inputs: Arrays) -> VerifyMessage:
         num_logits = int(_scalar(inputs, tn.NUM_LOGITS, 1))
+        tree, path = (_tuple(inputs, name) for name in (tn.TREE_PARENTS, tn.ACCEPTED_PATH))
         allowed = inputs.get(tn.ALLOWED_TOKENS)
         if allowed is None or not allowed.size:
-            return cls(num_logits)
+            return cls(num_logits, None, tree, path)
         if allowed.ndim != 3 or allowed.shape[0] != 1 or allowed.shape[1] != num_logits:
             raise ValueError(f"{tn.ALLOWED_TOKENS} must be [1, {tn.NUM_LOGITS} = {num_logits}, words], got "
                              f"{list(allowed.shape)}")
-        return cls(num_logits, torch.from_numpy(np.ascontiguousarray(allowed[0])))
+        return cls(num_logits, torch.from_numpy(np.ascontiguousarray(allowed[0])), tree, path)
+
+
+def _tuple(inputs: Arrays, name: str) -> tuple[int, ...] | None:
+    """An optional INT32 [1, n] input as a tuple; None where absent or empty."""
+    value = inputs.get(name)
+    if value is None or not value.size:
+        return None
+    return tuple(int(v) for v in value.reshape(-1))
 
 
 @dataclass(frozen=True)

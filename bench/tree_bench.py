@@ -1,0 +1,122 @@
+"""Token trees against chains, side by side in one process (`make bench-trees`): the real decode loop over
+the default pair's target (or the tiny one), prompt lookup drafting chains (one continuation) and trees
+(`lookup_branches` continuations merged), greedy.
+
+Every prompt runs target-only, then each setting, one after the other in the same process, so each
+speedup is a ratio measured side by side (tokens/s over the same prompts' target-only tokens/s). Printed
+per prompt set: tokens/s, speedup, tokens per round, rounds that verified a tree, and whether the text
+equals target-only (it must: greedy trees are exact). In process, not served: the served machinery costs
+chains and trees the same per round; its share is in `make bench`.
+
+    python -m bench.tree_bench                   # default pair, 8 prompts per set, 96 tokens
+    python -m bench.tree_bench --pair tiny --prompts 2 --max-tokens 16     # checks the script
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from dataclasses import dataclass
+
+
+from bench.report import emit, machine, table, write_results
+from bench.speculative_bench import load_prompts
+from specdec import tensor_names as tn
+from specdec.decoding.draft_length import CostModel, DraftLengthPolicy
+from specdec.decoding.loop import GenerationRequest, Stats, generate
+from specdec.decoding.ngram_proposer import NgramProposer
+from specdec.engine.build import dynamic_executor
+from specdec.engine.loading import load_causal_lm
+from specdec.engine.local import LocalScorer
+from specdec.serving import pairs
+
+
+@dataclass(frozen=True)
+class Setting:
+    label: str
+    k: int  # tokens (nodes) a round may draft
+    branches: int  # 1: a chain
+    adaptive: bool = False
+
+
+SETTINGS = [Setting("target-only", 0, 1), Setting("chain, K=4", 4, 1), Setting("chain, K=8", 8, 1),
+            Setting("tree of 2, K=4", 4, 2), Setting("tree of 3, K=6", 6, 3), Setting("tree of 3, K=8", 8, 3),
+            Setting("chain, adaptive K<=8", 8, 1, True), Setting("tree of 3, adaptive K<=8", 8, 3, True)]
+
+
+def run(lm, prompt_ids: list[int], setting: Setting, max_tokens: int, seq_id: int) -> tuple[list[int], float, Stats, int]:
+    """(tokens, seconds, stats, tree rounds) of one greedy generation."""
+    stats, trees = Stats(), 0
+    # As the orchestrator builds it for prompt lookup (a free draft), a cost model of the request's own
+    policy = DraftLengthPolicy(setting.k, CostModel(), tn.NGRAM, adaptive=setting.adaptive, free=True)
+    req = GenerationRequest(seq_id, prompt_ids, max_tokens)
+
+    async def main():
+        nonlocal trees
+        out = []
+        async for rnd in generate(req, NgramProposer(branches=setting.branches), LocalScorer(lm), policy, stats):
+            out += rnd.new_tokens
+            trees += rnd.depth is not None
+        return out
+
+    started = time.perf_counter()
+    tokens = asyncio.run(main())
+    return tokens, time.perf_counter() - started, stats, trees
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pair", choices=("default", "tiny"), default="default")
+    parser.add_argument("--prompts", type=int, default=8, help="per prompt set")
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--out", help="also write the report (markdown) here")
+    parser.add_argument("--results", metavar="NAME", help="also write it as docs/results/<date>-NAME.md")
+    args = parser.parse_args(argv)
+    spec = pairs.prepare_pair(args.pair)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(spec.tokenizer_path)
+    lm = dynamic_executor(load_causal_lm(spec.target_path))
+    sections = []
+    for kind in ("grounded", "open"):
+        prompts = []
+        for text in load_prompts(kind, args.prompts):
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+            prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+        run(lm, prompts[0], SETTINGS[1], 8, 0)  # warm-up
+        totals = {s.label: [0, 0.0, 0, 0, 0, 0] for s in SETTINGS}  # tokens, seconds, rounds, accepted, trees, equal
+        for i, ids in enumerate(prompts):
+            reference = None
+            for setting in SETTINGS:
+                tokens, seconds, stats, trees = run(lm, ids, setting, args.max_tokens, i + 1)
+                reference = tokens if reference is None else reference
+                total = totals[setting.label]
+                total[0] += len(tokens)
+                total[1] += seconds
+                total[2] += stats.rounds
+                total[3] += stats.accepted
+                total[4] += trees
+                total[5] += tokens == reference
+                print(f"[bench-trees] {kind} {i + 1}/{len(prompts)} {setting.label}: {len(tokens) / seconds:.1f} "
+                      f"tokens/s", file=sys.stderr, flush=True)
+        base = totals[SETTINGS[0].label][0] / totals[SETTINGS[0].label][1]
+        rows = []
+        for setting in SETTINGS:
+            tokens, seconds, rounds, accepted, trees, equal = totals[setting.label]
+            rows.append([setting.label, f"{tokens / seconds:.1f}", f"{tokens / seconds / base:.2f}x",
+                         f"{tokens / rounds:.2f}", f"{trees / rounds:.0%}", f"{equal}/{len(prompts)}"])
+        sections.append(f"**{kind} prompts** ({len(prompts)}, {args.max_tokens} tokens each, greedy)\n\n" +
+                        table(rows, ["setting", "tokens/s", "speedup", "tokens per round", "tree rounds",
+                                     "text = target-only"]))
+    text = (f"{machine()}; the {args.pair} pair's target, in process (dynamic executor, float32), prompt lookup "
+            f"(max n-gram 4, min 2)\n\n" + "\n\n".join(sections))
+    emit(text, args.out)
+    if args.results:
+        write_results(args.results, "Token trees against chains: `make bench-trees`", text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,162 @@
+"""Token trees through the decode loop on real executors (the tiny float64 model): whatever the tree and
+wherever the target's own continuation sits in it, greedy output equals target-only output; the target's
+cache follows the accepted branch (the next rounds would differ otherwise); log-probabilities come from
+the accepted path's rows; requests whose logits are edited verify the tree's first branch."""
+
+import asyncio
+import random
+
+import pytest
+import torch
+
+from specdec.decoding.draft_length import DraftLengthPolicy
+from specdec.decoding.interfaces import Proposal
+from specdec.decoding.loop import GenerationRequest, Stats, first_branch, generate
+from specdec.decoding.ngram_proposer import NgramProposer
+from specdec.decoding.penalties import Penalties
+from specdec.decoding.sampling import SamplingParams
+from specdec.engine.build import dynamic_executor, static_executor
+from specdec.engine.local import LocalScorer
+
+PROMPT = [5, 17, 3, 88, 41, 60, 2, 44]
+
+
+class OracleTreeProposer:
+    """Trees of up to k nodes in which the target's own greedy continuation (known from the model: an
+    oracle) sits on a random branch, corrupted at a random depth, among random decoys: every kind of
+    acceptance (none, a branch that is not the first, a path cut short) happens."""
+
+    def __init__(self, model, seed: int = 0):
+        self.model, self.rng, self.tokens = model, random.Random(seed), {}
+        self.trees = self.non_first = 0
+
+    def _greedy(self, context: list[int], n: int) -> list[int]:
+        out = []
+        with torch.no_grad():
+            for _ in range(n):
+                out.append(int(self.model(torch.tensor([context + out])).logits[0, -1].argmax()))
+        return out
+
+    async def propose(self, seq_id, keep, new_ids, k, params, round_seed, reserve=0):
+        tokens = self.tokens.setdefault(seq_id, [])
+        del tokens[keep:]
+        tokens += new_ids
+        depth = max(1, k // 2)
+        truth = self._greedy(tokens, depth)
+        cut = self.rng.randrange(depth + 1)  # the truth holds up to here, then a wrong token
+        branch = truth[:cut] + [(t + 1) % 97 for t in truth[cut:]]
+        drafted, parents, parent = [], [], -1
+        first_is_truth = self.rng.random() < 0.3
+        for level, token in enumerate(branch):
+            decoys = [self.rng.randrange(97) for _ in range(self.rng.randrange(2))]
+            siblings = [token] + decoys if first_is_truth else decoys + [token]
+            for sibling in siblings:
+                if len(drafted) == k:
+                    break
+                drafted.append(sibling)
+                parents.append(parent)
+            if len(drafted) == k or drafted[-1] != token:
+                break
+            parent = len(drafted) - 1
+        self.trees += 1
+        self.non_first += not first_is_truth
+        return Proposal(drafted, None, cached_length=len(tokens), parents=tuple(parents))
+
+    async def release(self, seq_id):
+        self.tokens.pop(seq_id, None)
+
+
+def run(req, proposer, scorer, k, stats=None):
+    async def main():
+        return [r async for r in generate(req, proposer, scorer, DraftLengthPolicy.fixed(k), stats)]
+    return asyncio.run(main())
+
+
+def tokens_of(rounds):
+    return [t for r in rounds for t in r.new_tokens]
+
+
+def executor(model, kind):
+    if kind == "dynamic":
+        return dynamic_executor(model)
+    return static_executor(model, kv_pool_tokens=1024, block_size=8, max_context=256, max_batch=2, max_rows=9,
+                           min_window=16, compile="off")
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "static"])
+def test_greedy_trees_give_the_target_only_output(tiny_lm, kind):
+    plain = tokens_of(run(GenerationRequest(1, PROMPT, 40), NgramProposer(), LocalScorer(executor(tiny_lm, kind)), 0))
+    proposer, stats = OracleTreeProposer(tiny_lm), Stats()
+    rounds = run(GenerationRequest(1, PROMPT, 40, log_probs=True), proposer, LocalScorer(executor(tiny_lm, kind)), 8,
+                 stats)
+    assert tokens_of(rounds) == plain
+    assert stats.accepted > 0 and stats.rounds < 40 and proposer.non_first > 3
+    # the log-probabilities of the accepted path's rows: the target-only run's
+    plain_lp = [lp for r in run(GenerationRequest(2, PROMPT, 40, log_probs=True), NgramProposer(),
+                                LocalScorer(executor(tiny_lm, kind)), 0) for lp in r.log_probs]
+    assert torch.allclose(torch.tensor([lp for r in rounds for lp in r.log_probs]), torch.tensor(plain_lp), atol=1e-9)
+
+
+def test_prompt_lookup_trees_give_the_target_only_output(tiny_lm):
+    prompt = [3, 4, 5, 6, 3, 4, 7, 8, 3, 4, 5, 9, 3, 4]  # "3 4" continues three ways
+    plain = tokens_of(run(GenerationRequest(1, prompt, 30), NgramProposer(), LocalScorer(dynamic_executor(tiny_lm)), 0))
+    proposer = NgramProposer(min_ngram=1, branches=3)
+    seen = []
+    original = proposer.propose
+
+    async def spy(*args, **kwargs):
+        proposal = await original(*args, **kwargs)
+        seen.append(proposal.parents)
+        return proposal
+
+    proposer.propose = spy
+    assert tokens_of(run(GenerationRequest(1, prompt, 30), proposer, LocalScorer(dynamic_executor(tiny_lm)), 6)) == plain
+    assert any(parents is not None for parents in seen)
+
+
+def test_edited_requests_verify_the_first_branch(tiny_lm):
+    """Penalties edit the target's logits on the host: the loop verifies the tree's first branch as a chain,
+    with the same output as target-only decoding under the same penalties."""
+    penalties = Penalties(repetition=1.3, presence=0.4)
+    plain = tokens_of(run(GenerationRequest(1, PROMPT, 30, penalties=penalties), NgramProposer(),
+                          LocalScorer(dynamic_executor(tiny_lm)), 0))
+    scorer = LocalScorer(dynamic_executor(tiny_lm))
+    calls = []
+    score = scorer.score
+
+    async def spy(call):
+        calls.append(call)
+        return await score(call)
+
+    scorer.score = spy
+    out = tokens_of(run(GenerationRequest(1, PROMPT, 30, penalties=penalties), OracleTreeProposer(tiny_lm), scorer, 6))
+    assert out == plain and all(call.tree is None for call in calls)
+
+
+def test_sampled_tree_rounds_are_seeded():
+    """A sampled request with tree proposals (point masses) gives the same tokens twice with one seed."""
+    from tests.unit.conftest import tiny_llama
+
+    model = tiny_llama(97, seed=0, initializer_range=0.5, max_positions=256)
+    params = SamplingParams(temperature=0.8, seed=7)
+    outs = [tokens_of(run(GenerationRequest(1, PROMPT, 20, sampling=params), OracleTreeProposer(model, seed=1),
+                          LocalScorer(dynamic_executor(model)), 6)) for _ in range(2)]
+    assert outs[0] == outs[1] and len(outs[0]) == 20
+
+
+def test_first_branch_of_a_tree():
+    probs = torch.eye(6)
+    proposal = Proposal([1, 2, 3, 4], probs[:5], 9, parents=(-1, -1, 0, 2))
+    branch = first_branch(proposal)
+    assert branch.tokens == [1, 3, 4] and branch.parents is None and branch.cached_length == 9
+    assert torch.equal(branch.probs, probs[[0, 1, 3]])  # each token's parent's row
+
+
+def test_the_tree_bench_runs_and_its_trees_are_exact(tmp_path):
+    """`make bench-trees` on the tiny pair: every setting's text equals target-only's."""
+    from bench import tree_bench
+
+    out = tmp_path / "trees.md"
+    assert tree_bench.main(["--pair", "tiny", "--prompts", "1", "--max-tokens", "8", "--out", str(out)]) == 0
+    rows = [line for line in out.read_text().splitlines() if line.startswith("| ") and "setting" not in line]
+    assert len(rows) == 2 * len(tree_bench.SETTINGS) and all(row.rstrip(" |").endswith("1/1") for row in rows)
