@@ -79,6 +79,9 @@ def test_prompt_lookup_trees_are_verified_exactly(small_pool):
         lookup = client.generate(prompt, GenerationParams(max_tokens=32, num_draft_tokens=6, adaptive_draft=False,
                                                           draft_model="ngram"))
         assert lookup.text == alone.text and lookup.total_draft_tokens > 0
+    seeded = GenerationParams(max_tokens=24, num_draft_tokens=6, draft_model="ngram", temperature=0.8, seed=5)
+    client = Client(small_pool.grpc_url)
+    assert client.generate(prompt, seeded).text == client.generate(prompt, seeded).text  # sampled trees: seeded
     assert trees() > before
     assert small_pool.metric("specdec_model_kv_cache_bytes", model="target_model") == 0
 

@@ -53,3 +53,11 @@ def test_a_verify_round_trips_its_bitmask_and_refuses_a_bad_one():
     assert wire.VerifyMessage.decode(wire.VerifyMessage(3).encode()) == wire.VerifyMessage(3)  # empty: every token
     with pytest.raises(ValueError, match=tn.ALLOWED_TOKENS):
         wire.VerifyMessage.decode(wire.VerifyMessage(3, bits).encode())  # 2 rows of bits for 3 positions
+
+
+def test_a_verify_round_trips_its_tree_and_path_and_always_sends_them():
+    message = wire.VerifyMessage(4, None, (-1, 0, 0, 1), (0, 2))
+    assert wire.VerifyMessage.decode(message.encode()) == message
+    encoded = wire.VerifyMessage(1).encode()
+    assert encoded[tn.TREE_PARENTS].shape == encoded[tn.ACCEPTED_PATH].shape == (1, 0)  # one input set
+    assert wire.VerifyMessage.decode(encoded).tree is None
