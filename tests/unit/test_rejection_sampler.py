@@ -6,6 +6,8 @@ import torch
 from specdec.decoding.rejection_sampler import Verdict, greedy_verify, rejection_sample
 from specdec.decoding.sampling import SamplingParams, logits_to_probs
 
+from .stats import chi_square_rejects, exact_joint
+
 
 def t(values):
     return torch.tensor(values, dtype=torch.long)
@@ -177,36 +179,6 @@ def _sample_joint(sampler, seed: int) -> torch.Tensor:
     return counts
 
 
-def _exact_joint() -> torch.Tensor:
-    probs = torch.zeros(V ** (K + 1))
-    for index in range(V ** (K + 1)):
-        tokens = [(index // V ** (K - i)) % V for i in range(K + 1)]
-        p = 1.0
-        for i, token in enumerate(tokens):
-            p *= float(TARGET[tuple(tokens[:i])][token])
-        probs[index] = p
-    return probs
-
-
-def _chi_square_rejects(counts: torch.Tensor, expected_probs: torch.Tensor) -> bool:
-    """Chi-square goodness of fit at significance 1e-3; cells expecting < 5 counts are pooled (an observed
-    count where the target has no mass at all rejects outright)."""
-    n = float(counts.sum())
-    if counts[expected_probs == 0].sum() > 0:
-        return True
-    expected = expected_probs * n
-    big = expected >= 5
-    observed = torch.cat([counts[big], counts[~big].sum().reshape(1)])
-    wanted = torch.cat([expected[big], expected[~big].sum().reshape(1)])
-    keep = wanted > 0
-    statistic = float(((observed[keep] - wanted[keep]) ** 2 / wanted[keep]).sum())
-    dof = int(keep.sum()) - 1
-    z = 3.09  # one-sided normal quantile of 1e-3; Wilson-Hilferty approximation of the chi-square quantile
-    critical = dof * (1 - 2 / (9 * dof) + z * (2 / (9 * dof)) ** 0.5) ** 3
-    print(f"chi-square {statistic:.0f}, critical {critical:.0f} ({dof} degrees of freedom)")
-    return statistic > critical
-
-
 def _with_planted_residual(residual):
     """rejection_sample with its residual replaced: residual(i, draft_probs, target_probs) gives the weights
     a rejection at position i resamples from."""
@@ -240,10 +212,10 @@ def _bonus_from_draft(draft_tokens, draft_probs, target_probs, uniforms, generat
 
 
 def test_rounds_give_exactly_the_targets_joint_distribution():
-    assert not _chi_square_rejects(_sample_joint(rejection_sample, seed=0), _exact_joint())
+    assert not chi_square_rejects(_sample_joint(rejection_sample, seed=0), exact_joint(TARGET, V, K + 1))
 
 
 @pytest.mark.parametrize("planted", [_residual_as_mask, _bonus_from_draft, _first_row_at_every_rejection])
 def test_the_joint_test_catches_planted_bugs(planted):
     """The same test on a sampler with a known bug must fail: proof that it can."""
-    assert _chi_square_rejects(_sample_joint(planted, seed=0), _exact_joint())
+    assert chi_square_rejects(_sample_joint(planted, seed=0), exact_joint(TARGET, V, K + 1))

@@ -9,6 +9,8 @@ from specdec.decoding.sampling import SamplingParams, logits_to_probs
 from specdec.decoding.tree_sampler import (DETERMINISTIC, SAMPLED, TreeVerdict, children, depths, draw_children,
                                            greedy_tree_verify, path_to, tree_rejection_sample)
 
+from .stats import chi_square_rejects, exact_joint
+
 # A tree of 6 nodes:          root
 #                          /   |    \
 #                    0:a=5   1:b=6   2:c=7
@@ -143,36 +145,6 @@ def _sample_joint(rule, proposal: str, seed: int) -> torch.Tensor:
     return counts
 
 
-def _exact_joint() -> torch.Tensor:
-    probs = torch.zeros(V ** OUT)
-    for index in range(V ** OUT):
-        tokens = [(index // V ** (OUT - 1 - i)) % V for i in range(OUT)]
-        p = 1.0
-        for i, token in enumerate(tokens):
-            p *= float(TARGET[tuple(tokens[:i])][token])
-        probs[index] = p
-    return probs
-
-
-def _chi_square_rejects(counts: torch.Tensor, expected_probs: torch.Tensor) -> bool:
-    """Goodness of fit at significance 1e-3; cells expecting < 5 counts pooled; a count where the target
-    has no mass rejects outright."""
-    n = float(counts.sum())
-    if counts[expected_probs == 0].sum() > 0:
-        return True
-    expected = expected_probs * n
-    big = expected >= 5
-    observed = torch.cat([counts[big], counts[~big].sum().reshape(1)])
-    wanted = torch.cat([expected[big], expected[~big].sum().reshape(1)])
-    keep = wanted > 0
-    statistic = float(((observed[keep] - wanted[keep]) ** 2 / wanted[keep]).sum())
-    dof = int(keep.sum()) - 1
-    z = 3.09  # Wilson-Hilferty approximation of the chi-square quantile at 1 - 1e-3
-    critical = dof * (1 - 2 / (9 * dof) + z * (2 / (9 * dof)) ** 0.5) ** 3
-    print(f"chi-square {statistic:.0f}, critical {critical:.0f} ({dof} degrees of freedom)")
-    return statistic > critical
-
-
 def _eagle_rule(tokens, parents, target, uniforms, proposal, draft, g):
     """Planted: each child accepted with probability p(x) of its parent's unchanged target row (no residual
     between siblings); after all are rejected, the draw from the row without the tried tokens."""
@@ -218,10 +190,10 @@ def _rule(tokens, parents, target, uniforms, proposal, draft, g):
 
 @pytest.mark.parametrize("proposal", [DETERMINISTIC, SAMPLED])
 def test_tree_rounds_give_exactly_the_targets_joint_distribution(proposal):
-    assert not _chi_square_rejects(_sample_joint(_rule, proposal, seed=0), _exact_joint())
+    assert not chi_square_rejects(_sample_joint(_rule, proposal, seed=0), exact_joint(TARGET, V, OUT))
 
 
 @pytest.mark.parametrize("planted, proposal", [(_eagle_rule, DETERMINISTIC), (_eagle_rule, SAMPLED),
                                                (_unchanged_q, SAMPLED), (_draft_ratio_for_top_k, DETERMINISTIC)])
 def test_the_tree_joint_test_catches_planted_bugs(planted, proposal):
-    assert _chi_square_rejects(_sample_joint(planted, proposal, seed=0), _exact_joint())
+    assert chi_square_rejects(_sample_joint(planted, proposal, seed=0), exact_joint(TARGET, V, OUT))
