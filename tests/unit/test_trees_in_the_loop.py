@@ -160,3 +160,69 @@ def test_the_tree_bench_runs_and_its_trees_are_exact(tmp_path):
     assert tree_bench.main(["--pair", "tiny", "--prompts", "1", "--max-tokens", "8", "--out", str(out)]) == 0
     rows = [line for line in out.read_text().splitlines() if line.startswith("| ") and "setting" not in line]
     assert len(rows) == 2 * len(tree_bench.SETTINGS) and all(row.rstrip(" |").endswith("1/1") for row in rows)
+
+
+def test_a_proposer_keeps_what_follows_its_first_branch():
+    """A proposer whose cache holds its trees' first branch (as a model draft's would): after a round that
+    accepted another branch, it is asked to keep only the part of its cache the output agrees with; every
+    cache it holds is a prefix of the output."""
+    import random as rnd
+
+    from specdec.decoding.interfaces import Scores
+    from specdec.decoding.tree_sampler import path_to
+    from tests.unit.test_loop import reference_greedy, true_next
+
+    class TreeScorer:
+        """test_loop's fake target language, scoring chains and trees from the cache it keeps."""
+
+        def __init__(self):
+            self.cache, self.tree = [], None
+
+        async def score(self, call):
+            if call.path is not None:  # the last call's tree: its accepted nodes where a chain's would be
+                start, ids = self.tree
+                self.cache[start:] = [ids[node] for node in call.path]
+            assert call.keep <= len(self.cache)
+            del self.cache[call.keep:]
+            start, ids = len(self.cache), call.new_ids
+            if call.tree is None:
+                contexts = [self.cache + ids[:j + 1] for j in range(len(ids))]
+            else:
+                contexts = [self.cache + [ids[i] for i in path_to(call.tree, j)] for j in range(len(ids))]
+            self.cache += ids
+            self.tree = (start, ids) if call.tree is not None else None
+            return Scores(torch.tensor([true_next(c) for c in contexts[-call.num_positions:]]), None)
+
+        async def release(self, seq_id):
+            pass
+
+    class FirstBranchCache:
+        def __init__(self):
+            self.cache, self.snapshots, self.rng = [], [], rnd.Random(3)
+
+        async def propose(self, seq_id, keep, new_ids, k, params, round_seed, reserve=0):
+            assert keep <= len(self.cache)
+            del self.cache[keep:]
+            self.cache += new_ids
+            self.snapshots.append(list(self.cache))
+            context, tokens, parents, parent = list(self.cache), [], [], -1
+            for _ in range(max(1, k // 2)):
+                truth = true_next(context)
+                wrong = (truth + 1 + self.rng.randrange(3)) % 50
+                first, second = (truth, wrong) if self.rng.random() < 0.5 else (wrong, truth)
+                tokens += [first, second]
+                parents += [parent, parent]
+                parent = len(tokens) - 2  # the cache follows the first child, right or wrong
+                context.append(first)
+            self.cache += [tokens[i] for i in range(0, len(tokens) - 2, 2)]  # its first branch but the last
+            return Proposal(tokens, None, cached_length=len(self.cache), parents=tuple(parents))
+
+        async def release(self, seq_id):
+            pass
+
+    proposer = FirstBranchCache()
+    prompt = [3, 1, 4, 1, 5]
+    out = tokens_of(run(GenerationRequest(1, prompt, 30), proposer, TreeScorer(), 8))
+    assert out == reference_greedy(prompt, 30)
+    full = prompt + out
+    assert all(snapshot == full[:len(snapshot)] for snapshot in proposer.snapshots)

@@ -30,7 +30,8 @@ class Proposal:
     probs: torch.Tensor | None
     cached_length: int  # tokens the proposer's cache holds after the call (its valid prefix)
     # A tree of candidates (tree_sampler.py): parents[i] is token i's parent, an earlier token, or -1 where
-    # it follows the sequence. None: a chain.
+    # it follows the sequence. None: a chain. Of a tree, a proposer's cache (cached_length) may hold only
+    # the first branch (each node's first child), as a chain's.
     parents: tuple[int, ...] | None = None
 
 

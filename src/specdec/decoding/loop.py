@@ -184,7 +184,9 @@ async def generate(req: GenerationRequest, proposer: Proposer, scorer: Scorer, p
             caught_up = len(new_ids) - k
             path = None if tree is None else tuple(range(caught_up)) + tuple(caught_up + n for n in verdict.path)
             target_valid = len(tokens) + accepted
-            draft_valid = min(draft_valid, target_valid)
+            # A proposer's cache holds its first branch (each node's first child): what it keeps of a tree
+            # is the accepted path's part that follows it
+            draft_valid = min(draft_valid, len(tokens) + _on_first_branch(proposal.parents, verdict.path))
             tokens += new
             if occurrences is not None:
                 occurrences.add_output(new)
@@ -331,6 +333,19 @@ def _with_catch_up(catch_up: int, parents: tuple[int, ...] | None) -> tuple[int,
     if not parents:  # a chain, or nothing proposed
         return None
     return tuple(range(-1, catch_up - 1)) + tuple(catch_up - 1 if p < 0 else catch_up + p for p in parents)
+
+
+def _on_first_branch(parents: tuple[int, ...] | None, path: tuple[int, ...]) -> int:
+    """How many of the accepted path's first nodes are first children (all of a chain's)."""
+    if parents is None:
+        return len(path)
+    below = children(parents)
+    count = 0
+    for node in path:
+        if below[parents[node] + 1][0] != node:
+            break
+        count += 1
+    return count
 
 
 def first_branch(proposal: Proposal) -> Proposal:
