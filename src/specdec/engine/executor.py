@@ -38,8 +38,12 @@ def leading_chain(tree: tuple[int, ...], num_logits: int) -> int:
     """How many of a tree step's first tokens form a chain that can run ahead of the rest: every node
     below them hangs from the chain's last token or deeper (which stays, as the tree's root row), and no
     wanted logits are among them."""
+    # smallest[i]: the smallest parent among tokens i.. (one pass: a first round's tree follows a whole prompt)
+    smallest = [len(tree)] * (len(tree) + 1)
+    for i in range(len(tree) - 1, -1, -1):
+        smallest[i] = min(tree[i], smallest[i + 1])
     lead = 1
-    while lead < len(tree) and tree[lead] == lead - 1 and all(p >= lead for p in tree[lead + 1:]):
+    while lead < len(tree) and tree[lead] == lead - 1 and smallest[lead + 1] >= lead:
         lead += 1
     return max(0, min(lead - 1, len(tree) - num_logits))
 
