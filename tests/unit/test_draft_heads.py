@@ -18,7 +18,7 @@ from specdec.engine.draft_heads import (EAGLE, EAGLE3, KINDS, MEDUSA, HeadCache,
 from specdec.engine.head_executor import HeadExecutor
 from specdec.engine.local import LocalProposer, LocalScorer
 from tests.unit.conftest import run_fixed_k
-from tests.unit.test_rejection_sampler import _chi_square_rejects
+from tests.unit.stats import chi_square_rejects
 
 PROMPT = [5, 17, 3, 88, 41, 9, 60]
 AUX = (0, 1, 1)  # EAGLE-3's layers on a 2-layer target (its default needs at least 4)
@@ -193,7 +193,7 @@ def test_sampled_speculation_with_a_head_follows_the_targets_distribution(tiny_l
                           proposer, scorer, 2)
         counts[0, out[1]] += 1
         counts[1, out[2]] += 1
-    assert not _chi_square_rejects(counts[0], p2) and not _chi_square_rejects(counts[1], p3)
+    assert not chi_square_rejects(counts[0], p2) and not chi_square_rejects(counts[1], p3)
 
 
 def _draws_greedily(drafted):
@@ -227,9 +227,9 @@ def test_a_sampling_head_draws_from_the_distributions_it_reports(tiny_lm, kind):
     counts = torch.bincount(torch.tensor(firsts), minlength=97).double()
     common = max(seconds, key=lambda token: len(seconds[token]))
     second_counts = torch.bincount(torch.tensor(seconds[common]), minlength=97).double()
-    rejected = [_chi_square_rejects(counts, rows["first"].double())]
+    rejected = [chi_square_rejects(counts, rows["first"].double())]
     if (rows[common] * len(seconds[common]) >= 5).sum() >= 1:  # cells enough to test (not all pooled)
-        rejected.append(_chi_square_rejects(second_counts, rows[common].double()))
+        rejected.append(chi_square_rejects(second_counts, rows[common].double()))
     if kind == MEDUSA:  # Medusa's second head does not read the first token: its row is the same for all
         assert torch.equal(rows[common], executor.propose(1, 0, PROMPT, 2, params, None, features=features).probs[1])
     assert any(rejected) == (kind == "planted"), rejected
