@@ -93,12 +93,12 @@ def test_a_long_prompt_goes_in_chunks_that_ask_for_nothing_the_first_taking_the_
     sent = [{name: value.reshape(-1).tolist() for name, value in call.items()} for call in pb.sent]
     assert sent == [
         {tn.INPUT_IDS: [1, 2, 3, 4], tn.CACHE_LENGTH: [0], tn.RESERVE_TOKENS: [40], tn.NUM_LOGITS: [0],
-         tn.RELEASE: [False], tn.ALLOWED_TOKENS: []},
+         tn.RELEASE: [False], tn.ALLOWED_TOKENS: [], tn.TREE_PARENTS: [], tn.ACCEPTED_PATH: []},
         {tn.INPUT_IDS: [5, 6, 7, 8], tn.CACHE_LENGTH: [4], tn.RESERVE_TOKENS: [0], tn.NUM_LOGITS: [0],
-         tn.RELEASE: [False], tn.ALLOWED_TOKENS: []},
+         tn.RELEASE: [False], tn.ALLOWED_TOKENS: [], tn.TREE_PARENTS: [], tn.ACCEPTED_PATH: []},
         # at most 4 + 2 tokens
         {tn.INPUT_IDS: [9, 10, 11, 50, 51], tn.CACHE_LENGTH: [8], tn.RESERVE_TOKENS: [0], tn.NUM_LOGITS: [2],
-         tn.RELEASE: [False], tn.ALLOWED_TOKENS: []},
+         tn.RELEASE: [False], tn.ALLOWED_TOKENS: [], tn.TREE_PARENTS: [], tn.ACCEPTED_PATH: []},
     ]
     pb.sent.clear()
     proposal = asyncio.run(proposer.propose(2, 0, prompt, 2, SamplingParams(), 0, reserve=40))
@@ -111,6 +111,16 @@ def test_a_long_prompt_goes_in_chunks_that_ask_for_nothing_the_first_taking_the_
     asyncio.run(scorer.score(VerifyCall(1, 13, [52], 1)))  # a round: one call, as without chunks
     asyncio.run(BlsScorer(pb, tn.TARGET_MODEL_NAME).score(VerifyCall(3, 0, prompt, 1)))  # 0: off
     assert [len(call[tn.INPUT_IDS].reshape(-1)) for call in pb.sent] == [1, 11]
+    # A tree goes whole, its parents and the last tree's accepted path with it (target_model runs the
+    # leading chain ahead itself)
+    pb.sent.clear()
+    tree = tuple(range(-1, 10)) + (10, 10)
+    asyncio.run(scorer.score(VerifyCall(4, 0, prompt + [50, 51], 3, reserve=40, tree=tree)))
+    asyncio.run(scorer.score(VerifyCall(4, 13, [52], 1, path=tuple(range(11)) + (12,))))
+    assert [call[tn.INPUT_IDS].reshape(-1).tolist() for call in pb.sent] == [prompt + [50, 51], [52]]
+    assert pb.sent[0][tn.TREE_PARENTS].reshape(-1).tolist() == list(tree) and pb.sent[0][tn.ACCEPTED_PATH].size == 0
+    assert pb.sent[1][tn.ACCEPTED_PATH].reshape(-1).tolist() == list(range(11)) + [12]
+    assert pb.sent[1][tn.TREE_PARENTS].size == 0
 
 
 def test_a_grammar_bitmask_goes_with_the_verify_and_no_logits_come_back():
@@ -126,4 +136,5 @@ def test_a_grammar_bitmask_goes_with_the_verify_and_no_logits_come_back():
     asyncio.run(scorer.release(1))
     assert pb.sent[-1][tn.RELEASE].item() and pb.sent[-1][tn.NUM_LOGITS].item() == 0
     assert _input_sets(pb.sent) == {frozenset([tn.INPUT_IDS, tn.CACHE_LENGTH, tn.RESERVE_TOKENS, tn.RELEASE,
-                                               tn.NUM_LOGITS, tn.ALLOWED_TOKENS])}
+                                               tn.NUM_LOGITS, tn.ALLOWED_TOKENS, tn.TREE_PARENTS,
+                                               tn.ACCEPTED_PATH])}
