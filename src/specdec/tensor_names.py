@@ -104,6 +104,9 @@ RELEASE = "release"  # BOOL [1]: free this sequence's cache (sent with the seque
 # limit): the same request can succeed later. A BLS response keeps an error's message but not its code,
 # so the orchestrator recognises a model's refusal by it, and so do clients reading a stream's error.
 RETRY_LATER = "retry later"
+# Ends the message of a request that failed because a model it needs is down or reloading (its stub died;
+# the launcher's watchdog brings it back): UNAVAILABLE, the same request can succeed once it is back.
+MODEL_DOWN = "a model is being restored, retry"
 
 # ---- finish reasons --------------------------------------------------------------------------
 FINISH_LENGTH = "length"

@@ -123,7 +123,9 @@ def test_container_command_is_one_the_launcher_accepts():
     assert entry[:4] == ["/opt/nvidia/nvidia_entrypoint.sh", "python", "-m", "specdec.serving.launcher"]
     args = launcher.parse_args(entry[4:] + cmd)
     assert args.triton_root == "/opt/tritonserver" and args.target == "/models/target" and args.device == "gpu"
-    assert "--model-control-mode=none" in args.server_args
+    # Explicit model control (the watchdog reloads a model in place), its repository API locked by a key.
+    assert "--model-control-mode=explicit" in args.server_args
+    assert any(a.startswith("--http-restricted-api=model-repository:") for a in args.server_args)
 
 
 def test_compose_reserves_a_gpu_and_shared_memory():

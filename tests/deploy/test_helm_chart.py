@@ -115,7 +115,9 @@ def test_pod_is_hardened_and_probed(name):
         assert sc["readOnlyRootFilesystem"] is True
     (triton,) = pod["containers"]
     assert triton["startupProbe"]["httpGet"]["path"] == "/v2/health/ready"
-    assert triton["livenessProbe"]["httpGet"]["path"] == "/v2/health/live"
+    # The launcher's liveness: Triton's, and no model down past the heal timeout (its watchdog).
+    assert triton["livenessProbe"]["httpGet"] == {"path": "/live", "port": "health"}
+    assert launcher.parse_args(triton["args"]).heal_timeout == 300
     # The launcher's readiness endpoint (ready and not draining), on the port its HEALTH_PORT names.
     assert triton["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "health"}
     ports = {port["name"]: port["containerPort"] for port in triton["ports"]}
@@ -214,8 +216,11 @@ def test_autoscaling_and_monitoring_objects():
     assert trigger["metricType"] == "Value"  # the release's average, not divided again by the replica count
     assert not by_kind(render_chart({}), "PrometheusRule")
     mon = render_chart(COMBINATIONS["monitoring"])
-    assert by_kind(mon, "ServiceMonitor")[0]["spec"]["endpoints"][0]["port"] == "metrics"
-    assert by_kind(mon, "PodMonitor")[0]["spec"]["podMetricsEndpoints"][0]["port"] == "metrics"
+    # Triton's metrics and the launcher's (the watchdog's restarts and time down).
+    assert [e["port"] for e in by_kind(mon, "ServiceMonitor")[0]["spec"]["endpoints"]] == ["metrics", "health"]
+    assert [e["port"] for e in by_kind(mon, "PodMonitor")[0]["spec"]["podMetricsEndpoints"]] == ["metrics", "health"]
+    service_ports = {p["name"] for p in by_kind(mon, "Service")[0]["spec"]["ports"]}
+    assert {"metrics", "health"} <= service_ports
     dashboard = [d for d in by_kind(mon, "ConfigMap") if d["metadata"]["name"].endswith("-dashboard")][0]
     panels = yaml.safe_load(dashboard["data"]["specdec-triton.json"])["panels"]
     titles = " ".join(p["title"] for p in panels).lower()

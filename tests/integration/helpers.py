@@ -142,7 +142,9 @@ def _decode_result(result) -> dict:
 
 
 class GenerationError(Exception):
-    pass
+    def __init__(self, message: str, status: str | None = None):
+        super().__init__(message)
+        self.status = status  # the gRPC status, e.g. "StatusCode.UNAVAILABLE", where the error carried one
 
 
 def grpc_stream(url: str, prompt: str, timeout: float = 120, **params) -> dict:
@@ -158,7 +160,7 @@ def grpc_stream(url: str, prompt: str, timeout: float = 120, **params) -> dict:
         while True:
             result, error = responses.get(timeout=max(1, deadline - time.monotonic()))
             if error is not None:
-                raise GenerationError(str(error))
+                raise GenerationError(str(error), error.status() if hasattr(error, "status") else None)
             response = result.get_response()
             if response.outputs:
                 decoded = _decode_result(result)

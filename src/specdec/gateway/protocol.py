@@ -288,7 +288,7 @@ def server_error(message: str, unavailable: bool = False) -> ApiError:
     """A refusal of the ensemble as an OpenAI error: capacity and readiness are 503 (retry), a refused
     input 400 naming the request's field it came from, anything else 500."""
     lowered = message.lower()
-    if tn.RETRY_LATER in lowered or unavailable:
+    if tn.RETRY_LATER in lowered or tn.MODEL_DOWN in lowered or unavailable:
         return ApiError(503, message, code="server_busy" if tn.RETRY_LATER in lowered else "unavailable")
     key, name = _KEY.search(message), _INPUT.search(message)
     if key or name or "invalid argument" in lowered or "invalid_arg" in lowered:

@@ -4,8 +4,14 @@ readiness probe: an HTTP probe, so the kubelet starts no process in the pod ever
 
 Ready means /v2/health/ready answers 200 (with --strict-readiness: every model is loaded), the server is
 not draining (after SIGTERM the launcher raises a marker and lets the streams in flight finish, and
-readiness must drop at once so that new requests go elsewhere), and, where the launcher runs the OpenAI API
-(OPENAI_PORT, not 0), its GET /health answers 200. The ports come from HTTP_PORT (default 8000) and OPENAI_PORT.
+readiness must drop at once so that new requests go elsewhere), no model is down (the launcher's watchdog
+raises a marker naming the models whose stub died until they serve again; watchdog.py), and, where the
+launcher runs the OpenAI API (OPENAI_PORT, not 0), its GET /health answers 200. The ports come from
+HTTP_PORT (default 8000) and OPENAI_PORT.
+
+The launcher's endpoint also answers GET /live (the chart's liveness probe: 503 once tritonserver stops
+answering /v2/health/live or a model has been down for longer than the heal timeout) and GET /metrics
+(the watchdog's metrics: restarts and time down per model).
 """
 
 from __future__ import annotations
@@ -17,8 +23,11 @@ import tempfile
 import threading
 import urllib.request
 from pathlib import Path
+from typing import Callable
 
 READY_PATH = "/ready"  # the launcher's readiness endpoint (HEALTH_PORT)
+LIVE_PATH = "/live"  # its liveness endpoint
+METRICS_PATH = "/metrics"  # the watchdog's metrics
 GATEWAY_HEALTH_PATH = "/health"  # the OpenAI API's (specdec.gateway): 200 once it reaches a ready ensemble
 
 
@@ -26,9 +35,18 @@ def ready_url(http_port: int, host: str = "127.0.0.1") -> str:
     return f"http://{host}:{http_port}/v2/health/ready"
 
 
+def live_url(http_port: int, host: str = "127.0.0.1") -> str:
+    return f"http://{host}:{http_port}/v2/health/live"
+
+
 def drain_marker(http_port: int) -> Path:
     """The file whose existence says the server on http_port is draining (written by the launcher)."""
     return Path(tempfile.gettempdir()) / f"specdec-draining-{http_port}"
+
+
+def down_marker(http_port: int) -> Path:
+    """The file naming the models that are down (one "model: reason" line each), while any is."""
+    return Path(tempfile.gettempdir()) / f"specdec-down-{http_port}"
 
 
 def is_ready(http_port: int, timeout_s: float = 4.0, openai_port: int = 0) -> bool:
@@ -54,6 +72,12 @@ def not_ready(http_port: int, timeout_s: float = 4.0, openai_port: int = 0) -> s
     not (one line)."""
     if drain_marker(http_port).exists():
         return f"not ready (draining): {ready_url(http_port)}"
+    try:
+        down = down_marker(http_port).read_text().strip().replace("\n", "; ")
+    except OSError:
+        down = ""
+    if down:
+        return f"not ready: model down, being restored: {down}"
     if not answers(ready_url(http_port), timeout_s):
         return f"not ready: {ready_url(http_port)}"
     if openai_port and not answers(gateway_url(openai_port), timeout_s):
@@ -73,23 +97,32 @@ def openai_port() -> int:
 
 class ReadinessEndpoint:
     """GET /ready on `port` (all interfaces: the kubelet probes the pod's address): 200 while the server
-    on http_port is ready, 503 with the reason otherwise; served from a daemon thread of the launcher.
+    on http_port is ready, 503 with the reason otherwise; GET /live (`live_problem`: the watchdog's) and
+    GET /metrics (`metrics`); served from a daemon thread of the launcher.
     Raises OSError at construction when the port is taken."""
 
-    def __init__(self, port: int, http_port: int, host: str = "0.0.0.0", openai_port: int = 0):
+    def __init__(self, port: int, http_port: int, host: str = "0.0.0.0", openai_port: int = 0,
+                 live_problem: Callable[[], str | None] = lambda: None, metrics: Callable[[], str] = lambda: ""):
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_GET(self):  # noqa: N802 (the stdlib's name)
-                if self.path.split("?", 1)[0] != READY_PATH:
-                    self._answer(404, f"not found: {self.path} (readiness is GET {READY_PATH})")
-                    return
+                path = self.path.split("?", 1)[0]
                 # Within the probes' 5 s timeout, with room for the answer.
-                reason = not_ready(http_port, timeout_s=2.0, openai_port=openai_port)
-                self._answer(503 if reason else 200, reason or "ready")
+                if path == READY_PATH:
+                    reason = not_ready(http_port, timeout_s=2.0, openai_port=openai_port)
+                    self._answer(503 if reason else 200, reason or "ready")
+                elif path == LIVE_PATH:
+                    problem = live_problem() or (None if answers(live_url(http_port), 2.0) else
+                                                 f"not live: {live_url(http_port)}")
+                    self._answer(503 if problem else 200, problem or "live")
+                elif path == METRICS_PATH:
+                    self._answer(200, metrics().rstrip("\n"), "text/plain; version=0.0.4; charset=utf-8")
+                else:
+                    self._answer(404, f"not found: {self.path} (GET {READY_PATH}, {LIVE_PATH} or {METRICS_PATH})")
 
-            def _answer(self, status: int, text: str) -> None:
+            def _answer(self, status: int, text: str, kind: str = "text/plain; charset=utf-8") -> None:
                 body = f"{text}\n".encode()
                 self.send_response(status)
-                self.send_header("Content-Type", "text/plain; charset=utf-8")
+                self.send_header("Content-Type", kind)
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)

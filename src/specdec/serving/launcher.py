@@ -25,6 +25,7 @@ import contextlib
 import dataclasses
 import importlib.util
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -40,11 +41,15 @@ from specdec import tensor_names as tn
 from specdec.serving import mps, pairs, repository
 from specdec.serving.gateway_process import GatewayProcess, default_model_name, repository_tokenizer
 from specdec.serving.healthcheck import (
-    READY_PATH, ReadinessEndpoint, answers, drain_marker, gateway_url, health_port, is_ready, openai_port,
+    READY_PATH, ReadinessEndpoint, answers, drain_marker, gateway_url, health_port, is_ready, openai_port, ready_url,
 )
-from specdec.serving.metrics_text import scrape, sum_samples
+from specdec.serving.metrics_text import samples, scrape, sum_samples
 from specdec.serving.pairs import log
+from specdec.serving.watchdog import ModelControl, Watchdog, control_mode, restricted_header
 from specdec.triton.admission import cancellation, kv_room, sequence_slots
+
+
+LAUNCHER_KEY_HEADER = "specdec-launcher-key"  # the header of the repository API key the launcher makes up
 
 
 @dataclass(frozen=True)
@@ -128,7 +133,8 @@ def wait_ready(http_port: int, process: subprocess.Popen, timeout_s: float,
             return
         if process.poll() is not None:
             raise RuntimeError(f"tritonserver exited with code {process.returncode} before it was ready")
-        if is_ready(http_port, timeout_s=2) and (metrics_port is None or accepts(metrics_port)):
+        # Triton's own readiness: the launcher's (is_ready) also says no while the watchdog restarts it.
+        if answers(ready_url(http_port), 2.0) and (metrics_port is None or accepts(metrics_port)):
             return
         if time.monotonic() - last_note > 10:
             log("models loading ...")
@@ -280,6 +286,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--ready-timeout", type=float, default=600.0)
     parser.add_argument("--drain-timeout", type=float, default=60.0,
                         help="after SIGTERM: readiness drops, requests in flight may finish for this long")
+    parser.add_argument("--heal-timeout", type=float, default=300.0,
+                        help="a model whose stub died is brought back (watchdog.py); down longer than this, "
+                             "liveness (GET /live on HEALTH_PORT) fails")
+    parser.add_argument("--no-heal", dest="heal", action="store_false",
+                        help="no watchdog: a dead stub stays dead (and readiness does not notice)")
     args, extra = parser.parse_known_args(argv)
     if extra and extra[0] == "--":
         extra = extra[1:]
@@ -289,6 +300,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--orchestrator-instances must be at least 1, got {args.orchestrator_instances}")
     if any(not arg.startswith("--") for arg in extra):
         parser.error(f"unrecognized arguments: {' '.join(extra)} (server flags go after `--`)")
+    if not any(arg.startswith("--model-control-mode=") for arg in extra):
+        # Explicit model control lets the watchdog reload one model in place (`--load-model=*`: all of
+        # them at start, as in the default mode). The repository API it opens answers only this launcher:
+        # a key of its own, new at every start (the chart passes its own mode and key).
+        extra = ["--model-control-mode=explicit", "--load-model=*", *extra]
+        if not any(arg.startswith(("--http-restricted-api=", "--grpc-restricted-protocol=")) for arg in extra):
+            key = secrets.token_hex(16)
+            extra += [f"--http-restricted-api=model-repository:{LAUNCHER_KEY_HEADER}={key}",
+                      f"--grpc-restricted-protocol=model-repository:{LAUNCHER_KEY_HEADER}={key}"]
     args.server_args = extra
     return args
 
@@ -332,10 +352,19 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer = repository_tokenizer(repo)
         gateway = GatewayProcess(openai_port(), grpc_port, args.served_model_name or [default_model_name(tokenizer)],
                                  tokenizer, args.drain_timeout, dict(os.environ))
+    watchdog = None
+    if args.heal:
+        # Reloading one model in place needs explicit model control; without it the watchdog heals by
+        # restarting the server.
+        control = (ModelControl(http_port, restricted_header(args.server_args), args.ready_timeout)
+                   if control_mode(args.server_args) == "explicit" else None)
+        watchdog = Watchdog(http_port, control, heal_timeout_s=args.heal_timeout, log=log)
     endpoint = None
     if health_port():
         try:
-            endpoint = ReadinessEndpoint(health_port(), http_port, openai_port=gateway.port if gateway else 0)
+            endpoint = ReadinessEndpoint(health_port(), http_port, openai_port=gateway.port if gateway else 0,
+                                         live_problem=watchdog.live_problem if watchdog else lambda: None,
+                                         metrics=watchdog.metrics_text if watchdog else lambda: "")
         except OSError as exc:
             log(f"HEALTH_PORT {health_port()}: cannot serve the readiness endpoint ({exc}); "
                 "set HEALTH_PORT to a free port, or to 0 for none")
@@ -353,9 +382,13 @@ def main(argv: list[str] | None = None) -> int:
                 endpoint.close()
             return 1
         log(f"CUDA MPS: a daemon of this server's own ({mps_daemon.env['CUDA_MPS_PIPE_DIRECTORY']})")
-    # Its own process group, which its stubs join: whatever outlives it is found and stopped below.
-    process = subprocess.Popen(command, env=server_env(layout, mps_daemon.env if mps_daemon else None),
-                               start_new_session=True)
+
+    def start_server() -> subprocess.Popen:
+        # Its own process group, which its stubs join: whatever outlives it is found and stopped below.
+        return subprocess.Popen(command, env=server_env(layout, mps_daemon.env if mps_daemon else None),
+                                start_new_session=True)
+
+    current = [start_server()]  # the server process (a restart replaces it; the signal handler reads it)
     if gateway is not None:
         gateway.start()
     stopping = threading.Event()
@@ -365,6 +398,7 @@ def main(argv: list[str] | None = None) -> int:
         # The first signal drains (see `drain`); a second one, or one before the models are up, stops now.
         # "Up" is asked of Triton itself: the wait below notices readiness only at its next look, and a
         # client that saw the server ready first may already be streaming.
+        process = current[0]
         if not (stopping.is_set() or serving.is_set()) and process.poll() is None and is_ready(http_port, 1.0):
             serving.set()
         if stopping.is_set() or not serving.is_set():
@@ -379,9 +413,12 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     try:
-        wait_ready(http_port, process, args.ready_timeout, stopping, metrics_port)
+        wait_ready(http_port, current[0], args.ready_timeout, stopping, metrics_port)
         if not stopping.is_set():
             serving.set()
+            if watchdog is not None:
+                watchdog.arm(current[0].pid)
+                watchdog.start()
             openai = ""
             if gateway is not None:
                 wait_gateway(gateway, stopping)
@@ -390,13 +427,19 @@ def main(argv: list[str] | None = None) -> int:
                 f"metrics http://localhost:{metrics_port}/metrics{openai} ({label})")
     except (RuntimeError, TimeoutError) as exc:
         log(str(exc))
-        if process.poll() is None:
-            process.terminate()
-    while process.poll() is None and not stopping.wait(0.5):
+        if current[0].poll() is None:
+            current[0].terminate()
+    while current[0].poll() is None and not stopping.wait(0.5):
         if gateway is not None:
             gateway.keep_alive()
+        if watchdog is not None and watchdog.restart_wanted.is_set():
+            if not restart_server(current, start_server, watchdog, http_port, metrics_port, args, stopping):
+                break
+    if watchdog is not None:
+        watchdog.close()  # a stopping server's models unload: nothing to heal from here on
     if gateway is not None:
         gateway.drain()  # it takes no new connection; its answers in flight are served below
+    process = current[0]
     if process.poll() is None and serving.is_set():
         drain(http_port, metrics_port, process, args.drain_timeout)
         if gateway is not None:
@@ -408,17 +451,76 @@ def main(argv: list[str] | None = None) -> int:
     code = process.wait()
     if endpoint is not None:
         endpoint.close()
+    stop_group(process, watchdog.regions if watchdog is not None else set())
+    if mps_daemon is not None:  # its clients are gone
+        mps_daemon.stop()
+    return code
+
+
+def stop_group(process: subprocess.Popen, regions: set[str] = frozenset()) -> None:
+    """Stop whatever of a (stopped) server outlives it and remove what its stubs shared: the scratch
+    directories and the stubs' shared-memory `regions` (Triton removes them when a model unloads, not when
+    a stub or the server is killed)."""
     # Nothing of the server may outlive it: an orphaned stub would hold its memory (on a GPU, device
     # memory) for good. One was seen once, half an hour after its server stopped.
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(process.pid, signal.SIGKILL)
-    if mps_daemon is not None:  # its clients are gone
-        mps_daemon.stop()
     # The cancellation flags, live-sequence slots and KV-room line its stubs shared (named after its PID).
     for scratch in [cancellation.default_directory(process.pid), kv_room.default_directory(process.pid),
                     *sequence_slots.server_directories(process.pid)]:
         shutil.rmtree(scratch, ignore_errors=True)
-    return code
+    for region in regions:
+        if region and "/" not in region:
+            Path("/dev/shm", region).unlink(missing_ok=True)
+
+
+def healthy_in_flight(metrics_port: int, dead_instances: set[str]) -> float:
+    """Requests the server's healthy orchestrator instances still generate (a dead instance's gauge is
+    stale: its streams hang until the server stops)."""
+    text = scrape(f"127.0.0.1:{metrics_port}")
+    return sum(value for labels, value in samples(text, "specdec_live_sequences")
+               if labels.get("instance") not in dead_instances)
+
+
+def restart_server(current: list, start_server, watchdog: Watchdog, http_port: int, metrics_port: int,
+                   args: argparse.Namespace, stopping: threading.Event) -> bool:
+    """Heal by restarting tritonserver (watchdog.py says when): the healthy instances' streams finish first
+    (at most --drain-timeout), then the old server stops and a new one loads every model. False when it
+    did not come back (the launcher then exits with the server's code) or a signal came meanwhile."""
+    old = current[0]
+    deadline = time.monotonic() + args.drain_timeout
+    dead = watchdog.dead_instances()
+    busy = None
+    while time.monotonic() < deadline and not stopping.is_set() and old.poll() is None:
+        try:
+            busy = healthy_in_flight(metrics_port, dead)
+        except OSError:
+            break
+        if busy == 0:
+            break
+        time.sleep(0.25)
+    log(f"watchdog: restarting tritonserver ({'no' if not busy else int(busy)} healthy streams left)")
+    # Not SIGTERM: the dead instance's streams would hold a graceful exit for its whole exit timeout.
+    if old.poll() is None:
+        old.kill()
+        old.wait()
+    stop_group(old, watchdog.regions)
+    watchdog.regions.clear()
+    if stopping.is_set():
+        return False
+    current[0] = start_server()
+    try:
+        wait_ready(http_port, current[0], args.ready_timeout, stopping, metrics_port)
+    except (RuntimeError, TimeoutError) as exc:
+        log(f"watchdog: the restarted server did not come up: {exc}")
+        if current[0].poll() is None:
+            current[0].terminate()
+        return False
+    if stopping.is_set():
+        return False
+    watchdog.arm(current[0].pid)
+    log(f"watchdog: tritonserver restarted and ready (server restart {watchdog.server_restarts})")
+    return True
 
 
 if __name__ == "__main__":

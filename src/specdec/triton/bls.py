@@ -22,6 +22,14 @@ class BlsError(RuntimeError):
     pass
 
 
+class ModelUnavailable(BlsError):
+    """The called model is down (its stub died) or reloading: the request may be retried once it is back."""
+
+
+# How Triton words a call to a model whose stub died, that is unloaded, or that is reloading.
+_DOWN = ("is not healthy", "is not ready", "unknown model", "no available versions")
+
+
 NO_FEATURES = np.zeros((1, 0, 0), dtype=np.float32)  # a head's call without features (the input is always there)
 
 
@@ -105,7 +113,9 @@ class _SequenceModel:
             message = response.error().message()
             if not message.startswith(f"{self.model_name}: "):  # our adapters name themselves; Triton may not
                 message = f"{self.model_name}: {message}"
-            raise (NoCapacity if message.endswith(tn.RETRY_LATER) else BlsError)(message)
+            if message.endswith(tn.RETRY_LATER):
+                raise NoCapacity(message)
+            raise (ModelUnavailable if any(text in message for text in _DOWN) else BlsError)(message)
         return {name: pb.get_output_tensor_by_name(response, name) for name in outputs}
 
     async def release(self, seq_id: int) -> None:

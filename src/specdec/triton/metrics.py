@@ -68,7 +68,11 @@ class ModelMetrics(_MetricSet):
                                  "executor's pool blocks, given up whenever room is needed; the eager one's store)",
                                  kinds.GAUGE).Metric(labels=labels)
         self._tokens, self._at, self._seconds, self._prefix = 0, 0.0, 0.0, (0, 0)
-        self._gauges: dict[str, float | None] = {"live": None, "kv": None, "prefix": None}
+        # A model loaded again after its stub died starts empty: its gauges say so at once, not the dead
+        # stub's last values (Triton keeps a family's metrics across the model's instances).
+        for gauge in (self.live, self.kv_bytes, self.prefix_bytes):
+            gauge.set(0)
+        self._gauges: dict[str, float | None] = {"live": 0, "kv": 0, "prefix": 0}
 
     def report(self, tokens_processed: int, live_sequences: int, kv_bytes: int, flush: bool,
                forward_seconds: float = 0.0, prefix: tuple[int, int] = (0, 0), prefix_bytes: int = 0) -> None:
@@ -157,6 +161,8 @@ class OrchestratorMetrics(_MetricSet):
         self._costs_published = 0.0
         self._flushed = 0.0
         self._reset_pending()
+        for gauge in (self.live, self.live_peak, self.queued):  # a reloaded instance starts at 0 (ModelMetrics)
+            gauge.set(0)
         requests = make("specdec_requests_total", "Finished requests by finish reason", family.COUNTER)
         self.requests = {reason: requests.Metric(labels={"finish_reason": reason})
                          for reason in ("length", "stop", "cancelled", "error", "invalid", "rejected")}

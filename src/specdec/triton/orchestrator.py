@@ -28,7 +28,7 @@ from specdec.decoding.ngram_proposer import NgramProposer
 from specdec.decoding.suffix_proposer import SuffixCache, SuffixProposer
 from specdec.decoding.text import Emission, TextEmitter, load_tokenizer
 from specdec.triton.adapter import TritonAdapter
-from specdec.triton.bls import BlsProposer, BlsScorer
+from specdec.triton.bls import BlsProposer, BlsScorer, ModelUnavailable
 from specdec.triton.admission.cancellation import CancellationBoard
 from specdec.triton.admission.counts import RequestCounts
 from specdec.triton.config import ConfigError, ModelParameters
@@ -248,6 +248,10 @@ class SpeculativeDecodingAdapter(TritonAdapter):
                 self.metrics.requests["rejected"].increment(1)
                 return self._fail(sender, exc, self.pb.TritonError.UNAVAILABLE)
             finish = tn.FINISH_CANCELLED
+        except ModelUnavailable as exc:  # a model's stub died: the watchdog brings it back
+            self.metrics.requests["error"].increment(1)
+            await out.settle()
+            return self._fail(sender, f"{exc}; {tn.MODEL_DOWN}", self.pb.TritonError.UNAVAILABLE)
         except Exception as exc:  # noqa: BLE001 - the request fails, the server keeps serving
             self.metrics.requests["error"].increment(1)
             await out.settle()
@@ -264,7 +268,7 @@ class SpeculativeDecodingAdapter(TritonAdapter):
             self.cancellations.clear(gen.seq_id)
         await out.final(finish, last)
 
-    def _fail(self, sender, exc: Exception, code) -> None:
+    def _fail(self, sender, exc: Exception | str, code) -> None:
         pb = self.pb
         sender.send(pb.InferenceResponse(error=pb.TritonError(f"speculative_decoding: {exc}", code)),
                     flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)

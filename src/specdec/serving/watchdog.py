@@ -1,0 +1,339 @@
+"""The launcher's watchdog: a model whose stub process dies is noticed within a second and brought back.
+
+Triton 2.51's Python backend never restarts a dead stub: from then on every request to that model fails
+("Stub process ... is not healthy") while Triton's readiness keeps answering 200. The watchdog
+(a thread of the launcher) looks at tritonserver's child processes once a `period_s` (/proc: about a
+millisecond) and compares each model's stub instances with the ones it saw when the model came up:
+
+- **Detect**: a stub that is gone, a zombie, or stopped (SIGSTOP) for longer than `STOPPED_GRACE_S`
+  marks its model down: readiness drops at once, naming it (the down marker, healthcheck.py).
+- **Heal in place** where the server runs with explicit model control and the model is not decoupled
+  (target_model, draft_model, pre/postprocessing): the model is loaded again with its own configuration
+  (`ModelControl.reload`: a load request whose config override carries one more parameter,
+  `specdec_incarnation`, so that Triton builds new instances; a plain load of an unchanged model
+  does nothing). Its caches start empty; the orchestrator drops the sequences it held there as their
+  requests fail, and a draft rejoins rotation at its fallback's next probe.
+- **Restart the server** otherwise: a decoupled model's dead stub (speculative_decoding) leaves the
+  streams it was serving open forever (the backend never completes their responses, and the old
+  instance never finishes unloading), and without explicit model control nothing can be reloaded. The
+  launcher then lets the healthy instances' streams finish (at most its drain timeout) and starts
+  tritonserver again; the hung streams end with the old server.
+- **Back off**: a model that dies again within `STABLE_S` of its last heal waits 1, 2, 4 ... 60 s
+  between attempts; a failed reload too. **Liveness** fails once a model has been down for longer
+  than `heal_timeout_s`, so Kubernetes restarts the pod.
+
+What it does not see: a stub that hangs while its process runs (a deadlock) — that needs a probe request,
+which a stub busy with a long forward would fail too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from specdec.serving.healthcheck import down_marker
+
+STUB_BINARY = "triton_python_backend_stub"
+STOPPED_GRACE_S = 5.0  # a stub stopped this long counts as not answering (a debugger's pause is shorter)
+STABLE_S = 60.0  # a model up this long after a heal starts its backoff afresh when it dies again
+BACKOFF_S = (1.0, 60.0)  # first and longest wait between heal attempts of one model
+INCARNATION = "specdec_incarnation"  # the config parameter a reload changes (models ignore it)
+
+
+@dataclass(frozen=True)
+class Stub:
+    pid: int
+    model: str
+    instance: str  # Triton's instance name, e.g. target_model_0_0
+    state: str  # /proc's: R, S, D, T (stopped), Z (zombie) ...
+    shm: str = ""  # its shared-memory region's name (/dev/shm), which a killed server leaves behind
+
+
+def stubs_of(server_pid: int, proc: Path = Path("/proc")) -> list[Stub]:
+    """The Python-backend stub processes tritonserver `server_pid` runs (its children), read from /proc.
+    A stub's arguments are `stub MODEL_DIR/VERSION/model.py SHM SIZE GROWTH PARENT LIBDIR IPC INSTANCE ...`."""
+    found = []
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            args = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue  # gone meanwhile
+        # "pid (comm) state ppid ...": comm may hold spaces and parentheses; the last ")" ends it.
+        fields = stat[stat.rindex(")") + 2:].split()
+        if int(fields[1]) != server_pid or not args or not args[0].endswith(STUB_BINARY.encode()):
+            continue
+        if len(args) < 9:
+            continue
+        model = Path(args[1].decode()).parent.parent.name
+        found.append(Stub(int(entry.name), model, args[8].decode(), fields[0], args[2].decode()))
+    return found
+
+
+class ModelControl:
+    """Triton's model repository API (HTTP), with the restricted-API header where the server demands one."""
+
+    def __init__(self, http_port: int, header: tuple[str, str] | None = None, timeout_s: float = 600.0):
+        self.base = f"http://127.0.0.1:{http_port}/v2"
+        self.header, self.timeout_s = header, timeout_s
+
+    def _call(self, path: str, body: dict | None = None) -> dict:
+        request = urllib.request.Request(self.base + path, data=None if body is None else json.dumps(body).encode(),
+                                         method="GET" if body is None else "POST")
+        if self.header:
+            request.add_header(*self.header)
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                text = response.read().decode()
+        except urllib.error.HTTPError as exc:
+            detail = exc.read().decode(errors="replace")
+            raise RuntimeError(f"{path}: HTTP {exc.code} {detail.strip()[:300]}") from None
+        return json.loads(text) if text.strip() else {}
+
+    def config(self, model: str) -> dict:
+        return self._call(f"/models/{model}/config")
+
+    def decoupled(self, model: str) -> bool:
+        return bool(self.config(model).get("model_transaction_policy", {}).get("decoupled", False))
+
+    def reload(self, model: str, incarnation: int) -> None:
+        """Load `model` again with the configuration it runs with: new instances (new stubs) replace the
+        old ones. Raises RuntimeError naming the refusal."""
+        config = self.config(model)
+        config.setdefault("parameters", {})[INCARNATION] = {"string_value": str(incarnation)}
+        self._call(f"/repository/models/{model}/load", {"parameters": {"config": json.dumps(config)}})
+
+
+def restricted_header(server_args: list[str]) -> tuple[str, str] | None:
+    """The header the model repository API demands (`--http-restricted-api=model-repository:KEY=VALUE`)."""
+    for arg in server_args:
+        if arg.startswith("--http-restricted-api="):
+            apis, _, pair = arg.split("=", 1)[1].partition(":")
+            if "model-repository" in apis.split(",") and "=" in pair:
+                key, value = pair.split("=", 1)
+                return key, value
+    return None
+
+
+def control_mode(server_args: list[str]) -> str:
+    """The model control mode the server runs with (the last --model-control-mode; Triton's default none)."""
+    modes = [arg.split("=", 1)[1] for arg in server_args if arg.startswith("--model-control-mode=")]
+    return modes[-1] if modes else "none"
+
+
+@dataclass
+class ModelHealth:
+    instances: set[str]
+    down_since: float | None = None
+    reason: str = ""
+    attempts: int = 0  # heal attempts since it went down (with the deaths soon after a heal: the backoff)
+    next_try: float = 0.0
+    healed_at: float = -1e18
+    stopped_since: dict[int, float] = field(default_factory=dict)
+    restarts: int = 0
+    down_s: float = 0.0  # finished down periods
+
+
+class Watchdog:
+    """See the module's docstring. `tick` is one look (the thread calls it every period_s); the launcher
+    calls `arm` once the server is ready and after each restart, and restarts the server when
+    `restart_wanted` is set."""
+
+    def __init__(self, http_port: int, control: ModelControl | None, heal_timeout_s: float = 300.0,
+                 period_s: float = 1.0, log: Callable[[str], None] = print,
+                 stubs: Callable[[int], list[Stub]] = stubs_of, clock: Callable[[], float] = time.monotonic,
+                 kill: Callable[[int], None] = lambda pid: os.kill(pid, signal.SIGKILL)):
+        self.marker = down_marker(http_port)
+        self.control, self.heal_timeout_s, self.period_s = control, heal_timeout_s, period_s
+        self.log, self.stubs, self.clock, self.kill = log, stubs, clock, kill
+        self.models: dict[str, ModelHealth] = {}
+        self.regions: set[str] = set()  # the stubs' shared-memory regions seen (removed once the server is gone)
+        self.server_pid = 0
+        self.server_restarts = 0
+        self.restart_wanted = threading.Event()
+        self._decoupled: dict[str, bool] = {}
+        self._incarnation = 0  # reloads asked of this server
+        self._lock = threading.Lock()  # tick (its thread) against the endpoint's reads
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.marker.unlink(missing_ok=True)
+
+    # ---- the server's life -------------------------------------------------------------------------
+    def arm(self, server_pid: int) -> None:
+        """Watch the stubs of this (ready) server; what went down before is up again."""
+        seen: dict[str, set[str]] = {}
+        for stub in self.stubs(server_pid):
+            seen.setdefault(stub.model, set()).add(stub.instance)
+            self.regions.add(stub.shm)
+        now = self.clock()
+        with self._lock:
+            if server_pid != self.server_pid and self.server_pid:
+                self.server_restarts += 1
+                self._incarnation = 0
+            self.server_pid = server_pid
+            for model, instances in seen.items():
+                health = self.models.setdefault(model, ModelHealth(instances))
+                health.instances = instances
+                if health.down_since is not None:
+                    self._up(model, health, now)
+            self.restart_wanted.clear()
+            self._write_marker()
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, daemon=True, name="stub-watchdog")
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self.marker.unlink(missing_ok=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            try:
+                self.tick()
+            except Exception as exc:  # noqa: BLE001 - the watchdog outlives whatever one look hits
+                self.log(f"watchdog: {exc}")
+
+    # ---- one look ----------------------------------------------------------------------------------
+    def tick(self) -> None:
+        if not self.server_pid or self.restart_wanted.is_set():
+            return
+        now = self.clock()
+        alive: dict[str, dict[str, Stub]] = {}
+        for stub in self.stubs(self.server_pid):
+            alive.setdefault(stub.model, {})[stub.instance] = stub
+        for model, health in list(self.models.items()):
+            problem = self._problem(health, alive.get(model, {}), now)
+            if problem and health.down_since is None:
+                with self._lock:
+                    health.down_since, health.reason = now, problem
+                    if now - health.healed_at > STABLE_S:
+                        health.attempts = 0  # it had stayed up: no backoff
+                    health.next_try = now + self._backoff(health.attempts)
+                    self._write_marker()
+                self.log(f"watchdog: {model} is down: {problem}; "
+                         f"healing in {health.next_try - now:.0f} s" if health.attempts else
+                         f"watchdog: {model} is down: {problem}; healing")
+            if health.down_since is not None and now >= health.next_try:
+                self._heal(model, health, alive.get(model, {}))
+
+    def _problem(self, health: ModelHealth, running: dict[str, Stub], now: float) -> str:
+        for instance in sorted(health.instances):
+            stub = running.get(instance)
+            if stub is None or stub.state in ("Z", "X"):
+                return f"its stub {instance} died"
+            if stub.state == "T":
+                since = health.stopped_since.setdefault(stub.pid, now)
+                if now - since >= STOPPED_GRACE_S:
+                    return f"its stub {instance} (pid {stub.pid}) is stopped"
+            else:
+                health.stopped_since.pop(stub.pid, None)
+        return ""
+
+    def _heal(self, model: str, health: ModelHealth, running: dict[str, Stub]) -> None:
+        health.attempts += 1
+        if not self._in_place(model):
+            self.log(f"watchdog: {model} cannot be reloaded in place; restarting tritonserver")
+            self.restart_wanted.set()
+            return
+        for stub in running.values():  # a stopped stub would hold up its instance's unload
+            if stub.state == "T":
+                self.kill(stub.pid)
+        started = self.clock()
+        try:
+            self._incarnation += 1
+            self.control.reload(model, self._incarnation)
+        except (OSError, RuntimeError) as exc:
+            health.next_try = self.clock() + self._backoff(health.attempts)
+            self.log(f"watchdog: reloading {model} failed ({exc}); next attempt in "
+                     f"{health.next_try - self.clock():.0f} s")
+            return
+        now = self.clock()
+        down_for = now - health.down_since
+        with self._lock:
+            stubs = [stub for stub in self.stubs(self.server_pid) if stub.model == model]
+            health.instances = {stub.instance for stub in stubs}
+            self.regions.update(stub.shm for stub in stubs)
+            self._up(model, health, now)
+            self._write_marker()
+        self.log(f"watchdog: {model} reloaded in {now - started:.1f} s, serving again after {down_for:.1f} s down "
+                 f"(restart {health.restarts})")
+
+    def _up(self, model: str, health: ModelHealth, now: float) -> None:
+        health.down_s += now - health.down_since
+        health.restarts += 1
+        health.down_since, health.reason, health.healed_at = None, "", now
+        health.stopped_since.clear()
+
+    def _in_place(self, model: str) -> bool:
+        if self.control is None:
+            return False
+        if model not in self._decoupled:
+            try:
+                self._decoupled[model] = self.control.decoupled(model)
+            except (OSError, RuntimeError, ValueError):
+                return False
+        return not self._decoupled[model]
+
+    @staticmethod
+    def _backoff(attempts: int) -> float:
+        return 0.0 if attempts == 0 else min(BACKOFF_S[0] * 2 ** (attempts - 1), BACKOFF_S[1])
+
+    def _write_marker(self) -> None:
+        down = self.down_now()
+        if down:
+            staging = self.marker.with_suffix(".new")
+            staging.write_text("".join(f"{model}: {reason}\n" for model, reason in down.items()))
+            os.replace(staging, self.marker)
+        else:
+            self.marker.unlink(missing_ok=True)
+
+    # ---- what the endpoint reports -----------------------------------------------------------------
+    def down_now(self) -> dict[str, str]:
+        return {model: health.reason for model, health in self.models.items() if health.down_since is not None}
+
+    def dead_instances(self) -> set[str]:
+        """The instances of the models that are down (their gauges are stale)."""
+        with self._lock:
+            return {i for health in self.models.values() if health.down_since is not None for i in health.instances}
+
+    def live_problem(self) -> str | None:
+        """Why liveness fails (a model down for longer than heal_timeout_s), or None."""
+        now = self.clock()
+        with self._lock:
+            for model, health in self.models.items():
+                if health.down_since is not None and now - health.down_since > self.heal_timeout_s:
+                    return (f"{model} has been down for {now - health.down_since:.0f} s (over the heal timeout, "
+                            f"{self.heal_timeout_s:.0f} s): {health.reason}")
+        return None
+
+    def metrics_text(self) -> str:
+        """The watchdog's metrics in Prometheus' text format (served on the launcher's HEALTH_PORT)."""
+        now = self.clock()
+        lines = ["# HELP specdec_model_restarts_total Times the watchdog brought a model back after its stub died",
+                 "# TYPE specdec_model_restarts_total counter"]
+        with self._lock:
+            models = sorted(self.models.items())
+            lines += [f'specdec_model_restarts_total{{model="{m}"}} {h.restarts}' for m, h in models]
+            lines += ["# HELP specdec_model_down_seconds_total Seconds a model was down (its stub dead, until it "
+                      "served again)", "# TYPE specdec_model_down_seconds_total counter"]
+            lines += [f'specdec_model_down_seconds_total{{model="{m}"}} '
+                      f'{h.down_s + (now - h.down_since if h.down_since is not None else 0.0):.3f}' for m, h in models]
+            lines += ["# HELP specdec_model_up Whether the model's stubs are all running (1) or it is down (0)",
+                      "# TYPE specdec_model_up gauge"]
+            lines += [f'specdec_model_up{{model="{m}"}} {0 if h.down_since is not None else 1}' for m, h in models]
+            lines += ["# HELP specdec_server_restarts_total Times the launcher restarted tritonserver to heal a model",
+                      "# TYPE specdec_server_restarts_total counter", f"specdec_server_restarts_total {self.server_restarts}"]
+        return "\n".join(lines) + "\n"

@@ -1,0 +1,136 @@
+"""Chaos on a server of its own (tiny pair): a model's stub is SIGKILLed under 4 concurrent streams, as the
+kernel's OOM killer or a crashing kernel would. No request hangs; the launcher's readiness says not ready,
+naming the model, then ready again within 30 s; afterwards requests give the same greedy text as before,
+speculation drafts again, and nothing the dead stub's sequences held stays counted (watchdog.py)."""
+
+import os
+import signal
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from specdec import tensor_names as tn
+from specdec.serving import pairs, repository
+from specdec.serving.metrics_text import sum_samples
+
+from .helpers import GenerationError, grpc_stream, start_server, stop_server, stub_processes
+
+pytestmark = pytest.mark.integration
+
+PROMPTS = ["Hello there, how are you today?", "Once upon a time, in a land far away,",
+           "def fibonacci(n):", "Numbers: 1 2 3 4 5 6 7 8 9 10 11 12"]
+GREEDY = dict(max_tokens=24, num_draft_tokens=3, adaptive_draft=False, draft_model=tn.DRAFT_MODEL_NAME)
+HEALED_WITHIN_S = 30
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("healing")
+    server = start_server(tmp_path, repository=repository.render(pairs.tiny_pair(), tmp_path / "repo"))
+    yield server
+    # Triton never finishes unloading the old instance of a model whose stub died with requests in
+    # flight (their state is lost with the stub): the server then stops only at its exit timeout, with
+    # code 1 (docs/deployment.md, "Self-healing").
+    stop_server(server, require_clean_exit=False)
+
+
+@pytest.fixture(scope="module")
+def before(srv):
+    return [grpc_stream(srv.grpc_url, p, **GREEDY)[tn.TEXT_OUTPUT] for p in PROMPTS]
+
+
+def get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+    except OSError as exc:
+        return 0, str(exc)
+
+
+def launcher_metric(srv, name: str, **labels) -> float:
+    return sum_samples(get(f"http://127.0.0.1:{srv.health_port}/metrics")[1], name, **labels)
+
+
+def stub_pid(srv, instance: str) -> int:
+    lines = [line for line in stub_processes(srv.run_dir) if f" {instance} " in f"{line} "]
+    assert len(lines) == 1, lines
+    return int(lines[0].split()[0])
+
+
+def wait_for(condition, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.1)
+    pytest.fail(f"not within {timeout_s:.0f} s: {what}")
+
+
+def held(srv) -> dict[str, float]:
+    text = srv.metrics()
+    return {"live": sum_samples(text, "specdec_live_sequences"), "queued": sum_samples(text, "specdec_queued_requests"),
+            **{f"{m} {k}": sum_samples(text, name, model=m) for m in (tn.TARGET_MODEL_NAME, tn.DRAFT_MODEL_NAME)
+               for k, name in (("sequences", "specdec_model_live_sequences"), ("kv", "specdec_model_kv_cache_bytes"))}}
+
+
+@pytest.mark.parametrize("instance", [f"{tn.TARGET_MODEL_NAME}_0_0", f"{tn.DRAFT_MODEL_NAME}_0_0",
+                                      f"{tn.SPECULATIVE_DECODING}_0_0"])
+def test_a_killed_stub_is_brought_back(srv, before, instance):
+    model = instance.rsplit("_", 2)[0]
+    restarts = launcher_metric(srv, "specdec_model_restarts_total", model=model)
+    outcomes: dict[int, object] = {}
+
+    def stream(i: int) -> None:
+        try:
+            outcomes[i] = grpc_stream(srv.grpc_url, PROMPTS[i], timeout=90, max_tokens=400, num_draft_tokens=3,
+                                      adaptive_draft=False, draft_model=tn.DRAFT_MODEL_NAME)
+        except Exception as exc:  # noqa: BLE001 - what each stream got is asserted below
+            outcomes[i] = exc
+
+    threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    wait_for(lambda: held(srv)["live"] == 4, 30, "4 streams generating")
+    killed_at = time.monotonic()
+    os.kill(stub_pid(srv, instance), signal.SIGKILL)
+
+    # Readiness drops, naming the model; then it comes back.
+    status, text = wait_for(lambda: (lambda r: r if r[0] == 503 else None)(get(srv.readiness_url)), 10,
+                            "readiness says not ready")
+    assert model in text, text
+    wait_for(lambda: get(srv.readiness_url)[0] == 200, HEALED_WITHIN_S, f"ready again after {instance} was killed")
+    assert time.monotonic() - killed_at < HEALED_WITHIN_S
+
+    # No request hangs: each ended, and those that failed say they may be retried.
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not any(thread.is_alive() for thread in threads), "a stream still hangs after the heal"
+    failures = [o for o in outcomes.values() if isinstance(o, Exception)]
+    assert all(isinstance(o, GenerationError) for o in failures), failures
+    if model == tn.DRAFT_MODEL_NAME:
+        assert not failures, failures  # the rounds went target-only meanwhile
+    if model == tn.TARGET_MODEL_NAME:  # each says it may be retried (a stream's error carries no code)
+        assert len(failures) == 4, outcomes
+        assert all(tn.MODEL_DOWN in str(f) for f in failures), failures
+    if model == tn.SPECULATIVE_DECODING:  # the dead instance's streams end with the old server
+        assert failures and all(f.status == "StatusCode.UNAVAILABLE" for f in failures), \
+            [(f.status, str(f)) for f in failures]
+
+    # Served as before, speculation included, and nothing held for the dead stub's sequences.
+    assert [grpc_stream(srv.grpc_url, p, **GREEDY)[tn.TEXT_OUTPUT] for p in PROMPTS] == before
+    wait_for(lambda: grpc_stream(srv.grpc_url, PROMPTS[3], **GREEDY)[tn.TOTAL_DRAFT_TOKENS] > 0, HEALED_WITHIN_S,
+             "the draft drafts again")
+    wait_for(lambda: not any(held(srv).values()), 10, f"nothing held: {held(srv)}")
+    if model == tn.SPECULATIVE_DECODING:  # a decoupled model's dead stub: the server was restarted
+        assert launcher_metric(srv, "specdec_server_restarts_total") >= 1
+    else:
+        assert launcher_metric(srv, "specdec_model_restarts_total", model=model) == restarts + 1
+    assert launcher_metric(srv, "specdec_model_up", model=model) == 1
+    assert launcher_metric(srv, "specdec_model_down_seconds_total", model=model) > 0
+    assert get(f"http://127.0.0.1:{srv.health_port}/live")[0] == 200

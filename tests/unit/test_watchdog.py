@@ -1,0 +1,261 @@
+"""The launcher's watchdog (serving/watchdog.py) against stand-ins for /proc, the clock and Triton's model
+repository API: a dead or stopped stub marks its model down (readiness names it), the model is reloaded in
+place or the server restart is asked for, a model that keeps dying backs off instead of spinning, and
+liveness fails only past the heal timeout. The real thing, with SIGKILLed stubs: test_self_healing.py."""
+
+import http.server
+import tempfile
+import threading
+import urllib.error
+import urllib.request
+
+import pytest
+
+from specdec.serving import healthcheck, watchdog
+from specdec.serving.watchdog import Stub, Watchdog
+
+SERVER = 4242
+PORT = 18765
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Stubs:
+    """The server's stub processes, edited by the test."""
+
+    def __init__(self):
+        self.running = {"target_model_0_0": Stub(11, "target_model", "target_model_0_0", "S", "shm-a"),
+                        "draft_model_0_0": Stub(12, "draft_model", "draft_model_0_0", "S", "shm-b"),
+                        "speculative_decoding_0_0": Stub(13, "speculative_decoding", "speculative_decoding_0_0", "S"),
+                        "speculative_decoding_0_1": Stub(14, "speculative_decoding", "speculative_decoding_0_1", "S")}
+        self.models = {name: stub.model for name, stub in self.running.items()}
+        self.next_pid = 100
+
+    def __call__(self, server_pid: int) -> list[Stub]:
+        assert server_pid == SERVER
+        return list(self.running.values())
+
+    def kill(self, instance: str) -> None:
+        del self.running[instance]
+
+    def restart(self, model: str) -> None:
+        """What a reload does: new stubs (new pids) for the model's instances."""
+        for name, owner in self.models.items():
+            if owner == model:
+                self.next_pid += 1
+                self.running[name] = Stub(self.next_pid, model, name, "S", f"shm-{self.next_pid}")
+
+
+class Control:
+    def __init__(self, stubs: Stubs, fail: int = 0):
+        self.stubs, self.fail, self.reloads = stubs, fail, []
+
+    def decoupled(self, model: str) -> bool:
+        return model == "speculative_decoding"
+
+    def reload(self, model: str, incarnation: int) -> None:
+        self.reloads.append((model, incarnation))
+        if self.fail:
+            self.fail -= 1
+            raise RuntimeError("HTTP 400 load failed")
+        self.stubs.restart(model)
+
+
+@pytest.fixture(autouse=True)
+def own_tempdir(monkeypatch, tmp_path):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the down marker goes there
+
+
+def make(control_fail: int = 0, heal_timeout_s: float = 300.0, no_control: bool = False):
+    stubs, clock, killed = Stubs(), Clock(), []
+    control = Control(stubs, control_fail)
+    dog = Watchdog(PORT, None if no_control else control, heal_timeout_s=heal_timeout_s, log=lambda _: None,
+                   stubs=stubs, clock=clock, kill=killed.append)
+    dog.arm(SERVER)
+    return dog, stubs, clock, control, killed
+
+
+def test_a_dead_stub_marks_its_model_down_and_is_reloaded_in_place():
+    dog, stubs, clock, control, _ = make()
+    dog.tick()
+    assert control.reloads == [] and healthcheck.not_ready(PORT, 0.2) != "" and not dog.down_now()
+    stubs.kill("target_model_0_0")
+    stubs.running["target_model_0_0"] = Stub(11, "target_model", "target_model_0_0", "Z")  # a zombie is dead
+    clock.now += 0.5
+    dog.tick()  # noticed and healed in the same look (the first attempt waits for nothing)
+    assert control.reloads == [("target_model", 1)]
+    assert not dog.down_now() and not healthcheck.down_marker(PORT).exists()
+    text = dog.metrics_text()
+    assert 'specdec_model_restarts_total{model="target_model"} 1' in text
+    assert 'specdec_model_up{model="target_model"} 1' in text
+    assert 'specdec_model_restarts_total{model="draft_model"} 0' in text
+    assert "shm-a" in dog.regions and any(r.startswith("shm-1") for r in dog.regions)
+
+
+def test_readiness_names_a_model_while_it_is_down():
+    dog, stubs, clock, control, _ = make(control_fail=1)
+    stubs.kill("draft_model_0_0")
+    dog.tick()  # the reload fails: down until the next attempt
+    assert dog.down_now() == {"draft_model": "its stub draft_model_0_0 died"}
+    reason = healthcheck.not_ready(PORT, 0.2)
+    assert "draft_model: its stub draft_model_0_0 died" in reason
+    assert 'specdec_model_up{model="draft_model"} 0' in dog.metrics_text()
+    clock.now += 1.0
+    dog.tick()
+    assert len(control.reloads) == 2 and not dog.down_now() and not healthcheck.down_marker(PORT).exists()
+    assert 'specdec_model_down_seconds_total{model="draft_model"} 1.000' in dog.metrics_text()
+
+
+def test_a_model_that_keeps_dying_backs_off_instead_of_spinning():
+    dog, stubs, clock, control, _ = make()
+    times = []
+    for _ in range(600):  # a minute of looks every 0.1 s; the stub dies again at once after every reload
+        if "target_model_0_0" in stubs.running:
+            stubs.kill("target_model_0_0")
+        before = len(control.reloads)
+        dog.tick()
+        if len(control.reloads) > before:
+            times.append(round(clock.now - 1000.0, 1))
+        clock.now += 0.1
+    gaps = [round(b - a, 1) for a, b in zip(times, times[1:])]
+    # Doubling from 1 s (up to 60 s), counted from the look that found it dead again.
+    assert len(gaps) == 5 and all(2 ** i <= gap <= 2 ** i + 0.25 for i, gap in enumerate(gaps)), times
+
+
+def test_a_model_that_stayed_up_is_healed_at_once_again():
+    dog, stubs, clock, control, _ = make()
+    stubs.kill("target_model_0_0")
+    dog.tick()
+    clock.now += watchdog.STABLE_S + 1
+    stubs.kill("target_model_0_0")
+    dog.tick()
+    assert len(control.reloads) == 2  # no backoff: it had stayed up
+
+
+def test_a_decoupled_model_or_no_model_control_asks_for_a_server_restart():
+    dog, stubs, clock, control, _ = make()
+    stubs.kill("speculative_decoding_0_1")
+    dog.tick()
+    assert dog.restart_wanted.is_set() and control.reloads == []
+    assert dog.dead_instances() == {"speculative_decoding_0_0", "speculative_decoding_0_1"}
+    dog.tick()  # nothing more while the launcher restarts it
+    stubs.restart("speculative_decoding")
+    stubs.running["speculative_decoding_0_1"] = Stub(300, "speculative_decoding", "speculative_decoding_0_1", "S")
+    dog.arm(SERVER)  # the launcher, once the (here: same) server is ready again
+    assert not dog.restart_wanted.is_set() and not dog.down_now()
+
+    dog, stubs, clock, control, _ = make(no_control=True)
+    stubs.kill("draft_model_0_0")
+    dog.tick()
+    assert dog.restart_wanted.is_set()
+
+
+def test_a_stub_stopped_past_its_grace_is_killed_and_reloaded():
+    dog, stubs, clock, control, killed = make()
+    stubs.running["draft_model_0_0"] = Stub(12, "draft_model", "draft_model_0_0", "T")
+    dog.tick()
+    clock.now += watchdog.STOPPED_GRACE_S - 1
+    dog.tick()
+    assert not dog.down_now() and control.reloads == []  # a short pause (a debugger) is not a failure
+    clock.now += 1.5
+    dog.tick()
+    assert killed == [12] and control.reloads == [("draft_model", 1)]
+
+
+def test_liveness_fails_only_past_the_heal_timeout():
+    dog, stubs, clock, control, _ = make(control_fail=100, heal_timeout_s=30)
+    stubs.kill("target_model_0_0")
+    for _ in range(25):
+        dog.tick()
+        clock.now += 1.0
+    assert dog.live_problem() is None
+    clock.now += 6
+    problem = dog.live_problem()
+    assert "target_model has been down for 31 s" in problem
+
+
+def test_stubs_are_read_from_proc(tmp_path):
+    def process(pid: int, ppid: int, state: str, args: list[str]):
+        (tmp_path / str(pid)).mkdir()
+        (tmp_path / str(pid) / "stat").write_text(f"{pid} (weird ) name) {state} {ppid} 1 2 3\n")
+        (tmp_path / str(pid) / "cmdline").write_bytes(b"\0".join(a.encode() for a in args) + b"\0")
+
+    stub = "/x/backends/python/triton_python_backend_stub"
+    process(20, SERVER, "S", [stub, "/repo/target_model/1/model.py", "shm-t", "1", "1", str(SERVER), "/x", "336",
+                              "target_model_0_0", "DEFAULT"])
+    process(21, SERVER, "Z", [stub, "/repo/draft_model/1/model.py", "shm-d", "1", "1", str(SERVER), "/x", "336",
+                              "draft_model_0_0", "DEFAULT"])
+    process(22, 999, "S", [stub, "/other/target_model/1/model.py", "s", "1", "1", "999", "/x", "336", "t_0_0", "D"])
+    process(23, SERVER, "S", ["/usr/bin/python3", "-c", "pass"])
+    (tmp_path / "self").mkdir()
+    found = sorted(watchdog.stubs_of(SERVER, tmp_path), key=lambda s: s.pid)
+    assert found == [Stub(20, "target_model", "target_model_0_0", "S", "shm-t"),
+                     Stub(21, "draft_model", "draft_model_0_0", "Z", "shm-d")]
+
+
+def test_the_server_arguments_give_the_control_mode_and_the_repository_key():
+    args = ["--model-control-mode=explicit", "--load-model=*",
+            "--http-restricted-api=model-repository,shared-memory:admin-key=s3cr=t", "--log-verbose=0"]
+    assert watchdog.control_mode(args) == "explicit"
+    assert watchdog.control_mode(["--log-verbose=0"]) == "none"
+    assert watchdog.restricted_header(args) == ("admin-key", "s3cr=t")
+    assert watchdog.restricted_header(["--http-restricted-api=health:k=v"]) is None
+
+
+class _Triton(http.server.BaseHTTPRequestHandler):
+    live = True
+
+    def do_GET(self):  # noqa: N802 (the stdlib's name)
+        ok = self.path == "/v2/health/ready" or (self.path == "/v2/health/live" and _Triton.live)
+        self.send_response(200 if ok else 503)
+        self.end_headers()
+
+    def log_message(self, *_args):
+        pass
+
+
+def _get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def test_the_launchers_endpoint_answers_ready_live_and_metrics():
+    triton = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Triton)
+    threading.Thread(target=triton.serve_forever, daemon=True).start()
+    http_port = triton.server_address[1]
+    dog = Watchdog(http_port, None, heal_timeout_s=10, log=lambda _: None, stubs=Stubs(), clock=Clock())
+    dog.arm(SERVER)
+    endpoint = healthcheck.ReadinessEndpoint(0, http_port, host="127.0.0.1", live_problem=dog.live_problem,
+                                             metrics=dog.metrics_text)
+    url = f"http://127.0.0.1:{endpoint.port}"
+    try:
+        assert _get(url + "/ready") == (200, "ready\n") and _get(url + "/live") == (200, "live\n")
+        status, text = _get(url + "/metrics")
+        assert status == 200 and 'specdec_model_up{model="target_model"} 1' in text
+        dog.stubs.kill("draft_model_0_0")
+        dog.tick()
+        status, text = _get(url + "/ready")
+        assert status == 503 and "draft_model" in text
+        assert _get(url + "/live")[0] == 200  # within the heal timeout
+        dog.clock.now += 11
+        status, text = _get(url + "/live")
+        assert status == 503 and "draft_model has been down" in text
+        _Triton.live = False
+        dog.clock.now -= 11
+        status, text = _get(url + "/live")
+        assert status == 503 and "/v2/health/live" in text
+    finally:
+        _Triton.live = True
+        endpoint.close()
+        dog.close()
+        triton.shutdown()
+        triton.server_close()
