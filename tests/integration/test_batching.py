@@ -216,3 +216,73 @@ def test_the_mixed_load_bench_runs_against_a_server(server, tmp_path):
     rows = [[c.strip() for c in line.split("|")[1:-1]] for line in out.read_text().splitlines() if line.startswith("| ")]
     assert [row[0] for row in rows[1:]] == ["k0", "k0-k4", "default", "default-guided"]
     assert all(float(row[1]) > 0 and float(row[2]) >= 1.0 for row in rows[1:]), rows
+
+
+@pytest.mark.parametrize("when_full", ["queue", "reject"])
+def test_two_hundred_streams_against_sixty_four_slots(tmp_path, when_full):
+    """Load beyond capacity: 200 concurrent streams against max_live_sequences 64. Each one completes or
+    (reject) is refused UNAVAILABLE with a retry hint; none is lost or hangs; the server stays ready
+    throughout; afterwards no slot, queue place or cache is held (the waiting line is a ticket per
+    waiting request: bounded by the requests, and empty again)."""
+    import dataclasses
+    import threading
+    import urllib.error
+    import urllib.request
+
+    import subprocess
+
+    from specdec.serving import pairs, repository
+    from specdec.triton.admission import kv_room, sequence_slots
+
+    from .helpers import GenerationError, start_server, stop_server
+
+    pair = dataclasses.replace(pairs.tiny_pair(), max_live_sequences=64, when_full=when_full)
+    srv = start_server(tmp_path, repository=repository.render(pair, tmp_path / "repo"))
+    not_ready, done = [], threading.Event()
+
+    def watch_readiness():
+        while not done.wait(0.2):
+            try:
+                urllib.request.urlopen(srv.readiness_url, timeout=5).close()
+            except (urllib.error.URLError, OSError) as exc:
+                not_ready.append(str(exc))
+
+    def one(i):
+        try:
+            return grpc_stream(srv.grpc_url, PROMPTS[i % len(PROMPTS)], timeout=240, max_tokens=10 + i % 7,
+                               num_draft_tokens=3, draft_model=DRAFTS[i % 2], stream=True)
+        except GenerationError as exc:
+            return exc
+
+    try:
+        watcher = threading.Thread(target=watch_readiness, daemon=True)
+        watcher.start()
+        with ThreadPoolExecutor(200) as pool:
+            results = list(pool.map(one, range(200)))
+        done.set()
+        watcher.join()
+        errors = [r for r in results if isinstance(r, Exception)]
+        finished = [r for r in results if not isinstance(r, Exception)]
+        assert len(errors) + len(finished) == 200
+        assert all(r[tn.FINISH_REASON] in ("length", "stop") and r[tn.TEXT_OUTPUT] for r in finished)
+        assert not not_ready, not_ready[:3]
+        peaks = [value for _, value in samples(srv.metrics(), "specdec_live_sequences_peak")]
+        assert max(peaks) <= 64
+        if when_full == "queue":
+            assert errors == []
+            assert srv.metric("specdec_queue_time_seconds_count") == 200
+        else:
+            assert errors and all("max_live_sequences" in str(e) and tn.RETRY_LATER in str(e) for e in errors)
+            assert srv.metric("specdec_requests_total", finish_reason="rejected") == len(errors)
+        text = srv.metrics()
+        assert sum(v for _, v in samples(text, "specdec_live_sequences")) == 0
+        assert sum(v for _, v in samples(text, "specdec_queued_requests")) == 0
+        # The server's waiting lines (a ticket file per waiting request) are empty again.
+        server_pid = int(subprocess.run(["pgrep", "-P", str(srv.process.pid), "tritonserver"], capture_output=True,
+                                        text=True).stdout.split()[0])
+        lines = [d / "line" for d in sequence_slots.server_directories(server_pid)]
+        lines.append(kv_room.default_directory(server_pid) / "line")
+        assert lines[0].is_dir() and [t for line in lines if line.is_dir() for t in line.iterdir()] == []
+    finally:
+        done.set()
+        stop_server(srv, require_clean_exit=False)

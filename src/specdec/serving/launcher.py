@@ -6,6 +6,9 @@ Python-backend stub built for the running interpreter, sets the library path the
 interpreter's libpython first, then the wheel's bundled libraries), renders the model repository and runs
 tritonserver in the foreground. SIGTERM/SIGINT drain first (readiness drops, the requests in flight finish,
 at most --drain-timeout), then stop the server, which stops every stub process; a second signal stops at once.
+A watchdog (watchdog.py) brings back a model whose stub process died: reloaded in place through the
+model repository API (explicit model control, with a key of the launcher's own unless the flags after
+`--` choose otherwise), or by restarting tritonserver.
 
 The repository comes from one of: a named pair (--pair / PAIR: tiny | default), a pair given by paths
 (--target PATH [--draft PATH | --draft ngram] with placement and request defaults), or an already
@@ -13,7 +16,8 @@ rendered repository (--model-repository, as the Helm chart mounts it). Arguments
 tritonserver unchanged.
 
 Environment: PAIR, HTTP_PORT, GRPC_PORT, METRICS_PORT (8000/8001/8002), HEALTH_PORT (8003; 0: none):
-the launcher's own readiness endpoint, GET /ready (ready and not draining; healthcheck.py), and OPENAI_PORT
+the launcher's own endpoint, GET /ready (ready, no model down, not draining; healthcheck.py), GET /live
+and GET /metrics (the watchdog's), and OPENAI_PORT
 (9000; 0: none): the OpenAI-compatible API (`specdec.gateway`), a process the launcher runs beside the
 server, restarts if it dies and drains first (SPECDEC_API_KEY: the key its clients must send).
 """

@@ -5,8 +5,9 @@ is unloaded or out of sequence slots), the round gets no draft tokens, which the
 plain target-only step: greedy output is unchanged and sampling stays exact, only slower. The draft's
 cache for that sequence is dropped (its state after a failed call is unknown) and rebuilt from the
 prompt when drafting resumes. After a failure the draft is out of rotation for `retry_after_s`, doubling
-while it keeps failing (up to `max_retry_after_s`): no request waits on a dead draft, and the first call
-after the wait is the probe that brings it back.
+while it keeps failing (up to `max_retry_after_s`, 8 s: a draft the launcher's watchdog has reloaded
+is back in rotation within seconds, and probing one that stays dead costs one failed call per 8 s): no
+request waits on a dead draft, and the first call after the wait is the probe that brings it back.
 
 A draft without room for a new sequence (NoCapacity: its KV budget is full) is not failing: that one
 sequence runs target-only rounds and asks again after `retry_after_s`, the draft stays in rotation.
@@ -24,7 +25,7 @@ from specdec.decoding.sampling import SamplingParams
 
 class FallbackProposer:
     def __init__(self, inner: Proposer, name: str, on_fallback: Callable[[str], None] = lambda name: None,
-                 retry_after_s: float = 1.0, max_retry_after_s: float = 60.0,
+                 retry_after_s: float = 1.0, max_retry_after_s: float = 8.0,
                  clock: Callable[[], float] = time.monotonic):
         self.inner, self.name, self.on_fallback, self.clock = inner, name, on_fallback, clock
         self.initial_wait, self.max_wait = retry_after_s, max_retry_after_s
