@@ -61,22 +61,25 @@ def stubs_of(server_pid: int, proc: Path = Path("/proc")) -> list[Stub]:
     """The Python-backend stub processes tritonserver `server_pid` runs (its children), read from /proc.
     A stub's arguments are `stub MODEL_DIR/VERSION/model.py SHM SIZE GROWTH PARENT LIBDIR IPC INSTANCE ...`."""
     found = []
-    for entry in proc.iterdir():
-        if not entry.name.isdigit():
+    root = str(proc)
+    for name in os.listdir(root):
+        if not name.isdigit():
             continue
         try:
-            stat = (entry / "stat").read_text()
-            args = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
+            with open(f"{root}/{name}/stat", "rb") as file:
+                stat = file.read()
+            # "pid (comm) state ppid ...": comm may hold spaces and parentheses; the last ")" ends it.
+            fields = stat[stat.rindex(b")") + 2:].split(None, 2)
+            if int(fields[1]) != server_pid:
+                continue
+            with open(f"{root}/{name}/cmdline", "rb") as file:
+                args = file.read().split(b"\0")
+        except (OSError, ValueError, IndexError):
             continue  # gone meanwhile
-        # "pid (comm) state ppid ...": comm may hold spaces and parentheses; the last ")" ends it.
-        fields = stat[stat.rindex(")") + 2:].split()
-        if int(fields[1]) != server_pid or not args or not args[0].endswith(STUB_BINARY.encode()):
-            continue
-        if len(args) < 9:
+        if len(args) < 9 or not args[0].endswith(STUB_BINARY.encode()):
             continue
         model = Path(args[1].decode()).parent.parent.name
-        found.append(Stub(int(entry.name), model, args[8].decode(), fields[0], args[2].decode()))
+        found.append(Stub(int(name), model, args[8].decode(), fields[0].decode(), args[2].decode()))
     return found
 
 
