@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.specdec-setup
 
-.PHONY: readme-examples soak setup serve test unit integration deploy-check image image-lock clean loadtest bench bench-concurrency bench-batching bench-gpu bench-executor bench-overhead bench-structured bench-prefix bench-suffix bench-openai bench-trees gpukit
+.PHONY: readme-examples soak soak-mixed setup serve test unit integration deploy-check image image-lock clean loadtest bench bench-concurrency bench-batching bench-gpu bench-executor bench-overhead bench-structured bench-prefix bench-suffix bench-openai bench-trees gpukit
 
 setup: $(STAMP)
 
@@ -114,3 +114,8 @@ readme-examples: setup
 # server's memory (tritonserver and every stub) at start and end; exits 1 on a failure or >= 5 % growth.
 soak: setup
 	$(PY) loadtest/soak.py --duration $${SOAK_SECONDS:-600} --warmup $${SOAK_WARMUP:-300} --users $${SOAK_USERS:-8} --out .cache/soak.md
+
+# Mixed traffic (streamed and not, sampled, penalties, structured output, cancelling clients) with
+# target_model's stub SIGKILLed halfway (SOAK_KILL: another model, or "" for none).
+soak-mixed: setup
+	$(PY) loadtest/soak.py --mix --kill $${SOAK_KILL-target_model} --duration $${SOAK_SECONDS:-1800} --warmup $${SOAK_WARMUP:-300} --users $${SOAK_USERS:-8} --out .cache/soak-mixed.md

@@ -234,7 +234,8 @@ def classify_error(message: str, status: str = "") -> ClientError:
         return GenerationTimeoutError(message)
     if tn.RETRY_LATER in lowered:  # the server's capacity refusals (a gRPC stream's error has no status)
         return ServerBusyError(message)
-    if "unknown model" in lowered or "not ready" in lowered or "not found" in lowered:
+    if ("unknown model" in lowered or "not ready" in lowered or "not found" in lowered or tn.MODEL_DOWN in lowered
+            or "is not healthy" in lowered):  # a model down or being restored (the launcher's watchdog)
         return ModelNotReadyError(message)
     # Streamed errors carry no status code: recognise the server's wording (ours name "input '<field>'";
     # Triton's own input checks say "inference input").

@@ -20,7 +20,9 @@ workers send their samples to the master with every stats report and the master 
 grounded | open), --guided-fraction (SPECDEC_GUIDED_FRACTION, 0: the share of requests that carry a guide,
 structured output) with --guides-file (SPECDEC_GUIDES, loadtest/guided.jsonl: prompt, guide_type, guide),
 --system-prompt-file (SPECDEC_SYSTEM_PROMPT, none: a text every prompt starts with, as a shared system prompt
-does; loadtest/system_prompt.txt is one; the server's prefix caching computes it once).
+does; loadtest/system_prompt.txt is one; the server's prefix caching computes it once), --mix (SPECDEC_MIX:
+mixed gRPC traffic, `MIX`: streamed or not, seeded sampling, penalties, clients cancelling mid-stream,
+whose requests count as "cancelled" in Locust's table).
 """
 
 # gRPC must be made gevent-cooperative before any channel exists.
@@ -68,6 +70,9 @@ def _options(parser):
     parser.add_argument("--guides-file", default=env("SPECDEC_GUIDES", str(HERE / "guided.jsonl")))
     parser.add_argument("--system-prompt-file", default=env("SPECDEC_SYSTEM_PROMPT", ""))
     parser.add_argument("--openai-model", default=env("SPECDEC_OPENAI_MODEL", ""))
+    parser.add_argument("--mix", action="store_true", default=env("SPECDEC_MIX", "") not in ("", "0"),
+                        help="mixed traffic (gRPC users): streamed or not, greedy or seeded sampling, penalties on "
+                             "some, and a share of clients that cancel mid-stream")
 
 
 class Samples:
@@ -214,11 +219,16 @@ class _SpecdecMixin:
 
     def request(self) -> tuple[str, GenerationParams]:
         """The next request's prompt (after the shared system prompt, if any) and parameters: a guided one
-        with probability --guided-fraction."""
+        with probability --guided-fraction; with --mix, sampled (seeded) half the time and penalised a fifth."""
         if self.guided and random.random() < self.guided_fraction:
             prompt, params = random.choice(self.guided)
         else:
             prompt, params = random.choice(self.prompts), self.params
+        if getattr(self.environment.parsed_options, "mix", False):
+            if random.random() < MIX["sampled"]:
+                params = dataclasses.replace(params, temperature=0.8, top_p=0.95, seed=random.getrandbits(31))
+            if random.random() < MIX["penalised"]:
+                params = dataclasses.replace(params, repetition_penalty=1.1, presence_penalty=0.3)
         return self.system + prompt, params
 
     def record(self, sent: float, result, exception) -> None:
@@ -227,6 +237,11 @@ class _SpecdecMixin:
         self.environment.events.request.fire(request_type=self.request_type, name="generate",
              response_time=(time.perf_counter() - sent) * 1000,
              response_length=result.num_output_tokens if result else 0, exception=exception, context={})
+
+
+# --mix: the share of requests that sample (seeded), that carry penalties, that are not streamed (one
+# response at the end), and whose client cancels after the first streamed response.
+MIX = {"sampled": 0.5, "penalised": 0.2, "whole": 0.3, "cancelled": 0.1}
 
 
 class GeventGrpcClient(grpcclient.InferenceServerClient):
@@ -269,17 +284,26 @@ class GrpcStreamUser(_SpecdecMixin, User):
         builder = ResultBuilder()
         sent = builder.sent
         exception = None
+        mix = getattr(self.environment.parsed_options, "mix", False)
+        streamed = not (mix and random.random() < MIX["whole"])
+        cancel = mix and streamed and random.random() < MIX["cancelled"]
         self.client.start_stream(callback=lambda result, error: responses.put((result, error)))
         try:
             prompt, params = self.request()
-            self.client.async_stream_infer(tn.ENSEMBLE, grpc_inputs(params.tensors(prompt, True)),
+            self.client.async_stream_infer(tn.ENSEMBLE, grpc_inputs(params.tensors(prompt, streamed)),
                                            enable_empty_final_response=True)
             while not consume_grpc_response(builder, *responses.get(timeout=600), None):
-                pass
+                if cancel and builder.first is not None:
+                    break  # the client walks away mid-stream: the stream is closed with cancel_requests below
         except Exception as exc:  # noqa: BLE001 - every failure is recorded as one
             exception = exc
         finally:
-            self.client.stop_stream()
+            self.client.stop_stream(cancel_requests=cancel)
+        if cancel and exception is None:
+            self.environment.events.request.fire(request_type=self.request_type, name="cancelled",
+                                                 response_time=(time.perf_counter() - sent) * 1000,
+                                                 response_length=0, exception=None, context={})
+            return
         self.record(sent, builder.result, exception)
 
 

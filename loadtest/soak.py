@@ -9,12 +9,21 @@ RSS growth under 5 % after warm-up.
     python loadtest/soak.py --duration 600 --users 8        # what `make soak` runs (SOAK_SECONDS, SOAK_USERS)
     python loadtest/soak.py --launcher-arg=--set=target_model.executor=static \
         --launcher-arg=--set=draft_model.executor=static      # the static executor's KV pool, on CPU eagerly
+    python loadtest/soak.py --mix --kill target_model --duration 1800   # `make soak-mixed`
+
+--mix sends mixed traffic (the locustfile's MIX: streamed and not, greedy and seeded sampling, penalties,
+clients that cancel mid-stream, and structured output on 15 %); --kill MODEL SIGKILLs that model's first
+stub halfway through the run, as the OOM killer would: the launcher's watchdog brings it back, and the
+failures of the requests it was serving (the server's "being restored, retry", or a dropped stream when
+the server restarts) are counted apart as expected; any other failure is unexpected.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -35,7 +44,10 @@ def server_processes(pid: int) -> dict[str, psutil.Process]:
     root = psutil.Process(pid)
     out = {}
     for proc in [root, *root.children(recursive=True)]:
-        cmd = proc.cmdline()
+        try:
+            cmd = proc.cmdline()
+        except psutil.Error:
+            continue  # gone, or a zombie (a killed stub its server has not reaped yet)
         if proc.name() == "tritonserver" or (cmd and cmd[0].endswith("/tritonserver")):
             out["tritonserver"] = proc
         elif cmd and "triton_python_backend_stub" in cmd[0]:
@@ -54,6 +66,32 @@ def rss_mb(processes: dict[str, psutil.Process]) -> dict[str, float]:
     return {name: proc.memory_info().rss / 2**20 for name, proc in sorted(processes.items())}
 
 
+# A request that failed because a model was down or being restored (see the module's docstring).
+EXPECTED_WHEN_KILLED = ("being restored", "is not healthy", "not ready", "unavailable", "connect", "socket closed",
+                        "stream removed", "no available versions")
+
+
+def failures_by_kind(csv_prefix: Path, killed: bool) -> tuple[int, int, list[str]]:
+    """(expected, unexpected, the unexpected errors' texts) from Locust's failures table."""
+    expected, unexpected, texts = 0, 0, []
+    path = Path(f"{csv_prefix}_failures.csv")
+    for row in (csv.DictReader(open(path)) if path.exists() else []):
+        count = int(row["Occurrences"])
+        if killed and any(marker in row["Error"].lower() for marker in EXPECTED_WHEN_KILLED):
+            expected += count
+        else:
+            unexpected += count
+            texts.append(f"{count} x {row['Error'][:200]}")
+    return expected, unexpected, texts
+
+
+def kill_stub(server_pid: int, model: str) -> int:
+    """SIGKILL the first stub of `model` under the server; its pid."""
+    stub = server_processes(server_pid)[model]
+    os.kill(stub.pid, signal.SIGKILL)
+    return stub.pid
+
+
 def rss_parts_mb(proc: psutil.Process) -> dict[str, float]:
     """RSS split as the kernel counts it: anonymous (heap: tensors, allocator caches) and shared memory
     (the Python backend's /dev/shm pool, which grows with concurrency and never shrinks)."""
@@ -61,20 +99,26 @@ def rss_parts_mb(proc: psutil.Process) -> dict[str, float]:
     return {part: int(fields[f"Rss{part.capitalize()}"].split()[0]) / 1024 for part in ("anon", "shmem")}
 
 
-def sample_every(processes: dict[str, psutil.Process], seconds: float, stop: threading.Event) -> list[dict]:
-    """RSS parts of every process every `seconds` until `stop` (in a thread while Locust runs)."""
+def sample_every(server_pid: int, seconds: float, stop: threading.Event) -> list[dict]:
+    """RSS parts of every process every `seconds` until `stop` (in a thread while Locust runs); the
+    processes are looked up at each sample (a killed stub is replaced by a new one of the same name)."""
     samples = []
     while True:
-        samples.append({name: rss_parts_mb(proc) for name, proc in sorted(processes.items())})
+        try:
+            samples.append({name: rss_parts_mb(proc) for name, proc in sorted(server_processes(server_pid).items())})
+        except (psutil.Error, OSError):
+            pass  # a stub died between the lookup and the reading: the next sample has its successor
         if stop.wait(seconds):
             return samples
 
 
-def locust(grpc_url: str, seconds: float, users: int, csv_prefix: Path, max_tokens: int) -> dict:
+def locust(grpc_url: str, seconds: float, users: int, csv_prefix: Path, max_tokens: int, mix: bool = False) -> dict:
     """Run Locust headless; returns its aggregated `generate` row and the summary it printed."""
     command = [sys.executable, "-m", "locust", "-f", str(HERE / "locustfile.py"), "--headless", "-u", str(users),
                "-r", str(users), "-t", f"{int(seconds)}s", "--stop-timeout", "60", "--host", grpc_url,
                "--csv", str(csv_prefix), "--max-tokens", str(max_tokens), "--only-summary"]
+    if mix:
+        command += ["--mix", "--guided-fraction", "0.15"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=seconds + 300)
     rows = list(csv.DictReader(open(f"{csv_prefix}_stats.csv")))
     (row,) = [r for r in rows if r["Name"] == "generate"]
@@ -99,6 +143,8 @@ def main(argv=None) -> int:
     parser.add_argument("--launcher-arg", action="append", default=[],
                         help="more arguments for the server started here (repeatable)")
     parser.add_argument("--out", help="also write the table (Markdown) here")
+    parser.add_argument("--mix", action="store_true", help="mixed traffic (see the module's docstring)")
+    parser.add_argument("--kill", metavar="MODEL", help="SIGKILL this model's first stub halfway through the run")
     args = parser.parse_args(argv)
     if args.launcher_arg and args.grpc_url is not None:
         parser.error("--launcher-arg applies to the server started here, not to --grpc-url's")
@@ -108,19 +154,23 @@ def main(argv=None) -> int:
         own = server.start(cache / "run" / "soak", cache / "soak-server.log", ["--pair", args.pair, *args.launcher_arg])
         args.grpc_url, args.server_pid = own.grpc_url, own.process.pid
     try:
-        processes = server_processes(args.server_pid)
         work = Path(tempfile.mkdtemp(prefix="soak-"))
-        warm = locust(args.grpc_url, args.warmup, args.users, work / "warmup", args.max_tokens)
-        start = rss_mb(processes)
+        warm = locust(args.grpc_url, args.warmup, args.users, work / "warmup", args.max_tokens, args.mix)
+        start = rss_mb(server_processes(args.server_pid))
         started = time.monotonic()
-        stop, samples = threading.Event(), []
-        sampler = threading.Thread(target=lambda: samples.extend(sample_every(processes, args.sample_every, stop)))
+        stop, samples, killed = threading.Event(), [], []
+        sampler = threading.Thread(target=lambda: samples.extend(sample_every(args.server_pid, args.sample_every, stop)))
         sampler.start()
-        run = locust(args.grpc_url, args.duration, args.users, work / "soak", args.max_tokens)
+        if args.kill:
+            killer = threading.Timer(args.duration / 2, lambda: killed.append(kill_stub(args.server_pid, args.kill)))
+            killer.start()
+        run = locust(args.grpc_url, args.duration, args.users, work / "soak", args.max_tokens, args.mix)
         stop.set()
         sampler.join()
         elapsed = time.monotonic() - started
-        end = rss_mb(processes)
+        end = rss_mb(server_processes(args.server_pid))
+        expected, unexpected, unexpected_texts = failures_by_kind(work / "soak", bool(killed))
+        _, warm_unexpected, warm_texts = failures_by_kind(work / "warmup", False)
     finally:
         if own is not None:
             own.stop()
@@ -130,17 +180,21 @@ def main(argv=None) -> int:
         return " / ".join(f"{last[name][part] - first[name][part]:+.0f}" for part in ("anon", "shmem"))
 
     rows = [[name, f"{start[name]:.0f}", f"{end[name]:.0f}", f"{(end[name] / start[name] - 1) * 100:+.1f} %",
-             parts(name)] for name in start]
+             parts(name) if name in first and name in last else ""] for name in start if name in end]
     total_start, total_end = sum(start.values()), sum(end.values())
     rows.append(["total", f"{total_start:.0f}", f"{total_end:.0f}", f"{(total_end / total_start - 1) * 100:+.1f} %", ""])
     # Whether the largest grower levels off or keeps climbing: its RSS at each sample.
     grower = max(start, key=lambda name: end[name] - start[name])
     series = ", ".join(f"{sum(sample[grower].values()):.0f}" for sample in samples)
     settings = f" ({' '.join(args.launcher_arg)})" if args.launcher_arg else ""
+    traffic = " mixed traffic," if args.mix else ""
+    kill = (f" {args.kill}'s stub (pid {killed[0]}) SIGKILLed at {args.duration / 2:.0f} s: {expected} expected "
+            f"failures;" if killed else "")
     text = "\n".join([
-        f"soak: {args.pair} pair{settings}, {args.users} users, {args.max_tokens} tokens per request, "
+        f"soak: {args.pair} pair{settings},{traffic} {args.users} users, {args.max_tokens} tokens per request, "
         f"{args.warmup:.0f} s warm-up ({warm['requests']} requests, {warm['failures']} failures), "
-        f"then {elapsed:.0f} s: {run['requests']} requests, {run['failures']} failures",
+        f"then {elapsed:.0f} s: {run['requests']} requests;{kill} {unexpected} unexpected failures",
+        *[f"  unexpected: {t}" for t in unexpected_texts + warm_texts],
         *run["summary"], "",
         tabulate(rows, ["process", "RSS after warm-up (MiB)", "RSS at end (MiB)", "growth",
                         "anonymous / shared growth (MiB)"], tablefmt="github", disable_numparse=True), "",
@@ -149,7 +203,8 @@ def main(argv=None) -> int:
     if args.out:
         Path(args.out).write_text(text + "\n")
     growth = (total_end / total_start - 1) * 100
-    return 0 if run["failures"] == 0 and warm["failures"] == 0 and run["code"] == 0 and growth < 5 else 1
+    ok = unexpected == 0 and warm_unexpected == 0 and (run["code"] == 0 or (killed and expected)) and growth < 5
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -26,8 +26,10 @@ class ModelUnavailable(BlsError):
     """The called model is down (its stub died) or reloading: the request may be retried once it is back."""
 
 
-# How Triton words a call to a model whose stub died, that is unloaded, or that is reloading.
-_DOWN = ("is not healthy", "is not ready", "unknown model", "no available versions")
+# How Triton words a call to a model whose stub died, that is unloaded, or that is reloading; and a
+# sequence's next step after its model was loaded again (the new instance never saw the sequence start).
+_DOWN = ("is not healthy", "is not ready", "unknown model", "no available versions",
+         "must specify the START flag on the first request")
 
 
 NO_FEATURES = np.zeros((1, 0, 0), dtype=np.float32)  # a head's call without features (the input is always there)
