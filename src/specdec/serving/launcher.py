@@ -503,6 +503,8 @@ def restart_server(current: list, start_server, watchdog: Watchdog, http_port: i
         if busy == 0:
             break
         time.sleep(0.25)
+    if stopping.is_set():
+        return False  # the launcher stops: the server is drained and stopped as at any stop
     log(f"watchdog: restarting tritonserver ({'no' if not busy else int(busy)} healthy streams left)")
     # Not SIGTERM: the dead instance's streams would hold a graceful exit for its whole exit timeout.
     if old.poll() is None:
@@ -510,8 +512,6 @@ def restart_server(current: list, start_server, watchdog: Watchdog, http_port: i
         old.wait()
     stop_group(old, watchdog.regions)
     watchdog.regions.clear()
-    if stopping.is_set():
-        return False
     current[0] = start_server()
     try:
         wait_ready(http_port, current[0], args.ready_timeout, stopping, metrics_port)
