@@ -7,8 +7,6 @@ import os
 import signal
 import threading
 import time
-import urllib.error
-import urllib.request
 
 import pytest
 
@@ -16,6 +14,7 @@ from specdec import tensor_names as tn
 from specdec.serving import pairs, repository
 from specdec.serving.metrics_text import sum_samples
 
+from tests.http_get import get
 from .helpers import GenerationError, grpc_stream, start_server, stop_server, stub_processes
 
 pytestmark = pytest.mark.integration
@@ -40,16 +39,6 @@ def srv(tmp_path_factory):
 @pytest.fixture(scope="module")
 def before(srv):
     return [grpc_stream(srv.grpc_url, p, **GREEDY)[tn.TEXT_OUTPUT] for p in PROMPTS]
-
-
-def get(url: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as response:
-            return response.status, response.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode()
-    except OSError as exc:
-        return 0, str(exc)
 
 
 def launcher_metric(srv, name: str, **labels) -> float:

@@ -5,11 +5,10 @@ drain would be refused). And its readiness endpoint (GET /ready), against a stan
 import http.server
 import socket
 import threading
-import urllib.error
-import urllib.request
 
 import pytest
 
+from tests.http_get import get as _get
 from specdec.serving import healthcheck, launcher
 from specdec.serving.server import free_ports
 
@@ -48,14 +47,6 @@ def test_ready_waits_for_the_metrics_endpoint(ready_http):
         listener.bind(("127.0.0.1", metrics_port))
         listener.listen()
         launcher.wait_ready(ready_http, _Running(), timeout_s=5, metrics_port=metrics_port)
-
-
-def _get(url: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=10) as response:
-            return response.status, response.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode()
 
 
 def test_the_readiness_endpoint_answers_for_the_server_and_its_drain(ready_http):

@@ -6,11 +6,10 @@ liveness fails only past the heal timeout. The real thing, with SIGKILLed stubs:
 import http.server
 import tempfile
 import threading
-import urllib.error
-import urllib.request
 
 import pytest
 
+from tests.http_get import get as _get
 from specdec.serving import healthcheck, watchdog
 from specdec.serving.watchdog import Stub, Watchdog
 
@@ -218,14 +217,6 @@ class _Triton(http.server.BaseHTTPRequestHandler):
 
     def log_message(self, *_args):
         pass
-
-
-def _get(url: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=10) as response:
-            return response.status, response.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode()
 
 
 def test_the_launchers_endpoint_answers_ready_live_and_metrics():
