@@ -111,6 +111,16 @@ def test_readiness_names_a_model_while_it_is_down():
     assert 'specdec_model_down_seconds_total{model="draft_model"} 1.000' in dog.metrics_text()
 
 
+def test_an_old_stub_exiting_beside_its_successor_is_not_a_death():
+    dog, stubs, clock, control, _ = make()
+    running = stubs.running
+    stubs.running = {"old": Stub(9, "target_model", "target_model_0_0", "Z"), **running}  # listed first...
+    dog.tick()
+    stubs.running = {**running, "old": Stub(9, "target_model", "target_model_0_0", "Z")}  # ... or last
+    dog.tick()
+    assert not dog.down_now() and control.reloads == []
+
+
 def test_a_model_that_keeps_dying_backs_off_instead_of_spinning():
     dog, stubs, clock, control, _ = make()
     times = []

@@ -216,7 +216,11 @@ class Watchdog:
         now = self.clock()
         alive: dict[str, dict[str, Stub]] = {}
         for stub in self.stubs(self.server_pid):
-            alive.setdefault(stub.model, {})[stub.instance] = stub
+            # An instance's old stub (exiting after a reload, or a zombie not reaped yet) beside its new one:
+            # the running one counts.
+            seen = alive.setdefault(stub.model, {}).get(stub.instance)
+            if seen is None or seen.state in ("Z", "X"):
+                alive[stub.model][stub.instance] = stub
         for model, health in list(self.models.items()):
             problem = self._problem(health, alive.get(model, {}), now)
             if problem and health.down_since is None:
