@@ -249,7 +249,7 @@ def test_two_hundred_streams_against_sixty_four_slots(tmp_path, when_full):
 
     def one(i):
         try:
-            return grpc_stream(srv.grpc_url, PROMPTS[i % len(PROMPTS)], timeout=240, max_tokens=10 + i % 7,
+            return grpc_stream(srv.grpc_url, PROMPTS[i % len(PROMPTS)], timeout=240, max_tokens=4 + i % 5,
                                num_draft_tokens=3, draft_model=DRAFTS[i % 2], stream=True)
         except GenerationError as exc:
             return exc
