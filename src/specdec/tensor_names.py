@@ -125,7 +125,13 @@ TARGET_MODEL_NAME = "target_model"
 NGRAM = "ngram"  # the built-in prompt-lookup draft (no model); any other draft name is a draft model
 SUFFIX = "suffix"  # built in too: prompt lookup over the request's tokens and earlier requests' (a shared cache)
 DEFAULT_HEAD_NAME = "draft_head"  # the model name of a head served without one given (--draft-head DIR)
-DRAFT_KINDS = ("model", "head")  # draft_model's draft_kind: a causal LM, or a trained head over features
+# draft_model's draft_kind: a causal LM, a trained head over features, or the target skipping layers (SWIFT)
+DRAFT_KINDS = ("model", "head", "skip")
+DEFAULT_SKIP_DRAFT_NAME = "draft_skip"  # the model name of a layer-skip self-draft served without one given
+SKIP_SEARCH = "auto"  # draft_model's skip_layers: searched on the fly (else a list of layers, "3,5,7-9")
+# The confidence stop (sampling.stops_after): every model draft's default draft_stop_below. 0.3 measured
+# best of 0-0.5 on the default pair (docs/results/2026-11-27-swift.md).
+DEFAULT_DRAFT_STOP_BELOW = 0.3
 BUILTIN_DRAFTS = (NGRAM, SUFFIX)  # the model-free methods: a draft costs (almost) nothing
 DTYPE_NAMES = ("float32", "float16", "bfloat16", "float64")  # the models' `dtype` parameter
 

@@ -6,6 +6,7 @@
   tree_sampler       the same rule over a token tree: the greedy path, recursive rejection sampling over siblings
   sampling           logits -> probabilities (temperature, top-k, top-p), sampling, seeded generators
   draft_length       how many tokens to draft each round: the expected-speedup rule over measured costs
+  skip_search        which layers a layer-skip self-draft leaves out: a search scored by agreement and cost
   penalties          repetition, presence and frequency penalties on the target's logits
   bad_words          token sequences the output never contains
   logit_bias         logit_bias and allowed_token_ids (vLLM's and OpenAI's token-level settings)

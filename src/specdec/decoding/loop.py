@@ -141,7 +141,9 @@ async def generate(req: GenerationRequest, proposer: Proposer, scorer: Scorer, p
                 proposal = await proposer.propose(req.seq_id, draft_valid, tokens[draft_valid:], k,
                                                   req.sampling, round_seed, reserve=0 if draft_valid else reserve,
                                                   **_features_for(features, draft_valid))
-                policy.observe_draft(k, time.perf_counter() - started)
+                # what it drafted: a chain may end early (an n-gram's span, a draft's confidence stop)
+                policy.observe_draft(len(proposal.tokens) if proposal.parents is None else k,
+                                     time.perf_counter() - started)
                 draft_valid = proposal.cached_length
                 drafted_ever = True
                 if proposal.parents is not None and not trees:

@@ -49,6 +49,19 @@ def token_log_probs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return logits.gather(-1, tokens.to(logits.device)[:, None])[:, 0] - logits.logsumexp(-1)
 
 
+def token_probability(logits: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+    """softmax(logits)[token]: logits (V,), token (1,) or () int64 -> () float32. A draft's confidence in
+    its own token (the confidence stop): its raw distribution's, whatever the request's sampling does."""
+    return torch.softmax(logits.float(), dim=-1).gather(-1, token.reshape(1)).reshape(())
+
+
+def stops_after(probability: float, stop_below: float) -> bool:
+    """The confidence stop: drafting ends after a token the draft gave less than `stop_below` (0: never).
+    Exact for any draft: the decision after x_i reads only the draft's own x_1..x_i, and x_i itself is
+    verified as usual (dropping it instead would change what a sampled round accepts)."""
+    return probability < stop_below
+
+
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Processed next-token distributions: temperature, then top-k, top-p and min-p (transformers'
     order of its warpers).

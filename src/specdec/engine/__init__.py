@@ -13,6 +13,8 @@
   llama_forward  the Llama-family forward the static one runs, written over the model's modules
   draft_heads    trained draft heads (EAGLE-1, EAGLE-3, Medusa): the modules, read and written in the
                  layouts their authors publish (and vLLM's), refused when made for another target
+  skip_layers    the layer-skip self-draft (SWIFT): the target with some layers left out, per sequence,
+                 and the search of which over the live text
   head_executor  drafting with a head over the target's features, per-sequence KV with rollback
   head_graphs    a head's one-token draft step replayed as CUDA graphs over a pool of sequences' KV
   cuda_graphs    pinned input staging and one bucket's forward captured as a CUDA graph
@@ -24,6 +26,6 @@
   threads        the CPUs this process may use
   local          the loop's Proposer and Scorer over in-process executors (tests, benchmarks)
 
-May import: torch, transformers, `specdec.tensor_names`, `specdec.decoding` (sampling, the interfaces).
+May import: torch, transformers, `specdec.tensor_names`, `specdec.decoding` (sampling, the interfaces, skip_search).
 Never Triton.
 """

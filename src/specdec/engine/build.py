@@ -23,6 +23,7 @@ from specdec.engine.executor import Executor
 from specdec.engine.kv_cache import ContiguousKV
 from specdec.engine.llama_forward import supports
 from specdec.engine.paged_kv import PagedKV
+from specdec.engine.skip_layers import LayerSkipForward, check_skip
 from specdec.engine.static_forward import StaticForward
 from specdec.engine.transformers_forward import TransformersForward
 
@@ -38,6 +39,9 @@ class ExecutorConfig:
     prefix_caching: bool = True  # prompts reuse the KV blocks of earlier prompts that began alike
     block_size: int = 32  # tokens per KV block (the prefix cache's unit; the paged pool's)
     hidden_layers: tuple[int, ...] = ()  # layers whose output a forward also returns (a trained draft's input)
+    # A layer-skip self-draft (skip_layers.py): these intermediate layers do not run. None: every layer runs.
+    # Eagerly the set may change (for sequences that start later); the static executor keeps it for life.
+    skip_layers: tuple[int, ...] | None = None
     # dynamic
     prefix_cache_tokens: int = 4096  # the prefix cache's store of copied blocks
     # pad 2..n-1-row forwards to n (None: 4 on CPU with torch's own linear kernels, whose 2-3 row GEMMs are
@@ -59,10 +63,13 @@ class ExecutorConfig:
 def dynamic_executor(model, max_sequences: int = 256, idle_timeout_s: float = 600.0,
                      clock: Callable[[], float] = time.monotonic, min_forward_rows: int = 1,
                      row_buckets: bool = False, prefix_cache_tokens: int = 0, block_size: int = 32,
-                     hidden_layers: tuple[int, ...] = ()) -> Executor:
-    """Transformers' forward over per-sequence KV buffers (see the module's docstring)."""
-    return Executor(model, ContiguousKV(model, prefix_cache_tokens, block_size),
-                    TransformersForward(model, min_forward_rows, row_buckets, hidden_layers),
+                     hidden_layers: tuple[int, ...] = (), skip_layers: tuple[int, ...] | None = None) -> Executor:
+    """Transformers' forward over per-sequence KV buffers (see the module's docstring); with skip_layers,
+    a layer-skip self-draft (`LayerSkipForward`: sequences may differ in their sets, so no prefix caching)."""
+    forward = TransformersForward(model, min_forward_rows, row_buckets, hidden_layers)
+    if skip_layers is not None:
+        forward, prefix_cache_tokens = LayerSkipForward(forward, model, skip_layers), 0
+    return Executor(model, ContiguousKV(model, prefix_cache_tokens, block_size), forward,
                     max_sequences=max_sequences, idle_timeout_s=idle_timeout_s, clock=clock)
 
 
@@ -71,7 +78,8 @@ def static_executor(model, max_sequences: int = 256, idle_timeout_s: float = 600
                     max_context: int = 8192, max_batch: int = 8, max_rows: int = 17, compile: str = "auto",
                     kv_memory_fraction: float = 0.4, min_window: int = 128, fuse_kernels: bool | None = None,
                     fuse_mlp: bool | None = None, prefix_caching: bool = True, prefill_rows: int = 0,
-                    log: Callable[[str], None] = lambda message: None, hidden_layers: tuple[int, ...] = ()) -> Executor:
+                    log: Callable[[str], None] = lambda message: None, hidden_layers: tuple[int, ...] = (),
+                    skip_layers: tuple[int, ...] = ()) -> Executor:
     """The static Llama forward over a paged pool (see the module's docstring; the arguments are
     `PagedKV`'s and `StaticForward`'s)."""
     problem = supports(model)
@@ -81,7 +89,7 @@ def static_executor(model, max_sequences: int = 256, idle_timeout_s: float = 600
         raise ValueError(f"compile must be one of {tn.COMPILE_MODES}, got {compile!r}")
     kv = PagedKV(model, max_sequences, max_context, kv_pool_tokens, kv_memory_fraction, block_size, prefix_caching, log)
     forward = StaticForward(model, kv, max_batch, max_rows, compile, min_window, fuse_kernels, fuse_mlp,
-                            prefill_rows, log, hidden_layers)
+                            prefill_rows, log, hidden_layers, check_skip(tuple(skip_layers), len(model.model.layers)))
     return Executor(model, kv, forward, max_sequences=max_sequences, idle_timeout_s=idle_timeout_s, clock=clock)
 
 
@@ -101,7 +109,7 @@ def build_executor(model, config: ExecutorConfig, log: Callable[[str], None] = l
             fuse_kernels=None if config.fuse_kernels else False, fuse_mlp=None if config.fuse_mlp else False,
             # eagerly, padding prompts into buckets would only cost
             prefill_rows=config.prefill_graph_rows if wants_graphs else 0, min_window=config.min_window, log=log,
-            hidden_layers=config.hidden_layers)
+            hidden_layers=config.hidden_layers, skip_layers=config.skip_layers or ())
     if config.compile == "graphs":
         raise ValueError(f"compile=graphs needs executor=static (got {config.executor}"
                          f"{', ' + unsupported if unsupported else ''})")
@@ -113,4 +121,4 @@ def build_executor(model, config: ExecutorConfig, log: Callable[[str], None] = l
         model, max_sequences=config.max_sequences, idle_timeout_s=config.idle_timeout_s, min_forward_rows=min_rows,
         row_buckets=prepacked if config.row_buckets is None else config.row_buckets,
         prefix_cache_tokens=config.prefix_cache_tokens if config.prefix_caching else 0, block_size=config.block_size,
-        hidden_layers=config.hidden_layers)
+        hidden_layers=config.hidden_layers, skip_layers=config.skip_layers)

@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 
 from specdec import tensor_names as tn
-from specdec.decoding.sampling import SamplingParams, greedy, logits_to_probs, sample
+from specdec.decoding.sampling import SamplingParams, greedy, logits_to_probs, sample, stops_after, token_probability
 from specdec.engine.errors import CacheError, CapacityError
 from specdec.engine.interfaces import Drafted, Forward, ForwardOutput, KVStore, Scored, Step
 from specdec.engine.kv_cache import kv_layout
@@ -69,6 +69,16 @@ class Executor:
         self.prefix_queried_tokens = self.prefix_hit_tokens = 0
         width = head.weight.shape[0] if head is not None and hasattr(head, "weight") else self.vocab_size
         self._no_logits = torch.empty(0, width, dtype=model.dtype, device=self.logits_device)
+        # The confidence stop (sampling.stops_after): a proposal ends after a token the model gave less than
+        # this probability (0: it drafts all k). The adapter sets it (draft_model's draft_stop_below).
+        self.stop_below = 0.0
+        # Whether each sequence's tokens are kept on the host (seq.tokens) without prefix caching: a
+        # layer-skip draft's search reads them (skip_layers.SkipTuner).
+        self.keep_tokens = False
+
+    @property
+    def tracks_tokens(self) -> bool:
+        return self.prefix is not None or self.keep_tokens
 
     @property
     def prefix(self) -> PrefixIndex | None:
@@ -150,7 +160,7 @@ class Executor:
         moves = [(start + node, start + j) for j, node in enumerate(path) if node != j]
         if moves:
             self.kv.move(seq, [source for source, _ in moves], [target for _, target in moves])
-        if self.prefix is not None and tokens is not None:  # known now: the blocks can be keyed later
+        if self.tracks_tokens and tokens is not None:  # known now: the blocks can be keyed later
             seq.tokens[start:start + len(path)] = [tokens[node] for node in path]
         seq.tree = None
 
@@ -222,7 +232,7 @@ class Executor:
     def _forward(self, seqs: list, rows: list, num_logits: list[int], trees: list | None = None) -> ForwardOutput:
         """The forward over seqs' new rows (each cache grows by its row, a chain or a tree); with prefix
         caching, noting each sequence's tokens and keying its newly confirmed full blocks."""
-        if self.prefix is not None:
+        if self.tracks_tokens:
             for seq, row, tree in zip(seqs, rows, trees or [None] * len(seqs)):
                 del seq.tokens[seq.length:]
                 # -1: not known on the host (a drafted token), or not a sequence (a tree's nodes): never keyed
@@ -371,7 +381,10 @@ class Executor:
                     token = sample(p, step.generator)
                     probs[i].append(p)
                 tokens[i].append(token.reshape(1))
-                if len(tokens[i]) < step.k:
+                # The confidence stop reads the probability on the host: a sync per drafted token, where
+                # without it the tokens stay on the device until the end (it is off unless set).
+                if len(tokens[i]) < step.k and not (
+                        self.stop_below and stops_after(float(token_probability(last, token)), self.stop_below)):
                     still.append(i)
             # The last drafted token is not run through the model: nothing needs its logits yet.
             active, rows = still, [tokens[i][-1] for i in still]
@@ -382,7 +395,7 @@ class Executor:
             # The last drafted token is not run through the model: the cache holds the rest.
             results[i] = Drafted(drafted[first:first + count], torch.stack(probs[i]) if probs[i] else None,
                                  self.sequences[steps[i].seq_id].length)
-            if self.prefix is not None and count:  # the drafted tokens run through the model, known now
+            if self.tracks_tokens and count:  # the drafted tokens run through the model, known now
                 seq = self.sequences[steps[i].seq_id]
                 seq.tokens[seq.length - count + 1:seq.length] = drafted[first:first + count - 1]
             first += count

@@ -25,7 +25,7 @@ from typing import Callable
 
 import torch
 
-from specdec.decoding.sampling import SamplingParams, greedy, logits_to_probs, sample
+from specdec.decoding.sampling import SamplingParams, greedy, logits_to_probs, sample, stops_after, token_probability
 from specdec.engine.draft_heads import EagleHead, HeadCache, MedusaHeads
 from specdec.engine.errors import CacheError, CapacityError
 from specdec.engine.executor import Executor
@@ -83,6 +83,7 @@ class HeadExecutor:
         self.tokens_processed = 0
         self.prefix_queried_tokens = self.prefix_hit_tokens = 0
         self.prefix_cache_bytes = 0
+        self.stop_below = 0.0  # the confidence stop, as Executor's
         if graphs is None:
             graphs = self.device.type == "cuda"
         self.pool = self.steps = None
@@ -186,6 +187,8 @@ class HeadExecutor:
         for j in range(step.k):
             token = self._pick(logits, step, probs)
             drafted.append(token)
+            if self._unsure(logits, token):  # the confidence stop: x_j is verified, nothing after it drafted
+                break
             if j + 1 < step.k:  # entry N - 1 + j: the head's own feature with the token it drafted
                 if seq.slot is not None and self.steps.graphs:  # captured (warm_up)
                     hidden, logits = self.steps.run(token, hidden, seq.entries + j, seq.slot)
@@ -204,8 +207,16 @@ class HeadExecutor:
             return Drafted([], None, seq.entries)
         logits = self.head(seq.last_feature, count)
         probs: list = []
-        drafted = [self._pick(row, step, probs) for row in logits]
+        drafted = []
+        for row in logits:  # the heads ran at once; the confidence stop still shortens what is verified
+            drafted.append(self._pick(row, step, probs))
+            if self._unsure(row, drafted[-1]):
+                break
         return Drafted(torch.cat(drafted).tolist(), torch.stack(probs) if probs else None, seq.entries)
+
+    def _unsure(self, logits: torch.Tensor, token: torch.Tensor) -> bool:
+        """Whether the confidence stop ends the proposal after `token` (Executor.stop_below)."""
+        return bool(self.stop_below) and stops_after(float(token_probability(logits, token)), self.stop_below)
 
     @staticmethod
     def _pick(logits: torch.Tensor, step: Step, probs: list) -> torch.Tensor:

@@ -123,9 +123,13 @@ class LlamaForward:
     query/key/value projections are one matrix product. The MLP is the model's own module, or with
     `fuse_mlp` (a SiLU MLP) its gate and up projections as one product and `kernels.silu_mul`."""
 
-    def __init__(self, model, pool, fuse_mlp: bool = False, hidden_layers: tuple[int, ...] = ()):
+    def __init__(self, model, pool, fuse_mlp: bool = False, hidden_layers: tuple[int, ...] = (),
+                 skip: tuple[int, ...] = ()):
         self.model, self.pool = model, pool
         self.hidden_layers = tuple(hidden_layers)  # a forward also returns the residual stream after these
+        # A layer-skip self-draft (skip_layers.py): these decoder layers do not run (their pool slots stay
+        # unwritten); the rest run in order, each writing its own layer's keys and values.
+        self.run_layers = tuple(i for i in range(len(model.model.layers)) if i not in set(skip))
         self.kernels = kernels.EAGER  # StaticForward.fuse swaps in the compiled ones
         self.body = model.model
         attn = self.body.layers[0].self_attn
@@ -185,12 +189,13 @@ class LlamaForward:
         # Grouped-query attention without repeating keys: a KV head's query heads are stacked along
         # the row axis, (B, kv_heads, groups * T, D), so one plain attention call serves them all.
         mask = mask[:, None, None].expand(b, 1, groups, t, window).reshape(b, 1, groups * t, window)
-        layers = body.layers
-        norm = layers[0].input_layernorm
+        layers, run = body.layers, self.run_layers
+        norm = layers[run[0]].input_layernorm
         x = fn.rms_norm(hidden, norm.weight, norm.variance_epsilon)
         heads = body.config.num_attention_heads
         kept = []  # the output of each of hidden_layers
-        for index, layer in enumerate(layers):
+        for position, index in enumerate(run):
+            layer = layers[index]
             attn = layer.self_attn
             qkv = self._qkv(index, x)
             v = qkv[:, (heads + kv_heads) * self.head_dim:]
@@ -210,7 +215,7 @@ class LlamaForward:
             post = layer.post_attention_layernorm
             hidden, x = fn.add_rms_norm(hidden, attn.o_proj(out), post.weight, post.variance_epsilon)
             # The residual add ends in the next layer's input norm, or the final one.
-            following = layers[index + 1].input_layernorm if index + 1 < len(layers) else body.norm
+            following = layers[run[position + 1]].input_layernorm if position + 1 < len(run) else body.norm
             hidden, x = fn.add_rms_norm(hidden, self._mlp(index, x), following.weight, following.variance_epsilon)
             if index in self.hidden_layers:  # transformers' hidden_states: the last layer's after the final norm
                 kept.append(x if index + 1 == len(layers) else hidden)

@@ -68,7 +68,7 @@ class StaticForward:
     def __init__(self, model, kv: PagedKV, max_batch: int = 8, max_rows: int = 17, compile: str = "auto",
                  min_window: int = 128, fuse_kernels: bool | None = None, fuse_mlp: bool | None = None,
                  prefill_rows: int = 0, log: Callable[[str], None] = lambda message: None,
-                 hidden_layers: tuple[int, ...] = ()):
+                 hidden_layers: tuple[int, ...] = (), skip: tuple[int, ...] = ()):
         if compile not in COMPILE_MODES:
             raise ValueError(f"compile must be one of {COMPILE_MODES}, got {compile!r}")
         self.device = device = model.device
@@ -80,8 +80,9 @@ class StaticForward:
         if any(not 0 <= layer < layers for layer in hidden_layers):
             raise ValueError(f"hidden_layers {list(hidden_layers)} must be within [0, {layers}) (the model's layers)")
         self.hidden_layers = tuple(hidden_layers)
+        # skip: a layer-skip self-draft with one set for its life (its graphs are captured with that set)
         self.llama = LlamaForward(model, self.pool, self.mode == "graphs" if fuse_mlp is None else fuse_mlp,
-                                  self.hidden_layers)
+                                  self.hidden_layers, skip)
         if fuse_kernels or (fuse_kernels is None and self.mode == "graphs"):
             self.fuse()
         self.batch_sizes = buckets(max_batch)

@@ -231,16 +231,34 @@ def with_heads(pair: pairs.PairSpec, heads: list[str], default_draft: str = "") 
     for spec in heads:
         name, sep, path = spec.rpartition("=")
         name = name if sep else tn.DEFAULT_HEAD_NAME
-        if name in named or name in pair.draft_paths or name in tn.BUILTIN_DRAFTS or not name.replace("_", "").isalnum():
+        if name in named or name in pair.draft_paths or name in pair.skip_drafts or name in tn.BUILTIN_DRAFTS \
+                or not name.replace("_", "").isalnum():
             raise ValueError(f"--draft-head {spec!r}: {name!r} is taken or not a model name (letters, digits, _)")
         if not (Path(path) / "config.json").exists():
             raise ValueError(f"--draft-head {spec!r}: {path} holds no config.json (a head directory)")
         named[name] = str(Path(path).resolve())
     default = default_draft or (next(iter(named)) if heads else pair.default_draft)
-    offered = set(pair.draft_paths) | set(named) | set(pair.builtin_drafts)
+    offered = set(pair.draft_paths) | set(named) | set(pair.skip_drafts) | set(pair.builtin_drafts)
     if default and default not in offered:
         raise ValueError(f"--default-draft {default!r} is not among the drafts served: {sorted(offered)}")
     return dataclasses.replace(pair, draft_heads=named, default_draft=default)
+
+
+def with_skip_drafts(pair: pairs.PairSpec, specs: list[str]) -> pairs.PairSpec:
+    """The pair with --skip-draft's layer-skip self-drafts ([NAME=]LAYERS each, LAYERS "auto" or a list)."""
+    named = dict(pair.skip_drafts)
+    for spec in specs:
+        name, sep, layers = spec.rpartition("=")
+        name = name if sep else tn.DEFAULT_SKIP_DRAFT_NAME
+        taken = set(named) | set(pair.draft_paths) | set(pair.draft_heads) | set(tn.BUILTIN_DRAFTS)
+        if name in taken or not name.replace("_", "").isalnum():
+            raise ValueError(f"--skip-draft {spec!r}: {name!r} is taken or not a model name (letters, digits, _)")
+        if layers != tn.SKIP_SEARCH and not all(part.strip().replace("-", "").isdigit()
+                                                for part in layers.split(",") if part.strip()):
+            raise ValueError(f"--skip-draft {spec!r}: {layers!r} is neither {tn.SKIP_SEARCH!r} nor a list of "
+                             "layers like 3,5,7-9")
+        named[name] = layers or tn.SKIP_SEARCH
+    return dataclasses.replace(pair, skip_drafts=named)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -266,6 +284,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="serve a trained draft head (EAGLE-1, EAGLE-3 or Medusa, in its published layout) "
                              f"over the target as draft model NAME (default {tn.DEFAULT_HEAD_NAME}); repeatable. "
                              "The first becomes the default draft unless --default-draft names another")
+    parser.add_argument("--skip-draft", action="append", default=[], metavar="[NAME=]LAYERS",
+                        help="serve the target drafting for itself with intermediate layers left out (SWIFT) as "
+                             f"draft model NAME (default {tn.DEFAULT_SKIP_DRAFT_NAME}): LAYERS '{tn.SKIP_SEARCH}' "
+                             "searches them over the traffic (eager executor), or lists them (3,5,7-9); "
+                             "it holds a copy of the target's weights. Repeatable")
     parser.add_argument("--default-draft", default="",
                         help="the draft a request that names none gets (a draft model, a head, ngram or suffix)")
     parser.add_argument("--compile", default="auto", choices=tn.COMPILE_MODES,
@@ -333,9 +356,9 @@ def main(argv: list[str] | None = None) -> int:
         else:
             pair = pairs.prepare_pair(args.pair)
         pair = dataclasses.replace(pair, compile=args.compile, orchestrator_instances=args.orchestrator_instances)
-        if args.draft_head or args.default_draft:
+        if args.draft_head or args.default_draft or args.skip_draft:
             try:
-                pair = with_heads(pair, args.draft_head, args.default_draft)
+                pair = with_heads(with_skip_drafts(pair, args.skip_draft), args.draft_head, args.default_draft)
             except ValueError as exc:
                 log(str(exc))
                 return 2

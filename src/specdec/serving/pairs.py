@@ -38,6 +38,8 @@ class PairSpec:
     draft_paths: dict[str, str] = field(default_factory=dict)  # draft model name -> weights; first = default
     # trained heads (EAGLE-1, EAGLE-3, Medusa: draft_heads.py) served as draft models: name -> head directory
     draft_heads: dict[str, str] = field(default_factory=dict)
+    # layer-skip self-drafts (skip_layers.py) over the target: name -> the layers skipped ("3,5,7-9") or "auto"
+    skip_drafts: dict[str, str] = field(default_factory=dict)
     builtin_drafts: tuple[str, ...] = tn.BUILTIN_DRAFTS  # model-free methods a request may choose
     default_draft: str = ""  # the method used when a request names none; "" = the first draft model
     dtype: str = "float32"

@@ -83,13 +83,13 @@ def render(pair: PairSpec, dest: Path) -> Path:
     edit("target_model", {**lm_settings(pair.target_path, "target"), "draft_heads": heads},
          instance_group(pair, "target"))
     drafts = list(pair.draft_paths.items())
-    for name, _ in drafts[1:] + list(pair.draft_heads.items()):
+    for name, _ in drafts[1:] + list(pair.draft_heads.items()) + list(pair.skip_drafts.items()):
         if name == "draft_model":
             continue
         shutil.copytree(dest / "draft_model", dest / name)
         cfg = dest / name / "config.pbtxt"
         cfg.write_text(cfg.read_text().replace('name: "draft_model"', f'name: "{name}"'))
-    if not drafts and "draft_model" not in pair.draft_heads:  # model-free drafting only: no draft model to load
+    if not drafts and "draft_model" not in {**pair.draft_heads, **pair.skip_drafts}:  # model-free drafting only
         shutil.rmtree(dest / "draft_model")
     for name, path in drafts:
         edit(name, {**lm_settings(path, "draft"), "target_tokenizer_path": pair.tokenizer_path},
@@ -98,7 +98,11 @@ def render(pair: PairSpec, dest: Path) -> Path:
         edit(name, {**lm_settings(path, "draft"), "draft_kind": "head", "target_path": pair.target_path,
                     "target_draft_heads": heads, "target_tokenizer_path": pair.tokenizer_path},
              instance_group(pair, "draft"))
-    draft_models = [name for name, _ in drafts] + list(pair.draft_heads) + list(pair.builtin_drafts)
+    for name, layers in pair.skip_drafts.items():  # the target's own weights, some layers left out
+        edit(name, {**lm_settings(pair.target_path, "draft"), "draft_kind": "skip", "skip_layers": layers,
+                    "target_tokenizer_path": pair.tokenizer_path}, instance_group(pair, "draft"))
+    draft_models = ([name for name, _ in drafts] + list(pair.draft_heads) + list(pair.skip_drafts)
+                    + list(pair.builtin_drafts))
     if pair.default_draft:  # the first entry is the default
         draft_models.remove(pair.default_draft)
         draft_models.insert(0, pair.default_draft)

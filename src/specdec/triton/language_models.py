@@ -30,9 +30,10 @@ from specdec.engine.draft_heads import HeadError, check_fits, load_head, read_ta
 from specdec.engine.executor import CacheError, CapacityError, Scored, Step
 from specdec.engine.head_executor import HeadExecutor
 from specdec.engine.loading import load_causal_lm
+from specdec.engine.skip_layers import LayerSkipForward, SkipTuner, parse_layers
 from specdec.triton.adapter import TritonAdapter
 from specdec.triton.config import ConfigError, ModelParameters
-from specdec.triton.metrics import ModelMetrics
+from specdec.triton.metrics import ModelMetrics, SkipMetrics
 from specdec.triton.profiling import execute_profile
 from specdec.triton import wire
 from specdec.triton.responder import Job, Responder
@@ -107,11 +108,16 @@ class LanguageModelAdapter(TritonAdapter):
             fuse_kernels=params.bool("fuse_kernels", default.fuse_kernels),
             fuse_mlp=params.bool("fuse_mlp", default.fuse_mlp),
             prefill_graph_rows=params.int("prefill_graph_rows", default.prefill_graph_rows, low=0),
-            hidden_layers=self._served_layers(params, model.config.get_text_config().num_hidden_layers))
+            hidden_layers=self._served_layers(params, model.config.get_text_config().num_hidden_layers),
+            skip_layers=self._skip_layers(params, model))
         try:
             return build_executor(model, config, log=self.pb.Logger.log_info)
         except ValueError as exc:
             raise ConfigError(f"{self.name}: {exc} ({params.str('model_path')})") from None
+
+    def _skip_layers(self, params: ModelParameters, model) -> tuple[int, ...] | None:
+        """The layers a layer-skip self-draft leaves out (None: not one)."""
+        return None
 
     def _served_layers(self, params: ModelParameters, target_layers: int) -> tuple[int, ...]:
         """The layers whose states the served heads read (draft_heads: target_model's list of them)."""
@@ -392,6 +398,7 @@ class TargetModel(LanguageModelAdapter):
 
 class DraftModel(LanguageModelAdapter):
     heads_parameter = "target_draft_heads"  # every head the target serves features for (its layer union)
+    tuner: SkipTuner | None = None  # a layer-skip self-draft's search (skip_layers auto)
 
     def _warm_up_steps(self):
         prompt = list(range(1, 17))
@@ -420,9 +427,84 @@ class DraftModel(LanguageModelAdapter):
                                   f"target's ({target_tokenizer}): {problem}; a draft must share the target's vocabulary")
         super().load(params, args)
 
+    def _start(self, params: ModelParameters) -> None:
+        super()._start(params)
+        self._tuner_thread = None
+        if self.tuner is not None:
+            # The search measures a set between batches: a thread that takes the forward lock after one
+            self.skip_metrics = SkipMetrics(self.pb, self.name, self.tuner.search.layers)
+            self.skip_metrics.report(self.tuner.search.best, 0, 0.0)
+            self._batch_done = threading.Event()
+            self._tuner_thread = threading.Thread(target=self._tune, daemon=True, name=f"{self.name}-tuner")
+            self._tuner_thread.start()
+
+    def _run_jobs(self, jobs):
+        outcomes = super()._run_jobs(jobs)
+        if self.tuner is not None:
+            self._batch_done.set()
+        return outcomes
+
+    def _tune(self) -> None:
+        """One trial after a batch, while the search wants one (SkipTuner.due)."""
+        while not self._stop.is_set():
+            if not self._batch_done.wait(1.0):
+                continue
+            self._batch_done.clear()
+            if not self.tuner.due():
+                continue
+            with self._lock:
+                try:
+                    self.tuner.trial()
+                except Exception as exc:  # noqa: BLE001 - the search pauses a trial, drafting goes on
+                    self.pb.Logger.log_warn(f"{self.name}: a layer-set trial failed: {type(exc).__name__}: {exc}")
+                    continue
+            search = self.tuner.search
+            self.skip_metrics.report(search.best, search.trials, search.best_score)
+
+    def finalize(self):
+        self._stop.set()
+        if getattr(self, "_tuner_thread", None) is not None:
+            self._tuner_thread.join(timeout=5)
+            self.skip_metrics.close()
+        super().finalize()
+
     def _executor(self, params: ModelParameters, device: str):
-        if params.str("draft_kind", "model", choices=tn.DRAFT_KINDS) == "model":
-            return super()._executor(params, device)
+        kind = params.str("draft_kind", "model", choices=tn.DRAFT_KINDS)
+        lm = super()._executor(params, device) if kind != "head" else self._head_executor(params, device)
+        # The confidence stop, for every kind of model draft
+        lm.stop_below = params.float("draft_stop_below", tn.DEFAULT_DRAFT_STOP_BELOW, low=0.0, high=1.0)
+        self.tuner = self._tuner(params, lm) if kind == "skip" and params.str("skip_layers", tn.SKIP_SEARCH) == \
+            tn.SKIP_SEARCH else None
+        return lm
+
+    def _skip_layers(self, params: ModelParameters, model) -> tuple[int, ...] | None:
+        """draft_kind skip: model_path is the target's; skip_layers a list, or auto: searched, starting from
+        every other intermediate layer of the middle half."""
+        if params.str("draft_kind", "model", choices=tn.DRAFT_KINDS) != "skip":
+            return None
+        layers = model.config.get_text_config().num_hidden_layers
+        spec = params.str("skip_layers", tn.SKIP_SEARCH)
+        if spec == tn.SKIP_SEARCH:
+            return tuple(range(layers // 4, layers - layers // 4, 2)) if layers >= 4 else ()
+        try:
+            return parse_layers(spec, layers)
+        except ValueError as exc:
+            raise ConfigError(f"{self.name}: parameter 'skip_layers': {exc} (or {tn.SKIP_SEARCH!r})") from None
+
+    def _tuner(self, params: ModelParameters, lm) -> SkipTuner:
+        """skip_layers auto: the search over the first requests' text, then now and then (skip_layers.py)."""
+        if not isinstance(lm.forward, LayerSkipForward):
+            raise ConfigError(f"{self.name}: skip_layers={tn.SKIP_SEARCH} needs the eager executor (compile=off, "
+                              "or a CPU); the static executor's graphs are captured for one set: give the layers")
+        tuner = SkipTuner(lm, lm.forward, k_max=params.int("max_num_draft_tokens", 16, low=1),
+                          seed=params.int("skip_search_seed", 0, low=0),
+                          interval_s=params.float("skip_search_interval_s", 10.0, low=0.0),
+                          log=self.pb.Logger.log_info)
+        self.pb.Logger.log_info(f"{self.name}: layer-skip self-draft, searching the layers to skip from "
+                                f"{list(lm.forward.skip)}")
+        return tuner
+
+    def _head_executor(self, params: ModelParameters, device: str) -> HeadExecutor:
         # A trained head: the target's embedding (and EAGLE-1's lm_head) copied into this process.
         head_path, target_path = params.str("model_path"), params.str("target_path")
         dtype = getattr(torch, params.str("dtype", "float32", choices=tn.DTYPE_NAMES))

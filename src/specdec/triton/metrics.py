@@ -96,6 +96,34 @@ class ModelMetrics(_MetricSet):
                 self._gauges[key] = value
 
 
+class SkipMetrics(_MetricSet):
+    """A layer-skip self-draft's search (skip_layers.SkipTuner): the set it drafts with, as one gauge per
+    layer, its trials and the speedup it expects of the set."""
+
+    def __init__(self, pb_utils, model_name: str, layers: int):
+        make = self._make = _Families(pb_utils)
+        kinds = make.kinds
+        family = make("specdec_draft_layer_skipped", "1 where the layer-skip draft leaves the layer out of the "
+                      "sequences it starts now, 0 where it runs it", kinds.GAUGE)
+        self.layers = [family.Metric(labels={"model": model_name, "layer": str(i)}) for i in range(layers)]
+        labels = {"model": model_name}
+        self.trials = make("specdec_draft_skip_trials_total", "Layer sets the layer-skip draft's search has measured",
+                           kinds.COUNTER).Metric(labels=labels)
+        self.speedup = make("specdec_draft_skip_estimated_speedup", "The speedup the search expects of the set in "
+                            "use, from its agreement with the whole model and its cost", kinds.GAUGE).Metric(labels=labels)
+        self._trials, self._skip = 0, None
+
+    def report(self, skip: tuple[int, ...], trials: int, speedup: float) -> None:
+        if skip != self._skip:
+            for i, gauge in enumerate(self.layers):
+                gauge.set(int(i in skip))
+            self._skip = skip
+        if trials > self._trials:
+            self.trials.increment(trials - self._trials)
+            self._trials = trials
+        self.speedup.set(speedup)
+
+
 class OrchestratorMetrics(_MetricSet):
     """The orchestrator's metrics. Every instance of the model (a stub process each) updates the same
     counters and histograms, which add up; a gauge of one instance's state carries `instance`."""

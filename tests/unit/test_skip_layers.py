@@ -1,0 +1,170 @@
+"""The layer-skip self-draft (engine/skip_layers.py) and its search (decoding/skip_search.py): the forward
+equals the target's own forward with those layers removed (float64, both executors), sequences keep the set
+they started with, the search finds a known-best set, and the confidence stop never changes an output."""
+
+import copy
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from specdec.decoding.sampling import SamplingParams, stops_after, token_probability
+from specdec.decoding.skip_search import SkipSearch, estimated_speedup, relative_cost
+from specdec.engine.build import dynamic_executor, static_executor
+from specdec.engine.executor import Step
+from specdec.engine.skip_layers import SkipTuner, agreement, check_skip, parse_layers
+
+LAYERS = 8
+IDLE = (2, 4, 5)  # layers made to add nothing to the residual stream: skipping exactly these is free
+
+
+def deep_llama(seed: int = 0, idle: tuple[int, ...] = ()) -> LlamaForCausalLM:
+    """A float64 llama of LAYERS layers; the `idle` ones have zero output projections (identity layers)."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         initializer_range=0.5)
+    model = LlamaForCausalLM(config).to(torch.float64).eval()
+    with torch.no_grad():
+        for i in idle:
+            model.model.layers[i].self_attn.o_proj.weight.zero_()
+            model.model.layers[i].mlp.down_proj.weight.zero_()
+    return model
+
+
+def without(model, skip: tuple[int, ...]) -> LlamaForCausalLM:
+    """The reference: a separate model whose layer list lacks `skip` (transformers' own forward)."""
+    short = copy.deepcopy(model)
+    short.model.layers = torch.nn.ModuleList([layer for i, layer in enumerate(short.model.layers) if i not in skip])
+    for index, layer in enumerate(short.model.layers):
+        layer.self_attn.layer_idx = index
+    short.config.num_hidden_layers = len(short.model.layers)
+    return short
+
+
+def reference_logits(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([ids])).logits[0]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return deep_llama()
+
+
+def test_parse_layers_takes_lists_and_ranges_and_refuses_the_ends():
+    assert parse_layers("3, 5,1-2", 8) == (1, 2, 3, 5)
+    assert parse_layers("", 8) == ()
+    with pytest.raises(ValueError, match=r"layers \[0, 7\] cannot be skipped"):
+        parse_layers("0,7", 8)
+    with pytest.raises(ValueError, match="'x' is not a layer"):
+        parse_layers("x", 8)
+    assert check_skip((6, 1, 1), 8) == (1, 6)
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "static"])
+def test_skip_forward_equals_the_model_without_those_layers(model, kind):
+    skip = (1, 3, 6)
+    short = without(model, skip)
+    if kind == "dynamic":
+        lm = dynamic_executor(model, skip_layers=skip)
+    else:
+        lm = static_executor(model, kv_pool_tokens=512, block_size=8, max_context=128, max_batch=4, max_rows=5,
+                             min_window=16, compile="off", prefix_caching=False, skip_layers=skip)
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 97, (21,), generator=gen).tolist()
+    got = lm.extend(1, 0, ids[:13], 13)
+    assert torch.allclose(got, reference_logits(short, ids[:13]), atol=1e-10)
+    # a rollback of two, then four more tokens: the cache holds the kept layers' keys and values
+    got = lm.extend(1, 11, ids[11:15], 4)
+    assert torch.allclose(got, reference_logits(short, ids[:15])[11:], atol=1e-10)
+    # the whole model differs: the skip is real
+    assert not torch.allclose(got, reference_logits(model, ids[:15])[11:], atol=1e-3)
+
+
+def test_sequences_keep_the_set_they_started_with_in_a_shared_batch(model):
+    lm = dynamic_executor(model, skip_layers=(1, 3))
+    first, second = without(model, (1, 3)), without(model, (2, 5, 6))
+    a, b = list(range(5, 17)), list(range(30, 40))
+    lm.extend(1, 0, a, 1)
+    lm.forward.set_skip((2, 5, 6))  # sequence 2 starts under the new set; sequence 1 keeps its own
+    lm.extend(2, 0, b, 1)
+    out = lm.extend_many([Step(1, len(a), [7, 8], 2), Step(2, len(b), [9], 1)])
+    assert torch.allclose(out[0], reference_logits(first, a + [7, 8])[-2:], atol=1e-10)
+    assert torch.allclose(out[1], reference_logits(second, b + [9])[-1:], atol=1e-10)
+
+
+def test_agreement_is_one_for_idle_layers_and_lower_for_working_ones():
+    model = deep_llama(idle=IDLE)
+    ids = list(range(3, 60))
+    assert agreement(model, ids, IDLE) == 1.0
+    assert agreement(model, ids, (1, 3, 6)) < 0.9
+
+
+def test_estimated_speedup_and_cost():
+    assert relative_cost(8, 8, 2.0) == 1.0 and relative_cost(4, 8, 0.0) == 0.5
+    assert estimated_speedup(1.0, 0.25, 4) == pytest.approx(5 / 2)  # k = 4: 5 tokens for 1 + 4 x 0.25
+    assert estimated_speedup(0.0, 0.5, 4) < 1.0  # a draft never accepted only costs
+
+
+def test_search_on_a_synthetic_objective_finds_the_best_set_deterministically():
+    # agreement falls with each skipped layer outside {2, 3, 7}; skipping those is free
+    free = {2, 3, 7}
+
+    def alpha(skip):
+        return 0.95 ** len(set(skip) - free) * (0.5 if set(skip) - free else 1.0)
+
+    runs = []
+    for _ in range(2):
+        search = SkipSearch(10, fixed=1.0, k_max=6, seed=5)
+        for _ in range(80):
+            search.text_changed()
+            search.report(search.candidate(), alpha(search.best))  # the incumbent
+            skip = search.candidate()
+            search.report(skip, alpha(skip))
+        runs.append(search.best)
+    assert runs[0] == runs[1] == (2, 3, 7)
+
+
+def test_the_tuner_finds_the_idle_layers_on_live_text():
+    model = deep_llama(idle=IDLE)
+    lm = dynamic_executor(model, skip_layers=())
+    tuner = SkipTuner(lm, lm.forward, k_max=6, seed=1, context=48, min_context=16, trials_per_text=6)
+    assert not tuner.trial()  # no live sequence yet: nothing to measure
+    gen = torch.Generator().manual_seed(7)
+    lm.extend(1, 0, torch.randint(0, 97, (40,), generator=gen).tolist(), 1)
+    lm.propose(1, 40, [5], 4, SamplingParams())  # drafted tokens join the known text
+    assert len(lm.sequences[1].tokens) == lm.cached_length(1)
+    for _ in range(70):
+        tuner.trial()
+    assert tuner.search.best == IDLE
+    assert lm.forward.skip == IDLE  # new sequences draft with it
+    lm.extend(2, 0, [1, 2, 3], 1)
+    assert lm.sequences[2].skip == IDLE and lm.sequences[1].skip == ()
+
+
+def test_token_probability_and_the_stop_rule():
+    logits = torch.tensor([0.0, 0.0, 2.0])
+    p = torch.softmax(logits, -1)
+    assert float(token_probability(logits, torch.tensor([2]))) == pytest.approx(float(p[2]))
+    assert stops_after(0.2, 0.3) and not stops_after(0.3, 0.3) and not stops_after(0.0, 0.0)
+
+
+def test_confidence_stop_drafts_a_prefix_of_the_full_proposal(model):
+    full, stopped = dynamic_executor(model), dynamic_executor(model)
+    stopped.stop_below = 0.6
+    gen = torch.Generator().manual_seed(11)
+    shorter = 0
+    for seq in range(1, 9):
+        prompt = torch.randint(0, 97, (9,), generator=gen).tolist()
+        a = full.propose(seq, 0, prompt, 6, SamplingParams())
+        b = stopped.propose(seq, 0, prompt, 6, SamplingParams())
+        assert 1 <= len(b.tokens) <= 6 and b.tokens == a.tokens[:len(b.tokens)]
+        assert b.cached_length == len(prompt) + len(b.tokens) - 1
+        # it stopped exactly after the first token the draft gave less than 0.6 (and no earlier)
+        logits = reference_logits(model, prompt + a.tokens)[len(prompt) - 1:]
+        probs = [float(torch.softmax(row, -1)[t]) for row, t in zip(logits, a.tokens)]
+        unsure = [i for i, q in enumerate(probs) if q < 0.6]
+        assert len(b.tokens) == (unsure[0] + 1 if unsure else 6)
+        shorter += len(b.tokens) < 6
+    assert shorter >= 2  # the threshold bites on this model
