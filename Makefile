@@ -102,6 +102,11 @@ bench-suffix: setup
 bench-trees: setup
 	$(PY) -m bench.tree_bench --pair $${PAIR:-default} --out .cache/bench-trees.md
 
+# SWIFT-style self-speculation in process: the searched layer-skip draft against the fixed early exit,
+# with the confidence stop off and on (default pair; about 20 minutes on 2 cores).
+bench-swift: setup
+	$(PY) -m bench.swift_bench --out .cache/bench-swift.md $${BENCH_SWIFT_ARGS:-}
+
 # Where a served round's time goes (tiny pair): forwards, adapters, Triton, orchestrator. DEVICE=gpu too.
 bench-overhead: setup
 	$(PY) -m bench.round_overhead --device $${DEVICE:-cpu} --out .cache/bench-overhead.md

@@ -60,10 +60,17 @@ SETTINGS = [
     Setting("layer-skip draft, K=2", "draft_model", 2, False),
     Setting("layer-skip draft, adaptive K<=4", "draft_model", 4, True),
 ]
-QUICK = [SETTINGS[0], SETTINGS[3], SETTINGS[5]]
+SKIP = tn.DEFAULT_SKIP_DRAFT_NAME  # the layer-skip self-draft, its layers searched (--skip-draft auto)
+SETTINGS.append(Setting("layer-skip self-draft (searched), adaptive K<=4", SKIP, 4, True))
+QUICK = [SETTINGS[0], SETTINGS[3], SETTINGS[5], SETTINGS[6]]
+SEARCH_PROMPTS = HERE.parent / "src" / "specdec" / "train" / "prompts.jsonl"  # none of the held-out ones
 HEAD = tn.DEFAULT_HEAD_NAME  # with --draft-head: the trained head's rows
 HEAD_SETTINGS = [Setting("EAGLE-3 head, K=3", HEAD, 3, False), Setting("EAGLE-3 head, K=5", HEAD, 5, False),
                  Setting("EAGLE-3 head, adaptive K<=6", HEAD, 6, True)]
+
+
+def pair_layers(pair) -> int:
+    return json.loads((Path(pair.target_path) / "config.json").read_text())["num_hidden_layers"]
 
 
 def load_prompts(kind: str, limit: int | None) -> list[str]:
@@ -147,12 +154,30 @@ def head_cost_s(head_dir: str, target_path: str, prompt_ids: list[int]) -> float
                                                  features=features)) / 4
 
 
-def measure_costs(pair, prompt_ids: list[int], ks: list[int], head_dir: str | None = None) -> dict:
+def search_skip_layers(url: str, metrics_url: str, max_tokens: int, trials: int = 48,
+                       timeout_s: float = 900.0) -> tuple[int, ...]:
+    """Let the served skip draft's search measure its warm sets on prompts of its own (it searches over the
+    traffic), then return the set it drafts with (specdec_draft_layer_skipped)."""
+    client = Client(url)
+    prompts = [json.loads(line)["prompt"] for line in SEARCH_PROMPTS.read_text().splitlines() if line.strip()]
+    deadline = time.monotonic() + timeout_s
+    for prompt in prompts:
+        done = sum(v for labels, v in samples(scrape(metrics_url), "specdec_draft_skip_trials_total"))
+        if done >= trials or time.monotonic() > deadline:
+            break
+        client.generate(prompt, GenerationParams(max_tokens=max_tokens, num_draft_tokens=4, draft_model=SKIP))
+    skipped = samples(scrape(metrics_url), "specdec_draft_layer_skipped")
+    return tuple(sorted(int(labels["layer"]) for labels, v in skipped if v))
+
+
+def measure_costs(pair, prompt_ids: list[int], ks: list[int], head_dir: str | None = None,
+                  skip_layers: tuple[int, ...] | None = None) -> dict:
     from specdec.engine.build import dynamic_executor
     from specdec.engine.loading import load_causal_lm
 
     torch.set_num_threads(os.cpu_count() or 1)
-    target = dynamic_executor(load_causal_lm(pair.target_path, dtype=pair.dtype))
+    model = load_causal_lm(pair.target_path, dtype=pair.dtype)
+    target = dynamic_executor(model)
     draft = dynamic_executor(load_causal_lm(pair.draft_paths["draft_model"], dtype=pair.dtype))
     target.extend(1, 0, prompt_ids, 1)
     draft.extend(1, 0, prompt_ids, 1)
@@ -170,6 +195,10 @@ def measure_costs(pair, prompt_ids: list[int], ks: list[int], head_dir: str | No
     c = {"draft_model": draft_token / step, tn.NGRAM: lookup_s / step}
     if head_dir:
         c[HEAD] = head_cost_s(head_dir, pair.target_path, prompt_ids) / step
+    if skip_layers is not None:  # the target's weights with the searched layers left out
+        skip = dynamic_executor(model, skip_layers=skip_layers)
+        skip.extend(1, 0, prompt_ids, 1)
+        c[SKIP] = median_time(lambda: skip.extend(1, n, [100], 1)) / step
     return {"step_s": step, "v": v, "c": c}
 
 
@@ -281,9 +310,15 @@ def main(argv=None) -> int:
         print("starting the default-pair server ...", file=sys.stderr, flush=True)
         cache = HERE.parent / ".cache"
         head = ["--draft-head", args.draft_head, "--default-draft", tn.NGRAM] if args.draft_head else []
-        own = server.start(cache / "run" / "bench", cache / "bench-server.log", ["--pair", "default", *head])
+        skip = ["--skip-draft", tn.SKIP_SEARCH] if any(s.method == SKIP for s in settings) else []
+        own = server.start(cache / "run" / "bench", cache / "bench-server.log", ["--pair", "default", *head, *skip])
         url, metrics_url = own.grpc_url, own.metrics_url
+    skip_layers = None
     try:
+        if any(s.method == SKIP for s in settings):
+            print("the skip draft's search, over prompts of its own ...", file=sys.stderr, flush=True)
+            skip_layers = search_skip_layers(url, metrics_url, args.max_tokens)
+            print(f"it skips layers {list(skip_layers)}", file=sys.stderr, flush=True)
         results = served(url, metrics_url, prompts, settings, args.max_tokens)
     finally:
         if own is not None:
@@ -293,9 +328,12 @@ def main(argv=None) -> int:
     tok = AutoTokenizer.from_pretrained(pair.tokenizer_path)
     ids = tok.apply_chat_template([{"role": "user", "content": prompts["grounded"][0]}], add_generation_prompt=True)
     ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-    costs = measure_costs(pair, ids, list(range(1, max(s.k for s in settings) + 1)), args.draft_head)
+    costs = measure_costs(pair, ids, list(range(1, max(s.k for s in settings) + 1)), args.draft_head, skip_layers)
     peer = {} if args.no_peer else transformers_peer(pair, prompts, args.max_tokens, args.peer_k)
     text = report(results, costs, peer, settings, args.max_tokens, len(prompts["grounded"]))
+    if skip_layers is not None:
+        text += (f"\n\nThe layer-skip self-draft's search (over prompts of its own, before the rows) settled on "
+                 f"skipping layers {list(skip_layers)} of the target's {pair_layers(pair)}.")
     emit(text, args.out)
     if args.results:
         write_results(args.results, "The served default pair against target-only: `make bench`", text)

@@ -50,3 +50,11 @@ def test_a_bad_torch_threads_fails_the_model_at_load_naming_it(tmp_path, value, 
     result = load_only(tmp_path, pairs.tiny_pair(), "target_model", edit)
     assert result.returncode != 0
     assert f"parameter 'torch_threads' {message}" in result.stdout + result.stderr
+
+
+def test_a_skip_draft_with_layers_it_cannot_skip_fails_at_load_naming_them(tmp_path):
+    # the tiny target has 2 layers: neither is an intermediate one
+    pair = dataclasses.replace(pairs.tiny_pair(), skip_drafts={"draft_skip": "1"})
+    result = load_only(tmp_path, pair, "draft_skip")
+    assert result.returncode != 0
+    assert "draft_skip: parameter 'skip_layers': layers [1] cannot be skipped" in result.stdout + result.stderr

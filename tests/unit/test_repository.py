@@ -82,3 +82,25 @@ def test_override_sets_the_sequence_batchers_delay(tmp_path):
     for bad in ("target_model.max_queue_delay_microseconds=-1", "preprocessing.max_queue_delay_microseconds=5"):
         with pytest.raises(ValueError, match="sequence batcher delay"):
             override(repo, bad)
+
+
+def test_render_and_launcher_flag_for_skip_drafts(tmp_path):
+    import dataclasses
+
+    import pytest
+
+    from specdec.serving.launcher import with_skip_drafts
+
+    base = PairSpec(name="t", target_path="/w/target", tokenizer_path="/w/target", default_draft="ngram")
+    pair = with_skip_drafts(base, ["auto", "fixed=3,5-7"])
+    assert pair.skip_drafts == {tn.DEFAULT_SKIP_DRAFT_NAME: "auto", "fixed": "3,5-7"}
+    for wrong, message in (("ngram=auto", "taken"), ("x=every", "neither 'auto' nor a list")):
+        with pytest.raises(ValueError, match=message):
+            with_skip_drafts(base, [wrong])
+    repo = render(dataclasses.replace(pair), tmp_path / "repo")
+    skip = (repo / tn.DEFAULT_SKIP_DRAFT_NAME / "config.pbtxt").read_text()
+    assert f'name: "{tn.DEFAULT_SKIP_DRAFT_NAME}"' in skip and '"/w/target"' in skip
+    assert 'key: "draft_kind", value: { string_value: "skip" }' in skip
+    assert 'key: "skip_layers", value: { string_value: "3,5-7" }' in (repo / "fixed" / "config.pbtxt").read_text()
+    assert f'"ngram,{tn.DEFAULT_SKIP_DRAFT_NAME},fixed,suffix"' in (repo / "speculative_decoding" / "config.pbtxt").read_text()
+    assert not (repo / "draft_model").exists()

@@ -168,3 +168,15 @@ def test_confidence_stop_drafts_a_prefix_of_the_full_proposal(model):
         assert len(b.tokens) == (unsure[0] + 1 if unsure else 6)
         shorter += len(b.tokens) < 6
     assert shorter >= 2  # the threshold bites on this model
+
+
+def test_the_swift_bench_runs_and_every_setting_is_exact(tmp_path):
+    """`bench/swift_bench.py` on a 4-layer tiny target: every row's text equals target-only's."""
+    from bench import swift_bench
+
+    out = tmp_path / "swift.md"
+    assert swift_bench.main(["--pair", "tiny-deep", "--prompts", "1", "--max-tokens", "40", "--search-prompts", "1",
+                             "--warm-trials", "4", "--out", str(out)]) == 0
+    rows = [line for line in out.read_text().splitlines() if line.startswith("| ") and "tokens/s" not in line]
+    assert len(rows) == 2 * 5 and all(row.rstrip(" |").endswith("1/1") for row in rows)
+    assert "layer sets measured" in out.read_text()

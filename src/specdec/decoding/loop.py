@@ -173,8 +173,9 @@ async def generate(req: GenerationRequest, proposer: Proposer, scorer: Scorer, p
             logits = _edited_logits(req, tokens, proposal.tokens, scores.logits, occurrences, matcher)
             verdict = _verify(proposal, scores, logits, req.sampling, generator)
             accepted = len(verdict.path)
+            depth = None if tree is None else max(depths(proposal.parents)) + 1  # a tree's longest branch
             if not forced:  # the policy learns the proposer's acceptance (along a branch), not the grammar's
-                policy.update(k if tree is None else max(depths(proposal.parents)) + 1, accepted)
+                policy.update(k if depth is None else depth, accepted)
             if shadow.tokens:  # would its first token have been accepted? (greedy: the target's token)
                 policy.update(1, int(shadow.tokens[0] == verdict.next_token))
 
@@ -200,8 +201,7 @@ async def generate(req: GenerationRequest, proposer: Proposer, scorer: Scorer, p
             if end is not None and len(new) == end:
                 finish = tn.FINISH_STOP
             generated += len(new)
-            yield RoundOutput(new, k, accepted, finish, log_probs and log_probs[:len(new)],
-                              None if tree is None else max(depths(proposal.parents)) + 1)
+            yield RoundOutput(new, k, accepted, finish, log_probs and log_probs[:len(new)], depth)
             if finish:
                 return
     finally:

@@ -7,8 +7,8 @@ equals the whole model's on the same text: the acceptance of a greedy draft) and
 draft steps over one target step, from the layers it runs). Score = max over k <= k_max of
 E(α, k) / (1 + k·c), with E(α, k) = (1 - α^(k+1)) / (1 - α) the tokens a round yields.
 
-The search is random, then local: `random_trials` random sets (each middle layer skipped with a
-probability drawn per trial from [0.2, 0.6]), then mutations of the best set (skip one more, one fewer, or
+The search is random, then local: `random_trials` random sets (a size drawn from 1 .. half the middle
+layers, then that many of them), then mutations of the best set (skip one more, one fewer, or
 swap a skipped layer for a kept one). Scores from different texts are not comparable, so whenever the text
 changes the caller re-scores the incumbent first (`incumbent_stale`). Deterministic under a seed.
 """
@@ -66,20 +66,23 @@ class SkipSearch:
         """The next set to measure: the incumbent where its score is stale, else a new set."""
         if self.incumbent_stale:
             return self.best
-        for _ in range(32):  # a set not tried yet, where one is found
+        for _ in range(32):  # a set not tried yet, where one is found (never the empty set)
             skip = self._random() if self.trials < self.random_trials else self._mutation()
             if skip not in self.tried:
                 return skip
         return skip
 
     def _random(self) -> tuple[int, ...]:
-        ratio = self.rng.uniform(0.2, 0.6)
-        return tuple(layer for layer in self.middle if self.rng.random() < ratio)
+        # As many sets of each size up to half the middle layers: on a small model even a few skipped
+        # layers cost much of the agreement, on a large one many may go.
+        count = self.rng.randint(1, max(1, len(self.middle) // 2))
+        return tuple(sorted(self.rng.sample(self.middle, count)))
 
     def _mutation(self) -> tuple[int, ...]:
         skipped = set(self.best)
         kept = [layer for layer in self.middle if layer not in skipped]
-        moves = [move for move, possible in (("add", kept), ("drop", skipped), ("swap", kept and skipped))
+        # A set skips at least one layer: skipping none is the target drafting for itself at its full cost
+        moves = [move for move, possible in (("add", kept), ("drop", len(skipped) > 1), ("swap", kept and skipped))
                  if possible]
         move = self.rng.choice(moves)
         if move in ("add", "swap"):
@@ -89,8 +92,9 @@ class SkipSearch:
         return tuple(sorted(skipped))
 
     def report(self, skip: tuple[int, ...], alpha: float) -> bool:
-        """Record a set's agreement on the current text; True if it is the new best."""
-        score = self.score(skip, alpha)
+        """Record a set's agreement on the current text; True if it is the new best (an empty incumbent,
+        a set given to start from, is replaced by the first set measured)."""
+        score = self.score(skip, alpha) if skip else 0.0
         self.tried[skip] = score
         if skip == self.best and self.incumbent_stale:  # the incumbent, re-scored on this text
             self.best_score, self.incumbent_stale = score, False

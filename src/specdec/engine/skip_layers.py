@@ -118,11 +118,16 @@ def agreement(model, ids: list[int], skip: tuple[int, ...], whole: torch.Tensor 
     return float((greedy_tokens(model, ids, skip) == whole).float().mean())
 
 
+def _products(module) -> int:
+    """Multiply-adds per token of a module's linear layers (plain or oneDNN's prepacked ones)."""
+    return sum(m.in_features * m.out_features for m in module.modules()
+               if isinstance(getattr(m, "in_features", None), int) and isinstance(getattr(m, "out_features", None), int))
+
+
 def head_cost_in_layers(model) -> float:
-    """What a step costs besides the decoder layers (the head's product), in layers: by weights read."""
-    layer = sum(p.numel() for p in model.model.layers[0].parameters())
+    """What a step costs besides the decoder layers (the head's product), in layers: by multiply-adds."""
     head = model.get_output_embeddings()
-    return head.weight.numel() / layer if head is not None else 0.0
+    return _products(head) / _products(model.model.layers[0]) if head is not None else 0.0
 
 
 class SkipTuner:
@@ -131,7 +136,7 @@ class SkipTuner:
     call while the first `warm_trials` run, then one per `interval_s`."""
 
     def __init__(self, executor, forward: LayerSkipForward, k_max: int = 8, seed: int = 0,
-                 context: int = 128, min_context: int = 32, trials_per_text: int = 8, warm_trials: int = 48,
+                 context: int = 64, min_context: int = 32, trials_per_text: int = 8, warm_trials: int = 48,
                  interval_s: float = 10.0, log: Callable[[str], None] = lambda message: None,
                  clock: Callable[[], float] = time.monotonic):
         self.executor, self.forward, self.log, self.clock = executor, forward, log, clock

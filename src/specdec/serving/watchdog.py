@@ -46,6 +46,7 @@ STOPPED_GRACE_S = 5.0  # a stub stopped this long counts as not answering (a deb
 STABLE_S = 60.0  # a model up this long after a heal starts its backoff afresh when it dies again
 BACKOFF_S = (1.0, 60.0)  # first and longest wait between heal attempts of one model
 INCARNATION = "specdec_incarnation"  # the config parameter a reload changes (models ignore it)
+DEAD_STATES = ("Z", "X")  # /proc/PID/stat states of a process that has exited (zombie, dead)
 
 
 @dataclass(frozen=True)
@@ -219,7 +220,7 @@ class Watchdog:
             # An instance's old stub (exiting after a reload, or a zombie not reaped yet) beside its new one:
             # the running one counts.
             seen = alive.setdefault(stub.model, {}).get(stub.instance)
-            if seen is None or seen.state in ("Z", "X"):
+            if seen is None or seen.state in DEAD_STATES:
                 alive[stub.model][stub.instance] = stub
         for model, health in list(self.models.items()):
             problem = self._problem(health, alive.get(model, {}), now)
@@ -239,7 +240,7 @@ class Watchdog:
     def _problem(self, health: ModelHealth, running: dict[str, Stub], now: float) -> str:
         for instance in sorted(health.instances):
             stub = running.get(instance)
-            if stub is None or stub.state in ("Z", "X"):
+            if stub is None or stub.state in DEAD_STATES:
                 return f"its stub {instance} died"
             if stub.state == "T":
                 since = health.stopped_since.setdefault(stub.pid, now)

@@ -264,17 +264,17 @@ class LanguageModelAdapter(TritonAdapter):
         return outcomes
 
     def _responder(self) -> Responder:
-        answer = self._answer
-        if self.lm.device.type == "cuda":
-            # The responder's kernels (an output's dtype conversion, log-probabilities) go on a stream of
-            # their own: on the default one they would queue behind the next batch's forward, and a response
-            # would wait for it. Their inputs are complete: execute synchronized before handing them over.
-            stream = torch.cuda.Stream(self.lm.device)
+        if self.lm.device.type != "cuda":
+            return Responder(self.name, self._answer, self._send, self.pb.Logger.log_warn)
+        # The responder's kernels (an output's dtype conversion, log-probabilities) go on a stream of their
+        # own: on the default one they would queue behind the next batch's forward, and a response would
+        # wait for it. Their inputs are complete: execute synchronized before handing them over.
+        stream = torch.cuda.Stream(self.lm.device)
 
-            def answer(job: Job, outcome):
-                with torch.cuda.device(self.lm.device), torch.cuda.stream(stream):
-                    return self._answer(job, outcome)
-        return Responder(self.name, answer, self._send, self.pb.Logger.log_warn)
+        def answer_on_stream(job: Job, outcome):
+            with torch.cuda.device(self.lm.device), torch.cuda.stream(stream):
+                return self._answer(job, outcome)
+        return Responder(self.name, answer_on_stream, self._send, self.pb.Logger.log_warn)
 
     def _answer(self, job: Job, outcome):
         """A job's response: its error, the empty answer to a release, or its step's outputs."""
@@ -462,8 +462,8 @@ class DraftModel(LanguageModelAdapter):
             self.skip_metrics.report(search.best, search.trials, search.best_score)
 
     def finalize(self):
-        self._stop.set()
         if getattr(self, "_tuner_thread", None) is not None:
+            self._stop.set()
             self._tuner_thread.join(timeout=5)
             self.skip_metrics.close()
         super().finalize()
