@@ -162,12 +162,13 @@ def search_skip_layers(url: str, metrics_url: str, max_tokens: int, trials: int 
     prompts = [json.loads(line)["prompt"] for line in SEARCH_PROMPTS.read_text().splitlines() if line.strip()]
     deadline = time.monotonic() + timeout_s
     for prompt in prompts:
-        done = sum(v for labels, v in samples(scrape(metrics_url), "specdec_draft_skip_trials_total"))
+        done = sum(v for labels, v in samples(scrape(metrics_url), "specdec_draft_skip_trials_total")
+                   if labels.get("model") == SKIP)
         if done >= trials or time.monotonic() > deadline:
             break
         client.generate(prompt, GenerationParams(max_tokens=max_tokens, num_draft_tokens=4, draft_model=SKIP))
     skipped = samples(scrape(metrics_url), "specdec_draft_layer_skipped")
-    return tuple(sorted(int(labels["layer"]) for labels, v in skipped if v))
+    return tuple(sorted(int(labels["layer"]) for labels, v in skipped if v and labels.get("model") == SKIP))
 
 
 def measure_costs(pair, prompt_ids: list[int], ks: list[int], head_dir: str | None = None,

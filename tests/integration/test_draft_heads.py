@@ -56,7 +56,10 @@ def head_server(heads, tmp_path_factory):
     paths, _ = heads
     tmp = tmp_path_factory.mktemp("head-server")
     pair = dataclasses.replace(pairs.tiny_pair(), draft_heads=paths)
-    server = start_server(tmp, repository=repository.render(pair, tmp / "repo"))
+    repo = repository.render(pair, tmp / "repo")
+    for name in paths:  # every round drafts its whole K (the confidence stop is tested in process)
+        repository.override(repo, f"{name}.draft_stop_below=0")
+    server = start_server(tmp, repository=repo)
     yield server
     stop_server(server)
 

@@ -95,3 +95,11 @@ def test_sampled_output_with_the_searched_skip_draft_is_the_targets_distribution
     assert sum(r[tn.TOTAL_DRAFT_TOKENS] for r in results) > 0
     statistic, critical = chi_square(Counter(r[tn.TEXT_OUTPUT] for r in results), expected, REQUESTS)
     assert statistic < critical, (statistic, critical)
+
+
+def test_make_bench_lets_the_search_run_and_reads_the_set_it_settled_on(skip_server):
+    """`bench/speculative_bench.py`'s step before its skip-draft rows, against this server."""
+    from bench.speculative_bench import search_skip_layers
+
+    skipped = search_skip_layers(skip_server.grpc_url, skip_server.metrics_url, max_tokens=48, trials=2)
+    assert skipped and all(0 < layer < LAYERS - 1 for layer in skipped)

@@ -271,3 +271,22 @@ def test_a_head_executor_evicts_idle_sequences_and_refuses_past_its_limit(tiny_l
     now[0] = 12.0
     assert executor.evict_idle() == [1] and set(executor.sequences) == {2}
     assert executor.kv_bytes_allocated > 0 and executor.release(2) and not executor.release(2)
+
+
+@pytest.mark.parametrize("kind", [EAGLE, MEDUSA])
+def test_a_heads_confidence_stop_proposes_a_prefix_of_its_full_proposal(tiny_lm, kind):
+    head = head_for(tiny_lm, kind, seed=2, **({"medusa_heads": 4} if kind == MEDUSA else {}))
+    layers = head.config.feature_layers(2)
+    with torch.no_grad():
+        out = tiny_lm(torch.tensor([PROMPT]), output_hidden_states=True)
+    features = torch.cat([out.hidden_states[layer + 1][0] for layer in layers], dim=-1)[:-1]
+    full = HeadExecutor(head).propose(1, 0, PROMPT, 4, SamplingParams(), features=features)
+    shorter = 0
+    for threshold in (0.05, 0.3, 0.9, 1.0):
+        stopped = HeadExecutor(head)
+        stopped.stop_below = threshold
+        drafted = stopped.propose(1, 0, PROMPT, 4, SamplingParams(), features=features)
+        assert 1 <= len(drafted.tokens) <= 4 and drafted.tokens == full.tokens[:len(drafted.tokens)]
+        shorter += len(drafted.tokens) < len(full.tokens)
+    assert len(full.tokens) == 4 and shorter >= 1
+    assert len(drafted.tokens) == 1  # at 1.0 every token is below certainty: one token a round

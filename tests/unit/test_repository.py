@@ -104,3 +104,12 @@ def test_render_and_launcher_flag_for_skip_drafts(tmp_path):
     assert 'key: "skip_layers", value: { string_value: "3,5-7" }' in (repo / "fixed" / "config.pbtxt").read_text()
     assert f'"ngram,{tn.DEFAULT_SKIP_DRAFT_NAME},fixed,suffix"' in (repo / "speculative_decoding" / "config.pbtxt").read_text()
     assert not (repo / "draft_model").exists()
+
+
+def test_render_sets_a_pairs_parameters_of_single_models(tmp_path):
+    pair = PairSpec(name="t", target_path="/w/target", tokenizer_path="/w/target",
+                    draft_paths={"draft_model": "/w/d", "draft_model_b": "/w/b"},
+                    model_parameters={"draft_model_b": {"draft_stop_below": "0"}})
+    repo = render(pair, tmp_path / "repo")
+    assert 'key: "draft_stop_below", value: { string_value: "0" }' in (repo / "draft_model_b" / "config.pbtxt").read_text()
+    assert 'key: "draft_stop_below", value: { string_value: "0.3" }' in (repo / "draft_model" / "config.pbtxt").read_text()

@@ -40,6 +40,8 @@ class PairSpec:
     draft_heads: dict[str, str] = field(default_factory=dict)
     # layer-skip self-drafts (skip_layers.py) over the target: name -> the layers skipped ("3,5,7-9") or "auto"
     skip_drafts: dict[str, str] = field(default_factory=dict)
+    # parameters of single models, set last: model name -> {parameter: value}
+    model_parameters: dict[str, dict[str, str]] = field(default_factory=dict)
     builtin_drafts: tuple[str, ...] = tn.BUILTIN_DRAFTS  # model-free methods a request may choose
     default_draft: str = ""  # the method used when a request names none; "" = the first draft model
     dtype: str = "float32"
@@ -158,10 +160,13 @@ def tiny_pair(test_drafts: bool = False) -> PairSpec:
                         noise=noise)
         _build_tiny(random_draft, 1, TINY_SEED + 2, tokenizer)
     drafts = {"draft_model": str(draft)}
+    settings = {}
     if test_drafts:
         drafts.update(draft_model_exact=str(target), draft_model_random=str(random_draft))
+        # Instruments of tests about K: every round drafts the whole k asked for (no confidence stop)
+        settings = {name: {"draft_stop_below": "0"} for name in ("draft_model_exact", "draft_model_random")}
     return PairSpec(name="tiny", target_path=str(target), tokenizer_path=str(target), draft_paths=drafts,
-                    dtype="float64", max_context_tokens=1024)
+                    dtype="float64", max_context_tokens=1024, model_parameters=settings)
 
 
 # ---- default pair ----------------------------------------------------------------------------------

@@ -115,6 +115,8 @@ def render(pair: PairSpec, dest: Path) -> Path:
         "max_context_tokens": str(pair.max_context_tokens),
         "max_live_sequences": str(pair.max_live_sequences), "when_full": pair.when_full},
         f"instance_group [ {{ count: {orchestrator_instances(pair)}, kind: KIND_CPU }} ]")
+    for model, settings in pair.model_parameters.items():
+        edit(model, settings)
     return dest
 
 
