@@ -36,6 +36,10 @@ instance_group [ { count: 1, kind: KIND_GPU, gpus: [ {{ ternary $root.Values.gpu
 {{ include "specdec.param" (list "draft_heads" (include "specdec.headPaths" $root)) }}
 {{- else }}
 {{ include "specdec.param" (list "draft_kind" (ternary "head" "model" $head)) }}
+{{ include "specdec.param" (list "skip_layers" "auto") }}
+{{ include "specdec.param" (list "skip_search_seed" "0") }}
+{{ include "specdec.param" (list "skip_search_interval_s" "10") }}
+{{ include "specdec.param" (list "draft_stop_below" $root.Values.speculation.draftStopBelow) }}
 {{ include "specdec.param" (list "target_path" (ternary $root.Values.models.target.path "" $head)) }}
 {{ include "specdec.param" (list "target_draft_heads" (include "specdec.headPaths" $root)) }}
 {{- end }}
