@@ -93,7 +93,9 @@ def test_a_shared_system_prompt_is_computed_once_and_reused_exactly(server):
 def chunked(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("chunked")
     own = serving.start(tmp_path / "run", tmp_path / "server.log",
-                        ["--pair", "tiny", "--set", "speculative_decoding.prefill_chunk_tokens=512"])
+                        # K tokens drafted every round (no confidence stop): the counts below include them
+                        ["--pair", "tiny", "--set", "speculative_decoding.prefill_chunk_tokens=512",
+                         "--set", "draft_model.draft_stop_below=0"])
     yield own
     stop_server(own)
 
