@@ -255,7 +255,8 @@ def test_a_cancelled_stream_costs_at_most_one_round_more(server, k):
     later), so beyond the rounds the client saw, the target may run: one finished and on its way (the
     client cannot tell it apart), the one in flight, and, with K=0, one started before the flag was up;
     with K>0 the check between draft and verify stops that one before the target runs it.
-    Fixed K and no end token make the target's tokens exact: prompt + K in the first round, K+1 after."""
+    Fixed K and no end token make the target's tokens exact: the prompt and what each round drafted, and
+    after the first round one token more each (the previous round's own)."""
     rounds0, target0, draft0 = _settled(server)
     client = grpcclient.InferenceServerClient(server.grpc_url)
     chunks: queue.Queue = queue.Queue()
@@ -268,11 +269,12 @@ def test_a_cancelled_stream_costs_at_most_one_round_more(server, k):
         assert error is None, error
         seen = int(result.as_numpy(tn.NUM_ROUNDS).reshape(-1)[0])
         prompt = int(result.as_numpy(tn.NUM_INPUT_TOKENS).reshape(-1)[0])
+        drafted = int(result.as_numpy(tn.TOTAL_DRAFT_TOKENS).reshape(-1)[0])  # up to K a round (confidence stop)
     client.stop_stream(cancel_requests=True)
     client.close()
     rounds1, target1, draft1 = _settled(server)
     rounds = rounds1 - rounds0
-    target_seen = prompt + k + (seen - 1) * (k + 1)
+    target_seen = prompt + drafted + (seen - 1)  # each round after the first also runs the last one's token
     extra_target = target1 - target0 - target_seen
     print(f"K={k}: the client saw {seen} rounds; the server ran {rounds:.0f}; the target processed "
           f"{extra_target:.0f} tokens after the rounds seen, the draft {draft1 - draft0:.0f} in all")
