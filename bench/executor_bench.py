@@ -9,6 +9,8 @@ sequences, and the draft proposing K tokens, with
   static/graphs     the same, each bucket captured as a CUDA graph, pointwise work in fused kernels (GPU)
   static/graphs-unfused   CUDA graphs over the eager pointwise kernels
   static/graphs-mlp       the graphs with each SiLU MLP's gate/up products fused too (`fuse_mlp`)
+  static/<mode>-sdpa      any of these with attention over a gathered window by SDPA instead of the paged
+                          kernel that CUDA devices take by default (`attention`, engine/paged_attention.py)
   reference    plain PyTorch with transformers' static cache + torch.compile (GPU only)
 
 and how long capturing took. The target's logits in every mode are compared with the dynamic one's.
@@ -42,10 +44,13 @@ def make(model, mode: str, batch: int, k: int, context: int):
         return dynamic_executor(model), 0.0
     started = time.perf_counter()
     # "graphs-unfused": CUDA graphs over the eager pointwise kernels (what fuse_kernels saves);
-    # "graphs-mlp": the MLP's gate/up products fused as well (what fuse_mlp saves)
+    # "graphs-mlp": the MLP's gate/up products fused as well (what fuse_mlp saves); "-sdpa": the gathered
+    # window and SDPA (what the paged attention kernel saves)
+    attention = "sdpa" if mode.endswith("-sdpa") else "auto"
+    mode = mode.removesuffix("-sdpa")
     lm = static_executor(model, max_sequences=batch + 1, max_context=context + 64, max_batch=batch,
                         max_rows=k + 1, compile=mode.removesuffix("-unfused").removesuffix("-mlp"),
-                        fuse_kernels=mode != "graphs-unfused", fuse_mlp=mode.endswith("-mlp"))
+                        fuse_kernels=mode != "graphs-unfused", fuse_mlp=mode.endswith("-mlp"), attention=attention)
     lm.warm_up(time_budget_s=240)
     return lm, time.perf_counter() - started  # compiling the fused kernels and capturing
 

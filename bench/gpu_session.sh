@@ -55,6 +55,10 @@
 #   kernels        the 8B-shaped target's captured step kernel by kernel (torch.profiler), each weight kind's
 #                  product alone (cuBLAS and cuBLASLt, 1/5/16 rows) and the decode attention's SDPA backends
 #                  (bench/kernel_profile.py, ~3 min): what keeps the step from the bound (issue 47)
+#   attention      the paged attention kernel (engine/paged_attention.py, the CUDA default) against the gathered
+#                  window and SDPA: in-process steps (executor_bench, graphs-mlp against graphs-mlp-sdpa), the tests
+#                  that run the kernel (tests/gpu -k paged), the served rows (one server each, paged first), and
+#                  the kernel-by-kernel profile of the step with it (~7 min)
 #   profile        cProfile over draft_model's and target_model's execute (SPECDEC_PROFILE_DIR): 8 target-only
 #                  streams, then 1 stream at K=0, 4 and adaptive; pstats' reports in profile-*.txt (~2 min):
 #                  where the host time inside an execution goes (the adapter's share: "in execute" - "in
@@ -205,6 +209,14 @@ for part in "$@"; do
       for dir in profile-8-streams profile-1-stream; do
         [ -d "$out/$dir" ] && "$python" -m specdec.triton.profiling "$out/$dir" > "$out/$dir.txt" 2>&1
       done ;;
+    attention)
+      run executor-attention 200 "$python" -m bench.executor_bench --modes graphs-mlp,graphs-mlp-sdpa \
+        --out "$out/executor-attention.md"
+      run tests-paged 150 "$python" -m pytest -q -m gpu tests/gpu -p no:cacheprovider -k "paged or every_bucket or trees_replayed"
+      ab attention on 150 "" -- --launcher-arg=--set=target_model.attention=paged \
+        --launcher-arg=--set=draft_model.attention=paged --off --launcher-arg=--set=target_model.attention=sdpa \
+        --launcher-arg=--set=draft_model.attention=sdpa
+      run kernels-paged 120 "$python" -m bench.kernel_profile --attention paged --out "$out/kernels-paged.md" ;;
     kernels) run kernels 300 "$python" -m bench.kernel_profile --out "$out/kernels.md" ;;
     ksweep)
       for ks in "6 5" "8 7"; do
@@ -214,6 +226,6 @@ for part in "$@"; do
       done ;;
     executor) run executor 240 "$python" -m bench.executor_bench --modes graphs,graphs-mlp --reference \
         --out "$out/executor.md" ;;
-    *) echo "unknown part: $part (tests, heads, bench, orchestrators, executor, streams, prefix, pipeline, load, overhead, overhead8b, mps, ksweep, profile, prompts, maxk, kernels)" >&2; exit 2 ;;
+    *) echo "unknown part: $part (tests, heads, bench, attention, orchestrators, executor, streams, prefix, pipeline, load, overhead, overhead8b, mps, ksweep, profile, prompts, maxk, kernels)" >&2; exit 2 ;;
   esac
 done

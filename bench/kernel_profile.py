@@ -144,6 +144,8 @@ def main(argv=None) -> int:
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--profile-steps", type=int, default=20)
     parser.add_argument("--top", type=int, default=25, help="kernels listed per step")
+    parser.add_argument("--attention", default="auto", choices=("auto", "paged", "sdpa"),
+                        help="the static executor's attention (auto: the paged kernel on CUDA)")
     parser.add_argument("--out", help="also write the report (Markdown) here")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -159,8 +161,9 @@ def main(argv=None) -> int:
         model.model.embed_tokens.weight.numel() * 2  # the embedding is read one row per token
     widths = [1, args.k + 1]
     lm = static_executor(model, max_sequences=2, max_context=args.context + 64, max_batch=1, max_rows=max(widths),
-                         prefix_caching=False, log=gpu_bench.log)
+                         prefix_caching=False, log=gpu_bench.log, attention=args.attention)
     lm.warm_up()
+    out[0] += f", attention {lm.forward.llama.attention}"
     prompt = torch.randint(0, VOCAB, (args.context,)).tolist()
     lm.extend(1, 0, prompt, 1)
     forward = lm.forward

@@ -161,6 +161,9 @@ DEFAULT_ORCHESTRATOR_INSTANCES = {"cpu": 2, "gpu": 1}
 # graphs: require CUDA graphs.
 COMPILE_MODES = ("auto", "off", "graphs")
 EXECUTORS = ("auto", "static", "dynamic")  # auto: static on CUDA where the model family allows it
+# The static executor's attention: paged (engine/paged_attention.py, a Triton kernel reading the KV pool in
+# place), sdpa (the window gathered, then torch's SDPA), auto (paged on CUDA where Triton serves the dtype).
+ATTENTION_KINDS = ("auto", "paged", "sdpa")
 # Where CUDA graphs run, prompts of up to this many tokens replay captured buckets of their own (powers of
 # two; 0: eager prompts): an eager prompt pays a kernel launch per operation, which dominated the time
 # to first token on a GPU, for a few more graphs per model.

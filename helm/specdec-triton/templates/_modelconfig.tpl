@@ -54,6 +54,7 @@ instance_group [ { count: 1, kind: KIND_GPU, gpus: [ {{ ternary $root.Values.gpu
 {{ include "specdec.param" (list "compile" $root.Values.executor.compile) }}
 {{ include "specdec.param" (list "fuse_kernels" $root.Values.executor.fuseKernels) }}
 {{ include "specdec.param" (list "fuse_mlp" $root.Values.executor.fuseMlp) }}
+{{ include "specdec.param" (list "attention" $root.Values.executor.attention) }}
 {{ include "specdec.param" (list "prefill_graph_rows" $root.Values.executor.prefillGraphRows) }}
 {{ include "specdec.param" (list "kv_memory_fraction" (index $root.Values.executor.kvMemoryFraction $role)) }}
 {{ include "specdec.param" (list "torch_threads" $root.Values.executor.torchThreads) }}

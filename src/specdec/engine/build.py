@@ -58,6 +58,7 @@ class ExecutorConfig:
     fuse_mlp: bool = True  # where CUDA graphs run: a SiLU MLP's gate and up products as one
     prefill_graph_rows: int = tn.DEFAULT_PREFILL_GRAPH_ROWS  # with CUDA graphs: prompts up to this long captured
     min_window: int = 128  # the smallest bucket of keys attended over
+    attention: str = "auto"  # tn.ATTENTION_KINDS: the paged kernel or a gathered window and SDPA
 
 
 def dynamic_executor(model, max_sequences: int = 256, idle_timeout_s: float = 600.0,
@@ -79,7 +80,7 @@ def static_executor(model, max_sequences: int = 256, idle_timeout_s: float = 600
                     kv_memory_fraction: float = 0.4, min_window: int = 128, fuse_kernels: bool | None = None,
                     fuse_mlp: bool | None = None, prefix_caching: bool = True, prefill_rows: int = 0,
                     log: Callable[[str], None] = lambda message: None, hidden_layers: tuple[int, ...] = (),
-                    skip_layers: tuple[int, ...] = ()) -> Executor:
+                    skip_layers: tuple[int, ...] = (), attention: str = "auto") -> Executor:
     """The static Llama forward over a paged pool (see the module's docstring; the arguments are
     `PagedKV`'s and `StaticForward`'s)."""
     problem = supports(model)
@@ -89,7 +90,8 @@ def static_executor(model, max_sequences: int = 256, idle_timeout_s: float = 600
         raise ValueError(f"compile must be one of {tn.COMPILE_MODES}, got {compile!r}")
     kv = PagedKV(model, max_sequences, max_context, kv_pool_tokens, kv_memory_fraction, block_size, prefix_caching, log)
     forward = StaticForward(model, kv, max_batch, max_rows, compile, min_window, fuse_kernels, fuse_mlp,
-                            prefill_rows, log, hidden_layers, check_skip(tuple(skip_layers), len(model.model.layers)))
+                            prefill_rows, log, hidden_layers, check_skip(tuple(skip_layers), len(model.model.layers)),
+                            attention)
     return Executor(model, kv, forward, max_sequences=max_sequences, idle_timeout_s=idle_timeout_s, clock=clock)
 
 
@@ -109,7 +111,7 @@ def build_executor(model, config: ExecutorConfig, log: Callable[[str], None] = l
             fuse_kernels=None if config.fuse_kernels else False, fuse_mlp=None if config.fuse_mlp else False,
             # eagerly, padding prompts into buckets would only cost
             prefill_rows=config.prefill_graph_rows if wants_graphs else 0, min_window=config.min_window, log=log,
-            hidden_layers=config.hidden_layers, skip_layers=config.skip_layers or ())
+            hidden_layers=config.hidden_layers, skip_layers=config.skip_layers or (), attention=config.attention)
     if config.compile == "graphs":
         raise ValueError(f"compile=graphs needs executor=static (got {config.executor}"
                          f"{', ' + unsupported if unsupported else ''})")

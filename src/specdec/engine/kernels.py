@@ -101,4 +101,9 @@ def compiled() -> Kernels:
     use: the executor warms them up before it captures anything (`StaticForward.fuse`). The first call
     with one row compiles for one row; the first with more compiles once for any number of rows
     (torch.compile's automatic dynamic shapes): every other size is a constant of the model."""
+    # Dynamo keeps one budget of recompiles per function for the whole process, and each model's sizes and
+    # dtype, and no_grad against inference_mode, are guards of their own: a process with several executors
+    # (a target and its draft in a bench, the GPU tests' models in two dtypes) passed the default of 8, and
+    # the kernels of the executor built last stayed eager.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     return Kernels(*(torch.compile(fn, fullgraph=True, options=OPTIONS) for fn in EAGER))

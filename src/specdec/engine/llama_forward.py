@@ -16,7 +16,8 @@ from typing import NamedTuple
 import torch
 from torch.nn.functional import scaled_dot_product_attention
 
-from specdec.engine import kernels
+from specdec import tensor_names as tn
+from specdec.engine import kernels, paged_attention
 
 FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -121,10 +122,13 @@ class LlamaForward:
     (B, T, V) out; every shape is fixed by the inputs' shapes (graph-capturable). The pointwise work
     runs through `kernels` (compiled into one kernel each on CUDA, see kernels.py); each layer's
     query/key/value projections are one matrix product. The MLP is the model's own module, or with
-    `fuse_mlp` (a SiLU MLP) its gate and up projections as one product and `kernels.silu_mul`."""
+    `fuse_mlp` (a SiLU MLP) its gate and up projections as one product and `kernels.silu_mul`.
+    attention (tn.ATTENTION_KINDS): "paged", the Triton kernel reading the pool in place
+    (`paged_attention.py`); "sdpa", each sequence's window gathered and masked for torch's SDPA (any
+    device and dtype); "auto", paged on CUDA where the kernel serves the dtype and head size."""
 
     def __init__(self, model, pool, fuse_mlp: bool = False, hidden_layers: tuple[int, ...] = (),
-                 skip: tuple[int, ...] = ()):
+                 skip: tuple[int, ...] = (), attention: str = "auto"):
         self.model, self.pool = model, pool
         self.hidden_layers = tuple(hidden_layers)  # a forward also returns the residual stream after these
         # A layer-skip self-draft (skip_layers.py): these decoder layers do not run (their pool slots stay
@@ -135,12 +139,23 @@ class LlamaForward:
         attn = self.body.layers[0].self_attn
         self.head_dim = attn.head_dim
         self.scaling = attn.scaling
+        self.attention = self._attention(attention, pool.keys[0])
         self.workspace: list[torch.Tensor] | None = None
         self.qkv = [fuse_linears(layer.self_attn, ("q_proj", "k_proj", "v_proj")) for layer in self.body.layers]
         # transformers names the activation in the config (its module, SiLUActivation, is not nn.SiLU).
         silu = getattr(model.config, "hidden_act", None) in ("silu", "swish")
         self.gate_up = [fuse_linears(layer.mlp, ("gate_proj", "up_proj")) if fuse_mlp and silu else None
                         for layer in self.body.layers]
+
+    def _attention(self, wanted: str, keys: torch.Tensor) -> str:
+        if wanted not in tn.ATTENTION_KINDS:
+            raise ValueError(f"attention must be one of {tn.ATTENTION_KINDS}, got {wanted!r}")
+        problem = paged_attention.unavailable(keys.device, keys.dtype, self.head_dim)
+        if wanted == "paged" and problem:
+            raise ValueError(f"attention=paged: {problem}")
+        if wanted == "auto":  # the interpreter serves tests, never a choice made for a deployment
+            return "paged" if keys.device.type == "cuda" and problem is None else "sdpa"
+        return wanted
 
     def reserve_workspace(self, blocks: int) -> None:
         """Gather windows of up to `blocks` blocks into two buffers allocated once and shared by every
@@ -183,12 +198,16 @@ class LlamaForward:
         cos, sin = body.rotary_emb(hidden, batch.positions.reshape(1, n))  # (1, N, D)
         cos, sin = cos.reshape(n, -1), sin.reshape(n, -1)
         window = batch.table.shape[1] * pool.block_size
-        mask = attention_mask(batch, window)  # (B, T, W)
         kv_heads = pool.keys[0].shape[2]
         groups = body.config.num_attention_heads // kv_heads
-        # Grouped-query attention without repeating keys: a KV head's query heads are stacked along
-        # the row axis, (B, kv_heads, groups * T, D), so one plain attention call serves them all.
-        mask = mask[:, None, None].expand(b, 1, groups, t, window).reshape(b, 1, groups * t, window)
+        paged = self.attention == "paged"
+        if paged:  # how far into its window each sequence's rows see (its cache and its new rows)
+            limit = (batch.visible.amax(1) + t).clamp_(max=window)
+        else:
+            mask = attention_mask(batch, window)  # (B, T, W)
+            # Grouped-query attention without repeating keys: a KV head's query heads are stacked along
+            # the row axis, (B, kv_heads, groups * T, D), so one plain attention call serves them all.
+            mask = mask[:, None, None].expand(b, 1, groups, t, window).reshape(b, 1, groups * t, window)
         layers, run = body.layers, self.run_layers
         norm = layers[run[0]].input_layernorm
         x = fn.rms_norm(hidden, norm.weight, norm.variance_epsilon)
@@ -207,11 +226,15 @@ class LlamaForward:
             keys, values = pool.keys[index], pool.values[index]
             keys[batch.write_block, batch.write_offset] = k.view(b, t, kv_heads, self.head_dim)
             values[batch.write_block, batch.write_offset] = v.view(b, t, kv_heads, self.head_dim)
-            seen_k = self._gather(keys, batch.table, 0).view(b, window, kv_heads, self.head_dim).transpose(1, 2)
-            seen_v = self._gather(values, batch.table, 1).view(b, window, kv_heads, self.head_dim).transpose(1, 2)
-            q = q.view(b, t, -1, self.head_dim).transpose(1, 2).reshape(b, kv_heads, groups * t, self.head_dim)
-            out = scaled_dot_product_attention(q, seen_k, seen_v, attn_mask=mask, scale=self.scaling)
-            out = out.reshape(b, -1, t, self.head_dim).transpose(1, 2).reshape(n, -1)
+            if paged:
+                out = paged_attention.paged_attention(q.contiguous(), keys, values, batch.table, batch.visible,
+                                                      batch.ancestors, limit, self.scaling).view(n, -1)
+            else:
+                seen_k = self._gather(keys, batch.table, 0).view(b, window, kv_heads, self.head_dim).transpose(1, 2)
+                seen_v = self._gather(values, batch.table, 1).view(b, window, kv_heads, self.head_dim).transpose(1, 2)
+                q = q.view(b, t, -1, self.head_dim).transpose(1, 2).reshape(b, kv_heads, groups * t, self.head_dim)
+                out = scaled_dot_product_attention(q, seen_k, seen_v, attn_mask=mask, scale=self.scaling)
+                out = out.reshape(b, -1, t, self.head_dim).transpose(1, 2).reshape(n, -1)
             post = layer.post_attention_layernorm
             hidden, x = fn.add_rms_norm(hidden, attn.o_proj(out), post.weight, post.variance_epsilon)
             # The residual add ends in the next layer's input norm, or the final one.

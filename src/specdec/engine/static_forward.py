@@ -63,12 +63,12 @@ class StaticForward:
     position (captured with the rest). Rows may be trees (`Step.tree`) of up to max_rows nodes (and
     MAX_TREE_ROWS): they run in the decode buckets, each node at the position after its parent's, seeing
     the cache and its ancestors (`llama_forward.attention_mask`), its key and value written at the slot of
-    its row."""
+    its row. attention: tn.ATTENTION_KINDS (`LlamaForward`'s)."""
 
     def __init__(self, model, kv: PagedKV, max_batch: int = 8, max_rows: int = 17, compile: str = "auto",
                  min_window: int = 128, fuse_kernels: bool | None = None, fuse_mlp: bool | None = None,
                  prefill_rows: int = 0, log: Callable[[str], None] = lambda message: None,
-                 hidden_layers: tuple[int, ...] = (), skip: tuple[int, ...] = ()):
+                 hidden_layers: tuple[int, ...] = (), skip: tuple[int, ...] = (), attention: str = "auto"):
         if compile not in COMPILE_MODES:
             raise ValueError(f"compile must be one of {COMPILE_MODES}, got {compile!r}")
         self.device = device = model.device
@@ -82,7 +82,8 @@ class StaticForward:
         self.hidden_layers = tuple(hidden_layers)
         # skip: a layer-skip self-draft with one set for its life (its graphs are captured with that set)
         self.llama = LlamaForward(model, self.pool, self.mode == "graphs" if fuse_mlp is None else fuse_mlp,
-                                  self.hidden_layers, skip)
+                                  self.hidden_layers, skip, attention)
+        log(f"attention: {self.llama.attention}")
         if fuse_kernels or (fuse_kernels is None and self.mode == "graphs"):
             self.fuse()
         self.batch_sizes = buckets(max_batch)
@@ -101,7 +102,7 @@ class StaticForward:
         self._uncapturable: set[tuple[int, int, int]] = set()
         self._capture_stream = torch.cuda.Stream(device) if self.mode == "graphs" else None
         self.staging = InputStaging(device)
-        if self.mode == "graphs":
+        if self.mode == "graphs" and self.llama.attention == "sdpa":
             self.llama.reserve_workspace(self.batch_sizes[-1] * self.window_sizes[-1])
 
     def fuse(self) -> None:

@@ -69,6 +69,7 @@ def render(pair: PairSpec, dest: Path) -> Path:
                 "max_num_draft_tokens": str(pair.max_num_draft_tokens),
                 "max_context_tokens": str(pair.max_context_tokens), "compile": pair.compile,
                 "fuse_kernels": str(pair.fuse_kernels).lower(), "fuse_mlp": str(pair.fuse_mlp).lower(),
+                "attention": pair.attention,
                 "prefill_graph_rows": str(pair.prefill_graph_rows),
                 "torch_threads": pair.torch_threads,
                 "prefix_caching": str(pair.prefix_caching).lower(), "prefix_cache_tokens": str(pair.prefix_cache_tokens),

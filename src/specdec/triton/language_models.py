@@ -108,6 +108,7 @@ class LanguageModelAdapter(TritonAdapter):
             fuse_kernels=params.bool("fuse_kernels", default.fuse_kernels),
             fuse_mlp=params.bool("fuse_mlp", default.fuse_mlp),
             prefill_graph_rows=params.int("prefill_graph_rows", default.prefill_graph_rows, low=0),
+            attention=params.str("attention", default.attention, choices=tn.ATTENTION_KINDS),
             hidden_layers=self._served_layers(params, model.config.get_text_config().num_hidden_layers),
             skip_layers=self._skip_layers(params, model))
         try:
