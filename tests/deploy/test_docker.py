@@ -144,6 +144,7 @@ def test_compiled_kernels_outlive_the_container_in_one_place_for_image_compose_a
     its user; compose mounts a named volume there and the chart its compile-cache volume."""
     env = dict(re.findall(r"(\w+)=(\S+)", dict(instructions())["ENV"]))
     cache = Path(env["TORCHINDUCTOR_CACHE_DIR"])
+    assert Path(env["TRITON_CACHE_DIR"]).parent == cache.parent  # Triton's binaries in the same volume
     assert any(word == "RUN" and f"chown -R 1000:1000 {cache.parent}" in args for word, args in instructions())
     compose = yaml.safe_load(COMPOSE.read_text())
     assert f"compile-cache:{cache.parent}" in compose["services"]["triton"]["volumes"] and "compile-cache" in compose["volumes"]

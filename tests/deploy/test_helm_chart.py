@@ -153,6 +153,7 @@ def test_compiled_kernels_are_cached_on_a_volume():
         env = {var["name"]: var.get("value") for var in triton["env"]}
         (mount,) = [m["mountPath"] for m in triton["volumeMounts"] if m["name"] == "compile-cache"]
         assert mount == "/var/cache/specdec" and env["TORCHINDUCTOR_CACHE_DIR"] == "/var/cache/specdec/inductor"
+        assert env["TRITON_CACHE_DIR"] == "/var/cache/specdec/triton"
         volume = {v["name"]: v for v in pod["volumes"]}["compile-cache"]
         assert kind in volume, volume
     assert volume["persistentVolumeClaim"]["claimName"] == "specdec-kernels"
