@@ -70,7 +70,9 @@ def _kernels():
     import triton
     import triton.language as tl
 
-    @triton.jit
+    # The sizes that change from bucket to bucket are not specialized on (Triton otherwise compiles a variant
+    # for each value that is 1 or a multiple of 16): fewer variants to compile while the graphs are captured.
+    @triton.jit(do_not_specialize=["T", "M", "tiles", "table_stride"])
     def partial_attention(q_ptr, k_ptr, v_ptr, table_ptr, visible_ptr, ancestors_ptr, limit_ptr,
                           out_ptr, acc_ptr, m_ptr, l_ptr, scale_log2, T, M, tiles, heads, kv_heads, groups,
                           table_stride, block_size, chunk,
@@ -92,6 +94,11 @@ def _kernels():
         ancestors = tl.load(ancestors_ptr + token, mask=row_ok, other=0)
         start = split * chunk
         end = tl.minimum(start + chunk, tl.load(limit_ptr + b).to(tl.int32))
+        # No row of this tile sees past its own end (a prompt's early rows: half the keys of a long prompt's
+        # forward): a chain's row the keys before `visible`, a tree's node also the new rows after them.
+        # The chunks stay where they are, so a row sums in the same order whatever tile it is in.
+        reach = tl.where(row_ok, visible + tl.where(ancestors != 0, T, 0), 0)
+        end = tl.minimum(end, tl.max(reach, 0).to(tl.int32))
         # A finite floor, not -inf: a chunk whose keys a row cannot see then leaves m = floor, l = 0, acc = 0
         # (exp2 of -inf - floor is 0), never NaN.
         m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
@@ -134,7 +141,7 @@ def _kernels():
             tl.store(l_ptr + at, l_i)
             tl.store(acc_ptr + at[:, None] * BLOCK_D + d[None, :], acc)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["T", "M", "tiles"])
     def combine_attention(acc_ptr, m_ptr, l_ptr, out_ptr, T, M, tiles, heads, kv_heads, groups,
                 BLOCK_M: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr):
         pid = tl.program_id(0)  # one (sequence, KV head, row)
