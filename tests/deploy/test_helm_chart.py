@@ -42,6 +42,7 @@ COMBINATIONS = {
     "cpu-only-suffix": {"gpu": {"count": 0}, "models": {"draft": {"method": "suffix"}, "dtype": "float32"},
                         "speculation": {"suffixCacheTokens": 262144}},
     "eagle-head": {"models": {"draft": {"method": "head", "path": "/models/eagle3-head"}}},
+    "skip-draft": {"models": {"draft": {"method": "skip", "skipLayers": "3,5-7"}}},
     "compile-cache-claim": {"compileCache": {"source": "existingClaim", "existingClaim": {"name": "specdec-kernels"}}},
     "spread-target": {"gpu": {"count": 4, "spreadTarget": True, "draftGpu": 3, "mps": True},
                       "executor": {"prefillGraphRows": 0},
@@ -295,7 +296,8 @@ def pair_for(values: dict) -> PairSpec:
         tokenizer_path=models["target"]["tokenizerPath"] or models["target"]["path"],
         draft_paths={"draft_model": models["draft"]["path"]} if method == "model" else {},
         draft_heads={"draft_model": models["draft"]["path"]} if method == "head" else {},
-        default_draft="" if method in ("model", "head") else method, dtype=models["dtype"],
+        skip_drafts={"draft_model": models["draft"]["skipLayers"]} if method == "skip" else {},
+        default_draft="" if method in ("model", "head", "skip") else method, dtype=models["dtype"],
         max_context_tokens=spec["maxContextTokens"], apply_chat_template=models["applyChatTemplate"],
         device="gpu" if gpu["count"] > 0 else "cpu", target_gpu=gpu["targetGpu"], spread_target=gpu["spreadTarget"],
         draft_gpu=gpu["draftGpu"], adaptive_draft=spec["adaptiveDraft"],
@@ -306,6 +308,7 @@ def pair_for(values: dict) -> PairSpec:
         orchestrator_instances=spec["orchestratorInstances"],
         sequence_idle_timeout_s=spec["sequenceIdleTimeoutSeconds"], compile=values["executor"]["compile"],
         fuse_kernels=values["executor"]["fuseKernels"], fuse_mlp=values["executor"]["fuseMlp"],
+        attention=values["executor"]["attention"],
         prefill_graph_rows=values["executor"]["prefillGraphRows"],
         torch_threads=str(values["executor"]["torchThreads"]),
         kv_memory_fraction_target=values["executor"]["kvMemoryFraction"]["target"],
@@ -315,7 +318,8 @@ def pair_for(values: dict) -> PairSpec:
 
 
 @pytest.mark.parametrize("name, orchestrators", [("defaults", 1), ("cpu-only-ngram", 1), ("cpu-only-defaults", 2),
-                                                 ("cpu-only-suffix", 2), ("spread-target", 1), ("eagle-head", 1)])
+                                                 ("cpu-only-suffix", 2), ("spread-target", 1), ("eagle-head", 1),
+                                                 ("skip-draft", 1)])
 def test_model_configuration_matches_the_launcher(name, orchestrators, tmp_path):
     docs = render_chart(COMBINATIONS[name])
     (configs,) = [d for d in by_kind(docs, "ConfigMap") if d["metadata"]["name"].endswith("-model-config")]

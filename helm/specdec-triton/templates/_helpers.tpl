@@ -51,7 +51,7 @@ app.kubernetes.io/component: inference-server
 {{/* The models the server loads, in load order (explicit model control). */}}
 {{- define "specdec.modelNames" -}}
 {{- $names := list "preprocessing" "postprocessing" "target_model" -}}
-{{- if has .Values.models.draft.method (list "model" "head") -}}
+{{- if has .Values.models.draft.method (list "model" "head" "skip") -}}
 {{- $names = append $names "draft_model" -}}
 {{- end -}}
 {{- $names = concat $names (list "speculative_decoding" "ensemble") -}}

@@ -35,8 +35,9 @@ instance_group [ { count: 1, kind: KIND_GPU, gpus: [ {{ ternary $root.Values.gpu
 {{- if eq $role "target" }}
 {{ include "specdec.param" (list "draft_heads" (include "specdec.headPaths" $root)) }}
 {{- else }}
-{{ include "specdec.param" (list "draft_kind" (ternary "head" "model" $head)) }}
-{{ include "specdec.param" (list "skip_layers" "auto") }}
+{{- $kind := $root.Values.models.draft.method }}
+{{ include "specdec.param" (list "draft_kind" (ternary $kind "model" (has $kind (list "head" "skip")))) }}
+{{ include "specdec.param" (list "skip_layers" (ternary $root.Values.models.draft.skipLayers "auto" (eq $kind "skip"))) }}
 {{ include "specdec.param" (list "skip_search_seed" "0") }}
 {{ include "specdec.param" (list "skip_search_interval_s" "10") }}
 {{ include "specdec.param" (list "draft_stop_below" $root.Values.speculation.draftStopBelow) }}
@@ -156,7 +157,7 @@ output [
   { name: "draft_probs", data_type: TYPE_FP32, dims: [ -1, -1 ] },
   { name: "cached_length", data_type: TYPE_INT32, dims: [ 1 ] }
 ]
-{{ include "specdec.lmParams" (list . "draft" .Values.models.draft.path) }}
+{{ include "specdec.lmParams" (list . "draft" (ternary .Values.models.target.path .Values.models.draft.path (eq .Values.models.draft.method "skip"))) }}
 {{ include "specdec.param" (list "target_tokenizer_path" (include "specdec.tokenizerPath" .)) }}
 {{- end -}}
 
@@ -235,7 +236,7 @@ output [
 ]
 {{ include "specdec.param" (list "tokenizer_path" (include "specdec.tokenizerPath" .)) }}
 {{ include "specdec.param" (list "target_model" "target_model") }}
-{{ include "specdec.param" (list "draft_models" (get (dict "model" "draft_model,ngram,suffix" "head" "draft_model,ngram,suffix" "ngram" "ngram,suffix" "suffix" "suffix,ngram") .Values.models.draft.method)) }}
+{{ include "specdec.param" (list "draft_models" (get (dict "model" "draft_model,ngram,suffix" "head" "draft_model,ngram,suffix" "skip" "draft_model,ngram,suffix" "ngram" "ngram,suffix" "suffix" "suffix,ngram") .Values.models.draft.method)) }}
 {{ include "specdec.param" (list "head_drafts" (ternary "draft_model" "" (eq .Values.models.draft.method "head"))) }}
 {{ include "specdec.param" (list "suffix_cache_tokens" $s.suffixCacheTokens) }}
 {{ include "specdec.param" (list "lookup_branches" $s.lookupBranches) }}
