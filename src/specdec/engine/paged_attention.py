@@ -1,9 +1,9 @@
 """Attention that reads the paged KV pool in place: a Triton kernel over each sequence's block table.
 
 The plain path (`llama_forward`) gathers a sequence's blocks into a window of W contiguous keys and values
-per layer (two `index_select`s), builds a (B, groups * T, W) mask and calls SDPA. On an H200 that gather
-costs 16 µs a layer for a 1-row step (latency, not bandwidth: it moves 2 MiB) and the mask and layout copies
-more; here one kernel walks the table itself, keys and values loaded where they lie, the mask (a row sees
+per layer (two `index_select`s), builds a (B, groups * T, W) mask and calls SDPA: on a GPU the gathers are
+latency-bound launches, a tenth of a decode step with the mask and layout copies (docs/results/
+2026-11-27-gpu-kernels.md, -gpu-paged-attention.md). Here one kernel walks the table itself, keys and values loaded where they lie, the mask (a row sees
 the keys before `visible`, and where it is a tree's node its ancestors' keys right after them) computed
 from the same two integers per row, and no key past the sequence's own end is read (the window bucket's
 padding is skipped, not masked). Flash-decoding: at a few rows the sequence's keys are split into
