@@ -11,6 +11,7 @@
   transformers_forward  the eager forward: transformers' own, over packed rows (any architecture)
   static_forward the static forward: bucketed shapes over the paged pool, replayed as CUDA graphs
   llama_forward  the Llama-family forward the static one runs, written over the model's modules
+  paged_attention  its attention on CUDA: a Triton kernel reading the paged pool in place
   draft_heads    trained draft heads (EAGLE-1, EAGLE-3, Medusa): the modules, read and written in the
                  layouts their authors publish (and vLLM's), refused when made for another target
   skip_layers    the layer-skip self-draft (SWIFT): the target with some layers left out, per sequence,
@@ -27,5 +28,6 @@
   local          the loop's Proposer and Scorer over in-process executors (tests, benchmarks)
 
 May import: torch, transformers, `specdec.tensor_names`, `specdec.decoding` (sampling, the interfaces, skip_search).
-Never Triton.
+Never Triton's server (triton_python_backend_utils); the Triton language compiler (`triton`, a torch
+dependency on CUDA) only in paged_attention, on first use.
 """
