@@ -24,8 +24,9 @@ model's forwards count once per thread that ran them.
     python -m bench.round_overhead --device gpu --pair 8b --launcher-arg=--max-num-draft-tokens=4
                                                    # the served 8B-shaped pair's rounds, split (verify
                                                    # buckets as `make bench-gpu` sets them)
-    python -m bench.round_overhead --stream        # streamed requests (a response per round, as the
-                                                   # served benchmarks send them)
+    python -m bench.round_overhead --whole         # one response per request instead of a streamed
+                                                   # response per round (the default, what a streaming
+                                                   # Triton or OpenAI client sees): what streaming costs
     python -m bench.round_overhead --regex '[a-z ]{64,}'   # structured output: guided rounds
     python -m bench.round_overhead --temperature 1 --top-p 0.9          # sampled rounds with a nucleus
     python -m bench.round_overhead --device gpu --temperature 1 \
@@ -150,11 +151,12 @@ def main(argv=None) -> int:
     parser.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
     parser.add_argument("--pair", choices=PAIRS, default="tiny")
     parser.add_argument("--k", type=int, default=4)
-    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--temperature", type=float, default=0.0, help="> 0: sampled rounds (seeded)")
     parser.add_argument("--top-p", type=float, help="sampled rounds' top_p (with --temperature)")
-    parser.add_argument("--stream", action="store_true", help="streamed requests: a response per round")
+    parser.add_argument("--whole", dest="stream", action="store_false",
+                        help="one response per request (default: streamed, a response per round, as clients ask)")
     parser.add_argument("--regex", help="structured output: every request follows this regex guide")
     parser.add_argument("--launcher-arg", action="append", default=[], help="more launcher arguments")
     parser.add_argument("--out", help="also write the table (Markdown) here")
@@ -197,7 +199,7 @@ def main(argv=None) -> int:
             rows.append([name, f"CPU time: {process}", f"{ms:.2f}", "user + system, all its threads"])
     mode = f"sampled (temperature {args.temperature:g}{'' if args.top_p is None else f', top_p {args.top_p:g}'})" \
         if args.temperature else "greedy"
-    mode += ", streamed" if args.stream else ""
+    mode += ", streamed" if args.stream else ", whole responses"
     mode += f", guided by the regex {args.regex!r}" if args.regex else ""
     extra = f", {' '.join(args.launcher_arg)}" if args.launcher_arg else ""
     header = (f"{platform.machine()} {args.device}, {label}, {mode}, {args.max_tokens} tokens per request, "
