@@ -69,8 +69,9 @@
 # summary.txt (each part's exit code and time), gpu.txt and session.tgz (all of it). Without $OUT they stay
 # in .cache/gpu-session. So one command runs any parts, in the order named. A session lent 15 device-minutes
 # (a start takes 1-2 of them) has room for one full command: name the parts most wanted first, and what no
-# longer fits the budget is skipped, the rest coming back whole. The next one, in that order (~7 min): the full
-# table with prompt buckets on (the default since host E), and the deployment's max K against the bench's:
+# longer fits the budget is skipped, the rest coming back whole. The next one, in that order (~8 min): every GPU
+# test with the paged attention kernel as the CUDA default (measured on an H200 with the `attention` part, not
+# yet on an H100), the full table with it, and the deployment's max K against the bench's:
 #
 #   source .gpukit/activate.sh && GPU_SESSION_SECONDS=540 bash bench/gpu_session.sh tests bench maxk
 set -uo pipefail
