@@ -59,6 +59,10 @@
 #                  window and SDPA: in-process steps (executor_bench, graphs-mlp against graphs-mlp-sdpa), the tests
 #                  that run the kernel (tests/gpu -k paged), the served rows (one server each, paged first), and
 #                  the kernel-by-kernel profile of the step with it (~7 min)
+#   ahead          target_model's greedy one-token steps run ahead of their requests (run_ahead, the CUDA default)
+#                  against not: the served rows, one server each, run ahead first, then the in-process step
+#                  (executor_bench graphs-mlp) they compare with (~6 min): what the round's host work costs
+#                  once the device goes on with the next step (issue 47, item 2)
 #   profile        cProfile over draft_model's and target_model's execute (SPECDEC_PROFILE_DIR): 8 target-only
 #                  streams, then 1 stream at K=0, 4 and adaptive; pstats' reports in profile-*.txt (~2 min):
 #                  where the host time inside an execution goes (the adapter's share: "in execute" - "in
@@ -218,6 +222,10 @@ for part in "$@"; do
         --launcher-arg=--set=draft_model.attention=paged --off --launcher-arg=--set=target_model.attention=sdpa \
         --launcher-arg=--set=draft_model.attention=sdpa
       run kernels-paged 120 "$python" -m bench.kernel_profile --attention paged --out "$out/kernels-paged.md" ;;
+    ahead)  # target_model's greedy steps run ahead (the CUDA default) against not; named twice: on off off on
+      ab ahead on 170 "" -- --launcher-arg=--set=target_model.run_ahead=on --off \
+        --launcher-arg=--set=target_model.run_ahead=off
+      run executor-ahead 150 "$python" -m bench.executor_bench --modes graphs-mlp --out "$out/executor-ahead.md" ;;
     kernels) run kernels 300 "$python" -m bench.kernel_profile --out "$out/kernels.md" ;;
     ksweep)
       for ks in "6 5" "8 7"; do
@@ -227,6 +235,6 @@ for part in "$@"; do
       done ;;
     executor) run executor 240 "$python" -m bench.executor_bench --modes graphs,graphs-mlp --reference \
         --out "$out/executor.md" ;;
-    *) echo "unknown part: $part (tests, heads, bench, attention, orchestrators, executor, streams, prefix, pipeline, load, overhead, overhead8b, mps, ksweep, profile, prompts, maxk, kernels)" >&2; exit 2 ;;
+    *) echo "unknown part: $part (tests, heads, bench, ahead, attention, orchestrators, executor, streams, prefix, pipeline, load, overhead, overhead8b, mps, ksweep, profile, prompts, maxk, kernels)" >&2; exit 2 ;;
   esac
 done

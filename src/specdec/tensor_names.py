@@ -164,6 +164,9 @@ EXECUTORS = ("auto", "static", "dynamic")  # auto: static on CUDA where the mode
 # The static executor's attention: paged (engine/paged_attention.py, a Triton kernel reading the KV pool in
 # place), sdpa (the window gathered, then torch's SDPA), auto (paged on CUDA where Triton serves the dtype).
 ATTENTION_KINDS = ("auto", "paged", "sdpa")
+# target_model's greedy one-token steps run ahead of their requests (engine/run_ahead.py): auto = on CUDA,
+# where the device would otherwise idle through each round's host work; on CPU the forward is the host's work.
+RUN_AHEAD_MODES = ("auto", "on", "off")
 # Where CUDA graphs run, prompts of up to this many tokens replay captured buckets of their own (powers of
 # two; 0: eager prompts): an eager prompt pays a kernel launch per operation, which dominated the time
 # to first token on a GPU, for a few more graphs per model.

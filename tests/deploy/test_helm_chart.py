@@ -308,7 +308,7 @@ def pair_for(values: dict) -> PairSpec:
         orchestrator_instances=spec["orchestratorInstances"],
         sequence_idle_timeout_s=spec["sequenceIdleTimeoutSeconds"], compile=values["executor"]["compile"],
         fuse_kernels=values["executor"]["fuseKernels"], fuse_mlp=values["executor"]["fuseMlp"],
-        attention=values["executor"]["attention"],
+        attention=values["executor"]["attention"], run_ahead=values["executor"]["runAhead"],
         prefill_graph_rows=values["executor"]["prefillGraphRows"],
         torch_threads=str(values["executor"]["torchThreads"]),
         kv_memory_fraction_target=values["executor"]["kvMemoryFraction"]["target"],

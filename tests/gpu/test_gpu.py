@@ -57,6 +57,30 @@ def test_greedy_speculative_equals_target_only_with_the_paged_kernel_in_cuda_gra
         assert run(target, draft, SamplingParams(), k, max_tokens=64) == alone
 
 
+def test_steps_run_ahead_in_cuda_graphs_equal_the_steps_asked_for(tiny_pair):
+    """engine/run_ahead.py on the GPU: a greedy step run ahead (its token taken on the device, its forward a
+    replayed graph whose output the next replay overwrites) gives the logits of the step asked for, and a
+    dropped one (a verify asked for instead) leaves the cache as if it had not run; float32, CUDA graphs,
+    the paged kernel, against the same executor never running ahead."""
+    model = load_causal_lm(tiny_pair.target_path, "cuda", "float32")
+    settings = dict(kv_pool_tokens=4096, block_size=16, max_context=512, max_batch=2, max_rows=5)
+    ahead, plain = (static_executor(model, **settings) for _ in range(2))
+    assert ahead.forward.mode == "graphs"
+    logits = [lm.extend(1, 0, PROMPT, 1) for lm in (ahead, plain)]
+    length = len(PROMPT)
+    for i in range(40):
+        token = logits[0][-1].argmax().reshape(1)
+        assert ahead.run_ahead(1, token, int(token))
+        ids = [int(token)] if i % 7 != 6 else [int(token), 5, 6]  # now and then a verify: the step is dropped
+        step = Step(1, length, ids, len(ids))
+        logits = [lm.extend_many([step])[0] for lm in (ahead, plain)]
+        assert torch.allclose(logits[0], logits[1], atol=1e-5, rtol=0), i
+        assert logits[0].argmax(-1).tolist() == logits[1].argmax(-1).tolist()
+        length += len(ids)
+    assert (ahead.ahead_used, ahead.ahead_dropped) == (35, 5)
+    assert ahead.ahead_taken[1].seconds() > 0
+
+
 def test_sampling_with_a_draft_model_on_the_gpu_is_seeded(tiny_pair):
     target = dynamic_executor(load_causal_lm(tiny_pair.target_path, "cuda", "float32"))
     draft = dynamic_executor(load_causal_lm(tiny_pair.draft_paths["draft_model"], "cuda", "float32"))

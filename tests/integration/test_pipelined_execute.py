@@ -1,8 +1,10 @@
-"""pipelined_execute served by a real tritonserver: draft_model and target_model return from execute once
-their forward is done and answer through their requests' senders from a thread of their own
-(responder.py), on the static executor (what GPUs run; eager on CPU). Concurrent mixed requests, two of
-them cancelled mid-stream, each equal their solo target-only output token for token; every cache is
-freed and the server stops cleanly (the responder threads too)."""
+"""pipelined_execute and run_ahead served by a real tritonserver: draft_model and target_model return from
+execute once their forward is done and answer through their requests' senders from a thread of their own
+(responder.py), on the static executor (what GPUs run; eager on CPU), and target_model runs each greedy
+target-only step's successor ahead (engine/run_ahead.py, on as on a GPU). Concurrent mixed requests, two
+of them cancelled mid-stream, each equal their solo target-only output token for token; target-only text
+equals a draft model's (no step run ahead there); a step asked for after one ran ahead gets its own
+answer; every cache is freed and the server stops cleanly (the responder threads too)."""
 
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -32,6 +34,7 @@ def pipelined(tmp_path_factory):
     for model in ("target_model", "draft_model"):
         args += ["--set", f"{model}.pipelined_execute=true", "--set", f"{model}.executor=static",
                  "--set", f"{model}.kv_pool_tokens=8192"]
+    args += ["--set", "target_model.run_ahead=on"]
     own = server.start(tmp_path / "run", tmp_path / "server.log", args)
     yield own
     stop_server(own)  # nothing in flight, no stub left, exit code 0
@@ -111,3 +114,52 @@ def test_bad_steps_get_their_errors_through_the_sender_and_the_model_keeps_servi
         assert pipelined.metric("specdec_model_live_sequences", model=tn.TARGET_MODEL_NAME) == 0
     finally:
         client.close()
+
+
+def test_target_only_steps_run_ahead_and_equal_a_draft_models_text(pipelined):
+    ahead = lambda outcome: pipelined.metric("specdec_model_run_ahead_steps_total",  # noqa: E731
+                                             model=tn.TARGET_MODEL_NAME, outcome=outcome)
+    used = ahead("used")
+    plain = grpc_stream(pipelined.grpc_url, PROMPTS[4], max_tokens=24, num_draft_tokens=0)
+    drafted = grpc_stream(pipelined.grpc_url, PROMPTS[4], max_tokens=24, num_draft_tokens=4, adaptive_draft=False,
+                          draft_model="draft_model")
+    assert plain[tn.TEXT_OUTPUT] == drafted[tn.TEXT_OUTPUT] and drafted[tn.TOTAL_DRAFT_TOKENS] > 0
+    # Every target-only round after the second took the step run ahead (the metrics flush at a release)
+    deadline = time.monotonic() + 10
+    while ahead("used") - used < plain[tn.NUM_OUTPUT_TOKENS] - 3 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ahead("used") - used >= plain[tn.NUM_OUTPUT_TOKENS] - 3
+
+
+def test_a_step_after_one_ran_ahead_gets_its_own_answer(pipelined):
+    """target_model called directly: a one-token step runs its successor ahead; asking for another token
+    instead (a rollback of it) answers what a fresh sequence with that text answers."""
+    client = grpcclient.InferenceServerClient(pipelined.grpc_url)
+
+    def greedy(seq_id, ids, keep, start=False, end=False):
+        inputs = [grpcclient.InferInput(tn.INPUT_IDS, [1, len(ids)], "INT32"),
+                  grpcclient.InferInput(tn.CACHE_LENGTH, [1, 1], "INT32"),
+                  grpcclient.InferInput(tn.NUM_LOGITS, [1, 1], "INT32"),
+                  grpcclient.InferInput(tn.RELEASE, [1, 1], "BOOL")]
+        for tensor, value in zip(inputs, ([ids], [[keep]], [[int(bool(ids))]], [[end and not ids]])):
+            tensor.set_data_from_numpy(np.array(value, dtype=np.bool_ if tensor.name() == tn.RELEASE else np.int32))
+        outputs = [grpcclient.InferRequestedOutput(tn.GREEDY_TOKENS)]
+        result = client.infer(tn.TARGET_MODEL_NAME, inputs, outputs=outputs, sequence_id=seq_id,
+                              sequence_start=start, sequence_end=end)
+        return int(result.as_numpy(tn.GREEDY_TOKENS).reshape(-1)[-1]) if ids else None
+    dropped = pipelined.metric("specdec_model_run_ahead_steps_total", model=tn.TARGET_MODEL_NAME, outcome="dropped")
+    try:
+        first = greedy(911, [5, 6, 7], 0, start=True)
+        second = greedy(911, [first], 3)  # its successor (second) runs ahead now
+        other = (second + 1) % 50
+        answer = greedy(911, [other], 4)  # not the step run ahead: dropped, this one runs
+        assert answer == greedy(912, [5, 6, 7, first, other], 0, start=True, end=True)
+        greedy(911, [], 0, end=True)
+    finally:
+        client.close()
+    deadline = time.monotonic() + 10
+    while (pipelined.metric("specdec_model_run_ahead_steps_total", model=tn.TARGET_MODEL_NAME, outcome="dropped")
+           == dropped and time.monotonic() < deadline):
+        time.sleep(0.2)
+    assert pipelined.metric("specdec_model_run_ahead_steps_total", model=tn.TARGET_MODEL_NAME,
+                            outcome="dropped") > dropped

@@ -34,6 +34,7 @@ instance_group [ { count: 1, kind: KIND_GPU, gpus: [ {{ ternary $root.Values.gpu
 {{ include "specdec.param" (list "model_path" $path) }}
 {{- if eq $role "target" }}
 {{ include "specdec.param" (list "draft_heads" (include "specdec.headPaths" $root)) }}
+{{ include "specdec.param" (list "run_ahead" $root.Values.executor.runAhead) }}
 {{- else }}
 {{- $kind := $root.Values.models.draft.method }}
 {{ include "specdec.param" (list "draft_kind" (ternary $kind "model" (has $kind (list "head" "skip")))) }}

@@ -2,6 +2,7 @@
 
   executor       `Executor`: a KV store plus a forward; sequences with rollback, admission, prefix
                  caching's bookkeeping, packed batched forwards, drafting
+  run_ahead      a greedy step run before its request asks for it (the device busy through the host's work)
   interfaces     Step, Drafted, and the KVStore and Forward protocols the executor is composed of
   build          `build_executor(model, ExecutorConfig)`: which store and forward serve a model
   kv_cache       the contiguous KV store: per-sequence buffers and the attention that reads them in place

@@ -30,6 +30,7 @@ from specdec.engine.errors import CacheError, CapacityError
 from specdec.engine.interfaces import Drafted, Forward, ForwardOutput, KVStore, Scored, Step
 from specdec.engine.kv_cache import kv_layout
 from specdec.engine.prefix_cache import ROOT, PrefixIndex, SequenceState
+from specdec.engine.run_ahead import Ahead, ForwardTimer
 
 __all__ = ["CacheError", "CapacityError", "Drafted", "Executor", "Forward", "KVStore", "Scored", "Step"]
 
@@ -75,6 +76,12 @@ class Executor:
         # Whether each sequence's tokens are kept on the host (seq.tokens) without prefix caching: a
         # layer-skip draft's search reads them (skip_layers.SkipTuner).
         self.keep_tokens = False
+        # Greedy steps run ahead of their requests (run_ahead.py): per sequence the one pending; how many
+        # were taken and dropped (the metrics'); per sequence the timer of the forward the last extend_many
+        # took (the adapter reports its time instead of its own wait for it).
+        self.ahead: dict[int, Ahead] = {}
+        self.ahead_used = self.ahead_dropped = 0
+        self.ahead_taken: dict[int, ForwardTimer] = {}
 
     @property
     def tracks_tokens(self) -> bool:
@@ -302,8 +309,16 @@ class Executor:
         if with_hidden and not self.forward.hidden_layers:
             raise ValueError("with_hidden needs an executor built with hidden_layers")
         steps = list(steps)  # _acquire_all may shorten a step (prefix caching); the caller's stay as sent
-        ok, errors = self._acquire_all(steps, self._extend_problem)
-        results: list = list(errors)
+        taken = self._settle_ahead(steps, usable=True)
+        rest = [i for i in range(len(steps)) if i not in taken]
+        asked = [steps[i] for i in rest]
+        ok, errors = self._acquire_all(asked, self._extend_problem)
+        results: list = [None] * len(steps)
+        for j, i in enumerate(rest):
+            steps[i], results[i] = asked[j], errors[j]
+        ok = [rest[j] for j in ok]
+        for i, ahead in taken.items():  # computed already: run ahead after the previous step
+            results[i] = ahead.logits if not with_hidden else Scored(ahead.logits, ahead.hidden)
         # A prompt's chunk found whole in the prefix cache has nothing left to run (and wants no logits).
         run = [i for i in ok if steps[i].new_ids]
         for i in ok:
@@ -319,6 +334,59 @@ class Executor:
             for row, i in enumerate(run):
                 results[i] = out.logits[row] if not with_hidden else Scored(out.logits[row], out.hidden[row])
         return results
+
+    @torch.inference_mode()
+    def run_ahead(self, seq_id: int, token: torch.Tensor, value: int) -> bool:
+        """Append `token` (one id, on the device: the greedy pick of the sequence's last step, `value` on
+        the host) and run its forward now, without waiting for it (run_ahead.py): the sequence's next
+        `extend` that asks for exactly this step takes its logits; any other step drops it. False where
+        it cannot run (no such sequence, one pending already, no room)."""
+        seq = self.sequences.get(seq_id)
+        if seq is None or seq_id in self.ahead:
+            return False
+        start = seq.length
+        try:
+            self.kv.reserve(seq, start + 1)
+        except CacheError:
+            return False
+        with ForwardTimer(self.device) as timer:
+            out = self._forward([seq], [token.reshape(1)], [1])
+        self.tokens_processed -= 1  # counted when a request takes it
+        self.ahead[seq_id] = Ahead(start, value, out.logits[0], out.hidden[0] if out.hidden else None, timer)
+        return True
+
+    def _settle_ahead(self, steps: list[Step], usable: bool) -> dict[int, Ahead]:
+        """The steps run ahead that these steps ask for (by index; `usable` false: none), taken; the other
+        pending ones of these steps' sequences dropped (the sequence rolls back to before them)."""
+        self.ahead_taken = {}
+        taken: dict[int, Ahead] = {}
+        if not self.ahead:
+            return taken
+        for i, step in enumerate(steps):
+            ahead = self.ahead.pop(step.seq_id, None)
+            if ahead is None:
+                continue
+            seq = self.sequences[step.seq_id]
+            if usable and ahead.matches(step.keep, step.new_ids, step.num_logits, step.tree, step.path):
+                seq.last_used = self.clock()
+                self.tokens_processed += 1
+                if self.tracks_tokens:  # its token is known on the host now: its block can be keyed
+                    seq.tokens[ahead.start] = ahead.token
+                    if self.prefix is not None:
+                        self._register(seq, seq.length)
+                self.ahead_used += 1
+                self.ahead_taken[step.seq_id] = ahead.timer
+                taken[i] = ahead
+            else:
+                self._drop_ahead(seq, ahead)
+        return taken
+
+    def _drop_ahead(self, seq, ahead: Ahead) -> None:
+        # Its keys and values stay where they are, past the length: the next forward overwrites them.
+        seq.length = ahead.start
+        if self.tracks_tokens:
+            del seq.tokens[ahead.start:]
+        self.ahead_dropped += 1
 
     def _run_leading_chains(self, steps: list[Step], run: list[int]) -> dict[int, tuple]:
         """A tree step that starts with a chain (the tokens a cache lacks before the candidates: a prompt,
@@ -357,6 +425,7 @@ class Executor:
         at the end: no host sync per drafted token."""
         # A proposal wants its last position's logits (it drafts from them); k = 0, a prompt's chunk, none.
         steps = [step._replace(num_logits=int(step.k > 0)) for step in steps]
+        self._settle_ahead(steps, usable=False)
         ok, errors = self._acquire_all(steps, lambda step: None if step.k >= 0 else
                                        f"num_draft_tokens must be >= 0, got {step.k}")
         results: list = list(errors)
@@ -430,6 +499,8 @@ class Executor:
 
     def release(self, seq_id: int) -> bool:
         seq = self.sequences.pop(seq_id, None)
+        if self.ahead.pop(seq_id, None) is not None:
+            self.ahead_dropped += 1
         if seq is not None:
             self.kv.release(seq)
         return seq is not None

@@ -84,6 +84,7 @@ class HeadExecutor:
         self.prefix_queried_tokens = self.prefix_hit_tokens = 0
         self.prefix_cache_bytes = 0
         self.stop_below = 0.0  # the confidence stop, as Executor's
+        self.ahead_taken, self.ahead_used, self.ahead_dropped = {}, 0, 0  # nothing runs ahead (Executor's run_ahead)
         if graphs is None:
             graphs = self.device.type == "cuda"
         self.pool = self.steps = None

@@ -59,6 +59,7 @@ class PairSpec:
     fuse_kernels: bool = True  # where CUDA graphs run: pointwise work compiled into fused kernels
     fuse_mlp: bool = True  # where CUDA graphs run: a SiLU MLP's gate and up products as one
     attention: str = "auto"  # tn.ATTENTION_KINDS: the static executor's (auto: the paged kernel on CUDA)
+    run_ahead: str = "auto"  # tn.RUN_AHEAD_MODES: target_model's next greedy step run ahead (auto: on CUDA)
     prefill_graph_rows: int = tn.DEFAULT_PREFILL_GRAPH_ROWS  # with CUDA graphs: prompts up to this long captured
     torch_threads: str = "auto"  # each model's CPU threads: torch's count capped by the CPUs granted, or a count
     kv_memory_fraction_target: float = 0.5

@@ -81,7 +81,7 @@ def render(pair: PairSpec, dest: Path) -> Path:
     edit("postprocessing", tokenizer)
     # target_model serves the features every head reads (draft_heads.served_layers); each head knows the list
     heads = ",".join(pair.draft_heads.values())
-    edit("target_model", {**lm_settings(pair.target_path, "target"), "draft_heads": heads},
+    edit("target_model", {**lm_settings(pair.target_path, "target"), "draft_heads": heads, "run_ahead": pair.run_ahead},
          instance_group(pair, "target"))
     drafts = list(pair.draft_paths.items())
     for name, _ in drafts[1:] + list(pair.draft_heads.items()) + list(pair.skip_drafts.items()):

@@ -191,7 +191,7 @@ class LanguageModelAdapter(TritonAdapter):
     def _report_metrics(self, flush: bool) -> None:
         self.metrics.report(self.lm.tokens_processed, len(self.lm.sequences), self.lm.kv_bytes_allocated, flush,
                             self.forward_seconds, (self.lm.prefix_queried_tokens, self.lm.prefix_hit_tokens),
-                            self.lm.prefix_cache_bytes)
+                            self.lm.prefix_cache_bytes, (self.lm.ahead_used, self.lm.ahead_dropped))
 
     def execute(self, requests):
         """All pending steps (of different sequences: the sequence batcher sends one step per sequence
@@ -250,9 +250,12 @@ class LanguageModelAdapter(TritonAdapter):
                         torch.cuda.current_stream(self.lm.device).synchronize()
                 except Exception as exc:  # noqa: BLE001 - the batch fails, the server keeps serving
                     results += [RuntimeError(f"{type(exc).__name__}: {exc}")] * len(group)
+                seconds = time.perf_counter() - started
+                if self.lm.ahead_taken and len(self.lm.ahead_taken) == len(group):
+                    # Run ahead (run_ahead.py): what the forward took, not the rest of it this execute waited
+                    seconds = max(timer.seconds() for timer in self.lm.ahead_taken.values())
                 # What this forward cost, for the orchestrator's cost model: rows, sequences, seconds.
-                forward = ForwardStats(sum(len(step.new_ids) for step in group), len(group),
-                                       time.perf_counter() - started)
+                forward = ForwardStats(sum(len(step.new_ids) for step in group), len(group), seconds)
                 self.forward_seconds += forward.seconds
                 forwards += [forward] * len(group)
             try:
@@ -344,6 +347,37 @@ WARM_UP_SEQUENCE = 0  # Triton never uses correlation ID 0 for a sequence: it ca
 
 class TargetModel(LanguageModelAdapter):
     heads_parameter = "draft_heads"  # the heads it returns features for
+    # What a step run ahead can answer: its greedy token and the forward's cost, nothing of its logits.
+    AHEAD_OUTPUTS = frozenset({tn.GREEDY_TOKENS, tn.FORWARD_STATS})
+    run_ahead = False  # the run_ahead parameter, read at load (_start)
+
+    def _start(self, params):
+        mode = params.str("run_ahead", "auto", choices=tn.RUN_AHEAD_MODES)
+        self.run_ahead = mode == "on" or (mode == "auto" and self.lm.device.type == "cuda")
+        super()._start(params)
+
+    def _run_jobs(self, jobs):
+        outcomes = super()._run_jobs(jobs)
+        self._run_ahead(jobs, outcomes)
+        return outcomes
+
+    def _run_ahead(self, jobs, outcomes) -> None:
+        """After a greedy one-token step that asked for nothing but its token (a target-only round), run
+        the sequence's next step now (engine/run_ahead.py), while this response travels to the orchestrator
+        and its next request comes back. Only with one sequence live: with more, a step run ahead for one
+        would hold up the forward the others' requests are about to ask for."""
+        if not self.run_ahead or len(jobs) != 1 or len(self.lm.sequences) != 1:
+            return
+        (job,), (outcome,) = jobs, outcomes
+        step = job.step
+        if (step is None or not isinstance(outcome, tuple) or len(step.new_ids) != 1 or step.num_logits != 1
+                or step.allowed is not None or step.tree is not None):
+            return
+        wanted = set(job.request.requested_output_names())  # none named: all of them
+        if not wanted or not wanted <= self.AHEAD_OUTPUTS:
+            return
+        (logits, tokens, _), _ = outcome
+        self.lm.run_ahead(job.seq_id, greedy(logits[-1]).reshape(1), int(tokens[-1]))
 
     def _warm_up_steps(self):
         prompt = list(range(1, 17))

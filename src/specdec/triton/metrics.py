@@ -67,7 +67,12 @@ class ModelMetrics(_MetricSet):
                                  "Bytes of KV blocks kept for later prompts that no sequence holds (the static "
                                  "executor's pool blocks, given up whenever room is needed; the eager one's store)",
                                  kinds.GAUGE).Metric(labels=labels)
-        self._tokens, self._at, self._seconds, self._prefix = 0, 0.0, 0.0, (0, 0)
+        ahead = make("specdec_model_run_ahead_steps_total",
+                     "Greedy steps run ahead of their requests (run_ahead): used = a request took it, dropped = "
+                     "the next request asked for another step", kinds.COUNTER)
+        self.ahead = (ahead.Metric(labels={**labels, "outcome": "used"}),
+                      ahead.Metric(labels={**labels, "outcome": "dropped"}))
+        self._tokens, self._at, self._seconds, self._prefix, self._ahead = 0, 0.0, 0.0, (0, 0), (0, 0)
         # A model loaded again after its stub died starts empty: its gauges say so at once, not the dead
         # stub's last values (Triton keeps a family's metrics across the model's instances).
         for gauge in (self.live, self.kv_bytes, self.prefix_bytes):
@@ -75,10 +80,12 @@ class ModelMetrics(_MetricSet):
         self._gauges: dict[str, float | None] = {"live": 0, "kv": 0, "prefix": 0}
 
     def report(self, tokens_processed: int, live_sequences: int, kv_bytes: int, flush: bool,
-               forward_seconds: float = 0.0, prefix: tuple[int, int] = (0, 0), prefix_bytes: int = 0) -> None:
+               forward_seconds: float = 0.0, prefix: tuple[int, int] = (0, 0), prefix_bytes: int = 0,
+               ahead: tuple[int, int] = (0, 0)) -> None:
         """Set the gauges only when they changed, and add to the counters at most twice a second or when
         a sequence ends (flush): this runs on every execute. Counts are totals since load; `prefix` is
-        (prompt tokens looked up, found) in the prefix cache, `prefix_bytes` what it keeps."""
+        (prompt tokens looked up, found) in the prefix cache, `prefix_bytes` what it keeps, `ahead` (steps
+        run ahead used, dropped)."""
         now = time.monotonic()
         pending = tokens_processed - self._tokens
         if pending and (flush or now - self._at >= 0.5):
@@ -89,6 +96,11 @@ class ModelMetrics(_MetricSet):
                 self.prefix_queries.increment(prefix[0] - self._prefix[0])
                 self.prefix_hits.increment(prefix[1] - self._prefix[1])
                 self._prefix = prefix
+            if ahead != self._ahead:
+                for metric, now_count, before in zip(self.ahead, ahead, self._ahead):
+                    if now_count != before:
+                        metric.increment(now_count - before)
+                self._ahead = ahead
         for key, metric, value in (("live", self.live, live_sequences), ("kv", self.kv_bytes, kv_bytes),
                                    ("prefix", self.prefix_bytes, prefix_bytes)):
             if value != self._gauges[key]:

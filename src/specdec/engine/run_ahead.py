@@ -1,0 +1,64 @@
+"""Running a sequence's next greedy step before it is asked for, so the device works while the host serves.
+
+A served target-only round is a forward (~5 ms for an 8B model on an H100-class GPU) plus ~2 ms of host
+machinery (the adapter, Triton, the orchestrator's BLS call and its response) during which the GPU idles.
+When a greedy step's only output is its token, the next step's input is that token, known on the device
+before the host has seen it: the executor appends it and runs the next forward at once (`Executor.run_ahead`),
+and the next request, when it asks for exactly that step, takes the logits already computed instead of
+running it again. The GPU then runs forward after forward while the machinery of each round overlaps the
+next round's forward (what SGLang's overlap scheduler does for its batches). A request that asks for
+anything else (another token count, a rollback, a tree, other outputs) drops the step: its keys and values
+lie past the sequence's kept length, overwritten like a rejected draft token's.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import NamedTuple
+
+import torch
+
+
+class Ahead(NamedTuple):
+    """A step run ahead for one sequence: what the request that takes it must ask for, and its results."""
+
+    start: int  # the sequence's length before the step (the request's cache_length)
+    token: int  # the token it appended (the request's one new token)
+    logits: torch.Tensor  # (1, V) as extend returns them
+    hidden: torch.Tensor | None  # (1, layers, H) with hidden_layers
+    timer: "ForwardTimer"
+
+    def matches(self, keep: int, new_ids, num_logits: int, tree, path) -> bool:
+        return (keep == self.start and num_logits == 1 and tree is None and path is None
+                and len(new_ids) == 1 and int(new_ids[0]) == self.token)
+
+
+class ForwardTimer:
+    """How long a forward took on its device: CUDA events around it (read once it is done, without
+    waiting for work queued after it), or the host's clock on CPU, where a forward is synchronous."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._events = None
+        self._seconds = 0.0
+        self._started = 0.0
+
+    def __enter__(self) -> "ForwardTimer":
+        if self.device.type == "cuda":
+            self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self._events[0].record()
+        else:
+            self._started = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._events is not None:
+            self._events[1].record()
+        else:
+            self._seconds = time.perf_counter() - self._started
+
+    def seconds(self) -> float:
+        if self._events is None:
+            return self._seconds
+        self._events[1].synchronize()
+        return self._events[0].elapsed_time(self._events[1]) / 1e3
