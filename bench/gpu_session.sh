@@ -63,6 +63,8 @@
 #                  against not: the served rows, one server each, run ahead first, then the in-process step
 #                  (executor_bench graphs-mlp) they compare with (~6 min): what the round's host work costs
 #                  once the device goes on with the next step (issue 47, item 2)
+#   drafttrees     the draft model's token trees (draft_branches=2: its chain and its second choice beside each
+#                  token, K nodes) against its chains, served rows at K=4 and K=8, one server each (~5 min)
 #   profile        cProfile over draft_model's and target_model's execute (SPECDEC_PROFILE_DIR): 8 target-only
 #                  streams, then 1 stream at K=0, 4 and adaptive; pstats' reports in profile-*.txt (~2 min):
 #                  where the host time inside an execution goes (the adapter's share: "in execute" - "in
@@ -73,11 +75,12 @@
 # summary.txt (each part's exit code and time), gpu.txt and session.tgz (all of it). Without $OUT they stay
 # in .cache/gpu-session. So one command runs any parts, in the order named. A session lent 15 device-minutes
 # (a start takes 1-2 of them) has room for one full command: name the parts most wanted first, and what no
-# longer fits the budget is skipped, the rest coming back whole. The next one, in that order (~8 min): every GPU
-# test with the paged attention kernel as the CUDA default (measured on an H200 with the `attention` part, not
-# yet on an H100), the full table with it, and the deployment's max K against the bench's:
+# longer fits the budget is skipped, the rest coming back whole. The next one, in that order (~9 min): the
+# draft model's token trees against its chains (not measured on a GPU yet), the full table with run ahead and
+# the paged kernel (their rows were measured on an H100 in parts, the full table not), and the deployment's
+# max K against the bench's:
 #
-#   source .gpukit/activate.sh && GPU_SESSION_SECONDS=540 bash bench/gpu_session.sh tests bench maxk
+#   source .gpukit/activate.sh && GPU_SESSION_SECONDS=540 bash bench/gpu_session.sh drafttrees bench maxk
 set -uo pipefail
 cd "$(dirname "$0")/.."
 dest="${OUT:-}"
@@ -226,6 +229,8 @@ for part in "$@"; do
       ab ahead on 170 "" -- --launcher-arg=--set=target_model.run_ahead=on --off \
         --launcher-arg=--set=target_model.run_ahead=off
       run executor-ahead 150 "$python" -m bench.executor_bench --modes graphs-mlp --out "$out/executor-ahead.md" ;;
+    drafttrees)  # the draft model's token trees (draft_branches=2) against its chains, K=4 and 8; twice: on off off on
+      ab drafttrees on 200 "--extra-k 8" -- --launcher-arg=--set=speculative_decoding.draft_branches=2 ;;
     kernels) run kernels 300 "$python" -m bench.kernel_profile --out "$out/kernels.md" ;;
     ksweep)
       for ks in "6 5" "8 7"; do
@@ -235,6 +240,6 @@ for part in "$@"; do
       done ;;
     executor) run executor 240 "$python" -m bench.executor_bench --modes graphs,graphs-mlp --reference \
         --out "$out/executor.md" ;;
-    *) echo "unknown part: $part (tests, heads, bench, ahead, attention, orchestrators, executor, streams, prefix, pipeline, load, overhead, overhead8b, mps, ksweep, profile, prompts, maxk, kernels)" >&2; exit 2 ;;
+    *) echo "unknown part: $part (tests, heads, bench, ahead, drafttrees, attention, orchestrators, executor, streams, prefix, pipeline, load, overhead, overhead8b, mps, ksweep, profile, prompts, maxk, kernels)" >&2; exit 2 ;;
   esac
 done

@@ -42,10 +42,12 @@ PROMPT = "Once upon a time"
 def small_pool(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("static")
     # One torch thread for the draft (torch_threads as a count: what a small model on CPU may want).
-    # Prompt lookup proposes trees of up to 3 continuations (lookup_branches).
+    # Prompt lookup proposes trees of up to 3 continuations (lookup_branches), the draft model trees of its
+    # 2 likeliest tokens per position (draft_branches).
     own = server.start(tmp_path / "run", tmp_path / "server.log",
                        static_args(*SMALL_POOL, "--set", "draft_model.torch_threads=1",
-                                   "--set", "speculative_decoding.lookup_branches=3"))
+                                   "--set", "speculative_decoding.lookup_branches=3",
+                                   "--set", "speculative_decoding.draft_branches=2"))
     yield own
     stop_server(own)  # nothing in flight, no stub left, exit code 0
 
@@ -83,6 +85,26 @@ def test_prompt_lookup_trees_are_verified_exactly(small_pool):
     client = Client(small_pool.grpc_url)
     assert client.generate(prompt, seeded).text == client.generate(prompt, seeded).text  # sampled trees: seeded
     assert trees() > before
+    assert small_pool.metric("specdec_model_kv_cache_bytes", model="target_model") == 0
+
+
+def test_draft_model_trees_are_verified_exactly(small_pool):
+    """draft_branches=2: draft_model proposes its chain with its second choice beside each token, one tree
+    of K nodes; greedy text equals target-only over gRPC and HTTP, the rounds verified trees, seeded
+    sampled trees (siblings drawn without replacement) repeat, and every sequence's blocks go back."""
+    trees = lambda: small_pool.metric("specdec_tree_rounds_total")  # noqa: E731
+    before = trees()
+    for url, protocol in ((small_pool.grpc_url, "grpc"), (small_pool.http_url, "http")):
+        client = Client(url, protocol=protocol)
+        for prompt in ("The capital of France is", "Numbers: 1 2 3 4 5"):
+            alone = client.generate(prompt, GenerationParams(max_tokens=32, num_draft_tokens=0))
+            drafted = client.generate(prompt, GenerationParams(max_tokens=32, num_draft_tokens=6, adaptive_draft=False,
+                                                               draft_model="draft_model"))
+            assert drafted.text == alone.text and drafted.total_draft_tokens > 0
+    assert trees() > before
+    seeded = GenerationParams(max_tokens=24, num_draft_tokens=6, draft_model="draft_model", temperature=0.8, seed=5)
+    client = Client(small_pool.grpc_url)
+    assert client.generate(PROMPT, seeded).text == client.generate(PROMPT, seeded).text
     assert small_pool.metric("specdec_model_kv_cache_bytes", model="target_model") == 0
 
 

@@ -36,6 +36,7 @@ class _Pb:
         cached = sent[tn.CACHE_LENGTH].item() + sent[tn.INPUT_IDS].size + sent.get(tn.NUM_DRAFT_TOKENS, np.ones(1)).item() - 1
         outputs = {tn.DRAFT_TOKENS: _Tensor(tn.DRAFT_TOKENS, [[3, 4]]),
                    tn.CACHED_LENGTH: _Tensor(tn.CACHED_LENGTH, [[cached]]),
+                   tn.DRAFT_PARENTS: _Tensor(tn.DRAFT_PARENTS, np.zeros((1, 0), dtype=np.int32)),
                    tn.DRAFT_PROBS: _Tensor(tn.DRAFT_PROBS, np.full((1, 2, 5), 0.2, dtype=np.float32)),
                    tn.GREEDY_TOKENS: _Tensor(tn.GREEDY_TOKENS, [[7, 8]]),
                    tn.FORWARD_STATS: _Tensor(tn.FORWARD_STATS, [[2, 1, 0.01]])}
@@ -79,8 +80,8 @@ def test_every_draft_call_carries_one_input_set_with_the_sampling_settings_greed
     asyncio.run(proposer.release(1))
     assert pb.sent[-1][tn.RELEASE].item() and pb.sent[-1][tn.NUM_DRAFT_TOKENS].item() == 0
     assert _input_sets(pb.sent) == {frozenset([tn.INPUT_IDS, tn.CACHE_LENGTH, tn.RESERVE_TOKENS, tn.RELEASE,
-                                               tn.NUM_DRAFT_TOKENS, tn.TEMPERATURE, tn.TOP_K, tn.TOP_P, tn.MIN_P,
-                                               tn.SEED])}
+                                               tn.NUM_DRAFT_TOKENS, tn.NUM_DRAFT_BRANCHES, tn.TEMPERATURE, tn.TOP_K,
+                                               tn.TOP_P, tn.MIN_P, tn.SEED])}
 
 
 def test_a_long_prompt_goes_in_chunks_that_ask_for_nothing_the_first_taking_the_room():

@@ -56,7 +56,7 @@ def test_sequences_are_independent(tiny_lm):
 def test_greedy_propose_matches_greedy_decoding(tiny_lm):
     lm = dynamic_executor(tiny_lm)
     prompt = [5, 17, 3]
-    tokens, probs, cached_length = lm.propose(1, 0, prompt, 4, SamplingParams())
+    tokens, probs, cached_length, _ = lm.propose(1, 0, prompt, 4, SamplingParams())
     ids = list(prompt)
     for _ in range(4):
         ids.append(int(full_logits(tiny_lm, ids)[-1].argmax()))
@@ -70,7 +70,7 @@ def test_sampled_propose_is_reproducible_and_returns_distributions(tiny_lm):
     for _ in range(2):
         lm = dynamic_executor(tiny_lm)
         runs.append(lm.propose(1, 0, [5, 6], 3, params, make_generator(11)))
-    (tokens_a, probs_a, _), (tokens_b, probs_b, _) = runs
+    (tokens_a, probs_a, *_), (tokens_b, probs_b, *_) = runs
     assert tokens_a == tokens_b and torch.equal(probs_a, probs_b)
     assert probs_a.shape == (3, 97)
     assert all(probs_a[i, tok] > 0 for i, tok in enumerate(tokens_a))
@@ -161,7 +161,7 @@ def test_batched_propose_equals_one_by_one(tiny_lm, temperature):
         expected[sid] = solo.propose(sid, 0, prompt, ks[sid], params, gen)
     steps = [Step(sid, 0, prompt, k=ks[sid], params=params, generator=make_generator(sid) if temperature else None)
              for sid, prompt in prompts.items()]
-    for (tokens, probs, _), sid in zip(batched.propose_many(steps), prompts):
+    for (tokens, probs, *_), sid in zip(batched.propose_many(steps), prompts):
         assert tokens == expected[sid][0]
         if temperature:
             assert torch.allclose(probs, expected[sid][1], atol=1e-9)

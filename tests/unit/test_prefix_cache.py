@@ -245,9 +245,9 @@ def test_a_drafts_prompt_chunks_append_without_drafting(tiny_lm, kind):
     draft, reference = EXECUTORS[kind](tiny_lm), EXECUTORS[kind](tiny_lm, prefix_caching=False)
     ids = prompt(30, seed=17)
     greedy = SamplingParams()
-    assert draft.propose(1, 0, ids[:16], 0, greedy) == ([], None, 16)
+    assert draft.propose(1, 0, ids[:16], 0, greedy) == ([], None, 16, None)
     assert draft.propose(1, 16, ids[16:], 3, greedy) == reference.propose(1, 0, ids, 3, greedy)
     draft.release(1)
     processed = draft.tokens_processed
-    assert draft.propose(2, 0, ids[:16], 0, greedy) == ([], None, 16)  # found whole: nothing runs
+    assert draft.propose(2, 0, ids[:16], 0, greedy) == ([], None, 16, None)  # found whole: nothing runs
     assert draft.tokens_processed == processed and draft.cached_length(2) == 16

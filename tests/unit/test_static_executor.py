@@ -169,7 +169,7 @@ def test_proposals_match_the_dynamic_executor(tiny_lm, params):
                             None if params.greedy else make_generator(5, lm.logits_device))
         results.append((first, second))
     (first_d, second_d), (first_p, second_p) = results
-    for (tokens_d, probs_d, _), (tokens_p, probs_p, _) in zip(first_d + [second_d], first_p + [second_p]):
+    for (tokens_d, probs_d, *_), (tokens_p, probs_p, *_) in zip(first_d + [second_d], first_p + [second_p]):
         assert tokens_d == tokens_p
         assert (probs_d is None) == (probs_p is None)
         if probs_d is not None:

@@ -20,7 +20,8 @@ def test_a_step_round_trips_and_needs_its_ids():
 
 def test_a_proposal_round_trips_with_its_sampling_settings_and_seed():
     for message in (wire.ProposeMessage(4, SamplingParams(), 0),
-                    wire.ProposeMessage(2, SamplingParams(temperature=0.5, top_k=20, top_p=0.75, min_p=0.125), 2**63 + 5)):
+                    wire.ProposeMessage(2, SamplingParams(temperature=0.5, top_k=20, top_p=0.75, min_p=0.125), 2**63 + 5),
+                    wire.ProposeMessage(8, SamplingParams(), 3, branches=3)):
         arrays = message.encode()
         assert arrays[tn.SEED].dtype == np.uint64 and arrays[tn.TEMPERATURE].dtype == np.float32
         assert wire.ProposeMessage.decode(arrays) == message
@@ -37,6 +38,8 @@ def test_a_quiet_call_sends_the_same_input_set_as_a_full_one():
 def test_answers_round_trip():
     drafted = wire.DraftedMessage([7, 8, 9], 14)
     assert wire.DraftedMessage.decode(drafted.encode()) == drafted
+    tree = wire.DraftedMessage([7, 8, 9], 14, (-1, -1, 0))  # a drafted tree: its parents go with it
+    assert wire.DraftedMessage.decode(tree.encode()) == tree
     verified = wire.VerifiedMessage(np.array([3, 4], dtype=np.int32), ForwardStats(9, 2, 0.5),
                                     np.array([-0.25, -1.5], dtype=np.float32))
     back = wire.VerifiedMessage.decode(verified.encode())

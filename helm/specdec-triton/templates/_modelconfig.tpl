@@ -145,6 +145,7 @@ input [
   { name: "cache_length", data_type: TYPE_INT32, dims: [ 1 ] },
   { name: "reserve_tokens", data_type: TYPE_INT32, dims: [ 1 ], optional: true },
   { name: "num_draft_tokens", data_type: TYPE_INT32, dims: [ 1 ], optional: true },
+  { name: "num_draft_branches", data_type: TYPE_INT32, dims: [ 1 ], optional: true },
   { name: "temperature", data_type: TYPE_FP32, dims: [ 1 ], optional: true },
   { name: "top_k", data_type: TYPE_INT32, dims: [ 1 ], optional: true },
   { name: "top_p", data_type: TYPE_FP32, dims: [ 1 ], optional: true },
@@ -156,7 +157,8 @@ input [
 output [
   { name: "draft_tokens", data_type: TYPE_INT32, dims: [ -1 ] },
   { name: "draft_probs", data_type: TYPE_FP32, dims: [ -1, -1 ] },
-  { name: "cached_length", data_type: TYPE_INT32, dims: [ 1 ] }
+  { name: "cached_length", data_type: TYPE_INT32, dims: [ 1 ] },
+  { name: "draft_parents", data_type: TYPE_INT32, dims: [ -1 ] }
 ]
 {{ include "specdec.lmParams" (list . "draft" (ternary .Values.models.target.path .Values.models.draft.path (eq .Values.models.draft.method "skip"))) }}
 {{ include "specdec.param" (list "target_tokenizer_path" (include "specdec.tokenizerPath" .)) }}
@@ -241,6 +243,7 @@ output [
 {{ include "specdec.param" (list "head_drafts" (ternary "draft_model" "" (eq .Values.models.draft.method "head"))) }}
 {{ include "specdec.param" (list "suffix_cache_tokens" $s.suffixCacheTokens) }}
 {{ include "specdec.param" (list "lookup_branches" $s.lookupBranches) }}
+{{ include "specdec.param" (list "draft_branches" $s.draftBranches) }}
 {{ include "specdec.param" (list "adaptive_draft" (ternary "true" "false" $s.adaptiveDraft)) }}
 {{ include "specdec.param" (list "default_num_draft_tokens" $s.defaultNumDraftTokens) }}
 {{ include "specdec.param" (list "max_num_draft_tokens" $s.maxNumDraftTokens) }}

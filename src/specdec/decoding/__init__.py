@@ -4,6 +4,7 @@
   interfaces         Proposal, VerifyCall, Scores, ForwardStats and the Proposer / Scorer protocols the loop calls
   rejection_sampler  the accept/reject rule (greedy and lossless stochastic), pure tensor functions
   tree_sampler       the same rule over a token tree: the greedy path, recursive rejection sampling over siblings
+  draft_tree         a draft model's chain with its other candidates per position as a token tree
   sampling           logits -> probabilities (temperature, top-k, top-p), sampling, seeded generators
   draft_length       how many tokens to draft each round: the expected-speedup rule over measured costs
   skip_search        which layers a layer-skip self-draft leaves out: a search scored by agreement and cost

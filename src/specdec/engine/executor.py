@@ -25,6 +25,7 @@ from typing import Callable
 import torch
 
 from specdec import tensor_names as tn
+from specdec.decoding.draft_tree import chain_depth, top_k_tree
 from specdec.decoding.sampling import SamplingParams, greedy, logits_to_probs, sample, stops_after, token_probability
 from specdec.engine.errors import CacheError, CapacityError
 from specdec.engine.interfaces import Drafted, Forward, ForwardOutput, KVStore, Scored, Step
@@ -191,18 +192,18 @@ class Executor:
         logits): where seq's cached tokens (`start`) are all in keyed blocks, give it the known blocks that
         continue them with the step's new tokens. Returns their tokens, and the tokens looked up (the
         prefix cache's metrics: every prompt token, no generated one)."""
-        if step.tree is not None:  # a tree of candidates, not a prompt
-            seq.prefilling = False
         if self.prefix is None or not seq.prefilling:
             return 0, 0
-        seq.prefilling = step.k == 0 and step.num_logits == 0  # a prompt's chunk: more of it follows
+        # a prompt's chunk: more of it follows (a tree of candidates: the prompt's end is its leading chain)
+        seq.prefilling = step.k == 0 and step.num_logits == 0 and step.tree is None
         if step.whole:  # every position runs (its blocks are still keyed for later prompts)
             return 0, 0
         ids, size = step.new_ids, self.prefix.block_size
         if start != len(seq.chain) * size:
             return 0, len(ids)
-        # The positions whose logits are wanted run (a proposal's last one, which it drafts from).
-        reusable = (len(ids) - step.num_logits) // size
+        # The positions whose logits are wanted run (a proposal's last one, which it drafts from); of a
+        # tree only its leading chain (a first round's prompt) can have been cached.
+        reusable = (len(ids) - step.num_logits if step.tree is None else leading_chain(step.tree, step.num_logits)) // size
         blocks, chain = self.prefix.match(ids, reusable, seq.chain[-1] if seq.chain else ROOT) if reusable > 0 \
             else ([], [])
         cached = len(blocks) * size
@@ -275,7 +276,8 @@ class Executor:
                 # Room for the new tokens, and for a proposal's drafted ones run through the model.
                 cached = self._acquire(step, len(step.new_ids) + max(step.k - 1, 0))
                 if cached:  # the prompt's first `cached` tokens are in the cache already
-                    steps[i] = step._replace(keep=cached, new_ids=step.new_ids[cached:])
+                    steps[i] = step._replace(keep=cached, new_ids=step.new_ids[cached:], tree=None if step.tree is None
+                                             else tuple(p - cached for p in step.tree[cached:]))
                 seen.add(step.seq_id)
                 ok.append(i)
                 errors.append(None)
@@ -308,7 +310,7 @@ class Executor:
         with the hidden states of the forward's `hidden_layers` at every position it ran."""
         if with_hidden and not self.forward.hidden_layers:
             raise ValueError("with_hidden needs an executor built with hidden_layers")
-        steps = list(steps)  # _acquire_all may shorten a step (prefix caching); the caller's stay as sent
+        sent, steps = steps, list(steps)  # _acquire_all may shorten a step (prefix caching); the caller's stay as sent
         taken = self._settle_ahead(steps, usable=True)
         rest = [i for i in range(len(steps)) if i not in taken]
         asked = [steps[i] for i in rest]
@@ -325,12 +327,14 @@ class Executor:
             if not steps[i].new_ids:
                 results[i] = self._no_logits if not with_hidden else Scored(self._no_logits, self._no_hidden())
         if run:
-            trees = self._run_leading_chains(steps, run)
+            self._run_leading_chains(steps, run)
             out = self._forward([self.sequences[steps[i].seq_id] for i in run], [steps[i].new_ids for i in run],
                                 [steps[i].num_logits for i in run], [steps[i].tree for i in run])
-            for i, (lead, tree, ids) in trees.items():  # the tree as the next step's path counts it
-                seq = self.sequences[steps[i].seq_id]
-                seq.tree = (seq.tree[0] - lead, tree, ids)
+            for i in run:  # a tree as the next step's path counts it: from the step's first token, as sent
+                step = sent[i]
+                if step.tree is not None:
+                    self.sequences[step.seq_id].tree = (step.keep, tuple(step.tree),
+                                                        step.new_ids if isinstance(step.new_ids, list) else None)
             for row, i in enumerate(run):
                 results[i] = out.logits[row] if not with_hidden else Scored(out.logits[row], out.hidden[row])
         return results
@@ -388,12 +392,11 @@ class Executor:
             del seq.tokens[ahead.start:]
         self.ahead_dropped += 1
 
-    def _run_leading_chains(self, steps: list[Step], run: list[int]) -> dict[int, tuple]:
+    def _run_leading_chains(self, steps: list[Step], run: list[int]) -> None:
         """A tree step that starts with a chain (the tokens a cache lacks before the candidates: a prompt,
         in a first round) runs that chain first, as a step of its own, and then the tree from the chain's
         last token: a tree runs where trees fit (a static executor's decode buckets) and a prompt where
-        prompts do. Rewrites those steps in `steps`; returns per step (the chain's length run ahead, the
-        original tree and tokens), which the step's path refers to."""
+        prompts do. Rewrites those steps in `steps` (the next step's path counts from the step as sent)."""
         leads = {}
         for i in run:
             tree = steps[i].tree
@@ -403,15 +406,12 @@ class Executor:
             if lead > 0:
                 leads[i] = lead
         if not leads:
-            return {}
+            return
         self._forward([self.sequences[steps[i].seq_id] for i in leads], [steps[i].new_ids[:lead] for i, lead in
                                                                        leads.items()], [0] * len(leads))
-        out = {}
         for i, lead in leads.items():
             step = steps[i]
-            out[i] = (lead, step.tree, step.new_ids if isinstance(step.new_ids, list) else None)
             steps[i] = step._replace(new_ids=step.new_ids[lead:], tree=tuple(p - lead for p in step.tree[lead:]))
-        return out
 
     def _no_hidden(self) -> torch.Tensor:
         size = self.model.config.get_text_config().hidden_size
@@ -426,11 +426,15 @@ class Executor:
         # A proposal wants its last position's logits (it drafts from them); k = 0, a prompt's chunk, none.
         steps = [step._replace(num_logits=int(step.k > 0)) for step in steps]
         self._settle_ahead(steps, usable=False)
-        ok, errors = self._acquire_all(steps, lambda step: None if step.k >= 0 else
-                                       f"num_draft_tokens must be >= 0, got {step.k}")
+        ok, errors = self._acquire_all(steps, lambda step: None if step.k >= 0 and step.branches >= 1 else
+                                       f"num_draft_tokens must be >= 0 and branches >= 1, got {step.k} and "
+                                       f"{step.branches}")
         results: list = list(errors)
         tokens = {i: [] for i in ok}
         probs = {i: [] for i in ok}
+        # A tree: fewer tokens drafted, the other candidates of each position beside them (draft_tree.py)
+        depth = {i: chain_depth(steps[i].k, steps[i].branches) for i in ok}
+        others: dict[int, list[torch.Tensor]] = {i: [] for i in ok}
         # k = 0: a prompt's chunk, appended and nothing drafted (nothing at all if the prefix cache had it).
         active = [i for i in ok if steps[i].new_ids]
         rows = [steps[i].new_ids for i in active]
@@ -443,6 +447,7 @@ class Executor:
                 if step.k == 0:
                     continue
                 last = logits[row][-1]
+                p = None
                 if step.params.greedy:
                     token = greedy(last)
                 else:
@@ -450,25 +455,46 @@ class Executor:
                     token = sample(p, step.generator)
                     probs[i].append(p)
                 tokens[i].append(token.reshape(1))
+                if step.branches > 1:
+                    others[i].append(_candidates(last, token, p, step.branches, step.generator))
                 # The confidence stop reads the probability on the host: a sync per drafted token, where
                 # without it the tokens stay on the device until the end (it is off unless set).
-                if len(tokens[i]) < step.k and not (
+                if len(tokens[i]) < depth[i] and not (
                         self.stop_below and stops_after(float(token_probability(last, token)), self.stop_below)):
                     still.append(i)
             # The last drafted token is not run through the model: nothing needs its logits yet.
             active, rows = still, [tokens[i][-1] for i in still]
-        drafted = torch.cat([t for i in ok for t in tokens[i]]).tolist() if any(tokens.values()) else []  # one transfer
-        first = 0
+        parts = [t for i in ok for t in tokens[i]] + [t for i in ok for t in others[i]]
+        drafted = torch.cat(parts).tolist() if parts else []  # one transfer
+        first, later = 0, sum(len(tokens[i]) for i in ok)
         for i in ok:
             count = len(tokens[i])
+            chain = drafted[first:first + count]
+            candidates = []
+            for t in others[i]:
+                candidates.append(drafted[later:later + len(t)])
+                later += len(t)
             # The last drafted token is not run through the model: the cache holds the rest.
-            results[i] = Drafted(drafted[first:first + count], torch.stack(probs[i]) if probs[i] else None,
-                                 self.sequences[steps[i].seq_id].length)
+            results[i] = self._drafted(chain, probs[i], candidates, steps[i].k, self.sequences[steps[i].seq_id].length)
             if self.tracks_tokens and count:  # the drafted tokens run through the model, known now
                 seq = self.sequences[steps[i].seq_id]
                 seq.tokens[seq.length - count + 1:seq.length] = drafted[first:first + count - 1]
             first += count
         return results
+
+    @staticmethod
+    def _drafted(chain: list[int], probs: list[torch.Tensor], candidates: list[list[int]], budget: int,
+                 cached_length: int) -> Drafted:
+        """A proposal: the chain, or with other candidates the tree of them (draft_tree.top_k_tree), whose
+        probs row r is what row r's children were drawn from."""
+        nodes, parents, chain_of = top_k_tree(chain, candidates, budget) if candidates else (chain, None, [])
+        if len(nodes) == len(chain):  # no room or no other candidate: a chain
+            return Drafted(chain, torch.stack(probs) if probs else None, cached_length)
+        rows = None
+        if probs:
+            leaf = torch.zeros_like(probs[0])
+            rows = torch.stack([probs[0]] + [probs[d + 1] if 0 <= d < len(chain) - 1 else leaf for d in chain_of])
+        return Drafted(nodes, rows, cached_length, parents)
 
     def propose(self, seq_id: int, keep: int, new_ids: list[int], k: int, params: SamplingParams,
                 generator: torch.Generator | None = None, reserve: int = 0) -> tuple[list[int], torch.Tensor | None]:
@@ -512,3 +538,18 @@ class Executor:
         for sid in stale:
             self.release(sid)
         return stale
+
+
+def _candidates(logits: torch.Tensor, token: torch.Tensor, p: torch.Tensor | None, branches: int,
+                generator: torch.Generator | None) -> torch.Tensor:
+    """A drafted position's other candidates, on the device: greedy, the `branches` most likely (the drafted
+    token among them, dropped on the host); sampled (p the distribution `token` was drawn from), up to
+    branches - 1 more drawn from p without replacement after it (tree_sampler's SAMPLED children)."""
+    if p is None:
+        return logits.topk(min(branches, logits.shape[-1])).indices
+    rest = p.clone()
+    rest[token] = 0
+    count = min(branches - 1, int((rest > 0).sum()))  # a host sync: sampled trees only
+    if not count:
+        return token.new_empty(0)
+    return torch.multinomial(rest, count, replacement=False, generator=generator)

@@ -35,6 +35,9 @@ class Step(NamedTuple):
     # step's new tokens, root to leaf) were accepted: their keys and values move to the positions right
     # after the tree's start before anything else, and `keep` counts them (at most start + len(path)).
     path: tuple[int, ...] | None = None
+    # propose: candidates per drafted position; above 1 the proposal is a tree of at most k nodes
+    # (decoding/draft_tree.py): the chain drafted and the draft's next candidates beside it
+    branches: int = 1
     # extend: run every new token even where a prefix cache holds it (a head reads every position's features)
     whole: bool = False
     # propose, for a trained head (head_executor.py): (rows, F) the target's features at the rows positions
@@ -63,6 +66,9 @@ class Drafted(NamedTuple):
     tokens: list[int]  # the drafted tokens
     probs: torch.Tensor | None  # (len(tokens), V) processed draft distributions when sampling, else None
     cached_length: int  # tokens the sequence's cache holds after the call (its valid prefix)
+    # A tree (Step.branches > 1): each token's parent (-1: the root); probs then has a row more, row r the
+    # distribution row r's children were drawn from (0: the root, i + 1: token i; zeros for a leaf). None: a chain
+    parents: tuple[int, ...] | None = None
 
 
 class KVStore(Protocol):

@@ -28,17 +28,24 @@ def _no_capacity():
 class LocalProposer:
     """Over an `Executor` (a draft model) or a `HeadExecutor` (a trained head: it reads the target's features)."""
 
-    def __init__(self, lm: Executor | HeadExecutor):
+    def __init__(self, lm: Executor | HeadExecutor, branches: int = 1):
         self.lm = lm
         self.wants_features = isinstance(lm, HeadExecutor)
+        self.branches = branches  # candidates per drafted position (decoding/draft_tree.py): above 1, trees
 
     async def propose(self, seq_id: int, keep: int, new_ids: list[int], k: int, params: SamplingParams,
                       round_seed: int, reserve: int = 0, **features) -> Proposal:
         generator = None if params.greedy else make_generator(round_seed, self.lm.logits_device)
         with _no_capacity():
-            drafted = self.lm.propose(seq_id, keep, new_ids, k, params, generator, reserve, **features)
+            if self.branches > 1:
+                (drafted,) = self.lm.propose_many([Step(seq_id, keep, new_ids, k=k, params=params, generator=generator,
+                                                        reserve=reserve, branches=self.branches)])
+                if isinstance(drafted, Exception):
+                    raise drafted
+            else:
+                drafted = self.lm.propose(seq_id, keep, new_ids, k, params, generator, reserve, **features)
         probs = None if drafted.probs is None else drafted.probs.float().cpu()
-        return Proposal(drafted.tokens, probs, drafted.cached_length)
+        return Proposal(drafted.tokens, probs, drafted.cached_length, drafted.parents)
 
     async def release(self, seq_id: int) -> None:
         self.lm.release(seq_id)

@@ -134,9 +134,10 @@ class BlsProposer(_SequenceModel):
     QUIET = wire.QUIET_PROPOSE.encode()  # appends only
 
     def __init__(self, pb_utils, model_name: str, timeout_us: int = 0, prefill_chunk: int = 0,
-                 wants_features: bool = False):
+                 wants_features: bool = False, branches: int = 1):
         super().__init__(pb_utils, model_name, timeout_us, 0 if wants_features else prefill_chunk)
         self.wants_features = wants_features
+        self.branches = branches  # candidates per drafted position (draft_tree.py): above 1, trees
         if wants_features:  # every call carries the same input set (wire.py)
             self.QUIET = {**self.QUIET, tn.FEATURES: NO_FEATURES}
 
@@ -144,14 +145,14 @@ class BlsProposer(_SequenceModel):
                       params: SamplingParams, round_seed: int, reserve: int = 0,
                       features: torch.Tensor | None = None) -> Proposal:
         keep, new_ids, reserve = await self._prefill(seq_id, keep, new_ids, 1, reserve, [tn.DRAFT_TOKENS])
-        outputs = [tn.DRAFT_TOKENS, tn.CACHED_LENGTH] + ([] if params.greedy else [tn.DRAFT_PROBS])
-        own = wire.ProposeMessage(k, params, round_seed).encode()
+        outputs = [tn.DRAFT_TOKENS, tn.CACHED_LENGTH, tn.DRAFT_PARENTS] + ([] if params.greedy else [tn.DRAFT_PROBS])
+        own = wire.ProposeMessage(k, params, round_seed, self.branches).encode()
         if self.wants_features:
             own[tn.FEATURES] = NO_FEATURES if features is None else features.float()[None]
         result = await self._call(seq_id, new_ids, keep, outputs, reserve, own=own)
-        drafted = wire.DraftedMessage.decode({name: result[name].as_numpy() for name in outputs[:2]})
+        drafted = wire.DraftedMessage.decode({name: result[name].as_numpy() for name in outputs[:3]})
         probs = None if params.greedy else _torch(result[tn.DRAFT_PROBS])[0]
-        return Proposal(drafted.tokens, probs, drafted.cached_length)
+        return Proposal(drafted.tokens, probs, drafted.cached_length, drafted.parents)
 
 
 class BlsScorer(_SequenceModel):

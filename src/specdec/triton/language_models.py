@@ -574,7 +574,9 @@ class DraftModel(LanguageModelAdapter):
     def _step_options(self, inputs, wanted=frozenset()):
         message = wire.ProposeMessage.decode(inputs)  # num_draft_tokens 0: a prompt's chunk, appended only
         generator = None if message.params.greedy else make_generator(message.seed, self.lm.logits_device)
-        options = {"k": message.k, "params": message.params, "generator": generator}
+        if message.branches < 1:
+            raise ValueError(f"{tn.NUM_DRAFT_BRANCHES} must be >= 1, got {message.branches}")
+        options = {"k": message.k, "params": message.params, "generator": generator, "branches": message.branches}
         if isinstance(self.lm, HeadExecutor):
             options["features"] = self._features(inputs.get(tn.FEATURES))
         return options
@@ -598,8 +600,9 @@ class DraftModel(LanguageModelAdapter):
 
     def _respond(self, request, step, result, forward):
         pb = self.pb
-        tokens, probs, cached_length = result
-        outputs = [pb.Tensor(name, value) for name, value in wire.DraftedMessage(tokens, cached_length).encode().items()]
+        tokens, probs, cached_length, parents = result
+        message = wire.DraftedMessage(tokens, cached_length, parents).encode()
+        outputs = [pb.Tensor(name, value) for name, value in message.items()]
         if tn.DRAFT_PROBS in set(request.requested_output_names()):
             if probs is None:
                 probs = torch.zeros(0, self.lm.vocab_size)

@@ -70,10 +70,12 @@ class ProposeMessage:
     k: int
     params: SamplingParams = SamplingParams()
     seed: int | None = None  # the round's seed for the draft's generator (None: unseeded; sent as 0)
+    branches: int = 1  # candidates per drafted position: above 1 a tree of at most k nodes
 
     def encode(self) -> Arrays:
         params = self.params
-        return {tn.NUM_DRAFT_TOKENS: _i32([self.k]), tn.TEMPERATURE: _f32(params.temperature),
+        return {tn.NUM_DRAFT_TOKENS: _i32([self.k]), tn.NUM_DRAFT_BRANCHES: _i32([self.branches]),
+                tn.TEMPERATURE: _f32(params.temperature),
                 tn.TOP_K: _i32([params.top_k]), tn.TOP_P: _f32(params.top_p), tn.MIN_P: _f32(params.min_p),
                 tn.SEED: np.array([[self.seed or 0]], dtype=np.uint64)}
 
@@ -85,7 +87,8 @@ class ProposeMessage:
             top_p=float(_scalar(inputs, tn.TOP_P, tn.DEFAULT_TOP_P)),
             min_p=float(_scalar(inputs, tn.MIN_P, tn.DEFAULT_MIN_P)),
         )
-        return cls(int(_scalar(inputs, tn.NUM_DRAFT_TOKENS, 1)), params, _scalar(inputs, tn.SEED, None))
+        return cls(int(_scalar(inputs, tn.NUM_DRAFT_TOKENS, 1)), params, _scalar(inputs, tn.SEED, None),
+                   int(_scalar(inputs, tn.NUM_DRAFT_BRANCHES, 1)))
 
 
 @dataclass(frozen=True)
@@ -94,13 +97,16 @@ class DraftedMessage:
 
     tokens: list[int]
     cached_length: int  # tokens the draft's cache holds after the proposal
+    parents: tuple[int, ...] | None = None  # a tree's (sent as an empty list for a chain)
 
     def encode(self) -> Arrays:
-        return {tn.DRAFT_TOKENS: _i32(self.tokens), tn.CACHED_LENGTH: _i32([self.cached_length])}
+        return {tn.DRAFT_TOKENS: _i32(self.tokens), tn.CACHED_LENGTH: _i32([self.cached_length]),
+                tn.DRAFT_PARENTS: _i32(self.parents or [])}
 
     @classmethod
     def decode(cls, outputs: Arrays) -> DraftedMessage:
-        return cls(outputs[tn.DRAFT_TOKENS].reshape(-1).tolist(), int(outputs[tn.CACHED_LENGTH].reshape(-1)[0]))
+        return cls(outputs[tn.DRAFT_TOKENS].reshape(-1).tolist(), int(outputs[tn.CACHED_LENGTH].reshape(-1)[0]),
+                   _tuple(outputs, tn.DRAFT_PARENTS))
 
 
 @dataclass(frozen=True)
