@@ -371,7 +371,7 @@ class Executor:
             if ahead is None:
                 continue
             seq = self.sequences[step.seq_id]
-            if usable and ahead.matches(step.keep, step.new_ids, step.num_logits, step.tree, step.path):
+            if usable and ahead.matches(step):
                 seq.last_used = self.clock()
                 self.tokens_processed += 1
                 if self.tracks_tokens:  # its token is known on the host now: its block can be keyed

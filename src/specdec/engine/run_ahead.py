@@ -28,9 +28,10 @@ class Ahead(NamedTuple):
     hidden: torch.Tensor | None  # (1, layers, H) with hidden_layers
     timer: "ForwardTimer"
 
-    def matches(self, keep: int, new_ids, num_logits: int, tree, path) -> bool:
-        return (keep == self.start and num_logits == 1 and tree is None and path is None
-                and len(new_ids) == 1 and int(new_ids[0]) == self.token)
+    def matches(self, step) -> bool:
+        """Whether `step` (an `interfaces.Step`) asks for exactly this one."""
+        return (step.keep == self.start and step.num_logits == 1 and step.tree is None and step.path is None
+                and len(step.new_ids) == 1 and int(step.new_ids[0]) == self.token)
 
 
 class ForwardTimer:
