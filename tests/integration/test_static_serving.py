@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from client import Client, GenerationParams, ServerBusyError
+from specdec.engine.draft_heads import EAGLE3, random_head, save_head
 from specdec.serving import pairs, server
 from specdec.serving.metrics_text import sum_samples
 
@@ -43,11 +44,19 @@ def small_pool(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("static")
     # One torch thread for the draft (torch_threads as a count: what a small model on CPU may want).
     # Prompt lookup proposes trees of up to 3 continuations (lookup_branches), the draft model trees of its
-    # 2 likeliest tokens per position (draft_branches).
+    # 2 likeliest tokens per position (draft_branches), and so does a random EAGLE-3 head (EAGLE-2's dynamic
+    # trees, 2 wide; no confidence stop: its flat distributions would stop every search at the first level).
+    from transformers import AutoConfig
+
+    head = random_head(EAGLE3, AutoConfig.from_pretrained(pairs.tiny_pair().target_path), seed=1,
+                       aux_layers=(0, 1, 1), draft_vocab_size=4096)
+    head_dir = save_head(head, tmp_path / "head")
     own = server.start(tmp_path / "run", tmp_path / "server.log",
                        static_args(*SMALL_POOL, "--set", "draft_model.torch_threads=1",
                                    "--set", "speculative_decoding.lookup_branches=3",
-                                   "--set", "speculative_decoding.draft_branches=2"))
+                                   "--set", "speculative_decoding.draft_branches=2",
+                                   "--draft-head", f"head_tree={head_dir}", "--default-draft", "draft_model",
+                                   "--set", "head_tree.draft_stop_below=0"))
     yield own
     stop_server(own)  # nothing in flight, no stub left, exit code 0
 
@@ -103,6 +112,26 @@ def test_draft_model_trees_are_verified_exactly(small_pool):
             assert drafted.text == alone.text and drafted.total_draft_tokens > 0
     assert trees() > before
     seeded = GenerationParams(max_tokens=24, num_draft_tokens=6, draft_model="draft_model", temperature=0.8, seed=5)
+    client = Client(small_pool.grpc_url)
+    assert client.generate(PROMPT, seeded).text == client.generate(PROMPT, seeded).text
+    assert small_pool.metric("specdec_model_kv_cache_bytes", model="target_model") == 0
+
+
+def test_head_trees_are_verified_exactly(small_pool):
+    """A trained head's EAGLE-2 trees (draft_branches=2) over target_model's features from the static
+    executor: greedy text equals target-only over gRPC and HTTP, the rounds verified trees, seeded sampled
+    trees repeat, and every sequence's blocks go back."""
+    trees = lambda: small_pool.metric("specdec_tree_rounds_total")  # noqa: E731
+    before = trees()
+    for url, protocol in ((small_pool.grpc_url, "grpc"), (small_pool.http_url, "http")):
+        client = Client(url, protocol=protocol)
+        for prompt in ("The capital of France is", "Numbers: 1 2 3 4 5"):
+            alone = client.generate(prompt, GenerationParams(max_tokens=24, num_draft_tokens=0))
+            drafted = client.generate(prompt, GenerationParams(max_tokens=24, num_draft_tokens=4, adaptive_draft=False,
+                                                               draft_model="head_tree"))
+            assert drafted.text == alone.text and drafted.total_draft_tokens >= 4 * (drafted.num_rounds - 4)
+    assert trees() >= before + 4 * 3  # every round after a request's first verified a tree
+    seeded = GenerationParams(max_tokens=16, num_draft_tokens=4, draft_model="head_tree", temperature=0.8, seed=5)
     client = Client(small_pool.grpc_url)
     assert client.generate(PROMPT, seeded).text == client.generate(PROMPT, seeded).text
     assert small_pool.metric("specdec_model_kv_cache_bytes", model="target_model") == 0

@@ -12,9 +12,9 @@ rejection rolls back by keeping fewer, and nothing already cached is sent again.
 
 A proposal may be a tree of candidates (`Proposal.parents`): the target scores every node in the same
 forward, the verdict is the accepted path (tree_sampler.py), and the next verify moves that path's
-keys and values where a chain's would be (`VerifyCall.path`). Requests whose logits are edited on the
-host (penalties, bad words, biases, a grammar) or that feed a trained head verify the tree's first
-branch as a chain.
+keys and values where a chain's would be (`VerifyCall.path`); a trained head is handed the target's
+features along that path. Requests whose logits are edited on the host (penalties, bad words, biases, a
+grammar) verify the tree's first branch as a chain.
 
 The DraftLengthPolicy owns K: fixed, it drafts K every round (K = 0 is target-only decoding through the
 same path, the benchmark baseline); adaptive, K is the maximum and it picks each round's k from the
@@ -123,7 +123,7 @@ async def generate(req: GenerationRequest, proposer: Proposer, scorer: Scorer, p
     occurrences = TokenOccurrences(req.prompt_ids) if req.penalties.active else None
     matcher = req.grammar.matcher() if req.grammar is not None else None
     features = Features() if getattr(proposer, "wants_features", False) else None
-    trees = not req.edits_logits and features is None  # else a tree's first branch is verified as a chain
+    trees = not req.edits_logits  # else a tree's first branch is verified as a chain
     path = None  # the last verify was a tree: the accepted nodes among its new_ids
     try:
         while True:
@@ -181,11 +181,15 @@ async def generate(req: GenerationRequest, proposer: Proposer, scorer: Scorer, p
 
             new = [proposal.tokens[node] for node in verdict.path] + [verdict.next_token]
             log_probs = _log_probs(scores, new, verdict.path) if req.log_probs else None
-            if features is not None:  # the target's features at the positions it keeps
-                features.add(scores.features, target_valid + len(new_ids), len(tokens) + accepted)
             # A tree: the catch-up tokens and the accepted nodes are what the target's cache keeps of it
             caught_up = len(new_ids) - k
             path = None if tree is None else tuple(range(caught_up)) + tuple(caught_up + n for n in verdict.path)
+            if features is not None:  # the target's features at the positions it keeps
+                if path is None:
+                    features.add(scores.features, target_valid + len(new_ids), len(tokens) + accepted)
+                else:
+                    features.add(_rows_on(scores.features, len(new_ids), path), len(tokens) + accepted,
+                                 len(tokens) + accepted)
             target_valid = len(tokens) + accepted
             # A proposer's cache holds its first branch (each node's first child): what it keeps of a tree
             # is the accepted path's part that follows it
@@ -255,6 +259,15 @@ class Features:
             return None
         self.rows = self.rows[max(len(self.rows) - (self.end - start), 0):]  # the older ones are read
         return self.rows
+
+
+def _rows_on(rows: torch.Tensor | None, count: int, path: tuple[int, ...]) -> torch.Tensor | None:
+    """A tree verify's feature rows (the last len(rows) of its `count` new tokens, in node order) along the
+    kept `path` (indices into the new tokens, increasing): the rows of the positions the target keeps."""
+    if rows is None:
+        return None
+    first = count - len(rows)
+    return rows[[i - first for i in path if i >= first]]
 
 
 def _features_for(features: Features | None, draft_valid: int) -> dict:

@@ -25,6 +25,7 @@ from typing import Callable
 
 import torch
 
+from specdec.decoding.draft_tree import best_first_tree
 from specdec.decoding.sampling import SamplingParams, greedy, logits_to_probs, sample, stops_after, token_probability
 from specdec.engine.draft_heads import EagleHead, HeadCache, MedusaHeads
 from specdec.engine.errors import CacheError, CapacityError
@@ -183,6 +184,8 @@ class HeadExecutor:
         seq.entries = seq.cache.length = step.keep + needed
         if step.k == 0 or seq.entries == 0 or seq.last_feature is None:
             return Drafted([], None, seq.entries)
+        if step.branches > 1:
+            return self._eagle_tree(seq, step)
         drafted, probs = [], []
         hidden, logits = seq.last_feature, seq.last_logits
         for j in range(step.k):
@@ -199,6 +202,61 @@ class HeadExecutor:
         seq.cache.length = seq.entries  # the drafted entries go: the target's features replace them
         return Drafted(torch.cat(drafted).tolist(), torch.stack(probs) if probs else None, seq.entries)
 
+    def _eagle_tree(self, seq: HeadSequence, step: Step) -> Drafted:
+        """EAGLE-2's dynamic tree of at most k nodes (draft_tree.best_first_tree): each level's nodes run
+        through the head together, at the level's position, each attending to the sequence's entries, its
+        ancestors' drafted entries and itself (written after the entries, then dropped like a chain's)."""
+        head: EagleHead = self.head
+        start = seq.entries
+        width = step.branches
+        depth = step.k
+        if seq.cache.fixed:  # a pool slot: the levels' rows must fit in it
+            depth = max(1, min(depth, 1 + (self.pool.capacity - start) // width))
+        hidden_of = {-1: seq.last_feature}  # a run node's output feature: what its children start from
+        slot_of: dict[int, int] = {}
+        parent_of: dict[int, int] = {}
+        level_of = {-1: -1}
+        used = start  # the next free cache slot
+
+        def expand(nodes: list[int], parents: list[int], tokens: list[int]) -> torch.Tensor:
+            nonlocal used
+            m = len(nodes)
+            level = level_of[parents[0]] + 1
+            visible = torch.zeros(m, used + m, dtype=torch.bool, device=self.device)
+            visible[:, :start] = True
+            for row, (node, parent) in enumerate(zip(nodes, parents)):
+                visible[row, used + row] = True
+                ancestor = parent
+                while ancestor >= 0:
+                    visible[row, slot_of[ancestor]] = True
+                    ancestor = parent_of[ancestor]
+            first = used
+
+            def window(k, v):
+                keys, values = seq.cache.write(first, k, v)
+                return keys, values, visible
+
+            hidden, logits = head.step(torch.tensor(tokens, device=self.device),
+                                       torch.cat([hidden_of[parent] for parent in parents]),
+                                       torch.full((m,), start + level, device=self.device), window)
+            for row, (node, parent) in enumerate(zip(nodes, parents)):
+                hidden_of[node], slot_of[node], parent_of[node], level_of[node] = hidden[row:row + 1], first + row, parent, level
+            used += m
+            self.tokens_processed += m
+            return self._scores(logits, step.params)
+
+        tokens, parents = best_first_tree(self._scores(seq.last_logits, step.params), expand, step.k, width, depth,
+                                          self.stop_below)
+        seq.cache.length = seq.entries  # the drafted entries go: the target's features replace them
+        return Drafted(tokens, None, seq.entries, parents)
+
+    @staticmethod
+    def _scores(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+        """What a tree ranks candidates by: the log-probabilities of the (processed, when sampling) distribution."""
+        if params.greedy:
+            return torch.log_softmax(logits.float(), dim=-1)
+        return logits_to_probs(logits, params).float().log()
+
     def _propose_medusa(self, seq: HeadSequence, step: Step, needed: int) -> Drafted:
         if needed:
             seq.last_feature = self._features(step, needed)[-1]
@@ -207,6 +265,17 @@ class HeadExecutor:
         if not count or seq.last_feature is None:
             return Drafted([], None, seq.entries)
         logits = self.head(seq.last_feature, count)
+        if step.branches > 1:
+            # Medusa's heads do not read the drafted tokens: every node of a level has the same children's
+            # distribution, head d's (a dynamic form of Medusa's static trees)
+            scores = self._scores(logits, step.params)
+            levels = iter(range(1, count))  # best_first_tree expands one level per call, in order
+
+            def expand(nodes, parents, tokens):
+                return scores[next(levels)].expand(len(nodes), -1)
+
+            tokens, parents = best_first_tree(scores[0], expand, step.k, step.branches, count, self.stop_below)
+            return Drafted(tokens, None, seq.entries, parents)
         probs: list = []
         drafted = []
         for row in logits:  # the heads ran at once; the confidence stop still shortens what is verified

@@ -36,7 +36,7 @@ class LocalProposer:
     async def propose(self, seq_id: int, keep: int, new_ids: list[int], k: int, params: SamplingParams,
                       round_seed: int, reserve: int = 0, **features) -> Proposal:
         generator = None if params.greedy else make_generator(round_seed, self.lm.logits_device)
-        with _no_capacity():  # a head's features go with the step; it drafts chains (branches ignored)
+        with _no_capacity():  # a head's features go with the step
             (drafted,) = self.lm.propose_many([Step(seq_id, keep, new_ids, k=k, params=params, generator=generator,
                                                     reserve=reserve, branches=self.branches, **features)])
             if isinstance(drafted, Exception):

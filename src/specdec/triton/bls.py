@@ -152,6 +152,8 @@ class BlsProposer(_SequenceModel):
         result = await self._call(seq_id, new_ids, keep, outputs, reserve, own=own)
         drafted = wire.DraftedMessage.decode({name: result[name].as_numpy() for name in outputs[:3]})
         probs = None if params.greedy else _torch(result[tn.DRAFT_PROBS])[0]
+        if probs is not None and not len(probs):  # a deterministic proposal (a head's tree): point masses
+            probs = None
         return Proposal(drafted.tokens, probs, drafted.cached_length, drafted.parents)
 
 

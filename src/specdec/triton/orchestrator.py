@@ -100,11 +100,11 @@ class SpeculativeDecodingAdapter(TritonAdapter):
             raise ConfigError(f"head_drafts {sorted(heads - set(self.limits.draft_names))} are not among "
                               f"draft_models {list(self.limits.draft_names)}")
         # A draft model's other candidates per drafted position, as one token tree of at most K nodes (1: a
-        # chain; draft_tree.py); a trained head drafts chains
+        # chain; draft_tree.py); a trained head's: EAGLE-2's dynamic tree that many wide
         draft_branches = params.int("draft_branches", 1, low=1, high=8)
         self.proposers = {name: builtin[name]() if name in builtin else FallbackProposer(
             BlsProposer(pb_utils, name, timeout_us, chunk, wants_features=name in heads,
-                        branches=1 if name in heads else draft_branches), name,
+                        branches=draft_branches), name,
             self.metrics.record_fallback, retry_after_s=retry_s)
             for name in self.limits.draft_names}
         # Concurrent requests' verify calls wait for each other up to this window, so that target_model's
