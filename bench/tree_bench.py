@@ -1,6 +1,7 @@
 """Token trees against chains, side by side in one process (`make bench-trees`): the real decode loop over
 the default pair's target (or the tiny one), prompt lookup drafting chains (one continuation) and trees
-(`lookup_branches` continuations merged), greedy.
+(`lookup_branches` continuations merged), greedy; with --draft-head, a trained head's chains against its
+EAGLE-2 dynamic trees (`draft_branches` wide) too.
 
 Every prompt runs target-only, then each setting, one after the other in the same process, so each
 speedup is a ratio measured side by side (tokens/s over the same prompts' target-only tokens/s). Printed
@@ -10,6 +11,7 @@ chains and trees the same per round; its share is in `make bench`.
 
     python -m bench.tree_bench                   # default pair, 8 prompts per set, 96 tokens
     python -m bench.tree_bench --pair tiny --prompts 2 --max-tokens 16     # checks the script
+    python -m bench.tree_bench --draft-head HEAD --head-only     # a head's chains and trees (python -m specdec.train)
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from specdec.decoding.loop import GenerationRequest, Stats, generate
 from specdec.decoding.ngram_proposer import NgramProposer
 from specdec.engine.build import dynamic_executor
 from specdec.engine.loading import load_causal_lm
-from specdec.engine.local import LocalScorer
+from specdec.engine.local import LocalProposer, LocalScorer
 from specdec.serving import pairs
 
 
@@ -39,24 +41,50 @@ class Setting:
     k: int  # tokens (nodes) a round may draft
     branches: int  # 1: a chain
     adaptive: bool = False
+    head: bool = False  # the trained head drafts (else prompt lookup)
 
 
 SETTINGS = [Setting("target-only", 0, 1), Setting("chain, K=4", 4, 1), Setting("chain, K=8", 8, 1),
             Setting("tree of 2, K=4", 4, 2), Setting("tree of 3, K=6", 6, 3), Setting("tree of 3, K=8", 8, 3),
             Setting("chain, adaptive K<=8", 8, 1, True), Setting("tree of 3, adaptive K<=8", 8, 3, True)]
+HEAD_SETTINGS = [Setting("head chain, K=3", 3, 1, head=True), Setting("head chain, K=5", 5, 1, head=True),
+                 Setting("head tree of 2, K=6", 6, 2, head=True), Setting("head tree of 3, K=8", 8, 3, head=True),
+                 Setting("head tree of 4, K=12", 12, 4, head=True), Setting("head tree of 4, K=16", 16, 4, head=True),
+                 Setting("head chain, adaptive K<=6", 6, 1, True, head=True),
+                 Setting("head tree of 3, adaptive K<=12", 12, 3, True, head=True)]
 
 
-def run(lm, prompt_ids: list[int], setting: Setting, max_tokens: int, seq_id: int) -> tuple[list[int], float, Stats, int]:
+def load_head_executor(head_dir: str, target_path: str):
+    """A trained head as draft_model serves it: the target's embedding (and lm_head) borrowed, the
+    default confidence stop."""
+    from specdec.engine.draft_heads import load_head, read_target_tensors
+    from specdec.engine.head_executor import HeadExecutor
+
+    head = load_head(head_dir)
+    _, embed, lm_head = read_target_tensors(target_path)
+    if hasattr(head, "attach"):
+        head.attach(embed, lm_head)
+    executor = HeadExecutor(head)
+    executor.stop_below = tn.DEFAULT_DRAFT_STOP_BELOW
+    return executor
+
+
+def run(lm, prompt_ids: list[int], setting: Setting, max_tokens: int, seq_id: int, head=None
+        ) -> tuple[list[int], float, Stats, int]:
     """(tokens, seconds, stats, tree rounds) of one greedy generation."""
     stats, trees = Stats(), 0
-    # As the orchestrator builds it for prompt lookup (a free draft), a cost model of the request's own
-    policy = DraftLengthPolicy(setting.k, CostModel(), tn.NGRAM, adaptive=setting.adaptive, free=True)
+    # As the orchestrator builds it: prompt lookup a free draft, a head a priced one; a cost model of the
+    # request's own
+    policy = DraftLengthPolicy(setting.k, CostModel(), "head" if setting.head else tn.NGRAM, adaptive=setting.adaptive,
+                               free=not setting.head)
     req = GenerationRequest(seq_id, prompt_ids, max_tokens)
+    proposer = (LocalProposer(head, branches=setting.branches) if setting.head
+                else NgramProposer(branches=setting.branches))
 
     async def main():
         nonlocal trees
         out = []
-        async for rnd in generate(req, NgramProposer(branches=setting.branches), LocalScorer(lm), policy, stats):
+        async for rnd in generate(req, proposer, LocalScorer(lm), policy, stats):
             out += rnd.new_tokens
             trees += rnd.depth is not None
         return out
@@ -73,24 +101,37 @@ def main(argv=None) -> int:
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--out", help="also write the report (markdown) here")
     parser.add_argument("--results", metavar="NAME", help="also write it as docs/results/<date>-NAME.md")
+    parser.add_argument("--draft-head", metavar="DIR", help="also a trained head's chains and trees")
+    parser.add_argument("--head-only", action="store_true", help="with --draft-head: target-only and the head's rows")
     args = parser.parse_args(argv)
     spec = pairs.prepare_pair(args.pair)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(spec.tokenizer_path)
-    lm = dynamic_executor(load_causal_lm(spec.target_path))
+    head, layers = None, ()
+    settings = SETTINGS
+    if args.draft_head:
+        head = load_head_executor(args.draft_head, spec.target_path)
+        model = load_causal_lm(spec.target_path)
+        layers = head.config.feature_layers(model.config.get_text_config().num_hidden_layers)
+        settings = ([SETTINGS[0]] if args.head_only else SETTINGS) + HEAD_SETTINGS
+    else:
+        model = load_causal_lm(spec.target_path)
+    # With a head the target returns its features (hidden_layers), as target_model does when a head is served
+    lm = dynamic_executor(model, hidden_layers=layers)
     sections = []
     for kind in ("grounded", "open"):
         prompts = []
         for text in load_prompts(kind, args.prompts):
             ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
             prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
-        run(lm, prompts[0], SETTINGS[1], 8, 0)  # warm-up
-        totals = {s.label: [0, 0.0, 0, 0, 0, 0] for s in SETTINGS}  # tokens, seconds, rounds, accepted, trees, equal
+        for setting in settings[1:]:  # warm-up
+            run(lm, prompts[0], setting, 8, 0, head)
+        totals = {s.label: [0, 0.0, 0, 0, 0, 0] for s in settings}  # tokens, seconds, rounds, accepted, trees, equal
         for i, ids in enumerate(prompts):
             reference = None
-            for setting in SETTINGS:
-                tokens, seconds, stats, trees = run(lm, ids, setting, args.max_tokens, i + 1)
+            for setting in settings:
+                tokens, seconds, stats, trees = run(lm, ids, setting, args.max_tokens, i + 1, head)
                 reference = tokens if reference is None else reference
                 total = totals[setting.label]
                 total[0] += len(tokens)
@@ -103,7 +144,7 @@ def main(argv=None) -> int:
                       f"tokens/s", file=sys.stderr, flush=True)
         base = totals[SETTINGS[0].label][0] / totals[SETTINGS[0].label][1]
         rows = []
-        for setting in SETTINGS:
+        for setting in settings:
             tokens, seconds, rounds, accepted, trees, equal = totals[setting.label]
             rows.append([setting.label, f"{tokens / seconds:.1f}", f"{tokens / seconds / base:.2f}x",
                          f"{tokens / rounds:.2f}", f"{trees / rounds:.0%}", f"{equal}/{len(prompts)}"])

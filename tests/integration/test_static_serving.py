@@ -137,6 +137,36 @@ def test_head_trees_are_verified_exactly(small_pool):
     assert small_pool.metric("specdec_model_kv_cache_bytes", model="target_model") == 0
 
 
+@pytest.mark.parametrize("draft", ["draft_model", "head_tree"])
+def test_sampled_trees_follow_the_targets_distribution(small_pool, draft):
+    """Served sampled trees against the target's exact distribution of the first three tokens' text
+    (chi-square at 1e-3): the draft model's (its first round a tree of 2 candidates for the first position,
+    the second drawn without replacement after the first: the SAMPLED rule) and the head's (from its
+    second round: EAGLE-2's deterministic tree, point masses)."""
+    from collections import Counter
+
+    from specdec.decoding.sampling import SamplingParams
+
+    from .helpers import grpc_stream
+    from .test_draft_heads import exact_three_token_texts
+    from .test_sampling_distribution import chi_square
+
+    prompt, requests = "the cat sat on the mat and the cat sat on the", 300
+    expected = exact_three_token_texts(prompt, SamplingParams(temperature=1.0, top_k=4))
+    assert len([p for p in expected.values() if p * requests >= 5]) >= 3  # enough cells to test anything
+    before = small_pool.metric("specdec_tree_rounds_total")
+
+    def one(seed):
+        return grpc_stream(small_pool.grpc_url, prompt, max_tokens=3, seed=seed, temperature=1.0, top_k=4,
+                           num_draft_tokens=4, draft_model=draft, adaptive_draft=False)
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(one, range(requests)))
+    assert small_pool.metric("specdec_tree_rounds_total") - before >= requests // 2  # trees were verified
+    statistic, critical = chi_square(Counter(r["text_output"] for r in results), expected, requests)
+    assert statistic < critical, (draft, statistic, critical)
+
+
 def test_repeated_prompts_are_served_from_the_pools_blocks(small_pool):
     """Prefix caching in the pool: a prompt sent again reuses its full blocks (released, they stayed cached
     in the pool), greedy and speculative, with the text computed from scratch; cached blocks are not held."""

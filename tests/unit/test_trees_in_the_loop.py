@@ -160,6 +160,19 @@ def test_the_tree_bench_runs_and_its_trees_are_exact(tmp_path):
     assert tree_bench.main(["--pair", "tiny", "--prompts", "1", "--max-tokens", "8", "--out", str(out)]) == 0
     rows = [line for line in out.read_text().splitlines() if line.startswith("| ") and "setting" not in line]
     assert len(rows) == 2 * len(tree_bench.SETTINGS) and all(row.rstrip(" |").endswith("1/1") for row in rows)
+    # --draft-head: a (random) head's chains and EAGLE-2 trees beside target-only
+    from transformers import AutoConfig
+
+    from specdec.engine.draft_heads import EAGLE3, random_head, save_head
+    from specdec.serving import pairs
+
+    head = save_head(random_head(EAGLE3, AutoConfig.from_pretrained(pairs.tiny_pair().target_path), seed=1,
+                                 aux_layers=(0, 1, 1), draft_vocab_size=4096), tmp_path / "head")
+    assert tree_bench.main(["--pair", "tiny", "--prompts", "1", "--max-tokens", "8", "--out", str(out),
+                            "--draft-head", str(head), "--head-only"]) == 0
+    rows = [line for line in out.read_text().splitlines() if line.startswith("| ") and "setting" not in line]
+    assert len(rows) == 2 * (1 + len(tree_bench.HEAD_SETTINGS)) and all(row.rstrip(" |").endswith("1/1") for row in rows)
+    assert any("head tree" in row and "| 0%" not in row for row in rows)  # the head's trees were verified
 
 
 def test_a_proposer_keeps_what_follows_its_first_branch():

@@ -1,5 +1,7 @@
-"""A draft model's proposal as a token tree: its drafted chain and, beside the chain's first tokens, the
-draft's other candidates for the same position (EAGLE's top-k trees, without extra draft forwards).
+"""A model draft's proposal as a token tree, two ways.
+
+`top_k_tree` (draft models): the drafted chain and, beside the chain's first tokens, the draft's other
+candidates for the same position (EAGLE's top-k trees, without extra draft forwards).
 
 The chain is drafted as always (one forward per token); at each position the same forward's distribution
 also gives the next candidates: the most likely after the drafted token (greedy), or tokens drawn without
@@ -8,6 +10,10 @@ target verifies every node in one forward, and a round whose chain fails at posi
 target's token there when it is one of the siblings. Within a budget of nodes the chain takes
 ceil(budget / branches) and siblings fill the rest from the first position on (where a rejection is most
 likely to end the round early).
+
+`best_first_tree` (trained heads, whose step is cheap and reads its own output): EAGLE-2's dynamic tree,
+a search that runs the draft once per depth over that depth's likeliest nodes and keeps the budget's
+likeliest paths of all it found.
 """
 
 from __future__ import annotations
