@@ -8,6 +8,10 @@ output gives x_1, and each further entry runs on the head's own output feature a
 The drafted entries are dropped afterwards (`cached_length` = N - 1): the next call fills those
 positions again from the target's real features, as EAGLE does.
 
+With `Step.branches` > 1 a head drafts EAGLE-2's dynamic tree instead (decoding/draft_tree.best_first_tree):
+one head step per depth over that depth's likeliest nodes, their entries written after the sequence's under
+a tree mask and dropped like a chain's.
+
 Features the call lacks (the target's prefix cache served those positions: it ran none of them) are
 zeros: the head drafts worse there, never wrongly (verification decides). No features at all (a
 sequence's first round, before the target ran) drafts nothing.
