@@ -108,15 +108,13 @@ def main(argv=None) -> int:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(spec.tokenizer_path)
+    model = load_causal_lm(spec.target_path)
     head, layers = None, ()
     settings = SETTINGS
     if args.draft_head:
         head = load_head_executor(args.draft_head, spec.target_path)
-        model = load_causal_lm(spec.target_path)
         layers = head.config.feature_layers(model.config.get_text_config().num_hidden_layers)
         settings = ([SETTINGS[0]] if args.head_only else SETTINGS) + HEAD_SETTINGS
-    else:
-        model = load_causal_lm(spec.target_path)
     # With a head the target returns its features (hidden_layers), as target_model does when a head is served
     lm = dynamic_executor(model, hidden_layers=layers)
     sections = []
