@@ -139,13 +139,10 @@ def median_time(fn, reps: int = 9) -> float:
 def head_cost_s(head_dir: str, target_path: str, prompt_ids: list[int]) -> float:
     """Seconds per token a head drafts (K=4 after a round's features), in process."""
     from specdec.decoding.sampling import SamplingParams
-    from specdec.engine.draft_heads import load_head, read_target_tensors
+    from specdec.engine.draft_heads import load_head_for
     from specdec.engine.head_executor import HeadExecutor
 
-    head = load_head(head_dir)
-    _, embed, lm_head = read_target_tensors(target_path)
-    if hasattr(head, "attach"):
-        head.attach(embed, lm_head)
+    head, _ = load_head_for(head_dir, target_path)
     executor = HeadExecutor(head)
     n, width = len(prompt_ids), head.config.feature_width
     executor.propose(1, 0, prompt_ids, 0, SamplingParams(), features=torch.zeros(n - 1, width))

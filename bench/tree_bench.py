@@ -57,14 +57,10 @@ HEAD_SETTINGS = [Setting("head chain, K=3", 3, 1, head=True), Setting("head chai
 def load_head_executor(head_dir: str, target_path: str):
     """A trained head as draft_model serves it: the target's embedding (and lm_head) borrowed, the
     default confidence stop."""
-    from specdec.engine.draft_heads import load_head, read_target_tensors
+    from specdec.engine.draft_heads import load_head_for
     from specdec.engine.head_executor import HeadExecutor
 
-    head = load_head(head_dir)
-    _, embed, lm_head = read_target_tensors(target_path)
-    if hasattr(head, "attach"):
-        head.attach(embed, lm_head)
-    executor = HeadExecutor(head)
+    executor = HeadExecutor(load_head_for(head_dir, target_path)[0])
     executor.stop_below = tn.DEFAULT_DRAFT_STOP_BELOW
     return executor
 
@@ -76,7 +72,7 @@ def run(lm, prompt_ids: list[int], setting: Setting, max_tokens: int, seq_id: in
     # As the orchestrator builds it: prompt lookup a free draft, a head a priced one; a cost model of the
     # request's own
     policy = DraftLengthPolicy(setting.k, CostModel(), "head" if setting.head else tn.NGRAM, adaptive=setting.adaptive,
-                               free=not setting.head)
+                               free=not setting.head, branches=setting.branches)
     req = GenerationRequest(seq_id, prompt_ids, max_tokens)
     proposer = (LocalProposer(head, branches=setting.branches) if setting.head
                 else NgramProposer(branches=setting.branches))

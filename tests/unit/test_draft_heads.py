@@ -14,7 +14,7 @@ from specdec.decoding.ngram_proposer import NgramProposer
 from specdec.decoding.sampling import SamplingParams
 from specdec.engine.build import dynamic_executor, static_executor
 from specdec.engine.draft_heads import (EAGLE, EAGLE3, KINDS, MEDUSA, HeadCache, HeadError, check_fits, load_head,
-                                        random_head, save_head, target_tensors)
+                                        load_head_for, random_head, save_head, target_tensors)
 from specdec.engine.head_executor import HeadExecutor
 from specdec.engine.local import LocalProposer, LocalScorer
 from tests.unit.conftest import run_fixed_k
@@ -102,6 +102,22 @@ def test_heads_that_do_not_fit_are_refused_naming_both(tiny_lm, tmp_path):
     save_file({"fc.weight": torch.zeros(32, 64)}, str(tmp_path / "model.safetensors"))
     with pytest.raises(HeadError, match="not a eagle head's weights: missing"):
         load_head(tmp_path)
+
+
+def test_load_head_for_checks_the_head_against_its_target_and_attaches_the_targets_tensors(tiny_lm, tmp_path):
+    """What draft_model and the benches load: the saved head, refused by name when made for another target,
+    else drafting with the target's own embedding (a copy read from its safetensors)."""
+    from transformers import LlamaConfig
+    tiny_lm.save_pretrained(tmp_path / "target", safe_serialization=True)
+    save_head(head_for(tiny_lm, EAGLE), tmp_path / "fits")
+    other = LlamaConfig(vocab_size=120, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2)
+    save_head(random_head(EAGLE, other), tmp_path / "other")
+    with pytest.raises(HeadError, match=f"{tmp_path / 'other'} does not fit the target {tmp_path / 'target'}"):
+        load_head_for(tmp_path / "other", tmp_path / "target", dtype=torch.float64)
+    head, config = load_head_for(tmp_path / "fits", tmp_path / "target", dtype=torch.float64)
+    assert config.vocab_size == tiny_lm.config.vocab_size
+    assert torch.equal(head.embed, tiny_lm.get_input_embeddings().weight.to(torch.float64))
 
 
 def reference_greedy(tiny_lm, prompt, n):

@@ -249,3 +249,101 @@ def test_round_costs_follow_new_measurements():
         costs.observe_draft("model", 4, 0.040)
     assert costs.round_cost("model", 4) == pytest.approx(4.0 + 1.05)
     assert policy.next_k() == 0
+
+
+# ---- trees: the rule weighs a tree of the proposer's width against a chain every round ----------------
+
+def _measured(row_cost: float, tree_depth: dict[int, int], draft_step: float = 0.0) -> CostModel:
+    """A cost model with its forwards measured at one sequence, T(rows) = 1 + row_cost·(rows - 1) (ms), a
+    draft call of k tokens k·draft_step ms (a tree's: its depth's steps), and trees of n nodes `tree_depth[n]`
+    deep."""
+    costs = CostModel(decay=0.0)
+    for rows in range(1, 18):
+        costs.observe_forward(ForwardStats(rows, 1, (1.0 + row_cost * (rows - 1)) / 1e3))
+    costs.observe_verify(1, 1e-3)
+    for n, depth in tree_depth.items():
+        costs.observe_tree("head", n, depth)
+        if draft_step:
+            costs.observe_draft("head", n, n * draft_step / 1e3)
+            costs.observe_draft("head/tree", n, depth * draft_step / 1e3)
+    return costs
+
+
+def _policy(costs: CostModel, chain_alpha: float, tree_alpha: float, **kw) -> DraftLengthPolicy:
+    policy = DraftLengthPolicy(8, costs, "head", branches=3, **kw)
+    policy.successes, policy.failures, policy.prior_weight = chain_alpha, 1 - chain_alpha, 0.0
+    policy.tree_successes, policy.tree_failures = tree_alpha, 1 - tree_alpha
+    return policy
+
+
+DEPTHS = {n: max(1, n // 2) for n in range(2, 9)}  # trees about two candidates a level
+
+
+def test_a_tree_is_drafted_when_its_levels_accept_enough_more_to_pay_for_their_rows():
+    costs = _measured(row_cost=0.02, tree_depth=DEPTHS, draft_step=0.1)
+    policy = _policy(costs, chain_alpha=0.4, tree_alpha=0.8)
+    k = policy.next_k()
+    assert policy.width == 3 and 2 <= k <= 8
+    # The value it chose is the best over both shapes by the rule's own arithmetic.
+    tree_value = expected_tokens(0.8, costs.depth("head", k, 3)) / costs.tree_round_cost("head", k, DEPTHS[k])
+    chain_best = best_draft_length(0.4, 8, lambda j: costs.round_cost("head", j))[1]
+    assert tree_value > chain_best
+    # The same tree acceptance as the chain's: a tree's nodes buy less depth than a chain's, so chains.
+    policy = _policy(costs, chain_alpha=0.6, tree_alpha=0.6)
+    assert policy.next_k() > 0 and policy.width == 1
+
+
+def test_trees_give_way_to_chains_and_then_to_nothing_as_rows_get_dear():
+    shapes = []
+    for row_cost in (0.02, 0.3, 1.0):  # alone; rows no longer free (load); every row a full step
+        policy = _policy(_measured(row_cost, DEPTHS, draft_step=0.1), chain_alpha=0.5, tree_alpha=0.7)
+        k = policy.next_k()
+        shapes.append((policy.width if k else 0, k))
+    assert shapes[0][0] == 3 and shapes[1] == (1, shapes[1][1]) and shapes[1][1] > 0 and shapes[2] == (0, 0)
+
+
+def test_while_chains_win_a_tree_is_still_tried_every_explore_every_rounds():
+    policy = _policy(_measured(0.02, DEPTHS, draft_step=0.1), chain_alpha=0.6, tree_alpha=0.6, explore_every=4)
+    widths = []
+    for _ in range(12):
+        k = policy.next_k()
+        assert k > 0
+        widths.append(policy.width)
+    assert widths == [1, 1, 1, 3] * 3
+
+
+def test_tree_rounds_teach_both_estimates_and_chain_rounds_only_the_chains():
+    costs = CostModel()
+    policy = DraftLengthPolicy(8, costs, "head", branches=3)
+    chain_before, tree_before = policy.alpha, policy.tree_alpha
+    # Trees whose every level is taken, their first branch rejected at once: trees good, chains poor.
+    for _ in range(6):
+        policy.update(3, 3, first_branch=(3, 0))
+    assert policy.tree_alpha > tree_before and policy.alpha < chain_before
+    assert costs.prior_alpha("head/tree") > costs.prior_alpha("head")  # the server's running figures too
+    tree_after = (policy.tree_successes, policy.tree_failures)
+    policy.update(4, 4)  # a chain round
+    assert (policy.tree_successes, policy.tree_failures) == tree_after
+    # A tree's levels hold the chain's token: its estimate never falls below the chain's.
+    for _ in range(10):
+        policy.update(4, 4)
+        policy.update(3, 0, first_branch=(3, 0))
+    assert policy.tree_alpha >= policy.alpha
+
+
+def test_tree_draft_calls_and_depths_are_measured_apart_from_chains():
+    costs = CostModel(decay=0.0)
+    policy = DraftLengthPolicy(8, costs, "head", branches=3)
+    assert costs.depth("head", 6, 3) == 2.0  # before any tree: ceil(6 / 3)
+    policy.observe_draft(6, 0.003, depth=4)
+    policy.observe_draft(4, 0.004)
+    assert costs.depth("head", 6, 3) == 4.0 and set(costs.draft_s) == {"head", "head/tree"}
+    costs.observe_verify(1, 0.001)
+    assert costs.draft_cost("head/tree", 6) == pytest.approx(3.0)
+
+
+def test_fixed_trees_draft_their_width_every_round():
+    policy = DraftLengthPolicy.fixed(6, branches=3)
+    assert [(policy.next_k(), policy.width) for _ in range(3)] == [(6, 3)] * 3
+    with pytest.raises(ValueError, match="branches"):
+        DraftLengthPolicy(4, CostModel(), "head", branches=0)

@@ -9,7 +9,8 @@ import random
 import pytest
 import torch
 
-from specdec.decoding.draft_length import DraftLengthPolicy
+from specdec import tensor_names as tn
+from specdec.decoding.draft_length import CostModel, DraftLengthPolicy
 from specdec.decoding.interfaces import Proposal
 from specdec.decoding.loop import GenerationRequest, Stats, first_branch, generate
 from specdec.decoding.ngram_proposer import NgramProposer
@@ -66,9 +67,9 @@ class OracleTreeProposer:
         self.tokens.pop(seq_id, None)
 
 
-def run(req, proposer, scorer, k, stats=None):
+def run(req, proposer, scorer, k, stats=None, policy=None):
     async def main():
-        return [r async for r in generate(req, proposer, scorer, DraftLengthPolicy.fixed(k), stats)]
+        return [r async for r in generate(req, proposer, scorer, policy or DraftLengthPolicy.fixed(k), stats)]
     return asyncio.run(main())
 
 
@@ -112,6 +113,38 @@ def test_prompt_lookup_trees_give_the_target_only_output(tiny_lm):
     proposer.propose = spy
     assert tokens_of(run(GenerationRequest(1, prompt, 30), proposer, LocalScorer(dynamic_executor(tiny_lm)), 6)) == plain
     assert any(parents is not None for parents in seen)
+
+
+def test_the_adaptive_policy_picks_each_rounds_shape_and_the_output_stays_the_targets(tiny_lm):
+    """A proposer 3 wide under the adaptive policy: rounds ask for trees or chains as the policy says
+    (`branches`), the trees' depths and calls are measured apart, and greedy output is target-only's; with
+    edited logits every round asks for a chain."""
+    prompt = [3, 4, 5, 6, 3, 4, 7, 8, 3, 4, 5, 9, 3, 4]
+    plain = tokens_of(run(GenerationRequest(1, prompt, 40), NgramProposer(), LocalScorer(dynamic_executor(tiny_lm)), 0))
+    proposer = NgramProposer(min_ngram=1, branches=3)
+    asked = []
+    original = proposer.propose
+
+    async def spy(*args, **kwargs):
+        proposal = await original(*args, **kwargs)
+        asked.append((kwargs["branches"], proposal.parents))
+        return proposal
+
+    proposer.propose = spy
+    costs = CostModel()
+    policy = DraftLengthPolicy(6, costs, tn.NGRAM, free=True, branches=3, explore_every=2)
+    out = run(GenerationRequest(1, prompt, 40), proposer, LocalScorer(dynamic_executor(tiny_lm)), 6, policy=policy)
+    assert tokens_of(out) == plain
+    assert {width for width, _ in asked} == {1, 3}
+    assert all(parents is None for width, parents in asked if width == 1)
+    assert any(parents is not None for _, parents in asked) and costs.tree_depth[tn.NGRAM]
+    assert tn.NGRAM + "/tree" in costs.draft_s
+    asked.clear()
+    penalties = Penalties(repetition=1.3)
+    policy = DraftLengthPolicy(6, CostModel(), tn.NGRAM, free=True, branches=3, explore_every=1)
+    run(GenerationRequest(2, prompt, 20, penalties=penalties), proposer, LocalScorer(dynamic_executor(tiny_lm)), 6,
+        policy=policy)
+    assert asked and all(width == 1 for width, _ in asked)
 
 
 def test_edited_requests_verify_the_first_branch(tiny_lm):

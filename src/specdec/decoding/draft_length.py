@@ -18,18 +18,33 @@ whatever k ran made short drafts look cheap per token when long ones ran and dea
 and K drifted down. α is estimated per request with fast forgetting (acceptance comes in bursts: a copied
 span is accepted whole), starting from the server's running acceptance of the same draft method, both
 as accepted tokens over accepted tokens plus rejections (the geometric estimate of a per-token rate).
+
+Trees (a proposer `branches` wide, decoding/draft_tree.py) are one more shape the rule weighs every round:
+a tree of n nodes yields E = (1 - α_t^(D+1)) / (1 - α_t) tokens, where α_t is the acceptance per level
+(some candidate of the level taken, measured on tree rounds like α on chains, and never below the chain's:
+a level's candidates include the chain's token) and D(n) the depth trees of n nodes reach (measured: a
+best-first tree's depth depends on how peaked the draft is); it costs d_t(n) + v(n), the tree draft's
+call measured apart from the chain's and the verify of n + 1 rows from the same forwards. So a tree is
+drafted when its extra candidates buy more tokens than their rows and draft steps cost, a chain when they
+do not (alone, or under load where rows stop being free), nothing when neither pays. A tree round also
+tells the chain's acceptance (its first branch is the chain the draft would have proposed); a chain round
+tells nothing of a tree's, so while chains win a tree is still tried every `explore_every` rounds.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from specdec.decoding.interfaces import ForwardStats
 
+TREE = "/tree"  # a method's trees are measured under its name and this suffix (draft calls, acceptance)
 
-def expected_tokens(alpha: float, k: int) -> float:
-    """Tokens a round yields on average: accepted drafts plus the target's own token. E(0) = 1."""
+
+def expected_tokens(alpha: float, k: float) -> float:
+    """Tokens a round yields on average: accepted drafts plus the target's own token, k levels drafted (a
+    measured mean depth may be fractional). E(0) = 1."""
     if alpha >= 1.0:
         return float(k + 1)
     return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
@@ -41,11 +56,15 @@ def speedup(alpha: float, k: int, round_cost: float) -> float:
     return expected_tokens(alpha, k) / round_cost
 
 
-def best_draft_length(alpha: float, k_max: int, round_cost: Callable[[int], float]) -> tuple[int, float]:
-    """(k, value) maximizing speedup over k in [0, k_max]; round_cost(k) gives d(k) + v(k), 1 at k = 0."""
-    best_k, best = 0, 1.0
-    for k in range(1, k_max + 1):
-        value = speedup(alpha, k, round_cost(k))
+def best_draft_length(alpha: float, k_max: int, round_cost: Callable[[int], float],
+                      depth: Callable[[int], float] | None = None, k_min: int = 1, floor: float = 1.0
+                      ) -> tuple[int, float]:
+    """(k, value) maximizing speedup over k in [k_min, k_max]; (0, floor) when none beats `floor` (1:
+    target-only). round_cost(k) gives d(k) + v(k); depth(k) the levels a proposal of k tokens reaches (a
+    tree's; a chain's is k)."""
+    best_k, best = 0, floor
+    for k in range(k_min, k_max + 1):
+        value = expected_tokens(alpha, k if depth is None else depth(k)) / round_cost(k)
         if value > best + 1e-9:
             best_k, best = k, value
     return best_k, best
@@ -126,6 +145,7 @@ class CostModel:
     draft_s: dict[str, dict[int, _Ewma]] = field(default_factory=dict)  # method -> tokens -> seconds per call
     alpha: dict[str, _Acceptance] = field(default_factory=dict)  # method -> running acceptance (requests' prior)
     forward_s: dict[int, _Ewma] = field(default_factory=dict)  # token rows -> seconds of a target forward
+    tree_depth: dict[str, dict[int, _Ewma]] = field(default_factory=dict)  # method -> nodes asked -> depth reached
     sequences: _Ewma = field(default_factory=lambda: _Ewma(0.9))  # sequences sharing a target forward
     # v(k) and d(k) are asked for every k every round of every request, and computing them sorts the
     # tables (~0.14 ms a round at K <= 16): recompute v(k) after every `refresh` new forward observations,
@@ -153,6 +173,33 @@ class CostModel:
         if tokens > 0:
             self.draft_s.setdefault(method, {}).setdefault(tokens, _Ewma(self.decay)).add(seconds)
             self._observations += 1
+
+    def observe_tree(self, method: str, nodes: int, depth: int) -> None:
+        """A tree asked for `nodes` nodes reached `depth` levels."""
+        self.tree_depth.setdefault(method, {}).setdefault(nodes, _Ewma(self.decay)).add(depth)
+
+    def depth(self, method: str, nodes: int, width: int) -> float:
+        """D(n): the levels a tree of at most `nodes` nodes, `width` candidates per level, reaches: measured
+        (linear between sizes, along the non-decreasing line past the largest), else ceil(nodes / width)."""
+        measured = _interpolate(self.tree_depth.get(method, {}), nodes, extrapolate=True)
+        return min(float(nodes), measured if measured is not None else float(-(-nodes // width)))
+
+    def tree_round_cost(self, method: str, nodes: int, depth: float) -> float:
+        """d_t(n) + v(n): a round drafting a tree of `nodes` nodes and `depth` levels with `method`, in
+        target-only steps. Until a tree draft was measured, its call is priced as the chain's of `depth`
+        tokens (one draft step per level)."""
+        seen = self._observations
+        key = (seen if seen < self.refresh else self.refresh + seen // self.refresh, method + TREE, nodes,
+               round(depth, 1))
+        cost = self._round_memo.get(key)
+        if cost is None:
+            if len(self._round_memo) > 1024:
+                self._round_memo.clear()
+            tree = method + TREE
+            draft = (self.draft_cost(tree, nodes) if self.draft_s.get(tree) else
+                     self.draft_cost(method, max(1, math.ceil(depth))))
+            cost = self._round_memo[key] = draft + self.verify_cost(nodes)
+        return cost
 
     def observe_acceptance(self, method: str, drafted: int, accepted: int) -> None:
         if drafted > 0:
@@ -223,7 +270,9 @@ class CostModel:
 
 
 class DraftLengthPolicy:
-    """One request's draft length, round by round: the one owner of K (k_max; fixed when not adaptive).
+    """One request's draft length and shape, round by round: the one owner of K (k_max; fixed when not
+    adaptive) and of whether a round drafts a tree (`width`: the candidates per position this round asks
+    for, at most `branches`, the proposer's).
 
     free: the proposer costs (almost) nothing and may return fewer tokens than asked (prompt lookup).
     When the rule says k = 0 its proposal is still made but not verified (`shadow`): the loop checks
@@ -233,29 +282,43 @@ class DraftLengthPolicy:
     a batched forward cost time.) A costly proposer pauses at k = 0 and probes with one token after `probe_every` rounds,
     doubling the wait after every probe that is rejected (a probe costs d(1) + v(1) - 1 extra steps), so the
     estimate can recover without taxing a draft that never agrees.
+
+    branches > 1: the proposer can draft trees that wide; adaptive, each round drafts whichever of a chain
+    and a tree the rule values more (module docstring), a tree at least every `explore_every` rounds while
+    chains pay; fixed, every round is a tree of k_max nodes.
     """
 
     def __init__(self, k_max: int, costs: CostModel, method: str, adaptive: bool = True, free: bool = False,
                  decay: float = 0.7, prior_weight: float = 1.0, probe_every: int = 8,
-                 busy: Callable[[], bool] | None = None):
+                 busy: Callable[[], bool] | None = None, branches: int = 1, explore_every: int = 16):
         """busy: asked every round; while it says True the round drafts nothing (the server's load is past
         where speculation pays, `max_drafting_sequences`), adaptive or not."""
+        if branches < 1:
+            raise ValueError(f"branches must be >= 1, got {branches}")
         self.k_max, self.costs, self.method, self.adaptive, self.free = k_max, costs, method, adaptive, free
         self.busy = busy
         self.decay, self.probe_every = decay, probe_every
         self.prior = costs.prior_alpha(method)
         self.prior_weight = prior_weight
-        self.successes = 0.0  # decayed counts of accepted and rejected draft positions
+        self.successes = 0.0  # decayed counts of accepted and rejected draft positions (chains)
         self.failures = 0.0
         self.paused_rounds = 0
         self.probe_wait = probe_every
         self.probing = False  # the round in flight is a one-token probe
         self.shadow = False  # the round in flight verifies nothing; its proposal is only checked
+        self.branches, self.explore_every = branches, explore_every
+        self.width = 1  # the round in flight's candidates per position (1: a chain)
+        self.tree_method = method + TREE
+        self.tree_prior = costs.prior_alpha(self.tree_method, self.prior)
+        self.tree_successes = 0.0  # the same counts for tree levels (some candidate taken, or none)
+        self.tree_failures = 0.0
+        self.rounds_since_tree = 0
 
     @classmethod
-    def fixed(cls, k: int, method: str = "fixed") -> "DraftLengthPolicy":
-        """Always k draft tokens (0: target-only), with a cost model of its own."""
-        return cls(k, CostModel(), method, adaptive=False)
+    def fixed(cls, k: int, method: str = "fixed", branches: int = 1) -> "DraftLengthPolicy":
+        """Always k draft tokens (0: target-only; with branches > 1 a tree of k nodes), with a cost model of
+        its own."""
+        return cls(k, CostModel(), method, adaptive=False, branches=branches)
 
     @property
     def alpha(self) -> float:
@@ -263,15 +326,31 @@ class DraftLengthPolicy:
         a = self.successes + self.prior * self.prior_weight
         return a / (self.successes + self.failures + self.prior_weight)
 
+    @property
+    def tree_alpha(self) -> float:
+        """The same for a tree's levels, never below the chain's (a level's candidates hold its token)."""
+        a = self.tree_successes + self.tree_prior * self.prior_weight
+        return max(self.alpha, a / (self.tree_successes + self.tree_failures + self.prior_weight))
+
     def next_k(self) -> int:
+        """This round's k (a chain's tokens, or a tree's nodes when it sets `width` above 1)."""
         self.probing = self.shadow = False
+        self.width = 1
         if self.k_max <= 0:
             return 0
         if self.busy is not None and self.busy():
             return 0  # not a pause of the adaptive rule: its estimate and probe schedule stay as they are
         if not self.adaptive:  # always k_max (the costs are still measured)
+            self.width = self.branches
             return self.k_max
-        k, _ = best_draft_length(self.alpha, self.k_max, lambda j: self.costs.round_cost(self.method, j))
+        k, value = best_draft_length(self.alpha, self.k_max, lambda j: self.costs.round_cost(self.method, j))
+        if self.branches > 1 and self.k_max > 1:
+            nodes, tree_value = self._best_tree(floor=max(value, 1.0))
+            self.rounds_since_tree += 1
+            if nodes == 0 and k > 0 and self.rounds_since_tree >= self.explore_every:
+                nodes, _ = self._best_tree(floor=0.0)  # chains pay: see what a tree does now
+            if nodes > 0:
+                self.width, self.rounds_since_tree, k = self.branches, 0, nodes
         if k > 0:
             self.paused_rounds, self.probe_wait = 0, self.probe_every
             return k
@@ -284,18 +363,39 @@ class DraftLengthPolicy:
             return 1
         return 0
 
-    def update(self, drafted: int, accepted: int) -> None:
-        """Record a verified round: `accepted` of `drafted` tokens, a rejection iff accepted < drafted."""
+    def _best_tree(self, floor: float) -> tuple[int, float]:
+        """(nodes, value) of the tree the rule values most above `floor`; (0, floor) when none is."""
+        depth = lambda n: self.costs.depth(self.method, n, self.branches)  # noqa: E731
+        return best_draft_length(self.tree_alpha, self.k_max,
+                                 lambda n: self.costs.tree_round_cost(self.method, n, depth(n)),
+                                 depth=depth, k_min=2, floor=floor)
+
+    def update(self, drafted: int, accepted: int, first_branch: tuple[int, int] | None = None) -> None:
+        """Record a verified round: `accepted` of `drafted` tokens (a tree's: levels along its accepted path
+        of its deepest branch's), a rejection iff accepted < drafted. first_branch: a tree round's (length,
+        accepted) of its first branch, the chain the draft would have proposed: the chain's estimate."""
         if drafted <= 0:
             return
         if self.probing and accepted == 0:  # a failed probe: wait longer next time
             self.probe_wait *= 2
+        if first_branch is not None:
+            self.tree_successes = self.decay * self.tree_successes + accepted
+            self.tree_failures = self.decay * self.tree_failures + (1 if accepted < drafted else 0)
+            self.costs.observe_acceptance(self.tree_method, drafted, accepted)
+            drafted, accepted = first_branch
+            if drafted <= 0:
+                return
         self.successes = self.decay * self.successes + accepted
         self.failures = self.decay * self.failures + (1 if accepted < drafted else 0)
         self.costs.observe_acceptance(self.method, drafted, accepted)
 
-    def observe_draft(self, k: int, seconds: float) -> None:
-        self.costs.observe_draft(self.method, k, seconds)
+    def observe_draft(self, k: int, seconds: float, depth: int | None = None) -> None:
+        """A draft call for k tokens took `seconds`; depth: it drafted a tree of k nodes that deep."""
+        if depth is None:
+            self.costs.observe_draft(self.method, k, seconds)
+        else:
+            self.costs.observe_draft(self.tree_method, k, seconds)
+            self.costs.observe_tree(self.method, k, depth)
 
     def observe_verify(self, positions: int, seconds: float) -> None:
         self.costs.observe_verify(positions, seconds)

@@ -88,7 +88,8 @@ class Proposer(Protocol):
                       params: SamplingParams, round_seed: int, reserve: int = 0, **features) -> Proposal:
         """Keep `keep` cached tokens, append `new_ids`, draft up to k tokens. On a sequence's first call
         `reserve` is the room its whole generation needs (positions), which a model with a KV budget
-        sets aside then or raises NoCapacity."""
+        sets aside then or raises NoCapacity. A proposer that drafts trees (a `branches` attribute above
+        1) also takes `branches=`: this round's candidates per position, at most its own (1: a chain)."""
 
     async def release(self, seq_id: int) -> None: ...
 

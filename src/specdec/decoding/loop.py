@@ -18,8 +18,9 @@ grammar) verify the tree's first branch as a chain.
 
 The DraftLengthPolicy owns K: fixed, it drafts K every round (K = 0 is target-only decoding through the
 same path, the benchmark baseline); adaptive, K is the maximum and it picks each round's k from the
-acceptance so far and the measured costs (it may pick 0: a target-only round). The loop times every
-call for it.
+acceptance so far and the measured costs (it may pick 0: a target-only round), and, for a proposer that
+drafts trees, whether this round is a tree or a chain (`policy.width`, passed as the proposer's
+`branches`). The loop times every call for it.
 """
 
 from __future__ import annotations
@@ -140,10 +141,13 @@ async def generate(req: GenerationRequest, proposer: Proposer, scorer: Scorer, p
                 started = time.perf_counter()
                 proposal = await proposer.propose(req.seq_id, draft_valid, tokens[draft_valid:], k,
                                                   req.sampling, round_seed, reserve=0 if draft_valid else reserve,
-                                                  **_features_for(features, draft_valid))
+                                                  **_features_for(features, draft_valid),
+                                                  **_width(policy, trees))
                 # what it drafted: a chain may end early (an n-gram's span, a draft's confidence stop)
-                policy.observe_draft(len(proposal.tokens) if proposal.parents is None else k,
-                                     time.perf_counter() - started)
+                if proposal.parents is None:
+                    policy.observe_draft(len(proposal.tokens), time.perf_counter() - started)
+                else:
+                    policy.observe_draft(k, time.perf_counter() - started, max(depths(proposal.parents)) + 1)
                 draft_valid = proposal.cached_length
                 drafted_ever = True
                 if proposal.parents is not None and not trees:
@@ -157,7 +161,7 @@ async def generate(req: GenerationRequest, proposer: Proposer, scorer: Scorer, p
             elif policy.shadow:  # a free proposer paused: propose, but only to check it
                 shadow = await proposer.propose(req.seq_id, draft_valid, tokens[draft_valid:], 1, req.sampling, 0,
                                                 reserve=0 if draft_valid else reserve,
-                                                **_features_for(features, draft_valid))
+                                                **_features_for(features, draft_valid), **_width(policy, False))
                 draft_valid = shadow.cached_length
                 drafted_ever = True
             new_ids = tokens[target_valid:] + proposal.tokens
@@ -175,7 +179,11 @@ async def generate(req: GenerationRequest, proposer: Proposer, scorer: Scorer, p
             accepted = len(verdict.path)
             depth = None if tree is None else max(depths(proposal.parents)) + 1  # a tree's longest branch
             if not forced:  # the policy learns the proposer's acceptance (along a branch), not the grammar's
-                policy.update(k if depth is None else depth, accepted)
+                if depth is None:
+                    policy.update(k, accepted)
+                else:
+                    policy.update(depth, accepted, (_first_branch_length(proposal.parents),
+                                                    _on_first_branch(proposal.parents, verdict.path)))
             if shadow.tokens:  # would its first token have been accepted? (greedy: the target's token)
                 policy.update(1, int(shadow.tokens[0] == verdict.next_token))
 
@@ -348,6 +356,20 @@ def _with_catch_up(catch_up: int, parents: tuple[int, ...] | None) -> tuple[int,
     if not parents:  # a chain, or nothing proposed
         return None
     return tuple(range(-1, catch_up - 1)) + tuple(catch_up - 1 if p < 0 else catch_up + p for p in parents)
+
+
+def _width(policy: DraftLengthPolicy, trees: bool) -> dict:
+    """The proposer's `branches` for this round, when it could draft a tree: the policy's choice, or a
+    chain where trees are not verified."""
+    return {"branches": policy.width if trees else 1} if policy.branches > 1 else {}
+
+
+def _first_branch_length(parents: tuple[int, ...]) -> int:
+    """The nodes of a tree's first branch (each node's first child, from the root)."""
+    below, count, row = children(parents), 0, 0
+    while below[row]:
+        row, count = below[row][0] + 1, count + 1
+    return count
 
 
 def _on_first_branch(parents: tuple[int, ...] | None, path: tuple[int, ...]) -> int:

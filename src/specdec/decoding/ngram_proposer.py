@@ -139,7 +139,9 @@ class NgramProposer:
         self.sequences: dict[int, NgramIndex] = {}
 
     async def propose(self, seq_id: int, keep: int, new_ids: list[int], k: int,
-                      params: SamplingParams, round_seed: int, reserve: int = 0) -> Proposal:
+                      params: SamplingParams, round_seed: int, reserve: int = 0, branches: int | None = None
+                      ) -> Proposal:
+        width = self.branches if branches is None else max(1, min(branches, self.branches))
         index = self.sequences.get(seq_id)
         if index is None:
             index = self.sequences[seq_id] = NgramIndex(self.max_ngram, self.min_ngram, self.branches)
@@ -147,9 +149,9 @@ class NgramProposer:
         index.extend(new_ids)
         # No distributions: a deterministic draft, which the loop verifies as one-hot rows of the
         # target's own logit width (a tokenizer's length is not the model's vocabulary width).
-        if self.branches == 1:
+        if width == 1:
             return Proposal(self._draft(index, k), None, cached_length=len(index.tokens))
-        tokens, parents = merge(self._drafts(index, k), k)
+        tokens, parents = merge(self._drafts(index, k, width), k)
         # One continuation merges into a chain: sent as one (no tree bookkeeping downstream).
         chain = all(parent == node - 1 for node, parent in enumerate(parents))
         return Proposal(tokens, None, cached_length=len(index.tokens), parents=None if chain else parents)
@@ -158,9 +160,9 @@ class NgramProposer:
         """Up to k tokens for the sequence `index` holds."""
         return index.lookup(k)
 
-    def _drafts(self, index: NgramIndex, k: int) -> list[list[int]]:
-        """Up to `branches` continuations of up to k tokens, the likeliest first."""
-        return index.continuations(k, self.branches)
+    def _drafts(self, index: NgramIndex, k: int, width: int) -> list[list[int]]:
+        """Up to `width` continuations of up to k tokens, the likeliest first."""
+        return index.continuations(k, width)
 
     async def release(self, seq_id: int) -> None:
         self.sequences.pop(seq_id, None)

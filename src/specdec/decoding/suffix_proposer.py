@@ -116,13 +116,13 @@ class SuffixProposer(NgramProposer):
             return theirs
         return own
 
-    def _drafts(self, index: NgramIndex, k: int) -> list[list[int]]:
+    def _drafts(self, index: NgramIndex, k: int, width: int) -> list[list[int]]:
         """The cache's continuation beside the sequence's own ones (the longer match first, as `_draft`)."""
         first = self._draft(index, k)
-        own = index.continuations(k, self.branches)
+        own = index.continuations(k, width)
         theirs = self.cache.lookup(index.tokens, k)[1]
         out = [first] if first else []
         for continuation in own + [theirs]:
-            if continuation and continuation not in out and len(out) < self.branches:
+            if continuation and continuation not in out and len(out) < width:
                 out.append(continuation)
         return out

@@ -461,6 +461,19 @@ def read_target_tensors(target_path: str | Path, device: str | torch.device = "c
     return config, embed, head
 
 
+def load_head_for(head_path: str | Path, target_path: str | Path, device: str | torch.device = "cpu",
+                  dtype: torch.dtype = torch.float32) -> tuple[EagleHead | MedusaHeads, object]:
+    """(head, the target's config): a head ready to draft for its target, as draft_model and the benches
+    load it: read, refused if it does not fit (HeadError naming both paths), the target's embedding (and
+    EAGLE-1's lm_head) attached as copies in this process."""
+    head = load_head(head_path, device, dtype)
+    target_config, embed, lm_head = read_target_tensors(target_path, device, dtype)
+    check_fits(head, target_config, str(head_path), str(target_path))
+    if hasattr(head, "attach"):
+        head.attach(embed, lm_head)
+    return head, target_config
+
+
 def served_layers(head_paths: list[str], target_layers: int) -> tuple[int, ...]:
     """The target layers whose states target_model serves for these heads (the union, in the heads' order):
     target_model computes them at load, and each head's draft_model the same, to find its columns."""

@@ -34,11 +34,12 @@ class LocalProposer:
         self.branches = branches  # candidates per drafted position (decoding/draft_tree.py): above 1, trees
 
     async def propose(self, seq_id: int, keep: int, new_ids: list[int], k: int, params: SamplingParams,
-                      round_seed: int, reserve: int = 0, **features) -> Proposal:
+                      round_seed: int, reserve: int = 0, branches: int | None = None, **features) -> Proposal:
         generator = None if params.greedy else make_generator(round_seed, self.lm.logits_device)
+        width = self.branches if branches is None else max(1, min(branches, self.branches))
         with _no_capacity():  # a head's features go with the step
             (drafted,) = self.lm.propose_many([Step(seq_id, keep, new_ids, k=k, params=params, generator=generator,
-                                                    reserve=reserve, branches=self.branches, **features)])
+                                                    reserve=reserve, branches=width, **features)])
             if isinstance(drafted, Exception):
                 raise drafted
         probs = None if drafted.probs is None else drafted.probs.float().cpu()

@@ -143,10 +143,11 @@ class BlsProposer(_SequenceModel):
 
     async def propose(self, seq_id: int, keep: int, new_ids: list[int], k: int,
                       params: SamplingParams, round_seed: int, reserve: int = 0,
-                      features: torch.Tensor | None = None) -> Proposal:
+                      features: torch.Tensor | None = None, branches: int | None = None) -> Proposal:
         keep, new_ids, reserve = await self._prefill(seq_id, keep, new_ids, 1, reserve, [tn.DRAFT_TOKENS])
         outputs = [tn.DRAFT_TOKENS, tn.CACHED_LENGTH, tn.DRAFT_PARENTS] + ([] if params.greedy else [tn.DRAFT_PROBS])
-        own = wire.ProposeMessage(k, params, round_seed, self.branches).encode()
+        width = self.branches if branches is None else max(1, min(branches, self.branches))
+        own = wire.ProposeMessage(k, params, round_seed, width).encode()
         if self.wants_features:
             own[tn.FEATURES] = NO_FEATURES if features is None else features.float()[None]
         result = await self._call(seq_id, new_ids, keep, outputs, reserve, own=own)

@@ -34,17 +34,18 @@ class FallbackProposer:
         self.fallbacks = 0  # rounds that ran target-only because the draft failed or was out
         self.no_room_until: dict[int, float] = {}  # sequences the draft had no room for, until when
         self.wants_features = getattr(inner, "wants_features", False)  # a trained head's: the loop sends them
+        self.branches = getattr(inner, "branches", 1)  # its trees' width: the policy chooses per round
 
     @property
     def available(self) -> bool:
         return self.clock() >= self.out_until
 
     async def propose(self, seq_id: int, keep: int, new_ids: list[int], k: int, params: SamplingParams,
-                      round_seed: int, reserve: int = 0, **features) -> Proposal:
+                      round_seed: int, reserve: int = 0, **options) -> Proposal:
         if not self.available or self.no_room_until.get(seq_id, 0.0) > self.clock():
             return self._fallback(keep)
         try:
-            proposal = await self.inner.propose(seq_id, keep, new_ids, k, params, round_seed, reserve, **features)
+            proposal = await self.inner.propose(seq_id, keep, new_ids, k, params, round_seed, reserve, **options)
         except NoCapacity:
             await self.release(seq_id)  # ends the sequence the call started at Triton's batcher
             self.no_room_until[seq_id] = self.clock() + self.initial_wait

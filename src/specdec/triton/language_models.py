@@ -26,7 +26,7 @@ from specdec.decoding.sampling import SamplingParams, greedy, greedy_log_probs, 
 from specdec.decoding.text import load_tokenizer, vocabulary_mismatch
 from specdec.engine import host_memory, onednn_linear, threads
 from specdec.engine.build import ExecutorConfig, build_executor
-from specdec.engine.draft_heads import HeadError, check_fits, load_head, read_target_tensors, served_layers
+from specdec.engine.draft_heads import HeadError, load_head_for, served_layers
 from specdec.engine.executor import CacheError, CapacityError, Scored, Step
 from specdec.engine.head_executor import HeadExecutor
 from specdec.engine.loading import load_causal_lm
@@ -544,13 +544,9 @@ class DraftModel(LanguageModelAdapter):
         head_path, target_path = params.str("model_path"), params.str("target_path")
         dtype = getattr(torch, params.str("dtype", "float32", choices=tn.DTYPE_NAMES))
         try:
-            head = load_head(head_path, device, dtype)
-            target_config, embed, lm_head = read_target_tensors(target_path, device, dtype)
-            check_fits(head, target_config, head_path, target_path)
+            head, target_config = load_head_for(head_path, target_path, device, dtype)
         except HeadError as exc:
             raise ConfigError(f"{self.name}: {exc}") from None
-        if hasattr(head, "attach"):
-            head.attach(embed, lm_head)
         # The target returns the states of the layers its heads read, concatenated: this head's, in its order
         target_layers = target_config.get_text_config().num_hidden_layers
         served = self._served_layers(params, target_layers)

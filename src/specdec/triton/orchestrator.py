@@ -233,12 +233,13 @@ class SpeculativeDecodingAdapter(TritonAdapter):
             if not await room.line_up():
                 raise NoCapacity("cancelled while waiting in line for KV room")  # room.cancelled is set
             started = True
+            proposer = self.proposers[parsed.draft_name]
             policy = DraftLengthPolicy(parsed.num_draft_tokens, self.costs, parsed.draft_name,
                                        adaptive=parsed.adaptive, free=parsed.draft_name in tn.BUILTIN_DRAFTS,
-                                       busy=self._busy(gen))
+                                       busy=self._busy(gen), branches=proposer.branches)
             # Between draft and verify only the board is read (one stat): asking Triton is an IPC round
             # trip, paid once per round (`_Responses.round`), off the event loop.
-            rounds = generate(gen, self.proposers[parsed.draft_name], self.scorer, policy, out.stats,
+            rounds = generate(gen, proposer, self.scorer, policy, out.stats,
                               cancelled=lambda: self.cancellations.is_cancelled(gen.seq_id), wait_for_room=room)
             async with contextlib.aclosing(rounds) as rounds:
                 async for rnd in rounds:
