@@ -34,6 +34,10 @@ def parse_args(argv):
     parser.add_argument("--max-prompts", type=int, default=0, help="use the first N prompts (0: all)")
     parser.add_argument("--held-out", type=float, default=0.1, help="the share of prompts kept for evaluation")
     parser.add_argument("--answer-tokens", type=int, default=128, help="tokens of each answer the target writes")
+    parser.add_argument("--sampled-answers", type=int, default=0,
+                        help="answers per training prompt drawn at --temperature besides the greedy one")
+    parser.add_argument("--temperature", type=float, default=0.8, help="of the sampled answers")
+    parser.add_argument("--answer-batch", type=int, default=32, help="answers generated together")
     parser.add_argument("--draft-vocab", type=int, default=8192, help="the head's vocabulary (most frequent tokens)")
     parser.add_argument("--epochs", type=int, default=6)
     parser.add_argument("--steps", type=int, default=4, help="training-time test: unrolled draft steps")
@@ -75,11 +79,15 @@ def main(argv=None) -> int:
         if args.max_prompts:
             prompts = prompts[:args.max_prompts]
         kept = max(1, round(len(prompts) * args.held_out))
-        log(f"the target answers {len(prompts)} prompts ({kept} held out), up to {args.answer_tokens} tokens each; "
+        log(f"the target answers {len(prompts)} prompts ({kept} held out; {1 + args.sampled_answers} answers to each "
+            f"other), up to {args.answer_tokens} tokens each; "
             f"features of layers {list(layers)}")
-        answered = data.answer_and_featurize(model, tokenizer, prompts, layers, args.answer_tokens,
-                                             chat_template=not args.no_chat_template, log=log)
-        samples, held_out = answered[:-kept], answered[-kept:]
+        # Held-out prompts get their greedy answer only: acceptance is measured on what greedy serving sees
+        answer = lambda some, sampled: data.answer_and_featurize(  # noqa: E731
+            model, tokenizer, some, layers, args.answer_tokens, chat_template=not args.no_chat_template,
+            batch=args.answer_batch, sampled=sampled, temperature=args.temperature, seed=args.seed, log=log)
+        samples = answer(prompts[:-kept], args.sampled_answers)
+        held_out = answer(prompts[-kept:], 0)
         torch.save({"train": samples, "held_out": held_out}, cached)
         log(f"answered in {time.monotonic() - started:.0f} s")
     vocab_size = model.config.get_text_config().vocab_size
