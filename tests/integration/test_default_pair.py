@@ -14,7 +14,7 @@ pytestmark = pytest.mark.integration
 
 PROMPTS = [json.loads(line)["prompt"] for line in (REPO_ROOT / "bench" / "prompts_grounded.jsonl").read_text().splitlines()[:2]]
 PROMPTS += [json.loads(line)["prompt"] for line in (REPO_ROOT / "bench" / "prompts_open.jsonl").read_text().splitlines()[:1]]
-MAX_TOKENS = 40
+MAX_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
@@ -24,11 +24,17 @@ def default_server(tmp_path_factory):
     stop_server(srv, require_clean_exit=False)
 
 
+@pytest.fixture(scope="module")
+def target_only(default_server):
+    return {prompt: grpc_stream(default_server.grpc_url, prompt, max_tokens=MAX_TOKENS, num_draft_tokens=0)
+            for prompt in PROMPTS}
+
+
 @pytest.mark.parametrize("draft, k, adaptive", [("ngram", None, None), ("draft_model", 3, False)])
-def test_real_pair_speculative_greedy_equals_target_only(default_server, draft, k, adaptive):
+def test_real_pair_speculative_greedy_equals_target_only(default_server, target_only, draft, k, adaptive):
     drafted = accepted = 0
     for prompt in PROMPTS:
-        base = grpc_stream(default_server.grpc_url, prompt, max_tokens=MAX_TOKENS, num_draft_tokens=0)
+        base = target_only[prompt]
         spec = grpc_stream(default_server.grpc_url, prompt, max_tokens=MAX_TOKENS, num_draft_tokens=k,
                            draft_model=draft, adaptive_draft=adaptive)
         assert spec[tn.TEXT_OUTPUT] == base[tn.TEXT_OUTPUT], prompt

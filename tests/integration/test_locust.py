@@ -13,7 +13,7 @@ pytestmark = pytest.mark.integration
 LOCUSTFILE = Path(__file__).resolve().parents[2] / "loadtest" / "locustfile.py"
 
 
-def run_locust(tmp_path, host, seconds=10, extra=()):
+def run_locust(tmp_path, host, seconds=5, extra=()):
     prefix = tmp_path / "stats"
     try:
         out = subprocess.run(
@@ -49,13 +49,13 @@ def test_locust_headless_records_requests_and_ttft(server, tmp_path, scheme):
 def test_locust_sends_guided_requests(server, tmp_path):
     """--guided-fraction 1: every request carries a guide from the guides file. The project's file serves
     without a failure; a file whose guide does not compile fails every request (so the guides are sent)."""
-    out, rows, _ = run_locust(tmp_path, server.grpc_url, seconds=12, extra=["--guided-fraction", "1"])
+    out, rows, _ = run_locust(tmp_path, server.grpc_url, seconds=6, extra=["--guided-fraction", "1"])
     assert out.returncode == 0, out.stderr[-3000:]
     generate = rows[("grpc", "generate")]
     assert int(generate["Request Count"]) > 0 and int(generate["Failure Count"]) == 0
     broken = tmp_path / "broken.jsonl"
     broken.write_text('{"prompt": "Hi", "guide_type": "regex", "guide": "[0-9"}\n')
-    out, rows, _ = run_locust(tmp_path, server.http_url, seconds=8,
+    out, rows, _ = run_locust(tmp_path, server.http_url, seconds=4,
                               extra=["--guided-fraction", "1", "--guides-file", str(broken)])
     generate = rows[("http", "generate")]
     assert int(generate["Request Count"]) > 0 and generate["Failure Count"] == generate["Request Count"]
@@ -65,7 +65,7 @@ def test_locust_sends_guided_requests(server, tmp_path):
 def test_locust_asks_for_the_draft_method_it_is_given(server, tmp_path):
     """--draft-model: every request names that method. A name the server does not offer fails every
     request, the error naming the input: the name is sent."""
-    out, rows, _ = run_locust(tmp_path, server.http_url, seconds=6, extra=["--draft-model", "no_such_draft"])
+    out, rows, _ = run_locust(tmp_path, server.http_url, seconds=4, extra=["--draft-model", "no_such_draft"])
     generate = rows[("http", "generate")]
     assert int(generate["Request Count"]) > 0 and generate["Failure Count"] == generate["Request Count"]
     assert "draft_model" in out.stdout + out.stderr
@@ -75,7 +75,7 @@ def test_locust_prepends_a_shared_system_prompt_that_the_server_caches(server, t
     """--system-prompt-file: every prompt starts with the file's text; after the first requests the target
     finds it in its prefix cache (at least its first three blocks each time)."""
     before = server.metric("specdec_model_prefix_cache_hits_total", model="target_model")
-    out, rows, _ = run_locust(tmp_path, server.grpc_url, seconds=10,
+    out, rows, _ = run_locust(tmp_path, server.grpc_url, seconds=6,
                               extra=["--system-prompt-file", str(LOCUSTFILE.parent / "system_prompt.txt")])
     assert out.returncode == 0, out.stderr[-3000:]
     generate = rows[("grpc", "generate")]
@@ -120,10 +120,10 @@ def test_soak_reports_memory_over_time_against_a_running_server(server, tmp_path
     script = LOCUSTFILE.parent / "soak.py"
     out = tmp_path / "soak.md"
     result = subprocess.run([sys.executable, str(script), "--grpc-url", server.grpc_url,
-                             "--server-pid", str(server.process.pid), "--duration", "12", "--warmup", "4",
-                             "--sample-every", "4", "--users", "2", "--max-tokens", "16", "--out", str(out)],
+                             "--server-pid", str(server.process.pid), "--duration", "8", "--warmup", "2",
+                             "--sample-every", "2", "--users", "2", "--max-tokens", "16", "--out", str(out)],
                             capture_output=True, text=True, timeout=240)
-    assert result.returncode in (0, 1), result.stderr[-3000:]  # 1: grew >= 5 % (a 12 s run proves nothing)
+    assert result.returncode in (0, 1), result.stderr[-3000:]  # 1: grew >= 5 % (an 8 s run proves nothing)
     report = out.read_text()
     assert ", 0 failures" in report and "requests" in report
     table = {line.split("|")[1].strip(): line for line in report.splitlines() if line.startswith("| ")}
@@ -131,5 +131,5 @@ def test_soak_reports_memory_over_time_against_a_running_server(server, tmp_path
     # One row per stub: the orchestrator's second instance has its own.
     assert "speculative_decoding #2" in table, sorted(table)
     assert re.search(r"[+-]\d+ / [+-]\d+", table["target_model"])  # anonymous / shared growth
-    series = re.search(r"RSS \(anonymous \+ shared, MiB\) every 4 s: ([\d, ]+)", report)
+    series = re.search(r"RSS \(anonymous \+ shared, MiB\) every 2 s: ([\d, ]+)", report)
     assert series and len(series.group(1).split(",")) >= 3
