@@ -98,39 +98,40 @@ def test_greedy_trees_give_the_target_only_output(tiny_lm, kind):
     assert torch.allclose(torch.tensor([lp for r in rounds for lp in r.log_probs]), torch.tensor(plain_lp), atol=1e-9)
 
 
-def test_prompt_lookup_trees_give_the_target_only_output(tiny_lm):
-    prompt = [3, 4, 5, 6, 3, 4, 7, 8, 3, 4, 5, 9, 3, 4]  # "3 4" continues three ways
-    plain = tokens_of(run(GenerationRequest(1, prompt, 30), NgramProposer(), LocalScorer(dynamic_executor(tiny_lm)), 0))
+LOOKUP_PROMPT = [3, 4, 5, 6, 3, 4, 7, 8, 3, 4, 5, 9, 3, 4]  # "3 4" continues three ways
+
+
+def spied_lookup(asked: list) -> NgramProposer:
+    """Prompt lookup 3 wide that records each call's (branches asked, the proposal's parents)."""
     proposer = NgramProposer(min_ngram=1, branches=3)
-    seen = []
     original = proposer.propose
 
     async def spy(*args, **kwargs):
         proposal = await original(*args, **kwargs)
-        seen.append(proposal.parents)
+        asked.append((kwargs.get("branches"), proposal.parents))
         return proposal
 
     proposer.propose = spy
-    assert tokens_of(run(GenerationRequest(1, prompt, 30), proposer, LocalScorer(dynamic_executor(tiny_lm)), 6)) == plain
-    assert any(parents is not None for parents in seen)
+    return proposer
+
+
+def test_prompt_lookup_trees_give_the_target_only_output(tiny_lm):
+    plain = tokens_of(run(GenerationRequest(1, LOOKUP_PROMPT, 30), NgramProposer(),
+                          LocalScorer(dynamic_executor(tiny_lm)), 0))
+    seen = []
+    out = run(GenerationRequest(1, LOOKUP_PROMPT, 30), spied_lookup(seen), LocalScorer(dynamic_executor(tiny_lm)), 6)
+    assert tokens_of(out) == plain
+    assert any(parents is not None for _, parents in seen)
 
 
 def test_the_adaptive_policy_picks_each_rounds_shape_and_the_output_stays_the_targets(tiny_lm):
     """A proposer 3 wide under the adaptive policy: rounds ask for trees or chains as the policy says
     (`branches`), the trees' depths and calls are measured apart, and greedy output is target-only's; with
     edited logits every round asks for a chain."""
-    prompt = [3, 4, 5, 6, 3, 4, 7, 8, 3, 4, 5, 9, 3, 4]
+    prompt = LOOKUP_PROMPT
     plain = tokens_of(run(GenerationRequest(1, prompt, 40), NgramProposer(), LocalScorer(dynamic_executor(tiny_lm)), 0))
-    proposer = NgramProposer(min_ngram=1, branches=3)
     asked = []
-    original = proposer.propose
-
-    async def spy(*args, **kwargs):
-        proposal = await original(*args, **kwargs)
-        asked.append((kwargs["branches"], proposal.parents))
-        return proposal
-
-    proposer.propose = spy
+    proposer = spied_lookup(asked)
     costs = CostModel()
     policy = DraftLengthPolicy(6, costs, tn.NGRAM, free=True, branches=3, explore_every=2)
     out = run(GenerationRequest(1, prompt, 40), proposer, LocalScorer(dynamic_executor(tiny_lm)), 6, policy=policy)
