@@ -333,3 +333,24 @@ def test_paused_free_proposer_is_checked_in_the_shadow_and_feeds_forward_costs()
     assert proposer.asked and set(proposer.asked) == {1}  # shadow proposals, one token each
     assert policy.successes > 0  # its correct first tokens were seen
     assert 8 in costs.forward_s and round(costs.sequences.value) == 8
+
+
+def test_a_sequences_first_draft_call_prefills_and_is_not_priced_as_a_round():
+    """The first draft call of a sequence carries its prompt (here 50 ms of it): its time is not a round's
+    draft cost, or one prefill would price every round's draft at many steps and stop drafting."""
+    import time
+
+    class PrefillingProposer(FakeProposer):
+        async def propose(self, seq_id, keep, new_ids, k, params, round_seed, reserve=0):
+            if keep == 0:
+                time.sleep(0.05)
+            return await super().propose(seq_id, keep, new_ids, k, params, round_seed, reserve)
+
+    costs, seen = CostModel(), []
+    observe = costs.observe_draft
+    costs.observe_draft = lambda method, tokens, seconds: seen.append(seconds) or observe(method, tokens, seconds)
+    policy = DraftLengthPolicy(3, costs, "fake", adaptive=False)
+    stats = Stats()
+    run(GenerationRequest(seq_id=1, prompt_ids=[3, 1, 4, 1, 5], max_tokens=40), PrefillingProposer(), FakeScorer(),
+        policy, stats)
+    assert len(seen) == stats.rounds - 1 and max(seen) < 0.025  # the rounds' calls only: never the prefill's

@@ -143,11 +143,16 @@ async def generate(req: GenerationRequest, proposer: Proposer, scorer: Scorer, p
                                                   req.sampling, round_seed, reserve=0 if draft_valid else reserve,
                                                   **_features_for(features, draft_valid),
                                                   **_width(policy, trees))
-                # what it drafted: a chain may end early (an n-gram's span, a draft's confidence stop)
-                if proposal.parents is None:
-                    policy.observe_draft(len(proposal.tokens), time.perf_counter() - started)
+                # what it drafted: a chain may end early (an n-gram's span, a draft's confidence stop). A
+                # sequence's first call also prefills its prompt: not what a round's draft costs (taken as one,
+                # it priced a trained head's rounds at several target steps and stopped its drafting)
+                seconds = time.perf_counter() - started
+                if draft_valid == 0:
+                    pass
+                elif proposal.parents is None:
+                    policy.observe_draft(len(proposal.tokens), seconds)
                 else:
-                    policy.observe_draft(k, time.perf_counter() - started, max(depths(proposal.parents)) + 1)
+                    policy.observe_draft(k, seconds, max(depths(proposal.parents)) + 1)
                 draft_valid = proposal.cached_length
                 drafted_ever = True
                 if proposal.parents is not None and not trees:
