@@ -99,6 +99,8 @@ def main(argv=None) -> int:
     parser.add_argument("--results", metavar="NAME", help="also write it as docs/results/<date>-NAME.md")
     parser.add_argument("--draft-head", metavar="DIR", help="also a trained head's chains and trees")
     parser.add_argument("--head-only", action="store_true", help="with --draft-head: target-only and the head's rows")
+    parser.add_argument("--only", metavar="TEXT,...", default="",
+                        help="the settings whose label contains one of these (target-only always runs)")
     args = parser.parse_args(argv)
     spec = pairs.prepare_pair(args.pair)
     from transformers import AutoTokenizer
@@ -111,6 +113,9 @@ def main(argv=None) -> int:
         head = load_head_executor(args.draft_head, spec.target_path)
         layers = head.config.feature_layers(model.config.get_text_config().num_hidden_layers)
         settings = ([SETTINGS[0]] if args.head_only else SETTINGS) + HEAD_SETTINGS
+    wanted = [text for text in args.only.split(",") if text]
+    if wanted:
+        settings = [settings[0]] + [s for s in settings[1:] if any(text in s.label for text in wanted)]
     # With a head the target returns its features (hidden_layers), as target_model does when a head is served
     lm = dynamic_executor(model, hidden_layers=layers)
     sections = []
