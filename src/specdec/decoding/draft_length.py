@@ -365,10 +365,10 @@ class DraftLengthPolicy:
 
     def _best_tree(self, floor: float) -> tuple[int, float]:
         """(nodes, value) of the tree the rule values most above `floor`; (0, floor) when none is."""
-        depth = lambda n: self.costs.depth(self.method, n, self.branches)  # noqa: E731
+        depth = {n: self.costs.depth(self.method, n, self.branches) for n in range(2, self.k_max + 1)}
         return best_draft_length(self.tree_alpha, self.k_max,
-                                 lambda n: self.costs.tree_round_cost(self.method, n, depth(n)),
-                                 depth=depth, k_min=2, floor=floor)
+                                 lambda n: self.costs.tree_round_cost(self.method, n, depth[n]),
+                                 depth=depth.__getitem__, k_min=2, floor=floor)
 
     def update(self, drafted: int, accepted: int, first_branch: tuple[int, int] | None = None) -> None:
         """Record a verified round: `accepted` of `drafted` tokens (a tree's: levels along its accepted path

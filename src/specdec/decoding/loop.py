@@ -147,11 +147,9 @@ async def generate(req: GenerationRequest, proposer: Proposer, scorer: Scorer, p
                 # sequence's first call also prefills its prompt: not what a round's draft costs (taken as one,
                 # it priced a trained head's rounds at several target steps and stopped its drafting)
                 seconds = time.perf_counter() - started
-                if draft_valid == 0:
-                    pass
-                elif proposal.parents is None:
+                if draft_valid and proposal.parents is None:
                     policy.observe_draft(len(proposal.tokens), seconds)
-                else:
+                elif draft_valid:
                     policy.observe_draft(k, seconds, max(depths(proposal.parents)) + 1)
                 draft_valid = proposal.cached_length
                 drafted_ever = True
