@@ -1,0 +1,131 @@
+"""Training EAGLE-1 and EAGLE-3 heads with their training-time test: the head unrolled on its own outputs.
+
+Entry i of a sample pairs the target's feature at position i with token i + 1 and predicts token i + 2
+(EAGLE-3's feature: fc over the target's auxiliary states; EAGLE-1's: the target's last hidden state after
+its final norm). Step 0 runs every entry from the target's features (causal attention over the entries).
+Step j runs entry i + j of the chain started at i on the head's own output of step j - 1 (as drafting does
+after its first token), attending to step 0's entries up to i and to the chain's own rows of steps 1..j: the
+diagonal mask of EAGLE-3's training (HASS and EAGLE-3 train EAGLE-1's recurrence the same way). Loss:
+cross-entropy against the target's distribution over the draft vocabulary (its logits there: the lm_head
+rows of those tokens times its final hidden state), on positions whose target argmax the draft vocabulary
+holds; EAGLE-1 adds its feature regression (smooth L1 between the head's output and the target's feature
+at the next position, the cross-entropy weighted 0.1, as EAGLE's paper trains it). Step j weighted 0.8^j.
+
+Shapes: E entries (the sample's length - 1), h hidden, H heads x D, F the features' width, V_d the draft
+vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from specdec.engine.draft_heads import EAGLE3, EagleHead
+from specdec.train.data import Sample
+
+STEP_WEIGHT = 0.8
+EAGLE1_LOGITS_WEIGHT = 0.1  # EAGLE's w_cls: its loss is mostly the feature regression
+
+
+def _attend(attn, q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+    """Step j's attention for every chain. q (H, E, D); keys[0]/values[0] (KV, E, D) are step 0's entries
+    (chain i sees columns <= i), keys[s] the chains' own rows of step s (chain i sees row i). -> (E, H x D)."""
+    groups = attn.heads // attn.kv_heads
+    expand = [k.repeat_interleave(groups, 0) for k in keys]
+    expand_v = [v.repeat_interleave(groups, 0) for v in values]
+    scale = 1.0 / math.sqrt(attn.head_dim)
+    entries = q.shape[1]
+    scores = [q @ expand[0].transpose(1, 2) * scale]  # (H, E, E)
+    causal = torch.ones(entries, entries, dtype=torch.bool, device=q.device).tril()
+    scores[0] = scores[0].masked_fill(~causal, float("-inf"))
+    scores += [(q * k).sum(-1, keepdim=True) * scale for k in expand[1:]]  # (H, E, 1) each
+    weights = torch.softmax(torch.cat(scores, dim=-1), dim=-1)
+    out = weights[..., :entries] @ expand_v[0]
+    for s, v in enumerate(expand_v[1:], start=1):
+        out = out + weights[..., entries + s - 1:entries + s] * v
+    return out.transpose(0, 1).reshape(entries, -1)
+
+
+def unrolled(head: EagleHead, sample: Sample, steps: int, device) -> list[torch.Tensor]:
+    """Per step j, the head's output hidden states (E - j, h) of entries j.. E - 1 (chains 0.. E - 1 - j):
+    EAGLE-3's pre-norm g (its logits: lm_head(norm(g))), EAGLE-1's feature (its logits: the target's lm_head
+    times it)."""
+    eagle3 = head.config.kind == EAGLE3
+    layer = head.midlayer if eagle3 else head.layers[0]
+    attn = layer.self_attn
+    tokens = sample.tokens.to(device)
+    entries = len(tokens) - 1
+    hidden = head.fc(sample.features[:entries].to(device)) if eagle3 else sample.final[:entries].to(device)
+    keys, values, out = [], [], []
+    for j in range(steps):
+        count = entries - j  # chains whose step-j row exists
+        if count <= 0:
+            break
+        ids = tokens[j + 1:j + 1 + count]  # entry i + j reads token i + j + 1
+        embeds = nn.functional.embedding(ids, head.embed).to(hidden.dtype)
+        if eagle3:
+            x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden[:count])], dim=-1)
+            residual = hidden[:count]
+        else:  # EAGLE-1: fc over [embed ‖ feature], no input norm
+            x = residual = head.fc(torch.cat([embeds, hidden[:count]], dim=-1))
+        positions = torch.arange(j, j + count, device=device)
+        cos, sin = head.rotary(hidden, positions[None])
+        q = attn.q_proj(x).view(count, attn.heads, attn.head_dim).transpose(0, 1)
+        k = attn.k_proj(x).view(count, attn.kv_heads, attn.head_dim).transpose(0, 1)
+        v = attn.v_proj(x).view(count, attn.kv_heads, attn.head_dim).transpose(0, 1)
+        q, k = apply_rotary_pos_emb(q[None], k[None], cos, sin)
+        q, k = q[0], k[0]
+        keys = [key[:, :count] for key in keys] + [k]
+        values = [value[:, :count] for value in values] + [v]
+        x1 = residual + attn.o_proj(_attend(attn, q, keys, values))
+        hidden = x1 + layer.mlp(layer.post_attention_layernorm(x1))  # the next step's input
+        out.append(hidden)
+    return out
+
+
+class EagleObjective:
+    """What an EAGLE-1 or EAGLE-3 head trains on (trainer.Objective). `target_head` (V, h): the target's
+    lm_head; `draft_ids` (V_d,) ascending target ids: the draft vocabulary (EAGLE-3's own head predicts
+    these; EAGLE-1's loss reads the target's rows of them, its served logits every row)."""
+
+    def __init__(self, head: EagleHead, steps: int, target_head: torch.Tensor, draft_ids: torch.Tensor, device):
+        self.module, self.steps, self.device = head, steps, device
+        self.eagle3 = head.config.kind == EAGLE3
+        self.target_head = target_head.to(device=device, dtype=head.fc.weight.dtype)  # the head's precision
+        self.draft_ids = draft_ids.to(device)
+        self.target_rows = self.target_head[self.draft_ids]
+        self.in_draft = torch.zeros(len(target_head), dtype=torch.bool, device=device)
+        self.in_draft[self.draft_ids] = True
+
+    def loss_and_hits(self, sample: Sample, evaluating: bool) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+        """The weighted loss of one sample, and per step (hits, positions) of greedy agreement on its answer
+        (the head's argmax as served, in target ids, against the target's greedy token)."""
+        head, device = self.module, self.device
+        final = sample.final.to(device)
+        greedy = sample.greedy.to(device)
+        total, weight_sum, hits = 0.0, 0.0, []
+        for j, hidden in enumerate(unrolled(head, sample, self.steps, device)):
+            count = hidden.shape[0]
+            # step j's row of chain i is entry i + j: it predicts token i + j + 2, the target's at position i + j + 1
+            where = torch.arange(j + 1, j + 1 + count, device=device)
+            logits = head.lm_head(head.norm(hidden)) if self.eagle3 else hidden @ self.target_rows.T  # (count, V_d)
+            target = torch.softmax(final[where] @ self.target_rows.T, dim=-1)
+            mask = self.in_draft[greedy[where]]
+            step_loss = -(target * torch.log_softmax(logits, dim=-1)).sum(-1)
+            if not self.eagle3:
+                regression = nn.functional.smooth_l1_loss(hidden, final[where], reduction="none").mean(-1)
+                step_loss = EAGLE1_LOGITS_WEIGHT * step_loss + regression
+                mask = torch.ones_like(mask)  # the feature is learnt at every position
+            if mask.any():
+                total = total + STEP_WEIGHT ** j * step_loss[mask].mean()
+                weight_sum += STEP_WEIGHT ** j
+            answer = where >= sample.prompt_length - 1
+            if self.eagle3 or not evaluating:
+                picked = self.draft_ids[logits.argmax(-1)]
+            else:  # served, EAGLE-1's logits are over the whole vocabulary
+                picked = (hidden @ self.target_head.T).argmax(-1)
+            hits.append((int(((picked == greedy[where]) & answer).sum()), int(answer.sum())))
+        return total / max(weight_sum, 1e-9), hits

@@ -1,0 +1,94 @@
+"""Training Medusa heads by self-distillation: head j reads the target's last hidden state at position t (after
+its final norm) and learns the target's distribution of token t + j + 2.
+
+Each head starts as Medusa's authors start it: its residual blocks zero (the identity) and its output layer a
+copy of the target's lm_head, so an untrained head j proposes the target's own next token. Training reads
+the draft vocabulary only (the most frequent tokens, as EAGLE-3's does): the rows of those tokens train as
+one (N, V_d, h) parameter and are written back into the full output layers at the end; every other row
+stays the target's. Loss: cross-entropy against the target's distribution over the draft vocabulary, head j
+weighted 0.8^j, on positions whose target argmax the draft vocabulary holds.
+
+Shapes: L the sample's length, h hidden, N heads, V the target's vocabulary, V_d the draft vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from specdec.engine.draft_heads import MedusaHeads
+from specdec.train.data import Sample
+
+STEP_WEIGHT = 0.8
+
+
+def start_from_target(heads: MedusaHeads, target_head: torch.Tensor) -> None:
+    """Medusa's initialisation: residual blocks zero, each output layer the target's lm_head (V, h)."""
+    with torch.no_grad():
+        for head in heads.heads:
+            for block in head[:-1]:
+                block.linear.weight.zero_()
+                block.linear.bias.zero_()
+            head[-1].weight.copy_(target_head)
+
+
+class MedusaTraining(nn.Module):
+    """The trainable part of `heads`: their residual blocks (shared, trained in place) and the draft
+    vocabulary's rows of their output layers (a parameter of its own; `finish` writes it back)."""
+
+    def __init__(self, heads: MedusaHeads, draft_ids: torch.Tensor):
+        super().__init__()
+        self.heads = [heads]  # a list: not a submodule, so the (N, V, h) output layers are not optimised
+        self.blocks = nn.ModuleList([nn.Sequential(*head[:-1]) for head in heads.heads])
+        self.register_buffer("draft_ids", draft_ids.clone())
+        self.rows = nn.Parameter(torch.stack([head[-1].weight.detach()[draft_ids] for head in heads.heads]))
+
+    @torch.no_grad()
+    def finish(self) -> MedusaHeads:
+        heads = self.heads[0]
+        for j, head in enumerate(heads.heads):
+            head[-1].weight[self.draft_ids] = self.rows[j].to(head[-1].weight.dtype)
+        return heads
+
+
+class MedusaObjective:
+    """What Medusa heads train on (trainer.Objective). `target_head` (V, h): the target's lm_head."""
+
+    def __init__(self, heads: MedusaHeads, target_head: torch.Tensor, draft_ids: torch.Tensor, device):
+        self.module = MedusaTraining(heads, draft_ids).to(device)
+        self.device = device
+        self.draft_ids = self.module.draft_ids
+        self.target_rows = target_head.to(device=device, dtype=self.module.rows.dtype)[self.draft_ids]
+        self.in_draft = torch.zeros(len(target_head), dtype=torch.bool, device=device)
+        self.in_draft[self.draft_ids] = True
+
+    def loss_and_hits(self, sample: Sample, evaluating: bool) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+        """The weighted loss of one sample and per head (hits, positions): head j's argmax as served (over the
+        whole vocabulary when evaluating) against the target's greedy token t + j + 2, over the answer's
+        positions (every position, as the EAGLE objective's unrolled steps count them)."""
+        final = sample.final.to(self.device)
+        greedy = sample.greedy.to(self.device)
+        length = len(final)
+        total, weight_sum, hits = 0.0, 0.0, []
+        for j, block in enumerate(self.module.blocks):
+            count = length - 1 - j  # positions t whose token t + j + 2 the sample holds
+            if count <= 0:
+                break
+            where = torch.arange(j + 1, j + 1 + count, device=self.device)  # the target's position t + j + 1
+            x = block(final[:count])  # (count, h)
+            logits = x @ self.module.rows[j].T  # (count, V_d)
+            target = torch.softmax(final[where] @ self.target_rows.T, dim=-1)
+            mask = self.in_draft[greedy[where]]
+            step_loss = -(target * torch.log_softmax(logits, dim=-1)).sum(-1)
+            if mask.any():
+                total = total + STEP_WEIGHT ** j * step_loss[mask].mean()
+                weight_sum += STEP_WEIGHT ** j
+            if evaluating:  # served: every row of the output layer, the draft vocabulary's trained ones
+                full = x @ self.module.heads[0].heads[j][-1].weight.T
+                full[:, self.draft_ids] = logits
+                picked = full.argmax(-1)
+            else:
+                picked = self.draft_ids[logits.argmax(-1)]
+            answer = where >= sample.prompt_length - 1
+            hits.append((int(((picked == greedy[where]) & answer).sum()), int(answer.sum())))
+        return total / max(weight_sum, 1e-9), hits

@@ -1,0 +1,109 @@
+"""Training draft heads of every kind (specdec.train: eagle, medusa, trainer, the command): what training computes
+is what serving runs (EAGLE's training-time test against the head's own drafting, Medusa's trained rows
+against the written heads), and the command trains each kind, lowering its held-out loss, into a layout
+the loader reads back."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from specdec.engine.draft_heads import EAGLE, EAGLE3, KINDS, MEDUSA, HeadCache, load_head, random_head, target_tensors
+from specdec.serving import pairs
+from specdec.train.__main__ import main as train_command
+from specdec.train.data import answer_and_featurize
+from specdec.train.eagle import EagleObjective, unrolled
+from specdec.train.medusa import MedusaObjective, start_from_target
+from tests.unit.test_train_data import CharTokenizer
+
+AUX = (0, 1, 1)
+
+
+@pytest.fixture(scope="module")
+def sample(tiny_lm):
+    """One prompt + answer of the tiny float64 target, its features kept in float64."""
+    import dataclasses
+
+    (one,) = answer_and_featurize(tiny_lm, CharTokenizer(), ["what the head reads"], AUX, 16, chat_template=False,
+                                  log=lambda message: None)
+    with torch.no_grad():
+        states = tiny_lm(one.tokens[None], output_hidden_states=True).hidden_states
+    return dataclasses.replace(one, features=torch.cat([states[layer + 1][0] for layer in AUX], dim=-1),
+                               final=states[-1][0])
+
+
+@pytest.mark.parametrize("kind", [EAGLE, EAGLE3])
+def test_the_training_time_test_computes_what_drafting_serves(tiny_lm, sample, kind):
+    head = random_head(kind, tiny_lm.config, seed=2, aux_layers=AUX if kind == EAGLE3 else ()).to(torch.float64)
+    head.attach(*target_tensors(tiny_lm))
+    tokens = sample.tokens
+    entries = len(tokens) - 1
+    features = sample.features if kind == EAGLE3 else sample.final
+    with torch.no_grad():
+        steps = unrolled(head, sample, 3, "cpu")
+        # Step 0: the head's entries filled from the target's features, as a round's call fills them
+        filled, logits = head(tokens[1:entries + 1], head.from_target(features[:entries]), HeadCache(), 0)
+        torch.testing.assert_close(steps[0], filled, rtol=1e-10, atol=1e-10)
+        # Its agreement at the first position is the served head's argmax against the target's, on the answer
+        objective = EagleObjective(head, 3, target_tensors(tiny_lm)[1], torch.arange(tiny_lm.config.vocab_size), "cpu")
+        _, hits = objective.loss_and_hits(sample, evaluating=True)
+        on_answer = torch.arange(1, entries + 1) >= sample.prompt_length - 1
+        agree = logits.argmax(-1) == sample.greedy[1:]
+        assert hits[0] == (int((agree & on_answer).sum()), int(on_answer.sum()))
+        # Step j of the chain started at entry i: drafting j tokens on from there, on the head's own output
+        for i in (0, 3, entries - 4):
+            cache = HeadCache()
+            out, _ = head(tokens[1:i + 2], head.from_target(features[:i + 1]), cache, 0)
+            out = out[-1:]
+            for j in (1, 2):
+                out, _ = head(tokens[i + j + 1:i + j + 2], out, cache, i + j)
+                torch.testing.assert_close(steps[j][i], out[0], rtol=1e-10, atol=1e-10)
+
+
+def test_medusa_heads_start_as_the_target_and_serve_the_rows_they_trained(tiny_lm, sample):
+    embed, lm_head = target_tensors(tiny_lm)
+    heads = random_head(MEDUSA, tiny_lm.config, seed=2, medusa_heads=3).to(torch.float64)
+    start_from_target(heads, lm_head.detach())
+    final = sample.final
+    with torch.no_grad():
+        for j in range(3):  # untrained, every head proposes the target's own next token
+            torch.testing.assert_close(heads(final[4], 3)[j], lm_head @ final[4])
+        draft_ids = torch.tensor([1, 5, 9, 40, 77])
+        objective = MedusaObjective(heads, lm_head.detach(), draft_ids, "cpu")
+        for parameter in objective.module.parameters():  # as if trained
+            parameter.add_(torch.randn_like(parameter) * 0.3)
+        blocks = [block(final) for block in objective.module.blocks]
+        trained = [x @ objective.module.rows[j].T for j, x in enumerate(blocks)]
+        objective.module.finish()
+        for j in range(3):
+            served = torch.stack([heads(f, 3)[j] for f in final])
+            torch.testing.assert_close(served[:, draft_ids], trained[j])
+            others = torch.ones(len(lm_head), dtype=torch.bool)
+            others[draft_ids] = False
+            torch.testing.assert_close(served[:, others], blocks[j] @ lm_head[others].T)  # the target's rows
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_command_trains_each_kind_and_writes_what_the_loader_reads(tmp_path, kind):
+    target = pairs.tiny_pair().target_path
+    out = tmp_path / kind
+    code = train_command(["--target", target, "--out", str(out), "--kind", kind, "--max-prompts", "16",
+                          "--answer-tokens", "24", "--epochs", "4", "--lr", "3e-3", "--draft-vocab", "1024",
+                          "--aux-layers", "0,1,1", "--steps", "2", "--medusa-heads", "2", "--no-chat-template",
+                          "--device", "cpu"])
+    assert code == 0
+    record = json.loads((out / "training.json").read_text())
+    assert record["kind"] == kind and record["held_out_loss"] < record["held_out_loss_before"], record
+    assert len(record["held_out_alpha"]) == 2
+    head = load_head(out)
+    assert head.config.kind == kind
+    if kind == MEDUSA:
+        assert head.config.medusa_heads == 2 and (out / "medusa_lm_head.safetensors").exists()
+    # The answered samples train another kind as they are (--data)
+    if kind == EAGLE:
+        again = train_command(["--target", target, "--out", str(tmp_path / "again"), "--kind", MEDUSA,
+                               "--data", str(out / "data.pt"), "--epochs", "1", "--draft-vocab", "1024",
+                               "--medusa-heads", "2", "--device", "cpu"])
+        assert again == 0 and not (tmp_path / "again" / "data.pt").exists()
