@@ -38,3 +38,44 @@ def test_each_prompt_gets_its_greedy_answer_then_seeded_sampled_ones_in_prompt_o
     again = answer_and_featurize(tiny_lm, tokenizer, PROMPTS, (0, 1, 1), 10, chat_template=False, batch=3,
                                  sampled=2, temperature=1.0, seed=3, log=lambda message: None)
     assert all(torch.equal(a.tokens, b.tokens) for a, b in zip(samples, again))  # the seed fixes the draws
+
+
+def test_prompt_files_of_every_common_shape_give_their_first_user_turn(tmp_path):
+    import json
+
+    import pytest
+
+    from specdec.train.data import PROMPTS, load_prompts
+
+    records = [{"prompt": "one"}, "two",
+               {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "three"},
+                             {"role": "assistant", "content": "not the target's"}, {"role": "user", "content": "no"}]},
+               {"conversations": [{"from": "human", "value": "four"}, {"from": "gpt", "value": "x"}]},
+               {"conversations": [{"from": "gpt", "value": "no user turn: skipped"}]}]
+    lines = tmp_path / "prompts.jsonl"
+    lines.write_text("\n".join(json.dumps(r) if isinstance(r, dict) else r for r in records) + "\n\n")
+    array = tmp_path / "sharegpt.json"
+    array.write_text(json.dumps(records))
+    assert load_prompts(lines) == load_prompts(array) == ["one", "two", "three", "four"]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "fine"}\n{"question": "what shape is this"}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: a prompt record"):
+        load_prompts(bad)
+    assert len(load_prompts(PROMPTS)) == 260  # the shipped set
+
+
+def test_the_shipped_training_prompts_share_no_prompt_and_no_long_passage_with_the_benchmarks():
+    """Held-out figures and bench rows are of text the heads never trained on: no benchmark prompt is a
+    training one, and none shares a run of 8 words with one."""
+    from bench.speculative_bench import load_prompts as bench_prompts
+    from specdec.train.data import load_prompts
+
+    def runs(text, n=8):
+        words = text.lower().split()
+        return {tuple(words[i:i + n]) for i in range(len(words) - n + 1)}
+
+    training = load_prompts()
+    trained_runs = set().union(*(runs(p) for p in training))
+    for kind in ("grounded", "open"):
+        for prompt in bench_prompts(kind, None):
+            assert prompt not in training and not runs(prompt) & trained_runs, (kind, prompt[:80])

@@ -34,7 +34,9 @@ def parse_args(argv):
     parser.add_argument("--out", required=True, help="where the head, its data and checkpoints go")
     parser.add_argument("--kind", choices=KINDS, default=EAGLE3, help="the head's kind (default: eagle3)")
     parser.add_argument("--medusa-heads", type=int, default=4, help="Medusa: heads (tokens drafted per round)")
-    parser.add_argument("--prompts", default=str(PROMPTS), help="prompts, JSON lines with a \"prompt\" field")
+    parser.add_argument("--prompts", default=str(PROMPTS),
+                        help="prompts: JSON lines or a JSON array of strings, {\"prompt\"}, OpenAI {\"messages\"} or "
+                             "ShareGPT {\"conversations\"} records (their first user turn); default: the shipped set")
     parser.add_argument("--data", default="",
                         help="the answered samples to train on (another run's data.pt; default: OUT/data.pt, made "
                              "when missing)")

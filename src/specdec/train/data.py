@@ -29,13 +29,40 @@ class Sample:
 
 
 def load_prompts(path: str | Path = PROMPTS) -> list[str]:
-    """Prompts, one JSON object per line with a "prompt" field (or plain lines of text)."""
+    """The first user turn of each record of a prompt file: JSON lines, or one JSON array (ShareGPT's own
+    files). A record is a string, {"prompt": ...}, OpenAI's {"messages": [{"role": "user", "content": ...}]}
+    or ShareGPT's {"conversations": [{"from": "human", "value": ...}]}; plain lines of text are prompts as they
+    are. Only the first user turn is kept: the target answers it itself (a dataset's answers are not the
+    target's). Records without one are skipped; a record of another shape is an error naming its place."""
+    path = Path(path)
+    raw = path.read_text()
+    if raw.lstrip().startswith("["):
+        records = [(f"{path}: item {i}", record) for i, record in enumerate(json.loads(raw))]
+    else:
+        records = [(f"{path}:{n}", json.loads(line) if line.startswith("{") else line)
+                   for n, line in enumerate((line.strip() for line in raw.splitlines()), start=1) if line]
     out = []
-    for line in Path(path).read_text().splitlines():
-        line = line.strip()
-        if line:
-            out.append(json.loads(line)["prompt"] if line.startswith("{") else line)
+    for where, record in records:
+        prompt = _first_user_turn(record, where)
+        if prompt:
+            out.append(prompt)
     return out
+
+
+def _first_user_turn(record, where: str) -> str | None:
+    if isinstance(record, str):
+        return record
+    if isinstance(record, dict) and isinstance(record.get("prompt"), str):
+        return record["prompt"]
+    turns = record.get("messages") or record.get("conversations") if isinstance(record, dict) else None
+    if not isinstance(turns, list):
+        raise ValueError(f"{where}: a prompt record is a string or has \"prompt\", \"messages\" (OpenAI) or "
+                         f"\"conversations\" (ShareGPT)")
+    for turn in turns:
+        if isinstance(turn, dict) and (turn.get("role") or turn.get("from")) in ("user", "human"):
+            text = turn.get("content", turn.get("value"))
+            return text if isinstance(text, str) and text.strip() else None
+    return None
 
 
 def encode(tokenizer, prompt: str, chat_template: bool) -> list[int]:
