@@ -54,13 +54,15 @@ HEAD_SETTINGS = [Setting("head chain, K=3", 3, 1, head=True), Setting("head chai
                  Setting("head tree of 3, adaptive K<=12", 12, 3, True, head=True)]
 
 
-def load_head_executor(head_dir: str, target_path: str):
+def load_head_executor(head_dir: str, target_path: str, dtype: str = "float32"):
     """A trained head as draft_model serves it: the target's embedding (and lm_head) borrowed, the
     default confidence stop."""
+    import torch
+
     from specdec.engine.draft_heads import load_head_for
     from specdec.engine.head_executor import HeadExecutor
 
-    executor = HeadExecutor(load_head_for(head_dir, target_path)[0])
+    executor = HeadExecutor(load_head_for(head_dir, target_path, dtype=getattr(torch, dtype))[0])
     executor.stop_below = tn.DEFAULT_DRAFT_STOP_BELOW
     return executor
 
@@ -99,6 +101,9 @@ def main(argv=None) -> int:
     parser.add_argument("--results", metavar="NAME", help="also write it as docs/results/<date>-NAME.md")
     parser.add_argument("--draft-head", metavar="DIR", help="also a trained head's chains and trees")
     parser.add_argument("--head-only", action="store_true", help="with --draft-head: target-only and the head's rows")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="the target's and the head's (bfloat16: AMX on CPUs that have it; greedy text may "
+                             "then differ from target-only's by the kernels' rounding)")
     parser.add_argument("--only", metavar="TEXT,...", default="",
                         help="the settings whose label contains one of these (target-only always runs)")
     args = parser.parse_args(argv)
@@ -106,11 +111,11 @@ def main(argv=None) -> int:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(spec.tokenizer_path)
-    model = load_causal_lm(spec.target_path)
+    model = load_causal_lm(spec.target_path, dtype=args.dtype)
     head, layers = None, ()
     settings = SETTINGS
     if args.draft_head:
-        head = load_head_executor(args.draft_head, spec.target_path)
+        head = load_head_executor(args.draft_head, spec.target_path, args.dtype)
         layers = head.config.feature_layers(model.config.get_text_config().num_hidden_layers)
         settings = ([SETTINGS[0]] if args.head_only else SETTINGS) + HEAD_SETTINGS
     wanted = [text for text in args.only.split(",") if text]
@@ -150,7 +155,7 @@ def main(argv=None) -> int:
         sections.append(f"**{kind} prompts** ({len(prompts)}, {args.max_tokens} tokens each, greedy)\n\n" +
                         table(rows, ["setting", "tokens/s", "speedup", "tokens per round", "tree rounds",
                                      "text = target-only"]))
-    text = (f"{machine()}; the {args.pair} pair's target, in process (dynamic executor, float32), prompt lookup "
+    text = (f"{machine()}; the {args.pair} pair's target, in process (dynamic executor, {args.dtype}), prompt lookup "
             f"(max n-gram 4, min 2)\n\n" + "\n\n".join(sections))
     emit(text, args.out)
     if args.results:
