@@ -54,16 +54,17 @@ HEAD_SETTINGS = [Setting("head chain, K=3", 3, 1, head=True), Setting("head chai
                  Setting("head tree of 3, adaptive K<=12", 12, 3, True, head=True)]
 
 
-def load_head_executor(head_dir: str, target_path: str, dtype: str = "float32"):
-    """A trained head as draft_model serves it: the target's embedding (and lm_head) borrowed, the
-    default confidence stop."""
+def load_head_executor(head_dir: str, target_path: str, dtype: str = "float32",
+                       stop_below: float = tn.DEFAULT_DRAFT_STOP_BELOW):
+    """A trained head as draft_model serves it: the target's embedding (and lm_head) borrowed, its
+    confidence stop (draft_stop_below; served by default: tn.DEFAULT_DRAFT_STOP_BELOW)."""
     import torch
 
     from specdec.engine.draft_heads import load_head_for
     from specdec.engine.head_executor import HeadExecutor
 
     executor = HeadExecutor(load_head_for(head_dir, target_path, dtype=getattr(torch, dtype))[0])
-    executor.stop_below = tn.DEFAULT_DRAFT_STOP_BELOW
+    executor.stop_below = stop_below
     return executor
 
 
@@ -104,6 +105,8 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                         help="the target's and the head's (bfloat16: AMX on CPUs that have it; greedy text may "
                              "then differ from target-only's by the kernels' rounding)")
+    parser.add_argument("--stop-below", type=float, default=tn.DEFAULT_DRAFT_STOP_BELOW,
+                        help="the head's confidence stop, as draft_model's draft_stop_below (0: off)")
     parser.add_argument("--only", metavar="TEXT,...", default="",
                         help="the settings whose label contains one of these (target-only always runs)")
     args = parser.parse_args(argv)
@@ -115,7 +118,7 @@ def main(argv=None) -> int:
     head, layers = None, ()
     settings = SETTINGS
     if args.draft_head:
-        head = load_head_executor(args.draft_head, spec.target_path, args.dtype)
+        head = load_head_executor(args.draft_head, spec.target_path, args.dtype, args.stop_below)
         layers = head.config.feature_layers(model.config.get_text_config().num_hidden_layers)
         settings = ([SETTINGS[0]] if args.head_only else SETTINGS) + HEAD_SETTINGS
     wanted = [text for text in args.only.split(",") if text]
@@ -156,7 +159,9 @@ def main(argv=None) -> int:
                         table(rows, ["setting", "tokens/s", "speedup", "tokens per round", "tree rounds",
                                      "text = target-only"]))
     text = (f"{machine()}; the {args.pair} pair's target, in process (dynamic executor, {args.dtype}), prompt lookup "
-            f"(max n-gram 4, min 2)\n\n" + "\n\n".join(sections))
+            f"(max n-gram 4, min 2)"
+            + (f"; the head's confidence stop below {args.stop_below}" if args.draft_head else "")
+            + "\n\n" + "\n\n".join(sections))
     emit(text, args.out)
     if args.results:
         write_results(args.results, "Token trees against chains: `make bench-trees`", text)
