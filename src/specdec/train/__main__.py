@@ -107,12 +107,10 @@ def main(argv=None) -> int:
         log(f"answered in {time.monotonic() - started:.0f} s")
     vocab_size = model.config.get_text_config().vocab_size
     draft_ids = data.draft_vocabulary(samples, vocab_size, args.draft_vocab)
-    head, objective = _head_and_objective(args, model, draft_ids, aux, device)
+    objective = _objective(args, model, draft_ids, aux, device)
     figures = trainer.train(objective, samples, held_out, epochs=args.epochs, lr=args.lr, out=out, device=device,
                             log=log)
-    if args.kind == MEDUSA:
-        objective.module.finish()
-    save_head(head, out)
+    save_head(objective.finish(), out)
     (out / "training.json").write_text(json.dumps({
         "target": str(Path(args.target).resolve()), "samples": len(samples), "held_out": len(held_out),
         "kind": args.kind, "tokens": sum(len(s.tokens) for s in samples), "epochs": args.epochs,
@@ -125,8 +123,8 @@ def main(argv=None) -> int:
     return 0
 
 
-def _head_and_objective(args, model, draft_ids: torch.Tensor, aux: tuple[int, ...], device):
-    """A fresh head of args.kind for `model`, warm-started where its kind allows, and its trainer.Objective."""
+def _objective(args, model, draft_ids: torch.Tensor, aux: tuple[int, ...], device):
+    """The trainer.Objective of a fresh head of args.kind for `model`, warm-started where its kind allows."""
     from specdec.engine.draft_heads import EAGLE3, MEDUSA, random_head
     from specdec.train import eagle, medusa
 
@@ -136,7 +134,7 @@ def _head_and_objective(args, model, draft_ids: torch.Tensor, aux: tuple[int, ..
         head = random_head(MEDUSA, model.config, seed=args.seed, medusa_heads=args.medusa_heads)
         medusa.start_from_target(head, target_head.cpu())
         head = head.to(device)
-        return head, medusa.MedusaObjective(head, target_head, draft_ids, device)
+        return medusa.MedusaObjective(head, target_head, draft_ids, device)
     head = random_head(args.kind, model.config, seed=args.seed, draft_vocab_size=len(draft_ids), aux_layers=aux)
     if args.kind == EAGLE3:
         with torch.no_grad():
@@ -148,7 +146,7 @@ def _head_and_objective(args, model, draft_ids: torch.Tensor, aux: tuple[int, ..
             head.norm.weight.copy_(model.model.norm.weight.detach().float().cpu())
     head = head.to(device)
     head.attach(embed, None if args.kind == EAGLE3 else target_head)
-    return head, eagle.EagleObjective(head, args.steps, target_head, draft_ids, device)
+    return eagle.EagleObjective(head, args.steps, target_head, draft_ids, device)
 
 
 if __name__ == "__main__":

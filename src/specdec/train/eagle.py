@@ -25,8 +25,8 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from specdec.engine.draft_heads import EAGLE3, EagleHead
 from specdec.train.data import Sample
+from specdec.train.trainer import DraftVocabulary, StepLosses, answer_hits
 
-STEP_WEIGHT = 0.8
 EAGLE1_LOGITS_WEIGHT = 0.1  # EAGLE's w_cls: its loss is mostly the feature regression
 
 
@@ -95,10 +95,10 @@ class EagleObjective:
         self.module, self.steps, self.device = head, steps, device
         self.eagle3 = head.config.kind == EAGLE3
         self.target_head = target_head.to(device=device, dtype=head.fc.weight.dtype)  # the head's precision
-        self.draft_ids = draft_ids.to(device)
-        self.target_rows = self.target_head[self.draft_ids]
-        self.in_draft = torch.zeros(len(target_head), dtype=torch.bool, device=device)
-        self.in_draft[self.draft_ids] = True
+        self.vocab = DraftVocabulary(target_head, draft_ids, device, head.fc.weight.dtype)
+
+    def finish(self) -> EagleHead:
+        return self.module
 
     def loss_and_hits(self, sample: Sample, evaluating: bool) -> tuple[torch.Tensor, list[tuple[int, int]]]:
         """The weighted loss of one sample, and per step (hits, positions) of greedy agreement on its answer
@@ -106,26 +106,21 @@ class EagleObjective:
         head, device = self.module, self.device
         final = sample.final.to(device)
         greedy = sample.greedy.to(device)
-        total, weight_sum, hits = 0.0, 0.0, []
+        losses, hits = StepLosses(), []
         for j, hidden in enumerate(unrolled(head, sample, self.steps, device)):
             count = hidden.shape[0]
             # step j's row of chain i is entry i + j: it predicts token i + j + 2, the target's at position i + j + 1
             where = torch.arange(j + 1, j + 1 + count, device=device)
-            logits = head.lm_head(head.norm(hidden)) if self.eagle3 else hidden @ self.target_rows.T  # (count, V_d)
-            target = torch.softmax(final[where] @ self.target_rows.T, dim=-1)
-            mask = self.in_draft[greedy[where]]
-            step_loss = -(target * torch.log_softmax(logits, dim=-1)).sum(-1)
-            if not self.eagle3:
+            logits = head.lm_head(head.norm(hidden)) if self.eagle3 else hidden @ self.vocab.rows.T  # (count, V_d)
+            step_loss = self.vocab.cross_entropy(logits, final[where])
+            if self.eagle3:
+                losses.add(j, step_loss[self.vocab.holds[greedy[where]]])
+            else:  # the feature is learnt at every position
                 regression = nn.functional.smooth_l1_loss(hidden, final[where], reduction="none").mean(-1)
-                step_loss = EAGLE1_LOGITS_WEIGHT * step_loss + regression
-                mask = torch.ones_like(mask)  # the feature is learnt at every position
-            if mask.any():
-                total = total + STEP_WEIGHT ** j * step_loss[mask].mean()
-                weight_sum += STEP_WEIGHT ** j
-            answer = where >= sample.prompt_length - 1
+                losses.add(j, EAGLE1_LOGITS_WEIGHT * step_loss + regression)
             if self.eagle3 or not evaluating:
-                picked = self.draft_ids[logits.argmax(-1)]
+                picked = self.vocab.ids[logits.argmax(-1)]
             else:  # served, EAGLE-1's logits are over the whole vocabulary
                 picked = (hidden @ self.target_head.T).argmax(-1)
-            hits.append((int(((picked == greedy[where]) & answer).sum()), int(answer.sum())))
-        return total / max(weight_sum, 1e-9), hits
+            hits.append(answer_hits(picked, greedy, where, sample.prompt_length))
+        return losses.value(), hits

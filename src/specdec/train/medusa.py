@@ -6,7 +6,7 @@ copy of the target's lm_head, so an untrained head j proposes the target's own n
 the draft vocabulary only (the most frequent tokens, as EAGLE-3's does): the rows of those tokens train as
 one (N, V_d, h) parameter and are written back into the full output layers at the end; every other row
 stays the target's. Loss: cross-entropy against the target's distribution over the draft vocabulary, head j
-weighted 0.8^j, on positions whose target argmax the draft vocabulary holds.
+weighted 0.8^j (trainer.STEP_WEIGHT), on positions whose target argmax the draft vocabulary holds.
 
 Shapes: L the sample's length, h hidden, N heads, V the target's vocabulary, V_d the draft vocabulary.
 """
@@ -18,8 +18,7 @@ from torch import nn
 
 from specdec.engine.draft_heads import MedusaHeads
 from specdec.train.data import Sample
-
-STEP_WEIGHT = 0.8
+from specdec.train.trainer import DraftVocabulary, StepLosses, answer_hits
 
 
 def start_from_target(heads: MedusaHeads, target_head: torch.Tensor) -> None:
@@ -57,10 +56,10 @@ class MedusaObjective:
     def __init__(self, heads: MedusaHeads, target_head: torch.Tensor, draft_ids: torch.Tensor, device):
         self.module = MedusaTraining(heads, draft_ids).to(device)
         self.device = device
-        self.draft_ids = self.module.draft_ids
-        self.target_rows = target_head.to(device=device, dtype=self.module.rows.dtype)[self.draft_ids]
-        self.in_draft = torch.zeros(len(target_head), dtype=torch.bool, device=device)
-        self.in_draft[self.draft_ids] = True
+        self.vocab = DraftVocabulary(target_head, draft_ids, device, self.module.rows.dtype)
+
+    def finish(self) -> MedusaHeads:
+        return self.module.finish()
 
     def loss_and_hits(self, sample: Sample, evaluating: bool) -> tuple[torch.Tensor, list[tuple[int, int]]]:
         """The weighted loss of one sample and per head (hits, positions): head j's argmax as served (over the
@@ -69,7 +68,7 @@ class MedusaObjective:
         final = sample.final.to(self.device)
         greedy = sample.greedy.to(self.device)
         length = len(final)
-        total, weight_sum, hits = 0.0, 0.0, []
+        losses, hits = StepLosses(), []
         for j, block in enumerate(self.module.blocks):
             count = length - 1 - j  # positions t whose token t + j + 2 the sample holds
             if count <= 0:
@@ -77,18 +76,13 @@ class MedusaObjective:
             where = torch.arange(j + 1, j + 1 + count, device=self.device)  # the target's position t + j + 1
             x = block(final[:count])  # (count, h)
             logits = x @ self.module.rows[j].T  # (count, V_d)
-            target = torch.softmax(final[where] @ self.target_rows.T, dim=-1)
-            mask = self.in_draft[greedy[where]]
-            step_loss = -(target * torch.log_softmax(logits, dim=-1)).sum(-1)
-            if mask.any():
-                total = total + STEP_WEIGHT ** j * step_loss[mask].mean()
-                weight_sum += STEP_WEIGHT ** j
+            step_loss = self.vocab.cross_entropy(logits, final[where])
+            losses.add(j, step_loss[self.vocab.holds[greedy[where]]])
             if evaluating:  # served: every row of the output layer, the draft vocabulary's trained ones
                 full = x @ self.module.heads[0].heads[j][-1].weight.T
-                full[:, self.draft_ids] = logits
+                full[:, self.vocab.ids] = logits
                 picked = full.argmax(-1)
             else:
-                picked = self.draft_ids[logits.argmax(-1)]
-            answer = where >= sample.prompt_length - 1
-            hits.append((int(((picked == greedy[where]) & answer).sum()), int(answer.sum())))
-        return total / max(weight_sum, 1e-9), hits
+                picked = self.vocab.ids[logits.argmax(-1)]
+            hits.append(answer_hits(picked, greedy, where, sample.prompt_length))
+        return losses.value(), hits

@@ -20,6 +20,9 @@ from torch import nn
 from specdec.train.data import Sample
 
 
+STEP_WEIGHT = 0.8  # drafted position j's loss weighs 0.8^j (EAGLE-3's training-time test)
+
+
 class Objective(Protocol):
     module: nn.Module  # its parameters train; its state is what a checkpoint holds
 
@@ -27,6 +30,51 @@ class Objective(Protocol):
         """(the sample's loss, per position (hits, positions)); `evaluating`: the hits as served (e.g. over
         the whole vocabulary where training reads the draft vocabulary only)."""
         ...
+
+    def finish(self) -> nn.Module:
+        """The trained head, ready for save_head."""
+        ...
+
+
+class DraftVocabulary:
+    """What training reads of the target over the draft vocabulary: its ids (V_d,) ascending, the target's
+    lm_head rows of them (V_d, h) in the head's precision, and which target ids it holds (V,) bool."""
+
+    def __init__(self, target_head: torch.Tensor, draft_ids: torch.Tensor, device, dtype: torch.dtype):
+        self.ids = draft_ids.to(device)
+        self.rows = target_head.to(device=device, dtype=dtype)[self.ids]
+        self.holds = torch.zeros(len(target_head), dtype=torch.bool, device=device)
+        self.holds[self.ids] = True
+
+    def cross_entropy(self, logits: torch.Tensor, final: torch.Tensor) -> torch.Tensor:
+        """logits (m, V_d) against the target's distribution over the draft vocabulary at the positions whose
+        final hidden states are `final` (m, h) -> (m,)."""
+        target = torch.softmax(final @ self.rows.T, dim=-1)
+        return -(target * torch.log_softmax(logits, dim=-1)).sum(-1)
+
+
+class StepLosses:
+    """A sample's loss: each drafted position's mean loss weighted STEP_WEIGHT^j, over the positions that
+    had any."""
+
+    def __init__(self):
+        self.total, self.weight = 0.0, 0.0
+
+    def add(self, j: int, losses: torch.Tensor) -> None:
+        if losses.numel():
+            self.total = self.total + STEP_WEIGHT ** j * losses.mean()
+            self.weight += STEP_WEIGHT ** j
+
+    def value(self):
+        return self.total / max(self.weight, 1e-9)
+
+
+def answer_hits(picked: torch.Tensor, greedy: torch.Tensor, where: torch.Tensor, prompt_length: int
+                ) -> tuple[int, int]:
+    """(hits, positions) over the answer: `picked` (m,) target ids drafted for the tokens following
+    positions `where` (m,), against the target's greedy tokens there."""
+    answer = where >= prompt_length - 1
+    return int(((picked == greedy[where]) & answer).sum()), int(answer.sum())
 
 
 def train(objective: Objective, samples: list[Sample], held_out: list[Sample], *, epochs: int, lr: float, out: Path,
