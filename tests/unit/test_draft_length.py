@@ -347,3 +347,81 @@ def test_fixed_trees_draft_their_width_every_round():
     assert [(policy.next_k(), policy.width) for _ in range(3)] == [(6, 3)] * 3
     with pytest.raises(ValueError, match="branches"):
         DraftLengthPolicy(4, CostModel(), "head", branches=0)
+
+
+# ---- under load: the draft's device time in the batch view, forwards at their quietest -----------------
+
+def test_a_forward_costs_its_quietest_time_and_more_rows_never_cost_less():
+    """On a device shared with the draft a forward's wall time carries the draft's work too: the table
+    keeps each row count's lower envelope (down at once, up slowly), and T(rows) never decreases."""
+    costs = CostModel()
+    for seconds in (0.05, 0.15, 0.15, 0.15):  # quiet once, then beside the draft's calls
+        costs.observe_forward(ForwardStats(4, 4, seconds))
+    assert 0.05 < costs.forward_s[4].value < 0.07
+    for _ in range(200):  # a real change (longer contexts) is followed
+        costs.observe_forward(ForwardStats(4, 4, 0.08))
+    assert costs.forward_s[4].value == pytest.approx(0.08, rel=1e-3)
+    costs.observe_forward(ForwardStats(1, 1, 0.20))  # only ever measured under contention
+    costs.observe_forward(ForwardStats(20, 4, 0.10))
+    assert costs._forward_seconds(1) == pytest.approx(0.08, rel=1e-3)  # more rows never cost less: 4 rows' time
+    assert costs._forward_seconds(12) == pytest.approx(0.09, rel=1e-3)  # between 4 and 20 rows
+
+
+def test_under_load_a_draft_call_costs_every_sequences_share_of_the_device():
+    """d(k) alone is the call's latency over a target step's; with n sequences per forward it is at least
+    n·s(k) / T(n), s(k) the draft's batched execution's seconds per sequence: the drafts of every sequence
+    take that from the device the target runs on, however short each call looks beside a full batch."""
+    costs = CostModel(decay=0.0)
+    costs.observe_verify(1, 0.100)  # a 1-position verify waits in a full batch: 100 ms
+    costs.observe_draft("head", 4, 0.010, ForwardStats(4, 4, 0.016))  # 4 calls in one 16 ms execution
+    costs.observe_forward(ForwardStats(1, 1, 0.030))
+    assert costs.draft_cost("head", 4) == pytest.approx(0.1)  # alone: latency over latency
+    for _ in range(60):
+        costs.observe_forward(ForwardStats(8, 8, 0.040))  # 8 sequences per forward
+    assert costs.draft_cost("head", 4) == pytest.approx(8 * 0.004 / 0.040)
+    # The same draft without its device time reported: the request's view only
+    blind = CostModel(decay=0.0, sequences=costs.sequences, forward_s=costs.forward_s)
+    blind.observe_verify(1, 0.100)
+    blind.observe_draft("head", 4, 0.010)
+    assert blind.draft_cost("head", 4) == pytest.approx(0.1)
+    # What that changes: a tree whose levels accept 0.4 pays alone and not under load
+    for model in (costs, blind):
+        for rows in (8, 40):
+            model.observe_forward(ForwardStats(rows, 8, 0.040 + 0.0002 * (rows - 8)))
+        model.observe_draft("head/tree", 4, 0.010, ForwardStats(4, 4, 0.016) if model is costs else None)
+        model.observe_tree("head", 4, 2)
+    loaded, unaware = (DraftLengthPolicy(4, model, "head", branches=3) for model in (costs, blind))
+    for policy in (loaded, unaware):
+        policy.successes, policy.failures, policy.prior_weight = 0.1, 0.9, 0.0
+        policy.tree_successes, policy.tree_failures = 0.4, 0.6
+    assert unaware.next_k() > 0 and unaware.width == 3
+    assert loaded.next_k() == 0
+
+
+def test_a_chain_never_measured_beside_trees_is_priced_from_their_calls():
+    costs = CostModel(decay=0.0)
+    costs.observe_verify(1, 0.010)
+    assert costs.draft_cost("head", 3) == pytest.approx(0.9)  # the prior: 0.3 a token
+    costs.observe_draft("head/tree", 3, 0.002)
+    assert costs.draft_cost("head", 3) == pytest.approx(0.2)  # the tree call of as many nodes
+    costs.observe_draft("head", 3, 0.004)
+    assert costs.draft_cost("head", 3) == pytest.approx(0.4)  # measured: its own
+
+
+def test_each_tree_size_has_its_own_acceptance_and_the_largest_is_explored():
+    """A level of a larger tree holds more candidates: priced at one shared rate, the small tree the rule
+    prefers would keep every tree looking poor. Per size, the wide tree that pays is found."""
+    costs = _measured(row_cost=0.02, tree_depth={n: 1 for n in range(2, 9)}, draft_step=0.1)
+    policy = _policy(costs, chain_alpha=0.3, tree_alpha=0.3, explore_every=2)
+    policy.prior_weight = 1.0
+    tried = []
+    for _ in range(40):
+        k = policy.next_k()
+        tried.append((k, policy.width))
+        if policy.width > 1:  # a level of k candidates holds the target's token in 3k rounds of 20
+            policy.update(1, int(len(tried) % 20 < 3 * k), first_branch=(1, 0))
+        else:
+            policy.update(k, 0)
+    assert (8, 3) in tried  # the largest was explored
+    assert costs.tree_level_alpha("head/tree", 8) > costs.tree_level_alpha("head/tree", 2)
+    assert tried[-1] == (8, 3)  # and is what the rule now drafts

@@ -348,7 +348,7 @@ def test_a_sequences_first_draft_call_prefills_and_is_not_priced_as_a_round():
 
     costs, seen = CostModel(), []
     observe = costs.observe_draft
-    costs.observe_draft = lambda method, tokens, seconds: seen.append(seconds) or observe(method, tokens, seconds)
+    costs.observe_draft = lambda method, tokens, seconds, forward=None: seen.append(seconds) or observe(method, tokens, seconds, forward)
     policy = DraftLengthPolicy(3, costs, "fake", adaptive=False)
     stats = Stats()
     run(GenerationRequest(seq_id=1, prompt_ids=[3, 1, 4, 1, 5], max_tokens=40), PrefillingProposer(), FakeScorer(),

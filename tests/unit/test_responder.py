@@ -197,6 +197,19 @@ def test_pipelined_draft_proposes_what_the_synchronous_path_proposes(tiny_lm):
     assert results[0] == results[1] and [len(t[0]) for t in results[0]] == [4, 4, 2]
 
 
+def test_the_draft_reports_the_batched_execution_each_call_ran_in(tiny_lm):
+    """forward_stats, when asked for: the orchestrator charges a draft call its share of the draft's device
+    time (draft_length.CostModel.draft_cost); the calls of one execute share one execution."""
+    adapter = _adapter(DraftModel, dynamic_executor(tiny_lm), pipelined=False)
+    batch = [_Request(seq, [tn.DRAFT_TOKENS, tn.FORWARD_STATS] if seq < 3 else [tn.DRAFT_TOKENS],
+                      **{tn.INPUT_IDS: [[5, 6, seq]], tn.CACHE_LENGTH: [[0]], tn.NUM_DRAFT_TOKENS: [[3]]})
+             for seq in (1, 2, 3)]
+    answers = _serve(adapter, [batch])
+    stats = [answer.tensors[tn.FORWARD_STATS].reshape(-1).tolist() for answer in answers[:2]]
+    assert stats[0] == stats[1] and stats[0][:2] == [9, 3] and stats[0][2] > 0  # 9 rows of 3 sequences
+    assert tn.FORWARD_STATS not in answers[2].tensors  # not asked for
+
+
 def test_pipelined_execute_is_off_by_default_and_a_config_parameter():
     from specdec.serving.pairs import REPO_ROOT
 

@@ -40,6 +40,8 @@ def test_answers_round_trip():
     assert wire.DraftedMessage.decode(drafted.encode()) == drafted
     tree = wire.DraftedMessage([7, 8, 9], 14, (-1, -1, 0))  # a drafted tree: its parents go with it
     assert wire.DraftedMessage.decode(tree.encode()) == tree
+    timed = wire.DraftedMessage([7], 9, None, ForwardStats(3, 3, 0.25))  # the draft's batched execution
+    assert wire.DraftedMessage.decode(timed.encode()) == timed
     verified = wire.VerifiedMessage(np.array([3, 4], dtype=np.int32), ForwardStats(9, 2, 0.5),
                                     np.array([-0.25, -1.5], dtype=np.float32))
     back = wire.VerifiedMessage.decode(verified.encode())

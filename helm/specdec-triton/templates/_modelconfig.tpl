@@ -158,7 +158,8 @@ output [
   { name: "draft_tokens", data_type: TYPE_INT32, dims: [ -1 ] },
   { name: "draft_probs", data_type: TYPE_FP32, dims: [ -1, -1 ] },
   { name: "cached_length", data_type: TYPE_INT32, dims: [ 1 ] },
-  { name: "draft_parents", data_type: TYPE_INT32, dims: [ -1 ] }
+  { name: "draft_parents", data_type: TYPE_INT32, dims: [ -1 ] },
+  { name: "forward_stats", data_type: TYPE_FP32, dims: [ 3 ] }
 ]
 {{ include "specdec.lmParams" (list . "draft" (ternary .Values.models.target.path .Values.models.draft.path (eq .Values.models.draft.method "skip"))) }}
 {{ include "specdec.param" (list "target_tokenizer_path" (include "specdec.tokenizerPath" .)) }}

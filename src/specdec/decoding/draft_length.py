@@ -11,24 +11,32 @@ reports every forward it ran (token rows, sequences, seconds), and with n sequen
 v(k) = T(n(k+1)) / T(n), the batch's view: drafting k for all n sequences multiplies a forward's rows
 by k + 1. Alone that is the cost of verifying k + 1 positions; under load it grows as rows stop being
 nearly free, so speculation backs off where it would cost throughput. (Without forward reports, the
-request's own verify latency by positions is used.) d(k) is the draft call's time for k tokens over the
-1-position verify, measured by k: a served draft call has a fixed part (its BLS round trip, the draft
-model's request handling) besides its steps, so d(k) is not k·d(1). Reading it as k·c with c from
+request's own verify latency by positions is used.) T(rows) is each row count's quietest time, never
+decreasing in rows (_Floor): where the draft shares the target's device its work inflates the forwards
+that run beside it, and it is charged to the draft instead. d(k) is the draft call's time for k tokens
+over the 1-position verify, measured by k: a served draft call has a fixed part (its BLS round trip, the
+draft model's request handling) besides its steps, so d(k) is not k·d(1). Reading it as k·c with c from
 whatever k ran made short drafts look cheap per token when long ones ran and dear once short ones did,
-and K drifted down. α is estimated per request with fast forgetting (acceptance comes in bursts: a copied
+and K drifted down. Under load d(k) is at least n·s(k) / T(n), the device time the n sequences' draft
+calls take (s(k): the draft's batched execution per sequence, as the draft reports it): a call's latency
+hides it (a verify waiting in a full batch makes any call look short), and trees of a cheap-looking head
+kept drafting at 8 streams on a 2-core CPU where every draft call slowed every forward.
+
+α is estimated per request with fast forgetting (acceptance comes in bursts: a copied
 span is accepted whole), starting from the server's running acceptance of the same draft method, both
 as accepted tokens over accepted tokens plus rejections (the geometric estimate of a per-token rate).
 
 Trees (a proposer `branches` wide, decoding/draft_tree.py) are one more shape the rule weighs every round:
-a tree of n nodes yields E = (1 - α_t^(D+1)) / (1 - α_t) tokens, where α_t is the acceptance per level
-(some candidate of the level taken, measured on tree rounds like α on chains, and never below the chain's:
-a level's candidates include the chain's token) and D(n) the depth trees of n nodes reach (measured: a
+a tree of n nodes yields E = (1 - α_t^(D+1)) / (1 - α_t) tokens, where α_t = α_t(n) is the acceptance per
+level of trees of that size (some candidate of the level taken, measured per size on tree rounds like α on
+chains, and never below the chain's: a level's candidates include the chain's token) and D(n) the depth trees of n nodes reach (measured: a
 best-first tree's depth depends on how peaked the draft is); it costs d_t(n) + v(n), the tree draft's
 call measured apart from the chain's and the verify of n + 1 rows from the same forwards. So a tree is
 drafted when its extra candidates buy more tokens than their rows and draft steps cost, a chain when they
 do not (alone, or under load where rows stop being free), nothing when neither pays. A tree round also
 tells the chain's acceptance (its first branch is the chain the draft would have proposed); a chain round
-tells nothing of a tree's, so while chains win a tree is still tried every `explore_every` rounds.
+tells nothing of a tree's, so while drafting pays a shape the rule did not pick is tried every
+`explore_every` rounds (a tree while chains win; the largest tree while a smaller one wins).
 """
 
 from __future__ import annotations
@@ -56,15 +64,17 @@ def speedup(alpha: float, k: int, round_cost: float) -> float:
     return expected_tokens(alpha, k) / round_cost
 
 
-def best_draft_length(alpha: float, k_max: int, round_cost: Callable[[int], float],
+def best_draft_length(alpha: float | Callable[[int], float], k_max: int, round_cost: Callable[[int], float],
                       depth: Callable[[int], float] | None = None, k_min: int = 1, floor: float = 1.0
                       ) -> tuple[int, float]:
     """(k, value) maximizing speedup over k in [k_min, k_max]; (0, floor) when none beats `floor` (1:
     target-only). round_cost(k) gives d(k) + v(k); depth(k) the levels a proposal of k tokens reaches (a
-    tree's; a chain's is k)."""
+    tree's; a chain's is k); alpha(k), where a callable, the acceptance per level of proposals of k (a
+    tree's levels hold more candidates the more nodes it has)."""
     best_k, best = 0, floor
     for k in range(k_min, k_max + 1):
-        value = expected_tokens(alpha, k if depth is None else depth(k)) / round_cost(k)
+        rate = alpha(k) if callable(alpha) else alpha
+        value = expected_tokens(rate, k if depth is None else depth(k)) / round_cost(k)
         if value > best + 1e-9:
             best_k, best = k, value
     return best_k, best
@@ -77,6 +87,23 @@ class _Ewma:
 
     def add(self, sample: float) -> None:
         self.value = sample if self.value is None else self.decay * self.value + (1 - self.decay) * sample
+
+
+@dataclass
+class _Floor:
+    """A duration's lower envelope: down at once to a shorter sample, up by `rise` of the gap per longer
+    one (so it follows a real change, e.g. longer contexts, within tens of samples). On a device the draft
+    shares with the target (a GPU, a CPU's cores) a forward's wall time is its own work plus whatever else
+    ran meanwhile; the rule charges that other work to whoever ran it (the draft's calls, draft_cost), so
+    a forward's cost is its quietest time, not its mean."""
+    rise: float
+    value: float | None = None
+
+    def add(self, sample: float) -> None:
+        if self.value is None or sample <= self.value:
+            self.value = sample
+        else:
+            self.value += self.rise * (sample - self.value)
 
 
 @dataclass
@@ -96,10 +123,18 @@ class _Acceptance:
         return self.accepted / seen if seen > 0 else None
 
 
-def _interpolate(table: dict[int, _Ewma], x: int, extrapolate: bool) -> float | None:
+def _interpolate(table: dict[int, _Ewma | _Floor], x: int, extrapolate: bool, monotone: bool = False
+                 ) -> float | None:
     """The table's value at x, linear between the nearest measured keys; beyond the largest key (when
-    `extrapolate`) along the non-decreasing line through the two largest. None where unknown."""
+    `extrapolate`) along the non-decreasing line through the two largest. None where unknown. monotone:
+    of the non-decreasing envelope below the values (each key's the least at it or any larger key: more
+    rows never cost less, so a key measured only under contention takes a larger key's quieter time)."""
     known = sorted((n, e.value) for n, e in table.items() if e.value is not None)
+    if monotone:
+        least = math.inf
+        for i in range(len(known) - 1, -1, -1):
+            least = min(least, known[i][1])
+            known[i] = (known[i][0], least)
     below = [(n, t) for n, t in known if n <= x]
     above = [(n, t) for n, t in known if n >= x]
     if below and above:
@@ -111,7 +146,7 @@ def _interpolate(table: dict[int, _Ewma], x: int, extrapolate: bool) -> float | 
     return None
 
 
-def _call_seconds(table: dict[int, _Ewma], k: int) -> float | None:
+def _call_seconds(table: dict[int, _Ewma | _Floor], k: int) -> float | None:
     """A draft call's seconds for k tokens from the calls measured by k: linear between measured sizes,
     past the largest along the line through the two largest, below the smallest along the line through
     the two smallest (the call's fixed part stays) but never below proportional. One size measured:
@@ -132,7 +167,8 @@ def _call_seconds(table: dict[int, _Ewma], k: int) -> float | None:
 
 @dataclass
 class CostModel:
-    """Measured round costs of one server: verify seconds by positions, draft call seconds by method and k.
+    """Measured round costs of one server: verify seconds by positions, draft call seconds by method and k,
+    the target's forwards by rows and the draft's batched executions by k (their quietest times: _Floor).
 
     Until a size has been measured its cost comes from the nearest measured sizes (linear), and before
     anything is measured from the prior v(k) = 1 + prior_verify_slope·k and d(k) = prior_draft_cost·k.
@@ -141,11 +177,16 @@ class CostModel:
     prior_verify_slope: float = 0.1
     prior_draft_cost: float = 0.3
     decay: float = 0.9
+    floor_rise: float = 0.05  # _Floor's
     verify_s: dict[int, _Ewma] = field(default_factory=dict)  # positions -> seconds
     draft_s: dict[str, dict[int, _Ewma]] = field(default_factory=dict)  # method -> tokens -> seconds per call
+    # method -> tokens -> seconds per sequence of the draft's batched execution (its device time per call)
+    draft_device_s: dict[str, dict[int, _Floor]] = field(default_factory=dict)
     alpha: dict[str, _Acceptance] = field(default_factory=dict)  # method -> running acceptance (requests' prior)
-    forward_s: dict[int, _Ewma] = field(default_factory=dict)  # token rows -> seconds of a target forward
+    forward_s: dict[int, _Floor] = field(default_factory=dict)  # token rows -> seconds of a target forward
     tree_depth: dict[str, dict[int, _Ewma]] = field(default_factory=dict)  # method -> nodes asked -> depth reached
+    # method -> nodes asked -> acceptance per level of its trees (running, the requests' prior at that size)
+    tree_alpha: dict[str, dict[int, _Acceptance]] = field(default_factory=dict)
     sequences: _Ewma = field(default_factory=lambda: _Ewma(0.9))  # sequences sharing a target forward
     # v(k) and d(k) are asked for every k every round of every request, and computing them sorts the
     # tables (~0.14 ms a round at K <= 16): recompute v(k) after every `refresh` new forward observations,
@@ -160,7 +201,7 @@ class CostModel:
     def observe_forward(self, forward: ForwardStats) -> None:
         """A batched target forward: `rows` token rows of `sequences` sequences took `seconds`."""
         if forward.rows > 0 and forward.sequences > 0:
-            self.forward_s.setdefault(forward.rows, _Ewma(self.decay)).add(forward.seconds)
+            self.forward_s.setdefault(forward.rows, _Floor(self.floor_rise)).add(forward.seconds)
             self.sequences.add(forward.sequences)
             self._forwards_seen += 1
             self._observations += 1
@@ -169,14 +210,37 @@ class CostModel:
         self.verify_s.setdefault(positions, _Ewma(self.decay)).add(seconds)
         self._observations += 1
 
-    def observe_draft(self, method: str, tokens: int, seconds: float) -> None:
+    def observe_draft(self, method: str, tokens: int, seconds: float, forward: ForwardStats | None = None) -> None:
+        """A draft call for `tokens` tokens took `seconds`; forward: the draft's batched execution it ran in."""
         if tokens > 0:
             self.draft_s.setdefault(method, {}).setdefault(tokens, _Ewma(self.decay)).add(seconds)
+            if forward is not None and forward.sequences > 0 and forward.seconds > 0:
+                self.draft_device_s.setdefault(method, {}).setdefault(tokens, _Floor(self.floor_rise)).add(
+                    forward.seconds / forward.sequences)
             self._observations += 1
 
     def observe_tree(self, method: str, nodes: int, depth: int) -> None:
         """A tree asked for `nodes` nodes reached `depth` levels."""
         self.tree_depth.setdefault(method, {}).setdefault(nodes, _Ewma(self.decay)).add(depth)
+
+    def observe_tree_acceptance(self, method: str, nodes: int, levels: int, accepted: int) -> None:
+        """A tree asked for `nodes` nodes had `accepted` of its `levels` levels taken."""
+        if levels > 0:
+            self.tree_alpha.setdefault(method, {}).setdefault(nodes, _Acceptance(0.98)).add(
+                accepted, int(accepted < levels))
+
+    def tree_level_alpha(self, method: str, nodes: int) -> float | None:
+        """The running acceptance per level of trees of `nodes` nodes: linear between measured sizes, the
+        nearest measured size's beyond them; None before any."""
+        table = self.tree_alpha.get(method, {})
+        known = sorted((n, a.value) for n, a in table.items() if a.value is not None)
+        if not known:
+            return None
+        if nodes <= known[0][0]:
+            return known[0][1]
+        if nodes >= known[-1][0]:
+            return known[-1][1]
+        return _interpolate(table, nodes, extrapolate=False)
 
     def depth(self, method: str, nodes: int, width: int) -> float:
         """D(n): the levels a tree of at most `nodes` nodes, `width` candidates per level, reaches: measured
@@ -210,9 +274,9 @@ class CostModel:
         return _interpolate(self.verify_s, positions, extrapolate=False)
 
     def _forward_seconds(self, rows: int) -> float | None:
-        """T(rows) from the measured forwards; past the largest measured row count along the line
-        through the two largest (forward cost grows with rows)."""
-        return _interpolate(self.forward_s, rows, extrapolate=True)
+        """T(rows) from the measured forwards' quietest times, non-decreasing in rows; past the largest
+        measured row count along the line through the two largest (forward cost grows with rows)."""
+        return _interpolate(self.forward_s, rows, extrapolate=True, monotone=True)
 
     def verify_cost(self, k: int) -> float:
         """v(k): what a round verifying k + 1 positions costs, in target-only steps.
@@ -242,14 +306,32 @@ class CostModel:
         return many / one
 
     def draft_cost(self, method: str, k: int) -> float:
-        """d(k): seconds of a draft call for k tokens over seconds of a 1-position verify (a target step)."""
+        """d(k): a draft call for k tokens in target steps, the larger of two views.
+
+        The request's: the call's seconds over a 1-position verify's (what the round waits for). The
+        batch's, with n > 1 sequences per target forward: the n calls of a round take n·s(k) of the
+        device the draft shares with the target (s(k): the draft's batched execution's seconds per
+        sequence, reported by the draft), against T(n) of a target-only round; under load a call's
+        latency hides that (every verify waits in a full batch, so a call looks short beside it), and
+        the drafts of all sequences slow every forward. (A draft on a device of its own is overcharged.)
+        A method measured only as trees (a chain rarely drafted beside them) is priced from its tree
+        calls of k nodes: cheaper than its chain would be, so a chain that pays is tried and measured."""
         if k == 0:
             return 0.0
+        calls, device = self.draft_s.get(method), self.draft_device_s.get(method, {})
+        if not calls and not method.endswith(TREE) and self.draft_s.get(method + TREE):
+            calls, device = self.draft_s[method + TREE], self.draft_device_s.get(method + TREE, {})
         one = self._seconds(1)
-        seconds = _call_seconds(self.draft_s.get(method, {}), k)
+        seconds = _call_seconds(calls or {}, k)
         if one is None or seconds is None:
             return self.prior_draft_cost * k
-        return seconds / one
+        cost = seconds / one
+        n = round(self.sequences.value) if self.sequences.value is not None else 1
+        if n > 1:
+            share, alone = _call_seconds(device, k), self._forward_seconds(n)
+            if share is not None and alone:
+                cost = max(cost, n * share / alone)
+        return cost
 
     def round_cost(self, method: str, k: int) -> float:
         """d(k) + v(k): a round drafting k tokens with `method`, in target-only steps (1 at k = 0)."""
@@ -284,8 +366,8 @@ class DraftLengthPolicy:
     estimate can recover without taxing a draft that never agrees.
 
     branches > 1: the proposer can draft trees that wide; adaptive, each round drafts whichever of a chain
-    and a tree the rule values more (module docstring), a tree at least every `explore_every` rounds while
-    chains pay; fixed, every round is a tree of k_max nodes.
+    and a tree the rule values more (module docstring), another shape every `explore_every` rounds while
+    drafting pays; fixed, every round is a tree of k_max nodes.
     """
 
     def __init__(self, k_max: int, costs: CostModel, method: str, adaptive: bool = True, free: bool = False,
@@ -312,7 +394,10 @@ class DraftLengthPolicy:
         self.tree_prior = costs.prior_alpha(self.tree_method, self.prior)
         self.tree_successes = 0.0  # the same counts for tree levels (some candidate taken, or none)
         self.tree_failures = 0.0
-        self.rounds_since_tree = 0
+        self.tree_sizes: dict[int, list[float]] = {}  # nodes asked -> the same counts, trees of that size
+        self.nodes = 0  # the round in flight's nodes asked, when a tree
+        self.rounds_since_explore = 0
+        self.explored = 0
 
     @classmethod
     def fixed(cls, k: int, method: str = "fixed", branches: int = 1) -> "DraftLengthPolicy":
@@ -332,25 +417,43 @@ class DraftLengthPolicy:
         a = self.tree_successes + self.tree_prior * self.prior_weight
         return max(self.alpha, a / (self.tree_successes + self.tree_failures + self.prior_weight))
 
+    def tree_alpha_at(self, nodes: int) -> float:
+        """The acceptance per level of trees of `nodes` nodes: a level of a larger tree holds more candidates,
+        so each size has its own (one estimate for all would price a large tree at a small one's rate, and
+        the small one the rule then picks would keep it so). This request's rounds of that size over the
+        server's running figure for it (else tree_alpha) as the prior; never below the chain's."""
+        prior = self.costs.tree_level_alpha(self.tree_method, nodes)
+        if prior is None:
+            prior = self.tree_alpha
+        successes, failures = self.tree_sizes.get(nodes, (0.0, 0.0))
+        seen = successes + failures + self.prior_weight
+        return max(self.alpha, (successes + prior * self.prior_weight) / seen if seen > 0 else prior)
+
     def next_k(self) -> int:
         """This round's k (a chain's tokens, or a tree's nodes when it sets `width` above 1)."""
         self.probing = self.shadow = False
-        self.width = 1
+        self.width, self.nodes = 1, 0
         if self.k_max <= 0:
             return 0
         if self.busy is not None and self.busy():
             return 0  # not a pause of the adaptive rule: its estimate and probe schedule stay as they are
         if not self.adaptive:  # always k_max (the costs are still measured)
             self.width = self.branches
+            self.nodes = self.k_max if self.branches > 1 else 0
             return self.k_max
         k, value = best_draft_length(self.alpha, self.k_max, lambda j: self.costs.round_cost(self.method, j))
         if self.branches > 1 and self.k_max > 1:
             nodes, tree_value = self._best_tree(floor=max(value, 1.0))
-            self.rounds_since_tree += 1
-            if nodes == 0 and k > 0 and self.rounds_since_tree >= self.explore_every:
-                nodes, _ = self._best_tree(floor=0.0)  # chains pay: see what a tree does now
+            self.rounds_since_explore += 1
+            if (k > 0 or nodes > 0) and nodes < self.k_max and self.rounds_since_explore >= self.explore_every:
+                # Drafting pays: now and then a shape the rule does not pick, to see what it does now. While
+                # chains win a tree (the rule's best, every other time the largest); while a smaller tree
+                # wins the largest, whose levels are the widest (the sizes between are interpolated).
+                self.rounds_since_explore = 0
+                self.explored += 1
+                nodes = self.k_max if nodes or self.explored % 2 == 0 else self._best_tree(floor=0.0)[0]
             if nodes > 0:
-                self.width, self.rounds_since_tree, k = self.branches, 0, nodes
+                self.width, k, self.nodes = self.branches, nodes, nodes
         if k > 0:
             self.paused_rounds, self.probe_wait = 0, self.probe_every
             return k
@@ -366,7 +469,7 @@ class DraftLengthPolicy:
     def _best_tree(self, floor: float) -> tuple[int, float]:
         """(nodes, value) of the tree the rule values most above `floor`; (0, floor) when none is."""
         depth = {n: self.costs.depth(self.method, n, self.branches) for n in range(2, self.k_max + 1)}
-        return best_draft_length(self.tree_alpha, self.k_max,
+        return best_draft_length(self.tree_alpha_at, self.k_max,
                                  lambda n: self.costs.tree_round_cost(self.method, n, depth[n]),
                                  depth=depth.__getitem__, k_min=2, floor=floor)
 
@@ -382,6 +485,11 @@ class DraftLengthPolicy:
             self.tree_successes = self.decay * self.tree_successes + accepted
             self.tree_failures = self.decay * self.tree_failures + (1 if accepted < drafted else 0)
             self.costs.observe_acceptance(self.tree_method, drafted, accepted)
+            if self.nodes:
+                size = self.tree_sizes.setdefault(self.nodes, [0.0, 0.0])
+                size[0] = self.decay * size[0] + accepted
+                size[1] = self.decay * size[1] + (1 if accepted < drafted else 0)
+                self.costs.observe_tree_acceptance(self.tree_method, self.nodes, drafted, accepted)
             drafted, accepted = first_branch
             if drafted <= 0:
                 return
@@ -389,12 +497,14 @@ class DraftLengthPolicy:
         self.failures = self.decay * self.failures + (1 if accepted < drafted else 0)
         self.costs.observe_acceptance(self.method, drafted, accepted)
 
-    def observe_draft(self, k: int, seconds: float, depth: int | None = None) -> None:
-        """A draft call for k tokens took `seconds`; depth: it drafted a tree of k nodes that deep."""
+    def observe_draft(self, k: int, seconds: float, depth: int | None = None,
+                      forward: ForwardStats | None = None) -> None:
+        """A draft call for k tokens took `seconds`; depth: it drafted a tree of k nodes that deep; forward:
+        the draft's batched execution it ran in, where the draft reports it."""
         if depth is None:
-            self.costs.observe_draft(self.method, k, seconds)
+            self.costs.observe_draft(self.method, k, seconds, forward)
         else:
-            self.costs.observe_draft(self.tree_method, k, seconds)
+            self.costs.observe_draft(self.tree_method, k, seconds, forward)
             self.costs.observe_tree(self.method, k, depth)
 
     def observe_verify(self, positions: int, seconds: float) -> None:

@@ -14,7 +14,8 @@ from specdec.decoding.sampling import SamplingParams
 
 
 class ForwardStats(NamedTuple):
-    """The batched target forward a step ran in: what the draft-length policy's cost model learns from."""
+    """The batched execution a call ran in (the target's forward; the draft's whole call): what the
+    draft-length policy's cost model learns from."""
 
     rows: int  # token rows in that forward (every sequence's new tokens, packed)
     sequences: int  # sequences sharing it
@@ -33,6 +34,7 @@ class Proposal:
     # it follows the sequence. None: a chain. Of a tree, a proposer's cache (cached_length) may hold only
     # the first branch (each node's first child), as a chain's.
     parents: tuple[int, ...] | None = None
+    forward: ForwardStats | None = None  # the draft's batched execution this call ran in, where reported
 
 
 @dataclass(frozen=True)

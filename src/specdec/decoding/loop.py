@@ -148,9 +148,9 @@ async def generate(req: GenerationRequest, proposer: Proposer, scorer: Scorer, p
                 # it priced a trained head's rounds at several target steps and stopped its drafting)
                 seconds = time.perf_counter() - started
                 if draft_valid and proposal.parents is None:
-                    policy.observe_draft(len(proposal.tokens), seconds)
+                    policy.observe_draft(len(proposal.tokens), seconds, forward=proposal.forward)
                 elif draft_valid:
-                    policy.observe_draft(k, seconds, max(depths(proposal.parents)) + 1)
+                    policy.observe_draft(k, seconds, max(depths(proposal.parents)) + 1, proposal.forward)
                 draft_valid = proposal.cached_length
                 drafted_ever = True
                 if proposal.parents is not None and not trees:

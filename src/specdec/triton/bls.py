@@ -145,17 +145,18 @@ class BlsProposer(_SequenceModel):
                       params: SamplingParams, round_seed: int, reserve: int = 0,
                       features: torch.Tensor | None = None, branches: int | None = None) -> Proposal:
         keep, new_ids, reserve = await self._prefill(seq_id, keep, new_ids, 1, reserve, [tn.DRAFT_TOKENS])
-        outputs = [tn.DRAFT_TOKENS, tn.CACHED_LENGTH, tn.DRAFT_PARENTS] + ([] if params.greedy else [tn.DRAFT_PROBS])
+        outputs = [tn.DRAFT_TOKENS, tn.CACHED_LENGTH, tn.DRAFT_PARENTS, tn.FORWARD_STATS] + \
+            ([] if params.greedy else [tn.DRAFT_PROBS])
         width = self.branches if branches is None else max(1, min(branches, self.branches))
         own = wire.ProposeMessage(k, params, round_seed, width).encode()
         if self.wants_features:
             own[tn.FEATURES] = NO_FEATURES if features is None else features.float()[None]
         result = await self._call(seq_id, new_ids, keep, outputs, reserve, own=own)
-        drafted = wire.DraftedMessage.decode({name: result[name].as_numpy() for name in outputs[:3]})
+        drafted = wire.DraftedMessage.decode({name: result[name].as_numpy() for name in outputs[:4]})
         probs = None if params.greedy else _torch(result[tn.DRAFT_PROBS])[0]
         if probs is not None and not len(probs):  # a deterministic proposal (a head's tree): point masses
             probs = None
-        return Proposal(drafted.tokens, probs, drafted.cached_length, drafted.parents)
+        return Proposal(drafted.tokens, probs, drafted.cached_length, drafted.parents, drafted.forward)
 
 
 class BlsScorer(_SequenceModel):

@@ -597,9 +597,11 @@ class DraftModel(LanguageModelAdapter):
     def _respond(self, request, step, result, forward):
         pb = self.pb
         tokens, probs, cached_length, parents = result
-        message = wire.DraftedMessage(tokens, cached_length, parents).encode()
+        requested = set(request.requested_output_names())
+        message = wire.DraftedMessage(tokens, cached_length, parents,
+                                      forward if tn.FORWARD_STATS in requested else None).encode()
         outputs = [pb.Tensor(name, value) for name, value in message.items()]
-        if tn.DRAFT_PROBS in set(request.requested_output_names()):
+        if tn.DRAFT_PROBS in requested:
             if probs is None:
                 probs = torch.zeros(0, self.lm.vocab_size)
             outputs.append(self._output(tn.DRAFT_PROBS, probs.float()[None]))

@@ -91,6 +91,18 @@ class ProposeMessage:
                    int(_scalar(inputs, tn.NUM_DRAFT_BRANCHES, 1)))
 
 
+def _forward_stats(forward: ForwardStats) -> np.ndarray:
+    return np.asarray([forward], dtype=np.float32)
+
+
+def _decode_forward_stats(outputs: Arrays) -> ForwardStats | None:
+    forward = outputs.get(tn.FORWARD_STATS)
+    if forward is None or not forward.size:
+        return None
+    rows, sequences, seconds = forward.reshape(-1).tolist()
+    return ForwardStats(int(rows), int(sequences), float(seconds))
+
+
 @dataclass(frozen=True)
 class DraftedMessage:
     """draft_model's answer (its distributions, when sampling, go as the DRAFT_PROBS tensor)."""
@@ -98,15 +110,19 @@ class DraftedMessage:
     tokens: list[int]
     cached_length: int  # tokens the draft's cache holds after the proposal
     parents: tuple[int, ...] | None = None  # a tree's (sent as an empty list for a chain)
+    forward: ForwardStats | None = None  # the batched execution the call ran in (every drafted step)
 
     def encode(self) -> Arrays:
-        return {tn.DRAFT_TOKENS: _i32(self.tokens), tn.CACHED_LENGTH: _i32([self.cached_length]),
-                tn.DRAFT_PARENTS: _i32(self.parents or [])}
+        out = {tn.DRAFT_TOKENS: _i32(self.tokens), tn.CACHED_LENGTH: _i32([self.cached_length]),
+               tn.DRAFT_PARENTS: _i32(self.parents or [])}
+        if self.forward is not None:
+            out[tn.FORWARD_STATS] = _forward_stats(self.forward)
+        return out
 
     @classmethod
     def decode(cls, outputs: Arrays) -> DraftedMessage:
         return cls(outputs[tn.DRAFT_TOKENS].reshape(-1).tolist(), int(outputs[tn.CACHED_LENGTH].reshape(-1)[0]),
-                   _tuple(outputs, tn.DRAFT_PARENTS))
+                   _tuple(outputs, tn.DRAFT_PARENTS), _decode_forward_stats(outputs))
 
 
 @dataclass(frozen=True)
@@ -156,19 +172,15 @@ class VerifiedMessage:
     def encode(self) -> Arrays:
         out = {tn.GREEDY_TOKENS: _i32(self.greedy_tokens)}
         if self.forward is not None:
-            out[tn.FORWARD_STATS] = np.asarray([self.forward], dtype=np.float32)
+            out[tn.FORWARD_STATS] = _forward_stats(self.forward)
         if self.log_probs is not None:
             out[tn.GREEDY_LOG_PROBS] = np.asarray(self.log_probs, dtype=np.float32).reshape(1, -1)
         return out
 
     @classmethod
     def decode(cls, outputs: Arrays) -> VerifiedMessage:
-        forward = outputs.get(tn.FORWARD_STATS)
-        if forward is not None:
-            rows, sequences, seconds = forward.reshape(-1).tolist()
-            forward = ForwardStats(int(rows), int(sequences), float(seconds))
         log_probs = outputs.get(tn.GREEDY_LOG_PROBS)
-        return cls(outputs[tn.GREEDY_TOKENS].reshape(-1).astype(np.int32), forward,
+        return cls(outputs[tn.GREEDY_TOKENS].reshape(-1).astype(np.int32), _decode_forward_stats(outputs),
                    None if log_probs is None else log_probs.reshape(-1).copy())
 
 
