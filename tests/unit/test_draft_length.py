@@ -425,3 +425,21 @@ def test_each_tree_size_has_its_own_acceptance_and_the_largest_is_explored():
     assert (8, 3) in tried  # the largest was explored
     assert costs.tree_level_alpha("head/tree", 8) > costs.tree_level_alpha("head/tree", 2)
     assert tried[-1] == (8, 3)  # and is what the rule now drafts
+
+
+def test_alone_every_round_pays_the_verify_calls_machinery():
+    """At one sequence a round is the verify call, not only its forward: its time outside the forward
+    (BLS, adapters, Triton) is paid by target-only rounds too, so v(k) = (T(k+1) + m) / (T(1) + m)."""
+    costs = CostModel(decay=0.0)
+    for rows, seconds in ((1, 0.048), (5, 0.064)):
+        costs.observe_forward(ForwardStats(rows, 1, seconds))
+    assert costs.verify_cost(4) == pytest.approx(0.064 / 0.048)
+    costs.observe_verify(1, 0.058, ForwardStats(1, 1, 0.048))  # 10 ms of machinery
+    costs._v_memo.clear()
+    assert costs.verify_cost(4) == pytest.approx(0.074 / 0.058)
+    loaded = CostModel(decay=0.0)  # under load the batch's view stays the forwards' (machinery overlaps)
+    for rows, seconds in ((8, 0.050), (40, 0.085)):
+        loaded.observe_forward(ForwardStats(rows, 8, seconds))
+    loaded.sequences.value = 8
+    loaded.observe_verify(1, 0.300, ForwardStats(8, 8, 0.050))
+    assert loaded.machinery.value is None and loaded.verify_cost(4) == pytest.approx(0.085 / 0.050)

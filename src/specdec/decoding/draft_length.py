@@ -22,16 +22,17 @@ calls take (s(k): the draft's batched execution per sequence, as the draft repor
 hides it (a verify waiting in a full batch makes any call look short), and trees of a cheap-looking head
 kept drafting at 8 streams on a 2-core CPU where every draft call slowed every forward.
 
-α is estimated per request with fast forgetting (acceptance comes in bursts: a copied
-span is accepted whole), starting from the server's running acceptance of the same draft method, both
-as accepted tokens over accepted tokens plus rejections (the geometric estimate of a per-token rate).
+α is estimated per request with fast forgetting (acceptance comes in bursts: a copied span is accepted
+whole), starting from the server's running acceptance of the same draft method, both as accepted tokens
+over accepted tokens plus rejections (the geometric estimate of a per-token rate).
 
 Trees (a proposer `branches` wide, decoding/draft_tree.py) are one more shape the rule weighs every round:
 a tree of n nodes yields E = (1 - α_t^(D+1)) / (1 - α_t) tokens, where α_t = α_t(n) is the acceptance per
 level of trees of that size (some candidate of the level taken, measured per size on tree rounds like α on
-chains, and never below the chain's: a level's candidates include the chain's token) and D(n) the depth trees of n nodes reach (measured: a
-best-first tree's depth depends on how peaked the draft is); it costs d_t(n) + v(n), the tree draft's
-call measured apart from the chain's and the verify of n + 1 rows from the same forwards. So a tree is
+chains, and never below the chain's: a level's candidates include the chain's token) and D(n) the depth
+trees of n nodes reach (measured: a best-first tree's depth depends on how peaked the draft is); it costs
+d_t(n) + v(n), the tree draft's call measured apart from the chain's and the verify of n + 1 rows from
+the same forwards. So a tree is
 drafted when its extra candidates buy more tokens than their rows and draft steps cost, a chain when they
 do not (alone, or under load where rows stop being free), nothing when neither pays. A tree round also
 tells the chain's acceptance (its first branch is the chain the draft would have proposed); a chain round
@@ -188,6 +189,8 @@ class CostModel:
     # method -> nodes asked -> acceptance per level of its trees (running, the requests' prior at that size)
     tree_alpha: dict[str, dict[int, _Acceptance]] = field(default_factory=dict)
     sequences: _Ewma = field(default_factory=lambda: _Ewma(0.9))  # sequences sharing a target forward
+    # seconds of a lone verify call outside its forward (BLS, the adapters, Triton): every round pays it
+    machinery: _Ewma = field(default_factory=lambda: _Ewma(0.9))
     # v(k) and d(k) are asked for every k every round of every request, and computing them sorts the
     # tables (~0.14 ms a round at K <= 16): recompute v(k) after every `refresh` new forward observations,
     # and d(k) + v(k) after every `refresh` observations of any kind once the first `refresh` are in (the
@@ -206,8 +209,11 @@ class CostModel:
             self._forwards_seen += 1
             self._observations += 1
 
-    def observe_verify(self, positions: int, seconds: float) -> None:
+    def observe_verify(self, positions: int, seconds: float, forward: ForwardStats | None = None) -> None:
+        """A verify call of `positions` positions took `seconds`; forward: the target's forward it ran in."""
         self.verify_s.setdefault(positions, _Ewma(self.decay)).add(seconds)
+        if forward is not None and forward.sequences == 1 and forward.seconds > 0:
+            self.machinery.add(max(0.0, seconds - forward.seconds))
         self._observations += 1
 
     def observe_draft(self, method: str, tokens: int, seconds: float, forward: ForwardStats | None = None) -> None:
@@ -284,9 +290,12 @@ class CostModel:
         With the target's forwards measured (rows, sequences, seconds), this is the batch's view:
         when n sequences share each forward, all of them drafting k turns a forward of n rows into one
         of n(k + 1), so v(k) = T(n(k + 1)) / T(n). Alone (n = 1) that is the cost of verifying k + 1
-        positions; under load, where a forward of many rows stops being nearly free, it grows, and
-        speculation backs off exactly when it would cost the server throughput. Without forward
-        measurements: the request's own verify latency by positions."""
+        positions, and the call's machinery m (its time outside the forward) is paid by every round,
+        so v(k) = (T(k + 1) + m) / (T(1) + m): on a 2-core CPU m is ~10 ms beside a 50 ms step, and
+        without it a 5-row verify was priced 1.33 steps where the round took 1.27. Under load, where a
+        forward of many rows stops being nearly free, v(k) grows, and speculation backs off exactly when
+        it would cost the server throughput. Without forward measurements: the request's own verify
+        latency by positions."""
         if k == 0:
             return 1.0
         if self.sequences.value is not None:
@@ -296,6 +305,8 @@ class CostModel:
                     self._v_memo.clear()
                 n = max(1, round(self.sequences.value))
                 alone, drafting = self._forward_seconds(n), self._forward_seconds(n * (k + 1))
+                if alone and drafting and n == 1 and self.machinery.value is not None:
+                    alone, drafting = alone + self.machinery.value, drafting + self.machinery.value
                 self._v_memo[key] = max(drafting / alone, 1.0) if alone and drafting else None
             if self._v_memo[key] is not None:
                 return self._v_memo[key]
@@ -507,8 +518,8 @@ class DraftLengthPolicy:
             self.costs.observe_draft(self.tree_method, k, seconds, forward)
             self.costs.observe_tree(self.method, k, depth)
 
-    def observe_verify(self, positions: int, seconds: float) -> None:
-        self.costs.observe_verify(positions, seconds)
+    def observe_verify(self, positions: int, seconds: float, forward: ForwardStats | None = None) -> None:
+        self.costs.observe_verify(positions, seconds, forward)
 
     def observe_forward(self, forward: ForwardStats) -> None:
         self.costs.observe_forward(forward)

@@ -174,7 +174,7 @@ async def generate(req: GenerationRequest, proposer: Proposer, scorer: Scorer, p
             scores = await _score(scorer, req, target_valid, new_ids, k + 1, 0 if target_valid else reserve,
                                   wait_for_room, allowed, features is not None, tree, path)
             if len(new_ids) == k + 1:  # a plain round (no prompt prefill or catch-up)
-                policy.observe_verify(k + 1, time.perf_counter() - started)
+                policy.observe_verify(k + 1, time.perf_counter() - started, scores.forward)
             if scores.forward:
                 policy.observe_forward(scores.forward)
             logits = _edited_logits(req, tokens, proposal.tokens, scores.logits, occurrences, matcher)
