@@ -422,3 +422,22 @@ def test_a_heads_captured_draft_steps_equal_its_eager_ones(tiny_pair):
         b = graphs.propose(2 + round_, 0, prompt, 4, sampled, make_generator(round_, "cuda:0"), features=features)
         assert a.tokens == b.tokens and torch.allclose(a.probs, b.probs, atol=1e-9)
     assert graphs.sequences[1].slot is not None
+
+
+def test_fp8_tensor_core_products_agree_with_the_dequantized_weights():
+    """weights_dtype fp8 on a GPU with FP8 tensor cores: torch._scaled_mm over per-row-quantized activations
+    gives the dequantized product up to the activations' own FP8 rounding, for any row count (padded to 16)."""
+    from specdec.engine import fp8_linear
+
+    device = torch.device("cuda")
+    why_not = fp8_linear.tensor_cores_work(device, torch.bfloat16)
+    if why_not is not None:
+        pytest.skip(why_not)
+    torch.manual_seed(0)
+    dense = torch.nn.Linear(512, 768, bias=True).to(device, torch.bfloat16)
+    fast, slow = fp8_linear.Fp8Linear(dense, tensor_cores=True), fp8_linear.Fp8Linear(dense, tensor_cores=False)
+    for rows in (1, 5, 16, 17, 40):
+        x = torch.randn(rows, 512, device=device, dtype=torch.bfloat16)
+        a, b = fast(x).float(), slow(x).float()
+        assert a.shape == (rows, 768)
+        assert ((a - b).abs().max() / b.abs().max()).item() < 0.05, rows

@@ -46,6 +46,7 @@ instance_group [ { count: 1, kind: KIND_GPU, gpus: [ {{ ternary $root.Values.gpu
 {{ include "specdec.param" (list "target_draft_heads" (include "specdec.headPaths" $root)) }}
 {{- end }}
 {{ include "specdec.param" (list "dtype" $root.Values.models.dtype) }}
+{{ include "specdec.param" (list "weights_dtype" $root.Values.models.weightsDtype) }}
 {{ include "specdec.param" (list "device" (ternary "cuda" "cpu" $onGpu)) }}
 {{ include "specdec.param" (list "device_map" (ternary "auto" "" (and $onGpu (eq $role "target") $root.Values.gpu.spreadTarget))) }}
 {{ include "specdec.param" (list "max_sequences" $root.Values.speculation.maxSequences) }}

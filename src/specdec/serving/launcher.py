@@ -294,6 +294,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "it holds a copy of the target's weights. Repeatable")
     parser.add_argument("--default-draft", default="",
                         help="the draft a request that names none gets (a draft model, a head, ngram or suffix)")
+    parser.add_argument("--weights-dtype", default="same", choices=tn.WEIGHTS_DTYPES,
+                        help="the models' linear weights: in --dtype (same), or FP8 with a scale per output channel "
+                             "(fp8: FP8 tensor cores on Ada/Hopper GPUs, dequantized elsewhere; docs/configuration.md)")
     parser.add_argument("--compile", default="auto", choices=tn.COMPILE_MODES,
                         help="the models' executor: auto = static shapes + CUDA graphs on GPUs, eager on CPU")
     parser.add_argument("--orchestrator-instances", type=int, default=None,
@@ -358,7 +361,8 @@ def main(argv: list[str] | None = None) -> int:
                 max_context_tokens=args.max_context_tokens, apply_chat_template=args.chat_template)
         else:
             pair = pairs.prepare_pair(args.pair)
-        pair = dataclasses.replace(pair, compile=args.compile, orchestrator_instances=args.orchestrator_instances)
+        pair = dataclasses.replace(pair, compile=args.compile, orchestrator_instances=args.orchestrator_instances,
+                                   weights_dtype=args.weights_dtype)
         if args.draft_head or args.default_draft or args.skip_draft:
             try:
                 pair = with_heads(with_skip_drafts(pair, args.skip_draft), args.draft_head, args.default_draft)

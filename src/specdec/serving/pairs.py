@@ -45,6 +45,7 @@ class PairSpec:
     builtin_drafts: tuple[str, ...] = tn.BUILTIN_DRAFTS  # model-free methods a request may choose
     default_draft: str = ""  # the method used when a request names none; "" = the first draft model
     dtype: str = "float32"
+    weights_dtype: str = "same"  # tn.WEIGHTS_DTYPES: fp8 stores the models' linear weights in FP8 (fp8_linear.py)
     max_context_tokens: int = tn.DEFAULT_MAX_CONTEXT_TOKENS
     apply_chat_template: bool = False
     # Placement. "gpu": the target on target_gpu (or, with spread_target, over every GPU the server sees

@@ -61,7 +61,8 @@ def render(pair: PairSpec, dest: Path) -> Path:
 
     def lm_settings(path: str, role: str) -> dict[str, str]:
         on_gpu = pair.device == "gpu"
-        return {"model_path": path, "dtype": pair.dtype, "device": "cuda" if on_gpu else "cpu",
+        return {"model_path": path, "dtype": pair.dtype, "weights_dtype": pair.weights_dtype,
+                "device": "cuda" if on_gpu else "cpu",
                 "device_map": "auto" if on_gpu and role == "target" and pair.spread_target else "",
                 "max_sequences": str(pair.max_sequences),
                 "sequence_idle_timeout_s": str(pair.sequence_idle_timeout_s),

@@ -89,6 +89,8 @@ class LanguageModelAdapter(TritonAdapter):
             dtype=params.str("dtype", "float32", choices=tn.DTYPE_NAMES),
             device_map=params.str("device_map", ""),
             linear_kernels=params.str("linear_kernels", "auto", choices=onednn_linear.KINDS),
+            weights_dtype=params.str("weights_dtype", "same", choices=tn.WEIGHTS_DTYPES),
+            log=self.pb.Logger.log_info,
         )
         default = ExecutorConfig()
         config = ExecutorConfig(

@@ -1,0 +1,104 @@
+"""weights_dtype fp8: linear weights in FP8 e4m3 with a scale per output channel (fp8_linear.py). On CPU
+the products are dequantized; speculation stays exact with respect to the quantized model that is served.
+The FP8 tensor-core product is compared in tests/gpu."""
+
+import asyncio
+import copy
+
+import pytest
+import torch
+
+from specdec.decoding.draft_length import DraftLengthPolicy
+from specdec.decoding.loop import GenerationRequest, generate
+from specdec.engine import fp8_linear
+from specdec.engine.build import dynamic_executor, static_executor
+from specdec.engine.executor import Step
+from specdec.engine.loading import load_causal_lm
+from specdec.engine.local import LocalProposer, LocalScorer
+
+from .conftest import noisy_copy
+
+
+def quantized(model):
+    model = copy.deepcopy(model)
+    replaced, why_not = fp8_linear.quantize_linears(model)
+    assert replaced == 2 * 7 and why_not == "not a CUDA device"  # q, k, v, o, gate, up, down per layer
+    return model
+
+
+def test_each_output_channel_has_its_own_scale_and_rounds_within_e4m3s_precision():
+    torch.manual_seed(0)
+    weight = torch.randn(6, 64, dtype=torch.float64) * torch.tensor([1e-3, 0.1, 1, 10, 300, 5e4])[:, None]
+    q, scale = fp8_linear.quantize_rows(weight)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == weight.shape and scale.shape == (6,)
+    assert torch.allclose(scale.double(), weight.abs().amax(1) / 448, rtol=1e-6)  # each row's largest is 448
+    back = fp8_linear.dequantize(q, scale, torch.float64)
+    error = (back - weight).abs()
+    # 3 mantissa bits: 2^-4 relative for normal values; subnormals (below 2^-6 of the scale) within s·2^-9
+    assert bool((error <= weight.abs() * 2 ** -4 + scale[:, None].double() * 2 ** -9 + 1e-12).all())
+    assert 0 < error.max() and q.float().abs().amax(1).eq(448).all()
+
+
+def test_an_fp8_linear_computes_with_its_dequantized_weight():
+    torch.manual_seed(1)
+    dense = torch.nn.Linear(48, 80, bias=True).double()
+    fp8 = fp8_linear.Fp8Linear(dense)
+    assert fp8.weight.dtype == torch.float8_e4m3fn and fp8.weight.element_size() == 1
+    weight = fp8_linear.dequantize(fp8.weight, fp8.weight_scale, torch.float64)
+    for shape in ((1, 48), (5, 48), (2, 9, 48)):
+        x = torch.randn(shape, dtype=torch.float64)
+        assert torch.equal(fp8(x), torch.nn.functional.linear(x, weight, dense.bias))
+        assert not torch.equal(fp8(x), dense(x))  # quantized: not the dense layer's numbers
+        assert torch.allclose(fp8(x), dense(x), rtol=0.1, atol=0.1)
+
+
+def test_every_linear_but_the_vocabulary_head_is_quantized(tiny_lm):
+    model = quantized(tiny_lm)
+    assert type(model.lm_head) is torch.nn.Linear and model.lm_head.weight.dtype == torch.float64
+    assert not any(type(m) is torch.nn.Linear for name, m in model.named_modules() if name != "lm_head")
+    dense, fp8 = dynamic_executor(tiny_lm), dynamic_executor(model)
+    a, b = dense.extend(1, 0, [5, 17, 3, 88, 4], 5), fp8.extend(1, 0, [5, 17, 3, 88, 4], 5)
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.6 and not torch.equal(a, b)
+
+
+def test_the_static_executor_runs_the_quantized_model_as_the_dynamic_one_does(tiny_lm):
+    model = quantized(tiny_lm)
+    dynamic = dynamic_executor(model)
+    static = static_executor(model, kv_pool_tokens=512, block_size=8, max_context=128, max_batch=2, max_rows=5,
+                             min_window=16, compile="off", prefix_caching=False)
+    for lm in (dynamic, static):
+        lm.extend(1, 0, [5, 17, 3, 88, 1, 2, 3, 4, 9], 1)
+    steps = [Step(1, 9, [10, 11, 12], 3), Step(2, 0, [7, 8, 9, 1, 2], 2)]
+    for a, b in zip(dynamic.extend_many(steps), static.extend_many(steps)):
+        assert torch.allclose(a, b, atol=1e-9)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_greedy_speculation_over_fp8_models_gives_the_fp8_targets_own_output(tiny_lm, k):
+    target, draft = quantized(tiny_lm), quantized(noisy_copy(tiny_lm))
+    prompt = [5, 17, 3, 88, 41, 9]
+
+    def run(proposer, scorer, k):
+        async def main():
+            req = GenerationRequest(seq_id=1, prompt_ids=prompt, max_tokens=40)
+            rounds = [r async for r in generate(req, proposer, scorer, DraftLengthPolicy.fixed(k))]
+            return [t for r in rounds for t in r.new_tokens], sum(r.num_accepted for r in rounds)
+        return asyncio.run(main())
+
+    alone, _ = run(LocalProposer(dynamic_executor(draft)), LocalScorer(dynamic_executor(target)), 0)
+    speculative, accepted = run(LocalProposer(dynamic_executor(draft)), LocalScorer(dynamic_executor(target)), k)
+    assert speculative == alone and accepted > 0
+    dense, _ = run(LocalProposer(dynamic_executor(tiny_lm)), LocalScorer(dynamic_executor(tiny_lm)), 0)
+    assert dense != alone  # the quantized model is another model: exactness is with respect to it
+
+
+def test_loading_with_fp8_weights_says_how_and_refuses_what_cannot_be(tiny_lm, tmp_path):
+    tiny_lm.save_pretrained(tmp_path)
+    lines = []
+    model = load_causal_lm(str(tmp_path), dtype="float32", weights_dtype="fp8", log=lines.append)
+    assert isinstance(model.model.layers[0].self_attn.q_proj, fp8_linear.Fp8Linear)
+    assert len(lines) == 1 and "14 linear layers in FP8" in lines[0] and "dequantized (not a CUDA device)" in lines[0]
+    with pytest.raises(ValueError, match="weights_dtype must be one of"):
+        load_causal_lm(str(tmp_path), weights_dtype="int4")
+    with pytest.raises(ValueError, match="weights_dtype=fp8 and linear_kernels=onednn"):
+        load_causal_lm(str(tmp_path), weights_dtype="fp8", linear_kernels="onednn")
