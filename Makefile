@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.specdec-setup
 
-.PHONY: readme-examples soak soak-mixed setup serve test unit integration deploy-check image image-lock clean loadtest bench bench-concurrency bench-batching bench-gpu bench-executor bench-overhead bench-structured bench-prefix bench-suffix bench-openai bench-trees gpukit
+.PHONY: readme-examples soak soak-mixed setup serve test unit integration deploy-check image image-lock clean loadtest bench bench-concurrency bench-batching bench-gpu bench-executor bench-overhead bench-structured bench-prefix bench-suffix bench-openai bench-trees bench-fp8 gpukit
 
 setup: $(STAMP)
 
@@ -106,6 +106,10 @@ bench-trees: setup
 # with the confidence stop off and on (default pair; about 20 minutes on 2 cores).
 bench-swift: setup
 	$(PY) -m bench.swift_bench --out .cache/bench-swift.md $${BENCH_SWIFT_ARGS:-}
+
+# What FP8 weights (weights_dtype fp8) change against bfloat16 and float32: log-likelihood, agreement, text.
+bench-fp8: setup
+	$(PY) -m bench.fp8_quality --out .cache/bench-fp8.md
 
 # Where a served round's time goes (tiny pair): forwards, adapters, Triton, orchestrator. DEVICE=gpu too.
 bench-overhead: setup

@@ -65,6 +65,9 @@
 #                  once the device goes on with the next step (issue 47, item 2)
 #   drafttrees     the draft model's token trees (draft_branches=2: its chain and its second choice beside each
 #                  token, K nodes) against its chains, served rows at K=4 and K=8, one server each (~5 min)
+#   fp8            FP8 weights (weights_dtype fp8: FP8 tensor cores, a scale per output channel computed at load)
+#                  against bf16: the FP8 GPU test, then the served rows, one server each (~7 min; named twice:
+#                  on off off on): issue 47's served target-only <= 3.8 ms with FP8 weights (not measured yet)
 #   profile        cProfile over draft_model's and target_model's execute (SPECDEC_PROFILE_DIR): 8 target-only
 #                  streams, then 1 stream at K=0, 4 and adaptive; pstats' reports in profile-*.txt (~2 min):
 #                  where the host time inside an execution goes (the adapter's share: "in execute" - "in
@@ -229,6 +232,9 @@ for part in "$@"; do
       ab ahead on 170 "" -- --launcher-arg=--set=target_model.run_ahead=on --off \
         --launcher-arg=--set=target_model.run_ahead=off
       run executor-ahead 150 "$python" -m bench.executor_bench --modes graphs-mlp --out "$out/executor-ahead.md" ;;
+    fp8)  # FP8 weights against bf16: the GPU test, then the served rows; named twice: on off off on
+      run tests-fp8 120 "$python" -m pytest -q -m gpu tests/gpu -p no:cacheprovider -k fp8
+      ab fp8 on 200 "" -- --launcher-arg=--weights-dtype=fp8 ;;
     drafttrees)  # the draft model's token trees (draft_branches=2) against its chains, K=4 and 8; twice: on off off on
       ab drafttrees on 200 "--extra-k 8" -- --launcher-arg=--set=speculative_decoding.draft_branches=2 ;;
     kernels) run kernels 300 "$python" -m bench.kernel_profile --out "$out/kernels.md" ;;
@@ -240,6 +246,6 @@ for part in "$@"; do
       done ;;
     executor) run executor 240 "$python" -m bench.executor_bench --modes graphs,graphs-mlp --reference \
         --out "$out/executor.md" ;;
-    *) echo "unknown part: $part (tests, heads, bench, ahead, drafttrees, attention, orchestrators, executor, streams, prefix, pipeline, load, overhead, overhead8b, mps, ksweep, profile, prompts, maxk, kernels)" >&2; exit 2 ;;
+    *) echo "unknown part: $part (tests, heads, bench, ahead, drafttrees, fp8, attention, orchestrators, executor, streams, prefix, pipeline, load, overhead, overhead8b, mps, ksweep, profile, prompts, maxk, kernels)" >&2; exit 2 ;;
   esac
 done

@@ -102,3 +102,15 @@ def test_loading_with_fp8_weights_says_how_and_refuses_what_cannot_be(tiny_lm, t
         load_causal_lm(str(tmp_path), weights_dtype="int4")
     with pytest.raises(ValueError, match="weights_dtype=fp8 and linear_kernels=onednn"):
         load_causal_lm(str(tmp_path), weights_dtype="fp8", linear_kernels="onednn")
+
+
+def test_the_fp8_quality_bench_runs_and_its_references_agree_with_themselves(tmp_path):
+    """`bench/fp8_quality.py` on the tiny pair: a row per setting; float32 and bfloat16 are their own references."""
+    from bench import fp8_quality
+
+    out = tmp_path / "fp8.md"
+    assert fp8_quality.main(["--pair", "tiny", "--prompts", "1", "--max-tokens", "6", "--out", str(out)]) == 0
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+            for line in out.read_text().splitlines() if line.startswith("| ") and "NLL" not in line}
+    assert set(rows) == {label for label, _, _ in fp8_quality.SETTINGS}
+    assert rows["float32"][3] == "1.000" and rows["bfloat16"][2] == "1.000" and rows["bfloat16"][4] == "2/2"
