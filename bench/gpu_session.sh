@@ -65,7 +65,7 @@
 #                  once the device goes on with the next step (issue 47, item 2)
 #   drafttrees     the draft model's token trees (draft_branches=2: its chain and its second choice beside each
 #                  token, K nodes) against its chains, served rows at K=4 and K=8, one server each (~5 min)
-#   fp8            FP8 weights (weights_dtype fp8: FP8 tensor cores, a scale per output channel computed at load)
+#   fp8            FP8 weights (weights_dtype fp8: the weight-only FP8 kernel, a scale per output channel)
 #                  against bf16: the FP8 GPU test, then the served rows, one server each (~7 min; named twice:
 #                  on off off on): issue 47's served target-only <= 3.8 ms with FP8 weights (not measured yet)
 #   profile        cProfile over draft_model's and target_model's execute (SPECDEC_PROFILE_DIR): 8 target-only

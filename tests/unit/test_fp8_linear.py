@@ -1,6 +1,8 @@
 """weights_dtype fp8: linear weights in FP8 e4m3 with a scale per output channel (fp8_linear.py). On CPU
-the products are dequantized; speculation stays exact with respect to the quantized model that is served.
-The FP8 tensor-core product is compared in tests/gpu."""
+the products are dequantized (the weight-only kernel runs here in Triton's interpreter); speculation stays
+exact with respect to the quantized model that is served. tests/gpu runs the kernel compiled."""
+
+import os
 
 import asyncio
 import copy
@@ -98,6 +100,7 @@ def test_loading_with_fp8_weights_says_how_and_refuses_what_cannot_be(tiny_lm, t
     model = load_causal_lm(str(tmp_path), dtype="float32", weights_dtype="fp8", log=lines.append)
     assert isinstance(model.model.layers[0].self_attn.q_proj, fp8_linear.Fp8Linear)
     assert len(lines) == 1 and "14 linear layers in FP8" in lines[0] and "dequantized (not a CUDA device)" in lines[0]
+    assert not model.model.layers[0].self_attn.q_proj.kernel  # auto never takes Triton's interpreter
     with pytest.raises(ValueError, match="weights_dtype must be one of"):
         load_causal_lm(str(tmp_path), weights_dtype="int4")
     with pytest.raises(ValueError, match="weights_dtype=fp8 and linear_kernels=onednn"):
@@ -114,3 +117,21 @@ def test_the_fp8_quality_bench_runs_and_its_references_agree_with_themselves(tmp
             for line in out.read_text().splitlines() if line.startswith("| ") and "NLL" not in line}
     assert set(rows) == {label for label, _, _ in fp8_quality.SETTINGS}
     assert rows["float32"][3] == "1.000" and rows["bfloat16"][2] == "1.000" and rows["bfloat16"][4] == "2/2"
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or fp8_linear.kernel_unavailable(
+    torch.device("cpu"), torch.float32) is not None, reason="the kernel's CPU test runs in Triton's interpreter")
+def test_the_weight_only_kernel_computes_the_dequantized_product():
+    """Up to 16 rows, each program reads its output channels' FP8 weights once for every row (masks at every
+    edge: rows, channels and the inner size not multiples of the tiles); more rows are dequantized."""
+    torch.manual_seed(2)
+    for bias in (True, False):
+        dense = torch.nn.Linear(300, 77, bias=bias)
+        fast, slow = fp8_linear.Fp8Linear(dense, kernel=True), fp8_linear.Fp8Linear(dense, kernel=False)
+        for shape in ((1, 300), (5, 300), (2, 8, 300), (17, 300)):
+            x = torch.randn(shape)
+            assert torch.allclose(fast(x), slow(x), rtol=1e-5, atol=1e-5), (bias, shape)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32))
+    assert fp8_linear.quantize_linears(model, kernel=True) == (1, None) and model[0].kernel
+    with pytest.raises(ValueError, match="the FP8 kernel cannot run here"):
+        fp8_linear.quantize_linears(torch.nn.Sequential(torch.nn.Linear(8, 8).double()), kernel=True)

@@ -58,7 +58,7 @@ def load_causal_lm(model_path: str, device: str = "cpu", dtype: str = "float32",
         replaced, why_not = fp8_linear.quantize_linears(model)
         if log is not None:
             log(f"{model_path}: {replaced} linear layers in FP8 (a scale per output channel), products "
-                + ("on FP8 tensor cores" if why_not is None else f"dequantized ({why_not})"))
+                + ("of up to 16 rows in the FP8 kernel" if why_not is None else f"dequantized ({why_not})"))
     elif onednn_linear.resolve(linear_kernels, model.device, model.dtype):
         onednn_linear.prepack_linears(model)
     return model

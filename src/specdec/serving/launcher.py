@@ -296,7 +296,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="the draft a request that names none gets (a draft model, a head, ngram or suffix)")
     parser.add_argument("--weights-dtype", default="same", choices=tn.WEIGHTS_DTYPES,
                         help="the models' linear weights: in --dtype (same), or FP8 with a scale per output channel "
-                             "(fp8: FP8 tensor cores on Ada/Hopper GPUs, dequantized elsewhere; docs/configuration.md)")
+                             "(fp8: a weight-only FP8 kernel on GPUs, dequantized on CPU; docs/configuration.md)")
     parser.add_argument("--compile", default="auto", choices=tn.COMPILE_MODES,
                         help="the models' executor: auto = static shapes + CUDA graphs on GPUs, eager on CPU")
     parser.add_argument("--orchestrator-instances", type=int, default=None,
