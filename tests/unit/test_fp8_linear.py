@@ -135,3 +135,71 @@ def test_the_weight_only_kernel_computes_the_dequantized_product():
     assert fp8_linear.quantize_linears(model, kernel=True) == (1, None) and model[0].kernel
     with pytest.raises(ValueError, match="the FP8 kernel cannot run here"):
         fp8_linear.quantize_linears(torch.nn.Sequential(torch.nn.Linear(8, 8).double()), kernel=True)
+
+
+def _fp8_checkpoint(model, directory, method: str, per_tensor: bool):
+    """`model` written as an FP8 checkpoint of `method`'s layout: every linear but lm_head in float8_e4m3fn
+    with its weight_scale (per channel (out, 1), or per tensor: a scalar) and, for ModelOpt, an input_scale."""
+    import json
+
+    from safetensors.torch import save_file
+
+    model.save_pretrained(directory)
+    tensors = {}
+    for name, module in model.named_modules():
+        if type(module) is torch.nn.Linear and not name.endswith("lm_head"):
+            weight = module.weight.detach().float()
+            scale = weight.abs().amax() / 448 if per_tensor else weight.abs().amax(1, keepdim=True) / 448
+            tensors[name + ".weight"] = (weight / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+            tensors[name + ".weight_scale"] = scale.float()
+            if method == "modelopt":
+                tensors[name + ".input_scale"] = torch.tensor(1.0)
+    for key, value in model.state_dict().items():
+        tensors.setdefault(key, value.float().contiguous())
+    for linear in [key[:-len(".weight_scale")] for key in tensors if key.endswith(".weight_scale")]:
+        assert tensors[linear + ".weight"].dtype == torch.float8_e4m3fn
+    (directory / "model.safetensors").unlink()
+    save_file(tensors, str(directory / "model.safetensors"))
+    config = json.loads((directory / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": method}
+    (directory / "config.json").write_text(json.dumps(config))
+    return tensors
+
+
+@pytest.mark.parametrize("method,per_tensor", [("compressed-tensors", False), ("modelopt", True), ("fp8", True)])
+def test_an_fp8_checkpoint_is_served_as_it_is_stored(tiny_lm, tmp_path, method, per_tensor):
+    """compressed-tensors (a scale per channel), ModelOpt and AutoFP8 (one per tensor, activation scales
+    beside): the FP8 weights and scales are used as stored, the rest of the model as it was."""
+    dense = copy.deepcopy(tiny_lm).float()
+    tensors = _fp8_checkpoint(dense, tmp_path, method, per_tensor)
+    lines = []
+    model = load_causal_lm(str(tmp_path), dtype="float32", log=lines.append)
+    q_proj = model.model.layers[1].self_attn.q_proj
+    assert isinstance(q_proj, fp8_linear.Fp8Linear) and type(model.lm_head) is not fp8_linear.Fp8Linear
+    assert torch.equal(q_proj.weight.float(), tensors["model.layers.1.self_attn.q_proj.weight"].float())
+    assert "14 linear layers in FP8 (14 as the checkpoint stores them, 0 quantized at load" in lines[0]
+    # The reference: the dense model with each weight replaced by its stored FP8 value times its scale
+    reference = copy.deepcopy(dense)
+    with torch.no_grad():
+        for name, module in reference.named_modules():
+            if name + ".weight_scale" in tensors:
+                module.weight.copy_(tensors[name + ".weight"].float() * tensors[name + ".weight_scale"])
+    ids = torch.tensor([[5, 17, 3, 88, 4, 61]])
+    with torch.inference_mode():
+        assert torch.allclose(model(ids).logits, reference(ids).logits, atol=1e-5)
+        assert not torch.allclose(model(ids).logits, dense(ids).logits, atol=1e-5)  # not the dense weights
+
+
+def test_an_fp8_checkpoint_that_does_not_fit_is_refused_naming_what(tiny_lm, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    tensors = _fp8_checkpoint(copy.deepcopy(tiny_lm).float(), tmp_path, "compressed-tensors", False)
+    blocks = dict(tensors, **{"model.layers.0.mlp.up_proj.weight_scale": torch.ones(2, 2)})
+    save_file(blocks, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp.up_proj: weight_scale of shape \(2, 2\).*not per block"):
+        load_causal_lm(str(tmp_path))
+    unscaled = {k: v for k, v in load_file(str(tmp_path / "model.safetensors")).items()
+                if k != "model.layers.0.mlp.up_proj.weight_scale"}
+    save_file(unscaled, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="model.layers.0.mlp.up_proj.weight is FP8 without a weight_scale"):
+        load_causal_lm(str(tmp_path))

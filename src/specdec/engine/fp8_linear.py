@@ -114,6 +114,31 @@ class Fp8Linear(nn.Module):
         self.bias = None if linear.bias is None else linear.bias.detach()
         self.kernel = kernel
 
+    @classmethod
+    def from_checkpoint(cls, linear: nn.Linear, q: torch.Tensor, scale: torch.Tensor) -> "Fp8Linear":
+        """The layer `linear` stands for, with a checkpoint's FP8 weight q (out, in) and its scale: one per
+        output channel ((out,) or (out, 1): compressed-tensors' channel strategy) or one for the whole
+        tensor (a scalar or (1,): ModelOpt, compressed-tensors' tensor strategy), held per channel."""
+        out, features = linear.out_features, linear.in_features
+        if q.dtype != FP8 or tuple(q.shape) != (out, features):
+            raise ValueError(f"an FP8 weight of shape {(out, features)} in {FP8} was expected, got "
+                             f"{tuple(q.shape)} in {q.dtype}")
+        if scale.numel() == 1:
+            scale = scale.reshape(1).expand(out)
+        elif tuple(scale.shape) in ((out,), (out, 1)):
+            scale = scale.reshape(out)
+        else:
+            raise ValueError(f"weight_scale of shape {tuple(scale.shape)}: one scale per output channel or one "
+                             "per tensor is served, not per block or group")
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer.in_features, layer.out_features, layer.kernel = features, out, False
+        device = linear.weight.device
+        layer.register_buffer("weight", q.to(device))
+        layer.register_buffer("weight_scale", scale.float().contiguous().to(device))
+        layer.bias = None if linear.bias is None else linear.bias.detach()
+        return layer
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel and x.numel() <= KERNEL_ROWS * self.in_features:
             flat = x.reshape(-1, self.in_features)
@@ -157,10 +182,24 @@ def kernel_checks_out(device: torch.device, dtype: torch.dtype) -> str | None:
 @torch.no_grad()
 def quantize_linears(model: nn.Module, kernel: bool | None = None, keep: tuple[str, ...] = KEEP
                      ) -> tuple[int, str | None]:
-    """Replace every nn.Linear in `model` but those named in `keep` (in place) with an Fp8Linear. kernel:
-    None (auto) uses the weight-only kernel on CUDA where it checks out; True requires it (Triton's
-    interpreter included); False never. Returns (how many, why the kernel is not used: None where it is)."""
-    parameter = next(model.parameters())
+    """Replace every nn.Linear in `model` but those named in `keep` (in place) with an Fp8Linear, then
+    `use_kernel`. Returns (how many, why the kernel is not used: None where it is)."""
+    like = next(model.parameters())  # the activations' device and dtype (before the weights go)
+    replaced = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear and name not in keep:
+                setattr(parent, name, Fp8Linear(child))
+                replaced += 1
+    return replaced, use_kernel(model, kernel, like)
+
+
+def use_kernel(model: nn.Module, kernel: bool | None = None, like: torch.Tensor | None = None) -> str | None:
+    """Whether the model's Fp8Linears run small products in the weight-only kernel. kernel: None (auto) on
+    CUDA where it checks out; True requires it (Triton's interpreter included); False never. like: a tensor
+    of the activations' device and dtype (default: the model's first parameter). Returns why the kernel is
+    not used (None where it is)."""
+    parameter = like if like is not None else next(model.parameters())
     if kernel is False:
         why_not = "not asked for"
     elif kernel is None and parameter.device.type != "cuda":
@@ -169,10 +208,7 @@ def quantize_linears(model: nn.Module, kernel: bool | None = None, keep: tuple[s
         why_not = kernel_checks_out(parameter.device, parameter.dtype)
         if kernel and why_not:
             raise ValueError(f"the FP8 kernel cannot run here: {why_not}")
-    replaced = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear and name not in keep:
-                setattr(parent, name, Fp8Linear(child, kernel=why_not is None))
-                replaced += 1
-    return replaced, why_not
+    for module in model.modules():
+        if isinstance(module, Fp8Linear):
+            module.kernel = why_not is None
+    return why_not

@@ -1,8 +1,10 @@
 """Loading a causal LM for the executor: a Hugging Face directory or a single GGUF file, on a device, in
-a dtype, with CPU linear layers reordered for oneDNN where that pays, or FP8 weights where asked."""
+a dtype, with CPU linear layers reordered for oneDNN where that pays, or FP8 weights where asked or where
+the checkpoint holds them (compressed-tensors, ModelOpt and AutoFP8 layouts, loaded as they are)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -11,6 +13,12 @@ from specdec import tensor_names as tn
 from specdec.engine import fp8_linear, onednn_linear
 
 DTYPES = {name: getattr(torch, name) for name in tn.DTYPE_NAMES}
+# config.json's quantization_config.quant_method of the FP8 checkpoints loaded here: llm-compressor's
+# compressed-tensors ("float-quantized"), NVIDIA ModelOpt's, AutoFP8's / vLLM's "fp8"
+FP8_CHECKPOINTS = ("compressed-tensors", "modelopt", "fp8")
+# a quantized linear's tensors beside its weight: the weight's scale is used; activation scales are not
+# (activations stay in the model's dtype)
+SCALE_SUFFIXES = (".weight_scale", ".input_scale", ".weight_zero_point", ".input_zero_point")
 
 
 def resolve_dtype(name: str) -> torch.dtype:
@@ -50,15 +58,88 @@ def load_causal_lm(model_path: str, device: str = "cpu", dtype: str = "float32",
     else:
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"model_path {model_path!r} has no config.json (not a Hugging Face model directory)")
-        model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+        method = fp8_checkpoint(path)
+        if method is not None:
+            if device_map:
+                raise ValueError(f"model_path {model_path!r}: an FP8 checkpoint ({method}) is loaded on one device "
+                                 "(no device_map)")
+            model, _ = load_fp8_checkpoint(path, torch_dtype)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
     if not device_map:
         model.to(torch.device(device))
     model.eval()
-    if weights_dtype == "fp8":
-        replaced, why_not = fp8_linear.quantize_linears(model)
+    if weights_dtype == "fp8" or fp8_checkpoint(path) is not None:
+        replaced, why_not = fp8_linear.quantize_linears(model) if weights_dtype == "fp8" else \
+            (0, fp8_linear.use_kernel(model))
         if log is not None:
-            log(f"{model_path}: {replaced} linear layers in FP8 (a scale per output channel), products "
+            held = sum(isinstance(m, fp8_linear.Fp8Linear) for m in model.modules())
+            log(f"{model_path}: {held} linear layers in FP8 ({held - replaced} as the checkpoint stores them, "
+                f"{replaced} quantized at load with a scale per output channel), products "
                 + ("of up to 16 rows in the FP8 kernel" if why_not is None else f"dequantized ({why_not})"))
-    elif onednn_linear.resolve(linear_kernels, model.device, model.dtype):
-        onednn_linear.prepack_linears(model)
+    if weights_dtype != "fp8" and onednn_linear.resolve(linear_kernels, model.device, model.dtype):
+        onednn_linear.prepack_linears(model)  # the linears left dense (all but an FP8 checkpoint's)
     return model
+
+
+def fp8_checkpoint(path: Path) -> str | None:
+    """The quant_method of a model directory's FP8 checkpoint (FP8_CHECKPOINTS), else None."""
+    config = path / "config.json" if path.is_dir() else None
+    if config is None or not config.exists():
+        return None
+    method = (json.loads(config.read_text()).get("quantization_config") or {}).get("quant_method")
+    return method if method in FP8_CHECKPOINTS else None
+
+
+def _checkpoint_tensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    index = path / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    tensors: dict[str, torch.Tensor] = {}
+    for name in files:
+        if not (path / name).exists():
+            raise FileNotFoundError(f"{path}: the FP8 checkpoint's {name} is missing (safetensors files only)")
+        tensors.update(load_file(str(path / name)))
+    return tensors
+
+
+@torch.no_grad()
+def load_fp8_checkpoint(path: Path, dtype: torch.dtype):
+    """(model, layers): the model of an FP8 checkpoint, its FP8 linears (a weight in float8_e4m3fn and its
+    weight_scale) as Fp8Linear layers holding them as stored, every other tensor in `dtype`. Activation
+    scales (input_scale) are not used. A linear the checkpoint keeps dense (lm_head, usually) stays so."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(path))
+    method = fp8_checkpoint(path)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # loaded here, not by a quantizer of transformers'
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    tensors = _checkpoint_tensors(path)
+    quantized = {key[:-len(".weight")] for key, value in tensors.items()
+                 if key.endswith(".weight") and value.dtype == fp8_linear.FP8}
+    dense = {key: value.to(dtype) if value.is_floating_point() else value for key, value in tensors.items()
+             if key[:-len(".weight")] not in quantized and not key.endswith(SCALE_SUFFIXES)}
+    missing, unexpected = model.load_state_dict(dense, strict=False)
+    tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
+    missing = [key for key in missing if key[:-len(".weight")] not in quantized and key not in tied]
+    if missing or unexpected:
+        raise ValueError(f"{path}: the FP8 checkpoint ({method}) does not fit its config: missing "
+                         f"{missing[:5]}, unexpected {unexpected[:5]}")
+    for name in sorted(quantized):
+        parent, _, child = name.rpartition(".")
+        owner = model.get_submodule(parent)
+        linear = getattr(owner, child, None)
+        if type(linear) is not torch.nn.Linear:
+            raise ValueError(f"{path}: {name} holds an FP8 weight but is not a linear layer of the model")
+        scale = tensors.get(name + ".weight_scale")
+        if scale is None:
+            raise ValueError(f"{path}: {name}.weight is FP8 without a weight_scale")
+        try:
+            setattr(owner, child, fp8_linear.Fp8Linear.from_checkpoint(linear, tensors[name + ".weight"], scale))
+        except ValueError as exc:
+            raise ValueError(f"{path}: {name}: {exc}") from None
+    if tied:
+        model.tie_weights()
+    return model, len(quantized)
