@@ -1,8 +1,9 @@
-"""Two launcher options on one real server (tiny pair): `--mps` (a stand-in nvidia-cuda-mps-control, as this
+"""Three launcher options on one real server (tiny pair): `--mps` (a stand-in nvidia-cuda-mps-control, as this
 machine has no GPU: the daemon is started before tritonserver with local directories of this launch's own,
 every stub is pointed at them, and the daemon is told to quit after the server stopped, its directories
-removed) and SPECDEC_PROFILE_DIR (each
-language model's stub profiles its execute calls into a cProfile file pstats reads)."""
+removed), SPECDEC_PROFILE_DIR (each language model's stub profiles its execute calls into a cProfile file
+pstats reads) and `--weights-dtype fp8` (both models' linears in FP8; speculation stays exact with respect
+to the quantized target)."""
 
 import os
 import pstats
@@ -29,7 +30,7 @@ def test_mps_and_profiling_on_a_served_pair(tmp_path, monkeypatch):
     profiles = tmp_path / "profiles"
     monkeypatch.setenv(profiling.ENV, str(profiles))  # the launcher's environment reaches every stub
     run_dir = tmp_path / "run"
-    server = serving_server.start(run_dir, tmp_path / "server.log", ["--pair", "tiny", "--mps"],
+    server = serving_server.start(run_dir, tmp_path / "server.log", ["--pair", "tiny", "--mps", "--weights-dtype", "fp8"],
                                   ready_timeout_s=READY_TIMEOUT_S)
     try:
         started = calls.read_text().split()
@@ -42,15 +43,17 @@ def test_mps_and_profiling_on_a_served_pair(tmp_path, monkeypatch):
             environ = Path(f"/proc/{line.split()[0]}/environ").read_bytes().split(b"\0")
             assert f"CUDA_MPS_PIPE_DIRECTORY={pipe}".encode() in environ, line
         client = Client(server.grpc_url, "grpc")
+        alone = client.generate("Hello there", GenerationParams(max_tokens=24, num_draft_tokens=0))
         for _ in range(3):
-            result = client.generate("Hello there", GenerationParams(max_tokens=12, num_draft_tokens=3))
-            assert result.num_output_tokens == 12
+            result = client.generate("Hello there", GenerationParams(max_tokens=24, num_draft_tokens=3))
+            assert result.num_output_tokens == 24 and result.text == alone.text and result.total_accepted_draft_tokens > 0
     finally:
         stop_server(server)
     assert calls.read_text().split() == ["-d", pipe, pipe, "quit"]  # told to quit once the server was gone
     assert not Path(pipe).parent.exists()  # and its directories removed
     log = server.log_path.read_text(errors="replace")
     assert "CUDA MPS: a daemon of this server's own" in log and "target_model: profiling execute into" in log
+    assert log.count("linear layers in FP8") == 2 and "dequantized (not a CUDA device)" in log  # target and draft
     for model, forward in (("target_model", "extend_many"), ("draft_model", "propose_many")):
         files = sorted(profiles.glob(f"{model}-*.prof"))
         assert len(files) == 1, (model, list(profiles.iterdir()))
