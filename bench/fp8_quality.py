@@ -21,6 +21,7 @@ import torch
 
 from bench.report import emit, machine, table, write_results
 from bench.speculative_bench import load_prompts
+from specdec.engine import fp8_linear
 from specdec.engine.loading import load_causal_lm
 from specdec.serving import pairs
 from specdec.train.data import encode
@@ -28,6 +29,23 @@ from specdec.train.data import encode
 # (label, compute dtype, weights_dtype)
 SETTINGS = [("float32", "float32", "same"), ("bfloat16", "bfloat16", "same"),
             ("fp8 weights, bfloat16 compute", "bfloat16", "fp8"), ("fp8 weights, float32 compute", "float32", "fp8")]
+
+
+@torch.no_grad()
+def dense_equivalent(model):
+    """`model` with every Fp8Linear replaced by a dense layer holding its dequantized weight: the numbers the
+    served model computes on CPU (fp8_linear dequantizes each product's weight the same way), without
+    dequantizing every weight at every step."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, fp8_linear.Fp8Linear):
+                dense = torch.nn.Linear(child.in_features, child.out_features, bias=child.bias is not None)
+                dense.weight = torch.nn.Parameter(fp8_linear.dequantize(child.weight, child.weight_scale,
+                                                                        model.dtype), requires_grad=False)
+                if child.bias is not None:
+                    dense.bias = torch.nn.Parameter(child.bias, requires_grad=False)
+                setattr(parent, name, dense)
+    return model
 
 
 @torch.inference_mode()
@@ -57,7 +75,8 @@ def main(argv=None) -> int:
     pair = pairs.prepare_pair(args.pair)
     tokenizer = AutoTokenizer.from_pretrained(pair.tokenizer_path)
     prompts = [encode(tokenizer, p, chat_template=True) for kind in ("grounded", "open") for p in load_prompts(kind, args.prompts)]
-    models = {label: load_causal_lm(pair.target_path, dtype=dtype, weights_dtype=weights, linear_kernels="torch")
+    models = {label: dense_equivalent(load_causal_lm(pair.target_path, dtype=dtype, weights_dtype=weights,
+                                                     linear_kernels="torch"))
               for label, dtype, weights in SETTINGS}
     reference = models["float32"]
     answers = [greedy(reference, ids, args.max_tokens) for ids in prompts]

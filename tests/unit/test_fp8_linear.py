@@ -119,6 +119,18 @@ def test_the_fp8_quality_bench_runs_and_its_references_agree_with_themselves(tmp
     assert rows["float32"][3] == "1.000" and rows["bfloat16"][2] == "1.000" and rows["bfloat16"][4] == "2/2"
 
 
+
+def test_the_benchs_dense_equivalent_computes_what_the_fp8_model_does(tiny_lm):
+    from bench import fp8_quality
+
+    model = quantized(tiny_lm)
+    dense = fp8_quality.dense_equivalent(copy.deepcopy(model))
+    assert not any(isinstance(m, fp8_linear.Fp8Linear) for m in dense.modules())
+    ids = torch.tensor([[5, 17, 3, 88, 4]])
+    with torch.inference_mode():
+        assert torch.equal(model(ids).logits, dense(ids).logits)
+
+
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or fp8_linear.kernel_unavailable(
     torch.device("cpu"), torch.float32) is not None, reason="the kernel's CPU test runs in Triton's interpreter")
 def test_the_weight_only_kernel_computes_the_dequantized_product():
