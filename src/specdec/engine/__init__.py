@@ -21,8 +21,9 @@
   head_graphs    a head's one-token draft step replayed as CUDA graphs over a pool of sequences' KV
   cuda_graphs    pinned input staging and one bucket's forward captured as a CUDA graph
   kernels        a Llama layer's pointwise math as pure functions, and their compiled (fused) form
-  loading        loads a model (Hugging Face directory or GGUF file) on a device, in a dtype
+  loading        loads a model (Hugging Face directory, GGUF file, FP8 checkpoint) on a device, in a dtype
   onednn_linear  CPU linear layers with weights reordered once for oneDNN
+  fp8_linear     linear layers with FP8 weights and a scale per output channel, and their weight-only kernel
   errors         CacheError, CapacityError
   host_memory    gives freed host memory back to the OS (glibc malloc_trim)
   threads        the CPUs this process may use
@@ -30,5 +31,5 @@
 
 May import: torch, transformers, `specdec.tensor_names`, `specdec.decoding` (sampling, the interfaces, skip_search).
 Never Triton's server (triton_python_backend_utils); the Triton language compiler (`triton`, a torch
-dependency on CUDA) only in paged_attention, on first use.
+dependency on CUDA) only in paged_attention and fp8_linear, on first use.
 """

@@ -98,12 +98,12 @@ def fuse_linears(owner: torch.nn.Module, names: tuple[str, ...]) -> tuple[torch.
     and value projections): one matrix product instead of several. The modules' parameters become views
     of it, so the model is unchanged and no memory is added. None if they are not all plain linears
     alike (CPU's reordered oneDNN linears, mixed biases, a module without one of the names)."""
+    linears = [getattr(owner, name, None) for name in names]
+    if any(type(m) is not torch.nn.Linear for m in linears) or len({m.bias is None for m in linears}) > 1:
+        return None  # also where a copy of a fused model had its linears replaced since (FP8, oneDNN)
     fused = owner.__dict__.get("_fused_" + "_".join(names))
     if fused is not None:  # a second executor over the same model
         return fused
-    linears = [getattr(owner, name, None) for name in names]
-    if any(type(m) is not torch.nn.Linear for m in linears) or len({m.bias is None for m in linears}) > 1:
-        return None
     with torch.no_grad():
         weight = torch.cat([m.weight for m in linears])
         bias = None if linears[0].bias is None else torch.cat([m.bias for m in linears])
