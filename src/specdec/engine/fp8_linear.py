@@ -105,10 +105,12 @@ class Fp8Linear(nn.Module):
     """y = x @ (q · scale)^T + b, q the FP8 weight (out, in), scale (out,) float32. x: (..., in_features).
     kernel: products of up to KERNEL_ROWS rows in the weight-only kernel (else all dequantized)."""
 
-    def __init__(self, linear: nn.Linear, kernel: bool = False):
+    def __init__(self, linear: nn.Linear, kernel: bool = False,
+                 quantized: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """quantized: (q, scale per channel) for `linear`'s weight; default: computed from it (quantize_rows)."""
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        q, scale = quantize_rows(linear.weight)
+        q, scale = quantize_rows(linear.weight) if quantized is None else quantized
         self.register_buffer("weight", q)
         self.register_buffer("weight_scale", scale)
         self.bias = None if linear.bias is None else linear.bias.detach()
@@ -130,14 +132,8 @@ class Fp8Linear(nn.Module):
         else:
             raise ValueError(f"weight_scale of shape {tuple(scale.shape)}: one scale per output channel or one "
                              "per tensor is served, not per block or group")
-        layer = cls.__new__(cls)
-        nn.Module.__init__(layer)
-        layer.in_features, layer.out_features, layer.kernel = features, out, False
         device = linear.weight.device
-        layer.register_buffer("weight", q.to(device))
-        layer.register_buffer("weight_scale", scale.float().contiguous().to(device))
-        layer.bias = None if linear.bias is None else linear.bias.detach()
-        return layer
+        return cls(linear, quantized=(q.to(device), scale.float().contiguous().to(device)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel and x.numel() <= KERNEL_ROWS * self.in_features:

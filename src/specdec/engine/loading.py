@@ -48,6 +48,7 @@ def load_causal_lm(model_path: str, device: str = "cpu", dtype: str = "float32",
     if not path.exists():
         raise FileNotFoundError(f"model_path {model_path!r} does not exist")
     torch_dtype = resolve_dtype(dtype)
+    method = fp8_checkpoint(path)
     kwargs = {"dtype": torch_dtype}
     if device_map:
         kwargs["device_map"] = device_map
@@ -58,25 +59,25 @@ def load_causal_lm(model_path: str, device: str = "cpu", dtype: str = "float32",
     else:
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"model_path {model_path!r} has no config.json (not a Hugging Face model directory)")
-        method = fp8_checkpoint(path)
         if method is not None:
             if device_map:
                 raise ValueError(f"model_path {model_path!r}: an FP8 checkpoint ({method}) is loaded on one device "
                                  "(no device_map)")
-            model, _ = load_fp8_checkpoint(path, torch_dtype)
+            model = load_fp8_checkpoint(path, method, torch_dtype)
         else:
             model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
     if not device_map:
         model.to(torch.device(device))
     model.eval()
-    if weights_dtype == "fp8" or fp8_checkpoint(path) is not None:
+    if weights_dtype == "fp8" or method is not None:
         replaced, why_not = fp8_linear.quantize_linears(model) if weights_dtype == "fp8" else \
             (0, fp8_linear.use_kernel(model))
         if log is not None:
             held = sum(isinstance(m, fp8_linear.Fp8Linear) for m in model.modules())
             log(f"{model_path}: {held} linear layers in FP8 ({held - replaced} as the checkpoint stores them, "
                 f"{replaced} quantized at load with a scale per output channel), products "
-                + ("of up to 16 rows in the FP8 kernel" if why_not is None else f"dequantized ({why_not})"))
+                + (f"of up to {fp8_linear.KERNEL_ROWS} rows in the FP8 kernel" if why_not is None
+                   else f"dequantized ({why_not})"))
     if weights_dtype != "fp8" and onednn_linear.resolve(linear_kernels, model.device, model.dtype):
         onednn_linear.prepack_linears(model)  # the linears left dense (all but an FP8 checkpoint's)
     return model
@@ -105,14 +106,13 @@ def _checkpoint_tensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def load_fp8_checkpoint(path: Path, dtype: torch.dtype):
-    """(model, layers): the model of an FP8 checkpoint, its FP8 linears (a weight in float8_e4m3fn and its
+def load_fp8_checkpoint(path: Path, method: str, dtype: torch.dtype):
+    """The model of an FP8 checkpoint (`method`: its quant_method), its FP8 linears (a weight in float8_e4m3fn and its
     weight_scale) as Fp8Linear layers holding them as stored, every other tensor in `dtype`. Activation
     scales (input_scale) are not used. A linear the checkpoint keeps dense (lm_head, usually) stays so."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(str(path))
-    method = fp8_checkpoint(path)
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # loaded here, not by a quantizer of transformers'
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -142,4 +142,4 @@ def load_fp8_checkpoint(path: Path, dtype: torch.dtype):
             raise ValueError(f"{path}: {name}: {exc}") from None
     if tied:
         model.tie_weights()
-    return model, len(quantized)
+    return model
