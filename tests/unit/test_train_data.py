@@ -61,21 +61,80 @@ def test_prompt_files_of_every_common_shape_give_their_first_user_turn(tmp_path)
     bad.write_text('{"prompt": "fine"}\n{"question": "what shape is this"}\n')
     with pytest.raises(ValueError, match=r"bad.jsonl:2: a prompt record"):
         load_prompts(bad)
-    assert len(load_prompts(PROMPTS)) == 260  # the shipped set
+    assert len(load_prompts(PROMPTS)) == 1800  # the shipped set
 
 
-def test_the_shipped_training_prompts_share_no_prompt_and_no_long_passage_with_the_benchmarks():
-    """Held-out figures and bench rows are of text the heads never trained on: no benchmark prompt is a
-    training one, and none shares a run of 8 words with one."""
-    from bench.speculative_bench import load_prompts as bench_prompts
+def test_the_shipped_set_is_what_the_composer_writes():
+    """prompts.jsonl is compose_prompts' output (regenerated, not edited by hand), every prompt distinct."""
+    from specdec.train.compose_prompts import COUNT, compose
     from specdec.train.data import load_prompts
 
-    def runs(text, n=8):
-        words = text.lower().split()
+    shipped = load_prompts()
+    assert shipped == compose() and len(set(shipped)) == len(shipped) == COUNT
+
+
+def test_the_shipped_training_prompts_share_no_prompt_and_no_phrase_with_the_benchmarks():
+    """Held-out figures and bench rows are of text the heads never trained on: no benchmark prompt is a
+    training one, and none shares a run of 5 words with one or with a grounded instruction."""
+    import re
+
+    from bench.speculative_bench import load_prompts as bench_prompts
+    from specdec.train.data import GROUNDED_INSTRUCTIONS, load_prompts
+
+    def runs(text, n=5):
+        words = re.findall(r"[a-z0-9']+", text.lower())
         return {tuple(words[i:i + n]) for i in range(len(words) - n + 1)}
 
     training = load_prompts()
-    trained_runs = set().union(*(runs(p) for p in training))
+    trained_runs = set().union(*(runs(p) for p in training + list(GROUNDED_INSTRUCTIONS)))
     for kind in ("grounded", "open"):
         for prompt in bench_prompts(kind, None):
             assert prompt not in training and not runs(prompt) & trained_runs, (kind, prompt[:80])
+
+
+class TextTokenizer(CharTokenizer):
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(97 + (i - 3) % 26) for i in ids if not (skip_special_tokens and i < 3))
+
+
+def test_grounded_prompts_put_an_instruction_over_one_long_enough_answer_each():
+    from specdec.train.data import GROUNDED_INSTRUCTIONS, Sample, grounded_prompts
+
+    def sample(answer):
+        tokens = torch.tensor([1, 5, 6] + answer)
+        return Sample(tokens, torch.zeros(len(tokens), 2), torch.zeros(len(tokens), 2), tokens, prompt_length=3)
+
+    tokenizer = TextTokenizer()
+    samples = [sample([3] * 6 + [2]), sample([4] * 5), sample([10, 11, 12, 13, 14, 15]), sample([7] * 3)]
+    made = grounded_prompts(tokenizer, samples, 5, seed=1, min_tokens=6)
+    # The end token does not count nor show; answers shorter than min_tokens are not used
+    assert sorted(prompt.split("\n\n", 1)[1] for prompt in made) == ["aaaaaa", "hijklm"]
+    assert all(prompt.split("\n\n", 1)[0] in GROUNDED_INSTRUCTIONS for prompt in made)
+    assert grounded_prompts(tokenizer, samples, 5, seed=1, min_tokens=6) == made  # seeded
+    assert len(grounded_prompts(tokenizer, samples, 1, seed=1, min_tokens=6)) == 1
+
+
+def test_another_copy_of_the_target_can_write_the_answers_while_features_stay_the_targets(tiny_lm):
+    """`writer` generates (e.g. the target in bfloat16); the features, final states and greedy tokens are
+    still the model's over what the writer wrote."""
+    import copy
+
+    writer = copy.deepcopy(tiny_lm)
+    with torch.no_grad():
+        for parameter in writer.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.5)  # a different model: different answers
+    tokenizer = CharTokenizer()
+    by_writer = answer_and_featurize(tiny_lm, tokenizer, PROMPTS, (0, 1, 1), 10, chat_template=False, batch=2,
+                                     log=lambda message: None, writer=writer)
+    by_model = answer_and_featurize(tiny_lm, tokenizer, PROMPTS, (0, 1, 1), 10, chat_template=False, batch=2,
+                                    log=lambda message: None)
+    assert any(not torch.equal(a.tokens, b.tokens) for a, b in zip(by_writer, by_model))
+    for p, s in enumerate(by_writer):
+        ids = tokenizer.encode(PROMPTS[p])
+        alone = writer.generate(torch.tensor([ids]), max_new_tokens=10, do_sample=False, pad_token_id=2)[0, len(ids):]
+        answer = alone.tolist()
+        assert s.tokens[len(ids):].tolist() == (answer[:answer.index(2) + 1] if 2 in answer else answer)
+        with torch.no_grad():
+            out = tiny_lm(s.tokens[None], output_hidden_states=True)
+        assert torch.equal(s.greedy, out.logits[0].argmax(-1))
+        torch.testing.assert_close(s.final, out.hidden_states[-1][0].float())

@@ -6,6 +6,7 @@ the loader reads back."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -107,3 +108,51 @@ def test_the_command_trains_each_kind_and_writes_what_the_loader_reads(tmp_path,
                                "--data", str(out / "data.pt"), "--epochs", "1", "--draft-vocab", "1024",
                                "--medusa-heads", "2", "--device", "cpu"])
         assert again == 0 and not (tmp_path / "again" / "data.pt").exists()
+
+
+def test_the_command_adds_grounded_prompts_over_its_own_answers_and_trains_under_autocast(tmp_path):
+    """--grounded: instructions over the target's own answers, answered too (held out in the same share);
+    --answer-dtype bfloat16 writes the answers in bfloat16 while the features stay the float32 target's;
+    --autocast bfloat16 still lowers the held-out loss and writes a float32 head."""
+    from transformers import AutoTokenizer
+
+    from specdec.train.data import GROUNDED_INSTRUCTIONS
+
+    target = pairs.tiny_pair().target_path
+    out = tmp_path / "grounded"
+    code = train_command(["--target", target, "--out", str(out), "--max-prompts", "20", "--answer-tokens", "48",
+                          "--grounded", "6", "--answer-dtype", "bfloat16", "--autocast", "bfloat16", "--epochs", "3",
+                          "--lr", "3e-3", "--draft-vocab", "1024", "--aux-layers", "0,1,1", "--steps", "2",
+                          "--no-chat-template", "--device", "cpu"])
+    assert code == 0
+    record = json.loads((out / "training.json").read_text())
+    assert record["held_out_loss"] < record["held_out_loss_before"], record
+    saved = torch.load(out / "data.pt", weights_only=False)
+    assert (len(saved["train"]), len(saved["held_out"])) == (18 + 5, 2 + 1)  # 6 grounded: 1 held out (2 of 20)
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    for sample in saved["train"][-5:] + saved["held_out"][-1:]:
+        prompt = tokenizer.decode(sample.tokens[:sample.prompt_length], skip_special_tokens=True)
+        assert any(instruction in prompt for instruction in GROUNDED_INSTRUCTIONS), prompt[:80]
+        assert sample.features.dtype == torch.float32 and sample.final.dtype == torch.float32
+    assert load_head(out).fc.weight.dtype == torch.float32
+
+
+def test_the_head_acceptance_bench_unrolls_each_head_over_the_same_answers(tmp_path):
+    """`bench/head_alpha.py` on the tiny target: a row per head and prompt set, α per drafted position, and
+    the accepted tokens per round a chain of them gets (α_1 + α_1·α_2 + ...)."""
+    from bench import head_alpha
+    from specdec.engine.draft_heads import save_head
+
+    assert head_alpha.accepted_per_round([0.5, 0.5, 0.0]) == 0.75
+    target = pairs.tiny_pair().target_path
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(target)
+    for kind in (EAGLE, EAGLE3):
+        save_head(random_head(kind, config, seed=1, draft_vocab_size=64, aux_layers=AUX),
+                  tmp_path / kind)
+    out = tmp_path / "alpha.md"
+    assert head_alpha.main(["--target", target, "--head", f"one={tmp_path / EAGLE}", "--head", f"three={tmp_path / EAGLE3}",
+                            "--prompts", "1", "--max-tokens", "6", "--steps", "2", "--out", str(out)]) == 0
+    lines = [line for line in out.read_text().splitlines() if line.startswith("| open") or line.startswith("| grounded")]
+    assert len(lines) == 4 and all(len(line.split("|")[3].split()) == 2 for line in lines)

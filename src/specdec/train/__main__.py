@@ -13,6 +13,7 @@ published layout (config.json and model.safetensors or medusa_lm_head.safetensor
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
 import time
@@ -47,6 +48,15 @@ def parse_args(argv):
                         help="answers per training prompt drawn at --temperature besides the greedy one")
     parser.add_argument("--temperature", type=float, default=0.8, help="of the sampled answers")
     parser.add_argument("--answer-batch", type=int, default=32, help="answers generated together")
+    parser.add_argument("--answer-dtype", choices=("same", "bfloat16"), default="same",
+                        help="the precision the answers are written in (bfloat16: several times faster on a CPU with "
+                             "AMX); features and target distributions stay the served model's")
+    parser.add_argument("--grounded", type=int, default=0,
+                        help="grounded prompts made from the target's own answers (an instruction over one answer's "
+                             "text: summarise, rewrite, answer from it), answered too; held out in the same share")
+    parser.add_argument("--autocast", choices=("none", "bfloat16"), default="none",
+                        help="train under autocast (bfloat16: ~1.5x faster on a CPU with AMX; the head is kept and "
+                             "written in float32)")
     parser.add_argument("--draft-vocab", type=int, default=8192, help="the head's vocabulary (most frequent tokens)")
     parser.add_argument("--epochs", type=int, default=6)
     parser.add_argument("--steps", type=int, default=4, help="EAGLE's training-time test: unrolled draft steps")
@@ -97,19 +107,26 @@ def main(argv=None) -> int:
         log(f"the target answers {len(prompts)} prompts ({kept} held out; {1 + args.sampled_answers} answers to each "
             f"other), up to {args.answer_tokens} tokens each; "
             f"features of layers {list(layers)}")
+        writer = model if args.answer_dtype == "same" else copy.deepcopy(model).to(getattr(torch, args.answer_dtype))
         # Held-out prompts get their greedy answer only: acceptance is measured on what greedy serving sees
         answer = lambda some, sampled: data.answer_and_featurize(  # noqa: E731
             model, tokenizer, some, layers, args.answer_tokens, chat_template=not args.no_chat_template,
-            batch=args.answer_batch, sampled=sampled, temperature=args.temperature, seed=args.seed, log=log)
+            batch=args.answer_batch, sampled=sampled, temperature=args.temperature, seed=args.seed, log=log,
+            writer=writer)
         samples = answer(prompts[:-kept], args.sampled_answers)
         held_out = answer(prompts[-kept:], 0)
+        if args.grounded:
+            kept_grounded = round(args.grounded * kept / len(prompts))
+            log(f"the target answers {args.grounded} grounded prompts over its own answers ({kept_grounded} held out)")
+            samples += answer(data.grounded_prompts(tokenizer, samples, args.grounded - kept_grounded, args.seed), 0)
+            held_out += answer(data.grounded_prompts(tokenizer, held_out, kept_grounded, args.seed), 0)
         torch.save({"train": samples, "held_out": held_out, "layers": list(layers)}, cached)
         log(f"answered in {time.monotonic() - started:.0f} s")
     vocab_size = model.config.get_text_config().vocab_size
     draft_ids = data.draft_vocabulary(samples, vocab_size, args.draft_vocab)
     objective = _objective(args, model, draft_ids, aux, device)
     figures = trainer.train(objective, samples, held_out, epochs=args.epochs, lr=args.lr, out=out, device=device,
-                            log=log)
+                            log=log, autocast=None if args.autocast == "none" else getattr(torch, args.autocast))
     save_head(objective.finish(), out)
     (out / "training.json").write_text(json.dumps({
         "target": str(Path(args.target).resolve()), "samples": len(samples), "held_out": len(held_out),

@@ -11,6 +11,7 @@ next token.
 from __future__ import annotations
 
 import json
+import random
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,7 +76,7 @@ def encode(tokenizer, prompt: str, chat_template: bool) -> list[int]:
 @torch.no_grad()  # not inference_mode: training reads these tensors under autograd
 def answer_and_featurize(model, tokenizer, prompts: list[str], layers: tuple[int, ...], answer_tokens: int,
                          chat_template: bool = True, batch: int = 32, sampled: int = 0, temperature: float = 0.8,
-                         seed: int = 0, log=print) -> list[Sample]:
+                         seed: int = 0, log=print, writer=None) -> list[Sample]:
     """The target's greedy answer to each prompt (up to answer_tokens, ending at its end token) and, when
     `sampled` > 0, that many more drawn at `temperature` (seeded): more text of the target's own making from
     the same prompts (training reads the target's distribution at every position, so any of its answers
@@ -84,8 +85,11 @@ def answer_and_featurize(model, tokenizer, prompts: list[str], layers: tuple[int
     Samples come back in prompt order, each prompt's greedy answer first.
 
     Answers are generated `batch` at a time, left-padded, prompts of similar length together (less padding
-    to compute): on 2 CPU cores a batch of 32 answers ~3x the tokens per second of 8."""
+    to compute): on 2 CPU cores a batch of 32 answers ~3x the tokens per second of 8. `writer`, when given,
+    is another copy of the target that writes the answers (e.g. in bfloat16, which a CPU with AMX generates
+    several times faster); the features and the greedy tokens are still `model`'s, read over what it wrote."""
     device = model.device
+    writer = model if writer is None else writer
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
     encoded = [encode(tokenizer, prompt, chat_template) for prompt in prompts]
@@ -104,7 +108,7 @@ def answer_and_featurize(model, tokenizer, prompts: list[str], layers: tuple[int
         options = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if drawn else dict(do_sample=False)
         if drawn:
             torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=generator_seed)))
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=answer_tokens, pad_token_id=pad, **options)
+        out = writer.generate(ids, attention_mask=mask, max_new_tokens=answer_tokens, pad_token_id=pad, **options)
         for row, (i, draw) in zip(out[:, width:].tolist(), chunk):
             answer = row[:row.index(eos) + 1] if eos in row else row  # the end token kept, padding dropped
             tokens = torch.tensor(encoded[i] + answer, device=device)
@@ -132,3 +136,37 @@ def draft_vocabulary(samples: list[Sample], vocab_size: int, size: int) -> torch
                                                                               dtype=torch.float64))
     counts += torch.arange(vocab_size, 0, -1, dtype=torch.float64) * 1e-12  # ties: lower ids first
     return counts.topk(min(size, vocab_size)).indices.sort().values
+
+
+# Grounded requests over a text the target wrote: instructions that make it reuse the text (phrased apart from
+# the benchmark's, which a unit test keeps disjoint)
+GROUNDED_INSTRUCTIONS = (
+    "Condense the passage below into two or three sentences.",
+    "Make the passage below sound more professional without losing any detail.",
+    "Turn the passage below into a bulleted list of its facts.",
+    "Give the passage below a one-line headline, then a one-sentence summary.",
+    "Which three words or phrases matter most in the passage below? Quote them and say why.",
+    "Rewrite the passage below for a young child.",
+    "Shorten the passage below to about half its length, keeping its wording where you can.",
+    "Write one more paragraph that continues the passage below in the same style.",
+    "Based only on the passage below, what is its main point, and what evidence does it give?",
+    "Copy the passage below, fixing anything unclear, and keep everything else as it is.",
+    "Write three quiz questions whose answers can be found in the passage below, with the answers.",
+    "Turn the passage below into a short dialogue between two friends.",
+)
+
+
+def grounded_prompts(tokenizer, samples: list[Sample], count: int, seed: int = 0, min_tokens: int = 48) -> list[str]:
+    """Up to `count` grounded prompts: an instruction (GROUNDED_INSTRUCTIONS, drawn with `seed`) over the text
+    of one of `samples`' answers of at least `min_tokens` tokens (its end token dropped), one per answer."""
+    eos = tokenizer.eos_token_id
+    texts = []
+    for sample in samples:
+        answer = sample.tokens[sample.prompt_length:].tolist()
+        if answer and answer[-1] == eos:
+            answer = answer[:-1]
+        if len(answer) >= min_tokens:
+            texts.append(tokenizer.decode(answer, skip_special_tokens=True).strip())
+    draw = random.Random(seed)
+    chosen = draw.sample(texts, min(count, len(texts)))
+    return [f"{draw.choice(GROUNDED_INSTRUCTIONS)}\n\n{text}" for text in chosen]

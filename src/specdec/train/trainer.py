@@ -78,9 +78,11 @@ def answer_hits(picked: torch.Tensor, greedy: torch.Tensor, where: torch.Tensor,
 
 
 def train(objective: Objective, samples: list[Sample], held_out: list[Sample], *, epochs: int, lr: float, out: Path,
-          device, log=print, checkpoint_every_s: float = 60.0) -> dict:
+          device, log=print, checkpoint_every_s: float = 60.0, autocast: torch.dtype | None = None) -> dict:
     """Train `objective.module` in place (resuming from out/checkpoint.pt when it is there); returns the last
-    held-out figures {"loss", "alpha": [per position], "loss_before": the held-out loss at the start}."""
+    held-out figures {"loss", "alpha": [per position], "loss_before": the held-out loss at the start}.
+    `autocast`: the forward and backward under torch.autocast to that dtype (parameters, optimizer and the
+    held-out figures stay in the module's precision)."""
     module = objective.module
     trainable = [p for name, p in module.named_parameters() if p.requires_grad and "rotary." not in name]
     optimizer = torch.optim.AdamW(trainable, lr=lr, weight_decay=0.0)
@@ -110,7 +112,8 @@ def train(objective: Objective, samples: list[Sample], held_out: list[Sample], *
         running = 0.0
         started = time.monotonic()
         while index < len(samples):
-            loss, _ = objective.loss_and_hits(samples[int(order[index])], evaluating=False)
+            with torch.autocast(torch.device(device).type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+                loss, _ = objective.loss_and_hits(samples[int(order[index])], evaluating=False)
             optimizer.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(trainable, 0.5)
