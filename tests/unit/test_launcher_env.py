@@ -69,3 +69,23 @@ def test_mps_without_its_control_binary_or_with_a_failing_one_is_refused_with_wh
     with pytest.raises(mps.MpsError, match="-d exited with 3: cannot start"):
         daemon.start()
     daemon.stop()  # nothing started: nothing to tell
+
+
+def test_a_head_given_on_the_command_line_is_the_default_draft_beside_the_pairs_own(tmp_path):
+    """--draft-head DIR beside a pair that serves a head of its own (the default pair's eagle3): the head
+    given becomes the default draft, both are served, and a name taken is refused."""
+    import pytest
+
+    from specdec.serving import pairs
+
+    head = tmp_path / "mine"
+    head.mkdir()
+    (head / "config.json").write_text("{}")
+    pair = pairs.PairSpec(name="p", target_path="t", tokenizer_path="t", draft_heads={"eagle3": "/shipped"},
+                          default_draft="ngram")
+    served = launcher.with_heads(pair, [str(head)])
+    assert served.default_draft == "draft_head" and served.draft_heads == {"eagle3": "/shipped", "draft_head": str(head)}
+    assert launcher.with_heads(pair, []).default_draft == "ngram"
+    assert launcher.with_heads(pair, [], "eagle3").default_draft == "eagle3"
+    with pytest.raises(ValueError, match="'eagle3' is taken"):
+        launcher.with_heads(pair, [f"eagle3={head}"])

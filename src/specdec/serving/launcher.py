@@ -230,7 +230,7 @@ def ports() -> tuple[int, int, int]:
 
 def with_heads(pair: pairs.PairSpec, heads: list[str], default_draft: str = "") -> pairs.PairSpec:
     """The pair with --draft-head's heads ([NAME=]DIR each) and --default-draft applied."""
-    named = dict(pair.draft_heads)
+    named, given = dict(pair.draft_heads), []
     for spec in heads:
         name, sep, path = spec.rpartition("=")
         name = name if sep else tn.DEFAULT_HEAD_NAME
@@ -240,7 +240,9 @@ def with_heads(pair: pairs.PairSpec, heads: list[str], default_draft: str = "") 
         if not (Path(path) / "config.json").exists():
             raise ValueError(f"--draft-head {spec!r}: {path} holds no config.json (a head directory)")
         named[name] = str(Path(path).resolve())
-    default = default_draft or (next(iter(named)) if heads else pair.default_draft)
+        given.append(name)
+    # The first head given is the default draft (not a head the pair itself serves, e.g. the default pair's)
+    default = default_draft or (given[0] if given else pair.default_draft)
     offered = set(pair.draft_paths) | set(named) | set(pair.skip_drafts) | set(pair.builtin_drafts)
     if default and default not in offered:
         raise ValueError(f"--default-draft {default!r} is not among the drafts served: {sorted(offered)}")
