@@ -64,9 +64,13 @@ SKIP = tn.DEFAULT_SKIP_DRAFT_NAME  # the layer-skip self-draft, its layers searc
 SETTINGS.append(Setting("layer-skip self-draft (searched), adaptive K<=4", SKIP, 4, True))
 QUICK = [SETTINGS[0], SETTINGS[3], SETTINGS[5], SETTINGS[6]]
 SEARCH_PROMPTS = HERE.parent / "src" / "specdec" / "train" / "prompts.jsonl"  # none of the held-out ones
-HEAD = tn.DEFAULT_HEAD_NAME  # with --draft-head: the trained head's rows
-HEAD_SETTINGS = [Setting("EAGLE-3 head, K=3", HEAD, 3, False), Setting("EAGLE-3 head, K=5", HEAD, 5, False),
-                 Setting("EAGLE-3 head, adaptive K<=6", HEAD, 6, True)]
+HEAD = tn.DEFAULT_HEAD_NAME  # with --draft-head: the trained head's rows (else the default pair's own head's)
+
+
+def head_settings(name: str) -> list[Setting]:
+    """A trained head's rows, served as the draft model `name`."""
+    return [Setting("EAGLE-3 head, K=3", name, 3, False), Setting("EAGLE-3 head, K=5", name, 5, False),
+            Setting("EAGLE-3 head, adaptive K<=6", name, 6, True)]
 
 
 def pair_layers(pair) -> int:
@@ -168,7 +172,7 @@ def search_skip_layers(url: str, metrics_url: str, max_tokens: int, trials: int 
     return tuple(sorted(int(labels["layer"]) for labels, v in skipped if v and labels.get("model") == SKIP))
 
 
-def measure_costs(pair, prompt_ids: list[int], ks: list[int], head_dir: str | None = None,
+def measure_costs(pair, prompt_ids: list[int], ks: list[int], head_dir: str | None = None, head_name: str = HEAD,
                   skip_layers: tuple[int, ...] | None = None) -> dict:
     from specdec.engine.build import dynamic_executor
     from specdec.engine.loading import load_causal_lm
@@ -192,7 +196,7 @@ def measure_costs(pair, prompt_ids: list[int], ks: list[int], head_dir: str | No
     lookup_s = median_time(lambda: (index.extend([100]), index.lookup(8)), reps=200)  # a round's update + lookup
     c = {"draft_model": draft_token / step, tn.NGRAM: lookup_s / step}
     if head_dir:
-        c[HEAD] = head_cost_s(head_dir, pair.target_path, prompt_ids) / step
+        c[head_name] = head_cost_s(head_dir, pair.target_path, prompt_ids) / step
     if skip_layers is not None:  # the target's weights with the searched layers left out
         skip = dynamic_executor(model, skip_layers=skip_layers)
         skip.extend(1, 0, prompt_ids, 1)
@@ -290,17 +294,19 @@ def main(argv=None) -> int:
     parser.add_argument("--out", help="also write the report (markdown) here")
     parser.add_argument("--results", metavar="NAME", help="also write it as docs/results/<date>-NAME.md")
     parser.add_argument("--draft-head", metavar="DIR", help="also serve this trained head (python -m specdec.train) "
-                        "and add its rows")
-    parser.add_argument("--head-only", action="store_true", help="with --draft-head: the server's default and the "
-                        "head's rows only")
+                        "and give its rows (default: the rows of the default pair's own head, eagle3)")
+    parser.add_argument("--head-only", action="store_true", help="the server's default and the head's rows only")
     parser.add_argument("--no-peer", action="store_true", help="leave out transformers' generate")
     args = parser.parse_args(argv)
     limit = 4 if args.quick else None
     settings = QUICK if args.quick else SETTINGS
-    if args.draft_head:
-        settings = ([SETTINGS[0]] if args.head_only else settings) + HEAD_SETTINGS
     prompts = {kind: load_prompts(kind, limit) for kind in ("grounded", "open")}
     pair = pairs.prepare_pair("default")
+    # The head given, else the one the default pair serves
+    head_name, head_dir = ((HEAD, args.draft_head) if args.draft_head else
+                           (pairs.DEFAULT_PAIR_HEAD_NAME, pair.draft_heads.get(pairs.DEFAULT_PAIR_HEAD_NAME)))
+    if head_dir:
+        settings = ([SETTINGS[0]] if args.head_only else settings) + head_settings(head_name)
     own = None
     url, metrics_url = args.url, args.metrics_url
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally below: stop our server
@@ -326,7 +332,7 @@ def main(argv=None) -> int:
     tok = AutoTokenizer.from_pretrained(pair.tokenizer_path)
     ids = tok.apply_chat_template([{"role": "user", "content": prompts["grounded"][0]}], add_generation_prompt=True)
     ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-    costs = measure_costs(pair, ids, list(range(1, max(s.k for s in settings) + 1)), args.draft_head, skip_layers)
+    costs = measure_costs(pair, ids, list(range(1, max(s.k for s in settings) + 1)), head_dir, head_name, skip_layers)
     peer = {} if args.no_peer else transformers_peer(pair, prompts, args.max_tokens, args.peer_k)
     text = report(results, costs, peer, settings, args.max_tokens, len(prompts["grounded"]))
     if skip_layers is not None:

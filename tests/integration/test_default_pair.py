@@ -1,5 +1,6 @@
 """The real default pair (SmolLM2-135M-Instruct target) served by its own tritonserver: speculative greedy
-output equals target-only output, for the default draft (prompt lookup, adaptive K) and the draft model."""
+output equals target-only output, for the default draft (prompt lookup, adaptive K), the draft model and
+the pair's shipped EAGLE-3 head (eagle3)."""
 
 import json
 
@@ -30,7 +31,7 @@ def target_only(default_server):
             for prompt in PROMPTS}
 
 
-@pytest.mark.parametrize("draft, k, adaptive", [("ngram", None, None), ("draft_model", 3, False)])
+@pytest.mark.parametrize("draft, k, adaptive", [("ngram", None, None), ("draft_model", 3, False), ("eagle3", 3, False)])
 def test_real_pair_speculative_greedy_equals_target_only(default_server, target_only, draft, k, adaptive):
     drafted = accepted = 0
     for prompt in PROMPTS:

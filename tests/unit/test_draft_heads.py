@@ -306,3 +306,15 @@ def test_a_heads_confidence_stop_proposes_a_prefix_of_its_full_proposal(tiny_lm,
         shorter += len(drafted.tokens) < len(full.tokens)
     assert len(full.tokens) == 4 and shorter >= 1
     assert len(drafted.tokens) == 1  # at 1.0 every token is below certainty: one token a round
+
+
+def test_the_default_pairs_shipped_head_loads_as_the_eagle3_head_the_pair_serves():
+    """The EAGLE-3 head shipped for the default pair (bfloat16 on disk) loads in the pair's float32 and its
+    draft vocabulary maps into the target's (served as `eagle3`: tests/integration/test_default_pair.py)."""
+    from specdec.serving import pairs
+
+    head = load_head(pairs.DEFAULT_PAIR_HEAD)
+    assert head.config.kind == EAGLE3 and head.fc.weight.dtype == torch.float32
+    assert head.config.hidden_size == 576 and len(head.d2t) == 8192
+    ids = torch.arange(len(head.d2t)) + head.d2t
+    assert ids.min() >= 0 and ids.max() < head.config.vocab_size and int(head.t2d.sum()) == len(head.d2t)

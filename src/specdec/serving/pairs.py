@@ -174,6 +174,10 @@ def tiny_pair(test_drafts: bool = False) -> PairSpec:
 
 # ---- default pair ----------------------------------------------------------------------------------
 DEFAULT_DRAFT_LAYERS = 10
+# The default pair's EAGLE-3 head, trained here (`python -m specdec.train`, docs/results/2026-11-28-head-data.md)
+# and shipped in bfloat16 (served in the pair's dtype): a draft a request names as "eagle3"
+DEFAULT_PAIR_HEAD = Path(__file__).with_name("heads") / "smollm2-135m-instruct-eagle3"
+DEFAULT_PAIR_HEAD_NAME = "eagle3"
 
 
 def default_pair() -> PairSpec:
@@ -213,7 +217,8 @@ def default_pair() -> PairSpec:
     # draft model accepts too little on CPU to pay for itself (3 % of its tokens, at 0.37 of a target step).
     return PairSpec(
         name="default", target_path=str(target), tokenizer_path=str(target),
-        draft_paths={"draft_model": str(draft)}, default_draft=tn.NGRAM, dtype="float32",
+        draft_paths={"draft_model": str(draft)}, draft_heads={DEFAULT_PAIR_HEAD_NAME: str(DEFAULT_PAIR_HEAD)},
+        default_draft=tn.NGRAM, dtype="float32",
         max_context_tokens=int(max_pos), apply_chat_template=True,
         # Up to 16 tokens a round, adaptive: a lookup proposes at most the span it found, and with
         # oneDNN kernels verifying 17 positions costs about one target step.
