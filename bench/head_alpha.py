@@ -62,7 +62,7 @@ def main(argv=None) -> int:
             raise SystemExit(f"--head {spec}: Medusa heads are not unrolled; give EAGLE-1 or EAGLE-3 heads")
         eagle3 = head.config.kind == EAGLE3
         head.attach(embed, None if eagle3 else target_head)
-        ids = torch.arange(len(head.d2t)) + head.d2t if eagle3 else torch.arange(text.vocab_size)
+        ids = head.draft_target_ids() if eagle3 else torch.arange(text.vocab_size)
         layers = head.config.feature_layers(text.num_hidden_layers)
         record = Path(path) / "training.json"
         held = json.loads(record.read_text()).get("held_out_alpha") if record.exists() else None
@@ -78,13 +78,12 @@ def main(argv=None) -> int:
                 answered[layers] = data.answer_and_featurize(model, tokenizer, prompts, layers, args.max_tokens,
                                                              batch=len(prompts), log=lambda message: None)
             alphas = trainer.evaluate(objective, answered[layers])["alpha"]
-            rows.append({"prompts": f"{kind} ({len(prompts)})", "head": name,
-                         "α per drafted position": " ".join(f"{a:.2f}" for a in alphas),
-                         "accepted per round, K=4": f"{accepted_per_round(alphas[:4]):.2f}",
-                         "held-out α (training)": " ".join(f"{a:.2f}" for a in held[:args.steps]) if held else "-"})
+            rows.append([f"{kind} ({len(prompts)})", name, " ".join(f"{a:.2f}" for a in alphas),
+                         f"{accepted_per_round(alphas[:4]):.2f}",
+                         " ".join(f"{a:.2f}" for a in held[:args.steps]) if held else "-"])
     columns = ["prompts", "head", "α per drafted position", "accepted per round, K=4", "held-out α (training)"]
     report.print_table(f"Teacher-forced acceptance on the benchmark's prompts ({args.max_tokens}-token greedy answers, "
-                       f"{report.machine()})", [[row[c] for c in columns] for row in rows], columns, args.out or None)
+                       f"{report.machine()})", rows, columns, args.out or None)
     return 0
 
 

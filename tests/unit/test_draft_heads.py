@@ -316,5 +316,5 @@ def test_the_default_pairs_shipped_head_loads_as_the_eagle3_head_the_pair_serves
     head = load_head(pairs.DEFAULT_PAIR_HEAD)
     assert head.config.kind == EAGLE3 and head.fc.weight.dtype == torch.float32
     assert head.config.hidden_size == 576 and len(head.d2t) == 8192
-    ids = torch.arange(len(head.d2t)) + head.d2t
+    ids = head.draft_target_ids()
     assert ids.min() >= 0 and ids.max() < head.config.vocab_size and int(head.t2d.sum()) == len(head.d2t)

@@ -238,6 +238,10 @@ class EagleHead(nn.Module):
         self.embed: torch.Tensor | None = None  # the target's (set by attach)
         self.target_head: torch.Tensor | None = None
 
+    def draft_target_ids(self) -> torch.Tensor:
+        """EAGLE-3: the target id of each draft id (V_d,), draft id + d2t[draft id]."""
+        return torch.arange(len(self.d2t), device=self.d2t.device) + self.d2t
+
     def attach(self, embed: torch.Tensor, target_head: torch.Tensor | None) -> None:
         """Borrow the target's tensors (plain tensors, not parameters: not the head's to save or train)."""
         self.embed = embed.detach()
@@ -274,8 +278,7 @@ class EagleHead(nn.Module):
         if draft_logits.shape[-1] == self.config.vocab_size:
             return out, draft_logits
         logits = draft_logits.new_full((draft_logits.shape[0], self.config.vocab_size), float("-inf"))
-        ids = torch.arange(draft_logits.shape[-1], device=logits.device) + self.d2t  # draft id -> target id
-        return out, logits.index_copy(1, ids, draft_logits)
+        return out, logits.index_copy(1, self.draft_target_ids(), draft_logits)
 
 
 class _ResBlock(nn.Module):
@@ -421,7 +424,7 @@ def check_fits(head: EagleHead | MedusaHeads, target_config, head_path: str, tar
     if any(not 0 <= layer < text.num_hidden_layers for layer in layers):
         problems.append(f"the head reads layers {list(layers)}, the target has {text.num_hidden_layers}")
     if config.kind == EAGLE3 and len(head.d2t):
-        ids = torch.arange(len(head.d2t)) + head.d2t.cpu()
+        ids = head.draft_target_ids()
         if int(ids.min()) < 0 or int(ids.max()) >= config.vocab_size:
             problems.append("its d2t maps draft tokens outside the target's vocabulary")
     if problems:
