@@ -17,6 +17,7 @@ from specdec.train.__main__ import main as train_command
 from specdec.train.data import answer_and_featurize
 from specdec.train.eagle import EagleObjective, unrolled
 from specdec.train.medusa import MedusaObjective, start_from_target
+from specdec.train.trainer import collate
 from tests.unit.test_train_data import CharTokenizer
 
 AUX = (0, 1, 1)
@@ -43,13 +44,14 @@ def test_the_training_time_test_computes_what_drafting_serves(tiny_lm, sample, k
     entries = len(tokens) - 1
     features = sample.features if kind == EAGLE3 else sample.final
     with torch.no_grad():
-        steps = unrolled(head, sample, 3, "cpu")
+        one = collate([sample], "cpu", torch.float64)
+        steps = [step[0] for step in unrolled(head, one, 3, "cpu")]
         # Step 0: the head's entries filled from the target's features, as a round's call fills them
         filled, logits = head(tokens[1:entries + 1], head.from_target(features[:entries]), HeadCache(), 0)
         torch.testing.assert_close(steps[0], filled, rtol=1e-10, atol=1e-10)
         # Its agreement at the first position is the served head's argmax against the target's, on the answer
         objective = EagleObjective(head, 3, target_tensors(tiny_lm)[1], torch.arange(tiny_lm.config.vocab_size), "cpu")
-        _, hits = objective.loss_and_hits(sample, evaluating=True)
+        _, hits = objective.loss_and_hits(one, evaluating=True)
         on_answer = torch.arange(1, entries + 1) >= sample.prompt_length - 1
         agree = logits.argmax(-1) == sample.greedy[1:]
         assert hits[0] == (int((agree & on_answer).sum()), int(on_answer.sum()))
@@ -84,6 +86,42 @@ def test_medusa_heads_start_as_the_target_and_serve_the_rows_they_trained(tiny_l
             others = torch.ones(len(lm_head), dtype=torch.bool)
             others[draft_ids] = False
             torch.testing.assert_close(served[:, others], blocks[j] @ lm_head[others].T)  # the target's rows
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_padded_batch_computes_what_each_sample_computes_alone(tiny_lm, kind):
+    """Samples of different lengths in one batch: each one's unrolled rows, and every step's hits and
+    positions, are what it gets alone (the padding on the right changes nothing real)."""
+    from specdec.train.trainer import evaluate
+
+    samples = answer_and_featurize(tiny_lm, CharTokenizer(), ["a short one", "a much longer prompt than the others", "x"],
+                                   AUX, 12, chat_template=False, log=lambda message: None, store_dtype=torch.float64)
+    assert len({len(s.tokens) for s in samples}) == 3
+    embed, lm_head = target_tensors(tiny_lm)
+    if kind == MEDUSA:
+        heads = random_head(MEDUSA, tiny_lm.config, seed=2, medusa_heads=3).to(torch.float64)
+        start_from_target(heads, lm_head.detach())
+        objective = MedusaObjective(heads, lm_head.detach(), torch.arange(0, 97, 2), "cpu")
+        with torch.no_grad():
+            objective.module.rows.add_(torch.randn_like(objective.module.rows))
+    else:
+        head = random_head(kind, tiny_lm.config, seed=2, aux_layers=AUX if kind == EAGLE3 else ()).to(torch.float64)
+        head.attach(embed, lm_head if kind == EAGLE else None)
+        ids = head.draft_target_ids() if kind == EAGLE3 else torch.arange(0, 97, 2)
+        objective = EagleObjective(head, 3, lm_head.detach(), ids, "cpu")
+    batch = collate(samples, "cpu", torch.float64)
+    with torch.no_grad():
+        if kind != MEDUSA:
+            together = unrolled(objective.module, batch, 3, "cpu")
+            for b, sample in enumerate(samples):
+                alone = unrolled(objective.module, collate([sample], "cpu", torch.float64), 3, "cpu")
+                for j, rows in enumerate(alone):
+                    torch.testing.assert_close(together[j][b, :rows.shape[1]], rows[0], rtol=1e-10, atol=1e-10)
+        _, hits = objective.loss_and_hits(batch, evaluating=True)
+        separate = [objective.loss_and_hits(collate([s], "cpu", torch.float64), evaluating=True)[1] for s in samples]
+    assert hits == [tuple(map(sum, zip(*(per[j] for per in separate)))) for j in range(len(hits))]
+    assert all(count > hit for hit, count in hits)  # positions counted, not all hits: the check can fail
+    assert evaluate(objective, samples)["alpha"] == [hit / count for hit, count in hits]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -135,6 +173,41 @@ def test_the_command_adds_grounded_prompts_over_its_own_answers_and_trains_under
         assert any(instruction in prompt for instruction in GROUNDED_INSTRUCTIONS), prompt[:80]
         assert sample.features.dtype == torch.float32 and sample.final.dtype == torch.float32
     assert load_head(out).fc.weight.dtype == torch.float32
+
+
+def test_sets_of_sampled_answers_add_to_a_greedy_one_and_train_together_in_batches_and_further(tmp_path):
+    """--sampled-answers N --no-greedy-answers answers the training prompts by sampling only (features kept in
+    bfloat16 with --store-dtype); --data given twice trains on both sets (the held-out conversations both hold
+    counted once), --batch samples per step; a checkpoint resumes only with the batch it was written with;
+    --init trains a written head further."""
+    target = pairs.tiny_pair().target_path
+    common = ["--target", target, "--max-prompts", "10", "--answer-tokens", "16", "--draft-vocab", "1024",
+              "--aux-layers", "0,1,1", "--steps", "2", "--no-chat-template", "--device", "cpu"]
+    assert train_command(common + ["--out", str(tmp_path / "greedy"), "--epochs", "0"]) == 0
+    assert train_command(common + ["--out", str(tmp_path / "sampled"), "--epochs", "0", "--sampled-answers", "1",
+                                   "--no-greedy-answers", "--store-dtype", "bfloat16"]) == 0
+    greedy = torch.load(tmp_path / "greedy" / "data.pt", weights_only=False)
+    sampled = torch.load(tmp_path / "sampled" / "data.pt", weights_only=False)
+    assert len(greedy["train"]) == len(sampled["train"]) == 9
+    assert any(not torch.equal(a.tokens, b.tokens) for a, b in zip(greedy["train"], sampled["train"]))
+    assert all(s.features.dtype == s.final.dtype == torch.bfloat16 for s in sampled["train"])
+    assert [s.tokens.tolist() for s in sampled["held_out"]] == [s.tokens.tolist() for s in greedy["held_out"]]
+    both = common + ["--out", str(tmp_path / "both"), "--data", str(tmp_path / "greedy" / "data.pt"),
+                     "--data", str(tmp_path / "sampled" / "data.pt"), "--epochs", "3", "--lr", "3e-3"]
+    assert train_command(both + ["--batch", "4"]) == 0
+    record = json.loads((tmp_path / "both" / "training.json").read_text())
+    assert (record["samples"], record["held_out"], record["batch"]) == (18, 1, 4)
+    assert record["held_out_loss"] < record["held_out_loss_before"], record
+    with pytest.raises(SystemExit, match="--batch 4"):
+        train_command(both + ["--batch", "2"])
+    # --init: a trained head goes on training where it stopped (its held-out figures are where they were)
+    more = common + ["--data", str(tmp_path / "sampled" / "data.pt"), "--epochs", "1", "--init", str(tmp_path / "both")]
+    assert train_command(more + ["--out", str(tmp_path / "more")]) == 0
+    again = json.loads((tmp_path / "more" / "training.json").read_text())
+    assert again["held_out_loss_before"] == pytest.approx(record["held_out_loss"], rel=1e-4)
+    assert again["init"] == str((tmp_path / "both").resolve())
+    with pytest.raises(SystemExit, match="--init"):
+        train_command(more + ["--out", str(tmp_path / "other"), "--kind", "medusa"])
 
 
 def test_the_head_acceptance_bench_unrolls_each_head_over_the_same_answers(tmp_path):

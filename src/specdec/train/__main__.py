@@ -38,15 +38,18 @@ def parse_args(argv):
     parser.add_argument("--prompts", default=str(PROMPTS),
                         help="prompts: JSON lines or a JSON array of strings, {\"prompt\"}, OpenAI {\"messages\"} or "
                              "ShareGPT {\"conversations\"} records (their first user turn); default: the shipped set")
-    parser.add_argument("--data", default="",
-                        help="the answered samples to train on (another run's data.pt; default: OUT/data.pt, made "
-                             "when missing)")
+    parser.add_argument("--data", action="append", default=[],
+                        help="answered samples to train on (another run's data.pt; given several times, every set's; "
+                             "default: OUT/data.pt, made when missing)")
     parser.add_argument("--max-prompts", type=int, default=0, help="use the first N prompts (0: all)")
     parser.add_argument("--held-out", type=float, default=0.1, help="the share of prompts kept for evaluation")
     parser.add_argument("--answer-tokens", type=int, default=128, help="tokens of each answer the target writes")
     parser.add_argument("--sampled-answers", type=int, default=0,
                         help="answers per training prompt drawn at --temperature besides the greedy one")
     parser.add_argument("--temperature", type=float, default=0.8, help="of the sampled answers")
+    parser.add_argument("--no-greedy-answers", action="store_true",
+                        help="training prompts get their sampled answers only (a set to add with --data to one "
+                             "that has the greedy ones)")
     parser.add_argument("--answer-batch", type=int, default=32, help="answers generated together")
     parser.add_argument("--answer-dtype", choices=("same", "bfloat16"), default="same",
                         help="the precision the answers are written in (bfloat16: several times faster on a CPU with "
@@ -57,7 +60,14 @@ def parse_args(argv):
     parser.add_argument("--autocast", choices=("none", "bfloat16"), default="none",
                         help="train under autocast (bfloat16: ~1.5x faster on a CPU with AMX; the head is kept and "
                              "written in float32)")
+    parser.add_argument("--batch", type=int, default=1,
+                        help="samples per training step (of similar length, padded to one)")
+    parser.add_argument("--store-dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="what the answered features are kept in (data.pt; bfloat16 halves it)")
     parser.add_argument("--draft-vocab", type=int, default=8192, help="the head's vocabulary (most frequent tokens)")
+    parser.add_argument("--init", default="",
+                        help="start from this trained head of the same kind (its weights and, EAGLE-3, its draft "
+                             "vocabulary) instead of a fresh one: to train it on more text")
     parser.add_argument("--epochs", type=int, default=6)
     parser.add_argument("--steps", type=int, default=4, help="EAGLE's training-time test: unrolled draft steps")
     parser.add_argument("--lr", type=float, default=1e-3)
@@ -74,7 +84,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from specdec.engine.draft_heads import EAGLE3, MEDUSA, HeadConfig, save_head
+    from specdec.engine.draft_heads import EAGLE3, MEDUSA, HeadConfig, check_fits, load_head, save_head
     from specdec.train import data, trainer
 
     started = time.monotonic()
@@ -91,46 +101,62 @@ def main(argv=None) -> int:
     # EAGLE-1 and Medusa read the target's last hidden state (every sample's `final`); the features kept are
     # EAGLE-3's, so one answered set (data.pt) trains every kind
     layers = HeadConfig(EAGLE3, text.hidden_size, text.vocab_size, aux_layers=aux).feature_layers(text.num_hidden_layers)
-    cached = Path(args.data) if args.data else out / "data.pt"
-    if cached.exists():
-        saved = torch.load(cached, weights_only=False)
-        samples, held_out = saved["train"], saved["held_out"]
-        if args.kind == EAGLE3 and saved.get("layers", list(layers)) != list(layers):
-            raise SystemExit(f"{cached} holds the features of layers {saved['layers']}; this EAGLE-3 head reads "
-                             f"{list(layers)} (--aux-layers)")
+    cached = out / "data.pt"
+    if args.data:
+        samples, held_out = _load_sets([Path(path) for path in args.data], layers if args.kind == EAGLE3 else None)
+        log(f"{len(samples)} + {len(held_out)} answered samples from {', '.join(args.data)}")
+    elif cached.exists():
+        samples, held_out = _load_sets([cached], layers if args.kind == EAGLE3 else None)
         log(f"{len(samples)} + {len(held_out)} answered samples from {cached}")
     else:
         prompts = data.load_prompts(args.prompts)
         if args.max_prompts:
             prompts = prompts[:args.max_prompts]
         kept = max(1, round(len(prompts) * args.held_out))
-        log(f"the target answers {len(prompts)} prompts ({kept} held out; {1 + args.sampled_answers} answers to each "
-            f"other), up to {args.answer_tokens} tokens each; "
+        answers = args.sampled_answers + (0 if args.no_greedy_answers else 1)
+        log(f"the target answers {len(prompts)} prompts ({kept} held out; {answers} answers to each other), up to "
+            f"{args.answer_tokens} tokens each; "
             f"features of layers {list(layers)}")
         writer = model if args.answer_dtype == "same" else copy.deepcopy(model).to(getattr(torch, args.answer_dtype))
         # Held-out prompts get their greedy answer only: acceptance is measured on what greedy serving sees
-        answer = lambda some, sampled: data.answer_and_featurize(  # noqa: E731
+        answer = lambda some, sampled, greedy: data.answer_and_featurize(  # noqa: E731
             model, tokenizer, some, layers, args.answer_tokens, chat_template=not args.no_chat_template,
             batch=args.answer_batch, sampled=sampled, temperature=args.temperature, seed=args.seed, log=log,
-            writer=writer)
-        samples = answer(prompts[:-kept], args.sampled_answers)
-        held_out = answer(prompts[-kept:], 0)
+            writer=writer, store_dtype=getattr(torch, args.store_dtype), greedy=greedy)
+        if args.no_greedy_answers and not args.sampled_answers:
+            raise SystemExit("--no-greedy-answers needs --sampled-answers N (N >= 1)")
+        samples = answer(prompts[:-kept], args.sampled_answers, not args.no_greedy_answers)
+        held_out = answer(prompts[-kept:], 0, True)
         if args.grounded:
             kept_grounded = round(args.grounded * kept / len(prompts))
             log(f"the target answers {args.grounded} grounded prompts over its own answers ({kept_grounded} held out)")
-            samples += answer(data.grounded_prompts(tokenizer, samples, args.grounded - kept_grounded, args.seed), 0)
-            held_out += answer(data.grounded_prompts(tokenizer, held_out, kept_grounded, args.seed), 0)
+            samples += answer(data.grounded_prompts(tokenizer, samples, args.grounded - kept_grounded, args.seed), 0, True)
+            held_out += answer(data.grounded_prompts(tokenizer, held_out, kept_grounded, args.seed), 0, True)
         torch.save({"train": samples, "held_out": held_out, "layers": list(layers)}, cached)
         log(f"answered in {time.monotonic() - started:.0f} s")
     vocab_size = model.config.get_text_config().vocab_size
-    draft_ids = data.draft_vocabulary(samples, vocab_size, args.draft_vocab)
-    objective = _objective(args, model, draft_ids, aux, device)
+    init = None
+    if args.init:
+        init = load_head(args.init)
+        check_fits(init, model.config, args.init, args.target)
+        if init.config.kind != args.kind or (args.kind == EAGLE3 and init.config.feature_layers(
+                text.num_hidden_layers) != layers):
+            raise SystemExit(f"--init {args.init}: a {init.config.kind} head reading layers "
+                             f"{list(init.config.feature_layers(text.num_hidden_layers))}; this run trains a "
+                             f"{args.kind} head reading {list(layers)} (--kind, --aux-layers)")
+        log(f"starting from the {init.config.kind} head in {args.init}")
+    if init is not None and args.kind == EAGLE3:  # its reduced head predicts these
+        draft_ids = init.draft_target_ids()
+    else:
+        draft_ids = data.draft_vocabulary(samples, vocab_size, args.draft_vocab)
+    objective = _objective(args, model, draft_ids, aux, device, init)
     figures = trainer.train(objective, samples, held_out, epochs=args.epochs, lr=args.lr, out=out, device=device,
-                            log=log, autocast=None if args.autocast == "none" else getattr(torch, args.autocast))
+                            batch_size=args.batch, log=log, autocast=None if args.autocast == "none" else getattr(torch, args.autocast))
     save_head(objective.finish(), out)
     (out / "training.json").write_text(json.dumps({
         "target": str(Path(args.target).resolve()), "samples": len(samples), "held_out": len(held_out),
         "kind": args.kind, "tokens": sum(len(s.tokens) for s in samples), "epochs": args.epochs,
+        "batch": args.batch, "init": str(Path(args.init).resolve()) if args.init else None,
         "steps": args.medusa_heads if args.kind == MEDUSA else args.steps,
         "draft_vocab": len(draft_ids), "device": str(device), "seconds": round(time.monotonic() - started, 1),
         "held_out_loss_before": figures["loss_before"], "held_out_loss": figures["loss"],
@@ -140,18 +166,43 @@ def main(argv=None) -> int:
     return 0
 
 
-def _objective(args, model, draft_ids: torch.Tensor, aux: tuple[int, ...], device):
-    """The trainer.Objective of a fresh head of args.kind for `model`, warm-started where its kind allows."""
+def _load_sets(paths: list[Path], layers: tuple[int, ...] | None) -> tuple[list, list]:
+    """The training and held-out samples of every answered set (data.pt) in `paths`, together; a held-out
+    conversation that two sets hold counts once. `layers`: the features an EAGLE-3 head reads, which each set
+    must hold (None: any)."""
+    samples, held_out, seen = [], [], set()
+    for path in paths:
+        saved = torch.load(path, weights_only=False)
+        if layers is not None and saved.get("layers", list(layers)) != list(layers):
+            raise SystemExit(f"{path} holds the features of layers {saved['layers']}; this EAGLE-3 head reads "
+                             f"{list(layers)} (--aux-layers)")
+        samples += saved["train"]
+        for sample in saved["held_out"]:
+            key = tuple(sample.tokens.tolist())
+            if key not in seen:
+                seen.add(key)
+                held_out.append(sample)
+    return samples, held_out
+
+
+def _objective(args, model, draft_ids: torch.Tensor, aux: tuple[int, ...], device, init=None):
+    """The trainer.Objective of `init` (a trained head of args.kind), or of a fresh head of args.kind for
+    `model`, warm-started where its kind allows."""
     from specdec.engine.draft_heads import EAGLE3, MEDUSA, random_head
     from specdec.train import eagle, medusa
 
     embed = model.get_input_embeddings().weight.detach().float()
     target_head = model.get_output_embeddings().weight.detach().float()
     if args.kind == MEDUSA:
-        head = random_head(MEDUSA, model.config, seed=args.seed, medusa_heads=args.medusa_heads)
-        medusa.start_from_target(head, target_head.cpu())
-        head = head.to(device)
+        if init is None:
+            init = random_head(MEDUSA, model.config, seed=args.seed, medusa_heads=args.medusa_heads)
+            medusa.start_from_target(init, target_head.cpu())
+        head = init.to(device)
         return medusa.MedusaObjective(head, target_head, draft_ids, device)
+    if init is not None:
+        head = init.to(device)
+        head.attach(embed, None if args.kind == EAGLE3 else target_head)
+        return eagle.EagleObjective(head, args.steps, target_head, draft_ids, device)
     head = random_head(args.kind, model.config, seed=args.seed, draft_vocab_size=len(draft_ids), aux_layers=aux)
     if args.kind == EAGLE3:
         with torch.no_grad():

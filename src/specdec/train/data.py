@@ -76,24 +76,28 @@ def encode(tokenizer, prompt: str, chat_template: bool) -> list[int]:
 @torch.no_grad()  # not inference_mode: training reads these tensors under autograd
 def answer_and_featurize(model, tokenizer, prompts: list[str], layers: tuple[int, ...], answer_tokens: int,
                          chat_template: bool = True, batch: int = 32, sampled: int = 0, temperature: float = 0.8,
-                         seed: int = 0, log=print, writer=None) -> list[Sample]:
+                         seed: int = 0, log=print, writer=None, store_dtype: torch.dtype = torch.float32,
+                         greedy: bool = True) -> list[Sample]:
     """The target's greedy answer to each prompt (up to answer_tokens, ending at its end token) and, when
     `sampled` > 0, that many more drawn at `temperature` (seeded): more text of the target's own making from
     the same prompts (training reads the target's distribution at every position, so any of its answers
     teaches). Then one forward over each prompt + answer for the features of `layers` (executor convention:
     the output of layer l, transformers' hidden_states[l + 1]; the last layer's after the final norm).
-    Samples come back in prompt order, each prompt's greedy answer first.
+    Samples come back in prompt order, each prompt's greedy answer first (`greedy=False`: the sampled ones
+    only, e.g. to add to a set that has the greedy ones).
 
     Answers are generated `batch` at a time, left-padded, prompts of similar length together (less padding
     to compute): on 2 CPU cores a batch of 32 answers ~3x the tokens per second of 8. `writer`, when given,
     is another copy of the target that writes the answers (e.g. in bfloat16, which a CPU with AMX generates
-    several times faster); the features and the greedy tokens are still `model`'s, read over what it wrote."""
+    several times faster); the features and the greedy tokens are still `model`'s, read over what it wrote.
+    `store_dtype`: what the features and final states are kept in (bfloat16 halves the memory and data.pt;
+    training reads them in the head's precision)."""
     device = model.device
     writer = model if writer is None else writer
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
     encoded = [encode(tokenizer, prompt, chat_template) for prompt in prompts]
-    jobs = [(i, draw) for i in range(len(prompts)) for draw in range(1 + sampled)]  # draw 0: greedy
+    jobs = [(i, draw) for i in range(len(prompts)) for draw in range(0 if greedy else 1, 1 + sampled)]  # 0: greedy
     jobs.sort(key=lambda job: (job[1] > 0, len(encoded[job[0]])))
     generator_seed = torch.Generator().manual_seed(seed)
     answers: dict[tuple[int, int], Sample] = {}
@@ -109,20 +113,39 @@ def answer_and_featurize(model, tokenizer, prompts: list[str], layers: tuple[int
         if drawn:
             torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=generator_seed)))
         out = writer.generate(ids, attention_mask=mask, max_new_tokens=answer_tokens, pad_token_id=pad, **options)
+        written = []
         for row, (i, draw) in zip(out[:, width:].tolist(), chunk):
             answer = row[:row.index(eos) + 1] if eos in row else row  # the end token kept, padding dropped
-            tokens = torch.tensor(encoded[i] + answer, device=device)
-            full = model(tokens[None], output_hidden_states=True)
-            states = full.hidden_states
-            answers[(i, draw)] = Sample(
-                tokens=tokens.cpu(),
-                features=torch.cat([states[layer + 1][0] for layer in layers], dim=-1).float().cpu(),
-                final=states[-1][0].float().cpu(),
-                greedy=full.logits[0].argmax(-1).cpu(),
-                prompt_length=len(encoded[i]))
-            tokens_done += len(tokens)
+            written.append(((i, draw), encoded[i] + answer, len(encoded[i])))
+        for done in _featurize(model, written, layers, pad, store_dtype):
+            answers[done[0]] = done[1]
+            tokens_done += len(done[1].tokens)
         log(f"answered {len(answers)}/{len(jobs)} ({tokens_done} tokens)")
     return [answers[job] for job in sorted(answers)]
+
+
+FEATURE_BATCH = 8  # conversations per features forward (its logits: 8 x length x vocabulary floats)
+
+
+def _featurize(model, written: list, layers: tuple[int, ...], pad: int, store_dtype: torch.dtype):
+    """(key, Sample) of each (key, tokens, prompt_length) in `written`: the model's forward over them,
+    FEATURE_BATCH at a time, padded on the right (causal attention: no real position sees the padding)."""
+    device = model.device
+    for start in range(0, len(written), FEATURE_BATCH):
+        group = written[start:start + FEATURE_BATCH]
+        width = max(len(tokens) for _, tokens, _ in group)
+        ids = torch.tensor([tokens + [pad] * (width - len(tokens)) for _, tokens, _ in group], device=device)
+        mask = torch.tensor([[1] * len(tokens) + [0] * (width - len(tokens)) for _, tokens, _ in group], device=device)
+        full = model(ids, attention_mask=mask, output_hidden_states=True)
+        states = full.hidden_states
+        for row, (key, tokens, prompt_length) in enumerate(group):
+            n = len(tokens)
+            yield key, Sample(
+                tokens=torch.tensor(tokens),
+                features=torch.cat([states[layer + 1][row, :n] for layer in layers], dim=-1).to(store_dtype).cpu(),
+                final=states[-1][row, :n].to(store_dtype).cpu(),
+                greedy=full.logits[row, :n].argmax(-1).cpu(),
+                prompt_length=prompt_length)
 
 
 def draft_vocabulary(samples: list[Sample], vocab_size: int, size: int) -> torch.Tensor:

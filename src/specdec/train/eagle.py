@@ -11,8 +11,10 @@ rows of those tokens times its final hidden state), on positions whose target ar
 holds; EAGLE-1 adds its feature regression (smooth L1 between the head's output and the target's feature
 at the next position, the cross-entropy weighted 0.1, as EAGLE's paper trains it). Step j weighted 0.8^j.
 
-Shapes: E entries (the sample's length - 1), h hidden, H heads x D, F the features' width, V_d the draft
-vocabulary.
+Samples train in batches padded on the right (trainer.Batch); padded rows are computed and left out.
+
+Shapes: B samples, E entries (the batch's padded length - 1), h hidden, H heads x D, F the features' width,
+V_d the draft vocabulary.
 """
 
 from __future__ import annotations
@@ -24,62 +26,62 @@ from torch import nn
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from specdec.engine.draft_heads import EAGLE3, EagleHead
-from specdec.train.data import Sample
-from specdec.train.trainer import DraftVocabulary, StepLosses, answer_hits
+from specdec.train.trainer import Batch, DraftVocabulary, StepLosses, answer_hits
 
 EAGLE1_LOGITS_WEIGHT = 0.1  # EAGLE's w_cls: its loss is mostly the feature regression
 
 
 def _attend(attn, q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
-    """Step j's attention for every chain. q (H, E, D); keys[0]/values[0] (KV, E, D) are step 0's entries
-    (chain i sees columns <= i), keys[s] the chains' own rows of step s (chain i sees row i). -> (E, H x D)."""
+    """Step j's attention for every chain. q (B, H, E, D); keys[0]/values[0] (B, KV, E, D) are step 0's
+    entries (chain i sees columns <= i), keys[s] the chains' own rows of step s (chain i sees row i).
+    -> (B, E, H x D)."""
     groups = attn.heads // attn.kv_heads
-    expand = [k.repeat_interleave(groups, 0) for k in keys]
-    expand_v = [v.repeat_interleave(groups, 0) for v in values]
+    expand = [k.repeat_interleave(groups, 1) for k in keys]
+    expand_v = [v.repeat_interleave(groups, 1) for v in values]
     scale = 1.0 / math.sqrt(attn.head_dim)
-    entries = q.shape[1]
-    scores = [q @ expand[0].transpose(1, 2) * scale]  # (H, E, E)
+    entries = q.shape[2]
+    scores = [q @ expand[0].transpose(-1, -2) * scale]  # (B, H, E, E)
     causal = torch.ones(entries, entries, dtype=torch.bool, device=q.device).tril()
     scores[0] = scores[0].masked_fill(~causal, float("-inf"))
-    scores += [(q * k).sum(-1, keepdim=True) * scale for k in expand[1:]]  # (H, E, 1) each
+    scores += [(q * k).sum(-1, keepdim=True) * scale for k in expand[1:]]  # (B, H, E, 1) each
     weights = torch.softmax(torch.cat(scores, dim=-1), dim=-1)
     out = weights[..., :entries] @ expand_v[0]
     for s, v in enumerate(expand_v[1:], start=1):
         out = out + weights[..., entries + s - 1:entries + s] * v
-    return out.transpose(0, 1).reshape(entries, -1)
+    return out.transpose(1, 2).reshape(q.shape[0], entries, -1)
 
 
-def unrolled(head: EagleHead, sample: Sample, steps: int, device) -> list[torch.Tensor]:
-    """Per step j, the head's output hidden states (E - j, h) of entries j.. E - 1 (chains 0.. E - 1 - j):
+def unrolled(head: EagleHead, batch: Batch, steps: int, device) -> list[torch.Tensor]:
+    """Per step j, the head's output hidden states (B, E - j, h) of entries j.. E - 1 (chains 0.. E - 1 - j)
+    of every sample of the batch (E: its padded length - 1; rows past a sample's own length are padding):
     EAGLE-3's pre-norm g (its logits: lm_head(norm(g))), EAGLE-1's feature (its logits: the target's lm_head
     times it)."""
     eagle3 = head.config.kind == EAGLE3
     layer = head.midlayer if eagle3 else head.layers[0]
     attn = layer.self_attn
-    tokens = sample.tokens.to(device)
-    entries = len(tokens) - 1
-    hidden = head.fc(sample.features[:entries].to(device)) if eagle3 else sample.final[:entries].to(device)
+    tokens = batch.tokens.to(device)
+    size, entries = tokens.shape[0], tokens.shape[1] - 1
+    hidden = head.fc(batch.features[:, :entries].to(device)) if eagle3 else batch.final[:, :entries].to(device)
     keys, values, out = [], [], []
     for j in range(steps):
         count = entries - j  # chains whose step-j row exists
         if count <= 0:
             break
-        ids = tokens[j + 1:j + 1 + count]  # entry i + j reads token i + j + 1
+        ids = tokens[:, j + 1:j + 1 + count]  # entry i + j reads token i + j + 1
         embeds = nn.functional.embedding(ids, head.embed).to(hidden.dtype)
         if eagle3:
-            x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden[:count])], dim=-1)
-            residual = hidden[:count]
+            x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden[:, :count])], dim=-1)
+            residual = hidden[:, :count]
         else:  # EAGLE-1: fc over [embed ‖ feature], no input norm
-            x = residual = head.fc(torch.cat([embeds, hidden[:count]], dim=-1))
+            x = residual = head.fc(torch.cat([embeds, hidden[:, :count]], dim=-1))
         positions = torch.arange(j, j + count, device=device)
         cos, sin = head.rotary(hidden, positions[None])
-        q = attn.q_proj(x).view(count, attn.heads, attn.head_dim).transpose(0, 1)
-        k = attn.k_proj(x).view(count, attn.kv_heads, attn.head_dim).transpose(0, 1)
-        v = attn.v_proj(x).view(count, attn.kv_heads, attn.head_dim).transpose(0, 1)
-        q, k = apply_rotary_pos_emb(q[None], k[None], cos, sin)
-        q, k = q[0], k[0]
-        keys = [key[:, :count] for key in keys] + [k]
-        values = [value[:, :count] for value in values] + [v]
+        q = attn.q_proj(x).view(size, count, attn.heads, attn.head_dim).transpose(1, 2)
+        k = attn.k_proj(x).view(size, count, attn.kv_heads, attn.head_dim).transpose(1, 2)
+        v = attn.v_proj(x).view(size, count, attn.kv_heads, attn.head_dim).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        keys = [key[:, :, :count] for key in keys] + [k]
+        values = [value[:, :, :count] for value in values] + [v]
         x1 = residual + attn.o_proj(_attend(attn, q, keys, values))
         hidden = x1 + layer.mlp(layer.post_attention_layernorm(x1))  # the next step's input
         out.append(hidden)
@@ -100,27 +102,26 @@ class EagleObjective:
     def finish(self) -> EagleHead:
         return self.module
 
-    def loss_and_hits(self, sample: Sample, evaluating: bool) -> tuple[torch.Tensor, list[tuple[int, int]]]:
-        """The weighted loss of one sample, and per step (hits, positions) of greedy agreement on its answer
-        (the head's argmax as served, in target ids, against the target's greedy token)."""
-        head, device = self.module, self.device
-        final = sample.final.to(device)
-        greedy = sample.greedy.to(device)
+    def loss_and_hits(self, batch: Batch, evaluating: bool) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+        """The weighted loss of a batch, and when evaluating per step (hits, positions) of greedy agreement on
+        its answers (the head's argmax as served, in target ids, against the target's greedy token)."""
+        head = self.module
+        target = self.vocab.target(batch.final)  # (B, L, V_d): once for every step
         losses, hits = StepLosses(), []
-        for j, hidden in enumerate(unrolled(head, sample, self.steps, device)):
-            count = hidden.shape[0]
+        for j, hidden in enumerate(unrolled(head, batch, self.steps, self.device)):
             # step j's row of chain i is entry i + j: it predicts token i + j + 2, the target's at position i + j + 1
-            where = torch.arange(j + 1, j + 1 + count, device=device)
-            logits = head.lm_head(head.norm(hidden)) if self.eagle3 else hidden @ self.vocab.rows.T  # (count, V_d)
-            step_loss = self.vocab.cross_entropy(logits, final[where])
+            where = torch.arange(j + 1, j + 1 + hidden.shape[1], device=self.device)
+            real, on_answer = batch.rows(where)
+            hidden = hidden[real]  # (n, h): the real rows only
+            greedy = batch.greedy[:, where][real]
+            logits = head.lm_head(head.norm(hidden)) if self.eagle3 else hidden @ self.vocab.rows.T  # (n, V_d)
+            step_loss = self.vocab.cross_entropy(logits, target[:, where][real])
             if self.eagle3:
-                losses.add(j, step_loss[self.vocab.holds[greedy[where]]])
+                losses.add(j, step_loss[self.vocab.holds[greedy]])
             else:  # the feature is learnt at every position
-                regression = nn.functional.smooth_l1_loss(hidden, final[where], reduction="none").mean(-1)
-                losses.add(j, EAGLE1_LOGITS_WEIGHT * step_loss + regression)
-            if self.eagle3 or not evaluating:
-                picked = self.vocab.ids[logits.argmax(-1)]
-            else:  # served, EAGLE-1's logits are over the whole vocabulary
-                picked = (hidden @ self.target_head.T).argmax(-1)
-            hits.append(answer_hits(picked, greedy, where, sample.prompt_length))
+                regression = nn.functional.smooth_l1_loss(hidden, batch.final[:, where][real], reduction="none")
+                losses.add(j, EAGLE1_LOGITS_WEIGHT * step_loss + regression.mean(-1))
+            if evaluating:  # served, EAGLE-1's logits are over the whole vocabulary
+                picked = self.vocab.ids[logits.argmax(-1)] if self.eagle3 else (hidden @ self.target_head.T).argmax(-1)
+                hits.append(answer_hits(picked, greedy, on_answer[real]))
         return losses.value(), hits

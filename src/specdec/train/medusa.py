@@ -8,7 +8,8 @@ one (N, V_d, h) parameter and are written back into the full output layers at th
 stays the target's. Loss: cross-entropy against the target's distribution over the draft vocabulary, head j
 weighted 0.8^j (trainer.STEP_WEIGHT), on positions whose target argmax the draft vocabulary holds.
 
-Shapes: L the sample's length, h hidden, N heads, V the target's vocabulary, V_d the draft vocabulary.
+Shapes: B samples, L the batch's padded length (trainer.Batch), h hidden, N heads, V the target's vocabulary,
+V_d the draft vocabulary.
 """
 
 from __future__ import annotations
@@ -17,8 +18,7 @@ import torch
 from torch import nn
 
 from specdec.engine.draft_heads import MedusaHeads
-from specdec.train.data import Sample
-from specdec.train.trainer import DraftVocabulary, StepLosses, answer_hits
+from specdec.train.trainer import Batch, DraftVocabulary, StepLosses, answer_hits
 
 
 def start_from_target(heads: MedusaHeads, target_head: torch.Tensor) -> None:
@@ -61,28 +61,26 @@ class MedusaObjective:
     def finish(self) -> MedusaHeads:
         return self.module.finish()
 
-    def loss_and_hits(self, sample: Sample, evaluating: bool) -> tuple[torch.Tensor, list[tuple[int, int]]]:
-        """The weighted loss of one sample and per head (hits, positions): head j's argmax as served (over the
-        whole vocabulary when evaluating) against the target's greedy token t + j + 2, over the answer's
+    def loss_and_hits(self, batch: Batch, evaluating: bool) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+        """The weighted loss of a batch and when evaluating per head (hits, positions): head j's argmax as
+        served (over the whole vocabulary) against the target's greedy token t + j + 2, over the answers'
         positions (every position, as the EAGLE objective's unrolled steps count them)."""
-        final = sample.final.to(self.device)
-        greedy = sample.greedy.to(self.device)
-        length = len(final)
+        final, length = batch.final, batch.final.shape[1]
+        target = self.vocab.target(final)  # (B, L, V_d): once for every head
         losses, hits = StepLosses(), []
         for j, block in enumerate(self.module.blocks):
-            count = length - 1 - j  # positions t whose token t + j + 2 the sample holds
+            count = length - 1 - j  # positions t whose token t + j + 2 the longest sample holds
             if count <= 0:
                 break
             where = torch.arange(j + 1, j + 1 + count, device=self.device)  # the target's position t + j + 1
-            x = block(final[:count])  # (count, h)
-            logits = x @ self.module.rows[j].T  # (count, V_d)
-            step_loss = self.vocab.cross_entropy(logits, final[where])
-            losses.add(j, step_loss[self.vocab.holds[greedy[where]]])
+            real, on_answer = batch.rows(where)
+            x = block(final[:, :count][real])  # (n, h)
+            logits = x @ self.module.rows[j].T  # (n, V_d)
+            greedy = batch.greedy[:, where][real]
+            step_loss = self.vocab.cross_entropy(logits, target[:, where][real])
+            losses.add(j, step_loss[self.vocab.holds[greedy]])
             if evaluating:  # served: every row of the output layer, the draft vocabulary's trained ones
                 full = x @ self.module.heads[0].heads[j][-1].weight.T
                 full[:, self.vocab.ids] = logits
-                picked = full.argmax(-1)
-            else:
-                picked = self.vocab.ids[logits.argmax(-1)]
-            hits.append(answer_hits(picked, greedy, where, sample.prompt_length))
+                hits.append(answer_hits(full.argmax(-1), greedy, on_answer[real]))
         return losses.value(), hits
