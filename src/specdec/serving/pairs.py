@@ -174,7 +174,7 @@ def tiny_pair(test_drafts: bool = False) -> PairSpec:
 
 # ---- default pair ----------------------------------------------------------------------------------
 DEFAULT_DRAFT_LAYERS = 10
-# The default pair's EAGLE-3 head, trained here (`python -m specdec.train`, docs/results/2026-11-28-head-data.md)
+# The default pair's EAGLE-3 head, trained here (`python -m specdec.train`, docs/results/2026-11-28-head-training.md)
 # and shipped in bfloat16 (served in the pair's dtype): a draft a request names as "eagle3"
 DEFAULT_PAIR_HEAD = Path(__file__).with_name("heads") / "smollm2-135m-instruct-eagle3"
 DEFAULT_PAIR_HEAD_NAME = "eagle3"
