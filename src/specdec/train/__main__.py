@@ -199,19 +199,17 @@ def _objective(args, model, draft_ids: torch.Tensor, aux: tuple[int, ...], devic
             medusa.start_from_target(init, target_head.cpu())
         head = init.to(device)
         return medusa.MedusaObjective(head, target_head, draft_ids, device)
-    if init is not None:
-        head = init.to(device)
-        head.attach(embed, None if args.kind == EAGLE3 else target_head)
-        return eagle.EagleObjective(head, args.steps, target_head, draft_ids, device)
-    head = random_head(args.kind, model.config, seed=args.seed, draft_vocab_size=len(draft_ids), aux_layers=aux)
-    if args.kind == EAGLE3:
-        with torch.no_grad():
-            head.d2t.copy_(draft_ids - torch.arange(len(draft_ids)))
-            head.t2d.zero_()
-            head.t2d[draft_ids] = True
-            # A warm start: the head's output is read like the target's final hidden state
-            head.lm_head.weight.copy_(target_head[draft_ids].cpu())
-            head.norm.weight.copy_(model.model.norm.weight.detach().float().cpu())
+    head = init
+    if head is None:
+        head = random_head(args.kind, model.config, seed=args.seed, draft_vocab_size=len(draft_ids), aux_layers=aux)
+        if args.kind == EAGLE3:
+            with torch.no_grad():
+                head.d2t.copy_(draft_ids - torch.arange(len(draft_ids)))
+                head.t2d.zero_()
+                head.t2d[draft_ids] = True
+                # A warm start: the head's output is read like the target's final hidden state
+                head.lm_head.weight.copy_(target_head[draft_ids].cpu())
+                head.norm.weight.copy_(model.model.norm.weight.detach().float().cpu())
     head = head.to(device)
     head.attach(embed, None if args.kind == EAGLE3 else target_head)
     return eagle.EagleObjective(head, args.steps, target_head, draft_ids, device)
