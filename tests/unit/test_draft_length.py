@@ -153,6 +153,7 @@ def test_costly_proposer_never_shadows():
     costs = CostModel(decay=0.0)
     costs.observe_verify(1, 0.04)
     costs.observe_verify(2, 0.08)
+    costs.observe_draft("model", 1, 0.004)
     policy = DraftLengthPolicy(1, costs, "model")
     for _ in range(10):
         policy.update(1, 0)
@@ -443,3 +444,102 @@ def test_alone_every_round_pays_the_verify_calls_machinery():
     loaded.sequences.value = 8
     loaded.observe_verify(1, 0.300, ForwardStats(8, 8, 0.050))
     assert loaded.machinery.value is None and loaded.verify_cost(4) == pytest.approx(0.085 / 0.050)
+
+
+def test_a_draft_that_stops_early_is_priced_by_what_it_drafts():
+    """A draft with a confidence stop asked for k drafts fewer: asking for more costs d(n) + v(n) over the n
+    it drafts, and yields 1 + sum_i p_i α^i, so a cap above what it drafts is no longer priced as k steps."""
+    costs = CostModel(decay=0.0)
+    for positions in range(1, 10):
+        costs.observe_verify(positions, 0.04 * (1 + 0.08 * (positions - 1)))
+    for k in (1, 2):
+        costs.observe_draft("head", k, 0.004 * k)  # c = 0.1
+    assert costs.reach("head", 3) == [1.0, 1.0, 1.0]  # nothing measured: a draft drafts all it is asked
+    for _ in range(50):  # asked 6: one token, or two when the first was sure, never a third
+        costs.observe_proposal("head", 6, 1)
+        costs.observe_proposal("head", 6, 2)
+    reach = costs.reach("head", 6)
+    assert reach[0] == 1.0 and reach[1] == pytest.approx(0.5, abs=0.02) and reach[2] < 0.02
+    # The round asked for 6 costs what its one- and two-token drafts cost, half each
+    expected = 0.5 * costs.round_cost("head", 1) + 0.5 * costs.round_cost("head", 2)
+    assert costs.chain_round_cost("head", 6) == pytest.approx(expected, rel=0.02)
+    assert costs.chain_round_cost("head", 6) < costs.round_cost("head", 3)
+    assert expected_tokens(0.5, 6, reach) == pytest.approx(1 + 0.5 + 0.5 * 0.25, abs=0.01)
+    # A position seen once is not taken as certain: one stop at 3 after a run that drafted all it was asked
+    once = CostModel()
+    once.observe_proposal("head", 3, 2)
+    assert once.reach("head", 4)[2] == pytest.approx(0.5) and once.reach("head", 4)[3] == pytest.approx(0.25)
+
+
+def test_a_model_draft_is_timed_before_the_rule_may_pause_it():
+    """Priced by the prior until a steady round times it, a draft could be paused before it showed its cost
+    (and a paused draft's probes catch up on missed rounds, so they never time it): one token until timed."""
+    costs = CostModel(decay=0.0)
+    costs.observe_verify(1, 0.04)
+    costs.observe_verify(2, 0.045)
+    policy = DraftLengthPolicy(6, costs, "head")
+    for _ in range(10):
+        policy.update(1, 0)
+    assert policy.next_k() == 1
+    costs.observe_draft("head", 1, 0.02)  # timed: half a target step, and it never agrees
+    assert policy.next_k() == 0
+
+
+def test_a_model_drafts_estimate_leans_on_the_servers_and_forgets_slowly():
+    """Two early rejections leave a model draft's estimate near the server's running figure (a head that
+    pays from α 0.15 on kept drafting), a run of them brings it down; a copying draft's follows its last
+    rounds."""
+    costs = CostModel()
+    for _ in range(20):
+        costs.observe_acceptance("head", 4, 1)
+        costs.observe_acceptance("ngram", 4, 1)
+    head, ngram = DraftLengthPolicy(6, costs, "head"), DraftLengthPolicy(6, costs, "ngram", free=True)
+    for policy in (head, ngram):
+        policy.update(1, 0)
+        policy.update(1, 0)
+    assert head.alpha > 0.25 > ngram.alpha
+    for _ in range(10):
+        head.update(1, 0)
+    assert head.alpha < 0.15
+
+
+def test_later_positions_are_valued_at_their_own_measured_acceptance():
+    """A draft whose first token passes 40 % of the time but whose later ones (those its stop lets through)
+    pass almost always: each position is valued at its own measured rate, and the whole cap pays."""
+    costs = CostModel(decay=0.0)
+    for positions in range(1, 10):
+        costs.observe_verify(positions, 0.04 * (1 + 0.05 * (positions - 1)))
+    for k in (1, 2, 3):
+        costs.observe_draft("head", k, 0.004 * k)  # c = 0.1
+    for _ in range(40):  # 40 % of rounds accept the whole chain of 4, the rest nothing
+        costs.observe_acceptance("head", 4, 0)
+        costs.observe_acceptance("head", 4, 0)
+        costs.observe_acceptance("head", 4, 0)
+        costs.observe_acceptance("head", 4, 4)
+        costs.observe_acceptance("head", 4, 4)
+    rates = costs.position_alpha("head", 6)
+    assert rates[0] == pytest.approx(0.4, abs=0.03) and all(rate > 0.9 for rate in rates[1:])
+    policy = DraftLengthPolicy(6, costs, "head")
+    policy.successes, policy.failures, policy.prior_weight = 0.0, 0.0, 1.0  # this request: the server's so far
+    assert policy.chain_alpha() == pytest.approx([min(rate, 0.99) for rate in rates])
+    assert policy.next_k() == 6
+    # What a round of 4 yields: 1 + 0.4 (1 + 0.99 + 0.99^2 + ...), as measured (1 + 0.4 * 4)
+    assert expected_tokens(rates, 4) == pytest.approx(2.6, abs=0.1)
+    # A request drafting worse than the server's figure scales every position down
+    policy.successes, policy.failures = 0.0, 10.0
+    assert all(a < b for a, b in zip(policy.chain_alpha(), rates))
+
+
+def test_while_a_short_chain_wins_the_whole_cap_is_tried_every_explore_every_rounds():
+    costs = CostModel(decay=0.0)
+    for positions in range(1, 10):
+        costs.observe_verify(positions, 0.04 * (1 + 0.05 * (positions - 1)))
+    costs.observe_draft("head", 1, 0.004)
+    costs.observe_draft("head", 2, 0.008)
+    policy = DraftLengthPolicy(8, costs, "head", explore_every=5)
+    policy.successes, policy.failures, policy.prior_weight = 3.0, 7.0, 0.0  # α 0.3: one token pays
+    ks = [policy.next_k() for _ in range(20)]
+    assert [i for i, k in enumerate(ks) if k == 8] == [4, 9, 14, 19]
+    assert all(k == 1 for i, k in enumerate(ks) if i % 5 != 4)
+    policy.successes, policy.failures = 0.0, 10.0  # drafting does not pay: nothing explored
+    assert {policy.next_k() for _ in range(5)} == {0}

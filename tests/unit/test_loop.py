@@ -354,3 +354,36 @@ def test_a_sequences_first_draft_call_prefills_and_is_not_priced_as_a_round():
     run(GenerationRequest(seq_id=1, prompt_ids=[3, 1, 4, 1, 5], max_tokens=40), PrefillingProposer(), FakeScorer(),
         policy, stats)
     assert len(seen) == stats.rounds - 1 and max(seen) < 0.025  # the rounds' calls only: never the prefill's
+
+
+def test_a_draft_call_after_paused_rounds_catches_up_and_is_not_priced_as_a_round():
+    """Rounds that drafted nothing leave the draft's cache behind; the next call appends them all and takes
+    longer (here 50 ms for more than two new tokens): it is not a round's draft cost, and the stops of a
+    draft asked for more than it drafted are counted (reach)."""
+    import time
+
+    class CatchingUpProposer(FakeProposer):
+        async def propose(self, seq_id, keep, new_ids, k, params, round_seed, reserve=0):
+            if keep and len(new_ids) > 3:
+                time.sleep(0.05)
+            proposal = await super().propose(seq_id, keep, new_ids, k, params, round_seed, reserve)
+            return Proposal(proposal.tokens[:2], None, proposal.cached_length)  # a stop after two tokens
+
+    class PausingPolicy(DraftLengthPolicy):
+        rounds = 0
+
+        def next_k(self):
+            self.rounds += 1
+            return 0 if self.rounds % 6 in (1, 2, 3) else 4  # three paused rounds, three drafting ones
+
+    costs, seen = CostModel(), []
+    observe = costs.observe_draft
+    costs.observe_draft = lambda method, tokens, seconds, forward=None: seen.append(seconds) or observe(method, tokens, seconds, forward)
+    policy = PausingPolicy(4, costs, "fake")
+    prompt = [3, 1, 4, 1, 5]
+    rounds = run(GenerationRequest(seq_id=1, prompt_ids=prompt, max_tokens=40), CatchingUpProposer(), FakeScorer(),
+                 policy)
+    assert [tok for rnd in rounds for tok in rnd.new_tokens] == reference_greedy(prompt, 40)
+    assert seen and max(seen) < 0.025  # the steady calls only: those that follow a drafting round
+    # Asked 4, drafted 2 every time: the first two positions always drafted, the third never
+    assert costs.reach("fake", 4)[:2] == [1.0, 1.0] and costs.reach("fake", 4)[2] < 0.2

@@ -22,9 +22,19 @@ calls take (s(k): the draft's batched execution per sequence, as the draft repor
 hides it (a verify waiting in a full batch makes any call look short), and trees of a cheap-looking head
 kept drafting at 8 streams on a 2-core CPU where every draft call slowed every forward.
 
-α is estimated per request with fast forgetting (acceptance comes in bursts: a copied span is accepted
-whole), starting from the server's running acceptance of the same draft method, both as accepted tokens
-over accepted tokens plus rejections (the geometric estimate of a per-token rate).
+α is estimated per request, starting from the server's running acceptance of the same draft method, both
+as accepted tokens over accepted tokens plus rejections (the geometric estimate of a per-token rate); a
+copying draft's with fast forgetting (acceptance comes in bursts: a copied span is accepted whole), a model
+draft's slower and leaning on the server's figure (DraftLengthPolicy.MEMORY).
+
+A draft may draft fewer tokens than asked (a model draft's confidence stop, a copied span's end, no match at
+all): k is then a cap. The server measures, per position i, how often a chain that reached i - 1 goes on to
+the i-th (CostModel.reach: p_i, the chance of drafting at least i), and the rule values a cap of k at
+E = 1 + sum_i p_i α^i for the mean of d(n) + v(n) over the n it drafts. Priced as if it drafted all k, a
+cap above what a stopping draft drafts looked dear and was never asked for. A draft's call is timed only in
+a steady round (one after a round that called it): a sequence's first call prefills its prompt and one after
+paused rounds catches up on them, and neither is what a round's draft costs. A model draft is drafted (one
+token) until it has been timed once, so the prior's price cannot pause it before it shows its own.
 
 Trees (a proposer `branches` wide, decoding/draft_tree.py) are one more shape the rule weighs every round:
 a tree of n nodes yields E = (1 - α_t^(D+1)) / (1 - α_t) tokens, where α_t = α_t(n) is the acceptance per
@@ -37,13 +47,14 @@ drafted when its extra candidates buy more tokens than their rows and draft step
 do not (alone, or under load where rows stop being free), nothing when neither pays. A tree round also
 tells the chain's acceptance (its first branch is the chain the draft would have proposed); a chain round
 tells nothing of a tree's, so while drafting pays a shape the rule did not pick is tried every
-`explore_every` rounds (a tree while chains win; the largest tree while a smaller one wins).
+`explore_every` rounds (a tree while chains win; the largest tree while a smaller one wins; a chain of the
+whole cap while a shorter one wins, where the proposer drafts chains only).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from specdec.decoding.interfaces import ForwardStats
@@ -51,9 +62,17 @@ from specdec.decoding.interfaces import ForwardStats
 TREE = "/tree"  # a method's trees are measured under its name and this suffix (draft calls, acceptance)
 
 
-def expected_tokens(alpha: float, k: float) -> float:
+def expected_tokens(alpha: float | Sequence[float], k: float, reach: Sequence[float] | None = None) -> float:
     """Tokens a round yields on average: accepted drafts plus the target's own token, k levels drafted (a
-    measured mean depth may be fractional). E(0) = 1."""
+    measured mean depth may be fractional). E(0) = 1. alpha: one rate for every position, or [α_1..α_k],
+    position i's given the ones before it were accepted; reach: [p_1..p_k], the chance a proposal asked for
+    k tokens drafts at least i of them (a draft that may stop early): E = 1 + sum_i p_i α_1···α_i."""
+    if reach is not None or not isinstance(alpha, (int, float)):
+        total, run = 1.0, 1.0
+        for i in range(int(k)):
+            run *= alpha if isinstance(alpha, (int, float)) else alpha[i]
+            total += run * (1.0 if reach is None else reach[i])
+        return total
     if alpha >= 1.0:
         return float(k + 1)
     return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
@@ -65,17 +84,20 @@ def speedup(alpha: float, k: int, round_cost: float) -> float:
     return expected_tokens(alpha, k) / round_cost
 
 
-def best_draft_length(alpha: float | Callable[[int], float], k_max: int, round_cost: Callable[[int], float],
-                      depth: Callable[[int], float] | None = None, k_min: int = 1, floor: float = 1.0
-                      ) -> tuple[int, float]:
+def best_draft_length(alpha: float | Sequence[float] | Callable[[int], float], k_max: int,
+                      round_cost: Callable[[int], float],
+                      depth: Callable[[int], float] | None = None, k_min: int = 1, floor: float = 1.0,
+                      reach: Sequence[float] | None = None) -> tuple[int, float]:
     """(k, value) maximizing speedup over k in [k_min, k_max]; (0, floor) when none beats `floor` (1:
-    target-only). round_cost(k) gives d(k) + v(k); depth(k) the levels a proposal of k tokens reaches (a
-    tree's; a chain's is k); alpha(k), where a callable, the acceptance per level of proposals of k (a
-    tree's levels hold more candidates the more nodes it has)."""
+    target-only). round_cost(k) gives d(k) + v(k) (for a draft that may stop early, its mean over what a
+    proposal asked for k drafts); depth(k) the levels a proposal of k tokens reaches (a tree's; a chain's is
+    k); alpha(k), where a callable, the acceptance per level of proposals of k (a tree's levels hold more
+    candidates the more nodes it has), where a sequence a chain's per position; reach: a chain's
+    [p_1..p_k_max] (expected_tokens)."""
     best_k, best = 0, floor
     for k in range(k_min, k_max + 1):
         rate = alpha(k) if callable(alpha) else alpha
-        value = expected_tokens(rate, k if depth is None else depth(k)) / round_cost(k)
+        value = expected_tokens(rate, k if depth is None else depth(k), reach) / round_cost(k)
         if value > best + 1e-9:
             best_k, best = k, value
     return best_k, best
@@ -188,6 +210,12 @@ class CostModel:
     tree_depth: dict[str, dict[int, _Ewma]] = field(default_factory=dict)  # method -> nodes asked -> depth reached
     # method -> nodes asked -> acceptance per level of its trees (running, the requests' prior at that size)
     tree_alpha: dict[str, dict[int, _Acceptance]] = field(default_factory=dict)
+    # method -> position i -> of the chains that drafted i - 1 tokens and were asked for more, the share that
+    # drafted the i-th: a model draft's confidence stop, a copied span's end (i = 1: prompt lookup's match)
+    continues: dict[str, dict[int, _Acceptance]] = field(default_factory=dict)
+    # method -> position i -> of the chains that drafted the i-th token and had the ones before it accepted,
+    # the share that had it accepted too (a draft's sure tokens, those its stop lets through, pass more often)
+    accepts: dict[str, dict[int, _Acceptance]] = field(default_factory=dict)
     sequences: _Ewma = field(default_factory=lambda: _Ewma(0.9))  # sequences sharing a target forward
     # seconds of a lone verify call outside its forward (BLS, the adapters, Triton): every round pays it
     machinery: _Ewma = field(default_factory=lambda: _Ewma(0.9))
@@ -271,9 +299,70 @@ class CostModel:
             cost = self._round_memo[key] = draft + self.verify_cost(nodes)
         return cost
 
+    def observe_proposal(self, method: str, asked: int, drafted: int) -> None:
+        """A chain asked for `asked` tokens drafted `drafted` (fewer: it stopped early)."""
+        table = self.continues.setdefault(method, {})
+        for i in range(1, min(asked, drafted + 1) + 1):
+            table.setdefault(i, _Acceptance(0.98)).add(int(drafted >= i), int(drafted < i))
+        self._observations += 1
+
+    def reach(self, method: str, k: int) -> list[float]:
+        """[p_1..p_k]: the chance a chain of `method` asked for k tokens drafts at least i of them, the product
+        of the continuation rates up to i. Each position's rate is its measured counts over one pseudo-count
+        of the position before's rate (1 for the first two: the first's is a match's, not a continuation's),
+        so an unmeasured position continues at the last measured one's rate and a position seen once is
+        not taken as certain (one stop at 3 would price every longer chain as a chain of 2)."""
+        table = self.continues.get(method, {})
+        out, p, before = [], 1.0, 1.0
+        for i in range(1, k + 1):
+            measured = table.get(i)
+            prior = before if i > 2 else 1.0
+            rate = prior if measured is None else (
+                (measured.accepted + prior) / (measured.accepted + measured.rejected + 1.0))
+            before = rate if i > 1 else before
+            p *= rate
+            out.append(p)
+        return out
+
+    def chain_round_cost(self, method: str, k: int) -> float:
+        """A round asking `method` for a chain of k tokens, in target-only steps: d(n) + v(n) over the n it
+        drafts (reach), a round that drafts nothing costing one step. A draft that stops early (a confidence
+        stop) is not charged k draft steps and k + 1 verify rows where it mostly drafts two: priced so, asking
+        for more looked dear exactly for the drafts whose stop keeps it cheap, and they were held to 1-2."""
+        if k == 0:
+            return 1.0
+        seen = self._observations
+        key = (seen if seen < self.refresh else self.refresh + seen // self.refresh, method, k, "chain")
+        cost = self._round_memo.get(key)
+        if cost is None:
+            if len(self._round_memo) > 1024:
+                self._round_memo.clear()
+            reach = [1.0] + self.reach(method, k) + [0.0]  # reach[n]: drafts at least n
+            cost = sum((reach[n] - reach[n + 1]) * self.round_cost(method, n) for n in range(k + 1))
+            self._round_memo[key] = cost
+        return cost
+
     def observe_acceptance(self, method: str, drafted: int, accepted: int) -> None:
         if drafted > 0:
             self.alpha.setdefault(method, _Acceptance(0.98)).add(accepted, int(accepted < drafted))
+            table = self.accepts.setdefault(method, {})
+            for i in range(1, min(drafted, accepted + 1) + 1):
+                table.setdefault(i, _Acceptance(0.98)).add(int(i <= accepted), int(i > accepted))
+
+    def position_alpha(self, method: str, k: int) -> list[float] | None:
+        """[α_1..α_k]: the running acceptance of position i given the ones before it were accepted, each its
+        measured counts over one pseudo-count of the position before's (the first's: the running α); past
+        the last measured position at its rate. None before any chain of `method` was verified."""
+        table = self.accepts.get(method)
+        if not table:
+            return None
+        out, before = [], self.prior_alpha(method)
+        for i in range(1, k + 1):
+            measured = table.get(i)
+            if measured is not None:
+                before = (measured.accepted + before) / (measured.accepted + measured.rejected + 1.0)
+            out.append(before)
+        return out
 
     def _seconds(self, positions: int) -> float | None:
         """Verify latency by positions, between measured sizes (no extrapolation)."""
@@ -381,18 +470,29 @@ class DraftLengthPolicy:
     drafting pays; fixed, every round is a tree of k_max nodes.
     """
 
+    # (decay, prior weight) of a request's acceptance estimate: its rounds' counts forgotten by `decay` a
+    # round, and the server's running acceptance counted as `prior weight` rounds. A copying draft's
+    # acceptance comes in bursts its last few rounds tell best; a model draft's (a small LM, a trained head)
+    # varies far less, and forgotten as fast, with the prior as one round, two early rejections took a head
+    # that pays from α 0.15 on to 0.13 and paused it, and its probes rarely brought it back.
+    MEMORY = {"free": (0.7, 1.0), "model": (0.9, 2.0)}
+    MAX_ALPHA = 0.99  # a position's scaled acceptance (chain_alpha): a rate, below 1
+
     def __init__(self, k_max: int, costs: CostModel, method: str, adaptive: bool = True, free: bool = False,
-                 decay: float = 0.7, prior_weight: float = 1.0, probe_every: int = 8,
+                 decay: float | None = None, prior_weight: float | None = None, probe_every: int = 8,
                  busy: Callable[[], bool] | None = None, branches: int = 1, explore_every: int = 16):
         """busy: asked every round; while it says True the round drafts nothing (the server's load is past
-        where speculation pays, `max_drafting_sequences`), adaptive or not."""
+        where speculation pays, `max_drafting_sequences`), adaptive or not. decay, prior_weight: MEMORY's
+        for the kind of draft unless given."""
         if branches < 1:
             raise ValueError(f"branches must be >= 1, got {branches}")
         self.k_max, self.costs, self.method, self.adaptive, self.free = k_max, costs, method, adaptive, free
         self.busy = busy
-        self.decay, self.probe_every = decay, probe_every
+        memory = self.MEMORY["free" if free else "model"]
+        self.decay = memory[0] if decay is None else decay
+        self.probe_every = probe_every
         self.prior = costs.prior_alpha(method)
-        self.prior_weight = prior_weight
+        self.prior_weight = memory[1] if prior_weight is None else prior_weight
         self.successes = 0.0  # decayed counts of accepted and rejected draft positions (chains)
         self.failures = 0.0
         self.paused_rounds = 0
@@ -421,6 +521,20 @@ class DraftLengthPolicy:
         """Posterior mean of the acceptance rate: prior pseudo-counts plus decayed observations."""
         a = self.successes + self.prior * self.prior_weight
         return a / (self.successes + self.failures + self.prior_weight)
+
+    def chain_alpha(self) -> float | list[float]:
+        """The acceptance of each position of this request's chains: the server's per position
+        (CostModel.position_alpha) scaled by how this request's estimate stands to the server's (a
+        request drafting well is better at every position), at most MAX_ALPHA; one rate, this request's,
+        before the server has any. A draft's later tokens are not as likely as its first: those that pass
+        its confidence stop are likelier, and valued at the first's rate a cap above one or two looked
+        worthless (a head's K=3 gave 1.42-1.51 tokens per round where the rule drafted 1-2 for 1.19-1.34)."""
+        positions = self.costs.position_alpha(self.method, self.k_max)
+        server = self.costs.prior_alpha(self.method)
+        if positions is None or server <= 0.0:
+            return self.alpha
+        scale = self.alpha / server
+        return [min(self.MAX_ALPHA, rate * scale) for rate in positions]
 
     @property
     def tree_alpha(self) -> float:
@@ -452,7 +566,14 @@ class DraftLengthPolicy:
             self.width = self.branches
             self.nodes = self.k_max if self.branches > 1 else 0
             return self.k_max
-        k, value = best_draft_length(self.alpha, self.k_max, lambda j: self.costs.round_cost(self.method, j))
+        k, value = best_draft_length(self.chain_alpha(), self.k_max,
+                                     lambda j: self.costs.chain_round_cost(self.method, j),
+                                     reach=self.costs.reach(self.method, self.k_max))
+        if k == 0 and not self.free and not self.costs.draft_s.get(self.method):
+            # A draft never timed in a steady round is priced by the prior (prior_draft_cost), which can
+            # pause it before it ever shows its cost, and a paused draft's probes catch up on the rounds
+            # it missed, so they never time it either: one token until it is timed.
+            k = 1
         if self.branches > 1 and self.k_max > 1:
             nodes, tree_value = self._best_tree(floor=max(value, 1.0))
             self.rounds_since_explore += 1
@@ -465,6 +586,13 @@ class DraftLengthPolicy:
                 nodes = self.k_max if nodes or self.explored % 2 == 0 else self._best_tree(floor=0.0)[0]
             if nodes > 0:
                 self.width, k, self.nodes = self.branches, nodes, nodes
+        elif 0 < k < self.k_max:
+            # Drafting pays: now and then the whole cap, or the positions past the rule's k are never drafted
+            # and so never measured (reach, position_alpha) and the rule keeps valuing them at its guesses.
+            self.rounds_since_explore += 1
+            if self.rounds_since_explore >= self.explore_every:
+                self.rounds_since_explore, self.explored = 0, self.explored + 1
+                k = self.k_max
         if k > 0:
             self.paused_rounds, self.probe_wait = 0, self.probe_every
             return k
@@ -517,6 +645,10 @@ class DraftLengthPolicy:
         else:
             self.costs.observe_draft(self.tree_method, k, seconds, forward)
             self.costs.observe_tree(self.method, k, depth)
+
+    def observe_proposal(self, asked: int, drafted: int) -> None:
+        """A chain asked for `asked` tokens drafted `drafted`."""
+        self.costs.observe_proposal(self.method, asked, drafted)
 
     def observe_verify(self, positions: int, seconds: float, forward: ForwardStats | None = None) -> None:
         self.costs.observe_verify(positions, seconds, forward)

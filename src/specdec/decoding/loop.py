@@ -126,11 +126,13 @@ async def generate(req: GenerationRequest, proposer: Proposer, scorer: Scorer, p
     features = Features() if getattr(proposer, "wants_features", False) else None
     trees = not req.edits_logits  # else a tree's first branch is verified as a chain
     path = None  # the last verify was a tree: the accepted nodes among its new_ids
+    called = False  # the round in flight called the proposer
     try:
         while True:
             # Never draft past max_tokens: the bonus token always fills the last slot.
             room = req.max_tokens - generated - 1
             k = max(0, min(policy.next_k(), room))
+            called_last, called = called, False
             proposal = shadow = Proposal([], None, draft_valid)
             # Text the grammar forces is this round's proposal, free (grammar.py); K = 0 stays target-only.
             forced = matcher.forced(min(policy.k_max, room)) if matcher is not None else []
@@ -144,15 +146,20 @@ async def generate(req: GenerationRequest, proposer: Proposer, scorer: Scorer, p
                                                   **_features_for(features, draft_valid),
                                                   **_width(policy, trees))
                 # what it drafted: a chain may end early (an n-gram's span, a draft's confidence stop). A
-                # sequence's first call also prefills its prompt: not what a round's draft costs (taken as one,
-                # it priced a trained head's rounds at several target steps and stopped its drafting)
+                # sequence's first call also prefills its prompt, and one after paused rounds catches up on
+                # them: not what a round's draft costs (taken as one, the first priced a trained head's rounds
+                # at several target steps, the second its probes at a third of a step, and both stopped its
+                # drafting). A steady round's call follows a round that called the draft.
                 seconds = time.perf_counter() - started
+                steady = draft_valid and called_last
                 if draft_valid and proposal.parents is None:
+                    policy.observe_proposal(k, len(proposal.tokens))
+                if steady and proposal.parents is None:
                     policy.observe_draft(len(proposal.tokens), seconds, forward=proposal.forward)
-                elif draft_valid:
+                elif steady:
                     policy.observe_draft(k, seconds, max(depths(proposal.parents)) + 1, proposal.forward)
                 draft_valid = proposal.cached_length
-                drafted_ever = True
+                drafted_ever = called = True
                 if proposal.parents is not None and not trees:
                     proposal = first_branch(proposal)
                 if matcher is not None and (req.sampling.greedy or proposal.probs is None):
@@ -165,8 +172,10 @@ async def generate(req: GenerationRequest, proposer: Proposer, scorer: Scorer, p
                 shadow = await proposer.propose(req.seq_id, draft_valid, tokens[draft_valid:], 1, req.sampling, 0,
                                                 reserve=0 if draft_valid else reserve,
                                                 **_features_for(features, draft_valid), **_width(policy, False))
+                if draft_valid:
+                    policy.observe_proposal(1, len(shadow.tokens))
                 draft_valid = shadow.cached_length
-                drafted_ever = True
+                drafted_ever = called = True
             new_ids = tokens[target_valid:] + proposal.tokens
             allowed = matcher.allowed(proposal.tokens, k + 1) if req.target_picks else None
             tree = _with_catch_up(len(new_ids) - k, proposal.parents)
