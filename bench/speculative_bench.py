@@ -70,7 +70,8 @@ HEAD = tn.DEFAULT_HEAD_NAME  # with --draft-head: the trained head's rows (else 
 def head_settings(name: str) -> list[Setting]:
     """A trained head's rows, served as the draft model `name`."""
     return [Setting("EAGLE-3 head, K=3", name, 3, False), Setting("EAGLE-3 head, K=5", name, 5, False),
-            Setting("EAGLE-3 head, adaptive K<=6", name, 6, True)]
+            Setting("EAGLE-3 head, adaptive K<=6", name, 6, True),
+            Setting("ngram first, else the EAGLE-3 head, adaptive K<=16", f"{tn.NGRAM}+{name}", 16, True)]
 
 
 def pair_layers(pair) -> int:
@@ -252,7 +253,7 @@ def report(results, costs, peer, settings, max_tokens, n_prompts) -> str:
         spec = agg["tokens"] / agg["s"]
         alpha = agg["accepted"] / agg["drafted"] if agg["drafted"] else 0.0
         per_round = agg["tokens"] / agg["rounds"] if agg["rounds"] else 0.0
-        c = costs["c"][s.method]
+        c = costs["c"][s.method.rpartition("+")[2]]  # ngram+NAME: its draft model's (lookup rounds cost less)
         by_k = agg.get("rounds_by_k") or {s.k: agg["rounds"]}  # without metrics: every round drafted K
         plain_rounds = max(0.0, agg["rounds"] - sum(by_k.values()))
         gained = plain_rounds + sum(n * expected_tokens(alpha, j) for j, n in by_k.items())

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from bench.report import emit, machine, table, write_results
 from bench.speculative_bench import load_prompts
 from specdec import tensor_names as tn
-from specdec.decoding.draft_length import CostModel, DraftLengthPolicy
+from specdec.decoding.draft_length import CostModel, DraftLengthPolicy, PartPolicies
+from specdec.decoding.lookup_first import LOOKUP, MODEL, LookupFirstProposer
 from specdec.decoding.loop import GenerationRequest, Stats, generate
 from specdec.decoding.ngram_proposer import NgramProposer
 from specdec.engine.build import dynamic_executor
@@ -42,6 +43,7 @@ class Setting:
     branches: int  # 1: a chain
     adaptive: bool = False
     head: bool = False  # the trained head drafts (else prompt lookup)
+    lookup_first: int = 0  # with head: prompt lookup drafts first where it matches this many tokens (0: never)
 
 
 SETTINGS = [Setting("target-only", 0, 1), Setting("chain, K=4", 4, 1), Setting("chain, K=8", 8, 1),
@@ -51,7 +53,10 @@ HEAD_SETTINGS = [Setting("head chain, K=3", 3, 1, head=True), Setting("head chai
                  Setting("head tree of 2, K=6", 6, 2, head=True), Setting("head tree of 3, K=8", 8, 3, head=True),
                  Setting("head tree of 4, K=12", 12, 4, head=True), Setting("head tree of 4, K=16", 16, 4, head=True),
                  Setting("head chain, adaptive K<=6", 6, 1, True, head=True),
-                 Setting("head tree of 3, adaptive K<=12", 12, 3, True, head=True)]
+                 Setting("head tree of 3, adaptive K<=12", 12, 3, True, head=True),
+                 Setting("lookup chain, adaptive K<=16", 16, 1, True),
+                 *(Setting(f"lookup (n>={n}) first, else head, adaptive K<=16", 16, 1, True, head=True, lookup_first=n)
+                   for n in (2, 3, 4))]
 
 
 def load_head_executor(head_dir: str, target_path: str, dtype: str = "float32",
@@ -74,11 +79,17 @@ def run(lm, prompt_ids: list[int], setting: Setting, max_tokens: int, seq_id: in
     stats, trees = Stats(), 0
     # As the orchestrator builds it: prompt lookup a free draft, a head a priced one; a cost model of the
     # request's own
-    policy = DraftLengthPolicy(setting.k, CostModel(), "head" if setting.head else tn.NGRAM, adaptive=setting.adaptive,
+    method = (f"{tn.NGRAM}+head" if setting.lookup_first else "head") if setting.head else tn.NGRAM
+    policy = DraftLengthPolicy(setting.k, CostModel(), method, adaptive=setting.adaptive,
                                free=not setting.head, branches=setting.branches)
     req = GenerationRequest(seq_id, prompt_ids, max_tokens)
     proposer = (LocalProposer(head, branches=setting.branches) if setting.head
                 else NgramProposer(branches=setting.branches))
+    if setting.lookup_first:  # as the orchestrator builds it: each part's own policy
+        proposer = LookupFirstProposer(NgramProposer(), proposer, min_ngram=setting.lookup_first)
+        costs = CostModel()
+        policy = PartPolicies({LOOKUP: DraftLengthPolicy(setting.k, costs, method, free=True),
+                               MODEL: DraftLengthPolicy(setting.k, costs, "head")})
 
     async def main():
         nonlocal trees

@@ -92,6 +92,22 @@ def test_greedy_output_with_a_head_equals_target_only(head_server, target_only, 
     assert over_http[tn.TEXT_OUTPUT] == target_only[prompt, 16]
 
 
+@pytest.mark.parametrize("name", ["ngram+head_trained", "ngram+head_random_eagle3"])
+def test_greedy_output_with_prompt_lookup_first_and_a_head_otherwise_equals_target_only(head_server, target_only,
+                                                                                         name):
+    """Every server offers "ngram+HEAD" (lookup_first.py): rounds where the sequence repeats an earlier
+    3-gram draft its continuation, the others the head's proposal, the head catching up on the rounds it
+    missed (its features included): the text is target-only's, adaptive or not."""
+    repeating = "the cat sat on the mat and the cat sat on the mat and the cat sat on the"
+    reference = grpc_stream(head_server.grpc_url, repeating, max_tokens=32, num_draft_tokens=0)[tn.TEXT_OUTPUT]
+    for prompt, expected in [*((p, target_only[p, 32]) for p in GREEDY_PROMPTS), (repeating, reference)]:
+        for adaptive in (False, True):
+            drafted = grpc_stream(head_server.grpc_url, prompt, max_tokens=32, num_draft_tokens=3, draft_model=name,
+                                  adaptive_draft=adaptive)
+            assert drafted[tn.TEXT_OUTPUT] == expected, (name, prompt, adaptive)
+            assert adaptive or drafted[tn.TOTAL_DRAFT_TOKENS] > 0
+
+
 def test_a_trained_head_is_accepted_where_a_random_one_is_not(head_server):
     accepted = {}
     for name in ("head_trained", "head_random_eagle3"):
@@ -162,10 +178,13 @@ def exact_three_token_texts(prompt: str, params) -> dict[str, float]:
     return dict(out)
 
 
-@pytest.mark.parametrize("name", ["head_random_eagle", "head_random_medusa", "head_trained"])  # trained: EAGLE-3
+@pytest.mark.parametrize("name", ["head_random_eagle", "head_random_medusa", "head_trained",  # trained: EAGLE-3
+                                  "ngram+head_trained"])
 def test_sampled_output_with_a_head_follows_the_targets_distribution(head_server, name):
     """The first three tokens (a head drafts from the second round on: the second token is its draft's)
-    of many seeded requests against the target's exact distribution of their text (chi-square, 1e-3)."""
+    of many seeded requests against the target's exact distribution of their text (chi-square, 1e-3).
+    ngram+HEAD: the prompt ends in a repeated 3-gram, so prompt lookup drafts the first round's tokens,
+    deterministically, and the head those of rounds where the sampled text left the copy."""
     from collections import Counter
     from concurrent.futures import ThreadPoolExecutor
 

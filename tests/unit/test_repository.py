@@ -23,7 +23,7 @@ def test_render_points_every_model_at_the_pair(tmp_path):
     assert '"/w/target"' in cfg["target_model"] and '"float64"' in cfg["target_model"]
     assert '"/w/draft"' in cfg["draft_model"]
     assert 'name: "draft_model_b"' in cfg["draft_model_b"] and '"/w/draft_b"' in cfg["draft_model_b"]
-    assert '"draft_model,draft_model_b,ngram,suffix"' in cfg["speculative_decoding"]
+    assert '"draft_model,draft_model_b,ngram,suffix,ngram+draft_model,ngram+draft_model_b"' in cfg["speculative_decoding"]
     assert '"512"' in cfg["speculative_decoding"]
     assert 'key: "apply_chat_template", value: { string_value: "true" }' in cfg["preprocessing"]
     assert "kind: KIND_GPU, gpus: [ 1 ]" in cfg["target_model"] and "kind: KIND_GPU, gpus: [ 0 ]" in cfg["draft_model"]
@@ -102,7 +102,7 @@ def test_render_and_launcher_flag_for_skip_drafts(tmp_path):
     assert f'name: "{tn.DEFAULT_SKIP_DRAFT_NAME}"' in skip and '"/w/target"' in skip
     assert 'key: "draft_kind", value: { string_value: "skip" }' in skip
     assert 'key: "skip_layers", value: { string_value: "3,5-7" }' in (repo / "fixed" / "config.pbtxt").read_text()
-    assert f'"ngram,{tn.DEFAULT_SKIP_DRAFT_NAME},fixed,suffix"' in (repo / "speculative_decoding" / "config.pbtxt").read_text()
+    assert f'"ngram,{tn.DEFAULT_SKIP_DRAFT_NAME},fixed,suffix,ngram+{tn.DEFAULT_SKIP_DRAFT_NAME},ngram+fixed"' in (repo / "speculative_decoding" / "config.pbtxt").read_text()
     assert not (repo / "draft_model").exists()
 
 

@@ -241,10 +241,11 @@ output [
 ]
 {{ include "specdec.param" (list "tokenizer_path" (include "specdec.tokenizerPath" .)) }}
 {{ include "specdec.param" (list "target_model" "target_model") }}
-{{ include "specdec.param" (list "draft_models" (get (dict "model" "draft_model,ngram,suffix" "head" "draft_model,ngram,suffix" "skip" "draft_model,ngram,suffix" "ngram" "ngram,suffix" "suffix" "suffix,ngram") .Values.models.draft.method)) }}
+{{ include "specdec.param" (list "draft_models" (get (dict "model" "draft_model,ngram,suffix,ngram+draft_model" "head" "draft_model,ngram,suffix,ngram+draft_model" "skip" "draft_model,ngram,suffix,ngram+draft_model" "ngram" "ngram,suffix" "suffix" "suffix,ngram") .Values.models.draft.method)) }}
 {{ include "specdec.param" (list "head_drafts" (ternary "draft_model" "" (eq .Values.models.draft.method "head"))) }}
 {{ include "specdec.param" (list "suffix_cache_tokens" $s.suffixCacheTokens) }}
 {{ include "specdec.param" (list "lookup_branches" $s.lookupBranches) }}
+{{ include "specdec.param" (list "lookup_first_min_ngram" $s.lookupFirstMinNgram) }}
 {{ include "specdec.param" (list "draft_branches" $s.draftBranches) }}
 {{ include "specdec.param" (list "adaptive_draft" (ternary "true" "false" $s.adaptiveDraft)) }}
 {{ include "specdec.param" (list "default_num_draft_tokens" $s.defaultNumDraftTokens) }}

@@ -15,6 +15,7 @@
   token_mask         allowed-token bitmasks read where the logits are
   ngram_proposer     prompt lookup: a Proposer with no model
   suffix_proposer    prompt lookup also over earlier requests' text: a cache they share
+  lookup_first       prompt lookup first, a draft model where it finds no long enough match ("ngram+NAME")
   text               tokenizer loading, incremental detokenization, stop words
 
 May import: torch, `specdec.tensor_names`, and (text only, lazily) transformers' tokenizers.

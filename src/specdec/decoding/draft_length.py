@@ -655,3 +655,22 @@ class DraftLengthPolicy:
 
     def observe_forward(self, forward: ForwardStats) -> None:
         self.costs.observe_forward(forward)
+
+
+class PartPolicies:
+    """One request's draft-length policies for a proposer of parts (lookup_first.py: prompt lookup where the
+    sequence repeats itself, a draft model otherwise): each part's own DraftLengthPolicy, priced, estimated
+    and paused as when it drafts alone. The loop `select`s the round's part before it asks for k; every
+    other attribute is the selected policy's."""
+
+    def __init__(self, policies: dict[str, DraftLengthPolicy]):
+        if not policies:
+            raise ValueError("PartPolicies needs at least one part")
+        self.policies = policies
+        self.active = next(iter(policies.values()))
+
+    def select(self, part: str) -> None:
+        self.active = self.policies[part]
+
+    def __getattr__(self, name: str):
+        return getattr(self.active, name)

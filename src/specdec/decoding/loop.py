@@ -127,10 +127,15 @@ async def generate(req: GenerationRequest, proposer: Proposer, scorer: Scorer, p
     trees = not req.edits_logits  # else a tree's first branch is verified as a chain
     path = None  # the last verify was a tree: the accepted nodes among its new_ids
     called = False  # the round in flight called the proposer
+    choose, select = getattr(proposer, "choose", None), getattr(policy, "select", None)
     try:
         while True:
             # Never draft past max_tokens: the bonus token always fills the last slot.
             room = req.max_tokens - generated - 1
+            if choose is not None:  # a proposer of parts (lookup_first.py): the round's part, and its policy
+                part = choose(req.seq_id, draft_valid, tokens[draft_valid:])
+                if select is not None:
+                    select(part)
             k = max(0, min(policy.next_k(), room))
             called_last, called = called, False
             proposal = shadow = Proposal([], None, draft_valid)

@@ -91,13 +91,22 @@ class NgramIndex:
 
     def match(self, k: int) -> tuple[int, list[int]]:
         """(where the matched earlier occurrence ends, up to k tokens that followed it); (0, []) if none."""
+        n, end, follow = self._longest(k)
+        return end, follow
+
+    def longest(self, k: int) -> tuple[int, list[int]]:
+        """(the matched n-gram's length, up to k tokens that followed it); (0, []) if none."""
+        n, end, follow = self._longest(k)
+        return n, follow
+
+    def _longest(self, k: int) -> tuple[int, int, list[int]]:
         tokens, length = self.tokens, len(self.tokens)
         for n in range(min(self.max_ngram, length - 1), self.min_ngram - 1, -1):
             start = self.latest[n].get(tuple(tokens[length - n:]))
             if start is not None:
                 follow = tokens[start + n:start + n + k]
-                return (start + n, follow) if follow else (0, [])
-        return 0, []
+                return (n, start + n, follow) if follow else (0, 0, [])
+        return 0, 0, []
 
 
 def merge(continuations: list[list[int]], budget: int) -> tuple[list[int], tuple[int, ...]]:
@@ -142,11 +151,7 @@ class NgramProposer:
                       params: SamplingParams, round_seed: int, reserve: int = 0, branches: int | None = None
                       ) -> Proposal:
         width = self.branches if branches is None else max(1, min(branches, self.branches))
-        index = self.sequences.get(seq_id)
-        if index is None:
-            index = self.sequences[seq_id] = NgramIndex(self.max_ngram, self.min_ngram, self.branches)
-        index.truncate(keep)
-        index.extend(new_ids)
+        index = self.extend(seq_id, keep, new_ids)
         # No distributions: a deterministic draft, which the loop verifies as one-hot rows of the
         # target's own logit width (a tokenizer's length is not the model's vocabulary width).
         if width == 1:
@@ -155,6 +160,20 @@ class NgramProposer:
         # One continuation merges into a chain: sent as one (no tree bookkeeping downstream).
         chain = all(parent == node - 1 for node, parent in enumerate(parents))
         return Proposal(tokens, None, cached_length=len(index.tokens), parents=None if chain else parents)
+
+    def extend(self, seq_id: int, keep: int, new_ids: list[int]) -> NgramIndex:
+        """The sequence's index, keeping `keep` tokens and appending `new_ids`."""
+        index = self.sequences.get(seq_id)
+        if index is None:
+            index = self.sequences[seq_id] = NgramIndex(self.max_ngram, self.min_ngram, self.branches)
+        index.truncate(keep)
+        index.extend(new_ids)
+        return index
+
+    def seen(self, seq_id: int) -> int:
+        """Tokens of the sequence the index holds."""
+        index = self.sequences.get(seq_id)
+        return 0 if index is None else len(index.tokens)
 
     def _draft(self, index: NgramIndex, k: int) -> list[int]:
         """Up to k tokens for the sequence `index` holds."""

@@ -243,10 +243,12 @@ def with_heads(pair: pairs.PairSpec, heads: list[str], default_draft: str = "") 
         given.append(name)
     # The first head given is the default draft (not a head the pair itself serves, e.g. the default pair's)
     default = default_draft or (given[0] if given else pair.default_draft)
-    offered = set(pair.draft_paths) | set(named) | set(pair.skip_drafts) | set(pair.builtin_drafts)
+    served = dataclasses.replace(pair, draft_heads=named, default_draft=default)
+    offered = (set(pair.draft_paths) | set(named) | set(pair.skip_drafts) | set(pair.builtin_drafts)
+               | set(pairs.combined_drafts(served)))
     if default and default not in offered:
         raise ValueError(f"--default-draft {default!r} is not among the drafts served: {sorted(offered)}")
-    return dataclasses.replace(pair, draft_heads=named, default_draft=default)
+    return served
 
 
 def with_skip_drafts(pair: pairs.PairSpec, specs: list[str]) -> pairs.PairSpec:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specdec import tensor_names as tn
+from specdec.decoding import lookup_first
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -224,6 +225,15 @@ def default_pair() -> PairSpec:
         # oneDNN kernels verifying 17 positions costs about one target step.
         default_num_draft_tokens=16,
     )
+
+
+def combined_drafts(pair: PairSpec) -> list[str]:
+    """The combined methods a server of `pair` offers: prompt lookup first, each draft model otherwise
+    ("ngram+NAME", lookup_first.py), where prompt lookup is offered."""
+    if tn.NGRAM not in pair.builtin_drafts:
+        return []
+    return [f"{tn.NGRAM}{lookup_first.SEPARATOR}{name}"
+            for name in [*pair.draft_paths, *pair.draft_heads, *pair.skip_drafts]]
 
 
 def custom_pair(target: str, draft: str = tn.NGRAM, tokenizer: str = "", **settings) -> PairSpec:

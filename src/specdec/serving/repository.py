@@ -11,7 +11,7 @@ import shutil
 from pathlib import Path
 
 from specdec import tensor_names as tn
-from specdec.serving.pairs import REPO_ROOT, PairSpec
+from specdec.serving.pairs import REPO_ROOT, PairSpec, combined_drafts
 
 SOURCE = REPO_ROOT / "model_repository"
 
@@ -104,7 +104,7 @@ def render(pair: PairSpec, dest: Path) -> Path:
         edit(name, {**lm_settings(pair.target_path, "draft"), "draft_kind": "skip", "skip_layers": layers,
                     "target_tokenizer_path": pair.tokenizer_path}, instance_group(pair, "draft"))
     draft_models = ([name for name, _ in drafts] + list(pair.draft_heads) + list(pair.skip_drafts)
-                    + list(pair.builtin_drafts))
+                    + list(pair.builtin_drafts) + combined_drafts(pair))
     if pair.default_draft:  # the first entry is the default
         draft_models.remove(pair.default_draft)
         draft_models.insert(0, pair.default_draft)

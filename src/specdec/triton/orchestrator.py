@@ -20,9 +20,10 @@ from collections.abc import Callable
 import numpy as np
 
 from specdec import tensor_names as tn
-from specdec.decoding.draft_length import CostModel, DraftLengthPolicy
+from specdec.decoding.draft_length import CostModel, DraftLengthPolicy, PartPolicies
 from specdec.decoding.grammar import GuideCompiler
 from specdec.decoding.interfaces import NoCapacity
+from specdec.decoding import lookup_first
 from specdec.decoding.loop import GenerationRequest, Stats, generate
 from specdec.decoding.ngram_proposer import NgramProposer
 from specdec.decoding.suffix_proposer import SuffixCache, SuffixProposer
@@ -94,19 +95,32 @@ class SpeculativeDecodingAdapter(TritonAdapter):
         branches = params.int("lookup_branches", 1, low=1, high=8)
         builtin = {tn.NGRAM: lambda: NgramProposer(branches=branches),
                    tn.SUFFIX: lambda: SuffixProposer(self.suffix_cache, branches=branches)}
+        # "ngram+MODEL" (lookup_first.py): prompt lookup drafts where the sequence's suffix matched an earlier
+        # n-gram of at least lookup_first_min_ngram tokens, the draft model MODEL otherwise.
+        combined = {name: lookup_first.parts(name) for name in self.limits.draft_names if lookup_first.parts(name)}
+        for name, (lookup, model) in combined.items():
+            if lookup != tn.NGRAM or model in tn.BUILTIN_DRAFTS:
+                raise ConfigError(f"draft_models entry {name!r}: a combined draft is {tn.NGRAM!r}"
+                                  f"{lookup_first.SEPARATOR}MODEL, MODEL a draft model")
+        models = [name for name in self.limits.draft_names if name not in combined and name not in builtin]
+        models += [model for _, model in combined.values() if model not in models]
         # Trained heads (draft_kind head): their rounds ask target_model for its features and pass them on.
         heads = set(params.list("head_drafts"))
-        if heads - set(self.limits.draft_names):
-            raise ConfigError(f"head_drafts {sorted(heads - set(self.limits.draft_names))} are not among "
+        if heads - set(models):
+            raise ConfigError(f"head_drafts {sorted(heads - set(models))} are not among the draft models of "
                               f"draft_models {list(self.limits.draft_names)}")
         # A draft model's other candidates per drafted position, as one token tree of at most K nodes (1: a
         # chain; draft_tree.py); a trained head's: EAGLE-2's dynamic tree that many wide
         draft_branches = params.int("draft_branches", 1, low=1, high=8)
-        self.proposers = {name: builtin[name]() if name in builtin else FallbackProposer(
+        min_ngram = params.int("lookup_first_min_ngram", lookup_first.DEFAULT_MIN_NGRAM, low=2, high=4)
+        called = {name: FallbackProposer(
             BlsProposer(pb_utils, name, timeout_us, chunk, wants_features=name in heads,
                         branches=draft_branches), name,
-            self.metrics.record_fallback, retry_after_s=retry_s)
-            for name in self.limits.draft_names}
+            self.metrics.record_fallback, retry_after_s=retry_s) for name in models}
+        self.proposers = {name: builtin[name]() if name in builtin else called[name]
+                          for name in self.limits.draft_names if name not in combined}
+        self.proposers.update({name: lookup_first.LookupFirstProposer(NgramProposer(), called[model], min_ngram)
+                               for name, (_, model) in combined.items()})
         # Concurrent requests' verify calls wait for each other up to this window, so that target_model's
         # forwards carry all of them (verify_gate.py); 0: each goes as soon as it is ready.
         self.gate = VerifyGate(params.float("verify_gather_ms", 0.0, low=0.0) / 1e3, self.metrics.record_gate_hold)
@@ -125,6 +139,19 @@ class SpeculativeDecodingAdapter(TritonAdapter):
         self.cancellations = CancellationBoard()
         self.cancellations.sweep()
         self.last_sweep = time.monotonic()
+
+    def _policy(self, parsed: ParsedRequest, proposer, gen: GenerationRequest) -> DraftLengthPolicy | PartPolicies:
+        """The request's draft-length policy: a combined draft's (ngram+NAME) one per part, its lookup rounds
+        measured under the combined name (they draft only on long matches), its model's under NAME's."""
+        def one(method: str, free: bool, branches: int) -> DraftLengthPolicy:
+            return DraftLengthPolicy(parsed.num_draft_tokens, self.costs, method, adaptive=parsed.adaptive,
+                                     free=free, busy=self._busy(gen), branches=branches)
+
+        combined = lookup_first.parts(parsed.draft_name)
+        if combined is None:
+            return one(parsed.draft_name, parsed.draft_name in tn.BUILTIN_DRAFTS, proposer.branches)
+        return PartPolicies({lookup_first.LOOKUP: one(parsed.draft_name, True, 1),
+                             lookup_first.MODEL: one(combined[1], False, proposer.branches)})
 
     async def execute(self, requests):
         await asyncio.gather(*(self._serve(request) for request in requests))
@@ -234,9 +261,7 @@ class SpeculativeDecodingAdapter(TritonAdapter):
                 raise NoCapacity("cancelled while waiting in line for KV room")  # room.cancelled is set
             started = True
             proposer = self.proposers[parsed.draft_name]
-            policy = DraftLengthPolicy(parsed.num_draft_tokens, self.costs, parsed.draft_name,
-                                       adaptive=parsed.adaptive, free=parsed.draft_name in tn.BUILTIN_DRAFTS,
-                                       busy=self._busy(gen), branches=proposer.branches)
+            policy = self._policy(parsed, proposer, gen)
             # Between draft and verify only the board is read (one stat): asking Triton is an IPC round
             # trip, paid once per round (`_Responses.round`), off the event loop.
             rounds = generate(gen, proposer, self.scorer, policy, out.stats,

@@ -1,0 +1,109 @@
+"""Prompt lookup first, a model draft where it finds nothing: one draft method of both ("ngram+NAME").
+
+Prompt lookup costs nothing and, where the output copies the prompt (summaries, rewrites, answers from a
+given text), proposes spans no model draft matches; on open-ended text it rarely finds a match worth
+verifying, where a trained head or a small draft model proposes what the target is likely to say. Each
+round this proposer drafts the lookup's continuation when the sequence's suffix matched an earlier
+n-gram of at least `min_ngram` tokens (a shorter match is a coincidence as often as a copy), else asks
+the model. Which one drafts depends only on the tokens so far, so every round is one proposer's
+proposal and the loop's verification keeps the target's output (greedy) and distribution (sampling) exact.
+
+The loop asks which part drafts before the round (`choose`), and each part has its own draft-length
+policy (draft_length.PartPolicies): the lookup's free and shadowed as prompt lookup alone, the model's
+priced and probed as the model alone. (One policy for both priced the lookup's rounds at the model's
+cost and paused both at once; measured in process, that drafted fewer tokens per round than either alone.)
+
+The model's cache lags over the rounds the lookup drafted: this proposer reports the model's valid
+prefix as its own, so the loop sends the tokens (and a trained head's features) the model missed with
+the next call that reaches it, as it does after paused rounds. The lookup keeps every token it was sent
+(the sequence's, never a draft's), so it is sent only those it has not seen.
+"""
+
+from __future__ import annotations
+
+from specdec.decoding.interfaces import Proposal, Proposer
+from specdec.decoding.ngram_proposer import NgramProposer
+from specdec.decoding.sampling import SamplingParams
+
+SEPARATOR = "+"  # a draft method "LOOKUP+MODEL": a built-in lookup first, the draft model MODEL otherwise
+DEFAULT_MIN_NGRAM = 3  # speculative_decoding's lookup_first_min_ngram
+LOOKUP, MODEL = "lookup", "model"  # the parts a round may draft with (`choose`)
+
+
+def parts(method: str) -> tuple[str, str] | None:
+    """(lookup, model) of a combined method name, None for any other name."""
+    lookup, sep, model = method.partition(SEPARATOR)
+    return (lookup, model) if sep and lookup and model else None
+
+
+class LookupFirstProposer:
+    def __init__(self, lookup: NgramProposer, model: Proposer, min_ngram: int = DEFAULT_MIN_NGRAM):
+        if type(lookup) is not NgramProposer:  # a suffix cache's matches are not the sequence's n-grams
+            raise ValueError(f"the lookup first must be prompt lookup ({type(lookup).__name__} given)")
+        if min_ngram < lookup.min_ngram:
+            raise ValueError(f"min_ngram {min_ngram} is below the lookup's own ({lookup.min_ngram})")
+        self.lookup, self.model, self.min_ngram = lookup, model, min_ngram
+        self.wants_features = getattr(model, "wants_features", False)
+        self.branches = getattr(model, "branches", 1)
+        self.model_valid: dict[int, int] = {}  # seq -> the model's valid prefix, for sequences it was called for
+        self.chosen: dict[int, str] = {}  # seq -> the part `choose` picked for its next call
+        self.drafted: dict[int, tuple[int, list[int]]] = {}  # seq -> (where, tokens) of the model's last proposal
+        self.lookup_rounds = self.model_rounds = 0
+
+    def choose(self, seq_id: int, keep: int, new_ids: list[int]) -> str:
+        """LOOKUP or MODEL: which part drafts the sequence's next round (its tokens are those kept and
+        `new_ids`, as the next propose call will be sent). The loop asks first, so that each part's own
+        draft-length policy (draft_length.PartPolicies) prices the round."""
+        # The lookup holds a prefix of the sequence: every token it was sent, and keep + new_ids is the
+        # sequence from keep on. The model's cache (keep) may hold more: its accepted drafts of last round,
+        # which the loop does not send again, and the lookup takes from that proposal.
+        seen = self.lookup.seen(seq_id)
+        accepted = []
+        if seen < keep:
+            start, drafted = self.drafted.get(seq_id, (seen, []))
+            if start != seen or keep - seen > len(drafted):
+                raise ValueError(f"sequence {seq_id}: the lookup holds {seen} tokens and the model {keep}")
+            accepted = drafted[:keep - seen]
+        matched, span = self.lookup.extend(seq_id, seen, accepted + new_ids[max(0, seen - keep):]).longest(1)
+        self.chosen[seq_id] = part = LOOKUP if span and matched >= self.min_ngram else MODEL
+        return part
+
+    async def propose(self, seq_id: int, keep: int, new_ids: list[int], k: int, params: SamplingParams,
+                      round_seed: int, reserve: int = 0, **options) -> Proposal:
+        if seq_id not in self.chosen:  # a caller that did not ask first
+            self.choose(seq_id, keep, new_ids)
+        part = self.chosen.pop(seq_id)
+        if part == LOOKUP:
+            span = self.lookup.sequences[seq_id].lookup(k)
+            self.lookup_rounds += 1
+            # The model was not called: its valid prefix is at most what the loop asked it to keep
+            valid = min(keep, self.model_valid.get(seq_id, 0))
+            if seq_id in self.model_valid:
+                self.model_valid[seq_id] = valid
+            return Proposal(span, None, cached_length=valid)
+        self.model_rounds += 1
+        proposal = await self.model.propose(seq_id, keep, new_ids, k, params, round_seed, reserve, **options)
+        self.model_valid[seq_id] = proposal.cached_length
+        self.drafted[seq_id] = (keep + len(new_ids), _first_branch(proposal))
+        return proposal
+
+    async def release(self, seq_id: int) -> None:
+        self.chosen.pop(seq_id, None)
+        self.drafted.pop(seq_id, None)
+        await self.lookup.release(seq_id)
+        if self.model_valid.pop(seq_id, None) is not None:  # a sequence the model never saw is not its to end
+            await self.model.release(seq_id)
+
+
+def _first_branch(proposal: Proposal) -> list[int]:
+    """A proposal's chain, or its tree's first branch (each node's first child, from the root): what the
+    model's cache holds of it."""
+    if proposal.parents is None:
+        return list(proposal.tokens)
+    branch, at = [], -1
+    while True:
+        child = next((i for i, parent in enumerate(proposal.parents) if parent == at), None)
+        if child is None:
+            return branch
+        branch.append(proposal.tokens[child])
+        at = child
