@@ -53,7 +53,7 @@ class Setting:
 
 
 SETTINGS = [
-    Setting("ngram, adaptive K<=16 (server default)", tn.NGRAM, 16, True),
+    Setting("ngram, adaptive K<=16", tn.NGRAM, 16, True),
     Setting("ngram, adaptive K<=8", tn.NGRAM, 8, True),
     Setting("ngram, K=4", tn.NGRAM, 4, False),
     Setting("ngram, K=16", tn.NGRAM, 16, False),
@@ -71,7 +71,9 @@ def head_settings(name: str) -> list[Setting]:
     """A trained head's rows, served as the draft model `name`."""
     return [Setting("EAGLE-3 head, K=3", name, 3, False), Setting("EAGLE-3 head, K=5", name, 5, False),
             Setting("EAGLE-3 head, adaptive K<=6", name, 6, True),
-            Setting("ngram first, else the EAGLE-3 head, adaptive K<=16", f"{tn.NGRAM}+{name}", 16, True)]
+            Setting("ngram first, else the EAGLE-3 head, adaptive K<=16"
+                    + (" (server default)" if name == pairs.DEFAULT_PAIR_HEAD_NAME else ""),
+                    f"{tn.NGRAM}+{name}", 16, True)]
 
 
 def pair_layers(pair) -> int:

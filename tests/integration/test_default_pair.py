@@ -1,6 +1,6 @@
 """The real default pair (SmolLM2-135M-Instruct target) served by its own tritonserver: speculative greedy
-output equals target-only output, for the default draft (prompt lookup, adaptive K), the draft model and
-the pair's shipped EAGLE-3 head (eagle3)."""
+output equals target-only output, for the default draft (prompt lookup first, the shipped EAGLE-3 head
+otherwise: ngram+eagle3, adaptive K), prompt lookup alone, the draft model and the head alone (eagle3)."""
 
 import json
 
@@ -31,7 +31,8 @@ def target_only(default_server):
             for prompt in PROMPTS}
 
 
-@pytest.mark.parametrize("draft, k, adaptive", [("ngram", None, None), ("draft_model", 3, False), ("eagle3", 3, False)])
+@pytest.mark.parametrize("draft, k, adaptive", [(None, None, None), ("ngram", None, None), ("draft_model", 3, False),
+                                                ("eagle3", 3, False)])  # None: the default, ngram+eagle3
 def test_real_pair_speculative_greedy_equals_target_only(default_server, target_only, draft, k, adaptive):
     drafted = accepted = 0
     for prompt in PROMPTS:

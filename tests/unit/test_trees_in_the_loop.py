@@ -209,7 +209,7 @@ def test_the_tree_bench_runs_and_its_trees_are_exact(tmp_path):
     assert any("head tree" in row and "| 0%" not in row for row in rows)  # the head's trees were verified
     # --only: target-only and the settings named
     assert tree_bench.main(["--pair", "tiny", "--prompts", "1", "--max-tokens", "8", "--out", str(out),
-                            "--draft-head", str(head), "--head-only", "--only", "adaptive"]) == 0
+                            "--draft-head", str(head), "--head-only", "--only", "K<=6,K<=12"]) == 0
     labels = [line.split("|")[1].strip() for line in out.read_text().splitlines()
               if line.startswith("| ") and "setting" not in line]
     assert labels == 2 * ["target-only", "head chain, adaptive K<=6", "head tree of 3, adaptive K<=12"]

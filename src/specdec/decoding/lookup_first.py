@@ -4,19 +4,20 @@ Prompt lookup costs nothing and, where the output copies the prompt (summaries, 
 given text), proposes spans no model draft matches; on open-ended text it rarely finds a match worth
 verifying, where a trained head or a small draft model proposes what the target is likely to say. Each
 round this proposer drafts the lookup's continuation when the sequence's suffix matched an earlier
-n-gram of at least `min_ngram` tokens (a shorter match is a coincidence as often as a copy), else asks
-the model. Which one drafts depends only on the tokens so far, so every round is one proposer's
-proposal and the loop's verification keeps the target's output (greedy) and distribution (sampling) exact.
+n-gram of at least `min_ngram` tokens, else asks the model. Which one drafts depends only on the tokens so
+far, so every round is one proposer's proposal and the loop's verification keeps the target's output
+(greedy) and distribution (sampling) exact.
 
 The loop asks which part drafts before the round (`choose`), and each part has its own draft-length
 policy (draft_length.PartPolicies): the lookup's free and shadowed as prompt lookup alone, the model's
 priced and probed as the model alone. (One policy for both priced the lookup's rounds at the model's
-cost and paused both at once; measured in process, that drafted fewer tokens per round than either alone.)
+cost and paused both at once.)
 
 The model's cache lags over the rounds the lookup drafted: this proposer reports the model's valid
 prefix as its own, so the loop sends the tokens (and a trained head's features) the model missed with
-the next call that reaches it, as it does after paused rounds. The lookup keeps every token it was sent
-(the sequence's, never a draft's), so it is sent only those it has not seen.
+the next call that reaches it, as it does after paused rounds. The lookup keeps every token of the
+sequence it has seen: it is sent those it has not, and takes the model's accepted drafts, which the
+model holds and the loop does not send again, from the model's last proposal.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from specdec.decoding.ngram_proposer import NgramProposer
 from specdec.decoding.sampling import SamplingParams
 
 SEPARATOR = "+"  # a draft method "LOOKUP+MODEL": a built-in lookup first, the draft model MODEL otherwise
-DEFAULT_MIN_NGRAM = 3  # speculative_decoding's lookup_first_min_ngram
+DEFAULT_MIN_NGRAM = 2  # speculative_decoding's lookup_first_min_ngram: prompt lookup's own shortest match
 LOOKUP, MODEL = "lookup", "model"  # the parts a round may draft with (`choose`)
 
 

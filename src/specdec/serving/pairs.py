@@ -214,12 +214,14 @@ def default_pair() -> PairSpec:
         AutoTokenizer.from_pretrained(target).save_pretrained(draft)
         _mark_done(draft)
     max_pos = json.loads((target / "config.json").read_text()).get("max_position_embeddings", 2048)
-    # Prompt lookup first (the default): it costs nothing when it has no match, while the layer-skip
-    # draft model accepts too little on CPU to pay for itself (3 % of its tokens, at 0.37 of a target step).
+    # By default prompt lookup where the sequence repeats itself (free), the trained head otherwise
+    # (ngram+eagle3): measured faster than either alone over grounded and open prompts together
+    # (docs/results/2026-11-28-adaptive-heads.md); the layer-skip draft model accepts too little on CPU to
+    # pay for itself (3 % of its tokens, at 0.37 of a target step).
     return PairSpec(
         name="default", target_path=str(target), tokenizer_path=str(target),
         draft_paths={"draft_model": str(draft)}, draft_heads={DEFAULT_PAIR_HEAD_NAME: str(DEFAULT_PAIR_HEAD)},
-        default_draft=tn.NGRAM, dtype="float32",
+        default_draft=f"{tn.NGRAM}{lookup_first.SEPARATOR}{DEFAULT_PAIR_HEAD_NAME}", dtype="float32",
         max_context_tokens=int(max_pos), apply_chat_template=True,
         # Up to 16 tokens a round, adaptive: a lookup proposes at most the span it found, and with
         # oneDNN kernels verifying 17 positions costs about one target step.
