@@ -131,3 +131,41 @@ def test_a_trees_first_branch_is_what_the_model_holds():
     tree = Proposal([5, 6, 7, 8, 9], None, 0, parents=(-1, -1, 0, 0, 2))  # 5 -> 7 -> 9 first; 6, 8 siblings
     assert _first_branch(tree) == [5, 7, 9]
     assert _first_branch(Proposal([1, 2], None, 0)) == [1, 2]
+
+
+def test_a_model_call_after_lookup_rounds_is_not_timed_as_a_round():
+    """The model's first call after rounds the lookup drafted catches up on them (here it takes 50 ms): the
+    loop does not time it (the next steady call is), or the model's cost would be read from its catch-ups."""
+    import time
+
+    class SlowCatchUp(RecordingModel):
+        catch_ups = 0
+
+        async def propose(self, seq_id, keep, new_ids, k, params, round_seed, reserve=0, **options):
+            if seq_id in proposer.behind:
+                self.catch_ups += 1
+                time.sleep(0.05)
+            return await super().propose(seq_id, keep, new_ids, k, params, round_seed, reserve, **options)
+
+    start = [3, 1, 4, 1, 5, 9, 2, 6]
+    model = SlowCatchUp(agree_every=3)
+    proposer = LookupFirstProposer(NgramProposer(), model, min_ngram=2)
+    choose, rounds = proposer.choose, []
+
+    def every_third_round_the_lookup(seq_id, keep, new_ids):
+        choose(seq_id, keep, new_ids)
+        rounds.append(None)
+        proposer.chosen[seq_id] = part = LOOKUP if len(rounds) % 3 == 0 else MODEL
+        return part
+
+    proposer.choose = every_third_round_the_lookup
+    costs, seen = CostModel(), []
+    observe = costs.observe_draft
+    costs.observe_draft = lambda method, tokens, seconds, forward=None: seen.append((method, seconds)) or observe(
+        method, tokens, seconds, forward)
+    policy = PartPolicies({LOOKUP: DraftLengthPolicy(4, costs, "ngram+m", free=True, adaptive=False),
+                           MODEL: DraftLengthPolicy(4, costs, "m", adaptive=False)})
+    out = run(GenerationRequest(seq_id=1, prompt_ids=start, max_tokens=40), proposer, FakeScorer(), policy, Stats())
+    assert [tok for rnd in out for tok in rnd.new_tokens] == reference_greedy(start, 40)
+    assert model.catch_ups >= 3 and any(method == "m" for method, _ in seen)
+    assert all(seconds < 0.025 for method, seconds in seen if method == "m")

@@ -35,6 +35,9 @@ class Proposal:
     # the first branch (each node's first child), as a chain's.
     parents: tuple[int, ...] | None = None
     forward: ForwardStats | None = None  # the draft's batched execution this call ran in, where reported
+    # The call also caught up on rounds the proposer's model did not draft (lookup_first.py): its time is not
+    # what a round's draft costs, and the loop does not time it
+    caught_up: bool = False
 
 
 @dataclass(frozen=True)

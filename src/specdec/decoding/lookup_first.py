@@ -22,6 +22,8 @@ model holds and the loop does not send again, from the model's last proposal.
 
 from __future__ import annotations
 
+import dataclasses
+
 from specdec.decoding.interfaces import Proposal, Proposer
 from specdec.decoding.ngram_proposer import NgramProposer
 from specdec.decoding.sampling import SamplingParams
@@ -49,6 +51,7 @@ class LookupFirstProposer:
         self.model_valid: dict[int, int] = {}  # seq -> the model's valid prefix, for sequences it was called for
         self.chosen: dict[int, str] = {}  # seq -> the part `choose` picked for its next call
         self.drafted: dict[int, tuple[int, list[int]]] = {}  # seq -> (where, tokens) of the model's last proposal
+        self.behind: set[int] = set()  # sequences the lookup drafted for since the model's last call
         self.lookup_rounds = self.model_rounds = 0
 
     def choose(self, seq_id: int, keep: int, new_ids: list[int]) -> str:
@@ -77,6 +80,7 @@ class LookupFirstProposer:
         if part == LOOKUP:
             span = self.lookup.sequences[seq_id].lookup(k)
             self.lookup_rounds += 1
+            self.behind.add(seq_id)
             # The model was not called: its valid prefix is at most what the loop asked it to keep
             valid = min(keep, self.model_valid.get(seq_id, 0))
             if seq_id in self.model_valid:
@@ -84,12 +88,16 @@ class LookupFirstProposer:
             return Proposal(span, None, cached_length=valid)
         self.model_rounds += 1
         proposal = await self.model.propose(seq_id, keep, new_ids, k, params, round_seed, reserve, **options)
+        if seq_id in self.behind:  # it caught up on the lookup's rounds
+            self.behind.discard(seq_id)
+            proposal = dataclasses.replace(proposal, caught_up=True)
         self.model_valid[seq_id] = proposal.cached_length
         self.drafted[seq_id] = (keep + len(new_ids), _first_branch(proposal))
         return proposal
 
     async def release(self, seq_id: int) -> None:
         self.chosen.pop(seq_id, None)
+        self.behind.discard(seq_id)
         self.drafted.pop(seq_id, None)
         await self.lookup.release(seq_id)
         if self.model_valid.pop(seq_id, None) is not None:  # a sequence the model never saw is not its to end

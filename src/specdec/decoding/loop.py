@@ -156,7 +156,7 @@ async def generate(req: GenerationRequest, proposer: Proposer, scorer: Scorer, p
                 # at several target steps, the second its probes at a third of a step, and both stopped its
                 # drafting). A steady round's call follows a round that called the draft.
                 seconds = time.perf_counter() - started
-                steady = draft_valid and called_last
+                steady = draft_valid and called_last and not proposal.caught_up
                 if draft_valid and proposal.parents is None:
                     policy.observe_proposal(k, len(proposal.tokens))
                 if steady and proposal.parents is None:
