@@ -3,7 +3,7 @@
   loop               propose -> verify -> accept, one round per target forward (`generate`)
   interfaces         Proposal, VerifyCall, Scores, ForwardStats and the Proposer / Scorer protocols the loop calls
   rejection_sampler  the accept/reject rule (greedy and lossless stochastic), pure tensor functions
-  tree_sampler       the same rule over a token tree: the greedy path, recursive rejection sampling over siblings
+  tree_sampler       the same rule over a token tree: the greedy path, recursive rejection sampling over siblings; a tree's first branch
   draft_tree         a draft model's chain with its other candidates per position as a token tree
   sampling           logits -> probabilities (temperature, top-k, top-p), sampling, seeded generators
   draft_length       how many tokens to draft each round: the expected-speedup rule over measured costs

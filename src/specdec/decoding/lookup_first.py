@@ -27,6 +27,7 @@ import dataclasses
 from specdec.decoding.interfaces import Proposal, Proposer
 from specdec.decoding.ngram_proposer import NgramProposer
 from specdec.decoding.sampling import SamplingParams
+from specdec.decoding.tree_sampler import first_branch
 
 SEPARATOR = "+"  # a draft method "LOOKUP+MODEL": a built-in lookup first, the draft model MODEL otherwise
 DEFAULT_MIN_NGRAM = 2  # speculative_decoding's lookup_first_min_ngram: prompt lookup's own shortest match
@@ -105,14 +106,5 @@ class LookupFirstProposer:
 
 
 def _first_branch(proposal: Proposal) -> list[int]:
-    """A proposal's chain, or its tree's first branch (each node's first child, from the root): what the
-    model's cache holds of it."""
-    if proposal.parents is None:
-        return list(proposal.tokens)
-    branch, at = [], -1
-    while True:
-        child = next((i for i, parent in enumerate(proposal.parents) if parent == at), None)
-        if child is None:
-            return branch
-        branch.append(proposal.tokens[child])
-        at = child
+    """A proposal's chain, or its tree's first branch: what the model's cache holds of it."""
+    return list(first_branch(proposal).tokens)

@@ -41,8 +41,8 @@ from specdec.decoding.penalties import Penalties, TokenOccurrences, penalize
 from specdec.decoding.rejection_sampler import greedy_verify, rejection_sample
 from specdec.decoding.sampling import SamplingParams, greedy, logits_to_probs, make_generator, pad_vocab, token_log_probs
 from specdec.decoding.token_mask import mask_disallowed
-from specdec.decoding.tree_sampler import (DETERMINISTIC, SAMPLED, TreeVerdict, children, depths, greedy_tree_verify,
-                                           tree_rejection_sample)
+from specdec.decoding.tree_sampler import (DETERMINISTIC, SAMPLED, TreeVerdict, children, depths, first_branch,
+                                           greedy_tree_verify, tree_rejection_sample)
 
 
 @dataclass(frozen=True)
@@ -400,21 +400,6 @@ def _on_first_branch(parents: tuple[int, ...] | None, path: tuple[int, ...]) -> 
             break
         count += 1
     return count
-
-
-def first_branch(proposal: Proposal) -> Proposal:
-    """A tree proposal's first branch (each node's first child) as a chain: exact as a chain, since a
-    first child was drawn from its parent's distribution itself (or is a point mass)."""
-    if proposal.parents is None:
-        return proposal
-    below = children(proposal.parents)
-    branch, row = [], 0
-    while below[row]:
-        node = below[row][0]
-        branch.append((node, row))
-        row = node + 1
-    probs = None if proposal.probs is None else proposal.probs[[r for _, r in branch]]
-    return Proposal([proposal.tokens[node] for node, _ in branch], probs, proposal.cached_length)
 
 
 def _log_probs(scores: Scores, new: list[int], path: tuple[int, ...]) -> list[float]:

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.decoding.interfaces import Proposal
 from specdec.decoding.sampling import sample
 
 DETERMINISTIC, SAMPLED = "deterministic", "sampled"
@@ -164,3 +165,18 @@ def draw_children(q: torch.Tensor, count: int, generator: torch.Generator | None
     if count <= 0:
         return []
     return torch.multinomial(q.float(), count, replacement=False, generator=generator).tolist()
+
+
+def first_branch(proposal: Proposal) -> Proposal:
+    """A tree proposal's first branch (each node's first child) as a chain: exact as a chain, since a
+    first child was drawn from its parent's distribution itself (or is a point mass)."""
+    if proposal.parents is None:
+        return proposal
+    below = children(proposal.parents)
+    branch, row = [], 0
+    while below[row]:
+        node = below[row][0]
+        branch.append((node, row))
+        row = node + 1
+    probs = None if proposal.probs is None else proposal.probs[[r for _, r in branch]]
+    return Proposal([proposal.tokens[node] for node, _ in branch], probs, proposal.cached_length)
