@@ -50,6 +50,7 @@ class Setting:
     method: str  # draft_model input: "ngram" or "draft_model"
     k: int
     adaptive: bool
+    branches: int | None = None  # num_draft_branches (a draft model's trees; 1: chains); None: the server's
 
 
 SETTINGS = [
@@ -69,9 +70,12 @@ HEAD = tn.DEFAULT_HEAD_NAME  # with --draft-head: the trained head's rows (else 
 
 def head_settings(name: str) -> list[Setting]:
     """A trained head's rows, served as the draft model `name`."""
-    return [Setting("EAGLE-3 head, K=3", name, 3, False), Setting("EAGLE-3 head, K=5", name, 5, False),
-            Setting("EAGLE-3 head, adaptive K<=6", name, 6, True),
-            Setting("ngram first, else the EAGLE-3 head, adaptive K<=16"
+    wide = pairs.DEFAULT_PAIR_DRAFT_BRANCHES
+    return [Setting("EAGLE-3 head, K=3", name, 3, False, 1), Setting("EAGLE-3 head, K=5", name, 5, False, 1),
+            Setting(f"EAGLE-3 head, tree of {wide}, K=8", name, 8, False, wide),
+            Setting("EAGLE-3 head, adaptive K<=6", name, 6, True, 1),
+            Setting("ngram first, else the EAGLE-3 head's chains, adaptive K<=16", f"{tn.NGRAM}+{name}", 16, True, 1),
+            Setting(f"ngram first, else the EAGLE-3 head's trees of {wide} or chains, adaptive K<=16"
                     + (" (server default)" if name == pairs.DEFAULT_PAIR_HEAD_NAME else ""),
                     f"{tn.NGRAM}+{name}", 16, True)]
 
@@ -104,7 +108,8 @@ def served(url: str, metrics_url: str | None, prompts: dict[str, list[str]], set
     client.generate("Hello", warm)
     for s in settings:  # warm every path once (and the orchestrator's cost measurements)
         client.generate(prompts["grounded"][0], GenerationParams(max_tokens=16, num_draft_tokens=s.k,
-                                                                 draft_model=s.method, adaptive_draft=s.adaptive))
+                                                                 draft_model=s.method, adaptive_draft=s.adaptive,
+                                                                 num_draft_branches=s.branches))
     results = {}
     for kind, plist in prompts.items():
         for s in settings:
@@ -113,7 +118,8 @@ def served(url: str, metrics_url: str | None, prompts: dict[str, list[str]], set
             for prompt in plist:
                 base = client.generate(prompt, GenerationParams(max_tokens=max_tokens, num_draft_tokens=0))
                 spec = client.generate(prompt, GenerationParams(max_tokens=max_tokens, num_draft_tokens=s.k,
-                                                                draft_model=s.method, adaptive_draft=s.adaptive))
+                                                                draft_model=s.method, adaptive_draft=s.adaptive,
+                                                                num_draft_branches=s.branches))
                 if spec.text != base.text:
                     raise AssertionError(f"greedy speculative output differs from target-only for {prompt[:40]!r}")
                 agg["base_tokens"] += base.num_output_tokens

@@ -56,7 +56,9 @@ HEAD_SETTINGS = [Setting("head chain, K=3", 3, 1, head=True), Setting("head chai
                  Setting("head tree of 3, adaptive K<=12", 12, 3, True, head=True),
                  Setting("lookup chain, adaptive K<=16", 16, 1, True),
                  *(Setting(f"lookup (n>={n}) first, else head, adaptive K<=16", 16, 1, True, head=True, lookup_first=n)
-                   for n in (2, 3, 4))]
+                   for n in (2, 3, 4)),
+                 Setting("lookup (n>=2) first, else head tree of 3, adaptive K<=16", 16, 3, True, head=True,
+                         lookup_first=2)]
 
 
 def load_head_executor(head_dir: str, target_path: str, dtype: str = "float32",
@@ -73,23 +75,24 @@ def load_head_executor(head_dir: str, target_path: str, dtype: str = "float32",
     return executor
 
 
-def run(lm, prompt_ids: list[int], setting: Setting, max_tokens: int, seq_id: int, head=None
-        ) -> tuple[list[int], float, Stats, int]:
-    """(tokens, seconds, stats, tree rounds) of one greedy generation."""
+def run(lm, prompt_ids: list[int], setting: Setting, max_tokens: int, seq_id: int, head=None,
+        costs: CostModel | None = None) -> tuple[list[int], float, Stats, int]:
+    """(tokens, seconds, stats, tree rounds) of one greedy generation. costs: the cost model the setting's
+    requests share, as a server's do (the orchestrator's: its measured costs and running acceptance are
+    every request's prior); a new one when not given (a server's first request)."""
     stats, trees = Stats(), 0
-    # As the orchestrator builds it: prompt lookup a free draft, a head a priced one; a cost model of the
-    # request's own
+    costs = CostModel() if costs is None else costs
+    # As the orchestrator builds it: prompt lookup a free draft, a head a priced one
     method = (f"{tn.NGRAM}+head" if setting.lookup_first else "head") if setting.head else tn.NGRAM
-    policy = DraftLengthPolicy(setting.k, CostModel(), method, adaptive=setting.adaptive,
+    policy = DraftLengthPolicy(setting.k, costs, method, adaptive=setting.adaptive,
                                free=not setting.head, branches=setting.branches)
     req = GenerationRequest(seq_id, prompt_ids, max_tokens)
     proposer = (LocalProposer(head, branches=setting.branches) if setting.head
                 else NgramProposer(branches=setting.branches))
     if setting.lookup_first:  # as the orchestrator builds it: each part's own policy
         proposer = LookupFirstProposer(NgramProposer(), proposer, min_ngram=setting.lookup_first)
-        costs = CostModel()
         policy = PartPolicies({LOOKUP: DraftLengthPolicy(setting.k, costs, method, free=True),
-                               MODEL: DraftLengthPolicy(setting.k, costs, "head")})
+                               MODEL: DraftLengthPolicy(setting.k, costs, "head", branches=setting.branches)})
 
     async def main():
         nonlocal trees
@@ -143,13 +146,16 @@ def main(argv=None) -> int:
         for text in load_prompts(kind, args.prompts):
             ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
             prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
-        for setting in settings[1:]:  # warm-up
-            run(lm, prompts[0], setting, 8, 0, head)
+        # One cost model per setting across its prompts, as a server's requests share the orchestrator's
+        costs = {s.label: CostModel() for s in settings}
+        for setting in settings[1:]:  # warm-up (and the setting's first costs)
+            run(lm, prompts[0], setting, 8, 0, head, costs[setting.label])
         totals = {s.label: [0, 0.0, 0, 0, 0, 0] for s in settings}  # tokens, seconds, rounds, accepted, trees, equal
         for i, ids in enumerate(prompts):
             reference = None
             for setting in settings:
-                tokens, seconds, stats, trees = run(lm, ids, setting, args.max_tokens, i + 1, head)
+                tokens, seconds, stats, trees = run(lm, ids, setting, args.max_tokens, i + 1, head,
+                                                    costs[setting.label])
                 reference = tokens if reference is None else reference
                 total = totals[setting.label]
                 total[0] += len(tokens)

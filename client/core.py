@@ -45,6 +45,7 @@ class GenerationParams:
     max_tokens: int | None = None
     num_draft_tokens: int | None = None  # 0 = target-only decoding; the maximum K when adaptive
     adaptive_draft: bool | None = None  # K adapts per round (the server's default: on)
+    num_draft_branches: int | None = None  # a draft model's candidates per position, at most the server's draft_branches (1: chains)
     temperature: float | None = None  # 0 = greedy
     top_k: int | None = None
     top_p: float | None = None
@@ -78,7 +79,8 @@ class GenerationParams:
                    (tn.PRESENCE_PENALTY, self.presence_penalty, np.float32),
                    (tn.FREQUENCY_PENALTY, self.frequency_penalty, np.float32),
                    (tn.END_ID, self.end_id, np.int32), (tn.APPLY_CHAT_TEMPLATE, self.apply_chat_template, np.bool_),
-                   (tn.ADAPTIVE_DRAFT, self.adaptive_draft, np.bool_), (tn.MIN_LENGTH, self.min_length, np.int32),
+                   (tn.ADAPTIVE_DRAFT, self.adaptive_draft, np.bool_),
+                   (tn.NUM_DRAFT_BRANCHES, self.num_draft_branches, np.int32), (tn.MIN_LENGTH, self.min_length, np.int32),
                    (tn.IGNORE_EOS, self.ignore_eos, np.bool_), (tn.RETURN_LOG_PROBS, self.return_log_probs, np.bool_)]
         for name, value, dtype in scalars:
             if value is not None:
@@ -98,7 +100,7 @@ class GenerationParams:
         body = {tn.TEXT_INPUT: prompt, tn.STREAM: stream}
         for name in ("max_tokens", "num_draft_tokens", "temperature", "top_k", "top_p", "min_p", "seed",
                      "repetition_penalty", "presence_penalty", "frequency_penalty", "end_id", "draft_model",
-                     "apply_chat_template", "adaptive_draft", "min_length", "ignore_eos", "return_log_probs"):
+                     "apply_chat_template", "adaptive_draft", "num_draft_branches", "min_length", "ignore_eos", "return_log_probs"):
             value = getattr(self, name)
             if value is not None:
                 body[name] = value

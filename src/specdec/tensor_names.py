@@ -94,6 +94,7 @@ DRAFT_TOKENS = "draft_tokens"  # INT32 [-1]
 DRAFT_PROBS = "draft_probs"  # FP32 [-1, -1]: processed draft distributions, one per draft token
 # INT32 [1]: draft_model's candidates per drafted position; above 1 a tree of at most num_draft_tokens nodes
 NUM_DRAFT_BRANCHES = "num_draft_branches"
+MAX_DRAFT_BRANCHES = 8  # speculative_decoding's draft_branches and lookup_branches: at most this wide
 DRAFT_PARENTS = "draft_parents"  # INT32 [-1]: a drafted tree's parent of each token (-1: the root); empty: a chain
 CACHED_LENGTH = "cached_length"  # INT32 [1]: tokens the draft's cache holds after the proposal
 # FP32 [-1, -1]: the target's features (its hidden_layers' states, concatenated) at every new position:

@@ -105,7 +105,7 @@ def ensemble_inputs(prompt: str | None, **params) -> list:
     """The ensemble's inputs; prompt None leaves text_input out."""
     types = {tn.MAX_TOKENS: np.int32, tn.NUM_DRAFT_TOKENS: np.int32, tn.TEMPERATURE: np.float32,
              tn.TOP_K: np.int32, tn.TOP_P: np.float32, tn.SEED: np.uint64, tn.STREAM: np.bool_,
-             tn.END_ID: np.int32, tn.ADAPTIVE_DRAFT: np.bool_, tn.APPLY_CHAT_TEMPLATE: np.bool_,
+             tn.END_ID: np.int32, tn.ADAPTIVE_DRAFT: np.bool_, tn.NUM_DRAFT_BRANCHES: np.int32, tn.APPLY_CHAT_TEMPLATE: np.bool_,
              tn.MIN_LENGTH: np.int32, tn.IGNORE_EOS: np.bool_, tn.RETURN_LOG_PROBS: np.bool_}
     arrays = {} if prompt is None else {tn.TEXT_INPUT: np.array([[prompt.encode()]], dtype=np.object_)}
     for name, value in params.items():

@@ -1,6 +1,7 @@
 """The real default pair (SmolLM2-135M-Instruct target) served by its own tritonserver: speculative greedy
 output equals target-only output, for the default draft (prompt lookup first, the shipped EAGLE-3 head
-otherwise: ngram+eagle3, adaptive K), prompt lookup alone, the draft model and the head alone (eagle3)."""
+otherwise: ngram+eagle3, adaptive K, the head's trees 3 wide or its chains), prompt lookup alone, the draft
+model and the head alone (eagle3), as chains and as trees (a request's num_draft_branches)."""
 
 import json
 
@@ -31,20 +32,34 @@ def target_only(default_server):
             for prompt in PROMPTS}
 
 
-@pytest.mark.parametrize("draft, k, adaptive", [(None, None, None), ("ngram", None, None), ("draft_model", 3, False),
-                                                ("eagle3", 3, False)])  # None: the default, ngram+eagle3
-def test_real_pair_speculative_greedy_equals_target_only(default_server, target_only, draft, k, adaptive):
+@pytest.mark.parametrize("draft, k, adaptive, branches", [
+    (None, None, None, None), ("ngram", None, None, None), ("draft_model", 3, False, None),
+    ("eagle3", 3, False, 1), ("eagle3", 8, False, None)])  # None: the default (ngram+eagle3; trees 3 wide)
+def test_real_pair_speculative_greedy_equals_target_only(default_server, target_only, draft, k, adaptive, branches):
     drafted = accepted = 0
+    trees = default_server.metric("specdec_tree_rounds_total")
     for prompt in PROMPTS:
         base = target_only[prompt]
         spec = grpc_stream(default_server.grpc_url, prompt, max_tokens=MAX_TOKENS, num_draft_tokens=k,
-                           draft_model=draft, adaptive_draft=adaptive)
+                           draft_model=draft, adaptive_draft=adaptive, num_draft_branches=branches)
         assert spec[tn.TEXT_OUTPUT] == base[tn.TEXT_OUTPUT], prompt
         assert spec[tn.NUM_OUTPUT_TOKENS] == base[tn.NUM_OUTPUT_TOKENS]
         assert base[tn.TOTAL_DRAFT_TOKENS] == 0
         drafted += spec[tn.TOTAL_DRAFT_TOKENS]
         accepted += spec[tn.TOTAL_ACCEPTED_DRAFT_TOKENS]
     assert drafted > 0 and accepted > 0  # speculation really ran, and some drafts were accepted
+    trees = default_server.metric("specdec_tree_rounds_total") - trees
+    if draft == "eagle3":  # a fixed K: every round of the head's a tree (3 wide by default), or a chain when asked
+        assert (trees > 0) == (branches != 1), trees
+
+
+def test_num_draft_branches_over_the_servers_is_refused_by_name(default_server):
+    from .helpers import GenerationError
+
+    with pytest.raises(GenerationError, match=tn.NUM_DRAFT_BRANCHES):
+        grpc_stream(default_server.grpc_url, PROMPTS[0], max_tokens=4, num_draft_branches=4)
+    # and the server keeps serving
+    assert grpc_stream(default_server.grpc_url, PROMPTS[0], max_tokens=4)[tn.NUM_OUTPUT_TOKENS] == 4
 
 
 def test_readme_examples_show_what_the_server_answers(default_server):

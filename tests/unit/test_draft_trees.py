@@ -118,8 +118,8 @@ def close_draft(target):
 
 def run(req, proposer, scorer, k, stats=None):
     async def main():
-        return [t async for r in generate(req, proposer, scorer, DraftLengthPolicy.fixed(k), stats)
-                for t in r.new_tokens]
+        policy = DraftLengthPolicy.fixed(k, branches=proposer.branches)
+        return [t async for r in generate(req, proposer, scorer, policy, stats) for t in r.new_tokens]
     return asyncio.run(main())
 
 

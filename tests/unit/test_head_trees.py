@@ -179,7 +179,7 @@ class Recording:
 
     def __init__(self, inner):
         self.inner, self.proposals = inner, []
-        self.wants_features = inner.wants_features
+        self.wants_features, self.branches = inner.wants_features, inner.branches
 
     async def propose(self, *args, **kwargs):
         proposal = await self.inner.propose(*args, **kwargs)
@@ -193,7 +193,7 @@ class Recording:
 def run(req, proposer, scorer, k, stats=None, rounds_out=None):
     async def main():
         out = []
-        async for rnd in generate(req, proposer, scorer, DraftLengthPolicy.fixed(k), stats):
+        async for rnd in generate(req, proposer, scorer, DraftLengthPolicy.fixed(k, branches=proposer.branches), stats):
             out += rnd.new_tokens
             if rounds_out is not None:
                 rounds_out.append(rnd)
@@ -230,7 +230,7 @@ def test_the_head_reads_the_features_of_the_accepted_path(tiny_lm):
         async def main():
             tokens = []
             async for rnd in generate(GenerationRequest(seq_id=3, prompt_ids=PROMPT, max_tokens=48), proposer,
-                                      scorer, DraftLengthPolicy.fixed(8)):
+                                      scorer, DraftLengthPolicy.fixed(8, branches=proposer.branches)):
                 tokens += rnd.new_tokens
                 rounds.append(rnd)
                 if len(tokens) >= 40:

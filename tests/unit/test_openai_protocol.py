@@ -21,12 +21,14 @@ def sampling(gen) -> dict:
 def test_chat_maps_settings_onto_sampling_parameters_and_inputs():
     gen = parse_chat({"model": "alias", "messages": CHAT, "max_completion_tokens": 9, "top_p": 0.5, "seed": 3,
                       "stop": "x", "presence_penalty": 0.1, "logit_bias": {"7": -100}, "top_k": -1,
-                      "num_draft_tokens": 5, "draft_model": "ngram", "adaptive_draft": False, "user": "u1"}, SERVED)
+                      "num_draft_tokens": 5, "draft_model": "ngram", "adaptive_draft": False, "user": "u1",
+                      "num_draft_branches": 1}, SERVED)
     assert gen.model == "alias" and gen.chat and not gen.stream
     assert sampling(gen) == {"temperature": 1.0, "top_p": 0.5, "seed": 3, "stop": "x", "presence_penalty": 0.1,
                              "top_k": -1, "max_tokens": 9, "logit_bias": {"7": -100}}
     assert gen.inputs[tn.NUM_DRAFT_TOKENS].dtype == np.int32 and gen.inputs[tn.NUM_DRAFT_TOKENS][0, 0] == 5
     assert gen.inputs[tn.DRAFT_MODEL][0, 0] == b"ngram" and gen.inputs[tn.ADAPTIVE_DRAFT][0, 0] == np.False_
+    assert gen.inputs[tn.NUM_DRAFT_BRANCHES].dtype == np.int32 and gen.inputs[tn.NUM_DRAFT_BRANCHES][0, 0] == 1
     assert json.loads(gen.inputs[tn.MESSAGES][0, 0]) == CHAT and tn.TEXT_INPUT not in gen.inputs
     assert gen.response_id.startswith("chatcmpl-")
 

@@ -13,7 +13,7 @@ from specdec.triton.request import InputError, ParsedRequest, RequestLimits
 
 LIMITS = RequestLimits(vocab_size=100, draft_names=(tn.NGRAM, "draft_model"), default_end_ids=frozenset([2]),
                        max_context=64, max_max_tokens=32, default_max_tokens=16, max_num_draft_tokens=8,
-                       default_num_draft_tokens=4, max_stop_words=2, max_bad_words=2)
+                       default_num_draft_tokens=4, max_num_draft_branches=3, max_stop_words=2, max_bad_words=2)
 
 
 def parse(**inputs):
@@ -40,6 +40,7 @@ def test_defaults_come_from_the_limits():
     assert gen.sampling.greedy and gen.sampling.top_p == tn.DEFAULT_TOP_P
     assert (parsed.num_draft_tokens, parsed.adaptive, parsed.draft_name) == (4, True, tn.NGRAM)
     assert (parsed.stream, parsed.stop_words, gen.log_probs) == (False, (), False)
+    assert parsed.num_draft_branches == 3  # the server's draft_branches
 
 
 def test_values_are_read():
@@ -56,6 +57,7 @@ def test_values_are_read():
     assert parse(**{tn.MIN_P: np.array([[0.25]], dtype=np.float32)}).generation.sampling.min_p == 0.25
     assert parsed.num_draft_tokens == 0 and parsed.stream and parsed.stop_words == ("\n\n", "END")
     assert parsed.draft_name == "draft_model"
+    assert parse(**{tn.NUM_DRAFT_BRANCHES: np.array([[1]], dtype=np.int32)}).num_draft_branches == 1
 
 
 def test_bad_words_are_encoded_and_empty_entries_mean_none():
@@ -111,6 +113,8 @@ def test_seeded_sampling_drafts_a_fixed_k_greedy_stays_adaptive():
     (tn.MAX_TOKENS, np.array([[5, 6]], dtype=np.int32)),  # not one value
     (tn.NUM_DRAFT_TOKENS, np.array([[9]], dtype=np.int32)),
     (tn.NUM_DRAFT_TOKENS, np.array([[-1]], dtype=np.int32)),
+    (tn.NUM_DRAFT_BRANCHES, np.array([[0]], dtype=np.int32)),
+    (tn.NUM_DRAFT_BRANCHES, np.array([[4]], dtype=np.int32)),  # over the server's draft_branches (3)
     (tn.TEMPERATURE, np.array([[-0.1]], dtype=np.float32)),
     (tn.TEMPERATURE, np.array([[np.nan]], dtype=np.float32)),
     (tn.TOP_K, np.array([[-1]], dtype=np.int32)),
@@ -170,7 +174,12 @@ def test_limits_from_config_are_validated_at_load():
     limits = RequestLimits.from_parameters(ModelParameters(config(draft_models="ngram, draft_model",
                                                                   max_num_draft_tokens="6")), 10, frozenset())
     assert limits.draft_names == (tn.NGRAM, "draft_model") and limits.max_num_draft_tokens == 6
-    assert limits.default_num_draft_tokens == tn.DEFAULT_NUM_DRAFT_TOKENS
+    assert limits.default_num_draft_tokens == tn.DEFAULT_NUM_DRAFT_TOKENS and limits.max_num_draft_branches == 1
+    wide = RequestLimits.from_parameters(ModelParameters(config(draft_branches="3")), 10, frozenset())
+    assert wide.max_num_draft_branches == 3
+    with pytest.raises(ValueError, match="'draft_branches'"):
+        RequestLimits.from_parameters(ModelParameters(config(draft_branches=str(tn.MAX_DRAFT_BRANCHES + 1))), 10,
+                                      frozenset())
     with pytest.raises(ValueError, match="'default_num_draft_tokens'"):
         RequestLimits.from_parameters(ModelParameters(config(max_num_draft_tokens="2")), 10, frozenset())
     with pytest.raises(ValueError, match="'draft_models'"):

@@ -69,7 +69,7 @@ class OracleTreeProposer:
 
 def run(req, proposer, scorer, k, stats=None, policy=None):
     async def main():
-        return [r async for r in generate(req, proposer, scorer, policy or DraftLengthPolicy.fixed(k), stats)]
+        return [r async for r in generate(req, proposer, scorer, policy or DraftLengthPolicy.fixed(k, branches=getattr(proposer, "branches", 1)), stats)]
     return asyncio.run(main())
 
 
@@ -122,6 +122,13 @@ def test_prompt_lookup_trees_give_the_target_only_output(tiny_lm):
     out = run(GenerationRequest(1, LOOKUP_PROMPT, 30), spied_lookup(seen), LocalScorer(dynamic_executor(tiny_lm)), 6)
     assert tokens_of(out) == plain
     assert any(parents is not None for _, parents in seen)
+    # A policy narrower than its proposer (a request's num_draft_branches = 1 on a server of wider trees):
+    # every round asks for a chain and gets one
+    seen.clear()
+    out = run(GenerationRequest(1, LOOKUP_PROMPT, 30), spied_lookup(seen), LocalScorer(dynamic_executor(tiny_lm)), 6,
+              policy=DraftLengthPolicy.fixed(6, branches=1))
+    assert tokens_of(out) == plain
+    assert seen and all(branches == 1 and parents is None for branches, parents in seen)
 
 
 def test_the_adaptive_policy_picks_each_rounds_shape_and_the_output_stays_the_targets(tiny_lm):

@@ -149,7 +149,7 @@ async def generate(req: GenerationRequest, proposer: Proposer, scorer: Scorer, p
                 proposal = await proposer.propose(req.seq_id, draft_valid, tokens[draft_valid:], k,
                                                   req.sampling, round_seed, reserve=0 if draft_valid else reserve,
                                                   **_features_for(features, draft_valid),
-                                                  **_width(policy, trees))
+                                                  **_width(policy, proposer, trees))
                 # what it drafted: a chain may end early (an n-gram's span, a draft's confidence stop). A
                 # sequence's first call also prefills its prompt, and one after paused rounds catches up on
                 # them: not what a round's draft costs (taken as one, the first priced a trained head's rounds
@@ -176,7 +176,7 @@ async def generate(req: GenerationRequest, proposer: Proposer, scorer: Scorer, p
             elif policy.shadow:  # a free proposer paused: propose, but only to check it
                 shadow = await proposer.propose(req.seq_id, draft_valid, tokens[draft_valid:], 1, req.sampling, 0,
                                                 reserve=0 if draft_valid else reserve,
-                                                **_features_for(features, draft_valid), **_width(policy, False))
+                                                **_features_for(features, draft_valid), **_width(policy, proposer, False))
                 if draft_valid:
                     policy.observe_proposal(1, len(shadow.tokens))
                 draft_valid = shadow.cached_length
@@ -375,10 +375,10 @@ def _with_catch_up(catch_up: int, parents: tuple[int, ...] | None) -> tuple[int,
     return tuple(range(-1, catch_up - 1)) + tuple(catch_up - 1 if p < 0 else catch_up + p for p in parents)
 
 
-def _width(policy: DraftLengthPolicy, trees: bool) -> dict:
-    """The proposer's `branches` for this round, when it could draft a tree: the policy's choice, or a
-    chain where trees are not verified."""
-    return {"branches": policy.width if trees else 1} if policy.branches > 1 else {}
+def _width(policy: DraftLengthPolicy, proposer: Proposer, trees: bool) -> dict:
+    """The proposer's `branches` for this round, when it could draft a tree: the policy's choice (a chain
+    where the policy is narrower: a request's num_draft_branches), or a chain where trees are not verified."""
+    return {"branches": policy.width if trees else 1} if getattr(proposer, "branches", 1) > 1 else {}
 
 
 def _first_branch_length(parents: tuple[int, ...]) -> int:

@@ -7,6 +7,9 @@ real models with it. Tensors come back to the host, as they do from a Triton mod
 from __future__ import annotations
 
 import contextlib
+import time
+
+import torch
 
 from specdec.decoding.interfaces import ForwardStats, NoCapacity, Proposal, Scores, VerifyCall
 from specdec.decoding.sampling import SamplingParams, greedy, greedy_log_probs, make_generator, token_log_probs
@@ -57,10 +60,16 @@ class LocalScorer:
         step = Step(call.seq_id, call.keep, call.new_ids, call.num_positions, reserve=call.reserve,
                     whole=call.want_features,  # a head reads every position's features: no prefix reuse
                     tree=call.tree, path=call.path)
+        started = time.perf_counter()
         with _no_capacity():
             (result,) = self.lm.extend_many([step], with_hidden=call.want_features)
             if isinstance(result, Exception):
                 raise result
+        if self.lm.device.type == "cuda":  # the forward's time, not its launch's
+            torch.cuda.current_stream(self.lm.device).synchronize()
+        # timed as the served target times its forward (language_models.py): the draft-length policy prices
+        # verifies from these quietest times, not from the noisier call latencies
+        seconds = time.perf_counter() - started
         logits, features = (result.logits, result.hidden.flatten(1).cpu()) if call.want_features else (result, None)
         allowed = call.allowed
         tokens = greedy(logits) if allowed is None else allowed_greedy(logits, allowed)
@@ -68,7 +77,7 @@ class LocalScorer:
         if call.want_log_probs:
             log_probs = greedy_log_probs(logits) if allowed is None else token_log_probs(logits, tokens)
         return Scores(tokens.cpu(), logits.float().cpu() if call.want_logits else None,
-                      ForwardStats(len(call.new_ids), 1, 0.0), None if log_probs is None else log_probs.cpu(), features)
+                      ForwardStats(len(call.new_ids), 1, seconds), None if log_probs is None else log_probs.cpu(), features)
 
     async def release(self, seq_id: int) -> None:
         self.lm.release(seq_id)

@@ -31,7 +31,7 @@ SAMPLING_FIELDS = ("temperature", "top_p", "seed", "stop", "presence_penalty", "
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 # This server's own: the speculative settings of a request, as extension fields.
 SPECULATIVE_FIELDS = {"num_draft_tokens": (tn.NUM_DRAFT_TOKENS, np.int32), "adaptive_draft": (tn.ADAPTIVE_DRAFT, np.bool_),
-                      "draft_model": (tn.DRAFT_MODEL, np.object_)}
+                      "num_draft_branches": (tn.NUM_DRAFT_BRANCHES, np.int32), "draft_model": (tn.DRAFT_MODEL, np.object_)}
 COMMON_FIELDS = ("model", "stream", "stream_options", "n", "logit_bias", "logprobs", "max_tokens",
                  *SAMPLING_FIELDS, *GUIDED_FIELDS, *SPECULATIVE_FIELDS, *IGNORED_FIELDS)
 CHAT_FIELDS = (*COMMON_FIELDS, "messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
@@ -281,7 +281,7 @@ _KEY = re.compile(r"key '([a-z_]+)'")
 _INPUT = re.compile(r"input '([a-z_]+)'")
 _INPUT_FIELDS = {tn.STOP_WORDS: "stop", tn.MESSAGES: "messages", tn.TEXT_INPUT: "prompt",
                  tn.GUIDED_DECODING_GUIDE: "response_format", tn.NUM_DRAFT_TOKENS: "num_draft_tokens",
-                 tn.DRAFT_MODEL: "draft_model", tn.MAX_TOKENS: "max_tokens"}
+                 tn.NUM_DRAFT_BRANCHES: "num_draft_branches", tn.DRAFT_MODEL: "draft_model", tn.MAX_TOKENS: "max_tokens"}
 
 
 def server_error(message: str, unavailable: bool = False) -> ApiError:

@@ -179,6 +179,7 @@ DEFAULT_DRAFT_LAYERS = 10
 # and shipped in bfloat16 (served in the pair's dtype): a draft a request names as "eagle3"
 DEFAULT_PAIR_HEAD = Path(__file__).with_name("heads") / "smollm2-135m-instruct-eagle3"
 DEFAULT_PAIR_HEAD_NAME = "eagle3"
+DEFAULT_PAIR_DRAFT_BRANCHES = 3  # the default pair's draft_branches: its head's trees are 3 wide
 
 
 def default_pair() -> PairSpec:
@@ -217,7 +218,9 @@ def default_pair() -> PairSpec:
     # By default prompt lookup where the sequence repeats itself (free), the trained head otherwise
     # (ngram+eagle3): measured faster than either alone over grounded and open prompts together
     # (docs/results/2026-11-28-adaptive-heads.md); the layer-skip draft model accepts too little on CPU to
-    # pay for itself (3 % of its tokens, at 0.37 of a target step).
+    # pay for itself (3 % of its tokens, at 0.37 of a target step). The head's rounds may draft EAGLE-2's
+    # trees 3 wide (the adaptive rule picks a tree or a chain each round): served, 1.61 tokens per round on
+    # open prompts against its chains' 1.51 (docs/results/2026-11-29-default-trees.md).
     return PairSpec(
         name="default", target_path=str(target), tokenizer_path=str(target),
         draft_paths={"draft_model": str(draft)}, draft_heads={DEFAULT_PAIR_HEAD_NAME: str(DEFAULT_PAIR_HEAD)},
@@ -226,6 +229,7 @@ def default_pair() -> PairSpec:
         # Up to 16 tokens a round, adaptive: a lookup proposes at most the span it found, and with
         # oneDNN kernels verifying 17 positions costs about one target step.
         default_num_draft_tokens=16,
+        model_parameters={"speculative_decoding": {"draft_branches": str(DEFAULT_PAIR_DRAFT_BRANCHES)}},
     )
 
 

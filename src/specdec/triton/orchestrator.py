@@ -92,7 +92,7 @@ class SpeculativeDecodingAdapter(TritonAdapter):
         self.suffix_cache = SuffixCache(params.int("suffix_cache_tokens", 262144, low=0)) \
             if tn.SUFFIX in self.limits.draft_names else None
         # Prompt lookup's continuations of up to this many earlier occurrences, as one token tree (1: a chain)
-        branches = params.int("lookup_branches", 1, low=1, high=8)
+        branches = params.int("lookup_branches", 1, low=1, high=tn.MAX_DRAFT_BRANCHES)
         builtin = {tn.NGRAM: lambda: NgramProposer(branches=branches),
                    tn.SUFFIX: lambda: SuffixProposer(self.suffix_cache, branches=branches)}
         # "ngram+MODEL" (lookup_first.py): prompt lookup drafts where the sequence's suffix matched an earlier
@@ -111,7 +111,7 @@ class SpeculativeDecodingAdapter(TritonAdapter):
                               f"draft_models {list(self.limits.draft_names)}")
         # A draft model's other candidates per drafted position, as one token tree of at most K nodes (1: a
         # chain; draft_tree.py); a trained head's: EAGLE-2's dynamic tree that many wide
-        draft_branches = params.int("draft_branches", 1, low=1, high=8)
+        draft_branches = self.limits.max_num_draft_branches  # a request's num_draft_branches may ask for fewer
         min_ngram = params.int("lookup_first_min_ngram", lookup_first.DEFAULT_MIN_NGRAM, low=2, high=4)
         called = {name: FallbackProposer(
             BlsProposer(pb_utils, name, timeout_us, chunk, wants_features=name in heads,
@@ -148,10 +148,13 @@ class SpeculativeDecodingAdapter(TritonAdapter):
                                      free=free, busy=self._busy(gen), branches=branches)
 
         combined = lookup_first.parts(parsed.draft_name)
+        # the request's num_draft_branches caps a draft model's trees (prompt lookup's are lookup_branches')
+        model_branches = min(proposer.branches, parsed.num_draft_branches)
         if combined is None:
-            return one(parsed.draft_name, parsed.draft_name in tn.BUILTIN_DRAFTS, proposer.branches)
+            builtin = parsed.draft_name in tn.BUILTIN_DRAFTS
+            return one(parsed.draft_name, builtin, proposer.branches if builtin else model_branches)
         return PartPolicies({lookup_first.LOOKUP: one(parsed.draft_name, True, 1),
-                             lookup_first.MODEL: one(combined[1], False, proposer.branches)})
+                             lookup_first.MODEL: one(combined[1], False, model_branches)})
 
     async def execute(self, requests):
         await asyncio.gather(*(self._serve(request) for request in requests))

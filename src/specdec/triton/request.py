@@ -40,6 +40,9 @@ class RequestLimits:
     max_num_draft_tokens: int = tn.DEFAULT_MAX_NUM_DRAFT_TOKENS
     default_num_draft_tokens: int = tn.DEFAULT_NUM_DRAFT_TOKENS
     adaptive_draft: bool = True  # num_draft_tokens is the most a round drafts; K adapts per round
+    # draft_branches: a draft model's (or head's) candidates per drafted position, as one token tree (1: chains);
+    # a request's num_draft_branches may ask for fewer
+    max_num_draft_branches: int = 1
     max_stop_words: int = 16
     max_bad_words: int = 16
     # A guide compiles when its request arrives (a large one on a thread, a small one on the orchestrator's
@@ -62,6 +65,7 @@ class RequestLimits:
             default_num_draft_tokens=params.int("default_num_draft_tokens", tn.DEFAULT_NUM_DRAFT_TOKENS, low=0,
                                                 high=max_k),
             adaptive_draft=params.bool("adaptive_draft", True),
+            max_num_draft_branches=params.int("draft_branches", 1, low=1, high=tn.MAX_DRAFT_BRANCHES),
             max_stop_words=params.int("max_stop_words", 16, low=0),
             max_bad_words=params.int("max_bad_words", 16, low=0),
             max_guide_chars=params.int("max_guide_chars", 65536, low=1),
@@ -77,6 +81,7 @@ class ParsedRequest:
     stream: bool
     stop_words: tuple[str, ...]
     include_stop: bool = False  # the stop word that ends the text stays at its end (vLLM's include_stop_str_in_output)
+    num_draft_branches: int = 1  # a draft model's candidates per drafted position (1: chains), <= draft_branches
 
     @classmethod
     def parse(cls, lookup: InputLookup, limits: RequestLimits, seq_id: int | None = None,
@@ -105,6 +110,10 @@ class ParsedRequest:
             raise InputError(
                 f"input '{tn.NUM_DRAFT_TOKENS}' must be within [0, {limits.max_num_draft_tokens}], got {k}")
         adaptive = bool(inputs.scalar(tn.ADAPTIVE_DRAFT, np.bool_, limits.adaptive_draft))
+        branches = inputs.scalar(tn.NUM_DRAFT_BRANCHES, np.int32, limits.max_num_draft_branches)
+        if not 1 <= branches <= limits.max_num_draft_branches:
+            raise InputError(f"input '{tn.NUM_DRAFT_BRANCHES}' must be within [1, {limits.max_num_draft_branches}] "
+                             f"(the server's draft_branches), got {branches}")
         temperature = inputs.scalar(tn.TEMPERATURE, np.float32, tn.DEFAULT_TEMPERATURE)
         if not 0.0 <= temperature < float("inf"):  # also rejects NaN
             raise InputError(f"input '{tn.TEMPERATURE}' must be a finite number >= 0, got {temperature}")
@@ -151,7 +160,7 @@ class ParsedRequest:
         # different K changes which random draws pick which token, so it drafts a fixed K.
         adaptive = adaptive and (sampling.greedy or seed is None)
         return cls(generation, k, adaptive, draft_name, bool(inputs.scalar(tn.STREAM, np.bool_, False)), stop_words,
-                   bool(inputs.scalar("include_stop_str_in_output", np.bool_, False)))
+                   bool(inputs.scalar("include_stop_str_in_output", np.bool_, False)), int(branches))
 
 
 def _truncated(prompt_ids: list[int], keep: int | None, room: int) -> list[int]:
