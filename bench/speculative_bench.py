@@ -58,11 +58,11 @@ SETTINGS = [
     Setting("ngram, adaptive K<=8", tn.NGRAM, 8, True),
     Setting("ngram, K=4", tn.NGRAM, 4, False),
     Setting("ngram, K=16", tn.NGRAM, 16, False),
-    Setting("layer-skip draft, K=2", "draft_model", 2, False),
-    Setting("layer-skip draft, adaptive K<=4", "draft_model", 4, True),
+    Setting("layer-skip draft, K=2", "draft_model", 2, False, 1),
+    Setting("layer-skip draft, adaptive K<=4", "draft_model", 4, True, 1),
 ]
 SKIP = tn.DEFAULT_SKIP_DRAFT_NAME  # the layer-skip self-draft, its layers searched (--skip-draft auto)
-SETTINGS.append(Setting("layer-skip self-draft (searched), adaptive K<=4", SKIP, 4, True))
+SETTINGS.append(Setting("layer-skip self-draft (searched), adaptive K<=4", SKIP, 4, True, 1))
 QUICK = [SETTINGS[0], SETTINGS[3], SETTINGS[5], SETTINGS[6]]
 SEARCH_PROMPTS = HERE.parent / "src" / "specdec" / "train" / "prompts.jsonl"  # none of the held-out ones
 HEAD = tn.DEFAULT_HEAD_NAME  # with --draft-head: the trained head's rows (else the default pair's own head's)
@@ -269,11 +269,18 @@ def report(results, costs, peer, settings, max_tokens, n_prompts) -> str:
         b = gained / spent
         k_mean = sum(j * n for j, n in by_k.items()) / max(1.0, sum(by_k.values()))
         v = sum(n * costs["v"][j] for j, n in by_k.items()) / max(1.0, sum(by_k.values()))
+        # A row whose rounds may be trees (a draft model's, wider than 1): α counts every node drafted and K
+        # is the depth, so the chain bound does not apply
+        trees = s.method not in tn.BUILTIN_DRAFTS and s.branches != 1
+        bound, efficiency = ("-", "-") if trees else (f"{b:.2f}", f"{spec / base / b:.2f}")
         rows.append([kind, label, f"{base:.1f}", f"{spec:.1f}", f"**{spec / base:.2f}x**", f"{alpha:.2f}",
-                     f"{per_round:.2f}", f"{k_mean:.1f}", f"{c:.3f}", f"{v:.2f}", f"{b:.2f}", f"{spec / base / b:.2f}"])
+                     f"{per_round:.2f}", f"{k_mean:.1f}", f"{c:.3f}", f"{v:.2f}", bound, efficiency])
     lines.append(tabulate(rows, ["prompts", "draft", "target-only tok/s", "speculative tok/s", "speedup", "α",
                                  "tokens/round", "K (drafting rounds)", "c", "v", "bound", "efficiency"],
                           tablefmt="github", disable_numparse=True))
+    lines.append("")
+    lines.append("Rows that may draft trees (a draft model's, `num_draft_branches` above 1 or the server's): α is "
+                 "per node drafted, K the depth, no chain bound.")
     if not peer:
         lines.append("")
         lines.append(f"Measured verify cost ratios: {', '.join(f'v({k})={v:.2f}' for k, v in sorted(costs['v'].items()))}.")
