@@ -24,6 +24,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stream", action="store_true", help="print text as it is accepted")
     p.add_argument("--max-tokens", type=int)
     p.add_argument("--num-draft-tokens", type=int, help="K; 0 = target-only")
+    p.add_argument("--num-draft-branches", type=int,
+                   help="a draft model's trees at most this wide (1: chains; server default: its draft_branches)")
     p.add_argument("--temperature", type=float)
     p.add_argument("--top-k", type=int)
     p.add_argument("--top-p", type=float)
@@ -57,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
         bad_words=tuple(args.bad_word), repetition_penalty=args.repetition_penalty,
         presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
         draft_model=args.draft_model, apply_chat_template=args.apply_chat_template,
-        adaptive_draft=args.adaptive_draft, min_length=args.min_length, ignore_eos=args.ignore_eos,
+        adaptive_draft=args.adaptive_draft, num_draft_branches=args.num_draft_branches,
+        min_length=args.min_length, ignore_eos=args.ignore_eos,
         return_log_probs=args.return_log_probs, guide_type=args.guide_type,
         guide=Path(args.guide[1:]).read_text() if args.guide and args.guide.startswith("@") else args.guide)
     client = Client(args.url, args.protocol, args.model, args.timeout)

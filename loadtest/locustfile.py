@@ -15,7 +15,8 @@ Locust's aggregated request rate), and at the end the summary prints requests, f
 p50/p90/p99, ITL p50/p90, output tokens/s and mean acceptance rate (genai-perf definitions); with --csv
 PREFIX they also go to PREFIX_specdec.csv. Distributed runs (--processes N, or --master/--worker) work:
 workers send their samples to the master with every stats report and the master prints the summary. Options (or environment): --max-tokens (SPECDEC_MAX_TOKENS, 64),
---num-draft-tokens (SPECDEC_NUM_DRAFT_TOKENS, server default), --temperature (SPECDEC_TEMPERATURE),
+--num-draft-tokens (SPECDEC_NUM_DRAFT_TOKENS, server default), --num-draft-branches
+(SPECDEC_NUM_DRAFT_BRANCHES, server default), --temperature (SPECDEC_TEMPERATURE),
 --prompts-file (SPECDEC_PROMPTS, loadtest/prompts.jsonl), --prompt-kind (SPECDEC_PROMPT_KIND: all |
 grounded | open), --guided-fraction (SPECDEC_GUIDED_FRACTION, 0: the share of requests that carry a guide,
 structured output) with --guides-file (SPECDEC_GUIDES, loadtest/guided.jsonl: prompt, guide_type, guide),
@@ -59,6 +60,9 @@ def _options(parser):
     parser.add_argument("--max-tokens", type=int, default=int(env("SPECDEC_MAX_TOKENS", "64")))
     parser.add_argument("--num-draft-tokens", type=int,
                         default=int(env("SPECDEC_NUM_DRAFT_TOKENS")) if env("SPECDEC_NUM_DRAFT_TOKENS") else None)
+    parser.add_argument("--num-draft-branches", type=int,
+                        default=int(env("SPECDEC_NUM_DRAFT_BRANCHES")) if env("SPECDEC_NUM_DRAFT_BRANCHES") else None,
+                        help="a draft model's trees at most this wide (1: chains); unset: the server's draft_branches")
     parser.add_argument("--temperature", type=float,
                         default=float(env("SPECDEC_TEMPERATURE")) if env("SPECDEC_TEMPERATURE") else None)
     parser.add_argument("--draft-model", default=env("SPECDEC_DRAFT_MODEL") or None,
@@ -198,6 +202,7 @@ class _SpecdecMixin:
             raise ValueError(f"no prompts of kind {kind!r} in {path}")
         self.params = GenerationParams(max_tokens=getattr(options, "max_tokens", 64),
                                        num_draft_tokens=getattr(options, "num_draft_tokens", None),
+                                       num_draft_branches=getattr(options, "num_draft_branches", None),
                                        temperature=getattr(options, "temperature", None),
                                        draft_model=getattr(options, "draft_model", None))
         self.guided_fraction = getattr(options, "guided_fraction", 0.0)
@@ -376,6 +381,8 @@ class OpenAIUser(_SpecdecMixin, User):
                 "temperature": params.temperature if params.temperature is not None else 0.0}
         if params.num_draft_tokens is not None:
             body["num_draft_tokens"] = params.num_draft_tokens
+        if params.num_draft_branches is not None:
+            body["num_draft_branches"] = params.num_draft_branches
         if params.draft_model is not None:
             body["draft_model"] = params.draft_model
         if params.guide_type:

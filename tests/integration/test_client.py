@@ -135,3 +135,7 @@ def test_command_line_reports_errors(server):
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 1
     assert "InvalidArgumentError" in out.stderr and "top_p" in out.stderr
+    # wider trees than the server's draft_branches (1 here): refused by name
+    out = subprocess.run([sys.executable, "-m", "client", PROMPT, "--url", server.grpc_url, "--num-draft-branches", "2"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and "num_draft_branches" in out.stderr, out.stderr
