@@ -45,7 +45,8 @@ class GenerationParams:
     max_tokens: int | None = None
     num_draft_tokens: int | None = None  # 0 = target-only decoding; the maximum K when adaptive
     adaptive_draft: bool | None = None  # K adapts per round (the server's default: on)
-    num_draft_branches: int | None = None  # a draft model's candidates per position, at most the server's draft_branches (1: chains)
+    # a draft model's candidates per drafted position (1: chains), at most the server's draft_branches
+    num_draft_branches: int | None = None
     temperature: float | None = None  # 0 = greedy
     top_k: int | None = None
     top_p: float | None = None
@@ -100,7 +101,8 @@ class GenerationParams:
         body = {tn.TEXT_INPUT: prompt, tn.STREAM: stream}
         for name in ("max_tokens", "num_draft_tokens", "temperature", "top_k", "top_p", "min_p", "seed",
                      "repetition_penalty", "presence_penalty", "frequency_penalty", "end_id", "draft_model",
-                     "apply_chat_template", "adaptive_draft", "num_draft_branches", "min_length", "ignore_eos", "return_log_probs"):
+                     "apply_chat_template", "adaptive_draft", "num_draft_branches", "min_length", "ignore_eos",
+                     "return_log_probs"):
             value = getattr(self, name)
             if value is not None:
                 body[name] = value

@@ -69,7 +69,8 @@ class OracleTreeProposer:
 
 def run(req, proposer, scorer, k, stats=None, policy=None):
     async def main():
-        return [r async for r in generate(req, proposer, scorer, policy or DraftLengthPolicy.fixed(k, branches=getattr(proposer, "branches", 1)), stats)]
+        chosen = policy or DraftLengthPolicy.fixed(k, branches=getattr(proposer, "branches", 1))
+        return [r async for r in generate(req, proposer, scorer, chosen, stats)]
     return asyncio.run(main())
 
 

@@ -219,8 +219,8 @@ def default_pair() -> PairSpec:
     # (ngram+eagle3): measured faster than either alone over grounded and open prompts together
     # (docs/results/2026-11-28-adaptive-heads.md); the layer-skip draft model accepts too little on CPU to
     # pay for itself (3 % of its tokens, at 0.37 of a target step). The head's rounds may draft EAGLE-2's
-    # trees 3 wide (the adaptive rule picks a tree or a chain each round): served, 1.61 tokens per round on
-    # open prompts against its chains' 1.51 (docs/results/2026-11-29-default-trees.md).
+    # trees 3 wide (the adaptive rule picks a tree or a chain each round): served, they draft more tokens a
+    # round than its chains (docs/results/2026-11-29-default-trees.md).
     return PairSpec(
         name="default", target_path=str(target), tokenizer_path=str(target),
         draft_paths={"draft_model": str(draft)}, draft_heads={DEFAULT_PAIR_HEAD_NAME: str(DEFAULT_PAIR_HEAD)},
