@@ -76,20 +76,26 @@ def test_the_shipped_set_is_what_the_composer_writes():
 def test_the_shipped_training_prompts_share_no_prompt_and_no_phrase_with_the_benchmarks():
     """Held-out figures and bench rows are of text the heads never trained on: no benchmark prompt is a
     training one, and none shares a run of 5 words with one or with a grounded instruction."""
-    import re
-
     from bench.speculative_bench import load_prompts as bench_prompts
-    from specdec.train.data import GROUNDED_INSTRUCTIONS, load_prompts
+    from specdec.train.data import GROUNDED_INSTRUCTIONS, SELF_PROMPTS, load_prompts
+    from specdec.train.self_prompts import word_runs as runs
 
-    def runs(text, n=5):
-        words = re.findall(r"[a-z0-9']+", text.lower())
-        return {tuple(words[i:i + n]) for i in range(len(words) - n + 1)}
-
-    training = load_prompts()
+    training = load_prompts() + load_prompts(SELF_PROMPTS)
     trained_runs = set().union(*(runs(p) for p in training + list(GROUNDED_INSTRUCTIONS)))
     for kind in ("grounded", "open"):
         for prompt in bench_prompts(kind, None):
             assert prompt not in training and not runs(prompt) & trained_runs, (kind, prompt[:80])
+
+
+def test_the_shipped_self_written_requests_are_what_the_selection_keeps():
+    """prompts_self.jsonl: the default pair's target's own requests, as self_prompts keeps them (distinct,
+    4-120 words, no chat markup)."""
+    from specdec.train.data import SELF_PROMPTS, load_prompts
+    from specdec.train.self_prompts import Selection
+
+    shipped = load_prompts(SELF_PROMPTS)
+    selection = Selection(markup=("<|im_start|>", "<|im_end|>", "<|endoftext|>"))
+    assert len(shipped) == 2400 and all(selection.offer(p, ended=True) for p in shipped)
 
 
 class TextTokenizer(CharTokenizer):

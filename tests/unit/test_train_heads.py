@@ -229,3 +229,31 @@ def test_the_head_acceptance_bench_unrolls_each_head_over_the_same_answers(tmp_p
                             "--prompts", "1", "--max-tokens", "6", "--steps", "2", "--out", str(out)]) == 0
     lines = [line for line in out.read_text().splitlines() if line.startswith("| open") or line.startswith("| grounded")]
     assert len(lines) == 4 and all(len(line.split("|")[3].split()) == 2 for line in lines)
+
+
+def test_the_command_answers_its_self_written_requests_with_their_own_held_out_share(tmp_path):
+    """--self-prompts N adds the requests the target wrote (OUT/self_prompts.jsonl, drawn once: a run that
+    finds the file answers it rather than drawing again) to --prompts, given twice; each set keeps its own
+    held-out share."""
+    from transformers import AutoTokenizer
+
+    target = pairs.tiny_pair().target_path
+    out = tmp_path / "self"
+    out.mkdir()
+    written = [f"Could you tell me about topic number {i}?" for i in range(10)]
+    (out / "self_prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in written))
+    files = [tmp_path / "a.jsonl", tmp_path / "b.jsonl"]
+    for n, file in enumerate(files):
+        file.write_text("".join(json.dumps({"prompt": f"composed prompt {n}-{i}"}) + "\n" for i in range(5)))
+    code = train_command(["--target", target, "--out", str(out), "--prompts", str(files[0]), "--prompts",
+                          str(files[1]), "--self-prompts", "10", "--answer-tokens", "8", "--epochs", "0",
+                          "--draft-vocab", "1024", "--aux-layers", "0,1,1", "--device", "cpu"])
+    assert code == 0
+    saved = torch.load(out / "data.pt", weights_only=False)
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    asked = lambda samples: [tokenizer.decode(s.tokens[:s.prompt_length]) for s in samples]  # noqa: E731
+    # 10 composed (1 held out: the last of the two files) and 10 self-written (1 held out)
+    assert (len(saved["train"]), len(saved["held_out"])) == (18, 2)
+    assert ["composed prompt 1-4" in a for a in asked(saved["held_out"])] == [True, False]
+    assert written[-1] in asked(saved["held_out"])[1]
+    assert sum(any(w in a for w in written) for a in asked(saved["train"])) == 9

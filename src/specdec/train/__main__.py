@@ -35,9 +35,15 @@ def parse_args(argv):
     parser.add_argument("--out", required=True, help="where the head, its data and checkpoints go")
     parser.add_argument("--kind", choices=KINDS, default=EAGLE3, help="the head's kind (default: eagle3)")
     parser.add_argument("--medusa-heads", type=int, default=4, help="Medusa: heads (tokens drafted per round)")
-    parser.add_argument("--prompts", default=str(PROMPTS),
+    parser.add_argument("--prompts", action="append", default=[],
                         help="prompts: JSON lines or a JSON array of strings, {\"prompt\"}, OpenAI {\"messages\"} or "
-                             "ShareGPT {\"conversations\"} records (their first user turn); default: the shipped set")
+                             "ShareGPT {\"conversations\"} records (their first user turn); given several times, "
+                             f"every file's; default: the shipped set ({PROMPTS.name})")
+    parser.add_argument("--self-prompts", type=int, default=0,
+                        help="also N requests the target writes itself (Magpie: specdec.train.self_prompts), kept in "
+                             "OUT/self_prompts.jsonl and held out in the same share")
+    parser.add_argument("--exclude", action="append", default=[],
+                        help="a prompt file (a benchmark's) whose runs of five words no self-written request may share")
     parser.add_argument("--data", action="append", default=[],
                         help="answered samples to train on (another run's data.pt; given several times, every set's; "
                              "default: OUT/data.pt, made when missing)")
@@ -109,15 +115,20 @@ def main(argv=None) -> int:
         samples, held_out = _load_sets([cached], layers if args.kind == EAGLE3 else None)
         log(f"{len(samples)} + {len(held_out)} answered samples from {cached}")
     else:
-        prompts = data.load_prompts(args.prompts)
+        prompts = [p for path in args.prompts or [data.PROMPTS] for p in data.load_prompts(path)]
         if args.max_prompts:
             prompts = prompts[:args.max_prompts]
-        kept = max(1, round(len(prompts) * args.held_out))
+        writer = model if args.answer_dtype == "same" else copy.deepcopy(model).to(getattr(torch, args.answer_dtype))
+        # Each set keeps its own held-out share (its last prompts), so held-out figures cover both kinds
+        sets = [prompts] + ([_self_prompts(args, writer, tokenizer, out)] if args.self_prompts else [])
+        held = [max(1, round(len(s) * args.held_out)) for s in sets]
+        training_prompts = [p for s, k in zip(sets, held) for p in s[:-k]]
+        held_prompts = [p for s, k in zip(sets, held) for p in s[-k:]]
+        prompts, kept = training_prompts + held_prompts, len(held_prompts)
         answers = args.sampled_answers + (0 if args.no_greedy_answers else 1)
         log(f"the target answers {len(prompts)} prompts ({kept} held out; {answers} answers to each other), up to "
             f"{args.answer_tokens} tokens each; "
             f"features of layers {list(layers)}")
-        writer = model if args.answer_dtype == "same" else copy.deepcopy(model).to(getattr(torch, args.answer_dtype))
         # Held-out prompts get their greedy answer only: acceptance is measured on what greedy serving sees
         answer = lambda some, sampled, greedy: data.answer_and_featurize(  # noqa: E731
             model, tokenizer, some, layers, args.answer_tokens, chat_template=not args.no_chat_template,
@@ -164,6 +175,21 @@ def main(argv=None) -> int:
     log(f"wrote the {args.kind} head to {out} in {time.monotonic() - started:.0f} s: held-out α per drafted position "
         + " ".join(f"{a:.2f}" for a in figures["alpha"]))
     return 0
+
+
+def _self_prompts(args, model, tokenizer, out: Path) -> list[str]:
+    """--self-prompts N: the requests the target writes itself (OUT/self_prompts.jsonl, drawn once)."""
+    from specdec.train import data, self_prompts
+
+    path = out / "self_prompts.jsonl"
+    if not path.exists():
+        log(f"the target writes {args.self_prompts} requests of its own")
+        excluded = [p for file in args.exclude for p in data.load_prompts(file)]
+        markup = tuple(getattr(tokenizer, "all_special_tokens", ()))
+        drawn = self_prompts.draw(model, tokenizer, args.self_prompts, self_prompts.Selection(excluded, markup=markup),
+                                  seed=args.seed, batch=args.answer_batch, log=log)
+        path.write_text("".join(json.dumps({"prompt": p}, ensure_ascii=False) + "\n" for p in drawn))
+    return data.load_prompts(path)
 
 
 def _load_sets(paths: list[Path], layers: tuple[int, ...] | None) -> tuple[list, list]:

@@ -18,6 +18,8 @@ from pathlib import Path
 import torch
 
 PROMPTS = Path(__file__).with_name("prompts.jsonl")  # shipped; disjoint from bench/'s (a unit test says so)
+# Shipped: 2,400 requests the default pair's target wrote itself (self_prompts.py, seed 0); disjoint from bench/'s too
+SELF_PROMPTS = Path(__file__).with_name("prompts_self.jsonl")
 
 
 @dataclass
