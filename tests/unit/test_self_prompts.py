@@ -73,7 +73,6 @@ def test_the_command_writes_json_lines_of_kept_requests(tiny_lm, tmp_path, monke
     from specdec.train import self_prompts
 
     tokenizer = ChatTokenizer()
-    tokenizer.all_special_tokens, tokenizer.added_tokens_decoder = [], {}
     monkeypatch.setattr("transformers.AutoTokenizer.from_pretrained", lambda path: tokenizer)
     monkeypatch.setattr("transformers.AutoModelForCausalLM.from_pretrained", lambda path, dtype: tiny_lm)
     exclude = tmp_path / "bench.jsonl"

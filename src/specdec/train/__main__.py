@@ -184,10 +184,9 @@ def _self_prompts(args, model, tokenizer, out: Path) -> list[str]:
     path = out / "self_prompts.jsonl"
     if not path.exists():
         log(f"the target writes {args.self_prompts} requests of its own")
-        excluded = [p for file in args.exclude for p in data.load_prompts(file)]
-        markup = tuple(getattr(tokenizer, "all_special_tokens", ()))
-        drawn = self_prompts.draw(model, tokenizer, args.self_prompts, self_prompts.Selection(excluded, markup=markup),
-                                  seed=args.seed, batch=args.answer_batch, log=log)
+        selection = self_prompts.selection_for(tokenizer, args.exclude)
+        drawn = self_prompts.draw(model, tokenizer, args.self_prompts, selection, seed=args.seed,
+                                  batch=args.answer_batch, log=log)
         path.write_text("".join(json.dumps({"prompt": p}, ensure_ascii=False) + "\n" for p in drawn))
     return data.load_prompts(path)
 

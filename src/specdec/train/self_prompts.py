@@ -66,6 +66,16 @@ class Selection:
         return True
 
 
+def selection_for(tokenizer, exclude: list[str] = (), min_words: int = 4, max_words: int = 120) -> Selection:
+    """A Selection disjoint from the prompts of the `exclude` files, refusing the tokenizer's special tokens."""
+    from specdec.train.data import load_prompts
+
+    excluded = [p for path in exclude for p in load_prompts(path)]
+    markup = tuple(getattr(tokenizer, "all_special_tokens", ())) + tuple(
+        str(t) for t in getattr(tokenizer, "added_tokens_decoder", {}).values())
+    return Selection(excluded, min_words, max_words, markup)
+
+
 @torch.no_grad()
 def draw(model, tokenizer, count: int, selection: Selection, seed: int = 0, batch: int = 64,
          max_tokens: int = 96, temperature: float = 1.0, top_p: float = 0.95, log=print,
@@ -118,13 +128,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from specdec.train.data import load_prompts
-
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     model = AutoModelForCausalLM.from_pretrained(args.target, dtype=getattr(torch, args.dtype)).eval()
-    excluded = [p for path in args.exclude for p in load_prompts(path)]
-    markup = tuple(tokenizer.all_special_tokens) + tuple(str(t) for t in tokenizer.added_tokens_decoder.values())
-    selection = Selection(excluded, args.min_words, args.max_words, markup)
+    selection = selection_for(tokenizer, args.exclude, args.min_words, args.max_words)
     log = lambda message: print(message, file=sys.stderr, flush=True)  # noqa: E731
     for prompt in draw(model, tokenizer, args.count, selection, args.seed, args.batch, args.max_tokens,
                        args.temperature, args.top_p, log=log):
