@@ -100,6 +100,13 @@ def drafted_at(metrics_url: str | None) -> dict[int, float]:
     return out
 
 
+def tree_rounds(metrics_url: str | None) -> float:
+    """specdec_tree_rounds_total: rounds that verified a token tree."""
+    if not metrics_url:
+        return 0.0
+    return sum(value for _, value in samples(scrape(metrics_url), "specdec_tree_rounds_total"))
+
+
 # ---- served --------------------------------------------------------------------------------------
 def served(url: str, metrics_url: str | None, prompts: dict[str, list[str]], settings: list[Setting],
            max_tokens: int) -> dict:
@@ -114,7 +121,7 @@ def served(url: str, metrics_url: str | None, prompts: dict[str, list[str]], set
     for kind, plist in prompts.items():
         for s in settings:
             agg = dict(base_tokens=0, base_s=0.0, tokens=0, s=0.0, drafted=0, accepted=0, rounds=0)
-            before = drafted_at(metrics_url)
+            before, trees_before = drafted_at(metrics_url), tree_rounds(metrics_url)
             for prompt in plist:
                 base = client.generate(prompt, GenerationParams(max_tokens=max_tokens, num_draft_tokens=0))
                 spec = client.generate(prompt, GenerationParams(max_tokens=max_tokens, num_draft_tokens=s.k,
@@ -130,6 +137,7 @@ def served(url: str, metrics_url: str | None, prompts: dict[str, list[str]], set
                 agg["accepted"] += spec.total_accepted_draft_tokens
                 agg["rounds"] += spec.num_rounds
             after = drafted_at(metrics_url)
+            agg["tree_rounds"] = tree_rounds(metrics_url) - trees_before
             at_least = {j: after[j] - before.get(j, 0.0) for j in after}  # rounds drafting >= j tokens
             agg["rounds_by_k"] = {j: at_least[j] - at_least.get(j + 1, 0.0) for j in at_least
                                   if at_least[j] - at_least.get(j + 1, 0.0) > 0}
@@ -273,14 +281,17 @@ def report(results, costs, peer, settings, max_tokens, n_prompts) -> str:
         # is the depth, so the chain bound does not apply
         trees = s.method not in tn.BUILTIN_DRAFTS and s.branches != 1
         bound, efficiency = ("-", "-") if trees else (f"{b:.2f}", f"{spec / base / b:.2f}")
+        tree_share = f"{agg.get('tree_rounds', 0.0) / agg['rounds']:.0%}" if trees and agg["rounds"] else "-"
         rows.append([kind, label, f"{base:.1f}", f"{spec:.1f}", f"**{spec / base:.2f}x**", f"{alpha:.2f}",
-                     f"{per_round:.2f}", f"{k_mean:.1f}", f"{c:.3f}", f"{v:.2f}", bound, efficiency])
+                     f"{per_round:.2f}", tree_share, f"{k_mean:.1f}", f"{c:.3f}", f"{v:.2f}", bound, efficiency])
     lines.append(tabulate(rows, ["prompts", "draft", "target-only tok/s", "speculative tok/s", "speedup", "α",
-                                 "tokens/round", "K (drafting rounds)", "c", "v", "bound", "efficiency"],
+                                 "tokens/round", "tree rounds", "K (drafting rounds)", "c", "v", "bound",
+                                 "efficiency"],
                           tablefmt="github", disable_numparse=True))
     lines.append("")
     lines.append("Rows that may draft trees (a draft model's, `num_draft_branches` above 1 or the server's): α is "
-                 "per node drafted, K the depth, no chain bound.")
+                 "per node drafted, K the depth, no chain bound; 'tree rounds' is their share of the row's rounds "
+                 "(specdec_tree_rounds_total).")
     if not peer:
         lines.append("")
         lines.append(f"Measured verify cost ratios: {', '.join(f'v({k})={v:.2f}' for k, v in sorted(costs['v'].items()))}.")

@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 
 PROMPTS = Path(__file__).with_name("prompts.jsonl")  # shipped; disjoint from bench/'s (a unit test says so)
-# Shipped: 2,400 requests the default pair's target wrote itself (self_prompts.py, seed 0); disjoint from bench/'s too
+# Shipped: 4,799 requests the default pair's target wrote itself (self_prompts.py: 2,400 drawn at seed 0, then
+# 2,400 at seed 100000 less the one the first draw already had); disjoint from bench/'s too
 SELF_PROMPTS = Path(__file__).with_name("prompts_self.jsonl")
 
 
