@@ -2,7 +2,7 @@
 
 For a pair (the GPU bench's synthetic 8B-shaped one on a GPU, the tiny or default pair on CPU) it times,
 after a prompt of --context tokens: a target step of 1 token and a verify of K+1, for 1 and --batch
-sequences, and the draft proposing K tokens, with
+sequences, the same K+1 rows verified as a tree 3 wide (one sequence), and the draft proposing K tokens, with
 
   dynamic      `dynamic_executor`: transformers' forward, per-sequence growing buffers (the CPU default)
   static/off   `static_executor` eagerly: paged pool, bucketed shapes, no capture
@@ -37,6 +37,7 @@ from specdec.engine.loading import load_causal_lm
 from specdec.serving import pairs
 
 HERE = Path(__file__).resolve().parent
+TREE_WIDTH = 3  # the default pair's draft_branches
 
 
 def make(model, mode: str, batch: int, k: int, context: int):
@@ -68,6 +69,14 @@ def time_lm(lm, vocab: int, context: int, batch: int, k: int, reps: int, device:
         for b in (1, batch):
             steps = [Step(seq, context, prompts[seq - 1][:width], width) for seq in range(1, b + 1)]
             out[(width, b)] = gpu_bench.timed(lambda: lm.extend_many(steps), device, reps)
+    # The same K+1 rows as a token tree (each node after its parent, TREE_WIDTH children a node, breadth
+    # first): what a tree's mask and per-node positions add to a chain's verify of as many rows
+    tree = tuple([-1] + [(node - 1) // TREE_WIDTH for node in range(1, k + 1)])
+    tree_step = [Step(1, context, prompts[0][:k + 1], k + 1, tree=tree)]
+    (result,) = lm.extend_many(tree_step)
+    # an executor that refuses this tree (larger than its tree buckets) is not timed on its refusal
+    out["tree"] = None if isinstance(result, Exception) else gpu_bench.timed(lambda: lm.extend_many(tree_step),
+                                                                             device, reps)
     out["logits"] = lm.extend(1, context, prompts[0][:k + 1], k + 1).float().cpu()
     out["propose"] = gpu_bench.timed(lambda: lm.propose(1, context, prompts[0][:1], k, SamplingParams()), device, reps)
     for seq in range(1, batch + 1):
@@ -110,7 +119,7 @@ def main(argv=None) -> int:
             widths = [1, args.k + 1]
             ref = gpu_bench.reference_steps(model, device, args.context, widths, "reduce-overhead", reps)
             rows.append([role, "reference (static cache, compiled)", f"{ref[1] * 1e3:.2f}", "",
-                         f"{ref[args.k + 1] * 1e3:.2f}", "", "", "", ""])
+                         f"{ref[args.k + 1] * 1e3:.2f}", "", "", "", "", ""])
             gpu_bench.log(" | ".join(rows[-1]))
         for mode in modes:
             gpu_bench.log(f"{role} {mode}")
@@ -123,7 +132,8 @@ def main(argv=None) -> int:
             else:
                 diff = float("nan")
             rows.append([role, mode] + [f"{t[(w, b)] * 1e3:.2f}" for w in (1, args.k + 1) for b in (1, args.batch)]
-                        + [f"{t['propose'] * 1e3:.2f}", f"{setup_s:.1f}", f"{diff:.2g}"])
+                        + ["refused" if t["tree"] is None else f"{t['tree'] * 1e3:.2f}", f"{t['propose'] * 1e3:.2f}",
+                           f"{setup_s:.1f}", f"{diff:.2g}"])
             gpu_bench.log(" | ".join(rows[-1]))  # as it comes: a run cut short still shows its rows
             del lm
             if gpu:
@@ -133,7 +143,8 @@ def main(argv=None) -> int:
     header = f"{machine}, torch {torch.__version__}, {pair} pair, {dtype}, context {args.context}, K={args.k}"
     text = report.print_table(header, rows, ["model", "executor", "1 row, 1 seq (ms)", f"1 row, {args.batch} seqs",
                                          f"{args.k + 1} rows, 1 seq", f"{args.k + 1} rows, {args.batch} seqs",
-                                         f"propose {args.k} (ms)", "compile + capture (s)", "max |Δ logits|"], args.out)
+                                         f"tree of {args.k + 1}, 1 seq", f"propose {args.k} (ms)",
+                                         "compile + capture (s)", "max |Δ logits|"], args.out)
     if args.results:
         report.write_results(args.results, "The executors' forward costs in process: `make bench-executor`", text)
     return 0

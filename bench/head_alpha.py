@@ -4,9 +4,10 @@ The target answers each prompt set (bench/prompts_open.jsonl, bench/prompts_grou
 chat template on; then every head given is unrolled over those answers as training evaluates it
 (specdec.train.eagle: the head's j-th drafted token against the target's greedy one, the earlier ones having
 matched). Per head and set: α at each drafted position (conditional on the earlier ones), the drafted
-tokens a K-token chain would get accepted per round (α_1 + α_1·α_2 + ...), and the held-out figure training
-printed (training.json) for comparison. No server and no timing: acceptance only, the same text for every
-head, so heads compare side by side.
+tokens a K-token chain would get accepted per round (α_1 + α_1·α_2 + ...), the held-out figure training
+printed (training.json) for comparison, and the share of the answers' tokens the head's vocabulary holds
+(an EAGLE-3 head's reduced one: no position whose token it lacks can be accepted). No server and no timing:
+acceptance only, the same text for every head, so heads compare side by side.
 
     python -m bench.head_alpha --head OLD=HEAD_DIR --head NEW=HEAD_DIR2 [--max-tokens 96] [--out FILE]
 """
@@ -78,10 +79,15 @@ def main(argv=None) -> int:
                 answered[layers] = data.answer_and_featurize(model, tokenizer, prompts, layers, args.max_tokens,
                                                              batch=len(prompts), log=lambda message: None)
             alphas = trainer.evaluate(objective, answered[layers])["alpha"]
+            # The answers are the target's greedy tokens: an EAGLE-3 head proposes only those of its reduced
+            # vocabulary, so the share it holds caps its α at every position
+            written = torch.cat([sample.tokens[sample.prompt_length:] for sample in answered[layers]])
+            held_share = float(objective.module.t2d[written].float().mean()) if objective.eagle3 else 1.0
             rows.append([f"{kind} ({len(prompts)})", name, " ".join(f"{a:.2f}" for a in alphas),
                          f"{accepted_per_round(alphas[:4]):.2f}",
-                         " ".join(f"{a:.2f}" for a in held[:args.steps]) if held else "-"])
-    columns = ["prompts", "head", "α per drafted position", "accepted per round, K=4", "held-out α (training)"]
+                         " ".join(f"{a:.2f}" for a in held[:args.steps]) if held else "-", f"{held_share:.1%}"])
+    columns = ["prompts", "head", "α per drafted position", "accepted per round, K=4", "held-out α (training)",
+               "answer tokens in its vocabulary"]
     report.print_table(f"Teacher-forced acceptance on the benchmark's prompts ({args.max_tokens}-token greedy answers, "
                        f"{report.machine()})", rows, columns, args.out or None)
     return 0

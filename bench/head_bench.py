@@ -3,7 +3,8 @@
 On a GPU: the 8B-shaped bf16 pair of gpu_bench.py (its target's step on the static executor with CUDA
 graphs, its 4-layer layer-skip draft's) against EAGLE-1, EAGLE-3 (32000-token draft vocabulary, as the
 published Llama-3.1-8B head) and Medusa (4 heads) heads of its shape. On CPU: the default pair
-(SmolLM2-135M, float32) likewise, with `--default-pair`. Heads have random weights: a step costs the same
+(SmolLM2-135M, float32) likewise, with `--default-pair`, and its shipped EAGLE-3 head as served (float32)
+and in bfloat16 (half the bytes a step streams). The other heads have random weights: a step costs the same
 whatever they learned. Per draft: ms per drafted token (K=4 proposals, after the head read one round's
 features) and c = that / the target's one-token step.
 
@@ -23,7 +24,8 @@ from bench import report
 from bench.report import print_table
 from specdec.decoding.sampling import SamplingParams
 from specdec.engine.build import dynamic_executor, static_executor
-from specdec.engine.draft_heads import EAGLE, EAGLE3, MEDUSA, random_head, read_target_tensors
+from specdec.engine.draft_heads import (EAGLE, EAGLE3, MEDUSA, load_head_for, random_head,
+                                        read_target_tensors)
 from specdec.engine.head_executor import HeadExecutor
 
 K = 4
@@ -113,6 +115,13 @@ def main(argv=None) -> int:
             ms = head_step_ms(head, device, args.reps, graphs)
             rows.append([f"{kind} head ({'CUDA graphs' if graphs else 'eager'})", f"{ms:.2f}", f"{ms / target_ms:.3f}"])
         del head
+    if args.default_pair:  # the shipped head as served (the pair's float32), and in bfloat16: half the bytes
+        for head_dtype in (torch.float32, torch.bfloat16):
+            head, _ = load_head_for(pairs.DEFAULT_PAIR_HEAD, target_path, device, head_dtype)
+            ms = head_step_ms(head, device, args.reps)
+            name = str(head_dtype).removeprefix("torch.")
+            rows.append([f"the shipped EAGLE-3 head ({pairs.DEFAULT_PAIR_HEAD_NAME}), {name}", f"{ms:.2f}",
+                         f"{ms / target_ms:.3f}"])
     text = print_table(f"Draft step against the target's step, in process: {what}; {report.machine()}. "
                        f"Drafts: ms per drafted token at K={K} after {CONTEXT} tokens of context.",
                        rows, ["draft", "ms per token", "c (of a target step)"], args.out)
