@@ -37,7 +37,6 @@ from specdec.engine.loading import load_causal_lm
 from specdec.serving import pairs
 
 HERE = Path(__file__).resolve().parent
-TREE_WIDTH = 3  # the default pair's draft_branches
 
 
 def make(model, mode: str, batch: int, k: int, context: int):
@@ -69,9 +68,10 @@ def time_lm(lm, vocab: int, context: int, batch: int, k: int, reps: int, device:
         for b in (1, batch):
             steps = [Step(seq, context, prompts[seq - 1][:width], width) for seq in range(1, b + 1)]
             out[(width, b)] = gpu_bench.timed(lambda: lm.extend_many(steps), device, reps)
-    # The same K+1 rows as a token tree (each node after its parent, TREE_WIDTH children a node, breadth
-    # first): what a tree's mask and per-node positions add to a chain's verify of as many rows
-    tree = tuple([-1] + [(node - 1) // TREE_WIDTH for node in range(1, k + 1)])
+    # The same K+1 rows as a token tree (each node after its parent, as many children a node as the default
+    # pair's trees are wide, breadth first): what a tree's mask and per-node positions add to a chain's verify
+    width = pairs.DEFAULT_PAIR_DRAFT_BRANCHES
+    tree = tuple([-1] + [(node - 1) // width for node in range(1, k + 1)])
     tree_step = [Step(1, context, prompts[0][:k + 1], k + 1, tree=tree)]
     (result,) = lm.extend_many(tree_step)
     # an executor that refuses this tree (larger than its tree buckets) is not timed on its refusal

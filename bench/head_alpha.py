@@ -82,10 +82,10 @@ def main(argv=None) -> int:
             # The answers are the target's greedy tokens: an EAGLE-3 head proposes only those of its reduced
             # vocabulary, so the share it holds caps its α at every position
             written = torch.cat([sample.tokens[sample.prompt_length:] for sample in answered[layers]])
-            held_share = float(objective.module.t2d[written].float().mean()) if objective.eagle3 else 1.0
+            in_vocabulary = float(objective.module.t2d[written].float().mean()) if objective.eagle3 else 1.0
             rows.append([f"{kind} ({len(prompts)})", name, " ".join(f"{a:.2f}" for a in alphas),
                          f"{accepted_per_round(alphas[:4]):.2f}",
-                         " ".join(f"{a:.2f}" for a in held[:args.steps]) if held else "-", f"{held_share:.1%}"])
+                         " ".join(f"{a:.2f}" for a in held[:args.steps]) if held else "-", f"{in_vocabulary:.1%}"])
     columns = ["prompts", "head", "α per drafted position", "accepted per round, K=4", "held-out α (training)",
                "answer tokens in its vocabulary"]
     report.print_table(f"Teacher-forced acceptance on the benchmark's prompts ({args.max_tokens}-token greedy answers, "
