@@ -1,7 +1,7 @@
 """Where a served round's time goes (`make bench-overhead`): the serving machinery around the models.
 
 Serves the tiny pair (two layers, but a float64 head over SmolLM2's whole vocabulary: on CPU its forwards
-are not free, so they are split out), or `--pair default` (SmolLM2-135M, drafting by prompt lookup), or
+are not free, so they are split out), or `--pair default` (SmolLM2-135M as `make serve` serves it), or
 with --pair 8b `make bench-gpu`'s synthetic 8B-shaped bf16 pair (GPU only; `--pair small`: its tiny-shaped
 twin, float32 on CPU), runs greedy (or, with --temperature, seeded sampled) requests of fixed length at
 K=0 (target-only) and K fixed, one at a time, and splits each round's wall time with the server's own
@@ -24,6 +24,9 @@ model's forwards count once per thread that ran them.
     python -m bench.round_overhead --device gpu --pair 8b --launcher-arg=--max-num-draft-tokens=4
                                                    # the served 8B-shaped pair's rounds, split (verify
                                                    # buckets as `make bench-gpu` sets them)
+    python -m bench.round_overhead --pair default --draft eagle3 --branches 1
+                                                   # the default pair's trained head drafting chains: its
+                                                   # model's calls split out like the draft model's
     python -m bench.round_overhead --whole         # one response per request instead of a streamed
                                                    # response per round (the default, what a streaming
                                                    # Triton or OpenAI client sees): what streaming costs
@@ -49,11 +52,11 @@ from client import Client, GenerationParams
 from bench.gpu_bench import synthetic_pair
 from bench.report import print_table
 from specdec.serving import pairs, server
-from specdec.serving.metrics_text import sum_samples
+from specdec.serving.metrics_text import samples, sum_samples
 
 HERE = Path(__file__).resolve().parent
 
-MODELS = ("target_model", "draft_model")
+MODELS = ("target_model", "draft_model")  # always split out; a served head (e.g. `eagle3`) joins them when it ran
 TRITON = {"queue": "nv_inference_queue_duration_us", "input": "nv_inference_compute_input_duration_us",
           "infer": "nv_inference_compute_infer_duration_us", "output": "nv_inference_compute_output_duration_us",
           "calls": "nv_inference_request_success"}
@@ -86,9 +89,15 @@ def server_cpu(root_pid: int) -> dict[str, float]:
     return out
 
 
+def forward_models(text: str) -> tuple[str, ...]:
+    """MODELS, then every other model whose executor reports forwards (the draft heads a pair serves)."""
+    named = {labels.get("model") for labels, _ in samples(text, "specdec_model_forward_seconds_total")}
+    return MODELS + tuple(sorted(name for name in named if name and name not in MODELS))
+
+
 def counters(text: str) -> dict:
     out = {"rounds": sum_samples(text, "specdec_rounds_total")}
-    for model in MODELS:
+    for model in forward_models(text):
         out[model, "forward"] = sum_samples(text, "specdec_model_forward_seconds_total", model=model)
         for key, name in TRITON.items():
             out[model, key] = sum_samples(text, name, model=model)
@@ -109,16 +118,16 @@ def measure(own, params: GenerationParams, prompts: list[str], repeats: int, str
     cpu_after = server_cpu(own.process.pid)
     time.sleep(1.0)
     after = counters(own.metrics())
-    delta = {key: after[key] - before[key] for key in after}
+    delta = {key: after[key] - before.get(key, 0.0) for key in after}
     rounds = delta["rounds"]
     out = {"round": wall / rounds * 1e3, "rounds": rounds}
-    models = 0.0
-    for model in MODELS:
-        forward = delta[model, "forward"] * 1e3 / rounds
-        infer = delta[model, "infer"] / 1e3 / rounds
-        edges = (delta[model, "queue"] + delta[model, "input"] + delta[model, "output"]) / 1e3 / rounds
-        out[model] = {"forward": forward, "adapter": max(infer - forward, 0.0), "triton": edges,
-                      "calls": delta[model, "calls"] / rounds}
+    out["models"], models = {}, 0.0
+    for model in forward_models(own.metrics()):
+        forward = delta.get((model, "forward"), 0.0) * 1e3 / rounds
+        infer = delta.get((model, "infer"), 0.0) / 1e3 / rounds
+        edges = sum(delta.get((model, key), 0.0) for key in ("queue", "input", "output")) / 1e3 / rounds
+        out["models"][model] = {"forward": forward, "adapter": max(infer - forward, 0.0), "triton": edges,
+                                "calls": delta.get((model, "calls"), 0.0) / rounds}
         models += infer + edges
     out["rest"] = out["round"] - models
     out["cpu"] = {name: (cpu_after[name] - cpu_before.get(name, 0.0)) * 1e3 / rounds for name in cpu_after
@@ -136,7 +145,7 @@ def served_pair(name: str, device: str) -> tuple[str, list[str]]:
         pair = pairs.tiny_pair()
         return "tiny pair", ["--target", pair.target_path, "--draft", pair.draft_paths["draft_model"],
                              "--tokenizer", pair.tokenizer_path]
-    if name == "default":  # SmolLM2-135M served as `make serve` serves it (drafting by prompt lookup)
+    if name == "default":  # SmolLM2-135M served as `make serve` serves it (its head's model split out too)
         return "default pair", ["--pair", "default"]
     if name == "8b" and device != "gpu":
         raise ValueError("--pair 8b needs --device gpu (a 16 GB bfloat16 model; --pair small is its CPU twin)")
@@ -157,6 +166,9 @@ def main(argv=None) -> int:
     parser.add_argument("--top-p", type=float, help="sampled rounds' top_p (with --temperature)")
     parser.add_argument("--whole", dest="stream", action="store_false",
                         help="one response per request (default: streamed, a response per round, as clients ask)")
+    parser.add_argument("--draft", help="the requests' draft_model (e.g. `eagle3`, the default pair's head); "
+                        "default: the server's default draft")
+    parser.add_argument("--branches", type=int, help="the requests' num_draft_branches (1: chains)")
     parser.add_argument("--regex", help="structured output: every request follows this regex guide")
     parser.add_argument("--launcher-arg", action="append", default=[], help="more launcher arguments")
     parser.add_argument("--out", help="also write the table (Markdown) here")
@@ -177,22 +189,22 @@ def main(argv=None) -> int:
             params = GenerationParams(max_tokens=args.max_tokens, num_draft_tokens=k, adaptive_draft=False,
                                       ignore_eos=True, temperature=args.temperature, top_p=args.top_p,
                                       seed=1 if args.temperature else None,
-                                      guide_type="regex" if args.regex else None, guide=args.regex)
+                                      guide_type="regex" if args.regex else None, guide=args.regex,
+                                      draft_model=args.draft if k else None, num_draft_branches=args.branches if k else None)
             results[name] = measure(own, params, prompts, args.repeats, args.stream)
     finally:
         own.stop()
     rows = []
     for name, r in results.items():
         rows.append([name, "round (client wall time / rounds)", f"{r['round']:.2f}", f"{r['rounds']:.0f} rounds"])
-        for model in MODELS:
-            m = r[model]
+        for model, m in r["models"].items():
             if not m["calls"]:
                 continue
             rows.append([name, f"{model} forward", f"{m['forward']:.2f}", f"{m['calls']:.2f} calls per round"])
             rows.append([name, f"{model} adapter", f"{m['adapter']:.2f}", ""])
             rows.append([name, f"{model} Triton in/out + queue", f"{m['triton']:.2f}", ""])
         rows.append([name, "orchestrator, BLS, ensemble and client", f"{r['rest']:.2f}", ""])
-        forwards = sum(r[model]["forward"] for model in MODELS)
+        forwards = sum(m["forward"] for m in r["models"].values())
         rows.append([name, "round minus the forwards: the serving machinery", f"{r['round'] - forwards:.2f}",
                      "adapters, Triton in/out, orchestrator, BLS, ensemble, client"])
         for process, ms in sorted(r["cpu"].items(), key=lambda item: -item[1]):
@@ -202,6 +214,8 @@ def main(argv=None) -> int:
     mode += ", streamed" if args.stream else ", whole responses"
     mode += f", guided by the regex {args.regex!r}" if args.regex else ""
     extra = f", {' '.join(args.launcher_arg)}" if args.launcher_arg else ""
+    extra += f", draft {args.draft}" if args.draft else ""
+    extra += f", {args.branches} branches at most" if args.branches else ""
     header = (f"{platform.machine()} {args.device}, {label}, {mode}, {args.max_tokens} tokens per request, "
               f"one request at a time{extra}")
     print_table(header, rows, ["", "where", "ms per round", ""], args.out)

@@ -324,6 +324,8 @@ def main(argv=None) -> int:
                         "and give its rows (default: the rows of the default pair's own head, eagle3)")
     parser.add_argument("--head-only", action="store_true", help="the server's default and the head's rows only")
     parser.add_argument("--no-peer", action="store_true", help="leave out transformers' generate")
+    parser.add_argument("--launcher-arg", action="append", default=[], help="more arguments for the server's "
+                        "launcher, e.g. --launcher-arg=--set=target_model.linear_kernels=onednn")
     args = parser.parse_args(argv)
     limit = 4 if args.quick else None
     settings = QUICK if args.quick else SETTINGS
@@ -342,7 +344,8 @@ def main(argv=None) -> int:
         cache = HERE.parent / ".cache"
         head = ["--draft-head", args.draft_head, "--default-draft", tn.NGRAM] if args.draft_head else []
         skip = ["--skip-draft", tn.SKIP_SEARCH] if any(s.method == SKIP for s in settings) else []
-        own = server.start(cache / "run" / "bench", cache / "bench-server.log", ["--pair", "default", *head, *skip])
+        own = server.start(cache / "run" / "bench", cache / "bench-server.log", ["--pair", "default", *head, *skip,
+                                                                                       *args.launcher_arg])
         url, metrics_url = own.grpc_url, own.metrics_url
     skip_layers = None
     try:

@@ -14,7 +14,7 @@ from specdec.decoding.ngram_proposer import NgramProposer
 from specdec.decoding.sampling import SamplingParams
 from specdec.engine.build import dynamic_executor, static_executor
 from specdec.engine.draft_heads import (EAGLE, EAGLE3, KINDS, MEDUSA, HeadCache, HeadError, check_fits, load_head,
-                                        load_head_for, random_head, save_head, target_tensors)
+                                        load_head_for, random_head, rows_forward, save_head, target_tensors)
 from specdec.engine.head_executor import HeadExecutor
 from specdec.engine.local import LocalProposer, LocalScorer
 from tests.unit.conftest import run_fixed_k
@@ -318,3 +318,28 @@ def test_the_default_pairs_shipped_head_loads_as_the_eagle3_head_the_pair_serves
     assert head.config.hidden_size == 576 and len(head.d2t) == 8192
     ids = head.draft_target_ids()
     assert ids.min() >= 0 and ids.max() < head.config.vocab_size and int(head.t2d.sum()) == len(head.d2t)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_head_on_onednn_kernels_drafts_what_it_drafts_on_torchs(tiny_lm, kind):
+    """`linear_kernels: auto` may put a served head's linears on oneDNN (onednn_linear.apply): same drafts."""
+    import copy
+
+    from specdec.engine import onednn_linear
+    from specdec.engine.interfaces import Step
+
+    dense = random_head(kind, tiny_lm.config, seed=3, aux_layers=AUX if kind == EAGLE3 else (),
+                        **({"draft_vocab_size": 64} if kind == EAGLE3 else {})).float()
+    if kind != MEDUSA:
+        dense.attach(*(None if t is None else t.float() for t in target_tensors(tiny_lm)))
+    packed = copy.deepcopy(dense)
+    assert onednn_linear.prepack_linears(packed) > 0
+    features = torch.randn(len(PROMPT) - 1, dense.config.feature_width, generator=torch.Generator().manual_seed(0))
+    for branches in (1, 3):
+        step = Step(1, 0, PROMPT, k=4, features=features, branches=branches)
+        (a,), (b,) = HeadExecutor(dense).propose_many([step]), HeadExecutor(packed).propose_many([step])
+        assert (a.tokens, a.parents) == (b.tokens, b.parents) and len(a.tokens) > 0
+    # what the adapter times it with (onednn_linear.apply): the head over 1..8 rows, either way
+    times = onednn_linear.time_kernels(dense, rows_forward(dense), rows=(1, 3, 8), repeats=1)
+    assert all(seconds > 0 for seconds in [*times.torch.values(), *times.onednn.values()])

@@ -55,3 +55,92 @@ def test_resolve_picks_onednn_only_where_it_runs():
         onednn_linear.resolve("onednn", cpu, torch.float64)
     with pytest.raises(ValueError, match="linear_kernels must be one of"):
         onednn_linear.resolve("mkl", cpu, torch.float32)
+
+
+def test_time_kernels_times_the_models_forward_both_ways_and_leaves_it_on_torchs(fp32_llama):
+    before = [id(m) for m in fp32_llama.modules() if isinstance(m, torch.nn.Linear)]
+    times = onednn_linear.time_kernels(fp32_llama, onednn_linear.causal_lm_forward(fp32_llama), rows=(1, 2, 3, 4),
+                                       repeats=2)
+    for kernel in (times.torch, times.onednn):
+        assert list(kernel) == [1, 2, 3, 4] and all(seconds > 0 for seconds in kernel.values())
+    assert [id(m) for m in fp32_llama.modules() if isinstance(m, torch.nn.Linear)] == before  # the same layers back
+    assert times.linear_bytes == sum(m.weight.numel() * 4 for m in fp32_llama.modules() if isinstance(m, torch.nn.Linear))
+    assert "ms by rows: torch {1: " in times.summary()
+    calls = []
+    with pytest.raises(RuntimeError, match="planted"):  # a forward that fails still leaves torch's layers
+        onednn_linear.time_kernels(fp32_llama, lambda n: calls.append(n) or (_ for _ in ()).throw(RuntimeError("planted")))
+    assert [id(m) for m in fp32_llama.modules() if isinstance(m, torch.nn.Linear)] == before and calls
+
+
+def test_each_row_count_runs_on_the_faster_kernel_and_torch_pads_only_where_that_was_faster():
+    times = onednn_linear.KernelTimes
+    # torch's products stream faster at 1-3 rows (MKL on an Intel CPU), oneDNN's from 4: switched at 4
+    mkl = times({1: 1.0, 2: 1.0, 3: 1.1, 4: 1.6, 8: 2.0}, {1: 1.5, 2: 1.5, 3: 1.5, 4: 1.5, 8: 1.6}, 1)
+    assert mkl.onednn_from == 4 and mkl.torch_min_rows == 1
+    # a BLAS whose 2-3-row products are slower than 4 rows, and oneDNN faster throughout: oneDNN's from 1
+    cliff = times({1: 2.0, 2: 3.0, 3: 3.2, 4: 2.5, 8: 3.0}, {1: 1.4, 2: 1.4, 3: 1.5, 4: 1.5, 8: 1.6}, 1)
+    assert cliff.onednn_from == 1 and cliff.torch_min_rows == onednn_linear.TORCH_PADDED_ROWS
+    # torch's faster at the most rows: torch's throughout, whatever a middle row count measured
+    assert times({1: 1.0, 4: 2.0, 8: 2.0}, {1: 2.0, 4: 1.0, 8: 2.5}, 1).onednn_from is None
+    assert times({1: 1.0}, {1: 2.0}, 1).torch_min_rows == 1  # 2-4 rows not timed: nothing to pad for
+
+
+def test_a_layer_switched_by_rows_runs_torchs_kernel_below_the_switch_and_onednns_from_it(monkeypatch):
+    torch.manual_seed(2)
+    dense = torch.nn.Linear(48, 300)
+    switched = onednn_linear.PrepackedLinear(dense, torch_below=4)
+    assert onednn_linear.PrepackedLinear(dense).dense_weight is None  # oneDNN throughout: no dense copy kept
+    used = []
+    real = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *a: used.append(a[0].shape) or real(*a))
+    with torch.inference_mode():
+        for shape in ((1, 48), (3, 48), (1, 3, 48), (4, 48), (2, 5, 48)):
+            assert torch.allclose(switched(torch.ones(shape)), dense(torch.ones(shape)), atol=1e-5), shape
+    assert used == [(4, 48), (2, 5, 48)]  # rows = every leading dimension together
+
+
+def test_choose_follows_the_setting_and_auto_follows_the_timing(fp32_llama, monkeypatch):
+    assert onednn_linear.choose("torch", fp32_llama) == onednn_linear.TORCH
+    assert onednn_linear.choose("onednn", fp32_llama) == onednn_linear.ONEDNN
+    assert onednn_linear.choose("auto", fp32_llama.double()) == onednn_linear.TORCH  # no oneDNN: untimed
+    fp32_llama.float()
+    planted = {1: onednn_linear.KernelTimes({1: 2.0, 4: 2.0}, {1: 1.0, 4: 1.0}, 1),
+               4: onednn_linear.KernelTimes({1: 1.0, 4: 2.0}, {1: 2.0, 4: 1.0}, 1),
+               None: onednn_linear.KernelTimes({1: 1.0, 2: 3.0, 4: 2.0}, {1: 2.0, 2: 2.0, 4: 2.5}, 1)}
+    for start, times in planted.items():
+        monkeypatch.setattr(onednn_linear, "time_kernels", lambda model, forward, times=times: times)
+        choice = onednn_linear.choose("auto", fp32_llama)
+        assert choice.onednn_from == start and choice.times is times
+        assert choice.min_forward_rows == (onednn_linear.TORCH_PADDED_ROWS if start is None else None if start == 1 else 1)
+    assert "torch's own kernels below 4 rows" in onednn_linear.KernelChoice(4, 1, planted[4]).summary()
+    assert "padded to 4" in onednn_linear.KernelChoice(None, 4, planted[None]).summary()
+
+
+def test_the_executor_pads_rows_as_the_loaders_choice_says(fp32_llama):
+    from specdec.engine.build import ExecutorConfig, build_executor
+
+    model = copy.deepcopy(fp32_llama)
+    assert build_executor(model, ExecutorConfig(executor="dynamic")).forward.min_forward_rows == 4  # untimed CPU rule
+    model.linear_kernel_choice = onednn_linear.KernelChoice(onednn_from=None, min_forward_rows=1)
+    assert build_executor(model, ExecutorConfig(executor="dynamic")).forward.min_forward_rows == 1
+    assert build_executor(model, ExecutorConfig(executor="dynamic", min_forward_rows=3)).forward.min_forward_rows == 3
+
+
+def test_the_loader_times_auto_and_records_its_choice(fp32_llama, tmp_path):
+    from specdec.engine.loading import load_causal_lm
+
+    fp32_llama.save_pretrained(tmp_path)
+    lines = []
+    model = load_causal_lm(str(tmp_path), linear_kernels="auto", log=lines.append)
+    choice = model.linear_kernel_choice
+    assert choice.times is not None and any("forwards timed with" in line for line in lines)
+    packed = [m for m in model.modules() if isinstance(m, onednn_linear.PrepackedLinear)]
+    assert bool(packed) == (choice.onednn_from is not None)
+    assert all(m.torch_below == choice.onednn_from for m in packed)
+    assert load_causal_lm(str(tmp_path), linear_kernels="torch").linear_kernel_choice == onednn_linear.TORCH
+
+
+def test_models_too_large_to_time_take_onednn_untimed(fp32_llama, monkeypatch):
+    monkeypatch.setattr(onednn_linear, "TIMED_MAX_BYTES", 1)
+    monkeypatch.setattr(onednn_linear, "time_kernels", lambda *args: pytest.fail("timed"))
+    assert onednn_linear.choose("auto", fp32_llama) == onednn_linear.ONEDNN

@@ -44,8 +44,9 @@ class ExecutorConfig:
     skip_layers: tuple[int, ...] | None = None
     # dynamic
     prefix_cache_tokens: int = 4096  # the prefix cache's store of copied blocks
-    # pad 2..n-1-row forwards to n (None: 4 on CPU with torch's own linear kernels, whose 2-3 row GEMMs are
-    # slower than 4 rows; oneDNN's reordered weights have no such cliff)
+    # pad 2..n-1-row forwards to n (None: as `linear_kernels: auto` timed it at load; without that timing 4 on
+    # CPU with torch's own linear kernels, whose 2-3-row GEMMs are slower than 4 rows in some BLAS builds;
+    # oneDNN's reordered weights have no such cliff)
     min_forward_rows: int | None = None
     row_buckets: bool | None = None  # bound the row counts oneDNN sees (None: with oneDNN's linears)
     # static
@@ -117,8 +118,10 @@ def build_executor(model, config: ExecutorConfig, log: Callable[[str], None] = l
                          f"{', ' + unsupported if unsupported else ''})")
     prepacked = any(isinstance(m, onednn_linear.PrepackedLinear) for m in model.modules())
     min_rows = config.min_forward_rows
+    if min_rows is None:  # as the loader's timing found (onednn_linear.choose), else the rule below
+        min_rows = getattr(getattr(model, "linear_kernel_choice", None), "min_forward_rows", None)
     if min_rows is None:
-        min_rows = 4 if model.device.type == "cpu" and not prepacked else 1
+        min_rows = onednn_linear.TORCH_PADDED_ROWS if model.device.type == "cpu" and not prepacked else 1
     return dynamic_executor(
         model, max_sequences=config.max_sequences, idle_timeout_s=config.idle_timeout_s, min_forward_rows=min_rows,
         row_buckets=prepacked if config.row_buckets is None else config.row_buckets,

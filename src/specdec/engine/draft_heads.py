@@ -306,6 +306,18 @@ class MedusaHeads(nn.Module):
         return torch.stack([head(feature) for head in self.heads[:count]])
 
 
+def rows_forward(head: EagleHead | MedusaHeads, most: int = 16) -> Callable[[int], object]:
+    """forward(n): the head over n random rows at the start of a fresh cache (Medusa: its heads on one
+    feature, whatever n), what `onednn_linear.time_kernels` times for a served head."""
+    parameter = next(head.parameters())
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(most, head.config.hidden_size, generator=generator).to(parameter)
+    if isinstance(head, MedusaHeads):
+        return lambda n: head(hidden[0], head.config.medusa_heads)
+    tokens = torch.randint(0, head.config.vocab_size, (most,), generator=generator).to(parameter.device)
+    return lambda n: head(tokens[:n], hidden[:n], HeadCache(), 0)
+
+
 def _published(kind: str, state: dict) -> dict:
     """Key names as the authors publish them, from vLLM's renamed ones where a file has those."""
     out = {}

@@ -23,6 +23,7 @@ target's).
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -78,7 +79,8 @@ class HeadExecutor:
                  graph_slots: int = 32):
         self.head = head
         self.config = head.config
-        parameter = next(head.parameters())
+        # a head whose linears are all prepacked (onednn_linear: Medusa's) holds buffers, no parameters
+        parameter = next(itertools.chain(head.parameters(), head.buffers()))
         self.device = self.logits_device = parameter.device
         self.dtype = parameter.dtype
         self.vocab_size = self.config.vocab_size

@@ -1,5 +1,5 @@
 """Loading a causal LM for the executor: a Hugging Face directory or a single GGUF file, on a device, in
-a dtype, with CPU linear layers reordered for oneDNN where that pays, or FP8 weights where asked or where
+a dtype, with CPU linear layers reordered for oneDNN where that times faster, or FP8 weights where asked or where
 the checkpoint holds them (compressed-tensors, ModelOpt and AutoFP8 layouts, loaded as they are)."""
 
 from __future__ import annotations
@@ -32,8 +32,9 @@ def load_causal_lm(model_path: str, device: str = "cpu", dtype: str = "float32",
     """Load a causal LM from a Hugging Face directory or a single GGUF file.
 
     device_map (e.g. "auto") spreads a model too large for one GPU over the visible GPUs.
-    linear_kernels: "auto" reorders the linear weights for oneDNN on CPU in float32/bfloat16
-    (`onednn_linear.py`: 1.3-2x faster steps there), "onednn" requires it, "torch" keeps torch's own.
+    linear_kernels: "auto" reorders the linear weights for oneDNN on CPU in float32/bfloat16 where that
+    times faster at load on this machine (`onednn_linear.choose`), "onednn" requires it, "torch" keeps
+    torch's own.
     weights_dtype: "same" keeps the linears' weights in `dtype`; "fp8" stores them in FP8 with a scale per
     output channel (`fp8_linear.py`; the vocabulary head stays in `dtype`); `log` gets a line saying how.
     """
@@ -78,8 +79,8 @@ def load_causal_lm(model_path: str, device: str = "cpu", dtype: str = "float32",
                 f"{replaced} quantized at load with a scale per output channel), products "
                 + (f"of up to {fp8_linear.KERNEL_ROWS} rows in the FP8 kernel" if why_not is None
                    else f"dequantized ({why_not})"))
-    if weights_dtype != "fp8" and onednn_linear.resolve(linear_kernels, model.device, model.dtype):
-        onednn_linear.prepack_linears(model)  # the linears left dense (all but an FP8 checkpoint's)
+    if weights_dtype != "fp8":  # the linears left dense (all but an FP8 checkpoint's)
+        onednn_linear.apply(linear_kernels, model, model_path, log)
     return model
 
 

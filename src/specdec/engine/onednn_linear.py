@@ -7,9 +7,22 @@ as one of a single row: exactly the ratio speculative decoding and batching live
 
 `prepack_linears` swaps every `nn.Linear` for `PrepackedLinear`; the numbers agree with the dense layer
 to float rounding (unit-tested).
+
+Which kernels are faster is the machine's: on an Intel Xeon torch's own (MKL) 1-3-row products streamed
+the weights faster than the reordered ones, on an AMD EPYC oneDNN's won at every row count
+(docs/results/2026-11-29-cpu-linear-kernels.md). `linear_kernels: auto` therefore times the model's own forward both ways at load (`time_kernels`)
+and runs each row count on the faster (`choose`): a layer may hold both layouts, torch's for 1-3 rows
+and oneDNN's from 4.
 """
 
 from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
@@ -18,22 +31,143 @@ from torch import nn
 # verifies of K+1 positions, batches of sequences). Prompts of hundreds of rows still run fine.
 BATCH_HINT = 8
 KINDS = ("auto", "onednn", "torch")
+# What `auto` times: the model's forwards of these many rows (a decode step, verifies of short chains, a
+# tree), with each kernel; models whose linear weights exceed TIMED_MAX_BYTES are not timed (the timing
+# holds a reordered copy of every weight) and take oneDNN's, the earlier rule.
+TIMED_ROWS = (1, 2, 3, 4, 5, 8)
+TIMED_MAX_BYTES = 2 << 30
+# torch's own kernels pad 2-3-row forwards to this many rows where that measures faster (some BLAS builds
+# take a slower path below 4 rows; padding rows are dropped, transformers_forward.padded_rows)
+TORCH_PADDED_ROWS = 4
 
 
 class PrepackedLinear(nn.Module):
-    """y = x @ W^T + b with W held in oneDNN's reordered layout. x: (..., in_features)."""
+    """y = x @ W^T + b with W held in oneDNN's reordered layout. x: (..., in_features).
 
-    def __init__(self, linear: nn.Linear, batch_hint: int = BATCH_HINT):
+    torch_below > 1: forwards of fewer rows than that run torch's own kernel on the dense weight, kept for
+    them (where those measured faster, `choose`)."""
+
+    def __init__(self, linear: nn.Linear, batch_hint: int = BATCH_HINT, torch_below: int = 1):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), batch_hint)
-        self.bias = None if linear.bias is None else linear.bias.detach()
+        self.torch_below = torch_below
+        # buffers (not saved): what the module holds, seen by whoever asks a model for its tensors' dtype
+        self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(),
+                                                                                     batch_hint), persistent=False)
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach(), persistent=False)
+        # the dense weight (a tied head's is its embedding: no copy) only where some forwards use it
+        self.register_buffer("dense_weight", linear.weight.detach() if torch_below > 1 else None, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dense_weight is not None and x.numel() < self.torch_below * self.in_features:
+            return nn.functional.linear(x, self.dense_weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, onednn"
+        below = f", torch's kernel below {self.torch_below} rows" if self.dense_weight is not None else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, onednn{below}"
+
+
+@dataclass(frozen=True)
+class KernelTimes:
+    """Seconds of the model's forward at each row count (TIMED_ROWS) with each kernel."""
+
+    torch: dict[int, float]
+    onednn: dict[int, float]
+    linear_bytes: int
+
+    @property
+    def onednn_from(self) -> int | None:
+        """The fewest timed rows from which oneDNN's forward was the faster at every larger timed row count
+        too; None: torch's was faster at the largest."""
+        start = None
+        for rows in sorted(self.torch, reverse=True):
+            if self.onednn[rows] >= self.torch[rows]:
+                break
+            start = rows
+        return start
+
+    @property
+    def torch_min_rows(self) -> int:
+        """min_forward_rows with torch's kernels: TORCH_PADDED_ROWS where its 2- and 3-row passes are slower."""
+        padded = self.torch.get(TORCH_PADDED_ROWS)
+        slower = [self.torch[rows] for rows in range(2, TORCH_PADDED_ROWS) if rows in self.torch]
+        return TORCH_PADDED_ROWS if padded is not None and slower and padded < min(slower) else 1
+
+    def summary(self) -> str:
+        def row(times):
+            return ", ".join(f"{rows}: {seconds * 1e3:.2f}" for rows, seconds in times.items())
+        return (f"forwards timed with {self.linear_bytes / 2**20:.0f} MiB of linear weights, ms by rows: "
+                f"torch {{{row(self.torch)}}}, oneDNN {{{row(self.onednn)}}}")
+
+
+def causal_lm_forward(model: nn.Module) -> Callable[[int], object]:
+    """forward(n): a transformers causal LM over n random tokens (no cache), logits at every row as a
+    verify's; what `time_kernels` times for a target or a draft model."""
+    vocab = model.config.get_text_config().vocab_size
+    ids = torch.randint(0, vocab, (1, max(TIMED_ROWS)), generator=torch.Generator().manual_seed(0))
+    return lambda n: model(input_ids=ids[:, :n].to(next(model.parameters()).device), use_cache=False)
+
+
+@torch.inference_mode()
+def time_kernels(model: nn.Module, forward: Callable[[int], object], rows: tuple[int, ...] = TIMED_ROWS,
+                 repeats: int = 3) -> KernelTimes:
+    """The model's forward over each row count (`forward(n)`) with its linears on torch's kernels and on
+    oneDNN's reordered weights (swapped in for the timing, a copy of each weight meanwhile), the quickest of
+    `repeats`, interleaved so a noisy machine's slow moments fall on both, one model's timing at a time on
+    the machine (`_timing_alone`). The model is left on torch's kernels."""
+    linears = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+               if isinstance(child, nn.Linear)]
+    if not linears:
+        raise ValueError("the model has no linear layers to time")
+    packed = [PrepackedLinear(child) for _, _, child in linears]
+
+    def use(onednn: bool) -> None:
+        for (parent, name, dense), reordered in zip(linears, packed):
+            setattr(parent, name, reordered if onednn else dense)
+
+    seconds: dict[bool, dict[int, list[float]]] = {onednn: {n: [] for n in rows} for onednn in (False, True)}
+    try:
+        with _timing_alone():
+            for n in rows:  # once untimed: oneDNN builds its kernel for each shape on first use
+                for onednn in seconds:
+                    use(onednn)
+                    forward(n)
+            for _ in range(repeats):
+                for n in rows:
+                    for onednn in seconds:
+                        use(onednn)
+                        started = time.perf_counter()
+                        forward(n)
+                        seconds[onednn][n].append(time.perf_counter() - started)
+    finally:
+        use(False)
+    # the quickest of each: what the kernel costs when nothing else on the machine intervenes
+    quickest = {onednn: {n: min(values) for n, values in by_rows.items()} for onednn, by_rows in seconds.items()}
+    return KernelTimes(quickest[False], quickest[True], linear_bytes(model))
+
+
+def linear_bytes(model: nn.Module) -> int:
+    return sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if isinstance(m, nn.Linear))
+
+
+@contextlib.contextmanager
+def _timing_alone():
+    """One timing at a time on this machine: a server's model stubs load together, and timed side by side
+    they share the cores and the memory bus (measured: the target's passes several times slower, and the
+    choice flipped). An advisory lock in the temporary directory; where there is none, no ordering."""
+    try:
+        import fcntl
+        lock = open(os.path.join(tempfile.gettempdir(), "specdec-linear-kernels.lock"), "a")
+    except (ImportError, OSError):
+        yield
+        return
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def supported(device: torch.device, dtype: torch.dtype) -> bool:
@@ -41,7 +175,8 @@ def supported(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def resolve(kind: str, device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether to prepack for a `linear_kernels` setting: auto = where supported; onednn = required."""
+    """Whether a `linear_kernels` setting may prepack: auto = where supported (`choose` times it there);
+    onednn = required."""
     if kind not in KINDS:
         raise ValueError(f"linear_kernels must be one of {KINDS}, got {kind!r}")
     if kind == "onednn" and not supported(device, dtype):
@@ -50,9 +185,68 @@ def resolve(kind: str, device: torch.device, dtype: torch.dtype) -> bool:
     return kind == "onednn" or (kind == "auto" and supported(device, dtype))
 
 
+@dataclass(frozen=True)
+class KernelChoice:
+    """What a model's linear layers run on (`choose`): oneDNN's reordered weights from `onednn_from` rows up
+    (1: always; None: never, torch's own kernels), torch's below; and the row count torch's own pad 2-3-row
+    forwards to (None: the executor's default rule)."""
+
+    onednn_from: int | None
+    min_forward_rows: int | None = None
+    times: KernelTimes | None = None
+
+    def summary(self) -> str:
+        if self.onednn_from is None:
+            kernels = "torch's own kernels"
+            if (self.min_forward_rows or 1) > 1:
+                kernels += f", 2-{self.min_forward_rows - 1} rows padded to {self.min_forward_rows}"
+        elif self.onednn_from == 1:
+            kernels = "oneDNN's reordered weights"
+        else:
+            kernels = (f"torch's own kernels below {self.onednn_from} rows, oneDNN's reordered weights from there "
+                       f"(both copies of the weights held)")
+        if self.times is None:
+            return f"linear layers on {kernels}"
+        return f"linear layers on {kernels}, the faster as timed here ({self.times.summary()})"
+
+
+TORCH = KernelChoice(onednn_from=None)
+ONEDNN = KernelChoice(onednn_from=1)
+
+
+def choose(kind: str, model: nn.Module, forward: Callable[[int], object] | None = None) -> KernelChoice:
+    """The `linear_kernels` setting for this model on this machine: onednn and torch as asked (onednn only
+    where supported); auto, where supported, times the model's forward both ways (`time_kernels`; `forward`:
+    `causal_lm_forward` unless given) and runs each row count on the faster (`KernelTimes.onednn_from`),
+    torch's kernels padding 2-3-row forwards only where that measured faster."""
+    device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
+    if not resolve(kind, device, dtype):
+        return TORCH
+    if kind == "onednn" or linear_bytes(model) > TIMED_MAX_BYTES:
+        return ONEDNN
+    times = time_kernels(model, forward or causal_lm_forward(model))
+    start = times.onednn_from
+    if start == min(times.torch):
+        return KernelChoice(onednn_from=1, times=times)
+    return KernelChoice(onednn_from=start, min_forward_rows=times.torch_min_rows if start is None else 1, times=times)
+
+
+def apply(kind: str, model: nn.Module, name: str = "", log=None,
+          forward: Callable[[int], object] | None = None) -> KernelChoice:
+    """`choose`, then prepack the model's linears as that chose; the choice is kept as
+    `model.linear_kernel_choice` (the executor pads forwards' rows as it says) and, timed, told to `log`."""
+    choice = choose(kind, model, forward)
+    if choice.onednn_from is not None:
+        prepack_linears(model, torch_below=choice.onednn_from)
+    model.linear_kernel_choice = choice
+    if log is not None and choice.times is not None:
+        log(f"{name}: {choice.summary()}")
+    return choice
+
+
 @torch.no_grad()
-def prepack_linears(model: nn.Module) -> int:
-    """Replace every nn.Linear in `model` (in place) with a PrepackedLinear; returns how many.
+def prepack_linears(model: nn.Module, torch_below: int = 1) -> int:
+    """Replace every nn.Linear in `model` (in place) with a PrepackedLinear (`torch_below`: its); returns how many.
 
     Inference only: the reordered weights are copies outside autograd (a tied head keeps its embedding).
     """
@@ -60,6 +254,6 @@ def prepack_linears(model: nn.Module) -> int:
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(parent, name, PrepackedLinear(child))
+                setattr(parent, name, PrepackedLinear(child, torch_below=torch_below))
                 replaced += 1
     return replaced

@@ -26,7 +26,7 @@ from specdec.decoding.sampling import SamplingParams, greedy, greedy_log_probs, 
 from specdec.decoding.text import load_tokenizer, vocabulary_mismatch
 from specdec.engine import host_memory, onednn_linear, threads
 from specdec.engine.build import ExecutorConfig, build_executor
-from specdec.engine.draft_heads import HeadError, load_head_for, served_layers
+from specdec.engine.draft_heads import HeadError, load_head_for, rows_forward, served_layers
 from specdec.engine.executor import CacheError, CapacityError, Scored, Step
 from specdec.engine.head_executor import HeadExecutor
 from specdec.engine.loading import load_causal_lm
@@ -549,6 +549,8 @@ class DraftModel(LanguageModelAdapter):
             head, target_config = load_head_for(head_path, target_path, device, dtype)
         except HeadError as exc:
             raise ConfigError(f"{self.name}: {exc}") from None
+        onednn_linear.apply(params.str("linear_kernels", "auto", choices=onednn_linear.KINDS), head, head_path,
+                            self.pb.Logger.log_info, forward=rows_forward(head))
         # The target returns the states of the layers its heads read, concatenated: this head's, in its order
         target_layers = target_config.get_text_config().num_hidden_layers
         served = self._served_layers(params, target_layers)
