@@ -144,3 +144,29 @@ def test_models_too_large_to_time_take_onednn_untimed(fp32_llama, monkeypatch):
     monkeypatch.setattr(onednn_linear, "TIMED_MAX_BYTES", 1)
     monkeypatch.setattr(onednn_linear, "time_kernels", lambda *args: pytest.fail("timed"))
     assert onednn_linear.choose("auto", fp32_llama) == onednn_linear.ONEDNN
+
+
+def test_one_timing_at_a_time_on_the_machine(fp32_llama):
+    """While a model is timed, the machine's lock is held: another stub's timing (another open of the
+    lock file) waits; afterwards it is free."""
+    import fcntl
+    import os
+    import tempfile
+
+    path = os.path.join(tempfile.gettempdir(), "specdec-linear-kernels.lock")
+    held = []
+
+    def forward(n):
+        with open(path, "a") as other:
+            try:
+                fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                held.append(False)
+                fcntl.flock(other, fcntl.LOCK_UN)
+            except BlockingIOError:
+                held.append(True)
+
+    onednn_linear.time_kernels(fp32_llama, forward, rows=(1, 2), repeats=1)
+    assert held and all(held)
+    with open(path, "a") as other:
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released
+        fcntl.flock(other, fcntl.LOCK_UN)
