@@ -122,12 +122,12 @@ def measure(own, params: GenerationParams, prompts: list[str], repeats: int, str
     rounds = delta["rounds"]
     out = {"round": wall / rounds * 1e3, "rounds": rounds}
     out["models"], models = {}, 0.0
-    for model in forward_models(own.metrics()):
-        forward = delta.get((model, "forward"), 0.0) * 1e3 / rounds
-        infer = delta.get((model, "infer"), 0.0) / 1e3 / rounds
-        edges = sum(delta.get((model, key), 0.0) for key in ("queue", "input", "output")) / 1e3 / rounds
+    for model in dict.fromkeys(key[0] for key in delta if isinstance(key, tuple)):  # counters' models, in order
+        forward = delta[model, "forward"] * 1e3 / rounds
+        infer = delta[model, "infer"] / 1e3 / rounds
+        edges = (delta[model, "queue"] + delta[model, "input"] + delta[model, "output"]) / 1e3 / rounds
         out["models"][model] = {"forward": forward, "adapter": max(infer - forward, 0.0), "triton": edges,
-                                "calls": delta.get((model, "calls"), 0.0) / rounds}
+                                "calls": delta[model, "calls"] / rounds}
         models += infer + edges
     out["rest"] = out["round"] - models
     out["cpu"] = {name: (cpu_after[name] - cpu_before.get(name, 0.0)) * 1e3 / rounds for name in cpu_after
