@@ -321,20 +321,24 @@ def test_the_default_pairs_shipped_head_loads_as_the_eagle3_head_the_pair_serves
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+@pytest.mark.parametrize("kernels", ["onednn", "panels"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_a_head_on_onednn_kernels_drafts_what_it_drafts_on_torchs(tiny_lm, kind):
-    """`linear_kernels: auto` may put a served head's linears on oneDNN (onednn_linear.apply): same drafts."""
+def test_a_head_on_other_kernels_drafts_what_it_drafts_on_torchs(tiny_lm, kind, kernels):
+    """`linear_kernels: auto` may put a served head's linears on oneDNN or the panel kernel
+    (onednn_linear.apply): same drafts."""
     import copy
 
-    from specdec.engine import onednn_linear
+    from specdec.engine import onednn_linear, panel_linear
     from specdec.engine.interfaces import Step
 
+    if kernels == "panels" and (problem := panel_linear.available(torch.device("cpu"), torch.float32)):
+        pytest.skip(f"the panel kernel does not build here: {problem}")
     dense = random_head(kind, tiny_lm.config, seed=3, aux_layers=AUX if kind == EAGLE3 else (),
                         **({"draft_vocab_size": 64} if kind == EAGLE3 else {})).float()
     if kind != MEDUSA:
         dense.attach(*(None if t is None else t.float() for t in target_tensors(tiny_lm)))
     packed = copy.deepcopy(dense)
-    assert onednn_linear.prepack_linears(packed) > 0
+    assert (onednn_linear.prepack_linears if kernels == "onednn" else panel_linear.pack_linears)(packed) > 0
     features = torch.randn(len(PROMPT) - 1, dense.config.feature_width, generator=torch.Generator().manual_seed(0))
     for branches in (1, 3):
         step = Step(1, 0, PROMPT, k=4, features=features, branches=branches)

@@ -22,7 +22,10 @@
   cuda_graphs    pinned input staging and one bucket's forward captured as a CUDA graph
   kernels        a Llama layer's pointwise math as pure functions, and their compiled (fused) form
   loading        loads a model (Hugging Face directory, GGUF file, FP8 checkpoint) on a device, in a dtype
-  onednn_linear  CPU linear layers with weights reordered once for oneDNN
+  onednn_linear  CPU linear layers with weights reordered once for oneDNN; which kernels a model's
+                 linears run on (`linear_kernels`, timed at load)
+  panel_linear   the project's own float32 CPU linear kernel (csrc/panel_linear.cpp, compiled on first
+                 use): weights in column panels, 1-9 rows for about the cost of one
   fp8_linear     linear layers with FP8 weights and a scale per output channel, and their weight-only kernel
   errors         CacheError, CapacityError
   host_memory    gives freed host memory back to the OS (glibc malloc_trim)

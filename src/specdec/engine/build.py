@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from specdec import tensor_names as tn
-from specdec.engine import onednn_linear
+from specdec.engine import onednn_linear, panel_linear
 from specdec.engine.executor import Executor
 from specdec.engine.kv_cache import ContiguousKV
 from specdec.engine.llama_forward import supports
@@ -116,12 +116,14 @@ def build_executor(model, config: ExecutorConfig, log: Callable[[str], None] = l
     if config.compile == "graphs":
         raise ValueError(f"compile=graphs needs executor=static (got {config.executor}"
                          f"{', ' + unsupported if unsupported else ''})")
-    prepacked = any(isinstance(m, onednn_linear.PrepackedLinear) for m in model.modules())
+    kinds = {type(m) for m in model.modules()}
+    prepacked = onednn_linear.PrepackedLinear in kinds  # oneDNN's kernels: row buckets bound their shapes
     min_rows = config.min_forward_rows
     if min_rows is None:  # as the loader's timing found (onednn_linear.choose), else the rule below
         min_rows = getattr(getattr(model, "linear_kernel_choice", None), "min_forward_rows", None)
     if min_rows is None:
-        min_rows = onednn_linear.TORCH_PADDED_ROWS if model.device.type == "cpu" and not prepacked else 1
+        torchs = model.device.type == "cpu" and not prepacked and panel_linear.PanelLinear not in kinds
+        min_rows = onednn_linear.TORCH_PADDED_ROWS if torchs else 1
     return dynamic_executor(
         model, max_sequences=config.max_sequences, idle_timeout_s=config.idle_timeout_s, min_forward_rows=min_rows,
         row_buckets=prepacked if config.row_buckets is None else config.row_buckets,

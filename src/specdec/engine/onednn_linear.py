@@ -10,9 +10,11 @@ to float rounding (unit-tested).
 
 Which kernels are faster is the machine's: on an Intel Xeon torch's own (MKL) 1-3-row products streamed
 the weights faster than the reordered ones, on an AMD EPYC oneDNN's won at every row count
-(docs/results/2026-11-29-cpu-linear-kernels.md). `linear_kernels: auto` therefore times the model's own forward both ways at load (`time_kernels`)
-and runs each row count on the faster (`choose`): a layer may hold both layouts, torch's for 1-3 rows
-and oneDNN's from 4.
+(docs/results/2026-11-29-cpu-linear-kernels.md), and this project's own float32 kernel (panel_linear.py)
+beat both from 2 rows on the Xeon (docs/results/2026-11-29-panel-linear.md). `linear_kernels: auto`
+therefore times the model's own forward each way at load (`time_kernels`) and runs it on the fastest
+(`choose`): the panel kernel where its forwards took the least time in all, else each row count on the
+faster of torch's and oneDNN's (a layer may hold both layouts, torch's for 1-3 rows and oneDNN's from 4).
 """
 
 from __future__ import annotations
@@ -27,10 +29,12 @@ from typing import Callable
 import torch
 from torch import nn
 
+from specdec.engine import panel_linear
+
 # The row count oneDNN tunes the reordered layout for; 8 measured fastest over 1-16 rows (decode steps,
 # verifies of K+1 positions, batches of sequences). Prompts of hundreds of rows still run fine.
 BATCH_HINT = 8
-KINDS = ("auto", "onednn", "torch")
+KINDS = ("auto", "onednn", "panels", "torch")
 # What `auto` times: the model's forwards of these many rows (a decode step, verifies of short chains, a
 # tree), with each kernel; models whose linear weights exceed TIMED_MAX_BYTES are not timed (the timing
 # holds a reordered copy of every weight) and take oneDNN's, the earlier rule.
@@ -70,11 +74,23 @@ class PrepackedLinear(nn.Module):
 
 @dataclass(frozen=True)
 class KernelTimes:
-    """Seconds of the model's forward at each row count (TIMED_ROWS) with each kernel."""
+    """Seconds of the model's forward at each row count (TIMED_ROWS) with each kernel (panels: None where
+    the panel kernel does not run)."""
 
     torch: dict[int, float]
     onednn: dict[int, float]
     linear_bytes: int
+    panels: dict[int, float] | None = None
+
+    def mixed(self) -> dict[int, float]:
+        """Each row count's seconds on torch's kernels below `onednn_from` and oneDNN's from there."""
+        start = self.onednn_from
+        return {rows: self.torch[rows] if start is None or rows < start else self.onednn[rows] for rows in self.torch}
+
+    @property
+    def panels_faster(self) -> bool:
+        """Whether the panel kernel's forwards took less time in all than the best of torch's and oneDNN's."""
+        return self.panels is not None and sum(self.panels.values()) < sum(self.mixed().values())
 
     @property
     def onednn_from(self) -> int | None:
@@ -97,8 +113,9 @@ class KernelTimes:
     def summary(self) -> str:
         def row(times):
             return ", ".join(f"{rows}: {seconds * 1e3:.2f}" for rows, seconds in times.items())
+        panels = "" if self.panels is None else f", panels {{{row(self.panels)}}}"
         return (f"forwards timed with {self.linear_bytes / 2**20:.0f} MiB of linear weights, ms by rows: "
-                f"torch {{{row(self.torch)}}}, oneDNN {{{row(self.onednn)}}}")
+                f"torch {{{row(self.torch)}}}, oneDNN {{{row(self.onednn)}}}{panels}")
 
 
 def causal_lm_forward(model: nn.Module) -> Callable[[int], object]:
@@ -112,39 +129,43 @@ def causal_lm_forward(model: nn.Module) -> Callable[[int], object]:
 @torch.inference_mode()
 def time_kernels(model: nn.Module, forward: Callable[[int], object], rows: tuple[int, ...] = TIMED_ROWS,
                  repeats: int = 3) -> KernelTimes:
-    """The model's forward over each row count (`forward(n)`) with its linears on torch's kernels and on
-    oneDNN's reordered weights (swapped in for the timing, a copy of each weight meanwhile), the quickest of
-    `repeats`, interleaved so a noisy machine's slow moments fall on both, one model's timing at a time on
-    the machine (`_timing_alone`). The model is left on torch's kernels."""
+    """The model's forward over each row count (`forward(n)`) with its linears on torch's kernels, on
+    oneDNN's reordered weights and, where it runs (float32), on the panel kernel (each swapped in for the
+    timing, a copy of each weight meanwhile), the quickest of `repeats`, interleaved so a noisy machine's
+    slow moments fall on all, one model's timing at a time on the machine (`_timing_alone`). The model is
+    left on torch's kernels."""
     linears = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
                if isinstance(child, nn.Linear)]
     if not linears:
         raise ValueError("the model has no linear layers to time")
-    packed = [PrepackedLinear(child) for _, _, child in linears]
+    weight = linears[0][2].weight
+    layers = {"torch": [child for _, _, child in linears], "onednn": [PrepackedLinear(child) for _, _, child in linears]}
+    if panel_linear.available(weight.device, weight.dtype) is None:
+        layers["panels"] = [panel_linear.PanelLinear(child) for _, _, child in linears]
 
-    def use(onednn: bool) -> None:
-        for (parent, name, dense), reordered in zip(linears, packed):
-            setattr(parent, name, reordered if onednn else dense)
+    def use(kind: str) -> None:
+        for (parent, name, _), layer in zip(linears, layers[kind]):
+            setattr(parent, name, layer)
 
-    seconds: dict[bool, dict[int, list[float]]] = {onednn: {n: [] for n in rows} for onednn in (False, True)}
+    seconds: dict[str, dict[int, list[float]]] = {kind: {n: [] for n in rows} for kind in layers}
     try:
         with _timing_alone():
             for n in rows:  # once untimed: oneDNN builds its kernel for each shape on first use
-                for onednn in seconds:
-                    use(onednn)
+                for kind in seconds:
+                    use(kind)
                     forward(n)
             for _ in range(repeats):
                 for n in rows:
-                    for onednn in seconds:
-                        use(onednn)
+                    for kind in seconds:
+                        use(kind)
                         started = time.perf_counter()
                         forward(n)
-                        seconds[onednn][n].append(time.perf_counter() - started)
+                        seconds[kind][n].append(time.perf_counter() - started)
     finally:
-        use(False)
+        use("torch")
     # the quickest of each: what the kernel costs when nothing else on the machine intervenes
-    quickest = {onednn: {n: min(values) for n, values in by_rows.items()} for onednn, by_rows in seconds.items()}
-    return KernelTimes(quickest[False], quickest[True], linear_bytes(model))
+    quickest = {kind: {n: min(values) for n, values in by_rows.items()} for kind, by_rows in seconds.items()}
+    return KernelTimes(quickest["torch"], quickest["onednn"], linear_bytes(model), quickest.get("panels"))
 
 
 def linear_bytes(model: nn.Module) -> int:
@@ -175,28 +196,33 @@ def supported(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def resolve(kind: str, device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether a `linear_kernels` setting may prepack: auto = where supported (`choose` times it there);
-    onednn = required."""
+    """Whether a `linear_kernels` setting may replace torch's kernels: auto = where supported (`choose`
+    times it there); onednn and panels = required (ValueError, saying why, where they cannot run)."""
     if kind not in KINDS:
         raise ValueError(f"linear_kernels must be one of {KINDS}, got {kind!r}")
     if kind == "onednn" and not supported(device, dtype):
         raise ValueError(f"linear_kernels=onednn needs a CPU model in float32 or bfloat16 with oneDNN, got "
                          f"{device.type} {dtype}")
-    return kind == "onednn" or (kind == "auto" and supported(device, dtype))
+    if kind == "panels" and (problem := panel_linear.available(device, dtype)) is not None:
+        raise ValueError(f"linear_kernels=panels: {problem}")
+    return kind in ("onednn", "panels") or (kind == "auto" and supported(device, dtype))
 
 
 @dataclass(frozen=True)
 class KernelChoice:
-    """What a model's linear layers run on (`choose`): oneDNN's reordered weights from `onednn_from` rows up
-    (1: always; None: never, torch's own kernels), torch's below; and the row count torch's own pad 2-3-row
-    forwards to (None: the executor's default rule)."""
+    """What a model's linear layers run on (`choose`): the panel kernel throughout (`panels`), or oneDNN's
+    reordered weights from `onednn_from` rows up (1: always; None: never, torch's own kernels), torch's
+    below; and the row count torch's own pad 2-3-row forwards to (None: the executor's default rule)."""
 
     onednn_from: int | None
     min_forward_rows: int | None = None
     times: KernelTimes | None = None
+    panels: bool = False
 
     def summary(self) -> str:
-        if self.onednn_from is None:
+        if self.panels:
+            kernels = "the panel kernel (panel_linear.py)"
+        elif self.onednn_from is None:
             kernels = "torch's own kernels"
             if (self.min_forward_rows or 1) > 1:
                 kernels += f", 2-{self.min_forward_rows - 1} rows padded to {self.min_forward_rows}"
@@ -212,19 +238,25 @@ class KernelChoice:
 
 TORCH = KernelChoice(onednn_from=None)
 ONEDNN = KernelChoice(onednn_from=1)
+PANELS = KernelChoice(onednn_from=None, min_forward_rows=1, panels=True)
 
 
 def choose(kind: str, model: nn.Module, forward: Callable[[int], object] | None = None) -> KernelChoice:
-    """The `linear_kernels` setting for this model on this machine: onednn and torch as asked (onednn only
-    where supported); auto, where supported, times the model's forward both ways (`time_kernels`; `forward`:
-    `causal_lm_forward` unless given) and runs each row count on the faster (`KernelTimes.onednn_from`),
-    torch's kernels padding 2-3-row forwards only where that measured faster."""
+    """The `linear_kernels` setting for this model on this machine: onednn, panels and torch as asked (the
+    first two only where they run); auto, where supported, times the model's forward each way
+    (`time_kernels`; `forward`: `causal_lm_forward` unless given) and takes the panel kernel where its
+    forwards took the least time in all, else runs each row count on the faster of torch's and oneDNN's
+    (`KernelTimes.onednn_from`), torch's kernels padding 2-3-row forwards only where that measured faster."""
     device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
     if not resolve(kind, device, dtype):
         return TORCH
+    if kind == "panels":
+        return PANELS
     if kind == "onednn" or linear_bytes(model) > TIMED_MAX_BYTES:
         return ONEDNN
     times = time_kernels(model, forward or causal_lm_forward(model))
+    if times.panels_faster:
+        return KernelChoice(onednn_from=None, min_forward_rows=1, times=times, panels=True)
     start = times.onednn_from
     if start == min(times.torch):
         return KernelChoice(onednn_from=1, times=times)
@@ -236,7 +268,9 @@ def apply(kind: str, model: nn.Module, name: str = "", log=None,
     """`choose`, then prepack the model's linears as that chose; the choice is kept as
     `model.linear_kernel_choice` (the executor pads forwards' rows as it says) and, timed, told to `log`."""
     choice = choose(kind, model, forward)
-    if choice.onednn_from is not None:
+    if choice.panels:
+        panel_linear.pack_linears(model)
+    elif choice.onednn_from is not None:
         prepack_linears(model, torch_below=choice.onednn_from)
     model.linear_kernel_choice = choice
     if log is not None and choice.times is not None:

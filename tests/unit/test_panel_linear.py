@@ -1,0 +1,140 @@
+"""The panel kernel (csrc/panel_linear.cpp) computes what a dense float32 linear layer does, the same
+numbers for a row whatever else is in the forward, and the loader picks it where it times fastest."""
+
+import copy
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from specdec.engine import onednn_linear, panel_linear
+from specdec.engine.build import ExecutorConfig, build_executor, dynamic_executor
+from specdec.engine.executor import Step
+
+problem = panel_linear.available(torch.device("cpu"), torch.float32)
+pytestmark = pytest.mark.skipif(problem is not None, reason=f"the panel kernel does not build here: {problem}")
+
+
+@pytest.fixture(scope="module")
+def fp32_llama():
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         attention_bias=True)  # biases exercise the bias path
+    return LlamaForCausalLM(config).eval()
+
+
+def test_pack_lays_each_panels_columns_side_by_side_and_zero_fills_the_last():
+    weight = torch.arange(130 * 3, dtype=torch.float32).view(130, 3)  # 130 outputs: panels of 64, 64, 2
+    panels = panel_linear.pack(weight)
+    assert panels.shape == (3, 3, panel_linear.PANEL) and panels.is_contiguous()
+    for p, k, c in ((0, 0, 0), (0, 2, 63), (1, 1, 5), (2, 0, 1)):
+        assert panels[p, k, c] == weight[p * panel_linear.PANEL + c, k]
+    assert not panels[2, :, 2:].any()
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_panel_linear_matches_dense_for_any_row_count_and_width(bias):
+    torch.manual_seed(1)
+    for in_features, out_features in ((48, 300), (576, 192), (33, 64), (7, 1)):
+        dense = torch.nn.Linear(in_features, out_features, bias=bias)
+        panels = panel_linear.PanelLinear(dense)
+        with torch.inference_mode():
+            for shape in ((0, in_features), (1, in_features), (5, in_features), (2, 9, in_features),
+                          (1, 257, in_features)):
+                x = torch.randn(shape)
+                assert panels(x).shape == dense(x).shape
+                assert torch.allclose(panels(x), dense(x), atol=1e-5, rtol=1e-5), (in_features, out_features, shape)
+            strided = torch.randn(in_features, 6).t()  # a non-contiguous input
+            assert torch.allclose(panels(strided), dense(strided), atol=1e-5, rtol=1e-5)
+
+
+def test_a_rows_result_is_the_same_bits_whatever_else_is_in_the_forward():
+    """Rows are summed in one fixed order: row i of an M-row product equals row i alone, for every M
+    (the row blocks of 6, their remainders) and with one thread or two."""
+    torch.manual_seed(2)
+    layer = panel_linear.PanelLinear(torch.nn.Linear(200, 150, bias=False))
+    x = torch.randn(14, 200)
+    threads = torch.get_num_threads()
+    try:
+        with torch.inference_mode():
+            alone = [layer(x[i:i + 1]) for i in range(len(x))]
+            for rows in (2, 5, 6, 7, 13, 14):
+                together = layer(x[:rows])
+                assert all(torch.equal(together[i:i + 1], alone[i]) for i in range(rows)), rows
+            torch.set_num_threads(1)
+            assert torch.equal(layer(x), torch.cat(alone))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_a_model_on_panels_gives_the_dense_models_logits_and_a_verify_the_steps_own(fp32_llama):
+    model = copy.deepcopy(fp32_llama)
+    assert panel_linear.pack_linears(model) == 2 * 7 + 1  # q, k, v, o, gate, up, down per layer + head
+    assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
+    dense, panels = dynamic_executor(copy.deepcopy(fp32_llama)), dynamic_executor(model)
+    for lm in (dense, panels):
+        lm.extend(1, 0, [5, 17, 3, 88], 1)
+    steps = [Step(1, 4, [10, 11, 12], 3), Step(2, 0, [7, 8, 9, 1, 2], 2)]
+    for a, b in zip(dense.extend_many(steps), panels.extend_many(steps)):
+        assert torch.allclose(a, b, atol=1e-4)
+    # a verify of 4 rows scores what 4 steps one token at a time score (to float rounding: the attention's
+    # kernels for 4 queries and for 1 differ; the linear layers' rows do not, test above)
+    tokens = [21, 4, 60, 33]
+    panels.extend(3, 0, [5, 17, 3, 88], 1)
+    panels.extend(4, 0, [5, 17, 3, 88], 1)
+    verified = panels.extend_many([Step(3, 4, tokens, 4)])[0]
+    stepped = torch.cat([panels.extend_many([Step(4, 4 + i, [token], 1)])[0] for i, token in enumerate(tokens)])
+    assert torch.allclose(verified, stepped, atol=1e-5)
+
+
+def test_choose_takes_panels_where_their_forwards_took_least_in_all(fp32_llama, monkeypatch):
+    times = onednn_linear.KernelTimes
+    # the Xeon's shape: torch's fastest at 1 row, oneDNN's from 4, panels about torch's at 1 and far ahead after
+    xeon = times({1: 1.0, 4: 1.6, 8: 1.9}, {1: 1.4, 4: 1.4, 8: 1.7}, 1, {1: 1.02, 4: 1.05, 8: 1.3})
+    assert xeon.panels_faster and xeon.mixed() == {1: 1.0, 4: 1.4, 8: 1.7}
+    slower = times({1: 1.0, 4: 1.6, 8: 1.9}, {1: 1.4, 4: 1.4, 8: 1.7}, 1, {1: 1.5, 4: 1.5, 8: 1.6})
+    assert not slower.panels_faster and not times({1: 1.0}, {1: 2.0}, 1).panels_faster  # not timed: never
+    for planted, panels in ((xeon, True), (slower, False)):
+        monkeypatch.setattr(onednn_linear, "time_kernels", lambda model, forward, planted=planted: planted)
+        choice = onednn_linear.choose("auto", fp32_llama)
+        assert choice.panels == panels and choice.times is planted and choice.min_forward_rows == 1
+    assert "the panel kernel" in onednn_linear.KernelChoice(None, 1, xeon, panels=True).summary()
+    assert "panels {1: 1020.00" in xeon.summary()
+    assert onednn_linear.choose("panels", fp32_llama) == onednn_linear.PANELS  # asked for: untimed
+
+
+def test_panels_are_refused_by_name_where_they_cannot_run(fp32_llama, monkeypatch):
+    cpu = torch.device("cpu")
+    with pytest.raises(ValueError, match="linear_kernels=panels: the panel kernel runs float32 models on the CPU"):
+        onednn_linear.resolve("panels", cpu, torch.bfloat16)
+    monkeypatch.setattr(panel_linear, "build", lambda: panel_linear.Build(None, "planted: no compiler"))
+    with pytest.raises(ValueError, match="linear_kernels=panels: planted: no compiler"):
+        onednn_linear.choose("panels", fp32_llama)
+    # auto times the other two and goes on without it
+    assert onednn_linear.time_kernels(fp32_llama, onednn_linear.causal_lm_forward(fp32_llama), rows=(1,),
+                                      repeats=1).panels is None
+
+
+def test_a_failed_build_says_why_and_leaves_no_kernel(tmp_path, monkeypatch):
+    broken = tmp_path / "panel_linear.cpp"
+    broken.write_text("this is not C++\n")
+    monkeypatch.setattr(panel_linear, "SOURCE", broken)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
+    built = panel_linear.build.__wrapped__()
+    assert built.op is None and built.problem
+
+
+def test_the_loader_and_the_executor_run_panels_unpadded(fp32_llama, tmp_path):
+    from specdec.engine.loading import load_causal_lm
+
+    fp32_llama.save_pretrained(tmp_path)
+    lines = []
+    model = load_causal_lm(str(tmp_path), linear_kernels="panels", log=lines.append)
+    assert model.linear_kernel_choice == onednn_linear.PANELS
+    assert sum(isinstance(m, panel_linear.PanelLinear) for m in model.modules()) == 2 * 7 + 1
+    lm = build_executor(model, ExecutorConfig(executor="dynamic"))
+    assert lm.forward.min_forward_rows == 1 and not lm.forward.row_buckets
+    auto = load_causal_lm(str(tmp_path), linear_kernels="auto")
+    held = any(isinstance(m, panel_linear.PanelLinear) for m in auto.modules())
+    assert held == auto.linear_kernel_choice.panels and auto.linear_kernel_choice.times.panels is not None
