@@ -16,6 +16,7 @@ sequences, the same K+1 rows verified as a tree 3 wide (one sequence), and the d
 and how long capturing took. The target's logits in every mode are compared with the dynamic one's.
 
     python -m bench.executor_bench --pair tiny                 # CPU
+    python -m bench.executor_bench --pair default --linear-kernels torch,onednn,panels   # CPU linear kernels
     python -m bench.executor_bench --reference                 # GPU: the 8B-shaped pair
 """
 
@@ -96,6 +97,8 @@ def main(argv=None) -> int:
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--reps", type=int, default=None)
     parser.add_argument("--reference", action="store_true", help="also time the compiled static-cache reference")
+    parser.add_argument("--linear-kernels", default="auto",
+                        help="the models' linear_kernels, comma-separated: one set of rows each (CPU)")
     parser.add_argument("--out", help="also write the table (Markdown) here")
     parser.add_argument("--results", metavar="NAME", help="also write it as docs/results/<date>-NAME.md")
     args = parser.parse_args(argv)
@@ -113,12 +116,17 @@ def main(argv=None) -> int:
         spec = pairs.tiny_pair() if pair == "tiny" else pairs.default_pair()
         target_path, draft_path = spec.target_path, next(iter(spec.draft_paths.values()))
     rows, reference_logits = [], None
-    for role, path in (("target", target_path), ("draft", draft_path)):
-        model = load_causal_lm(str(path), device, dtype)
+    kernel_kinds = args.linear_kernels.split(",")
+    for role, path, kernels in [(role, path, kernels) for role, path in (("target", target_path), ("draft", draft_path))
+                                for kernels in kernel_kinds]:
+        model = load_causal_lm(str(path), device, dtype, linear_kernels=kernels)
+        choice = model.linear_kernel_choice
+        kernels = "panels" if choice.panels else "torch" if choice.onednn_from is None else \
+            "onednn" if choice.onednn_from == 1 else f"torch < {choice.onednn_from} rows, onednn"
         if args.reference and role == "target" and gpu:
             widths = [1, args.k + 1]
             ref = gpu_bench.reference_steps(model, device, args.context, widths, "reduce-overhead", reps)
-            rows.append([role, "reference (static cache, compiled)", f"{ref[1] * 1e3:.2f}", "",
+            rows.append([role, "reference (static cache, compiled)", kernels, f"{ref[1] * 1e3:.2f}", "",
                          f"{ref[args.k + 1] * 1e3:.2f}", "", "", "", "", ""])
             gpu_bench.log(" | ".join(rows[-1]))
         for mode in modes:
@@ -126,12 +134,12 @@ def main(argv=None) -> int:
             lm, setup_s = make(model, mode, args.batch, args.k, args.context)
             t = time_lm(lm, model.config.vocab_size, args.context, args.batch, args.k, reps, device)
             if role == "target":
-                if mode == "dynamic":
+                if reference_logits is None:  # the first target row's (dynamic, the first kernels')
                     reference_logits = t["logits"]
                 diff = (t["logits"] - reference_logits).abs().max().item()
             else:
                 diff = float("nan")
-            rows.append([role, mode] + [f"{t[(w, b)] * 1e3:.2f}" for w in (1, args.k + 1) for b in (1, args.batch)]
+            rows.append([role, mode, kernels] + [f"{t[(w, b)] * 1e3:.2f}" for w in (1, args.k + 1) for b in (1, args.batch)]
                         + ["refused" if t["tree"] is None else f"{t['tree'] * 1e3:.2f}", f"{t['propose'] * 1e3:.2f}",
                            f"{setup_s:.1f}", f"{diff:.2g}"])
             gpu_bench.log(" | ".join(rows[-1]))  # as it comes: a run cut short still shows its rows
@@ -141,7 +149,7 @@ def main(argv=None) -> int:
         del model
     machine = torch.cuda.get_device_name() if gpu else f"{platform.machine()} CPU, {torch.get_num_threads()} threads"
     header = f"{machine}, torch {torch.__version__}, {pair} pair, {dtype}, context {args.context}, K={args.k}"
-    text = report.print_table(header, rows, ["model", "executor", "1 row, 1 seq (ms)", f"1 row, {args.batch} seqs",
+    text = report.print_table(header, rows, ["model", "executor", "linear kernels", "1 row, 1 seq (ms)", f"1 row, {args.batch} seqs",
                                          f"{args.k + 1} rows, 1 seq", f"{args.k + 1} rows, {args.batch} seqs",
                                          f"tree of {args.k + 1}, 1 seq", f"propose {args.k} (ms)",
                                          "compile + capture (s)", "max |Δ logits|"], args.out)

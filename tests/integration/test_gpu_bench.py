@@ -102,15 +102,22 @@ def test_round_overhead_bench_refuses_the_8b_pair_on_cpu_and_top_p_without_sampl
 
 
 def test_executor_bench_compares_the_executors_on_the_tiny_pair(tmp_path):
+    import torch
+
+    from specdec.engine import panel_linear
+
+    kernels = ["torch"] + (["panels"] if panel_linear.available(torch.device("cpu"), torch.float32) is None else [])
     out = tmp_path / "executor.md"
     result = subprocess.run([*bench("executor_bench"), "--pair", "tiny", "--reps", "2", "--batch", "2",
-                             "--out", str(out)], capture_output=True, text=True, timeout=600, cwd=REPO_ROOT)
+                             "--linear-kernels", ",".join(kernels), "--out", str(out)],
+                            capture_output=True, text=True, timeout=600, cwd=REPO_ROOT)
     assert result.returncode == 0, result.stderr[-4000:]
     table = out.read_text()
     rows = [line.split("|") for line in table.splitlines() if line.startswith("| target")]
-    assert [row[2].strip() for row in rows] == ["dynamic", "off"]
-    # the static executor's logits equal the dynamic one's
-    assert float(rows[1][-2]) < 1e-4, table + result.stderr[-4000:]
+    assert [(row[2].strip(), row[3].strip()) for row in rows] == [(mode, kind) for kind in kernels
+                                                                  for mode in ("dynamic", "off")]
+    # every executor's logits, on either kernels, equal the first (dynamic, torch's kernels)
+    assert all(float(row[-2]) < 1e-4 for row in rows), table + result.stderr[-4000:]
 
 
 def test_concurrency_bench_compares_orchestrator_counts(tmp_path):

@@ -103,8 +103,9 @@ def test_loading_with_fp8_weights_says_how_and_refuses_what_cannot_be(tiny_lm, t
     assert not model.model.layers[0].self_attn.q_proj.kernel  # auto never takes Triton's interpreter
     with pytest.raises(ValueError, match="weights_dtype must be one of"):
         load_causal_lm(str(tmp_path), weights_dtype="int4")
-    with pytest.raises(ValueError, match="weights_dtype=fp8 and linear_kernels=onednn"):
-        load_causal_lm(str(tmp_path), weights_dtype="fp8", linear_kernels="onednn")
+    for kernels in ("onednn", "panels"):
+        with pytest.raises(ValueError, match=f"weights_dtype=fp8 and linear_kernels={kernels}"):
+            load_causal_lm(str(tmp_path), weights_dtype="fp8", linear_kernels=kernels)
 
 
 def test_the_fp8_quality_bench_runs_and_its_references_agree_with_themselves(tmp_path):

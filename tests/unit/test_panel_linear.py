@@ -111,9 +111,13 @@ def test_panels_are_refused_by_name_where_they_cannot_run(fp32_llama, monkeypatc
     monkeypatch.setattr(panel_linear, "build", lambda: panel_linear.Build(None, "planted: no compiler"))
     with pytest.raises(ValueError, match="linear_kernels=panels: planted: no compiler"):
         onednn_linear.choose("panels", fp32_llama)
-    # auto times the other two and goes on without it
+    # auto times the other two, goes on without it and says why
     assert onednn_linear.time_kernels(fp32_llama, onednn_linear.causal_lm_forward(fp32_llama), rows=(1,),
                                       repeats=1).panels is None
+    lines = []
+    model = copy.deepcopy(fp32_llama)
+    assert not onednn_linear.apply("auto", model, "tiny", lines.append).panels
+    assert lines[-1] == "tiny: the panel kernel was not timed: planted: no compiler"
 
 
 def test_a_failed_build_says_why_and_leaves_no_kernel(tmp_path, monkeypatch):

@@ -32,9 +32,9 @@ def load_causal_lm(model_path: str, device: str = "cpu", dtype: str = "float32",
     """Load a causal LM from a Hugging Face directory or a single GGUF file.
 
     device_map (e.g. "auto") spreads a model too large for one GPU over the visible GPUs.
-    linear_kernels: "auto" reorders the linear weights for oneDNN on CPU in float32/bfloat16 where that
-    times faster at load on this machine (`onednn_linear.choose`), "onednn" requires it, "torch" keeps
-    torch's own.
+    linear_kernels: "auto" puts the linear layers on the panel kernel (float32) or oneDNN's reordered
+    weights on CPU where that times faster at load on this machine (`onednn_linear.choose`), "onednn" and
+    "panels" require theirs, "torch" keeps torch's own.
     weights_dtype: "same" keeps the linears' weights in `dtype`; "fp8" stores them in FP8 with a scale per
     output channel (`fp8_linear.py`; the vocabulary head stays in `dtype`); `log` gets a line saying how.
     """
@@ -42,8 +42,8 @@ def load_causal_lm(model_path: str, device: str = "cpu", dtype: str = "float32",
 
     if weights_dtype not in tn.WEIGHTS_DTYPES:
         raise ValueError(f"weights_dtype must be one of {tn.WEIGHTS_DTYPES}, got {weights_dtype!r}")
-    if weights_dtype == "fp8" and linear_kernels == "onednn":
-        raise ValueError("weights_dtype=fp8 and linear_kernels=onednn exclude each other (oneDNN's reordered "
+    if weights_dtype == "fp8" and linear_kernels in ("onednn", "panels"):
+        raise ValueError(f"weights_dtype=fp8 and linear_kernels={linear_kernels} exclude each other (its "
                          "weights are float32/bfloat16)")
     path = Path(model_path)
     if not path.exists():

@@ -275,6 +275,9 @@ def apply(kind: str, model: nn.Module, name: str = "", log=None,
     model.linear_kernel_choice = choice
     if log is not None and choice.times is not None:
         log(f"{name}: {choice.summary()}")
+        weight = next(model.parameters())
+        if choice.times.panels is None and (problem := panel_linear.available(weight.device, weight.dtype)):
+            log(f"{name}: the panel kernel was not timed: {problem}")
     return choice
 
 
