@@ -21,6 +21,17 @@ def tiny_lm():
     return tiny_llama(97, seed=0, initializer_range=0.5, max_positions=256)
 
 
+@pytest.fixture(scope="module")
+def fp32_llama():
+    """A tiny float32 llama with biases (what the CPU linear kernels run; the biases exercise their bias
+    path), one per test module: tests swap its layers and dtype."""
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         attention_bias=True)
+    return LlamaForCausalLM(config).eval()
+
+
 def run_fixed_k(req, proposer, scorer, k):
     """The tokens the decode loop generates for req with a fixed draft length k."""
     from specdec.decoding.draft_length import DraftLengthPolicy

@@ -4,22 +4,12 @@ import copy
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from specdec.engine import onednn_linear
 from specdec.engine.build import dynamic_executor
 from specdec.engine.executor import Step
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
-
-
-@pytest.fixture(scope="module")
-def fp32_llama():
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         attention_bias=True)  # biases exercise the bias path
-    return LlamaForCausalLM(config).eval()
 
 
 def test_prepacked_linear_matches_dense_for_any_row_count():
@@ -33,9 +23,15 @@ def test_prepacked_linear_matches_dense_for_any_row_count():
             assert torch.allclose(packed(x), dense(x), atol=1e-5), shape
 
 
-def test_prepacked_model_gives_the_dense_models_logits(fp32_llama):
+@pytest.mark.parametrize("kernels", ["onednn", "panels"])
+def test_a_model_on_other_kernels_gives_the_dense_models_logits(fp32_llama, kernels):
+    from specdec.engine import panel_linear
+
+    if kernels == "panels" and (problem := panel_linear.available(torch.device("cpu"), torch.float32)):
+        pytest.skip(f"the panel kernel does not build here: {problem}")
     packed_model = copy.deepcopy(fp32_llama)
-    assert onednn_linear.prepack_linears(packed_model) == 2 * 7 + 1  # q, k, v, o, gate, up, down per layer + head
+    pack = onednn_linear.prepack_linears if kernels == "onednn" else panel_linear.pack_linears
+    assert pack(packed_model) == 2 * 7 + 1  # q, k, v, o, gate, up, down per layer + head
     assert not any(isinstance(m, torch.nn.Linear) for m in packed_model.modules())
     dense, packed = dynamic_executor(copy.deepcopy(fp32_llama)), dynamic_executor(packed_model)
     for lm in (dense, packed):

@@ -19,7 +19,6 @@ faster of torch's and oneDNN's (a layer may hold both layouts, torch's for 1-3 r
 
 from __future__ import annotations
 
-import contextlib
 import os
 import tempfile
 import time
@@ -29,7 +28,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from specdec.engine import panel_linear
+from specdec.engine import machine_lock, panel_linear
 
 # The row count oneDNN tunes the reordered layout for; 8 measured fastest over 1-16 rows (decode steps,
 # verifies of K+1 positions, batches of sequences). Prompts of hundreds of rows still run fine.
@@ -172,23 +171,11 @@ def linear_bytes(model: nn.Module) -> int:
     return sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if isinstance(m, nn.Linear))
 
 
-@contextlib.contextmanager
 def _timing_alone():
     """One timing at a time on this machine: a server's model stubs load together, and timed side by side
     they share the cores and the memory bus (measured: the target's passes several times slower, and the
-    choice flipped). An advisory lock in the temporary directory; where there is none, no ordering."""
-    try:
-        import fcntl
-        lock = open(os.path.join(tempfile.gettempdir(), "specdec-linear-kernels.lock"), "a")
-    except (ImportError, OSError):
-        yield
-        return
-    with lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+    choice flipped). An advisory lock in the temporary directory."""
+    return machine_lock.held(os.path.join(tempfile.gettempdir(), "specdec-linear-kernels.lock"))
 
 
 def supported(device: torch.device, dtype: torch.dtype) -> bool:

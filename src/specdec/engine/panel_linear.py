@@ -31,6 +31,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from specdec.engine import machine_lock
+
 SOURCE = Path(__file__).with_name("csrc") / "panel_linear.cpp"
 PANEL = 64  # the kernel's panel width (csrc/panel_linear.cpp's PANEL; checked against it when built)
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp")
@@ -86,7 +88,7 @@ def build() -> Build:
         directory.mkdir(parents=True, exist_ok=True)
         from torch.utils.cpp_extension import load_inline
 
-        with _building_alone(directory):
+        with machine_lock.held(directory.with_suffix(".building")):
             # torch's builder guards a build with a "lock" file it deletes when done; a process killed
             # mid-build leaves it behind and every later build would wait on it forever. Holding our own
             # lock (released by the kernel when a process dies), nobody else is building: it is stale.
@@ -101,22 +103,6 @@ def build() -> Build:
     if module.panel_width() != PANEL:
         return Build(None, f"the compiled kernel's panels are {module.panel_width()} wide, this module's {PANEL}")
     return Build(module.panel_linear)
-
-
-@contextlib.contextmanager
-def _building_alone(directory: Path):
-    try:
-        import fcntl
-        lock = open(directory.with_suffix(".building"), "a")
-    except (ImportError, OSError):
-        yield
-        return
-    with lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def available(device: torch.device, dtype: torch.dtype) -> str | None:
