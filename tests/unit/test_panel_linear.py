@@ -2,6 +2,7 @@
 numbers for a row whatever else is in the forward, and the loader picks it where it times fastest."""
 
 import copy
+import os
 
 import pytest
 import torch
@@ -111,6 +112,26 @@ def test_a_failed_build_says_why_and_leaves_no_kernel(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
     built = panel_linear.build.__wrapped__()
     assert built.op is None and built.problem
+
+
+def test_the_build_finds_the_virtualenvs_ninja_without_it_on_path(tmp_path, monkeypatch):
+    """A server started as `.venv/bin/python -m ...` has no virtualenv bin on PATH: the build puts the ninja
+    package's there while it runs, and puts PATH back."""
+    import ninja
+    import torch.utils.cpp_extension
+
+    seen = []
+
+    def load_inline(*args, **kwargs):
+        seen.append(os.environ["PATH"])
+        raise RuntimeError("planted: stop here")
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "load_inline", load_inline)
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    built = panel_linear.build.__wrapped__()
+    assert built.op is None and "planted: stop here" in built.problem
+    assert seen == [f"{ninja.BIN_DIR}{os.pathsep}/usr/bin:/bin"] and os.environ["PATH"] == "/usr/bin:/bin"
 
 
 def test_the_loader_and_the_executor_run_panels_unpadded(fp32_llama, tmp_path):

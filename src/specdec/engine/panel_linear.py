@@ -88,7 +88,7 @@ def build() -> Build:
         directory.mkdir(parents=True, exist_ok=True)
         from torch.utils.cpp_extension import load_inline
 
-        with machine_lock.held(directory.with_suffix(".building")):
+        with machine_lock.held(directory.with_suffix(".building")), _ninja_on_path():
             # torch's builder guards a build with a "lock" file it deletes when done; a process killed
             # mid-build leaves it behind and every later build would wait on it forever. Holding our own
             # lock (released by the kernel when a process dies), nobody else is building: it is stale.
@@ -103,6 +103,27 @@ def build() -> Build:
     if module.panel_width() != PANEL:
         return Build(None, f"the compiled kernel's panels are {module.panel_width()} wide, this module's {PANEL}")
     return Build(module.panel_linear)
+
+
+@contextlib.contextmanager
+def _ninja_on_path():
+    """torch's builder runs `ninja` from PATH, and a server started as `.venv/bin/python -m ...` (make
+    serve) has no virtualenv's bin there: the ninja package's own directory goes first while building."""
+    try:
+        import ninja
+        directory = ninja.BIN_DIR
+    except (ImportError, AttributeError):  # a system ninja, if any, is all there is
+        yield
+        return
+    previous = os.environ.get("PATH")
+    os.environ["PATH"] = os.pathsep.join(filter(None, [directory, previous]))
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("PATH", None)
+        else:
+            os.environ["PATH"] = previous
 
 
 def available(device: torch.device, dtype: torch.dtype) -> str | None:
