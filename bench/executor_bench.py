@@ -120,9 +120,7 @@ def main(argv=None) -> int:
     for role, path, kernels in [(role, path, kernels) for role, path in (("target", target_path), ("draft", draft_path))
                                 for kernels in kernel_kinds]:
         model = load_causal_lm(str(path), device, dtype, linear_kernels=kernels)
-        choice = model.linear_kernel_choice
-        kernels = "panels" if choice.panels else "torch" if choice.onednn_from is None else \
-            "onednn" if choice.onednn_from == 1 else f"torch < {choice.onednn_from} rows, onednn"
+        kernels = model.linear_kernel_choice.name
         if args.reference and role == "target" and gpu:
             widths = [1, args.k + 1]
             ref = gpu_bench.reference_steps(model, device, args.context, widths, "reduce-overhead", reps)

@@ -25,7 +25,7 @@
   onednn_linear  CPU linear layers with weights reordered once for oneDNN; which kernels a model's
                  linears run on (`linear_kernels`, timed at load)
   panel_linear   the project's own float32 CPU linear kernel (csrc/panel_linear.cpp, compiled on first
-                 use): weights in column panels, 1-9 rows for about the cost of one
+                 use): weights in column panels, 1-6 rows for about the cost of one
   fp8_linear     linear layers with FP8 weights and a scale per output channel, and their weight-only kernel
   errors         CacheError, CapacityError
   host_memory    gives freed host memory back to the OS (glibc malloc_trim)

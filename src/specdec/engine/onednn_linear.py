@@ -206,6 +206,15 @@ class KernelChoice:
     times: KernelTimes | None = None
     panels: bool = False
 
+    @property
+    def name(self) -> str:
+        """A short name for tables: panels, torch, onednn, or the switch between the last two."""
+        if self.panels:
+            return "panels"
+        if self.onednn_from is None:
+            return "torch"
+        return "onednn" if self.onednn_from == 1 else f"torch < {self.onednn_from} rows, onednn"
+
     def summary(self) -> str:
         if self.panels:
             kernels = "the panel kernel (panel_linear.py)"

@@ -5,11 +5,12 @@
 // memory bandwidth at 2-9 rows, which is what speculative decoding's verify runs. Here each panel of
 // PANEL output columns is one contiguous stream (panels[p][k][c] = W[p * PANEL + c][k]), read once per
 // block of up to ROW_BLOCK rows, with the rows' partial sums held in registers and the panel prefetched
-// ahead into L2: 1-9 rows cost about what 1 row costs (docs/results/2026-11-29-panel-linear.md).
+// ahead into L2: 1-6 rows cost about what 1 row costs, 9 rows 1.3x (docs/results/2026-11-29-panel-linear.md).
 //
 // Every output element is summed in the same order (k = 0, 1, ..., K-1, one fused multiply-add each)
-// whatever the row count, the row's place in the batch and the thread split: a row's result does not
-// depend on what else is in the forward (a verify's rows equal the steps one at a time, bit for bit).
+// whatever the row count, the row's place in the batch and the thread split: a row's product does not
+// depend on what else is in the forward (through this layer, a verify's rows equal the steps one at a
+// time bit for bit; the attention's kernels for several queries and for one still round differently).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
