@@ -80,6 +80,7 @@ gpukit: setup
 	bash ../shared/tools/gpukit.sh
 	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 		--platform manylinux_2_31_x86_64 -d .gpukit $$(grep '^llguidance==' requirements.txt)
+	bash bench/gpukit_compact.sh
 
 # In-process forward costs of the executors (8B-shaped pair on a GPU, tiny pair on CPU; PAIR=default too).
 bench-executor: setup

@@ -66,8 +66,10 @@
 #   drafttrees     the draft model's token trees (draft_branches=2: its chain and its second choice beside each
 #                  token, K nodes) against its chains, served rows at K=4 and K=8, one server each (~5 min)
 #   fp8            FP8 weights (weights_dtype fp8: the weight-only FP8 kernel, a scale per output channel)
-#                  against bf16: the FP8 GPU test, then the served rows, one server each (~7 min; named twice:
-#                  on off off on): issue 47's served target-only <= 3.8 ms with FP8 weights (not measured yet)
+#                  against bf16: the FP8 GPU test (left to `tests` when named before), the kernel's launches
+#                  per weight kind against cuBLAS's bf16 (bench/fp8_kernel_bench.py, ~1.5 min; skipped where
+#                  SPECDEC_FP8_KERNEL is set), then the served rows with the fastest launch, one server each
+#                  (~6 min; named twice: on off off on): issue 47's served target-only <= 3.8 ms with FP8
 #   profile        cProfile over draft_model's and target_model's execute (SPECDEC_PROFILE_DIR): 8 target-only
 #                  streams, then 1 stream at K=0, 4 and adaptive; pstats' reports in profile-*.txt (~2 min):
 #                  where the host time inside an execution goes (the adapter's share: "in execute" - "in
@@ -78,12 +80,12 @@
 # summary.txt (each part's exit code and time), gpu.txt and session.tgz (all of it). Without $OUT they stay
 # in .cache/gpu-session. So one command runs any parts, in the order named. A session lent 15 device-minutes
 # (a start takes 1-2 of them) has room for one full command: name the parts most wanted first, and what no
-# longer fits the budget is skipped, the rest coming back whole. The next one, in that order (~9 min): the
-# draft model's token trees against its chains (not measured on a GPU yet), the full table with run ahead and
-# the paged kernel (their rows were measured on an H100 in parts, the full table not), and the deployment's
-# max K against the bench's:
+# longer fits the budget is skipped, the rest coming back whole. The next one, in that order (~9 min): FP8
+# against bf16 side by side in one command (the 2026-11-29 H200 rows were two machines: FP8 4.52 ms, bf16 5.67
+# ms per token), the draft model's token trees against its chains (not measured on a GPU yet), and the
+# deployment's max K against the bench's:
 #
-#   source .gpukit/activate.sh && GPU_SESSION_SECONDS=540 bash bench/gpu_session.sh drafttrees bench maxk
+#   source .gpukit/activate.sh && GPU_SESSION_SECONDS=540 bash bench/gpu_session.sh fp8 drafttrees maxk
 set -uo pipefail
 cd "$(dirname "$0")/.."
 dest="${OUT:-}"
@@ -165,7 +167,7 @@ ab() {
 
 for part in "$@"; do
   case "$part" in
-    tests) run tests-gpu 240 "$python" -m pytest -q -m gpu tests/gpu -p no:cacheprovider ;;
+    tests) run tests-gpu 240 "$python" -m pytest -q -m gpu tests/gpu -p no:cacheprovider; tests_ran=1 ;;
     bench) run bench-gpu 420 "$python" -m bench.gpu_bench --out "$out/bench-gpu.md" ;;
     heads) run head-bench 300 "$python" -m bench.head_bench --out "$out/head-bench.md" ;;
     orchestrators)
@@ -232,8 +234,14 @@ for part in "$@"; do
       ab ahead on 170 "" -- --launcher-arg=--set=target_model.run_ahead=on --off \
         --launcher-arg=--set=target_model.run_ahead=off
       run executor-ahead 150 "$python" -m bench.executor_bench --modes graphs-mlp --out "$out/executor-ahead.md" ;;
-    fp8)  # FP8 weights against bf16: the GPU test, then the served rows; named twice: on off off on
-      run tests-fp8 120 "$python" -m pytest -q -m gpu tests/gpu -p no:cacheprovider -k fp8
+    fp8)  # FP8 weights against bf16: the GPU test (unless tests ran), the kernel's launches, then the served
+          # rows with the fastest launch measured; named twice: on off off on
+      [ -n "${tests_ran:-}" ] || run tests-fp8 120 "$python" -m pytest -q -m gpu tests/gpu -p no:cacheprovider -k fp8
+      if [ -z "${SPECDEC_FP8_KERNEL:-}" ]; then
+        run fp8-kernel 200 "$python" -m bench.fp8_kernel_bench --out "$out/fp8-kernel.md"
+        best=$(sed -n 's/^best: //p' "$out/fp8-kernel.log" 2>/dev/null | tail -1)
+        [ -n "$best" ] && export SPECDEC_FP8_KERNEL=$best && echo "fp8: served with launch $best" >> "$out/summary.txt"
+      fi
       ab fp8 on 200 "" -- --launcher-arg=--weights-dtype=fp8 ;;
     drafttrees)  # the draft model's token trees (draft_branches=2) against its chains, K=4 and 8; twice: on off off on
       ab drafttrees on 200 "--extra-k 8" -- --launcher-arg=--set=speculative_decoding.draft_branches=2 ;;

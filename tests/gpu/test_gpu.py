@@ -425,8 +425,9 @@ def test_a_heads_captured_draft_steps_equal_its_eager_ones(tiny_pair):
 
 
 def test_the_fp8_kernel_computes_the_dequantized_product_for_every_row_count():
-    """weights_dtype fp8 on a GPU: the weight-only kernel (up to 16 rows) gives the dequantized product up to
-    summation order, compiled; more rows take the dequantized product itself."""
+    """weights_dtype fp8 on a GPU: the weight-only kernel (up to 128 rows; split along K up to 16) gives the
+    dequantized product up to summation order, compiled, the same bits call after call and replayed in a CUDA
+    graph; more rows take the dequantized product itself."""
     from specdec.engine import fp8_linear
 
     device = torch.device("cuda")
@@ -434,8 +435,23 @@ def test_the_fp8_kernel_computes_the_dequantized_product_for_every_row_count():
     torch.manual_seed(0)
     dense = torch.nn.Linear(4096, 1000, bias=True).to(device, torch.bfloat16)
     fast, slow = fp8_linear.Fp8Linear(dense, kernel=True), fp8_linear.Fp8Linear(dense, kernel=False)
-    for rows in (1, 5, 16, 17, 40):
+    fp8_linear.reserve(torch.nn.Sequential(fast))
+    for rows in (1, 5, 16, 17, 40, 128, 129):
         x = torch.randn(rows, 4096, device=device, dtype=torch.bfloat16)
         a, b = fast(x).float(), slow(x).float()
         assert a.shape == (rows, 1000)
         assert ((a - b).abs().max() / b.abs().max()).item() < 0.01, rows
+        assert torch.equal(fast(x).float(), a), rows
+    x = torch.randn(5, 4096, device=device, dtype=torch.bfloat16)
+    eager = fast(x)
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fast(x)
+    torch.cuda.current_stream().wait_stream(stream)
+    with torch.cuda.graph(graph):
+        replayed = fast(x)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(replayed, eager)

@@ -135,19 +135,72 @@ def test_the_benchs_dense_equivalent_computes_what_the_fp8_model_does(tiny_lm):
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or fp8_linear.kernel_unavailable(
     torch.device("cpu"), torch.float32) is not None, reason="the kernel's CPU test runs in Triton's interpreter")
 def test_the_weight_only_kernel_computes_the_dequantized_product():
-    """Up to 16 rows, each program reads its output channels' FP8 weights once for every row (masks at every
-    edge: rows, channels and the inner size not multiples of the tiles); more rows are dequantized."""
+    """Up to 128 rows, each program reads its output channels' FP8 weights once for every row of its tile
+    (masks at every edge: rows, channels and the inner size not multiples of the tiles; row tiles of 16, then
+    of 64); more rows are dequantized."""
     torch.manual_seed(2)
     for bias in (True, False):
         dense = torch.nn.Linear(300, 77, bias=bias)
         fast, slow = fp8_linear.Fp8Linear(dense, kernel=True), fp8_linear.Fp8Linear(dense, kernel=False)
-        for shape in ((1, 300), (5, 300), (2, 8, 300), (17, 300)):
+        for shape in ((1, 300), (5, 300), (2, 8, 300), (17, 300), (70, 300), (129, 300)):
             x = torch.randn(shape)
             assert torch.allclose(fast(x), slow(x), rtol=1e-5, atol=1e-5), (bias, shape)
     model = torch.nn.Sequential(torch.nn.Linear(64, 32))
     assert fp8_linear.quantize_linears(model, kernel=True) == (1, None) and model[0].kernel
     with pytest.raises(ValueError, match="the FP8 kernel cannot run here"):
         fp8_linear.quantize_linears(torch.nn.Sequential(torch.nn.Linear(8, 8).double()), kernel=True)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or fp8_linear.kernel_unavailable(
+    torch.device("cpu"), torch.float32) is not None, reason="the kernel's CPU test runs in Triton's interpreter")
+@pytest.mark.parametrize("config", [fp8_linear.KernelConfig(), fp8_linear.KernelConfig(16, 128, 4, 3, 8),
+                                    fp8_linear.KernelConfig(32, 256, 4, 3, 0)])
+def test_a_product_split_along_k_sums_its_slices_in_order_and_leaves_its_counts_at_zero(config):
+    """Programs per multiprocessor past one: the K-slices' partials are summed by the tile's last program in
+    slice order: the dequantized product, the same bits call after call and for a row alone or beside
+    others; the per-tile counts are back at zero for the next product (CUDA graph replays)."""
+    torch.manual_seed(3)
+    dense = torch.nn.Linear(1300, 77)
+    q, scale = fp8_linear.quantize_rows(dense.weight)
+    x = torch.randn(5, 1300)
+    config_, tile, slices, per_slice = fp8_linear.launch(x, q, config)
+    assert tile == fp8_linear.TILE_ROWS and (slices > 1) == (config.waves > 0) and slices * per_slice >= 1300
+    got = fp8_linear.kernel_product(x, q, scale, dense.bias, config)
+    expected = torch.nn.functional.linear(x, fp8_linear.dequantize(q, scale, torch.float32), dense.bias)
+    assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(fp8_linear.kernel_product(x, q, scale, dense.bias, config), got)
+    assert torch.equal(fp8_linear.kernel_product(x[2:3], q, scale, dense.bias, config), got[2:3])
+    if slices > 1:
+        _, counts = fp8_linear.workspace(q.device, 77, config, slices)
+        assert not counts.any()
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or fp8_linear.kernel_unavailable(
+    torch.device("cpu"), torch.float32) is not None, reason="the kernel's CPU test runs in Triton's interpreter")
+def test_the_kernel_bench_checks_every_launch_and_prints_the_fastest(capsys):
+    """bench/fp8_kernel_bench.py (what gpu_session's fp8 part serves with), on tiny shapes."""
+    from bench import fp8_kernel_bench
+
+    assert fp8_kernel_bench.main(["--small", "--matrices", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "fp8 kernel, wide tiles" in out and "fp8 dequantized + dense" in out
+    best = out.strip().splitlines()[-1]
+    assert best.startswith("best: ") and fp8_linear.KernelConfig.parse(best[6:]) in fp8_kernel_bench.launches(True)
+
+
+def test_fp8_linears_reading_one_input_are_fused_into_one_product_with_views_of_its_weights(tiny_lm):
+    """The executor's fused query/key/value (and gate/up) product over FP8 layers: their weights and scales
+    concatenated, exactly what the separate layers compute, the layers' buffers views of the fused ones."""
+    from specdec.engine.llama_forward import fuse_linears
+
+    model = quantized(tiny_lm)
+    attn = model.model.layers[0].self_attn
+    x = torch.randn(3, attn.q_proj.in_features)
+    separate = torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], dim=-1)
+    fused = fuse_linears(attn, ("q_proj", "k_proj", "v_proj"))
+    assert isinstance(fused, fp8_linear.Fp8Linear) and torch.equal(fused(x), separate)
+    assert attn.k_proj.weight.data_ptr() == fused.weight[attn.q_proj.out_features:].data_ptr()
+    assert fuse_linears(attn, ("q_proj", "k_proj", "v_proj")) is fused  # a second executor: the same one
 
 
 def _fp8_checkpoint(model, directory, method: str, per_tensor: bool):

@@ -45,3 +45,25 @@ def test_an_ab_part_gives_each_side_its_own_arguments_in_abba_order(tmp_path):
         assert "prefill_graph_rows=512" not in logged[f"prompts-off-{run}"]
     assert "--launcher-arg" not in logged["maxk-off-1"]
     assert "--max-num-draft-tokens=16" in logged["maxk-on-1"]
+
+
+def test_the_fp8_part_serves_with_the_fastest_launch_its_kernel_bench_printed(tmp_path):
+    """`fp8` after `tests`: no second FP8 test, the kernel bench, then both servers with SPECDEC_FP8_KERNEL set
+    to the launch the bench printed last (FP8 on one side only)."""
+    fake = tmp_path / "python"
+    fake.write_text(f'#!/bin/sh\n[ "$1" = -c ] && {{ echo {tmp_path}; exit 0; }}\n'
+                    '[ "$2" = bench.fp8_kernel_bench ] && echo "best: 16,128,4,3,8"\n'
+                    'echo "$@" "launch=$SPECDEC_FP8_KERNEL"\n')
+    fake.chmod(0o755)
+    out = tmp_path / "session"
+    env = {"PATH": "/usr/bin:/bin", "PYTHON": str(fake), "HOME": str(tmp_path), "GPU_SESSION_DIR": str(out)}
+    result = subprocess.run(["bash", str(SCRIPT), "tests", "fp8"], capture_output=True, text=True, env=env,
+                            cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    summary = (out / "summary.txt").read_text()
+    assert re.findall(r"^(\S+): exit 0", summary, re.MULTILINE) == ["tests-gpu", "fp8-kernel", "fp8-on-1", "fp8-off-1"]
+    assert "fp8: served with launch 16,128,4,3,8" in summary
+    for side in ("on", "off"):
+        assert "launch=16,128,4,3,8" in (out / f"fp8-{side}-1.log").read_text()
+    assert "--weights-dtype=fp8" in (out / "fp8-on-1.log").read_text()
+    assert "--weights-dtype=fp8" not in (out / "fp8-off-1.log").read_text()

@@ -17,7 +17,7 @@ import torch
 from torch.nn.functional import scaled_dot_product_attention
 
 from specdec import tensor_names as tn
-from specdec.engine import kernels, paged_attention
+from specdec.engine import fp8_linear, kernels, paged_attention
 
 FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -93,16 +93,23 @@ def attention_mask(batch: Batch, window: int) -> torch.Tensor:
     return mask | (in_tree & (bit == 1))
 
 
-def fuse_linears(owner: torch.nn.Module, names: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+def fuse_linears(owner: torch.nn.Module, names: tuple[str, ...]
+                 ) -> tuple[torch.Tensor, torch.Tensor | None] | fp8_linear.Fp8Linear | None:
     """One weight (and bias) for the linears owner.<names> that read the same input (a layer's query, key
     and value projections): one matrix product instead of several. The modules' parameters become views
-    of it, so the model is unchanged and no memory is added. None if they are not all plain linears
-    alike (CPU's reordered oneDNN linears, mixed biases, a module without one of the names)."""
+    of it, so the model is unchanged and no memory is added. FP8 linears alike: one fused Fp8Linear
+    (fp8_linear.fuse). None if they are not all plain linears or all FP8 ones alike (CPU's reordered
+    oneDNN linears, mixed biases, a module without one of the names)."""
     linears = [getattr(owner, name, None) for name in names]
-    if any(type(m) is not torch.nn.Linear for m in linears) or len({m.bias is None for m in linears}) > 1:
-        return None  # also where a copy of a fused model had its linears replaced since (FP8, oneDNN)
+    kinds = {type(m) for m in linears}
+    if len(kinds) > 1 or not kinds <= {torch.nn.Linear, fp8_linear.Fp8Linear} \
+            or len({m.bias is None for m in linears}) > 1:
+        return None  # also where a copy of a fused model had its linears replaced since (oneDNN)
     fused = owner.__dict__.get("_fused_" + "_".join(names))
-    if fused is not None:  # a second executor over the same model
+    if fused is not None and (kinds == {fp8_linear.Fp8Linear}) == isinstance(fused, fp8_linear.Fp8Linear):
+        return fused  # a second executor over the same model
+    if kinds == {fp8_linear.Fp8Linear}:
+        owner.__dict__["_fused_" + "_".join(names)] = fused = fp8_linear.fuse(linears)
         return fused
     with torch.no_grad():
         weight = torch.cat([m.weight for m in linears])
@@ -174,6 +181,8 @@ class LlamaForward:
 
     def _qkv(self, index: int, x: torch.Tensor) -> torch.Tensor:
         """x (N, H) -> (N, (heads + 2 kv_heads) D): queries, keys and values side by side."""
+        if isinstance(self.qkv[index], fp8_linear.Fp8Linear):
+            return self.qkv[index](x)
         if self.qkv[index] is not None:
             weight, bias = self.qkv[index]
             return torch.nn.functional.linear(x, weight, bias)
@@ -184,8 +193,9 @@ class LlamaForward:
         mlp = self.body.layers[index].mlp
         if self.gate_up[index] is None:
             return mlp(x)
-        weight, bias = self.gate_up[index]
-        return mlp.down_proj(self.kernels.silu_mul(torch.nn.functional.linear(x, weight, bias)))
+        fused = self.gate_up[index]
+        gate_up = fused(x) if isinstance(fused, fp8_linear.Fp8Linear) else torch.nn.functional.linear(x, *fused)
+        return mlp.down_proj(self.kernels.silu_mul(gate_up))
 
     def __call__(self, batch: Batch, head_rows: torch.Tensor | None = None):
         """Logits (B, T, V); with head_rows (R,) indices into the B * T rows, only theirs: (R, V) (a prompt

@@ -77,7 +77,8 @@ def load_causal_lm(model_path: str, device: str = "cpu", dtype: str = "float32",
             held = sum(isinstance(m, fp8_linear.Fp8Linear) for m in model.modules())
             log(f"{model_path}: {held} linear layers in FP8 ({held - replaced} as the checkpoint stores them, "
                 f"{replaced} quantized at load with a scale per output channel), products "
-                + (f"of up to {fp8_linear.KERNEL_ROWS} rows in the FP8 kernel" if why_not is None
+                + (f"of up to {fp8_linear.KERNEL_ROWS} rows in the FP8 kernel (launch "
+                   f"{','.join(map(str, fp8_linear.kernel_config()))})" if why_not is None
                    else f"dequantized ({why_not})"))
     if weights_dtype != "fp8":  # the linears left dense (all but an FP8 checkpoint's)
         onednn_linear.apply(linear_kernels, model, model_path, log)
