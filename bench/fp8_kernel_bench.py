@@ -26,7 +26,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from bench import gpu_bench, report
+from bench import gpu_bench, kernel_profile, report
 from specdec.engine import fp8_linear
 from specdec.engine.fp8_linear import KernelConfig
 
@@ -57,20 +57,12 @@ def launches(small: bool) -> list[KernelConfig]:
 
 def timed(fn, device: str, reps: int = 20) -> float:
     """Median seconds of fn(): one CUDA graph replay on a GPU, a plain call elsewhere."""
-    if device != "cuda":
-        fn()
-        started = time.perf_counter()
-        fn()
-        return time.perf_counter() - started
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return gpu_bench.timed(graph.replay, device, reps)
+    if device == "cuda":
+        return kernel_profile.graph_time(fn, reps)
+    fn()
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
 
 
 def main(argv=None) -> int:

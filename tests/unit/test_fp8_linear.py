@@ -163,7 +163,7 @@ def test_a_product_split_along_k_sums_its_slices_in_order_and_leaves_its_counts_
     dense = torch.nn.Linear(1300, 77)
     q, scale = fp8_linear.quantize_rows(dense.weight)
     x = torch.randn(5, 1300)
-    config_, tile, slices, per_slice = fp8_linear.launch(x, q, config)
+    config_, tile, slices, per_slice = fp8_linear.launch(len(x), q, config)
     assert tile == fp8_linear.TILE_ROWS and (slices > 1) == (config.waves > 0) and slices * per_slice >= 1300
     got = fp8_linear.kernel_product(x, q, scale, dense.bias, config)
     expected = torch.nn.functional.linear(x, fp8_linear.dequantize(q, scale, torch.float32), dense.bias)

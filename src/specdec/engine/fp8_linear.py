@@ -218,9 +218,9 @@ def multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
-def launch(x: torch.Tensor, q: torch.Tensor, config: KernelConfig | None = None) -> tuple[KernelConfig, int, int, int]:
-    """(launch, row tile, K-slices, columns per slice) of the product x (M, K) @ q^T."""
-    if x.shape[0] > TILE_ROWS:
+def launch(rows: int, q: torch.Tensor, config: KernelConfig | None = None) -> tuple[KernelConfig, int, int, int]:
+    """(launch, row tile, K-slices, columns per slice) of the product of `rows` rows with q (N, K)."""
+    if rows > TILE_ROWS:
         return WIDE_LAUNCH, WIDE_TILE, 1, q.shape[1]
     config = config or kernel_config()
     return (config, TILE_ROWS, *config.split(q.shape[0], q.shape[1], multiprocessors(q.device)))
@@ -230,7 +230,7 @@ def reserve(model: nn.Module) -> None:
     """Make the split products' workspaces of every Fp8Linear of `model` (before CUDA graph capture)."""
     for module in model.modules():
         if isinstance(module, Fp8Linear) and module.kernel:
-            config, _, slices, _ = launch(module.weight[:1], module.weight)
+            config, _, slices, _ = launch(1, module.weight)
             if slices > 1:
                 workspace(module.weight.device, module.out_features, config, slices)
 
@@ -241,7 +241,7 @@ def kernel_product(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: 
     products up to TILE_ROWS rows (default: kernel_config())."""
     import triton
 
-    config, tile, slices, per_slice = launch(x, q, config)
+    config, tile, slices, per_slice = launch(x.shape[0], q, config)
     rows, n = x.shape[0], q.shape[0]
     x = x.contiguous()
     out = torch.empty(rows, n, device=x.device, dtype=x.dtype)
