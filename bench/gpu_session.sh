@@ -70,6 +70,9 @@
 #                  per weight kind against cuBLAS's bf16 (bench/fp8_kernel_bench.py, ~1.5 min; skipped where
 #                  SPECDEC_FP8_KERNEL is set), then the served rows with the fastest launch, one server each
 #                  (~6 min; named twice: on off off on): issue 47's served target-only <= 3.8 ms with FP8
+#   swift          the layer-skip self-draft searched on the fly (--skip-draft swift=auto, served as the default
+#                  draft) against the pair's fixed 4-layer early exit, one server each (~5 min; named twice: on
+#                  off off on): issue 48's GPU comparison (the pair's costs are real, its acceptance synthetic)
 #   profile        cProfile over draft_model's and target_model's execute (SPECDEC_PROFILE_DIR): 8 target-only
 #                  streams, then 1 stream at K=0, 4 and adaptive; pstats' reports in profile-*.txt (~2 min):
 #                  where the host time inside an execution goes (the adapter's share: "in execute" - "in
@@ -243,6 +246,8 @@ for part in "$@"; do
         [ -n "$best" ] && export SPECDEC_FP8_KERNEL=$best && echo "fp8: served with launch $best" >> "$out/summary.txt"
       fi
       ab fp8 on 200 "" -- --launcher-arg=--weights-dtype=fp8 ;;
+    swift)  # the searched skip draft as the default draft against the 4-layer early exit; twice: on off off on
+      ab swift on 220 "" -- --launcher-arg=--skip-draft=swift=auto --launcher-arg=--default-draft=swift ;;
     drafttrees)  # the draft model's token trees (draft_branches=2) against its chains, K=4 and 8; twice: on off off on
       ab drafttrees on 200 "--extra-k 8" -- --launcher-arg=--set=speculative_decoding.draft_branches=2 ;;
     kernels) run kernels 300 "$python" -m bench.kernel_profile --out "$out/kernels.md" ;;
@@ -254,6 +259,6 @@ for part in "$@"; do
       done ;;
     executor) run executor 240 "$python" -m bench.executor_bench --modes graphs,graphs-mlp --reference \
         --out "$out/executor.md" ;;
-    *) echo "unknown part: $part (tests, heads, bench, ahead, drafttrees, fp8, attention, orchestrators, executor, streams, prefix, pipeline, load, overhead, overhead8b, mps, ksweep, profile, prompts, maxk, kernels)" >&2; exit 2 ;;
+    *) echo "unknown part: $part (tests, heads, bench, ahead, drafttrees, swift, fp8, attention, orchestrators, executor, streams, prefix, pipeline, load, overhead, overhead8b, mps, ksweep, profile, prompts, maxk, kernels)" >&2; exit 2 ;;
   esac
 done
