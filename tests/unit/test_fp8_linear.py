@@ -188,6 +188,16 @@ def test_the_kernel_bench_checks_every_launch_and_prints_the_fastest(capsys):
     assert best.startswith("best: ") and fp8_linear.KernelConfig.parse(best[6:]) in fp8_kernel_bench.launches(True)
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or fp8_linear.kernel_unavailable(
+    torch.device("cpu"), torch.float32) is not None, reason="the kernel's CPU test runs in Triton's interpreter")
+def test_the_dequantizing_kernel_gives_the_same_numbers_as_the_tensor_expression():
+    """Past 128 rows a GPU dequantizes each weight in one kernel: float32 product, rounded once, as before."""
+    torch.manual_seed(4)
+    q, scale = fp8_linear.quantize_rows(torch.randn(7, 2500))
+    expected = (q.float() * scale[:, None]).to(torch.float32)
+    assert torch.equal(fp8_linear.kernel_dequantize(q, scale, torch.float32), expected)
+
+
 def test_fp8_linears_reading_one_input_are_fused_into_one_product_with_views_of_its_weights(tiny_lm):
     """The executor's fused query/key/value (and gate/up) product over FP8 layers: their weights and scales
     concatenated, exactly what the separate layers compute, the layers' buffers views of the fused ones."""

@@ -42,6 +42,7 @@ KERNEL_ROWS = 128  # products of up to this many rows use the kernel (more: dequ
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 TILE_ROWS = 16  # decode steps and verifies: one row tile, the products split along K (below)
 MAX_SPLIT = 8  # K-slices of one product at most
+DEQUANTIZE_BLOCK = 2048  # weights per program of the dequantizing kernel
 
 
 class KernelConfig(NamedTuple):
@@ -114,17 +115,19 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torc
     reads each FP8 weight once and writes it once (the tensor expressions' float32 temporaries cost a
     480-token prompt 56 ms on an H200)."""
     if q.device.type == "cuda" and kernel_unavailable(q.device, dtype) is None:
-        import triton
-
-        out = torch.empty(q.shape, device=q.device, dtype=dtype)
-        n, k = q.shape
-        _dequantize_kernel()[(n, triton.cdiv(k, DEQUANTIZE_BLOCK))](q, scale, out, k, q.stride(0), out.stride(0),
-                                                                    BLOCK=DEQUANTIZE_BLOCK)
-        return out
+        return kernel_dequantize(q, scale, dtype)
     return (q.float() * scale[:, None]).to(dtype)
 
 
-DEQUANTIZE_BLOCK = 2048
+def kernel_dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """dequantize's kernel: one program per row and DEQUANTIZE_BLOCK weights."""
+    import triton
+
+    out = torch.empty(q.shape, device=q.device, dtype=dtype)
+    n, k = q.shape
+    _dequantize_kernel()[(n, triton.cdiv(k, DEQUANTIZE_BLOCK))](q, scale, out, k, q.stride(0), out.stride(0),
+                                                                BLOCK=DEQUANTIZE_BLOCK)
+    return out
 
 
 @functools.cache
@@ -209,7 +212,7 @@ def workspace(device: torch.device, n: int, config: KernelConfig, slices: int) -
             raise RuntimeError(f"the FP8 kernel's workspace for {n} output channels was not reserved before "
                                "CUDA graph capture (fp8_linear.reserve)")
         _workspaces[key] = (torch.empty(slices * TILE_ROWS * n, device=device, dtype=torch.float32),
-                            torch.zeros(-(-n // config.block_n), device=device, dtype=torch.int32))
+                            torch.zeros(_cdiv(n, config.block_n), device=device, dtype=torch.int32))
     return _workspaces[key]
 
 
