@@ -106,12 +106,18 @@ def test_panels_are_refused_by_name_where_they_cannot_run(fp32_llama, monkeypatc
 
 
 def test_a_failed_build_says_why_and_leaves_no_kernel(tmp_path, monkeypatch):
+    """A compile that fails (the compiler a stand-in that fails at once: the real one parses torch's headers
+    for a minute first)."""
     broken = tmp_path / "panel_linear.cpp"
     broken.write_text("this is not C++\n")
     monkeypatch.setattr(panel_linear, "SOURCE", broken)
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
+    compiler = tmp_path / "c++"
+    compiler.write_text('#!/bin/sh\n[ "$1" = --version ] && exec c++ --version\necho "planted: no C++ here" >&2\nexit 1\n')
+    compiler.chmod(0o755)
+    monkeypatch.setenv("CXX", str(compiler))
     built = panel_linear.build.__wrapped__()
-    assert built.op is None and built.problem
+    assert built.op is None and "build stopped" in built.problem
 
 
 def test_the_build_finds_the_virtualenvs_ninja_without_it_on_path(tmp_path, monkeypatch):
