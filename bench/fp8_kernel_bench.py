@@ -55,6 +55,14 @@ def launches(small: bool) -> list[KernelConfig]:
     return [KernelConfig()] + [config for config in swept if config != KernelConfig()]
 
 
+def dense(weights: list[torch.Tensor], x: torch.Tensor):
+    """The dense products of x with each weight, as one call to time."""
+    def products():
+        for w in weights:
+            F.linear(x, w)
+    return products
+
+
 def timed(fn, device: str, reps: int = 20) -> float:
     """Median seconds of fn(): one CUDA graph replay on a GPU, a plain call elsewhere."""
     if device == "cuda":
@@ -87,12 +95,7 @@ def main(argv=None) -> int:
         dense_bytes = fp8_bytes * weights[0].element_size()
         for n in ROWS:
             x = torch.randn(n, in_features, device=device, dtype=dtype, generator=generator)
-
-            def dense():
-                for w in weights:
-                    F.linear(x, w)
-
-            seconds = timed(dense, device) / len(weights)
+            seconds = timed(dense(weights, x), device) / len(weights)
             rows.append([name, n, f"{str(dtype)[6:]} dense", f"{seconds * 1e6:.1f}",
                          f"{dense_bytes / seconds / 1e9:.0f}"])
             reference = F.linear(x, fp8_linear.dequantize(*quantized[0], dtype)).float()
@@ -122,11 +125,6 @@ def main(argv=None) -> int:
                              f"{fp8_bytes / seconds / 1e9:.0f}"])
         for n in WIDE_ROWS + (PROMPT_ROWS,):
             x = torch.randn(n, in_features, device=device, dtype=dtype, generator=generator)
-
-            def dense():
-                for w in weights:
-                    F.linear(x, w)
-
             shape = torch.nn.Linear(in_features, out_features, bias=False, device="meta")
             layers = [fp8_linear.Fp8Linear(shape, kernel=True, quantized=pair) for pair in quantized]
 
@@ -139,7 +137,8 @@ def main(argv=None) -> int:
             if error > 0.02:
                 raise AssertionError(f"{name}, {n} rows: differs from the dequantized product by {error:.3f}")
             path = "fp8 kernel, wide tiles" if n <= fp8_linear.KERNEL_ROWS else "fp8 dequantized + dense"
-            for label, fn, nbytes in ((f"{str(dtype)[6:]} dense", dense, dense_bytes), (path, fp8, fp8_bytes)):
+            for label, fn, nbytes in ((f"{str(dtype)[6:]} dense", dense(weights, x), dense_bytes),
+                                      (path, fp8, fp8_bytes)):
                 seconds = timed(fn, device) / len(weights)
                 rows.append([name, n, label, f"{seconds * 1e6:.1f}", f"{nbytes / seconds / 1e9:.0f}"])
         del weights, quantized

@@ -50,7 +50,7 @@ class KernelConfig(NamedTuple):
     weights read per inner step, warps per program, software-pipeline stages of the inner loop, and the
     programs per multiprocessor the product is split along K to reach (0: no split). A program streams
     its weights alone, and one or two per multiprocessor keep too few bytes in flight to read at the
-    memory's speed (an H200 measured 1.1-1.5 TB/s for the 4096-column matrices unsplit): the K-slices'
+    memory's speed (the 4096-column matrices unsplit: docs/results/2026-11-29-gpu-h200-fp8.md): the K-slices'
     float32 partials are summed by the tile's last program, in slice order, so every result is the
     same bits whichever program finishes last."""
 
@@ -88,8 +88,7 @@ def _cdiv(a: int, b: int) -> int:
 
 
 # Products of TILE_ROWS+1 to KERNEL_ROWS rows (many sequences' verifies at once): row tiles of 64, unsplit
-# (an H200 measured them at about half of bf16's dense speed; 8 speculative streams, whose verifies these are,
-# served 3.4x faster than with those rows dequantized).
+# (slower than bf16's dense product, far faster than dequantizing: the results page above).
 WIDE_TILE, WIDE_LAUNCH = 64, KernelConfig(64, 128, 4, 3, 0)
 CONFIG_ENV = "SPECDEC_FP8_KERNEL"  # a launch measured faster on the GPU at hand (else KernelConfig())
 
@@ -112,9 +111,9 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """q · scale[:, None] in `dtype` (the product's float32, rounded once). On a GPU in one kernel that
-    reads each FP8 weight once and writes it once (the tensor expressions' float32 temporaries cost a
-    480-token prompt 56 ms on an H200)."""
-    if q.device.type == "cuda" and kernel_unavailable(q.device, dtype) is None:
+    reads each FP8 weight once and writes it once (the tensor expressions' float32 temporaries made long
+    prompts several times slower)."""
+    if q.device.type == "cuda" and dtype in KERNEL_DTYPES and _triton_installed():
         return kernel_dequantize(q, scale, dtype)
     return (q.float() * scale[:, None]).to(dtype)
 
@@ -329,9 +328,14 @@ def kernel_unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
         return "not a CUDA device"
     if dtype not in KERNEL_DTYPES:
         return f"the FP8 kernel serves {[str(d) for d in KERNEL_DTYPES]}, not {dtype}"
-    if importlib.util.find_spec("triton") is None:
+    if not _triton_installed():
         return "Triton is not installed"
     return None
+
+
+@functools.cache
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
 
 
 def kernel_checks_out(device: torch.device, dtype: torch.dtype) -> str | None:

@@ -105,11 +105,13 @@ def fuse_linears(owner: torch.nn.Module, names: tuple[str, ...]
     if len(kinds) > 1 or not kinds <= {torch.nn.Linear, fp8_linear.Fp8Linear} \
             or len({m.bias is None for m in linears}) > 1:
         return None  # also where a copy of a fused model had its linears replaced since (oneDNN)
-    fused = owner.__dict__.get("_fused_" + "_".join(names))
-    if fused is not None and (kinds == {fp8_linear.Fp8Linear}) == isinstance(fused, fp8_linear.Fp8Linear):
-        return fused  # a second executor over the same model
-    if kinds == {fp8_linear.Fp8Linear}:
-        owner.__dict__["_fused_" + "_".join(names)] = fused = fp8_linear.fuse(linears)
+    fp8 = kinds == {fp8_linear.Fp8Linear}
+    key = "_fused_" + "_".join(names) + ("_fp8" if fp8 else "")  # a copy quantized since has its own
+    fused = owner.__dict__.get(key)
+    if fused is not None:  # a second executor over the same model
+        return fused
+    if fp8:
+        owner.__dict__[key] = fused = fp8_linear.fuse(linears)
         return fused
     with torch.no_grad():
         weight = torch.cat([m.weight for m in linears])
@@ -120,7 +122,7 @@ def fuse_linears(owner: torch.nn.Module, names: tuple[str, ...]
         if bias is not None:
             for m, part in zip(linears, bias.split(sizes)):
                 m.bias = torch.nn.Parameter(part, requires_grad=False)
-    owner.__dict__["_fused_" + "_".join(names)] = (weight, bias)  # a plain attribute, not a parameter
+    owner.__dict__[key] = (weight, bias)  # a plain attribute, not a parameter
     return weight, bias
 
 
