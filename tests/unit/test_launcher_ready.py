@@ -142,3 +142,28 @@ def test_the_served_model_name_defaults_to_the_tokenizers_directory(tmp_path):
     assert repository_tokenizer(tmp_path) == "/models/smollm2-135m-instruct"
     assert default_model_name(repository_tokenizer(tmp_path)) == "smollm2-135m-instruct"
     assert default_model_name("/w/llama-3.1-8b-q4.gguf") == "llama-3.1-8b-q4" and repository_tokenizer(tmp_path / "x") == ""
+
+
+def test_a_stop_past_its_timeout_signals_again_before_killing(tmp_path):
+    """A launcher still draining when the caller's patience ends gets the second signal (which stops
+    tritonserver and its stubs at once), not SIGKILL (which would orphan them)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from specdec.serving.server import ServerProcess
+
+    script = ("import signal, sys, time\n"
+              "seen = []\n"
+              "def on_term(*_):\n"
+              "    seen.append(1)\n"
+              "    if len(seen) == 2:\n"
+              "        sys.exit(7)\n"  # the second signal: stop now, with a code the test can tell apart
+              "signal.signal(signal.SIGTERM, on_term)\n"
+              "print('up', flush=True)\n"
+              "while True:\n"
+              "    time.sleep(0.05)\n")
+    process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert process.stdout.readline().strip() == "up"
+    server = ServerProcess(0, 0, 0, 0, 0, tmp_path, Path(tmp_path, "log"), process)
+    assert server.stop(timeout_s=0.5) == 7

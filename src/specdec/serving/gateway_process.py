@@ -66,6 +66,10 @@ class GatewayProcess:
         if self.process is not None and self.process.poll() is None:
             self.process.terminate()
 
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+
     def wait(self, timeout_s: float) -> None:
         if self.process is None:
             return

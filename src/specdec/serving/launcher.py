@@ -443,6 +443,8 @@ def main(argv: list[str] | None = None) -> int:
             log(f"signal {signum}: stopping tritonserver")
             if process.poll() is None:
                 process.terminate()
+            if gateway is not None and stopping.is_set():
+                gateway.kill()  # a second signal waits for no answer in flight, the OpenAI API's included
         else:
             drain_marker(http_port).touch()  # readiness drops now, not at the main loop's next look
             log(f"signal {signum}: draining (a second signal stops at once)")
@@ -479,9 +481,12 @@ def main(argv: list[str] | None = None) -> int:
         gateway.drain()  # it takes no new connection; its answers in flight are served below
     process = current[0]
     if process.poll() is None and serving.is_set():
+        # One budget for both waits: a stuck OpenAI answer must not add a second --drain-timeout to the
+        # stop that a supervisor (Kubernetes' grace period, a test's timeout) has sized for one.
+        deadline = time.monotonic() + args.drain_timeout
         drain(http_port, metrics_port, process, args.drain_timeout)
         if gateway is not None:
-            gateway.wait(args.drain_timeout)
+            gateway.wait(max(1.0, deadline - time.monotonic()))
         if process.poll() is None:
             process.terminate()
     if gateway is not None:

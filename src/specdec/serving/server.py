@@ -96,6 +96,13 @@ class ServerProcess:
         try:
             return self.process.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
+            pass
+        # Still draining past the caller's patience: the launcher's second signal stops tritonserver at
+        # once and still stops the stubs after it; a killed launcher would leave them orphaned.
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
             self.process.kill()
             return self.process.wait()
 
