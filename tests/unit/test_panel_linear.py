@@ -40,6 +40,57 @@ def test_panel_linear_matches_dense_for_any_row_count_and_width(bias):
             assert torch.allclose(panels(strided), dense(strided), atol=1e-5, rtol=1e-5)
 
 
+def _gguf_made(kind: str, out_features: int, in_features: int, seed: int = 3) -> torch.Tensor:
+    """A weight as GGUF's dequantizer writes it: Q4_1 (codes 0-15 times a half-precision scale plus a
+    half-precision offset per 32 inputs), Q8_0 (codes -127..127 times a scale), or bfloat16 values."""
+    generator = torch.Generator().manual_seed(seed)
+    blocks = (out_features, in_features // 32, 32)
+    scale = (torch.rand(*blocks[:2], 1, generator=generator) * 0.02 + 1e-3).half().float()
+    if kind == "q4":
+        codes = torch.randint(0, 16, blocks, generator=generator).float()
+        codes[..., 0], codes[..., 1] = 0, 15  # Q4_1's offset is the block's least value, its scale (max - min) / 15
+        offset = (-torch.rand(*blocks[:2], 1, generator=generator) * 0.1).half().float()
+        return (codes * scale + offset).view(out_features, in_features)
+    if kind == "q8":
+        codes = torch.randint(-127, 128, blocks, generator=generator).float()
+        codes[..., 0] = 127  # Q8_0's scale is the block's greatest magnitude / 127
+        return (codes * scale).view(out_features, in_features)
+    return torch.randn(out_features, in_features, generator=generator).bfloat16().float()
+
+
+@pytest.mark.parametrize("kind", ["q4", "q8", "bf16"])
+def test_an_encoded_layer_gives_the_float32_kernels_bits_for_fewer_bytes(kind):
+    """Weights made as GGUF's blocks (or bfloat16) are recognised, held encoded, and every product is
+    the float32 kernel's bit for bit, for any row count; a weight one bit off any encoding stays float32."""
+    in_features, out_features = 576, 150  # 150: a last panel of 22 columns
+    dense = torch.nn.Linear(in_features, out_features, bias=True)
+    dense.weight.data = _gguf_made(kind, out_features, in_features)
+    encoded = panel_linear.PanelLinear(dense)
+    plain = panel_linear.PanelLinear(dense, encoding=False)
+    assert (encoded.encoding, plain.encoding) == (kind, "float32")
+    ratio = sum(t.nbytes for t in encoded.weights) / sum(t.nbytes for t in plain.weights)
+    assert ratio <= {"q4": 0.19, "q8": 0.32, "bf16": 0.5}[kind]
+    torch.manual_seed(4)
+    with torch.inference_mode():
+        for rows in (1, 2, 5, 6, 7, 13):
+            x = torch.randn(rows, in_features)
+            got, want = encoded(x), plain(x)
+            assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (kind, rows)
+            assert torch.allclose(got, dense(x), atol=1e-4, rtol=1e-4)
+    off = dense.weight.data.clone()
+    off[7, 100] = torch.nextafter(off[7, 100], torch.tensor(1.0))  # no longer a block's value, nor a bfloat16
+    assert panel_linear.encode(off).kind == "float32"
+
+
+def test_the_encodings_can_be_narrowed_for_a_measurement(monkeypatch):
+    weight = _gguf_made("q4", 64, 64)
+    monkeypatch.setenv(panel_linear.ENCODINGS_ENV, "bf16,q8")
+    assert panel_linear.encode(weight).kind == "float32"  # a Q4_1 weight is neither Q8_0 nor bfloat16
+    monkeypatch.setenv(panel_linear.ENCODINGS_ENV, "q5")
+    with pytest.raises(ValueError, match="unknown encodings"):
+        panel_linear.encode(weight)
+
+
 def test_a_rows_result_is_the_same_bits_whatever_else_is_in_the_forward():
     """Rows are summed in one fixed order: row i of an M-row product equals row i alone, for every M
     (the row blocks of 6, their remainders) and with one thread or two."""

@@ -274,6 +274,8 @@ def apply(kind: str, model: nn.Module, name: str = "", log=None,
         weight = next(model.parameters())
         if choice.times.panels is None and (problem := panel_linear.available(weight.device, weight.dtype)):
             log(f"{name}: the panel kernel was not timed: {problem}")
+    if log is not None and choice.panels:
+        log(f"{name}: panel weights held exactly as {panel_linear.encodings(model)}")
     return choice
 
 

@@ -8,13 +8,21 @@ the partial sums in registers, so a forward of 1-6 rows costs about what 1 row c
 (docs/results/2026-11-29-panel-linear.md). It also sums every output in one fixed order whatever the
 row count: a verify's rows give, bit for bit, what the same rows give one step at a time.
 
+A layer's weights are held in the fewest bytes that give back every float32 exactly (`encode`): 4-bit
+codes with a scale and offset per 32 inputs (GGUF's Q4_1: the default pair's layers), 8-bit codes with a
+scale (Q8_0: its tied embedding and head), bfloat16 (a head trained and shipped in bfloat16), else float32.
+Each weight is checked at load to decode to itself bit for bit, and the kernel computes the same float32
+products in the same order whatever the encoding: the outputs are the float32 kernel's, bit for bit, for
+a sixth to a half of the bytes a forward streams.
+
 The kernel is compiled on first use on the machine that runs it (`-march=native`; torch's C++ extension
 builder, ninja and the system's C++ compiler), cached under TORCH_EXTENSIONS_DIR (default
 ~/.cache/torch_extensions) in a directory named after the source, the flags, torch and this CPU, so a
 cache shared by different machines never hands one CPU another's instructions. Where it cannot be built
 `build()` says why and the loader keeps the other kernels (onednn_linear.choose).
 
-Shapes: x (..., K) -> y (..., N); panels (ceil(N / 64), K, 64), panels[p, k, c] = W[64 p + c, k].
+Shapes: x (..., K) -> y (..., N); panels (ceil(N / 64), K, 64), panels[p, k, c] = W[64 p + c, k]; the
+encodings' codes and per-block scales follow the same panel order (csrc/panel_linear.cpp).
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ import hashlib
 import os
 import platform
 import tempfile
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,10 +52,12 @@ LDFLAGS = ("-fopenmp",)
 
 @dataclass(frozen=True)
 class Build:
-    """The compiled kernel (`op(x, panels, out_features)`), or None and why not."""
+    """The compiled kernel (`op(x, panels, out_features)` and its encoded-weight variants in `module`), or
+    None and why not."""
 
     op: object | None
     problem: str | None = None
+    module: object | None = None
 
 
 def supported(device: torch.device, dtype: torch.dtype) -> bool:
@@ -94,7 +105,8 @@ def build() -> Build:
             # lock (released by the kernel when a process dies), nobody else is building: it is stale.
             with contextlib.suppress(FileNotFoundError):
                 (directory / "lock").unlink()
-            module = load_inline(name, cpp_sources=[source], functions=["panel_linear", "panel_width"],
+            module = load_inline(name, cpp_sources=[source], functions=["panel_linear", "panel_linear_q4", "panel_linear_q8",
+                                                                      "panel_linear_bf16", "panel_width"],
                                  extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS),
                                  build_directory=str(directory), verbose=False)
     except Exception as exc:  # noqa: BLE001 - no compiler, no ninja, a failed build: the other kernels serve
@@ -102,7 +114,7 @@ def build() -> Build:
         return Build(None, f"{type(exc).__name__}: {lines[-1] if lines else exc}")
     if module.panel_width() != PANEL:
         return Build(None, f"the compiled kernel's panels are {module.panel_width()} wide, this module's {PANEL}")
-    return Build(module.panel_linear)
+    return Build(module.panel_linear, module=module)
 
 
 @contextlib.contextmanager
@@ -142,28 +154,132 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(count, PANEL, k).transpose(1, 2).contiguous()
 
 
-class PanelLinear(nn.Module):
-    """y = x @ W^T + b with W in panels (`pack`), on the compiled kernel. x: (..., in_features), float32.
-    Inference only: the kernel has no backward."""
+BLOCK = 32  # inputs per scale in the 4- and 8-bit encodings (GGUF's blocks)
+ENCODINGS = ("q4", "q8", "bf16", "float32")  # the fewest bytes first
+# A comma-separated subset of ENCODINGS the loader may use (float32 always): to measure one against another
+ENCODINGS_ENV = "SPECDEC_PANEL_ENCODINGS"
 
-    def __init__(self, linear: nn.Linear, op=None):
+
+def allowed_encodings() -> frozenset[str]:
+    value = os.environ.get(ENCODINGS_ENV, "")
+    allowed = {name.strip() for name in value.split(",") if name.strip()} if value.strip() else set(ENCODINGS)
+    unknown = allowed - set(ENCODINGS)
+    if unknown:
+        raise ValueError(f"{ENCODINGS_ENV}={value!r}: unknown encodings {sorted(unknown)} (known: {list(ENCODINGS)})")
+    return frozenset(allowed | {"float32"})
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """A weight as the kernel streams it: `kind` (ENCODINGS) and its panels-ordered tensors."""
+
+    kind: str
+    tensors: tuple[torch.Tensor, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return bool(torch.equal(a.view(torch.int32), b.view(torch.int32)))
+
+
+def _blocks(weight: torch.Tensor) -> torch.Tensor | None:
+    n, k = weight.shape
+    return None if k % BLOCK else weight.reshape(n, k // BLOCK, BLOCK)
+
+
+def q4_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(codes, scale, offset) with weight == codes * scale + offset bit for bit (codes 0-15 uint8 (N, K);
+    scale, offset (N, K / 32): one per block of 32 inputs), or None where the weight is not so made.
+
+    A Q4_1 block's offset is its least value (code 0) and its scale a half-precision (max - min) / 15
+    (the greatest value has code 15): both are read back from the block and every value checked."""
+    blocks = _blocks(weight)
+    if blocks is None:
+        return None
+    low, high = blocks.amin(-1, keepdim=True), blocks.amax(-1, keepdim=True)
+    scale = ((high - low) / 15).half().float()
+    codes = ((blocks - low) / torch.where(scale > 0, scale, 1.0)).round().clamp(0, 15)
+    if not (torch.isfinite(scale).all() and _same_bits(codes * scale + low, blocks)):
+        return None
+    n, k = weight.shape
+    return codes.to(torch.uint8).view(n, k), scale.view(n, -1), low.view(n, -1)
+
+
+def q8_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(codes, scale) with weight == codes * scale bit for bit (codes -127..127 int8 (N, K), scale
+    (N, K / 32)), or None. A Q8_0 block's scale is its greatest magnitude / 127 (that value's code ±127)."""
+    blocks = _blocks(weight)
+    if blocks is None:
+        return None
+    scale = blocks.abs().amax(-1, keepdim=True) / 127
+    codes = (blocks / torch.where(scale > 0, scale, 1.0)).round().clamp(-127, 127)
+    if not (torch.isfinite(scale).all() and _same_bits(codes * scale, blocks)):
+        return None
+    n, k = weight.shape
+    return codes.to(torch.int8).view(n, k), scale.view(n, -1)
+
+
+def _pack_blocks(values: torch.Tensor) -> torch.Tensor:
+    """Per-block values (N, K / 32) -> (P, K / 32, PANEL), float32, the missing columns zero."""
+    return pack(values.float())
+
+
+def encode(weight: torch.Tensor, allowed: frozenset[str] | None = None) -> Encoded:
+    """The weight (N, K) float32 in the first of ENCODINGS (of `allowed`, default `allowed_encodings()`)
+    that holds every value exactly, packed."""
+    allowed = allowed_encodings() if allowed is None else allowed
+    weight = weight.detach().float().contiguous()
+    if "q4" in allowed and (q4 := q4_blocks(weight)) is not None:
+        codes, scale, offset = q4
+        panels = pack(codes)  # (P, K, 64): column j of the panel in the low nibble, j + 32 in the high one
+        return Encoded("q4", ((panels[..., :PANEL // 2] | (panels[..., PANEL // 2:] << 4)).contiguous(),
+                              _pack_blocks(scale), _pack_blocks(offset)))
+    if "q8" in allowed and (q8 := q8_blocks(weight)) is not None:
+        codes, scale = q8
+        return Encoded("q8", (pack(codes), _pack_blocks(scale)))
+    if "bf16" in allowed and _same_bits(weight.bfloat16().float(), weight):
+        return Encoded("bf16", (pack(weight.bfloat16()),))
+    return Encoded("float32", (pack(weight),))
+
+
+class PanelLinear(nn.Module):
+    """y = x @ W^T + b with W in panels (`pack`), encoded (`encode`), on the compiled kernel.
+    x: (..., in_features), float32. Inference only: the kernel has no backward."""
+
+    def __init__(self, linear: nn.Linear, op=None, encoding: bool = True):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.op = op or build().op
-        if self.op is None:
-            raise RuntimeError(f"the panel kernel is unavailable: {build().problem}")
+        built = build()
+        if built.op is None:
+            raise RuntimeError(f"the panel kernel is unavailable: {built.problem}")
+        weight = linear.weight.detach()
+        encoded = encode(weight, None if encoding else frozenset({"float32"}))
+        self.encoding = encoded.kind
+        self.op = {"float32": op or built.op, "q4": getattr(built.module, "panel_linear_q4", None),
+                   "q8": getattr(built.module, "panel_linear_q8", None),
+                   "bf16": getattr(built.module, "panel_linear_bf16", None)}[encoded.kind]
         # buffers (not saved): what the module holds, seen by whoever asks a model for its tensors' dtype
-        self.register_buffer("panels", pack(linear.weight.detach()), persistent=False)
+        self.weight_names = tuple(f"panels{index or ''}" for index in range(len(encoded.tensors)))
+        for name, tensor in zip(self.weight_names, encoded.tensors):
+            self.register_buffer(name, tensor, persistent=False)
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach(), persistent=False)
 
+    @property
+    def weights(self) -> tuple[torch.Tensor, ...]:
+        return tuple(self._buffers[name] for name in self.weight_names)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.op(x.reshape(-1, self.in_features).contiguous(), self.panels, self.out_features)
+        y = self.op(x.reshape(-1, self.in_features).contiguous(), *self.weights, self.out_features)
         if self.bias is not None:
             y += self.bias
         return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, panels of {PANEL}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, panels of {PANEL}, "
+                f"{self.encoding}")
 
 
 @torch.no_grad()
@@ -178,3 +294,13 @@ def pack_linears(model: nn.Module) -> int:
                 setattr(parent, name, PanelLinear(child, op))
                 replaced += 1
     return replaced
+
+
+def encodings(model: nn.Module) -> str:
+    """How a packed model's linears are held, e.g. "210 in 4-bit blocks, 1 in 8-bit blocks (92 MiB)"."""
+    layers = [module for module in model.modules() if isinstance(module, PanelLinear)]
+    counts = Counter(layer.encoding for layer in layers)
+    names = {"q4": "4-bit blocks", "q8": "8-bit blocks", "bf16": "bfloat16", "float32": "float32"}
+    total = sum(t.numel() * t.element_size() for layer in layers for t in layer.weights)
+    return ", ".join(f"{counts[kind]} in {names[kind]}" for kind in ENCODINGS if counts[kind]) + \
+        f" ({total / 2**20:.0f} MiB)"
