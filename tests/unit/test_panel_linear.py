@@ -63,6 +63,11 @@ def test_an_encoded_layer_gives_the_float32_kernels_bits_for_fewer_bytes(kind):
     """Weights made as GGUF's blocks (or bfloat16) are recognised, held encoded, and every product is
     the float32 kernel's bit for bit, for any row count; a weight one bit off any encoding stays float32."""
     in_features, out_features = 576, 150  # 150: a last panel of 22 columns
+    _check_encoded(kind, in_features, out_features)
+    _check_encoded(kind, 64, 100)  # a last panel of 36 columns: its second half partly filled
+
+
+def _check_encoded(kind, in_features, out_features):
     dense = torch.nn.Linear(in_features, out_features, bias=True)
     dense.weight.data = _gguf_made(kind, out_features, in_features)
     encoded = panel_linear.PanelLinear(dense)
@@ -72,7 +77,7 @@ def test_an_encoded_layer_gives_the_float32_kernels_bits_for_fewer_bytes(kind):
     assert ratio <= {"q4": 0.19, "q8": 0.32, "bf16": 0.5}[kind]
     torch.manual_seed(4)
     with torch.inference_mode():
-        for rows in (1, 2, 5, 6, 7, 13):
+        for rows in (1, 2, 5, 6, 7, 12, 13, 25):  # full panels to 6 rows, half panels of 12 beyond
             x = torch.randn(rows, in_features)
             got, want = encoded(x), plain(x)
             assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (kind, rows)

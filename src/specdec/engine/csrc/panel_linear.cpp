@@ -83,14 +83,18 @@ inline ivec widen_s8(const void* p) { return widen<int8_t>(p); }
 inline ivec widen_u16(const void* p) { return widen<uint16_t>(p); }
 #endif
 
-// A decoder gives the PANEL weights of input k of one panel as VECTORS float vectors; `stream` is what
-// the prefetch runs ahead on (bytes per k: STRIDE).
+// A decoder gives vectors FIRST .. FIRST + VECS - 1 of input k of one panel (16 columns each); `stream`
+// is what the prefetch runs ahead on (bytes per k: STRIDE). DECODES: decoding costs more than the
+// multiply-adds of a few rows, so past ROW_BLOCK rows the kernel takes half panels for up to
+// HALF_ROW_BLOCK rows at a time and decodes each weight once (float32 has nothing to decode).
 struct Float32 {
   const float* panel;
   static constexpr int STRIDE = PANEL * 4;
+  static constexpr bool DECODES = false;
   const void* stream(int64_t k) const { return panel + k * PANEL; }
+  template <int FIRST, int VECS>
   void decode(int64_t k, vec* w) const {
-    for (int v = 0; v < VECTORS; ++v) w[v] = reinterpret_cast<const vec*>(panel + k * PANEL)[v];
+    for (int v = 0; v < VECS; ++v) w[v] = reinterpret_cast<const vec*>(panel + k * PANEL)[FIRST + v];
   }
 };
 
@@ -100,14 +104,24 @@ struct Q4 {
   const float* scale;
   const float* offset;
   static constexpr int STRIDE = PANEL / 2;
+  static constexpr bool DECODES = true;
   const void* stream(int64_t k) const { return codes + k * (PANEL / 2); }
+  template <int FIRST, int VECS>
   void decode(int64_t k, vec* w) const {
     const uint8_t* c = codes + k * (PANEL / 2);
-    const ivec low = widen_u8(c), high = widen_u8(c + 16);
-    const ivec q[VECTORS] = {low & 15, high & 15, low >> 4, high >> 4};
     const vec* d = reinterpret_cast<const vec*>(scale + (k / 32) * PANEL);
     const vec* m = reinterpret_cast<const vec*>(offset + (k / 32) * PANEL);
-    for (int v = 0; v < VECTORS; ++v) w[v] = __builtin_convertvector(q[v], vec) * d[v] + m[v];
+    if constexpr (VECS == VECTORS) {  // each byte widened once for both its nibbles
+      const ivec low = widen_u8(c), high = widen_u8(c + 16);
+      const ivec q[VECTORS] = {low & 15, high & 15, low >> 4, high >> 4};
+      for (int v = 0; v < VECTORS; ++v) w[v] = __builtin_convertvector(q[v], vec) * d[v] + m[v];
+    } else {
+      for (int i = 0; i < VECS; ++i) {
+        const int v = FIRST + i;  // bytes 0-15 or 16-31, low or high nibbles
+        const ivec q = (widen_u8(c + (v & 1) * 16) >> ((v >> 1) * 4)) & 15;
+        w[i] = __builtin_convertvector(q, vec) * d[v] + m[v];
+      }
+    }
   }
 };
 
@@ -115,11 +129,13 @@ struct Q8 {
   const int8_t* codes;
   const float* scale;
   static constexpr int STRIDE = PANEL;
+  static constexpr bool DECODES = true;
   const void* stream(int64_t k) const { return codes + k * PANEL; }
+  template <int FIRST, int VECS>
   void decode(int64_t k, vec* w) const {
     const vec* d = reinterpret_cast<const vec*>(scale + (k / 32) * PANEL);
-    for (int v = 0; v < VECTORS; ++v) {
-      w[v] = __builtin_convertvector(widen_s8(codes + k * PANEL + v * 16), vec) * d[v];
+    for (int i = 0; i < VECS; ++i) {
+      w[i] = __builtin_convertvector(widen_s8(codes + k * PANEL + (FIRST + i) * 16), vec) * d[FIRST + i];
     }
   }
 };
@@ -127,22 +143,27 @@ struct Q8 {
 struct BFloat16 {
   const uint16_t* panel;
   static constexpr int STRIDE = PANEL * 2;
+  static constexpr bool DECODES = true;
   const void* stream(int64_t k) const { return panel + k * PANEL; }
+  template <int FIRST, int VECS>
   void decode(int64_t k, vec* w) const {
-    for (int v = 0; v < VECTORS; ++v) {
-      const ivec bits = widen_u16(panel + k * PANEL + v * 16) << 16;
-      w[v] = __builtin_bit_cast(vec, bits);
+    for (int i = 0; i < VECS; ++i) {
+      const ivec bits = widen_u16(panel + k * PANEL + (FIRST + i) * 16) << 16;
+      w[i] = __builtin_bit_cast(vec, bits);
     }
   }
 };
 
-// rows x PANEL outputs of one panel; x: rows x K (row stride K); y: rows x columns (row stride ldy).
-template <int ROWS, class Weights>
-void panel_block(const float* x, int64_t K, const Weights& weights, float* y, int64_t ldy, int64_t columns,
-                 bool prefetch) {
-  vec acc[ROWS][VECTORS];
+constexpr int HALF_ROW_BLOCK = 12;  // 12 rows x 2 vectors = 24 accumulators
+
+// rows x (VECS x 16) outputs of one panel, from its vector FIRST; x: rows x K (row stride K); y: rows x
+// columns (row stride ldy), columns <= VECS x 16.
+template <int ROWS, int FIRST, int VECS, class Weights>
+void panel_block(const float* x, int64_t K, const Weights& weights, float* y, int64_t ldy,
+                 int64_t columns, bool prefetch) {
+  vec acc[ROWS][VECS];
   for (int r = 0; r < ROWS; ++r)
-    for (int v = 0; v < VECTORS; ++v) acc[r][v] = vec{};
+    for (int v = 0; v < VECS; ++v) acc[r][v] = vec{};
   constexpr int64_t AHEAD = PREFETCH_BYTES / (PANEL * 4);  // in k: as far ahead as the float32 stream's
   for (int64_t k = 0; k < K; ++k) {
     if (prefetch) {  // only the first row block streams from memory; later ones find the panel in L2
@@ -150,33 +171,33 @@ void panel_block(const float* x, int64_t K, const Weights& weights, float* y, in
 #pragma GCC unroll 4
       for (int line = 0; line < (Weights::STRIDE + 63) / 64; ++line) __builtin_prefetch(ahead + line * 64, 0, 2);
     }
-    vec w[VECTORS];
-    weights.decode(k, w);
-#pragma GCC unroll 8
+    vec w[VECS];
+    weights.template decode<FIRST, VECS>(k, w);
+#pragma GCC unroll 12
     for (int r = 0; r < ROWS; ++r) {
       const vec b = splat(x[r * K + k]);
 #pragma GCC unroll 4
-      for (int v = 0; v < VECTORS; ++v) acc[r][v] += b * w[v];
+      for (int v = 0; v < VECS; ++v) acc[r][v] += b * w[v];
     }
   }
   for (int r = 0; r < ROWS; ++r) {
-    if (columns == PANEL) {
-      for (int v = 0; v < VECTORS; ++v) *reinterpret_cast<vec_unaligned*>(y + r * ldy + v * 16) = acc[r][v];
+    if (columns == VECS * 16) {
+      for (int v = 0; v < VECS; ++v) *reinterpret_cast<vec_unaligned*>(y + r * ldy + v * 16) = acc[r][v];
     } else {  // the last panel of a layer whose width is not a multiple of PANEL
-      float tail[PANEL];
-      for (int v = 0; v < VECTORS; ++v) *reinterpret_cast<vec_unaligned*>(tail + v * 16) = acc[r][v];
+      float tail[VECS * 16];
+      for (int v = 0; v < VECS; ++v) *reinterpret_cast<vec_unaligned*>(tail + v * 16) = acc[r][v];
       std::copy(tail, tail + columns, y + r * ldy);
     }
   }
 }
 
-template <int ROWS, class Weights>
+template <int ROWS, int FIRST, int VECS, class Weights>
 void dispatch(int rows, const float* x, int64_t K, const Weights& weights, float* y, int64_t ldy,
               int64_t columns, bool prefetch) {
   if constexpr (ROWS > 1) {
-    if (rows < ROWS) return dispatch<ROWS - 1>(rows, x, K, weights, y, ldy, columns, prefetch);
+    if (rows < ROWS) return dispatch<ROWS - 1, FIRST, VECS>(rows, x, K, weights, y, ldy, columns, prefetch);
   }
-  panel_block<ROWS>(x, K, weights, y, ldy, columns, prefetch);
+  panel_block<ROWS, FIRST, VECS>(x, K, weights, y, ldy, columns, prefetch);
 }
 
 // y (M, out_features) = x (M, K) through panels p = 0..P-1, `weights_of(p)` each panel's decoder.
@@ -192,10 +213,24 @@ torch::Tensor run(const torch::Tensor& x, int64_t P, int64_t out_features, Weigh
     for (int64_t p = begin; p < end; ++p) {
       const auto weights = weights_of(p);
       const int64_t columns = std::min<int64_t>(PANEL, out_features - p * PANEL);
-      for (int64_t r0 = 0; r0 < M; r0 += ROW_BLOCK) {
-        const int rows = static_cast<int>(std::min<int64_t>(ROW_BLOCK, M - r0));
-        dispatch<ROW_BLOCK>(rows, xp + r0 * K, K, weights, yp + r0 * out_features + p * PANEL, out_features,
-                            columns, r0 == 0);
+      float* yp_panel = yp + p * PANEL;
+      if (decltype(weights)::DECODES && M > ROW_BLOCK) {
+        for (int64_t r0 = 0; r0 < M; r0 += HALF_ROW_BLOCK) {
+          const int rows = static_cast<int>(std::min<int64_t>(HALF_ROW_BLOCK, M - r0));
+          float* y0 = yp_panel + r0 * out_features;
+          dispatch<HALF_ROW_BLOCK, 0, VECTORS / 2>(rows, xp + r0 * K, K, weights, y0, out_features,
+                                                   std::min<int64_t>(PANEL / 2, columns), r0 == 0);
+          if (columns > PANEL / 2) {
+            dispatch<HALF_ROW_BLOCK, VECTORS / 2, VECTORS / 2>(rows, xp + r0 * K, K, weights, y0 + PANEL / 2,
+                                                               out_features, columns - PANEL / 2, false);
+          }
+        }
+      } else {
+        for (int64_t r0 = 0; r0 < M; r0 += ROW_BLOCK) {
+          const int rows = static_cast<int>(std::min<int64_t>(ROW_BLOCK, M - r0));
+          dispatch<ROW_BLOCK, 0, VECTORS>(rows, xp + r0 * K, K, weights, yp_panel + r0 * out_features,
+                                       out_features, columns, r0 == 0);
+        }
       }
     }
   });
