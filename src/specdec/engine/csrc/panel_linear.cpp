@@ -26,6 +26,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 
 namespace {
 
@@ -214,23 +215,25 @@ torch::Tensor run(const torch::Tensor& x, int64_t P, int64_t out_features, Weigh
       const auto weights = weights_of(p);
       const int64_t columns = std::min<int64_t>(PANEL, out_features - p * PANEL);
       float* yp_panel = yp + p * PANEL;
-      if (decltype(weights)::DECODES && M > ROW_BLOCK) {
-        for (int64_t r0 = 0; r0 < M; r0 += HALF_ROW_BLOCK) {
-          const int rows = static_cast<int>(std::min<int64_t>(HALF_ROW_BLOCK, M - r0));
-          float* y0 = yp_panel + r0 * out_features;
-          dispatch<HALF_ROW_BLOCK, 0, VECTORS / 2>(rows, xp + r0 * K, K, weights, y0, out_features,
-                                                   std::min<int64_t>(PANEL / 2, columns), r0 == 0);
-          if (columns > PANEL / 2) {
-            dispatch<HALF_ROW_BLOCK, VECTORS / 2, VECTORS / 2>(rows, xp + r0 * K, K, weights, y0 + PANEL / 2,
-                                                               out_features, columns - PANEL / 2, false);
+      if constexpr (std::decay_t<decltype(weights)>::DECODES) {
+        if (M > ROW_BLOCK) {
+          for (int64_t r0 = 0; r0 < M; r0 += HALF_ROW_BLOCK) {
+            const int rows = static_cast<int>(std::min<int64_t>(HALF_ROW_BLOCK, M - r0));
+            float* y0 = yp_panel + r0 * out_features;
+            dispatch<HALF_ROW_BLOCK, 0, VECTORS / 2>(rows, xp + r0 * K, K, weights, y0, out_features,
+                                                     std::min<int64_t>(PANEL / 2, columns), r0 == 0);
+            if (columns > PANEL / 2) {
+              dispatch<HALF_ROW_BLOCK, VECTORS / 2, VECTORS / 2>(rows, xp + r0 * K, K, weights, y0 + PANEL / 2,
+                                                                 out_features, columns - PANEL / 2, false);
+            }
           }
+          continue;
         }
-      } else {
-        for (int64_t r0 = 0; r0 < M; r0 += ROW_BLOCK) {
-          const int rows = static_cast<int>(std::min<int64_t>(ROW_BLOCK, M - r0));
-          dispatch<ROW_BLOCK, 0, VECTORS>(rows, xp + r0 * K, K, weights, yp_panel + r0 * out_features,
-                                       out_features, columns, r0 == 0);
-        }
+      }
+      for (int64_t r0 = 0; r0 < M; r0 += ROW_BLOCK) {
+        const int rows = static_cast<int>(std::min<int64_t>(ROW_BLOCK, M - r0));
+        dispatch<ROW_BLOCK, 0, VECTORS>(rows, xp + r0 * K, K, weights, yp_panel + r0 * out_features,
+                                        out_features, columns, r0 == 0);
       }
     }
   });
