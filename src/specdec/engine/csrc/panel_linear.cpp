@@ -11,9 +11,10 @@
 // multiply-add (panel_linear.py finds the encoding at load and checks that every weight decodes to
 // itself): 4-bit codes with a float32 scale and offset per 32 inputs of a column (w = q * d + m, GGUF's
 // Q4_1 blocks, which is what the default pair's weights are), 8-bit codes with a scale (w = q * d, Q8_0),
-// or bfloat16 (the top half of the float32). q * d is exact in float32 (a 4- or 8-bit integer times a
-// half-precision scale), so fused or not, w rounds once, as the dequantizer rounded it: the products are
-// the float32 kernel's bit for bit, for a fifth to a half of the bytes streamed.
+// or bfloat16 (the top half of the float32). In Q4_1, q * d is exact in float32 (a 4-bit integer times a
+// half-precision scale), so fused or not, q * d + m rounds once, as the loader's check computed it; Q8_0's
+// q * d is one multiplication: the products are the float32 kernel's bit for bit, for a fifth to a half of
+// the bytes streamed.
 //
 // Every output element is summed in the same order (k = 0, 1, ..., K-1, one fused multiply-add each)
 // whatever the row count, the row's place in the batch and the thread split: a row's product does not
@@ -22,7 +23,9 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#include <immintrin.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>  // the widening loads below; other CPUs take the portable loop
+#endif
 
 #include <algorithm>
 #include <cstring>
