@@ -54,7 +54,7 @@ class Setting:
 
 
 SETTINGS = [
-    Setting("ngram, adaptive K<=16", tn.NGRAM, 16, True),
+    Setting("ngram, adaptive K<=16 (the default pair's default)", tn.NGRAM, 16, True),
     Setting("ngram, adaptive K<=8", tn.NGRAM, 8, True),
     Setting("ngram, K=4", tn.NGRAM, 4, False),
     Setting("ngram, K=16", tn.NGRAM, 16, False),
@@ -75,8 +75,7 @@ def head_settings(name: str) -> list[Setting]:
             Setting(f"EAGLE-3 head, tree of {wide}, K=8", name, 8, False, wide),
             Setting("EAGLE-3 head, adaptive K<=6", name, 6, True, 1),
             Setting("ngram first, else the EAGLE-3 head's chains, adaptive K<=16", f"{tn.NGRAM}+{name}", 16, True, 1),
-            Setting(f"ngram first, else the EAGLE-3 head's trees of {wide} or chains, adaptive K<=16"
-                    + (" (server default)" if name == pairs.DEFAULT_PAIR_HEAD_NAME else ""),
+            Setting(f"ngram first, else the EAGLE-3 head's trees of {wide} or chains, adaptive K<=16",
                     f"{tn.NGRAM}+{name}", 16, True)]
 
 

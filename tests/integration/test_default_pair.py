@@ -1,7 +1,7 @@
 """The real default pair (SmolLM2-135M-Instruct target) served by its own tritonserver: speculative greedy
-output equals target-only output, for the default draft (prompt lookup first, the shipped EAGLE-3 head
-otherwise: ngram+eagle3, adaptive K, the head's trees 3 wide or its chains), prompt lookup alone, the draft
-model and the head alone (eagle3), as chains and as trees (a request's num_draft_branches)."""
+output equals target-only output, for the default draft (prompt lookup, adaptive K), prompt lookup first and
+the shipped EAGLE-3 head otherwise (ngram+eagle3: the head's trees 3 wide or its chains), the draft model and
+the head alone (eagle3), as chains and as trees (a request's num_draft_branches)."""
 
 import json
 
@@ -33,8 +33,8 @@ def target_only(default_server):
 
 
 @pytest.mark.parametrize("draft, k, adaptive, branches", [
-    (None, None, None, None), ("ngram", None, None, None), ("draft_model", 3, False, None),
-    ("eagle3", 3, False, 1), ("eagle3", 8, False, None)])  # None: the default (ngram+eagle3; trees 3 wide)
+    (None, None, None, None), ("ngram+eagle3", None, None, None), ("draft_model", 3, False, None),
+    ("eagle3", 3, False, 1), ("eagle3", 8, False, None)])  # None: the default (ngram)
 def test_real_pair_speculative_greedy_equals_target_only(default_server, target_only, draft, k, adaptive, branches):
     drafted = accepted = 0
     trees = default_server.metric("specdec_tree_rounds_total")

@@ -215,16 +215,17 @@ def default_pair() -> PairSpec:
         AutoTokenizer.from_pretrained(target).save_pretrained(draft)
         _mark_done(draft)
     max_pos = json.loads((target / "config.json").read_text()).get("max_position_embeddings", 2048)
-    # By default prompt lookup where the sequence repeats itself (free), the trained head otherwise
-    # (ngram+eagle3): measured faster than either alone over grounded and open prompts together
-    # (docs/results/2026-11-28-adaptive-heads.md); the layer-skip draft model accepts too little on CPU to
-    # pay for itself (3 % of its tokens, at 0.37 of a target step). The head's rounds may draft EAGLE-2's
-    # trees 3 wide (the adaptive rule picks a tree or a chain each round): served, they draft more tokens a
-    # round than its chains (docs/results/2026-11-29-default-trees.md).
+    # By default prompt lookup (free), the draft that measures fastest here: since the target streams its
+    # weights as the 4-bit blocks they are (panel_linear.encode) a step costs half what it did and the head's
+    # rounds (its steps, its model's call, the verify's rows) no longer pay on a CPU: served side by side,
+    # prompt lookup alone 1.45-1.46x on grounded prompts and 1.04-1.05x on open ones, ngram+eagle3 (lookup
+    # first, the head otherwise; the default until then) 1.25-1.30x and 1.02-1.03x, the head alone 0.96-1.02x
+    # (docs/results/2026-11-30-cpu-encoded-weights.md). The head (eagle3), ngram+eagle3 and the layer-skip
+    # draft model stay a request's draft_model away; the head's rounds may draft EAGLE-2's trees 3 wide.
     return PairSpec(
         name="default", target_path=str(target), tokenizer_path=str(target),
         draft_paths={"draft_model": str(draft)}, draft_heads={DEFAULT_PAIR_HEAD_NAME: str(DEFAULT_PAIR_HEAD)},
-        default_draft=f"{tn.NGRAM}{lookup_first.SEPARATOR}{DEFAULT_PAIR_HEAD_NAME}", dtype="float32",
+        default_draft=tn.NGRAM, dtype="float32",
         max_context_tokens=int(max_pos), apply_chat_template=True,
         # Up to 16 tokens a round, adaptive: a lookup proposes at most the span it found, and with
         # oneDNN kernels verifying 17 positions costs about one target step.
