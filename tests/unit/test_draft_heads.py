@@ -347,3 +347,24 @@ def test_a_head_on_other_kernels_drafts_what_it_drafts_on_torchs(tiny_lm, kind, 
     # what the adapter times it with (onednn_linear.apply): the head over 1..8 rows, either way
     times = onednn_linear.time_kernels(dense, rows_forward(dense), rows=(1, 3, 8), repeats=1)
     assert all(seconds > 0 for seconds in [*times.torch.values(), *times.onednn.values()])
+
+
+@pytest.mark.parametrize("kind", [EAGLE, EAGLE3])
+def test_a_drafting_step_computes_what_the_training_step_does(tiny_lm, kind):
+    """Drafting (no gradient, on a CPU) attends without expanding the keys per query head and keeps the
+    draft ids' target ids: the same logits as the training-time step, and the ids follow a changed d2t."""
+    head = head_for(tiny_lm, kind, seed=3)
+    width = head.config.feature_width if kind == EAGLE3 else head.config.hidden_size
+    features = torch.randn(5, width, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    tokens = torch.tensor(PROMPT[:5])
+    with torch.no_grad():
+        drafted = head(tokens, head.from_target(features), HeadCache(), 0)
+    with torch.enable_grad():
+        trained = head(tokens, head.from_target(features), HeadCache(), 0)
+    for a, b in zip(drafted, trained):
+        assert torch.allclose(a, b.detach(), atol=1e-10, rtol=1e-10)
+    if kind == EAGLE3:
+        before = head.draft_target_ids().clone()
+        with torch.no_grad():
+            head.d2t[3] += 1
+        assert torch.equal(head.draft_target_ids(), before + (torch.arange(len(before)) == 3))
