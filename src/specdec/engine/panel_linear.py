@@ -105,8 +105,7 @@ def build() -> Build:
             # lock (released by the kernel when a process dies), nobody else is building: it is stale.
             with contextlib.suppress(FileNotFoundError):
                 (directory / "lock").unlink()
-            module = load_inline(name, cpp_sources=[source], functions=["panel_linear", "panel_linear_q4", "panel_linear_q8",
-                                                                      "panel_linear_bf16", "panel_width"],
+            module = load_inline(name, cpp_sources=[source], functions=[*KERNELS.values(), "panel_width"],
                                  extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS),
                                  build_directory=str(directory), verbose=False)
     except Exception as exc:  # noqa: BLE001 - no compiler, no ninja, a failed build: the other kernels serve
@@ -156,6 +155,8 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 BLOCK = 32  # inputs per scale in the 4- and 8-bit encodings (GGUF's blocks)
 ENCODINGS = ("q4", "q8", "bf16", "float32")  # the fewest bytes first
+KERNELS = {"q4": "panel_linear_q4", "q8": "panel_linear_q8", "bf16": "panel_linear_bf16",
+           "float32": "panel_linear"}  # each encoding's entry point in the compiled module
 # A comma-separated subset of ENCODINGS the loader may use (float32 always): to measure one against another
 ENCODINGS_ENV = "SPECDEC_PANEL_ENCODINGS"
 
@@ -175,10 +176,6 @@ class Encoded:
 
     kind: str
     tensors: tuple[torch.Tensor, ...]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors)
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -249,18 +246,15 @@ class PanelLinear(nn.Module):
     """y = x @ W^T + b with W in panels (`pack`), encoded (`encode`), on the compiled kernel.
     x: (..., in_features), float32. Inference only: the kernel has no backward."""
 
-    def __init__(self, linear: nn.Linear, op=None, encoding: bool = True):
+    def __init__(self, linear: nn.Linear, encoding: bool = True):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         built = build()
         if built.op is None:
             raise RuntimeError(f"the panel kernel is unavailable: {built.problem}")
-        weight = linear.weight.detach()
-        encoded = encode(weight, None if encoding else frozenset({"float32"}))
+        encoded = encode(linear.weight.detach(), None if encoding else frozenset({"float32"}))
         self.encoding = encoded.kind
-        self.op = {"float32": op or built.op, "q4": getattr(built.module, "panel_linear_q4", None),
-                   "q8": getattr(built.module, "panel_linear_q8", None),
-                   "bf16": getattr(built.module, "panel_linear_bf16", None)}[encoded.kind]
+        self.op = getattr(built.module, KERNELS[encoded.kind])
         # buffers (not saved): what the module holds, seen by whoever asks a model for its tensors' dtype
         self.weight_names = tuple(f"panels{index or ''}" for index in range(len(encoded.tensors)))
         for name, tensor in zip(self.weight_names, encoded.tensors):
@@ -291,12 +285,11 @@ class PanelLinear(nn.Module):
 def pack_linears(model: nn.Module) -> int:
     """Replace every nn.Linear in `model` (in place) with a PanelLinear; returns how many. The packed
     weights are copies (a tied head keeps its embedding for the lookup)."""
-    op = build().op
     replaced = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(parent, name, PanelLinear(child, op))
+                setattr(parent, name, PanelLinear(child))
                 replaced += 1
     return replaced
 
@@ -306,6 +299,6 @@ def encodings(model: nn.Module) -> str:
     layers = [module for module in model.modules() if isinstance(module, PanelLinear)]
     counts = Counter(layer.encoding for layer in layers)
     names = {"q4": "4-bit blocks", "q8": "8-bit blocks", "bf16": "bfloat16", "float32": "float32"}
-    total = sum(t.numel() * t.element_size() for layer in layers for t in layer.weights)
+    total = sum(t.nbytes for layer in layers for t in layer.weights)
     return ", ".join(f"{counts[kind]} in {names[kind]}" for kind in ENCODINGS if counts[kind]) + \
         f" ({total / 2**20:.0f} MiB)"
