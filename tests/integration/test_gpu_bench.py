@@ -116,8 +116,9 @@ def test_executor_bench_compares_the_executors_on_the_tiny_pair(tmp_path):
     rows = [line.split("|") for line in table.splitlines() if line.startswith("| target")]
     assert [(row[2].strip(), row[3].strip()) for row in rows] == [(mode, kind) for kind in kernels
                                                                   for mode in ("dynamic", "off")]
-    # every executor's logits, on either kernels, equal the first (dynamic, torch's kernels)
-    assert all(float(row[-2]) < 1e-4 for row in rows), table + result.stderr[-4000:]
+    # every executor's logits, on either kernels, equal the first (dynamic, torch's kernels) to float32
+    # rounding: the static executor's CPU layer kernels sum in their own order (logits up to ~20 here)
+    assert all(float(row[-2]) < 5e-4 for row in rows), table + result.stderr[-4000:]
 
 
 def test_concurrency_bench_compares_orchestrator_counts(tmp_path):

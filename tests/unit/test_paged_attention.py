@@ -96,8 +96,10 @@ def test_splits_fill_the_device_and_tiles_cover_the_rows():
 def test_the_choice_of_attention(tiny_lm, tiny_lm32):
     options = dict(kv_pool_tokens=256, block_size=8, max_context=64, max_batch=2, max_rows=3, min_window=16,
                    compile="off", prefix_caching=False)
-    # auto never takes the interpreter: on CPU it is sdpa
-    assert static_executor(tiny_lm32, **options).forward.llama.attention == "sdpa"
+    # on the CPU, paged is csrc/cpu_layer.cpp's kernel (float32), never Triton's interpreter
+    assert static_executor(tiny_lm32, **options).forward.llama.attention == "paged"
+    assert static_executor(tiny_lm32, **options).forward.llama.cpu_attention
+    assert static_executor(tiny_lm, **options).forward.llama.attention == "sdpa"
     assert static_executor(tiny_lm32, attention="paged", **options).forward.llama.attention == "paged"
     with pytest.raises(ValueError, match="attention must be one of"):
         static_executor(tiny_lm32, attention="flash", **options)

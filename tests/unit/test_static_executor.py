@@ -374,4 +374,4 @@ def test_prompt_buckets_are_off_by_default_and_a_prompt_then_runs_eagerly_with_t
     assert torch.allclose(a, paged.extend(1, 0, list(range(1, 24)), 2), atol=1e-10)
     assert calls == [((1, 23), 2)]  # its own shape, eagerly, the head on the 2 rows wanted
     paged.extend(1, 23, [4, 5], 2)
-    assert calls[-1] == ((1, 2), None)  # a bucketed step: every row's logits, picked after
+    assert calls[-1] == ((1, 2), 2)  # eagerly a step is not padded to a bucket either

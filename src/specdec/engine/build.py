@@ -6,9 +6,11 @@
            load, forwards in bucketed shapes replayed as CUDA graphs
 
 `build_executor` makes the choice the adapters and benchmarks share: "auto" takes the static executor
-where CUDA graphs pay (on a GPU, kernel launches dominate eager steps) and the model allows it, and the
-dynamic one elsewhere (eagerly, on CPU, transformers' forward is as fast or faster and its memory grows
-on demand).
+where the model allows it and it pays: on a GPU (CUDA graphs: kernel launches dominate eager steps), and
+on the CPU for a float32 model where this project's CPU kernels build (kernels.cpu(): a layer's pointwise
+work and attention one call each, reading the pool in place; transformers' eager forward spends more of
+a step dispatching small operations than multiplying). Elsewhere, and for a layer-skip draft (its search
+changes the set it skips, which only the eager forward can), the dynamic one.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from specdec import tensor_names as tn
-from specdec.engine import onednn_linear, panel_linear
+from specdec.engine import kernels, onednn_linear, panel_linear
 from specdec.engine.executor import Executor
 from specdec.engine.kv_cache import ContiguousKV
 from specdec.engine.llama_forward import supports
@@ -103,7 +105,10 @@ def build_executor(model, config: ExecutorConfig, log: Callable[[str], None] = l
     if config.executor == "static" and unsupported:
         raise ValueError(f"executor=static cannot run this model: {unsupported}")
     wants_graphs = config.compile == "graphs" or (config.compile == "auto" and model.device.type == "cuda")
-    if config.executor == "static" or (config.executor == "auto" and wants_graphs and not unsupported):
+    cpu_kernels = model.device.type == "cpu" and config.skip_layers is None \
+        and kernels.cpu(model.device, next(model.parameters()).dtype) is not None
+    if config.executor == "static" or (config.executor == "auto" and (wants_graphs or cpu_kernels)
+                                       and not unsupported):
         return static_executor(
             model, max_sequences=config.max_sequences, idle_timeout_s=config.idle_timeout_s,
             kv_pool_tokens=config.kv_pool_tokens, kv_memory_fraction=config.kv_memory_fraction,

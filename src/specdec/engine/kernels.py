@@ -78,6 +78,23 @@ class Kernels(NamedTuple):
 EAGER = Kernels(rms_norm, add_rms_norm, rotate_qk, silu_mul)
 
 
+def cpu(device: torch.device, dtype: torch.dtype) -> Kernels | None:
+    """The same functions as one compiled CPU call each (csrc/cpu_layer.cpp, built with the panel kernel:
+    no torch.compile, nothing to warm up), for float32 on the CPU; None where they do not serve (another
+    device or dtype, no compiler). Qwen3's per-head norms take the eager path."""
+    from specdec.engine import panel_linear
+
+    if not panel_linear.supported(device, dtype) or (module := panel_linear.build().module) is None:
+        return None
+
+    def rotate(qkv, cos, sin, heads, kv_heads, q_norm=None, k_norm=None, eps=0.0):
+        if q_norm is not None:
+            return rotate_qk(qkv, cos, sin, heads, kv_heads, q_norm, k_norm, eps)
+        return tuple(module.rotate_qk(qkv, cos, sin, heads, kv_heads))
+
+    return Kernels(module.rms_norm, lambda *args: tuple(module.add_rms_norm(*args)), rotate, module.silu_mul)
+
+
 def cache_counts() -> tuple[int, int]:
     """This process's kernels compiled so far and those loaded from inductor's on-disk cache (its FX graph
     cache misses and hits). The cache lives in TORCHINDUCTOR_CACHE_DIR (`cache_location`): where it outlives

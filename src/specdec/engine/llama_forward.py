@@ -17,7 +17,7 @@ import torch
 from torch.nn.functional import scaled_dot_product_attention
 
 from specdec import tensor_names as tn
-from specdec.engine import fp8_linear, kernels, paged_attention
+from specdec.engine import fp8_linear, kernels, paged_attention, panel_linear
 
 FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -94,14 +94,20 @@ def attention_mask(batch: Batch, window: int) -> torch.Tensor:
 
 
 def fuse_linears(owner: torch.nn.Module, names: tuple[str, ...]
-                 ) -> tuple[torch.Tensor, torch.Tensor | None] | fp8_linear.Fp8Linear | None:
+                 ) -> tuple[torch.Tensor, torch.Tensor | None] | torch.nn.Module | None:
     """One weight (and bias) for the linears owner.<names> that read the same input (a layer's query, key
     and value projections): one matrix product instead of several. The modules' parameters become views
     of it, so the model is unchanged and no memory is added. FP8 linears alike: one fused Fp8Linear
-    (fp8_linear.fuse). None if they are not all plain linears or all FP8 ones alike (CPU's reordered
-    oneDNN linears, mixed biases, a module without one of the names)."""
+    (fp8_linear.fuse); CPU panel linears one PanelLinear (panel_linear.fuse). None if they are not all
+    plain linears, FP8 or panel ones alike (CPU's reordered oneDNN linears, mixed biases or encodings, a
+    module without one of the names)."""
     linears = [getattr(owner, name, None) for name in names]
     kinds = {type(m) for m in linears}
+    if kinds == {panel_linear.PanelLinear}:
+        key = "_fused_" + "_".join(names) + "_panels"
+        if key not in owner.__dict__:
+            owner.__dict__[key] = panel_linear.fuse(linears)
+        return owner.__dict__[key]
     if len(kinds) > 1 or not kinds <= {torch.nn.Linear, fp8_linear.Fp8Linear} \
             or len({m.bias is None for m in linears}) > 1:
         return None  # also where a copy of a fused model had its linears replaced since (oneDNN)
@@ -131,19 +137,24 @@ class LlamaForward:
     (B, T, V) out; every shape is fixed by the inputs' shapes (graph-capturable). The pointwise work
     runs through `kernels` (compiled into one kernel each on CUDA, see kernels.py); each layer's
     query/key/value projections are one matrix product. The MLP is the model's own module, or with
-    `fuse_mlp` (a SiLU MLP) its gate and up projections as one product and `kernels.silu_mul`.
+    `fuse_mlp` (a SiLU MLP) its gate and up projections as one product and `kernels.silu_mul` (None: only
+    where that is exact, CPU panel linears). On the CPU (float32) the pointwise work is `kernels.cpu()`.
     attention (tn.ATTENTION_KINDS): "paged", the Triton kernel reading the pool in place
-    (`paged_attention.py`); "sdpa", each sequence's window gathered and masked for torch's SDPA (any
-    device and dtype); "auto", paged on CUDA where the kernel serves the dtype and head size."""
+    (`paged_attention.py`), or on the CPU csrc/cpu_layer.cpp's, reading it in place too; "sdpa", each
+    sequence's window gathered and masked for torch's SDPA (any device and dtype); "auto", paged where
+    a kernel serves the device, dtype and head size."""
 
-    def __init__(self, model, pool, fuse_mlp: bool = False, hidden_layers: tuple[int, ...] = (),
+    def __init__(self, model, pool, fuse_mlp: bool | None = False, hidden_layers: tuple[int, ...] = (),
                  skip: tuple[int, ...] = (), attention: str = "auto"):
         self.model, self.pool = model, pool
         self.hidden_layers = tuple(hidden_layers)  # a forward also returns the residual stream after these
         # A layer-skip self-draft (skip_layers.py): these decoder layers do not run (their pool slots stay
         # unwritten); the rest run in order, each writing its own layer's keys and values.
         self.run_layers = tuple(i for i in range(len(model.model.layers)) if i not in set(skip))
-        self.kernels = kernels.EAGER  # StaticForward.fuse swaps in the compiled ones
+        # StaticForward.fuse swaps in compiled ones where CUDA graphs run
+        self.cpu = kernels.cpu(pool.keys[0].device, pool.keys[0].dtype)
+        self.kernels = self.cpu or kernels.EAGER
+        self.cpu_paged_attention = panel_linear.build().module.paged_attention if self.cpu else None
         self.body = model.model
         attn = self.body.layers[0].self_attn
         self.head_dim = attn.head_dim
@@ -153,17 +164,24 @@ class LlamaForward:
         self.qkv = [fuse_linears(layer.self_attn, ("q_proj", "k_proj", "v_proj")) for layer in self.body.layers]
         # transformers names the activation in the config (its module, SiLUActivation, is not nn.SiLU).
         silu = getattr(model.config, "hidden_act", None) in ("silu", "swish")
-        self.gate_up = [fuse_linears(layer.mlp, ("gate_proj", "up_proj")) if fuse_mlp and silu else None
-                        for layer in self.body.layers]
+        self.gate_up = [fuse_linears(layer.mlp, ("gate_proj", "up_proj")) if silu and (
+            fuse_mlp or (fuse_mlp is None and isinstance(layer.mlp.gate_proj, panel_linear.PanelLinear))) else None
+            for layer in self.body.layers]
 
     def _attention(self, wanted: str, keys: torch.Tensor) -> str:
         if wanted not in tn.ATTENTION_KINDS:
             raise ValueError(f"attention must be one of {tn.ATTENTION_KINDS}, got {wanted!r}")
-        problem = paged_attention.unavailable(keys.device, keys.dtype, self.head_dim)
+        # On the CPU, csrc/cpu_layer.cpp's kernel (float32, where it is built); the Triton kernel elsewhere
+        self.cpu_attention = keys.device.type == "cpu" and self.cpu is not None
+        if keys.device.type == "cpu":
+            problem = None if self.cpu else f"the CPU attention kernel runs float32 models, not {keys.dtype}" \
+                if keys.dtype != torch.float32 else f"the CPU kernels did not build: {panel_linear.build().problem}"
+        else:
+            problem = paged_attention.unavailable(keys.device, keys.dtype, self.head_dim)
         if wanted == "paged" and problem:
             raise ValueError(f"attention=paged: {problem}")
-        if wanted == "auto":  # the interpreter serves tests, never a choice made for a deployment
-            return "paged" if keys.device.type == "cuda" and problem is None else "sdpa"
+        if wanted == "auto":
+            return "paged" if problem is None else "sdpa"
         return wanted
 
     def reserve_workspace(self, blocks: int) -> None:
@@ -183,7 +201,7 @@ class LlamaForward:
 
     def _qkv(self, index: int, x: torch.Tensor) -> torch.Tensor:
         """x (N, H) -> (N, (heads + 2 kv_heads) D): queries, keys and values side by side."""
-        if isinstance(self.qkv[index], fp8_linear.Fp8Linear):
+        if isinstance(self.qkv[index], (fp8_linear.Fp8Linear, panel_linear.PanelLinear)):
             return self.qkv[index](x)
         if self.qkv[index] is not None:
             weight, bias = self.qkv[index]
@@ -196,7 +214,7 @@ class LlamaForward:
         if self.gate_up[index] is None:
             return mlp(x)
         fused = self.gate_up[index]
-        gate_up = fused(x) if isinstance(fused, fp8_linear.Fp8Linear) else torch.nn.functional.linear(x, *fused)
+        gate_up = fused(x) if isinstance(fused, torch.nn.Module) else torch.nn.functional.linear(x, *fused)
         return mlp.down_proj(self.kernels.silu_mul(gate_up))
 
     def __call__(self, batch: Batch, head_rows: torch.Tensor | None = None):
@@ -213,7 +231,8 @@ class LlamaForward:
         kv_heads = pool.keys[0].shape[2]
         groups = body.config.num_attention_heads // kv_heads
         paged = self.attention == "paged"
-        if paged:  # how far into its window each sequence's rows see (its cache and its new rows)
+        if paged and not self.cpu_attention:  # how far into its window each sequence's rows see (its
+            # cache and its new rows): the Triton kernel's bound
             limit = (batch.visible.amax(1) + t).clamp_(max=window)
         else:
             mask = attention_mask(batch, window)  # (B, T, W)
@@ -238,7 +257,10 @@ class LlamaForward:
             keys, values = pool.keys[index], pool.values[index]
             keys[batch.write_block, batch.write_offset] = k.view(b, t, kv_heads, self.head_dim)
             values[batch.write_block, batch.write_offset] = v.view(b, t, kv_heads, self.head_dim)
-            if paged:
+            if self.cpu_attention and paged:
+                out = self.cpu_paged_attention(q, keys, values, batch.table, batch.visible, batch.ancestors,
+                                               self.scaling)
+            elif paged:
                 out = paged_attention.paged_attention(q.contiguous(), keys, values, batch.table, batch.visible,
                                                       batch.ancestors, limit, self.scaling).view(n, -1)
             else:

@@ -14,6 +14,7 @@ ended prompts stay cached until the pool needs them (`prefix_cache.py`).
 from __future__ import annotations
 
 from collections import OrderedDict
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -222,9 +223,22 @@ class PagedKV:
         return len(self.pool.cached) * self.pool.block_bytes
 
 
+CGROUP_MEMORY = Path("/sys/fs/cgroup")
+
+
 def _free_memory(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
     with open("/proc/meminfo") as meminfo:  # MemAvailable: what can be had without swapping
         fields = dict(line.split(":", 1) for line in meminfo)
-    return int(fields["MemAvailable"].split()[0]) * 1024
+    available = int(fields["MemAvailable"].split()[0]) * 1024
+    # In a container with a memory limit (a Kubernetes pod's) the machine's memory is not the process's:
+    # what the limit leaves (cgroup v2). On the CPU the pool is host memory, touched as blocks are first used.
+    try:
+        limit = CGROUP_MEMORY.joinpath("memory.max").read_text().strip()
+        if limit != "max":
+            used = int(CGROUP_MEMORY.joinpath("memory.current").read_text())
+            available = min(available, max(int(limit) - used, 0))
+    except (OSError, ValueError):
+        pass
+    return available

@@ -21,6 +21,9 @@ builder, ninja and the system's C++ compiler), cached under TORCH_EXTENSIONS_DIR
 cache shared by different machines never hands one CPU another's instructions. Where it cannot be built
 `build()` says why and the loader keeps the other kernels (onednn_linear.choose).
 
+The same build compiles csrc/cpu_layer.cpp, the rest of a layer on the CPU (`kernels.cpu()`): one
+machine-specific module, one build to wait for.
+
 Shapes: x (..., K) -> y (..., N); panels (ceil(N / 64), K, 64), panels[p, k, c] = W[64 p + c, k]; the
 encodings' codes and per-block scales follow the same panel order (csrc/panel_linear.cpp).
 """
@@ -28,6 +31,7 @@ encodings' codes and per-block scales follow the same panel order (csrc/panel_li
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import hashlib
 import os
@@ -43,6 +47,9 @@ from torch import nn
 from specdec.engine import machine_lock
 
 SOURCE = Path(__file__).with_name("csrc") / "panel_linear.cpp"
+# Built into the same module: the layer's pointwise work and attention on the CPU (kernels.cpu(), one build)
+LAYER_SOURCE = SOURCE.with_name("cpu_layer.cpp")
+LAYER_FUNCTIONS = ("rms_norm", "add_rms_norm", "rotate_qk", "silu_mul", "paged_attention")
 PANEL = 64  # the kernel's panel width (csrc/panel_linear.cpp's PANEL; checked against it when built)
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp")
 # -fopenmp links libgomp.so.1 by name: in a process where torch is loaded that is torch's own runtime,
@@ -91,7 +98,7 @@ def build() -> Build:
     """Compile (or load the cached build of) the kernel, once per process; one build at a time per machine
     (a file lock: a server's model stubs load together)."""
     try:
-        source = SOURCE.read_text()
+        source = SOURCE.read_text() + "\n" + LAYER_SOURCE.read_text()
         digest = hashlib.sha256("\0".join([source, *CFLAGS, *LDFLAGS, torch.__version__, _cpu_identity()])
                                 .encode()).hexdigest()[:16]
         name = f"specdec_panel_linear_{digest}"
@@ -105,7 +112,8 @@ def build() -> Build:
             # lock (released by the kernel when a process dies), nobody else is building: it is stale.
             with contextlib.suppress(FileNotFoundError):
                 (directory / "lock").unlink()
-            module = load_inline(name, cpp_sources=[source], functions=[*KERNELS.values(), "panel_width"],
+            module = load_inline(name, cpp_sources=[source],
+                                 functions=[*KERNELS.values(), *LAYER_FUNCTIONS, "panel_width"],
                                  extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS),
                                  build_directory=str(directory), verbose=False)
     except Exception as exc:  # noqa: BLE001 - no compiler, no ninja, a failed build: the other kernels serve
@@ -279,6 +287,30 @@ class PanelLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, panels of {PANEL}, "
                 f"{self.encoding}")
+
+
+def fuse(linears: list[PanelLinear]) -> PanelLinear | None:
+    """One PanelLinear for linears that read the same input (a layer's query, key and value projections;
+    an MLP's gate and up): their outputs side by side from one call. Each output column is the same sum
+    as before, so the outputs are bit for bit the separate ones. The originals' tensors become views of
+    the fused ones (no memory added). None unless they share an encoding and a bias or its absence and
+    every one but the last fills whole panels."""
+    first = linears[0]
+    if len({(m.encoding, m.in_features, m.bias is None) for m in linears}) > 1 \
+            or any(m.out_features % PANEL for m in linears[:-1]):
+        return None
+    fused = copy.copy(first)  # the module's settings; its buffers replaced below
+    fused._buffers = dict(first._buffers)
+    fused.out_features = sum(m.out_features for m in linears)
+    sizes = [m.weights[0].shape[0] for m in linears]  # panels each
+    for index, name in enumerate(first.weight_names):
+        whole = torch.cat([m.weights[index] for m in linears])
+        fused._buffers[name] = whole
+        for m, part in zip(linears, whole.split(sizes)):
+            m._buffers[name] = part
+    if first.bias is not None:
+        fused._buffers["bias"] = torch.cat([m.bias for m in linears])
+    return fused
 
 
 @torch.no_grad()

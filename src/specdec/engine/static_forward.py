@@ -81,7 +81,8 @@ class StaticForward:
             raise ValueError(f"hidden_layers {list(hidden_layers)} must be within [0, {layers}) (the model's layers)")
         self.hidden_layers = tuple(hidden_layers)
         # skip: a layer-skip self-draft with one set for its life (its graphs are captured with that set)
-        self.llama = LlamaForward(model, self.pool, self.mode == "graphs" if fuse_mlp is None else fuse_mlp,
+        # fuse_mlp None: fused with CUDA graphs, eagerly where fusing is exact (LlamaForward's None)
+        self.llama = LlamaForward(model, self.pool, True if fuse_mlp is None and self.mode == "graphs" else fuse_mlp,
                                   self.hidden_layers, skip, attention)
         log(f"attention: {self.llama.attention}")
         if fuse_kernels or (fuse_kernels is None and self.mode == "graphs"):
@@ -222,9 +223,9 @@ class StaticForward:
         prompt = width is None and len(seqs) == 1 and num_logits[0] <= self.head_rows
         if prompt:
             width = bucket(counts[0], self.prefill_sizes)
-        bucketed = width is not None and batch is not None
-        if not bucketed:  # a prompt: its own shape, eagerly
-            batch, width = len(seqs), max(counts)
+        bucketed = width is not None and batch is not None and self.mode != "off"
+        if not bucketed:  # a prompt, or any forward run eagerly: its own shape (padding would only cost)
+            batch, width, window = len(seqs), max(counts), needed_blocks
         # Every input, and the indices of the rows wanted, in one host buffer and one copy.
         wanted = [b * width + j for b, (count, n) in enumerate(zip(counts, num_logits)) for j in range(count - n, count)]
         head = len(wanted) if not (prompt and bucketed) else self.head_rows  # a bucket's: padded (row 0)
@@ -260,7 +261,7 @@ class StaticForward:
         for b, row in on_device:  # drafted tokens stay on the device
             inputs.ids[b, :len(row)] = row
         rows_wanted = device_flat[size:size + len(wanted)]
-        if width > self.row_sizes[-1]:  # a prompt: the head on the wanted rows only, in their order
+        if width > self.row_sizes[-1] or self.mode == "off":  # the head on the wanted rows only, in their order
             out = captured.run() if captured is not None else self.llama(inputs, rows_wanted)
             # Copied: a captured output is overwritten by the next run.
             logits = (out[0] if self.hidden_layers else out)[:sum(num_logits)].clone()

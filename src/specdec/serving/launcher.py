@@ -302,7 +302,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="the models' linear weights: in --dtype (same), or FP8 with a scale per output channel "
                              "(fp8: a weight-only FP8 kernel on GPUs, dequantized on CPU; docs/configuration.md)")
     parser.add_argument("--compile", default="auto", choices=tn.COMPILE_MODES,
-                        help="the models' executor: auto = static shapes + CUDA graphs on GPUs, eager on CPU")
+                        help="the models' executor: auto = static shapes + CUDA graphs on GPUs, eager on CPU "
+                             "(the static executor's C++ layer kernels for float32 Llama-family models)")
     parser.add_argument("--orchestrator-instances", type=int, default=None,
                         help="speculative_decoding processes (concurrent streams' rounds run in parallel); default "
                              f"{tn.DEFAULT_ORCHESTRATOR_INSTANCES['gpu']} with --device gpu, "

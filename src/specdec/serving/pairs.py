@@ -55,8 +55,9 @@ class PairSpec:
     target_gpu: int = 0
     spread_target: bool = False
     draft_gpu: int = 0
-    # The executor's compile mode (auto: the static executor with CUDA graphs on GPUs, eager on CPU;
-    # off: eager everywhere) and each model's KV pool, a fraction of its device's free memory at load.
+    # The executor's compile mode (auto: the static executor with CUDA graphs on GPUs; on CPU eagerly, the
+    # static executor on C++ layer kernels for float32 Llama-family models; off: no CUDA graphs) and each
+    # model's KV pool, a fraction of its device's free memory (host memory on CPU) at load.
     compile: str = "auto"
     fuse_kernels: bool = True  # where CUDA graphs run: pointwise work compiled into fused kernels
     fuse_mlp: bool = True  # where CUDA graphs run: a SiLU MLP's gate and up products as one

@@ -1,0 +1,183 @@
+// The pointwise work and the attention of a Llama-family layer on the CPU, float32 (kernels.py's `cpu()`,
+// llama_forward.py): each one call over all of a forward's rows.
+//
+// Why: a decode step of the default pair's target ran 30 layers of a dozen small torch operations each
+// (an RMSNorm alone is eight), and on a CPU each costs its dispatch, its allocation and a pass through
+// memory whatever the size: over half of the step was that, not the matrix products (a 1-row step 29.5
+// ms eager, 17.0 ms with these; docs/results/2026-11-30-cpu-layer-kernels.md). The attention reads the
+// paged KV pool in place (no window gathered per layer) and sees what `llama_forward.attention_mask`
+// says: the keys before `visible`, and a tree's ancestors right after them.
+//
+// The math is the eager kernels' (kernels.py), summed in a fixed order: a row's result does not depend on
+// the other rows of its forward or on the thread that computed it.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace cpu_layer {
+
+typedef float lanes __attribute__((vector_size(64)));
+typedef float lanes_unaligned __attribute__((vector_size(64), aligned(4)));
+
+inline lanes load(const float* p) { return *reinterpret_cast<const lanes_unaligned*>(p); }
+
+// sum of a[i] * b[i]: 16 running sums, then across them in order, then the tail
+inline float dot(const float* a, const float* b, int64_t n) {
+  lanes acc = {};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) acc += load(a + i) * load(b + i);
+  float s = 0.f;
+  for (int l = 0; l < 16; ++l) s += acc[l];
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// w * (x * rsqrt(mean(x^2) + eps)), as kernels.rms_norm (its float32 case)
+inline void norm_row(const float* x, const float* w, float* out, int64_t h, float eps) {
+  const float inv = 1.0f / std::sqrt(dot(x, x, h) / static_cast<float>(h) + eps);
+  for (int64_t i = 0; i < h; ++i) out[i] = w[i] * (x[i] * inv);
+}
+
+void check(const torch::Tensor& t, int64_t dim, const char* what) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat && t.dim() == dim && t.is_contiguous(),
+              "cpu_layer: ", what, " must be a contiguous ", dim, "-d float32 CPU tensor");
+}
+
+void check_index(const torch::Tensor& t, const char* what) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kLong && t.dim() == 2 && t.is_contiguous(),
+              "cpu_layer: ", what, " must be a contiguous 2-d int64 CPU tensor");
+}
+
+}  // namespace cpu_layer
+
+// x (N, H), weight (H,) -> (N, H)
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+  cpu_layer::check(x, 2, "x");
+  cpu_layer::check(weight, 1, "weight");
+  const int64_t n = x.size(0), h = x.size(1);
+  TORCH_CHECK(weight.size(0) == h, "cpu_layer: weight must have ", h, " elements");
+  auto out = torch::empty_like(x);
+  const float *xp = x.data_ptr<float>(), *wp = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  for (int64_t r = 0; r < n; ++r) cpu_layer::norm_row(xp + r * h, wp, op + r * h, h, static_cast<float>(eps));
+  return out;
+}
+
+// residual, update (N, H) -> (residual + update, its RMSNorm)
+std::vector<torch::Tensor> add_rms_norm(const torch::Tensor& residual, const torch::Tensor& update,
+                                        const torch::Tensor& weight, double eps) {
+  cpu_layer::check(residual, 2, "residual");
+  cpu_layer::check(update, 2, "update");
+  cpu_layer::check(weight, 1, "weight");
+  TORCH_CHECK(residual.sizes() == update.sizes() && weight.size(0) == residual.size(1),
+              "cpu_layer: residual and update must be (N, H) alike, weight (H,)");
+  const int64_t n = residual.size(0), h = residual.size(1);
+  auto sum = torch::empty_like(residual);
+  auto out = torch::empty_like(residual);
+  const float *rp = residual.data_ptr<float>(), *up = update.data_ptr<float>(), *wp = weight.data_ptr<float>();
+  float *sp = sum.data_ptr<float>(), *op = out.data_ptr<float>();
+  for (int64_t i = 0; i < n * h; ++i) sp[i] = rp[i] + up[i];
+  for (int64_t r = 0; r < n; ++r) cpu_layer::norm_row(sp + r * h, wp, op + r * h, h, static_cast<float>(eps));
+  return {sum, out};
+}
+
+// qkv (N, (heads + 2 kv_heads) D), cos / sin (N, D) -> queries (N, heads, D), keys (N, kv_heads, D) with the
+// rotary embedding applied: x * cos + rotate_half(x) * sin
+std::vector<torch::Tensor> rotate_qk(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
+                                     int64_t heads, int64_t kv_heads) {
+  cpu_layer::check(qkv, 2, "qkv");
+  cpu_layer::check(cos, 2, "cos");
+  cpu_layer::check(sin, 2, "sin");
+  const int64_t n = qkv.size(0), d = cos.size(1), half = d / 2, width = qkv.size(1);
+  TORCH_CHECK(d % 2 == 0 && cos.size(0) == n && sin.sizes() == cos.sizes() && width >= (heads + 2 * kv_heads) * d,
+              "cpu_layer: rotate_qk's shapes do not fit");
+  auto q = torch::empty({n, heads, d}, qkv.options());
+  auto k = torch::empty({n, kv_heads, d}, qkv.options());
+  const float *xp = qkv.data_ptr<float>(), *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>();
+  for (int64_t r = 0; r < n; ++r) {
+    const float *c = cp + r * d, *s = sp + r * d;
+    for (int64_t head = 0; head < heads + kv_heads; ++head) {
+      const float* x = xp + r * width + head * d;
+      float* o = head < heads ? qp + (r * heads + head) * d : kp + (r * kv_heads + head - heads) * d;
+      for (int64_t i = 0; i < half; ++i) o[i] = x[i] * c[i] + -x[i + half] * s[i];
+      for (int64_t i = half; i < d; ++i) o[i] = x[i] * c[i] + x[i - half] * s[i];
+    }
+  }
+  return {q, k};
+}
+
+// gate_up (N, 2I) -> silu(gate) * up (N, I): torch's own vectorized SiLU, then the product in place
+torch::Tensor silu_mul(const torch::Tensor& gate_up) {
+  cpu_layer::check(gate_up, 2, "gate_up");
+  const int64_t width = gate_up.size(1) / 2;
+  return at::silu(gate_up.narrow(1, 0, width)).mul_(gate_up.narrow(1, width, width));
+}
+
+// q (B T, heads, D); keys / values one layer's pool (blocks, block_size, kv_heads, D); table (B, NB) each
+// sequence's blocks; visible, ancestors (B, T) as llama_forward.Batch holds them -> (B T, heads D): each
+// row's attention over the keys before visible[b, t] and, bit j of ancestors[b, t] set, the key at
+// visible[b, t] + j. Scores, their softmax and the weighted values in float32, keys in order.
+torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
+                              const torch::Tensor& table, const torch::Tensor& visible, const torch::Tensor& ancestors,
+                              double scale) {
+  cpu_layer::check(q, 3, "q");
+  cpu_layer::check(keys, 4, "keys");
+  cpu_layer::check(values, 4, "values");
+  cpu_layer::check_index(table, "table");
+  cpu_layer::check_index(visible, "visible");
+  cpu_layer::check_index(ancestors, "ancestors");
+  const int64_t batch = visible.size(0), rows = visible.size(1), heads = q.size(1), d = q.size(2);
+  const int64_t block_size = keys.size(1), kv_heads = keys.size(2), blocks = table.size(0) ? table.size(1) : 0;
+  TORCH_CHECK(q.size(0) == batch * rows && table.size(0) == batch && ancestors.sizes() == visible.sizes() &&
+                  keys.sizes() == values.sizes() && keys.size(3) == d && kv_heads > 0 && heads % kv_heads == 0,
+              "cpu_layer: paged_attention's shapes do not fit");
+  const int64_t groups = heads / kv_heads, window = blocks * block_size, pool_blocks = keys.size(0);
+  auto out = torch::empty({batch * rows, heads * d}, q.options());
+  const float *qp = q.data_ptr<float>(), *kp = keys.data_ptr<float>(), *vp = values.data_ptr<float>();
+  const int64_t *tp = table.data_ptr<int64_t>(), *visp = visible.data_ptr<int64_t>();
+  const int64_t* ap = ancestors.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  const float scaling = static_cast<float>(scale);
+  // one (row, head) a job; a job's keys are its row's, the same for the row's heads
+  at::parallel_for(0, batch * rows * heads, 8, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(window);
+    std::vector<int64_t> where(window);  // each seen key's offset in the pool, less its head's
+    for (int64_t job = begin; job < end; ++job) {
+      const int64_t row = job / heads, head = job % heads, b = row / rows;
+      const int64_t seen_before = std::min(visp[row], window);
+      const uint64_t tree = static_cast<uint64_t>(ap[row]);
+      int64_t count = 0;
+      auto add = [&](int64_t key) {
+        const int64_t block = tp[b * blocks + key / block_size];
+        TORCH_CHECK(block >= 0 && block < pool_blocks, "cpu_layer: a table entry outside the pool");
+        where[count++] = (block * block_size + key % block_size) * kv_heads * d;
+      };
+      for (int64_t key = 0; key < seen_before; ++key) add(key);
+      for (int64_t bit = 0; bit < 64 && (tree >> bit); ++bit) {
+        if ((tree >> bit) & 1 && visp[row] + bit < window) add(visp[row] + bit);
+      }
+      const int64_t offset = (head / groups) * d;
+      const float* query = qp + (row * heads + head) * d;
+      float best = -std::numeric_limits<float>::infinity();
+      for (int64_t c = 0; c < count; ++c) {
+        scores[c] = cpu_layer::dot(query, kp + where[c] + offset, d) * scaling;
+        best = std::max(best, scores[c]);
+      }
+      float total = 0.f;
+      for (int64_t c = 0; c < count; ++c) total += (scores[c] = std::exp(scores[c] - best));
+      float* o = op + row * heads * d + head * d;
+      std::fill(o, o + d, 0.f);
+      for (int64_t c = 0; c < count; ++c) {
+        const float p = scores[c] / total;
+        const float* v = vp + where[c] + offset;
+        for (int64_t i = 0; i < d; ++i) o[i] += p * v[i];
+      }
+    }
+  });
+  return out;
+}
