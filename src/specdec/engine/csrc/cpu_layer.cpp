@@ -178,41 +178,74 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& keys,
   // one (row, head) a job; a job's keys are its row's, the same for the row's heads
   at::parallel_for(0, batch * rows * heads, 8, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(window + 16);  // exp runs over whole vectors
-    std::vector<int64_t> where(window + 64);  // a tree's ancestors may sit past the window  // each seen key's offset in the pool, less its head's
+    std::vector<int64_t> where(window);  // each seen key's offset in the pool, less its head's
     for (int64_t job = begin; job < end; ++job) {
       const int64_t row = job / heads, head = job % heads, b = row / rows;
       const int64_t seen_before = std::min(visp[row], window);
       const uint64_t tree = static_cast<uint64_t>(ap[row]);
       int64_t count = 0;
-      auto add = [&](int64_t key) {
+      auto block_of = [&](int64_t key) {
         const int64_t block = tp[b * blocks + key / block_size];
         TORCH_CHECK(block >= 0 && block < pool_blocks, "cpu_layer: a table entry outside the pool");
-        where[count++] = (block * block_size + key % block_size) * kv_heads * d;
+        return block * block_size * kv_heads * d;
       };
-      for (int64_t key = 0; key < seen_before; ++key) add(key);
+      auto add = [&](int64_t key) { where[count++] = block_of(key) + (key % block_size) * kv_heads * d; };
+      for (int64_t start = 0; start < seen_before; start += block_size) {  // the cache, a block at a time
+        const int64_t base = block_of(start), end = std::min(start + block_size, seen_before);
+        for (int64_t key = start; key < end; ++key) where[count++] = base + (key - start) * kv_heads * d;
+      }
       for (int64_t bit = 0; bit < 64 && (tree >> bit); ++bit) {
         if ((tree >> bit) & 1 && visp[row] + bit < window) add(visp[row] + bit);
       }
       const int64_t offset = (head / groups) * d;
       const float* query = qp + (row * heads + head) * d;
       float best = -std::numeric_limits<float>::infinity();
-      for (int64_t c = 0; c < count; ++c) {
-        scores[c] = cpu_layer::dot(query, kp + where[c] + offset, d) * scaling;
-        best = std::max(best, scores[c]);
+      if (d == 64) {  // the common head size: the query in registers
+        const cpu_layer::lanes q0 = cpu_layer::load(query), q1 = cpu_layer::load(query + 16),
+                               q2 = cpu_layer::load(query + 32), q3 = cpu_layer::load(query + 48);
+        for (int64_t c = 0; c < count; ++c) {
+          const float* k = kp + where[c] + offset;
+          const cpu_layer::lanes acc = (q0 * cpu_layer::load(k) + q1 * cpu_layer::load(k + 16)) +
+                                       (q2 * cpu_layer::load(k + 32) + q3 * cpu_layer::load(k + 48));
+          scores[c] = cpu_layer::sum_lanes(acc) * scaling;
+          best = std::max(best, scores[c]);
+        }
+      } else {
+        for (int64_t c = 0; c < count; ++c) {
+          scores[c] = cpu_layer::dot(query, kp + where[c] + offset, d) * scaling;
+          best = std::max(best, scores[c]);
+        }
       }
       // exp over whole vectors of scores (the buffer has room past count), summed over the first count
       float total = 0.f;
       for (int64_t c = 0; c < count; c += 16) {
-        const cpu_layer::lanes e = cpu_layer::exp_lanes(cpu_layer::load(scores.data() + c) - cpu_layer::splat(best));
+        const auto e = cpu_layer::exp_lanes(cpu_layer::load(scores.data() + c) - cpu_layer::splat(best));
         __builtin_memcpy(scores.data() + c, &e, sizeof(e));
       }
       for (int64_t c = 0; c < count; ++c) total += scores[c];
       float* o = op + row * heads * d + head * d;
       std::fill(o, o + d, 0.f);
-      for (int64_t c = 0; c < count; ++c) {
-        const float p = scores[c] / total;
-        const float* v = vp + where[c] + offset;
-        for (int64_t i = 0; i < d; ++i) o[i] += p * v[i];
+      const float inverse = 1.f / total;
+      if (d == 64) {  // the sums in registers
+        cpu_layer::lanes o0 = {}, o1 = {}, o2 = {}, o3 = {};
+        for (int64_t c = 0; c < count; ++c) {
+          const cpu_layer::lanes p = cpu_layer::splat(scores[c] * inverse);
+          const float* v = vp + where[c] + offset;
+          o0 += p * cpu_layer::load(v);
+          o1 += p * cpu_layer::load(v + 16);
+          o2 += p * cpu_layer::load(v + 32);
+          o3 += p * cpu_layer::load(v + 48);
+        }
+        __builtin_memcpy(o, &o0, 64);
+        __builtin_memcpy(o + 16, &o1, 64);
+        __builtin_memcpy(o + 32, &o2, 64);
+        __builtin_memcpy(o + 48, &o3, 64);
+      } else {
+        for (int64_t c = 0; c < count; ++c) {
+          const float p = scores[c] * inverse;
+          const float* v = vp + where[c] + offset;
+          for (int64_t i = 0; i < d; ++i) o[i] += p * v[i];
+        }
       }
     }
   });
