@@ -10,7 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from specdec.engine import kernels, panel_linear
 from specdec.engine.build import dynamic_executor, static_executor
 from specdec.engine.executor import Step
-from specdec.engine.llama_forward import ancestor_bits, attention_mask, Batch
+from specdec.engine.llama_forward import CPU_KERNEL_ROWS, ancestor_bits, attention_mask, Batch
 
 CPU = kernels.cpu(torch.device("cpu"), torch.float32)
 pytestmark = pytest.mark.skipif(CPU is None, reason=f"the CPU kernels did not build: {panel_linear.build().problem}")
@@ -121,11 +121,12 @@ def test_the_static_executor_on_the_cpu_kernels_matches_the_dynamic_one(packed_l
     model, plain = packed_llama
     paged, reference = static(model), dynamic_executor(plain)
     llama = paged.forward.llama
+    assert CPU_KERNEL_ROWS < 80
     assert llama.kernels is not kernels.EAGER and llama.attention == "paged" and llama.cpu_attention
     assert all(isinstance(f, panel_linear.PanelLinear) for f in llama.qkv + llama.gate_up)  # one product each
     gen = torch.Generator().manual_seed(1)
     lengths = {}
-    for seq, size in enumerate([3, 17, 40], 1):
+    for seq, size in enumerate([3, 17, 80], 1):  # 80 rows: past CPU_KERNEL_ROWS, SDPA's
         prompt = torch.randint(0, 97, (size,), generator=gen).tolist()
         a, b = reference.extend(seq, 0, prompt, 2), paged.extend(seq, 0, prompt, 2)
         assert torch.allclose(a, b, atol=1e-4), (a - b).abs().max()
