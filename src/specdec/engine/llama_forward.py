@@ -155,7 +155,9 @@ class LlamaForward:
         # StaticForward.fuse swaps in compiled ones where CUDA graphs run
         self.cpu = kernels.cpu(pool.keys[0].device, pool.keys[0].dtype)
         self.kernels = self.cpu or kernels.EAGER
-        self.cpu_paged_attention = panel_linear.build().module.paged_attention if self.cpu else None
+        # On the CPU, csrc/cpu_layer.cpp's attention (built with the kernels); the Triton kernel elsewhere
+        self.cpu_attention = self.cpu is not None
+        self.cpu_paged_attention = panel_linear.build().module.paged_attention if self.cpu_attention else None
         self.body = model.model
         attn = self.body.layers[0].self_attn
         self.head_dim = attn.head_dim
@@ -172,8 +174,6 @@ class LlamaForward:
     def _attention(self, wanted: str, keys: torch.Tensor) -> str:
         if wanted not in tn.ATTENTION_KINDS:
             raise ValueError(f"attention must be one of {tn.ATTENTION_KINDS}, got {wanted!r}")
-        # On the CPU, csrc/cpu_layer.cpp's kernel (float32, where it is built); the Triton kernel elsewhere
-        self.cpu_attention = keys.device.type == "cpu" and self.cpu is not None
         if keys.device.type == "cpu":
             problem = None if self.cpu else f"the CPU attention kernel runs float32 models, not {keys.dtype}" \
                 if keys.dtype != torch.float32 else f"the CPU kernels did not build: {panel_linear.build().problem}"
@@ -233,8 +233,8 @@ class LlamaForward:
         groups = body.config.num_attention_heads // kv_heads
         paged = self.attention == "paged"
         # On the CPU the kernel serves decode and verify forwards; a prompt's rows go to SDPA, whose blocked
-        # products scale better with the rows (the kernel runs each row's keys on its own: a 2000-token
-        # prompt took 1.8x SDPA's time)
+        # products scale better with the rows (the kernel runs each row's keys on its own; measured in
+        # docs/results/2026-11-30-cpu-layer-kernels.md)
         on_cpu = paged and self.cpu_attention and t <= CPU_KERNEL_ROWS
         triton = paged and not self.cpu_attention
         if triton:  # how far into its window each sequence's rows see (its cache and its new rows)

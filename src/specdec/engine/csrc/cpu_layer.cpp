@@ -3,8 +3,8 @@
 //
 // Why: a decode step of the default pair's target ran 30 layers of a dozen small torch operations each
 // (an RMSNorm alone is eight), and on a CPU each costs its dispatch, its allocation and a pass through
-// memory whatever the size: over half of the step was that, not the matrix products (a 1-row step 29.5
-// ms eager, 17.0 ms with these; docs/results/2026-11-30-cpu-layer-kernels.md). The attention reads the
+// memory whatever the size: over half of the step was that, not the matrix products
+// (docs/results/2026-11-30-cpu-layer-kernels.md). The attention reads the
 // paged KV pool in place (no window gathered per layer) and sees what `llama_forward.attention_mask`
 // says: the keys before `visible`, and a tree's ancestors right after them.
 //
@@ -49,7 +49,7 @@ inline lanes splat(float x) { return lanes{x, x, x, x, x, x, x, x, x, x, x, x, x
 
 // exp of 16 values at once (x <= 0 here: scores less their maximum), within 2 ulp of expf: exp(x) =
 // 2^n exp(r), n = round(x / ln 2), r = x - n ln 2 in two parts, exp(r) by Cephes' degree-6 polynomial.
-// A scalar expf a key made the attention of a 9-row verify cost 7 ms a step.
+// A scalar expf per key was most of a verify's attention (the results page above).
 inline lanes exp_lanes(lanes x) {
   x = x < splat(-87.0f) ? splat(-87.0f) : x;  // exp(-87) ~ 1.6e-38: 2^n stays a normal float
   const lanes round = splat(12582912.0f);  // 1.5 * 2^23: adding and subtracting it rounds to an integer
