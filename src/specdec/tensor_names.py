@@ -138,7 +138,9 @@ SKIP_SEARCH = "auto"  # draft_model's skip_layers: searched on the fly (else a l
 DEFAULT_DRAFT_STOP_BELOW = 0.3
 BUILTIN_DRAFTS = (NGRAM, SUFFIX)  # the model-free methods: a draft costs (almost) nothing
 DTYPE_NAMES = ("float32", "float16", "bfloat16", "float64")  # the models' `dtype` parameter
-WEIGHTS_DTYPES = ("same", "fp8")  # the models' `weights_dtype`: the linears' weights in `dtype`, or FP8 (fp8_linear.py)
+# the models' `weights_dtype`: the linears' weights in `dtype`, FP8 (fp8_linear.py, GPUs), or rounded to 8-bit
+# blocks (panel_linear.round_q8: the CPU's panel kernel, float32)
+WEIGHTS_DTYPES = ("same", "fp8", "q8")
 
 # ---- request defaults (what a request that leaves an input out gets) ---------------------------------
 DEFAULT_TEMPERATURE = 0.0  # greedy

@@ -209,3 +209,40 @@ def test_the_loader_and_the_executor_run_panels_unpadded(fp32_llama, tmp_path):
     auto = load_causal_lm(str(tmp_path), linear_kernels="auto")
     held = any(isinstance(m, panel_linear.PanelLinear) for m in auto.modules())
     assert held == auto.linear_kernel_choice.panels and auto.linear_kernel_choice.times.panels is not None
+
+
+def test_weights_rounded_to_8_bit_blocks_are_held_as_their_codes_and_4_bit_ones_stay(fp32_llama, tmp_path):
+    """weights_dtype q8 (panel_linear.round_q8): each block of 32 inputs within half a step of its scale
+    (greatest magnitude / 127), held by the 8-bit encoding exactly, whatever the weights' magnitude (zero
+    blocks too); weights a GGUF file held in 4-bit blocks are left as they are; the loader says so and
+    refuses it off the CPU's float32 panel kernel."""
+    from specdec.engine.loading import load_causal_lm
+
+    gen = torch.Generator().manual_seed(0)
+    for magnitude in (1e-4, 1.0, 30.0):
+        weight = torch.randn(70, 96, generator=gen) * magnitude
+        weight[5, 32:64] = 0
+        rounded = panel_linear.round_q8(weight)
+        step = weight.view(70, 3, 32).abs().amax(-1, keepdim=True) / 127
+        assert ((rounded - weight).view(70, 3, 32).abs() <= step / 2 * (1 + 1e-5)).all()
+        assert panel_linear.encode(rounded).kind == "q8" and torch.equal(rounded[5, 32:64], torch.zeros(32))
+        assert 0 < (rounded - weight).norm() / weight.norm() < 0.01
+    assert torch.equal(panel_linear.round_q8(torch.ones(4, 30)), torch.ones(4, 30))  # no whole blocks: as it is
+    model = copy.deepcopy(fp32_llama)
+    q4 = model.model.layers[0].mlp.down_proj.weight
+    codes = torch.randint(0, 16, q4.shape, generator=gen).float()
+    codes[:, 0::32], codes[:, 1::32] = 0, 15  # each block spans its codes (its scale read back from them)
+    with torch.no_grad():
+        q4.copy_(codes * 0.0625 - 0.5)  # a 4-bit block's values: codes x a half-precision scale + the least
+    kept = q4.detach().clone()
+    assert panel_linear.quantize_linears(model) == 2 * 7 + 1 - 1
+    assert torch.equal(model.model.layers[0].mlp.down_proj.weight, kept)
+    assert torch.equal(model.model.embed_tokens.weight, fp32_llama.model.embed_tokens.weight)
+    fp32_llama.save_pretrained(tmp_path)
+    lines = []
+    loaded = load_causal_lm(str(tmp_path), weights_dtype="q8", linear_kernels="panels", log=lines.append)
+    assert "15 linear layers rounded to 8-bit blocks" in lines[0]
+    assert {m.encoding for m in loaded.modules() if isinstance(m, panel_linear.PanelLinear)} == {"q8"}
+    for kwargs in ({"dtype": "bfloat16"}, {"linear_kernels": "onednn"}, {"device": "meta"}):
+        with pytest.raises(ValueError, match="weights_dtype=q8"):
+            load_causal_lm(str(tmp_path), weights_dtype="q8", **kwargs)

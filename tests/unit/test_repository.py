@@ -113,3 +113,19 @@ def test_render_sets_a_pairs_parameters_of_single_models(tmp_path):
     repo = render(pair, tmp_path / "repo")
     assert 'key: "draft_stop_below", value: { string_value: "0" }' in (repo / "draft_model_b" / "config.pbtxt").read_text()
     assert 'key: "draft_stop_below", value: { string_value: "0.3" }' in (repo / "draft_model" / "config.pbtxt").read_text()
+
+
+def test_render_rounds_the_heads_weights_on_a_cpu_in_float32_only(tmp_path):
+    """cpu_head_weights_dtype (the default pair's q8): the heads' weights_dtype on a CPU in float32; elsewhere,
+    and for the models, the pair's weights_dtype."""
+    import dataclasses
+
+    pair = PairSpec(name="t", target_path="/w/target", tokenizer_path="/w/target", draft_paths={"draft_model": "/w/d"},
+                    draft_heads={"eagle3": "/w/head"}, cpu_head_weights_dtype="q8")
+    for spec, head, models in ((pair, "q8", "same"), (dataclasses.replace(pair, device="gpu"), "same", "same"),
+                               (dataclasses.replace(pair, dtype="bfloat16"), "same", "same"),
+                               (dataclasses.replace(pair, device="gpu", weights_dtype="fp8"), "fp8", "fp8"),
+                               (dataclasses.replace(pair, cpu_head_weights_dtype="same", weights_dtype="q8"), "q8", "q8")):
+        repo = render(spec, tmp_path / f"repo-{spec.device}-{spec.dtype}-{spec.weights_dtype}-{spec.cpu_head_weights_dtype}")
+        for name, want in (("eagle3", head), ("target_model", models), ("draft_model", models)):
+            assert f'key: "weights_dtype", value: {{ string_value: "{want}" }}' in (repo / name / "config.pbtxt").read_text()

@@ -19,6 +19,8 @@
                  and the search of which over the live text
   head_executor  drafting with a head over the target's features, per-sequence KV with rollback
   head_graphs    a head's one-token draft step replayed as CUDA graphs over a pool of sequences' KV
+  head_kernels   a head's step on the CPU's layer kernels (csrc/cpu_layer.cpp), its draft vocabulary's
+                 logits kept unscattered for a greedy pick
   cuda_graphs    pinned input staging and one bucket's forward captured as a CUDA graph
   kernels        a Llama layer's pointwise math as pure functions, and their compiled (fused) form
   loading        loads a model (Hugging Face directory, GGUF file, FP8 checkpoint) on a device, in a dtype

@@ -35,6 +35,7 @@ from specdec.decoding.sampling import SamplingParams, greedy, logits_to_probs, s
 from specdec.engine.draft_heads import EagleHead, HeadCache, MedusaHeads
 from specdec.engine.errors import CacheError, CapacityError
 from specdec.engine.executor import Executor
+from specdec.engine.head_kernels import ANCESTOR_BITS, DraftLogits, HeadKernels
 from specdec.engine.interfaces import Drafted, Step
 
 
@@ -45,7 +46,7 @@ class HeadSequence:
     # The newest entry's output (EAGLE: the head's feature (1, h) and logits (V,), what the next draft
     # starts from; Medusa: the target's feature (F,))
     last_feature: torch.Tensor | None = None
-    last_logits: torch.Tensor | None = None
+    last_logits: torch.Tensor | DraftLogits | None = None
     entries: int = 0  # entries holding the target's features (Medusa: positions seen)
     last_used: float = 0.0
 
@@ -72,11 +73,12 @@ class _Captured(_NoForward):
 class HeadExecutor:
     """graphs (EAGLE heads on CUDA; default there): the one-token draft steps replay CUDA graphs over a pool
     of `graph_slots` sequences x `max_context` positions (head_graphs.py); sequences past the slots run
-    eagerly."""
+    eagerly. cpu_kernels (EAGLE heads in float32 on a CPU; default there): every step on the CPU's layer
+    kernels (head_kernels.py) instead of the module's torch operations."""
 
     def __init__(self, head: EagleHead | MedusaHeads, max_sequences: int = 256, idle_timeout_s: float = 600.0,
                  clock: Callable[[], float] = time.monotonic, graphs: bool | None = None, max_context: int = 8192,
-                 graph_slots: int = 32):
+                 graph_slots: int = 32, cpu_kernels: bool | None = None):
         self.head = head
         self.config = head.config
         # a head whose linears are all prepacked (onednn_linear: Medusa's) holds buffers, no parameters
@@ -94,6 +96,10 @@ class HeadExecutor:
         self.ahead_taken, self.ahead_used, self.ahead_dropped = {}, 0, 0  # nothing runs ahead (Executor's run_ahead)
         if graphs is None:
             graphs = self.device.type == "cuda"
+        self.kernels = HeadKernels.serving(head) if cpu_kernels is not False else None
+        if cpu_kernels and self.kernels is None:
+            raise ValueError("cpu_kernels: the CPU layer kernels serve EAGLE heads in float32 on a CPU "
+                             "(with the kernels built)")
         self.pool = self.steps = None
         if graphs and isinstance(head, EagleHead):
             from specdec.engine.head_graphs import CapturedSteps, HeadPool
@@ -184,7 +190,7 @@ class HeadExecutor:
         features = self._features(step, needed)
         if needed:
             tokens = torch.tensor(step.new_ids[1:], device=self.device)
-            hidden, logits = head(tokens, head.from_target(features), seq.cache, step.keep)
+            hidden, logits = self._chain(tokens, head.from_target(features), seq.cache, step.keep)
             seq.last_feature, seq.last_logits = hidden[-1:], logits[-1]
             self.tokens_processed += needed
         seq.entries = seq.cache.length = step.keep + needed
@@ -203,10 +209,20 @@ class HeadExecutor:
                 if seq.slot is not None and self.steps.graphs:  # captured (warm_up)
                     hidden, logits = self.steps.run(token, hidden, seq.entries + j, seq.slot)
                 else:
-                    hidden, logits = head(token.reshape(1), hidden, seq.cache, seq.entries + j)
+                    hidden, logits = self._chain(token.reshape(1), hidden, seq.cache, seq.entries + j)
                     logits = logits[-1]
         seq.cache.length = seq.entries  # the drafted entries go: the target's features replace them
         return Drafted(torch.cat(drafted).tolist(), torch.stack(probs) if probs else None, seq.entries)
+
+    def _chain(self, tokens: torch.Tensor, hidden: torch.Tensor, cache: HeadCache, start: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The head over entries start.. (each seeing the cache up to itself): EagleHead.forward."""
+        if self.kernels is None:
+            return self.head(tokens, hidden, cache, start)
+        m = tokens.shape[0]
+        positions = torch.arange(start, start + m)
+        return self.kernels.step(tokens, hidden, positions, cache, start, positions + 1, torch.zeros_like(positions),
+                                 reduced=True)
 
     def _eagle_tree(self, seq: HeadSequence, step: Step) -> Drafted:
         """EAGLE-2's dynamic tree of at most k nodes (draft_tree.best_first_tree): each level's nodes run
@@ -222,29 +238,39 @@ class HeadExecutor:
         slot_of: dict[int, int] = {}
         parent_of: dict[int, int] = {}
         level_of = {-1: -1}
+        # the drafted entries a run node sees (its ancestors' and its own), as bits past the sequence's
+        bits_of = {-1: 0}
         used = start  # the next free cache slot
 
         def expand(nodes: list[int], parents: list[int], tokens: list[int]) -> torch.Tensor:
             nonlocal used
             m = len(nodes)
             level = level_of[parents[0]] + 1
-            visible = torch.zeros(m, used + m, dtype=torch.bool, device=self.device)
-            visible[:, :start] = True
-            for row, (node, parent) in enumerate(zip(nodes, parents)):
-                visible[row, used + row] = True
-                ancestor = parent
-                while ancestor >= 0:
-                    visible[row, slot_of[ancestor]] = True
-                    ancestor = parent_of[ancestor]
             first = used
+            token_ids = torch.tensor(tokens, device=self.device)
+            inputs = torch.cat([hidden_of[parent] for parent in parents])
+            positions = torch.full((m,), start + level, device=self.device)
+            for row, (node, parent) in enumerate(zip(nodes, parents)):
+                bits_of[node] = bits_of[parent] | 1 << (first + row - start)
+            if self.kernels is not None and first + m - start <= ANCESTOR_BITS:
+                bits = [bits_of[node] - (1 << 64 if bits_of[node] >> 63 else 0) for node in nodes]  # as int64
+                hidden, logits = self.kernels.step(token_ids, inputs, positions, seq.cache, first,
+                                                   torch.full((m,), start), torch.tensor(bits))
+            else:
+                visible = torch.zeros(m, first + m, dtype=torch.bool, device=self.device)
+                visible[:, :start] = True
+                for row, (node, parent) in enumerate(zip(nodes, parents)):
+                    visible[row, first + row] = True
+                    ancestor = parent
+                    while ancestor >= 0:
+                        visible[row, slot_of[ancestor]] = True
+                        ancestor = parent_of[ancestor]
 
-            def window(k, v):
-                keys, values = seq.cache.write(first, k, v)
-                return keys, values, visible
+                def window(k, v):
+                    keys, values = seq.cache.write(first, k, v)
+                    return keys, values, visible
 
-            hidden, logits = head.step(torch.tensor(tokens, device=self.device),
-                                       torch.cat([hidden_of[parent] for parent in parents]),
-                                       torch.full((m,), start + level, device=self.device), window)
+                hidden, logits = head.step(token_ids, inputs, positions, window)
             for row, (node, parent) in enumerate(zip(nodes, parents)):
                 hidden_of[node], slot_of[node], parent_of[node], level_of[node] = hidden[row:row + 1], first + row, parent, level
             used += m
@@ -257,8 +283,10 @@ class HeadExecutor:
         return Drafted(tokens, None, seq.entries, parents)
 
     @staticmethod
-    def _scores(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    def _scores(logits: torch.Tensor | DraftLogits, params: SamplingParams) -> torch.Tensor:
         """What a tree ranks candidates by: the log-probabilities of the (processed, when sampling) distribution."""
+        if isinstance(logits, DraftLogits):
+            logits = logits.full()
         if params.greedy:
             return torch.log_softmax(logits.float(), dim=-1)
         return logits_to_probs(logits, params).float().log()
@@ -290,13 +318,20 @@ class HeadExecutor:
                 break
         return Drafted(torch.cat(drafted).tolist(), torch.stack(probs) if probs else None, seq.entries)
 
-    def _unsure(self, logits: torch.Tensor, token: torch.Tensor) -> bool:
+    def _unsure(self, logits: torch.Tensor | DraftLogits, token: torch.Tensor) -> bool:
         """Whether the confidence stop ends the proposal after `token` (Executor.stop_below)."""
-        return bool(self.stop_below) and stops_after(float(token_probability(logits, token)), self.stop_below)
+        if not self.stop_below:
+            return False
+        probability = logits.probability(token) if isinstance(logits, DraftLogits) else token_probability(logits, token)
+        return stops_after(float(probability), self.stop_below)
 
     @staticmethod
-    def _pick(logits: torch.Tensor, step: Step, probs: list) -> torch.Tensor:
+    def _pick(logits: torch.Tensor | DraftLogits, step: Step, probs: list) -> torch.Tensor:
         """logits (V,) -> a (1,) token: greedy, or sampled from the processed distribution (kept in probs)."""
+        if isinstance(logits, DraftLogits):
+            if step.params.greedy:
+                return logits.greedy().reshape(1)
+            logits = logits.full()
         if step.params.greedy:
             return greedy(logits).reshape(1)
         p = logits_to_probs(logits, step.params)

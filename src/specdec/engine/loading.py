@@ -36,7 +36,8 @@ def load_causal_lm(model_path: str, device: str = "cpu", dtype: str = "float32",
     weights on CPU where that times faster at load on this machine (`onednn_linear.choose`), "onednn" and
     "panels" require theirs, "torch" keeps torch's own.
     weights_dtype: "same" keeps the linears' weights in `dtype`; "fp8" stores them in FP8 with a scale per
-    output channel (`fp8_linear.py`; the vocabulary head stays in `dtype`); `log` gets a line saying how.
+    output channel (`fp8_linear.py`; the vocabulary head stays in `dtype`); "q8" rounds them to 8-bit
+    blocks for the CPU's panel kernel (`quantize_q8`); `log` gets a line saying how.
     """
     from transformers import AutoModelForCausalLM
 
@@ -45,6 +46,8 @@ def load_causal_lm(model_path: str, device: str = "cpu", dtype: str = "float32",
     if weights_dtype == "fp8" and linear_kernels in ("onednn", "panels"):
         raise ValueError(f"weights_dtype=fp8 and linear_kernels={linear_kernels} exclude each other (its "
                          "weights are float32/bfloat16)")
+    if weights_dtype == "q8":
+        check_q8(device, dtype, linear_kernels)
     path = Path(model_path)
     if not path.exists():
         raise FileNotFoundError(f"model_path {model_path!r} does not exist")
@@ -80,9 +83,30 @@ def load_causal_lm(model_path: str, device: str = "cpu", dtype: str = "float32",
                 + (f"of up to {fp8_linear.KERNEL_ROWS} rows in the FP8 kernel (launch "
                    f"{','.join(map(str, fp8_linear.kernel_config()))})" if why_not is None
                    else f"dequantized ({why_not})"))
+    if weights_dtype == "q8":
+        quantize_q8(model, model_path, log)
     if weights_dtype != "fp8":  # the linears left dense (all but an FP8 checkpoint's)
         onednn_linear.apply(linear_kernels, model, model_path, log)
     return model
+
+
+def check_q8(device: str, dtype: str, linear_kernels: str) -> None:
+    """weights_dtype=q8 is for the CPU's panel kernel: float32 on a CPU, linear_kernels auto or panels."""
+    if torch.device(device).type != "cpu" or dtype != "float32" or linear_kernels not in ("auto", "panels"):
+        raise ValueError(f"weights_dtype=q8 rounds the weights for the CPU's panel kernel: it needs device cpu, "
+                         f"dtype float32 and linear_kernels auto or panels, got {device}, {dtype}, {linear_kernels}")
+
+
+def quantize_q8(model: torch.nn.Module, model_path: str, log=None) -> int:
+    """Round the model's linear weights to 8-bit blocks in place (panel_linear.round_q8): lossy, as FP8
+    is; speculation stays exact with respect to the model so served. Returns how many."""
+    from specdec.engine import panel_linear
+
+    rounded = panel_linear.quantize_linears(model)
+    if log is not None:
+        log(f"{model_path}: {rounded} linear layers rounded to 8-bit blocks (weights_dtype q8: a scale per 32 "
+            "inputs, GGUF's Q8_0)")
+    return rounded
 
 
 def fp8_checkpoint(path: Path) -> str | None:

@@ -227,6 +227,40 @@ def q8_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     return codes.to(torch.int8).view(n, k), scale.view(n, -1)
 
 
+def round_q8(weight: torch.Tensor) -> torch.Tensor:
+    """weight (N, K) -> the nearest weight q8_blocks holds exactly (`weights_dtype: q8`): per block of 32
+    inputs, codes -127..127 times the block's greatest magnitude / 127, float32. Lossy (about 0.5 % of
+    the weights' norm); K not a multiple of 32: the weight as it is.
+
+    The scale is taken where dividing 127 times it by 127 gives it back, so that q8_blocks, which reads
+    each block's scale back from its greatest value (code ±127), finds the same one."""
+    blocks = _blocks(weight.detach().float())
+    if blocks is None:
+        return weight.detach().float()
+    scale = blocks.abs().amax(-1, keepdim=True) / 127
+    for _ in range(4):  # a fixed point of s -> (127 s) / 127 in float32 (one or two steps)
+        scale = (scale * 127) / 127
+    codes = (blocks / torch.where(scale > 0, scale, 1.0)).round().clamp(-127, 127)
+    return (codes * scale).view(weight.shape)
+
+
+@torch.no_grad()
+def quantize_linears(model: nn.Module) -> int:
+    """Round every nn.Linear weight of `model` to 8-bit blocks in place (`round_q8`; a weight tied to the
+    embedding gets its own copy, the embedding keeps its values): the panel kernel then streams each as
+    its 8-bit codes. Weights already held exactly in 4- or 8-bit blocks (a GGUF model's) stay as they are.
+    Returns how many were rounded."""
+    replaced = 0
+    for module in model.modules():
+        if isinstance(module, nn.Linear) and module.weight.shape[1] % BLOCK == 0:
+            weight = module.weight.detach().float()
+            if q4_blocks(weight) is not None or q8_blocks(weight) is not None:
+                continue
+            module.weight = nn.Parameter(round_q8(module.weight).to(module.weight.dtype), requires_grad=False)
+            replaced += 1
+    return replaced
+
+
 def _pack_blocks(values: torch.Tensor) -> torch.Tensor:
     """Per-block values (N, K / 32) -> (P, K / 32, PANEL), float32, the missing columns zero."""
     return pack(values.float())

@@ -299,8 +299,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--default-draft", default="",
                         help="the draft a request that names none gets (a draft model, a head, ngram or suffix)")
     parser.add_argument("--weights-dtype", default="same", choices=tn.WEIGHTS_DTYPES,
-                        help="the models' linear weights: in --dtype (same), or FP8 with a scale per output channel "
-                             "(fp8: a weight-only FP8 kernel on GPUs, dequantized on CPU; docs/configuration.md)")
+                        help="the models' linear weights: in --dtype (same), FP8 with a scale per output channel "
+                             "(fp8: a weight-only FP8 kernel on GPUs, dequantized on CPU), or rounded to 8-bit "
+                             "blocks (q8: the CPU's panel kernel, float32; weights already in 4- or 8-bit blocks "
+                             "stay); docs/configuration.md")
     parser.add_argument("--compile", default="auto", choices=tn.COMPILE_MODES,
                         help="the models' executor: auto = static shapes + CUDA graphs on GPUs, eager on CPU "
                              "(the static executor's C++ layer kernels for float32 Llama-family models)")

@@ -47,6 +47,9 @@ class PairSpec:
     default_draft: str = ""  # the method used when a request names none; "" = the first draft model
     dtype: str = "float32"
     weights_dtype: str = "same"  # tn.WEIGHTS_DTYPES: fp8 stores the models' linear weights in FP8 (fp8_linear.py)
+    # q8: where the pair is served on a CPU in float32, the heads' linears rounded to 8-bit blocks for the panel
+    # kernel whatever weights_dtype says; same: the heads' weights as weights_dtype says
+    cpu_head_weights_dtype: str = "same"
     max_context_tokens: int = tn.DEFAULT_MAX_CONTEXT_TOKENS
     apply_chat_template: bool = False
     # Placement. "gpu": the target on target_gpu (or, with spread_target, over every GPU the server sees
@@ -227,6 +230,10 @@ def default_pair() -> PairSpec:
         name="default", target_path=str(target), tokenizer_path=str(target),
         draft_paths={"draft_model": str(draft)}, draft_heads={DEFAULT_PAIR_HEAD_NAME: str(DEFAULT_PAIR_HEAD)},
         default_draft=tn.NGRAM, dtype="float32",
+        # The head's linears in 8-bit blocks on a CPU: its step streams 11 MiB instead of bfloat16's 19 (a K=4
+        # call after a target step 3.6-3.8 ms against 4.4-4.8), its acceptance the same
+        # (docs/results/2026-11-30-cpu-head-kernels.md)
+        cpu_head_weights_dtype="q8",
         max_context_tokens=int(max_pos), apply_chat_template=True,
         # Up to 16 tokens a round, adaptive: a lookup proposes at most the span it found, and with
         # oneDNN kernels verifying 17 positions costs about one target step.

@@ -96,8 +96,11 @@ def render(pair: PairSpec, dest: Path) -> Path:
     for name, path in drafts:
         edit(name, {**lm_settings(path, "draft"), "target_tokenizer_path": pair.tokenizer_path},
              instance_group(pair, "draft"))
+    head_weights = (pair.cpu_head_weights_dtype if pair.device == "cpu" and pair.dtype == "float32"
+                    and pair.cpu_head_weights_dtype != "same" else pair.weights_dtype)
     for name, path in pair.draft_heads.items():
         edit(name, {**lm_settings(path, "draft"), "draft_kind": "head", "target_path": pair.target_path,
+                    "weights_dtype": head_weights,
                     "target_draft_heads": heads, "target_tokenizer_path": pair.tokenizer_path},
              instance_group(pair, "draft"))
     for name, layers in pair.skip_drafts.items():  # the target's own weights, some layers left out

@@ -29,7 +29,7 @@ from specdec.engine.build import ExecutorConfig, build_executor
 from specdec.engine.draft_heads import HeadError, load_head_for, rows_forward, served_layers
 from specdec.engine.executor import CacheError, CapacityError, Scored, Step
 from specdec.engine.head_executor import HeadExecutor
-from specdec.engine.loading import load_causal_lm
+from specdec.engine.loading import check_q8, load_causal_lm, quantize_q8
 from specdec.engine.skip_layers import LayerSkipForward, SkipTuner, parse_layers
 from specdec.triton.adapter import TritonAdapter
 from specdec.triton.config import ConfigError, ModelParameters
@@ -545,12 +545,18 @@ class DraftModel(LanguageModelAdapter):
         # A trained head: the target's embedding (and EAGLE-1's lm_head) copied into this process.
         head_path, target_path = params.str("model_path"), params.str("target_path")
         dtype = getattr(torch, params.str("dtype", "float32", choices=tn.DTYPE_NAMES))
+        linear_kernels = params.str("linear_kernels", "auto", choices=onednn_linear.KINDS)
+        # q8 rounds a head's linears as a model's; fp8 (a pair's setting for its models) leaves it in dtype
+        weights_dtype = params.str("weights_dtype", "same", choices=tn.WEIGHTS_DTYPES)
         try:
+            if weights_dtype == "q8":
+                check_q8(device, params.str("dtype", "float32"), linear_kernels)
             head, target_config = load_head_for(head_path, target_path, device, dtype)
-        except HeadError as exc:
+        except (HeadError, ValueError) as exc:
             raise ConfigError(f"{self.name}: {exc}") from None
-        onednn_linear.apply(params.str("linear_kernels", "auto", choices=onednn_linear.KINDS), head, head_path,
-                            self.pb.Logger.log_info, forward=rows_forward(head))
+        if weights_dtype == "q8":  # the head's own linears (the target's embedding it borrows stays)
+            quantize_q8(head, head_path, self.pb.Logger.log_info)
+        onednn_linear.apply(linear_kernels, head, head_path, self.pb.Logger.log_info, forward=rows_forward(head))
         # The target returns the states of the layers its heads read, concatenated: this head's, in its order
         target_layers = target_config.get_text_config().num_hidden_layers
         served = self._served_layers(params, target_layers)
@@ -560,7 +566,9 @@ class DraftModel(LanguageModelAdapter):
             raise ConfigError(f"{self.name}: the head {head_path} reads the target's layers {list(wanted)}, but "
                               f"target_model serves {list(served)} (target_draft_heads must list target_model's "
                               f"draft_heads, this head among them)")
-        self.feature_columns = [served.index(layer) for layer in wanted]
+        columns = [served.index(layer) for layer in wanted]
+        # the head's layers among those served, in its order (None: all of them as served, read as they are)
+        self.feature_columns = None if columns == list(range(len(served))) else torch.tensor(columns)
         self.served_layers = len(served)
         self.pb.Logger.log_info(f"{self.name}: {head.config.kind} head {head_path} over the target {target_path}, "
                                 f"reading layers {list(wanted)}")
@@ -593,7 +601,10 @@ class DraftModel(LanguageModelAdapter):
         if width % self.served_layers:
             raise ValueError(f"{tn.FEATURES} has {width} columns, not a multiple of the target's "
                              f"{self.served_layers} layers")
-        return features.view(rows, self.served_layers, -1)[:, self.feature_columns].flatten(1)
+        if self.feature_columns is None:
+            return features
+        columns = self.feature_columns.to(features.device)
+        return features.view(rows, self.served_layers, -1).index_select(1, columns).flatten(1)
 
     def _run(self, steps):
         return self.lm.propose_many(steps)
