@@ -96,7 +96,11 @@ class HeadKernels:
 
     def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin (m, D) of the positions, from a table made by the head's own rotary module (grown by
-        doubling): each entry is the same product of a frequency and a position as one made alone."""
+        doubling): each entry is the same product of a frequency and a position as one made alone. A
+        dynamic rotary embedding (its frequencies depend on the longest position seen) asks the module."""
+        if "dynamic" in self.head.rotary.rope_type:
+            cos, sin = self.head.rotary(torch.zeros(1, dtype=torch.float32), positions[None])
+            return cos[0], sin[0]
         end = int(positions.max()) + 1
         if end > self.cos.shape[0]:
             size = max(256, 1 << (end - 1).bit_length())
