@@ -32,7 +32,7 @@ from specdec import tensor_names as tn
 from specdec.decoding.draft_length import CostModel, DraftLengthPolicy
 from specdec.decoding.loop import GenerationRequest, Stats, generate
 from specdec.decoding.ngram_proposer import NgramProposer
-from specdec.engine.build import dynamic_executor
+from specdec.engine.build import ExecutorConfig, build_executor
 from specdec.engine.loading import load_causal_lm
 from specdec.engine.local import LocalProposer, LocalScorer
 from specdec.engine.skip_layers import SkipTuner
@@ -117,10 +117,14 @@ def main(argv=None) -> int:
     tokenizer = AutoTokenizer.from_pretrained(spec.tokenizer_path)
     template = args.pair == "default"
     model = load_causal_lm(spec.target_path, dtype=spec.dtype)
-    target = dynamic_executor(model)
-    early = dynamic_executor(load_causal_lm(spec.draft_paths["draft_model"], dtype=spec.dtype))
+    # The executors the server builds (executor auto: on the CPU's kernels the static forward eagerly, the
+    # searched draft's set per sequence; elsewhere transformers' forward), the pools sized for the bench
+    config = ExecutorConfig(max_sequences=16, max_context=2048, kv_pool_tokens=8192)
+    target = build_executor(model, config)
+    early = build_executor(load_causal_lm(spec.draft_paths["draft_model"], dtype=spec.dtype), config)
     layers = model.config.num_hidden_layers
-    skip = dynamic_executor(model, skip_layers=tuple(range(layers // 4, layers - layers // 4, 2)))
+    skip = build_executor(model, ExecutorConfig(max_sequences=16, max_context=2048, kv_pool_tokens=8192,
+                                                skip_layers=tuple(range(layers // 4, layers - layers // 4, 2))))
     tuner = SkipTuner(skip, skip.forward, k_max=K, seed=args.seed, warm_trials=args.warm_trials)
 
     # The search, over prompts of its own
@@ -174,7 +178,8 @@ def main(argv=None) -> int:
         sections.append(f"**{kind} prompts** ({len(prompts)}, {args.max_tokens} tokens each, greedy, adaptive K<={K})"
                         "\n\n" + table(rows, ["setting", "tokens/s", "speedup", "α (accepted/drafted)",
                                               "drafted per round", "tokens per round", "text = target-only"]))
-    text = (f"{machine()}; the {spec.name} pair, in process (dynamic executor, {spec.dtype}). The search: "
+    text = (f"{machine()}; the {spec.name} pair, in process ({type(skip.forward.inner).__name__} "
+            f"under the skip draft, {type(target.forward).__name__} for the target, {spec.dtype}). The search: "
             f"{tuner.search.trials} layer sets measured over {args.search_prompts} prompts of its own in "
             f"{search_s:.1f} s (those generations included); it skips {len(found)} of {layers} layers: "
             f"{list(found)} (agreement {tuner.last_alpha:.2f} with the whole model on its last text, estimated "

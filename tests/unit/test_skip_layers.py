@@ -82,8 +82,16 @@ def test_skip_forward_equals_the_model_without_those_layers(model, kind):
     assert not torch.allclose(got, reference_logits(model, ids[:15])[11:], atol=1e-3)
 
 
-def test_sequences_keep_the_set_they_started_with_in_a_shared_batch(model):
-    lm = dynamic_executor(model, skip_layers=(1, 3))
+def executor_of(model, kind, skip):
+    if kind == "dynamic":
+        return dynamic_executor(model, skip_layers=skip)
+    return static_executor(model, kv_pool_tokens=1024, block_size=8, max_context=128, max_batch=4, max_rows=5,
+                           min_window=16, compile="off", skip_layers=skip)
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "static"])
+def test_sequences_keep_the_set_they_started_with_in_a_shared_batch(model, kind):
+    lm = executor_of(model, kind, (1, 3))
     first, second = without(model, (1, 3)), without(model, (2, 5, 6))
     a, b = list(range(5, 17)), list(range(30, 40))
     lm.extend(1, 0, a, 1)
@@ -126,9 +134,10 @@ def test_search_on_a_synthetic_objective_finds_the_best_set_deterministically():
     assert runs[0] == runs[1] == (2, 3, 7)
 
 
-def test_the_tuner_finds_the_idle_layers_on_live_text():
+@pytest.mark.parametrize("kind", ["dynamic", "static"])
+def test_the_tuner_finds_the_idle_layers_on_live_text(kind):
     model = deep_llama(idle=IDLE)
-    lm = dynamic_executor(model, skip_layers=())
+    lm = executor_of(model, kind, ())
     tuner = SkipTuner(lm, lm.forward, k_max=6, seed=1, context=48, min_context=16, trials_per_text=6)
     assert not tuner.trial()  # no live sequence yet: nothing to measure
     gen = torch.Generator().manual_seed(7)
@@ -180,3 +189,29 @@ def test_the_swift_bench_runs_and_every_setting_is_exact(tmp_path):
     rows = [line for line in out.read_text().splitlines() if line.startswith("| ") and "tokens/s" not in line]
     assert len(rows) == 2 * 5 and all(row.rstrip(" |").endswith("1/1") for row in rows)
     assert "layer sets measured" in out.read_text()
+
+
+def test_on_the_cpu_kernels_a_searched_draft_runs_on_the_static_forward_with_a_set_per_sequence():
+    """executor auto, float32 on the CPU's kernels: the layer-skip draft is the static forward eagerly, a set
+    per sequence (no prefix caching), its logits the model's without those layers up to float32 rounding."""
+    from specdec.engine import kernels
+    from specdec.engine.build import ExecutorConfig, build_executor
+    from specdec.engine.skip_layers import LayerSkipForward
+    from specdec.engine.static_forward import StaticForward
+
+    if kernels.cpu(torch.device("cpu"), torch.float32) is None:
+        pytest.skip("the CPU kernels did not build")
+    model = deep_llama(seed=2).float()
+    lm = build_executor(model, ExecutorConfig(skip_layers=(1, 3), kv_pool_tokens=1024, block_size=8, max_context=128,
+                                              max_batch=4, max_rows=5, min_window=16))
+    assert isinstance(lm.forward, LayerSkipForward) and isinstance(lm.forward.inner, StaticForward)
+    assert lm.kv.prefix is None
+    first, second = without(model, (1, 3)), without(model, (2, 5, 6))
+    a, b = list(range(5, 17)), list(range(30, 40))
+    assert torch.allclose(lm.extend(1, 0, a, 3), reference_logits(first, a)[-3:], atol=1e-4)
+    lm.forward.set_skip((2, 5, 6))
+    lm.extend(2, 0, b, 1)
+    out = lm.extend_many([Step(1, len(a) - 1, [a[-1], 7, 8], 3), Step(2, len(b), [9], 1)])  # a rollback of one
+    assert torch.allclose(out[0], reference_logits(first, a + [7, 8])[-3:], atol=1e-4)
+    assert torch.allclose(out[1], reference_logits(second, b + [9])[-1:], atol=1e-4)
+    assert lm.forward.inner.llama.run_layers == tuple(range(LAYERS))  # every layer again outside a forward

@@ -9,8 +9,9 @@
 where the model allows it and it pays: on a GPU (CUDA graphs: kernel launches dominate eager steps), and
 on the CPU for a float32 model where this project's CPU kernels build (kernels.cpu(): a layer's pointwise
 work and attention one call each, reading the pool in place; transformers' eager forward spends more of
-a step dispatching small operations than multiplying). Elsewhere, and for a layer-skip draft (its search
-changes the set it skips, which only the eager forward can), the dynamic one.
+a step dispatching small operations than multiplying). Elsewhere the dynamic one. A layer-skip draft
+whose set may change (its search) runs eagerly: on the CPU's kernels the static forward with a set per
+sequence, else transformers' forward; with CUDA graphs the static one keeps the set it was captured with.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ class ExecutorConfig:
     block_size: int = 32  # tokens per KV block (the prefix cache's unit; the paged pool's)
     hidden_layers: tuple[int, ...] = ()  # layers whose output a forward also returns (a trained draft's input)
     # A layer-skip self-draft (skip_layers.py): these intermediate layers do not run. None: every layer runs.
-    # Eagerly the set may change (for sequences that start later); the static executor keeps it for life.
+    # Eagerly the set may change (for sequences that start later); with CUDA graphs it is kept for life.
     skip_layers: tuple[int, ...] | None = None
     # dynamic
     prefix_cache_tokens: int = 4096  # the prefix cache's store of copied blocks
@@ -83,18 +84,25 @@ def static_executor(model, max_sequences: int = 256, idle_timeout_s: float = 600
                     kv_memory_fraction: float = 0.4, min_window: int = 128, fuse_kernels: bool | None = None,
                     fuse_mlp: bool | None = None, prefix_caching: bool = True, prefill_rows: int = 0,
                     log: Callable[[str], None] = lambda message: None, hidden_layers: tuple[int, ...] = (),
-                    skip_layers: tuple[int, ...] = (), attention: str = "auto") -> Executor:
+                    skip_layers: tuple[int, ...] | None = None, attention: str = "auto") -> Executor:
     """The static Llama forward over a paged pool (see the module's docstring; the arguments are
-    `PagedKV`'s and `StaticForward`'s)."""
+    `PagedKV`'s and `StaticForward`'s). skip_layers, a layer-skip draft: captured with CUDA graphs, that
+    set for life; eagerly `LayerSkipForward` over the static forward (a set per sequence, no prefix caching)."""
     problem = supports(model)
     if problem:
         raise ValueError(f"the static executor cannot run this model: {problem}")
     if compile not in tn.COMPILE_MODES:  # before the pool is allocated
         raise ValueError(f"compile must be one of {tn.COMPILE_MODES}, got {compile!r}")
-    kv = PagedKV(model, max_sequences, max_context, kv_pool_tokens, kv_memory_fraction, block_size, prefix_caching, log)
+    layers = len(model.model.layers)
+    skip = None if skip_layers is None else check_skip(tuple(skip_layers), layers)
+    eager = compile == "off" or (compile == "auto" and model.device.type != "cuda")
+    per_sequence = skip is not None and eager
+    kv = PagedKV(model, max_sequences, max_context, kv_pool_tokens, kv_memory_fraction, block_size,
+                 prefix_caching and not per_sequence, log)
     forward = StaticForward(model, kv, max_batch, max_rows, compile, min_window, fuse_kernels, fuse_mlp,
-                            prefill_rows, log, hidden_layers, check_skip(tuple(skip_layers), len(model.model.layers)),
-                            attention)
+                            prefill_rows, log, hidden_layers, () if per_sequence or skip is None else skip, attention)
+    if per_sequence:
+        forward = LayerSkipForward(forward, model, skip)
     return Executor(model, kv, forward, max_sequences=max_sequences, idle_timeout_s=idle_timeout_s, clock=clock)
 
 
@@ -105,8 +113,7 @@ def build_executor(model, config: ExecutorConfig, log: Callable[[str], None] = l
     if config.executor == "static" and unsupported:
         raise ValueError(f"executor=static cannot run this model: {unsupported}")
     wants_graphs = config.compile == "graphs" or (config.compile == "auto" and model.device.type == "cuda")
-    cpu_kernels = model.device.type == "cpu" and config.skip_layers is None \
-        and kernels.cpu(model.device, next(model.parameters()).dtype) is not None
+    cpu_kernels = model.device.type == "cpu" and kernels.cpu(model.device, next(model.parameters()).dtype) is not None
     if config.executor == "static" or (config.executor == "auto" and (wants_graphs or cpu_kernels)
                                        and not unsupported):
         return static_executor(
@@ -117,7 +124,7 @@ def build_executor(model, config: ExecutorConfig, log: Callable[[str], None] = l
             fuse_kernels=None if config.fuse_kernels else False, fuse_mlp=None if config.fuse_mlp else False,
             # eagerly, padding prompts into buckets would only cost
             prefill_rows=config.prefill_graph_rows if wants_graphs else 0, min_window=config.min_window, log=log,
-            hidden_layers=config.hidden_layers, skip_layers=config.skip_layers or (), attention=config.attention)
+            hidden_layers=config.hidden_layers, skip_layers=config.skip_layers, attention=config.attention)
     if config.compile == "graphs":
         raise ValueError(f"compile=graphs needs executor=static (got {config.executor}"
                          f"{', ' + unsupported if unsupported else ''})")

@@ -1,7 +1,8 @@
 """A layer-skip self-draft (SWIFT): the target drafts for itself with some of its intermediate decoder
 layers left out, its embedding, final norm and head shared; which layers are found on the fly.
 
-  LayerSkipForward  the eager forward (`TransformersForward`) running a chosen subset of the model's layers.
+  LayerSkipForward  an eager forward (transformers' `TransformersForward`, or on the CPU the static
+                    executor's `StaticForward` on its C++ kernels) running a chosen subset of the model's layers.
                     Each sequence keeps the set it started with: its cache holds those layers' keys and
                     values only, so a new set applies to sequences that start after it is chosen. A batch
                     of sequences with different sets runs one forward per set.
@@ -61,7 +62,8 @@ def running(model, skip: tuple[int, ...]):
 
 
 class LayerSkipForward:
-    """`inner` (a TransformersForward over `model`) with a subset of the model's layers per sequence."""
+    """`inner` (a TransformersForward over `model`, or an eager StaticForward: its `skipping`) with a subset
+    of the model's layers per sequence."""
 
     hidden_layers = ()
 
@@ -94,8 +96,9 @@ class LayerSkipForward:
             groups.setdefault(self.set_of(seq), []).append(b)
         trees = trees or [None] * len(seqs)
         logits: list = [None] * len(seqs)
+        skipping = getattr(self.inner, "skipping", None) or (lambda skip: running(self.model, skip))
         for skip, members in groups.items():
-            with running(self.model, skip):
+            with skipping(skip):
                 out = self.inner([seqs[b] for b in members], [rows[b] for b in members],
                                  [num_logits[b] for b in members], [trees[b] for b in members])
             for b, row in zip(members, out.logits):

@@ -21,6 +21,8 @@ one step to the next:
 
 from __future__ import annotations
 
+import contextlib
+
 import time
 from typing import Callable
 
@@ -187,6 +189,19 @@ class StaticForward:
                      f"eagerly; lower kv_memory_fraction or kv_pool_tokens to leave room")
             return None
         return forward
+
+    @contextlib.contextmanager
+    def skipping(self, skip: tuple[int, ...]):
+        """Forwards inside run without the layers in `skip` (a layer-skip self-draft whose set may change,
+        skip_layers.LayerSkipForward). Eagerly only: a captured graph runs the set it was captured with."""
+        if self.mode == "graphs":
+            raise ValueError("a layer-skip draft's set changes only eagerly (compile off): graphs hold theirs")
+        every = self.llama.run_layers
+        self.llama.run_layers = tuple(i for i in range(len(self.llama.body.layers)) if i not in set(skip))
+        try:
+            yield
+        finally:
+            self.llama.run_layers = every
 
     def __call__(self, seqs: list[PagedSequence], rows: list, num_logits: list[int],
                  trees: list | None = None) -> ForwardOutput:
