@@ -241,6 +241,9 @@ class HeadExecutor:
         # the drafted entries a run node sees (its ancestors' and its own), as bits past the sequence's
         bits_of = {-1: 0}
         used = start  # the next free cache slot
+        # On the CPU kernels a reduced vocabulary's tree is ranked over its columns (a sixth of the target's
+        # for the default pair's head: the scores' softmax and top-k), its tokens mapped to target ids
+        ids = seq.last_logits.ids if isinstance(seq.last_logits, DraftLogits) else None
 
         def expand(nodes: list[int], parents: list[int], tokens: list[int]) -> torch.Tensor:
             nonlocal used
@@ -248,6 +251,8 @@ class HeadExecutor:
             level = level_of[parents[0]] + 1
             first = used
             token_ids = torch.tensor(tokens, device=self.device)
+            if ids is not None:
+                token_ids = ids[token_ids]
             inputs = torch.cat([hidden_of[parent] for parent in parents])
             positions = torch.full((m,), start + level, device=self.device)
             for row, (node, parent) in enumerate(zip(nodes, parents)):
@@ -255,7 +260,7 @@ class HeadExecutor:
             if self.kernels is not None and first + m - start <= ANCESTOR_BITS:
                 bits = [bits_of[node] - (1 << 64 if bits_of[node] >> 63 else 0) for node in nodes]  # as int64
                 hidden, logits = self.kernels.step(token_ids, inputs, positions, seq.cache, first,
-                                                   torch.full((m,), start), torch.tensor(bits))
+                                                   torch.full((m,), start), torch.tensor(bits), reduced=ids is not None)
             else:
                 visible = torch.zeros(m, first + m, dtype=torch.bool, device=self.device)
                 visible[:, :start] = True
@@ -271,6 +276,8 @@ class HeadExecutor:
                     return keys, values, visible
 
                 hidden, logits = head.step(token_ids, inputs, positions, window)
+                if ids is not None:  # the draft columns of the scattered logits
+                    logits = DraftLogits(logits.index_select(-1, ids), ids, seq.last_logits.index)
             for row, (node, parent) in enumerate(zip(nodes, parents)):
                 hidden_of[node], slot_of[node], parent_of[node], level_of[node] = hidden[row:row + 1], first + row, parent, level
             used += m
@@ -280,13 +287,17 @@ class HeadExecutor:
         tokens, parents = best_first_tree(self._scores(seq.last_logits, step.params), expand, step.k, width, depth,
                                           self.stop_below)
         seq.cache.length = seq.entries  # the drafted entries go: the target's features replace them
+        if ids is not None:
+            tokens = ids[torch.tensor(tokens, dtype=torch.long)].tolist()
         return Drafted(tokens, None, seq.entries, parents)
 
     @staticmethod
     def _scores(logits: torch.Tensor | DraftLogits, params: SamplingParams) -> torch.Tensor:
-        """What a tree ranks candidates by: the log-probabilities of the (processed, when sampling) distribution."""
+        """What a tree ranks candidates by: the log-probabilities of the (processed, when sampling) distribution;
+        of DraftLogits, over the draft vocabulary's columns (the target's other tokens have probability 0: the
+        same values, and a processed distribution's top-k, top-p and min-p keep the same tokens)."""
         if isinstance(logits, DraftLogits):
-            logits = logits.full()
+            logits = logits.draft
         if params.greedy:
             return torch.log_softmax(logits.float(), dim=-1)
         return logits_to_probs(logits, params).float().log()
