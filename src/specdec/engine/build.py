@@ -95,8 +95,7 @@ def static_executor(model, max_sequences: int = 256, idle_timeout_s: float = 600
         raise ValueError(f"compile must be one of {tn.COMPILE_MODES}, got {compile!r}")
     layers = len(model.model.layers)
     skip = None if skip_layers is None else check_skip(tuple(skip_layers), layers)
-    eager = compile == "off" or (compile == "auto" and model.device.type != "cuda")
-    per_sequence = skip is not None and eager
+    per_sequence = skip is not None and StaticForward.mode_for(compile, model.device) == "off"
     kv = PagedKV(model, max_sequences, max_context, kv_pool_tokens, kv_memory_fraction, block_size,
                  prefix_caching and not per_sequence, log)
     forward = StaticForward(model, kv, max_batch, max_rows, compile, min_window, fuse_kernels, fuse_mlp,

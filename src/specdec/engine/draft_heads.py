@@ -289,8 +289,14 @@ class EagleHead(nn.Module):
         draft_logits = self.lm_head(self.norm(out))
         if draft_logits.shape[-1] == self.config.vocab_size:
             return out, draft_logits
-        logits = draft_logits.new_full((draft_logits.shape[0], self.config.vocab_size), float("-inf"))
-        return out, logits.index_copy(1, self.draft_target_ids(), draft_logits)
+        return out, scatter_logits(draft_logits, self.draft_target_ids(), self.config.vocab_size)
+
+
+def scatter_logits(draft_logits: torch.Tensor, ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """An EAGLE-3 head's logits over its draft vocabulary (..., V_d) -> over the target's (..., V): column i at
+    target id ids[i], -inf at every id the draft vocabulary lacks."""
+    logits = draft_logits.new_full((*draft_logits.shape[:-1], vocab_size), float("-inf"))
+    return logits.index_copy(-1, ids, draft_logits)
 
 
 class _ResBlock(nn.Module):

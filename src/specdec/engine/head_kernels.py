@@ -22,7 +22,7 @@ from torch import nn
 
 from specdec.decoding.sampling import greedy
 from specdec.engine import kernels, panel_linear
-from specdec.engine.draft_heads import EAGLE3, EagleHead, HeadCache
+from specdec.engine.draft_heads import EAGLE3, EagleHead, HeadCache, scatter_logits
 from specdec.engine.llama_forward import fuse_linears
 
 ANCESTOR_BITS = 64  # a row's entries past `before` it can see: the bits of one int64
@@ -43,8 +43,7 @@ class DraftLogits(NamedTuple):
 
     def full(self) -> torch.Tensor:
         """The logits over the target's vocabulary (..., V), as EagleHead.step returns them."""
-        out = self.draft.new_full((*self.draft.shape[:-1], len(self.index)), float("-inf"))
-        return out.index_copy_(-1, self.ids, self.draft)
+        return scatter_logits(self.draft, self.ids, len(self.index))
 
     def greedy(self) -> torch.Tensor:
         """The greedy token (a target id) of each row: (...,) int64."""
@@ -155,5 +154,4 @@ class HeadKernels:
             return out, draft_logits
         if reduced and self.ids is not None:
             return out, DraftLogits(draft_logits, self.ids, self.index)
-        logits = draft_logits.new_full((m, head.config.vocab_size), float("-inf"))
-        return out, logits.index_copy_(1, head.draft_target_ids(), draft_logits)
+        return out, scatter_logits(draft_logits, head.draft_target_ids(), head.config.vocab_size)

@@ -74,7 +74,7 @@ class StaticForward:
         if compile not in COMPILE_MODES:
             raise ValueError(f"compile must be one of {COMPILE_MODES}, got {compile!r}")
         self.device = device = model.device
-        self.mode = ("graphs" if device.type == "cuda" else "off") if compile == "auto" else compile
+        self.mode = self.mode_for(compile, device)
         if self.mode == "graphs" and device.type != "cuda":
             raise ValueError("compile=graphs needs a CUDA device")
         self.pool, self.log = kv.pool, log
@@ -189,6 +189,11 @@ class StaticForward:
                      f"eagerly; lower kv_memory_fraction or kv_pool_tokens to leave room")
             return None
         return forward
+
+    @staticmethod
+    def mode_for(compile: str, device: torch.device) -> str:
+        """What a `compile` setting means on `device`: "graphs" (CUDA graphs) or "off" (eager)."""
+        return ("graphs" if device.type == "cuda" else "off") if compile == "auto" else compile
 
     @contextlib.contextmanager
     def skipping(self, skip: tuple[int, ...]):

@@ -544,13 +544,14 @@ class DraftModel(LanguageModelAdapter):
     def _head_executor(self, params: ModelParameters, device: str) -> HeadExecutor:
         # A trained head: the target's embedding (and EAGLE-1's lm_head) copied into this process.
         head_path, target_path = params.str("model_path"), params.str("target_path")
-        dtype = getattr(torch, params.str("dtype", "float32", choices=tn.DTYPE_NAMES))
+        dtype_name = params.str("dtype", "float32", choices=tn.DTYPE_NAMES)
+        dtype = getattr(torch, dtype_name)
         linear_kernels = params.str("linear_kernels", "auto", choices=onednn_linear.KINDS)
         # q8 rounds a head's linears as a model's; fp8 (a pair's setting for its models) leaves it in dtype
         weights_dtype = params.str("weights_dtype", "same", choices=tn.WEIGHTS_DTYPES)
         try:
             if weights_dtype == "q8":
-                check_q8(device, params.str("dtype", "float32"), linear_kernels)
+                check_q8(device, dtype_name, linear_kernels)
             head, target_config = load_head_for(head_path, target_path, device, dtype)
         except (HeadError, ValueError) as exc:
             raise ConfigError(f"{self.name}: {exc}") from None
