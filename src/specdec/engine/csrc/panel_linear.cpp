@@ -33,53 +33,71 @@
 
 namespace {
 
-constexpr int PANEL = 64;                  // output columns per panel: 4 vectors of 16 floats
-constexpr int VECTORS = PANEL / 16;
-constexpr int ROW_BLOCK = 6;               // 6 rows x 4 vectors = 24 accumulators in registers
+// A vector is one register of the widest the compiler may use: 16 floats with AVX-512, 8 with AVX (AVX2 and
+// FMA on AMD's Zen 1-3 and Intel's client CPUs), 4 elsewhere (SSE, NEON). Wider than the registers, GCC's
+// generic vectors spill: with 16-float vectors on an AVX2 CPU (Zen 3) every accumulator went through the
+// stack and general registers, and the kernel ran 3-10x slower than its stream
+// (docs/results/2026-11-30-avx2-panels.md).
+#if defined(__AVX512F__)
+constexpr int LANES = 16;
+constexpr int REGISTERS = 32;
+#elif defined(__AVX__)
+constexpr int LANES = 8;
+constexpr int REGISTERS = 16;
+#else
+constexpr int LANES = 4;
+constexpr int REGISTERS = 16;  // SSE's xmm0-15; NEON has 32, counted as 16 to stay safe
+#endif
+
+constexpr int PANEL = 64;                  // output columns per panel
+constexpr int VECTORS = PANEL / LANES;
 constexpr int PREFETCH_BYTES = 16384;      // how far ahead in the panel's stream (measured: 8-16 KiB best)
 
-typedef float vec __attribute__((vector_size(64)));
-typedef float vec_unaligned __attribute__((vector_size(64), aligned(4)));
+// A block of rows x (vectors of a panel) keeps its sums in registers. The rows of a block share one pass over
+// the panel's weights (each decoded once); a panel wider than a block's vectors is passed over again from L2
+// (only the first pass streams it from memory, prefetching the whole panel). Decoded weights past ROW_BLOCK
+// rows take the MANY shape: decoding costs more than the multiply-adds of a few rows, so fewer registers
+// hold sums and more hold decoded weights. Measured per ISA (docs/results/2026-11-29-panel-linear.md,
+// docs/results/2026-11-30-avx2-panels.md): with AVX-512, the whole panel (4 vectors) for 6 rows and half
+// panels for 12; with 16 registers, the whole panel for 2 rows and half panels for 3.
+#if defined(__AVX512F__)
+constexpr int ROW_BLOCK = 6, BLOCK_VECTORS = VECTORS;
+constexpr int MANY_ROW_BLOCK = 12, MANY_VECTORS = VECTORS / 2;
+#else
+constexpr int ROW_BLOCK = 2, BLOCK_VECTORS = VECTORS < 8 ? VECTORS : 8;
+constexpr int MANY_ROW_BLOCK = 3, MANY_VECTORS = BLOCK_VECTORS / 2;
+#endif
+static_assert(VECTORS % BLOCK_VECTORS == 0 && VECTORS % MANY_VECTORS == 0, "passes must tile a panel");
+static_assert(ROW_BLOCK * BLOCK_VECTORS <= REGISTERS && MANY_ROW_BLOCK * MANY_VECTORS <= REGISTERS,
+              "a block's sums must fit the registers");
 
-inline vec splat(float x) { return vec{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+typedef float vec __attribute__((vector_size(LANES * 4)));
+typedef float vec_unaligned __attribute__((vector_size(LANES * 4), aligned(4)));
+typedef int32_t ivec __attribute__((vector_size(LANES * 4)));
 
-typedef int32_t ivec __attribute__((vector_size(64)));
+inline vec splat(float x) {
+  vec v;
+  for (int i = 0; i < LANES; ++i) v[i] = x;
+  return v;
+}
 
-// 16 codes widened to 16 int32 lanes. GCC scalarizes __builtin_convertvector from bytes (one load and
+// LANES codes widened to int32 lanes. GCC scalarizes __builtin_convertvector from bytes (one load and
 // insert per lane: the 4-bit kernel ran no faster than float32); the widening loads are spelled out.
 #if defined(__AVX512F__)
 inline ivec widen_u8(const void* p) { return (ivec)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p)); }
 inline ivec widen_s8(const void* p) { return (ivec)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)); }
 inline ivec widen_u16(const void* p) { return (ivec)_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)); }
 #elif defined(__AVX2__)
-inline ivec join(__m256i low, __m256i high) {
-  ivec r;
-  std::memcpy(&r, &low, 32);
-  std::memcpy(reinterpret_cast<char*>(&r) + 32, &high, 32);
-  return r;
-}
-inline ivec widen_u8(const void* p) {
-  const char* c = static_cast<const char*>(p);
-  return join(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)c)),
-              _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(c + 8))));
-}
-inline ivec widen_s8(const void* p) {
-  const char* c = static_cast<const char*>(p);
-  return join(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)c)),
-              _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(c + 8))));
-}
-inline ivec widen_u16(const void* p) {
-  const char* c = static_cast<const char*>(p);
-  return join(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)c)),
-              _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(c + 16))));
-}
+inline ivec widen_u8(const void* p) { return (ivec)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
+inline ivec widen_s8(const void* p) { return (ivec)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
+inline ivec widen_u16(const void* p) { return (ivec)_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)); }
 #else
 template <class T>
 inline ivec widen(const void* p) {
-  T values[16];
+  T values[LANES];
   std::memcpy(values, p, sizeof(values));
   ivec r;
-  for (int i = 0; i < 16; ++i) r[i] = values[i];
+  for (int i = 0; i < LANES; ++i) r[i] = values[i];
   return r;
 }
 inline ivec widen_u8(const void* p) { return widen<uint8_t>(p); }
@@ -87,7 +105,7 @@ inline ivec widen_s8(const void* p) { return widen<int8_t>(p); }
 inline ivec widen_u16(const void* p) { return widen<uint16_t>(p); }
 #endif
 
-// A decoder gives vectors FIRST .. FIRST + VECS - 1 of input k of one panel (16 columns each); `stream`
+// A decoder gives vectors FIRST .. FIRST + VECS - 1 of input k of one panel (LANES columns each); `stream`
 // is what the prefetch runs ahead on (bytes per k: STRIDE). DECODES: decoding costs more than the
 // multiply-adds of a few rows, so past ROW_BLOCK rows the kernel takes half panels for up to
 // HALF_ROW_BLOCK rows at a time and decodes each weight once (float32 has nothing to decode).
@@ -115,14 +133,18 @@ struct Q4 {
     const uint8_t* c = codes + k * (PANEL / 2);
     const vec* d = reinterpret_cast<const vec*>(scale + (k / 32) * PANEL);
     const vec* m = reinterpret_cast<const vec*>(offset + (k / 32) * PANEL);
+    constexpr int GROUPS = 32 / LANES;  // vectors of columns 0-31 (low nibbles); the rest, high nibbles
     if constexpr (VECS == VECTORS) {  // each byte widened once for both its nibbles
-      const ivec low = widen_u8(c), high = widen_u8(c + 16);
-      const ivec q[VECTORS] = {low & 15, high & 15, low >> 4, high >> 4};
-      for (int v = 0; v < VECTORS; ++v) w[v] = __builtin_convertvector(q[v], vec) * d[v] + m[v];
+      ivec wide[GROUPS];
+      for (int g = 0; g < GROUPS; ++g) wide[g] = widen_u8(c + g * LANES);
+      for (int v = 0; v < VECTORS; ++v) {
+        const ivec q = v < GROUPS ? wide[v] & 15 : wide[v - GROUPS] >> 4;
+        w[v] = __builtin_convertvector(q, vec) * d[v] + m[v];
+      }
     } else {
       for (int i = 0; i < VECS; ++i) {
-        const int v = FIRST + i;  // bytes 0-15 or 16-31, low or high nibbles
-        const ivec q = (widen_u8(c + (v & 1) * 16) >> ((v >> 1) * 4)) & 15;
+        const int v = FIRST + i;  // its bytes, low or high nibbles
+        const ivec q = (widen_u8(c + (v % GROUPS) * LANES) >> ((v / GROUPS) * 4)) & 15;
         w[i] = __builtin_convertvector(q, vec) * d[v] + m[v];
       }
     }
@@ -139,7 +161,7 @@ struct Q8 {
   void decode(int64_t k, vec* w) const {
     const vec* d = reinterpret_cast<const vec*>(scale + (k / 32) * PANEL);
     for (int i = 0; i < VECS; ++i) {
-      w[i] = __builtin_convertvector(widen_s8(codes + k * PANEL + (FIRST + i) * 16), vec) * d[FIRST + i];
+      w[i] = __builtin_convertvector(widen_s8(codes + k * PANEL + (FIRST + i) * LANES), vec) * d[FIRST + i];
     }
   }
 };
@@ -152,16 +174,14 @@ struct BFloat16 {
   template <int FIRST, int VECS>
   void decode(int64_t k, vec* w) const {
     for (int i = 0; i < VECS; ++i) {
-      const ivec bits = widen_u16(panel + k * PANEL + (FIRST + i) * 16) << 16;
+      const ivec bits = widen_u16(panel + k * PANEL + (FIRST + i) * LANES) << 16;
       w[i] = __builtin_bit_cast(vec, bits);
     }
   }
 };
 
-constexpr int HALF_ROW_BLOCK = 12;  // 12 rows x 2 vectors = 24 accumulators
-
-// rows x (VECS x 16) outputs of one panel, from its vector FIRST; x: rows x K (row stride K); y: rows x
-// columns (row stride ldy), columns <= VECS x 16.
+// rows x (VECS x LANES) outputs of one panel, from its vector FIRST; x: rows x K (row stride K); y: rows x
+// columns (row stride ldy), columns <= VECS x LANES.
 template <int ROWS, int FIRST, int VECS, class Weights>
 void panel_block(const float* x, int64_t K, const Weights& weights, float* y, int64_t ldy,
                  int64_t columns, bool prefetch) {
@@ -180,16 +200,16 @@ void panel_block(const float* x, int64_t K, const Weights& weights, float* y, in
 #pragma GCC unroll 12
     for (int r = 0; r < ROWS; ++r) {
       const vec b = splat(x[r * K + k]);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int v = 0; v < VECS; ++v) acc[r][v] += b * w[v];
     }
   }
   for (int r = 0; r < ROWS; ++r) {
-    if (columns == VECS * 16) {
-      for (int v = 0; v < VECS; ++v) *reinterpret_cast<vec_unaligned*>(y + r * ldy + v * 16) = acc[r][v];
+    if (columns == VECS * LANES) {
+      for (int v = 0; v < VECS; ++v) *reinterpret_cast<vec_unaligned*>(y + r * ldy + v * LANES) = acc[r][v];
     } else {  // the last panel of a layer whose width is not a multiple of PANEL
-      float tail[VECS * 16];
-      for (int v = 0; v < VECS; ++v) *reinterpret_cast<vec_unaligned*>(tail + v * 16) = acc[r][v];
+      float tail[VECS * LANES];
+      for (int v = 0; v < VECS; ++v) *reinterpret_cast<vec_unaligned*>(tail + v * LANES) = acc[r][v];
       std::copy(tail, tail + columns, y + r * ldy);
     }
   }
@@ -202,6 +222,20 @@ void dispatch(int rows, const float* x, int64_t K, const Weights& weights, float
     if (rows < ROWS) return dispatch<ROWS - 1, FIRST, VECS>(rows, x, K, weights, y, ldy, columns, prefetch);
   }
   panel_block<ROWS, FIRST, VECS>(x, K, weights, y, ldy, columns, prefetch);
+}
+
+// A block of rows over the panel's vectors FIRST onwards, PASS_VECTORS at a time (the first pass streams
+// and prefetches; the later ones read the panel from L2); y: the panel's first column of the block's first row.
+template <int ROWS, int PASS_VECTORS, int FIRST = 0, class Weights>
+void passes(int rows, const float* x, int64_t K, const Weights& weights, float* y, int64_t ldy, int64_t columns,
+            bool prefetch) {
+  if constexpr (FIRST < VECTORS) {
+    if (columns <= FIRST * LANES) return;
+    dispatch<ROWS, FIRST, PASS_VECTORS>(rows, x, K, weights, y + FIRST * LANES, ldy,
+                                        std::min<int64_t>(PASS_VECTORS * LANES, columns - FIRST * LANES),
+                                        prefetch && FIRST == 0);
+    passes<ROWS, PASS_VECTORS, FIRST + PASS_VECTORS>(rows, x, K, weights, y, ldy, columns, prefetch);
+  }
 }
 
 // y (M, out_features) = x (M, K) through panels p = 0..P-1, `weights_of(p)` each panel's decoder.
@@ -220,23 +254,18 @@ torch::Tensor run(const torch::Tensor& x, int64_t P, int64_t out_features, Weigh
       float* yp_panel = yp + p * PANEL;
       if constexpr (std::decay_t<decltype(weights)>::DECODES) {
         if (M > ROW_BLOCK) {
-          for (int64_t r0 = 0; r0 < M; r0 += HALF_ROW_BLOCK) {
-            const int rows = static_cast<int>(std::min<int64_t>(HALF_ROW_BLOCK, M - r0));
-            float* y0 = yp_panel + r0 * out_features;
-            dispatch<HALF_ROW_BLOCK, 0, VECTORS / 2>(rows, xp + r0 * K, K, weights, y0, out_features,
-                                                     std::min<int64_t>(PANEL / 2, columns), r0 == 0);
-            if (columns > PANEL / 2) {
-              dispatch<HALF_ROW_BLOCK, VECTORS / 2, VECTORS / 2>(rows, xp + r0 * K, K, weights, y0 + PANEL / 2,
-                                                                 out_features, columns - PANEL / 2, false);
-            }
+          for (int64_t r0 = 0; r0 < M; r0 += MANY_ROW_BLOCK) {
+            const int rows = static_cast<int>(std::min<int64_t>(MANY_ROW_BLOCK, M - r0));
+            passes<MANY_ROW_BLOCK, MANY_VECTORS>(rows, xp + r0 * K, K, weights, yp_panel + r0 * out_features,
+                                                 out_features, columns, r0 == 0);
           }
           continue;
         }
       }
       for (int64_t r0 = 0; r0 < M; r0 += ROW_BLOCK) {
         const int rows = static_cast<int>(std::min<int64_t>(ROW_BLOCK, M - r0));
-        dispatch<ROW_BLOCK, 0, VECTORS>(rows, xp + r0 * K, K, weights, yp_panel + r0 * out_features,
-                                        out_features, columns, r0 == 0);
+        passes<ROW_BLOCK, BLOCK_VECTORS>(rows, xp + r0 * K, K, weights, yp_panel + r0 * out_features, out_features,
+                                         columns, r0 == 0);
       }
     }
   });
