@@ -20,34 +20,65 @@
 
 namespace cpu_layer {
 
-typedef float lanes __attribute__((vector_size(64)));
-typedef float lanes_unaligned __attribute__((vector_size(64), aligned(4)));
+// One vector register of the widest the compiler may use (as csrc/panel_linear.cpp: wider generic vectors
+// than the registers spill on an AVX2 CPU): 16 floats with AVX-512, 8 with AVX, 4 otherwise.
+#if defined(__AVX512F__)
+constexpr int LANES = 16;
+#elif defined(__AVX__)
+constexpr int LANES = 8;
+#else
+constexpr int LANES = 4;
+#endif
+
+typedef float lanes __attribute__((vector_size(LANES * 4)));
+typedef float lanes_unaligned __attribute__((vector_size(LANES * 4), aligned(4)));
 
 inline lanes load(const float* p) { return *reinterpret_cast<const lanes_unaligned*>(p); }
 
-typedef int32_t int_lanes __attribute__((vector_size(64)));
+typedef int32_t int_lanes __attribute__((vector_size(LANES * 4)));
 
-// the 16 lanes summed pairwise (halves, then quarters, ...): a fixed order, four adds
+// the lanes summed pairwise (halves, then quarters, ...): a fixed order
 inline float sum_lanes(lanes v) {
+#if defined(__AVX512F__)
   v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
   v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
   v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+#elif defined(__AVX__)
+  v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
+  v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5);
+#else
+  v += __builtin_shufflevector(v, v, 2, 3, 0, 1);
+#endif
   return v[0] + v[1];
 }
 
-// sum of a[i] * b[i]: 16 running sums, summed pairwise, then the tail
+// sum of a[i] * b[i]: LANES running sums, summed pairwise, then the tail
 inline float dot(const float* a, const float* b, int64_t n) {
   lanes acc = {};
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16) acc += load(a + i) * load(b + i);
+  for (; i + LANES <= n; i += LANES) acc += load(a + i) * load(b + i);
   float s = sum_lanes(acc);
   for (; i < n; ++i) s += a[i] * b[i];
   return s;
 }
 
-inline lanes splat(float x) { return lanes{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+inline lanes splat(float x) {
+  lanes v;
+  for (int i = 0; i < LANES; ++i) v[i] = x;
+  return v;
+}
 
-// exp of 16 values at once (x <= 0 here: scores less their maximum), within 2 ulp of expf: exp(x) =
+// the N products summed pairwise: ((0 + 1) + (2 + 3)) + ...
+template <int N>
+inline lanes pairwise(const lanes* v) {
+  if constexpr (N == 1) {
+    return v[0];
+  } else {
+    return pairwise<N / 2>(v) + pairwise<N / 2>(v + N / 2);
+  }
+}
+
+// exp of LANES values at once (x <= 0 here: scores less their maximum), within 2 ulp of expf: exp(x) =
 // 2^n exp(r), n = round(x / ln 2), r = x - n ln 2 in two parts, exp(r) by Cephes' degree-6 polynomial.
 // A scalar expf per key was most of a verify's attention (the results page above).
 inline lanes exp_lanes(lanes x) {
@@ -201,13 +232,14 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& keys,
       const float* query = qp + (row * heads + head) * d;
       float best = -std::numeric_limits<float>::infinity();
       if (d == 64) {  // the common head size: the query in registers
-        const cpu_layer::lanes q0 = cpu_layer::load(query), q1 = cpu_layer::load(query + 16),
-                               q2 = cpu_layer::load(query + 32), q3 = cpu_layer::load(query + 48);
+        constexpr int Q = 64 / cpu_layer::LANES;
+        cpu_layer::lanes qv[Q];
+        for (int j = 0; j < Q; ++j) qv[j] = cpu_layer::load(query + j * cpu_layer::LANES);
         for (int64_t c = 0; c < count; ++c) {
           const float* k = kp + where[c] + offset;
-          const cpu_layer::lanes acc = (q0 * cpu_layer::load(k) + q1 * cpu_layer::load(k + 16)) +
-                                       (q2 * cpu_layer::load(k + 32) + q3 * cpu_layer::load(k + 48));
-          scores[c] = cpu_layer::sum_lanes(acc) * scaling;
+          cpu_layer::lanes products[Q];
+          for (int j = 0; j < Q; ++j) products[j] = qv[j] * cpu_layer::load(k + j * cpu_layer::LANES);
+          scores[c] = cpu_layer::sum_lanes(cpu_layer::pairwise<Q>(products)) * scaling;
           best = std::max(best, scores[c]);
         }
       } else {
@@ -218,7 +250,7 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& keys,
       }
       // exp over whole vectors of scores (the buffer has room past count), summed over the first count
       float total = 0.f;
-      for (int64_t c = 0; c < count; c += 16) {
+      for (int64_t c = 0; c < count; c += cpu_layer::LANES) {
         const auto e = cpu_layer::exp_lanes(cpu_layer::load(scores.data() + c) - cpu_layer::splat(best));
         __builtin_memcpy(scores.data() + c, &e, sizeof(e));
       }
@@ -227,19 +259,14 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& keys,
       std::fill(o, o + d, 0.f);
       const float inverse = 1.f / total;
       if (d == 64) {  // the sums in registers
-        cpu_layer::lanes o0 = {}, o1 = {}, o2 = {}, o3 = {};
+        constexpr int Q = 64 / cpu_layer::LANES;
+        cpu_layer::lanes ov[Q] = {};
         for (int64_t c = 0; c < count; ++c) {
           const cpu_layer::lanes p = cpu_layer::splat(scores[c] * inverse);
           const float* v = vp + where[c] + offset;
-          o0 += p * cpu_layer::load(v);
-          o1 += p * cpu_layer::load(v + 16);
-          o2 += p * cpu_layer::load(v + 32);
-          o3 += p * cpu_layer::load(v + 48);
+          for (int j = 0; j < Q; ++j) ov[j] += p * cpu_layer::load(v + j * cpu_layer::LANES);
         }
-        __builtin_memcpy(o, &o0, 64);
-        __builtin_memcpy(o + 16, &o1, 64);
-        __builtin_memcpy(o + 32, &o2, 64);
-        __builtin_memcpy(o + 48, &o3, 64);
+        __builtin_memcpy(o, ov, sizeof(ov));
       } else {
         for (int64_t c = 0; c < count; ++c) {
           const float p = scores[c] * inverse;

@@ -30,6 +30,7 @@
 #include <algorithm>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 namespace {
 
@@ -56,14 +57,20 @@ constexpr int PREFETCH_BYTES = 16384;      // how far ahead in the panel's strea
 // A block of rows x (vectors of a panel) keeps its sums in registers. The rows of a block share one pass over
 // the panel's weights (each decoded once); a panel wider than a block's vectors is passed over again from L2
 // (only the first pass streams it from memory, prefetching the whole panel). Decoded weights past ROW_BLOCK
-// rows take the MANY shape: decoding costs more than the multiply-adds of a few rows, so fewer registers
-// hold sums and more hold decoded weights. Measured per ISA (docs/results/2026-11-29-panel-linear.md,
-// docs/results/2026-11-30-avx2-panels.md): with AVX-512, the whole panel (4 vectors) for 6 rows and half
-// panels for 12; with 16 registers, the whole panel for 2 rows and half panels for 3.
+// rows: decoding costs more than the multiply-adds of a few rows. With AVX-512 they take the MANY shape
+// (fewer registers hold sums, more hold decoded weights); with 16 registers (SPECDEC_DECODE_ONCE) each panel
+// is decoded once into a float32 scratch that stays in L2 and the float32 blocks run over it (5 rows of
+// the default pair's layers 1.2-1.3x faster than in 3-row half-panel blocks). Measured per ISA
+// (docs/results/2026-11-29-panel-linear.md, docs/results/2026-11-30-avx2-panels.md): with AVX-512, the
+// whole panel (4 vectors) for 6 rows and half panels for 12; with 16 registers, the whole panel for 2 rows.
 #if defined(__AVX512F__)
+#define SPECDEC_DECODE_ONCE 0
 constexpr int ROW_BLOCK = 6, BLOCK_VECTORS = VECTORS;
 constexpr int MANY_ROW_BLOCK = 12, MANY_VECTORS = VECTORS / 2;
 #else
+#ifndef SPECDEC_DECODE_ONCE
+#define SPECDEC_DECODE_ONCE 1
+#endif
 constexpr int ROW_BLOCK = 2, BLOCK_VECTORS = VECTORS < 8 ? VECTORS : 8;
 constexpr int MANY_ROW_BLOCK = 3, MANY_VECTORS = BLOCK_VECTORS / 2;
 #endif
@@ -224,6 +231,18 @@ void dispatch(int rows, const float* x, int64_t K, const Weights& weights, float
   panel_block<ROWS, FIRST, VECS>(x, K, weights, y, ldy, columns, prefetch);
 }
 
+// Every weight of a panel decoded to float32, in the float32 panel's layout: out[k * VECTORS + v].
+template <class Weights>
+void decode_panel(const Weights& weights, int64_t K, vec* out) {
+  constexpr int64_t AHEAD = PREFETCH_BYTES / (PANEL * 4);
+  for (int64_t k = 0; k < K; ++k) {
+    const char* ahead = static_cast<const char*>(weights.stream(k + AHEAD));
+#pragma GCC unroll 4
+    for (int line = 0; line < (Weights::STRIDE + 63) / 64; ++line) __builtin_prefetch(ahead + line * 64, 0, 2);
+    weights.template decode<0, VECTORS>(k, out + k * VECTORS);
+  }
+}
+
 // A block of rows over the panel's vectors FIRST onwards, PASS_VECTORS at a time (the first pass streams
 // and prefetches; the later ones read the panel from L2); y: the panel's first column of the block's first row.
 template <int ROWS, int PASS_VECTORS, int FIRST = 0, class Weights>
@@ -254,11 +273,24 @@ torch::Tensor run(const torch::Tensor& x, int64_t P, int64_t out_features, Weigh
       float* yp_panel = yp + p * PANEL;
       if constexpr (std::decay_t<decltype(weights)>::DECODES) {
         if (M > ROW_BLOCK) {
+#if SPECDEC_DECODE_ONCE
+          // The panel decoded once into this thread's scratch (in L2), the float32 blocks over it
+          thread_local std::vector<vec> scratch;
+          scratch.resize(K * VECTORS);
+          decode_panel(weights, K, scratch.data());
+          const Float32 plain{reinterpret_cast<const float*>(scratch.data())};
+          for (int64_t r0 = 0; r0 < M; r0 += ROW_BLOCK) {
+            const int rows = static_cast<int>(std::min<int64_t>(ROW_BLOCK, M - r0));
+            passes<ROW_BLOCK, BLOCK_VECTORS>(rows, xp + r0 * K, K, plain, yp_panel + r0 * out_features,
+                                             out_features, columns, false);
+          }
+#else
           for (int64_t r0 = 0; r0 < M; r0 += MANY_ROW_BLOCK) {
             const int rows = static_cast<int>(std::min<int64_t>(MANY_ROW_BLOCK, M - r0));
             passes<MANY_ROW_BLOCK, MANY_VECTORS>(rows, xp + r0 * K, K, weights, yp_panel + r0 * out_features,
                                                  out_features, columns, r0 == 0);
           }
+#endif
           continue;
         }
       }
