@@ -42,6 +42,24 @@ def run_fixed_k(req, proposer, scorer, k):
     return asyncio.run(main())
 
 
+def run_fixed_k_many(requests, proposer, scorer, k, width: int = 128, branches: int = 1, stats=None):
+    """run_fixed_k for many requests, `width` at a time in one event loop: the Local proposer and scorer
+    run the calls of one turn as one batch (one forward for all), so a sampled-distribution test's
+    thousands of short generations take a few hundred forwards. Outputs in the requests' order."""
+    from specdec.decoding.draft_length import DraftLengthPolicy
+    from specdec.decoding.loop import generate
+
+    async def main():
+        gate = asyncio.Semaphore(width)
+
+        async def one(req):
+            async with gate:
+                return [t async for rnd in generate(req, proposer, scorer, DraftLengthPolicy.fixed(k, branches=branches),
+                                                    stats) for t in rnd.new_tokens]
+        return await asyncio.gather(*(one(req) for req in requests))
+    return asyncio.run(main())
+
+
 def greedy_plain_and_edited(lm, prompt, draft, k, n, **edits):
     """Greedy outputs of the loop on `lm`: target-only without the request's logit edits, and with them
     (`edits`: GenerationRequest fields), drafted by `draft` ("none", "draft_model": a noisy copy, or "ngram")

@@ -14,7 +14,7 @@ from specdec.decoding.sampling import SamplingParams
 from specdec.engine.build import dynamic_executor
 from specdec.engine.local import LocalProposer, LocalScorer
 
-from .conftest import noisy_copy, run_fixed_k
+from .conftest import noisy_copy, run_fixed_k, run_fixed_k_many
 
 PROMPT = [5, 17, 3, 5, 17, 3, 8, 40, 5, 17]
 
@@ -104,10 +104,9 @@ def test_sampled_speculation_follows_the_targets_banned_distribution(tiny_lm):
     n = 1500
     counts = torch.zeros(len(expected), dtype=torch.float64)
     seconds = []
-    for seed in range(n):
-        out = run_fixed_k(GenerationRequest(seq_id=10 + seed, prompt_ids=PROMPT, max_tokens=2, bad_words=bad_words,
-                                     sampling=SamplingParams(temperature=1.0, seed=seed)),
-                   proposer, LocalScorer(target), 1)
+    requests = [GenerationRequest(seq_id=10 + seed, prompt_ids=PROMPT, max_tokens=2, bad_words=bad_words,
+                                  sampling=SamplingParams(temperature=1.0, seed=seed)) for seed in range(n)]
+    for out in run_fixed_k_many(requests, proposer, LocalScorer(target), 1):
         counts[out[0]] += 1
         seconds.append(out[1])
     assert counts[order[0]] == counts[order[1]] == 0 and order[0] not in seconds

@@ -17,7 +17,7 @@ from specdec.engine.draft_heads import (EAGLE, EAGLE3, KINDS, MEDUSA, HeadCache,
                                         load_head_for, random_head, rows_forward, save_head, target_tensors)
 from specdec.engine.head_executor import HeadExecutor
 from specdec.engine.local import LocalProposer, LocalScorer
-from tests.unit.conftest import run_fixed_k
+from tests.unit.conftest import run_fixed_k, run_fixed_k_many
 from tests.unit.stats import chi_square_rejects
 
 PROMPT = [5, 17, 3, 88, 41, 9, 60]
@@ -203,10 +203,9 @@ def test_sampled_speculation_with_a_head_follows_the_targets_distribution(tiny_l
     proposer, scorer = pair(tiny_lm, kind, seed=3)
     n = 400
     counts = torch.zeros(2, len(p2), dtype=torch.float64)
-    for seed in range(n):
-        out = run_fixed_k(GenerationRequest(seq_id=100 + seed, prompt_ids=PROMPT, max_tokens=4,
-                                            sampling=SamplingParams(temperature=temperature, seed=seed)),
-                          proposer, scorer, 2)
+    requests = [GenerationRequest(seq_id=100 + seed, prompt_ids=PROMPT, max_tokens=4,
+                                  sampling=SamplingParams(temperature=temperature, seed=seed)) for seed in range(n)]
+    for out in run_fixed_k_many(requests, proposer, scorer, 2):
         counts[0, out[1]] += 1
         counts[1, out[2]] += 1
     assert not chi_square_rejects(counts[0], p2) and not chi_square_rejects(counts[1], p3)

@@ -22,7 +22,7 @@ from specdec.engine.build import dynamic_executor
 from specdec.engine.local import LocalProposer, LocalScorer
 from specdec.serving.pairs import smollm2_tokenizer_dir
 
-from .conftest import noisy_copy, run_fixed_k, tiny_llama
+from .conftest import noisy_copy, run_fixed_k, run_fixed_k_many, tiny_llama
 
 EOS = 2  # SmolLM2's <|im_end|>
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
@@ -342,10 +342,9 @@ def test_sampled_speculation_follows_the_constrained_target(lm, guides, tokenize
                 "ngram": lambda: NgramProposer(min_ngram=1)}[draft]()
     n = 1500
     seen: dict[str, int] = {}
-    for seed in range(n):
-        out = run_fixed_k(GenerationRequest(seq_id=10 + seed, prompt_ids=prompt, max_tokens=8, grammar=grammar,
-                                            sampling=SamplingParams(temperature=1.0, seed=seed)),
-                          proposer, LocalScorer(target), k)
+    requests = [GenerationRequest(seq_id=10 + seed, prompt_ids=prompt, max_tokens=8, grammar=grammar,
+                                  sampling=SamplingParams(temperature=1.0, seed=seed)) for seed in range(n)]
+    for out in run_fixed_k_many(requests, proposer, LocalScorer(target), k):
         text = tokenizer.decode(out)
         seen[text] = seen.get(text, 0) + 1
     assert set(seen) <= set(choices)

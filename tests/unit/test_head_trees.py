@@ -22,6 +22,7 @@ from specdec.engine.head_executor import HeadExecutor
 from specdec.engine.interfaces import Step
 from specdec.engine.local import LocalProposer, LocalScorer
 
+from .conftest import run_fixed_k_many
 from .stats import chi_square_rejects
 from .test_draft_heads import AUX, PROMPT, _marginals, head_for, pair, reference_greedy
 
@@ -292,10 +293,9 @@ def test_sampled_head_trees_follow_the_targets_distribution(peaked_lm, kind):
     scorer = LocalScorer(dynamic_executor(peaked_lm, hidden_layers=layers))
     counts = torch.zeros(2, len(p2), dtype=torch.float64)
     stats = Stats()
-    for seed in range(800):
-        out = run(GenerationRequest(seq_id=100 + seed, prompt_ids=PROMPT, max_tokens=4,
-                                    sampling=SamplingParams(temperature=temperature, seed=seed)),
-                  proposer, scorer, 4, stats)
+    requests = [GenerationRequest(seq_id=100 + seed, prompt_ids=PROMPT, max_tokens=4,
+                                  sampling=SamplingParams(temperature=temperature, seed=seed)) for seed in range(800)]
+    for out in run_fixed_k_many(requests, proposer, scorer, 4, branches=proposer.branches, stats=stats):
         counts[0, out[1]] += 1
         counts[1, out[2]] += 1
     assert stats.accepted >= 100  # the trees' candidates were taken often: a wrong rule would show

@@ -15,7 +15,7 @@ from specdec.decoding.sampling import SamplingParams
 from specdec.engine.build import dynamic_executor
 from specdec.engine.local import LocalProposer, LocalScorer
 
-from .conftest import greedy_plain_and_edited, noisy_copy, run_fixed_k, tiny_llama
+from .conftest import greedy_plain_and_edited, noisy_copy, run_fixed_k_many, tiny_llama
 
 PROMPT = [5, 17, 3, 5, 17, 3, 8, 40, 5, 17]
 
@@ -94,10 +94,9 @@ def test_sampled_speculation_follows_the_biased_target(draft):
     proposer = LocalProposer(dynamic_executor(noisy_copy(model))) if draft == "draft_model" else FixedProposer()
     n = 3000
     seen = {}
-    for seed in range(n):
-        out = run_fixed_k(GenerationRequest(seq_id=100 + seed, prompt_ids=prompt, max_tokens=2, token_bias=token_bias,
-                                            sampling=SamplingParams(temperature=1.0, seed=seed)),
-                          proposer, LocalScorer(target), 2)
+    requests = [GenerationRequest(seq_id=100 + seed, prompt_ids=prompt, max_tokens=2, token_bias=token_bias,
+                                  sampling=SamplingParams(temperature=1.0, seed=seed)) for seed in range(n)]
+    for out in run_fixed_k_many(requests, proposer, LocalScorer(target), 2):
         seen[tuple(out)] = seen.get(tuple(out), 0) + 1
     assert set(seen) <= {pair for pair, p in exact.items() if p > 0}
     tv = 0.5 * sum(abs(seen.get(key, 0) / n - p) for key, p in exact.items())

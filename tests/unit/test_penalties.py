@@ -15,7 +15,7 @@ from specdec.engine.build import dynamic_executor
 from specdec.engine.local import LocalProposer, LocalScorer
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
-from .conftest import greedy_plain_and_edited, noisy_copy, run_fixed_k, tiny_llama
+from .conftest import greedy_plain_and_edited, noisy_copy, run_fixed_k, run_fixed_k_many, tiny_llama
 
 PROMPT = [5, 17, 3, 5, 17, 3, 8, 40, 5, 17]
 
@@ -157,10 +157,9 @@ def test_sampled_speculation_follows_the_penalised_target(small_vocab_lm):
     target, proposer = dynamic_executor(small_vocab_lm), LocalProposer(dynamic_executor(noisy_copy(small_vocab_lm)))
     n = 3000
     seen_pairs, seen_thirds = {}, {}
-    for seed in range(n):
-        out = run_fixed_k(GenerationRequest(seq_id=100 + seed, prompt_ids=prompt, max_tokens=3, penalties=penalties,
-                                     sampling=SamplingParams(temperature=1.0, seed=seed)),
-                   proposer, LocalScorer(target), 2)
+    requests = [GenerationRequest(seq_id=100 + seed, prompt_ids=prompt, max_tokens=3, penalties=penalties,
+                                  sampling=SamplingParams(temperature=1.0, seed=seed)) for seed in range(n)]
+    for out in run_fixed_k_many(requests, proposer, LocalScorer(target), 2):
         seen_pairs[tuple(out[:2])] = seen_pairs.get(tuple(out[:2]), 0) + 1
         seen_thirds[(out[2],)] = seen_thirds.get((out[2],), 0) + 1
     unpenalised = _exact_joint(small_vocab_lm, prompt, Penalties(), 3)

@@ -1,13 +1,17 @@
 """The loop's Proposer and Scorer over in-process `Executor`s: speculative decoding without a server.
 
 What the Triton adapters do over BLS, done by direct calls; the tests and benchmarks run the real loop on
-real models with it. Tensors come back to the host, as they do from a Triton model.
+real models with it. Tensors come back to the host, as they do from a Triton model. Calls made by
+concurrent `generate` runs in one turn of the event loop go to the executor as one batch (one forward for
+all), as Triton's dynamic batcher gathers the served models' requests.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
+from typing import Callable
 
 import torch
 
@@ -28,6 +32,34 @@ def _no_capacity():
         raise NoCapacity(str(exc)) from None
 
 
+class _Batcher:
+    """Gathers the steps that concurrent callers hand in during one turn of the event loop and runs them
+    as one `*_many` call: every caller gets its own result (or the exception the whole call raised)."""
+
+    def __init__(self, run_many: Callable[[list[Step]], list]):
+        self.run_many = run_many
+        self.pending: list[tuple[Step, asyncio.Future]] = []
+
+    async def __call__(self, step: Step):
+        loop = asyncio.get_running_loop()
+        if not self.pending:  # runs after every caller already woken in this turn has handed its step in
+            loop.call_soon(self._flush)
+        future = loop.create_future()
+        self.pending.append((step, future))
+        return await future
+
+    def _flush(self) -> None:
+        batch, self.pending = self.pending, []
+        try:
+            results = self.run_many([step for step, _ in batch])
+        except Exception as exc:  # noqa: BLE001 - every caller of the batch sees it
+            for _, future in batch:
+                future.set_exception(exc)
+            return
+        for (_, future), result in zip(batch, results):
+            future.set_result(result)
+
+
 class LocalProposer:
     """Over an `Executor` (a draft model) or a `HeadExecutor` (a trained head: it reads the target's features)."""
 
@@ -35,14 +67,15 @@ class LocalProposer:
         self.lm = lm
         self.wants_features = isinstance(lm, HeadExecutor)
         self.branches = branches  # candidates per drafted position (decoding/draft_tree.py): above 1, trees
+        self._propose = _Batcher(lambda steps: self.lm.propose_many(steps))
 
     async def propose(self, seq_id: int, keep: int, new_ids: list[int], k: int, params: SamplingParams,
                       round_seed: int, reserve: int = 0, branches: int | None = None, **features) -> Proposal:
         generator = None if params.greedy else make_generator(round_seed, self.lm.logits_device)
         width = self.branches if branches is None else max(1, min(branches, self.branches))
         with _no_capacity():  # a head's features go with the step
-            (drafted,) = self.lm.propose_many([Step(seq_id, keep, new_ids, k=k, params=params, generator=generator,
-                                                    reserve=reserve, branches=width, **features)])
+            drafted = await self._propose(Step(seq_id, keep, new_ids, k=k, params=params, generator=generator,
+                                               reserve=reserve, branches=width, **features))
             if isinstance(drafted, Exception):
                 raise drafted
         probs = None if drafted.probs is None else drafted.probs.float().cpu()
@@ -55,6 +88,8 @@ class LocalProposer:
 class LocalScorer:
     def __init__(self, lm: Executor):
         self.lm = lm
+        self._plain = _Batcher(lambda steps: self.lm.extend_many(steps))
+        self._with_hidden = _Batcher(lambda steps: self.lm.extend_many(steps, with_hidden=True))
 
     async def score(self, call: VerifyCall) -> Scores:
         step = Step(call.seq_id, call.keep, call.new_ids, call.num_positions, reserve=call.reserve,
@@ -62,7 +97,7 @@ class LocalScorer:
                     tree=call.tree, path=call.path)
         started = time.perf_counter()
         with _no_capacity():
-            (result,) = self.lm.extend_many([step], with_hidden=call.want_features)
+            result = await (self._with_hidden if call.want_features else self._plain)(step)
             if isinstance(result, Exception):
                 raise result
         if self.lm.device.type == "cuda":  # the forward's time, not its launch's
