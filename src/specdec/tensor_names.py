@@ -127,6 +127,7 @@ TARGET_MODEL_NAME = "target_model"
 
 # ---- draft methods and weights --------------------------------------------------------------------
 NGRAM = "ngram"  # the built-in prompt-lookup draft (no model); any other draft name is a draft model
+DRAFT_SEPARATOR = "+"  # a draft method "LOOKUP+MODEL" (decoding/lookup_first.py): the lookup first, MODEL otherwise
 SUFFIX = "suffix"  # built in too: prompt lookup over the request's tokens and earlier requests' (a shared cache)
 DEFAULT_HEAD_NAME = "draft_head"  # the model name of a head served without one given (--draft-head DIR)
 # draft_model's draft_kind: a causal LM, a trained head over features, or the target skipping layers (SWIFT)

@@ -112,3 +112,15 @@ def test_every_package_is_installed_and_lists_its_modules():
         if members - named:
             unlisted[package] = sorted(members - named)
     assert unlisted == {}
+
+
+def test_the_launcher_and_the_gateway_start_without_torch():
+    """Every server start runs the launcher (and the gateway beside it) before tritonserver: torch and
+    transformers there cost about 3 s of every start (the model stubs import them for themselves)."""
+    import subprocess
+    import sys
+
+    for module in ("specdec.serving.launcher", "specdec.gateway.app"):
+        code = f"import sys, {module}; print(sorted({{'torch', 'transformers'}} & set(sys.modules)))"
+        result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0 and result.stdout.strip() == "[]", (module, result.stdout, result.stderr[-2000:])

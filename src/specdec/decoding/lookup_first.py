@@ -24,19 +24,19 @@ from __future__ import annotations
 
 import dataclasses
 
+from specdec import tensor_names as tn
 from specdec.decoding.interfaces import Proposal, Proposer
 from specdec.decoding.ngram_proposer import NgramProposer
 from specdec.decoding.sampling import SamplingParams
 from specdec.decoding.tree_sampler import first_branch
 
-SEPARATOR = "+"  # a draft method "LOOKUP+MODEL": a built-in lookup first, the draft model MODEL otherwise
 DEFAULT_MIN_NGRAM = 2  # speculative_decoding's lookup_first_min_ngram: prompt lookup's own shortest match
 LOOKUP, MODEL = "lookup", "model"  # the parts a round may draft with (`choose`)
 
 
 def parts(method: str) -> tuple[str, str] | None:
     """(lookup, model) of a combined method name, None for any other name."""
-    lookup, sep, model = method.partition(SEPARATOR)
+    lookup, sep, model = method.partition(tn.DRAFT_SEPARATOR)
     return (lookup, model) if sep and lookup and model else None
 
 

@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specdec import tensor_names as tn
-from specdec.decoding import lookup_first
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -247,7 +246,7 @@ def combined_drafts(pair: PairSpec) -> list[str]:
     ("ngram+NAME", lookup_first.py), where prompt lookup is offered."""
     if tn.NGRAM not in pair.builtin_drafts:
         return []
-    return [f"{tn.NGRAM}{lookup_first.SEPARATOR}{name}"
+    return [f"{tn.NGRAM}{tn.DRAFT_SEPARATOR}{name}"
             for name in [*pair.draft_paths, *pair.draft_heads, *pair.skip_drafts]]
 
 

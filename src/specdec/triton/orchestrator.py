@@ -101,7 +101,7 @@ class SpeculativeDecodingAdapter(TritonAdapter):
         for name, (lookup, model) in combined.items():
             if lookup != tn.NGRAM or model in tn.BUILTIN_DRAFTS:
                 raise ConfigError(f"draft_models entry {name!r}: a combined draft is {tn.NGRAM!r}"
-                                  f"{lookup_first.SEPARATOR}MODEL, MODEL a draft model")
+                                  f"{tn.DRAFT_SEPARATOR}MODEL, MODEL a draft model")
         models = [name for name in self.limits.draft_names if name not in combined and name not in builtin]
         models += [model for _, model in combined.values() if model not in models]
         # Trained heads (draft_kind head): their rounds ask target_model for its features and pass them on.

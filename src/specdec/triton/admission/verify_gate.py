@@ -14,9 +14,10 @@ Plain asyncio, no Triton: unit-tested with fake scorers.
 from __future__ import annotations
 
 import asyncio
-from typing import Awaitable, Callable, TypeVar
+from typing import TYPE_CHECKING, Awaitable, Callable, TypeVar
 
-from specdec.decoding.interfaces import Scorer, Scores, VerifyCall
+if TYPE_CHECKING:  # annotations only: the launcher imports this package's room counters without torch
+    from specdec.decoding.interfaces import Scorer, Scores, VerifyCall
 
 T = TypeVar("T")
 
