@@ -184,11 +184,11 @@ def test_the_build_finds_the_virtualenvs_ninja_without_it_on_path(tmp_path, monk
 
     seen = []
 
-    def load_inline(*args, **kwargs):
+    def load(*args, **kwargs):
         seen.append(os.environ["PATH"])
         raise RuntimeError("planted: stop here")
 
-    monkeypatch.setattr(torch.utils.cpp_extension, "load_inline", load_inline)
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", load)
     monkeypatch.setenv("PATH", "/usr/bin:/bin")
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     built = panel_linear.build.__wrapped__()

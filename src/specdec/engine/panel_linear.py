@@ -50,7 +50,7 @@ from specdec.engine import machine_lock
 SOURCE = Path(__file__).with_name("csrc") / "panel_linear.cpp"
 # Built into the same module: the layer's pointwise work and attention on the CPU (kernels.cpu(), one build)
 LAYER_SOURCE = SOURCE.with_name("cpu_layer.cpp")
-LAYER_FUNCTIONS = ("rms_norm", "add_rms_norm", "rotate_qk", "silu_mul", "paged_attention")
+HEADER, BINDINGS = SOURCE.with_name("kernels.h"), SOURCE.with_name("bindings.cpp")  # the entry points, bound apart
 PANEL = 64  # the kernel's panel width (csrc/panel_linear.cpp's PANEL; checked against it when built)
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp")
 # -fopenmp links libgomp.so.1 by name: in a process where torch is loaded that is torch's own runtime,
@@ -99,13 +99,15 @@ def build() -> Build:
     """Compile (or load the cached build of) the kernel, once per process; one build at a time per machine
     (a file lock: a server's model stubs load together)."""
     try:
+        # Two translation units, compiled in parallel: the kernels (both sources as one, against ATen's
+        # few headers) and their bindings (pybind11 and torch's tensor conversions)
         source = SOURCE.read_text() + "\n" + LAYER_SOURCE.read_text()
-        digest = hashlib.sha256("\0".join([source, *CFLAGS, *LDFLAGS, torch.__version__, _cpu_identity()])
-                                .encode()).hexdigest()[:16]
+        digest = hashlib.sha256("\0".join([source, HEADER.read_text(), BINDINGS.read_text(), *CFLAGS, *LDFLAGS,
+                                           torch.__version__, _cpu_identity()]).encode()).hexdigest()[:16]
         name = f"specdec_panel_linear_{digest}"
         directory = _extensions_dir() / name
         directory.mkdir(parents=True, exist_ok=True)
-        from torch.utils.cpp_extension import load_inline
+        from torch.utils.cpp_extension import load
 
         with machine_lock.held(directory.with_suffix(".building")), _ninja_on_path():
             # torch's builder guards a build with a "lock" file it deletes when done; a process killed
@@ -113,10 +115,12 @@ def build() -> Build:
             # lock (released by the kernel when a process dies), nobody else is building: it is stale.
             with contextlib.suppress(FileNotFoundError):
                 (directory / "lock").unlink()
-            module = load_inline(name, cpp_sources=[source],
-                                 functions=[*KERNELS.values(), *LAYER_FUNCTIONS, "panel_width"],
-                                 extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS),
-                                 build_directory=str(directory), verbose=False)
+            kernels = directory / "kernels.cpp"
+            if not kernels.exists() or kernels.read_text() != source:  # rewritten, ninja would rebuild it
+                kernels.write_text(source)
+            module = load(name, sources=[str(kernels), str(BINDINGS)], extra_include_paths=[str(SOURCE.parent)],
+                          extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS), build_directory=str(directory),
+                          verbose=False)
     except Exception as exc:  # noqa: BLE001 - no compiler, no ninja, a failed build: the other kernels serve
         lines = [line for line in str(exc).strip().splitlines() if line.strip()]
         return Build(None, f"{type(exc).__name__}: {lines[-1] if lines else exc}")

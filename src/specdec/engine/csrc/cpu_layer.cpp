@@ -10,7 +10,10 @@
 //
 // The math is the eager kernels' (kernels.py), summed in a fixed order: a row's result does not depend on
 // the other rows of its forward or on the thread that computed it.
-#include <torch/extension.h>
+#include "kernels.h"
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/silu.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -105,25 +108,25 @@ inline void norm_row(const float* x, const float* w, float* out, int64_t h, floa
   for (int64_t i = 0; i < h; ++i) out[i] = w[i] * (x[i] * inv);
 }
 
-void check(const torch::Tensor& t, int64_t dim, const char* what) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat && t.dim() == dim && t.is_contiguous(),
+void check(const at::Tensor& t, int64_t dim, const char* what) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.dim() == dim && t.is_contiguous(),
               "cpu_layer: ", what, " must be a contiguous ", dim, "-d float32 CPU tensor");
 }
 
-void check_index(const torch::Tensor& t, const char* what) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kLong && t.dim() == 2 && t.is_contiguous(),
+void check_index(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kLong && t.dim() == 2 && t.is_contiguous(),
               "cpu_layer: ", what, " must be a contiguous 2-d int64 CPU tensor");
 }
 
 }  // namespace cpu_layer
 
 // x (N, H), weight (H,) -> (N, H)
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   cpu_layer::check(x, 2, "x");
   cpu_layer::check(weight, 1, "weight");
   const int64_t n = x.size(0), h = x.size(1);
   TORCH_CHECK(weight.size(0) == h, "cpu_layer: weight must have ", h, " elements");
-  auto out = torch::empty_like(x);
+  auto out = at::empty_like(x);
   const float *xp = x.data_ptr<float>(), *wp = weight.data_ptr<float>();
   float* op = out.data_ptr<float>();
   for (int64_t r = 0; r < n; ++r) cpu_layer::norm_row(xp + r * h, wp, op + r * h, h, static_cast<float>(eps));
@@ -131,16 +134,16 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
 }
 
 // residual, update (N, H) -> (residual + update, its RMSNorm)
-std::vector<torch::Tensor> add_rms_norm(const torch::Tensor& residual, const torch::Tensor& update,
-                                        const torch::Tensor& weight, double eps) {
+std::vector<at::Tensor> add_rms_norm(const at::Tensor& residual, const at::Tensor& update,
+                                        const at::Tensor& weight, double eps) {
   cpu_layer::check(residual, 2, "residual");
   cpu_layer::check(update, 2, "update");
   cpu_layer::check(weight, 1, "weight");
   TORCH_CHECK(residual.sizes() == update.sizes() && weight.size(0) == residual.size(1),
               "cpu_layer: residual and update must be (N, H) alike, weight (H,)");
   const int64_t n = residual.size(0), h = residual.size(1);
-  auto sum = torch::empty_like(residual);
-  auto out = torch::empty_like(residual);
+  auto sum = at::empty_like(residual);
+  auto out = at::empty_like(residual);
   const float *rp = residual.data_ptr<float>(), *up = update.data_ptr<float>(), *wp = weight.data_ptr<float>();
   float *sp = sum.data_ptr<float>(), *op = out.data_ptr<float>();
   for (int64_t i = 0; i < n * h; ++i) sp[i] = rp[i] + up[i];
@@ -150,7 +153,7 @@ std::vector<torch::Tensor> add_rms_norm(const torch::Tensor& residual, const tor
 
 // qkv (N, (heads + 2 kv_heads) D), cos / sin (N, D) -> queries (N, heads, D), keys (N, kv_heads, D) with the
 // rotary embedding applied: x * cos + rotate_half(x) * sin
-std::vector<torch::Tensor> rotate_qk(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
+std::vector<at::Tensor> rotate_qk(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                                      int64_t heads, int64_t kv_heads) {
   cpu_layer::check(qkv, 2, "qkv");
   cpu_layer::check(cos, 2, "cos");
@@ -158,8 +161,8 @@ std::vector<torch::Tensor> rotate_qk(const torch::Tensor& qkv, const torch::Tens
   const int64_t n = qkv.size(0), d = cos.size(1), half = d / 2, width = qkv.size(1);
   TORCH_CHECK(d % 2 == 0 && cos.size(0) == n && sin.sizes() == cos.sizes() && width >= (heads + 2 * kv_heads) * d,
               "cpu_layer: rotate_qk's shapes do not fit");
-  auto q = torch::empty({n, heads, d}, qkv.options());
-  auto k = torch::empty({n, kv_heads, d}, qkv.options());
+  auto q = at::empty({n, heads, d}, qkv.options());
+  auto k = at::empty({n, kv_heads, d}, qkv.options());
   const float *xp = qkv.data_ptr<float>(), *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
   float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>();
   for (int64_t r = 0; r < n; ++r) {
@@ -175,7 +178,7 @@ std::vector<torch::Tensor> rotate_qk(const torch::Tensor& qkv, const torch::Tens
 }
 
 // gate_up (N, 2I) -> silu(gate) * up (N, I): torch's own vectorized SiLU, then the product in place
-torch::Tensor silu_mul(const torch::Tensor& gate_up) {
+at::Tensor silu_mul(const at::Tensor& gate_up) {
   cpu_layer::check(gate_up, 2, "gate_up");
   const int64_t width = gate_up.size(1) / 2;
   return at::silu(gate_up.narrow(1, 0, width)).mul_(gate_up.narrow(1, width, width));
@@ -185,8 +188,8 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up) {
 // sequence's blocks; visible, ancestors (B, T) as llama_forward.Batch holds them -> (B T, heads D): each
 // row's attention over the keys before visible[b, t] and, bit j of ancestors[b, t] set, the key at
 // visible[b, t] + j. Scores, their softmax and the weighted values in float32, keys in order.
-torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
-                              const torch::Tensor& table, const torch::Tensor& visible, const torch::Tensor& ancestors,
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                              const at::Tensor& table, const at::Tensor& visible, const at::Tensor& ancestors,
                               double scale) {
   cpu_layer::check(q, 3, "q");
   cpu_layer::check(keys, 4, "keys");
@@ -200,7 +203,7 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& keys,
                   keys.sizes() == values.sizes() && keys.size(3) == d && kv_heads > 0 && heads % kv_heads == 0,
               "cpu_layer: paged_attention's shapes do not fit");
   const int64_t groups = heads / kv_heads, window = blocks * block_size, pool_blocks = keys.size(0);
-  auto out = torch::empty({batch * rows, heads * d}, q.options());
+  auto out = at::empty({batch * rows, heads * d}, q.options());
   const float *qp = q.data_ptr<float>(), *kp = keys.data_ptr<float>(), *vp = values.data_ptr<float>();
   const int64_t *tp = table.data_ptr<int64_t>(), *visp = visible.data_ptr<int64_t>();
   const int64_t* ap = ancestors.data_ptr<int64_t>();

@@ -20,7 +20,8 @@
 // whatever the row count, the row's place in the batch and the thread split: a row's product does not
 // depend on what else is in the forward (through this layer, a verify's rows equal the steps one at a
 // time bit for bit; the attention's kernels for several queries and for one still round differently).
-#include <torch/extension.h>
+#include "kernels.h"
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -259,9 +260,9 @@ void passes(int rows, const float* x, int64_t K, const Weights& weights, float* 
 
 // y (M, out_features) = x (M, K) through panels p = 0..P-1, `weights_of(p)` each panel's decoder.
 template <class WeightsOf>
-torch::Tensor run(const torch::Tensor& x, int64_t P, int64_t out_features, WeightsOf weights_of) {
+at::Tensor run(const at::Tensor& x, int64_t P, int64_t out_features, WeightsOf weights_of) {
   const int64_t M = x.size(0), K = x.size(1);
-  auto y = torch::empty({M, out_features}, x.options());
+  auto y = at::empty({M, out_features}, x.options());
   if (M == 0) return y;
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
@@ -304,12 +305,12 @@ torch::Tensor run(const torch::Tensor& x, int64_t P, int64_t out_features, Weigh
   return y;
 }
 
-void check_x(const torch::Tensor& x) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat && x.dim() == 2 && x.is_contiguous(),
+void check_x(const at::Tensor& x) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
               "panel_linear: x must be a contiguous 2-d float32 CPU tensor");
 }
 
-void check_panels(const torch::Tensor& t, torch::ScalarType type, int64_t K, int64_t width, int64_t out_features,
+void check_panels(const at::Tensor& t, at::ScalarType type, int64_t K, int64_t width, int64_t out_features,
                   const char* what) {
   TORCH_CHECK(t.scalar_type() == type && t.dim() == 3 && t.is_contiguous() && t.size(1) == K &&
                   t.size(2) == width && t.size(0) * PANEL >= out_features && (t.size(0) - 1) * PANEL < out_features,
@@ -319,23 +320,23 @@ void check_panels(const torch::Tensor& t, torch::ScalarType type, int64_t K, int
 }  // namespace
 
 // x: (M, K) float32 contiguous; panels: (P, K, PANEL) float32 contiguous; returns (M, out_features).
-torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& panels, int64_t out_features) {
+at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t out_features) {
   check_x(x);
-  check_panels(panels, torch::kFloat, x.size(1), PANEL, out_features, "panels");
+  check_panels(panels, at::kFloat, x.size(1), PANEL, out_features, "panels");
   const float* wp = panels.data_ptr<float>();
   const int64_t K = x.size(1);
   return run(x, panels.size(0), out_features, [=](int64_t p) { return Float32{wp + p * K * PANEL}; });
 }
 
 // codes: (P, K, PANEL / 2) uint8; scale, offset: (P, K / 32, PANEL) float32.
-torch::Tensor panel_linear_q4(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
-                              const torch::Tensor& offset, int64_t out_features) {
+at::Tensor panel_linear_q4(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                              const at::Tensor& offset, int64_t out_features) {
   check_x(x);
   const int64_t K = x.size(1);
   TORCH_CHECK(K % 32 == 0, "panel_linear_q4: in_features must be a multiple of 32");
-  check_panels(codes, torch::kByte, K, PANEL / 2, out_features, "codes");
-  check_panels(scale, torch::kFloat, K / 32, PANEL, out_features, "scale");
-  check_panels(offset, torch::kFloat, K / 32, PANEL, out_features, "offset");
+  check_panels(codes, at::kByte, K, PANEL / 2, out_features, "codes");
+  check_panels(scale, at::kFloat, K / 32, PANEL, out_features, "scale");
+  check_panels(offset, at::kFloat, K / 32, PANEL, out_features, "offset");
   const uint8_t* c = codes.data_ptr<uint8_t>();
   const float* d = scale.data_ptr<float>();
   const float* m = offset.data_ptr<float>();
@@ -345,13 +346,13 @@ torch::Tensor panel_linear_q4(const torch::Tensor& x, const torch::Tensor& codes
 }
 
 // codes: (P, K, PANEL) int8; scale: (P, K / 32, PANEL) float32.
-torch::Tensor panel_linear_q8(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
+at::Tensor panel_linear_q8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                               int64_t out_features) {
   check_x(x);
   const int64_t K = x.size(1);
   TORCH_CHECK(K % 32 == 0, "panel_linear_q8: in_features must be a multiple of 32");
-  check_panels(codes, torch::kChar, K, PANEL, out_features, "codes");
-  check_panels(scale, torch::kFloat, K / 32, PANEL, out_features, "scale");
+  check_panels(codes, at::kChar, K, PANEL, out_features, "codes");
+  check_panels(scale, at::kFloat, K / 32, PANEL, out_features, "scale");
   const int8_t* c = codes.data_ptr<int8_t>();
   const float* d = scale.data_ptr<float>();
   return run(x, codes.size(0), out_features, [=](int64_t p) {
@@ -360,10 +361,10 @@ torch::Tensor panel_linear_q8(const torch::Tensor& x, const torch::Tensor& codes
 }
 
 // panels: (P, K, PANEL) bfloat16.
-torch::Tensor panel_linear_bf16(const torch::Tensor& x, const torch::Tensor& panels, int64_t out_features) {
+at::Tensor panel_linear_bf16(const at::Tensor& x, const at::Tensor& panels, int64_t out_features) {
   check_x(x);
   const int64_t K = x.size(1);
-  check_panels(panels, torch::kBFloat16, K, PANEL, out_features, "panels");
+  check_panels(panels, at::kBFloat16, K, PANEL, out_features, "panels");
   const uint16_t* w = reinterpret_cast<const uint16_t*>(panels.data_ptr<at::BFloat16>());
   return run(x, panels.size(0), out_features, [=](int64_t p) { return BFloat16{w + p * K * PANEL}; });
 }
