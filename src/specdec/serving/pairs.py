@@ -203,7 +203,8 @@ def default_pair() -> PairSpec:
         model.load_state_dict(gguf_model.state_dict())
         log("dequantized; saving safetensors")
         model.save_pretrained(target)
-        AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(target)
+        # the tokenizer extracted once from the same file (each read of the GGUF parses its vocabulary anew)
+        AutoTokenizer.from_pretrained(smollm2_tokenizer_dir()).save_pretrained(target)
         _mark_done(target)
         log("conversion done")
     draft = root / f"smollm2-135m-instruct-first{DEFAULT_DRAFT_LAYERS}layers"
