@@ -6,7 +6,14 @@ import pytest
 
 from specdec.serving import pairs, repository
 
-from .helpers import start_server, stop_server
+from .helpers import check_retired, start_server, stop_server
+
+
+@pytest.fixture(scope="session", autouse=True)
+def retired_servers_stop_cleanly():
+    """The modules' servers stop on threads (helpers.retire_server); at the end every one must have."""
+    yield
+    check_retired()
 
 
 @pytest.fixture(scope="session")

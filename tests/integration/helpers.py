@@ -6,6 +6,7 @@ import json
 import queue
 import re
 import subprocess
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -98,6 +99,36 @@ def stop_server(server: Server, require_clean_exit: bool = True) -> int:
     if require_clean_exit:
         assert code == 0, f"launcher exited with {code}:\n{server.log_path.read_text()[-3000:]}"
     return code
+
+
+_RETIRING: list[tuple[Server, threading.Thread, list[BaseException]]] = []
+
+
+def retire_server(server: Server, require_clean_exit: bool = True) -> None:
+    """stop_server on a thread: a module's server winds down (Triton's unloading is a few seconds, mostly
+    waiting) while the next module's tests run. `check_retired` (at the session's end) fails with whatever
+    went wrong, naming the server's log."""
+    errors: list[BaseException] = []
+
+    def run():
+        try:
+            stop_server(server, require_clean_exit)
+        except BaseException as exc:  # noqa: BLE001 - reported by check_retired
+            errors.append(exc)
+    thread = threading.Thread(target=run, name=f"retire {server.run_dir}", daemon=True)
+    thread.start()
+    _RETIRING.append((server, thread, errors))
+
+
+def check_retired() -> None:
+    failures = []
+    for server, thread, errors in _RETIRING:
+        thread.join(timeout=240)  # stop_server's own limits: 60 s of draining, 90 + 30 s of stopping
+        if thread.is_alive():
+            failures.append(f"{server.log_path}: still stopping after 240 s")
+        failures += [f"{server.log_path}: {type(exc).__name__}: {exc}" for exc in errors]
+    _RETIRING.clear()
+    assert not failures, "\n".join(failures)
 
 
 # ---- request helpers (plain tritonclient, the way any Triton LLM client calls the ensemble) ----------

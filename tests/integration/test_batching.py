@@ -76,13 +76,13 @@ def capped(request, tmp_path_factory):
 
     from specdec.serving import pairs, repository
 
-    from .helpers import start_server, stop_server
+    from .helpers import retire_server, start_server
 
     tmp_path = tmp_path_factory.mktemp(f"capped-{request.param}")
     pair = dataclasses.replace(pairs.tiny_pair(), max_live_sequences=2, when_full=request.param)
     srv = start_server(tmp_path, repository=repository.render(pair, tmp_path / "repo"))
     yield request.param, srv
-    stop_server(srv, require_clean_exit=False)
+    retire_server(srv, require_clean_exit=False)
 
 
 def test_live_sequence_cap_queues_or_rejects(capped):
@@ -170,7 +170,7 @@ def waiting(tmp_path_factory):
 
     from specdec.serving import pairs, repository
 
-    from .helpers import start_server, stop_server
+    from .helpers import retire_server, start_server
 
     tmp_path = tmp_path_factory.mktemp("batcher-delay")
     pair = dataclasses.replace(pairs.tiny_pair(test_drafts=True), orchestrator_instances=1)
@@ -179,7 +179,7 @@ def waiting(tmp_path_factory):
         repository.override(repo, f"{model}.max_queue_delay_microseconds={DELAY_US}")
     server = start_server(tmp_path, repository=repo)
     yield server
-    stop_server(server)
+    retire_server(server)
 
 
 @pytest.mark.parametrize("drafting", [False, True])

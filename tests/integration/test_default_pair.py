@@ -10,7 +10,7 @@ import pytest
 from specdec import tensor_names as tn
 from specdec.serving.pairs import REPO_ROOT
 
-from .helpers import grpc_stream, start_server, stop_server
+from .helpers import grpc_stream, retire_server, start_server
 
 pytestmark = pytest.mark.integration
 
@@ -23,7 +23,7 @@ MAX_TOKENS = 24
 def default_server(tmp_path_factory):
     srv = start_server(tmp_path_factory.mktemp("triton-default"), pair="default")
     yield srv
-    stop_server(srv, require_clean_exit=False)
+    retire_server(srv, require_clean_exit=False)
 
 
 @pytest.fixture(scope="module")

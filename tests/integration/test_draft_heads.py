@@ -21,7 +21,7 @@ from specdec.engine.draft_heads import EAGLE, EAGLE3, MEDUSA, random_head, save_
 from specdec.serving import pairs, repository
 from specdec.train.data import load_prompts
 
-from .helpers import grpc_stream, http_generate, start_server, stop_server
+from .helpers import grpc_stream, http_generate, retire_server, start_server
 from .test_load_errors import load_only
 
 pytestmark = pytest.mark.integration
@@ -61,7 +61,7 @@ def head_server(heads, tmp_path_factory):
         repository.override(repo, f"{name}.draft_stop_below=0")
     server = start_server(tmp, repository=repo)
     yield server
-    stop_server(server)
+    retire_server(server)
 
 
 def test_the_training_command_lowers_the_loss_and_writes_the_published_layout(heads):

@@ -14,7 +14,7 @@ import tritonclient.grpc as grpcclient
 from specdec import tensor_names as tn
 from specdec.serving import pairs, repository
 
-from .helpers import grpc_stream, start_server, stop_server
+from .helpers import grpc_stream, retire_server, start_server
 
 pytestmark = pytest.mark.integration
 
@@ -39,7 +39,7 @@ def srv(tmp_path_factory):
     repository.override(repo, f"target_model.heap_trim_interval_s={HEAP_TRIM_S}")
     server = start_server(tmp_path, repository=repo)
     yield server
-    stop_server(server)  # nothing left in flight: exit code 0
+    retire_server(server)  # nothing left in flight: exit code 0
 
 
 def test_a_failing_draft_model_falls_back_to_target_only(srv):

@@ -14,7 +14,7 @@ from client import Client, GenerationParams
 from specdec import tensor_names as tn
 from specdec.serving import server
 
-from .helpers import grpc_stream, stop_server
+from .helpers import grpc_stream, retire_server
 
 pytestmark = pytest.mark.integration
 
@@ -28,7 +28,7 @@ def limited(tmp_path_factory):
                        ["--pair", "tiny", "--orchestrator-instances", "1",
                         "--set", "speculative_decoding.max_drafting_sequences=1"])
     yield own
-    stop_server(own)  # nothing in flight, no stub left, exit code 0
+    retire_server(own)  # nothing in flight, no stub left, exit code 0
 
 
 def test_rounds_are_target_only_while_more_requests_generate_than_the_limit(limited):

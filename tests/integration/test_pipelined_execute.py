@@ -17,7 +17,7 @@ from tritonclient.utils import InferenceServerException
 from specdec import tensor_names as tn
 from specdec.serving import pairs, server
 
-from .helpers import grpc_stream, http_generate, open_stream_and_cancel, stop_server
+from .helpers import grpc_stream, http_generate, open_stream_and_cancel, retire_server
 
 pytestmark = pytest.mark.integration
 
@@ -37,7 +37,7 @@ def pipelined(tmp_path_factory):
     args += ["--set", "target_model.run_ahead=on"]
     own = server.start(tmp_path / "run", tmp_path / "server.log", args)
     yield own
-    stop_server(own)  # nothing in flight, no stub left, exit code 0
+    retire_server(own)  # nothing in flight, no stub left, exit code 0
 
 
 def case(i):

@@ -11,7 +11,7 @@ from specdec import tensor_names as tn
 
 from specdec.serving import server as serving
 
-from .helpers import grpc_stream, http_generate, run_bench, stop_server
+from .helpers import grpc_stream, http_generate, retire_server, run_bench
 
 pytestmark = pytest.mark.integration
 
@@ -97,7 +97,7 @@ def chunked(tmp_path_factory):
                         ["--pair", "tiny", "--set", "speculative_decoding.prefill_chunk_tokens=512",
                          "--set", "draft_model.draft_stop_below=0"])
     yield own
-    stop_server(own)
+    retire_server(own)
 
 
 def test_a_prompt_longer_than_a_chunk_is_sent_in_chunks_and_found_again_whole(chunked):

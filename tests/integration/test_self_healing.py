@@ -15,7 +15,7 @@ from specdec.serving import pairs, repository
 from specdec.serving.metrics_text import sum_samples
 
 from tests.http_get import get
-from .helpers import GenerationError, grpc_stream, start_server, stop_server, stub_processes
+from .helpers import GenerationError, grpc_stream, retire_server, start_server, stub_processes
 
 pytestmark = pytest.mark.integration
 
@@ -33,7 +33,7 @@ def srv(tmp_path_factory):
     # Triton never finishes unloading the old instance of a model whose stub died with requests in
     # flight (their state is lost with the stub): the server then stops only at its exit timeout, with
     # code 1 (docs/deployment.md, "Self-healing").
-    stop_server(server, require_clean_exit=False)
+    retire_server(server, require_clean_exit=False)
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from specdec.decoding.sampling import SamplingParams
 from specdec.serving import pairs, repository
 from specdec.serving.metrics_text import samples
 
-from .helpers import grpc_stream, start_server, stop_server
+from .helpers import grpc_stream, retire_server, start_server
 from .test_sampling_distribution import PROMPT, chi_square, exact_text_distribution
 
 pytestmark = pytest.mark.integration
@@ -46,7 +46,7 @@ def skip_server(deep_target, tmp_path_factory):
                           default_draft=tn.NGRAM, dtype="float64", max_context_tokens=1024)
     server = start_server(tmp, repository=repository.render(pair, tmp / "repo"))
     yield server
-    stop_server(server)
+    retire_server(server)
 
 
 @pytest.mark.parametrize("name", ["draft_skip", "draft_skip_fixed"])

@@ -18,7 +18,7 @@ from specdec.engine.draft_heads import EAGLE3, random_head, save_head
 from specdec.serving import pairs, server
 from specdec.serving.metrics_text import sum_samples
 
-from .helpers import stop_server
+from .helpers import retire_server
 
 pytestmark = pytest.mark.integration
 
@@ -54,7 +54,7 @@ def small_pool(tmp_path_factory):
                                    "--draft-head", f"head_tree={head_dir}", "--default-draft", "draft_model",
                                    "--set", "head_tree.draft_stop_below=0"))
     yield own
-    stop_server(own)  # nothing in flight, no stub left, exit code 0
+    retire_server(own)  # nothing in flight, no stub left, exit code 0
 
 
 DISTRIBUTION_PROMPT = "the cat sat on the mat and the cat sat on the"
@@ -289,4 +289,4 @@ def test_with_when_full_reject_a_request_without_kv_room_is_refused_unavailable(
         assert client.generate(PROMPT, LONG).text == first.text  # room again once the first has ended
         assert own.metric("specdec_model_kv_cache_bytes", model="target_model") == 0
     finally:
-        stop_server(own)
+        retire_server(own)

@@ -15,7 +15,7 @@ import pytest
 from specdec import tensor_names as tn
 from specdec.serving import pairs, repository
 
-from .helpers import grpc_stream, start_server, stop_server
+from .helpers import grpc_stream, retire_server, start_server
 
 pytestmark = pytest.mark.integration
 
@@ -32,7 +32,7 @@ def gated(tmp_path_factory):
     repository.override(repo, f"speculative_decoding.verify_gather_ms={WINDOW_MS}")
     server = start_server(tmp_path, repository=repo)
     yield server
-    stop_server(server)
+    retire_server(server)
 
 
 @pytest.mark.parametrize("k", [0, 3])
