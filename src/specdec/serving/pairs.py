@@ -172,8 +172,11 @@ def tiny_pair(test_drafts: bool = False) -> PairSpec:
         drafts.update(draft_model_exact=str(target), draft_model_random=str(random_draft))
         # Instruments of tests about K: every round drafts the whole k asked for (no confidence stop)
         settings = {name: {"draft_stop_below": "0"} for name in ("draft_model_exact", "draft_model_random")}
+    # One torch thread a model: the tiny models' forwards are too small to split, and on a 2-core machine
+    # two threads per stub tripled each request's CPU time under concurrent requests (the threads' waits
+    # for each other: docs/results/2026-11-30-suite-time.md)
     return PairSpec(name="tiny", target_path=str(target), tokenizer_path=str(target), draft_paths=drafts,
-                    dtype="float64", max_context_tokens=1024, model_parameters=settings)
+                    dtype="float64", max_context_tokens=1024, model_parameters=settings, torch_threads="1")
 
 
 # ---- default pair ----------------------------------------------------------------------------------
