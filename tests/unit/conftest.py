@@ -34,12 +34,7 @@ def fp32_llama():
 
 def run_fixed_k(req, proposer, scorer, k):
     """The tokens the decode loop generates for req with a fixed draft length k."""
-    from specdec.decoding.draft_length import DraftLengthPolicy
-    from specdec.decoding.loop import generate
-
-    async def main():
-        return [t async for rnd in generate(req, proposer, scorer, DraftLengthPolicy.fixed(k)) for t in rnd.new_tokens]
-    return asyncio.run(main())
+    return run_fixed_k_many([req], proposer, scorer, k)[0]
 
 
 def run_fixed_k_many(requests, proposer, scorer, k, width: int = 128, branches: int = 1, stats=None):
