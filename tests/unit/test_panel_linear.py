@@ -77,7 +77,9 @@ def _check_encoded(kind, in_features, out_features):
     assert ratio <= {"q4": 0.19, "q8": 0.32, "bf16": 0.5}[kind]
     torch.manual_seed(4)
     with torch.inference_mode():
-        for rows in (1, 2, 5, 6, 7, 12, 13, 25):  # full panels to 6 rows, half panels of 12 beyond
+        # every block shape: with AVX-512 full panels to 6 rows, half panels of 12 beyond; with 16 registers
+        # 2-row blocks, then tiles in even blocks of up to 6 rows (31: five of 6 and one of 1)
+        for rows in (1, 2, 3, 4, 5, 6, 7, 12, 13, 25, 31):
             x = torch.randn(rows, in_features)
             got, want = encoded(x), plain(x)
             assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (kind, rows)
@@ -98,15 +100,16 @@ def test_the_encodings_can_be_narrowed_for_a_measurement(monkeypatch):
 
 def test_a_rows_result_is_the_same_bits_whatever_else_is_in_the_forward():
     """Rows are summed in one fixed order: row i of an M-row product equals row i alone, for every M
-    (the row blocks of 6, their remainders) and with one thread or two."""
+    (the row blocks, their remainders, float32's tiles past 8 rows on a 16-register CPU) and with one thread
+    or two."""
     torch.manual_seed(2)
     layer = panel_linear.PanelLinear(torch.nn.Linear(200, 150, bias=False))
-    x = torch.randn(14, 200)
+    x = torch.randn(31, 200)
     threads = torch.get_num_threads()
     try:
         with torch.inference_mode():
             alone = [layer(x[i:i + 1]) for i in range(len(x))]
-            for rows in (2, 5, 6, 7, 13, 14):
+            for rows in (2, 3, 5, 6, 7, 9, 13, 14, 31):
                 together = layer(x[:rows])
                 assert all(torch.equal(together[i:i + 1], alone[i]) for i in range(rows)), rows
             torch.set_num_threads(1)

@@ -57,36 +57,52 @@ constexpr int PREFETCH_BYTES = 16384;      // how far ahead in the panel's strea
 
 // A block of rows x (vectors of a panel) keeps its sums in registers. The rows of a block share one pass over
 // the panel's weights (each decoded once); a panel wider than a block's vectors is passed over again from L2
-// (only the first pass streams it from memory, prefetching the whole panel). Decoded weights past ROW_BLOCK
-// rows: decoding costs more than the multiply-adds of a few rows. With AVX-512 they take the MANY shape
-// (fewer registers hold sums, more hold decoded weights); with 16 registers (SPECDEC_DECODE_ONCE) each panel
-// is decoded once into a float32 scratch that stays in L2 and the float32 blocks run over it (5 rows of
-// the default pair's layers 1.2-1.3x faster than in 3-row half-panel blocks). Measured per ISA
-// (docs/results/2026-11-29-panel-linear.md, docs/results/2026-11-30-avx2-panels.md): with AVX-512, the
-// whole panel (4 vectors) for 6 rows and half panels for 12; with 16 registers, the whole panel for 2 rows.
+// (only the first pass streams it from memory, prefetching the whole panel). Measured per ISA
+// (docs/results/2026-11-29-panel-linear.md, docs/results/2026-11-30-avx2-panels.md): with AVX-512, the whole
+// panel (4 vectors) for 6 rows, and decoded weights past 6 rows in half panels for 12 (the MANY shape: fewer
+// registers hold sums, more hold decoded weights); with 16 registers, the whole panel for 2 rows.
+//
+// With 16 registers, past 2 rows a panel is run in tiles (SPECDEC_TILED): TILE_K inputs of it decoded once
+// into a float32 tile that stays in L1, every row block over that tile, the blocks' sums kept in memory
+// between tiles (each output still one chain of multiply-adds over k = 0 ... K-1). The multiply-adds of
+// several rows then read their weights from L1 instead of passing over the panel once per 2 rows from L2
+// (docs/results/2026-11-30-avx2-tiles.md).
 #if defined(__AVX512F__)
-#define SPECDEC_DECODE_ONCE 0
+#define SPECDEC_TILED 0
 constexpr int ROW_BLOCK = 6, BLOCK_VECTORS = VECTORS;
 constexpr int MANY_ROW_BLOCK = 12, MANY_VECTORS = VECTORS / 2;
+static_assert(VECTORS % MANY_VECTORS == 0 && MANY_ROW_BLOCK * MANY_VECTORS <= REGISTERS,
+              "passes must tile a panel, a block's sums fit the registers");
 #else
-#ifndef SPECDEC_DECODE_ONCE
-#define SPECDEC_DECODE_ONCE 1
-#endif
+#define SPECDEC_TILED 1
 constexpr int ROW_BLOCK = 2, BLOCK_VECTORS = VECTORS < 8 ? VECTORS : 8;
-constexpr int MANY_ROW_BLOCK = 3, MANY_VECTORS = BLOCK_VECTORS / 2;
+constexpr int TILE_K = 64;     // inputs per tile: 64 x 64 float32 = 16 KiB of L1 (32 KiB) beside x and the sums
+                               // (measured: 32 and 128 no better)
+constexpr int TILE_ROWS = 6;   // a tile block's rows: 6 x 2 vectors = 12 sums, 2 weights, 1 broadcast
+// a tile block's vectors for its rows: its sums, its weights (held in registers) and the broadcast must fit
+constexpr int tile_vectors(int rows) { return std::min(VECTORS, rows <= 2 ? 4 : 2); }
+static_assert(TILE_ROWS * tile_vectors(TILE_ROWS) + tile_vectors(TILE_ROWS) + 1 <= REGISTERS &&
+              2 * tile_vectors(2) + tile_vectors(2) + 1 <= REGISTERS, "a tile block must fit the registers");
 #endif
-static_assert(VECTORS % BLOCK_VECTORS == 0 && VECTORS % MANY_VECTORS == 0, "passes must tile a panel");
-static_assert(ROW_BLOCK * BLOCK_VECTORS <= REGISTERS && MANY_ROW_BLOCK * MANY_VECTORS <= REGISTERS,
-              "a block's sums must fit the registers");
+static_assert(VECTORS % BLOCK_VECTORS == 0, "passes must tile a panel");
+static_assert(ROW_BLOCK * BLOCK_VECTORS <= REGISTERS, "a block's sums must fit the registers");
 
 typedef float vec __attribute__((vector_size(LANES * 4)));
 typedef float vec_unaligned __attribute__((vector_size(LANES * 4), aligned(4)));
 typedef int32_t ivec __attribute__((vector_size(LANES * 4)));
 
+// x in every lane. Spelled out where the ISA has a broadcast: GCC built the generic form lane by lane
+// (eight vinsertps a splat on AVX2), more instructions than the block's multiply-adds.
 inline vec splat(float x) {
+#if defined(__AVX512F__)
+  return (vec)_mm512_set1_ps(x);
+#elif defined(__AVX__)
+  return (vec)_mm256_set1_ps(x);
+#else
   vec v;
   for (int i = 0; i < LANES; ++i) v[i] = x;
   return v;
+#endif
 }
 
 // LANES codes widened to int32 lanes. GCC scalarizes __builtin_convertvector from bytes (one load and
@@ -115,8 +131,8 @@ inline ivec widen_u16(const void* p) { return widen<uint16_t>(p); }
 
 // A decoder gives vectors FIRST .. FIRST + VECS - 1 of input k of one panel (LANES columns each); `stream`
 // is what the prefetch runs ahead on (bytes per k: STRIDE). DECODES: decoding costs more than the
-// multiply-adds of a few rows, so past ROW_BLOCK rows the kernel takes half panels for up to
-// HALF_ROW_BLOCK rows at a time and decodes each weight once (float32 has nothing to decode).
+// multiply-adds of a few rows, so past ROW_BLOCK rows each weight is decoded once for all rows (in the MANY
+// blocks with AVX-512, into a tile otherwise); float32 has nothing to decode.
 struct Float32 {
   const float* panel;
   static constexpr int STRIDE = PANEL * 4;
@@ -232,18 +248,6 @@ void dispatch(int rows, const float* x, int64_t K, const Weights& weights, float
   panel_block<ROWS, FIRST, VECS>(x, K, weights, y, ldy, columns, prefetch);
 }
 
-// Every weight of a panel decoded to float32, in the float32 panel's layout: out[k * VECTORS + v].
-template <class Weights>
-void decode_panel(const Weights& weights, int64_t K, vec* out) {
-  constexpr int64_t AHEAD = PREFETCH_BYTES / (PANEL * 4);
-  for (int64_t k = 0; k < K; ++k) {
-    const char* ahead = static_cast<const char*>(weights.stream(k + AHEAD));
-#pragma GCC unroll 4
-    for (int line = 0; line < (Weights::STRIDE + 63) / 64; ++line) __builtin_prefetch(ahead + line * 64, 0, 2);
-    weights.template decode<0, VECTORS>(k, out + k * VECTORS);
-  }
-}
-
 // A block of rows over the panel's vectors FIRST onwards, PASS_VECTORS at a time (the first pass streams
 // and prefetches; the later ones read the panel from L2); y: the panel's first column of the block's first row.
 template <int ROWS, int PASS_VECTORS, int FIRST = 0, class Weights>
@@ -257,6 +261,76 @@ void passes(int rows, const float* x, int64_t K, const Weights& weights, float* 
     passes<ROWS, PASS_VECTORS, FIRST + PASS_VECTORS>(rows, x, K, weights, y, ldy, columns, prefetch);
   }
 }
+
+#if SPECDEC_TILED
+// ROWS x VECS sums of a tile block (vectors FIRST onwards of the panel), over kc inputs of the tile; x: the
+// block's first row at the tile's first input (row stride K); sums: the block's first row (row stride VECTORS).
+template <int ROWS, int VECS>
+void tile_block(const float* x, int64_t K, const vec* tile, int kc, vec* sums, int first) {
+  vec acc[ROWS][VECS];
+  for (int r = 0; r < ROWS; ++r)
+    for (int v = 0; v < VECS; ++v) acc[r][v] = sums[r * VECTORS + first + v];
+  for (int k = 0; k < kc; ++k) {
+    vec w[VECS];
+    for (int v = 0; v < VECS; ++v) {
+      w[v] = tile[k * VECTORS + first + v];
+#if defined(__x86_64__)
+      // in a register: GCC would otherwise read it from L1 once per row (a 4-row block then made 12 loads for
+      // its 8 multiply-adds and ran at the loads' pace)
+      asm("" : "+x"(w[v]));
+#endif
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < ROWS; ++r) {
+      const vec b = splat(x[r * K + k]);
+#pragma GCC unroll 8
+      for (int v = 0; v < VECS; ++v) acc[r][v] += b * w[v];
+    }
+  }
+  for (int r = 0; r < ROWS; ++r)
+    for (int v = 0; v < VECS; ++v) sums[r * VECTORS + first + v] = acc[r][v];
+}
+
+template <int ROWS>
+void tile_rows(int rows, const float* x, int64_t K, const vec* tile, int kc, vec* sums) {
+  if constexpr (ROWS > 1) {
+    if (rows < ROWS) return tile_rows<ROWS - 1>(rows, x, K, tile, kc, sums);
+  }
+  constexpr int VECS = tile_vectors(ROWS);
+  for (int first = 0; first < VECTORS; first += VECS) tile_block<ROWS, VECS>(x, K, tile, kc, sums, first);
+}
+
+// One panel's M x columns outputs in tiles of TILE_K inputs (see SPECDEC_TILED); y: the panel's first column
+// of row 0 (row stride ldy).
+template <class Weights>
+void tiled_panel(const Weights& weights, const float* x, int64_t M, int64_t K, float* y, int64_t ldy,
+                 int64_t columns) {
+  thread_local std::vector<vec> sums;
+  sums.assign(M * VECTORS, vec{});
+  alignas(64) vec tile[TILE_K * VECTORS];
+  const int64_t blocks = (M + TILE_ROWS - 1) / TILE_ROWS, block_rows = (M + blocks - 1) / blocks;  // even blocks
+  constexpr int64_t AHEAD = PREFETCH_BYTES / (PANEL * 4);  // in k: as far ahead as the float32 stream's
+  for (int64_t k0 = 0; k0 < K; k0 += TILE_K) {
+    const int kc = static_cast<int>(std::min<int64_t>(TILE_K, K - k0));
+    // decoded (float32 weights: copied) in one sequential pass, which the prefetch runs ahead of: the blocks'
+    // reads, a cache line every 256 bytes, then hit L1
+    for (int k = 0; k < kc; ++k) {
+      const char* ahead = static_cast<const char*>(weights.stream(k0 + k + AHEAD));
+#pragma GCC unroll 4
+      for (int line = 0; line < (Weights::STRIDE + 63) / 64; ++line) __builtin_prefetch(ahead + line * 64, 0, 2);
+      weights.template decode<0, VECTORS>(k0 + k, tile + k * VECTORS);
+    }
+    for (int64_t r0 = 0; r0 < M; r0 += block_rows) {
+      tile_rows<TILE_ROWS>(static_cast<int>(std::min(block_rows, M - r0)), x + r0 * K + k0, K, tile, kc,
+                           sums.data() + r0 * VECTORS);
+    }
+  }
+  for (int64_t r = 0; r < M; ++r) {
+    const float* row = reinterpret_cast<const float*>(sums.data() + r * VECTORS);
+    std::copy(row, row + columns, y + r * ldy);
+  }
+}
+#endif
 
 // y (M, out_features) = x (M, K) through panels p = 0..P-1, `weights_of(p)` each panel's decoder.
 template <class WeightsOf>
@@ -272,29 +346,24 @@ at::Tensor run(const at::Tensor& x, int64_t P, int64_t out_features, WeightsOf w
       const auto weights = weights_of(p);
       const int64_t columns = std::min<int64_t>(PANEL, out_features - p * PANEL);
       float* yp_panel = yp + p * PANEL;
+#if SPECDEC_TILED
+      // float32 weights have nothing to decode: up to 8 rows, 2-row passes over the panel in L2 measured faster
+      if (M > (std::decay_t<decltype(weights)>::DECODES ? ROW_BLOCK : 8)) {
+        tiled_panel(weights, xp, M, K, yp_panel, out_features, columns);
+        continue;
+      }
+#else
       if constexpr (std::decay_t<decltype(weights)>::DECODES) {
         if (M > ROW_BLOCK) {
-#if SPECDEC_DECODE_ONCE
-          // The panel decoded once into this thread's scratch (in L2), the float32 blocks over it
-          thread_local std::vector<vec> scratch;
-          scratch.resize(K * VECTORS);
-          decode_panel(weights, K, scratch.data());
-          const Float32 plain{reinterpret_cast<const float*>(scratch.data())};
-          for (int64_t r0 = 0; r0 < M; r0 += ROW_BLOCK) {
-            const int rows = static_cast<int>(std::min<int64_t>(ROW_BLOCK, M - r0));
-            passes<ROW_BLOCK, BLOCK_VECTORS>(rows, xp + r0 * K, K, plain, yp_panel + r0 * out_features,
-                                             out_features, columns, false);
-          }
-#else
           for (int64_t r0 = 0; r0 < M; r0 += MANY_ROW_BLOCK) {
             const int rows = static_cast<int>(std::min<int64_t>(MANY_ROW_BLOCK, M - r0));
             passes<MANY_ROW_BLOCK, MANY_VECTORS>(rows, xp + r0 * K, K, weights, yp_panel + r0 * out_features,
                                                  out_features, columns, r0 == 0);
           }
-#endif
           continue;
         }
       }
+#endif
       for (int64_t r0 = 0; r0 < M; r0 += ROW_BLOCK) {
         const int rows = static_cast<int>(std::min<int64_t>(ROW_BLOCK, M - r0));
         passes<ROW_BLOCK, BLOCK_VECTORS>(rows, xp + r0 * K, K, weights, yp_panel + r0 * out_features, out_features,
