@@ -87,6 +87,12 @@ def test_paged_attention_matches_the_masked_window(shape):
     got = module.paged_attention(q, keys, values, table, visible, ancestors, d ** -0.5)
     want = reference_attention(q, keys, values, table, visible, ancestors, d ** -0.5)
     assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+    # A row alone gives the same bits as among its sequence's rows (the rows share each chunk of keys read)
+    for r in range(t):
+        alone = module.paged_attention(q.view(b, t, heads, d)[:, r].contiguous(), keys, values, table,
+                                       visible[:, r:r + 1].contiguous(), ancestors[:, r:r + 1].contiguous(),
+                                       d ** -0.5)
+        assert torch.equal(alone, got.view(b, t, -1)[:, r]), r
     keys[blocks - 1 if blocks - 1 not in table else blocks], values[0 if 0 not in table else blocks] = float("nan"), 0
     assert not module.paged_attention(q, keys, values, table, visible, ancestors, d ** -0.5).isnan().any()
 

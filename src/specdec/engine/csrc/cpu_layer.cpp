@@ -16,6 +16,10 @@
 #include <ATen/ops/silu.h>
 #include <ATen/Parallel.h>
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>  // splat's broadcasts
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -65,10 +69,18 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return s;
 }
 
+// x in every lane; one broadcast where the ISA has it (GCC built the generic form lane by lane on AVX2:
+// eight vinsertps, as csrc/panel_linear.cpp's splat)
 inline lanes splat(float x) {
+#if defined(__AVX512F__)
+  return (lanes)_mm512_set1_ps(x);
+#elif defined(__AVX__)
+  return (lanes)_mm256_set1_ps(x);
+#else
   lanes v;
   for (int i = 0; i < LANES; ++i) v[i] = x;
   return v;
+#endif
 }
 
 // the N products summed pairwise: ((0 + 1) + (2 + 3)) + ...
@@ -209,74 +221,115 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& keys, const at
   const int64_t* ap = ancestors.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
   const float scaling = static_cast<float>(scale);
-  // one (row, head) a job; a job's keys are its row's, the same for the row's heads
-  at::parallel_for(0, batch * rows * heads, 8, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(window + 16);  // exp runs over whole vectors
-    std::vector<int64_t> where(window);  // each seen key's offset in the pool, less its head's
+  // One (sequence, head) a job, all the sequence's rows: the keys every row sees (the cache before the
+  // least `visible`) are read a chunk at a time, each chunk from L1 for every row; the rest of a row's keys
+  // (its own new rows', a tree's ancestors) after them. Each row's scores, softmax and weighted sum are
+  // computed as for the row alone, key by key in the same order: a row's result does not depend on the
+  // others. (A job per (row, head) read the head's keys and values from L2 once per row: a 5-row verify's
+  // attention cost 3.3x a step's; docs/results/2026-11-30-avx2-tiles.md.)
+  constexpr int64_t CHUNK = 32;  // keys per chunk: 8 KiB of keys (and of values) for a 64-wide head
+  at::parallel_for(0, batch * heads, 1, [&](int64_t begin, int64_t end) {
+    const int64_t stride = window + 16;                     // exp runs over whole vectors
+    std::vector<float> scores(rows * stride);
+    std::vector<int64_t> where(rows * window);              // each seen key's offset in the pool, less its head's
+    std::vector<int64_t> count(rows);
+    std::vector<float> top(rows), inverse(rows);
     for (int64_t job = begin; job < end; ++job) {
-      const int64_t row = job / heads, head = job % heads, b = row / rows;
-      const int64_t seen_before = std::min(visp[row], window);
-      const uint64_t tree = static_cast<uint64_t>(ap[row]);
-      int64_t count = 0;
+      const int64_t b = job / heads, head = job % heads;
       auto block_of = [&](int64_t key) {
         const int64_t block = tp[b * blocks + key / block_size];
         TORCH_CHECK(block >= 0 && block < pool_blocks, "cpu_layer: a table entry outside the pool");
         return block * block_size * kv_heads * d;
       };
-      auto add = [&](int64_t key) { where[count++] = block_of(key) + (key % block_size) * kv_heads * d; };
-      for (int64_t start = 0; start < seen_before; start += block_size) {  // the cache, a block at a time
-        const int64_t base = block_of(start), end = std::min(start + block_size, seen_before);
-        for (int64_t key = start; key < end; ++key) where[count++] = base + (key - start) * kv_heads * d;
-      }
-      for (int64_t bit = 0; bit < 64 && (tree >> bit); ++bit) {
-        if ((tree >> bit) & 1 && visp[row] + bit < window) add(visp[row] + bit);
+      int64_t shared = window;  // keys every row sees, first in each row's list
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t row = b * rows + r, seen_before = std::min(visp[row], window);
+        const uint64_t tree = static_cast<uint64_t>(ap[row]);
+        int64_t* w = where.data() + r * window;
+        int64_t n = 0;
+        for (int64_t start = 0; start < seen_before; start += block_size) {  // the cache, a block at a time
+          const int64_t base = block_of(start), stop = std::min(start + block_size, seen_before);
+          for (int64_t key = start; key < stop; ++key) w[n++] = base + (key - start) * kv_heads * d;
+        }
+        for (int64_t bit = 0; bit < 64 && (tree >> bit); ++bit) {
+          if ((tree >> bit) & 1 && visp[row] + bit < window) {
+            const int64_t key = visp[row] + bit;
+            w[n++] = block_of(key) + (key % block_size) * kv_heads * d;
+          }
+        }
+        count[r] = n;
+        shared = std::min(shared, seen_before);
       }
       const int64_t offset = (head / groups) * d;
-      const float* query = qp + (row * heads + head) * d;
-      float best = -std::numeric_limits<float>::infinity();
-      if (d == 64) {  // the common head size: the query in registers
-        constexpr int Q = 64 / cpu_layer::LANES;
-        cpu_layer::lanes qv[Q];
-        for (int j = 0; j < Q; ++j) qv[j] = cpu_layer::load(query + j * cpu_layer::LANES);
-        for (int64_t c = 0; c < count; ++c) {
-          const float* k = kp + where[c] + offset;
-          cpu_layer::lanes products[Q];
-          for (int j = 0; j < Q; ++j) products[j] = qv[j] * cpu_layer::load(k + j * cpu_layer::LANES);
-          scores[c] = cpu_layer::sum_lanes(cpu_layer::pairwise<Q>(products)) * scaling;
-          best = std::max(best, scores[c]);
+      // score of row r's keys [from, to) of its list, and their running maximum
+      auto score = [&](int64_t r, int64_t from, int64_t to) {
+        const float* query = qp + ((b * rows + r) * heads + head) * d;
+        const int64_t* w = where.data() + r * window;
+        float* sc = scores.data() + r * stride;
+        float best = top[r];
+        if (d == 64) {  // the common head size: the query in registers
+          constexpr int Q = 64 / cpu_layer::LANES;
+          cpu_layer::lanes qv[Q];
+          for (int j = 0; j < Q; ++j) qv[j] = cpu_layer::load(query + j * cpu_layer::LANES);
+          for (int64_t c = from; c < to; ++c) {
+            const float* k = kp + w[c] + offset;
+            cpu_layer::lanes products[Q];
+            for (int j = 0; j < Q; ++j) products[j] = qv[j] * cpu_layer::load(k + j * cpu_layer::LANES);
+            sc[c] = cpu_layer::sum_lanes(cpu_layer::pairwise<Q>(products)) * scaling;
+            best = std::max(best, sc[c]);
+          }
+        } else {
+          for (int64_t c = from; c < to; ++c) {
+            sc[c] = cpu_layer::dot(query, kp + w[c] + offset, d) * scaling;
+            best = std::max(best, sc[c]);
+          }
         }
-      } else {
-        for (int64_t c = 0; c < count; ++c) {
-          scores[c] = cpu_layer::dot(query, kp + where[c] + offset, d) * scaling;
-          best = std::max(best, scores[c]);
+        top[r] = best;
+      };
+      // row r's output += its keys [from, to) of its list, weighted
+      auto weigh = [&](int64_t r, int64_t from, int64_t to) {
+        const int64_t* w = where.data() + r * window;
+        const float* sc = scores.data() + r * stride;
+        float* o = op + (b * rows + r) * heads * d + head * d;
+        if (d == 64) {  // the sums in registers
+          constexpr int Q = 64 / cpu_layer::LANES;
+          cpu_layer::lanes ov[Q];
+          for (int j = 0; j < Q; ++j) ov[j] = cpu_layer::load(o + j * cpu_layer::LANES);
+          for (int64_t c = from; c < to; ++c) {
+            const cpu_layer::lanes p = cpu_layer::splat(sc[c] * inverse[r]);
+            const float* v = vp + w[c] + offset;
+            for (int j = 0; j < Q; ++j) ov[j] += p * cpu_layer::load(v + j * cpu_layer::LANES);
+          }
+          __builtin_memcpy(o, ov, sizeof(ov));
+        } else {
+          for (int64_t c = from; c < to; ++c) {
+            const float p = sc[c] * inverse[r];
+            const float* v = vp + w[c] + offset;
+            for (int64_t i = 0; i < d; ++i) o[i] += p * v[i];
+          }
         }
+      };
+      const int64_t chunk = rows > 1 ? CHUNK : std::max<int64_t>(shared, 1);  // one row: one pass
+      std::fill(top.begin(), top.end(), -std::numeric_limits<float>::infinity());
+      for (int64_t c = 0; c < shared; c += chunk)
+        for (int64_t r = 0; r < rows; ++r) score(r, c, std::min(c + chunk, shared));
+      for (int64_t r = 0; r < rows; ++r) {
+        score(r, shared, count[r]);
+        float* sc = scores.data() + r * stride;
+        // exp over whole vectors of scores (the buffer has room past count), summed over the first count
+        float total = 0.f;
+        for (int64_t c = 0; c < count[r]; c += cpu_layer::LANES) {
+          const auto e = cpu_layer::exp_lanes(cpu_layer::load(sc + c) - cpu_layer::splat(top[r]));
+          __builtin_memcpy(sc + c, &e, sizeof(e));
+        }
+        for (int64_t c = 0; c < count[r]; ++c) total += sc[c];
+        inverse[r] = 1.f / total;
+        float* o = op + (b * rows + r) * heads * d + head * d;
+        std::fill(o, o + d, 0.f);
       }
-      // exp over whole vectors of scores (the buffer has room past count), summed over the first count
-      float total = 0.f;
-      for (int64_t c = 0; c < count; c += cpu_layer::LANES) {
-        const auto e = cpu_layer::exp_lanes(cpu_layer::load(scores.data() + c) - cpu_layer::splat(best));
-        __builtin_memcpy(scores.data() + c, &e, sizeof(e));
-      }
-      for (int64_t c = 0; c < count; ++c) total += scores[c];
-      float* o = op + row * heads * d + head * d;
-      std::fill(o, o + d, 0.f);
-      const float inverse = 1.f / total;
-      if (d == 64) {  // the sums in registers
-        constexpr int Q = 64 / cpu_layer::LANES;
-        cpu_layer::lanes ov[Q] = {};
-        for (int64_t c = 0; c < count; ++c) {
-          const cpu_layer::lanes p = cpu_layer::splat(scores[c] * inverse);
-          const float* v = vp + where[c] + offset;
-          for (int j = 0; j < Q; ++j) ov[j] += p * cpu_layer::load(v + j * cpu_layer::LANES);
-        }
-        __builtin_memcpy(o, ov, sizeof(ov));
-      } else {
-        for (int64_t c = 0; c < count; ++c) {
-          const float p = scores[c] * inverse;
-          const float* v = vp + where[c] + offset;
-          for (int64_t i = 0; i < d; ++i) o[i] += p * v[i];
-        }
-      }
+      for (int64_t c = 0; c < shared; c += chunk)
+        for (int64_t r = 0; r < rows; ++r) weigh(r, c, std::min(c + chunk, shared));
+      for (int64_t r = 0; r < rows; ++r) weigh(r, shared, count[r]);
     }
   });
   return out;
