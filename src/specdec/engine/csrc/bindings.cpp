@@ -17,5 +17,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   KERNEL(add_rms_norm);
   KERNEL(rotate_qk);
   KERNEL(silu_mul);
+  KERNEL(store_kv);
   KERNEL(paged_attention);
 }

@@ -22,6 +22,8 @@ std::vector<at::Tensor> add_rms_norm(const at::Tensor& residual, const at::Tenso
 std::vector<at::Tensor> rotate_qk(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                                   int64_t heads, int64_t kv_heads);
 at::Tensor silu_mul(const at::Tensor& gate_up);
+void store_kv(const at::Tensor& keys, const at::Tensor& values, const at::Tensor& k, const at::Tensor& qkv,
+              int64_t v_column, const at::Tensor& block, const at::Tensor& offset);
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
                            const at::Tensor& table, const at::Tensor& visible, const at::Tensor& ancestors,
                            double scale);
