@@ -5,8 +5,9 @@ almost no arithmetic per byte. The kernels torch brings (MKL's sgemm, oneDNN's r
 a third or more of the memory bandwidth somewhere between 2 and 9 rows, exactly the rows speculative
 decoding verifies; csrc/panel_linear.cpp streams each panel of 64 output columns once per block of rows
 with the partial sums in registers (block shapes per instruction set: 6 rows with AVX-512, where a forward
-of 1-6 rows costs about what 1 row costs, docs/results/2026-11-29-panel-linear.md; 2-3 rows with AVX2,
-docs/results/2026-11-30-avx2-panels.md). It also sums every output in one fixed order whatever the
+of 1-6 rows costs about what 1 row costs, docs/results/2026-11-29-panel-linear.md; 2 rows with AVX2, past
+them tiles of the panel decoded once into L1 for all rows, docs/results/2026-11-30-avx2-panels.md and
+2026-11-30-avx2-tiles.md). It also sums every output in one fixed order whatever the
 row count: a verify's rows give, bit for bit, what the same rows give one step at a time.
 
 A layer's weights are held in the fewest bytes that give back every float32 exactly (`encode`): 4-bit
