@@ -97,6 +97,23 @@ def test_paged_attention_matches_the_masked_window(shape):
     assert not module.paged_attention(q, keys, values, table, visible, ancestors, d ** -0.5).isnan().any()
 
 
+def test_store_kv_writes_what_index_put_writes_and_refuses_a_place_outside_the_pool():
+    gen = torch.Generator().manual_seed(5)
+    b, t, heads, kv_heads, d = 2, 3, 4, 2, 16
+    qkv = torch.randn(b * t, (heads + 2 * kv_heads) * d, generator=gen)
+    k = torch.randn(b * t, kv_heads, d, generator=gen)
+    block, offset = torch.tensor([[3, 3, 4], [0, 1, 1]]), torch.tensor([[6, 7, 0], [2, 0, 1]])
+    keys, values = torch.zeros(5, 8, kv_heads, d), torch.zeros(5, 8, kv_heads, d)
+    want_keys, want_values = keys.clone(), values.clone()
+    want_keys[block, offset] = k.view(b, t, kv_heads, d)
+    want_values[block, offset] = qkv[:, (heads + kv_heads) * d:].reshape(b, t, kv_heads, d)
+    module = panel_linear.build().module
+    module.store_kv(keys, values, k, qkv, (heads + kv_heads) * d, block, offset)
+    assert torch.equal(keys, want_keys) and torch.equal(values, want_values)
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        module.store_kv(keys, values, k, qkv, (heads + kv_heads) * d, block, offset.fill_(8))
+
+
 def test_a_table_entry_outside_the_pool_is_refused():
     keys = torch.zeros(2, 4, 1, 16)
     with pytest.raises(RuntimeError, match="outside the pool"):
