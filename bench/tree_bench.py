@@ -30,7 +30,7 @@ from specdec.decoding.draft_length import CostModel, DraftLengthPolicy, PartPoli
 from specdec.decoding.lookup_first import LOOKUP, MODEL, LookupFirstProposer
 from specdec.decoding.loop import GenerationRequest, Stats, generate
 from specdec.decoding.ngram_proposer import NgramProposer
-from specdec.engine.build import dynamic_executor
+from specdec.engine.build import ExecutorConfig, build_executor
 from specdec.engine.loading import load_causal_lm
 from specdec.engine.local import LocalProposer, LocalScorer
 from specdec.serving import pairs
@@ -138,8 +138,12 @@ def main(argv=None) -> int:
     wanted = [text for text in args.only.split(",") if text]
     if wanted:
         settings = [settings[0]] + [s for s in settings[1:] if any(text in s.label for text in wanted)]
-    # With a head the target returns its features (hidden_layers), as target_model does when a head is served
-    lm = dynamic_executor(model, hidden_layers=layers)
+    # The executor target_model builds (`executor: auto`: the static one on the CPU's kernels where they serve
+    # the model); with a head the target returns its features (hidden_layers), as when a head is served; rows
+    # for the largest setting's verify; one sequence at a time (a small pool)
+    lm = build_executor(model, ExecutorConfig(hidden_layers=tuple(layers), max_rows=max(s.k for s in settings) + 1,
+                                              max_sequences=4, max_context=2048))
+    executor = "static" if type(lm.forward).__name__ == "StaticForward" else "dynamic"
     sections = []
     for kind in ("grounded", "open"):
         prompts = []
@@ -175,7 +179,7 @@ def main(argv=None) -> int:
         sections.append(f"**{kind} prompts** ({len(prompts)}, {args.max_tokens} tokens each, greedy)\n\n" +
                         table(rows, ["setting", "tokens/s", "speedup", "tokens per round", "tree rounds",
                                      "text = target-only"]))
-    text = (f"{machine()}; the {args.pair} pair's target, in process (dynamic executor, {args.dtype}), prompt lookup "
+    text = (f"{machine()}; the {args.pair} pair's target, in process ({executor} executor, {args.dtype}), prompt lookup "
             f"(max n-gram 4, min 2)"
             + (f"; the head's confidence stop below {args.stop_below}" if args.draft_head else "")
             + "\n\n" + "\n\n".join(sections))
