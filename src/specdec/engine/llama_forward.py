@@ -135,7 +135,8 @@ def fuse_linears(owner: torch.nn.Module, names: tuple[str, ...]
 
 def _linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """module(x); a CPU panel linear's forward called directly: nn.Module's call machinery (hooks, none
-    here) cost 5 us a call on the 2-core EPYC, 2.8 for the product itself at 1 row, and a step makes ~121."""
+    here) costs about as much as a 1-row product, and a step makes one call per projection
+    (docs/results/2026-11-30-avx2-tiles.md)."""
     return module.forward(x) if module.__class__ is panel_linear.PanelLinear else module(x)
 
 
@@ -261,19 +262,19 @@ class LlamaForward:
             layer = layers[index]
             attn = layer.self_attn
             qkv = self._qkv(index, x)
-            v = qkv[:, v_column:]
             if hasattr(attn, "q_norm"):  # Qwen3 normalizes queries and keys per head
                 q, k = fn.rotate_qk(qkv, cos, sin, heads, kv_heads, attn.q_norm.weight, attn.k_norm.weight,
                                     attn.q_norm.variance_epsilon)
             else:
                 q, k = fn.rotate_qk(qkv, cos, sin, heads, kv_heads)
             keys, values = pool.keys[index], pool.values[index]
-            if self.cpu_store_kv is not None:  # one call, not two index_put (~15 us a layer)
+            if self.cpu_store_kv is not None:  # one call, not two index_put
                 self.cpu_store_kv(keys, values, k.reshape(n, kv_heads, self.head_dim).contiguous(), qkv, v_column,
                                   batch.write_block, batch.write_offset)
             else:
                 keys[batch.write_block, batch.write_offset] = k.view(b, t, kv_heads, self.head_dim)
-                values[batch.write_block, batch.write_offset] = v.view(b, t, kv_heads, self.head_dim)
+                values[batch.write_block, batch.write_offset] = qkv[:, v_column:].view(b, t, kv_heads,
+                                                                                       self.head_dim)
             if on_cpu:
                 out = self.cpu_paged_attention(q, keys, values, batch.table, batch.visible, batch.ancestors,
                                                self.scaling)
