@@ -41,6 +41,15 @@ def test_defaults_and_lists():
     assert p.int("absent", 7) == 7 and p.bool("absent", True) is True
 
 
+def test_a_count_or_auto():
+    assert params(torch_threads="auto").count_or_auto("torch_threads", "1") is None
+    assert params().count_or_auto("torch_threads", "auto") is None
+    assert params().count_or_auto("torch_threads", "1") == 1
+    assert params(torch_threads="3").count_or_auto("torch_threads", "auto") == 3
+    with pytest.raises(ConfigError, match=r"'torch_threads' must be within \[1, None\], got 0"):
+        params(torch_threads="0").count_or_auto("torch_threads", "auto")
+
+
 def test_model_path_errors_name_the_path(tmp_path):
     with pytest.raises(FileNotFoundError, match="model_path '/no/such/dir' does not exist"):
         load_causal_lm("/no/such/dir")

@@ -2,7 +2,9 @@
 
 import os
 
-from specdec.engine.threads import available_cpus
+import torch
+
+from specdec.engine.threads import available_cpus, set_torch_threads
 
 
 def test_available_cpus_follow_the_affinity_and_a_cgroup_quota(tmp_path):
@@ -15,3 +17,13 @@ def test_available_cpus_follow_the_affinity_and_a_cgroup_quota(tmp_path):
     assert available_cpus(cpu_max) == 1
     cpu_max.write_text(f"{granted * 300000} 100000\n")  # a quota above the affinity: the affinity
     assert available_cpus(cpu_max) == granted
+
+
+def test_set_torch_threads_takes_a_count_or_caps_torchs_own_by_the_cpus_granted():
+    before = torch.get_num_threads()
+    try:
+        assert set_torch_threads(1) == 1 == torch.get_num_threads()
+        torch.set_num_threads(64)
+        assert set_torch_threads(None) == min(64, available_cpus())
+    finally:
+        torch.set_num_threads(before)

@@ -5,6 +5,9 @@ CPUs on a 64-core node runs 32-thread forwards in 4 CPUs' worth of time, and eve
 target) does so. `auto` keeps torch's count but no more than the CPUs this process may actually use
 (`available_cpus`). Fewer threads than that can pay for a small model, whose steps hardly speed up on a
 second thread while it takes a core the other stubs need; that is a count a deployment sets.
+
+The orchestrator's own default is 1: its tensors are one round's logits, and a pool's idle worker spins
+after each of its operations (libgomp's GOMP_SPINCOUNT) on a core the next model's forward needs.
 """
 
 from __future__ import annotations
@@ -27,3 +30,12 @@ def available_cpus(cpu_max: Path = CGROUP_CPU_MAX) -> int:
     except (OSError, ValueError):
         pass
     return count
+
+
+def set_torch_threads(count: int | None) -> int:
+    """This process's torch threads: `count`, or with None (`auto`) torch's own count capped by
+    `available_cpus()`. Returns the count set."""
+    import torch
+
+    torch.set_num_threads(min(torch.get_num_threads(), available_cpus()) if count is None else count)
+    return torch.get_num_threads()

@@ -66,3 +66,9 @@ class ModelParameters:
 
     def list(self, key: str, default: str = "") -> list[str]:
         return [item.strip() for item in self.str(key, default).split(",") if item.strip()]
+
+    def count_or_auto(self, key: str, default: str) -> int | None:
+        """A count >= 1, or None for `auto` (e.g. torch_threads: engine/threads.set_torch_threads)."""
+        if self.str(key, default) == "auto":
+            return None
+        return self.int(key, 1, low=1)

@@ -69,8 +69,7 @@ class LanguageModelAdapter(TritonAdapter):
         if args.get("model_instance_kind") == "GPU" and device in ("cpu", "cuda"):
             device = f"cuda:{args.get('model_instance_device_id', '0')}"
         # auto: torch's own count (a thread per core), at most the CPUs this process may use (threads.py).
-        torch.set_num_threads(min(torch.get_num_threads(), threads.available_cpus())
-                              if params.str("torch_threads", "auto") == "auto" else params.int("torch_threads", 1, low=1))
+        threads.set_torch_threads(params.count_or_auto("torch_threads", "auto"))
         # false: one forward per sequence (the unbatched baseline of the batching benchmark).
         self.batched = params.bool("batched_forward", True)
         # On CUDA, logits and draft distributions go to the orchestrator as device tensors (DLPack; Triton
