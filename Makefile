@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.specdec-setup
 
-.PHONY: readme-examples soak soak-mixed setup serve test unit integration deploy-check image image-lock clean loadtest bench bench-concurrency bench-batching bench-gpu bench-executor bench-overhead bench-structured bench-prefix bench-suffix bench-openai bench-trees bench-fp8 gpukit
+.PHONY: readme-examples soak soak-mixed setup serve test unit integration deploy-check image image-lock clean loadtest bench bench-concurrency bench-batching bench-gpu bench-executor bench-overhead bench-structured bench-prefix bench-suffix bench-openai bench-trees bench-fp8 bench-ab gpukit
 
 setup: $(STAMP)
 
@@ -115,6 +115,11 @@ bench-fp8: setup
 # Where a served round's time goes (tiny pair): forwards, adapters, Triton, orchestrator. DEVICE=gpu too.
 bench-overhead: setup
 	$(PY) -m bench.round_overhead --device $${DEVICE:-cpu} --out .cache/bench-overhead.md
+
+# Two servers of the default pair at once, every request to both (one change between them): AB_ARGS, e.g.
+# AB_ARGS="--b-arg=--set=speculative_decoding.torch_threads=auto" or "--a-env GOMP_SPINCOUNT=3000".
+bench-ab: setup
+	$(PY) -m bench.ab_bench --out .cache/bench-ab.md $${AB_ARGS:-}
 
 # Rewrite the README's real-output examples from a default-pair server it starts (about a minute).
 readme-examples: setup

@@ -68,6 +68,26 @@ def test_time_kernels_times_the_models_forward_both_ways_and_leaves_it_on_torchs
     assert [id(m) for m in fp32_llama.modules() if isinstance(m, torch.nn.Linear)] == before and calls
 
 
+def test_a_small_models_timing_repeats_as_often_as_its_budget_holds(fp32_llama):
+    """A draft head's forwards take a millisecond: 3 repeats beside other stubs loading chose by noise."""
+    kinds = 3 if onednn_linear.panel_linear.available(torch.device("cpu"), torch.float32) is None else 2
+    forward = onednn_linear.causal_lm_forward(fp32_llama)
+    for budget, expected in ((0.0, 3), (60.0, 7)):  # no budget: the repeats asked; a large one: the most
+        calls = []
+        onednn_linear.time_kernels(fp32_llama, lambda n: calls.append(n) or forward(n), rows=(1, 2), repeats=3,
+                                   budget_s=budget, most_repeats=7)
+        assert len(calls) == 2 * kinds * (1 + expected)
+
+
+def test_q8_weights_go_to_the_panel_kernel_untimed():
+    from specdec.engine import panel_linear
+    from specdec.engine.loading import q8_kernels
+
+    builds = panel_linear.available(torch.device("cpu"), torch.float32) is None
+    assert q8_kernels("auto", "q8") == ("panels" if builds else "auto")
+    assert q8_kernels("auto", "same") == "auto" and q8_kernels("panels", "q8") == "panels"
+
+
 def test_each_row_count_runs_on_the_faster_kernel_and_torch_pads_only_where_that_was_faster():
     times = onednn_linear.KernelTimes
     # torch's products stream faster at 1-3 rows (MKL on an Intel CPU), oneDNN's from 4: switched at 4

@@ -86,7 +86,7 @@ def load_causal_lm(model_path: str, device: str = "cpu", dtype: str = "float32",
     if weights_dtype == "q8":
         quantize_q8(model, model_path, log)
     if weights_dtype != "fp8":  # the linears left dense (all but an FP8 checkpoint's)
-        onednn_linear.apply(linear_kernels, model, model_path, log)
+        onednn_linear.apply(q8_kernels(linear_kernels, weights_dtype), model, model_path, log)
     return model
 
 
@@ -95,6 +95,20 @@ def check_q8(device: str, dtype: str, linear_kernels: str) -> None:
     if torch.device(device).type != "cpu" or dtype != "float32" or linear_kernels not in ("auto", "panels"):
         raise ValueError(f"weights_dtype=q8 rounds the weights for the CPU's panel kernel: it needs device cpu, "
                          f"dtype float32 and linear_kernels auto or panels, got {device}, {dtype}, {linear_kernels}")
+
+
+def q8_kernels(linear_kernels: str, weights_dtype: str) -> str:
+    """The linear_kernels setting a model's weights_dtype leaves: q8's 8-bit blocks are for the panel kernel,
+    the one kernel that streams them as codes (torch's and oneDNN's would stream them widened back to
+    float32, four times the bytes), so `auto` takes it untimed where it builds. Timed beside the other
+    stubs loading, the default pair's q8 head went to torch's kernels in some starts and drafted at half
+    speed (docs/results/2026-11-30-head-kernel-choice.md)."""
+    from specdec.engine import panel_linear
+
+    if weights_dtype == "q8" and linear_kernels == "auto" and \
+            panel_linear.available(torch.device("cpu"), torch.float32) is None:
+        return "panels"
+    return linear_kernels
 
 
 def quantize_q8(model: torch.nn.Module, model_path: str, log=None) -> int:

@@ -127,12 +127,16 @@ def causal_lm_forward(model: nn.Module) -> Callable[[int], object]:
 
 @torch.inference_mode()
 def time_kernels(model: nn.Module, forward: Callable[[int], object], rows: tuple[int, ...] = TIMED_ROWS,
-                 repeats: int = 3) -> KernelTimes:
+                 repeats: int = 3, budget_s: float = 1.0, most_repeats: int = 25) -> KernelTimes:
     """The model's forward over each row count (`forward(n)`) with its linears on torch's kernels, on
     oneDNN's reordered weights and, where it runs (float32), on the panel kernel (each swapped in for the
-    timing, a copy of each weight meanwhile), the quickest of `repeats`, interleaved so a noisy machine's
-    slow moments fall on all, one model's timing at a time on the machine (`_timing_alone`). The model is
-    left on torch's kernels."""
+    timing, a copy of each weight meanwhile), the quickest of at least `repeats`, interleaved so a noisy
+    machine's slow moments fall on all, one model's timing at a time on the machine (`_timing_alone`). The
+    model is left on torch's kernels.
+
+    A small model (a draft head) repeats as often as fits `budget_s` (at most `most_repeats`), going by its
+    untimed first pass: the other stubs load beside the timing, and with 3 repeats of a head's millisecond
+    forwards the default pair's head went to torch's kernels in some starts, its served step twice as slow."""
     linears = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
                if isinstance(child, nn.Linear)]
     if not linears:
@@ -149,10 +153,13 @@ def time_kernels(model: nn.Module, forward: Callable[[int], object], rows: tuple
     seconds: dict[str, dict[int, list[float]]] = {kind: {n: [] for n in rows} for kind in layers}
     try:
         with _timing_alone():
+            started = time.perf_counter()
             for n in rows:  # once untimed: oneDNN builds its kernel for each shape on first use
                 for kind in seconds:
                     use(kind)
                     forward(n)
+            first_pass = time.perf_counter() - started
+            repeats = max(repeats, min(most_repeats, int(budget_s / max(first_pass, 1e-6))))
             for _ in range(repeats):
                 for n in rows:
                     for kind in seconds:

@@ -5,9 +5,6 @@ CPUs on a 64-core node runs 32-thread forwards in 4 CPUs' worth of time, and eve
 target) does so. `auto` keeps torch's count but no more than the CPUs this process may actually use
 (`available_cpus`). Fewer threads than that can pay for a small model, whose steps hardly speed up on a
 second thread while it takes a core the other stubs need; that is a count a deployment sets.
-
-The orchestrator's own default is 1: its tensors are one round's logits, and a pool's idle worker spins
-after each of its operations (libgomp's GOMP_SPINCOUNT) on a core the next model's forward needs.
 """
 
 from __future__ import annotations

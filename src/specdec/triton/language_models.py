@@ -29,7 +29,7 @@ from specdec.engine.build import ExecutorConfig, build_executor
 from specdec.engine.draft_heads import HeadError, load_head_for, rows_forward, served_layers
 from specdec.engine.executor import CacheError, CapacityError, Scored, Step
 from specdec.engine.head_executor import HeadExecutor
-from specdec.engine.loading import check_q8, load_causal_lm, quantize_q8
+from specdec.engine.loading import check_q8, load_causal_lm, q8_kernels, quantize_q8
 from specdec.engine.skip_layers import LayerSkipForward, SkipTuner, parse_layers
 from specdec.triton.adapter import TritonAdapter
 from specdec.triton.config import ConfigError, ModelParameters
@@ -556,7 +556,8 @@ class DraftModel(LanguageModelAdapter):
             raise ConfigError(f"{self.name}: {exc}") from None
         if weights_dtype == "q8":  # the head's own linears (the target's embedding it borrows stays)
             quantize_q8(head, head_path, self.pb.Logger.log_info)
-        onednn_linear.apply(linear_kernels, head, head_path, self.pb.Logger.log_info, forward=rows_forward(head))
+        onednn_linear.apply(q8_kernels(linear_kernels, weights_dtype), head, head_path, self.pb.Logger.log_info,
+                            forward=rows_forward(head))
         # The target returns the states of the layers its heads read, concatenated: this head's, in its order
         target_layers = target_config.get_text_config().num_hidden_layers
         served = self._served_layers(params, target_layers)

@@ -28,7 +28,6 @@ from specdec.decoding.loop import GenerationRequest, Stats, generate
 from specdec.decoding.ngram_proposer import NgramProposer
 from specdec.decoding.suffix_proposer import SuffixCache, SuffixProposer
 from specdec.decoding.text import Emission, TextEmitter, load_tokenizer
-from specdec.engine import threads
 from specdec.triton.adapter import TritonAdapter
 from specdec.triton.bls import BlsProposer, BlsScorer, ModelUnavailable
 from specdec.triton.admission.cancellation import CancellationBoard
@@ -62,11 +61,6 @@ CANCEL_POLL_S = 0.01
 class SpeculativeDecodingAdapter(TritonAdapter):
     def load(self, params: ModelParameters, args: dict) -> None:
         pb_utils = self.pb
-        # 1 (default): this process's tensors (a round's logits: acceptance, sampling) on one thread. With
-        # torch's pool, its OpenMP worker spins after each parallel operation (GOMP_SPINCOUNT) on the core
-        # the draft's forward, called right after, needs: on the 2-core CPU a trained head's step ran at
-        # half speed (docs/results/2026-11-30-orchestrator-threads.md).
-        threads.set_torch_threads(params.count_or_auto("torch_threads", "1"))
         self.tokenizer = load_tokenizer(params.str("tokenizer_path"))
         self.guides = GuideCompiler(self.tokenizer)  # structured output's grammars over the same tokenizer
         eos = self.tokenizer.eos_token_id
