@@ -22,7 +22,6 @@ import os
 import signal
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 from bench.report import emit, machine, table, write_results
 from bench.speculative_bench import load_prompts
@@ -30,7 +29,6 @@ from client import Client, GenerationParams
 from specdec import tensor_names as tn
 from specdec.serving import pairs, server
 
-HERE = Path(__file__).resolve().parent
 HEAD = pairs.DEFAULT_PAIR_HEAD_NAME
 
 
@@ -156,7 +154,7 @@ def main(argv=None) -> int:
     prompts = {kind: load_prompts(kind, args.prompts) for kind in ("grounded", "open")}
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally below: stop our servers
     owned, urls, labels = [], {}, {}
-    cache = HERE.parent / ".cache"
+    cache = pairs.cache_dir()
     try:
         for name, url, extra, env in (("A", args.a_url, args.a_arg, args.a_env), ("B", args.b_url, args.b_arg, args.b_env)):
             if url:
