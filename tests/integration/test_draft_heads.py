@@ -59,6 +59,7 @@ def head_server(heads, tmp_path_factory):
     repo = repository.render(pair, tmp / "repo")
     for name in paths:  # every round drafts its whole K (the confidence stop is tested in process)
         repository.override(repo, f"{name}.draft_stop_below=0")
+    repository.override(repo, "target_model.kv_block_size=8")  # the training prompts fill blocks (prefix caching)
     server = start_server(tmp, repository=repo)
     yield server
     retire_server(server)
@@ -119,6 +120,24 @@ def test_a_trained_head_is_accepted_where_a_random_one_is_not(head_server):
             accepted_total += out[tn.TOTAL_ACCEPTED_DRAFT_TOKENS]
         accepted[name] = accepted_total / drafted
     assert accepted["head_trained"] > 0.05 and accepted["head_random_eagle3"] < 0.02, accepted
+
+
+def test_a_heads_request_takes_cached_blocks_with_the_features_kept_for_them(head_server):
+    """A prompt sent twice with the trained head: the second run takes the blocks the first keyed, with the
+    features kept for them (prefix_cache.py), and its text and acceptance are the first run's. (A served
+    tiny head hardly reads its early positions: the features' values are checked in process, in
+    tests/unit/test_draft_heads.py.)"""
+    prompt = GREEDY_PROMPTS[1]  # a training prompt: the head accepts some of its answer
+    runs = []
+    for _ in range(2):
+        before = head_server.metric("specdec_model_prefix_cache_hits_total", model="target_model")
+        out = grpc_stream(head_server.grpc_url, prompt, max_tokens=24, num_draft_tokens=3, draft_model="head_trained",
+                          adaptive_draft=False)
+        runs.append((out, head_server.metric("specdec_model_prefix_cache_hits_total", model="target_model") - before))
+    (first, _), (again, found) = runs
+    assert found >= 8 and again[tn.TEXT_OUTPUT] == first[tn.TEXT_OUTPUT]
+    assert first[tn.TOTAL_ACCEPTED_DRAFT_TOKENS] > 0, first
+    assert abs(again[tn.TOTAL_ACCEPTED_DRAFT_TOKENS] - first[tn.TOTAL_ACCEPTED_DRAFT_TOKENS]) <= 1, (first, again)
 
 
 def test_sampled_requests_with_a_head_are_reproducible(head_server):

@@ -250,27 +250,62 @@ def test_a_sampling_head_draws_from_the_distributions_it_reports(tiny_lm, kind):
     assert any(rejected) == (kind == "planted"), rejected
 
 
-def test_a_heads_rounds_run_every_prompt_position_past_the_prefix_cache(tiny_lm):
-    """Positions a prefix cache serves are not run, so they have no features: a round that asks for
-    features runs the whole prompt (its blocks still keyed), and one that does not reuses them."""
+@pytest.mark.parametrize("executor", ["dynamic", "static"])
+def test_a_heads_rounds_take_cached_blocks_with_the_features_kept_for_them(tiny_lm, executor):
+    """A prompt's blocks are kept with the features the forward that keyed them computed: a later round that
+    asks for features takes those blocks and gets every position's features, as a run without the cache
+    computes them; a block keyed a round after its forward (generated tokens) has none, and such a round takes
+    only the blocks before it while a plain one takes both."""
     import asyncio
 
     from specdec.decoding.interfaces import VerifyCall
-    target = dynamic_executor(tiny_lm, prefix_cache_tokens=256, block_size=4, hidden_layers=(1,))
-    scorer = LocalScorer(target)
-    prompt = list(range(3, 23))
+    if executor == "dynamic":
+        target = dynamic_executor(tiny_lm, prefix_cache_tokens=256, block_size=4, hidden_layers=(1,))
+    else:
+        target = static_executor(tiny_lm, kv_pool_tokens=512, block_size=4, max_context=128, max_batch=2, max_rows=6,
+                                 min_window=16, compile="off", prefix_caching=True, hidden_layers=(1,))
+    scorer, reference = LocalScorer(target), LocalScorer(dynamic_executor(tiny_lm, hidden_layers=(1,)))
 
-    def score(seq_id, want_features):
-        scores = asyncio.run(scorer.score(VerifyCall(seq_id, 0, prompt, 1, want_features=want_features)))
-        asyncio.run(scorer.release(seq_id))
+    def score(on, seq_id, ids, want_features=True, keep=0, positions=1, release=True):
+        scores = asyncio.run(on.score(VerifyCall(seq_id, keep, ids, positions, want_features=want_features)))
+        if release:
+            asyncio.run(on.release(seq_id))
         return scores
 
-    first = score(1, True)
-    assert first.features.shape == (len(prompt), 32)
-    again = score(2, True)
-    assert target.prefix_hit_tokens == 0 and torch.equal(again.features, first.features)
-    score(3, False)
-    assert target.prefix_hit_tokens == 16  # the blocks the head's rounds keyed serve a plain request
+    prompt = list(range(3, 23))
+    expected = score(reference, 1, prompt).features
+    assert expected.shape == (len(prompt), 32)
+    assert torch.allclose(score(scorer, 1, prompt).features, expected, atol=1e-10) and target.prefix_hit_tokens == 0
+    again = score(scorer, 2, prompt)  # 16 positions from the cache (the last block holds the one with logits)
+    assert target.prefix_hit_tokens == 16 and again.features.shape == expected.shape
+    assert torch.allclose(again.features, expected, atol=1e-10)
+    score(scorer, 3, prompt, want_features=False)
+    assert target.prefix_hit_tokens == 32 and target.prefix_cache_bytes > 0
+
+    # A 6-token prompt keys its first block with features; its second block is keyed by later rounds without
+    short = list(range(40, 46))
+    score(scorer, 4, short, release=False)
+    score(scorer, 4, [50, 51], keep=6, positions=2, release=False)
+    score(scorer, 4, [52], keep=8, release=False)
+    asyncio.run(scorer.release(4))
+    longer = short + [50, 51, 52, 53, 54, 55]
+    before = target.prefix_hit_tokens
+    assert torch.allclose(score(scorer, 5, longer).features, score(reference, 5, longer).features, atol=1e-10)
+    assert target.prefix_hit_tokens - before == 4
+    score(scorer, 6, longer, want_features=False)
+    assert target.prefix_hit_tokens - before == 4 + 8
+
+
+def test_the_index_lets_a_blocks_features_go_with_the_block():
+    from specdec.engine.prefix_cache import ROOT, PrefixIndex
+    index = PrefixIndex(4)
+    first = index.add(7, ROOT, (1, 2, 3, 4))
+    second = index.add(8, first, (5, 6, 7, 8))
+    index.keep_features(first, torch.ones(4, 1, 2))
+    assert [rows.shape for rows in index.features([first, second])] == [(4, 1, 2)]  # up to the first without
+    assert index.features([second, first]) == [] and index.features_bytes == 32
+    index.remove(7)
+    assert index.features([first]) == [] and index.features_bytes == 0
 
 
 def test_a_head_executor_evicts_idle_sequences_and_refuses_past_its_limit(tiny_lm):

@@ -83,6 +83,7 @@ class Executor:
         self.ahead: dict[int, Ahead] = {}
         self.ahead_used = self.ahead_dropped = 0
         self.ahead_taken: dict[int, ForwardTimer] = {}
+        self._cached_features: dict[int, torch.Tensor] = {}  # extend_many's, of its `whole` steps
 
     @property
     def tracks_tokens(self) -> bool:
@@ -109,8 +110,9 @@ class Executor:
 
     @property
     def prefix_cache_bytes(self) -> int:
-        """Bytes of keyed blocks kept for later prompts and held by no sequence."""
-        return self.kv.prefix_cache_bytes
+        """Bytes of keyed blocks kept for later prompts and held by no sequence, and of the features kept
+        with keyed blocks (a served head's, prefix_cache.py)."""
+        return self.kv.prefix_cache_bytes + (self.prefix.features_bytes if self.prefix is not None else 0)
 
     def warm_up(self, time_budget_s: float = 120.0) -> tuple[int, float]:
         """Capture the forward's shape buckets where it has any: (buckets ready, seconds)."""
@@ -196,8 +198,6 @@ class Executor:
             return 0, 0
         # a prompt's chunk: more of it follows (a tree of candidates: the prompt's end is its leading chain)
         seq.prefilling = step.k == 0 and step.num_logits == 0 and step.tree is None
-        if step.whole:  # every position runs (its blocks are still keyed for later prompts)
-            return 0, 0
         ids, size = step.new_ids, self.prefix.block_size
         if start != len(seq.chain) * size:
             return 0, len(ids)
@@ -206,6 +206,11 @@ class Executor:
         reusable = (len(ids) - step.num_logits if step.tree is None else leading_chain(step.tree, step.num_logits)) // size
         blocks, chain = self.prefix.match(ids, reusable, seq.chain[-1] if seq.chain else ROOT) if reusable > 0 \
             else ([], [])
+        if step.whole:  # every position's features are wanted: the blocks whose features are kept (prefix_cache.py)
+            kept = self.prefix.features(chain)
+            blocks, chain = blocks[:len(kept)], chain[:len(kept)]
+            if kept:
+                self._cached_features[step.seq_id] = torch.cat(kept)
         cached = len(blocks) * size
         if blocks:
             self.kv.adopt(seq, blocks, start // size)
@@ -224,9 +229,11 @@ class Executor:
         self.kv.rewrite_from(seq, first)
         del seq.chain[first:]
 
-    def _register(self, seq, confirmed: int) -> None:
+    def _register(self, seq, confirmed: int, start: int = 0, hidden: torch.Tensor | None = None) -> None:
         """Key seq's full blocks within its first `confirmed` positions (tokens that will not be rolled
-        back: the caller kept them, or they are a prompt) in the index, so later prompts find them."""
+        back: the caller kept them, or they are a prompt) in the index, so later prompts find them.
+        hidden: the features of the positions from `start` on that the forward which ran them computed,
+        kept with the blocks they cover (a head's prompt takes only blocks with features)."""
         size, first = self.prefix.block_size, len(seq.chain)
         blocks = []
         for j in range(first, min(confirmed, len(seq.tokens)) // size):
@@ -234,8 +241,15 @@ class Executor:
             if -1 in tokens:  # a drafted token the host has not seen yet
                 break
             blocks.append(tokens)
-        if blocks:
-            seq.chain += self.kv.key_blocks(seq, first, seq.chain[-1] if seq.chain else ROOT, blocks)
+        if not blocks:
+            return
+        serials = self.kv.key_blocks(seq, first, seq.chain[-1] if seq.chain else ROOT, blocks)
+        seq.chain += serials
+        if hidden is not None:
+            for j, serial in enumerate(serials, first):
+                offset = j * size - start
+                if 0 <= offset and offset + size <= len(hidden):
+                    self.prefix.keep_features(serial, hidden[offset:offset + size])
 
     def _forward(self, seqs: list, rows: list, num_logits: list[int], trees: list | None = None) -> ForwardOutput:
         """The forward over seqs' new rows (each cache grows by its row, a chain or a tree); with prefix
@@ -245,6 +259,7 @@ class Executor:
                 del seq.tokens[seq.length:]
                 # -1: not known on the host (a drafted token), or not a sequence (a tree's nodes): never keyed
                 seq.tokens += [-1] * len(row) if isinstance(row, torch.Tensor) or tree is not None else row
+        starts = [seq.length for seq in seqs]
         out = self.forward(seqs, rows, num_logits, trees)
         for seq, row, tree in zip(seqs, rows, trees or [None] * len(seqs)):
             # A tree is remembered until the next step, whose `path` says which of its nodes to keep.
@@ -253,8 +268,9 @@ class Executor:
             seq.length += len(row)
             self.tokens_processed += len(row)
         if self.prefix is not None:
-            for seq, n in zip(seqs, num_logits):  # rows after the first with logits are drafts: unconfirmed
-                self._register(seq, seq.length - max(n - 1, 0))
+            for i, (seq, n) in enumerate(zip(seqs, num_logits)):  # rows after the first with logits: drafts
+                # (a tree's rows are its nodes: their tokens are not keyed, nor their features kept)
+                self._register(seq, seq.length - max(n - 1, 0), starts[i], out.hidden[i] if out.hidden else None)
         return out
 
     def _acquire_all(self, steps: list[Step], problem: Callable[[Step], str | None]) -> tuple[list[int], list]:
@@ -311,6 +327,7 @@ class Executor:
         if with_hidden and not self.forward.hidden_layers:
             raise ValueError("with_hidden needs an executor built with hidden_layers")
         sent, steps = steps, list(steps)  # _acquire_all may shorten a step (prefix caching); the caller's stay as sent
+        self._cached_features = {}  # a `whole` step's features of the cached blocks it took, by sequence
         taken = self._settle_ahead(steps, usable=True)
         rest = [i for i in range(len(steps)) if i not in taken]
         asked = [steps[i] for i in rest]
@@ -323,9 +340,11 @@ class Executor:
             results[i] = ahead.logits if not with_hidden else Scored(ahead.logits, ahead.hidden)
         # A prompt's chunk found whole in the prefix cache has nothing left to run (and wants no logits).
         run = [i for i in ok if steps[i].new_ids]
+        cached = self._cached_features
         for i in ok:
             if not steps[i].new_ids:
-                results[i] = self._no_logits if not with_hidden else Scored(self._no_logits, self._no_hidden())
+                results[i] = self._no_logits if not with_hidden else \
+                    Scored(self._no_logits, cached.get(steps[i].seq_id, self._no_hidden()))
         if run:
             self._run_leading_chains(steps, run)
             out = self._forward([self.sequences[steps[i].seq_id] for i in run], [steps[i].new_ids for i in run],
@@ -336,7 +355,13 @@ class Executor:
                     self.sequences[step.seq_id].tree = (step.keep, tuple(step.tree),
                                                         step.new_ids if isinstance(step.new_ids, list) else None)
             for row, i in enumerate(run):
-                results[i] = out.logits[row] if not with_hidden else Scored(out.logits[row], out.hidden[row])
+                if not with_hidden:
+                    results[i] = out.logits[row]
+                    continue
+                hidden = out.hidden[row]
+                if steps[i].seq_id in cached:  # the cached blocks' features first: every position's
+                    hidden = torch.cat([cached[steps[i].seq_id].to(hidden.device), hidden])
+                results[i] = Scored(out.logits[row], hidden)
         return results
 
     @torch.inference_mode()

@@ -38,7 +38,8 @@ class Step(NamedTuple):
     # propose: candidates per drafted position; above 1 the proposal is a tree of at most k nodes
     # (decoding/draft_tree.py): the chain drafted and the draft's next candidates beside it
     branches: int = 1
-    # extend: run every new token even where a prefix cache holds it (a head reads every position's features)
+    # extend: the features of every new position are wanted (a head reads them): a prefix cache's blocks are
+    # taken only where their features are kept, and returned with the features the forward computes
     whole: bool = False
     # propose, for a trained head (head_executor.py): (rows, F) the target's features at the rows positions
     # before the last new token (fewer than it needs: the first ones are missing)
@@ -49,8 +50,9 @@ class Scored(NamedTuple):
     """One sequence's part of `extend_many(..., with_hidden=True)`."""
 
     logits: torch.Tensor  # (num_logits, V)
-    # (rows, len(hidden_layers), H) at every new position the forward ran (a prefix cache's tokens are not
-    # run: the rows are the step's last ones): each chosen layer's output as transformers' hidden_states
+    # (rows, len(hidden_layers), H) at every new position the forward ran, and with Step.whole at the cached
+    # positions the step took before them (without it a prefix cache's tokens are not run: the rows are the
+    # step's last ones): each chosen layer's output as transformers' hidden_states
     # give it (the residual stream after layer l; the last layer's after the final norm)
     hidden: torch.Tensor
 

@@ -93,7 +93,7 @@ class LocalScorer:
 
     async def score(self, call: VerifyCall) -> Scores:
         step = Step(call.seq_id, call.keep, call.new_ids, call.num_positions, reserve=call.reserve,
-                    whole=call.want_features,  # a head reads every position's features: no prefix reuse
+                    whole=call.want_features,  # a head reads every position's features
                     tree=call.tree, path=call.path)
         started = time.perf_counter()
         with _no_capacity():

@@ -15,9 +15,17 @@ when free blocks run out; the rule that keeps a shared block's contents right is
 shared block is never written (a sequence that rolls back into one first takes a copy). The contiguous
 store, whose sequences own growable buffers, copies keyed blocks into a store of its own and out of it
 (kv_cache.BlockStore).
+
+Where the target serves a trained head (its forward returns the hidden states of the layers the head reads),
+the index also keeps those states at a registered block's positions when the forward that keyed it computed
+them: a head's request needs the features of every prompt position, and with them it takes cached blocks
+like any other request instead of running its whole prompt. A block keyed later (a generated one,
+confirmed a round after its forward) has none, and a head's prompt reuses the blocks before it.
 """
 
 from __future__ import annotations
+
+import torch
 
 ROOT = 0  # the parent serial of a sequence's first block
 
@@ -48,6 +56,8 @@ class PrefixIndex:
         self._blocks: dict[tuple[int, tuple[int, ...]], int] = {}  # key -> block
         self._entries: dict[int, tuple[tuple[int, tuple[int, ...]], int]] = {}  # block -> (key, serial)
         self._next_serial = ROOT + 1
+        self._features: dict[int, torch.Tensor] = {}  # serial -> (block_size, layers, H): the module docstring
+        self.features_bytes = 0
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -89,8 +99,28 @@ class PrefixIndex:
         self._entries[block] = (key, serial)
         return serial
 
+    def keep_features(self, serial: int, rows: torch.Tensor) -> None:
+        """The target's features (block_size, layers, H) at the positions of the registered block `serial`
+        names (a copy: a forward's outputs may live in buffers it reuses)."""
+        if serial not in self._features:
+            self._features[serial] = rows = rows.clone()
+            self.features_bytes += rows.nbytes
+
+    def features(self, serials: list[int]) -> list[torch.Tensor]:
+        """The kept features of these blocks (a chain from `match`), in order, up to the first without."""
+        out = []
+        for serial in serials:
+            rows = self._features.get(serial)
+            if rows is None:
+                break
+            out.append(rows)
+        return out
+
     def remove(self, block: int) -> None:
         """Forget what `block` holds (it is evicted or about to be written); its successors' entries
         become unreachable and age out of the LRU like any unused block."""
-        key, _ = self._entries.pop(block)
+        key, serial = self._entries.pop(block)
         del self._blocks[key]
+        rows = self._features.pop(serial, None)
+        if rows is not None:
+            self.features_bytes -= rows.nbytes

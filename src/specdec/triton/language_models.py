@@ -389,7 +389,7 @@ class TargetModel(LanguageModelAdapter):
 
     def _step_options(self, inputs, wanted=frozenset()):
         message = wire.VerifyMessage.decode(inputs)  # allowed: structured output's picks keep to the grammar
-        # A head's rounds want the features of every position: a prompt runs whole, prefix cache or not
+        # A head's rounds want the features of every position: cached blocks only where their features are kept
         return {"num_logits": message.num_logits, "allowed": message.allowed, "tree": message.tree,
                 "path": message.path, "whole": tn.FEATURES in wanted and bool(self.lm.forward.hidden_layers)}
 
