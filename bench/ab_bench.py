@@ -68,6 +68,11 @@ def run(clients: dict[str, Client], prompts: dict[str, list[str]], settings: lis
     for client in clients.values():  # warm every path (and each orchestrator's cost measurements)
         for s in settings:
             client.generate(prompts["grounded"][0], s.params(16))
+        # and every prompt once: each setting then finds its prompt's blocks in the prefix cache, not only the
+        # settings after the first that sends it
+        for plist in prompts.values():
+            for prompt in plist:
+                client.generate(prompt, settings[0].params(1))
     results, turn = {}, 0
     for kind, plist in prompts.items():
         for s in settings:

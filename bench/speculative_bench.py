@@ -116,6 +116,9 @@ def served(url: str, metrics_url: str | None, prompts: dict[str, list[str]], set
         client.generate(prompts["grounded"][0], GenerationParams(max_tokens=16, num_draft_tokens=s.k,
                                                                  draft_model=s.method, adaptive_draft=s.adaptive,
                                                                  num_draft_branches=s.branches))
+    for plist in prompts.values():  # every prompt once: target-only and speculative requests alike then find
+        for prompt in plist:  # its blocks in the prefix cache (a head's included: prefix_cache.py)
+            client.generate(prompt, GenerationParams(max_tokens=1, num_draft_tokens=0))
     results = {}
     for kind, plist in prompts.items():
         for s in settings:

@@ -335,6 +335,25 @@ def test_paused_free_proposer_is_checked_in_the_shadow_and_feeds_forward_costs()
     assert 8 in costs.forward_s and round(costs.sequences.value) == 8
 
 
+def test_a_prompts_forward_is_not_taken_for_a_verifys():
+    """The round that carries the prompt reports its forward (here: most of the prompt found in a prefix
+    cache, so a few rows ran, quickly); verify rounds alone feed T(rows): priced from that forward, every
+    verify up to the prompt's length looked as cheap as one step and drafting looked free."""
+    class CachedPromptScorer(FakeScorer):
+        async def score(self, call):
+            scores = await super().score(call)
+            n = len(call.new_ids)
+            seconds = 0.010 if n > call.num_positions else 0.010 * (1 + 0.25 * (n - 1))  # the prompt: 1 row ran
+            return Scores(scores.greedy_tokens, None, forward=ForwardStats(n, 1, seconds))
+
+    prompt = list(range(3, 40))
+    costs = CostModel()
+    rounds = run(GenerationRequest(seq_id=1, prompt_ids=prompt, max_tokens=8), FakeProposer(agree_every=2),
+                 CachedPromptScorer(), DraftLengthPolicy(3, costs, "ngram", adaptive=False), Stats())
+    assert [tok for rnd in rounds for tok in rnd.new_tokens] == reference_greedy(prompt, 8)
+    assert set(costs.forward_s) <= {1, 2, 3, 4} and costs.forward_s[4].value == pytest.approx(0.0175)
+
+
 def test_a_sequences_first_draft_call_prefills_and_is_not_priced_as_a_round():
     """The first draft call of a sequence carries its prompt (here 50 ms of it): its time is not a round's
     draft cost, or one prefill would price every round's draft at many steps and stop drafting."""

@@ -189,8 +189,11 @@ async def generate(req: GenerationRequest, proposer: Proposer, scorer: Scorer, p
                                   wait_for_room, allowed, features is not None, tree, path)
             if len(new_ids) == k + 1:  # a plain round (no prompt prefill or catch-up)
                 policy.observe_verify(k + 1, time.perf_counter() - started, scores.forward)
-            if scores.forward:
-                policy.observe_forward(scores.forward)
+                # Only a verify's forward prices verifies: a prompt's has its rows' logits but its last
+                # unread, and where the prefix cache holds the prompt it ran a few rows (T(rows) came out
+                # below one step's, and v(k) at 1.0: drafting looked free)
+                if scores.forward:
+                    policy.observe_forward(scores.forward)
             logits = _edited_logits(req, tokens, proposal.tokens, scores.logits, occurrences, matcher)
             verdict = _verify(proposal, scores, logits, req.sampling, generator)
             accepted = len(verdict.path)

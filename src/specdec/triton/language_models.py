@@ -243,7 +243,7 @@ class LanguageModelAdapter(TritonAdapter):
             groups = [steps] if self.batched else [[step] for step in steps]
             results, forwards = [], []
             for group in groups:
-                started = time.perf_counter()
+                started, processed = time.perf_counter(), self.lm.tokens_processed
                 try:
                     results += self._run(group)
                     if self.lm.device.type == "cuda":  # the time below is the GPU's, not the launch's
@@ -255,8 +255,10 @@ class LanguageModelAdapter(TritonAdapter):
                 if self.lm.ahead_taken and len(self.lm.ahead_taken) == len(group):
                     # Run ahead (run_ahead.py): what the forward took, not the rest of it this execute waited
                     seconds = max(timer.seconds() for timer in self.lm.ahead_taken.values())
-                # What this forward cost, for the orchestrator's cost model: rows, sequences, seconds.
-                forward = ForwardStats(sum(len(step.new_ids) for step in group), len(group), seconds)
+                # What this forward cost, for the orchestrator's cost model: rows, sequences, seconds. The rows
+                # it ran: a prompt's tokens found in the prefix cache are not (counted, a 900-token prompt that
+                # ran 31 priced every verify up to 900 rows at the cost of 31)
+                forward = ForwardStats(self.lm.tokens_processed - processed, len(group), seconds)
                 self.forward_seconds += forward.seconds
                 forwards += [forward] * len(group)
             try:
