@@ -335,6 +335,21 @@ def test_paused_free_proposer_is_checked_in_the_shadow_and_feeds_forward_costs()
     assert 8 in costs.forward_s and round(costs.sequences.value) == 8
 
 
+def test_features_held_for_a_head_are_the_rows_since_it_last_read():
+    from specdec.decoding.loop import Features
+    rows = torch.arange(40.0).reshape(20, 2)  # position p's row: [2p, 2p + 1]
+    held = Features()
+    held.add(rows[:10], 10, 10)  # a prompt's verify: positions 0-9
+    held.add(rows[10:13], 13, 11)  # 3 positions verified, 1 accepted: 10, and 11 rejected past it
+    assert torch.equal(held.since(4), rows[4:11])
+    for p in range(11, 15):  # paused rounds: one row each, kept apart until read
+        held.add(rows[p:p + 1], p + 1, p + 1)
+    assert len(held.parts) == 5 and torch.equal(held.since(12), rows[12:15]) and len(held.parts) == 1
+    assert held.since(15).shape == (0, 2)  # nothing new since
+    held.add(rows[17:18], 18, 18)  # a gap (positions 15-16 never came): only what follows it is held
+    assert torch.equal(held.since(0), rows[17:18])
+
+
 def test_a_prompts_forward_is_not_taken_for_a_verifys():
     """The round that carries the prompt reports its forward (here: most of the prompt found in a prefix
     cache, so a few rows ran, quickly); verify rounds alone feed T(rows): priced from that forward, every

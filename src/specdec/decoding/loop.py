@@ -265,10 +265,12 @@ async def _score(scorer: Scorer, req: GenerationRequest, keep: int, new_ids: lis
 
 class Features:
     """The target's features (Scores.features) the head has not read yet: rows for the positions
-    [end - len(rows), end), end being the target's valid prefix."""
+    [end - held, end), end being the target's valid prefix. Kept as the verifies' parts and joined when the
+    head reads them: while a head is paused every round adds a row, and joining each time copied all the
+    rows held (a long prompt's, megabytes) every round."""
 
     def __init__(self):
-        self.rows: torch.Tensor | None = None
+        self.parts: list[torch.Tensor] = []
         self.end = 0
 
     def add(self, new: torch.Tensor | None, new_end: int, valid: int) -> None:
@@ -277,16 +279,24 @@ class Features:
             return
         new = new[:len(new) - (new_end - valid)] if new_end > valid else new
         first = valid - len(new)
-        if self.rows is not None and self.end == first:  # contiguous; else a gap: the older rows are no use
-            new = torch.cat([self.rows, new.to(self.rows.device)])
-        self.rows, self.end = new, valid
+        if not self.parts or self.end != first:  # a gap: the older rows are no use
+            self.parts = []
+        self.parts.append(new.to(self.parts[0].device) if self.parts else new)
+        self.end = valid
 
     def since(self, start: int) -> torch.Tensor | None:
         """The rows of positions start.. end - 1 that are held (the last ones where some are missing)."""
-        if self.rows is None:
+        if not self.parts:
             return None
-        self.rows = self.rows[max(len(self.rows) - (self.end - start), 0):]  # the older ones are read
-        return self.rows
+        wanted, picked, count = self.end - start, [], 0
+        for part in reversed(self.parts):  # the parts that hold them (the older ones are read)
+            if count >= wanted and picked:
+                break
+            picked.append(part)
+            count += len(part)
+        rows = picked[0] if len(picked) == 1 else torch.cat(picked[::-1])
+        self.parts = [rows[max(len(rows) - wanted, 0):]]
+        return self.parts[0]
 
 
 def _rows_on(rows: torch.Tensor | None, count: int, path: tuple[int, ...]) -> torch.Tensor | None:
