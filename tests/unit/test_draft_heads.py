@@ -306,6 +306,11 @@ def test_the_index_lets_a_blocks_features_go_with_the_block():
     assert index.features([second, first]) == [] and index.features_bytes == 32
     index.remove(7)
     assert index.features([first]) == [] and index.features_bytes == 0
+    index.features_budget = 64  # two blocks' worth: the oldest goes first
+    serials = [index.add(9 + i, ROOT, (i,) * 4) for i in range(3)]
+    for serial in serials:
+        index.keep_features(serial, torch.ones(4, 1, 2))
+    assert index.features(serials[:1]) == [] and len(index.features(serials[1:])) == 2 and index.features_bytes == 64
 
 
 def test_a_head_executor_evicts_idle_sequences_and_refuses_past_its_limit(tiny_lm):

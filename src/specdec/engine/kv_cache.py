@@ -29,7 +29,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from specdec.decoding.tree_sampler import check_tree, depths
-from specdec.engine.prefix_cache import PrefixIndex, SequenceState
+from specdec.engine.prefix_cache import FEATURES_SHARE, PrefixIndex, SequenceState
 
 ATTENTION = "specdec_sequence_kv"
 
@@ -285,6 +285,9 @@ class ContiguousKV:
         self.prefix = PrefixIndex(block_size) if prefix_cache_tokens >= block_size else None
         self.store = BlockStore(self.prefix, prefix_cache_tokens // block_size, self.layer_devices, self.kv_heads,
                                 self.head_dim, self.dtype) if self.prefix is not None else None
+        if self.prefix is not None:  # a served head's features kept with the blocks (prefix_cache.py)
+            block_bytes = 2 * sum(k[0].nbytes for k in self.store.keys)
+            self.prefix.features_budget = int(FEATURES_SHARE * self.store.blocks * block_bytes)
 
     def new_sequence(self) -> SequenceKV:
         return SequenceKV(self.layer_devices, self.kv_heads, self.head_dim, self.dtype, max_capacity=self.max_capacity)

@@ -22,7 +22,7 @@ import torch
 from specdec import tensor_names as tn
 from specdec.engine.errors import CacheError, CapacityError
 from specdec.engine.kv_cache import kv_layout
-from specdec.engine.prefix_cache import PrefixIndex, SequenceState
+from specdec.engine.prefix_cache import FEATURES_SHARE, PrefixIndex, SequenceState
 
 
 class PagedSequence(SequenceState):
@@ -166,6 +166,8 @@ class PagedKV:
         # The pool holds the cached prefixes (in its blocks no sequence needs): no store of their own.
         self.prefix = PrefixIndex(block_size) if prefix_caching else None
         self.pool = BlockPool(layers, blocks, block_size, kv_heads, head_dim, model.dtype, device, self.prefix)
+        if self.prefix is not None:  # a served head's features kept with the blocks (prefix_cache.py)
+            self.prefix.features_budget = int(FEATURES_SHARE * blocks * self.pool.block_bytes)
         log(f"KV pool: {blocks} blocks of {block_size} tokens ({blocks * block_size} tokens, "
             f"{blocks * self.pool.block_bytes / 2**30:.2f} GiB) on {device}")
 

@@ -20,7 +20,10 @@ Where the target serves a trained head (its forward returns the hidden states of
 the index also keeps those states at a registered block's positions when the forward that keyed it computed
 them: a head's request needs the features of every prompt position, and with them it takes cached blocks
 like any other request instead of running its whole prompt. A block keyed later (a generated one,
-confirmed a round after its forward) has none, and a head's prompt reuses the blocks before it.
+confirmed a round after its forward) has none, and a head's prompt reuses the blocks before it. The
+features kept take at most FEATURES_SHARE of the memory of the store's blocks (a store sets
+`features_budget`; a head's layers are 15-19 % of a block's keys and values on the pairs measured): past it
+the oldest go first, and a head's prompt runs their blocks again.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from __future__ import annotations
 import torch
 
 ROOT = 0  # the parent serial of a sequence's first block
+FEATURES_SHARE = 0.1  # the features kept, at most this share of the bytes of the store's blocks
 
 
 class SequenceState:
@@ -56,8 +60,9 @@ class PrefixIndex:
         self._blocks: dict[tuple[int, tuple[int, ...]], int] = {}  # key -> block
         self._entries: dict[int, tuple[tuple[int, tuple[int, ...]], int]] = {}  # block -> (key, serial)
         self._next_serial = ROOT + 1
-        self._features: dict[int, torch.Tensor] = {}  # serial -> (block_size, layers, H): the module docstring
+        self._features: dict[int, torch.Tensor] = {}  # serial -> (block_size, layers, H), oldest first
         self.features_bytes = 0
+        self.features_budget: int | None = None  # bytes (None: no limit); the store's FEATURES_SHARE
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -102,9 +107,12 @@ class PrefixIndex:
     def keep_features(self, serial: int, rows: torch.Tensor) -> None:
         """The target's features (block_size, layers, H) at the positions of the registered block `serial`
         names (a copy: a forward's outputs may live in buffers it reuses)."""
-        if serial not in self._features:
-            self._features[serial] = rows = rows.clone()
-            self.features_bytes += rows.nbytes
+        if serial in self._features:
+            return
+        self._features[serial] = rows = rows.clone()
+        self.features_bytes += rows.nbytes
+        while self.features_budget is not None and self.features_bytes > self.features_budget:
+            self.features_bytes -= self._features.pop(next(iter(self._features))).nbytes
 
     def features(self, serials: list[int]) -> list[torch.Tensor]:
         """The kept features of these blocks (a chain from `match`), in order, up to the first without."""
