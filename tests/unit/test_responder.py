@@ -197,6 +197,16 @@ def test_pipelined_draft_proposes_what_the_synchronous_path_proposes(tiny_lm):
     assert results[0] == results[1] and [len(t[0]) for t in results[0]] == [4, 4, 2]
 
 
+def test_the_target_reports_the_rows_its_forward_ran_not_those_the_prefix_cache_held(tiny_lm):
+    """A prompt found in the prefix cache runs its last rows only, and its forward_stats say so: counted as
+    sent, a long cached prompt priced every verify up to its length at the cost of a few rows."""
+    adapter = _adapter(TargetModel, dynamic_executor(tiny_lm, prefix_cache_tokens=256, block_size=4), pipelined=False)
+    prompt = list(range(3, 21))  # 18 tokens: 4 blocks of 4 cached once the first request ran it
+    answers = _serve(adapter, [[_verify(1, prompt, 0, 1)], [_verify(1, [], 0, 0, release=True)], [_verify(2, prompt, 0, 1)]])
+    rows = [answers[i].tensors[tn.FORWARD_STATS].reshape(-1).tolist()[0] for i in (0, 2)]
+    assert rows == [18, 2]
+
+
 def test_the_draft_reports_the_batched_execution_each_call_ran_in(tiny_lm):
     """forward_stats, when asked for: the orchestrator charges a draft call its share of the draft's device
     time (draft_length.CostModel.draft_cost); the calls of one execute share one execution."""

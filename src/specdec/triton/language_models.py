@@ -255,10 +255,8 @@ class LanguageModelAdapter(TritonAdapter):
                 if self.lm.ahead_taken and len(self.lm.ahead_taken) == len(group):
                     # Run ahead (run_ahead.py): what the forward took, not the rest of it this execute waited
                     seconds = max(timer.seconds() for timer in self.lm.ahead_taken.values())
-                # What this forward cost, for the orchestrator's cost model: rows, sequences, seconds. The rows
-                # it ran: a prompt's tokens found in the prefix cache are not (counted, a 900-token prompt that
-                # ran 31 priced every verify up to 900 rows at the cost of 31)
-                forward = ForwardStats(self.lm.tokens_processed - processed, len(group), seconds)
+                # What this forward cost, for the orchestrator's cost model: rows, sequences, seconds.
+                forward = ForwardStats(self._rows(group, processed), len(group), seconds)
                 self.forward_seconds += forward.seconds
                 forwards += [forward] * len(group)
             try:
@@ -322,6 +320,11 @@ class LanguageModelAdapter(TritonAdapter):
     def _step_options(self, inputs: wire.Arrays, wanted: frozenset) -> dict:
         """The model-specific fields of a Step (num_logits, or k and sampling)."""
         raise NotImplementedError
+
+    def _rows(self, group: list[Step], processed: int) -> int:
+        """A batched execution's token rows, as its ForwardStats report them (processed: the executor's
+        tokens_processed before it): the new tokens sent."""
+        return sum(len(step.new_ids) for step in group)
 
     def _run(self, steps: list[Step]) -> list:
         raise NotImplementedError
@@ -394,6 +397,11 @@ class TargetModel(LanguageModelAdapter):
         # A head's rounds want the features of every position: cached blocks only where their features are kept
         return {"num_logits": message.num_logits, "allowed": message.allowed, "tree": message.tree,
                 "path": message.path, "whole": tn.FEATURES in wanted and bool(self.lm.forward.hidden_layers)}
+
+    def _rows(self, group, processed):
+        # The rows the forward ran: a prompt's tokens found in the prefix cache are not (counted, a 900-token
+        # prompt that ran 31 priced every verify up to 900 rows at the cost of 31)
+        return self.lm.tokens_processed - processed
 
     def _run(self, steps):
         # With hidden_layers (a draft head is served), every step's features come too (Scored): a head's
