@@ -295,6 +295,20 @@ def test_a_heads_rounds_take_cached_blocks_with_the_features_kept_for_them(tiny_
     score(scorer, 6, longer, want_features=False)
     assert target.prefix_hit_tokens - before == 4 + 8
 
+    # A first round's tree (prompt lookup's candidates after the prompt): its leading chain runs apart and
+    # returns no features, so the cache is not taken and the rows are the tree's, as without a cache
+    def tree_features(on, seq_id):
+        call = VerifyCall(seq_id, 0, prompt + [60, 61], 3, want_features=True,
+                          tree=tuple(range(-1, len(prompt) - 1)) + (len(prompt) - 1, len(prompt) - 1))
+        features = asyncio.run(on.score(call)).features
+        asyncio.run(on.release(seq_id))
+        return features
+
+    before = target.prefix_hit_tokens
+    expected = tree_features(LocalScorer(dynamic_executor(tiny_lm, hidden_layers=(1,))), 7)
+    assert expected.shape == (3, 32) and target.prefix_hit_tokens == before
+    assert torch.allclose(tree_features(scorer, 7), expected, atol=1e-10) and target.prefix_hit_tokens == before
+
 
 def test_the_index_lets_a_blocks_features_go_with_the_block():
     from specdec.engine.prefix_cache import ROOT, PrefixIndex

@@ -201,6 +201,8 @@ class Executor:
         ids, size = step.new_ids, self.prefix.block_size
         if start != len(seq.chain) * size:
             return 0, len(ids)
+        if step.whole and step.tree is not None:  # a tree's leading chain runs apart and its features are not
+            return 0, len(ids)  # returned: cached ones before the tree's would sit where the chain's belong
         # The positions whose logits are wanted run (a proposal's last one, which it drafts from); of a
         # tree only its leading chain (a first round's prompt) can have been cached.
         reusable = (len(ids) - step.num_logits if step.tree is None else leading_chain(step.tree, step.num_logits)) // size
