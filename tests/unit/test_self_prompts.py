@@ -65,6 +65,13 @@ def test_a_seeded_draw_on_the_tiny_target_is_reproducible_and_keeps_what_the_sel
     assert kept == selection.kept[:3]
     assert run(0)[0] == kept  # the seed fixes the draws
     assert run(1)[0] != kept
+    # The served executor writing (train/writer.py: top-p and several end tokens as generate takes them)
+    from specdec.train.writer import ExecutorWriter
+
+    by_executor = [draw(tiny_lm, ChatTokenizer(), 3, Selection(min_words=1, max_words=100), seed=0, batch=16,
+                        max_tokens=40, log=lambda m: None, max_batches=20, writer=ExecutorWriter(tiny_lm, width=8))
+                   for _ in range(2)]
+    assert len(by_executor[0]) == 3 == len(set(by_executor[0])) and by_executor[0] == by_executor[1]
 
 
 def test_the_command_writes_json_lines_of_kept_requests(tiny_lm, tmp_path, monkeypatch, capsys):

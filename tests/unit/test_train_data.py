@@ -144,3 +144,63 @@ def test_another_copy_of_the_target_can_write_the_answers_while_features_stay_th
             out = tiny_lm(s.tokens[None], output_hidden_states=True)
         assert torch.equal(s.greedy, out.logits[0].argmax(-1))
         torch.testing.assert_close(s.final, out.hidden_states[-1][0].float())
+
+
+def test_answered_conversations_saved_without_features_give_the_same_samples_again(tiny_lm, tmp_path):
+    """save_answers keeps tokens and prompt lengths (gzipped JSON lines); load_answers + featurize give back
+    the samples answer_and_featurize made, features and all; a file of another tokenizer is refused by name."""
+    import pytest
+
+    from specdec.train.data import featurize, load_answers, save_answers
+
+    class Tokenizer(CharTokenizer):
+        name_or_path = "chars"
+
+        def __len__(self):
+            return 97
+
+    tokenizer = Tokenizer()
+    samples = answer_and_featurize(tiny_lm, tokenizer, PROMPTS, (0, 1, 1), 10, chat_template=False, batch=3,
+                                   log=lambda message: None)
+    path = tmp_path / "answers.jsonl.gz"
+    assert save_answers(path, samples[:3], samples[3:], tokenizer) == sum(len(s.tokens) for s in samples)
+    train, held_out = load_answers(path, tokenizer)
+    assert [t for t, _ in train + held_out] == [s.tokens.tolist() for s in samples]
+    again = featurize(tiny_lm, train + held_out, (0, 1, 1), 2, log=lambda message: None)
+    for a, b in zip(again, samples, strict=True):
+        assert a.prompt_length == b.prompt_length and torch.equal(a.tokens, b.tokens)
+        assert torch.equal(a.features, b.features) and torch.equal(a.final, b.final) and torch.equal(a.greedy, b.greedy)
+
+    class Other(Tokenizer):
+        def __len__(self):
+            return 98
+
+    with pytest.raises(ValueError, match="answers.jsonl.gz: written with a tokenizer of vocab_size 97"):
+        load_answers(path, Other())
+    (tmp_path / "x.gz").write_bytes(b"not gzip")
+    with pytest.raises(ValueError, match="x.gz: not an answers file"):
+        load_answers(tmp_path / "x.gz", tokenizer)
+
+
+def test_the_default_pairs_shipped_answers_are_whole_answers_files():
+    """src/specdec/train/answers/smollm2-135m-instruct: every file its README names loads (the default pair's
+    vocabulary and end token), conversations with a prompt and an answer, a tenth of each set held out."""
+    from pathlib import Path
+
+    from specdec.train.data import load_answers
+
+    class Vocabulary:  # the default pair's tokenizer as load_answers checks it
+        eos_token_id = 2
+
+        def __len__(self):
+            return 49152
+
+    folder = Path(__file__).resolve().parents[2] / "src/specdec/train/answers/smollm2-135m-instruct"
+    files = sorted(folder.glob("*.jsonl.gz"))
+    readme = (folder / "README.md").read_text()
+    assert len(files) == 3 and all(f"`{f.name}`" in readme for f in files)
+    for path in files:
+        train, held_out = load_answers(path, Vocabulary())
+        assert 0.08 < len(held_out) / (len(train) + len(held_out)) < 0.12, path.name
+        for tokens, prompt_length in train + held_out:
+            assert 0 < prompt_length < len(tokens) <= prompt_length + 128 and max(tokens) < 49152

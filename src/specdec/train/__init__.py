@@ -3,6 +3,7 @@
   data      self-distillation: the shipped prompts (prompts.jsonl) answered by the target, its features;
             grounded prompts made from its own answers
   compose_prompts  writes the shipped prompts: request templates crossed with subjects, a seeded draw
+  writer    who runs the target while it answers: the served executor (continuously batched) or generate
   self_prompts  requests the target writes itself (Magpie), kept if ended, sized, distinct and disjoint
   trainer   the loop every kind shares: AdamW, cosine decay, held-out figures per epoch, resumable checkpoints
   eagle     EAGLE-1's and EAGLE-3's objective: the training-time test (the head unrolled on its own outputs)

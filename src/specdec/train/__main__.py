@@ -4,8 +4,9 @@ The target answers the shipped prompts itself (self-distillation, its chat templ
 computed in process, the draft vocabulary is the answers' most frequent tokens, and the head trains
 (EAGLE-1 and EAGLE-3 with their training-time test, train/eagle.py; Medusa's heads, train/medusa.py),
 showing the held-out loss and greedy agreement per drafted position after every epoch. The run checkpoints
-into --out (data.pt: the answered samples; checkpoint.pt: the head and the optimizer, at least every
-minute) and resumes from there when started again with the same --out. The result is written in the kind's
+into --out (data.pt: the answered samples; answers.jsonl.gz: their conversations without features, which
+--answers trains on anywhere; checkpoint.pt: the head and the optimizer, at least every minute) and resumes
+from there when started again with the same --out. The result is written in the kind's
 published layout (config.json and model.safetensors or medusa_lm_head.safetensors), which
 `--draft-head DIR` serves and vLLM and SGLang load.
 """
@@ -22,6 +23,9 @@ from pathlib import Path
 import torch
 
 
+ANSWERS = "answers.jsonl.gz"  # every answering run's conversations, for --answers
+
+
 def log(message: str) -> None:
     print(f"[train] {message}", file=sys.stderr, flush=True)
 
@@ -29,6 +33,7 @@ def log(message: str) -> None:
 def parse_args(argv):
     from specdec.engine.draft_heads import EAGLE3, KINDS
     from specdec.train.data import PROMPTS
+    from specdec.train.writer import ENGINES
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", required=True, help="the target: a transformers directory in safetensors")
@@ -47,6 +52,14 @@ def parse_args(argv):
     parser.add_argument("--data", action="append", default=[],
                         help="answered samples to train on (another run's data.pt; given several times, every set's; "
                              "default: OUT/data.pt, made when missing)")
+    parser.add_argument("--answers", action="append", default=[],
+                        help="answered conversations without features (another run's OUT/answers.jsonl.gz, or the "
+                             "default pair's shipped sets, src/specdec/train/answers/): the target's features are "
+                             "computed over them, nothing is answered; given several times, every file's; with "
+                             "--data, both")
+    parser.add_argument("--answers-only", action="store_true",
+                        help="answer, write OUT/answers.jsonl.gz and stop: no features (about half the time on a CPU), no "
+                             "data.pt, no training (train later with --answers)")
     parser.add_argument("--max-prompts", type=int, default=0, help="use the first N prompts (0: all)")
     parser.add_argument("--held-out", type=float, default=0.1, help="the share of prompts kept for evaluation")
     parser.add_argument("--answer-tokens", type=int, default=128, help="tokens of each answer the target writes")
@@ -60,6 +73,10 @@ def parse_args(argv):
     parser.add_argument("--answer-dtype", choices=("same", "bfloat16"), default="same",
                         help="the precision the answers are written in (bfloat16: several times faster on a CPU with "
                              "AMX); features and target distributions stay the served model's")
+    parser.add_argument("--answer-engine", choices=ENGINES, default="auto",
+                        help="what runs the target while it answers: the served executor (auto takes it where the "
+                             "project's CPU kernels serve the model in --answer-dtype: float32 on a CPU) or "
+                             "transformers' generate")
     parser.add_argument("--grounded", type=int, default=0,
                         help="grounded prompts made from the target's own answers (an instruction over one answer's "
                              "text: summarise, rewrite, answer from it), answered too; held out in the same share")
@@ -92,6 +109,7 @@ def main(argv=None) -> int:
 
     from specdec.engine.draft_heads import EAGLE3, MEDUSA, HeadConfig, check_fits, load_head, save_head
     from specdec.train import data, trainer
+    from specdec.train.writer import choose as choose_writer
 
     started = time.monotonic()
     out = Path(args.out)
@@ -108,9 +126,18 @@ def main(argv=None) -> int:
     # EAGLE-3's, so one answered set (data.pt) trains every kind
     layers = HeadConfig(EAGLE3, text.hidden_size, text.vocab_size, aux_layers=aux).feature_layers(text.num_hidden_layers)
     cached = out / "data.pt"
-    if args.data:
+    if args.answers_only and (args.data or args.answers or cached.exists()):
+        raise SystemExit(f"--answers-only answers prompts; it takes no --data, --answers or {cached}")
+    if args.data or args.answers:
         samples, held_out = _load_sets([Path(path) for path in args.data], layers if args.kind == EAGLE3 else None)
-        log(f"{len(samples)} + {len(held_out)} answered samples from {', '.join(args.data)}")
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        for path in args.answers:  # conversations without features: one forward over each
+            train_part, held_part = data.load_answers(path, tokenizer)
+            log(f"{path}: {len(train_part)} + {len(held_part)} conversations; the target's features over them")
+            samples += data.featurize(model, train_part, layers, pad, getattr(torch, args.store_dtype), log)
+            held_out += data.featurize(model, held_part, layers, pad, getattr(torch, args.store_dtype), log)
+        held_out = list({tuple(s.tokens.tolist()): s for s in held_out}.values())  # two sets' shared one once
+        log(f"{len(samples)} + {len(held_out)} answered samples from {', '.join(args.data + args.answers)}")
     elif cached.exists():
         samples, held_out = _load_sets([cached], layers if args.kind == EAGLE3 else None)
         log(f"{len(samples)} + {len(held_out)} answered samples from {cached}")
@@ -119,8 +146,9 @@ def main(argv=None) -> int:
         if args.max_prompts:
             prompts = prompts[:args.max_prompts]
         writer = model if args.answer_dtype == "same" else copy.deepcopy(model).to(getattr(torch, args.answer_dtype))
+        answering = choose_writer(args.answer_engine, args.target, writer.dtype, writer, log=log)
         # Each set keeps its own held-out share (its last prompts), so held-out figures cover both kinds
-        sets = [prompts] + ([_self_prompts(args, writer, tokenizer, out)] if args.self_prompts else [])
+        sets = [prompts] + ([_self_prompts(args, writer, answering, tokenizer, out)] if args.self_prompts else [])
         held = [max(1, round(len(s) * args.held_out)) for s in sets]
         training_prompts = [p for s, k in zip(sets, held) for p in s[:-k]]
         held_prompts = [p for s, k in zip(sets, held) for p in s[-k:]]
@@ -133,7 +161,8 @@ def main(argv=None) -> int:
         answer = lambda some, sampled, greedy: data.answer_and_featurize(  # noqa: E731
             model, tokenizer, some, layers, args.answer_tokens, chat_template=not args.no_chat_template,
             batch=args.answer_batch, sampled=sampled, temperature=args.temperature, seed=args.seed, log=log,
-            writer=writer, store_dtype=getattr(torch, args.store_dtype), greedy=greedy)
+            writer=answering, store_dtype=getattr(torch, args.store_dtype), greedy=greedy,
+            features=not args.answers_only)
         if args.no_greedy_answers and not args.sampled_answers:
             raise SystemExit("--no-greedy-answers needs --sampled-answers N (N >= 1)")
         samples = answer(prompts[:-kept], args.sampled_answers, not args.no_greedy_answers)
@@ -143,6 +172,10 @@ def main(argv=None) -> int:
             log(f"the target answers {args.grounded} grounded prompts over its own answers ({kept_grounded} held out)")
             samples += answer(data.grounded_prompts(tokenizer, samples, args.grounded - kept_grounded, args.seed), 0, True)
             held_out += answer(data.grounded_prompts(tokenizer, held_out, kept_grounded, args.seed), 0, True)
+        data.save_answers(out / ANSWERS, samples, held_out, tokenizer)
+        if args.answers_only:
+            log(f"answered in {time.monotonic() - started:.0f} s; the conversations are in {out / ANSWERS}")
+            return 0
         torch.save({"train": samples, "held_out": held_out, "layers": list(layers)}, cached)
         log(f"answered in {time.monotonic() - started:.0f} s")
     vocab_size = model.config.get_text_config().vocab_size
@@ -177,7 +210,7 @@ def main(argv=None) -> int:
     return 0
 
 
-def _self_prompts(args, model, tokenizer, out: Path) -> list[str]:
+def _self_prompts(args, model, writer, tokenizer, out: Path) -> list[str]:
     """--self-prompts N: the requests the target writes itself (OUT/self_prompts.jsonl, drawn once)."""
     from specdec.train import data, self_prompts
 
@@ -186,7 +219,7 @@ def _self_prompts(args, model, tokenizer, out: Path) -> list[str]:
         log(f"the target writes {args.self_prompts} requests of its own")
         selection = self_prompts.selection_for(tokenizer, args.exclude)
         drawn = self_prompts.draw(model, tokenizer, args.self_prompts, selection, seed=args.seed,
-                                  batch=args.answer_batch, log=log)
+                                  batch=args.answer_batch, log=log, writer=writer)
         path.write_text("".join(json.dumps({"prompt": p}, ensure_ascii=False) + "\n" for p in drawn))
     return data.load_prompts(path)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,9 +27,10 @@ SELF_PROMPTS = Path(__file__).with_name("prompts_self.jsonl")
 @dataclass
 class Sample:
     tokens: torch.Tensor  # (L,) int64: prompt + answer
-    features: torch.Tensor  # (L, F): the head's input at each position
-    final: torch.Tensor  # (L, h): the target's last hidden state after its final norm
-    greedy: torch.Tensor  # (L,) int64: the target's argmax next token at each position
+    # None in a conversation answered without features (answer_and_featurize(features=False))
+    features: torch.Tensor | None  # (L, F): the head's input at each position
+    final: torch.Tensor | None  # (L, h): the target's last hidden state after its final norm
+    greedy: torch.Tensor | None  # (L,) int64: the target's argmax next token at each position
     prompt_length: int
 
 
@@ -80,7 +82,7 @@ def encode(tokenizer, prompt: str, chat_template: bool) -> list[int]:
 def answer_and_featurize(model, tokenizer, prompts: list[str], layers: tuple[int, ...], answer_tokens: int,
                          chat_template: bool = True, batch: int = 32, sampled: int = 0, temperature: float = 0.8,
                          seed: int = 0, log=print, writer=None, store_dtype: torch.dtype = torch.float32,
-                         greedy: bool = True) -> list[Sample]:
+                         greedy: bool = True, features: bool = True) -> list[Sample]:
     """The target's greedy answer to each prompt (up to answer_tokens, ending at its end token) and, when
     `sampled` > 0, that many more drawn at `temperature` (seeded): more text of the target's own making from
     the same prompts (training reads the target's distribution at every position, so any of its answers
@@ -92,11 +94,14 @@ def answer_and_featurize(model, tokenizer, prompts: list[str], layers: tuple[int
     Answers are generated `batch` at a time, left-padded, prompts of similar length together (less padding
     to compute): on 2 CPU cores a batch of 32 answers ~3x the tokens per second of 8. `writer`, when given,
     is another copy of the target that writes the answers (e.g. in bfloat16, which a CPU with AMX generates
-    several times faster); the features and the greedy tokens are still `model`'s, read over what it wrote.
+    several times faster), or a writer of train/writer.py (e.g. the served executor); the features and the
+    greedy tokens are still `model`'s, read over what it wrote.
     `store_dtype`: what the features and final states are kept in (bfloat16 halves the memory and data.pt;
-    training reads them in the head's precision)."""
-    device = model.device
-    writer = model if writer is None else writer
+    training reads them in the head's precision). features=False: the conversations only (the samples'
+    features, final and greedy None), for `save_answers`."""
+    from specdec.train.writer import GenerateWriter
+
+    writer = GenerateWriter(model if writer is None else writer) if not hasattr(writer, "write") else writer
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
     encoded = [encode(tokenizer, prompt, chat_template) for prompt in prompts]
@@ -104,26 +109,24 @@ def answer_and_featurize(model, tokenizer, prompts: list[str], layers: tuple[int
     jobs.sort(key=lambda job: (job[1] > 0, len(encoded[job[0]])))
     generator_seed = torch.Generator().manual_seed(seed)
     answers: dict[tuple[int, int], Sample] = {}
-    tokens_done = 0
+    tokens_done, seconds = 0, [0.0, 0.0]  # writing, features
     for start in range(0, len(jobs), batch):
         chunk = jobs[start:start + batch]
-        rows = [encoded[i] for i, _ in chunk]
-        width = max(len(row) for row in rows)
-        ids = torch.tensor([[pad] * (width - len(row)) + row for row in rows], device=device)
-        mask = torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in rows], device=device)
         drawn = chunk[0][1] > 0  # batches hold greedy or sampled jobs only (sorted so)
-        options = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if drawn else dict(do_sample=False)
-        if drawn:
-            torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=generator_seed)))
-        out = writer.generate(ids, attention_mask=mask, max_new_tokens=answer_tokens, pad_token_id=pad, **options)
-        written = []
-        for row, (i, draw) in zip(out[:, width:].tolist(), chunk):
-            answer = row[:row.index(eos) + 1] if eos in row else row  # the end token kept, padding dropped
-            written.append(((i, draw), encoded[i] + answer, len(encoded[i])))
-        for done in _featurize(model, written, layers, pad, store_dtype):
+        draw_seed = int(torch.randint(0, 2**31, (1,), generator=generator_seed)) if drawn else None
+        began = time.monotonic()
+        written = [((i, draw), encoded[i] + answer, len(encoded[i])) for (i, draw), answer in zip(
+            chunk, writer.write([encoded[i] for i, _ in chunk], answer_tokens, eos, pad, draw_seed, temperature))]
+        wrote = time.monotonic()
+        seconds[0] += wrote - began
+        computed = _featurize(model, written, layers, pad, store_dtype) if features else (
+            (key, Sample(torch.tensor(tokens), None, None, None, length)) for key, tokens, length in written)
+        for done in computed:
             answers[done[0]] = done[1]
             tokens_done += len(done[1].tokens)
-        log(f"answered {len(answers)}/{len(jobs)} ({tokens_done} tokens)")
+        seconds[1] += time.monotonic() - wrote
+        log(f"answered {len(answers)}/{len(jobs)} ({tokens_done} tokens; {seconds[0]:.0f} s writing, "
+            f"{seconds[1]:.0f} s features)")
     return [answers[job] for job in sorted(answers)]
 
 
@@ -149,6 +152,74 @@ def _featurize(model, written: list, layers: tuple[int, ...], pad: int, store_dt
                 final=states[-1][row, :n].to(store_dtype).cpu(),
                 greedy=full.logits[row, :n].argmax(-1).cpu(),
                 prompt_length=prompt_length)
+
+
+ANSWERS_FORMAT = "specdec-answers/1"
+
+
+def save_answers(path: str | Path, train: list[Sample], held_out: list[Sample], tokenizer) -> int:
+    """Write the conversations (token ids and prompt lengths, no features) of an answered set as gzipped
+    JSON lines: a header naming the tokenizer, then one {"split", "prompt_length", "tokens"} per sample.
+    Answering is most of what a head's data costs; the features are one forward over these tokens
+    (`load_answers` + `featurize`), so a set kept this way trains again anywhere the same target runs.
+    Returns the tokens written."""
+    import gzip
+
+    header = {"format": ANSWERS_FORMAT, "tokenizer": getattr(tokenizer, "name_or_path", ""),
+              "vocab_size": len(tokenizer) if hasattr(tokenizer, "__len__") else None,
+              "eos_token_id": tokenizer.eos_token_id}
+    tokens = 0
+    with gzip.open(path, "wt", encoding="utf-8") as out:
+        out.write(json.dumps(header) + "\n")
+        for split, samples in (("train", train), ("held_out", held_out)):
+            for sample in samples:
+                out.write(json.dumps({"split": split, "prompt_length": sample.prompt_length,
+                                      "tokens": sample.tokens.tolist()}, separators=(",", ":")) + "\n")
+                tokens += len(sample.tokens)
+    return tokens
+
+
+def load_answers(path: str | Path, tokenizer) -> tuple[list[tuple[list[int], int]], list[tuple[list[int], int]]]:
+    """The (tokens, prompt_length) of a `save_answers` file's training and held-out conversations.
+    ValueError naming the file where it is not one, or was written with another tokenizer (its vocabulary
+    size or end token differ from `tokenizer`'s)."""
+    import gzip
+
+    with gzip.open(path, "rt", encoding="utf-8") as lines:
+        try:
+            header = json.loads(next(lines))
+        except (StopIteration, json.JSONDecodeError, OSError) as e:
+            raise ValueError(f"{path}: not an answers file ({e})") from e
+        if not isinstance(header, dict) or header.get("format") != ANSWERS_FORMAT:
+            raise ValueError(f"{path}: not an answers file of {ANSWERS_FORMAT}")
+        mine = {"vocab_size": len(tokenizer) if hasattr(tokenizer, "__len__") else None,
+                "eos_token_id": tokenizer.eos_token_id}
+        for key, value in mine.items():
+            if header.get(key) != value:
+                raise ValueError(f"{path}: written with a tokenizer of {key} {header.get(key)} "
+                                 f"({header.get('tokenizer')}); this target's is {value}")
+        train, held_out = [], []
+        for n, line in enumerate(lines, start=2):
+            record = json.loads(line)
+            if record.get("split") not in ("train", "held_out") or not 0 < record.get("prompt_length", 0) \
+                    <= len(record.get("tokens", ())):
+                raise ValueError(f"{path}:{n}: a conversation needs split train|held_out, tokens and a "
+                                 f"prompt_length within them")
+            (train if record["split"] == "train" else held_out).append((record["tokens"], record["prompt_length"]))
+    return train, held_out
+
+
+def featurize(model, conversations: list[tuple[list[int], int]], layers: tuple[int, ...], pad: int,
+              store_dtype: torch.dtype = torch.float32, log=print) -> list[Sample]:
+    """The Samples of (tokens, prompt_length) conversations (`load_answers`): the model's features over each,
+    as `answer_and_featurize` computes them after answering."""
+    samples = []
+    with torch.no_grad():
+        for start in range(0, len(conversations), 256):
+            part = [(i, tokens, length) for i, (tokens, length) in enumerate(conversations[start:start + 256], start)]
+            samples += [sample for _, sample in _featurize(model, part, layers, pad, store_dtype)]
+            log(f"features of {len(samples)}/{len(conversations)} conversations")
+    return samples
 
 
 def draft_vocabulary(samples: list[Sample], vocab_size: int, size: int) -> torch.Tensor:

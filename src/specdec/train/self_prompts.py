@@ -79,21 +79,21 @@ def selection_for(tokenizer, exclude: list[str] = (), min_words: int = 4, max_wo
 @torch.no_grad()
 def draw(model, tokenizer, count: int, selection: Selection, seed: int = 0, batch: int = 64,
          max_tokens: int = 96, temperature: float = 1.0, top_p: float = 0.95, log=print,
-         max_batches: int | None = None) -> list[str]:
+         max_batches: int | None = None, writer=None) -> list[str]:
     """Sample user turns from the opening until `selection` keeps `count` (or `max_batches` batches ran:
-    fewer then). Batch b draws under seed + b, so a run is reproducible at the same batch size."""
-    prefix = torch.tensor([opening(tokenizer)], device=model.device)
+    fewer then). Batch b draws under seed + b, so a run is reproducible at the same batch size and writer
+    (train/writer.py; default: transformers' generate over `model`)."""
+    from specdec.train.writer import GenerateWriter
+
+    writer = GenerateWriter(model) if writer is None else writer
+    prefix = opening(tokenizer)
     ends = _end_ids(model, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else ends[0]
     drawn = 0
     while len(selection.kept) < count and (max_batches is None or drawn < max_batches):
-        torch.manual_seed(seed + drawn)
-        rows = prefix.expand(batch, -1)
-        out = model.generate(rows, attention_mask=torch.ones_like(rows), do_sample=True, temperature=temperature,
-                             top_p=top_p, top_k=0, max_new_tokens=max_tokens, eos_token_id=ends, pad_token_id=pad)
-        for row in out[:, prefix.shape[1]:].tolist():
-            end = next((i for i, t in enumerate(row) if t in ends), None)
-            selection.offer(tokenizer.decode(row[:end], skip_special_tokens=False), end is not None)
+        for row in writer.write([prefix] * batch, max_tokens, ends, pad, seed + drawn, temperature, top_p):
+            ended = bool(row) and row[-1] in ends
+            selection.offer(tokenizer.decode(row[:-1] if ended else row, skip_special_tokens=False), ended)
             if len(selection.kept) >= count:
                 break
         drawn += 1
@@ -110,6 +110,8 @@ def _end_ids(model, tokenizer) -> list[int]:
 
 
 def main(argv=None) -> int:
+    from specdec.train.writer import ENGINES, choose
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", required=True, help="the target: a transformers directory")
     parser.add_argument("--count", type=int, required=True, help="requests to keep")
@@ -122,8 +124,13 @@ def main(argv=None) -> int:
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--top-p", type=float, default=0.95)
     parser.add_argument("--batch", type=int, default=64, help="requests drawn together")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16",
-                        help="the target's precision while it writes (bfloat16: several times faster with AMX)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="the target's precision while it writes (float32: the served executor with "
+                             "--engine auto; bfloat16: transformers' generate, several times its float32 speed on "
+                             "a CPU with AMX, not measured against the executor there)")
+    parser.add_argument("--engine", choices=ENGINES, default="auto",
+                        help="what runs the target while it writes (train/writer.py; auto: the served executor "
+                             "where the project's CPU kernels serve it in --dtype, i.e. float32)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -132,8 +139,9 @@ def main(argv=None) -> int:
     model = AutoModelForCausalLM.from_pretrained(args.target, dtype=getattr(torch, args.dtype)).eval()
     selection = selection_for(tokenizer, args.exclude, args.min_words, args.max_words)
     log = lambda message: print(message, file=sys.stderr, flush=True)  # noqa: E731
+    writer = choose(args.engine, args.target, model.dtype, model, log=log)
     for prompt in draw(model, tokenizer, args.count, selection, args.seed, args.batch, args.max_tokens,
-                       args.temperature, args.top_p, log=log):
+                       args.temperature, args.top_p, log=log, writer=writer):
         print(json.dumps({"prompt": prompt}, ensure_ascii=False))
     return 0
 

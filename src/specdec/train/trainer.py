@@ -173,6 +173,7 @@ def train(objective: Objective, samples: list[Sample], held_out: list[Sample], *
         running, trained = 0.0, 0
         started = time.monotonic()
         order = torch.randperm(len(groups), generator=torch.Generator().manual_seed(epoch))  # so a resume sees it
+        start_index = index
         while index < len(groups):
             batch = collate([samples[i] for i in groups[int(order[index])]], device, dtype)
             with torch.autocast(torch.device(device).type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
@@ -188,6 +189,9 @@ def train(objective: Objective, samples: list[Sample], held_out: list[Sample], *
             if time.monotonic() - last_save > checkpoint_every_s:
                 save()
                 last_save = time.monotonic()
+                done = sum(len(samples[i].tokens) for j in order[start_index:index].tolist() for i in groups[j])
+                log(f"epoch {epoch + 1}/{epochs}: {index}/{len(groups)} steps, train loss "
+                    f"{running / max(trained, 1):.3f}, {done / max(last_save - started, 1e-9):.0f} tokens/s")
         seconds = time.monotonic() - started
         figures = evaluate(objective, held_out, device)
         tokens = sum(len(samples[i].tokens) for group in groups for i in group)
