@@ -173,9 +173,10 @@ def train(objective: Objective, samples: list[Sample], held_out: list[Sample], *
         running, trained = 0.0, 0
         started = time.monotonic()
         order = torch.randperm(len(groups), generator=torch.Generator().manual_seed(epoch))  # so a resume sees it
-        start_index = index
+        tokens_now = 0  # trained in this run of the epoch (a resumed one counts from where it resumed)
         while index < len(groups):
             batch = collate([samples[i] for i in groups[int(order[index])]], device, dtype)
+            tokens_now += sum(len(samples[i].tokens) for i in groups[int(order[index])])
             with torch.autocast(torch.device(device).type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
                 loss, _ = objective.loss_and_hits(batch, evaluating=False)
             optimizer.zero_grad()
@@ -189,9 +190,8 @@ def train(objective: Objective, samples: list[Sample], held_out: list[Sample], *
             if time.monotonic() - last_save > checkpoint_every_s:
                 save()
                 last_save = time.monotonic()
-                done = sum(len(samples[i].tokens) for j in order[start_index:index].tolist() for i in groups[j])
                 log(f"epoch {epoch + 1}/{epochs}: {index}/{len(groups)} steps, train loss "
-                    f"{running / max(trained, 1):.3f}, {done / max(last_save - started, 1e-9):.0f} tokens/s")
+                    f"{running / max(trained, 1):.3f}, {tokens_now / max(last_save - started, 1e-9):.0f} tokens/s")
         seconds = time.monotonic() - started
         figures = evaluate(objective, held_out, device)
         tokens = sum(len(samples[i].tokens) for group in groups for i in group)

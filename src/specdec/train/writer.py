@@ -89,7 +89,7 @@ class ExecutorWriter:
               seed: int | None = None, temperature: float = 1.0, top_p: float = 1.0) -> list[list[int]]:
         """GenerateWriter.write's answers (pad unused: nothing is padded). A new prompt joins the next
         step as soon as a row is free; its prefill runs in that step's forward."""
-        from specdec.decoding.sampling import SamplingParams, logits_to_probs, sample
+        from specdec.decoding.sampling import SamplingParams, greedy, logits_to_probs, sample
         from specdec.engine.interfaces import Step
 
         ends = _ends(ends)
@@ -108,7 +108,7 @@ class ExecutorWriter:
                 if isinstance(out, Exception):
                     raise out
             last = torch.stack([out[-1] for out in outs])
-            tokens = last.argmax(-1) if generator is None else sample(logits_to_probs(last, params), generator)
+            tokens = greedy(last) if generator is None else sample(logits_to_probs(last, params), generator)
             still = []
             for i, token in zip(active, tokens.tolist()):
                 answers[i].append(token)
