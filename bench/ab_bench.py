@@ -50,6 +50,8 @@ SETTINGS = {
     "default": Setting("the server's default draft", None, None),
     "ngram": Setting("ngram, adaptive K<=16", tn.NGRAM, 16, True),
     "layer-skip": Setting("layer-skip draft, adaptive K<=4", "draft_model", 4, True, 1),
+    # the servers' --skip-draft (SWIFT's self-draft: the target without some of its layers)
+    "self-skip": Setting("self-draft skipping layers, adaptive K<=4", tn.DEFAULT_SKIP_DRAFT_NAME, 4, True, 1),
     "head-k1": Setting("EAGLE-3 head, K=1", HEAD, 1, False, 1),
     "head-k2": Setting("EAGLE-3 head, K=2", HEAD, 2, False, 1),
     "head-k3": Setting("EAGLE-3 head, K=3", HEAD, 3, False, 1),

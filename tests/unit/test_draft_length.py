@@ -543,3 +543,69 @@ def test_while_a_short_chain_wins_the_whole_cap_is_tried_every_explore_every_rou
     assert all(k == 1 for i, k in enumerate(ks) if i % 5 != 4)
     policy.successes, policy.failures = 0.0, 10.0  # drafting does not pay: nothing explored
     assert {policy.next_k() for _ in range(5)} == {0}
+
+
+def test_a_draft_that_always_drafts_runs_a_target_only_round_to_price_a_step():
+    """Every cost is in target-only steps; a draft that drafts every round never runs one, and its rounds
+    were priced by the priors (a draft costing a whole step taken at 0.3 of one, drafted at 0.73x). One
+    round runs target-only where no step was measured (not the first: it verifies the prompt), then one
+    every price_every plain verifies; the claim is shared, so the requests beside it keep drafting."""
+    step, draft = 0.015, 0.015  # a layer-skip draft: its step costs what the target's does
+    costs = CostModel(decay=0.0, price_every=8)
+    for _ in range(20):
+        costs.observe_acceptance("skip", 4, 3)  # α 0.75: pays at the priors' price
+    policy, other = DraftLengthPolicy(4, costs, "skip"), DraftLengthPolicy(4, costs, "skip")
+    other.next_k()
+    ks = []
+    for round_ in range(6):
+        k = policy.next_k()
+        ks.append(k)
+        if round_ == 1:  # the pricing round: the claim is the server's, a request beside it drafts
+            assert k == 0 and other.next_k() > 0
+        if round_:  # the first round's verify carries the prompt: not a plain one, not measured
+            costs.observe_verify(k + 1, step * (1 + 0.2 * k))
+            if k:
+                costs.observe_draft("skip", k, draft * k)
+    assert ks[0] > 0 and ks[1] == 0 and ks[2] > 0, ks  # drafted on the priors, then priced a step
+    # Priced: a round drafting k costs k steps of the draft and a longer verify; α 0.75 cannot pay for it
+    assert costs.draft_cost("skip", 1) == pytest.approx(1.0)
+    assert ks[3:] == [0, 0, 0], ks
+
+
+def test_a_measured_step_is_priced_again_every_price_every_plain_verifies():
+    costs = CostModel(decay=0.0, price_every=8)
+    costs.observe_verify(1, 0.01)
+    costs.observe_draft("head", 1, 0.001)
+    for _ in range(20):
+        costs.observe_acceptance("head", 4, 3)
+    policy = DraftLengthPolicy(4, costs, "head")
+    ks = []
+    for _ in range(40):
+        k = policy.next_k()
+        ks.append(k)
+        costs.observe_verify(k + 1, 0.01 * (1 + 0.05 * k))
+    zeros = [i for i, k in enumerate(ks) if k == 0]
+    # Every ninth round: 8 plain verifies of more positions, then one of a single position
+    assert zeros == [8, 17, 26, 35] and all(k > 0 for i, k in enumerate(ks) if i not in zeros), ks
+
+
+def test_a_paused_draft_does_not_probe_while_no_acceptance_could_pay():
+    """A probe tells the acceptance only, and costs more than its round (it catches the draft up on the rounds
+    it missed): where even every token accepted would not pay for the measured costs, no probe; once a
+    step costs more (a longer context) and a round could pay again, the probes resume."""
+    costs = CostModel(decay=0.0, price_every=10**6)
+    costs.observe_verify(1, 0.010)
+    costs.observe_verify(2, 0.015)
+    costs.observe_draft("skip", 1, 0.012)  # d(1) = 1.2 steps, v(1) = 1.5: k = 1 yields at most 2 tokens
+    policy = DraftLengthPolicy(1, costs, "skip", probe_every=4)
+    for _ in range(6):
+        policy.update(1, 0)
+    assert [policy.next_k() for _ in range(40)] == [0] * 40
+    costs = CostModel(decay=0.0, price_every=10**6)
+    costs.observe_verify(1, 0.020)  # the same draft beside a dearer step: d(1) = 0.6, v(1) = 1.0
+    costs.observe_verify(2, 0.020)
+    costs.observe_draft("skip", 1, 0.012)
+    policy = DraftLengthPolicy(1, costs, "skip", probe_every=4)
+    for _ in range(6):
+        policy.update(1, 0)
+    assert 1 in [policy.next_k() for _ in range(40)]

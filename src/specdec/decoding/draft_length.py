@@ -224,6 +224,12 @@ class CostModel:
     # and d(k) + v(k) after every `refresh` observations of any kind once the first `refresh` are in (the
     # orchestrator's CPU is the target's too).
     refresh: int = 16
+    # Every cost is in target-only steps, and a draft that always drafts never runs one: its rounds were
+    # priced by the priors (a skip draft costing a whole step was taken at 0.3 of one and drafted at 0.73x
+    # of target-only). So a round runs target-only, to price a step, when none was measured or after
+    # `price_every` plain verifies of more positions (`step_due`): one round in that many drafts nothing.
+    price_every: int = 64
+    _since_step: int | None = None  # plain verifies of 2+ positions since the last of one (None: never one)
     _forwards_seen: int = 0
     _observations: int = 0
     _v_memo: dict = field(default_factory=dict)
@@ -242,7 +248,19 @@ class CostModel:
         self.verify_s.setdefault(positions, _Ewma(self.decay)).add(seconds)
         if forward is not None and forward.sequences == 1 and forward.seconds > 0:
             self.machinery.add(max(0.0, seconds - forward.seconds))
+        self._since_step = 0 if positions == 1 else (self._since_step or 0) + 1
         self._observations += 1
+
+    def step_due(self) -> bool:
+        """Whether the asking round should run target-only to price a step (`price_every`): none measured
+        yet, or `price_every` plain verifies of more positions since the last. A True claims it: the
+        requests drafting beside this one go on drafting (if the round is not plain, and so not measured,
+        the next claim comes `price_every` verifies later, or two where none was ever measured)."""
+        since = self._since_step
+        due = since is None or since >= (self.price_every if 1 in self.verify_s else 2)
+        if due:
+            self._since_step = 0
+        return due
 
     def observe_draft(self, method: str, tokens: int, seconds: float, forward: ForwardStats | None = None) -> None:
         """A draft call for `tokens` tokens took `seconds`; forward: the draft's batched execution it ran in."""
@@ -509,6 +527,7 @@ class DraftLengthPolicy:
         self.nodes = 0  # the round in flight's nodes asked, when a tree
         self.rounds_since_explore = 0
         self.explored = 0
+        self.rounds = 0  # adaptive rounds asked for (next_k)
 
     @classmethod
     def fixed(cls, k: int, method: str = "fixed", branches: int = 1) -> "DraftLengthPolicy":
@@ -566,6 +585,10 @@ class DraftLengthPolicy:
             self.width = self.branches
             self.nodes = self.k_max if self.branches > 1 else 0
             return self.k_max
+        self.rounds += 1
+        if self.rounds > 1 and self.costs.step_due():  # a plain round (the first verifies the prompt)
+            self.shadow = self.free  # a free proposer's proposal is still checked
+            return 0
         k, value = best_draft_length(self.chain_alpha(), self.k_max,
                                      lambda j: self.costs.chain_round_cost(self.method, j),
                                      reach=self.costs.reach(self.method, self.k_max))
@@ -600,10 +623,18 @@ class DraftLengthPolicy:
             self.shadow = True
             return 0
         self.paused_rounds += 1
-        if self.paused_rounds >= self.probe_wait:
+        if self.paused_rounds >= self.probe_wait and self._could_pay():
             self.paused_rounds, self.probing = 0, True
             return 1
         return 0
+
+    def _could_pay(self) -> bool:
+        """Whether drafting would pay at the measured costs were every token accepted (MAX_ALPHA): a probe only
+        tells the acceptance, and it costs more than its round (it catches the draft up on the rounds it
+        missed: a layer-skip draft's 8-16 rows took ~1/4 of its paused rounds' time). Where no acceptance
+        could pay, the draft waits until the costs say otherwise (a step's price grows with the context)."""
+        return best_draft_length(self.MAX_ALPHA, self.k_max, lambda j: self.costs.chain_round_cost(self.method, j),
+                                 reach=self.costs.reach(self.method, self.k_max))[0] > 0
 
     def _best_tree(self, floor: float) -> tuple[int, float]:
         """(nodes, value) of the tree the rule values most above `floor`; (0, floor) when none is."""
