@@ -589,18 +589,23 @@ def test_a_measured_step_is_priced_again_every_price_every_plain_verifies():
     assert zeros == [8, 17, 26, 35] and all(k > 0 for i, k in enumerate(ks) if i not in zeros), ks
 
 
-def test_a_paused_draft_does_not_probe_while_no_acceptance_could_pay():
+def test_a_paused_draft_no_acceptance_could_pay_for_is_probed_rarely_by_the_server():
     """A probe tells the acceptance only, and costs more than its round (it catches the draft up on the rounds
-    it missed): where even every token accepted would not pay for the measured costs, no probe; once a
-    step costs more (a longer context) and a round could pay again, the probes resume."""
-    costs = CostModel(decay=0.0, price_every=10**6)
+    it missed): where even every token accepted would not pay for the measured costs, the server probes once
+    in hopeless_probe_every such rounds of all its requests (each request's own schedule would start anew
+    at 8); once a step costs more (a longer context) and a round could pay again, every due probe is made."""
+    costs = CostModel(decay=0.0, price_every=10**6, hopeless_probe_every=50)
     costs.observe_verify(1, 0.010)
     costs.observe_verify(2, 0.015)
     costs.observe_draft("skip", 1, 0.012)  # d(1) = 1.2 steps, v(1) = 1.5: k = 1 yields at most 2 tokens
-    policy = DraftLengthPolicy(1, costs, "skip", probe_every=4)
-    for _ in range(6):
-        policy.update(1, 0)
-    assert [policy.next_k() for _ in range(40)] == [0] * 40
+    probes = []
+    for request in range(6):  # short requests, each with its own policy
+        policy = DraftLengthPolicy(1, costs, "skip", probe_every=4)
+        for _ in range(6):
+            policy.update(1, 0)
+        probes += [request * 30 + i for i in range(30) if policy.next_k()]
+    # rounds past each request's first 3: 27 a request, the 50th, 100th and 150th probe
+    assert len(probes) == 3, probes
     costs = CostModel(decay=0.0, price_every=10**6)
     costs.observe_verify(1, 0.020)  # the same draft beside a dearer step: d(1) = 0.6, v(1) = 1.0
     costs.observe_verify(2, 0.020)
@@ -608,4 +613,4 @@ def test_a_paused_draft_does_not_probe_while_no_acceptance_could_pay():
     policy = DraftLengthPolicy(1, costs, "skip", probe_every=4)
     for _ in range(6):
         policy.update(1, 0)
-    assert 1 in [policy.next_k() for _ in range(40)]
+    assert [i for i in range(40) if policy.next_k()] == [3, 7, 11, 15, 19, 23, 27, 31, 35, 39]

@@ -152,6 +152,23 @@ def test_the_tuner_finds_the_idle_layers_on_live_text(kind):
     assert lm.sequences[2].skip == IDLE and lm.sequences[1].skip == ()
 
 
+def test_the_tuner_goes_on_over_the_last_text_when_no_new_one_comes():
+    """A draft the orchestrator keeps paused is called rarely, and its sequences end: the warm trials go on
+    over the last text measured (the served tuner runs them on idle seconds too), never over none."""
+    model = deep_llama(idle=IDLE)
+    lm = executor_of(model, "dynamic", ())
+    tuner = SkipTuner(lm, lm.forward, k_max=6, seed=1, context=48, min_context=16, trials_per_text=4, warm_trials=20)
+    lm.extend(1, 0, torch.randint(0, 97, (40,), generator=torch.Generator().manual_seed(7)).tolist(), 1)
+    tuner.trial()
+    lm.release(1)
+    assert tuner.warming
+    for _ in range(30):
+        tuner.trial()
+    assert tuner.search.trials >= 20 and not tuner.warming and tuner.search.best == IDLE
+    fresh = SkipTuner(lm, lm.forward, k_max=6, seed=1, context=48, min_context=16)
+    assert not fresh.trial() and fresh.search.trials == 0  # never a text: nothing to measure
+
+
 def test_token_probability_and_the_stop_rule():
     logits = torch.tensor([0.0, 0.0, 2.0])
     p = torch.softmax(logits, -1)

@@ -230,6 +230,12 @@ class CostModel:
     # `price_every` plain verifies of more positions (`step_due`): one round in that many drafts nothing.
     price_every: int = 64
     _since_step: int | None = None  # plain verifies of 2+ positions since the last of one (None: never one)
+    # A paused draft no acceptance could pay for is probed once in this many of its rounds past a due probe,
+    # counted over every request of the server (a request's own schedule starts anew at 8 rounds). Its
+    # catch-up runs every row the draft missed of the request, a long prompt's included: once in 256
+    # rounds took the skip draft on 4 grounded prompts from target-only's speed to 0.83x
+    hopeless_probe_every: int = 4096
+    _hopeless: dict[str, int] = field(default_factory=dict)  # method -> such rounds since its last probe
     _forwards_seen: int = 0
     _observations: int = 0
     _v_memo: dict = field(default_factory=dict)
@@ -250,6 +256,13 @@ class CostModel:
             self.machinery.add(max(0.0, seconds - forward.seconds))
         self._since_step = 0 if positions == 1 else (self._since_step or 0) + 1
         self._observations += 1
+
+    def hopeless_probe_due(self, method: str) -> bool:
+        """A round of `method` past its due probe, where no acceptance could pay for its costs: True once in
+        `hopeless_probe_every` such rounds of the server's requests."""
+        count = self._hopeless.get(method, 0) + 1
+        self._hopeless[method] = 0 if count >= self.hopeless_probe_every else count
+        return count >= self.hopeless_probe_every
 
     def step_due(self) -> bool:
         """Whether the asking round should run target-only to price a step (`price_every`): none measured
@@ -623,16 +636,18 @@ class DraftLengthPolicy:
             self.shadow = True
             return 0
         self.paused_rounds += 1
-        if self.paused_rounds >= self.probe_wait and self._could_pay():
+        if self.paused_rounds >= self.probe_wait and (self._could_pay() or self.costs.hopeless_probe_due(self.method)):
             self.paused_rounds, self.probing = 0, True
             return 1
         return 0
 
     def _could_pay(self) -> bool:
-        """Whether drafting would pay at the measured costs were every token accepted (MAX_ALPHA): a probe only
-        tells the acceptance, and it costs more than its round (it catches the draft up on the rounds it
+        """Whether drafting would pay at the measured costs were every token accepted (MAX_ALPHA): a probe
+        tells the acceptance only, and costs more than its round (it catches the draft up on the rounds it
         missed: a layer-skip draft's 8-16 rows took ~1/4 of its paused rounds' time). Where no acceptance
-        could pay, the draft waits until the costs say otherwise (a step's price grows with the context)."""
+        could pay, the server probes the draft once in `hopeless_probe_every` such rounds of all its
+        requests (CostModel.hopeless_probe_due): a step's price grows with the context, and a searched
+        layer-skip draft changes its layers (its search measures a set after the draft's calls)."""
         return best_draft_length(self.MAX_ALPHA, self.k_max, lambda j: self.costs.chain_round_cost(self.method, j),
                                  reach=self.costs.reach(self.method, self.k_max))[0] > 0
 

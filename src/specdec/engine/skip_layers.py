@@ -160,8 +160,13 @@ class SkipTuner:
         s = self.search
         return relative_cost(s.layers - len(s.best), s.layers, s.fixed)
 
+    @property
+    def warming(self) -> bool:
+        """The first `warm_trials` are not done yet."""
+        return self.search.trials < self.warm_trials
+
     def due(self) -> bool:
-        return self.search.trials < self.warm_trials or self.clock() - self._last >= self.interval_s
+        return self.warming or self.clock() - self._last >= self.interval_s
 
     def _pick_text(self) -> list[int] | None:
         """The last `context` tokens of the live sequence with the most known tokens (None: none has
@@ -178,10 +183,13 @@ class SkipTuner:
         """Measure one candidate if a text is at hand; True if the forward's set changed."""
         if self._text is None or self._on_text >= self.trials_per_text:
             text = self._pick_text()
-            if text is None:
+            if text is None and self._text is None:
                 return False
-            self._text, self._whole, self._on_text = text, greedy_tokens(self.executor.model, text), 0
-            self.search.text_changed()
+            if text is None or text == self._text:  # no new text (the draft paused, or idle): the last again
+                self._on_text = 0
+            else:
+                self._text, self._whole, self._on_text = text, greedy_tokens(self.executor.model, text), 0
+                self.search.text_changed()
         skip = self.search.candidate()
         alpha = agreement(self.executor.model, self._text, skip, self._whole)
         incumbent = skip == self.search.best

@@ -491,9 +491,11 @@ class DraftModel(LanguageModelAdapter):
         return outcomes
 
     def _tune(self) -> None:
-        """One trial after a batch, while the search wants one (SkipTuner.due)."""
+        """One trial after a batch, while the search wants one (SkipTuner.due); while its warm trials run, one
+        a second without a batch too: a draft the orchestrator keeps paused (no set so far pays) has few
+        batches, and its search would stall on the set that does not pay."""
         while not self._stop.is_set():
-            if not self._batch_done.wait(1.0):
+            if not self._batch_done.wait(1.0) and not self.tuner.warming:
                 continue
             self._batch_done.clear()
             if not self.tuner.due():
