@@ -547,7 +547,7 @@ def test_while_a_short_chain_wins_the_whole_cap_is_tried_every_explore_every_rou
 
 def test_a_draft_that_always_drafts_runs_a_target_only_round_to_price_a_step():
     """Every cost is in target-only steps; a draft that drafts every round never runs one, and its rounds
-    were priced by the priors (a draft costing a whole step taken at 0.3 of one, drafted at 0.73x). One
+    were priced by the priors (a draft costing a whole step taken at 0.3 of one, drafted at 0.70-0.85x). One
     round runs target-only where no step was measured (not the first: it verifies the prompt), then one
     every price_every plain verifies; the claim is shared, so the requests beside it keep drafting."""
     step, draft = 0.015, 0.015  # a layer-skip draft: its step costs what the target's does

@@ -225,8 +225,8 @@ class CostModel:
     # orchestrator's CPU is the target's too).
     refresh: int = 16
     # Every cost is in target-only steps, and a draft that always drafts never runs one: its rounds were
-    # priced by the priors (a skip draft costing a whole step was taken at 0.3 of one and drafted at 0.73x
-    # of target-only). So a round runs target-only, to price a step, when none was measured or after
+    # priced by the priors (a skip draft costing a whole step was taken at 0.3 of one and drafted at
+    # 0.70-0.85x of target-only). So a round runs target-only, to price a step, when none was measured or after
     # `price_every` plain verifies of more positions (`step_due`): one round in that many drafts nothing.
     price_every: int = 64
     _since_step: int | None = None  # plain verifies of 2+ positions since the last of one (None: never one)
@@ -636,7 +636,8 @@ class DraftLengthPolicy:
             self.shadow = True
             return 0
         self.paused_rounds += 1
-        if self.paused_rounds >= self.probe_wait and (self._could_pay() or self.costs.hopeless_probe_due(self.method)):
+        if self.paused_rounds >= self.probe_wait and (self._could_pay()
+                                                       or self.costs.hopeless_probe_due(self.method)):
             self.paused_rounds, self.probing = 0, True
             return 1
         return 0
