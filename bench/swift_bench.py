@@ -3,8 +3,9 @@ with layers left out, the layers searched on the fly, against the default pair's
 (its first 10 layers and a head of their own), each with the confidence stop off and on; greedy.
 
 The search first runs over its own prompts (specdec/train/prompts.jsonl, none of the held-out ones): it
-measures one layer set after each round of those generations (`SkipTuner`, as the served draft does after
-each batch) until its warm trials are done; the set it found then drafts the held-out prompts
+measures one layer set after each drafting round of those generations (`SkipTuner`, as the served draft does
+after each batch), and a few after each generation (as the served one does on idle seconds), until its
+warm trials are done; the set it found then drafts the held-out prompts
 (bench/prompts_grounded.jsonl, bench/prompts_open.jsonl). Every held-out prompt runs target-only and each
 setting one after the other, so each speedup is a ratio measured side by side; the text must equal
 target-only's (greedy is exact). A setting's requests share their measured costs and acceptance, as an
@@ -133,6 +134,11 @@ def main(argv=None) -> int:
     proposer = TuningProposer(skip, tuner)
     for i, text in enumerate(search[:args.search_prompts]):
         run(target, proposer, chat_ids(tokenizer, text, template), K, args.max_tokens, 1000 + i)
+        # and as the served tuner does between batches while its warm trials run: the adaptive rule pauses a
+        # draft no set so far pays for, and a paused draft's rounds call it rarely
+        for _ in range(tuner.trials_per_text):
+            if tuner.warming:
+                tuner.trial()
         if tuner.search.trials >= args.warm_trials:
             break
     search_s = time.perf_counter() - started
