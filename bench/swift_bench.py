@@ -126,7 +126,9 @@ def main(argv=None) -> int:
     layers = model.config.num_hidden_layers
     skip = build_executor(model, ExecutorConfig(max_sequences=16, max_context=2048, kv_pool_tokens=8192,
                                                 skip_layers=tuple(range(layers // 4, layers - layers // 4, 2))))
-    tuner = SkipTuner(skip, skip.forward, k_max=K, seed=args.seed, warm_trials=args.warm_trials)
+    # its verify costs measured on a sequence id no prompt uses (the served tuner's: the warm-up's)
+    tuner = SkipTuner(skip, skip.forward, k_max=K, seed=args.seed, warm_trials=args.warm_trials,
+                      scratch_sequence=10**9)
 
     # The search, over prompts of its own
     started = time.perf_counter()

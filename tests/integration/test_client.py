@@ -16,12 +16,14 @@ from .helpers import grpc_stream
 pytestmark = pytest.mark.integration
 
 PROMPT = "Once upon a time, in a land far away,"
-PARAMS = GenerationParams(max_tokens=20, num_draft_tokens=3)
+# A fixed K: the adaptive rule (the server's default) pauses a draft that does not pay for its measured
+# costs, and these tests read what the client reports of drafted tokens
+PARAMS = GenerationParams(max_tokens=20, num_draft_tokens=3, adaptive_draft=False)
 
 
 @pytest.fixture(scope="module")
 def reference(server):
-    return grpc_stream(server.grpc_url, PROMPT, max_tokens=20, num_draft_tokens=3)["text_output"]
+    return grpc_stream(server.grpc_url, PROMPT, max_tokens=20, num_draft_tokens=3, adaptive_draft=False)["text_output"]
 
 
 def urls(server):

@@ -169,6 +169,32 @@ def test_the_tuner_goes_on_over_the_last_text_when_no_new_one_comes():
     assert not fresh.trial() and fresh.search.trials == 0  # never a text: nothing to measure
 
 
+def test_the_search_scores_sets_with_the_verify_costs_it_measured():
+    """A verify of k + 1 positions priced at one step promised 0.93x where the rounds gave 0.70-0.85x (a
+    5-row verify costs about two steps on a 2-core CPU): the tuner measures it on the draft's copy of the
+    whole model, on a scratch sequence, before its first trial, and the score uses it."""
+    assert estimated_speedup(1.0, 0.25, 2, verify=(1.5, 2.0)) == pytest.approx(max(2 / 1.75, 3 / 2.5))
+    assert estimated_speedup(0.5, 0.1, 3, verify=(1.2,)) == pytest.approx(
+        max(1.5 / 1.3, 1.75 / 1.2, 1.875 / 1.3))  # past the measured ones a verify costs a step
+    model = deep_llama(idle=IDLE)
+    lm = executor_of(model, "dynamic", ())
+    lines = []
+    tuner = SkipTuner(lm, lm.forward, k_max=10, seed=1, context=48, min_context=16, scratch_sequence=99,
+                      log=lines.append)
+    lm.extend(1, 0, torch.randint(0, 97, (40,), generator=torch.Generator().manual_seed(7)).tolist(), 1)
+    tuner.trial()
+    verify = tuner.search.verify
+    assert len(verify) == 10 and all(v > 0 for v in verify)
+    assert verify[8:] == pytest.approx([verify[7] + max(0.0, verify[7] - verify[6]) * j for j in (1, 2)])
+    assert set(lm.sequences) == {1} and lm.forward.skip == ()  # the scratch sequence gone, the set restored
+    assert any("a verify of 2 positions" in line for line in lines)
+    cost = relative_cost(lm.forward.layers - len(IDLE), lm.forward.layers, tuner.search.fixed)
+    assert tuner.search.score(IDLE, 0.8) == pytest.approx(estimated_speedup(0.8, cost, 10, verify))
+    tuner.search.verify = (3.0,) * 10  # dear verifies: the same set scores lower
+    assert tuner.search.score(IDLE, 0.8) == pytest.approx(estimated_speedup(0.8, cost, 10, (3.0,) * 10))
+    assert tuner.search.score(IDLE, 0.8) < estimated_speedup(0.8, cost, 10)
+
+
 def test_token_probability_and_the_stop_rule():
     logits = torch.tensor([0.0, 0.0, 2.0])
     p = torch.softmax(logits, -1)

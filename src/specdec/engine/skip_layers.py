@@ -133,16 +133,48 @@ def head_cost_in_layers(model) -> float:
     return _products(head) / _products(model.model.layers[0]) if head is not None else 0.0
 
 
+def verify_costs(executor, forward: LayerSkipForward, positions: int, sequence: int, context: int = 64,
+                 repeats: int = 2) -> tuple[float, ...]:
+    """[v(1) .. v(positions - 1)]: the whole model's forward of k + 1 rows over its forward of one (the
+    quietest of `repeats` each), after `context` tokens, on the scratch sequence `sequence` (released
+    after): what a verify costs in target steps, measured on the draft's copy of the target."""
+    every = forward.skip
+    forward.set_skip(())  # the scratch sequence runs every layer, as the target's verify does
+    try:
+        executor.extend(sequence, 0, [1] * context, 1)
+
+        def quietest(rows: int) -> float:
+            best = float("inf")
+            for _ in range(repeats):
+                started = time.perf_counter()
+                out = executor.extend(sequence, context, [1] * rows, rows)  # keep=context: the rows again
+                if out.is_cuda:
+                    torch.cuda.synchronize(out.device)
+                best = min(best, time.perf_counter() - started)
+            return best
+
+        one = quietest(1)
+        return tuple(quietest(rows) / one for rows in range(2, positions + 1))
+    finally:
+        executor.release(sequence)
+        forward.set_skip(every)
+
+
 class SkipTuner:
     """The search over the traffic: `trial` measures one candidate set on a live sequence's text (its last
     `context` tokens) and makes the best set the forward's for new sequences. `due` paces trials: one per
-    call while the first `warm_trials` run, then one per `interval_s`."""
+    call while the first `warm_trials` run, then one per `interval_s`. scratch_sequence: a sequence id no
+    request uses; where given, the first trial measures what a verify of up to 9 positions costs
+    (`verify_costs`) and the search scores sets with it (beyond, along the line through the last two)."""
+
+    MEASURED_K = 8  # verify costs measured up to this many drafted tokens (a forward each, twice)
 
     def __init__(self, executor, forward: LayerSkipForward, k_max: int = 8, seed: int = 0,
                  context: int = 64, min_context: int = 32, trials_per_text: int = 8, warm_trials: int = 48,
                  interval_s: float = 10.0, log: Callable[[str], None] = lambda message: None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, scratch_sequence: int | None = None):
         self.executor, self.forward, self.log, self.clock = executor, forward, log, clock
+        self.scratch_sequence = scratch_sequence
         model = executor.model
         self.search = SkipSearch(forward.layers, head_cost_in_layers(model), k_max, seed, best=forward.skip)
         self.context, self.min_context, self.trials_per_text = context, min_context, trials_per_text
@@ -181,6 +213,16 @@ class SkipTuner:
 
     def trial(self) -> bool:
         """Measure one candidate if a text is at hand; True if the forward's set changed."""
+        if self.scratch_sequence is not None and not self.search.verify:
+            measured = verify_costs(self.executor, self.forward, min(self.search.k_max, self.MEASURED_K) + 1,
+                                    self.scratch_sequence)
+            # past the measured k, along the line through the last two (a verify's rows are never free)
+            slope = max(0.0, measured[-1] - measured[-2]) if len(measured) > 1 else 0.0
+            self.search.verify = measured + tuple(measured[-1] + slope * (k - len(measured))
+                                                  for k in range(len(measured) + 1, self.search.k_max + 1))
+            self.log("layer-skip draft: a verify of " + ", ".join(
+                f"{k + 1} positions {self.search.verify[k - 1]:.2f}" for k in (1, 2, 4) if k <= len(measured))
+                + " target steps (measured on the draft's copy of the target; the search scores sets with them)")
         if self._text is None or self._on_text >= self.trials_per_text:
             text = self._pick_text()
             if text is None and self._text is None:

@@ -547,7 +547,7 @@ class DraftModel(LanguageModelAdapter):
         tuner = SkipTuner(lm, lm.forward, k_max=params.int("max_num_draft_tokens", 16, low=1),
                           seed=params.int("skip_search_seed", 0, low=0),
                           interval_s=params.float("skip_search_interval_s", 10.0, low=0.0),
-                          log=self.pb.Logger.log_info)
+                          log=self.pb.Logger.log_info, scratch_sequence=WARM_UP_SEQUENCE)
         self.pb.Logger.log_info(f"{self.name}: layer-skip self-draft, searching the layers to skip from "
                                 f"{list(lm.forward.skip)}")
         return tuner
