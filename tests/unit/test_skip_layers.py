@@ -190,6 +190,16 @@ def test_the_search_scores_sets_with_the_verify_costs_it_measured():
     assert any("a verify of 2 positions" in line for line in lines)
     cost = relative_cost(lm.forward.layers - len(IDLE), lm.forward.layers, tuner.search.fixed)
     assert tuner.search.score(IDLE, 0.8) == pytest.approx(estimated_speedup(0.8, cost, 10, verify))
+    broken = SkipTuner(lm, lm.forward, k_max=4, seed=1, context=48, min_context=16, scratch_sequence=98,
+                       log=lines.append)
+    extend = lm.extend
+    lm.extend = lambda *args, **kwargs: (_ for _ in ()).throw(RuntimeError("no room"))
+    try:
+        broken.trial()  # the measurement fails: logged, the search priced as before, and it goes on
+    finally:
+        lm.extend = extend
+    assert broken.search.verify == () and broken.scratch_sequence is None and len(broken.search.tried) == 1
+    assert any("could not be measured (RuntimeError: no room)" in line for line in lines)
     tuner.search.verify = (3.0,) * 10  # dear verifies: the same set scores lower
     assert tuner.search.score(IDLE, 0.8) == pytest.approx(estimated_speedup(0.8, cost, 10, (3.0,) * 10))
     assert tuner.search.score(IDLE, 0.8) < estimated_speedup(0.8, cost, 10)

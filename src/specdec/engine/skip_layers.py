@@ -211,18 +211,29 @@ class SkipTuner:
                 best = tokens
         return None if best is None else list(best[-self.context:])
 
+    def _measure_verify(self) -> None:
+        """The search's verify costs, once (`verify_costs`, up to MEASURED_K drafted tokens, along the line
+        through the last two beyond); where they cannot be measured (no KV room now, say) the search goes
+        on pricing a verify at one target step."""
+        try:
+            measured = verify_costs(self.executor, self.forward, min(self.search.k_max, self.MEASURED_K) + 1,
+                                    self.scratch_sequence)
+        except Exception as exc:  # noqa: BLE001 - a failed measurement must not stop the search
+            self.scratch_sequence = None
+            self.log(f"layer-skip draft: the verify's cost could not be measured ({type(exc).__name__}: {exc}); "
+                     "the search prices a verify at one target step")
+            return
+        slope = max(0.0, measured[-1] - measured[-2]) if len(measured) > 1 else 0.0  # a verify's rows never free
+        self.search.verify = measured + tuple(measured[-1] + slope * (k - len(measured))
+                                              for k in range(len(measured) + 1, self.search.k_max + 1))
+        self.log("layer-skip draft: a verify of " + ", ".join(
+            f"{k + 1} positions {self.search.verify[k - 1]:.2f}" for k in (1, 2, 4) if k <= len(measured))
+            + " target steps (measured on the draft's copy of the target; the search scores sets with them)")
+
     def trial(self) -> bool:
         """Measure one candidate if a text is at hand; True if the forward's set changed."""
         if self.scratch_sequence is not None and not self.search.verify:
-            measured = verify_costs(self.executor, self.forward, min(self.search.k_max, self.MEASURED_K) + 1,
-                                    self.scratch_sequence)
-            # past the measured k, along the line through the last two (a verify's rows are never free)
-            slope = max(0.0, measured[-1] - measured[-2]) if len(measured) > 1 else 0.0
-            self.search.verify = measured + tuple(measured[-1] + slope * (k - len(measured))
-                                                  for k in range(len(measured) + 1, self.search.k_max + 1))
-            self.log("layer-skip draft: a verify of " + ", ".join(
-                f"{k + 1} positions {self.search.verify[k - 1]:.2f}" for k in (1, 2, 4) if k <= len(measured))
-                + " target steps (measured on the draft's copy of the target; the search scores sets with them)")
+            self._measure_verify()
         if self._text is None or self._on_text >= self.trials_per_text:
             text = self._pick_text()
             if text is None and self._text is None:
