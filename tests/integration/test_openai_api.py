@@ -131,6 +131,55 @@ def test_stop_logit_bias_and_length_finish(server, api, model):
                                                  sampling_parameters=json.dumps({"logit_bias": {"42": 100}}))[tn.TEXT_OUTPUT]
 
 
+def test_n_choices_and_lists_of_prompts(server, api, model):
+    """Several choices: every prompt's n choices, indexed as OpenAI does; greedy ones equal the single
+    answer, seeded sampled ones the ensemble's with seed + j (streamed, each chunk naming its choice); a
+    prompt's tokens counted once in the usage."""
+    second = "The recipe calls for"
+    single = [api.completions.create(model=model, prompt=p, max_tokens=10, temperature=0) for p in (PROMPT, second)]
+    many = api.completions.create(model=model, prompt=[PROMPT, second], n=2, max_tokens=10, temperature=0)
+    assert [c.index for c in many.choices] == [0, 1, 2, 3]
+    assert [c.text for c in many.choices] == [single[0].choices[0].text] * 2 + [single[1].choices[0].text] * 2
+    assert many.usage.prompt_tokens == single[0].usage.prompt_tokens + single[1].usage.prompt_tokens
+    assert many.usage.completion_tokens == 2 * (single[0].usage.completion_tokens + single[1].usage.completion_tokens)
+    assert many.model_extra["speculative_decoding"]["num_rounds"] >= 4
+
+    speculation = {"num_draft_tokens": 2, "adaptive_draft": False}
+    direct = [_messages_stream(server, CHAT, max_tokens=16, **speculation,
+                               sampling_parameters=json.dumps({"temperature": 0.9, "seed": 5 + j}))[tn.TEXT_OUTPUT]
+              for j in range(3)]
+    assert len(set(direct)) > 1  # the seeds differ, so do the answers
+    whole = api.chat.completions.create(model=model, messages=CHAT, n=3, seed=5, temperature=0.9, max_tokens=16,
+                                        extra_body=speculation)
+    assert [c.message.content for c in whole.choices] == direct and [c.index for c in whole.choices] == [0, 1, 2]
+    chunks = list(api.chat.completions.create(model=model, messages=CHAT, n=3, seed=5, temperature=0.9, max_tokens=16,
+                                              stream=True, stream_options={"include_usage": True}, extra_body=speculation))
+    assert [c.choices[0].delta.role for c in chunks[:3]] == ["assistant"] * 3
+    assert ["".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == j)
+            for j in range(3)] == direct
+    finished = [c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert sorted(finished) == [0, 1, 2]
+    assert chunks[-1].choices == [] and chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_choices_refused_or_cancelled_together(server, api, model):
+    """A refusal of the server's with n > 1 is one 400 naming the field; a client that goes away from a
+    stream of three choices cancels all three on the server."""
+    with pytest.raises(openai.BadRequestError) as caught:
+        api.chat.completions.create(model=model, messages=CHAT, n=2, max_tokens=4, extra_body={"draft_model": "nope"})
+    assert caught.value.body["param"] == "draft_model"
+    before = server.metric("specdec_requests_total", finish_reason="cancelled")
+    _settled_cancelled(server, before, 0)
+    stream = api.completions.create(model=model, prompt=PROMPT, n=3, max_tokens=900, temperature=0, stream=True,
+                                    extra_body={"ignore_eos": True})
+    for i, _ in enumerate(stream):
+        if i == 6:
+            break
+    stream.close()
+    _settled_cancelled(server, before, 3)
+
+
 def test_structured_output_follows_the_schema(api, model):
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                                "age": {"type": "integer"}},
@@ -190,7 +239,7 @@ def grpc_log_probs(server, messages) -> list[float]:
 
 
 @pytest.mark.parametrize("request_args, param", [
-    ({"n": 2}, "n"),
+    ({"n": 0}, "n"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
     ({"logprobs": True, "top_logprobs": 3}, "top_logprobs"),
     ({"presence_penalty": 5.0}, "presence_penalty"),  # refused by the server, named as the request's field

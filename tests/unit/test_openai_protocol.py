@@ -14,8 +14,8 @@ SERVED = ("m", "alias")
 CHAT = [{"role": "user", "content": "hi"}]
 
 
-def sampling(gen) -> dict:
-    return json.loads(gen.inputs[tn.SAMPLING_PARAMETERS][0, 0].decode())
+def sampling(gen, index: int = 0) -> dict:
+    return json.loads(gen.choices[index][tn.SAMPLING_PARAMETERS][0, 0].decode())
 
 
 def test_chat_maps_settings_onto_sampling_parameters_and_inputs():
@@ -26,10 +26,10 @@ def test_chat_maps_settings_onto_sampling_parameters_and_inputs():
     assert gen.model == "alias" and gen.chat and not gen.stream
     assert sampling(gen) == {"temperature": 1.0, "top_p": 0.5, "seed": 3, "stop": "x", "presence_penalty": 0.1,
                              "top_k": -1, "max_tokens": 9, "logit_bias": {"7": -100}}
-    assert gen.inputs[tn.NUM_DRAFT_TOKENS].dtype == np.int32 and gen.inputs[tn.NUM_DRAFT_TOKENS][0, 0] == 5
-    assert gen.inputs[tn.DRAFT_MODEL][0, 0] == b"ngram" and gen.inputs[tn.ADAPTIVE_DRAFT][0, 0] == np.False_
-    assert gen.inputs[tn.NUM_DRAFT_BRANCHES].dtype == np.int32 and gen.inputs[tn.NUM_DRAFT_BRANCHES][0, 0] == 1
-    assert json.loads(gen.inputs[tn.MESSAGES][0, 0]) == CHAT and tn.TEXT_INPUT not in gen.inputs
+    assert gen.choices[0][tn.NUM_DRAFT_TOKENS].dtype == np.int32 and gen.choices[0][tn.NUM_DRAFT_TOKENS][0, 0] == 5
+    assert gen.choices[0][tn.DRAFT_MODEL][0, 0] == b"ngram" and gen.choices[0][tn.ADAPTIVE_DRAFT][0, 0] == np.False_
+    assert gen.choices[0][tn.NUM_DRAFT_BRANCHES].dtype == np.int32 and gen.choices[0][tn.NUM_DRAFT_BRANCHES][0, 0] == 1
+    assert json.loads(gen.choices[0][tn.MESSAGES][0, 0]) == CHAT and tn.TEXT_INPUT not in gen.choices[0]
     assert gen.response_id.startswith("chatcmpl-")
 
 
@@ -43,7 +43,7 @@ def test_messages_are_normalized_for_the_chat_template():
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"n": 3}, "n"), ({"tool_choice": "auto"}, "tool_choice"), ({"top_logprobs": 2, "logprobs": True}, "top_logprobs"),
+    ({"n": 0}, "n"), ({"n": 129}, "n"), ({"n": 2.0}, "n"), ({"tool_choice": "auto"}, "tool_choice"), ({"top_logprobs": 2, "logprobs": True}, "top_logprobs"),
     ({"max_tokens": 4, "max_completion_tokens": 5}, "max_completion_tokens"), ({"max_tokens": "4"}, "max_tokens"),
     ({"stream_options": {"include_usage": True}}, "stream_options"), ({"stream": "yes"}, "stream"),
     ({"stream": True, "stream_options": {"x": 1}}, "stream_options.x"), ({"bogus": 1}, "bogus"),
@@ -84,15 +84,50 @@ def test_completions_take_one_prompt_and_logprobs_zero():
     gen = parse_completion({"model": "m", "prompt": ["only"], "logprobs": 0, "stream": True,
                             "stream_options": {"include_usage": True, "continuous_usage_stats": True},
                             "temperature": 0, "ignore_eos": True, "min_tokens": 3}, SERVED)
-    assert gen.inputs[tn.TEXT_INPUT][0, 0] == b"only" and gen.logprobs and gen.inputs[tn.RETURN_LOG_PROBS][0, 0]
-    assert gen.stream and gen.include_usage and gen.continuous_usage and gen.inputs[tn.STREAM][0, 0]
+    assert gen.choices[0][tn.TEXT_INPUT][0, 0] == b"only" and gen.logprobs and gen.choices[0][tn.RETURN_LOG_PROBS][0, 0]
+    assert gen.stream and gen.include_usage and gen.continuous_usage and gen.choices[0][tn.STREAM][0, 0]
     assert sampling(gen) == {"temperature": 0, "ignore_eos": True, "min_tokens": 3}
-    for body, param in (({"prompt": ["a", "b"]}, "prompt"), ({"prompt": [1, 2]}, "prompt"), ({"prompt": "a", "echo": True}, "echo"),
+    for body, param in (({"prompt": []}, "prompt"), ({"prompt": [1, 2]}, "prompt"), ({"prompt": ["a", 3]}, "prompt"),
+                        ({"prompt": "a", "echo": True}, "echo"),
                         ({"prompt": "a", "logprobs": 2}, "logprobs"), ({"prompt": "a", "best_of": 2}, "best_of"),
+                        ({"prompt": "a", "n": 2, "best_of": 3}, "best_of"), ({"prompt": ["a"] * 65, "n": 2}, "n"),
                         ({"prompt": "a", "suffix": "z"}, "suffix"), ({"prompt": "a", "messages": CHAT}, "messages")):
         with pytest.raises(ApiError) as caught:
             parse_completion(body, SERVED)
         assert caught.value.param == param
+
+
+def test_choices_are_one_generation_each_in_openai_order():
+    """n choices of each prompt, prompt by prompt (index = prompt * n + j); a seeded request's choice j
+    samples with seed + j (reproducible, and not n copies of one answer); unseeded ones stay unseeded."""
+    gen = parse_completion({"prompt": ["p0", "p1"], "n": 3, "best_of": 3, "seed": 7, "temperature": 0.5}, SERVED)
+    assert gen.n == 3 and len(gen.choices) == 6
+    assert [c[tn.TEXT_INPUT][0, 0] for c in gen.choices] == [b"p0"] * 3 + [b"p1"] * 3
+    assert [sampling(gen, i)["seed"] for i in range(6)] == [7, 8, 9, 7, 8, 9]
+    assert all(sampling(gen, i)["temperature"] == 0.5 for i in range(6))
+    assert parse_completion({"prompt": "p", "seed": 2**64 - 1, "n": 2}, SERVED).choices[1][tn.SAMPLING_PARAMETERS][0, 0] \
+        == json.dumps({"seed": 0, "temperature": 1.0}).encode()
+    chat = parse_chat({"messages": CHAT, "n": 2}, SERVED)
+    assert len(chat.choices) == 2 and all("seed" not in sampling(chat, i) for i in range(2))
+    assert chat.choices[0][tn.MESSAGES][0, 0] == chat.choices[1][tn.MESSAGES][0, 0]
+
+
+def test_choices_combine_into_one_usage_and_one_set_of_statistics():
+    """A prompt's tokens count once for its n choices; completions add up; the rates are recomputed from
+    the summed counts, as the server computes them for one."""
+    a = {tn.NUM_INPUT_TOKENS: 10, tn.NUM_OUTPUT_TOKENS: 4, tn.NUM_ROUNDS: 2, tn.TOTAL_DRAFT_TOKENS: 6,
+         tn.TOTAL_ACCEPTED_DRAFT_TOKENS: 2, tn.ACCEPTANCE_RATE: 1 / 3, tn.MEAN_ACCEPTED_LENGTH: 2.0}
+    b = {tn.NUM_INPUT_TOKENS: 10, tn.NUM_OUTPUT_TOKENS: 6, tn.NUM_ROUNDS: 2, tn.TOTAL_DRAFT_TOKENS: 2,
+         tn.TOTAL_ACCEPTED_DRAFT_TOKENS: 2, tn.ACCEPTANCE_RATE: 1.0, tn.MEAN_ACCEPTED_LENGTH: 2.0}
+    c = {tn.NUM_INPUT_TOKENS: 3, tn.NUM_OUTPUT_TOKENS: 1, tn.NUM_ROUNDS: 1, tn.TOTAL_DRAFT_TOKENS: 0,
+         tn.TOTAL_ACCEPTED_DRAFT_TOKENS: 0, tn.ACCEPTANCE_RATE: 0.0, tn.MEAN_ACCEPTED_LENGTH: 1.0}
+    assert protocol.combined_usage([a, b, c, {}], [4, 6, 1, 2], n=2) == {
+        "prompt_tokens": 13, "completion_tokens": 13, "total_tokens": 26}  # the last choice: tokens seen so far
+    combined = protocol.combined_stats([a, b, c])
+    assert combined == {tn.NUM_ROUNDS: 5, tn.TOTAL_DRAFT_TOKENS: 8, tn.TOTAL_ACCEPTED_DRAFT_TOKENS: 4,
+                        tn.ACCEPTANCE_RATE: 0.5, tn.MEAN_ACCEPTED_LENGTH: 1.8}
+    assert protocol.combined_stats([a]) == {k: v for k, v in a.items() if k in protocol.STATS}
+    assert protocol.combined_stats([{}, {}])[tn.ACCEPTANCE_RATE] == 0.0
 
 
 def test_server_refusals_become_openai_errors_naming_the_request_field():
@@ -113,6 +148,7 @@ def test_log_probs_objects_and_chunks():
     assert text["text_offset"] == [5, 7, 8] and text["tokens"] == ["ab", "c", "de"]
     gen = parse_chat({"messages": CHAT, "stream": True}, SERVED)
     first = protocol.choice(gen, "", None, None, delta=True, first=True)
+    assert protocol.choice(gen, "y", None, None, delta=True, index=3)["index"] == 3
     later = protocol.choice(gen, "x", "stop", None, delta=True)
     assert first["delta"] == {"role": "assistant", "content": ""} and later["delta"] == {"content": "x"}
     chunk = protocol.envelope(gen, [later], chunk=True)

@@ -8,6 +8,7 @@ iterator, which cancels the request on the server.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import time
@@ -104,54 +105,60 @@ class Gateway:
         return piece.finish_reason or None
 
     async def _answer(self, request: web.Request, gen: Generation) -> web.StreamResponse:
-        pieces = self.upstream.generate(gen.inputs, gen.logprobs)
-        async with contextlib.aclosing(pieces):
-            first = await anext(pieces, None)  # errors before the first token are plain HTTP errors
+        async with contextlib.AsyncExitStack() as stack:
+            streams = [await stack.enter_async_context(contextlib.aclosing(self.upstream.generate(inputs, gen.logprobs)))
+                       for inputs in gen.choices]
+            firsts = await _first_pieces(streams)  # errors before the first token are plain HTTP errors
+            pieces = await stack.enter_async_context(contextlib.aclosing(_merged(streams, firsts)))
             if gen.stream:
-                return await self._stream(request, gen, first, pieces)
-            return await self._whole(gen, first, pieces)
+                return await self._stream(request, gen, pieces)
+            return await self._whole(gen, pieces)
 
-    async def _whole(self, gen: Generation, first: Piece | None, pieces) -> web.Response:
-        merged = Piece()
-        async for piece in _chain(first, pieces):
-            merged.text += piece.text
-            merged.ids += piece.ids
-            merged.log_probs += piece.log_probs
-            merged.finish_reason = piece.finish_reason or merged.finish_reason
-            merged.stats.update(piece.stats)
-        choice = protocol.choice(gen, merged.text, self._finish_reason(merged), self._logprobs(gen, merged, 0),
-                                 delta=False)
-        body = protocol.envelope(gen, [choice], chunk=False)
-        body["usage"] = _usage(merged.stats, len(merged.ids))
-        body[STATS_FIELD] = _stats(merged.stats)
+    async def _whole(self, gen: Generation, pieces) -> web.Response:
+        merged = [Piece() for _ in gen.choices]
+        async for index, piece in pieces:
+            into = merged[index]
+            into.text += piece.text
+            into.ids += piece.ids
+            into.log_probs += piece.log_probs
+            into.finish_reason = piece.finish_reason or into.finish_reason
+            into.stats.update(piece.stats)
+        choices = [protocol.choice(gen, m.text, self._finish_reason(m), self._logprobs(gen, m, 0), delta=False, index=i)
+                   for i, m in enumerate(merged)]
+        body = protocol.envelope(gen, choices, chunk=False)
+        body["usage"] = protocol.combined_usage([m.stats for m in merged], [len(m.ids) for m in merged], gen.n)
+        body[STATS_FIELD] = protocol.combined_stats([m.stats for m in merged])
         return web.json_response(body)
 
-    async def _stream(self, request: web.Request, gen: Generation, first: Piece | None, pieces) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, gen: Generation, pieces) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                                "X-Accel-Buffering": "no"})
         await response.prepare(request)
-        if gen.chat:  # the role chunk, sent with the first token so that a client's TTFT stays honest
-            await response.write(protocol.sse(protocol.envelope(gen, [protocol.choice(gen, "", None, None, True, first=True)],
-                                                                chunk=True)))
-        sent_text, sent_ids, stats = 0, 0, {}
+        if gen.chat:  # the role chunks, sent with the first tokens so that a client's TTFT stays honest
+            for index in range(len(gen.choices)):
+                await response.write(protocol.sse(protocol.envelope(
+                    gen, [protocol.choice(gen, "", None, None, True, first=True, index=index)], chunk=True)))
+        count = len(gen.choices)
+        sent_text, sent_ids, stats = [0] * count, [0] * count, [{} for _ in range(count)]
         try:
-            async for piece in _chain(first, pieces):
-                stats.update(piece.stats)
-                sent_ids += len(piece.ids)
+            async for index, piece in pieces:
+                stats[index].update(piece.stats)
+                sent_ids[index] += len(piece.ids)
                 reason = self._finish_reason(piece)
                 if not piece.text and not reason and not (gen.logprobs and piece.ids):
                     continue  # nothing to tell (e.g. text held back at a possible stop word)
                 chunk = protocol.envelope(gen, [protocol.choice(gen, piece.text, reason,
-                                                                self._logprobs(gen, piece, sent_text), True)], chunk=True)
-                sent_text += len(piece.text)
+                                                                self._logprobs(gen, piece, sent_text[index]), True,
+                                                                index=index)], chunk=True)
+                sent_text[index] += len(piece.text)
                 if gen.include_usage:
-                    chunk["usage"] = _usage(stats, sent_ids) if gen.continuous_usage else None
-                if reason:
-                    chunk[STATS_FIELD] = _stats(stats)
+                    chunk["usage"] = protocol.combined_usage(stats, sent_ids, gen.n) if gen.continuous_usage else None
+                if reason:  # this choice's own statistics, with its finish
+                    chunk[STATS_FIELD] = protocol.combined_stats([stats[index]])
                 await response.write(protocol.sse(chunk))
             if gen.include_usage:
                 final = protocol.envelope(gen, [], chunk=True)
-                final["usage"] = _usage(stats, sent_ids)
+                final["usage"] = protocol.combined_usage(stats, sent_ids, gen.n)
                 await response.write(protocol.sse(final))
         except ApiError as exc:  # after the stream began: an error event, as OpenAI's SDK reads one
             await response.write(protocol.sse(exc.body()))
@@ -160,22 +167,56 @@ class Gateway:
         return response
 
 
-async def _chain(first: Piece | None, rest):
-    if first is not None:
-        yield first
-        async for piece in rest:
-            yield piece
+async def _first_pieces(streams: list) -> list[Piece | None]:
+    """Every choice's first response (None: a stream that ended without one). With several, all are awaited
+    before any error is raised, so that no stream is left running while it is closed."""
+    if len(streams) == 1:
+        return [await anext(streams[0], None)]
+    firsts = await asyncio.gather(*(anext(stream, None) for stream in streams), return_exceptions=True)
+    for first in firsts:
+        if isinstance(first, BaseException):
+            raise first
+    return firsts
 
 
-def _usage(stats: dict, completion_tokens: int) -> dict:
-    """Usage so far: the server's counts where it sent them (the last response carries them all), else the
-    tokens received."""
-    return protocol.usage(int(stats.get(tn.NUM_INPUT_TOKENS, 0)),
-                          max(completion_tokens, int(stats.get(tn.NUM_OUTPUT_TOKENS, 0))))
+async def _merged(streams: list, firsts: list[Piece | None]):
+    """(choice index, piece) of every choice as its responses come. One choice is read in place; several
+    each by a task of their own into one queue, the first error raised as it comes; closing the iterator
+    (the answer is done, or the client went away) cancels the tasks still reading, which cancels their
+    requests on the server."""
+    if len(streams) == 1:
+        if firsts[0] is not None:
+            yield 0, firsts[0]
+            async for piece in streams[0]:
+                yield 0, piece
+        return
+    queue: asyncio.Queue = asyncio.Queue()
 
+    async def read(index: int, stream, first: Piece | None) -> None:
+        try:
+            if first is not None:
+                queue.put_nowait((index, first))
+                async for piece in stream:
+                    queue.put_nowait((index, piece))
+            queue.put_nowait((index, None))
+        except Exception as exc:  # noqa: BLE001 - handed to the answer, which raises it
+            queue.put_nowait((index, exc))
 
-def _stats(stats: dict) -> dict:
-    return {name: stats[name] for name in STATS if name in stats}
+    tasks = [asyncio.create_task(read(i, stream, first)) for i, (stream, first) in enumerate(zip(streams, firsts))]
+    try:
+        running = len(tasks)
+        while running:
+            index, item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def token_text_from(tokenizer) -> TokenText:

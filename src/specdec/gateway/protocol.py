@@ -2,7 +2,8 @@
 network. A request is checked for what is OpenAI's own (the chat, `n`, tools, `response_format`,
 `logprobs`, stream options); its sampling settings travel as vLLM's `sampling_parameters` JSON, which the
 server already parses, so every range and combination is checked in one place (the server), and its
-refusals name the field. Objects follow openai-python's types (`ChatCompletion`, `ChatCompletionChunk`,
+refusals name the field. A request of several choices (`n`, a completions request's list of prompts)
+becomes one generation of the ensemble per choice, in the order of their `index`. Objects follow openai-python's types (`ChatCompletion`, `ChatCompletionChunk`,
 `Completion`), field by field.
 """
 
@@ -38,6 +39,7 @@ CHAT_FIELDS = (*COMMON_FIELDS, "messages", "max_completion_tokens", "top_logprob
                "tool_choice", "functions", "function_call")
 COMPLETION_FIELDS = (*COMMON_FIELDS, "prompt", "echo", "suffix", "best_of")
 OPENAI_TEMPERATURE = 1.0  # OpenAI's default: a request that sets no temperature samples
+MAX_CHOICES = 128  # OpenAI's bound on `n`; here also on n x prompts (each choice is a sequence of the server's)
 STATS = (tn.NUM_ROUNDS, tn.TOTAL_DRAFT_TOKENS, tn.TOTAL_ACCEPTED_DRAFT_TOKENS, tn.ACCEPTANCE_RATE,
          tn.MEAN_ACCEPTED_LENGTH)
 STATS_FIELD = "speculative_decoding"  # the response's extension object holding STATS
@@ -69,7 +71,10 @@ class Generation:
 
     chat: bool
     model: str
-    inputs: dict[str, np.ndarray]
+    # The ensemble's inputs of each choice, by index: a completions request's prompts in order, each
+    # prompt's n choices together (index = prompt * n + j, as OpenAI numbers them)
+    choices: list[dict[str, np.ndarray]]
+    n: int = 1  # choices per prompt
     stream: bool = False
     include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
     continuous_usage: bool = False  # stream_options.continuous_usage_stats (vLLM): usage on every chunk
@@ -109,10 +114,15 @@ def _model(body: dict, served: tuple[str, ...]) -> str:
     return model
 
 
+def _choices_per_prompt(body: dict) -> int:
+    n = _typed(body, "n", (int,), "an integer")
+    if n is not None and not 1 <= n <= MAX_CHOICES:
+        raise invalid("n", f"must be within [1, {MAX_CHOICES}], got {n}")
+    return 1 if n is None else n
+
+
 def _common(body: dict, chat: bool) -> tuple[dict, dict[str, np.ndarray], dict]:
     """(sampling_parameters, other inputs, stream settings) of the fields both endpoints take."""
-    if _typed(body, "n", (int,), "an integer") not in (None, 1):
-        raise invalid("n", "only 1 is supported (speculative decoding decodes one sequence per request)")
     stream = bool(_typed(body, "stream", (bool,), "a boolean"))
     options = _typed(body, "stream_options", (dict,), "an object")
     if options is not None and not stream:
@@ -159,13 +169,23 @@ def _common(body: dict, chat: bool) -> tuple[dict, dict[str, np.ndarray], dict]:
     return sampling, inputs, {"stream": stream, **settings}
 
 
-def _finish(sampling: dict, inputs: dict[str, np.ndarray], stream: bool, logprobs: bool) -> dict[str, np.ndarray]:
-    inputs = dict(inputs)
-    inputs[tn.SAMPLING_PARAMETERS] = _string(json.dumps(sampling))
-    inputs[tn.STREAM] = np.array([[stream]], dtype=np.bool_)
-    if logprobs:
-        inputs[tn.RETURN_LOG_PROBS] = np.array([[True]], dtype=np.bool_)
-    return inputs
+def _finish(sampling: dict, inputs: dict[str, np.ndarray], stream: bool, logprobs: bool, n: int = 1
+            ) -> list[dict[str, np.ndarray]]:
+    """The ensemble's inputs of a prompt's n choices. A seeded request's choice j samples with seed + j:
+    reproducible as a whole, and its choices differ from each other (one seed would repeat one answer)."""
+    out = []
+    for j in range(n):
+        settings = sampling
+        seed = sampling.get("seed")
+        if j and isinstance(seed, int) and not isinstance(seed, bool) and seed >= 0:
+            settings = {**sampling, "seed": (seed + j) % 2**64}
+        choice = dict(inputs)
+        choice[tn.SAMPLING_PARAMETERS] = _string(json.dumps(settings))
+        choice[tn.STREAM] = np.array([[stream]], dtype=np.bool_)
+        if logprobs:
+            choice[tn.RETURN_LOG_PROBS] = np.array([[True]], dtype=np.bool_)
+        out.append(choice)
+    return out
 
 
 def _content(message: dict, i: int) -> str:
@@ -218,6 +238,7 @@ def parse_chat(body: dict, served: tuple[str, ...]) -> Generation:
     for name in ("tool_choice", "function_call"):
         if body.get(name) not in (None, "none"):
             raise invalid(name, "tool and function calling are not supported")
+    n = _choices_per_prompt(body)
     sampling, inputs, stream = _common(body, chat=True)
     logprobs = bool(_typed(body, "logprobs", (bool,), "a boolean"))
     top = _typed(body, "top_logprobs", (int,), "an integer")
@@ -243,7 +264,7 @@ def parse_chat(body: dict, served: tuple[str, ...]) -> Generation:
                 raise invalid("response_format", "and structured_outputs both constrain the output; send one")
             sampling["structured_outputs"] = guide
     inputs[tn.MESSAGES] = _string(json.dumps(chat_messages(body)))
-    return Generation(chat=True, model=model, inputs=_finish(sampling, inputs, stream["stream"], logprobs),
+    return Generation(chat=True, model=model, choices=_finish(sampling, inputs, stream["stream"], logprobs, n), n=n,
                       stream=stream["stream"], include_usage=stream["include_usage"],
                       continuous_usage=stream["continuous_usage"], logprobs=logprobs)
 
@@ -254,24 +275,30 @@ def parse_completion(body: dict, served: tuple[str, ...]) -> Generation:
         raise ApiError(400, "the request body must be a JSON object")
     _check_fields(body, COMPLETION_FIELDS)
     model = _model(body, served)
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if not isinstance(prompt, str):
-        raise invalid("prompt", "must be one string (lists of prompts and token ids are not supported)")
+    prompts = body.get("prompt")
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
+        raise invalid("prompt", "must be a string or a non-empty list of strings (token ids are not supported)")
     if _typed(body, "echo", (bool,), "a boolean"):
         raise invalid("echo", "only false is supported")
     if body.get("suffix") not in (None, ""):
         raise invalid("suffix", "is not supported")
-    if _typed(body, "best_of", (int,), "an integer") not in (None, 1):
-        raise invalid("best_of", "only 1 is supported")
+    n = _choices_per_prompt(body)
+    best_of = _typed(body, "best_of", (int,), "an integer")
+    if best_of not in (None, n):
+        raise invalid("best_of", f"only n ({n}) is supported: choices are not ranked")
+    if n * len(prompts) > MAX_CHOICES:
+        raise invalid("n", f"n x the prompts ({n} x {len(prompts)}) exceeds {MAX_CHOICES} choices")
     sampling, inputs, stream = _common(body, chat=False)
     count = _typed(body, "logprobs", (int,), "an integer")
     if count:
         raise invalid("logprobs", "the target returns the log-probability of each chosen token only: send 0")
     logprobs = count == 0
-    inputs[tn.TEXT_INPUT] = _string(prompt)
-    return Generation(chat=False, model=model, inputs=_finish(sampling, inputs, stream["stream"], logprobs),
+    choices = []
+    for prompt in prompts:
+        choices += _finish(sampling, {**inputs, tn.TEXT_INPUT: _string(prompt)}, stream["stream"], logprobs, n)
+    return Generation(chat=False, model=model, choices=choices, n=n,
                       stream=stream["stream"], include_usage=stream["include_usage"],
                       continuous_usage=stream["continuous_usage"], logprobs=logprobs)
 
@@ -303,6 +330,31 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
+def combined_stats(per_choice: list[dict]) -> dict:
+    """The speculation statistics (STATS) of several choices as one answer's: the counts summed, the rates
+    recomputed from the sums (acceptance = accepted / drafted, tokens per round = 1 + accepted / rounds), as
+    the server computes them for one."""
+    if len(per_choice) == 1:
+        return {name: per_choice[0][name] for name in STATS if name in per_choice[0]}
+    total = {name: sum(stats.get(name, 0) for stats in per_choice)
+             for name in (tn.NUM_ROUNDS, tn.TOTAL_DRAFT_TOKENS, tn.TOTAL_ACCEPTED_DRAFT_TOKENS)}
+    drafted, accepted, rounds = (total[tn.TOTAL_DRAFT_TOKENS], total[tn.TOTAL_ACCEPTED_DRAFT_TOKENS],
+                                 total[tn.NUM_ROUNDS])
+    return {**total, tn.ACCEPTANCE_RATE: accepted / drafted if drafted else 0.0,
+            tn.MEAN_ACCEPTED_LENGTH: 1.0 + accepted / rounds if rounds else 0.0}
+
+
+def combined_usage(per_choice: list[dict], completion_tokens: list[int], n: int) -> dict:
+    """Usage of an answer of several choices: each prompt's tokens once (its n choices share it, as OpenAI
+    counts them), every choice's completion tokens. Per choice: the server's counts where it sent them (its
+    last response carries them all), else the tokens received so far."""
+    prompts = [max(int(stats.get(tn.NUM_INPUT_TOKENS, 0)) for stats in per_choice[i:i + n])
+               for i in range(0, len(per_choice), n)]
+    completions = [max(count, int(stats.get(tn.NUM_OUTPUT_TOKENS, 0)))
+                   for stats, count in zip(per_choice, completion_tokens)]
+    return usage(sum(prompts), sum(completions))
+
+
 def logprobs_object(chat: bool, tokens: list[str], values: list[float], offset: int = 0) -> dict:
     """The choice's `logprobs`: chat's per-token `content` entries, or the completions API's lists (each
     token's text offset counts from `offset`, the text already sent)."""
@@ -317,13 +369,14 @@ def logprobs_object(chat: bool, tokens: list[str], values: list[float], offset: 
 
 
 def choice(gen: Generation, text: str | None, finish_reason: str | None, logprobs: dict | None,
-           delta: bool, first: bool = False) -> dict:
+           delta: bool, first: bool = False, index: int = 0) -> dict:
     """One entry of `choices`: a chat message or delta, or a completion's text."""
     if gen.chat:
         body = {"role": "assistant", "content": text} if (not delta or first) else (
             {} if text is None else {"content": text})
-        return {"index": 0, ("delta" if delta else "message"): body, "logprobs": logprobs, "finish_reason": finish_reason}
-    return {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
+        return {"index": index, ("delta" if delta else "message"): body, "logprobs": logprobs,
+                "finish_reason": finish_reason}
+    return {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 def envelope(gen: Generation, choices: list[dict], chunk: bool) -> dict:
