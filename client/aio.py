@@ -52,7 +52,7 @@ class AsyncClient:
         async def requests_iter():
             yield request
 
-        builder = ResultBuilder()
+        builder = ResultBuilder(params.num_top_log_probs)
         responses = self._grpc.stream_infer(requests_iter())
         failure = None
         finished = False
@@ -80,7 +80,7 @@ class AsyncClient:
         if self._http is None:
             self._http = aiohttp.ClientSession()
         path = "generate_stream" if stream else "generate"
-        builder = ResultBuilder()
+        builder = ResultBuilder(params.num_top_log_probs)
         try:
             async with self._http.post(f"{self.url}/v2/models/{self.model}/{path}",
                                        json=params.json(prompt, stream)) as response:

@@ -63,6 +63,8 @@ class GenerationParams:
     draft_model: str | None = None
     apply_chat_template: bool | None = None
     return_log_probs: bool | None = None  # each token's log-probability under the target (result.log_probs)
+    # with return_log_probs: also each position's n most likely tokens (result.top_ids, result.top_log_probs)
+    num_top_log_probs: int | None = None
     # Structured output: json | json_schema | regex | ebnf_grammar | choice, and its schema, pattern, grammar or
     # JSON list of choices (none for json: any JSON object)
     guide_type: str | None = None
@@ -82,7 +84,8 @@ class GenerationParams:
                    (tn.END_ID, self.end_id, np.int32), (tn.APPLY_CHAT_TEMPLATE, self.apply_chat_template, np.bool_),
                    (tn.ADAPTIVE_DRAFT, self.adaptive_draft, np.bool_),
                    (tn.NUM_DRAFT_BRANCHES, self.num_draft_branches, np.int32), (tn.MIN_LENGTH, self.min_length, np.int32),
-                   (tn.IGNORE_EOS, self.ignore_eos, np.bool_), (tn.RETURN_LOG_PROBS, self.return_log_probs, np.bool_)]
+                   (tn.IGNORE_EOS, self.ignore_eos, np.bool_), (tn.RETURN_LOG_PROBS, self.return_log_probs, np.bool_),
+                   (tn.NUM_TOP_LOG_PROBS, self.num_top_log_probs, np.int32)]
         for name, value, dtype in scalars:
             if value is not None:
                 arrays[name] = np.array([[value]], dtype=dtype)
@@ -102,7 +105,7 @@ class GenerationParams:
         for name in ("max_tokens", "num_draft_tokens", "temperature", "top_k", "top_p", "min_p", "seed",
                      "repetition_penalty", "presence_penalty", "frequency_penalty", "end_id", "draft_model",
                      "apply_chat_template", "adaptive_draft", "num_draft_branches", "min_length", "ignore_eos",
-                     "return_log_probs"):
+                     "return_log_probs", "num_top_log_probs"):
             value = getattr(self, name)
             if value is not None:
                 body[name] = value
@@ -130,6 +133,10 @@ class GenerationResult:
     # With return_log_probs: the target's log-probability of each output token, and their sum
     log_probs: list[float] = field(default_factory=list)
     cum_log_probs: float = 0.0
+    # With num_top_log_probs n: per output token its position's n most likely tokens, most likely first,
+    # and their log-probabilities
+    top_ids: list[list[int]] = field(default_factory=list)
+    top_log_probs: list[list[float]] = field(default_factory=list)
     ttft_s: float = 0.0  # request sent -> first response
     latency_s: float = 0.0  # request sent -> last response
 
@@ -158,8 +165,9 @@ _FLOAT_FIELDS = (tn.ACCEPTANCE_RATE, tn.MEAN_ACCEPTED_LENGTH, tn.CUM_LOG_PROBS)
 class ResultBuilder:
     """Accumulates the responses of one request into a GenerationResult, timing them."""
 
-    def __init__(self):
+    def __init__(self, num_top_log_probs: int | None = None):
         self.result = GenerationResult()
+        self.top = num_top_log_probs or 0  # the rows' width (Triton's HTTP generate endpoint sends them flat)
         self.sent = time.perf_counter()
         self.first: float | None = None
 
@@ -184,6 +192,13 @@ class ResultBuilder:
         if tn.OUTPUT_LOG_PROBS in fields:  # a list; Triton's HTTP generate endpoint writes one value bare
             values = fields[tn.OUTPUT_LOG_PROBS]
             self.result.log_probs += [float(v) for v in (values if isinstance(values, list) else [values])]
+        for name, into, kind in ((tn.OUTPUT_TOP_IDS, self.result.top_ids, int),
+                                 (tn.OUTPUT_TOP_LOG_PROBS, self.result.top_log_probs, float)):
+            values = fields.get(name)
+            if values is None or not self.top:
+                continue
+            flat = _flat(values)
+            into += [[kind(v) for v in flat[i:i + self.top]] for i in range(0, len(flat), self.top)]
         return delta
 
 
@@ -199,7 +214,18 @@ def fields_from_infer_result(result) -> dict:
     log_probs = result.as_numpy(tn.OUTPUT_LOG_PROBS)
     if log_probs is not None:
         out[tn.OUTPUT_LOG_PROBS] = log_probs.reshape(-1).tolist()
+    for name in (tn.OUTPUT_TOP_IDS, tn.OUTPUT_TOP_LOG_PROBS):
+        values = result.as_numpy(name)
+        if values is not None:
+            out[name] = values.reshape(-1).tolist()
     return out
+
+
+def _flat(values) -> list:
+    """A tensor's values as JSON gave them (nested lists, or one bare value), flattened."""
+    if not isinstance(values, list):
+        return [values]
+    return [v for item in values for v in _flat(item)]
 
 
 def server_url(url: str | None, protocol: str) -> str:

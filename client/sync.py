@@ -96,7 +96,7 @@ class Client:
     def _grpc(self, prompt, params, stream, on_text) -> GenerationResult:
         responses: queue.Queue = queue.Queue()
         client = grpcclient.InferenceServerClient(self.url)
-        builder = ResultBuilder()
+        builder = ResultBuilder(params.num_top_log_probs)
         try:
             try:
                 client.start_stream(callback=lambda result, error: responses.put((result, error)))
@@ -121,7 +121,7 @@ class Client:
 
     def _http(self, prompt, params, stream, on_text) -> GenerationResult:
         path = "generate_stream" if stream else "generate"
-        builder = ResultBuilder()
+        builder = ResultBuilder(params.num_top_log_probs)
         try:
             response = requests.post(f"{self.url}/v2/models/{self.model}/{path}", json=params.json(prompt, stream),
                                      stream=stream, timeout=(10, self.timeout_s))

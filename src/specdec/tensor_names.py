@@ -43,6 +43,10 @@ PAD_ID = "pad_id"  # INT32 [1]: a token id >= 0; no effect (responses carry no p
 DRAFT_MODEL = "draft_model"  # STRING [1]: which configured draft model proposes
 APPLY_CHAT_TEMPLATE = "apply_chat_template"  # BOOL [1]
 RETURN_LOG_PROBS = "return_log_probs"  # BOOL [1]: also return each generated token's log-probability
+# INT32 [1]: with return_log_probs, also the n most likely tokens at each generated position (0 to
+# MAX_TOP_LOG_PROBS; 0: none, the default)
+NUM_TOP_LOG_PROBS = "num_top_log_probs"
+MAX_TOP_LOG_PROBS = 20  # OpenAI's bound on top_logprobs
 # Structured output (TensorRT-LLM's names; decoding/grammar.py): the output follows a guide of this type,
 # one of GUIDE_TYPES. vLLM's `sampling_parameters` key `guided_decoding` (or `structured_outputs`) says the same.
 GUIDED_DECODING_GUIDE_TYPE = "guided_decoding_guide_type"  # STRING [1]
@@ -66,6 +70,10 @@ MEAN_ACCEPTED_LENGTH = "mean_accepted_length"  # FP32 [1]: tokens per round = 1 
 # before temperature, top_k and top_p), and their sum over every token generated so far.
 OUTPUT_LOG_PROBS = "output_log_probs"  # FP32 [-1]
 CUM_LOG_PROBS = "cum_log_probs"  # FP32 [1]
+# With num_top_log_probs n > 0: at each token of this response the n most likely tokens of the same raw
+# distribution, most likely first, and their log-probabilities (one row per token)
+OUTPUT_TOP_IDS = "output_top_ids"  # INT32 [-1, -1]
+OUTPUT_TOP_LOG_PROBS = "output_top_log_probs"  # FP32 [-1, -1]
 
 # ---- internal tensors between the models -----------------------------------------------------
 INPUT_IDS = "input_ids"  # INT32 [-1]: preprocessing output; draft/target: tokens to append
@@ -88,6 +96,10 @@ RESERVE_TOKENS = "reserve_tokens"
 LOGITS = "logits"  # FP32 [-1, -1]
 GREEDY_TOKENS = "greedy_tokens"  # INT32 [-1]: argmax of each returned position
 GREEDY_LOG_PROBS = "greedy_log_probs"  # FP32 [-1]: each greedy token's log-probability (log-softmax)
+# Each returned position's MAX_TOP_LOG_PROBS most likely tokens and their log-probabilities (the caller keeps
+# the n it was asked for): INT32 / FP32 [-1, MAX_TOP_LOG_PROBS]
+GREEDY_TOP_IDS = "greedy_top_ids"
+GREEDY_TOP_LOG_PROBS = "greedy_top_log_probs"
 # FP32 [3]: the target forward this step ran in: [token rows, sequences, seconds] (the policy's costs)
 FORWARD_STATS = "forward_stats"
 DRAFT_TOKENS = "draft_tokens"  # INT32 [-1]

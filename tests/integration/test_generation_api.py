@@ -329,20 +329,21 @@ def _reference_log_probs(model, prompt_ids: list[int], output_ids: list[int]) ->
     return torch.log_softmax(logits, -1)[torch.arange(len(output_ids)), torch.tensor(output_ids)]
 
 
-def _direct_with_log_probs(server, prompt_ids: list[int], **params) -> tuple[list[int], list[float], float]:
-    """`speculative_decoding` called with token ids, streamed, return_log_probs on: every response's
-    output_ids and output_log_probs in order, and the last cum_log_probs."""
+def _direct_with_log_probs(server, prompt_ids: list[int], top: int = 3, **params
+                           ) -> tuple[list[int], list[float], float, list[list[int]], list[list[float]]]:
+    """`speculative_decoding` called with token ids, streamed, return_log_probs on (and num_top_log_probs
+    `top`): every response's output_ids, output_log_probs and top rows in order, and the last cum_log_probs."""
     client = grpcclient.InferenceServerClient(server.grpc_url)
     responses: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: responses.put((result, error)))
     arrays = {tn.INPUT_IDS: np.array([prompt_ids], dtype=np.int32), tn.STREAM: np.array([[True]]),
               tn.IGNORE_EOS: np.array([[True]]), tn.RETURN_LOG_PROBS: np.array([[True]]),
-              tn.ADAPTIVE_DRAFT: np.array([[False]])}
+              tn.ADAPTIVE_DRAFT: np.array([[False]]), tn.NUM_TOP_LOG_PROBS: np.array([[top]], dtype=np.int32)}
     types = {tn.MAX_TOKENS: np.int32, tn.NUM_DRAFT_TOKENS: np.int32, tn.TEMPERATURE: np.float32, tn.SEED: np.uint64}
     arrays.update({name: np.array([[value]], dtype=types[name]) for name, value in params.items() if name in types})
     if tn.DRAFT_MODEL in params:
         arrays[tn.DRAFT_MODEL] = np.array([[params[tn.DRAFT_MODEL].encode()]], dtype=np.object_)
-    ids, log_probs, cum = [], [], None
+    ids, log_probs, cum, top_ids, top_values = [], [], None, [], []
     try:
         client.async_stream_infer(tn.SPECULATIVE_DECODING, grpc_inputs(arrays), enable_empty_final_response=True)
         while True:
@@ -352,9 +353,11 @@ def _direct_with_log_probs(server, prompt_ids: list[int], **params) -> tuple[lis
                 ids += result.as_numpy(tn.OUTPUT_IDS).reshape(-1).tolist()
                 log_probs += result.as_numpy(tn.OUTPUT_LOG_PROBS).reshape(-1).tolist()
                 cum = float(result.as_numpy(tn.CUM_LOG_PROBS).reshape(-1)[0])
+                top_ids += result.as_numpy(tn.OUTPUT_TOP_IDS)[0].tolist()
+                top_values += result.as_numpy(tn.OUTPUT_TOP_LOG_PROBS)[0].tolist()
             final = result.get_response().parameters.get("triton_final_response")
             if final and final.bool_param:
-                return ids, log_probs, cum
+                return ids, log_probs, cum, top_ids, top_values
     finally:
         client.stop_stream()
         client.close()
@@ -365,15 +368,23 @@ def _direct_with_log_probs(server, prompt_ids: list[int], **params) -> tuple[lis
 def test_log_probs_are_the_targets_for_every_token(server, hf_target, k, temperature, draft):
     """Greedy rounds send the target's greedy log-probabilities, sampled rounds compute them from the
     logits, accepted draft tokens and corrections alike: each equals transformers' log-softmax of the
-    target at that position (the raw distribution: temperature does not enter)."""
+    target at that position (the raw distribution: temperature does not enter); so do each position's three
+    most likely tokens (num_top_log_probs), sent by the target in greedy rounds, taken from the logits in
+    sampled ones."""
     model, tokenizer = hf_target
     prompt_ids = tokenizer(PROMPTS[1]).input_ids
-    ids, log_probs, cum = _direct_with_log_probs(server, prompt_ids, max_tokens=40, num_draft_tokens=k,
-                                                  temperature=temperature, seed=7, draft_model=draft)
+    ids, log_probs, cum, top_ids, top_values = _direct_with_log_probs(
+        server, prompt_ids, max_tokens=40, num_draft_tokens=k, temperature=temperature, seed=7, draft_model=draft)
     assert len(ids) == len(log_probs) == 40
     reference = _reference_log_probs(model, prompt_ids, ids)
     assert torch.allclose(torch.tensor(log_probs, dtype=torch.float64), reference, atol=1e-4), (log_probs, reference)
     assert cum == pytest.approx(sum(log_probs), abs=1e-3)
+    with torch.no_grad():
+        rows = torch.log_softmax(model(torch.tensor([prompt_ids + ids])).logits[0, len(prompt_ids) - 1:-1], -1)
+    top_ids, top_values = torch.tensor(top_ids), torch.tensor(top_values, dtype=torch.float64)
+    assert top_ids.shape == (40, 3)
+    assert torch.allclose(rows.gather(1, top_ids).double(), top_values, atol=1e-4)  # each id's own
+    assert torch.allclose(rows.topk(3).values.double(), top_values, atol=1e-4)  # the three most likely
 
 
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
@@ -385,13 +396,18 @@ def test_ensemble_log_probs_streamed_or_not_over_grpc_and_http(server, hf_target
     for k in (0, 4):
         for stream in (False, True):
             result = client.generate(PROMPTS[0], GenerationParams(max_tokens=16, num_draft_tokens=k, end_id=0,
-                                                                  return_log_probs=True), stream=stream)
+                                                                  return_log_probs=True, num_top_log_probs=2),
+                                     stream=stream)
             assert torch.allclose(torch.tensor(result.log_probs, dtype=torch.float64), reference, atol=1e-4), (k, stream)
+            # greedy: a position's most likely token is the one generated
+            assert [row[0] for row in result.top_ids] == new and all(len(row) == 2 for row in result.top_ids)
+            assert np.allclose([row[0] for row in result.top_log_probs], result.log_probs, atol=1e-6)
+            assert all(row[0] >= row[1] for row in result.top_log_probs)
             assert result.cum_log_probs == pytest.approx(float(reference.sum()), abs=1e-3)
             if stream:
                 assert len(result.chunks) > 1
     plain = client.generate(PROMPTS[0], GenerationParams(max_tokens=16, end_id=0))
-    assert plain.log_probs == [] and plain.cum_log_probs == 0.0  # not asked for: not sent
+    assert plain.log_probs == [] and plain.cum_log_probs == 0.0 and plain.top_ids == []  # not asked for: not sent
 
 
 # ---- bad words and TensorRT-LLM's client inputs ---------------------------------------------------------

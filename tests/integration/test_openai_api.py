@@ -213,6 +213,16 @@ def test_log_probs_match_the_ensemble(server, api, model):
     assert "".join(lp.tokens) == completion.choices[0].text and len(lp.token_logprobs) == 6
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(6)]
 
+    # top_logprobs: each position's most likely tokens, the chosen (greedy) one first, as the ensemble sends them
+    top = api.chat.completions.create(model=model, messages=CHAT, max_tokens=10, temperature=0, logprobs=True,
+                                      top_logprobs=3)
+    entries = top.choices[0].logprobs.content
+    assert top.choices[0].message.content == direct[tn.TEXT_OUTPUT] and all(len(e.top_logprobs) == 3 for e in entries)
+    assert all(e.top_logprobs[0].token == e.token and e.top_logprobs[0].logprob == e.logprob for e in entries)
+    assert all(a.logprob >= b.logprob for e in entries for a, b in zip(e.top_logprobs, e.top_logprobs[1:]))
+    legacy = api.completions.create(model=model, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=2)
+    assert [max(row, key=row.get) for row in legacy.choices[0].logprobs.top_logprobs] == legacy.choices[0].logprobs.tokens
+
 
 def grpc_log_probs(server, messages) -> list[float]:
     import queue
@@ -241,7 +251,7 @@ def grpc_log_probs(server, messages) -> list[float]:
 @pytest.mark.parametrize("request_args, param", [
     ({"n": 0}, "n"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
-    ({"logprobs": True, "top_logprobs": 3}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"presence_penalty": 5.0}, "presence_penalty"),  # refused by the server, named as the request's field
     ({"extra_body": {"top_k": "many"}}, "top_k"),
     ({"extra_body": {"num_draft_tokens": 999}}, "num_draft_tokens"),

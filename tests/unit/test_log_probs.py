@@ -9,7 +9,7 @@ import torch
 from specdec.decoding.draft_length import DraftLengthPolicy
 from specdec.decoding.loop import GenerationRequest, generate
 from specdec.decoding.ngram_proposer import NgramProposer
-from specdec.decoding.sampling import SamplingParams, greedy_log_probs, token_log_probs
+from specdec.decoding.sampling import SamplingParams, greedy_log_probs, token_log_probs, top_log_probs
 from specdec.engine.build import dynamic_executor
 from specdec.engine.local import LocalProposer, LocalScorer
 
@@ -81,3 +81,48 @@ def test_log_probs_are_cut_with_the_tokens_at_an_end_token(tiny_lm):
     assert kept == output[:output.index(end)] and stopped[-1].finish_reason == "stop"
     assert [len(rnd.log_probs) for rnd in stopped] == [len(rnd.new_tokens) for rnd in stopped]
     assert [v for rnd in stopped for v in rnd.log_probs] == [v for rnd in free for v in rnd.log_probs][:len(kept)]
+
+
+def test_top_log_probs_are_the_rows_most_likely_tokens():
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50, dtype=torch.float64) * 3
+    logits[:, 45:] = float("-inf")
+    ids, values = top_log_probs(logits, 5)
+    reference = torch.log_softmax(logits, -1)
+    assert ids.tolist() == reference.topk(5).indices.tolist() and values.dtype == torch.float32
+    assert torch.allclose(values.double(), reference.topk(5).values, atol=1e-5)
+    assert torch.equal(values[:, 0], greedy_log_probs(logits)) and torch.equal(ids[:, 0], logits.argmax(-1))
+    assert top_log_probs(logits[:, :3], 5)[0].shape == (4, 3)  # never more than the vocabulary
+
+
+@pytest.mark.parametrize("draft,k,temperature,branches", [
+    ("none", 0, 0.0, 1), ("draft_model", 3, 0.0, 1), ("draft_model", 6, 0.0, 2), ("ngram", 4, 0.8, 1),
+    ("draft_model", 3, 1.0, 1)])
+def test_each_token_carries_its_positions_most_likely_tokens(tiny_lm, draft, k, temperature, branches):
+    """num_top_log_probs: per generated token the n most likely tokens of the target's raw distribution at
+    its position, most likely first, with their log-probabilities; through chains, trees (accepted paths
+    off the first branch) and sampled rounds (computed from the logits there, sent by the target otherwise)."""
+    proposer = (NgramProposer(min_ngram=1) if draft == "ngram" else
+                LocalProposer(dynamic_executor(noisy_copy(tiny_lm)), branches=branches))
+    req = GenerationRequest(seq_id=7, prompt_ids=PROMPT, max_tokens=40, log_probs=True, top_log_probs=5,
+                            sampling=SamplingParams(temperature=temperature, seed=11))
+
+    async def main():
+        policy = DraftLengthPolicy.fixed(k, branches=branches)
+        return [rnd async for rnd in generate(req, proposer, LocalScorer(dynamic_executor(tiny_lm)), policy)]
+    rounds = asyncio.run(main())
+    output = [token for rnd in rounds for token in rnd.new_tokens]
+    assert all(len(rnd.top[0]) == len(rnd.top[1]) == len(rnd.new_tokens) for rnd in rounds)
+    if branches > 1:
+        assert any(rnd.depth is not None and rnd.num_accepted for rnd in rounds)
+    ids = torch.tensor([row for rnd in rounds for row in rnd.top[0]])
+    values = torch.tensor([row for rnd in rounds for row in rnd.top[1]], dtype=torch.float64)
+    with torch.no_grad():
+        logits = tiny_lm(torch.tensor([PROMPT + output])).logits[0]
+    reference = torch.log_softmax(logits[len(PROMPT) - 1:-1].double(), -1)  # (40, V)
+    assert ids.shape == (40, 5) and torch.allclose(reference.gather(1, ids), values, atol=1e-4)  # each id's own
+    assert torch.allclose(values, reference.topk(5).values, atol=1e-4)  # and they are the five most likely
+    assert torch.allclose(values[:, 0], torch.tensor([v for rnd in rounds for v in rnd.log_probs], dtype=torch.float64)
+                          if temperature == 0 else values[:, 0], atol=1e-5)
+    if temperature == 0:
+        assert ids[:, 0].tolist() == output  # greedy: each token is its position's first

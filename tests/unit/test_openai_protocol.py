@@ -43,7 +43,8 @@ def test_messages_are_normalized_for_the_chat_template():
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"n": 0}, "n"), ({"n": 129}, "n"), ({"n": 2.0}, "n"), ({"tool_choice": "auto"}, "tool_choice"), ({"top_logprobs": 2, "logprobs": True}, "top_logprobs"),
+    ({"n": 0}, "n"), ({"n": 129}, "n"), ({"n": 2.0}, "n"), ({"tool_choice": "auto"}, "tool_choice"), ({"top_logprobs": 2}, "top_logprobs"),
+    ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
     ({"max_tokens": 4, "max_completion_tokens": 5}, "max_completion_tokens"), ({"max_tokens": "4"}, "max_tokens"),
     ({"stream_options": {"include_usage": True}}, "stream_options"), ({"stream": "yes"}, "stream"),
     ({"stream": True, "stream_options": {"x": 1}}, "stream_options.x"), ({"bogus": 1}, "bogus"),
@@ -89,7 +90,7 @@ def test_completions_take_one_prompt_and_logprobs_zero():
     assert sampling(gen) == {"temperature": 0, "ignore_eos": True, "min_tokens": 3}
     for body, param in (({"prompt": []}, "prompt"), ({"prompt": [1, 2]}, "prompt"), ({"prompt": ["a", 3]}, "prompt"),
                         ({"prompt": "a", "echo": True}, "echo"),
-                        ({"prompt": "a", "logprobs": 2}, "logprobs"), ({"prompt": "a", "best_of": 2}, "best_of"),
+                        ({"prompt": "a", "logprobs": 21}, "logprobs"), ({"prompt": "a", "best_of": 2}, "best_of"),
                         ({"prompt": "a", "n": 2, "best_of": 3}, "best_of"), ({"prompt": ["a"] * 65, "n": 2}, "n"),
                         ({"prompt": "a", "suffix": "z"}, "suffix"), ({"prompt": "a", "messages": CHAT}, "messages")):
         with pytest.raises(ApiError) as caught:
@@ -139,6 +140,20 @@ def test_server_refusals_become_openai_errors_naming_the_request_field():
     assert (busy.status, busy.code) == (503, "server_busy")
     assert server_error("Stub process is not healthy").status == 500
     assert server_error("connection refused", unavailable=True).status == 503
+
+
+def test_top_log_probs_are_asked_for_and_shown_as_openai_does():
+    chat = parse_chat({"messages": CHAT, "logprobs": True, "top_logprobs": 3, "n": 2}, SERVED)
+    assert chat.top_logprobs == 3 and all(c[tn.NUM_TOP_LOG_PROBS][0, 0] == 3 for c in chat.choices)
+    assert tn.NUM_TOP_LOG_PROBS not in parse_chat({"messages": CHAT, "logprobs": True}, SERVED).choices[0]
+    text = parse_completion({"prompt": "p", "logprobs": 5}, SERVED)
+    assert text.logprobs and text.top_logprobs == 5 and text.choices[0][tn.NUM_TOP_LOG_PROBS][0, 0] == 5
+    top = [[("a", -0.1), ("b", -2.5)], [("c", -0.7), ("c", -0.9)]]
+    entries = protocol.logprobs_object(True, ["a", "c"], [-0.1, -0.7], top=top)["content"]
+    assert entries[1]["top_logprobs"] == [{"token": "c", "logprob": -0.7, "bytes": [99]},
+                                          {"token": "c", "logprob": -0.9, "bytes": [99]}]
+    legacy = protocol.logprobs_object(False, ["a", "c"], [-0.1, -0.7], top=top)
+    assert legacy["top_logprobs"] == [{"a": -0.1, "b": -2.5}, {"c": -0.7}]  # one text once: the likelier
 
 
 def test_log_probs_objects_and_chunks():

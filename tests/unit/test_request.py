@@ -84,6 +84,13 @@ def test_return_log_probs_is_read_and_typed():
     assert parse(**{tn.RETURN_LOG_PROBS: np.array([[True]])}).generation.log_probs
     with pytest.raises(InputError, match=tn.RETURN_LOG_PROBS):
         parse(**{tn.RETURN_LOG_PROBS: np.array([[1]], dtype=np.int32)})
+    both = {tn.RETURN_LOG_PROBS: np.array([[True]]), tn.NUM_TOP_LOG_PROBS: np.array([[20]], dtype=np.int32)}
+    assert parse(**both).generation.top_log_probs == 20 and parse().generation.top_log_probs == 0
+    for value, words in ((21, "within"), (-1, "within")):
+        with pytest.raises(InputError, match=f"{tn.NUM_TOP_LOG_PROBS}.*{words}"):
+            parse(**{**both, tn.NUM_TOP_LOG_PROBS: np.array([[value]], dtype=np.int32)})
+    with pytest.raises(InputError, match=f"{tn.NUM_TOP_LOG_PROBS}.*needs"):
+        parse(**{tn.NUM_TOP_LOG_PROBS: np.array([[2]], dtype=np.int32)})
 
 
 def test_forced_lengths():

@@ -101,6 +101,7 @@ input [
   { name: "draft_model", data_type: TYPE_STRING, dims: [ 1 ], optional: true },
   { name: "apply_chat_template", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },
   { name: "return_log_probs", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },
+  { name: "num_top_log_probs", data_type: TYPE_INT32, dims: [ 1 ], optional: true },
   { name: "guided_decoding_guide_type", data_type: TYPE_STRING, dims: [ 1 ], optional: true },
   { name: "guided_decoding_guide", data_type: TYPE_STRING, dims: [ 1 ], optional: true }
 ]
@@ -185,6 +186,8 @@ input [
 output [
   { name: "greedy_tokens", data_type: TYPE_INT32, dims: [ -1 ] },
   { name: "greedy_log_probs", data_type: TYPE_FP32, dims: [ -1 ] },
+  { name: "greedy_top_ids", data_type: TYPE_INT32, dims: [ -1, -1 ] },
+  { name: "greedy_top_log_probs", data_type: TYPE_FP32, dims: [ -1, -1 ] },
   { name: "logits", data_type: TYPE_FP32, dims: [ -1, -1 ] },
   { name: "features", data_type: TYPE_FP32, dims: [ -1, -1 ] },
   { name: "forward_stats", data_type: TYPE_FP32, dims: [ 3 ] }
@@ -222,6 +225,7 @@ input [
   { name: "sampling_parameters", data_type: TYPE_STRING, dims: [ 1 ], optional: true },
   { name: "draft_model", data_type: TYPE_STRING, dims: [ 1 ], optional: true },
   { name: "return_log_probs", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },
+  { name: "num_top_log_probs", data_type: TYPE_INT32, dims: [ 1 ], optional: true },
   { name: "guided_decoding_guide_type", data_type: TYPE_STRING, dims: [ 1 ], optional: true },
   { name: "guided_decoding_guide", data_type: TYPE_STRING, dims: [ 1 ], optional: true }
 ]
@@ -239,7 +243,9 @@ output [
   { name: "num_rounds", data_type: TYPE_INT32, dims: [ 1 ] },
   { name: "mean_accepted_length", data_type: TYPE_FP32, dims: [ 1 ] },
   { name: "output_log_probs", data_type: TYPE_FP32, dims: [ -1 ] },
-  { name: "cum_log_probs", data_type: TYPE_FP32, dims: [ 1 ] }
+  { name: "cum_log_probs", data_type: TYPE_FP32, dims: [ 1 ] },
+  { name: "output_top_ids", data_type: TYPE_INT32, dims: [ -1, -1 ] },
+  { name: "output_top_log_probs", data_type: TYPE_FP32, dims: [ -1, -1 ] }
 ]
 {{ include "specdec.param" (list "tokenizer_path" (include "specdec.tokenizerPath" .)) }}
 {{ include "specdec.param" (list "target_model" "target_model") }}

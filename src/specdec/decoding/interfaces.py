@@ -54,6 +54,8 @@ class VerifyCall:
     # budget sets aside then or raises NoCapacity
     reserve: int = 0
     want_log_probs: bool = False  # the greedy tokens' log-probabilities back
+    # and each position's tn.MAX_TOP_LOG_PROBS most likely tokens with theirs (Scores.top_ids / top_log_probs)
+    want_top_log_probs: bool = False
     # (num_positions, words) int32 bitmask (grammar.GrammarMatcher.allowed): each greedy token is the best of
     # its position's allowed tokens (structured output, picked where the logits are)
     allowed: torch.Tensor | None = None
@@ -77,6 +79,10 @@ class Scores:
     # (rows, F): with want_features, the target's features (the chosen layers' states, concatenated) at the
     # call's last `rows` new positions (all of them, unless a prefix cache served the first ones)
     features: torch.Tensor | None = None
+    # (K+1, tn.MAX_TOP_LOG_PROBS) int64 / float32: with want_top_log_probs, each row's most likely tokens and
+    # their log-probabilities, most likely first (sampling.top_log_probs of the raw logits)
+    top_ids: torch.Tensor | None = None
+    top_log_probs: torch.Tensor | None = None
 
 
 class NoCapacity(RuntimeError):

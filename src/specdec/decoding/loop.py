@@ -39,7 +39,8 @@ from specdec.decoding.logit_bias import TokenBias, apply_bias
 from specdec.decoding.interfaces import NoCapacity, Proposal, Proposer, Scorer, Scores, VerifyCall
 from specdec.decoding.penalties import Penalties, TokenOccurrences, penalize
 from specdec.decoding.rejection_sampler import greedy_verify, rejection_sample
-from specdec.decoding.sampling import SamplingParams, greedy, logits_to_probs, make_generator, pad_vocab, token_log_probs
+from specdec.decoding.sampling import (SamplingParams, greedy, logits_to_probs, make_generator, pad_vocab, token_log_probs,
+                                      top_log_probs)
 from specdec.decoding.token_mask import mask_disallowed
 from specdec.decoding.tree_sampler import (DETERMINISTIC, SAMPLED, TreeVerdict, children, depths, first_branch,
                                            greedy_tree_verify, tree_rejection_sample)
@@ -54,6 +55,7 @@ class GenerationRequest:
     end_ids: frozenset[int] = frozenset()  # generation stops at (and drops) any of these
     min_tokens: int = 0  # end tokens before this many generated tokens are generated like any other
     log_probs: bool = False  # report each generated token's log-probability under the target
+    top_log_probs: int = 0  # with log_probs: also the n most likely tokens at each generated position
     bad_words: tuple[tuple[int, ...], ...] = ()  # token sequences the output never contains (bad_words.py)
     penalties: Penalties = Penalties()  # repetition / presence / frequency (penalties.py)
     grammar: Grammar | None = None  # structured output: the output follows it (grammar.py)
@@ -98,6 +100,8 @@ class RoundOutput:
     finish_reason: str | None  # set on the last round
     log_probs: list[float] | None = None  # with req.log_probs: the target's, one per new token
     depth: int | None = None  # a tree's (its longest branch, num_drafted its nodes); None: a chain
+    # with req.top_log_probs n: per new token its position's n most likely tokens and their log-probabilities
+    top: tuple[list[list[int]], list[list[float]]] | None = None
 
 
 async def generate(req: GenerationRequest, proposer: Proposer, scorer: Scorer, policy: DraftLengthPolicy,
@@ -209,6 +213,7 @@ async def generate(req: GenerationRequest, proposer: Proposer, scorer: Scorer, p
 
             new = [proposal.tokens[node] for node in verdict.path] + [verdict.next_token]
             log_probs = _log_probs(scores, new, verdict.path) if req.log_probs else None
+            top = _top_log_probs(scores, verdict.path, req.top_log_probs) if req.top_log_probs else None
             # A tree: the catch-up tokens and the accepted nodes are what the target's cache keeps of it
             caught_up = len(new_ids) - k
             path = None if tree is None else tuple(range(caught_up)) + tuple(caught_up + n for n in verdict.path)
@@ -233,7 +238,8 @@ async def generate(req: GenerationRequest, proposer: Proposer, scorer: Scorer, p
             if end is not None and len(new) == end:
                 finish = tn.FINISH_STOP
             generated += len(new)
-            yield RoundOutput(new, k, accepted, finish, log_probs and log_probs[:len(new)], depth)
+            yield RoundOutput(new, k, accepted, finish, log_probs and log_probs[:len(new)], depth=depth,
+                              top=top and (top[0][:len(new)], top[1][:len(new)]))
             if finish:
                 return
     finally:
@@ -256,6 +262,7 @@ async def _score(scorer: Scorer, req: GenerationRequest, keep: int, new_ids: lis
         try:
             return await scorer.score(VerifyCall(req.seq_id, keep, new_ids, positions, want_logits=want_logits,
                                                  reserve=reserve, want_log_probs=req.log_probs and not want_logits,
+                                                 want_top_log_probs=req.top_log_probs > 0 and not want_logits,
                                                  allowed=allowed, want_features=want_features, tree=tree,
                                                  path=path))
         except NoCapacity:
@@ -424,6 +431,17 @@ def _log_probs(scores: Scores, new: list[int], path: tuple[int, ...]) -> list[fl
     if scores.logits is None:
         return scores.log_probs[rows].tolist()
     return token_log_probs(scores.logits[rows], torch.tensor(new, dtype=torch.long)).tolist()
+
+
+def _top_log_probs(scores: Scores, path: tuple[int, ...], n: int) -> tuple[list[list[int]], list[list[float]]]:
+    """Each of a round's tokens' n most likely tokens and their log-probabilities (the raw distribution, as
+    _log_probs), along the accepted path: from the logits where they came, else as the target sent them."""
+    rows = [0] + [node + 1 for node in path]
+    if scores.logits is None:
+        ids, values = scores.top_ids[rows, :n], scores.top_log_probs[rows, :n]
+    else:
+        ids, values = top_log_probs(scores.logits[rows], n)
+    return ids.tolist(), values.tolist()
 
 
 def _record(stats: Stats, k: int, accepted: int) -> None:

@@ -43,6 +43,15 @@ def greedy_log_probs(logits: torch.Tensor) -> torch.Tensor:
     return logits.max(-1).values - logits.logsumexp(-1)
 
 
+def top_log_probs(logits: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's n most likely tokens, most likely first, and their log-probabilities under the row's
+    softmax: logits (rows, V) -> (ids (rows, n) int64, log-probabilities (rows, n) float32). A row's
+    first entry is its greedy token (`greedy_log_probs`' value, the same float32 arithmetic)."""
+    logits = logits.float()
+    values, ids = logits.topk(min(n, logits.shape[-1]), dim=-1)
+    return ids, values - logits.logsumexp(-1, keepdim=True)
+
+
 def token_log_probs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """log_softmax(logits)[i, tokens[i]]: logits (n, V), tokens (n,) int64 -> (n,) float32."""
     logits = logits.float()

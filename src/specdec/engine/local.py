@@ -15,8 +15,10 @@ from typing import Callable
 
 import torch
 
+from specdec import tensor_names as tn
 from specdec.decoding.interfaces import ForwardStats, NoCapacity, Proposal, Scores, VerifyCall
-from specdec.decoding.sampling import SamplingParams, greedy, greedy_log_probs, make_generator, token_log_probs
+from specdec.decoding.sampling import (SamplingParams, greedy, greedy_log_probs, make_generator, token_log_probs,
+                                      top_log_probs)
 from specdec.decoding.token_mask import allowed_greedy
 from specdec.engine.errors import CapacityError
 from specdec.engine.executor import Executor, Step
@@ -111,8 +113,12 @@ class LocalScorer:
         log_probs = None
         if call.want_log_probs:
             log_probs = greedy_log_probs(logits) if allowed is None else token_log_probs(logits, tokens)
+        top_ids = top_values = None
+        if call.want_top_log_probs:
+            top_ids, top_values = (t.cpu() for t in top_log_probs(logits, tn.MAX_TOP_LOG_PROBS))
         return Scores(tokens.cpu(), logits.float().cpu() if call.want_logits else None,
-                      ForwardStats(len(call.new_ids), 1, seconds), None if log_probs is None else log_probs.cpu(), features)
+                      ForwardStats(len(call.new_ids), 1, seconds), None if log_probs is None else log_probs.cpu(), features,
+                      top_ids, top_values)
 
     async def release(self, seq_id: int) -> None:
         self.lm.release(seq_id)

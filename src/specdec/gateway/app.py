@@ -96,7 +96,10 @@ class Gateway:
         if not gen.logprobs:
             return None
         text = self.token_text or (lambda token: f"token_id:{token}")
-        return protocol.logprobs_object(gen.chat, [text(t) for t in piece.ids], piece.log_probs, offset)
+        top = None
+        if gen.top_logprobs:
+            top = [[(text(t), v) for t, v in zip(ids, values)] for ids, values in zip(piece.top_ids, piece.top_log_probs)]
+        return protocol.logprobs_object(gen.chat, [text(t) for t in piece.ids], piece.log_probs, offset, top)
 
     @staticmethod
     def _finish_reason(piece: Piece) -> str | None:
@@ -106,8 +109,8 @@ class Gateway:
 
     async def _answer(self, request: web.Request, gen: Generation) -> web.StreamResponse:
         async with contextlib.AsyncExitStack() as stack:
-            streams = [await stack.enter_async_context(contextlib.aclosing(self.upstream.generate(inputs, gen.logprobs)))
-                       for inputs in gen.choices]
+            streams = [await stack.enter_async_context(contextlib.aclosing(
+                self.upstream.generate(inputs, gen.logprobs, gen.top_logprobs > 0))) for inputs in gen.choices]
             firsts = await _first_pieces(streams)  # errors before the first token are plain HTTP errors
             pieces = await stack.enter_async_context(contextlib.aclosing(_merged(streams, firsts)))
             if gen.stream:
@@ -121,6 +124,8 @@ class Gateway:
             into.text += piece.text
             into.ids += piece.ids
             into.log_probs += piece.log_probs
+            into.top_ids += piece.top_ids
+            into.top_log_probs += piece.top_log_probs
             into.finish_reason = piece.finish_reason or into.finish_reason
             into.stats.update(piece.stats)
         choices = [protocol.choice(gen, m.text, self._finish_reason(m), self._logprobs(gen, m, 0), delta=False, index=i)

@@ -79,6 +79,7 @@ class Generation:
     include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
     continuous_usage: bool = False  # stream_options.continuous_usage_stats (vLLM): usage on every chunk
     logprobs: bool = False
+    top_logprobs: int = 0  # with logprobs: the most likely tokens at each position, this many
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -169,7 +170,7 @@ def _common(body: dict, chat: bool) -> tuple[dict, dict[str, np.ndarray], dict]:
     return sampling, inputs, {"stream": stream, **settings}
 
 
-def _finish(sampling: dict, inputs: dict[str, np.ndarray], stream: bool, logprobs: bool, n: int = 1
+def _finish(sampling: dict, inputs: dict[str, np.ndarray], stream: bool, logprobs: bool, n: int = 1, top: int = 0
             ) -> list[dict[str, np.ndarray]]:
     """The ensemble's inputs of a prompt's n choices. A seeded request's choice j samples with seed + j:
     reproducible as a whole, and its choices differ from each other (one seed would repeat one answer)."""
@@ -184,6 +185,8 @@ def _finish(sampling: dict, inputs: dict[str, np.ndarray], stream: bool, logprob
         choice[tn.STREAM] = np.array([[stream]], dtype=np.bool_)
         if logprobs:
             choice[tn.RETURN_LOG_PROBS] = np.array([[True]], dtype=np.bool_)
+        if top:
+            choice[tn.NUM_TOP_LOG_PROBS] = np.array([[top]], dtype=np.int32)
         out.append(choice)
     return out
 
@@ -241,10 +244,11 @@ def parse_chat(body: dict, served: tuple[str, ...]) -> Generation:
     n = _choices_per_prompt(body)
     sampling, inputs, stream = _common(body, chat=True)
     logprobs = bool(_typed(body, "logprobs", (bool,), "a boolean"))
-    top = _typed(body, "top_logprobs", (int,), "an integer")
-    if top:
-        raise invalid("top_logprobs", "the target returns the log-probability of each chosen token only; "
-                                      "send logprobs: true with top_logprobs 0 or none")
+    top = _typed(body, "top_logprobs", (int,), "an integer") or 0
+    if not 0 <= top <= tn.MAX_TOP_LOG_PROBS:
+        raise invalid("top_logprobs", f"must be within [0, {tn.MAX_TOP_LOG_PROBS}], got {top}")
+    if top and not logprobs:
+        raise invalid("top_logprobs", "needs logprobs: true")
     fmt = _typed(body, "response_format", (dict,), "an object")
     if fmt is not None:
         kind = fmt.get("type")
@@ -264,9 +268,9 @@ def parse_chat(body: dict, served: tuple[str, ...]) -> Generation:
                 raise invalid("response_format", "and structured_outputs both constrain the output; send one")
             sampling["structured_outputs"] = guide
     inputs[tn.MESSAGES] = _string(json.dumps(chat_messages(body)))
-    return Generation(chat=True, model=model, choices=_finish(sampling, inputs, stream["stream"], logprobs, n), n=n,
-                      stream=stream["stream"], include_usage=stream["include_usage"],
-                      continuous_usage=stream["continuous_usage"], logprobs=logprobs)
+    return Generation(chat=True, model=model, choices=_finish(sampling, inputs, stream["stream"], logprobs, n, top),
+                      n=n, stream=stream["stream"], include_usage=stream["include_usage"],
+                      continuous_usage=stream["continuous_usage"], logprobs=logprobs, top_logprobs=top)
 
 
 def parse_completion(body: dict, served: tuple[str, ...]) -> Generation:
@@ -292,15 +296,15 @@ def parse_completion(body: dict, served: tuple[str, ...]) -> Generation:
         raise invalid("n", f"n x the prompts ({n} x {len(prompts)}) exceeds {MAX_CHOICES} choices")
     sampling, inputs, stream = _common(body, chat=False)
     count = _typed(body, "logprobs", (int,), "an integer")
-    if count:
-        raise invalid("logprobs", "the target returns the log-probability of each chosen token only: send 0")
-    logprobs = count == 0
+    if count is not None and not 0 <= count <= tn.MAX_TOP_LOG_PROBS:
+        raise invalid("logprobs", f"must be within [0, {tn.MAX_TOP_LOG_PROBS}], got {count}")
+    logprobs, top = count is not None, count or 0
     choices = []
     for prompt in prompts:
-        choices += _finish(sampling, {**inputs, tn.TEXT_INPUT: _string(prompt)}, stream["stream"], logprobs, n)
+        choices += _finish(sampling, {**inputs, tn.TEXT_INPUT: _string(prompt)}, stream["stream"], logprobs, n, top)
     return Generation(chat=False, model=model, choices=choices, n=n,
                       stream=stream["stream"], include_usage=stream["include_usage"],
-                      continuous_usage=stream["continuous_usage"], logprobs=logprobs)
+                      continuous_usage=stream["continuous_usage"], logprobs=logprobs, top_logprobs=top)
 
 
 # ---- errors of the server, as OpenAI errors ----------------------------------------------------------------
@@ -355,17 +359,23 @@ def combined_usage(per_choice: list[dict], completion_tokens: list[int], n: int)
     return usage(sum(prompts), sum(completions))
 
 
-def logprobs_object(chat: bool, tokens: list[str], values: list[float], offset: int = 0) -> dict:
+def logprobs_object(chat: bool, tokens: list[str], values: list[float], offset: int = 0,
+                    top: list[list[tuple[str, float]]] | None = None) -> dict:
     """The choice's `logprobs`: chat's per-token `content` entries, or the completions API's lists (each
-    token's text offset counts from `offset`, the text already sent)."""
+    token's text offset counts from `offset`, the text already sent). `top`: per token its position's most
+    likely tokens (text, log-probability), most likely first (chat: a list each; completions: an object of
+    texts, as OpenAI's legacy API gives it, so tokens of one text show once)."""
     if chat:
         return {"content": [{"token": token, "logprob": value, "bytes": list(token.encode("utf-8")),
-                             "top_logprobs": []} for token, value in zip(tokens, values)], "refusal": None}
+                             "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode("utf-8"))}
+                                              for t, v in (top[i] if top else [])]}
+                            for i, (token, value) in enumerate(zip(tokens, values))], "refusal": None}
     offsets, at = [], offset
     for token in tokens:
         offsets.append(at)
         at += len(token)
-    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": None, "text_offset": offsets}
+    tops = None if top is None else [{t: v for t, v in reversed(row)} for row in top]  # the likelier wins a text
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
 
 
 def choice(gen: Generation, text: str | None, finish_reason: str | None, logprobs: dict | None,

@@ -28,6 +28,9 @@ class Piece:
     text: str = ""
     ids: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
+    # with top log-probabilities: per token its position's most likely tokens and their log-probabilities
+    top_ids: list[list[int]] = field(default_factory=list)
+    top_log_probs: list[list[float]] = field(default_factory=list)
     finish_reason: str = ""
     stats: dict[str, float] = field(default_factory=dict)
 
@@ -73,6 +76,12 @@ def _piece(result) -> Piece:
             piece.ids = values.tolist()
         elif name == tn.OUTPUT_LOG_PROBS:
             piece.log_probs = values.tolist()
+        elif name in (tn.OUTPUT_TOP_IDS, tn.OUTPUT_TOP_LOG_PROBS):  # (1, tokens, n)
+            rows = values.reshape(-1, int(output.shape[-1])).tolist() if values.size else []
+            if name == tn.OUTPUT_TOP_IDS:
+                piece.top_ids = rows
+            else:
+                piece.top_log_probs = rows
         elif values.size and name in _STAT_NAMES:
             piece.stats[name] = int(values[0]) if name in _INT_STATS else float(values[0])
     return piece
@@ -107,12 +116,14 @@ class Upstream:
         except Exception:  # noqa: BLE001 - any failure to answer is "not ready"
             return False
 
-    async def generate(self, arrays: dict[str, np.ndarray], log_probs: bool) -> AsyncIterator[Piece]:
+    async def generate(self, arrays: dict[str, np.ndarray], log_probs: bool, top: bool = False) -> AsyncIterator[Piece]:
         """The request's responses as they come. Closing the iterator early (the caller went away)
         cancels the request on the server, which frees its sequence within a round."""
         outputs = [InferRequestedOutput(name) for name in _OUTPUTS]
         if log_probs:
             outputs.append(InferRequestedOutput(tn.OUTPUT_LOG_PROBS))
+        if top:
+            outputs += [InferRequestedOutput(tn.OUTPUT_TOP_IDS), InferRequestedOutput(tn.OUTPUT_TOP_LOG_PROBS)]
         request = {"model_name": self.model, "inputs": _inputs(arrays), "outputs": outputs,
                    "enable_empty_final_response": True}
 

@@ -169,7 +169,8 @@ class BlsScorer(_SequenceModel):
         keep, new_ids, reserve = (call.keep, call.new_ids, call.reserve) if call.tree is not None else await self._prefill(
             call.seq_id, call.keep, call.new_ids, call.num_positions, call.reserve,
             [tn.GREEDY_TOKENS] + ([tn.FEATURES] if call.want_features else []), chunks)
-        answer = [tn.GREEDY_TOKENS, tn.FORWARD_STATS] + ([tn.GREEDY_LOG_PROBS] if call.want_log_probs else [])
+        answer = [tn.GREEDY_TOKENS, tn.FORWARD_STATS] + ([tn.GREEDY_LOG_PROBS] if call.want_log_probs else []) + (
+            [tn.GREEDY_TOP_IDS, tn.GREEDY_TOP_LOG_PROBS] if call.want_top_log_probs else [])
         outputs = answer + ([tn.LOGITS] if call.want_logits else []) + ([tn.FEATURES] if call.want_features else [])
         # The grammar's (K+1) x V/32 words instead of (K+1) x V logits back.
         result = await self._call(call.seq_id, new_ids, keep, outputs, reserve,
@@ -181,5 +182,7 @@ class BlsScorer(_SequenceModel):
         if call.want_features:  # (rows, F) over every chunk and the last call, where they live
             parts = [_torch(part[tn.FEATURES])[0] for part in chunks + [result]]
             features = parts[0] if len(parts) == 1 else torch.cat(parts)
+        top_ids, top_values = ((None, None) if verified.top_ids is None else
+                               (torch.from_numpy(verified.top_ids.astype(np.int64)), torch.from_numpy(verified.top_log_probs)))
         return Scores(torch.from_numpy(verified.greedy_tokens.astype(np.int64)), logits, verified.forward, log_probs,
-                      features)
+                      features, top_ids, top_values)

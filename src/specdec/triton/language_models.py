@@ -22,7 +22,8 @@ import torch.utils.dlpack
 from specdec import tensor_names as tn
 from specdec.decoding.interfaces import ForwardStats
 from specdec.decoding.token_mask import allowed_greedy
-from specdec.decoding.sampling import SamplingParams, greedy, greedy_log_probs, make_generator, token_log_probs
+from specdec.decoding.sampling import (SamplingParams, greedy, greedy_log_probs, make_generator, token_log_probs,
+                                      top_log_probs)
 from specdec.decoding.text import load_tokenizer, vocabulary_mismatch
 from specdec.engine import host_memory, onednn_linear, threads
 from specdec.engine.build import ExecutorConfig, build_executor
@@ -431,7 +432,11 @@ class TargetModel(LanguageModelAdapter):
         if tn.GREEDY_LOG_PROBS in requested:  # return_log_probs on a greedy round: K + 1 floats, not logits
             log_probs = host(greedy_log_probs(logits) if step.allowed is None else
                              token_log_probs(logits, torch.from_numpy(tokens).long()))  # the raw distribution's
-        message = wire.VerifiedMessage(tokens, forward if tn.FORWARD_STATS in requested else None, log_probs)
+        top_ids = top_values = None
+        if tn.GREEDY_TOP_IDS in requested:  # num_top_log_probs on a greedy round: (K + 1) x 20 of each
+            top_ids, top_values = (host(t) for t in top_log_probs(logits, tn.MAX_TOP_LOG_PROBS))
+        message = wire.VerifiedMessage(tokens, forward if tn.FORWARD_STATS in requested else None, log_probs,
+                                       top_ids, top_values)
         outputs = [pb.Tensor(name, value) for name, value in message.encode().items()]
         if tn.LOGITS in requested:
             outputs.append(self._output(tn.LOGITS, logits.float()[None]))

@@ -315,7 +315,8 @@ class SpeculativeDecodingAdapter(TritonAdapter):
         return sender.is_cancelled()
 
     def _response(self, emission: Emission | None, req: GenerationRequest, emitter: TextEmitter, stats: Stats,
-                  finish: str | None, log_probs: list[float]):
+                  finish: str | None, log_probs: list[float],
+                  top: tuple[list[list[int]], list[list[float]]] = ([], [])):
         pb = self.pb
         ids, prefix, length = (emission.ids, emission.prefix_ids, emission.text_length) if emission else ([], [], -1)
 
@@ -330,6 +331,11 @@ class SpeculativeDecodingAdapter(TritonAdapter):
         sent = len(emitter.emitted)
         extra = [f32(tn.OUTPUT_LOG_PROBS, log_probs[sent - len(ids):sent]),
                  f32(tn.CUM_LOG_PROBS, [sum(log_probs[:sent])])] if req.log_probs else []
+        if req.top_log_probs:  # (1, tokens, n): this response's tokens' rows
+            shape = (1, len(ids), req.top_log_probs)
+            extra += [pb.Tensor(tn.OUTPUT_TOP_IDS, np.asarray(top[0][sent - len(ids):sent], dtype=np.int32).reshape(shape)),
+                      pb.Tensor(tn.OUTPUT_TOP_LOG_PROBS,
+                                np.asarray(top[1][sent - len(ids):sent], dtype=np.float32).reshape(shape))]
         return pb.InferenceResponse(output_tensors=extra + [
             i32(tn.OUTPUT_IDS, ids),
             i32(tn.PREFIX_IDS, prefix),
@@ -358,6 +364,8 @@ class _Responses:
         self.stats = Stats()
         self.emitter = TextEmitter(adapter.tokenizer, parsed.stop_words, parsed.include_stop)
         self.log_probs: list[float] = []  # with return_log_probs: one per generated token, in order
+        # with num_top_log_probs: per generated token its n most likely tokens and their log-probabilities
+        self.top: tuple[list[list[int]], list[list[float]]] = ([], [])
         self.in_flight: asyncio.Future | None = None  # the last round's streamed response and check
         self.asked = arrived  # when Triton was last asked whether the caller cancelled
         self.first_sent = False
@@ -366,7 +374,7 @@ class _Responses:
         if not self.first_sent:
             self.adapter.metrics.ttft.observe(time.monotonic() - self.arrived)
             self.first_sent = True
-        return self.adapter._response(emission, self.gen, self.emitter, self.stats, finish, self.log_probs)
+        return self.adapter._response(emission, self.gen, self.emitter, self.stats, finish, self.log_probs, self.top)
 
     async def round(self, rnd) -> tuple[str | None, Emission | None]:
         """A round's tokens counted and pushed into the text, streamed where they make text; returns the
@@ -376,6 +384,9 @@ class _Responses:
             return rnd.finish_reason, None
         if rnd.log_probs:
             self.log_probs += rnd.log_probs
+        if rnd.top:
+            self.top[0].extend(rnd.top[0])
+            self.top[1].extend(rnd.top[1])
         now = time.monotonic()
         adapter.metrics.record_round(rnd.num_drafted, rnd.num_accepted, now, rnd.depth)
         adapter.metrics.record_costs(adapter.costs, now)

@@ -142,6 +142,12 @@ class ParsedRequest:
         if len(names) > 1 or draft_name not in limits.draft_names:
             raise InputError(f"input '{tn.DRAFT_MODEL}' must be one of {sorted(limits.draft_names)}, got {names}")
         sampling = SamplingParams(temperature, top_k, top_p, seed, min_p)
+        log_probs = bool(inputs.scalar(tn.RETURN_LOG_PROBS, np.bool_, False))
+        top = inputs.scalar(tn.NUM_TOP_LOG_PROBS, np.int32, 0)
+        if not 0 <= top <= tn.MAX_TOP_LOG_PROBS:
+            raise InputError(f"input '{tn.NUM_TOP_LOG_PROBS}' must be within [0, {tn.MAX_TOP_LOG_PROBS}], got {top}")
+        if top and not log_probs:
+            raise InputError(f"input '{tn.NUM_TOP_LOG_PROBS}' needs '{tn.RETURN_LOG_PROBS}': true")
         generation = GenerationRequest(
             seq_id=seq_id if seq_id is not None else random.getrandbits(63) | 1,
             prompt_ids=prompt_ids,
@@ -150,7 +156,8 @@ class ParsedRequest:
             end_ids=stop_ids | (frozenset() if ignore_eos else limits.default_end_ids if end_id is None
                                 else frozenset([end_id])),
             min_tokens=min_length,
-            log_probs=bool(inputs.scalar(tn.RETURN_LOG_PROBS, np.bool_, False)),
+            log_probs=log_probs,
+            top_log_probs=int(top),
             bad_words=bad_words,
             penalties=penalties,
             grammar=_grammar(inputs, compile_guide, limits.max_guide_chars),

@@ -168,6 +168,9 @@ class VerifiedMessage:
     greedy_tokens: np.ndarray  # (num_logits,) int32
     forward: ForwardStats | None = None  # the batched forward the step ran in
     log_probs: np.ndarray | None = None  # (num_logits,) float32, when asked for
+    # (num_logits, tn.MAX_TOP_LOG_PROBS) int32 / float32, when asked for: each position's most likely tokens
+    top_ids: np.ndarray | None = None
+    top_log_probs: np.ndarray | None = None
 
     def encode(self) -> Arrays:
         out = {tn.GREEDY_TOKENS: _i32(self.greedy_tokens)}
@@ -175,13 +178,18 @@ class VerifiedMessage:
             out[tn.FORWARD_STATS] = _forward_stats(self.forward)
         if self.log_probs is not None:
             out[tn.GREEDY_LOG_PROBS] = np.asarray(self.log_probs, dtype=np.float32).reshape(1, -1)
+        if self.top_ids is not None:
+            out[tn.GREEDY_TOP_IDS] = np.asarray(self.top_ids, dtype=np.int32)[None]
+            out[tn.GREEDY_TOP_LOG_PROBS] = np.asarray(self.top_log_probs, dtype=np.float32)[None]
         return out
 
     @classmethod
     def decode(cls, outputs: Arrays) -> VerifiedMessage:
-        log_probs = outputs.get(tn.GREEDY_LOG_PROBS)
+        log_probs, top_ids, top_values = (outputs.get(name) for name in (tn.GREEDY_LOG_PROBS, tn.GREEDY_TOP_IDS,
+                                                                           tn.GREEDY_TOP_LOG_PROBS))
         return cls(outputs[tn.GREEDY_TOKENS].reshape(-1).astype(np.int32), _decode_forward_stats(outputs),
-                   None if log_probs is None else log_probs.reshape(-1).copy())
+                   None if log_probs is None else log_probs.reshape(-1).copy(),
+                   None if top_ids is None else top_ids[0].copy(), None if top_values is None else top_values[0].copy())
 
 
 # What a call that asks for nothing back sends as the model's own inputs (a prompt's chunk, a release).
