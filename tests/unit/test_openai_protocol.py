@@ -154,6 +154,7 @@ def test_top_log_probs_are_asked_for_and_shown_as_openai_does():
                                           {"token": "c", "logprob": -0.9, "bytes": [99]}]
     legacy = protocol.logprobs_object(False, ["a", "c"], [-0.1, -0.7], top=top)
     assert legacy["top_logprobs"] == [{"a": -0.1, "b": -2.5}, {"c": -0.7}]  # one text once: the likelier
+    assert [list(row) for row in legacy["top_logprobs"]] == [["a", "b"], ["c"]]  # most likely first
 
 
 def test_log_probs_objects_and_chunks():

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import time
 from typing import Callable
@@ -225,5 +226,6 @@ async def _merged(streams: list, firsts: list[Piece | None]):
 
 
 def token_text_from(tokenizer) -> TokenText:
-    """A token's text as OpenAI's log-probabilities show it (the token decoded alone)."""
-    return lambda token: tokenizer.decode([token])
+    """A token's text as OpenAI's log-probabilities show it (the token decoded alone), each decoded once:
+    with top_logprobs every position names up to 20 of them."""
+    return functools.lru_cache(maxsize=1 << 17)(lambda token: tokenizer.decode([token]))

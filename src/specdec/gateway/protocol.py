@@ -374,8 +374,17 @@ def logprobs_object(chat: bool, tokens: list[str], values: list[float], offset: 
     for token in tokens:
         offsets.append(at)
         at += len(token)
-    tops = None if top is None else [{t: v for t, v in reversed(row)} for row in top]  # the likelier wins a text
+    tops = None if top is None else [_by_text(row) for row in top]
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _by_text(row: list[tuple[str, float]]) -> dict[str, float]:
+    """A position's most likely tokens as the legacy API's object, most likely first; of tokens with one
+    text, the likelier."""
+    out: dict[str, float] = {}
+    for text, value in row:
+        out.setdefault(text, value)
+    return out
 
 
 def choice(gen: Generation, text: str | None, finish_reason: str | None, logprobs: dict | None,
