@@ -11,6 +11,9 @@ TEXT_INPUT = "text_input"  # STRING [1]: the prompt; this or messages is require
 # tokenizer's chat template with the assistant's turn opened (what the OpenAI API's chat endpoint sends)
 MESSAGES = "messages"
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+# STRING [1]: with messages, the tools the model may call: a JSON list of OpenAI's tool objects
+# ({"type": "function", "function": {"name", "description", "parameters"}}), which the chat template renders
+TOOLS = "tools"
 MAX_TOKENS = "max_tokens"  # INT32 [1]
 NUM_DRAFT_TOKENS = "num_draft_tokens"  # INT32 [1]; 0 = target-only decoding through the same path
 ADAPTIVE_DRAFT = "adaptive_draft"  # BOOL [1]; true: num_draft_tokens is the maximum, K adapts per round

@@ -3,6 +3,7 @@ schemas (kubernetes-validate, strict), the chart's values schema and the local l
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -428,7 +429,8 @@ def test_one_value_drives_the_drain_the_grace_period_and_the_exit():
 
 def test_the_openai_api_has_a_port_a_service_port_an_ingress_path_and_a_key_from_a_secret():
     docs = render_chart({"ingress": {"enabled": True}, "openai": {"servedModelNames": ["llama-3.1-8b", "llama"],
-                                                                   "apiKeySecret": "openai-key"}})
+                                                                   "apiKeySecret": "openai-key",
+                                                                   "toolCallParser": "llama3_json"}})
     triton = deployment(docs)["spec"]["template"]["spec"]["containers"][0]
     ports = {port["name"]: port["containerPort"] for port in triton["ports"]}
     env = {var["name"]: var for var in triton["env"]}
@@ -436,6 +438,9 @@ def test_the_openai_api_has_a_port_a_service_port_an_ingress_path_and_a_key_from
     assert env["SPECDEC_API_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "openai-key", "key": "api-key"}
     args = triton["args"][:triton["args"].index("--")]
     assert launcher.parse_args(args).served_model_name == ["llama-3.1-8b", "llama"]
+    assert launcher.parse_args(args).tool_call_parser == "llama3_json"
+    schema = json.loads((REPO_ROOT / "helm" / "specdec-triton" / "values.schema.json").read_text())
+    assert schema["properties"]["openai"]["properties"]["toolCallParser"]["enum"] == ["", *launcher.TOOL_CALL_PARSERS]
     (service,) = by_kind(docs, "Service")
     assert {"name": "openai", "port": 9000, "targetPort": "openai", "protocol": "TCP"} in service["spec"]["ports"]
     (ingress,) = by_kind(docs, "Ingress")

@@ -180,6 +180,79 @@ def test_choices_refused_or_cancelled_together(server, api, model):
     _settled_cancelled(server, before, 3)
 
 
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
+    "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"], "additionalProperties": False}}}
+
+
+def test_tool_calls_by_name_or_required_whole_and_streamed(api, model):
+    """A named function and "required" constrain the answer to the tools' schemas (any model calls them):
+    the calls come back as OpenAI's SDK types them, streamed deltas adding up to the whole answer's; a
+    conversation carrying calls and their results is taken."""
+    named = {"tools": [WEATHER, TIME], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    whole = api.chat.completions.create(model=model, messages=CHAT, max_tokens=48, temperature=0, **named)
+    message = whole.choices[0].message
+    assert message.content is None and whole.choices[0].finish_reason == "stop" and len(message.tool_calls) == 1
+    call = message.tool_calls[0]
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+    assert set(json.loads(call.function.arguments)) == {"city"}
+    chunks = list(api.chat.completions.create(model=model, messages=CHAT, max_tokens=48, temperature=0, stream=True,
+                                              **named))
+    deltas = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or [])]
+    assert deltas[0].function.name == "get_weather" and deltas[0].id.startswith("call_") and len(deltas) > 1
+    assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
+
+    required = api.chat.completions.create(model=model, messages=CHAT, max_tokens=64, temperature=0,
+                                           tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False)
+    calls = required.choices[0].message.tool_calls
+    assert required.choices[0].finish_reason == "tool_calls" and len(calls) == 1
+    assert calls[0].function.name in ("get_weather", "get_time") and isinstance(json.loads(calls[0].function.arguments), dict)
+
+    history = [*CHAT, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+               {"role": "tool", "tool_call_id": call.id, "content": "20 C and sunny"}]
+    answer = api.chat.completions.create(model=model, messages=history, max_tokens=8, temperature=0, tools=[WEATHER],
+                                         tool_choice="none")
+    assert answer.choices[0].message.content and answer.choices[0].message.tool_calls is None
+    with pytest.raises(openai.BadRequestError) as caught:  # auto needs a parser of the model's format
+        api.chat.completions.create(model=model, messages=CHAT, max_tokens=8, tools=[WEATHER])
+    assert caught.value.body["param"] == "tool_choice"
+
+
+def test_auto_tool_calls_are_read_in_the_models_format(server, model):
+    """A gateway started with --tool-call-parser hermes reads calls the model writes itself (here the
+    answer is forced to one, with vLLM's guided_choice): content before it, the call after, whole and
+    streamed."""
+    port = free_ports(1)[0]
+    process = subprocess.Popen([sys.executable, "-m", "specdec.gateway", "--port", str(port), "--grpc-url",
+                                server.grpc_url, "--served-model-name", model, "--tool-call-parser", "hermes"],
+                               env={"PATH": "/usr/bin:/bin"})
+    try:
+        deadline = time.monotonic() + 60
+        while not answers(gateway_url(port), 2) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        client = openai.OpenAI(base_url=f"http://localhost:{port}/v1", api_key="x", max_retries=0)
+        forced = 'Checking.<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+        args = {"model": model, "messages": CHAT, "max_tokens": 64, "temperature": 0, "tools": [WEATHER],
+                "extra_body": {"guided_choice": [forced]}}
+        whole = client.chat.completions.create(**args)
+        message = whole.choices[0].message
+        assert message.content == "Checking." and whole.choices[0].finish_reason == "tool_calls"
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == [
+            ("get_weather", {"city": "Paris"})]
+        chunks = list(client.chat.completions.create(stream=True, **args))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Checking."
+        calls = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or [])]
+        assert [(d.function.name, d.function.arguments) for d in calls] == [("get_weather", '{"city": "Paris"}')]
+        assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
+        plain = client.chat.completions.create(model=model, messages=CHAT, max_tokens=6, temperature=0, tools=[WEATHER])
+        assert plain.choices[0].message.tool_calls is None and plain.choices[0].message.content  # no call: text
+    finally:
+        process.terminate()
+        process.wait(30)
+
+
 def test_structured_output_follows_the_schema(api, model):
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                                "age": {"type": "integer"}},
@@ -250,7 +323,7 @@ def grpc_log_probs(server, messages) -> list[float]:
 
 @pytest.mark.parametrize("request_args, param", [
     ({"n": 0}, "n"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tool_choice"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"presence_penalty": 5.0}, "presence_penalty"),  # refused by the server, named as the request's field
     ({"extra_body": {"top_k": "many"}}, "top_k"),
@@ -258,7 +331,8 @@ def grpc_log_probs(server, messages) -> list[float]:
     ({"extra_body": {"draft_model": "nope"}}, "draft_model"),
     ({"extra_body": {"frobnicate": 1}}, "frobnicate"),
     ({"response_format": {"type": "yaml"}}, "response_format.type"),
-    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "function", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
 ])
 def test_refusals_are_openai_errors_naming_the_field(api, model, request_args, param):
     args = {"model": model, "messages": CHAT, "max_tokens": 4, **request_args}
@@ -273,6 +347,10 @@ def test_a_chat_the_server_refuses_names_messages(server):
         grpc_stream(server.grpc_url, None, messages=json.dumps([{"role": "king", "content": "hi"}]), max_tokens=2)
     with pytest.raises(GenerationError, match="exclude each other"):
         grpc_stream(server.grpc_url, "hi", messages=json.dumps(CHAT), max_tokens=2)
+    with pytest.raises(GenerationError, match="'tools' needs 'messages'"):
+        grpc_stream(server.grpc_url, "hi", tools=json.dumps([WEATHER]), max_tokens=2)
+    with pytest.raises(GenerationError, match=r"'tools'\[0\]"):
+        grpc_stream(server.grpc_url, None, messages=json.dumps(CHAT), tools='[{"type": "function"}]', max_tokens=2)
 
 
 def test_an_api_key_is_required_when_set(server, model):

@@ -50,7 +50,7 @@ def test_messages_are_normalized_for_the_chat_template():
     ({"stream": True, "stream_options": {"x": 1}}, "stream_options.x"), ({"bogus": 1}, "bogus"),
     ({"messages": []}, "messages"), ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
                                      "messages[0].content[0]"),
-    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}]}, "messages[0].tool_calls"),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}]}, "messages[0].tool_calls[0]"),
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": "no"}}}, "response_format.json_schema"),
     ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "response_format"),
     ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_regex"), ({"num_draft_tokens": 2.5}, "num_draft_tokens"),

@@ -75,6 +75,7 @@ max_batch_size: 64
 input [
   { name: "text_input", data_type: TYPE_STRING, dims: [ 1 ], optional: true },
   { name: "messages", data_type: TYPE_STRING, dims: [ 1 ], optional: true },
+  { name: "tools", data_type: TYPE_STRING, dims: [ 1 ], optional: true },
   { name: "max_tokens", data_type: TYPE_INT32, dims: [ 1 ], optional: true },
   { name: "num_draft_tokens", data_type: TYPE_INT32, dims: [ 1 ], optional: true },
   { name: "adaptive_draft", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },

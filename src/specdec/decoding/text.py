@@ -160,9 +160,12 @@ class TextEmitter:
         return Emission(ids, prefix, text, text_length, stopped)
 
 
-def chat_messages(raw: str, field: str) -> list[dict[str, str]]:
+def chat_messages(raw: str, field: str) -> list[dict]:
     """A chat (the `messages` input): a JSON list of {"role": one of CHAT_ROLES, "content": text}, checked;
-    ValueError names `field` and the message at fault."""
+    ValueError names `field` and the message at fault. An assistant message may carry `tool_calls` (OpenAI's
+    {"id", "type": "function", "function": {"name", "arguments"}}; its content then may be null), a tool
+    message its `tool_call_id`; a call's arguments, a JSON string in OpenAI's form, reach the chat template
+    as the object they encode (what templates that render calls read)."""
     try:
         messages = json.loads(raw)
     except ValueError as exc:
@@ -176,10 +179,64 @@ def chat_messages(raw: str, field: str) -> list[dict[str, str]]:
         role, content = message.get("role"), message.get("content")
         if role not in tn.CHAT_ROLES:
             raise ValueError(f"input '{field}'[{i}].role must be one of {list(tn.CHAT_ROLES)}, got {role!r}")
+        calls = message.get("tool_calls")
+        if content is None and calls:
+            content = ""
         if not isinstance(content, str):
             raise ValueError(f"input '{field}'[{i}].content must be a string, got {type(content).__name__}")
-        unknown = sorted(set(message) - {"role", "content", "name"})
+        allowed = {"role", "content", "name"} | ({"tool_calls"} if role == "assistant" else set()) | (
+            {"tool_call_id"} if role == "tool" else set())
+        unknown = sorted(set(message) - allowed)
         if unknown:
             raise ValueError(f"input '{field}'[{i}] has fields this server does not take: {unknown}")
-        out.append({key: message[key] for key in ("role", "content", "name") if key in message})
+        entry = {key: message[key] for key in ("role", "content", "name", "tool_call_id") if key in message}
+        entry["content"] = content
+        if calls:
+            entry["tool_calls"] = _tool_calls(calls, f"input '{field}'[{i}].tool_calls")
+        out.append(entry)
     return out
+
+
+def _tool_calls(calls, where: str) -> list[dict]:
+    if not isinstance(calls, list):
+        raise ValueError(f"{where} must be a list of tool calls")
+    out = []
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise ValueError(f"{where}[{j}] must be {{\"type\": \"function\", \"function\": {{\"name\", \"arguments\"}}}}")
+        arguments = function.get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments) if arguments.strip() else {}
+            except ValueError:
+                raise ValueError(f"{where}[{j}].function.arguments is not JSON") from None
+        out.append({**call, "type": "function", "function": {"name": function["name"], "arguments": arguments}})
+    return out
+
+
+def chat_tools(raw: str, field: str) -> list[dict]:
+    """The `tools` input: a JSON list of OpenAI's function tools, checked (ValueError naming `field`)."""
+    try:
+        tools = json.loads(raw)
+    except ValueError as exc:
+        raise ValueError(f"input '{field}' is not JSON ({exc})") from None
+    if not isinstance(tools, list):
+        raise ValueError(f"input '{field}' must be a JSON list of tools")
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if (not isinstance(function, dict) or tool.get("type", "function") != "function"
+                or not isinstance(function.get("name"), str) or not function["name"]):
+            raise ValueError(f"input '{field}'[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\", ...}}}}")
+    return tools
+
+
+def chat_ids(tokenizer, messages: list[dict], tools: list[dict] | None, field: str) -> list[int]:
+    """A chat's prompt tokens: the tokenizer's chat template over the messages (and the tools, which the
+    template renders where it knows how), the assistant's turn opened; ValueError naming `field` when the
+    template refuses them."""
+    try:
+        return list(tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True,
+                                                  tokenize=True, return_dict=False))
+    except Exception as exc:  # noqa: BLE001 - a template may raise anything (e.g. roles it refuses)
+        raise ValueError(f"input '{field}': the chat template refused it ({exc})") from None

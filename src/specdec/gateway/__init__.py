@@ -2,6 +2,7 @@
 talking to the ensemble over gRPC; the launcher runs it beside the server (OPENAI_PORT). docs/openai.md.
 
   protocol   OpenAI requests checked and mapped onto the ensemble's inputs; response objects, errors (pure)
+  tools      tool calls: the schemas that force them, the parsers that read them, their streaming (pure)
   upstream   one ensemble gRPC stream per request (tritonclient asyncio), cancelled when the caller leaves
   app        the HTTP endpoints (aiohttp): chat, completions, models, health; streaming, API keys
   __main__   the command line

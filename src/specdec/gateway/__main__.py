@@ -14,6 +14,7 @@ import sys
 from aiohttp import web
 
 from specdec.gateway.app import Gateway, token_text_from
+from specdec.gateway.tools import PARSERS
 from specdec.gateway.upstream import Upstream
 
 DEFAULT_PORT = 9000  # Triton's own OpenAI frontend's port: its clients' configurations work unchanged
@@ -35,6 +36,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--tokenizer", default="", help="the target's tokenizer (the text of log-probabilities' tokens)")
     parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV, ""),
                         help=f"require this key (default: ${API_KEY_ENV}; none: no check)")
+    parser.add_argument("--tool-call-parser", choices=PARSERS, default=None,
+                        help="how the model writes tool calls: tool_choice \"auto\" reads them (none: auto refused)")
     parser.add_argument("--drain-timeout", type=float, default=60.0)
     return parser.parse_args(argv)
 
@@ -49,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
         from specdec.decoding.text import load_tokenizer
 
         token_text = token_text_from(load_tokenizer(args.tokenizer))
-    gateway = Gateway(Upstream(args.grpc_url), tuple(args.served_model_name), token_text, args.api_key or None)
+    gateway = Gateway(Upstream(args.grpc_url), tuple(args.served_model_name), token_text, args.api_key or None,
+                      args.tool_call_parser)
     log(f"OpenAI API: http://{args.host}:{args.port}/v1 (models {', '.join(args.served_model_name)}; "
         f"server {args.grpc_url}; API key {'required' if args.api_key else 'not required'})")
     web.run_app(gateway.app(), host=args.host, port=args.port, print=None, access_log=None,

@@ -18,7 +18,7 @@ from typing import Callable
 from aiohttp import web
 
 from specdec import tensor_names as tn
-from specdec.gateway import protocol
+from specdec.gateway import protocol, tools
 from specdec.gateway.protocol import STATS, STATS_FIELD, ApiError, Generation
 from specdec.gateway.upstream import Piece, Upstream
 
@@ -33,8 +33,9 @@ def error_response(error: ApiError) -> web.Response:
 
 class Gateway:
     def __init__(self, upstream: Upstream, served: tuple[str, ...], token_text: TokenText | None,
-                 api_key: str | None = None):
+                 api_key: str | None = None, tool_parser: str | None = None):
         self.upstream, self.served, self.token_text, self.api_key = upstream, served, token_text, api_key
+        self.tool_parser = tool_parser  # tools.PARSERS: how the model writes calls (tool_choice "auto")
         self.created = int(time.time())
 
     def app(self) -> web.Application:
@@ -70,7 +71,7 @@ class Gateway:
             raise ApiError(400, f"the request body is not JSON ({exc})") from None
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        return await self._answer(request, protocol.parse_chat(await self._body(request), self.served))
+        return await self._answer(request, protocol.parse_chat(await self._body(request), self.served, self.tool_parser))
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._answer(request, protocol.parse_completion(await self._body(request), self.served))
@@ -129,12 +130,20 @@ class Gateway:
             into.top_log_probs += piece.top_log_probs
             into.finish_reason = piece.finish_reason or into.finish_reason
             into.stats.update(piece.stats)
-        choices = [protocol.choice(gen, m.text, self._finish_reason(m), self._logprobs(gen, m, 0), delta=False, index=i)
-                   for i, m in enumerate(merged)]
+        choices = [self._whole_choice(gen, m, i) for i, m in enumerate(merged)]
         body = protocol.envelope(gen, choices, chunk=False)
         body["usage"] = protocol.combined_usage([m.stats for m in merged], [len(m.ids) for m in merged], gen.n)
         body[STATS_FIELD] = protocol.combined_stats([m.stats for m in merged])
         return web.json_response(body)
+
+    def _whole_choice(self, gen: Generation, merged: Piece, index: int) -> dict:
+        reason, text, calls = self._finish_reason(merged), merged.text, None
+        if gen.tools is not None:
+            text, found = tools.split_output(merged.text, gen.tools)
+            if found:
+                calls, reason = tools.message_calls(found), gen.tools.finish_reason(reason)
+        return protocol.choice(gen, text, reason, self._logprobs(gen, merged, 0), delta=False, index=index,
+                               tool_calls=calls)
 
     async def _stream(self, request: web.Request, gen: Generation, pieces) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
@@ -146,16 +155,24 @@ class Gateway:
                     gen, [protocol.choice(gen, "", None, None, True, first=True, index=index)], chunk=True)))
         count = len(gen.choices)
         sent_text, sent_ids, stats = [0] * count, [0] * count, [{} for _ in range(count)]
+        calls = [tools.ToolStream(gen.tools) for _ in range(count)] if gen.tools is not None else None
         try:
             async for index, piece in pieces:
                 stats[index].update(piece.stats)
                 sent_ids[index] += len(piece.ids)
                 reason = self._finish_reason(piece)
-                if not piece.text and not reason and not (gen.logprobs and piece.ids):
+                text, deltas = piece.text, None
+                if calls is not None:  # the text becomes content and tool-call deltas as it comes
+                    text, deltas = calls[index].feed(piece.text)
+                    if reason:
+                        rest, more, called = calls[index].finish()
+                        text, deltas = text + rest, deltas + more
+                        reason = gen.tools.finish_reason(reason) if called else reason
+                if not text and not deltas and not reason and not (gen.logprobs and piece.ids):
                     continue  # nothing to tell (e.g. text held back at a possible stop word)
-                chunk = protocol.envelope(gen, [protocol.choice(gen, piece.text, reason,
+                chunk = protocol.envelope(gen, [protocol.choice(gen, text if text or not deltas else None, reason,
                                                                 self._logprobs(gen, piece, sent_text[index]), True,
-                                                                index=index)], chunk=True)
+                                                                index=index, tool_calls=deltas)], chunk=True)
                 sent_text[index] += len(piece.text)
                 if gen.include_usage:
                     chunk["usage"] = protocol.combined_usage(stats, sent_ids, gen.n) if gen.continuous_usage else None

@@ -18,10 +18,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from specdec import tensor_names as tn
+from specdec.gateway import tools as tool_calls
+from specdec.gateway.tools import NAMED, REQUIRED, ToolCalling
 
 # Fields a client may send that change nothing here (bookkeeping of OpenAI's platform).
-IGNORED_FIELDS = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
-                  "parallel_tool_calls")
+IGNORED_FIELDS = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier")
 # OpenAI's and vLLM's sampling settings that are keys of the server's `sampling_parameters` under the same name.
 SAMPLING_FIELDS = ("temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty",
                    # vLLM's extras, as its OpenAI server takes them
@@ -36,7 +37,7 @@ SPECULATIVE_FIELDS = {"num_draft_tokens": (tn.NUM_DRAFT_TOKENS, np.int32), "adap
 COMMON_FIELDS = ("model", "stream", "stream_options", "n", "logit_bias", "logprobs", "max_tokens",
                  *SAMPLING_FIELDS, *GUIDED_FIELDS, *SPECULATIVE_FIELDS, *IGNORED_FIELDS)
 CHAT_FIELDS = (*COMMON_FIELDS, "messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
-               "tool_choice", "functions", "function_call")
+               "tool_choice", "parallel_tool_calls", "functions", "function_call")
 COMPLETION_FIELDS = (*COMMON_FIELDS, "prompt", "echo", "suffix", "best_of")
 OPENAI_TEMPERATURE = 1.0  # OpenAI's default: a request that sets no temperature samples
 MAX_CHOICES = 128  # OpenAI's bound on `n`; here also on n x prompts (each choice is a sequence of the server's)
@@ -80,6 +81,7 @@ class Generation:
     continuous_usage: bool = False  # stream_options.continuous_usage_stats (vLLM): usage on every chunk
     logprobs: bool = False
     top_logprobs: int = 0  # with logprobs: the most likely tokens at each position, this many
+    tools: ToolCalling | None = None  # how the answer becomes tool calls (tools.py); None: text only
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -216,31 +218,103 @@ def chat_messages(body: dict) -> list[dict]:
         if not isinstance(message, dict):
             raise invalid(f"messages[{i}]", "must be an object")
         role = message.get("role")
-        if role not in ("system", "developer", "user", "assistant"):
-            raise invalid(f"messages[{i}].role", f"must be system, developer, user or assistant, got {json.dumps(role)}"
-                          + (" (tools are not supported)" if role in ("tool", "function") else ""))
-        extra = sorted(set(message) - {"role", "content", "name"})
+        if role not in ("system", "developer", "user", "assistant", "tool"):
+            raise invalid(f"messages[{i}].role", f"must be system, developer, user, assistant or tool, got "
+                          f"{json.dumps(role)}" + (" (send tools and tool messages)" if role == "function" else ""))
+        own = {"role", "content", "name"} | ({"tool_calls"} if role == "assistant" else set()) | (
+            {"tool_call_id"} if role == "tool" else set())
+        extra = sorted(set(message) - own)
         if extra and not all(message[key] in (None, [], "") for key in extra):
-            raise invalid(f"messages[{i}].{extra[0]}", "is not supported (tools, audio and refusals are not)")
-        entry = {"role": "system" if role == "developer" else role, "content": _content(message, i)}
+            raise invalid(f"messages[{i}].{extra[0]}", "is not supported (audio and refusals are not)")
+        calls = message.get("tool_calls") if role == "assistant" else None
+        content = "" if calls and message.get("content") is None else _content(message, i)
+        entry = {"role": "system" if role == "developer" else role, "content": content}
         if isinstance(message.get("name"), str):
             entry["name"] = message["name"]
+        if calls:
+            entry["tool_calls"] = _message_calls(calls, i)
+        if role == "tool":
+            if not isinstance(message.get("tool_call_id"), str):
+                raise invalid(f"messages[{i}].tool_call_id", "is required in a tool message (the call it answers)")
+            entry["tool_call_id"] = message["tool_call_id"]
         out.append(entry)
     return out
 
 
-def parse_chat(body: dict, served: tuple[str, ...]) -> Generation:
+def _message_calls(calls, i: int) -> list[dict]:
+    if not isinstance(calls, list):
+        raise invalid(f"messages[{i}].tool_calls", "must be a list")
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if (not isinstance(function, dict) or not isinstance(function.get("name"), str)
+                or not isinstance(function.get("arguments", ""), str)):
+            raise invalid(f"messages[{i}].tool_calls[{j}]",
+                          "must be {\"id\", \"type\": \"function\", \"function\": {\"name\", \"arguments\": a JSON string}}")
+    return calls
+
+
+def chat_tools(body: dict, sampling: dict, parser: str | None) -> tuple[list[dict] | None, ToolCalling | None]:
+    """The request's tools (checked) and how its answer becomes calls, by `tool_choice` (tools.py); a
+    named function or "required" constrain the output, set here as its structured output."""
+    tools = body.get("tools")
+    choice = body.get("tool_choice")
+    if not tools:
+        if choice not in (None, "none"):
+            raise invalid("tool_choice", "needs tools")
+        return None, None
+    if not isinstance(tools, list):
+        raise invalid("tools", "must be a list of {\"type\": \"function\", \"function\": {...}} objects")
+    names = []
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(function, dict):
+            raise invalid(f"tools[{i}]", "must be {\"type\": \"function\", \"function\": {\"name\", \"parameters\"}}")
+        name = function.get("name")
+        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name):
+            raise invalid(f"tools[{i}].function.name", "must be 1-64 letters, digits, '_', '.' or '-'")
+        if name in names:
+            raise invalid(f"tools[{i}].function.name", f"{name} is given twice")
+        if not isinstance(function.get("parameters", {}), dict):
+            raise invalid(f"tools[{i}].function.parameters", "must be a JSON schema object")
+        names.append(name)
+    parallel = _typed(body, "parallel_tool_calls", (bool,), "a boolean") is not False
+    if choice is None:
+        choice = "auto"
+    if isinstance(choice, dict):
+        function = choice.get("function") if choice.get("type") == "function" else None
+        name = function.get("name") if isinstance(function, dict) else None
+        if name not in names:
+            raise invalid("tool_choice", f"names no tool of this request ({json.dumps(choice)[:80]})")
+        calling = ToolCalling(NAMED, (name,), parallel=False)
+    elif choice == "none":
+        return tools, None
+    elif choice == "required":
+        calling = ToolCalling(REQUIRED, tuple(names), parallel=parallel)
+    elif choice == "auto":
+        if parser is None:
+            raise invalid("tool_choice", "auto needs the API started with a tool-call parser (--tool-call-parser "
+                                         f"{' or '.join(tool_calls.PARSERS)}, as the model writes its calls); send "
+                                         "\"required\", a named function or \"none\"")
+        return tools, ToolCalling(tool_calls.AUTO, tuple(names), parser, parallel)
+    else:
+        raise invalid("tool_choice", f"must be none, auto, required or {{\"type\": \"function\", ...}}, got "
+                                     f"{json.dumps(choice)[:80]}")
+    if "structured_outputs" in sampling:
+        raise invalid("tool_choice", "and response_format or structured_outputs both constrain the output; send one")
+    # compact: whitespace between JSON tokens is no part of a call, and a model may run on in it
+    sampling["structured_outputs"] = {"json": tool_calls.forced_schema(tools, calling), "disable_any_whitespace": True}
+    return tools, calling
+
+
+def parse_chat(body: dict, served: tuple[str, ...], tool_parser: str | None = None) -> Generation:
     """A /v1/chat/completions body -> the ensemble's inputs (ApiError naming the field otherwise)."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     _check_fields(body, CHAT_FIELDS)
     model = _model(body, served)
-    for name in ("tools", "functions"):
-        if body.get(name):
-            raise invalid(name, "tool and function calling are not supported")
-    for name in ("tool_choice", "function_call"):
-        if body.get(name) not in (None, "none"):
-            raise invalid(name, "tool and function calling are not supported")
+    for name in ("functions", "function_call"):  # the API's older form
+        if body.get(name) not in (None, "none", []):
+            raise invalid(name, "is not supported: send tools and tool_choice")
     n = _choices_per_prompt(body)
     sampling, inputs, stream = _common(body, chat=True)
     logprobs = bool(_typed(body, "logprobs", (bool,), "a boolean"))
@@ -267,10 +341,13 @@ def parse_chat(body: dict, served: tuple[str, ...]) -> Generation:
             if "structured_outputs" in sampling:
                 raise invalid("response_format", "and structured_outputs both constrain the output; send one")
             sampling["structured_outputs"] = guide
+    tools, calling = chat_tools(body, sampling, tool_parser)
     inputs[tn.MESSAGES] = _string(json.dumps(chat_messages(body)))
+    if tools:
+        inputs[tn.TOOLS] = _string(json.dumps(tools))
     return Generation(chat=True, model=model, choices=_finish(sampling, inputs, stream["stream"], logprobs, n, top),
                       n=n, stream=stream["stream"], include_usage=stream["include_usage"],
-                      continuous_usage=stream["continuous_usage"], logprobs=logprobs, top_logprobs=top)
+                      continuous_usage=stream["continuous_usage"], logprobs=logprobs, top_logprobs=top, tools=calling)
 
 
 def parse_completion(body: dict, served: tuple[str, ...]) -> Generation:
@@ -388,11 +465,14 @@ def _by_text(row: list[tuple[str, float]]) -> dict[str, float]:
 
 
 def choice(gen: Generation, text: str | None, finish_reason: str | None, logprobs: dict | None,
-           delta: bool, first: bool = False, index: int = 0) -> dict:
-    """One entry of `choices`: a chat message or delta, or a completion's text."""
+           delta: bool, first: bool = False, index: int = 0, tool_calls: list[dict] | None = None) -> dict:
+    """One entry of `choices`: a chat message or delta (with its `tool_calls`, if any), or a completion's
+    text."""
     if gen.chat:
         body = {"role": "assistant", "content": text} if (not delta or first) else (
             {} if text is None else {"content": text})
+        if tool_calls:
+            body["tool_calls"] = tool_calls
         return {"index": index, ("delta" if delta else "message"): body, "logprobs": logprobs,
                 "finish_reason": finish_reason}
     return {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}

@@ -34,13 +34,15 @@ def default_model_name(tokenizer_path: str) -> str:
 
 class GatewayProcess:
     def __init__(self, port: int, grpc_port: int, names: list[str], tokenizer: str, drain_timeout_s: float,
-                 env: dict[str, str]):
+                 env: dict[str, str], tool_call_parser: str | None = None):
         self.port = port
         self.command = [sys.executable, "-m", "specdec.gateway", "--port", str(port),
                         "--grpc-url", f"127.0.0.1:{grpc_port}", "--drain-timeout", str(drain_timeout_s),
                         *[arg for name in names for arg in ("--served-model-name", name)]]
         if tokenizer:
             self.command += ["--tokenizer", tokenizer]
+        if tool_call_parser:
+            self.command += ["--tool-call-parser", tool_call_parser]
         self.env, self.drain_timeout_s = env, drain_timeout_s
         self.process: subprocess.Popen | None = None
         self.restarts = 0

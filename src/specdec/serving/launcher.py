@@ -43,6 +43,7 @@ from pathlib import Path
 
 from specdec import tensor_names as tn
 from specdec.serving import mps, pairs, repository
+from specdec.gateway.tools import PARSERS as TOOL_CALL_PARSERS
 from specdec.serving.gateway_process import GatewayProcess, default_model_name, repository_tokenizer
 from specdec.serving.healthcheck import (
     READY_PATH, ReadinessEndpoint, answers, drain_marker, gateway_url, health_port, is_ready, openai_port, ready_url,
@@ -319,6 +320,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--served-model-name", action="append", default=[],
                         help="the model name OpenAI clients send (repeatable: aliases); default: the target's "
                              "directory name")
+    parser.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
+                        help="how the target writes tool calls, so that the OpenAI API takes tool_choice \"auto\" "
+                             "(hermes: Qwen2.5, Hermes, SmolLM3; llama3_json: Llama 3.1-3.3); without it a request's "
+                             "tools are called only by name or with tool_choice \"required\"")
     parser.add_argument("--model-repository", help="serve this already rendered repository as is")
     parser.add_argument("--triton-root", default=os.environ.get("TRITON_ROOT"),
                         help="an installed Triton (e.g. /opt/tritonserver) instead of the wheel's server")
@@ -392,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         tokenizer = repository_tokenizer(repo)
         gateway = GatewayProcess(openai_port(), grpc_port, args.served_model_name or [default_model_name(tokenizer)],
-                                 tokenizer, args.drain_timeout, dict(os.environ))
+                                 tokenizer, args.drain_timeout, dict(os.environ), args.tool_call_parser)
     watchdog = None
     if args.heal:
         # Reloading one model in place needs explicit model control; without it the watchdog heals by

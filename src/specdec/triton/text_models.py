@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from specdec import tensor_names as tn
-from specdec.decoding.text import chat_messages, decode_delta, load_tokenizer
+from specdec.decoding.text import chat_ids, chat_messages, chat_tools, decode_delta, load_tokenizer
 from specdec.triton.adapter import TritonAdapter
 from specdec.triton.admission.cancellation import CancellationBoard
 from specdec.triton.config import ModelParameters
@@ -55,13 +55,17 @@ class PreprocessingAdapter(TritonAdapter):
         pb = self.pb
         chat_tensor = pb.get_input_tensor_by_name(request, tn.MESSAGES)
         tensor = pb.get_input_tensor_by_name(request, tn.TEXT_INPUT)
+        tools_tensor = pb.get_input_tensor_by_name(request, tn.TOOLS)
+        if tools_tensor is not None and chat_tensor is None:
+            raise ValueError(f"input '{tn.TOOLS}' needs '{tn.MESSAGES}' (the chat template renders them)")
         if chat_tensor is not None:
             if tensor is not None:
                 raise ValueError(f"inputs '{tn.TEXT_INPUT}' and '{tn.MESSAGES}' exclude each other: send one")
             if not self.tokenizer.chat_template:
                 raise ValueError(f"input '{tn.MESSAGES}' needs a chat template, and the tokenizer has none")
             messages = chat_messages(_one_string(chat_tensor, tn.MESSAGES), tn.MESSAGES)
-            return self._chat_ids(messages, tn.MESSAGES)
+            tools = None if tools_tensor is None else chat_tools(_one_string(tools_tensor, tn.TOOLS), tn.TOOLS)
+            return chat_ids(self.tokenizer, messages, tools, tn.MESSAGES)
         if tensor is None:
             raise ValueError(f"input '{tn.TEXT_INPUT}' is required (the prompt; or '{tn.MESSAGES}', a chat)")
         text = _one_string(tensor, tn.TEXT_INPUT)
@@ -72,15 +76,8 @@ class PreprocessingAdapter(TritonAdapter):
         if use_chat:
             if not self.tokenizer.chat_template:
                 raise ValueError(f"input '{tn.APPLY_CHAT_TEMPLATE}' is true but the tokenizer has no chat template")
-            return self._chat_ids([{"role": "user", "content": text}], tn.APPLY_CHAT_TEMPLATE)
+            return chat_ids(self.tokenizer, [{"role": "user", "content": text}], None, tn.APPLY_CHAT_TEMPLATE)
         return self.tokenizer.encode(text, add_special_tokens=True)
-
-    def _chat_ids(self, messages: list[dict], field: str) -> list[int]:
-        try:
-            return list(self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True, return_dict=False))
-        except Exception as exc:  # noqa: BLE001 - a template may raise anything (e.g. roles it refuses)
-            raise ValueError(f"input '{field}': the chat template refused it ({exc})") from None
 
 
 def _one_string(tensor, name: str) -> str:

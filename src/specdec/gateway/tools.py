@@ -1,0 +1,213 @@
+"""Tool calls in the OpenAI API: pure functions, no network.
+
+The chat template renders the request's tools into the prompt (the server's `tools` input); what comes back
+is text, which becomes `tool_calls` here in one of three ways, by `tool_choice`:
+
+- a named function: the output is constrained (structured output) to a JSON object of the function's
+  parameters schema, which is the call's `arguments`; any model calls it, and the call streams as it comes;
+- "required": constrained to a JSON list of one or more {"name", "arguments"} objects of the tools'
+  schemas (at most one with `parallel_tool_calls: false`); the calls go out when the output ends;
+- "auto": the model chooses, in its own format, which a parser reads (`--tool-call-parser`): `hermes`
+  (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks: Qwen2.5, Hermes, SmolLM3) or
+  `llama3_json` (Llama 3.1-3.3's `{"name": ..., "parameters": {...}}`, calls separated by `;`). Text
+  before the first call is the message's content and streams as content; text that does not parse as a
+  call stays content.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+
+PARSERS = ("hermes", "llama3_json")
+NAMED, REQUIRED, AUTO = "named", "required", "auto"
+_HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
+_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+_PYTHON_TAG = "<|python_tag|>"
+
+
+@dataclass(frozen=True)
+class ToolCalling:
+    """How a request's output becomes tool calls: `mode` NAMED (`names[0]`), REQUIRED (any of `names`) or
+    AUTO (read by `parser`, one of PARSERS)."""
+
+    mode: str
+    names: tuple[str, ...]
+    parser: str | None = None
+    parallel: bool = True  # parallel_tool_calls: more than one call per answer
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        """OpenAI's finish reason of an answer that called, from the server's (`reason`): a named function's
+        answer keeps it ("stop", or "length" for arguments cut short); a complete answer that called is
+        "tool_calls"."""
+        return reason if self.mode == NAMED or reason != "stop" else "tool_calls"
+
+
+def call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+def forced_schema(tools: list[dict], calling: ToolCalling) -> dict:
+    """The JSON schema a NAMED or REQUIRED answer is constrained to (structured output)."""
+    parameters = {tool["function"]["name"]: tool["function"].get("parameters") or {"type": "object"} for tool in tools}
+    if calling.mode == NAMED:
+        return parameters[calling.names[0]]
+    items = [{"type": "object", "properties": {"name": {"const": name}, "arguments": parameters[name]},
+              "required": ["name", "arguments"], "additionalProperties": False} for name in calling.names]
+    schema = {"type": "array", "minItems": 1, "items": items[0] if len(items) == 1 else {"anyOf": items}}
+    if not calling.parallel:
+        schema["maxItems"] = 1
+    return schema
+
+
+def split_output(text: str, calling: ToolCalling) -> tuple[str | None, list[dict]]:
+    """(content, calls) of a whole answer: each call {"name", "arguments": a JSON string}."""
+    if calling.mode == NAMED:
+        return None, [{"name": calling.names[0], "arguments": text}]
+    if calling.mode == REQUIRED:
+        try:
+            calls = json.loads(text)
+        except ValueError:  # cut by max_tokens: the text is all there is
+            return text, []
+        return None, [{"name": call["name"], "arguments": json.dumps(call["arguments"], ensure_ascii=False)}
+                      for call in calls]
+    content, calls = (_hermes if calling.parser == "hermes" else _llama3_json)(text)
+    return content, calls if calling.parallel else calls[:1]
+
+
+def _hermes(text: str) -> tuple[str | None, list[dict]]:
+    start = text.find(_HERMES_OPEN)
+    if start < 0:
+        return text, []
+    calls = []
+    for block in _HERMES.findall(text[start:]):
+        call = _call(block, "arguments")
+        if call is None:
+            return text, []  # a block that is no call: the answer stays text
+        calls.append(call)
+    return text[:start].strip() or None, calls
+
+
+def _llama3_json(text: str) -> tuple[str | None, list[dict]]:
+    body = text.strip()
+    if body.startswith(_PYTHON_TAG):
+        body = body[len(_PYTHON_TAG):].strip()
+    if not body.startswith("{"):
+        return text, []
+    calls = []
+    decoder, at = json.JSONDecoder(), 0
+    while at < len(body):
+        try:
+            value, end = decoder.raw_decode(body, at)
+        except ValueError:
+            return text, []
+        call = _call(value, "parameters", "arguments")
+        if call is None:
+            return text, []
+        calls.append(call)
+        at = end
+        while at < len(body) and body[at] in " \t\n;":
+            at += 1
+    return None, calls
+
+
+def _call(value, *keys: str) -> dict | None:
+    """{"name", "arguments": JSON string} from a parsed (or JSON text) call object, or None."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return None
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    arguments = next((value[key] for key in keys if key in value), {})
+    if isinstance(arguments, str):  # some models write the arguments as a JSON string already
+        return {"name": value["name"], "arguments": arguments}
+    return {"name": value["name"], "arguments": json.dumps(arguments, ensure_ascii=False)}
+
+
+def call_deltas(calls: list[dict], first_index: int = 0) -> list[dict]:
+    """Whole calls as a streamed chunk's `tool_calls` entries (index, id, type, function)."""
+    return [{"index": first_index + i, "id": call_id(), "type": "function",
+             "function": {"name": call["name"], "arguments": call["arguments"]}} for i, call in enumerate(calls)]
+
+
+def message_calls(calls: list[dict]) -> list[dict]:
+    """Calls as a message's `tool_calls`."""
+    return [{"id": call_id(), "type": "function", "function": {"name": call["name"], "arguments": call["arguments"]}}
+            for call in calls]
+
+
+@dataclass
+class ToolStream:
+    """One streamed choice's text turned into content and tool-call deltas as it comes: `feed` each text
+    delta, `finish` at the end. NAMED streams the arguments as they are generated; REQUIRED sends its calls
+    at the end; AUTO streams content until the parser's opening (text that may begin one is held back),
+    then sends the calls at the end."""
+
+    calling: ToolCalling
+    text: str = ""  # everything fed
+    sent: int = 0  # characters of it sent as content (AUTO) or arguments (NAMED)
+    held: bool = False  # AUTO: a call began; nothing more goes out as content
+    opened: bool = False  # NAMED: the call's first delta (its id and name) went out
+    id: str = field(default_factory=call_id)
+
+    def feed(self, delta: str) -> tuple[str, list[dict]]:
+        """(content to send now, tool-call deltas to send now)."""
+        self.text += delta
+        if self.calling.mode == NAMED:
+            return "", self._arguments()
+        if self.calling.mode == REQUIRED or self.held:
+            return "", []
+        cut = self._content_end()
+        out, self.sent = self.text[self.sent:cut], max(self.sent, cut)
+        return out, []
+
+    def finish(self) -> tuple[str, list[dict], bool]:
+        """(content still to send, tool-call deltas still to send, whether the answer called a tool)."""
+        if self.calling.mode == NAMED:
+            return "", self._arguments(final=True), True
+        _, calls = split_output(self.text, self.calling)
+        if not calls:  # all of it is content
+            out, self.sent = self.text[self.sent:], len(self.text)
+            return out, [], False
+        opening = self.text.find(_HERMES_OPEN) if self.calling.parser == "hermes" else -1
+        rest = self.text[self.sent:opening] if opening > self.sent else ""
+        return rest, call_deltas(calls), True
+
+    def _arguments(self, final: bool = False) -> list[dict]:
+        new = self.text[self.sent:]
+        if not new and (self.opened or not final):
+            return []
+        entry = {"index": 0, "function": {"arguments": new}}
+        if not self.opened:
+            entry = {"index": 0, "id": self.id, "type": "function",
+                     "function": {"name": self.calling.names[0], "arguments": new}}
+            self.opened = True
+        self.sent = len(self.text)
+        return [entry]
+
+    def _content_end(self) -> int:
+        """AUTO: how much of the text is surely content: up to the opening of a call, less a tail that may
+        begin one."""
+        if self.calling.parser == "hermes":
+            opening = self.text.find(_HERMES_OPEN)
+            if opening >= 0:
+                self.held = True
+                return opening
+            for length in range(min(len(_HERMES_OPEN) - 1, len(self.text)), 0, -1):
+                if _HERMES_OPEN.startswith(self.text[-length:]):
+                    return len(self.text) - length
+            return len(self.text)
+        # llama3_json: a call is the whole answer, so the answer's start decides
+        body = self.text.lstrip()
+        if not body:
+            return self.sent
+        if body.startswith("{") or body.startswith(_PYTHON_TAG):
+            self.held = True
+            return self.sent
+        if _PYTHON_TAG.startswith(body):
+            return self.sent
+        return len(self.text)

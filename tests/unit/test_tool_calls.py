@@ -1,0 +1,159 @@
+"""Tool calls in the OpenAI API (gateway/tools.py, the protocol's tools and tool messages, the server's chat
+rendering with tools): pure functions, no server (served: tests/integration/test_openai_api.py)."""
+
+import json
+
+import pytest
+from specdec import tensor_names as tn
+from specdec.decoding.text import chat_ids, chat_messages, chat_tools
+from specdec.gateway import tools
+from specdec.gateway.protocol import ApiError, parse_chat
+from specdec.gateway.tools import AUTO, NAMED, REQUIRED, ToolCalling, ToolStream
+
+SERVED = ("m",)
+
+
+@pytest.fixture
+def smollm2_tokenizer():
+    from transformers import AutoTokenizer
+
+    from specdec.serving.pairs import smollm2_tokenizer_dir
+    return AutoTokenizer.from_pretrained(smollm2_tokenizer_dir())
+
+CHAT = [{"role": "user", "content": "Weather in Paris?"}]
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                           "required": ["city"]}}}
+TIME = {"type": "function", "function": {"name": "get_time"}}
+
+
+def guide(gen) -> dict:
+    return json.loads(gen.choices[0][tn.SAMPLING_PARAMETERS][0, 0])["structured_outputs"]
+
+
+def test_a_named_function_or_required_constrains_the_output_to_its_schema():
+    named = parse_chat({"messages": CHAT, "tools": [WEATHER, TIME],
+                        "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, SERVED)
+    assert named.tools == ToolCalling(NAMED, ("get_weather",), parallel=False)
+    assert guide(named) == {"json": WEATHER["function"]["parameters"], "disable_any_whitespace": True}
+    assert named.tools.finish_reason("stop") == "stop" and named.tools.finish_reason("length") == "length"
+    assert json.loads(named.choices[0][tn.TOOLS][0, 0]) == [WEATHER, TIME]  # rendered by the chat template
+    required = parse_chat({"messages": CHAT, "tools": [WEATHER, TIME], "tool_choice": "required",
+                           "parallel_tool_calls": False}, SERVED)
+    schema = guide(required)["json"]
+    assert schema["type"] == "array" and schema["minItems"] == 1 and schema["maxItems"] == 1
+    assert [item["properties"]["name"] for item in schema["items"]["anyOf"]] == [{"const": "get_weather"},
+                                                                                {"const": "get_time"}]
+    assert schema["items"]["anyOf"][1]["properties"]["arguments"] == {"type": "object"}  # no parameters given
+    none = parse_chat({"messages": CHAT, "tools": [WEATHER], "tool_choice": "none"}, SERVED)
+    assert none.tools is None and tn.TOOLS in none.choices[0] and "structured_outputs" not in json.loads(
+        none.choices[0][tn.SAMPLING_PARAMETERS][0, 0])
+    assert required.tools.finish_reason("stop") == "tool_calls" and required.tools.finish_reason("length") == "length"
+    auto = parse_chat({"messages": CHAT, "tools": [WEATHER]}, SERVED, tool_parser="hermes")
+    assert auto.tools == ToolCalling(AUTO, ("get_weather",), "hermes", True)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"tools": [WEATHER]}, "tool_choice"),  # auto (the default with tools) needs a parser
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name"}}], "tool_choice": "required"}, "tools[0].function.name"),
+    ({"tools": [WEATHER, WEATHER], "tool_choice": "required"}, "tools[1].function.name"),
+    ({"tools": [{"type": "retrieval"}], "tool_choice": "required"}, "tools[0]"),
+    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"functions": [WEATHER["function"]]}, "functions"),
+    ({"messages": [{"role": "tool", "content": "20 C"}]}, "messages[0].tool_call_id"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": {}}}]}]},
+     "messages[0].tool_calls[0]"),
+])
+def test_tool_refusals_name_the_field(body, param):
+    with pytest.raises(ApiError) as caught:
+        parse_chat({"messages": CHAT, **body}, SERVED)
+    assert caught.value.status == 400 and caught.value.param == param, caught.value.message
+
+
+def test_a_conversation_with_calls_and_their_results_reaches_the_template():
+    history = [*CHAT, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "20 C"}]
+    gen = parse_chat({"messages": history, "tools": [WEATHER], "tool_choice": "none"}, SERVED)
+    sent = gen.choices[0][tn.MESSAGES][0, 0].decode()
+    # the server's side: arguments become the object they encode, for templates that render calls
+    messages = chat_messages(sent, tn.MESSAGES)
+    assert messages[1] == {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}
+    assert messages[2] == {"role": "tool", "content": "20 C", "tool_call_id": "call_1"}
+    with pytest.raises(ValueError, match=r"messages'\[0\] has fields"):
+        chat_messages(json.dumps([{"role": "user", "content": "x", "tool_call_id": "1"}]), tn.MESSAGES)
+    with pytest.raises(ValueError, match="tools'\\[0\\]"):
+        chat_tools(json.dumps([{"type": "function", "function": {}}]), tn.TOOLS)
+
+
+def test_the_chat_template_renders_the_tools(smollm2_tokenizer):
+    tokenizer = smollm2_tokenizer
+    tokenizer.chat_template = ("{% if tools %}TOOLS:{% for t in tools %}{{ t.function.name }};{% endfor %}{% endif %}"
+                               "{% for m in messages %}<{{ m.role }}>{{ m.content }}"
+                               "{% for c in m.tool_calls or [] %}[{{ c.function.name }}({{ c.function.arguments.city }})]"
+                               "{% endfor %}{% endfor %}<assistant>")
+    messages = chat_messages(json.dumps([*CHAT, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Oslo\"}"}}]}]),
+        tn.MESSAGES)
+    text = tokenizer.decode(chat_ids(tokenizer, messages, [WEATHER, TIME], tn.MESSAGES))
+    assert text == "TOOLS:get_weather;get_time;<user>Weather in Paris?<assistant>[get_weather(Oslo)]<assistant>"
+    assert "TOOLS" not in tokenizer.decode(chat_ids(tokenizer, messages, None, tn.MESSAGES))
+
+
+def test_answers_become_calls_by_mode_and_parser():
+    named = ToolCalling(NAMED, ("get_weather",))
+    assert tools.split_output('{"city": "Paris"}', named) == (None, [{"name": "get_weather", "arguments": '{"city": "Paris"}'}])
+    required = ToolCalling(REQUIRED, ("get_weather", "get_time"))
+    assert tools.split_output('[{"name": "get_time", "arguments": {}}, {"name": "get_weather", "arguments": '
+                              '{"city": "Oslo"}}]', required)[1] == [
+        {"name": "get_time", "arguments": "{}"}, {"name": "get_weather", "arguments": '{"city": "Oslo"}'}]
+    assert tools.split_output('[{"name": "get_ti', required) == ('[{"name": "get_ti', [])  # cut short: text
+    hermes = ToolCalling(AUTO, ("get_weather",), "hermes")
+    text = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n' \
+           '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>'
+    content, calls = tools.split_output(text, hermes)
+    assert content == "Let me check." and [c["arguments"] for c in calls] == ['{"city": "Paris"}', '{"city": "Rome"}']
+    assert len(tools.split_output(text, ToolCalling(AUTO, ("get_weather",), "hermes", parallel=False))[1]) == 1
+    assert tools.split_output("No call here.", hermes) == ("No call here.", [])
+    assert tools.split_output("<tool_call>not json</tool_call>", hermes) == ("<tool_call>not json</tool_call>", [])
+    llama = ToolCalling(AUTO, ("get_weather", "get_time"), "llama3_json")
+    assert tools.split_output('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo"}}; '
+                              '{"name": "get_time", "parameters": {}}', llama)[1] == [
+        {"name": "get_weather", "arguments": '{"city": "Oslo"}'}, {"name": "get_time", "arguments": "{}"}]
+    assert tools.split_output("Oslo is cold.", llama) == ("Oslo is cold.", [])
+    assert tools.split_output('{"name": "get_weather", "parameters": {"ci', llama)[1] == []
+
+
+def _stream(calling, pieces):
+    stream, content, deltas = ToolStream(calling), "", []
+    for piece in pieces:
+        text, more = stream.feed(piece)
+        content, deltas = content + text, deltas + more
+    text, more, called = stream.finish()
+    return content + text, deltas + more, called
+
+
+def test_streamed_answers_send_content_and_calls_as_they_can():
+    # named: the arguments stream as they come, the first delta with the call's id and name
+    content, deltas, called = _stream(ToolCalling(NAMED, ("f",)), ['{"ci', 'ty": "Pa', 'ris"}'])
+    assert content == "" and called and deltas[0]["function"] == {"name": "f", "arguments": '{"ci'}
+    assert deltas[0]["id"].startswith("call_") and all("id" not in d for d in deltas[1:])
+    assert "".join(d["function"]["arguments"] for d in deltas) == '{"city": "Paris"}'
+    # hermes: content until the opening (a tail that may begin it held back), the calls at the end
+    stream = ToolStream(ToolCalling(AUTO, ("f",), "hermes"))
+    assert stream.feed("Sure. <tool") == ("Sure. ", [])
+    assert stream.feed('_call>{"name": "f", "arguments": {"a": 1}}') == ("", [])
+    rest, deltas, called = stream.finish()
+    assert rest == "" and called and deltas[0]["function"] == {"name": "f", "arguments": '{"a": 1}'}
+    assert _stream(ToolCalling(AUTO, ("f",), "hermes"), ["a <", "b"]) == ("a <b", [], False)  # no call: all text
+    # llama3_json: the answer's start decides
+    content, deltas, called = _stream(ToolCalling(AUTO, ("f",), "llama3_json"), [" {\"name\": \"f\",", ' "parameters": {}}'])
+    assert content == "" and called and deltas[0]["function"]["arguments"] == "{}"
+    assert _stream(ToolCalling(AUTO, ("f",), "llama3_json"), ["It is", " sunny."]) == ("It is sunny.", [], False)
+    # required: the calls at the end, whole
+    content, deltas, called = _stream(ToolCalling(REQUIRED, ("f",)), ['[{"name": "f", ', '"arguments": {}}]'])
+    assert content == "" and called and [d["index"] for d in deltas] == [0]
