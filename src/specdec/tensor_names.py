@@ -11,6 +11,9 @@ TEXT_INPUT = "text_input"  # STRING [1]: the prompt; this or messages is require
 # tokenizer's chat template with the assistant's turn opened (what the OpenAI API's chat endpoint sends)
 MESSAGES = "messages"
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+# INT32 [-1]: instead of text_input or messages, the prompt as token ids of the target's tokenizer (no chat
+# template; what the OpenAI API's completions endpoint sends for a prompt of token ids)
+PROMPT_TOKEN_IDS = "prompt_token_ids"
 # STRING [1]: with messages, the tools the model may call: a JSON list of OpenAI's tool objects
 # ({"type": "function", "function": {"name", "description", "parameters"}}), which the chat template renders
 TOOLS = "tools"

@@ -131,6 +131,30 @@ def test_stop_logit_bias_and_length_finish(server, api, model):
                                                  sampling_parameters=json.dumps({"logit_bias": {"42": 100}}))[tn.TEXT_OUTPUT]
 
 
+def test_prompts_as_token_ids(server, api, model):
+    """A completions prompt of token ids (what lm-eval's local-completions sends) answers as its text does
+    (the tiny pair applies no chat template to a text prompt); the ensemble takes them as prompt_token_ids."""
+    from transformers import AutoTokenizer
+
+    from specdec.serving.pairs import smollm2_tokenizer_dir
+
+    ids = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir())(PROMPT).input_ids
+    text = api.completions.create(model=model, prompt=PROMPT, max_tokens=10, temperature=0)
+    by_ids = api.completions.create(model=model, prompt=ids, max_tokens=10, temperature=0)
+    assert by_ids.choices[0].text == text.choices[0].text and by_ids.usage.prompt_tokens == len(ids)
+    several = api.completions.create(model=model, prompt=[ids, ids[:4]], max_tokens=6, temperature=0)
+    assert several.choices[0].text == text.choices[0].text[:len(several.choices[0].text)]
+    assert several.usage.prompt_tokens == len(ids) + 4
+    direct = grpc_stream(server.grpc_url, None, prompt_token_ids=np.array([ids], dtype=np.int32), max_tokens=10,
+                         temperature=0.0)
+    assert direct[tn.TEXT_OUTPUT] == text.choices[0].text
+    with pytest.raises(openai.BadRequestError) as caught:
+        api.completions.create(model=model, prompt=[10**8], max_tokens=2)
+    assert caught.value.body["param"] == "prompt" and "prompt_token_ids" in caught.value.body["message"]
+    with pytest.raises(GenerationError, match="exclude each other"):
+        grpc_stream(server.grpc_url, PROMPT, prompt_token_ids=np.array([ids], dtype=np.int32), max_tokens=2)
+
+
 def test_n_choices_and_lists_of_prompts(server, api, model):
     """Several choices: every prompt's n choices, indexed as OpenAI does; greedy ones equal the single
     answer, seeded sampled ones the ensemble's with seed + j (streamed, each chunk naming its choice); a

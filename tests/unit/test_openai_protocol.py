@@ -88,7 +88,8 @@ def test_completions_take_one_prompt_and_logprobs_zero():
     assert gen.choices[0][tn.TEXT_INPUT][0, 0] == b"only" and gen.logprobs and gen.choices[0][tn.RETURN_LOG_PROBS][0, 0]
     assert gen.stream and gen.include_usage and gen.continuous_usage and gen.choices[0][tn.STREAM][0, 0]
     assert sampling(gen) == {"temperature": 0, "ignore_eos": True, "min_tokens": 3}
-    for body, param in (({"prompt": []}, "prompt"), ({"prompt": [1, 2]}, "prompt"), ({"prompt": ["a", 3]}, "prompt"),
+    for body, param in (({"prompt": []}, "prompt"), ({"prompt": [[1], []]}, "prompt"), ({"prompt": ["a", 3]}, "prompt"),
+                        ({"prompt": [-1]}, "prompt"), ({"prompt": [True]}, "prompt"), ({"prompt": ["a", [3]]}, "prompt"),
                         ({"prompt": "a", "echo": True}, "echo"),
                         ({"prompt": "a", "logprobs": 21}, "logprobs"), ({"prompt": "a", "best_of": 2}, "best_of"),
                         ({"prompt": "a", "n": 2, "best_of": 3}, "best_of"), ({"prompt": ["a"] * 65, "n": 2}, "n"),
@@ -96,6 +97,16 @@ def test_completions_take_one_prompt_and_logprobs_zero():
         with pytest.raises(ApiError) as caught:
             parse_completion(body, SERVED)
         assert caught.value.param == param
+
+
+def test_prompts_may_be_token_ids():
+    one = parse_completion({"prompt": [5, 6, 7]}, SERVED)
+    assert len(one.choices) == 1 and tn.TEXT_INPUT not in one.choices[0]
+    assert one.choices[0][tn.PROMPT_TOKEN_IDS].tolist() == [[5, 6, 7]] and one.choices[0][tn.PROMPT_TOKEN_IDS].dtype == np.int32
+    several = parse_completion({"prompt": [[1, 2], [3]], "n": 2}, SERVED)
+    assert [c[tn.PROMPT_TOKEN_IDS].tolist() for c in several.choices] == [[[1, 2]]] * 2 + [[[3]]] * 2
+    refused = server_error(f"in ensemble 'ensemble', input '{tn.PROMPT_TOKEN_IDS}' must hold token ids within [0, 9)")
+    assert (refused.status, refused.param) == (400, "prompt")
 
 
 def test_choices_are_one_generation_each_in_openai_order():

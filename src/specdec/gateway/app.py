@@ -19,7 +19,7 @@ from aiohttp import web
 
 from specdec import tensor_names as tn
 from specdec.gateway import protocol, tools
-from specdec.gateway.protocol import STATS, STATS_FIELD, ApiError, Generation
+from specdec.gateway.protocol import STATS_FIELD, ApiError, Generation
 from specdec.gateway.upstream import Piece, Upstream
 
 TokenText = Callable[[int], str]  # a token id's text (for log-probabilities)
@@ -71,7 +71,8 @@ class Gateway:
             raise ApiError(400, f"the request body is not JSON ({exc})") from None
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        return await self._answer(request, protocol.parse_chat(await self._body(request), self.served, self.tool_parser))
+        body = await self._body(request)
+        return await self._answer(request, protocol.parse_chat(body, self.served, self.tool_parser))
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._answer(request, protocol.parse_completion(await self._body(request), self.served))

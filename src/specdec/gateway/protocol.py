@@ -350,17 +350,28 @@ def parse_chat(body: dict, served: tuple[str, ...], tool_parser: str | None = No
                       continuous_usage=stream["continuous_usage"], logprobs=logprobs, top_logprobs=top, tools=calling)
 
 
+def _prompts(prompt) -> list[str | list[int]]:
+    """A completions request's prompts, as OpenAI takes them: a string, a list of strings, a list of token
+    ids, or a list of such lists."""
+    def ids(value) -> bool:
+        return isinstance(value, list) and bool(value) and all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31 for t in value)
+    if isinstance(prompt, str):
+        return [prompt]
+    if ids(prompt):
+        return [prompt]
+    if isinstance(prompt, list) and prompt and (all(isinstance(p, str) for p in prompt) or all(ids(p) for p in prompt)):
+        return prompt
+    raise invalid("prompt", "must be a string, a list of strings, a list of token ids or a list of such lists")
+
+
 def parse_completion(body: dict, served: tuple[str, ...]) -> Generation:
     """A /v1/completions body -> the ensemble's inputs (ApiError naming the field otherwise)."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     _check_fields(body, COMPLETION_FIELDS)
     model = _model(body, served)
-    prompts = body.get("prompt")
-    if isinstance(prompts, str):
-        prompts = [prompts]
-    if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
-        raise invalid("prompt", "must be a string or a non-empty list of strings (token ids are not supported)")
+    prompts = _prompts(body.get("prompt"))
     if _typed(body, "echo", (bool,), "a boolean"):
         raise invalid("echo", "only false is supported")
     if body.get("suffix") not in (None, ""):
@@ -378,7 +389,9 @@ def parse_completion(body: dict, served: tuple[str, ...]) -> Generation:
     logprobs, top = count is not None, count or 0
     choices = []
     for prompt in prompts:
-        choices += _finish(sampling, {**inputs, tn.TEXT_INPUT: _string(prompt)}, stream["stream"], logprobs, n, top)
+        given = {tn.TEXT_INPUT: _string(prompt)} if isinstance(prompt, str) else {
+            tn.PROMPT_TOKEN_IDS: np.array([prompt], dtype=np.int32)}
+        choices += _finish(sampling, {**inputs, **given}, stream["stream"], logprobs, n, top)
     return Generation(chat=False, model=model, choices=choices, n=n,
                       stream=stream["stream"], include_usage=stream["include_usage"],
                       continuous_usage=stream["continuous_usage"], logprobs=logprobs, top_logprobs=top)
@@ -387,7 +400,8 @@ def parse_completion(body: dict, served: tuple[str, ...]) -> Generation:
 # ---- errors of the server, as OpenAI errors ----------------------------------------------------------------
 _KEY = re.compile(r"key '([a-z_]+)'")
 _INPUT = re.compile(r"input '([a-z_]+)'")
-_INPUT_FIELDS = {tn.STOP_WORDS: "stop", tn.MESSAGES: "messages", tn.TEXT_INPUT: "prompt",
+_INPUT_FIELDS = {tn.STOP_WORDS: "stop", tn.MESSAGES: "messages", tn.TEXT_INPUT: "prompt", tn.PROMPT_TOKEN_IDS: "prompt",
+                 tn.TOOLS: "tools",
                  tn.GUIDED_DECODING_GUIDE: "response_format", tn.NUM_DRAFT_TOKENS: "num_draft_tokens",
                  tn.NUM_DRAFT_BRANCHES: "num_draft_branches", tn.DRAFT_MODEL: "draft_model", tn.MAX_TOKENS: "max_tokens"}
 

@@ -56,6 +56,12 @@ class PreprocessingAdapter(TritonAdapter):
         chat_tensor = pb.get_input_tensor_by_name(request, tn.MESSAGES)
         tensor = pb.get_input_tensor_by_name(request, tn.TEXT_INPUT)
         tools_tensor = pb.get_input_tensor_by_name(request, tn.TOOLS)
+        ids_tensor = pb.get_input_tensor_by_name(request, tn.PROMPT_TOKEN_IDS)
+        if ids_tensor is not None:
+            given = [name for name, t in ((tn.TEXT_INPUT, tensor), (tn.MESSAGES, chat_tensor)) if t is not None]
+            if given:
+                raise ValueError(f"inputs '{tn.PROMPT_TOKEN_IDS}' and '{given[0]}' exclude each other: send one")
+            return prompt_token_ids(ids_tensor.as_numpy(), len(self.tokenizer), tn.PROMPT_TOKEN_IDS)
         if tools_tensor is not None and chat_tensor is None:
             raise ValueError(f"input '{tn.TOOLS}' needs '{tn.MESSAGES}' (the chat template renders them)")
         if chat_tensor is not None:
@@ -67,7 +73,8 @@ class PreprocessingAdapter(TritonAdapter):
             tools = None if tools_tensor is None else chat_tools(_one_string(tools_tensor, tn.TOOLS), tn.TOOLS)
             return chat_ids(self.tokenizer, messages, tools, tn.MESSAGES)
         if tensor is None:
-            raise ValueError(f"input '{tn.TEXT_INPUT}' is required (the prompt; or '{tn.MESSAGES}', a chat)")
+            raise ValueError(f"input '{tn.TEXT_INPUT}' is required (the prompt; or '{tn.MESSAGES}', a chat, or "
+                             f"'{tn.PROMPT_TOKEN_IDS}')")
         text = _one_string(tensor, tn.TEXT_INPUT)
         if not text.strip():
             raise ValueError(f"input '{tn.TEXT_INPUT}' is empty")
@@ -78,6 +85,17 @@ class PreprocessingAdapter(TritonAdapter):
                 raise ValueError(f"input '{tn.APPLY_CHAT_TEMPLATE}' is true but the tokenizer has no chat template")
             return chat_ids(self.tokenizer, [{"role": "user", "content": text}], None, tn.APPLY_CHAT_TEMPLATE)
         return self.tokenizer.encode(text, add_special_tokens=True)
+
+
+def prompt_token_ids(values: np.ndarray, vocab_size: int, name: str) -> list[int]:
+    """A prompt given as token ids, checked: at least one, each within the tokenizer's vocabulary."""
+    ids = values.reshape(-1)
+    if ids.size == 0:
+        raise ValueError(f"input '{name}' is empty: the prompt needs at least one token")
+    bad = ids[(ids < 0) | (ids >= vocab_size)]
+    if bad.size:
+        raise ValueError(f"input '{name}' must hold token ids within [0, {vocab_size}), got {int(bad[0])}")
+    return ids.astype(np.int64).tolist()
 
 
 def _one_string(tensor, name: str) -> str:
