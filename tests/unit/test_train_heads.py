@@ -220,6 +220,18 @@ def test_sets_of_sampled_answers_add_to_a_greedy_one_and_train_together_in_batch
     figures = [json.loads((tmp_path / name / "training.json").read_text()) for name in ("by-data", "by-answers")]
     for key in ("samples", "held_out", "tokens", "held_out_loss_before", "held_out_loss", "held_out_alpha"):
         assert figures[0][key] == figures[1][key], key
+    # the run keeps the features it computed; started again (as after an interruption) it reads them
+    (kept,) = (tmp_path / "by-answers").glob("features-answers-*.pt")
+    (tmp_path / "by-answers" / "training.json").unlink()
+    import specdec.train.data as train_data
+    featurize, train_data.featurize = train_data.featurize, None  # a call would fail
+    try:
+        assert train_command(by_answers + ["--out", str(tmp_path / "by-answers")]) == 0
+    finally:
+        train_data.featurize = featurize
+    again = json.loads((tmp_path / "by-answers" / "training.json").read_text())
+    assert (again["samples"], again["held_out"]) == (figures[1]["samples"], figures[1]["held_out"])
+    assert kept.exists() and not list((tmp_path / "by-answers").glob("*.partial"))
     # --answers-only: the same conversations, no features, nothing trained
     assert train_command(common + ["--out", str(tmp_path / "only"), "--answers-only"]) == 0
     assert sorted(p.name for p in (tmp_path / "only").iterdir()) == ["answers.jsonl.gz"]

@@ -5,8 +5,9 @@ computed in process, the draft vocabulary is the answers' most frequent tokens, 
 (EAGLE-1 and EAGLE-3 with their training-time test, train/eagle.py; Medusa's heads, train/medusa.py),
 showing the held-out loss and greedy agreement per drafted position after every epoch. The run checkpoints
 into --out (data.pt: the answered samples; answers.jsonl.gz: their conversations without features, which
---answers trains on anywhere; checkpoint.pt: the head and the optimizer, at least every minute) and resumes
-from there when started again with the same --out. The result is written in the kind's
+--answers trains on anywhere; features-*.pt: the features computed over each --answers file;
+checkpoint.pt: the head and the optimizer, at least every minute) and resumes from there when started
+again with the same --out. The result is written in the kind's
 published layout (config.json and model.safetensors or medusa_lm_head.safetensors), which
 `--draft-head DIR` serves and vLLM and SGLang load.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import hashlib
 import json
 import sys
 import time
@@ -131,11 +133,21 @@ def main(argv=None) -> int:
     if args.data or args.answers:
         samples, held_out = _load_sets([Path(path) for path in args.data], layers if args.kind == EAGLE3 else None)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        for path in args.answers:  # conversations without features: one forward over each
-            train_part, held_part = data.load_answers(path, tokenizer)
-            log(f"{path}: {len(train_part)} + {len(held_part)} conversations; the target's features over them")
-            samples += data.featurize(model, train_part, layers, pad, getattr(torch, args.store_dtype), log)
-            held_out += data.featurize(model, held_part, layers, pad, getattr(torch, args.store_dtype), log)
+        for path in args.answers:  # conversations without features: one forward over each, kept in OUT
+            kept = _features_file(out, Path(path), layers, args.store_dtype, args.target)
+            if kept.exists():  # a run started again (resumed): the features are already computed
+                more, more_held = _load_sets([kept], None)
+                log(f"{path}: {len(more)} + {len(more_held)} conversations, their features from {kept}")
+            else:
+                train_part, held_part = data.load_answers(path, tokenizer)
+                log(f"{path}: {len(train_part)} + {len(held_part)} conversations; the target's features over them")
+                more = data.featurize(model, train_part, layers, pad, getattr(torch, args.store_dtype), log)
+                more_held = data.featurize(model, held_part, layers, pad, getattr(torch, args.store_dtype), log)
+                partial = kept.with_suffix(".partial")
+                torch.save({"train": more, "held_out": more_held, "layers": list(layers)}, partial)
+                partial.replace(kept)  # whole or absent: a run cut off while writing computes them again
+            samples += more
+            held_out += more_held
         held_out = list({tuple(s.tokens.tolist()): s for s in held_out}.values())  # two sets' shared one once
         log(f"{len(samples)} + {len(held_out)} answered samples from {', '.join(args.data + args.answers)}")
     elif cached.exists():
@@ -222,6 +234,16 @@ def _self_prompts(args, model, writer, tokenizer, out: Path) -> list[str]:
                                   batch=args.answer_batch, log=log, writer=writer)
         path.write_text("".join(json.dumps({"prompt": p}, ensure_ascii=False) + "\n" for p in drawn))
     return data.load_prompts(path)
+
+
+def _features_file(out: Path, answers: Path, layers: tuple[int, ...], store_dtype: str, target: str) -> Path:
+    """Where a run keeps the features it computed over an answers file (`--answers`), so that starting it
+    again (after an interruption: about an hour of this for the default pair's shipped answers on a 2-core
+    CPU) reads them instead: named by what they depend on, the file's bytes, the layers, the precision kept
+    and the target."""
+    key = hashlib.sha256(answers.read_bytes())
+    key.update(f"{list(layers)} {store_dtype} {Path(target).resolve()}".encode())
+    return out / f"features-{answers.name.split('.')[0]}-{key.hexdigest()[:16]}.pt"
 
 
 def _load_sets(paths: list[Path], layers: tuple[int, ...] | None) -> tuple[list, list]:
