@@ -110,12 +110,12 @@ class LocalScorer:
         logits, features = (result.logits, result.hidden.flatten(1).cpu()) if call.want_features else (result, None)
         allowed = call.allowed
         tokens = greedy(logits) if allowed is None else allowed_greedy(logits, allowed)
-        log_probs = None
-        if call.want_log_probs:
-            log_probs = greedy_log_probs(logits) if allowed is None else token_log_probs(logits, tokens)
-        top_ids = top_values = None
+        log_probs = top_ids = top_values = None
         if call.want_top_log_probs:
             top_ids, top_values = (t.cpu() for t in top_log_probs(logits, tn.MAX_TOP_LOG_PROBS))
+        if call.want_log_probs:  # a greedy token's is its row's first of the top ones (the same bits)
+            log_probs = (top_values[:, 0] if top_values is not None and allowed is None else
+                         greedy_log_probs(logits) if allowed is None else token_log_probs(logits, tokens))
         return Scores(tokens.cpu(), logits.float().cpu() if call.want_logits else None,
                       ForwardStats(len(call.new_ids), 1, seconds), None if log_probs is None else log_probs.cpu(), features,
                       top_ids, top_values)

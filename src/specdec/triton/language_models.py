@@ -428,13 +428,14 @@ class TargetModel(LanguageModelAdapter):
         pb = self.pb
         logits, tokens, hidden = result
         requested = set(request.requested_output_names())
-        log_probs = None
-        if tn.GREEDY_LOG_PROBS in requested:  # return_log_probs on a greedy round: K + 1 floats, not logits
-            log_probs = host(greedy_log_probs(logits) if step.allowed is None else
-                             token_log_probs(logits, torch.from_numpy(tokens).long()))  # the raw distribution's
-        top_ids = top_values = None
+        log_probs = top_ids = top_values = None
         if tn.GREEDY_TOP_IDS in requested:  # num_top_log_probs on a greedy round: (K + 1) x 20 of each
             top_ids, top_values = (host(t) for t in top_log_probs(logits, tn.MAX_TOP_LOG_PROBS))
+        if tn.GREEDY_LOG_PROBS in requested:  # return_log_probs on a greedy round: K + 1 floats, not logits
+            # (the raw distribution's; a greedy token's is its row's first of the top ones, the same bits)
+            log_probs = (top_values[:, 0].copy() if top_values is not None and step.allowed is None else
+                         host(greedy_log_probs(logits)) if step.allowed is None else
+                         host(token_log_probs(logits, torch.from_numpy(tokens).long())))
         message = wire.VerifiedMessage(tokens, forward if tn.FORWARD_STATS in requested else None, log_probs,
                                        top_ids, top_values)
         outputs = [pb.Tensor(name, value) for name, value in message.encode().items()]
