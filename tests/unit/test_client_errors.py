@@ -56,6 +56,13 @@ def test_log_probs_accumulate_over_responses_listed_or_bare():
     assert GenerationParams(return_log_probs=True).tensors("hi", False)[tn.RETURN_LOG_PROBS].tolist() == [[True]]
     assert GenerationParams(return_log_probs=True).json("hi", True)["return_log_probs"] is True
     assert "return_log_probs" not in GenerationParams().json("hi", True)
+    top = GenerationParams(return_log_probs=True, num_top_log_probs=2)
+    assert top.tensors("hi", False)[tn.NUM_TOP_LOG_PROBS].tolist() == [[2]] and top.json("hi", True)["num_top_log_probs"] == 2
+    rows = ResultBuilder(2)  # Triton's HTTP generate endpoint sends a response's rows flat
+    rows.add({tn.OUTPUT_TOP_IDS: [7, 3, 9, 1], tn.OUTPUT_TOP_LOG_PROBS: [-0.1, -2.0, -0.5, -1.5]})
+    rows.add({tn.OUTPUT_TOP_IDS: [[4, 5]], tn.OUTPUT_TOP_LOG_PROBS: [[-0.2, -0.3]]})
+    assert rows.result.top_ids == [[7, 3], [9, 1], [4, 5]]
+    assert rows.result.top_log_probs == [[-0.1, -2.0], [-0.5, -1.5], [-0.2, -0.3]]
 
 
 def test_word_lists_go_out_as_string_lists_over_grpc_and_http():
