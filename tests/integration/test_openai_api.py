@@ -195,12 +195,7 @@ def test_choices_refused_or_cancelled_together(server, api, model):
     assert caught.value.body["param"] == "draft_model"
     before = server.metric("specdec_requests_total", finish_reason="cancelled")
     _settled_cancelled(server, before, 0)
-    stream = api.completions.create(model=model, prompt=PROMPT, n=3, max_tokens=900, temperature=0, stream=True,
-                                    extra_body={"ignore_eos": True})
-    for i, _ in enumerate(stream):
-        if i == 6:
-            break
-    stream.close()
+    _leave_a_stream(api, model, chunks=6, n=3)
     _settled_cancelled(server, before, 3)
 
 
@@ -398,6 +393,16 @@ def test_an_api_key_is_required_when_set(server, model):
         process.wait(30)
 
 
+def _leave_a_stream(api, model, chunks: int, n: int = 1) -> None:
+    """A long streamed completion of n choices, closed by the SDK after `chunks` chunks."""
+    stream = api.completions.create(model=model, prompt=PROMPT, n=n, max_tokens=900, temperature=0, stream=True,
+                                    extra_body={"ignore_eos": True})
+    for i, _ in enumerate(stream):
+        if i == chunks:
+            break
+    stream.close()
+
+
 def _settled_cancelled(server, before: float, expected: int) -> None:
     """Every cancelled request counted, nothing live, no round running on."""
     deadline = time.monotonic() + 60
@@ -418,12 +423,7 @@ def test_a_client_that_goes_away_cancels_its_generation(server, api, model):
     """Mid-stream (the SDK's stream closed after two chunks) and without reading a byte (the connection
     closed once the generation runs): the server cancels the sequence and frees it."""
     before = server.metric("specdec_requests_total", finish_reason="cancelled")
-    stream = api.completions.create(model=model, prompt=PROMPT, max_tokens=900, temperature=0, stream=True,
-                                    extra_body={"ignore_eos": True})
-    for i, _ in enumerate(stream):
-        if i == 2:
-            break
-    stream.close()
+    _leave_a_stream(api, model, chunks=2)
     _settled_cancelled(server, before, 1)
     body = json.dumps({"model": model, "prompt": PROMPT, "max_tokens": 900, "ignore_eos": True,
                        "stream": True}).encode()

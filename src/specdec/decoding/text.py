@@ -166,10 +166,7 @@ def chat_messages(raw: str, field: str) -> list[dict]:
     {"id", "type": "function", "function": {"name", "arguments"}}; its content then may be null), a tool
     message its `tool_call_id`; a call's arguments, a JSON string in OpenAI's form, reach the chat template
     as the object they encode (what templates that render calls read)."""
-    try:
-        messages = json.loads(raw)
-    except ValueError as exc:
-        raise ValueError(f"input '{field}' is not JSON ({exc})") from None
+    messages = _json(raw, field)
     if not isinstance(messages, list) or not messages:
         raise ValueError(f"input '{field}' must be a non-empty JSON list of {{\"role\", \"content\"}} objects")
     out = []
@@ -197,6 +194,13 @@ def chat_messages(raw: str, field: str) -> list[dict]:
     return out
 
 
+def _json(raw: str, field: str):
+    try:
+        return json.loads(raw)
+    except ValueError as exc:
+        raise ValueError(f"input '{field}' is not JSON ({exc})") from None
+
+
 def _tool_calls(calls, where: str) -> list[dict]:
     if not isinstance(calls, list):
         raise ValueError(f"{where} must be a list of tool calls")
@@ -217,10 +221,7 @@ def _tool_calls(calls, where: str) -> list[dict]:
 
 def chat_tools(raw: str, field: str) -> list[dict]:
     """The `tools` input: a JSON list of OpenAI's function tools, checked (ValueError naming `field`)."""
-    try:
-        tools = json.loads(raw)
-    except ValueError as exc:
-        raise ValueError(f"input '{field}' is not JSON ({exc})") from None
+    tools = _json(raw, field)
     if not isinstance(tools, list):
         raise ValueError(f"input '{field}' must be a JSON list of tools")
     for i, tool in enumerate(tools):
