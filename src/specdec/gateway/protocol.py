@@ -3,8 +3,9 @@ network. A request is checked for what is OpenAI's own (the chat, `n`, tools, `r
 `logprobs`, stream options); its sampling settings travel as vLLM's `sampling_parameters` JSON, which the
 server already parses, so every range and combination is checked in one place (the server), and its
 refusals name the field. A request of several choices (`n`, a completions request's list of prompts)
-becomes one generation of the ensemble per choice, in the order of their `index`. Objects follow openai-python's types (`ChatCompletion`, `ChatCompletionChunk`,
-`Completion`), field by field.
+becomes one generation of the ensemble per choice, in the order of their `index`; tools and tool choices
+become the ensemble's `tools` input and, where a call is forced, its structured output (tools.py). Objects
+follow openai-python's types (`ChatCompletion`, `ChatCompletionChunk`, `Completion`), field by field.
 """
 
 from __future__ import annotations
