@@ -48,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="print each output token's log-probability under the target (and their sum)")
     p.add_argument("--top-log-probs", dest="num_top_log_probs", type=int, default=None, metavar="N",
                    help="with --log-probs: also each position's N most likely tokens (ids) and theirs, N <= 20")
+    p.add_argument("--prompt-log-probs", dest="return_prompt_log_probs", action="store_true", default=None,
+                   help="print each prompt token's log-probability given those before it (and their sum)")
     p.add_argument("--guide-type", choices=tn.GUIDE_TYPES,
                    help="structured output: the text follows --guide (json: any JSON object, no --guide needed)")
     p.add_argument("--guide", help="a JSON schema, regex, GBNF/Lark grammar or JSON list of choices; @FILE reads a file")
@@ -63,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
         draft_model=args.draft_model, apply_chat_template=args.apply_chat_template,
         adaptive_draft=args.adaptive_draft, num_draft_branches=args.num_draft_branches,
         min_length=args.min_length, ignore_eos=args.ignore_eos,
-        return_log_probs=args.return_log_probs, num_top_log_probs=args.num_top_log_probs, guide_type=args.guide_type,
+        return_log_probs=args.return_log_probs, num_top_log_probs=args.num_top_log_probs,
+        return_prompt_log_probs=args.return_prompt_log_probs, guide_type=args.guide_type,
         guide=Path(args.guide[1:]).read_text() if args.guide and args.guide.startswith("@") else args.guide)
     client = Client(args.url, args.protocol, args.model, args.timeout)
 
@@ -85,6 +88,10 @@ def main(argv: list[str] | None = None) -> int:
               f"(sum {result.cum_log_probs:.4f})", file=sys.stderr)
         for i, (ids, values) in enumerate(zip(result.top_ids, result.top_log_probs)):
             print(f"  token {i}: " + " ".join(f"{t}:{v:.4f}" for t, v in zip(ids, values)), file=sys.stderr)
+    if args.return_prompt_log_probs:
+        print(f"prompt: {len(result.prompt_ids)} tokens, log-probabilities of the {len(result.prompt_log_probs)} after "
+              f"the first: {' '.join(f'{v:.4f}' for v in result.prompt_log_probs)} "
+              f"(sum {sum(result.prompt_log_probs):.4f})", file=sys.stderr)
     if args.require_output and (not result.text.strip() or result.finish_reason not in ("length", "stop")):
         print(f"error: expected generated text, got {result.text!r} (finish_reason {result.finish_reason!r})",
               file=sys.stderr)

@@ -65,6 +65,9 @@ class GenerationParams:
     return_log_probs: bool | None = None  # each token's log-probability under the target (result.log_probs)
     # with return_log_probs: also each position's n most likely tokens (result.top_ids, result.top_log_probs)
     num_top_log_probs: int | None = None
+    # the prompt's tokens and each one's log-probability after the first (result.prompt_ids,
+    # result.prompt_log_probs; with num_top_log_probs n their n most likely tokens too): what evaluations score
+    return_prompt_log_probs: bool | None = None
     # Structured output: json | json_schema | regex | ebnf_grammar | choice, and its schema, pattern, grammar or
     # JSON list of choices (none for json: any JSON object)
     guide_type: str | None = None
@@ -85,7 +88,8 @@ class GenerationParams:
                    (tn.ADAPTIVE_DRAFT, self.adaptive_draft, np.bool_),
                    (tn.NUM_DRAFT_BRANCHES, self.num_draft_branches, np.int32), (tn.MIN_LENGTH, self.min_length, np.int32),
                    (tn.IGNORE_EOS, self.ignore_eos, np.bool_), (tn.RETURN_LOG_PROBS, self.return_log_probs, np.bool_),
-                   (tn.NUM_TOP_LOG_PROBS, self.num_top_log_probs, np.int32)]
+                   (tn.NUM_TOP_LOG_PROBS, self.num_top_log_probs, np.int32),
+                   (tn.RETURN_PROMPT_LOG_PROBS, self.return_prompt_log_probs, np.bool_)]
         for name, value, dtype in scalars:
             if value is not None:
                 arrays[name] = np.array([[value]], dtype=dtype)
@@ -105,7 +109,7 @@ class GenerationParams:
         for name in ("max_tokens", "num_draft_tokens", "temperature", "top_k", "top_p", "min_p", "seed",
                      "repetition_penalty", "presence_penalty", "frequency_penalty", "end_id", "draft_model",
                      "apply_chat_template", "adaptive_draft", "num_draft_branches", "min_length", "ignore_eos",
-                     "return_log_probs", "num_top_log_probs"):
+                     "return_log_probs", "num_top_log_probs", "return_prompt_log_probs"):
             value = getattr(self, name)
             if value is not None:
                 body[name] = value
@@ -137,6 +141,12 @@ class GenerationResult:
     # and their log-probabilities
     top_ids: list[list[int]] = field(default_factory=list)
     top_log_probs: list[list[float]] = field(default_factory=list)
+    # With return_prompt_log_probs: the prompt's tokens as the model read them, the log-probability of each
+    # after the first (one fewer), and with num_top_log_probs n those positions' n most likely tokens
+    prompt_ids: list[int] = field(default_factory=list)
+    prompt_log_probs: list[float] = field(default_factory=list)
+    prompt_top_ids: list[list[int]] = field(default_factory=list)
+    prompt_top_log_probs: list[list[float]] = field(default_factory=list)
     ttft_s: float = 0.0  # request sent -> first response
     latency_s: float = 0.0  # request sent -> last response
 
@@ -192,8 +202,14 @@ class ResultBuilder:
         if tn.OUTPUT_LOG_PROBS in fields:  # a list; Triton's HTTP generate endpoint writes one value bare
             values = fields[tn.OUTPUT_LOG_PROBS]
             self.result.log_probs += [float(v) for v in (values if isinstance(values, list) else [values])]
+        for name, into, kind in ((tn.OUTPUT_PROMPT_IDS, self.result.prompt_ids, int),
+                                 (tn.OUTPUT_PROMPT_LOG_PROBS, self.result.prompt_log_probs, float)):
+            if name in fields:
+                into += [kind(v) for v in _flat(fields[name])]
         for name, into, kind in ((tn.OUTPUT_TOP_IDS, self.result.top_ids, int),
-                                 (tn.OUTPUT_TOP_LOG_PROBS, self.result.top_log_probs, float)):
+                                 (tn.OUTPUT_TOP_LOG_PROBS, self.result.top_log_probs, float),
+                                 (tn.OUTPUT_PROMPT_TOP_IDS, self.result.prompt_top_ids, int),
+                                 (tn.OUTPUT_PROMPT_TOP_LOG_PROBS, self.result.prompt_top_log_probs, float)):
             values = fields.get(name)
             if values is None or not self.top:
                 continue
@@ -214,7 +230,8 @@ def fields_from_infer_result(result) -> dict:
     log_probs = result.as_numpy(tn.OUTPUT_LOG_PROBS)
     if log_probs is not None:
         out[tn.OUTPUT_LOG_PROBS] = log_probs.reshape(-1).tolist()
-    for name in (tn.OUTPUT_TOP_IDS, tn.OUTPUT_TOP_LOG_PROBS):
+    for name in (tn.OUTPUT_TOP_IDS, tn.OUTPUT_TOP_LOG_PROBS, tn.OUTPUT_PROMPT_IDS, tn.OUTPUT_PROMPT_LOG_PROBS,
+                 tn.OUTPUT_PROMPT_TOP_IDS, tn.OUTPUT_PROMPT_TOP_LOG_PROBS):
         values = result.as_numpy(name)
         if values is not None:
             out[name] = values.reshape(-1).tolist()

@@ -53,6 +53,10 @@ RETURN_LOG_PROBS = "return_log_probs"  # BOOL [1]: also return each generated to
 # MAX_TOP_LOG_PROBS; 0: none, the default)
 NUM_TOP_LOG_PROBS = "num_top_log_probs"
 MAX_TOP_LOG_PROBS = 20  # OpenAI's bound on top_logprobs
+# BOOL [1]: also return the prompt's tokens and each one's log-probability given the tokens before it (what
+# evaluation harnesses score, OpenAI's `echo` with `logprobs`); with num_top_log_probs n, each prompt
+# position's n most likely tokens too. The prompt then runs whole, with every row's logits.
+RETURN_PROMPT_LOG_PROBS = "return_prompt_log_probs"
 # Structured output (TensorRT-LLM's names; decoding/grammar.py): the output follows a guide of this type,
 # one of GUIDE_TYPES. vLLM's `sampling_parameters` key `guided_decoding` (or `structured_outputs`) says the same.
 GUIDED_DECODING_GUIDE_TYPE = "guided_decoding_guide_type"  # STRING [1]
@@ -80,6 +84,13 @@ CUM_LOG_PROBS = "cum_log_probs"  # FP32 [1]
 # distribution, most likely first, and their log-probabilities (one row per token)
 OUTPUT_TOP_IDS = "output_top_ids"  # INT32 [-1, -1]
 OUTPUT_TOP_LOG_PROBS = "output_top_log_probs"  # FP32 [-1, -1]
+# With return_prompt_log_probs, in the first response only: the prompt's P tokens as the model reads them
+# (chat template and special tokens included), the log-probabilities of its tokens after the first (P - 1:
+# the first has no context), and with num_top_log_probs n each of those positions' n most likely tokens
+OUTPUT_PROMPT_IDS = "output_prompt_ids"  # INT32 [-1]
+OUTPUT_PROMPT_LOG_PROBS = "output_prompt_log_probs"  # FP32 [-1]
+OUTPUT_PROMPT_TOP_IDS = "output_prompt_top_ids"  # INT32 [-1, -1]
+OUTPUT_PROMPT_TOP_LOG_PROBS = "output_prompt_top_log_probs"  # FP32 [-1, -1]
 
 # ---- internal tensors between the models -----------------------------------------------------
 INPUT_IDS = "input_ids"  # INT32 [-1]: preprocessing output; draft/target: tokens to append
@@ -87,6 +98,14 @@ INPUT_LENGTH = "input_length"  # INT32 [1]
 PREFIX_IDS = "prefix_ids"  # INT32 [-1]: tokens emitted before output_ids (detokenization context)
 CACHE_LENGTH = "cache_length"  # INT32 [1]: keep this many cached tokens, drop the rest (rollback)
 NUM_LOGITS = "num_logits"  # INT32 [1]: target returns the last num_logits positions
+# INT32 [1]: the score_rows positions before the last num_logits are scored too: at each, the log-probability
+# of the new token that follows it (SCORED_LOG_PROBS), and with GREEDY_TOP_IDS asked its top row
+# (SCORED_TOP_*); the step's other outputs still cover its last num_logits positions. 0: none (every step
+# but the first of a request that asked for its prompt's log-probabilities).
+SCORE_ROWS = "score_rows"
+SCORED_LOG_PROBS = "scored_log_probs"  # FP32 [-1]
+SCORED_TOP_IDS = "scored_top_ids"  # INT32 [-1, MAX_TOP_LOG_PROBS]
+SCORED_TOP_LOG_PROBS = "scored_top_log_probs"  # FP32 [-1, MAX_TOP_LOG_PROBS]
 # INT32 [num_logits, ceil(V / 32)]: bit i of word w allows token 32 w + i at that position (structured output):
 # greedy_tokens are then the best allowed tokens, their log-probabilities still the raw distribution's
 ALLOWED_TOKENS = "allowed_tokens"

@@ -410,6 +410,35 @@ def test_ensemble_log_probs_streamed_or_not_over_grpc_and_http(server, hf_target
     assert plain.log_probs == [] and plain.cum_log_probs == 0.0 and plain.top_ids == []  # not asked for: not sent
 
 
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_prompt_log_probs_score_every_prompt_token(server, hf_target, protocol):
+    """return_prompt_log_probs: the prompt's tokens and each one's log-probability given those before it (and
+    with num_top_log_probs its position's most likely tokens), equal to transformers' log-softmax of the
+    target; computed whole although the prefix cache holds the prompt (served once before), with a draft
+    verified in the same round or not, greedy or sampled, and the generation unchanged by asking."""
+    model, tokenizer = hf_target
+    prompt = PROMPTS[2]
+    prompt_ids = tokenizer(prompt).input_ids
+    with torch.no_grad():
+        rows = torch.log_softmax(model(torch.tensor([prompt_ids])).logits[0, :-1], -1)  # (P - 1, V)
+    reference = rows[torch.arange(len(prompt_ids) - 1), torch.tensor(prompt_ids[1:])]
+    client = Client(server.grpc_url if protocol == "grpc" else server.http_url, protocol=protocol)
+    for k, temperature, stream in ((0, 0.0, False), (4, 0.0, True), (4, 1.0, False), (3, 1.0, True)):
+        params = GenerationParams(max_tokens=12, num_draft_tokens=k, temperature=temperature, seed=3, end_id=0,
+                                  apply_chat_template=False)
+        plain = client.generate(prompt, params, stream=stream)  # also puts the prompt in the prefix cache
+        scored = client.generate(prompt, dataclasses.replace(params, return_prompt_log_probs=True, return_log_probs=True,
+                                                              num_top_log_probs=2), stream=stream)
+        assert scored.prompt_ids == prompt_ids and len(scored.prompt_log_probs) == len(prompt_ids) - 1
+        assert torch.allclose(torch.tensor(scored.prompt_log_probs, dtype=torch.float64), reference, atol=1e-4), k
+        top_ids = torch.tensor(scored.prompt_top_ids)
+        assert top_ids.shape == (len(prompt_ids) - 1, 2)
+        assert torch.allclose(rows.gather(1, top_ids), torch.tensor(scored.prompt_top_log_probs, dtype=torch.float64),
+                              atol=1e-4)
+        assert torch.equal(top_ids[:, 0], rows.argmax(-1))
+        assert scored.text == plain.text and plain.prompt_ids == [] and plain.prompt_log_probs == []
+
+
 # ---- bad words and TensorRT-LLM's client inputs ---------------------------------------------------------
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
 def test_bad_words_match_transformers_bad_words_ids(server, hf_target, hf_greedy, protocol):

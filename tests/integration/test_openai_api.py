@@ -316,6 +316,55 @@ def test_log_probs_match_the_ensemble(server, api, model):
     assert [max(row, key=row.get) for row in legacy.choices[0].logprobs.top_logprobs] == legacy.choices[0].logprobs.tokens
 
 
+def test_echo_scores_the_prompt_as_evaluation_harnesses_ask(server, api, model):
+    """lm-eval's loglikelihood request (a prompt of token ids, echo, logprobs 1, max_tokens 1, temperature 0):
+    the prompt's tokens come first with their log-probabilities (None for the first, as OpenAI gives it) and
+    each position's most likely token, as the ensemble scores them (checked against transformers in
+    test_generation_api), then the generated one; max_tokens 0 scores only; a text prompt is echoed as sent,
+    whole or streamed."""
+    from transformers import AutoTokenizer
+
+    from client import Client, GenerationParams
+    from specdec.serving.pairs import smollm2_tokenizer_dir
+
+    ids = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir())(PROMPT).input_ids
+    reference = Client(server.grpc_url).generate(PROMPT, GenerationParams(
+        max_tokens=1, temperature=0.0, return_prompt_log_probs=True, return_log_probs=True, num_top_log_probs=1))
+    assert reference.prompt_ids == ids
+    out = api.completions.create(model=model, prompt=[ids], max_tokens=1, temperature=0, logprobs=1, echo=True,
+                                 seed=1234)
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(ids) + 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert np.allclose(lp.token_logprobs[1:len(ids)], reference.prompt_log_probs, atol=1e-6)
+    assert np.allclose(lp.token_logprobs[-1], reference.log_probs[0], atol=1e-6)
+    assert all(len(row) == 1 for row in lp.top_logprobs[1:])
+    assert out.choices[0].text == PROMPT + reference.text and "".join(lp.tokens) == out.choices[0].text
+    assert out.usage.prompt_tokens == len(ids) and out.usage.completion_tokens == 1
+    # lm-eval's reading: the continuation's log-likelihood, and whether greedy decoding would produce it
+    ctxlen = 4
+    continuation = lp.token_logprobs[ctxlen:-1]
+    assert sum(continuation) == pytest.approx(sum(reference.prompt_log_probs[ctxlen - 1:]), abs=1e-4)
+    greedy = all(value == max(top.values()) for value, top in zip(continuation, lp.top_logprobs[ctxlen:-1]))
+    assert greedy == all(row[0] == token for row, token in zip(reference.prompt_top_ids[ctxlen - 1:], ids[ctxlen:]))
+
+    only = api.completions.create(model=model, prompt=[ids, ids[:3]], max_tokens=0, temperature=0, logprobs=0,
+                                  echo=True)
+    assert [c.text for c in only.choices] == [PROMPT, "".join(only.choices[1].logprobs.tokens)]
+    assert only.choices[0].logprobs.token_logprobs[1:] == lp.token_logprobs[1:len(ids)]
+    assert only.choices[0].logprobs.top_logprobs is None
+    assert only.usage.completion_tokens == 0 and only.usage.prompt_tokens == len(ids) + 3
+    plain = api.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0).choices[0].text
+    echoed = api.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0, echo=True)
+    assert echoed.choices[0].text == PROMPT + plain and echoed.choices[0].logprobs is None
+    chunks = [c for c in api.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0, echo=True,
+                                                logprobs=0, stream=True) if c.choices]
+    assert chunks[0].choices[0].text.startswith(PROMPT) and "".join(c.choices[0].text for c in chunks) == PROMPT + plain
+    streamed = [v for c in chunks if c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs]
+    assert streamed[0] is None and np.allclose(streamed[1:len(ids)], reference.prompt_log_probs, atol=1e-6)
+    assert len(streamed) == len(ids) + 8
+
+
 def grpc_log_probs(server, messages) -> list[float]:
     import queue
 

@@ -9,7 +9,8 @@ import torch
 from specdec.decoding.draft_length import DraftLengthPolicy
 from specdec.decoding.loop import GenerationRequest, generate
 from specdec.decoding.ngram_proposer import NgramProposer
-from specdec.decoding.sampling import SamplingParams, greedy_log_probs, token_log_probs, top_log_probs
+from specdec.decoding.sampling import (SamplingParams, greedy_log_probs, scored_log_probs, token_log_probs,
+                                      top_log_probs)
 from specdec.engine.build import dynamic_executor
 from specdec.engine.local import LocalProposer, LocalScorer
 
@@ -126,3 +127,79 @@ def test_each_token_carries_its_positions_most_likely_tokens(tiny_lm, draft, k, 
                           if temperature == 0 else values[:, 0], atol=1e-5)
     if temperature == 0:
         assert ids[:, 0].tolist() == output  # greedy: each token is its position's first
+
+
+def test_scored_log_probs_are_the_rows_tokens_and_tops_in_blocks():
+    torch.manual_seed(1)
+    logits = torch.randn(7, 50, dtype=torch.float64) * 3
+    tokens = torch.tensor([1, 4, 49, 0, 7, 7, 30])
+    values, ids, tops = scored_log_probs(logits, tokens, 4, block=3)  # blocks of 3, 3 and 1 rows
+    assert torch.allclose(values.double(), torch.log_softmax(logits, -1)[torch.arange(7), tokens], atol=1e-5)
+    top_ids, top_values = top_log_probs(logits, 4)
+    assert torch.equal(ids, top_ids) and torch.allclose(tops, top_values)
+    assert scored_log_probs(logits, tokens)[1:] == (None, None)  # no tops unless asked
+    empty = scored_log_probs(logits[:0], tokens[:0], 3)
+    assert empty[0].shape == (0,) and empty[1].shape == (0, 3)
+
+
+@pytest.mark.parametrize("draft,k,temperature,branches", [
+    ("none", 0, 0.0, 1), ("draft_model", 3, 0.0, 1), ("draft_model", 4, 0.0, 2), ("ngram", 4, 0.8, 1),
+    ("draft_model", 3, 1.0, 1)])
+def test_the_first_round_scores_every_prompt_token(tiny_lm, draft, k, temperature, branches):
+    """prompt_log_probs: each prompt token's log-probability given the tokens before it, and its position's
+    most likely tokens, from the first round's one forward (the prompt scored as a chain: a tree-drafting
+    proposer drafts a chain then); the generation is the one it is without (same tokens, same log-probs)."""
+    def run(**asked):
+        proposer = (NgramProposer(min_ngram=1) if draft == "ngram" else
+                    LocalProposer(dynamic_executor(noisy_copy(tiny_lm)), branches=branches))
+        req = GenerationRequest(seq_id=9, prompt_ids=PROMPT, max_tokens=20, log_probs=True, top_log_probs=3,
+                                sampling=SamplingParams(temperature=temperature, seed=5), **asked)
+
+        async def main():
+            policy = DraftLengthPolicy.fixed(k, branches=branches)
+            return [rnd async for rnd in generate(req, proposer, LocalScorer(dynamic_executor(tiny_lm)), policy)]
+        return asyncio.run(main())
+    rounds, plain = run(prompt_log_probs=True), run()
+    first = rounds[0]
+    assert first.depth is None and all(rnd.prompt_log_probs is None for rnd in rounds[1:] + plain)
+    with torch.no_grad():
+        reference = torch.log_softmax(tiny_lm(torch.tensor([PROMPT])).logits[0, :-1].double(), -1)  # (P - 1, V)
+    values = torch.tensor(first.prompt_log_probs, dtype=torch.float64)
+    assert len(values) == len(PROMPT) - 1
+    assert torch.allclose(values, reference[torch.arange(len(PROMPT) - 1), torch.tensor(PROMPT[1:])], atol=1e-4)
+    ids, tops = torch.tensor(first.prompt_top[0]), torch.tensor(first.prompt_top[1], dtype=torch.float64)
+    assert ids.shape == (len(PROMPT) - 1, 3) and torch.allclose(tops, reference.topk(3).values, atol=1e-4)
+    assert torch.allclose(reference.gather(1, ids), tops, atol=1e-4)
+    assert [t for rnd in rounds for t in rnd.new_tokens] == [t for rnd in plain for t in rnd.new_tokens]
+    assert torch.allclose(torch.tensor([v for rnd in rounds for v in rnd.log_probs]),
+                          torch.tensor([v for rnd in plain for v in rnd.log_probs]), atol=1e-5)
+    if k and temperature == 0:  # the scoring round verified a draft too
+        assert first.num_drafted > 0
+
+
+def test_a_one_token_prompt_scores_nothing(tiny_lm):
+    req = GenerationRequest(seq_id=10, prompt_ids=[7], max_tokens=3, prompt_log_probs=True)
+    rounds = _run(req, NgramProposer(min_ngram=1), LocalScorer(dynamic_executor(tiny_lm)), 2)
+    assert rounds[0].prompt_log_probs == [] and rounds[0].prompt_top is None
+
+
+def test_a_prompt_the_prefix_cache_holds_is_scored_whole_by_the_paged_executor(tiny_lm):
+    """The paged executor with prefix caching: a prompt served before is in the cache, yet the scoring round
+    runs all of it (a cached block has no logits) and gets every row's score."""
+    from specdec.engine.build import static_executor
+
+    target = static_executor(tiny_lm, kv_pool_tokens=512, block_size=4, max_context=128, max_batch=2, max_rows=6,
+                             compile="off", prefix_caching=True)
+    scorer = LocalScorer(target)
+    _run(GenerationRequest(seq_id=11, prompt_ids=PROMPT, max_tokens=4), NgramProposer(min_ngram=1), scorer, 2)
+    hits = target.prefix_hit_tokens
+    _run(GenerationRequest(seq_id=12, prompt_ids=PROMPT, max_tokens=4), NgramProposer(min_ngram=1), scorer, 2)
+    assert target.prefix_hit_tokens > hits  # the cache serves this prompt
+    hits = target.prefix_hit_tokens
+    rounds = _run(GenerationRequest(seq_id=13, prompt_ids=PROMPT, max_tokens=4, prompt_log_probs=True),
+                  NgramProposer(min_ngram=1), scorer, 2)
+    assert target.prefix_hit_tokens == hits  # not for the one to score
+    with torch.no_grad():
+        reference = torch.log_softmax(tiny_lm(torch.tensor([PROMPT])).logits[0, :-1].double(), -1)
+    assert torch.allclose(torch.tensor(rounds[0].prompt_log_probs, dtype=torch.float64),
+                          reference[torch.arange(len(PROMPT) - 1), torch.tensor(PROMPT[1:])], atol=1e-4)

@@ -81,6 +81,28 @@ def test_response_format_and_guided_fields_become_structured_outputs():
         "choice": ["a", "b"]}
 
 
+def test_completions_echo_asks_for_the_prompts_scores_and_max_tokens_zero_scores_only():
+    gen = parse_completion({"model": "m", "prompt": [[5, 6, 7], [8, 9]], "echo": True, "logprobs": 1, "max_tokens": 0,
+                            "temperature": 0}, SERVED)
+    assert gen.echo == [[5, 6, 7], [8, 9]] and gen.score_only and gen.top_logprobs == 1
+    assert all(choice[tn.RETURN_PROMPT_LOG_PROBS][0, 0] and choice[tn.NUM_TOP_LOG_PROBS][0, 0] == 1
+               for choice in gen.choices)
+    assert sampling(gen)["max_tokens"] == 1  # one is generated, never sent
+    plain = parse_completion({"model": "m", "prompt": "text", "echo": True, "n": 2, "max_tokens": 5}, SERVED)
+    # A completion continues the text as given: the server's default chat template is turned off for it
+    assert not plain.choices[1][tn.APPLY_CHAT_TEMPLATE][0, 0] and tn.APPLY_CHAT_TEMPLATE not in gen.choices[0]
+    assert plain.echo == ["text", "text"] and not plain.score_only and tn.RETURN_PROMPT_LOG_PROBS not in plain.choices[0]
+    assert parse_completion({"model": "m", "prompt": "text"}, SERVED).echo is None
+    # max_tokens 0 only means "score only" with echo: otherwise it goes as sent, and the server refuses it
+    assert sampling(parse_completion({"model": "m", "prompt": "text", "max_tokens": 0}, SERVED))["max_tokens"] == 0
+
+
+def test_echoed_logprobs_start_with_none_for_the_first_prompt_token():
+    body = protocol.logprobs_object(False, ["a", "b", "c"], [None, -1.0, -0.5], 0, [None, [("b", -1.0), ("x", -2.0)], [("c", -0.5)]])
+    assert body["token_logprobs"] == [None, -1.0, -0.5] and body["top_logprobs"][0] is None
+    assert body["top_logprobs"][1] == {"b": -1.0, "x": -2.0} and body["text_offset"] == [0, 1, 2]
+
+
 def test_completions_take_one_prompt_and_logprobs_zero():
     gen = parse_completion({"model": "m", "prompt": ["only"], "logprobs": 0, "stream": True,
                             "stream_options": {"include_usage": True, "continuous_usage_stats": True},
@@ -90,7 +112,7 @@ def test_completions_take_one_prompt_and_logprobs_zero():
     assert sampling(gen) == {"temperature": 0, "ignore_eos": True, "min_tokens": 3}
     for body, param in (({"prompt": []}, "prompt"), ({"prompt": [[1], []]}, "prompt"), ({"prompt": ["a", 3]}, "prompt"),
                         ({"prompt": [-1]}, "prompt"), ({"prompt": [True]}, "prompt"), ({"prompt": ["a", [3]]}, "prompt"),
-                        ({"prompt": "a", "echo": True}, "echo"),
+                        ({"prompt": "a", "echo": 1}, "echo"),
                         ({"prompt": "a", "logprobs": 21}, "logprobs"), ({"prompt": "a", "best_of": 2}, "best_of"),
                         ({"prompt": "a", "n": 2, "best_of": 3}, "best_of"), ({"prompt": ["a"] * 65, "n": 2}, "n"),
                         ({"prompt": "a", "suffix": "z"}, "suffix"), ({"prompt": "a", "messages": CHAT}, "messages")):

@@ -91,6 +91,10 @@ def test_return_log_probs_is_read_and_typed():
             parse(**{**both, tn.NUM_TOP_LOG_PROBS: np.array([[value]], dtype=np.int32)})
     with pytest.raises(InputError, match=f"{tn.NUM_TOP_LOG_PROBS}.*needs"):
         parse(**{tn.NUM_TOP_LOG_PROBS: np.array([[2]], dtype=np.int32)})
+    assert parse(**{tn.RETURN_PROMPT_LOG_PROBS: np.array([[True]])}).generation.prompt_log_probs
+    assert not parse().generation.prompt_log_probs
+    with pytest.raises(InputError, match=tn.RETURN_PROMPT_LOG_PROBS):
+        parse(**{tn.RETURN_PROMPT_LOG_PROBS: np.array([[1]], dtype=np.int32)})
 
 
 def test_forced_lengths():

@@ -22,13 +22,26 @@ def test_one_execution_answers_each_step_with_its_own_tokens_and_errors_in_place
     for step, result in zip(steps, results):
         if step.seq_id == 2:
             continue
-        logits, tokens, features = result
-        assert features is None  # no head served: no hidden_layers
+        logits, tokens, features, scored = result
+        assert features is None and scored is None  # no head served: no hidden_layers; no prompt scored
         expected = solo.extend(step.seq_id, 0, step.new_ids, step.num_logits)
         assert torch.allclose(logits, expected, atol=1e-10, rtol=0)  # float64: one packed forward vs one alone
         assert tokens.dtype == np.int32 and tokens.tolist() == expected.argmax(-1).tolist()
         assert tokens.tolist() == logits.argmax(-1).tolist()
         assert len(tokens) == step.num_logits
+
+
+def test_a_prompt_to_score_has_its_score_rows_split_off_before_the_verified_positions(tiny_lm):
+    """A step with score_rows runs every row's logits; the first score_rows are the prompt's (scored on the
+    target's side), the rest the positions it verifies, whose greedy tokens (among the allowed) are picked."""
+    adapter = TargetModel.__new__(TargetModel)
+    adapter.lm = dynamic_executor(tiny_lm)
+    bits = torch.zeros(2, (tiny_lm.config.vocab_size + 31) // 32, dtype=torch.int32)
+    bits[:, 0] = 0b100  # token 2 only
+    steps = [Step(1, 0, [5, 6, 7, 8, 9], 5, score_rows=3, allowed=bits), Step(2, 0, [5, 6, 7, 8, 9], 5)]
+    (logits, tokens, _, rows), (whole, _, _, none) = adapter._gather(steps, adapter._run(steps))
+    assert none is None and rows.shape[0] == 3 and logits.shape[0] == 2 and tokens.tolist() == [2, 2]
+    torch.testing.assert_close(torch.cat([rows, logits]), whole, rtol=0, atol=1e-12)
 
 
 def test_an_execution_of_errors_only_returns_the_errors(tiny_lm):
@@ -91,7 +104,7 @@ def test_a_step_with_an_allowed_tokens_bitmask_gets_the_best_allowed_tokens(tiny
     bits[:, 0] = 0b1010  # tokens 1 and 3 only
     bits[2, 0] = -1  # the last position: tokens 0-31
     steps = [Step(1, 0, [5, 6, 7], 3, allowed=bits), Step(2, 0, [5, 6, 7], 3)]
-    (masked_logits, masked, _), (plain_logits, plain, _) = adapter._gather(steps, adapter._run(steps))
+    (masked_logits, masked, *_), (plain_logits, plain, *_) = adapter._gather(steps, adapter._run(steps))
     # The bitmask picks; it leaves the logits alone (equal up to rounding: a batched forward's rows may
     # round differently, as on an AMD EPYC host's AVX-512 kernels).
     torch.testing.assert_close(masked_logits, plain_logits, rtol=0, atol=1e-12)

@@ -66,3 +66,18 @@ def test_a_verify_round_trips_its_tree_and_path_and_always_sends_them():
     encoded = wire.VerifyMessage(1).encode()
     assert encoded[tn.TREE_PARENTS].shape == encoded[tn.ACCEPTED_PATH].shape == (1, 0)  # one input set
     assert wire.VerifyMessage.decode(encoded).tree is None
+
+
+def test_a_prompt_to_score_round_trips_its_rows_and_their_answer():
+    message = wire.VerifyMessage(2, score_rows=9)
+    assert wire.VerifyMessage.decode(message.encode()) == message
+    assert wire.VerifyMessage(1).encode()[tn.SCORE_ROWS].tolist() == [[0]]  # always sent: one input set
+    for bad in (wire.VerifyMessage(2, score_rows=-1), wire.VerifyMessage(2, None, (-1, 0), score_rows=3)):
+        with pytest.raises(ValueError, match=tn.SCORE_ROWS):  # a tree's rows are nodes, not a prompt
+            wire.VerifyMessage.decode(bad.encode())
+    answer = wire.VerifiedMessage(np.array([5], dtype=np.int32), scored_log_probs=np.array([-1.0, -2.5]),
+                                  scored_top_ids=np.arange(40).reshape(2, 20), scored_top_log_probs=np.zeros((2, 20)))
+    back = wire.VerifiedMessage.decode(answer.encode())
+    assert back.scored_log_probs.tolist() == [-1.0, -2.5] and back.scored_top_ids.tolist() == answer.scored_top_ids.tolist()
+    assert back.scored_top_log_probs.shape == (2, 20) and back.log_probs is None
+    assert wire.VerifiedMessage.decode(wire.VerifiedMessage(np.array([5], dtype=np.int32)).encode()).scored_log_probs is None

@@ -103,6 +103,7 @@ input [
   { name: "draft_model", data_type: TYPE_STRING, dims: [ 1 ], optional: true },
   { name: "apply_chat_template", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },
   { name: "return_log_probs", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },
+  { name: "return_prompt_log_probs", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },
   { name: "num_top_log_probs", data_type: TYPE_INT32, dims: [ 1 ], optional: true },
   { name: "guided_decoding_guide_type", data_type: TYPE_STRING, dims: [ 1 ], optional: true },
   { name: "guided_decoding_guide", data_type: TYPE_STRING, dims: [ 1 ], optional: true }
@@ -183,6 +184,7 @@ input [
   { name: "allowed_tokens", data_type: TYPE_INT32, dims: [ -1, -1 ], optional: true, allow_ragged_batch: true },
   { name: "tree_parents", data_type: TYPE_INT32, dims: [ -1 ], optional: true, allow_ragged_batch: true },
   { name: "accepted_path", data_type: TYPE_INT32, dims: [ -1 ], optional: true, allow_ragged_batch: true },
+  { name: "score_rows", data_type: TYPE_INT32, dims: [ 1 ], optional: true },
   { name: "release", data_type: TYPE_BOOL, dims: [ 1 ], optional: true }
 ]
 output [
@@ -190,6 +192,9 @@ output [
   { name: "greedy_log_probs", data_type: TYPE_FP32, dims: [ -1 ] },
   { name: "greedy_top_ids", data_type: TYPE_INT32, dims: [ -1, -1 ] },
   { name: "greedy_top_log_probs", data_type: TYPE_FP32, dims: [ -1, -1 ] },
+  { name: "scored_log_probs", data_type: TYPE_FP32, dims: [ -1 ] },
+  { name: "scored_top_ids", data_type: TYPE_INT32, dims: [ -1, -1 ] },
+  { name: "scored_top_log_probs", data_type: TYPE_FP32, dims: [ -1, -1 ] },
   { name: "logits", data_type: TYPE_FP32, dims: [ -1, -1 ] },
   { name: "features", data_type: TYPE_FP32, dims: [ -1, -1 ] },
   { name: "forward_stats", data_type: TYPE_FP32, dims: [ 3 ] }
@@ -227,6 +232,7 @@ input [
   { name: "sampling_parameters", data_type: TYPE_STRING, dims: [ 1 ], optional: true },
   { name: "draft_model", data_type: TYPE_STRING, dims: [ 1 ], optional: true },
   { name: "return_log_probs", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },
+  { name: "return_prompt_log_probs", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },
   { name: "num_top_log_probs", data_type: TYPE_INT32, dims: [ 1 ], optional: true },
   { name: "guided_decoding_guide_type", data_type: TYPE_STRING, dims: [ 1 ], optional: true },
   { name: "guided_decoding_guide", data_type: TYPE_STRING, dims: [ 1 ], optional: true }
@@ -247,7 +253,11 @@ output [
   { name: "output_log_probs", data_type: TYPE_FP32, dims: [ -1 ] },
   { name: "cum_log_probs", data_type: TYPE_FP32, dims: [ 1 ] },
   { name: "output_top_ids", data_type: TYPE_INT32, dims: [ -1, -1 ] },
-  { name: "output_top_log_probs", data_type: TYPE_FP32, dims: [ -1, -1 ] }
+  { name: "output_top_log_probs", data_type: TYPE_FP32, dims: [ -1, -1 ] },
+  { name: "output_prompt_ids", data_type: TYPE_INT32, dims: [ -1 ] },
+  { name: "output_prompt_log_probs", data_type: TYPE_FP32, dims: [ -1 ] },
+  { name: "output_prompt_top_ids", data_type: TYPE_INT32, dims: [ -1, -1 ] },
+  { name: "output_prompt_top_log_probs", data_type: TYPE_FP32, dims: [ -1, -1 ] }
 ]
 {{ include "specdec.param" (list "tokenizer_path" (include "specdec.tokenizerPath" .)) }}
 {{ include "specdec.param" (list "target_model" "target_model") }}

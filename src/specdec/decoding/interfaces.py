@@ -67,6 +67,18 @@ class VerifyCall:
     # The previous call was a tree and these of its new_ids were accepted (root to leaf): they become the
     # cache's positions after that call's `keep` (engine Step.path)
     path: tuple[int, ...] | None = None
+    # The score_rows positions before the last num_positions are scored too (a prompt whose log-probabilities
+    # were asked for): at each, the log-probability of the new token after it (Scores.scored). A chain only.
+    score_rows: int = 0
+    score_top: bool = False  # and each scored position's tn.MAX_TOP_LOG_PROBS most likely tokens
+
+
+class ScoredRows(NamedTuple):
+    """VerifyCall.score_rows' answer: row r is the position before new token r + 1 of the scored ones."""
+
+    log_probs: torch.Tensor  # (score_rows,) float32: each next token's log-probability (the raw logits')
+    top_ids: torch.Tensor | None  # (score_rows, tn.MAX_TOP_LOG_PROBS) int64, with want_top_log_probs
+    top_log_probs: torch.Tensor | None  # (score_rows, tn.MAX_TOP_LOG_PROBS) float32, the same
 
 
 @dataclass(frozen=True)
@@ -83,6 +95,7 @@ class Scores:
     # their log-probabilities, most likely first (sampling.top_log_probs of the raw logits)
     top_ids: torch.Tensor | None = None
     top_log_probs: torch.Tensor | None = None
+    scored: ScoredRows | None = None  # with VerifyCall.score_rows
 
 
 class NoCapacity(RuntimeError):

@@ -56,6 +56,9 @@ class GenerationRequest:
     min_tokens: int = 0  # end tokens before this many generated tokens are generated like any other
     log_probs: bool = False  # report each generated token's log-probability under the target
     top_log_probs: int = 0  # with log_probs: also the n most likely tokens at each generated position
+    # the target's log-probability of each prompt token after the first (and with top_log_probs n its
+    # positions' n most likely tokens): the first round scores the whole prompt, as a chain
+    prompt_log_probs: bool = False
     bad_words: tuple[tuple[int, ...], ...] = ()  # token sequences the output never contains (bad_words.py)
     penalties: Penalties = Penalties()  # repetition / presence / frequency (penalties.py)
     grammar: Grammar | None = None  # structured output: the output follows it (grammar.py)
@@ -102,6 +105,10 @@ class RoundOutput:
     depth: int | None = None  # a tree's (its longest branch, num_drafted its nodes); None: a chain
     # with req.top_log_probs n: per new token its position's n most likely tokens and their log-probabilities
     top: tuple[list[list[int]], list[list[float]]] | None = None
+    # The first round of a request with prompt_log_probs: each prompt token's after the first, and with
+    # top_log_probs n its position's n most likely tokens and theirs
+    prompt_log_probs: list[float] | None = None
+    prompt_top: tuple[list[list[int]], list[list[float]]] | None = None
 
 
 async def generate(req: GenerationRequest, proposer: Proposer, scorer: Scorer, policy: DraftLengthPolicy,
@@ -142,6 +149,8 @@ async def generate(req: GenerationRequest, proposer: Proposer, scorer: Scorer, p
                     select(part)
             k = max(0, min(policy.next_k(), room))
             called_last, called = called, False
+            scoring = req.prompt_log_probs and not target_valid  # this round scores the prompt: a chain
+            chains_only = not trees or scoring
             proposal = shadow = Proposal([], None, draft_valid)
             # Text the grammar forces is this round's proposal, free (grammar.py); K = 0 stays target-only.
             forced = matcher.forced(min(policy.k_max, room)) if matcher is not None else []
@@ -153,7 +162,7 @@ async def generate(req: GenerationRequest, proposer: Proposer, scorer: Scorer, p
                 proposal = await proposer.propose(req.seq_id, draft_valid, tokens[draft_valid:], k,
                                                   req.sampling, round_seed, reserve=0 if draft_valid else reserve,
                                                   **_features_for(features, draft_valid),
-                                                  **_width(policy, proposer, trees))
+                                                  **_width(policy, proposer, not chains_only))
                 # what it drafted: a chain may end early (an n-gram's span, a draft's confidence stop). A
                 # sequence's first call also prefills its prompt, and one after paused rounds catches up on
                 # them: not what a round's draft costs (taken as one, the first priced a trained head's rounds
@@ -169,7 +178,7 @@ async def generate(req: GenerationRequest, proposer: Proposer, scorer: Scorer, p
                     policy.observe_draft(k, seconds, max(depths(proposal.parents)) + 1, proposal.forward)
                 draft_valid = proposal.cached_length
                 drafted_ever = called = True
-                if proposal.parents is not None and not trees:
+                if proposal.parents is not None and chains_only:
                     proposal = first_branch(proposal)
                 if matcher is not None and (req.sampling.greedy or proposal.probs is None):
                     proposal = _within_grammar(proposal, matcher)  # exact only for these (grammar.py)
@@ -189,8 +198,9 @@ async def generate(req: GenerationRequest, proposer: Proposer, scorer: Scorer, p
             allowed = matcher.allowed(proposal.tokens, k + 1) if req.target_picks else None
             tree = _with_catch_up(len(new_ids) - k, proposal.parents)
             started = time.perf_counter()
+            score_rows = len(new_ids) - k - 1 if scoring else 0  # the prompt's rows but its last
             scores = await _score(scorer, req, target_valid, new_ids, k + 1, 0 if target_valid else reserve,
-                                  wait_for_room, allowed, features is not None, tree, path)
+                                  wait_for_room, allowed, features is not None, tree, path, score_rows)
             if len(new_ids) == k + 1:  # a plain round (no prompt prefill or catch-up)
                 policy.observe_verify(k + 1, time.perf_counter() - started, scores.forward)
                 # Only a verify's forward prices verifies: a prompt's has its rows' logits but its last
@@ -239,7 +249,8 @@ async def generate(req: GenerationRequest, proposer: Proposer, scorer: Scorer, p
                 finish = tn.FINISH_STOP
             generated += len(new)
             yield RoundOutput(new, k, accepted, finish, log_probs and log_probs[:len(new)], depth=depth,
-                              top=top and (top[0][:len(new)], top[1][:len(new)]))
+                              top=top and (top[0][:len(new)], top[1][:len(new)]),
+                              **(_prompt_scores(scores, req.top_log_probs) if scoring else {}))
             if finish:
                 return
     finally:
@@ -252,7 +263,8 @@ async def generate(req: GenerationRequest, proposer: Proposer, scorer: Scorer, p
 async def _score(scorer: Scorer, req: GenerationRequest, keep: int, new_ids: list[int], positions: int,
                  reserve: int, wait_for_room: Callable[[], Awaitable[bool]] | None,
                  allowed: torch.Tensor | None = None, want_features: bool = False,
-                 tree: tuple[int, ...] | None = None, path: tuple[int, ...] | None = None) -> Scores:
+                 tree: tuple[int, ...] | None = None, path: tuple[int, ...] | None = None,
+                 score_rows: int = 0) -> Scores:
     """The verify call (`allowed`: the grammar's bitmask, for the target to pick with); a sequence's first
     one (reserve > 0) retries while the target has no room for it and `wait_for_room` says to."""
     # Greedy rounds ship no logits (the target sends its tokens' log-probabilities instead), unless
@@ -264,7 +276,8 @@ async def _score(scorer: Scorer, req: GenerationRequest, keep: int, new_ids: lis
                                                  reserve=reserve, want_log_probs=req.log_probs and not want_logits,
                                                  want_top_log_probs=req.top_log_probs > 0 and not want_logits,
                                                  allowed=allowed, want_features=want_features, tree=tree,
-                                                 path=path))
+                                                 path=path, score_rows=score_rows,
+                                                 score_top=score_rows > 0 and req.top_log_probs > 0))
         except NoCapacity:
             if not reserve or wait_for_room is None or not await wait_for_room():
                 raise
@@ -442,6 +455,15 @@ def _top_log_probs(scores: Scores, path: tuple[int, ...], n: int) -> tuple[list[
     else:
         ids, values = top_log_probs(scores.logits[rows], n)
     return ids.tolist(), values.tolist()
+
+
+def _prompt_scores(scores: Scores, n: int) -> dict:
+    """RoundOutput's prompt fields from a scoring round's Scores.scored (n: the top tokens asked for)."""
+    scored = scores.scored
+    if scored is None:  # a one-token prompt: nothing to score
+        return {"prompt_log_probs": [], "prompt_top": ([], []) if n else None}
+    top = (scored.top_ids[:, :n].tolist(), scored.top_log_probs[:, :n].tolist()) if n else None
+    return {"prompt_log_probs": scored.log_probs.tolist(), "prompt_top": top}
 
 
 def _record(stats: Stats, k: int, accepted: int) -> None:

@@ -58,6 +58,28 @@ def token_log_probs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return logits.gather(-1, tokens.to(logits.device)[:, None])[:, 0] - logits.logsumexp(-1)
 
 
+def scored_log_probs(logits: torch.Tensor, tokens: torch.Tensor, n: int = 0, block: int = 256
+                     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """A prompt's scores: each row's log-probability of its token (`token_log_probs`) and, with n > 0, its
+    n most likely tokens with theirs (`top_log_probs`): logits (rows, V), tokens (rows,) int64 -> ((rows,)
+    float32, (rows, n) int64 or None, (rows, n) float32 or None). One log-sum-exp a row, `block` rows at a
+    time: a long prompt's float32 copy of its logits stays a block's."""
+    values, ids, tops = [], [], []
+    for start in range(0, len(logits), block):
+        part = logits[start:start + block].float()
+        norm = part.logsumexp(-1, keepdim=True)
+        values.append(part.gather(-1, tokens[start:start + block].to(part.device)[:, None])[:, 0] - norm[:, 0])
+        if n:
+            top, top_ids = part.topk(min(n, part.shape[-1]), dim=-1)
+            ids.append(top_ids)
+            tops.append(top - norm)
+    if not values:  # no rows
+        empty = logits.new_zeros((0,), dtype=torch.float32)
+        return empty, (logits.new_zeros((0, n), dtype=torch.long) if n else None), \
+            (logits.new_zeros((0, n), dtype=torch.float32) if n else None)
+    return torch.cat(values), (torch.cat(ids) if n else None), (torch.cat(tops) if n else None)
+
+
 def token_probability(logits: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
     """softmax(logits)[token]: logits (V,), token (1,) or () int64 -> () float32. A draft's confidence in
     its own token (the confidence stop): its raw distribution's, whatever the request's sampling does."""

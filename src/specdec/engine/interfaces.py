@@ -24,9 +24,13 @@ class Step(NamedTuple):
     # A new sequence's room for its whole generation, taken at its first step (so that a sequence that
     # starts can finish): positions, or 0 for just this step's. Ignored once the sequence exists.
     reserve: int = 0
-    # extend, read by whoever picks tokens from the logits (not the forward): (num_logits, words) int32
-    # bitmask of the tokens each position's greedy pick may take (grammar.GrammarMatcher.allowed)
+    # extend, read by whoever picks tokens from the logits (not the forward): (num_logits - score_rows, words)
+    # int32 bitmask of the tokens each position's greedy pick may take (grammar.GrammarMatcher.allowed)
     allowed: torch.Tensor | None = None
+    # extend, read by whoever reads the logits (not the forward): the first score_rows of the num_logits rows
+    # score the new token after each (a prompt's log-probabilities, decoding/interfaces.VerifyCall.score_rows);
+    # the positions picked from are the rest
+    score_rows: int = 0
     # extend: the new tokens as a tree of candidates, not a chain: tree[i] is the index in new_ids of token
     # i's parent (before i), or -1 where it follows the cached tokens. Each token attends to the cache and to
     # its ancestors, at the position after its parent's. None: a chain.

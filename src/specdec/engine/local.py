@@ -16,9 +16,9 @@ from typing import Callable
 import torch
 
 from specdec import tensor_names as tn
-from specdec.decoding.interfaces import ForwardStats, NoCapacity, Proposal, Scores, VerifyCall
-from specdec.decoding.sampling import (SamplingParams, greedy, greedy_log_probs, make_generator, token_log_probs,
-                                      top_log_probs)
+from specdec.decoding.interfaces import ForwardStats, NoCapacity, Proposal, ScoredRows, Scores, VerifyCall
+from specdec.decoding.sampling import (SamplingParams, greedy, greedy_log_probs, make_generator, scored_log_probs,
+                                      token_log_probs, top_log_probs)
 from specdec.decoding.token_mask import allowed_greedy
 from specdec.engine.errors import CapacityError
 from specdec.engine.executor import Executor, Step
@@ -94,9 +94,9 @@ class LocalScorer:
         self._with_hidden = _Batcher(lambda steps: self.lm.extend_many(steps, with_hidden=True))
 
     async def score(self, call: VerifyCall) -> Scores:
-        step = Step(call.seq_id, call.keep, call.new_ids, call.num_positions, reserve=call.reserve,
+        step = Step(call.seq_id, call.keep, call.new_ids, call.num_positions + call.score_rows, reserve=call.reserve,
                     whole=call.want_features,  # a head reads every position's features
-                    tree=call.tree, path=call.path)
+                    tree=call.tree, path=call.path, score_rows=call.score_rows)
         started = time.perf_counter()
         with _no_capacity():
             result = await (self._with_hidden if call.want_features else self._plain)(step)
@@ -108,6 +108,13 @@ class LocalScorer:
         # verifies from these quietest times, not from the noisier call latencies
         seconds = time.perf_counter() - started
         logits, features = (result.logits, result.hidden.flatten(1).cpu()) if call.want_features else (result, None)
+        scored = None
+        if call.score_rows:  # the rows before the verified positions score the new tokens after them
+            rows, logits = logits[:call.score_rows], logits[call.score_rows:]
+            start = len(call.new_ids) - call.num_positions - call.score_rows + 1
+            after = torch.tensor(call.new_ids[start:start + call.score_rows], dtype=torch.long)
+            values, ids, tops = scored_log_probs(rows, after, tn.MAX_TOP_LOG_PROBS if call.score_top else 0)
+            scored = ScoredRows(values.cpu(), None if ids is None else ids.cpu(), None if tops is None else tops.cpu())
         allowed = call.allowed
         tokens = greedy(logits) if allowed is None else allowed_greedy(logits, allowed)
         log_probs = top_ids = top_values = None
@@ -118,7 +125,7 @@ class LocalScorer:
                          greedy_log_probs(logits) if allowed is None else token_log_probs(logits, tokens))
         return Scores(tokens.cpu(), logits.float().cpu() if call.want_logits else None,
                       ForwardStats(len(call.new_ids), 1, seconds), None if log_probs is None else log_probs.cpu(), features,
-                      top_ids, top_values)
+                      top_ids, top_values, scored)
 
     async def release(self, seq_id: int) -> None:
         self.lm.release(seq_id)

@@ -13,6 +13,7 @@ import contextlib
 import functools
 import hmac
 import time
+from dataclasses import replace
 from typing import Callable
 
 from aiohttp import web
@@ -33,8 +34,10 @@ def error_response(error: ApiError) -> web.Response:
 
 class Gateway:
     def __init__(self, upstream: Upstream, served: tuple[str, ...], token_text: TokenText | None,
-                 api_key: str | None = None, tool_parser: str | None = None):
+                 api_key: str | None = None, tool_parser: str | None = None,
+                 decode: Callable[[list[int]], str] | None = None):
         self.upstream, self.served, self.token_text, self.api_key = upstream, served, token_text, api_key
+        self.decode = decode  # token ids' text (the tokenizer's): an echoed prompt given as token ids
         self.tool_parser = tool_parser  # tools.PARSERS: how the model writes calls (tool_choice "auto")
         self.created = int(time.time())
 
@@ -75,7 +78,10 @@ class Gateway:
         return await self._answer(request, protocol.parse_chat(body, self.served, self.tool_parser))
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._answer(request, protocol.parse_completion(await self._body(request), self.served))
+        gen = protocol.parse_completion(await self._body(request), self.served)
+        if gen.echo and self.decode is None and any(not isinstance(prompt, str) for prompt in gen.echo):
+            raise protocol.invalid("echo", "of a prompt of token ids needs the API's tokenizer (--tokenizer)")
+        return await self._answer(request, gen)
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [self._model_card(name) for name in self.served]})
@@ -96,13 +102,29 @@ class Gateway:
 
     # ---- answers --------------------------------------------------------------------------------------------
     def _logprobs(self, gen: Generation, piece: Piece, offset: int) -> dict | None:
+        """The piece's `logprobs`: an echoed prompt's tokens (the first piece's) and then the generated ones."""
         if not gen.logprobs:
             return None
         text = self.token_text or (lambda token: f"token_id:{token}")
         top = None
         if gen.top_logprobs:
-            top = [[(text(t), v) for t, v in zip(ids, values)] for ids, values in zip(piece.top_ids, piece.top_log_probs)]
-        return protocol.logprobs_object(gen.chat, [text(t) for t in piece.ids], piece.log_probs, offset, top)
+            top = [None if ids is None else [(text(t), v) for t, v in zip(ids, values)] for ids, values in
+                   zip(piece.prompt_top_ids + piece.top_ids, piece.prompt_top_log_probs + piece.top_log_probs)]
+        return protocol.logprobs_object(gen.chat, [text(t) for t in piece.prompt_ids + piece.ids],
+                                        piece.prompt_log_probs + piece.log_probs, offset, top)
+
+    def _echoed(self, gen: Generation, index: int, piece: Piece, first: bool) -> Piece:
+        """A piece as an echo request's client sees it: the choice's first starts with its prompt's text (the
+        prompt's tokens and scores came with it); with max_tokens 0, nothing generated is sent."""
+        if gen.echo is None:
+            return piece
+        if gen.score_only:
+            piece = replace(piece, text="", ids=[], log_probs=[], top_ids=[], top_log_probs=[], stats={
+                **piece.stats, **({tn.NUM_OUTPUT_TOKENS: 0} if tn.NUM_OUTPUT_TOKENS in piece.stats else {})})
+        if not first:
+            return piece
+        prompt = gen.echo[index]
+        return replace(piece, text=(prompt if isinstance(prompt, str) else self.decode(prompt)) + piece.text)
 
     @staticmethod
     def _finish_reason(piece: Piece) -> str | None:
@@ -122,8 +144,13 @@ class Gateway:
 
     async def _whole(self, gen: Generation, pieces) -> web.Response:
         merged = [Piece() for _ in gen.choices]
+        seen = [False] * len(merged)
         async for index, piece in pieces:
+            piece, seen[index] = self._echoed(gen, index, piece, not seen[index]), True
             into = merged[index]
+            if piece.prompt_ids:  # the first response's
+                into.prompt_ids, into.prompt_log_probs = piece.prompt_ids, piece.prompt_log_probs
+                into.prompt_top_ids, into.prompt_top_log_probs = piece.prompt_top_ids, piece.prompt_top_log_probs
             into.text += piece.text
             into.ids += piece.ids
             into.log_probs += piece.log_probs
@@ -157,8 +184,10 @@ class Gateway:
         count = len(gen.choices)
         sent_text, sent_ids, stats = [0] * count, [0] * count, [{} for _ in range(count)]
         calls = [tools.ToolStream(gen.tools) for _ in range(count)] if gen.tools is not None else None
+        seen = [False] * count
         try:
             async for index, piece in pieces:
+                piece, seen[index] = self._echoed(gen, index, piece, not seen[index]), True
                 stats[index].update(piece.stats)
                 sent_ids[index] += len(piece.ids)
                 reason = self._finish_reason(piece)

@@ -83,6 +83,10 @@ class Generation:
     logprobs: bool = False
     top_logprobs: int = 0  # with logprobs: the most likely tokens at each position, this many
     tools: ToolCalling | None = None  # how the answer becomes tool calls (tools.py); None: text only
+    # completions' echo: each choice's text (and log-probabilities) start with its prompt's: the prompts as
+    # sent, per choice (a string, or token ids the gateway decodes)
+    echo: list[str | list[int]] | None = None
+    score_only: bool = False  # echo with max_tokens 0: the prompt's scores, nothing generated (one is, unsent)
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -373,8 +377,7 @@ def parse_completion(body: dict, served: tuple[str, ...]) -> Generation:
     _check_fields(body, COMPLETION_FIELDS)
     model = _model(body, served)
     prompts = _prompts(body.get("prompt"))
-    if _typed(body, "echo", (bool,), "a boolean"):
-        raise invalid("echo", "only false is supported")
+    echo = bool(_typed(body, "echo", (bool,), "a boolean"))
     if body.get("suffix") not in (None, ""):
         raise invalid("suffix", "is not supported")
     n = _choices_per_prompt(body)
@@ -388,14 +391,22 @@ def parse_completion(body: dict, served: tuple[str, ...]) -> Generation:
     if count is not None and not 0 <= count <= tn.MAX_TOP_LOG_PROBS:
         raise invalid("logprobs", f"must be within [0, {tn.MAX_TOP_LOG_PROBS}], got {count}")
     logprobs, top = count is not None, count or 0
+    # echo with max_tokens 0 (what scoring clients send): the server generates one token, never sent
+    score_only = echo and sampling.get("max_tokens") == 0
+    if score_only:
+        sampling["max_tokens"] = 1
+    if echo and logprobs:  # the prompt's own log-probabilities, from the server
+        inputs[tn.RETURN_PROMPT_LOG_PROBS] = np.array([[True]], dtype=np.bool_)
     choices = []
     for prompt in prompts:
-        given = {tn.TEXT_INPUT: _string(prompt)} if isinstance(prompt, str) else {
-            tn.PROMPT_TOKEN_IDS: np.array([prompt], dtype=np.int32)}
+        # A completion continues the text as it is: no chat template (the server's default may apply one)
+        given = {tn.TEXT_INPUT: _string(prompt), tn.APPLY_CHAT_TEMPLATE: np.array([[False]], dtype=np.bool_)} \
+            if isinstance(prompt, str) else {tn.PROMPT_TOKEN_IDS: np.array([prompt], dtype=np.int32)}
         choices += _finish(sampling, {**inputs, **given}, stream["stream"], logprobs, n, top)
     return Generation(chat=False, model=model, choices=choices, n=n,
                       stream=stream["stream"], include_usage=stream["include_usage"],
-                      continuous_usage=stream["continuous_usage"], logprobs=logprobs, top_logprobs=top)
+                      continuous_usage=stream["continuous_usage"], logprobs=logprobs, top_logprobs=top,
+                      echo=[prompt for prompt in prompts for _ in range(n)] if echo else None, score_only=score_only)
 
 
 # ---- errors of the server, as OpenAI errors ----------------------------------------------------------------
@@ -451,8 +462,8 @@ def combined_usage(per_choice: list[dict], completion_tokens: list[int], n: int)
     return usage(sum(prompts), sum(completions))
 
 
-def logprobs_object(chat: bool, tokens: list[str], values: list[float], offset: int = 0,
-                    top: list[list[tuple[str, float]]] | None = None) -> dict:
+def logprobs_object(chat: bool, tokens: list[str], values: list[float | None], offset: int = 0,
+                    top: list[list[tuple[str, float]] | None] | None = None) -> dict:
     """The choice's `logprobs`: chat's per-token `content` entries, or the completions API's lists (each
     token's text offset counts from `offset`, the text already sent). `top`: per token its position's most
     likely tokens (text, log-probability), most likely first (chat: a list each; completions: an object of
@@ -466,7 +477,8 @@ def logprobs_object(chat: bool, tokens: list[str], values: list[float], offset: 
     for token in tokens:
         offsets.append(at)
         at += len(token)
-    tops = None if top is None else [_by_text(row) for row in top]
+    # (an echoed prompt's first token has no log-probability, nor a row: None, as OpenAI gives them)
+    tops = None if top is None else [None if row is None else _by_text(row) for row in top]
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
 
 

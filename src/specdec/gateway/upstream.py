@@ -31,6 +31,12 @@ class Piece:
     # with top log-probabilities: per token its position's most likely tokens and their log-probabilities
     top_ids: list[list[int]] = field(default_factory=list)
     top_log_probs: list[list[float]] = field(default_factory=list)
+    # with the prompt's log-probabilities (the first response): its tokens, each one's after the first
+    # (None for the first, which has no context: as OpenAI's echo lists them) and their positions' top rows
+    prompt_ids: list[int] = field(default_factory=list)
+    prompt_log_probs: list[float | None] = field(default_factory=list)
+    prompt_top_ids: list[list[int] | None] = field(default_factory=list)
+    prompt_top_log_probs: list[list[float] | None] = field(default_factory=list)
     finish_reason: str = ""
     stats: dict[str, float] = field(default_factory=dict)
 
@@ -82,6 +88,16 @@ def _piece(result) -> Piece:
                 piece.top_ids = rows
             else:
                 piece.top_log_probs = rows
+        elif name == tn.OUTPUT_PROMPT_IDS:
+            piece.prompt_ids = values.tolist()
+        elif name == tn.OUTPUT_PROMPT_LOG_PROBS:
+            piece.prompt_log_probs = [None] + values.tolist()
+        elif name in (tn.OUTPUT_PROMPT_TOP_IDS, tn.OUTPUT_PROMPT_TOP_LOG_PROBS):  # (1, tokens - 1, n)
+            rows = [None] + (values.reshape(-1, int(output.shape[-1])).tolist() if values.size else [])
+            if name == tn.OUTPUT_PROMPT_TOP_IDS:
+                piece.prompt_top_ids = rows
+            else:
+                piece.prompt_top_log_probs = rows
         elif values.size and name in _STAT_NAMES:
             piece.stats[name] = int(values[0]) if name in _INT_STATS else float(values[0])
     return piece
@@ -117,13 +133,19 @@ class Upstream:
             return False
 
     async def generate(self, arrays: dict[str, np.ndarray], log_probs: bool, top: bool = False) -> AsyncIterator[Piece]:
-        """The request's responses as they come. Closing the iterator early (the caller went away)
-        cancels the request on the server, which frees its sequence within a round."""
+        """The request's responses as they come (with the prompt's log-probabilities when its inputs ask for
+        them). Closing the iterator early (the caller went away) cancels the request on the server, which
+        frees its sequence within a round."""
         outputs = [InferRequestedOutput(name) for name in _OUTPUTS]
         if log_probs:
             outputs.append(InferRequestedOutput(tn.OUTPUT_LOG_PROBS))
         if top:
             outputs += [InferRequestedOutput(tn.OUTPUT_TOP_IDS), InferRequestedOutput(tn.OUTPUT_TOP_LOG_PROBS)]
+        if tn.RETURN_PROMPT_LOG_PROBS in arrays:
+            outputs += [InferRequestedOutput(tn.OUTPUT_PROMPT_IDS), InferRequestedOutput(tn.OUTPUT_PROMPT_LOG_PROBS)]
+            if top:
+                outputs += [InferRequestedOutput(tn.OUTPUT_PROMPT_TOP_IDS),
+                            InferRequestedOutput(tn.OUTPUT_PROMPT_TOP_LOG_PROBS)]
         request = {"model_name": self.model, "inputs": _inputs(arrays), "outputs": outputs,
                    "enable_empty_final_response": True}
 

@@ -13,7 +13,7 @@ import torch
 import torch.utils.dlpack
 
 from specdec import tensor_names as tn
-from specdec.decoding.interfaces import NoCapacity, Proposal, Scores, VerifyCall
+from specdec.decoding.interfaces import NoCapacity, Proposal, ScoredRows, Scores, VerifyCall
 from specdec.decoding.sampling import SamplingParams
 from specdec.triton import wire
 
@@ -167,14 +167,17 @@ class BlsScorer(_SequenceModel):
         # A tree goes whole (its parents and the next call's path count its tokens from the first): target_model
         # runs its leading chain, a prompt's tokens, ahead of it (engine/executor.leading_chain)
         keep, new_ids, reserve = (call.keep, call.new_ids, call.reserve) if call.tree is not None else await self._prefill(
-            call.seq_id, call.keep, call.new_ids, call.num_positions, call.reserve,
+            call.seq_id, call.keep, call.new_ids, call.num_positions + call.score_rows, call.reserve,
             [tn.GREEDY_TOKENS] + ([tn.FEATURES] if call.want_features else []), chunks)
         answer = [tn.GREEDY_TOKENS, tn.FORWARD_STATS] + ([tn.GREEDY_LOG_PROBS] if call.want_log_probs else []) + (
-            [tn.GREEDY_TOP_IDS, tn.GREEDY_TOP_LOG_PROBS] if call.want_top_log_probs else [])
+            [tn.GREEDY_TOP_IDS, tn.GREEDY_TOP_LOG_PROBS] if call.want_top_log_probs else []) + (
+            [tn.SCORED_LOG_PROBS] if call.score_rows else []) + (
+            [tn.SCORED_TOP_IDS, tn.SCORED_TOP_LOG_PROBS] if call.score_top else [])
         outputs = answer + ([tn.LOGITS] if call.want_logits else []) + ([tn.FEATURES] if call.want_features else [])
         # The grammar's (K+1) x V/32 words instead of (K+1) x V logits back.
         result = await self._call(call.seq_id, new_ids, keep, outputs, reserve,
-                                  own=wire.VerifyMessage(call.num_positions, call.allowed, call.tree, call.path).encode())
+                                  own=wire.VerifyMessage(call.num_positions, call.allowed, call.tree, call.path,
+                                                         call.score_rows).encode())
         verified = wire.VerifiedMessage.decode({name: result[name].as_numpy() for name in answer})
         logits = _torch(result[tn.LOGITS])[0] if call.want_logits else None
         log_probs = None if verified.log_probs is None else torch.from_numpy(verified.log_probs)
@@ -184,5 +187,9 @@ class BlsScorer(_SequenceModel):
             features = parts[0] if len(parts) == 1 else torch.cat(parts)
         top_ids, top_values = ((None, None) if verified.top_ids is None else
                                (torch.from_numpy(verified.top_ids.astype(np.int64)), torch.from_numpy(verified.top_log_probs)))
+        scored = None if verified.scored_log_probs is None else ScoredRows(
+            torch.from_numpy(verified.scored_log_probs),
+            None if verified.scored_top_ids is None else torch.from_numpy(verified.scored_top_ids.astype(np.int64)),
+            None if verified.scored_top_log_probs is None else torch.from_numpy(verified.scored_top_log_probs))
         return Scores(torch.from_numpy(verified.greedy_tokens.astype(np.int64)), logits, verified.forward, log_probs,
-                      features, top_ids, top_values)
+                      features, top_ids, top_values, scored)

@@ -22,8 +22,8 @@ import torch.utils.dlpack
 from specdec import tensor_names as tn
 from specdec.decoding.interfaces import ForwardStats
 from specdec.decoding.token_mask import allowed_greedy
-from specdec.decoding.sampling import (SamplingParams, greedy, greedy_log_probs, make_generator, token_log_probs,
-                                      top_log_probs)
+from specdec.decoding.sampling import (SamplingParams, greedy, greedy_log_probs, make_generator, scored_log_probs,
+                                      token_log_probs, top_log_probs)
 from specdec.decoding.text import load_tokenizer, vocabulary_mismatch
 from specdec.engine import host_memory, onednn_linear, threads
 from specdec.engine.build import ExecutorConfig, build_executor
@@ -383,7 +383,7 @@ class TargetModel(LanguageModelAdapter):
         wanted = set(job.request.requested_output_names())  # none named: all of them
         if not wanted or not wanted <= self.AHEAD_OUTPUTS:
             return
-        (logits, tokens, _), _ = outcome
+        (logits, tokens, *_), _ = outcome
         self.lm.run_ahead(job.seq_id, greedy(logits[-1]).reshape(1), int(tokens[-1]))
 
     def _warm_up_steps(self):
@@ -396,8 +396,9 @@ class TargetModel(LanguageModelAdapter):
     def _step_options(self, inputs, wanted=frozenset()):
         message = wire.VerifyMessage.decode(inputs)  # allowed: structured output's picks keep to the grammar
         # A head's rounds want the features of every position: cached blocks only where their features are kept
-        return {"num_logits": message.num_logits, "allowed": message.allowed, "tree": message.tree,
-                "path": message.path, "whole": tn.FEATURES in wanted and bool(self.lm.forward.hidden_layers)}
+        return {"num_logits": message.num_logits + message.score_rows, "allowed": message.allowed,
+                "tree": message.tree, "path": message.path, "score_rows": message.score_rows,
+                "whole": tn.FEATURES in wanted and bool(self.lm.forward.hidden_layers)}
 
     def _rows(self, group, processed):
         # The rows the forward ran: a prompt's tokens found in the prefix cache are not (counted, a 900-token
@@ -410,23 +411,29 @@ class TargetModel(LanguageModelAdapter):
         return self.lm.extend_many(steps, with_hidden=bool(self.lm.forward.hidden_layers))
 
     def _gather(self, steps, results):
-        """Per step (logits, greedy tokens, features or None) or its error; a step with an allowed-tokens
-        bitmask gets the best allowed tokens. Every step's greedy tokens come to the host in one copy: on
-        CUDA the execution waits for the device once, not once per request."""
+        """Per step (logits, greedy tokens, features or None, scored rows or None) or its error; a step with
+        an allowed-tokens bitmask gets the best allowed tokens. Every step's greedy tokens come to the host in
+        one copy: on CUDA the execution waits for the device once, not once per request. A step's score rows
+        (a prompt's log-probabilities) are split off its logits first: the rest are the positions it verifies."""
         results = [(result.logits, result.hidden) if isinstance(result, Scored) else
                    result if isinstance(result, Exception) else (result, None) for result in results]
+        prompt_rows = [None] * len(results)
+        for i, (step, result) in enumerate(zip(steps, results)):
+            if step.score_rows and not isinstance(result, Exception):
+                prompt_rows[i], logits = result[0][:step.score_rows], result[0][step.score_rows:]
+                results[i] = (logits, result[1])
         scored = [(step, result[0]) for step, result in zip(steps, results) if not isinstance(result, Exception)]
         if not scored:
             return results
         tokens = host(torch.cat([greedy(logits) if step.allowed is None else allowed_greedy(logits, step.allowed)
                                  for step, logits in scored]).to(torch.int32))
         per_step = iter(np.split(tokens, np.cumsum([len(logits) for _, logits in scored])[:-1]))
-        return [result if isinstance(result, Exception) else (result[0], next(per_step), result[1])
-                for result in results]
+        return [result if isinstance(result, Exception) else (result[0], next(per_step), result[1], rows)
+                for result, rows in zip(results, prompt_rows)]
 
     def _respond(self, request, step, result, forward):
         pb = self.pb
-        logits, tokens, hidden = result
+        logits, tokens, hidden, scored_logits = result
         requested = set(request.requested_output_names())
         log_probs = top_ids = top_values = None
         if tn.GREEDY_TOP_IDS in requested:  # num_top_log_probs on a greedy round: (K + 1) x 20 of each
@@ -436,8 +443,15 @@ class TargetModel(LanguageModelAdapter):
             log_probs = (top_values[:, 0].copy() if top_values is not None and step.allowed is None else
                          host(greedy_log_probs(logits)) if step.allowed is None else
                          host(token_log_probs(logits, torch.from_numpy(tokens).long())))
+        scored = scored_ids = scored_values = None
+        if scored_logits is not None:  # each scored row's next new token (its position's index in new_ids + 1)
+            start = len(step.new_ids) - step.num_logits + 1
+            after = torch.tensor(step.new_ids[start:start + step.score_rows], dtype=torch.long)
+            top = tn.MAX_TOP_LOG_PROBS if tn.SCORED_TOP_IDS in requested else 0
+            scored, scored_ids, scored_values = (None if t is None else host(t)
+                                                 for t in scored_log_probs(scored_logits, after, top))
         message = wire.VerifiedMessage(tokens, forward if tn.FORWARD_STATS in requested else None, log_probs,
-                                       top_ids, top_values)
+                                       top_ids, top_values, scored, scored_ids, scored_values)
         outputs = [pb.Tensor(name, value) for name, value in message.encode().items()]
         if tn.LOGITS in requested:
             outputs.append(self._output(tn.LOGITS, logits.float()[None]))

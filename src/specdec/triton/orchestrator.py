@@ -24,7 +24,7 @@ from specdec.decoding.draft_length import CostModel, DraftLengthPolicy, PartPoli
 from specdec.decoding.grammar import GuideCompiler
 from specdec.decoding.interfaces import NoCapacity
 from specdec.decoding import lookup_first
-from specdec.decoding.loop import GenerationRequest, Stats, generate
+from specdec.decoding.loop import GenerationRequest, RoundOutput, Stats, generate
 from specdec.decoding.ngram_proposer import NgramProposer
 from specdec.decoding.suffix_proposer import SuffixCache, SuffixProposer
 from specdec.decoding.text import Emission, TextEmitter, load_tokenizer
@@ -316,7 +316,7 @@ class SpeculativeDecodingAdapter(TritonAdapter):
 
     def _response(self, emission: Emission | None, req: GenerationRequest, emitter: TextEmitter, stats: Stats,
                   finish: str | None, log_probs: list[float],
-                  top: tuple[list[list[int]], list[list[float]]] = ([], [])):
+                  top: tuple[list[list[int]], list[list[float]]] = ([], []), prompt: RoundOutput | None = None):
         pb = self.pb
         ids, prefix, length = (emission.ids, emission.prefix_ids, emission.text_length) if emission else ([], [], -1)
 
@@ -336,6 +336,13 @@ class SpeculativeDecodingAdapter(TritonAdapter):
             extra += [pb.Tensor(tn.OUTPUT_TOP_IDS, np.asarray(top[0][sent - len(ids):sent], dtype=np.int32).reshape(shape)),
                       pb.Tensor(tn.OUTPUT_TOP_LOG_PROBS,
                                 np.asarray(top[1][sent - len(ids):sent], dtype=np.float32).reshape(shape))]
+        if prompt is not None:  # the first response: the prompt's tokens and scores
+            extra += [i32(tn.OUTPUT_PROMPT_IDS, req.prompt_ids), f32(tn.OUTPUT_PROMPT_LOG_PROBS, prompt.prompt_log_probs)]
+            if req.top_log_probs:
+                shape = (1, len(prompt.prompt_log_probs), req.top_log_probs)
+                extra += [pb.Tensor(tn.OUTPUT_PROMPT_TOP_IDS, np.asarray(prompt.prompt_top[0], dtype=np.int32).reshape(shape)),
+                          pb.Tensor(tn.OUTPUT_PROMPT_TOP_LOG_PROBS,
+                                    np.asarray(prompt.prompt_top[1], dtype=np.float32).reshape(shape))]
         return pb.InferenceResponse(output_tensors=extra + [
             i32(tn.OUTPUT_IDS, ids),
             i32(tn.PREFIX_IDS, prefix),
@@ -369,12 +376,16 @@ class _Responses:
         self.in_flight: asyncio.Future | None = None  # the last round's streamed response and check
         self.asked = arrived  # when Triton was last asked whether the caller cancelled
         self.first_sent = False
+        self.prompt: RoundOutput | None = None  # with return_prompt_log_probs: the first round, until sent
 
     def response(self, emission: Emission | None, finish: str | None):
+        prompt = None
         if not self.first_sent:
             self.adapter.metrics.ttft.observe(time.monotonic() - self.arrived)
             self.first_sent = True
-        return self.adapter._response(emission, self.gen, self.emitter, self.stats, finish, self.log_probs, self.top)
+            prompt = self.prompt
+        return self.adapter._response(emission, self.gen, self.emitter, self.stats, finish, self.log_probs, self.top,
+                                      prompt)
 
     async def round(self, rnd) -> tuple[str | None, Emission | None]:
         """A round's tokens counted and pushed into the text, streamed where they make text; returns the
@@ -382,6 +393,8 @@ class _Responses:
         adapter = self.adapter
         if rnd.finish_reason == tn.FINISH_CANCELLED:  # cancelled between draft and verify
             return rnd.finish_reason, None
+        if rnd.prompt_log_probs is not None:
+            self.prompt = rnd
         if rnd.log_probs:
             self.log_probs += rnd.log_probs
         if rnd.top:

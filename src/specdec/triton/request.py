@@ -158,6 +158,7 @@ class ParsedRequest:
             min_tokens=min_length,
             log_probs=log_probs,
             top_log_probs=int(top),
+            prompt_log_probs=bool(inputs.scalar(tn.RETURN_PROMPT_LOG_PROBS, np.bool_, False)),
             bad_words=bad_words,
             penalties=penalties,
             grammar=_grammar(inputs, compile_guide, limits.max_guide_chars),

@@ -133,24 +133,29 @@ class VerifyMessage:
     allowed: torch.Tensor | None = None  # (num_logits, words) int32 bitmask; None: every token
     tree: tuple[int, ...] | None = None  # the new tokens' parents (a tree of candidates); None: a chain
     path: tuple[int, ...] | None = None  # the last step's tree nodes accepted; None: none
+    score_rows: int = 0  # the positions before the last num_logits scored too (tn.SCORE_ROWS)
 
     def encode(self) -> Arrays:
         # An empty bitmask, tree or path stands for none: the input is always there (one input set).
         allowed = np.zeros((1, 0, 0), dtype=np.int32) if self.allowed is None else self.allowed.cpu().numpy()[None]
         return {tn.NUM_LOGITS: _i32([self.num_logits]), tn.ALLOWED_TOKENS: allowed,
-                tn.TREE_PARENTS: _i32(self.tree or []), tn.ACCEPTED_PATH: _i32(self.path or [])}
+                tn.TREE_PARENTS: _i32(self.tree or []), tn.ACCEPTED_PATH: _i32(self.path or []),
+                tn.SCORE_ROWS: _i32([self.score_rows])}
 
     @classmethod
     def decode(cls, inputs: Arrays) -> VerifyMessage:
         num_logits = int(_scalar(inputs, tn.NUM_LOGITS, 1))
+        score_rows = int(_scalar(inputs, tn.SCORE_ROWS, 0))
         tree, path = (_tuple(inputs, name) for name in (tn.TREE_PARENTS, tn.ACCEPTED_PATH))
+        if score_rows < 0 or (score_rows and tree is not None):
+            raise ValueError(f"{tn.SCORE_ROWS} must be >= 0, and 0 with {tn.TREE_PARENTS}; got {score_rows}")
         allowed = inputs.get(tn.ALLOWED_TOKENS)
         if allowed is None or not allowed.size:
-            return cls(num_logits, None, tree, path)
+            return cls(num_logits, None, tree, path, score_rows)
         if allowed.ndim != 3 or allowed.shape[0] != 1 or allowed.shape[1] != num_logits:
             raise ValueError(f"{tn.ALLOWED_TOKENS} must be [1, {tn.NUM_LOGITS} = {num_logits}, words], got "
                              f"{list(allowed.shape)}")
-        return cls(num_logits, torch.from_numpy(np.ascontiguousarray(allowed[0])), tree, path)
+        return cls(num_logits, torch.from_numpy(np.ascontiguousarray(allowed[0])), tree, path, score_rows)
 
 
 def _tuple(inputs: Arrays, name: str) -> tuple[int, ...] | None:
@@ -171,9 +176,19 @@ class VerifiedMessage:
     # (num_logits, tn.MAX_TOP_LOG_PROBS) int32 / float32, when asked for: each position's most likely tokens
     top_ids: np.ndarray | None = None
     top_log_probs: np.ndarray | None = None
+    # with score_rows: (score_rows,) float32 and, when asked for, (score_rows, tn.MAX_TOP_LOG_PROBS) int32 /
+    # float32 (tn.SCORED_*)
+    scored_log_probs: np.ndarray | None = None
+    scored_top_ids: np.ndarray | None = None
+    scored_top_log_probs: np.ndarray | None = None
 
     def encode(self) -> Arrays:
         out = {tn.GREEDY_TOKENS: _i32(self.greedy_tokens)}
+        if self.scored_log_probs is not None:
+            out[tn.SCORED_LOG_PROBS] = np.asarray(self.scored_log_probs, dtype=np.float32).reshape(1, -1)
+        if self.scored_top_ids is not None:
+            out[tn.SCORED_TOP_IDS] = np.asarray(self.scored_top_ids, dtype=np.int32)[None]
+            out[tn.SCORED_TOP_LOG_PROBS] = np.asarray(self.scored_top_log_probs, dtype=np.float32)[None]
         if self.forward is not None:
             out[tn.FORWARD_STATS] = _forward_stats(self.forward)
         if self.log_probs is not None:
@@ -187,9 +202,14 @@ class VerifiedMessage:
     def decode(cls, outputs: Arrays) -> VerifiedMessage:
         log_probs, top_ids, top_values = (outputs.get(name) for name in (tn.GREEDY_LOG_PROBS, tn.GREEDY_TOP_IDS,
                                                                            tn.GREEDY_TOP_LOG_PROBS))
+        scored, scored_ids, scored_values = (outputs.get(name) for name in (
+            tn.SCORED_LOG_PROBS, tn.SCORED_TOP_IDS, tn.SCORED_TOP_LOG_PROBS))
         return cls(outputs[tn.GREEDY_TOKENS].reshape(-1).astype(np.int32), _decode_forward_stats(outputs),
                    None if log_probs is None else log_probs.reshape(-1).copy(),
-                   None if top_ids is None else top_ids[0].copy(), None if top_values is None else top_values[0].copy())
+                   None if top_ids is None else top_ids[0].copy(), None if top_values is None else top_values[0].copy(),
+                   None if scored is None else scored.reshape(-1).copy(),
+                   None if scored_ids is None else scored_ids[0].copy(),
+                   None if scored_values is None else scored_values[0].copy())
 
 
 # What a call that asks for nothing back sends as the model's own inputs (a prompt's chunk, a release).
