@@ -365,6 +365,33 @@ def test_echo_scores_the_prompt_as_evaluation_harnesses_ask(server, api, model):
     assert len(streamed) == len(ids) + 8
 
 
+def _post(url: str, body: dict) -> dict:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return json.loads(response.read())
+
+
+def test_the_tokenizer_endpoints_tokenize_as_the_server_does(server, api, model):
+    """vLLM's /tokenize, /detokenize and /tokenizer_info (what lm-eval's remote tokenizer uses): a chat's count is
+    the chat endpoint's prompt_tokens, a prompt's tokens are the completions endpoint's, the model card and
+    /tokenize give the server's context; a bad request names its field."""
+    root = server.openai_url.removesuffix("/v1")
+    chat = _post(f"{root}/tokenize", {"model": model, "messages": CHAT})
+    assert chat["count"] == api.chat.completions.create(model=model, messages=CHAT, max_tokens=1).usage.prompt_tokens
+    plain = _post(f"{root}/tokenize", {"prompt": PROMPT, "return_token_strs": True})
+    assert plain["count"] == api.completions.create(model=model, prompt=PROMPT, max_tokens=1).usage.prompt_tokens
+    assert len(plain["token_strs"]) == plain["count"] and plain["max_model_len"] > plain["count"]
+    assert _post(f"{root}/detokenize", {"tokens": plain["tokens"]}) == {"prompt": PROMPT}
+    with urllib.request.urlopen(f"{root}/tokenizer_info", timeout=30) as response:
+        info = json.loads(response.read())
+    assert info["eos_token"] and info["chat_template"] and info["model_max_length"] == plain["max_model_len"]
+    assert api.models.retrieve(model).model_extra["max_model_len"] == plain["max_model_len"]
+    with pytest.raises(urllib.error.HTTPError) as caught:
+        _post(f"{root}/detokenize", {"tokens": [-4]})
+    assert caught.value.code == 400 and json.loads(caught.value.read())["error"]["param"] == "tokens"
+
+
 def grpc_log_probs(server, messages) -> list[float]:
     import queue
 
@@ -437,6 +464,10 @@ def test_an_api_key_is_required_when_set(server, model):
         good = openai.OpenAI(base_url=url, api_key="s3cret", max_retries=0)
         assert good.completions.create(model=model, prompt=PROMPT, max_tokens=3).usage.completion_tokens == 3
         assert answers(gateway_url(port), 2)  # the health check needs no key (probes have none)
+        request = urllib.request.Request(f"http://localhost:{port}/tokenize", data=b'{"prompt": "a"}', method="POST")
+        with pytest.raises(urllib.error.HTTPError) as caught:  # the tokenizer endpoints need it too
+            urllib.request.urlopen(request, timeout=10)
+        assert caught.value.code == 401
     finally:
         process.terminate()
         process.wait(30)

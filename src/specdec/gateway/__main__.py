@@ -13,7 +13,7 @@ import sys
 
 from aiohttp import web
 
-from specdec.gateway.app import Gateway, token_text_from
+from specdec.gateway.app import Gateway
 from specdec.gateway.tools import PARSERS
 from specdec.gateway.upstream import Upstream
 
@@ -33,7 +33,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--port", type=int, default=int(os.environ.get("OPENAI_PORT", DEFAULT_PORT)))
     parser.add_argument("--served-model-name", action="append", default=[],
                         help="the model name clients send (repeatable: aliases); the first is listed first")
-    parser.add_argument("--tokenizer", default="", help="the target's tokenizer (the text of log-probabilities' tokens, and of echoed token-id prompts)")
+    parser.add_argument("--tokenizer", default="", help="the target's tokenizer (the text of log-probabilities' tokens and of echoed token-id prompts; "
+                             "the tokenizer endpoints)")
+    parser.add_argument("--max-model-len", type=int, default=0,
+                        help="the server's context in tokens, as model cards and /tokenize report it (0: not known)")
     parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV, ""),
                         help=f"require this key (default: ${API_KEY_ENV}; none: no check)")
     parser.add_argument("--tool-call-parser", choices=PARSERS, default=None,
@@ -47,14 +50,13 @@ def main(argv: list[str] | None = None) -> int:
     if not args.served_model_name:
         log("--served-model-name is required (the name clients send as `model`)")
         return 2
-    token_text = decode = None
+    tokenizer = None
     if args.tokenizer:
         from specdec.decoding.text import load_tokenizer
 
         tokenizer = load_tokenizer(args.tokenizer)
-        token_text, decode = token_text_from(tokenizer), tokenizer.decode
-    gateway = Gateway(Upstream(args.grpc_url), tuple(args.served_model_name), token_text, args.api_key or None,
-                      args.tool_call_parser, decode)
+    gateway = Gateway(Upstream(args.grpc_url), tuple(args.served_model_name), tokenizer, args.api_key or None,
+                      args.tool_call_parser, args.max_model_len)
     log(f"OpenAI API: http://{args.host}:{args.port}/v1 (models {', '.join(args.served_model_name)}; "
         f"server {args.grpc_url}; API key {'required' if args.api_key else 'not required'})")
     web.run_app(gateway.app(), host=args.host, port=args.port, print=None, access_log=None,

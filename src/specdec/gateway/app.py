@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP API (aiohttp): /v1/chat/completions, /v1/completions, /v1/models, /health.
+"""The OpenAI-compatible HTTP API (aiohttp): /v1/chat/completions, /v1/completions, /v1/models, /health, and
+vLLM's tokenizer endpoints (/tokenize, /detokenize, /tokenizer_info).
 
 Each request becomes one gRPC stream of the ensemble (upstream.py); a streamed answer goes out as
 Server-Sent Events chunk by chunk as the server accepts tokens. A client that goes away (before its first
@@ -19,12 +20,13 @@ from typing import Callable
 from aiohttp import web
 
 from specdec import tensor_names as tn
-from specdec.gateway import protocol, tools
+from specdec.gateway import protocol, tokenization, tools
 from specdec.gateway.protocol import STATS_FIELD, ApiError, Generation
 from specdec.gateway.upstream import Piece, Upstream
 
 TokenText = Callable[[int], str]  # a token id's text (for log-probabilities)
 API_PREFIX = "/v1/"
+TOKENIZER_PATHS = frozenset({"/tokenize", "/detokenize", "/tokenizer_info"})  # vLLM's, at the root
 HEALTH_PATH = "/health"
 
 
@@ -33,12 +35,15 @@ def error_response(error: ApiError) -> web.Response:
 
 
 class Gateway:
-    def __init__(self, upstream: Upstream, served: tuple[str, ...], token_text: TokenText | None,
-                 api_key: str | None = None, tool_parser: str | None = None,
-                 decode: Callable[[list[int]], str] | None = None):
-        self.upstream, self.served, self.token_text, self.api_key = upstream, served, token_text, api_key
-        self.decode = decode  # token ids' text (the tokenizer's): an echoed prompt given as token ids
+    def __init__(self, upstream: Upstream, served: tuple[str, ...], tokenizer=None, api_key: str | None = None,
+                 tool_parser: str | None = None, max_model_len: int = 0):
+        """tokenizer: the target's (a transformers tokenizer), for the text of log-probabilities' tokens and of
+        echoed token-id prompts, and the tokenizer endpoints; None: tokens show as `token_id:N`, and those
+        need it. max_model_len: the server's context in tokens (model cards, /tokenize; 0: not known)."""
+        self.upstream, self.served, self.tokenizer, self.api_key = upstream, served, tokenizer, api_key
+        self.token_text: TokenText | None = token_text_from(tokenizer) if tokenizer is not None else None
         self.tool_parser = tool_parser  # tools.PARSERS: how the model writes calls (tool_choice "auto")
+        self.max_model_len = max_model_len
         self.created = int(time.time())
 
     def app(self) -> web.Application:
@@ -48,12 +53,15 @@ class Gateway:
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model}", self.model)
         app.router.add_get(HEALTH_PATH, self.health)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
+        app.router.add_get("/tokenizer_info", self.tokenizer_info)
         app.on_cleanup.append(lambda _app: self.upstream.close())
         return app
 
     @web.middleware
     async def _errors(self, request: web.Request, handler):
-        if self.api_key and request.path.startswith(API_PREFIX):
+        if self.api_key and (request.path.startswith(API_PREFIX) or request.path in TOKENIZER_PATHS):
             given = request.headers.get("Authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
                 return error_response(ApiError(401, "Incorrect API key provided (Authorization: Bearer <key>)",
@@ -79,7 +87,7 @@ class Gateway:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         gen = protocol.parse_completion(await self._body(request), self.served)
-        if gen.echo and self.decode is None and any(not isinstance(prompt, str) for prompt in gen.echo):
+        if gen.echo and self.tokenizer is None and any(not isinstance(prompt, str) for prompt in gen.echo):
             raise protocol.invalid("echo", "of a prompt of token ids needs the API's tokenizer (--tokenizer)")
         return await self._answer(request, gen)
 
@@ -93,7 +101,26 @@ class Gateway:
         return web.json_response(self._model_card(name))
 
     def _model_card(self, name: str) -> dict:
-        return {"id": name, "object": "model", "created": self.created, "owned_by": "specdec"}
+        card = {"id": name, "object": "model", "created": self.created, "owned_by": "specdec"}
+        if self.max_model_len:  # as vLLM's cards say it
+            card["max_model_len"] = self.max_model_len
+        return card
+
+    def _tokenizer(self):
+        if self.tokenizer is None:
+            raise ApiError(404, "the tokenizer endpoints need the API's tokenizer (--tokenizer)", code="not_found")
+        return self.tokenizer
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        tokenizer = self._tokenizer()
+        return web.json_response(tokenization.tokenize(tokenizer, await self._body(request), self.max_model_len))
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        tokenizer = self._tokenizer()
+        return web.json_response(tokenization.detokenize(tokenizer, await self._body(request)))
+
+    async def tokenizer_info(self, request: web.Request) -> web.Response:
+        return web.json_response(tokenization.tokenizer_info(self._tokenizer(), self.max_model_len))
 
     async def health(self, request: web.Request) -> web.Response:
         if await self.upstream.ready():
@@ -124,7 +151,7 @@ class Gateway:
         if not first:
             return piece
         prompt = gen.echo[index]
-        return replace(piece, text=(prompt if isinstance(prompt, str) else self.decode(prompt)) + piece.text)
+        return replace(piece, text=(prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)) + piece.text)
 
     @staticmethod
     def _finish_reason(piece: Piece) -> str | None:

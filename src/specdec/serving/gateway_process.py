@@ -14,6 +14,7 @@ from specdec.serving.healthcheck import gateway_url
 from specdec.serving.pairs import log
 
 _TOKENIZER = re.compile(r'key: "tokenizer_path", value: \{ string_value: "([^"]*)" \}')
+_CONTEXT = re.compile(r'key: "max_context_tokens", value: \{ string_value: "([0-9]+)" \}')
 
 
 def repository_tokenizer(repo: Path) -> str:
@@ -25,6 +26,15 @@ def repository_tokenizer(repo: Path) -> str:
     return match.group(1) if match else ""
 
 
+def repository_context(repo: Path) -> int:
+    """The context (tokens) the rendered repository's orchestrator admits requests within (0: not found)."""
+    try:
+        match = _CONTEXT.search((repo / "speculative_decoding" / "config.pbtxt").read_text())
+    except OSError:
+        return 0
+    return int(match.group(1)) if match else 0
+
+
 def default_model_name(tokenizer_path: str) -> str:
     """The name clients send as `model` unless --served-model-name says otherwise: the target's directory
     (or GGUF file) name, as vLLM names a model by its path."""
@@ -34,7 +44,7 @@ def default_model_name(tokenizer_path: str) -> str:
 
 class GatewayProcess:
     def __init__(self, port: int, grpc_port: int, names: list[str], tokenizer: str, drain_timeout_s: float,
-                 env: dict[str, str], tool_call_parser: str | None = None):
+                 env: dict[str, str], tool_call_parser: str | None = None, max_model_len: int = 0):
         self.port = port
         self.command = [sys.executable, "-m", "specdec.gateway", "--port", str(port),
                         "--grpc-url", f"127.0.0.1:{grpc_port}", "--drain-timeout", str(drain_timeout_s),
@@ -43,6 +53,8 @@ class GatewayProcess:
             self.command += ["--tokenizer", tokenizer]
         if tool_call_parser:
             self.command += ["--tool-call-parser", tool_call_parser]
+        if max_model_len:
+            self.command += ["--max-model-len", str(max_model_len)]
         self.env, self.drain_timeout_s = env, drain_timeout_s
         self.process: subprocess.Popen | None = None
         self.restarts = 0

@@ -44,7 +44,7 @@ from pathlib import Path
 from specdec import tensor_names as tn
 from specdec.serving import mps, pairs, repository
 from specdec.gateway.tools import PARSERS as TOOL_CALL_PARSERS
-from specdec.serving.gateway_process import GatewayProcess, default_model_name, repository_tokenizer
+from specdec.serving.gateway_process import GatewayProcess, default_model_name, repository_context, repository_tokenizer
 from specdec.serving.healthcheck import (
     READY_PATH, ReadinessEndpoint, answers, drain_marker, gateway_url, health_port, is_ready, openai_port, ready_url,
 )
@@ -397,7 +397,8 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         tokenizer = repository_tokenizer(repo)
         gateway = GatewayProcess(openai_port(), grpc_port, args.served_model_name or [default_model_name(tokenizer)],
-                                 tokenizer, args.drain_timeout, dict(os.environ), args.tool_call_parser)
+                                 tokenizer, args.drain_timeout, dict(os.environ), args.tool_call_parser,
+                                 repository_context(repo))
     watchdog = None
     if args.heal:
         # Reloading one model in place needs explicit model control; without it the watchdog heals by

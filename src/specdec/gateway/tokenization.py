@@ -1,0 +1,68 @@
+"""vLLM's tokenizer endpoints, which evaluation and benchmark clients use to tokenize with the server's own
+tokenizer (lm-eval's `local-completions` picks them up by itself: `tokenizer_backend=remote`, its default
+`auto` when the server has them): `POST /tokenize`, `POST /detokenize`, `GET /tokenizer_info`. Pure: a request
+body and the tokenizer in, the response body out (ApiError naming the field otherwise). docs/openai.md.
+"""
+
+from __future__ import annotations
+
+from specdec.decoding.text import chat_ids
+from specdec.gateway.protocol import ApiError, chat_messages, invalid
+
+# The special tokens a tokenizer_info answer names (vLLM's answer is the tokenizer's settings; these are
+# what lm-eval's remote tokenizer reads of it, with the chat template).
+SPECIAL_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token")
+
+
+def _flag(body: dict, name: str, default: bool) -> bool:
+    value = body.get(name, default)
+    if not isinstance(value, bool):
+        raise invalid(name, "must be a boolean")
+    return value
+
+
+def tokenize(tokenizer, body: dict, max_model_len: int) -> dict:
+    """`{"prompt": text}` (`add_special_tokens`, default true) or `{"messages": [...]}` (the chat template
+    with the assistant's turn opened, as the chat endpoint renders it: `count` is its `prompt_tokens`) ->
+    `{"count", "max_model_len", "tokens", "token_strs"}` (`token_strs` with `return_token_strs`)."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    if ("prompt" in body) == ("messages" in body):
+        raise invalid("prompt", "send a prompt (a string) or messages, one of them")
+    if "prompt" in body:
+        if not isinstance(body["prompt"], str):
+            raise invalid("prompt", "must be a string")
+        ids = tokenizer.encode(body["prompt"], add_special_tokens=_flag(body, "add_special_tokens", True))
+    else:
+        if not getattr(tokenizer, "chat_template", None):
+            raise invalid("messages", "the model's tokenizer has no chat template")
+        if not _flag(body, "add_generation_prompt", True):
+            raise invalid("add_generation_prompt", "only true is supported (the assistant's turn opened)")
+        try:
+            ids = chat_ids(tokenizer, chat_messages(body), None, "messages")
+        except ValueError as exc:
+            raise invalid("messages", str(exc)) from None
+    strings = tokenizer.convert_ids_to_tokens(ids) if _flag(body, "return_token_strs", False) else None
+    return {"count": len(ids), "max_model_len": max_model_len, "tokens": list(ids), "token_strs": strings}
+
+
+def detokenize(tokenizer, body: dict) -> dict:
+    """`{"tokens": [ids]}` -> `{"prompt": text}` (special tokens kept, as vLLM decodes them)."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    ids = body.get("tokens")
+    size = len(tokenizer)
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < size
+                                            for t in ids):
+        raise invalid("tokens", f"must be a list of token ids within [0, {size})")
+    return {"prompt": tokenizer.decode(ids)}
+
+
+def tokenizer_info(tokenizer, max_model_len: int) -> dict:
+    """The tokenizer's class, special tokens, chat template and the model's context length."""
+    info = {"tokenizer_class": type(tokenizer).__name__, "model_max_length": max_model_len or None,
+            "chat_template": getattr(tokenizer, "chat_template", None)}
+    for name in SPECIAL_TOKENS:
+        token = getattr(tokenizer, name, None)
+        info[name] = token if isinstance(token, str) else None
+    return info
