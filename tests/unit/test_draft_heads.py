@@ -144,6 +144,26 @@ def test_greedy_speculation_with_a_random_head_equals_target_only(tiny_lm, kind,
     assert not proposer.lm.sequences  # released at the end
 
 
+@pytest.mark.parametrize("executor", ["dynamic", "static"])
+def test_a_heads_first_round_scores_the_prompt_and_drafts_on(tiny_lm, executor):
+    """prompt_log_probs with a head: the first round's features are every prompt row's, the prompt's scores
+    the target's, and the generation the one target-only decoding gives."""
+    import asyncio
+
+    proposer, scorer = pair(tiny_lm, EAGLE3, executor=executor)
+
+    async def run():
+        req = GenerationRequest(seq_id=21, prompt_ids=PROMPT, max_tokens=16, prompt_log_probs=True)
+        return [rnd async for rnd in generate(req, proposer, scorer, DraftLengthPolicy.fixed(3))]
+    rounds = asyncio.run(run())
+    assert [t for rnd in rounds for t in rnd.new_tokens] == reference_greedy(tiny_lm, PROMPT, 16)
+    assert sum(rnd.num_drafted for rnd in rounds[1:]) > 0
+    with torch.no_grad():
+        rows = torch.log_softmax(tiny_lm(torch.tensor([PROMPT])).logits[0, :-1].double(), -1)
+    assert torch.allclose(torch.tensor(rounds[0].prompt_log_probs, dtype=torch.float64),
+                          rows[torch.arange(len(PROMPT) - 1), torch.tensor(PROMPT[1:])], atol=1e-6)
+
+
 def test_a_head_that_copies_the_target_is_accepted_and_its_cache_matches_a_fresh_run(tiny_lm):
     """A Medusa head whose first head is the target's own lm_head drafts the target's next-next token only
     by luck; an EAGLE-1 head is checked differently: after a generation with rejections its cache entries
