@@ -365,6 +365,49 @@ def test_echo_scores_the_prompt_as_evaluation_harnesses_ask(server, api, model):
     assert len(streamed) == len(ids) + 8
 
 
+def test_the_responses_api_answers_as_the_chat_does(server, api, model):
+    """POST /v1/responses through the SDK's `responses.create`: the chat's answer for the same conversation,
+    whole and streamed (its events in order, the deltas joining to the text), usage and status; a named
+    function tool called, a JSON schema followed; a stored response asked for is refused naming the field."""
+    chat = api.chat.completions.create(model=model, messages=CHAT, max_tokens=16, temperature=0)
+    whole = api.responses.create(model=model, instructions=CHAT[0]["content"], input=CHAT[1]["content"],
+                                 max_output_tokens=16, temperature=0)
+    assert whole.output_text == chat.choices[0].message.content and whole.object == "response"
+    assert whole.status == "incomplete" and whole.incomplete_details.reason == "max_output_tokens"
+    assert (whole.usage.input_tokens, whole.usage.output_tokens) == (chat.usage.prompt_tokens, 16)
+    events = list(api.responses.create(model=model, input=CHAT, max_output_tokens=16, temperature=0, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.incomplete"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert len(deltas) > 1 and "".join(deltas) == chat.choices[0].message.content == events[-1].response.output_text
+    tool = {"type": "function", "name": "book_table", "description": "Book a table.",
+            "parameters": {"type": "object", "properties": {"guests": {"type": "integer", "maximum": 20},
+                                                            "day": {"enum": ["Friday", "Saturday"]}},
+                           "required": ["guests", "day"], "additionalProperties": False}}
+    for stream in (False, True):
+        out = api.responses.create(model=model, input="Book a table for 2 on Friday.", tools=[tool],
+                                   tool_choice={"type": "function", "name": "book_table"}, max_output_tokens=40,
+                                   temperature=0, stream=stream)
+        final = [e for e in out][-1].response if stream else out
+        (call,) = [item for item in final.output if item.type == "function_call"]
+        assert call.name == "book_table" and set(json.loads(call.arguments)) == {"guests", "day"}
+    schema = {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]}}, "required": ["colour"],
+              "additionalProperties": False}
+    shaped = api.responses.create(model=model, input="A colour, as JSON.", max_output_tokens=40, temperature=0,
+                                  text={"format": {"type": "json_schema", "name": "c", "schema": schema}})
+    assert set(json.loads(shaped.output_text)) == {"colour"}
+    with pytest.raises(openai.BadRequestError) as caught:
+        api.responses.create(model=model, input="x", previous_response_id="resp_1")
+    assert caught.value.body["param"] == "previous_response_id"
+    with pytest.raises(openai.BadRequestError) as caught:  # the server's refusal, named as this API names it
+        api.responses.create(model=model, input="x", max_output_tokens=10**7)
+    assert caught.value.body["param"] == "max_output_tokens"
+
+
 def _post(url: str, body: dict) -> dict:
     request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
                                      headers={"Content-Type": "application/json"})

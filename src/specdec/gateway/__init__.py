@@ -3,9 +3,11 @@ talking to the ensemble over gRPC; the launcher runs it beside the server (OPENA
 
   protocol   OpenAI requests checked and mapped onto the ensemble's inputs; response objects, errors (pure)
   tools      tool calls: the schemas that force them, the parsers that read them, their streaming (pure)
+  responses  OpenAI's Responses API on the chat path: the request mapped, the response object, its events (pure)
   tokenization  vLLM's tokenizer endpoints: /tokenize, /detokenize, /tokenizer_info (pure)
   upstream   one ensemble gRPC stream per request (tritonclient asyncio), cancelled when the caller leaves
-  app        the HTTP endpoints (aiohttp): chat, completions, models, health, the tokenizer's; streaming, API keys
+  app        the HTTP endpoints (aiohttp): chat, completions, responses, models, health, the tokenizer's;
+             streaming, API keys
   __main__   the command line
 
 May import: `specdec.tensor_names` and `specdec.decoding.text` (the tokenizer: log-probabilities' tokens, echoed

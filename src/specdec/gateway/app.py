@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP API (aiohttp): /v1/chat/completions, /v1/completions, /v1/models, /health, and
+"""The OpenAI-compatible HTTP API (aiohttp): /v1/chat/completions, /v1/completions, /v1/responses, /v1/models,
+/health, and
 vLLM's tokenizer endpoints (/tokenize, /detokenize, /tokenizer_info).
 
 Each request becomes one gRPC stream of the ensemble (upstream.py); a streamed answer goes out as
@@ -20,7 +21,7 @@ from typing import Callable
 from aiohttp import web
 
 from specdec import tensor_names as tn
-from specdec.gateway import protocol, tokenization, tools
+from specdec.gateway import protocol, responses, tokenization, tools
 from specdec.gateway.protocol import STATS_FIELD, ApiError, Generation
 from specdec.gateway.upstream import Piece, Upstream
 
@@ -50,6 +51,7 @@ class Gateway:
         app = web.Application(middlewares=[self._errors], client_max_size=16 * 1024 * 1024)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/responses", self.responses)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model}", self.model)
         app.router.add_get(HEALTH_PATH, self.health)
@@ -90,6 +92,116 @@ class Gateway:
         if gen.echo and self.tokenizer is None and any(not isinstance(prompt, str) for prompt in gen.echo):
             raise protocol.invalid("echo", "of a prompt of token ids needs the API's tokenizer (--tokenizer)")
         return await self._answer(request, gen)
+
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        """The Responses API: the chat request it stands for, answered as a `response` (responses.py)."""
+        body = await self._body(request)
+        try:
+            gen = protocol.parse_chat(responses.chat_body(body), self.served, self.tool_parser)
+            async with contextlib.AsyncExitStack() as stack:
+                stream = await stack.enter_async_context(contextlib.aclosing(
+                    self.upstream.generate(gen.choices[0], False)))
+                firsts = await _first_pieces([stream])  # errors before the first token are plain HTTP errors
+                pieces = await stack.enter_async_context(contextlib.aclosing(_merged([stream], firsts)))
+                if gen.stream:
+                    return await self._stream_response(request, gen, body, pieces)
+                merged = Piece()
+                async for _, piece in pieces:
+                    merged.text += piece.text
+                    merged.ids += piece.ids
+                    merged.finish_reason = piece.finish_reason or merged.finish_reason
+                    merged.stats.update(piece.stats)
+                text, reason, calls = self._answer_calls(gen, merged.text, self._finish_reason(merged))
+                return web.json_response(responses.response_object(
+                    gen, body, responses.status_of(reason), responses.output_items(text, calls),
+                    self._response_usage(merged.stats, len(merged.ids)), protocol.combined_stats([merged.stats])))
+        except ApiError as exc:
+            raise responses.renamed(exc) from None
+
+    @staticmethod
+    def _answer_calls(gen: Generation, text: str, reason: str | None) -> tuple[str | None, str | None, list[dict]]:
+        """A whole answer's (content, OpenAI's finish reason, tool calls)."""
+        if gen.tools is None:
+            return text, reason, []
+        content, found = tools.split_output(text, gen.tools)
+        return content, (gen.tools.finish_reason(reason) if found else reason), found
+
+    @staticmethod
+    def _response_usage(stats: dict, received: int) -> dict:
+        return responses.usage(int(stats.get(tn.NUM_INPUT_TOKENS, 0)),
+                               max(received, int(stats.get(tn.NUM_OUTPUT_TOKENS, 0))))
+
+    async def _stream_response(self, request: web.Request, gen: Generation, body: dict, pieces) -> web.StreamResponse:
+        """The Responses API's events: created, in_progress, the message's item and text part added, its
+        text deltas as the server accepts tokens, their done events, completed (or incomplete). With tools,
+        the answer is read whole at its end (content and function calls), then sent as those events."""
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                               "X-Accel-Buffering": "no"})
+        await response.prepare(request)
+        number = iter(range(1 << 62))
+
+        async def send(kind: str, **fields) -> None:
+            await response.write(responses.event(kind, next(number), **fields))
+
+        started = responses.response_object(gen, body, "in_progress", [])
+        await send("response.created", response=started)
+        await send("response.in_progress", response=started)
+        item_id, text, merged, opened = "msg_" + gen.id, "", Piece(), False
+
+        async def open_message() -> None:
+            await send("response.output_item.added", output_index=0,
+                       item=responses.message_item("", "in_progress", item_id))
+            await send("response.content_part.added", item_id=item_id, output_index=0, content_index=0,
+                       part=responses.output_text(""))
+        try:
+            async for _, piece in pieces:
+                merged.ids += piece.ids
+                merged.text += piece.text
+                merged.finish_reason = piece.finish_reason or merged.finish_reason
+                merged.stats.update(piece.stats)
+                if gen.tools is None and piece.text:
+                    if not opened:
+                        await open_message()
+                        opened = True
+                    text += piece.text
+                    await send("response.output_text.delta", item_id=item_id, output_index=0, content_index=0,
+                               delta=piece.text, logprobs=[])
+            content, reason, calls = self._answer_calls(gen, merged.text, self._finish_reason(merged))
+            output = []
+            if content or not calls:
+                if not opened:
+                    await open_message()
+                    if content:
+                        await send("response.output_text.delta", item_id=item_id, output_index=0, content_index=0,
+                                   delta=content, logprobs=[])
+                content = content or ""
+                await send("response.output_text.done", item_id=item_id, output_index=0, content_index=0,
+                           text=content, logprobs=[])
+                await send("response.content_part.done", item_id=item_id, output_index=0, content_index=0,
+                           part=responses.output_text(content))
+                output.append(responses.message_item(content, "completed", item_id))
+                await send("response.output_item.done", output_index=0, item=output[-1])
+            for call in calls:
+                item = responses.function_call_item(call)
+                index = len(output)
+                await send("response.output_item.added", output_index=index, item={**item, "arguments": "",
+                                                                                     "status": "in_progress"})
+                await send("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                           delta=item["arguments"])
+                await send("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                           arguments=item["arguments"], name=item["name"])
+                output.append(item)
+                await send("response.output_item.done", output_index=index, item=item)
+            status = responses.status_of(reason)
+            await send("response.completed" if status == "completed" else "response.incomplete",
+                       response=responses.response_object(gen, body, status, output,
+                                                          self._response_usage(merged.stats, len(merged.ids)),
+                                                          protocol.combined_stats([merged.stats])))
+        except ApiError as exc:  # after the stream began: an error event
+            error = responses.renamed(exc)
+            await send("error", code=error.code, message=error.message, param=error.param)
+        await response.write_eof()
+        return response
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [self._model_card(name) for name in self.served]})

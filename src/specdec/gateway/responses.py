@@ -1,0 +1,213 @@
+"""OpenAI's Responses API (`POST /v1/responses`), on the chat path: a request becomes the chat request it
+stands for (protocol.parse_chat checks and maps that onto the ensemble's inputs), its answer a `response`
+object, streamed as the Responses API's events. Pure. Stateless, as a server of open models is: nothing is
+stored, so `previous_response_id` is refused (send the conversation in `input`). docs/openai.md.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+from specdec.gateway import tools
+from specdec.gateway.protocol import (CHAT_FIELDS, IGNORED_FIELDS, STATS_FIELD, ApiError, Generation, invalid)
+
+# What the Responses API names differently, or has and chat has not; the rest of the chat's fields (OpenAI's
+# sampling settings, vLLM's extras, this server's speculative settings) are taken as chat takes them.
+OWN_FIELDS = ("input", "instructions", "max_output_tokens", "text", "previous_response_id", "truncation",
+              "reasoning", "include", "background", "max_tool_calls", "top_logprobs", "conversation")
+CHAT_ONLY = {"messages", "max_tokens", "max_completion_tokens", "response_format", "n", "logprobs", "top_logprobs",
+             "stream_options", "functions", "function_call"}
+FIELDS = (*OWN_FIELDS, *(name for name in CHAT_FIELDS if name not in CHAT_ONLY), *IGNORED_FIELDS)
+# A chat field named in an error -> the Responses field it came from
+RENAMED = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format"}
+
+
+def renamed(error: ApiError) -> ApiError:
+    """An error about the chat request, about the Responses request it came from."""
+    param = error.param
+    if param:
+        head, dot, rest = param.partition(".")
+        head, bracket, index = head.partition("[")
+        param = RENAMED.get(head, head) + (bracket + index) + (dot + rest)
+    return ApiError(error.status, error.message, param, error.code)
+
+
+def _text(content, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text") \
+                    or not isinstance(part.get("text"), str):
+                raise invalid(f"{where}.content[{j}]", "only text parts (input_text, output_text) are supported")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise invalid(f"{where}.content", "must be a string or a list of text parts")
+
+
+def _messages(body: dict) -> list[dict]:
+    """`instructions` and `input` as a chat's messages: messages by role, function calls as the assistant's
+    tool_calls, their outputs as tool messages."""
+    messages = []
+    instructions = body.get("instructions")
+    if instructions is not None:
+        if not isinstance(instructions, str):
+            raise invalid("instructions", "must be a string")
+        messages.append({"role": "system", "content": instructions})
+    given = body.get("input")
+    if isinstance(given, str):
+        return messages + [{"role": "user", "content": given}]
+    if not isinstance(given, list) or not given:
+        raise invalid("input", "is required: a string or a non-empty list of input items")
+    for i, item in enumerate(given):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise invalid(where, "must be an object")
+        kind = item.get("type", "message")
+        if kind == "message":
+            if item.get("role") not in ("user", "system", "developer", "assistant"):
+                raise invalid(f"{where}.role", "must be user, system, developer or assistant")
+            messages.append({"role": item["role"], "content": _text(item.get("content"), where)})
+        elif kind == "function_call":
+            if not all(isinstance(item.get(key), str) for key in ("call_id", "name", "arguments")):
+                raise invalid(where, "a function_call needs call_id, name and arguments (strings)")
+            call = {"id": item["call_id"], "type": "function",
+                    "function": {"name": item["name"], "arguments": item["arguments"]}}
+            if messages and messages[-1]["role"] == "assistant" and "tool_calls" in messages[-1]:
+                messages[-1]["tool_calls"].append(call)  # parallel calls: one assistant turn
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            if not isinstance(item.get("call_id"), str) or not isinstance(item.get("output"), str):
+                raise invalid(where, "a function_call_output needs call_id and output (strings)")
+            messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
+        else:
+            raise invalid(f"{where}.type", f"{json.dumps(kind)[:40]} is not supported (messages, function_call and "
+                                            "function_call_output are)")
+    return messages
+
+
+def _tools(body: dict) -> dict:
+    """`tools` and `tool_choice` in the chat's form (the Responses API's function tools are flat)."""
+    out = {}
+    given = body.get("tools")
+    if given is not None:
+        if not isinstance(given, list):
+            raise invalid("tools", "must be a list of function tools")
+        out["tools"] = []
+        for i, tool in enumerate(given):
+            if not isinstance(tool, dict) or tool.get("type") != "function":
+                raise invalid(f"tools[{i}].type", "only function tools are supported")
+            function = {key: tool[key] for key in ("name", "description", "parameters", "strict") if key in tool}
+            out["tools"].append({"type": "function", "function": function})
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict):
+        if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+            raise invalid("tool_choice", "must be none, auto, required or {\"type\": \"function\", \"name\": ...}")
+        choice = {"type": "function", "function": {"name": choice["name"]}}
+    if choice is not None:
+        out["tool_choice"] = choice
+    return out
+
+
+def _format(body: dict) -> dict:
+    """`text.format` as the chat's `response_format`."""
+    text = body.get("text")
+    if text is None:
+        return {}
+    if not isinstance(text, dict):
+        raise invalid("text", "must be an object")
+    fmt = text.get("format")
+    if fmt is None:
+        return {}
+    if not isinstance(fmt, dict):
+        raise invalid("text.format", "must be an object")
+    if fmt.get("type") == "json_schema":
+        if not isinstance(fmt.get("schema"), dict):
+            raise invalid("text.format.schema", "must be a JSON schema object")
+        return {"response_format": {"type": "json_schema",
+                                    "json_schema": {"name": fmt.get("name", "output"), "schema": fmt["schema"]}}}
+    return {"response_format": {"type": fmt.get("type")}}
+
+
+def chat_body(body: dict) -> dict:
+    """A /v1/responses body -> the /v1/chat/completions body it stands for (ApiError naming the field)."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    unknown = sorted(set(body) - set(FIELDS))
+    if unknown:
+        raise invalid(unknown[0], "unrecognized request argument (not supported by this server)")
+    if body.get("previous_response_id") is not None or body.get("conversation") is not None:
+        name = "previous_response_id" if body.get("previous_response_id") is not None else "conversation"
+        raise invalid(name, "responses are not stored here: send the whole conversation in input")
+    for name, allowed in (("background", (None, False)), ("reasoning", (None, {})), ("include", (None, [])),
+                          ("top_logprobs", (None, 0)), ("max_tool_calls", (None,)),
+                          ("truncation", (None, "disabled", "auto"))):
+        if body.get(name) not in allowed:
+            raise invalid(name, "is not supported here")
+    chat = {key: value for key, value in body.items() if key not in OWN_FIELDS and key not in ("tools", "tool_choice")}
+    chat["messages"] = _messages(body)
+    if body.get("max_output_tokens") is not None:
+        chat["max_tokens"] = body["max_output_tokens"]
+    return {**chat, **_tools(body), **_format(body)}
+
+
+def output_items(text: str | None, calls: list[dict]) -> list[dict]:
+    """A whole answer's output: its message (when it has text, or nothing called) and its function calls."""
+    items = []
+    if text or not calls:
+        items.append(message_item(text or "", "completed"))
+    items += [function_call_item(call) for call in calls]
+    return items
+
+
+def message_item(text: str, status: str, item_id: str | None = None) -> dict:
+    return {"type": "message", "id": item_id or "msg_" + uuid.uuid4().hex, "status": status, "role": "assistant",
+            "content": [output_text(text)] if status == "completed" else []}
+
+
+def output_text(text: str) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def function_call_item(call: dict) -> dict:
+    """A call {"name", "arguments"} (tools.split_output's) as a function_call output item."""
+    return {"type": "function_call", "id": "fc_" + uuid.uuid4().hex, "call_id": tools.call_id(), "name": call["name"],
+            "arguments": call["arguments"], "status": "completed"}
+
+
+def response_object(gen: Generation, body: dict, status: str, output: list[dict], usage: dict | None = None,
+                    stats: dict | None = None) -> dict:
+    """The `response` object (status in_progress, completed or incomplete), echoing the request's settings."""
+    fmt = (body.get("text") or {}).get("format") or {"type": "text"}
+    out = {"id": "resp_" + gen.id, "object": "response", "created_at": gen.created, "status": status,
+           "error": None, "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+           "instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
+           "model": gen.model, "output": output, "parallel_tool_calls": body.get("parallel_tool_calls", True),
+           "previous_response_id": None, "reasoning": None, "store": False,
+           "temperature": body.get("temperature", 1.0), "text": {"format": fmt},
+           "tool_choice": body.get("tool_choice", "auto" if body.get("tools") else "none"),
+           "tools": body.get("tools") or [], "top_p": body.get("top_p", 1.0), "truncation": "disabled",
+           "usage": usage, "metadata": body.get("metadata") or {}}
+    if stats is not None:
+        out[STATS_FIELD] = stats
+    return out
+
+
+def usage(input_tokens: int, output_tokens: int) -> dict:
+    return {"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": input_tokens + output_tokens}
+
+
+def status_of(finish_reason: str | None) -> str:
+    """A finish reason (OpenAI's chat form) as the response's status."""
+    return "incomplete" if finish_reason == "length" else "completed"
+
+
+def event(kind: str, number: int, **fields) -> bytes:
+    """One streamed event, as OpenAI sends them (its type as the SSE event name and in the data)."""
+    data = json.dumps({"type": kind, "sequence_number": number, **fields}, separators=(",", ":"))
+    return f"event: {kind}\ndata: {data}\n\n".encode("utf-8")

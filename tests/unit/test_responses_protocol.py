@@ -1,0 +1,91 @@
+"""The Responses API's mapping onto the chat path (gateway/responses.py): input items, instructions, tools,
+text formats, refusals naming the Responses API's own fields; the response object and its events."""
+
+import json
+
+import pytest
+
+from specdec import tensor_names as tn
+from specdec.gateway.protocol import ApiError, parse_chat
+from specdec.gateway.responses import (chat_body, event, output_items, renamed, response_object, status_of,
+                                       usage)
+
+SERVED = ("m",)
+
+
+def test_a_string_input_with_instructions_is_a_system_and_a_user_message():
+    chat = chat_body({"model": "m", "input": "Hi", "instructions": "Be terse.", "max_output_tokens": 7,
+                      "temperature": 0, "num_draft_tokens": 3})
+    assert chat["messages"] == [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi"}]
+    assert chat["max_tokens"] == 7 and chat["temperature"] == 0 and chat["num_draft_tokens"] == 3
+    gen = parse_chat(chat, SERVED)  # the chat path takes it as it is
+    assert json.loads(gen.choices[0][tn.MESSAGES][0, 0])[1]["content"] == "Hi" and gen.n == 1
+
+
+def test_input_items_become_messages_calls_and_tool_results():
+    items = [{"role": "developer", "content": [{"type": "input_text", "text": "Use tools."}]},
+             {"type": "message", "role": "user", "content": "Weather in Oslo?"},
+             {"type": "function_call", "call_id": "c1", "name": "weather", "arguments": "{\"city\": \"Oslo\"}"},
+             {"type": "function_call", "call_id": "c2", "name": "weather", "arguments": "{\"city\": \"Bergen\"}"},
+             {"type": "function_call_output", "call_id": "c1", "output": "rain"},
+             {"role": "assistant", "content": [{"type": "output_text", "text": "Rain."}]}]
+    messages = chat_body({"input": items})["messages"]
+    assert [m["role"] for m in messages] == ["developer", "user", "assistant", "tool", "assistant"]
+    assert [c["id"] for c in messages[2]["tool_calls"]] == ["c1", "c2"]  # parallel calls: one turn
+    assert messages[3] == {"role": "tool", "tool_call_id": "c1", "content": "rain"} and messages[4]["content"] == "Rain."
+
+
+def test_flat_function_tools_and_a_named_choice_take_the_chats_form():
+    tool = {"type": "function", "name": "weather", "parameters": {"type": "object", "properties": {}}}
+    chat = chat_body({"input": "x", "tools": [tool], "tool_choice": {"type": "function", "name": "weather"}})
+    assert chat["tools"] == [{"type": "function", "function": {"name": "weather", "parameters": tool["parameters"]}}]
+    assert chat["tool_choice"] == {"type": "function", "function": {"name": "weather"}}
+    gen = parse_chat(chat, SERVED)
+    assert gen.tools is not None and gen.tools.names == ("weather",)
+
+
+def test_text_formats_become_structured_output():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    chat = chat_body({"input": "x", "text": {"format": {"type": "json_schema", "name": "a", "schema": schema}}})
+    assert chat["response_format"] == {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}
+    assert chat_body({"input": "x", "text": {"format": {"type": "text"}}})["response_format"] == {"type": "text"}
+
+
+@pytest.mark.parametrize("body,param", [
+    ({}, "input"), ({"input": []}, "input"), ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role"),
+    ({"input": [{"type": "image", "url": "x"}]}, "input[0].type"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input[0].content[0]"),
+    ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"input": "x", "reasoning": {"effort": "high"}}, "reasoning"), ({"input": "x", "messages": []}, "messages"),
+    ({"input": "x", "text": {"format": {"type": "json_schema"}}}, "text.format.schema"),
+    ({"input": "x", "instructions": 3}, "instructions")])
+def test_refusals_name_the_responses_field(body, param):
+    with pytest.raises(ApiError) as caught:
+        chat_body(body)
+    assert caught.value.param == param
+
+
+def test_the_chats_errors_are_renamed_to_the_fields_they_came_from():
+    with pytest.raises(ApiError) as caught:
+        parse_chat(chat_body({"input": "x", "max_output_tokens": "many"}), SERVED)
+    assert renamed(caught.value).param == "max_output_tokens"
+    assert renamed(ApiError(400, "m", "messages[2].content")).param == "input[2].content"
+    assert renamed(ApiError(400, "m", "response_format.type")).param == "text.format.type"
+    assert renamed(ApiError(400, "m", "temperature")).param == "temperature"
+
+
+def test_the_response_object_and_its_events():
+    gen = parse_chat(chat_body({"input": "x", "max_output_tokens": 5}), SERVED)
+    items = output_items("Hello", [])
+    body = response_object(gen, {"input": "x", "max_output_tokens": 5}, status_of("length"), items, usage(3, 5))
+    assert body["object"] == "response" and body["id"].startswith("resp_") and body["status"] == "incomplete"
+    assert body["incomplete_details"] == {"reason": "max_output_tokens"} and body["usage"]["total_tokens"] == 8
+    assert body["output"][0]["content"][0] == {"type": "output_text", "text": "Hello", "annotations": [], "logprobs": []}
+    called = output_items(None, [{"name": "f", "arguments": "{}"}])
+    assert [item["type"] for item in called] == ["function_call"] and called[0]["call_id"].startswith("call_")
+    raw = event("response.output_text.delta", 4, delta="Hi").decode()
+    head, data = raw.split("\n")[:2]
+    assert head == "event: response.output_text.delta" and raw.endswith("\n\n")
+    assert json.loads(data.removeprefix("data: ")) == {"type": "response.output_text.delta", "sequence_number": 4,
+                                                       "delta": "Hi"}
