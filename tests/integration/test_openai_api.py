@@ -395,6 +395,14 @@ def test_the_responses_api_answers_as_the_chat_does(server, api, model):
         final = [e for e in out][-1].response if stream else out
         (call,) = [item for item in final.output if item.type == "function_call"]
         assert call.name == "book_table" and set(json.loads(call.arguments)) == {"guests", "day"}
+        assert final.status == "completed"
+    # The SDK's stream helper, which checks each item's identity from added to done and builds the answer
+    with api.responses.stream(model=model, input="Book a table for 2 on Friday.", tools=[tool], temperature=0,
+                              tool_choice={"type": "function", "name": "book_table"}, max_output_tokens=40) as events:
+        for _ in events:
+            pass
+        built = events.get_final_response()
+    assert [item.type for item in built.output] == ["function_call"] and built.output[0].arguments == call.arguments
     schema = {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]}}, "required": ["colour"],
               "additionalProperties": False}
     shaped = api.responses.create(model=model, input="A colour, as JSON.", max_output_tokens=40, temperature=0,
