@@ -141,8 +141,10 @@ def main() -> None:
     parser.add_argument("--out", help="also write the table here")
     parser.add_argument("--results", metavar="NAME", help="also write it as docs/results/<date>-NAME.md")
     args = parser.parse_args()
+    # No chat template: the completions endpoint takes the text as it is (the default pair's text_input would
+    # take one), so both paths send the same prompt
     params = GenerationParams(max_tokens=args.max_tokens, num_draft_tokens=args.num_draft_tokens, adaptive_draft=False,
-                              temperature=0.0, ignore_eos=True)
+                              temperature=0.0, ignore_eos=True, apply_chat_template=False)
     work = Path(tempfile.mkdtemp(prefix="openai-bench-"))
     srv = serving.start(work / "run", work / "server.log", ["--pair", args.pair])
     rows = []
