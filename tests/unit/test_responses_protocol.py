@@ -44,6 +44,14 @@ def test_flat_function_tools_and_a_named_choice_take_the_chats_form():
     assert gen.tools is not None and gen.tools.names == ("weather",)
 
 
+def test_what_agent_sdks_send_unset_is_taken():
+    chat = chat_body({"input": "x", "tools": [], "tool_choice": "auto", "reasoning": {"effort": None}, "include": [],
+                      "stream_options": {"include_obfuscation": False}, "truncation": "auto", "store": False,
+                      "parallel_tool_calls": True})
+    assert "tool_choice" not in chat and "stream_options" not in chat
+    assert parse_chat(chat, SERVED).tools is None
+
+
 def test_text_formats_become_structured_output():
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     chat = chat_body({"input": "x", "text": {"format": {"type": "json_schema", "name": "a", "schema": schema}}})

@@ -15,7 +15,7 @@ from specdec.gateway.protocol import (CHAT_FIELDS, IGNORED_FIELDS, STATS_FIELD, 
 # What the Responses API names differently, or has and chat has not; the rest of the chat's fields (OpenAI's
 # sampling settings, vLLM's extras, this server's speculative settings) are taken as chat takes them.
 OWN_FIELDS = ("input", "instructions", "max_output_tokens", "text", "previous_response_id", "truncation",
-              "reasoning", "include", "background", "max_tool_calls", "top_logprobs", "conversation")
+              "reasoning", "include", "background", "max_tool_calls", "top_logprobs", "conversation", "stream_options")
 CHAT_ONLY = {"messages", "max_tokens", "max_completion_tokens", "response_format", "n", "logprobs", "top_logprobs",
              "stream_options", "functions", "function_call"}
 FIELDS = (*OWN_FIELDS, *(name for name in CHAT_FIELDS if name not in CHAT_ONLY), *IGNORED_FIELDS)
@@ -103,6 +103,8 @@ def _tools(body: dict) -> dict:
             function = {key: tool[key] for key in ("name", "description", "parameters", "strict") if key in tool}
             out["tools"].append({"type": "function", "function": function})
     choice = body.get("tool_choice")
+    if not given and choice == "auto":  # what agent SDKs send with no tools: nothing to choose from
+        choice = None
     if isinstance(choice, dict):
         if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
             raise invalid("tool_choice", "must be none, auto, required or {\"type\": \"function\", \"name\": ...}")
@@ -142,11 +144,13 @@ def chat_body(body: dict) -> dict:
     if body.get("previous_response_id") is not None or body.get("conversation") is not None:
         name = "previous_response_id" if body.get("previous_response_id") is not None else "conversation"
         raise invalid(name, "responses are not stored here: send the whole conversation in input")
-    for name, allowed in (("background", (None, False)), ("reasoning", (None, {})), ("include", (None, [])),
-                          ("top_logprobs", (None, 0)), ("max_tool_calls", (None,)),
-                          ("truncation", (None, "disabled", "auto"))):
+    for name, allowed in (("background", (None, False)), ("include", (None, [])), ("top_logprobs", (None, 0)),
+                          ("max_tool_calls", (None,)), ("truncation", (None, "disabled", "auto"))):
         if body.get(name) not in allowed:
             raise invalid(name, "is not supported here")
+    reasoning = body.get("reasoning")  # clients send it unset ({"effort": null}); a model here does not reason
+    if reasoning is not None and (not isinstance(reasoning, dict) or any(v is not None for v in reasoning.values())):
+        raise invalid("reasoning", "is not supported here (the models served here do not reason apart)")
     chat = {key: value for key, value in body.items() if key not in OWN_FIELDS and key not in ("tools", "tool_choice")}
     chat["messages"] = _messages(body)
     if body.get("max_output_tokens") is not None:
