@@ -103,6 +103,9 @@ NUM_LOGITS = "num_logits"  # INT32 [1]: target returns the last num_logits posit
 # (SCORED_TOP_*); the step's other outputs still cover its last num_logits positions. 0: none (every step
 # but the first of a request that asked for its prompt's log-probabilities).
 SCORE_ROWS = "score_rows"
+# INT32 [1]: the token after the step's new tokens, which its last score row scores when no position is verified
+# after it (a long prompt's chunk: the next chunk's first token); -1: none
+SCORE_NEXT = "score_next"
 SCORED_LOG_PROBS = "scored_log_probs"  # FP32 [-1]
 SCORED_TOP_IDS = "scored_top_ids"  # INT32 [-1, MAX_TOP_LOG_PROBS]
 SCORED_TOP_LOG_PROBS = "scored_top_log_probs"  # FP32 [-1, MAX_TOP_LOG_PROBS]

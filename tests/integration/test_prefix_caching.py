@@ -126,6 +126,26 @@ def test_a_prompt_longer_than_a_chunk_is_sent_in_chunks_and_found_again_whole(ch
     assert again[0][tn.TEXT_OUTPUT] == again[1][tn.TEXT_OUTPUT] == cold[tn.TEXT_OUTPUT]
 
 
+def test_a_long_prompt_is_scored_in_chunks_as_it_is_whole(chunked, server):
+    """return_prompt_log_probs with prefill_chunk_tokens: the prompt reaches the target in chunks that score
+    every row (the last against the next chunk's first token), other requests' rounds between them; the scores
+    equal the unchunked server's, and the generation too."""
+    from client import Client, GenerationParams
+
+    prompt = "Scored in chunks.\n" + (SYSTEM * 5)[:2560] + QUESTIONS[0]  # ~590 tokens: two chunks
+    params = GenerationParams(max_tokens=6, num_draft_tokens=3, adaptive_draft=False, temperature=0.0,
+                              return_prompt_log_probs=True, return_log_probs=True, num_top_log_probs=2)
+    calls = chunked.metric("nv_inference_request_success", model="target_model")
+    parts = Client(chunked.grpc_url).generate(prompt, params)
+    # Every round's call, the release, and the prompt's first chunk
+    assert chunked.metric("nv_inference_request_success", model="target_model") - calls == parts.num_rounds + 2
+    whole = Client(server.grpc_url).generate(prompt, params)
+    assert 512 < len(parts.prompt_ids) and parts.prompt_ids == whole.prompt_ids
+    assert len(parts.prompt_log_probs) == len(parts.prompt_ids) - 1
+    assert max(abs(a - b) for a, b in zip(parts.prompt_log_probs, whole.prompt_log_probs)) < 1e-6
+    assert parts.prompt_top_ids == whole.prompt_top_ids and parts.text == whole.text
+
+
 def test_the_prefix_bench_runs_against_a_server(server, tmp_path):
     """`bench/prefix_bench.py --url`: the shared prompts are found in the cache, the unique ones not; with
     --stall, its two phases run."""

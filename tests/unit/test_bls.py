@@ -39,9 +39,9 @@ class _Pb:
                    tn.DRAFT_PARENTS: _Tensor(tn.DRAFT_PARENTS, np.zeros((1, 0), dtype=np.int32)),
                    tn.DRAFT_PROBS: _Tensor(tn.DRAFT_PROBS, np.full((1, 2, 5), 0.2, dtype=np.float32)),
                    tn.GREEDY_TOKENS: _Tensor(tn.GREEDY_TOKENS, [[7, 8]]),
-                   tn.SCORED_LOG_PROBS: _Tensor(tn.SCORED_LOG_PROBS, np.full((1, sent[tn.SCORE_ROWS].item()), -1.5,
-                                                                            dtype=np.float32))
-                   if tn.SCORE_ROWS in sent else None,
+                   # each scored row's position, negated: the order of a chunked prompt's scores shows
+                   tn.SCORED_LOG_PROBS: _Tensor(tn.SCORED_LOG_PROBS, -(sent[tn.CACHE_LENGTH].item() + np.arange(
+                       sent[tn.SCORE_ROWS].item(), dtype=np.float32))[None]) if tn.SCORE_ROWS in sent else None,
                    tn.FORWARD_STATS: _Tensor(tn.FORWARD_STATS, [[2, 1, 0.01]])}
 
         class _Response:
@@ -98,14 +98,14 @@ def test_a_long_prompt_goes_in_chunks_that_ask_for_nothing_the_first_taking_the_
     assert sent == [
         {tn.INPUT_IDS: [1, 2, 3, 4], tn.CACHE_LENGTH: [0], tn.RESERVE_TOKENS: [40], tn.NUM_LOGITS: [0],
          tn.RELEASE: [False], tn.ALLOWED_TOKENS: [], tn.TREE_PARENTS: [], tn.ACCEPTED_PATH: [],
-         tn.SCORE_ROWS: [0]},
+         tn.SCORE_ROWS: [0], tn.SCORE_NEXT: [-1]},
         {tn.INPUT_IDS: [5, 6, 7, 8], tn.CACHE_LENGTH: [4], tn.RESERVE_TOKENS: [0], tn.NUM_LOGITS: [0],
          tn.RELEASE: [False], tn.ALLOWED_TOKENS: [], tn.TREE_PARENTS: [], tn.ACCEPTED_PATH: [],
-         tn.SCORE_ROWS: [0]},
+         tn.SCORE_ROWS: [0], tn.SCORE_NEXT: [-1]},
         # at most 4 + 2 tokens
         {tn.INPUT_IDS: [9, 10, 11, 50, 51], tn.CACHE_LENGTH: [8], tn.RESERVE_TOKENS: [0], tn.NUM_LOGITS: [2],
          tn.RELEASE: [False], tn.ALLOWED_TOKENS: [], tn.TREE_PARENTS: [], tn.ACCEPTED_PATH: [],
-         tn.SCORE_ROWS: [0]},
+         tn.SCORE_ROWS: [0], tn.SCORE_NEXT: [-1]},
     ]
     pb.sent.clear()
     proposal = asyncio.run(proposer.propose(2, 0, prompt, 2, SamplingParams(), 0, reserve=40))
@@ -128,12 +128,19 @@ def test_a_long_prompt_goes_in_chunks_that_ask_for_nothing_the_first_taking_the_
     assert pb.sent[0][tn.TREE_PARENTS].reshape(-1).tolist() == list(tree) and pb.sent[0][tn.ACCEPTED_PATH].size == 0
     assert pb.sent[1][tn.ACCEPTED_PATH].reshape(-1).tolist() == list(range(11)) + [12]
     assert pb.sent[1][tn.TREE_PARENTS].size == 0
-    # A prompt to score goes whole too (every row's logits in one forward), its score rows named
+    # A prompt to score goes in chunks that score every row, the last against the next chunk's first token;
+    # the rest with the verified positions; the scores in order
     pb.sent.clear()
     scores = asyncio.run(scorer.score(VerifyCall(5, 0, prompt + [50], 2, reserve=40, score_rows=10)))
-    assert [call[tn.INPUT_IDS].reshape(-1).tolist() for call in pb.sent] == [prompt + [50]]
-    assert pb.sent[0][tn.SCORE_ROWS].item() == 10 and pb.sent[0][tn.NUM_LOGITS].item() == 2
-    assert scores.scored.log_probs.tolist() == [-1.5] * 10 and scores.scored.top_ids is None
+    assert [call[tn.INPUT_IDS].reshape(-1).tolist() for call in pb.sent] == [[1, 2, 3, 4], [5, 6, 7, 8],
+                                                                             [9, 10, 11, 50]]
+    assert [(c[tn.SCORE_ROWS].item(), c[tn.SCORE_NEXT].item(), c[tn.NUM_LOGITS].item(), c[tn.RESERVE_TOKENS].item())
+            for c in pb.sent] == [(4, 5, 0, 40), (4, 9, 0, 0), (2, -1, 2, 0)]
+    assert scores.scored.log_probs.tolist() == [-float(i) for i in range(10)] and scores.scored.top_ids is None
+    assert len(_input_sets(pb.sent)) == 1
+    pb.sent.clear()
+    asyncio.run(BlsScorer(pb, tn.TARGET_MODEL_NAME).score(VerifyCall(6, 0, prompt, 1, score_rows=10)))  # no chunks
+    assert len(pb.sent) == 1 and pb.sent[0][tn.SCORE_ROWS].item() == 10
 
 
 def test_a_grammar_bitmask_goes_with_the_verify_and_no_logits_come_back():
@@ -150,4 +157,4 @@ def test_a_grammar_bitmask_goes_with_the_verify_and_no_logits_come_back():
     assert pb.sent[-1][tn.RELEASE].item() and pb.sent[-1][tn.NUM_LOGITS].item() == 0
     assert _input_sets(pb.sent) == {frozenset([tn.INPUT_IDS, tn.CACHE_LENGTH, tn.RESERVE_TOKENS, tn.RELEASE,
                                                tn.NUM_LOGITS, tn.ALLOWED_TOKENS, tn.TREE_PARENTS,
-                                               tn.ACCEPTED_PATH, tn.SCORE_ROWS])}
+                                               tn.ACCEPTED_PATH, tn.SCORE_ROWS, tn.SCORE_NEXT])}

@@ -226,3 +226,30 @@ def test_pipelined_execute_is_off_by_default_and_a_config_parameter():
     for model in ("target_model", "draft_model"):
         config = (REPO_ROOT / "model_repository" / model / "config.pbtxt").read_text()
         assert 'key: "pipelined_execute", value: { string_value: "false" }' in config
+
+
+def test_a_prompt_scored_in_chunks_gets_every_tokens_log_probability(tiny_lm):
+    """target_model's score rows: a chunk that verifies nothing scores its last row against score_next (the
+    next chunk's first token); the last call scores the rest and verifies its positions; together each prompt
+    token's log-probability and top rows, as one forward over the prompt gives them. A chunk without
+    score_next is refused naming it."""
+    import torch
+
+    prompt = [5, 17, 3, 88, 41, 9, 60, 12]
+    scored = [tn.GREEDY_TOKENS, tn.SCORED_LOG_PROBS, tn.SCORED_TOP_IDS, tn.SCORED_TOP_LOG_PROBS]
+
+    def step(seq_id, ids, keep, num_logits, rows, after=-1):
+        return _Request(seq_id, scored, **{tn.INPUT_IDS: [ids], tn.CACHE_LENGTH: [[keep]], tn.NUM_LOGITS: [[num_logits]],
+                                           tn.SCORE_ROWS: [[rows]], tn.SCORE_NEXT: [[after]]})
+    adapter = _adapter(TargetModel, dynamic_executor(tiny_lm), pipelined=False)
+    first, last, bad = _serve(adapter, [[step(1, prompt[:3], 0, 0, 3, prompt[3])], [step(1, prompt[3:], 3, 1, 4)],
+                                        [step(2, prompt[:3], 0, 0, 3)]])
+    with torch.no_grad():
+        rows = torch.log_softmax(tiny_lm(torch.tensor([prompt])).logits[0].double(), -1)
+    values = np.concatenate([first.tensors[tn.SCORED_LOG_PROBS].reshape(-1), last.tensors[tn.SCORED_LOG_PROBS].reshape(-1)])
+    assert np.allclose(values, rows[torch.arange(7), torch.tensor(prompt[1:])].numpy(), atol=1e-6)
+    tops = np.concatenate([first.tensors[tn.SCORED_TOP_IDS][0], last.tensors[tn.SCORED_TOP_IDS][0]])
+    assert tops.shape == (7, tn.MAX_TOP_LOG_PROBS) and (tops[:, 0] == rows[:7].argmax(-1).numpy()).all()
+    assert first.tensors[tn.GREEDY_TOKENS].size == 0  # a chunk verifies nothing
+    assert last.tensors[tn.GREEDY_TOKENS].reshape(-1).tolist() == [int(rows[7].argmax())]
+    assert bad.error is not None and tn.SCORE_NEXT in bad.error.message

@@ -71,6 +71,8 @@ def test_a_verify_round_trips_its_tree_and_path_and_always_sends_them():
 def test_a_prompt_to_score_round_trips_its_rows_and_their_answer():
     message = wire.VerifyMessage(2, score_rows=9)
     assert wire.VerifyMessage.decode(message.encode()) == message
+    chunk = wire.VerifyMessage(0, score_rows=4, score_next=17)  # a long prompt's chunk: the next token to score
+    assert wire.VerifyMessage.decode(chunk.encode()) == chunk
     assert wire.VerifyMessage(1).encode()[tn.SCORE_ROWS].tolist() == [[0]]  # always sent: one input set
     for bad in (wire.VerifyMessage(2, score_rows=-1), wire.VerifyMessage(2, None, (-1, 0), score_rows=3)):
         with pytest.raises(ValueError, match=tn.SCORE_ROWS):  # a tree's rows are nodes, not a prompt

@@ -185,6 +185,7 @@ input [
   { name: "tree_parents", data_type: TYPE_INT32, dims: [ -1 ], optional: true, allow_ragged_batch: true },
   { name: "accepted_path", data_type: TYPE_INT32, dims: [ -1 ], optional: true, allow_ragged_batch: true },
   { name: "score_rows", data_type: TYPE_INT32, dims: [ 1 ], optional: true },
+  { name: "score_next", data_type: TYPE_INT32, dims: [ 1 ], optional: true },
   { name: "release", data_type: TYPE_BOOL, dims: [ 1 ], optional: true }
 ]
 output [

@@ -31,6 +31,8 @@ class Step(NamedTuple):
     # score the new token after each (a prompt's log-probabilities, decoding/interfaces.VerifyCall.score_rows);
     # the positions picked from are the rest
     score_rows: int = 0
+    # the token after new_ids, which the last score row scores when no position follows it (a prompt's chunk)
+    score_next: int = -1
     # extend: the new tokens as a tree of candidates, not a chain: tree[i] is the index in new_ids of token
     # i's parent (before i), or -1 where it follows the cached tokens. Each token attends to the cache and to
     # its ancestors, at the position after its parent's. None: a chain.

@@ -159,16 +159,48 @@ class BlsProposer(_SequenceModel):
         return Proposal(drafted.tokens, probs, drafted.cached_length, drafted.parents, drafted.forward)
 
 
+def _scored(parts: list[wire.VerifiedMessage]) -> ScoredRows:
+    """A prompt's scores over its chunks' answers and the last call's, in order."""
+    def joined(name: str, dtype=None) -> torch.Tensor | None:
+        values = [getattr(part, name) for part in parts]
+        if any(value is None for value in values):
+            return None
+        value = np.concatenate(values)
+        return torch.from_numpy(value.astype(dtype) if dtype else value)
+    return ScoredRows(joined("scored_log_probs"), joined("scored_top_ids", np.int64), joined("scored_top_log_probs"))
+
+
 class BlsScorer(_SequenceModel):
     QUIET = wire.QUIET_VERIFY.encode()
 
+    async def _score_chunks(self, call: VerifyCall, chunks: list[dict]) -> tuple[int, list[int], int, int]:
+        """A prompt to score (score_rows) longer than a chunk beyond the verified positions: first as calls of
+        `prefill_chunk` tokens that score every row, the last against the next chunk's first token (score_next).
+        Returns the last call's keep, new_ids, reserve and score rows; `chunks` collects the calls' answers."""
+        keep, new_ids, reserve, rows = call.keep, call.new_ids, call.reserve, call.score_rows
+        chunk = self.prefill_chunk
+        outputs = [tn.GREEDY_TOKENS, tn.SCORED_LOG_PROBS] + (
+            [tn.SCORED_TOP_IDS, tn.SCORED_TOP_LOG_PROBS] if call.score_top else []) + (
+            [tn.FEATURES] if call.want_features else [])
+        while chunk and rows > chunk and len(new_ids) - call.num_positions > chunk:
+            own = wire.VerifyMessage(0, score_rows=chunk, score_next=new_ids[chunk]).encode()
+            chunks.append(await self._call(call.seq_id, new_ids[:chunk], keep, outputs, reserve, own=own))
+            keep, new_ids, reserve, rows = keep + chunk, new_ids[chunk:], 0, rows - chunk
+        return keep, new_ids, reserve, rows
+
     async def score(self, call: VerifyCall) -> Scores:
         chunks: list[dict] = []  # a chunked prompt's answers: their features, with want_features
+        rows = call.score_rows
         # A tree goes whole (its parents and the next call's path count its tokens from the first): target_model
         # runs its leading chain, a prompt's tokens, ahead of it (engine/executor.leading_chain)
-        keep, new_ids, reserve = (call.keep, call.new_ids, call.reserve) if call.tree is not None else await self._prefill(
-            call.seq_id, call.keep, call.new_ids, call.num_positions + call.score_rows, call.reserve,
-            [tn.GREEDY_TOKENS] + ([tn.FEATURES] if call.want_features else []), chunks)
+        if call.tree is not None:
+            keep, new_ids, reserve = call.keep, call.new_ids, call.reserve
+        elif rows:  # a prompt to score: in chunks that score their rows
+            keep, new_ids, reserve, rows = await self._score_chunks(call, chunks)
+        else:
+            keep, new_ids, reserve = await self._prefill(
+                call.seq_id, call.keep, call.new_ids, call.num_positions, call.reserve,
+                [tn.GREEDY_TOKENS] + ([tn.FEATURES] if call.want_features else []), chunks)
         answer = [tn.GREEDY_TOKENS, tn.FORWARD_STATS] + ([tn.GREEDY_LOG_PROBS] if call.want_log_probs else []) + (
             [tn.GREEDY_TOP_IDS, tn.GREEDY_TOP_LOG_PROBS] if call.want_top_log_probs else []) + (
             [tn.SCORED_LOG_PROBS] if call.score_rows else []) + (
@@ -177,7 +209,7 @@ class BlsScorer(_SequenceModel):
         # The grammar's (K+1) x V/32 words instead of (K+1) x V logits back.
         result = await self._call(call.seq_id, new_ids, keep, outputs, reserve,
                                   own=wire.VerifyMessage(call.num_positions, call.allowed, call.tree, call.path,
-                                                         call.score_rows).encode())
+                                                         rows).encode())
         verified = wire.VerifiedMessage.decode({name: result[name].as_numpy() for name in answer})
         logits = _torch(result[tn.LOGITS])[0] if call.want_logits else None
         log_probs = None if verified.log_probs is None else torch.from_numpy(verified.log_probs)
@@ -187,9 +219,8 @@ class BlsScorer(_SequenceModel):
             features = parts[0] if len(parts) == 1 else torch.cat(parts)
         top_ids, top_values = ((None, None) if verified.top_ids is None else
                                (torch.from_numpy(verified.top_ids.astype(np.int64)), torch.from_numpy(verified.top_log_probs)))
-        scored = None if verified.scored_log_probs is None else ScoredRows(
-            torch.from_numpy(verified.scored_log_probs),
-            None if verified.scored_top_ids is None else torch.from_numpy(verified.scored_top_ids.astype(np.int64)),
-            None if verified.scored_top_log_probs is None else torch.from_numpy(verified.scored_top_log_probs))
+        scored = _scored([wire.VerifiedMessage.decode({name: part[name].as_numpy() for name in part
+                                                      if name != tn.FEATURES}) for part in chunks] + [verified]) \
+            if call.score_rows else None
         return Scores(torch.from_numpy(verified.greedy_tokens.astype(np.int64)), logits, verified.forward, log_probs,
                       features, top_ids, top_values, scored)

@@ -395,9 +395,13 @@ class TargetModel(LanguageModelAdapter):
 
     def _step_options(self, inputs, wanted=frozenset()):
         message = wire.VerifyMessage.decode(inputs)  # allowed: structured output's picks keep to the grammar
+        if message.score_rows and not message.num_logits and message.score_next < 0:
+            raise ValueError(f"{tn.SCORE_ROWS} with no position verified after them needs {tn.SCORE_NEXT} (the token "
+                             "their last row scores)")
         # A head's rounds want the features of every position: cached blocks only where their features are kept
         return {"num_logits": message.num_logits + message.score_rows, "allowed": message.allowed,
                 "tree": message.tree, "path": message.path, "score_rows": message.score_rows,
+                "score_next": message.score_next,
                 "whole": tn.FEATURES in wanted and bool(self.lm.forward.hidden_layers)}
 
     def _rows(self, group, processed):
@@ -445,8 +449,8 @@ class TargetModel(LanguageModelAdapter):
                          host(token_log_probs(logits, torch.from_numpy(tokens).long())))
         scored = scored_ids = scored_values = None
         if scored_logits is not None:  # each scored row's next new token (its position's index in new_ids + 1)
-            start = len(step.new_ids) - step.num_logits + 1
-            after = torch.tensor(step.new_ids[start:start + step.score_rows], dtype=torch.long)
+            start = len(step.new_ids) - step.num_logits + 1  # a chunk's last row: the token after it
+            after = torch.tensor((step.new_ids + [step.score_next])[start:start + step.score_rows], dtype=torch.long)
             top = tn.MAX_TOP_LOG_PROBS if tn.SCORED_TOP_IDS in requested else 0
             scored, scored_ids, scored_values = (None if t is None else host(t)
                                                  for t in scored_log_probs(scored_logits, after, top))

@@ -134,28 +134,30 @@ class VerifyMessage:
     tree: tuple[int, ...] | None = None  # the new tokens' parents (a tree of candidates); None: a chain
     path: tuple[int, ...] | None = None  # the last step's tree nodes accepted; None: none
     score_rows: int = 0  # the positions before the last num_logits scored too (tn.SCORE_ROWS)
+    score_next: int = -1  # the token after the new ones, for the last score row of a prompt's chunk (tn.SCORE_NEXT)
 
     def encode(self) -> Arrays:
         # An empty bitmask, tree or path stands for none: the input is always there (one input set).
         allowed = np.zeros((1, 0, 0), dtype=np.int32) if self.allowed is None else self.allowed.cpu().numpy()[None]
         return {tn.NUM_LOGITS: _i32([self.num_logits]), tn.ALLOWED_TOKENS: allowed,
                 tn.TREE_PARENTS: _i32(self.tree or []), tn.ACCEPTED_PATH: _i32(self.path or []),
-                tn.SCORE_ROWS: _i32([self.score_rows])}
+                tn.SCORE_ROWS: _i32([self.score_rows]), tn.SCORE_NEXT: _i32([self.score_next])}
 
     @classmethod
     def decode(cls, inputs: Arrays) -> VerifyMessage:
         num_logits = int(_scalar(inputs, tn.NUM_LOGITS, 1))
         score_rows = int(_scalar(inputs, tn.SCORE_ROWS, 0))
+        score_next = int(_scalar(inputs, tn.SCORE_NEXT, -1))
         tree, path = (_tuple(inputs, name) for name in (tn.TREE_PARENTS, tn.ACCEPTED_PATH))
         if score_rows < 0 or (score_rows and tree is not None):
             raise ValueError(f"{tn.SCORE_ROWS} must be >= 0, and 0 with {tn.TREE_PARENTS}; got {score_rows}")
         allowed = inputs.get(tn.ALLOWED_TOKENS)
         if allowed is None or not allowed.size:
-            return cls(num_logits, None, tree, path, score_rows)
+            return cls(num_logits, None, tree, path, score_rows, score_next)
         if allowed.ndim != 3 or allowed.shape[0] != 1 or allowed.shape[1] != num_logits:
             raise ValueError(f"{tn.ALLOWED_TOKENS} must be [1, {tn.NUM_LOGITS} = {num_logits}, words], got "
                              f"{list(allowed.shape)}")
-        return cls(num_logits, torch.from_numpy(np.ascontiguousarray(allowed[0])), tree, path, score_rows)
+        return cls(num_logits, torch.from_numpy(np.ascontiguousarray(allowed[0])), tree, path, score_rows, score_next)
 
 
 def _tuple(inputs: Arrays, name: str) -> tuple[int, ...] | None:
