@@ -9,7 +9,7 @@ import torch
 from specdec.decoding.draft_length import DraftLengthPolicy
 from specdec.decoding.loop import GenerationRequest, generate
 from specdec.decoding.ngram_proposer import NgramProposer
-from specdec.decoding.sampling import (SamplingParams, greedy_log_probs, scored_log_probs, token_log_probs,
+from specdec.decoding.sampling import (SamplingParams, greedy_log_probs, scored_log_probs, scored_rows, token_log_probs,
                                       top_log_probs)
 from specdec.engine.build import dynamic_executor
 from specdec.engine.local import LocalProposer, LocalScorer
@@ -94,6 +94,21 @@ def test_top_log_probs_are_the_rows_most_likely_tokens():
     assert torch.allclose(values.double(), reference.topk(5).values, atol=1e-5)
     assert torch.equal(values[:, 0], greedy_log_probs(logits)) and torch.equal(ids[:, 0], logits.argmax(-1))
     assert top_log_probs(logits[:, :3], 5)[0].shape == (4, 3)  # never more than the vocabulary
+
+
+def test_score_rows_score_the_new_token_after_each_and_a_chunks_last_row_the_next_chunks_first():
+    torch.manual_seed(2)
+    new_ids = [11, 12, 13, 14, 15, 16]
+    logits = torch.randn(5, 40, dtype=torch.float64)  # the last 5 positions: 3 score rows, 2 verified
+    log_softmax = torch.log_softmax(logits, -1)
+    values, ids, tops = scored_rows(logits, new_ids, 3, 2)  # rows of positions 1-3 score tokens 2-4
+    assert torch.allclose(values.double(), log_softmax[[0, 1, 2], [13, 14, 15]], atol=1e-6)
+    assert ids.shape == tops.shape == (3, 2)
+    # a chunk scored alone: every row is a score row, its last one scores the next chunk's first token
+    values, _, _ = scored_rows(logits, new_ids[:4] + [15], 5, score_next=39)  # rows of new_ids[0..4]
+    assert torch.allclose(values.double(), log_softmax[torch.arange(5), torch.tensor([12, 13, 14, 15, 39])], atol=1e-6)
+    with pytest.raises(ValueError, match="5 score rows need the 5 tokens after them, got 4"):
+        scored_rows(logits, new_ids[:5], 5)  # no next token given for the last row
 
 
 @pytest.mark.parametrize("draft,k,temperature,branches", [

@@ -203,3 +203,19 @@ def test_log_probs_objects_and_chunks():
     chunk = protocol.envelope(gen, [later], chunk=True)
     assert chunk["object"] == "chat.completion.chunk" and chunk["id"] == gen.response_id
     assert protocol.sse(chunk).startswith(b"data: {") and protocol.sse("[DONE]") == b"data: [DONE]\n\n"
+
+
+def test_a_generations_responses_add_up_to_its_whole_answer():
+    from specdec.gateway.upstream import Piece
+
+    whole = Piece()
+    whole.add(Piece("Hel", [1, 2], [-0.5, -1.0], [[1], [2]], [[-0.5], [-1.0]], prompt_ids=[7, 8],
+                    prompt_log_probs=[None, -2.0], prompt_top_ids=[None, [8]], prompt_top_log_probs=[None, [-2.0]],
+                    stats={"a": 1.0}))
+    whole.add(Piece("lo", [3], [-0.25], [[3]], [[-0.25]], finish_reason="length", stats={"a": 2.0, "b": 3.0}))
+    whole.add(Piece(""))  # an empty last response keeps the reason
+    assert (whole.text, whole.ids, whole.log_probs, whole.top_ids) == ("Hello", [1, 2, 3], [-0.5, -1.0, -0.25],
+                                                                      [[1], [2], [3]])
+    assert whole.top_log_probs == [[-0.5], [-1.0], [-0.25]] and whole.finish_reason == "length"
+    assert (whole.prompt_ids, whole.prompt_log_probs, whole.prompt_top_ids) == ([7, 8], [None, -2.0], [None, [8]])
+    assert whole.stats == {"a": 2.0, "b": 3.0}  # merged, the later values winning

@@ -80,6 +80,21 @@ def scored_log_probs(logits: torch.Tensor, tokens: torch.Tensor, n: int = 0, blo
     return torch.cat(values), (torch.cat(ids) if n else None), (torch.cat(tops) if n else None)
 
 
+def scored_rows(logits: torch.Tensor, new_ids: list[int], score_rows: int, n: int = 0, score_next: int = -1
+                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """`scored_log_probs` of a step's score rows: the first `score_rows` of its logits (rows, V), one per new
+    token from the `rows`-th last on, each scoring the new token after its own. The last score row's next
+    token is `score_next` where the step's rows end there (a prompt's chunk scored before the next chunk
+    arrives, `score_next` >= 0: that chunk's first token). One owner of this indexing for the in-process
+    scorer and the served target."""
+    start = len(new_ids) - len(logits) + 1
+    following = new_ids + ([score_next] if score_next >= 0 else [])
+    after = torch.tensor(following[start:start + score_rows], dtype=torch.long)
+    if len(after) != score_rows:
+        raise ValueError(f"{score_rows} score rows need the {score_rows} tokens after them, got {len(after)}")
+    return scored_log_probs(logits[:score_rows], after, n)
+
+
 def token_probability(logits: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
     """softmax(logits)[token]: logits (V,), token (1,) or () int64 -> () float32. A draft's confidence in
     its own token (the confidence stop): its raw distribution's, whatever the request's sampling does."""

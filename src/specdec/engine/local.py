@@ -17,7 +17,7 @@ import torch
 
 from specdec import tensor_names as tn
 from specdec.decoding.interfaces import ForwardStats, NoCapacity, Proposal, ScoredRows, Scores, VerifyCall
-from specdec.decoding.sampling import (SamplingParams, greedy, greedy_log_probs, make_generator, scored_log_probs,
+from specdec.decoding.sampling import (SamplingParams, greedy, greedy_log_probs, make_generator, scored_rows,
                                       token_log_probs, top_log_probs)
 from specdec.decoding.token_mask import allowed_greedy
 from specdec.engine.errors import CapacityError
@@ -110,11 +110,10 @@ class LocalScorer:
         logits, features = (result.logits, result.hidden.flatten(1).cpu()) if call.want_features else (result, None)
         scored = None
         if call.score_rows:  # the rows before the verified positions score the new tokens after them
-            rows, logits = logits[:call.score_rows], logits[call.score_rows:]
-            start = len(call.new_ids) - call.num_positions - call.score_rows + 1
-            after = torch.tensor(call.new_ids[start:start + call.score_rows], dtype=torch.long)
-            values, ids, tops = scored_log_probs(rows, after, tn.MAX_TOP_LOG_PROBS if call.score_top else 0)
+            values, ids, tops = scored_rows(logits, call.new_ids, call.score_rows,
+                                            tn.MAX_TOP_LOG_PROBS if call.score_top else 0)
             scored = ScoredRows(values.cpu(), None if ids is None else ids.cpu(), None if tops is None else tops.cpu())
+            logits = logits[call.score_rows:]
         allowed = call.allowed
         tokens = greedy(logits) if allowed is None else allowed_greedy(logits, allowed)
         log_probs = top_ids = top_values = None

@@ -107,10 +107,7 @@ class Gateway:
                     return await self._stream_response(request, gen, body, pieces)
                 merged = Piece()
                 async for _, piece in pieces:
-                    merged.text += piece.text
-                    merged.ids += piece.ids
-                    merged.finish_reason = piece.finish_reason or merged.finish_reason
-                    merged.stats.update(piece.stats)
+                    merged.add(piece)
                 text, reason, calls = self._answer_calls(gen, merged.text, self._finish_reason(merged))
                 return web.json_response(responses.response_object(
                     gen, body, responses.status_of(reason), responses.output_items(text, calls),
@@ -155,10 +152,7 @@ class Gateway:
                        part=responses.output_text(""))
         try:
             async for _, piece in pieces:
-                merged.ids += piece.ids
-                merged.text += piece.text
-                merged.finish_reason = piece.finish_reason or merged.finish_reason
-                merged.stats.update(piece.stats)
+                merged.add(piece)
                 if gen.tools is None and piece.text:
                     if not opened:
                         await open_message()
@@ -286,17 +280,7 @@ class Gateway:
         seen = [False] * len(merged)
         async for index, piece in pieces:
             piece, seen[index] = self._echoed(gen, index, piece, not seen[index]), True
-            into = merged[index]
-            if piece.prompt_ids:  # the first response's
-                into.prompt_ids, into.prompt_log_probs = piece.prompt_ids, piece.prompt_log_probs
-                into.prompt_top_ids, into.prompt_top_log_probs = piece.prompt_top_ids, piece.prompt_top_log_probs
-            into.text += piece.text
-            into.ids += piece.ids
-            into.log_probs += piece.log_probs
-            into.top_ids += piece.top_ids
-            into.top_log_probs += piece.top_log_probs
-            into.finish_reason = piece.finish_reason or into.finish_reason
-            into.stats.update(piece.stats)
+            merged[index].add(piece)
         choices = [self._whole_choice(gen, m, i) for i, m in enumerate(merged)]
         body = protocol.envelope(gen, choices, chunk=False)
         body["usage"] = protocol.combined_usage([m.stats for m in merged], [len(m.ids) for m in merged], gen.n)

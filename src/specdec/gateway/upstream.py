@@ -40,6 +40,19 @@ class Piece:
     finish_reason: str = ""
     stats: dict[str, float] = field(default_factory=dict)
 
+    def add(self, piece: "Piece") -> None:
+        """Append the next response of the same generation: a whole answer is its responses added up."""
+        if piece.prompt_ids:  # the first response's
+            self.prompt_ids, self.prompt_log_probs = piece.prompt_ids, piece.prompt_log_probs
+            self.prompt_top_ids, self.prompt_top_log_probs = piece.prompt_top_ids, piece.prompt_top_log_probs
+        self.text += piece.text
+        self.ids += piece.ids
+        self.log_probs += piece.log_probs
+        self.top_ids += piece.top_ids
+        self.top_log_probs += piece.top_log_probs
+        self.finish_reason = piece.finish_reason or self.finish_reason
+        self.stats.update(piece.stats)
+
 
 def _inputs(arrays: dict[str, np.ndarray]) -> list[InferInput]:
     out = []

@@ -22,7 +22,7 @@ import torch.utils.dlpack
 from specdec import tensor_names as tn
 from specdec.decoding.interfaces import ForwardStats
 from specdec.decoding.token_mask import allowed_greedy
-from specdec.decoding.sampling import (SamplingParams, greedy, greedy_log_probs, make_generator, scored_log_probs,
+from specdec.decoding.sampling import (SamplingParams, greedy, greedy_log_probs, make_generator, scored_rows,
                                       token_log_probs, top_log_probs)
 from specdec.decoding.text import load_tokenizer, vocabulary_mismatch
 from specdec.engine import host_memory, onednn_linear, threads
@@ -424,8 +424,8 @@ class TargetModel(LanguageModelAdapter):
         prompt_rows = [None] * len(results)
         for i, (step, result) in enumerate(zip(steps, results)):
             if step.score_rows and not isinstance(result, Exception):
-                prompt_rows[i], logits = result[0][:step.score_rows], result[0][step.score_rows:]
-                results[i] = (logits, result[1])
+                prompt_rows[i] = result[0]  # all of them: sampling.scored_rows reads the score rows' places
+                results[i] = (result[0][step.score_rows:], result[1])
         scored = [(step, result[0]) for step, result in zip(steps, results) if not isinstance(result, Exception)]
         if not scored:
             return results
@@ -448,12 +448,11 @@ class TargetModel(LanguageModelAdapter):
                          host(greedy_log_probs(logits)) if step.allowed is None else
                          host(token_log_probs(logits, torch.from_numpy(tokens).long())))
         scored = scored_ids = scored_values = None
-        if scored_logits is not None:  # each scored row's next new token (its position's index in new_ids + 1)
-            start = len(step.new_ids) - step.num_logits + 1  # a chunk's last row: the token after it
-            after = torch.tensor((step.new_ids + [step.score_next])[start:start + step.score_rows], dtype=torch.long)
+        if scored_logits is not None:  # each score row's next new token (a chunk's last row: score_next)
             top = tn.MAX_TOP_LOG_PROBS if tn.SCORED_TOP_IDS in requested else 0
-            scored, scored_ids, scored_values = (None if t is None else host(t)
-                                                 for t in scored_log_probs(scored_logits, after, top))
+            scored, scored_ids, scored_values = (
+                None if t is None else host(t)
+                for t in scored_rows(scored_logits, step.new_ids, step.score_rows, top, step.score_next))
         message = wire.VerifiedMessage(tokens, forward if tn.FORWARD_STATS in requested else None, log_probs,
                                        top_ids, top_values, scored, scored_ids, scored_values)
         outputs = [pb.Tensor(name, value) for name, value in message.encode().items()]
