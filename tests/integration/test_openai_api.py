@@ -267,6 +267,22 @@ def test_auto_tool_calls_are_read_in_the_models_format(server, model):
         assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
         plain = client.chat.completions.create(model=model, messages=CHAT, max_tokens=6, temperature=0, tools=[WEATHER])
         assert plain.choices[0].message.tool_calls is None and plain.choices[0].message.content  # no call: text
+        # The Responses API, streamed: the content as it comes (its text deltas end before the call's item
+        # opens), then the call's item; and with tools but no call, the text streamed round by round
+        tool = {"type": "function", **WEATHER["function"]}
+        with client.responses.stream(model=model, input=CHAT, tools=[tool], max_output_tokens=64, temperature=0,
+                                     extra_body={"guided_choice": [forced]}) as stream:
+            events = list(stream)
+            built = stream.get_final_response()
+        kinds = [e.type for e in events]
+        assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "Checking."
+        assert kinds.index("response.output_item.done") < kinds.index("response.function_call_arguments.delta")
+        assert [item.type for item in built.output] == ["message", "function_call"]
+        assert (built.output[1].name, json.loads(built.output[1].arguments)) == ("get_weather", {"city": "Paris"})
+        text = [e.delta for e in client.responses.create(model=model, input=CHAT, tools=[tool], max_output_tokens=12,
+                                                          temperature=0, stream=True)
+                if e.type == "response.output_text.delta"]
+        assert len(text) > 1 and "".join(text).startswith(plain.choices[0].message.content)
     finally:
         process.terminate()
         process.wait(30)
@@ -398,11 +414,13 @@ def test_the_responses_api_answers_as_the_chat_does(server, api, model):
         assert final.status == "completed"
     # The SDK's stream helper, which checks each item's identity from added to done and builds the answer
     with api.responses.stream(model=model, input="Book a table for 2 on Friday.", tools=[tool], temperature=0,
-                              tool_choice={"type": "function", "name": "book_table"}, max_output_tokens=40) as events:
-        for _ in events:
-            pass
-        built = events.get_final_response()
+                              tool_choice={"type": "function", "name": "book_table"}, max_output_tokens=40) as stream:
+        events = list(stream)
+        built = stream.get_final_response()
     assert [item.type for item in built.output] == ["function_call"] and built.output[0].arguments == call.arguments
+    # a named function's arguments stream as they are generated, not at the end
+    arguments = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    assert len(arguments) > 1 and "".join(arguments) == call.arguments
     schema = {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]}}, "required": ["colour"],
               "additionalProperties": False}
     shaped = api.responses.create(model=model, input="A colour, as JSON.", max_output_tokens=40, temperature=0,

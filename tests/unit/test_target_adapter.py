@@ -33,15 +33,17 @@ def test_one_execution_answers_each_step_with_its_own_tokens_and_errors_in_place
 
 def test_a_prompt_to_score_has_its_score_rows_split_off_before_the_verified_positions(tiny_lm):
     """A step with score_rows runs every row's logits; the first score_rows are the prompt's (scored on the
-    target's side), the rest the positions it verifies, whose greedy tokens (among the allowed) are picked."""
+    target's side from all of them, sampling.scored_rows), the rest the positions it verifies, whose greedy
+    tokens (among the allowed) are picked."""
     adapter = TargetModel.__new__(TargetModel)
     adapter.lm = dynamic_executor(tiny_lm)
     bits = torch.zeros(2, (tiny_lm.config.vocab_size + 31) // 32, dtype=torch.int32)
     bits[:, 0] = 0b100  # token 2 only
     steps = [Step(1, 0, [5, 6, 7, 8, 9], 5, score_rows=3, allowed=bits), Step(2, 0, [5, 6, 7, 8, 9], 5)]
     (logits, tokens, _, rows), (whole, _, _, none) = adapter._gather(steps, adapter._run(steps))
-    assert none is None and rows.shape[0] == 3 and logits.shape[0] == 2 and tokens.tolist() == [2, 2]
-    torch.testing.assert_close(torch.cat([rows, logits]), whole, rtol=0, atol=1e-12)
+    assert none is None and rows.shape[0] == 5 and logits.shape[0] == 2 and tokens.tolist() == [2, 2]
+    torch.testing.assert_close(rows, whole, rtol=0, atol=1e-12)
+    torch.testing.assert_close(logits, rows[3:], rtol=0, atol=0)
 
 
 def test_an_execution_of_errors_only_returns_the_errors(tiny_lm):

@@ -125,139 +125,194 @@ async def generate(req: GenerationRequest, proposer: Proposer, scorer: Scorer, p
     without it, or once it returns False, NoCapacity propagates. A proposer without room is the
     proposer's business (`FallbackProposer` runs such rounds target-only)."""
     stats = stats if stats is not None else Stats()
-    reserve = len(req.prompt_ids) + req.max_tokens
-    tokens = list(req.prompt_ids)
-    draft_valid = 0  # tokens[:draft_valid] are in the draft's cache
-    target_valid = 0  # tokens[:target_valid] are in the target's cache
-    generated = 0
-    generator = None if req.sampling.greedy else make_generator(req.sampling.seed)
-    drafted_ever = False
-    occurrences = TokenOccurrences(req.prompt_ids) if req.penalties.active else None
-    matcher = req.grammar.matcher() if req.grammar is not None else None
-    features = Features() if getattr(proposer, "wants_features", False) else None
-    trees = not req.edits_logits  # else a tree's first branch is verified as a chain
-    path = None  # the last verify was a tree: the accepted nodes among its new_ids
-    called = False  # the round in flight called the proposer
-    choose, select = getattr(proposer, "choose", None), getattr(policy, "select", None)
+    seq = _Sequence.start(req, proposer)
     try:
         while True:
-            # Never draft past max_tokens: the bonus token always fills the last slot.
-            room = req.max_tokens - generated - 1
-            if choose is not None:  # a proposer of parts (lookup_first.py): the round's part, and its policy
-                part = choose(req.seq_id, draft_valid, tokens[draft_valid:])
-                if select is not None:
-                    select(part)
-            k = max(0, min(policy.next_k(), room))
-            called_last, called = called, False
-            scoring = req.prompt_log_probs and not target_valid  # this round scores the prompt: a chain
-            chains_only = not trees or scoring
-            proposal = shadow = Proposal([], None, draft_valid)
-            # Text the grammar forces is this round's proposal, free (grammar.py); K = 0 stays target-only.
-            forced = matcher.forced(min(policy.k_max, room)) if matcher is not None else []
-            if forced:
-                proposal, k = Proposal(forced, None, draft_valid), len(forced)
-            elif k > 0:
-                round_seed = int(torch.randint(0, 2**62, (1,), generator=generator)) if generator else 0
-                started = time.perf_counter()
-                proposal = await proposer.propose(req.seq_id, draft_valid, tokens[draft_valid:], k,
-                                                  req.sampling, round_seed, reserve=0 if draft_valid else reserve,
-                                                  **_features_for(features, draft_valid),
-                                                  **_width(policy, proposer, not chains_only))
-                # what it drafted: a chain may end early (an n-gram's span, a draft's confidence stop). A
-                # sequence's first call also prefills its prompt, and one after paused rounds catches up on
-                # them: not what a round's draft costs (taken as one, the first priced a trained head's rounds
-                # at several target steps, the second its probes at a third of a step, and both stopped its
-                # drafting). A steady round's call follows a round that called the draft.
-                seconds = time.perf_counter() - started
-                steady = draft_valid and called_last and not proposal.caught_up
-                if draft_valid and proposal.parents is None:
-                    policy.observe_proposal(k, len(proposal.tokens))
-                if steady and proposal.parents is None:
-                    policy.observe_draft(len(proposal.tokens), seconds, forward=proposal.forward)
-                elif steady:
-                    policy.observe_draft(k, seconds, max(depths(proposal.parents)) + 1, proposal.forward)
-                draft_valid = proposal.cached_length
-                drafted_ever = called = True
-                if proposal.parents is not None and chains_only:
-                    proposal = first_branch(proposal)
-                if matcher is not None and (req.sampling.greedy or proposal.probs is None):
-                    proposal = _within_grammar(proposal, matcher)  # exact only for these (grammar.py)
-                k = len(proposal.tokens)  # no proposal (an n-gram miss) = a plain target-only round
-                if cancelled is not None and cancelled():
-                    yield RoundOutput([], 0, 0, tn.FINISH_CANCELLED)
-                    return
-            elif policy.shadow:  # a free proposer paused: propose, but only to check it
-                shadow = await proposer.propose(req.seq_id, draft_valid, tokens[draft_valid:], 1, req.sampling, 0,
-                                                reserve=0 if draft_valid else reserve,
-                                                **_features_for(features, draft_valid), **_width(policy, proposer, False))
-                if draft_valid:
-                    policy.observe_proposal(1, len(shadow.tokens))
-                draft_valid = shadow.cached_length
-                drafted_ever = called = True
-            new_ids = tokens[target_valid:] + proposal.tokens
-            allowed = matcher.allowed(proposal.tokens, k + 1) if req.target_picks else None
+            scoring = req.prompt_log_probs and not seq.target_valid  # this round scores the prompt: a chain
+            proposal, shadow, forced = await _draft(seq, req, proposer, policy, chains_only=not seq.trees or scoring)
+            if cancelled is not None and seq.called and shadow is None and cancelled():
+                yield RoundOutput([], 0, 0, tn.FINISH_CANCELLED)
+                return
+            k = len(proposal.tokens)  # none (an n-gram miss, K = 0) = a plain target-only round
+            new_ids = seq.tokens[seq.target_valid:] + proposal.tokens
             tree = _with_catch_up(len(new_ids) - k, proposal.parents)
-            started = time.perf_counter()
-            score_rows = len(new_ids) - k - 1 if scoring else 0  # the prompt's rows but its last
-            scores = await _score(scorer, req, target_valid, new_ids, k + 1, 0 if target_valid else reserve,
-                                  wait_for_room, allowed, features is not None, tree, path, score_rows)
-            if len(new_ids) == k + 1:  # a plain round (no prompt prefill or catch-up)
-                policy.observe_verify(k + 1, time.perf_counter() - started, scores.forward)
-                # Only a verify's forward prices verifies: a prompt's has its rows' logits but its last
-                # unread, and where the prefix cache holds the prompt it ran a few rows (T(rows) came out
-                # below one step's, and v(k) at 1.0: drafting looked free)
-                if scores.forward:
-                    policy.observe_forward(scores.forward)
-            logits = _edited_logits(req, tokens, proposal.tokens, scores.logits, occurrences, matcher)
-            verdict = _verify(proposal, scores, logits, req.sampling, generator)
-            accepted = len(verdict.path)
+            scores = await _verify_call(seq, req, scorer, policy, proposal, new_ids, tree, scoring, wait_for_room)
+            logits = _edited_logits(req, seq.tokens, proposal.tokens, scores.logits, seq.occurrences, seq.matcher)
+            verdict = _verify(proposal, scores, logits, req.sampling, seq.generator)
             depth = None if tree is None else max(depths(proposal.parents)) + 1  # a tree's longest branch
             if not forced:  # the policy learns the proposer's acceptance (along a branch), not the grammar's
-                if depth is None:
-                    policy.update(k, accepted)
-                else:
-                    policy.update(depth, accepted, (_first_branch_length(proposal.parents),
-                                                    _on_first_branch(proposal.parents, verdict.path)))
-            if shadow.tokens:  # would its first token have been accepted? (greedy: the target's token)
+                _learn(policy, proposal, verdict, depth)
+            if shadow is not None and shadow.tokens:  # a paused proposer's guess: the target's token?
                 policy.update(1, int(shadow.tokens[0] == verdict.next_token))
-
-            new = [proposal.tokens[node] for node in verdict.path] + [verdict.next_token]
+            new = _accept(seq, proposal, scores, verdict, new_ids, tree)
+            _record(stats, k, len(verdict.path))
             log_probs = _log_probs(scores, new, verdict.path) if req.log_probs else None
             top = _top_log_probs(scores, verdict.path, req.top_log_probs) if req.top_log_probs else None
-            # A tree: the catch-up tokens and the accepted nodes are what the target's cache keeps of it
-            caught_up = len(new_ids) - k
-            path = None if tree is None else tuple(range(caught_up)) + tuple(caught_up + n for n in verdict.path)
-            if features is not None:  # the target's features at the positions it keeps
-                if path is None:
-                    features.add(scores.features, target_valid + len(new_ids), len(tokens) + accepted)
-                else:
-                    features.add(_rows_on(scores.features, len(new_ids), path), len(tokens) + accepted,
-                                 len(tokens) + accepted)
-            target_valid = len(tokens) + accepted
-            # A proposer's cache holds its first branch (each node's first child): what it keeps of a tree
-            # is the accepted path's part that follows it
-            draft_valid = min(draft_valid, len(tokens) + _on_first_branch(proposal.parents, verdict.path))
-            tokens += new
-            if occurrences is not None:
-                occurrences.add_output(new)
-            _record(stats, k, accepted)
-
-            end = matcher.advance(new) if matcher is not None else None  # the grammar complete: it ends here
-            new, finish = _apply_stops(new if end is None else new[:end], req.end_ids, req.max_tokens - generated,
-                                       req.min_tokens - generated)
-            if end is not None and len(new) == end:
-                finish = tn.FINISH_STOP
-            generated += len(new)
-            yield RoundOutput(new, k, accepted, finish, log_probs and log_probs[:len(new)], depth=depth,
+            new, finish = _stops(seq, req, new)
+            yield RoundOutput(new, k, len(verdict.path), finish, log_probs and log_probs[:len(new)], depth=depth,
                               top=top and (top[0][:len(new)], top[1][:len(new)]),
                               **(_prompt_scores(scores, req.top_log_probs) if scoring else {}))
             if finish:
                 return
     finally:
         # Runs on normal exit, on an exception and on GeneratorExit (the consumer closed us early).
-        if drafted_ever:
+        if seq.drafted_ever:
             await proposer.release(req.seq_id)
         await scorer.release(req.seq_id)
+
+
+@dataclass
+class _Sequence:
+    """One generation's progress, owned by `generate`: its tokens, how much of them each model's cache
+    holds, and what its request needs round after round."""
+    tokens: list[int]  # prompt + generated
+    reserve: int  # positions each model's first call reserves: prompt + max_tokens
+    generator: torch.Generator | None  # sampled requests: the seeded draws of every round
+    occurrences: TokenOccurrences | None  # penalised requests: the tokens' counts so far
+    matcher: GrammarMatcher | None  # structured output: the grammar's state
+    features: Features | None  # a proposer that reads the target's features (a trained head)
+    trees: bool  # whether proposals may be trees: not where logits are edited on the host
+    draft_valid: int = 0  # tokens[:draft_valid] are in the draft's cache
+    target_valid: int = 0  # tokens[:target_valid] are in the target's cache
+    generated: int = 0
+    path: tuple[int, ...] | None = None  # the last verify was a tree: the kept nodes among its new_ids
+    called: bool = False  # this round called the proposer
+    called_last: bool = False  # the round before did
+    drafted_ever: bool = False
+
+    @classmethod
+    def start(cls, req: GenerationRequest, proposer: Proposer) -> "_Sequence":
+        return cls(list(req.prompt_ids), len(req.prompt_ids) + req.max_tokens,
+                   None if req.sampling.greedy else make_generator(req.sampling.seed),
+                   TokenOccurrences(req.prompt_ids) if req.penalties.active else None,
+                   req.grammar.matcher() if req.grammar is not None else None,
+                   Features() if getattr(proposer, "wants_features", False) else None,
+                   not req.edits_logits)  # else a tree's first branch is verified as a chain
+
+
+async def _draft(seq: _Sequence, req: GenerationRequest, proposer: Proposer, policy: DraftLengthPolicy,
+                 chains_only: bool) -> tuple[Proposal, Proposal | None, bool]:
+    """This round's (proposal, shadow proposal, whether the grammar forced it): what the target verifies,
+    and a paused free proposer's one-token guess that only the policy reads (None: the proposer was not
+    asked for one). Feeds the policy the draft's measured cost and length."""
+    # Never draft past max_tokens: the bonus token always fills the last slot.
+    room = req.max_tokens - seq.generated - 1
+    choose, select = getattr(proposer, "choose", None), getattr(policy, "select", None)
+    if choose is not None:  # a proposer of parts (lookup_first.py): the round's part, and its policy
+        part = choose(req.seq_id, seq.draft_valid, seq.tokens[seq.draft_valid:])
+        if select is not None:
+            select(part)
+    k = max(0, min(policy.next_k(), room))
+    seq.called_last, seq.called = seq.called, False
+    none = Proposal([], None, seq.draft_valid)
+    # Text the grammar forces is this round's proposal, free (grammar.py); K = 0 stays target-only.
+    forced = seq.matcher.forced(min(policy.k_max, room)) if seq.matcher is not None else []
+    if forced:
+        return Proposal(forced, None, seq.draft_valid), None, True
+    reserve = 0 if seq.draft_valid else seq.reserve
+    if k > 0:
+        round_seed = int(torch.randint(0, 2**62, (1,), generator=seq.generator)) if seq.generator else 0
+        started = time.perf_counter()
+        proposal = await proposer.propose(req.seq_id, seq.draft_valid, seq.tokens[seq.draft_valid:], k, req.sampling,
+                                          round_seed, reserve=reserve, **_features_for(seq.features, seq.draft_valid),
+                                          **_width(policy, proposer, not chains_only))
+        # what it drafted: a chain may end early (an n-gram's span, a draft's confidence stop). A
+        # sequence's first call also prefills its prompt, and one after paused rounds catches up on
+        # them: not what a round's draft costs (taken as one, the first priced a trained head's rounds
+        # at several target steps, the second its probes at a third of a step, and both stopped its
+        # drafting). A steady round's call follows a round that called the draft.
+        seconds = time.perf_counter() - started
+        steady = seq.draft_valid and seq.called_last and not proposal.caught_up
+        if seq.draft_valid and proposal.parents is None:
+            policy.observe_proposal(k, len(proposal.tokens))
+        if steady and proposal.parents is None:
+            policy.observe_draft(len(proposal.tokens), seconds, forward=proposal.forward)
+        elif steady:
+            policy.observe_draft(k, seconds, max(depths(proposal.parents)) + 1, proposal.forward)
+        seq.draft_valid = proposal.cached_length
+        seq.drafted_ever = seq.called = True
+        if proposal.parents is not None and chains_only:
+            proposal = first_branch(proposal)
+        if seq.matcher is not None and (req.sampling.greedy or proposal.probs is None):
+            proposal = _within_grammar(proposal, seq.matcher)  # exact only for these (grammar.py)
+        return proposal, None, False
+    if policy.shadow:  # a free proposer paused: propose, but only to check it
+        shadow = await proposer.propose(req.seq_id, seq.draft_valid, seq.tokens[seq.draft_valid:], 1, req.sampling, 0,
+                                        reserve=reserve, **_features_for(seq.features, seq.draft_valid),
+                                        **_width(policy, proposer, False))
+        if seq.draft_valid:
+            policy.observe_proposal(1, len(shadow.tokens))
+        seq.draft_valid = shadow.cached_length
+        seq.drafted_ever = seq.called = True
+        return none, shadow, False
+    return none, None, False
+
+
+async def _verify_call(seq: _Sequence, req: GenerationRequest, scorer: Scorer, policy: DraftLengthPolicy,
+                       proposal: Proposal, new_ids: list[int], tree: tuple[int, ...] | None, scoring: bool,
+                       wait_for_room: Callable[[], Awaitable[bool]] | None) -> Scores:
+    """The target's scores of the round's K + 1 positions (and, scoring the prompt, of its rows but its
+    last); a plain round's forward prices the policy's verifies."""
+    k = len(proposal.tokens)
+    allowed = seq.matcher.allowed(proposal.tokens, k + 1) if req.target_picks else None
+    score_rows = len(new_ids) - k - 1 if scoring else 0  # the prompt's rows but its last
+    started = time.perf_counter()
+    scores = await _score(scorer, req, seq.target_valid, new_ids, k + 1, 0 if seq.target_valid else seq.reserve,
+                          wait_for_room, allowed, seq.features is not None, tree, seq.path, score_rows)
+    if len(new_ids) == k + 1:  # a plain round (no prompt prefill or catch-up)
+        policy.observe_verify(k + 1, time.perf_counter() - started, scores.forward)
+        # Only a verify's forward prices verifies: a prompt's has its rows' logits but its last
+        # unread, and where the prefix cache holds the prompt it ran a few rows (T(rows) came out
+        # below one step's, and v(k) at 1.0: drafting looked free)
+        if scores.forward:
+            policy.observe_forward(scores.forward)
+    return scores
+
+
+def _learn(policy: DraftLengthPolicy, proposal: Proposal, verdict: TreeVerdict, depth: int | None) -> None:
+    """The policy learns the proposer's acceptance: of a chain, or along a tree's first branch."""
+    if depth is None:
+        policy.update(len(proposal.tokens), len(verdict.path))
+    else:
+        policy.update(depth, len(verdict.path), (_first_branch_length(proposal.parents),
+                                                 _on_first_branch(proposal.parents, verdict.path)))
+
+
+def _accept(seq: _Sequence, proposal: Proposal, scores: Scores, verdict: TreeVerdict, new_ids: list[int],
+            tree: tuple[int, ...] | None) -> list[int]:
+    """The verdict's tokens (the accepted nodes, then the target's next token), appended to the sequence;
+    what each model's cache keeps of the round, and a head's features at the positions the target keeps."""
+    accepted = len(verdict.path)
+    new = [proposal.tokens[node] for node in verdict.path] + [verdict.next_token]
+    # A tree: the catch-up tokens and the accepted nodes are what the target's cache keeps of it
+    caught_up = len(new_ids) - len(proposal.tokens)
+    seq.path = None if tree is None else tuple(range(caught_up)) + tuple(caught_up + n for n in verdict.path)
+    if seq.features is not None:  # the target's features at the positions it keeps
+        if seq.path is None:
+            seq.features.add(scores.features, seq.target_valid + len(new_ids), len(seq.tokens) + accepted)
+        else:
+            seq.features.add(_rows_on(scores.features, len(new_ids), seq.path), len(seq.tokens) + accepted,
+                             len(seq.tokens) + accepted)
+    seq.target_valid = len(seq.tokens) + accepted
+    # A proposer's cache holds its first branch (each node's first child): what it keeps of a tree
+    # is the accepted path's part that follows it
+    seq.draft_valid = min(seq.draft_valid, len(seq.tokens) + _on_first_branch(proposal.parents, verdict.path))
+    seq.tokens += new
+    if seq.occurrences is not None:
+        seq.occurrences.add_output(new)
+    return new
+
+
+def _stops(seq: _Sequence, req: GenerationRequest, new: list[int]) -> tuple[list[int], str | None]:
+    """The round's tokens up to where generation ends (an end token, max_tokens, the grammar complete), and
+    why it ended (None: it goes on)."""
+    end = seq.matcher.advance(new) if seq.matcher is not None else None  # the grammar complete: it ends here
+    new, finish = _apply_stops(new if end is None else new[:end], req.end_ids, req.max_tokens - seq.generated,
+                               req.min_tokens - seq.generated)
+    if end is not None and len(new) == end:
+        finish = tn.FINISH_STOP
+    seq.generated += len(new)
+    return new, finish
 
 
 async def _score(scorer: Scorer, req: GenerationRequest, keep: int, new_ids: list[int], positions: int,

@@ -131,7 +131,9 @@ class Gateway:
     async def _stream_response(self, request: web.Request, gen: Generation, body: dict, pieces) -> web.StreamResponse:
         """The Responses API's events: created, in_progress, the message's item and text part added, its
         text deltas as the server accepts tokens, their done events, completed (or incomplete). With tools,
-        the answer is read whole at its end (content and function calls), then sent as those events."""
+        content streams as the chat's does (tools.ToolStream: until a call opens), a named function's
+        arguments as they are generated, and calls the model wrote in its own format at the end, each
+        as its item's added, arguments delta and done events."""
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                                "X-Accel-Buffering": "no"})
         await response.prepare(request)
@@ -143,49 +145,46 @@ class Gateway:
         started = responses.response_object(gen, body, "in_progress", [])
         await send("response.created", response=started)
         await send("response.in_progress", response=started)
-        item_id, text, merged, opened = "msg_" + gen.id, "", Piece(), False
+        message = _StreamedMessage("msg_" + gen.id, send)
+        calls = tools.ToolStream(gen.tools) if gen.tools is not None else None
+        streamed = None  # a named function's call, its arguments streamed as they come: (item, index)
+        merged, output = Piece(), []
 
-        async def open_message() -> None:
-            await send("response.output_item.added", output_index=0,
-                       item=responses.message_item("", "in_progress", item_id))
-            await send("response.content_part.added", item_id=item_id, output_index=0, content_index=0,
-                       part=responses.output_text(""))
+        async def call_deltas(deltas: list[dict]) -> None:
+            nonlocal streamed
+            for delta in deltas:
+                if "id" in delta:  # a call's first delta: its item opens
+                    item = responses.function_call_item(delta["function"])
+                    item["call_id"], item["arguments"], item["status"] = delta["id"], "", "in_progress"
+                    streamed = (item, len(output) + (message.opened and not message.closed))
+                    await send("response.output_item.added", output_index=streamed[1], item=dict(item))
+                item, index = streamed
+                item["arguments"] += delta["function"]["arguments"]
+                if delta["function"]["arguments"]:
+                    await send("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                               delta=delta["function"]["arguments"])
         try:
             async for _, piece in pieces:
                 merged.add(piece)
-                if gen.tools is None and piece.text:
-                    if not opened:
-                        await open_message()
-                        opened = True
-                    text += piece.text
-                    await send("response.output_text.delta", item_id=item_id, output_index=0, content_index=0,
-                               delta=piece.text, logprobs=[])
-            content, reason, calls = self._answer_calls(gen, merged.text, self._finish_reason(merged))
-            output = []
-            if content or not calls:
-                if not opened:
-                    await open_message()
-                    if content:
-                        await send("response.output_text.delta", item_id=item_id, output_index=0, content_index=0,
-                                   delta=content, logprobs=[])
-                content = content or ""
-                await send("response.output_text.done", item_id=item_id, output_index=0, content_index=0,
-                           text=content, logprobs=[])
-                await send("response.content_part.done", item_id=item_id, output_index=0, content_index=0,
-                           part=responses.output_text(content))
-                output.append(responses.message_item(content, "completed", item_id))
-                await send("response.output_item.done", output_index=0, item=output[-1])
-            for call in calls:
-                item = responses.function_call_item(call)
-                index = len(output)
-                await send("response.output_item.added", output_index=index, item={**item, "arguments": "",
-                                                                                     "status": "in_progress"})
-                await send("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
-                           delta=item["arguments"])
-                await send("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                           arguments=item["arguments"], name=item["name"])
-                output.append(item)
-                await send("response.output_item.done", output_index=index, item=item)
+                content, deltas = calls.feed(piece.text) if calls is not None else (piece.text, [])
+                await message.add(content)
+                await call_deltas(deltas)
+            deltas, called, reason = [], False, self._finish_reason(merged)
+            if calls is not None:
+                content, deltas, called = calls.finish()
+                await message.add(content)
+                if called:
+                    reason = gen.tools.finish_reason(reason)
+            if message.opened or not called:  # the message item comes first, and is done before any call
+                output.append(await message.done())
+            if streamed is None:  # whole calls at the end, each opened and done in turn
+                for delta in deltas:
+                    await call_deltas([delta])
+                    await self._call_done(send, streamed, output)
+                    streamed = None
+            else:  # the named function's call: its last arguments
+                await call_deltas(deltas)
+                await self._call_done(send, streamed, output)
             status = responses.status_of(reason)
             await send("response.completed" if status == "completed" else "response.incomplete",
                        response=responses.response_object(gen, body, status, output,
@@ -196,6 +195,15 @@ class Gateway:
             await send("error", code=error.code, message=error.message, param=error.param)
         await response.write_eof()
         return response
+
+    @staticmethod
+    async def _call_done(send, streamed: tuple[dict, int], output: list[dict]) -> None:
+        item, index = streamed
+        item["status"] = "completed"
+        await send("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                   arguments=item["arguments"], name=item["name"])
+        output.append(item)
+        await send("response.output_item.done", output_index=index, item=item)
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [self._model_card(name) for name in self.served]})
@@ -399,3 +407,38 @@ def token_text_from(tokenizer) -> TokenText:
     """A token's text as OpenAI's log-probabilities show it (the token decoded alone), each decoded once:
     with top_logprobs every position names up to 20 of them."""
     return functools.lru_cache(maxsize=1 << 17)(lambda token: tokenizer.decode([token]))
+
+
+class _StreamedMessage:
+    """A streamed response's message item: opened with its first text (added events), then text deltas,
+    closed by `done` (the done events) into the output item."""
+
+    def __init__(self, item_id: str, send):
+        self.item_id, self.send, self.text, self.opened, self.closed = item_id, send, "", False, False
+
+    async def add(self, text: str) -> None:
+        if not text:
+            return
+        if not self.opened:
+            await self._open()
+        self.text += text
+        await self.send("response.output_text.delta", item_id=self.item_id, output_index=0, content_index=0,
+                        delta=text, logprobs=[])
+
+    async def done(self) -> dict:
+        if not self.opened:
+            await self._open()
+        where = dict(item_id=self.item_id, output_index=0, content_index=0)
+        await self.send("response.output_text.done", **where, text=self.text, logprobs=[])
+        await self.send("response.content_part.done", **where, part=responses.output_text(self.text))
+        item = responses.message_item(self.text, "completed", self.item_id)
+        await self.send("response.output_item.done", output_index=0, item=item)
+        self.closed = True
+        return item
+
+    async def _open(self) -> None:
+        self.opened = True
+        await self.send("response.output_item.added", output_index=0,
+                        item=responses.message_item("", "in_progress", self.item_id))
+        await self.send("response.content_part.added", item_id=self.item_id, output_index=0, content_index=0,
+                        part=responses.output_text(""))

@@ -417,8 +417,9 @@ class TargetModel(LanguageModelAdapter):
     def _gather(self, steps, results):
         """Per step (logits, greedy tokens, features or None, scored rows or None) or its error; a step with
         an allowed-tokens bitmask gets the best allowed tokens. Every step's greedy tokens come to the host in
-        one copy: on CUDA the execution waits for the device once, not once per request. A step's score rows
-        (a prompt's log-probabilities) are split off its logits first: the rest are the positions it verifies."""
+        one copy: on CUDA the execution waits for the device once, not once per request. A step with score
+        rows (a prompt's log-probabilities) keeps all its logits as the fourth entry (the score rows are its
+        first); the first entry is the rest, the positions it verifies."""
         results = [(result.logits, result.hidden) if isinstance(result, Scored) else
                    result if isinstance(result, Exception) else (result, None) for result in results]
         prompt_rows = [None] * len(results)
