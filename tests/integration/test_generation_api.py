@@ -780,6 +780,11 @@ BAD_REQUESTS = {
     "guide_too_many_choices": (PROMPTS[0], dict(sampling_parameters=np.array(
         [[json.dumps({"guided_decoding": {"choice": [f"c{i}" for i in range(1025)]}}).encode()]], dtype=np.object_)),
         "guided_decoding_guide"),
+    # a number no input holds: numpy raised on it after the request was accepted, and it was never answered
+    "seed_beyond_64_bits": (PROMPTS[0], dict(sampling_parameters=np.array([[b'{"seed": 1e308}']], dtype=np.object_)),
+                            "seed"),
+    "token_id_a_list": (PROMPTS[0], dict(sampling_parameters=np.array([[b'{"allowed_token_ids": [[1]]}']],
+                                                                       dtype=np.object_)), "allowed_token_ids"),
     "skip_special_tokens_false": (PROMPTS[0], dict(sampling_parameters=np.array(
         [[b'{"skip_special_tokens": false}']], dtype=np.object_)), "skip_special_tokens"),
     "truncate_prompt_tokens_zero": (PROMPTS[0], dict(sampling_parameters=np.array(

@@ -219,3 +219,11 @@ def test_a_generations_responses_add_up_to_its_whole_answer():
     assert whole.top_log_probs == [[-0.5], [-1.0], [-0.25]] and whole.finish_reason == "length"
     assert (whole.prompt_ids, whole.prompt_log_probs, whole.prompt_top_ids) == ([7, 8], [None, -2.0], [None, [8]])
     assert whole.stats == {"a": 2.0, "b": 3.0}  # merged, the later values winning
+
+
+@pytest.mark.parametrize("name", ["max_tokens", "max_completion_tokens"])
+@pytest.mark.parametrize("value", [[], {"a": 1}, "8", 1.5])
+def test_a_token_limit_of_the_wrong_type_is_refused_naming_it(name, value):
+    with pytest.raises(ApiError) as caught:
+        parse_chat({"model": "m", "messages": CHAT, name: value}, SERVED)
+    assert caught.value.status == 400 and caught.value.param == name

@@ -247,10 +247,25 @@ def test_vllm_sampling_parameters_stand_for_their_inputs():
     (_vllm({"truncate_prompt_tokens": 0})[tn.SAMPLING_PARAMETERS], "key 'truncate_prompt_tokens' must be >= 1 or -1"),
     (_vllm({"truncate_prompt_tokens": 2.5})[tn.SAMPLING_PARAMETERS], "key 'truncate_prompt_tokens' must be an integer"),
     (_vllm({"logprobs": 1})[tn.SAMPLING_PARAMETERS], "key 'logprobs' is not supported"),
+    # numbers the inputs cannot hold: numpy would raise on them after the request was accepted
+    (_vllm({"min_tokens": 1e308})[tn.SAMPLING_PARAMETERS], r"key 'min_tokens' must be within \[-2147483648"),
+    (_vllm({"max_tokens": 2**40})[tn.SAMPLING_PARAMETERS], r"key 'max_tokens' must be within"),
+    (_vllm({"seed": 1e308})[tn.SAMPLING_PARAMETERS], r"key 'seed' must be within \[0, 18446744073709551615\]"),
+    (_vllm({"seed": 2**64})[tn.SAMPLING_PARAMETERS], r"key 'seed' must be within"),
+    (_vllm({"top_k": "1e400"})[tn.SAMPLING_PARAMETERS], "key 'top_k' must be an integer"),
+    (_vllm({"temperature": 1e308})[tn.SAMPLING_PARAMETERS], "key 'temperature' must be a number"),
+    (_vllm({"top_p": "nan"})[tn.SAMPLING_PARAMETERS], "key 'top_p' must be a number"),
+    (_vllm({"allowed_token_ids": [[1]]})[tn.SAMPLING_PARAMETERS], r"key 'allowed_token_ids': \[1\] is not a token id"),
+    (_vllm({"logit_bias": {str(2**70): 1}})[tn.SAMPLING_PARAMETERS], "is not a token id"),
 ])
 def test_bad_sampling_parameters_are_refused_by_name(value, message):
     with pytest.raises(InputError, match=f"'{tn.SAMPLING_PARAMETERS}'.*{message}"):
         parse(**{tn.SAMPLING_PARAMETERS: value})
+
+
+def test_a_64_bit_seed_is_read_exactly():
+    assert parse(**_vllm({"seed": 2**64 - 1})).generation.sampling.seed == 2**64 - 1  # not through a float
+    assert parse(**_vllm({"seed": "18446744073709551615"})).generation.sampling.seed == 2**64 - 1
 
 
 def test_vllm_text_settings_are_read_and_neutral_ones_accepted():

@@ -147,13 +147,12 @@ def _common(body: dict, chat: bool) -> tuple[dict, dict[str, np.ndarray], dict]:
     # null and [] are unset (clients send `stop: []`, LangChain `stop: null`)
     sampling = {name: body[name] for name in SAMPLING_FIELDS if body.get(name) not in (None, [])}
     sampling.setdefault("temperature", OPENAI_TEMPERATURE)
-    limits = [(name, body.get(name)) for name in ("max_completion_tokens", "max_tokens") if body.get(name) is not None]
+    limits = [(name, _typed(body, name, (int,), "an integer")) for name in ("max_completion_tokens", "max_tokens")
+              if body.get(name) is not None]
     if len({value for _, value in limits}) > 1:
         raise invalid("max_completion_tokens", "and max_tokens differ; send one")
     if limits:
-        name, value = limits[0]
-        _typed(body, name, (int,), "an integer")
-        sampling["max_tokens"] = value
+        sampling["max_tokens"] = limits[0][1]
     bias = _typed(body, "logit_bias", (dict,), "an object of token ids to biases")
     if bias:
         sampling["logit_bias"] = bias  # token ids as JSON keys (strings); the server checks ids and ranges

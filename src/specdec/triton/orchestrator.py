@@ -15,6 +15,7 @@ import concurrent.futures
 import contextlib
 import functools
 import time
+import traceback
 from collections.abc import Callable
 
 import numpy as np
@@ -193,6 +194,12 @@ class SpeculativeDecodingAdapter(TritonAdapter):
             sender.send(pb.InferenceResponse(error=pb.TritonError(str(exc), pb.TritonError.INVALID_ARG)),
                         flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             return
+        except Exception as exc:  # noqa: BLE001 - a reading this code did not foresee: the request is answered
+            # (escaping execute, it would never be: a decoupled request waits for its final response)
+            self.metrics.requests["error"].increment(1)
+            pb.Logger.log_error(f"speculative_decoding: reading a request failed: {traceback.format_exc()}")
+            await asyncio.sleep(0.005)  # see the note on server#8537 above
+            return self._fail(sender, f"the request could not be read: {exc!r}", pb.TritonError.INTERNAL)
         slot = self.slots.take_now()
         if slot is None and self.when_full == "reject":
             self.metrics.requests["rejected"].increment(1)

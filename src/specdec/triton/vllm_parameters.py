@@ -10,6 +10,7 @@ are accepted at their neutral values only; anything else is refused by name.
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 
@@ -37,6 +38,9 @@ TOKEN_ID_KEYS = ("logit_bias", "allowed_token_ids", "stop_token_ids")
 # ... and these settings: the stop string kept at the text's end, and the prompt cut to its last N tokens
 # (-1: as many as fit before max_tokens in the context).
 VLLM_KEYS = {"include_stop_str_in_output": np.bool_, "truncate_prompt_tokens": np.int32}
+# What each integer input holds, and float32's largest finite value
+INT_RANGES = {np.int32: (-2**31, 2**31 - 1), np.int64: (-2**63, 2**63 - 1), np.uint64: (0, 2**64 - 1)}
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 MAX_TOKEN_IDS = 1024  # entries in logit_bias or stop_token_ids
 # vLLM's structured-output settings (an object, or its JSON): one of these keys names the guide ...
 GUIDED_DECODING_KEYS = ("guided_decoding", "structured_outputs")
@@ -114,10 +118,11 @@ def _token_id_setting(what: str, key: str, value) -> dict[str, np.ndarray]:
     ids, values = [], []
     for token, bias in items:
         try:
-            ids.append(int(token) if not isinstance(token, (bool, float)) else None)
+            ids.append(int(token) if isinstance(token, (int, str)) and not isinstance(token, bool) else None)
         except ValueError:
             ids.append(None)
-        if ids[-1] is None:
+        low, high = INT_RANGES[np.int64]
+        if ids[-1] is None or not low <= ids[-1] <= high:
             raise InputError(f"{what}: {token!r} is not a token id")
         if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -MAX_ABS_BIAS <= bias <= MAX_ABS_BIAS:
             raise InputError(f"{what}: the bias of token {token} must be a number within "
@@ -176,7 +181,8 @@ def _guide_setting(what: str, value) -> dict[str, np.ndarray]:
 
 def _setting(what: str, value, dtype) -> np.ndarray:
     """One JSON setting as the (1, n) array its input would be. Numbers and booleans may come as strings
-    (vLLM's backend converts them too)."""
+    (vLLM's backend converts them too). A number the input's type cannot hold is refused by name: numpy
+    would raise on it (an integer) or store infinity (a float) after the request was accepted."""
     if dtype is np.object_:
         words = [value] if isinstance(value, str) else value
         if not isinstance(words, list) or not all(isinstance(word, str) for word in words):
@@ -187,12 +193,33 @@ def _setting(what: str, value, dtype) -> np.ndarray:
         if not isinstance(flag, bool):
             raise InputError(f"{what} must be true or false, got {value!r}")
         return np.array([[flag]])
-    try:
-        number = float(value) if isinstance(value, (str, int, float)) and not isinstance(value, bool) else None
-    except ValueError:
-        number = None
-    if number is None or (dtype is not np.float32 and not number.is_integer()):
-        raise InputError(f"{what} must be {'a number' if dtype is np.float32 else 'an integer'}, got {value!r}")
+    number = _number(value)
+    if dtype is np.float32:
+        if number is None or not math.isfinite(number) or abs(number) > FLOAT32_MAX:
+            raise InputError(f"{what} must be a number, got {value!r}")
+        return np.array([[number]], dtype=dtype)
+    if number is None or isinstance(number, float) and not (math.isfinite(number) and number.is_integer()):
+        raise InputError(f"{what} must be an integer, got {value!r}")
+    low, high = INT_RANGES[dtype]
     if dtype is np.uint64 and number < 0:
         raise InputError(f"{what} must be >= 0, got {value!r}")
-    return np.array([[number if dtype is np.float32 else int(number)]], dtype=dtype)
+    if not low <= int(number) <= high:
+        raise InputError(f"{what} must be within [{low}, {high}], got {value!r}")
+    return np.array([[int(number)]], dtype=dtype)
+
+
+def _number(value) -> int | float | None:
+    """A JSON number, or a string of one, as Python reads it (an integer stays exact: a 64-bit seed would
+    not survive a float); None for anything else."""
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        return None
+    if isinstance(value, str):
+        try:
+            return int(value)
+        except ValueError:
+            pass
+        try:
+            return float(value)
+        except ValueError:
+            return None
+    return value
