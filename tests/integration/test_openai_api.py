@@ -515,6 +515,18 @@ def test_a_chat_the_server_refuses_names_messages(server):
         grpc_stream(server.grpc_url, "hi", tools=json.dumps([WEATHER]), max_tokens=2)
     with pytest.raises(GenerationError, match=r"'tools'\[0\]"):
         grpc_stream(server.grpc_url, None, messages=json.dumps(CHAT), tools='[{"type": "function"}]', max_tokens=2)
+    with pytest.raises(GenerationError, match="input 'messages' is not JSON"):  # nested past the decoder's depth
+        grpc_stream(server.grpc_url, None, messages="[" * 5000, max_tokens=2)
+
+
+@pytest.mark.parametrize("body", [b"{not json", b"[]", b'{"a":' * 5000])
+def test_a_body_that_is_no_json_object_is_refused(server, body):
+    """400 in OpenAI's error form, whatever the body: a JSON nested past the decoder's depth was a 500."""
+    request = urllib.request.Request(f"{server.openai_url}/chat/completions", data=body, method="POST",
+                                     headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as caught:
+        urllib.request.urlopen(request, timeout=30)
+    assert caught.value.code == 400 and json.loads(caught.value.read())["error"]["type"] == "invalid_request_error"
 
 
 def test_an_api_key_is_required_when_set(server, model):

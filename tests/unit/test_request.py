@@ -219,6 +219,7 @@ def test_vllm_sampling_parameters_stand_for_their_inputs():
 
 @pytest.mark.parametrize("value, message", [
     (np.array([[b"{not json"]], dtype=np.object_), "not valid JSON"),
+    (np.array([[b"[" * 100000 + b"]" * 100000]], dtype=np.object_), "not valid JSON"),  # past the decoder's depth
     (np.array([[b"[1, 2]"]], dtype=np.object_), "JSON object"),
     (_vllm({"n": 2})[tn.SAMPLING_PARAMETERS], "key 'n' is supported only at 1"),
     (_vllm({"use_beam_search": True})[tn.SAMPLING_PARAMETERS], "key 'use_beam_search' is not supported"),
@@ -360,6 +361,7 @@ def test_a_guide_comes_as_tensorrt_llms_inputs_or_vllms_guided_decoding():
     (_vllm({"guided_decoding": {"regex": "a", "choice": ["b"]}}), "exactly one of json, regex"),
     (_vllm({"guided_decoding": {}}), "exactly one of json, regex.*none"),
     (_vllm({"guided_decoding": "{oops"}), "key 'guided_decoding' is not valid JSON"),
+    (_vllm({"guided_decoding": "[" * 100000}), "key 'guided_decoding' is not valid JSON"),
     (_vllm({"guided_decoding": ["a"]}), "key 'guided_decoding' must be an object"),
     (_vllm({"guided_decoding": {"regex": 5}}), "'regex' must be a string"),
     (_vllm({"guided_decoding": {"json_object": "yes"}}), "'json_object' must be true"),

@@ -118,7 +118,7 @@ class GuideCompiler:
                     {"json_schema": "json_schema", "regex": "regex", "ebnf_grammar": "grammar"}[guide_type], guide)
         except GuideError:
             raise
-        except ValueError as exc:  # not JSON, or a grammar that does not convert
+        except (ValueError, RecursionError) as exc:  # not JSON (or nested too deep), or a grammar not converting
             raise GuideError(_short(str(exc))) from None
         failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(definition, self.tokenizer)
         if failed:

@@ -197,7 +197,7 @@ def chat_messages(raw: str, field: str) -> list[dict]:
 def _json(raw: str, field: str):
     try:
         return json.loads(raw)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested past the decoder's depth
         raise ValueError(f"input '{field}' is not JSON ({exc})") from None
 
 

@@ -80,7 +80,7 @@ class Gateway:
     async def _body(self, request: web.Request) -> dict:
         try:
             return await request.json()
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:  # RecursionError: nested past the decoder's depth
             raise ApiError(400, f"the request body is not JSON ({exc})") from None
 
     async def chat(self, request: web.Request) -> web.StreamResponse:

@@ -62,7 +62,7 @@ def with_sampling_parameters(lookup: InputLookup) -> InputLookup:
     try:
         text = raw.reshape(-1)[0]
         settings = json.loads(text.decode("utf-8") if isinstance(text, bytes) else str(text))
-    except (UnicodeDecodeError, ValueError) as exc:
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # RecursionError: nested too deep
         raise InputError(f"{field} is not valid JSON: {exc}") from None
     if not isinstance(settings, dict):
         raise InputError(f"{field} must be a JSON object, got {type(settings).__name__}")
@@ -141,7 +141,7 @@ def _guide_setting(what: str, value) -> dict[str, np.ndarray]:
     if isinstance(value, str):
         try:
             value = json.loads(value)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             raise InputError(f"{what} is not valid JSON: {exc}") from None
     if not isinstance(value, dict):
         raise InputError(f"{what} must be an object, got {type(value).__name__}")
@@ -169,7 +169,7 @@ def _guide_setting(what: str, value) -> dict[str, np.ndarray]:
     if compact and guide_type in ("json", "json_schema"):  # other guides say their whitespace themselves
         try:
             schema = json.loads(guide) if guide else {"type": "object"}
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             raise InputError(f"{what}: 'json' is not valid JSON: {exc}") from None
         if not isinstance(schema, dict):
             raise InputError(f"{what}: 'json' must be a JSON schema object")
