@@ -647,3 +647,37 @@ def test_a_gateway_that_dies_is_started_again_and_readiness_says_so(server, api,
     assert readiness() == (200, "ready\n")
     assert api.completions.create(model=model, prompt=PROMPT, max_tokens=3).usage.completion_tokens == 3
     assert "the OpenAI API exited" in server.log_tail(20000)
+
+
+def test_every_field_of_every_endpoint_with_a_wrong_value_gets_a_4xx_and_the_server_serves_on(server, api, model):
+    """Each field the API takes, set to values of the wrong type or beyond any range, on each endpoint: every
+    answer is a 4xx naming the field (the server's own refusals included), none a 500 or a request that
+    never ends. Such values found a 500 (a list for max_tokens) and a request never answered (a seed of
+    1e308, which the server accepted and then failed to store)."""
+    from specdec.gateway import protocol, responses
+
+    bad = [-1, "x", [1, "a"], {"a": 1}, 1e308]  # a wrong sign, type, unhashable types, a number past any type
+    # the fields the chat shares with the others are read by the same code: each endpoint's own here
+    endpoints = {"chat/completions": ({"messages": CHAT}, protocol.CHAT_FIELDS),
+                 "completions": ({"prompt": PROMPT}, set(protocol.COMPLETION_FIELDS) - set(protocol.CHAT_FIELDS)),
+                 "responses": ({"input": PROMPT}, responses.OWN_FIELDS)}
+    unanswered = []
+    for endpoint, (base, fields) in endpoints.items():
+        for field in sorted(set(fields) - {"model", "stream"}):
+            for value in bad:
+                body = {"model": model, "max_tokens" if endpoint != "responses" else "max_output_tokens": 2,
+                        "temperature": 0, **base, field: value}
+                request = urllib.request.Request(f"{server.openai_url}/{endpoint}", data=json.dumps(body).encode(),
+                                                 method="POST", headers={"Content-Type": "application/json"})
+                try:
+                    with urllib.request.urlopen(request, timeout=30) as response:
+                        response.read()  # accepted: a value the API takes (a bool for a flag, -1 for top_k)
+                except urllib.error.HTTPError as error:
+                    text = error.read().decode(errors="replace")
+                    detail = json.loads(text)["error"] if text.startswith("{") else {"message": text}
+                    if error.code >= 500 or not detail.get("param"):
+                        unanswered.append((endpoint, field, value, error.code, detail["message"][:120]))
+                except OSError as error:  # a timeout: the request was never answered
+                    unanswered.append((endpoint, field, value, repr(error)))
+    assert not unanswered, unanswered
+    assert api.chat.completions.create(model=model, messages=CHAT, max_tokens=2).choices[0].finish_reason
