@@ -167,3 +167,57 @@ def test_a_stop_past_its_timeout_signals_again_before_killing(tmp_path):
     assert process.stdout.readline().strip() == "up"
     server = ServerProcess(0, 0, 0, 0, 0, tmp_path, Path(tmp_path, "log"), process)
     assert server.stop(timeout_s=0.5) == 7
+
+
+@pytest.fixture
+def own_signal_handlers():
+    """The launcher's handlers installed by a test go again afterwards."""
+    import signal
+
+    previous = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
+    yield
+    for signum, handler in previous.items():
+        signal.signal(signum, handler)
+
+
+def test_a_signal_is_served_while_the_main_thread_holds_the_stop_events_lock(own_signal_handlers):
+    """Python runs a signal handler in the main thread between two bytecodes, at moments inside
+    `stopping.wait()` with the event's lock held: a handler that set the event itself never returned (a
+    launcher's stop hung until it was killed). The handler only hands the signal on; its thread acts."""
+    import signal
+
+    stopping = threading.Event()
+    served = []
+
+    def stop(signum):
+        served.append(signum)
+        stopping.set()
+
+    launcher.on_signals(stop)
+    handler = signal.getsignal(signal.SIGTERM)
+    with stopping._cond:  # what the main thread holds at those moments
+        returned = threading.Event()
+        caller = threading.Thread(target=lambda: (handler(signal.SIGTERM, None), returned.set()), daemon=True)
+        caller.start()
+        assert returned.wait(5), "the signal handler waited for the lock the main thread holds"
+    assert stopping.wait(5) and served == [signal.SIGTERM]
+
+
+def test_signals_are_served_in_order_and_a_failing_stop_serves_the_next(own_signal_handlers, capsys):
+    import os
+    import signal
+
+    served = []
+    both = threading.Event()
+
+    def stop(signum):
+        served.append(signum)
+        if len(served) == 1:
+            raise OSError("the server's port is gone")
+        both.set()
+
+    launcher.on_signals(stop)
+    os.kill(os.getpid(), signal.SIGTERM)
+    os.kill(os.getpid(), signal.SIGINT)
+    assert both.wait(5) and served == [signal.SIGTERM, signal.SIGINT]
+    assert "signal 15: OSError: the server's port is gone" in capsys.readouterr().err

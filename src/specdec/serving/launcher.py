@@ -29,6 +29,7 @@ import contextlib
 import dataclasses
 import importlib.util
 import os
+import queue
 import secrets
 import shutil
 import signal
@@ -129,6 +130,29 @@ def accepts(port: int, timeout_s: float = 1.0) -> bool:
         return False
 
 
+def on_signals(act, signums=(signal.SIGTERM, signal.SIGINT)) -> None:
+    """Run act(signum) for every signal of `signums`, one at a time and in order, on a thread of its own.
+
+    Not in the handler itself: Python runs a handler in the main thread between two bytecodes, possibly
+    while that thread holds a lock (an Event's, inside `Event.wait`; stderr's, inside a `print`), and
+    whatever the handler does that takes the same lock never returns. Seen once: the handler's
+    `Event.set()` hung a stop until the test's teardown killed the launcher, its server and stubs
+    orphaned. The handler only puts the signal on a SimpleQueue, whose put is reentrant (documented)."""
+    received: queue.SimpleQueue = queue.SimpleQueue()
+
+    def serve() -> None:
+        while True:
+            signum = received.get()
+            try:
+                act(signum)
+            except Exception as exc:  # noqa: BLE001 (the next signal must still be served)
+                log(f"signal {signum}: {type(exc).__name__}: {exc}")
+
+    threading.Thread(target=serve, name="signals", daemon=True).start()
+    for signum in signums:
+        signal.signal(signum, lambda signum, _frame: received.put(signum))
+
+
 def wait_ready(http_port: int, process: subprocess.Popen, timeout_s: float,
                stop: threading.Event | None = None, metrics_port: int | None = None) -> None:
     """Return once tritonserver is ready and, given metrics_port, its metrics endpoint listens (Triton opens
@@ -186,8 +210,9 @@ def drain(http_port: int, metrics_port: int, process: subprocess.Popen, timeout_
         while time.monotonic() < deadline and process.poll() is None:
             try:
                 busy = in_flight(metrics_port)
-            except OSError:
-                break  # no metrics to read: nothing to wait for
+            except OSError:  # no metrics to read (a server still loading, as after a restart): nothing to wait for
+                log("drain: the server's metrics do not answer; stopping")
+                return
             now = time.monotonic()
             idle_since = (idle_since or now) if busy == 0 else None
             if idle_since is not None and now - idle_since >= 1.0:
@@ -441,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
     stopping = threading.Event()
     serving = threading.Event()
 
-    def stop(signum, _frame):
+    def stop(signum: int) -> None:
         # The first signal drains (see `drain`); a second one, or one before the models are up, stops now.
         # "Up" is asked of Triton itself: the wait below notices readiness only at its next look, and a
         # client that saw the server ready first may already be streaming.
@@ -459,8 +484,7 @@ def main(argv: list[str] | None = None) -> int:
             log(f"signal {signum}: draining (a second signal stops at once)")
         stopping.set()
 
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
+    on_signals(stop)
     try:
         wait_ready(http_port, current[0], args.ready_timeout, stopping, metrics_port)
         if not stopping.is_set():
