@@ -107,7 +107,7 @@ def test_the_output_ends_where_the_grammar_ends(guides, tokenizer):
     ("regex", "[0-9", "unclosed character class"), ("json_schema", "{", "expected"),
     ("json_schema", '{"type": "foo"}', "foo"), ("choice", "[]", "JSON list of non-empty strings"),
     ("choice", '["a", 3]', "JSON list"), ("ebnf_grammar", "root ::= (", "Expected"), ("regex", "", "empty"),
-    ("xml", "<a/>", "unknown guide type"), ("choice", "[" * 5000, "recursion"),  # nested past the decoder's depth
+    ("xml", "<a/>", "unknown guide type"), ("choice", "[" * 5000, "nested too deeply"),  # nested past the decoder's depth
     ("choice", json.dumps([f"option {i}" for i in range(MAX_CHOICES + 1)]), f"at most {MAX_CHOICES} choices")])
 def test_a_guide_that_does_not_compile_says_why(guides, guide_type, guide, message):
     with pytest.raises(GuideError, match=message):

@@ -157,3 +157,30 @@ def test_streamed_answers_send_content_and_calls_as_they_can():
     # required: the calls at the end, whole
     content, deltas, called = _stream(ToolCalling(REQUIRED, ("f",)), ['[{"name": "f", ', '"arguments": {}}]'])
     assert content == "" and called and [d["index"] for d in deltas] == [0]
+
+
+DEEP = "[" * 5000 + "]" * 5000  # nested past the interpreter's recursion limit: json.loads raises RecursionError
+
+
+def test_json_nested_too_deeply_is_text_or_a_refusal_never_an_escaping_error():
+    """A model's answer, or a client's tool-call arguments, nested past the JSON decoder's depth: the answer
+    stays text (as any other answer that is no call), the client's message is refused by name."""
+    from specdec.decoding import json_text
+
+    with pytest.raises(ValueError, match="nested too deeply"):
+        json_text.parse(DEEP)
+    with pytest.raises(ValueError, match="nested too deeply"):
+        json_text.parse_at("x" + DEEP, 1)
+    assert json_text.parse_at('{"a": 1}; {"b": 2}', 10) == ({"b": 2}, 18)
+    hermes = ToolCalling(AUTO, ("get_weather",), "hermes")
+    answer = f"<tool_call>{DEEP}</tool_call>"
+    assert tools.split_output(answer, hermes) == (answer, [])
+    llama = ToolCalling(AUTO, ("get_weather",), "llama3_json")
+    answer = '{"name": "get_weather", "parameters": ' + DEEP + "}"
+    assert tools.split_output(answer, llama) == (answer, [])
+    required = ToolCalling(REQUIRED, ("get_weather",))
+    assert tools.split_output(DEEP, required) == (DEEP, [])
+    messages = [{"role": "assistant", "tool_calls": [{"type": "function", "function": {
+        "name": "get_weather", "arguments": DEEP}}]}]
+    with pytest.raises(ValueError, match=r"input 'm'\[0\]\.tool_calls\[0\]\.function\.arguments is not JSON"):
+        chat_messages(json.dumps(messages), "m")

@@ -35,6 +35,7 @@ import llguidance
 import torch
 
 from specdec import tensor_names as tn
+from specdec.decoding import json_text
 
 MAX_ERROR_CHARS = 300  # llguidance's messages can quote the whole grammar; a client gets the start
 # Each choice is one alternative of the grammar's start rule: llguidance's parser refuses a row of more than
@@ -104,7 +105,7 @@ class GuideCompiler:
             raise GuideError(f"a {guide_type} guide is empty")
         try:
             if guide_type == "choice":
-                choices = json.loads(guide)
+                choices = json_text.parse(guide)
                 if not (isinstance(choices, list) and choices and all(isinstance(c, str) and c for c in choices)):
                     raise GuideError("a choice guide must be a JSON list of non-empty strings")
                 if len(choices) > MAX_CHOICES:
@@ -118,7 +119,7 @@ class GuideCompiler:
                     {"json_schema": "json_schema", "regex": "regex", "ebnf_grammar": "grammar"}[guide_type], guide)
         except GuideError:
             raise
-        except (ValueError, RecursionError) as exc:  # not JSON (or nested too deep), or a grammar not converting
+        except ValueError as exc:  # not JSON, or a grammar not converting
             raise GuideError(_short(str(exc))) from None
         failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(definition, self.tokenizer)
         if failed:

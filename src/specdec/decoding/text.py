@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specdec import tensor_names as tn
+from specdec.decoding import json_text
 
 REPLACEMENT_CHAR = "\ufffd"
 CONTEXT_TOKENS = 6  # preceding tokens sent with a chunk: enough for byte-level and SentencePiece merges
@@ -196,8 +197,8 @@ def chat_messages(raw: str, field: str) -> list[dict]:
 
 def _json(raw: str, field: str):
     try:
-        return json.loads(raw)
-    except (ValueError, RecursionError) as exc:  # RecursionError: nested past the decoder's depth
+        return json_text.parse(raw)
+    except ValueError as exc:
         raise ValueError(f"input '{field}' is not JSON ({exc})") from None
 
 
@@ -212,7 +213,7 @@ def _tool_calls(calls, where: str) -> list[dict]:
         arguments = function.get("arguments", {})
         if isinstance(arguments, str):
             try:
-                arguments = json.loads(arguments) if arguments.strip() else {}
+                arguments = json_text.parse(arguments) if arguments.strip() else {}
             except ValueError:
                 raise ValueError(f"{where}[{j}].function.arguments is not JSON") from None
         out.append({**call, "type": "function", "function": {"name": function["name"], "arguments": arguments}})

@@ -21,6 +21,7 @@ from typing import Callable
 from aiohttp import web
 
 from specdec import tensor_names as tn
+from specdec.decoding import json_text
 from specdec.gateway import protocol, responses, tokenization, tools
 from specdec.gateway.protocol import STATS_FIELD, ApiError, Generation
 from specdec.gateway.upstream import Piece, Upstream
@@ -79,8 +80,8 @@ class Gateway:
 
     async def _body(self, request: web.Request) -> dict:
         try:
-            return await request.json()
-        except (ValueError, RecursionError) as exc:  # RecursionError: nested past the decoder's depth
+            return await request.json(loads=json_text.parse)
+        except ValueError as exc:  # undecodable bytes included
             raise ApiError(400, f"the request body is not JSON ({exc})") from None
 
     async def chat(self, request: web.Request) -> web.StreamResponse:

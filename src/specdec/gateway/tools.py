@@ -21,6 +21,8 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
+from specdec.decoding import json_text
+
 PARSERS = ("hermes", "llama3_json")
 NAMED, REQUIRED, AUTO = "named", "required", "auto"
 _HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
@@ -68,7 +70,7 @@ def split_output(text: str, calling: ToolCalling) -> tuple[str | None, list[dict
         return None, [{"name": calling.names[0], "arguments": text}]
     if calling.mode == REQUIRED:
         try:
-            calls = json.loads(text)
+            calls = json_text.parse(text)
         except ValueError:  # cut by max_tokens: the text is all there is
             return text, []
         return None, [{"name": call["name"], "arguments": json.dumps(call["arguments"], ensure_ascii=False)}
@@ -97,10 +99,10 @@ def _llama3_json(text: str) -> tuple[str | None, list[dict]]:
     if not body.startswith("{"):
         return text, []
     calls = []
-    decoder, at = json.JSONDecoder(), 0
+    at = 0
     while at < len(body):
         try:
-            value, end = decoder.raw_decode(body, at)
+            value, end = json_text.parse_at(body, at)
         except ValueError:
             return text, []
         call = _call(value, "parameters", "arguments")
@@ -117,7 +119,7 @@ def _call(value, *keys: str) -> dict | None:
     """{"name", "arguments": JSON string} from a parsed (or JSON text) call object, or None."""
     if isinstance(value, str):
         try:
-            value = json.loads(value)
+            value = json_text.parse(value)
         except ValueError:
             return None
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):

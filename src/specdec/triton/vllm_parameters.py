@@ -15,6 +15,7 @@ import math
 import numpy as np
 
 from specdec import tensor_names as tn
+from specdec.decoding import json_text
 from specdec.decoding.logit_bias import MAX_ABS_BIAS
 from specdec.triton.inputs import InputError, InputLookup
 
@@ -61,8 +62,8 @@ def with_sampling_parameters(lookup: InputLookup) -> InputLookup:
         raise InputError(f"{field} must hold exactly one JSON string, got {raw.size}")
     try:
         text = raw.reshape(-1)[0]
-        settings = json.loads(text.decode("utf-8") if isinstance(text, bytes) else str(text))
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # RecursionError: nested too deep
+        settings = json_text.parse(text.decode("utf-8") if isinstance(text, bytes) else str(text))
+    except ValueError as exc:  # undecodable bytes included
         raise InputError(f"{field} is not valid JSON: {exc}") from None
     if not isinstance(settings, dict):
         raise InputError(f"{field} must be a JSON object, got {type(settings).__name__}")
@@ -140,8 +141,8 @@ def _guide_setting(what: str, value) -> dict[str, np.ndarray]:
     """vLLM's guided_decoding / structured_outputs object (or its JSON) as our two guide inputs."""
     if isinstance(value, str):
         try:
-            value = json.loads(value)
-        except (ValueError, RecursionError) as exc:
+            value = json_text.parse(value)
+        except ValueError as exc:
             raise InputError(f"{what} is not valid JSON: {exc}") from None
     if not isinstance(value, dict):
         raise InputError(f"{what} must be an object, got {type(value).__name__}")
@@ -168,8 +169,8 @@ def _guide_setting(what: str, value) -> dict[str, np.ndarray]:
     guide_type = GUIDE_KEYS[key]
     if compact and guide_type in ("json", "json_schema"):  # other guides say their whitespace themselves
         try:
-            schema = json.loads(guide) if guide else {"type": "object"}
-        except (ValueError, RecursionError) as exc:
+            schema = json_text.parse(guide) if guide else {"type": "object"}
+        except ValueError as exc:
             raise InputError(f"{what}: 'json' is not valid JSON: {exc}") from None
         if not isinstance(schema, dict):
             raise InputError(f"{what}: 'json' must be a JSON schema object")
