@@ -1,6 +1,12 @@
-"""A wrong path or parameter fails the model's load with a message naming it (real tritonserver)."""
+"""A wrong path or parameter fails the model's load with a message naming it (real tritonserver).
+
+One tritonserver loads every broken model of this file at once (each a copy of a model of the tiny pair's
+repository with one thing wrong, under a name of its own) and exits when the loads fail: a server per case
+cost the suite ten seconds each, most of it the stubs' imports, which run side by side here."""
 
 import dataclasses
+import re
+import shutil
 import subprocess
 
 import pytest
@@ -13,48 +19,60 @@ from specdec.serving.server import free_ports
 pytestmark = pytest.mark.integration
 
 
-def load_only(tmp_path, pair, model: str, edit=None) -> subprocess.CompletedProcess:
-    """Start tritonserver loading one model of the rendered repository; it exits when the load fails."""
-    repo = repository.render(pair, tmp_path / "repo")
-    if edit:
-        edit(repo)
+def _set(repo, model: str, key: str, value: str) -> None:
+    cfg = repo / model / "config.pbtxt"
+    cfg.write_text(repository.set_parameter(cfg.read_text(), key, value))
+
+
+def _copy(repo, model: str, name: str, key: str, value: str) -> str:
+    """`model` under another `name`, with parameter `key` set to `value`."""
+    shutil.copytree(repo / model, repo / name, symlinks=True)
+    cfg = repo / name / "config.pbtxt"
+    cfg.write_text(re.sub(r'^name: "[^"]*"', f'name: "{name}"', cfg.read_text(), count=1, flags=re.M))
+    _set(repo, name, key, value)
+    return name
+
+
+@pytest.fixture(scope="module")
+def broken(tmp_path_factory) -> dict[str, str]:
+    """{model: what tritonserver printed about its load}, for every broken model; the server exited non-zero."""
+    tmp_path = tmp_path_factory.mktemp("load-errors")
+    # the tiny target has 2 layers: neither is an intermediate one, so layer 1 cannot be skipped
+    repo = repository.render(dataclasses.replace(pairs.tiny_pair(), skip_drafts={"draft_skip": "1"}), tmp_path / "repo")
+    _set(repo, "speculative_decoding", "default_num_draft_tokens", "lots")
+    models = ["speculative_decoding", "draft_skip",
+              _copy(repo, "target_model", "target_missing", "model_path", "/nonexistent/target-weights"),
+              _copy(repo, "target_model", "target_threads_many", "torch_threads", "many"),
+              _copy(repo, "target_model", "target_threads_0", "torch_threads", "0"),
+              _copy(repo, "target_model", "target_small_pool", "kv_pool_tokens", "64")]
+    _set(repo, "target_small_pool", "executor", "static")
     layout = triton_layout(tmp_path)
-    command = server_command(layout, repo, *free_ports(3)) + ["--model-control-mode=explicit", f"--load-model={model}"]
-    return subprocess.run(command, env=server_env(layout), capture_output=True, text=True, timeout=180)
+    command = server_command(layout, repo, *free_ports(3)) + ["--model-control-mode=explicit",
+                                                              *(f"--load-model={model}" for model in models)]
+    result = subprocess.run(command, env=server_env(layout), capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0, "tritonserver came up with broken models"
+    output = (result.stdout + result.stderr).splitlines()
+    return {model: "\n".join(line for line in output if model in line) for model in models}
 
 
-def test_missing_model_path_fails_at_load_naming_it(tmp_path):
-    pair = dataclasses.replace(pairs.tiny_pair(), target_path="/nonexistent/target-weights")
-    result = load_only(tmp_path, pair, "target_model")
-    assert result.returncode != 0
-    assert "model_path '/nonexistent/target-weights' does not exist" in result.stdout + result.stderr
+def test_missing_model_path_fails_at_load_naming_it(broken):
+    assert "model_path '/nonexistent/target-weights' does not exist" in broken["target_missing"]
 
 
-def test_bad_parameter_value_fails_at_load_naming_it(tmp_path):
-    def edit(repo):
-        cfg = repo / "speculative_decoding" / "config.pbtxt"
-        cfg.write_text(repository.set_parameter(cfg.read_text(), "default_num_draft_tokens", "lots"))
-
-    result = load_only(tmp_path, pairs.tiny_pair(), "speculative_decoding", edit)
-    assert result.returncode != 0
-    assert "parameter 'default_num_draft_tokens' must be an integer" in result.stdout + result.stderr
+def test_bad_parameter_value_fails_at_load_naming_it(broken):
+    assert "parameter 'default_num_draft_tokens' must be an integer" in broken["speculative_decoding"]
 
 
-@pytest.mark.parametrize("value, message", [("many", "must be an integer, got 'many'"),
-                                            ("0", "must be within [1, None], got 0")])
-def test_a_bad_torch_threads_fails_the_model_at_load_naming_it(tmp_path, value, message):
-    def edit(repo):
-        cfg = repo / "target_model" / "config.pbtxt"
-        cfg.write_text(repository.set_parameter(cfg.read_text(), "torch_threads", value))
-
-    result = load_only(tmp_path, pairs.tiny_pair(), "target_model", edit)
-    assert result.returncode != 0
-    assert f"parameter 'torch_threads' {message}" in result.stdout + result.stderr
+@pytest.mark.parametrize("model, message", [("target_threads_many", "must be an integer, got 'many'"),
+                                            ("target_threads_0", "must be within [1, None], got 0")])
+def test_a_bad_torch_threads_fails_the_model_at_load_naming_it(broken, model, message):
+    assert f"parameter 'torch_threads' {message}" in broken[model]
 
 
-def test_a_skip_draft_with_layers_it_cannot_skip_fails_at_load_naming_them(tmp_path):
-    # the tiny target has 2 layers: neither is an intermediate one
-    pair = dataclasses.replace(pairs.tiny_pair(), skip_drafts={"draft_skip": "1"})
-    result = load_only(tmp_path, pair, "draft_skip")
-    assert result.returncode != 0
-    assert "draft_skip: parameter 'skip_layers': layers [1] cannot be skipped" in result.stdout + result.stderr
+def test_a_skip_draft_with_layers_it_cannot_skip_fails_at_load_naming_them(broken):
+    assert "draft_skip: parameter 'skip_layers': layers [1] cannot be skipped" in broken["draft_skip"]
+
+
+def test_a_pool_smaller_than_the_context_fails_the_load_naming_it(broken):
+    assert "cannot hold one sequence of max_context=" in broken["target_small_pool"]
+    assert "raise kv_pool_tokens" in broken["target_small_pool"]

@@ -209,16 +209,6 @@ def test_repeated_prompts_are_served_from_the_pools_blocks(small_pool):
     assert own.metric("specdec_model_prefix_cache_bytes", model="target_model") > 0  # kept, not held
 
 
-def test_a_pool_smaller_than_the_context_fails_the_load_naming_it(tmp_path):
-    # Only target_model loads (Triton's explicit model control): the others would load in vain.
-    args = static_args("--set", "target_model.kv_pool_tokens=64", "--", "--model-control-mode=explicit",
-                       "--load-model=target_model")
-    with pytest.raises(server.ServerStartError):
-        server.start(tmp_path / "run", tmp_path / "server.log", args, ready_timeout_s=300)
-    log = (tmp_path / "server.log").read_text()
-    assert "cannot hold one sequence of max_context=" in log and "raise kv_pool_tokens" in log
-
-
 def overlapping(client: Client, second):
     """Run a LONG request, and `second()` once the first has streamed its first text (it holds the pool)."""
     started = threading.Event()
