@@ -10,7 +10,9 @@ import shutil
 import subprocess
 
 import pytest
+from transformers import LlamaConfig
 
+from specdec.engine.draft_heads import EAGLE, random_head, save_head
 from specdec.serving import pairs, repository
 from specdec.serving.launcher import server_command, server_env, triton_layout
 
@@ -38,7 +40,8 @@ def broken(tmp_path_factory) -> dict[str, str]:
     """{model: what tritonserver printed about its load}, for every broken model; the server exited non-zero."""
     tmp_path = tmp_path_factory.mktemp("load-errors")
     # the tiny target has 2 layers: neither is an intermediate one, so layer 1 cannot be skipped
-    repo = repository.render(dataclasses.replace(pairs.tiny_pair(), skip_drafts={"draft_skip": "1"}), tmp_path / "repo")
+    pair = dataclasses.replace(pairs.tiny_pair(), skip_drafts={"draft_skip": "1"}, orchestrator_instances=1)
+    repo = repository.render(pair, tmp_path / "repo")
     _set(repo, "speculative_decoding", "default_num_draft_tokens", "lots")
     models = ["speculative_decoding", "draft_skip",
               _copy(repo, "target_model", "target_missing", "model_path", "/nonexistent/target-weights"),
@@ -46,13 +49,22 @@ def broken(tmp_path_factory) -> dict[str, str]:
               _copy(repo, "target_model", "target_threads_0", "torch_threads", "0"),
               _copy(repo, "target_model", "target_small_pool", "kv_pool_tokens", "64")]
     _set(repo, "target_small_pool", "executor", "static")
+    # A head made for another target (its own repository renders it; its model directory joins this one).
+    other = LlamaConfig(vocab_size=1000, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2)
+    head = save_head(random_head(EAGLE, other), tmp_path / "wrong-head")
+    heads = repository.render(dataclasses.replace(pairs.tiny_pair(), draft_heads={"head_wrong": str(head)}),
+                              tmp_path / "head-repo")
+    shutil.copytree(heads / "head_wrong", repo / "head_wrong", symlinks=True)
+    models.append("head_wrong")
     layout = triton_layout(tmp_path)
     command = server_command(layout, repo, *free_ports(3)) + ["--model-control-mode=explicit",
                                                               *(f"--load-model={model}" for model in models)]
     result = subprocess.run(command, env=server_env(layout), capture_output=True, text=True, timeout=300)
     assert result.returncode != 0, "tritonserver came up with broken models"
     output = (result.stdout + result.stderr).splitlines()
-    return {model: "\n".join(line for line in output if model in line) for model in models}
+    return {"head path": str(head),
+            **{model: "\n".join(line for line in output if model in line) for model in models}}
 
 
 def test_missing_model_path_fails_at_load_naming_it(broken):
@@ -76,3 +88,9 @@ def test_a_skip_draft_with_layers_it_cannot_skip_fails_at_load_naming_them(broke
 def test_a_pool_smaller_than_the_context_fails_the_load_naming_it(broken):
     assert "cannot hold one sequence of max_context=" in broken["target_small_pool"]
     assert "raise kv_pool_tokens" in broken["target_small_pool"]
+
+
+def test_a_head_made_for_another_target_is_refused_at_load_naming_both(broken):
+    message = broken["head_wrong"]
+    assert f"the draft head {broken['head path']} does not fit the target {pairs.tiny_pair().target_path}" in message
+    assert "vocabulary has 1000 tokens" in message
