@@ -22,13 +22,15 @@ pytestmark = pytest.mark.integration
 PROMPTS = ["Hello there, how are you today?", "Once upon a time, in a land far away,",
            "def fibonacci(n):", "Numbers: 1 2 3 4 5 6 7 8 9 10 11 12"]
 GREEDY = dict(max_tokens=24, num_draft_tokens=3, adaptive_draft=False, draft_model=tn.DRAFT_MODEL_NAME)
-HEALED_WITHIN_S = 30
+HEALED_WITHIN_S = 30  # a model reloaded in place; a restarted server gets its own first start's time on top
 
 
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("healing")
+    started_at = time.monotonic()
     server = start_server(tmp_path, repository=repository.render(pairs.tiny_pair(), tmp_path / "repo"))
+    server.start_s = time.monotonic() - started_at  # what a restart takes again, on this machine and its load
     yield server
     # Triton never finishes unloading the old instance of a model whose stub died with requests in
     # flight (their state is lost with the stub): the server then stops only at its exit timeout, with
@@ -94,9 +96,11 @@ def test_a_killed_stub_is_brought_back(srv, before, instance):
                             "readiness says not ready")
     assert model in text, text
     noticed_s = time.monotonic() - killed_at
-    wait_for(lambda: get(srv.readiness_url)[0] == 200, HEALED_WITHIN_S, f"ready again after {instance} was killed")
+    # A decoupled model's dead stub restarts the whole server (the watchdog's log says so, checked below).
+    within_s = HEALED_WITHIN_S + (srv.start_s if model == tn.SPECULATIVE_DECODING else 0)
+    wait_for(lambda: get(srv.readiness_url)[0] == 200, within_s, f"ready again after {instance} was killed")
     ready_s = time.monotonic() - killed_at
-    assert ready_s < HEALED_WITHIN_S
+    assert ready_s < within_s
     print(f"\n{instance} killed: not ready after {noticed_s:.1f} s, ready again after {ready_s:.1f} s")
 
     # No request hangs: each ended, and those that failed say they may be retried.
