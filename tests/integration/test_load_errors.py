@@ -21,17 +21,12 @@ from specdec.serving.server import free_ports
 pytestmark = pytest.mark.integration
 
 
-def _set(repo, model: str, key: str, value: str) -> None:
-    cfg = repo / model / "config.pbtxt"
-    cfg.write_text(repository.set_parameter(cfg.read_text(), key, value))
-
-
 def _copy(repo, model: str, name: str, key: str, value: str) -> str:
     """`model` under another `name`, with parameter `key` set to `value`."""
     shutil.copytree(repo / model, repo / name, symlinks=True)
     cfg = repo / name / "config.pbtxt"
     cfg.write_text(re.sub(r'^name: "[^"]*"', f'name: "{name}"', cfg.read_text(), count=1, flags=re.M))
-    _set(repo, name, key, value)
+    repository.override(repo, f"{name}.{key}={value}")
     return name
 
 
@@ -42,13 +37,13 @@ def broken(tmp_path_factory) -> dict[str, str]:
     # the tiny target has 2 layers: neither is an intermediate one, so layer 1 cannot be skipped
     pair = dataclasses.replace(pairs.tiny_pair(), skip_drafts={"draft_skip": "1"}, orchestrator_instances=1)
     repo = repository.render(pair, tmp_path / "repo")
-    _set(repo, "speculative_decoding", "default_num_draft_tokens", "lots")
+    repository.override(repo, "speculative_decoding.default_num_draft_tokens=lots")
     models = ["speculative_decoding", "draft_skip",
               _copy(repo, "target_model", "target_missing", "model_path", "/nonexistent/target-weights"),
               _copy(repo, "target_model", "target_threads_many", "torch_threads", "many"),
               _copy(repo, "target_model", "target_threads_0", "torch_threads", "0"),
               _copy(repo, "target_model", "target_small_pool", "kv_pool_tokens", "64")]
-    _set(repo, "target_small_pool", "executor", "static")
+    repository.override(repo, "target_small_pool.executor=static")
     # A head made for another target (its own repository renders it; its model directory joins this one).
     other = LlamaConfig(vocab_size=1000, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2)
