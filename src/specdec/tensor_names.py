@@ -57,6 +57,17 @@ MAX_TOP_LOG_PROBS = 20  # OpenAI's bound on top_logprobs
 # evaluation harnesses score, OpenAI's `echo` with `logprobs`); with num_top_log_probs n, each prompt
 # position's n most likely tokens too. The prompt then runs whole, with every row's logits.
 RETURN_PROMPT_LOG_PROBS = "return_prompt_log_probs"
+# BOOL [1] each: vLLM's Triton backend's additional outputs, by its names and meanings (its clients send
+# them): finish_reason "None" on a streamed response that is not the last; cumulative_logprob; logprobs (the
+# JSON of its `sampling_parameters` key `logprobs`); num_output_tokens this response's tokens (not the total
+# so far); num_input_tokens as always
+RETURN_FINISH_REASON = "return_finish_reason"
+RETURN_CUMULATIVE_LOGPROB = "return_cumulative_logprob"
+RETURN_LOGPROBS = "return_logprobs"
+RETURN_NUM_INPUT_TOKENS = "return_num_input_tokens"
+RETURN_NUM_OUTPUT_TOKENS = "return_num_output_tokens"
+VLLM_OUTPUT_FLAGS = (RETURN_FINISH_REASON, RETURN_CUMULATIVE_LOGPROB, RETURN_LOGPROBS, RETURN_NUM_INPUT_TOKENS,
+                     RETURN_NUM_OUTPUT_TOKENS)
 # Structured output (TensorRT-LLM's names; decoding/grammar.py): the output follows a guide of this type,
 # one of GUIDE_TYPES. vLLM's `sampling_parameters` key `guided_decoding` (or `structured_outputs`) says the same.
 GUIDED_DECODING_GUIDE_TYPE = "guided_decoding_guide_type"  # STRING [1]
@@ -80,6 +91,12 @@ MEAN_ACCEPTED_LENGTH = "mean_accepted_length"  # FP32 [1]: tokens per round = 1 
 # before temperature, top_k and top_p), and their sum over every token generated so far.
 OUTPUT_LOG_PROBS = "output_log_probs"  # FP32 [-1]
 CUM_LOG_PROBS = "cum_log_probs"  # FP32 [1]
+# vLLM's Triton backend's outputs (with its return_* flags above): the sum of the log-probabilities of every
+# token generated so far, and per token of this response a JSON object {"<token id>": {"logprob", "rank",
+# "decoded_token"}} of the generated token and its position's n most likely (sampling_parameters' `logprobs`
+# n), as a JSON list ("null" without `logprobs`)
+CUMULATIVE_LOGPROB = "cumulative_logprob"  # FP32 [1]
+LOGPROBS = "logprobs"  # STRING [1]
 # With num_top_log_probs n > 0: at each token of this response the n most likely tokens of the same raw
 # distribution, most likely first, and their log-probabilities (one row per token)
 OUTPUT_TOP_IDS = "output_top_ids"  # INT32 [-1, -1]

@@ -545,6 +545,93 @@ def test_vllm_backend_client_requests_are_served(server):
     assert over_http[tn.TEXT_OUTPUT] == plain[tn.TEXT_OUTPUT]
 
 
+def _vllm_backend_request(server, prompt: str, settings: dict, stream: bool, flags=tn.VLLM_OUTPUT_FLAGS) -> list[dict]:
+    """A request as clients of Triton's vLLM backend send it (text_input, stream, sampling_parameters, its
+    return_* flags) over gRPC streaming: each response's outputs by name, in order."""
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    responses: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    arrays = {tn.TEXT_INPUT: np.array([[prompt.encode()]], dtype=np.object_), tn.STREAM: np.array([[stream]]),
+              tn.SAMPLING_PARAMETERS: np.array([[json.dumps(settings).encode()]], dtype=np.object_),
+              **{flag: np.array([[True]]) for flag in flags}}
+    got = []
+    try:
+        client.async_stream_infer(tn.ENSEMBLE, grpc_inputs(arrays), enable_empty_final_response=True)
+        while True:
+            result, error = responses.get(timeout=120)
+            assert error is None, error
+            response = result.get_response()
+            if response.outputs:
+                got.append({output.name: result.as_numpy(output.name) for output in response.outputs})
+            final = response.parameters.get("triton_final_response")
+            if final and final.bool_param:
+                return got
+    finally:
+        client.stop_stream()
+        client.close()
+
+
+@pytest.mark.parametrize("temperature,stream", [(0.0, True), (0.0, False), (1.0, True)])
+def test_vllm_backend_additional_outputs(server, hf_target, temperature, stream):
+    """vLLM's backend's return_* flags, with its clients' meanings: finish_reason "None" until the last
+    response; num_output_tokens each response's own tokens; cumulative_logprob the sum so far; logprobs, with
+    sampling_parameters' `logprobs` 2, per token the generated token (its log-probability and rank in the
+    target's raw distribution, its text) and its position's two most likely, all as transformers computes
+    them; num_input_tokens the prompt's. Greedy and sampled, streamed or not."""
+    model, tokenizer = hf_target
+    settings = {"max_tokens": 24, "temperature": temperature, "seed": 3, "ignore_eos": True, "logprobs": 2}
+    responses = _vllm_backend_request(server, PROMPTS[1], settings, stream)
+    assert len(responses) > 1 if stream else len(responses) == 1
+    reasons = [r[tn.FINISH_REASON].reshape(-1)[0].decode() for r in responses]
+    assert reasons == ["None"] * (len(responses) - 1) + ["length"]
+    ids = [r[tn.OUTPUT_IDS].reshape(-1).tolist() for r in responses]
+    assert [r[tn.NUM_OUTPUT_TOKENS].reshape(-1)[0] for r in responses] == [len(part) for part in ids]
+    assert all(r[tn.NUM_INPUT_TOKENS].reshape(-1)[0] == len(tokenizer(PROMPTS[1]).input_ids) for r in responses)
+    entries = [json.loads(r[tn.LOGPROBS].reshape(-1)[0]) for r in responses]
+    assert [len(part) for part in entries] == [len(part) for part in ids]
+    output = [token for part in ids for token in part]
+    assert len(output) == 24
+    with torch.no_grad():
+        logits = model(torch.tensor([tokenizer(PROMPTS[1]).input_ids + output])).logits[0, -25:-1].double()
+    reference = torch.log_softmax(logits, -1)
+    flat = [entry for part in entries for entry in part]
+    for position, (token, entry) in enumerate(zip(output, flat)):
+        assert list(entry)[0] == str(token)  # the generated token first
+        own = entry[str(token)]
+        assert own["logprob"] == pytest.approx(float(reference[position, token]), abs=1e-4)
+        assert own["rank"] == int((logits[position] > logits[position, token]).sum()) + 1
+        assert own["decoded_token"] == tokenizer.decode([token])
+        top = reference[position].topk(2)
+        for rank, (other, value) in enumerate(zip(top.indices.tolist(), top.values.tolist()), start=1):
+            assert entry[str(other)]["logprob"] == pytest.approx(value, abs=1e-4)
+            assert entry[str(other)]["rank"] == rank or other == token
+        assert len(entry) <= 3
+    if temperature:
+        assert any(entry[str(token)]["rank"] > 1 for token, entry in zip(output, flat))
+    cumulative = [float(r[tn.CUMULATIVE_LOGPROB].reshape(-1)[0]) for r in responses]
+    sent = np.cumsum([len(part) for part in ids])
+    assert cumulative == pytest.approx([float(reference[torch.arange(n), torch.tensor(output[:n])].sum())
+                                        for n in sent], abs=1e-3)
+
+
+def test_vllm_backend_flags_off_or_without_logprobs(server):
+    """Without the flags, the outputs keep this server's meanings (finish_reason empty until the last
+    response, num_output_tokens the total so far) and vLLM's two outputs are not sent; return_logprobs
+    without sampling_parameters' `logprobs` sends null, as vLLM's backend does. Triton's HTTP generate
+    endpoint takes the flags as JSON keys."""
+    settings = {"max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    plain = _vllm_backend_request(server, PROMPTS[0], settings, True, flags=())
+    assert len(plain) > 1 and all(tn.LOGPROBS not in r and tn.CUMULATIVE_LOGPROB not in r for r in plain)
+    assert [r[tn.FINISH_REASON].reshape(-1)[0].decode() for r in plain] == [""] * (len(plain) - 1) + ["length"]
+    assert plain[-1][tn.NUM_OUTPUT_TOKENS].reshape(-1)[0] == 12
+    null = _vllm_backend_request(server, PROMPTS[0], settings, False, flags=(tn.RETURN_LOGPROBS,))
+    assert [r[tn.LOGPROBS].reshape(-1)[0] for r in null] == [b"null"] and tn.CUMULATIVE_LOGPROB not in null[0]
+    over_http = http_generate(server.http_url, PROMPTS[0], sampling_parameters=json.dumps({**settings, "logprobs": 1}),
+                              return_logprobs=True, return_num_output_tokens=True, return_cumulative_logprob=True)
+    assert over_http[tn.NUM_OUTPUT_TOKENS] == 12 and len(json.loads(over_http[tn.LOGPROBS])) == 12
+    assert over_http[tn.CUMULATIVE_LOGPROB] < 0
+
+
 def test_vllm_token_id_settings_are_served(server, hf_target, hf_greedy):
     """sampling_parameters' logit_bias and allowed_token_ids give greedy decoding of the served target under
     the definition; stop_token_ids end the text before the first of them. K 0 and 4, gRPC and HTTP."""

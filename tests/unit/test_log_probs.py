@@ -218,3 +218,36 @@ def test_a_prompt_the_prefix_cache_holds_is_scored_whole_by_the_paged_executor(t
         reference = torch.log_softmax(tiny_lm(torch.tensor([PROMPT])).logits[0, :-1].double(), -1)
     assert torch.allclose(torch.tensor(rounds[0].prompt_log_probs, dtype=torch.float64),
                           reference[torch.arange(len(PROMPT) - 1), torch.tensor(PROMPT[1:])], atol=1e-4)
+
+
+@pytest.mark.parametrize("draft,k,temperature,branches,bans", [
+    ("none", 0, 0.0, 1, False), ("draft_model", 3, 0.0, 2, False), ("draft_model", 3, 1.0, 1, False),
+    ("ngram", 4, 0.8, 1, False), ("draft_model", 3, 0.0, 1, True)])
+def test_each_token_carries_its_rank_in_the_raw_distribution(tiny_lm, draft, k, temperature, branches, bans):
+    """log_ranks (vLLM's logprobs): each generated token's rank at its position, 1 + the tokens the target's
+    raw distribution makes likelier, through chains, trees, sampled rounds and greedy rounds whose bans make
+    the target's choice another token than its raw first."""
+    proposer = (NgramProposer(min_ngram=1) if draft == "ngram" else
+                LocalProposer(dynamic_executor(noisy_copy(tiny_lm)), branches=branches))
+    free = _run(GenerationRequest(seq_id=8, prompt_ids=PROMPT, max_tokens=30), NgramProposer(min_ngram=1),
+                LocalScorer(dynamic_executor(tiny_lm)), 0)
+    banned = tuple((token,) for token in {t for rnd in free for t in rnd.new_tokens[:1]} | {free[3].new_tokens[0]})
+    req = GenerationRequest(seq_id=9, prompt_ids=PROMPT, max_tokens=30, log_probs=True, log_ranks=True,
+                            sampling=SamplingParams(temperature=temperature, seed=5), bad_words=banned if bans else ())
+
+    async def main():
+        policy = DraftLengthPolicy.fixed(k, branches=branches)
+        return [rnd async for rnd in generate(req, proposer, LocalScorer(dynamic_executor(tiny_lm)), policy)]
+    rounds = asyncio.run(main())
+    output = [token for rnd in rounds for token in rnd.new_tokens]
+    ranks = [rank for rnd in rounds for rank in rnd.ranks]
+    assert all(len(rnd.ranks) == len(rnd.new_tokens) for rnd in rounds)
+    with torch.no_grad():
+        logits = tiny_lm(torch.tensor([PROMPT + output])).logits[0, len(PROMPT) - 1:-1].double()
+    chosen = logits.gather(1, torch.tensor(output)[:, None])
+    assert ranks == ((logits > chosen).sum(-1) + 1).tolist()
+    if temperature or bans:  # tokens other than the raw first were generated and ranked as such
+        assert max(ranks) > 1
+    else:
+        assert set(ranks) == {1}
+    assert not GenerationRequest(seq_id=1, prompt_ids=[1], max_tokens=1, grammar=object(), log_ranks=True).target_picks

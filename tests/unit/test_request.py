@@ -247,7 +247,10 @@ def test_vllm_sampling_parameters_stand_for_their_inputs():
     (_vllm({"include_stop_str_in_output": 1})[tn.SAMPLING_PARAMETERS], "key 'include_stop_str_in_output' must be true"),
     (_vllm({"truncate_prompt_tokens": 0})[tn.SAMPLING_PARAMETERS], "key 'truncate_prompt_tokens' must be >= 1 or -1"),
     (_vllm({"truncate_prompt_tokens": 2.5})[tn.SAMPLING_PARAMETERS], "key 'truncate_prompt_tokens' must be an integer"),
-    (_vllm({"logprobs": 1})[tn.SAMPLING_PARAMETERS], "key 'logprobs' is not supported"),
+    (_vllm({"logprobs": 21})[tn.SAMPLING_PARAMETERS], r"key 'logprobs' must be within \[0, 20\], got 21"),
+    (_vllm({"logprobs": -1})[tn.SAMPLING_PARAMETERS], r"key 'logprobs' must be within \[0, 20\]"),
+    (_vllm({"logprobs": "many"})[tn.SAMPLING_PARAMETERS], "key 'logprobs' must be an integer"),
+    (_vllm({"prompt_logprobs": 1})[tn.SAMPLING_PARAMETERS], "key 'prompt_logprobs' is not supported"),
     # numbers the inputs cannot hold: numpy would raise on them after the request was accepted
     (_vllm({"min_tokens": 1e308})[tn.SAMPLING_PARAMETERS], r"key 'min_tokens' must be within \[-2147483648"),
     (_vllm({"max_tokens": 2**40})[tn.SAMPLING_PARAMETERS], r"key 'max_tokens' must be within"),
@@ -297,6 +300,31 @@ def test_vllm_token_id_settings_are_read():
     assert gen.end_ids == frozenset([2, 11, 12])  # the end id, and the stop tokens beside it
     assert parse(**_vllm({"stop_token_ids": [11], "ignore_eos": True})).generation.end_ids == frozenset([11])
     assert not parse(**_vllm({"logit_bias": {}})).generation.token_bias.active
+
+
+def test_vllm_additional_output_flags_and_logprobs_are_read():
+    """vLLM's backend's return_* flags (each true one kept), and its `logprobs` n: log-probabilities with the n
+    most likely tokens, and the generated tokens' ranks only when return_logprobs sends them."""
+    flags = {name: np.array([[True]]) for name in tn.VLLM_OUTPUT_FLAGS}
+    parsed = parse(**{**flags, tn.RETURN_NUM_INPUT_TOKENS: np.array([[False]])})
+    assert parsed.vllm_outputs == frozenset(tn.VLLM_OUTPUT_FLAGS) - {tn.RETURN_NUM_INPUT_TOKENS}
+    assert parsed.vllm_logprobs is None and not parsed.generation.log_ranks
+    assert parsed.generation.log_probs and parsed.generation.top_log_probs == 0  # for cumulative_logprob
+    assert parse(**{tn.RETURN_FINISH_REASON: np.array([[True]])}).generation.log_probs is False
+    plain = parse()
+    assert (plain.vllm_outputs, plain.vllm_logprobs) == (frozenset(), None)
+    for n in (0, 3):
+        asked = parse(**_vllm({"logprobs": n}), **{tn.RETURN_LOGPROBS: np.array([[True]])})
+        gen = asked.generation
+        assert (asked.vllm_logprobs, gen.log_probs, gen.top_log_probs, gen.log_ranks) == (n, True, n, True)
+    unsent = parse(**_vllm({"logprobs": "2"})).generation  # computed as vLLM does, not sent: no ranks
+    assert (unsent.log_probs, unsent.top_log_probs, unsent.log_ranks) == (True, 2, False)
+    same = parse(**_vllm({"logprobs": 2}), **{tn.RETURN_LOG_PROBS: np.array([[True]]),
+                                             tn.NUM_TOP_LOG_PROBS: np.array([[2]], dtype=np.int32)})
+    assert same.generation.top_log_probs == 2
+    with pytest.raises(InputError, match=f"key 'logprobs' and input '{tn.NUM_TOP_LOG_PROBS}' are one setting"):
+        parse(**_vllm({"logprobs": 2}), **{tn.RETURN_LOG_PROBS: np.array([[True]]),
+                                          tn.NUM_TOP_LOG_PROBS: np.array([[3]], dtype=np.int32)})
 
 
 def test_sampling_parameters_keep_the_inputs_rules():

@@ -105,6 +105,11 @@ input [
   { name: "return_log_probs", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },
   { name: "return_prompt_log_probs", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },
   { name: "num_top_log_probs", data_type: TYPE_INT32, dims: [ 1 ], optional: true },
+  { name: "return_finish_reason", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },
+  { name: "return_cumulative_logprob", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },
+  { name: "return_logprobs", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },
+  { name: "return_num_input_tokens", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },
+  { name: "return_num_output_tokens", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },
   { name: "guided_decoding_guide_type", data_type: TYPE_STRING, dims: [ 1 ], optional: true },
   { name: "guided_decoding_guide", data_type: TYPE_STRING, dims: [ 1 ], optional: true }
 ]
@@ -235,6 +240,11 @@ input [
   { name: "return_log_probs", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },
   { name: "return_prompt_log_probs", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },
   { name: "num_top_log_probs", data_type: TYPE_INT32, dims: [ 1 ], optional: true },
+  { name: "return_finish_reason", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },
+  { name: "return_cumulative_logprob", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },
+  { name: "return_logprobs", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },
+  { name: "return_num_input_tokens", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },
+  { name: "return_num_output_tokens", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },
   { name: "guided_decoding_guide_type", data_type: TYPE_STRING, dims: [ 1 ], optional: true },
   { name: "guided_decoding_guide", data_type: TYPE_STRING, dims: [ 1 ], optional: true }
 ]
@@ -253,6 +263,8 @@ output [
   { name: "mean_accepted_length", data_type: TYPE_FP32, dims: [ 1 ] },
   { name: "output_log_probs", data_type: TYPE_FP32, dims: [ -1 ] },
   { name: "cum_log_probs", data_type: TYPE_FP32, dims: [ 1 ] },
+  { name: "cumulative_logprob", data_type: TYPE_FP32, dims: [ 1 ] },
+  { name: "logprobs", data_type: TYPE_STRING, dims: [ 1 ] },
   { name: "output_top_ids", data_type: TYPE_INT32, dims: [ -1, -1 ] },
   { name: "output_top_log_probs", data_type: TYPE_FP32, dims: [ -1, -1 ] },
   { name: "output_prompt_ids", data_type: TYPE_INT32, dims: [ -1 ] },

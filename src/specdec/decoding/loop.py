@@ -56,6 +56,8 @@ class GenerationRequest:
     min_tokens: int = 0  # end tokens before this many generated tokens are generated like any other
     log_probs: bool = False  # report each generated token's log-probability under the target
     top_log_probs: int = 0  # with log_probs: also the n most likely tokens at each generated position
+    # with log_probs: also each generated token's rank in the raw distribution (1 + the tokens more likely)
+    log_ranks: bool = False
     # the target's log-probability of each prompt token after the first (and with top_log_probs n its
     # positions' n most likely tokens): the first round scores the whole prompt, as a chain
     prompt_log_probs: bool = False
@@ -75,7 +77,8 @@ class GenerationRequest:
         that edits its logits sends the grammar's bitmask with each verify and gets the best allowed tokens
         back, so no (K+1) x V logits leave the target (on a GPU, none leave the device)."""
         return (self.sampling.greedy and self.grammar is not None and not self.bad_words
-                and not self.penalties.active and not self.token_bias.active)
+                and not self.penalties.active and not self.token_bias.active
+                and not self.log_ranks)  # a rank needs the raw logits, the target's pick does not send them
 
 
 @dataclass
@@ -109,6 +112,7 @@ class RoundOutput:
     # top_log_probs n its position's n most likely tokens and theirs
     prompt_log_probs: list[float] | None = None
     prompt_top: tuple[list[list[int]], list[list[float]]] | None = None
+    ranks: list[int] | None = None  # with req.log_ranks: each new token's rank in the target's raw distribution
 
 
 async def generate(req: GenerationRequest, proposer: Proposer, scorer: Scorer, policy: DraftLengthPolicy,
@@ -148,9 +152,10 @@ async def generate(req: GenerationRequest, proposer: Proposer, scorer: Scorer, p
             _record(stats, k, len(verdict.path))
             log_probs = _log_probs(scores, new, verdict.path) if req.log_probs else None
             top = _top_log_probs(scores, verdict.path, req.top_log_probs) if req.top_log_probs else None
+            ranks = _ranks(scores, new, verdict.path) if req.log_ranks else None
             new, finish = _stops(seq, req, new)
             yield RoundOutput(new, k, len(verdict.path), finish, log_probs and log_probs[:len(new)], depth=depth,
-                              top=top and (top[0][:len(new)], top[1][:len(new)]),
+                              top=top and (top[0][:len(new)], top[1][:len(new)]), ranks=ranks and ranks[:len(new)],
                               **(_prompt_scores(scores, req.top_log_probs) if scoring else {}))
             if finish:
                 return
@@ -499,6 +504,17 @@ def _log_probs(scores: Scores, new: list[int], path: tuple[int, ...]) -> list[fl
     if scores.logits is None:
         return scores.log_probs[rows].tolist()
     return token_log_probs(scores.logits[rows], torch.tensor(new, dtype=torch.long)).tolist()
+
+
+def _ranks(scores: Scores, new: list[int], path: tuple[int, ...]) -> list[int]:
+    """Each of a round's tokens' rank in the target's raw distribution at its row (1 + the tokens with a
+    larger logit: ties share the better rank). Without logits every token is the raw greedy choice (the
+    target picks under a grammar only without ranks asked for): rank 1."""
+    if scores.logits is None:
+        return [1] * len(new)
+    rows = scores.logits[[0] + [node + 1 for node in path]].float()
+    chosen = rows.gather(-1, torch.tensor(new, dtype=torch.long, device=rows.device)[:, None])
+    return ((rows > chosen).sum(-1) + 1).tolist()
 
 
 def _top_log_probs(scores: Scores, path: tuple[int, ...], n: int) -> tuple[list[list[int]], list[list[float]]]:

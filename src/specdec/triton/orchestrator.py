@@ -37,6 +37,7 @@ from specdec.triton.config import ConfigError, ModelParameters
 from specdec.triton.fallback import FallbackProposer
 from specdec.triton.metrics import OrchestratorMetrics
 from specdec.triton.request import InputError, ParsedRequest, RequestLimits
+from specdec.triton import vllm_outputs
 from specdec.triton.admission.kv_room import RoomLine, RoomWait
 from specdec.triton.admission.sequence_slots import SlotPool
 from specdec.triton.admission.verify_gate import GatedScorer, VerifyGate
@@ -64,6 +65,8 @@ class SpeculativeDecodingAdapter(TritonAdapter):
         pb_utils = self.pb
         self.tokenizer = load_tokenizer(params.str("tokenizer_path"))
         self.guides = GuideCompiler(self.tokenizer)  # structured output's grammars over the same tokenizer
+        # a token's text alone (vLLM's `decoded_token` in its logprobs output)
+        self.token_text = functools.lru_cache(maxsize=1 << 16)(lambda token: self.tokenizer.decode([token]))
         eos = self.tokenizer.eos_token_id
         self.limits = RequestLimits.from_parameters(params, len(self.tokenizer),
                                                     frozenset([] if eos is None else [int(eos)]))
@@ -219,8 +222,8 @@ class SpeculativeDecodingAdapter(TritonAdapter):
             if slot is None:  # a direct caller cancelled it while it waited: it ends holding nothing
                 self.metrics.queue_time.observe(slot_wait)
                 self.metrics.record_request(tn.FINISH_CANCELLED, 0, slot_wait)
-                sender.send(self._response(None, parsed.generation, TextEmitter(self.tokenizer), Stats(),
-                                           tn.FINISH_CANCELLED, []), flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                sender.send(self._response(None, parsed, TextEmitter(self.tokenizer), Stats(), tn.FINISH_CANCELLED,
+                                           []), flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                 return
         try:
             await self._generate(sender, arrived, parsed, slot_wait)
@@ -321,10 +324,12 @@ class SpeculativeDecodingAdapter(TritonAdapter):
             sender.send(response, flags=0)
         return sender.is_cancelled()
 
-    def _response(self, emission: Emission | None, req: GenerationRequest, emitter: TextEmitter, stats: Stats,
+    def _response(self, emission: Emission | None, parsed: ParsedRequest, emitter: TextEmitter, stats: Stats,
                   finish: str | None, log_probs: list[float],
-                  top: tuple[list[list[int]], list[list[float]]] = ([], []), prompt: RoundOutput | None = None):
+                  top: tuple[list[list[int]], list[list[float]]] = ([], []), prompt: RoundOutput | None = None,
+                  ranks: list[int] | None = None, final: bool = True):
         pb = self.pb
+        req = parsed.generation
         ids, prefix, length = (emission.ids, emission.prefix_ids, emission.text_length) if emission else ([], [], -1)
 
         def i32(name, values):
@@ -350,7 +355,16 @@ class SpeculativeDecodingAdapter(TritonAdapter):
                 extra += [pb.Tensor(tn.OUTPUT_PROMPT_TOP_IDS, np.asarray(prompt.prompt_top[0], dtype=np.int32).reshape(shape)),
                           pb.Tensor(tn.OUTPUT_PROMPT_TOP_LOG_PROBS,
                                     np.asarray(prompt.prompt_top[1], dtype=np.float32).reshape(shape))]
-        return pb.InferenceResponse(output_tensors=extra + [
+        vllm = {}
+        if parsed.vllm_outputs:  # vLLM's backend's outputs, which replace ours of the same names
+            this = slice(sent - len(ids), sent)
+            vllm = vllm_outputs.additional_outputs(
+                parsed.vllm_outputs, ids=ids, finish=finish if final else None, cumulative=sum(log_probs[:sent]),
+                logprobs=None if parsed.vllm_logprobs is None or tn.RETURN_LOGPROBS not in parsed.vllm_outputs else
+                vllm_outputs.logprobs_json(ids, log_probs[this], ranks[this] if ranks else None,
+                                           (top[0][this], top[1][this]) if req.top_log_probs else None,
+                                           self.token_text))
+        tensors = extra + [
             i32(tn.OUTPUT_IDS, ids),
             i32(tn.PREFIX_IDS, prefix),
             i32(tn.TEXT_LENGTH, [length]),
@@ -363,7 +377,10 @@ class SpeculativeDecodingAdapter(TritonAdapter):
             pb.Tensor(tn.ACCEPTANCE_RATE, np.array([[stats.acceptance_rate]], dtype=np.float32)),
             pb.Tensor(tn.MEAN_ACCEPTED_LENGTH, np.array([[stats.mean_accepted_length]], dtype=np.float32)),
             pb.Tensor(tn.FINISH_REASON, np.array([[(finish or "").encode()]], dtype=np.object_)),
-        ])
+        ]
+        if vllm:
+            tensors = [t for t in tensors if t.name() not in vllm] + [pb.Tensor(k, v) for k, v in vllm.items()]
+        return pb.InferenceResponse(output_tensors=tensors)
 
 
 class _Responses:
@@ -380,19 +397,21 @@ class _Responses:
         self.log_probs: list[float] = []  # with return_log_probs: one per generated token, in order
         # with num_top_log_probs: per generated token its n most likely tokens and their log-probabilities
         self.top: tuple[list[list[int]], list[list[float]]] = ([], [])
+        self.ranks: list[int] = []  # with vLLM's logprobs and return_logprobs: each generated token's rank
+        self.parsed = parsed
         self.in_flight: asyncio.Future | None = None  # the last round's streamed response and check
         self.asked = arrived  # when Triton was last asked whether the caller cancelled
         self.first_sent = False
         self.prompt: RoundOutput | None = None  # with return_prompt_log_probs: the first round, until sent
 
-    def response(self, emission: Emission | None, finish: str | None):
+    def response(self, emission: Emission | None, finish: str | None, final: bool = True):
         prompt = None
         if not self.first_sent:
             self.adapter.metrics.ttft.observe(time.monotonic() - self.arrived)
             self.first_sent = True
             prompt = self.prompt
-        return self.adapter._response(emission, self.gen, self.emitter, self.stats, finish, self.log_probs, self.top,
-                                      prompt)
+        return self.adapter._response(emission, self.parsed, self.emitter, self.stats, finish, self.log_probs,
+                                      self.top, prompt, self.ranks, final)
 
     async def round(self, rnd) -> tuple[str | None, Emission | None]:
         """A round's tokens counted and pushed into the text, streamed where they make text; returns the
@@ -407,6 +426,8 @@ class _Responses:
         if rnd.top:
             self.top[0].extend(rnd.top[0])
             self.top[1].extend(rnd.top[1])
+        if rnd.ranks:
+            self.ranks += rnd.ranks
         now = time.monotonic()
         adapter.metrics.record_round(rnd.num_drafted, rnd.num_accepted, now, rnd.depth)
         adapter.metrics.record_costs(adapter.costs, now)
@@ -421,7 +442,7 @@ class _Responses:
             finish = finish or (tn.FINISH_CANCELLED if cancelled else None)
         if finish:
             return finish, emission
-        out = self.response(emission, None) if self.stream and emission else None
+        out = self.response(emission, None, final=False) if self.stream and emission else None
         if out is not None or now - self.asked >= CANCEL_POLL_S:
             self.asked = now
             self.in_flight = asyncio.get_running_loop().run_in_executor(

@@ -82,6 +82,9 @@ class ParsedRequest:
     stop_words: tuple[str, ...]
     include_stop: bool = False  # the stop word that ends the text stays at its end (vLLM's include_stop_str_in_output)
     num_draft_branches: int = 1  # a draft model's candidates per drafted position (1: chains), <= draft_branches
+    # vLLM's backend's return_* flags that are true (tn.VLLM_OUTPUT_FLAGS), and its `logprobs` n (None: unset)
+    vllm_outputs: frozenset[str] = frozenset()
+    vllm_logprobs: int | None = None
 
     @classmethod
     def parse(cls, lookup: InputLookup, limits: RequestLimits, seq_id: int | None = None,
@@ -148,6 +151,11 @@ class ParsedRequest:
             raise InputError(f"input '{tn.NUM_TOP_LOG_PROBS}' must be within [0, {tn.MAX_TOP_LOG_PROBS}], got {top}")
         if top and not log_probs:
             raise InputError(f"input '{tn.NUM_TOP_LOG_PROBS}' needs '{tn.RETURN_LOG_PROBS}': true")
+        vllm_outputs = frozenset(name for name in tn.VLLM_OUTPUT_FLAGS if inputs.scalar(name, np.bool_, False))
+        vllm_logprobs = _vllm_logprobs(inputs, top)
+        if vllm_logprobs is not None:  # vLLM computes them whether or not return_logprobs sends them
+            log_probs, top = True, vllm_logprobs
+        log_probs = log_probs or tn.RETURN_CUMULATIVE_LOGPROB in vllm_outputs
         generation = GenerationRequest(
             seq_id=seq_id if seq_id is not None else random.getrandbits(63) | 1,
             prompt_ids=prompt_ids,
@@ -158,6 +166,7 @@ class ParsedRequest:
             min_tokens=min_length,
             log_probs=log_probs,
             top_log_probs=int(top),
+            log_ranks=vllm_logprobs is not None and tn.RETURN_LOGPROBS in vllm_outputs,
             prompt_log_probs=bool(inputs.scalar(tn.RETURN_PROMPT_LOG_PROBS, np.bool_, False)),
             bad_words=bad_words,
             penalties=penalties,
@@ -168,7 +177,23 @@ class ParsedRequest:
         # different K changes which random draws pick which token, so it drafts a fixed K.
         adaptive = adaptive and (sampling.greedy or seed is None)
         return cls(generation, k, adaptive, draft_name, bool(inputs.scalar(tn.STREAM, np.bool_, False)), stop_words,
-                   bool(inputs.scalar("include_stop_str_in_output", np.bool_, False)), int(branches))
+                   bool(inputs.scalar("include_stop_str_in_output", np.bool_, False)), int(branches),
+                   vllm_outputs, vllm_logprobs)
+
+
+def _vllm_logprobs(inputs: Inputs, top: int) -> int | None:
+    """sampling_parameters' `logprobs` n (vLLM's: each generated token's n most likely tokens besides its
+    own), None when unset; num_top_log_probs is the same setting, so both only if they agree."""
+    n = inputs.scalar("logprobs", np.int32, None)
+    if n is None:
+        return None
+    if not 0 <= n <= tn.MAX_TOP_LOG_PROBS:
+        raise InputError(f"input '{tn.SAMPLING_PARAMETERS}': key 'logprobs' must be within [0, "
+                         f"{tn.MAX_TOP_LOG_PROBS}], got {n}")
+    if top and top != n:
+        raise InputError(f"input '{tn.SAMPLING_PARAMETERS}': key 'logprobs' and input '{tn.NUM_TOP_LOG_PROBS}' are "
+                         f"one setting; got {n} and {top}")
+    return int(n)
 
 
 def _truncated(prompt_ids: list[int], keep: int | None, room: int) -> list[int]:
