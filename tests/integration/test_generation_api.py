@@ -632,6 +632,34 @@ def test_vllm_backend_flags_off_or_without_logprobs(server):
     assert over_http[tn.CUMULATIVE_LOGPROB] < 0
 
 
+def test_vllm_settings_as_request_parameters_are_served(server):
+    """vLLM's backend's clients may send its settings as the request's parameters (tritonclient's
+    `parameters=`; Triton's HTTP generate endpoint passes on keys that name no input as parameters): read as
+    sampling_parameters' keys, a bad one refused by name (before this, every one was silently ignored)."""
+    expected = grpc_stream(server.grpc_url, PROMPTS[2], max_tokens=6, ignore_eos=True, num_draft_tokens=3)
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    responses: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    try:
+        client.async_stream_infer(tn.ENSEMBLE, ensemble_inputs(PROMPTS[2], num_draft_tokens=3),
+                                  parameters={"max_tokens": 6, "temperature": "0", "ignore_eos": True})
+        result, error = responses.get(timeout=120)
+        assert error is None, error
+        assert result.as_numpy(tn.NUM_OUTPUT_TOKENS).reshape(-1)[0] == 6
+        assert result.as_numpy(tn.TEXT_OUTPUT).reshape(-1)[0].decode() == expected[tn.TEXT_OUTPUT]
+        client.async_stream_infer(tn.ENSEMBLE, ensemble_inputs(PROMPTS[2]), parameters={"max_tokens": "six"})
+        result, error = responses.get(timeout=120)
+        assert result is None and "request parameter 'max_tokens' must be an integer" in str(error)
+    finally:
+        client.stop_stream()
+        client.close()
+    over_http = http_generate(server.http_url, PROMPTS[2], num_draft_tokens=3, max_tokens=6, ignore_eos=True,
+                              logprobs=1, return_logprobs=True)  # `logprobs` names no input: a parameter
+    assert over_http[tn.TEXT_OUTPUT] == expected[tn.TEXT_OUTPUT] and len(json.loads(over_http[tn.LOGPROBS])) == 6
+    with pytest.raises(GenerationError, match="request parameter 'use_beam_search' is not supported"):
+        http_generate(server.http_url, PROMPTS[2], max_tokens=4, use_beam_search=True)
+
+
 def test_vllm_token_id_settings_are_served(server, hf_target, hf_greedy):
     """sampling_parameters' logit_bias and allowed_token_ids give greedy decoding of the served target under
     the definition; stop_token_ids end the text before the first of them. K 0 and 4, gRPC and HTTP."""

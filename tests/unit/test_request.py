@@ -327,6 +327,38 @@ def test_vllm_additional_output_flags_and_logprobs_are_read():
                                           tn.NUM_TOP_LOG_PROBS: np.array([[3]], dtype=np.int32)})
 
 
+def _with_parameters(parameters: dict, **inputs):
+    arrays = {tn.INPUT_IDS: np.array([[5, 6, 7]], dtype=np.int32), **inputs}
+    return ParsedRequest.parse(arrays.get, LIMITS, seq_id=7, encode=_encode, parameters=json.dumps(parameters))
+
+
+def test_request_parameters_are_vllm_settings_too():
+    """vLLM's backend reads its settings from the request's parameters too (tritonclient's `parameters=`,
+    the HTTP generate endpoint's keys that name no input): the same keys, rules and errors, named as request
+    parameters; Triton's own parameters are left to it; a key in both forms is refused."""
+    parsed = _with_parameters({"max_tokens": 5, "temperature": "0.5", "seed": 2, "stop_token_ids": [9],
+                               "logprobs": 1, "triton_enable_empty_final_response": True, "priority": 1})
+    gen = parsed.generation
+    assert (gen.max_tokens, gen.sampling.temperature, gen.sampling.seed) == (5, 0.5, 2)
+    assert gen.end_ids == frozenset([2, 9]) and parsed.vllm_logprobs == 1
+    both = _with_parameters({"max_tokens": 5}, **_vllm({"temperature": 0.5}))
+    assert (both.generation.max_tokens, both.generation.sampling.temperature) == (5, 0.5)
+    assert _with_parameters({}).generation.max_tokens == LIMITS.default_max_tokens
+    for parameters, message in [
+            ({"foo": 1}, "request parameter 'foo' is not supported"),
+            ({"max_tokens": "many"}, "request parameter 'max_tokens' must be an integer"),
+            ({"logprobs": 30}, r"request parameter 'logprobs' must be within \[0, 20\]"),
+            ({"stop_token_ids": [1000]}, "request parameter 'stop_token_ids': token id 1000 is not within"),
+            ({"truncate_prompt_tokens": 0}, "request parameter 'truncate_prompt_tokens' must be >= 1 or -1")]:
+        with pytest.raises(InputError, match=message):
+            _with_parameters(parameters)
+    with pytest.raises(InputError, match=f"input '{tn.SAMPLING_PARAMETERS}': key 'seed' and request parameter 'seed' "
+                                         "are one setting"):
+        _with_parameters({"seed": 1}, **_vllm({"seed": 1}))
+    with pytest.raises(InputError, match=f"request parameter 'max_tokens' and input '{tn.MAX_TOKENS}' are one setting"):
+        _with_parameters({"max_tokens": 5}, **{tn.MAX_TOKENS: np.array([[5]], dtype=np.int32)})
+
+
 def test_sampling_parameters_keep_the_inputs_rules():
     with pytest.raises(InputError, match=f"key 'max_tokens' and input '{tn.MAX_TOKENS}' are one setting"):
         parse(**{**_vllm({"max_tokens": 5}), tn.MAX_TOKENS: np.array([[5]], dtype=np.int32)})

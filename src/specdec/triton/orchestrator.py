@@ -179,14 +179,15 @@ class SpeculativeDecodingAdapter(TritonAdapter):
         # Listed once: pb_utils.get_input_tensor_by_name lists every input on each lookup, and parsing looks
         # up some thirty names.
         inputs = {tensor.name(): tensor.as_numpy() for tensor in request.inputs()}
+        parameters = request.parameters()  # vLLM's clients' sampling settings may come as these
         parse = functools.partial(ParsedRequest.parse, inputs.get, self.limits, encode=self._encode_word,
-                                  compile_guide=self.guides.compile)
+                                  compile_guide=self.guides.compile, parameters=parameters)
         try:
             # A large guide compiles on a thread: on the event loop every other request's round would wait
             # for it. Small ones compile here: on a thread, taking turns at the GIL with the event loop, a
             # compile takes longer than it stalls the others.
             parsed = await asyncio.get_running_loop().run_in_executor(self.compiling, parse) \
-                if _guide_chars(inputs) > THREAD_GUIDE_CHARS else parse()
+                if _guide_chars(inputs) + len(parameters) > THREAD_GUIDE_CHARS else parse()
         except InputError as exc:
             self.metrics.requests["invalid"].increment(1)
             # Triton 24.10's stub registers an async execute's future only after scheduling it; a coroutine

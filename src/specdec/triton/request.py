@@ -88,13 +88,16 @@ class ParsedRequest:
 
     @classmethod
     def parse(cls, lookup: InputLookup, limits: RequestLimits, seq_id: int | None = None,
-              encode: Encode | None = None, compile_guide: CompileGuide | None = None) -> ParsedRequest:
+              encode: Encode | None = None, compile_guide: CompileGuide | None = None,
+              parameters: str | None = None) -> ParsedRequest:
         """Validate a request's inputs against `limits`; raises InputError naming the input.
 
         seq_id keys both models' KV caches; by default a fresh random one (nonzero: 0 means "no
         sequence" to Triton). `encode` turns bad words into token sequences and `compile_guide` a guide
-        into its grammar (each required when a request has any)."""
-        inputs = Inputs(with_sampling_parameters(lookup))
+        into its grammar (each required when a request has any). `parameters`: the request's parameters
+        (Triton's JSON of them), vLLM's settings like `sampling_parameters`' keys."""
+        settings = with_sampling_parameters(lookup, parameters)
+        inputs = Inputs(settings)
         prompt_ids = inputs.array(tn.INPUT_IDS, np.int32)
         if prompt_ids is None or prompt_ids.size == 0:
             raise InputError(f"input '{tn.TEXT_INPUT}' is empty: the prompt needs at least one token")
@@ -103,7 +106,7 @@ class ParsedRequest:
         if not 1 <= max_tokens <= limits.max_max_tokens:
             raise InputError(f"input '{tn.MAX_TOKENS}' must be within [1, {limits.max_max_tokens}], got {max_tokens}")
         prompt_ids = _truncated(prompt_ids, inputs.scalar("truncate_prompt_tokens", np.int32, None),
-                                limits.max_context - max_tokens)
+                                limits.max_context - max_tokens, settings.field)
         if len(prompt_ids) + max_tokens > limits.max_context:
             raise InputError(
                 f"input '{tn.TEXT_INPUT}' has {len(prompt_ids)} tokens; with '{tn.MAX_TOKENS}'={max_tokens} that "
@@ -137,7 +140,7 @@ class ParsedRequest:
         min_length = _min_length(inputs, max_tokens)
         ignore_eos = bool(inputs.scalar(tn.IGNORE_EOS, np.bool_, False))
         # vLLM's stop_token_ids: end tokens besides the end id (ignore_eos leaves them), dropped from the text.
-        stop_ids = frozenset(_token_ids(inputs, "stop_token_ids", limits.vocab_size) or [])
+        stop_ids = frozenset(_token_ids(inputs, "stop_token_ids", limits.vocab_size, settings.field) or [])
         stop_words = inputs.words(tn.STOP_WORDS, limits.max_stop_words)
         bad_words = tuple(_bad_word_ids(word, encode) for word in inputs.words(tn.BAD_WORDS, limits.max_bad_words))
         names = inputs.strings(tn.DRAFT_MODEL)
@@ -152,7 +155,7 @@ class ParsedRequest:
         if top and not log_probs:
             raise InputError(f"input '{tn.NUM_TOP_LOG_PROBS}' needs '{tn.RETURN_LOG_PROBS}': true")
         vllm_outputs = frozenset(name for name in tn.VLLM_OUTPUT_FLAGS if inputs.scalar(name, np.bool_, False))
-        vllm_logprobs = _vllm_logprobs(inputs, top)
+        vllm_logprobs = _vllm_logprobs(inputs, top, settings.field)
         if vllm_logprobs is not None:  # vLLM computes them whether or not return_logprobs sends them
             log_probs, top = True, vllm_logprobs
         log_probs = log_probs or tn.RETURN_CUMULATIVE_LOGPROB in vllm_outputs
@@ -171,7 +174,7 @@ class ParsedRequest:
             bad_words=bad_words,
             penalties=penalties,
             grammar=_grammar(inputs, compile_guide, limits.max_guide_chars),
-            token_bias=_token_bias(inputs, limits.vocab_size),
+            token_bias=_token_bias(inputs, limits.vocab_size, settings.field),
         )
         # A seeded sampled request must be reproducible: measured costs vary from run to run, and a
         # different K changes which random draws pick which token, so it drafts a fixed K.
@@ -181,22 +184,20 @@ class ParsedRequest:
                    vllm_outputs, vllm_logprobs)
 
 
-def _vllm_logprobs(inputs: Inputs, top: int) -> int | None:
+def _vllm_logprobs(inputs: Inputs, top: int, field: Callable[[str], str]) -> int | None:
     """sampling_parameters' `logprobs` n (vLLM's: each generated token's n most likely tokens besides its
     own), None when unset; num_top_log_probs is the same setting, so both only if they agree."""
     n = inputs.scalar("logprobs", np.int32, None)
     if n is None:
         return None
     if not 0 <= n <= tn.MAX_TOP_LOG_PROBS:
-        raise InputError(f"input '{tn.SAMPLING_PARAMETERS}': key 'logprobs' must be within [0, "
-                         f"{tn.MAX_TOP_LOG_PROBS}], got {n}")
+        raise InputError(f"{field('logprobs')} must be within [0, {tn.MAX_TOP_LOG_PROBS}], got {n}")
     if top and top != n:
-        raise InputError(f"input '{tn.SAMPLING_PARAMETERS}': key 'logprobs' and input '{tn.NUM_TOP_LOG_PROBS}' are "
-                         f"one setting; got {n} and {top}")
+        raise InputError(f"{field('logprobs')} and input '{tn.NUM_TOP_LOG_PROBS}' are one setting; got {n} and {top}")
     return int(n)
 
 
-def _truncated(prompt_ids: list[int], keep: int | None, room: int) -> list[int]:
+def _truncated(prompt_ids: list[int], keep: int | None, room: int, field: Callable[[str], str]) -> list[int]:
     """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: the last `room`, what fits before
     max_tokens in the context); the whole prompt when it is shorter, or without the setting."""
     if keep is None:
@@ -204,11 +205,11 @@ def _truncated(prompt_ids: list[int], keep: int | None, room: int) -> list[int]:
     if keep == -1:
         keep = max(room, 1)
     if keep < 1:
-        raise InputError(f"input '{tn.SAMPLING_PARAMETERS}': key 'truncate_prompt_tokens' must be >= 1 or -1, got {keep}")
+        raise InputError(f"{field('truncate_prompt_tokens')} must be >= 1 or -1, got {keep}")
     return prompt_ids[-keep:]
 
 
-def _token_ids(inputs: Inputs, key: str, vocab_size: int) -> list[int] | None:
+def _token_ids(inputs: Inputs, key: str, vocab_size: int, field: Callable[[str], str]) -> list[int] | None:
     """A TOKEN_ID_KEYS setting's ids, each a token of the vocabulary; None when the request has none."""
     array = inputs.array(key, np.int64)
     if array is None:
@@ -216,16 +217,15 @@ def _token_ids(inputs: Inputs, key: str, vocab_size: int) -> list[int] | None:
     ids = array.reshape(-1).tolist()
     for token in ids:
         if not 0 <= token < vocab_size:
-            raise InputError(f"input '{tn.SAMPLING_PARAMETERS}': key {key!r}: token id {token} is not within "
-                             f"[0, {vocab_size})")
+            raise InputError(f"{field(key)}: token id {token} is not within [0, {vocab_size})")
     return ids
 
 
-def _token_bias(inputs: Inputs, vocab_size: int) -> TokenBias:
-    biased = _token_ids(inputs, "logit_bias", vocab_size) or []
-    allowed = _token_ids(inputs, "allowed_token_ids", vocab_size)
+def _token_bias(inputs: Inputs, vocab_size: int, field: Callable[[str], str]) -> TokenBias:
+    biased = _token_ids(inputs, "logit_bias", vocab_size, field) or []
+    allowed = _token_ids(inputs, "allowed_token_ids", vocab_size, field)
     if allowed is not None and not allowed:
-        raise InputError(f"input '{tn.SAMPLING_PARAMETERS}': key 'allowed_token_ids' is empty: no token could follow")
+        raise InputError(f"{field('allowed_token_ids')} is empty: no token could follow")
     values = inputs.array("logit_bias.values", np.float32)
     return TokenBias(tuple(zip(biased, values.reshape(-1).tolist() if values is not None else [])),
                      None if allowed is None else frozenset(allowed))

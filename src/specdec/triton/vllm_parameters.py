@@ -1,5 +1,5 @@
-"""vLLM's form of a request's settings: one `sampling_parameters` JSON string (vLLM's Triton backend), read
-into the inputs of ours they stand for, so that one parser validates both forms.
+"""vLLM's form of a request's settings: one `sampling_parameters` JSON string (vLLM's Triton backend), or the
+request's parameters, read into the inputs of ours they stand for, so that one parser validates every form.
 
 Keys that are inputs of ours under another form (`SAMPLING_PARAMETER_KEYS`) become those inputs; token-id
 settings (logit_bias, allowed_token_ids, stop_token_ids), vLLM's own settings and its structured-output
@@ -44,6 +44,9 @@ VLLM_KEYS = {"include_stop_str_in_output": np.bool_, "truncate_prompt_tokens": n
 INT_RANGES = {np.int32: (-2**31, 2**31 - 1), np.int64: (-2**63, 2**63 - 1), np.uint64: (0, 2**64 - 1)}
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 MAX_TOKEN_IDS = 1024  # entries in logit_bias or stop_token_ids
+# A request's parameters that Triton itself reads (besides its "triton_" ones): not sampling settings
+TRITON_PARAMETERS = frozenset({"sequence_id", "sequence_start", "sequence_end", "priority", "timeout",
+                               "binary_data_output", "headers"})
 # vLLM's structured-output settings (an object, or its JSON): one of these keys names the guide ...
 GUIDED_DECODING_KEYS = ("guided_decoding", "structured_outputs")
 GUIDE_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "ebnf_grammar",
@@ -53,55 +56,86 @@ GUIDE_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice", "gram
 NEUTRAL_GUIDE_KEYS = {"whitespace_pattern": None, "disable_fallback": False, "disable_additional_properties": False}
 
 
-def with_sampling_parameters(lookup: InputLookup) -> InputLookup:
-    """`lookup`, with the keys of a `sampling_parameters` JSON (vLLM's form) as the inputs they stand for."""
+class VllmSettings:
+    """A request's inputs with its vLLM settings (the `sampling_parameters` JSON and the request's own
+    parameters) as the inputs they stand for; `field(key)` names where a setting came from, for errors."""
+
+    def __init__(self, lookup: InputLookup, arrays: dict[str, np.ndarray], fields: dict[str, str]):
+        self.lookup, self.arrays, self.fields = lookup, arrays, fields
+
+    def __call__(self, name: str) -> np.ndarray | None:
+        return self.arrays[name] if name in self.arrays else self.lookup(name)
+
+    def field(self, key: str) -> str:
+        return self.fields.get(key, f"input '{tn.SAMPLING_PARAMETERS}': key {key!r}")
+
+
+def with_sampling_parameters(lookup: InputLookup, parameters: str | None = None) -> VllmSettings:
+    """`lookup`, with vLLM's settings as the inputs they stand for: the keys of a `sampling_parameters` JSON
+    and the request's parameters (`parameters`: Triton's JSON of them; vLLM's backend reads its settings
+    there too, as its clients send them with tritonclient's `parameters=` and as Triton's HTTP generate
+    endpoint passes on keys that name no input). A key given in both is refused."""
+    sources = []
     raw = lookup(tn.SAMPLING_PARAMETERS)
-    if raw is None:
-        return lookup
-    field = f"input '{tn.SAMPLING_PARAMETERS}'"
-    if raw.size != 1:
-        raise InputError(f"{field} must hold exactly one JSON string, got {raw.size}")
-    try:
-        text = raw.reshape(-1)[0]
-        settings = json_text.parse(text.decode("utf-8") if isinstance(text, bytes) else str(text))
-    except ValueError as exc:  # undecodable bytes included
-        raise InputError(f"{field} is not valid JSON: {exc}") from None
-    if not isinstance(settings, dict):
-        raise InputError(f"{field} must be a JSON object, got {type(settings).__name__}")
+    if raw is not None:
+        field = f"input '{tn.SAMPLING_PARAMETERS}'"
+        if raw.size != 1:
+            raise InputError(f"{field} must hold exactly one JSON string, got {raw.size}")
+        try:
+            text = raw.reshape(-1)[0]
+            settings = json_text.parse(text.decode("utf-8") if isinstance(text, bytes) else str(text))
+        except ValueError as exc:  # undecodable bytes included
+            raise InputError(f"{field} is not valid JSON: {exc}") from None
+        if not isinstance(settings, dict):
+            raise InputError(f"{field} must be a JSON object, got {type(settings).__name__}")
+        sources.append((settings, lambda key: f"{field}: key {key!r}"))
+    given = json_text.parse(parameters) if parameters else {}  # Triton's own JSON of an object
+    given = {key: value for key, value in given.items()
+             if not key.startswith("triton_") and key not in TRITON_PARAMETERS}
+    if given:
+        sources.append((given, lambda key: f"request parameter {key!r}"))
     arrays: dict[str, np.ndarray] = {}
-    for key, value in settings.items():
-        if key in TOKEN_ID_KEYS and value is not None:
-            arrays.update(_token_id_setting(f"{field}: key {key!r}", key, value))
-            continue
-        if key in GUIDED_DECODING_KEYS and value is not None:
-            for name in (tn.GUIDED_DECODING_GUIDE_TYPE, tn.GUIDED_DECODING_GUIDE):
-                if lookup(name) is not None or name in arrays:
-                    raise InputError(f"{field}: key {key!r} and input '{name}' (or another such key) are one setting; "
-                                     f"send one of them")
-            arrays.update(_guide_setting(f"{field}: key {key!r}", value))
-            continue
-        if value is None:
-            continue  # unset
-        if key in VLLM_KEYS:
-            arrays[key] = _setting(f"{field}: key {key!r}", value, VLLM_KEYS[key])
-            continue
-        if key in NEUTRAL_SAMPLING_PARAMETERS:
-            neutral = NEUTRAL_SAMPLING_PARAMETERS[key]
-            if _setting(f"{field}: key {key!r}", value, np.bool_ if isinstance(neutral, bool) else np.int32).item() \
-                    != neutral:
-                raise InputError(f"{field}: key {key!r} is supported only at {json.dumps(neutral)}, got {value!r}")
-            continue  # a setting speculative decoding does not have, at its neutral value
-        if key not in SAMPLING_PARAMETER_KEYS:
-            raise InputError(f"{field}: key {key!r} is not supported (supported: {', '.join(SAMPLING_PARAMETER_KEYS)}, "
-                             f"{', '.join(TOKEN_ID_KEYS + tuple(VLLM_KEYS) + GUIDED_DECODING_KEYS)}; "
-                             f"at their neutral values: {', '.join(NEUTRAL_SAMPLING_PARAMETERS)})")
-        name, dtype = SAMPLING_PARAMETER_KEYS[key]
-        if lookup(name) is not None:
-            raise InputError(f"{field}: key {key!r} and input '{name}' are one setting; send one of them")
-        arrays[name] = _setting(f"{field}: key {key!r}", value, dtype)
-        if key == "top_k" and arrays[name].item() == -1:
-            arrays[name] = np.zeros((1, 1), dtype=np.int32)
-    return lambda name: arrays[name] if name in arrays else lookup(name)
+    fields: dict[str, str] = {}
+    for settings, name_of in sources:
+        for key, value in settings.items():
+            if key in fields:
+                raise InputError(f"{fields[key]} and {name_of(key)} are one setting; send one of them")
+            fields[key] = what = name_of(key)
+            _read(lookup, arrays, what, key, value)
+    return VllmSettings(lookup, arrays, fields)
+
+
+def _read(lookup: InputLookup, arrays: dict[str, np.ndarray], what: str, key: str, value) -> None:
+    """One vLLM setting into `arrays`, as the input(s) it stands for (`what`: its name in errors)."""
+    if key in TOKEN_ID_KEYS and value is not None:
+        arrays.update(_token_id_setting(what, key, value))
+        return
+    if key in GUIDED_DECODING_KEYS and value is not None:
+        for name in (tn.GUIDED_DECODING_GUIDE_TYPE, tn.GUIDED_DECODING_GUIDE):
+            if lookup(name) is not None or name in arrays:
+                raise InputError(f"{what} and input '{name}' (or another such key) are one setting; send one of them")
+        arrays.update(_guide_setting(what, value))
+        return
+    if value is None:
+        return  # unset
+    if key in VLLM_KEYS:
+        arrays[key] = _setting(what, value, VLLM_KEYS[key])
+        return
+    if key in NEUTRAL_SAMPLING_PARAMETERS:
+        neutral = NEUTRAL_SAMPLING_PARAMETERS[key]
+        if _setting(what, value, np.bool_ if isinstance(neutral, bool) else np.int32).item() != neutral:
+            raise InputError(f"{what} is supported only at {json.dumps(neutral)}, got {value!r}")
+        return  # a setting speculative decoding does not have, at its neutral value
+    if key not in SAMPLING_PARAMETER_KEYS:
+        raise InputError(f"{what} is not supported (supported: {', '.join(SAMPLING_PARAMETER_KEYS)}, "
+                         f"{', '.join(TOKEN_ID_KEYS + tuple(VLLM_KEYS) + GUIDED_DECODING_KEYS)}; "
+                         f"at their neutral values: {', '.join(NEUTRAL_SAMPLING_PARAMETERS)})")
+    name, dtype = SAMPLING_PARAMETER_KEYS[key]
+    if lookup(name) is not None:
+        raise InputError(f"{what} and input '{name}' are one setting; send one of them")
+    arrays[name] = _setting(what, value, dtype)
+    if key == "top_k" and arrays[name].item() == -1:
+        arrays[name] = np.zeros((1, 1), dtype=np.int32)
 
 
 def _token_id_setting(what: str, key: str, value) -> dict[str, np.ndarray]:
