@@ -757,9 +757,18 @@ def test_structured_output_is_constrained_greedy_target_decoding(server, hf_targ
         params = GenerationParams(max_tokens=40, num_draft_tokens=k, guide_type="json_schema", guide=json.dumps(SCHEMA),
                                   return_log_probs=True)
         assert client.generate(prompt, params).log_probs == pytest.approx(expected_log_probs.tolist(), abs=1e-4), k
-    # vLLM's form of the same guide.
-    settings = json.dumps({"max_tokens": 40, "guided_decoding": {"json": SCHEMA, "backend": "xgrammar"}})
-    assert http_generate(server.http_url, prompt, num_draft_tokens=4, sampling_parameters=settings)[tn.TEXT_OUTPUT] == expected
+    # vLLM's form of the same guide; with vLLM's logprobs output the orchestrator ranks the tokens from the
+    # target's logits instead of letting the target pick: the same text, every token's rank in the raw
+    # distribution (the grammar may choose others than the first)
+    settings = {"max_tokens": 40, "guided_decoding": {"json": SCHEMA, "backend": "xgrammar"}}
+    assert http_generate(server.http_url, prompt, num_draft_tokens=4,
+                         sampling_parameters=json.dumps(settings))[tn.TEXT_OUTPUT] == expected
+    ranked = http_generate(server.http_url, prompt, num_draft_tokens=4, return_logprobs=True,
+                           sampling_parameters=json.dumps({**settings, "logprobs": 0}))
+    entries = json.loads(ranked[tn.LOGPROBS])
+    assert ranked[tn.TEXT_OUTPUT] == expected and [int(next(iter(entry))) for entry in entries] == output_ids
+    ranks = [entry[str(token)]["rank"] for entry, token in zip(entries, output_ids)]
+    assert ranks == [int((row > row[token]).sum()) + 1 for row, token in zip(logits, output_ids)]
 
 
 def test_sampled_structured_output_keeps_to_its_guide(server):
