@@ -650,6 +650,14 @@ def test_vllm_settings_as_request_parameters_are_served(server):
         client.async_stream_infer(tn.ENSEMBLE, ensemble_inputs(PROMPTS[2]), parameters={"max_tokens": "six"})
         result, error = responses.get(timeout=120)
         assert result is None and "request parameter 'max_tokens' must be an integer" in str(error)
+        # vLLM's sample client sends its settings both ways: the input is read, as vLLM's backend reads it
+        settings = {"temperature": "0", "top_p": "0.95", "max_tokens": "6", "ignore_eos": "true"}
+        client.async_stream_infer(tn.ENSEMBLE, ensemble_inputs(PROMPTS[2], num_draft_tokens=3,
+                                                               sampling_parameters=json.dumps(settings)),
+                                  parameters=settings)
+        result, error = responses.get(timeout=120)
+        assert error is None, error
+        assert result.as_numpy(tn.TEXT_OUTPUT).reshape(-1)[0].decode() == expected[tn.TEXT_OUTPUT]
     finally:
         client.stop_stream()
         client.close()

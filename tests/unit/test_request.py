@@ -335,14 +335,15 @@ def _with_parameters(parameters: dict, **inputs):
 def test_request_parameters_are_vllm_settings_too():
     """vLLM's backend reads its settings from the request's parameters too (tritonclient's `parameters=`,
     the HTTP generate endpoint's keys that name no input): the same keys, rules and errors, named as request
-    parameters; Triton's own parameters are left to it; a key in both forms is refused."""
+    parameters; Triton's own parameters are left to it; with a sampling_parameters input they are not read
+    (vLLM's sample client sends its settings both ways)."""
     parsed = _with_parameters({"max_tokens": 5, "temperature": "0.5", "seed": 2, "stop_token_ids": [9],
                                "logprobs": 1, "triton_enable_empty_final_response": True, "priority": 1})
     gen = parsed.generation
     assert (gen.max_tokens, gen.sampling.temperature, gen.sampling.seed) == (5, 0.5, 2)
     assert gen.end_ids == frozenset([2, 9]) and parsed.vllm_logprobs == 1
-    both = _with_parameters({"max_tokens": 5}, **_vllm({"temperature": 0.5}))
-    assert (both.generation.max_tokens, both.generation.sampling.temperature) == (5, 0.5)
+    both = _with_parameters({"max_tokens": 5, "temperature": "0.1", "foo": 1}, **_vllm({"temperature": 0.5}))
+    assert (both.generation.max_tokens, both.generation.sampling.temperature) == (LIMITS.default_max_tokens, 0.5)
     assert _with_parameters({}).generation.max_tokens == LIMITS.default_max_tokens
     for parameters, message in [
             ({"foo": 1}, "request parameter 'foo' is not supported"),
@@ -352,9 +353,6 @@ def test_request_parameters_are_vllm_settings_too():
             ({"truncate_prompt_tokens": 0}, "request parameter 'truncate_prompt_tokens' must be >= 1 or -1")]:
         with pytest.raises(InputError, match=message):
             _with_parameters(parameters)
-    with pytest.raises(InputError, match=f"input '{tn.SAMPLING_PARAMETERS}': key 'seed' and request parameter 'seed' "
-                                         "are one setting"):
-        _with_parameters({"seed": 1}, **_vllm({"seed": 1}))
     with pytest.raises(InputError, match=f"request parameter 'max_tokens' and input '{tn.MAX_TOKENS}' are one setting"):
         _with_parameters({"max_tokens": 5}, **{tn.MAX_TOKENS: np.array([[5]], dtype=np.int32)})
 

@@ -74,7 +74,8 @@ def with_sampling_parameters(lookup: InputLookup, parameters: str | None = None)
     """`lookup`, with vLLM's settings as the inputs they stand for: the keys of a `sampling_parameters` JSON
     and the request's parameters (`parameters`: Triton's JSON of them; vLLM's backend reads its settings
     there too, as its clients send them with tritonclient's `parameters=` and as Triton's HTTP generate
-    endpoint passes on keys that name no input). A key given in both is refused."""
+    endpoint passes on keys that name no input). As vLLM's backend does, the parameters are read only when the
+    request has no `sampling_parameters`: its sample client sends the same settings both ways."""
     sources = []
     raw = lookup(tn.SAMPLING_PARAMETERS)
     if raw is not None:
@@ -89,17 +90,15 @@ def with_sampling_parameters(lookup: InputLookup, parameters: str | None = None)
         if not isinstance(settings, dict):
             raise InputError(f"{field} must be a JSON object, got {type(settings).__name__}")
         sources.append((settings, lambda key: f"{field}: key {key!r}"))
-    given = json_text.parse(parameters) if parameters else {}  # Triton's own JSON of an object
+    given = json_text.parse(parameters) if parameters and raw is None else {}  # Triton's JSON of an object
     given = {key: value for key, value in given.items()
              if not key.startswith("triton_") and key not in TRITON_PARAMETERS}
     if given:
         sources.append((given, lambda key: f"request parameter {key!r}"))
     arrays: dict[str, np.ndarray] = {}
     fields: dict[str, str] = {}
-    for settings, name_of in sources:
+    for settings, name_of in sources:  # one of them
         for key, value in settings.items():
-            if key in fields:
-                raise InputError(f"{fields[key]} and {name_of(key)} are one setting; send one of them")
             fields[key] = what = name_of(key)
             _read(lookup, arrays, what, key, value)
     return VllmSettings(lookup, arrays, fields)
