@@ -97,6 +97,9 @@ CUM_LOG_PROBS = "cum_log_probs"  # FP32 [1]
 # n), as a JSON list ("null" without `logprobs`)
 CUMULATIVE_LOGPROB = "cumulative_logprob"  # FP32 [1]
 LOGPROBS = "logprobs"  # STRING [1]
+# UINT64 [1]: the key this server's models know the generation by (its KV caches, its cancellation flag;
+# `sequence_id` to the models): for logs, and for vllm_compatible to pass a client's cancellation on
+GENERATION_ID = "generation_id"
 # With num_top_log_probs n > 0: at each token of this response the n most likely tokens of the same raw
 # distribution, most likely first, and their log-probabilities (one row per token)
 OUTPUT_TOP_IDS = "output_top_ids"  # INT32 [-1, -1]
@@ -181,6 +184,8 @@ SPECULATIVE_DECODING = "speculative_decoding"
 POSTPROCESSING = "postprocessing"
 DRAFT_MODEL_NAME = "draft_model"
 TARGET_MODEL_NAME = "target_model"
+# vLLM's Triton backend's interface over the ensemble: max_batch_size 0, as its clients shape their tensors
+VLLM_COMPATIBLE = "vllm_compatible"
 
 # ---- draft methods and weights --------------------------------------------------------------------
 NGRAM = "ngram"  # the built-in prompt-lookup draft (no model); any other draft name is a draft model

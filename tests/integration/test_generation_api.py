@@ -668,6 +668,95 @@ def test_vllm_settings_as_request_parameters_are_served(server):
         http_generate(server.http_url, PROMPTS[2], max_tokens=4, use_beam_search=True)
 
 
+def _vllm_client_request(server, prompt: str, *, stream: bool, settings: dict | None = None, parameters=None,
+                         cancel_after: int = 0, **flags) -> list:
+    """What vLLM's backend's clients send, as its sample client builds it ([1]-shaped tensors, max_batch_size
+    0) to `vllm_compatible`: each response (result or error) in order; cancel_after n: the stream is
+    cancelled after n responses."""
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    responses: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    inputs = []
+
+    def add(name, array, dtype):
+        inputs.append(grpcclient.InferInput(name, list(array.shape), dtype))
+        inputs[-1].set_data_from_numpy(array)
+
+    add(tn.TEXT_INPUT, np.array([prompt.encode()], dtype=np.object_), "BYTES")
+    add(tn.STREAM, np.array([stream]), "BOOL")
+    if settings is not None:
+        add(tn.SAMPLING_PARAMETERS, np.array([json.dumps(settings).encode()], dtype=np.object_), "BYTES")
+    for name, value in flags.items():
+        add(name, np.array([value]), "BOOL")
+    got = []
+    try:
+        client.async_stream_infer(tn.VLLM_COMPATIBLE, inputs, parameters=parameters, enable_empty_final_response=True)
+        while True:
+            result, error = responses.get(timeout=120)
+            if error is not None:
+                got.append(error)
+                return got
+            response = result.get_response()
+            if response.outputs:
+                got.append({output.name: result.as_numpy(output.name) for output in response.outputs})
+                if cancel_after and len(got) == cancel_after:
+                    client.stop_stream(cancel_requests=True)
+                    return got
+            final = response.parameters.get("triton_final_response")
+            if final and final.bool_param:
+                return got
+    finally:
+        client.stop_stream()
+        client.close()
+
+
+def test_vllm_backend_clients_are_served_as_they_are(server):
+    """vllm_compatible takes what vLLM's backend's clients send ([1]-shaped tensors, which the batching
+    ensemble refuses) and answers as vLLM's backend does: the ensemble's text, with the prompt before it when
+    not streamed (unless exclude_input_in_output); the additional outputs only with their flags, of vLLM's
+    types; settings as sampling_parameters or as the request's parameters; errors named."""
+    settings = {"temperature": "0", "top_p": "0.95", "max_tokens": "12", "ignore_eos": "true"}
+    expected = grpc_stream(server.grpc_url, PROMPTS[0], max_tokens=12, ignore_eos=True)
+    # vLLM's sample client: the settings both as the input and as the request's parameters, only text_output read
+    whole = _vllm_client_request(server, PROMPTS[0], stream=False, settings=settings, parameters=settings)
+    assert len(whole) == 1 and set(whole[0]) == {tn.TEXT_OUTPUT}
+    assert whole[0][tn.TEXT_OUTPUT].tolist() == [(PROMPTS[0] + expected[tn.TEXT_OUTPUT]).encode()]
+    excluded = _vllm_client_request(server, PROMPTS[0], stream=False, parameters=settings,
+                                    exclude_input_in_output=True)
+    assert excluded[0][tn.TEXT_OUTPUT].tolist() == [expected[tn.TEXT_OUTPUT].encode()]
+    streamed = _vllm_client_request(server, PROMPTS[0], stream=True, settings={**settings, "logprobs": 1},
+                                    **{flag: True for flag in tn.VLLM_OUTPUT_FLAGS})
+    assert len(streamed) > 1
+    assert b"".join(r[tn.TEXT_OUTPUT][0] for r in streamed).decode() == expected[tn.TEXT_OUTPUT]
+    assert [r[tn.FINISH_REASON].tolist() for r in streamed] == [[b"None"]] * (len(streamed) - 1) + [[b"length"]]
+    assert sum(int(r[tn.NUM_OUTPUT_TOKENS][0]) for r in streamed) == 12
+    assert all(r[tn.NUM_OUTPUT_TOKENS].dtype == np.uint32 and r[tn.NUM_INPUT_TOKENS].shape == (1,) for r in streamed)
+    assert sum(len(json.loads(r[tn.LOGPROBS][0])) for r in streamed) == 12
+    assert streamed[-1][tn.CUMULATIVE_LOGPROB].dtype == np.float32 and streamed[-1][tn.CUMULATIVE_LOGPROB][0] < 0
+    errors = [_vllm_client_request(server, PROMPTS[0], stream=True, exclude_input_in_output=False)[-1],
+              _vllm_client_request(server, PROMPTS[0], stream=False, settings={"max_tokens": 0})[-1],
+              _vllm_client_request(server, PROMPTS[0], stream=False, parameters={"n": 3})[-1]]
+    assert "'exclude_input_in_output' false is not allowed when streaming" in str(errors[0])
+    assert f"'{tn.MAX_TOKENS}' must be within" in str(errors[1])
+    assert "request parameter 'n' is supported only at 1" in str(errors[2])
+
+
+def test_a_cancelled_vllm_backend_stream_stops_its_generation(server):
+    """A client's cancellation of a vllm_compatible stream reaches the generation running behind it (through
+    the cancellation board: a BLS request cannot be cancelled): the target stops within a round or two."""
+    rounds = server.metric("specdec_rounds_total")
+    got = _vllm_client_request(server, PROMPTS[1], stream=True, cancel_after=2,
+                               settings={"max_tokens": 900, "ignore_eos": True})
+    assert len(got) == 2 and all(isinstance(r, dict) for r in got)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        settled = server.metric("specdec_rounds_total")
+        time.sleep(1.0)
+        if server.metric("specdec_rounds_total") == settled:
+            break
+    assert settled - rounds < 100, settled - rounds  # 900 tokens would take hundreds of rounds
+
+
 def test_vllm_token_id_settings_are_served(server, hf_target, hf_greedy):
     """sampling_parameters' logit_bias and allowed_token_ids give greedy decoding of the served target under
     the definition; stop_token_ids end the text before the first of them. K 0 and 4, gRPC and HTTP."""

@@ -53,9 +53,9 @@ def _scratch(server) -> list:
 
 
 def test_every_model_is_warmed_up_in_its_own_stub_before_ready(own):
-    # Every Python model instance runs in its own stub: four models once (the tiny pair without its test
-    # drafts), the orchestrator per instance.
-    assert len(stub_processes(own.run_dir)) == 4 + tn.DEFAULT_ORCHESTRATOR_INSTANCES["cpu"]
+    # Every Python model instance runs in its own stub: five models once (the tiny pair without its test
+    # drafts, vllm_compatible), the orchestrator per instance.
+    assert len(stub_processes(own.run_dir)) == 5 + tn.DEFAULT_ORCHESTRATOR_INSTANCES["cpu"]
     log = own.log_path.read_text(errors="replace")
     for model in ("target_model", "draft_model"):
         assert f"{model}: warmed up in" in log, model  # before READY: the first requests pay nothing

@@ -41,3 +41,42 @@ def test_each_flag_asks_for_its_output_and_nothing_else():
     last = additional_outputs(frozenset([tn.RETURN_FINISH_REASON, tn.RETURN_LOGPROBS]), ids=[], finish="length",
                               cumulative=0.0, logprobs="[]")
     assert last[tn.FINISH_REASON].tolist() == [[b"length"]] and last[tn.LOGPROBS].tolist() == [[b"[]"]]
+
+
+def _request(parameters: str = "", **inputs):
+    from specdec.triton.vllm_compatible import VllmRequest
+
+    arrays = {tn.TEXT_INPUT: np.array([b"Hi"], dtype=np.object_),
+              **{name: np.array([value]) for name, value in inputs.items()}}
+    return VllmRequest.parse(arrays.get, parameters)
+
+
+def test_vllm_compatible_reads_a_request_as_vllms_backend_does():
+    """The prompt comes before the text when not streamed unless exclude_input_in_output (vLLM's default),
+    and streaming with it false is refused; the ensemble gets batch-shaped inputs and the flags; the outputs
+    are vLLM's, shaped [1] and typed as its backend types them, only those the flags ask for."""
+    from specdec.triton.inputs import InputError
+    from specdec.triton.vllm_compatible import finished
+
+    whole = _request()
+    assert (whole.prompt, whole.stream, whole.prepend, whole.flags, whole.parameters) == ("Hi", False, True,
+                                                                                         frozenset(), {})
+    assert not _request(exclude_input_in_output=True).prepend and not _request(stream=True).prepend
+    with pytest.raises(InputError, match="'exclude_input_in_output' false is not allowed when streaming"):
+        _request(stream=True, exclude_input_in_output=False)
+    flagged = _request('{"max_tokens": 4}', stream=True, return_logprobs=True, return_num_output_tokens=True,
+                       return_finish_reason=False)
+    assert flagged.parameters == {"max_tokens": 4} and flagged.settings is None
+    arrays = flagged.ensemble_inputs()
+    assert set(arrays) == {tn.TEXT_INPUT, tn.STREAM, tn.RETURN_LOGPROBS, tn.RETURN_NUM_OUTPUT_TOKENS}
+    assert all(array.shape == (1, 1) for array in arrays.values())
+    assert tn.LOGPROBS in flagged.requested_outputs() and tn.CUMULATIVE_LOGPROB not in flagged.requested_outputs()
+    got = {tn.TEXT_OUTPUT: np.array([[b" there"]], dtype=np.object_), tn.FINISH_REASON: np.array([[b"None"]], dtype=np.object_),
+           tn.NUM_INPUT_TOKENS: np.array([[2]], dtype=np.int32), tn.NUM_OUTPUT_TOKENS: np.array([[1]], dtype=np.int32),
+           tn.LOGPROBS: np.array([[b"[]"]], dtype=np.object_), tn.GENERATION_ID: np.array([[5]], dtype=np.uint64)}
+    out = flagged.outputs(got)
+    assert set(out) == {tn.TEXT_OUTPUT, tn.LOGPROBS, tn.NUM_OUTPUT_TOKENS}
+    assert out[tn.TEXT_OUTPUT].tolist() == [b" there"] and out[tn.NUM_OUTPUT_TOKENS].dtype == np.uint32
+    assert whole.outputs(got)[tn.TEXT_OUTPUT].tolist() == [b"Hi there"]
+    assert not finished(got) and finished({**got, tn.FINISH_REASON: np.array([[b"stop"]], dtype=np.object_)})
+    assert not finished({**got, tn.FINISH_REASON: np.array([[b""]], dtype=np.object_)})

@@ -54,7 +54,7 @@ app.kubernetes.io/component: inference-server
 {{- if has .Values.models.draft.method (list "model" "head" "skip") -}}
 {{- $names = append $names "draft_model" -}}
 {{- end -}}
-{{- $names = concat $names (list "speculative_decoding" "ensemble") -}}
+{{- $names = concat $names (list "speculative_decoding" "vllm_compatible" "ensemble") -}}
 {{- join "," $names -}}
 {{- end -}}
 

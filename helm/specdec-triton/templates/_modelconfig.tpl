@@ -296,3 +296,31 @@ output [
 {{ include "specdec.param" (list "prefill_chunk_tokens" $s.prefillChunkTokens) }}
 instance_group [ { count: {{ int ($s.orchestratorInstances | default (ternary 1 2 (gt (int .Values.gpu.count) 0))) }}, kind: KIND_CPU } ]
 {{- end -}}
+
+{{- define "specdec.triton.config.vllm_compatible" -}}
+name: "vllm_compatible"
+backend: "python"
+max_batch_size: 0
+model_transaction_policy { decoupled: true }
+input [
+  { name: "text_input", data_type: TYPE_STRING, dims: [ 1 ] },
+  { name: "stream", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },
+  { name: "sampling_parameters", data_type: TYPE_STRING, dims: [ 1 ], optional: true },
+  { name: "exclude_input_in_output", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },
+  { name: "return_finish_reason", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },
+  { name: "return_cumulative_logprob", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },
+  { name: "return_logprobs", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },
+  { name: "return_num_input_tokens", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },
+  { name: "return_num_output_tokens", data_type: TYPE_BOOL, dims: [ 1 ], optional: true }
+]
+output [
+  { name: "text_output", data_type: TYPE_STRING, dims: [ -1 ] },
+  { name: "finish_reason", data_type: TYPE_STRING, dims: [ -1 ] },
+  { name: "cumulative_logprob", data_type: TYPE_FP32, dims: [ -1 ] },
+  { name: "logprobs", data_type: TYPE_STRING, dims: [ -1 ] },
+  { name: "num_input_tokens", data_type: TYPE_UINT32, dims: [ 1 ] },
+  { name: "num_output_tokens", data_type: TYPE_UINT32, dims: [ -1 ] }
+]
+parameters { key: "ensemble", value: { string_value: "ensemble" } }
+instance_group [ { count: 1, kind: KIND_CPU } ]
+{{- end -}}

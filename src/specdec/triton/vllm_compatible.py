@@ -1,0 +1,166 @@
+"""Triton adapter for `vllm_compatible`: vLLM's Triton backend's interface over the ensemble, for its clients
+as they are. vLLM's backend model has max_batch_size 0, so its clients send [1]-shaped tensors, which the
+batching ensemble refuses; this decoupled model takes them, calls the ensemble (BLS, streamed) with its
+inputs batch-shaped, and answers with vLLM's outputs and meanings: `text_output` with the prompt before it
+when not streamed (unless exclude_input_in_output), the additional outputs only with their return_* flags,
+num_input_tokens and num_output_tokens as UINT32. A client's cancellation goes on to the generation through
+the cancellation board (BLS requests cannot be cancelled), keyed by the ensemble's `generation_id`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+from dataclasses import dataclass
+
+import numpy as np
+
+from specdec import tensor_names as tn
+from specdec.triton.adapter import TritonAdapter
+from specdec.triton.admission.cancellation import CancellationBoard
+from specdec.triton.config import ModelParameters
+from specdec.triton.inputs import InputError, InputLookup, Inputs
+
+# Finish reasons that mean "not finished": this server's own ("") and vLLM's ("None", with its flag)
+NOT_FINISHED = ("", "None")
+
+
+@dataclass(frozen=True)
+class VllmRequest:
+    """One request in vLLM's backend's form, validated."""
+
+    prompt: str
+    stream: bool
+    prepend: bool  # text_output starts with the prompt (vLLM's default when not streamed)
+    flags: frozenset[str]  # its return_* flags that are true
+    settings: str | None  # the sampling_parameters JSON
+    parameters: dict  # the request's parameters (read as the settings when sampling_parameters is not sent)
+
+    @classmethod
+    def parse(cls, lookup: InputLookup, parameters: str = "") -> VllmRequest:
+        inputs = Inputs(lookup)
+        prompts = inputs.strings(tn.TEXT_INPUT)
+        if len(prompts) != 1:
+            raise InputError(f"input '{tn.TEXT_INPUT}' must hold exactly one string, got {len(prompts)}")
+        stream = bool(inputs.scalar(tn.STREAM, np.bool_, False))
+        exclude = inputs.scalar(tn.EXCLUDE_INPUT_IN_OUTPUT, np.bool_, None)
+        prepend = not stream if exclude is None else not exclude
+        if prepend and stream:
+            raise InputError(f"input '{tn.EXCLUDE_INPUT_IN_OUTPUT}' false is not allowed when streaming (as in vLLM's "
+                             f"backend: the prompt would have to come before every chunk)")
+        flags = frozenset(name for name in tn.VLLM_OUTPUT_FLAGS if inputs.scalar(name, np.bool_, False))
+        settings = inputs.strings(tn.SAMPLING_PARAMETERS)
+        if len(settings) > 1:
+            raise InputError(f"input '{tn.SAMPLING_PARAMETERS}' must hold exactly one JSON string, got {len(settings)}")
+        return cls(prompts[0], stream, prepend, flags, settings[0] if settings else None,
+                   json.loads(parameters) if parameters else {})
+
+    def ensemble_inputs(self) -> dict[str, np.ndarray]:
+        """The ensemble's inputs, batch-shaped: the prompt, stream, the settings and the flags (the
+        orchestrator computes what they ask for)."""
+        arrays = {tn.TEXT_INPUT: np.array([[self.prompt.encode()]], dtype=np.object_),
+                  tn.STREAM: np.array([[self.stream]]), **{flag: np.array([[True]]) for flag in self.flags}}
+        if self.settings is not None:
+            arrays[tn.SAMPLING_PARAMETERS] = np.array([[self.settings.encode()]], dtype=np.object_)
+        return arrays
+
+    def requested_outputs(self) -> list[str]:
+        return [tn.TEXT_OUTPUT, tn.FINISH_REASON, tn.NUM_INPUT_TOKENS, tn.NUM_OUTPUT_TOKENS, tn.GENERATION_ID,
+                *([tn.CUMULATIVE_LOGPROB] if tn.RETURN_CUMULATIVE_LOGPROB in self.flags else []),
+                *([tn.LOGPROBS] if tn.RETURN_LOGPROBS in self.flags else [])]
+
+    def outputs(self, got: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """vLLM's outputs of one ensemble response (`got`: its outputs by name), shaped as vLLM's backend
+        shapes them ([1] each, no batch dimension)."""
+        text = "".join(item.decode() if isinstance(item, bytes) else str(item)
+                       for item in got[tn.TEXT_OUTPUT].reshape(-1))
+        out = {tn.TEXT_OUTPUT: np.array([(self.prompt + text if self.prepend else text).encode()], dtype=np.object_)}
+        if tn.RETURN_FINISH_REASON in self.flags:
+            out[tn.FINISH_REASON] = got[tn.FINISH_REASON].reshape(-1)
+        if tn.RETURN_CUMULATIVE_LOGPROB in self.flags:
+            out[tn.CUMULATIVE_LOGPROB] = got[tn.CUMULATIVE_LOGPROB].reshape(-1).astype(np.float32)
+        if tn.RETURN_LOGPROBS in self.flags:
+            out[tn.LOGPROBS] = got[tn.LOGPROBS].reshape(-1)
+        for flag, name in ((tn.RETURN_NUM_INPUT_TOKENS, tn.NUM_INPUT_TOKENS),
+                           (tn.RETURN_NUM_OUTPUT_TOKENS, tn.NUM_OUTPUT_TOKENS)):
+            if flag in self.flags:
+                out[name] = got[name].reshape(-1).astype(np.uint32)
+        return out
+
+
+def finished(got: dict[str, np.ndarray]) -> bool:
+    """Whether an ensemble response is its generation's last (it carries a finish reason)."""
+    reason = got[tn.FINISH_REASON].reshape(-1)[0]
+    return (reason.decode() if isinstance(reason, bytes) else str(reason)) not in NOT_FINISHED
+
+
+def error_code(pb, message: str):
+    """A BLS error keeps its message, not its code: capacity and restoring refusals say so (UNAVAILABLE, as
+    the ensemble answers them), an error naming an input or parameter is the request's (INVALID_ARG)."""
+    if tn.RETRY_LATER in message or tn.MODEL_DOWN in message:
+        return pb.TritonError.UNAVAILABLE
+    if any(word in message for word in ("input '", "inputs '", "request parameter '")):
+        return pb.TritonError.INVALID_ARG
+    return pb.TritonError.INTERNAL
+
+
+class VllmCompatibleAdapter(TritonAdapter):
+    def load(self, params: ModelParameters, args: dict) -> None:
+        self.ensemble = params.str("ensemble", tn.ENSEMBLE)
+        self.cancellations = CancellationBoard()
+        # A request is relayed on a thread of its own: the ensemble's responses come from a blocking iterator
+        # (waiting with the GIL released), each sent on as it arrives. Past this many streams at once,
+        # requests wait for a thread.
+        self.relays = concurrent.futures.ThreadPoolExecutor(
+            max_workers=params.int("max_streams", 256, low=1), thread_name_prefix="vllm-relay")
+
+    def execute(self, requests):
+        for request in requests:
+            self.relays.submit(self._relay, request)
+        return None
+
+    def finalize(self):
+        self.relays.shutdown(wait=True)
+        super().finalize()
+
+    def _relay(self, request) -> None:
+        pb = self.pb
+        sender = request.get_response_sender()
+        final = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        done = False
+        try:
+            inputs = {tensor.name(): tensor.as_numpy() for tensor in request.inputs()}
+            try:
+                req = VllmRequest.parse(inputs.get, request.parameters())
+            except (InputError, ValueError) as exc:
+                sender.send(pb.InferenceResponse(error=pb.TritonError(str(exc), pb.TritonError.INVALID_ARG)),
+                            flags=final)
+                return
+            call = pb.InferenceRequest(model_name=self.ensemble, requested_output_names=req.requested_outputs(),
+                                       inputs=[pb.Tensor(name, value) for name, value in req.ensemble_inputs().items()],
+                                       parameters=req.parameters)  # passed on: the orchestrator reads them
+            for response in call.exec(decoupled=True):
+                if done:
+                    continue  # the ensemble's own end, after the last response went out
+                if response.has_error():
+                    message = response.error().message()
+                    sender.send(pb.InferenceResponse(error=pb.TritonError(message, error_code(pb, message))),
+                                flags=final)
+                    done = True
+                    continue
+                got = {tensor.name(): tensor.as_numpy() for tensor in response.output_tensors()}
+                if tn.TEXT_OUTPUT not in got:
+                    continue  # an empty response: the ensemble's end
+                done = finished(got)
+                sender.send(pb.InferenceResponse(output_tensors=[pb.Tensor(name, value)
+                                                                 for name, value in req.outputs(got).items()]),
+                            flags=final if done else 0)
+                if not done and sender.is_cancelled():  # the orchestrator stops at its next round
+                    self.cancellations.cancel(int(got[tn.GENERATION_ID].reshape(-1)[0]))
+        except Exception as exc:  # noqa: BLE001 - the request fails, the model keeps serving
+            if not done:
+                sender.send(pb.InferenceResponse(error=pb.TritonError(f"{tn.VLLM_COMPATIBLE}: {exc}",
+                                                                      pb.TritonError.INTERNAL)), flags=final)
+                done = True
+        if not done:  # ended without a last response
+            sender.send(flags=final)
