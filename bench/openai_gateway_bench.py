@@ -1,5 +1,7 @@
 """What the OpenAI API costs (`make bench-openai`): the same streamed requests through the gateway and
-straight to the ensemble over gRPC, interleaved in one run against one server.
+straight to the ensemble over gRPC, interleaved in one run against one server; and through
+`vllm_compatible` (vLLM's backend's clients' form: [1]-shaped tensors over tritonclient's gRPC asyncio
+stream, relayed to the ensemble by a Python stub).
 
 Serves the tiny pair (or `--pair default`), sends each prompt both ways at a fixed K, greedy, one request at
 a time (and with --concurrency N, N at once), and prints per path: time to first token and the gap between
@@ -26,11 +28,15 @@ import time
 from pathlib import Path
 
 import aiohttp
+import numpy as np
 import openai
+import tritonclient.grpc.aio as grpcaio
+from tritonclient.utils import np_to_triton_dtype
 
 from bench import report
 from client import GenerationParams
 from client.aio import AsyncClient
+from specdec import tensor_names as tn
 from specdec.serving import server as serving
 
 HERE = Path(__file__).resolve().parent
@@ -50,6 +56,13 @@ def cpu_seconds(pid: int) -> float:
 def gateway_pid(port: int) -> int:
     out = subprocess.run(["pgrep", "-f", f"specdec.gateway --port {port} "], capture_output=True, text=True).stdout
     return int(out.split()[0])
+
+
+def stub_pid(run_dir: Path, instance: str) -> int:
+    """The Python-backend stub process of a model instance of the server in run_dir."""
+    out = subprocess.run(["ps", "-ww", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    return next(int(line.split()[0]) for line in out.splitlines()
+                if "triton_python_backend_stub" in line and str(run_dir) in line and f" {instance} " in f"{line} ")
 
 
 async def direct(client: AsyncClient, prompt: str, params: GenerationParams) -> tuple[float, list[float], int]:
@@ -96,6 +109,35 @@ async def through_raw(session: aiohttp.ClientSession, url: str, model: str, prom
     return stamps[0] - sent, [b - a for a, b in zip(stamps, stamps[1:])], tokens
 
 
+async def through_vllm_compatible(client: grpcaio.InferenceServerClient, prompt: str, params: GenerationParams):
+    """The same request as vLLM's backend's clients send it, to vllm_compatible."""
+    settings = {"max_tokens": params.max_tokens, "temperature": 0, "ignore_eos": True}
+    arrays = {tn.TEXT_INPUT: np.array([prompt.encode()], dtype=np.object_), tn.STREAM: np.array([True]),
+              tn.SAMPLING_PARAMETERS: np.array([json.dumps(settings).encode()], dtype=np.object_),
+              tn.EXCLUDE_INPUT_IN_OUTPUT: np.array([True]), tn.RETURN_NUM_OUTPUT_TOKENS: np.array([True]),
+              # this server's own: K fixed, as on the other paths
+              tn.NUM_DRAFT_TOKENS: np.array([params.num_draft_tokens], dtype=np.int32),
+              tn.ADAPTIVE_DRAFT: np.array([False])}
+    inputs = []
+    for name, array in arrays.items():
+        inputs.append(grpcaio.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype)))
+        inputs[-1].set_data_from_numpy(array)
+
+    async def one():
+        yield {"model_name": tn.VLLM_COMPATIBLE, "inputs": inputs}
+    stamps: list[float] = []
+    tokens = 0
+    sent = time.perf_counter()
+    async for result, error in client.stream_infer(inputs_iterator=one()):
+        if error is not None:
+            raise RuntimeError(str(error))
+        stamps.append(time.perf_counter())
+        tokens += int(result.as_numpy(tn.NUM_OUTPUT_TOKENS)[0])
+        if result.as_numpy(tn.TEXT_OUTPUT) is not None and tokens >= params.max_tokens:
+            break
+    return stamps[0] - sent, [b - a for a, b in zip(stamps, stamps[1:])], tokens
+
+
 def pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
@@ -106,10 +148,14 @@ async def run(srv, texts: list[str], params: GenerationParams, concurrency: int)
     api = openai.AsyncOpenAI(base_url=srv.openai_url, api_key="unused", max_retries=0, timeout=600)
     model = (await api.models.list()).data[0].id
     session = aiohttp.ClientSession()
-    pid = gateway_pid(srv.openai_port)
+    vllm_client = grpcaio.InferenceServerClient(srv.grpc_url)
+    # each front door's own process: the gateway, vllm_compatible's stub
+    gateway, relay = gateway_pid(srv.openai_port), stub_pid(srv.run_dir, f"{tn.VLLM_COMPATIBLE}_0_0")
     calls = {"direct": lambda p: direct(grpc_client, p, params),
              "gateway, openai SDK": lambda p: through_gateway(api, model, p, params),
-             "gateway, aiohttp client": lambda p: through_raw(session, srv.openai_url, model, p, params)}
+             "gateway, aiohttp client": lambda p: through_raw(session, srv.openai_url, model, p, params),
+             "vllm_compatible": lambda p: through_vllm_compatible(vllm_client, p, params)}
+    pids = {path: relay if path == "vllm_compatible" else gateway for path in calls}
     out = {path: {"ttft": [], "gaps": [], "tokens": 0, "cpu": 0.0} for path in calls}
     for call in calls.values():  # warm every path
         await call(texts[0])
@@ -118,14 +164,15 @@ async def run(srv, texts: list[str], params: GenerationParams, concurrency: int)
         batch = texts[start:start + concurrency]
         order = order[1:] + order[:1]  # each path first in turn: drift spreads over all
         for path in order:
-            before = cpu_seconds(pid)
+            before = cpu_seconds(pids[path])
             results = await asyncio.gather(*[calls[path](p) for p in batch])
-            out[path]["cpu"] += cpu_seconds(pid) - before
+            out[path]["cpu"] += cpu_seconds(pids[path]) - before
             for ttft, gaps, tokens in results:
                 out[path]["ttft"].append(ttft)
                 out[path]["gaps"] += gaps
                 out[path]["tokens"] += tokens
     await grpc_client.close()
+    await vllm_client.close()
     await api.close()
     await session.close()
     return out
@@ -163,13 +210,13 @@ def main() -> None:
                              f"{m['cpu'] / m['tokens'] * 1e6:.0f}" if gateway else ""])
     finally:
         srv.stop()
-    header = (f"OpenAI API against direct gRPC streaming, {args.pair} pair, {args.requests} requests per path and "
+    header = (f"OpenAI API and vllm_compatible against direct gRPC streaming, {args.pair} pair, {args.requests} requests per path and "
               f"concurrency, {args.max_tokens} tokens each, K={args.num_draft_tokens} fixed, greedy "
               f"({report.machine()})")
     text = report.print_table(header, rows, ["streams", "path", "TTFT p50 ms", "TTFT p99 ms", "chunk gap p50 ms",
                                              "chunk gap p99 ms", "output tokens", "TTFT over direct (median) ms",
-                                             "gap over direct (median) ms", "gateway CPU µs/chunk",
-                                             "gateway CPU µs/token"], args.out)
+                                             "gap over direct (median) ms", "front door's CPU µs/chunk",
+                                             "front door's CPU µs/token"], args.out)
     if args.results:
         report.write_results(args.results, "The OpenAI API's own cost: `make bench-openai`", text)
 

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 import tritonclient.grpc as grpcclient
+from tritonclient.utils import np_to_triton_dtype
 
 from specdec import tensor_names as tn
 
@@ -686,8 +687,9 @@ def _vllm_client_request(server, prompt: str, *, stream: bool, settings: dict | 
     add(tn.STREAM, np.array([stream]), "BOOL")
     if settings is not None:
         add(tn.SAMPLING_PARAMETERS, np.array([json.dumps(settings).encode()], dtype=np.object_), "BYTES")
-    for name, value in flags.items():
-        add(name, np.array([value]), "BOOL")
+    for name, value in flags.items():  # a flag, or an array of this server's inputs
+        array = value if isinstance(value, np.ndarray) else np.array([value])
+        add(name, array, np_to_triton_dtype(array.dtype))
     got = []
     try:
         client.async_stream_infer(tn.VLLM_COMPATIBLE, inputs, parameters=parameters, enable_empty_final_response=True)
@@ -733,12 +735,20 @@ def test_vllm_backend_clients_are_served_as_they_are(server):
     assert all(r[tn.NUM_OUTPUT_TOKENS].dtype == np.uint32 and r[tn.NUM_INPUT_TOKENS].shape == (1,) for r in streamed)
     assert sum(len(json.loads(r[tn.LOGPROBS][0])) for r in streamed) == 12
     assert streamed[-1][tn.CUMULATIVE_LOGPROB].dtype == np.float32 and streamed[-1][tn.CUMULATIVE_LOGPROB][0] < 0
+    # this server's draft inputs beside vLLM's, [1]-shaped too
+    drafted = _vllm_client_request(server, PROMPTS[0], stream=False, parameters=settings, exclude_input_in_output=True,
+                                   num_draft_tokens=np.array([3], dtype=np.int32), adaptive_draft=False,
+                                   draft_model=np.array([b"ngram"], dtype=np.object_))
+    assert drafted[0][tn.TEXT_OUTPUT].tolist() == [expected[tn.TEXT_OUTPUT].encode()]
     errors = [_vllm_client_request(server, PROMPTS[0], stream=True, exclude_input_in_output=False)[-1],
+              _vllm_client_request(server, PROMPTS[0], stream=False,
+                                   draft_model=np.array([b"nonexistent"], dtype=np.object_))[-1],
               _vllm_client_request(server, PROMPTS[0], stream=False, settings={"max_tokens": 0})[-1],
               _vllm_client_request(server, PROMPTS[0], stream=False, parameters={"n": 3})[-1]]
     assert "'exclude_input_in_output' false is not allowed when streaming" in str(errors[0])
-    assert f"'{tn.MAX_TOKENS}' must be within" in str(errors[1])
-    assert "request parameter 'n' is supported only at 1" in str(errors[2])
+    assert f"input '{tn.DRAFT_MODEL}' must be one of" in str(errors[1])
+    assert f"'{tn.MAX_TOKENS}' must be within" in str(errors[2])
+    assert "request parameter 'n' is supported only at 1" in str(errors[3])
 
 
 def test_a_cancelled_vllm_backend_stream_stops_its_generation(server):

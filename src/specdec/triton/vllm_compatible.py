@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,6 +22,8 @@ from specdec.triton.admission.cancellation import CancellationBoard
 from specdec.triton.config import ModelParameters
 from specdec.triton.inputs import InputError, InputLookup, Inputs
 
+# This server's own inputs that vllm_compatible takes beside vLLM's ([1]-shaped too): the draft, its length
+SPECULATION_INPUTS = (tn.DRAFT_MODEL, tn.NUM_DRAFT_TOKENS, tn.ADAPTIVE_DRAFT)
 # Finish reasons that mean "not finished": this server's own ("") and vLLM's ("None", with its flag)
 NOT_FINISHED = ("", "None")
 
@@ -35,6 +38,7 @@ class VllmRequest:
     flags: frozenset[str]  # its return_* flags that are true
     settings: str | None  # the sampling_parameters JSON
     parameters: dict  # the request's parameters (read as the settings when sampling_parameters is not sent)
+    speculation: dict = dataclasses.field(default_factory=dict)  # this server's own inputs (SPECULATION_INPUTS)
 
     @classmethod
     def parse(cls, lookup: InputLookup, parameters: str = "") -> VllmRequest:
@@ -52,14 +56,17 @@ class VllmRequest:
         settings = inputs.strings(tn.SAMPLING_PARAMETERS)
         if len(settings) > 1:
             raise InputError(f"input '{tn.SAMPLING_PARAMETERS}' must hold exactly one JSON string, got {len(settings)}")
+        speculation = {name: value.reshape(1, -1) for name in SPECULATION_INPUTS
+                       if (value := lookup(name)) is not None}  # checked by the ensemble, by name
         return cls(prompts[0], stream, prepend, flags, settings[0] if settings else None,
-                   json.loads(parameters) if parameters else {})
+                   json.loads(parameters) if parameters else {}, speculation)
 
     def ensemble_inputs(self) -> dict[str, np.ndarray]:
         """The ensemble's inputs, batch-shaped: the prompt, stream, the settings and the flags (the
         orchestrator computes what they ask for)."""
         arrays = {tn.TEXT_INPUT: np.array([[self.prompt.encode()]], dtype=np.object_),
-                  tn.STREAM: np.array([[self.stream]]), **{flag: np.array([[True]]) for flag in self.flags}}
+                  tn.STREAM: np.array([[self.stream]]), **{flag: np.array([[True]]) for flag in self.flags},
+                  **self.speculation}
         if self.settings is not None:
             arrays[tn.SAMPLING_PARAMETERS] = np.array([[self.settings.encode()]], dtype=np.object_)
         return arrays
