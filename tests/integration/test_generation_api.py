@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 import torch
 import tritonclient.grpc as grpcclient
-from tritonclient.utils import np_to_triton_dtype
 
 from specdec import tensor_names as tn
 
@@ -546,30 +545,42 @@ def test_vllm_backend_client_requests_are_served(server):
     assert over_http[tn.TEXT_OUTPUT] == plain[tn.TEXT_OUTPUT]
 
 
-def _vllm_backend_request(server, prompt: str, settings: dict, stream: bool, flags=tn.VLLM_OUTPUT_FLAGS) -> list[dict]:
-    """A request as clients of Triton's vLLM backend send it (text_input, stream, sampling_parameters, its
-    return_* flags) over gRPC streaming: each response's outputs by name, in order."""
+def _vllm_stream(server, model: str, arrays: dict, parameters=None, cancel_after: int = 0) -> list:
+    """One request over gRPC streaming: each response's outputs by name (or its error) in order; with
+    cancel_after n the stream is cancelled after n responses."""
     client = grpcclient.InferenceServerClient(server.grpc_url)
     responses: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: responses.put((result, error)))
-    arrays = {tn.TEXT_INPUT: np.array([[prompt.encode()]], dtype=np.object_), tn.STREAM: np.array([[stream]]),
-              tn.SAMPLING_PARAMETERS: np.array([[json.dumps(settings).encode()]], dtype=np.object_),
-              **{flag: np.array([[True]]) for flag in flags}}
     got = []
     try:
-        client.async_stream_infer(tn.ENSEMBLE, grpc_inputs(arrays), enable_empty_final_response=True)
+        client.async_stream_infer(model, grpc_inputs(arrays), parameters=parameters, enable_empty_final_response=True)
         while True:
             result, error = responses.get(timeout=120)
-            assert error is None, error
+            if error is not None:
+                return got + [error]
             response = result.get_response()
             if response.outputs:
                 got.append({output.name: result.as_numpy(output.name) for output in response.outputs})
+                if cancel_after and len(got) == cancel_after:
+                    client.stop_stream(cancel_requests=True)
+                    return got
             final = response.parameters.get("triton_final_response")
             if final and final.bool_param:
                 return got
     finally:
         client.stop_stream()
         client.close()
+
+
+def _vllm_backend_request(server, prompt: str, settings: dict, stream: bool, flags=tn.VLLM_OUTPUT_FLAGS) -> list[dict]:
+    """A request with vLLM's backend's inputs (text_input, stream, sampling_parameters, its return_* flags)
+    to the ensemble: each response's outputs by name, in order."""
+    got = _vllm_stream(server, tn.ENSEMBLE, {
+        tn.TEXT_INPUT: np.array([[prompt.encode()]], dtype=np.object_), tn.STREAM: np.array([[stream]]),
+        tn.SAMPLING_PARAMETERS: np.array([[json.dumps(settings).encode()]], dtype=np.object_),
+        **{flag: np.array([[True]]) for flag in flags}})
+    assert all(isinstance(r, dict) for r in got), got
+    return got
 
 
 @pytest.mark.parametrize("temperature,stream", [(0.0, True), (0.0, False), (1.0, True)])
@@ -670,46 +681,14 @@ def test_vllm_settings_as_request_parameters_are_served(server):
 
 
 def _vllm_client_request(server, prompt: str, *, stream: bool, settings: dict | None = None, parameters=None,
-                         cancel_after: int = 0, **flags) -> list:
+                         cancel_after: int = 0, **inputs) -> list:
     """What vLLM's backend's clients send, as its sample client builds it ([1]-shaped tensors, max_batch_size
-    0) to `vllm_compatible`: each response (result or error) in order; cancel_after n: the stream is
-    cancelled after n responses."""
-    client = grpcclient.InferenceServerClient(server.grpc_url)
-    responses: queue.Queue = queue.Queue()
-    client.start_stream(callback=lambda result, error: responses.put((result, error)))
-    inputs = []
-
-    def add(name, array, dtype):
-        inputs.append(grpcclient.InferInput(name, list(array.shape), dtype))
-        inputs[-1].set_data_from_numpy(array)
-
-    add(tn.TEXT_INPUT, np.array([prompt.encode()], dtype=np.object_), "BYTES")
-    add(tn.STREAM, np.array([stream]), "BOOL")
+    0), to `vllm_compatible`; `inputs`: flags, or arrays of this server's inputs."""
+    arrays = {tn.TEXT_INPUT: np.array([prompt.encode()], dtype=np.object_), tn.STREAM: np.array([stream]),
+              **{name: value if isinstance(value, np.ndarray) else np.array([value]) for name, value in inputs.items()}}
     if settings is not None:
-        add(tn.SAMPLING_PARAMETERS, np.array([json.dumps(settings).encode()], dtype=np.object_), "BYTES")
-    for name, value in flags.items():  # a flag, or an array of this server's inputs
-        array = value if isinstance(value, np.ndarray) else np.array([value])
-        add(name, array, np_to_triton_dtype(array.dtype))
-    got = []
-    try:
-        client.async_stream_infer(tn.VLLM_COMPATIBLE, inputs, parameters=parameters, enable_empty_final_response=True)
-        while True:
-            result, error = responses.get(timeout=120)
-            if error is not None:
-                got.append(error)
-                return got
-            response = result.get_response()
-            if response.outputs:
-                got.append({output.name: result.as_numpy(output.name) for output in response.outputs})
-                if cancel_after and len(got) == cancel_after:
-                    client.stop_stream(cancel_requests=True)
-                    return got
-            final = response.parameters.get("triton_final_response")
-            if final and final.bool_param:
-                return got
-    finally:
-        client.stop_stream()
-        client.close()
+        arrays[tn.SAMPLING_PARAMETERS] = np.array([json.dumps(settings).encode()], dtype=np.object_)
+    return _vllm_stream(server, tn.VLLM_COMPATIBLE, arrays, parameters, cancel_after)
 
 
 def test_vllm_backend_clients_are_served_as_they_are(server):
