@@ -328,7 +328,7 @@ class SpeculativeDecodingAdapter(TritonAdapter):
     def _response(self, emission: Emission | None, parsed: ParsedRequest, emitter: TextEmitter, stats: Stats,
                   finish: str | None, log_probs: list[float],
                   top: tuple[list[list[int]], list[list[float]]] = ([], []), prompt: RoundOutput | None = None,
-                  ranks: list[int] | None = None, final: bool = True):
+                  ranks: list[int] | None = None):
         pb = self.pb
         req = parsed.generation
         ids, prefix, length = (emission.ids, emission.prefix_ids, emission.text_length) if emission else ([], [], -1)
@@ -360,7 +360,7 @@ class SpeculativeDecodingAdapter(TritonAdapter):
         if parsed.vllm_outputs:  # vLLM's backend's outputs, which replace ours of the same names
             this = slice(sent - len(ids), sent)
             vllm = vllm_outputs.additional_outputs(
-                parsed.vllm_outputs, ids=ids, finish=finish if final else None, cumulative=sum(log_probs[:sent]),
+                parsed.vllm_outputs, ids=ids, finish=finish, cumulative=sum(log_probs[:sent]),
                 logprobs=None if parsed.vllm_logprobs is None or tn.RETURN_LOGPROBS not in parsed.vllm_outputs else
                 vllm_outputs.logprobs_json(ids, log_probs[this], ranks[this] if ranks else None,
                                            (top[0][this], top[1][this]) if req.top_log_probs else None,
@@ -405,14 +405,14 @@ class _Responses:
         self.first_sent = False
         self.prompt: RoundOutput | None = None  # with return_prompt_log_probs: the first round, until sent
 
-    def response(self, emission: Emission | None, finish: str | None, final: bool = True):
+    def response(self, emission: Emission | None, finish: str | None):
         prompt = None
         if not self.first_sent:
             self.adapter.metrics.ttft.observe(time.monotonic() - self.arrived)
             self.first_sent = True
             prompt = self.prompt
         return self.adapter._response(emission, self.parsed, self.emitter, self.stats, finish, self.log_probs,
-                                      self.top, prompt, self.ranks, final)
+                                      self.top, prompt, self.ranks)
 
     async def round(self, rnd) -> tuple[str | None, Emission | None]:
         """A round's tokens counted and pushed into the text, streamed where they make text; returns the
@@ -443,7 +443,7 @@ class _Responses:
             finish = finish or (tn.FINISH_CANCELLED if cancelled else None)
         if finish:
             return finish, emission
-        out = self.response(emission, None, final=False) if self.stream and emission else None
+        out = self.response(emission, None) if self.stream and emission else None
         if out is not None or now - self.asked >= CANCEL_POLL_S:
             self.asked = now
             self.in_flight = asyncio.get_running_loop().run_in_executor(
