@@ -44,7 +44,10 @@ FREQUENCY_PENALTY = "frequency_penalty"
 SAMPLING_PARAMETERS = "sampling_parameters"
 # TensorRT-LLM's ensemble inputs that its clients send; only their one supported value is accepted:
 BEAM_WIDTH = "beam_width"  # INT32 [1]: 1 (speculative decoding decodes one sequence)
-EXCLUDE_INPUT_IN_OUTPUT = "exclude_input_in_output"  # BOOL [1]: true (text_output is the generated text)
+NUM_RETURN_SEQUENCES = "num_return_sequences"  # INT32 [1]: 1 (the same)
+# BOOL [1]: true (the default: text_output is the generated text); false: a response that is not streamed
+# holds the prompt's tokens before the generated ones (output_ids, text_output), as TensorRT-LLM's does
+EXCLUDE_INPUT_IN_OUTPUT = "exclude_input_in_output"
 PAD_ID = "pad_id"  # INT32 [1]: a token id >= 0; no effect (responses carry no padding)
 DRAFT_MODEL = "draft_model"  # STRING [1]: which configured draft model proposes
 APPLY_CHAT_TEMPLATE = "apply_chat_template"  # BOOL [1]

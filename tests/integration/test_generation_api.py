@@ -531,6 +531,40 @@ def test_tensorrt_llm_client_inputs_are_served(server):
     assert over_http[tn.TEXT_OUTPUT] == plain[tn.TEXT_OUTPUT]
 
 
+def test_tensorrt_llm_end_to_end_clients_default_request_echoes_the_prompt(server, hf_target):
+    """TensorRT-LLM's end-to-end client sends by default num_return_sequences 1 and exclude_input_in_output
+    false, not streamed: the response holds the prompt's tokens before the generated ones (output_ids) and
+    their text (text_output, decoded together, special tokens left out); a stop word stays cut; streamed,
+    the chunks are the new text as always. num_output_tokens counts the generated tokens."""
+    _, tokenizer = hf_target
+    prompt_ids = tokenizer(PROMPTS[2]).input_ids
+    plain = grpc_stream(server.grpc_url, PROMPTS[2], max_tokens=16, num_draft_tokens=3, end_id=0)
+    trtllm = dict(beam_width=np.array([[1]], dtype=np.int32), num_return_sequences=np.array([[1]], dtype=np.int32),
+                  exclude_input_in_output=np.array([[False]]), temperature=0.0, max_tokens=16, end_id=0)
+    echoed = _stream_responses(server, tn.ENSEMBLE, {tn.TEXT_INPUT: np.array([[PROMPTS[2].encode()]], dtype=np.object_),
+                                                tn.STREAM: np.array([[False]]), **{
+        name: value if isinstance(value, np.ndarray) else np.array([[value]], dtype=np.float32 if name == tn.TEMPERATURE
+                                                                    else np.int32)
+        for name, value in trtllm.items()}})
+    (answer,) = echoed
+    generated = answer[tn.OUTPUT_IDS].reshape(-1).tolist()[len(prompt_ids):]
+    assert answer[tn.OUTPUT_IDS].reshape(-1).tolist()[:len(prompt_ids)] == prompt_ids
+    assert tokenizer.decode(generated, skip_special_tokens=True) == plain[tn.TEXT_OUTPUT]
+    text = answer[tn.TEXT_OUTPUT].reshape(-1)[0].decode()
+    assert text == tokenizer.decode(prompt_ids + generated, skip_special_tokens=True) and text.endswith(plain[tn.TEXT_OUTPUT])
+    assert answer[tn.NUM_OUTPUT_TOKENS].reshape(-1)[0] == 16
+    stop = plain[tn.TEXT_OUTPUT][len(plain[tn.TEXT_OUTPUT]) // 2:][:3]
+    cut = http_generate(server.http_url, PROMPTS[2], max_tokens=16, end_id=0, exclude_input_in_output=False,
+                        stop_words=[stop])
+    kept = grpc_stream(server.grpc_url, PROMPTS[2], max_tokens=16, end_id=0, stop_words=np.array([[stop.encode()]],
+                                                                                                   dtype=np.object_))
+    assert cut[tn.TEXT_OUTPUT].endswith(kept[tn.TEXT_OUTPUT]) and stop not in cut[tn.TEXT_OUTPUT][-len(kept[tn.TEXT_OUTPUT]) - 1:]
+    assert cut[tn.TEXT_OUTPUT].startswith(tokenizer.decode(prompt_ids, skip_special_tokens=True))
+    streamed = grpc_stream(server.grpc_url, PROMPTS[2], max_tokens=16, num_draft_tokens=3, end_id=0, stream=True,
+                           exclude_input_in_output=np.array([[False]]))
+    assert streamed[tn.TEXT_OUTPUT] == plain[tn.TEXT_OUTPUT]
+
+
 def test_vllm_backend_client_requests_are_served(server):
     """What clients of Triton's vLLM backend send: the sampling settings as one JSON string, and
     exclude_input_in_output. Same answer as the same settings as inputs, over gRPC and HTTP."""
@@ -545,7 +579,7 @@ def test_vllm_backend_client_requests_are_served(server):
     assert over_http[tn.TEXT_OUTPUT] == plain[tn.TEXT_OUTPUT]
 
 
-def _vllm_stream(server, model: str, arrays: dict, parameters=None, cancel_after: int = 0) -> list:
+def _stream_responses(server, model: str, arrays: dict, parameters=None, cancel_after: int = 0) -> list:
     """One request over gRPC streaming: each response's outputs by name (or its error) in order; with
     cancel_after n the stream is cancelled after n responses."""
     client = grpcclient.InferenceServerClient(server.grpc_url)
@@ -575,7 +609,7 @@ def _vllm_stream(server, model: str, arrays: dict, parameters=None, cancel_after
 def _vllm_backend_request(server, prompt: str, settings: dict, stream: bool, flags=tn.VLLM_OUTPUT_FLAGS) -> list[dict]:
     """A request with vLLM's backend's inputs (text_input, stream, sampling_parameters, its return_* flags)
     to the ensemble: each response's outputs by name, in order."""
-    got = _vllm_stream(server, tn.ENSEMBLE, {
+    got = _stream_responses(server, tn.ENSEMBLE, {
         tn.TEXT_INPUT: np.array([[prompt.encode()]], dtype=np.object_), tn.STREAM: np.array([[stream]]),
         tn.SAMPLING_PARAMETERS: np.array([[json.dumps(settings).encode()]], dtype=np.object_),
         **{flag: np.array([[True]]) for flag in flags}})
@@ -688,7 +722,7 @@ def _vllm_client_request(server, prompt: str, *, stream: bool, settings: dict | 
               **{name: value if isinstance(value, np.ndarray) else np.array([value]) for name, value in inputs.items()}}
     if settings is not None:
         arrays[tn.SAMPLING_PARAMETERS] = np.array([json.dumps(settings).encode()], dtype=np.object_)
-    return _vllm_stream(server, tn.VLLM_COMPATIBLE, arrays, parameters, cancel_after)
+    return _stream_responses(server, tn.VLLM_COMPATIBLE, arrays, parameters, cancel_after)
 
 
 def test_vllm_backend_clients_are_served_as_they_are(server):
@@ -1005,8 +1039,10 @@ BAD_REQUESTS = {
     "pad_id_negative": (PROMPTS[0], dict(pad_id=np.array([[-1]], dtype=np.int32)), "pad_id"),
     "beam_width_2": (PROMPTS[0], dict(beam_width=np.array([[2]], dtype=np.int32)), "beam_width"),
     "beam_width_wrong_dtype": (PROMPTS[0], dict(beam_width=np.array([[1]], dtype=np.uint32)), "beam_width"),
-    "exclude_input_in_output_false": (PROMPTS[0], dict(exclude_input_in_output=np.array([[False]])),
-                                      "exclude_input_in_output"),
+    "exclude_input_in_output_not_bool": (PROMPTS[0], dict(exclude_input_in_output=np.array([[0]], dtype=np.int32)),
+                                         "exclude_input_in_output"),
+    "num_return_sequences_2": (PROMPTS[0], dict(num_return_sequences=np.array([[2]], dtype=np.int32)),
+                               "num_return_sequences"),
     "wrong_dtype": (PROMPTS[0], dict(max_tokens=np.array([[5.0]], dtype=np.float32)), "max_tokens"),
     "wrong_shape": (PROMPTS[0], dict(max_tokens=np.array([[5, 6]], dtype=np.int32)), "max_tokens"),
     "unknown_input": (PROMPTS[0], dict(frobnicate=np.array([[1]], dtype=np.int32)), "frobnicate"),

@@ -357,6 +357,14 @@ def test_request_parameters_are_vllm_settings_too():
         _with_parameters({"max_tokens": 5}, **{tn.MAX_TOKENS: np.array([[5]], dtype=np.int32)})
 
 
+def test_exclude_input_in_output_false_echoes_the_prompt_of_a_whole_answer_only():
+    assert not parse().echo_prompt and not parse(**{tn.EXCLUDE_INPUT_IN_OUTPUT: np.array([[True]])}).echo_prompt
+    assert parse(**{tn.EXCLUDE_INPUT_IN_OUTPUT: np.array([[False]])}).echo_prompt
+    assert not parse(**{tn.EXCLUDE_INPUT_IN_OUTPUT: np.array([[False]]), tn.STREAM: np.array([[True]])}).echo_prompt
+    with pytest.raises(InputError, match=f"input '{tn.EXCLUDE_INPUT_IN_OUTPUT}' must be bool"):
+        parse(**{tn.EXCLUDE_INPUT_IN_OUTPUT: np.array([[0]], dtype=np.int32)})
+
+
 def test_sampling_parameters_keep_the_inputs_rules():
     with pytest.raises(InputError, match=f"key 'max_tokens' and input '{tn.MAX_TOKENS}' are one setting"):
         parse(**{**_vllm({"max_tokens": 5}), tn.MAX_TOKENS: np.array([[5]], dtype=np.int32)})

@@ -4,7 +4,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from specdec.serving.pairs import smollm2_tokenizer_dir
-from specdec.decoding.text import REPLACEMENT_CHAR, TextEmitter, decode, decode_delta
+from specdec.decoding.text import REPLACEMENT_CHAR, TextEmitter, decode, decode_delta, with_prompt
 
 
 @pytest.fixture(scope="module")
@@ -137,3 +137,16 @@ def test_a_tokenizers_backend_directory_loads_as_autotokenizer_would_without_tor
     out = subprocess.run([sys.executable, "-c", check, str(other)], capture_output=True, text=True, timeout=120)
     assert out.stdout.split()[1] == "True", out.stderr[-2000:]  # AutoTokenizer's way, torch and all
     assert load_tokenizer(str(other)).encode(TEXTS[0]) == tokenizer.encode(TEXTS[0])
+
+
+def test_the_prompt_before_a_whole_answer_keeps_its_stop_cut(tokenizer):
+    """exclude_input_in_output false: the prompt's tokens before the answer's, decoded together; what a
+    stop word cut from the answer's text stays cut."""
+    prompt, answer = tokenizer.encode("Question: why?"), tokenizer.encode(" Because the sky is blue. END more")
+    ids, length = with_prompt(tokenizer, prompt, answer, -1)
+    assert ids == prompt + answer and length == -1
+    emitter = TextEmitter(tokenizer, ("END",))
+    emission = emitter.push(answer, final=True)
+    ids, length = with_prompt(tokenizer, prompt, answer, len(emitter.text))
+    assert decode(tokenizer, ids)[:length] == "Question: why? Because the sky is blue. " and emission.stopped
+

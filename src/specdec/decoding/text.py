@@ -84,6 +84,16 @@ def decode_delta(tokenizer, prefix_ids: list[int], ids: list[int]) -> str:
     return decode(tokenizer, ids)  # a normalizer rewrote the prefix: fall back to the chunk alone
 
 
+def with_prompt(tokenizer, prompt_ids: list[int], ids: list[int], length: int) -> tuple[list[int], int]:
+    """A whole answer's tokens with the prompt's before them (TensorRT-LLM's exclude_input_in_output false),
+    and the characters of their text to keep (`length`: of `ids`' own text; -1 all): what a stop word cut
+    from the end stays cut."""
+    if length < 0:
+        return prompt_ids + ids, -1
+    cut = len(decode(tokenizer, ids)) - length  # characters dropped at the end
+    return prompt_ids + ids, len(decode(tokenizer, prompt_ids + ids)) - cut
+
+
 @dataclass(frozen=True)
 class Emission:
     ids: list[int]  # tokens to send now

@@ -28,7 +28,7 @@ from specdec.decoding import lookup_first
 from specdec.decoding.loop import GenerationRequest, RoundOutput, Stats, generate
 from specdec.decoding.ngram_proposer import NgramProposer
 from specdec.decoding.suffix_proposer import SuffixCache, SuffixProposer
-from specdec.decoding.text import Emission, TextEmitter, load_tokenizer
+from specdec.decoding.text import Emission, TextEmitter, load_tokenizer, with_prompt
 from specdec.triton.adapter import TritonAdapter
 from specdec.triton.bls import BlsProposer, BlsScorer, ModelUnavailable
 from specdec.triton.admission.cancellation import CancellationBoard
@@ -365,8 +365,11 @@ class SpeculativeDecodingAdapter(TritonAdapter):
                 vllm_outputs.logprobs_json(ids, log_probs[this], ranks[this] if ranks else None,
                                            (top[0][this], top[1][this]) if req.top_log_probs else None,
                                            self.token_text))
+        out_ids = ids
+        if parsed.echo_prompt and emission is not None:  # the one response: the prompt's tokens before the answer
+            out_ids, length = with_prompt(self.tokenizer, req.prompt_ids, ids, length)
         tensors = extra + [
-            i32(tn.OUTPUT_IDS, ids),
+            i32(tn.OUTPUT_IDS, out_ids),
             i32(tn.PREFIX_IDS, prefix),
             i32(tn.TEXT_LENGTH, [length]),
             pb.Tensor(tn.SEQUENCE_ID, np.array([[req.seq_id]], dtype=np.uint64)),

@@ -85,6 +85,9 @@ class ParsedRequest:
     # vLLM's backend's return_* flags that are true (tn.VLLM_OUTPUT_FLAGS), and its `logprobs` n (None: unset)
     vllm_outputs: frozenset[str] = frozenset()
     vllm_logprobs: int | None = None
+    # exclude_input_in_output false on a request that is not streamed: its response holds the prompt's tokens
+    # before the generated ones (TensorRT-LLM's meaning; streamed responses hold the new tokens either way)
+    echo_prompt: bool = False
 
     @classmethod
     def parse(cls, lookup: InputLookup, limits: RequestLimits, seq_id: int | None = None,
@@ -179,9 +182,11 @@ class ParsedRequest:
         # A seeded sampled request must be reproducible: measured costs vary from run to run, and a
         # different K changes which random draws pick which token, so it drafts a fixed K.
         adaptive = adaptive and (sampling.greedy or seed is None)
-        return cls(generation, k, adaptive, draft_name, bool(inputs.scalar(tn.STREAM, np.bool_, False)), stop_words,
+        stream = bool(inputs.scalar(tn.STREAM, np.bool_, False))
+        echo = not inputs.scalar(tn.EXCLUDE_INPUT_IN_OUTPUT, np.bool_, True) and not stream
+        return cls(generation, k, adaptive, draft_name, stream, stop_words,
                    bool(inputs.scalar("include_stop_str_in_output", np.bool_, False)), int(branches),
-                   vllm_outputs, vllm_logprobs)
+                   vllm_outputs, vllm_logprobs, echo)
 
 
 def _vllm_logprobs(inputs: Inputs, top: int, field: Callable[[str], str]) -> int | None:

@@ -34,12 +34,12 @@ class PreprocessingAdapter(TritonAdapter):
         return responses
 
     def _check_fixed_inputs(self, request) -> None:
-        """TensorRT-LLM's clients send beam_width, exclude_input_in_output and pad_id: the one value of the
+        """TensorRT-LLM's clients send beam_width, num_return_sequences and pad_id: the one value of the
         first two that speculative decoding serves is accepted, any other refused by name; pad_id is checked
-        and has no effect."""
+        and has no effect (exclude_input_in_output is speculative_decoding's)."""
         for name, dtype, supported, why in (
                 (tn.BEAM_WIDTH, np.int32, 1, "speculative decoding decodes one sequence (no beam search)"),
-                (tn.EXCLUDE_INPUT_IN_OUTPUT, np.bool_, True, "text_output holds the generated text only")):
+                (tn.NUM_RETURN_SEQUENCES, np.int32, 1, "one sequence a request; OpenAI's n is the gateway's")):
             tensor = self.pb.get_input_tensor_by_name(request, name)
             if tensor is None:
                 continue
