@@ -20,12 +20,13 @@ from specdec import tensor_names as tn
 from specdec.triton.adapter import TritonAdapter
 from specdec.triton.admission.cancellation import CancellationBoard
 from specdec.triton.config import ModelParameters
+from specdec.triton import vllm_outputs
 from specdec.triton.inputs import InputError, InputLookup, Inputs
 
 # This server's own inputs that vllm_compatible takes beside vLLM's ([1]-shaped too): the draft, its length
 SPECULATION_INPUTS = (tn.DRAFT_MODEL, tn.NUM_DRAFT_TOKENS, tn.ADAPTIVE_DRAFT)
-# Finish reasons that mean "not finished": this server's own ("") and vLLM's ("None", with its flag)
-NOT_FINISHED = ("", "None")
+# Finish reasons that mean "not finished": this server's own ("") and vLLM's (with its flag)
+NOT_FINISHED = ("", vllm_outputs.NOT_FINISHED)
 
 
 @dataclass(frozen=True)
