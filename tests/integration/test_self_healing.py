@@ -1,10 +1,13 @@
 """Chaos on a server of its own (tiny pair): a model's stub is SIGKILLed under 4 concurrent streams, as the
-kernel's OOM killer or a crashing kernel would. No request hangs; the launcher's readiness says not ready,
-naming the model, then ready again within 30 s; afterwards requests give the same greedy text as before,
-speculation drafts again, and nothing the dead stub's sequences held stays counted (watchdog.py)."""
+kernel's OOM killer or a crashing kernel would, or tritonserver itself aborts (SIGABRT, as an uncaught C++
+exception in a backend's thread does). No request hangs; the launcher's readiness says not ready, naming
+the model, then ready again within 30 s (plus a server's start where the server is restarted); afterwards
+requests give the same greedy text as before, speculation drafts again, and nothing the dead stub's
+sequences held stays counted (watchdog.py, server_process.py)."""
 
 import os
 import signal
+import subprocess
 import threading
 import time
 
@@ -13,6 +16,8 @@ import pytest
 from specdec import tensor_names as tn
 from specdec.serving import pairs, repository
 from specdec.serving.metrics_text import sum_samples
+from specdec.serving.server_process import FATAL_EXIT_GRACE_S
+from specdec.serving.watchdog import SERVER
 
 from tests.http_get import get
 from .helpers import GenerationError, grpc_stream, retire_server, start_server, stub_processes
@@ -48,6 +53,12 @@ def launcher_metric(srv, name: str, **labels) -> float:
 
 
 def stub_pid(srv, instance: str) -> int:
+    if instance == SERVER:
+        lines = [line for line in subprocess.run(["ps", "-ww", "-eo", "pid,args"], capture_output=True,
+                                                 text=True).stdout.splitlines()
+                 if "bin/tritonserver " in line and str(srv.run_dir) in line]
+        assert len(lines) == 1, lines
+        return int(lines[0].split()[0])
     lines = [line for line in stub_processes(srv.run_dir) if f" {instance} " in f"{line} "]
     assert len(lines) == 1, lines
     return int(lines[0].split()[0])
@@ -71,10 +82,12 @@ def held(srv) -> dict[str, float]:
 
 
 @pytest.mark.parametrize("instance", [f"{tn.TARGET_MODEL_NAME}_0_0", f"{tn.DRAFT_MODEL_NAME}_0_0",
-                                      f"{tn.SPECULATIVE_DECODING}_0_0"])
+                                      f"{tn.SPECULATIVE_DECODING}_0_0", SERVER])
 def test_a_killed_stub_is_brought_back(srv, before, instance):
     model = instance.rsplit("_", 2)[0]
     restarts = launcher_metric(srv, "specdec_model_restarts_total", model=model)
+    server_restarts = launcher_metric(srv, "specdec_server_restarts_total")
+    crashes = launcher_metric(srv, "specdec_server_crashes_total")
     outcomes: dict[int, object] = {}
 
     def stream(i: int) -> None:
@@ -89,19 +102,25 @@ def test_a_killed_stub_is_brought_back(srv, before, instance):
         thread.start()
     wait_for(lambda: held(srv)["live"] == 4, 30, "4 streams generating")
     killed_at = time.monotonic()
-    os.kill(stub_pid(srv, instance), signal.SIGKILL)
+    os.kill(stub_pid(srv, instance), signal.SIGABRT if instance == SERVER else signal.SIGKILL)
 
-    # Readiness drops, naming the model; then it comes back.
-    status, text = wait_for(lambda: (lambda r: r if r[0] == 503 else None)(get(srv.readiness_url)), 10,
-                            "readiness says not ready")
-    assert model in text, text
+    # Readiness drops, naming the model (its first word may be another check's that sees the same failure
+    # before the watchdog's next look: Triton's readiness, the OpenAI API's); then it comes back.
+    wait_for(lambda: (lambda r: r[0] == 503 and model in r[1])(get(srv.readiness_url)), 10,
+             f"readiness says not ready, naming {model}")
     noticed_s = time.monotonic() - killed_at
-    # A decoupled model's dead stub restarts the whole server (the watchdog's log says so, checked below).
-    within_s = HEALED_WITHIN_S + (srv.start_s if model == tn.SPECULATIVE_DECODING else 0)
-    wait_for(lambda: get(srv.readiness_url)[0] == 200, within_s, f"ready again after {instance} was killed")
+    wait_for(lambda: get(srv.readiness_url)[0] == 200, HEALED_WITHIN_S + srv.start_s + FATAL_EXIT_GRACE_S,
+             f"ready again after {instance} was killed")
     ready_s = time.monotonic() - killed_at
-    assert ready_s < within_s
-    print(f"\n{instance} killed: not ready after {noticed_s:.1f} s, ready again after {ready_s:.1f} s")
+    # Triton itself may abort when a stub dies in the middle of a message (an uncaught lock_exception in its
+    # Python backend, seen once in CI): the launcher then restarts the server, whose exit may hang.
+    server_crashed = launcher_metric(srv, "specdec_server_crashes_total") > crashes
+    assert server_crashed or model != SERVER
+    # A decoupled model's dead stub restarts the whole server (the watchdog's log says so, checked below).
+    restarted = model in (tn.SPECULATIVE_DECODING, SERVER) or server_crashed
+    assert ready_s < HEALED_WITHIN_S + (srv.start_s + FATAL_EXIT_GRACE_S if restarted else 0)
+    print(f"\n{instance} killed: not ready after {noticed_s:.1f} s, ready again after {ready_s:.1f} s"
+          + ("; tritonserver crashed too" if server_crashed and model != SERVER else ""))
 
     # No request hangs: each ended, and those that failed say they may be retried.
     for thread in threads:
@@ -109,13 +128,18 @@ def test_a_killed_stub_is_brought_back(srv, before, instance):
     assert not any(thread.is_alive() for thread in threads), "a stream still hangs after the heal"
     failures = [o for o in outcomes.values() if isinstance(o, Exception)]
     assert all(isinstance(o, GenerationError) for o in failures), failures
-    if model == tn.DRAFT_MODEL_NAME:
+    if server_crashed and model != SERVER:
+        pass  # whatever the dead stub's requests got, the server's end ended the others (UNAVAILABLE)
+    elif model == tn.DRAFT_MODEL_NAME:
         assert not failures, failures  # the rounds went target-only meanwhile
-    if model == tn.TARGET_MODEL_NAME:  # each says it may be retried (a stream's error carries no code)
+    elif model == tn.TARGET_MODEL_NAME:  # each says it may be retried (a stream's error carries no code)
         assert len(failures) == 4, outcomes
         assert all(tn.MODEL_DOWN in str(f) for f in failures), failures
-    if model == tn.SPECULATIVE_DECODING:  # the dead instance's streams end with the old server
+    elif model == tn.SPECULATIVE_DECODING:  # the dead instance's streams end with the old server
         assert failures and all(f.status == "StatusCode.UNAVAILABLE" for f in failures), \
+            [(f.status, str(f)) for f in failures]
+    elif model == SERVER:  # every stream ends with the server
+        assert len(failures) == 4 and all(f.status == "StatusCode.UNAVAILABLE" for f in failures), \
             [(f.status, str(f)) for f in failures]
 
     # Served as before, speculation included, and nothing held for the dead stub's sequences.
@@ -123,10 +147,13 @@ def test_a_killed_stub_is_brought_back(srv, before, instance):
     wait_for(lambda: grpc_stream(srv.grpc_url, PROMPTS[3], **GREEDY)[tn.TOTAL_DRAFT_TOKENS] > 0, HEALED_WITHIN_S,
              "the draft drafts again")
     wait_for(lambda: not any(held(srv).values()), 10, f"nothing held: {held(srv)}")
-    if model == tn.SPECULATIVE_DECODING:  # a decoupled model's dead stub: the server was restarted
-        assert launcher_metric(srv, "specdec_server_restarts_total") >= 1
+    if server_crashed and model != SERVER:
+        assert launcher_metric(srv, "specdec_server_restarts_total") >= server_restarts + 1
+    elif model in (tn.SPECULATIVE_DECODING, SERVER):  # a decoupled model's dead stub, or the server: restarted
+        assert launcher_metric(srv, "specdec_server_restarts_total") == server_restarts + 1
     else:
         assert launcher_metric(srv, "specdec_model_restarts_total", model=model) == restarts + 1
-    assert launcher_metric(srv, "specdec_model_up", model=model) == 1
-    assert launcher_metric(srv, "specdec_model_down_seconds_total", model=model) > 0
+    if model != SERVER and not server_crashed:
+        assert launcher_metric(srv, "specdec_model_up", model=model) == 1
+        assert launcher_metric(srv, "specdec_model_down_seconds_total", model=model) > 0
     assert get(f"http://127.0.0.1:{srv.health_port}/live")[0] == 200

@@ -36,8 +36,10 @@ class Stubs:
         self.models = {name: stub.model for name, stub in self.running.items()}
         self.next_pid = 100
 
+    server = SERVER  # the pid of the server whose stubs these are
+
     def __call__(self, server_pid: int) -> list[Stub]:
-        assert server_pid == SERVER
+        assert server_pid == self.server
         return list(self.running.values())
 
     def kill(self, instance: str) -> None:
@@ -187,6 +189,31 @@ def test_liveness_fails_only_past_the_heal_timeout():
     clock.now += 6
     problem = dog.live_problem()
     assert "target_model has been down for 31 s" in problem
+
+
+def test_a_crashed_server_is_named_backs_off_when_it_keeps_crashing_and_fails_liveness_past_the_timeout():
+    dog, stubs, clock, control, _ = make(heal_timeout_s=120.0)
+    waits = []
+    for _ in range(3):  # each restart comes up and crashes again at once
+        waits.append(dog.server_down("exited with code -6 (SIGABRT)"))
+        assert dog.restart_wanted.is_set()  # the looks pause: the dead server's stubs are gone, no model died
+        assert "tritonserver: exited with code -6 (SIGABRT)" in healthcheck.not_ready(PORT, 0.2)
+        stubs.kill("target_model_0_0")
+        dog.tick()
+        assert control.reloads == [] and set(dog.down_now()) == {"tritonserver"}
+        clock.now += 10.0
+        stubs.restart("target_model")
+        stubs.server += 1
+        dog.arm(stubs.server)  # the new server is ready
+        assert not dog.down_now() and not dog.restart_wanted.is_set() and not healthcheck.down_marker(PORT).exists()
+    assert waits == [0.0, 1.0, 2.0]
+    clock.now += 61.0  # up for longer than STABLE_S: the next crash restarts at once again
+    assert dog.server_down("reported SIGSEGV and has not exited 5 s later") == 0.0
+    assert dog.live_problem() is None
+    clock.now += 121.0  # the restarted server never came up
+    assert "tritonserver has been down for 121 s" in dog.live_problem()
+    text = dog.metrics_text()
+    assert "specdec_server_crashes_total 4" in text and "specdec_server_restarts_total 3" in text
 
 
 def test_stubs_are_read_from_proc(tmp_path):

@@ -6,6 +6,7 @@
   repository   render model_repository/ for a pair (config.pbtxt parameters, instance groups)
   healthcheck  exit 0 when the local server is ready (the image's HEALTHCHECK); the launcher's /ready, /live, /metrics
   watchdog     notice a model whose stub died and bring it back (reload in place, or restart the server)
+  server_process  tritonserver as the launcher runs it: its output passed through, when it counts as crashed
   gateway_process  the OpenAI API's process as the launcher runs it (started, restarted, drained first)
   fetch        download the pair's weights into a volume once (the chart's init container)
   mps          a CUDA MPS control daemon of the launcher's own (`--mps`)

@@ -77,7 +77,7 @@ def not_ready(http_port: int, timeout_s: float = 4.0, openai_port: int = 0) -> s
     except OSError:
         down = ""
     if down:
-        return f"not ready: model down, being restored: {down}"
+        return f"not ready: being restored: {down}"
     if not answers(ready_url(http_port), timeout_s):
         return f"not ready: {ready_url(http_port)}"
     if openai_port and not answers(gateway_url(openai_port), timeout_s):

@@ -8,7 +8,8 @@ tritonserver in the foreground. SIGTERM/SIGINT drain first (readiness drops, the
 at most --drain-timeout), then stop the server, which stops every stub process; a second signal stops at once.
 A watchdog (watchdog.py) brings back a model whose stub process died: reloaded in place through the
 model repository API (explicit model control, with a key of the launcher's own unless the flags after
-`--` choose otherwise), or by restarting tritonserver.
+`--` choose otherwise), or by restarting tritonserver; and a server that crashed while serving is started
+again (server_process.py says when it counts as crashed; its output passes through the launcher).
 
 The repository comes from one of: a named pair (--pair / PAIR: tiny | default), a pair given by paths
 (--target PATH [--draft PATH | --draft ngram] with placement and request defaults), or an already
@@ -51,6 +52,7 @@ from specdec.serving.healthcheck import (
 )
 from specdec.serving.metrics_text import samples, scrape, sum_samples
 from specdec.serving.pairs import log
+from specdec.serving.server_process import ServerProcess
 from specdec.serving.watchdog import ModelControl, Watchdog, control_mode, restricted_header
 from specdec.triton.admission import cancellation, kv_room, sequence_slots
 
@@ -455,10 +457,9 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         log(f"CUDA MPS: a daemon of this server's own ({mps_daemon.env['CUDA_MPS_PIPE_DIRECTORY']})")
 
-    def start_server() -> subprocess.Popen:
+    def start_server() -> ServerProcess:
         # Its own process group, which its stubs join: whatever outlives it is found and stopped below.
-        return subprocess.Popen(command, env=server_env(layout, mps_daemon.env if mps_daemon else None),
-                                start_new_session=True)
+        return ServerProcess(command, env=server_env(layout, mps_daemon.env if mps_daemon else None))
 
     current = [start_server()]  # the server process (a restart replaces it; the signal handler reads it)
     if gateway is not None:
@@ -470,23 +471,24 @@ def main(argv: list[str] | None = None) -> int:
         # The first signal drains (see `drain`); a second one, or one before the models are up, stops now.
         # "Up" is asked of Triton itself: the wait below notices readiness only at its next look, and a
         # client that saw the server ready first may already be streaming.
-        process = current[0]
+        process = current[0].process
         if not (stopping.is_set() or serving.is_set()) and process.poll() is None and is_ready(http_port, 1.0):
             serving.set()
-        if stopping.is_set() or not serving.is_set():
+        again = stopping.is_set()
+        stopping.set()  # before the server is stopped: the main loop must not take that exit for a crash
+        if again or not serving.is_set():
             log(f"signal {signum}: stopping tritonserver")
             if process.poll() is None:
                 process.terminate()
-            if gateway is not None and stopping.is_set():
+            if gateway is not None and again:
                 gateway.kill()  # a second signal waits for no answer in flight, the OpenAI API's included
         else:
             drain_marker(http_port).touch()  # readiness drops now, not at the main loop's next look
             log(f"signal {signum}: draining (a second signal stops at once)")
-        stopping.set()
 
     on_signals(stop)
     try:
-        wait_ready(http_port, current[0], args.ready_timeout, stopping, metrics_port)
+        wait_ready(http_port, current[0].process, args.ready_timeout, stopping, metrics_port)
         if not stopping.is_set():
             serving.set()
             if watchdog is not None:
@@ -500,19 +502,31 @@ def main(argv: list[str] | None = None) -> int:
                 f"metrics http://localhost:{metrics_port}/metrics{openai} ({label})")
     except (RuntimeError, TimeoutError) as exc:
         log(str(exc))
-        if current[0].poll() is None:
-            current[0].terminate()
-    while current[0].poll() is None and not stopping.wait(0.5):
+        if current[0].process.poll() is None:
+            current[0].process.terminate()
+    while not stopping.wait(0.5):
         if gateway is not None:
             gateway.keep_alive()
-        if watchdog is not None and watchdog.restart_wanted.is_set():
+        crash = current[0].crash()
+        if crash is not None:
+            if not serving.is_set() or stopping.is_set():
+                break  # it never served (logged above), or a signal stops it
+            if watchdog is None:
+                log(f"tritonserver {crash}; stopping (--no-heal)")
+                if current[0].process.poll() is None:
+                    current[0].process.kill()
+                    current[0].process.wait()
+                break
+            if not restart_server(current, start_server, watchdog, http_port, metrics_port, args, stopping, crash):
+                break
+        elif watchdog is not None and watchdog.restart_wanted.is_set():
             if not restart_server(current, start_server, watchdog, http_port, metrics_port, args, stopping):
                 break
     if watchdog is not None:
         watchdog.close()  # a stopping server's models unload: nothing to heal from here on
     if gateway is not None:
         gateway.drain()  # it takes no new connection; its answers in flight are served below
-    process = current[0]
+    process = current[0].process
     if process.poll() is None and serving.is_set():
         # One budget for both waits: a stuck OpenAI answer must not add a second --drain-timeout to the
         # stop that a supervisor (Kubernetes' grace period, a test's timeout) has sized for one.
@@ -528,6 +542,7 @@ def main(argv: list[str] | None = None) -> int:
     if endpoint is not None:
         endpoint.close()
     stop_group(process, watchdog.regions if watchdog is not None else set())
+    current[0].flushed()
     if mps_daemon is not None:  # its clients are gone
         mps_daemon.stop()
     return code
@@ -558,13 +573,20 @@ def healthy_in_flight(metrics_port: int, dead_instances: set[str]) -> float:
                if labels.get("instance") not in dead_instances)
 
 
-def restart_server(current: list, start_server, watchdog: Watchdog, http_port: int, metrics_port: int,
-                   args: argparse.Namespace, stopping: threading.Event) -> bool:
-    """Heal by restarting tritonserver (watchdog.py says when): the healthy instances' streams finish first
-    (at most --drain-timeout), then the old server stops and a new one loads every model. False when it
-    did not come back (the launcher then exits with the server's code) or a signal came meanwhile."""
-    old = current[0]
-    deadline = time.monotonic() + args.drain_timeout
+def restart_server(current: list[ServerProcess], start_server, watchdog: Watchdog, http_port: int, metrics_port: int,
+                   args: argparse.Namespace, stopping: threading.Event, crash: str | None = None) -> bool:
+    """Heal by restarting tritonserver: to bring back a model that cannot be reloaded (watchdog.py says
+    when), the healthy instances' streams finish first (at most --drain-timeout); after the server's own
+    `crash`, at once, after the backoff of a server that keeps crashing. Then the old server stops and a new
+    one loads every model. False when it did not come back (the launcher then exits with the server's code)
+    or a signal came meanwhile."""
+    server = current[0]
+    old = server.process
+    wait_s = 0.0
+    if crash is not None:
+        wait_s = watchdog.server_down(crash)
+        log(f"watchdog: tritonserver {crash}; restarting it" + (f" in {wait_s:.0f} s" if wait_s else ""))
+    deadline = time.monotonic() + (0.0 if crash else args.drain_timeout)
     dead = watchdog.dead_instances()
     busy = None
     while time.monotonic() < deadline and not stopping.is_set() and old.poll() is None:
@@ -575,22 +597,26 @@ def restart_server(current: list, start_server, watchdog: Watchdog, http_port: i
         if busy == 0:
             break
         time.sleep(0.25)
-    if stopping.is_set():
+    if stopping.is_set() and crash is None:
         return False  # the launcher stops: the server is drained and stopped as at any stop
-    log(f"watchdog: restarting tritonserver ({'no' if not busy else int(busy)} healthy streams left)")
+    if crash is None:
+        log(f"watchdog: restarting tritonserver ({'no' if not busy else int(busy)} healthy streams left)")
     # Not SIGTERM: the dead instance's streams would hold a graceful exit for its whole exit timeout.
     if old.poll() is None:
         old.kill()
         old.wait()
     stop_group(old, watchdog.regions)
+    server.flushed()  # its last lines (a crash's stack trace) before the new server's
     watchdog.regions.clear()
+    if stopping.wait(wait_s):
+        return False
     current[0] = start_server()
     try:
-        wait_ready(http_port, current[0], args.ready_timeout, stopping, metrics_port)
+        wait_ready(http_port, current[0].process, args.ready_timeout, stopping, metrics_port)
     except (RuntimeError, TimeoutError) as exc:
         log(f"watchdog: the restarted server did not come up: {exc}")
-        if current[0].poll() is None:
-            current[0].terminate()
+        if current[0].process.poll() is None:
+            current[0].process.terminate()
         return False
     if stopping.is_set():
         return False

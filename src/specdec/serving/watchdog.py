@@ -18,9 +18,12 @@ millisecond) and compares each model's stub instances with the ones it saw when 
   instance never finishes unloading), and without explicit model control nothing can be reloaded. The
   launcher then lets the healthy instances' streams finish (at most its drain timeout) and starts
   tritonserver again; the hung streams end with the old server.
+- **The server itself crashed** (it exited, or reported a fatal signal and did not exit:
+  server_process.py): the launcher tells `server_down` and starts it again; readiness names it meanwhile.
 - **Back off**: a model that dies again within `STABLE_S` of its last heal waits 1, 2, 4 ... 60 s
-  between attempts; a failed reload too. **Liveness** fails once a model has been down for longer
-  than `heal_timeout_s`, so Kubernetes restarts the pod.
+  between attempts; a failed reload too; a server that crashes again within `STABLE_S` of its restart
+  likewise. **Liveness** fails once a model, or the server, has been down for longer than
+  `heal_timeout_s`, so Kubernetes restarts the pod.
 
 What it does not see: a stub that hangs while its process runs (a deadlock) — that needs a probe request,
 which a stub busy with a long forward would fail too.
@@ -45,6 +48,7 @@ STUB_BINARY = "triton_python_backend_stub"
 STOPPED_GRACE_S = 5.0  # a stub stopped this long counts as not answering (a debugger's pause is shorter)
 STABLE_S = 60.0  # a model up this long after a heal starts its backoff afresh when it dies again
 BACKOFF_S = (1.0, 60.0)  # first and longest wait between heal attempts of one model
+SERVER = "tritonserver"  # how readiness and liveness name the server itself when it is down
 INCARNATION = "specdec_incarnation"  # the config parameter a reload changes (models ignore it)
 DEAD_STATES = ("Z", "X")  # /proc/PID/stat states of a process that has exited (zombie, dead)
 
@@ -164,6 +168,8 @@ class Watchdog:
         self.regions: set[str] = set()  # the stubs' shared-memory regions seen (removed once the server is gone)
         self.server_pid = 0
         self.server_restarts = 0
+        self.server = ModelHealth(set())  # tritonserver's own crashes (down while the launcher restarts it)
+        self.server_crashes = 0
         self.restart_wanted = threading.Event()
         self._decoupled: dict[str, bool] = {}
         self._incarnation = 0  # reloads asked of this server
@@ -185,6 +191,8 @@ class Watchdog:
                 self.server_restarts += 1
                 self._incarnation = 0
             self.server_pid = server_pid
+            if self.server.down_since is not None:
+                self._up(SERVER, self.server, now)
             for model, instances in seen.items():
                 health = self.models.setdefault(model, ModelHealth(instances))
                 health.instances = instances
@@ -209,6 +217,21 @@ class Watchdog:
                 self.tick()
             except Exception as exc:  # noqa: BLE001 - the watchdog outlives whatever one look hits
                 self.log(f"watchdog: {exc}")
+
+    def server_down(self, reason: str) -> float:
+        """The server crashed (`reason`): readiness names it and the looks pause until the launcher's restart
+        `arm`s again. Returns the seconds to wait before that restart (the backoff)."""
+        now = self.clock()
+        with self._lock:
+            health = self.server
+            if now - health.healed_at > STABLE_S:
+                health.attempts = 0
+            health.down_since, health.reason = now, reason
+            health.attempts += 1
+            self.server_crashes += 1
+            self.restart_wanted.set()
+            self._write_marker()
+        return self._backoff(health.attempts - 1)
 
     # ---- one look ----------------------------------------------------------------------------------
     def tick(self) -> None:
@@ -310,7 +333,10 @@ class Watchdog:
 
     # ---- what the endpoint reports -----------------------------------------------------------------
     def down_now(self) -> dict[str, str]:
-        return {model: health.reason for model, health in self.models.items() if health.down_since is not None}
+        return {model: health.reason for model, health in self._watched() if health.down_since is not None}
+
+    def _watched(self) -> list[tuple[str, ModelHealth]]:
+        return [*self.models.items(), (SERVER, self.server)]
 
     def dead_instances(self) -> set[str]:
         """The instances of the models that are down (their gauges are stale)."""
@@ -321,7 +347,7 @@ class Watchdog:
         """Why liveness fails (a model down for longer than heal_timeout_s), or None."""
         now = self.clock()
         with self._lock:
-            for model, health in self.models.items():
+            for model, health in self._watched():
                 if health.down_since is not None and now - health.down_since > self.heal_timeout_s:
                     return (f"{model} has been down for {now - health.down_since:.0f} s (over the heal timeout, "
                             f"{self.heal_timeout_s:.0f} s): {health.reason}")
@@ -342,6 +368,10 @@ class Watchdog:
             lines += ["# HELP specdec_model_up Whether the model's stubs are all running (1) or it is down (0)",
                       "# TYPE specdec_model_up gauge"]
             lines += [f'specdec_model_up{{model="{m}"}} {0 if h.down_since is not None else 1}' for m, h in models]
-            lines += ["# HELP specdec_server_restarts_total Times the launcher restarted tritonserver to heal a model",
+            lines += ["# HELP specdec_server_restarts_total Times the launcher restarted tritonserver (to heal a "
+                      "decoupled model, or after the server itself crashed)",
                       "# TYPE specdec_server_restarts_total counter", f"specdec_server_restarts_total {self.server_restarts}"]
+            lines += ["# HELP specdec_server_crashes_total Times tritonserver itself crashed while serving (it exited, "
+                      "or reported a fatal signal and did not exit)", "# TYPE specdec_server_crashes_total counter",
+                      f"specdec_server_crashes_total {self.server_crashes}"]
         return "\n".join(lines) + "\n"

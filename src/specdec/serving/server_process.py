@@ -1,0 +1,81 @@
+"""tritonserver as the launcher runs it: its output passed through the launcher, and when it counts as crashed.
+
+A server that dies while serving (the kernel's OOM killer, a segfault in a backend) is restarted by the
+launcher like a model's dead stub (watchdog.py). One crash does not end the process: Triton's handler of
+a fatal signal (SIGSEGV, SIGABRT ...) writes `Signal (N) received.` and a stack trace, then calls exit(),
+which runs destructors while the server's other threads go on, and which can hang. Seen once, after a
+stub was SIGKILLed in the middle of a message: an uncaught `boost::interprocess::lock_exception` in the
+Python backend aborted the server, whose exit then never finished; it kept answering health checks (the
+watchdog even reloaded the dead model through it) while the requests in flight waited for ever. So the
+launcher reads the server's output, copying each line to its own, and a server that reported a fatal
+signal counts as crashed once `FATAL_EXIT_GRACE_S` has passed without it exiting.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import BinaryIO, Callable
+
+# Triton's handlers write this line for every signal they catch, SIGTERM's graceful stop included:
+# only these numbers say it crashed.
+FATAL_SIGNALS = frozenset({signal.SIGILL, signal.SIGABRT, signal.SIGBUS, signal.SIGFPE, signal.SIGSEGV})
+SIGNAL_LINE = re.compile(rb"^Signal \((\d+)\) received\.")
+FATAL_EXIT_GRACE_S = 5.0  # Triton's exit after a fatal signal took under a second where it did not hang
+
+
+def signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+class ServerProcess:
+    """tritonserver started in a process group of its own (its stubs join it), its stdout and stderr copied
+    line by line to `out` by a thread of its own. `process` is the Popen, for waiting and stopping."""
+
+    def __init__(self, command: list[str], env: dict[str, str], out: BinaryIO | None = None,
+                 grace_s: float = FATAL_EXIT_GRACE_S, clock: Callable[[], float] = time.monotonic):
+        self.grace_s, self.clock = grace_s, clock
+        self.out = out if out is not None else sys.stdout.buffer
+        self.fatal: tuple[int, float] | None = None  # the fatal signal it reported, and when
+        self.process = subprocess.Popen(command, env=env, start_new_session=True,
+                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        self._relay = threading.Thread(target=self._copy_output, daemon=True, name="server-output")
+        self._relay.start()
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def _copy_output(self) -> None:
+        for line in iter(self.process.stdout.readline, b""):
+            try:
+                self.out.write(line)
+                self.out.flush()
+            except (OSError, ValueError):  # the launcher's own output is gone: keep reading, or the server blocks
+                pass
+            match = SIGNAL_LINE.match(line)
+            if match and self.fatal is None and int(match[1]) in FATAL_SIGNALS:
+                self.fatal = (int(match[1]), self.clock())
+        self.process.stdout.close()
+
+    def crash(self) -> str | None:
+        """Why the server counts as crashed, in words that follow its name (it exited, or it reported a fatal
+        signal `grace_s` ago and still runs), or None."""
+        code = self.process.poll()
+        if code is not None:
+            return f"exited with code {code}" + (f" ({signal_name(-code)})" if code < 0 else "")
+        if self.fatal is not None and self.clock() - self.fatal[1] >= self.grace_s:
+            return (f"reported {signal_name(self.fatal[0])} and has not exited "
+                    f"{self.grace_s:g} s later")
+        return None
+
+    def flushed(self, timeout_s: float = 5.0) -> None:
+        """Wait until the output of an exited server has been copied (its last lines say why it stopped)."""
+        self._relay.join(timeout_s)

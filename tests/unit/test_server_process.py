@@ -1,0 +1,148 @@
+"""When the launcher counts tritonserver as crashed (serving/server_process.py), and what it does then.
+
+A real server's crash that exits is tested in test_self_healing.py (SIGABRT to tritonserver). A crash
+whose exit hangs (Triton's fatal-signal handler calls exit(), which can deadlock: seen once in CI) cannot
+be produced on demand with the real server, so the launcher's whole loop is run here with a stand-in
+binary given as --triton-root: it answers the readiness and metrics endpoints, writes Triton's line for a
+fatal signal, and hangs on, still answering."""
+
+import io
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from specdec.serving.server import free_ports
+from specdec.serving.server_process import ServerProcess
+from tests.http_get import get
+
+
+def run(script: str, grace_s: float = 0.3) -> tuple[ServerProcess, io.BytesIO]:
+    out = io.BytesIO()
+    return ServerProcess([sys.executable, "-c", textwrap.dedent(script)], dict(os.environ), out=out,
+                         grace_s=grace_s), out
+
+
+def until(condition, timeout_s: float = 10.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.05)
+    pytest.fail(f"not within {timeout_s} s")
+
+
+def test_a_fatal_signal_line_counts_as_a_crash_once_the_grace_has_passed():
+    server, out = run("""
+        import sys, time
+        print("I1201 some log line", flush=True)
+        print("Signal (6) received.", file=sys.stderr, flush=True)
+        time.sleep(60)
+    """, grace_s=0.5)
+    try:
+        until(lambda: server.fatal is not None)
+        assert server.crash() is None  # Triton's own exit may still come
+        reason = until(server.crash)
+        assert reason == "reported SIGABRT and has not exited 0.5 s later"
+        assert b"I1201 some log line\nSignal (6) received.\n" == out.getvalue()  # copied through, in order
+    finally:
+        server.process.kill()
+        server.process.wait()
+
+
+def test_a_graceful_stops_signal_line_is_no_crash():
+    server, _ = run("""
+        import time
+        print("Signal (15) received.", flush=True)
+        time.sleep(60)
+    """, grace_s=0.1)
+    try:
+        time.sleep(0.8)
+        assert server.fatal is None and server.crash() is None
+    finally:
+        server.process.kill()
+        server.process.wait()
+
+
+def test_an_exit_is_a_crash_naming_the_signal_or_code():
+    aborted, _ = run("import os; os.abort()")
+    until(lambda: aborted.process.poll() is not None)
+    assert aborted.crash() == "exited with code -6 (SIGABRT)"
+    failed, _ = run("raise SystemExit(3)")
+    until(lambda: failed.process.poll() is not None)
+    assert failed.crash() == "exited with code 3"
+
+
+STAND_IN = """\
+#!{python}
+# Stands in for tritonserver: answers readiness and metrics; its first start reports SIGABRT once ready and hangs on.
+import http.server, os, sys, threading, time
+from pathlib import Path
+args = dict(a[2:].split("=", 1) for a in sys.argv[1:] if a.startswith("--") and "=" in a)
+starts = Path(__file__).with_name("starts")
+n = int(starts.read_text()) + 1 if starts.exists() else 1
+starts.write_text(str(n))
+Path(__file__).with_name(f"pid{{n}}").write_text(str(os.getpid()))
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+    def log_message(self, *_):
+        pass
+
+for port in (args["http-port"], args["metrics-port"]):
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", int(port)), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+print(f"stand-in start {{n}}", flush=True)
+if n == 1:
+    time.sleep(1.5)
+    print("Signal (6) received.", file=sys.stderr, flush=True)
+while True:
+    time.sleep(1)
+"""
+
+
+def test_the_launcher_restarts_a_server_that_reported_a_fatal_signal_and_hangs(tmp_path):
+    root = tmp_path / "triton"
+    (root / "bin").mkdir(parents=True)
+    binary = root / "bin" / "tritonserver"
+    binary.write_text(STAND_IN.format(python=sys.executable))
+    binary.chmod(0o755)
+    (repo := tmp_path / "repo").mkdir()
+    http, grpc, metrics, health = free_ports(4)
+    env = {**os.environ, "HTTP_PORT": str(http), "GRPC_PORT": str(grpc), "METRICS_PORT": str(metrics),
+           "HEALTH_PORT": str(health), "OPENAI_PORT": "0"}
+    log = tmp_path / "launcher.log"
+    with open(log, "wb") as sink:
+        launcher = subprocess.Popen([sys.executable, "-m", "specdec.serving.launcher", "--model-repository", str(repo),
+                                     "--run-dir", str(tmp_path / "run"), "--triton-root", str(root)],
+                                    env=env, stdout=sink, stderr=subprocess.STDOUT)
+    try:
+        metrics_url = f"http://127.0.0.1:{health}/metrics"
+        until(lambda: "specdec_server_crashes_total 1" in get(metrics_url)[1], 30)
+        until(lambda: (root / "bin" / "pid2").exists(), 10)
+        until(lambda: "specdec_server_restarts_total 1" in get(metrics_url)[1], 20)
+        assert get(f"http://127.0.0.1:{health}/ready")[0] == 200
+        assert get(f"http://127.0.0.1:{health}/live")[0] == 200
+        first = int((root / "bin" / "pid1").read_text())
+        assert not Path(f"/proc/{first}").exists() or "Z" in Path(f"/proc/{first}/stat").read_text().split()[2]
+        output = log.read_text()
+        assert "stand-in start 1" in output and "Signal (6) received." in output  # its output passed through
+        assert "tritonserver reported SIGABRT and has not exited 5 s later; restarting it" in output, output
+        assert "watchdog: tritonserver restarted and ready (server restart 1)" in output
+    finally:
+        launcher.send_signal(signal.SIGTERM)
+        try:
+            launcher.wait(30)
+        except subprocess.TimeoutExpired:
+            launcher.kill()
+            raise
+    assert not any(Path(f"/proc/{int((root / 'bin' / f'pid{n}').read_text())}").exists()
+                   for n in (1, 2)), "a stand-in server outlived the launcher"
