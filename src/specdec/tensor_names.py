@@ -174,6 +174,10 @@ RETRY_LATER = "retry later"
 # Ends the message of a request that failed because a model it needs is down or reloading (its stub died;
 # the launcher's watchdog brings it back): UNAVAILABLE, the same request can succeed once it is back.
 MODEL_DOWN = "a model is being restored, retry"
+# The orchestrator's counter of calls a model did not answer within model_call_timeout_s (label `model`),
+# which the launcher's watchdog reads to restart a model whose stub hangs while its process runs.
+MODEL_CALL_TIMEOUTS = "specdec_model_call_timeouts_total"
+DEFAULT_MODEL_CALL_TIMEOUT_S = 120.0  # far above any forward's time; 0: calls wait for ever
 
 # ---- finish reasons --------------------------------------------------------------------------
 FINISH_LENGTH = "length"

@@ -5,6 +5,8 @@ the model, then ready again within 30 s (plus a server's start where the server 
 requests give the same greedy text as before, speculation drafts again, and nothing the dead stub's
 sequences held stays counted (watchdog.py, server_process.py)."""
 
+import contextlib
+import ctypes
 import os
 import signal
 import subprocess
@@ -17,6 +19,7 @@ from specdec import tensor_names as tn
 from specdec.serving import pairs, repository
 from specdec.serving.metrics_text import sum_samples
 from specdec.serving.server_process import FATAL_EXIT_GRACE_S
+from specdec.serving import watchdog
 from specdec.serving.watchdog import SERVER
 
 from tests.http_get import get
@@ -28,13 +31,16 @@ PROMPTS = ["Hello there, how are you today?", "Once upon a time, in a land far a
            "def fibonacci(n):", "Numbers: 1 2 3 4 5 6 7 8 9 10 11 12"]
 GREEDY = dict(max_tokens=24, num_draft_tokens=3, adaptive_draft=False, draft_model=tn.DRAFT_MODEL_NAME)
 HEALED_WITHIN_S = 30  # a model reloaded in place; a restarted server gets its own first start's time on top
+CALL_TIMEOUT_S = 5  # model_call_timeout_s here: far above any call of the tiny pair's, even on a loaded machine
 
 
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("healing")
     started_at = time.monotonic()
-    server = start_server(tmp_path, repository=repository.render(pairs.tiny_pair(), tmp_path / "repo"))
+    repo = repository.render(pairs.tiny_pair(), tmp_path / "repo")
+    repository.override(repo, f"{tn.SPECULATIVE_DECODING}.model_call_timeout_s={CALL_TIMEOUT_S}")
+    server = start_server(tmp_path, repository=repo)
     server.start_s = time.monotonic() - started_at  # what a restart takes again, on this machine and its load
     yield server
     # Triton never finishes unloading the old instance of a model whose stub died with requests in
@@ -157,3 +163,63 @@ def test_a_killed_stub_is_brought_back(srv, before, instance):
         assert launcher_metric(srv, "specdec_model_up", model=model) == 1
         assert launcher_metric(srv, "specdec_model_down_seconds_total", model=model) > 0
     assert get(f"http://127.0.0.1:{srv.health_port}/live")[0] == 200
+
+
+class Frozen:
+    """A process held still by ptrace (PTRACE_SEIZE, then PTRACE_INTERRUPT): it runs no instruction, yet /proc
+    shows it traced (`t`), neither dead nor stopped by a signal — how a deadlocked stub looks to the watchdog."""
+
+    SEIZE, INTERRUPT, DETACH = 0x4206, 0x4207, 17
+
+    def __init__(self, pid: int):
+        self.pid, self.libc = pid, ctypes.CDLL(None, use_errno=True)
+        if self.libc.ptrace(self.SEIZE, pid, None, None) != 0:
+            pytest.skip(f"ptrace is not permitted here (errno {ctypes.get_errno()})")
+        assert self.libc.ptrace(self.INTERRUPT, pid, None, None) == 0, ctypes.get_errno()
+
+    def end(self) -> None:
+        """Let it go: reap its death as its tracer (its parent cannot until then), or detach."""
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(self.pid, os.WNOHANG | 0x40000000)  # __WALL
+        self.libc.ptrace(self.DETACH, self.pid, None, 0)
+
+
+def test_a_hung_target_model_is_killed_and_brought_back(srv, before):
+    """target_model's stub hangs (frozen by ptrace under 4 streams): each stream fails once its call has waited
+    model_call_timeout_s, the orchestrator counts it, the watchdog kills the stub, and the model is reloaded."""
+    timeouts = srv.metric(tn.MODEL_CALL_TIMEOUTS, model=tn.TARGET_MODEL_NAME)
+    restarts = launcher_metric(srv, "specdec_model_restarts_total", model=tn.TARGET_MODEL_NAME)
+    outcomes: dict[int, object] = {}
+
+    def stream(i: int) -> None:
+        try:
+            outcomes[i] = grpc_stream(srv.grpc_url, PROMPTS[i], timeout=90, max_tokens=400, num_draft_tokens=3,
+                                      adaptive_draft=False, draft_model=tn.DRAFT_MODEL_NAME)
+        except Exception as exc:  # noqa: BLE001 - what each stream got is asserted below
+            outcomes[i] = exc
+
+    threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    wait_for(lambda: held(srv)["live"] == 4, 30, "4 streams generating")
+    frozen = Frozen(stub_pid(srv, f"{tn.TARGET_MODEL_NAME}_0_0"))
+    frozen_at = time.monotonic()
+    try:
+        for thread in threads:
+            thread.join(timeout=CALL_TIMEOUT_S + 30)
+        failed_s = time.monotonic() - frozen_at
+        assert not any(thread.is_alive() for thread in threads), "a stream still hangs on the frozen model"
+        assert len(outcomes) == 4 and all(isinstance(o, GenerationError) and tn.MODEL_DOWN in str(o)
+                                          for o in outcomes.values()), outcomes
+        assert CALL_TIMEOUT_S <= failed_s < CALL_TIMEOUT_S + 30
+        wait_for(lambda: (lambda r: r[0] == 503 and tn.TARGET_MODEL_NAME in r[1])(get(srv.readiness_url)),
+                 watchdog.STALL_LOOK_S + 10, "readiness names target_model")
+    finally:
+        frozen.end()
+    wait_for(lambda: get(srv.readiness_url)[0] == 200, HEALED_WITHIN_S, "ready again after the hung model")
+    print(f"\ntarget_model frozen: streams failed after {failed_s:.1f} s, "
+          f"ready again after {time.monotonic() - frozen_at:.1f} s")
+    assert srv.metric(tn.MODEL_CALL_TIMEOUTS, model=tn.TARGET_MODEL_NAME) > timeouts
+    assert launcher_metric(srv, "specdec_model_restarts_total", model=tn.TARGET_MODEL_NAME) == restarts + 1
+    assert [grpc_stream(srv.grpc_url, p, **GREEDY)[tn.TEXT_OUTPUT] for p in PROMPTS] == before
+    wait_for(lambda: not any(held(srv).values()), 10, f"nothing held: {held(srv)}")

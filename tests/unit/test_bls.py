@@ -10,7 +10,7 @@ import torch
 from specdec import tensor_names as tn
 from specdec.decoding.interfaces import VerifyCall
 from specdec.decoding.sampling import SamplingParams
-from specdec.triton.bls import BlsProposer, BlsScorer
+from specdec.triton.bls import BlsProposer, BlsScorer, ModelUnavailable
 
 from .conftest import FakeTensor
 
@@ -158,3 +158,72 @@ def test_a_grammar_bitmask_goes_with_the_verify_and_no_logits_come_back():
     assert _input_sets(pb.sent) == {frozenset([tn.INPUT_IDS, tn.CACHE_LENGTH, tn.RESERVE_TOKENS, tn.RELEASE,
                                                tn.NUM_LOGITS, tn.ALLOWED_TOKENS, tn.TREE_PARENTS,
                                                tn.ACCEPTED_PATH, tn.SCORE_ROWS, tn.SCORE_NEXT])}
+
+
+class _StallingPb(_Pb):
+    """Its model hangs while `stalled` is set: calls are answered only once `answer` is set."""
+
+    def __init__(self):
+        super().__init__()
+        self.stalled = False
+        self.answer: asyncio.Event | None = None
+
+    def InferenceRequest(self, *args, **kwargs):  # noqa: N802
+        request, pb = super().InferenceRequest(*args, **kwargs), self
+        if not self.stalled:
+            return request
+
+        class _Hanging:
+            async def async_exec(self):
+                await pb.answer.wait()
+                return await request.async_exec()
+        return _Hanging()
+
+
+def test_a_call_the_model_leaves_unanswered_fails_after_the_timeout_and_the_model_counts_as_stalled_until_it_answers():
+    """model_call_timeout_s: a hung model (its stub alive, not answering) fails the call instead of holding the
+    request for ever; further calls fail at once while the first is unanswered (no pile of waits); once the
+    model answers it is called again."""
+    pb, timed_out = _StallingPb(), []
+    scorer = BlsScorer(pb, tn.TARGET_MODEL_NAME, call_timeout_s=0.2, on_timeout=timed_out.append)
+    verify = VerifyCall(1, 0, [1, 2, 3], 1)
+
+    async def scenario():
+        pb.answer = asyncio.Event()
+        assert (await scorer.score(verify)).greedy_tokens.tolist() == [7, 8]  # answered: no timeout
+        pb.stalled = True
+        started = asyncio.get_running_loop().time()
+        try:
+            await scorer.score(verify)
+            raise AssertionError("the call did not time out")
+        except ModelUnavailable as exc:
+            assert "target_model: no answer in 0.2 s" in str(exc)
+        assert 0.2 <= asyncio.get_running_loop().time() - started < 1.0
+        assert timed_out == [tn.TARGET_MODEL_NAME] and scorer.overdue == 1
+        started = asyncio.get_running_loop().time()
+        for call in (scorer.score(verify), scorer.release(1)):  # at once, no second wait
+            try:
+                await call
+                raise AssertionError("a stalled model's call went through")
+            except ModelUnavailable as exc:
+                assert "not answering" in str(exc)
+        assert asyncio.get_running_loop().time() - started < 0.1 and timed_out == [tn.TARGET_MODEL_NAME]
+        pb.stalled = False
+        pb.answer.set()  # the overdue call is answered at last (or fails: its stub was killed)
+        await asyncio.sleep(0.01)
+        assert scorer.overdue == 0
+        assert (await scorer.score(verify)).greedy_tokens.tolist() == [7, 8]
+
+    asyncio.run(asyncio.wait_for(scenario(), 10))
+
+
+def test_without_a_call_timeout_a_slow_answer_is_waited_for():
+    pb = _StallingPb()
+    scorer = BlsScorer(pb, tn.TARGET_MODEL_NAME)
+
+    async def scenario():
+        pb.answer, pb.stalled = asyncio.Event(), True
+        asyncio.get_running_loop().call_later(0.3, pb.answer.set)
+        assert (await scorer.score(VerifyCall(1, 0, [1, 2, 3], 1))).greedy_tokens.tolist() == [7, 8]
+
+    asyncio.run(scenario())

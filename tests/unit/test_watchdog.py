@@ -216,6 +216,47 @@ def test_a_crashed_server_is_named_backs_off_when_it_keeps_crashing_and_fails_li
     assert "specdec_server_crashes_total 4" in text and "specdec_server_restarts_total 3" in text
 
 
+def test_a_model_left_calls_unanswered_has_its_stubs_killed_then_is_healed():
+    """The orchestrator counts calls a model did not answer within model_call_timeout_s (a hung stub whose
+    process runs); a growing count gets the model's stubs killed, and their death heals it as usual."""
+    counts, reads = {"target_model": 0.0}, []
+
+    def stalls():
+        reads.append(clock.now)
+        if counts is None:
+            raise OSError("the metrics do not answer")
+        return dict(counts)
+
+    stubs, clock, killed = Stubs(), Clock(), []
+    control = Control(stubs)
+    dog = Watchdog(PORT, control, log=lambda _: None, stubs=stubs, clock=clock, kill=killed.append, stalls=stalls)
+    dog.arm(SERVER)
+    dog.tick()
+    counts["target_model"] = 1.0
+    clock.now += 1.0
+    dog.tick()  # read at most every STALL_LOOK_S
+    assert killed == [] and len(reads) == 1
+    clock.now += watchdog.STALL_LOOK_S
+    dog.tick()
+    assert killed == [11] and len(reads) == 2  # target_model's stub
+    stubs.kill("target_model_0_0")
+    clock.now += 1.0
+    dog.tick()
+    assert control.reloads == [("target_model", 1)] and not dog.down_now()
+    clock.now += watchdog.STALL_LOOK_S
+    dog.tick()  # the same count: nothing more
+    assert killed == [11]
+    counts = None
+    clock.now += watchdog.STALL_LOOK_S
+    dog.tick()  # unreadable: nothing happens
+    counts = {"target_model": 1.0, "draft_model": 2.0}
+    stubs.server += 1
+    dog.arm(stubs.server)  # a new server counts from 0 ...
+    clock.now += watchdog.STALL_LOOK_S
+    dog.tick()  # ... so these are new
+    assert sorted(killed) == [11, 12, stubs.running["target_model_0_0"].pid]
+
+
 def test_stubs_are_read_from_proc(tmp_path):
     def process(pid: int, ppid: int, state: str, args: list[str]):
         (tmp_path / str(pid)).mkdir()

@@ -296,6 +296,7 @@ output [
 {{ include "specdec.param" (list "verify_gather_ms" $s.verifyGatherMs) }}
 {{ include "specdec.param" (list "max_drafting_sequences" $s.maxDraftingSequences) }}
 {{ include "specdec.param" (list "prefill_chunk_tokens" $s.prefillChunkTokens) }}
+{{ include "specdec.param" (list "model_call_timeout_s" .Values.server.modelCallTimeoutSeconds) }}
 instance_group [ { count: {{ int ($s.orchestratorInstances | default (ternary 1 2 (gt (int .Values.gpu.count) 0))) }}, kind: KIND_CPU } ]
 {{- end -}}
 

@@ -432,7 +432,8 @@ def main(argv: list[str] | None = None) -> int:
         # restarting the server.
         control = (ModelControl(http_port, restricted_header(args.server_args), args.ready_timeout)
                    if control_mode(args.server_args) == "explicit" else None)
-        watchdog = Watchdog(http_port, control, heal_timeout_s=args.heal_timeout, log=log)
+        watchdog = Watchdog(http_port, control, heal_timeout_s=args.heal_timeout, log=log,
+                            stalls=lambda: unanswered_calls(metrics_port))
     endpoint = None
     if health_port():
         try:
@@ -563,6 +564,14 @@ def stop_group(process: subprocess.Popen, regions: set[str] = frozenset()) -> No
     for region in regions:
         if region and "/" not in region:
             Path("/dev/shm", region).unlink(missing_ok=True)
+
+
+def unanswered_calls(metrics_port: int) -> dict[str, float]:
+    """Per model, the calls the orchestrator's instances gave up waiting for (tn.MODEL_CALL_TIMEOUTS)."""
+    counts: dict[str, float] = {}
+    for labels, value in samples(scrape(f"127.0.0.1:{metrics_port}"), tn.MODEL_CALL_TIMEOUTS):
+        counts[labels.get("model", "")] = counts.get(labels.get("model", ""), 0.0) + value
+    return counts
 
 
 def healthy_in_flight(metrics_port: int, dead_instances: set[str]) -> float:

@@ -25,8 +25,11 @@ millisecond) and compares each model's stub instances with the ones it saw when 
   likewise. **Liveness** fails once a model, or the server, has been down for longer than
   `heal_timeout_s`, so Kubernetes restarts the pod.
 
-What it does not see: a stub that hangs while its process runs (a deadlock) — that needs a probe request,
-which a stub busy with a long forward would fail too.
+- **A model that hangs** while its process runs (a deadlock, a stuck device: nothing /proc shows): the
+  orchestrator fails a call that model has not answered within `model_call_timeout_s` and counts it
+  (`specdec_model_call_timeouts_total{model}`, bls.py); the watchdog reads that counter from the server's
+  metrics every `STALL_LOOK_S` and kills the model's stubs when it grows, and the model is healed as
+  above. A hung orchestrator is not seen (nothing calls it with a timeout).
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from specdec.serving.healthcheck import down_marker
 
 STUB_BINARY = "triton_python_backend_stub"
 STOPPED_GRACE_S = 5.0  # a stub stopped this long counts as not answering (a debugger's pause is shorter)
+STALL_LOOK_S = 5.0  # how often the server's metrics are read for calls a model left unanswered (~10 ms a read)
 STABLE_S = 60.0  # a model up this long after a heal starts its backoff afresh when it dies again
 BACKOFF_S = (1.0, 60.0)  # first and longest wait between heal attempts of one model
 SERVER = "tritonserver"  # how readiness and liveness name the server itself when it is down
@@ -160,10 +164,15 @@ class Watchdog:
     def __init__(self, http_port: int, control: ModelControl | None, heal_timeout_s: float = 300.0,
                  period_s: float = 1.0, log: Callable[[str], None] = print,
                  stubs: Callable[[int], list[Stub]] = stubs_of, clock: Callable[[], float] = time.monotonic,
-                 kill: Callable[[int], None] = lambda pid: os.kill(pid, signal.SIGKILL)):
+                 kill: Callable[[int], None] = lambda pid: os.kill(pid, signal.SIGKILL),
+                 stalls: Callable[[], dict[str, float]] | None = None):
         self.marker = down_marker(http_port)
         self.control, self.heal_timeout_s, self.period_s = control, heal_timeout_s, period_s
         self.log, self.stubs, self.clock, self.kill = log, stubs, clock, kill
+        # The orchestrator's count of unanswered calls per model (tn.MODEL_CALL_TIMEOUTS), read from the server
+        self.stalls = stalls
+        self._stalls_seen: dict[str, float] = {}
+        self._next_stall_look = 0.0
         self.models: dict[str, ModelHealth] = {}
         self.regions: set[str] = set()  # the stubs' shared-memory regions seen (removed once the server is gone)
         self.server_pid = 0
@@ -191,6 +200,7 @@ class Watchdog:
                 self.server_restarts += 1
                 self._incarnation = 0
             self.server_pid = server_pid
+            self._stalls_seen.clear()  # a new server counts from 0
             if self.server.down_since is not None:
                 self._up(SERVER, self.server, now)
             for model, instances in seen.items():
@@ -245,6 +255,9 @@ class Watchdog:
             seen = alive.setdefault(stub.model, {}).get(stub.instance)
             if seen is None or seen.state in DEAD_STATES:
                 alive[stub.model][stub.instance] = stub
+        if self.stalls is not None and now >= self._next_stall_look:
+            self._next_stall_look = now + STALL_LOOK_S
+            self._kill_stalled(alive)
         for model, health in list(self.models.items()):
             problem = self._problem(health, alive.get(model, {}), now)
             if problem and health.down_since is None:
@@ -259,6 +272,22 @@ class Watchdog:
                          f"watchdog: {model} is down: {problem}; healing")
             if health.down_since is not None and now >= health.next_try:
                 self._heal(model, health, alive.get(model, {}))
+
+    def _kill_stalled(self, alive: dict[str, dict[str, Stub]]) -> None:
+        """Kill the stubs of every model whose unanswered calls grew since the last read: its death is then
+        seen (next look) and healed like any other."""
+        try:
+            counts = self.stalls()
+        except (OSError, ValueError):  # the server's metrics do not answer (it is loading, stopping)
+            return
+        for model, count in counts.items():
+            seen, self._stalls_seen[model] = self._stalls_seen.get(model, 0.0), count
+            running = [stub for stub in alive.get(model, {}).values() if stub.state not in DEAD_STATES]
+            if count > seen and running:
+                self.log(f"watchdog: {model} left {count - seen:.0f} call(s) unanswered past the orchestrator's "
+                         f"model_call_timeout_s; killing its stubs ({', '.join(str(s.pid) for s in running)})")
+                for stub in running:
+                    self.kill(stub.pid)
 
     def _problem(self, health: ModelHealth, running: dict[str, Stub], now: float) -> str:
         for instance in sorted(health.instances):

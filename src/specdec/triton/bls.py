@@ -8,6 +8,9 @@ call carries the START flag and the release call the END flag. Imported only ins
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
+
 import numpy as np
 import torch
 import torch.utils.dlpack
@@ -64,16 +67,46 @@ class _SequenceModel:
     `prefill_chunk` (tokens; 0: off): a call appending more tokens than that beyond the positions it
     needs (a long prompt) goes first as calls of that many tokens that ask for nothing back (chunked
     prefill): each is one execute of the model, so the other requests' rounds run between them instead
-    of waiting for the whole prompt's forward. Chunks the model's prefix cache holds are not run again."""
+    of waiting for the whole prompt's forward. Chunks the model's prefix cache holds are not run again.
+
+    `call_timeout_s` (0: none): a call the model has not answered in that long fails (ModelUnavailable)
+    instead of waiting for ever on a model whose stub hangs while its process runs (a deadlock, a stuck
+    device), which the watchdog cannot see from /proc; `on_timeout(model_name)` reports it (a metric the
+    launcher's watchdog reads, then kills the model's stubs so that it is reloaded). The call itself cannot
+    be withdrawn: until it is answered the model counts as stalled and every other call to it fails at once."""
 
     QUIET: wire.Arrays = {}
 
-    def __init__(self, pb_utils, model_name: str, timeout_us: int = 0, prefill_chunk: int = 0):
+    def __init__(self, pb_utils, model_name: str, timeout_us: int = 0, prefill_chunk: int = 0,
+                 call_timeout_s: float = 0.0, on_timeout: Callable[[str], None] = lambda _name: None):
         self.pb = pb_utils
         self.model_name = model_name
         self.timeout_us = timeout_us
         self.prefill_chunk = prefill_chunk
+        self.call_timeout_s, self.on_timeout = call_timeout_s, on_timeout
+        self.overdue = 0  # calls past call_timeout_s not answered yet: while any, the model counts as stalled
         self._started: set[int] = set()
+
+    async def _exec(self, request):
+        """The request's response, within call_timeout_s (see the class)."""
+        if self.call_timeout_s <= 0:
+            return await request.async_exec()
+        if self.overdue:
+            raise ModelUnavailable(f"{self.model_name}: not answering (a call has waited more than "
+                                   f"{self.call_timeout_s:g} s)")
+        call = asyncio.ensure_future(request.async_exec())
+        done, _ = await asyncio.wait({call}, timeout=self.call_timeout_s)
+        if call in done:
+            return call.result()
+        self.overdue += 1
+        call.add_done_callback(self._answered)
+        self.on_timeout(self.model_name)
+        raise ModelUnavailable(f"{self.model_name}: no answer in {self.call_timeout_s:g} s")
+
+    def _answered(self, call: asyncio.Future) -> None:
+        self.overdue -= 1
+        if not call.cancelled():
+            call.exception()  # retrieved: an overdue call's failure (its stub killed) is expected
 
     async def _prefill(self, seq_id: int, keep: int, new_ids: list[int], needed: int, reserve: int,
                        outputs: list[str], answers: list | None = None) -> tuple[int, list[int], int]:
@@ -108,7 +141,7 @@ class _SequenceModel:
             flags=flags,
             timeout=self.timeout_us,
         )
-        response = await request.async_exec()
+        response = await self._exec(request)
         if response.has_error():
             # The model has no room for a new sequence now (its KV budget or sequence limit): it answers
             # UNAVAILABLE, but a BLS response carries only the message (the code reads INTERNAL).
@@ -134,8 +167,10 @@ class BlsProposer(_SequenceModel):
     QUIET = wire.QUIET_PROPOSE.encode()  # appends only
 
     def __init__(self, pb_utils, model_name: str, timeout_us: int = 0, prefill_chunk: int = 0,
-                 wants_features: bool = False, branches: int = 1):
-        super().__init__(pb_utils, model_name, timeout_us, 0 if wants_features else prefill_chunk)
+                 wants_features: bool = False, branches: int = 1, call_timeout_s: float = 0.0,
+                 on_timeout: Callable[[str], None] = lambda _name: None):
+        super().__init__(pb_utils, model_name, timeout_us, 0 if wants_features else prefill_chunk,
+                         call_timeout_s, on_timeout)
         self.wants_features = wants_features
         self.branches = branches  # candidates per drafted position (draft_tree.py): above 1, trees
         if wants_features:  # every call carries the same input set (wire.py)

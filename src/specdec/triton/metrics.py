@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import time
 
+from specdec import tensor_names as tn
+
 LATENCY_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0]
 # Most requests wait for nothing: the first bucket tells those apart from the ones that queued.
 QUEUE_BUCKETS = [0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0]
@@ -198,6 +200,9 @@ class OrchestratorMetrics(_MetricSet):
                                  "than max_drafting_sequences were generating", family.COUNTER).Metric(labels={})
         self.gate_holds = make("specdec_verify_gate_holds_total", "Verify calls that waited at the gate for other "
                                "requests' (verify_gather_ms)", family.COUNTER).Metric(labels={})
+        self.call_timeouts = make(tn.MODEL_CALL_TIMEOUTS, "Calls to a model it did not answer within model_call_timeout_s "
+                                  "(the launcher's watchdog then restarts the model)", family.COUNTER)
+        self._timeout_metrics: dict = {}
         self._costs_published = 0.0
         self._flushed = 0.0
         self._reset_pending()
@@ -250,6 +255,12 @@ class OrchestratorMetrics(_MetricSet):
         if self._pending_limited:
             self.load_limited.increment(self._pending_limited)
         self._reset_pending()
+
+    def record_call_timeout(self, model: str) -> None:
+        """A call `model` did not answer in time: sent at once (the watchdog acts on it, and it is rare)."""
+        if model not in self._timeout_metrics:
+            self._timeout_metrics[model] = self.call_timeouts.Metric(labels={"model": model})
+        self._timeout_metrics[model].increment(1)
 
     def record_fallback(self, draft_name: str) -> None:
         """A round that ran target-only because its draft failed (sent with the next flush)."""

@@ -81,6 +81,9 @@ class SpeculativeDecodingAdapter(TritonAdapter):
         self.slots = SlotPool(self.max_live)
         self.room = RoomLine()  # the server's requests waiting for KV room in target_model (kv_room.py)
         timeout_us = params.int("bls_timeout_us", 0, low=0)
+        # A call to a model unanswered this long fails (the request: UNAVAILABLE, retry) and is counted, which
+        # the launcher's watchdog reads to restart a model that hangs (bls.py); 0: calls wait for ever.
+        call_timeout_s = params.float("model_call_timeout_s", tn.DEFAULT_MODEL_CALL_TIMEOUT_S, low=0.0)
         # Prompts longer than this go to each model in chunks, other requests' rounds between them (bls.py);
         # 0 (default): whole. Off until measured to pay: on CPU it traded the tail for throughput.
         chunk = params.int("prefill_chunk_tokens", 0, low=0)
@@ -119,7 +122,8 @@ class SpeculativeDecodingAdapter(TritonAdapter):
         min_ngram = params.int("lookup_first_min_ngram", lookup_first.DEFAULT_MIN_NGRAM, low=2, high=4)
         called = {name: FallbackProposer(
             BlsProposer(pb_utils, name, timeout_us, chunk, wants_features=name in heads,
-                        branches=draft_branches), name,
+                        branches=draft_branches, call_timeout_s=call_timeout_s,
+                        on_timeout=self.metrics.record_call_timeout), name,
             self.metrics.record_fallback, retry_after_s=retry_s) for name in models}
         self.proposers = {name: builtin[name]() if name in builtin else called[name]
                           for name in self.limits.draft_names if name not in combined}
@@ -133,7 +137,7 @@ class SpeculativeDecodingAdapter(TritonAdapter):
         # batched forwards are compute-bound, drafted rows cost the other sequences time. 0: no limit.
         self.max_drafting = params.int("max_drafting_sequences", 0, low=0)
         self.scorer = GatedScorer(BlsScorer(pb_utils, params.str("target_model", tn.TARGET_MODEL_NAME), timeout_us,
-                                            chunk), self.gate)
+                                            chunk, call_timeout_s, self.metrics.record_call_timeout), self.gate)
         # A streamed response and the cancellation check are IPC round trips to the backend process that
         # block their thread (GIL released) for hundreds of microseconds: on the event loop they would
         # hold up every other request's round. A request's response leaves while its next round runs; the
