@@ -33,6 +33,10 @@ MIN_TOKENS = "min_tokens"  # INT32 [1]: the same, by the name of TensorRT-LLM's 
 IGNORE_EOS = "ignore_eos"  # BOOL [1]: end tokens never end generation (it runs to max_tokens)
 STOP_WORDS = "stop_words"  # STRING [-1]: generation ends before the first occurrence of any ("" = none)
 BAD_WORDS = "bad_words"  # STRING [-1]: token sequences the output never contains ("" = none)
+# STRING [-1] and FP32 [-1], paired (TensorRT-LLM's embedding bias): each word's tokens get its weight added to
+# their logits (a token of several words: the sum), as logit_bias does for token ids; "" = none
+EMBEDDING_BIAS_WORDS = "embedding_bias_words"
+EMBEDDING_BIAS_WEIGHTS = "embedding_bias_weights"
 # FP32 [1] each, on the target's logits before temperature (decoding/penalties.py): repetition divides a
 # positive logit of a token in prompt + output by r (multiplies a negative one); frequency and presence
 # subtract f x its count and p once it occurs in the output

@@ -812,6 +812,37 @@ def test_vllm_token_id_settings_are_served(server, hf_target, hf_greedy):
         assert stopped[tn.FINISH_REASON] == tn.FINISH_STOP
 
 
+def test_tensorrt_llms_embedding_bias_is_served(server, hf_target, hf_greedy):
+    """embedding_bias_words / _weights (TensorRT-LLM's): greedy decoding of the served target with each word's
+    tokens' logits moved by its weight, summed where words share a token. K 0 and 4, gRPC and HTTP."""
+    model, tokenizer = hf_target
+    prompt = PROMPTS[1]
+    plain_ids, plain_text = hf_greedy(prompt, 16)
+    words = [tokenizer.decode([plain_ids[0]]), tokenizer.decode(plain_ids[2:4]), "", tokenizer.decode([plain_ids[3]])]
+    weights = [-100.0, 3.0, 50.0, 2.5]  # the empty word's weight goes nowhere
+    bias = torch.zeros(model.config.vocab_size)
+    for word, weight in zip(words, weights):
+        for token in tokenizer.encode(word, add_special_tokens=False):
+            bias[token] += weight
+    ids, expected = tokenizer(prompt).input_ids, []
+    with torch.no_grad():
+        for _ in range(16):
+            expected.append(int((model(torch.tensor([ids + expected])).logits[0, -1] + bias).argmax()))
+    expected_text = tokenizer.decode(expected, skip_special_tokens=True)
+    assert expected_text != plain_text
+    tensors = {tn.EMBEDDING_BIAS_WORDS: np.array([[w.encode() for w in words]], dtype=np.object_),
+               tn.EMBEDDING_BIAS_WEIGHTS: np.array([weights], dtype=np.float32)}
+    for k in (0, 4):
+        streamed = grpc_stream(server.grpc_url, prompt, max_tokens=16, num_draft_tokens=k, end_id=0, **tensors)
+        assert streamed[tn.TEXT_OUTPUT] == expected_text, k
+        answer = http_generate(server.http_url, prompt, max_tokens=16, num_draft_tokens=k, end_id=0,
+                               **{tn.EMBEDDING_BIAS_WORDS: words, tn.EMBEDDING_BIAS_WEIGHTS: weights})
+        assert answer[tn.TEXT_OUTPUT] == expected_text, k
+    with pytest.raises(GenerationError, match="'embedding_bias_words' and 'embedding_bias_weights' are pairs"):
+        grpc_stream(server.grpc_url, prompt, max_tokens=4, **{**tensors, tn.EMBEDDING_BIAS_WEIGHTS:
+                                                              np.array([[1.0]], dtype=np.float32)})
+
+
 def test_vllm_text_settings_are_served(server, hf_target, hf_greedy):
     """sampling_parameters' include_stop_str_in_output keeps the stop word at the text's end (streamed or
     not), truncate_prompt_tokens generates from the prompt's last tokens, and vLLM's neutral

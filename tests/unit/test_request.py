@@ -1,6 +1,7 @@
 """ParsedRequest: every input rule of speculative_decoding, without a server."""
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -300,6 +301,40 @@ def test_vllm_token_id_settings_are_read():
     assert gen.end_ids == frozenset([2, 11, 12])  # the end id, and the stop tokens beside it
     assert parse(**_vllm({"stop_token_ids": [11], "ignore_eos": True})).generation.end_ids == frozenset([11])
     assert not parse(**_vllm({"logit_bias": {}})).generation.token_bias.active
+
+
+def test_tensorrt_llms_embedding_bias_gives_each_words_tokens_its_weight_summed_with_logit_bias():
+    """TensorRT-LLM's embedding_bias_words / _weights: every token of a word gets the word's weight; a token
+    of two words, or also in logit_bias, gets the sum; an empty word is skipped with its weight."""
+    from specdec.decoding.logit_bias import TokenBias
+
+    words = np.array([[b"AB", b"", b"B", b"c"]], dtype=np.object_)  # stand-in tokens: A=65, B=66, c=99
+    weights = np.array([[1.5, 7.0, -4.0, 2.0]], dtype=np.float32)
+    gen = parse(**{tn.EMBEDDING_BIAS_WORDS: words, tn.EMBEDDING_BIAS_WEIGHTS: weights},
+                **_vllm({"logit_bias": {"99": 0.5, "5": -1}})).generation
+    assert gen.token_bias == TokenBias(((99, 2.5), (5, -1.0), (65, 1.5), (66, -2.5))) and gen.edits_logits
+    empty = parse(**{tn.EMBEDDING_BIAS_WORDS: np.array([[b""]], dtype=np.object_),
+                     tn.EMBEDDING_BIAS_WEIGHTS: np.array([[3.0]], dtype=np.float32)}).generation
+    assert not empty.token_bias.active  # TensorRT-LLM's clients' "none"
+
+
+@pytest.mark.parametrize("words, weights, message", [
+    ([b"A", b"B"], [1.0], "'embedding_bias_words' and 'embedding_bias_weights' are pairs: got 2 words and 1 weights"),
+    ([b"A"], None, "are pairs: got 1 words and 0 weights"),
+    (None, [1.0], "are pairs: got 0 words and 1 weights"),
+    ([b"A"], [float("nan")], "'embedding_bias_weights' must be finite, got nan for 'A'"),
+    ([b"A"], [float("inf")], "'embedding_bias_weights' must be finite, got inf"),
+    ([b"A"] * 1025, [1.0] * 1025, "'embedding_bias_words' has 1025 entries; at most 1024"),
+    ([b"\xff"], [1.0], "'embedding_bias_words' is not valid UTF-8"),
+])
+def test_bad_embedding_bias_is_refused_by_name(words, weights, message):
+    inputs = {tn.EMBEDDING_BIAS_WORDS: None if words is None else np.array([words], dtype=np.object_),
+              tn.EMBEDDING_BIAS_WEIGHTS: None if weights is None else np.array([weights], dtype=np.float32)}
+    with pytest.raises(InputError, match=re.escape(message)):
+        parse(**inputs)
+    with pytest.raises(InputError, match="'embedding_bias_weights' must be float32, got float64"):
+        parse(**{tn.EMBEDDING_BIAS_WORDS: np.array([[b"A"]], dtype=np.object_),
+                 tn.EMBEDDING_BIAS_WEIGHTS: np.array([[1.0]])})
 
 
 def test_vllm_additional_output_flags_and_logprobs_are_read():

@@ -7,6 +7,7 @@ without a server. Every error names the input it refuses.
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 from typing import Callable
@@ -21,7 +22,7 @@ from specdec.decoding.penalties import Penalties
 from specdec.decoding.sampling import SamplingParams
 from specdec.triton.config import ModelParameters
 from specdec.triton.inputs import InputError, InputLookup, Inputs
-from specdec.triton.vllm_parameters import with_sampling_parameters
+from specdec.triton.vllm_parameters import MAX_TOKEN_IDS, with_sampling_parameters
 
 Encode = Callable[[str], "list[int]"]  # text -> token ids, without special tokens (the target's tokenizer)
 CompileGuide = Callable[[str, str], Grammar]  # (guide type, guide) -> its grammar; raises GuideError
@@ -177,7 +178,7 @@ class ParsedRequest:
             bad_words=bad_words,
             penalties=penalties,
             grammar=_grammar(inputs, compile_guide, limits.max_guide_chars),
-            token_bias=_token_bias(inputs, limits.vocab_size, settings.field),
+            token_bias=_token_bias(inputs, limits.vocab_size, settings.field, encode),
         )
         # A seeded sampled request must be reproducible: measured costs vary from run to run, and a
         # different K changes which random draws pick which token, so it drafts a fixed K.
@@ -226,14 +227,44 @@ def _token_ids(inputs: Inputs, key: str, vocab_size: int, field: Callable[[str],
     return ids
 
 
-def _token_bias(inputs: Inputs, vocab_size: int, field: Callable[[str], str]) -> TokenBias:
+def _token_bias(inputs: Inputs, vocab_size: int, field: Callable[[str], str], encode: Encode | None) -> TokenBias:
+    """vLLM's logit_bias and allowed_token_ids, and TensorRT-LLM's embedding bias, which add up."""
     biased = _token_ids(inputs, "logit_bias", vocab_size, field) or []
     allowed = _token_ids(inputs, "allowed_token_ids", vocab_size, field)
     if allowed is not None and not allowed:
         raise InputError(f"{field('allowed_token_ids')} is empty: no token could follow")
     values = inputs.array("logit_bias.values", np.float32)
-    return TokenBias(tuple(zip(biased, values.reshape(-1).tolist() if values is not None else [])),
-                     None if allowed is None else frozenset(allowed))
+    bias: dict[int, float] = {}
+    # Summed per token: apply_bias adds each id's value once (a repeated index would keep only one value).
+    for token, value in [*zip(biased, values.reshape(-1).tolist() if values is not None else []),
+                         *_embedding_bias(inputs, vocab_size, encode)]:
+        bias[token] = bias.get(token, 0.0) + value
+    return TokenBias(tuple(bias.items()), None if allowed is None else frozenset(allowed))
+
+
+def _embedding_bias(inputs: Inputs, vocab_size: int, encode: Encode | None) -> list[tuple[int, float]]:
+    """TensorRT-LLM's embedding_bias_words and _weights as (token id, weight): every token of a word (its
+    tokenizer's encoding, without special tokens) gets the word's weight; an empty word is skipped with its
+    weight, as TensorRT-LLM's preprocessing skips a word that encodes to nothing."""
+    words_name, weights_name = tn.EMBEDDING_BIAS_WORDS, tn.EMBEDDING_BIAS_WEIGHTS
+    words = inputs.strings(words_name)
+    weights = inputs.array(weights_name, np.float32)
+    weights = [] if weights is None else weights.reshape(-1).tolist()
+    if len(words) != len(weights):
+        raise InputError(f"inputs '{words_name}' and '{weights_name}' are pairs: got {len(words)} words and "
+                         f"{len(weights)} weights")
+    if len(words) > MAX_TOKEN_IDS:  # as many as logit_bias' entries
+        raise InputError(f"input '{words_name}' has {len(words)} entries; at most {MAX_TOKEN_IDS}")
+    out = []
+    for word, weight in zip(words, weights):
+        if not word:
+            continue
+        if not math.isfinite(weight):
+            raise InputError(f"input '{weights_name}' must be finite, got {weight} for {word!r}")
+        if encode is None:
+            raise InputError(f"input '{words_name}' is not supported here (no tokenizer)")
+        out += [(int(token), weight) for token in encode(word) if 0 <= int(token) < vocab_size]
+    return out
 
 
 def _grammar(inputs: Inputs, compile_guide: CompileGuide | None, max_chars: int) -> Grammar | None:
