@@ -13,7 +13,7 @@ from specdec.decoding.loop import GenerationRequest, Stats
 from specdec.decoding.ngram_proposer import NgramProposer
 from specdec.decoding.sampling import SamplingParams
 from specdec.decoding.suffix_proposer import SuffixCache, SuffixProposer
-from tests.unit.test_loop import FakeProposer, FakeScorer, reference_greedy, run, true_next
+from tests.unit.test_loop import FakeProposer, FakeScorer, reference_greedy, run
 
 
 class RecordingModel(FakeProposer):
