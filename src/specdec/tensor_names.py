@@ -75,6 +75,8 @@ RETURN_NUM_INPUT_TOKENS = "return_num_input_tokens"
 RETURN_NUM_OUTPUT_TOKENS = "return_num_output_tokens"
 VLLM_OUTPUT_FLAGS = (RETURN_FINISH_REASON, RETURN_CUMULATIVE_LOGPROB, RETURN_LOGPROBS, RETURN_NUM_INPUT_TOKENS,
                      RETURN_NUM_OUTPUT_TOKENS)
+# BOOL [1]: TensorRT-LLM's timing outputs (PERF_METRIC_OUTPUTS) in every response
+RETURN_PERF_METRICS = "return_perf_metrics"
 # Structured output (TensorRT-LLM's names; decoding/grammar.py): the output follows a guide of this type,
 # one of GUIDE_TYPES. vLLM's `sampling_parameters` key `guided_decoding` (or `structured_outputs`) says the same.
 GUIDED_DECODING_GUIDE_TYPE = "guided_decoding_guide_type"  # STRING [1]
@@ -104,6 +106,15 @@ CUM_LOG_PROBS = "cum_log_probs"  # FP32 [1]
 # n), as a JSON list ("null" without `logprobs`)
 CUMULATIVE_LOGPROB = "cumulative_logprob"  # FP32 [1]
 LOGPROBS = "logprobs"  # STRING [1]
+# INT64 [1] each, with return_perf_metrics (TensorRT-LLM's names): when the request arrived, when it started
+# generating (its wait for a generation slot and KV room over), and when its first and its latest tokens were
+# generated, in nanoseconds of the machine's monotonic clock (CLOCK_MONOTONIC, TensorRT-LLM's steady clock);
+# 0: not yet
+ARRIVAL_TIME_NS = "arrival_time_ns"
+FIRST_SCHEDULED_TIME_NS = "first_scheduled_time_ns"
+FIRST_TOKEN_TIME_NS = "first_token_time_ns"
+LAST_TOKEN_TIME_NS = "last_token_time_ns"
+PERF_METRIC_OUTPUTS = (ARRIVAL_TIME_NS, FIRST_SCHEDULED_TIME_NS, FIRST_TOKEN_TIME_NS, LAST_TOKEN_TIME_NS)
 # UINT64 [1]: the key this server's models know the generation by (its KV caches, its cancellation flag;
 # `sequence_id` to the models): for logs, and for vllm_compatible to pass a client's cancellation on
 GENERATION_ID = "generation_id"

@@ -725,6 +725,29 @@ def _vllm_client_request(server, prompt: str, *, stream: bool, settings: dict | 
     return _stream_responses(server, tn.VLLM_COMPATIBLE, arrays, parameters, cancel_after)
 
 
+@pytest.mark.parametrize("stream", [True, False])
+def test_tensorrt_llms_perf_metrics_time_every_response(server, stream):
+    """return_perf_metrics (TensorRT-LLM's): every response carries arrival, first-scheduled, first-token and
+    last-token times in ns of the machine's monotonic clock (this process reads the same), in that order,
+    within the request's life; the first token's time stays, the last token's moves on. Without it: none."""
+    arrays = {tn.TEXT_INPUT: np.array([[PROMPTS[1].encode()]], dtype=np.object_), tn.STREAM: np.array([[stream]]),
+              tn.MAX_TOKENS: np.array([[24]], dtype=np.int32), tn.NUM_DRAFT_TOKENS: np.array([[3]], dtype=np.int32)}
+    sent = time.monotonic_ns()
+    got = _stream_responses(server, tn.ENSEMBLE, {**arrays, tn.RETURN_PERF_METRICS: np.array([[True]])})
+    received = time.monotonic_ns()
+    assert got and all(isinstance(r, dict) for r in got), got
+    times = [[int(r[name].item()) for name in tn.PERF_METRIC_OUTPUTS] for r in got]
+    assert all(r[name].dtype == np.int64 and r[name].shape == (1, 1) for r in got for name in tn.PERF_METRIC_OUTPUTS)
+    assert len(got) > 2 if stream else len(got) == 1
+    for arrival, scheduled, first, last in times:
+        assert sent <= arrival <= scheduled <= first <= last <= received, (sent, arrival, scheduled, first, last)
+    assert len({tuple(t[:3]) for t in times}) == 1  # arrival, scheduling and the first token are once
+    lasts = [t[3] for t in times]
+    assert lasts == sorted(lasts) and (lasts[-1] > lasts[0]) == stream
+    plain = _stream_responses(server, tn.ENSEMBLE, arrays)
+    assert plain and not any(name in r for r in plain for name in tn.PERF_METRIC_OUTPUTS)
+
+
 def test_vllm_backend_clients_are_served_as_they_are(server):
     """vllm_compatible takes what vLLM's backend's clients send ([1]-shaped tensors, which the batching
     ensemble refuses) and answers as vLLM's backend does: the ensemble's text, with the prompt before it when

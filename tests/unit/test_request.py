@@ -318,6 +318,13 @@ def test_tensorrt_llms_embedding_bias_gives_each_words_tokens_its_weight_summed_
     assert not empty.token_bias.active  # TensorRT-LLM's clients' "none"
 
 
+def test_return_perf_metrics_is_read():
+    assert parse(**{tn.RETURN_PERF_METRICS: np.array([[True]])}).perf_metrics
+    assert not parse().perf_metrics
+    with pytest.raises(InputError, match="'return_perf_metrics' must be bool"):
+        parse(**{tn.RETURN_PERF_METRICS: np.array([[1]], dtype=np.int32)})
+
+
 @pytest.mark.parametrize("words, weights, message", [
     ([b"A", b"B"], [1.0], "'embedding_bias_words' and 'embedding_bias_weights' are pairs: got 2 words and 1 weights"),
     ([b"A"], None, "are pairs: got 1 words and 0 weights"),

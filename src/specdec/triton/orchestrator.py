@@ -278,6 +278,7 @@ class SpeculativeDecodingAdapter(TritonAdapter):
             if not await room.line_up():
                 raise NoCapacity("cancelled while waiting in line for KV room")  # room.cancelled is set
             started = True
+            out.times[tn.FIRST_SCHEDULED_TIME_NS] = time.monotonic()
             proposer = self.proposers[parsed.draft_name]
             policy = self._policy(parsed, proposer, gen)
             # Between draft and verify only the board is read (one stat): asking Triton is an IPC round
@@ -332,7 +333,9 @@ class SpeculativeDecodingAdapter(TritonAdapter):
     def _response(self, emission: Emission | None, parsed: ParsedRequest, emitter: TextEmitter, stats: Stats,
                   finish: str | None, log_probs: list[float],
                   top: tuple[list[list[int]], list[list[float]]] = ([], []), prompt: RoundOutput | None = None,
-                  ranks: list[int] | None = None):
+                  ranks: list[int] | None = None, times: dict[str, float | None] | None = None):
+        """One response's tensors; `times`: with return_perf_metrics, tn.PERF_METRIC_OUTPUTS' moments
+        (time.monotonic(), None: not yet)."""
         pb = self.pb
         req = parsed.generation
         ids, prefix, length = (emission.ids, emission.prefix_ids, emission.text_length) if emission else ([], [], -1)
@@ -388,6 +391,9 @@ class SpeculativeDecodingAdapter(TritonAdapter):
         ]
         if vllm:
             tensors = [t for t in tensors if t.name() not in vllm] + [pb.Tensor(k, v) for k, v in vllm.items()]
+        if times is not None:  # time.monotonic() is CLOCK_MONOTONIC's, the clock TensorRT-LLM's steady clock reads
+            tensors += [pb.Tensor(name, np.array([[0 if at is None else round(at * 1e9)]], dtype=np.int64))
+                        for name, at in times.items()]
         return pb.InferenceResponse(output_tensors=tensors)
 
 
@@ -411,6 +417,9 @@ class _Responses:
         self.asked = arrived  # when Triton was last asked whether the caller cancelled
         self.first_sent = False
         self.prompt: RoundOutput | None = None  # with return_prompt_log_probs: the first round, until sent
+        # When it arrived, started generating and generated its first and latest tokens (time.monotonic())
+        self.times: dict[str, float | None] = dict.fromkeys(tn.PERF_METRIC_OUTPUTS)
+        self.times[tn.ARRIVAL_TIME_NS] = arrived
 
     def response(self, emission: Emission | None, finish: str | None):
         prompt = None
@@ -419,7 +428,7 @@ class _Responses:
             self.first_sent = True
             prompt = self.prompt
         return self.adapter._response(emission, self.parsed, self.emitter, self.stats, finish, self.log_probs,
-                                      self.top, prompt, self.ranks)
+                                      self.top, prompt, self.ranks, self.times if self.parsed.perf_metrics else None)
 
     async def round(self, rnd) -> tuple[str | None, Emission | None]:
         """A round's tokens counted and pushed into the text, streamed where they make text; returns the
@@ -437,6 +446,9 @@ class _Responses:
         if rnd.ranks:
             self.ranks += rnd.ranks
         now = time.monotonic()
+        if rnd.new_tokens:
+            self.times[tn.FIRST_TOKEN_TIME_NS] = self.times[tn.FIRST_TOKEN_TIME_NS] or now
+            self.times[tn.LAST_TOKEN_TIME_NS] = now
         adapter.metrics.record_round(rnd.num_drafted, rnd.num_accepted, now, rnd.depth)
         adapter.metrics.record_costs(adapter.costs, now)
         emission = self.emitter.push(rnd.new_tokens, final=rnd.finish_reason is not None)

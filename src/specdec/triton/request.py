@@ -89,6 +89,7 @@ class ParsedRequest:
     # exclude_input_in_output false on a request that is not streamed: its response holds the prompt's tokens
     # before the generated ones (TensorRT-LLM's meaning; streamed responses hold the new tokens either way)
     echo_prompt: bool = False
+    perf_metrics: bool = False  # return_perf_metrics: TensorRT-LLM's timing outputs in every response
 
     @classmethod
     def parse(cls, lookup: InputLookup, limits: RequestLimits, seq_id: int | None = None,
@@ -187,7 +188,8 @@ class ParsedRequest:
         echo = not inputs.scalar(tn.EXCLUDE_INPUT_IN_OUTPUT, np.bool_, True) and not stream
         return cls(generation, k, adaptive, draft_name, stream, stop_words,
                    bool(inputs.scalar("include_stop_str_in_output", np.bool_, False)), int(branches),
-                   vllm_outputs, vllm_logprobs, echo)
+                   vllm_outputs, vllm_logprobs, echo,
+                   bool(inputs.scalar(tn.RETURN_PERF_METRICS, np.bool_, False)))
 
 
 def _vllm_logprobs(inputs: Inputs, top: int, field: Callable[[str], str]) -> int | None:
