@@ -23,6 +23,7 @@ from specdec.serving import watchdog
 from specdec.serving.watchdog import SERVER
 
 from tests.http_get import get
+from tests.polling import wait_for
 from .helpers import GenerationError, grpc_stream, retire_server, start_server, stub_processes
 
 pytestmark = pytest.mark.integration
@@ -70,14 +71,23 @@ def stub_pid(srv, instance: str) -> int:
     return int(lines[0].split()[0])
 
 
-def wait_for(condition, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.1)
-    pytest.fail(f"not within {timeout_s:.0f} s: {what}")
+def start_streams(srv) -> tuple[list[threading.Thread], dict[int, object]]:
+    """4 greedy streams of 400 tokens on threads, generating once this returns; what each got lands in the
+    dict (its outputs, or the exception) when it ends."""
+    outcomes: dict[int, object] = {}
+
+    def stream(i: int) -> None:
+        try:
+            outcomes[i] = grpc_stream(srv.grpc_url, PROMPTS[i], timeout=90, max_tokens=400, num_draft_tokens=3,
+                                      adaptive_draft=False, draft_model=tn.DRAFT_MODEL_NAME)
+        except Exception as exc:  # noqa: BLE001 - what each stream got is asserted by the caller
+            outcomes[i] = exc
+
+    threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    wait_for(lambda: held(srv)["live"] == 4, 30, "4 streams generating")
+    return threads, outcomes
 
 
 def held(srv) -> dict[str, float]:
@@ -94,19 +104,7 @@ def test_a_killed_stub_is_brought_back(srv, before, instance):
     restarts = launcher_metric(srv, "specdec_model_restarts_total", model=model)
     server_restarts = launcher_metric(srv, "specdec_server_restarts_total")
     crashes = launcher_metric(srv, "specdec_server_crashes_total")
-    outcomes: dict[int, object] = {}
-
-    def stream(i: int) -> None:
-        try:
-            outcomes[i] = grpc_stream(srv.grpc_url, PROMPTS[i], timeout=90, max_tokens=400, num_draft_tokens=3,
-                                      adaptive_draft=False, draft_model=tn.DRAFT_MODEL_NAME)
-        except Exception as exc:  # noqa: BLE001 - what each stream got is asserted below
-            outcomes[i] = exc
-
-    threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(4)]
-    for thread in threads:
-        thread.start()
-    wait_for(lambda: held(srv)["live"] == 4, 30, "4 streams generating")
+    threads, outcomes = start_streams(srv)
     killed_at = time.monotonic()
     os.kill(stub_pid(srv, instance), signal.SIGABRT if instance == SERVER else signal.SIGKILL)
 
@@ -189,19 +187,7 @@ def test_a_hung_target_model_is_killed_and_brought_back(srv, before):
     model_call_timeout_s, the orchestrator counts it, the watchdog kills the stub, and the model is reloaded."""
     timeouts = srv.metric(tn.MODEL_CALL_TIMEOUTS, model=tn.TARGET_MODEL_NAME)
     restarts = launcher_metric(srv, "specdec_model_restarts_total", model=tn.TARGET_MODEL_NAME)
-    outcomes: dict[int, object] = {}
-
-    def stream(i: int) -> None:
-        try:
-            outcomes[i] = grpc_stream(srv.grpc_url, PROMPTS[i], timeout=90, max_tokens=400, num_draft_tokens=3,
-                                      adaptive_draft=False, draft_model=tn.DRAFT_MODEL_NAME)
-        except Exception as exc:  # noqa: BLE001 - what each stream got is asserted below
-            outcomes[i] = exc
-
-    threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(4)]
-    for thread in threads:
-        thread.start()
-    wait_for(lambda: held(srv)["live"] == 4, 30, "4 streams generating")
+    threads, outcomes = start_streams(srv)
     frozen = Frozen(stub_pid(srv, f"{tn.TARGET_MODEL_NAME}_0_0"))
     frozen_at = time.monotonic()
     try:

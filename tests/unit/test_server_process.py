@@ -15,11 +15,11 @@ import textwrap
 import time
 from pathlib import Path
 
-import pytest
 
 from specdec.serving.server import free_ports
 from specdec.serving.server_process import ServerProcess
 from tests.http_get import get
+from tests.polling import wait_for
 
 
 def run(script: str, grace_s: float = 0.3) -> tuple[ServerProcess, io.BytesIO]:
@@ -29,13 +29,7 @@ def run(script: str, grace_s: float = 0.3) -> tuple[ServerProcess, io.BytesIO]:
 
 
 def until(condition, timeout_s: float = 10.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.05)
-    pytest.fail(f"not within {timeout_s} s")
+    return wait_for(condition, timeout_s, "the condition", every_s=0.05)
 
 
 def test_a_fatal_signal_line_counts_as_a_crash_once_the_grace_has_passed():
