@@ -20,16 +20,15 @@ millisecond) and compares each model's stub instances with the ones it saw when 
   tritonserver again; the hung streams end with the old server.
 - **The server itself crashed** (it exited, or reported a fatal signal and did not exit:
   server_process.py): the launcher tells `server_down` and starts it again; readiness names it meanwhile.
-- **Back off**: a model that dies again within `STABLE_S` of its last heal waits 1, 2, 4 ... 60 s
-  between attempts; a failed reload too; a server that crashes again within `STABLE_S` of its restart
-  likewise. **Liveness** fails once a model, or the server, has been down for longer than
-  `heal_timeout_s`, so Kubernetes restarts the pod.
-
 - **A model that hangs** while its process runs (a deadlock, a stuck device: nothing /proc shows): the
   orchestrator fails a call that model has not answered within `model_call_timeout_s` and counts it
   (`specdec_model_call_timeouts_total{model}`, bls.py); the watchdog reads that counter from the server's
   metrics every `STALL_LOOK_S` and kills the model's stubs when it grows, and the model is healed as
   above. A hung orchestrator is not seen (nothing calls it with a timeout).
+- **Back off**: a model that dies again within `STABLE_S` of its last heal waits 1, 2, 4 ... 60 s
+  between attempts; a failed reload too; a server that crashes again within `STABLE_S` of its restart
+  likewise. **Liveness** fails once a model, or the server, has been down for longer than
+  `heal_timeout_s`, so Kubernetes restarts the pod.
 """
 
 from __future__ import annotations
@@ -49,7 +48,7 @@ from specdec.serving.healthcheck import down_marker
 
 STUB_BINARY = "triton_python_backend_stub"
 STOPPED_GRACE_S = 5.0  # a stub stopped this long counts as not answering (a debugger's pause is shorter)
-STALL_LOOK_S = 5.0  # how often the server's metrics are read for calls a model left unanswered (~10 ms a read)
+STALL_LOOK_S = 5.0  # how often the server's metrics are read for calls a model left unanswered (~3 ms a read)
 STABLE_S = 60.0  # a model up this long after a heal starts its backoff afresh when it dies again
 BACKOFF_S = (1.0, 60.0)  # first and longest wait between heal attempts of one model
 SERVER = "tritonserver"  # how readiness and liveness name the server itself when it is down
