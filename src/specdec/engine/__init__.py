@@ -12,6 +12,8 @@
   transformers_forward  the eager forward: transformers' own, over packed rows (any architecture)
   static_forward the static forward: bucketed shapes over the paged pool, replayed as CUDA graphs
   llama_forward  the Llama-family forward the static one runs, written over the model's modules
+  llama_model    the Llama family's modules built from a model directory without transformers' model
+                 classes (what the static executor reads: weights and config), and their plain forward
   paged_attention  its attention on CUDA: a Triton kernel reading the paged pool in place
   draft_heads    trained draft heads (EAGLE-1, EAGLE-3, Medusa): the modules, read and written in the
                  layouts their authors publish (and vLLM's), refused when made for another target

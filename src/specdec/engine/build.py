@@ -20,6 +20,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
+
 from specdec import tensor_names as tn
 from specdec.engine import kernels, onednn_linear, panel_linear
 from specdec.engine.executor import Executor
@@ -105,16 +107,27 @@ def static_executor(model, max_sequences: int = 256, idle_timeout_s: float = 600
     return Executor(model, kv, forward, max_sequences=max_sequences, idle_timeout_s=idle_timeout_s, clock=clock)
 
 
+def _wants_graphs(compile: str, device: torch.device) -> bool:
+    return compile == "graphs" or (compile == "auto" and device.type == "cuda")
+
+
+def plans_static(executor: str, compile: str, device: str | torch.device, dtype: torch.dtype) -> bool:
+    """Whether `build_executor` takes the static executor for a model it can run (`supports`) on this device
+    in this dtype: what a loader needs to know before the model exists (`llama_model.py`'s modules serve
+    only the static executor)."""
+    device = torch.device(device)
+    cpu_kernels = device.type == "cpu" and kernels.cpu(device, dtype) is not None
+    return executor == "static" or (executor == "auto" and (_wants_graphs(compile, device) or cpu_kernels))
+
+
 def build_executor(model, config: ExecutorConfig, log: Callable[[str], None] = lambda message: None) -> Executor:
     """The executor `config` asks for over `model` (ValueError, saying why, for a choice the model or the
     device cannot take)."""
     unsupported = supports(model)
     if config.executor == "static" and unsupported:
         raise ValueError(f"executor=static cannot run this model: {unsupported}")
-    wants_graphs = config.compile == "graphs" or (config.compile == "auto" and model.device.type == "cuda")
-    cpu_kernels = model.device.type == "cpu" and kernels.cpu(model.device, next(model.parameters()).dtype) is not None
-    if config.executor == "static" or (config.executor == "auto" and (wants_graphs or cpu_kernels)
-                                       and not unsupported):
+    wants_graphs = _wants_graphs(config.compile, model.device)
+    if not unsupported and plans_static(config.executor, config.compile, model.device, next(model.parameters()).dtype):
         return static_executor(
             model, max_sequences=config.max_sequences, idle_timeout_s=config.idle_timeout_s,
             kv_pool_tokens=config.kv_pool_tokens, kv_memory_fraction=config.kv_memory_fraction,

@@ -27,8 +27,9 @@ from typing import Callable
 
 import torch
 from torch import nn
-from transformers import LlamaConfig
-from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+from specdec.engine import llama_model
+from specdec.engine.llama_model import RMSNorm, rotate
 
 EAGLE, EAGLE3, MEDUSA = "eagle", "eagle3", "medusa"
 KINDS = (EAGLE, EAGLE3, MEDUSA)
@@ -132,7 +133,7 @@ class _Attention(nn.Module):
         q = self.q_proj(x).view(m, self.heads, self.head_dim).transpose(0, 1)[None]  # (1, heads, m, D)
         k = self.k_proj(x).view(m, self.kv_heads, self.head_dim).transpose(0, 1)[None]
         v = self.v_proj(x).view(m, self.kv_heads, self.head_dim).transpose(0, 1)[None]
-        q, k = apply_rotary_pos_emb(q, k, cos[None], sin[None])
+        q, k = rotate(q, k, cos[None], sin[None])
         keys, values, visible = window(k[0].transpose(0, 1), v[0].transpose(0, 1))  # (L, kv, D) each, (m, L)
         if torch.is_grad_enabled() or q.device.type != "cpu":  # training, and GPUs (their graphs as measured)
             groups = self.heads // self.kv_heads
@@ -165,10 +166,10 @@ class _Layer(nn.Module):
         eagle3 = config.kind == EAGLE3
         self.self_attn = _Attention(config, 2 * h if eagle3 else h)
         self.mlp = _MLP(config)
-        self.post_attention_layernorm = LlamaRMSNorm(h, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps)
         if eagle3:
-            self.input_layernorm = LlamaRMSNorm(h, config.rms_norm_eps)
-            self.hidden_norm = LlamaRMSNorm(h, config.rms_norm_eps)
+            self.input_layernorm = RMSNorm(h, config.rms_norm_eps)
+            self.hidden_norm = RMSNorm(h, config.rms_norm_eps)
 
 
 # Where a head's attention puts a step's keys and values and what it attends to:
@@ -215,6 +216,24 @@ class HeadCache:
         return 0 if self.keys is None else 2 * self.keys.numel() * self.keys.element_size()
 
 
+ROPE_KEYS = ("rope_theta", "rope_scaling", "rope_parameters", "max_position_embeddings")
+DEFAULT_ROPE_THETA = 10000.0  # a head's config without one: transformers' LlamaConfig's default
+
+
+def _rotary(config: "HeadConfig") -> nn.Module:
+    """The head's rotary embedding: llama_model's for the RoPE types it computes (no transformers import in a
+    draft_model's process), else transformers' own."""
+    raw = {key: value for key, value in config.raw.items() if key in ROPE_KEYS}
+    rope = llama_model.rope_parameters(raw, default_theta=DEFAULT_ROPE_THETA)
+    if isinstance(rope, dict):
+        return llama_model.RotaryEmbedding(config.head_dim, rope)
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    return LlamaRotaryEmbedding(LlamaConfig(**raw, hidden_size=config.hidden_size, head_dim=config.head_dim,
+                                            num_attention_heads=config.num_attention_heads))
+
+
 class EagleHead(nn.Module):
     """An EAGLE-1 or EAGLE-3 head. `embed` (V, h) is the target's token embedding; EAGLE-1 also reads the
     target's `lm_head` (V, h); EAGLE-3 has its own over the draft vocabulary."""
@@ -226,7 +245,7 @@ class EagleHead(nn.Module):
         if config.kind == EAGLE3:
             self.fc = nn.Linear(config.feature_width, h, bias=False)
             self.midlayer = _Layer(config)
-            self.norm = LlamaRMSNorm(h, config.rms_norm_eps)
+            self.norm = RMSNorm(h, config.rms_norm_eps)
             draft_vocab = config.draft_vocab_size or config.vocab_size
             self.lm_head = nn.Linear(h, draft_vocab, bias=False)
             self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.long))
@@ -235,10 +254,7 @@ class EagleHead(nn.Module):
         else:
             self.fc = nn.Linear(2 * h, h, bias=config.fc_bias)
             self.layers = nn.ModuleList([_Layer(config)])
-        llama = LlamaConfig(**{k: v for k, v in config.raw.items() if k in ("rope_theta", "rope_scaling",
-                                                                             "max_position_embeddings")},
-                            hidden_size=h, num_attention_heads=config.num_attention_heads, head_dim=config.head_dim)
-        self.rotary = LlamaRotaryEmbedding(llama)
+        self.rotary = _rotary(config)
         self.embed: torch.Tensor | None = None  # the target's (set by attach)
         self.target_head: torch.Tensor | None = None
 
@@ -412,8 +428,9 @@ def random_head(kind: str, target_config, seed: int = 0, draft_vocab_size: int =
     no quality, which speculation must still keep lossless (tests), and where training starts."""
     text = target_config.get_text_config()
     raw = {key: getattr(text, key) for key in ("rope_theta", "max_position_embeddings") if hasattr(text, key)}
-    if getattr(text, "rope_scaling", None):
-        raw["rope_scaling"] = text.rope_scaling
+    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None)
+    if rope:
+        raw["rope_scaling"] = dict(rope)
     config = HeadConfig(kind, text.hidden_size, text.vocab_size, draft_vocab_size=draft_vocab_size if kind == EAGLE3 else 0,
                         num_attention_heads=text.num_attention_heads,
                         num_key_value_heads=text.num_key_value_heads or text.num_attention_heads,
@@ -466,12 +483,15 @@ def read_target_tensors(target_path: str | Path, device: str | torch.device = "c
     """(config, embedding (V, h), lm_head (V, h)) of a transformers target directory in safetensors, read
     without loading the rest of its weights: what a head in a process of its own borrows (a copy)."""
     from safetensors import safe_open
-    from transformers import AutoConfig
 
     path = Path(target_path)
     if path.suffix == ".gguf" or not path.is_dir():
         raise HeadError(f"{path}: a draft head needs its target as a transformers directory in safetensors")
-    config = AutoConfig.from_pretrained(path)
+    config = llama_model.read_config(path)
+    if isinstance(config, str):  # a target llama_model does not build: transformers reads its config
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(path)
     index = path / "model.safetensors.index.json"
     files = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists()
              else ["model.safetensors"])

@@ -24,9 +24,6 @@ from dataclasses import dataclass
 
 import torch
 from torch.nn.functional import scaled_dot_product_attention
-from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from specdec.decoding.tree_sampler import check_tree, depths
 from specdec.engine.prefix_cache import FEATURES_SHARE, PrefixIndex, SequenceState
@@ -222,6 +219,8 @@ def sequence_kv_attention(module, query: torch.Tensor, key: torch.Tensor, value:
     """query (1, heads, R, D); key, value (1, kv_heads, R, D): the packed new positions after rotary
     embedding. Returns (1, R, heads, D) like transformers' attention functions."""
     if kv_batch is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       sliding_window=sliding_window, **kwargs)
     if kwargs.get("softcap") is not None:
@@ -242,12 +241,6 @@ def sequence_kv_attention(module, query: torch.Tensor, key: torch.Tensor, value:
     return out, None
 
 
-AttentionInterface.register(ATTENTION, sequence_kv_attention)
-# Plain forwards (no kv_batch) get the masks transformers builds for SDPA (padding, sliding windows);
-# with a kv_batch the attention builds its own per row and ignores that one.
-AttentionMaskInterface.register(ATTENTION, sdpa_mask)
-
-
 def layer_devices(model, num_layers: int) -> list[torch.device]:
     """The device of each decoder layer's attention (its `layer_idx`), where that layer's KV buffers
     belong; layers without parameters of their own fall back to the model's device.
@@ -265,7 +258,15 @@ def layer_devices(model, num_layers: int) -> list[torch.device]:
 
 
 def use_sequence_kv(model) -> None:
-    """Route the model's attention through `sequence_kv_attention`."""
+    """Route the model's attention through `sequence_kv_attention` (registered with transformers here, not
+    at import: the static executor's processes never import transformers' modeling stack, llama_model.py)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ATTENTION, sequence_kv_attention)
+    # Plain forwards (no kv_batch) get the masks transformers builds for SDPA (padding, sliding windows);
+    # with a kv_batch the attention builds its own per row and ignores that one.
+    AttentionMaskInterface.register(ATTENTION, sdpa_mask)
     model.set_attn_implementation(ATTENTION)
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from specdec import tensor_names as tn
-from specdec.engine import fp8_linear, onednn_linear
+from specdec.engine import fp8_linear, llama_model, onednn_linear
 
 DTYPES = {name: getattr(torch, name) for name in tn.DTYPE_NAMES}
 # config.json's quantization_config.quant_method of the FP8 checkpoints loaded here: llm-compressor's
@@ -28,8 +28,12 @@ def resolve_dtype(name: str) -> torch.dtype:
 
 
 def load_causal_lm(model_path: str, device: str = "cpu", dtype: str = "float32", device_map: str = "",
-                   linear_kernels: str = "auto", weights_dtype: str = "same", log=None):
+                   linear_kernels: str = "auto", weights_dtype: str = "same", log=None, own_modules: bool = False):
     """Load a causal LM from a Hugging Face directory or a single GGUF file.
+
+    own_modules: build a Llama-family directory's modules here (`llama_model.py`: for the static executor,
+    whose forward is this project's own) without importing transformers' modeling stack; a model that
+    module does not build (`llama_model.unsupported`) loads through transformers all the same.
 
     device_map (e.g. "auto") spreads a model too large for one GPU over the visible GPUs.
     linear_kernels: "auto" puts the linear layers on the panel kernel (float32) or oneDNN's reordered
@@ -39,8 +43,6 @@ def load_causal_lm(model_path: str, device: str = "cpu", dtype: str = "float32",
     output channel (`fp8_linear.py`; the vocabulary head stays in `dtype`); "q8" rounds them to 8-bit
     blocks for the CPU's panel kernel (`quantize_q8`); `log` gets a line saying how.
     """
-    from transformers import AutoModelForCausalLM
-
     if weights_dtype not in tn.WEIGHTS_DTYPES:
         raise ValueError(f"weights_dtype must be one of {tn.WEIGHTS_DTYPES}, got {weights_dtype!r}")
     if weights_dtype == "fp8" and linear_kernels in ("onednn", "panels"):
@@ -56,7 +58,12 @@ def load_causal_lm(model_path: str, device: str = "cpu", dtype: str = "float32",
     kwargs = {"dtype": torch_dtype}
     if device_map:
         kwargs["device_map"] = device_map
-    if path.is_file():
+    own = own_modules and not device_map and method is None and llama_model.unsupported(path) is None
+    if own:
+        model = llama_model.load(path, torch_dtype)
+    elif path.is_file():
+        from transformers import AutoModelForCausalLM
+
         if path.suffix != ".gguf":
             raise ValueError(f"model_path {model_path!r} is a file but not a .gguf file")
         model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, **kwargs)
@@ -69,6 +76,8 @@ def load_causal_lm(model_path: str, device: str = "cpu", dtype: str = "float32",
                                  "(no device_map)")
             model = load_fp8_checkpoint(path, method, torch_dtype)
         else:
+            from transformers import AutoModelForCausalLM
+
             model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
     if not device_map:
         model.to(torch.device(device))

@@ -23,9 +23,9 @@ import math
 
 import torch
 from torch import nn
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from specdec.engine.draft_heads import EAGLE3, EagleHead
+from specdec.engine.llama_model import rotate
 from specdec.train.trainer import Batch, DraftVocabulary, StepLosses, answer_hits
 
 EAGLE1_LOGITS_WEIGHT = 0.1  # EAGLE's w_cls: its loss is mostly the feature regression
@@ -79,7 +79,7 @@ def unrolled(head: EagleHead, batch: Batch, steps: int, device) -> list[torch.Te
         q = attn.q_proj(x).view(size, count, attn.heads, attn.head_dim).transpose(1, 2)
         k = attn.k_proj(x).view(size, count, attn.kv_heads, attn.head_dim).transpose(1, 2)
         v = attn.v_proj(x).view(size, count, attn.kv_heads, attn.head_dim).transpose(1, 2)
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        q, k = rotate(q, k, cos, sin)
         keys = [key[:, :, :count] for key in keys] + [k]
         values = [value[:, :, :count] for value in values] + [v]
         x1 = residual + attn.o_proj(_attend(attn, q, keys, values))

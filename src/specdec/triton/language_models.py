@@ -26,11 +26,11 @@ from specdec.decoding.sampling import (SamplingParams, greedy, greedy_log_probs,
                                       token_log_probs, top_log_probs)
 from specdec.decoding.text import load_tokenizer, vocabulary_mismatch
 from specdec.engine import host_memory, onednn_linear, threads
-from specdec.engine.build import ExecutorConfig, build_executor
+from specdec.engine.build import ExecutorConfig, build_executor, plans_static
 from specdec.engine.draft_heads import HeadError, load_head_for, rows_forward, served_layers
 from specdec.engine.executor import CacheError, CapacityError, Scored, Step
 from specdec.engine.head_executor import HeadExecutor
-from specdec.engine.loading import check_q8, load_causal_lm, q8_kernels, quantize_q8
+from specdec.engine.loading import check_q8, load_causal_lm, q8_kernels, quantize_q8, resolve_dtype
 from specdec.engine.skip_layers import LayerSkipForward, SkipTuner, parse_layers
 from specdec.triton.adapter import TritonAdapter
 from specdec.triton.config import ConfigError, ModelParameters
@@ -83,19 +83,24 @@ class LanguageModelAdapter(TritonAdapter):
 
     def _executor(self, params: ModelParameters, device: str):
         """The executor over the model at model_path (`Executor`), built as the parameters say."""
+        default = ExecutorConfig()
+        executor = params.str("executor", default.executor, choices=tn.EXECUTORS)
+        compile = params.str("compile", default.compile, choices=tn.COMPILE_MODES)
+        dtype = params.str("dtype", "float32", choices=tn.DTYPE_NAMES)
         model = load_causal_lm(
             params.str("model_path"),
             device=device,
-            dtype=params.str("dtype", "float32", choices=tn.DTYPE_NAMES),
+            dtype=dtype,
             device_map=params.str("device_map", ""),
             linear_kernels=params.str("linear_kernels", "auto", choices=onednn_linear.KINDS),
             weights_dtype=params.str("weights_dtype", "same", choices=tn.WEIGHTS_DTYPES),
             log=self.pb.Logger.log_info,
+            # the static executor reads only the weights: built without transformers' modeling stack
+            own_modules=plans_static(executor, compile, device, resolve_dtype(dtype)),
         )
-        default = ExecutorConfig()
         config = ExecutorConfig(
-            executor=params.str("executor", default.executor, choices=tn.EXECUTORS),
-            compile=params.str("compile", default.compile, choices=tn.COMPILE_MODES),
+            executor=executor,
+            compile=compile,
             max_sequences=params.int("max_sequences", default.max_sequences, low=1),
             idle_timeout_s=params.float("sequence_idle_timeout_s", default.idle_timeout_s, low=1.0),
             prefix_caching=params.bool("prefix_caching", default.prefix_caching),
