@@ -193,6 +193,11 @@ MODEL_DOWN = "a model is being restored, retry"
 # which the launcher's watchdog reads to restart a model whose stub hangs while its process runs.
 MODEL_CALL_TIMEOUTS = "specdec_model_call_timeouts_total"
 DEFAULT_MODEL_CALL_TIMEOUT_S = 120.0  # far above any forward's time; 0: calls wait for ever
+# Each orchestrator instance's event loop counts its turns, HEARTBEAT_S apart (label `instance`); the watchdog
+# restarts the server when an instance with requests generating (LIVE_SEQUENCES) stops counting: a hung loop.
+ORCHESTRATOR_HEARTBEATS = "specdec_orchestrator_heartbeats_total"
+HEARTBEAT_S = 1.0
+LIVE_SEQUENCES = "specdec_live_sequences"
 
 # ---- finish reasons --------------------------------------------------------------------------
 FINISH_LENGTH = "length"

@@ -59,9 +59,10 @@ def stub_crashes(pids: set[int], since_s: float) -> list[str]:
     return crashes
 
 
-def start_server(tmp_dir: Path, pair: str = "tiny", repository: Path | None = None) -> Server:
+def start_server(tmp_dir: Path, pair: str = "tiny", repository: Path | None = None,
+                 launcher_args: tuple[str, ...] = ()) -> Server:
     """A launcher-started tritonserver for a named pair, or for an already rendered repository."""
-    source = ["--model-repository", str(repository)] if repository else ["--pair", pair]
+    source = [*(["--model-repository", str(repository)] if repository else ["--pair", pair]), *launcher_args]
     try:
         return serving_server.start(tmp_dir / f"run-{pair}", tmp_dir / f"tritonserver-{pair}.log", source,
                                     ready_timeout_s=READY_TIMEOUT_S)

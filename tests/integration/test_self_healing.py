@@ -33,6 +33,7 @@ PROMPTS = ["Hello there, how are you today?", "Once upon a time, in a land far a
 GREEDY = dict(max_tokens=24, num_draft_tokens=3, adaptive_draft=False, draft_model=tn.DRAFT_MODEL_NAME)
 HEALED_WITHIN_S = 30  # a model reloaded in place; a restarted server gets its own first start's time on top
 CALL_TIMEOUT_S = 5  # model_call_timeout_s here: far above any call of the tiny pair's, even on a loaded machine
+HANG_TIMEOUT_S = 10  # the launcher's --hang-timeout here: an orchestrator's loop turns every tn.HEARTBEAT_S
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +42,7 @@ def srv(tmp_path_factory):
     started_at = time.monotonic()
     repo = repository.render(pairs.tiny_pair(), tmp_path / "repo")
     repository.override(repo, f"{tn.SPECULATIVE_DECODING}.model_call_timeout_s={CALL_TIMEOUT_S}")
-    server = start_server(tmp_path, repository=repo)
+    server = start_server(tmp_path, repository=repo, launcher_args=("--hang-timeout", str(HANG_TIMEOUT_S)))
     server.start_s = time.monotonic() - started_at  # what a restart takes again, on this machine and its load
     yield server
     # Triton never finishes unloading the old instance of a model whose stub died with requests in
@@ -165,21 +166,28 @@ def test_a_killed_stub_is_brought_back(srv, before, instance):
 
 class Frozen:
     """A process held still by ptrace (PTRACE_SEIZE, then PTRACE_INTERRUPT): it runs no instruction, yet /proc
-    shows it traced (`t`), neither dead nor stopped by a signal — how a deadlocked stub looks to the watchdog."""
+    shows it traced (`t`), neither dead nor stopped by a signal — how a deadlocked stub looks to the watchdog.
+    Its main thread (where a model's execute runs), or every thread (an async model's event loop runs on a
+    thread of the stub's own; Triton's health checks of the stub then go unanswered too)."""
 
     SEIZE, INTERRUPT, DETACH = 0x4206, 0x4207, 17
 
-    def __init__(self, pid: int):
+    def __init__(self, pid: int, every_thread: bool = False):
         self.pid, self.libc = pid, ctypes.CDLL(None, use_errno=True)
-        if self.libc.ptrace(self.SEIZE, pid, None, None) != 0:
-            pytest.skip(f"ptrace is not permitted here (errno {ctypes.get_errno()})")
-        assert self.libc.ptrace(self.INTERRUPT, pid, None, None) == 0, ctypes.get_errno()
+        self.threads = sorted(int(tid) for tid in os.listdir(f"/proc/{pid}/task")) if every_thread else [pid]
+        for tid in self.threads:
+            if self.libc.ptrace(self.SEIZE, tid, None, None) != 0:
+                errno = ctypes.get_errno()
+                self.end()
+                pytest.skip(f"ptrace is not permitted here (errno {errno})")
+            assert self.libc.ptrace(self.INTERRUPT, tid, None, None) == 0, ctypes.get_errno()
 
     def end(self) -> None:
-        """Let it go: reap its death as its tracer (its parent cannot until then), or detach."""
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(self.pid, os.WNOHANG | 0x40000000)  # __WALL
-        self.libc.ptrace(self.DETACH, self.pid, None, 0)
+        """Let it go: reap its threads' deaths as their tracer (its parent cannot until then), or detach."""
+        for tid in self.threads:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(tid, os.WNOHANG | 0x40000000)  # __WALL
+            self.libc.ptrace(self.DETACH, tid, None, 0)
 
 
 def test_a_hung_target_model_is_killed_and_brought_back(srv, before):
@@ -207,5 +215,37 @@ def test_a_hung_target_model_is_killed_and_brought_back(srv, before):
           f"ready again after {time.monotonic() - frozen_at:.1f} s")
     assert srv.metric(tn.MODEL_CALL_TIMEOUTS, model=tn.TARGET_MODEL_NAME) > timeouts
     assert launcher_metric(srv, "specdec_model_restarts_total", model=tn.TARGET_MODEL_NAME) == restarts + 1
+    assert [grpc_stream(srv.grpc_url, p, **GREEDY)[tn.TEXT_OUTPUT] for p in PROMPTS] == before
+    wait_for(lambda: not any(held(srv).values()), 10, f"nothing held: {held(srv)}")
+
+
+def test_a_hung_orchestrator_is_killed_and_the_server_restarted(srv, before):
+    """Both orchestrator instances hang (frozen by ptrace under 4 streams): their event loops stop counting
+    turns while their requests generate; past --hang-timeout the watchdog kills their stubs, the server is
+    restarted, the streams end UNAVAILABLE with the old one, and the new one serves the same text."""
+    hangs = launcher_metric(srv, "specdec_orchestrator_hangs_total")
+    server_restarts = launcher_metric(srv, "specdec_server_restarts_total")
+    threads, outcomes = start_streams(srv)
+    frozen = [Frozen(stub_pid(srv, f"{tn.SPECULATIVE_DECODING}_0_{i}"), every_thread=True) for i in range(2)]
+    frozen_at = time.monotonic()
+    try:
+        wait_for(lambda: (lambda r: r[0] == 503 and tn.SPECULATIVE_DECODING in r[1])(get(srv.readiness_url)),
+                 HANG_TIMEOUT_S + 2 * watchdog.STALL_LOOK_S + 10, "readiness names speculative_decoding")
+        noticed_s = time.monotonic() - frozen_at
+        assert noticed_s >= HANG_TIMEOUT_S
+    finally:
+        for process in frozen:
+            process.end()
+    wait_for(lambda: get(srv.readiness_url)[0] == 200, HEALED_WITHIN_S + srv.start_s, "ready again")
+    ready_s = time.monotonic() - frozen_at
+    print(f"\norchestrators frozen: not ready after {noticed_s:.1f} s, ready again after {ready_s:.1f} s")
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not any(thread.is_alive() for thread in threads), "a stream still hangs after the restart"
+    failures = [o for o in outcomes.values() if isinstance(o, Exception)]
+    assert len(failures) == 4 and all(isinstance(f, GenerationError) and f.status == "StatusCode.UNAVAILABLE"
+                                      for f in failures), outcomes
+    assert launcher_metric(srv, "specdec_orchestrator_hangs_total") >= hangs + 1
+    assert launcher_metric(srv, "specdec_server_restarts_total") == server_restarts + 1
     assert [grpc_stream(srv.grpc_url, p, **GREEDY)[tn.TEXT_OUTPUT] for p in PROMPTS] == before
     wait_for(lambda: not any(held(srv).values()), 10, f"nothing held: {held(srv)}")

@@ -257,6 +257,60 @@ def test_a_model_left_calls_unanswered_has_its_stubs_killed_then_is_healed():
     assert sorted(killed) == [11, 12, stubs.running["target_model_0_0"].pid]
 
 
+def test_an_orchestrator_whose_loop_stops_turning_while_generating_is_killed_for_a_server_restart():
+    """Each orchestrator instance counts its event loop's turns; one that generates and has not counted for
+    hang_timeout_s is hung: its stub is killed (a dead decoupled stub: the server is restarted). An idle
+    instance's still count is no hang, nor is a count that moves; unreadable metrics change nothing."""
+    readings = {"speculative_decoding_0_0": (10.0, 2.0), "speculative_decoding_0_1": (7.0, 0.0)}
+
+    def heartbeats():
+        if readings is None:
+            raise OSError("the metrics do not answer")
+        return dict(readings)
+
+    stubs, clock, killed, lines = Stubs(), Clock(), [], []
+    dog = Watchdog(PORT, Control(stubs), log=lines.append, stubs=stubs, clock=clock, kill=killed.append,
+                   heartbeats=heartbeats, hang_timeout_s=20.0)
+    dog.arm(SERVER)
+
+    def look(seconds: float) -> None:
+        clock.now += seconds
+        dog.tick()
+
+    look(0.0)
+    for _ in range(3):  # _0_0 turns, _0_1 idle: nothing, however long
+        readings["speculative_decoding_0_0"] = (readings["speculative_decoding_0_0"][0] + 5.0, 2.0)
+        look(watchdog.STALL_LOOK_S * 4)
+    assert killed == []
+    readings = None
+    look(watchdog.STALL_LOOK_S * 8)  # unreadable for 40 s: nothing
+    readings = {"speculative_decoding_0_0": (25.0, 2.0), "speculative_decoding_0_1": (7.0, 0.0)}
+    look(watchdog.STALL_LOOK_S)  # _0_0's count has not moved since it was last read (40 s ago): hung
+    assert killed == [13] and "speculative_decoding_0_0's event loop has not turned for 45 s with 2 request(s)" \
+        in lines[-1], lines
+    assert "specdec_orchestrator_hangs_total 1" in dog.metrics_text()
+    stubs.kill("speculative_decoding_0_0")
+    look(1.0)
+    assert dog.restart_wanted.is_set()  # healed as any dead orchestrator
+    stubs.server += 1
+    stubs.restart("speculative_decoding")  # the new server's stubs: pids 101, 102
+    dog.arm(stubs.server)  # its instances count from 0, and their clocks start again
+    readings = {"speculative_decoding_0_0": (3.0, 1.0), "speculative_decoding_0_1": (3.0, 1.0)}
+    look(watchdog.STALL_LOOK_S)  # first read
+    look(watchdog.STALL_LOOK_S * 3)  # still for 15 s < 20 s
+    assert killed == [13]
+    look(watchdog.STALL_LOOK_S)  # 20 s: both
+    assert killed == [13, 101, 102]
+    off = Watchdog(PORT, Control(stubs), log=lambda _: None, stubs=stubs, clock=clock, kill=killed.append,
+                   heartbeats=heartbeats, hang_timeout_s=0.0)
+    off.arm(stubs.server)
+    before = list(killed)
+    for _ in range(10):
+        clock.now += watchdog.STALL_LOOK_S * 4
+        off.tick()
+    assert killed == before  # hang_timeout_s 0: never
+
+
 def test_stubs_are_read_from_proc(tmp_path):
     def process(pid: int, ppid: int, state: str, args: list[str]):
         (tmp_path / str(pid)).mkdir()

@@ -53,7 +53,8 @@ from specdec.serving.healthcheck import (
 from specdec.serving.metrics_text import samples, scrape, sum_samples
 from specdec.serving.pairs import log
 from specdec.serving.server_process import ServerProcess
-from specdec.serving.watchdog import ModelControl, Watchdog, control_mode, restricted_header
+from specdec.serving.watchdog import (DEFAULT_HANG_TIMEOUT_S, ModelControl, Watchdog, control_mode,
+                                      restricted_header)
 from specdec.triton.admission import cancellation, kv_room, sequence_slots
 
 
@@ -361,6 +362,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--heal-timeout", type=float, default=300.0,
                         help="a model whose stub died is brought back (watchdog.py); down longer than this, "
                              "liveness (GET /live on HEALTH_PORT) fails")
+    parser.add_argument("--hang-timeout", type=float, default=DEFAULT_HANG_TIMEOUT_S,
+                        help="an orchestrator instance whose event loop has not turned for this long while it had "
+                             "requests generating is hung: its stub is killed and the server restarted (0: never)")
     parser.add_argument("--no-heal", dest="heal", action="store_false",
                         help="no watchdog: a dead stub stays dead (and readiness does not notice)")
     args, extra = parser.parse_known_args(argv)
@@ -433,7 +437,8 @@ def main(argv: list[str] | None = None) -> int:
         control = (ModelControl(http_port, restricted_header(args.server_args), args.ready_timeout)
                    if control_mode(args.server_args) == "explicit" else None)
         watchdog = Watchdog(http_port, control, heal_timeout_s=args.heal_timeout, log=log,
-                            stalls=lambda: unanswered_calls(metrics_port))
+                            stalls=lambda: unanswered_calls(metrics_port),
+                            heartbeats=lambda: orchestrator_heartbeats(metrics_port), hang_timeout_s=args.hang_timeout)
     endpoint = None
     if health_port():
         try:
@@ -577,11 +582,22 @@ def unanswered_calls(metrics_port: int) -> dict[str, float]:
     return counts
 
 
+def orchestrator_heartbeats(metrics_port: int) -> dict[str, tuple[float, float]]:
+    """Per orchestrator instance that has served: its event loop's turns and its requests generating
+    (tn.ORCHESTRATOR_HEARTBEATS, tn.LIVE_SEQUENCES)."""
+    lines = [line for line in scrape(f"127.0.0.1:{metrics_port}").splitlines()
+             if line.startswith((tn.ORCHESTRATOR_HEARTBEATS + "{", tn.LIVE_SEQUENCES + "{"))]
+    text = "\n".join(lines) + "\n"
+    live = {labels.get("instance", ""): value for labels, value in samples(text, tn.LIVE_SEQUENCES)}
+    return {labels.get("instance", ""): (value, live.get(labels.get("instance", ""), 0.0))
+            for labels, value in samples(text, tn.ORCHESTRATOR_HEARTBEATS)}
+
+
 def healthy_in_flight(metrics_port: int, dead_instances: set[str]) -> float:
     """Requests the server's healthy orchestrator instances still generate (a dead instance's gauge is
     stale: its streams hang until the server stops)."""
     text = scrape(f"127.0.0.1:{metrics_port}")
-    return sum(value for labels, value in samples(text, "specdec_live_sequences")
+    return sum(value for labels, value in samples(text, tn.LIVE_SEQUENCES)
                if labels.get("instance") not in dead_instances)
 
 

@@ -24,7 +24,10 @@ millisecond) and compares each model's stub instances with the ones it saw when 
   orchestrator fails a call that model has not answered within `model_call_timeout_s` and counts it
   (`specdec_model_call_timeouts_total{model}`, bls.py); the watchdog reads that counter from the server's
   metrics every `STALL_LOOK_S` and kills the model's stubs when it grows, and the model is healed as
-  above. A hung orchestrator is not seen (nothing calls it with a timeout).
+  above. **An orchestrator that hangs** (its event loop blocked: a call that never returns, a deadlock):
+  each instance counts its loop's turns (`specdec_orchestrator_heartbeats_total{instance}`, one a second);
+  read with the counter above, an instance with requests generating whose count has not moved for
+  `hang_timeout_s` has its stub killed, and the server is restarted as for any dead orchestrator.
 - **Back off**: a model that dies again within `STABLE_S` of its last heal waits 1, 2, 4 ... 60 s
   between attempts; a failed reload too; a server that crashes again within `STABLE_S` of its restart
   likewise. **Liveness** fails once a model, or the server, has been down for longer than
@@ -49,6 +52,9 @@ from specdec.serving.healthcheck import down_marker
 STUB_BINARY = "triton_python_backend_stub"
 STOPPED_GRACE_S = 5.0  # a stub stopped this long counts as not answering (a debugger's pause is shorter)
 STALL_LOOK_S = 5.0  # how often the server's metrics are read for calls a model left unanswered (~3 ms a read)
+# An orchestrator's event loop not turning this long with requests generating is hung: far above any pause of a
+# healthy loop (a round's host work takes milliseconds; large guides compile on a thread)
+DEFAULT_HANG_TIMEOUT_S = 60.0
 STABLE_S = 60.0  # a model up this long after a heal starts its backoff afresh when it dies again
 BACKOFF_S = (1.0, 60.0)  # first and longest wait between heal attempts of one model
 SERVER = "tritonserver"  # how readiness and liveness name the server itself when it is down
@@ -164,13 +170,21 @@ class Watchdog:
                  period_s: float = 1.0, log: Callable[[str], None] = print,
                  stubs: Callable[[int], list[Stub]] = stubs_of, clock: Callable[[], float] = time.monotonic,
                  kill: Callable[[int], None] = lambda pid: os.kill(pid, signal.SIGKILL),
-                 stalls: Callable[[], dict[str, float]] | None = None):
+                 stalls: Callable[[], dict[str, float]] | None = None,
+                 heartbeats: Callable[[], dict[str, tuple[float, float]]] | None = None,
+                 hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S):
         self.marker = down_marker(http_port)
         self.control, self.heal_timeout_s, self.period_s = control, heal_timeout_s, period_s
         self.log, self.stubs, self.clock, self.kill = log, stubs, clock, kill
         # The orchestrator's count of unanswered calls per model (tn.MODEL_CALL_TIMEOUTS), read from the server
         self.stalls = stalls
         self._stalls_seen: dict[str, float] = {}
+        # Per orchestrator instance (its stub's instance name): its event loop's turns and its requests
+        # generating (tn.ORCHESTRATOR_HEARTBEATS, tn.LIVE_SEQUENCES); an instance generating whose count stays
+        # put for hang_timeout_s (0: never) is hung. _beats_seen: the count and when it last moved.
+        self.heartbeats, self.hang_timeout_s = heartbeats, hang_timeout_s
+        self._beats_seen: dict[str, tuple[float, float]] = {}
+        self.orchestrator_hangs = 0
         self._next_stall_look = 0.0
         self.models: dict[str, ModelHealth] = {}
         self.regions: set[str] = set()  # the stubs' shared-memory regions seen (removed once the server is gone)
@@ -200,6 +214,7 @@ class Watchdog:
                 self._incarnation = 0
             self.server_pid = server_pid
             self._stalls_seen.clear()  # a new server counts from 0
+            self._beats_seen.clear()
             if self.server.down_since is not None:
                 self._up(SERVER, self.server, now)
             for model, instances in seen.items():
@@ -254,9 +269,10 @@ class Watchdog:
             seen = alive.setdefault(stub.model, {}).get(stub.instance)
             if seen is None or seen.state in DEAD_STATES:
                 alive[stub.model][stub.instance] = stub
-        if self.stalls is not None and now >= self._next_stall_look:
+        if (self.stalls is not None or self.heartbeats is not None) and now >= self._next_stall_look:
             self._next_stall_look = now + STALL_LOOK_S
             self._kill_stalled(alive)
+            self._kill_hung(alive, now)
         for model, health in list(self.models.items()):
             problem = self._problem(health, alive.get(model, {}), now)
             if problem and health.down_since is None:
@@ -275,6 +291,8 @@ class Watchdog:
     def _kill_stalled(self, alive: dict[str, dict[str, Stub]]) -> None:
         """Kill the stubs of every model whose unanswered calls grew since the last read: its death is then
         seen (next look) and healed like any other."""
+        if self.stalls is None:
+            return
         try:
             counts = self.stalls()
         except (OSError, ValueError):  # the server's metrics do not answer (it is loading, stopping)
@@ -287,6 +305,29 @@ class Watchdog:
                          f"model_call_timeout_s; killing its stubs ({', '.join(str(s.pid) for s in running)})")
                 for stub in running:
                     self.kill(stub.pid)
+
+    def _kill_hung(self, alive: dict[str, dict[str, Stub]], now: float) -> None:
+        """Kill the stub of every orchestrator instance whose event loop has not turned for hang_timeout_s
+        while it had requests generating: a dead decoupled stub, it is healed by restarting the server."""
+        if self.heartbeats is None or not self.hang_timeout_s:
+            return
+        try:
+            readings = self.heartbeats()
+        except (OSError, ValueError):  # the server's metrics do not answer (it is loading, stopping)
+            return
+        stubs = {instance: stub for instances in alive.values() for instance, stub in instances.items()}
+        for instance, (count, live) in readings.items():
+            seen = self._beats_seen.get(instance)
+            if live <= 0 or seen is None or count != seen[0]:  # idle, or turning: the clock starts again
+                self._beats_seen[instance] = (count, now)
+                continue
+            stub = stubs.get(instance)
+            if now - seen[1] >= self.hang_timeout_s and stub is not None and stub.state not in DEAD_STATES:
+                self.log(f"watchdog: {instance}'s event loop has not turned for {now - seen[1]:.0f} s with "
+                         f"{live:.0f} request(s) generating (hung); killing its stub ({stub.pid})")
+                self.orchestrator_hangs += 1
+                self._beats_seen.pop(instance)
+                self.kill(stub.pid)
 
     def _problem(self, health: ModelHealth, running: dict[str, Stub], now: float) -> str:
         for instance in sorted(health.instances):
@@ -402,4 +443,8 @@ class Watchdog:
             lines += ["# HELP specdec_server_crashes_total Times tritonserver itself crashed while serving (it exited, "
                       "or reported a fatal signal and did not exit)", "# TYPE specdec_server_crashes_total counter",
                       f"specdec_server_crashes_total {self.server_crashes}"]
+            lines += ["# HELP specdec_orchestrator_hangs_total Times an orchestrator instance's event loop stopped "
+                      "turning with requests generating (its stub killed, the server restarted)",
+                      "# TYPE specdec_orchestrator_hangs_total counter",
+                      f"specdec_orchestrator_hangs_total {self.orchestrator_hangs}"]
         return "\n".join(lines) + "\n"

@@ -175,8 +175,11 @@ class OrchestratorMetrics(_MetricSet):
         self.queue_time = make("specdec_queue_time_seconds", "Time a request waited for a generation slot "
                                "(max_live_sequences) and for room in target_model's KV cache",
                                family.HISTOGRAM).Metric(labels={}, buckets=QUEUE_BUCKETS)
-        self.live = make("specdec_live_sequences", "Requests currently generating in this instance",
+        self.live = make(tn.LIVE_SEQUENCES, "Requests currently generating in this instance",
                          family.GAUGE).Metric(labels=mine)
+        self.heartbeats = make(tn.ORCHESTRATOR_HEARTBEATS, "Turns of this instance's event loop, one a second from its "
+                               "first request (the launcher's watchdog restarts the server when an instance with "
+                               "requests generating stops counting)", family.COUNTER).Metric(labels=mine)
         self.live_peak = make("specdec_live_sequences_peak", "The most requests that have generated at once in the "
                               "server, as far as this instance has seen (the highest live-sequence slot it took)",
                               family.GAUGE).Metric(labels=mine)

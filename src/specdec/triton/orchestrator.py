@@ -61,6 +61,8 @@ CANCEL_POLL_S = 0.01
 
 
 class SpeculativeDecodingAdapter(TritonAdapter):
+    heartbeat: asyncio.Task | None = None  # _beat, from the first execute
+
     def load(self, params: ModelParameters, args: dict) -> None:
         pb_utils = self.pb
         self.tokenizer = load_tokenizer(params.str("tokenizer_path"))
@@ -165,10 +167,22 @@ class SpeculativeDecodingAdapter(TritonAdapter):
                              lookup_first.MODEL: one(combined[1], False, model_branches)})
 
     async def execute(self, requests):
+        if self.heartbeat is None:  # the stub's event loop exists once the first execute runs on it
+            self.heartbeat = asyncio.get_running_loop().create_task(self._beat())
         await asyncio.gather(*(self._serve(request) for request in requests))
         return None
 
+    async def _beat(self) -> None:
+        """Count the event loop's turns (tn.ORCHESTRATOR_HEARTBEATS): a loop that stops turning while requests
+        generate is hung (a blocking call that never returns, a deadlock), which nothing else would notice:
+        the launcher's watchdog then restarts the server (watchdog.py)."""
+        while True:
+            self.metrics.heartbeats.increment(1)
+            await asyncio.sleep(tn.HEARTBEAT_S)
+
     def finalize(self):
+        if self.heartbeat is not None:
+            self.heartbeat.get_loop().call_soon_threadsafe(self.heartbeat.cancel)
         self.metrics.close()
         super().finalize()
 
