@@ -182,7 +182,8 @@ class SpeculativeDecodingAdapter(TritonAdapter):
 
     def finalize(self):
         if self.heartbeat is not None:
-            self.heartbeat.get_loop().call_soon_threadsafe(self.heartbeat.cancel)
+            with contextlib.suppress(RuntimeError):  # the stub's loop may be closed already
+                self.heartbeat.get_loop().call_soon_threadsafe(self.heartbeat.cancel)
         self.metrics.close()
         super().finalize()
 
