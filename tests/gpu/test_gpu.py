@@ -57,6 +57,26 @@ def test_greedy_speculative_equals_target_only_with_the_paged_kernel_in_cuda_gra
         assert run(target, draft, SamplingParams(), k, max_tokens=64) == alone
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_built_modules_in_cuda_graphs_give_transformers_models_logits(tiny_pair, dtype):
+    """What a served static executor loads on a GPU (llama_model's modules, no transformers model code)
+    against transformers' own model, each captured in CUDA graphs: the same logits to the bit, prompts,
+    steps and a verify after a rollback."""
+    settings = dict(kv_pool_tokens=4096, block_size=16, max_context=512, max_batch=2, max_rows=5)
+    ours = load_causal_lm(tiny_pair.target_path, "cuda", dtype, own_modules=True)
+    theirs = load_causal_lm(tiny_pair.target_path, "cuda", dtype)
+    assert type(ours).__name__ == "CausalLM" and type(theirs).__name__ == "LlamaForCausalLM"
+    executors = [static_executor(model, **settings) for model in (ours, theirs)]
+    for lm in executors:
+        lm.warm_up(600)
+        assert lm.forward.mode == "graphs"
+    steps = [[Step(1, 0, PROMPT, 2), Step(2, 0, PROMPT[:4], 1)], [Step(1, 7, [9], 1), Step(2, 4, [5, 6, 7, 8], 4)],
+             [Step(1, 6, [11, 12, 13], 3), Step(2, 6, [3], 1)]]
+    for batch in steps:
+        a, b = (lm.extend_many(batch) for lm in executors)
+        assert all(torch.equal(x, y) for x, y in zip(a, b)), [(x - y).abs().max() for x, y in zip(a, b)]
+
+
 def test_steps_run_ahead_in_cuda_graphs_equal_the_steps_asked_for(tiny_pair):
     """engine/run_ahead.py on the GPU: a greedy step run ahead (its token taken on the device, its forward a
     replayed graph whose output the next replay overwrites) gives the logits of the step asked for, and a
