@@ -68,7 +68,10 @@ def test_gpu_bench_small_mode_prints_every_row(tmp_path):
     shared = [re.search(r"alone the forwards would fill (\d+)% of the time, served they took target ([\d.]+)x"
                         r"(, draft ([\d.]+)x)? as long", line) for line in many]
     assert all(match and int(match.group(1)) > 0 and float(match.group(2)) > 0 for match in shared), many
-    assert all(bool(match.group(3)) == ("K=0" not in line) for match, line in zip(shared, many)), many
+    # the draft's share where the row drafts: K=4 always, K=0 never; the adaptive row as its policy chose
+    # (under load on 2 cores it may draft nothing at 3 streams)
+    assert all(bool(match.group(3)) == ("K=4 " in line) for match, line in zip(shared, many)
+               if "adaptive" not in line), many
 
 
 def test_round_overhead_bench_splits_a_round(tmp_path):
