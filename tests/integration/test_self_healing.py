@@ -12,6 +12,7 @@ import signal
 import subprocess
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -96,6 +97,20 @@ def held(srv) -> dict[str, float]:
     return {"live": sum_samples(text, "specdec_live_sequences"), "queued": sum_samples(text, "specdec_queued_requests"),
             **{f"{m} {k}": sum_samples(text, name, model=m) for m in (tn.TARGET_MODEL_NAME, tn.DRAFT_MODEL_NAME)
                for k, name in (("sequences", "specdec_model_live_sequences"), ("kv", "specdec_model_kv_cache_bytes"))}}
+
+
+def test_the_watchdog_is_told_every_instance_the_server_runs(srv):
+    """The watchdog arms with what the server's configs say each Python model runs (ModelControl.instances:
+    the repository index and each config, through the launcher's key), not only with the stubs it finds
+    running: one that died just as the server turned ready would otherwise never be watched."""
+    pid = stub_pid(srv, SERVER)
+    args = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+    control = watchdog.ModelControl(srv.http_port, watchdog.restricted_header(args))
+    running: dict[str, set[str]] = {}
+    for stub in watchdog.stubs_of(pid):
+        running.setdefault(stub.model, set()).add(stub.instance)
+    assert control.instances() == running
+    assert running[tn.SPECULATIVE_DECODING] == {f"{tn.SPECULATIVE_DECODING}_0_0", f"{tn.SPECULATIVE_DECODING}_0_1"}
 
 
 @pytest.mark.parametrize("instance", [f"{tn.TARGET_MODEL_NAME}_0_0", f"{tn.DRAFT_MODEL_NAME}_0_0",
@@ -217,6 +232,31 @@ def test_a_hung_target_model_is_killed_and_brought_back(srv, before):
     assert launcher_metric(srv, "specdec_model_restarts_total", model=tn.TARGET_MODEL_NAME) == restarts + 1
     assert [grpc_stream(srv.grpc_url, p, **GREEDY)[tn.TEXT_OUTPUT] for p in PROMPTS] == before
     wait_for(lambda: not any(held(srv).values()), 10, f"nothing held: {held(srv)}")
+
+
+def test_a_text_model_in_one_execute_past_the_hang_timeout_is_killed_and_reloaded(srv, before):
+    """preprocessing's instance stamps each execute (triton/execute_clock.py): its file says idle (0.0) and
+    its stub's pid after the requests above. A stamp as a stub stuck in a tokenizer call leaves it (planted:
+    no request can be held inside a real execute on cue) gets that stub killed past --hang-timeout and the
+    model reloaded in place; the new stub's file says idle, and the server serves the same text."""
+    from specdec.triton import execute_clock
+
+    instance = f"{tn.PREPROCESSING}_0_0"
+    server_pid = stub_pid(srv, SERVER)
+    directory = execute_clock.default_directory(server_pid)
+    pid = stub_pid(srv, instance)
+    assert execute_clock.STAMP.unpack((directory / instance).read_bytes()) == (0.0, pid)
+    assert execute_clock.executing_since(directory) == {}
+    restarts = launcher_metric(srv, "specdec_model_restarts_total", model=tn.PREPROCESSING)
+    (directory / instance).write_bytes(execute_clock.STAMP.pack(time.time() - HANG_TIMEOUT_S, pid))
+    wait_for(lambda: pid not in {stub.pid for stub in watchdog.stubs_of(server_pid)
+                                 if stub.state not in watchdog.DEAD_STATES},
+             2 * watchdog.STALL_LOOK_S + 5, "the stuck stub killed")
+    wait_for(lambda: launcher_metric(srv, "specdec_model_restarts_total", model=tn.PREPROCESSING) == restarts + 1
+             and get(srv.readiness_url)[0] == 200, HEALED_WITHIN_S, "preprocessing reloaded")
+    assert launcher_metric(srv, "specdec_model_execute_hangs_total", model=tn.PREPROCESSING) >= 1
+    assert [grpc_stream(srv.grpc_url, p, **GREEDY)[tn.TEXT_OUTPUT] for p in PROMPTS] == before
+    assert execute_clock.STAMP.unpack((directory / instance).read_bytes()) == (0.0, stub_pid(srv, instance))
 
 
 def test_a_hung_orchestrator_is_killed_and_the_server_restarted(srv, before):

@@ -6,6 +6,14 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from specdec.engine.onednn_linear import TIMES_DIR_ENV
+
+
+@pytest.fixture(autouse=True)
+def kernel_times_of_its_own(tmp_path_factory, monkeypatch):
+    """Each test keeps its linear-kernel timings apart: one that plants times must not find another's."""
+    monkeypatch.setenv(TIMES_DIR_ENV, str(tmp_path_factory.mktemp("kernel-times")))
+
 
 def tiny_llama(vocab_size: int, seed: int, initializer_range: float, max_positions: int):
     """A tiny llama built from a config with a fixed seed (no download), float64 for exact comparisons."""

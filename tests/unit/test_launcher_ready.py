@@ -221,3 +221,37 @@ def test_signals_are_served_in_order_and_a_failing_stop_serves_the_next(own_sign
     os.kill(os.getpid(), signal.SIGINT)
     assert both.wait(5) and served == [signal.SIGTERM, signal.SIGINT]
     assert "signal 15: OSError: the server's port is gone" in capsys.readouterr().err
+
+
+def test_the_watchdogs_reads_of_one_look_share_a_scrape():
+    scrapes = []
+
+    class Metrics(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (the stdlib's name)
+            scrapes.append(self.path)
+            body = (f'specdec_model_call_timeouts_total{{model="target_model"}} {len(scrapes)}\n'
+                    f'specdec_orchestrator_heartbeats_total{{instance="speculative_decoding_0_0"}} 7\n'
+                    f'specdec_live_sequences{{instance="speculative_decoding_0_0"}} 2\n').encode()
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *_args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Metrics)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    now = [100.0]
+    try:
+        metrics = launcher.RecentScrape(server.server_address[1], max_age_s=1.0, clock=lambda: now[0])
+        assert launcher.unanswered_calls(metrics.text()) == {"target_model": 1.0}
+        assert launcher.orchestrator_heartbeats(metrics.text()) == {"speculative_decoding_0_0": (7.0, 2.0)}
+        assert scrapes == ["/metrics"]  # one look, one scrape
+        now[0] += 1.0
+        assert launcher.unanswered_calls(metrics.text()) == {"target_model": 2.0}  # the next look scrapes again
+    finally:
+        server.shutdown()
+        server.server_close()
+    now[0] += 1.0
+    with pytest.raises(OSError):  # a server that does not answer is not answered for by an old scrape
+        metrics.text()

@@ -1,6 +1,8 @@
 """oneDNN-prepacked linear layers compute what the dense layers do."""
 
 import copy
+import hashlib
+import json
 
 import pytest
 import torch
@@ -116,6 +118,7 @@ def test_a_layer_switched_by_rows_runs_torchs_kernel_below_the_switch_and_onednn
 
 
 def test_choose_follows_the_setting_and_auto_follows_the_timing(fp32_llama, monkeypatch):
+    monkeypatch.setenv(onednn_linear.TIMES_DIR_ENV, "")  # each planted timing is taken, none read back
     assert onednn_linear.choose("torch", fp32_llama) == onednn_linear.TORCH
     assert onednn_linear.choose("onednn", fp32_llama) == onednn_linear.ONEDNN
     assert onednn_linear.choose("auto", fp32_llama.double()) == onednn_linear.TORCH  # no oneDNN: untimed
@@ -124,7 +127,7 @@ def test_choose_follows_the_setting_and_auto_follows_the_timing(fp32_llama, monk
                4: onednn_linear.KernelTimes({1: 1.0, 4: 2.0}, {1: 2.0, 4: 1.0}, 1),
                None: onednn_linear.KernelTimes({1: 1.0, 2: 3.0, 4: 2.0}, {1: 2.0, 2: 2.0, 4: 2.5}, 1)}
     for start, times in planted.items():
-        monkeypatch.setattr(onednn_linear, "time_kernels", lambda model, forward, times=times: times)
+        monkeypatch.setattr(onednn_linear, "time_kernels", lambda model, forward, rows, kept, times=times: times)
         choice = onednn_linear.choose("auto", fp32_llama)
         assert choice.onednn_from == start and choice.times is times
         assert choice.min_forward_rows == (onednn_linear.TORCH_PADDED_ROWS if start is None else None if start == 1 else 1)
@@ -186,3 +189,69 @@ def test_one_timing_at_a_time_on_the_machine(fp32_llama):
     with open(path, "a") as other:
         fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released
         fcntl.flock(other, fcntl.LOCK_UN)
+
+
+def test_timings_are_kept_and_read_back_for_the_same_model_on_the_same_machine(fp32_llama, monkeypatch, tmp_path):
+    monkeypatch.setenv(onednn_linear.TIMES_DIR_ENV, str(tmp_path / "times"))
+    timings = []
+    planted = onednn_linear.KernelTimes({1: 1.0, 4: 2.0}, {1: 2.0, 4: 1.0}, 7, {1: 3.0, 4: 3.0})
+
+    def timing(model, forward, rows, kept):
+        timings.append(rows)
+        return planted
+
+    monkeypatch.setattr(onednn_linear, "time_kernels", timing)
+    first = onednn_linear.choose("auto", fp32_llama)
+    assert len(timings) == 1 and first.times is planted
+    (kept,) = (tmp_path / "times").glob("*.json")
+    again = onednn_linear.choose("auto", fp32_llama)  # a restart: read, not timed
+    assert len(timings) == 1
+    assert again.onednn_from == first.onednn_from == 4 and again.times.torch == planted.torch
+    assert again.times.panels == planted.panels and again.times.linear_bytes == 7
+    assert f"kept in {kept}" in again.summary() and "timed 20" in again.summary()
+
+    # What the times depend on: another checkpoint of the same shapes, other threads, other rows
+    other = copy.deepcopy(fp32_llama)
+    with torch.no_grad():
+        other.model.layers[1].mlp.down_proj.weight.mul_(2)
+    onednn_linear.choose("auto", other)
+    assert len(timings) == 2
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)
+    try:
+        onednn_linear.choose("auto", fp32_llama)
+    finally:
+        torch.set_num_threads(threads)
+    assert len(timings) == 3
+    onednn_linear.remembered_times(fp32_llama, lambda n: None, rows=(1, 2))
+    assert len(timings) == 4 and timings[-1] == (1, 2)
+
+    # A damaged file is timed around and replaced; with the directory set to "" nothing is kept or read
+    kept.write_text("{not json")
+    onednn_linear.choose("auto", fp32_llama)
+    assert len(timings) == 5 and "torch" in kept.read_text()
+    monkeypatch.setenv(onednn_linear.TIMES_DIR_ENV, "")
+    onednn_linear.choose("auto", fp32_llama)
+    onednn_linear.choose("auto", fp32_llama)
+    assert len(timings) == 7
+
+
+def test_a_kept_timing_is_read_after_waiting_for_anothers(fp32_llama, monkeypatch, tmp_path):
+    """Two stubs loading the same model at once time it once: the second waits on the machine's timing
+    lock, and finds the first's times kept when it gets it."""
+    monkeypatch.setenv(onednn_linear.TIMES_DIR_ENV, str(tmp_path))
+    planted = onednn_linear.KernelTimes({1: 1.0}, {1: 2.0}, 7)
+    key = onednn_linear.timing_key(fp32_llama, (1,))
+    real_alone, kept = onednn_linear._timing_alone, []
+
+    def alone():  # the other stub keeps its times while this one waits for the lock
+        path = tmp_path / (hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32] + ".json")
+        path.write_text(json.dumps({"key": key, "timed_at": "then", "times": planted.to_json()}))
+        kept.append(path)
+        return real_alone()
+
+    monkeypatch.setattr(onednn_linear, "_timing_alone", alone)
+    forwards = []
+    times = onednn_linear.remembered_times(fp32_llama, forwards.append, rows=(1,))
+    assert kept and not forwards  # not timed
+    assert times.torch == {1: 1.0} and times.remembered == f"timed then, kept in {kept[0]}"

@@ -133,6 +133,7 @@ def test_a_verify_on_panels_scores_what_the_steps_one_at_a_time_score(fp32_llama
 
 
 def test_choose_takes_panels_where_their_forwards_took_least_in_all(fp32_llama, monkeypatch):
+    monkeypatch.setenv(onednn_linear.TIMES_DIR_ENV, "")  # each planted timing is taken, none read back
     times = onednn_linear.KernelTimes
     # the Xeon's shape: torch's fastest at 1 row, oneDNN's from 4, panels about torch's at 1 and far ahead after
     xeon = times({1: 1.0, 4: 1.6, 8: 1.9}, {1: 1.4, 4: 1.4, 8: 1.7}, 1, {1: 1.02, 4: 1.05, 8: 1.3})
@@ -140,7 +141,7 @@ def test_choose_takes_panels_where_their_forwards_took_least_in_all(fp32_llama, 
     slower = times({1: 1.0, 4: 1.6, 8: 1.9}, {1: 1.4, 4: 1.4, 8: 1.7}, 1, {1: 1.5, 4: 1.5, 8: 1.6})
     assert not slower.panels_faster and not times({1: 1.0}, {1: 2.0}, 1).panels_faster  # not timed: never
     for planted, panels in ((xeon, True), (slower, False)):
-        monkeypatch.setattr(onednn_linear, "time_kernels", lambda model, forward, planted=planted: planted)
+        monkeypatch.setattr(onednn_linear, "time_kernels", lambda model, forward, rows, kept, planted=planted: planted)
         choice = onednn_linear.choose("auto", fp32_llama)
         assert choice.panels == panels and choice.times is planted and choice.min_forward_rows == 1
     assert "the panel kernel" in onednn_linear.KernelChoice(None, 1, xeon, panels=True).summary()

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 
+from specdec.serving import launcher
 from specdec.serving.server import free_ports
 from specdec.serving.server_process import ServerProcess
 from tests.http_get import get
@@ -71,6 +72,36 @@ def test_an_exit_is_a_crash_naming_the_signal_or_code():
     failed, _ = run("raise SystemExit(3)")
     until(lambda: failed.process.poll() is not None)
     assert failed.crash() == "exited with code 3"
+
+
+def test_a_start_counts_as_stalled_once_its_models_loaded_that_long_ago():
+    server, _ = run("""
+        import time
+        print("| Backend | Path | Config |", flush=True)
+        time.sleep(1)
+        print("| Model                | Version | Status |", flush=True)
+        time.sleep(60)
+    """)
+    server.stall_s = 0.5
+    try:
+        until(lambda: b"Backend" in server.out.getvalue())
+        assert server.stalled() is None  # still loading: a slow load is --ready-timeout's business
+        until(lambda: server.loaded_at is not None)
+        assert server.stalled() is None
+        assert until(server.stalled) == "loaded its models and has not opened its endpoints 0.5 s later"
+    finally:
+        server.process.kill()
+        server.process.wait()
+
+
+def test_without_an_nvidia_device_the_server_gets_no_gpu_metrics(tmp_path):
+    layout = launcher.ServerLayout(Path("tritonserver"), Path("backends"), "")
+    assert not launcher.nvidia_device(tmp_path)
+    (tmp_path / "nvidiactl").touch()
+    assert launcher.nvidia_device(tmp_path)
+    command = launcher.server_command(layout, Path("repo"), 1, 2, 3, ["--allow-gpu-metrics=true"])
+    assert ("--allow-gpu-metrics=false" in command) == (not launcher.nvidia_device())
+    assert command[-1] == "--allow-gpu-metrics=true"  # the operator's flags come last, and win
 
 
 STAND_IN = """\
@@ -140,3 +171,70 @@ def test_the_launcher_restarts_a_server_that_reported_a_fatal_signal_and_hangs(t
             raise
     assert not any(Path(f"/proc/{int((root / 'bin' / f'pid{n}').read_text())}").exists()
                    for n in (1, 2)), "a stand-in server outlived the launcher"
+
+
+STALLING = """\
+#!{python}
+# Stands in for tritonserver: its first start loads its "models" and never opens its endpoints; the next answers.
+import http.server, os, sys, threading, time
+from pathlib import Path
+args = dict(a[2:].split("=", 1) for a in sys.argv[1:] if a.startswith("--") and "=" in a)
+starts = Path(__file__).with_name("starts")
+n = int(starts.read_text()) + 1 if starts.exists() else 1
+starts.write_text(str(n))
+Path(__file__).with_name(f"pid{{n}}").write_text(str(os.getpid()))
+print("| Model                | Version | Status |", flush=True)
+if n == 1:
+    while True:
+        time.sleep(1)
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+    def log_message(self, *_):
+        pass
+
+for port in (args["http-port"], args["metrics-port"]):
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", int(port)), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+print(f"stand-in start {{n}} serving", flush=True)
+while True:
+    time.sleep(1)
+"""
+
+
+def test_the_launcher_starts_again_a_server_whose_start_stalled(tmp_path):
+    root = tmp_path / "triton"
+    (root / "bin").mkdir(parents=True)
+    binary = root / "bin" / "tritonserver"
+    binary.write_text(STALLING.format(python=sys.executable))
+    binary.chmod(0o755)
+    (repo := tmp_path / "repo").mkdir()
+    http, grpc, metrics, health = free_ports(4)
+    env = {**os.environ, "HTTP_PORT": str(http), "GRPC_PORT": str(grpc), "METRICS_PORT": str(metrics),
+           "HEALTH_PORT": str(health), "OPENAI_PORT": "0"}
+    log = tmp_path / "launcher.log"
+    with open(log, "wb") as sink:
+        launcher_process = subprocess.Popen(
+            [sys.executable, "-m", "specdec.serving.launcher", "--model-repository", str(repo),
+             "--run-dir", str(tmp_path / "run"), "--triton-root", str(root), "--stall-timeout", "1"],
+            env=env, stdout=sink, stderr=subprocess.STDOUT)
+    try:
+        until(lambda: "READY" in log.read_text(), 30)
+        assert get(f"http://127.0.0.1:{health}/ready")[0] == 200
+        output = log.read_text()
+        assert ("tritonserver loaded its models and has not opened its endpoints 1 s later; starting it again "
+                "(start 2 of at most 3)") in output, output
+        assert "stand-in start 2 serving" in output
+        assert (root / "bin" / "starts").read_text() == "2"
+        first = int((root / "bin" / "pid1").read_text())
+        assert not Path(f"/proc/{first}").exists() or "Z" in Path(f"/proc/{first}/stat").read_text().split()[2]
+    finally:
+        launcher_process.send_signal(signal.SIGTERM)
+        try:
+            launcher_process.wait(30)
+        except subprocess.TimeoutExpired:
+            launcher_process.kill()
+            raise
+    assert not Path(f"/proc/{int((root / 'bin' / 'pid2').read_text())}").exists()

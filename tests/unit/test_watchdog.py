@@ -60,6 +60,13 @@ class Control:
     def decoupled(self, model: str) -> bool:
         return model == "speculative_decoding"
 
+    def instances(self) -> dict[str, set[str]]:
+        """What the server's configs say its Python models run (whether their stubs still do or not)."""
+        found: dict[str, set[str]] = {}
+        for instance, model in self.stubs.models.items():
+            found.setdefault(model, set()).add(instance)
+        return found
+
     def reload(self, model: str, incarnation: int) -> None:
         self.reloads.append((model, incarnation))
         if self.fail:
@@ -97,6 +104,25 @@ def test_a_dead_stub_marks_its_model_down_and_is_reloaded_in_place():
     assert 'specdec_model_up{model="target_model"} 1' in text
     assert 'specdec_model_restarts_total{model="draft_model"} 0' in text
     assert "shm-a" in dog.regions and any(r.startswith("shm-1") for r in dog.regions)
+
+
+@pytest.mark.parametrize("control", [True, False])
+def test_a_stub_dead_before_the_watchdog_armed_is_healed(control):
+    """The instances to watch come from the server's configs: a stub that died between readiness and the
+    first look is missed by a list of the running ones (without model control that is all there is)."""
+    stubs, clock = Stubs(), Clock()
+    reloads = Control(stubs)
+    dog = Watchdog(PORT, reloads if control else None, log=lambda _: None, stubs=stubs, clock=clock,
+                   kill=lambda pid: None)
+    stubs.kill("draft_model_0_0")
+    stubs.kill("speculative_decoding_0_1")
+    dog.arm(SERVER)
+    dog.tick()
+    if control:
+        assert reloads.reloads == [("draft_model", 1)]  # reloaded in place
+        assert dog.restart_wanted.is_set()  # the orchestrator's missing instance: the server restarts
+    else:
+        assert "draft_model" not in dog.models and not dog.restart_wanted.is_set()
 
 
 def test_readiness_names_a_model_while_it_is_down():
@@ -382,3 +408,38 @@ def test_the_launchers_endpoint_answers_ready_live_and_metrics():
         dog.close()
         triton.shutdown()
         triton.server_close()
+
+
+def test_a_text_model_in_one_execute_past_the_hang_timeout_has_its_stub_killed():
+    stubs, clock, killed, lines = Stubs(), Clock(), [], []
+    stubs.running["preprocessing_0_0"] = Stub(21, "preprocessing", "preprocessing_0_0", "S")
+    stubs.models["preprocessing_0_0"] = "preprocessing"
+    wall = [5000.0]
+    executing = {}
+    control = Control(stubs)
+    dog = Watchdog(PORT, control, log=lines.append, stubs=stubs, clock=clock, kill=killed.append,
+                   hang_timeout_s=30, executing=lambda server_pid: dict(executing), wall=lambda: wall[0])
+    dog.arm(SERVER)
+    executing["preprocessing_0_0"] = (wall[0] - 29.0, 21)  # in one execute, not yet past the timeout
+    executing["postprocessing_0_0"] = (wall[0] - 500.0, 99)  # no such stub (a model of another server)
+    dog.tick()
+    assert killed == []
+    executing["preprocessing_0_0"] = (wall[0] - 30.0, 77)  # a stamp another process wrote (the old stub's)
+    clock.now += watchdog.STALL_LOOK_S
+    dog.tick()
+    assert killed == []
+    executing["preprocessing_0_0"] = (wall[0] - 31.0, 21)
+    clock.now += watchdog.STALL_LOOK_S
+    dog.tick()
+    assert killed == [21] and "preprocessing_0_0 has been in one execute for 31 s (hung)" in lines[-1]
+    assert 'specdec_model_execute_hangs_total{model="preprocessing"} 1' in dog.metrics_text()
+    stubs.kill("preprocessing_0_0")  # what the kill does; the next look heals it in place
+    clock.now += watchdog.STALL_LOOK_S
+    dog.tick()
+    assert ("preprocessing", 1) in control.reloads
+    off = Watchdog(PORT, control, log=lambda _: None, stubs=stubs, clock=clock, kill=killed.append,
+                   hang_timeout_s=0, executing=lambda server_pid: dict(executing), wall=lambda: wall[0])
+    off.arm(SERVER)
+    executing["preprocessing_0_0"] = (wall[0] - 1e6, stubs.running["preprocessing_0_0"].pid)
+    off.tick()
+    assert killed == [21]  # 0: never

@@ -15,14 +15,23 @@ beat both from 2 rows on the Xeon (docs/results/2026-11-29-panel-linear.md). `li
 therefore times the model's own forward each way at load (`time_kernels`) and runs it on the fastest
 (`choose`): the panel kernel where its forwards took the least time in all, else each row count on the
 faster of torch's and oneDNN's (a layer may hold both layouts, torch's for 1-3 rows and oneDNN's from 4).
+
+The timing costs seconds of a core per model at every load (the default pair's target: 16.8 s of CPU), one
+model at a time on the machine, at every start and every restart after a crash. So its result is kept on
+disk (`remembered_times`, SPECDEC_KERNEL_TIMES_DIR) under everything it depends on: this CPU, torch, the
+kernels' build, the threads, the model's class and its linear layers' shapes, dtypes and weights (the panel
+kernel's encodings follow the values); a load that finds its key reads the times instead of taking them.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -42,6 +51,9 @@ TIMED_MAX_BYTES = 2 << 30
 # torch's own kernels pad 2-3-row forwards to this many rows where that measures faster (some BLAS builds
 # take a slower path below 4 rows; padding rows are dropped, transformers_forward.padded_rows)
 TORCH_PADDED_ROWS = 4
+# Where `remembered_times` keeps timings: this variable's directory ("" keeps none: every load times), else
+# specdec-kernel-times in the temporary directory. The image points it into its cache volume.
+TIMES_DIR_ENV = "SPECDEC_KERNEL_TIMES_DIR"
 
 
 class PrepackedLinear(nn.Module):
@@ -80,6 +92,7 @@ class KernelTimes:
     onednn: dict[int, float]
     linear_bytes: int
     panels: dict[int, float] | None = None
+    remembered: str | None = None  # read from disk (`remembered_times`): when they were taken, and where kept
 
     def mixed(self) -> dict[int, float]:
         """Each row count's seconds on torch's kernels below `onednn_from` and oneDNN's from there."""
@@ -113,8 +126,19 @@ class KernelTimes:
         def row(times):
             return ", ".join(f"{rows}: {seconds * 1e3:.2f}" for rows, seconds in times.items())
         panels = "" if self.panels is None else f", panels {{{row(self.panels)}}}"
+        remembered = "" if self.remembered is None else f"; {self.remembered}"
         return (f"forwards timed with {self.linear_bytes / 2**20:.0f} MiB of linear weights, ms by rows: "
-                f"torch {{{row(self.torch)}}}, oneDNN {{{row(self.onednn)}}}{panels}")
+                f"torch {{{row(self.torch)}}}, oneDNN {{{row(self.onednn)}}}{panels}{remembered}")
+
+    def to_json(self) -> dict:
+        return {"torch": self.torch, "onednn": self.onednn, "linear_bytes": self.linear_bytes, "panels": self.panels}
+
+    @classmethod
+    def from_json(cls, data: dict, remembered: str | None = None) -> "KernelTimes":
+        def rows(times):
+            return None if times is None else {int(n): float(seconds) for n, seconds in times.items()}
+        return cls(rows(data["torch"]), rows(data["onednn"]), int(data["linear_bytes"]), rows(data["panels"]),
+                   remembered)
 
 
 def causal_lm_forward(model: nn.Module) -> Callable[[int], object]:
@@ -127,7 +151,8 @@ def causal_lm_forward(model: nn.Module) -> Callable[[int], object]:
 
 @torch.inference_mode()
 def time_kernels(model: nn.Module, forward: Callable[[int], object], rows: tuple[int, ...] = TIMED_ROWS,
-                 repeats: int = 3, budget_s: float = 1.0, most_repeats: int = 25) -> KernelTimes:
+                 repeats: int = 3, budget_s: float = 1.0, most_repeats: int = 25,
+                 kept: Callable[[], KernelTimes | None] | None = None) -> KernelTimes:
     """The model's forward over each row count (`forward(n)`) with its linears on torch's kernels, on
     oneDNN's reordered weights and, where it runs (float32), on the panel kernel (each swapped in for the
     timing, a copy of each weight meanwhile), the quickest of at least `repeats`, interleaved so a noisy
@@ -136,7 +161,11 @@ def time_kernels(model: nn.Module, forward: Callable[[int], object], rows: tuple
 
     A small model (a draft head) repeats as often as fits `budget_s` (at most `most_repeats`), going by its
     untimed first pass: the other stubs load beside the timing, and with 3 repeats of a head's millisecond
-    forwards the default pair's head went to torch's kernels in some starts, its served step twice as slow."""
+    forwards the default pair's head went to torch's kernels in some starts, its served step twice as slow.
+
+    `kept()`, asked once the machine's timing lock is held, may return times another process took meanwhile
+    (`remembered_times`): those are returned untimed. The layers' copies are made before the lock: encoding
+    a target's weights for the panel kernel takes seconds, which overlap another model's timing."""
     linears = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
                if isinstance(child, nn.Linear)]
     if not linears:
@@ -153,6 +182,8 @@ def time_kernels(model: nn.Module, forward: Callable[[int], object], rows: tuple
     seconds: dict[str, dict[int, list[float]]] = {kind: {n: [] for n in rows} for kind in layers}
     try:
         with _timing_alone():
+            if kept is not None and (times := kept()) is not None:
+                return times
             started = time.perf_counter()
             for n in rows:  # once untimed: oneDNN builds its kernel for each shape on first use
                 for kind in seconds:
@@ -172,6 +203,70 @@ def time_kernels(model: nn.Module, forward: Callable[[int], object], rows: tuple
     # the quickest of each: what the kernel costs when nothing else on the machine intervenes
     quickest = {kind: {n: min(values) for n, values in by_rows.items()} for kind, by_rows in seconds.items()}
     return KernelTimes(quickest["torch"], quickest["onednn"], linear_bytes(model), quickest.get("panels"))
+
+
+def times_directory() -> Path | None:
+    """Where timings are kept (TIMES_DIR_ENV), or None: nowhere."""
+    value = os.environ.get(TIMES_DIR_ENV)
+    if value is None:
+        return Path(tempfile.gettempdir()) / "specdec-kernel-times"
+    return Path(value) if value else None
+
+
+def timing_key(model: nn.Module, rows: tuple[int, ...]) -> dict:
+    """Everything a model's kernel times depend on: the machine and its kernels' build (panel_linear's
+    digest: the sources, flags, torch and this CPU), the threads a forward runs on, the forward's rows, and
+    the model: its class, and each linear layer's shape, dtype, device and a sample of its weights (the
+    panel kernel holds a layer in the fewest bytes its values allow: another checkpoint of the same shapes
+    may time otherwise)."""
+    weights = hashlib.sha256()
+    layers = []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            weight = module.weight.detach()
+            layers.append([name, list(weight.shape), str(weight.dtype), module.bias is not None])
+            flat = weight.reshape(-1)
+            weights.update(flat[:: max(1, flat.numel() // 4096)].float().cpu().numpy().tobytes())
+    weight = next(model.parameters())
+    return {"kernels": panel_linear.build_digest(), "threads": torch.get_num_threads(), "rows": list(rows),
+            "device": str(weight.device), "model": type(model).__name__, "linears": layers,
+            "weights": weights.hexdigest(), "encodings": sorted(panel_linear.allowed_encodings())}
+
+
+def remembered_times(model: nn.Module, forward: Callable[[int], object],
+                     rows: tuple[int, ...] = TIMED_ROWS) -> KernelTimes:
+    """The model's kernel times (`time_kernels`), read from `times_directory()` where a load with the same
+    `timing_key` kept them, else taken (one timing at a time on the machine: a server's stubs that load the
+    same model at once time it once) and kept. A file that cannot be read, or written, is timed around."""
+    directory = times_directory()
+    if directory is None:
+        return time_kernels(model, forward, rows=rows, kept=None)
+    key = timing_key(model, rows)
+    path = directory / f"{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]}.json"
+    if (times := _read_times(path, key)) is not None:
+        return times
+    times = time_kernels(model, forward, rows=rows, kept=lambda: _read_times(path, key))
+    if times.remembered is not None:  # timed by another process while this one waited for the lock
+        return times
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        staging = path.with_suffix(f".{os.getpid()}.tmp")
+        staging.write_text(json.dumps({"key": key, "timed_at": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+                                       "times": times.to_json()}, sort_keys=True))
+        os.replace(staging, path)  # whole or not at all, for a reader in another process
+    except OSError:
+        pass
+    return times
+
+
+def _read_times(path: Path, key: dict) -> KernelTimes | None:
+    try:
+        data = json.loads(path.read_text())
+        if data["key"] != key:  # a digest's collision, in theory
+            return None
+        return KernelTimes.from_json(data["times"], f"timed {data['timed_at']}, kept in {path}")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
 
 
 def linear_bytes(model: nn.Module) -> int:
@@ -236,7 +331,7 @@ class KernelChoice:
                        f"(both copies of the weights held)")
         if self.times is None:
             return f"linear layers on {kernels}"
-        return f"linear layers on {kernels}, the faster as timed here ({self.times.summary()})"
+        return f"linear layers on {kernels}, the faster as timed on this machine ({self.times.summary()})"
 
 
 TORCH = KernelChoice(onednn_from=None)
@@ -247,7 +342,7 @@ PANELS = KernelChoice(onednn_from=None, min_forward_rows=1, panels=True)
 def choose(kind: str, model: nn.Module, forward: Callable[[int], object] | None = None) -> KernelChoice:
     """The `linear_kernels` setting for this model on this machine: onednn, panels and torch as asked (the
     first two only where they run); auto, where supported, times the model's forward each way
-    (`time_kernels`; `forward`: `causal_lm_forward` unless given) and takes the panel kernel where its
+    (`remembered_times`; `forward`: `causal_lm_forward` unless given) and takes the panel kernel where its
     forwards took the least time in all, else runs each row count on the faster of torch's and oneDNN's
     (`KernelTimes.onednn_from`), torch's kernels padding 2-3-row forwards only where that measured faster."""
     device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
@@ -257,7 +352,7 @@ def choose(kind: str, model: nn.Module, forward: Callable[[int], object] | None 
         return PANELS
     if kind == "onednn" or linear_bytes(model) > TIMED_MAX_BYTES:
         return ONEDNN
-    times = time_kernels(model, forward or causal_lm_forward(model))
+    times = remembered_times(model, forward or causal_lm_forward(model))
     if times.panels_faster:
         return KernelChoice(onednn_from=None, min_forward_rows=1, times=times, panels=True)
     start = times.onednn_from

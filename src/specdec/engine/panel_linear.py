@@ -96,6 +96,15 @@ def _extensions_dir() -> Path:
 
 
 @functools.lru_cache(maxsize=None)
+def build_digest() -> str:
+    """What a build is made of: the sources, the flags, torch and this CPU (a build's directory is named
+    after it; onednn_linear keeps its timings under it too)."""
+    source = SOURCE.read_text() + "\n" + LAYER_SOURCE.read_text()
+    return hashlib.sha256("\0".join([source, HEADER.read_text(), BINDINGS.read_text(), *CFLAGS, *LDFLAGS,
+                                     torch.__version__, _cpu_identity()]).encode()).hexdigest()[:16]
+
+
+@functools.lru_cache(maxsize=None)
 def build() -> Build:
     """Compile (or load the cached build of) the kernel, once per process; one build at a time per machine
     (a file lock: a server's model stubs load together)."""
@@ -103,9 +112,7 @@ def build() -> Build:
         # Two translation units, compiled in parallel: the kernels (both sources as one, against ATen's
         # few headers) and their bindings (pybind11 and torch's tensor conversions)
         source = SOURCE.read_text() + "\n" + LAYER_SOURCE.read_text()
-        digest = hashlib.sha256("\0".join([source, HEADER.read_text(), BINDINGS.read_text(), *CFLAGS, *LDFLAGS,
-                                           torch.__version__, _cpu_identity()]).encode()).hexdigest()[:16]
-        name = f"specdec_panel_linear_{digest}"
+        name = f"specdec_panel_linear_{build_digest()}"
         directory = _extensions_dir() / name
         directory.mkdir(parents=True, exist_ok=True)
         from torch.utils.cpp_extension import load

@@ -42,6 +42,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from specdec import tensor_names as tn
 from specdec.serving import mps, pairs, repository
@@ -52,10 +53,13 @@ from specdec.serving.healthcheck import (
 )
 from specdec.serving.metrics_text import samples, scrape, sum_samples
 from specdec.serving.pairs import log
-from specdec.serving.server_process import ServerProcess
+from specdec.serving.server_process import ENDPOINTS_STALL_S, ServerProcess
 from specdec.serving.watchdog import (DEFAULT_HANG_TIMEOUT_S, ModelControl, Watchdog, control_mode,
-                                      restricted_header)
+                                      restricted_header, stubs_of)
+from specdec.triton import execute_clock
 from specdec.triton.admission import cancellation, kv_room, sequence_slots
+
+START_ATTEMPTS = 3  # starts of a server that stalls (come_up), before the launcher gives up on it
 
 
 LAUNCHER_KEY_HEADER = "specdec-launcher-key"  # the header of the repository API key the launcher makes up
@@ -120,8 +124,16 @@ def server_command(layout: ServerLayout, repo: Path, http: int, grpc: int, metri
         # Every model loads at once: with Triton's 4 at a time, target_model (last by name, the slowest to
         # load) waited for the light ones; the tiny pair with three drafts got ready in 21-22 s, not 27.
         "--model-load-thread-count=16",
+        # Without an NVIDIA device, DCGM's start (for GPU metrics) can only fail: it is where a restarted
+        # server's start stalled once (server_process.py). Flags after `--` come later and win.
+        *([] if nvidia_device() else ["--allow-gpu-metrics=false"]),
         *(extra or []),
     ]
+
+
+def nvidia_device(dev: Path = Path("/dev")) -> bool:
+    """True where the NVIDIA driver's control device exists (a GPU machine, or a container given its GPUs)."""
+    return (dev / "nvidiactl").exists()
 
 
 def accepts(port: int, timeout_s: float = 1.0) -> bool:
@@ -156,11 +168,16 @@ def on_signals(act, signums=(signal.SIGTERM, signal.SIGINT)) -> None:
         signal.signal(signum, lambda signum, _frame: received.put(signum))
 
 
+class StartStalled(RuntimeError):
+    """The server loaded its models and did not open its endpoints (server_process.py)."""
+
+
 def wait_ready(http_port: int, process: subprocess.Popen, timeout_s: float,
-               stop: threading.Event | None = None, metrics_port: int | None = None) -> None:
+               stop: threading.Event | None = None, metrics_port: int | None = None,
+               stalled: Callable[[], str | None] | None = None) -> None:
     """Return once tritonserver is ready and, given metrics_port, its metrics endpoint listens (Triton opens
     it after the HTTP endpoint, so "ready" alone leaves a moment where a scrape is refused); or as soon as
-    `stop` is set (a signal arrived)."""
+    `stop` is set (a signal arrived). Raises StartStalled once `stalled()` says why."""
     deadline = time.monotonic() + timeout_s
     last_note = 0.0
     while time.monotonic() < deadline:
@@ -171,11 +188,34 @@ def wait_ready(http_port: int, process: subprocess.Popen, timeout_s: float,
         # Triton's own readiness: the launcher's (is_ready) also says no while the watchdog restarts it.
         if answers(ready_url(http_port), 2.0) and (metrics_port is None or accepts(metrics_port)):
             return
+        if stalled is not None and (why := stalled()) is not None:
+            raise StartStalled(f"tritonserver {why}")
         if time.monotonic() - last_note > 10:
             log("models loading ...")
             last_note = time.monotonic()
         time.sleep(0.5)
     raise TimeoutError(f"tritonserver not ready after {timeout_s:.0f} s")
+
+
+def come_up(current: list[ServerProcess], start_server: Callable[[], ServerProcess], http_port: int,
+            metrics_port: int, timeout_s: float, stop: threading.Event) -> None:
+    """wait_ready for the server in current[0]; one whose start stalls is killed with its stubs and started
+    again in its place, at most START_ATTEMPTS times in all."""
+    for start in range(1, START_ATTEMPTS + 1):
+        try:
+            wait_ready(http_port, current[0].process, timeout_s, stop, metrics_port, stalled=current[0].stalled)
+            return
+        except StartStalled as exc:
+            if start == START_ATTEMPTS:
+                raise
+            log(f"{exc}; starting it again (start {start + 1} of at most {START_ATTEMPTS})")
+        server = current[0]
+        regions = {stub.shm for stub in stubs_of(server.pid)}  # before the kill: found from its stubs' arguments
+        server.process.kill()
+        server.process.wait()
+        stop_group(server.process, regions)
+        server.flushed()
+        current[0] = start_server()
 
 
 def wait_gateway(gateway: GatewayProcess, stop: threading.Event, timeout_s: float = 60.0) -> None:
@@ -357,6 +397,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="an installed Triton (e.g. /opt/tritonserver) instead of the wheel's server")
     parser.add_argument("--run-dir", default=None, help="where the rendered repository and backends go")
     parser.add_argument("--ready-timeout", type=float, default=600.0)
+    parser.add_argument("--stall-timeout", type=float, default=ENDPOINTS_STALL_S,
+                        help="a server whose endpoints are not up this long after it loaded its models is "
+                             f"stalled: it is killed and started again (at most {START_ATTEMPTS} starts)")
     parser.add_argument("--drain-timeout", type=float, default=60.0,
                         help="after SIGTERM: readiness drops, requests in flight may finish for this long")
     parser.add_argument("--heal-timeout", type=float, default=300.0,
@@ -364,7 +407,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "liveness (GET /live on HEALTH_PORT) fails")
     parser.add_argument("--hang-timeout", type=float, default=DEFAULT_HANG_TIMEOUT_S,
                         help="an orchestrator instance whose event loop has not turned for this long while it had "
-                             "requests generating is hung: its stub is killed and the server restarted (0: never)")
+                             "requests generating is hung: its stub is killed and the server restarted; a text "
+                             "model's instance in one execute this long likewise, reloaded in place (0: never)")
     parser.add_argument("--no-heal", dest="heal", action="store_false",
                         help="no watchdog: a dead stub stays dead (and readiness does not notice)")
     args, extra = parser.parse_known_args(argv)
@@ -436,9 +480,12 @@ def main(argv: list[str] | None = None) -> int:
         # restarting the server.
         control = (ModelControl(http_port, restricted_header(args.server_args), args.ready_timeout)
                    if control_mode(args.server_args) == "explicit" else None)
+        server_metrics = RecentScrape(metrics_port)  # one scrape for both reads of a look
         watchdog = Watchdog(http_port, control, heal_timeout_s=args.heal_timeout, log=log,
-                            stalls=lambda: unanswered_calls(metrics_port),
-                            heartbeats=lambda: orchestrator_heartbeats(metrics_port), hang_timeout_s=args.hang_timeout)
+                            stalls=lambda: unanswered_calls(server_metrics.text()),
+                            heartbeats=lambda: orchestrator_heartbeats(server_metrics.text()),
+                            hang_timeout_s=args.hang_timeout,
+                            executing=lambda pid: execute_clock.executing_since(execute_clock.default_directory(pid)))
     endpoint = None
     if health_port():
         try:
@@ -465,7 +512,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def start_server() -> ServerProcess:
         # Its own process group, which its stubs join: whatever outlives it is found and stopped below.
-        return ServerProcess(command, env=server_env(layout, mps_daemon.env if mps_daemon else None))
+        return ServerProcess(command, env=server_env(layout, mps_daemon.env if mps_daemon else None),
+                             stall_s=args.stall_timeout)
 
     current = [start_server()]  # the server process (a restart replaces it; the signal handler reads it)
     if gateway is not None:
@@ -494,7 +542,7 @@ def main(argv: list[str] | None = None) -> int:
 
     on_signals(stop)
     try:
-        wait_ready(http_port, current[0].process, args.ready_timeout, stopping, metrics_port)
+        come_up(current, start_server, http_port, metrics_port, args.ready_timeout, stopping)
         if not stopping.is_set():
             serving.set()
             if watchdog is not None:
@@ -564,28 +612,43 @@ def stop_group(process: subprocess.Popen, regions: set[str] = frozenset()) -> No
         os.killpg(process.pid, signal.SIGKILL)
     # The cancellation flags, live-sequence slots and KV-room line its stubs shared (named after its PID).
     for scratch in [cancellation.default_directory(process.pid), kv_room.default_directory(process.pid),
-                    *sequence_slots.server_directories(process.pid)]:
+                    execute_clock.default_directory(process.pid), *sequence_slots.server_directories(process.pid)]:
         shutil.rmtree(scratch, ignore_errors=True)
     for region in regions:
         if region and "/" not in region:
             Path("/dev/shm", region).unlink(missing_ok=True)
 
 
-def unanswered_calls(metrics_port: int) -> dict[str, float]:
-    """Per model, the calls the orchestrator's instances gave up waiting for (tn.MODEL_CALL_TIMEOUTS)."""
+class RecentScrape:
+    """The server's metrics text, scraped at most once per `max_age_s`: the watchdog reads two families
+    in each look (every 5 s), and Triton renders the whole text (~25 kB) for each scrape."""
+
+    def __init__(self, metrics_port: int, max_age_s: float = 1.0, clock: Callable[[], float] = time.monotonic):
+        self.url, self.max_age_s, self.clock = f"127.0.0.1:{metrics_port}", max_age_s, clock
+        self._text, self._at = "", -float("inf")
+
+    def text(self) -> str:
+        if self.clock() - self._at >= self.max_age_s:
+            self._text = scrape(self.url)  # raises OSError where the server does not answer: nothing kept
+            self._at = self.clock()
+        return self._text
+
+
+def unanswered_calls(text: str) -> dict[str, float]:
+    """Per model, the calls the orchestrator's instances gave up waiting for (tn.MODEL_CALL_TIMEOUTS), from
+    the server's metrics text."""
     counts: dict[str, float] = {}
     # Its lines only: parsing the whole text (Triton's metrics, ~25 kB) took ~10 ms of CPU a read.
-    lines = [line for line in scrape(f"127.0.0.1:{metrics_port}").splitlines()
-             if line.startswith(tn.MODEL_CALL_TIMEOUTS + "{")]
+    lines = [line for line in text.splitlines() if line.startswith(tn.MODEL_CALL_TIMEOUTS + "{")]
     for labels, value in samples("\n".join(lines) + "\n", tn.MODEL_CALL_TIMEOUTS):
         counts[labels.get("model", "")] = counts.get(labels.get("model", ""), 0.0) + value
     return counts
 
 
-def orchestrator_heartbeats(metrics_port: int) -> dict[str, tuple[float, float]]:
+def orchestrator_heartbeats(text: str) -> dict[str, tuple[float, float]]:
     """Per orchestrator instance that has served: its event loop's turns and its requests generating
-    (tn.ORCHESTRATOR_HEARTBEATS, tn.LIVE_SEQUENCES)."""
-    lines = [line for line in scrape(f"127.0.0.1:{metrics_port}").splitlines()
+    (tn.ORCHESTRATOR_HEARTBEATS, tn.LIVE_SEQUENCES), from the server's metrics text."""
+    lines = [line for line in text.splitlines()
              if line.startswith((tn.ORCHESTRATOR_HEARTBEATS + "{", tn.LIVE_SEQUENCES + "{"))]
     text = "\n".join(lines) + "\n"
     live = {labels.get("instance", ""): value for labels, value in samples(text, tn.LIVE_SEQUENCES)}
@@ -640,7 +703,7 @@ def restart_server(current: list[ServerProcess], start_server, watchdog: Watchdo
         return False
     current[0] = start_server()
     try:
-        wait_ready(http_port, current[0].process, args.ready_timeout, stopping, metrics_port)
+        come_up(current, start_server, http_port, metrics_port, args.ready_timeout, stopping)
     except (RuntimeError, TimeoutError) as exc:
         log(f"watchdog: the restarted server did not come up: {exc}")
         if current[0].process.poll() is None:

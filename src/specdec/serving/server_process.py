@@ -9,6 +9,12 @@ Python backend aborted the server, whose exit then never finished; it kept answe
 watchdog even reloaded the dead model through it) while the requests in flight waited for ever. So the
 launcher reads the server's output, copying each line to its own, and a server that reported a fatal
 signal counts as crashed once `FATAL_EXIT_GRACE_S` has passed without it exiting.
+
+A start can stall too. Seen once in CI, after a SIGABRT: the restarted server loaded every model, printed
+its table of models, and never opened its endpoints (the next lines of a good start are DCGM's attempt at
+GPU metrics, then the endpoints, all within a tenth of a second). The output says when the models are
+loaded; a server whose endpoints are not up `ENDPOINTS_STALL_S` after that counts as stalled, and the
+launcher starts it again.
 """
 
 from __future__ import annotations
@@ -26,6 +32,10 @@ from typing import BinaryIO, Callable
 FATAL_SIGNALS = frozenset({signal.SIGILL, signal.SIGABRT, signal.SIGBUS, signal.SIGFPE, signal.SIGSEGV})
 SIGNAL_LINE = re.compile(rb"^Signal \((\d+)\) received\.")
 FATAL_EXIT_GRACE_S = 5.0  # Triton's exit after a fatal signal took under a second where it did not hang
+# The header of the table Triton prints once every model has loaded (or failed to).
+MODELS_TABLE = re.compile(rb"^\| Model +\| Version +\| Status +\|")
+# From that table to open endpoints took 3-50 ms here; DCGM's start on a GPU machine takes a few seconds.
+ENDPOINTS_STALL_S = 20.0
 
 
 def signal_name(signum: int) -> str:
@@ -40,10 +50,12 @@ class ServerProcess:
     line by line to `out` by a thread of its own. `process` is the Popen, for waiting and stopping."""
 
     def __init__(self, command: list[str], env: dict[str, str], out: BinaryIO | None = None,
-                 grace_s: float = FATAL_EXIT_GRACE_S, clock: Callable[[], float] = time.monotonic):
-        self.grace_s, self.clock = grace_s, clock
+                 grace_s: float = FATAL_EXIT_GRACE_S, clock: Callable[[], float] = time.monotonic,
+                 stall_s: float = ENDPOINTS_STALL_S):
+        self.grace_s, self.clock, self.stall_s = grace_s, clock, stall_s
         self.out = out if out is not None else sys.stdout.buffer
         self.fatal: tuple[int, float] | None = None  # the fatal signal it reported, and when
+        self.loaded_at: float | None = None  # when it printed its table of loaded models
         self.process = subprocess.Popen(command, env=env, start_new_session=True,
                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         self._relay = threading.Thread(target=self._copy_output, daemon=True, name="server-output")
@@ -63,6 +75,8 @@ class ServerProcess:
             match = SIGNAL_LINE.match(line)
             if match and self.fatal is None and int(match[1]) in FATAL_SIGNALS:
                 self.fatal = (int(match[1]), self.clock())
+            if self.loaded_at is None and MODELS_TABLE.match(line):
+                self.loaded_at = self.clock()
         self.process.stdout.close()
 
     def crash(self) -> str | None:
@@ -74,6 +88,13 @@ class ServerProcess:
         if self.fatal is not None and self.clock() - self.fatal[1] >= self.grace_s:
             return (f"reported {signal_name(self.fatal[0])} and has not exited "
                     f"{self.grace_s:g} s later")
+        return None
+
+    def stalled(self) -> str | None:
+        """Asked while its endpoints are not up: why its start counts as stalled, in words that follow its
+        name, or None."""
+        if self.loaded_at is not None and self.clock() - self.loaded_at >= self.stall_s:
+            return f"loaded its models and has not opened its endpoints {self.stall_s:g} s later"
         return None
 
     def flushed(self, timeout_s: float = 5.0) -> None:

@@ -27,7 +27,10 @@ millisecond) and compares each model's stub instances with the ones it saw when 
   above. **An orchestrator that hangs** (its event loop blocked: a call that never returns, a deadlock):
   each instance counts its loop's turns (`specdec_orchestrator_heartbeats_total{instance}`, one a second);
   read with the counter above, an instance with requests generating whose count has not moved for
-  `hang_timeout_s` has its stub killed, and the server is restarted as for any dead orchestrator.
+  `hang_timeout_s` has its stub killed, and the server is restarted as for any dead orchestrator. **A
+  text model that hangs** (preprocessing, postprocessing: ensemble steps no orchestrator calls): each
+  instance stamps since when its current execute runs (triton/execute_clock.py); one in the same execute
+  for `hang_timeout_s` has its stub killed, and the model is reloaded in place.
 - **Back off**: a model that dies again within `STABLE_S` of its last heal waits 1, 2, 4 ... 60 s
   between attempts; a failed reload too; a server that crashes again within `STABLE_S` of its restart
   likewise. **Liveness** fails once a model, or the server, has been down for longer than
@@ -123,6 +126,19 @@ class ModelControl:
     def decoupled(self, model: str) -> bool:
         return bool(self.config(model).get("model_transaction_policy", {}).get("decoupled", False))
 
+    def instances(self) -> dict[str, set[str]]:
+        """The instances (one stub each) of every loaded Python-backend model, from Triton's repository index
+        and the models' configs: an instance group `G` of count `n` runs `G_0` .. `G_{n-1}`."""
+        found: dict[str, set[str]] = {}
+        for entry in self._call("/repository/index", {}):
+            if entry.get("state") != "READY" or entry["name"] in found:
+                continue
+            config = self.config(entry["name"])
+            if config.get("backend") == "python":
+                found[entry["name"]] = {f"{group['name']}_{i}" for group in config.get("instance_group", [])
+                                        for i in range(int(group.get("count", 1)))}
+        return found
+
     def reload(self, model: str, incarnation: int) -> None:
         """Load `model` again with the configuration it runs with: new instances (new stubs) replace the
         old ones. Raises RuntimeError naming the refusal."""
@@ -172,7 +188,9 @@ class Watchdog:
                  kill: Callable[[int], None] = lambda pid: os.kill(pid, signal.SIGKILL),
                  stalls: Callable[[], dict[str, float]] | None = None,
                  heartbeats: Callable[[], dict[str, tuple[float, float]]] | None = None,
-                 hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S):
+                 hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S,
+                 executing: Callable[[int], dict[str, tuple[float, int]]] | None = None,
+                 wall: Callable[[], float] = time.time):
         self.marker = down_marker(http_port)
         self.control, self.heal_timeout_s, self.period_s = control, heal_timeout_s, period_s
         self.log, self.stubs, self.clock, self.kill = log, stubs, clock, kill
@@ -185,6 +203,10 @@ class Watchdog:
         self.heartbeats, self.hang_timeout_s = heartbeats, hang_timeout_s
         self._beats_seen: dict[str, tuple[float, float]] = {}
         self.orchestrator_hangs = 0
+        # Per text-model instance of the server (its pid): since when (wall clock) its current execute runs,
+        # and its stub's pid (triton/execute_clock.py); one running for hang_timeout_s is hung.
+        self.executing, self.wall = executing, wall
+        self.execute_hangs: dict[str, int] = {}
         self._next_stall_look = 0.0
         self.models: dict[str, ModelHealth] = {}
         self.regions: set[str] = set()  # the stubs' shared-memory regions seen (removed once the server is gone)
@@ -202,11 +224,21 @@ class Watchdog:
 
     # ---- the server's life -------------------------------------------------------------------------
     def arm(self, server_pid: int) -> None:
-        """Watch the stubs of this (ready) server; what went down before is up again."""
+        """Watch the stubs of this (ready) server: the instances its models run (asked of the server, where
+        there is model control) and those found running; what went down before is up again."""
         seen: dict[str, set[str]] = {}
         for stub in self.stubs(server_pid):
             seen.setdefault(stub.model, set()).add(stub.instance)
             self.regions.add(stub.shm)
+        # A stub that died between the server's readiness and this look is in no list of running ones, and
+        # would never be watched: seen once, a stub killed just as its server turned ready (the launcher
+        # notices readiness up to half a second after a client can).
+        if self.control is not None:
+            try:
+                for model, instances in self.control.instances().items():
+                    seen.setdefault(model, set()).update(instances)
+            except (OSError, ValueError, RuntimeError, KeyError, TypeError) as exc:
+                self.log(f"watchdog: the server's models could not be listed ({exc}); watching the stubs running")
         now = self.clock()
         with self._lock:
             if server_pid != self.server_pid and self.server_pid:
@@ -269,10 +301,12 @@ class Watchdog:
             seen = alive.setdefault(stub.model, {}).get(stub.instance)
             if seen is None or seen.state in DEAD_STATES:
                 alive[stub.model][stub.instance] = stub
-        if (self.stalls is not None or self.heartbeats is not None) and now >= self._next_stall_look:
+        if ((self.stalls is not None or self.heartbeats is not None or self.executing is not None)
+                and now >= self._next_stall_look):
             self._next_stall_look = now + STALL_LOOK_S
             self._kill_stalled(alive)
             self._kill_hung(alive, now)
+            self._kill_long_executes(alive)
         for model, health in list(self.models.items()):
             problem = self._problem(health, alive.get(model, {}), now)
             if problem and health.down_since is None:
@@ -328,6 +362,24 @@ class Watchdog:
                 self.orchestrator_hangs += 1
                 self._beats_seen.pop(instance)
                 self.kill(stub.pid)
+
+    def _kill_long_executes(self, alive: dict[str, dict[str, Stub]]) -> None:
+        """Kill the stub of every text-model instance whose current execute has run for hang_timeout_s (a
+        tokenizer that never returns): its death is then seen and healed like any other. Only the stub that
+        wrote the stamp: a reloaded instance's new stub reuses the file."""
+        if self.executing is None or not self.hang_timeout_s:
+            return
+        now = self.wall()
+        stubs = {instance: stub for instances in alive.values() for instance, stub in instances.items()}
+        for instance, (since, pid) in self.executing(self.server_pid).items():
+            stub = stubs.get(instance)
+            if stub is None or stub.pid != pid or stub.state in DEAD_STATES or now - since < self.hang_timeout_s:
+                continue
+            self.log(f"watchdog: {instance} has been in one execute for {now - since:.0f} s (hung); killing its "
+                     f"stub ({stub.pid})")
+            with self._lock:
+                self.execute_hangs[stub.model] = self.execute_hangs.get(stub.model, 0) + 1
+            self.kill(stub.pid)
 
     def _problem(self, health: ModelHealth, running: dict[str, Stub], now: float) -> str:
         for instance in sorted(health.instances):
@@ -447,4 +499,8 @@ class Watchdog:
                       "turning with requests generating (its stub killed, the server restarted)",
                       "# TYPE specdec_orchestrator_hangs_total counter",
                       f"specdec_orchestrator_hangs_total {self.orchestrator_hangs}"]
+            lines += ["# HELP specdec_model_execute_hangs_total Times an instance of a text model (preprocessing, "
+                      "postprocessing) stayed in one execute past the hang timeout (its stub killed, the model "
+                      "reloaded)", "# TYPE specdec_model_execute_hangs_total counter"]
+            lines += [f'specdec_model_execute_hangs_total{{model="{m}"}} {n}' for m, n in sorted(self.execute_hangs.items())]
         return "\n".join(lines) + "\n"

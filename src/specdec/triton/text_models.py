@@ -9,6 +9,7 @@ from specdec.decoding.text import chat_ids, chat_messages, chat_tools, decode_de
 from specdec.triton.adapter import TritonAdapter
 from specdec.triton.admission.cancellation import CancellationBoard
 from specdec.triton.config import ModelParameters
+from specdec.triton.execute_clock import ExecuteClock
 
 
 class PreprocessingAdapter(TritonAdapter):
@@ -17,8 +18,13 @@ class PreprocessingAdapter(TritonAdapter):
         self.chat_template_default = params.bool("apply_chat_template", False)
         if self.chat_template_default and not self.tokenizer.chat_template:
             raise ValueError(f"{params.model_name}: parameter 'apply_chat_template' is true but the tokenizer has no chat template")
+        self.execute_clock = ExecuteClock(args["model_instance_name"])  # the watchdog's view of a hang
 
     def execute(self, requests):
+        with self.execute_clock:
+            return self._execute(requests)
+
+    def _execute(self, requests):
         pb = self.pb
         responses = []
         for request in requests:
@@ -113,8 +119,13 @@ class PostprocessingAdapter(TritonAdapter):
     def load(self, params: ModelParameters, args: dict) -> None:
         self.tokenizer = load_tokenizer(params.str("tokenizer_path"))
         self.cancellations = CancellationBoard()
+        self.execute_clock = ExecuteClock(args["model_instance_name"])  # the watchdog's view of a hang
 
     def execute(self, requests):
+        with self.execute_clock:
+            return self._execute(requests)
+
+    def _execute(self, requests):
         pb = self.pb
         responses = []
         for request in requests:
