@@ -6,6 +6,7 @@ be produced on demand with the real server, so the launcher's whole loop is run 
 binary given as --triton-root: it answers the readiness and metrics endpoints, writes Triton's line for a
 fatal signal, and hangs on, still answering."""
 
+import contextlib
 import io
 import os
 import signal
@@ -106,87 +107,19 @@ def test_without_an_nvidia_device_the_server_gets_no_gpu_metrics(tmp_path):
 
 STAND_IN = """\
 #!{python}
-# Stands in for tritonserver: answers readiness and metrics; its first start reports SIGABRT once ready and hangs on.
+# Stands in for tritonserver: answers readiness and metrics. Its first start, by BEHAVIOUR: "abort" reports
+# SIGABRT once ready and hangs on; "stall" prints its table of models and never opens its endpoints.
 import http.server, os, sys, threading, time
 from pathlib import Path
-args = dict(a[2:].split("=", 1) for a in sys.argv[1:] if a.startswith("--") and "=" in a)
-starts = Path(__file__).with_name("starts")
-n = int(starts.read_text()) + 1 if starts.exists() else 1
-starts.write_text(str(n))
-Path(__file__).with_name(f"pid{{n}}").write_text(str(os.getpid()))
-
-class Handler(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):
-        self.send_response(200)
-        self.end_headers()
-    def log_message(self, *_):
-        pass
-
-for port in (args["http-port"], args["metrics-port"]):
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", int(port)), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-print(f"stand-in start {{n}}", flush=True)
-if n == 1:
-    time.sleep(1.5)
-    print("Signal (6) received.", file=sys.stderr, flush=True)
-while True:
-    time.sleep(1)
-"""
-
-
-def test_the_launcher_restarts_a_server_that_reported_a_fatal_signal_and_hangs(tmp_path):
-    root = tmp_path / "triton"
-    (root / "bin").mkdir(parents=True)
-    binary = root / "bin" / "tritonserver"
-    binary.write_text(STAND_IN.format(python=sys.executable))
-    binary.chmod(0o755)
-    (repo := tmp_path / "repo").mkdir()
-    http, grpc, metrics, health = free_ports(4)
-    env = {**os.environ, "HTTP_PORT": str(http), "GRPC_PORT": str(grpc), "METRICS_PORT": str(metrics),
-           "HEALTH_PORT": str(health), "OPENAI_PORT": "0"}
-    log = tmp_path / "launcher.log"
-    with open(log, "wb") as sink:
-        launcher = subprocess.Popen([sys.executable, "-m", "specdec.serving.launcher", "--model-repository", str(repo),
-                                     "--run-dir", str(tmp_path / "run"), "--triton-root", str(root)],
-                                    env=env, stdout=sink, stderr=subprocess.STDOUT)
-    try:
-        metrics_url = f"http://127.0.0.1:{health}/metrics"
-        until(lambda: "specdec_server_crashes_total 1" in get(metrics_url)[1], 30)
-        until(lambda: (root / "bin" / "pid2").exists(), 10)
-        until(lambda: "specdec_server_restarts_total 1" in get(metrics_url)[1], 20)
-        assert get(f"http://127.0.0.1:{health}/ready")[0] == 200
-        assert get(f"http://127.0.0.1:{health}/live")[0] == 200
-        first = int((root / "bin" / "pid1").read_text())
-        assert not Path(f"/proc/{first}").exists() or "Z" in Path(f"/proc/{first}/stat").read_text().split()[2]
-        output = log.read_text()
-        assert "stand-in start 1" in output and "Signal (6) received." in output  # its output passed through
-        assert "tritonserver reported SIGABRT and has not exited 5 s later; restarting it" in output, output
-        assert "watchdog: tritonserver restarted and ready (server restart 1)" in output
-    finally:
-        launcher.send_signal(signal.SIGTERM)
-        try:
-            launcher.wait(30)
-        except subprocess.TimeoutExpired:
-            launcher.kill()
-            raise
-    assert not any(Path(f"/proc/{int((root / 'bin' / f'pid{n}').read_text())}").exists()
-                   for n in (1, 2)), "a stand-in server outlived the launcher"
-
-
-STALLING = """\
-#!{python}
-# Stands in for tritonserver: its first start loads its "models" and never opens its endpoints; the next answers.
-import http.server, os, sys, threading, time
-from pathlib import Path
+BEHAVIOUR = "{behaviour}"
 args = dict(a[2:].split("=", 1) for a in sys.argv[1:] if a.startswith("--") and "=" in a)
 starts = Path(__file__).with_name("starts")
 n = int(starts.read_text()) + 1 if starts.exists() else 1
 starts.write_text(str(n))
 Path(__file__).with_name(f"pid{{n}}").write_text(str(os.getpid()))
 print("| Model                | Version | Status |", flush=True)
-if n == 1:
-    while True:
-        time.sleep(1)
+while n == 1 and BEHAVIOUR == "stall":
+    time.sleep(1)
 
 class Handler(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
@@ -199,16 +132,23 @@ for port in (args["http-port"], args["metrics-port"]):
     server = http.server.ThreadingHTTPServer(("127.0.0.1", int(port)), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
 print(f"stand-in start {{n}} serving", flush=True)
+if n == 1 and BEHAVIOUR == "abort":
+    time.sleep(1.5)
+    print("Signal (6) received.", file=sys.stderr, flush=True)
 while True:
     time.sleep(1)
 """
 
 
-def test_the_launcher_starts_again_a_server_whose_start_stalled(tmp_path):
+@contextlib.contextmanager
+def launched(tmp_path: Path, behaviour: str, *args: str):
+    """The launcher over the stand-in server (`behaviour`), with its output in tmp_path/launcher.log;
+    yields the stand-in's directory, the log and the launcher's health port; stops it with SIGTERM and
+    checks that no stand-in outlives it."""
     root = tmp_path / "triton"
     (root / "bin").mkdir(parents=True)
     binary = root / "bin" / "tritonserver"
-    binary.write_text(STALLING.format(python=sys.executable))
+    binary.write_text(STAND_IN.format(python=sys.executable, behaviour=behaviour))
     binary.chmod(0o755)
     (repo := tmp_path / "repo").mkdir()
     http, grpc, metrics, health = free_ports(4)
@@ -216,25 +156,49 @@ def test_the_launcher_starts_again_a_server_whose_start_stalled(tmp_path):
            "HEALTH_PORT": str(health), "OPENAI_PORT": "0"}
     log = tmp_path / "launcher.log"
     with open(log, "wb") as sink:
-        launcher_process = subprocess.Popen(
-            [sys.executable, "-m", "specdec.serving.launcher", "--model-repository", str(repo),
-             "--run-dir", str(tmp_path / "run"), "--triton-root", str(root), "--stall-timeout", "1"],
-            env=env, stdout=sink, stderr=subprocess.STDOUT)
+        process = subprocess.Popen([sys.executable, "-m", "specdec.serving.launcher", "--model-repository", str(repo),
+                                    "--run-dir", str(tmp_path / "run"), "--triton-root", str(root), *args],
+                                   env=env, stdout=sink, stderr=subprocess.STDOUT)
     try:
+        yield root / "bin", log, health
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            raise
+    assert not any(Path(f"/proc/{int(pid.read_text())}").exists() for pid in (root / "bin").glob("pid*")), \
+        "a stand-in server outlived the launcher"
+
+
+def gone(pid_file: Path) -> bool:
+    pid = int(pid_file.read_text())
+    return not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
+
+
+def test_the_launcher_restarts_a_server_that_reported_a_fatal_signal_and_hangs(tmp_path):
+    with launched(tmp_path, "abort") as (stand_in, log, health):
+        metrics_url = f"http://127.0.0.1:{health}/metrics"
+        until(lambda: "specdec_server_crashes_total 1" in get(metrics_url)[1], 30)
+        until(lambda: (stand_in / "pid2").exists(), 10)
+        until(lambda: "specdec_server_restarts_total 1" in get(metrics_url)[1], 20)
+        assert get(f"http://127.0.0.1:{health}/ready")[0] == 200
+        assert get(f"http://127.0.0.1:{health}/live")[0] == 200
+        assert gone(stand_in / "pid1")
+        output = log.read_text()
+        assert "stand-in start 1" in output and "Signal (6) received." in output  # its output passed through
+        assert "tritonserver reported SIGABRT and has not exited 5 s later; restarting it" in output, output
+        assert "watchdog: tritonserver restarted and ready (server restart 1)" in output
+
+
+def test_the_launcher_starts_again_a_server_whose_start_stalled(tmp_path):
+    with launched(tmp_path, "stall", "--stall-timeout", "1") as (stand_in, log, health):
         until(lambda: "READY" in log.read_text(), 30)
         assert get(f"http://127.0.0.1:{health}/ready")[0] == 200
         output = log.read_text()
         assert ("tritonserver loaded its models and has not opened its endpoints 1 s later; starting it again "
                 "(start 2 of at most 3)") in output, output
         assert "stand-in start 2 serving" in output
-        assert (root / "bin" / "starts").read_text() == "2"
-        first = int((root / "bin" / "pid1").read_text())
-        assert not Path(f"/proc/{first}").exists() or "Z" in Path(f"/proc/{first}/stat").read_text().split()[2]
-    finally:
-        launcher_process.send_signal(signal.SIGTERM)
-        try:
-            launcher_process.wait(30)
-        except subprocess.TimeoutExpired:
-            launcher_process.kill()
-            raise
-    assert not Path(f"/proc/{int((root / 'bin' / 'pid2').read_text())}").exists()
+        assert (stand_in / "starts").read_text() == "2"
+        assert gone(stand_in / "pid1")
