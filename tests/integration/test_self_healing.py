@@ -245,8 +245,7 @@ def test_a_text_model_in_one_execute_past_the_hang_timeout_is_killed_and_reloade
     server_pid = stub_pid(srv, SERVER)
     directory = execute_clock.default_directory(server_pid)
     pid = stub_pid(srv, instance)
-    assert execute_clock.STAMP.unpack((directory / instance).read_bytes()) == (0.0, pid)
-    assert execute_clock.executing_since(directory) == {}
+    assert execute_clock.stamps(directory)[instance] == (0.0, pid)
     restarts = launcher_metric(srv, "specdec_model_restarts_total", model=tn.PREPROCESSING)
     (directory / instance).write_bytes(execute_clock.STAMP.pack(time.time() - HANG_TIMEOUT_S, pid))
     wait_for(lambda: pid not in {stub.pid for stub in watchdog.stubs_of(server_pid)
@@ -257,6 +256,43 @@ def test_a_text_model_in_one_execute_past_the_hang_timeout_is_killed_and_reloade
     assert launcher_metric(srv, "specdec_model_execute_hangs_total", model=tn.PREPROCESSING) >= 1
     assert [grpc_stream(srv.grpc_url, p, **GREEDY)[tn.TEXT_OUTPUT] for p in PROMPTS] == before
     assert execute_clock.STAMP.unpack((directory / instance).read_bytes()) == (0.0, stub_pid(srv, instance))
+
+
+def test_a_text_model_blocked_before_its_execute_is_killed_and_reloaded(srv, before):
+    """preprocessing's stub frozen (ptrace) while idle: it stamps no execute, but requests queue at it while
+    it executes none (Triton's pending-request and execution counters); past --hang-timeout the watchdog
+    kills it and reloads it in place, the requests sent meanwhile end, and the server serves the same text."""
+    hangs = launcher_metric(srv, "specdec_model_execute_hangs_total", model=tn.PREPROCESSING)
+    restarts = launcher_metric(srv, "specdec_model_restarts_total", model=tn.PREPROCESSING)
+    frozen = Frozen(stub_pid(srv, f"{tn.PREPROCESSING}_0_0"))
+    frozen_at = time.monotonic()
+    outcomes: dict[int, object] = {}
+
+    def request(i: int) -> None:
+        try:
+            outcomes[i] = grpc_stream(srv.grpc_url, PROMPTS[i], timeout=90, **GREEDY)
+        except Exception as exc:  # noqa: BLE001 - served or refused: either ends it
+            outcomes[i] = exc
+
+    threads = [threading.Thread(target=request, args=(i,), daemon=True) for i in range(3)]
+    for thread in threads:
+        thread.start()
+    try:
+        wait_for(lambda: launcher_metric(srv, "specdec_model_execute_hangs_total", model=tn.PREPROCESSING) > hangs,
+                 HANG_TIMEOUT_S + 2 * watchdog.STALL_LOOK_S + 10, "preprocessing judged hung")
+        noticed_s = time.monotonic() - frozen_at
+        assert noticed_s >= HANG_TIMEOUT_S
+    finally:
+        frozen.end()
+    wait_for(lambda: launcher_metric(srv, "specdec_model_restarts_total", model=tn.PREPROCESSING) == restarts + 1
+             and get(srv.readiness_url)[0] == 200, HEALED_WITHIN_S, "preprocessing reloaded")
+    print(f"\npreprocessing frozen: judged hung after {noticed_s:.1f} s, "
+          f"ready again after {time.monotonic() - frozen_at:.1f} s; the requests meanwhile: "
+          f"{sorted(type(o).__name__ for o in outcomes.values())}")
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not any(thread.is_alive() for thread in threads), "a request still hangs after the reload"
+    assert [grpc_stream(srv.grpc_url, p, **GREEDY)[tn.TEXT_OUTPUT] for p in PROMPTS] == before
 
 
 def test_a_hung_orchestrator_is_killed_and_the_server_restarted(srv, before):

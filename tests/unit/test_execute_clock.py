@@ -10,16 +10,17 @@ def test_an_execute_is_stamped_while_it_runs_and_cleared_after(tmp_path):
     clock = execute_clock.ExecuteClock("preprocessing_0_0", tmp_path, clock=lambda: now[0])
     other = execute_clock.ExecuteClock("postprocessing_0_0", tmp_path, clock=lambda: now[0])
     try:
-        assert execute_clock.executing_since(tmp_path) == {}  # both idle from the start
+        idle = {"preprocessing_0_0": (0.0, os.getpid()), "postprocessing_0_0": (0.0, os.getpid())}
+        assert execute_clock.stamps(tmp_path) == idle  # both idle from the start
         with clock:
-            assert execute_clock.executing_since(tmp_path) == {"preprocessing_0_0": (1000.0, os.getpid())}
-        assert execute_clock.executing_since(tmp_path) == {}
+            assert execute_clock.stamps(tmp_path) == {**idle, "preprocessing_0_0": (1000.0, os.getpid())}
+        assert execute_clock.stamps(tmp_path) == idle
         try:
             with other:
                 raise ValueError("an execute that fails")
         except ValueError:
             pass
-        assert execute_clock.executing_since(tmp_path) == {}  # cleared however it ended
+        assert execute_clock.stamps(tmp_path) == idle  # cleared however it ended
     finally:
         clock.close()
         other.close()
@@ -28,12 +29,12 @@ def test_an_execute_is_stamped_while_it_runs_and_cleared_after(tmp_path):
 def test_unreadable_or_short_files_and_a_missing_directory_read_as_idle(tmp_path):
     (tmp_path / "broken_0_0").write_bytes(b"\x01\x02")
     (tmp_path / "a_directory").mkdir()
-    assert execute_clock.executing_since(tmp_path) == {}
-    assert execute_clock.executing_since(tmp_path / "absent") == {}
+    assert execute_clock.stamps(tmp_path) == {}
+    assert execute_clock.stamps(tmp_path / "absent") == {}
 
 
 def test_a_new_stub_of_the_same_instance_starts_idle(tmp_path):
     (tmp_path / "preprocessing_0_0").write_bytes(execute_clock.STAMP.pack(5.0, 123))  # its dead predecessor's
     clock = execute_clock.ExecuteClock("preprocessing_0_0", tmp_path)
     clock.close()
-    assert execute_clock.executing_since(tmp_path) == {}
+    assert execute_clock.stamps(tmp_path) == {"preprocessing_0_0": (0.0, os.getpid())}

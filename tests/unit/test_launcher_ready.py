@@ -255,3 +255,16 @@ def test_the_watchdogs_reads_of_one_look_share_a_scrape():
     now[0] += 1.0
     with pytest.raises(OSError):  # a server that does not answer is not answered for by an old scrape
         metrics.text()
+
+
+def test_model_queues_reads_tritons_pending_requests_and_executions():
+    text = ("# HELP nv_inference_pending_request_count Instantaneous number of pending requests awaiting execution per-model.\n"
+            "# TYPE nv_inference_pending_request_count gauge\n"
+            'nv_inference_pending_request_count{model="preprocessing",version="1"} 2\n'
+            'nv_inference_pending_request_count{model="target_model",version="1"} 0\n'
+            "# HELP nv_inference_exec_count Number of model executions performed (does not include cached requests)\n"
+            "# TYPE nv_inference_exec_count counter\n"
+            'nv_inference_exec_count{model="preprocessing",version="1"} 41\n'
+            'nv_inference_exec_count{model="preprocessing",version="2"} 1\n'
+            'nv_inference_exec_count{model="target_model",version="1"} 900\n')
+    assert launcher.model_queues(text) == {"preprocessing": (2.0, 42.0), "target_model": (0.0, 900.0)}

@@ -410,25 +410,31 @@ def test_the_launchers_endpoint_answers_ready_live_and_metrics():
         triton.server_close()
 
 
-def test_a_text_model_in_one_execute_past_the_hang_timeout_has_its_stub_killed():
+def text_model_watchdog(hang_timeout_s: float = 30):
+    """A watchdog whose server runs preprocessing too, with the stamps and queues the test edits."""
     stubs, clock, killed, lines = Stubs(), Clock(), [], []
     stubs.running["preprocessing_0_0"] = Stub(21, "preprocessing", "preprocessing_0_0", "S")
     stubs.models["preprocessing_0_0"] = "preprocessing"
-    wall = [5000.0]
-    executing = {}
+    wall, stamps, queues = [5000.0], {"preprocessing_0_0": (0.0, 21)}, {}
     control = Control(stubs)
     dog = Watchdog(PORT, control, log=lines.append, stubs=stubs, clock=clock, kill=killed.append,
-                   hang_timeout_s=30, executing=lambda server_pid: dict(executing), wall=lambda: wall[0])
+                   hang_timeout_s=hang_timeout_s, stamps=lambda server_pid: dict(stamps), queues=lambda: dict(queues),
+                   wall=lambda: wall[0])
     dog.arm(SERVER)
-    executing["preprocessing_0_0"] = (wall[0] - 29.0, 21)  # in one execute, not yet past the timeout
-    executing["postprocessing_0_0"] = (wall[0] - 500.0, 99)  # no such stub (a model of another server)
+    return dog, stubs, clock, control, killed, lines, wall, stamps, queues
+
+
+def test_a_text_model_in_one_execute_past_the_hang_timeout_has_its_stub_killed():
+    dog, stubs, clock, control, killed, lines, wall, stamps, _ = text_model_watchdog()
+    stamps["preprocessing_0_0"] = (wall[0] - 29.0, 21)  # in one execute, not yet past the timeout
+    stamps["postprocessing_0_0"] = (wall[0] - 500.0, 99)  # no such stub (a model of another server)
     dog.tick()
     assert killed == []
-    executing["preprocessing_0_0"] = (wall[0] - 30.0, 77)  # a stamp another process wrote (the old stub's)
+    stamps["preprocessing_0_0"] = (wall[0] - 30.0, 77)  # a stamp another process wrote (the old stub's)
     clock.now += watchdog.STALL_LOOK_S
     dog.tick()
     assert killed == []
-    executing["preprocessing_0_0"] = (wall[0] - 31.0, 21)
+    stamps["preprocessing_0_0"] = (wall[0] - 31.0, 21)
     clock.now += watchdog.STALL_LOOK_S
     dog.tick()
     assert killed == [21] and "preprocessing_0_0 has been in one execute for 31 s (hung)" in lines[-1]
@@ -437,9 +443,32 @@ def test_a_text_model_in_one_execute_past_the_hang_timeout_has_its_stub_killed()
     clock.now += watchdog.STALL_LOOK_S
     dog.tick()
     assert ("preprocessing", 1) in control.reloads
-    off = Watchdog(PORT, control, log=lambda _: None, stubs=stubs, clock=clock, kill=killed.append,
-                   hang_timeout_s=0, executing=lambda server_pid: dict(executing), wall=lambda: wall[0])
-    off.arm(SERVER)
-    executing["preprocessing_0_0"] = (wall[0] - 1e6, stubs.running["preprocessing_0_0"].pid)
+    off, stubs, clock, _, killed, _, wall, stamps, _ = text_model_watchdog(hang_timeout_s=0)
+    stamps["preprocessing_0_0"] = (wall[0] - 1e6, 21)
     off.tick()
-    assert killed == [21]  # 0: never
+    assert killed == []  # 0: never
+
+
+def test_a_text_model_with_requests_pending_and_no_execution_has_its_stubs_killed():
+    """A stub blocked before any execute stamps nothing; Triton's counters show it: requests pending while
+    the model's executions stand still. Language models (no stamps) are not judged so."""
+    dog, stubs, clock, control, killed, lines, _, _, queues = text_model_watchdog()
+    queues.update({"preprocessing": (3.0, 40.0), "target_model": (5.0, 9.0)})
+    dog.tick()  # the clock starts
+    clock.now += 20
+    queues["preprocessing"] = (4.0, 41.0)  # it executes: the clock starts again
+    dog.tick()
+    clock.now += 29
+    dog.tick()
+    assert killed == []
+    queues["preprocessing"] = (0.0, 41.0)  # nothing pending: idle, not hung
+    clock.now += 60
+    dog.tick()
+    assert killed == []
+    queues["preprocessing"] = (2.0, 41.0)
+    dog.tick()
+    clock.now += 30
+    dog.tick()
+    assert killed == [21] and "preprocessing has had 2 request(s) pending and executed none for 30 s (hung)" in lines[-1]
+    assert 'specdec_model_execute_hangs_total{model="preprocessing"} 1' in dog.metrics_text()
+    assert 11 not in killed  # target_model's own pending requests are the call timeout's business

@@ -485,7 +485,8 @@ def main(argv: list[str] | None = None) -> int:
                             stalls=lambda: unanswered_calls(server_metrics.text()),
                             heartbeats=lambda: orchestrator_heartbeats(server_metrics.text()),
                             hang_timeout_s=args.hang_timeout,
-                            executing=lambda pid: execute_clock.executing_since(execute_clock.default_directory(pid)))
+                            stamps=lambda pid: execute_clock.stamps(execute_clock.default_directory(pid)),
+                            queues=lambda: model_queues(server_metrics.text()))
     endpoint = None
     if health_port():
         try:
@@ -654,6 +655,19 @@ def orchestrator_heartbeats(text: str) -> dict[str, tuple[float, float]]:
     live = {labels.get("instance", ""): value for labels, value in samples(text, tn.LIVE_SEQUENCES)}
     return {labels.get("instance", ""): (value, live.get(labels.get("instance", ""), 0.0))
             for labels, value in samples(text, tn.ORCHESTRATOR_HEARTBEATS)}
+
+
+def model_queues(text: str) -> dict[str, tuple[float, float]]:
+    """Per model, Triton's requests pending (waiting to execute) and executions done, from the server's
+    metrics text (every version summed)."""
+    names = ("nv_inference_pending_request_count", "nv_inference_exec_count")
+    lines = [line for line in text.splitlines() if line.startswith(tuple(name + "{" for name in names))]
+    text = "\n".join(lines) + "\n"
+    found: dict[str, list[float]] = {}
+    for column, name in enumerate(names):
+        for labels, value in samples(text, name):
+            found.setdefault(labels.get("model", ""), [0.0, 0.0])[column] += value
+    return {model: (pending, executions) for model, (pending, executions) in found.items()}
 
 
 def healthy_in_flight(metrics_port: int, dead_instances: set[str]) -> float:

@@ -30,7 +30,9 @@ millisecond) and compares each model's stub instances with the ones it saw when 
   `hang_timeout_s` has its stub killed, and the server is restarted as for any dead orchestrator. **A
   text model that hangs** (preprocessing, postprocessing: ensemble steps no orchestrator calls): each
   instance stamps since when its current execute runs (triton/execute_clock.py); one in the same execute
-  for `hang_timeout_s` has its stub killed, and the model is reloaded in place.
+  for `hang_timeout_s` has its stub killed, and the model is reloaded in place; so are the stubs of a text
+  model with requests pending (Triton's `nv_inference_pending_request_count`) whose executions
+  (`nv_inference_exec_count`) have not moved for as long (a stub blocked before any execute).
 - **Back off**: a model that dies again within `STABLE_S` of its last heal waits 1, 2, 4 ... 60 s
   between attempts; a failed reload too; a server that crashes again within `STABLE_S` of its restart
   likewise. **Liveness** fails once a model, or the server, has been down for longer than
@@ -189,7 +191,8 @@ class Watchdog:
                  stalls: Callable[[], dict[str, float]] | None = None,
                  heartbeats: Callable[[], dict[str, tuple[float, float]]] | None = None,
                  hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S,
-                 executing: Callable[[int], dict[str, tuple[float, int]]] | None = None,
+                 stamps: Callable[[int], dict[str, tuple[float, int]]] | None = None,
+                 queues: Callable[[], dict[str, tuple[float, float]]] | None = None,
                  wall: Callable[[], float] = time.time):
         self.marker = down_marker(http_port)
         self.control, self.heal_timeout_s, self.period_s = control, heal_timeout_s, period_s
@@ -203,9 +206,12 @@ class Watchdog:
         self.heartbeats, self.hang_timeout_s = heartbeats, hang_timeout_s
         self._beats_seen: dict[str, tuple[float, float]] = {}
         self.orchestrator_hangs = 0
-        # Per text-model instance of the server (its pid): since when (wall clock) its current execute runs,
-        # and its stub's pid (triton/execute_clock.py); one running for hang_timeout_s is hung.
-        self.executing, self.wall = executing, wall
+        # Per text-model instance of the server (its pid): since when (wall clock) its current execute runs
+        # (0.0: none) and its stub's pid (triton/execute_clock.py); one running for hang_timeout_s is hung.
+        # Per model, Triton's requests pending and executions done (`queues`): a text model with requests
+        # pending that executes none for hang_timeout_s is hung too (a stub blocked before any execute).
+        self.stamps, self.queues, self.wall = stamps, queues, wall
+        self._queues_seen: dict[str, tuple[float, float]] = {}  # executions, and since when they stood still
         self.execute_hangs: dict[str, int] = {}
         self._next_stall_look = 0.0
         self.models: dict[str, ModelHealth] = {}
@@ -247,6 +253,7 @@ class Watchdog:
             self.server_pid = server_pid
             self._stalls_seen.clear()  # a new server counts from 0
             self._beats_seen.clear()
+            self._queues_seen.clear()
             if self.server.down_since is not None:
                 self._up(SERVER, self.server, now)
             for model, instances in seen.items():
@@ -301,12 +308,12 @@ class Watchdog:
             seen = alive.setdefault(stub.model, {}).get(stub.instance)
             if seen is None or seen.state in DEAD_STATES:
                 alive[stub.model][stub.instance] = stub
-        if ((self.stalls is not None or self.heartbeats is not None or self.executing is not None)
+        if ((self.stalls is not None or self.heartbeats is not None or self.stamps is not None)
                 and now >= self._next_stall_look):
             self._next_stall_look = now + STALL_LOOK_S
             self._kill_stalled(alive)
             self._kill_hung(alive, now)
-            self._kill_long_executes(alive)
+            self._kill_hung_text_models(alive, now)
         for model, health in list(self.models.items()):
             problem = self._problem(health, alive.get(model, {}), now)
             if problem and health.down_since is None:
@@ -363,22 +370,47 @@ class Watchdog:
                 self._beats_seen.pop(instance)
                 self.kill(stub.pid)
 
-    def _kill_long_executes(self, alive: dict[str, dict[str, Stub]]) -> None:
+    def _kill_hung_text_models(self, alive: dict[str, dict[str, Stub]], now: float) -> None:
         """Kill the stub of every text-model instance whose current execute has run for hang_timeout_s (a
-        tokenizer that never returns): its death is then seen and healed like any other. Only the stub that
-        wrote the stamp: a reloaded instance's new stub reuses the file."""
-        if self.executing is None or not self.hang_timeout_s:
+        tokenizer call that never returns; only the stub that wrote the stamp: a reloaded instance's new
+        stub reuses the file), and the stubs of a text model with requests pending that has executed none
+        for as long (a stub blocked before any execute). Their deaths are then seen and healed as any."""
+        if self.stamps is None or not self.hang_timeout_s:
             return
-        now = self.wall()
+        wall = self.wall()
         stubs = {instance: stub for instances in alive.values() for instance, stub in instances.items()}
-        for instance, (since, pid) in self.executing(self.server_pid).items():
+        stamped = self.stamps(self.server_pid)
+        for instance, (since, pid) in stamped.items():
             stub = stubs.get(instance)
-            if stub is None or stub.pid != pid or stub.state in DEAD_STATES or now - since < self.hang_timeout_s:
+            if since <= 0 or stub is None or stub.pid != pid or stub.state in DEAD_STATES:
                 continue
-            self.log(f"watchdog: {instance} has been in one execute for {now - since:.0f} s (hung); killing its "
-                     f"stub ({stub.pid})")
-            with self._lock:
-                self.execute_hangs[stub.model] = self.execute_hangs.get(stub.model, 0) + 1
+            if wall - since >= self.hang_timeout_s:
+                self._kill_text_model(stub.model, [stub], f"{instance} has been in one execute for "
+                                                         f"{wall - since:.0f} s")
+        if self.queues is None:
+            return
+        try:
+            queues = self.queues()
+        except (OSError, ValueError):  # the server's metrics do not answer (it is loading, stopping)
+            return
+        for model in sorted({stubs[instance].model for instance in stamped if instance in stubs}):
+            pending, executions = queues.get(model, (0.0, 0.0))
+            seen = self._queues_seen.get(model)
+            if pending <= 0 or seen is None or executions != seen[0]:  # idle, or executing: the clock restarts
+                self._queues_seen[model] = (executions, now)
+                continue
+            running = [stub for stub in alive.get(model, {}).values() if stub.state not in DEAD_STATES]
+            if now - seen[1] >= self.hang_timeout_s and running:
+                self._queues_seen.pop(model)
+                self._kill_text_model(model, running, f"{model} has had {pending:.0f} request(s) pending and "
+                                                      f"executed none for {now - seen[1]:.0f} s")
+
+    def _kill_text_model(self, model: str, stubs: list[Stub], why: str) -> None:
+        self.log(f"watchdog: {why} (hung); killing its stub{'s' if len(stubs) > 1 else ''} "
+                 f"({', '.join(str(stub.pid) for stub in stubs)})")
+        with self._lock:
+            self.execute_hangs[model] = self.execute_hangs.get(model, 0) + 1
+        for stub in stubs:
             self.kill(stub.pid)
 
     def _problem(self, health: ModelHealth, running: dict[str, Stub], now: float) -> str:
@@ -499,8 +531,8 @@ class Watchdog:
                       "turning with requests generating (its stub killed, the server restarted)",
                       "# TYPE specdec_orchestrator_hangs_total counter",
                       f"specdec_orchestrator_hangs_total {self.orchestrator_hangs}"]
-            lines += ["# HELP specdec_model_execute_hangs_total Times an instance of a text model (preprocessing, "
-                      "postprocessing) stayed in one execute past the hang timeout (its stub killed, the model "
-                      "reloaded)", "# TYPE specdec_model_execute_hangs_total counter"]
+            lines += ["# HELP specdec_model_execute_hangs_total Times a text model (preprocessing, postprocessing) "
+                      "hung: an instance in one execute, or requests pending and none executed, past the hang "
+                      "timeout (its stubs killed, the model reloaded)", "# TYPE specdec_model_execute_hangs_total counter"]
             lines += [f'specdec_model_execute_hangs_total{{model="{m}"}} {n}' for m, n in sorted(self.execute_hangs.items())]
         return "\n".join(lines) + "\n"

@@ -6,7 +6,8 @@ while the server stays ready. Each of their instances keeps one file of 8 bytes 
 stubs share: the wall-clock time (`time.time()`) its current execute began, 0.0 while none runs, and the
 process that wrote it (a reloaded instance's new stub reuses the file). The watchdog (serving/watchdog.py)
 kills the stub of an instance that has been executing for `--hang-timeout`, and reloads the model like any
-whose stub died. A stamp is one `pwrite` (no message to the server, as a
+whose stub died. (A stub that blocks before its execute begins stamps nothing: the watchdog sees that one
+in Triton's own counters, requests pending while the model executes none.) A stamp is one `pwrite` (no message to the server, as a
 Prometheus metric would be): about a microsecond per execute.
 """
 
@@ -48,9 +49,9 @@ class ExecuteClock:
         os.close(self._fd)
 
 
-def executing_since(directory: Path) -> dict[str, tuple[float, int]]:
-    """Per instance with an execute running: the wall-clock time it began and the pid of its stub
-    (instances idle or unreadable: absent)."""
+def stamps(directory: Path) -> dict[str, tuple[float, int]]:
+    """Per instance that stamps its executes: since when its current one runs (0.0: none) and the pid of its
+    stub (unreadable files: absent)."""
     found = {}
     try:
         names = os.listdir(directory)
@@ -59,9 +60,8 @@ def executing_since(directory: Path) -> dict[str, tuple[float, int]]:
     for name in names:
         try:
             data = (directory / name).read_bytes()
-            since, pid = STAMP.unpack(data[:STAMP.size]) if len(data) >= STAMP.size else (0.0, 0)
+            if len(data) >= STAMP.size:
+                found[name] = STAMP.unpack(data[:STAMP.size])
         except (OSError, struct.error):
             continue
-        if since > 0:
-            found[name] = (since, pid)
     return found
