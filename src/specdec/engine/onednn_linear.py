@@ -215,7 +215,7 @@ def times_directory() -> Path | None:
 
 def timing_key(model: nn.Module, rows: tuple[int, ...]) -> dict:
     """Everything a model's kernel times depend on: the machine and its kernels' build (panel_linear's
-    digest: the sources, flags, torch and this CPU), the threads a forward runs on, the forward's rows, and
+    digest: the sources, flags, torch and this CPU; whether it built), the threads a forward runs on, the forward's rows, and
     the model: its class, and each linear layer's shape, dtype, device and a sample of its weights (the
     panel kernel holds a layer in the fewest bytes its values allow: another checkpoint of the same shapes
     may time otherwise)."""
@@ -229,6 +229,8 @@ def timing_key(model: nn.Module, rows: tuple[int, ...]) -> dict:
             weights.update(flat[:: max(1, flat.numel() // 4096)].float().cpu().numpy().tobytes())
     weight = next(model.parameters())
     return {"kernels": panel_linear.build_digest(), "threads": torch.get_num_threads(), "rows": list(rows),
+            # a build that failed once (no compiler then) is timed again where it builds now
+            "panels": panel_linear.available(weight.device, weight.dtype) is None,
             "device": str(weight.device), "model": type(model).__name__, "linears": layers,
             "weights": weights.hexdigest(), "encodings": sorted(panel_linear.allowed_encodings())}
 
