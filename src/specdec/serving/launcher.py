@@ -209,12 +209,8 @@ def come_up(current: list[ServerProcess], start_server: Callable[[], ServerProce
             if start == START_ATTEMPTS:
                 raise
             log(f"{exc}; starting it again (start {start + 1} of at most {START_ATTEMPTS})")
-        server = current[0]
-        regions = {stub.shm for stub in stubs_of(server.pid)}  # before the kill: found from its stubs' arguments
-        server.process.kill()
-        server.process.wait()
-        stop_group(server.process, regions)
-        server.flushed()
+        # its stubs' regions found from their arguments, before the kill
+        retire(current[0], {stub.shm for stub in stubs_of(current[0].pid)})
         current[0] = start_server()
 
 
@@ -603,6 +599,16 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
+def retire(server: ServerProcess, regions: set[str]) -> None:
+    """Kill a server that is to be replaced (if it still runs), stop what outlives it (`stop_group`), and
+    copy its last lines (a crash's stack trace) before the new server's."""
+    if server.process.poll() is None:
+        server.process.kill()
+        server.process.wait()
+    stop_group(server.process, regions)
+    server.flushed()
+
+
 def stop_group(process: subprocess.Popen, regions: set[str] = frozenset()) -> None:
     """Stop whatever of a (stopped) server outlives it and remove what its stubs shared: the scratch
     directories and the stubs' shared-memory `regions` (Triton removes them when a model unloads, not when
@@ -635,13 +641,18 @@ class RecentScrape:
         return self._text
 
 
+def sample_lines(text: str, *names: str) -> str:
+    """The lines of the server's metrics text that hold samples of `names` (with labels): parsing the whole
+    text (Triton's metrics, ~25 kB) took ~10 ms of CPU a read."""
+    prefixes = tuple(name + "{" for name in names)
+    return "\n".join(line for line in text.splitlines() if line.startswith(prefixes)) + "\n"
+
+
 def unanswered_calls(text: str) -> dict[str, float]:
     """Per model, the calls the orchestrator's instances gave up waiting for (tn.MODEL_CALL_TIMEOUTS), from
     the server's metrics text."""
     counts: dict[str, float] = {}
-    # Its lines only: parsing the whole text (Triton's metrics, ~25 kB) took ~10 ms of CPU a read.
-    lines = [line for line in text.splitlines() if line.startswith(tn.MODEL_CALL_TIMEOUTS + "{")]
-    for labels, value in samples("\n".join(lines) + "\n", tn.MODEL_CALL_TIMEOUTS):
+    for labels, value in samples(sample_lines(text, tn.MODEL_CALL_TIMEOUTS), tn.MODEL_CALL_TIMEOUTS):
         counts[labels.get("model", "")] = counts.get(labels.get("model", ""), 0.0) + value
     return counts
 
@@ -649,9 +660,7 @@ def unanswered_calls(text: str) -> dict[str, float]:
 def orchestrator_heartbeats(text: str) -> dict[str, tuple[float, float]]:
     """Per orchestrator instance that has served: its event loop's turns and its requests generating
     (tn.ORCHESTRATOR_HEARTBEATS, tn.LIVE_SEQUENCES), from the server's metrics text."""
-    lines = [line for line in text.splitlines()
-             if line.startswith((tn.ORCHESTRATOR_HEARTBEATS + "{", tn.LIVE_SEQUENCES + "{"))]
-    text = "\n".join(lines) + "\n"
+    text = sample_lines(text, tn.ORCHESTRATOR_HEARTBEATS, tn.LIVE_SEQUENCES)
     live = {labels.get("instance", ""): value for labels, value in samples(text, tn.LIVE_SEQUENCES)}
     return {labels.get("instance", ""): (value, live.get(labels.get("instance", ""), 0.0))
             for labels, value in samples(text, tn.ORCHESTRATOR_HEARTBEATS)}
@@ -661,8 +670,7 @@ def model_queues(text: str) -> dict[str, tuple[float, float]]:
     """Per model, Triton's requests pending (waiting to execute) and executions done, from the server's
     metrics text (every version summed)."""
     names = ("nv_inference_pending_request_count", "nv_inference_exec_count")
-    lines = [line for line in text.splitlines() if line.startswith(tuple(name + "{" for name in names))]
-    text = "\n".join(lines) + "\n"
+    text = sample_lines(text, *names)
     found: dict[str, list[float]] = {}
     for column, name in enumerate(names):
         for labels, value in samples(text, name):
@@ -707,11 +715,7 @@ def restart_server(current: list[ServerProcess], start_server, watchdog: Watchdo
     if crash is None:
         log(f"watchdog: restarting tritonserver ({'no' if not busy else int(busy)} healthy streams left)")
     # Not SIGTERM: the dead instance's streams would hold a graceful exit for its whole exit timeout.
-    if old.poll() is None:
-        old.kill()
-        old.wait()
-    stop_group(old, watchdog.regions)
-    server.flushed()  # its last lines (a crash's stack trace) before the new server's
+    retire(server, watchdog.regions)
     watchdog.regions.clear()
     if stopping.wait(wait_s):
         return False
