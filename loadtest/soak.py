@@ -45,10 +45,12 @@ def server_processes(pid: int) -> dict[str, psutil.Process]:
     out = {}
     for proc in [root, *root.children(recursive=True)]:
         try:
-            cmd = proc.cmdline()
+            cmd, short = proc.cmdline(), proc.name()
         except psutil.Error:
-            continue  # gone, or a zombie (a killed stub its server has not reaped yet)
-        if proc.name() == "tritonserver" or (cmd and cmd[0].endswith("/tritonserver")):
+            # Gone (a short-lived child: a library's helper run by a stub), or a zombie (a killed stub its
+            # server has not reaped yet).
+            continue
+        if short == "tritonserver" or (cmd and cmd[0].endswith("/tritonserver")):
             out["tritonserver"] = proc
         elif cmd and "triton_python_backend_stub" in cmd[0]:
             # The stub's arguments: its model repository path ends in <model>/<version>/model.py.
@@ -63,7 +65,14 @@ def server_processes(pid: int) -> dict[str, psutil.Process]:
 
 
 def rss_mb(processes: dict[str, psutil.Process]) -> dict[str, float]:
-    return {name: proc.memory_info().rss / 2**20 for name, proc in sorted(processes.items())}
+    """RSS per process, leaving out one that ended since it was found."""
+    out = {}
+    for name, proc in sorted(processes.items()):
+        try:
+            out[name] = proc.memory_info().rss / 2**20
+        except psutil.Error:
+            pass
+    return out
 
 
 # A request that failed because a model was down or being restored (see the module's docstring).
@@ -106,8 +115,10 @@ def sample_every(server_pid: int, seconds: float, stop: threading.Event) -> list
     while True:
         try:
             samples.append({name: rss_parts_mb(proc) for name, proc in sorted(server_processes(server_pid).items())})
-        except (psutil.Error, OSError):
-            pass  # a stub died between the lookup and the reading: the next sample has its successor
+        except (psutil.Error, OSError, KeyError):
+            # A stub died between the lookup and the reading (an exiting process's status has no Rss lines
+            # once its memory is released): the next sample has its successor.
+            pass
         if stop.wait(seconds):
             return samples
 
@@ -174,6 +185,8 @@ def main(argv=None) -> int:
     finally:
         if own is not None:
             own.stop()
+    if not samples:
+        raise SystemExit("soak: no memory sample could be read (the server's processes were gone)")
     first, last = samples[0], samples[-1]
 
     def parts(name: str) -> str:
@@ -184,8 +197,8 @@ def main(argv=None) -> int:
     total_start, total_end = sum(start.values()), sum(end.values())
     rows.append(["total", f"{total_start:.0f}", f"{total_end:.0f}", f"{(total_end / total_start - 1) * 100:+.1f} %", ""])
     # Whether the largest grower levels off or keeps climbing: its RSS at each sample.
-    grower = max(start, key=lambda name: end[name] - start[name])
-    series = ", ".join(f"{sum(sample[grower].values()):.0f}" for sample in samples)
+    grower = max((name for name in start if name in end), key=lambda name: end[name] - start[name])
+    series = ", ".join(f"{sum(sample[grower].values()):.0f}" for sample in samples if grower in sample)
     settings = f" ({' '.join(args.launcher_arg)})" if args.launcher_arg else ""
     traffic = " mixed traffic," if args.mix else ""
     kill = (f" {args.kill}'s stub (pid {killed[0]}) SIGKILLed at {args.duration / 2:.0f} s: {expected} expected "
