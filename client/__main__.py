@@ -53,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--guide-type", choices=tn.GUIDE_TYPES,
                    help="structured output: the text follows --guide (json: any JSON object, no --guide needed)")
     p.add_argument("--guide", help="a JSON schema, regex, GBNF/Lark grammar or JSON list of choices; @FILE reads a file")
+    p.add_argument("--priority", type=int,
+                   help="while the server is full, requests with a lower value are admitted first (default 0)")
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--require-output", action="store_true",
                    help="exit 2 unless the answer has text and finished by length or stop (a smoke test)")
@@ -66,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         adaptive_draft=args.adaptive_draft, num_draft_branches=args.num_draft_branches,
         min_length=args.min_length, ignore_eos=args.ignore_eos,
         return_log_probs=args.return_log_probs, num_top_log_probs=args.num_top_log_probs,
-        return_prompt_log_probs=args.return_prompt_log_probs, guide_type=args.guide_type,
+        return_prompt_log_probs=args.return_prompt_log_probs, guide_type=args.guide_type, priority=args.priority,
         guide=Path(args.guide[1:]).read_text() if args.guide and args.guide.startswith("@") else args.guide)
     client = Client(args.url, args.protocol, args.model, args.timeout)
 

@@ -72,6 +72,7 @@ class GenerationParams:
     # JSON list of choices (none for json: any JSON object)
     guide_type: str | None = None
     guide: str | None = None
+    priority: int | None = None  # while the server is full, a lower value is admitted first (0 by default)
 
     def tensors(self, prompt: str, stream: bool) -> dict[str, np.ndarray]:
         """Input tensors (batch of one) by name."""
@@ -89,7 +90,8 @@ class GenerationParams:
                    (tn.NUM_DRAFT_BRANCHES, self.num_draft_branches, np.int32), (tn.MIN_LENGTH, self.min_length, np.int32),
                    (tn.IGNORE_EOS, self.ignore_eos, np.bool_), (tn.RETURN_LOG_PROBS, self.return_log_probs, np.bool_),
                    (tn.NUM_TOP_LOG_PROBS, self.num_top_log_probs, np.int32),
-                   (tn.RETURN_PROMPT_LOG_PROBS, self.return_prompt_log_probs, np.bool_)]
+                   (tn.RETURN_PROMPT_LOG_PROBS, self.return_prompt_log_probs, np.bool_),
+                   (tn.PRIORITY, self.priority, np.int32)]
         for name, value, dtype in scalars:
             if value is not None:
                 arrays[name] = np.array([[value]], dtype=dtype)
@@ -109,7 +111,7 @@ class GenerationParams:
         for name in ("max_tokens", "num_draft_tokens", "temperature", "top_k", "top_p", "min_p", "seed",
                      "repetition_penalty", "presence_penalty", "frequency_penalty", "end_id", "draft_model",
                      "apply_chat_template", "adaptive_draft", "num_draft_branches", "min_length", "ignore_eos",
-                     "return_log_probs", "num_top_log_probs", "return_prompt_log_probs"):
+                     "return_log_probs", "num_top_log_probs", "return_prompt_log_probs", "priority"):
             value = getattr(self, name)
             if value is not None:
                 body[name] = value

@@ -77,6 +77,9 @@ VLLM_OUTPUT_FLAGS = (RETURN_FINISH_REASON, RETURN_CUMULATIVE_LOGPROB, RETURN_LOG
                      RETURN_NUM_OUTPUT_TOKENS)
 # BOOL [1]: TensorRT-LLM's timing outputs (PERF_METRIC_OUTPUTS) in every response
 RETURN_PERF_METRICS = "return_perf_metrics"
+# INT32 [1]: where the request waits when the server is full (max_live_sequences reached, or no room in
+# target_model's KV cache): a lower value goes first, then arrival (vLLM's order); 0 by default
+PRIORITY = "priority"
 # Structured output (TensorRT-LLM's names; decoding/grammar.py): the output follows a guide of this type,
 # one of GUIDE_TYPES. vLLM's `sampling_parameters` key `guided_decoding` (or `structured_outputs`) says the same.
 GUIDED_DECODING_GUIDE_TYPE = "guided_decoding_guide_type"  # STRING [1]

@@ -138,7 +138,8 @@ def ensemble_inputs(prompt: str | None, **params) -> list:
     types = {tn.MAX_TOKENS: np.int32, tn.NUM_DRAFT_TOKENS: np.int32, tn.TEMPERATURE: np.float32,
              tn.TOP_K: np.int32, tn.TOP_P: np.float32, tn.SEED: np.uint64, tn.STREAM: np.bool_,
              tn.END_ID: np.int32, tn.ADAPTIVE_DRAFT: np.bool_, tn.NUM_DRAFT_BRANCHES: np.int32, tn.APPLY_CHAT_TEMPLATE: np.bool_,
-             tn.MIN_LENGTH: np.int32, tn.IGNORE_EOS: np.bool_, tn.RETURN_LOG_PROBS: np.bool_}
+             tn.MIN_LENGTH: np.int32, tn.IGNORE_EOS: np.bool_, tn.RETURN_LOG_PROBS: np.bool_,
+             tn.RETURN_PERF_METRICS: np.bool_, tn.PRIORITY: np.int32}
     arrays = {} if prompt is None else {tn.TEXT_INPUT: np.array([[prompt.encode()]], dtype=np.object_)}
     for name, value in params.items():
         if value is None:
@@ -165,7 +166,8 @@ def open_stream_and_cancel(url: str, prompt: str, **params) -> None:
 
 
 OUTPUTS = [tn.TEXT_OUTPUT, tn.FINISH_REASON, tn.NUM_INPUT_TOKENS, tn.NUM_OUTPUT_TOKENS, tn.TOTAL_DRAFT_TOKENS,
-           tn.TOTAL_ACCEPTED_DRAFT_TOKENS, tn.ACCEPTANCE_RATE, tn.NUM_ROUNDS, tn.MEAN_ACCEPTED_LENGTH]
+           tn.TOTAL_ACCEPTED_DRAFT_TOKENS, tn.ACCEPTANCE_RATE, tn.NUM_ROUNDS, tn.MEAN_ACCEPTED_LENGTH,
+           *tn.PERF_METRIC_OUTPUTS]  # with return_perf_metrics
 
 
 def _decode_result(result) -> dict:

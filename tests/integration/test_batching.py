@@ -228,6 +228,58 @@ def test_the_mixed_load_bench_runs_against_a_server(server, tmp_path):
     assert all(float(row[1]) > 0 and float(row[2]) >= 1.0 for row in rows[1:]), rows
 
 
+def test_waiting_requests_are_admitted_by_priority(capped):
+    """Both slots held by long streams: requests of priorities 5, 0, 0 and -1, each sent once the one before
+    waits, are admitted -1 first, then the two 0s in arrival order, then 5 (their first_scheduled_time_ns,
+    the moment they got a slot) as the holders are cancelled one by one; each generates the text it would
+    alone. With when_full=reject a priority changes nothing: refused like any other while full."""
+    import queue
+    import threading
+
+    import tritonclient.grpc as grpcclient
+
+    from .helpers import GenerationError, ensemble_inputs
+
+    when_full, srv = capped
+    holders = []
+    for prompt in PROMPTS[:2]:
+        client, chunks = grpcclient.InferenceServerClient(srv.grpc_url), queue.Queue()
+        client.start_stream(callback=lambda result, error, chunks=chunks: chunks.put(error))
+        client.async_stream_infer(tn.ENSEMBLE, ensemble_inputs(prompt, max_tokens=900, stream=True, end_id=0))
+        assert chunks.get(timeout=60) is None  # generating
+        holders.append(client)
+    try:
+        if when_full == "reject":
+            with pytest.raises(GenerationError, match="retry later"):
+                grpc_stream(srv.grpc_url, PROMPTS[2], max_tokens=8, priority=-100)
+            return
+        queued = srv.metric("specdec_queued_requests")
+        results, threads = {}, []
+        for name, priority in (("five", 5), ("zero", 0), ("zero again", 0), ("minus one", -1)):
+            def one(name=name, priority=priority):
+                results[name] = grpc_stream(srv.grpc_url, PROMPTS[2], max_tokens=8, num_draft_tokens=3,
+                                            priority=priority, return_perf_metrics=True)
+            threads.append(threading.Thread(target=one))
+            threads[-1].start()
+            deadline = time.monotonic() + 30
+            while srv.metric("specdec_queued_requests") < queued + len(threads) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert srv.metric("specdec_queued_requests") == queued + len(threads), f"{name} is not waiting"
+        for client in holders:  # one slot at a time
+            client.stop_stream(cancel_requests=True)
+            time.sleep(0.3)
+        for thread in threads:
+            thread.join(60)
+        order = sorted(results, key=lambda name: results[name][tn.FIRST_SCHEDULED_TIME_NS])
+        assert order == ["minus one", "zero", "zero again", "five"], {n: r[tn.FIRST_SCHEDULED_TIME_NS] for n, r in results.items()}
+        alone = grpc_stream(srv.grpc_url, PROMPTS[2], max_tokens=8, num_draft_tokens=3)
+        assert {r[tn.TEXT_OUTPUT] for r in results.values()} == {alone[tn.TEXT_OUTPUT]}
+    finally:
+        for client in holders:
+            client.stop_stream(cancel_requests=True)
+            client.close()
+
+
 def test_two_hundred_streams_against_two_slots(capped):
     """Load far beyond capacity: 200 concurrent streams against max_live_sequences 2. Each one completes or
     (reject) is refused UNAVAILABLE with a retry hint; none is lost or hangs; the server stays ready

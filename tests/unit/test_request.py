@@ -318,6 +318,14 @@ def test_tensorrt_llms_embedding_bias_gives_each_words_tokens_its_weight_summed_
     assert not empty.token_bias.active  # TensorRT-LLM's clients' "none"
 
 
+def test_priority_is_read_and_defaults_to_zero():
+    assert parse().priority == 0
+    assert parse(**{tn.PRIORITY: np.array([[-7]], np.int32)}).priority == -7
+    assert parse(**{tn.PRIORITY: np.array([[2**31 - 1]], np.int32)}).priority == 2**31 - 1
+    with pytest.raises(InputError, match="'priority' must be int32"):
+        parse(**{tn.PRIORITY: np.array([[1]], np.int64)})
+
+
 def test_return_perf_metrics_is_read():
     assert parse(**{tn.RETURN_PERF_METRICS: np.array([[True]])}).perf_metrics
     assert not parse().perf_metrics

@@ -92,7 +92,7 @@ def line_dir(tmp_path):
 
 
 def empty(adapter):
-    return adapter.queued == 0 and not adapter.room.turn.locked() and not adapter.room.waiting()
+    return adapter.queued == 0 and not adapter.room.holds() and not adapter.room.waiting()
 
 
 def test_waits_counted_once_then_admitted(line_dir):
@@ -157,6 +157,38 @@ def test_one_line_across_instances_in_arrival_order(line_dir):
 
     asyncio.run(main())
     assert asked == [1, 1, 1, 2, 2, 2, 3, 3, 3]  # never two waiters asking in the same stretch
+    assert empty(first) and empty(second)
+
+
+def test_a_lower_priority_value_asks_first_whenever_it_joined(line_dir):
+    """Behind a first in line of priority -5 (asking, not yet admitted), requests of priorities 0, 0 and -1
+    join in that order across two instances: once the first has its room the -1 asks first, then the two 0s
+    in arrival order; the latecomer passes its own instance's earlier waiter too."""
+    first, second = Adapter(line_dir), Adapter(line_dir)
+    head = RoomWait(first.room, first.counts, lambda: asyncio.sleep(0, False), priority=-5)
+    rooms = {seq_id: RoomWait(adapter.room, adapter.counts, lambda: asyncio.sleep(0, False), priority=priority)
+             for seq_id, adapter, priority in ((1, first, 0), (2, second, 0), (3, first, -1))}
+    asked = []
+
+    async def waiter(seq_id, room, times):
+        for _ in range(times):
+            assert await room()
+            asked.append(seq_id)
+        room.admitted()
+
+    async def main():
+        assert await head()  # first in line, asking target_model
+        tasks = []
+        for seq_id, room in rooms.items():
+            tasks.append(asyncio.ensure_future(waiter(seq_id, room, 2)))
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(0.02)
+        assert asked == []  # the head still holds the line
+        head.admitted()
+        await asyncio.gather(*tasks)
+
+    asyncio.run(main())
+    assert asked == [3, 3, 1, 1, 2, 2]
     assert empty(first) and empty(second)
 
 

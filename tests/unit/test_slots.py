@@ -85,6 +85,34 @@ def test_waiters_go_in_arrival_order(tmp_path, instances):
     assert not pools[0].line.waiting()
 
 
+@pytest.mark.parametrize("instances", [1, 2])
+def test_waiters_go_by_priority_then_arrival(tmp_path, instances):
+    """A lower priority value goes first, whichever instance it waits in and however late it came; equal
+    priorities in arrival order. In one instance the latecomer waits behind its own process's earlier
+    waiters until the line is read again: it must still pass them (no waiter holds a turn it cannot use)."""
+    pools = [SlotPool(1, tmp_path, poll_s=0.02), SlotPool(1, tmp_path, poll_s=0.001)][:instances]
+    held = pools[0].try_acquire()
+    order = []
+
+    async def wait(pool, name, priority):
+        fd = await pool.acquire(priority=priority)
+        order.append(name)
+        await asyncio.sleep(0.005)
+        SlotPool.release(fd)
+
+    async def scenario():
+        tasks = []
+        for i, (name, priority) in enumerate([("a", 5), ("b", 0), ("c", 5), ("d", -3), ("e", 0)]):
+            tasks.append(asyncio.ensure_future(wait(pools[i % instances], name, priority)))
+            await asyncio.sleep(0.005)
+        SlotPool.release(held)
+        await asyncio.wait_for(asyncio.gather(*tasks), 5)
+
+    asyncio.run(scenario())
+    assert order == ["d", "b", "e", "a", "c"]
+    assert not pools[0].line.waiting()
+
+
 def test_a_cancelled_waiter_takes_no_slot(tmp_path):
     pool = SlotPool(1, tmp_path, poll_s=0.001)
     held = pool.try_acquire()

@@ -35,8 +35,11 @@ GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice"
 # This server's own: the speculative settings of a request, as extension fields.
 SPECULATIVE_FIELDS = {"num_draft_tokens": (tn.NUM_DRAFT_TOKENS, np.int32), "adaptive_draft": (tn.ADAPTIVE_DRAFT, np.bool_),
                       "num_draft_branches": (tn.NUM_DRAFT_BRANCHES, np.int32), "draft_model": (tn.DRAFT_MODEL, np.object_)}
+# vLLM's `priority`: a request's place among those waiting while the server is full (lower first).
+SCHEDULING_FIELDS = {"priority": (tn.PRIORITY, np.int32)}
 COMMON_FIELDS = ("model", "stream", "stream_options", "n", "logit_bias", "logprobs", "max_tokens",
-                 *SAMPLING_FIELDS, *GUIDED_FIELDS, *SPECULATIVE_FIELDS, *IGNORED_FIELDS)
+                 *SAMPLING_FIELDS, *GUIDED_FIELDS, *SPECULATIVE_FIELDS, *SCHEDULING_FIELDS, *IGNORED_FIELDS)
+INT32 = (-2**31, 2**31 - 1)
 CHAT_FIELDS = (*COMMON_FIELDS, "messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
                "tool_choice", "parallel_tool_calls", "functions", "function_call")
 COMPLETION_FIELDS = (*COMMON_FIELDS, "prompt", "echo", "suffix", "best_of")
@@ -163,7 +166,7 @@ def _common(body: dict, chat: bool) -> tuple[dict, dict[str, np.ndarray], dict]:
                           "give one structured-output setting")
         sampling["structured_outputs"] = guided
     inputs = {}
-    for name, (tensor, dtype) in SPECULATIVE_FIELDS.items():
+    for name, (tensor, dtype) in {**SPECULATIVE_FIELDS, **SCHEDULING_FIELDS}.items():
         value = body.get(name)
         if value is None:
             continue
@@ -172,7 +175,10 @@ def _common(body: dict, chat: bool) -> tuple[dict, dict[str, np.ndarray], dict]:
         elif dtype is np.bool_:
             inputs[tensor] = np.array([[_typed(body, name, (bool,), "a boolean")]], dtype=np.bool_)
         else:
-            inputs[tensor] = np.array([[_typed(body, name, (int,), "an integer")]], dtype=dtype)
+            value = _typed(body, name, (int,), "an integer")
+            if not INT32[0] <= value <= INT32[1]:  # numpy would overflow: an error of ours, not a 500
+                raise invalid(name, f"must be within [{INT32[0]}, {INT32[1]}], got {value}")
+            inputs[tensor] = np.array([[value]], dtype=dtype)
     return sampling, inputs, {"stream": stream, **settings}
 
 

@@ -235,7 +235,8 @@ class SpeculativeDecodingAdapter(TritonAdapter):
         if slot is None:
             self.counts.waiting(1)
             try:
-                slot = await self.slots.acquire(lambda: self.is_cancelled(parsed.generation.seq_id, sender))
+                slot = await self.slots.acquire(lambda: self.is_cancelled(parsed.generation.seq_id, sender),
+                                                parsed.priority)
             finally:
                 self.counts.waiting(-1)
             slot_wait = time.monotonic() - arrived
@@ -284,7 +285,7 @@ class SpeculativeDecodingAdapter(TritonAdapter):
         gen = parsed.generation
         out = _Responses(self, sender, parsed, arrived)
         room = RoomWait(self.room, self.counts, functools.partial(self.is_cancelled, gen.seq_id, sender),
-                        reject=self.when_full == "reject")
+                        reject=self.when_full == "reject", priority=parsed.priority)
         self.counts.started()
         finish, last, started = None, None, False
         try:

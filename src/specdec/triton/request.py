@@ -90,6 +90,7 @@ class ParsedRequest:
     # before the generated ones (TensorRT-LLM's meaning; streamed responses hold the new tokens either way)
     echo_prompt: bool = False
     perf_metrics: bool = False  # return_perf_metrics: TensorRT-LLM's timing outputs in every response
+    priority: int = 0  # its place among waiting requests when the server is full: lower first (tn.PRIORITY)
 
     @classmethod
     def parse(cls, lookup: InputLookup, limits: RequestLimits, seq_id: int | None = None,
@@ -189,7 +190,8 @@ class ParsedRequest:
         return cls(generation, k, adaptive, draft_name, stream, stop_words,
                    bool(inputs.scalar("include_stop_str_in_output", np.bool_, False)), int(branches),
                    vllm_outputs, vllm_logprobs, echo,
-                   bool(inputs.scalar(tn.RETURN_PERF_METRICS, np.bool_, False)))
+                   bool(inputs.scalar(tn.RETURN_PERF_METRICS, np.bool_, False)),
+                   int(inputs.scalar(tn.PRIORITY, np.int32, 0)))
 
 
 def _vllm_logprobs(inputs: Inputs, top: int, field: Callable[[str], str]) -> int | None:

@@ -1,15 +1,16 @@
-"""Waiting for room in target_model's KV cache: first come, first served across every orchestrator instance.
+"""Waiting for room in target_model's KV cache: by priority, then first come first served, across every
+orchestrator instance.
 
 A new request reserves its whole generation in target_model's KV pool with its first call; when the
 pool is full that call is refused (`NoCapacity`) and the request waits (`when_full: queue`) or is
 refused UNAVAILABLE (`reject`). Waiting requests form one line per server, whatever instance they run
 in, so that a long request is not passed again and again by short ones that fit the room it waits for:
 
-- The line is a `TicketLine` (ticket_line.py): a ticket per waiting request, ordered by arrival, in a
-  directory private to the server; a process that dies leaves no place behind.
+- The line is a `TicketLine` (ticket_line.py): a ticket per waiting request, ordered by priority and then
+  arrival, in a directory private to the server; a process that dies leaves no place behind.
 - Only the first in line asks target_model again; a new request joins the line whenever there is one
-  instead of asking first. Within an instance its waiters take turns through an asyncio lock, so one
-  request per instance reads the line (one directory listing per `poll_s`), however long it is.
+  instead of asking first. Within an instance only its first waiter reads the line (one directory
+  listing per `poll_s`), however long it is.
 - The first in line asks again after ROOM_RETRY_S (10 ms doubling to 100 ms) or as soon as any request
   of the server has released its caches: a request that ends while others wait appends a byte to a
   file the first in line watches (`poll_s`), and wakes its own instance's first in line at once.
@@ -47,7 +48,6 @@ class RoomLine(TicketLine):
         # (appends are atomic), and it is emptied when the line is.
         self._released = os.open(base / "released", os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
         self.poll_s = poll_s
-        self.turn = asyncio.Lock()  # this instance's waiters read the line one at a time, in arrival order
         self._freed: asyncio.Future | None = None  # wakes this instance's first in line
 
     def leave(self, ticket: Ticket) -> None:
@@ -91,13 +91,14 @@ class RoomWait:
     """
 
     def __init__(self, line: RoomLine, counts: RequestCounts, is_cancelled: Callable[[], Awaitable[bool]],
-                 reject: bool = False):
-        """is_cancelled: asks the request's cancellation sources; reject: when_full=reject (no waiting)."""
+                 reject: bool = False, priority: int = 0):
+        """is_cancelled: asks the request's cancellation sources; reject: when_full=reject (no waiting);
+        priority: its place in line (lower first)."""
         self.line, self.counts, self.is_cancelled, self.reject = line, counts, is_cancelled, reject
+        self.priority = priority
         self.waits, self.queued, self.cancelled = 0, False, False
         self.waited_s, self._since = 0.0, 0.0  # time spent queued, for the queue-time histogram
         self.ticket: Ticket | None = None
-        self.turn: asyncio.Future | None = None  # its instance's turn to read the line (acquiring line.turn)
         self.seen = self.line.released()  # the last release before its last call to target_model
 
     async def line_up(self) -> bool:
@@ -126,15 +127,14 @@ class RoomWait:
             self.queued, self._since = True, time.monotonic()
             self.counts.queue()
         if self.ticket is None:
-            self.ticket = self.line.join()
-            self.turn = asyncio.ensure_future(self.line.turn.acquire())
+            self.ticket = self.line.join(self.priority)
 
     async def _first_in_line(self) -> bool:
-        """Wait for its instance's turn, then until its ticket is first in the server's line, asking for a
-        cancellation every CANCEL_CHECK_S (ticket_line.py); False if cancelled."""
+        """Wait until its ticket is first among its instance's, then until it is first in the server's line,
+        asking for a cancellation every CANCEL_CHECK_S (ticket_line.py); False if cancelled."""
         name = self.ticket.name
         first = await lines.wait_in_line(
-            self.turn, lambda: self.line.first() == name or None, self.line.poll_s, self._is_cancelled
+            self.line, self.ticket, lambda: self.line.first() == name or None, self.line.poll_s, self._is_cancelled
         )
         return first is not None
 
@@ -147,8 +147,6 @@ class RoomWait:
         if self.ticket is not None:
             self.line.leave(self.ticket)
             self.ticket = None
-            lines.end_turn(self.line.turn, self.turn)
-            self.turn = None
         if self.queued:
             self.queued = False
             self.waited_s += time.monotonic() - self._since

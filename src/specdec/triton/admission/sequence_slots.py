@@ -9,13 +9,13 @@ slot taken in one instance is taken for all of them.
 Slots are taken lowest index first, so when slot i is taken slots 0..i-1 are held: the highest index
 taken plus one is how many requests generated at once at the busiest moment (`highest`).
 
-Over the cap, requests wait in one line for the whole server, first come first served (ticket_line.py): only the
-first in line polls for a free slot, and a new request takes one at once only while nobody waits.
+Over the cap, requests wait in one line for the whole server, by priority and then first come first served
+(ticket_line.py): only the first in line polls for a free slot, and a new request takes one at once only while
+nobody waits.
 """
 
 from __future__ import annotations
 
-import asyncio
 import errno
 import fcntl
 import os
@@ -47,8 +47,7 @@ class SlotPool:
         self._prefix = f"{self.directory}{os.sep}"
         self.poll_s = poll_s
         self.highest = 0  # the most slots this process has seen taken at once (the index it took + 1)
-        self.line = TicketLine(self.directory / "line")  # the server's waiters, in arrival order
-        self._waiting = asyncio.Lock()  # this process's waiters read the line one at a time
+        self.line = TicketLine(self.directory / "line")  # the server's waiters, by priority then arrival
 
     def try_acquire(self) -> int | None:
         """Take the lowest free slot: its file descriptor (hand it to `release`), or None when all are taken."""
@@ -69,19 +68,18 @@ class SlotPool:
         """A free slot unless requests already wait for one (they go first), else None."""
         return None if self.line.waiting() else self.try_acquire()
 
-    async def acquire(self, cancelled: Callable[[], Awaitable[bool]] | None = None) -> int | None:
-        """Wait for a slot, first come first served across the server's processes: only the first in line
-        polls for one (every `poll_s`, only while the server is full). `cancelled` is asked every
-        CANCEL_CHECK_S (ticket_line.py) meanwhile: once it says True the request leaves the line (None)."""
-        ticket = self.line.join()
-        turn = asyncio.ensure_future(self._waiting.acquire())  # this process's earlier waiters go first
+    async def acquire(self, cancelled: Callable[[], Awaitable[bool]] | None = None, priority: int = 0) -> int | None:
+        """Wait for a slot, by priority (lower first) and then first come first served across the server's
+        processes: only the first in line polls for one (every `poll_s`, only while the server is full).
+        `cancelled` is asked every CANCEL_CHECK_S (ticket_line.py) meanwhile: once it says True the request
+        leaves the line (None)."""
+        ticket = self.line.join(priority)
         try:
             return await lines.wait_in_line(
-                turn, lambda: self.try_acquire() if self.line.first() == ticket.name else None, self.poll_s, cancelled
-            )
+                self.line, ticket, lambda: self.try_acquire() if self.line.first() == ticket.name else None,
+                self.poll_s, cancelled)
         finally:
             self.line.leave(ticket)
-            lines.end_turn(self._waiting, turn)
 
     @staticmethod
     def release(fd: int) -> None:
