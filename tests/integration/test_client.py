@@ -18,7 +18,8 @@ pytestmark = pytest.mark.integration
 PROMPT = "Once upon a time, in a land far away,"
 # A fixed K: the adaptive rule (the server's default) pauses a draft that does not pay for its measured
 # costs, and these tests read what the client reports of drafted tokens
-PARAMS = GenerationParams(max_tokens=20, num_draft_tokens=3, adaptive_draft=False)
+# (a priority orders requests only while the server is full: here it changes nothing, but must reach it)
+PARAMS = GenerationParams(max_tokens=20, num_draft_tokens=3, adaptive_draft=False, priority=3)
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +126,8 @@ def test_timeout(server):
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
 def test_command_line_streams_text_and_prints_stats(server, reference, protocol):
     out = subprocess.run([sys.executable, "-m", "client", PROMPT, "--stream", "--protocol", protocol,
-                          "--url", urls(server)[protocol], "--max-tokens", "20", "--num-draft-tokens", "3"],
+                          "--url", urls(server)[protocol], "--max-tokens", "20", "--num-draft-tokens", "3",
+                          "--priority", "-2"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.rstrip("\n") == reference

@@ -57,8 +57,8 @@ def test_chat_equals_the_ensemble_and_streams_as_openai_does(server, api, model)
     first, usage only in the last chunk (choices empty), the statistics with the finish."""
     # A fixed K: the adaptive one picks each round's k from measured timings, so two runs' rounds may differ
     direct = _messages_stream(server, CHAT, max_tokens=24, num_draft_tokens=3, temperature=0.0, adaptive_draft=False)
-    whole = api.chat.completions.create(model=model, messages=CHAT, max_tokens=24, temperature=0,
-                                        extra_body={"num_draft_tokens": 3, "adaptive_draft": False})
+    whole = api.chat.completions.create(model=model, messages=CHAT, max_tokens=24, temperature=0,  # vLLM's priority:
+                                        extra_body={"num_draft_tokens": 3, "adaptive_draft": False, "priority": 7})
     assert whole.choices[0].message.content == direct[tn.TEXT_OUTPUT]
     assert whole.choices[0].message.role == "assistant" and whole.object == "chat.completion"
     assert whole.choices[0].finish_reason == direct[tn.FINISH_REASON] == "length"
@@ -493,6 +493,7 @@ def grpc_log_probs(server, messages) -> list[float]:
     ({"extra_body": {"top_k": "many"}}, "top_k"),
     ({"extra_body": {"num_draft_tokens": 999}}, "num_draft_tokens"),
     ({"extra_body": {"draft_model": "nope"}}, "draft_model"),
+    ({"extra_body": {"priority": 2**31}}, "priority"),
     ({"extra_body": {"frobnicate": 1}}, "frobnicate"),
     ({"response_format": {"type": "yaml"}}, "response_format.type"),
     ({"messages": [{"role": "function", "content": "x"}]}, "messages[0].role"),

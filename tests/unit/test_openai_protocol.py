@@ -33,6 +33,13 @@ def test_chat_maps_settings_onto_sampling_parameters_and_inputs():
     assert gen.response_id.startswith("chatcmpl-")
 
 
+def test_priority_is_the_ensembles_priority_input():
+    for parse, body in ((parse_chat, {"messages": CHAT}), (parse_completion, {"prompt": "hi", "n": 2})):
+        gen = parse({"model": "m", "priority": -3, **body}, SERVED)
+        assert all(c[tn.PRIORITY].dtype == np.int32 and c[tn.PRIORITY][0, 0] == -3 for c in gen.choices)
+        assert tn.PRIORITY not in parse({"model": "m", **body}, SERVED).choices[0]
+
+
 def test_messages_are_normalized_for_the_chat_template():
     messages = [{"role": "developer", "content": "be brief"},
                 {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}], "name": "x"},
@@ -54,6 +61,8 @@ def test_messages_are_normalized_for_the_chat_template():
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": "no"}}}, "response_format.json_schema"),
     ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "response_format"),
     ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_regex"), ({"num_draft_tokens": 2.5}, "num_draft_tokens"),
+    ({"num_draft_tokens": 2**40}, "num_draft_tokens"), ({"priority": 2**31}, "priority"), ({"priority": "high"}, "priority"),
+    ({"priority": True}, "priority"),
 ])
 def test_chat_refusals_name_the_field(body, param):
     with pytest.raises(ApiError) as caught:
