@@ -55,6 +55,8 @@ EXCLUDE_INPUT_IN_OUTPUT = "exclude_input_in_output"
 PAD_ID = "pad_id"  # INT32 [1]: a token id >= 0; no effect (responses carry no padding)
 DRAFT_MODEL = "draft_model"  # STRING [1]: which configured draft model proposes
 APPLY_CHAT_TEMPLATE = "apply_chat_template"  # BOOL [1]
+# STRING [1]: a JSON object of more variables for the chat template (vLLM's field; e.g. enable_thinking)
+CHAT_TEMPLATE_KWARGS = "chat_template_kwargs"
 RETURN_LOG_PROBS = "return_log_probs"  # BOOL [1]: also return each generated token's log-probability
 # INT32 [1]: with return_log_probs, also the n most likely tokens at each generated position (0 to
 # MAX_TOP_LOG_PROBS; 0: none, the default)

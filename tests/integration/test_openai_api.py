@@ -288,6 +288,51 @@ def test_auto_tool_calls_are_read_in_the_models_format(server, model):
         process.wait(30)
 
 
+def test_a_reasoning_parser_puts_the_thinking_apart(server, model):
+    """A gateway started with --reasoning-parser qwen3 (and hermes tool calls): the thinking a model writes
+    between <think> and </think> (here forced, with vLLM's guided_choice) comes as reasoning_content and
+    reasoning, the answer as content, whole and streamed; a tool call is read from the answer only (not from
+    a thinking that mentions one); include_reasoning false leaves it out. chat_template_kwargs reach the
+    server's preprocessing (which refuses a name it sets itself, named as the request's field)."""
+    port = free_ports(1)[0]
+    process = subprocess.Popen([sys.executable, "-m", "specdec.gateway", "--port", str(port), "--grpc-url",
+                                server.grpc_url, "--served-model-name", model, "--reasoning-parser", "qwen3",
+                                "--tool-call-parser", "hermes"], env={"PATH": "/usr/bin:/bin"})
+    try:
+        deadline = time.monotonic() + 60
+        while not answers(gateway_url(port), 2) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        client = openai.OpenAI(base_url=f"http://localhost:{port}/v1", api_key="x", max_retries=0)
+        forced = "<think>\nThree colours, <tool_call> not needed.\n</think>\n\nRed, green, blue."
+        args = {"model": model, "messages": CHAT, "max_tokens": 64, "temperature": 0, "tools": [WEATHER],
+                "extra_body": {"guided_choice": [forced], "chat_template_kwargs": {"enable_thinking": True}}}
+        message = client.chat.completions.create(**args).choices[0].message
+        assert message.content == "\n\nRed, green, blue." and message.tool_calls is None
+        assert message.model_extra["reasoning_content"] == message.model_extra["reasoning"] == \
+            "\nThree colours, <tool_call> not needed.\n"
+        chunks = [c.choices[0] for c in client.chat.completions.create(stream=True, **args) if c.choices]
+        assert "".join(c.delta.content or "" for c in chunks) == message.content
+        thinking = [c.delta.model_extra.get("reasoning_content") or "" for c in chunks]
+        assert "".join(thinking) == message.model_extra["reasoning_content"] and sum(map(bool, thinking)) > 1
+        assert all(c.delta.model_extra.get("reasoning_content") == c.delta.model_extra.get("reasoning") for c in chunks)
+        called = "<think>Weather needed.</think><tool_call>{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Oslo\"}}</tool_call>"
+        out = client.chat.completions.create(**{**args, "extra_body": {"guided_choice": [called]}}).choices[0]
+        assert out.finish_reason == "tool_calls" and out.message.model_extra["reasoning_content"] == "Weather needed."
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in out.message.tool_calls] == [
+            ("get_weather", {"city": "Oslo"})]
+        hidden = client.chat.completions.create(**{**args, "extra_body": {"guided_choice": [forced],
+                                                                          "include_reasoning": False}})
+        assert hidden.choices[0].message.content == message.content
+        assert "reasoning_content" not in (hidden.choices[0].message.model_extra or {})
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(model=model, messages=CHAT, max_tokens=2,
+                                           extra_body={"chat_template_kwargs": {"add_generation_prompt": False}})
+        assert caught.value.body["param"] == "chat_template_kwargs" and "set by the server" in caught.value.body["message"]
+    finally:
+        process.terminate()
+        process.wait(30)
+
+
 def test_structured_output_follows_the_schema(api, model):
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                                "age": {"type": "integer"}},

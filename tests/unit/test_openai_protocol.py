@@ -40,6 +40,34 @@ def test_priority_is_the_ensembles_priority_input():
         assert tn.PRIORITY not in parse({"model": "m", **body}, SERVED).choices[0]
 
 
+def test_chat_template_kwargs_and_include_reasoning_are_read():
+    gen = parse_chat({"model": "m", "messages": CHAT, "chat_template_kwargs": {"enable_thinking": False}}, SERVED,
+                     reasoning_parser="qwen3")
+    assert json.loads(gen.choices[0][tn.CHAT_TEMPLATE_KWARGS][0, 0]) == {"enable_thinking": False}
+    assert gen.reasoning == "qwen3" and gen.include_reasoning
+    plain = parse_chat({"model": "m", "messages": CHAT, "include_reasoning": False}, SERVED)
+    assert tn.CHAT_TEMPLATE_KWARGS not in plain.choices[0] and plain.reasoning is None and not plain.include_reasoning
+    with pytest.raises(ApiError) as caught:
+        parse_chat({"model": "m", "messages": CHAT, "chat_template_kwargs": ["x"]}, SERVED)
+    assert caught.value.param == "chat_template_kwargs"
+    with pytest.raises(ApiError) as caught:
+        parse_chat({"model": "m", "messages": CHAT, "include_reasoning": "no"}, SERVED)
+    assert caught.value.param == "include_reasoning"
+    with pytest.raises(ApiError) as caught:  # a chat setting: completions do not take it
+        parse_completion({"model": "m", "prompt": "hi", "chat_template_kwargs": {}}, SERVED)
+    assert caught.value.param == "chat_template_kwargs"
+
+
+def test_a_chat_choice_carries_its_thinking_under_both_names():
+    gen = parse_chat({"model": "m", "messages": CHAT}, SERVED, reasoning_parser="deepseek_r1")
+    message = protocol.choice(gen, None, "length", None, delta=False, reasoning="hmm")["message"]
+    assert message == {"role": "assistant", "content": None, "reasoning_content": "hmm", "reasoning": "hmm"}
+    delta = protocol.choice(gen, "4", None, None, delta=True, reasoning="")["delta"]
+    assert delta == {"content": "4"}  # no thinking in this delta: neither name
+    hidden = parse_chat({"model": "m", "messages": CHAT, "include_reasoning": False}, SERVED, reasoning_parser="qwen3")
+    assert "reasoning" not in protocol.choice(hidden, "4", None, None, delta=False, reasoning="hmm")["message"]
+
+
 def test_messages_are_normalized_for_the_chat_template():
     messages = [{"role": "developer", "content": "be brief"},
                 {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}], "name": "x"},

@@ -3,7 +3,7 @@ tokenizer and benchmark clients read; refusals naming the field."""
 
 import pytest
 
-from specdec.decoding.text import chat_ids, load_tokenizer
+from specdec.decoding.text import chat_ids, chat_template_kwargs, load_tokenizer
 from specdec.gateway.protocol import ApiError
 from specdec.gateway.tokenization import detokenize, tokenize, tokenizer_info
 from specdec.serving.pairs import smollm2_tokenizer_dir
@@ -24,6 +24,29 @@ def test_a_prompt_and_a_chat_are_tokenized_as_the_server_reads_them(tokenizer):
     chat = tokenize(tokenizer, {"messages": CHAT}, 8192)
     assert chat["tokens"] == chat_ids(tokenizer, CHAT, None, "messages")  # preprocessing's rendering: usage's count
     assert detokenize(tokenizer, {"tokens": out["tokens"]}) == {"prompt": "Hello there"}
+
+
+# A template with a variable of its own, as Qwen3's `enable_thinking` (SmolLM2's uses none)
+THINKING_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                     "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and not "
+                     "enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
+
+
+def test_chat_template_kwargs_are_the_templates_variables(tokenizer, monkeypatch):
+    monkeypatch.setattr(tokenizer, "chat_template", THINKING_TEMPLATE)
+    plain = chat_ids(tokenizer, CHAT, None, "messages")
+    off = chat_ids(tokenizer, CHAT, None, "messages", chat_template_kwargs('{"enable_thinking": false}', "k"))
+    assert tokenizer.decode(off[len(plain):]) == "<think>\n\n</think>\n\n" and off[:len(plain)] == plain
+    assert chat_ids(tokenizer, CHAT, None, "messages", {"enable_thinking": True}) == plain
+    # /tokenize renders the same prompt: usage's count stays the chat endpoint's
+    assert tokenize(tokenizer, {"messages": CHAT, "chat_template_kwargs": {"enable_thinking": False}}, 0)["tokens"] == off
+    for raw, message in (('["x"]', "must be a JSON object"), ('{"add_generation_prompt": false}', "'add_generation_prompt' is set by the server"),
+                         ('{"tools": []}', "'tools' is set by the server"), ("{", "is not JSON")):
+        with pytest.raises(ValueError, match=message):
+            chat_template_kwargs(raw, "chat_template_kwargs")
+    with pytest.raises(ApiError) as caught:
+        tokenize(tokenizer, {"messages": CHAT, "chat_template_kwargs": {"tokenize": False}}, 0)
+    assert caught.value.param == "chat_template_kwargs"
 
 
 def test_tokenizer_info_names_the_special_tokens_and_the_chat_template(tokenizer):

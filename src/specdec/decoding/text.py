@@ -243,12 +243,35 @@ def chat_tools(raw: str, field: str) -> list[dict]:
     return tools
 
 
-def chat_ids(tokenizer, messages: list[dict], tools: list[dict] | None, field: str) -> list[int]:
+def chat_template_kwargs(raw: str, field: str) -> dict:
+    """The `chat_template_kwargs` input (vLLM's request field): a JSON object of more variables for the chat
+    template (e.g. Qwen3's `enable_thinking`), checked (ValueError naming `field`). A name that is one of the
+    template call's own settings (`add_generation_prompt`, `tools`, `tokenize` ...) is refused: the
+    server sets those."""
+    settings = _json(raw, field)
+    if not isinstance(settings, dict):
+        raise ValueError(f"input '{field}' must be a JSON object of the chat template's variables")
+    own = sorted(set(settings) & (_TEMPLATE_CALL_SETTINGS | {"conversation", "messages"}))
+    if own:
+        raise ValueError(f"input '{field}': '{own[0]}' is set by the server, not by the chat template's variables")
+    return settings
+
+
+# apply_chat_template's own parameters (transformers 5): everything else it passes on to the template.
+_TEMPLATE_CALL_SETTINGS = frozenset({
+    "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message", "tokenize",
+    "sanitize_control_tokens", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
+def chat_ids(tokenizer, messages: list[dict], tools: list[dict] | None, field: str,
+             template_kwargs: dict | None = None) -> list[int]:
     """A chat's prompt tokens: the tokenizer's chat template over the messages (and the tools, which the
-    template renders where it knows how), the assistant's turn opened; ValueError naming `field` when the
-    template refuses them."""
+    template renders where it knows how), the assistant's turn opened, with `template_kwargs` as more of
+    the template's variables (`chat_template_kwargs`); ValueError naming `field` when the template refuses
+    them."""
     try:
         return list(tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True,
-                                                  tokenize=True, return_dict=False))
+                                                  tokenize=True, return_dict=False, **(template_kwargs or {})))
     except Exception as exc:  # noqa: BLE001 - a template may raise anything (e.g. roles it refuses)
         raise ValueError(f"input '{field}': the chat template refused it ({exc})") from None

@@ -14,6 +14,7 @@ import sys
 from aiohttp import web
 
 from specdec.gateway.app import Gateway
+from specdec.gateway.reasoning import PARSERS as REASONING_PARSERS
 from specdec.gateway.tools import PARSERS
 from specdec.gateway.upstream import Upstream
 
@@ -41,6 +42,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help=f"require this key (default: ${API_KEY_ENV}; none: no check)")
     parser.add_argument("--tool-call-parser", choices=PARSERS, default=None,
                         help="how the model writes tool calls: tool_choice \"auto\" reads them (none: auto refused)")
+    parser.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                        help="a reasoning model's thinking apart from its answer: the chat API's reasoning_content "
+                             "(deepseek_r1: DeepSeek-R1, QwQ, Qwen3-Thinking-2507; qwen3: Qwen3's hybrid models)")
     parser.add_argument("--drain-timeout", type=float, default=60.0)
     return parser.parse_args(argv)
 
@@ -56,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
 
         tokenizer = load_tokenizer(args.tokenizer)
     gateway = Gateway(Upstream(args.grpc_url), tuple(args.served_model_name), tokenizer, args.api_key or None,
-                      args.tool_call_parser, args.max_model_len)
+                      args.tool_call_parser, args.max_model_len, args.reasoning_parser)
     log(f"OpenAI API: http://{args.host}:{args.port}/v1 (models {', '.join(args.served_model_name)}; "
         f"server {args.grpc_url}; API key {'required' if args.api_key else 'not required'})")
     web.run_app(gateway.app(), host=args.host, port=args.port, print=None, access_log=None,

@@ -22,7 +22,7 @@ from aiohttp import web
 
 from specdec import tensor_names as tn
 from specdec.decoding import json_text
-from specdec.gateway import protocol, responses, tokenization, tools
+from specdec.gateway import protocol, reasoning, responses, tokenization, tools
 from specdec.gateway.protocol import STATS_FIELD, ApiError, Generation
 from specdec.gateway.upstream import Piece, Upstream
 
@@ -38,13 +38,14 @@ def error_response(error: ApiError) -> web.Response:
 
 class Gateway:
     def __init__(self, upstream: Upstream, served: tuple[str, ...], tokenizer=None, api_key: str | None = None,
-                 tool_parser: str | None = None, max_model_len: int = 0):
+                 tool_parser: str | None = None, max_model_len: int = 0, reasoning_parser: str | None = None):
         """tokenizer: the target's (a transformers tokenizer), for the text of log-probabilities' tokens and of
         echoed token-id prompts, and the tokenizer endpoints; None: tokens show as `token_id:N`, and those
         need it. max_model_len: the server's context in tokens (model cards, /tokenize; 0: not known)."""
         self.upstream, self.served, self.tokenizer, self.api_key = upstream, served, tokenizer, api_key
         self.token_text: TokenText | None = token_text_from(tokenizer) if tokenizer is not None else None
         self.tool_parser = tool_parser  # tools.PARSERS: how the model writes calls (tool_choice "auto")
+        self.reasoning_parser = reasoning_parser  # reasoning.PARSERS: a chat's thinking apart (None: not split)
         self.max_model_len = max_model_len
         self.created = int(time.time())
 
@@ -86,7 +87,8 @@ class Gateway:
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
-        return await self._answer(request, protocol.parse_chat(body, self.served, self.tool_parser))
+        return await self._answer(request, protocol.parse_chat(body, self.served, self.tool_parser,
+                                                               self.reasoning_parser))
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         gen = protocol.parse_completion(await self._body(request), self.served)
@@ -297,13 +299,15 @@ class Gateway:
         return web.json_response(body)
 
     def _whole_choice(self, gen: Generation, merged: Piece, index: int) -> dict:
-        reason, text, calls = self._finish_reason(merged), merged.text, None
+        reason, text, calls, thinking = self._finish_reason(merged), merged.text, None, None
+        if gen.reasoning is not None:  # calls are read from the answer, never from the thinking
+            thinking, text = reasoning.split(text, gen.reasoning)
         if gen.tools is not None:
-            text, found = tools.split_output(merged.text, gen.tools)
+            text, found = tools.split_output(text or "", gen.tools)
             if found:
                 calls, reason = tools.message_calls(found), gen.tools.finish_reason(reason)
         return protocol.choice(gen, text, reason, self._logprobs(gen, merged, 0), delta=False, index=index,
-                               tool_calls=calls)
+                               tool_calls=calls, reasoning=thinking)
 
     async def _stream(self, request: web.Request, gen: Generation, pieces) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
@@ -316,6 +320,7 @@ class Gateway:
         count = len(gen.choices)
         sent_text, sent_ids, stats = [0] * count, [0] * count, [{} for _ in range(count)]
         calls = [tools.ToolStream(gen.tools) for _ in range(count)] if gen.tools is not None else None
+        thinkers = [reasoning.ReasoningStream(gen.reasoning) for _ in range(count)] if gen.reasoning else None
         seen = [False] * count
         try:
             async for index, piece in pieces:
@@ -323,18 +328,26 @@ class Gateway:
                 stats[index].update(piece.stats)
                 sent_ids[index] += len(piece.ids)
                 reason = self._finish_reason(piece)
-                text, deltas = piece.text, None
+                text, deltas, thinking = piece.text, None, ""
+                if thinkers is not None:  # the thinking apart, as it comes
+                    thinking, text = thinkers[index].feed(text)
+                    if reason:
+                        more_thinking, more_text = thinkers[index].finish()
+                        thinking, text = thinking + more_thinking, text + more_text
                 if calls is not None:  # the text becomes content and tool-call deltas as it comes
-                    text, deltas = calls[index].feed(piece.text)
+                    text, deltas = calls[index].feed(text)
                     if reason:
                         rest, more, called = calls[index].finish()
                         text, deltas = text + rest, deltas + more
                         reason = gen.tools.finish_reason(reason) if called else reason
-                if not text and not deltas and not reason and not (gen.logprobs and piece.ids):
+                thinking = thinking if gen.include_reasoning else ""
+                if not text and not deltas and not thinking and not reason and not (gen.logprobs and piece.ids):
                     continue  # nothing to tell (e.g. text held back at a possible stop word)
-                chunk = protocol.envelope(gen, [protocol.choice(gen, text if text or not deltas else None, reason,
+                content = text if text or not (deltas or thinking) else None
+                chunk = protocol.envelope(gen, [protocol.choice(gen, content, reason,
                                                                 self._logprobs(gen, piece, sent_text[index]), True,
-                                                                index=index, tool_calls=deltas)], chunk=True)
+                                                                index=index, tool_calls=deltas, reasoning=thinking)],
+                                          chunk=True)
                 sent_text[index] += len(piece.text)
                 if gen.include_usage:
                     chunk["usage"] = protocol.combined_usage(stats, sent_ids, gen.n) if gen.continuous_usage else None

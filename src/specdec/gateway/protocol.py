@@ -41,7 +41,8 @@ COMMON_FIELDS = ("model", "stream", "stream_options", "n", "logit_bias", "logpro
                  *SAMPLING_FIELDS, *GUIDED_FIELDS, *SPECULATIVE_FIELDS, *SCHEDULING_FIELDS, *IGNORED_FIELDS)
 INT32 = (-2**31, 2**31 - 1)
 CHAT_FIELDS = (*COMMON_FIELDS, "messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
-               "tool_choice", "parallel_tool_calls", "functions", "function_call")
+               "tool_choice", "parallel_tool_calls", "functions", "function_call", "chat_template_kwargs",
+               "include_reasoning")
 COMPLETION_FIELDS = (*COMMON_FIELDS, "prompt", "echo", "suffix", "best_of")
 OPENAI_TEMPERATURE = 1.0  # OpenAI's default: a request that sets no temperature samples
 MAX_CHOICES = 128  # OpenAI's bound on `n`; here also on n x prompts (each choice is a sequence of the server's)
@@ -86,6 +87,8 @@ class Generation:
     logprobs: bool = False
     top_logprobs: int = 0  # with logprobs: the most likely tokens at each position, this many
     tools: ToolCalling | None = None  # how the answer becomes tool calls (tools.py); None: text only
+    reasoning: str | None = None  # reasoning.PARSERS: a chat's thinking apart from its content; None: not split
+    include_reasoning: bool = True  # vLLM's include_reasoning: false leaves the thinking out of the answer
     # completions' echo: each choice's text (and log-probabilities) start with its prompt's: the prompts as
     # sent, per choice (a string, or token ids the gateway decodes)
     echo: list[str | list[int]] | None = None
@@ -316,7 +319,8 @@ def chat_tools(body: dict, sampling: dict, parser: str | None) -> tuple[list[dic
     return tools, calling
 
 
-def parse_chat(body: dict, served: tuple[str, ...], tool_parser: str | None = None) -> Generation:
+def parse_chat(body: dict, served: tuple[str, ...], tool_parser: str | None = None,
+               reasoning_parser: str | None = None) -> Generation:
     """A /v1/chat/completions body -> the ensemble's inputs (ApiError naming the field otherwise)."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
@@ -355,9 +359,14 @@ def parse_chat(body: dict, served: tuple[str, ...], tool_parser: str | None = No
     inputs[tn.MESSAGES] = _string(json.dumps(chat_messages(body)))
     if tools:
         inputs[tn.TOOLS] = _string(json.dumps(tools))
+    template_kwargs = _typed(body, "chat_template_kwargs", (dict,), "an object of the chat template's variables")
+    if template_kwargs:  # the server refuses the names it sets itself, named as this field
+        inputs[tn.CHAT_TEMPLATE_KWARGS] = _string(json.dumps(template_kwargs))
     return Generation(chat=True, model=model, choices=_finish(sampling, inputs, stream["stream"], logprobs, n, top),
                       n=n, stream=stream["stream"], include_usage=stream["include_usage"],
-                      continuous_usage=stream["continuous_usage"], logprobs=logprobs, top_logprobs=top, tools=calling)
+                      continuous_usage=stream["continuous_usage"], logprobs=logprobs, top_logprobs=top, tools=calling,
+                      reasoning=reasoning_parser, include_reasoning=_typed(body, "include_reasoning", (bool,),
+                                                                           "a boolean") is not False)
 
 
 def _prompts(prompt) -> list[str | list[int]]:
@@ -497,12 +506,16 @@ def _by_text(row: list[tuple[str, float]]) -> dict[str, float]:
 
 
 def choice(gen: Generation, text: str | None, finish_reason: str | None, logprobs: dict | None,
-           delta: bool, first: bool = False, index: int = 0, tool_calls: list[dict] | None = None) -> dict:
-    """One entry of `choices`: a chat message or delta (with its `tool_calls`, if any), or a completion's
-    text."""
+           delta: bool, first: bool = False, index: int = 0, tool_calls: list[dict] | None = None,
+           reasoning: str | None = None) -> dict:
+    """One entry of `choices`: a chat message or delta (with its `tool_calls`, and its thinking, if any), or
+    a completion's text."""
     if gen.chat:
         body = {"role": "assistant", "content": text} if (not delta or first) else (
             {} if text is None else {"content": text})
+        if reasoning and gen.include_reasoning:
+            # SGLang's and DeepSeek's name, and vLLM's current one (it renamed the first): clients read either
+            body["reasoning_content"] = body["reasoning"] = reasoning
         if tool_calls:
             body["tool_calls"] = tool_calls
         return {"index": index, ("delta" if delta else "message"): body, "logprobs": logprobs,

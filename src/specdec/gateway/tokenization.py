@@ -6,7 +6,9 @@ body and the tokenizer in, the response body out (ApiError naming the field othe
 
 from __future__ import annotations
 
-from specdec.decoding.text import chat_ids
+import json
+
+from specdec.decoding.text import chat_ids, chat_template_kwargs
 from specdec.gateway.protocol import ApiError, chat_messages, invalid
 
 # The special tokens a tokenizer_info answer names (vLLM's answer is the tokenizer's settings; these are
@@ -38,8 +40,13 @@ def tokenize(tokenizer, body: dict, max_model_len: int) -> dict:
             raise invalid("messages", "the model's tokenizer has no chat template")
         if not _flag(body, "add_generation_prompt", True):
             raise invalid("add_generation_prompt", "only true is supported (the assistant's turn opened)")
+        kwargs = body.get("chat_template_kwargs")
         try:
-            ids = chat_ids(tokenizer, chat_messages(body), None, "messages")
+            kwargs = None if kwargs is None else chat_template_kwargs(json.dumps(kwargs), "chat_template_kwargs")
+        except ValueError as exc:
+            raise invalid("chat_template_kwargs", str(exc)) from None
+        try:
+            ids = chat_ids(tokenizer, chat_messages(body), None, "messages", kwargs)
         except ValueError as exc:
             raise invalid("messages", str(exc)) from None
     strings = tokenizer.convert_ids_to_tokens(ids) if _flag(body, "return_token_strs", False) else None

@@ -46,6 +46,7 @@ from typing import Callable
 
 from specdec import tensor_names as tn
 from specdec.serving import mps, pairs, repository
+from specdec.gateway.reasoning import PARSERS as REASONING_PARSERS
 from specdec.gateway.tools import PARSERS as TOOL_CALL_PARSERS
 from specdec.serving.gateway_process import GatewayProcess, default_model_name, repository_context, repository_tokenizer
 from specdec.serving.healthcheck import (
@@ -388,6 +389,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="how the target writes tool calls, so that the OpenAI API takes tool_choice \"auto\" "
                              "(hermes: Qwen2.5, Hermes, SmolLM3; llama3_json: Llama 3.1-3.3); without it a request's "
                              "tools are called only by name or with tool_choice \"required\"")
+    parser.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                        help="how the target writes its thinking, so that the OpenAI API's chat answers carry it "
+                             "apart (reasoning_content): deepseek_r1 (DeepSeek-R1, QwQ, Qwen3-Thinking-2507: all "
+                             "before </think>) or qwen3 (Qwen3's hybrid models: a block the answer opens)")
     parser.add_argument("--model-repository", help="serve this already rendered repository as is")
     parser.add_argument("--triton-root", default=os.environ.get("TRITON_ROOT"),
                         help="an installed Triton (e.g. /opt/tritonserver) instead of the wheel's server")
@@ -469,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer = repository_tokenizer(repo)
         gateway = GatewayProcess(openai_port(), grpc_port, args.served_model_name or [default_model_name(tokenizer)],
                                  tokenizer, args.drain_timeout, dict(os.environ), args.tool_call_parser,
-                                 repository_context(repo))
+                                 repository_context(repo), args.reasoning_parser)
     watchdog = None
     if args.heal:
         # Reloading one model in place needs explicit model control; without it the watchdog heals by

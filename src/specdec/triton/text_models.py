@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from specdec import tensor_names as tn
-from specdec.decoding.text import chat_ids, chat_messages, chat_tools, decode_delta, load_tokenizer
+from specdec.decoding.text import (chat_ids, chat_messages, chat_template_kwargs, chat_tools, decode_delta,
+                                   load_tokenizer)
 from specdec.triton.adapter import TritonAdapter
 from specdec.triton.admission.cancellation import CancellationBoard
 from specdec.triton.config import ModelParameters
@@ -63,7 +64,13 @@ class PreprocessingAdapter(TritonAdapter):
         tensor = pb.get_input_tensor_by_name(request, tn.TEXT_INPUT)
         tools_tensor = pb.get_input_tensor_by_name(request, tn.TOOLS)
         ids_tensor = pb.get_input_tensor_by_name(request, tn.PROMPT_TOKEN_IDS)
+        kwargs_tensor = pb.get_input_tensor_by_name(request, tn.CHAT_TEMPLATE_KWARGS)
+        template_kwargs = None if kwargs_tensor is None else chat_template_kwargs(
+            _one_string(kwargs_tensor, tn.CHAT_TEMPLATE_KWARGS), tn.CHAT_TEMPLATE_KWARGS)
         if ids_tensor is not None:
+            if template_kwargs is not None:
+                raise ValueError(f"input '{tn.CHAT_TEMPLATE_KWARGS}' needs a chat template applied; "
+                                 f"'{tn.PROMPT_TOKEN_IDS}' are the prompt as it is")
             given = [name for name, t in ((tn.TEXT_INPUT, tensor), (tn.MESSAGES, chat_tensor)) if t is not None]
             if given:
                 raise ValueError(f"inputs '{tn.PROMPT_TOKEN_IDS}' and '{given[0]}' exclude each other: send one")
@@ -77,7 +84,7 @@ class PreprocessingAdapter(TritonAdapter):
                 raise ValueError(f"input '{tn.MESSAGES}' needs a chat template, and the tokenizer has none")
             messages = chat_messages(_one_string(chat_tensor, tn.MESSAGES), tn.MESSAGES)
             tools = None if tools_tensor is None else chat_tools(_one_string(tools_tensor, tn.TOOLS), tn.TOOLS)
-            return chat_ids(self.tokenizer, messages, tools, tn.MESSAGES)
+            return chat_ids(self.tokenizer, messages, tools, tn.MESSAGES, template_kwargs)
         if tensor is None:
             raise ValueError(f"input '{tn.TEXT_INPUT}' is required (the prompt; or '{tn.MESSAGES}', a chat, or "
                              f"'{tn.PROMPT_TOKEN_IDS}')")
@@ -89,7 +96,11 @@ class PreprocessingAdapter(TritonAdapter):
         if use_chat:
             if not self.tokenizer.chat_template:
                 raise ValueError(f"input '{tn.APPLY_CHAT_TEMPLATE}' is true but the tokenizer has no chat template")
-            return chat_ids(self.tokenizer, [{"role": "user", "content": text}], None, tn.APPLY_CHAT_TEMPLATE)
+            return chat_ids(self.tokenizer, [{"role": "user", "content": text}], None, tn.APPLY_CHAT_TEMPLATE,
+                            template_kwargs)
+        if template_kwargs is not None:
+            raise ValueError(f"input '{tn.CHAT_TEMPLATE_KWARGS}' needs a chat template applied: '{tn.MESSAGES}', or "
+                             f"'{tn.APPLY_CHAT_TEMPLATE}' true")
         return self.tokenizer.encode(text, add_special_tokens=True)
 
 

@@ -1,0 +1,78 @@
+"""A reasoning model's thinking apart from its answer (`--reasoning-parser`, as vLLM and SGLang name it).
+
+Reasoning models (DeepSeek-R1, QwQ, Qwen3) write their thinking between `<think>` and `</think>` before the
+answer. With a parser the chat API returns the thinking in the message's (or delta's) `reasoning_content`
+(SGLang's and DeepSeek's name) and `reasoning` (vLLM's current name), and only the answer in `content`; tool
+calls are read from the answer alone. Completions are never split (as in vLLM).
+
+- `deepseek_r1`: everything before `</think>` is thinking (a leading `<think>` dropped): the model's chat
+  template may have opened the block itself (DeepSeek-R1, QwQ, Qwen3-Thinking-2507). No `</think>`: all of
+  it is thinking (an answer cut short while it thought).
+- `qwen3`: thinking only when the answer opens with `<think>` (Qwen3's hybrid models; with
+  `chat_template_kwargs: {"enable_thinking": false}` the template closes an empty block in the prompt and
+  the answer is all content).
+
+The text between the tags is kept as written (newlines included), as vLLM keeps it. Pure: text in, parts out.
+"""
+
+from __future__ import annotations
+
+OPEN, CLOSE = "<think>", "</think>"
+PARSERS = ("deepseek_r1", "qwen3")
+
+
+def split(text: str, parser: str) -> tuple[str | None, str | None]:
+    """A whole answer's (thinking, content); None for a part it has none of."""
+    stream = ReasoningStream(parser)
+    thinking, content = stream.feed(text)
+    more_thinking, more_content = stream.finish()
+    return (thinking + more_thinking) or None, (content + more_content) or None
+
+
+class ReasoningStream:
+    """Splits an answer's text deltas as they come: `feed(delta)` -> (thinking delta, content delta);
+    `finish()` after the last one. A tag split across deltas is held back until it is whole (a delta may
+    then give nothing of either part); the parts streamed add up to `split`'s."""
+
+    def __init__(self, parser: str):
+        if parser not in PARSERS:
+            raise ValueError(f"unknown reasoning parser {parser!r} (one of {', '.join(PARSERS)})")
+        self.parser = parser
+        self._state = "start"  # start (is the text opened with <think>?), thinking, answer
+        self._held = ""  # text not yet given out: a possible start of the next tag
+
+    def feed(self, delta: str) -> tuple[str, str]:
+        text, self._held = self._held + delta, ""
+        thinking = content = ""
+        if self._state == "start":
+            if OPEN.startswith(text):  # "", "<", "<th" ...: cannot tell yet
+                self._held = text
+                return "", ""
+            if text.startswith(OPEN):
+                text, self._state = text[len(OPEN):], "thinking"
+            else:
+                self._state = "thinking" if self.parser == "deepseek_r1" else "answer"
+        if self._state == "thinking":
+            end = text.find(CLOSE)
+            if end < 0:
+                keep = _partial_tag(text, CLOSE)
+                thinking, self._held = text[:len(text) - keep], text[len(text) - keep:]
+                return thinking, ""
+            thinking, text, self._state = text[:end], text[end + len(CLOSE):], "answer"
+        content = text
+        return thinking, content
+
+    def finish(self) -> tuple[str, str]:
+        """What was held back: the end of an answer never closes a tag it began."""
+        held, self._held = self._held, ""
+        if self._state == "start":  # the whole answer was a beginning of <think> (or empty)
+            return ("", held) if self.parser == "qwen3" else (held, "")
+        return (held, "") if self._state == "thinking" else ("", held)
+
+
+def _partial_tag(text: str, tag: str) -> int:
+    """How many of text's last characters could begin `tag` (0 when none)."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0

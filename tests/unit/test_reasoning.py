@@ -1,0 +1,58 @@
+"""The reasoning parsers (`gateway/reasoning.py`): thinking apart from content, whole and in any deltas."""
+
+import random
+
+import pytest
+
+from specdec.gateway.reasoning import ReasoningStream, split
+
+CASES = [
+    # (text, parser, (thinking, content))
+    ("<think>\nLet me see.\n</think>\n\nIt is 4.", "qwen3", ("\nLet me see.\n", "\n\nIt is 4.")),
+    ("<think>\nLet me see.\n</think>\n\nIt is 4.", "deepseek_r1", ("\nLet me see.\n", "\n\nIt is 4.")),
+    ("Let me see.</think>It is 4.", "deepseek_r1", ("Let me see.", "It is 4.")),  # opened by the template
+    ("Let me see.</think>It is 4.", "qwen3", (None, "Let me see.</think>It is 4.")),  # never opened: all content
+    ("It is 4.", "qwen3", (None, "It is 4.")),  # enable_thinking false
+    ("Still thinking when cut", "deepseek_r1", ("Still thinking when cut", None)),
+    ("<think>still thinking when cut", "qwen3", ("still thinking when cut", None)),
+    ("<think></think>4", "qwen3", (None, "4")),
+    ("<thin", "qwen3", (None, "<thin")),  # a beginning of the tag that never became one
+    ("<thin", "deepseek_r1", ("<thin", None)),
+    ("<think>a </thin b</think>c </think> d", "qwen3", ("a </thin b", "c </think> d")),  # the first close ends it
+    ("", "qwen3", (None, None)),
+    ("x<think>y</think>z", "qwen3", (None, "x<think>y</think>z")),  # opened mid-answer: not a thinking block
+]
+
+
+@pytest.mark.parametrize("text, parser, expected", CASES)
+def test_a_whole_answer_splits_into_thinking_and_content(text, parser, expected):
+    assert split(text, parser) == expected
+
+
+@pytest.mark.parametrize("text, parser, expected", CASES)
+def test_deltas_add_up_to_the_whole_split_however_the_text_is_cut(text, parser, expected):
+    rng = random.Random(7)
+    for trial in range(200):
+        cuts = sorted(rng.sample(range(len(text) + 1), k=min(len(text) + 1, rng.randint(0, 6))))
+        pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+        stream, thinking, content = ReasoningStream(parser), "", ""
+        for piece in pieces:
+            t, c = stream.feed(piece)
+            assert "<think>" not in t and "</think>" not in t
+            thinking, content = thinking + t, content + c
+        t, c = stream.finish()
+        assert ((thinking + t) or None, (content + c) or None) == expected, pieces
+
+
+def test_thinking_streams_as_it_comes_and_only_a_possible_tag_is_held():
+    stream = ReasoningStream("deepseek_r1")
+    assert stream.feed("<think>Hmm") == ("Hmm", "")
+    assert stream.feed(", so </th") == (", so ", "")  # "</th" may close it: held
+    assert stream.feed("ink>The") == ("", "The")
+    assert stream.feed(" answer") == ("", " answer")
+    assert stream.finish() == ("", "")
+
+
+def test_an_unknown_parser_is_refused_by_name():
+    with pytest.raises(ValueError, match="unknown reasoning parser 'r2'"):
+        ReasoningStream("r2")
