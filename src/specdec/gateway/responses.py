@@ -148,9 +148,10 @@ def chat_body(body: dict) -> dict:
                           ("max_tool_calls", (None,)), ("truncation", (None, "disabled", "auto"))):
         if body.get(name) not in allowed:
             raise invalid(name, "is not supported here")
-    reasoning = body.get("reasoning")  # clients send it unset ({"effort": null}); a model here does not reason
+    reasoning = body.get("reasoning")  # clients send it unset ({"effort": null})
     if reasoning is not None and (not isinstance(reasoning, dict) or any(v is not None for v in reasoning.values())):
-        raise invalid("reasoning", "is not supported by the Responses API here (the chat API carries a reasoning model's thinking apart, with --reasoning-parser)")
+        raise invalid("reasoning", "is not supported by the Responses API here (the chat API carries a reasoning "
+                                   "model's thinking apart, with --reasoning-parser)")
     chat = {key: value for key, value in body.items() if key not in OWN_FIELDS and key not in ("tools", "tool_choice")}
     chat["messages"] = _messages(body)
     if body.get("max_output_tokens") is not None:
