@@ -5,9 +5,11 @@ repository with one thing wrong, under a name of its own) and exits when the loa
 cost the suite ten seconds each, most of it the stubs' imports, which run side by side here."""
 
 import dataclasses
+import json
 import re
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 from transformers import LlamaConfig
@@ -44,6 +46,18 @@ def broken(tmp_path_factory) -> dict[str, str]:
               _copy(repo, "target_model", "target_threads_0", "torch_threads", "0"),
               _copy(repo, "target_model", "target_small_pool", "kv_pool_tokens", "64")]
     repository.override(repo, "target_small_pool.executor=static")
+    # A draft whose tokenizer numbers two tokens the other way round (its weights the tiny draft's).
+    renumbered = tmp_path / "renumbered-draft"
+    renumbered.mkdir()
+    draft = Path(pair.draft_paths["draft_model"])
+    for item in draft.iterdir():
+        if item.name != "tokenizer.json":
+            (renumbered / item.name).symlink_to(item)
+    tokenizer = json.loads((draft / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    vocab["a"], vocab["b"] = vocab["b"], vocab["a"]
+    (renumbered / "tokenizer.json").write_text(json.dumps(tokenizer))
+    models.append(_copy(repo, "draft_model", "draft_renumbered", "model_path", str(renumbered)))
     # A head made for another target (its own repository renders it; its model directory joins this one).
     other = LlamaConfig(vocab_size=1000, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2)
@@ -83,6 +97,12 @@ def test_a_skip_draft_with_layers_it_cannot_skip_fails_at_load_naming_them(broke
 def test_a_pool_smaller_than_the_context_fails_the_load_naming_it(broken):
     assert "cannot hold one sequence of max_context=" in broken["target_small_pool"]
     assert "raise kv_pool_tokens" in broken["target_small_pool"]
+
+
+def test_a_draft_that_numbers_tokens_differently_is_refused_at_load_naming_both(broken):
+    message = broken["draft_renumbered"]
+    assert "the draft's tokenizer" in message and "renumbered-draft" in message and "differs from the target's" in message
+    assert "2 mapped differently" in message
 
 
 def test_a_head_made_for_another_target_is_refused_at_load_naming_both(broken):

@@ -14,7 +14,7 @@ from specdec.decoding.draft_length import DraftLengthPolicy
 from specdec.decoding.loop import GenerationRequest, generate
 from specdec.decoding.ngram_proposer import NgramProposer
 from specdec.decoding.sampling import SamplingParams, make_generator
-from specdec.decoding.text import vocabulary_mismatch
+from specdec.decoding.text import same_tokenizer_files, vocabulary_mismatch
 from specdec.engine.build import dynamic_executor
 from specdec.engine.kv_cache import layer_devices
 from specdec.engine.local import LocalProposer, LocalScorer, collect
@@ -123,3 +123,26 @@ def test_a_draft_with_another_vocabulary_is_named():
     assert vocabulary_mismatch(Tok(same), Tok(same)) is None
     problem = vocabulary_mismatch(Tok({"a": 0, "c": 1, "b": 2}), Tok(same))
     assert "2 mapped differently" in problem and "'b'" in problem
+
+
+def test_identical_tokenizer_files_need_no_loading_anything_else_does(tmp_path):
+    """same_tokenizer_files: byte-equal tokenizer files in both directories (the draft's vocabulary check then
+    loads neither tokenizer); a changed byte, a file on one side only, or no tokenizer at all: not the same."""
+    from specdec.serving.pairs import smollm2_tokenizer_dir
+
+    source = smollm2_tokenizer_dir()
+    a, b = tmp_path / "a", tmp_path / "b"
+    for d in (a, b):
+        d.mkdir()
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            (d / name).write_bytes((source / name).read_bytes())
+        (d / "config.json").write_text(f'{{"from": "{d.name}"}}')  # not a tokenizer file: may differ
+    assert same_tokenizer_files(a, b) and same_tokenizer_files(str(a), str(b))
+    raw = bytearray((b / "tokenizer.json").read_bytes())
+    raw[len(raw) // 2] ^= 1
+    (b / "tokenizer.json").write_bytes(bytes(raw))
+    assert not same_tokenizer_files(a, b)
+    (b / "tokenizer.json").write_bytes((a / "tokenizer.json").read_bytes())
+    (b / "special_tokens_map.json").write_text("{}")
+    assert not same_tokenizer_files(a, b) and not same_tokenizer_files(b, a)
+    assert not same_tokenizer_files(tmp_path / "none", a) and not same_tokenizer_files(a / "tokenizer.json", a)

@@ -69,6 +69,29 @@ def vocabulary_mismatch(draft_tokenizer, target_tokenizer) -> str | None:
             f"(e.g. {example!r}: id {draft.get(example)} in the draft, {target.get(example)} in the target)")
 
 
+# Every file a Hugging Face tokenizer's vocabulary is read from (fast, slow and sentencepiece ones, and the
+# added and special tokens the configs add).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model")
+
+
+def same_tokenizer_files(a: str | Path, b: str | Path) -> bool:
+    """Whether two model directories hold the same tokenizer files, byte for byte (each of TOKENIZER_FILES
+    in both or in neither): then they number tokens alike, and `vocabulary_mismatch` need not load either
+    (a draft copied beside its target, as every pair here is; loading two tokenizers costs a model process
+    seconds at every start and restart)."""
+    a, b = Path(a), Path(b)
+    if not (a.is_dir() and b.is_dir() and (a / "tokenizer_config.json").is_file()):
+        return False
+    for name in TOKENIZER_FILES:
+        here, there = a / name, b / name
+        if here.is_file() != there.is_file():
+            return False
+        if here.is_file() and (here.stat().st_size != there.stat().st_size or here.read_bytes() != there.read_bytes()):
+            return False
+    return True
+
+
 def decode(tokenizer, ids: list[int]) -> str:
     return tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 

@@ -24,7 +24,7 @@ from specdec.decoding.interfaces import ForwardStats
 from specdec.decoding.token_mask import allowed_greedy
 from specdec.decoding.sampling import (SamplingParams, greedy, greedy_log_probs, make_generator, scored_rows,
                                       token_log_probs, top_log_probs)
-from specdec.decoding.text import load_tokenizer, vocabulary_mismatch
+from specdec.decoding.text import load_tokenizer, same_tokenizer_files, vocabulary_mismatch
 from specdec.engine import host_memory, onednn_linear, threads
 from specdec.engine.build import ExecutorConfig, build_executor, plans_static
 from specdec.engine.draft_heads import HeadError, load_head_for, rows_forward, served_layers
@@ -495,7 +495,7 @@ class DraftModel(LanguageModelAdapter):
         target_tokenizer = params.str("target_tokenizer_path", "")
         model_path = Path(params.str("model_path"))
         has_tokenizer = model_path.suffix == ".gguf" or (model_path / "tokenizer_config.json").exists()
-        if target_tokenizer and has_tokenizer:
+        if target_tokenizer and has_tokenizer and not same_tokenizer_files(model_path, target_tokenizer):
             problem = vocabulary_mismatch(load_tokenizer(str(model_path)), load_tokenizer(target_tokenizer))
             if problem:
                 raise ConfigError(f"{params.model_name}: the draft's tokenizer ({model_path}) differs from the "
