@@ -4,6 +4,7 @@ directly over gRPC with the same settings; structured output, log-probabilities,
 clients that go away."""
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -38,6 +39,23 @@ def api(server):
 @pytest.fixture(scope="module")
 def model(api):
     return api.models.list().data[0].id
+
+
+@contextlib.contextmanager
+def own_gateway(server, model, *args, env=None):
+    """A gateway process of the test's own in front of the session's server (its flags `args`): its port."""
+    port = free_ports(1)[0]
+    process = subprocess.Popen([sys.executable, "-m", "specdec.gateway", "--port", str(port), "--grpc-url",
+                                server.grpc_url, "--served-model-name", model, *args],
+                               env={"PATH": "/usr/bin:/bin", **(env or {})})
+    try:
+        deadline = time.monotonic() + 60
+        while not answers(gateway_url(port), 2) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        yield port
+    finally:
+        process.terminate()
+        process.wait(30)
 
 
 def _messages_stream(server, messages, **params) -> dict:
@@ -243,14 +261,7 @@ def test_auto_tool_calls_are_read_in_the_models_format(server, model):
     """A gateway started with --tool-call-parser hermes reads calls the model writes itself (here the
     answer is forced to one, with vLLM's guided_choice): content before it, the call after, whole and
     streamed."""
-    port = free_ports(1)[0]
-    process = subprocess.Popen([sys.executable, "-m", "specdec.gateway", "--port", str(port), "--grpc-url",
-                                server.grpc_url, "--served-model-name", model, "--tool-call-parser", "hermes"],
-                               env={"PATH": "/usr/bin:/bin"})
-    try:
-        deadline = time.monotonic() + 60
-        while not answers(gateway_url(port), 2) and time.monotonic() < deadline:
-            time.sleep(0.2)
+    with own_gateway(server, model, "--tool-call-parser", "hermes") as port:
         client = openai.OpenAI(base_url=f"http://localhost:{port}/v1", api_key="x", max_retries=0)
         forced = 'Checking.<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
         args = {"model": model, "messages": CHAT, "max_tokens": 64, "temperature": 0, "tools": [WEATHER],
@@ -283,9 +294,6 @@ def test_auto_tool_calls_are_read_in_the_models_format(server, model):
                                                           temperature=0, stream=True)
                 if e.type == "response.output_text.delta"]
         assert len(text) > 1 and "".join(text).startswith(plain.choices[0].message.content)
-    finally:
-        process.terminate()
-        process.wait(30)
 
 
 def test_a_reasoning_parser_puts_the_thinking_apart(server, model):
@@ -294,14 +302,7 @@ def test_a_reasoning_parser_puts_the_thinking_apart(server, model):
     reasoning, the answer as content, whole and streamed; a tool call is read from the answer only (not from
     a thinking that mentions one); include_reasoning false leaves it out. chat_template_kwargs reach the
     server's preprocessing (which refuses a name it sets itself, named as the request's field)."""
-    port = free_ports(1)[0]
-    process = subprocess.Popen([sys.executable, "-m", "specdec.gateway", "--port", str(port), "--grpc-url",
-                                server.grpc_url, "--served-model-name", model, "--reasoning-parser", "qwen3",
-                                "--tool-call-parser", "hermes"], env={"PATH": "/usr/bin:/bin"})
-    try:
-        deadline = time.monotonic() + 60
-        while not answers(gateway_url(port), 2) and time.monotonic() < deadline:
-            time.sleep(0.2)
+    with own_gateway(server, model, "--reasoning-parser", "qwen3", "--tool-call-parser", "hermes") as port:
         client = openai.OpenAI(base_url=f"http://localhost:{port}/v1", api_key="x", max_retries=0)
         forced = "<think>\nThree colours, <tool_call> not needed.\n</think>\n\nRed, green, blue."
         args = {"model": model, "messages": CHAT, "max_tokens": 64, "temperature": 0, "tools": [WEATHER],
@@ -328,9 +329,6 @@ def test_a_reasoning_parser_puts_the_thinking_apart(server, model):
             client.chat.completions.create(model=model, messages=CHAT, max_tokens=2,
                                            extra_body={"chat_template_kwargs": {"add_generation_prompt": False}})
         assert caught.value.body["param"] == "chat_template_kwargs" and "set by the server" in caught.value.body["message"]
-    finally:
-        process.terminate()
-        process.wait(30)
 
 
 def test_structured_output_follows_the_schema(api, model):
@@ -577,14 +575,7 @@ def test_a_body_that_is_no_json_object_is_refused(server, body):
 
 def test_an_api_key_is_required_when_set(server, model):
     """A gateway of its own with a key, in front of the same server."""
-    port = free_ports(1)[0]
-    process = subprocess.Popen([sys.executable, "-m", "specdec.gateway", "--port", str(port), "--grpc-url",
-                                server.grpc_url, "--served-model-name", model], env={"SPECDEC_API_KEY": "s3cret",
-                                                                                    "PATH": "/usr/bin:/bin"})
-    try:
-        deadline = time.monotonic() + 60
-        while not answers(gateway_url(port), 2) and time.monotonic() < deadline:
-            time.sleep(0.2)
+    with own_gateway(server, model, env={"SPECDEC_API_KEY": "s3cret"}) as port:
         url = f"http://localhost:{port}/v1"
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=url, api_key="wrong", max_retries=0).models.list()
@@ -595,9 +586,6 @@ def test_an_api_key_is_required_when_set(server, model):
         with pytest.raises(urllib.error.HTTPError) as caught:  # the tokenizer endpoints need it too
             urllib.request.urlopen(request, timeout=10)
         assert caught.value.code == 401
-    finally:
-        process.terminate()
-        process.wait(30)
 
 
 def _leave_a_stream(api, model, chunks: int, n: int = 1) -> None:
