@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.specdec-setup
 
-.PHONY: readme-examples soak soak-mixed setup serve test unit integration deploy-check image image-lock clean loadtest bench bench-concurrency bench-batching bench-gpu bench-executor bench-overhead bench-structured bench-prefix bench-suffix bench-openai bench-trees bench-fp8 bench-ab gpukit
+.PHONY: readme-examples soak soak-mixed setup serve test unit integration deploy-check image image-lock clean loadtest bench bench-concurrency bench-batching bench-gpu bench-executor bench-overhead bench-structured bench-prefix bench-priority bench-suffix bench-openai bench-trees bench-fp8 bench-ab gpukit
 
 setup: $(STAMP)
 
@@ -94,6 +94,10 @@ bench-structured: setup
 # Prefix caching: a shared system prompt against unshareable ones, side by side (starts its own server).
 bench-prefix: setup
 	$(PY) -m bench.prefix_bench --pair $${PAIR:-default} --out .cache/bench-prefix.md
+
+# Request priority under saturation: urgent requests at priority 0 against -1, beside back-to-back load.
+bench-priority: setup
+	$(PY) -m bench.priority_bench --pair $${PAIR:-tiny} --out .cache/bench-priority.md
 
 # Suffix drafting (earlier requests' text) against prompt lookup on workloads that repeat across requests.
 bench-suffix: setup

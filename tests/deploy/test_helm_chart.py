@@ -430,7 +430,8 @@ def test_one_value_drives_the_drain_the_grace_period_and_the_exit():
 def test_the_openai_api_has_a_port_a_service_port_an_ingress_path_and_a_key_from_a_secret():
     docs = render_chart({"ingress": {"enabled": True}, "openai": {"servedModelNames": ["llama-3.1-8b", "llama"],
                                                                    "apiKeySecret": "openai-key",
-                                                                   "toolCallParser": "llama3_json"}})
+                                                                   "toolCallParser": "llama3_json",
+                                                                   "reasoningParser": "qwen3"}})
     triton = deployment(docs)["spec"]["template"]["spec"]["containers"][0]
     ports = {port["name"]: port["containerPort"] for port in triton["ports"]}
     env = {var["name"]: var for var in triton["env"]}
@@ -439,8 +440,10 @@ def test_the_openai_api_has_a_port_a_service_port_an_ingress_path_and_a_key_from
     args = triton["args"][:triton["args"].index("--")]
     assert launcher.parse_args(args).served_model_name == ["llama-3.1-8b", "llama"]
     assert launcher.parse_args(args).tool_call_parser == "llama3_json"
+    assert launcher.parse_args(args).reasoning_parser == "qwen3"
     schema = json.loads((REPO_ROOT / "helm" / "specdec-triton" / "values.schema.json").read_text())
     assert schema["properties"]["openai"]["properties"]["toolCallParser"]["enum"] == ["", *launcher.TOOL_CALL_PARSERS]
+    assert schema["properties"]["openai"]["properties"]["reasoningParser"]["enum"] == ["", *launcher.REASONING_PARSERS]
     (service,) = by_kind(docs, "Service")
     assert {"name": "openai", "port": 9000, "targetPort": "openai", "protocol": "TCP"} in service["spec"]["ports"]
     (ingress,) = by_kind(docs, "Ingress")

@@ -228,7 +228,7 @@ def test_the_mixed_load_bench_runs_against_a_server(server, tmp_path):
     assert all(float(row[1]) > 0 and float(row[2]) >= 1.0 for row in rows[1:]), rows
 
 
-def test_waiting_requests_are_admitted_by_priority(capped):
+def test_waiting_requests_are_admitted_by_priority(capped, tmp_path):
     """Both slots held by long streams: requests of priorities 5, 0, 0 and -1, each sent once the one before
     waits, are admitted -1 first, then the two 0s in arrival order, then 5 (their first_scheduled_time_ns,
     the moment they got a slot) as the holders are cancelled one by one; each generates the text it would
@@ -278,6 +278,12 @@ def test_waiting_requests_are_admitted_by_priority(capped):
         for client in holders:
             client.stop_stream(cancel_requests=True)
             client.close()
+    # `make bench-priority`'s script against this full server: both phases measured (figures: docs/results)
+    out = tmp_path / "priority.md"
+    run_bench("priority_bench.py", "--url", srv.grpc_url, "--background", "3", "--urgent", "2", "--rounds", "1",
+              "--settle", "0.5", "--max-tokens", "8", "--out", str(out))
+    rows = {line.split("|")[1].strip(): line for line in out.read_text().splitlines() if line.startswith("| urgent")}
+    assert set(rows) == {"urgent at priority 0", "urgent at priority -1"}, out.read_text()
 
 
 def test_two_hundred_streams_against_two_slots(capped):
