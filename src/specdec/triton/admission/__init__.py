@@ -2,8 +2,8 @@
 instance of one server.
 
   sequence_slots  the live-sequence cap (max_live_sequences), held across instances with file locks
-  kv_room         waiting for room in target_model's KV cache, first come first served
-  ticket_line     the server-wide first-come-first-served line both waits use
+  kv_room         waiting for room in target_model's KV cache, by priority then first come first served
+  ticket_line     the server-wide line both waits use: by priority, then first come first served
   verify_gate     concurrent requests' verify calls lined up into one target forward
   counts          this instance's live and queued requests, the one owner of those counts
   cancellation    the board through which an ensemble's cancellation reaches the orchestrator
