@@ -23,7 +23,7 @@ import threading
 import time
 from pathlib import Path
 
-from bench.report import machine, table
+from bench.report import emit, machine, table
 from client import Client, GenerationParams
 from specdec.serving import server
 
@@ -108,9 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         table(rows, ["phase", "urgent TTFT p50 / p90 (ms)", "urgent requests", "background TTFT p50 / p90 (ms)",
                      "background requests"]), "",
         f"urgent TTFT p50, priority 0 / priority -1: {gain:.1f}x"])
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    emit(text, args.out)
     return 0
 
 
