@@ -271,7 +271,11 @@ def chat_template_kwargs(raw: str, field: str) -> dict:
     template (e.g. Qwen3's `enable_thinking`), checked (ValueError naming `field`). A name that is one of the
     template call's own settings (`add_generation_prompt`, `tools`, `tokenize` ...) is refused: the
     server sets those."""
-    settings = _json(raw, field)
+    return template_variables(_json(raw, field), field)
+
+
+def template_variables(settings, field: str) -> dict:
+    """`chat_template_kwargs` as an object already parsed (the OpenAI API's /tokenize), checked as above."""
     if not isinstance(settings, dict):
         raise ValueError(f"input '{field}' must be a JSON object of the chat template's variables")
     own = sorted(set(settings) & (_TEMPLATE_CALL_SETTINGS | {"conversation", "messages"}))

@@ -6,9 +6,7 @@ body and the tokenizer in, the response body out (ApiError naming the field othe
 
 from __future__ import annotations
 
-import json
-
-from specdec.decoding.text import chat_ids, chat_template_kwargs
+from specdec.decoding.text import chat_ids, template_variables
 from specdec.gateway.protocol import ApiError, chat_messages, invalid
 
 # The special tokens a tokenizer_info answer names (vLLM's answer is the tokenizer's settings; these are
@@ -42,7 +40,7 @@ def tokenize(tokenizer, body: dict, max_model_len: int) -> dict:
             raise invalid("add_generation_prompt", "only true is supported (the assistant's turn opened)")
         kwargs = body.get("chat_template_kwargs")
         try:
-            kwargs = None if kwargs is None else chat_template_kwargs(json.dumps(kwargs), "chat_template_kwargs")
+            kwargs = None if kwargs is None else template_variables(kwargs, "chat_template_kwargs")
         except ValueError as exc:
             raise invalid("chat_template_kwargs", str(exc)) from None
         try:
