@@ -197,6 +197,14 @@ class Frozen:
                 pytest.skip(f"ptrace is not permitted here (errno {errno})")
             assert self.libc.ptrace(self.INTERRUPT, tid, None, None) == 0, ctypes.get_errno()
 
+    def dead(self) -> bool:
+        """Killed (a zombie its tracer has not reaped yet) or gone."""
+        try:
+            stat = Path(f"/proc/{self.pid}/stat").read_text()
+        except OSError:
+            return True
+        return stat.rsplit(")", 1)[1].split()[0] in watchdog.DEAD_STATES
+
     def end(self) -> None:
         """Let it go: reap its threads' deaths as their tracer (its parent cannot until then), or detach."""
         for tid in self.threads:
@@ -309,6 +317,9 @@ def test_a_hung_orchestrator_is_killed_and_the_server_restarted(srv, before):
                  HANG_TIMEOUT_S + 2 * watchdog.STALL_LOOK_S + 10, "readiness names speculative_decoding")
         noticed_s = time.monotonic() - frozen_at
         assert noticed_s >= HANG_TIMEOUT_S
+        # Released before it is killed, an instance would run on and fail its streams itself (its call to
+        # target_model, frozen with it, has waited past model_call_timeout_s): hung means hung until killed.
+        wait_for(lambda: all(process.dead() for process in frozen), HEALED_WITHIN_S, "both orchestrators killed")
     finally:
         for process in frozen:
             process.end()
