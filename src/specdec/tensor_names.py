@@ -89,6 +89,11 @@ GUIDED_DECODING_GUIDE = "guided_decoding_guide"  # STRING [1]: the schema, patte
 # json: any JSON object (the guide is empty); json_schema: a JSON schema; regex; ebnf_grammar: GBNF or Lark;
 # choice: a JSON list of strings, the output is one of them
 GUIDE_TYPES = ("json", "json_schema", "regex", "ebnf_grammar", "choice")
+# STRING [1]: a reasoning model's parser, one of REASONING_PARSERS (decoding/thinking.py): the guide applies to the
+# answer after the thinking, as that parser splits it (the OpenAI gateway sends it with --reasoning-parser)
+REASONING_PARSER = "reasoning_parser"
+REASONING_PARSERS = ("deepseek_r1", "qwen3")  # as vLLM and SGLang name them (`--reasoning-parser`)
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"  # where their thinking starts and ends
 
 # ---- ensemble outputs ------------------------------------------------------------------------
 TEXT_OUTPUT = "text_output"  # STRING [-1]

@@ -1078,6 +1078,9 @@ BAD_REQUESTS = {
     "guide_too_many_choices": (PROMPTS[0], dict(sampling_parameters=np.array(
         [[json.dumps({"guided_decoding": {"choice": [f"c{i}" for i in range(1025)]}}).encode()]], dtype=np.object_)),
         "guided_decoding_guide"),
+    "reasoning_parser_unknown": (PROMPTS[0], dict(guided_decoding_guide_type=np.array([[b"json"]], dtype=np.object_),
+                                                  reasoning_parser=np.array([[b"o1"]], dtype=np.object_)),
+                                 "reasoning_parser"),
     # a number no input holds: numpy raised on it after the request was accepted, and it was never answered
     "seed_beyond_64_bits": (PROMPTS[0], dict(sampling_parameters=np.array([[b'{"seed": 1e308}']], dtype=np.object_)),
                             "seed"),

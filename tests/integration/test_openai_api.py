@@ -298,7 +298,8 @@ def test_auto_tool_calls_are_read_in_the_models_format(server, model):
 
 def test_a_reasoning_parser_puts_the_thinking_apart(server, model):
     """A gateway started with --reasoning-parser qwen3 (and hermes tool calls): the thinking a model writes
-    between <think> and </think> (here forced, with vLLM's guided_choice) comes as reasoning_content and
+    between <think> and </think> (here forced, with vLLM's guided_choice: SmolLM2's tokenizer spells <think>
+    with three tokens, so qwen3's guide holds from the first one) comes as reasoning_content and
     reasoning, the answer as content, whole and streamed; a tool call is read from the answer only (not from
     a thinking that mentions one); include_reasoning false leaves it out. chat_template_kwargs reach the
     server's preprocessing (which refuses a name it sets itself, named as the request's field)."""
@@ -329,6 +330,27 @@ def test_a_reasoning_parser_puts_the_thinking_apart(server, model):
             client.chat.completions.create(model=model, messages=CHAT, max_tokens=2,
                                            extra_body={"chat_template_kwargs": {"add_generation_prompt": False}})
         assert caught.value.body["param"] == "chat_template_kwargs" and "set by the server" in caught.value.body["message"]
+
+
+def test_a_reasoning_models_structured_output_constrains_only_its_answer(server, api, model):
+    """With --reasoning-parser deepseek_r1 the output thinks until </think> and a response_format holds after
+    it: the tiny model never closes its thinking, so its answer is its unconstrained text, all thinking,
+    streamed alike; the same request without the parser is JSON from the first token."""
+    args = {"model": model, "messages": CHAT, "max_tokens": 24, "temperature": 0}
+    with own_gateway(server, model, "--reasoning-parser", "deepseek_r1") as port:
+        client = openai.OpenAI(base_url=f"http://localhost:{port}/v1", api_key="x", max_retries=0)
+        plain = client.chat.completions.create(**args).choices[0].message
+        assert plain.content is None and plain.model_extra["reasoning_content"]
+        constrained = client.chat.completions.create(**args, response_format={"type": "json_object"}).choices[0]
+        assert constrained.message.content is None and constrained.finish_reason == "length"
+        assert constrained.message.model_extra["reasoning_content"] == plain.model_extra["reasoning_content"]
+        chunks = [c.choices[0] for c in client.chat.completions.create(**args, stream=True,
+                                                                       response_format={"type": "json_object"})
+                  if c.choices]
+        assert "".join(c.delta.model_extra.get("reasoning_content") or "" for c in chunks) == \
+            plain.model_extra["reasoning_content"] and not any(c.delta.content for c in chunks)
+    answer = api.chat.completions.create(**args, response_format={"type": "json_object"}).choices[0].message.content
+    assert answer.startswith("{") and not plain.model_extra["reasoning_content"].startswith("{")
 
 
 def test_structured_output_follows_the_schema(api, model):

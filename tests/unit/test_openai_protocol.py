@@ -58,6 +58,22 @@ def test_chat_template_kwargs_and_include_reasoning_are_read():
     assert caught.value.param == "chat_template_kwargs"
 
 
+def test_a_structured_output_of_a_reasoning_model_constrains_its_answer():
+    """With a reasoning parser, a chat's guide (response_format, vLLM's fields, a named tool) names the parser
+    to the ensemble, which applies the guide after the thinking; nothing else does."""
+    fmt = {"response_format": {"type": "json_object"}}
+    tool = {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+            "tool_choice": {"type": "function", "function": {"name": "f"}}}
+    for extra in (fmt, {"structured_outputs": {"regex": "[0-9]+"}}, {"guided_choice": ["a", "b"]}, tool):
+        gen = parse_chat({"model": "m", "messages": CHAT, **extra}, SERVED, tool_parser="hermes",
+                         reasoning_parser="deepseek_r1")
+        assert gen.choices[0][tn.REASONING_PARSER][0, 0] == b"deepseek_r1", extra
+        assert tn.REASONING_PARSER not in parse_chat({"model": "m", "messages": CHAT, **extra}, SERVED,
+                                                     tool_parser="hermes").choices[0]
+    assert tn.REASONING_PARSER not in parse_chat({"model": "m", "messages": CHAT}, SERVED,
+                                                 reasoning_parser="qwen3").choices[0]
+
+
 def test_a_chat_choice_carries_its_thinking_under_both_names():
     gen = parse_chat({"model": "m", "messages": CHAT}, SERVED, reasoning_parser="deepseek_r1")
     message = protocol.choice(gen, None, "length", None, delta=False, reasoning="hmm")["message"]

@@ -468,6 +468,34 @@ def test_a_guide_comes_as_tensorrt_llms_inputs_or_vllms_guided_decoding():
     assert parse_guided(**{tn.GUIDED_DECODING_GUIDE_TYPE: b"json"}).generation.edits_logits
 
 
+def test_a_reasoning_parser_applies_the_guide_after_the_thinking():
+    """With `reasoning_parser` the request's grammar (a real one, over SmolLM2's tokenizer) holds for the answer
+    after the thinking, its tags read with the tokenizer; without a guide it changes nothing; another value
+    is refused naming the input."""
+    from specdec.decoding.grammar import GuideCompiler
+    from specdec.decoding.text import load_tokenizer
+    from specdec.decoding.thinking import THINKING, AnswerMatcher
+    from specdec.serving.pairs import smollm2_tokenizer_dir
+
+    tokenizer = load_tokenizer(str(smollm2_tokenizer_dir()))
+    guides = GuideCompiler(tokenizer)
+
+    def parse(**inputs):
+        arrays = {tn.INPUT_IDS: np.array([[5, 6, 7]], dtype=np.int32),
+                  **{name: np.array([[value]], dtype=np.object_) for name, value in inputs.items()}}
+        return ParsedRequest.parse(arrays.get, LIMITS, seq_id=7, compile_guide=guides.compile,
+                                   encode=lambda text: tokenizer.encode(text, add_special_tokens=False)).generation
+
+    guided = {tn.GUIDED_DECODING_GUIDE_TYPE: b"regex", tn.GUIDED_DECODING_GUIDE: b"[0-9]+"}
+    plain = parse(**guided).grammar
+    grammar = parse(**guided, **{tn.REASONING_PARSER: b"deepseek_r1"}).grammar
+    assert plain.after is None and grammar.after.start == THINKING and isinstance(grammar.matcher(), AnswerMatcher)
+    assert grammar.after.close == tuple(tokenizer.encode("</think>", add_special_tokens=False))
+    assert parse(**{tn.REASONING_PARSER: b"qwen3"}).grammar is None
+    with pytest.raises(InputError, match=f"input '{tn.REASONING_PARSER}' must be one of deepseek_r1, qwen3"):
+        parse(**guided, **{tn.REASONING_PARSER: b"o1"})
+
+
 @pytest.mark.parametrize("inputs, message", [
     ({tn.GUIDED_DECODING_GUIDE_TYPE: b"xml", tn.GUIDED_DECODING_GUIDE: b"<a/>"},
      f"'{tn.GUIDED_DECODING_GUIDE_TYPE}' must be one of json, json_schema"),

@@ -117,7 +117,8 @@ input [
   { name: "return_num_input_tokens", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },
   { name: "return_num_output_tokens", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },
   { name: "guided_decoding_guide_type", data_type: TYPE_STRING, dims: [ 1 ], optional: true },
-  { name: "guided_decoding_guide", data_type: TYPE_STRING, dims: [ 1 ], optional: true }
+  { name: "guided_decoding_guide", data_type: TYPE_STRING, dims: [ 1 ], optional: true },
+  { name: "reasoning_parser", data_type: TYPE_STRING, dims: [ 1 ], optional: true }
 ]
 output [
   { name: "input_ids", data_type: TYPE_INT32, dims: [ -1 ] },
@@ -257,7 +258,8 @@ input [
   { name: "return_num_input_tokens", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },
   { name: "return_num_output_tokens", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },
   { name: "guided_decoding_guide_type", data_type: TYPE_STRING, dims: [ 1 ], optional: true },
-  { name: "guided_decoding_guide", data_type: TYPE_STRING, dims: [ 1 ], optional: true }
+  { name: "guided_decoding_guide", data_type: TYPE_STRING, dims: [ 1 ], optional: true },
+  { name: "reasoning_parser", data_type: TYPE_STRING, dims: [ 1 ], optional: true }
 ]
 output [
   { name: "output_ids", data_type: TYPE_INT32, dims: [ -1 ] },

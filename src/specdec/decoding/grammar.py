@@ -26,6 +26,7 @@ that token is not part of the output.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 from collections import OrderedDict
@@ -36,6 +37,7 @@ import torch
 
 from specdec import tensor_names as tn
 from specdec.decoding import json_text
+from specdec.decoding.thinking import AnswerMatcher, ThinkingTags
 
 MAX_ERROR_CHARS = 300  # llguidance's messages can quote the whole grammar; a client gets the start
 # Each choice is one alternative of the grammar's start rule: llguidance's parser refuses a row of more than
@@ -62,9 +64,15 @@ class Grammar:
     tokenizer: llguidance.LLTokenizer
     definition: str
     start: llguidance.LLMatcher
+    after: ThinkingTags | None = None  # applied after a reasoning model's thinking (thinking.py), else at once
 
-    def matcher(self) -> GrammarMatcher:
-        return GrammarMatcher(self)
+    def matcher(self) -> Matcher:
+        inner = GrammarMatcher(self)
+        return inner if self.after is None else AnswerMatcher(inner, self.after)
+
+    def after_thinking(self, tags: ThinkingTags) -> Grammar:
+        """The same grammar applied to the answer after the thinking (the compiled guide shared)."""
+        return dataclasses.replace(self, after=tags)
 
 
 class GuideCompiler:
@@ -195,6 +203,9 @@ class GrammarMatcher:
             if self._matcher.is_stopped():
                 return i if self._matcher.stop_reason() == "EndOfSentence" else i + 1
         return None
+
+
+Matcher = GrammarMatcher | AnswerMatcher  # a request's place in its grammar, one interface
 
 
 def _short(message: str) -> str:

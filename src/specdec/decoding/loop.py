@@ -34,7 +34,7 @@ import torch
 from specdec import tensor_names as tn
 from specdec.decoding.bad_words import banned_tokens, mask_banned
 from specdec.decoding.draft_length import DraftLengthPolicy
-from specdec.decoding.grammar import Grammar, GrammarMatcher
+from specdec.decoding.grammar import Grammar, Matcher
 from specdec.decoding.logit_bias import TokenBias, apply_bias
 from specdec.decoding.interfaces import NoCapacity, Proposal, Proposer, Scorer, Scores, VerifyCall
 from specdec.decoding.penalties import Penalties, TokenOccurrences, penalize
@@ -174,7 +174,7 @@ class _Sequence:
     reserve: int  # positions each model's first call reserves: prompt + max_tokens
     generator: torch.Generator | None  # sampled requests: the seeded draws of every round
     occurrences: TokenOccurrences | None  # penalised requests: the tokens' counts so far
-    matcher: GrammarMatcher | None  # structured output: the grammar's state
+    matcher: Matcher | None  # structured output: the grammar's state
     features: Features | None  # a proposer that reads the target's features (a trained head)
     trees: bool  # whether proposals may be trees: not where logits are edited on the host
     draft_valid: int = 0  # tokens[:draft_valid] are in the draft's cache
@@ -396,7 +396,7 @@ def _features_for(features: Features | None, draft_valid: int) -> dict:
 
 
 def _edited_logits(req: GenerationRequest, tokens: list[int], draft: list[int], logits: torch.Tensor | None,
-                   occurrences: TokenOccurrences | None, matcher: GrammarMatcher | None = None) -> torch.Tensor | None:
+                   occurrences: TokenOccurrences | None, matcher: Matcher | None = None) -> torch.Tensor | None:
     """The target's logits [k+1, V] under the request's logit bias and allowed tokens, its penalties
     (`occurrences`: its tokens so far), then its bans and its grammar (`matcher`: at the output so far; position j follows tokens + draft[:j]);
     unchanged when it has none of them, None when none were shipped."""
@@ -414,7 +414,7 @@ def _edited_logits(req: GenerationRequest, tokens: list[int], draft: list[int], 
     return logits
 
 
-def _within_grammar(proposal: Proposal, matcher: GrammarMatcher) -> Proposal:
+def _within_grammar(proposal: Proposal, matcher: Matcher) -> Proposal:
     """The proposal cut before its first token the grammar refuses (for greedy or deterministic drafts)."""
     valid = matcher.valid_prefix(proposal.tokens)
     if valid == len(proposal.tokens):

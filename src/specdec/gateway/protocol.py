@@ -356,6 +356,8 @@ def parse_chat(body: dict, served: tuple[str, ...], tool_parser: str | None = No
                 raise invalid("response_format", "and structured_outputs both constrain the output; send one")
             sampling["structured_outputs"] = guide
     tools, calling = chat_tools(body, sampling, tool_parser)
+    if reasoning_parser and "structured_outputs" in sampling:  # the guide constrains the answer, not the thinking
+        inputs[tn.REASONING_PARSER] = _string(reasoning_parser)
     inputs[tn.MESSAGES] = _string(json.dumps(chat_messages(body)))
     if tools:
         inputs[tn.TOOLS] = _string(json.dumps(tools))

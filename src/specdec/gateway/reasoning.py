@@ -17,8 +17,10 @@ The text between the tags is kept as written (newlines included), as vLLM keeps 
 
 from __future__ import annotations
 
-OPEN, CLOSE = "<think>", "</think>"
-PARSERS = ("deepseek_r1", "qwen3")
+from specdec import tensor_names as tn
+
+# The same tags gate a structured output's grammar in the orchestrator (decoding/thinking.py).
+OPEN, CLOSE, PARSERS = tn.THINK_OPEN, tn.THINK_CLOSE, tn.REASONING_PARSERS
 
 
 def split(text: str, parser: str) -> tuple[str | None, str | None]:

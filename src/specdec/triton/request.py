@@ -20,6 +20,7 @@ from specdec.decoding.logit_bias import TokenBias
 from specdec.decoding.loop import GenerationRequest
 from specdec.decoding.penalties import Penalties
 from specdec.decoding.sampling import SamplingParams
+from specdec.decoding.thinking import ThinkingTags
 from specdec.triton.config import ModelParameters
 from specdec.triton.inputs import InputError, InputLookup, Inputs
 from specdec.triton.vllm_parameters import MAX_TOKEN_IDS, with_sampling_parameters
@@ -179,7 +180,7 @@ class ParsedRequest:
             prompt_log_probs=bool(inputs.scalar(tn.RETURN_PROMPT_LOG_PROBS, np.bool_, False)),
             bad_words=bad_words,
             penalties=penalties,
-            grammar=_grammar(inputs, compile_guide, limits.max_guide_chars),
+            grammar=_grammar(inputs, compile_guide, limits.max_guide_chars, encode),
             token_bias=_token_bias(inputs, limits.vocab_size, settings.field, encode),
         )
         # A seeded sampled request must be reproducible: measured costs vary from run to run, and a
@@ -271,8 +272,24 @@ def _embedding_bias(inputs: Inputs, vocab_size: int, encode: Encode | None) -> l
     return out
 
 
-def _grammar(inputs: Inputs, compile_guide: CompileGuide | None, max_chars: int) -> Grammar | None:
-    """The request's structured-output grammar (TensorRT-LLM's two inputs), None when it has none."""
+def _grammar(inputs: Inputs, compile_guide: CompileGuide | None, max_chars: int,
+             encode: Encode | None) -> Grammar | None:
+    """The request's structured-output grammar (TensorRT-LLM's two inputs), applied after the thinking of
+    its reasoning parser if it names one; None when it has none."""
+    grammar = _guide_grammar(inputs, compile_guide, max_chars)
+    parsers = inputs.strings(tn.REASONING_PARSER)
+    parser = (parsers or [""])[0]
+    if len(parsers) > 1 or (parser and parser not in tn.REASONING_PARSERS):
+        raise InputError(f"input '{tn.REASONING_PARSER}' must be one of {', '.join(tn.REASONING_PARSERS)}, "
+                         f"got {parsers}")
+    if not parser or grammar is None:  # it concerns the guide only
+        return grammar
+    if encode is None:
+        raise InputError(f"input '{tn.REASONING_PARSER}' is not supported here (no tokenizer)")
+    return grammar.after_thinking(ThinkingTags.of(parser, encode))
+
+
+def _guide_grammar(inputs: Inputs, compile_guide: CompileGuide | None, max_chars: int) -> Grammar | None:
     types, guides = inputs.strings(tn.GUIDED_DECODING_GUIDE_TYPE), inputs.strings(tn.GUIDED_DECODING_GUIDE)
     for name, values in ((tn.GUIDED_DECODING_GUIDE_TYPE, types), (tn.GUIDED_DECODING_GUIDE, guides)):
         if len(values) > 1:

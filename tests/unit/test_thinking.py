@@ -1,0 +1,168 @@
+"""Structured output after a reasoning model's thinking (decoding/thinking.py): each verify position's mask
+against the grammar's own masks over the answer alone, the tags in token ids as each parser reads them, and
+the decode loop with real tiny models (greedy speculative output equals target-only decoding under the same
+gate: unconstrained until the thinking closes, the grammar's after)."""
+
+import json
+
+import llguidance
+import numpy as np
+import pytest
+from specdec.decoding.grammar import GuideCompiler
+from specdec.decoding.loop import GenerationRequest
+from specdec.decoding.ngram_proposer import NgramProposer
+from specdec.decoding.text import load_tokenizer
+from specdec.decoding.thinking import ANSWER, EITHER, THINKING, AnswerMatcher, ThinkingTags
+from specdec.decoding.token_mask import unpack_allowed
+from specdec.engine.build import dynamic_executor
+from specdec.engine.local import LocalProposer, LocalScorer
+from specdec.serving.pairs import smollm2_tokenizer_dir
+
+from .conftest import noisy_copy, run_fixed_k, tiny_llama
+from .test_grammar import SCHEMA, constrained_greedy
+
+EOS = 2  # SmolLM2's <|im_end|>
+VOCAB = 49152
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(str(smollm2_tokenizer_dir()))
+
+
+@pytest.fixture(scope="module")
+def guides(tokenizer):
+    return GuideCompiler(tokenizer)
+
+
+def encode(tokenizer, text):
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def grammar_allows(guides, grammar, answer) -> set[int]:
+    """The tokens the grammar allows after `answer`, from a fresh matcher that never saw a thinking."""
+    matcher = llguidance.LLMatcher(guides.tokenizer, grammar.definition, log_level=0)
+    assert matcher.consume_tokens(answer)
+    bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
+    return set(np.flatnonzero(bits[:VOCAB]).tolist())
+
+
+def rows(bits) -> list[set[int]]:
+    return [set(row.nonzero().flatten().tolist()) for row in unpack_allowed(bits, VOCAB)]
+
+
+def test_each_parser_reads_its_tags_in_token_ids(tokenizer):
+    r1 = ThinkingTags.of("deepseek_r1", lambda text: encode(tokenizer, text))
+    assert r1.close == tuple(encode(tokenizer, "</think>")) and len(r1.close) == 3 and r1.start == THINKING
+    # qwen3 thinks only in a block the answer opens: with <think> spelled by 3 tokens here (one in Qwen3's
+    # vocabulary) that is not one token to allow beside the grammar's, so the grammar holds from the start.
+    assert ThinkingTags.of("qwen3", lambda text: encode(tokenizer, text)).start == ANSWER
+    assert ThinkingTags.of("qwen3", lambda text: [7] if text == "<think>" else [8]).start == EITHER
+    with pytest.raises(ValueError, match="unknown reasoning parser 'o1'"):
+        ThinkingTags.of("o1", lambda text: [1])
+
+
+def test_the_thinking_is_unconstrained_and_the_answer_follows_the_grammar(guides, tokenizer):
+    grammar = guides.compile("json_schema", json.dumps(SCHEMA))
+    tags = ThinkingTags.of("deepseek_r1", lambda text: encode(tokenizer, text))
+    gated = grammar.after_thinking(tags)
+    assert gated.start is grammar.start and grammar.after is None  # the compiled guide shared, not changed
+    matcher = gated.matcher()
+    assert isinstance(matcher, AnswerMatcher)
+    thinking = encode(tokenizer, "<think>\nThe user wants JSON. Bob is 42.\n")
+    close, answer = list(tags.close), encode(tokenizer, '{"name":"Bob","age":42}')
+    assert matcher.forced(5) == []  # nothing is forced while it thinks ...
+    closed = gated.matcher()
+    assert closed.advance(thinking + close) is None
+    assert closed.forced(5) == grammar.matcher().forced(5) != []  # ... and the answer's start is
+    assert matcher.valid_prefix(thinking + close + answer) == len(thinking + close + answer)
+    refused = encode(tokenizer, "Sure")  # not JSON: refused in the answer, fine in the thinking
+    assert matcher.valid_prefix(refused) == len(refused)
+    assert matcher.valid_prefix(close + refused + answer) == len(close)
+    # A round that drafts the thinking's end and the answer's start: every position follows the drafts
+    # before it; the grammar's masks start right after the tag's last token.
+    draft = thinking[-2:] + close + answer[:4]
+    assert matcher.advance(thinking[:-2]) is None
+    got = rows(matcher.allowed(draft, len(draft) + 1))
+    start = len(thinking[-2:] + close)
+    assert all(row == set(range(VOCAB)) for row in got[:start])
+    for j in range(start, len(draft) + 1):
+        assert got[j] == grammar_allows(guides, grammar, answer[:j - start])
+    # A tag's beginning does not open the answer: the tail is matched whole.
+    assert matcher.valid_prefix(close[:2] + refused) == len(close[:2] + refused)
+    # The round taken: the grammar ends at the answer's "}"; the index counts the round's tokens.
+    assert matcher.advance(draft) is None
+    rest = answer[4:] + [EOS]
+    assert matcher.advance(rest) == len(answer) - 4
+
+
+def test_a_thinking_across_rounds_closes_where_its_tags_tokens_end(guides, tokenizer):
+    grammar = guides.compile("regex", "[0-9]+")
+    tags = ThinkingTags.of("deepseek_r1", lambda text: encode(tokenizer, text))
+    matcher = grammar.after_thinking(tags).matcher()
+    close = list(tags.close)
+    four = tokenizer.convert_tokens_to_ids("4")
+    assert matcher.advance(encode(tokenizer, "hmm") + close[:1]) is None
+    assert matcher.advance(close[1:2]) is None
+    got = rows(matcher.allowed(close[2:] + [four], 3))
+    assert got[0] == set(range(VOCAB))
+    assert got[1] == grammar_allows(guides, grammar, []) and got[2] == grammar_allows(guides, grammar, [four])
+    assert matcher.advance(close[2:] + [four, EOS]) == 2
+
+
+def test_an_answer_that_may_open_a_block_allows_the_grammar_and_the_open_tag(guides, tokenizer):
+    """qwen3: the first position allows <think> beside the grammar's tokens; taken, the output thinks until
+    </think>, else the grammar holds from its first token. Tags of one token each, as in Qwen3's vocabulary
+    (two tokens of this one stand in for them)."""
+    grammar = guides.compile("regex", "[0-9]+")
+    open_id, close_id = tokenizer.convert_tokens_to_ids("<"), tokenizer.convert_tokens_to_ids(">")
+    tags = ThinkingTags.of("qwen3", lambda text: [open_id] if text == "<think>" else [close_id])
+    four = tokenizer.convert_tokens_to_ids("4")
+    digits = grammar_allows(guides, grammar, [])
+    assert open_id not in digits and four in digits
+    # Opened: thinking until the close tag, then the grammar.
+    matcher = grammar.after_thinking(tags).matcher()
+    draft = [open_id] + encode(tokenizer, "hmm") + [close_id, four]
+    got = rows(matcher.allowed(draft, len(draft) + 1))
+    assert got[0] == digits | {open_id}
+    assert all(row == set(range(VOCAB)) for row in got[1:len(draft) - 1])
+    assert got[-2] == digits and got[-1] == grammar_allows(guides, grammar, [four])
+    assert matcher.valid_prefix(draft) == len(draft)
+    assert matcher.advance(draft + [EOS]) == len(draft)
+    # Not opened: the first token is the answer's.
+    matcher = grammar.after_thinking(tags).matcher()
+    got = rows(matcher.allowed([four, four], 3))
+    assert got[0] == digits | {open_id} and got[1] == got[2] == grammar_allows(guides, grammar, [four])
+    assert matcher.valid_prefix(encode(tokenizer, "hmm")) == 0
+    assert matcher.advance([four]) is None
+    assert rows(matcher.allowed([], 1))[0] == grammar_allows(guides, grammar, [four])  # <think> no more
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return tiny_llama(VOCAB, seed=0, initializer_range=0.5, max_positions=512)
+
+
+@pytest.mark.parametrize("draft,k", [("none", 0), ("draft_model", 3), ("ngram", 4)])
+def test_greedy_speculation_thinks_freely_then_answers_in_the_grammar(lm, guides, tokenizer, draft, k):
+    """The tiny model's own greedy text closes a 'thinking' whose end tag is two of its tokens: speculative
+    output equals target-only greedy decoding that is unconstrained up to the tag and constrained after."""
+    prompt = encode(tokenizer, 'Answer in JSON, e.g. {"name":"Ann","age":7}: ')
+    plain = run_fixed_k(GenerationRequest(seq_id=1, prompt_ids=prompt, max_tokens=12), NgramProposer(),
+                        LocalScorer(dynamic_executor(lm)), 0)
+    close = tuple(plain[5:7])
+    assert all(tuple(plain[i:i + 2]) != close for i in range(5))  # the tag first ends at the 7th token
+    tags = ThinkingTags(open=(plain[0],), close=close, start=THINKING)
+    grammar = guides.compile("json_schema", json.dumps(SCHEMA))
+    proposer = NgramProposer(min_ngram=1) if draft == "ngram" else LocalProposer(dynamic_executor(noisy_copy(lm)))
+    output = run_fixed_k(GenerationRequest(seq_id=2, prompt_ids=prompt, max_tokens=48,
+                                           grammar=grammar.after_thinking(tags), end_ids=frozenset([EOS])),
+                         proposer, LocalScorer(dynamic_executor(lm)), k)
+    answer = constrained_greedy(lm, guides, grammar, prompt + plain[:7], 48 - 7)
+    assert output == plain[:7] + answer
+    value = json.loads(tokenizer.decode(answer))
+    assert set(value) == {"name", "age"}
+    # Constrained from the first token instead, the output differs: the gate moved where the grammar starts.
+    assert output != run_fixed_k(GenerationRequest(seq_id=3, prompt_ids=prompt, max_tokens=48, grammar=grammar,
+                                                   end_ids=frozenset([EOS])), NgramProposer(),
+                                 LocalScorer(dynamic_executor(lm)), 0)
