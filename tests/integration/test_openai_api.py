@@ -322,6 +322,27 @@ def test_a_reasoning_parser_puts_the_thinking_apart(server, model):
         assert out.finish_reason == "tool_calls" and out.message.model_extra["reasoning_content"] == "Weather needed."
         assert [(c.function.name, json.loads(c.function.arguments)) for c in out.message.tool_calls] == [
             ("get_weather", {"city": "Oslo"})]
+        # The Responses API: the thinking as a reasoning item before the message, whole and streamed, and
+        # sent back in the next request's input (as clients replay an output)
+        rargs = {"model": model, "input": CHAT, "max_output_tokens": 64, "temperature": 0,
+                 "extra_body": {"guided_choice": [forced]}}
+        built = client.responses.create(**rargs)
+        assert [item.type for item in built.output] == ["reasoning", "message"] and built.output_text == message.content
+        assert built.output[0].content[0].text == message.model_extra["reasoning_content"]
+        with client.responses.stream(**rargs) as stream:
+            events = list(stream)
+            final = stream.get_final_response()
+        streamed = [e.delta for e in events if e.type == "response.reasoning_text.delta"]
+        assert "".join(streamed) == message.model_extra["reasoning_content"] and len(streamed) > 1
+        assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == message.content
+        assert [(e.output_index, e.item.type) for e in events if e.type == "response.output_item.added"] == [
+            (0, "reasoning"), (1, "message")]
+        assert [e.output_index for e in events if e.type == "response.output_item.done"] == [0, 1]
+        assert [(item.type, item.content[0].text) for item in final.output] == [
+            (item.type, item.content[0].text) for item in built.output]
+        replayed = [*CHAT, *(item.model_dump(exclude_none=True) for item in built.output),
+                    {"role": "user", "content": "And two more?"}]
+        assert client.responses.create(model=model, input=replayed, max_output_tokens=3).status == "incomplete"
         hidden = client.chat.completions.create(**{**args, "extra_body": {"guided_choice": [forced],
                                                                           "include_reasoning": False}})
         assert hidden.choices[0].message.content == message.content

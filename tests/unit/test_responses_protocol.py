@@ -97,3 +97,22 @@ def test_the_response_object_and_its_events():
     assert head == "event: response.output_text.delta" and raw.endswith("\n\n")
     assert json.loads(data.removeprefix("data: ")) == {"type": "response.output_text.delta", "sequence_number": 4,
                                                        "delta": "Hi"}
+
+
+def test_a_reasoning_models_thinking_is_a_reasoning_item_and_comes_back_dropped():
+    """With --reasoning-parser the thinking is the output's first item (type reasoning, its text a
+    reasoning_text part, as OpenAI's SDK types it), before the message and any call; a reasoning item sent
+    back in `input` (as clients replay the output) leaves the conversation as the chat template would."""
+    from openai.types.responses import Response
+
+    gen = parse_chat(chat_body({"input": "x"}), SERVED, reasoning_parser="deepseek_r1")
+    items = output_items("Blue.", [{"name": "f", "arguments": "{}"}], "The sky is blue.")
+    assert [item["type"] for item in items] == ["reasoning", "message", "function_call"]
+    assert items[0]["content"] == [{"type": "reasoning_text", "text": "The sky is blue."}] and items[0]["summary"] == []
+    typed = Response.model_validate(response_object(gen, {"input": "x"}, "completed", items, usage(1, 2)))
+    assert typed.output[0].content[0].text == "The sky is blue." and typed.output_text == "Blue."
+    assert [item["type"] for item in output_items("Blue.", [], "")] == ["message"]  # no thinking, no item
+    replay = [{"role": "user", "content": "Sky?"}, {"type": "reasoning", "id": "rs_1", "summary": [],
+                                                   "content": [{"type": "reasoning_text", "text": "hmm"}]},
+              {"role": "assistant", "content": "Blue."}, {"role": "user", "content": "Grass?"}]
+    assert [m["role"] for m in chat_body({"input": replay})["messages"]] == ["user", "assistant", "user"]

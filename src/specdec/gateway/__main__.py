@@ -43,8 +43,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--tool-call-parser", choices=PARSERS, default=None,
                         help="how the model writes tool calls: tool_choice \"auto\" reads them (none: auto refused)")
     parser.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
-                        help="a reasoning model's thinking apart from its answer: the chat API's reasoning_content "
-                             "(deepseek_r1: DeepSeek-R1, QwQ, Qwen3-Thinking-2507; qwen3: Qwen3's hybrid models)")
+                        help="a reasoning model's thinking apart from its answer (the chat API's reasoning_content, "
+                             "the Responses API's reasoning item; a structured output constrains the answer only): "
+                             "deepseek_r1 (DeepSeek-R1, QwQ, Qwen3-Thinking-2507) or qwen3 (Qwen3's hybrid models)")
     parser.add_argument("--drain-timeout", type=float, default=60.0)
     return parser.parse_args(argv)
 

@@ -100,7 +100,7 @@ class Gateway:
         """The Responses API: the chat request it stands for, answered as a `response` (responses.py)."""
         body = await self._body(request)
         try:
-            gen = protocol.parse_chat(responses.chat_body(body), self.served, self.tool_parser)
+            gen = protocol.parse_chat(responses.chat_body(body), self.served, self.tool_parser, self.reasoning_parser)
             async with contextlib.AsyncExitStack() as stack:
                 stream = await stack.enter_async_context(contextlib.aclosing(
                     self.upstream.generate(gen.choices[0], False)))
@@ -111,9 +111,11 @@ class Gateway:
                 merged = Piece()
                 async for _, piece in pieces:
                     merged.add(piece)
-                text, reason, calls = self._answer_calls(gen, merged.text, self._finish_reason(merged))
+                thinking, text = reasoning.split(merged.text, gen.reasoning) if gen.reasoning else (None, merged.text)
+                text, reason, calls = self._answer_calls(gen, text or "", self._finish_reason(merged))
+                thinking = thinking if gen.include_reasoning else None
                 return web.json_response(responses.response_object(
-                    gen, body, responses.status_of(reason), responses.output_items(text, calls),
+                    gen, body, responses.status_of(reason), responses.output_items(text, calls, thinking),
                     self._response_usage(merged.stats, len(merged.ids)), protocol.combined_stats([merged.stats])))
         except ApiError as exc:
             raise responses.renamed(exc) from None
@@ -148,7 +150,9 @@ class Gateway:
         started = responses.response_object(gen, body, "in_progress", [])
         await send("response.created", response=started)
         await send("response.in_progress", response=started)
-        message = _StreamedMessage("msg_" + gen.id, send)
+        message = _StreamedItem("message", "msg_" + gen.id, send)
+        thought = _StreamedItem("reasoning", "rs_" + gen.id, send)
+        thinker = reasoning.ReasoningStream(gen.reasoning) if gen.reasoning else None
         calls = tools.ToolStream(gen.tools) if gen.tools is not None else None
         streamed = None  # a named function's call, its arguments streamed as they come: (item, index)
         merged, output = Piece(), []
@@ -167,19 +171,33 @@ class Gateway:
                     await send("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
                                delta=delta["function"]["arguments"])
         try:
+            async def answer(text: str, thinking: str) -> list[dict]:
+                """A round's text (or the end's) as its items' deltas: the thinking's, then the answer's."""
+                if thinking and gen.include_reasoning:
+                    await thought.add(thinking, len(output))
+                if text and thought.opened and not thought.closed:  # the answer began: the thinking is done
+                    output.append(await thought.done())
+                content, deltas = calls.feed(text) if calls is not None else (text, [])
+                await message.add(content, len(output))
+                return deltas
+
             async for _, piece in pieces:
                 merged.add(piece)
-                content, deltas = calls.feed(piece.text) if calls is not None else (piece.text, [])
-                await message.add(content)
-                await call_deltas(deltas)
+                thinking, text = thinker.feed(piece.text) if thinker is not None else ("", piece.text)
+                await call_deltas(await answer(text, thinking))
+            if thinker is not None:  # what it held back: the end of a possible tag
+                thinking, text = thinker.finish()
+                await call_deltas(await answer(text, thinking))
+            if thought.opened and not thought.closed:
+                output.append(await thought.done())
             deltas, called, reason = [], False, self._finish_reason(merged)
             if calls is not None:
                 content, deltas, called = calls.finish()
-                await message.add(content)
+                await message.add(content, len(output))
                 if called:
                     reason = gen.tools.finish_reason(reason)
             if message.opened or not called:  # the message item comes first, and is done before any call
-                output.append(await message.done())
+                output.append(await message.done(len(output)))
             if streamed is None:  # whole calls at the end, each opened and done in turn
                 for delta in deltas:
                     await call_deltas([delta])
@@ -423,36 +441,47 @@ def token_text_from(tokenizer) -> TokenText:
     return functools.lru_cache(maxsize=1 << 17)(lambda token: tokenizer.decode([token]))
 
 
-class _StreamedMessage:
-    """A streamed response's message item: opened with its first text (added events), then text deltas,
-    closed by `done` (the done events) into the output item."""
+class _StreamedItem:
+    """A streamed response's message (or reasoning) item: opened with its first text at the output index it
+    then takes (added events), then text deltas, closed by `done` (the done events) into the output item."""
 
-    def __init__(self, item_id: str, send):
-        self.item_id, self.send, self.text, self.opened, self.closed = item_id, send, "", False, False
+    def __init__(self, kind: str, item_id: str, send):
+        self.kind, self.item_id, self.send = kind, item_id, send
+        self.text, self.index, self.opened, self.closed = "", 0, False, False
+        self.family = "output_text" if kind == "message" else "reasoning_text"  # its part's type and events'
+        self.extra = {"logprobs": []} if kind == "message" else {}  # fields of its text events
 
-    async def add(self, text: str) -> None:
+    def _item(self, status: str) -> dict:
+        done = status == "completed"
+        if self.kind == "message":
+            return responses.message_item(self.text, status, self.item_id)
+        return responses.reasoning_item(self.text if done else None, status, self.item_id)
+
+    def _part(self, text: str) -> dict:
+        return responses.output_text(text) if self.kind == "message" else responses.reasoning_text(text)
+
+    async def add(self, text: str, index: int) -> None:
         if not text:
             return
         if not self.opened:
-            await self._open()
+            await self._open(index)
         self.text += text
-        await self.send("response.output_text.delta", item_id=self.item_id, output_index=0, content_index=0,
-                        delta=text, logprobs=[])
+        await self.send(f"response.{self.family}.delta", item_id=self.item_id, output_index=self.index,
+                        content_index=0, delta=text, **self.extra)
 
-    async def done(self) -> dict:
+    async def done(self, index: int = 0) -> dict:
         if not self.opened:
-            await self._open()
-        where = dict(item_id=self.item_id, output_index=0, content_index=0)
-        await self.send("response.output_text.done", **where, text=self.text, logprobs=[])
-        await self.send("response.content_part.done", **where, part=responses.output_text(self.text))
-        item = responses.message_item(self.text, "completed", self.item_id)
-        await self.send("response.output_item.done", output_index=0, item=item)
+            await self._open(index)
+        where = dict(item_id=self.item_id, output_index=self.index, content_index=0)
+        await self.send(f"response.{self.family}.done", **where, text=self.text, **self.extra)
+        await self.send("response.content_part.done", **where, part=self._part(self.text))
+        item = self._item("completed")
+        await self.send("response.output_item.done", output_index=self.index, item=item)
         self.closed = True
         return item
 
-    async def _open(self) -> None:
-        self.opened = True
-        await self.send("response.output_item.added", output_index=0,
-                        item=responses.message_item("", "in_progress", self.item_id))
-        await self.send("response.content_part.added", item_id=self.item_id, output_index=0, content_index=0,
-                        part=responses.output_text(""))
+    async def _open(self, index: int) -> None:
+        self.opened, self.index = True, index
+        await self.send("response.output_item.added", output_index=index, item=self._item("in_progress"))
+        await self.send("response.content_part.added", item_id=self.item_id, output_index=index, content_index=0,
+                        part=self._part(""))

@@ -79,13 +79,15 @@ def _messages(body: dict) -> list[dict]:
                 messages[-1]["tool_calls"].append(call)  # parallel calls: one assistant turn
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "reasoning":  # an earlier answer's thinking, sent back: chat templates leave it out
+            continue
         elif kind == "function_call_output":
             if not isinstance(item.get("call_id"), str) or not isinstance(item.get("output"), str):
                 raise invalid(where, "a function_call_output needs call_id and output (strings)")
             messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
         else:
-            raise invalid(f"{where}.type", f"{json.dumps(kind)[:40]} is not supported (messages, function_call and "
-                                            "function_call_output are)")
+            raise invalid(f"{where}.type", f"{json.dumps(kind)[:40]} is not supported (messages, function_call, "
+                                            "function_call_output and reasoning are)")
     return messages
 
 
@@ -150,8 +152,8 @@ def chat_body(body: dict) -> dict:
             raise invalid(name, "is not supported here")
     reasoning = body.get("reasoning")  # clients send it unset ({"effort": null})
     if reasoning is not None and (not isinstance(reasoning, dict) or any(v is not None for v in reasoning.values())):
-        raise invalid("reasoning", "is not supported by the Responses API here (the chat API carries a reasoning "
-                                   "model's thinking apart, with --reasoning-parser)")
+        raise invalid("reasoning", "settings (effort, summary) are not supported here: a reasoning model's "
+                                   "thinking comes as a reasoning item with the server's --reasoning-parser")
     chat = {key: value for key, value in body.items() if key not in OWN_FIELDS and key not in ("tools", "tool_choice")}
     chat["messages"] = _messages(body)
     if body.get("max_output_tokens") is not None:
@@ -159,9 +161,10 @@ def chat_body(body: dict) -> dict:
     return {**chat, **_tools(body), **_format(body)}
 
 
-def output_items(text: str | None, calls: list[dict]) -> list[dict]:
-    """A whole answer's output: its message (when it has text, or nothing called) and its function calls."""
-    items = []
+def output_items(text: str | None, calls: list[dict], thinking: str | None = None) -> list[dict]:
+    """A whole answer's output: a reasoning model's thinking (`--reasoning-parser`), its message (when it
+    has text, or nothing called) and its function calls."""
+    items = [reasoning_item(thinking, "completed")] if thinking else []
     if text or not calls:
         items.append(message_item(text or "", "completed"))
     items += [function_call_item(call) for call in calls]
@@ -175,6 +178,17 @@ def message_item(text: str, status: str, item_id: str | None = None) -> dict:
 
 def output_text(text: str) -> dict:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def reasoning_item(text: str | None, status: str, item_id: str | None = None) -> dict:
+    """A reasoning model's thinking as a `reasoning` output item: its text as a reasoning_text part (no
+    summary: the thinking is the model's own text)."""
+    return {"type": "reasoning", "id": item_id or "rs_" + uuid.uuid4().hex, "status": status, "summary": [],
+            "content": [reasoning_text(text)] if text is not None else []}
+
+
+def reasoning_text(text: str) -> dict:
+    return {"type": "reasoning_text", "text": text}
 
 
 def function_call_item(call: dict) -> dict:
@@ -202,7 +216,7 @@ def response_object(gen: Generation, body: dict, status: str, output: list[dict]
 
 
 def usage(input_tokens: int, output_tokens: int) -> dict:
-    return {"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": 0},
+    return {"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
             "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": input_tokens + output_tokens}
 

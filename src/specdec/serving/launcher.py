@@ -391,7 +391,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "tools are called only by name or with tool_choice \"required\"")
     parser.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
                         help="how the target writes its thinking, so that the OpenAI API's chat answers carry it "
-                             "apart (reasoning_content): deepseek_r1 (DeepSeek-R1, QwQ, Qwen3-Thinking-2507: all "
+                             "apart (reasoning_content; the Responses API's reasoning item) and a structured output "
+                             "constrains only the answer: deepseek_r1 (DeepSeek-R1, QwQ, Qwen3-Thinking-2507: all "
                              "before </think>) or qwen3 (Qwen3's hybrid models: a block the answer opens)")
     parser.add_argument("--model-repository", help="serve this already rendered repository as is")
     parser.add_argument("--triton-root", default=os.environ.get("TRITON_ROOT"),
