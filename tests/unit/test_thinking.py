@@ -4,10 +4,12 @@ the decode loop with real tiny models (greedy speculative output equals target-o
 gate: unconstrained until the thinking closes, the grammar's after)."""
 
 import json
+import math
 
 import llguidance
 import numpy as np
 import pytest
+import torch
 from specdec.decoding.grammar import GuideCompiler
 from specdec.decoding.loop import GenerationRequest
 from specdec.decoding.ngram_proposer import NgramProposer
@@ -166,3 +168,47 @@ def test_greedy_speculation_thinks_freely_then_answers_in_the_grammar(lm, guides
     assert output != run_fixed_k(GenerationRequest(seq_id=3, prompt_ids=prompt, max_tokens=48, grammar=grammar,
                                                    end_ids=frozenset([EOS])), NgramProposer(),
                                  LocalScorer(dynamic_executor(lm)), 0)
+
+
+def test_sampled_speculation_follows_the_target_that_may_open_a_thinking(lm, guides, tokenizer):
+    """qwen3's gate under sampling: the first token is either the open tag (a token the grammar refuses,
+    chosen so the target gives it about half the mass at that position) or a colour's first token; what comes
+    out is compared with the exact distribution of sampling the target under the same gate (the open tag's
+    probability against the allowed tokens', then the constrained walk of test_grammar). A draft model
+    proposes freely (the tag, refused tokens, the thinking's continuation); 1500 seeded requests."""
+    from .test_grammar import COLOURS, _exact_choice_distribution, _reference_allowed
+    from specdec.decoding.sampling import SamplingParams
+    from .conftest import run_fixed_k_many
+
+    grammar = guides.compile("choice", json.dumps(COLOURS))
+    prompt = encode(tokenizer, "Pick one: red, green, blue, purple. purple? purple")
+    allowed = sorted(_reference_allowed(guides, grammar, []))
+    with torch.no_grad():
+        logits = lm(torch.tensor([prompt])).logits[0, -1].double()
+    mass = torch.logsumexp(logits[allowed], 0)
+    refused = torch.ones_like(logits, dtype=torch.bool)
+    refused[allowed], refused[EOS] = False, False
+    open_id = int(torch.where(refused, -(logits - mass).abs(), torch.tensor(float("-inf"))).argmax())
+    p_think = float(torch.sigmoid(logits[open_id] - mass))
+    assert 0.3 < p_think < 0.7
+    exact = {text: (1 - p_think) * p for text, p in
+             _exact_choice_distribution(lm, guides, grammar, tokenizer, prompt).items()}
+    exact["(thinks)"] = p_think
+    tags = ThinkingTags(open=(open_id,), close=(EOS,), start=EITHER)
+    # 3 tokens: the longest tokenization of a colour (a thinking is told by its first token)
+    n = 1500
+    requests = [GenerationRequest(seq_id=20 + seed, prompt_ids=prompt, max_tokens=3,
+                                  grammar=grammar.after_thinking(tags), sampling=SamplingParams(temperature=1.0, seed=seed))
+                for seed in range(n)]
+    seen: dict[str, int] = {}
+    outputs = run_fixed_k_many(requests, LocalProposer(dynamic_executor(noisy_copy(lm))),
+                               LocalScorer(dynamic_executor(lm)), 2)
+    for out in outputs:
+        text = "(thinks)" if out[0] == open_id else tokenizer.decode(out)
+        seen[text] = seen.get(text, 0) + 1
+    assert set(seen) <= set(exact), seen
+    tv = 0.5 * sum(abs(seen.get(c, 0) / n - p) for c, p in exact.items())
+    noise = 0.5 * sum(math.sqrt(2 * p * (1 - p) / (math.pi * n)) for p in exact.values())
+    assert tv < 2 * noise + 0.01, (tv, noise, seen, exact)
+    # The test can tell: the grammar alone (no tag) or the tag never taken is far from it.
+    assert p_think > 3 * (2 * noise + 0.01)
