@@ -343,6 +343,11 @@ def test_a_reasoning_parser_puts_the_thinking_apart(server, model):
         replayed = [*CHAT, *(item.model_dump(exclude_none=True) for item in built.output),
                     {"role": "user", "content": "And two more?"}]
         assert client.responses.create(model=model, input=replayed, max_output_tokens=3).status == "incomplete"
+        # OpenAI's reasoning effort is a variable of the chat template (SmolLM2's leaves it unused)
+        assert client.chat.completions.create(model=model, messages=CHAT, max_tokens=2,
+                                              reasoning_effort="low").choices[0].finish_reason == "length"
+        assert client.responses.create(model=model, input=CHAT, max_output_tokens=2,
+                                       reasoning={"effort": "high"}).reasoning.effort == "high"
         hidden = client.chat.completions.create(**{**args, "extra_body": {"guided_choice": [forced],
                                                                           "include_reasoning": False}})
         assert hidden.choices[0].message.content == message.content

@@ -74,6 +74,21 @@ def test_a_structured_output_of_a_reasoning_model_constrains_its_answer():
                                                  reasoning_parser="qwen3").choices[0]
 
 
+def test_reasoning_effort_is_a_variable_of_the_chat_template():
+    """OpenAI's reasoning_effort (chat) and reasoning.effort (Responses) reach the chat template as the variable
+    `reasoning_effort` (gpt-oss's templates read it); an explicit chat_template_kwargs value wins."""
+    gen = parse_chat({"model": "m", "messages": CHAT, "reasoning_effort": "low"}, SERVED)
+    assert json.loads(gen.choices[0][tn.CHAT_TEMPLATE_KWARGS][0, 0]) == {"reasoning_effort": "low"}
+    both = parse_chat({"model": "m", "messages": CHAT, "reasoning_effort": "low",
+                       "chat_template_kwargs": {"reasoning_effort": "high", "enable_thinking": True}}, SERVED)
+    assert json.loads(both.choices[0][tn.CHAT_TEMPLATE_KWARGS][0, 0]) == {"reasoning_effort": "high",
+                                                                         "enable_thinking": True}
+    for bad in ("extreme", 3):
+        with pytest.raises(ApiError) as caught:
+            parse_chat({"model": "m", "messages": CHAT, "reasoning_effort": bad}, SERVED)
+        assert caught.value.param == "reasoning_effort"
+
+
 def test_a_chat_choice_carries_its_thinking_under_both_names():
     gen = parse_chat({"model": "m", "messages": CHAT}, SERVED, reasoning_parser="deepseek_r1")
     message = protocol.choice(gen, None, "length", None, delta=False, reasoning="hmm")["message"]

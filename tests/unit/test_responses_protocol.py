@@ -65,7 +65,8 @@ def test_text_formats_become_structured_output():
     ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input[0].content[0]"),
     ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
-    ({"input": "x", "reasoning": {"effort": "high"}}, "reasoning"), ({"input": "x", "messages": []}, "messages"),
+    ({"input": "x", "reasoning": {"summary": "auto"}}, "reasoning.summary"), ({"input": "x", "reasoning": "high"}, "reasoning"),
+    ({"input": "x", "reasoning_effort": "high"}, "reasoning_effort"), ({"input": "x", "messages": []}, "messages"),
     ({"input": "x", "text": {"format": {"type": "json_schema"}}}, "text.format.schema"),
     ({"input": "x", "instructions": 3}, "instructions")])
 def test_refusals_name_the_responses_field(body, param):
@@ -116,3 +117,13 @@ def test_a_reasoning_models_thinking_is_a_reasoning_item_and_comes_back_dropped(
                                                    "content": [{"type": "reasoning_text", "text": "hmm"}]},
               {"role": "assistant", "content": "Blue."}, {"role": "user", "content": "Grass?"}]
     assert [m["role"] for m in chat_body({"input": replay})["messages"]] == ["user", "assistant", "user"]
+
+
+def test_a_reasoning_effort_reaches_the_chat_template_and_is_echoed():
+    body = {"input": "x", "reasoning": {"effort": "medium", "summary": None}}
+    gen = parse_chat(chat_body(body), SERVED)
+    assert json.loads(gen.choices[0][tn.CHAT_TEMPLATE_KWARGS][0, 0]) == {"reasoning_effort": "medium"}
+    assert response_object(gen, body, "completed", [])["reasoning"] == {"effort": "medium", "summary": None}
+    with pytest.raises(ApiError) as caught:
+        parse_chat(chat_body({"input": "x", "reasoning": {"effort": "huge"}}), SERVED)
+    assert renamed(caught.value).param == "reasoning.effort"

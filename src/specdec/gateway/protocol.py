@@ -42,7 +42,10 @@ COMMON_FIELDS = ("model", "stream", "stream_options", "n", "logit_bias", "logpro
 INT32 = (-2**31, 2**31 - 1)
 CHAT_FIELDS = (*COMMON_FIELDS, "messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
                "tool_choice", "parallel_tool_calls", "functions", "function_call", "chat_template_kwargs",
-               "include_reasoning")
+               "include_reasoning", "reasoning_effort")
+# OpenAI's reasoning efforts (its SDK's ReasoningEffort): handed to the chat template as `reasoning_effort`, the
+# variable the templates that take one read (gpt-oss's); the others leave it unused
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 COMPLETION_FIELDS = (*COMMON_FIELDS, "prompt", "echo", "suffix", "best_of")
 OPENAI_TEMPERATURE = 1.0  # OpenAI's default: a request that sets no temperature samples
 MAX_CHOICES = 128  # OpenAI's bound on `n`; here also on n x prompts (each choice is a sequence of the server's)
@@ -362,6 +365,11 @@ def parse_chat(body: dict, served: tuple[str, ...], tool_parser: str | None = No
     if tools:
         inputs[tn.TOOLS] = _string(json.dumps(tools))
     template_kwargs = _typed(body, "chat_template_kwargs", (dict,), "an object of the chat template's variables")
+    effort = _typed(body, "reasoning_effort", (str,), "a string")
+    if effort is not None:
+        if effort not in REASONING_EFFORTS:
+            raise invalid("reasoning_effort", f"must be one of {', '.join(REASONING_EFFORTS)}, got {json.dumps(effort)[:40]}")
+        template_kwargs = {"reasoning_effort": effort, **(template_kwargs or {})}  # the explicit variable wins
     if template_kwargs:  # the server refuses the names it sets itself, named as this field
         inputs[tn.CHAT_TEMPLATE_KWARGS] = _string(json.dumps(template_kwargs))
     return Generation(chat=True, model=model, choices=_finish(sampling, inputs, stream["stream"], logprobs, n, top),

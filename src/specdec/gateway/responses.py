@@ -17,10 +17,11 @@ from specdec.gateway.protocol import (CHAT_FIELDS, IGNORED_FIELDS, STATS_FIELD, 
 OWN_FIELDS = ("input", "instructions", "max_output_tokens", "text", "previous_response_id", "truncation",
               "reasoning", "include", "background", "max_tool_calls", "top_logprobs", "conversation", "stream_options")
 CHAT_ONLY = {"messages", "max_tokens", "max_completion_tokens", "response_format", "n", "logprobs", "top_logprobs",
-             "stream_options", "functions", "function_call"}
+             "stream_options", "functions", "function_call", "reasoning_effort"}
 FIELDS = (*OWN_FIELDS, *(name for name in CHAT_FIELDS if name not in CHAT_ONLY), *IGNORED_FIELDS)
 # A chat field named in an error -> the Responses field it came from
-RENAMED = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format"}
+RENAMED = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format",
+           "reasoning_effort": "reasoning.effort"}
 
 
 def renamed(error: ApiError) -> ApiError:
@@ -151,10 +152,15 @@ def chat_body(body: dict) -> dict:
         if body.get(name) not in allowed:
             raise invalid(name, "is not supported here")
     reasoning = body.get("reasoning")  # clients send it unset ({"effort": null})
-    if reasoning is not None and (not isinstance(reasoning, dict) or any(v is not None for v in reasoning.values())):
-        raise invalid("reasoning", "settings (effort, summary) are not supported here: a reasoning model's "
-                                   "thinking comes as a reasoning item with the server's --reasoning-parser")
+    if reasoning is not None and not isinstance(reasoning, dict):
+        raise invalid("reasoning", "must be an object")
+    for key, value in (reasoning or {}).items():
+        if key != "effort" and value is not None:
+            raise invalid(f"reasoning.{key}", "is not supported here (a reasoning model's thinking comes whole, as a "
+                                              "reasoning item, with the server's --reasoning-parser)")
     chat = {key: value for key, value in body.items() if key not in OWN_FIELDS and key not in ("tools", "tool_choice")}
+    if (reasoning or {}).get("effort") is not None:
+        chat["reasoning_effort"] = reasoning["effort"]
     chat["messages"] = _messages(body)
     if body.get("max_output_tokens") is not None:
         chat["max_tokens"] = body["max_output_tokens"]
@@ -205,7 +211,8 @@ def response_object(gen: Generation, body: dict, status: str, output: list[dict]
            "error": None, "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
            "instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
            "model": gen.model, "output": output, "parallel_tool_calls": body.get("parallel_tool_calls", True),
-           "previous_response_id": None, "reasoning": None, "store": False,
+           "previous_response_id": None, "store": False,
+           "reasoning": {"effort": (body.get("reasoning") or {}).get("effort"), "summary": None},
            "temperature": body.get("temperature", 1.0), "text": {"format": fmt},
            "tool_choice": body.get("tool_choice", "auto" if body.get("tools") else "none"),
            "tools": body.get("tools") or [], "top_p": body.get("top_p", 1.0), "truncation": "disabled",
