@@ -491,6 +491,18 @@ def test_the_responses_api_answers_as_the_chat_does(server, api, model):
     assert [e.sequence_number for e in events] == list(range(len(events)))
     deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
     assert len(deltas) > 1 and "".join(deltas) == chat.choices[0].message.content == events[-1].response.output_text
+    # include: the output text's log-probabilities, the chat's for the same tokens, whole and streamed
+    scored = api.chat.completions.create(model=model, messages=CHAT, max_tokens=8, temperature=0, logprobs=True,
+                                         top_logprobs=2).choices[0].logprobs.content
+    asked = {"model": model, "input": CHAT, "max_output_tokens": 8, "temperature": 0, "top_logprobs": 2,
+             "include": ["message.output_text.logprobs"]}
+    got = api.responses.create(**asked).output[0].content[0].logprobs
+    assert [(e.token, e.logprob, [(t.token, t.logprob) for t in e.top_logprobs]) for e in got] == [
+        (e.token, e.logprob, [(t.token, t.logprob) for t in e.top_logprobs]) for e in scored] and len(got) == 8
+    events = list(api.responses.create(**asked, stream=True))
+    streamed = [e for event in events if event.type == "response.output_text.delta" for e in event.logprobs]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in got]
+    assert not api.responses.create(model=model, input=CHAT, max_output_tokens=2).output[0].content[0].logprobs
     tool = {"type": "function", "name": "book_table", "description": "Book a table.",
             "parameters": {"type": "object", "properties": {"guests": {"type": "integer", "maximum": 20},
                                                             "day": {"enum": ["Friday", "Saturday"]}},

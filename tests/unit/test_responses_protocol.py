@@ -127,3 +127,29 @@ def test_a_reasoning_effort_reaches_the_chat_template_and_is_echoed():
     with pytest.raises(ApiError) as caught:
         parse_chat(chat_body({"input": "x", "reasoning": {"effort": "huge"}}), SERVED)
     assert renamed(caught.value).param == "reasoning.effort"
+
+
+def test_include_output_text_logprobs_asks_for_each_tokens_log_probability():
+    """include: ["message.output_text.logprobs"] (with top_logprobs: alternatives per position) is the chat's
+    logprobs; top_logprobs alone, or another include, is refused naming it; the encrypted reasoning agent
+    clients ask for is none here, and accepted."""
+    from openai.types.responses import Response
+
+    gen = parse_chat(chat_body({"input": "x", "include": ["message.output_text.logprobs"], "top_logprobs": 2}), SERVED)
+    assert gen.logprobs and gen.top_logprobs == 2
+    assert gen.choices[0][tn.RETURN_LOG_PROBS][0, 0] and gen.choices[0][tn.NUM_TOP_LOG_PROBS][0, 0] == 2
+    assert not parse_chat(chat_body({"input": "x", "include": ["reasoning.encrypted_content"]}), SERVED).logprobs
+    for body, param in (({"input": "x", "top_logprobs": 2}, "top_logprobs"),
+                        ({"input": "x", "include": ["file_search_call.results"]}, "include"),
+                        ({"input": "x", "include": "message.output_text.logprobs"}, "include")):
+        with pytest.raises(ApiError) as caught:
+            chat_body(body)
+        assert caught.value.param == param
+    with pytest.raises(ApiError) as caught:  # the chat's range, named as the Responses field
+        parse_chat(chat_body({"input": "x", "include": ["message.output_text.logprobs"], "top_logprobs": 21}), SERVED)
+    assert renamed(caught.value).param == "top_logprobs"
+    entry = {"token": "Hi", "logprob": -0.5, "bytes": [72, 105], "top_logprobs": [
+        {"token": "Hi", "logprob": -0.5, "bytes": [72, 105]}]}
+    items = output_items("Hi", [], logprobs=[entry])
+    typed = Response.model_validate(response_object(gen, {"input": "x"}, "completed", items, usage(1, 1)))
+    assert typed.output[0].content[0].logprobs[0].top_logprobs[0].logprob == -0.5

@@ -103,7 +103,7 @@ class Gateway:
             gen = protocol.parse_chat(responses.chat_body(body), self.served, self.tool_parser, self.reasoning_parser)
             async with contextlib.AsyncExitStack() as stack:
                 stream = await stack.enter_async_context(contextlib.aclosing(
-                    self.upstream.generate(gen.choices[0], False)))
+                    self.upstream.generate(gen.choices[0], gen.logprobs, gen.top_logprobs > 0)))
                 firsts = await _first_pieces([stream])  # errors before the first token are plain HTTP errors
                 pieces = await stack.enter_async_context(contextlib.aclosing(_merged([stream], firsts)))
                 if gen.stream:
@@ -114,8 +114,10 @@ class Gateway:
                 thinking, text = reasoning.split(merged.text, gen.reasoning) if gen.reasoning else (None, merged.text)
                 text, reason, calls = self._answer_calls(gen, text or "", self._finish_reason(merged))
                 thinking = thinking if gen.include_reasoning else None
+                logprobs = self._logprobs(gen, merged, 0)
                 return web.json_response(responses.response_object(
-                    gen, body, responses.status_of(reason), responses.output_items(text, calls, thinking),
+                    gen, body, responses.status_of(reason),
+                    responses.output_items(text, calls, thinking, logprobs and logprobs["content"]),
                     self._response_usage(merged.stats, len(merged.ids)), protocol.combined_stats([merged.stats])))
         except ApiError as exc:
             raise responses.renamed(exc) from None
@@ -183,6 +185,8 @@ class Gateway:
 
             async for _, piece in pieces:
                 merged.add(piece)
+                if gen.logprobs:  # a round's tokens', sent with the message's next text delta
+                    message.logprobs += self._logprobs(gen, piece, 0)["content"]
                 thinking, text = thinker.feed(piece.text) if thinker is not None else ("", piece.text)
                 await call_deltas(await answer(text, thinking))
             if thinker is not None:  # what it held back: the end of a possible tag
@@ -449,16 +453,21 @@ class _StreamedItem:
         self.kind, self.item_id, self.send = kind, item_id, send
         self.text, self.index, self.opened, self.closed = "", 0, False, False
         self.family = "output_text" if kind == "message" else "reasoning_text"  # its part's type and events'
-        self.extra = {"logprobs": []} if kind == "message" else {}  # fields of its text events
+        # A message's tokens' log-probabilities (with include: message.output_text.logprobs): all of them, and
+        # where the next text delta starts sending them (a delta sends those that came since the last one)
+        self.logprobs: list[dict] = []
+        self.logprobs_sent = 0
 
     def _item(self, status: str) -> dict:
         done = status == "completed"
         if self.kind == "message":
-            return responses.message_item(self.text, status, self.item_id)
+            return responses.message_item(self.text, status, self.item_id, self.logprobs)
         return responses.reasoning_item(self.text if done else None, status, self.item_id)
 
     def _part(self, text: str) -> dict:
-        return responses.output_text(text) if self.kind == "message" else responses.reasoning_text(text)
+        if self.kind == "message":
+            return responses.output_text(text, self.logprobs if text else None)
+        return responses.reasoning_text(text)
 
     async def add(self, text: str, index: int) -> None:
         if not text:
@@ -466,14 +475,18 @@ class _StreamedItem:
         if not self.opened:
             await self._open(index)
         self.text += text
+        extra = {}
+        if self.kind == "message":
+            extra["logprobs"], self.logprobs_sent = self.logprobs[self.logprobs_sent:], len(self.logprobs)
         await self.send(f"response.{self.family}.delta", item_id=self.item_id, output_index=self.index,
-                        content_index=0, delta=text, **self.extra)
+                        content_index=0, delta=text, **extra)
 
     async def done(self, index: int = 0) -> dict:
         if not self.opened:
             await self._open(index)
         where = dict(item_id=self.item_id, output_index=self.index, content_index=0)
-        await self.send(f"response.{self.family}.done", **where, text=self.text, **self.extra)
+        extra = {"logprobs": self.logprobs} if self.kind == "message" else {}
+        await self.send(f"response.{self.family}.done", **where, text=self.text, **extra)
         await self.send("response.content_part.done", **where, part=self._part(self.text))
         item = self._item("completed")
         await self.send("response.output_item.done", output_index=self.index, item=item)

@@ -20,6 +20,10 @@ CHAT_ONLY = {"messages", "max_tokens", "max_completion_tokens", "response_format
              "stream_options", "functions", "function_call", "reasoning_effort"}
 FIELDS = (*OWN_FIELDS, *(name for name in CHAT_FIELDS if name not in CHAT_ONLY), *IGNORED_FIELDS)
 # A chat field named in an error -> the Responses field it came from
+LOGPROBS_INCLUDE = "message.output_text.logprobs"  # `include`: the output text's log-probabilities
+# `include` that stateless agent clients send for reasoning models: a reasoning item here has no encrypted
+# content (the thinking is plain text), so asking for it changes nothing
+ENCRYPTED_REASONING = "reasoning.encrypted_content"
 RENAMED = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format",
            "reasoning_effort": "reasoning.effort"}
 
@@ -147,10 +151,18 @@ def chat_body(body: dict) -> dict:
     if body.get("previous_response_id") is not None or body.get("conversation") is not None:
         name = "previous_response_id" if body.get("previous_response_id") is not None else "conversation"
         raise invalid(name, "responses are not stored here: send the whole conversation in input")
-    for name, allowed in (("background", (None, False)), ("include", (None, [])), ("top_logprobs", (None, 0)),
-                          ("max_tool_calls", (None,)), ("truncation", (None, "disabled", "auto"))):
+    for name, allowed in (("background", (None, False)), ("max_tool_calls", (None,)),
+                          ("truncation", (None, "disabled", "auto"))):
         if body.get(name) not in allowed:
             raise invalid(name, "is not supported here")
+    include = body.get("include") or []
+    if not isinstance(include, list) or any(item not in (LOGPROBS_INCLUDE, ENCRYPTED_REASONING) for item in include):
+        raise invalid("include", f"only {LOGPROBS_INCLUDE!r} (and {ENCRYPTED_REASONING!r}: there is none) is "
+                                 f"supported here")
+    logprobs = LOGPROBS_INCLUDE in include
+    top = body.get("top_logprobs")
+    if top not in (None, 0) and not logprobs:
+        raise invalid("top_logprobs", f"needs include: [{LOGPROBS_INCLUDE!r}] (the log-probabilities it adds to)")
     reasoning = body.get("reasoning")  # clients send it unset ({"effort": null})
     if reasoning is not None and not isinstance(reasoning, dict):
         raise invalid("reasoning", "must be an object")
@@ -161,29 +173,35 @@ def chat_body(body: dict) -> dict:
     chat = {key: value for key, value in body.items() if key not in OWN_FIELDS and key not in ("tools", "tool_choice")}
     if (reasoning or {}).get("effort") is not None:
         chat["reasoning_effort"] = reasoning["effort"]
+    if logprobs:  # each token's log-probability (and top_logprobs' alternatives) on the message's text
+        chat["logprobs"] = True
+        if top is not None:
+            chat["top_logprobs"] = top
     chat["messages"] = _messages(body)
     if body.get("max_output_tokens") is not None:
         chat["max_tokens"] = body["max_output_tokens"]
     return {**chat, **_tools(body), **_format(body)}
 
 
-def output_items(text: str | None, calls: list[dict], thinking: str | None = None) -> list[dict]:
+def output_items(text: str | None, calls: list[dict], thinking: str | None = None,
+                 logprobs: list[dict] | None = None) -> list[dict]:
     """A whole answer's output: a reasoning model's thinking (`--reasoning-parser`), its message (when it
-    has text, or nothing called) and its function calls."""
+    has text, or nothing called; `logprobs`: its tokens', the chat's entries) and its function calls."""
     items = [reasoning_item(thinking, "completed")] if thinking else []
     if text or not calls:
-        items.append(message_item(text or "", "completed"))
+        items.append(message_item(text or "", "completed", logprobs=logprobs))
     items += [function_call_item(call) for call in calls]
     return items
 
 
-def message_item(text: str, status: str, item_id: str | None = None) -> dict:
+def message_item(text: str, status: str, item_id: str | None = None, logprobs: list[dict] | None = None) -> dict:
     return {"type": "message", "id": item_id or "msg_" + uuid.uuid4().hex, "status": status, "role": "assistant",
-            "content": [output_text(text)] if status == "completed" else []}
+            "content": [output_text(text, logprobs)] if status == "completed" else []}
 
 
-def output_text(text: str) -> dict:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def output_text(text: str, logprobs: list[dict] | None = None) -> dict:
+    """An output_text part; `logprobs`: the chat's per-token entries (token, logprob, bytes, top_logprobs)."""
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
 def reasoning_item(text: str | None, status: str, item_id: str | None = None) -> dict:
