@@ -53,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--guide-type", choices=tn.GUIDE_TYPES,
                    help="structured output: the text follows --guide (json: any JSON object, no --guide needed)")
     p.add_argument("--guide", help="a JSON schema, regex, GBNF/Lark grammar or JSON list of choices; @FILE reads a file")
+    p.add_argument("--reasoning-parser", choices=tn.REASONING_PARSERS,
+                   help="a reasoning model's: the guide holds for the answer after its thinking")
     p.add_argument("--priority", type=int,
                    help="while the server is full, requests with a lower value are admitted first (default 0)")
     p.add_argument("--timeout", type=float, default=300.0)
@@ -69,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         min_length=args.min_length, ignore_eos=args.ignore_eos,
         return_log_probs=args.return_log_probs, num_top_log_probs=args.num_top_log_probs,
         return_prompt_log_probs=args.return_prompt_log_probs, guide_type=args.guide_type, priority=args.priority,
+        reasoning_parser=args.reasoning_parser,
         guide=Path(args.guide[1:]).read_text() if args.guide and args.guide.startswith("@") else args.guide)
     client = Client(args.url, args.protocol, args.model, args.timeout)
 

@@ -72,6 +72,7 @@ class GenerationParams:
     # JSON list of choices (none for json: any JSON object)
     guide_type: str | None = None
     guide: str | None = None
+    reasoning_parser: str | None = None  # deepseek_r1 | qwen3: the guide holds after a reasoning model's thinking
     priority: int | None = None  # while the server is full, a lower value is admitted first (0 by default)
 
     def tensors(self, prompt: str, stream: bool) -> dict[str, np.ndarray]:
@@ -100,7 +101,8 @@ class GenerationParams:
         for name, words in ((tn.STOP_WORDS, self.stop_words), (tn.BAD_WORDS, self.bad_words)):
             if words:
                 arrays[name] = np.array([[w.encode("utf-8") for w in words]], dtype=np.object_)
-        for name, text in ((tn.GUIDED_DECODING_GUIDE_TYPE, self.guide_type), (tn.GUIDED_DECODING_GUIDE, self.guide)):
+        for name, text in ((tn.GUIDED_DECODING_GUIDE_TYPE, self.guide_type), (tn.GUIDED_DECODING_GUIDE, self.guide),
+                           (tn.REASONING_PARSER, self.reasoning_parser)):
             if text is not None:
                 arrays[name] = np.array([[text.encode("utf-8")]], dtype=np.object_)
         return arrays
@@ -118,7 +120,8 @@ class GenerationParams:
         for name, words in ((tn.STOP_WORDS, self.stop_words), (tn.BAD_WORDS, self.bad_words)):
             if words:
                 body[name] = list(words)
-        for name, text in ((tn.GUIDED_DECODING_GUIDE_TYPE, self.guide_type), (tn.GUIDED_DECODING_GUIDE, self.guide)):
+        for name, text in ((tn.GUIDED_DECODING_GUIDE_TYPE, self.guide_type), (tn.GUIDED_DECODING_GUIDE, self.guide),
+                           (tn.REASONING_PARSER, self.reasoning_parser)):
             if text is not None:
                 body[name] = text
         return body
