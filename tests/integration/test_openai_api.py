@@ -303,16 +303,25 @@ def test_a_reasoning_parser_puts_the_thinking_apart(server, model):
     reasoning, the answer as content, whole and streamed; a tool call is read from the answer only (not from
     a thinking that mentions one); include_reasoning false leaves it out. chat_template_kwargs reach the
     server's preprocessing (which refuses a name it sets itself, named as the request's field)."""
-    with own_gateway(server, model, "--reasoning-parser", "qwen3", "--tool-call-parser", "hermes") as port:
+    from specdec.serving.pairs import smollm2_tokenizer_dir
+
+    with own_gateway(server, model, "--reasoning-parser", "qwen3", "--tool-call-parser", "hermes",
+                     "--tokenizer", str(smollm2_tokenizer_dir())) as port:  # the tokenizer counts thinking tokens
         client = openai.OpenAI(base_url=f"http://localhost:{port}/v1", api_key="x", max_retries=0)
         forced = "<think>\nThree colours, <tool_call> not needed.\n</think>\n\nRed, green, blue."
         args = {"model": model, "messages": CHAT, "max_tokens": 64, "temperature": 0, "tools": [WEATHER],
                 "extra_body": {"guided_choice": [forced], "chat_template_kwargs": {"enable_thinking": True}}}
-        message = client.chat.completions.create(**args).choices[0].message
+        whole = client.chat.completions.create(**args)
+        message = whole.choices[0].message
         assert message.content == "\n\nRed, green, blue." and message.tool_calls is None
+        # usage counts the thinking block's tokens apart, as OpenAI and vLLM report them
+        thought = whole.usage.completion_tokens_details.reasoning_tokens
+        assert 10 < thought < whole.usage.completion_tokens
         assert message.model_extra["reasoning_content"] == message.model_extra["reasoning"] == \
             "\nThree colours, <tool_call> not needed.\n"
-        chunks = [c.choices[0] for c in client.chat.completions.create(stream=True, **args) if c.choices]
+        every = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **args))
+        assert every[-1].usage.completion_tokens_details.reasoning_tokens == thought
+        chunks = [c.choices[0] for c in every if c.choices]
         assert "".join(c.delta.content or "" for c in chunks) == message.content
         thinking = [c.delta.model_extra.get("reasoning_content") or "" for c in chunks]
         assert "".join(thinking) == message.model_extra["reasoning_content"] and sum(map(bool, thinking)) > 1
@@ -340,6 +349,8 @@ def test_a_reasoning_parser_puts_the_thinking_apart(server, model):
         assert [e.output_index for e in events if e.type == "response.output_item.done"] == [0, 1]
         assert [(item.type, item.content[0].text) for item in final.output] == [
             (item.type, item.content[0].text) for item in built.output]
+        assert built.usage.output_tokens_details.reasoning_tokens == final.usage.output_tokens_details.reasoning_tokens \
+            == thought
         replayed = [*CHAT, *(item.model_dump(exclude_none=True) for item in built.output),
                     {"role": "user", "content": "And two more?"}]
         assert client.responses.create(model=model, input=replayed, max_output_tokens=3).status == "incomplete"

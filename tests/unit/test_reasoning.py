@@ -56,3 +56,34 @@ def test_thinking_streams_as_it_comes_and_only_a_possible_tag_is_held():
 def test_an_unknown_parser_is_refused_by_name():
     with pytest.raises(ValueError, match="unknown reasoning parser 'r2'"):
         ReasoningStream("r2")
+
+
+def test_the_thinking_blocks_tokens_are_counted_from_the_text():
+    """usage's reasoning_tokens: the fewest leading tokens whose text reaches the end of the thinking block
+    (tags included), over SmolLM2's tokenizer, which spells the tags with several tokens; a whole unclosed
+    thinking is every token, an answer without one none; summed over choices in completion_tokens_details."""
+    from specdec.decoding.text import load_tokenizer
+    from specdec.gateway.protocol import combined_usage
+    from specdec.gateway.reasoning import thinking_end, thinking_tokens
+    from specdec.serving.pairs import smollm2_tokenizer_dir
+
+    tokenizer = load_tokenizer(str(smollm2_tokenizer_dir()))
+
+    def encode(text):
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    def decode(ids):
+        return tokenizer.decode(ids, skip_special_tokens=True)
+
+    block, answer = encode("<think>\nRed is warm.\n</think>"), encode("\n\nRed.")
+    assert len(block) > 5 and thinking_end("<think>a</think>b", "qwen3") == len("<think>a</think>")
+    for parser in ("deepseek_r1", "qwen3"):
+        assert thinking_tokens(block + answer, decode, parser) == len(block)
+        assert thinking_tokens(block, decode, parser) == len(block)
+    assert thinking_tokens(encode("Red is warm.</think>Red."), decode, "deepseek_r1") == len(encode("Red is warm.</think>"))
+    assert thinking_tokens(answer, decode, "qwen3") == 0 and thinking_tokens([], decode, "deepseek_r1") == 0
+    unclosed = encode("<think>Red is")
+    assert thinking_tokens(unclosed, decode, "deepseek_r1") == thinking_tokens(unclosed, decode, "qwen3") == len(unclosed)
+    usage = combined_usage([{}, {}], [9, 4], 2, [7, 0])
+    assert usage["completion_tokens"] == 13 and usage["completion_tokens_details"] == {"reasoning_tokens": 7}
+    assert "completion_tokens_details" not in combined_usage([{}], [3], 1)

@@ -118,7 +118,7 @@ class Gateway:
                 return web.json_response(responses.response_object(
                     gen, body, responses.status_of(reason),
                     responses.output_items(text, calls, thinking, logprobs and logprobs["content"]),
-                    self._response_usage(merged.stats, len(merged.ids)), protocol.combined_stats([merged.stats])))
+                    self._response_usage(gen, merged), protocol.combined_stats([merged.stats])))
         except ApiError as exc:
             raise responses.renamed(exc) from None
 
@@ -130,10 +130,18 @@ class Gateway:
         content, found = tools.split_output(text, gen.tools)
         return content, (gen.tools.finish_reason(reason) if found else reason), found
 
-    @staticmethod
-    def _response_usage(stats: dict, received: int) -> dict:
-        return responses.usage(int(stats.get(tn.NUM_INPUT_TOKENS, 0)),
-                               max(received, int(stats.get(tn.NUM_OUTPUT_TOKENS, 0))))
+    def _response_usage(self, gen: Generation, merged: Piece) -> dict:
+        return responses.usage(int(merged.stats.get(tn.NUM_INPUT_TOKENS, 0)),
+                               max(len(merged.ids), int(merged.stats.get(tn.NUM_OUTPUT_TOKENS, 0))),
+                               self._reasoning_tokens(gen, merged.ids) or 0)
+
+    def _reasoning_tokens(self, gen: Generation, ids: list[int]) -> int | None:
+        """How many of a choice's tokens are its thinking (with a reasoning parser and the tokenizer: None
+        without, and no count is reported)."""
+        if gen.reasoning is None or self.tokenizer is None:
+            return None
+        return reasoning.thinking_tokens(ids, lambda part: self.tokenizer.decode(part, skip_special_tokens=True),
+                                         gen.reasoning)
 
     async def _stream_response(self, request: web.Request, gen: Generation, body: dict, pieces) -> web.StreamResponse:
         """The Responses API's events: created, in_progress, the message's item and text part added, its
@@ -213,7 +221,7 @@ class Gateway:
             status = responses.status_of(reason)
             await send("response.completed" if status == "completed" else "response.incomplete",
                        response=responses.response_object(gen, body, status, output,
-                                                          self._response_usage(merged.stats, len(merged.ids)),
+                                                          self._response_usage(gen, merged),
                                                           protocol.combined_stats([merged.stats])))
         except ApiError as exc:  # after the stream began: an error event
             error = responses.renamed(exc)
@@ -316,7 +324,9 @@ class Gateway:
             merged[index].add(piece)
         choices = [self._whole_choice(gen, m, i) for i, m in enumerate(merged)]
         body = protocol.envelope(gen, choices, chunk=False)
-        body["usage"] = protocol.combined_usage([m.stats for m in merged], [len(m.ids) for m in merged], gen.n)
+        thinking = [self._reasoning_tokens(gen, m.ids) for m in merged]
+        body["usage"] = protocol.combined_usage([m.stats for m in merged], [len(m.ids) for m in merged], gen.n,
+                                                None if None in thinking else thinking)
         body[STATS_FIELD] = protocol.combined_stats([m.stats for m in merged])
         return web.json_response(body)
 
@@ -341,6 +351,7 @@ class Gateway:
                     gen, [protocol.choice(gen, "", None, None, True, first=True, index=index)], chunk=True)))
         count = len(gen.choices)
         sent_text, sent_ids, stats = [0] * count, [0] * count, [{} for _ in range(count)]
+        generated: list[list[int]] = [[] for _ in range(count)]
         calls = [tools.ToolStream(gen.tools) for _ in range(count)] if gen.tools is not None else None
         thinkers = [reasoning.ReasoningStream(gen.reasoning) for _ in range(count)] if gen.reasoning else None
         seen = [False] * count
@@ -349,6 +360,8 @@ class Gateway:
                 piece, seen[index] = self._echoed(gen, index, piece, not seen[index]), True
                 stats[index].update(piece.stats)
                 sent_ids[index] += len(piece.ids)
+                if gen.include_usage and thinkers is not None:  # the thinking's tokens are counted at the end
+                    generated[index] += piece.ids
                 reason = self._finish_reason(piece)
                 text, deltas, thinking = piece.text, None, ""
                 if thinkers is not None:  # the thinking apart, as it comes
@@ -378,7 +391,8 @@ class Gateway:
                 await response.write(protocol.sse(chunk))
             if gen.include_usage:
                 final = protocol.envelope(gen, [], chunk=True)
-                final["usage"] = protocol.combined_usage(stats, sent_ids, gen.n)
+                thinking = [self._reasoning_tokens(gen, ids) for ids in generated]
+                final["usage"] = protocol.combined_usage(stats, sent_ids, gen.n, None if None in thinking else thinking)
                 await response.write(protocol.sse(final))
         except ApiError as exc:  # after the stream began: an error event, as OpenAI's SDK reads one
             await response.write(protocol.sse(exc.body()))

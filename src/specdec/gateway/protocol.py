@@ -475,15 +475,20 @@ def combined_stats(per_choice: list[dict]) -> dict:
             tn.MEAN_ACCEPTED_LENGTH: 1.0 + accepted / rounds if rounds else 0.0}
 
 
-def combined_usage(per_choice: list[dict], completion_tokens: list[int], n: int) -> dict:
+def combined_usage(per_choice: list[dict], completion_tokens: list[int], n: int,
+                   reasoning_tokens: list[int] | None = None) -> dict:
     """Usage of an answer of several choices: each prompt's tokens once (its n choices share it, as OpenAI
     counts them), every choice's completion tokens. Per choice: the server's counts where it sent them (its
-    last response carries them all), else the tokens received so far."""
+    last response carries them all), else the tokens received so far. `reasoning_tokens`: per choice, those
+    of its thinking (with a reasoning parser), in `completion_tokens_details` as OpenAI reports them."""
     prompts = [max(int(stats.get(tn.NUM_INPUT_TOKENS, 0)) for stats in per_choice[i:i + n])
                for i in range(0, len(per_choice), n)]
     completions = [max(count, int(stats.get(tn.NUM_OUTPUT_TOKENS, 0)))
                    for stats, count in zip(per_choice, completion_tokens)]
-    return usage(sum(prompts), sum(completions))
+    out = usage(sum(prompts), sum(completions))
+    if reasoning_tokens is not None:
+        out["completion_tokens_details"] = {"reasoning_tokens": sum(reasoning_tokens)}
+    return out
 
 
 def logprobs_object(chat: bool, tokens: list[str], values: list[float | None], offset: int = 0,

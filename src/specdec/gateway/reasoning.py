@@ -72,6 +72,33 @@ class ReasoningStream:
         return (held, "") if self._state == "thinking" else ("", held)
 
 
+def thinking_end(text: str, parser: str) -> int:
+    """Where a whole answer's thinking block ends in its text (past its `</think>`; the text's end when it
+    never closes; 0 when it has none), as `split` reads it."""
+    if parser == "qwen3" and not text.startswith(OPEN):
+        return 0
+    end = text.find(CLOSE)
+    return len(text) if end < 0 else end + len(CLOSE)
+
+
+def thinking_tokens(ids: list[int], decode, parser: str) -> int:
+    """How many of an answer's tokens `ids` are its thinking block, tags included (`usage`'s reasoning_tokens):
+    the fewest leading tokens whose text (`decode(ids) -> str`, as the server decodes them) reaches the block's
+    end. Read from the text, so a tag the model spells with other tokens than the tokenizer would counts alike."""
+    text = decode(ids)
+    end = thinking_end(text, parser)
+    if end == 0 or end >= len(text):  # no thinking, or all of it (never closed)
+        return 0 if end == 0 else len(ids)
+    low, high = 1, len(ids)  # the text of ids[:high] reaches the end; find the fewest tokens that do
+    while low < high:
+        middle = (low + high) // 2
+        if len(decode(ids[:middle])) >= end:
+            high = middle
+        else:
+            low = middle + 1
+    return high
+
+
 def _partial_tag(text: str, tag: str) -> int:
     """How many of text's last characters could begin `tag` (0 when none)."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
