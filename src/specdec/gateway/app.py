@@ -145,7 +145,8 @@ class Gateway:
 
     async def _stream_response(self, request: web.Request, gen: Generation, body: dict, pieces) -> web.StreamResponse:
         """The Responses API's events: created, in_progress, the message's item and text part added, its
-        text deltas as the server accepts tokens, their done events, completed (or incomplete). With tools,
+        text deltas as the server accepts tokens, their done events, completed (or incomplete). A reasoning
+        model's thinking (with a reasoning parser) first, as a reasoning item of its own. With tools,
         content streams as the chat's does (tools.ToolStream: until a call opens), a named function's
         arguments as they are generated, and calls the model wrote in its own format at the end, each
         as its item's added, arguments delta and done events."""
@@ -478,10 +479,8 @@ class _StreamedItem:
             return responses.message_item(self.text, status, self.item_id, self.logprobs)
         return responses.reasoning_item(self.text if done else None, status, self.item_id)
 
-    def _part(self, text: str) -> dict:
-        if self.kind == "message":
-            return responses.output_text(text, self.logprobs if text else None)
-        return responses.reasoning_text(text)
+    def _part(self, text: str, logprobs: list[dict] | None = None) -> dict:
+        return responses.output_text(text, logprobs) if self.kind == "message" else responses.reasoning_text(text)
 
     async def add(self, text: str, index: int) -> None:
         if not text:
@@ -501,7 +500,7 @@ class _StreamedItem:
         where = dict(item_id=self.item_id, output_index=self.index, content_index=0)
         extra = {"logprobs": self.logprobs} if self.kind == "message" else {}
         await self.send(f"response.{self.family}.done", **where, text=self.text, **extra)
-        await self.send("response.content_part.done", **where, part=self._part(self.text))
+        await self.send("response.content_part.done", **where, part=self._part(self.text, self.logprobs))
         item = self._item("completed")
         await self.send("response.output_item.done", output_index=self.index, item=item)
         self.closed = True

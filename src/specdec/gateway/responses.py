@@ -19,11 +19,11 @@ OWN_FIELDS = ("input", "instructions", "max_output_tokens", "text", "previous_re
 CHAT_ONLY = {"messages", "max_tokens", "max_completion_tokens", "response_format", "n", "logprobs", "top_logprobs",
              "stream_options", "functions", "function_call", "reasoning_effort"}
 FIELDS = (*OWN_FIELDS, *(name for name in CHAT_FIELDS if name not in CHAT_ONLY), *IGNORED_FIELDS)
-# A chat field named in an error -> the Responses field it came from
 LOGPROBS_INCLUDE = "message.output_text.logprobs"  # `include`: the output text's log-probabilities
 # `include` that stateless agent clients send for reasoning models: a reasoning item here has no encrypted
 # content (the thinking is plain text), so asking for it changes nothing
 ENCRYPTED_REASONING = "reasoning.encrypted_content"
+# A chat field named in an error -> the Responses field it came from
 RENAMED = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format",
            "reasoning_effort": "reasoning.effort"}
 
