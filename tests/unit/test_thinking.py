@@ -10,31 +10,19 @@ import llguidance
 import numpy as np
 import pytest
 import torch
-from specdec.decoding.grammar import GuideCompiler
 from specdec.decoding.loop import GenerationRequest
 from specdec.decoding.ngram_proposer import NgramProposer
-from specdec.decoding.text import load_tokenizer
 from specdec.decoding.thinking import ANSWER, EITHER, THINKING, AnswerMatcher, ThinkingTags
 from specdec.decoding.token_mask import unpack_allowed
 from specdec.engine.build import dynamic_executor
 from specdec.engine.local import LocalProposer, LocalScorer
-from specdec.serving.pairs import smollm2_tokenizer_dir
 
-from .conftest import noisy_copy, run_fixed_k, tiny_llama
-from .test_grammar import SCHEMA, constrained_greedy
+from .conftest import noisy_copy, run_fixed_k
+# (the fixtures too: SmolLM2's tokenizer, its guide compiler, a tiny llama over its vocabulary)
+from .test_grammar import SCHEMA, constrained_greedy, guides, lm, tokenizer  # noqa: F401
 
 EOS = 2  # SmolLM2's <|im_end|>
 VOCAB = 49152
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer(str(smollm2_tokenizer_dir()))
-
-
-@pytest.fixture(scope="module")
-def guides(tokenizer):
-    return GuideCompiler(tokenizer)
 
 
 def encode(tokenizer, text):
@@ -138,11 +126,6 @@ def test_an_answer_that_may_open_a_block_allows_the_grammar_and_the_open_tag(gui
     assert matcher.valid_prefix(encode(tokenizer, "hmm")) == 0
     assert matcher.advance([four]) is None
     assert rows(matcher.allowed([], 1))[0] == grammar_allows(guides, grammar, [four])  # <think> no more
-
-
-@pytest.fixture(scope="module")
-def lm():
-    return tiny_llama(VOCAB, seed=0, initializer_range=0.5, max_positions=512)
 
 
 @pytest.mark.parametrize("draft,k", [("none", 0), ("draft_model", 3), ("ngram", 4)])
