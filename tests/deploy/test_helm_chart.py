@@ -15,6 +15,7 @@ import yaml
 import helm_python  # noqa: E402
 from helm_python import Chart  # noqa: E402
 
+from specdec.gateway.response_store import DEFAULT_MB as RESPONSES_STORE_MB  # noqa: E402
 from specdec.serving import launcher, repository  # noqa: E402
 from specdec.serving.pairs import REPO_ROOT, PairSpec  # noqa: E402
 from specdec.serving.repository import render  # noqa: E402
@@ -431,7 +432,8 @@ def test_the_openai_api_has_a_port_a_service_port_an_ingress_path_and_a_key_from
     docs = render_chart({"ingress": {"enabled": True}, "openai": {"servedModelNames": ["llama-3.1-8b", "llama"],
                                                                    "apiKeySecret": "openai-key",
                                                                    "toolCallParser": "llama3_json",
-                                                                   "reasoningParser": "qwen3"}})
+                                                                   "reasoningParser": "qwen3",
+                                                                   "responsesStoreMB": 64}})
     triton = deployment(docs)["spec"]["template"]["spec"]["containers"][0]
     ports = {port["name"]: port["containerPort"] for port in triton["ports"]}
     env = {var["name"]: var for var in triton["env"]}
@@ -441,6 +443,9 @@ def test_the_openai_api_has_a_port_a_service_port_an_ingress_path_and_a_key_from
     assert launcher.parse_args(args).served_model_name == ["llama-3.1-8b", "llama"]
     assert launcher.parse_args(args).tool_call_parser == "llama3_json"
     assert launcher.parse_args(args).reasoning_parser == "qwen3"
+    assert launcher.parse_args(args).responses_store_mb == 64
+    default = deployment(render_chart({}))["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert launcher.parse_args(default[:default.index("--")]).responses_store_mb == RESPONSES_STORE_MB
     schema = json.loads((REPO_ROOT / "helm" / "specdec-triton" / "values.schema.json").read_text())
     assert schema["properties"]["openai"]["properties"]["toolCallParser"]["enum"] == ["", *launcher.TOOL_CALL_PARSERS]
     assert schema["properties"]["openai"]["properties"]["reasoningParser"]["enum"] == ["", *launcher.REASONING_PARSERS]

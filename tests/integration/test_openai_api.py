@@ -486,7 +486,7 @@ def test_echo_scores_the_prompt_as_evaluation_harnesses_ask(server, api, model):
 def test_the_responses_api_answers_as_the_chat_does(server, api, model):
     """POST /v1/responses through the SDK's `responses.create`: the chat's answer for the same conversation,
     whole and streamed (its events in order, the deltas joining to the text), usage and status; a named
-    function tool called, a JSON schema followed; a stored response asked for is refused naming the field."""
+    function tool called, a JSON schema followed; a response not stored asked for is refused naming the field."""
     chat = api.chat.completions.create(model=model, messages=CHAT, max_tokens=16, temperature=0)
     whole = api.responses.create(model=model, instructions=CHAT[0]["content"], input=CHAT[1]["content"],
                                  max_output_tokens=16, temperature=0)
@@ -546,6 +546,63 @@ def test_the_responses_api_answers_as_the_chat_does(server, api, model):
     with pytest.raises(openai.BadRequestError) as caught:  # the server's refusal, named as this API names it
         api.responses.create(model=model, input="x", max_output_tokens=10**7)
     assert caught.value.body["param"] == "max_output_tokens"
+
+
+def test_a_stored_response_is_continued_read_and_deleted(server, api, model):
+    """`store` (the default) keeps a response: `previous_response_id` continues its conversation (the chat's
+    answer for the whole conversation, whole and streamed, a tool call's result sent back included; its
+    instructions not carried over), `responses.retrieve` reads it, `responses.delete` forgets it; a response
+    not stored, deleted, or with an earlier one of its conversation deleted cannot be continued."""
+    def chat(messages: list[dict], **settings) -> str:
+        return api.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0,
+                                           **settings).choices[0].message.content
+
+    first = api.responses.create(model=model, instructions="You are terse.", input="My name is Ada.",
+                                 max_output_tokens=12, temperature=0)
+    assert first.store and first.previous_response_id is None
+    conversation = [{"role": "user", "content": "My name is Ada."}, {"role": "assistant", "content": first.output_text}]
+    second = api.responses.create(model=model, previous_response_id=first.id, input="What is my name?",
+                                  max_output_tokens=12, temperature=0)
+    conversation.append({"role": "user", "content": "What is my name?"})
+    assert second.previous_response_id == first.id
+    assert second.output_text == chat(conversation)  # the first's instructions are not carried over
+    conversation.append({"role": "assistant", "content": second.output_text})
+    events = list(api.responses.create(model=model, previous_response_id=second.id, input="Spell it.",
+                                       instructions="Be brief.", max_output_tokens=12, temperature=0, stream=True))
+    third = events[-1].response
+    expected = chat([{"role": "system", "content": "Be brief."}, *conversation, {"role": "user", "content": "Spell it."}])
+    assert third.output_text == expected and third.previous_response_id == second.id and third.store
+    assert third.usage.input_tokens > second.usage.input_tokens > first.usage.input_tokens
+    assert api.responses.retrieve(third.id).output_text == third.output_text  # stored before it was answered done
+    assert api.responses.retrieve(first.id).model_dump() == first.model_dump()
+    # an agent's turn: the model calls a function, its result is sent back as the next input
+    tool = {"type": "function", "name": "weather", "parameters": {"type": "object", "properties": {
+        "city": {"enum": ["Oslo", "Bergen"]}}, "required": ["city"], "additionalProperties": False}}
+    called = api.responses.create(model=model, input="Weather in Oslo?", tools=[tool], max_output_tokens=30,
+                                  tool_choice={"type": "function", "name": "weather"}, temperature=0)
+    (call,) = [item for item in called.output if item.type == "function_call"]
+    answered = api.responses.create(model=model, previous_response_id=called.id, tools=[tool], max_output_tokens=12,
+                                    input=[{"type": "function_call_output", "call_id": call.call_id, "output": "rain"}],
+                                    tool_choice="none", temperature=0)
+    calls = [{"id": call.call_id, "type": "function", "function": {"name": "weather", "arguments": call.arguments}}]
+    assert answered.output_text == chat(
+        [{"role": "user", "content": "Weather in Oslo?"}, {"role": "assistant", "content": None, "tool_calls": calls},
+         {"role": "tool", "tool_call_id": call.call_id, "content": "rain"}],
+        tools=[{"type": "function", "function": {"name": "weather", "parameters": tool["parameters"]}}],
+        tool_choice="none")
+    # not stored, deleted, or an earlier response of the conversation deleted: refused by name, and 404 to read
+    unkept = api.responses.create(model=model, input="x", max_output_tokens=2, store=False)
+    assert not unkept.store
+    api.responses.delete(first.id)
+    for gone in (unkept.id, first.id):
+        with pytest.raises(openai.NotFoundError):
+            api.responses.retrieve(gone)
+    for gone, named in ((unkept.id, unkept.id), (first.id, first.id), (third.id, first.id)):
+        with pytest.raises(openai.BadRequestError) as caught:
+            api.responses.create(model=model, previous_response_id=gone, input="x", max_output_tokens=2)
+        assert caught.value.body["param"] == "previous_response_id" and named in caught.value.body["message"]
+    with pytest.raises(openai.NotFoundError):
+        api.responses.delete(first.id)
 
 
 def _post(url: str, body: dict) -> dict:

@@ -147,15 +147,17 @@ def test_the_served_model_name_defaults_to_the_tokenizers_directory(tmp_path):
 def test_the_gateways_command_carries_the_launchers_openai_settings():
     """What the launcher starts beside the server takes the parsers it was given, as the gateway reads them."""
     from specdec.gateway.__main__ import parse_args
+    from specdec.gateway.response_store import DEFAULT_MB as RESPONSES_STORE_MB
     from specdec.serving.gateway_process import GatewayProcess
 
-    process = GatewayProcess(9000, 8001, ["a", "b"], "/models/tok", 30.0, {}, "hermes", 4096, "deepseek_r1")
+    process = GatewayProcess(9000, 8001, ["a", "b"], "/models/tok", 30.0, {}, "hermes", 4096, "deepseek_r1", 0.5)
     assert process.command[1:3] == ["-m", "specdec.gateway"]
     args = parse_args(process.command[3:])
     assert (args.served_model_name, args.tokenizer, args.max_model_len) == (["a", "b"], "/models/tok", 4096)
-    assert (args.tool_call_parser, args.reasoning_parser) == ("hermes", "deepseek_r1")
+    assert (args.tool_call_parser, args.reasoning_parser, args.responses_store_mb) == ("hermes", "deepseek_r1", 0.5)
     plain = parse_args(GatewayProcess(9000, 8001, ["a"], "", 30.0, {}).command[3:])
     assert plain.tool_call_parser is None and plain.reasoning_parser is None
+    assert plain.responses_store_mb == RESPONSES_STORE_MB
 
 
 def test_a_stop_past_its_timeout_signals_again_before_killing(tmp_path):

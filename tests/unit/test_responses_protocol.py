@@ -7,8 +7,9 @@ import pytest
 
 from specdec import tensor_names as tn
 from specdec.gateway.protocol import ApiError, parse_chat
-from specdec.gateway.responses import (chat_body, event, output_items, renamed, response_object, status_of,
-                                       usage)
+from specdec.gateway.response_store import NotStored, ResponseStore
+from specdec.gateway.responses import (chat_body, event, input_messages, output_items, output_messages, renamed,
+                                       response_object, status_of, usage)
 
 SERVED = ("m",)
 
@@ -63,7 +64,8 @@ def test_text_formats_become_structured_output():
     ({}, "input"), ({"input": []}, "input"), ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role"),
     ({"input": [{"type": "image", "url": "x"}]}, "input[0].type"),
     ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input[0].content[0]"),
-    ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"input": "x", "previous_response_id": 7}, "previous_response_id"), ({"input": "x", "store": "yes"}, "store"),
+    ({"input": "x", "conversation": "conv_1"}, "conversation"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"input": "x", "reasoning": {"summary": "auto"}}, "reasoning.summary"), ({"input": "x", "reasoning": "high"}, "reasoning"),
     ({"input": "x", "reasoning_effort": "high"}, "reasoning_effort"), ({"input": "x", "messages": []}, "messages"),
@@ -153,3 +155,69 @@ def test_include_output_text_logprobs_asks_for_each_tokens_log_probability():
     items = output_items("Hi", [], logprobs=[entry])
     typed = Response.model_validate(response_object(gen, {"input": "x"}, "completed", items, usage(1, 1)))
     assert typed.output[0].content[0].logprobs[0].top_logprobs[0].logprob == -0.5
+
+
+def test_a_stored_conversation_comes_before_the_input_after_this_requests_instructions():
+    history = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]
+    chat = chat_body({"input": "And you?", "instructions": "Be terse.", "previous_response_id": "resp_1"}, history)
+    assert chat["messages"] == [{"role": "system", "content": "Be terse."}, *history,
+                                {"role": "user", "content": "And you?"}]
+    assert "previous_response_id" not in chat  # the Responses API's own, not the chat's
+    body = {"input": "x", "previous_response_id": "resp_1", "store": False}
+    answer = response_object(parse_chat(chat_body(body, history), SERVED), body, "completed", [], stored=False)
+    assert (answer["previous_response_id"], answer["store"]) == ("resp_1", False)
+
+
+def test_an_answers_output_is_kept_as_the_chats_assistant_turn():
+    thinking_and_text = output_items("It rains.", [], thinking="Look it up.")
+    assert output_messages(thinking_and_text) == [{"role": "assistant", "content": "It rains."}]
+    called = output_items("", [{"name": "weather", "arguments": "{}"}, {"name": "time", "arguments": "{}"}])
+    (turn,) = output_messages(called)
+    assert turn["content"] is None and [call["function"]["name"] for call in turn["tool_calls"]] == ["weather", "time"]
+    assert [call["id"] for call in turn["tool_calls"]] == [item["call_id"] for item in called]
+    # the calls' results, sent next as input, answer the calls by their ids on the chat path
+    results = {"input": [{"type": "function_call_output", "call_id": item["call_id"], "output": output}
+                         for item, output in zip(called, ("rain", "noon"))]}
+    assert input_messages(results)[0] == {"role": "tool", "tool_call_id": called[0]["call_id"], "content": "rain"}
+    parse_chat(chat_body(results, output_messages(called)), SERVED)  # the chat path takes the conversation
+    assert output_messages(output_items("", [])) == [{"role": "assistant", "content": ""}]
+
+
+def _turn(response_id: str, text: str, previous: str | None = None) -> tuple[dict, list[dict], str | None]:
+    return ({"id": response_id, "object": "response", "output": []},
+            [{"role": "user", "content": text}, {"role": "assistant", "content": text.upper()}], previous)
+
+
+def test_the_store_reads_a_conversation_back_along_its_chain():
+    store = ResponseStore(1 << 20)
+    store.put(*_turn("resp_a", "one"))
+    store.put(*_turn("resp_b", "two", "resp_a"))
+    store.put(*_turn("resp_c", "three", "resp_b"))
+    store.put(*_turn("resp_x", "branch", "resp_a"))  # a second continuation of the same response
+    assert [m["content"] for m in store.conversation("resp_c")] == ["one", "ONE", "two", "TWO", "three", "THREE"]
+    assert [m["content"] for m in store.conversation("resp_x")] == ["one", "ONE", "branch", "BRANCH"]
+    assert store.get("resp_b")["id"] == "resp_b"
+    assert store.delete("resp_b") and not store.delete("resp_b")
+    with pytest.raises(NotStored) as caught:  # the chain is broken: the earlier response is named
+        store.conversation("resp_c")
+    assert caught.value.missing == "resp_b"
+    with pytest.raises(NotStored):
+        store.get("resp_b")
+    assert [m["content"] for m in store.conversation("resp_x")] == ["one", "ONE", "branch", "BRANCH"]
+
+
+def test_the_store_lets_the_least_recently_used_go_to_keep_within_its_budget():
+    one = sum(len(json.dumps(part)) for part in _turn("resp_0", "t")[:2])
+    store = ResponseStore(3 * one)  # three turns of this size
+    for i in range(3):
+        store.put(*_turn(f"resp_{i}", "t"))
+    store.get("resp_0")  # used: resp_1 is now the least recently used
+    store.put(*_turn("resp_3", "t"))
+    assert len(store) == 3 and store.bytes == 3 * one
+    with pytest.raises(NotStored):
+        store.get("resp_1")
+    assert {store.get(f"resp_{i}")["id"] for i in (0, 2, 3)} == {"resp_0", "resp_2", "resp_3"}
+    # a turn alone over the budget is not kept (and lets nothing go); a store of 0 bytes keeps nothing
+    assert not store.put({"id": "resp_big", "output": ["x" * 4 * one]}, [], None) and len(store) == 3
+    off = ResponseStore(0)
+    assert not off.enabled and not off.put(*_turn("resp_0", "t")) and len(off) == 0

@@ -5,9 +5,11 @@ talking to the ensemble over gRPC; the launcher runs it beside the server (OPENA
   tools      tool calls: the schemas that force them, the parsers that read them, their streaming (pure)
   reasoning  a reasoning model's thinking apart from its answer (`--reasoning-parser`), whole and streamed (pure)
   responses  OpenAI's Responses API on the chat path: the request mapped, the response object, its events (pure)
+  response_store  the Responses API's stored responses (`store`, `previous_response_id`), in memory (pure)
   tokenization  vLLM's tokenizer endpoints: /tokenize, /detokenize, /tokenizer_info (pure)
   upstream   one ensemble gRPC stream per request (tritonclient asyncio), cancelled when the caller leaves
-  app        the HTTP endpoints (aiohttp): chat, completions, responses, models, health, the tokenizer's;
+  app        the HTTP endpoints (aiohttp): chat, completions, responses (and stored ones), models, health, the
+             tokenizer's;
              streaming, API keys
   __main__   the command line
 

@@ -15,6 +15,7 @@ from aiohttp import web
 
 from specdec.gateway.app import Gateway
 from specdec.gateway.reasoning import PARSERS as REASONING_PARSERS
+from specdec.gateway.response_store import DEFAULT_MB as DEFAULT_RESPONSES_STORE_MB, MIB, ResponseStore
 from specdec.gateway.tools import PARSERS
 from specdec.gateway.upstream import Upstream
 
@@ -46,6 +47,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="a reasoning model's thinking apart from its answer (the chat API's reasoning_content, "
                              "the Responses API's reasoning item; a structured output constrains the answer only): "
                              "deepseek_r1 (DeepSeek-R1, QwQ, Qwen3-Thinking-2507) or qwen3 (Qwen3's hybrid models)")
+    parser.add_argument("--responses-store-mb", type=float, default=DEFAULT_RESPONSES_STORE_MB,
+                        help="memory for the Responses API's stored responses (store: true, the default), which "
+                             "previous_response_id continues and GET /v1/responses/{id} reads; least recently used "
+                             "out first; in this process only (0: none stored)")
     parser.add_argument("--drain-timeout", type=float, default=60.0)
     return parser.parse_args(argv)
 
@@ -61,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
 
         tokenizer = load_tokenizer(args.tokenizer)
     gateway = Gateway(Upstream(args.grpc_url), tuple(args.served_model_name), tokenizer, args.api_key or None,
-                      args.tool_call_parser, args.max_model_len, args.reasoning_parser)
+                      args.tool_call_parser, args.max_model_len, args.reasoning_parser,
+                      ResponseStore(int(max(args.responses_store_mb, 0.0) * MIB)))
     log(f"OpenAI API: http://{args.host}:{args.port}/v1 (models {', '.join(args.served_model_name)}; "
         f"server {args.grpc_url}; API key {'required' if args.api_key else 'not required'})")
     web.run_app(gateway.app(), host=args.host, port=args.port, print=None, access_log=None,

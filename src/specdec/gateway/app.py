@@ -1,5 +1,5 @@
-"""The OpenAI-compatible HTTP API (aiohttp): /v1/chat/completions, /v1/completions, /v1/responses, /v1/models,
-/health, and
+"""The OpenAI-compatible HTTP API (aiohttp): /v1/chat/completions, /v1/completions, /v1/responses (and its
+stored responses, /v1/responses/{id}), /v1/models, /health, and
 vLLM's tokenizer endpoints (/tokenize, /detokenize, /tokenizer_info).
 
 Each request becomes one gRPC stream of the ensemble (upstream.py); a streamed answer goes out as
@@ -24,6 +24,7 @@ from specdec import tensor_names as tn
 from specdec.decoding import json_text
 from specdec.gateway import protocol, reasoning, responses, tokenization, tools
 from specdec.gateway.protocol import STATS_FIELD, ApiError, Generation
+from specdec.gateway.response_store import NotStored, ResponseStore
 from specdec.gateway.upstream import Piece, Upstream
 
 TokenText = Callable[[int], str]  # a token id's text (for log-probabilities)
@@ -38,15 +39,18 @@ def error_response(error: ApiError) -> web.Response:
 
 class Gateway:
     def __init__(self, upstream: Upstream, served: tuple[str, ...], tokenizer=None, api_key: str | None = None,
-                 tool_parser: str | None = None, max_model_len: int = 0, reasoning_parser: str | None = None):
+                 tool_parser: str | None = None, max_model_len: int = 0, reasoning_parser: str | None = None,
+                 store: ResponseStore | None = None):
         """tokenizer: the target's (a transformers tokenizer), for the text of log-probabilities' tokens and of
         echoed token-id prompts, and the tokenizer endpoints; None: tokens show as `token_id:N`, and those
-        need it. max_model_len: the server's context in tokens (model cards, /tokenize; 0: not known)."""
+        need it. max_model_len: the server's context in tokens (model cards, /tokenize; 0: not known).
+        store: the Responses API's stored responses (None: none are kept)."""
         self.upstream, self.served, self.tokenizer, self.api_key = upstream, served, tokenizer, api_key
         self.token_text: TokenText | None = token_text_from(tokenizer) if tokenizer is not None else None
         self.tool_parser = tool_parser  # tools.PARSERS: how the model writes calls (tool_choice "auto")
         self.reasoning_parser = reasoning_parser  # reasoning.PARSERS: a chat's thinking apart (None: not split)
         self.max_model_len = max_model_len
+        self.store = store if store is not None else ResponseStore(0)
         self.created = int(time.time())
 
     def app(self) -> web.Application:
@@ -54,6 +58,8 @@ class Gateway:
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/responses", self.responses)
+        app.router.add_get("/v1/responses/{id}", self.stored_response)
+        app.router.add_delete("/v1/responses/{id}", self.delete_response)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model}", self.model)
         app.router.add_get(HEALTH_PATH, self.health)
@@ -97,17 +103,22 @@ class Gateway:
         return await self._answer(request, gen)
 
     async def responses(self, request: web.Request) -> web.StreamResponse:
-        """The Responses API: the chat request it stands for, answered as a `response` (responses.py)."""
-        body = await self._body(request)
+        """The Responses API: the chat request it stands for, answered as a `response` (responses.py); kept
+        (`store`, the default, where the gateway keeps responses) for previous_response_id to continue."""
+        body = responses.checked(await self._body(request))
+        previous = body.get("previous_response_id")
+        history = self._conversation(previous) if previous is not None else []
+        keep = self.store.enabled and body.get("store") is not False
         try:
-            gen = protocol.parse_chat(responses.chat_body(body), self.served, self.tool_parser, self.reasoning_parser)
+            gen = protocol.parse_chat(responses.chat_body(body, history), self.served, self.tool_parser,
+                                      self.reasoning_parser)
             async with contextlib.AsyncExitStack() as stack:
                 stream = await stack.enter_async_context(contextlib.aclosing(
                     self.upstream.generate(gen.choices[0], gen.logprobs, gen.top_logprobs > 0)))
                 firsts = await _first_pieces([stream])  # errors before the first token are plain HTTP errors
                 pieces = await stack.enter_async_context(contextlib.aclosing(_merged([stream], firsts)))
                 if gen.stream:
-                    return await self._stream_response(request, gen, body, pieces)
+                    return await self._stream_response(request, gen, body, pieces, keep)
                 merged = Piece()
                 async for _, piece in pieces:
                     merged.add(piece)
@@ -115,12 +126,51 @@ class Gateway:
                 text, reason, calls = self._answer_calls(gen, text or "", self._finish_reason(merged))
                 thinking = thinking if gen.include_reasoning else None
                 logprobs = self._logprobs(gen, merged, 0)
-                return web.json_response(responses.response_object(
+                answer = responses.response_object(
                     gen, body, responses.status_of(reason),
                     responses.output_items(text, calls, thinking, logprobs and logprobs["content"]),
-                    self._response_usage(gen, merged), protocol.combined_stats([merged.stats])))
+                    self._response_usage(gen, merged), protocol.combined_stats([merged.stats]), keep)
+                self._keep(keep, answer, body)
+                return web.json_response(answer)
         except ApiError as exc:
             raise responses.renamed(exc) from None
+
+    def _conversation(self, previous: str) -> list[dict]:
+        """The stored conversation a request continues (ApiError naming previous_response_id)."""
+        if not self.store.enabled:
+            raise protocol.invalid("previous_response_id", "responses are not stored by this server (its "
+                                   "--responses-store-mb is 0): send the whole conversation in input")
+        try:
+            return self.store.conversation(previous)
+        except NotStored as exc:
+            what = "" if exc.missing == previous else f": an earlier response of its conversation ({exc.missing})"
+            raise protocol.invalid("previous_response_id", f"response {previous!r} is not stored here{what} (never "
+                                   "stored, deleted, or let go to keep within the server's store)") from None
+
+    def _keep(self, keep: bool, answer: dict, body: dict) -> None:
+        if keep:
+            self.store.put(answer, responses.input_messages(body) + responses.output_messages(answer["output"]),
+                           body.get("previous_response_id"))
+
+    def _stored(self, request: web.Request) -> str:
+        response_id = request.match_info["id"]
+        try:
+            self.store.get(response_id)
+        except NotStored:
+            raise ApiError(404, f"No response found with id {response_id!r} (never stored, deleted, or let go to "
+                                "keep within the server's store)", "id", "not_found") from None
+        return response_id
+
+    async def stored_response(self, request: web.Request) -> web.Response:
+        """GET /v1/responses/{id}: a stored response as it was answered (404 when not held)."""
+        return web.json_response(self.store.get(self._stored(request)))
+
+    async def delete_response(self, request: web.Request) -> web.Response:
+        """DELETE /v1/responses/{id}: forget a stored response (404 when not held). A response that continued
+        it can no longer be continued, as its conversation is incomplete."""
+        response_id = self._stored(request)
+        self.store.delete(response_id)
+        return web.json_response({"id": response_id, "object": "response", "deleted": True})
 
     @staticmethod
     def _answer_calls(gen: Generation, text: str, reason: str | None) -> tuple[str | None, str | None, list[dict]]:
@@ -143,7 +193,8 @@ class Gateway:
         return reasoning.thinking_tokens(ids, lambda part: self.tokenizer.decode(part, skip_special_tokens=True),
                                          gen.reasoning)
 
-    async def _stream_response(self, request: web.Request, gen: Generation, body: dict, pieces) -> web.StreamResponse:
+    async def _stream_response(self, request: web.Request, gen: Generation, body: dict, pieces,
+                               keep: bool) -> web.StreamResponse:
         """The Responses API's events: created, in_progress, the message's item and text part added, its
         text deltas as the server accepts tokens, their done events, completed (or incomplete). A reasoning
         model's thinking (with a reasoning parser) first, as a reasoning item of its own. With tools,
@@ -158,7 +209,7 @@ class Gateway:
         async def send(kind: str, **fields) -> None:
             await response.write(responses.event(kind, next(number), **fields))
 
-        started = responses.response_object(gen, body, "in_progress", [])
+        started = responses.response_object(gen, body, "in_progress", [], stored=keep)
         await send("response.created", response=started)
         await send("response.in_progress", response=started)
         message = _StreamedItem("message", "msg_" + gen.id, send)
@@ -220,10 +271,10 @@ class Gateway:
                 await call_deltas(deltas)
                 await self._call_done(send, streamed, output)
             status = responses.status_of(reason)
-            await send("response.completed" if status == "completed" else "response.incomplete",
-                       response=responses.response_object(gen, body, status, output,
-                                                          self._response_usage(gen, merged),
-                                                          protocol.combined_stats([merged.stats])))
+            answer = responses.response_object(gen, body, status, output, self._response_usage(gen, merged),
+                                               protocol.combined_stats([merged.stats]), keep)
+            self._keep(keep, answer, body)
+            await send("response.completed" if status == "completed" else "response.incomplete", response=answer)
         except ApiError as exc:  # after the stream began: an error event
             error = responses.renamed(exc)
             await send("error", code=error.code, message=error.message, param=error.param)

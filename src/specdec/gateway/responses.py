@@ -1,7 +1,7 @@
 """OpenAI's Responses API (`POST /v1/responses`), on the chat path: a request becomes the chat request it
 stands for (protocol.parse_chat checks and maps that onto the ensemble's inputs), its answer a `response`
-object, streamed as the Responses API's events. Pure. Stateless, as a server of open models is: nothing is
-stored, so `previous_response_id` is refused (send the conversation in `input`). docs/openai.md.
+object, streamed as the Responses API's events. Pure: the stored responses that `previous_response_id`
+continues are response_store.py's. docs/openai.md.
 """
 
 from __future__ import annotations
@@ -52,18 +52,13 @@ def _text(content, where: str) -> str:
     raise invalid(f"{where}.content", "must be a string or a list of text parts")
 
 
-def _messages(body: dict) -> list[dict]:
-    """`instructions` and `input` as a chat's messages: messages by role, function calls as the assistant's
-    tool_calls, their outputs as tool messages."""
+def input_messages(body: dict) -> list[dict]:
+    """`input` as a chat's messages: messages by role, function calls as the assistant's tool_calls, their
+    outputs as tool messages (what a stored response keeps of its input: not its `instructions`)."""
     messages = []
-    instructions = body.get("instructions")
-    if instructions is not None:
-        if not isinstance(instructions, str):
-            raise invalid("instructions", "must be a string")
-        messages.append({"role": "system", "content": instructions})
     given = body.get("input")
     if isinstance(given, str):
-        return messages + [{"role": "user", "content": given}]
+        return [{"role": "user", "content": given}]
     if not isinstance(given, list) or not given:
         raise invalid("input", "is required: a string or a non-empty list of input items")
     for i, item in enumerate(given):
@@ -141,16 +136,29 @@ def _format(body: dict) -> dict:
     return {"response_format": {"type": fmt.get("type")}}
 
 
-def chat_body(body: dict) -> dict:
-    """A /v1/responses body -> the /v1/chat/completions body it stands for (ApiError naming the field)."""
+def checked(body) -> dict:
+    """The fields whose checks come before a stored conversation is looked up (ApiError naming the field)."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     unknown = sorted(set(body) - set(FIELDS))
     if unknown:
         raise invalid(unknown[0], "unrecognized request argument (not supported by this server)")
-    if body.get("previous_response_id") is not None or body.get("conversation") is not None:
-        name = "previous_response_id" if body.get("previous_response_id") is not None else "conversation"
-        raise invalid(name, "responses are not stored here: send the whole conversation in input")
+    if body.get("conversation") is not None:  # OpenAI's stored conversation objects: not kept here
+        raise invalid("conversation", "conversations are not stored here: continue a response with "
+                                      "previous_response_id, or send the whole conversation in input")
+    previous = body.get("previous_response_id")
+    if previous is not None and not isinstance(previous, str):
+        raise invalid("previous_response_id", "must be a response's id (a string)")
+    if body.get("store") not in (None, True, False):
+        raise invalid("store", "must be true or false")
+    return body
+
+
+def chat_body(body: dict, history: list[dict] | None = None) -> dict:
+    """A /v1/responses body -> the /v1/chat/completions body it stands for (ApiError naming the field).
+    history: the messages of the stored conversation `previous_response_id` continues (its instructions are
+    not carried over, as OpenAI's are not: this request's own come first)."""
+    checked(body)
     for name, allowed in (("background", (None, False)), ("max_tool_calls", (None,)),
                           ("truncation", (None, "disabled", "auto"))):
         if body.get(name) not in allowed:
@@ -177,10 +185,25 @@ def chat_body(body: dict) -> dict:
         chat["logprobs"] = True
         if top is not None:
             chat["top_logprobs"] = top
-    chat["messages"] = _messages(body)
+    instructions = body.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise invalid("instructions", "must be a string")
+    system = [{"role": "system", "content": instructions}] if instructions is not None else []
+    chat["messages"] = system + list(history or []) + input_messages(body)
     if body.get("max_output_tokens") is not None:
         chat["max_tokens"] = body["max_output_tokens"]
     return {**chat, **_tools(body), **_format(body)}
+
+
+def output_messages(output: list[dict]) -> list[dict]:
+    """A response's output items as the chat's assistant turn (what a stored response keeps of its answer):
+    its message's text and its function calls; a thinking is left out, as chat templates leave it out."""
+    text = "".join(part["text"] for item in output if item["type"] == "message" for part in item["content"])
+    calls = [{"id": item["call_id"], "type": "function",
+              "function": {"name": item["name"], "arguments": item["arguments"]}}
+             for item in output if item["type"] == "function_call"]
+    message = {"role": "assistant", "content": text or (None if calls else "")}
+    return [{**message, "tool_calls": calls} if calls else message]
 
 
 def output_items(text: str | None, calls: list[dict], thinking: str | None = None,
@@ -222,14 +245,15 @@ def function_call_item(call: dict) -> dict:
 
 
 def response_object(gen: Generation, body: dict, status: str, output: list[dict], usage: dict | None = None,
-                    stats: dict | None = None) -> dict:
-    """The `response` object (status in_progress, completed or incomplete), echoing the request's settings."""
+                    stats: dict | None = None, stored: bool = False) -> dict:
+    """The `response` object (status in_progress, completed or incomplete), echoing the request's settings;
+    stored: whether it is kept (for previous_response_id and GET /v1/responses/{id})."""
     fmt = (body.get("text") or {}).get("format") or {"type": "text"}
     out = {"id": "resp_" + gen.id, "object": "response", "created_at": gen.created, "status": status,
            "error": None, "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
            "instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
            "model": gen.model, "output": output, "parallel_tool_calls": body.get("parallel_tool_calls", True),
-           "previous_response_id": None, "store": False,
+           "previous_response_id": body.get("previous_response_id"), "store": stored,
            "reasoning": {"effort": (body.get("reasoning") or {}).get("effort"), "summary": None},
            "temperature": body.get("temperature", 1.0), "text": {"format": fmt},
            "tool_choice": body.get("tool_choice", "auto" if body.get("tools") else "none"),

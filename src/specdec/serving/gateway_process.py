@@ -45,7 +45,7 @@ def default_model_name(tokenizer_path: str) -> str:
 class GatewayProcess:
     def __init__(self, port: int, grpc_port: int, names: list[str], tokenizer: str, drain_timeout_s: float,
                  env: dict[str, str], tool_call_parser: str | None = None, max_model_len: int = 0,
-                 reasoning_parser: str | None = None):
+                 reasoning_parser: str | None = None, responses_store_mb: float | None = None):
         self.port = port
         self.command = [sys.executable, "-m", "specdec.gateway", "--port", str(port),
                         "--grpc-url", f"127.0.0.1:{grpc_port}", "--drain-timeout", str(drain_timeout_s),
@@ -58,6 +58,8 @@ class GatewayProcess:
             self.command += ["--max-model-len", str(max_model_len)]
         if reasoning_parser:
             self.command += ["--reasoning-parser", reasoning_parser]
+        if responses_store_mb is not None:
+            self.command += ["--responses-store-mb", f"{responses_store_mb:g}"]
         self.env, self.drain_timeout_s = env, drain_timeout_s
         self.process: subprocess.Popen | None = None
         self.restarts = 0

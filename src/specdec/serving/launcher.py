@@ -47,6 +47,7 @@ from typing import Callable
 from specdec import tensor_names as tn
 from specdec.serving import mps, pairs, repository
 from specdec.gateway.reasoning import PARSERS as REASONING_PARSERS
+from specdec.gateway.response_store import DEFAULT_MB as RESPONSES_STORE_MB
 from specdec.gateway.tools import PARSERS as TOOL_CALL_PARSERS
 from specdec.serving.gateway_process import GatewayProcess, default_model_name, repository_context, repository_tokenizer
 from specdec.serving.healthcheck import (
@@ -394,6 +395,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "apart (reasoning_content; the Responses API's reasoning item) and a structured output "
                              "constrains only the answer: deepseek_r1 (DeepSeek-R1, QwQ, Qwen3-Thinking-2507: all "
                              "before </think>) or qwen3 (Qwen3's hybrid models: a block the answer opens)")
+    parser.add_argument("--responses-store-mb", type=float, default=None,
+                        help="memory the OpenAI API keeps the Responses API's stored responses in (which "
+                             "previous_response_id continues; least recently used out first; 0: none stored; "
+                             f"default {RESPONSES_STORE_MB:g}). Each replica keeps its own: route a conversation's "
+                             "requests to one replica")
     parser.add_argument("--model-repository", help="serve this already rendered repository as is")
     parser.add_argument("--triton-root", default=os.environ.get("TRITON_ROOT"),
                         help="an installed Triton (e.g. /opt/tritonserver) instead of the wheel's server")
@@ -475,7 +481,7 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer = repository_tokenizer(repo)
         gateway = GatewayProcess(openai_port(), grpc_port, args.served_model_name or [default_model_name(tokenizer)],
                                  tokenizer, args.drain_timeout, dict(os.environ), args.tool_call_parser,
-                                 repository_context(repo), args.reasoning_parser)
+                                 repository_context(repo), args.reasoning_parser, args.responses_store_mb)
     watchdog = None
     if args.heal:
         # Reloading one model in place needs explicit model control; without it the watchdog heals by
