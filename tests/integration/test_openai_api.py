@@ -575,6 +575,17 @@ def test_a_stored_response_is_continued_read_and_deleted(server, api, model):
     assert third.usage.input_tokens > second.usage.input_tokens > first.usage.input_tokens
     assert api.responses.retrieve(third.id).output_text == third.output_text  # stored before it was answered done
     assert api.responses.retrieve(first.id).model_dump() == first.model_dump()
+    # its request's input items, paged as the SDK pages them (newest first by default)
+    sent = [{"role": "developer", "content": "Be kind."}, {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello."}, {"role": "user", "content": [{"type": "input_text", "text": "Bye"}]}]
+    listed = api.responses.create(model=model, input=sent, max_output_tokens=2)
+    pages = list(api.responses.input_items.list(listed.id, limit=3))  # two pages
+    assert [(item.role, item.content[0].text) for item in pages] == [
+        (message["role"], message["content"] if isinstance(message["content"], str) else "Bye") for message in sent[::-1]]
+    assert [item.content[0].type for item in pages] == ["input_text", "output_text", "input_text", "input_text"]
+    assert [item.id for item in api.responses.input_items.list(listed.id, order="asc")] == [item.id for item in pages[::-1]]
+    (asked,) = api.responses.input_items.list(second.id).data
+    assert (asked.type, asked.role, asked.content[0].text) == ("message", "user", "What is my name?")
     # an agent's turn: the model calls a function, its result is sent back as the next input
     tool = {"type": "function", "name": "weather", "parameters": {"type": "object", "properties": {
         "city": {"enum": ["Oslo", "Bergen"]}}, "required": ["city"], "additionalProperties": False}}
@@ -585,6 +596,8 @@ def test_a_stored_response_is_continued_read_and_deleted(server, api, model):
                                     input=[{"type": "function_call_output", "call_id": call.call_id, "output": "rain"}],
                                     tool_choice="none", temperature=0)
     calls = [{"id": call.call_id, "type": "function", "function": {"name": "weather", "arguments": call.arguments}}]
+    (result,) = api.responses.input_items.list(answered.id).data
+    assert (result.type, result.call_id, result.output) == ("function_call_output", call.call_id, "rain")
     assert answered.output_text == chat(
         [{"role": "user", "content": "Weather in Oslo?"}, {"role": "assistant", "content": None, "tool_calls": calls},
          {"role": "tool", "tool_call_id": call.call_id, "content": "rain"}],
@@ -603,6 +616,11 @@ def test_a_stored_response_is_continued_read_and_deleted(server, api, model):
         assert caught.value.body["param"] == "previous_response_id" and named in caught.value.body["message"]
     with pytest.raises(openai.NotFoundError):
         api.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        api.responses.input_items.list(first.id)
+    with pytest.raises(openai.BadRequestError) as caught:
+        api.responses.input_items.list(listed.id, limit=101)
+    assert caught.value.body["param"] == "limit"
 
 
 def _post(url: str, body: dict) -> dict:

@@ -8,8 +8,8 @@ import pytest
 from specdec import tensor_names as tn
 from specdec.gateway.protocol import ApiError, parse_chat
 from specdec.gateway.response_store import NotStored, ResponseStore
-from specdec.gateway.responses import (chat_body, event, input_messages, output_items, output_messages, renamed,
-                                       response_object, status_of, usage)
+from specdec.gateway.responses import (chat_body, event, input_items, input_messages, output_items, output_messages,
+                                       renamed, response_object, status_of, usage)
 
 SERVED = ("m",)
 
@@ -183,6 +183,22 @@ def test_an_answers_output_is_kept_as_the_chats_assistant_turn():
     assert output_messages(output_items("", [])) == [{"role": "assistant", "content": ""}]
 
 
+def test_a_requests_input_is_listed_back_as_items_with_ids():
+    assert input_items({"input": "Hi"})[0]["content"] == [{"type": "input_text", "text": "Hi"}]
+    given = [{"role": "user", "content": [{"type": "input_text", "text": "a"}, {"type": "input_text", "text": "b"}]},
+             {"type": "message", "role": "assistant", "content": "c", "id": "msg_mine"},
+             {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+             {"type": "function_call_output", "call_id": "c1", "output": "ok"},
+             {"type": "reasoning", "id": "rs_1", "summary": []}]
+    items = input_items({"input": given})
+    assert [item["type"] for item in items] == ["message", "message", "function_call", "function_call_output",
+                                                "reasoning"]
+    assert [part["text"] for part in items[0]["content"]] == ["a", "b"] and items[1]["id"] == "msg_mine"
+    assert items[1]["content"] == [{"type": "output_text", "text": "c", "annotations": []}]
+    assert items[3]["output"] == "ok" and items[4]["id"] == "rs_1"
+    assert len({item["id"] for item in items}) == 5 and all(item["id"] for item in items)
+
+
 def _turn(response_id: str, text: str, previous: str | None = None) -> tuple[dict, list[dict], str | None]:
     return ({"id": response_id, "object": "response", "output": []},
             [{"role": "user", "content": text}, {"role": "assistant", "content": text.upper()}], previous)
@@ -190,7 +206,8 @@ def _turn(response_id: str, text: str, previous: str | None = None) -> tuple[dic
 
 def test_the_store_reads_a_conversation_back_along_its_chain():
     store = ResponseStore(1 << 20)
-    store.put(*_turn("resp_a", "one"))
+    store.put(*_turn("resp_a", "one"), items=[{"id": "msg_1"}])
+    assert store.input_items("resp_a") == [{"id": "msg_1"}]
     store.put(*_turn("resp_b", "two", "resp_a"))
     store.put(*_turn("resp_c", "three", "resp_b"))
     store.put(*_turn("resp_x", "branch", "resp_a"))  # a second continuation of the same response
@@ -207,7 +224,7 @@ def test_the_store_reads_a_conversation_back_along_its_chain():
 
 
 def test_the_store_lets_the_least_recently_used_go_to_keep_within_its_budget():
-    one = sum(len(json.dumps(part)) for part in _turn("resp_0", "t")[:2])
+    one = sum(len(json.dumps(part)) for part in (*_turn("resp_0", "t")[:2], []))  # object, messages, no items
     store = ResponseStore(3 * one)  # three turns of this size
     for i in range(3):
         store.put(*_turn(f"resp_{i}", "t"))

@@ -60,6 +60,7 @@ class Gateway:
         app.router.add_post("/v1/responses", self.responses)
         app.router.add_get("/v1/responses/{id}", self.stored_response)
         app.router.add_delete("/v1/responses/{id}", self.delete_response)
+        app.router.add_get("/v1/responses/{id}/input_items", self.stored_input_items)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model}", self.model)
         app.router.add_get(HEALTH_PATH, self.health)
@@ -150,7 +151,7 @@ class Gateway:
     def _keep(self, keep: bool, answer: dict, body: dict) -> None:
         if keep:
             self.store.put(answer, responses.input_messages(body) + responses.output_messages(answer["output"]),
-                           body.get("previous_response_id"))
+                           body.get("previous_response_id"), responses.input_items(body))
 
     def _stored(self, request: web.Request) -> str:
         response_id = request.match_info["id"]
@@ -164,6 +165,30 @@ class Gateway:
     async def stored_response(self, request: web.Request) -> web.Response:
         """GET /v1/responses/{id}: a stored response as it was answered (404 when not held)."""
         return web.json_response(self.store.get(self._stored(request)))
+
+    async def stored_input_items(self, request: web.Request) -> web.Response:
+        """GET /v1/responses/{id}/input_items: a stored response's request's input items, as OpenAI pages them
+        (`limit` 1-100, default 20; `order` desc (the default) or asc; `after` an item's id)."""
+        items = self.store.input_items(self._stored(request))
+        query = request.query
+        order = query.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise protocol.invalid("order", "must be asc or desc")
+        try:
+            limit = int(query.get("limit", "20"))
+        except ValueError:
+            limit = 0
+        if not 1 <= limit <= 100:
+            raise protocol.invalid("limit", "must be an integer from 1 to 100")
+        items = items if order == "asc" else items[::-1]
+        if "after" in query:
+            ids = [item["id"] for item in items]
+            if query["after"] not in ids:
+                raise protocol.invalid("after", f"{query['after']!r} is not an input item of this response")
+            items = items[ids.index(query["after"]) + 1:]
+        page = items[:limit]
+        return web.json_response({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                                  "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit})
 
     async def delete_response(self, request: web.Request) -> web.Response:
         """DELETE /v1/responses/{id}: forget a stored response (404 when not held). A response that continued

@@ -32,6 +32,7 @@ class NotStored(KeyError):
 class _Turn:
     response: dict         # the response object as it was answered
     messages: list[dict]   # the chat messages this turn adds: its input's, then its output's
+    items: list[dict]      # its request's input items, as GET /v1/responses/{id}/input_items lists them
     previous: str | None   # the response it continued
     size: int              # its bytes, as counted against the budget
 
@@ -50,15 +51,16 @@ class ResponseStore:
     def __len__(self) -> int:
         return len(self._turns)
 
-    def put(self, response: dict, messages: list[dict], previous: str | None) -> bool:
-        """Keep a finished response (its object, the messages its turn adds, the response it continued); the
-        least recently used go until it fits. False: not kept (the store is off, or it alone is over the
-        budget)."""
-        size = len(json.dumps(response)) + len(json.dumps(messages))
+    def put(self, response: dict, messages: list[dict], previous: str | None, items: list[dict] | None = None) -> bool:
+        """Keep a finished response (its object, the messages its turn adds, the response it continued, its
+        input items); the least recently used go until it fits. False: not kept (the store is off, or it alone
+        is over the budget)."""
+        items = items or []
+        size = len(json.dumps(response)) + len(json.dumps(messages)) + len(json.dumps(items))
         if size > self.max_bytes:
             return False
         self.delete(response["id"])
-        self._turns[response["id"]] = _Turn(response, messages, previous, size)
+        self._turns[response["id"]] = _Turn(response, messages, items, previous, size)
         self.bytes += size
         while self.bytes > self.max_bytes:
             _, oldest = self._turns.popitem(last=False)
@@ -68,6 +70,10 @@ class ResponseStore:
     def get(self, response_id: str) -> dict:
         """The response object (NotStored if it is not held)."""
         return self._touch(response_id).response
+
+    def input_items(self, response_id: str) -> list[dict]:
+        """Its request's input items, in the order sent (NotStored if it is not held)."""
+        return self._touch(response_id).items
 
     def delete(self, response_id: str) -> bool:
         turn = self._turns.pop(response_id, None)

@@ -91,6 +91,27 @@ def input_messages(body: dict) -> list[dict]:
     return messages
 
 
+def input_items(body: dict) -> list[dict]:
+    """A request's `input` (already checked by input_messages) as the items the API lists back: each with an
+    id and a status, a message's content as text parts (input_text; an assistant's output_text)."""
+    given = body["input"] if isinstance(body["input"], list) else [{"role": "user", "content": body["input"]}]
+    items = []
+    for item in given:
+        kind = item.get("type", "message")
+        if kind == "message":
+            part = "output_text" if item["role"] == "assistant" else "input_text"
+            texts = [item["content"]] if isinstance(item["content"], str) else [p["text"] for p in item["content"]]
+            content = [{"type": part, "text": text, **({"annotations": []} if part == "output_text" else {})}
+                       for text in texts]
+            items.append({"id": item.get("id") or "msg_" + uuid.uuid4().hex, "type": "message", "role": item["role"],
+                          "status": "completed", "content": content})
+        else:  # function_call, function_call_output, reasoning: as sent
+            prefix = {"function_call": "fc_", "function_call_output": "fco_", "reasoning": "rs_"}[kind]
+            extra = {"summary": []} if kind == "reasoning" else {"status": "completed"}
+            items.append({**extra, **item, "id": item.get("id") or prefix + uuid.uuid4().hex})
+    return items
+
+
 def _tools(body: dict) -> dict:
     """`tools` and `tool_choice` in the chat's form (the Responses API's function tools are flat)."""
     out = {}
