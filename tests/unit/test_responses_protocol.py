@@ -214,6 +214,15 @@ def test_the_store_reads_a_conversation_back_along_its_chain():
     assert [m["content"] for m in store.conversation("resp_c")] == ["one", "ONE", "two", "TWO", "three", "THREE"]
     assert [m["content"] for m in store.conversation("resp_x")] == ["one", "ONE", "branch", "BRANCH"]
     assert store.get("resp_b")["id"] == "resp_b"
+    size = store.bytes
+    store.put(*_turn("resp_u", "čaj 茶", "resp_c"))  # held as UTF-8 JSON, counted in its bytes
+    assert store.conversation("resp_u")[-2:] == [{"role": "user", "content": "čaj 茶"},
+                                                 {"role": "assistant", "content": "ČAJ 茶"}]
+    response, messages, _ = _turn("resp_u", "čaj 茶")
+    held = json.dumps({"response": response, "messages": messages, "items": []}, separators=(",", ":"),
+                      ensure_ascii=False)
+    assert store.bytes - size == len(held.encode()) > len(held)
+    store.delete("resp_u")
     assert store.delete("resp_b") and not store.delete("resp_b")
     with pytest.raises(NotStored) as caught:  # the chain is broken: the earlier response is named
         store.conversation("resp_c")
@@ -224,7 +233,8 @@ def test_the_store_reads_a_conversation_back_along_its_chain():
 
 
 def test_the_store_lets_the_least_recently_used_go_to_keep_within_its_budget():
-    one = sum(len(json.dumps(part)) for part in (*_turn("resp_0", "t")[:2], []))  # object, messages, no items
+    response, messages, _ = _turn("resp_0", "t")
+    one = len(json.dumps({"response": response, "messages": messages, "items": []}, separators=(",", ":")).encode())
     store = ResponseStore(3 * one)  # three turns of this size
     for i in range(3):
         store.put(*_turn(f"resp_{i}", "t"))

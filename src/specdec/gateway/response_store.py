@@ -4,7 +4,8 @@ a byte budget, least recently used out first. Pure. docs/openai.md.
 
 Each response keeps only its own turn (its input's messages and its output's) and the id of the response it
 continued: a conversation is its chain, read back oldest first, so a long conversation costs its text once, not
-once per turn. Continuing a response (or reading it) marks its whole chain used.
+once per turn. Continuing a response (or reading it) marks its whole chain used. A turn is held as its JSON's
+bytes, so what the budget counts is what it takes (Python's dicts of the same would take several times more).
 """
 
 from __future__ import annotations
@@ -28,13 +29,15 @@ class NotStored(KeyError):
         self.missing = missing
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Turn:
-    response: dict         # the response object as it was answered
-    messages: list[dict]   # the chat messages this turn adds: its input's, then its output's
-    items: list[dict]      # its request's input items, as GET /v1/responses/{id}/input_items lists them
+    # JSON of {"response": the object as answered, "messages": the chat messages this turn adds (its input's,
+    # then its output's), "items": its request's input items (GET /v1/responses/{id}/input_items)}
+    blob: bytes
     previous: str | None   # the response it continued
-    size: int              # its bytes, as counted against the budget
+
+    def read(self, key: str):
+        return json.loads(self.blob)[key]
 
 
 class ResponseStore:
@@ -55,30 +58,30 @@ class ResponseStore:
         """Keep a finished response (its object, the messages its turn adds, the response it continued, its
         input items); the least recently used go until it fits. False: not kept (the store is off, or it alone
         is over the budget)."""
-        items = items or []
-        size = len(json.dumps(response)) + len(json.dumps(messages)) + len(json.dumps(items))
-        if size > self.max_bytes:
+        blob = json.dumps({"response": response, "messages": messages, "items": items or []},
+                          separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+        if len(blob) > self.max_bytes:
             return False
         self.delete(response["id"])
-        self._turns[response["id"]] = _Turn(response, messages, items, previous, size)
-        self.bytes += size
+        self._turns[response["id"]] = _Turn(blob, previous)
+        self.bytes += len(blob)
         while self.bytes > self.max_bytes:
             _, oldest = self._turns.popitem(last=False)
-            self.bytes -= oldest.size
+            self.bytes -= len(oldest.blob)
         return True
 
     def get(self, response_id: str) -> dict:
         """The response object (NotStored if it is not held)."""
-        return self._touch(response_id).response
+        return self._touch(response_id).read("response")
 
     def input_items(self, response_id: str) -> list[dict]:
         """Its request's input items, in the order sent (NotStored if it is not held)."""
-        return self._touch(response_id).items
+        return self._touch(response_id).read("items")
 
     def delete(self, response_id: str) -> bool:
         turn = self._turns.pop(response_id, None)
         if turn is not None:
-            self.bytes -= turn.size
+            self.bytes -= len(turn.blob)
         return turn is not None
 
     def conversation(self, response_id: str) -> list[dict]:
@@ -87,7 +90,7 @@ class ResponseStore:
         chain, current = [], response_id
         while current is not None:
             turn = self._touch(current)
-            chain.append(turn.messages)
+            chain.append(turn.read("messages"))
             current = turn.previous
         return [message for messages in reversed(chain) for message in messages]
 
