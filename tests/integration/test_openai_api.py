@@ -543,9 +543,12 @@ def test_the_responses_api_answers_as_the_chat_does(server, api, model):
     with pytest.raises(openai.BadRequestError) as caught:
         api.responses.create(model=model, input="x", previous_response_id="resp_1")
     assert caught.value.body["param"] == "previous_response_id"
-    with pytest.raises(openai.BadRequestError) as caught:  # the server's refusal, named as this API names it
+    with pytest.raises(openai.BadRequestError) as caught:  # the server's refusals, named as this API names them
         api.responses.create(model=model, input="x", max_output_tokens=10**7)
     assert caught.value.body["param"] == "max_output_tokens"
+    with pytest.raises(openai.BadRequestError) as caught:
+        api.responses.create(model=model, input="word " * 1100, max_output_tokens=4, truncation="auto")
+    assert caught.value.body["param"] == "input" and "context" in caught.value.body["message"]
 
 
 def test_a_stored_response_is_continued_read_and_deleted(server, api, model):
@@ -687,6 +690,7 @@ def grpc_log_probs(server, messages) -> list[float]:
     ({"response_format": {"type": "yaml"}}, "response_format.type"),
     ({"messages": [{"role": "function", "content": "x"}]}, "messages[0].role"),
     ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
+    ({"messages": [{"role": "user", "content": "word " * 1100}]}, "messages"),  # over the context, by the server
 ])
 def test_refusals_are_openai_errors_naming_the_field(api, model, request_args, param):
     args = {"model": model, "messages": CHAT, "max_tokens": 4, **request_args}

@@ -241,6 +241,10 @@ def test_server_refusals_become_openai_errors_naming_the_request_field():
     assert (busy.status, busy.code) == (503, "server_busy")
     assert server_error("Stub process is not healthy").status == 500
     assert server_error("connection refused", unavailable=True).status == 503
+    # a chat's prompt is what the server rendered from its messages: a chat names `messages`
+    long = server_error(f"input '{tn.TEXT_INPUT}' has 1100 tokens; with 'max_tokens'=4 that exceeds the model context")
+    assert long.param == "prompt" and protocol.chat_error(long).param == "messages"
+    assert protocol.chat_error(stop) is stop
 
 
 def test_top_log_probs_are_asked_for_and_shown_as_openai_does():

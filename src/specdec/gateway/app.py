@@ -94,8 +94,11 @@ class Gateway:
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
-        return await self._answer(request, protocol.parse_chat(body, self.served, self.tool_parser,
-                                                               self.reasoning_parser))
+        gen = protocol.parse_chat(body, self.served, self.tool_parser, self.reasoning_parser)
+        try:
+            return await self._answer(request, gen)
+        except ApiError as exc:
+            raise protocol.chat_error(exc) from None
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         gen = protocol.parse_completion(await self._body(request), self.served)
@@ -134,7 +137,7 @@ class Gateway:
                 self._keep(keep, answer, body)
                 return web.json_response(answer)
         except ApiError as exc:
-            raise responses.renamed(exc) from None
+            raise responses.renamed(protocol.chat_error(exc)) from None
 
     def _conversation(self, previous: str) -> list[dict]:
         """The stored conversation a request continues (ApiError naming previous_response_id)."""

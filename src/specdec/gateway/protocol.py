@@ -455,6 +455,12 @@ def server_error(message: str, unavailable: bool = False) -> ApiError:
     return ApiError(500, message)
 
 
+def chat_error(error: ApiError) -> ApiError:
+    """A refusal of a chat request: the server names the prompt it rendered from the messages (a prompt too
+    long for the context, say) as the prompt; the chat's field for it is `messages`."""
+    return ApiError(error.status, error.message, "messages", error.code) if error.param == "prompt" else error
+
+
 # ---- responses -----------------------------------------------------------------------------------------------
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
