@@ -213,7 +213,7 @@ def test_the_store_reads_a_conversation_back_along_its_chain():
     store.put(*_turn("resp_x", "branch", "resp_a"))  # a second continuation of the same response
     assert [m["content"] for m in store.conversation("resp_c")] == ["one", "ONE", "two", "TWO", "three", "THREE"]
     assert [m["content"] for m in store.conversation("resp_x")] == ["one", "ONE", "branch", "BRANCH"]
-    assert store.get("resp_b")["id"] == "resp_b"
+    assert store.get("resp_b")["id"] == "resp_b" and "resp_b" in store
     size = store.bytes
     store.put(*_turn("resp_u", "čaj 茶", "resp_c"))  # held as UTF-8 JSON, counted in its bytes
     assert store.conversation("resp_u")[-2:] == [{"role": "user", "content": "čaj 茶"},

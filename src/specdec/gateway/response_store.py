@@ -54,6 +54,9 @@ class ResponseStore:
     def __len__(self) -> int:
         return len(self._turns)
 
+    def __contains__(self, response_id: str) -> bool:
+        return response_id in self._turns
+
     def put(self, response: dict, messages: list[dict], previous: str | None, items: list[dict] | None = None) -> bool:
         """Keep a finished response (its object, the messages its turn adds, the response it continued, its
         input items); the least recently used go until it fits. False: not kept (the store is off, or it alone
