@@ -41,6 +41,7 @@ COMBINATIONS = {
                        "resources": {"requests": {"cpu": "2", "memory": "4Gi"}}, "executor": {"torchThreads": 2},
                        "speculation": {"orchestratorInstances": 1}},
     "cpu-only-defaults": {"gpu": {"count": 0}, "models": {"dtype": "float32"}},
+    "cpu-bfloat16-static": {"gpu": {"count": 0}, "models": {"dtype": "bfloat16"}, "executor": {"kind": "static"}},
     "cpu-only-suffix": {"gpu": {"count": 0}, "models": {"draft": {"method": "suffix"}, "dtype": "float32"},
                         "speculation": {"suffixCacheTokens": 262144}},
     "eagle-head": {"models": {"draft": {"method": "head", "path": "/models/eagle3-head"}}},
@@ -261,6 +262,7 @@ def test_helm_test_hook_sends_a_real_request():
     ({"speculation": {"maxNumDraftTokens": "many"}}, "/speculation/maxNumDraftTokens"),
     ({"executor": {"fuseKernels": "yes"}}, "/executor/fuseKernels"),
     ({"executor": {"fuseMlp": "yes"}}, "/executor/fuseMlp"),
+    ({"executor": {"kind": "eager"}}, "/executor/kind"),
     ({"executor": {"torchThreads": 0}}, "/executor/torchThreads"),
     ({"speculation": {"orchestratorInstances": 0}}, "/speculation/orchestratorInstances"),
     ({"executor": {"torchThreads": "many"}}, "/executor/torchThreads"),
@@ -309,6 +311,7 @@ def pair_for(values: dict) -> PairSpec:
         max_live_sequences=spec["maxLiveSequences"], when_full=spec["whenFull"],
         orchestrator_instances=spec["orchestratorInstances"],
         sequence_idle_timeout_s=spec["sequenceIdleTimeoutSeconds"], compile=values["executor"]["compile"],
+        executor=values["executor"]["kind"],
         fuse_kernels=values["executor"]["fuseKernels"], fuse_mlp=values["executor"]["fuseMlp"],
         attention=values["executor"]["attention"], run_ahead=values["executor"]["runAhead"],
         prefill_graph_rows=values["executor"]["prefillGraphRows"],
@@ -459,3 +462,12 @@ def test_the_openai_api_has_a_port_a_service_port_an_ingress_path_and_a_key_from
     assert {var["name"]: var.get("value") for var in triton["env"]}["OPENAI_PORT"] == "0"
     assert "openai" not in {port["name"] for port in triton["ports"]}
     assert "SPECDEC_API_KEY" not in {var["name"] for var in triton["env"]}
+
+
+def test_the_executor_choices_are_the_models_own():
+    """executor.kind and executor.compile offer what target_model and draft_model accept."""
+    from specdec import tensor_names as tn
+
+    schema = json.loads((REPO_ROOT / "helm" / "specdec-triton" / "values.schema.json").read_text())
+    executor = schema["properties"]["executor"]["properties"]
+    assert executor["kind"]["enum"] == list(tn.EXECUTORS) and executor["compile"]["enum"] == list(tn.COMPILE_MODES)

@@ -1,9 +1,9 @@
-"""Prefix caching and chunked prefill served by a real tritonserver (the tiny pair, float64, the eager
-executor's store; the static executor's pool is served in test_static_serving.py): requests sharing a
-long system prompt compute it once, over gRPC and HTTP, greedy and speculative, and their text is the
-text computed from scratch; the models count what they looked up and found. On a server of its own
-with prefill_chunk_tokens=512, a longer prompt reaches the models in chunks, and is found again chunk
-after chunk."""
+"""Prefix caching and chunked prefill served by a real tritonserver (the tiny pair, float64): on the
+session's server (the static executor, its pool's blocks), requests sharing a long system prompt compute it
+once, over gRPC and HTTP, greedy and speculative, and their text is the text computed from scratch; the
+models count what they looked up and found. On a server of its own on the dynamic executor (transformers'
+forward, its prefix store) with prefill_chunk_tokens=512, a longer prompt reaches the models in chunks, is
+found again chunk after chunk, and scores as the static executor scores it whole."""
 
 import pytest
 
@@ -95,7 +95,11 @@ def chunked(tmp_path_factory):
     own = serving.start(tmp_path / "run", tmp_path / "server.log",
                         # K tokens drafted every round (no confidence stop): the counts below include them
                         ["--pair", "tiny", "--set", "speculative_decoding.prefill_chunk_tokens=512",
-                         "--set", "draft_model.draft_stop_below=0"])
+                         "--set", "draft_model.draft_stop_below=0",
+                         # the dynamic executor, which the tiny pair runs in no other served test
+                         "--set", "target_model.executor=dynamic", "--set", "draft_model.executor=dynamic"])
+    log = own.log_path.read_text()
+    assert all(f"{model}: dynamic executor" in log for model in MODELS)
     yield own
     retire_server(own)
 

@@ -55,6 +55,25 @@ def test_resolve_picks_onednn_only_where_it_runs():
         onednn_linear.resolve("mkl", cpu, torch.float32)
 
 
+def test_bfloat16_takes_onednn_only_on_a_cpu_whose_onednn_reorders_it(fp32_llama):
+    """oneDNN reorders bfloat16 weights only with AVX-512 or AVX-NE-CONVERT: elsewhere (AMD Zen 3, client
+    Intel CPUs) the reorder raised at load, so a bfloat16 model with linear_kernels=auto failed to load."""
+    cpu = torch.device("cpu")
+    model = copy.deepcopy(fp32_llama).to(torch.bfloat16)
+    if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        assert onednn_linear.resolve("auto", cpu, torch.bfloat16)
+        assert onednn_linear.choose("onednn", model) == onednn_linear.ONEDNN
+    else:
+        assert not onednn_linear.resolve("auto", cpu, torch.bfloat16)
+        with pytest.raises(ValueError, match="linear_kernels=onednn bfloat16 needs a CPU with AVX-512"):
+            onednn_linear.resolve("onednn", cpu, torch.bfloat16)
+    choice = onednn_linear.apply("auto", model)  # loads wherever it runs, and serves
+    assert choice.name in ("torch", "onednn", "panels") or choice.name.startswith("torch <")
+    lm = dynamic_executor(model)
+    logits = lm.extend(1, 0, [5, 17, 3, 88], 1)
+    assert torch.isfinite(logits.float()).all()
+
+
 def test_time_kernels_times_the_models_forward_both_ways_and_leaves_it_on_torchs(fp32_llama):
     before = [id(m) for m in fp32_llama.modules() if isinstance(m, torch.nn.Linear)]
     times = onednn_linear.time_kernels(fp32_llama, onednn_linear.causal_lm_forward(fp32_llama), rows=(1, 2, 3, 4),

@@ -129,3 +129,19 @@ def test_render_rounds_the_heads_weights_on_a_cpu_in_float32_only(tmp_path):
         repo = render(spec, tmp_path / f"repo-{spec.device}-{spec.dtype}-{spec.weights_dtype}-{spec.cpu_head_weights_dtype}")
         for name, want in (("eagle3", head), ("target_model", models), ("draft_model", models)):
             assert f'key: "weights_dtype", value: {{ string_value: "{want}" }}' in (repo / name / "config.pbtxt").read_text()
+
+
+def test_render_sets_the_pairs_executor_on_every_language_model(tmp_path):
+    from specdec.serving import launcher, pairs
+
+    pair = PairSpec(name="t", target_path="/w/target", tokenizer_path="/w/target", draft_paths={"draft_model": "/w/d"},
+                    skip_drafts={"skip": "1"}, executor="dynamic")
+    repo = render(pair, tmp_path / "repo")
+    for model in ("target_model", "draft_model", "skip"):
+        assert 'key: "executor", value: { string_value: "dynamic" }' in (repo / model / "config.pbtxt").read_text()
+    committed = (SOURCE / "target_model" / "config.pbtxt").read_text()
+    assert 'key: "executor", value: { string_value: "auto" }' in committed
+    # the tests' tiny pair serves on the static executor, as GPUs and float32 CPUs do
+    assert pairs.tiny_pair().executor == "static" and PairSpec(name="t", target_path="", tokenizer_path="").executor == "auto"
+    assert launcher.parse_args(["--executor", "dynamic"]).executor == "dynamic"
+    assert launcher.parse_args([]).executor is None  # the pair's own

@@ -465,9 +465,13 @@ def test_a_text_model_with_requests_pending_and_no_execution_has_its_stubs_kille
     clock.now += 60
     dog.tick()
     assert killed == []
+    clock.now += 6  # requests arrive between two looks: their clock starts at the look that finds them
     queues["preprocessing"] = (2.0, 41.0)
     dog.tick()
-    clock.now += 30
+    clock.now += 24  # 30 s after the last idle look, 24 after the first that found them waiting
+    dog.tick()
+    assert killed == []
+    clock.now += 6
     dog.tick()
     assert killed == [21] and "preprocessing has had 2 request(s) pending and executed none for 30 s (hung)" in lines[-1]
     assert 'specdec_model_execute_hangs_total{model="preprocessing"} 1' in dog.metrics_text()

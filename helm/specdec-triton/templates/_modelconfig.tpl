@@ -52,6 +52,7 @@ instance_group [ { count: 1, kind: KIND_GPU, gpus: [ {{ ternary $root.Values.gpu
 {{ include "specdec.param" (list "max_sequences" $root.Values.speculation.maxSequences) }}
 {{ include "specdec.param" (list "sequence_idle_timeout_s" $root.Values.speculation.sequenceIdleTimeoutSeconds) }}
 {{ include "specdec.param" (list "heap_trim_interval_s" $root.Values.speculation.heapTrimIntervalSeconds) }}
+{{ include "specdec.param" (list "executor" $root.Values.executor.kind) }}
 {{ include "specdec.param" (list "max_num_draft_tokens" $root.Values.speculation.maxNumDraftTokens) }}
 {{ include "specdec.param" (list "max_context_tokens" $root.Values.speculation.maxContextTokens) }}
 {{ include "specdec.param" (list "compile" $root.Values.executor.compile) }}

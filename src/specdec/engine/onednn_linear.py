@@ -282,8 +282,20 @@ def _timing_alone():
     return machine_lock.held(os.path.join(tempfile.gettempdir(), "specdec-linear-kernels.lock"))
 
 
+def unsupported(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why oneDNN's reordered weights cannot serve a model on this device in this dtype (None: they can)."""
+    if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available():
+        return f"needs a CPU model in float32 or bfloat16 with oneDNN, got {device.type} {dtype}"
+    # oneDNN reorders bfloat16 weights only with AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT: not on AMD's Zen 3
+    # and earlier, nor on most client Intel CPUs, where the reorder raises at load
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return ("bfloat16 needs a CPU with AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT for oneDNN's kernels, and this "
+                "one has neither")
+    return None
+
+
 def supported(device: torch.device, dtype: torch.dtype) -> bool:
-    return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available()
+    return unsupported(device, dtype) is None
 
 
 def resolve(kind: str, device: torch.device, dtype: torch.dtype) -> bool:
@@ -291,9 +303,8 @@ def resolve(kind: str, device: torch.device, dtype: torch.dtype) -> bool:
     times it there); onednn and panels = required (ValueError, saying why, where they cannot run)."""
     if kind not in KINDS:
         raise ValueError(f"linear_kernels must be one of {KINDS}, got {kind!r}")
-    if kind == "onednn" and not supported(device, dtype):
-        raise ValueError(f"linear_kernels=onednn needs a CPU model in float32 or bfloat16 with oneDNN, got "
-                         f"{device.type} {dtype}")
+    if kind == "onednn" and (problem := unsupported(device, dtype)) is not None:
+        raise ValueError(f"linear_kernels=onednn {problem}")
     if kind == "panels" and (problem := panel_linear.available(device, dtype)) is not None:
         raise ValueError(f"linear_kernels=panels: {problem}")
     return kind in ("onednn", "panels") or (kind == "auto" and supported(device, dtype))

@@ -373,6 +373,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--compile", default="auto", choices=tn.COMPILE_MODES,
                         help="the models' executor: auto = static shapes + CUDA graphs on GPUs, eager on CPU "
                              "(the static executor's C++ layer kernels for float32 Llama-family models)")
+    parser.add_argument("--executor", default=None, choices=tn.EXECUTORS,
+                        help="each language model's executor: auto = the static one (this project's forward over "
+                             "a paged KV pool) on GPUs and for float32 Llama-family models on CPU, else the dynamic "
+                             "one (transformers' forward); default: the pair's (auto; the tiny pair: static)")
     parser.add_argument("--orchestrator-instances", type=int, default=None,
                         help="speculative_decoding processes (concurrent streams' rounds run in parallel); default "
                              f"{tn.DEFAULT_ORCHESTRATOR_INSTANCES['gpu']} with --device gpu, "
@@ -457,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             pair = pairs.prepare_pair(args.pair)
         pair = dataclasses.replace(pair, compile=args.compile, orchestrator_instances=args.orchestrator_instances,
-                                   weights_dtype=args.weights_dtype)
+                                   weights_dtype=args.weights_dtype, executor=args.executor or pair.executor)
         if args.draft_head or args.default_draft or args.skip_draft:
             try:
                 pair = with_heads(with_skip_drafts(pair, args.skip_draft), args.draft_head, args.default_draft)

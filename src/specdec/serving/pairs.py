@@ -61,6 +61,8 @@ class PairSpec:
     # static executor on C++ layer kernels for float32 Llama-family models; off: no CUDA graphs) and each
     # model's KV pool, a fraction of its device's free memory (host memory on CPU) at load.
     compile: str = "auto"
+    # tn.EXECUTORS, each language model's (the heads run their own): auto as the compile note above says
+    executor: str = "auto"
     fuse_kernels: bool = True  # where CUDA graphs run: pointwise work compiled into fused kernels
     fuse_mlp: bool = True  # where CUDA graphs run: a SiLU MLP's gate and up products as one
     attention: str = "auto"  # tn.ATTENTION_KINDS: the static executor's (auto: the paged kernel on CUDA)
@@ -175,8 +177,12 @@ def tiny_pair(test_drafts: bool = False) -> PairSpec:
     # One torch thread a model: the tiny models' forwards are too small to split, and on a 2-core machine
     # two threads per stub tripled each request's CPU time under concurrent requests (the threads' waits
     # for each other: docs/results/2026-11-30-suite-time.md)
+    # The static executor, which GPUs and float32 CPUs serve with (auto picks the dynamic one for float64):
+    # what the served tests exercise, and its process starts without transformers' modeling stack (a
+    # tiny-pair server ready in 15 s instead of 26: docs/results/2026-12-02-tiny-pair-static.md)
     return PairSpec(name="tiny", target_path=str(target), tokenizer_path=str(target), draft_paths=drafts,
-                    dtype="float64", max_context_tokens=1024, model_parameters=settings, torch_threads="1")
+                    dtype="float64", max_context_tokens=1024, model_parameters=settings, torch_threads="1",
+                    executor="static")
 
 
 # ---- default pair ----------------------------------------------------------------------------------

@@ -69,6 +69,7 @@ def render(pair: PairSpec, dest: Path) -> Path:
                 # The static executor's shapes: K + 1 rows per verify, sequences up to the context.
                 "max_num_draft_tokens": str(pair.max_num_draft_tokens),
                 "max_context_tokens": str(pair.max_context_tokens), "compile": pair.compile,
+                "executor": pair.executor,
                 "fuse_kernels": str(pair.fuse_kernels).lower(), "fuse_mlp": str(pair.fuse_mlp).lower(),
                 "attention": pair.attention,
                 "prefill_graph_rows": str(pair.prefill_graph_rows),

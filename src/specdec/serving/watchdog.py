@@ -395,8 +395,14 @@ class Watchdog:
             return
         for model in sorted({stubs[instance].model for instance in stamped if instance in stubs}):
             pending, executions = queues.get(model, (0.0, 0.0))
+            if pending <= 0:  # idle: no clock
+                self._queues_seen.pop(model, None)
+                continue
             seen = self._queues_seen.get(model)
-            if pending <= 0 or seen is None or executions != seen[0]:  # idle, or executing: the clock restarts
+            # The clock starts at the first look that finds requests pending (not at the last idle look,
+            # which may precede their arrival by a look: a kill before hang_timeout_s of waiting), and again
+            # whenever the model executes.
+            if seen is None or executions != seen[0]:
                 self._queues_seen[model] = (executions, now)
                 continue
             running = [stub for stub in alive.get(model, {}).values() if stub.state not in DEAD_STATES]
