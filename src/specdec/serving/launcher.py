@@ -371,8 +371,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "blocks (q8: the CPU's panel kernel, float32; weights already in 4- or 8-bit blocks "
                              "stay); docs/configuration.md")
     parser.add_argument("--compile", default="auto", choices=tn.COMPILE_MODES,
-                        help="the models' executor: auto = static shapes + CUDA graphs on GPUs, eager on CPU "
-                             "(the static executor's C++ layer kernels for float32 Llama-family models)")
+                        help="CUDA graphs of the static executor: auto = on GPUs (every decode/verify shape "
+                             "captured at load), eager on CPU; off = eager everywhere; graphs = required")
     parser.add_argument("--executor", default=None, choices=tn.EXECUTORS,
                         help="each language model's executor: auto = the static one (this project's forward over "
                              "a paged KV pool) on GPUs and for float32 Llama-family models on CPU, else the dynamic "

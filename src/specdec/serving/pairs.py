@@ -179,7 +179,7 @@ def tiny_pair(test_drafts: bool = False) -> PairSpec:
     # for each other: docs/results/2026-11-30-suite-time.md)
     # The static executor, which GPUs and float32 CPUs serve with (auto picks the dynamic one for float64):
     # what the served tests exercise, and its process starts without transformers' modeling stack (a
-    # tiny-pair server ready in 15 s instead of 26: docs/results/2026-12-02-tiny-pair-static.md)
+    # tiny-pair server ready in about 60 % of the time: docs/results/2026-12-02-tiny-pair-static.md)
     return PairSpec(name="tiny", target_path=str(target), tokenizer_path=str(target), draft_paths=drafts,
                     dtype="float64", max_context_tokens=1024, model_parameters=settings, torch_threads="1",
                     executor="static")
