@@ -131,7 +131,9 @@ def test_render_rounds_the_heads_weights_on_a_cpu_in_float32_only(tmp_path):
             assert f'key: "weights_dtype", value: {{ string_value: "{want}" }}' in (repo / name / "config.pbtxt").read_text()
 
 
-def test_render_sets_the_pairs_executor_on_every_language_model(tmp_path):
+def test_render_sets_the_pairs_executor_on_every_language_model(tmp_path, capsys):
+    import pytest
+
     from specdec.serving import launcher, pairs
 
     pair = PairSpec(name="t", target_path="/w/target", tokenizer_path="/w/target", draft_paths={"draft_model": "/w/d"},
@@ -145,3 +147,6 @@ def test_render_sets_the_pairs_executor_on_every_language_model(tmp_path):
     assert pairs.tiny_pair().executor == "static" and PairSpec(name="t", target_path="", tokenizer_path="").executor == "auto"
     assert launcher.parse_args(["--executor", "dynamic"]).executor == "dynamic"
     assert launcher.parse_args([]).executor is None  # the pair's own
+    with pytest.raises(SystemExit):
+        launcher.parse_args(["--executor", "static", "--model-repository", str(tmp_path)])
+    assert "--executor is set in a rendered repository" in capsys.readouterr().err

@@ -428,6 +428,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         extra = extra[1:]
     if args.set and args.model_repository:
         parser.error("--set edits a rendered repository; --model-repository is served as is")
+    if args.executor and args.model_repository:
+        parser.error("--executor is set in a rendered repository; --model-repository is served as is (its "
+                     "models' executor parameter)")
     if args.orchestrator_instances is not None and args.orchestrator_instances < 1:
         parser.error(f"--orchestrator-instances must be at least 1, got {args.orchestrator_instances}")
     if any(not arg.startswith("--") for arg in extra):
