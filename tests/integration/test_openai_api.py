@@ -626,6 +626,35 @@ def test_a_stored_response_is_continued_read_and_deleted(server, api, model):
     assert caught.value.body["param"] == "limit"
 
 
+def test_truncation_auto_drops_a_conversations_oldest_turns_to_fit_the_context(server, api, model):
+    """A stored conversation grown past the context (1024 tokens here; each turn about 370): with
+    `truncation: auto` its oldest turn is dropped and the answer is the chat's over the rest (whole and
+    streamed, the usage counting what was kept); with `disabled`, the default, it is refused naming input."""
+    filler = "The quick brown fox jumps over the lazy dog. " * 35
+    first = api.responses.create(model=model, input="A: " + filler, max_output_tokens=4, temperature=0)
+    second = api.responses.create(model=model, previous_response_id=first.id, input="B: " + filler,
+                                  max_output_tokens=4, temperature=0)
+    for truncation in ({}, {"truncation": "disabled"}):
+        with pytest.raises(openai.BadRequestError) as caught:
+            api.responses.create(model=model, previous_response_id=second.id, input="C: " + filler,
+                                 max_output_tokens=8, **truncation)
+        assert caught.value.body["param"] == "input" and "context" in caught.value.body["message"]
+    kept = [{"role": "user", "content": "B: " + filler}, {"role": "assistant", "content": second.output_text},
+            {"role": "user", "content": "C: " + filler}]
+    chat = api.chat.completions.create(model=model, messages=kept, max_tokens=8, temperature=0)
+    whole = api.responses.create(model=model, previous_response_id=second.id, input="C: " + filler,
+                                 max_output_tokens=8, temperature=0, truncation="auto")
+    streamed = list(api.responses.create(model=model, previous_response_id=second.id, input="C: " + filler,
+                                         max_output_tokens=8, temperature=0, truncation="auto", stream=True))[-1].response
+    for answer in (whole, streamed):
+        assert answer.truncation == "auto" and answer.output_text == chat.choices[0].message.content
+        assert answer.usage.input_tokens == chat.usage.prompt_tokens < second.usage.input_tokens + 400
+    # continuing the truncated answer: the store keeps the whole conversation, cut again as it needs
+    after = api.responses.create(model=model, previous_response_id=whole.id, input="D?", max_output_tokens=8,
+                                 temperature=0, truncation="auto")
+    assert after.usage.input_tokens < chat.usage.prompt_tokens + 40
+
+
 def _post(url: str, body: dict) -> dict:
     request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
                                      headers={"Content-Type": "application/json"})

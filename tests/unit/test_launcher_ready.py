@@ -144,19 +144,36 @@ def test_the_served_model_name_defaults_to_the_tokenizers_directory(tmp_path):
     assert default_model_name("/w/llama-3.1-8b-q4.gguf") == "llama-3.1-8b-q4" and repository_tokenizer(tmp_path / "x") == ""
 
 
+def test_the_gateway_learns_the_context_and_the_default_answer_length_from_the_repository(tmp_path):
+    """What truncation: auto leaves room for: the orchestrator's context and default max_tokens, as the
+    committed repository's config spells them and the repository renderer writes them."""
+    from pathlib import Path
+
+    from specdec.serving.gateway_process import repository_limits
+    from specdec.serving.pairs import PairSpec
+    from specdec.serving.repository import render
+
+    assert repository_limits(Path(__file__).parents[2] / "model_repository") == (8192, 64)
+    pair = PairSpec(name="t", target_path="/w/target", tokenizer_path="/w/tok", max_context_tokens=512,
+                    default_max_tokens=48)
+    assert repository_limits(render(pair, tmp_path / "repo")) == (512, 48)
+    assert repository_limits(tmp_path / "none") == (0, 0)
+
+
 def test_the_gateways_command_carries_the_launchers_openai_settings():
     """What the launcher starts beside the server takes the parsers it was given, as the gateway reads them."""
     from specdec.gateway.__main__ import parse_args
     from specdec.gateway.response_store import DEFAULT_MB as RESPONSES_STORE_MB
     from specdec.serving.gateway_process import GatewayProcess
 
-    process = GatewayProcess(9000, 8001, ["a", "b"], "/models/tok", 30.0, {}, "hermes", 4096, "deepseek_r1", 0.5)
+    process = GatewayProcess(9000, 8001, ["a", "b"], "/models/tok", 30.0, {}, "hermes", 4096, "deepseek_r1", 0.5, 96)
     assert process.command[1:3] == ["-m", "specdec.gateway"]
     args = parse_args(process.command[3:])
     assert (args.served_model_name, args.tokenizer, args.max_model_len) == (["a", "b"], "/models/tok", 4096)
+    assert args.default_max_tokens == 96
     assert (args.tool_call_parser, args.reasoning_parser, args.responses_store_mb) == ("hermes", "deepseek_r1", 0.5)
     plain = parse_args(GatewayProcess(9000, 8001, ["a"], "", 30.0, {}).command[3:])
-    assert plain.tool_call_parser is None and plain.reasoning_parser is None
+    assert plain.tool_call_parser is None and plain.reasoning_parser is None and plain.default_max_tokens == 0
     assert plain.responses_store_mb == RESPONSES_STORE_MB
 
 

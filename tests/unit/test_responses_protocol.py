@@ -9,7 +9,7 @@ from specdec import tensor_names as tn
 from specdec.gateway.protocol import ApiError, parse_chat
 from specdec.gateway.response_store import NotStored, ResponseStore
 from specdec.gateway.responses import (chat_body, event, input_items, input_messages, output_items, output_messages,
-                                       renamed, response_object, status_of, usage)
+                                       renamed, response_object, status_of, turn_cuts, usage)
 
 SERVED = ("m",)
 
@@ -70,7 +70,7 @@ def test_text_formats_become_structured_output():
     ({"input": "x", "reasoning": {"summary": "auto"}}, "reasoning.summary"), ({"input": "x", "reasoning": "high"}, "reasoning"),
     ({"input": "x", "reasoning_effort": "high"}, "reasoning_effort"), ({"input": "x", "messages": []}, "messages"),
     ({"input": "x", "text": {"format": {"type": "json_schema"}}}, "text.format.schema"),
-    ({"input": "x", "instructions": 3}, "instructions")])
+    ({"input": "x", "instructions": 3}, "instructions"), ({"input": "x", "truncation": "middle"}, "truncation")])
 def test_refusals_name_the_responses_field(body, param):
     with pytest.raises(ApiError) as caught:
         chat_body(body)
@@ -248,3 +248,78 @@ def test_the_store_lets_the_least_recently_used_go_to_keep_within_its_budget():
     assert not store.put({"id": "resp_big", "output": ["x" * 4 * one]}, [], None) and len(store) == 3
     off = ResponseStore(0)
     assert not off.enabled and not off.put(*_turn("resp_0", "t")) and len(off) == 0
+
+
+# An agent's conversation: a system message, then turns (a user message and what follows it up to the next)
+AGENT = [{"role": "developer", "content": "Be terse."}, {"role": "user", "content": "Weather in Oslo?"},
+         {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
+                                                                 "function": {"name": "w", "arguments": "{}"}}]},
+         {"role": "tool", "tool_call_id": "c1", "content": "rain"}, {"role": "assistant", "content": "Rain."},
+         {"role": "user", "content": "And Bergen?"}, {"role": "assistant", "content": "Rain too."},
+         {"role": "user", "content": "Thanks."}]
+
+
+def test_truncation_drops_whole_oldest_turns_and_keeps_the_system_messages_and_the_last_turn():
+    """truncation: auto's choices cut between turns only (a tool call keeps its output), never the leading
+    system or developer messages, never the last turn; the request's instructions stay first."""
+    assert turn_cuts(AGENT) == [0, 4, 6]
+    assert turn_cuts(AGENT[1:]) == [0, 4, 6] and turn_cuts(AGENT[:2]) == [0] and turn_cuts([]) == [0]
+    assert turn_cuts([{"role": "assistant", "content": "Hi."}, {"role": "user", "content": "Hi"}]) == [0, 1]
+    history, last = AGENT[:5], AGENT[5:]
+    body = {"input": [{"role": m["role"], "content": m["content"]} for m in last], "instructions": "Answer.",
+            "truncation": "auto"}
+    for dropped, kept in ((0, AGENT), (4, [AGENT[0], *AGENT[5:]]), (6, [AGENT[0], AGENT[7]])):
+        assert chat_body(body, history, dropped)["messages"] == [{"role": "system", "content": "Answer."}, *kept]
+    gen = parse_chat(chat_body(body, history, 4), SERVED)
+    assert response_object(gen, body, "completed", [])["truncation"] == "auto"
+    assert response_object(gen, {"input": "x"}, "completed", [])["truncation"] == "disabled"
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from specdec.decoding.text import load_tokenizer
+    from specdec.serving.pairs import smollm2_tokenizer_dir
+
+    return load_tokenizer(str(smollm2_tokenizer_dir()))
+
+
+def test_truncation_auto_keeps_the_most_of_the_conversation_that_fits_the_context(tokenizer):
+    """The gateway's truncation over the real SmolLM2 template: as few turns dropped as make the prompt and
+    the answer's room fit (the server's default max_tokens when the request does not say), counted as the
+    server's preprocessing renders the request; a last turn too long alone is refused naming input; without
+    `truncation: auto`, or without the tokenizer, nothing is dropped (the server refuses what does not fit)."""
+    import asyncio
+
+    from specdec.decoding.text import chat_ids
+    from specdec.gateway.app import Gateway
+
+    turns = [[{"role": "user", "content": f"Fact {i}: " + "the sky is blue. " * 20},
+              {"role": "assistant", "content": "Noted."}] for i in range(4)]
+    history = [{"role": "system", "content": "Remember facts."}] + [m for turn in turns for m in turn]
+    body = {"input": "Which facts do you remember?", "truncation": "auto", "max_output_tokens": 16}
+    def length(messages):
+        return len(chat_ids(tokenizer, messages, None, "messages"))
+
+    def sent(gateway, request):
+        gen = asyncio.run(gateway._response_chat(request, history))
+        return json.loads(gen.choices[0][tn.MESSAGES].reshape(-1)[0].decode())
+
+    whole = length(chat_body(body, history)["messages"])
+    for context, kept_turns in ((whole + 16, 4), (whole + 15, 3), (whole - 200, 2), (length(
+            chat_body(body, history, 8)["messages"]) + 16, 0)):
+        gateway = Gateway(None, SERVED, tokenizer, max_model_len=context, default_max_tokens=64)
+        messages = sent(gateway, body)
+        assert messages == [history[0], *history[1 + 2 * (4 - kept_turns):], {"role": "user", "content": body["input"]}]
+        assert length(messages) + 16 <= context
+        if kept_turns < 4:  # the next longer choice would not have fit: as few dropped as could be
+            longer = [history[0], *history[1 + 2 * (3 - kept_turns):], {"role": "user", "content": body["input"]}]
+            assert length(longer) + 16 > context
+    gateway = Gateway(None, SERVED, tokenizer, max_model_len=whole + 16, default_max_tokens=64)
+    unsized = sent(gateway, {k: v for k, v in body.items() if k != "max_output_tokens"})  # the server's 64
+    assert length(unsized) + 64 <= whole + 16 and len(unsized) == 8  # one turn (two messages) dropped
+    with pytest.raises(ApiError) as caught:
+        sent(Gateway(None, SERVED, tokenizer, max_model_len=length(chat_body(body, history, 8)["messages"]) + 15), body)
+    assert caught.value.param == "input" and "context" in caught.value.message
+    small = whole // 2
+    assert len(sent(Gateway(None, SERVED, tokenizer, max_model_len=small), {**body, "truncation": "disabled"})) == 10
+    assert len(sent(Gateway(None, SERVED, None, max_model_len=small), body)) == 10

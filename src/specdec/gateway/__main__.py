@@ -39,6 +39,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "the tokenizer endpoints)")
     parser.add_argument("--max-model-len", type=int, default=0,
                         help="the server's context in tokens, as model cards and /tokenize report it (0: not known)")
+    parser.add_argument("--default-max-tokens", type=int, default=0,
+                        help="what the server generates for a request that does not say (the room the Responses "
+                             "API's truncation: auto leaves for the answer; 0: not known)")
     parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV, ""),
                         help=f"require this key (default: ${API_KEY_ENV}; none: no check)")
     parser.add_argument("--tool-call-parser", choices=PARSERS, default=None,
@@ -67,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer = load_tokenizer(args.tokenizer)
     gateway = Gateway(Upstream(args.grpc_url), tuple(args.served_model_name), tokenizer, args.api_key or None,
                       args.tool_call_parser, args.max_model_len, args.reasoning_parser,
-                      ResponseStore(int(max(args.responses_store_mb, 0.0) * MIB)))
+                      ResponseStore(int(max(args.responses_store_mb, 0.0) * MIB)), args.default_max_tokens)
     log(f"OpenAI API: http://{args.host}:{args.port}/v1 (models {', '.join(args.served_model_name)}; "
         f"server {args.grpc_url}; API key {'required' if args.api_key else 'not required'})")
     web.run_app(gateway.app(), host=args.host, port=args.port, print=None, access_log=None,

@@ -40,16 +40,17 @@ def error_response(error: ApiError) -> web.Response:
 class Gateway:
     def __init__(self, upstream: Upstream, served: tuple[str, ...], tokenizer=None, api_key: str | None = None,
                  tool_parser: str | None = None, max_model_len: int = 0, reasoning_parser: str | None = None,
-                 store: ResponseStore | None = None):
+                 store: ResponseStore | None = None, default_max_tokens: int = 0):
         """tokenizer: the target's (a transformers tokenizer), for the text of log-probabilities' tokens and of
         echoed token-id prompts, and the tokenizer endpoints; None: tokens show as `token_id:N`, and those
         need it. max_model_len: the server's context in tokens (model cards, /tokenize; 0: not known).
-        store: the Responses API's stored responses (None: none are kept)."""
+        store: the Responses API's stored responses (None: none are kept). default_max_tokens: what the server
+        generates for a request that does not say (what `truncation: auto` leaves room for; 0: not known)."""
         self.upstream, self.served, self.tokenizer, self.api_key = upstream, served, tokenizer, api_key
         self.token_text: TokenText | None = token_text_from(tokenizer) if tokenizer is not None else None
         self.tool_parser = tool_parser  # tools.PARSERS: how the model writes calls (tool_choice "auto")
         self.reasoning_parser = reasoning_parser  # reasoning.PARSERS: a chat's thinking apart (None: not split)
-        self.max_model_len = max_model_len
+        self.max_model_len, self.default_max_tokens = max_model_len, default_max_tokens
         self.store = store if store is not None else ResponseStore(0)
         self.created = int(time.time())
 
@@ -114,8 +115,7 @@ class Gateway:
         history = self._conversation(previous) if previous is not None else []
         keep = self.store.enabled and body.get("store") is not False
         try:
-            gen = protocol.parse_chat(responses.chat_body(body, history), self.served, self.tool_parser,
-                                      self.reasoning_parser)
+            gen = await self._response_chat(body, history)
             async with contextlib.AsyncExitStack() as stack:
                 stream = await stack.enter_async_context(contextlib.aclosing(
                     self.upstream.generate(gen.choices[0], gen.logprobs, gen.top_logprobs > 0)))
@@ -138,6 +138,52 @@ class Gateway:
                 return web.json_response(answer)
         except ApiError as exc:
             raise responses.renamed(protocol.chat_error(exc)) from None
+
+    async def _response_chat(self, body: dict, history: list[dict]) -> Generation:
+        """The chat request a Responses request stands for; with `truncation: auto`, its conversation's oldest
+        turns dropped, as few as make it fit the context with its max_output_tokens (where this API has the
+        tokenizer and knows the context: otherwise the server refuses what does not fit, as without it)."""
+        def chat(dropped: int) -> Generation:
+            return protocol.parse_chat(responses.chat_body(body, history, dropped), self.served, self.tool_parser,
+                                       self.reasoning_parser)
+
+        gen = chat(0)
+        if not responses.truncating(body) or self.tokenizer is None or not self.max_model_len:
+            return gen
+        cuts = responses.turn_cuts(history + responses.input_messages(body))
+        # off the event loop: a long conversation's template takes milliseconds per rendering, a few renderings
+        return await asyncio.to_thread(self._fitted, gen, chat, cuts)
+
+    def _fitted(self, gen: Generation, chat: Callable[[int], Generation], cuts: list[int]) -> Generation:
+        """The first of the cuts (fewest messages dropped) whose request fits the context (ApiError naming
+        input when not even the last turn does): a binary search, as fewer dropped never takes fewer tokens."""
+        def overflow(candidate: Generation) -> tuple[int, int]:
+            inputs = candidate.choices[0]
+            try:
+                length = tokenization.chat_prompt_length(self.tokenizer, inputs)
+            except ValueError:  # refused by the template: the server says so, naming the field
+                return 0, 0
+            return length, length + tokenization.requested_max_tokens(inputs, self.default_max_tokens) \
+                - self.max_model_len
+
+        if overflow(gen)[1] <= 0:
+            return gen
+        low, high, best = 1, len(cuts) - 1, None
+        while low <= high:  # the smallest index whose cut fits
+            middle = (low + high) // 2
+            candidate = chat(cuts[middle])
+            if overflow(candidate)[1] <= 0:
+                best, high = candidate, middle - 1
+            else:
+                low = middle + 1
+        if best is None:
+            last = chat(cuts[-1])
+            length, _ = overflow(last)
+            max_tokens = tokenization.requested_max_tokens(last.choices[0], self.default_max_tokens)
+            raise protocol.invalid("input", f"its last turn takes {length} tokens (with instructions and tools); "
+                                            f"with {max_tokens} output tokens that is over the model's context of "
+                                            f"{self.max_model_len} (truncation: auto drops earlier turns only)")
+        return best
 
     def _conversation(self, previous: str) -> list[dict]:
         """The stored conversation a request continues (ApiError naming previous_response_id)."""

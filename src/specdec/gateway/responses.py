@@ -175,13 +175,38 @@ def checked(body) -> dict:
     return body
 
 
-def chat_body(body: dict, history: list[dict] | None = None) -> dict:
+def truncating(body: dict) -> bool:
+    """Whether the request asks `truncation: auto` (ApiError naming the field when it is neither)."""
+    value = body.get("truncation")
+    if value not in (None, "disabled", "auto"):
+        raise invalid("truncation", f"must be auto or disabled, got {json.dumps(value)[:40]}")
+    return value == "auto"
+
+
+def turn_cuts(conversation: list[dict]) -> list[int]:
+    """`truncation: auto`'s choices over a conversation's chat messages (the stored history, then this input):
+    how many to drop, fewest first, each a whole number of its oldest turns. A turn is a user message and what
+    follows it up to the next user message, so a tool call never loses its output; the conversation's leading
+    system and developer messages are never dropped, nor its last turn."""
+    head = _leading_system(conversation)
+    return [0] + [i - head for i in range(head + 1, len(conversation)) if conversation[i]["role"] == "user"]
+
+
+def _leading_system(conversation: list[dict]) -> int:
+    head = 0
+    while head < len(conversation) and conversation[head]["role"] in ("system", "developer"):
+        head += 1
+    return head
+
+
+def chat_body(body: dict, history: list[dict] | None = None, dropped: int = 0) -> dict:
     """A /v1/responses body -> the /v1/chat/completions body it stands for (ApiError naming the field).
     history: the messages of the stored conversation `previous_response_id` continues (its instructions are
-    not carried over, as OpenAI's are not: this request's own come first)."""
+    not carried over, as OpenAI's are not: this request's own come first). dropped: how many of the
+    conversation's messages `truncation: auto` leaves out (one of turn_cuts')."""
     checked(body)
-    for name, allowed in (("background", (None, False)), ("max_tool_calls", (None,)),
-                          ("truncation", (None, "disabled", "auto"))):
+    truncating(body)
+    for name, allowed in (("background", (None, False)), ("max_tool_calls", (None,))):
         if body.get(name) not in allowed:
             raise invalid(name, "is not supported here")
     include = body.get("include") or []
@@ -210,7 +235,9 @@ def chat_body(body: dict, history: list[dict] | None = None) -> dict:
     if instructions is not None and not isinstance(instructions, str):
         raise invalid("instructions", "must be a string")
     system = [{"role": "system", "content": instructions}] if instructions is not None else []
-    chat["messages"] = system + list(history or []) + input_messages(body)
+    conversation = list(history or []) + input_messages(body)
+    head = _leading_system(conversation)
+    chat["messages"] = system + conversation[:head] + conversation[head + dropped:]
     if body.get("max_output_tokens") is not None:
         chat["max_tokens"] = body["max_output_tokens"]
     return {**chat, **_tools(body), **_format(body)}
@@ -278,7 +305,8 @@ def response_object(gen: Generation, body: dict, status: str, output: list[dict]
            "reasoning": {"effort": (body.get("reasoning") or {}).get("effort"), "summary": None},
            "temperature": body.get("temperature", 1.0), "text": {"format": fmt},
            "tool_choice": body.get("tool_choice", "auto" if body.get("tools") else "none"),
-           "tools": body.get("tools") or [], "top_p": body.get("top_p", 1.0), "truncation": "disabled",
+           "tools": body.get("tools") or [], "top_p": body.get("top_p", 1.0),
+           "truncation": "auto" if body.get("truncation") == "auto" else "disabled",
            "usage": usage, "metadata": body.get("metadata") or {}}
     if stats is not None:
         out[STATS_FIELD] = stats

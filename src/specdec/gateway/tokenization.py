@@ -6,7 +6,11 @@ body and the tokenizer in, the response body out (ApiError naming the field othe
 
 from __future__ import annotations
 
-from specdec.decoding.text import chat_ids, template_variables
+import json
+
+from specdec import tensor_names as tn
+from specdec.decoding.text import chat_ids, chat_messages as server_messages, chat_template_kwargs, chat_tools, \
+    template_variables
 from specdec.gateway.protocol import ApiError, chat_messages, invalid
 
 # The special tokens a tokenizer_info answer names (vLLM's answer is the tokenizer's settings; these are
@@ -49,6 +53,26 @@ def tokenize(tokenizer, body: dict, max_model_len: int) -> dict:
             raise invalid("messages", str(exc)) from None
     strings = tokenizer.convert_ids_to_tokens(ids) if _flag(body, "return_token_strs", False) else None
     return {"count": len(ids), "max_model_len": max_model_len, "tokens": list(ids), "token_strs": strings}
+
+
+def chat_prompt_length(tokenizer, inputs: dict) -> int:
+    """How many tokens a chat request's ensemble inputs (protocol.parse_chat's, one choice) make: the server's
+    preprocessing renders them the same way (its checks, its chat template over the messages and the tools,
+    the template's variables). ValueError where the server would refuse them."""
+    def given(name: str) -> str | None:
+        return inputs[name].reshape(-1)[0].decode("utf-8") if name in inputs else None
+
+    tools, kwargs = given(tn.TOOLS), given(tn.CHAT_TEMPLATE_KWARGS)
+    return len(chat_ids(tokenizer, server_messages(given(tn.MESSAGES), tn.MESSAGES),
+                        None if tools is None else chat_tools(tools, tn.TOOLS), tn.MESSAGES,
+                        None if kwargs is None else chat_template_kwargs(kwargs, tn.CHAT_TEMPLATE_KWARGS)))
+
+
+def requested_max_tokens(inputs: dict, default: int) -> int:
+    """The max_tokens a choice's inputs ask for (`default`: the server's, when they do not say)."""
+    settings = json.loads(inputs[tn.SAMPLING_PARAMETERS].reshape(-1)[0].decode("utf-8"))
+    value = settings.get("max_tokens")
+    return default if value is None else value
 
 
 def detokenize(tokenizer, body: dict) -> dict:

@@ -14,7 +14,6 @@ from specdec.serving.healthcheck import gateway_url
 from specdec.serving.pairs import log
 
 _TOKENIZER = re.compile(r'key: "tokenizer_path", value: \{ string_value: "([^"]*)" \}')
-_CONTEXT = re.compile(r'key: "max_context_tokens", value: \{ string_value: "([0-9]+)" \}')
 
 
 def repository_tokenizer(repo: Path) -> str:
@@ -26,13 +25,16 @@ def repository_tokenizer(repo: Path) -> str:
     return match.group(1) if match else ""
 
 
-def repository_context(repo: Path) -> int:
-    """The context (tokens) the rendered repository's orchestrator admits requests within (0: not found)."""
+def repository_limits(repo: Path) -> tuple[int, int]:
+    """The context (tokens) the rendered repository's orchestrator admits requests within and what it generates
+    for a request that does not say (its default_max_tokens); 0 for either not found."""
     try:
-        match = _CONTEXT.search((repo / "speculative_decoding" / "config.pbtxt").read_text())
+        config = (repo / "speculative_decoding" / "config.pbtxt").read_text()
     except OSError:
-        return 0
-    return int(match.group(1)) if match else 0
+        return 0, 0
+    found = [re.search(r'key: "%s", value: \{ string_value: "([0-9]+)" \}' % key, config)
+             for key in ("max_context_tokens", "default_max_tokens")]
+    return tuple(int(match.group(1)) if match else 0 for match in found)
 
 
 def default_model_name(tokenizer_path: str) -> str:
@@ -45,7 +47,8 @@ def default_model_name(tokenizer_path: str) -> str:
 class GatewayProcess:
     def __init__(self, port: int, grpc_port: int, names: list[str], tokenizer: str, drain_timeout_s: float,
                  env: dict[str, str], tool_call_parser: str | None = None, max_model_len: int = 0,
-                 reasoning_parser: str | None = None, responses_store_mb: float | None = None):
+                 reasoning_parser: str | None = None, responses_store_mb: float | None = None,
+                 default_max_tokens: int = 0):
         self.port = port
         self.command = [sys.executable, "-m", "specdec.gateway", "--port", str(port),
                         "--grpc-url", f"127.0.0.1:{grpc_port}", "--drain-timeout", str(drain_timeout_s),
@@ -56,6 +59,8 @@ class GatewayProcess:
             self.command += ["--tool-call-parser", tool_call_parser]
         if max_model_len:
             self.command += ["--max-model-len", str(max_model_len)]
+        if default_max_tokens:
+            self.command += ["--default-max-tokens", str(default_max_tokens)]
         if reasoning_parser:
             self.command += ["--reasoning-parser", reasoning_parser]
         if responses_store_mb is not None:

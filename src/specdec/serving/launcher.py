@@ -49,7 +49,7 @@ from specdec.serving import mps, pairs, repository
 from specdec.gateway.reasoning import PARSERS as REASONING_PARSERS
 from specdec.gateway.response_store import DEFAULT_MB as RESPONSES_STORE_MB
 from specdec.gateway.tools import PARSERS as TOOL_CALL_PARSERS
-from specdec.serving.gateway_process import GatewayProcess, default_model_name, repository_context, repository_tokenizer
+from specdec.serving.gateway_process import GatewayProcess, default_model_name, repository_limits, repository_tokenizer
 from specdec.serving.healthcheck import (
     READY_PATH, ReadinessEndpoint, answers, drain_marker, gateway_url, health_port, is_ready, openai_port, ready_url,
 )
@@ -486,9 +486,10 @@ def main(argv: list[str] | None = None) -> int:
                 "OpenAI API")
             return 1
         tokenizer = repository_tokenizer(repo)
+        context, default_max_tokens = repository_limits(repo)
         gateway = GatewayProcess(openai_port(), grpc_port, args.served_model_name or [default_model_name(tokenizer)],
                                  tokenizer, args.drain_timeout, dict(os.environ), args.tool_call_parser,
-                                 repository_context(repo), args.reasoning_parser, args.responses_store_mb)
+                                 context, args.reasoning_parser, args.responses_store_mb, default_max_tokens)
     watchdog = None
     if args.heal:
         # Reloading one model in place needs explicit model control; without it the watchdog heals by
