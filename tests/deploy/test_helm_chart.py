@@ -457,6 +457,15 @@ def test_the_openai_api_has_a_port_a_service_port_an_ingress_path_and_a_key_from
     (ingress,) = by_kind(docs, "Ingress")
     paths = {p["path"]: p["backend"]["service"]["port"]["name"] for p in ingress["spec"]["rules"][0]["http"]["paths"]}
     assert paths == {"/v1": "openai", "/": "http"}
+    assert launcher.parse_args(default[:default.index("--")]).responses_store_dir is None
+    shared = deployment(render_chart({"openai": {"responsesStoreClaim": "responses"}}))["spec"]["template"]["spec"]
+    triton = shared["containers"][0]
+    store_dir = launcher.parse_args(triton["args"][:triton["args"].index("--")]).responses_store_dir
+    (mount,) = [m for m in triton["volumeMounts"] if m["name"] == "responses-store"]
+    (volume,) = [v for v in shared["volumes"] if v["name"] == "responses-store"]
+    assert mount["mountPath"] == store_dir and not mount.get("readOnly")
+    assert volume["persistentVolumeClaim"] == {"claimName": "responses"}
+    assert "responses-store" not in {v["name"] for v in deployment(render_chart({}))["spec"]["template"]["spec"]["volumes"]}
     off = render_chart({"openai": {"enabled": False}, "ingress": {"enabled": True}})
     triton = deployment(off)["spec"]["template"]["spec"]["containers"][0]
     assert {var["name"]: var.get("value") for var in triton["env"]}["OPENAI_PORT"] == "0"

@@ -655,6 +655,33 @@ def test_truncation_auto_drops_a_conversations_oldest_turns_to_fit_the_context(s
     assert after.usage.input_tokens < chat.usage.prompt_tokens + 40
 
 
+def test_replicas_sharing_a_store_directory_continue_each_others_conversations(server, api, model, tmp_path):
+    """Two gateways with one --responses-store-dir (two replicas on one volume): a conversation begun on one
+    is continued on the other (the chat's answer for the whole of it), read and deleted there; a gateway
+    started later over the directory (a restart) still has it."""
+    store = ["--responses-store-dir", str(tmp_path / "responses")]
+    with own_gateway(server, model, *store) as port_a, own_gateway(server, model, *store) as port_b:
+        a = openai.OpenAI(base_url=f"http://127.0.0.1:{port_a}/v1", api_key="unused", max_retries=0)
+        b = openai.OpenAI(base_url=f"http://127.0.0.1:{port_b}/v1", api_key="unused", max_retries=0)
+        first = a.responses.create(model=model, input="My name is Ada.", max_output_tokens=8, temperature=0)
+        second = b.responses.create(model=model, previous_response_id=first.id, input="What is my name?",
+                                    max_output_tokens=8, temperature=0)
+        expected = api.chat.completions.create(model=model, max_tokens=8, temperature=0, messages=[
+            {"role": "user", "content": "My name is Ada."}, {"role": "assistant", "content": first.output_text},
+            {"role": "user", "content": "What is my name?"}]).choices[0].message.content
+        assert second.output_text == expected and b.responses.retrieve(first.id).output_text == first.output_text
+        third = list(a.responses.create(model=model, previous_response_id=second.id, input="Again?", stream=True,
+                                        max_output_tokens=8, temperature=0))[-1].response
+        assert b.responses.retrieve(third.id).output_text == third.output_text
+        b.responses.delete(third.id)
+        with pytest.raises(openai.NotFoundError):
+            a.responses.retrieve(third.id)
+    with own_gateway(server, model, *store) as port:
+        later = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        assert later.responses.retrieve(second.id).output_text == second.output_text
+        assert [item.content[0].text for item in later.responses.input_items.list(second.id)] == ["What is my name?"]
+
+
 def _post(url: str, body: dict) -> dict:
     request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
                                      headers={"Content-Type": "application/json"})

@@ -166,14 +166,16 @@ def test_the_gateways_command_carries_the_launchers_openai_settings():
     from specdec.gateway.response_store import DEFAULT_MB as RESPONSES_STORE_MB
     from specdec.serving.gateway_process import GatewayProcess
 
-    process = GatewayProcess(9000, 8001, ["a", "b"], "/models/tok", 30.0, {}, "hermes", 4096, "deepseek_r1", 0.5, 96)
+    process = GatewayProcess(9000, 8001, ["a", "b"], "/models/tok", 30.0, {}, "hermes", 4096, "deepseek_r1", 0.5, 96,
+                             "/data/responses")
     assert process.command[1:3] == ["-m", "specdec.gateway"]
     args = parse_args(process.command[3:])
     assert (args.served_model_name, args.tokenizer, args.max_model_len) == (["a", "b"], "/models/tok", 4096)
-    assert args.default_max_tokens == 96
+    assert (args.default_max_tokens, args.responses_store_dir) == (96, "/data/responses")
     assert (args.tool_call_parser, args.reasoning_parser, args.responses_store_mb) == ("hermes", "deepseek_r1", 0.5)
     plain = parse_args(GatewayProcess(9000, 8001, ["a"], "", 30.0, {}).command[3:])
     assert plain.tool_call_parser is None and plain.reasoning_parser is None and plain.default_max_tokens == 0
+    assert plain.responses_store_dir == ""
     assert plain.responses_store_mb == RESPONSES_STORE_MB
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from specdec import tensor_names as tn
 from specdec.gateway.protocol import ApiError, parse_chat
-from specdec.gateway.response_store import NotStored, ResponseStore
+from specdec.gateway.response_store import LOW_WATER, NotStored, ResponseStore, SharedResponseStore
 from specdec.gateway.responses import (chat_body, event, input_items, input_messages, output_items, output_messages,
                                        renamed, response_object, status_of, turn_cuts, usage)
 
@@ -248,6 +248,63 @@ def test_the_store_lets_the_least_recently_used_go_to_keep_within_its_budget():
     assert not store.put({"id": "resp_big", "output": ["x" * 4 * one]}, [], None) and len(store) == 3
     off = ResponseStore(0)
     assert not off.enabled and not off.put(*_turn("resp_0", "t")) and len(off) == 0
+
+
+def test_a_shared_store_is_one_store_for_every_process_that_mounts_it(tmp_path):
+    """Two stores over one directory (two replicas on one volume): what one keeps the other continues, reads
+    and deletes; a store opened later (a restart) finds them all; ids that are no file name are never looked
+    up as paths; no half-written file is left."""
+    a, b = SharedResponseStore(tmp_path / "store", 1 << 20), SharedResponseStore(tmp_path / "store", 1 << 20)
+    assert a.blocking and not ResponseStore(1).blocking
+    assert a.put(*_turn("resp_a", "one"), items=[{"id": "msg_1"}])
+    assert b.put(*_turn("resp_b", "two", "resp_a")) and a.put(*_turn("resp_c", "čaj 茶", "resp_b"))
+    assert [m["content"] for m in b.conversation("resp_c")] == ["one", "ONE", "two", "TWO", "čaj 茶", "ČAJ 茶"]
+    assert b.input_items("resp_a") == [{"id": "msg_1"}] and b.get("resp_c")["id"] == "resp_c" and "resp_c" in b
+    assert len(a) == len(b) == 3
+    restarted = SharedResponseStore(tmp_path / "store", 1 << 20)
+    assert restarted.get("resp_a")["id"] == "resp_a"
+    assert restarted.bytes == sum(path.stat().st_size for path in (tmp_path / "store").iterdir()) > a.bytes > 0
+    assert a.delete("resp_b") and not b.delete("resp_b")
+    with pytest.raises(NotStored) as caught:
+        b.conversation("resp_c")
+    assert caught.value.missing == "resp_b"
+    (tmp_path / "secret.json").write_text("{}")
+    for bad in ("../secret", "a/b", ".resp_a", "", "x" * 300):
+        assert bad not in a and not a.delete(bad)
+        with pytest.raises(NotStored):
+            a.get(bad)
+    assert not a.put({"id": "../escape", "output": []}, [], None) and (tmp_path / "secret.json").exists()
+    assert sorted(path.name for path in (tmp_path / "store").iterdir()) == ["resp_a.json", "resp_c.json"]
+
+
+def test_a_shared_store_lets_the_least_recently_used_go_whichever_process_used_it(tmp_path):
+    """The directory's budget: the process whose additions take it over lists it and removes the least
+    recently used files (a read by another process counts as a use) down to LOW_WATER of the budget; a
+    writer's stale leftover goes at the next scan."""
+    import os
+    import time
+
+    response, messages, previous = _turn("resp_00", "t")
+    one = len(json.dumps({"response": response, "messages": messages, "items": [], "previous": previous},
+                         separators=(",", ":")).encode())
+    directory = tmp_path / "store"
+    a = SharedResponseStore(directory, 10 * one)
+    now = time.time()
+    for i in range(10):
+        a.put(*_turn(f"resp_{i:02d}", "t"))
+        os.utime(directory / f"resp_{i:02d}.json", (now - 100 + i, now - 100 + i))  # written in this order
+    assert a.bytes == 10 * one and len(a) == 10
+    SharedResponseStore(directory, 10 * one).get("resp_00")  # another process reads the oldest: used now
+    a.put(*_turn("resp_10", "t"))  # 11 turns: down to 9 (LOW_WATER)
+    assert LOW_WATER == 0.9 and a.bytes == 9 * one
+    assert sorted(p.stem for p in directory.iterdir()) == ["resp_00", *(f"resp_{i:02d}" for i in range(3, 11))]
+    stale, fresh = directory / ".resp_x.1.tmp", directory / ".resp_y.2.tmp"
+    stale.write_text("{")
+    fresh.write_text("{")
+    os.utime(stale, (now - 7200, now - 7200))
+    SharedResponseStore(directory, 10 * one)
+    assert not stale.exists() and fresh.exists()
+    assert not a.put({"id": "resp_big", "output": ["x" * 11 * one]}, [], None)  # alone over the budget
 
 
 # An agent's conversation: a system message, then turns (a user message and what follows it up to the next)

@@ -48,6 +48,9 @@ app.kubernetes.io/component: inference-server
 {{- end -}}
 {{- end -}}
 
+{{/* Where the Responses API's stored responses are mounted (openai.responsesStoreClaim) */}}
+{{- define "specdec.responsesStorePath" -}}/var/lib/specdec/responses{{- end -}}
+
 {{/* The models the server loads, in load order (explicit model control). */}}
 {{- define "specdec.modelNames" -}}
 {{- $names := list "preprocessing" "postprocessing" "target_model" -}}

@@ -15,7 +15,8 @@ from aiohttp import web
 
 from specdec.gateway.app import Gateway
 from specdec.gateway.reasoning import PARSERS as REASONING_PARSERS
-from specdec.gateway.response_store import DEFAULT_MB as DEFAULT_RESPONSES_STORE_MB, MIB, ResponseStore
+from specdec.gateway.response_store import (DEFAULT_MB as DEFAULT_RESPONSES_STORE_MB, MIB, ResponseStore,
+                                            SharedResponseStore)
 from specdec.gateway.tools import PARSERS
 from specdec.gateway.upstream import Upstream
 
@@ -53,7 +54,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--responses-store-mb", type=float, default=DEFAULT_RESPONSES_STORE_MB,
                         help="memory for the Responses API's stored responses (store: true, the default), which "
                              "previous_response_id continues and GET /v1/responses/{id} reads; least recently used "
-                             "out first; in this process only (0: none stored)")
+                             "out first; in this process only, unless --responses-store-dir (0: none stored)")
+    parser.add_argument("--responses-store-dir", default="",
+                        help="keep the stored responses as files in this directory instead of in memory (within "
+                             "--responses-store-mb): replicas that share it (a ReadWriteMany volume) continue each "
+                             "other's conversations, and a restart forgets none")
     parser.add_argument("--drain-timeout", type=float, default=60.0)
     return parser.parse_args(argv)
 
@@ -68,11 +73,14 @@ def main(argv: list[str] | None = None) -> int:
         from specdec.decoding.text import load_tokenizer
 
         tokenizer = load_tokenizer(args.tokenizer)
+    budget = int(max(args.responses_store_mb, 0.0) * MIB)
+    store = SharedResponseStore(args.responses_store_dir, budget) if args.responses_store_dir and budget \
+        else ResponseStore(budget)
     gateway = Gateway(Upstream(args.grpc_url), tuple(args.served_model_name), tokenizer, args.api_key or None,
-                      args.tool_call_parser, args.max_model_len, args.reasoning_parser,
-                      ResponseStore(int(max(args.responses_store_mb, 0.0) * MIB)), args.default_max_tokens)
+                      args.tool_call_parser, args.max_model_len, args.reasoning_parser, store, args.default_max_tokens)
     log(f"OpenAI API: http://{args.host}:{args.port}/v1 (models {', '.join(args.served_model_name)}; "
-        f"server {args.grpc_url}; API key {'required' if args.api_key else 'not required'})")
+        f"server {args.grpc_url}; API key {'required' if args.api_key else 'not required'}; stored responses "
+        f"{'in ' + args.responses_store_dir if isinstance(store, SharedResponseStore) else 'in memory'})")
     web.run_app(gateway.app(), host=args.host, port=args.port, print=None, access_log=None,
                 shutdown_timeout=args.drain_timeout, handler_cancellation=True)
     return 0

@@ -112,7 +112,7 @@ class Gateway:
         (`store`, the default, where the gateway keeps responses) for previous_response_id to continue."""
         body = responses.checked(await self._body(request))
         previous = body.get("previous_response_id")
-        history = self._conversation(previous) if previous is not None else []
+        history = await self._conversation(previous) if previous is not None else []
         keep = self.store.enabled and body.get("store") is not False
         try:
             gen = await self._response_chat(body, history)
@@ -134,7 +134,7 @@ class Gateway:
                     gen, body, responses.status_of(reason),
                     responses.output_items(text, calls, thinking, logprobs and logprobs["content"]),
                     self._response_usage(gen, merged), protocol.combined_stats([merged.stats]), keep)
-                self._keep(keep, answer, body)
+                await self._keep(keep, answer, body)
                 return web.json_response(answer)
         except ApiError as exc:
             raise responses.renamed(protocol.chat_error(exc)) from None
@@ -185,38 +185,46 @@ class Gateway:
                                             f"{self.max_model_len} (truncation: auto drops earlier turns only)")
         return best
 
-    def _conversation(self, previous: str) -> list[dict]:
+    async def _in_store(self, call: Callable, *args):
+        """A call of the store: off the event loop for a store on a file system, whose calls wait on it."""
+        return await asyncio.to_thread(call, *args) if self.store.blocking else call(*args)
+
+    async def _conversation(self, previous: str) -> list[dict]:
         """The stored conversation a request continues (ApiError naming previous_response_id)."""
         if not self.store.enabled:
             raise protocol.invalid("previous_response_id", "responses are not stored by this server (its "
                                    "--responses-store-mb is 0): send the whole conversation in input")
         try:
-            return self.store.conversation(previous)
+            return await self._in_store(self.store.conversation, previous)
         except NotStored as exc:
             what = "" if exc.missing == previous else f": an earlier response of its conversation ({exc.missing})"
             raise protocol.invalid("previous_response_id", f"response {previous!r} is not stored here{what} (never "
                                    "stored, deleted, or let go to keep within the server's store)") from None
 
-    def _keep(self, keep: bool, answer: dict, body: dict) -> None:
+    async def _keep(self, keep: bool, answer: dict, body: dict) -> None:
         if keep:
-            self.store.put(answer, responses.input_messages(body) + responses.output_messages(answer["output"]),
-                           body.get("previous_response_id"), responses.input_items(body))
+            await self._in_store(self.store.put, answer, responses.input_messages(body)
+                                 + responses.output_messages(answer["output"]), body.get("previous_response_id"),
+                                 responses.input_items(body))
 
-    def _stored(self, request: web.Request) -> str:
+    async def _stored(self, request: web.Request, call: Callable):
+        """(the id asked for, the store's answer for it); 404 when it is not held."""
         response_id = request.match_info["id"]
-        if response_id not in self.store:  # asked without reading it: a stored turn is parsed where it is used
+        try:
+            return response_id, await self._in_store(call, response_id)
+        except NotStored:
             raise ApiError(404, f"No response found with id {response_id!r} (never stored, deleted, or let go to "
-                                "keep within the server's store)", "id", "not_found")
-        return response_id
+                                "keep within the server's store)", "id", "not_found") from None
 
     async def stored_response(self, request: web.Request) -> web.Response:
         """GET /v1/responses/{id}: a stored response as it was answered (404 when not held)."""
-        return web.json_response(self.store.get(self._stored(request)))
+        _, response = await self._stored(request, self.store.get)
+        return web.json_response(response)
 
     async def stored_input_items(self, request: web.Request) -> web.Response:
         """GET /v1/responses/{id}/input_items: a stored response's request's input items, as OpenAI pages them
         (`limit` 1-100, default 20; `order` desc (the default) or asc; `after` an item's id)."""
-        items = self.store.input_items(self._stored(request))
+        _, items = await self._stored(request, self.store.input_items)
         query = request.query
         order = query.get("order", "desc")
         if order not in ("asc", "desc"):
@@ -240,8 +248,11 @@ class Gateway:
     async def delete_response(self, request: web.Request) -> web.Response:
         """DELETE /v1/responses/{id}: forget a stored response (404 when not held). A response that continued
         it can no longer be continued, as its conversation is incomplete."""
-        response_id = self._stored(request)
-        self.store.delete(response_id)
+        def delete(response_id: str) -> None:
+            if not self.store.delete(response_id):
+                raise NotStored(response_id)
+
+        response_id, _ = await self._stored(request, delete)
         return web.json_response({"id": response_id, "object": "response", "deleted": True})
 
     @staticmethod
@@ -345,7 +356,7 @@ class Gateway:
             status = responses.status_of(reason)
             answer = responses.response_object(gen, body, status, output, self._response_usage(gen, merged),
                                                protocol.combined_stats([merged.stats]), keep)
-            self._keep(keep, answer, body)
+            await self._keep(keep, answer, body)
             await send("response.completed" if status == "completed" else "response.incomplete", response=answer)
         except ApiError as exc:  # after the stream began: an error event
             error = responses.renamed(exc)

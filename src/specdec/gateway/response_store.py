@@ -1,6 +1,8 @@
 """The Responses API's stored responses: what `store` keeps, `previous_response_id` continues and
-`GET`/`DELETE /v1/responses/{id}` read and remove. Held in the gateway's memory (a restart forgets them), within
-a byte budget, least recently used out first. Pure. docs/openai.md.
+`GET`/`DELETE /v1/responses/{id}` read and remove, within a byte budget, least recently used out first. Two
+stores answer the same calls: ResponseStore holds them in the gateway's memory (a restart forgets them, each
+replica has its own); SharedResponseStore in a directory that every replica mounts (a ReadWriteMany volume), so
+that any replica continues a conversation another began, and a restart forgets nothing. docs/openai.md.
 
 Each response keeps only its own turn (its input's messages and its output's) and the id of the response it
 continued: a conversation is its chain, read back oldest first, so a long conversation costs its text once, not
@@ -11,8 +13,13 @@ bytes, so what the budget counts is what it takes (Python's dicts of the same wo
 from __future__ import annotations
 
 import json
+import os
+import re
+import time
+import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
+from pathlib import Path
 
 MIB = 1 << 20
 # What the stored responses may take of the gateway's memory by default (`--responses-store-mb`): thousands of
@@ -40,7 +47,14 @@ class _Turn:
         return json.loads(self.blob)[key]
 
 
+def _blob(response: dict, messages: list[dict], items: list[dict] | None, **more) -> bytes:
+    return json.dumps({"response": response, "messages": messages, "items": items or [], **more},
+                      separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+
+
 class ResponseStore:
+    blocking = False  # its calls take microseconds: made on the event loop
+
     def __init__(self, max_bytes: int):
         """max_bytes: what the stored responses may take, their JSON counted (0: nothing is stored)."""
         self.max_bytes = max_bytes
@@ -61,8 +75,7 @@ class ResponseStore:
         """Keep a finished response (its object, the messages its turn adds, the response it continued, its
         input items); the least recently used go until it fits. False: not kept (the store is off, or it alone
         is over the budget)."""
-        blob = json.dumps({"response": response, "messages": messages, "items": items or []},
-                          separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+        blob = _blob(response, messages, items)
         if len(blob) > self.max_bytes:
             return False
         self.delete(response["id"])
@@ -103,3 +116,115 @@ class ResponseStore:
             raise NotStored(response_id)
         self._turns.move_to_end(response_id)
         return turn
+
+
+# A response id as this API makes them (resp_ and hex) or a client may ask for: a file name, never a path
+_ID = re.compile(r"[A-Za-z0-9_-]{1,200}")
+# Scanned, the directory is trimmed to this share of its budget: the next scan is due after that much is added
+LOW_WATER = 0.9
+# A half-written file older than this is a writer's that died: removed at the next scan
+STALE_S = 3600.0
+
+
+class SharedResponseStore:
+    """Stored responses as files in a directory several gateway processes share: one file per response
+    (`<id>.json`: its turn, as ResponseStore keeps it, and the id it continued), written whole under a
+    temporary name and renamed into place (a reader never sees half of one, a rename being atomic on POSIX
+    and NFS file systems). A file's modification time is its last use (reading or continuing it sets it), and
+    the budget holds for the directory: a process that has added enough since it last looked lists the
+    directory and removes the least recently used files down to LOW_WATER of the budget. With R processes
+    sharing it the directory may overshoot by up to R x (1 - LOW_WATER) of the budget between their scans."""
+
+    blocking = True  # file system calls (a network file system's round trips): made off the event loop
+
+    def __init__(self, directory: str | Path, max_bytes: int):
+        self.directory, self.max_bytes = Path(directory), max_bytes
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.bytes = self._trim()  # as last scanned, plus what this process added since
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_bytes > 0
+
+    def __len__(self) -> int:
+        return sum(1 for entry in os.scandir(self.directory) if entry.name.endswith(".json"))
+
+    def __contains__(self, response_id: str) -> bool:
+        return _ID.fullmatch(response_id) is not None and self._path(response_id).is_file()
+
+    def put(self, response: dict, messages: list[dict], previous: str | None, items: list[dict] | None = None) -> bool:
+        """As ResponseStore.put; the file replaces one of the same id."""
+        blob = _blob(response, messages, items, previous=previous)
+        if len(blob) > self.max_bytes or _ID.fullmatch(response["id"]) is None:
+            return False
+        staged = self.directory / f".{response['id']}.{uuid.uuid4().hex}.tmp"
+        staged.write_bytes(blob)
+        os.replace(staged, self._path(response["id"]))
+        self.bytes += len(blob)
+        if self.bytes > self.max_bytes:
+            self.bytes = self._trim()
+        return True
+
+    def get(self, response_id: str) -> dict:
+        return self._read(response_id)["response"]
+
+    def input_items(self, response_id: str) -> list[dict]:
+        return self._read(response_id)["items"]
+
+    def delete(self, response_id: str) -> bool:
+        if _ID.fullmatch(response_id) is None:
+            return False
+        try:
+            self._path(response_id).unlink()
+        except FileNotFoundError:
+            return False
+        return True
+
+    def conversation(self, response_id: str) -> list[dict]:
+        """As ResponseStore.conversation (each file of the chain marked used)."""
+        chain, current = [], response_id
+        while current is not None:
+            turn = self._read(current)
+            chain.append(turn["messages"])
+            current = turn["previous"]
+        return [message for messages in reversed(chain) for message in messages]
+
+    def _path(self, response_id: str) -> Path:
+        return self.directory / f"{response_id}.json"
+
+    def _read(self, response_id: str) -> dict:
+        if _ID.fullmatch(response_id) is None:
+            raise NotStored(response_id)
+        path = self._path(response_id)
+        try:
+            turn = json.loads(path.read_bytes())
+            os.utime(path)  # used now: the last to go
+        except FileNotFoundError:  # never stored, deleted, or let go (by any process)
+            raise NotStored(response_id) from None
+        return turn
+
+    def _trim(self) -> int:
+        """List the directory, remove the least recently used files down to LOW_WATER of the budget (and
+        writers' stale leftovers); what remains, in bytes."""
+        files, now = [], time.time()
+        for entry in os.scandir(self.directory):
+            try:
+                stat = entry.stat()
+                if entry.name.endswith(".tmp"):
+                    if now - stat.st_mtime > STALE_S:
+                        os.unlink(entry.path)
+                elif entry.name.endswith(".json"):
+                    files.append((stat.st_mtime, stat.st_size, entry.path))
+            except FileNotFoundError:  # another process removed it meanwhile
+                continue
+        total = sum(size for _, size, _ in files)
+        if total > self.max_bytes:
+            for _, size, path in sorted(files):
+                if total <= LOW_WATER * self.max_bytes:
+                    break
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
+                total -= size
+        return total

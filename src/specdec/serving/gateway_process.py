@@ -48,7 +48,7 @@ class GatewayProcess:
     def __init__(self, port: int, grpc_port: int, names: list[str], tokenizer: str, drain_timeout_s: float,
                  env: dict[str, str], tool_call_parser: str | None = None, max_model_len: int = 0,
                  reasoning_parser: str | None = None, responses_store_mb: float | None = None,
-                 default_max_tokens: int = 0):
+                 default_max_tokens: int = 0, responses_store_dir: str | None = None):
         self.port = port
         self.command = [sys.executable, "-m", "specdec.gateway", "--port", str(port),
                         "--grpc-url", f"127.0.0.1:{grpc_port}", "--drain-timeout", str(drain_timeout_s),
@@ -65,6 +65,8 @@ class GatewayProcess:
             self.command += ["--reasoning-parser", reasoning_parser]
         if responses_store_mb is not None:
             self.command += ["--responses-store-mb", f"{responses_store_mb:g}"]
+        if responses_store_dir:
+            self.command += ["--responses-store-dir", responses_store_dir]
         self.env, self.drain_timeout_s = env, drain_timeout_s
         self.process: subprocess.Popen | None = None
         self.restarts = 0

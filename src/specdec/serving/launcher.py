@@ -402,8 +402,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--responses-store-mb", type=float, default=None,
                         help="memory the OpenAI API keeps the Responses API's stored responses in (which "
                              "previous_response_id continues; least recently used out first; 0: none stored; "
-                             f"default {RESPONSES_STORE_MB:g}). Each replica keeps its own: route a conversation's "
-                             "requests to one replica")
+                             f"default {RESPONSES_STORE_MB:g}). Each replica keeps its own, unless "
+                             "--responses-store-dir")
+    parser.add_argument("--responses-store-dir", default=None,
+                        help="keep the Responses API's stored responses as files in this directory (within "
+                             "--responses-store-mb): replicas that mount the same one (a ReadWriteMany volume) "
+                             "continue each other's conversations, and a restart forgets none")
     parser.add_argument("--model-repository", help="serve this already rendered repository as is")
     parser.add_argument("--triton-root", default=os.environ.get("TRITON_ROOT"),
                         help="an installed Triton (e.g. /opt/tritonserver) instead of the wheel's server")
@@ -489,7 +493,8 @@ def main(argv: list[str] | None = None) -> int:
         context, default_max_tokens = repository_limits(repo)
         gateway = GatewayProcess(openai_port(), grpc_port, args.served_model_name or [default_model_name(tokenizer)],
                                  tokenizer, args.drain_timeout, dict(os.environ), args.tool_call_parser,
-                                 context, args.reasoning_parser, args.responses_store_mb, default_max_tokens)
+                                 context, args.reasoning_parser, args.responses_store_mb, default_max_tokens,
+                                 args.responses_store_dir)
     watchdog = None
     if args.heal:
         # Reloading one model in place needs explicit model control; without it the watchdog heals by
