@@ -10,5 +10,6 @@
   mixed_load         8 streams of mixed kinds against a running server
   readme_examples    rewrites the README's real-output examples from a running server
   beside             plain streams beside a load, and the gaps between their responses
+  stream_interval    a whole answer sent at the end, a response per round, or at an interval: the cost
   report             what every script shares: the machine's description, tables, result pages
 """

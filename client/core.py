@@ -74,6 +74,9 @@ class GenerationParams:
     guide: str | None = None
     reasoning_parser: str | None = None  # deepseek_r1 | qwen3: the guide holds after a reasoning model's thinking
     priority: int | None = None  # while the server is full, a lower value is admitted first (0 by default)
+    # streamed: at most one response per this many milliseconds, the rounds between sent together (None or 0:
+    # one per round); what an answer gathered whole but still cancellable asks (docs/api.md, Cancellation)
+    stream_interval_ms: int | None = None
 
     def tensors(self, prompt: str, stream: bool) -> dict[str, np.ndarray]:
         """Input tensors (batch of one) by name."""
@@ -105,6 +108,9 @@ class GenerationParams:
                            (tn.REASONING_PARSER, self.reasoning_parser)):
             if text is not None:
                 arrays[name] = np.array([[text.encode("utf-8")]], dtype=np.object_)
+        if self.stream_interval_ms is not None:  # a setting of the sampling_parameters JSON (no input of its own)
+            settings = json.dumps({"stream_interval_ms": self.stream_interval_ms})
+            arrays[tn.SAMPLING_PARAMETERS] = np.array([[settings.encode("utf-8")]], dtype=np.object_)
         return arrays
 
     def json(self, prompt: str, stream: bool) -> dict:
@@ -113,7 +119,8 @@ class GenerationParams:
         for name in ("max_tokens", "num_draft_tokens", "temperature", "top_k", "top_p", "min_p", "seed",
                      "repetition_penalty", "presence_penalty", "frequency_penalty", "end_id", "draft_model",
                      "apply_chat_template", "adaptive_draft", "num_draft_branches", "min_length", "ignore_eos",
-                     "return_log_probs", "num_top_log_probs", "return_prompt_log_probs", "priority"):
+                     "return_log_probs", "num_top_log_probs", "return_prompt_log_probs", "priority",
+                     "stream_interval_ms"):
             value = getattr(self, name)
             if value is not None:
                 body[name] = value

@@ -25,12 +25,24 @@ def test_chat_maps_settings_onto_sampling_parameters_and_inputs():
                       "num_draft_branches": 1}, SERVED)
     assert gen.model == "alias" and gen.chat and not gen.stream
     assert sampling(gen) == {"temperature": 1.0, "top_p": 0.5, "seed": 3, "stop": "x", "presence_penalty": 0.1,
-                             "top_k": -1, "max_tokens": 9, "logit_bias": {"7": -100}}
+                             "top_k": -1, "max_tokens": 9, "logit_bias": {"7": -100},
+                             "stream_interval_ms": protocol.WHOLE_ANSWER_STREAM_INTERVAL_MS}
     assert gen.choices[0][tn.NUM_DRAFT_TOKENS].dtype == np.int32 and gen.choices[0][tn.NUM_DRAFT_TOKENS][0, 0] == 5
     assert gen.choices[0][tn.DRAFT_MODEL][0, 0] == b"ngram" and gen.choices[0][tn.ADAPTIVE_DRAFT][0, 0] == np.False_
     assert gen.choices[0][tn.NUM_DRAFT_BRANCHES].dtype == np.int32 and gen.choices[0][tn.NUM_DRAFT_BRANCHES][0, 0] == 1
     assert json.loads(gen.choices[0][tn.MESSAGES][0, 0]) == CHAT and tn.TEXT_INPUT not in gen.choices[0]
     assert gen.response_id.startswith("chatcmpl-")
+
+
+def test_every_answer_is_streamed_by_the_server_a_whole_one_at_an_interval():
+    """What makes a cancel reach the generation (through the ensemble only a streamed response carries it):
+    an answer asked whole is streamed too, a response at most every WHOLE_ANSWER_STREAM_INTERVAL_MS; a
+    streamed one every round."""
+    for parse, body in ((parse_chat, {"messages": CHAT}), (parse_completion, {"prompt": "hi", "n": 2})):
+        whole, streamed = parse({"model": "m", **body}, SERVED), parse({"model": "m", "stream": True, **body}, SERVED)
+        assert all(c[tn.STREAM][0, 0] for c in whole.choices + streamed.choices) and not whole.stream
+        assert {sampling(whole, i)["stream_interval_ms"] for i in range(len(whole.choices))} == {100}
+        assert all("stream_interval_ms" not in sampling(streamed, i) for i in range(len(streamed.choices)))
 
 
 def test_priority_is_the_ensembles_priority_input():
@@ -207,8 +219,7 @@ def test_choices_are_one_generation_each_in_openai_order():
     assert [c[tn.TEXT_INPUT][0, 0] for c in gen.choices] == [b"p0"] * 3 + [b"p1"] * 3
     assert [sampling(gen, i)["seed"] for i in range(6)] == [7, 8, 9, 7, 8, 9]
     assert all(sampling(gen, i)["temperature"] == 0.5 for i in range(6))
-    assert parse_completion({"prompt": "p", "seed": 2**64 - 1, "n": 2}, SERVED).choices[1][tn.SAMPLING_PARAMETERS][0, 0] \
-        == json.dumps({"seed": 0, "temperature": 1.0}).encode()
+    assert sampling(parse_completion({"prompt": "p", "seed": 2**64 - 1, "n": 2}, SERVED), 1)["seed"] == 0
     chat = parse_chat({"messages": CHAT, "n": 2}, SERVED)
     assert len(chat.choices) == 2 and all("seed" not in sampling(chat, i) for i in range(2))
     assert chat.choices[0][tn.MESSAGES][0, 0] == chat.choices[1][tn.MESSAGES][0, 0]

@@ -251,6 +251,8 @@ def test_vllm_sampling_parameters_stand_for_their_inputs():
     (_vllm({"logprobs": 21})[tn.SAMPLING_PARAMETERS], r"key 'logprobs' must be within \[0, 20\], got 21"),
     (_vllm({"logprobs": -1})[tn.SAMPLING_PARAMETERS], r"key 'logprobs' must be within \[0, 20\]"),
     (_vllm({"logprobs": "many"})[tn.SAMPLING_PARAMETERS], "key 'logprobs' must be an integer"),
+    (_vllm({"stream_interval_ms": -1})[tn.SAMPLING_PARAMETERS], r"key 'stream_interval_ms' must be within \[0, 60000\]"),
+    (_vllm({"stream_interval_ms": 0.5})[tn.SAMPLING_PARAMETERS], "key 'stream_interval_ms' must be an integer"),
     (_vllm({"prompt_logprobs": 1})[tn.SAMPLING_PARAMETERS], "key 'prompt_logprobs' is not supported"),
     # numbers the inputs cannot hold: numpy would raise on them after the request was accepted
     (_vllm({"min_tokens": 1e308})[tn.SAMPLING_PARAMETERS], r"key 'min_tokens' must be within \[-2147483648"),
@@ -279,6 +281,11 @@ def test_vllm_text_settings_are_read_and_neutral_ones_accepted():
     assert parsed.stop_words == ("END",) and not parsed.include_stop
     assert parse(**_vllm({"stop": "END", "include_stop_str_in_output": "true"})).include_stop
     assert not parse(**_vllm({"include_stop_str_in_output": False})).include_stop
+
+
+def test_stream_interval_ms_spaces_a_streamed_requests_responses():
+    assert parse(**_vllm({"stream_interval_ms": 250})).stream_interval_s == 0.25
+    assert parse().stream_interval_s == 0.0
 
 
 def test_vllm_truncate_prompt_tokens_keeps_the_prompts_last_tokens():

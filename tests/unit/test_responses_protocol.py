@@ -70,7 +70,9 @@ def test_text_formats_become_structured_output():
     ({"input": "x", "reasoning": {"summary": "auto"}}, "reasoning.summary"), ({"input": "x", "reasoning": "high"}, "reasoning"),
     ({"input": "x", "reasoning_effort": "high"}, "reasoning_effort"), ({"input": "x", "messages": []}, "messages"),
     ({"input": "x", "text": {"format": {"type": "json_schema"}}}, "text.format.schema"),
-    ({"input": "x", "instructions": 3}, "instructions"), ({"input": "x", "truncation": "middle"}, "truncation")])
+    ({"input": "x", "instructions": 3}, "instructions"), ({"input": "x", "truncation": "middle"}, "truncation"),
+    ({"input": "x", "background": "yes"}, "background"), ({"input": "x", "background": True, "store": False}, "background"),
+    ({"input": "x", "background": True, "stream": True}, "background"), ({"input": "x", "max_tool_calls": 3}, "max_tool_calls")])
 def test_refusals_name_the_responses_field(body, param):
     with pytest.raises(ApiError) as caught:
         chat_body(body)
@@ -305,6 +307,24 @@ def test_a_shared_store_lets_the_least_recently_used_go_whichever_process_used_i
     SharedResponseStore(directory, 10 * one)
     assert not stale.exists() and fresh.exists()
     assert not a.put({"id": "resp_big", "output": ["x" * 11 * one]}, [], None)  # alone over the budget
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_held_response_is_replaced_as_a_background_response_progresses(tmp_path, shared):
+    """replace(): a held response's object anew (its status), its turn's messages when given (its answer's),
+    its continued-from id and input items kept; a response not held (deleted meanwhile) is not kept again."""
+    store = SharedResponseStore(tmp_path, 1 << 20) if shared else ResponseStore(1 << 20)
+    store.put(*_turn("resp_a", "one"))
+    store.put({"id": "resp_b", "status": "queued"}, [{"role": "user", "content": "two"}], "resp_a", [{"id": "msg_2"}])
+    assert store.replace({"id": "resp_b", "status": "in_progress"})
+    assert store.get("resp_b")["status"] == "in_progress"
+    assert [m["content"] for m in store.conversation("resp_b")] == ["one", "ONE", "two"]
+    assert store.replace({"id": "resp_b", "status": "completed"}, [{"role": "user", "content": "two"},
+                                                                   {"role": "assistant", "content": "TWO"}])
+    assert [m["content"] for m in store.conversation("resp_b")] == ["one", "ONE", "two", "TWO"]
+    assert store.input_items("resp_b") == [{"id": "msg_2"}] and store.get("resp_b")["status"] == "completed"
+    store.delete("resp_b")
+    assert not store.replace({"id": "resp_b", "status": "cancelled"}) and "resp_b" not in store
 
 
 # An agent's conversation: a system message, then turns (a user message and what follows it up to the next)

@@ -4,7 +4,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from specdec.serving.pairs import smollm2_tokenizer_dir
-from specdec.decoding.text import REPLACEMENT_CHAR, TextEmitter, decode, decode_delta, with_prompt
+from specdec.decoding.text import REPLACEMENT_CHAR, TextEmitter, decode, decode_delta, joined, with_prompt
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +46,34 @@ def test_stream_deltas_concatenate_to_full_text(tokenizer, text, round_size):
     deltas, emitter, stopped = stream(tokenizer, ids, round_size)
     assert "".join(deltas) == decode(tokenizer, ids) == text == emitter.text
     assert not stopped
+
+
+@pytest.mark.parametrize("every", [2, 3, 100])
+@pytest.mark.parametrize("stop,include", [(None, False), ("🎉", False), ("STOP", True), ("fox jumps", False)])
+def test_joined_emissions_decode_as_their_parts_did(tokenizer, every, stop, include):
+    """A streamed response held back and sent with the next (stream_interval_ms): rounds' emissions joined
+    `every` at a time, and the last with whatever is held, decode (as postprocessing decodes a response: its
+    ids after its prefix, cut at its text_length) to the text the emissions sent one by one, stop words cut."""
+    text = "Emoji 🚀🎉 and 中文字符 then a fox jumps over the lazy dog. STOP here and more text after."
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    stop_words = (stop,) if stop else ()
+    expected = "".join(stream(tokenizer, ids, 1, stop_words, include)[0])
+    emitter, held, sent, count = TextEmitter(tokenizer, stop_words, include), None, [], 0
+    for i, token in enumerate(ids):
+        emission = emitter.push([token], final=i == len(ids) - 1)
+        last = i == len(ids) - 1 or (emission is not None and emission.stopped)
+        if emission is None and not last:
+            continue
+        held, count = joined(held, emission), count + 1
+        if (count % every == 0 or last) and held is not None:
+            delta = decode_delta(tokenizer, held.prefix_ids, held.ids)
+            sent.append(delta if held.text_length < 0 else delta[:held.text_length])
+            assert sent[-1] == held.text and held.stopped == (emission is not None and emission.stopped)
+            held = None
+        if last:
+            break
+    assert "".join(sent) == expected == emitter.text and len(sent) <= -(-len(ids) // every) + 1
+    assert joined(None, None) is None
 
 
 def test_multibyte_character_is_held_back(tokenizer):

@@ -126,6 +126,16 @@ class Emission:
     stopped: bool  # a stop word was found: generation ends here
 
 
+def joined(first: Emission | None, then: Emission | None) -> Emission | None:
+    """Two consecutive emissions as one response sends them (a streamed response held back to be sent with
+    the next): the tokens of both after the first's context, the text of both, cut where the second is cut
+    (an emission before the last is never cut: a cut ends the generation)."""
+    if first is None or then is None:
+        return first or then
+    length = -1 if then.text_length < 0 else len(first.text) + then.text_length
+    return Emission(first.ids + then.ids, first.prefix_ids, first.text + then.text, length, then.stopped)
+
+
 class TextEmitter:
     """Decides which generated tokens may be sent, and where a stop word ends the text.
 

@@ -77,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     store = SharedResponseStore(args.responses_store_dir, budget) if args.responses_store_dir and budget \
         else ResponseStore(budget)
     gateway = Gateway(Upstream(args.grpc_url), tuple(args.served_model_name), tokenizer, args.api_key or None,
-                      args.tool_call_parser, args.max_model_len, args.reasoning_parser, store, args.default_max_tokens)
+                      args.tool_call_parser, args.max_model_len, args.reasoning_parser, store, args.default_max_tokens,
+                      args.drain_timeout)
     log(f"OpenAI API: http://{args.host}:{args.port}/v1 (models {', '.join(args.served_model_name)}; "
         f"server {args.grpc_url}; API key {'required' if args.api_key else 'not required'}; stored responses "
         f"{'in ' + args.responses_store_dir if isinstance(store, SharedResponseStore) else 'in memory'})")

@@ -29,6 +29,7 @@ from specdec.gateway.upstream import Piece, Upstream
 
 TokenText = Callable[[int], str]  # a token id's text (for log-probabilities)
 API_PREFIX = "/v1/"
+BACKGROUND_WATCH_S = 0.5  # how often a background response's generator looks for a cancel from another replica
 TOKENIZER_PATHS = frozenset({"/tokenize", "/detokenize", "/tokenizer_info"})  # vLLM's, at the root
 HEALTH_PATH = "/health"
 
@@ -40,18 +41,22 @@ def error_response(error: ApiError) -> web.Response:
 class Gateway:
     def __init__(self, upstream: Upstream, served: tuple[str, ...], tokenizer=None, api_key: str | None = None,
                  tool_parser: str | None = None, max_model_len: int = 0, reasoning_parser: str | None = None,
-                 store: ResponseStore | None = None, default_max_tokens: int = 0):
+                 store: ResponseStore | None = None, default_max_tokens: int = 0, drain_timeout_s: float = 60.0):
         """tokenizer: the target's (a transformers tokenizer), for the text of log-probabilities' tokens and of
         echoed token-id prompts, and the tokenizer endpoints; None: tokens show as `token_id:N`, and those
         need it. max_model_len: the server's context in tokens (model cards, /tokenize; 0: not known).
         store: the Responses API's stored responses (None: none are kept). default_max_tokens: what the server
-        generates for a request that does not say (what `truncation: auto` leaves room for; 0: not known)."""
+        generates for a request that does not say (what `truncation: auto` leaves room for; 0: not known).
+        drain_timeout_s: how long a stop waits for background responses to finish (then they fail)."""
         self.upstream, self.served, self.tokenizer, self.api_key = upstream, served, tokenizer, api_key
         self.token_text: TokenText | None = token_text_from(tokenizer) if tokenizer is not None else None
         self.tool_parser = tool_parser  # tools.PARSERS: how the model writes calls (tool_choice "auto")
         self.reasoning_parser = reasoning_parser  # reasoning.PARSERS: a chat's thinking apart (None: not split)
         self.max_model_len, self.default_max_tokens = max_model_len, default_max_tokens
         self.store = store if store is not None else ResponseStore(0)
+        self.drain_timeout_s = drain_timeout_s
+        self._background: dict[str, asyncio.Task] = {}  # the background responses this process generates, by id
+        self._cancelled: set[str] = set()  # of those, the ones a cancel (or a delete) stopped
         self.created = int(time.time())
 
     def app(self) -> web.Application:
@@ -62,12 +67,14 @@ class Gateway:
         app.router.add_get("/v1/responses/{id}", self.stored_response)
         app.router.add_delete("/v1/responses/{id}", self.delete_response)
         app.router.add_get("/v1/responses/{id}/input_items", self.stored_input_items)
+        app.router.add_post("/v1/responses/{id}/cancel", self.cancel_response)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model}", self.model)
         app.router.add_get(HEALTH_PATH, self.health)
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/tokenizer_info", self.tokenizer_info)
+        app.on_shutdown.append(self._finish_background)
         app.on_cleanup.append(lambda _app: self.upstream.close())
         return app
 
@@ -111,11 +118,16 @@ class Gateway:
         """The Responses API: the chat request it stands for, answered as a `response` (responses.py); kept
         (`store`, the default, where the gateway keeps responses) for previous_response_id to continue."""
         body = responses.checked(await self._body(request))
+        if body.get("background") and not self.store.enabled:
+            raise protocol.invalid("background", "needs stored responses, and this server keeps none (its "
+                                                 "--responses-store-mb is 0)")
         previous = body.get("previous_response_id")
         history = await self._conversation(previous) if previous is not None else []
         keep = self.store.enabled and body.get("store") is not False
         try:
             gen = await self._response_chat(body, history)
+            if body.get("background"):
+                return web.json_response(await self._start_background(gen, body))
             async with contextlib.AsyncExitStack() as stack:
                 stream = await stack.enter_async_context(contextlib.aclosing(
                     self.upstream.generate(gen.choices[0], gen.logprobs, gen.top_logprobs > 0)))
@@ -123,21 +135,95 @@ class Gateway:
                 pieces = await stack.enter_async_context(contextlib.aclosing(_merged([stream], firsts)))
                 if gen.stream:
                     return await self._stream_response(request, gen, body, pieces, keep)
-                merged = Piece()
-                async for _, piece in pieces:
-                    merged.add(piece)
-                thinking, text = reasoning.split(merged.text, gen.reasoning) if gen.reasoning else (None, merged.text)
-                text, reason, calls = self._answer_calls(gen, text or "", self._finish_reason(merged))
-                thinking = thinking if gen.include_reasoning else None
-                logprobs = self._logprobs(gen, merged, 0)
-                answer = responses.response_object(
-                    gen, body, responses.status_of(reason),
-                    responses.output_items(text, calls, thinking, logprobs and logprobs["content"]),
-                    self._response_usage(gen, merged), protocol.combined_stats([merged.stats]), keep)
-                await self._keep(keep, answer, body)
-                return web.json_response(answer)
+                answer = await self._whole_response(gen, body, pieces, keep)
+            await self._keep(keep, answer, body)
+            return web.json_response(answer)
         except ApiError as exc:
             raise responses.renamed(protocol.chat_error(exc)) from None
+
+    async def _whole_response(self, gen: Generation, body: dict, pieces, stored: bool) -> dict:
+        """A response's answer, its pieces gathered (not streamed)."""
+        merged = Piece()
+        async for _, piece in pieces:
+            merged.add(piece)
+        thinking, text = reasoning.split(merged.text, gen.reasoning) if gen.reasoning else (None, merged.text)
+        text, reason, calls = self._answer_calls(gen, text or "", self._finish_reason(merged))
+        thinking = thinking if gen.include_reasoning else None
+        logprobs = self._logprobs(gen, merged, 0)
+        return responses.response_object(
+            gen, body, responses.status_of(reason),
+            responses.output_items(text, calls, thinking, logprobs and logprobs["content"]),
+            self._response_usage(gen, merged), protocol.combined_stats([merged.stats]), stored)
+
+    async def _start_background(self, gen: Generation, body: dict) -> dict:
+        """`background: true`: the response is stored queued and answered at once; this process generates it
+        and stores each state (in_progress, then its end) for GET /v1/responses/{id} to read."""
+        queued = responses.response_object(gen, body, "queued", [], stored=True)
+        await self._in_store(self.store.put, queued, responses.input_messages(body), body.get("previous_response_id"),
+                             responses.input_items(body))
+        task = asyncio.create_task(self._run_background(gen, body, queued))
+        self._background[queued["id"]] = task
+        task.add_done_callback(lambda _: self._background.pop(queued["id"], None))
+        return queued
+
+    async def _run_background(self, gen: Generation, body: dict, queued: dict) -> None:
+        """Generate a background response, storing its states: in_progress as it starts, then
+        completed or incomplete (with the messages a continuation reads), failed (`error` says why: the
+        server's refusal, or a stop that did not wait for it) or cancelled. A response deleted meanwhile
+        is not stored again."""
+        response_id = queued["id"]
+        watch = asyncio.create_task(self._watch_background(response_id)) if self.store.shared else None
+        try:
+            await self._in_store(self.store.replace, {**queued, "status": "in_progress"})
+            async with contextlib.AsyncExitStack() as stack:
+                stream = await stack.enter_async_context(contextlib.aclosing(
+                    self.upstream.generate(gen.choices[0], gen.logprobs, gen.top_logprobs > 0)))
+                firsts = await _first_pieces([stream])
+                pieces = await stack.enter_async_context(contextlib.aclosing(_merged([stream], firsts)))
+                answer = await self._whole_response(gen, body, pieces, stored=True)
+            end, messages = answer, responses.input_messages(body) + responses.output_messages(answer["output"])
+        except asyncio.CancelledError:
+            end, messages = ({**queued, "status": "cancelled"} if response_id in self._cancelled else
+                             responses.failed(queued, "server_shutdown", "the server stopped before this response "
+                                                                         "was done")), None
+        except ApiError as exc:
+            error = responses.renamed(protocol.chat_error(exc))
+            end, messages = responses.failed(queued, error.code or error.kind, error.message), None
+        except Exception as exc:  # noqa: BLE001 - whatever broke, the response says so rather than stay in_progress
+            end, messages = responses.failed(queued, "server_error", f"{type(exc).__name__}: {exc}"), None
+        finally:
+            if watch is not None:
+                watch.cancel()
+        self._cancelled.discard(response_id)
+        await self._in_store(self.store.replace, end, messages)
+
+    async def _watch_background(self, response_id: str) -> None:
+        """With a shared store, another process may cancel or delete a background response this one
+        generates: looked for every BACKGROUND_WATCH_S, its generation stopped when seen."""
+        while True:
+            await asyncio.sleep(BACKGROUND_WATCH_S)
+            try:
+                status = (await self._in_store(self.store.get, response_id))["status"]
+            except NotStored:
+                status = "cancelled"
+            if status == "cancelled":
+                self._stop_background(response_id)
+                return
+
+    def _stop_background(self, response_id: str) -> None:
+        task = self._background.get(response_id)
+        if task is not None:
+            self._cancelled.add(response_id)
+            task.cancel()
+
+    async def _finish_background(self, _app) -> None:
+        """At a stop: the background responses in flight get the drain's time to finish, then fail."""
+        tasks = list(self._background.values())
+        if tasks:
+            _, late = await asyncio.wait(tasks, timeout=self.drain_timeout_s)
+            for task in late:
+                task.cancel()
+            await asyncio.gather(*late, return_exceptions=True)
 
     async def _response_chat(self, body: dict, history: list[dict]) -> Generation:
         """The chat request a Responses request stands for; with `truncation: auto`, its conversation's oldest
@@ -195,6 +281,10 @@ class Gateway:
             raise protocol.invalid("previous_response_id", "responses are not stored by this server (its "
                                    "--responses-store-mb is 0): send the whole conversation in input")
         try:
+            status = (await self._in_store(self.store.get, previous))["status"]
+            if status in responses.PENDING:  # a background response not done yet: no answer to continue from
+                raise protocol.invalid("previous_response_id", f"response {previous!r} is still {status} (a "
+                                       "background response): continue it once it is done")
             return await self._in_store(self.store.conversation, previous)
         except NotStored as exc:
             what = "" if exc.missing == previous else f": an earlier response of its conversation ({exc.missing})"
@@ -245,6 +335,21 @@ class Gateway:
         return web.json_response({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
                                   "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit})
 
+    async def cancel_response(self, request: web.Request) -> web.Response:
+        """POST /v1/responses/{id}/cancel: stop a background response (404 when not held; 400 for one not
+        made in the background). One already ended comes back as it is; one in flight on another replica
+        (a shared store) stops there within BACKGROUND_WATCH_S."""
+        response_id, response = await self._stored(request, self.store.get)
+        if not response.get("background"):
+            raise ApiError(400, f"response {response_id!r} was not created with background: true: only those can "
+                                "be cancelled", "id")
+        if response["status"] not in responses.PENDING:
+            return web.json_response(response)
+        cancelled = {**response, "status": "cancelled"}
+        await self._in_store(self.store.replace, cancelled)
+        self._stop_background(response_id)
+        return web.json_response(cancelled)
+
     async def delete_response(self, request: web.Request) -> web.Response:
         """DELETE /v1/responses/{id}: forget a stored response (404 when not held). A response that continued
         it can no longer be continued, as its conversation is incomplete."""
@@ -253,6 +358,7 @@ class Gateway:
                 raise NotStored(response_id)
 
         response_id, _ = await self._stored(request, delete)
+        self._stop_background(response_id)
         return web.json_response({"id": response_id, "object": "response", "deleted": True})
 
     @staticmethod

@@ -188,10 +188,20 @@ def _common(body: dict, chat: bool) -> tuple[dict, dict[str, np.ndarray], dict]:
     return sampling, inputs, {"stream": stream, **settings}
 
 
+# An answer sent whole is streamed by the server too, gathered here, a response at most every this many
+# milliseconds: through the ensemble a client's cancel reaches a running generation only by a streamed
+# response's postprocessing step (docs/api.md, Cancellation), so an answer whose client went away (a timeout)
+# stops within this interval and a round instead of running to max_tokens, while paying that step a few times
+# a second rather than every round.
+WHOLE_ANSWER_STREAM_INTERVAL_MS = 100
+
+
 def _finish(sampling: dict, inputs: dict[str, np.ndarray], stream: bool, logprobs: bool, n: int = 1, top: int = 0
             ) -> list[dict[str, np.ndarray]]:
     """The ensemble's inputs of a prompt's n choices. A seeded request's choice j samples with seed + j:
     reproducible as a whole, and its choices differ from each other (one seed would repeat one answer)."""
+    if not stream:
+        sampling = {**sampling, "stream_interval_ms": WHOLE_ANSWER_STREAM_INTERVAL_MS}
     out = []
     for j in range(n):
         settings = sampling
@@ -200,7 +210,7 @@ def _finish(sampling: dict, inputs: dict[str, np.ndarray], stream: bool, logprob
             settings = {**sampling, "seed": (seed + j) % 2**64}
         choice = dict(inputs)
         choice[tn.SAMPLING_PARAMETERS] = _string(json.dumps(settings))
-        choice[tn.STREAM] = np.array([[stream]], dtype=np.bool_)
+        choice[tn.STREAM] = np.array([[True]], dtype=np.bool_)  # an answer sent whole too: see below
         if logprobs:
             choice[tn.RETURN_LOG_PROBS] = np.array([[True]], dtype=np.bool_)
         if top:

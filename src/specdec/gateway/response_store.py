@@ -54,6 +54,7 @@ def _blob(response: dict, messages: list[dict], items: list[dict] | None, **more
 
 class ResponseStore:
     blocking = False  # its calls take microseconds: made on the event loop
+    shared = False  # this process's alone
 
     def __init__(self, max_bytes: int):
         """max_bytes: what the stored responses may take, their JSON counted (0: nothing is stored)."""
@@ -89,6 +90,15 @@ class ResponseStore:
     def get(self, response_id: str) -> dict:
         """The response object (NotStored if it is not held)."""
         return self._touch(response_id).read("response")
+
+    def replace(self, response: dict, messages: list[dict] | None = None) -> bool:
+        """A held response's object anew (a background response's progress), and the messages its turn adds
+        when given (its answer's, once done); False when it is not held (deleted meanwhile: not kept again)."""
+        turn = self._turns.get(response["id"])
+        if turn is None:
+            return False
+        held = json.loads(turn.blob)
+        return self.put(response, held["messages"] if messages is None else messages, turn.previous, held["items"])
 
     def input_items(self, response_id: str) -> list[dict]:
         """Its request's input items, in the order sent (NotStored if it is not held)."""
@@ -136,6 +146,7 @@ class SharedResponseStore:
     sharing it the directory may overshoot by up to R x (1 - LOW_WATER) of the budget between their scans."""
 
     blocking = True  # file system calls (a network file system's round trips): made off the event loop
+    shared = True  # other processes read, change and delete what this one keeps
 
     def __init__(self, directory: str | Path, max_bytes: int):
         self.directory, self.max_bytes = Path(directory), max_bytes
@@ -167,6 +178,14 @@ class SharedResponseStore:
 
     def get(self, response_id: str) -> dict:
         return self._read(response_id)["response"]
+
+    def replace(self, response: dict, messages: list[dict] | None = None) -> bool:
+        """As ResponseStore.replace."""
+        try:
+            held = self._read(response["id"])
+        except NotStored:
+            return False
+        return self.put(response, held["messages"] if messages is None else messages, held["previous"], held["items"])
 
     def input_items(self, response_id: str) -> list[dict]:
         return self._read(response_id)["items"]

@@ -172,6 +172,13 @@ def checked(body) -> dict:
         raise invalid("previous_response_id", "must be a response's id (a string)")
     if body.get("store") not in (None, True, False):
         raise invalid("store", "must be true or false")
+    if body.get("background") not in (None, True, False):
+        raise invalid("background", "must be true or false")
+    if body.get("background"):
+        if body.get("store") is False:
+            raise invalid("background", "needs store: true (a background response is read back from the store)")
+        if body.get("stream"):
+            raise invalid("background", "with stream: true is not supported here: poll GET /v1/responses/{id}")
     return body
 
 
@@ -206,9 +213,8 @@ def chat_body(body: dict, history: list[dict] | None = None, dropped: int = 0) -
     conversation's messages `truncation: auto` leaves out (one of turn_cuts')."""
     checked(body)
     truncating(body)
-    for name, allowed in (("background", (None, False)), ("max_tool_calls", (None,))):
-        if body.get(name) not in allowed:
-            raise invalid(name, "is not supported here")
+    if body.get("max_tool_calls") is not None:
+        raise invalid("max_tool_calls", "is not supported here")
     include = body.get("include") or []
     if not isinstance(include, list) or any(item not in (LOGPROBS_INCLUDE, ENCRYPTED_REASONING) for item in include):
         raise invalid("include", f"only {LOGPROBS_INCLUDE!r} (and {ENCRYPTED_REASONING!r}: there is none) is "
@@ -294,8 +300,8 @@ def function_call_item(call: dict) -> dict:
 
 def response_object(gen: Generation, body: dict, status: str, output: list[dict], usage: dict | None = None,
                     stats: dict | None = None, stored: bool = False) -> dict:
-    """The `response` object (status in_progress, completed or incomplete), echoing the request's settings;
-    stored: whether it is kept (for previous_response_id and GET /v1/responses/{id})."""
+    """The `response` object (status queued, in_progress, completed, incomplete, failed or cancelled), echoing
+    the request's settings; stored: whether it is kept (for previous_response_id and GET /v1/responses/{id})."""
     fmt = (body.get("text") or {}).get("format") or {"type": "text"}
     out = {"id": "resp_" + gen.id, "object": "response", "created_at": gen.created, "status": status,
            "error": None, "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
@@ -307,7 +313,7 @@ def response_object(gen: Generation, body: dict, status: str, output: list[dict]
            "tool_choice": body.get("tool_choice", "auto" if body.get("tools") else "none"),
            "tools": body.get("tools") or [], "top_p": body.get("top_p", 1.0),
            "truncation": "auto" if body.get("truncation") == "auto" else "disabled",
-           "usage": usage, "metadata": body.get("metadata") or {}}
+           "usage": usage, "metadata": body.get("metadata") or {}, "background": bool(body.get("background"))}
     if stats is not None:
         out[STATS_FIELD] = stats
     return out
@@ -317,6 +323,14 @@ def usage(input_tokens: int, output_tokens: int, reasoning_tokens: int = 0) -> d
     return {"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
             "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
             "total_tokens": input_tokens + output_tokens}
+
+
+def failed(response: dict, code: str, message: str) -> dict:
+    """A background response that ended without its answer (`error` says why)."""
+    return {**response, "status": "failed", "error": {"code": code, "message": message}}
+
+
+PENDING = ("queued", "in_progress")  # a background response's states before its end
 
 
 def status_of(finish_reason: str | None) -> str:

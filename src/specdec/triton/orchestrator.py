@@ -28,7 +28,7 @@ from specdec.decoding import lookup_first
 from specdec.decoding.loop import GenerationRequest, RoundOutput, Stats, generate
 from specdec.decoding.ngram_proposer import NgramProposer
 from specdec.decoding.suffix_proposer import SuffixCache, SuffixProposer
-from specdec.decoding.text import Emission, TextEmitter, load_tokenizer, with_prompt
+from specdec.decoding.text import Emission, TextEmitter, joined, load_tokenizer, with_prompt
 from specdec.triton.adapter import TritonAdapter
 from specdec.triton.bls import BlsProposer, BlsScorer, ModelUnavailable
 from specdec.triton.admission.cancellation import CancellationBoard
@@ -431,6 +431,10 @@ class _Responses:
         self.parsed = parsed
         self.in_flight: asyncio.Future | None = None  # the last round's streamed response and check
         self.asked = arrived  # when Triton was last asked whether the caller cancelled
+        # With stream_interval_ms: the rounds' text not yet sent (it goes with the next response) and when a
+        # streamed response last left
+        self.held: Emission | None = None
+        self.streamed_at = arrived
         self.first_sent = False
         self.prompt: RoundOutput | None = None  # with return_prompt_log_probs: the first round, until sent
         # When it arrived, started generating and generated its first and latest tokens (time.monotonic())
@@ -478,7 +482,11 @@ class _Responses:
             finish = finish or (tn.FINISH_CANCELLED if cancelled else None)
         if finish:
             return finish, emission
-        out = self.response(emission, None) if self.stream and emission else None
+        out = None
+        if self.stream and emission:
+            self.held = joined(self.held, emission)
+            if now - self.streamed_at >= self.parsed.stream_interval_s:
+                out, self.held, self.streamed_at = self.response(self.held, None), None, now
         if out is not None or now - self.asked >= CANCEL_POLL_S:
             self.asked = now
             self.in_flight = asyncio.get_running_loop().run_in_executor(
@@ -498,6 +506,8 @@ class _Responses:
             last = self.emitter.push([], final=True)
         if not self.stream:  # one response: everything sent, cut where the emitter cut it
             last = Emission(self.emitter.emitted, [], self.emitter.text, len(self.emitter.text), False)
+        else:  # with what earlier rounds held back
+            last, self.held = joined(self.held, last), None
         await self.settle()  # a round that ended without a finish reason
         # Counted before the final response leaves: a client that reads the metrics after it sees them.
         self.adapter.metrics.record_request(finish, len(self.emitter.emitted), time.monotonic() - self.arrived)

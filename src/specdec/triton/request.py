@@ -27,6 +27,7 @@ from specdec.triton.vllm_parameters import MAX_TOKEN_IDS, with_sampling_paramete
 
 Encode = Callable[[str], "list[int]"]  # text -> token ids, without special tokens (the target's tokenizer)
 CompileGuide = Callable[[str, str], Grammar]  # (guide type, guide) -> its grammar; raises GuideError
+MAX_STREAM_INTERVAL_MS = 60_000  # sampling_parameters' stream_interval_ms: longer holds text back for nothing
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,7 @@ class ParsedRequest:
     echo_prompt: bool = False
     perf_metrics: bool = False  # return_perf_metrics: TensorRT-LLM's timing outputs in every response
     priority: int = 0  # its place among waiting requests when the server is full: lower first (tn.PRIORITY)
+    stream_interval_s: float = 0.0  # streamed: at most one response per this long (0: one per round)
 
     @classmethod
     def parse(cls, lookup: InputLookup, limits: RequestLimits, seq_id: int | None = None,
@@ -188,11 +190,15 @@ class ParsedRequest:
         adaptive = adaptive and (sampling.greedy or seed is None)
         stream = bool(inputs.scalar(tn.STREAM, np.bool_, False))
         echo = not inputs.scalar(tn.EXCLUDE_INPUT_IN_OUTPUT, np.bool_, True) and not stream
+        interval_ms = int(inputs.scalar("stream_interval_ms", np.int32, 0))
+        if not 0 <= interval_ms <= MAX_STREAM_INTERVAL_MS:
+            raise InputError(f"{settings.field('stream_interval_ms')} must be within [0, {MAX_STREAM_INTERVAL_MS}] "
+                             f"(milliseconds), got {interval_ms}")
         return cls(generation, k, adaptive, draft_name, stream, stop_words,
                    bool(inputs.scalar("include_stop_str_in_output", np.bool_, False)), int(branches),
                    vllm_outputs, vllm_logprobs, echo,
                    bool(inputs.scalar(tn.RETURN_PERF_METRICS, np.bool_, False)),
-                   int(inputs.scalar(tn.PRIORITY, np.int32, 0)))
+                   int(inputs.scalar(tn.PRIORITY, np.int32, 0)), interval_ms / 1000.0)
 
 
 def _vllm_logprobs(inputs: Inputs, top: int, field: Callable[[str], str]) -> int | None:

@@ -39,7 +39,10 @@ TOKEN_ID_KEYS = ("logit_bias", "allowed_token_ids", "stop_token_ids")
 # ... and these settings: the stop string kept at the text's end, the prompt cut to its last N tokens
 # (-1: as many as fit before max_tokens in the context), and each generated token's N most likely tokens
 # with its own log-probability and rank (sent as the JSON output `logprobs` with return_logprobs).
-VLLM_KEYS = {"include_stop_str_in_output": np.bool_, "truncate_prompt_tokens": np.int32, "logprobs": np.int32}
+VLLM_KEYS = {"include_stop_str_in_output": np.bool_, "truncate_prompt_tokens": np.int32, "logprobs": np.int32,
+             # this server's own: a streamed request's responses at most one per this many milliseconds (the
+             # rounds between are sent together; 0: one per round)
+             "stream_interval_ms": np.int32}
 # What each integer input holds, and float32's largest finite value
 INT_RANGES = {np.int32: (-2**31, 2**31 - 1), np.int64: (-2**63, 2**63 - 1), np.uint64: (0, 2**64 - 1)}
 FLOAT32_MAX = float(np.finfo(np.float32).max)
