@@ -5,7 +5,9 @@ talking to the ensemble over gRPC; the launcher runs it beside the server (OPENA
   tools      tool calls: the schemas that force them, the parsers that read them, their streaming (pure)
   reasoning  a reasoning model's thinking apart from its answer (`--reasoning-parser`), whole and streamed (pure)
   responses  OpenAI's Responses API on the chat path: the request mapped, the response object, its events (pure)
-  response_store  the Responses API's stored responses (`store`, `previous_response_id`), in memory (pure)
+  response_store  the Responses API's stored responses (`store`, `previous_response_id`): in memory, or in a
+             directory replicas share
+  background  the Responses API's background responses: generated here, their states stored, cancelled
   tokenization  vLLM's tokenizer endpoints: /tokenize, /detokenize, /tokenizer_info (pure)
   upstream   one ensemble gRPC stream per request (tritonclient asyncio), cancelled when the caller leaves
   app        the HTTP endpoints (aiohttp): chat, completions, responses (and stored ones), models, health, the

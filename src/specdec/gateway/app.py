@@ -24,12 +24,12 @@ from specdec import tensor_names as tn
 from specdec.decoding import json_text
 from specdec.gateway import protocol, reasoning, responses, tokenization, tools
 from specdec.gateway.protocol import STATS_FIELD, ApiError, Generation
-from specdec.gateway.response_store import NotStored, ResponseStore
+from specdec.gateway.background import BackgroundResponses
+from specdec.gateway.response_store import NotStored, ResponseStore, in_store
 from specdec.gateway.upstream import Piece, Upstream
 
 TokenText = Callable[[int], str]  # a token id's text (for log-probabilities)
 API_PREFIX = "/v1/"
-BACKGROUND_WATCH_S = 0.5  # how often a background response's generator looks for a cancel from another replica
 TOKENIZER_PATHS = frozenset({"/tokenize", "/detokenize", "/tokenizer_info"})  # vLLM's, at the root
 HEALTH_PATH = "/health"
 
@@ -54,9 +54,7 @@ class Gateway:
         self.reasoning_parser = reasoning_parser  # reasoning.PARSERS: a chat's thinking apart (None: not split)
         self.max_model_len, self.default_max_tokens = max_model_len, default_max_tokens
         self.store = store if store is not None else ResponseStore(0)
-        self.drain_timeout_s = drain_timeout_s
-        self._background: dict[str, asyncio.Task] = {}  # the background responses this process generates, by id
-        self._cancelled: set[str] = set()  # of those, the ones a cancel (or a delete) stopped
+        self.background = BackgroundResponses(self.store, self._whole_answer, drain_timeout_s)
         self.created = int(time.time())
 
     def app(self) -> web.Application:
@@ -74,7 +72,7 @@ class Gateway:
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/tokenizer_info", self.tokenizer_info)
-        app.on_shutdown.append(self._finish_background)
+        app.on_shutdown.append(self.background.finish)
         app.on_cleanup.append(lambda _app: self.upstream.close())
         return app
 
@@ -127,7 +125,7 @@ class Gateway:
         try:
             gen = await self._response_chat(body, history)
             if body.get("background"):
-                return web.json_response(await self._start_background(gen, body))
+                return web.json_response(await self.background.start(gen, body))
             async with contextlib.AsyncExitStack() as stack:
                 stream = await stack.enter_async_context(contextlib.aclosing(
                     self.upstream.generate(gen.choices[0], gen.logprobs, gen.top_logprobs > 0)))
@@ -140,6 +138,15 @@ class Gateway:
             return web.json_response(answer)
         except ApiError as exc:
             raise responses.renamed(protocol.chat_error(exc)) from None
+
+    async def _whole_answer(self, gen: Generation, body: dict) -> dict:
+        """A (background) response generated whole: its stored answer."""
+        async with contextlib.AsyncExitStack() as stack:
+            stream = await stack.enter_async_context(contextlib.aclosing(
+                self.upstream.generate(gen.choices[0], gen.logprobs, gen.top_logprobs > 0)))
+            firsts = await _first_pieces([stream])
+            pieces = await stack.enter_async_context(contextlib.aclosing(_merged([stream], firsts)))
+            return await self._whole_response(gen, body, pieces, stored=True)
 
     async def _whole_response(self, gen: Generation, body: dict, pieces, stored: bool) -> dict:
         """A response's answer, its pieces gathered (not streamed)."""
@@ -154,76 +161,6 @@ class Gateway:
             gen, body, responses.status_of(reason),
             responses.output_items(text, calls, thinking, logprobs and logprobs["content"]),
             self._response_usage(gen, merged), protocol.combined_stats([merged.stats]), stored)
-
-    async def _start_background(self, gen: Generation, body: dict) -> dict:
-        """`background: true`: the response is stored queued and answered at once; this process generates it
-        and stores each state (in_progress, then its end) for GET /v1/responses/{id} to read."""
-        queued = responses.response_object(gen, body, "queued", [], stored=True)
-        await self._in_store(self.store.put, queued, responses.input_messages(body), body.get("previous_response_id"),
-                             responses.input_items(body))
-        task = asyncio.create_task(self._run_background(gen, body, queued))
-        self._background[queued["id"]] = task
-        task.add_done_callback(lambda _: self._background.pop(queued["id"], None))
-        return queued
-
-    async def _run_background(self, gen: Generation, body: dict, queued: dict) -> None:
-        """Generate a background response, storing its states: in_progress as it starts, then
-        completed or incomplete (with the messages a continuation reads), failed (`error` says why: the
-        server's refusal, or a stop that did not wait for it) or cancelled. A response deleted meanwhile
-        is not stored again."""
-        response_id = queued["id"]
-        watch = asyncio.create_task(self._watch_background(response_id)) if self.store.shared else None
-        try:
-            await self._in_store(self.store.replace, {**queued, "status": "in_progress"})
-            async with contextlib.AsyncExitStack() as stack:
-                stream = await stack.enter_async_context(contextlib.aclosing(
-                    self.upstream.generate(gen.choices[0], gen.logprobs, gen.top_logprobs > 0)))
-                firsts = await _first_pieces([stream])
-                pieces = await stack.enter_async_context(contextlib.aclosing(_merged([stream], firsts)))
-                answer = await self._whole_response(gen, body, pieces, stored=True)
-            end, messages = answer, responses.input_messages(body) + responses.output_messages(answer["output"])
-        except asyncio.CancelledError:
-            end, messages = ({**queued, "status": "cancelled"} if response_id in self._cancelled else
-                             responses.failed(queued, "server_shutdown", "the server stopped before this response "
-                                                                         "was done")), None
-        except ApiError as exc:
-            error = responses.renamed(protocol.chat_error(exc))
-            end, messages = responses.failed(queued, error.code or error.kind, error.message), None
-        except Exception as exc:  # noqa: BLE001 - whatever broke, the response says so rather than stay in_progress
-            end, messages = responses.failed(queued, "server_error", f"{type(exc).__name__}: {exc}"), None
-        finally:
-            if watch is not None:
-                watch.cancel()
-        self._cancelled.discard(response_id)
-        await self._in_store(self.store.replace, end, messages)
-
-    async def _watch_background(self, response_id: str) -> None:
-        """With a shared store, another process may cancel or delete a background response this one
-        generates: looked for every BACKGROUND_WATCH_S, its generation stopped when seen."""
-        while True:
-            await asyncio.sleep(BACKGROUND_WATCH_S)
-            try:
-                status = (await self._in_store(self.store.get, response_id))["status"]
-            except NotStored:
-                status = "cancelled"
-            if status == "cancelled":
-                self._stop_background(response_id)
-                return
-
-    def _stop_background(self, response_id: str) -> None:
-        task = self._background.get(response_id)
-        if task is not None:
-            self._cancelled.add(response_id)
-            task.cancel()
-
-    async def _finish_background(self, _app) -> None:
-        """At a stop: the background responses in flight get the drain's time to finish, then fail."""
-        tasks = list(self._background.values())
-        if tasks:
-            _, late = await asyncio.wait(tasks, timeout=self.drain_timeout_s)
-            for task in late:
-                task.cancel()
-            await asyncio.gather(*late, return_exceptions=True)
 
     async def _response_chat(self, body: dict, history: list[dict]) -> Generation:
         """The chat request a Responses request stands for; with `truncation: auto`, its conversation's oldest
@@ -272,8 +209,7 @@ class Gateway:
         return best
 
     async def _in_store(self, call: Callable, *args):
-        """A call of the store: off the event loop for a store on a file system, whose calls wait on it."""
-        return await asyncio.to_thread(call, *args) if self.store.blocking else call(*args)
+        return await in_store(self.store, call, *args)
 
     async def _conversation(self, previous: str) -> list[dict]:
         """The stored conversation a request continues (ApiError naming previous_response_id)."""
@@ -338,17 +274,12 @@ class Gateway:
     async def cancel_response(self, request: web.Request) -> web.Response:
         """POST /v1/responses/{id}/cancel: stop a background response (404 when not held; 400 for one not
         made in the background). One already ended comes back as it is; one in flight on another replica
-        (a shared store) stops there within BACKGROUND_WATCH_S."""
+        (a shared store) stops there within background.WATCH_S."""
         response_id, response = await self._stored(request, self.store.get)
         if not response.get("background"):
             raise ApiError(400, f"response {response_id!r} was not created with background: true: only those can "
                                 "be cancelled", "id")
-        if response["status"] not in responses.PENDING:
-            return web.json_response(response)
-        cancelled = {**response, "status": "cancelled"}
-        await self._in_store(self.store.replace, cancelled)
-        self._stop_background(response_id)
-        return web.json_response(cancelled)
+        return web.json_response(await self.background.cancel(response))
 
     async def delete_response(self, request: web.Request) -> web.Response:
         """DELETE /v1/responses/{id}: forget a stored response (404 when not held). A response that continued
@@ -358,7 +289,7 @@ class Gateway:
                 raise NotStored(response_id)
 
         response_id, _ = await self._stored(request, delete)
-        self._stop_background(response_id)
+        self.background.stop(response_id)
         return web.json_response({"id": response_id, "object": "response", "deleted": True})
 
     @staticmethod

@@ -12,6 +12,7 @@ bytes, so what the budget counts is what it takes (Python's dicts of the same wo
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -20,11 +21,17 @@ import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 MIB = 1 << 20
 # What the stored responses may take of the gateway's memory by default (`--responses-store-mb`): thousands of
 # conversations' text, as a stored response is its own turn's text, not its conversation's
 DEFAULT_MB = 256
+
+
+async def in_store(store, call: Callable, *args):
+    """A call of a store's from the event loop: off it for a store on a file system, whose calls wait on it."""
+    return await asyncio.to_thread(call, *args) if store.blocking else call(*args)
 
 
 class NotStored(KeyError):
