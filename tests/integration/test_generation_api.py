@@ -41,7 +41,7 @@ def test_grpc_stream_deltas_equal_non_streamed_text(server, k):
 
 def test_a_stream_interval_spaces_the_responses_and_keeps_the_text(server):
     """sampling_parameters' stream_interval_ms: the rounds between two responses go together in the next,
-    so fewer responses carry the same text (a stop word's cut included), none of them a broken character."""
+    so fewer responses carry the same text (a stop word's cut included), none of them cut inside a character."""
     prompt = PROMPTS[3]
     every = grpc_stream(server.grpc_url, prompt, max_tokens=60, num_draft_tokens=2, stream=True, end_id=0)
     text = every[tn.TEXT_OUTPUT]
@@ -55,7 +55,8 @@ def test_a_stream_interval_spaces_the_responses_and_keeps_the_text(server):
         assert spaced[tn.FINISH_REASON] == one_by_one[tn.FINISH_REASON]
         assert spaced[tn.NUM_OUTPUT_TOKENS] == one_by_one[tn.NUM_OUTPUT_TOKENS]
         assert 1 <= len([c for c in spaced["chunks"] if c]) < len([c for c in one_by_one["chunks"] if c]) / 2
-        assert all("\ufffd" not in chunk for chunk in spaced["chunks"][:-1])  # the last may flush a broken one
+        # no response but the last ends in a broken character (the model's own invalid bytes may sit inside)
+        assert not any(chunk.endswith("\ufffd") for chunk in spaced["chunks"][:-1])
 
 
 def test_http_generate_stream_sse_equals_generate(server):
