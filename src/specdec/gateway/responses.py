@@ -300,7 +300,7 @@ def function_call_item(call: dict) -> dict:
 
 def response_object(gen: Generation, body: dict, status: str, output: list[dict], usage: dict | None = None,
                     stats: dict | None = None, stored: bool = False) -> dict:
-    """The `response` object (status queued, in_progress, completed, incomplete, failed or cancelled), echoing
+    """The `response` object (status in_progress, completed, incomplete, failed or cancelled), echoing
     the request's settings; stored: whether it is kept (for previous_response_id and GET /v1/responses/{id})."""
     fmt = (body.get("text") or {}).get("format") or {"type": "text"}
     out = {"id": "resp_" + gen.id, "object": "response", "created_at": gen.created, "status": status,
