@@ -126,11 +126,7 @@ class Gateway:
             gen = await self._response_chat(body, history)
             if body.get("background"):
                 return web.json_response(await self.background.start(gen, body))
-            async with contextlib.AsyncExitStack() as stack:
-                stream = await stack.enter_async_context(contextlib.aclosing(
-                    self.upstream.generate(gen.choices[0], gen.logprobs, gen.top_logprobs > 0)))
-                firsts = await _first_pieces([stream])  # errors before the first token are plain HTTP errors
-                pieces = await stack.enter_async_context(contextlib.aclosing(_merged([stream], firsts)))
+            async with self._pieces(gen) as pieces:  # errors before the first token are plain HTTP errors
                 if gen.stream:
                     return await self._stream_response(request, gen, body, pieces, keep)
                 answer = await self._whole_response(gen, body, pieces, keep)
@@ -139,13 +135,19 @@ class Gateway:
         except ApiError as exc:
             raise responses.renamed(protocol.chat_error(exc)) from None
 
-    async def _whole_answer(self, gen: Generation, body: dict) -> dict:
-        """A (background) response generated whole: its stored answer."""
+    @contextlib.asynccontextmanager
+    async def _pieces(self, gen: Generation):
+        """A Responses request's one choice as (index, piece) pairs, its first awaited before they are handed
+        over (an error before the first token raises here); the upstream stream closed on leaving."""
         async with contextlib.AsyncExitStack() as stack:
             stream = await stack.enter_async_context(contextlib.aclosing(
                 self.upstream.generate(gen.choices[0], gen.logprobs, gen.top_logprobs > 0)))
             firsts = await _first_pieces([stream])
-            pieces = await stack.enter_async_context(contextlib.aclosing(_merged([stream], firsts)))
+            yield await stack.enter_async_context(contextlib.aclosing(_merged([stream], firsts)))
+
+    async def _whole_answer(self, gen: Generation, body: dict) -> dict:
+        """A (background) response generated whole: its stored answer."""
+        async with self._pieces(gen) as pieces:
             return await self._whole_response(gen, body, pieces, stored=True)
 
     async def _whole_response(self, gen: Generation, body: dict, pieces, stored: bool) -> dict:
@@ -208,20 +210,17 @@ class Gateway:
                                             f"{self.max_model_len} (truncation: auto drops earlier turns only)")
         return best
 
-    async def _in_store(self, call: Callable, *args):
-        return await in_store(self.store, call, *args)
-
     async def _conversation(self, previous: str) -> list[dict]:
         """The stored conversation a request continues (ApiError naming previous_response_id)."""
         if not self.store.enabled:
             raise protocol.invalid("previous_response_id", "responses are not stored by this server (its "
                                    "--responses-store-mb is 0): send the whole conversation in input")
         try:
-            status = (await self._in_store(self.store.get, previous))["status"]
+            status = (await in_store(self.store, self.store.get, previous))["status"]
             if status in responses.PENDING:  # a background response not done yet: no answer to continue from
                 raise protocol.invalid("previous_response_id", f"response {previous!r} is still {status} (a "
                                        "background response): continue it once it is done")
-            return await self._in_store(self.store.conversation, previous)
+            return await in_store(self.store, self.store.conversation, previous)
         except NotStored as exc:
             what = "" if exc.missing == previous else f": an earlier response of its conversation ({exc.missing})"
             raise protocol.invalid("previous_response_id", f"response {previous!r} is not stored here{what} (never "
@@ -229,15 +228,15 @@ class Gateway:
 
     async def _keep(self, keep: bool, answer: dict, body: dict) -> None:
         if keep:
-            await self._in_store(self.store.put, answer, responses.input_messages(body)
-                                 + responses.output_messages(answer["output"]), body.get("previous_response_id"),
-                                 responses.input_items(body))
+            messages = responses.input_messages(body) + responses.output_messages(answer["output"])
+            await in_store(self.store, self.store.put, answer, messages, body.get("previous_response_id"),
+                           responses.input_items(body))
 
     async def _stored(self, request: web.Request, call: Callable):
         """(the id asked for, the store's answer for it); 404 when it is not held."""
         response_id = request.match_info["id"]
         try:
-            return response_id, await self._in_store(call, response_id)
+            return response_id, await in_store(self.store, call, response_id)
         except NotStored:
             raise ApiError(404, f"No response found with id {response_id!r} (never stored, deleted, or let go to "
                                 "keep within the server's store)", "id", "not_found") from None
