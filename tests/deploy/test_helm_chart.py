@@ -221,11 +221,14 @@ def test_autoscaling_and_monitoring_objects():
     assert trigger["metricType"] == "Value"  # the release's average, not divided again by the replica count
     assert not by_kind(render_chart({}), "PrometheusRule")
     mon = render_chart(COMBINATIONS["monitoring"])
-    # Triton's metrics and the launcher's (the watchdog's restarts and time down).
-    assert [e["port"] for e in by_kind(mon, "ServiceMonitor")[0]["spec"]["endpoints"]] == ["metrics", "health"]
-    assert [e["port"] for e in by_kind(mon, "PodMonitor")[0]["spec"]["podMetricsEndpoints"]] == ["metrics", "health"]
+    # Triton's metrics, the launcher's (the watchdog's restarts and time down) and the OpenAI API's own.
+    scraped = ["metrics", "health", "openai"]
+    assert [e["port"] for e in by_kind(mon, "ServiceMonitor")[0]["spec"]["endpoints"]] == scraped
+    assert [e["port"] for e in by_kind(mon, "PodMonitor")[0]["spec"]["podMetricsEndpoints"]] == scraped
     service_ports = {p["name"] for p in by_kind(mon, "Service")[0]["spec"]["ports"]}
-    assert {"metrics", "health"} <= service_ports
+    assert set(scraped) <= service_ports
+    without_api = render_chart({**COMBINATIONS["monitoring"], "openai": {"enabled": False}})
+    assert [e["port"] for e in by_kind(without_api, "ServiceMonitor")[0]["spec"]["endpoints"]] == scraped[:2]
     dashboard = [d for d in by_kind(mon, "ConfigMap") if d["metadata"]["name"].endswith("-dashboard")][0]
     panels = yaml.safe_load(dashboard["data"]["specdec-triton.json"])["panels"]
     titles = " ".join(p["title"] for p in panels).lower()
@@ -233,6 +236,7 @@ def test_autoscaling_and_monitoring_objects():
         assert needed in titles
     exprs = " ".join(target["expr"] for panel in panels for target in panel["targets"])
     assert "specdec_queue_time_seconds_bucket" in exprs  # the orchestrator's own waits, beside Triton's
+    assert "specdec_openai_requests_total" in exprs and "specdec_openai_time_to_first_token_seconds" in exprs
     ingresses = by_kind(mon, "Ingress")
     assert len(ingresses) == 2 and ingresses[1]["metadata"]["annotations"][
         "nginx.ingress.kubernetes.io/backend-protocol"] == "GRPC"

@@ -20,6 +20,7 @@ import openai
 import pytest
 
 from specdec import tensor_names as tn
+from specdec.serving import metrics_text
 from specdec.serving.healthcheck import answers, gateway_url
 from specdec.serving.server import free_ports
 
@@ -859,6 +860,8 @@ def test_an_api_key_is_required_when_set(server, model):
         good = openai.OpenAI(base_url=url, api_key="s3cret", max_retries=0)
         assert good.completions.create(model=model, prompt=PROMPT, max_tokens=3).usage.completion_tokens == 3
         assert answers(gateway_url(port), 2)  # the health check needs no key (probes have none)
+        with urllib.request.urlopen(f"http://localhost:{port}/metrics", timeout=10) as page:  # nor do scrapers
+            assert b"specdec_openai_requests_total" in page.read()
         request = urllib.request.Request(f"http://localhost:{port}/tokenize", data=b'{"prompt": "a"}', method="POST")
         with pytest.raises(urllib.error.HTTPError) as caught:  # the tokenizer endpoints need it too
             urllib.request.urlopen(request, timeout=10)
@@ -918,6 +921,53 @@ def test_a_client_that_goes_away_cancels_its_generation(server, api, model):
             ask()
     _settled_cancelled(server, before, 4)
     impatient.close()
+
+
+def test_the_apis_own_metrics_count_requests_tokens_refusals_and_disconnects(server, api, model):
+    """GET /metrics on the API's port: requests by route and status (200, the API's own refusals, a route that
+    does not exist, a client gone mid-stream), usage's tokens, the time to the first token, stored responses."""
+    url = server.openai_url.removesuffix("/v1")
+    chat, completions = dict(method="POST", endpoint="/v1/chat/completions"), dict(method="POST",
+                                                                                 endpoint="/v1/completions")
+
+    def scrape():
+        return metrics_text.scrape(url.removeprefix("http://"))
+
+    def delta(name, **labels):
+        return metrics_text.sum_samples(scrape(), name, **labels) - metrics_text.sum_samples(before, name, **labels)
+
+    cancelled = server.metric("specdec_requests_total", finish_reason="cancelled")
+    before = scrape()
+    answer = api.chat.completions.create(model=model, messages=CHAT, max_tokens=6, temperature=0,
+                                         extra_body={"ignore_eos": True})
+    streamed = list(api.completions.create(model=model, prompt=PROMPT, max_tokens=5, temperature=0, stream=True,
+                                           stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    with pytest.raises(openai.BadRequestError):
+        api.chat.completions.create(model=model, messages=CHAT, max_tokens=-1)
+    with pytest.raises(openai.NotFoundError):
+        api.get("/no/such/route", cast_to=object)
+    _leave_a_stream(api, model, chunks=2)
+    _settled_cancelled(server, cancelled, 1)
+    time.sleep(0.2)  # the gateway counts a disconnect once its handler is cancelled
+    assert delta("specdec_openai_requests_total", **chat, code="200") == 1
+    assert delta("specdec_openai_requests_total", **chat, code="400") == 1
+    assert delta("specdec_openai_requests_total", method="GET", endpoint="unmatched", code="404") == 1
+    assert delta("specdec_openai_requests_total", **completions, code="200") == 1
+    assert delta("specdec_openai_requests_total", **completions, code="disconnected") == 1
+    assert delta("specdec_openai_completion_tokens_total", **chat) == answer.usage.completion_tokens == 6
+    assert delta("specdec_openai_prompt_tokens_total", **chat) == answer.usage.prompt_tokens
+    # the same prompt twice: the one left mid-stream was read too (the server counts it with its first response)
+    assert delta("specdec_openai_prompt_tokens_total", **completions) == 2 * streamed[-1].usage.prompt_tokens
+    assert delta("specdec_openai_completion_tokens_total", **completions) >= 5 + 2  # the stream left after 2
+    assert delta("specdec_openai_time_to_first_token_seconds_count", **chat) == 1  # the refused one had none
+    assert delta("specdec_openai_time_to_first_token_seconds_count", **completions) == 2
+    assert delta("specdec_openai_request_duration_seconds_count", **chat) == 2
+    assert metrics_text.sum_samples(scrape(), "specdec_openai_requests_running", **completions) == 0
+    # the Responses API's store: a stored response counted with its bytes, and gone when deleted
+    stored = api.responses.create(model=model, input="Say hi.", max_output_tokens=3)
+    assert delta("specdec_openai_stored_responses") == 1 and delta("specdec_openai_stored_response_bytes") > 0
+    api.responses.delete(stored.id)
+    assert delta("specdec_openai_stored_responses") == 0
 
 
 def test_a_disconnect_stops_the_generation_within_a_round_or_so(server, model):

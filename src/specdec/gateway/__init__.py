@@ -10,11 +10,13 @@ talking to the ensemble over gRPC; the launcher runs it beside the server (OPENA
   background  the Responses API's background responses: generated here, their states stored, cancelled
   tokenization  vLLM's tokenizer endpoints: /tokenize, /detokenize, /tokenizer_info (pure)
   upstream   one ensemble gRPC stream per request (tritonclient asyncio), cancelled when the caller leaves
+  metrics    the API's own Prometheus metrics (GET /metrics): requests by route and status, time to first
+             token, tokens, stored and background responses
   app        the HTTP endpoints (aiohttp): chat, completions, responses (and stored ones), models, health, the
              tokenizer's;
              streaming, API keys
   __main__   the command line
 
-May import: `specdec.tensor_names` and `specdec.decoding.text` (the tokenizer: log-probabilities' tokens, echoed
-prompts, the tokenizer endpoints).
+May import: `specdec.tensor_names`, `specdec.decoding.text` (the tokenizer: log-probabilities' tokens, echoed
+prompts, the tokenizer endpoints) and `specdec.triton.metrics`' buckets (the server's, so that quantiles compare).
 """

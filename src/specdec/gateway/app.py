@@ -1,5 +1,5 @@
 """The OpenAI-compatible HTTP API (aiohttp): /v1/chat/completions, /v1/completions, /v1/responses (and its
-stored responses, /v1/responses/{id}), /v1/models, /health, and
+stored responses, /v1/responses/{id}), /v1/models, /health, its Prometheus metrics (/metrics, metrics.py) and
 vLLM's tokenizer endpoints (/tokenize, /detokenize, /tokenizer_info).
 
 Each request becomes one gRPC stream of the ensemble (upstream.py); a streamed answer goes out as
@@ -22,7 +22,7 @@ from aiohttp import web
 
 from specdec import tensor_names as tn
 from specdec.decoding import json_text
-from specdec.gateway import protocol, reasoning, responses, tokenization, tools
+from specdec.gateway import metrics, protocol, reasoning, responses, tokenization, tools
 from specdec.gateway.protocol import STATS_FIELD, ApiError, Generation
 from specdec.gateway.background import BackgroundResponses
 from specdec.gateway.response_store import NotStored, ResponseStore, in_store
@@ -55,10 +55,11 @@ class Gateway:
         self.max_model_len, self.default_max_tokens = max_model_len, default_max_tokens
         self.store = store if store is not None else ResponseStore(0)
         self.background = BackgroundResponses(self.store, self._whole_answer, drain_timeout_s)
+        self.metrics = metrics.ApiMetrics(self.store, self.background)
         self.created = int(time.time())
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._errors], client_max_size=16 * 1024 * 1024)
+        app = web.Application(middlewares=[self._counted, self._errors], client_max_size=16 * 1024 * 1024)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/responses", self.responses)
@@ -69,12 +70,31 @@ class Gateway:
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model}", self.model)
         app.router.add_get(HEALTH_PATH, self.health)
+        app.router.add_get(metrics.PATH, self.metrics_page)
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/tokenizer_info", self.tokenizer_info)
         app.on_shutdown.append(self.background.finish)
         app.on_cleanup.append(lambda _app: self.upstream.close())
         return app
+
+    @web.middleware
+    async def _counted(self, request: web.Request, handler):
+        """Every request counted (metrics.py) with the status it was answered with, or DISCONNECTED."""
+        call = self.metrics.begin(request.method, metrics.endpoint_of(request.match_info.route.resource))
+        code: int | str = 500  # what aiohttp answers an exception that reaches it with
+        try:
+            answer = await handler(request)
+            code = answer.status
+            return answer
+        except web.HTTPException as exc:
+            code = exc.status
+            raise
+        except asyncio.CancelledError:  # the client went away (aiohttp's handler_cancellation)
+            code = metrics.DISCONNECTED
+            raise
+        finally:
+            self.metrics.end(call, code)
 
     @web.middleware
     async def _errors(self, request: web.Request, handler):
@@ -140,8 +160,8 @@ class Gateway:
         """A Responses request's one choice as (index, piece) pairs, its first awaited before they are handed
         over (an error before the first token raises here); the upstream stream closed on leaving."""
         async with contextlib.AsyncExitStack() as stack:
-            stream = await stack.enter_async_context(contextlib.aclosing(
-                self.upstream.generate(gen.choices[0], gen.logprobs, gen.top_logprobs > 0)))
+            stream = await stack.enter_async_context(contextlib.aclosing(self.metrics.counted(
+                self.upstream.generate(gen.choices[0], gen.logprobs, gen.top_logprobs > 0))))
             firsts = await _first_pieces([stream])
             yield await stack.enter_async_context(contextlib.aclosing(_merged([stream], firsts)))
 
@@ -395,6 +415,7 @@ class Gateway:
             await self._keep(keep, answer, body)
             await send("response.completed" if status == "completed" else "response.incomplete", response=answer)
         except ApiError as exc:  # after the stream began: an error event
+            self.metrics.stream_error(exc.status)
             error = responses.renamed(exc)
             await send("error", code=error.code, message=error.message, param=error.param)
         await response.write_eof()
@@ -440,6 +461,11 @@ class Gateway:
     async def tokenizer_info(self, request: web.Request) -> web.Response:
         return web.json_response(tokenization.tokenizer_info(self._tokenizer(), self.max_model_len))
 
+    async def metrics_page(self, request: web.Request) -> web.Response:
+        """GET /metrics: the API's Prometheus metrics (no API key, as /health: a scraper has none)."""
+        page = await asyncio.to_thread(self.metrics.page)  # a shared store's directory is listed
+        return web.Response(body=page, headers={"Content-Type": metrics.CONTENT_TYPE})
+
     async def health(self, request: web.Request) -> web.Response:
         if await self.upstream.ready():
             return web.Response(text="ok\n")
@@ -479,8 +505,9 @@ class Gateway:
 
     async def _answer(self, request: web.Request, gen: Generation) -> web.StreamResponse:
         async with contextlib.AsyncExitStack() as stack:
-            streams = [await stack.enter_async_context(contextlib.aclosing(
-                self.upstream.generate(inputs, gen.logprobs, gen.top_logprobs > 0))) for inputs in gen.choices]
+            streams = [await stack.enter_async_context(contextlib.aclosing(self.metrics.counted(
+                self.upstream.generate(inputs, gen.logprobs, gen.top_logprobs > 0), prompt=index % gen.n == 0)))
+                for index, inputs in enumerate(gen.choices)]
             firsts = await _first_pieces(streams)  # errors before the first token are plain HTTP errors
             pieces = await stack.enter_async_context(contextlib.aclosing(_merged(streams, firsts)))
             if gen.stream:
@@ -566,6 +593,7 @@ class Gateway:
                 final["usage"] = protocol.combined_usage(stats, sent_ids, gen.n, None if None in thinking else thinking)
                 await response.write(protocol.sse(final))
         except ApiError as exc:  # after the stream began: an error event, as OpenAI's SDK reads one
+            self.metrics.stream_error(exc.status)
             await response.write(protocol.sse(exc.body()))
         await response.write(protocol.sse("[DONE]"))
         await response.write_eof()

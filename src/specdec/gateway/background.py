@@ -27,6 +27,10 @@ class BackgroundResponses:
         self._tasks: dict[str, asyncio.Task] = {}  # the responses this process generates, by id
         self._cancelled: set[str] = set()  # of those, the ones a cancel (or a delete) stopped
 
+    def __len__(self) -> int:
+        """Background responses this process is generating now."""
+        return len(self._tasks)
+
     async def start(self, gen: Generation, body: dict) -> dict:
         """Store the response in_progress and start generating it; that object (the request's answer)."""
         started = responses.response_object(gen, body, "in_progress", [], stored=True)

@@ -79,6 +79,10 @@ class ResponseStore:
     def __contains__(self, response_id: str) -> bool:
         return response_id in self._turns
 
+    def usage(self) -> tuple[int, int]:
+        """(responses kept, their bytes)."""
+        return len(self._turns), self.bytes
+
     def put(self, response: dict, messages: list[dict], previous: str | None, items: list[dict] | None = None) -> bool:
         """Keep a finished response (its object, the messages its turn adds, the response it continued, its
         input items); the least recently used go until it fits. False: not kept (the store is off, or it alone
@@ -169,6 +173,18 @@ class SharedResponseStore:
 
     def __contains__(self, response_id: str) -> bool:
         return _ID.fullmatch(response_id) is not None and self._path(response_id).is_file()
+
+    def usage(self) -> tuple[int, int]:
+        """(responses in the directory, their bytes), every process's: the directory listed."""
+        count = size = 0
+        for entry in os.scandir(self.directory):
+            if entry.name.endswith(".json"):
+                try:
+                    size += entry.stat().st_size
+                except FileNotFoundError:  # another process removed it meanwhile
+                    continue
+                count += 1
+        return count, size
 
     def put(self, response: dict, messages: list[dict], previous: str | None, items: list[dict] | None = None) -> bool:
         """As ResponseStore.put; the file replaces one of the same id."""
