@@ -713,10 +713,56 @@ def test_a_background_response_is_polled_cancelled_or_failed(server, api, model)
         api.responses.cancel("resp_unknown")
 
 
+def test_a_background_response_streams_and_a_client_that_left_resumes_where_it_was(server, api, model):
+    """`background` with `stream`: the request's own stream (events numbered from 0, the foreground's text,
+    ended by its end's event), streamed again with GET ?stream=true from any event (raw, and through the
+    SDK's stream helper); a client that leaves mid-stream stops nothing and resumes after the last event it
+    saw; a cancel ends the resumed stream; refusals: a foreground response's stream, a bad starting_after."""
+    foreground = api.responses.create(model=model, input="Name a colour.", max_output_tokens=12, temperature=0)
+    events = list(api.responses.create(model=model, input="Name a colour.", max_output_tokens=12, temperature=0,
+                                       background=True, stream=True))
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    assert (events[0].type, events[-1].type) == ("response.created", "response." + foreground.status)
+    done = events[-1].response
+    assert done.background and done.output_text == foreground.output_text
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == foreground.output_text
+    again = list(api.responses.retrieve(done.id, stream=True, starting_after=2))
+    assert [(e.sequence_number, e.type) for e in again] == [(e.sequence_number, e.type) for e in events[3:]]
+    with api.responses.stream(response_id=done.id) as helper:
+        assert "".join(e.delta for e in helper if e.type == "response.output_text.delta") == foreground.output_text
+    # a client that leaves after five events: the response goes on, and the client comes back for the rest
+    before = server.metric("specdec_requests_total", finish_reason="cancelled")
+    stream = api.responses.create(model=model, input=PROMPT, max_output_tokens=900, temperature=0, background=True,
+                                  stream=True, extra_body={"ignore_eos": True})
+    seen = []
+    for event in stream:
+        seen.append(event)
+        if len(seen) == 5:
+            break
+    stream.close()
+    response_id = seen[0].response.id
+    time.sleep(0.5)
+    assert api.responses.retrieve(response_id).status == "in_progress"
+    assert server.metric("specdec_requests_total", finish_reason="cancelled") == before
+    resumed = api.responses.retrieve(response_id, stream=True, starting_after=seen[-1].sequence_number)
+    events = iter(resumed)
+    more = [next(events) for _ in range(3)]
+    assert [event.sequence_number for event in more] == [5, 6, 7]
+    assert api.responses.cancel(response_id).status == "cancelled"
+    assert all(event.type == "response.output_text.delta" for event in events)  # it ends, with no end event
+    _settled_cancelled(server, before, 1)
+    with pytest.raises(openai.BadRequestError) as caught:
+        api.responses.retrieve(foreground.id, stream=True)
+    assert caught.value.body["param"] == "stream"
+    with pytest.raises(urllib.error.HTTPError) as caught:
+        urllib.request.urlopen(f"{server.openai_url}/responses/{done.id}?stream=true&starting_after=x", timeout=10)
+    assert caught.value.code == 400 and json.loads(caught.value.read())["error"]["param"] == "starting_after"
+
+
 def test_replicas_sharing_a_store_directory_continue_each_others_conversations(server, api, model, tmp_path):
     """Two gateways with one --responses-store-dir (two replicas on one volume): a conversation begun on one
     is continued on the other (the chat's answer for the whole of it), read and deleted there, and a background
-    response one generates is cancelled from the other; a gateway started later over the directory (a
+    response one generates is streamed and cancelled from the other; a gateway started later over the directory (a
     restart) still has it all, and one that stops while generating in the background leaves it failed."""
     store = ["--responses-store-dir", str(tmp_path / "responses")]
     with own_gateway(server, model, *store) as port_a, own_gateway(server, model, *store) as port_b:
@@ -739,7 +785,10 @@ def test_replicas_sharing_a_store_directory_continue_each_others_conversations(s
         before = server.metric("specdec_requests_total", finish_reason="cancelled")
         long = _long_background(server, a, model)
         assert b.responses.retrieve(long.id).status == "in_progress"
+        followed = iter(b.responses.retrieve(long.id, stream=True, starting_after=0))  # its stream, from b
+        assert [next(followed).sequence_number for _ in range(3)] == [1, 2, 3]
         assert b.responses.cancel(long.id).status == "cancelled"
+        assert all(event.type != "response.completed" for event in followed)  # it ends
         _settled_cancelled(server, before, 1)
         assert a.responses.retrieve(long.id).status == "cancelled"
     with own_gateway(server, model, *store, "--drain-timeout", "0.5") as port:

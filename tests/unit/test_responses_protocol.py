@@ -8,8 +8,8 @@ import pytest
 from specdec import tensor_names as tn
 from specdec.gateway.protocol import ApiError, parse_chat
 from specdec.gateway.response_store import LOW_WATER, NotStored, ResponseStore, SharedResponseStore
-from specdec.gateway.responses import (chat_body, event, input_items, input_messages, output_items, output_messages,
-                                       renamed, response_object, status_of, turn_cuts, usage)
+from specdec.gateway.responses import (chat_body, ending_event, event, input_items, input_messages, output_items,
+                                       output_messages, renamed, response_object, sse, status_of, turn_cuts, usage)
 
 SERVED = ("m",)
 
@@ -72,7 +72,7 @@ def test_text_formats_become_structured_output():
     ({"input": "x", "text": {"format": {"type": "json_schema"}}}, "text.format.schema"),
     ({"input": "x", "instructions": 3}, "instructions"), ({"input": "x", "truncation": "middle"}, "truncation"),
     ({"input": "x", "background": "yes"}, "background"), ({"input": "x", "background": True, "store": False}, "background"),
-    ({"input": "x", "background": True, "stream": True}, "background"), ({"input": "x", "max_tool_calls": 3}, "max_tool_calls")])
+    ({"input": "x", "max_tool_calls": 3}, "max_tool_calls")])
 def test_refusals_name_the_responses_field(body, param):
     with pytest.raises(ApiError) as caught:
         chat_body(body)
@@ -97,7 +97,7 @@ def test_the_response_object_and_its_events():
     assert body["output"][0]["content"][0] == {"type": "output_text", "text": "Hello", "annotations": [], "logprobs": []}
     called = output_items(None, [{"name": "f", "arguments": "{}"}])
     assert [item["type"] for item in called] == ["function_call"] and called[0]["call_id"].startswith("call_")
-    raw = event("response.output_text.delta", 4, delta="Hi").decode()
+    raw = sse(event("response.output_text.delta", 4, delta="Hi")).decode()
     head, data = raw.split("\n")[:2]
     assert head == "event: response.output_text.delta" and raw.endswith("\n\n")
     assert json.loads(data.removeprefix("data: ")) == {"type": "response.output_text.delta", "sequence_number": 4,
@@ -325,6 +325,50 @@ def test_a_held_response_is_replaced_as_a_background_response_progresses(tmp_pat
     assert store.input_items("resp_b") == [{"id": "msg_2"}] and store.get("resp_b")["status"] == "completed"
     store.delete("resp_b")
     assert not store.replace({"id": "resp_b", "status": "cancelled"}) and "resp_b" not in store
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_background_responses_events_are_kept_with_it_and_read_on_from_a_position(tmp_path, shared):
+    """add_events / read_events: appended in order, read from a position on (the next read's start), kept when
+    the response is replaced, counted in the budget, gone with the response (deleted or let go); a response not
+    held keeps none."""
+    store = SharedResponseStore(tmp_path, 1 << 20) if shared else ResponseStore(1 << 20)
+    store.put(*_turn("resp_a", "one"))
+    before = store.usage()[1]
+    created = [event("response.created", 0, response={"id": "resp_a"}), event("response.in_progress", 1)]
+    assert store.add_events("resp_a", created)
+    assert store.usage()[1] > before
+    events, position = store.read_events("resp_a")
+    assert events == created
+    assert store.read_events("resp_a", position) == ([], position)
+    delta = event("response.output_text.delta", 2, delta="Hé")
+    store.add_events("resp_a", [delta])
+    assert store.read_events("resp_a", position) == ([delta], store.read_events("resp_a")[1])
+    store.replace({"id": "resp_a", "status": "completed"})
+    assert store.read_events("resp_a")[0] == created + [delta]
+    assert not store.add_events("resp_unknown", [delta])
+    with pytest.raises(NotStored):
+        store.read_events("resp_unknown")
+    if shared:  # a line still being written is left for the next read
+        with open(tmp_path / "resp_a.events", "ab") as log:
+            log.write(b'{"type":"response.output_text.delta","sequence_number":3,"del')
+        assert store.read_events("resp_a", position) == ([delta], position + len(json.dumps(
+            delta, separators=(",", ":"), ensure_ascii=False).encode()) + 1)
+    store.delete("resp_a")
+    assert store.usage() == (0, 0)
+    # let go with its events: the budget counts them
+    small = SharedResponseStore(tmp_path / "small", 2000) if shared else ResponseStore(2000)
+    small.put(*_turn("resp_x", "x"))
+    small.add_events("resp_x", [event("response.output_text.delta", i, delta="y" * 100) for i in range(8)])
+    small.put(*_turn("resp_y", "y"))
+    small.add_events("resp_y", [event("response.output_text.delta", i, delta="z" * 100) for i in range(8)])
+    assert "resp_x" not in small and small.usage()[1] <= 2000
+    assert small.read_events("resp_y")[0][-1]["sequence_number"] == 7
+
+
+def test_a_streams_ending_event_follows_the_responses_status():
+    assert [ending_event({"status": s}) for s in ("completed", "incomplete", "failed")] == [
+        "response.completed", "response.incomplete", "response.failed"]
 
 
 # An agent's conversation: a system message, then turns (a user message and what follows it up to the next)

@@ -7,7 +7,8 @@ talking to the ensemble over gRPC; the launcher runs it beside the server (OPENA
   responses  OpenAI's Responses API on the chat path: the request mapped, the response object, its events (pure)
   response_store  the Responses API's stored responses (`store`, `previous_response_id`): in memory, or in a
              directory replicas share
-  background  the Responses API's background responses: generated here, their states stored, cancelled
+  background  the Responses API's background responses: generated here, their states and streams stored,
+             streams followed from any event, cancelled
   tokenization  vLLM's tokenizer endpoints: /tokenize, /detokenize, /tokenizer_info (pure)
   upstream   one ensemble gRPC stream per request (tritonclient asyncio), cancelled when the caller leaves
   metrics    the API's own Prometheus metrics (GET /metrics): requests by route and status, time to first

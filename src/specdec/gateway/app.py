@@ -54,7 +54,7 @@ class Gateway:
         self.reasoning_parser = reasoning_parser  # reasoning.PARSERS: a chat's thinking apart (None: not split)
         self.max_model_len, self.default_max_tokens = max_model_len, default_max_tokens
         self.store = store if store is not None else ResponseStore(0)
-        self.background = BackgroundResponses(self.store, self._whole_answer, drain_timeout_s)
+        self.background = BackgroundResponses(self.store, self._background_answer, drain_timeout_s)
         self.metrics = metrics.ApiMetrics(self.store, self.background)
         self.created = int(time.time())
 
@@ -145,7 +145,10 @@ class Gateway:
         try:
             gen = await self._response_chat(body, history)
             if body.get("background"):
-                return web.json_response(await self.background.start(gen, body))
+                started = await self.background.start(gen, body)
+                if gen.stream:  # its events as they are stored; a client that leaves stops nothing
+                    return await self._follow(request, started["id"], -1)
+                return web.json_response(started)
             async with self._pieces(gen) as pieces:  # errors before the first token are plain HTTP errors
                 if gen.stream:
                     return await self._stream_response(request, gen, body, pieces, keep)
@@ -165,10 +168,20 @@ class Gateway:
             firsts = await _first_pieces([stream])
             yield await stack.enter_async_context(contextlib.aclosing(_merged([stream], firsts)))
 
-    async def _whole_answer(self, gen: Generation, body: dict) -> dict:
-        """A (background) response generated whole: its stored answer."""
+    async def _background_answer(self, gen: Generation, body: dict, started: dict, send) -> dict:
+        """A background response generated, its stream's events (after created and in_progress) sent to its
+        log: its answer (the end's event is the caller's, once the answer is stored)."""
         async with self._pieces(gen) as pieces:
-            return await self._whole_response(gen, body, pieces, stored=True)
+            return await self._response_events(gen, body, pieces, send, started)
+
+    async def _follow(self, request: web.Request, response_id: str, after: int) -> web.StreamResponse:
+        """A background response's stream from its log: its events after sequence number `after`, then those
+        that come, until its end."""
+        response = await _event_stream(request)
+        async for event in self.background.follow(response_id, after):
+            await response.write(responses.sse(event))
+        await response.write_eof()
+        return response
 
     async def _whole_response(self, gen: Generation, body: dict, pieces, stored: bool) -> dict:
         """A response's answer, its pieces gathered (not streamed)."""
@@ -261,10 +274,26 @@ class Gateway:
             raise ApiError(404, f"No response found with id {response_id!r} (never stored, deleted, or let go to "
                                 "keep within the server's store)", "id", "not_found") from None
 
-    async def stored_response(self, request: web.Request) -> web.Response:
-        """GET /v1/responses/{id}: a stored response as it was answered (404 when not held)."""
-        _, response = await self._stored(request, self.store.get)
-        return web.json_response(response)
+    async def stored_response(self, request: web.Request) -> web.StreamResponse:
+        """GET /v1/responses/{id}: a stored response as it was answered (404 when not held); with
+        `stream=true`, a background response's stream (`starting_after`: the events after that sequence
+        number; all of them without), replayed from its log and followed to its end."""
+        response_id, response = await self._stored(request, self.store.get)
+        stream = request.query.get("stream", "false")
+        if stream not in ("true", "false"):
+            raise protocol.invalid("stream", "must be true or false")
+        if stream == "false":
+            return web.json_response(response)
+        if not response.get("background"):
+            raise protocol.invalid("stream", f"response {response_id!r} was not created with background: true: "
+                                             "only those are streamed again")
+        try:
+            after = int(request.query.get("starting_after", "-1"))
+        except ValueError:
+            after = -2
+        if after < -1:
+            raise protocol.invalid("starting_after", "must be an event's sequence number (an integer from 0)")
+        return await self._follow(request, response_id, after)
 
     async def stored_input_items(self, request: web.Request) -> web.Response:
         """GET /v1/responses/{id}/input_items: a stored response's request's input items, as OpenAI pages them
@@ -340,17 +369,29 @@ class Gateway:
         content streams as the chat's does (tools.ToolStream: until a call opens), a named function's
         arguments as they are generated, and calls the model wrote in its own format at the end, each
         as its item's added, arguments delta and done events."""
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                               "X-Accel-Buffering": "no"})
-        await response.prepare(request)
+        response = await _event_stream(request)
         number = iter(range(1 << 62))
 
         async def send(kind: str, **fields) -> None:
-            await response.write(responses.event(kind, next(number), **fields))
+            await response.write(responses.sse(responses.event(kind, next(number), **fields)))
 
         started = responses.response_object(gen, body, "in_progress", [], stored=keep)
         await send("response.created", response=started)
         await send("response.in_progress", response=started)
+        try:
+            answer = await self._response_events(gen, body, pieces, send, started)
+            await self._keep(keep, answer, body)  # before its end's event: a client may continue it at once
+            await send(responses.ending_event(answer), response=answer)
+        except ApiError as exc:  # after the stream began: an error event
+            self.metrics.stream_error(exc.status)
+            error = responses.renamed(exc)
+            await send("error", code=error.code, message=error.message, param=error.param)
+        await response.write_eof()
+        return response
+
+    async def _response_events(self, gen: Generation, body: dict, pieces, send, started: dict) -> dict:
+        """A response's events after created and in_progress, up to its end's (the caller's, once it has
+        stored the answer): its answer."""
         message = _StreamedItem("message", "msg_" + gen.id, send)
         thought = _StreamedItem("reasoning", "rs_" + gen.id, send)
         thinker = reasoning.ReasoningStream(gen.reasoning) if gen.reasoning else None
@@ -371,55 +412,46 @@ class Gateway:
                 if delta["function"]["arguments"]:
                     await send("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
                                delta=delta["function"]["arguments"])
-        try:
-            async def answer(text: str, thinking: str) -> list[dict]:
-                """A round's text (or the end's) as its items' deltas: the thinking's, then the answer's."""
-                if thinking and gen.include_reasoning:
-                    await thought.add(thinking, len(output))
-                if text and thought.opened and not thought.closed:  # the answer began: the thinking is done
-                    output.append(await thought.done())
-                content, deltas = calls.feed(text) if calls is not None else (text, [])
-                await message.add(content, len(output))
-                return deltas
-
-            async for _, piece in pieces:
-                merged.add(piece)
-                if gen.logprobs:  # a round's tokens', sent with the message's next text delta
-                    message.logprobs += self._logprobs(gen, piece, 0)["content"]
-                thinking, text = thinker.feed(piece.text) if thinker is not None else ("", piece.text)
-                await call_deltas(await answer(text, thinking))
-            if thinker is not None:  # what it held back: the end of a possible tag
-                thinking, text = thinker.finish()
-                await call_deltas(await answer(text, thinking))
-            if thought.opened and not thought.closed:
+        async def answer(text: str, thinking: str) -> list[dict]:
+            """A round's text (or the end's) as its items' deltas: the thinking's, then the answer's."""
+            if thinking and gen.include_reasoning:
+                await thought.add(thinking, len(output))
+            if text and thought.opened and not thought.closed:  # the answer began: the thinking is done
                 output.append(await thought.done())
-            deltas, called, reason = [], False, self._finish_reason(merged)
-            if calls is not None:
-                content, deltas, called = calls.finish()
-                await message.add(content, len(output))
-                if called:
-                    reason = gen.tools.finish_reason(reason)
-            if message.opened or not called:  # the message item comes first, and is done before any call
-                output.append(await message.done(len(output)))
-            if streamed is None:  # whole calls at the end, each opened and done in turn
-                for delta in deltas:
-                    await call_deltas([delta])
-                    await self._call_done(send, streamed, output)
-                    streamed = None
-            else:  # the named function's call: its last arguments
-                await call_deltas(deltas)
+            content, deltas = calls.feed(text) if calls is not None else (text, [])
+            await message.add(content, len(output))
+            return deltas
+
+        async for _, piece in pieces:
+            merged.add(piece)
+            if gen.logprobs:  # a round's tokens', sent with the message's next text delta
+                message.logprobs += self._logprobs(gen, piece, 0)["content"]
+            thinking, text = thinker.feed(piece.text) if thinker is not None else ("", piece.text)
+            await call_deltas(await answer(text, thinking))
+        if thinker is not None:  # what it held back: the end of a possible tag
+            thinking, text = thinker.finish()
+            await call_deltas(await answer(text, thinking))
+        if thought.opened and not thought.closed:
+            output.append(await thought.done())
+        deltas, called, reason = [], False, self._finish_reason(merged)
+        if calls is not None:
+            content, deltas, called = calls.finish()
+            await message.add(content, len(output))
+            if called:
+                reason = gen.tools.finish_reason(reason)
+        if message.opened or not called:  # the message item comes first, and is done before any call
+            output.append(await message.done(len(output)))
+        if streamed is None:  # whole calls at the end, each opened and done in turn
+            for delta in deltas:
+                await call_deltas([delta])
                 await self._call_done(send, streamed, output)
-            status = responses.status_of(reason)
-            answer = responses.response_object(gen, body, status, output, self._response_usage(gen, merged),
-                                               protocol.combined_stats([merged.stats]), keep)
-            await self._keep(keep, answer, body)
-            await send("response.completed" if status == "completed" else "response.incomplete", response=answer)
-        except ApiError as exc:  # after the stream began: an error event
-            self.metrics.stream_error(exc.status)
-            error = responses.renamed(exc)
-            await send("error", code=error.code, message=error.message, param=error.param)
-        await response.write_eof()
-        return response
+                streamed = None
+        else:  # the named function's call: its last arguments
+            await call_deltas(deltas)
+            await self._call_done(send, streamed, output)
+        return responses.response_object(gen, body, responses.status_of(reason), output,
+                                         self._response_usage(gen, merged), protocol.combined_stats([merged.stats]),
+                                         started["store"])
 
     @staticmethod
     async def _call_done(send, streamed: tuple[dict, int], output: list[dict]) -> None:
@@ -540,9 +572,7 @@ class Gateway:
                                tool_calls=calls, reasoning=thinking)
 
     async def _stream(self, request: web.Request, gen: Generation, pieces) -> web.StreamResponse:
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                               "X-Accel-Buffering": "no"})
-        await response.prepare(request)
+        response = await _event_stream(request)
         if gen.chat:  # the role chunks, sent with the first tokens so that a client's TTFT stays honest
             for index in range(len(gen.choices)):
                 await response.write(protocol.sse(protocol.envelope(
@@ -598,6 +628,14 @@ class Gateway:
         await response.write(protocol.sse("[DONE]"))
         await response.write_eof()
         return response
+
+
+async def _event_stream(request: web.Request) -> web.StreamResponse:
+    """A Server-Sent Events answer, prepared (its headers sent)."""
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           "X-Accel-Buffering": "no"})
+    await response.prepare(request)
+    return response
 
 
 async def _first_pieces(streams: list) -> list[Piece | None]:

@@ -3,12 +3,21 @@
 end for `GET /v1/responses/{id}` to read: `completed` / `incomplete` (with the messages a continuation reads),
 `failed` (`error` says why) or `cancelled`. Stored once at the start and once at the end, so a cancel another
 replica stores meanwhile is never overwritten by a progress update (only by the end, when it came too late). A cancel stops the generation (the server frees the sequence within a round); with a store that
-other replicas share, a cancel or a delete made on another replica is seen here within WATCH_S. docs/openai.md.
+other replicas share, a cancel or a delete made on another replica is seen here within WATCH_S.
+
+Every background response's stream is kept in the store as it is generated (its events, whole or per round as
+the request streams), so that the request's own stream (`stream: true`) and any later
+`GET /v1/responses/{id}?stream=true` (`follow`) read the same events, from any replica sharing the store: a
+client that goes away stops nothing, and comes back after the last event it saw. A stream ends with its end's
+event (completed, incomplete, failed); a cancelled response's with none. docs/openai.md.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
+import time
 from typing import Awaitable, Callable
 
 from specdec.gateway import protocol, responses
@@ -16,8 +25,15 @@ from specdec.gateway.protocol import ApiError, Generation
 from specdec.gateway.response_store import NotStored, ResponseStore, in_store
 
 WATCH_S = 0.5  # how often a background response's generator looks for a cancel or delete from another replica
+# How often a stream follows a response generated elsewhere (another replica) in the store; one generated
+# here wakes its followers at each event
+FOLLOW_S = 0.1
+ENDING_WAIT_S = 5.0  # how long a stream waits for the end's event of a response stored as ended
 
-Answer = Callable[[Generation, dict], Awaitable[dict]]  # a request's whole response object (ApiError: refused)
+Send = Callable[..., Awaitable[None]]  # send(kind, **fields): one event of the response's stream
+# answer(gen, body, started, send): a response generated, its events sent after created and in_progress; its
+# answer (ApiError: refused)
+Answer = Callable[[Generation, dict, dict, Send], Awaitable[dict]]
 
 
 class BackgroundResponses:
@@ -26,20 +42,76 @@ class BackgroundResponses:
         self.store, self.answer, self.drain_timeout_s = store, answer, drain_timeout_s
         self._tasks: dict[str, asyncio.Task] = {}  # the responses this process generates, by id
         self._cancelled: set[str] = set()  # of those, the ones a cancel (or a delete) stopped
+        self._news: dict[str, asyncio.Event] = {}  # of those, set at their next event (for their followers)
 
     def __len__(self) -> int:
         """Background responses this process is generating now."""
         return len(self._tasks)
 
     async def start(self, gen: Generation, body: dict) -> dict:
-        """Store the response in_progress and start generating it; that object (the request's answer)."""
+        """Store the response in_progress, its stream's first events (created, in_progress), and start
+        generating it; that object (the request's answer)."""
         started = responses.response_object(gen, body, "in_progress", [], stored=True)
+        response_id = started["id"]
         await in_store(self.store, self.store.put, started, responses.input_messages(body),
                        body.get("previous_response_id"), responses.input_items(body))
-        task = asyncio.create_task(self._run(gen, body, started))
-        self._tasks[started["id"]] = task
-        task.add_done_callback(lambda _: self._tasks.pop(started["id"], None))
+        self._news[response_id] = asyncio.Event()
+        send = self._sender(response_id)
+        await send("response.created", response=started)
+        await send("response.in_progress", response=started)
+        task = asyncio.create_task(self._run(gen, body, started, send))
+        self._tasks[response_id] = task
+
+        def ended(_task) -> None:
+            self._tasks.pop(response_id, None)
+            self._news.pop(response_id).set()  # its followers read what is left
+
+        task.add_done_callback(ended)
         return started
+
+    def _sender(self, response_id: str) -> Send:
+        """The response's events, numbered from 0, added to its log in the store; its followers woken."""
+        number = itertools.count()
+
+        async def send(kind: str, **fields) -> None:
+            await in_store(self.store, self.store.add_events, response_id,
+                           [responses.event(kind, next(number), **fields)])
+            news = self._news.get(response_id)
+            if news is not None:
+                self._news[response_id] = asyncio.Event()
+                news.set()
+        return send
+
+    async def follow(self, response_id: str, after: int):
+        """A background response's stream: its stored events whose sequence number is over `after`, then
+        those that come, until its end's event (a cancelled or deleted one's: until it is seen so)."""
+        position, ending_since = 0, None
+        while True:
+            news = self._news.get(response_id)  # taken before reading: an event added after the read sets it
+            try:
+                events, position = await in_store(self.store, self.store.read_events, response_id, position)
+            except NotStored:  # deleted, or let go
+                return
+            for event in events:
+                if event["sequence_number"] > after:
+                    yield event
+                if event["type"] in responses.ENDING_EVENTS:
+                    return
+            if not events and response_id not in self._tasks:  # not generated here (now): has it ended?
+                try:
+                    status = (await in_store(self.store, self.store.get, response_id))["status"]
+                except NotStored:
+                    return
+                if status not in responses.PENDING:
+                    # its end's event follows its stored end (none for a cancelled one, or a generator gone)
+                    ending_since = ending_since or time.monotonic()
+                    if status == "cancelled" or time.monotonic() - ending_since > ENDING_WAIT_S:
+                        return
+            if news is not None:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(news.wait(), FOLLOW_S * 10)
+            else:
+                await asyncio.sleep(FOLLOW_S)
 
     async def cancel(self, response: dict) -> dict:
         """A stored background response cancelled (one that has ended, as it is)."""
@@ -66,11 +138,11 @@ class BackgroundResponses:
                 task.cancel()
             await asyncio.gather(*late, return_exceptions=True)
 
-    async def _run(self, gen: Generation, body: dict, started: dict) -> None:
+    async def _run(self, gen: Generation, body: dict, started: dict, send: Send) -> None:
         response_id = started["id"]
         watch = asyncio.create_task(self._watch(response_id)) if self.store.shared else None
         try:
-            end = await self.answer(gen, body)
+            end = await self.answer(gen, body, started, send)
             messages = responses.input_messages(body) + responses.output_messages(end["output"])
         except asyncio.CancelledError:
             end, messages = ({**started, "status": "cancelled"} if response_id in self._cancelled else
@@ -86,6 +158,8 @@ class BackgroundResponses:
                 watch.cancel()
         self._cancelled.discard(response_id)
         await in_store(self.store, self.store.replace, end, messages)  # not kept again if deleted meanwhile
+        if end["status"] != "cancelled":
+            await send(responses.ending_event(end), response=end)
 
     async def _watch(self, response_id: str) -> None:
         """Another replica's cancel (the stored status) or delete of a response this process generates."""

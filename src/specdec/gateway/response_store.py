@@ -8,11 +8,15 @@ Each response keeps only its own turn (its input's messages and its output's) an
 continued: a conversation is its chain, read back oldest first, so a long conversation costs its text once, not
 once per turn. Continuing a response (or reading it) marks its whole chain used. A turn is held as its JSON's
 bytes, so what the budget counts is what it takes (Python's dicts of the same would take several times more).
+
+A background response also keeps its stream's events (`add_events`, `read_events`: JSON lines, in the budget), so
+that `GET /v1/responses/{id}?stream=true` replays and follows them from any replica.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -54,6 +58,10 @@ class _Turn:
         return json.loads(self.blob)[key]
 
 
+def _line(event: dict) -> bytes:
+    return json.dumps(event, separators=(",", ":"), ensure_ascii=False).encode("utf-8") + b"\n"
+
+
 def _blob(response: dict, messages: list[dict], items: list[dict] | None, **more) -> bytes:
     return json.dumps({"response": response, "messages": messages, "items": items or [], **more},
                       separators=(",", ":"), ensure_ascii=False).encode("utf-8")
@@ -67,6 +75,7 @@ class ResponseStore:
         """max_bytes: what the stored responses may take, their JSON counted (0: nothing is stored)."""
         self.max_bytes = max_bytes
         self._turns: OrderedDict[str, _Turn] = OrderedDict()
+        self._events: dict[str, list[bytes]] = {}  # a background response's stream: its events' JSON lines
         self.bytes = 0
 
     @property
@@ -90,13 +99,34 @@ class ResponseStore:
         blob = _blob(response, messages, items)
         if len(blob) > self.max_bytes:
             return False
-        self.delete(response["id"])
+        held = self._turns.pop(response["id"], None)  # replaced: its events stay
+        self.bytes -= len(held.blob) if held is not None else 0
         self._turns[response["id"]] = _Turn(blob, previous)
         self.bytes += len(blob)
-        while self.bytes > self.max_bytes:
-            _, oldest = self._turns.popitem(last=False)
-            self.bytes -= len(oldest.blob)
+        self._fit()
         return True
+
+    def add_events(self, response_id: str, events: list[dict]) -> bool:
+        """Append events to a held response's stream (False: it is not held, and they are not kept)."""
+        if response_id not in self._turns:
+            return False
+        lines = [_line(event) for event in events]
+        self._events.setdefault(response_id, []).extend(lines)
+        self.bytes += sum(len(line) for line in lines)
+        self._fit()
+        return True
+
+    def read_events(self, response_id: str, start: int = 0) -> tuple[list[dict], int]:
+        """A held response's events from position `start` (0: its first), and the position after them, to
+        read on from (NotStored if the response is not held)."""
+        self._touch(response_id)
+        lines = self._events.get(response_id, [])[start:]
+        return [json.loads(line) for line in lines], start + len(lines)
+
+    def _fit(self) -> None:
+        while self.bytes > self.max_bytes and self._turns:
+            oldest, turn = self._turns.popitem(last=False)
+            self.bytes -= len(turn.blob) + sum(len(line) for line in self._events.pop(oldest, []))
 
     def get(self, response_id: str) -> dict:
         """The response object (NotStored if it is not held)."""
@@ -118,7 +148,7 @@ class ResponseStore:
     def delete(self, response_id: str) -> bool:
         turn = self._turns.pop(response_id, None)
         if turn is not None:
-            self.bytes -= len(turn.blob)
+            self.bytes -= len(turn.blob) + sum(len(line) for line in self._events.pop(response_id, []))
         return turn is not None
 
     def conversation(self, response_id: str) -> list[dict]:
@@ -143,6 +173,7 @@ class ResponseStore:
 _ID = re.compile(r"[A-Za-z0-9_-]{1,200}")
 # Scanned, the directory is trimmed to this share of its budget: the next scan is due after that much is added
 LOW_WATER = 0.9
+EVENTS = ".events"  # a background response's stream: `<id>.events`, JSON lines
 # A half-written file older than this is a writer's that died: removed at the next scan
 STALE_S = 3600.0
 
@@ -175,15 +206,15 @@ class SharedResponseStore:
         return _ID.fullmatch(response_id) is not None and self._path(response_id).is_file()
 
     def usage(self) -> tuple[int, int]:
-        """(responses in the directory, their bytes), every process's: the directory listed."""
+        """(responses in the directory, their bytes with their events'), every process's: the directory listed."""
         count = size = 0
         for entry in os.scandir(self.directory):
-            if entry.name.endswith(".json"):
+            if entry.name.endswith((".json", EVENTS)):
                 try:
                     size += entry.stat().st_size
                 except FileNotFoundError:  # another process removed it meanwhile
                     continue
-                count += 1
+                count += entry.name.endswith(".json")
         return count, size
 
     def put(self, response: dict, messages: list[dict], previous: str | None, items: list[dict] | None = None) -> bool:
@@ -201,6 +232,32 @@ class SharedResponseStore:
 
     def get(self, response_id: str) -> dict:
         return self._read(response_id)["response"]
+
+    def add_events(self, response_id: str, events: list[dict]) -> bool:
+        """As ResponseStore.add_events: appended to `<id>.events` in one write (one process, the one generating
+        the response, writes a response's events; readers take whole lines only)."""
+        if response_id not in self:
+            return False
+        blob = b"".join(_line(event) for event in events)
+        with open(self._events_path(response_id), "ab") as log:
+            log.write(blob)
+        self.bytes += len(blob)
+        if self.bytes > self.max_bytes:
+            self.bytes = self._trim()
+        return True
+
+    def read_events(self, response_id: str, start: int = 0) -> tuple[list[dict], int]:
+        """As ResponseStore.read_events; a position is a byte offset into the events' file (a line still
+        being written is left for the next read)."""
+        self._read(response_id)  # held (NotStored if not), and used now
+        try:
+            with open(self._events_path(response_id), "rb") as log:
+                log.seek(start)
+                blob = log.read()
+        except FileNotFoundError:  # none yet
+            return [], start
+        whole = blob[:blob.rfind(b"\n") + 1]
+        return [json.loads(line) for line in whole.splitlines()], start + len(whole)
 
     def replace(self, response: dict, messages: list[dict] | None = None) -> bool:
         """As ResponseStore.replace."""
@@ -220,6 +277,8 @@ class SharedResponseStore:
             self._path(response_id).unlink()
         except FileNotFoundError:
             return False
+        with contextlib.suppress(FileNotFoundError):
+            self._events_path(response_id).unlink()
         return True
 
     def conversation(self, response_id: str) -> list[dict]:
@@ -233,6 +292,9 @@ class SharedResponseStore:
 
     def _path(self, response_id: str) -> Path:
         return self.directory / f"{response_id}.json"
+
+    def _events_path(self, response_id: str) -> Path:
+        return self.directory / f"{response_id}{EVENTS}"
 
     def _read(self, response_id: str) -> dict:
         if _ID.fullmatch(response_id) is None:
@@ -248,7 +310,7 @@ class SharedResponseStore:
     def _trim(self) -> int:
         """List the directory, remove the least recently used files down to LOW_WATER of the budget (and
         writers' stale leftovers); what remains, in bytes."""
-        files, now = [], time.time()
+        files, events, now = [], {}, time.time()
         for entry in os.scandir(self.directory):
             try:
                 stat = entry.stat()
@@ -257,16 +319,21 @@ class SharedResponseStore:
                         os.unlink(entry.path)
                 elif entry.name.endswith(".json"):
                     files.append((stat.st_mtime, stat.st_size, entry.path))
+                elif entry.name.endswith(EVENTS):
+                    events[entry.name.removesuffix(EVENTS)] = stat.st_size
+                    if now - stat.st_mtime > STALE_S and not os.path.exists(entry.path.removesuffix(EVENTS) + ".json"):
+                        os.unlink(entry.path)  # its response went (an append raced its removal)
+                        events.pop(entry.name.removesuffix(EVENTS))
             except FileNotFoundError:  # another process removed it meanwhile
                 continue
-        total = sum(size for _, size, _ in files)
+        total = sum(size for _, size, _ in files) + sum(events.values())
         if total > self.max_bytes:
-            for _, size, path in sorted(files):
+            for _, size, path in sorted(files):  # a response goes with its events
                 if total <= LOW_WATER * self.max_bytes:
                     break
-                try:
-                    os.unlink(path)
-                except FileNotFoundError:
-                    pass
-                total -= size
+                stem = os.path.basename(path).removesuffix(".json")
+                for gone in (path, os.path.join(self.directory, stem + EVENTS)):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(gone)
+                total -= size + events.get(stem, 0)
         return total

@@ -174,11 +174,8 @@ def checked(body) -> dict:
         raise invalid("store", "must be true or false")
     if body.get("background") not in (None, True, False):
         raise invalid("background", "must be true or false")
-    if body.get("background"):
-        if body.get("store") is False:
-            raise invalid("background", "needs store: true (a background response is read back from the store)")
-        if body.get("stream"):
-            raise invalid("background", "with stream: true is not supported here: poll GET /v1/responses/{id}")
+    if body.get("background") and body.get("store") is False:
+        raise invalid("background", "needs store: true (a background response is read back from the store)")
     return body
 
 
@@ -333,12 +330,27 @@ def failed(response: dict, code: str, message: str) -> dict:
 PENDING = ("queued", "in_progress")  # a background response's states before its end
 
 
+def ending_event(response: dict) -> str:
+    """The event that ends a response's stream with the response as it ended."""
+    return {"completed": "response.completed", "incomplete": "response.incomplete"}.get(response["status"],
+                                                                                      "response.failed")
+
+
 def status_of(finish_reason: str | None) -> str:
     """A finish reason (OpenAI's chat form) as the response's status."""
     return "incomplete" if finish_reason == "length" else "completed"
 
 
-def event(kind: str, number: int, **fields) -> bytes:
-    """One streamed event, as OpenAI sends them (its type as the SSE event name and in the data)."""
-    data = json.dumps({"type": kind, "sequence_number": number, **fields}, separators=(",", ":"))
-    return f"event: {kind}\ndata: {data}\n\n".encode("utf-8")
+# The events that end a response's stream (a cancelled one's ends without one)
+ENDING_EVENTS = ("response.completed", "response.incomplete", "response.failed")
+
+
+def event(kind: str, number: int, **fields) -> dict:
+    """One streamed event: its type and its place in the response's stream."""
+    return {"type": kind, "sequence_number": number, **fields}
+
+
+def sse(event: dict) -> bytes:
+    """An event as OpenAI sends it: its type as the SSE event name and in the data."""
+    data = json.dumps(event, separators=(",", ":"))
+    return f"event: {event['type']}\ndata: {data}\n\n".encode("utf-8")
