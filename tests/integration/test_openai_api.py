@@ -15,6 +15,7 @@ import time
 import urllib.error
 import urllib.request
 
+import anthropic
 import numpy as np
 import openai
 import pytest
@@ -803,6 +804,108 @@ def test_replicas_sharing_a_store_directory_continue_each_others_conversations(s
     _settled_cancelled(server, before, 2)
 
 
+# ---- Anthropic's Messages API ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def claude(server):
+    """Anthropic's SDK against the same API (its base URL is the server's root: it adds /v1/messages)."""
+    client = anthropic.Anthropic(base_url=server.openai_url.removesuffix("/v1"), api_key="unused", max_retries=0,
+                                 timeout=120)
+    yield client
+    client.close()
+
+
+SYSTEM, ASK = CHAT[0]["content"], [CHAT[1]]
+GREEDY = {"temperature": 0}  # the SDK no longer types the sampling settings; the API takes them as older clients send them
+CLAUDE_WEATHER = {"name": "get_weather", "description": "The weather in a city",
+                  "input_schema": WEATHER["function"]["parameters"]}
+
+
+def test_anthropic_messages_answer_as_the_chat_does_whole_streamed_and_counted(api, claude, model):
+    """/v1/messages through the `anthropic` SDK: the chat's greedy answer for the same conversation (system
+    apart), its usage and stop reason; streamed as Anthropic's events (the SDK's text stream and final message
+    the same); count_tokens the prompt's tokens."""
+    chat = api.chat.completions.create(model=model, messages=CHAT, max_tokens=12, temperature=0)
+    message = claude.messages.create(model=model, system=SYSTEM, messages=ASK, max_tokens=12, extra_body=GREEDY)
+    assert message.type == "message" and message.role == "assistant" and message.id.startswith("msg_")
+    assert [block.type for block in message.content] == ["text"]
+    assert message.content[0].text == chat.choices[0].message.content
+    assert message.stop_reason == {"length": "max_tokens", "stop": "end_turn"}[chat.choices[0].finish_reason]
+    assert (message.usage.input_tokens, message.usage.output_tokens) == (chat.usage.prompt_tokens,
+                                                                         chat.usage.completion_tokens)
+    with claude.messages.stream(model=model, system=SYSTEM, messages=ASK, max_tokens=12, extra_body=GREEDY) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert text == final.content[0].text == message.content[0].text
+    assert (final.stop_reason, final.usage.output_tokens) == (message.stop_reason, message.usage.output_tokens)
+    events = [event.type for event in claude.messages.create(model=model, system=SYSTEM, messages=ASK, max_tokens=12,
+                                                             extra_body=GREEDY, stream=True)]
+    assert events[:2] == ["message_start", "content_block_start"] and events[-3:] == [
+        "content_block_stop", "message_delta", "message_stop"]
+    assert set(events[2:-3]) == {"content_block_delta"}
+    counted = claude.messages.count_tokens(model=model, system=SYSTEM, messages=ASK)
+    assert counted.input_tokens == message.usage.input_tokens
+
+
+def test_anthropic_stop_sequences_tools_and_tool_results(api, claude, model):
+    """stop_sequences end the answer before the sequence (stop_reason stop_sequence, naming it); a tool chosen
+    by name answers a tool_use block whose input follows its schema (streamed as input_json_delta, the same
+    input), and the next turn carries it and its tool_result."""
+    words = claude.messages.create(model=model, messages=ASK, max_tokens=40,
+                                   extra_body={"temperature": 0, "ignore_eos": True}).content[0].text
+    cut = max(range(4, len(words) - 3), key=lambda i: words[i:i + 3].isalpha() and words[:i + 3].isascii())
+    sequence = words[cut:cut + 3]
+    assert sequence.isalpha(), words
+    stopped = claude.messages.create(model=model, messages=ASK, max_tokens=40, stop_sequences=["\u00a7never", sequence],
+                                     extra_body={"temperature": 0, "ignore_eos": True})
+    assert (stopped.stop_reason, stopped.stop_sequence) == ("stop_sequence", sequence)
+    assert stopped.content[0].text == words[:words.index(sequence)]
+
+    named = {"tools": [CLAUDE_WEATHER], "tool_choice": {"type": "tool", "name": "get_weather"}}
+    called = claude.messages.create(model=model, messages=ASK, max_tokens=48, extra_body=GREEDY, **named)
+    (use,) = called.content
+    assert (use.type, use.name, called.stop_reason) == ("tool_use", "get_weather", "tool_use")
+    assert set(use.input) == {"city"} and isinstance(use.input["city"], str)
+    with claude.messages.stream(model=model, messages=ASK, max_tokens=48, extra_body=GREEDY, **named) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_message()
+    assert final.content[0].input == use.input and final.stop_reason == "tool_use" and "input_json" in kinds
+    answer = claude.messages.create(model=model, max_tokens=8, extra_body=GREEDY, tools=[CLAUDE_WEATHER], messages=[
+        *ASK, {"role": "assistant", "content": [use.model_dump()]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "20 C and sunny"}]}],
+        tool_choice={"type": "none"})
+    assert answer.content[0].type == "text" and answer.stop_reason in ("end_turn", "max_tokens")
+
+
+@pytest.mark.parametrize("request_args, named", [
+    ({"max_tokens": None}, "max_tokens"),
+    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "messages.0.content.0.type"),
+    ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools.0.type"),
+    ({"tool_choice": {"type": "sometimes"}}, "tool_choice.type"),
+    ({"stop_sequences": "x"}, "stop_sequences"), ({"temperature": -1}, "temperature"),
+    ({"output_config": {"format": {"type": "json_object"}}}, "output_config.format"),
+    ({"mcp_servers": []}, "mcp_servers")])
+def test_anthropic_refusals_are_its_errors_naming_the_field(claude, model, request_args, named):
+    body = {"model": model, "messages": ASK, "max_tokens": 4, **request_args}
+    body = {key: value for key, value in body.items() if value is not None}
+    with pytest.raises(anthropic.BadRequestError) as caught:  # sent as it is: the SDK would refuse some itself
+        claude.post("/v1/messages", body=body, cast_to=object)
+    assert caught.value.body["type"] == "error" and caught.value.body["error"]["type"] == "invalid_request_error"
+    assert named in caught.value.body["error"]["message"]
+
+
+def test_anthropic_unknown_model_and_a_client_that_leaves(server, claude, model):
+    with pytest.raises(anthropic.NotFoundError) as caught:
+        claude.messages.create(model="claude-unknown", messages=ASK, max_tokens=4)
+    assert caught.value.body["error"]["type"] == "not_found_error"
+    before = server.metric("specdec_requests_total", finish_reason="cancelled")
+    with claude.messages.stream(model=model, messages=ASK, max_tokens=900,
+                                extra_body={"temperature": 0, "ignore_eos": True}) as stream:
+        for i, _ in enumerate(stream.text_stream):
+            if i == 2:
+                break
+    _settled_cancelled(server, before, 1)
+
+
 def _post(url: str, body: dict) -> dict:
     request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
                                      headers={"Content-Type": "application/json"})
@@ -911,6 +1014,14 @@ def test_an_api_key_is_required_when_set(server, model):
         assert answers(gateway_url(port), 2)  # the health check needs no key (probes have none)
         with urllib.request.urlopen(f"http://localhost:{port}/metrics", timeout=10) as page:  # nor do scrapers
             assert b"specdec_openai_requests_total" in page.read()
+        # Anthropic's clients send it as x-api-key
+        root = f"http://localhost:{port}"
+        with pytest.raises(anthropic.AuthenticationError) as refused:
+            anthropic.Anthropic(base_url=root, api_key="wrong", max_retries=0).messages.create(
+                model=model, messages=ASK, max_tokens=2)
+        assert refused.value.body["error"]["type"] == "authentication_error"
+        assert anthropic.Anthropic(base_url=root, api_key="s3cret", max_retries=0).messages.create(
+            model=model, messages=ASK, max_tokens=2).usage.output_tokens == 2
         request = urllib.request.Request(f"http://localhost:{port}/tokenize", data=b'{"prompt": "a"}', method="POST")
         with pytest.raises(urllib.error.HTTPError) as caught:  # the tokenizer endpoints need it too
             urllib.request.urlopen(request, timeout=10)

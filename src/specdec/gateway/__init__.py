@@ -5,6 +5,8 @@ talking to the ensemble over gRPC; the launcher runs it beside the server (OPENA
   tools      tool calls: the schemas that force them, the parsers that read them, their streaming (pure)
   reasoning  a reasoning model's thinking apart from its answer (`--reasoning-parser`), whole and streamed (pure)
   responses  OpenAI's Responses API on the chat path: the request mapped, the response object, its events (pure)
+  messages   Anthropic's Messages API on the chat path: the request mapped, the message, its events, its
+             errors (pure)
   response_store  the Responses API's stored responses (`store`, `previous_response_id`): in memory, or in a
              directory replicas share
   background  the Responses API's background responses: generated here, their states and streams stored,

@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP API (aiohttp): /v1/chat/completions, /v1/completions, /v1/responses (and its
-stored responses, /v1/responses/{id}), /v1/models, /health, its Prometheus metrics (/metrics, metrics.py) and
-vLLM's tokenizer endpoints (/tokenize, /detokenize, /tokenizer_info).
+stored responses, /v1/responses/{id}), /v1/models, /health, its Prometheus metrics (/metrics, metrics.py),
+vLLM's tokenizer endpoints (/tokenize, /detokenize, /tokenizer_info) and Anthropic's Messages API
+(/v1/messages, /v1/messages/count_tokens: messages.py).
 
 Each request becomes one gRPC stream of the ensemble (upstream.py); a streamed answer goes out as
 Server-Sent Events chunk by chunk as the server accepts tokens. A client that goes away (before its first
@@ -22,7 +23,7 @@ from aiohttp import web
 
 from specdec import tensor_names as tn
 from specdec.decoding import json_text
-from specdec.gateway import metrics, protocol, reasoning, responses, tokenization, tools
+from specdec.gateway import messages, metrics, protocol, reasoning, responses, tokenization, tools
 from specdec.gateway.protocol import STATS_FIELD, ApiError, Generation
 from specdec.gateway.background import BackgroundResponses
 from specdec.gateway.response_store import NotStored, ResponseStore, in_store
@@ -32,10 +33,12 @@ TokenText = Callable[[int], str]  # a token id's text (for log-probabilities)
 API_PREFIX = "/v1/"
 TOKENIZER_PATHS = frozenset({"/tokenize", "/detokenize", "/tokenizer_info"})  # vLLM's, at the root
 HEALTH_PATH = "/health"
+MESSAGES_PREFIX = "/v1/messages"  # Anthropic's API: its errors in its own form
 
 
-def error_response(error: ApiError) -> web.Response:
-    return web.json_response(error.body(), status=error.status)
+def error_response(error: ApiError, path: str = "") -> web.Response:
+    body = messages.error_body(error) if path.startswith(MESSAGES_PREFIX) else error.body()
+    return web.json_response(body, status=error.status)
 
 
 class Gateway:
@@ -67,6 +70,8 @@ class Gateway:
         app.router.add_delete("/v1/responses/{id}", self.delete_response)
         app.router.add_get("/v1/responses/{id}/input_items", self.stored_input_items)
         app.router.add_post("/v1/responses/{id}/cancel", self.cancel_response)
+        app.router.add_post(MESSAGES_PREFIX, self.messages)
+        app.router.add_post(MESSAGES_PREFIX + "/count_tokens", self.count_message_tokens)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model}", self.model)
         app.router.add_get(HEALTH_PATH, self.health)
@@ -99,17 +104,21 @@ class Gateway:
     @web.middleware
     async def _errors(self, request: web.Request, handler):
         if self.api_key and (request.path.startswith(API_PREFIX) or request.path in TOKENIZER_PATHS):
-            given = request.headers.get("Authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
-                return error_response(ApiError(401, "Incorrect API key provided (Authorization: Bearer <key>)",
-                                               code="invalid_api_key"))
+            # OpenAI's clients send the key as a bearer token, Anthropic's as x-api-key
+            given = request.headers.get("Authorization", "").encode()
+            anthropic = request.headers.get("x-api-key", "").encode()
+            key = self.api_key.encode()
+            if not (hmac.compare_digest(given, b"Bearer " + key) or hmac.compare_digest(anthropic, key)):
+                return error_response(ApiError(401, "Incorrect API key provided (Authorization: Bearer <key>, or "
+                                                    "x-api-key: <key>)", code="invalid_api_key"), request.path)
         try:
             return await handler(request)
         except ApiError as exc:
-            return error_response(exc)
+            return error_response(exc, request.path)
         except web.HTTPException as exc:
             if exc.status >= 400:
-                return error_response(ApiError(exc.status, f"{exc.reason}: {request.method} {request.path}"))
+                return error_response(ApiError(exc.status, f"{exc.reason}: {request.method} {request.path}"),
+                                      request.path)
             raise
 
     async def _body(self, request: web.Request) -> dict:
@@ -157,6 +166,131 @@ class Gateway:
             return web.json_response(answer)
         except ApiError as exc:
             raise responses.renamed(protocol.chat_error(exc)) from None
+
+    async def messages(self, request: web.Request) -> web.StreamResponse:
+        """POST /v1/messages: Anthropic's Messages API, the chat request it stands for (messages.py) answered as
+        a `message`, or streamed as its events."""
+        body = await self._body(request)
+        try:
+            gen = protocol.parse_chat(messages.chat_body(body), self.served, self.tool_parser, self.reasoning_parser)
+            async with self._pieces(gen) as pieces:  # errors before the first token are plain HTTP errors
+                if gen.stream:
+                    return await self._stream_message(request, gen, body, pieces)
+                merged = Piece()
+                async for _, piece in pieces:
+                    merged.add(piece)
+        except ApiError as exc:
+            raise messages.renamed(protocol.chat_error(exc)) from None
+        thinking, text = reasoning.split(merged.text, gen.reasoning) if gen.reasoning else (None, merged.text)
+        text, reason, calls = self._answer_calls(gen, text or "", self._finish_reason(merged))
+        stop = self._stop_sequence(body, merged, reason, calls)
+        content = messages.content_blocks(text, calls, thinking if gen.include_reasoning else None)
+        return web.json_response(messages.message_object(
+            gen, content, messages.stop_reason(reason, bool(calls), stop), stop, *self._message_usage(merged),
+            protocol.combined_stats([merged.stats])))
+
+    async def count_message_tokens(self, request: web.Request) -> web.Response:
+        """POST /v1/messages/count_tokens: the prompt's tokens, as the server renders the request."""
+        tokenizer = self._tokenizer()
+        gen = protocol.parse_chat(messages.chat_body(await self._body(request), count=True), self.served,
+                                  self.tool_parser, self.reasoning_parser)
+        try:
+            count = await asyncio.to_thread(tokenization.chat_prompt_length, tokenizer, gen.choices[0])
+        except ValueError as exc:
+            raise protocol.invalid("messages", str(exc)) from None
+        return web.json_response({"input_tokens": count})
+
+    def _stop_sequence(self, body: dict, merged: Piece, reason: str | None, calls: list) -> str | None:
+        """The stop sequence that ended an answer (read from its tokens: the text sent stops before it); None
+        when none did, or without the tokenizer to tell."""
+        if reason != "stop" or calls or not body.get("stop_sequences") or self.tokenizer is None:
+            return None
+        generated = self.tokenizer.decode(merged.ids, skip_special_tokens=True)
+        return messages.matched_stop(generated, merged.text, body["stop_sequences"])
+
+    @staticmethod
+    def _message_usage(merged: Piece) -> tuple[int, int]:
+        return (int(merged.stats.get(tn.NUM_INPUT_TOKENS, 0)),
+                max(len(merged.ids), int(merged.stats.get(tn.NUM_OUTPUT_TOKENS, 0))))
+
+    async def _stream_message(self, request: web.Request, gen: Generation, body: dict, pieces) -> web.StreamResponse:
+        """The Messages API's events: message_start, then each content block (a reasoning model's thinking, the
+        text, each tool call) as its start, its deltas as the server accepts tokens and its stop; message_delta
+        (stop_reason, usage) and message_stop. Tool calls stream as the chat's do (tools.ToolStream)."""
+        response = await _event_stream(request)
+        merged, block = Piece(), {"index": -1, "type": None}
+        thinker = reasoning.ReasoningStream(gen.reasoning) if gen.reasoning else None
+        calls = tools.ToolStream(gen.tools) if gen.tools is not None else None
+        called = False
+
+        async def send(kind: str, **fields) -> None:
+            await response.write(messages.event(kind, **fields))
+
+        async def close() -> None:
+            if block["type"] is not None:
+                await send("content_block_stop", index=block["index"])
+                block["type"] = None
+
+        async def delta(kind: str, start: dict, **fields) -> None:
+            """A delta of the open block of this kind (a new block started first where another is open)."""
+            if block["type"] != start["type"]:
+                await close()
+                block["index"] += 1
+                block["type"] = start["type"]
+                await send("content_block_start", index=block["index"], content_block=start)
+            await send("content_block_delta", index=block["index"], delta={"type": kind, **fields})
+
+        async def emit(text: str, thinking: str, deltas: list[dict] | None = None) -> None:
+            if thinking and gen.include_reasoning:
+                await delta("thinking_delta", {"type": "thinking", "thinking": "", "signature": ""}, thinking=thinking)
+            if deltas is None:
+                text, deltas = calls.feed(text) if calls is not None else (text, [])
+            if text:
+                await delta("text_delta", {"type": "text", "text": ""}, text=text)
+            for call in deltas:
+                if "id" in call:  # a call's first delta: its block opens
+                    await close()
+                    block["index"] += 1
+                    block["type"] = "tool_use"
+                    await send("content_block_start", index=block["index"], content_block={
+                        "type": "tool_use", "id": call["id"], "name": call["function"]["name"], "input": {}})
+                if call["function"].get("arguments"):
+                    await send("content_block_delta", index=block["index"],
+                               delta={"type": "input_json_delta", "partial_json": call["function"]["arguments"]})
+        async def start() -> None:
+            await send("message_start", message=messages.message_object(gen, [], None, None,
+                                                                        self._message_usage(merged)[0], 0))
+        try:
+            started = False
+            async for _, piece in pieces:
+                merged.add(piece)
+                if not started:  # with the first response: the prompt's count comes with it
+                    await start()
+                    started = True
+                thinking, text = thinker.feed(piece.text) if thinker is not None else ("", piece.text)
+                await emit(text, thinking)
+            if not started:
+                await start()
+            if thinker is not None:  # what it held back: the end of a possible tag
+                thinking, text = thinker.finish()
+                await emit(text, thinking)
+            if calls is not None:
+                rest, deltas, called = calls.finish()
+                await emit(rest, "", deltas)
+            await close()
+            reason = self._finish_reason(merged)
+            stop = self._stop_sequence(body, merged, reason, [True] if called else [])
+            input_tokens, output_tokens = self._message_usage(merged)
+            await send("message_delta", delta={"stop_reason": messages.stop_reason(reason, called, stop),
+                                               "stop_sequence": stop},
+                       usage={"input_tokens": input_tokens, "output_tokens": output_tokens},
+                       **{STATS_FIELD: protocol.combined_stats([merged.stats])})
+            await send("message_stop")
+        except ApiError as exc:  # after the stream began: an error event, as Anthropic's SDK reads one
+            self.metrics.stream_error(exc.status)
+            await send("error", error=messages.error_body(messages.renamed(exc))["error"])
+        await response.write_eof()
+        return response
 
     @contextlib.asynccontextmanager
     async def _pieces(self, gen: Generation):
