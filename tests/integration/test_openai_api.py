@@ -864,11 +864,13 @@ def test_anthropic_stop_sequences_tools_and_tool_results(api, claude, model):
     called = claude.messages.create(model=model, messages=ASK, max_tokens=48, extra_body=GREEDY, **named)
     (use,) = called.content
     assert (use.type, use.name, called.stop_reason) == ("tool_use", "get_weather", "tool_use")
+    assert use.id.startswith("toolu_")
     assert set(use.input) == {"city"} and isinstance(use.input["city"], str)
     with claude.messages.stream(model=model, messages=ASK, max_tokens=48, extra_body=GREEDY, **named) as stream:
         kinds = [event.type for event in stream]
         final = stream.get_final_message()
     assert final.content[0].input == use.input and final.stop_reason == "tool_use" and "input_json" in kinds
+    assert final.content[0].id.startswith("toolu_")
     answer = claude.messages.create(model=model, max_tokens=8, extra_body=GREEDY, tools=[CLAUDE_WEATHER], messages=[
         *ASK, {"role": "assistant", "content": [use.model_dump()]},
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "20 C and sunny"}]}],

@@ -183,7 +183,7 @@ class Gateway:
             raise messages.renamed(protocol.chat_error(exc)) from None
         thinking, text = reasoning.split(merged.text, gen.reasoning) if gen.reasoning else (None, merged.text)
         text, reason, calls = self._answer_calls(gen, text or "", self._finish_reason(merged))
-        stop = self._stop_sequence(body, merged, reason, calls)
+        stop = self._stop_sequence(body, merged, reason, bool(calls))
         content = messages.content_blocks(text, calls, thinking if gen.include_reasoning else None)
         return web.json_response(messages.message_object(
             gen, content, messages.stop_reason(reason, bool(calls), stop), stop, *self._message_usage(merged),
@@ -200,10 +200,10 @@ class Gateway:
             raise protocol.invalid("messages", str(exc)) from None
         return web.json_response({"input_tokens": count})
 
-    def _stop_sequence(self, body: dict, merged: Piece, reason: str | None, calls: list) -> str | None:
+    def _stop_sequence(self, body: dict, merged: Piece, reason: str | None, called: bool) -> str | None:
         """The stop sequence that ended an answer (read from its tokens: the text sent stops before it); None
         when none did, or without the tokenizer to tell."""
-        if reason != "stop" or calls or not body.get("stop_sequences") or self.tokenizer is None:
+        if reason != "stop" or called or not body.get("stop_sequences") or self.tokenizer is None:
             return None
         generated = self.tokenizer.decode(merged.ids, skip_special_tokens=True)
         return messages.matched_stop(generated, merged.text, body["stop_sequences"])
@@ -253,7 +253,8 @@ class Gateway:
                     block["index"] += 1
                     block["type"] = "tool_use"
                     await send("content_block_start", index=block["index"], content_block={
-                        "type": "tool_use", "id": call["id"], "name": call["function"]["name"], "input": {}})
+                        "type": "tool_use", "id": messages.TOOL_USE_PREFIX + call["id"].removeprefix("call_"),
+                        "name": call["function"]["name"], "input": {}})
                 if call["function"].get("arguments"):
                     await send("content_block_delta", index=block["index"],
                                delta={"type": "input_json_delta", "partial_json": call["function"]["arguments"]})
@@ -279,7 +280,7 @@ class Gateway:
                 await emit(rest, "", deltas)
             await close()
             reason = self._finish_reason(merged)
-            stop = self._stop_sequence(body, merged, reason, [True] if called else [])
+            stop = self._stop_sequence(body, merged, reason, called)
             input_tokens, output_tokens = self._message_usage(merged)
             await send("message_delta", delta={"stop_reason": messages.stop_reason(reason, called, stop),
                                                "stop_sequence": stop},

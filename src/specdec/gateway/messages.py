@@ -27,6 +27,7 @@ EXTRA_FIELDS = tuple(name for name in CHAT_FIELDS if name not in CHAT_ONLY and n
 # count_tokens' body
 COUNT_FIELDS = ("model", "messages", "system", "tools", "tool_choice", "thinking", "output_config", "cache_control",
                 "speed", "user_profile_id", "workspace_id")
+TOOL_USE_PREFIX = "toolu_"  # a tool_use block's id starts so, as Anthropic's do
 # A chat field named in an error -> the Messages field it came from
 RENAMED = {"stop": "stop_sequences", "max_completion_tokens": "max_tokens", "response_format": "output_config.format",
            "reasoning_effort": "output_config.effort"}
@@ -222,13 +223,13 @@ def matched_stop(generated: str, sent: str, sequences: list[str] | None) -> str 
     return min(found)[1] if found else None
 
 
-def tool_use_block(call: dict, block_id: str | None = None) -> dict:
+def tool_use_block(call: dict) -> dict:
     """A call {"name", "arguments": a JSON string} as a tool_use block (its input the arguments parsed)."""
     try:
         arguments = json.loads(call["arguments"]) if call["arguments"].strip() else {}
     except ValueError:  # a call cut short (max_tokens): its input as far as it was written
         arguments = {"_partial_arguments": call["arguments"]}
-    return {"type": "tool_use", "id": block_id or "toolu_" + tools.call_id().removeprefix("call_"),
+    return {"type": "tool_use", "id": TOOL_USE_PREFIX + tools.call_id().removeprefix("call_"),
             "name": call["name"], "input": arguments if isinstance(arguments, dict) else {"value": arguments}}
 
 
