@@ -823,7 +823,7 @@ CLAUDE_WEATHER = {"name": "get_weather", "description": "The weather in a city",
 def test_anthropic_messages_answer_as_the_chat_does_whole_streamed_and_counted(api, claude, model):
     """/v1/messages through the `anthropic` SDK: the chat's greedy answer for the same conversation (system
     apart), its usage and stop reason; streamed as Anthropic's events (the SDK's text stream and final message
-    the same); count_tokens the prompt's tokens."""
+    the same); count_tokens the prompt's tokens; the model list as Anthropic's SDK reads it."""
     chat = api.chat.completions.create(model=model, messages=CHAT, max_tokens=12, temperature=0)
     message = claude.messages.create(model=model, system=SYSTEM, messages=ASK, max_tokens=12, extra_body=GREEDY)
     assert message.type == "message" and message.role == "assistant" and message.id.startswith("msg_")
@@ -844,6 +844,9 @@ def test_anthropic_messages_answer_as_the_chat_does_whole_streamed_and_counted(a
     assert set(events[2:-3]) == {"content_block_delta"}
     counted = claude.messages.count_tokens(model=model, system=SYSTEM, messages=ASK)
     assert counted.input_tokens == message.usage.input_tokens
+    (card,) = claude.models.list().data  # Anthropic's model list, from the same endpoint
+    assert (card.id, card.type, card.display_name) == (model, "model", model) and card.created_at.year >= 2026
+    assert claude.models.retrieve(model).id == model
 
 
 def test_anthropic_stop_sequences_tools_and_tool_results(api, claude, model):

@@ -598,18 +598,27 @@ class Gateway:
         await send("response.output_item.done", output_index=index, item=item)
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [self._model_card(name) for name in self.served]})
+        """GET /v1/models: OpenAI's list; to Anthropic's clients (their `anthropic-version` header) also the
+        fields of Anthropic's (each model's type, display_name and created_at; the page's ids)."""
+        anthropic = messages.ANTHROPIC_VERSION_HEADER in request.headers
+        cards = [self._model_card(name, anthropic) for name in self.served]
+        page = {"object": "list", "data": cards}
+        if anthropic:
+            page.update(has_more=False, first_id=self.served[0], last_id=self.served[-1])
+        return web.json_response(page)
 
     async def model(self, request: web.Request) -> web.Response:
         name = request.match_info["model"]
         if name not in self.served:
             raise ApiError(404, f"The model `{name}` does not exist", param="model", code="model_not_found")
-        return web.json_response(self._model_card(name))
+        return web.json_response(self._model_card(name, messages.ANTHROPIC_VERSION_HEADER in request.headers))
 
-    def _model_card(self, name: str) -> dict:
+    def _model_card(self, name: str, anthropic: bool = False) -> dict:
         card = {"id": name, "object": "model", "created": self.created, "owned_by": "specdec"}
         if self.max_model_len:  # as vLLM's cards say it
             card["max_model_len"] = self.max_model_len
+        if anthropic:
+            card.update(messages.model_card(name, self.created))
         return card
 
     def _tokenizer(self):

@@ -7,6 +7,7 @@ Pure. docs/openai.md (Anthropic's Messages API).
 
 from __future__ import annotations
 
+import datetime
 import json
 
 from specdec.gateway import tools
@@ -27,6 +28,7 @@ EXTRA_FIELDS = tuple(name for name in CHAT_FIELDS if name not in CHAT_ONLY and n
 # count_tokens' body
 COUNT_FIELDS = ("model", "messages", "system", "tools", "tool_choice", "thinking", "output_config", "cache_control",
                 "speed", "user_profile_id", "workspace_id")
+ANTHROPIC_VERSION_HEADER = "anthropic-version"  # every Anthropic client sends it
 TOOL_USE_PREFIX = "toolu_"  # a tool_use block's id starts so, as Anthropic's do
 # A chat field named in an error -> the Messages field it came from
 RENAMED = {"stop": "stop_sequences", "max_completion_tokens": "max_tokens", "response_format": "output_config.format",
@@ -250,6 +252,12 @@ def message_object(gen: Generation, content: list[dict], reason: str | None, sto
     if stats is not None:
         out[STATS_FIELD] = stats
     return out
+
+
+def model_card(name: str, created: int) -> dict:
+    """A model's fields as Anthropic's model list gives them."""
+    stamp = datetime.datetime.fromtimestamp(created, datetime.timezone.utc).isoformat().replace("+00:00", "Z")
+    return {"type": "model", "display_name": name, "created_at": stamp}
 
 
 def event(kind: str, **fields) -> bytes:
