@@ -9,7 +9,9 @@ consecutive chunks (p50/p99), their difference to the direct path at the median,
 CPU time per streamed chunk and per output token (Linux /proc). Every client runs in this process on one
 asyncio loop: the direct one is client/aio.py's (tritonclient gRPC asyncio); through the gateway, the official
 `openai` SDK's AsyncOpenAI and a bare aiohttp client (what the gateway costs without the SDK's own work),
-each a streamed completion (text in, as the direct request sends it).
+each a streamed completion (text in, as the direct request sends it). And a chat through the two chat-shaped
+APIs, from the bare client: OpenAI's chat completions and Anthropic's Messages API, the same conversation (so
+the same prompt, its chat template applied), compared with each other (their prompt is not the direct path's).
 
     python -m bench.openai_gateway_bench                      # tiny pair, 1 and 4 streams
     python -m bench.openai_gateway_bench --results openai-gateway
@@ -109,6 +111,36 @@ async def through_raw(session: aiohttp.ClientSession, url: str, model: str, prom
     return stamps[0] - sent, [b - a for a, b in zip(stamps, stamps[1:])], tokens
 
 
+async def through_chat_api(session: aiohttp.ClientSession, url: str, model: str, prompt: str,
+                           params: GenerationParams, anthropic: bool):
+    """The prompt as a user message, streamed by OpenAI's chat completions or Anthropic's Messages API (a bare
+    client: what each API's own streaming costs in the gateway)."""
+    stamps: list[float] = []
+    tokens = 0
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": params.max_tokens,
+            "temperature": 0, "stream": True, "num_draft_tokens": params.num_draft_tokens, "adaptive_draft": False,
+            "ignore_eos": True}
+    if not anthropic:
+        body["stream_options"] = {"include_usage": True}
+    sent = time.perf_counter()
+    async with session.post(f"{url}/messages" if anthropic else f"{url}/chat/completions", json=body) as response:
+        async for line in response.content:
+            if not line.startswith(b"data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if anthropic:
+                if chunk["type"] == "content_block_delta":
+                    stamps.append(time.perf_counter())
+                elif chunk["type"] == "message_delta":
+                    tokens = chunk["usage"]["output_tokens"]
+            else:
+                if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                    stamps.append(time.perf_counter())
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+    return stamps[0] - sent, [b - a for a, b in zip(stamps, stamps[1:])], tokens
+
+
 async def through_vllm_compatible(client: grpcaio.InferenceServerClient, prompt: str, params: GenerationParams):
     """The same request as vLLM's backend's clients send it, to vllm_compatible."""
     settings = {"max_tokens": params.max_tokens, "temperature": 0, "ignore_eos": True}
@@ -154,6 +186,10 @@ async def run(srv, texts: list[str], params: GenerationParams, concurrency: int)
     calls = {"direct": lambda p: direct(grpc_client, p, params),
              "gateway, openai SDK": lambda p: through_gateway(api, model, p, params),
              "gateway, aiohttp client": lambda p: through_raw(session, srv.openai_url, model, p, params),
+             "gateway, chat completions (aiohttp)": lambda p: through_chat_api(session, srv.openai_url, model, p, params,
+                                                                               anthropic=False),
+             "gateway, Anthropic messages (aiohttp)": lambda p: through_chat_api(session, srv.openai_url, model, p,
+                                                                                 params, anthropic=True),
              "vllm_compatible": lambda p: through_vllm_compatible(vllm_client, p, params)}
     pids = {path: relay if path == "vllm_compatible" else gateway for path in calls}
     out = {path: {"ttft": [], "gaps": [], "tokens": 0, "cpu": 0.0} for path in calls}
@@ -202,9 +238,10 @@ def main() -> None:
             for path, m in measured.items():
                 chunks = len(m["gaps"]) + len(m["ttft"])
                 gateway = path != "direct"
+                same_prompt = gateway and "(aiohttp)" not in path  # the chat APIs' prompt has the template's tokens
                 rows.append([concurrency, path, f"{pct(m['ttft'], 50) * 1e3:.1f}", f"{pct(m['ttft'], 99) * 1e3:.1f}",
                              f"{pct(m['gaps'], 50) * 1e3:.2f}", f"{pct(m['gaps'], 99) * 1e3:.2f}", f"{m['tokens']}",
-                             f"{(statistics.median(m['ttft']) - statistics.median(d['ttft'])) * 1e3:+.1f}" if gateway else "",
+                             f"{(statistics.median(m['ttft']) - statistics.median(d['ttft'])) * 1e3:+.1f}" if same_prompt else "",
                              f"{(statistics.median(m['gaps']) - statistics.median(d['gaps'])) * 1e3:+.2f}" if gateway else "",
                              f"{m['cpu'] / chunks * 1e6:.0f}" if gateway else "",
                              f"{m['cpu'] / m['tokens'] * 1e6:.0f}" if gateway else ""])
