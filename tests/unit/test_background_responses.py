@@ -133,3 +133,46 @@ def test_another_process_follows_a_response_generated_here_through_a_shared_stor
         await asyncio.sleep(0.2)
         assert len(a) == 0 and b_store.get(started["id"])["status"] == "cancelled"
     asyncio.run(main())
+
+
+def test_a_response_whose_generating_replica_died_is_failed_once_its_beats_stop(tmp_path, monkeypatch):
+    """With a shared store the replica generating a background response beats (`<id>.alive`) every WATCH_S;
+    another replica reads it in_progress while the beats go on, and failed once they have stopped for ORPHAN_S
+    (stored so, its stream ended with response.failed): that replica died without storing its end. A
+    response that ended stops its beats and stays as it ended."""
+    monkeypatch.setattr(background, "WATCH_S", 0.05)
+    monkeypatch.setattr(background, "ORPHAN_S", 0.4)
+
+    async def main():
+        answer = Generation(100)
+        a = BackgroundResponses(SharedResponseStore(tmp_path, 1 << 20), answer, drain_timeout_s=1)
+        store = SharedResponseStore(tmp_path, 1 << 20)
+        b = BackgroundResponses(store, Generation(0), drain_timeout_s=1)
+        started = await a.start(*request())
+        await asyncio.sleep(0.8)  # twice ORPHAN_S: a's beats keep it alive
+        assert (await b.current(store.get(started["id"])))["status"] == "in_progress"
+        answer.step(100)
+        await asyncio.sleep(0.2)
+        assert store.beat_age(started["id"]) is None  # its end stored: no beats
+        await asyncio.sleep(0.5)
+        assert (await b.current(store.get(started["id"])))["status"] == "completed"
+
+        # what a replica that died leaves: the response stored in_progress, its first events, its last beat
+        gen, body = request()
+        dead = responses.response_object(gen, body, "in_progress", [], stored=True)
+        store.beat(dead["id"])
+        store.put(dead, [], None)
+        store.add_events(dead["id"], [responses.event("response.created", 0, response=dead),
+                                      responses.event("response.in_progress", 1, response=dead)])
+        assert (await b.current(store.get(dead["id"])))["status"] == "in_progress"
+        follower = asyncio.create_task(collect(b.follow(dead["id"], -1), []))
+        await asyncio.sleep(0.6)
+        ended = await b.current(store.get(dead["id"]))
+        assert ended["status"] == "failed" and ended["error"]["code"] == "server_error"
+        assert store.get(dead["id"])["status"] == "failed" and store.beat_age(dead["id"]) is None
+        events = await asyncio.wait_for(follower, 2)  # its stream ends with the failure
+        assert kinds(events) == ["response.created", "response.in_progress", "response.failed"]
+        assert events[-1]["sequence_number"] == 2
+        store.delete(dead["id"])
+        assert not list(tmp_path.glob(dead["id"] + "*"))  # its events and beats go with it
+    asyncio.run(main())

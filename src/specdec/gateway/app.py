@@ -384,7 +384,7 @@ class Gateway:
             raise protocol.invalid("previous_response_id", "responses are not stored by this server (its "
                                    "--responses-store-mb is 0): send the whole conversation in input")
         try:
-            status = (await in_store(self.store, self.store.get, previous))["status"]
+            status = (await self.background.current(await in_store(self.store, self.store.get, previous)))["status"]
             if status in responses.PENDING:  # a background response not done yet: no answer to continue from
                 raise protocol.invalid("previous_response_id", f"response {previous!r} is still {status} (a "
                                        "background response): continue it once it is done")
@@ -414,6 +414,7 @@ class Gateway:
         `stream=true`, a background response's stream (`starting_after`: the events after that sequence
         number; all of them without), replayed from its log and followed to its end."""
         response_id, response = await self._stored(request, self.store.get)
+        response = await self.background.current(response)
         stream = request.query.get("stream", "false")
         if stream not in ("true", "false"):
             raise protocol.invalid("stream", "must be true or false")
@@ -462,6 +463,7 @@ class Gateway:
         if not response.get("background"):
             raise ApiError(400, f"response {response_id!r} was not created with background: true: only those can "
                                 "be cancelled", "id")
+        response = await self.background.current(response)
         return web.json_response(await self.background.cancel(response))
 
     async def delete_response(self, request: web.Request) -> web.Response:

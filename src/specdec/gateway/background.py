@@ -9,7 +9,9 @@ Every background response's stream is kept in the store as it is generated (its 
 the request streams), so that the request's own stream (`stream: true`) and any later
 `GET /v1/responses/{id}?stream=true` (`follow`) read the same events, from any replica sharing the store: a
 client that goes away stops nothing, and comes back after the last event it saw. A stream ends with its end's
-event (completed, incomplete, failed); a cancelled response's with none. docs/openai.md.
+event (completed, incomplete, failed); a cancelled response's with none. With a shared store the generating
+replica beats while it generates; a pending response whose beats stopped (its replica died) is failed by the
+first replica that reads it (`current`). docs/openai.md.
 """
 
 from __future__ import annotations
@@ -29,6 +31,10 @@ WATCH_S = 0.5  # how often a background response's generator looks for a cancel 
 # here wakes its followers at each event
 FOLLOW_S = 0.1
 ENDING_WAIT_S = 5.0  # how long a stream waits for the end's event of a response stored as ended
+# A pending response whose generator (another replica, with a shared store) has not beaten for this long is
+# taken as failed: that replica stopped without storing its end (killed, its node lost). Beats come every
+# WATCH_S; the margin covers clocks that differ between the replicas' nodes.
+ORPHAN_S = 30.0
 
 Send = Callable[..., Awaitable[None]]  # send(kind, **fields): one event of the response's stream
 # answer(gen, body, started, send): a response generated, its events sent after created and in_progress; its
@@ -53,6 +59,7 @@ class BackgroundResponses:
         generating it; that object (the request's answer)."""
         started = responses.response_object(gen, body, "in_progress", [], stored=True)
         response_id = started["id"]
+        await in_store(self.store, self.store.beat, response_id)  # before it is stored: never pending unbeaten
         await in_store(self.store, self.store.put, started, responses.input_messages(body),
                        body.get("previous_response_id"), responses.input_items(body))
         self._news[response_id] = asyncio.Event()
@@ -82,6 +89,27 @@ class BackgroundResponses:
                 news.set()
         return send
 
+    async def current(self, response: dict) -> dict:
+        """A stored response as it stands: a pending one that another replica generates, whose beats stopped
+        ORPHAN_S ago, failed (and stored so): that replica is gone without storing its end."""
+        response_id = response["id"]
+        if response.get("status") not in responses.PENDING or response_id in self._tasks:
+            return response
+        age = await in_store(self.store, self.store.beat_age, response_id)
+        if age is not None and age <= ORPHAN_S:
+            return response
+        ended = responses.failed(response, "server_error", "the server generating this response stopped before it "
+                                                           "was done")
+        await in_store(self.store, self.store.replace, ended)
+        await in_store(self.store, self.store.end_beats, response_id)
+        try:  # its stream's end, numbered after what the gone replica stored
+            events, _ = await in_store(self.store, self.store.read_events, response_id)
+            await in_store(self.store, self.store.add_events, response_id,
+                           [responses.event("response.failed", len(events), response=ended)])
+        except NotStored:  # deleted meanwhile
+            pass
+        return ended
+
     async def follow(self, response_id: str, after: int):
         """A background response's stream: its stored events whose sequence number is over `after`, then
         those that come, until its end's event (a cancelled or deleted one's: until it is seen so)."""
@@ -99,7 +127,7 @@ class BackgroundResponses:
                     return
             if not events and response_id not in self._tasks:  # not generated here (now): has it ended?
                 try:
-                    status = (await in_store(self.store, self.store.get, response_id))["status"]
+                    status = (await self.current(await in_store(self.store, self.store.get, response_id)))["status"]
                 except NotStored:
                     return
                 if status not in responses.PENDING:
@@ -158,13 +186,16 @@ class BackgroundResponses:
                 watch.cancel()
         self._cancelled.discard(response_id)
         await in_store(self.store, self.store.replace, end, messages)  # not kept again if deleted meanwhile
+        await in_store(self.store, self.store.end_beats, response_id)
         if end["status"] != "cancelled":
             await send(responses.ending_event(end), response=end)
 
     async def _watch(self, response_id: str) -> None:
-        """Another replica's cancel (the stored status) or delete of a response this process generates."""
+        """Another replica's cancel (the stored status) or delete of a response this process generates; the
+        beats that tell the other replicas this one still generates it."""
         while True:
             await asyncio.sleep(WATCH_S)
+            await in_store(self.store, self.store.beat, response_id)
             try:
                 status = (await in_store(self.store, self.store.get, response_id))["status"]
             except NotStored:

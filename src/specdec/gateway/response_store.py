@@ -116,6 +116,16 @@ class ResponseStore:
         self._fit()
         return True
 
+    def beat(self, response_id: str) -> None:
+        """The response's generator is alive (SharedResponseStore: for the other replicas to see)."""
+
+    def end_beats(self, response_id: str) -> None:
+        """The response's generator has stored its end."""
+
+    def beat_age(self, response_id: str) -> float | None:
+        """Seconds since the response's generator last beat (0: one process's store, its generator is here)."""
+        return 0.0
+
     def read_events(self, response_id: str, start: int = 0) -> tuple[list[dict], int]:
         """A held response's events from position `start` (0: its first), and the position after them, to
         read on from (NotStored if the response is not held)."""
@@ -174,6 +184,7 @@ _ID = re.compile(r"[A-Za-z0-9_-]{1,200}")
 # Scanned, the directory is trimmed to this share of its budget: the next scan is due after that much is added
 LOW_WATER = 0.9
 EVENTS = ".events"  # a background response's stream: `<id>.events`, JSON lines
+ALIVE = ".alive"  # touched by the replica generating a background response while it does: `<id>.alive`
 # A half-written file older than this is a writer's that died: removed at the next scan
 STALE_S = 3600.0
 
@@ -246,6 +257,22 @@ class SharedResponseStore:
             self.bytes = self._trim()
         return True
 
+    def beat(self, response_id: str) -> None:
+        """`<id>.alive` touched: the replica generating the response is alive."""
+        if _ID.fullmatch(response_id) is not None:
+            self._alive_path(response_id).touch()
+
+    def end_beats(self, response_id: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self._alive_path(response_id).unlink()
+
+    def beat_age(self, response_id: str) -> float | None:
+        """Seconds since `<id>.alive` was last touched (None: it is not there: no replica generates it)."""
+        try:
+            return time.time() - self._alive_path(response_id).stat().st_mtime
+        except (FileNotFoundError, ValueError):
+            return None
+
     def read_events(self, response_id: str, start: int = 0) -> tuple[list[dict], int]:
         """As ResponseStore.read_events; a position is a byte offset into the events' file (a line still
         being written is left for the next read)."""
@@ -277,8 +304,9 @@ class SharedResponseStore:
             self._path(response_id).unlink()
         except FileNotFoundError:
             return False
-        with contextlib.suppress(FileNotFoundError):
-            self._events_path(response_id).unlink()
+        for extra in (self._events_path(response_id), self._alive_path(response_id)):
+            with contextlib.suppress(FileNotFoundError):
+                extra.unlink()
         return True
 
     def conversation(self, response_id: str) -> list[dict]:
@@ -295,6 +323,9 @@ class SharedResponseStore:
 
     def _events_path(self, response_id: str) -> Path:
         return self.directory / f"{response_id}{EVENTS}"
+
+    def _alive_path(self, response_id: str) -> Path:
+        return self.directory / f"{response_id}{ALIVE}"
 
     def _read(self, response_id: str) -> dict:
         if _ID.fullmatch(response_id) is None:
@@ -319,6 +350,9 @@ class SharedResponseStore:
                         os.unlink(entry.path)
                 elif entry.name.endswith(".json"):
                     files.append((stat.st_mtime, stat.st_size, entry.path))
+                elif entry.name.endswith(ALIVE):  # a generator's beats: left by one that died with its response gone
+                    if now - stat.st_mtime > STALE_S and not os.path.exists(entry.path.removesuffix(ALIVE) + ".json"):
+                        os.unlink(entry.path)
                 elif entry.name.endswith(EVENTS):
                     events[entry.name.removesuffix(EVENTS)] = stat.st_size
                     if now - stat.st_mtime > STALE_S and not os.path.exists(entry.path.removesuffix(EVENTS) + ".json"):
