@@ -176,3 +176,25 @@ def test_a_response_whose_generating_replica_died_is_failed_once_its_beats_stop(
         store.delete(dead["id"])
         assert not list(tmp_path.glob(dead["id"] + "*"))  # its events and beats go with it
     asyncio.run(main())
+
+
+def test_a_cancel_stored_by_another_replica_before_the_end_stays(tmp_path, monkeypatch):
+    """Replica B cancels while A's generation is finishing, before A's next look (WATCH_S): A reads the
+    stored status before storing its end, and the response stays cancelled, its stream with no end event."""
+    monkeypatch.setattr(background, "WATCH_S", 60.0)
+
+    async def main():
+        answer = Generation(2)
+        a = BackgroundResponses(SharedResponseStore(tmp_path, 1 << 20), answer, drain_timeout_s=1)
+        store = SharedResponseStore(tmp_path, 1 << 20)
+        b = BackgroundResponses(store, Generation(0), drain_timeout_s=1)
+        started = await a.start(*request())
+        answer.step()
+        await asyncio.sleep(0.05)
+        assert (await b.cancel(store.get(started["id"])))["status"] == "cancelled"
+        answer.step()  # the generation ends: its answer is whole, the cancel came first
+        await asyncio.sleep(0.2)
+        assert len(a) == 0 and store.get(started["id"])["status"] == "cancelled"
+        events = await asyncio.wait_for(collect(b.follow(started["id"], -1), []), 2)
+        assert "response.completed" not in kinds(events)
+    asyncio.run(main())
