@@ -1,9 +1,10 @@
-"""Locust load test of the speculative decoding ensemble: gRPC streaming, HTTP generate_stream and OpenAI API
-users.
+"""Locust load test of the speculative decoding ensemble: gRPC streaming, HTTP generate_stream, OpenAI API and
+Anthropic Messages API users.
 
     locust -f loadtest/locustfile.py --headless -u 8 -r 8 -t 60s --host localhost:8001          # gRPC
     locust -f loadtest/locustfile.py --headless -u 8 -r 8 -t 60s --host http://localhost:8000   # HTTP
     locust -f loadtest/locustfile.py --headless -u 8 -r 8 -t 60s --host http://localhost:9000/v1  # OpenAI API
+    locust -f loadtest/locustfile.py --headless -u 8 -r 8 -t 60s --host http://localhost:9000/v1 AnthropicUser
 
 The host picks the user class (.../v1 -> OpenAIUser: streamed chat completions with usage; other http://
 -> HttpStreamUser; else GrpcStreamUser) unless classes are named on the command line. OpenAIUser sends
@@ -389,6 +390,23 @@ class OpenAIUser(_SpecdecMixin, User):
             body["structured_outputs"] = _OPENAI_GUIDES[params.guide_type](params.guide)
         return body
 
+    path = "/chat/completions"
+
+    @staticmethod
+    def fields(chunk: dict) -> dict:
+        """A streamed chunk's text, counts and statistics, as the result builder takes them (empty: a chunk that
+        carries no token, as the role chunk: TTFT stays honest)."""
+        if "error" in chunk:
+            raise classify_http_error(500, json.dumps({"error": chunk["error"]["message"]}))
+        fields = dict(chunk.get("speculative_decoding") or {})
+        content = "".join((c.get("delta") or {}).get("content") or "" for c in chunk.get("choices", []))
+        if content:
+            fields[tn.TEXT_OUTPUT] = content
+        if chunk.get("usage"):
+            fields[tn.NUM_OUTPUT_TOKENS] = chunk["usage"]["completion_tokens"]
+            fields[tn.NUM_INPUT_TOKENS] = chunk["usage"]["prompt_tokens"]
+        return fields
+
     @task
     def generate(self):
         builder = ResultBuilder()
@@ -396,25 +414,49 @@ class OpenAIUser(_SpecdecMixin, User):
         exception = None
         prompt, params = self.request()
         try:
-            with self.session.post(f"{self.base}/chat/completions", json=self.body(prompt, params), stream=True,
+            with self.session.post(f"{self.base}{self.path}", json=self.body(prompt, params), stream=True,
                                    timeout=(10, 600)) as response:
                 if response.status_code != 200:
                     raise classify_http_error(response.status_code, response.text)
                 for line in response.iter_lines(decode_unicode=True):
                     if not line or not line.startswith("data:") or line == "data: [DONE]":
                         continue
-                    chunk = json.loads(line[len("data:"):])
-                    if "error" in chunk:
-                        raise classify_http_error(500, json.dumps({"error": chunk["error"]["message"]}))
-                    fields = dict(chunk.get("speculative_decoding") or {})
-                    content = "".join((c.get("delta") or {}).get("content") or "" for c in chunk.get("choices", []))
-                    if content:
-                        fields[tn.TEXT_OUTPUT] = content
-                    if chunk.get("usage"):
-                        fields[tn.NUM_OUTPUT_TOKENS] = chunk["usage"]["completion_tokens"]
-                        fields[tn.NUM_INPUT_TOKENS] = chunk["usage"]["prompt_tokens"]
-                    if fields:  # not the role chunk, which carries no token (TTFT stays honest)
+                    fields = self.fields(json.loads(line[len("data:"):]))
+                    if fields:
                         builder.add(fields)
         except Exception as exc:  # noqa: BLE001
             exception = exc
         self.record(sent, builder.result, exception)
+
+
+class AnthropicUser(OpenAIUser):
+    """Streams every request through Anthropic's Messages API on the same port (host: the API's base URL,
+    http://host:9000/v1; name the class on the command line): TTFT at the first text delta, the counts from
+    message_start and message_delta, acceptance from message_delta's `speculative_decoding` statistics."""
+
+    request_type = "anthropic"
+    path = "/messages"
+
+    def on_start(self):
+        super().on_start()
+        key = self.session.headers.pop("Authorization", None)
+        if key:  # Anthropic's clients send it as x-api-key
+            self.session.headers["x-api-key"] = key.removeprefix("Bearer ")
+        self.session.headers["anthropic-version"] = "2023-06-01"
+
+    def body(self, prompt: str, params: GenerationParams) -> dict:
+        body = super().body(prompt, params)
+        del body["stream_options"]
+        return body
+
+    @staticmethod
+    def fields(chunk: dict) -> dict:
+        kind = chunk.get("type")
+        if kind == "error":
+            raise classify_http_error(500, json.dumps({"error": chunk["error"]["message"]}))
+        if kind == "content_block_delta" and chunk["delta"].get("text"):
+            return {tn.TEXT_OUTPUT: chunk["delta"]["text"]}
+        if kind == "message_delta":
+            return {**(chunk.get("speculative_decoding") or {}), tn.NUM_OUTPUT_TOKENS: chunk["usage"]["output_tokens"],
+                    tn.NUM_INPUT_TOKENS: chunk["usage"]["input_tokens"]}
+        return {}

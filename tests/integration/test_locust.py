@@ -28,10 +28,11 @@ def run_locust(tmp_path, host, seconds=5, extra=()):
     return out, {(row["Type"], row["Name"]): row for row in rows}, latency
 
 
-@pytest.mark.parametrize("scheme", ["grpc", "http", "openai"])
+@pytest.mark.parametrize("scheme", ["grpc", "http", "openai", "anthropic"])
 def test_locust_headless_records_requests_and_ttft(server, tmp_path, scheme):
-    host = {"grpc": server.grpc_url, "http": server.http_url, "openai": server.openai_url}[scheme]
-    out, rows, latency = run_locust(tmp_path, host)
+    host = {"grpc": server.grpc_url, "http": server.http_url, "openai": server.openai_url,
+            "anthropic": server.openai_url}[scheme]
+    out, rows, latency = run_locust(tmp_path, host, extra=["AnthropicUser"] if scheme == "anthropic" else [])
     assert out.returncode == 0, out.stderr[-3000:]
     generate = rows[(scheme, "generate")]
     assert int(generate["Request Count"]) > 0
