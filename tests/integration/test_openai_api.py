@@ -628,6 +628,61 @@ def test_a_stored_response_is_continued_read_and_deleted(server, api, model):
     assert caught.value.body["param"] == "limit"
 
 
+def test_a_conversation_is_continued_by_responses_and_edited_as_openais_are(server, api, model):
+    """The Conversations API through the SDK: a conversation created with items and metadata, continued by
+    responses naming it (each the chat's greedy answer for the whole conversation, whole, streamed and in the
+    background), which add their input and output; items added, read, deleted and listed; metadata updated;
+    the conversation deleted; refusals naming the field."""
+    def chat(messages):
+        return api.chat.completions.create(model=model, messages=messages, max_tokens=8,
+                                           temperature=0).choices[0].message.content
+
+    conversation = api.conversations.create(items=[{"type": "message", "role": "user", "content": "My name is Ada."}],
+                                            metadata={"topic": "names"})
+    assert conversation.id.startswith("conv_") and conversation.metadata == {"topic": "names"}
+    first = api.responses.create(model=model, conversation=conversation.id, input="What is my name?",
+                                 max_output_tokens=8, temperature=0)
+    said = [{"role": "user", "content": "My name is Ada."}, {"role": "user", "content": "What is my name?"}]
+    assert first.output_text == chat(said) and first.conversation.id == conversation.id
+    items = list(api.conversations.items.list(conversation.id, order="asc"))
+    assert [(item.type, item.role) for item in items] == [("message", "user")] * 2 + [("message", "assistant")]
+    assert items[-1].content[0].text == first.output_text
+    events = list(api.responses.create(model=model, conversation={"id": conversation.id}, input="Again?",
+                                       max_output_tokens=8, temperature=0, stream=True))
+    said += [{"role": "assistant", "content": first.output_text}, {"role": "user", "content": "Again?"}]
+    second = events[-1].response
+    assert second.output_text == chat(said)
+    background = _until_done(api, api.responses.create(model=model, conversation=conversation.id, input="Once more.",
+                                                       max_output_tokens=8, temperature=0, background=True).id)
+    said += [{"role": "assistant", "content": second.output_text}, {"role": "user", "content": "Once more."}]
+    assert background.output_text == chat(said)
+    assert len(list(api.conversations.items.list(conversation.id))) == 7
+    added = api.conversations.items.create(conversation.id, items=[{"type": "message", "role": "user",
+                                                                    "content": "A note."}])
+    (note,) = added.data
+    assert api.conversations.items.retrieve(note.id, conversation_id=conversation.id).content[0].text == "A note."
+    newest = api.conversations.items.list(conversation.id, limit=2)  # newest first, as OpenAI lists them
+    assert [item.id for item in newest.data][0] == note.id and newest.has_more
+    api.conversations.items.delete(note.id, conversation_id=conversation.id)
+    with pytest.raises(openai.NotFoundError):
+        api.conversations.items.retrieve(note.id, conversation_id=conversation.id)
+    assert api.conversations.update(conversation.id, metadata={"topic": "ada"}).metadata == {"topic": "ada"}
+    assert api.conversations.retrieve(conversation.id).metadata == {"topic": "ada"}
+    assert api.conversations.delete(conversation.id).deleted
+    with pytest.raises(openai.NotFoundError):
+        api.conversations.retrieve(conversation.id)
+    for bad, param in (({"conversation": conversation.id}, "conversation"),
+                       ({"conversation": "conv_x", "previous_response_id": first.id}, "conversation")):
+        with pytest.raises(openai.BadRequestError) as caught:
+            api.responses.create(model=model, input="x", max_output_tokens=2, **bad)
+        assert caught.value.body["param"] == param
+    for items, param in (([{"type": "message", "role": "user", "content": "x"}] * 21, "items"),
+                         ([{"type": "web_search_call"}], "items[0].type")):
+        with pytest.raises(openai.BadRequestError) as caught:
+            api.conversations.create(items=items)
+        assert caught.value.body["param"] == param
+
+
 def test_truncation_auto_drops_a_conversations_oldest_turns_to_fit_the_context(server, api, model):
     """A stored conversation grown past the context (1024 tokens here; each turn about 370): with
     `truncation: auto` its oldest turn is dropped and the answer is the chat's over the rest (whole and
@@ -762,8 +817,8 @@ def test_a_background_response_streams_and_a_client_that_left_resumes_where_it_w
 
 def test_replicas_sharing_a_store_directory_continue_each_others_conversations(server, api, model, tmp_path):
     """Two gateways with one --responses-store-dir (two replicas on one volume): a conversation begun on one
-    is continued on the other (the chat's answer for the whole of it), read and deleted there, and a background
-    response one generates is streamed and cancelled from the other; a gateway started later over the directory (a
+    is continued on the other (the chat's answer for the whole of it), read and deleted there, a conversation
+    too, and a background response one generates is streamed and cancelled from the other; a gateway started later over the directory (a
     restart) still has it all, and one that stops while generating in the background leaves it failed."""
     store = ["--responses-store-dir", str(tmp_path / "responses")]
     with own_gateway(server, model, *store) as port_a, own_gateway(server, model, *store) as port_b:
@@ -782,6 +837,10 @@ def test_replicas_sharing_a_store_directory_continue_each_others_conversations(s
         b.responses.delete(third.id)
         with pytest.raises(openai.NotFoundError):
             a.responses.retrieve(third.id)
+        # a conversation begun on one replica is continued on the other, which adds to it
+        conversation = a.conversations.create(items=[{"type": "message", "role": "user", "content": "Hi, I am Ada."}])
+        b.responses.create(model=model, conversation=conversation.id, input="Who am I?", max_output_tokens=4)
+        assert len(list(a.conversations.items.list(conversation.id))) == 3
         # a background response generated by one replica, polled and cancelled on the other: it stops there
         before = server.metric("specdec_requests_total", finish_reason="cancelled")
         long = _long_background(server, a, model)

@@ -65,7 +65,7 @@ def test_text_formats_become_structured_output():
     ({"input": [{"type": "image", "url": "x"}]}, "input[0].type"),
     ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input[0].content[0]"),
     ({"input": "x", "previous_response_id": 7}, "previous_response_id"), ({"input": "x", "store": "yes"}, "store"),
-    ({"input": "x", "conversation": "conv_1"}, "conversation"),
+    ({"input": "x", "conversation": "conv_1", "previous_response_id": "resp_1"}, "conversation"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"input": "x", "reasoning": {"summary": "auto"}}, "reasoning.summary"), ({"input": "x", "reasoning": "high"}, "reasoning"),
     ({"input": "x", "reasoning_effort": "high"}, "reasoning_effort"), ({"input": "x", "messages": []}, "messages"),

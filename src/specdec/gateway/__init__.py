@@ -9,6 +9,7 @@ talking to the ensemble over gRPC; the launcher runs it beside the server (OPENA
              errors (pure)
   response_store  the Responses API's stored responses (`store`, `previous_response_id`): in memory, or in a
              directory replicas share
+  conversations  OpenAI's Conversations API: items that responses naming a conversation read and add to
   background  the Responses API's background responses: generated here, their states and streams stored,
              streams followed from any event, cancelled
   tokenization  vLLM's tokenizer endpoints: /tokenize, /detokenize, /tokenizer_info (pure)

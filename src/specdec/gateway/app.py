@@ -23,7 +23,7 @@ from aiohttp import web
 
 from specdec import tensor_names as tn
 from specdec.decoding import json_text
-from specdec.gateway import messages, metrics, protocol, reasoning, responses, tokenization, tools
+from specdec.gateway import conversations, messages, metrics, protocol, reasoning, responses, tokenization, tools
 from specdec.gateway.protocol import STATS_FIELD, ApiError, Generation
 from specdec.gateway.background import BackgroundResponses
 from specdec.gateway.response_store import NotStored, ResponseStore, in_store
@@ -57,7 +57,9 @@ class Gateway:
         self.reasoning_parser = reasoning_parser  # reasoning.PARSERS: a chat's thinking apart (None: not split)
         self.max_model_len, self.default_max_tokens = max_model_len, default_max_tokens
         self.store = store if store is not None else ResponseStore(0)
-        self.background = BackgroundResponses(self.store, self._background_answer, drain_timeout_s)
+        self.conversations = conversations.Conversations(self.store.sibling("conversations"))
+        self.background = BackgroundResponses(self.store, self._background_answer, drain_timeout_s,
+                                              ended=self._add_to_conversation)
         self.metrics = metrics.ApiMetrics(self.store, self.background)
         self.created = int(time.time())
 
@@ -70,6 +72,14 @@ class Gateway:
         app.router.add_delete("/v1/responses/{id}", self.delete_response)
         app.router.add_get("/v1/responses/{id}/input_items", self.stored_input_items)
         app.router.add_post("/v1/responses/{id}/cancel", self.cancel_response)
+        app.router.add_post("/v1/conversations", self.create_conversation)
+        app.router.add_get("/v1/conversations/{id}", self.get_conversation)
+        app.router.add_post("/v1/conversations/{id}", self.update_conversation)
+        app.router.add_delete("/v1/conversations/{id}", self.delete_conversation)
+        app.router.add_get("/v1/conversations/{id}/items", self.list_conversation_items)
+        app.router.add_post("/v1/conversations/{id}/items", self.add_conversation_items)
+        app.router.add_get("/v1/conversations/{id}/items/{item}", self.get_conversation_item)
+        app.router.add_delete("/v1/conversations/{id}/items/{item}", self.delete_conversation_item)
         app.router.add_post(MESSAGES_PREFIX, self.messages)
         app.router.add_post(MESSAGES_PREFIX + "/count_tokens", self.count_message_tokens)
         app.router.add_get("/v1/models", self.models)
@@ -150,6 +160,8 @@ class Gateway:
                                                  "--responses-store-mb is 0)")
         previous = body.get("previous_response_id")
         history = await self._conversation(previous) if previous is not None else []
+        if conversations.conversation_id(body.get("conversation")) is not None:
+            history = await self._conversation_history(conversations.conversation_id(body["conversation"]))
         keep = self.store.enabled and body.get("store") is not False
         try:
             gen = await self._response_chat(body, history)
@@ -395,10 +407,108 @@ class Gateway:
                                    "stored, deleted, or let go to keep within the server's store)") from None
 
     async def _keep(self, keep: bool, answer: dict, body: dict) -> None:
+        """An answered response stored (`keep`), and added to its conversation (one it continues)."""
         if keep:
             messages = responses.input_messages(body) + responses.output_messages(answer["output"])
             await in_store(self.store, self.store.put, answer, messages, body.get("previous_response_id"),
                            responses.input_items(body))
+        await self._add_to_conversation(answer, body)
+
+    async def _add_to_conversation(self, answer: dict, body: dict) -> None:
+        """A response's input and output items added to the conversation it continues (none: nothing)."""
+        conversation = conversations.conversation_id(body.get("conversation"))
+        if conversation is not None:
+            with contextlib.suppress(NotStored):  # deleted meanwhile
+                await self.conversations.add(conversation, conversations.answer_items(body, answer))
+
+    async def _conversation_history(self, conversation: str) -> list[dict]:
+        """A conversation's items as the chat's messages (ApiError naming conversation when it is not held)."""
+        try:
+            return conversations.history(await self.conversations.items(conversation))
+        except NotStored:
+            raise protocol.invalid("conversation", f"conversation {conversation!r} is not stored here (never "
+                                                   "created, deleted, or let go to keep within the server's store)") \
+                from None
+
+    # ---- the Conversations API ----------------------------------------------------------------------------
+    async def _held_conversation(self, request: web.Request) -> tuple[str, dict]:
+        """(the id asked for, the conversation); 404 when it is not held."""
+        conversation_id = request.match_info["id"]
+        try:
+            return conversation_id, await self.conversations.get(conversation_id)
+        except NotStored:
+            raise ApiError(404, f"No conversation found with id {conversation_id!r}", "id", "not_found") from None
+
+    async def create_conversation(self, request: web.Request) -> web.Response:
+        """POST /v1/conversations: a conversation, with its first items (up to 20) and metadata."""
+        body = await self._body(request)
+        if not isinstance(body, dict) or set(body) - {"items", "metadata"}:
+            raise protocol.invalid(sorted(set(body) - {"items", "metadata"})[0] if isinstance(body, dict) else "body",
+                                   "unrecognized request argument (items and metadata are)")
+        if not self.conversations.enabled:
+            raise protocol.invalid("items", "this server keeps no conversations (its --responses-store-mb is 0)")
+        items = conversations.checked_items(body.get("items"))
+        return web.json_response(await self.conversations.create(items, conversations.checked_metadata(
+            body.get("metadata"))))
+
+    async def get_conversation(self, request: web.Request) -> web.Response:
+        return web.json_response((await self._held_conversation(request))[1])
+
+    async def update_conversation(self, request: web.Request) -> web.Response:
+        """POST /v1/conversations/{id}: its metadata replaced."""
+        conversation_id, _ = await self._held_conversation(request)
+        body = await self._body(request)
+        if not isinstance(body, dict) or "metadata" not in body:
+            raise protocol.invalid("metadata", "is required")
+        try:
+            return web.json_response(await self.conversations.update(
+                conversation_id, conversations.checked_metadata(body["metadata"])))
+        except NotStored:
+            raise ApiError(404, f"No conversation found with id {conversation_id!r}", "id", "not_found") from None
+
+    async def delete_conversation(self, request: web.Request) -> web.Response:
+        conversation_id, _ = await self._held_conversation(request)
+        await self.conversations.delete(conversation_id)
+        return web.json_response({"id": conversation_id, "object": "conversation.deleted", "deleted": True})
+
+    async def list_conversation_items(self, request: web.Request) -> web.Response:
+        """GET /v1/conversations/{id}/items: its items, paged as OpenAI pages them."""
+        conversation_id, _ = await self._held_conversation(request)
+        return web.json_response(_page(await self.conversations.items(conversation_id), request.query,
+                                       "an item of this conversation"))
+
+    async def add_conversation_items(self, request: web.Request) -> web.Response:
+        """POST /v1/conversations/{id}/items: items appended (up to 20), listed back with their ids."""
+        conversation_id, _ = await self._held_conversation(request)
+        body = await self._body(request)
+        given = body.get("items") if isinstance(body, dict) else None
+        if not given:
+            raise protocol.invalid("items", "is required: a non-empty list of items")
+        try:
+            added = await self.conversations.add(conversation_id, conversations.checked_items(given))
+        except NotStored:
+            raise ApiError(404, f"No conversation found with id {conversation_id!r}", "id", "not_found") from None
+        return web.json_response({"object": "list", "data": added, "first_id": added[0]["id"],
+                                  "last_id": added[-1]["id"], "has_more": False})
+
+    async def get_conversation_item(self, request: web.Request) -> web.Response:
+        conversation_id, _ = await self._held_conversation(request)
+        item_id = request.match_info["item"]
+        for item in await self.conversations.items(conversation_id):
+            if item.get("id") == item_id:
+                return web.json_response(item)
+        raise ApiError(404, f"No item found with id {item_id!r} in conversation {conversation_id!r}", "item_id",
+                       "not_found")
+
+    async def delete_conversation_item(self, request: web.Request) -> web.Response:
+        """DELETE /v1/conversations/{id}/items/{item}: the item removed; the conversation."""
+        conversation_id, _ = await self._held_conversation(request)
+        item_id = request.match_info["item"]
+        try:
+            return web.json_response(await self.conversations.remove(conversation_id, item_id))
+        except NotStored:
+            raise ApiError(404, f"No item found with id {item_id!r} in conversation {conversation_id!r}", "item_id",
+                           "not_found") from None
 
     async def _stored(self, request: web.Request, call: Callable):
         """(the id asked for, the store's answer for it); 404 when it is not held."""
@@ -435,25 +545,7 @@ class Gateway:
         """GET /v1/responses/{id}/input_items: a stored response's request's input items, as OpenAI pages them
         (`limit` 1-100, default 20; `order` desc (the default) or asc; `after` an item's id)."""
         _, items = await self._stored(request, self.store.input_items)
-        query = request.query
-        order = query.get("order", "desc")
-        if order not in ("asc", "desc"):
-            raise protocol.invalid("order", "must be asc or desc")
-        try:
-            limit = int(query.get("limit", "20"))
-        except ValueError:
-            limit = 0
-        if not 1 <= limit <= 100:
-            raise protocol.invalid("limit", "must be an integer from 1 to 100")
-        items = items if order == "asc" else items[::-1]
-        if "after" in query:
-            ids = [item["id"] for item in items]
-            if query["after"] not in ids:
-                raise protocol.invalid("after", f"{query['after']!r} is not an input item of this response")
-            items = items[ids.index(query["after"]) + 1:]
-        page = items[:limit]
-        return web.json_response({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-                                  "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit})
+        return web.json_response(_page(items, request.query, "an input item of this response"))
 
     async def cancel_response(self, request: web.Request) -> web.Response:
         """POST /v1/responses/{id}/cancel: stop a background response (404 when not held; 400 for one not
@@ -774,6 +866,29 @@ class Gateway:
         await response.write(protocol.sse("[DONE]"))
         await response.write_eof()
         return response
+
+
+def _page(items: list[dict], query, what: str) -> dict:
+    """A list of items as OpenAI pages them: `limit` 1-100 (default 20), `order` desc (the default) or asc,
+    `after` an item's id (ApiError naming the parameter)."""
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise protocol.invalid("order", "must be asc or desc")
+    try:
+        limit = int(query.get("limit", "20"))
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= 100:
+        raise protocol.invalid("limit", "must be an integer from 1 to 100")
+    items = items if order == "asc" else items[::-1]
+    if "after" in query:
+        ids = [item["id"] for item in items]
+        if query["after"] not in ids:
+            raise protocol.invalid("after", f"{query['after']!r} is not {what}")
+        items = items[ids.index(query["after"]) + 1:]
+    page = items[:limit]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
 
 
 async def _event_stream(request: web.Request) -> web.StreamResponse:

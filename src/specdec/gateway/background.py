@@ -44,9 +44,11 @@ Answer = Callable[[Generation, dict, dict, Send], Awaitable[dict]]
 
 
 class BackgroundResponses:
-    def __init__(self, store: ResponseStore, answer: Answer, drain_timeout_s: float):
-        """answer: generates a response whole; drain_timeout_s: how long a stop waits for those in flight."""
-        self.store, self.answer, self.drain_timeout_s = store, answer, drain_timeout_s
+    def __init__(self, store: ResponseStore, answer: Answer, drain_timeout_s: float,
+                 ended: Callable[[dict, dict], Awaitable[None]] | None = None):
+        """answer: generates a response whole; drain_timeout_s: how long a stop waits for those in flight;
+        ended(response, body): called with a response answered (completed or incomplete) once it is stored."""
+        self.store, self.answer, self.drain_timeout_s, self.ended = store, answer, drain_timeout_s, ended
         self._tasks: dict[str, asyncio.Task] = {}  # the responses this process generates, by id
         self._cancelled: set[str] = set()  # of those, the ones a cancel (or a delete) stopped
         self._news: dict[str, asyncio.Event] = {}  # of those, set at their next event (for their followers)
@@ -192,6 +194,8 @@ class BackgroundResponses:
                     end, messages = {**started, "status": "cancelled"}, None
         await in_store(self.store, self.store.replace, end, messages)  # not kept again if deleted meanwhile
         await in_store(self.store, self.store.end_beats, response_id)
+        if end["status"] in ("completed", "incomplete") and self.ended is not None:
+            await self.ended(end, body)
         if end["status"] != "cancelled":
             await send(responses.ending_event(end), response=end)
 

@@ -88,6 +88,10 @@ class ResponseStore:
     def __contains__(self, response_id: str) -> bool:
         return response_id in self._turns
 
+    def sibling(self, name: str) -> "ResponseStore":
+        """A store of the same kind and budget for other records (conversations.py)."""
+        return ResponseStore(self.max_bytes)
+
     def usage(self) -> tuple[int, int]:
         """(responses kept, their bytes)."""
         return len(self._turns), self.bytes
@@ -215,6 +219,10 @@ class SharedResponseStore:
 
     def __contains__(self, response_id: str) -> bool:
         return _ID.fullmatch(response_id) is not None and self._path(response_id).is_file()
+
+    def sibling(self, name: str) -> "SharedResponseStore":
+        """A store of the same kind and budget for other records, in the subdirectory `name`."""
+        return SharedResponseStore(self.directory / name, self.max_bytes)
 
     def usage(self) -> tuple[int, int]:
         """(responses in the directory, their bytes with their events'), every process's: the directory listed."""

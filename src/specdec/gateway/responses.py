@@ -164,10 +164,9 @@ def checked(body) -> dict:
     unknown = sorted(set(body) - set(FIELDS))
     if unknown:
         raise invalid(unknown[0], "unrecognized request argument (not supported by this server)")
-    if body.get("conversation") is not None:  # OpenAI's stored conversation objects: not kept here
-        raise invalid("conversation", "conversations are not stored here: continue a response with "
-                                      "previous_response_id, or send the whole conversation in input")
     previous = body.get("previous_response_id")
+    if body.get("conversation") is not None and previous is not None:
+        raise invalid("conversation", "a response continues a conversation or a previous response, not both")
     if previous is not None and not isinstance(previous, str):
         raise invalid("previous_response_id", "must be a response's id (a string)")
     if body.get("store") not in (None, True, False):
@@ -310,7 +309,8 @@ def response_object(gen: Generation, body: dict, status: str, output: list[dict]
            "tool_choice": body.get("tool_choice", "auto" if body.get("tools") else "none"),
            "tools": body.get("tools") or [], "top_p": body.get("top_p", 1.0),
            "truncation": "auto" if body.get("truncation") == "auto" else "disabled",
-           "usage": usage, "metadata": body.get("metadata") or {}, "background": bool(body.get("background"))}
+           "usage": usage, "metadata": body.get("metadata") or {}, "background": bool(body.get("background")),
+           "conversation": _conversation(body.get("conversation"))}
     if stats is not None:
         out[STATS_FIELD] = stats
     return out
@@ -320,6 +320,13 @@ def usage(input_tokens: int, output_tokens: int, reasoning_tokens: int = 0) -> d
     return {"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
             "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
             "total_tokens": input_tokens + output_tokens}
+
+
+def _conversation(value) -> dict | None:
+    """The conversation a response belongs to, as the response object names it."""
+    if value is None:
+        return None
+    return {"id": value["id"] if isinstance(value, dict) else value}
 
 
 def failed(response: dict, code: str, message: str) -> dict:
