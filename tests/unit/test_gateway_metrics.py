@@ -121,6 +121,11 @@ def test_the_stored_and_background_responses_are_read_when_scraped(tmp_path):
         store.delete("resp_1")
         assert value(api, "specdec_openai_stored_responses") == 1
         assert value(api, "specdec_openai_stored_response_bytes") < size
+    conversations = ResponseStore(1 << 20)
+    conversations.put({"id": "conv_1", "object": "conversation"}, [], None, [{"id": "msg_1", "type": "message"}])
+    api = metrics.ApiMetrics(conversations=conversations)
+    assert value(api, "specdec_openai_conversations") == 1
+    assert value(api, "specdec_openai_conversation_bytes") == conversations.usage()[1] > 0
     # another process's files count too: the directory is what is listed
     other = SharedResponseStore(tmp_path / "shared", 1 << 20)
     assert other.usage() == store.usage()

@@ -60,7 +60,7 @@ class Gateway:
         self.conversations = conversations.Conversations(self.store.sibling("conversations"))
         self.background = BackgroundResponses(self.store, self._background_answer, drain_timeout_s,
                                               ended=self._add_to_conversation)
-        self.metrics = metrics.ApiMetrics(self.store, self.background)
+        self.metrics = metrics.ApiMetrics(self.store, self.background, self.conversations.store)
         self.created = int(time.time())
 
     def app(self) -> web.Application:

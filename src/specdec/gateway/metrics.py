@@ -52,9 +52,10 @@ def endpoint_of(route_resource) -> str:
 class ApiMetrics:
     """The API process's metrics, in a registry of its own (one per app: tests run several in a process)."""
 
-    def __init__(self, store=None, background=None):
+    def __init__(self, store=None, background=None, conversations=None):
         """store: the Responses API's (response_store; its usage() read at each scrape); background: the
-        BackgroundResponses (len(): those generating in this process). None: not reported."""
+        BackgroundResponses (len(): those generating in this process); conversations: the conversations' store.
+        None: not reported."""
         disable_created_metrics()  # no `_created` series per label set: nothing here reads them
         self.registry = registry = CollectorRegistry()
         by_route = ["method", "endpoint"]
@@ -76,8 +77,8 @@ class ApiMetrics:
                                      by_route, registry=registry)
         self.completion_tokens = Counter("specdec_openai_completion_tokens", "Tokens generated for the OpenAI "
                                          "API's requests (every choice's)", by_route, registry=registry)
-        if store is not None or background is not None:
-            registry.register(_Responses(store, background))
+        if store is not None or background is not None or conversations is not None:
+            registry.register(_Responses(store, background, conversations))
 
     # ---- a request --------------------------------------------------------------------------------------
     def begin(self, method: str, endpoint: str) -> Call:
@@ -130,8 +131,8 @@ class ApiMetrics:
 class _Responses:
     """The Responses API's stored and background responses, read when scraped."""
 
-    def __init__(self, store, background):
-        self.store, self.background = store, background
+    def __init__(self, store, background, conversations):
+        self.store, self.background, self.conversations = store, background, conversations
 
     def describe(self):
         return []  # read at each scrape only (registering reads nothing)
@@ -143,6 +144,12 @@ class _Responses:
                                     "(a store shared by replicas: the directory's, the same from each)", value=count)
             yield GaugeMetricFamily("specdec_openai_stored_response_bytes", "Bytes of those responses (their "
                                     "budget: --responses-store-mb)", value=size)
+        if self.conversations is not None and self.conversations.enabled:
+            count, size = self.conversations.usage()
+            yield GaugeMetricFamily("specdec_openai_conversations", "Conversations the Conversations API keeps (a "
+                                    "store shared by replicas: the directory's)", value=count)
+            yield GaugeMetricFamily("specdec_openai_conversation_bytes", "Bytes of those conversations' items (their "
+                                    "budget: --responses-store-mb, apart from the responses')", value=size)
         if self.background is not None:
             yield GaugeMetricFamily("specdec_openai_background_responses", "Background responses this API process "
                                     "is generating now", value=len(self.background))
