@@ -12,9 +12,9 @@ same moment may lose one's change (a plain file system has no compare-and-set).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
-from collections import defaultdict
 
 from specdec.gateway import responses
 from specdec.gateway.protocol import ApiError, invalid
@@ -67,7 +67,21 @@ class Conversations:
         """store: a ResponseStore or SharedResponseStore of their own: a conversation is kept as a stored
         record whose object is the conversation and whose items are its items."""
         self.store = store
-        self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+        # of the conversations being changed now: [their lock, the changes holding or waiting for it]
+        self._locks: dict[str, list] = {}
+
+    @contextlib.asynccontextmanager
+    async def _changing(self, conversation_id: str):
+        """One change at a time to a conversation (its lock let go once no change holds or waits for it)."""
+        entry = self._locks.setdefault(conversation_id, [asyncio.Lock(), 0])
+        entry[1] += 1
+        try:
+            async with entry[0]:
+                yield
+        finally:
+            entry[1] -= 1
+            if not entry[1]:
+                del self._locks[conversation_id]
 
     @property
     def enabled(self) -> bool:
@@ -92,14 +106,14 @@ class Conversations:
         return await in_store(self.store, self.store.delete, conversation_id)
 
     async def update(self, conversation_id: str, metadata: dict) -> dict:
-        async with self._locks[conversation_id]:
+        async with self._changing(conversation_id):
             conversation = {**await self.get(conversation_id), "metadata": metadata}
             await self._put(conversation, await self.items(conversation_id))
         return conversation
 
     async def add(self, conversation_id: str, items: list[dict]) -> list[dict]:
         """Append items (already with ids); those items."""
-        async with self._locks[conversation_id]:
+        async with self._changing(conversation_id):
             conversation = await self.get(conversation_id)
             await self._put(conversation, await self.items(conversation_id) + items)
         return items
@@ -107,7 +121,7 @@ class Conversations:
     async def remove(self, conversation_id: str, item_id: str) -> dict:
         """Remove one item (NotStored naming the item if the conversation has none of that id); the
         conversation."""
-        async with self._locks[conversation_id]:
+        async with self._changing(conversation_id):
             conversation = await self.get(conversation_id)
             items = await self.items(conversation_id)
             kept = [item for item in items if item.get("id") != item_id]
