@@ -44,6 +44,13 @@ async def collect(stream, into: list) -> list:
     return into
 
 
+def replicas(tmp_path, answer):
+    """Two replicas over one shared store's directory: a generates with `answer`; (a, b, b's store)."""
+    a = BackgroundResponses(SharedResponseStore(tmp_path, 1 << 20), answer, drain_timeout_s=1)
+    store = SharedResponseStore(tmp_path, 1 << 20)
+    return a, BackgroundResponses(store, Generation(0), drain_timeout_s=1), store
+
+
 def kinds(events) -> list[str]:
     return [event["type"] for event in events]
 
@@ -112,9 +119,7 @@ def test_another_process_follows_a_response_generated_here_through_a_shared_stor
 
     async def main():
         answer = Generation(4)
-        a = BackgroundResponses(SharedResponseStore(tmp_path, 1 << 20), answer, drain_timeout_s=1)
-        b_store = SharedResponseStore(tmp_path, 1 << 20)
-        b = BackgroundResponses(b_store, Generation(0), drain_timeout_s=1)
+        a, b, b_store = replicas(tmp_path, answer)
         started = await a.start(*request())
         follower = asyncio.create_task(collect(b.follow(started["id"], 0), []))
         answer.step(4)
@@ -145,9 +150,7 @@ def test_a_response_whose_generating_replica_died_is_failed_once_its_beats_stop(
 
     async def main():
         answer = Generation(100)
-        a = BackgroundResponses(SharedResponseStore(tmp_path, 1 << 20), answer, drain_timeout_s=1)
-        store = SharedResponseStore(tmp_path, 1 << 20)
-        b = BackgroundResponses(store, Generation(0), drain_timeout_s=1)
+        a, b, store = replicas(tmp_path, answer)
         started = await a.start(*request())
         await asyncio.sleep(0.8)  # twice ORPHAN_S: a's beats keep it alive
         assert (await b.current(store.get(started["id"])))["status"] == "in_progress"
@@ -185,9 +188,7 @@ def test_a_cancel_stored_by_another_replica_before_the_end_stays(tmp_path, monke
 
     async def main():
         answer = Generation(2)
-        a = BackgroundResponses(SharedResponseStore(tmp_path, 1 << 20), answer, drain_timeout_s=1)
-        store = SharedResponseStore(tmp_path, 1 << 20)
-        b = BackgroundResponses(store, Generation(0), drain_timeout_s=1)
+        a, b, store = replicas(tmp_path, answer)
         started = await a.start(*request())
         answer.step()
         await asyncio.sleep(0.05)

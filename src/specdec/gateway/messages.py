@@ -11,7 +11,7 @@ import datetime
 import json
 
 from specdec.gateway import tools
-from specdec.gateway.protocol import CHAT_FIELDS, STATS_FIELD, ApiError, Generation, invalid
+from specdec.gateway.protocol import CHAT_FIELDS, STATS_FIELD, ApiError, Generation, invalid, joined_text
 
 # Hints that change nothing here: prompt caching (automatic here: prefix caching), where and how fast Anthropic
 # runs a request, who asks, a code tool's container
@@ -53,17 +53,8 @@ def renamed(error: ApiError) -> ApiError:
 
 
 def _text_blocks(content, where: str) -> str:
-    """A string, or a list of text blocks, as one text."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        texts = []
-        for j, block in enumerate(content):
-            if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
-                raise invalid(f"{where}.{j}", "only text blocks are supported here")
-            texts.append(block["text"])
-        return "".join(texts)
-    raise invalid(where, "must be a string or a list of text blocks")
+    """A string, or a list of text blocks, as one text (a block named as Anthropic names them: where.j)."""
+    return joined_text(content, where, ("text",), "text blocks", lambda j: f"{where}.{j}")
 
 
 def chat_messages(body: dict) -> list[dict]:

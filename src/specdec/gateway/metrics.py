@@ -138,18 +138,16 @@ class _Responses:
         return []  # read at each scrape only (registering reads nothing)
 
     def collect(self):
-        if self.store is not None and self.store.enabled:
-            count, size = self.store.usage()
-            yield GaugeMetricFamily("specdec_openai_stored_responses", "Responses the Responses API keeps "
-                                    "(a store shared by replicas: the directory's, the same from each)", value=count)
-            yield GaugeMetricFamily("specdec_openai_stored_response_bytes", "Bytes of those responses (their "
-                                    "budget: --responses-store-mb)", value=size)
-        if self.conversations is not None and self.conversations.enabled:
-            count, size = self.conversations.usage()
-            yield GaugeMetricFamily("specdec_openai_conversations", "Conversations the Conversations API keeps (a "
-                                    "store shared by replicas: the directory's)", value=count)
-            yield GaugeMetricFamily("specdec_openai_conversation_bytes", "Bytes of those conversations' items (their "
-                                    "budget: --responses-store-mb, apart from the responses')", value=size)
+        kept = ((self.store, "specdec_openai_stored_responses", "Responses the Responses API keeps",
+                 "specdec_openai_stored_response_bytes", "Bytes of those responses"),
+                (self.conversations, "specdec_openai_conversations", "Conversations the Conversations API keeps",
+                 "specdec_openai_conversation_bytes", "Bytes of those conversations' items"))
+        for store, count_name, count_help, bytes_name, bytes_help in kept:
+            if store is not None and store.enabled:
+                count, size = store.usage()
+                yield GaugeMetricFamily(count_name, count_help + " (a store shared by replicas: the directory's, the "
+                                        "same from each)", value=count)
+                yield GaugeMetricFamily(bytes_name, bytes_help + " (their budget: --responses-store-mb)", value=size)
         if self.background is not None:
             yield GaugeMetricFamily("specdec_openai_background_responses", "Background responses this API process "
                                     "is generating now", value=len(self.background))

@@ -15,6 +15,7 @@ import re
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
@@ -219,18 +220,26 @@ def _finish(sampling: dict, inputs: dict[str, np.ndarray], stream: bool, logprob
     return out
 
 
-def _content(message: dict, i: int) -> str:
-    content = message.get("content")
+def joined_text(content, where: str, kinds: tuple[str, ...], parts: str,
+                part_name: Callable[[int], str] | None = None) -> str:
+    """A message's content as one text: a string, or a list of parts of these kinds whose `text` is a string
+    (ApiError naming `where`, or the part: part_name(j), by default `where[j]`). `parts` names them in errors.
+    The chat's, the Responses API's and Anthropic's content alike."""
     if isinstance(content, str):
         return content
-    if isinstance(content, list):  # content parts: text only
+    if isinstance(content, list):
         texts = []
         for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise invalid(f"messages[{i}].content[{j}]", "only text parts ({\"type\": \"text\", \"text\": ...}) are supported")
+            if not isinstance(part, dict) or part.get("type") not in kinds or not isinstance(part.get("text"), str):
+                raise invalid(part_name(j) if part_name else f"{where}[{j}]", f"only {parts} are supported")
             texts.append(part["text"])
         return "".join(texts)
-    raise invalid(f"messages[{i}].content", "must be a string or a list of text parts")
+    raise invalid(where, f"must be a string or a list of {parts}")
+
+
+def _content(message: dict, i: int) -> str:
+    return joined_text(message.get("content"), f"messages[{i}].content", ("text",),
+                       'text parts ({"type": "text", "text": ...})')
 
 
 def chat_messages(body: dict) -> list[dict]:

@@ -10,7 +10,8 @@ import json
 import uuid
 
 from specdec.gateway import tools
-from specdec.gateway.protocol import (CHAT_FIELDS, IGNORED_FIELDS, STATS_FIELD, ApiError, Generation, invalid)
+from specdec.gateway.protocol import (CHAT_FIELDS, IGNORED_FIELDS, STATS_FIELD, ApiError, Generation, invalid,
+                                      joined_text)
 
 # What the Responses API names differently, or has and chat has not; the rest of the chat's fields (OpenAI's
 # sampling settings, vLLM's extras, this server's speculative settings) are taken as chat takes them.
@@ -39,17 +40,8 @@ def renamed(error: ApiError) -> ApiError:
 
 
 def _text(content, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        texts = []
-        for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text") \
-                    or not isinstance(part.get("text"), str):
-                raise invalid(f"{where}.content[{j}]", "only text parts (input_text, output_text) are supported")
-            texts.append(part["text"])
-        return "".join(texts)
-    raise invalid(f"{where}.content", "must be a string or a list of text parts")
+    return joined_text(content, f"{where}.content", ("input_text", "output_text", "text"),
+                       "text parts (input_text, output_text)")
 
 
 def input_messages(body: dict) -> list[dict]:
