@@ -186,10 +186,10 @@ async def run(srv, texts: list[str], params: GenerationParams, concurrency: int)
     calls = {"direct": lambda p: direct(grpc_client, p, params),
              "gateway, openai SDK": lambda p: through_gateway(api, model, p, params),
              "gateway, aiohttp client": lambda p: through_raw(session, srv.openai_url, model, p, params),
-             "gateway, chat completions (aiohttp)": lambda p: through_chat_api(session, srv.openai_url, model, p, params,
-                                                                               anthropic=False),
-             "gateway, Anthropic messages (aiohttp)": lambda p: through_chat_api(session, srv.openai_url, model, p,
-                                                                                 params, anthropic=True),
+             "gateway, chat completions (aiohttp)":
+                 lambda p: through_chat_api(session, srv.openai_url, model, p, params, anthropic=False),
+             "gateway, Anthropic messages (aiohttp)":
+                 lambda p: through_chat_api(session, srv.openai_url, model, p, params, anthropic=True),
              "vllm_compatible": lambda p: through_vllm_compatible(vllm_client, p, params)}
     pids = {path: relay if path == "vllm_compatible" else gateway for path in calls}
     out = {path: {"ttft": [], "gaps": [], "tokens": 0, "cpu": 0.0} for path in calls}
@@ -241,7 +241,8 @@ def main() -> None:
                 same_prompt = gateway and "(aiohttp)" not in path  # the chat APIs' prompt has the template's tokens
                 rows.append([concurrency, path, f"{pct(m['ttft'], 50) * 1e3:.1f}", f"{pct(m['ttft'], 99) * 1e3:.1f}",
                              f"{pct(m['gaps'], 50) * 1e3:.2f}", f"{pct(m['gaps'], 99) * 1e3:.2f}", f"{m['tokens']}",
-                             f"{(statistics.median(m['ttft']) - statistics.median(d['ttft'])) * 1e3:+.1f}" if same_prompt else "",
+                             f"{(statistics.median(m['ttft']) - statistics.median(d['ttft'])) * 1e3:+.1f}"
+                             if same_prompt else "",
                              f"{(statistics.median(m['gaps']) - statistics.median(d['gaps'])) * 1e3:+.2f}" if gateway else "",
                              f"{m['cpu'] / chunks * 1e6:.0f}" if gateway else "",
                              f"{m['cpu'] / m['tokens'] * 1e6:.0f}" if gateway else ""])

@@ -61,10 +61,11 @@ def test_lookup_first_keeps_the_output_and_the_models_cache(agree_every, policy)
     pol = DraftLengthPolicy.fixed(4) if policy == "fixed" else DraftLengthPolicy(4, DraftLengthPolicy.fixed(4).costs, "x")
     rounds = run(req, proposer, FakeScorer(), pol, Stats())
     assert [tok for rnd in rounds for tok in rnd.new_tokens] == whole[len(prompt):]
-    # Both parts draft. An adaptive K prices rounds by measured times (the fakes' microseconds): after a model
-    # that is never accepted it may pause and, where a hiccup made the draft look costly, probe no more, so
-    # whether the lookup drafted then depends on the machine (seen once in CI); the fixed K's cases check it.
-    assert proposer.model_rounds > 0 and (proposer.lookup_rounds > 0 or (policy == "adaptive" and not agree_every))
+    # Both parts draft. An adaptive K prices rounds by measured times (the fakes' microseconds): it may pause
+    # the draft and, where a hiccup made it look costly, probe no more, so whether the lookup drafted then
+    # depends on the machine's load (seen in CI: after a never-accepted model, and after one accepted every
+    # third round on a loaded machine); the fixed K's cases check that the lookup drafts.
+    assert proposer.model_rounds > 0 and (proposer.lookup_rounds > 0 or policy == "adaptive")
     # The model's first call carried the whole sequence so far (and the reserve), and every call after kept
     # at most what it held (the fake asserts) and was sent the rest
     assert model.sent[0][0] == 0 and model.sent[0][2] > 0

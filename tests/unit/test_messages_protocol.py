@@ -74,9 +74,10 @@ def test_tools_choices_thinking_formats_and_settings_take_the_chats_form():
     ({"max_tokens": 2, "system": 3, "messages": [{"role": "user", "content": "x"}]}, "system"),
     ({"max_tokens": 2, "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "bash_20250124"}]},
      "tools.0.type"),
-    ({"max_tokens": 2, "messages": [{"role": "user", "content": "x"}], "tool_choice": {"type": "tool"}},
-     "tool_choice.name"),
+    ({"max_tokens": 2, "messages": [{"role": "user", "content": "x"}], "tools": [{"name": "w"}],
+      "tool_choice": {"type": "tool"}}, "tool_choice.name"),
     ({"max_tokens": 2, "messages": [{"role": "user", "content": "x"}], "thinking": {"type": "max"}}, "thinking.type"),
+    ({"max_tokens": 2, "messages": [{"role": "user", "content": "x"}], "tool_choice": {"type": "any"}}, "tool_choice"),
     ({"max_tokens": 2, "messages": [{"role": "user", "content": "x"}], "mcp_servers": []}, "mcp_servers")])
 def test_refusals_name_the_messages_field(body, named):
     with pytest.raises(ApiError) as caught:

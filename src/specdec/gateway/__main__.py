@@ -53,12 +53,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "deepseek_r1 (DeepSeek-R1, QwQ, Qwen3-Thinking-2507) or qwen3 (Qwen3's hybrid models)")
     parser.add_argument("--responses-store-mb", type=float, default=DEFAULT_RESPONSES_STORE_MB,
                         help="memory for the Responses API's stored responses (store: true, the default), which "
-                             "previous_response_id continues and GET /v1/responses/{id} reads; least recently used "
-                             "out first; in this process only, unless --responses-store-dir (0: none stored)")
+                             "previous_response_id continues and GET /v1/responses/{id} reads (with background "
+                             "responses' streams), and as much again for the Conversations API's conversations; "
+                             "least recently used out first; in this process only, unless --responses-store-dir (0: "
+                             "none stored)")
     parser.add_argument("--responses-store-dir", default="",
-                        help="keep the stored responses as files in this directory instead of in memory (within "
-                             "--responses-store-mb): replicas that share it (a ReadWriteMany volume) continue each "
-                             "other's conversations, and a restart forgets none")
+                        help="keep the stored responses (and conversations, in its conversations/) as files in this "
+                             "directory instead of in memory (within --responses-store-mb): replicas that share it (a "
+                             "ReadWriteMany volume) continue each other's conversations, and a restart forgets none")
     parser.add_argument("--drain-timeout", type=float, default=60.0)
     return parser.parse_args(argv)
 

@@ -3,8 +3,9 @@
 end for `GET /v1/responses/{id}` to read: `completed` / `incomplete` (with the messages a continuation reads),
 `failed` (`error` says why) or `cancelled`. Stored once at the start and once at the end, so a cancel another
 replica stores meanwhile is never overwritten by a progress update; the end reads the stored status first, and
-keeps a cancel stored since the last look (a race of milliseconds remains: no compare-and-set on a file system). A cancel stops the generation (the server frees the sequence within a round); with a store that
-other replicas share, a cancel or a delete made on another replica is seen here within WATCH_S.
+keeps a cancel stored since the last look (a race of milliseconds remains: no compare-and-set on a file
+system). A cancel stops the generation (the server frees the sequence within a round); with a store that other
+replicas share, a cancel or a delete made on another replica is seen here within WATCH_S.
 
 Every background response's stream is kept in the store as it is generated (its events, whole or per round as
 the request streams), so that the request's own stream (`stream: true`) and any later

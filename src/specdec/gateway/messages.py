@@ -132,6 +132,8 @@ def _tools(body: dict) -> dict:
         return out
     if not isinstance(choice, dict) or choice.get("type") not in ("auto", "any", "tool", "none"):
         raise invalid("tool_choice.type", "must be auto, any, tool or none")
+    if choice["type"] in ("any", "tool") and not given:
+        raise invalid("tool_choice", f"{choice['type']} needs tools to choose from")
     if choice["type"] == "tool":
         if not isinstance(choice.get("name"), str):
             raise invalid("tool_choice.name", "must name a tool")

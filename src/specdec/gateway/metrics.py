@@ -73,8 +73,8 @@ class ApiMetrics:
                                      "it comes; several choices: the first of any)", by_route,
                                      buckets=LATENCY_BUCKETS, registry=registry)
         self.prompt_tokens = Counter("specdec_openai_prompt_tokens", "Prompt tokens of the requests the OpenAI API "
-                                     "generated for (as their usage counts them: each prompt once, its n choices sharing it)",
-                                     by_route, registry=registry)
+                                     "generated for (as their usage counts them: each prompt once, its n choices "
+                                     "sharing it)", by_route, registry=registry)
         self.completion_tokens = Counter("specdec_openai_completion_tokens", "Tokens generated for the OpenAI "
                                          "API's requests (every choice's)", by_route, registry=registry)
         if store is not None or background is not None or conversations is not None:

@@ -401,13 +401,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "before </think>) or qwen3 (Qwen3's hybrid models: a block the answer opens)")
     parser.add_argument("--responses-store-mb", type=float, default=None,
                         help="memory the OpenAI API keeps the Responses API's stored responses in (which "
-                             "previous_response_id continues; least recently used out first; 0: none stored; "
+                             "previous_response_id continues; as much again for conversations; least recently used "
+                             "out first; 0: none stored; "
                              f"default {RESPONSES_STORE_MB:g}). Each replica keeps its own, unless "
                              "--responses-store-dir")
     parser.add_argument("--responses-store-dir", default=None,
-                        help="keep the Responses API's stored responses as files in this directory (within "
-                             "--responses-store-mb): replicas that mount the same one (a ReadWriteMany volume) "
-                             "continue each other's conversations, and a restart forgets none")
+                        help="keep the Responses API's stored responses and conversations as files in this "
+                             "directory (within --responses-store-mb): replicas that mount the same one (a "
+                             "ReadWriteMany volume) continue each other's conversations, and a restart forgets none")
     parser.add_argument("--model-repository", help="serve this already rendered repository as is")
     parser.add_argument("--triton-root", default=os.environ.get("TRITON_ROOT"),
                         help="an installed Triton (e.g. /opt/tritonserver) instead of the wheel's server")
