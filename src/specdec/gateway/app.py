@@ -160,8 +160,9 @@ class Gateway:
                                                  "--responses-store-mb is 0)")
         previous = body.get("previous_response_id")
         history = await self._conversation(previous) if previous is not None else []
-        if conversations.conversation_id(body.get("conversation")) is not None:
-            history = await self._conversation_history(conversations.conversation_id(body["conversation"]))
+        conversation = conversations.conversation_id(body.get("conversation"))
+        if conversation is not None:
+            history = await self._conversation_history(conversation)
         keep = self.store.enabled and body.get("store") is not False
         try:
             gen = await self._response_chat(body, history)
@@ -243,13 +244,17 @@ class Gateway:
                 await send("content_block_stop", index=block["index"])
                 block["type"] = None
 
+        async def open_block(start: dict) -> None:
+            """A new content block (the open one closed first)."""
+            await close()
+            block["index"] += 1
+            block["type"] = start["type"]
+            await send("content_block_start", index=block["index"], content_block=start)
+
         async def delta(kind: str, start: dict, **fields) -> None:
             """A delta of the open block of this kind (a new block started first where another is open)."""
             if block["type"] != start["type"]:
-                await close()
-                block["index"] += 1
-                block["type"] = start["type"]
-                await send("content_block_start", index=block["index"], content_block=start)
+                await open_block(start)
             await send("content_block_delta", index=block["index"], delta={"type": kind, **fields})
 
         async def emit(text: str, thinking: str, deltas: list[dict] | None = None) -> None:
@@ -261,12 +266,8 @@ class Gateway:
                 await delta("text_delta", {"type": "text", "text": ""}, text=text)
             for call in deltas:
                 if "id" in call:  # a call's first delta: its block opens
-                    await close()
-                    block["index"] += 1
-                    block["type"] = "tool_use"
-                    await send("content_block_start", index=block["index"], content_block={
-                        "type": "tool_use", "id": messages.TOOL_USE_PREFIX + call["id"].removeprefix("call_"),
-                        "name": call["function"]["name"], "input": {}})
+                    await open_block({"type": "tool_use", "id": messages.TOOL_USE_PREFIX + call["id"].removeprefix(
+                        "call_"), "name": call["function"]["name"], "input": {}})
                 if call["function"].get("arguments"):
                     await send("content_block_delta", index=block["index"],
                                delta={"type": "input_json_delta", "partial_json": call["function"]["arguments"]})
