@@ -145,6 +145,7 @@ class GenerationResult:
     acceptance_rate: float = 0.0
     mean_accepted_length: float = 0.0
     num_rounds: int = 0
+    num_cached_tokens: int = 0  # of the prompt's tokens, those the server's prefix cache held
     chunks: list[str] = field(default_factory=list)  # text of each response, in order
     # With return_log_probs: the target's log-probability of each output token, and their sum
     log_probs: list[float] = field(default_factory=list)
@@ -172,7 +173,8 @@ class GenerationResult:
         return self.num_output_tokens / self.latency_s if self.latency_s > 0 else 0.0
 
     def stats_line(self) -> str:
-        return (f"[{self.finish_reason}] {self.num_input_tokens} in, {self.num_output_tokens} out, "
+        return (f"[{self.finish_reason}] {self.num_input_tokens} in ({self.num_cached_tokens} cached), "
+                f"{self.num_output_tokens} out, "
                 f"{self.num_rounds} rounds, acceptance {self.acceptance_rate:.2f} "
                 f"({self.total_accepted_draft_tokens}/{self.total_draft_tokens}), "
                 f"{self.mean_accepted_length:.2f} tokens/round, TTFT {self.ttft_s * 1000:.0f} ms, "
@@ -180,7 +182,7 @@ class GenerationResult:
 
 
 _INT_FIELDS = (tn.NUM_INPUT_TOKENS, tn.NUM_OUTPUT_TOKENS, tn.TOTAL_DRAFT_TOKENS, tn.TOTAL_ACCEPTED_DRAFT_TOKENS,
-               tn.NUM_ROUNDS)
+               tn.NUM_ROUNDS, tn.NUM_CACHED_TOKENS)
 _FLOAT_FIELDS = (tn.ACCEPTANCE_RATE, tn.MEAN_ACCEPTED_LENGTH, tn.CUM_LOG_PROBS)
 
 

@@ -106,6 +106,9 @@ TOTAL_ACCEPTED_DRAFT_TOKENS = "total_accepted_draft_tokens"  # INT32 [1]
 ACCEPTANCE_RATE = "acceptance_rate"  # FP32 [1]: accepted / drafted (0 when nothing was drafted)
 NUM_ROUNDS = "num_rounds"  # INT32 [1]: propose/verify rounds (target forward passes)
 MEAN_ACCEPTED_LENGTH = "mean_accepted_length"  # FP32 [1]: tokens per round = 1 + accepted / rounds
+# INT32 [1]: of the prompt's num_input_tokens, those target_model found in its prefix cache (their keys and values
+# reused, not computed; whole blocks); 0 until the prompt has run, and without prefix caching (vLLM's name)
+NUM_CACHED_TOKENS = "num_cached_tokens"
 # With return_log_probs: the target's log-probability of each token of this response (its raw distribution:
 # before temperature, top_k and top_p), and their sum over every token generated so far.
 OUTPUT_LOG_PROBS = "output_log_probs"  # FP32 [-1]
@@ -185,6 +188,9 @@ NUM_DRAFT_BRANCHES = "num_draft_branches"
 MAX_DRAFT_BRANCHES = 8  # speculative_decoding's draft_branches and lookup_branches: at most this wide
 DRAFT_PARENTS = "draft_parents"  # INT32 [-1]: a drafted tree's parent of each token (-1: the root); empty: a chain
 CACHED_LENGTH = "cached_length"  # INT32 [1]: tokens the draft's cache holds after the proposal
+# INT32 [1]: target_model's answer, on request: of the sequence's tokens so far, those its prefix cache held (a
+# prompt's; the orchestrator's num_cached_tokens)
+CACHED_TOKENS = "cached_tokens"
 # FP32 [-1, -1]: the target's features (its hidden_layers' states, concatenated) at every new position:
 # target_model's output on request, a draft head's input (the positions before its last new token)
 FEATURES = "features"

@@ -166,7 +166,7 @@ def open_stream_and_cancel(url: str, prompt: str, **params) -> None:
 
 
 OUTPUTS = [tn.TEXT_OUTPUT, tn.FINISH_REASON, tn.NUM_INPUT_TOKENS, tn.NUM_OUTPUT_TOKENS, tn.TOTAL_DRAFT_TOKENS,
-           tn.TOTAL_ACCEPTED_DRAFT_TOKENS, tn.ACCEPTANCE_RATE, tn.NUM_ROUNDS, tn.MEAN_ACCEPTED_LENGTH,
+           tn.TOTAL_ACCEPTED_DRAFT_TOKENS, tn.ACCEPTANCE_RATE, tn.NUM_ROUNDS, tn.MEAN_ACCEPTED_LENGTH, tn.NUM_CACHED_TOKENS,
            *tn.PERF_METRIC_OUTPUTS]  # with return_perf_metrics
 
 

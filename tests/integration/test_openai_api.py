@@ -889,8 +889,9 @@ def test_anthropic_messages_answer_as_the_chat_does_whole_streamed_and_counted(a
     assert [block.type for block in message.content] == ["text"]
     assert message.content[0].text == chat.choices[0].message.content
     assert message.stop_reason == {"length": "max_tokens", "stop": "end_turn"}[chat.choices[0].finish_reason]
-    assert (message.usage.input_tokens, message.usage.output_tokens) == (chat.usage.prompt_tokens,
-                                                                         chat.usage.completion_tokens)
+    # the prompt's tokens: those the prefix cache held (the chat just computed them) apart, as Anthropic counts
+    assert (message.usage.input_tokens + message.usage.cache_read_input_tokens,
+            message.usage.output_tokens) == (chat.usage.prompt_tokens, chat.usage.completion_tokens)
     with claude.messages.stream(model=model, system=SYSTEM, messages=ASK, max_tokens=12, extra_body=GREEDY) as stream:
         text = "".join(stream.text_stream)
         final = stream.get_final_message()
@@ -902,10 +903,48 @@ def test_anthropic_messages_answer_as_the_chat_does_whole_streamed_and_counted(a
         "content_block_stop", "message_delta", "message_stop"]
     assert set(events[2:-3]) == {"content_block_delta"}
     counted = claude.messages.count_tokens(model=model, system=SYSTEM, messages=ASK)
-    assert counted.input_tokens == message.usage.input_tokens
+    assert counted.input_tokens == chat.usage.prompt_tokens
     (card,) = claude.models.list().data  # Anthropic's model list, from the same endpoint
     assert (card.id, card.type, card.display_name) == (model, "model", model) and card.created_at.year >= 2026
     assert claude.models.retrieve(model).id == model
+
+
+# ~120 tokens of the tiny pair's tokenizer; its first words are no other test's, so its first request computes them
+CACHED_SYSTEM = ("Cache-usage test. You answer visitors' questions about a lighthouse museum on a rocky northern "
+                 "coast. The museum opens at ten and closes at five from April to October, and only on weekends in "
+                 "winter. The tower's one hundred and twelve steps are climbed with a guide every hour on the hour; "
+                 "children under eight climb with an adult. The shop sells maps, postcards and knitted hats.")
+
+
+def test_usage_counts_the_prompt_tokens_the_prefix_cache_held(api, claude, model):
+    """The prompt's tokens the server's prefix cache held (its whole blocks of 32 but the last token's: that
+    one's logits are needed), as each API reports them: the chat's and completions' prompt_tokens_details
+    (streamed with the usage too), the Responses API's input_tokens_details, Anthropic's cache_read_input_tokens
+    beside the input tokens it did compute; none on a prompt's first run."""
+    chat = [{"role": "system", "content": CACHED_SYSTEM}, {"role": "user", "content": "Can my dog come in?"}]
+    cold = api.chat.completions.create(model=model, messages=chat, max_tokens=4, temperature=0)
+    assert cold.usage.prompt_tokens_details.cached_tokens == 0 and cold.usage.prompt_tokens > 96
+    reusable = (cold.usage.prompt_tokens - 1) // 32 * 32
+    warm = api.chat.completions.create(model=model, messages=chat, max_tokens=4, temperature=0)
+    assert warm.usage.prompt_tokens_details.cached_tokens == reusable
+    assert warm.choices[0].message.content == cold.choices[0].message.content
+    streamed = list(api.chat.completions.create(model=model, messages=chat, max_tokens=4, temperature=0, stream=True,
+                                                stream_options={"include_usage": True}))
+    assert streamed[-1].usage.prompt_tokens_details.cached_tokens == reusable
+    text = api.completions.create(model=model, prompt=CACHED_SYSTEM + " Question: is there a cafe?", max_tokens=4,
+                                  temperature=0)
+    assert text.usage.prompt_tokens_details.cached_tokens == 0  # no chat template: other tokens from the first
+    response = api.responses.create(model=model, input=chat, max_output_tokens=16, temperature=0)
+    assert response.usage.input_tokens_details.cached_tokens == reusable == (response.usage.input_tokens - 1) // 32 * 32
+    message = claude.messages.create(model=model, system=CACHED_SYSTEM, messages=chat[1:], max_tokens=4,
+                                     extra_body=GREEDY)
+    usage = message.usage
+    assert (usage.cache_read_input_tokens, usage.input_tokens, usage.cache_creation_input_tokens) == (
+        reusable, cold.usage.prompt_tokens - reusable, 0)
+    with claude.messages.stream(model=model, system=CACHED_SYSTEM, messages=chat[1:], max_tokens=4,
+                                extra_body=GREEDY) as stream:
+        final = stream.get_final_message()
+    assert (final.usage.cache_read_input_tokens, final.usage.input_tokens) == (reusable, usage.input_tokens)
 
 
 def test_anthropic_stop_sequences_tools_and_tool_results(api, claude, model):

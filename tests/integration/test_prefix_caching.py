@@ -55,7 +55,7 @@ def test_a_shared_system_prompt_is_computed_once_and_reused_exactly(server):
     cold = grpc_stream(server.grpc_url, prompt, max_tokens=20, num_draft_tokens=4, adaptive_draft=False)
     first = counters(server)
     tokens = cold[tn.NUM_INPUT_TOKENS]
-    assert tokens > 128
+    assert tokens > 128 and cold[tn.NUM_CACHED_TOKENS] == 0
     for model in MODELS:  # nothing cached yet: the whole prompt ran
         assert delta(start, first, "prefix_cache_queries_total", model) >= tokens
         assert delta(start, first, "prefix_cache_hits_total", model) == 0
@@ -67,10 +67,11 @@ def test_a_shared_system_prompt_is_computed_once_and_reused_exactly(server):
     assert again[tn.TEXT_OUTPUT] == cold[tn.TEXT_OUTPUT]
     reusable = (tokens - 1) // 32 * 32
     assert delta(first, second, "prefix_cache_hits_total", "target_model") == reusable
+    assert again[tn.NUM_CACHED_TOKENS] == reusable  # the request's own count, over HTTP
     assert delta(first, second, "tokens_processed_total", "target_model") <= tokens - reusable + 20
     spec = grpc_stream(server.grpc_url, prompt, max_tokens=20, num_draft_tokens=4, adaptive_draft=False)
     third = counters(server)
-    assert spec[tn.TEXT_OUTPUT] == cold[tn.TEXT_OUTPUT]
+    assert spec[tn.TEXT_OUTPUT] == cold[tn.TEXT_OUTPUT] and spec[tn.NUM_CACHED_TOKENS] == reusable
     for model in MODELS:
         assert delta(second, third, "prefix_cache_hits_total", model) >= reusable
 
@@ -111,7 +112,7 @@ def test_a_prompt_longer_than_a_chunk_is_sent_in_chunks_and_found_again_whole(ch
     calls = server.metric("nv_inference_request_success", model="target_model")
     cold = grpc_stream(server.grpc_url, prompt, max_tokens=12, num_draft_tokens=4, adaptive_draft=False)
     tokens = cold[tn.NUM_INPUT_TOKENS]
-    assert 512 + 32 < tokens < 1024 - 12
+    assert 512 + 32 < tokens < 1024 - 12 and cold[tn.NUM_CACHED_TOKENS] == 0
     # Every round's call, the release, and one more: the prompt's first chunk.
     assert server.metric("nv_inference_request_success", model="target_model") - calls == cold[tn.NUM_ROUNDS] + 2
     first = counters(server)
@@ -127,6 +128,7 @@ def test_a_prompt_longer_than_a_chunk_is_sent_in_chunks_and_found_again_whole(ch
         # The first chunk (512 tokens, no logits wanted) is found whole, the second up to its last block.
         reusable = 512 + (tokens - 512 - 1) // 32 * 32
         assert found == {"target_model": reusable, "draft_model": reusable if k else 0}, k
+        assert again[-1][tn.NUM_CACHED_TOKENS] == reusable  # over its chunks
     assert again[0][tn.TEXT_OUTPUT] == again[1][tn.TEXT_OUTPUT] == cold[tn.TEXT_OUTPUT]
 
 

@@ -40,9 +40,9 @@ def fp32_llama():
     return LlamaForCausalLM(config).eval()
 
 
-def run_fixed_k(req, proposer, scorer, k):
-    """The tokens the decode loop generates for req with a fixed draft length k."""
-    return run_fixed_k_many([req], proposer, scorer, k)[0]
+def run_fixed_k(req, proposer, scorer, k, stats=None):
+    """The tokens the decode loop generates for req with a fixed draft length k (its Stats into `stats`)."""
+    return run_fixed_k_many([req], proposer, scorer, k, stats=stats)[0]
 
 
 def run_fixed_k_many(requests, proposer, scorer, k, width: int = 128, branches: int = 1, stats=None):

@@ -42,7 +42,8 @@ class _Pb:
                    # each scored row's position, negated: the order of a chunked prompt's scores shows
                    tn.SCORED_LOG_PROBS: _Tensor(tn.SCORED_LOG_PROBS, -(sent[tn.CACHE_LENGTH].item() + np.arange(
                        sent[tn.SCORE_ROWS].item(), dtype=np.float32))[None]) if tn.SCORE_ROWS in sent else None,
-                   tn.FORWARD_STATS: _Tensor(tn.FORWARD_STATS, [[2, 1, 0.01]])}
+                   tn.FORWARD_STATS: _Tensor(tn.FORWARD_STATS, [[2, 1, 0.01]]),
+                   tn.CACHED_TOKENS: _Tensor(tn.CACHED_TOKENS, [[8]])}  # as if the prefix cache held 8
 
         class _Response:
             def has_error(self):
@@ -93,7 +94,7 @@ def test_a_long_prompt_goes_in_chunks_that_ask_for_nothing_the_first_taking_the_
                                                                                      prefill_chunk=4)
     prompt = list(range(1, 12))  # 11 tokens
     scores = asyncio.run(scorer.score(VerifyCall(1, 0, prompt + [50, 51], 2, reserve=40)))
-    assert scores.greedy_tokens.tolist() == [7, 8]
+    assert scores.greedy_tokens.tolist() == [7, 8] and scores.cached_tokens == 8  # asked on its first verify
     sent = [{name: value.reshape(-1).tolist() for name, value in call.items()} for call in pb.sent]
     assert sent == [
         {tn.INPUT_IDS: [1, 2, 3, 4], tn.CACHE_LENGTH: [0], tn.RESERVE_TOKENS: [40], tn.NUM_LOGITS: [0],
@@ -115,7 +116,8 @@ def test_a_long_prompt_goes_in_chunks_that_ask_for_nothing_the_first_taking_the_
     assert [call[tn.RESERVE_TOKENS].item() for call in pb.sent] == [40, 0, 0]
     assert len(_input_sets(pb.sent)) == 1  # chunks carry the step's input set
     pb.sent.clear()
-    asyncio.run(scorer.score(VerifyCall(1, 13, [52], 1)))  # a round: one call, as without chunks
+    later = asyncio.run(scorer.score(VerifyCall(1, 13, [52], 1)))  # a round: one call, as without chunks
+    assert later.cached_tokens is None  # not asked again
     asyncio.run(BlsScorer(pb, tn.TARGET_MODEL_NAME).score(VerifyCall(3, 0, prompt, 1)))  # 0: off
     assert [len(call[tn.INPUT_IDS].reshape(-1)) for call in pb.sent] == [1, 11]
     # A tree goes whole, its parents and the last tree's accepted path with it (target_model runs the

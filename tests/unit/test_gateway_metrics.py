@@ -55,7 +55,7 @@ async def _pieces(pieces, closed: list):
 
 def test_a_generations_tokens_and_first_token_are_counted_under_its_request():
     api = metrics.ApiMetrics()
-    stats = {tn.NUM_INPUT_TOKENS: 7, tn.NUM_OUTPUT_TOKENS: 5}
+    stats = {tn.NUM_INPUT_TOKENS: 7, tn.NUM_OUTPUT_TOKENS: 5, tn.NUM_CACHED_TOKENS: 4}
     pieces = [Piece(), Piece(ids=[1, 2]), Piece(ids=[3]), Piece(ids=[4, 5], stats=stats, finish_reason="length")]
 
     async def request(n_choices, leave_after=None):
@@ -73,6 +73,7 @@ def test_a_generations_tokens_and_first_token_are_counted_under_its_request():
     assert asyncio.run(request(2)) == [True, True]
     assert value(api, "specdec_openai_completion_tokens_total", **ROUTE) == 10
     assert value(api, "specdec_openai_prompt_tokens_total", **ROUTE) == 7
+    assert value(api, "specdec_openai_cached_prompt_tokens_total", **ROUTE) == 4  # of those, the prefix cache's
     assert value(api, "specdec_openai_time_to_first_token_seconds_count", **ROUTE) == 1  # once per request
     # a stream left early (the client went away) is closed; its tokens so far count, no prompt was seen yet
     assert asyncio.run(request(1, leave_after=1)) == [True]

@@ -102,9 +102,12 @@ def test_the_message_its_blocks_and_its_stop_reasons():
     assert [b["type"] for b in blocks] == ["thinking", "text", "tool_use"]
     assert blocks[2]["input"] == {"city": "Oslo"} and blocks[2]["id"].startswith("toolu_")
     assert messages.content_blocks("", [{"name": "w", "arguments": '{"ci'}])[0]["input"] == {"_partial_arguments": '{"ci'}
-    body = messages.message_object(gen, blocks, "tool_use", None, 5, 7, {"num_rounds": 3})
+    body = messages.message_object(gen, blocks, "tool_use", None, messages.usage(37, 7, cached_tokens=32),
+                                   {"num_rounds": 3})
     assert body["id"].startswith("msg_") and body["type"] == "message" and body["role"] == "assistant"
-    assert body["usage"] == {"input_tokens": 5, "output_tokens": 7} and body["speculative_decoding"]["num_rounds"] == 3
+    # the prompt's 37 tokens: 32 read from the prefix cache, 5 input (Anthropic's fields add up to the prompt)
+    assert body["usage"] == {"input_tokens": 5, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 32,
+                             "output_tokens": 7} and body["speculative_decoding"]["num_rounds"] == 3
     assert messages.stop_reason("stop", True, None) == "tool_use"
     assert messages.stop_reason("length", False, None) == "max_tokens"
     assert messages.stop_reason("stop", False, "END") == "stop_sequence"

@@ -229,13 +229,17 @@ def test_choices_combine_into_one_usage_and_one_set_of_statistics():
     """A prompt's tokens count once for its n choices; completions add up; the rates are recomputed from
     the summed counts, as the server computes them for one."""
     a = {tn.NUM_INPUT_TOKENS: 10, tn.NUM_OUTPUT_TOKENS: 4, tn.NUM_ROUNDS: 2, tn.TOTAL_DRAFT_TOKENS: 6,
-         tn.TOTAL_ACCEPTED_DRAFT_TOKENS: 2, tn.ACCEPTANCE_RATE: 1 / 3, tn.MEAN_ACCEPTED_LENGTH: 2.0}
+         tn.TOTAL_ACCEPTED_DRAFT_TOKENS: 2, tn.ACCEPTANCE_RATE: 1 / 3, tn.MEAN_ACCEPTED_LENGTH: 2.0,
+         tn.NUM_CACHED_TOKENS: 0}
     b = {tn.NUM_INPUT_TOKENS: 10, tn.NUM_OUTPUT_TOKENS: 6, tn.NUM_ROUNDS: 2, tn.TOTAL_DRAFT_TOKENS: 2,
-         tn.TOTAL_ACCEPTED_DRAFT_TOKENS: 2, tn.ACCEPTANCE_RATE: 1.0, tn.MEAN_ACCEPTED_LENGTH: 2.0}
+         tn.TOTAL_ACCEPTED_DRAFT_TOKENS: 2, tn.ACCEPTANCE_RATE: 1.0, tn.MEAN_ACCEPTED_LENGTH: 2.0,
+         tn.NUM_CACHED_TOKENS: 8}
     c = {tn.NUM_INPUT_TOKENS: 3, tn.NUM_OUTPUT_TOKENS: 1, tn.NUM_ROUNDS: 1, tn.TOTAL_DRAFT_TOKENS: 0,
          tn.TOTAL_ACCEPTED_DRAFT_TOKENS: 0, tn.ACCEPTANCE_RATE: 0.0, tn.MEAN_ACCEPTED_LENGTH: 1.0}
+    # the last choice: tokens seen so far; a prompt's cached tokens: those every one of its choices found
     assert protocol.combined_usage([a, b, c, {}], [4, 6, 1, 2], n=2) == {
-        "prompt_tokens": 13, "completion_tokens": 13, "total_tokens": 26}  # the last choice: tokens seen so far
+        "prompt_tokens": 13, "completion_tokens": 13, "total_tokens": 26, "prompt_tokens_details": {"cached_tokens": 0}}
+    assert protocol.combined_usage([b, b, a, a], [6, 6, 4, 4], n=2)["prompt_tokens_details"] == {"cached_tokens": 8}
     combined = protocol.combined_stats([a, b, c])
     assert combined == {tn.NUM_ROUNDS: 5, tn.TOTAL_DRAFT_TOKENS: 8, tn.TOTAL_ACCEPTED_DRAFT_TOKENS: 4,
                         tn.ACCEPTANCE_RATE: 0.5, tn.MEAN_ACCEPTED_LENGTH: 1.8}

@@ -58,6 +58,7 @@ def test_a_repeated_prompt_runs_only_its_uncached_tail_with_the_same_logits(tiny
     expected = reference.extend(1, 0, ids, 2)
     assert torch.allclose(first, expected, atol=1e-10) and torch.allclose(second, expected, atol=1e-10)
     assert (lm.prefix_queried_tokens, lm.prefix_hit_tokens) == (58, 24)
+    assert (lm.sequences[1].cached, lm.sequences[2].cached) == (0, 24)  # what each request reports
     if kind == "static":  # shared blocks count once; released, they stay cached but are not held
         assert lm.sequences[2].blocks[:3] == lm.sequences[1].blocks[:3]
         assert lm.kv_bytes_allocated == (4 + 1) * lm.kv.pool.block_bytes
@@ -167,7 +168,7 @@ def test_drafted_tokens_are_cached_once_the_caller_keeps_them(tiny_lm, kind):
 def test_speculative_generations_sharing_a_system_prompt_equal_target_only(tiny_lm, kind):
     """The whole loop on in-process executors: three requests with one system prompt, then a second turn
     holding the first's answer, drafted with K=4 from cached prefixes, give target-only's tokens."""
-    from specdec.decoding.loop import GenerationRequest
+    from specdec.decoding.loop import GenerationRequest, Stats
     from specdec.engine.local import LocalProposer, LocalScorer
     from .conftest import noisy_copy
 
@@ -183,8 +184,12 @@ def test_speculative_generations_sharing_a_system_prompt_equal_target_only(tiny_
         assert out == run_fixed_k(req, proposer, plain, 0)
     turn = GenerationRequest(seq_id=seq + 1, prompt_ids=system + user + out + prompt(2, seed=11), max_tokens=12)
     hits = target.prefix_hit_tokens
-    assert run_fixed_k(turn, proposer, scorer, 4) == run_fixed_k(turn, proposer, plain, 0)
+    stats, plain_stats = Stats(), Stats()
+    assert run_fixed_k(turn, proposer, scorer, 4, stats) == run_fixed_k(turn, proposer, plain, 0, plain_stats)
     assert target.prefix_hit_tokens - hits >= 56  # the system prompt, the question and most of the answer
+    # the request's own count: its prompt's hits, in whole blocks of 8; none without a prefix cache
+    assert stats.cached_tokens == target.prefix_hit_tokens - hits and stats.cached_tokens % 8 == 0
+    assert plain_stats.cached_tokens == 0
     assert draft.prefix_hit_tokens > 0 and not target.sequences and not draft.sequences
 
 
@@ -230,6 +235,7 @@ def test_a_prompt_sent_in_chunks_finds_its_blocks_chunk_after_chunk(tiny_lm, kin
     processed, queried = lm.tokens_processed, lm.prefix_queried_tokens
     chunks = [lm.extend(2, 0, ids[:16], 0), lm.extend(2, 16, ids[16:32], 0), lm.extend(2, 32, ids[32:] + [7], 2)]
     assert [len(c) for c in chunks] == [0, 0, 2] and lm.tokens_processed - processed == 9
+    assert lm.sequences[2].cached == 40 - 8  # over its chunks
     assert lm.prefix_hit_tokens == 40 - 8 and lm.prefix_queried_tokens - queried == 41  # every chunk looked up
     assert torch.allclose(chunks[-1], reference.extend(1, 0, ids + [7], 2), atol=1e-10)
     lm.extend(2, 41, [5, 6, 7], 3)  # to 44

@@ -96,6 +96,9 @@ class Scores:
     top_ids: torch.Tensor | None = None
     top_log_probs: torch.Tensor | None = None
     scored: ScoredRows | None = None  # with VerifyCall.score_rows
+    # A sequence's first call (keep = 0; its prompt): of the sequence's tokens, those the scorer's prefix cache
+    # held (not run); None where the scorer does not say
+    cached_tokens: int | None = None
 
 
 class NoCapacity(RuntimeError):

@@ -156,6 +156,7 @@ class Executor:
             # A prompt sent in chunks: each chunk may go on with blocks the index knows.
             cached, queried = self._reuse_prefix(seq, step, keep)
         seq.length = keep + cached  # rollback: later writes overwrite the rejected positions
+        seq.cached += cached
         seq.last_used = self.clock()
         # Counted once the step holds its room (a refused first step is asked again).
         self.prefix_queried_tokens += queried

@@ -47,6 +47,7 @@ class SequenceState:
         self.tokens: list[int] = []
         self.chain: list[int] = []
         self.prefilling = True
+        self.cached = 0  # of its tokens, those found in the prefix cache (not run): what its request reports
         # After a step whose new tokens were a tree (`Step.tree`): (the position it started at, its parents,
         # its tokens where the host knows them), which the next step's `Step.path` picks from; else None.
         self.tree: tuple[int, tuple[int, ...], list[int] | None] | None = None

@@ -199,7 +199,7 @@ class Gateway:
         stop = self._stop_sequence(body, merged, reason, bool(calls))
         content = messages.content_blocks(text, calls, thinking if gen.include_reasoning else None)
         return web.json_response(messages.message_object(
-            gen, content, messages.stop_reason(reason, bool(calls), stop), stop, *self._message_usage(merged),
+            gen, content, messages.stop_reason(reason, bool(calls), stop), stop, self._message_usage(merged),
             protocol.combined_stats([merged.stats])))
 
     async def count_message_tokens(self, request: web.Request) -> web.Response:
@@ -222,9 +222,10 @@ class Gateway:
         return messages.matched_stop(generated, merged.text, body["stop_sequences"])
 
     @staticmethod
-    def _message_usage(merged: Piece) -> tuple[int, int]:
-        return (int(merged.stats.get(tn.NUM_INPUT_TOKENS, 0)),
-                max(len(merged.ids), int(merged.stats.get(tn.NUM_OUTPUT_TOKENS, 0))))
+    def _message_usage(merged: Piece, started: bool = False) -> dict:
+        """An answer's usage in Anthropic's form (`started`: message_start's, before any output)."""
+        prompt, completion, cached = protocol.token_counts(merged.stats, len(merged.ids))
+        return messages.usage(prompt, 0 if started else completion, cached)
 
     async def _stream_message(self, request: web.Request, gen: Generation, body: dict, pieces) -> web.StreamResponse:
         """The Messages API's events: message_start, then each content block (a reasoning model's thinking, the
@@ -273,7 +274,7 @@ class Gateway:
                                delta={"type": "input_json_delta", "partial_json": call["function"]["arguments"]})
         async def start() -> None:
             await send("message_start", message=messages.message_object(gen, [], None, None,
-                                                                        self._message_usage(merged)[0], 0))
+                                                                        self._message_usage(merged, started=True)))
         try:
             started = False
             async for _, piece in pieces:
@@ -294,10 +295,8 @@ class Gateway:
             await close()
             reason = self._finish_reason(merged)
             stop = self._stop_sequence(body, merged, reason, called)
-            input_tokens, output_tokens = self._message_usage(merged)
             await send("message_delta", delta={"stop_reason": messages.stop_reason(reason, called, stop),
-                                               "stop_sequence": stop},
-                       usage={"input_tokens": input_tokens, "output_tokens": output_tokens},
+                                               "stop_sequence": stop}, usage=self._message_usage(merged),
                        **{STATS_FIELD: protocol.combined_stats([merged.stats])})
             await send("message_stop")
         except ApiError as exc:  # after the stream began: an error event, as Anthropic's SDK reads one
@@ -579,9 +578,8 @@ class Gateway:
         return content, (gen.tools.finish_reason(reason) if found else reason), found
 
     def _response_usage(self, gen: Generation, merged: Piece) -> dict:
-        return responses.usage(int(merged.stats.get(tn.NUM_INPUT_TOKENS, 0)),
-                               max(len(merged.ids), int(merged.stats.get(tn.NUM_OUTPUT_TOKENS, 0))),
-                               self._reasoning_tokens(gen, merged.ids) or 0)
+        prompt, completion, cached = protocol.token_counts(merged.stats, len(merged.ids))
+        return responses.usage(prompt, completion, self._reasoning_tokens(gen, merged.ids) or 0, cached)
 
     def _reasoning_tokens(self, gen: Generation, ids: list[int]) -> int | None:
         """How many of a choice's tokens are its thinking (with a reasoning parser and the tokenizer: None

@@ -236,12 +236,19 @@ def content_blocks(text: str | None, calls: list[dict], thinking: str | None = N
     return blocks + [tool_use_block(call) for call in calls]
 
 
+def usage(prompt_tokens: int, output_tokens: int, cached_tokens: int = 0) -> dict:
+    """Anthropic's usage: the prompt's tokens the server's prefix cache held are read from the cache, the rest
+    are input (theirs add up to the prompt's); every block the server computes is kept for later prompts,
+    which nothing bills: no cache writes."""
+    return {"input_tokens": prompt_tokens - cached_tokens, "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": cached_tokens, "output_tokens": output_tokens}
+
+
 def message_object(gen: Generation, content: list[dict], reason: str | None, stop_sequence: str | None,
-                   input_tokens: int, output_tokens: int, stats: dict | None = None) -> dict:
-    """The `message` answer (reason None: still generating, as message_start carries it)."""
+                   usage: dict, stats: dict | None = None) -> dict:
+    """The `message` answer (reason None: still generating, as message_start carries it); `usage`'s."""
     out = {"id": "msg_" + gen.id, "type": "message", "role": "assistant", "model": gen.model, "content": content,
-           "stop_reason": reason, "stop_sequence": stop_sequence,
-           "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens}}
+           "stop_reason": reason, "stop_sequence": stop_sequence, "usage": usage}
     if stats is not None:
         out[STATS_FIELD] = stats
     return out

@@ -75,6 +75,9 @@ class ApiMetrics:
         self.prompt_tokens = Counter("specdec_openai_prompt_tokens", "Prompt tokens of the requests the OpenAI API "
                                      "generated for (as their usage counts them: each prompt once, its n choices "
                                      "sharing it)", by_route, registry=registry)
+        self.cached_tokens = Counter("specdec_openai_cached_prompt_tokens", "Of those prompt tokens, the ones the "
+                                     "server's prefix cache held (usage's cached_tokens; ÷ prompt tokens = the hit "
+                                     "rate of the API's traffic)", by_route, registry=registry)
         self.completion_tokens = Counter("specdec_openai_completion_tokens", "Tokens generated for the OpenAI "
                                          "API's requests (every choice's)", by_route, registry=registry)
         if store is not None or background is not None or conversations is not None:
@@ -108,7 +111,7 @@ class ApiMetrics:
         """A generation's pieces (upstream.Piece) passed on, its tokens and the request's first token counted
         under the current request. prompt: count its prompt's tokens (the first of a request's choices)."""
         call = _CALL.get()
-        prompt_tokens = 0
+        prompt_tokens = cached_tokens = 0
         try:
             async for piece in stream:
                 if call is not None and piece.ids:
@@ -117,11 +120,13 @@ class ApiMetrics:
                         call.first_token = True
                         self.first_token.labels(call.method, call.endpoint).observe(time.monotonic() - call.started)
                 prompt_tokens = int(piece.stats.get(tn.NUM_INPUT_TOKENS, prompt_tokens))
+                cached_tokens = int(piece.stats.get(tn.NUM_CACHED_TOKENS, cached_tokens))
                 yield piece
         finally:
             await stream.aclose()
             if call is not None and prompt and prompt_tokens:
                 self.prompt_tokens.labels(call.method, call.endpoint).inc(prompt_tokens)
+                self.cached_tokens.labels(call.method, call.endpoint).inc(cached_tokens)
 
     def page(self) -> bytes:
         """The Prometheus text of every metric (reads a shared store's directory: call it off the event loop)."""

@@ -23,8 +23,10 @@ from specdec import tensor_names as tn
 from specdec.gateway import tools as tool_calls
 from specdec.gateway.tools import NAMED, REQUIRED, ToolCalling
 
-# Fields a client may send that change nothing here (bookkeeping of OpenAI's platform).
-IGNORED_FIELDS = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier")
+# Fields a client may send that change nothing here (bookkeeping of OpenAI's platform; prompt caching is automatic
+# here, usage's cached_tokens says what it held).
+IGNORED_FIELDS = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "prompt_cache_retention",
+                  "safety_identifier")
 # OpenAI's and vLLM's sampling settings that are keys of the server's `sampling_parameters` under the same name.
 SAMPLING_FIELDS = ("temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty",
                    # vLLM's extras, as its OpenAI server takes them
@@ -481,9 +483,17 @@ def chat_error(error: ApiError) -> ApiError:
 
 
 # ---- responses -----------------------------------------------------------------------------------------------
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """Chat's and completions' usage; `cached_tokens`: of the prompt's, those the server's prefix cache held."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def token_counts(stats: dict, received: int) -> tuple[int, int, int]:
+    """A choice's (prompt, completion, cached prompt) tokens: the server's counts where it sent them (its last
+    response carries them all), else the `received` tokens so far."""
+    return (int(stats.get(tn.NUM_INPUT_TOKENS, 0)), max(received, int(stats.get(tn.NUM_OUTPUT_TOKENS, 0))),
+            int(stats.get(tn.NUM_CACHED_TOKENS, 0)))
 
 
 def combined_stats(per_choice: list[dict]) -> dict:
@@ -503,14 +513,13 @@ def combined_stats(per_choice: list[dict]) -> dict:
 def combined_usage(per_choice: list[dict], completion_tokens: list[int], n: int,
                    reasoning_tokens: list[int] | None = None) -> dict:
     """Usage of an answer of several choices: each prompt's tokens once (its n choices share it, as OpenAI
-    counts them), every choice's completion tokens. Per choice: the server's counts where it sent them (its
-    last response carries them all), else the tokens received so far. `reasoning_tokens`: per choice, those
+    counts them), every choice's completion tokens (`token_counts`). `reasoning_tokens`: per choice, those
     of its thinking (with a reasoning parser), in `completion_tokens_details` as OpenAI reports them."""
-    prompts = [max(int(stats.get(tn.NUM_INPUT_TOKENS, 0)) for stats in per_choice[i:i + n])
-               for i in range(0, len(per_choice), n)]
-    completions = [max(count, int(stats.get(tn.NUM_OUTPUT_TOKENS, 0)))
-                   for stats, count in zip(per_choice, completion_tokens)]
-    out = usage(sum(prompts), sum(completions))
+    counts = [token_counts(stats, received) for stats, received in zip(per_choice, completion_tokens)]
+    groups = [counts[i:i + n] for i in range(0, len(counts), n)]
+    # a prompt's cached tokens: as many as each of its choices found (each counts the prompt once)
+    out = usage(sum(max(c[0] for c in group) for group in groups), sum(c[1] for c in counts),
+                sum(min(c[2] for c in group) for group in groups))
     if reasoning_tokens is not None:
         out["completion_tokens_details"] = {"reasoning_tokens": sum(reasoning_tokens)}
     return out

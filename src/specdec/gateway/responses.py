@@ -308,8 +308,10 @@ def response_object(gen: Generation, body: dict, status: str, output: list[dict]
     return out
 
 
-def usage(input_tokens: int, output_tokens: int, reasoning_tokens: int = 0) -> dict:
-    return {"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+def usage(input_tokens: int, output_tokens: int, reasoning_tokens: int = 0, cached_tokens: int = 0) -> dict:
+    """`cached_tokens`: of the input's, those the server's prefix cache held."""
+    return {"input_tokens": input_tokens,
+            "input_tokens_details": {"cached_tokens": cached_tokens, "cache_write_tokens": 0},
             "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
             "total_tokens": input_tokens + output_tokens}
 

@@ -14,10 +14,10 @@ from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 from specdec import tensor_names as tn
 from specdec.gateway.protocol import STATS, ApiError, server_error
 
-_INT_STATS = (tn.NUM_INPUT_TOKENS, tn.NUM_OUTPUT_TOKENS, tn.NUM_ROUNDS, tn.TOTAL_DRAFT_TOKENS,
-              tn.TOTAL_ACCEPTED_DRAFT_TOKENS)
-_STAT_NAMES = frozenset((tn.NUM_INPUT_TOKENS, tn.NUM_OUTPUT_TOKENS, *STATS))
-_OUTPUTS = (tn.TEXT_OUTPUT, tn.OUTPUT_IDS, tn.FINISH_REASON, tn.NUM_INPUT_TOKENS, tn.NUM_OUTPUT_TOKENS, *STATS)
+_COUNTS = (tn.NUM_INPUT_TOKENS, tn.NUM_OUTPUT_TOKENS, tn.NUM_CACHED_TOKENS)  # usage's
+_INT_STATS = (*_COUNTS, tn.NUM_ROUNDS, tn.TOTAL_DRAFT_TOKENS, tn.TOTAL_ACCEPTED_DRAFT_TOKENS)
+_STAT_NAMES = frozenset((*_COUNTS, *STATS))
+_OUTPUTS = (tn.TEXT_OUTPUT, tn.OUTPUT_IDS, tn.FINISH_REASON, *_COUNTS, *STATS)
 
 
 @dataclass

@@ -239,7 +239,8 @@ class BlsScorer(_SequenceModel):
         answer = [tn.GREEDY_TOKENS, tn.FORWARD_STATS] + ([tn.GREEDY_LOG_PROBS] if call.want_log_probs else []) + (
             [tn.GREEDY_TOP_IDS, tn.GREEDY_TOP_LOG_PROBS] if call.want_top_log_probs else []) + (
             [tn.SCORED_LOG_PROBS] if call.score_rows else []) + (
-            [tn.SCORED_TOP_IDS, tn.SCORED_TOP_LOG_PROBS] if call.score_top else [])
+            [tn.SCORED_TOP_IDS, tn.SCORED_TOP_LOG_PROBS] if call.score_top else []) + (
+            [tn.CACHED_TOKENS] if call.keep == 0 else [])  # a sequence's first call: its prompt's cache hits
         outputs = answer + ([tn.LOGITS] if call.want_logits else []) + ([tn.FEATURES] if call.want_features else [])
         # The grammar's (K+1) x V/32 words instead of (K+1) x V logits back.
         result = await self._call(call.seq_id, new_ids, keep, outputs, reserve,
@@ -258,4 +259,4 @@ class BlsScorer(_SequenceModel):
                                                       if name != tn.FEATURES}) for part in chunks] + [verified]) \
             if call.score_rows else None
         return Scores(torch.from_numpy(verified.greedy_tokens.astype(np.int64)), logits, verified.forward, log_probs,
-                      features, top_ids, top_values, scored)
+                      features, top_ids, top_values, scored, verified.cached_tokens)

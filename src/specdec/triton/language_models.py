@@ -459,8 +459,12 @@ class TargetModel(LanguageModelAdapter):
             scored, scored_ids, scored_values = (
                 None if t is None else host(t)
                 for t in scored_rows(scored_logits, step.new_ids, step.score_rows, top, step.score_next))
+        cached = None
+        if tn.CACHED_TOKENS in requested:
+            seq = self.lm.sequences.get(step.seq_id)
+            cached = seq.cached if seq is not None else 0
         message = wire.VerifiedMessage(tokens, forward if tn.FORWARD_STATS in requested else None, log_probs,
-                                       top_ids, top_values, scored, scored_ids, scored_values)
+                                       top_ids, top_values, scored, scored_ids, scored_values, cached)
         outputs = [pb.Tensor(name, value) for name, value in message.encode().items()]
         if tn.LOGITS in requested:
             outputs.append(self._output(tn.LOGITS, logits.float()[None]))

@@ -403,6 +403,7 @@ class SpeculativeDecodingAdapter(TritonAdapter):
             i32(tn.NUM_ROUNDS, [stats.rounds]),
             pb.Tensor(tn.ACCEPTANCE_RATE, np.array([[stats.acceptance_rate]], dtype=np.float32)),
             pb.Tensor(tn.MEAN_ACCEPTED_LENGTH, np.array([[stats.mean_accepted_length]], dtype=np.float32)),
+            i32(tn.NUM_CACHED_TOKENS, [stats.cached_tokens]),
             pb.Tensor(tn.FINISH_REASON, np.array([[(finish or "").encode()]], dtype=np.object_)),
         ]
         if vllm:

@@ -183,9 +183,12 @@ class VerifiedMessage:
     scored_log_probs: np.ndarray | None = None
     scored_top_ids: np.ndarray | None = None
     scored_top_log_probs: np.ndarray | None = None
+    cached_tokens: int | None = None  # when asked for: the sequence's tokens its prefix cache held (tn.CACHED_TOKENS)
 
     def encode(self) -> Arrays:
         out = {tn.GREEDY_TOKENS: _i32(self.greedy_tokens)}
+        if self.cached_tokens is not None:
+            out[tn.CACHED_TOKENS] = _i32([self.cached_tokens])
         if self.scored_log_probs is not None:
             out[tn.SCORED_LOG_PROBS] = np.asarray(self.scored_log_probs, dtype=np.float32).reshape(1, -1)
         if self.scored_top_ids is not None:
@@ -206,12 +209,14 @@ class VerifiedMessage:
                                                                            tn.GREEDY_TOP_LOG_PROBS))
         scored, scored_ids, scored_values = (outputs.get(name) for name in (
             tn.SCORED_LOG_PROBS, tn.SCORED_TOP_IDS, tn.SCORED_TOP_LOG_PROBS))
+        cached = outputs.get(tn.CACHED_TOKENS)
         return cls(outputs[tn.GREEDY_TOKENS].reshape(-1).astype(np.int32), _decode_forward_stats(outputs),
                    None if log_probs is None else log_probs.reshape(-1).copy(),
                    None if top_ids is None else top_ids[0].copy(), None if top_values is None else top_values[0].copy(),
                    None if scored is None else scored.reshape(-1).copy(),
                    None if scored_ids is None else scored_ids[0].copy(),
-                   None if scored_values is None else scored_values[0].copy())
+                   None if scored_values is None else scored_values[0].copy(),
+                   None if cached is None or not cached.size else int(cached.reshape(-1)[0]))
 
 
 # What a call that asks for nothing back sends as the model's own inputs (a prompt's chunk, a release).
