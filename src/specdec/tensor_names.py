@@ -128,6 +128,14 @@ FIRST_SCHEDULED_TIME_NS = "first_scheduled_time_ns"
 FIRST_TOKEN_TIME_NS = "first_token_time_ns"
 LAST_TOKEN_TIME_NS = "last_token_time_ns"
 PERF_METRIC_OUTPUTS = (ARRIVAL_TIME_NS, FIRST_SCHEDULED_TIME_NS, FIRST_TOKEN_TIME_NS, LAST_TOKEN_TIME_NS)
+# INT32 [1] each, with return_perf_metrics too (TensorRT-LLM's KV reuse metrics, in target_model's KV blocks): the
+# blocks of the prompt found in the prefix cache (num_cached_tokens in blocks), and the blocks the request computed
+# into, which are all new here (no block is taken over from another sequence but a found one): the blocks its
+# prompt and generated tokens so far span, less the reused ones
+KV_CACHE_REUSED_BLOCKS = "kv_cache_reused_blocks"
+KV_CACHE_ALLOC_NEW_BLOCKS = "kv_cache_alloc_new_blocks"
+KV_CACHE_ALLOC_TOTAL_BLOCKS = "kv_cache_alloc_total_blocks"
+KV_CACHE_METRIC_OUTPUTS = (KV_CACHE_REUSED_BLOCKS, KV_CACHE_ALLOC_NEW_BLOCKS, KV_CACHE_ALLOC_TOTAL_BLOCKS)
 # UINT64 [1]: the key this server's models know the generation by (its KV caches, its cancellation flag;
 # `sequence_id` to the models): for logs, and for vllm_compatible to pass a client's cancellation on
 GENERATION_ID = "generation_id"
@@ -188,8 +196,8 @@ NUM_DRAFT_BRANCHES = "num_draft_branches"
 MAX_DRAFT_BRANCHES = 8  # speculative_decoding's draft_branches and lookup_branches: at most this wide
 DRAFT_PARENTS = "draft_parents"  # INT32 [-1]: a drafted tree's parent of each token (-1: the root); empty: a chain
 CACHED_LENGTH = "cached_length"  # INT32 [1]: tokens the draft's cache holds after the proposal
-# INT32 [1]: target_model's answer, on request: of the sequence's tokens so far, those its prefix cache held (a
-# prompt's; the orchestrator's num_cached_tokens)
+# INT32 [2]: target_model's answer, on request: of the sequence's tokens so far, those its prefix cache held (a
+# prompt's; the orchestrator's num_cached_tokens), and its KV block's tokens (the unit it finds them in)
 CACHED_TOKENS = "cached_tokens"
 # FP32 [-1, -1]: the target's features (its hidden_layers' states, concatenated) at every new position:
 # target_model's output on request, a draft head's input (the positions before its last new token)

@@ -764,8 +764,14 @@ def test_tensorrt_llms_perf_metrics_time_every_response(server, stream):
     assert len({tuple(t[:3]) for t in times}) == 1  # arrival, scheduling and the first token are once
     lasts = [t[3] for t in times]
     assert lasts == sorted(lasts) and (lasts[-1] > lasts[0]) == stream
+    # and its KV reuse metrics, in the target's blocks of 32: those its prompt found, those it computed so far
+    for r in got:
+        assert all(r[name].dtype == np.int32 and r[name].shape == (1, 1) for name in tn.KV_CACHE_METRIC_OUTPUTS)
+        reused, new, total = (int(r[name].item()) for name in tn.KV_CACHE_METRIC_OUTPUTS)
+        spanned = -(-(int(r[tn.NUM_INPUT_TOKENS].item()) + int(r[tn.NUM_OUTPUT_TOKENS].item())) // 32)
+        assert reused * 32 == int(r[tn.NUM_CACHED_TOKENS].item()) and new == total == spanned - reused > 0
     plain = _stream_responses(server, tn.ENSEMBLE, arrays)
-    assert plain and not any(name in r for r in plain for name in tn.PERF_METRIC_OUTPUTS)
+    assert plain and not any(name in r for r in plain for name in tn.PERF_METRIC_OUTPUTS + tn.KV_CACHE_METRIC_OUTPUTS)
 
 
 def test_vllm_backend_clients_are_served_as_they_are(server):

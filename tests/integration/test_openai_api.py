@@ -947,6 +947,27 @@ def test_usage_counts_the_prompt_tokens_the_prefix_cache_held(api, claude, model
     assert (final.usage.cache_read_input_tokens, final.usage.input_tokens) == (reusable, usage.input_tokens)
 
 
+def test_a_stream_silent_past_the_keepalive_gets_comment_lines_the_sdks_skip(server, api, claude, model):
+    """A gateway whose keepalive (--stream-keepalive) is shorter than the server takes to its first token
+    sends the stream's headers and comment lines while it waits; the SDKs read the same answers."""
+    expected = api.chat.completions.create(model=model, messages=CHAT, max_tokens=12, temperature=0)
+    with own_gateway(server, model, "--stream-keepalive", "0.001") as port:
+        body = {"model": model, "messages": CHAT, "max_tokens": 12, "temperature": 0, "stream": True}
+        request = urllib.request.Request(f"http://localhost:{port}/v1/chat/completions", json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as answer:
+            data = answer.read()
+        assert data.startswith(b": keepalive\n\n") and data.endswith(b"data: [DONE]\n\n")
+        client = openai.OpenAI(base_url=f"http://localhost:{port}/v1", api_key="x", max_retries=0)
+        streamed = client.chat.completions.create(**{k: v for k, v in body.items()})
+        assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == \
+            expected.choices[0].message.content
+        messages = anthropic.Anthropic(base_url=f"http://localhost:{port}", api_key="x", max_retries=0)
+        with messages.messages.stream(model=model, system=SYSTEM, messages=ASK, max_tokens=12,
+                                      extra_body=GREEDY) as stream:
+            assert stream.get_final_message().content[0].text == expected.choices[0].message.content
+
+
 def test_anthropic_stop_sequences_tools_and_tool_results(api, claude, model):
     """stop_sequences end the answer before the sequence (stop_reason stop_sequence, naming it); a tool chosen
     by name answers a tool_use block whose input follows its schema (streamed as input_json_delta, the same

@@ -43,7 +43,8 @@ class _Pb:
                    tn.SCORED_LOG_PROBS: _Tensor(tn.SCORED_LOG_PROBS, -(sent[tn.CACHE_LENGTH].item() + np.arange(
                        sent[tn.SCORE_ROWS].item(), dtype=np.float32))[None]) if tn.SCORE_ROWS in sent else None,
                    tn.FORWARD_STATS: _Tensor(tn.FORWARD_STATS, [[2, 1, 0.01]]),
-                   tn.CACHED_TOKENS: _Tensor(tn.CACHED_TOKENS, [[8]])}  # as if the prefix cache held 8
+                   # as if the prefix cache held 8 tokens, in blocks of 4
+                   tn.CACHED_TOKENS: _Tensor(tn.CACHED_TOKENS, [[8, 4]])}
 
         class _Response:
             def has_error(self):
@@ -94,7 +95,8 @@ def test_a_long_prompt_goes_in_chunks_that_ask_for_nothing_the_first_taking_the_
                                                                                      prefill_chunk=4)
     prompt = list(range(1, 12))  # 11 tokens
     scores = asyncio.run(scorer.score(VerifyCall(1, 0, prompt + [50, 51], 2, reserve=40)))
-    assert scores.greedy_tokens.tolist() == [7, 8] and scores.cached_tokens == 8  # asked on its first verify
+    assert scores.greedy_tokens.tolist() == [7, 8] and (scores.cached_tokens, scores.block_size) == (8, 4)  # asked
+    # on its first verify
     sent = [{name: value.reshape(-1).tolist() for name, value in call.items()} for call in pb.sent]
     assert sent == [
         {tn.INPUT_IDS: [1, 2, 3, 4], tn.CACHE_LENGTH: [0], tn.RESERVE_TOKENS: [40], tn.NUM_LOGITS: [0],

@@ -169,6 +169,7 @@ def test_speculative_generations_sharing_a_system_prompt_equal_target_only(tiny_
     """The whole loop on in-process executors: three requests with one system prompt, then a second turn
     holding the first's answer, drafted with K=4 from cached prefixes, give target-only's tokens."""
     from specdec.decoding.loop import GenerationRequest, Stats
+    from specdec.triton.orchestrator import kv_blocks
     from specdec.engine.local import LocalProposer, LocalScorer
     from .conftest import noisy_copy
 
@@ -189,7 +190,12 @@ def test_speculative_generations_sharing_a_system_prompt_equal_target_only(tiny_
     assert target.prefix_hit_tokens - hits >= 56  # the system prompt, the question and most of the answer
     # the request's own count: its prompt's hits, in whole blocks of 8; none without a prefix cache
     assert stats.cached_tokens == target.prefix_hit_tokens - hits and stats.cached_tokens % 8 == 0
-    assert plain_stats.cached_tokens == 0
+    assert plain_stats.cached_tokens == 0 and stats.block_size == 8
+    # TensorRT-LLM's KV reuse metrics of it (orchestrator.kv_blocks): found blocks, and the blocks computed
+    positions = len(turn.prompt_ids) + 12
+    computed = -(-positions // 8) - stats.cached_tokens // 8
+    assert kv_blocks(stats, positions) == (stats.cached_tokens // 8, computed, computed) and computed > 0
+    assert kv_blocks(Stats(), positions) == (0, 0, 0)  # before the target has answered
     assert draft.prefix_hit_tokens > 0 and not target.sequences and not draft.sequences
 
 

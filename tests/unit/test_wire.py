@@ -49,8 +49,9 @@ def test_answers_round_trip():
     assert back.log_probs.tolist() == [-0.25, -1.5]
     bare = wire.VerifiedMessage.decode(wire.VerifiedMessage(np.array([5], dtype=np.int32)).encode())
     assert bare.forward is None and bare.log_probs is None and bare.cached_tokens is None
-    first = wire.VerifiedMessage(np.array([5], dtype=np.int32), cached_tokens=32)  # a sequence's first answer
-    assert wire.VerifiedMessage.decode(first.encode()).cached_tokens == 32
+    first = wire.VerifiedMessage(np.array([5], dtype=np.int32), cached_tokens=32, block_size=16)  # a first answer
+    back = wire.VerifiedMessage.decode(first.encode())
+    assert (back.cached_tokens, back.block_size) == (32, 16)
 
 
 def test_a_verify_round_trips_its_bitmask_and_refuses_a_bad_one():

@@ -99,6 +99,7 @@ class Scores:
     # A sequence's first call (keep = 0; its prompt): of the sequence's tokens, those the scorer's prefix cache
     # held (not run); None where the scorer does not say
     cached_tokens: int | None = None
+    block_size: int = 0  # the tokens of the scorer's KV block (its prefix cache's unit); 0: unknown
 
 
 class NoCapacity(RuntimeError):

@@ -88,6 +88,7 @@ class Stats:
     accepted: int = 0  # draft tokens accepted
     accepted_per_position: list[int] = field(default_factory=list)  # [i]: rounds accepting draft i+1
     cached_tokens: int = 0  # the prompt's tokens the target's prefix cache held (Scores.cached_tokens)
+    block_size: int = 0  # the target's KV block's tokens (Scores.block_size); 0: not known yet
 
     @property
     def acceptance_rate(self) -> float:
@@ -143,7 +144,7 @@ async def generate(req: GenerationRequest, proposer: Proposer, scorer: Scorer, p
             tree = _with_catch_up(len(new_ids) - k, proposal.parents)
             scores = await _verify_call(seq, req, scorer, policy, proposal, new_ids, tree, scoring, wait_for_room)
             if scores.cached_tokens is not None:
-                stats.cached_tokens = scores.cached_tokens
+                stats.cached_tokens, stats.block_size = scores.cached_tokens, scores.block_size
             logits = _edited_logits(req, seq.tokens, proposal.tokens, scores.logits, seq.occurrences, seq.matcher)
             verdict = _verify(proposal, scores, logits, req.sampling, seq.generator)
             depth = None if tree is None else max(depths(proposal.parents)) + 1  # a tree's longest branch

@@ -109,6 +109,11 @@ class Executor:
         return self.kv.bytes_held(self.sequences.values())
 
     @property
+    def block_size(self) -> int:
+        """Tokens per KV block (the prefix cache's unit, the paged pool's)."""
+        return self.kv.block_size
+
+    @property
     def prefix_cache_bytes(self) -> int:
         """Bytes of keyed blocks kept for later prompts and held by no sequence, and of the features kept
         with keyed blocks (a served head's, prefix_cache.py)."""

@@ -83,6 +83,7 @@ class KVStore(Protocol):
     """Where sequences' keys and values live (kv_cache.ContiguousKV, paged_kv.PagedKV)."""
 
     prefix: PrefixIndex | None  # prefix caching's index; None: off
+    block_size: int  # tokens per block: the prefix cache's unit (and the paged pool's)
 
     def new_sequence(self) -> SequenceState: ...
     def reserve(self, seq, positions: int) -> None: ...  # room for positions tokens, or CacheError

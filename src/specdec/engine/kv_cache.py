@@ -280,6 +280,7 @@ class ContiguousKV:
 
     def __init__(self, model, prefix_cache_tokens: int = 0, block_size: int = 32):
         layers, self.kv_heads, self.head_dim = kv_layout(model)
+        self.block_size = block_size  # the prefix cache's unit (a sequence's buffers grow by the token)
         self.dtype = model.dtype
         self.layer_devices = layer_devices(model, layers)  # each layer's KV buffers live beside it
         self.max_capacity = getattr(model.config, "max_position_embeddings", None)

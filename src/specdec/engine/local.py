@@ -124,7 +124,7 @@ class LocalScorer:
                          greedy_log_probs(logits) if allowed is None else token_log_probs(logits, tokens))
         return Scores(tokens.cpu(), logits.float().cpu() if call.want_logits else None,
                       ForwardStats(len(call.new_ids), 1, seconds), None if log_probs is None else log_probs.cpu(), features,
-                      top_ids, top_values, scored, self._cached(call))
+                      top_ids, top_values, scored, self._cached(call), self.lm.block_size)
 
     def _cached(self, call: VerifyCall) -> int | None:
         seq = self.lm.sequences.get(call.seq_id) if call.keep == 0 else None

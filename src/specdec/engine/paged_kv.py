@@ -153,6 +153,7 @@ class PagedKV:
                  log: Callable[[str], None] = lambda message: None):
         layers, kv_heads, head_dim = kv_layout(model)
         device = model.device
+        self.block_size = block_size
         self.max_context = min(max_context, getattr(model.config, "max_position_embeddings", max_context) or max_context)
         bytes_per_token = 2 * layers * kv_heads * head_dim * model.dtype.itemsize
         if not kv_pool_tokens:

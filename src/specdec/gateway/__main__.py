@@ -1,7 +1,7 @@
 """`python -m specdec.gateway`: serve the OpenAI API for the ensemble of a running tritonserver.
 
 Environment: OPENAI_PORT (9000), GRPC_PORT (8001, the server's), SPECDEC_API_KEY (an API key clients must
-send as `Authorization: Bearer <key>`; none: no check). SIGTERM stops taking connections and lets the
+send as `Authorization: Bearer <key>`; none: no check), SPECDEC_STREAM_KEEPALIVE (--stream-keepalive's seconds). SIGTERM stops taking connections and lets the
 answers in flight finish (at most --drain-timeout), as the launcher's drain expects.
 """
 
@@ -13,7 +13,7 @@ import sys
 
 from aiohttp import web
 
-from specdec.gateway.app import Gateway
+from specdec.gateway.app import KEEPALIVE_S, Gateway
 from specdec.gateway.reasoning import PARSERS as REASONING_PARSERS
 from specdec.gateway.response_store import (DEFAULT_MB as DEFAULT_RESPONSES_STORE_MB, MIB, ResponseStore,
                                             SharedResponseStore)
@@ -22,6 +22,7 @@ from specdec.gateway.upstream import Upstream
 
 DEFAULT_PORT = 9000  # Triton's own OpenAI frontend's port: its clients' configurations work unchanged
 API_KEY_ENV = "SPECDEC_API_KEY"
+KEEPALIVE_ENV = "SPECDEC_STREAM_KEEPALIVE"  # --stream-keepalive's default (the launcher passes its environment on)
 
 
 def log(message: str) -> None:
@@ -61,6 +62,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="keep the stored responses (and conversations, in its conversations/) as files in this "
                              "directory instead of in memory (within --responses-store-mb): replicas that share it (a "
                              "ReadWriteMany volume) continue each other's conversations, and a restart forgets none")
+    parser.add_argument("--stream-keepalive", type=float,
+                        default=float(os.environ.get(KEEPALIVE_ENV, KEEPALIVE_S)),
+                        help="seconds a streamed answer may be silent (waiting for its first token while the server "
+                             "is full, a background response's next event) before a comment line keeps the "
+                             "connection, and again each as long after: proxies and load balancers close idle "
+                             f"connections (often after 60 s); 0: never (default: ${KEEPALIVE_ENV}, else "
+                             f"{KEEPALIVE_S:g})")
     parser.add_argument("--drain-timeout", type=float, default=60.0)
     return parser.parse_args(argv)
 
@@ -80,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         else ResponseStore(budget)
     gateway = Gateway(Upstream(args.grpc_url), tuple(args.served_model_name), tokenizer, args.api_key or None,
                       args.tool_call_parser, args.max_model_len, args.reasoning_parser, store, args.default_max_tokens,
-                      args.drain_timeout)
+                      args.drain_timeout, args.stream_keepalive)
     log(f"OpenAI API: http://{args.host}:{args.port}/v1 (models {', '.join(args.served_model_name)}; "
         f"server {args.grpc_url}; API key {'required' if args.api_key else 'not required'}; stored responses "
         f"{'in ' + args.responses_store_dir if isinstance(store, SharedResponseStore) else 'in memory'})")

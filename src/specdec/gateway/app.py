@@ -34,6 +34,10 @@ API_PREFIX = "/v1/"
 TOKENIZER_PATHS = frozenset({"/tokenize", "/detokenize", "/tokenizer_info"})  # vLLM's, at the root
 HEALTH_PATH = "/health"
 MESSAGES_PREFIX = "/v1/messages"  # Anthropic's API: its errors in its own form
+RESPONSES_PREFIX = "/v1/responses"
+KEEPALIVE_S = 15.0  # a streamed answer silent this long gets a comment line (Gateway._waited); 0: never
+KEEPALIVE = b": keepalive\n\n"  # an SSE comment: every client's parser skips it
+_PREPARED = web.RequestKey("specdec_event_stream", web.StreamResponse)  # a request's SSE response, once prepared
 
 
 def error_response(error: ApiError, path: str = "") -> web.Response:
@@ -44,18 +48,22 @@ def error_response(error: ApiError, path: str = "") -> web.Response:
 class Gateway:
     def __init__(self, upstream: Upstream, served: tuple[str, ...], tokenizer=None, api_key: str | None = None,
                  tool_parser: str | None = None, max_model_len: int = 0, reasoning_parser: str | None = None,
-                 store: ResponseStore | None = None, default_max_tokens: int = 0, drain_timeout_s: float = 60.0):
+                 store: ResponseStore | None = None, default_max_tokens: int = 0, drain_timeout_s: float = 60.0,
+                 keepalive_s: float = KEEPALIVE_S):
         """tokenizer: the target's (a transformers tokenizer), for the text of log-probabilities' tokens and of
         echoed token-id prompts, and the tokenizer endpoints; None: tokens show as `token_id:N`, and those
         need it. max_model_len: the server's context in tokens (model cards, /tokenize; 0: not known).
         store: the Responses API's stored responses (None: none are kept). default_max_tokens: what the server
         generates for a request that does not say (what `truncation: auto` leaves room for; 0: not known).
-        drain_timeout_s: how long a stop waits for background responses to finish (then they fail)."""
+        drain_timeout_s: how long a stop waits for background responses to finish (then they fail).
+        keepalive_s: how long a streamed answer may be silent before a comment line keeps its connection
+        (`_waited`; 0: never)."""
         self.upstream, self.served, self.tokenizer, self.api_key = upstream, served, tokenizer, api_key
         self.token_text: TokenText | None = token_text_from(tokenizer) if tokenizer is not None else None
         self.tool_parser = tool_parser  # tools.PARSERS: how the model writes calls (tool_choice "auto")
         self.reasoning_parser = reasoning_parser  # reasoning.PARSERS: a chat's thinking apart (None: not split)
         self.max_model_len, self.default_max_tokens = max_model_len, default_max_tokens
+        self.keepalive_s = keepalive_s
         self.store = store if store is not None else ResponseStore(0)
         self.conversations = conversations.Conversations(self.store.sibling("conversations"))
         self.background = BackgroundResponses(self.store, self._background_answer, drain_timeout_s,
@@ -124,12 +132,46 @@ class Gateway:
         try:
             return await handler(request)
         except ApiError as exc:
+            if request.get(_PREPARED) is not None:  # its stream began (kept alive while waiting): an event
+                return await self._error_event(request[_PREPARED], exc, request.path)
             return error_response(exc, request.path)
         except web.HTTPException as exc:
             if exc.status >= 400:
                 return error_response(ApiError(exc.status, f"{exc.reason}: {request.method} {request.path}"),
                                       request.path)
             raise
+
+    async def _error_event(self, response: web.StreamResponse, error: ApiError, path: str) -> web.StreamResponse:
+        """An error that came after a stream's headers, before its answer began: the stream's error event, in
+        the form of the API it is (as each API's stream sends one after its answer began)."""
+        self.metrics.stream_error(error.status)
+        if path.startswith(MESSAGES_PREFIX):
+            data = messages.event("error", error=messages.error_body(error)["error"])
+        elif path.startswith(RESPONSES_PREFIX):
+            data = responses.sse(responses.event("error", 0, code=error.code, message=error.message, param=error.param))
+        else:
+            data = protocol.sse(error.body()) + protocol.sse("[DONE]")
+        await response.write(data)
+        await response.write_eof()
+        return response
+
+    async def _waited(self, request: web.Request | None, awaitable):
+        """`awaitable`'s result. A streamed answer (`request` given) can be silent long before its first token
+        (the server full: a generation slot, KV room) or a background response's next event: past keepalive_s
+        its SSE headers go out and a comment line each keepalive_s after, so that proxies and clients that
+        close idle connections (often after 60 s) keep it. An error after the headers is the stream's error
+        event (`_error_event`), not an HTTP status."""
+        if request is None or self.keepalive_s <= 0:
+            return await awaitable
+        task = asyncio.ensure_future(awaitable)
+        try:
+            while not (await asyncio.wait({task}, timeout=self.keepalive_s))[0]:
+                await (await _event_stream(request)).write(KEEPALIVE)
+            return task.result()
+        finally:
+            if not task.done():  # the client went away
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
 
     async def _body(self, request: web.Request) -> dict:
         try:
@@ -171,7 +213,7 @@ class Gateway:
                 if gen.stream:  # its events as they are stored; a client that leaves stops nothing
                     return await self._follow(request, started["id"], -1)
                 return web.json_response(started)
-            async with self._pieces(gen) as pieces:  # errors before the first token are plain HTTP errors
+            async with self._pieces(gen, request) as pieces:  # errors before the first token: HTTP errors
                 if gen.stream:
                     return await self._stream_response(request, gen, body, pieces, keep)
                 answer = await self._whole_response(gen, body, pieces, keep)
@@ -186,7 +228,7 @@ class Gateway:
         body = await self._body(request)
         try:
             gen = protocol.parse_chat(messages.chat_body(body), self.served, self.tool_parser, self.reasoning_parser)
-            async with self._pieces(gen) as pieces:  # errors before the first token are plain HTTP errors
+            async with self._pieces(gen, request) as pieces:  # errors before the first token: HTTP errors
                 if gen.stream:
                     return await self._stream_message(request, gen, body, pieces)
                 merged = Piece()
@@ -306,13 +348,14 @@ class Gateway:
         return response
 
     @contextlib.asynccontextmanager
-    async def _pieces(self, gen: Generation):
-        """A Responses request's one choice as (index, piece) pairs, its first awaited before they are handed
-        over (an error before the first token raises here); the upstream stream closed on leaving."""
+    async def _pieces(self, gen: Generation, request: web.Request | None = None):
+        """A Responses or Messages request's one choice as (index, piece) pairs, its first awaited before they
+        are handed over (an error before the first token raises here; a streamed one's `request` kept alive
+        meanwhile: `_waited`); the upstream stream closed on leaving."""
         async with contextlib.AsyncExitStack() as stack:
             stream = await stack.enter_async_context(contextlib.aclosing(self.metrics.counted(
                 self.upstream.generate(gen.choices[0], gen.logprobs, gen.top_logprobs > 0))))
-            firsts = await _first_pieces([stream])
+            firsts = await self._waited(request if gen.stream else None, _first_pieces([stream]))
             yield await stack.enter_async_context(contextlib.aclosing(_merged([stream], firsts)))
 
     async def _background_answer(self, gen: Generation, body: dict, started: dict, send) -> dict:
@@ -325,8 +368,9 @@ class Gateway:
         """A background response's stream from its log: its events after sequence number `after`, then those
         that come, until its end."""
         response = await _event_stream(request)
-        async for event in self.background.follow(response_id, after):
-            await response.write(responses.sse(event))
+        async with contextlib.aclosing(self.background.follow(response_id, after)) as events:
+            while (event := await self._waited(request, anext(events, None))) is not None:
+                await response.write(responses.sse(event))
         await response.write_eof()
         return response
 
@@ -777,7 +821,8 @@ class Gateway:
             streams = [await stack.enter_async_context(contextlib.aclosing(self.metrics.counted(
                 self.upstream.generate(inputs, gen.logprobs, gen.top_logprobs > 0), prompt=index % gen.n == 0)))
                 for index, inputs in enumerate(gen.choices)]
-            firsts = await _first_pieces(streams)  # errors before the first token are plain HTTP errors
+            # errors before the first token are plain HTTP errors (unless a stream was kept alive meanwhile)
+            firsts = await self._waited(request if gen.stream else None, _first_pieces(streams))
             pieces = await stack.enter_async_context(contextlib.aclosing(_merged(streams, firsts)))
             if gen.stream:
                 return await self._stream(request, gen, pieces)
@@ -891,10 +936,13 @@ def _page(items: list[dict], query, what: str) -> dict:
 
 
 async def _event_stream(request: web.Request) -> web.StreamResponse:
-    """A Server-Sent Events answer, prepared (its headers sent)."""
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                           "X-Accel-Buffering": "no"})
-    await response.prepare(request)
+    """The request's Server-Sent Events answer, prepared (its headers sent) the first time it is asked for."""
+    response = request.get(_PREPARED)
+    if response is None:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                               "X-Accel-Buffering": "no"})
+        await response.prepare(request)
+        request[_PREPARED] = response
     return response
 
 

@@ -259,4 +259,4 @@ class BlsScorer(_SequenceModel):
                                                       if name != tn.FEATURES}) for part in chunks] + [verified]) \
             if call.score_rows else None
         return Scores(torch.from_numpy(verified.greedy_tokens.astype(np.int64)), logits, verified.forward, log_probs,
-                      features, top_ids, top_values, scored, verified.cached_tokens)
+                      features, top_ids, top_values, scored, verified.cached_tokens, verified.block_size)

@@ -464,7 +464,8 @@ class TargetModel(LanguageModelAdapter):
             seq = self.lm.sequences.get(step.seq_id)
             cached = seq.cached if seq is not None else 0
         message = wire.VerifiedMessage(tokens, forward if tn.FORWARD_STATS in requested else None, log_probs,
-                                       top_ids, top_values, scored, scored_ids, scored_values, cached)
+                                       top_ids, top_values, scored, scored_ids, scored_values, cached,
+                                       self.lm.block_size)
         outputs = [pb.Tensor(name, value) for name, value in message.encode().items()]
         if tn.LOGITS in requested:
             outputs.append(self._output(tn.LOGITS, logits.float()[None]))

@@ -411,7 +411,20 @@ class SpeculativeDecodingAdapter(TritonAdapter):
         if times is not None:  # time.monotonic() is CLOCK_MONOTONIC's, the clock TensorRT-LLM's steady clock reads
             tensors += [pb.Tensor(name, np.array([[0 if at is None else round(at * 1e9)]], dtype=np.int64))
                         for name, at in times.items()]
+            tensors += [i32(name, [blocks]) for name, blocks in zip(
+                tn.KV_CACHE_METRIC_OUTPUTS, kv_blocks(stats, len(req.prompt_ids) + len(emitter.emitted)))]
         return pb.InferenceResponse(output_tensors=tensors)
+
+
+def kv_blocks(stats: Stats, positions: int) -> tuple[int, int, int]:
+    """TensorRT-LLM's KV reuse metrics (tn.KV_CACHE_METRIC_OUTPUTS) of a request whose prompt and output span
+    `positions` tokens: (reused, newly allocated, allocated) blocks; none before the target has answered."""
+    size = stats.block_size
+    if not size:
+        return 0, 0, 0
+    reused = stats.cached_tokens // size
+    computed = max(0, -(-positions // size) - reused)
+    return reused, computed, computed
 
 
 class _Responses:

@@ -183,12 +183,14 @@ class VerifiedMessage:
     scored_log_probs: np.ndarray | None = None
     scored_top_ids: np.ndarray | None = None
     scored_top_log_probs: np.ndarray | None = None
-    cached_tokens: int | None = None  # when asked for: the sequence's tokens its prefix cache held (tn.CACHED_TOKENS)
+    # when asked for (tn.CACHED_TOKENS): the sequence's tokens its prefix cache held, and the tokens of a KV block
+    cached_tokens: int | None = None
+    block_size: int = 0
 
     def encode(self) -> Arrays:
         out = {tn.GREEDY_TOKENS: _i32(self.greedy_tokens)}
         if self.cached_tokens is not None:
-            out[tn.CACHED_TOKENS] = _i32([self.cached_tokens])
+            out[tn.CACHED_TOKENS] = _i32([self.cached_tokens, self.block_size])
         if self.scored_log_probs is not None:
             out[tn.SCORED_LOG_PROBS] = np.asarray(self.scored_log_probs, dtype=np.float32).reshape(1, -1)
         if self.scored_top_ids is not None:
@@ -216,7 +218,7 @@ class VerifiedMessage:
                    None if scored is None else scored.reshape(-1).copy(),
                    None if scored_ids is None else scored_ids[0].copy(),
                    None if scored_values is None else scored_values[0].copy(),
-                   None if cached is None or not cached.size else int(cached.reshape(-1)[0]))
+                   *((None, 0) if cached is None or not cached.size else (int(v) for v in cached.reshape(-1)[:2])))
 
 
 # What a call that asks for nothing back sends as the model's own inputs (a prompt's chunk, a release).
