@@ -94,6 +94,9 @@ GUIDE_TYPES = ("json", "json_schema", "regex", "ebnf_grammar", "choice")
 REASONING_PARSER = "reasoning_parser"
 REASONING_PARSERS = ("deepseek_r1", "qwen3")  # as vLLM and SGLang name them (`--reasoning-parser`)
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"  # where their thinking starts and ends
+# INT32 [1]: with reasoning_parser, the thinking ends after at most this many tokens: the close tag is then forced
+# (decoding/thinking.py; vLLM's thinking_token_budget); -1: no budget (the default)
+THINKING_TOKEN_BUDGET = "thinking_token_budget"
 
 # ---- ensemble outputs ------------------------------------------------------------------------
 TEXT_OUTPUT = "text_output"  # STRING [-1]

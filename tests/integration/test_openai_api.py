@@ -392,6 +392,30 @@ def test_a_reasoning_models_structured_output_constrains_only_its_answer(server,
     assert answer.startswith("{") and not plain.model_extra["reasoning_content"].startswith("{")
 
 
+def test_a_thinking_budget_closes_the_thinking_and_the_answer_follows(server, api, model, claude):
+    """thinking_token_budget (vLLM's; Anthropic's thinking.budget_tokens) with --reasoning-parser deepseek_r1:
+    the tiny model, which never closes its thinking itself, thinks its own first 5 tokens, the server forces
+    </think>, and its answer follows; speculative and target-only decoding give the same; without the parser
+    the field is refused by name."""
+    args = {"model": model, "messages": CHAT, "max_tokens": 24, "temperature": 0}
+    with own_gateway(server, model, "--reasoning-parser", "deepseek_r1") as port:
+        client = openai.OpenAI(base_url=f"http://localhost:{port}/v1", api_key="x", max_retries=0)
+        free = client.chat.completions.create(**args).choices[0].message.model_extra["reasoning_content"]
+        budgeted = [client.chat.completions.create(**args, extra_body={"thinking_token_budget": 5, "num_draft_tokens": k})
+                    for k in (0, 4)]
+        assert budgeted[0].choices[0].message == budgeted[1].choices[0].message
+        message = budgeted[0].choices[0].message
+        thinking = message.model_extra["reasoning_content"]
+        assert free.startswith(thinking) and len(thinking) < len(free) and message.content
+        assert budgeted[0].usage.completion_tokens == 24
+        anthropic_client = anthropic.Anthropic(base_url=f"http://localhost:{port}", api_key="x", max_retries=0)
+        reply = anthropic_client.messages.create(model=model, system=SYSTEM, messages=ASK, max_tokens=24,
+                                                 thinking={"type": "enabled", "budget_tokens": 5}, extra_body=GREEDY)
+        assert [block.type for block in reply.content] == ["thinking", "text"]
+    with pytest.raises(openai.BadRequestError, match="thinking_token_budget"):
+        api.chat.completions.create(**args, extra_body={"thinking_token_budget": 5})
+
+
 def test_structured_output_follows_the_schema(api, model):
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                                "age": {"type": "integer"}},

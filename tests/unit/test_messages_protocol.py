@@ -61,6 +61,27 @@ def test_tools_choices_thinking_formats_and_settings_take_the_chats_form():
     assert counted["max_tokens"] == 1  # count_tokens takes no max_tokens
 
 
+def test_a_thinking_budget_is_the_chats_where_the_server_reads_the_thinking():
+    """thinking.budget_tokens becomes the chat's thinking_token_budget with a reasoning parser (which enforces
+    it); without one the template's enable_thinking only, as before."""
+    body = {"model": "m", "max_tokens": 64, "messages": [{"role": "user", "content": "x"}],
+            "thinking": {"type": "enabled", "budget_tokens": 1024}}
+    assert messages.chat_body(body, budgets=True)["thinking_token_budget"] == 1024
+    assert "thinking_token_budget" not in messages.chat_body(body)
+    assert "thinking_token_budget" not in messages.chat_body({**body, "thinking": {"type": "adaptive"}}, budgets=True)
+    gen = parse_chat(messages.chat_body(body, budgets=True), SERVED, reasoning_parser="qwen3")
+    assert gen.choices[0][tn.THINKING_TOKEN_BUDGET][0, 0] == 1024 and gen.choices[0][tn.REASONING_PARSER][0, 0] == b"qwen3"
+
+
+@pytest.mark.parametrize("body, named", [
+    ({"max_tokens": 2, "messages": [{"role": "user", "content": "x"}], "thinking_token_budget": 8},
+     "thinking_token_budget")])
+def test_an_explicit_budget_without_a_reasoning_parser_is_refused(body, named):
+    with pytest.raises(ApiError) as caught:
+        parse_chat(messages.chat_body({"model": "m", **body}), SERVED)
+    assert caught.value.status == 400 and caught.value.param == named
+
+
 @pytest.mark.parametrize("body, named", [
     ({"messages": [{"role": "user", "content": "x"}]}, "max_tokens"),
     ({"max_tokens": 2, "messages": []}, "messages"),
@@ -77,6 +98,8 @@ def test_tools_choices_thinking_formats_and_settings_take_the_chats_form():
     ({"max_tokens": 2, "messages": [{"role": "user", "content": "x"}], "tools": [{"name": "w"}],
       "tool_choice": {"type": "tool"}}, "tool_choice.name"),
     ({"max_tokens": 2, "messages": [{"role": "user", "content": "x"}], "thinking": {"type": "max"}}, "thinking.type"),
+    ({"max_tokens": 2, "messages": [{"role": "user", "content": "x"}],
+      "thinking": {"type": "enabled", "budget_tokens": -1}}, "thinking.budget_tokens"),
     ({"max_tokens": 2, "messages": [{"role": "user", "content": "x"}], "tool_choice": {"type": "any"}}, "tool_choice"),
     ({"max_tokens": 2, "messages": [{"role": "user", "content": "x"}], "mcp_servers": []}, "mcp_servers")])
 def test_refusals_name_the_messages_field(body, named):

@@ -503,6 +503,45 @@ def test_a_reasoning_parser_applies_the_guide_after_the_thinking():
         parse(**guided, **{tn.REASONING_PARSER: b"o1"})
 
 
+def test_a_thinking_budget_needs_the_parser_and_holds_the_guide_after_it():
+    """thinking_token_budget (vLLM's): with a reasoning parser, a ThinkingBudget over the tags (the guide after
+    it, if any), as an input or a sampling_parameters key; without the parser, or negative, refused by name."""
+    import json
+
+    from specdec.decoding.grammar import GuideCompiler
+    from specdec.decoding.text import load_tokenizer
+    from specdec.decoding.thinking import ThinkingBudget
+    from specdec.serving.pairs import smollm2_tokenizer_dir
+
+    tokenizer = load_tokenizer(str(smollm2_tokenizer_dir()))
+    guides = GuideCompiler(tokenizer)
+
+    def parse(budget=None, **inputs):
+        arrays = {tn.INPUT_IDS: np.array([[5, 6, 7]], dtype=np.int32),
+                  **{name: np.array([[value]], dtype=np.object_) for name, value in inputs.items()}}
+        if budget is not None:
+            arrays[tn.THINKING_TOKEN_BUDGET] = np.array([[budget]], dtype=np.int32)
+        return ParsedRequest.parse(arrays.get, LIMITS, seq_id=7, compile_guide=guides.compile,
+                                   encode=lambda text: tokenizer.encode(text, add_special_tokens=False)).generation
+
+    rule = parse(16, **{tn.REASONING_PARSER: b"deepseek_r1"}).grammar
+    assert isinstance(rule, ThinkingBudget) and rule.budget == 16 and rule.answer is None
+    assert rule.tags.close == tuple(tokenizer.encode("</think>", add_special_tokens=False))
+    assert rule.matcher().words == (LIMITS.vocab_size + 31) // 32
+    guided = parse(0, **{tn.REASONING_PARSER: b"qwen3", tn.GUIDED_DECODING_GUIDE_TYPE: b"regex",
+                         tn.GUIDED_DECODING_GUIDE: b"[0-9]+"}).grammar
+    assert guided.budget == 0 and guided.answer.after is None and guided.answer.definition
+    keyed = parse(**{tn.REASONING_PARSER: b"deepseek_r1",
+                     tn.SAMPLING_PARAMETERS: json.dumps({"thinking_token_budget": 3}).encode()}).grammar
+    assert keyed.budget == 3
+    with pytest.raises(InputError, match=f"input '{tn.THINKING_TOKEN_BUDGET}' needs '{tn.REASONING_PARSER}'"):
+        parse(16)
+    with pytest.raises(InputError, match=f"input '{tn.THINKING_TOKEN_BUDGET}' must be >= 0"):
+        parse(-2, **{tn.REASONING_PARSER: b"deepseek_r1"})
+    with pytest.raises(InputError, match="key 'thinking_token_budget' needs"):
+        parse(**{tn.SAMPLING_PARAMETERS: json.dumps({"thinking_token_budget": 3}).encode()})
+
+
 @pytest.mark.parametrize("inputs, message", [
     ({tn.GUIDED_DECODING_GUIDE_TYPE: b"xml", tn.GUIDED_DECODING_GUIDE: b"<a/>"},
      f"'{tn.GUIDED_DECODING_GUIDE_TYPE}' must be one of json, json_schema"),

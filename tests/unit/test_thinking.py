@@ -195,3 +195,83 @@ def test_sampled_speculation_follows_the_target_that_may_open_a_thinking(lm, gui
     assert tv < 2 * noise + 0.01, (tv, noise, seen, exact)
     # The test can tell: the grammar alone (no tag) or the tag never taken is far from it.
     assert p_think > 3 * (2 * noise + 0.01)
+
+
+def test_a_thinking_budget_forces_the_close_tag_once_spent(guides, tokenizer):
+    """ThinkingBudget: free thinking up to the budget, then only the close tag's next token at each position
+    (a tag begun by the thinking itself is finished, not started again); the grammar after it, or a free
+    answer without one."""
+    from specdec.decoding.thinking import ThinkingBudget
+
+    tags = ThinkingTags.of("deepseek_r1", lambda text: encode(tokenizer, text))
+    close = list(tags.close)
+    thinking = encode(tokenizer, "Bob is 42 and lives in Oslo.")
+    assert len(thinking) > 4 and not set(thinking) & set(close)
+    free = ThinkingBudget(tags, 4, VOCAB).matcher()
+    assert free.forced(8) == [] and free.words == VOCAB // 32
+    draft = thinking[:4] + close + thinking[:2]
+    got = rows(free.allowed(draft, len(draft) + 1))
+    everything = set(range(VOCAB))
+    assert got[:4] == [everything] * 4 and got[4:7] == [{t} for t in close] and got[7:] == [everything] * 3
+    assert free.valid_prefix(draft) == len(draft) and free.valid_prefix(thinking) == 4  # the 5th is over
+    assert free.valid_prefix(thinking[:4] + close[:1] + thinking[:1]) == 5
+    got = rows(free.allowed(thinking[:5], 6))  # a refused 5th token: the rows after it are never read
+    assert got[4] == {close[0]} and got[5] == everything
+    assert free.advance(thinking[:4]) is None and free.forced(8) == close and free.forced(2) == close[:2]
+    assert free.advance(close[:1]) is None and free.forced(8) == close[1:]  # under way: the rest of the tag
+    assert free.advance(close[1:] + thinking) is None and free.forced(8) == []  # answering: free
+    # A tag the thinking began on its own at the budget is finished: its next token, not its first.
+    begun = ThinkingBudget(tags, 5, VOCAB).matcher()
+    begun.advance(thinking[:4] + close[:1])
+    assert begun.forced(8) == close[1:]
+    # Budget 0: the tag first. A grammar after the thinking holds from the tag's end.
+    grammar = guides.compile("regex", "[0-9]+")
+    four = tokenizer.convert_tokens_to_ids("4")
+    gated = ThinkingBudget(tags, 0, VOCAB, grammar).matcher()
+    assert gated.forced(8) == close
+    got = rows(gated.allowed(close + [four], len(close) + 2))
+    assert got[:3] == [{t} for t in close] and got[3] == grammar_allows(guides, grammar, [])
+    assert got[4] == grammar_allows(guides, grammar, [four])
+    assert gated.advance(close + [four, EOS]) == len(close) + 1
+
+
+def test_a_budget_counts_only_a_thinking_the_answer_opens(guides, tokenizer):
+    """qwen3 with a budget: the first position is free (no grammar) or the grammar's and <think>; opened,
+    the thinking gets its budget, then the close tag."""
+    from specdec.decoding.thinking import ThinkingBudget
+
+    open_id, close_id = tokenizer.convert_tokens_to_ids("<"), tokenizer.convert_tokens_to_ids(">")
+    tags = ThinkingTags.of("qwen3", lambda text: [open_id] if text == "<think>" else [close_id])
+    words = encode(tokenizer, "hmm well")
+    matcher = ThinkingBudget(tags, 2, VOCAB).matcher()
+    draft = [open_id] + words[:2] + [close_id] + words
+    got = rows(matcher.allowed(draft, len(draft) + 1))
+    assert got[0] == got[1] == got[2] == set(range(VOCAB)) and got[3] == {close_id}
+    assert all(row == set(range(VOCAB)) for row in got[4:])
+    answered = ThinkingBudget(tags, 0, VOCAB).matcher()  # no block opened: the budget never applies
+    assert answered.valid_prefix(words) == len(words) and answered.advance(words) is None
+    assert answered.forced(4) == []
+    digits = ThinkingBudget(tags, 1, VOCAB, guides.compile("regex", "[0-9]+")).matcher()
+    assert open_id in rows(digits.allowed([], 1))[0]
+
+
+@pytest.mark.parametrize("draft,k", [("none", 0), ("draft_model", 3), ("ngram", 4)])
+def test_greedy_speculation_under_a_thinking_budget_equals_target_only(lm, guides, tokenizer, draft, k):
+    """The tiny model thinks (deepseek_r1: from its first token) and never closes on its own: with a budget
+    of 6 its output is its own first 6 tokens, the tag, then its free answer, each token the target's greedy
+    choice under the rule; speculative decoding (drafts refused at the tag included) gives the same tokens."""
+    from specdec.decoding.thinking import ThinkingBudget
+
+    prompt = encode(tokenizer, "Think, then answer: what is 6 x 7?")
+    tags = ThinkingTags.of("deepseek_r1", lambda text: encode(tokenizer, text))
+    rule = ThinkingBudget(tags, 6, VOCAB)
+    plain = run_fixed_k(GenerationRequest(seq_id=1, prompt_ids=prompt, max_tokens=20), NgramProposer(),
+                        LocalScorer(dynamic_executor(lm)), 0)
+    reference = run_fixed_k(GenerationRequest(seq_id=2, prompt_ids=prompt, max_tokens=20, grammar=rule),
+                            NgramProposer(), LocalScorer(dynamic_executor(lm)), 0)
+    close = list(tags.close)
+    assert reference[:6] == plain[:6] and reference[6:9] == close and plain[6:9] != close
+    proposer = NgramProposer(min_ngram=1) if draft == "ngram" else LocalProposer(dynamic_executor(noisy_copy(lm)))
+    output = run_fixed_k(GenerationRequest(seq_id=3, prompt_ids=prompt, max_tokens=20, grammar=rule), proposer,
+                         LocalScorer(dynamic_executor(lm)), k)
+    assert output == reference

@@ -35,6 +35,7 @@ from specdec import tensor_names as tn
 from specdec.decoding.bad_words import banned_tokens, mask_banned
 from specdec.decoding.draft_length import DraftLengthPolicy
 from specdec.decoding.grammar import Grammar, Matcher
+from specdec.decoding.thinking import ThinkingBudget
 from specdec.decoding.logit_bias import TokenBias, apply_bias
 from specdec.decoding.interfaces import NoCapacity, Proposal, Proposer, Scorer, Scores, VerifyCall
 from specdec.decoding.penalties import Penalties, TokenOccurrences, penalize
@@ -63,7 +64,8 @@ class GenerationRequest:
     prompt_log_probs: bool = False
     bad_words: tuple[tuple[int, ...], ...] = ()  # token sequences the output never contains (bad_words.py)
     penalties: Penalties = Penalties()  # repetition / presence / frequency (penalties.py)
-    grammar: Grammar | None = None  # structured output: the output follows it (grammar.py)
+    # structured output, a thinking budget: the output follows it (grammar.py, thinking.ThinkingBudget)
+    grammar: Grammar | ThinkingBudget | None = None
     token_bias: TokenBias = TokenBias()  # logit_bias and allowed_token_ids (logit_bias.py)
 
     @property

@@ -12,6 +12,10 @@ the gateway's text split (gateway/reasoning.py) reads the same answer:
   This needs `<think>` to be one token (as in Qwen3's vocabulary): where it is not, the grammar holds from
   the first token (the model answers without thinking).
 
+A thinking budget (`ThinkingBudget`, vLLM's thinking_token_budget) holds the thinking to at most that many
+tokens: past it, the close tag's tokens are the only ones allowed (forced, as a grammar forces its text), with
+or without a grammar after it.
+
 A tag is its tokens as the tokenizer spells it (one added token in those models' vocabularies); a model that
 spells it otherwise stays in its thinking, unconstrained. The gate only moves where the grammar starts: each
 position's mask is the grammar's after the answer so far, or all tokens while thinking, so speculative output
@@ -52,52 +56,99 @@ class ThinkingTags:
         return cls(open_ids, close_ids, EITHER if len(open_ids) == 1 else ANSWER)
 
 
+@dataclass(frozen=True)
+class ThinkingBudget:
+    """A request's thinking held to at most `budget` tokens (vLLM's thinking_token_budget): once it has thought
+    that many, the close tag's tokens are the only ones allowed until the tag is complete (the end of a
+    thinking under way counts as thinking). `answer`: the grammar that holds after the thinking (a compiled
+    guide, grammar.Grammar; None: the answer is free). A rule as a grammar is (the decode loop's
+    `GenerationRequest.grammar`): its masks are a function of the output so far, so speculative output stays
+    target-only decoding under the same rule."""
+
+    tags: ThinkingTags
+    budget: int
+    vocab_size: int  # the tokenizer's: a mask row's width where no grammar gives it
+    answer: object | None = None
+
+    def matcher(self) -> AnswerMatcher:
+        return AnswerMatcher(self.answer.matcher() if self.answer is not None else None, self.tags, self.budget,
+                             self.vocab_size)
+
+
 class AnswerMatcher:
     """A grammar matcher (grammar.GrammarMatcher) applied after the thinking: the same interface, the inner
-    matcher sees only the answer's tokens."""
+    matcher sees only the answer's tokens (`inner` None: the answer is free). With a `budget`, the thinking's
+    tokens past it are the close tag's, forced (ThinkingBudget)."""
 
-    def __init__(self, inner, tags: ThinkingTags):
-        self._inner, self._tags = inner, tags
-        self.vocab_size, self.words = inner.vocab_size, inner.words
+    def __init__(self, inner, tags: ThinkingTags, budget: int | None = None, vocab_size: int = 0):
+        self._inner, self._tags, self._budget = inner, tags, budget
+        self.vocab_size = inner.vocab_size if inner is not None else vocab_size
+        self.words = (self.vocab_size + 31) // 32
         self._state = tags.start
         self._tail: tuple[int, ...] = ()  # the thinking's last tokens: a tag's beginning
+        self._thought = 0  # tokens taken while thinking
 
-    def _step(self, state: str, tail: tuple[int, ...], token: int) -> tuple[str, tuple[int, ...]]:
-        """(state, tail) after a token taken in `state` (not ANSWER: the grammar's then)."""
+    def _step(self, state: str, tail: tuple[int, ...], thought: int, token: int) -> tuple[str, tuple[int, ...], int]:
+        """(state, tail, thought) after a token taken in `state` (not ANSWER: the grammar's then)."""
         if state == EITHER:
-            return (THINKING, ()) if token == self._tags.open[0] else (ANSWER, ())
+            return (THINKING, (), 0) if token == self._tags.open[0] else (ANSWER, (), 0)
         tail = (tail + (token,))[-len(self._tags.close):]
-        return (ANSWER, ()) if tail == self._tags.close else (THINKING, tail)
+        return (ANSWER, (), thought + 1) if tail == self._tags.close else (THINKING, tail, thought + 1)
 
-    def _answer_from(self, tokens: list[int]) -> int | None:
-        """Where the answer starts among `tokens` taken from here (None: not within them)."""
-        state, tail = self._state, self._tail
+    def _due(self, state: str, tail: tuple[int, ...], thought: int) -> list[int]:
+        """The close tag's tokens the budget forces next (none while it lasts, or outside a thinking): those
+        the tail has not begun already."""
+        if state != THINKING or self._budget is None or thought < self._budget:
+            return []
+        close = self._tags.close
+        begun = next((k for k in range(len(close) - 1, 0, -1) if tail[-k:] == close[:k]), 0)
+        return list(close[begun:])
+
+    def _walk(self, tokens: list[int]) -> tuple[int, int | None]:
+        """Over `tokens` taken from here: (how many lead the thinking within its budget, where the answer
+        starts among them; None: not within them, or a token the budget refuses comes first)."""
+        state, tail, thought = self._state, self._tail, self._thought
         for i, token in enumerate(tokens):
-            if state == ANSWER:
-                return i
-            if state == EITHER and token != self._tags.open[0]:
-                return i  # not a block: this token is the answer's first
-            state, tail = self._step(state, tail, token)
-        return len(tokens) if state == ANSWER else None
+            if state == ANSWER or (state == EITHER and token != self._tags.open[0]):
+                return i, i  # (an EITHER token that is not the tag is the answer's first)
+            due = self._due(state, tail, thought)
+            if due and token != due[0]:
+                return i, None
+            state, tail, thought = self._step(state, tail, thought, token)
+        return len(tokens), (len(tokens) if state == ANSWER else None)
 
     def forced(self, limit: int) -> list[int]:
-        return self._inner.forced(limit) if self._state == ANSWER else []
+        if self._state == ANSWER:
+            return self._inner.forced(limit) if self._inner is not None else []
+        return self._due(self._state, self._tail, self._thought)[:max(limit, 0)]
 
     def valid_prefix(self, tokens: list[int]) -> int:
-        start = self._answer_from(tokens)
+        valid, start = self._walk(tokens)
         if start is None:
-            return len(tokens)
-        return start + self._inner.valid_prefix(tokens[start:])
+            return valid
+        rest = tokens[start:]
+        return start + (self._inner.valid_prefix(rest) if self._inner is not None else len(rest))
 
     def allowed(self, draft: list[int], positions: int) -> torch.Tensor:
         """(positions, words) int32 bitmask, as GrammarMatcher.allowed: all tokens at the positions that
-        follow a thinking, the grammar's masks from the answer's first position; at an EITHER position the
-        grammar's and `<think>`."""
-        start = self._answer_from(draft[:positions - 1])
+        follow a thinking (the close tag's next token only, past the budget), the grammar's masks from the
+        answer's first position; at an EITHER position the grammar's and `<think>`."""
+        valid, start = self._walk(draft[:positions - 1])
         bits = torch.full((positions, self.words), -1, dtype=torch.int32)
-        if start is not None and start < positions:
+        state, tail, thought = self._state, self._tail, self._thought
+        for j in range(min(valid, positions - 1) + 1):  # the thinking's rows (none read after a refused token)
+            if state == ANSWER or (start is not None and j >= start):
+                break
+            due = self._due(state, tail, thought)
+            if due:
+                bits[j] = 0
+                word, bit = divmod(due[0], 32)
+                bits[j, word] = (1 << bit) - (1 << 32 if bit == 31 else 0)  # as int32
+            if j < valid:
+                state, tail, thought = self._step(state, tail, thought, draft[j])
+        if start is not None and start < positions and self._inner is not None:
             bits[start:] = self._inner.allowed(draft[start:], positions - start)
-        if self._state == EITHER:
+        if self._state == EITHER and self._inner is not None:
             if start != 0:  # the draft opened a block: its first position is still the grammar's or <think>
                 bits[0] = self._inner.allowed([], 1)[0]
             word, bit = divmod(self._tags.open[0], 32)
@@ -106,13 +157,12 @@ class AnswerMatcher:
 
     def advance(self, tokens: list[int]) -> int | None:
         """GrammarMatcher.advance over the answer's tokens; the index is the round's."""
-        start = self._answer_from(tokens)
-        if start is None:
-            for token in tokens:
-                self._state, self._tail = self._step(self._state, self._tail, token)
-            return None
-        for token in tokens[:start]:
-            self._state, self._tail = self._step(self._state, self._tail, token)
-        self._state, self._tail = ANSWER, ()
-        end = self._inner.advance(tokens[start:])
-        return None if end is None else start + end
+        for i, token in enumerate(tokens):
+            if self._state == ANSWER or (self._state == EITHER and token != self._tags.open[0]):
+                self._state, self._tail = ANSWER, ()
+                if self._inner is None:
+                    return None
+                end = self._inner.advance(tokens[i:])
+                return None if end is None else i + end
+            self._state, self._tail, self._thought = self._step(self._state, self._tail, self._thought, token)
+        return None

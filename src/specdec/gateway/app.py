@@ -227,7 +227,8 @@ class Gateway:
         a `message`, or streamed as its events."""
         body = await self._body(request)
         try:
-            gen = protocol.parse_chat(messages.chat_body(body), self.served, self.tool_parser, self.reasoning_parser)
+            gen = protocol.parse_chat(messages.chat_body(body, budgets=self.reasoning_parser is not None), self.served,
+                                      self.tool_parser, self.reasoning_parser)
             async with self._pieces(gen, request) as pieces:  # errors before the first token: HTTP errors
                 if gen.stream:
                     return await self._stream_message(request, gen, body, pieces)

@@ -145,9 +145,10 @@ def _tools(body: dict) -> dict:
     return out
 
 
-def _thinking(body: dict) -> dict:
+def _thinking(body: dict, budgets: bool) -> dict:
     """`thinking` as the chat template's `enable_thinking` (what Qwen3's and similar templates read; others
-    ignore it). A budget is not enforced: max_tokens bounds the thinking and the answer together."""
+    ignore it), and its `budget_tokens` as the chat's thinking_token_budget where the server reads the thinking
+    (`budgets`: it has a reasoning parser; elsewhere max_tokens bounds the thinking and the answer together)."""
     thinking = body.get("thinking")
     if thinking is None:
         return {}
@@ -156,7 +157,11 @@ def _thinking(body: dict) -> dict:
         raise invalid("thinking.type", "must be enabled, disabled, adaptive or between_tools")
     kwargs = dict(body.get("chat_template_kwargs") or {})
     kwargs.setdefault("enable_thinking", thinking["type"] != "disabled")
-    return {"chat_template_kwargs": kwargs}
+    budget = thinking.get("budget_tokens") if thinking["type"] == "enabled" else None
+    if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 0):
+        raise invalid("thinking.budget_tokens", f"must be an integer >= 0, got {json.dumps(budget)[:40]}")
+    return {"chat_template_kwargs": kwargs, **({"thinking_token_budget": budget} if budgets and budget is not None
+                                               else {})}
 
 
 def _output_config(body: dict) -> dict:
@@ -178,9 +183,10 @@ def _output_config(body: dict) -> dict:
     return out
 
 
-def chat_body(body, count: bool = False) -> dict:
+def chat_body(body, count: bool = False, budgets: bool = False) -> dict:
     """A /v1/messages body -> the /v1/chat/completions body it stands for (ApiError naming the field).
-    count: a count_tokens body (no max_tokens; only what the prompt is made of)."""
+    count: a count_tokens body (no max_tokens; only what the prompt is made of). budgets: the server reads the
+    model's thinking (a reasoning parser), so a thinking budget is enforced."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     allowed = COUNT_FIELDS if count else OWN_FIELDS + EXTRA_FIELDS
@@ -198,7 +204,7 @@ def chat_body(body, count: bool = False) -> dict:
         chat["stop"] = body["stop_sequences"]
     if count:
         chat["max_tokens"] = 1
-    return {**chat, **_tools(body), **_thinking(body), **_output_config(body)}
+    return {**chat, **_tools(body), **_thinking(body, budgets and not count), **_output_config(body)}
 
 
 def stop_reason(reason: str | None, called: bool, stop_sequence: str | None) -> str:

@@ -45,7 +45,7 @@ COMMON_FIELDS = ("model", "stream", "stream_options", "n", "logit_bias", "logpro
 INT32 = (-2**31, 2**31 - 1)
 CHAT_FIELDS = (*COMMON_FIELDS, "messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
                "tool_choice", "parallel_tool_calls", "functions", "function_call", "chat_template_kwargs",
-               "include_reasoning", "reasoning_effort")
+               "include_reasoning", "reasoning_effort", "thinking_token_budget")
 # OpenAI's reasoning efforts (its SDK's ReasoningEffort): handed to the chat template as `reasoning_effort`, the
 # variable the templates that take one read (gpt-oss's); the others leave it unused
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
@@ -380,7 +380,15 @@ def parse_chat(body: dict, served: tuple[str, ...], tool_parser: str | None = No
                 raise invalid("response_format", "and structured_outputs both constrain the output; send one")
             sampling["structured_outputs"] = guide
     tools, calling = chat_tools(body, sampling, tool_parser)
-    if reasoning_parser and "structured_outputs" in sampling:  # the guide constrains the answer, not the thinking
+    budget = _typed(body, "thinking_token_budget", (int,), "an integer")
+    if budget is not None:  # vLLM's: the thinking closed after at most this many tokens
+        if not reasoning_parser:
+            raise invalid("thinking_token_budget", "needs the server to know where the model's thinking ends: "
+                                                   "it was started without --reasoning-parser")
+        if not 0 <= budget <= INT32[1]:
+            raise invalid("thinking_token_budget", f"must be >= 0 (tokens), got {budget}")
+        inputs[tn.THINKING_TOKEN_BUDGET] = np.array([[budget]], dtype=np.int32)
+    if reasoning_parser and ("structured_outputs" in sampling or budget is not None):  # (the guide: the answer's)
         inputs[tn.REASONING_PARSER] = _string(reasoning_parser)
     inputs[tn.MESSAGES] = _string(json.dumps(chat_messages(body)))
     if tools:

@@ -20,7 +20,7 @@ from specdec.decoding.logit_bias import TokenBias
 from specdec.decoding.loop import GenerationRequest
 from specdec.decoding.penalties import Penalties
 from specdec.decoding.sampling import SamplingParams
-from specdec.decoding.thinking import ThinkingTags
+from specdec.decoding.thinking import ThinkingBudget, ThinkingTags
 from specdec.triton.config import ModelParameters
 from specdec.triton.inputs import InputError, InputLookup, Inputs
 from specdec.triton.vllm_parameters import MAX_TOKEN_IDS, with_sampling_parameters
@@ -182,7 +182,8 @@ class ParsedRequest:
             prompt_log_probs=bool(inputs.scalar(tn.RETURN_PROMPT_LOG_PROBS, np.bool_, False)),
             bad_words=bad_words,
             penalties=penalties,
-            grammar=_grammar(inputs, compile_guide, limits.max_guide_chars, encode),
+            grammar=_grammar(inputs, compile_guide, limits.max_guide_chars, encode, limits.vocab_size,
+                             settings.fields.get(tn.THINKING_TOKEN_BUDGET, f"input '{tn.THINKING_TOKEN_BUDGET}'")),
             token_bias=_token_bias(inputs, limits.vocab_size, settings.field, encode),
         )
         # A seeded sampled request must be reproducible: measured costs vary from run to run, and a
@@ -278,21 +279,31 @@ def _embedding_bias(inputs: Inputs, vocab_size: int, encode: Encode | None) -> l
     return out
 
 
-def _grammar(inputs: Inputs, compile_guide: CompileGuide | None, max_chars: int,
-             encode: Encode | None) -> Grammar | None:
+def _grammar(inputs: Inputs, compile_guide: CompileGuide | None, max_chars: int, encode: Encode | None,
+             vocab_size: int, budget_field: str) -> Grammar | ThinkingBudget | None:
     """The request's structured-output grammar (TensorRT-LLM's two inputs), applied after the thinking of
-    its reasoning parser if it names one; None when it has none."""
+    its reasoning parser if it names one, and its thinking budget (`budget_field`: where it came from, for
+    errors); None when it has neither."""
     grammar = _guide_grammar(inputs, compile_guide, max_chars)
     parsers = inputs.strings(tn.REASONING_PARSER)
     parser = (parsers or [""])[0]
     if len(parsers) > 1 or (parser and parser not in tn.REASONING_PARSERS):
         raise InputError(f"input '{tn.REASONING_PARSER}' must be one of {', '.join(tn.REASONING_PARSERS)}, "
                          f"got {parsers}")
-    if not parser or grammar is None:  # it concerns the guide only
+    budget = inputs.scalar(tn.THINKING_TOKEN_BUDGET, np.int32, -1)
+    if budget < -1:
+        raise InputError(f"{budget_field} must be >= 0 (tokens; -1: no budget), got {budget}")
+    if budget >= 0 and not parser:
+        raise InputError(f"{budget_field} needs '{tn.REASONING_PARSER}' (where the model's "
+                         "thinking starts and ends)")
+    if not parser or (grammar is None and budget < 0):  # it concerns the guide and the budget only
         return grammar
     if encode is None:
         raise InputError(f"input '{tn.REASONING_PARSER}' is not supported here (no tokenizer)")
-    return grammar.after_thinking(ThinkingTags.of(parser, encode))
+    tags = ThinkingTags.of(parser, encode)
+    if budget >= 0:
+        return ThinkingBudget(tags, int(budget), vocab_size, grammar)
+    return grammar.after_thinking(tags)
 
 
 def _guide_grammar(inputs: Inputs, compile_guide: CompileGuide | None, max_chars: int) -> Grammar | None:

@@ -29,6 +29,7 @@ SAMPLING_PARAMETER_KEYS = {
     "stop": (tn.STOP_WORDS, np.object_), "bad_words": (tn.BAD_WORDS, np.object_),
     "repetition_penalty": (tn.REPETITION_PENALTY, np.float32), "presence_penalty": (tn.PRESENCE_PENALTY, np.float32),
     "frequency_penalty": (tn.FREQUENCY_PENALTY, np.float32),
+    "thinking_token_budget": (tn.THINKING_TOKEN_BUDGET, np.int32),
 }
 # Settings vLLM's clients send at their neutral values: accepted at those (or null), refused otherwise.
 # (The text is always detokenized without special tokens, as vLLM's defaults do.)
