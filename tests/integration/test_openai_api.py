@@ -933,6 +933,66 @@ def test_anthropic_messages_answer_as_the_chat_does_whole_streamed_and_counted(a
     assert claude.models.retrieve(model).id == model
 
 
+def _batch_file(api, lines: list[dict]) -> str:
+    return api.files.create(file=("requests.jsonl", "\n".join(json.dumps(line) for line in lines).encode()),
+                            purpose="batch").id
+
+
+def _batch_ended(api, batch_id: str):
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        batch = api.batches.retrieve(batch_id)
+        if batch.status in ("completed", "failed", "cancelled", "expired"):
+            return batch
+        time.sleep(0.2)
+    raise AssertionError(f"batch {batch_id} still {batch.status}")
+
+
+def test_a_batch_of_requests_is_answered_as_each_request_would_be(server, api, model):
+    """OpenAI's Batch API through the SDK: a JSON-lines file uploaded, a batch of its chat requests answered by
+    the server, each line's answer the chat's own (greedy), a request the server refuses in the error file
+    naming its field; counts and usage; the files listed, read and deleted; a batch cancelled while it runs
+    stops, its requests in flight cancelled on the server."""
+    questions = ["Name a colour.", "Name a fruit.", "Name a city."]
+    lines = [{"custom_id": f"q{i}", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"model": model, "messages": [{"role": "user", "content": q}], "max_tokens": 8, "temperature": 0}}
+             for i, q in enumerate(questions)]
+    lines.insert(1, {**lines[0], "custom_id": "too-long", "body": {**lines[0]["body"], "max_tokens": 10**6}})
+    upload = _batch_file(api, lines)
+    batch = api.batches.create(input_file_id=upload, endpoint="/v1/chat/completions", completion_window="24h",
+                               metadata={"run": "test"})
+    assert batch.status == "in_progress" and batch.request_counts.total == 4 and batch.metadata == {"run": "test"}
+    batch = _batch_ended(api, batch.id)
+    assert batch.status == "completed" and (batch.request_counts.completed, batch.request_counts.failed) == (3, 1)
+    out = [json.loads(text) for text in api.files.content(batch.output_file_id).text.splitlines()]
+    assert [o["custom_id"] for o in out] == ["q0", "q1", "q2"]
+    for answer, question in zip(out, questions):
+        direct = api.chat.completions.create(model=model, messages=[{"role": "user", "content": question}],
+                                             max_tokens=8, temperature=0)
+        assert answer["response"]["status_code"] == 200
+        assert answer["response"]["body"]["choices"][0]["message"]["content"] == direct.choices[0].message.content
+    (refused,) = [json.loads(text) for text in api.files.content(batch.error_file_id).text.splitlines()]
+    assert refused["custom_id"] == "too-long" and refused["response"]["status_code"] == 400
+    assert "max_tokens" in refused["response"]["body"]["error"]["message"]
+    assert batch.usage.output_tokens == sum(o["response"]["body"]["usage"]["completion_tokens"] for o in out)
+    assert upload in [f.id for f in api.files.list(purpose="batch").data]
+    assert batch.id in [b.id for b in api.batches.list().data]
+    assert api.files.delete(upload).deleted and upload not in [f.id for f in api.files.list().data]
+    # cancelled while it runs: 40 long answers, 32 at a time
+    before = server.metric("specdec_requests_total", finish_reason="cancelled")
+    long = [{"custom_id": f"l{i}", "method": "POST", "url": "/v1/completions",
+             "body": {"model": model, "prompt": f"Story {i}:", "max_tokens": 600, "ignore_eos": True}} for i in range(40)]
+    running = api.batches.create(input_file_id=_batch_file(api, long), endpoint="/v1/completions",
+                                 completion_window="24h")
+    time.sleep(0.5)
+    assert api.batches.cancel(running.id).status in ("cancelling", "cancelled")
+    stopped = _batch_ended(api, running.id)
+    assert stopped.status == "cancelled" and stopped.request_counts.completed < 40
+    in_flight = 40 - stopped.request_counts.completed - stopped.request_counts.failed
+    assert in_flight > 0
+    _settled_cancelled(server, before, min(in_flight, 32))
+
+
 # ~120 tokens of the tiny pair's tokenizer; its first words are no other test's, so its first request computes them
 CACHED_SYSTEM = ("Cache-usage test. You answer visitors' questions about a lighthouse museum on a rocky northern "
                  "coast. The museum opens at ten and closes at five from April to October, and only on weekends in "

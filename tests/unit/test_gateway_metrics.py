@@ -127,6 +127,11 @@ def test_the_stored_and_background_responses_are_read_when_scraped(tmp_path):
     api = metrics.ApiMetrics(conversations=conversations)
     assert value(api, "specdec_openai_conversations") == 1
     assert value(api, "specdec_openai_conversation_bytes") == conversations.usage()[1] > 0
+    files = ResponseStore(1 << 20)
+    files.put({"id": "file-1", "object": "file"}, [], None, [{"content": "{}\n"}])
+    api = metrics.ApiMetrics(files=files, batches=_Background(1))
+    assert value(api, "specdec_openai_files") == 1 and value(api, "specdec_openai_file_bytes") == files.usage()[1]
+    assert value(api, "specdec_openai_batches_running") == 1
     # another process's files count too: the directory is what is listed
     other = SharedResponseStore(tmp_path / "shared", 1 << 20)
     assert other.usage() == store.usage()

@@ -23,7 +23,8 @@ from aiohttp import web
 
 from specdec import tensor_names as tn
 from specdec.decoding import json_text
-from specdec.gateway import conversations, messages, metrics, protocol, reasoning, responses, tokenization, tools
+from specdec.gateway import (batches, conversations, messages, metrics, protocol, reasoning, responses, tokenization,
+                             tools)
 from specdec.gateway.protocol import STATS_FIELD, ApiError, Generation
 from specdec.gateway.background import BackgroundResponses
 from specdec.gateway.response_store import NotStored, ResponseStore, in_store
@@ -68,7 +69,10 @@ class Gateway:
         self.conversations = conversations.Conversations(self.store.sibling("conversations"))
         self.background = BackgroundResponses(self.store, self._background_answer, drain_timeout_s,
                                               ended=self._add_to_conversation)
-        self.metrics = metrics.ApiMetrics(self.store, self.background, self.conversations.store)
+        self.files = batches.Files(self.store.sibling("files"))
+        self.batches = batches.Batches(self.store.sibling("batches"), self.files, self._batch_answer, drain_timeout_s)
+        self.metrics = metrics.ApiMetrics(self.store, self.background, self.conversations.store, self.files.store,
+                                          self.batches)
         self.created = int(time.time())
 
     def app(self) -> web.Application:
@@ -88,6 +92,15 @@ class Gateway:
         app.router.add_post("/v1/conversations/{id}/items", self.add_conversation_items)
         app.router.add_get("/v1/conversations/{id}/items/{item}", self.get_conversation_item)
         app.router.add_delete("/v1/conversations/{id}/items/{item}", self.delete_conversation_item)
+        app.router.add_post("/v1/files", self.create_file)
+        app.router.add_get("/v1/files", self.list_files)
+        app.router.add_get("/v1/files/{id}", self.get_file)
+        app.router.add_get("/v1/files/{id}/content", self.file_content)
+        app.router.add_delete("/v1/files/{id}", self.delete_file)
+        app.router.add_post("/v1/batches", self.create_batch)
+        app.router.add_get("/v1/batches", self.list_batches)
+        app.router.add_get("/v1/batches/{id}", self.get_batch)
+        app.router.add_post("/v1/batches/{id}/cancel", self.cancel_batch)
         app.router.add_post(MESSAGES_PREFIX, self.messages)
         app.router.add_post(MESSAGES_PREFIX + "/count_tokens", self.count_message_tokens)
         app.router.add_get("/v1/models", self.models)
@@ -98,6 +111,7 @@ class Gateway:
         app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/tokenizer_info", self.tokenizer_info)
         app.on_shutdown.append(self.background.finish)
+        app.on_shutdown.append(self.batches.finish)
         app.on_cleanup.append(lambda _app: self.upstream.close())
         return app
 
@@ -188,10 +202,81 @@ class Gateway:
             raise protocol.chat_error(exc) from None
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        gen = protocol.parse_completion(await self._body(request), self.served)
+        return await self._answer(request, self._completion(await self._body(request)))
+
+    def _completion(self, body) -> Generation:
+        gen = protocol.parse_completion(body, self.served)
         if gen.echo and self.tokenizer is None and any(not isinstance(prompt, str) for prompt in gen.echo):
             raise protocol.invalid("echo", "of a prompt of token ids needs the API's tokenizer (--tokenizer)")
-        return await self._answer(request, gen)
+        return gen
+
+    # ---- the Batch API (batches.py) ------------------------------------------------------------------------
+    async def create_file(self, request: web.Request) -> web.Response:
+        """POST /v1/files: multipart/form-data with `file` (JSON lines) and `purpose` (`batch`)."""
+        if not request.content_type.startswith("multipart/"):
+            raise protocol.invalid("file", "must be sent as multipart/form-data, with purpose")
+        content, filename, purpose = None, "file", None
+        async for part in await request.multipart():
+            if part.name == "file":
+                filename, data = part.filename or filename, bytearray()
+                while chunk := await part.read_chunk():
+                    data += chunk
+                    if len(data) > batches.MAX_FILE_BYTES:
+                        raise ApiError(413, f"file: larger than {batches.MAX_FILE_BYTES >> 20} MiB", "file")
+                content = bytes(data)
+            elif part.name == "purpose":
+                purpose = await part.text()
+        if content is None:
+            raise protocol.invalid("file", "is required")
+        if purpose is None:
+            raise protocol.invalid("purpose", "is required")
+        return web.json_response(await self.files.create(content, filename, purpose))
+
+    async def list_files(self, request: web.Request) -> web.Response:
+        return web.json_response(_page(await self.files.all(request.query.get("purpose")), request.query, "a file"))
+
+    async def get_file(self, request: web.Request) -> web.Response:
+        return web.json_response(await self.files.get(request.match_info["id"]))
+
+    async def file_content(self, request: web.Request) -> web.Response:
+        return web.Response(text=await self.files.content(request.match_info["id"]), content_type="application/jsonl")
+
+    async def delete_file(self, request: web.Request) -> web.Response:
+        return web.json_response(await self.files.delete(request.match_info["id"]))
+
+    async def create_batch(self, request: web.Request) -> web.Response:
+        return web.json_response(await self.batches.create(await self._body(request)))
+
+    async def list_batches(self, request: web.Request) -> web.Response:
+        return web.json_response(_page(await self.batches.all(), request.query, "a batch"))
+
+    async def get_batch(self, request: web.Request) -> web.Response:
+        return web.json_response(await self.batches.get(request.match_info["id"]))
+
+    async def cancel_batch(self, request: web.Request) -> web.Response:
+        return web.json_response(await self.batches.cancel(request.match_info["id"]))
+
+    async def _batch_answer(self, url: str, body: dict) -> tuple[int, dict]:
+        """One request of a batch answered whole, as its endpoint answers it: (HTTP status, JSON body); counted
+        in the API's metrics as a request to that endpoint."""
+        call = self.metrics.begin("POST", url)
+        status = 500
+        try:
+            if url == "/v1/chat/completions":
+                try:
+                    answer = await self._whole_answer(protocol.parse_chat(body, self.served, self.tool_parser,
+                                                                          self.reasoning_parser))
+                except ApiError as exc:
+                    raise protocol.chat_error(exc) from None
+            else:
+                answer = await self._whole_answer(self._completion(body))
+            status = 200
+            return status, answer
+        except ApiError as exc:
+            status = exc.status
+            return status, exc.body()
+        finally:
+            self.metrics.end(call, status)
 
     async def responses(self, request: web.Request) -> web.StreamResponse:
         """The Responses API: the chat request it stands for, answered as a `response` (responses.py); kept
@@ -818,18 +903,29 @@ class Gateway:
         return piece.finish_reason or None
 
     async def _answer(self, request: web.Request, gen: Generation) -> web.StreamResponse:
+        async with self._choices(gen, request if gen.stream else None) as pieces:
+            if gen.stream:
+                return await self._stream(request, gen, pieces)
+            return web.json_response(await self._whole(gen, pieces))
+
+    async def _whole_answer(self, gen: Generation) -> dict:
+        """A chat or completions request answered whole (a batch's): its JSON body."""
+        async with self._choices(gen) as pieces:
+            return await self._whole(gen, pieces)
+
+    @contextlib.asynccontextmanager
+    async def _choices(self, gen: Generation, request: web.Request | None = None):
+        """A chat or completions request's choices as (index, piece) pairs, every first awaited before they are
+        handed over (errors before the first token are plain HTTP errors, unless a streamed `request` was kept
+        alive meanwhile: `_waited`); the upstream streams closed on leaving."""
         async with contextlib.AsyncExitStack() as stack:
             streams = [await stack.enter_async_context(contextlib.aclosing(self.metrics.counted(
                 self.upstream.generate(inputs, gen.logprobs, gen.top_logprobs > 0), prompt=index % gen.n == 0)))
                 for index, inputs in enumerate(gen.choices)]
-            # errors before the first token are plain HTTP errors (unless a stream was kept alive meanwhile)
-            firsts = await self._waited(request if gen.stream else None, _first_pieces(streams))
-            pieces = await stack.enter_async_context(contextlib.aclosing(_merged(streams, firsts)))
-            if gen.stream:
-                return await self._stream(request, gen, pieces)
-            return await self._whole(gen, pieces)
+            firsts = await self._waited(request, _first_pieces(streams))
+            yield await stack.enter_async_context(contextlib.aclosing(_merged(streams, firsts)))
 
-    async def _whole(self, gen: Generation, pieces) -> web.Response:
+    async def _whole(self, gen: Generation, pieces) -> dict:
         merged = [Piece() for _ in gen.choices]
         seen = [False] * len(merged)
         async for index, piece in pieces:
@@ -841,7 +937,7 @@ class Gateway:
         body["usage"] = protocol.combined_usage([m.stats for m in merged], [len(m.ids) for m in merged], gen.n,
                                                 None if None in thinking else thinking)
         body[STATS_FIELD] = protocol.combined_stats([m.stats for m in merged])
-        return web.json_response(body)
+        return body
 
     def _whole_choice(self, gen: Generation, merged: Piece, index: int) -> dict:
         reason, text, calls, thinking = self._finish_reason(merged), merged.text, None, None

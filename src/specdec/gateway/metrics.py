@@ -52,10 +52,10 @@ def endpoint_of(route_resource) -> str:
 class ApiMetrics:
     """The API process's metrics, in a registry of its own (one per app: tests run several in a process)."""
 
-    def __init__(self, store=None, background=None, conversations=None):
+    def __init__(self, store=None, background=None, conversations=None, files=None, batches=None):
         """store: the Responses API's (response_store; its usage() read at each scrape); background: the
-        BackgroundResponses (len(): those generating in this process); conversations: the conversations' store.
-        None: not reported."""
+        BackgroundResponses (len(): those generating in this process); conversations, files: the conversations'
+        and the files' stores; batches: the Batch API's Batches (len(): those running here). None: not reported."""
         disable_created_metrics()  # no `_created` series per label set: nothing here reads them
         self.registry = registry = CollectorRegistry()
         by_route = ["method", "endpoint"]
@@ -80,8 +80,8 @@ class ApiMetrics:
                                      "rate of the API's traffic)", by_route, registry=registry)
         self.completion_tokens = Counter("specdec_openai_completion_tokens", "Tokens generated for the OpenAI "
                                          "API's requests (every choice's)", by_route, registry=registry)
-        if store is not None or background is not None or conversations is not None:
-            registry.register(_Responses(store, background, conversations))
+        if any(part is not None for part in (store, background, conversations, files, batches)):
+            registry.register(_Responses(store, background, conversations, files, batches))
 
     # ---- a request --------------------------------------------------------------------------------------
     def begin(self, method: str, endpoint: str) -> Call:
@@ -136,8 +136,9 @@ class ApiMetrics:
 class _Responses:
     """The Responses API's stored and background responses, read when scraped."""
 
-    def __init__(self, store, background, conversations):
+    def __init__(self, store, background, conversations, files=None, batches=None):
         self.store, self.background, self.conversations = store, background, conversations
+        self.files, self.batches = files, batches
 
     def describe(self):
         return []  # read at each scrape only (registering reads nothing)
@@ -146,7 +147,9 @@ class _Responses:
         kept = ((self.store, "specdec_openai_stored_responses", "Responses the Responses API keeps",
                  "specdec_openai_stored_response_bytes", "Bytes of those responses"),
                 (self.conversations, "specdec_openai_conversations", "Conversations the Conversations API keeps",
-                 "specdec_openai_conversation_bytes", "Bytes of those conversations' items"))
+                 "specdec_openai_conversation_bytes", "Bytes of those conversations' items"),
+                (self.files, "specdec_openai_files", "Files the Files API keeps (batches' inputs and outputs)",
+                 "specdec_openai_file_bytes", "Bytes of those files"))
         for store, count_name, count_help, bytes_name, bytes_help in kept:
             if store is not None and store.enabled:
                 count, size = store.usage()
@@ -156,3 +159,6 @@ class _Responses:
         if self.background is not None:
             yield GaugeMetricFamily("specdec_openai_background_responses", "Background responses this API process "
                                     "is generating now", value=len(self.background))
+        if self.batches is not None:
+            yield GaugeMetricFamily("specdec_openai_batches_running", "Batches (the Batch API's) this API process is "
+                                    "answering now", value=len(self.batches))

@@ -67,7 +67,8 @@ class ApiError(Exception):
     @property
     def kind(self) -> str:
         return {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-                503: "service_unavailable", 429: "rate_limit_error"}.get(self.status, "server_error")
+                413: "invalid_request_error", 503: "service_unavailable", 429: "rate_limit_error"}.get(self.status,
+                                                                                                  "server_error")
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}

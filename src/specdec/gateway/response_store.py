@@ -96,6 +96,10 @@ class ResponseStore:
         """(responses kept, their bytes)."""
         return len(self._turns), self.bytes
 
+    def ids(self) -> list[str]:
+        """Every held record's id (a list endpoint's: files, batches)."""
+        return list(self._turns)
+
     def put(self, response: dict, messages: list[dict], previous: str | None, items: list[dict] | None = None) -> bool:
         """Keep a finished response (its object, the messages its turn adds, the response it continued, its
         input items); the least recently used go until it fits. False: not kept (the store is off, or it alone
@@ -235,6 +239,11 @@ class SharedResponseStore:
                     continue
                 count += entry.name.endswith(".json")
         return count, size
+
+    def ids(self) -> list[str]:
+        """Every record's id in the directory, every process's."""
+        return [entry.name.removesuffix(".json") for entry in os.scandir(self.directory)
+                if entry.name.endswith(".json") and not entry.name.startswith(".")]
 
     def put(self, response: dict, messages: list[dict], previous: str | None, items: list[dict] | None = None) -> bool:
         """As ResponseStore.put; the file replaces one of the same id."""
