@@ -11,5 +11,6 @@
   readme_examples    rewrites the README's real-output examples from a running server
   beside             plain streams beside a load, and the gaps between their responses
   stream_interval    a whole answer sent at the end, a response per round, or at an interval: the cost
+  batch_bench        the Batch API against one request at a time and many clients, the same chat requests
   report             what every script shares: the machine's description, tables, result pages
 """

@@ -978,6 +978,16 @@ def test_a_batch_of_requests_is_answered_as_each_request_would_be(server, api, m
     assert upload in [f.id for f in api.files.list(purpose="batch").data]
     assert batch.id in [b.id for b in api.batches.list().data]
     assert api.files.delete(upload).deleted and upload not in [f.id for f in api.files.list().data]
+    # the Responses API's requests too
+    ask = {"model": model, "input": questions[0], "max_output_tokens": 16, "temperature": 0, "store": False}
+    answered = _batch_ended(api, api.batches.create(
+        input_file_id=_batch_file(api, [{"custom_id": "r", "method": "POST", "url": "/v1/responses", "body": ask}]),
+        endpoint="/v1/responses", completion_window="24h").id)
+    (line,) = [json.loads(text) for text in api.files.content(answered.output_file_id).text.splitlines()]
+    direct = api.responses.create(**ask)
+    assert "".join(part["text"] for item in line["response"]["body"]["output"] if item["type"] == "message"
+                   for part in item["content"]) == direct.output_text
+    assert answered.usage.output_tokens == direct.usage.output_tokens
     # cancelled while it runs: 40 long answers, 32 at a time
     before = server.metric("specdec_requests_total", finish_reason="cancelled")
     long = [{"custom_id": f"l{i}", "method": "POST", "url": "/v1/completions",

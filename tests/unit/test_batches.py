@@ -108,6 +108,16 @@ def test_a_batch_answers_every_request_in_order_within_its_concurrency():
     asyncio.run(main())
 
 
+def test_a_batchs_usage_sums_the_chats_and_the_responses_apis_alike():
+    chat = {"prompt_tokens": 5, "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": 4},
+            "completion_tokens_details": {"reasoning_tokens": 1}}
+    response = {"input_tokens": 7, "output_tokens": 3, "input_tokens_details": {"cached_tokens": 0},
+                "output_tokens_details": {"reasoning_tokens": 2}}
+    assert batches._usage([chat, response, {}]) == {
+        "input_tokens": 12, "input_tokens_details": {"cached_tokens": 4}, "output_tokens": 5,
+        "output_tokens_details": {"reasoning_tokens": 3}, "total_tokens": 17}
+
+
 @pytest.mark.parametrize("body, param", [
     ({"endpoint": "/v1/embeddings"}, "endpoint"), ({"completion_window": "1h"}, "completion_window"),
     ({"input_file_id": "file-none"}, "input_file_id"), ({"metadata": {"a": 1}}, "metadata"), ({"extra": 1}, "extra")])

@@ -119,7 +119,8 @@ input [
   { name: "return_num_output_tokens", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },
   { name: "guided_decoding_guide_type", data_type: TYPE_STRING, dims: [ 1 ], optional: true },
   { name: "guided_decoding_guide", data_type: TYPE_STRING, dims: [ 1 ], optional: true },
-  { name: "reasoning_parser", data_type: TYPE_STRING, dims: [ 1 ], optional: true }
+  { name: "reasoning_parser", data_type: TYPE_STRING, dims: [ 1 ], optional: true },
+  { name: "thinking_token_budget", data_type: TYPE_INT32, dims: [ 1 ], optional: true }
 ]
 output [
   { name: "input_ids", data_type: TYPE_INT32, dims: [ -1 ] },
@@ -211,7 +212,8 @@ output [
   { name: "scored_top_log_probs", data_type: TYPE_FP32, dims: [ -1, -1 ] },
   { name: "logits", data_type: TYPE_FP32, dims: [ -1, -1 ] },
   { name: "features", data_type: TYPE_FP32, dims: [ -1, -1 ] },
-  { name: "forward_stats", data_type: TYPE_FP32, dims: [ 3 ] }
+  { name: "forward_stats", data_type: TYPE_FP32, dims: [ 3 ] },
+  { name: "cached_tokens", data_type: TYPE_INT32, dims: [ 2 ] }
 ]
 {{ include "specdec.lmParams" (list . "target" .Values.models.target.path) }}
 {{- end -}}
@@ -260,7 +262,8 @@ input [
   { name: "return_num_output_tokens", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },
   { name: "guided_decoding_guide_type", data_type: TYPE_STRING, dims: [ 1 ], optional: true },
   { name: "guided_decoding_guide", data_type: TYPE_STRING, dims: [ 1 ], optional: true },
-  { name: "reasoning_parser", data_type: TYPE_STRING, dims: [ 1 ], optional: true }
+  { name: "reasoning_parser", data_type: TYPE_STRING, dims: [ 1 ], optional: true },
+  { name: "thinking_token_budget", data_type: TYPE_INT32, dims: [ 1 ], optional: true }
 ]
 output [
   { name: "output_ids", data_type: TYPE_INT32, dims: [ -1 ] },
@@ -275,6 +278,7 @@ output [
   { name: "acceptance_rate", data_type: TYPE_FP32, dims: [ 1 ] },
   { name: "num_rounds", data_type: TYPE_INT32, dims: [ 1 ] },
   { name: "mean_accepted_length", data_type: TYPE_FP32, dims: [ 1 ] },
+  { name: "num_cached_tokens", data_type: TYPE_INT32, dims: [ 1 ] },
   { name: "output_log_probs", data_type: TYPE_FP32, dims: [ -1 ] },
   { name: "cum_log_probs", data_type: TYPE_FP32, dims: [ 1 ] },
   { name: "cumulative_logprob", data_type: TYPE_FP32, dims: [ 1 ] },
@@ -282,6 +286,9 @@ output [
   { name: "first_scheduled_time_ns", data_type: TYPE_INT64, dims: [ 1 ] },
   { name: "first_token_time_ns", data_type: TYPE_INT64, dims: [ 1 ] },
   { name: "last_token_time_ns", data_type: TYPE_INT64, dims: [ 1 ] },
+  { name: "kv_cache_reused_blocks", data_type: TYPE_INT32, dims: [ 1 ] },
+  { name: "kv_cache_alloc_new_blocks", data_type: TYPE_INT32, dims: [ 1 ] },
+  { name: "kv_cache_alloc_total_blocks", data_type: TYPE_INT32, dims: [ 1 ] },
   { name: "logprobs", data_type: TYPE_STRING, dims: [ 1 ] },
   { name: "output_top_ids", data_type: TYPE_INT32, dims: [ -1, -1 ] },
   { name: "output_top_log_probs", data_type: TYPE_FP32, dims: [ -1, -1 ] },

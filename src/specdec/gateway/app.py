@@ -268,6 +268,8 @@ class Gateway:
                                                                           self.reasoning_parser))
                 except ApiError as exc:
                     raise protocol.chat_error(exc) from None
+            elif url == "/v1/responses":
+                answer = await self._response_answer(body)
             else:
                 answer = await self._whole_answer(self._completion(body))
             status = 200
@@ -285,12 +287,7 @@ class Gateway:
         if body.get("background") and not self.store.enabled:
             raise protocol.invalid("background", "needs stored responses, and this server keeps none (its "
                                                  "--responses-store-mb is 0)")
-        previous = body.get("previous_response_id")
-        history = await self._conversation(previous) if previous is not None else []
-        conversation = conversations.conversation_id(body.get("conversation"))
-        if conversation is not None:
-            history = await self._conversation_history(conversation)
-        keep = self.store.enabled and body.get("store") is not False
+        history, keep = await self._response_context(body)
         try:
             gen = await self._response_chat(body, history)
             if body.get("background"):
@@ -306,6 +303,32 @@ class Gateway:
             return web.json_response(answer)
         except ApiError as exc:
             raise responses.renamed(protocol.chat_error(exc)) from None
+
+    async def _response_context(self, body: dict) -> tuple[list[dict], bool]:
+        """A Responses request's history (the stored response it continues, or its conversation's items) and
+        whether its answer is kept."""
+        previous = body.get("previous_response_id")
+        history = await self._conversation(previous) if previous is not None else []
+        conversation = conversations.conversation_id(body.get("conversation"))
+        if conversation is not None:
+            history = await self._conversation_history(conversation)
+        return history, self.store.enabled and body.get("store") is not False
+
+    async def _response_answer(self, body) -> dict:
+        """A Responses request answered whole, and kept as the endpoint keeps it (a batch's: not streamed, not
+        in the background)."""
+        body = responses.checked(body)
+        if body.get("background"):
+            raise protocol.invalid("background", "is not for a batch's request (the batch runs in the background)")
+        history, keep = await self._response_context(body)
+        try:
+            gen = await self._response_chat(body, history)
+            async with self._pieces(gen) as pieces:
+                answer = await self._whole_response(gen, body, pieces, keep)
+        except ApiError as exc:
+            raise responses.renamed(protocol.chat_error(exc)) from None
+        await self._keep(keep, answer, body)
+        return answer
 
     async def messages(self, request: web.Request) -> web.StreamResponse:
         """POST /v1/messages: Anthropic's Messages API, the chat request it stands for (messages.py) answered as

@@ -26,7 +26,7 @@ from specdec.gateway.background import ORPHAN_S, WATCH_S
 from specdec.gateway.protocol import ApiError, invalid
 from specdec.gateway.response_store import NotStored, in_store
 
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions")  # what a batch's requests may call
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")  # what a batch's requests may call
 COMPLETION_WINDOW = "24h"  # the one window OpenAI's API takes
 CONCURRENCY = 32  # a batch's requests in flight at a time
 MAX_REQUESTS = 50_000  # a batch's, as OpenAI's API allows
@@ -324,22 +324,24 @@ def parse_requests(text: str, endpoint: str) -> tuple[list[dict], list[dict]]:
 
 
 def _usage(answers: list[dict]) -> dict:
-    """A batch's usage, as OpenAI reports it: its answered requests' tokens summed (chat's and completions'
-    usage in the Responses API's names)."""
-    def total(*path) -> int:
+    """A batch's usage, as OpenAI reports it: its answered requests' tokens summed (the chat's and completions'
+    usage, or the Responses API's, in the Responses API's names)."""
+    def total(*paths) -> int:
         out = 0
         for usage in answers:
-            value = usage
-            for key in path:
-                value = value.get(key) if isinstance(value, dict) else None
-            out += value if isinstance(value, int) else 0
+            for path in paths:  # the first naming that the answer has
+                value = usage
+                for key in path:
+                    value = value.get(key) if isinstance(value, dict) else None
+                if isinstance(value, int):
+                    out += value
+                    break
         return out
-    prompt, completion = total("prompt_tokens"), total("completion_tokens")
-    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": total("prompt_tokens_details",
-                                                                                    "cached_tokens")},
-            "output_tokens": completion, "output_tokens_details": {
-                "reasoning_tokens": total("completion_tokens_details", "reasoning_tokens")},
-            "total_tokens": prompt + completion}
+    prompt, completion = total(("prompt_tokens",), ("input_tokens",)), total(("completion_tokens",), ("output_tokens",))
+    cached = total(("prompt_tokens_details", "cached_tokens"), ("input_tokens_details", "cached_tokens"))
+    reasoning = total(("completion_tokens_details", "reasoning_tokens"), ("output_tokens_details", "reasoning_tokens"))
+    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached}, "output_tokens": completion,
+            "output_tokens_details": {"reasoning_tokens": reasoning}, "total_tokens": prompt + completion}
 
 
 async def _all(store) -> list[dict]:
