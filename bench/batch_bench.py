@@ -70,15 +70,14 @@ async def run(srv, n: int, max_tokens: int) -> list[list]:
     ways = {"one at a time (1 client)": lambda: one_by_one(api, bodies),
             f"{CONCURRENCY} clients at once": lambda: at_once(api, bodies, CONCURRENCY),
             f"one batch ({CONCURRENCY} at a time)": lambda: as_batch(api, bodies)}
-    rows, reference = [], None
+    rows, reference, first = [], None, None
     for way, call in ways.items():
         started = time.perf_counter()
         answers = await call()
         wall = time.perf_counter() - started
         tokens = sum(count for _, count in answers)
-        reference = reference or answers
-        rows.append([way, n, tokens, f"{wall:.1f}", f"{tokens / wall:.1f}",
-                     f"{rows[0][3] and float(rows[0][3]) / wall:.2f}x" if rows else "1.00x",
+        reference, first = reference or answers, first or wall  # one at a time's
+        rows.append([way, n, tokens, f"{wall:.1f}", f"{tokens / wall:.1f}", f"{first / wall:.2f}x",
                      f"{sum(a == b for a, b in zip(answers, reference))}/{n}"])
     await api.close()
     return rows

@@ -44,6 +44,15 @@ Send = Callable[..., Awaitable[None]]  # send(kind, **fields): one event of the 
 Answer = Callable[[Generation, dict, dict, Send], Awaitable[dict]]
 
 
+async def drain(tasks: list[asyncio.Task], timeout_s: float) -> None:
+    """A stop's wait: the tasks get `timeout_s` to finish, then those left are cancelled (and awaited)."""
+    if tasks:
+        _, late = await asyncio.wait(tasks, timeout=timeout_s)
+        for task in late:
+            task.cancel()
+        await asyncio.gather(*late, return_exceptions=True)
+
+
 class BackgroundResponses:
     def __init__(self, store: ResponseStore, answer: Answer, drain_timeout_s: float,
                  ended: Callable[[dict, dict], Awaitable[None]] | None = None):
@@ -163,12 +172,7 @@ class BackgroundResponses:
 
     async def finish(self, _app=None) -> None:
         """At a stop: those in flight get the drain's time to finish, then fail (`server_shutdown`)."""
-        tasks = list(self._tasks.values())
-        if tasks:
-            _, late = await asyncio.wait(tasks, timeout=self.drain_timeout_s)
-            for task in late:
-                task.cancel()
-            await asyncio.gather(*late, return_exceptions=True)
+        await drain(list(self._tasks.values()), self.drain_timeout_s)
 
     async def _run(self, gen: Generation, body: dict, started: dict, send: Send) -> None:
         response_id = started["id"]

@@ -22,7 +22,7 @@ import time
 import uuid
 from typing import Awaitable, Callable
 
-from specdec.gateway.background import ORPHAN_S, WATCH_S
+from specdec.gateway.background import ORPHAN_S, WATCH_S, drain
 from specdec.gateway.protocol import ApiError, invalid
 from specdec.gateway.response_store import NotStored, in_store
 
@@ -173,12 +173,7 @@ class Batches:
 
     async def finish(self, _app=None) -> None:
         """At a stop: the batches running get the drain's time, then fail with what they answered kept."""
-        tasks = list(self._tasks.values())
-        if tasks:
-            _, late = await asyncio.wait(tasks, timeout=self.drain_timeout_s)
-            for task in late:
-                task.cancel()
-            await asyncio.gather(*late, return_exceptions=True)
+        await drain(list(self._tasks.values()), self.drain_timeout_s)
 
     async def _current(self, batch: dict) -> dict:
         if batch["status"] not in PENDING or batch["id"] in self._tasks:
