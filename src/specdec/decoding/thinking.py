@@ -142,8 +142,8 @@ class AnswerMatcher:
             due = self._due(state, tail, thought)
             if due:
                 bits[j] = 0
-                word, bit = divmod(due[0], 32)
-                bits[j, word] = (1 << bit) - (1 << 32 if bit == 31 else 0)  # as int32
+                word, value = _bit(due[0])
+                bits[j, word] = value
             if j < valid:
                 state, tail, thought = self._step(state, tail, thought, draft[j])
         if start is not None and start < positions and self._inner is not None:
@@ -151,8 +151,8 @@ class AnswerMatcher:
         if self._state == EITHER and self._inner is not None:
             if start != 0:  # the draft opened a block: its first position is still the grammar's or <think>
                 bits[0] = self._inner.allowed([], 1)[0]
-            word, bit = divmod(self._tags.open[0], 32)
-            bits[0, word] |= (1 << bit) - (1 << 32 if bit == 31 else 0)  # as int32
+            word, value = _bit(self._tags.open[0])
+            bits[0, word] |= value
         return bits
 
     def advance(self, tokens: list[int]) -> int | None:
@@ -166,3 +166,9 @@ class AnswerMatcher:
                 return None if end is None else i + end
             self._state, self._tail, self._thought = self._step(self._state, self._tail, self._thought, token)
         return None
+
+
+def _bit(token: int) -> tuple[int, int]:
+    """Where a token's bit is in a bitmask row: its word, and the word's value with that bit alone (as int32)."""
+    word, bit = divmod(token, 32)
+    return word, (1 << bit) - (1 << 32 if bit == 31 else 0)

@@ -71,7 +71,7 @@ class Gateway:
                                               ended=self._add_to_conversation)
         self.files = batches.Files(self.store.sibling("files"))
         self.batches = batches.Batches(self.store.sibling("batches"), self.files, self._batch_answer, drain_timeout_s)
-        self.metrics = metrics.ApiMetrics(self.store, self.background, self.conversations.store, self.files.store,
+        self.metrics = metrics.ApiMetrics(self.store, self.background, self.conversations.store, self.files.contents,
                                           self.batches)
         self.created = int(time.time())
 

@@ -44,10 +44,11 @@ def _now() -> int:
 
 
 class Files:
-    """Uploaded and written files: a file object kept as a stored record, its text as the record's one item."""
+    """Uploaded and written files: a file object kept as a stored record, its text as the one item of a record
+    of the same id in a store of its own (`contents`), so that reading or listing files reads no file's text."""
 
     def __init__(self, store):
-        self.store = store
+        self.store, self.contents = store, store.sibling("contents")
 
     async def create(self, content: bytes, filename: str, purpose: str) -> dict:
         if not self.store.enabled:
@@ -61,9 +62,10 @@ class Files:
         file = {"id": "file-" + uuid.uuid4().hex, "object": "file", "bytes": len(content), "created_at": _now(),
                 "filename": filename, "purpose": purpose, "status": "processed", "expires_at": None,
                 "status_details": None}
-        if not await in_store(self.store, self.store.put, file, [], None, [{"content": text}]):
+        if not await in_store(self.contents, self.contents.put, {"id": file["id"]}, [], None, [{"content": text}]):
             raise ApiError(413, f"the file ({len(content)} bytes) is larger than this server's store for files "
                                 "(--responses-store-mb)", "file")
+        await in_store(self.store, self.store.put, file, [], None)
         return file
 
     async def get(self, file_id: str) -> dict:
@@ -73,13 +75,13 @@ class Files:
             raise ApiError(404, f"No such File object: {file_id}", "file_id", "file_not_found") from None
 
     async def content(self, file_id: str) -> str:
-        await self.get(file_id)
         try:
-            return (await in_store(self.store, self.store.input_items, file_id))[0]["content"]
+            return (await in_store(self.contents, self.contents.input_items, file_id))[0]["content"]
         except NotStored:
             raise ApiError(404, f"No such File object: {file_id}", "file_id", "file_not_found") from None
 
     async def delete(self, file_id: str) -> dict:
+        await in_store(self.contents, self.contents.delete, file_id)
         if not await in_store(self.store, self.store.delete, file_id):
             raise ApiError(404, f"No such File object: {file_id}", "file_id", "file_not_found")
         return {"id": file_id, "object": "file", "deleted": True}

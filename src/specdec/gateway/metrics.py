@@ -55,7 +55,7 @@ class ApiMetrics:
     def __init__(self, store=None, background=None, conversations=None, files=None, batches=None):
         """store: the Responses API's (response_store; its usage() read at each scrape); background: the
         BackgroundResponses (len(): those generating in this process); conversations, files: the conversations'
-        and the files' stores; batches: the Batch API's Batches (len(): those running here). None: not reported."""
+        and the files' contents' stores; batches: the Batch API's Batches (len(): those running here). None: not reported."""
         disable_created_metrics()  # no `_created` series per label set: nothing here reads them
         self.registry = registry = CollectorRegistry()
         by_route = ["method", "endpoint"]
