@@ -12,5 +12,6 @@
   beside             plain streams beside a load, and the gaps between their responses
   stream_interval    a whole answer sent at the end, a response per round, or at an interval: the cost
   batch_bench        the Batch API against one request at a time and many clients, the same chat requests
+  lora_bench         what LoRA adapters cost a forward, in process: none, base rows, one adapter, mixed
   report             what every script shares: the machine's description, tables, result pages
 """

@@ -73,6 +73,9 @@
 #   swift          the layer-skip self-draft searched on the fly (--skip-draft swift=auto, served as the default
 #                  draft) against the pair's fixed 4-layer early exit, one server each (~5 min; named twice: on
 #                  off off on): issue 48's GPU comparison (the pair's costs are real, its acceptance synthetic)
+#   lora           LoRA adapters in CUDA graphs (every adapter's product for every row): the 8B-shaped target's
+#                  step and verify with none, base rows, one adapter and mixed rows, 2 then 8 adapters of rank
+#                  16 (bench/lora_bench.py, ~3 min)
 #   profile        cProfile over draft_model's and target_model's execute (SPECDEC_PROFILE_DIR): 8 target-only
 #                  streams, then 1 stream at K=0, 4 and adaptive; pstats' reports in profile-*.txt (~2 min):
 #                  where the host time inside an execution goes (the adapter's share: "in execute" - "in
@@ -173,6 +176,9 @@ for part in "$@"; do
     tests) run tests-gpu 240 "$python" -m pytest -q -m gpu tests/gpu -p no:cacheprovider; tests_ran=1 ;;
     bench) run bench-gpu 420 "$python" -m bench.gpu_bench --out "$out/bench-gpu.md" ;;
     heads) run head-bench 300 "$python" -m bench.head_bench --out "$out/head-bench.md" ;;
+    lora)
+      run lora-2 150 "$python" -m bench.lora_bench --pair 8b --adapters 2 --out "$out/lora-2.md"
+      run lora-8 150 "$python" -m bench.lora_bench --pair 8b --adapters 8 --out "$out/lora-8.md" ;;
     orchestrators)
       run bench-gpu-1-orchestrator 300 "$python" -m bench.gpu_bench --served-only --prompts 4 \
         --launcher-arg=--orchestrator-instances=1 --out "$out/bench-gpu-1-orchestrator.md"

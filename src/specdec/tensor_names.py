@@ -54,6 +54,9 @@ NUM_RETURN_SEQUENCES = "num_return_sequences"  # INT32 [1]: 1 (the same)
 EXCLUDE_INPUT_IN_OUTPUT = "exclude_input_in_output"
 PAD_ID = "pad_id"  # INT32 [1]: a token id >= 0; no effect (responses carry no padding)
 DRAFT_MODEL = "draft_model"  # STRING [1]: which configured draft model proposes
+# STRING [1]: the LoRA adapter the target runs for this request (engine/lora.py; vLLM's name, also a
+# sampling_parameters key); empty: the base model. Also target_model's input of that name, on every call.
+LORA_NAME = "lora_name"
 APPLY_CHAT_TEMPLATE = "apply_chat_template"  # BOOL [1]
 # STRING [1]: a JSON object of more variables for the chat template (vLLM's field; e.g. enable_thinking)
 CHAT_TEMPLATE_KWARGS = "chat_template_kwargs"

@@ -45,6 +45,8 @@ COMBINATIONS = {
     "cpu-only-suffix": {"gpu": {"count": 0}, "models": {"draft": {"method": "suffix"}, "dtype": "float32"},
                         "speculation": {"suffixCacheTokens": 262144}},
     "eagle-head": {"models": {"draft": {"method": "head", "path": "/models/eagle3-head"}}},
+    "lora-adapters": {"models": {"loraAdapters": [{"name": "sql", "path": "/models/lora/sql"},
+                                                  {"name": "chat-v2", "path": "/models/lora/chat"}]}},
     "skip-draft": {"models": {"draft": {"method": "skip", "skipLayers": "3,5-7"}}},
     "compile-cache-claim": {"compileCache": {"source": "existingClaim", "existingClaim": {"name": "specdec-kernels"}}},
     "spread-target": {"gpu": {"count": 4, "spreadTarget": True, "draftGpu": 3, "mps": True},
@@ -323,12 +325,13 @@ def pair_for(values: dict) -> PairSpec:
         kv_memory_fraction_target=values["executor"]["kvMemoryFraction"]["target"],
         kv_memory_fraction_draft=values["executor"]["kvMemoryFraction"]["draft"],
         prefix_caching=values["executor"]["prefixCaching"]["enabled"],
-        prefix_cache_tokens=values["executor"]["prefixCaching"]["tokens"])
+        prefix_cache_tokens=values["executor"]["prefixCaching"]["tokens"],
+        lora_adapters={adapter["name"]: adapter["path"] for adapter in models["loraAdapters"]})
 
 
 @pytest.mark.parametrize("name, orchestrators", [("defaults", 1), ("cpu-only-ngram", 1), ("cpu-only-defaults", 2),
                                                  ("cpu-only-suffix", 2), ("spread-target", 1), ("eagle-head", 1),
-                                                 ("skip-draft", 1)])
+                                                 ("skip-draft", 1), ("lora-adapters", 1)])
 def test_model_configuration_matches_the_launcher(name, orchestrators, tmp_path):
     docs = render_chart(COMBINATIONS[name])
     (configs,) = [d for d in by_kind(docs, "ConfigMap") if d["metadata"]["name"].endswith("-model-config")]

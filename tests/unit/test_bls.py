@@ -101,14 +101,14 @@ def test_a_long_prompt_goes_in_chunks_that_ask_for_nothing_the_first_taking_the_
     assert sent == [
         {tn.INPUT_IDS: [1, 2, 3, 4], tn.CACHE_LENGTH: [0], tn.RESERVE_TOKENS: [40], tn.NUM_LOGITS: [0],
          tn.RELEASE: [False], tn.ALLOWED_TOKENS: [], tn.TREE_PARENTS: [], tn.ACCEPTED_PATH: [],
-         tn.SCORE_ROWS: [0], tn.SCORE_NEXT: [-1]},
+         tn.SCORE_ROWS: [0], tn.SCORE_NEXT: [-1], tn.LORA_NAME: [b""]},
         {tn.INPUT_IDS: [5, 6, 7, 8], tn.CACHE_LENGTH: [4], tn.RESERVE_TOKENS: [0], tn.NUM_LOGITS: [0],
          tn.RELEASE: [False], tn.ALLOWED_TOKENS: [], tn.TREE_PARENTS: [], tn.ACCEPTED_PATH: [],
-         tn.SCORE_ROWS: [0], tn.SCORE_NEXT: [-1]},
+         tn.SCORE_ROWS: [0], tn.SCORE_NEXT: [-1], tn.LORA_NAME: [b""]},
         # at most 4 + 2 tokens
         {tn.INPUT_IDS: [9, 10, 11, 50, 51], tn.CACHE_LENGTH: [8], tn.RESERVE_TOKENS: [0], tn.NUM_LOGITS: [2],
          tn.RELEASE: [False], tn.ALLOWED_TOKENS: [], tn.TREE_PARENTS: [], tn.ACCEPTED_PATH: [],
-         tn.SCORE_ROWS: [0], tn.SCORE_NEXT: [-1]},
+         tn.SCORE_ROWS: [0], tn.SCORE_NEXT: [-1], tn.LORA_NAME: [b""]},
     ]
     pb.sent.clear()
     proposal = asyncio.run(proposer.propose(2, 0, prompt, 2, SamplingParams(), 0, reserve=40))
@@ -145,6 +145,9 @@ def test_a_long_prompt_goes_in_chunks_that_ask_for_nothing_the_first_taking_the_
     pb.sent.clear()
     asyncio.run(BlsScorer(pb, tn.TARGET_MODEL_NAME).score(VerifyCall(6, 0, prompt, 1, score_rows=10)))  # no chunks
     assert len(pb.sent) == 1 and pb.sent[0][tn.SCORE_ROWS].item() == 10
+    pb.sent.clear()
+    asyncio.run(scorer.score(VerifyCall(3, 0, prompt + [50], 1, reserve=40, adapter="sql")))  # every chunk names it
+    assert [call[tn.LORA_NAME].reshape(-1).tolist() for call in pb.sent] == [[b"sql"]] * 3
 
 
 def test_a_grammar_bitmask_goes_with_the_verify_and_no_logits_come_back():
@@ -161,7 +164,7 @@ def test_a_grammar_bitmask_goes_with_the_verify_and_no_logits_come_back():
     assert pb.sent[-1][tn.RELEASE].item() and pb.sent[-1][tn.NUM_LOGITS].item() == 0
     assert _input_sets(pb.sent) == {frozenset([tn.INPUT_IDS, tn.CACHE_LENGTH, tn.RESERVE_TOKENS, tn.RELEASE,
                                                tn.NUM_LOGITS, tn.ALLOWED_TOKENS, tn.TREE_PARENTS,
-                                               tn.ACCEPTED_PATH, tn.SCORE_ROWS, tn.SCORE_NEXT])}
+                                               tn.ACCEPTED_PATH, tn.SCORE_ROWS, tn.SCORE_NEXT, tn.LORA_NAME])}
 
 
 class _StallingPb(_Pb):

@@ -52,7 +52,7 @@ def reference_attention(q, keys, values, table, visible, ancestors, scale):
     heads, d = q.shape[1], q.shape[2]
     kv_heads = keys.shape[2]
     window = table.shape[1] * keys.shape[1]
-    batch = Batch(None, None, None, None, table, visible, ancestors)
+    batch = Batch(None, None, None, None, table, visible, ancestors, None)
     mask = attention_mask(batch, window)[:, None]  # (B, 1, T, W)
     seen_k = keys[table].reshape(b, window, kv_heads, d).repeat_interleave(heads // kv_heads, 2).transpose(1, 2)
     seen_v = values[table].reshape(b, window, kv_heads, d).repeat_interleave(heads // kv_heads, 2).transpose(1, 2)

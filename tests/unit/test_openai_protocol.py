@@ -149,6 +149,19 @@ def test_an_unknown_model_is_404_and_none_is_the_first():
     assert parse_chat({"messages": CHAT}, SERVED).model == "m"
 
 
+def test_a_lora_adapters_name_is_a_model_whose_requests_run_it():
+    from specdec.gateway.protocol import Served
+
+    served = Served(["m", "alias"], ["sql", "m"])  # a name already the model's stays the model's
+    assert tuple(served) == ("m", "alias", "sql") and served.adapters == {"sql"}
+    for gen in (parse_chat({"model": "sql", "messages": CHAT}, served), parse_completion({"model": "sql", "prompt": ["a", "b"]}, served)):
+        assert gen.model == "sql" and all(choice[tn.LORA_NAME][0, 0] == b"sql" for choice in gen.choices)
+    for body in ({"messages": CHAT}, {"model": "alias", "messages": CHAT}):
+        assert tn.LORA_NAME not in parse_chat(body, served).choices[0]
+    with pytest.raises(ApiError, match="does not exist"):
+        parse_chat({"model": "other", "messages": CHAT}, served)
+
+
 def test_response_format_and_guided_fields_become_structured_outputs():
     schema = {"type": "object"}
     gen = parse_chat({"messages": CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}},

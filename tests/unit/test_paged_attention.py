@@ -28,7 +28,7 @@ def gathered(q, keys, values, table, visible, ancestors, scale):
     kv_heads = keys.shape[2]
     groups = heads // kv_heads
     window = table.shape[1] * keys.shape[1]
-    mask = attention_mask(Batch(None, None, None, None, table, visible, ancestors), window)
+    mask = attention_mask(Batch(None, None, None, None, table, visible, ancestors, None), window)
     mask = mask[:, None, None].expand(b, 1, groups, t, window).reshape(b, 1, groups * t, window)
     seen_k = keys[table].view(b, window, kv_heads, d).transpose(1, 2)
     seen_v = values[table].view(b, window, kv_heads, d).transpose(1, 2)

@@ -150,3 +150,29 @@ def test_render_sets_the_pairs_executor_on_every_language_model(tmp_path, capsys
     with pytest.raises(SystemExit):
         launcher.parse_args(["--executor", "static", "--model-repository", str(tmp_path)])
     assert "--executor is set in a rendered repository" in capsys.readouterr().err
+
+
+def test_render_and_launcher_flag_for_lora_adapters(tmp_path):
+    """--lora-modules NAME=DIR: the target runs them and the orchestrator admits their names (one rendered
+    value), which the launcher reads back for the OpenAI API; a directory without an adapter is refused."""
+    import pytest
+
+    from specdec.serving.launcher import with_lora_adapters
+    from specdec.serving.repository import served_adapters
+
+    for name in ("sql", "chat"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "adapter_config.json").write_text("{}")
+    base = PairSpec(name="t", target_path="/w/target", tokenizer_path="/w/target", default_draft="ngram")
+    pair = with_lora_adapters(base, [f"sql={tmp_path / 'sql'}", f"chat-v2={tmp_path / 'chat'}"])
+    assert pair.lora_adapters == {"sql": str(tmp_path / "sql"), "chat-v2": str(tmp_path / "chat")}
+    for wrong, message in ((f"sql={tmp_path / 'sql'}", "given twice"), (f"x={tmp_path}", "no adapter_config.json"),
+                           ("x y=/z", "NAME=DIR"), ("/z", "NAME=DIR")):
+        with pytest.raises(ValueError, match=message):
+            with_lora_adapters(pair, [wrong])
+    repo = render(pair, tmp_path / "repo")
+    value = f"sql={tmp_path / 'sql'},chat-v2={tmp_path / 'chat'}"
+    for model in ("target_model", "speculative_decoding"):
+        assert f'key: "lora_adapters", value: {{ string_value: "{value}" }}' in (repo / model / "config.pbtxt").read_text()
+    assert served_adapters(repo) == ["sql", "chat-v2"]
+    assert served_adapters(render(base, tmp_path / "plain")) == []

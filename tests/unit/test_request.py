@@ -573,3 +573,32 @@ def test_bad_guides_are_refused_by_name(inputs, message):
     with pytest.raises(InputError, match="not supported here"):  # no tokenizer, no grammar
         ParsedRequest.parse({tn.INPUT_IDS: np.array([[5]], dtype=np.int32),
                              tn.GUIDED_DECODING_GUIDE_TYPE: np.array([[b"json"]], dtype=np.object_)}.get, LIMITS)
+
+
+def test_a_lora_name_must_be_one_the_server_serves():
+    """lora_name (an input, or vLLM's sampling_parameters key) names one of the orchestrator's lora_adapters."""
+    import dataclasses
+
+    import specdec.triton.request as request
+    from specdec.triton.config import ModelParameters
+
+    limits = dataclasses.replace(LIMITS, lora_names=("sql", "chat"))
+    arrays = {tn.INPUT_IDS: np.array([[5, 6, 7]], dtype=np.int32)}
+
+    def parsed(**extra):
+        return ParsedRequest.parse({**arrays, **extra}.get, limits, seq_id=7, encode=_encode)
+
+    assert parsed().generation.lora_name == "" and parse().generation.lora_name == ""
+    assert parsed(**{tn.LORA_NAME: np.array([[b"chat"]], dtype=np.object_)}).generation.lora_name == "chat"
+    assert parsed(**{tn.SAMPLING_PARAMETERS: np.array([[json.dumps({"lora_name": "sql"}).encode()]], dtype=np.object_)}
+                  ).generation.lora_name == "sql"
+    with pytest.raises(InputError, match=f"input '{tn.LORA_NAME}': no LoRA adapter 'nope' \\(served: sql, chat\\)"):
+        parsed(**{tn.LORA_NAME: np.array([[b"nope"]], dtype=np.object_)})
+    with pytest.raises(InputError, match="key 'lora_name'.*no LoRA adapter 'x' \\(served: sql, chat\\)"):
+        parsed(**{tn.SAMPLING_PARAMETERS: np.array([[json.dumps({"lora_name": "x"}).encode()]], dtype=np.object_)})
+    with pytest.raises(InputError, match="served: none"):
+        parse(**{tn.LORA_NAME: np.array([[b"sql"]], dtype=np.object_)})
+    # the orchestrator reads them from its lora_adapters, as the launcher renders it
+    params = ModelParameters({"name": "sd", "parameters": {"draft_models": {"string_value": "ngram"},
+                                                          "lora_adapters": {"string_value": "sql=/a,chat=/b"}}})
+    assert request.RequestLimits.from_parameters(params, 100, frozenset()).lora_names == ("sql", "chat")

@@ -23,6 +23,12 @@ instance_group [ { count: 1, kind: KIND_GPU, gpus: [ {{ ternary $root.Values.gpu
 {{- end -}}
 {{- end -}}
 
+{{- define "specdec.loraAdapters" -}}
+{{- $pairs := list -}}
+{{- range .Values.models.loraAdapters -}}{{- $pairs = append $pairs (printf "%s=%s" .name .path) -}}{{- end -}}
+{{- join "," $pairs -}}
+{{- end -}}
+
 {{- define "specdec.headPaths" -}}
 {{- if eq .Values.models.draft.method "head" -}}{{ .Values.models.draft.path }}{{- end -}}
 {{- end -}}
@@ -34,6 +40,7 @@ instance_group [ { count: 1, kind: KIND_GPU, gpus: [ {{ ternary $root.Values.gpu
 {{ include "specdec.param" (list "model_path" $path) }}
 {{- if eq $role "target" }}
 {{ include "specdec.param" (list "draft_heads" (include "specdec.headPaths" $root)) }}
+{{ include "specdec.param" (list "lora_adapters" (include "specdec.loraAdapters" $root)) }}
 {{ include "specdec.param" (list "run_ahead" $root.Values.executor.runAhead) }}
 {{- else }}
 {{- $kind := $root.Values.models.draft.method }}
@@ -120,7 +127,8 @@ input [
   { name: "guided_decoding_guide_type", data_type: TYPE_STRING, dims: [ 1 ], optional: true },
   { name: "guided_decoding_guide", data_type: TYPE_STRING, dims: [ 1 ], optional: true },
   { name: "reasoning_parser", data_type: TYPE_STRING, dims: [ 1 ], optional: true },
-  { name: "thinking_token_budget", data_type: TYPE_INT32, dims: [ 1 ], optional: true }
+  { name: "thinking_token_budget", data_type: TYPE_INT32, dims: [ 1 ], optional: true },
+  { name: "lora_name", data_type: TYPE_STRING, dims: [ 1 ], optional: true }
 ]
 output [
   { name: "input_ids", data_type: TYPE_INT32, dims: [ -1 ] },
@@ -200,6 +208,7 @@ input [
   { name: "accepted_path", data_type: TYPE_INT32, dims: [ -1 ], optional: true, allow_ragged_batch: true },
   { name: "score_rows", data_type: TYPE_INT32, dims: [ 1 ], optional: true },
   { name: "score_next", data_type: TYPE_INT32, dims: [ 1 ], optional: true },
+  { name: "lora_name", data_type: TYPE_STRING, dims: [ 1 ], optional: true },
   { name: "release", data_type: TYPE_BOOL, dims: [ 1 ], optional: true }
 ]
 output [
@@ -263,7 +272,8 @@ input [
   { name: "guided_decoding_guide_type", data_type: TYPE_STRING, dims: [ 1 ], optional: true },
   { name: "guided_decoding_guide", data_type: TYPE_STRING, dims: [ 1 ], optional: true },
   { name: "reasoning_parser", data_type: TYPE_STRING, dims: [ 1 ], optional: true },
-  { name: "thinking_token_budget", data_type: TYPE_INT32, dims: [ 1 ], optional: true }
+  { name: "thinking_token_budget", data_type: TYPE_INT32, dims: [ 1 ], optional: true },
+  { name: "lora_name", data_type: TYPE_STRING, dims: [ 1 ], optional: true }
 ]
 output [
   { name: "output_ids", data_type: TYPE_INT32, dims: [ -1 ] },
@@ -300,6 +310,7 @@ output [
 {{ include "specdec.param" (list "tokenizer_path" (include "specdec.tokenizerPath" .)) }}
 {{ include "specdec.param" (list "target_model" "target_model") }}
 {{ include "specdec.param" (list "draft_models" (get (dict "model" "draft_model,ngram,suffix,ngram+draft_model" "head" "draft_model,ngram,suffix,ngram+draft_model" "skip" "draft_model,ngram,suffix,ngram+draft_model" "ngram" "ngram,suffix" "suffix" "suffix,ngram") .Values.models.draft.method)) }}
+{{ include "specdec.param" (list "lora_adapters" (include "specdec.loraAdapters" .)) }}
 {{ include "specdec.param" (list "head_drafts" (ternary "draft_model" "" (eq .Values.models.draft.method "head"))) }}
 {{ include "specdec.param" (list "suffix_cache_tokens" $s.suffixCacheTokens) }}
 {{ include "specdec.param" (list "lookup_branches" $s.lookupBranches) }}

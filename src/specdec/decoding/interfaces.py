@@ -71,6 +71,7 @@ class VerifyCall:
     # were asked for): at each, the log-probability of the new token after it (Scores.scored). A chain only.
     score_rows: int = 0
     score_top: bool = False  # and each scored position's tn.MAX_TOP_LOG_PROBS most likely tokens
+    adapter: str = ""  # the LoRA adapter the scorer runs for the sequence (GenerationRequest.lora_name)
 
 
 class ScoredRows(NamedTuple):

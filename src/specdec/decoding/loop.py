@@ -67,6 +67,9 @@ class GenerationRequest:
     # structured output, a thinking budget: the output follows it (grammar.py, thinking.ThinkingBudget)
     grammar: Grammar | ThinkingBudget | None = None
     token_bias: TokenBias = TokenBias()  # logit_bias and allowed_token_ids (logit_bias.py)
+    # the LoRA adapter the target runs (its name; "": the base model). Drafts propose as they are: the target's
+    # verdict alone decides, so the output is the adapted model's
+    lora_name: str = ""
 
     @property
     def edits_logits(self) -> bool:
@@ -343,7 +346,8 @@ async def _score(scorer: Scorer, req: GenerationRequest, keep: int, new_ids: lis
                                                  want_top_log_probs=req.top_log_probs > 0 and not want_logits,
                                                  allowed=allowed, want_features=want_features, tree=tree,
                                                  path=path, score_rows=score_rows,
-                                                 score_top=score_rows > 0 and req.top_log_probs > 0))
+                                                 score_top=score_rows > 0 and req.top_log_probs > 0,
+                                                 adapter=req.lora_name))
         except NoCapacity:
             if not reserve or wait_for_room is None or not await wait_for_room():
                 raise

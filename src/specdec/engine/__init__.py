@@ -19,6 +19,8 @@
                  layouts their authors publish (and vLLM's), refused when made for another target
   skip_layers    the layer-skip self-draft (SWIFT): the target with some layers left out, per sequence,
                  and the search of which over the live text
+  lora           LoRA adapters (PEFT's layout) served over one model, each sequence running its own
+  lora_config    adapter lists as configs and command lines spell them (no torch)
   head_executor  drafting with a head over the target's features, per-sequence KV with rollback
   head_graphs    a head's one-token draft step replayed as CUDA graphs over a pool of sequences' KV
   head_kernels   a head's step on the CPU's layer kernels (csrc/cpu_layer.cpp), its draft vocabulary's

@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 
 from specdec import tensor_names as tn
-from specdec.engine import kernels, onednn_linear, panel_linear
+from specdec.engine import kernels, lora, onednn_linear, panel_linear
 from specdec.engine.executor import Executor
 from specdec.engine.kv_cache import ContiguousKV
 from specdec.engine.llama_forward import supports
@@ -65,6 +65,8 @@ class ExecutorConfig:
     prefill_graph_rows: int = tn.DEFAULT_PREFILL_GRAPH_ROWS  # with CUDA graphs: prompts up to this long captured
     min_window: int = 128  # the smallest bucket of keys attended over
     attention: str = "auto"  # tn.ATTENTION_KINDS: the paged kernel or a gathered window and SDPA
+    # LoRA adapters served over the model (lora.py): (name, directory) pairs; the static executor only
+    lora_adapters: tuple[tuple[str, str], ...] = ()
 
 
 def dynamic_executor(model, max_sequences: int = 256, idle_timeout_s: float = 600.0,
@@ -86,10 +88,12 @@ def static_executor(model, max_sequences: int = 256, idle_timeout_s: float = 600
                     kv_memory_fraction: float = 0.4, min_window: int = 128, fuse_kernels: bool | None = None,
                     fuse_mlp: bool | None = None, prefix_caching: bool = True, prefill_rows: int = 0,
                     log: Callable[[str], None] = lambda message: None, hidden_layers: tuple[int, ...] = (),
-                    skip_layers: tuple[int, ...] | None = None, attention: str = "auto") -> Executor:
+                    skip_layers: tuple[int, ...] | None = None, attention: str = "auto",
+                    lora_adapters: dict[str, str] | None = None) -> Executor:
     """The static Llama forward over a paged pool (see the module's docstring; the arguments are
     `PagedKV`'s and `StaticForward`'s). skip_layers, a layer-skip draft: captured with CUDA graphs, that
-    set for life; eagerly `LayerSkipForward` over the static forward (a set per sequence, no prefix caching)."""
+    set for life; eagerly `LayerSkipForward` over the static forward (a set per sequence, no prefix caching).
+    lora_adapters: {name: directory} of LoRA adapters a sequence may run (lora.py)."""
     problem = supports(model)
     if problem:
         raise ValueError(f"the static executor cannot run this model: {problem}")
@@ -97,14 +101,22 @@ def static_executor(model, max_sequences: int = 256, idle_timeout_s: float = 600
         raise ValueError(f"compile must be one of {tn.COMPILE_MODES}, got {compile!r}")
     layers = len(model.model.layers)
     skip = None if skip_layers is None else check_skip(tuple(skip_layers), layers)
+    if lora_adapters and skip is not None:
+        raise ValueError("LoRA adapters are served on a target, not on a layer-skip draft")
+    adapters = lora.load_adapters(model, dict(lora_adapters or {}))  # before the pool takes its memory
     per_sequence = skip is not None and StaticForward.mode_for(compile, model.device) == "off"
     kv = PagedKV(model, max_sequences, max_context, kv_pool_tokens, kv_memory_fraction, block_size,
                  prefix_caching and not per_sequence, log)
     forward = StaticForward(model, kv, max_batch, max_rows, compile, min_window, fuse_kernels, fuse_mlp,
-                            prefill_rows, log, hidden_layers, () if per_sequence or skip is None else skip, attention)
+                            prefill_rows, log, hidden_layers, () if per_sequence or skip is None else skip, attention,
+                            adapters)
     if per_sequence:
         forward = LayerSkipForward(forward, model, skip)
-    return Executor(model, kv, forward, max_sequences=max_sequences, idle_timeout_s=idle_timeout_s, clock=clock)
+    if adapters is not None:
+        log(f"LoRA adapters: {', '.join(adapters.names)} ({adapters.bytes / 2**20:.1f} MiB)")
+    executor = Executor(model, kv, forward, max_sequences=max_sequences, idle_timeout_s=idle_timeout_s, clock=clock)
+    executor.adapters = adapters
+    return executor
 
 
 def _wants_graphs(compile: str, device: torch.device) -> bool:
@@ -136,7 +148,11 @@ def build_executor(model, config: ExecutorConfig, log: Callable[[str], None] = l
             fuse_kernels=None if config.fuse_kernels else False, fuse_mlp=None if config.fuse_mlp else False,
             # eagerly, padding prompts into buckets would only cost
             prefill_rows=config.prefill_graph_rows if wants_graphs else 0, min_window=config.min_window, log=log,
-            hidden_layers=config.hidden_layers, skip_layers=config.skip_layers, attention=config.attention)
+            hidden_layers=config.hidden_layers, skip_layers=config.skip_layers, attention=config.attention,
+            lora_adapters=dict(config.lora_adapters))
+    if config.lora_adapters:
+        raise ValueError(f"LoRA adapters need the static executor (executor={config.executor}"
+                         f"{': ' + unsupported if unsupported else ', which did not take it on this device and dtype'})")
     if config.compile == "graphs":
         raise ValueError(f"compile=graphs needs executor=static (got {config.executor}"
                          f"{', ' + unsupported if unsupported else ''})")

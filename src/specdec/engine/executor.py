@@ -30,7 +30,7 @@ from specdec.decoding.sampling import SamplingParams, greedy, logits_to_probs, s
 from specdec.engine.errors import CacheError, CapacityError
 from specdec.engine.interfaces import Drafted, Forward, ForwardOutput, KVStore, Scored, Step
 from specdec.engine.kv_cache import kv_layout
-from specdec.engine.prefix_cache import ROOT, PrefixIndex, SequenceState
+from specdec.engine.prefix_cache import PrefixIndex, SequenceState, root
 from specdec.engine.run_ahead import Ahead, ForwardTimer
 
 __all__ = ["CacheError", "CapacityError", "Drafted", "Executor", "Forward", "KVStore", "Scored", "Step"]
@@ -84,6 +84,7 @@ class Executor:
         self.ahead_used = self.ahead_dropped = 0
         self.ahead_taken: dict[int, ForwardTimer] = {}
         self._cached_features: dict[int, torch.Tensor] = {}  # extend_many's, of its `whole` steps
+        self.adapters = None  # the LoRA adapters a sequence may run (lora.AdapterSet; build.static_executor's)
 
     @property
     def tracks_tokens(self) -> bool:
@@ -143,6 +144,7 @@ class Executor:
             if len(self.sequences) >= self.max_sequences:
                 raise CapacityError(f"too many live sequences ({self.max_sequences}, max_sequences); {tn.RETRY_LATER}")
             seq = self.sequences[seq_id] = self.kv.new_sequence()
+            seq.adapter = step.adapter
             try:
                 cached, queried = self._reuse_prefix(seq, step, 0)
                 self.kv.reserve(seq, grow)
@@ -195,6 +197,13 @@ class Executor:
                     f"accepted nodes")
         return None
 
+    def _adapter_problem(self, step: Step) -> str | None:
+        """What is wrong with a step's LoRA adapter, or None."""
+        served = len(self.adapters) if self.adapters is not None else 0
+        if not 0 < step.adapter <= served:
+            return f"LoRA adapter {step.adapter} asked for; this model serves {served}"
+        return None
+
     def _reuse_prefix(self, seq, step: Step, start: int) -> tuple[int, int]:
         """A new sequence's first step, or the next chunk of a prompt sent in chunks (steps wanting no
         logits): where seq's cached tokens (`start`) are all in keyed blocks, give it the known blocks that
@@ -212,7 +221,7 @@ class Executor:
         # The positions whose logits are wanted run (a proposal's last one, which it drafts from); of a
         # tree only its leading chain (a first round's prompt) can have been cached.
         reusable = (len(ids) - step.num_logits if step.tree is None else leading_chain(step.tree, step.num_logits)) // size
-        blocks, chain = self.prefix.match(ids, reusable, seq.chain[-1] if seq.chain else ROOT) if reusable > 0 \
+        blocks, chain = self.prefix.match(ids, reusable, seq.chain[-1] if seq.chain else root(seq)) if reusable > 0 \
             else ([], [])
         if step.whole:  # every position's features are wanted: the blocks whose features are kept (prefix_cache.py)
             kept = self.prefix.features(chain)
@@ -251,7 +260,7 @@ class Executor:
             blocks.append(tokens)
         if not blocks:
             return
-        serials = self.kv.key_blocks(seq, first, seq.chain[-1] if seq.chain else ROOT, blocks)
+        serials = self.kv.key_blocks(seq, first, seq.chain[-1] if seq.chain else root(seq), blocks)
         seq.chain += serials
         if hidden is not None:
             for j, serial in enumerate(serials, first):
@@ -294,7 +303,8 @@ class Executor:
                     raise CacheError(f"sequence {step.seq_id} has two steps in one batch")
                 if not step.new_ids:
                     raise CacheError("no new tokens to append")
-                message = problem(step) or (self._path_problem(step) if step.path is not None else None)
+                message = problem(step) or (self._path_problem(step) if step.path is not None else None) \
+                    or (self._adapter_problem(step) if step.adapter else None)
                 if message:
                     raise CacheError(message)
                 # Room for the new tokens, and for a proposal's drafted ones run through the model.

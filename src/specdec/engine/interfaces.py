@@ -50,6 +50,8 @@ class Step(NamedTuple):
     # propose, for a trained head (head_executor.py): (rows, F) the target's features at the rows positions
     # before the last new token (fewer than it needs: the first ones are missing)
     features: torch.Tensor | None = None
+    # a new sequence's LoRA adapter (lora.AdapterSet's slot; 0: the base model), taken at its first step
+    adapter: int = 0
 
 
 class Scored(NamedTuple):

@@ -18,6 +18,7 @@ from torch.nn.functional import scaled_dot_product_attention
 
 from specdec import tensor_names as tn
 from specdec.engine import fp8_linear, kernels, paged_attention, panel_linear
+from specdec.engine.lora import AdapterSet
 
 FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -47,8 +48,9 @@ class Batch(NamedTuple):
     # A tree's rows (`Step.tree`) also see the keys of their ancestors among the sequence's new rows, which
     # sit at [visible, visible + T): bit j set where row j is one of them (or the row itself). 0: a chain.
     ancestors: torch.Tensor
+    adapter: torch.Tensor  # each row's LoRA adapter (lora.AdapterSet's slot; 0: the base model)
 
-    FIELDS = 6  # the (B, T) fields
+    FIELDS = 7  # the (B, T) fields
 
     @staticmethod
     def size(b: int, t: int, blocks: int) -> int:
@@ -61,11 +63,11 @@ class Batch(NamedTuple):
         bt = b * t
         rows = [flat[i * bt:(i + 1) * bt].reshape(b, t) for i in range(cls.FIELDS)]
         table = flat[cls.FIELDS * bt:cls.FIELDS * bt + b * blocks].reshape(b, blocks)
-        return cls(rows[0], rows[1], rows[2], rows[3], table, rows[4], rows[5])
+        return cls(rows[0], rows[1], rows[2], rows[3], table, rows[4], rows[5], rows[6])
 
     def clear(self, scratch: int) -> None:
-        """Padding values: id 0 at position 0, written to the scratch block, seeing one key."""
-        for field, value in zip(self, (0, 0, scratch, 0, scratch, 1, 0)):
+        """Padding values: id 0 at position 0, written to the scratch block, seeing one key, the base model."""
+        for field, value in zip(self, (0, 0, scratch, 0, scratch, 1, 0, 0)):
             field[...] = value
 
 
@@ -150,11 +152,14 @@ class LlamaForward:
     attention (tn.ATTENTION_KINDS): "paged", the Triton kernel reading the pool in place
     (`paged_attention.py`), or on the CPU csrc/cpu_layer.cpp's, reading it in place too; "sdpa", each
     sequence's window gathered and masked for torch's SDPA (any device and dtype); "auto", paged where
-    a kernel serves the device, dtype and head size."""
+    a kernel serves the device, dtype and head size. adapters: LoRA adapters (lora.py), each row running
+    the one `Batch.adapter` names."""
 
     def __init__(self, model, pool, fuse_mlp: bool | None = False, hidden_layers: tuple[int, ...] = (),
-                 skip: tuple[int, ...] = (), attention: str = "auto"):
+                 skip: tuple[int, ...] = (), attention: str = "auto", adapters: AdapterSet | None = None):
         self.model, self.pool = model, pool
+        self.adapters = adapters if adapters else None
+        self._lora = None  # a forward's lora.Plan: how its rows take their adapters (None: no row has one)
         self.hidden_layers = tuple(hidden_layers)  # a forward also returns the residual stream after these
         # A layer-skip self-draft (skip_layers.py): these decoder layers do not run (their pool slots stay
         # unwritten); the rest run in order, each writing its own layer's keys and values.
@@ -208,23 +213,35 @@ class LlamaForward:
         out = self.workspace[which][:table.numel()]
         return torch.index_select(buffer, 0, table.reshape(-1), out=out)
 
+    def _adapted(self, index: int, group: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y, the base model's `group` product of x in layer `index`, plus what the rows' adapters add."""
+        return y if self._lora is None else self.adapters.add(index, group, x, y, self._lora)
+
     def _qkv(self, index: int, x: torch.Tensor) -> torch.Tensor:
         """x (N, H) -> (N, (heads + 2 kv_heads) D): queries, keys and values side by side."""
         if isinstance(self.qkv[index], (fp8_linear.Fp8Linear, panel_linear.PanelLinear)):
-            return _linear(self.qkv[index], x)
-        if self.qkv[index] is not None:
+            qkv = _linear(self.qkv[index], x)
+        elif self.qkv[index] is not None:
             weight, bias = self.qkv[index]
-            return torch.nn.functional.linear(x, weight, bias)
-        attn = self.body.layers[index].self_attn
-        return torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], dim=-1)
+            qkv = torch.nn.functional.linear(x, weight, bias)
+        else:
+            attn = self.body.layers[index].self_attn
+            qkv = torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], dim=-1)
+        return self._adapted(index, "qkv", x, qkv)
 
     def _mlp(self, index: int, x: torch.Tensor) -> torch.Tensor:
         mlp = self.body.layers[index].mlp
-        if self.gate_up[index] is None:
-            return mlp(x)
         fused = self.gate_up[index]
-        gate_up = _linear(fused, x) if isinstance(fused, torch.nn.Module) else torch.nn.functional.linear(x, *fused)
-        return _linear(mlp.down_proj, self.kernels.silu_mul(gate_up))
+        if fused is None and self._lora is None:
+            return mlp(x)
+        if fused is None:  # the model's MLP, its products one by one: an adapter adds to each
+            gate_up = torch.cat([_linear(mlp.gate_proj, x), _linear(mlp.up_proj, x)], dim=-1)
+            gate, up = self._adapted(index, "gate_up", x, gate_up).chunk(2, dim=-1)
+            inner = mlp.act_fn(gate) * up
+        else:
+            gate_up = _linear(fused, x) if isinstance(fused, torch.nn.Module) else torch.nn.functional.linear(x, *fused)
+            inner = self.kernels.silu_mul(self._adapted(index, "gate_up", x, gate_up))
+        return self._adapted(index, "down", inner, _linear(mlp.down_proj, inner))
 
     def __call__(self, batch: Batch, head_rows: torch.Tensor | None = None):
         """Logits (B, T, V); with head_rows (R,) indices into the B * T rows, only theirs: (R, V) (a prompt
@@ -233,6 +250,8 @@ class LlamaForward:
         body, pool, fn = self.body, self.pool, self.kernels
         b, t = batch.ids.shape
         n = b * t
+        if self.adapters is not None:  # the rows' adapters, grouped once for every product of the forward
+            self._lora = self.adapters.plan(batch.adapter.reshape(n))
         hidden = body.embed_tokens(batch.ids).reshape(n, -1)  # (N, H): the residual stream
         cos, sin = body.rotary_emb(hidden, batch.positions.reshape(1, n))  # (1, N, D)
         cos, sin = cos.reshape(n, -1), sin.reshape(n, -1)
@@ -288,7 +307,8 @@ class LlamaForward:
                 out = scaled_dot_product_attention(q, seen_k, seen_v, attn_mask=mask, scale=self.scaling)
                 out = out.reshape(b, -1, t, self.head_dim).transpose(1, 2).reshape(n, -1)
             post = layer.post_attention_layernorm
-            hidden, x = fn.add_rms_norm(hidden, _linear(attn.o_proj, out), post.weight, post.variance_epsilon)
+            hidden, x = fn.add_rms_norm(hidden, self._adapted(index, "o", out, _linear(attn.o_proj, out)), post.weight,
+                                        post.variance_epsilon)
             # The residual add ends in the next layer's input norm, or the final one.
             following = layers[run[position + 1]].input_layernorm if position + 1 < len(run) else body.norm
             hidden, x = fn.add_rms_norm(hidden, self._mlp(index, x), following.weight, following.variance_epsilon)

@@ -48,9 +48,18 @@ class SequenceState:
         self.chain: list[int] = []
         self.prefilling = True
         self.cached = 0  # of its tokens, those found in the prefix cache (not run): what its request reports
+        # Its LoRA adapter (lora.AdapterSet's slot; 0: the base model), fixed at its first step. Its keys and
+        # values are that adapter's: its blocks are keyed under a root of their own (`root`).
+        self.adapter = 0
         # After a step whose new tokens were a tree (`Step.tree`): (the position it started at, its parents,
         # its tokens where the host knows them), which the next step's `Step.path` picks from; else None.
         self.tree: tuple[int, tuple[int, ...], list[int] | None] | None = None
+
+
+def root(seq: SequenceState) -> int:
+    """The parent serial of seq's first block: ROOT, or below it one per LoRA adapter (serials count up from
+    ROOT + 1), so that a prompt finds only blocks its own adapter computed."""
+    return ROOT - seq.adapter
 
 
 class PrefixIndex:

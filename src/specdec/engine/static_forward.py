@@ -70,7 +70,8 @@ class StaticForward:
     def __init__(self, model, kv: PagedKV, max_batch: int = 8, max_rows: int = 17, compile: str = "auto",
                  min_window: int = 128, fuse_kernels: bool | None = None, fuse_mlp: bool | None = None,
                  prefill_rows: int = 0, log: Callable[[str], None] = lambda message: None,
-                 hidden_layers: tuple[int, ...] = (), skip: tuple[int, ...] = (), attention: str = "auto"):
+                 hidden_layers: tuple[int, ...] = (), skip: tuple[int, ...] = (), attention: str = "auto",
+                 adapters=None):
         if compile not in COMPILE_MODES:
             raise ValueError(f"compile must be one of {COMPILE_MODES}, got {compile!r}")
         self.device = device = model.device
@@ -85,7 +86,7 @@ class StaticForward:
         # skip: a layer-skip self-draft with one set for its life (its graphs are captured with that set)
         # fuse_mlp None: fused with CUDA graphs, eagerly where fusing is exact (LlamaForward's None)
         self.llama = LlamaForward(model, self.pool, True if fuse_mlp is None and self.mode == "graphs" else fuse_mlp,
-                                  self.hidden_layers, skip, attention)
+                                  self.hidden_layers, skip, attention, adapters)
         log(f"attention: {self.llama.attention}")
         if fuse_kernels or (fuse_kernels is None and self.mode == "graphs"):
             self.fuse()
@@ -274,6 +275,7 @@ class StaticForward:
                 host.visible[b, :count] = seq.length
                 host.ancestors[b, :count] = ancestor_bits(tree)
             host.positions[b, count:] = seq.length + count - 1  # padding rows: any valid position
+            host.adapter[b, :count] = seq.adapter
         flat[size:] = wanted
         captured = self._captured((batch, width, window)) if bucketed and self.mode != "off" else None
         device_flat = self.staging.send(size + len(wanted), captured.flat if captured is not None else None)

@@ -13,6 +13,7 @@ import sys
 
 from aiohttp import web
 
+from specdec.gateway import protocol
 from specdec.gateway.app import KEEPALIVE_S, Gateway
 from specdec.gateway.reasoning import PARSERS as REASONING_PARSERS
 from specdec.gateway.response_store import (DEFAULT_MB as DEFAULT_RESPONSES_STORE_MB, MIB, ResponseStore,
@@ -35,6 +36,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="the tritonserver's gRPC endpoint")
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, default=int(os.environ.get("OPENAI_PORT", DEFAULT_PORT)))
+    parser.add_argument("--lora-module", action="append", default=[], metavar="NAME",
+                        help="a LoRA adapter the server serves (its lora_name): a model of that name to clients, "
+                             "the served model its parent (vLLM's; repeatable)")
     parser.add_argument("--served-model-name", action="append", default=[],
                         help="the model name clients send (repeatable: aliases); the first is listed first")
     parser.add_argument("--tokenizer", default="", help="the target's tokenizer (the text of log-probabilities' tokens and of echoed token-id prompts; "
@@ -86,10 +90,10 @@ def main(argv: list[str] | None = None) -> int:
     budget = int(max(args.responses_store_mb, 0.0) * MIB)
     store = SharedResponseStore(args.responses_store_dir, budget) if args.responses_store_dir and budget \
         else ResponseStore(budget)
-    gateway = Gateway(Upstream(args.grpc_url), tuple(args.served_model_name), tokenizer, args.api_key or None,
+    gateway = Gateway(Upstream(args.grpc_url), protocol.Served(args.served_model_name, args.lora_module), tokenizer, args.api_key or None,
                       args.tool_call_parser, args.max_model_len, args.reasoning_parser, store, args.default_max_tokens,
                       args.drain_timeout, args.stream_keepalive)
-    log(f"OpenAI API: http://{args.host}:{args.port}/v1 (models {', '.join(args.served_model_name)}; "
+    log(f"OpenAI API: http://{args.host}:{args.port}/v1 (models {', '.join(args.served_model_name + args.lora_module)}; "
         f"server {args.grpc_url}; API key {'required' if args.api_key else 'not required'}; stored responses "
         f"{'in ' + args.responses_store_dir if isinstance(store, SharedResponseStore) else 'in memory'})")
     web.run_app(gateway.app(), host=args.host, port=args.port, print=None, access_log=None,

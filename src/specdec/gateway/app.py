@@ -861,6 +861,8 @@ class Gateway:
 
     def _model_card(self, name: str, anthropic: bool = False) -> dict:
         card = {"id": name, "object": "model", "created": self.created, "owned_by": "specdec"}
+        if name in getattr(self.served, "adapters", ()):  # a LoRA adapter's model: its base is its parent (vLLM's)
+            card.update(root=name, parent=self.served[0])
         if self.max_model_len:  # as vLLM's cards say it
             card["max_model_len"] = self.max_model_len
         if anthropic:

@@ -125,6 +125,24 @@ def _typed(body: dict, name: str, kinds: tuple[type, ...], what: str):
     return value
 
 
+class Served(tuple):
+    """The names clients send as `model`: the server's model's (the first is the default), then its LoRA
+    adapters' (vLLM's: an adapter is a model of its own name, whose requests carry it as lora_name)."""
+
+    adapters: frozenset[str]
+
+    def __new__(cls, names, adapters=()):
+        self = super().__new__(cls, tuple(names) + tuple(name for name in adapters if name not in names))
+        self.adapters = frozenset(adapters) - set(names)
+        return self
+
+
+def _adapter(inputs: dict, model: str, served: tuple[str, ...]) -> None:
+    """A request for an adapter's model runs that adapter."""
+    if model in getattr(served, "adapters", ()):
+        inputs[tn.LORA_NAME] = _string(model)
+
+
 def _model(body: dict, served: tuple[str, ...]) -> str:
     model = _typed(body, "model", (str,), "a string")
     if model is None:
@@ -402,6 +420,7 @@ def parse_chat(body: dict, served: tuple[str, ...], tool_parser: str | None = No
         template_kwargs = {"reasoning_effort": effort, **(template_kwargs or {})}  # the explicit variable wins
     if template_kwargs:  # the server refuses the names it sets itself, named as this field
         inputs[tn.CHAT_TEMPLATE_KWARGS] = _string(json.dumps(template_kwargs))
+    _adapter(inputs, model, served)
     return Generation(chat=True, model=model, choices=_finish(sampling, inputs, stream["stream"], logprobs, n, top),
                       n=n, stream=stream["stream"], include_usage=stream["include_usage"],
                       continuous_usage=stream["continuous_usage"], logprobs=logprobs, top_logprobs=top, tools=calling,
@@ -451,6 +470,7 @@ def parse_completion(body: dict, served: tuple[str, ...]) -> Generation:
         sampling["max_tokens"] = 1
     if echo and logprobs:  # the prompt's own log-probabilities, from the server
         inputs[tn.RETURN_PROMPT_LOG_PROBS] = np.array([[True]], dtype=np.bool_)
+    _adapter(inputs, model, served)
     choices = []
     for prompt in prompts:
         # A completion continues the text as it is: no chat template (the server's default may apply one)

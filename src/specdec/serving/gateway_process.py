@@ -48,7 +48,8 @@ class GatewayProcess:
     def __init__(self, port: int, grpc_port: int, names: list[str], tokenizer: str, drain_timeout_s: float,
                  env: dict[str, str], tool_call_parser: str | None = None, max_model_len: int = 0,
                  reasoning_parser: str | None = None, responses_store_mb: float | None = None,
-                 default_max_tokens: int = 0, responses_store_dir: str | None = None):
+                 default_max_tokens: int = 0, responses_store_dir: str | None = None,
+                 lora_names: list[str] | None = None):
         self.port = port
         self.command = [sys.executable, "-m", "specdec.gateway", "--port", str(port),
                         "--grpc-url", f"127.0.0.1:{grpc_port}", "--drain-timeout", str(drain_timeout_s),
@@ -67,6 +68,8 @@ class GatewayProcess:
             self.command += ["--responses-store-mb", f"{responses_store_mb:g}"]
         if responses_store_dir:
             self.command += ["--responses-store-dir", responses_store_dir]
+        for name in lora_names or []:  # models of their own names to its clients
+            self.command += ["--lora-module", name]
         self.env, self.drain_timeout_s = env, drain_timeout_s
         self.process: subprocess.Popen | None = None
         self.restarts = 0

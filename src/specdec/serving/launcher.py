@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Callable
 
 from specdec import tensor_names as tn
+from specdec.engine.lora_config import NAME, format_adapters
 from specdec.serving import mps, pairs, repository
 from specdec.gateway.reasoning import PARSERS as REASONING_PARSERS
 from specdec.gateway.response_store import DEFAULT_MB as RESPONSES_STORE_MB
@@ -335,6 +336,23 @@ def with_skip_drafts(pair: pairs.PairSpec, specs: list[str]) -> pairs.PairSpec:
     return dataclasses.replace(pair, skip_drafts=named)
 
 
+def with_lora_adapters(pair: pairs.PairSpec, specs: list[str]) -> pairs.PairSpec:
+    """The pair with --lora-modules' adapters (NAME=DIR each, PEFT's layout), checked for their files here."""
+    named = dict(pair.lora_adapters)
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not NAME.match(name):
+            raise ValueError(f"--lora-modules {spec!r}: NAME=DIR, NAME letters, digits and . _ : / - (at most 128)")
+        if name in named:
+            raise ValueError(f"--lora-modules {spec!r}: {name!r} is given twice")
+        if not (Path(path) / "adapter_config.json").is_file():
+            raise ValueError(f"--lora-modules {spec!r}: {path} holds no adapter_config.json (a PEFT LoRA adapter)")
+        named[name] = str(Path(path).resolve())
+    served = dataclasses.replace(pair, lora_adapters=named)
+    format_adapters(named)  # a directory its config value cannot spell is refused now, not at load
+    return served
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pair", default=os.environ.get("PAIR", "default"), choices=sorted(pairs.PAIRS))
@@ -363,6 +381,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              f"draft model NAME (default {tn.DEFAULT_SKIP_DRAFT_NAME}): LAYERS '{tn.SKIP_SEARCH}' "
                              "searches them over the traffic (eager executor), or lists them (3,5,7-9); "
                              "it holds a copy of the target's weights. Repeatable")
+    parser.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=DIR",
+                        help="LoRA adapters (PEFT's layout) the target serves besides its own weights: a request "
+                             "names one as lora_name, an OpenAI client as its model (vLLM's flag)")
     parser.add_argument("--default-draft", default="",
                         help="the draft a request that names none gets (a draft model, a head, ngram or suffix)")
     parser.add_argument("--weights-dtype", default="same", choices=tn.WEIGHTS_DTYPES,
@@ -470,9 +491,10 @@ def main(argv: list[str] | None = None) -> int:
             pair = pairs.prepare_pair(args.pair)
         pair = dataclasses.replace(pair, compile=args.compile, orchestrator_instances=args.orchestrator_instances,
                                    weights_dtype=args.weights_dtype, executor=args.executor or pair.executor)
-        if args.draft_head or args.default_draft or args.skip_draft:
+        if args.draft_head or args.default_draft or args.skip_draft or args.lora_modules:
             try:
                 pair = with_heads(with_skip_drafts(pair, args.skip_draft), args.draft_head, args.default_draft)
+                pair = with_lora_adapters(pair, args.lora_modules)
             except ValueError as exc:
                 log(str(exc))
                 return 2
@@ -495,7 +517,7 @@ def main(argv: list[str] | None = None) -> int:
         gateway = GatewayProcess(openai_port(), grpc_port, args.served_model_name or [default_model_name(tokenizer)],
                                  tokenizer, args.drain_timeout, dict(os.environ), args.tool_call_parser,
                                  context, args.reasoning_parser, args.responses_store_mb, default_max_tokens,
-                                 args.responses_store_dir)
+                                 args.responses_store_dir, repository.served_adapters(repo))
     watchdog = None
     if args.heal:
         # Reloading one model in place needs explicit model control; without it the watchdog heals by

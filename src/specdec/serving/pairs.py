@@ -40,6 +40,9 @@ class PairSpec:
     draft_heads: dict[str, str] = field(default_factory=dict)
     # layer-skip self-drafts (skip_layers.py) over the target: name -> the layers skipped ("3,5,7-9") or "auto"
     skip_drafts: dict[str, str] = field(default_factory=dict)
+    # LoRA adapters the target serves (engine/lora.py): name -> adapter directory; a request names one as
+    # lora_name (the OpenAI API: as its model)
+    lora_adapters: dict[str, str] = field(default_factory=dict)
     # parameters of single models, set last: model name -> {parameter: value}
     model_parameters: dict[str, dict[str, str]] = field(default_factory=dict)
     builtin_drafts: tuple[str, ...] = tn.BUILTIN_DRAFTS  # model-free methods a request may choose
@@ -152,13 +155,32 @@ def _build_tiny(out: Path, num_layers: int, seed: int, tokenizer, base=None, noi
     _mark_done(out)
 
 
+def _build_tiny_lora(out: Path, target: Path, seed: int) -> None:
+    """A LoRA adapter of the tiny target (every projection, rank 4, drawn from `seed`): the served tests' adapter."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from specdec.engine import lora
+
+    if _done(out):
+        return
+    model = LlamaForCausalLM.from_pretrained(target, torch_dtype=torch.float64)
+    lora.save_adapter(out, lora.random_adapter(model, rank=4, seed=seed, std=0.2), rank=4, alpha=8,
+                      base_model=str(target))
+    _mark_done(out)
+
+
+TINY_LORA = "tiny-lora"  # the tiny pair's LoRA adapter, served with its test drafts
+
+
 def tiny_pair(test_drafts: bool = False) -> PairSpec:
     root = cache_dir() / "pairs" / "tiny"
     # Noise of 1% of each tensor's std gives greedy agreement of about 0.64 with the target.
     noise = 0.01
     target, draft, random_draft = root / "target", root / f"draft-noise{noise}", root / "draft-random"
+    adapter = root / "lora-r4"
     # Built once: importing transformers to find that out would cost every launch seconds.
-    if not (_done(target) and _done(draft) and _done(random_draft)):
+    if not (_done(target) and _done(draft) and _done(random_draft) and (_done(adapter) or not test_drafts)):
         from transformers import AutoTokenizer, LlamaForCausalLM
 
         log(f"building the tiny pair in {root} (seed {TINY_SEED})")
@@ -168,8 +190,11 @@ def tiny_pair(test_drafts: bool = False) -> PairSpec:
             _build_tiny(draft, 2, TINY_SEED + 1, tokenizer, base=LlamaForCausalLM.from_pretrained(target),
                         noise=noise)
         _build_tiny(random_draft, 1, TINY_SEED + 2, tokenizer)
+        if test_drafts:
+            _build_tiny_lora(adapter, target, TINY_SEED + 3)
     drafts = {"draft_model": str(draft)}
     settings = {}
+    adapters = {TINY_LORA: str(adapter)} if test_drafts else {}
     if test_drafts:
         drafts.update(draft_model_exact=str(target), draft_model_random=str(random_draft))
         # Instruments of tests about K: every round drafts the whole k asked for (no confidence stop)
@@ -182,7 +207,7 @@ def tiny_pair(test_drafts: bool = False) -> PairSpec:
     # tiny-pair server ready in about 60 % of the time: docs/results/2026-12-02-tiny-pair-static.md)
     return PairSpec(name="tiny", target_path=str(target), tokenizer_path=str(target), draft_paths=drafts,
                     dtype="float64", max_context_tokens=1024, model_parameters=settings, torch_threads="1",
-                    executor="static")
+                    executor="static", lora_adapters=adapters)
 
 
 # ---- default pair ----------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ import shutil
 from pathlib import Path
 
 from specdec import tensor_names as tn
+from specdec.engine.lora_config import format_adapters, parse_adapters
 from specdec.serving.pairs import REPO_ROOT, PairSpec, combined_drafts
 
 SOURCE = REPO_ROOT / "model_repository"
@@ -83,8 +84,9 @@ def render(pair: PairSpec, dest: Path) -> Path:
     edit("postprocessing", tokenizer)
     # target_model serves the features every head reads (draft_heads.served_layers); each head knows the list
     heads = ",".join(pair.draft_heads.values())
-    edit("target_model", {**lm_settings(pair.target_path, "target"), "draft_heads": heads, "run_ahead": pair.run_ahead},
-         instance_group(pair, "target"))
+    adapters = format_adapters(pair.lora_adapters)  # target_model runs them, the orchestrator admits their names
+    edit("target_model", {**lm_settings(pair.target_path, "target"), "draft_heads": heads, "run_ahead": pair.run_ahead,
+                          "lora_adapters": adapters}, instance_group(pair, "target"))
     drafts = list(pair.draft_paths.items())
     for name, _ in drafts[1:] + list(pair.draft_heads.items()) + list(pair.skip_drafts.items()):
         if name == "draft_model":
@@ -119,7 +121,7 @@ def render(pair: PairSpec, dest: Path) -> Path:
         "max_num_draft_tokens": str(pair.max_num_draft_tokens),
         "default_max_tokens": str(pair.default_max_tokens), "max_max_tokens": str(pair.max_max_tokens),
         "max_context_tokens": str(pair.max_context_tokens),
-        "max_live_sequences": str(pair.max_live_sequences), "when_full": pair.when_full},
+        "max_live_sequences": str(pair.max_live_sequences), "when_full": pair.when_full, "lora_adapters": adapters},
         f"instance_group [ {{ count: {orchestrator_instances(pair)}, kind: KIND_CPU }} ]")
     for model, settings in pair.model_parameters.items():
         edit(model, settings)
@@ -146,3 +148,16 @@ def override(repo: Path, setting: str) -> None:
         path.write_text(re.sub(BATCHER_DELAY + r":\s*\d+", f"{BATCHER_DELAY}: {value}", text))
         return
     path.write_text(set_parameter(text, key, value))
+
+
+def served_adapters(repo: Path) -> list[str]:
+    """The names of the LoRA adapters a rendered repository's orchestrator admits (its lora_adapters)."""
+    try:
+        config = (repo / "speculative_decoding" / "config.pbtxt").read_text()
+    except OSError:
+        return []
+    match = re.search(r'key: "lora_adapters", value: \{ string_value: "([^"]*)" \}', config)
+    try:
+        return list(parse_adapters(match.group(1) if match else "", "lora_adapters"))
+    except ValueError:
+        return []  # the orchestrator refuses it at load, naming it

@@ -109,12 +109,15 @@ class _SequenceModel:
             call.exception()  # retrieved: an overdue call's failure (its stub killed) is expected
 
     async def _prefill(self, seq_id: int, keep: int, new_ids: list[int], needed: int, reserve: int,
-                       outputs: list[str], answers: list | None = None) -> tuple[int, list[int], int]:
+                       outputs: list[str], answers: list | None = None,
+                       own: wire.Arrays | None = None) -> tuple[int, list[int], int]:
         """Send new_ids in chunks while more than `needed` tokens would be left after one; returns the
-        (keep, new_ids, reserve) of the call that remains. `answers` collects the chunks' outputs."""
+        (keep, new_ids, reserve) of the call that remains. `answers` collects the chunks' outputs; `own`: the
+        chunks' own inputs (QUIET's otherwise)."""
         chunk = self.prefill_chunk
         while chunk and len(new_ids) - needed > chunk:
-            answer = await self._call(seq_id, new_ids[:chunk], keep, outputs, reserve=reserve)  # the first takes the room
+            answer = await self._call(seq_id, new_ids[:chunk], keep, outputs, reserve=reserve,
+                                      own=own)  # the first takes the room
             if answers is not None:
                 answers.append(answer)
             keep, new_ids, reserve = keep + chunk, new_ids[chunk:], 0
@@ -218,7 +221,7 @@ class BlsScorer(_SequenceModel):
             [tn.SCORED_TOP_IDS, tn.SCORED_TOP_LOG_PROBS] if call.score_top else []) + (
             [tn.FEATURES] if call.want_features else [])
         while chunk and rows > chunk and len(new_ids) - call.num_positions > chunk:
-            own = wire.VerifyMessage(0, score_rows=chunk, score_next=new_ids[chunk]).encode()
+            own = wire.VerifyMessage(0, score_rows=chunk, score_next=new_ids[chunk], adapter=call.adapter).encode()
             chunks.append(await self._call(call.seq_id, new_ids[:chunk], keep, outputs, reserve, own=own))
             keep, new_ids, reserve, rows = keep + chunk, new_ids[chunk:], 0, rows - chunk
         return keep, new_ids, reserve, rows
@@ -235,7 +238,8 @@ class BlsScorer(_SequenceModel):
         else:
             keep, new_ids, reserve = await self._prefill(
                 call.seq_id, call.keep, call.new_ids, call.num_positions, call.reserve,
-                [tn.GREEDY_TOKENS] + ([tn.FEATURES] if call.want_features else []), chunks)
+                [tn.GREEDY_TOKENS] + ([tn.FEATURES] if call.want_features else []), chunks,
+                wire.VerifyMessage(0, adapter=call.adapter).encode() if call.adapter else None)
         answer = [tn.GREEDY_TOKENS, tn.FORWARD_STATS] + ([tn.GREEDY_LOG_PROBS] if call.want_log_probs else []) + (
             [tn.GREEDY_TOP_IDS, tn.GREEDY_TOP_LOG_PROBS] if call.want_top_log_probs else []) + (
             [tn.SCORED_LOG_PROBS] if call.score_rows else []) + (
@@ -245,7 +249,7 @@ class BlsScorer(_SequenceModel):
         # The grammar's (K+1) x V/32 words instead of (K+1) x V logits back.
         result = await self._call(call.seq_id, new_ids, keep, outputs, reserve,
                                   own=wire.VerifyMessage(call.num_positions, call.allowed, call.tree, call.path,
-                                                         rows).encode())
+                                                         rows, adapter=call.adapter).encode())
         verified = wire.VerifiedMessage.decode({name: result[name].as_numpy() for name in answer})
         logits = _torch(result[tn.LOGITS])[0] if call.want_logits else None
         log_probs = None if verified.log_probs is None else torch.from_numpy(verified.log_probs)

@@ -26,6 +26,7 @@ from specdec.decoding.sampling import (SamplingParams, greedy, greedy_log_probs,
                                       token_log_probs, top_log_probs)
 from specdec.decoding.text import load_tokenizer, same_tokenizer_files, vocabulary_mismatch
 from specdec.engine import host_memory, onednn_linear, threads
+from specdec.engine.lora_config import parse_adapters
 from specdec.engine.build import ExecutorConfig, build_executor, plans_static
 from specdec.engine.draft_heads import HeadError, load_head_for, rows_forward, served_layers
 from specdec.engine.executor import CacheError, CapacityError, Scored, Step
@@ -117,7 +118,8 @@ class LanguageModelAdapter(TritonAdapter):
             prefill_graph_rows=params.int("prefill_graph_rows", default.prefill_graph_rows, low=0),
             attention=params.str("attention", default.attention, choices=tn.ATTENTION_KINDS),
             hidden_layers=self._served_layers(params, model.config.get_text_config().num_hidden_layers),
-            skip_layers=self._skip_layers(params, model))
+            skip_layers=self._skip_layers(params, model),
+            lora_adapters=self._lora_adapters(params))
         try:
             return build_executor(model, config, log=self.pb.Logger.log_info)
         except ValueError as exc:
@@ -126,6 +128,10 @@ class LanguageModelAdapter(TritonAdapter):
     def _skip_layers(self, params: ModelParameters, model) -> tuple[int, ...] | None:
         """The layers a layer-skip self-draft leaves out (None: not one)."""
         return None
+
+    def _lora_adapters(self, params: ModelParameters) -> tuple[tuple[str, str], ...]:
+        """The LoRA adapters the model serves, (name, directory) pairs (a target's; none for a draft)."""
+        return ()
 
     def _served_layers(self, params: ModelParameters, target_layers: int) -> tuple[int, ...]:
         """The layers whose states the served heads read (draft_heads: target_model's list of them)."""
@@ -363,6 +369,12 @@ class TargetModel(LanguageModelAdapter):
     AHEAD_OUTPUTS = frozenset({tn.GREEDY_TOKENS, tn.FORWARD_STATS})
     run_ahead = False  # the run_ahead parameter, read at load (_start)
 
+    def _lora_adapters(self, params):
+        try:
+            return tuple(parse_adapters(params.str("lora_adapters", ""), "parameter 'lora_adapters'").items())
+        except ValueError as exc:
+            raise ConfigError(f"{self.name}: {exc}") from None
+
     def _start(self, params):
         mode = params.str("run_ahead", "auto", choices=tn.RUN_AHEAD_MODES)
         self.run_ahead = mode == "on" or (mode == "auto" and self.lm.device.type == "cuda")
@@ -404,7 +416,12 @@ class TargetModel(LanguageModelAdapter):
             raise ValueError(f"{tn.SCORE_ROWS} with no position verified after them needs {tn.SCORE_NEXT} (the token "
                              "their last row scores)")
         # A head's rounds want the features of every position: cached blocks only where their features are kept
-        return {"num_logits": message.num_logits + message.score_rows, "allowed": message.allowed,
+        adapter = 0
+        if message.adapter:  # the adapter's slot (ValueError naming the ones served)
+            if self.lm.adapters is None:
+                raise ValueError(f"input '{tn.LORA_NAME}': no LoRA adapter {message.adapter!r} (this model serves none)")
+            adapter = self.lm.adapters.slot(message.adapter)
+        return {"num_logits": message.num_logits + message.score_rows, "allowed": message.allowed, "adapter": adapter,
                 "tree": message.tree, "path": message.path, "score_rows": message.score_rows,
                 "score_next": message.score_next,
                 "whole": tn.FEATURES in wanted and bool(self.lm.forward.hidden_layers)}

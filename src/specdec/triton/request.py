@@ -21,6 +21,7 @@ from specdec.decoding.loop import GenerationRequest
 from specdec.decoding.penalties import Penalties
 from specdec.decoding.sampling import SamplingParams
 from specdec.decoding.thinking import ThinkingBudget, ThinkingTags
+from specdec.engine.lora_config import parse_adapters
 from specdec.triton.config import ModelParameters
 from specdec.triton.inputs import InputError, InputLookup, Inputs
 from specdec.triton.vllm_parameters import MAX_TOKEN_IDS, with_sampling_parameters
@@ -51,6 +52,7 @@ class RequestLimits:
     # A guide compiles when its request arrives (a large one on a thread, a small one on the orchestrator's
     # event loop); compiling grows with the guide, so its length is bounded.
     max_guide_chars: int = 65536
+    lora_names: tuple[str, ...] = ()  # the LoRA adapters target_model serves (its lora_adapters, by name)
 
     @classmethod
     def from_parameters(cls, params: ModelParameters, vocab_size: int, end_ids: frozenset[int]) -> RequestLimits:
@@ -72,6 +74,7 @@ class RequestLimits:
             max_stop_words=params.int("max_stop_words", 16, low=0),
             max_bad_words=params.int("max_bad_words", 16, low=0),
             max_guide_chars=params.int("max_guide_chars", 65536, low=1),
+            lora_names=tuple(parse_adapters(params.str("lora_adapters", ""), "parameter 'lora_adapters'")),
         )
 
 
@@ -156,6 +159,7 @@ class ParsedRequest:
         draft_name = names[0] if names else limits.draft_names[0]
         if len(names) > 1 or draft_name not in limits.draft_names:
             raise InputError(f"input '{tn.DRAFT_MODEL}' must be one of {sorted(limits.draft_names)}, got {names}")
+        lora_name = _lora_name(inputs, limits, settings.fields.get(tn.LORA_NAME, f"input '{tn.LORA_NAME}'"))
         sampling = SamplingParams(temperature, top_k, top_p, seed, min_p)
         log_probs = bool(inputs.scalar(tn.RETURN_LOG_PROBS, np.bool_, False))
         top = inputs.scalar(tn.NUM_TOP_LOG_PROBS, np.int32, 0)
@@ -185,6 +189,7 @@ class ParsedRequest:
             grammar=_grammar(inputs, compile_guide, limits.max_guide_chars, encode, limits.vocab_size,
                              settings.fields.get(tn.THINKING_TOKEN_BUDGET, f"input '{tn.THINKING_TOKEN_BUDGET}'")),
             token_bias=_token_bias(inputs, limits.vocab_size, settings.field, encode),
+            lora_name=lora_name,
         )
         # A seeded sampled request must be reproducible: measured costs vary from run to run, and a
         # different K changes which random draws pick which token, so it drafts a fixed K.
@@ -277,6 +282,17 @@ def _embedding_bias(inputs: Inputs, vocab_size: int, encode: Encode | None) -> l
             raise InputError(f"input '{words_name}' is not supported here (no tokenizer)")
         out += [(int(token), weight) for token in encode(word) if 0 <= int(token) < vocab_size]
     return out
+
+
+def _lora_name(inputs: Inputs, limits: RequestLimits, field: str) -> str:
+    """The request's LoRA adapter ("": the base model), one the server serves."""
+    names = inputs.strings(tn.LORA_NAME)
+    if len(names) > 1:
+        raise InputError(f"{field} names one adapter, got {names}")
+    name = names[0] if names else ""
+    if name and name not in limits.lora_names:
+        raise InputError(f"{field}: no LoRA adapter {name!r} (served: {', '.join(limits.lora_names) or 'none'})")
+    return name
 
 
 def _grammar(inputs: Inputs, compile_guide: CompileGuide | None, max_chars: int, encode: Encode | None,

@@ -30,6 +30,7 @@ SAMPLING_PARAMETER_KEYS = {
     "repetition_penalty": (tn.REPETITION_PENALTY, np.float32), "presence_penalty": (tn.PRESENCE_PENALTY, np.float32),
     "frequency_penalty": (tn.FREQUENCY_PENALTY, np.float32),
     "thinking_token_budget": (tn.THINKING_TOKEN_BUDGET, np.int32),
+    "lora_name": (tn.LORA_NAME, np.object_),  # vLLM's backend reads it from here
 }
 # Settings vLLM's clients send at their neutral values: accepted at those (or null), refused otherwise.
 # (The text is always detokenized without special tokens, as vLLM's defaults do.)

@@ -135,13 +135,15 @@ class VerifyMessage:
     path: tuple[int, ...] | None = None  # the last step's tree nodes accepted; None: none
     score_rows: int = 0  # the positions before the last num_logits scored too (tn.SCORE_ROWS)
     score_next: int = -1  # the token after the new ones, for the last score row of a prompt's chunk (tn.SCORE_NEXT)
+    adapter: str = ""  # the sequence's LoRA adapter (tn.LORA_NAME; read at its first step); "": the base model
 
     def encode(self) -> Arrays:
         # An empty bitmask, tree or path stands for none: the input is always there (one input set).
         allowed = np.zeros((1, 0, 0), dtype=np.int32) if self.allowed is None else self.allowed.cpu().numpy()[None]
         return {tn.NUM_LOGITS: _i32([self.num_logits]), tn.ALLOWED_TOKENS: allowed,
                 tn.TREE_PARENTS: _i32(self.tree or []), tn.ACCEPTED_PATH: _i32(self.path or []),
-                tn.SCORE_ROWS: _i32([self.score_rows]), tn.SCORE_NEXT: _i32([self.score_next])}
+                tn.SCORE_ROWS: _i32([self.score_rows]), tn.SCORE_NEXT: _i32([self.score_next]),
+                tn.LORA_NAME: adapter_name(self.adapter)}
 
     @classmethod
     def decode(cls, inputs: Arrays) -> VerifyMessage:
@@ -149,15 +151,27 @@ class VerifyMessage:
         score_rows = int(_scalar(inputs, tn.SCORE_ROWS, 0))
         score_next = int(_scalar(inputs, tn.SCORE_NEXT, -1))
         tree, path = (_tuple(inputs, name) for name in (tn.TREE_PARENTS, tn.ACCEPTED_PATH))
+        name = inputs.get(tn.LORA_NAME)
+        adapter = "" if name is None or not name.size else _text(name.reshape(-1)[0])
         if score_rows < 0 or (score_rows and tree is not None):
             raise ValueError(f"{tn.SCORE_ROWS} must be >= 0, and 0 with {tn.TREE_PARENTS}; got {score_rows}")
         allowed = inputs.get(tn.ALLOWED_TOKENS)
         if allowed is None or not allowed.size:
-            return cls(num_logits, None, tree, path, score_rows, score_next)
+            return cls(num_logits, None, tree, path, score_rows, score_next, adapter)
         if allowed.ndim != 3 or allowed.shape[0] != 1 or allowed.shape[1] != num_logits:
             raise ValueError(f"{tn.ALLOWED_TOKENS} must be [1, {tn.NUM_LOGITS} = {num_logits}, words], got "
                              f"{list(allowed.shape)}")
-        return cls(num_logits, torch.from_numpy(np.ascontiguousarray(allowed[0])), tree, path, score_rows, score_next)
+        return cls(num_logits, torch.from_numpy(np.ascontiguousarray(allowed[0])), tree, path, score_rows, score_next,
+                   adapter)
+
+
+def adapter_name(name: str) -> np.ndarray:
+    """tn.LORA_NAME as target_model takes it: BYTES [1, 1]."""
+    return np.array([[name.encode()]], dtype=np.object_)
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def _tuple(inputs: Arrays, name: str) -> tuple[int, ...] | None:

@@ -1,0 +1,112 @@
+"""What serving LoRA adapters costs a forward, in process (`python -m bench.lora_bench`): the target's step
+(1 row) and verify (K + 1 rows), for one sequence and for --batch, with
+
+  no adapters       the executor built without any (what every server without --lora-modules runs)
+  base rows         --adapters loaded, every sequence on the base model
+  one adapter       every sequence on adapter 1
+  mixed             the sequences spread over the base model and every adapter, one forward
+
+Adapters are drawn at rank --rank over every projection (their values do not change a forward's cost). The
+settings take turns (--turns), each figure the median of its turns: this machine's speed drifts.
+Eagerly (CPU, compile off) a forward groups its rows by adapter; with CUDA graphs every adapter's product
+runs for every row (engine/lora.py): there the cost grows with the adapters served.
+
+    python -m bench.lora_bench                         # CPU: the default pair's target
+    python -m bench.lora_bench --pair 8b --adapters 4  # GPU: the 8B-shaped target, CUDA graphs
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from bench import gpu_bench, report
+from specdec.engine import lora
+from specdec.engine.build import static_executor
+from specdec.engine.executor import Step
+from specdec.engine.loading import load_causal_lm
+from specdec.serving import pairs
+
+
+def _prepare(lm, slots: list[int], vocab: int, context: int, k: int) -> dict:
+    """Each timed call of one setting: (rows, sequences) -> its steps, after prompts of `context` tokens."""
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, vocab, (context,), generator=gen).tolist() for _ in slots]
+    for seq, (prompt, slot) in enumerate(zip(prompts, slots), 1):
+        lm.extend_many([Step(seq, 0, prompt, 1, adapter=slot)])
+    return {(width, count): [Step(seq, context, prompts[seq - 1][:width], width) for seq in range(1, count + 1)]
+            for width in (1, k + 1) for count in sorted({1, len(slots)})}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pair", choices=("default", "tiny", "8b"), default=None, help="default: 8b on a GPU")
+    parser.add_argument("--adapters", type=int, default=2)
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--reps", type=int, default=None, help="calls per timing (their median)")
+    parser.add_argument("--turns", type=int, default=5, help="timings per setting, the settings taking turns")
+    parser.add_argument("--out", help="also write the table (Markdown) here")
+    parser.add_argument("--results", metavar="NAME", help="also write it as docs/results/<date>-NAME.md")
+    args = parser.parse_args(argv)
+    gpu = torch.cuda.is_available()
+    device, dtype = ("cuda", "bfloat16") if gpu else ("cpu", "float32")
+    pair = args.pair or ("8b" if gpu else "default")
+    reps = args.reps or (20 if gpu else 5)
+    if pair == "8b":
+        root = pairs.cache_dir() / "pairs" / f"bench-8b-{dtype}-0.00015"
+        target_path, _ = gpu_bench.build_pair(root, gpu_bench.SHAPES["8b"], getattr(torch, dtype), device, 1.5e-4)
+    else:
+        target_path = (pairs.tiny_pair() if pair == "tiny" else pairs.default_pair()).target_path
+    if pair == "tiny":
+        dtype = "float64"
+    model = load_causal_lm(str(target_path), device, dtype)
+    directory = Path(tempfile.mkdtemp(prefix="lora-bench-"))
+    paths = {}
+    for i in range(args.adapters):
+        weights = {key: (a.to(model.dtype), b.to(model.dtype)) for key, (a, b) in
+                   lora.random_adapter(model, rank=args.rank, seed=i, std=0.01).items()}
+        lora.save_adapter(directory / f"a{i}", weights, rank=args.rank, alpha=args.rank)
+        paths[f"a{i}"] = str(directory / f"a{i}")
+    batch = args.batch
+    settings = [("no adapters", {}, [0] * batch), ("base rows", paths, [0] * batch),
+                ("one adapter", paths, [1] * batch),
+                ("mixed", paths, [i % (args.adapters + 1) for i in range(batch)])]
+    executors = []
+    for name, adapters, slots in settings:  # built first, then timed in turns: this machine's speed drifts
+        lm = static_executor(model, max_sequences=batch + 1, max_context=args.context + 64, max_batch=batch,
+                             max_rows=args.k + 1, lora_adapters=adapters)
+        lm.warm_up(time_budget_s=240)
+        executors.append((name, lm, _prepare(lm, slots, model.config.vocab_size, args.context, args.k)))
+    times: dict = {}
+    for _ in range(args.turns):
+        for name, lm, calls in executors:
+            for key, steps in calls.items():
+                times.setdefault((name, key), []).append(
+                    gpu_bench.timed(lambda: lm.extend_many(steps), device, reps))
+    keys = sorted(executors[0][2])
+    median = {key: statistics.median(value) for key, value in times.items()}
+    rows = []
+    for name, lm, _ in executors:
+        rows.append([name, f"{lm.adapters.bytes / 2**20:.1f}" if lm.adapters else "0"]
+                    + [f"{median[(name, key)] * 1e3:.2f} ({median[(name, key)] / median[(settings[0][0], key)]:.2f}x)"
+                       for key in keys])
+    header = (f"{report.machine()}, torch {torch.__version__}, {pair} pair's target, {dtype}, {args.adapters} adapters "
+              f"of rank {args.rank} (every projection), context {args.context}, K={args.k}")
+    columns = ["rows' adapters", "adapters (MiB)"] + [f"{w} row{'s' if w > 1 else ''}, {c} seq{'s' if c > 1 else ''} (ms)"
+                                                      for w, c in keys]
+    text = report.print_table(header, rows, columns, args.out)
+    if args.results:
+        report.write_results(args.results, "LoRA adapters: what a forward costs with them, in process", text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,264 @@
+"""LoRA adapters served over one base model: each sequence runs the base weights plus, at every adapted
+projection, its adapter's low-rank product (W x + s B A x), the adapters of a forward's rows side by side.
+
+An adapter is PEFT's layout (what `peft`, vLLM, SGLang and TensorRT-LLM's converters read): a directory
+with `adapter_config.json` (`r`, `lora_alpha`, `target_modules`, `use_rslora`) and
+`adapter_model.safetensors` (or `adapter_model.bin`) holding per adapted linear
+`base_model.model.model.layers.<i>.<self_attn|mlp>.<module>.lora_A.weight` (r, in) and `lora_B.weight`
+(out, r); the scale s is lora_alpha / r (lora_alpha / sqrt(r) with rsLoRA). The projections a Llama-family
+layer has can be adapted (q, k, v, o, gate, up, down); an adapter of the embedding, the head or a bias, or
+whose shapes or layers are not the model's, is refused at load naming its path and what does not fit.
+
+The forward (`llama_forward.LlamaForward`) has `AdapterSet.add` each product's addition: where every row
+runs one adapter (eagerly the host knows), that adapter's two small products; where rows run several, or a
+CUDA graph is captured (its shapes fixed, its rows' adapters data), every adapter's low-rank product for
+every row, each row keeping its own adapter's columns: two dense products reading every adapter's
+matrices (what they cost grows with the adapters served, not with the rows; a handful of operations a
+product, where grouping rows by adapter took a handful per adapter, which on a CPU's millisecond steps is
+what costs). Nothing is added where every row is the base model's. Slot 0 is the base model. A layer's query/key/value
+(and gate/up) products run fused, so an adapter's A matrices of a group are stacked along the rank and
+its B matrices placed block-diagonally: one pair of products per group.
+
+Speculation stays exact with respect to the adapted model: the target verifies with the adapter, the
+drafts (which run the base model, or read the adapted target's features) only propose.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from specdec.engine.lora_config import NAME
+
+CONFIG = "adapter_config.json"
+WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
+# A layer's adaptable projections, in the order the forward fuses them: its module and its product group.
+MODULES = {"q_proj": ("self_attn", "qkv"), "k_proj": ("self_attn", "qkv"), "v_proj": ("self_attn", "qkv"),
+           "o_proj": ("self_attn", "o"), "gate_proj": ("mlp", "gate_up"), "up_proj": ("mlp", "gate_up"),
+           "down_proj": ("mlp", "down")}
+GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
+          "down": ("down_proj",)}
+_KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """One loaded adapter: per (layer, module) its A (r, in) and B (out, r) with the scale folded into B."""
+
+    name: str
+    path: str
+    rank: int
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+
+
+def _shapes(model) -> dict[str, tuple[int, int]]:
+    """Each adaptable module's (in, out) features in the model's first layer (every layer alike)."""
+    layer = model.model.layers[0]
+    out = {}
+    for name, (part, _) in MODULES.items():
+        module = getattr(getattr(layer, part), name)
+        weight = getattr(module, "weight", None)
+        shape = getattr(module, "in_features", None), getattr(module, "out_features", None)
+        if None in shape and weight is not None and weight.dim() == 2:
+            shape = (weight.shape[1], weight.shape[0])
+        out[name] = shape
+    return out
+
+
+def _read_weights(directory: Path) -> dict[str, torch.Tensor]:
+    for name in WEIGHTS:
+        file = directory / name
+        if file.is_file():
+            if name.endswith(".safetensors"):
+                from safetensors.torch import load_file
+                return load_file(str(file))
+            return torch.load(str(file), map_location="cpu", weights_only=True)
+    raise ValueError(f"LoRA adapter {directory}: no {' or '.join(WEIGHTS)}")
+
+
+def load_adapter(name: str, path: str | Path, model) -> Adapter:
+    """The adapter at `path` (PEFT's layout) for `model`, in the model's dtype on its device; ValueError
+    naming the path and what does not fit the model."""
+    directory = Path(path)
+    where = f"LoRA adapter {name!r} ({directory})"
+    if not NAME.match(name):
+        raise ValueError(f"{where}: a name is letters, digits and . _ : / - (at most 128), got {name!r}")
+    if not (directory / CONFIG).is_file():
+        raise ValueError(f"{where}: no {CONFIG}")
+    config = json.loads((directory / CONFIG).read_text())
+    if str(config.get("peft_type", "LORA")).upper() != "LORA":
+        raise ValueError(f"{where}: peft_type {config.get('peft_type')!r}; only LORA adapters are served")
+    if config.get("bias", "none") != "none" or config.get("modules_to_save"):
+        raise ValueError(f"{where}: trained biases or modules_to_save are not served (bias={config.get('bias')!r}, "
+                         f"modules_to_save={config.get('modules_to_save')!r})")
+    if config.get("use_dora"):
+        raise ValueError(f"{where}: DoRA adapters are not served")
+    rank, alpha = int(config.get("r", 0)), float(config.get("lora_alpha", config.get("r", 0)))
+    if rank <= 0:
+        raise ValueError(f"{where}: r must be > 0, got {config.get('r')!r}")
+    fan_in_fan_out = bool(config.get("fan_in_fan_out", False))
+    scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+    layers, shapes = len(model.model.layers), _shapes(model)
+    found: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, tensor in _read_weights(directory).items():
+        match = _KEY.match(key)
+        if match is None:
+            raise ValueError(f"{where}: {key} is not a LoRA weight of a decoder layer's projection (an adapted "
+                             f"embedding, head or bias is not served)")
+        layer, part, module, which = int(match.group(1)), match.group(2), match.group(3), match.group(4)
+        if module not in MODULES or MODULES[module][0] != part:
+            raise ValueError(f"{where}: {key} adapts {part}.{module}; served: {sorted(MODULES)}")
+        if not 0 <= layer < layers:
+            raise ValueError(f"{where}: {key} is layer {layer}; the model at hand has {layers} layers")
+        found.setdefault((layer, module), {})[which] = tensor.t() if fan_in_fan_out else tensor
+    weights = {}
+    dtype, device = next(model.parameters()).dtype, model.device
+    dtype = dtype if dtype.is_floating_point else torch.float32
+    for (layer, module), pair in sorted(found.items()):
+        if set(pair) != {"A", "B"}:
+            raise ValueError(f"{where}: layer {layer} {module} has lora_{''.join(pair)} without its other half")
+        a, b = pair["A"], pair["B"]
+        inputs, outputs = shapes[module]
+        if a.dim() != 2 or b.dim() != 2 or a.shape != (rank, inputs) or b.shape != (outputs, rank):
+            raise ValueError(f"{where}: layer {layer} {module}: lora_A {list(a.shape)} and lora_B {list(b.shape)}; "
+                             f"the model's {module} takes {inputs} and gives {outputs} features (r={rank}): the adapter "
+                             f"was trained for another model")
+        weights[(layer, module)] = (a.to(device=device, dtype=dtype).contiguous(),
+                                    (b.double() * scale).to(device=device, dtype=dtype).contiguous())
+    if not weights:
+        raise ValueError(f"{where}: no LoRA weights")
+    return Adapter(name, str(directory), rank, weights)
+
+
+def save_adapter(path: str | Path, weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]], rank: int,
+                 alpha: float, base_model: str = "") -> None:
+    """Write PEFT's layout: weights per (layer, module) as (A (r, in), B (out, r)), unscaled (tests, tools)."""
+    from safetensors.torch import save_file
+    directory = Path(path)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for (layer, module), (a, b) in weights.items():
+        prefix = f"base_model.model.model.layers.{layer}.{MODULES[module][0]}.{module}"
+        tensors[f"{prefix}.lora_A.weight"] = a.contiguous()
+        tensors[f"{prefix}.lora_B.weight"] = b.contiguous()
+    save_file(tensors, str(directory / WEIGHTS[0]))
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "bias": "none", "task_type": "CAUSAL_LM",
+              "target_modules": sorted({module for _, module in weights}), "base_model_name_or_path": base_model}
+    (directory / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+
+
+def random_adapter(model, rank: int = 4, seed: int = 0, modules: tuple[str, ...] = tuple(MODULES),
+                   std: float = 0.1) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+    """A LoRA adapter's weights for `model` drawn from a seed, large enough to change its greedy output
+    (tests, the tiny pair's adapters): every layer's `modules`."""
+    generator = torch.Generator().manual_seed(seed)
+    shapes, out = _shapes(model), {}
+    for layer in range(len(model.model.layers)):
+        for module in modules:
+            inputs, outputs = shapes[module]
+            out[(layer, module)] = (torch.randn(rank, inputs, generator=generator, dtype=torch.float64) * std,
+                                    torch.randn(outputs, rank, generator=generator, dtype=torch.float64) * std)
+    return out
+
+
+class AdapterSet:
+    """The adapters a model serves, by slot (1, 2, ...; 0 is the base model), laid out per layer and product
+    group for the forward: A (S R, in) and B transposed (S R, out), slot s's ranks at rows [(s - 1) R, s R) of
+    both (R the group's ranks side by side, zeros where an adapter has fewer or leaves a module alone; B
+    transposed so that a slot's rows are contiguous, what a CPU's small products want)."""
+
+    def __init__(self, model, adapters: list[Adapter]):
+        names = [adapter.name for adapter in adapters]
+        if len(set(names)) != len(names):
+            raise ValueError(f"LoRA adapters named twice: {sorted(n for n in set(names) if names.count(n) > 1)}")
+        self.adapters = adapters
+        self.names = tuple(names)
+        shapes = _shapes(model)
+        dtype, device = next(model.parameters()).dtype, model.device
+        self.dtype = dtype = dtype if dtype.is_floating_point else torch.float32
+        rank = max(adapter.rank for adapter in adapters) if adapters else 0
+        self.stacks: list[dict[str, tuple[torch.Tensor, torch.Tensor, int]]] = []
+        for layer in range(len(model.model.layers)):
+            groups = {}
+            for group, modules in GROUPS.items():
+                if not any((layer, m) in a.weights for a in adapters for m in modules):
+                    continue  # no adapter touches it: nothing to add
+                inputs, outs = shapes[modules[0]][0], [shapes[m][1] for m in modules]
+                width = rank * len(modules)  # a slot's columns
+                a_flat = torch.zeros(len(adapters) * width, inputs, dtype=dtype, device=device)
+                b_t = torch.zeros(len(adapters) * width, sum(outs), dtype=dtype, device=device)
+                for slot, adapter in enumerate(adapters):
+                    row = 0
+                    for j, module in enumerate(modules):
+                        pair = adapter.weights.get((layer, module))
+                        column = slot * width + j * rank
+                        if pair is not None:
+                            a, b = pair
+                            a_flat[column:column + a.shape[0]] = a
+                            b_t[column:column + b.shape[1], row:row + outs[j]] = b.t()
+                        row += outs[j]
+                groups[group] = (a_flat, b_t, width)
+            self.stacks.append(groups)
+        self.bytes = sum(t.nbytes for groups in self.stacks for entry in groups.values() for t in entry[:2])
+
+    def __len__(self) -> int:
+        return len(self.adapters)
+
+    def slot(self, name: str) -> int:
+        """An adapter's slot by name ("" : the base model, 0); ValueError naming the adapters served."""
+        if not name:
+            return 0
+        if name not in self.names:
+            raise ValueError(f"no LoRA adapter {name!r} (served: {', '.join(self.names) or 'none'})")
+        return self.names.index(name) + 1
+
+    def plan(self, slots: torch.Tensor) -> "Plan | None":
+        """How a forward's rows (slots (N,), each row's adapter) take their adapters' products: None where
+        every row is the base model's (nothing to add)."""
+        capturing = slots.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if not capturing:
+            present = set(slots.tolist())  # eagerly the host knows which adapters the rows run
+            if present == {0}:
+                return None
+            if len(present) == 1:  # one adapter for every row: its own matrices, nothing masked
+                return Plan(slots, present.pop(), {})
+        # Rows of several adapters, or of data the host does not read (a graph captured): every adapter's
+        # product for every row, each row keeping its own adapter's columns (masks made once a forward)
+        widths = {entry[2] for groups in self.stacks for entry in groups.values()}
+        columns = torch.arange(1, len(self.adapters) + 1, device=slots.device)
+        masks = {width: (columns.repeat_interleave(width) == slots[:, None]).to(self.dtype) for width in widths}
+        return Plan(slots, 0, masks)
+
+    def add(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor, plan: "Plan") -> torch.Tensor:
+        """y (N, out), the base model's `group` product of x (N, in) in `layer`, plus what the rows' adapters add
+        (in place)."""
+        entry = self.stacks[layer].get(group)
+        if entry is None:
+            return y
+        a_flat, b_t, width = entry
+        if plan.slot:  # every row runs this one adapter
+            first = (plan.slot - 1) * width
+            return y.addmm_(torch.nn.functional.linear(x, a_flat[first:first + width]), b_t[first:first + width])
+        low = torch.nn.functional.linear(x, a_flat).mul_(plan.masks[width])  # (N, S R): the row's own columns
+        return y.addmm_(low, b_t)
+
+
+class Plan(NamedTuple):
+    """A forward's rows and how they take their adapters (`AdapterSet.plan`)."""
+
+    slots: torch.Tensor  # (N,) each row's adapter
+    slot: int  # > 0: every row runs this adapter; 0: masks
+    masks: dict[int, torch.Tensor]  # per slot width: (N, S width), 1 at a row's own adapter's columns
+
+
+def load_adapters(model, adapters: dict[str, str]) -> AdapterSet | None:
+    """`AdapterSet` of {name: path}; None for none."""
+    if not adapters:
+        return None
+    return AdapterSet(model, [load_adapter(name, path, model) for name, path in adapters.items()])

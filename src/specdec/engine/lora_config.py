@@ -1,0 +1,50 @@
+"""LoRA adapter lists as model configs and command lines spell them (no torch: the launcher and the
+orchestrator read them too; the adapters themselves are engine/lora.py's)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")  # what an adapter may be named (and a request name)
+
+
+def parse_adapters(text: str, field: str) -> dict[str, str]:
+    """{name: path} from a config value: a JSON object, or "name=path,name=path" (vLLM's --lora-modules
+    spelling); ValueError naming `field`."""
+    text = (text or "").strip()
+    if not text:
+        return {}
+    if text.startswith("{"):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{field}: not JSON ({error})") from None
+        if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+            raise ValueError(f"{field}: a JSON object of name to directory, got {text!r}")
+        pairs = list(value.items())
+    else:
+        pairs = []
+        for item in text.split(","):
+            name, sep, path = item.strip().partition("=")
+            if not sep or not name.strip() or not path.strip():
+                raise ValueError(f"{field}: NAME=DIRECTORY pairs separated by commas, got {item.strip()!r}")
+            pairs.append((name.strip(), path.strip()))
+    out: dict[str, str] = {}
+    for name, path in pairs:
+        if not NAME.match(name):
+            raise ValueError(f"{field}: adapter name {name!r}: letters, digits and . _ : / - (at most 128)")
+        if name in out:
+            raise ValueError(f"{field}: adapter {name!r} named twice")
+        out[name] = path
+    return out
+
+
+def format_adapters(adapters: dict[str, str]) -> str:
+    """{name: path} as a config value ("name=path,name=path"); ValueError for a path that spelling cannot hold."""
+    for name, path in adapters.items():
+        if not NAME.match(name):
+            raise ValueError(f"LoRA adapter name {name!r}: letters, digits and . _ : / - (at most 128)")
+        if "," in path or '"' in path or not path.strip():
+            raise ValueError(f"LoRA adapter {name!r}: its directory {path!r} may not hold a comma or a quote")
+    return ",".join(f"{name}={path}" for name, path in adapters.items())

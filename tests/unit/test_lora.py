@@ -1,0 +1,179 @@
+"""LoRA adapters served over one base model (engine/lora.py): an adapted sequence computes what the model
+with its adapter merged into the weights computes (float64), sequences of different adapters side by side
+in one forward compute what each does alone, a prompt's cached blocks are its own adapter's, and adapters
+that do not fit the model are refused naming their path."""
+
+import copy
+import json
+
+import pytest
+import torch
+
+from specdec.engine import lora
+from specdec.engine.lora_config import parse_adapters
+from specdec.engine.build import ExecutorConfig, build_executor, dynamic_executor, static_executor
+from specdec.engine.errors import CacheError
+from specdec.engine.executor import Step
+
+
+def merged(model, weights, scale):
+    """A copy of model with W + scale * B @ A in every adapted linear: the adapted model, plainly."""
+    copied = copy.deepcopy(model)
+    for module in copied.modules():  # a forward's fused products (llama_forward.fuse_linears) made again
+        for key in [key for key in module.__dict__ if key.startswith("_fused_")]:
+            del module.__dict__[key]
+    with torch.no_grad():
+        for (layer, module), (a, b) in weights.items():
+            part = lora.MODULES[module][0]
+            linear = getattr(getattr(copied.model.layers[layer], part), module)
+            linear.weight += scale * (b @ a).to(linear.weight.dtype)
+    return copied
+
+
+def executor(model, adapters=None, **settings):
+    options = dict(kv_pool_tokens=1024, block_size=8, max_context=256, max_batch=4, max_rows=5, min_window=16,
+                   compile="off", prefix_caching=True, lora_adapters=adapters)
+    return static_executor(model, **{**options, **settings})
+
+
+def prompt(n: int, seed: int = 0) -> list[int]:
+    return torch.randint(1, 97, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_lm, tmp_path_factory):
+    """Two adapters of the tiny model: every projection at rank 4 (alpha 8), and q/v only at rank 2 with rsLoRA."""
+    root = tmp_path_factory.mktemp("adapters")
+    every = lora.random_adapter(tiny_lm, rank=4, seed=1)
+    lora.save_adapter(root / "every", every, rank=4, alpha=8)
+    some = lora.random_adapter(tiny_lm, rank=2, seed=2, modules=("q_proj", "v_proj"))
+    lora.save_adapter(root / "some", some, rank=2, alpha=4)
+    config = json.loads((root / "some" / lora.CONFIG).read_text())
+    (root / "some" / lora.CONFIG).write_text(json.dumps({**config, "use_rslora": True}))
+    return {"every": (str(root / "every"), every, 8 / 4), "some": (str(root / "some"), some, 4 / 2 ** 0.5)}
+
+
+def test_an_adapted_sequence_computes_the_merged_model(tiny_lm, adapters):
+    lm = executor(tiny_lm, {name: path for name, (path, _, _) in adapters.items()})
+    ids = prompt(21)
+    for slot, (name, (_, weights, scale)) in enumerate(adapters.items(), 1):
+        reference = executor(merged(tiny_lm, weights, scale))
+        got = lm.extend_many([Step(slot, 0, ids, 3, adapter=slot)])[0]
+        want = reference.extend(1, 0, ids, 3)
+        assert torch.allclose(got, want, atol=1e-10), name
+        # the next steps (a verify of 3 rows after a rollback) go on with the sequence's adapter
+        got = lm.extend(slot, 19, [5, 6, 7], 3)
+        want = reference.extend(1, 19, [5, 6, 7], 3)
+        assert torch.allclose(got, want, atol=1e-10), name
+    base = executor(tiny_lm).extend(1, 0, ids, 3)
+    assert torch.equal(lm.extend(9, 0, ids, 3), base)  # no adapter: the base model, bit for bit
+    assert not torch.allclose(base, reference.extend(2, 0, ids, 3), atol=1e-3)  # the adapters change the model
+
+
+def test_sequences_of_different_adapters_in_one_forward_compute_what_each_does_alone(tiny_lm, adapters):
+    names = {name: path for name, (path, _, _) in adapters.items()}
+    together, alone = executor(tiny_lm, names), executor(tiny_lm, names)
+    steps = [Step(i, 0, prompt(9 + i, seed=i), 2, adapter=i % 3) for i in range(4)]
+    batched = together.extend_many(steps)
+    for step, logits in zip(steps, batched):
+        assert torch.allclose(logits, alone.extend_many([step])[0], atol=1e-12)
+    # decode steps of all four in one forward, then a draft verified
+    batched = together.extend_many([Step(i, 9 + i, [3, 4], 2) for i in range(4)])
+    for i, logits in enumerate(batched):
+        assert torch.allclose(logits, alone.extend(i, 9 + i, [3, 4], 2), atol=1e-12)
+
+
+def test_a_prompt_takes_cached_blocks_of_its_own_adapter_only(tiny_lm, adapters):
+    names = {name: path for name, (path, _, _) in adapters.items()}
+    lm = executor(tiny_lm, names)
+    ids = prompt(26)
+    first = lm.extend_many([Step(1, 0, ids, 1, adapter=1)])[0]
+    assert lm.prefix_hit_tokens == 0
+    other = lm.extend_many([Step(2, 0, ids, 1, adapter=2)])[0]  # the same prompt, another adapter
+    base = lm.extend(3, 0, ids, 1)
+    assert lm.prefix_hit_tokens == 0  # neither took the first's blocks
+    again = lm.extend_many([Step(4, 0, ids, 1, adapter=1)])[0]
+    assert lm.prefix_hit_tokens == 24 and torch.allclose(again, first, atol=1e-12)
+    assert lm.extend_many([Step(5, 0, ids, 1, adapter=2)])[0].allclose(other, atol=1e-12)
+    assert lm.extend(6, 0, ids, 1).allclose(base, atol=1e-12)
+    assert lm.prefix_hit_tokens == 72
+
+
+def test_an_adapter_the_executor_does_not_serve_is_refused_for_that_sequence(tiny_lm, adapters):
+    lm = executor(tiny_lm, {"every": adapters["every"][0]})
+    bad, good = lm.extend_many([Step(1, 0, [1, 2], 1, adapter=2), Step(2, 0, [1, 2], 1, adapter=1)])
+    assert isinstance(bad, CacheError) and "LoRA adapter 2" in str(bad) and 1 not in lm.sequences
+    assert good.shape == (1, 97)
+    plain = executor(tiny_lm)
+    assert isinstance(plain.extend_many([Step(1, 0, [1], 1, adapter=1)])[0], CacheError)
+
+
+def test_adapters_need_the_static_executor(tiny_lm, adapters):
+    config = ExecutorConfig(executor="dynamic", lora_adapters=(("every", adapters["every"][0]),))
+    with pytest.raises(ValueError, match="LoRA adapters need the static executor"):
+        build_executor(tiny_lm, config)
+    assert dynamic_executor(tiny_lm).adapters is None
+
+
+def test_adapters_that_do_not_fit_are_refused_naming_the_path(tiny_lm, tmp_path):
+    wide = lora.random_adapter(tiny_lm, rank=2, seed=3, modules=("q_proj",))
+    wide = {key: (torch.zeros(2, 48, dtype=torch.float64), b) for key, (a, b) in wide.items()}  # hidden 48, not 32
+    lora.save_adapter(tmp_path / "wide", wide, rank=2, alpha=2)
+    with pytest.raises(ValueError, match=r"'wide' \(.*wide\): layer 0 q_proj: lora_A \[2, 48\].*another model"):
+        lora.load_adapter("wide", tmp_path / "wide", tiny_lm)
+    deep = {(5, "q_proj"): lora.random_adapter(tiny_lm, rank=2, modules=("q_proj",))[(0, "q_proj")]}
+    lora.save_adapter(tmp_path / "deep", deep, rank=2, alpha=2)
+    with pytest.raises(ValueError, match="layer 5; the model at hand has 2 layers"):
+        lora.load_adapter("deep", tmp_path / "deep", tiny_lm)
+    with pytest.raises(ValueError, match="no adapter_config.json"):
+        lora.load_adapter("none", tmp_path / "missing", tiny_lm)
+    from safetensors.torch import save_file
+    lora.save_adapter(tmp_path / "head", deep, rank=2, alpha=2)
+    save_file({"base_model.model.lm_head.lora_A.weight": torch.zeros(2, 32)},
+              str(tmp_path / "head" / "adapter_model.safetensors"))
+    with pytest.raises(ValueError, match="lm_head.lora_A.weight is not a LoRA weight of a decoder layer"):
+        lora.load_adapter("head", tmp_path / "head", tiny_lm)
+
+
+def test_adapter_lists_parse_or_name_the_field():
+    assert parse_adapters("a=/x, b=/y", "lora_adapters") == {"a": "/x", "b": "/y"}
+    assert parse_adapters('{"sql": "/m/sql"}', "lora_adapters") == {"sql": "/m/sql"}
+    assert parse_adapters("", "lora_adapters") == {}
+    for text, match in (("a", "NAME=DIRECTORY"), ("a=/x,a=/y", "named twice"), ("b d=/x", "letters, digits"),
+                        ('{"a": 1}', "JSON object")):
+        with pytest.raises(ValueError, match=f"lora_adapters: .*{match}"):
+            parse_adapters(text, "lora_adapters")
+
+
+def test_rows_of_several_adapters_add_what_each_rows_own_adapter_adds(tiny_lm, adapters):
+    """Rows of mixed adapters (and what a captured CUDA graph runs: every row masked to its own adapter's
+    columns) add what each row's adapter alone adds to it; rows of the base model nothing."""
+    lm = executor(tiny_lm, {name: path for name, (path, _, _) in adapters.items()})
+    adapter_set = lm.adapters
+    slots = torch.tensor([0, 1, 2, 2, 0, 1, 1])
+    mixed = adapter_set.plan(slots)
+    assert mixed.slot == 0 and adapter_set.plan(torch.zeros(3, dtype=torch.long)) is None
+    assert adapter_set.plan(torch.ones(3, dtype=torch.long)).slot == 1
+    for layer in range(2):
+        for group, width in (("qkv", 32), ("o", 32), ("gate_up", 32), ("down", 64)):
+            x = torch.randn(7, width, dtype=torch.float64, generator=torch.Generator().manual_seed(layer))
+            y = torch.randn(7, adapter_set.stacks[layer][group][1].shape[1], dtype=torch.float64)
+            got = adapter_set.add(layer, group, x, y.clone(), mixed)
+            for row, slot in enumerate(slots.tolist()):
+                want = y[row:row + 1].clone()
+                if slot:
+                    want = adapter_set.add(layer, group, x[row:row + 1], want, adapter_set.plan(slots[row:row + 1]))
+                assert torch.allclose(got[row:row + 1], want, atol=1e-12), (layer, group, row)
+
+
+def test_the_bench_prints_every_setting(tmp_path):
+    """bench/lora_bench.py (gpu_session's `lora` part) on the tiny pair: its four rows and their columns."""
+    from bench import lora_bench
+
+    out = tmp_path / "lora.md"
+    assert lora_bench.main(["--pair", "tiny", "--adapters", "2", "--rank", "2", "--reps", "1", "--turns", "1",
+                            "--batch", "2", "--context", "32", "--out", str(out)]) == 0
+    text = out.read_text()
+    for row in ("no adapters", "base rows", "one adapter", "mixed"):
+        assert f"| {row} " in text
+    assert "5 rows, 2 seqs (ms)" in text
