@@ -100,7 +100,7 @@ def main(argv=None) -> int:
                        for key in keys])
     header = (f"{report.machine()}, torch {torch.__version__}, {pair} pair's target, {dtype}, {args.adapters} adapters "
               f"of rank {args.rank} (every projection), context {args.context}, K={args.k}")
-    columns = ["rows' adapters", "adapters (MiB)"] + [f"{w} row{'s' if w > 1 else ''}, {c} seq{'s' if c > 1 else ''} (ms)"
+    columns = ["rows' adapters", "adapters (MiB)"] + [f"{w} row{'s' * (w > 1)}, {c} seq{'s' * (c > 1)} (ms)"
                                                       for w, c in keys]
     text = report.print_table(header, rows, columns, args.out)
     if args.results:

@@ -30,7 +30,8 @@ def merged_greedy(server):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = _rendered_parameter(server, "target_model", "model_path")
-    adapters = dict(pair.split("=", 1) for pair in _rendered_parameter(server, "target_model", "lora_adapters").split(","))
+    rendered = _rendered_parameter(server, "target_model", "lora_adapters")
+    adapters = dict(pair.split("=", 1) for pair in rendered.split(","))
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
     adapter = lora.load_adapter(TINY_LORA, adapters[TINY_LORA], model)  # B scaled: W + B A
@@ -60,6 +61,8 @@ def merged_greedy(server):
 
 
 def test_an_adapters_requests_generate_the_adapted_models_text_speculating_or_not(server, merged_greedy):
+    before = {name: server.metric(name, lora_name=TINY_LORA) for name in
+              ("specdec_lora_requests_total", "specdec_lora_output_tokens_total", "specdec_lora_draft_tokens_total")}
     for prompt in PROMPTS:
         want = merged_greedy(prompt, 16)
         assert want != merged_greedy(prompt, 16, adapted=False), prompt  # the adapter changes the text
@@ -76,6 +79,11 @@ def test_an_adapters_requests_generate_the_adapted_models_text_speculating_or_no
     got = http_generate(server.http_url, PROMPTS[1], end_id=0, **{
         tn.SAMPLING_PARAMETERS: json.dumps({"max_tokens": 16, "lora_name": TINY_LORA})})
     assert got[tn.TEXT_OUTPUT] == merged_greedy(PROMPTS[1], 16)
+    # per adapter: its requests (4 draft settings x 3 prompts + 2), their tokens, what they drafted
+    after = {name: server.metric(name, lora_name=TINY_LORA) for name in before}
+    assert after["specdec_lora_requests_total"] - before["specdec_lora_requests_total"] == 14
+    assert after["specdec_lora_output_tokens_total"] - before["specdec_lora_output_tokens_total"] == 14 * 16
+    assert after["specdec_lora_draft_tokens_total"] > before["specdec_lora_draft_tokens_total"]
 
 
 def test_the_openai_api_serves_an_adapter_as_a_model_of_its_name(server, merged_greedy):
@@ -95,7 +103,8 @@ def test_the_openai_api_serves_an_adapter_as_a_model_of_its_name(server, merged_
 
 
 def test_an_adapter_the_server_does_not_serve_is_refused_naming_the_field(server, merged_greedy):
-    with pytest.raises(GenerationError, match=f"input '{tn.LORA_NAME}': no LoRA adapter 'nope' \\(served: {TINY_LORA}\\)"):
+    refused = f"input '{tn.LORA_NAME}': no LoRA adapter 'nope' \\(served: {TINY_LORA}\\)"
+    with pytest.raises(GenerationError, match=refused):
         grpc_stream(server.grpc_url, PROMPTS[0], max_tokens=4, **{tn.LORA_NAME: _name("nope")})
     with pytest.raises(Exception, match="'lora_name': no LoRA adapter 'nope'"):
         http_generate(server.http_url, PROMPTS[0], **{tn.SAMPLING_PARAMETERS: json.dumps({"lora_name": "nope"})})

@@ -13,11 +13,11 @@ The forward (`llama_forward.LlamaForward`) has `AdapterSet.add` each product's a
 runs one adapter (eagerly the host knows), that adapter's two small products; where rows run several, or a
 CUDA graph is captured (its shapes fixed, its rows' adapters data), every adapter's low-rank product for
 every row, each row keeping its own adapter's columns: two dense products reading every adapter's
-matrices (what they cost grows with the adapters served, not with the rows; a handful of operations a
-product, where grouping rows by adapter took a handful per adapter, which on a CPU's millisecond steps is
-what costs). Nothing is added where every row is the base model's. Slot 0 is the base model. A layer's query/key/value
-(and gate/up) products run fused, so an adapter's A matrices of a group are stacked along the rank and
-its B matrices placed block-diagonally: one pair of products per group.
+matrices (what they cost grows with the adapters served, not with the rows; a few operations a product,
+where grouping rows by adapter took a few per adapter, and on a CPU's millisecond steps the operations are
+what costs). Nothing is added where every row is the base model's (slot 0). A layer's query/key/value (and
+gate/up) products run fused, so an adapter's A matrices of a group are stacked along the rank and its B
+matrices placed block-diagonally: one pair of products per group.
 
 Speculation stays exact with respect to the adapted model: the target verifies with the adapter, the
 drafts (which run the base model, or read the adapted target's features) only propose.
@@ -44,7 +44,9 @@ MODULES = {"q_proj": ("self_attn", "qkv"), "k_proj": ("self_attn", "qkv"), "v_pr
            "down_proj": ("mlp", "down")}
 GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
           "down": ("down_proj",)}
-_KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
+# PEFT's key of a layer's projection's A or B (vLLM's renamed copies drop the prefix; an adapter name may follow)
+_KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])"
+                  r"(?:\.[\w-]+)?\.weight$")
 
 
 @dataclass(frozen=True)
@@ -127,8 +129,8 @@ def load_adapter(name: str, path: str | Path, model) -> Adapter:
         inputs, outputs = shapes[module]
         if a.dim() != 2 or b.dim() != 2 or a.shape != (rank, inputs) or b.shape != (outputs, rank):
             raise ValueError(f"{where}: layer {layer} {module}: lora_A {list(a.shape)} and lora_B {list(b.shape)}; "
-                             f"the model's {module} takes {inputs} and gives {outputs} features (r={rank}): the adapter "
-                             f"was trained for another model")
+                             f"the model's {module} takes {inputs} and gives {outputs} features (r={rank}): the "
+                             "adapter was trained for another model")
         weights[(layer, module)] = (a.to(device=device, dtype=dtype).contiguous(),
                                     (b.double() * scale).to(device=device, dtype=dtype).contiguous())
     if not weights:

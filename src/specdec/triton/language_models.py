@@ -419,7 +419,8 @@ class TargetModel(LanguageModelAdapter):
         adapter = 0
         if message.adapter:  # the adapter's slot (ValueError naming the ones served)
             if self.lm.adapters is None:
-                raise ValueError(f"input '{tn.LORA_NAME}': no LoRA adapter {message.adapter!r} (this model serves none)")
+                raise ValueError(f"input '{tn.LORA_NAME}': no LoRA adapter {message.adapter!r} (this model serves "
+                                 "none)")
             adapter = self.lm.adapters.slot(message.adapter)
         return {"num_logits": message.num_logits + message.score_rows, "allowed": message.allowed, "adapter": adapter,
                 "tree": message.tree, "path": message.path, "score_rows": message.score_rows,

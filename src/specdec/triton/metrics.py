@@ -214,6 +214,13 @@ class OrchestratorMetrics(_MetricSet):
         requests = make("specdec_requests_total", "Finished requests by finish reason", family.COUNTER)
         self.requests = {reason: requests.Metric(labels={"finish_reason": reason})
                          for reason in ("length", "stop", "cancelled", "error", "invalid", "rejected")}
+        # Per LoRA adapter (lora_name): its traffic, and what the drafts (the base model's) get accepted under it
+        self._lora_families = tuple(make(name, text, family.COUNTER) for name, text in (
+            ("specdec_lora_requests_total", "Finished requests that ran a LoRA adapter, by adapter"),
+            ("specdec_lora_output_tokens_total", "Tokens returned to requests that ran a LoRA adapter, by adapter"),
+            ("specdec_lora_draft_tokens_total", "Draft tokens verified for requests that ran a LoRA adapter"),
+            ("specdec_lora_accepted_draft_tokens_total", "Of those, accepted by the adapted target")))
+        self._lora_metrics: dict[str, tuple] = {}
 
     def record_round(self, drafted: int, accepted: int, now: float, depth: int | None = None) -> None:
         """Count a round locally; `flush` sends the totals. Every metric update is an IPC round trip from
@@ -306,7 +313,15 @@ class OrchestratorMetrics(_MetricSet):
             self._live_peak = peak
             self.live_peak.set(peak)
 
-    def record_request(self, finish_reason: str, output_tokens: int, latency_s: float) -> None:
+    def record_request(self, finish_reason: str, output_tokens: int, latency_s: float, lora_name: str = "",
+                       drafted: int = 0, accepted: int = 0) -> None:
         self.requests[finish_reason].increment(1)
         self.output_tokens.increment(output_tokens)
         self.latency.observe(latency_s)
+        if lora_name:
+            if lora_name not in self._lora_metrics:
+                self._lora_metrics[lora_name] = tuple(family.Metric(labels={"lora_name": lora_name})
+                                                      for family in self._lora_families)
+            for metric, value in zip(self._lora_metrics[lora_name], (1, output_tokens, drafted, accepted)):
+                if value:
+                    metric.increment(value)

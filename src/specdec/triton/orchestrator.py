@@ -524,5 +524,6 @@ class _Responses:
             last, self.held = joined(self.held, last), None
         await self.settle()  # a round that ended without a finish reason
         # Counted before the final response leaves: a client that reads the metrics after it sees them.
-        self.adapter.metrics.record_request(finish, len(self.emitter.emitted), time.monotonic() - self.arrived)
+        self.adapter.metrics.record_request(finish, len(self.emitter.emitted), time.monotonic() - self.arrived,
+                                            self.parsed.generation.lora_name, self.stats.drafted, self.stats.accepted)
         self.sender.send(self.response(last, finish), flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
