@@ -61,6 +61,7 @@ class GenerationParams:
     stop_words: tuple[str, ...] = ()
     bad_words: tuple[str, ...] = ()  # token sequences the output never contains (mid-text words: " word")
     draft_model: str | None = None
+    lora_name: str | None = None  # the LoRA adapter the target runs (one the server serves); None: the base model
     apply_chat_template: bool | None = None
     return_log_probs: bool | None = None  # each token's log-probability under the target (result.log_probs)
     # with return_log_probs: also each position's n most likely tokens (result.top_ids, result.top_log_probs)
@@ -99,8 +100,9 @@ class GenerationParams:
         for name, value, dtype in scalars:
             if value is not None:
                 arrays[name] = np.array([[value]], dtype=dtype)
-        if self.draft_model is not None:
-            arrays[tn.DRAFT_MODEL] = np.array([[self.draft_model.encode()]], dtype=np.object_)
+        for name, value in ((tn.DRAFT_MODEL, self.draft_model), (tn.LORA_NAME, self.lora_name)):
+            if value is not None:
+                arrays[name] = np.array([[value.encode()]], dtype=np.object_)
         for name, words in ((tn.STOP_WORDS, self.stop_words), (tn.BAD_WORDS, self.bad_words)):
             if words:
                 arrays[name] = np.array([[w.encode("utf-8") for w in words]], dtype=np.object_)
@@ -117,7 +119,7 @@ class GenerationParams:
         """The body of Triton's generate extension (/generate, /generate_stream)."""
         body = {tn.TEXT_INPUT: prompt, tn.STREAM: stream}
         for name in ("max_tokens", "num_draft_tokens", "temperature", "top_k", "top_p", "min_p", "seed",
-                     "repetition_penalty", "presence_penalty", "frequency_penalty", "end_id", "draft_model",
+                     "repetition_penalty", "presence_penalty", "frequency_penalty", "end_id", "draft_model", "lora_name",
                      "apply_chat_template", "adaptive_draft", "num_draft_branches", "min_length", "ignore_eos",
                      "return_log_probs", "num_top_log_probs", "return_prompt_log_probs", "priority",
                      "stream_interval_ms"):

@@ -10,6 +10,7 @@ import openai
 import pytest
 import torch
 
+from client import Client, GenerationParams
 from specdec import tensor_names as tn
 from specdec.engine import lora
 from specdec.serving.pairs import TINY_LORA
@@ -79,10 +80,15 @@ def test_an_adapters_requests_generate_the_adapted_models_text_speculating_or_no
     got = http_generate(server.http_url, PROMPTS[1], end_id=0, **{
         tn.SAMPLING_PARAMETERS: json.dumps({"max_tokens": 16, "lora_name": TINY_LORA})})
     assert got[tn.TEXT_OUTPUT] == merged_greedy(PROMPTS[1], 16)
-    # per adapter: its requests (4 draft settings x 3 prompts + 2), their tokens, what they drafted
+    # the project's client, over HTTP and streamed over gRPC
+    params = GenerationParams(max_tokens=16, num_draft_tokens=4, end_id=0, lora_name=TINY_LORA)
+    for protocol, stream in (("http", False), ("grpc", True)):
+        url = server.http_url if protocol == "http" else server.grpc_url
+        assert Client(url, protocol).generate(PROMPTS[2], params, stream=stream).text == merged_greedy(PROMPTS[2], 16)
+    # per adapter: its requests (4 draft settings x 3 prompts + 4), their tokens, what they drafted
     after = {name: server.metric(name, lora_name=TINY_LORA) for name in before}
-    assert after["specdec_lora_requests_total"] - before["specdec_lora_requests_total"] == 14
-    assert after["specdec_lora_output_tokens_total"] - before["specdec_lora_output_tokens_total"] == 14 * 16
+    assert after["specdec_lora_requests_total"] - before["specdec_lora_requests_total"] == 16
+    assert after["specdec_lora_output_tokens_total"] - before["specdec_lora_output_tokens_total"] == 16 * 16
     assert after["specdec_lora_draft_tokens_total"] > before["specdec_lora_draft_tokens_total"]
 
 
