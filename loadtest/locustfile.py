@@ -69,6 +69,9 @@ def _options(parser):
     parser.add_argument("--draft-model", default=env("SPECDEC_DRAFT_MODEL") or None,
                         help="the draft method every request asks for (a draft model, ngram, suffix); "
                              "unset: the server's default")
+    parser.add_argument("--lora-names", default=env("SPECDEC_LORA_NAMES", ""),
+                        help="comma-separated LoRA adapters the requests spread over, each request one at random "
+                             "(an empty entry: the base model; OpenAI users send it as the model); unset: none")
     parser.add_argument("--prompts-file", default=env("SPECDEC_PROMPTS", str(HERE / "prompts.jsonl")))
     parser.add_argument("--prompt-kind", default=env("SPECDEC_PROMPT_KIND", "all"), choices=("all", "grounded", "open"))
     parser.add_argument("--guided-fraction", type=float, default=float(env("SPECDEC_GUIDED_FRACTION", "0")))
@@ -230,6 +233,9 @@ class _SpecdecMixin:
             prompt, params = random.choice(self.guided)
         else:
             prompt, params = random.choice(self.prompts), self.params
+        adapters = getattr(self.environment.parsed_options, "lora_names", "")
+        if adapters:  # multi-LoRA traffic: each request one adapter, or the base model for an empty entry
+            params = dataclasses.replace(params, lora_name=random.choice(adapters.split(",")).strip() or None)
         if getattr(self.environment.parsed_options, "mix", False):
             if random.random() < MIX["sampled"]:
                 params = dataclasses.replace(params, temperature=0.8, top_p=0.95, seed=random.getrandbits(31))
@@ -377,7 +383,7 @@ class OpenAIUser(_SpecdecMixin, User):
         self.session.close()
 
     def body(self, prompt: str, params: GenerationParams) -> dict:
-        body = {"model": self.model, "messages": [{"role": "user", "content": prompt}], "stream": True,
+        body = {"model": params.lora_name or self.model, "messages": [{"role": "user", "content": prompt}], "stream": True,
                 "stream_options": {"include_usage": True}, "max_tokens": params.max_tokens,
                 "temperature": params.temperature if params.temperature is not None else 0.0}
         if params.num_draft_tokens is not None:

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from specdec.serving.pairs import TINY_LORA
+
 pytestmark = pytest.mark.integration
 
 LOCUSTFILE = Path(__file__).resolve().parents[2] / "loadtest" / "locustfile.py"
@@ -32,8 +34,12 @@ def run_locust(tmp_path, host, seconds=5, extra=()):
 def test_locust_headless_records_requests_and_ttft(server, tmp_path, scheme):
     host = {"grpc": server.grpc_url, "http": server.http_url, "openai": server.openai_url,
             "anthropic": server.openai_url}[scheme]
-    out, rows, latency = run_locust(tmp_path, host, extra=["AnthropicUser"] if scheme == "anthropic" else [])
+    # gRPC and OpenAI users spread their requests over the session's LoRA adapter and the base model
+    adapters = ["--lora-names", f"{TINY_LORA},"] if scheme in ("grpc", "openai") else []
+    before = server.metric("specdec_lora_requests_total", lora_name=TINY_LORA)
+    out, rows, latency = run_locust(tmp_path, host, extra=["AnthropicUser"] if scheme == "anthropic" else adapters)
     assert out.returncode == 0, out.stderr[-3000:]
+    assert (server.metric("specdec_lora_requests_total", lora_name=TINY_LORA) > before) == bool(adapters)
     generate = rows[(scheme, "generate")]
     assert int(generate["Request Count"]) > 0
     assert int(generate["Failure Count"]) == 0
