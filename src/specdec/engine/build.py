@@ -114,9 +114,8 @@ def static_executor(model, max_sequences: int = 256, idle_timeout_s: float = 600
         forward = LayerSkipForward(forward, model, skip)
     if adapters is not None:
         log(f"LoRA adapters: {', '.join(adapters.names)} ({adapters.bytes / 2**20:.1f} MiB)")
-    executor = Executor(model, kv, forward, max_sequences=max_sequences, idle_timeout_s=idle_timeout_s, clock=clock)
-    executor.adapters = adapters
-    return executor
+    return Executor(model, kv, forward, max_sequences=max_sequences, idle_timeout_s=idle_timeout_s, clock=clock,
+                    adapters=adapters)
 
 
 def _wants_graphs(compile: str, device: torch.device) -> bool:

@@ -56,7 +56,7 @@ class Executor:
     `clock` is injectable so idle eviction is testable without sleeping."""
 
     def __init__(self, model, kv: KVStore, forward: Forward, max_sequences: int = 256,
-                 idle_timeout_s: float = 600.0, clock: Callable[[], float] = time.monotonic):
+                 idle_timeout_s: float = 600.0, clock: Callable[[], float] = time.monotonic, adapters=None):
         self.model, self.kv, self.forward = model, kv, forward
         self.device = model.device  # where inputs go (a spread model: its first layer's)
         head = model.get_output_embeddings()
@@ -84,7 +84,9 @@ class Executor:
         self.ahead_used = self.ahead_dropped = 0
         self.ahead_taken: dict[int, ForwardTimer] = {}
         self._cached_features: dict[int, torch.Tensor] = {}  # extend_many's, of its `whole` steps
-        self.adapters = None  # the LoRA adapters a sequence may run (lora.AdapterSet; build.static_executor's)
+        # The LoRA adapters a sequence may run (lora.AdapterSet, which the forward adds; None: none): the executor
+        # checks a new sequence's slot against them
+        self.adapters = adapters
 
     @property
     def tracks_tokens(self) -> bool:
