@@ -13,6 +13,12 @@ runs for every row (engine/lora.py): there the cost grows with the adapters serv
 
     python -m bench.lora_bench                         # CPU: the default pair's target
     python -m bench.lora_bench --pair 8b --adapters 4  # GPU: the 8B-shaped target, CUDA graphs
+    python -m bench.lora_bench --served                # the default pair served, with and without an adapter
+
+--served starts the default pair with one adapter of rank --rank whose products are small (its text stays
+near the base model's, so the drafts' acceptance is comparable: what is measured is the adapter's cost), and
+sends loadtest/prompts.jsonl's prompts greedy, --max-tokens each, target-only and with the server's default
+draft, with the adapter and without, taking turns: tokens/s, tokens per round and the texts' agreement.
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ from specdec.engine.executor import Step
 from specdec.engine.loading import load_causal_lm
 from specdec.serving import pairs
 
+REPO = Path(__file__).resolve().parents[1]
+
 
 def _prepare(lm, slots: list[int], vocab: int, context: int, k: int) -> dict:
     """Each timed call of one setting: (rows, sequences) -> its steps, after prompts of `context` tokens."""
@@ -41,6 +49,54 @@ def _prepare(lm, slots: list[int], vocab: int, context: int, k: int) -> dict:
         lm.extend_many([Step(seq, 0, prompt, 1, adapter=slot)])
     return {(width, count): [Step(seq, context, prompts[seq - 1][:width], width) for seq in range(1, count + 1)]
             for width in (1, k + 1) for count in sorted({1, len(slots)})}
+
+
+def served(args) -> str:
+    """The default pair served with one near-zero adapter: each setting with and without it, taking turns."""
+    import json
+
+    from client import Client, GenerationParams
+    from specdec.serving import server as serving
+
+    work = Path(tempfile.mkdtemp(prefix="lora-bench-served-"))
+    model = load_causal_lm(str(pairs.default_pair().target_path), "cpu", "float32")
+    lora.save_adapter(work / "near", lora.random_adapter(model, rank=args.rank, seed=0, std=0.005), rank=args.rank,
+                      alpha=args.rank)
+    del model
+    rows = [json.loads(line) for line in (REPO / "loadtest" / "prompts.jsonl").read_text().splitlines() if line.strip()]
+    prompts = [row["prompt"] for row in rows]
+    srv = serving.start(work / "run", work / "server.log", ["--pair", "default", "--lora-modules", f"near={work / 'near'}"])
+    results: dict = {}
+    try:
+        client = Client(srv.grpc_url)
+        settings = [(draft, adapter) for draft in ("target-only", "default draft") for adapter in ("base model", "adapter")]
+        for turn in range(args.turns):
+            for draft, adapter in settings if turn % 2 == 0 else settings[::-1]:
+                params = GenerationParams(max_tokens=args.max_tokens, ignore_eos=True, temperature=0.0,
+                                          num_draft_tokens=0 if draft == "target-only" else None,
+                                          lora_name="near" if adapter == "adapter" else None)
+                for prompt in prompts:
+                    result = client.generate(prompt, params, stream=True)
+                    results.setdefault((draft, adapter), []).append(result)
+    finally:
+        srv.stop()
+    table = []
+    for draft in ("target-only", "default draft"):
+        base = None
+        for adapter in ("base model", "adapter"):
+            done = results[(draft, adapter)]
+            seconds = sum(r.latency_s for r in done)
+            tokens = sum(r.num_output_tokens for r in done)
+            rate = tokens / seconds
+            base = base or rate
+            same = sum(a.text == b.text for a, b in zip(done, results[(draft, "base model")]))
+            table.append([draft, adapter, f"{rate:.1f}", f"{rate / base:.2f}x",
+                          f"{tokens / max(1, sum(r.num_rounds for r in done)):.2f}", f"{same}/{len(done)}"])
+    header = (f"{report.machine()}, the default pair served (its default draft: prompt lookup first, else its "
+              f"EAGLE-3 head), one adapter of rank {args.rank} over every projection near the base model, "
+              f"{len(prompts)} prompts x {args.turns} turns, {args.max_tokens} tokens each, greedy, streamed")
+    return report.print_table(header, table, ["draft", "rows' model", "tokens/s", "over the base model's",
+                                              "tokens per round", "text = the base model's"], args.out)
 
 
 def main(argv=None) -> int:
@@ -53,9 +109,16 @@ def main(argv=None) -> int:
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--reps", type=int, default=None, help="calls per timing (their median)")
     parser.add_argument("--turns", type=int, default=5, help="timings per setting, the settings taking turns")
+    parser.add_argument("--served", action="store_true", help="the default pair served, with and without an adapter")
+    parser.add_argument("--max-tokens", type=int, default=64, help="--served: tokens per request")
     parser.add_argument("--out", help="also write the table (Markdown) here")
     parser.add_argument("--results", metavar="NAME", help="also write it as docs/results/<date>-NAME.md")
     args = parser.parse_args(argv)
+    if args.served:
+        text = served(args)
+        if args.results:
+            report.write_results(args.results, "LoRA adapters served: with and without one", text)
+        return 0
     gpu = torch.cuda.is_available()
     device, dtype = ("cuda", "bfloat16") if gpu else ("cpu", "float32")
     pair = args.pair or ("8b" if gpu else "default")
