@@ -963,9 +963,16 @@ def test_a_batch_of_requests_is_answered_as_each_request_would_be(server, api, m
     lines.insert(1, {**lines[0], "custom_id": "too-long", "body": {**lines[0]["body"], "max_tokens": 10**6}})
     upload = _batch_file(api, lines)
     batch = api.batches.create(input_file_id=upload, endpoint="/v1/chat/completions", completion_window="24h",
-                               metadata={"run": "test"})
+                               metadata={"run": "test"}, output_expires_after={"anchor": "created_at", "seconds": 7200})
     assert batch.status == "in_progress" and batch.request_counts.total == 4 and batch.metadata == {"run": "test"}
     batch = _batch_ended(api, batch.id)
+    output = api.files.retrieve(batch.output_file_id)  # its output file expires as asked (the SDK's form of the object)
+    assert output.expires_at - output.created_at == 7200 and api.files.retrieve(upload).expires_at is None
+    expiring = api.files.create(file=("x.jsonl", b"{}"), purpose="batch",
+                                expires_after={"anchor": "created_at", "seconds": 3600})
+    assert expiring.expires_at - expiring.created_at == 3600 and api.files.delete(expiring.id).deleted
+    with pytest.raises(openai.BadRequestError, match="expires_after"):
+        api.files.create(file=("x.jsonl", b"{}"), purpose="batch", expires_after={"anchor": "created_at", "seconds": 5})
     assert batch.status == "completed" and (batch.request_counts.completed, batch.request_counts.failed) == (3, 1)
     out = [json.loads(text) for text in api.files.content(batch.output_file_id).text.splitlines()]
     assert [o["custom_id"] for o in out] == ["q0", "q1", "q2"]

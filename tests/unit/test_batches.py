@@ -214,3 +214,45 @@ def test_replicas_sharing_a_store_cancel_and_fail_each_others_batches(tmp_path, 
         stopped = await a.get(running["id"])
         assert stopped["status"] == "failed" and stopped["errors"]["data"][0]["code"] == "server_shutdown"
     asyncio.run(main())
+
+
+def test_a_file_past_its_expiry_is_gone_and_a_batch_gives_its_output_files_one(monkeypatch):
+    """expires_after / output_expires_after ({"anchor": "created_at", "seconds": N}, N within an hour and 30
+    days): the file's expires_at; past it the file is not read, listed nor its text kept. Bad values are
+    refused naming the field."""
+    clock = [1_000_000]
+    monkeypatch.setattr(batches, "_now", lambda: clock[0])
+
+    async def main():
+        store = ResponseStore(1 << 20)
+        files = Files(store)
+        kept = await files.create(b"{}", "a.jsonl", "batch", batches.expiry({"anchor": "created_at", "seconds": "3600"},
+                                                                             "expires_after"))
+        forever = await files.create(b"{}", "b.jsonl", "batch")
+        assert (kept["expires_at"], forever["expires_at"]) == (1_000_000 + 3600, None)
+        clock[0] += 3599
+        assert (await files.get(kept["id"]))["id"] == kept["id"] and await files.content(kept["id"]) == "{}"
+        clock[0] += 1
+        for read in (files.get, files.content):
+            with pytest.raises(ApiError) as caught:
+                await read(kept["id"])
+            assert caught.value.status == 404
+        assert [file["id"] for file in await files.all()] == [forever["id"]]
+        for value, message in (({"anchor": "last_active_at", "seconds": 3600}, "anchor"),
+                               ({"anchor": "created_at", "seconds": 60}, r"within \[3600, 2592000\]"),
+                               ({"anchor": "created_at"}, "anchor"), ("3600", "anchor")):
+            with pytest.raises(ApiError, match=message) as caught:
+                batches.expiry(value, "expires_after")
+            assert caught.value.param == "expires_after"
+
+        jobs = Batches(store, files, Answers(), 5.0)
+        source = await files.create(jsonl([line("a"), line("b", fail=True)]), "in.jsonl", "batch")
+        body = {"input_file_id": source["id"], "endpoint": URL, "completion_window": "24h"}
+        with pytest.raises(ApiError) as caught:
+            await jobs.create({**body, "output_expires_after": {"anchor": "created_at", "seconds": 10}})
+        assert caught.value.param == "output_expires_after"
+        batch = await jobs.create({**body, "output_expires_after": {"anchor": "created_at", "seconds": 7200}})
+        done = await until(jobs, batch["id"])
+        for name in ("output_file_id", "error_file_id"):
+            assert (await files.get(done[name]))["expires_at"] == clock[0] + 7200
+    asyncio.run(main())

@@ -215,7 +215,7 @@ class Gateway:
         """POST /v1/files: multipart/form-data with `file` (JSON lines) and `purpose` (`batch`)."""
         if not request.content_type.startswith("multipart/"):
             raise protocol.invalid("file", "must be sent as multipart/form-data, with purpose")
-        content, filename, purpose = None, "file", None
+        content, filename, purpose, expires_after = None, "file", None, {}
         async for part in await request.multipart():
             if part.name == "file":
                 filename, data = part.filename or filename, bytearray()
@@ -226,11 +226,14 @@ class Gateway:
                 content = bytes(data)
             elif part.name == "purpose":
                 purpose = await part.text()
+            elif part.name in ("expires_after[anchor]", "expires_after[seconds]"):  # the SDKs' form of the object
+                expires_after[part.name[14:-1]] = await part.text()
         if content is None:
             raise protocol.invalid("file", "is required")
         if purpose is None:
             raise protocol.invalid("purpose", "is required")
-        return web.json_response(await self.files.create(content, filename, purpose))
+        seconds = batches.expiry(expires_after or None, "expires_after")
+        return web.json_response(await self.files.create(content, filename, purpose, seconds))
 
     async def list_files(self, request: web.Request) -> web.Response:
         return web.json_response(_page(await self.files.all(request.query.get("purpose")), request.query, "a file"))

@@ -43,14 +43,33 @@ def _now() -> int:
     return int(time.time())
 
 
+EXPIRY_S = (3600, 30 * 24 * 3600)  # what OpenAI's expires_after takes: an hour to 30 days after creation
+
+
+def expiry(value, field: str) -> int | None:
+    """Seconds after creation from an `expires_after` object ({"anchor": "created_at", "seconds": N}); None
+    for none; ApiError naming `field`."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or set(value) != {"anchor", "seconds"} or value["anchor"] != "created_at":
+        raise invalid(field, 'must be {"anchor": "created_at", "seconds": N}')
+    seconds = value["seconds"]
+    if isinstance(seconds, str) and seconds.isdigit():  # a multipart form's field is text
+        seconds = int(seconds)
+    if not isinstance(seconds, int) or isinstance(seconds, bool) or not EXPIRY_S[0] <= seconds <= EXPIRY_S[1]:
+        raise invalid(field, f"seconds must be an integer within [{EXPIRY_S[0]}, {EXPIRY_S[1]}], got {seconds!r}")
+    return seconds
+
+
 class Files:
     """Uploaded and written files: a file object kept as a stored record, its text as the one item of a record
-    of the same id in a store of its own (`contents`), so that reading or listing files reads no file's text."""
+    of the same id in a store of its own (`contents`), so that reading or listing files reads no file's text.
+    A file past its `expires_at` is gone: deleted by the first read or listing that finds it so."""
 
     def __init__(self, store):
         self.store, self.contents = store, store.sibling("contents")
 
-    async def create(self, content: bytes, filename: str, purpose: str) -> dict:
+    async def create(self, content: bytes, filename: str, purpose: str, expires_after_s: int | None = None) -> dict:
         if not self.store.enabled:
             raise invalid("file", "cannot be kept: this server keeps no files (its --responses-store-mb is 0)")
         if purpose not in PURPOSES:
@@ -59,9 +78,10 @@ class Files:
             text = content.decode("utf-8")
         except UnicodeDecodeError:
             raise invalid("file", "must be UTF-8 text (JSON lines)") from None
-        file = {"id": "file-" + uuid.uuid4().hex, "object": "file", "bytes": len(content), "created_at": _now(),
-                "filename": filename, "purpose": purpose, "status": "processed", "expires_at": None,
-                "status_details": None}
+        now = _now()
+        file = {"id": "file-" + uuid.uuid4().hex, "object": "file", "bytes": len(content), "created_at": now,
+                "filename": filename, "purpose": purpose, "status": "processed",
+                "expires_at": None if expires_after_s is None else now + expires_after_s, "status_details": None}
         if not await in_store(self.contents, self.contents.put, {"id": file["id"]}, [], None, [{"content": text}]):
             raise ApiError(413, f"the file ({len(content)} bytes) is larger than this server's store for files "
                                 "(--responses-store-mb)", "file")
@@ -70,11 +90,23 @@ class Files:
 
     async def get(self, file_id: str) -> dict:
         try:
-            return await in_store(self.store, self.store.get, file_id)
+            file = await in_store(self.store, self.store.get, file_id)
         except NotStored:
-            raise ApiError(404, f"No such File object: {file_id}", "file_id", "file_not_found") from None
+            file = None
+        if file is None or await self._expired(file):
+            raise ApiError(404, f"No such File object: {file_id}", "file_id", "file_not_found")
+        return file
+
+    async def _expired(self, file: dict) -> bool:
+        """Whether `file` is past its expires_at (then deleted, text and object)."""
+        if file.get("expires_at") is None or _now() < file["expires_at"]:
+            return False
+        await in_store(self.contents, self.contents.delete, file["id"])
+        await in_store(self.store, self.store.delete, file["id"])
+        return True
 
     async def content(self, file_id: str) -> str:
+        await self.get(file_id)  # not one past its expiry
         try:
             return (await in_store(self.contents, self.contents.input_items, file_id))[0]["content"]
         except NotStored:
@@ -88,7 +120,8 @@ class Files:
 
     async def all(self, purpose: str | None = None) -> list[dict]:
         """Every file (of that purpose), oldest first."""
-        return [file for file in await _all(self.store) if purpose is None or file["purpose"] == purpose]
+        return [file for file in await _all(self.store) if (purpose is None or file["purpose"] == purpose)
+                and not await self._expired(file)]
 
 
 class Batches:
@@ -119,6 +152,7 @@ class Batches:
         if not isinstance(metadata, dict) or len(metadata) > 16 or not all(
                 isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
             raise invalid("metadata", "must be an object of at most 16 string keys and values")
+        output_expiry = expiry(body.get("output_expires_after"), "output_expires_after")
         file_id = body.get("input_file_id")
         if not isinstance(file_id, str):
             raise invalid("input_file_id", "must be the id of an uploaded file")
@@ -143,7 +177,7 @@ class Batches:
             return batch
         await in_store(self.store, self.store.beat, batch["id"])  # before it is stored: never pending unbeaten
         await self._store(batch)
-        task = asyncio.create_task(self._run(batch, requests))
+        task = asyncio.create_task(self._run(batch, requests, output_expiry))
         self._tasks[batch["id"]] = task
         task.add_done_callback(lambda _task: self._tasks.pop(batch["id"], None))
         return batch
@@ -194,7 +228,7 @@ class Batches:
         if not await in_store(self.store, self.store.put, batch, [], None):
             raise ApiError(507, "this server's store for batches is full (--responses-store-mb)")
 
-    async def _run(self, batch: dict, requests: list[dict]) -> None:
+    async def _run(self, batch: dict, requests: list[dict], output_expiry: int | None = None) -> None:
         """Answer the requests, CONCURRENCY at a time, counting as they end; then the files and the end."""
         results: list[dict | None] = [None] * len(requests)
         counts, answered = batch["request_counts"], []
@@ -247,7 +281,7 @@ class Batches:
                 text = "".join(json.dumps(line, separators=(",", ":"), ensure_ascii=False) + "\n" for line in lines)
                 try:
                     files[name] = (await self.files.create(text.encode("utf-8"), f"{batch['id']}_{name[:-8]}.jsonl",
-                                                           "batch_output"))["id"]
+                                                           "batch_output", output_expiry))["id"]
                 except ApiError as exc:  # too large for the store: the batch says so
                     end = {"status": "failed", "failed_at": _now(), "errors": {"object": "list", "data": [
                         {"code": "output_too_large", "message": exc.message, "param": None, "line": None}]}}
