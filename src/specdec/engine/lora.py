@@ -208,6 +208,7 @@ class AdapterSet:
                 groups[group] = (a_flat, b_t, width)
             self.stacks.append(groups)
         self.bytes = sum(t.nbytes for groups in self.stacks for entry in groups.values() for t in entry[:2])
+        self.widths = {entry[2] for groups in self.stacks for entry in groups.values()}  # a slot's columns, per group
 
     def __len__(self) -> int:
         return len(self.adapters)
@@ -232,9 +233,8 @@ class AdapterSet:
                 return Plan(slots, present.pop(), {})
         # Rows of several adapters, or of data the host does not read (a graph captured): every adapter's
         # product for every row, each row keeping its own adapter's columns (masks made once a forward)
-        widths = {entry[2] for groups in self.stacks for entry in groups.values()}
         columns = torch.arange(1, len(self.adapters) + 1, device=slots.device)
-        masks = {width: (columns.repeat_interleave(width) == slots[:, None]).to(self.dtype) for width in widths}
+        masks = {width: (columns.repeat_interleave(width) == slots[:, None]).to(self.dtype) for width in self.widths}
         return Plan(slots, 0, masks)
 
     def add(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor, plan: "Plan") -> torch.Tensor:
