@@ -41,14 +41,14 @@ from specdec.serving import pairs
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _prepare(lm, slots: list[int], vocab: int, context: int, k: int) -> dict:
+def _prepare(lm, names: list[str], vocab: int, context: int, k: int) -> dict:
     """Each timed call of one setting: (rows, sequences) -> its steps, after prompts of `context` tokens."""
     gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, vocab, (context,), generator=gen).tolist() for _ in slots]
-    for seq, (prompt, slot) in enumerate(zip(prompts, slots), 1):
-        lm.extend_many([Step(seq, 0, prompt, 1, adapter=slot)])
+    prompts = [torch.randint(0, vocab, (context,), generator=gen).tolist() for _ in names]
+    for seq, (prompt, name) in enumerate(zip(prompts, names), 1):
+        lm.extend_many([Step(seq, 0, prompt, 1, adapter=name)])
     return {(width, count): [Step(seq, context, prompts[seq - 1][:width], width) for seq in range(1, count + 1)]
-            for width in (1, k + 1) for count in sorted({1, len(slots)})}
+            for width in (1, k + 1) for count in sorted({1, len(names)})}
 
 
 def served(args) -> str:
@@ -139,15 +139,16 @@ def main(argv=None) -> int:
         lora.save_adapter(directory / f"a{i}", weights, rank=args.rank, alpha=args.rank)
         paths[f"a{i}"] = str(directory / f"a{i}")
     batch = args.batch
-    settings = [("no adapters", {}, [0] * batch), ("base rows", paths, [0] * batch),
-                ("one adapter", paths, [1] * batch),
-                ("mixed", paths, [i % (args.adapters + 1) for i in range(batch)])]
+    names = [""] + list(paths)  # each row's adapter by name ("": the base model)
+    settings = [("no adapters", {}, [""] * batch), ("base rows", paths, [""] * batch),
+                ("one adapter", paths, [names[1]] * batch),
+                ("mixed", paths, [names[i % len(names)] for i in range(batch)])]
     executors = []
-    for name, adapters, slots in settings:  # built first, then timed in turns: this machine's speed drifts
+    for setting, adapters, rows_names in settings:  # built first, then timed in turns: this machine's speed drifts
         lm = static_executor(model, max_sequences=batch + 1, max_context=args.context + 64, max_batch=batch,
                              max_rows=args.k + 1, lora_adapters=adapters)
         lm.warm_up(time_budget_s=240)
-        executors.append((name, lm, _prepare(lm, slots, model.config.vocab_size, args.context, args.k)))
+        executors.append((setting, lm, _prepare(lm, rows_names, model.config.vocab_size, args.context, args.k)))
     times: dict = {}
     for _ in range(args.turns):
         for name, lm, calls in executors:

@@ -46,7 +46,8 @@ COMBINATIONS = {
                         "speculation": {"suffixCacheTokens": 262144}},
     "eagle-head": {"models": {"draft": {"method": "head", "path": "/models/eagle3-head"}}},
     "lora-adapters": {"models": {"loraAdapters": [{"name": "sql", "path": "/models/lora/sql"},
-                                                  {"name": "chat-v2", "path": "/models/lora/chat"}]}},
+                                                  {"name": "chat-v2", "path": "/models/lora/chat"}],
+                                 "loraDirectory": "/models/lora/library", "maxLoras": 6, "maxLoraRank": 32}},
     "skip-draft": {"models": {"draft": {"method": "skip", "skipLayers": "3,5-7"}}},
     "compile-cache-claim": {"compileCache": {"source": "existingClaim", "existingClaim": {"name": "specdec-kernels"}}},
     "spread-target": {"gpu": {"count": 4, "spreadTarget": True, "draftGpu": 3, "mps": True},
@@ -326,7 +327,8 @@ def pair_for(values: dict) -> PairSpec:
         kv_memory_fraction_draft=values["executor"]["kvMemoryFraction"]["draft"],
         prefix_caching=values["executor"]["prefixCaching"]["enabled"],
         prefix_cache_tokens=values["executor"]["prefixCaching"]["tokens"],
-        lora_adapters={adapter["name"]: adapter["path"] for adapter in models["loraAdapters"]})
+        lora_adapters={adapter["name"]: adapter["path"] for adapter in models["loraAdapters"]},
+        lora_directory=models["loraDirectory"], max_loras=models["maxLoras"], max_lora_rank=models["maxLoraRank"])
 
 
 @pytest.mark.parametrize("name, orchestrators", [("defaults", 1), ("cpu-only-ngram", 1), ("cpu-only-defaults", 2),

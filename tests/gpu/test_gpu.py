@@ -492,7 +492,7 @@ def test_lora_adapters_in_cuda_graphs_give_the_eager_logits(tiny_pair, tmp_path)
     assert graphs.forward.mode == "graphs"
     prompts = [[1 + i, 400, 2000 + i, 37, 912, 5, 77] for i in range(4)]
     for lm in (graphs, eager):
-        lm.extend_many([Step(i + 1, 0, prompts[i], 1, adapter=i % 3) for i in range(4)])
+        lm.extend_many([Step(i + 1, 0, prompts[i], 1, adapter=["", "a0", "a1"][i % 3]) for i in range(4)])
     for width in (1, 5):
         steps = [Step(i + 1, 7, [3, 4, 5, 6, 7][:width], width) for i in range(4)]
         for got, want in zip(graphs.extend_many(steps), eager.extend_many(steps)):

@@ -1,5 +1,6 @@
-"""LoRA adapters served (engine/lora.py): the session's tiny pair serves one (`pairs.TINY_LORA`). A request
-that names it generates what the target with the adapter merged into its weights generates (transformers,
+"""LoRA adapters served (engine/lora.py): the session's tiny pair serves one (`pairs.TINY_LORA`), and two more
+from its directory of adapters (`pairs.TINY_LORA_LIBRARY`, read on demand into one slot). A request that
+names one generates what the target with the adapter merged into its weights generates (transformers,
 float64, in process), speculating or not, over gRPC, HTTP, the OpenAI API and vLLM's sampling_parameters;
 a name the server does not serve is refused naming the field, and the server goes on serving."""
 
@@ -13,7 +14,7 @@ import torch
 from client import Client, GenerationParams
 from specdec import tensor_names as tn
 from specdec.engine import lora
-from specdec.serving.pairs import TINY_LORA
+from specdec.serving.pairs import TINY_LORA, TINY_LORA_LIBRARY
 
 from .helpers import GenerationError, grpc_stream, http_generate
 from .test_generation_api import _rendered_parameter
@@ -109,7 +110,7 @@ def test_the_openai_api_serves_an_adapter_as_a_model_of_its_name(server, merged_
 
 
 def test_an_adapter_the_server_does_not_serve_is_refused_naming_the_field(server, merged_greedy):
-    refused = f"input '{tn.LORA_NAME}': no LoRA adapter 'nope' \\(served: {TINY_LORA}\\)"
+    refused = f"input '{tn.LORA_NAME}': no LoRA adapter 'nope' \\(served: {TINY_LORA}; none in .*lora-library\\)"
     with pytest.raises(GenerationError, match=refused):
         grpc_stream(server.grpc_url, PROMPTS[0], max_tokens=4, **{tn.LORA_NAME: _name("nope")})
     with pytest.raises(Exception, match="'lora_name': no LoRA adapter 'nope'"):
@@ -117,3 +118,73 @@ def test_an_adapter_the_server_does_not_serve_is_refused_naming_the_field(server
     got = grpc_stream(server.grpc_url, PROMPTS[0], max_tokens=16, num_draft_tokens=4, end_id=0,
                       **{tn.LORA_NAME: _name(TINY_LORA)})  # and it goes on serving
     assert got[tn.TEXT_OUTPUT] == merged_greedy(PROMPTS[0], 16)
+
+
+def _merged_greedy_of(server, name: str):
+    """Greedy text (transformers) of the served target with the directory's adapter `name` merged in."""
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = _rendered_parameter(server, "target_model", "model_path")
+    directory = Path(_rendered_parameter(server, "target_model", "lora_directory"))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    adapter = lora.load_adapter(name, directory / name, model)
+    with torch.no_grad():
+        for (layer, module), (a, b) in adapter.weights.items():
+            getattr(getattr(model.model.layers[layer], lora.MODULES[module][0]), module).weight += b @ a
+
+    def run(prompt: str, n: int) -> str:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+        return tokenizer.decode(out[0, ids.shape[1]:].tolist(), skip_special_tokens=True)
+
+    return run
+
+
+def test_a_directorys_adapters_are_read_on_demand_and_take_turns_in_their_slot(server, merged_greedy):
+    """The directory's two adapters share one slot (max_loras 2, the served adapter's held for good): each
+    request's text is its adapter's, one after the other (each read again over the other) and at once (one
+    waits for the slot, as a request waits for KV room), and the OpenAI API lists them as models."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    want = {name: _merged_greedy_of(server, name) for name in TINY_LORA_LIBRARY}
+    first, second = TINY_LORA_LIBRARY
+    texts = {name: {prompt: want[name](prompt, 16) for prompt in PROMPTS} for name in TINY_LORA_LIBRARY}
+    assert texts[first] != texts[second]
+
+    def generate(name: str, prompt: str, tokens: int = 16) -> str:
+        return grpc_stream(server.grpc_url, prompt, max_tokens=tokens, num_draft_tokens=4, end_id=0,
+                           **{tn.LORA_NAME: _name(name)})[tn.TEXT_OUTPUT]
+
+    rejected = server.metric("specdec_requests_total", finish_reason="rejected")
+    for prompt in PROMPTS:  # a, b, a, ...: each read into the slot the other held
+        for name in (first, second):
+            assert generate(name, prompt) == texts[name][prompt], (name, prompt)
+    # at once, with the served adapter and the base model beside them: the one whose first step finds the slot
+    # held by the other's running request waits for it
+    jobs = [(name, prompt) for prompt in PROMPTS for name in (first, second, TINY_LORA, "")]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        got = list(pool.map(lambda job: generate(*job), jobs))
+    for (name, prompt), text in zip(jobs, got):
+        expected = texts[name][prompt] if name in texts else merged_greedy(prompt, 16, adapted=name == TINY_LORA)
+        assert text == expected, (name, prompt)
+    assert server.metric("specdec_requests_total", finish_reason="rejected") == rejected
+    # a name of the directory's that is no adapter, or that would leave it: refused naming the field
+    for name in ("nope", "../tiny-lora-a"):
+        with pytest.raises(GenerationError, match=f"input '{tn.LORA_NAME}': no LoRA adapter"):
+            grpc_stream(server.grpc_url, PROMPTS[0], max_tokens=4, **{tn.LORA_NAME: _name(name)})
+    # the OpenAI API: the directory's adapters are models of their names, their base the parent
+    client = openai.OpenAI(base_url=server.openai_url, api_key="unused", max_retries=0, timeout=120)
+    try:
+        cards = {card.id: card for card in client.models.list().data}
+        base = next(iter(cards))
+        assert [*cards][1:] == [TINY_LORA, *TINY_LORA_LIBRARY]
+        assert all(cards[name].model_extra["parent"] == base for name in TINY_LORA_LIBRARY)
+        text = client.completions.create(model=second, prompt=PROMPTS[1], max_tokens=16, temperature=0,
+                                         extra_body={"ignore_eos": True}).choices[0].text
+        assert text == texts[second][PROMPTS[1]]
+    finally:
+        client.close()

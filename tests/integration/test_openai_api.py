@@ -23,7 +23,7 @@ import pytest
 from specdec import tensor_names as tn
 from specdec.serving import metrics_text
 from specdec.serving.healthcheck import answers, gateway_url
-from specdec.serving.pairs import TINY_LORA
+from specdec.serving.pairs import TINY_LORA, TINY_LORA_LIBRARY
 from specdec.serving.server import free_ports
 
 from .helpers import GenerationError, ensemble_inputs, grpc_stream
@@ -69,7 +69,7 @@ def _messages_stream(server, messages, **params) -> dict:
 def test_models_health_and_an_unknown_model(server, api, model):
     assert answers(gateway_url(server.openai_port), 5)
     # the served model, then the session's LoRA adapter (a model of its own name, its parent the served one)
-    assert [m.id for m in api.models.list().data] == [model, TINY_LORA] and api.models.retrieve(model).id == model
+    assert [m.id for m in api.models.list().data] == [model, TINY_LORA, *TINY_LORA_LIBRARY] and api.models.retrieve(model).id == model
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         api.chat.completions.create(model="no-such-model", messages=CHAT, max_tokens=4)
 
@@ -930,8 +930,8 @@ def test_anthropic_messages_answer_as_the_chat_does_whole_streamed_and_counted(a
     assert set(events[2:-3]) == {"content_block_delta"}
     counted = claude.messages.count_tokens(model=model, system=SYSTEM, messages=ASK)
     assert counted.input_tokens == chat.usage.prompt_tokens
-    card, adapter = claude.models.list().data  # Anthropic's model list, from the same endpoint (then the adapter)
-    assert adapter.id == TINY_LORA
+    card, *adapters = claude.models.list().data  # Anthropic's model list, from the same endpoint (then the adapters)
+    assert [adapter.id for adapter in adapters] == [TINY_LORA, *TINY_LORA_LIBRARY]
     assert (card.id, card.type, card.display_name) == (model, "model", model) and card.created_at.year >= 2026
     assert claude.models.retrieve(model).id == model
 

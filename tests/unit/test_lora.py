@@ -5,14 +5,15 @@ that do not fit the model are refused naming their path."""
 
 import copy
 import json
+import re
 
 import pytest
 import torch
 
 from specdec.engine import lora
-from specdec.engine.lora_config import parse_adapters
+from specdec.engine.lora_config import directory_adapter, directory_adapters, parse_adapters
 from specdec.engine.build import ExecutorConfig, build_executor, dynamic_executor, static_executor
-from specdec.engine.errors import CacheError
+from specdec.engine.errors import CacheError, CapacityError
 from specdec.engine.executor import Step
 
 
@@ -58,7 +59,7 @@ def test_an_adapted_sequence_computes_the_merged_model(tiny_lm, adapters):
     ids = prompt(21)
     for slot, (name, (_, weights, scale)) in enumerate(adapters.items(), 1):
         reference = executor(merged(tiny_lm, weights, scale))
-        got = lm.extend_many([Step(slot, 0, ids, 3, adapter=slot)])[0]
+        got = lm.extend_many([Step(slot, 0, ids, 3, adapter=name)])[0]
         want = reference.extend(1, 0, ids, 3)
         assert torch.allclose(got, want, atol=1e-10), name
         # the next steps (a verify of 3 rows after a rollback) go on with the sequence's adapter
@@ -73,7 +74,7 @@ def test_an_adapted_sequence_computes_the_merged_model(tiny_lm, adapters):
 def test_sequences_of_different_adapters_in_one_forward_compute_what_each_does_alone(tiny_lm, adapters):
     names = {name: path for name, (path, _, _) in adapters.items()}
     together, alone = executor(tiny_lm, names), executor(tiny_lm, names)
-    steps = [Step(i, 0, prompt(9 + i, seed=i), 2, adapter=i % 3) for i in range(4)]
+    steps = [Step(i, 0, prompt(9 + i, seed=i), 2, adapter=['', 'every', 'some'][i % 3]) for i in range(4)]
     batched = together.extend_many(steps)
     for step, logits in zip(steps, batched):
         assert torch.allclose(logits, alone.extend_many([step])[0], atol=1e-12)
@@ -87,25 +88,25 @@ def test_a_prompt_takes_cached_blocks_of_its_own_adapter_only(tiny_lm, adapters)
     names = {name: path for name, (path, _, _) in adapters.items()}
     lm = executor(tiny_lm, names)
     ids = prompt(26)
-    first = lm.extend_many([Step(1, 0, ids, 1, adapter=1)])[0]
+    first = lm.extend_many([Step(1, 0, ids, 1, adapter='every')])[0]
     assert lm.prefix_hit_tokens == 0
-    other = lm.extend_many([Step(2, 0, ids, 1, adapter=2)])[0]  # the same prompt, another adapter
+    other = lm.extend_many([Step(2, 0, ids, 1, adapter='some')])[0]  # the same prompt, another adapter
     base = lm.extend(3, 0, ids, 1)
     assert lm.prefix_hit_tokens == 0  # neither took the first's blocks
-    again = lm.extend_many([Step(4, 0, ids, 1, adapter=1)])[0]
+    again = lm.extend_many([Step(4, 0, ids, 1, adapter='every')])[0]
     assert lm.prefix_hit_tokens == 24 and torch.allclose(again, first, atol=1e-12)
-    assert lm.extend_many([Step(5, 0, ids, 1, adapter=2)])[0].allclose(other, atol=1e-12)
+    assert lm.extend_many([Step(5, 0, ids, 1, adapter='some')])[0].allclose(other, atol=1e-12)
     assert lm.extend(6, 0, ids, 1).allclose(base, atol=1e-12)
     assert lm.prefix_hit_tokens == 72
 
 
 def test_an_adapter_the_executor_does_not_serve_is_refused_for_that_sequence(tiny_lm, adapters):
     lm = executor(tiny_lm, {"every": adapters["every"][0]})
-    bad, good = lm.extend_many([Step(1, 0, [1, 2], 1, adapter=2), Step(2, 0, [1, 2], 1, adapter=1)])
-    assert isinstance(bad, CacheError) and "LoRA adapter 2" in str(bad) and 1 not in lm.sequences
+    bad, good = lm.extend_many([Step(1, 0, [1, 2], 1, adapter="some"), Step(2, 0, [1, 2], 1, adapter="every")])
+    assert isinstance(bad, CacheError) and "no LoRA adapter 'some' (served: every)" in str(bad) and 1 not in lm.sequences
     assert good.shape == (1, 97)
     plain = executor(tiny_lm)
-    assert isinstance(plain.extend_many([Step(1, 0, [1], 1, adapter=1)])[0], CacheError)
+    assert isinstance(plain.extend_many([Step(1, 0, [1], 1, adapter="every")])[0], CacheError)
 
 
 def test_adapters_need_the_static_executor(tiny_lm, adapters):
@@ -143,6 +144,100 @@ def test_adapter_lists_parse_or_name_the_field():
                         ('{"a": 1}', "JSON object")):
         with pytest.raises(ValueError, match=f"lora_adapters: .*{match}"):
             parse_adapters(text, "lora_adapters")
+
+
+@pytest.fixture(scope="module")
+def library(tiny_lm, tmp_path_factory):
+    """A directory of adapters (lora_directory): three of rank 2-4 at DIR/NAME, one of an owner at
+    DIR/OWNER/NAME, one of rank 8, and a folder that holds no adapter; {name: (weights, scale)}."""
+    root = tmp_path_factory.mktemp("library")
+    found = {}
+    for i, (name, rank) in enumerate((("a", 4), ("b", 2), ("c", 4), ("team/d", 3), ("wide", 8))):
+        weights = lora.random_adapter(tiny_lm, rank=rank, seed=10 + i, modules=tuple(lora.MODULES)[i % 3:])
+        lora.save_adapter(root / name, weights, rank=rank, alpha=2 * rank)
+        found[name] = (weights, 2.0)
+    (root / "notes").mkdir()
+    return root, found
+
+
+def test_a_directorys_adapters_are_read_when_first_named_and_the_least_recently_used_idle_one_makes_room(
+        tiny_lm, library, adapters):
+    root, found = library
+    lm = executor(tiny_lm, {"every": adapters["every"][0]}, lora_directory=str(root), max_loras=3, max_lora_rank=4)
+    held = lm.adapters
+    assert len(held) == 3 and held.names == ("every",) and held.rank == 4
+    ids = prompt(21)
+    want = {name: executor(merged(tiny_lm, *found[name])).extend(1, 0, ids, 2) for name in ("a", "b", "c", "team/d")}
+
+    def run(seq, name):
+        out = lm.extend_many([Step(seq, 0, ids, 2, adapter=name)])[0]
+        if not isinstance(out, Exception):
+            assert torch.allclose(out, want[name], atol=1e-10), name
+        return out
+
+    run(1, "a")
+    lm.release(1)
+    run(2, "b")  # the two free slots: a's and b's
+    assert held.names == ("every", "a", "b")
+    run(3, "c")  # a's slot is the least recently used, and no sequence runs a
+    assert held.names == ("every", "c", "b")
+    # every slot runs a sequence's adapter (lora_adapters' for good): refused, retry later, nothing kept
+    busy = run(4, "team/d")
+    assert isinstance(busy, CapacityError) and "each of the 3 LoRA slots" in str(busy) and 4 not in lm.sequences
+    lm.release(2)
+    run(4, "team/d")  # b's slot now
+    assert held.names == ("every", "c", "team/d")
+    # sequences of every held adapter and the base model in one forward: each as alone
+    steps = [Step(10 + i, 0, ids, 2, adapter=name) for i, name in enumerate(("c", "", "team/d", "every", "c"))]
+    for step, logits in zip(steps, lm.extend_many(steps)):
+        alone = executor(tiny_lm, {"every": adapters["every"][0]}, lora_directory=str(root), max_loras=3,
+                         max_lora_rank=4).extend_many([step])[0]
+        assert torch.allclose(logits, alone, atol=1e-10), step.adapter
+    # what is not in the directory, or above max_lora_rank, or a name leaving it: refused naming it
+    for name, message in (("nope", f"no LoRA adapter 'nope' \\(served: every, c, team/d; none in lora_directory {root}"),
+                          ("notes", "no LoRA adapter 'notes'"), ("../library", "no LoRA adapter '../library'"),
+                          ("wide", "has rank 8; max_lora_rank is 4")):
+        for seq in list(lm.sequences):
+            lm.release(seq)
+        out = lm.extend_many([Step(20, 0, ids, 2, adapter=name)])[0]
+        assert isinstance(out, CacheError) and re.search(message, str(out)), (name, out)
+        assert 20 not in lm.sequences
+
+
+def test_a_slot_taken_by_another_adapter_does_not_serve_the_blocks_its_earlier_adapter_computed(tiny_lm, library):
+    root, found = library
+    lm = executor(tiny_lm, lora_directory=str(root), max_loras=1, max_lora_rank=4)
+    ids = prompt(26)
+    first = lm.extend_many([Step(1, 0, ids, 1, adapter="a")])[0]
+    lm.release(1)
+    assert lm.extend_many([Step(2, 0, ids, 1, adapter="a")])[0].allclose(first, atol=1e-12)
+    assert lm.prefix_hit_tokens == 24  # a's own blocks, found again
+    lm.release(2)
+    other = lm.extend_many([Step(3, 0, ids, 1, adapter="b")])[0]  # b takes a's slot
+    assert lm.prefix_hit_tokens == 24  # and none of a's blocks
+    assert torch.allclose(other, executor(merged(tiny_lm, *found["b"])).extend(1, 0, ids, 1), atol=1e-10)
+    lm.release(3)
+    again = lm.extend_many([Step(4, 0, ids, 1, adapter="a")])[0]  # a read again: a new key, b's blocks not its
+    assert lm.prefix_hit_tokens == 24 and again.allclose(first, atol=1e-10)
+
+
+def test_a_directory_lists_its_adapters_and_keeps_names_inside_it(library):
+    root, _ = library
+    assert directory_adapters(root) == ["a", "b", "c", "team/d", "wide"]
+    assert directory_adapter(root, "team/d") == root / "team" / "d"
+    for name in ("../library", "team/../a", "./a", "team//d", "notes", "", "a b"):
+        assert directory_adapter(root, name) is None, name
+    assert directory_adapters(root / "missing") == [] and directory_adapter("", "a") is None
+
+
+def test_slots_and_ranks_that_cannot_hold_the_adapters_are_refused(tiny_lm, library, adapters):
+    root, _ = library
+    with pytest.raises(ValueError, match="max_loras=1 holds no adapter of lora_directory beside the 1 of lora_adapters"):
+        executor(tiny_lm, {"every": adapters["every"][0]}, lora_directory=str(root), max_loras=1)
+    with pytest.raises(ValueError, match="'every' has rank 4; max_lora_rank is 2"):
+        executor(tiny_lm, {"every": adapters["every"][0]}, lora_directory=str(root), max_lora_rank=2)
+    lm = executor(tiny_lm, lora_directory=str(root))  # the defaults: 4 slots of rank 16
+    assert (len(lm.adapters), lm.adapters.rank, lm.adapters.names) == (lora.DIRECTORY_SLOTS, lora.DIRECTORY_RANK, ())
 
 
 def test_rows_of_several_adapters_add_what_each_rows_own_adapter_adds(tiny_lm, adapters):

@@ -174,5 +174,20 @@ def test_render_and_launcher_flag_for_lora_adapters(tmp_path):
     value = f"sql={tmp_path / 'sql'},chat-v2={tmp_path / 'chat'}"
     for model in ("target_model", "speculative_decoding"):
         assert f'key: "lora_adapters", value: {{ string_value: "{value}" }}' in (repo / model / "config.pbtxt").read_text()
-    assert served_adapters(repo) == ["sql", "chat-v2"]
-    assert served_adapters(render(base, tmp_path / "plain")) == []
+    assert served_adapters(repo) == (["sql", "chat-v2"], "")
+    assert served_adapters(render(base, tmp_path / "plain")) == ([], "")
+    # --lora-directory, --max-loras, --max-lora-rank: the target's parameters, the orchestrator's directory
+    library = tmp_path / "library"
+    library.mkdir()
+    pair = with_lora_adapters(base, [f"sql={tmp_path / 'sql'}"], str(library), 3, 8)
+    repo = render(pair, tmp_path / "with-library")
+    target = (repo / "target_model" / "config.pbtxt").read_text()
+    for key, value in (("lora_directory", str(library)), ("max_loras", "3"), ("max_lora_rank", "8")):
+        assert f'key: "{key}", value: {{ string_value: "{value}" }}' in target, key
+    assert served_adapters(repo) == (["sql"], str(library))
+    for args, message in (([[], str(tmp_path / "none")], "--lora-directory .*none: not a directory"),
+                          ([[f"sql={tmp_path / 'sql'}"], str(library), 1], "--max-loras 1 holds no adapter of "
+                                                                             "--lora-directory beside the 1"),
+                          ([[], "", -1], "counts")):
+        with pytest.raises(ValueError, match=message):
+            with_lora_adapters(base, *args)

@@ -67,6 +67,11 @@ class ExecutorConfig:
     attention: str = "auto"  # tn.ATTENTION_KINDS: the paged kernel or a gathered window and SDPA
     # LoRA adapters served over the model (lora.py): (name, directory) pairs; the static executor only
     lora_adapters: tuple[tuple[str, str], ...] = ()
+    # a directory of adapters read on demand (DIRECTORY/NAME) into max_loras slots of rank up to max_lora_rank
+    # (0: lora.AdapterSet's defaults)
+    lora_directory: str = ""
+    max_loras: int = 0
+    max_lora_rank: int = 0
 
 
 def dynamic_executor(model, max_sequences: int = 256, idle_timeout_s: float = 600.0,
@@ -89,11 +94,13 @@ def static_executor(model, max_sequences: int = 256, idle_timeout_s: float = 600
                     fuse_mlp: bool | None = None, prefix_caching: bool = True, prefill_rows: int = 0,
                     log: Callable[[str], None] = lambda message: None, hidden_layers: tuple[int, ...] = (),
                     skip_layers: tuple[int, ...] | None = None, attention: str = "auto",
-                    lora_adapters: dict[str, str] | None = None) -> Executor:
+                    lora_adapters: dict[str, str] | None = None, lora_directory: str = "", max_loras: int = 0,
+                    max_lora_rank: int = 0) -> Executor:
     """The static Llama forward over a paged pool (see the module's docstring; the arguments are
     `PagedKV`'s and `StaticForward`'s). skip_layers, a layer-skip draft: captured with CUDA graphs, that
     set for life; eagerly `LayerSkipForward` over the static forward (a set per sequence, no prefix caching).
-    lora_adapters: {name: directory} of LoRA adapters a sequence may run (lora.py)."""
+    lora_adapters: {name: directory} of LoRA adapters a sequence may run (lora.py); lora_directory, one whose
+    adapters are read on demand, max_loras slots of rank up to max_lora_rank (lora.AdapterSet)."""
     problem = supports(model)
     if problem:
         raise ValueError(f"the static executor cannot run this model: {problem}")
@@ -101,9 +108,10 @@ def static_executor(model, max_sequences: int = 256, idle_timeout_s: float = 600
         raise ValueError(f"compile must be one of {tn.COMPILE_MODES}, got {compile!r}")
     layers = len(model.model.layers)
     skip = None if skip_layers is None else check_skip(tuple(skip_layers), layers)
-    if lora_adapters and skip is not None:
+    if (lora_adapters or lora_directory) and skip is not None:
         raise ValueError("LoRA adapters are served on a target, not on a layer-skip draft")
-    adapters = lora.load_adapters(model, dict(lora_adapters or {}))  # before the pool takes its memory
+    # before the pool takes its memory
+    adapters = lora.load_adapters(model, dict(lora_adapters or {}), max_loras, max_lora_rank, lora_directory)
     per_sequence = skip is not None and StaticForward.mode_for(compile, model.device) == "off"
     kv = PagedKV(model, max_sequences, max_context, kv_pool_tokens, kv_memory_fraction, block_size,
                  prefix_caching and not per_sequence, log)
@@ -113,7 +121,9 @@ def static_executor(model, max_sequences: int = 256, idle_timeout_s: float = 600
     if per_sequence:
         forward = LayerSkipForward(forward, model, skip)
     if adapters is not None:
-        log(f"LoRA adapters: {', '.join(adapters.names)} ({adapters.bytes / 2**20:.1f} MiB)")
+        log(f"LoRA adapters: {', '.join(adapters.names) or 'none held'}; {len(adapters)} slots of rank {adapters.rank}"
+            f"{', adapters of ' + lora_directory + ' read on demand' if lora_directory else ''} "
+            f"({adapters.bytes / 2**20:.1f} MiB)")
     return Executor(model, kv, forward, max_sequences=max_sequences, idle_timeout_s=idle_timeout_s, clock=clock,
                     adapters=adapters)
 
@@ -148,8 +158,9 @@ def build_executor(model, config: ExecutorConfig, log: Callable[[str], None] = l
             # eagerly, padding prompts into buckets would only cost
             prefill_rows=config.prefill_graph_rows if wants_graphs else 0, min_window=config.min_window, log=log,
             hidden_layers=config.hidden_layers, skip_layers=config.skip_layers, attention=config.attention,
-            lora_adapters=dict(config.lora_adapters))
-    if config.lora_adapters:
+            lora_adapters=dict(config.lora_adapters), lora_directory=config.lora_directory,
+            max_loras=config.max_loras, max_lora_rank=config.max_lora_rank)
+    if config.lora_adapters or config.lora_directory:
         raise ValueError(f"LoRA adapters need the static executor (executor={config.executor}"
                          f"{': ' + unsupported if unsupported else ', which did not take it on this device and dtype'})")
     if config.compile == "graphs":

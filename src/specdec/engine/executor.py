@@ -145,8 +145,9 @@ class Executor:
                     f" but cache_length={keep} was requested")
             if len(self.sequences) >= self.max_sequences:
                 raise CapacityError(f"too many live sequences ({self.max_sequences}, max_sequences); {tn.RETRY_LATER}")
+            adapter = self._adapter_slot(step.adapter) if step.adapter else 0
             seq = self.sequences[seq_id] = self.kv.new_sequence()
-            seq.adapter = step.adapter
+            seq.adapter, seq.adapter_key = adapter, self.adapters.key(adapter) if adapter else 0
             try:
                 cached, queried = self._reuse_prefix(seq, step, 0)
                 self.kv.reserve(seq, grow)
@@ -201,10 +202,19 @@ class Executor:
 
     def _adapter_problem(self, step: Step) -> str | None:
         """What is wrong with a step's LoRA adapter, or None."""
-        served = len(self.adapters) if self.adapters is not None else 0
-        if not 0 < step.adapter <= served:
-            return f"LoRA adapter {step.adapter} asked for; this model serves {served}"
-        return None
+        if self.adapters is None:
+            return f"no LoRA adapter {step.adapter!r} (this model serves none)"
+        return self.adapters.problem(step.adapter)
+
+    def _adapter_slot(self, name: str) -> int:
+        """A new sequence's adapter's slot, the adapter read into one if it is not held (a slot that running
+        sequences' adapter holds is not taken); CacheError (CapacityError: every slot is held so) saying why."""
+        try:
+            return self.adapters.acquire(name, {seq.adapter for seq in self.sequences.values()})
+        except CacheError:
+            raise
+        except ValueError as exc:  # an adapter of the directory that does not fit the model
+            raise CacheError(str(exc)) from None
 
     def _reuse_prefix(self, seq, step: Step, start: int) -> tuple[int, int]:
         """A new sequence's first step, or the next chunk of a prompt sent in chunks (steps wanting no

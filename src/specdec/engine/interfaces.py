@@ -50,8 +50,9 @@ class Step(NamedTuple):
     # propose, for a trained head (head_executor.py): (rows, F) the target's features at the rows positions
     # before the last new token (fewer than it needs: the first ones are missing)
     features: torch.Tensor | None = None
-    # a new sequence's LoRA adapter (lora.AdapterSet's slot; 0: the base model), taken at its first step
-    adapter: int = 0
+    # a new sequence's LoRA adapter by name ("": the base model), taken at its first step (lora.AdapterSet
+    # gives it a slot, reading it from its directory if it is not held)
+    adapter: str = ""
 
 
 class Scored(NamedTuple):

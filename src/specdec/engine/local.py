@@ -97,10 +97,11 @@ class LocalScorer:
         step = Step(call.seq_id, call.keep, call.new_ids, call.num_positions + call.score_rows, reserve=call.reserve,
                     whole=call.want_features,  # a head reads every position's features
                     tree=call.tree, path=call.path, score_rows=call.score_rows,
-                    # the sequence's LoRA adapter by name (ValueError naming the ones served)
-                    adapter=self.lm.adapters.slot(call.adapter) if call.adapter and self.lm.adapters else 0)
-        if call.adapter and not self.lm.adapters:
-            raise ValueError(f"no LoRA adapter {call.adapter!r} (this executor serves none)")
+                    adapter=call.adapter)  # the sequence's LoRA adapter by name
+        problem = call.adapter and (self.lm.adapters.problem(call.adapter) if self.lm.adapters else
+                                    f"no LoRA adapter {call.adapter!r} (this executor serves none)")
+        if problem:
+            raise ValueError(problem)
         started = time.perf_counter()
         with _no_capacity():
             result = await (self._with_hidden if call.want_features else self._plain)(step)

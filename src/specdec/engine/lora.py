@@ -34,9 +34,9 @@ from typing import NamedTuple
 
 import torch
 
-from specdec.engine.lora_config import NAME
+from specdec.engine.errors import CapacityError
+from specdec.engine.lora_config import CONFIG, NAME, directory_adapter
 
-CONFIG = "adapter_config.json"
 WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 # A layer's adaptable projections, in the order the forward fuses them: its module and its product group.
 MODULES = {"q_proj": ("self_attn", "qkv"), "k_proj": ("self_attn", "qkv"), "v_proj": ("self_attn", "qkv"),
@@ -45,6 +45,10 @@ MODULES = {"q_proj": ("self_attn", "qkv"), "k_proj": ("self_attn", "qkv"), "v_pr
 GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
           "down": ("down_proj",)}
 # PEFT's key of a layer's projection's A or B (vLLM's renamed copies drop the prefix; an adapter name may follow)
+# With a lora_directory and no max_loras / max_lora_rank given: slots beside lora_adapters' (vLLM's
+# --max-loras is 1; a few let a few adapters' requests run side by side), and vLLM's --max-lora-rank default
+DIRECTORY_SLOTS = 4
+DIRECTORY_RANK = 16
 _KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])"
                   r"(?:\.[\w-]+)?\.weight$")
 
@@ -173,53 +177,130 @@ class AdapterSet:
     """The adapters a model serves, by slot (1, 2, ...; 0 is the base model), laid out per layer and product
     group for the forward: A (S R, in) and B transposed (S R, out), slot s's ranks at rows [(s - 1) R, s R) of
     both (R the group's ranks side by side, zeros where an adapter has fewer or leaves a module alone; B
-    transposed so that a slot's rows are contiguous, what a CPU's small products want)."""
+    transposed so that a slot's rows are contiguous, what a CPU's small products want).
 
-    def __init__(self, model, adapters: list[Adapter]):
+    `adapters` hold the first slots for good. With a `directory` (vLLM's LoRA resolver, SGLang's
+    --max-loaded-loras), an adapter a request names that is not held is read from DIRECTORY/NAME into a free
+    slot, or into the least recently used one whose adapter no running sequence runs: `slots` in all (0:
+    the adapters', and DIRECTORY_SLOTS more with a directory), each of rank up to `rank` (0: the adapters'
+    largest, at least DIRECTORY_RANK with a directory). The tensors keep their shapes (a CUDA graph's captured products read them in place).
+    A slot's `key` is new at every load: a prefix cache keyed by it never serves one adapter's blocks to
+    another that took the slot later."""
+
+    def __init__(self, model, adapters: list[Adapter], slots: int = 0, rank: int = 0,
+                 directory: str = ""):
         names = [adapter.name for adapter in adapters]
         if len(set(names)) != len(names):
             raise ValueError(f"LoRA adapters named twice: {sorted(n for n in set(names) if names.count(n) > 1)}")
-        self.adapters = adapters
-        self.names = tuple(names)
-        shapes = _shapes(model)
+        largest = max((adapter.rank for adapter in adapters), default=0)
+        self.rank = rank = rank or max(largest, DIRECTORY_RANK if directory else 0)
+        if largest > rank:
+            raise ValueError(f"LoRA adapter {max(adapters, key=lambda a: a.rank).name!r} has rank {largest}; "
+                             f"max_lora_rank is {rank}")
+        capacity = slots or len(adapters) + (DIRECTORY_SLOTS if directory else 0)
+        if capacity < len(adapters) or (directory and capacity <= len(adapters)):
+            raise ValueError(f"max_loras={capacity} holds {'no adapter of lora_directory beside ' if directory else ''}"
+                             f"the {len(adapters)} of lora_adapters")
+        self.directory = directory
+        self.model = model
+        self.slots: list[str | None] = names + [None] * (capacity - len(adapters))  # slot s's adapter at s - 1
+        self.pinned = len(adapters)  # lora_adapters' slots: never taken over
+        self.keys = list(range(1, capacity + 1))  # slot s's key at s - 1 (`key`)
+        self._next_key = capacity + 1
+        self._used = list(range(capacity))  # slot indices, least recently used first
+        self._shapes = shapes = _shapes(model)
         dtype, device = next(model.parameters()).dtype, model.device
         self.dtype = dtype = dtype if dtype.is_floating_point else torch.float32
-        rank = max(adapter.rank for adapter in adapters) if adapters else 0
         self.stacks: list[dict[str, tuple[torch.Tensor, torch.Tensor, int]]] = []
         for layer in range(len(model.model.layers)):
             groups = {}
             for group, modules in GROUPS.items():
-                if not any((layer, m) in a.weights for a in adapters for m in modules):
-                    continue  # no adapter touches it: nothing to add
+                if not directory and not any((layer, m) in a.weights for a in adapters for m in modules):
+                    continue  # no adapter touches it (nor can a later one): nothing to add
                 inputs, outs = shapes[modules[0]][0], [shapes[m][1] for m in modules]
                 width = rank * len(modules)  # a slot's columns
-                a_flat = torch.zeros(len(adapters) * width, inputs, dtype=dtype, device=device)
-                b_t = torch.zeros(len(adapters) * width, sum(outs), dtype=dtype, device=device)
-                for slot, adapter in enumerate(adapters):
-                    row = 0
-                    for j, module in enumerate(modules):
-                        pair = adapter.weights.get((layer, module))
-                        column = slot * width + j * rank
-                        if pair is not None:
-                            a, b = pair
-                            a_flat[column:column + a.shape[0]] = a
-                            b_t[column:column + b.shape[1], row:row + outs[j]] = b.t()
-                        row += outs[j]
-                groups[group] = (a_flat, b_t, width)
+                groups[group] = (torch.zeros(capacity * width, inputs, dtype=dtype, device=device),
+                                 torch.zeros(capacity * width, sum(outs), dtype=dtype, device=device), width)
             self.stacks.append(groups)
+        for index, adapter in enumerate(adapters):
+            self._write(index, adapter)
         self.bytes = sum(t.nbytes for groups in self.stacks for entry in groups.values() for t in entry[:2])
         self.widths = {entry[2] for groups in self.stacks for entry in groups.values()}  # a slot's columns, per group
 
     def __len__(self) -> int:
-        return len(self.adapters)
+        return len(self.slots)
 
-    def slot(self, name: str) -> int:
-        """An adapter's slot by name ("" : the base model, 0); ValueError naming the adapters served."""
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The adapters held now."""
+        return tuple(name for name in self.slots if name is not None)
+
+    def _write(self, index: int, adapter: Adapter) -> None:
+        """Slot index + 1 takes `adapter`'s matrices (in place; zeros where it leaves a module alone)."""
+        outs_of = {module: self._shapes[module][1] for module in MODULES}
+        for layer, groups in enumerate(self.stacks):
+            for group, (a_flat, b_t, width) in groups.items():
+                first = index * width
+                a_flat[first:first + width].zero_()
+                b_t[first:first + width].zero_()
+                row = 0
+                for j, module in enumerate(GROUPS[group]):
+                    pair = adapter.weights.get((layer, module))
+                    column = first + j * self.rank
+                    if pair is not None:
+                        a, b = pair
+                        a_flat[column:column + a.shape[0]].copy_(a)
+                        b_t[column:column + b.shape[1], row:row + outs_of[module]].copy_(b.t())
+                    row += outs_of[module]
+
+    def problem(self, name: str) -> str | None:
+        """Why a request may not run adapter `name` (not held, and not in the directory), or None."""
+        if not name or name in self.slots or directory_adapter(self.directory, name) is not None:
+            return None
+        where = f"; none in lora_directory {self.directory}" if self.directory else ""
+        return f"no LoRA adapter {name!r} (served: {', '.join(self.names) or 'none'}{where})"
+
+    def acquire(self, name: str, busy: set[int]) -> int:
+        """The slot of adapter `name` ("": the base model, 0), read from the directory if it is not held (the
+        least recently used slot whose adapter no slot in `busy` runs makes room); it becomes the most
+        recently used. ValueError: no such adapter, or one that does not fit the model; CapacityError: every
+        slot runs a sequence's adapter."""
         if not name:
             return 0
-        if name not in self.names:
+        if name in self.slots:
+            index = self.slots.index(name)
+        else:
+            problem = self.problem(name)
+            if problem:
+                raise ValueError(problem)
+            free = [i for i in self._used if i >= self.pinned and (self.slots[i] is None or i + 1 not in busy)]
+            if not free:
+                raise CapacityError(f"LoRA adapter {name!r}: each of the {len(self.slots)} LoRA slots (max_loras) "
+                                    "holds an adapter a running request runs; retry later")
+            adapter = load_adapter(name, directory_adapter(self.directory, name), self.model)
+            if adapter.rank > self.rank:
+                raise ValueError(f"LoRA adapter {name!r} ({adapter.path}) has rank {adapter.rank}; max_lora_rank is "
+                                 f"{self.rank}")
+            index = free[0]
+            self._write(index, adapter)
+            self.slots[index], self.keys[index] = name, self._next_key
+            self._next_key += 1
+        self._used.remove(index)
+        self._used.append(index)
+        return index + 1
+
+    def slot(self, name: str) -> int:
+        """A held adapter's slot by name ("" : the base model, 0); ValueError naming the adapters held."""
+        if not name:
+            return 0
+        if name not in self.slots:
             raise ValueError(f"no LoRA adapter {name!r} (served: {', '.join(self.names) or 'none'})")
-        return self.names.index(name) + 1
+        return self.slots.index(name) + 1
+
+    def key(self, slot: int) -> int:
+        """What tells apart the keys and values of slot's adapter from every other's, the base model's (0)
+        and those of an adapter the slot held before (new at every load)."""
+        return self.keys[slot - 1] if slot else 0
 
     def plan(self, slots: torch.Tensor) -> "Plan | None":
         """How a forward's rows (slots (N,), each row's adapter) take their adapters' products: None where
@@ -233,7 +314,7 @@ class AdapterSet:
                 return Plan(slots, present.pop(), {})
         # Rows of several adapters, or of data the host does not read (a graph captured): every adapter's
         # product for every row, each row keeping its own adapter's columns (masks made once a forward)
-        columns = torch.arange(1, len(self.adapters) + 1, device=slots.device)
+        columns = torch.arange(1, len(self.slots) + 1, device=slots.device)
         masks = {width: (columns.repeat_interleave(width) == slots[:, None]).to(self.dtype) for width in self.widths}
         return Plan(slots, 0, masks)
 
@@ -259,8 +340,11 @@ class Plan(NamedTuple):
     masks: dict[int, torch.Tensor]  # per slot width: (N, S width), 1 at a row's own adapter's columns
 
 
-def load_adapters(model, adapters: dict[str, str]) -> AdapterSet | None:
-    """`AdapterSet` of {name: path}; None for none."""
-    if not adapters:
+def load_adapters(model, adapters: dict[str, str], slots: int = 0, rank: int = 0,
+                  directory: str = "") -> AdapterSet | None:
+    """`AdapterSet` of {name: path} (held for good), with room for `slots` in all of rank up to `rank` and
+    adapters read on demand from `directory` (`AdapterSet`); None for none."""
+    if not adapters and not directory:
         return None
-    return AdapterSet(model, [load_adapter(name, path, model) for name, path in adapters.items()])
+    return AdapterSet(model, [load_adapter(name, path, model) for name, path in adapters.items()], slots, rank,
+                      directory)

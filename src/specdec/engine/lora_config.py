@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")  # what an adapter may be named (and a request name)
+CONFIG = "adapter_config.json"  # what makes a directory a (PEFT) adapter
 
 
 def parse_adapters(text: str, field: str) -> dict[str, str]:
@@ -48,3 +50,30 @@ def format_adapters(adapters: dict[str, str]) -> str:
         if "," in path or '"' in path or not path.strip():
             raise ValueError(f"LoRA adapter {name!r}: its directory {path!r} may not hold a comma or a quote")
     return ",".join(f"{name}={path}" for name, path in adapters.items())
+
+
+def directory_adapter(directory: str | Path, name: str) -> Path | None:
+    """The adapter `name` in a directory of adapters (lora_directory: DIRECTORY/NAME, PEFT's layout; a name
+    with a slash, an owner's: DIRECTORY/OWNER/NAME), or None: no such adapter, or a name that could leave the
+    directory (`..`, `.`, an empty part)."""
+    if not directory or not NAME.match(name) or any(part in ("", ".", "..") for part in name.split("/")):
+        return None
+    path = Path(directory, *name.split("/"))
+    return path if (path / CONFIG).is_file() else None
+
+
+def directory_adapters(directory: str | Path) -> list[str]:
+    """The names of the adapters in a directory of adapters (one level down, or two for OWNER/NAME), sorted."""
+    root = Path(directory) if directory else None
+    if root is None or not root.is_dir():
+        return []
+    names = []
+    for path in sorted(root.iterdir()):
+        if not path.is_dir():
+            continue
+        if (path / CONFIG).is_file():
+            names.append(path.name)
+        else:
+            names.extend(f"{path.name}/{inner.name}" for inner in sorted(path.iterdir())
+                         if inner.is_dir() and (inner / CONFIG).is_file())
+    return [name for name in names if directory_adapter(root, name) is not None]

@@ -49,17 +49,19 @@ class SequenceState:
         self.prefilling = True
         self.cached = 0  # of its tokens, those found in the prefix cache (not run): what its request reports
         # Its LoRA adapter (lora.AdapterSet's slot; 0: the base model), fixed at its first step. Its keys and
-        # values are that adapter's: its blocks are keyed under a root of their own (`root`).
+        # values are that adapter's: its blocks are keyed under a root of their own (`root`), by the
+        # adapter's key (AdapterSet.key: a slot that takes another adapter takes another key).
         self.adapter = 0
+        self.adapter_key = 0
         # After a step whose new tokens were a tree (`Step.tree`): (the position it started at, its parents,
         # its tokens where the host knows them), which the next step's `Step.path` picks from; else None.
         self.tree: tuple[int, tuple[int, ...], list[int] | None] | None = None
 
 
 def root(seq: SequenceState) -> int:
-    """The parent serial of seq's first block: ROOT, or below it one per LoRA adapter (serials count up from
-    ROOT + 1), so that a prompt finds only blocks its own adapter computed."""
-    return ROOT - seq.adapter
+    """The parent serial of seq's first block: ROOT, or below it one per LoRA adapter loaded (serials count up
+    from ROOT + 1), so that a prompt finds only blocks its own adapter computed."""
+    return ROOT - seq.adapter_key
 
 
 class PrefixIndex:

@@ -23,5 +23,6 @@ talking to the ensemble over gRPC; the launcher runs it beside the server (OPENA
   __main__   the command line
 
 May import: `specdec.tensor_names`, `specdec.decoding.text` (the tokenizer: log-probabilities' tokens, echoed
-prompts, the tokenizer endpoints) and `specdec.triton.metrics`' buckets (the server's, so that quantiles compare).
+prompts, the tokenizer endpoints), `specdec.triton.metrics`' buckets (the server's, so that quantiles compare)
+and `specdec.engine.lora_config` (a directory's LoRA adapters, torch-free).
 """

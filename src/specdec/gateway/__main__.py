@@ -39,6 +39,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--lora-module", action="append", default=[], metavar="NAME",
                         help="a LoRA adapter the server serves (its lora_name): a model of that name to clients, "
                              "the served model its parent (vLLM's; repeatable)")
+    parser.add_argument("--lora-directory", default="", metavar="DIR",
+                        help="a directory of LoRA adapters the server reads on demand (target_model's "
+                             "lora_directory): each DIR/NAME a model of that name to clients")
     parser.add_argument("--served-model-name", action="append", default=[],
                         help="the model name clients send (repeatable: aliases); the first is listed first")
     parser.add_argument("--tokenizer", default="", help="the target's tokenizer (the text of log-probabilities' tokens and of echoed token-id prompts; "
@@ -90,10 +93,12 @@ def main(argv: list[str] | None = None) -> int:
     budget = int(max(args.responses_store_mb, 0.0) * MIB)
     store = SharedResponseStore(args.responses_store_dir, budget) if args.responses_store_dir and budget \
         else ResponseStore(budget)
-    gateway = Gateway(Upstream(args.grpc_url), protocol.Served(args.served_model_name, args.lora_module), tokenizer, args.api_key or None,
+    served = protocol.Served(args.served_model_name, args.lora_module, args.lora_directory)
+    gateway = Gateway(Upstream(args.grpc_url), served, tokenizer, args.api_key or None,
                       args.tool_call_parser, args.max_model_len, args.reasoning_parser, store, args.default_max_tokens,
                       args.drain_timeout, args.stream_keepalive)
-    log(f"OpenAI API: http://{args.host}:{args.port}/v1 (models {', '.join(args.served_model_name + args.lora_module)}; "
+    log(f"OpenAI API: http://{args.host}:{args.port}/v1 (models {', '.join(args.served_model_name + args.lora_module)}"
+        f"{', those of ' + args.lora_directory if args.lora_directory else ''}; "
         f"server {args.grpc_url}; API key {'required' if args.api_key else 'not required'}; stored responses "
         f"{'in ' + args.responses_store_dir if isinstance(store, SharedResponseStore) else 'in memory'})")
     web.run_app(gateway.app(), host=args.host, port=args.port, print=None, access_log=None,

@@ -850,10 +850,11 @@ class Gateway:
         """GET /v1/models: OpenAI's list; to Anthropic's clients (their `anthropic-version` header) also the
         fields of Anthropic's (each model's type, display_name and created_at; the page's ids)."""
         anthropic = messages.ANTHROPIC_VERSION_HEADER in request.headers
-        cards = [self._model_card(name, anthropic) for name in self.served]
+        names = self.served.listed() if isinstance(self.served, protocol.Served) else self.served
+        cards = [self._model_card(name, anthropic) for name in names]
         page = {"object": "list", "data": cards}
         if anthropic:
-            page.update(has_more=False, first_id=self.served[0], last_id=self.served[-1])
+            page.update(has_more=False, first_id=names[0], last_id=names[-1])
         return web.json_response(page)
 
     async def model(self, request: web.Request) -> web.Response:
@@ -864,7 +865,7 @@ class Gateway:
 
     def _model_card(self, name: str, anthropic: bool = False) -> dict:
         card = {"id": name, "object": "model", "created": self.created, "owned_by": "specdec"}
-        if name in getattr(self.served, "adapters", ()):  # a LoRA adapter's model: its base is its parent (vLLM's)
+        if protocol.is_adapter(self.served, name):  # a LoRA adapter's model: its base is its parent (vLLM's)
             card.update(root=name, parent=self.served[0])
         if self.max_model_len:  # as vLLM's cards say it
             card["max_model_len"] = self.max_model_len

@@ -20,6 +20,7 @@ from typing import Callable
 import numpy as np
 
 from specdec import tensor_names as tn
+from specdec.engine.lora_config import directory_adapter, directory_adapters
 from specdec.gateway import tools as tool_calls
 from specdec.gateway.tools import NAMED, REQUIRED, ToolCalling
 
@@ -127,19 +128,40 @@ def _typed(body: dict, name: str, kinds: tuple[type, ...], what: str):
 
 class Served(tuple):
     """The names clients send as `model`: the server's model's (the first is the default), then its LoRA
-    adapters' (vLLM's: an adapter is a model of its own name, whose requests carry it as lora_name)."""
+    adapters' (vLLM's: an adapter is a model of its own name, whose requests carry it as lora_name), and
+    those of the directory of adapters the target reads on demand, as it holds them now (`listed`)."""
 
     adapters: frozenset[str]
+    directory: str
 
-    def __new__(cls, names, adapters=()):
+    def __new__(cls, names, adapters=(), directory: str = ""):
         self = super().__new__(cls, tuple(names) + tuple(name for name in adapters if name not in names))
         self.adapters = frozenset(adapters) - set(names)
+        self.directory = directory
         return self
+
+    def __contains__(self, model) -> bool:
+        return super().__contains__(model) or self.is_adapter(model)
+
+    def is_adapter(self, model: str) -> bool:
+        """Whether `model` names a LoRA adapter's model."""
+        return model in self.adapters or (not super().__contains__(model)
+                                          and directory_adapter(self.directory, model) is not None)
+
+    def listed(self) -> tuple[str, ...]:
+        """Every name, the directory's adapters' as they are now included."""
+        names = tuple(self)
+        return names + tuple(name for name in directory_adapters(self.directory) if name not in names)
+
+
+def is_adapter(served: tuple[str, ...], model: str) -> bool:
+    """Whether `model` names a LoRA adapter's model (a plain tuple of names has none)."""
+    return isinstance(served, Served) and served.is_adapter(model)
 
 
 def _adapter(inputs: dict, model: str, served: tuple[str, ...]) -> None:
     """A request for an adapter's model runs that adapter."""
-    if model in getattr(served, "adapters", ()):
+    if is_adapter(served, model):
         inputs[tn.LORA_NAME] = _string(model)
 
 

@@ -49,7 +49,7 @@ class GatewayProcess:
                  env: dict[str, str], tool_call_parser: str | None = None, max_model_len: int = 0,
                  reasoning_parser: str | None = None, responses_store_mb: float | None = None,
                  default_max_tokens: int = 0, responses_store_dir: str | None = None,
-                 lora_names: list[str] | None = None):
+                 lora: tuple[list[str], str] = ([], "")):
         self.port = port
         self.command = [sys.executable, "-m", "specdec.gateway", "--port", str(port),
                         "--grpc-url", f"127.0.0.1:{grpc_port}", "--drain-timeout", str(drain_timeout_s),
@@ -68,8 +68,11 @@ class GatewayProcess:
             self.command += ["--responses-store-mb", f"{responses_store_mb:g}"]
         if responses_store_dir:
             self.command += ["--responses-store-dir", responses_store_dir]
-        for name in lora_names or []:  # models of their own names to its clients
+        names, directory = lora  # repository.served_adapters: models of their own names to its clients
+        for name in names:
             self.command += ["--lora-module", name]
+        if directory:  # and those of the directory the target reads on demand
+            self.command += ["--lora-directory", directory]
         self.env, self.drain_timeout_s = env, drain_timeout_s
         self.process: subprocess.Popen | None = None
         self.restarts = 0

@@ -336,8 +336,22 @@ def with_skip_drafts(pair: pairs.PairSpec, specs: list[str]) -> pairs.PairSpec:
     return dataclasses.replace(pair, skip_drafts=named)
 
 
-def with_lora_adapters(pair: pairs.PairSpec, specs: list[str]) -> pairs.PairSpec:
-    """The pair with --lora-modules' adapters (NAME=DIR each, PEFT's layout), checked for their files here."""
+def with_lora_adapters(pair: pairs.PairSpec, specs: list[str], directory: str = "", slots: int = 0,
+                       rank: int = 0) -> pairs.PairSpec:
+    """The pair with --lora-modules' adapters (NAME=DIR each, PEFT's layout), checked for their files here, and
+    --lora-directory's, --max-loras and --max-lora-rank."""
+    if directory:
+        if not Path(directory).is_dir():
+            raise ValueError(f"--lora-directory {directory}: not a directory")
+        if '"' in directory or "\\" in directory:
+            raise ValueError(f"--lora-directory {directory}: may not hold a quote or a backslash")
+        pair = dataclasses.replace(pair, lora_directory=str(Path(directory).resolve()))
+    if slots < 0 or rank < 0:
+        raise ValueError(f"--max-loras and --max-lora-rank are counts (> 0), got {slots} and {rank}")
+    if slots and slots < len(pair.lora_adapters) + len(specs) + bool(pair.lora_directory):
+        raise ValueError(f"--max-loras {slots} holds {'no adapter of --lora-directory beside ' if directory else ''}"
+                         f"the {len(pair.lora_adapters) + len(specs)} of --lora-modules")
+    pair = dataclasses.replace(pair, max_loras=slots or pair.max_loras, max_lora_rank=rank or pair.max_lora_rank)
     named = dict(pair.lora_adapters)
     for spec in specs:
         name, sep, path = spec.partition("=")
@@ -384,6 +398,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=DIR",
                         help="LoRA adapters (PEFT's layout) the target serves besides its own weights: a request "
                              "names one as lora_name, an OpenAI client as its model (vLLM's flag)")
+    parser.add_argument("--lora-directory", default="", metavar="DIR",
+                        help="a directory of LoRA adapters (DIR/NAME, PEFT's layout) the target reads when a request "
+                             "first names one, keeping --max-loras in memory and replacing the least recently used "
+                             "(vLLM's LoRA resolver; docs/configuration.md)")
+    parser.add_argument("--max-loras", type=int, default=0, metavar="N",
+                        help="LoRA adapters held in memory at once, --lora-modules' included (default: theirs, and 4 "
+                             "more with --lora-directory)")
+    parser.add_argument("--max-lora-rank", type=int, default=0, metavar="R",
+                        help="the largest rank of an adapter read from --lora-directory (default: 16, or "
+                             "--lora-modules' largest)")
     parser.add_argument("--default-draft", default="",
                         help="the draft a request that names none gets (a draft model, a head, ngram or suffix)")
     parser.add_argument("--weights-dtype", default="same", choices=tn.WEIGHTS_DTYPES,
@@ -491,10 +515,12 @@ def main(argv: list[str] | None = None) -> int:
             pair = pairs.prepare_pair(args.pair)
         pair = dataclasses.replace(pair, compile=args.compile, orchestrator_instances=args.orchestrator_instances,
                                    weights_dtype=args.weights_dtype, executor=args.executor or pair.executor)
-        if args.draft_head or args.default_draft or args.skip_draft or args.lora_modules:
+        if args.draft_head or args.default_draft or args.skip_draft or args.lora_modules or args.lora_directory \
+                or args.max_loras or args.max_lora_rank:
             try:
                 pair = with_heads(with_skip_drafts(pair, args.skip_draft), args.draft_head, args.default_draft)
-                pair = with_lora_adapters(pair, args.lora_modules)
+                pair = with_lora_adapters(pair, args.lora_modules, args.lora_directory, args.max_loras,
+                                          args.max_lora_rank)
             except ValueError as exc:
                 log(str(exc))
                 return 2

@@ -43,6 +43,11 @@ class PairSpec:
     # LoRA adapters the target serves (engine/lora.py): name -> adapter directory; a request names one as
     # lora_name (the OpenAI API: as its model)
     lora_adapters: dict[str, str] = field(default_factory=dict)
+    # a directory of adapters the target reads on demand (DIRECTORY/NAME, a request naming NAME), in max_loras
+    # slots of rank up to max_lora_rank beside lora_adapters' (0: engine/lora.py's defaults)
+    lora_directory: str = ""
+    max_loras: int = 0
+    max_lora_rank: int = 0
     # parameters of single models, set last: model name -> {parameter: value}
     model_parameters: dict[str, dict[str, str]] = field(default_factory=dict)
     builtin_drafts: tuple[str, ...] = tn.BUILTIN_DRAFTS  # model-free methods a request may choose
@@ -171,6 +176,8 @@ def _build_tiny_lora(out: Path, target: Path, seed: int) -> None:
 
 
 TINY_LORA = "tiny-lora"  # the tiny pair's LoRA adapter, served with its test drafts
+# and the adapters of its directory of adapters (lora_directory), read on demand into its one more slot
+TINY_LORA_LIBRARY = ("tiny-lora-a", "tiny-lora-b")
 
 
 def tiny_pair(test_drafts: bool = False) -> PairSpec:
@@ -178,9 +185,10 @@ def tiny_pair(test_drafts: bool = False) -> PairSpec:
     # Noise of 1% of each tensor's std gives greedy agreement of about 0.64 with the target.
     noise = 0.01
     target, draft, random_draft = root / "target", root / f"draft-noise{noise}", root / "draft-random"
-    adapter = root / "lora-r4"
+    adapter, library = root / "lora-r4", root / "lora-library"
+    adapters = [adapter] + [library / name for name in TINY_LORA_LIBRARY]
     # Built once: importing transformers to find that out would cost every launch seconds.
-    if not (_done(target) and _done(draft) and _done(random_draft) and (_done(adapter) or not test_drafts)):
+    if not (_done(target) and _done(draft) and _done(random_draft) and (all(map(_done, adapters)) or not test_drafts)):
         from transformers import AutoTokenizer, LlamaForCausalLM
 
         log(f"building the tiny pair in {root} (seed {TINY_SEED})")
@@ -191,10 +199,11 @@ def tiny_pair(test_drafts: bool = False) -> PairSpec:
                         noise=noise)
         _build_tiny(random_draft, 1, TINY_SEED + 2, tokenizer)
         if test_drafts:
-            _build_tiny_lora(adapter, target, TINY_SEED + 3)
+            for i, path in enumerate(adapters):
+                _build_tiny_lora(path, target, TINY_SEED + 3 + i)
     drafts = {"draft_model": str(draft)}
     settings = {}
-    adapters = {TINY_LORA: str(adapter)} if test_drafts else {}
+    served = {TINY_LORA: str(adapter)} if test_drafts else {}
     if test_drafts:
         drafts.update(draft_model_exact=str(target), draft_model_random=str(random_draft))
         # Instruments of tests about K: every round drafts the whole k asked for (no confidence stop)
@@ -207,7 +216,8 @@ def tiny_pair(test_drafts: bool = False) -> PairSpec:
     # tiny-pair server ready in about 60 % of the time: docs/results/2026-12-02-tiny-pair-static.md)
     return PairSpec(name="tiny", target_path=str(target), tokenizer_path=str(target), draft_paths=drafts,
                     dtype="float64", max_context_tokens=1024, model_parameters=settings, torch_threads="1",
-                    executor="static", lora_adapters=adapters)
+                    executor="static", lora_adapters=served, lora_directory=str(library) if test_drafts else "",
+                    max_loras=2 if test_drafts else 0)
 
 
 # ---- default pair ----------------------------------------------------------------------------------

@@ -86,7 +86,9 @@ def render(pair: PairSpec, dest: Path) -> Path:
     heads = ",".join(pair.draft_heads.values())
     adapters = format_adapters(pair.lora_adapters)  # target_model runs them, the orchestrator admits their names
     edit("target_model", {**lm_settings(pair.target_path, "target"), "draft_heads": heads, "run_ahead": pair.run_ahead,
-                          "lora_adapters": adapters}, instance_group(pair, "target"))
+                          "lora_adapters": adapters, "lora_directory": pair.lora_directory,
+                          "max_loras": str(pair.max_loras), "max_lora_rank": str(pair.max_lora_rank)},
+         instance_group(pair, "target"))
     drafts = list(pair.draft_paths.items())
     for name, _ in drafts[1:] + list(pair.draft_heads.items()) + list(pair.skip_drafts.items()):
         if name == "draft_model":
@@ -121,7 +123,8 @@ def render(pair: PairSpec, dest: Path) -> Path:
         "max_num_draft_tokens": str(pair.max_num_draft_tokens),
         "default_max_tokens": str(pair.default_max_tokens), "max_max_tokens": str(pair.max_max_tokens),
         "max_context_tokens": str(pair.max_context_tokens),
-        "max_live_sequences": str(pair.max_live_sequences), "when_full": pair.when_full, "lora_adapters": adapters},
+        "max_live_sequences": str(pair.max_live_sequences), "when_full": pair.when_full, "lora_adapters": adapters,
+        "lora_directory": pair.lora_directory},
         f"instance_group [ {{ count: {orchestrator_instances(pair)}, kind: KIND_CPU }} ]")
     for model, settings in pair.model_parameters.items():
         edit(model, settings)
@@ -150,14 +153,18 @@ def override(repo: Path, setting: str) -> None:
     path.write_text(set_parameter(text, key, value))
 
 
-def served_adapters(repo: Path) -> list[str]:
-    """The names of the LoRA adapters a rendered repository's orchestrator admits (its lora_adapters)."""
+def served_adapters(repo: Path) -> tuple[list[str], str]:
+    """The names of the LoRA adapters a rendered repository's orchestrator admits (its lora_adapters), and the
+    directory it admits more from (its lora_directory; "": none)."""
     try:
         config = (repo / "speculative_decoding" / "config.pbtxt").read_text()
     except OSError:
-        return []
-    match = re.search(r'key: "lora_adapters", value: \{ string_value: "([^"]*)" \}', config)
+        return [], ""
+    found = {key: re.search(rf'key: "{key}", value: \{{ string_value: "([^"]*)" \}}', config)
+             for key in ("lora_adapters", "lora_directory")}
+    directory = found["lora_directory"].group(1) if found["lora_directory"] else ""
     try:
-        return list(parse_adapters(match.group(1) if match else "", "lora_adapters"))
+        return list(parse_adapters(found["lora_adapters"].group(1) if found["lora_adapters"] else "",
+                                   "lora_adapters")), directory
     except ValueError:
-        return []  # the orchestrator refuses it at load, naming it
+        return [], directory  # the orchestrator refuses it at load, naming it

@@ -119,7 +119,7 @@ class LanguageModelAdapter(TritonAdapter):
             attention=params.str("attention", default.attention, choices=tn.ATTENTION_KINDS),
             hidden_layers=self._served_layers(params, model.config.get_text_config().num_hidden_layers),
             skip_layers=self._skip_layers(params, model),
-            lora_adapters=self._lora_adapters(params))
+            **self._lora(params))
         try:
             return build_executor(model, config, log=self.pb.Logger.log_info)
         except ValueError as exc:
@@ -129,9 +129,9 @@ class LanguageModelAdapter(TritonAdapter):
         """The layers a layer-skip self-draft leaves out (None: not one)."""
         return None
 
-    def _lora_adapters(self, params: ModelParameters) -> tuple[tuple[str, str], ...]:
-        """The LoRA adapters the model serves, (name, directory) pairs (a target's; none for a draft)."""
-        return ()
+    def _lora(self, params: ModelParameters) -> dict:
+        """The LoRA adapters the model serves, as ExecutorConfig's fields (a target's; none for a draft)."""
+        return {}
 
     def _served_layers(self, params: ModelParameters, target_layers: int) -> tuple[int, ...]:
         """The layers whose states the served heads read (draft_heads: target_model's list of them)."""
@@ -369,11 +369,16 @@ class TargetModel(LanguageModelAdapter):
     AHEAD_OUTPUTS = frozenset({tn.GREEDY_TOKENS, tn.FORWARD_STATS})
     run_ahead = False  # the run_ahead parameter, read at load (_start)
 
-    def _lora_adapters(self, params):
+    def _lora(self, params):
         try:
-            return tuple(parse_adapters(params.str("lora_adapters", ""), "parameter 'lora_adapters'").items())
+            adapters = tuple(parse_adapters(params.str("lora_adapters", ""), "parameter 'lora_adapters'").items())
         except ValueError as exc:
             raise ConfigError(f"{self.name}: {exc}") from None
+        directory = params.str("lora_directory", "")
+        if directory and not Path(directory).is_dir():
+            raise ConfigError(f"{self.name}: parameter 'lora_directory': {directory} is not a directory")
+        return {"lora_adapters": adapters, "lora_directory": directory,
+                "max_loras": params.int("max_loras", 0, low=0), "max_lora_rank": params.int("max_lora_rank", 0, low=0)}
 
     def _start(self, params):
         mode = params.str("run_ahead", "auto", choices=tn.RUN_AHEAD_MODES)
@@ -416,13 +421,13 @@ class TargetModel(LanguageModelAdapter):
             raise ValueError(f"{tn.SCORE_ROWS} with no position verified after them needs {tn.SCORE_NEXT} (the token "
                              "their last row scores)")
         # A head's rounds want the features of every position: cached blocks only where their features are kept
-        adapter = 0
-        if message.adapter:  # the adapter's slot (ValueError naming the ones served)
-            if self.lm.adapters is None:
-                raise ValueError(f"input '{tn.LORA_NAME}': no LoRA adapter {message.adapter!r} (this model serves "
-                                 "none)")
-            adapter = self.lm.adapters.slot(message.adapter)
-        return {"num_logits": message.num_logits + message.score_rows, "allowed": message.allowed, "adapter": adapter,
+        if message.adapter:  # one it holds or can read (the executor gives it a slot at the sequence's first step)
+            problem = self.lm.adapters.problem(message.adapter) if self.lm.adapters is not None else \
+                f"no LoRA adapter {message.adapter!r} (this model serves none)"
+            if problem:
+                raise ValueError(f"input '{tn.LORA_NAME}': {problem}")
+        return {"num_logits": message.num_logits + message.score_rows, "allowed": message.allowed,
+                "adapter": message.adapter,
                 "tree": message.tree, "path": message.path, "score_rows": message.score_rows,
                 "score_next": message.score_next,
                 "whole": tn.FEATURES in wanted and bool(self.lm.forward.hidden_layers)}

@@ -21,7 +21,7 @@ from specdec.decoding.loop import GenerationRequest
 from specdec.decoding.penalties import Penalties
 from specdec.decoding.sampling import SamplingParams
 from specdec.decoding.thinking import ThinkingBudget, ThinkingTags
-from specdec.engine.lora_config import parse_adapters
+from specdec.engine.lora_config import directory_adapter, parse_adapters
 from specdec.triton.config import ModelParameters
 from specdec.triton.inputs import InputError, InputLookup, Inputs
 from specdec.triton.vllm_parameters import MAX_TOKEN_IDS, with_sampling_parameters
@@ -53,6 +53,7 @@ class RequestLimits:
     # event loop); compiling grows with the guide, so its length is bounded.
     max_guide_chars: int = 65536
     lora_names: tuple[str, ...] = ()  # the LoRA adapters target_model serves (its lora_adapters, by name)
+    lora_directory: str = ""  # and the directory it reads more from on demand (its lora_directory)
 
     @classmethod
     def from_parameters(cls, params: ModelParameters, vocab_size: int, end_ids: frozenset[int]) -> RequestLimits:
@@ -75,6 +76,7 @@ class RequestLimits:
             max_bad_words=params.int("max_bad_words", 16, low=0),
             max_guide_chars=params.int("max_guide_chars", 65536, low=1),
             lora_names=tuple(parse_adapters(params.str("lora_adapters", ""), "parameter 'lora_adapters'")),
+            lora_directory=params.str("lora_directory", ""),
         )
 
 
@@ -290,8 +292,9 @@ def _lora_name(inputs: Inputs, limits: RequestLimits, field: str) -> str:
     if len(names) > 1:
         raise InputError(f"{field} names one adapter, got {names}")
     name = names[0] if names else ""
-    if name and name not in limits.lora_names:
-        raise InputError(f"{field}: no LoRA adapter {name!r} (served: {', '.join(limits.lora_names) or 'none'})")
+    if name and name not in limits.lora_names and directory_adapter(limits.lora_directory, name) is None:
+        where = f"; none in {limits.lora_directory}" if limits.lora_directory else ""
+        raise InputError(f"{field}: no LoRA adapter {name!r} (served: {', '.join(limits.lora_names) or 'none'}{where})")
     return name
 
 
