@@ -5,18 +5,21 @@ float64, in process), speculating or not, over gRPC, HTTP, the OpenAI API and vL
 a name the server does not serve is refused naming the field, and the server goes on serving."""
 
 import json
+import queue
+import time
 
 import numpy as np
 import openai
 import pytest
 import torch
+import tritonclient.grpc as grpcclient
 
 from client import Client, GenerationParams
 from specdec import tensor_names as tn
 from specdec.engine import lora
 from specdec.serving.pairs import TINY_LORA, TINY_LORA_LIBRARY
 
-from .helpers import GenerationError, grpc_stream, http_generate
+from .helpers import GenerationError, ensemble_inputs, grpc_stream, http_generate
 from .test_generation_api import _rendered_parameter
 
 PROMPTS = ["The quick brown fox", "In the beginning", "def fibonacci(n):"]
@@ -160,9 +163,16 @@ def test_a_directorys_adapters_are_read_on_demand_and_take_turns_in_their_slot(s
                            **{tn.LORA_NAME: _name(name)})[tn.TEXT_OUTPUT]
 
     rejected = server.metric("specdec_requests_total", finish_reason="rejected")
+    loads = server.metric("specdec_model_lora_loads_total", model="target_model")
     for prompt in PROMPTS:  # a, b, a, ...: each read into the slot the other held
         for name in (first, second):
             assert generate(name, prompt) == texts[name][prompt], (name, prompt)
+    # each read once per request (the counter is added to as the sequences end, after their last response)
+    deadline = time.monotonic() + 10
+    while server.metric("specdec_model_lora_loads_total", model="target_model") - loads < 2 * len(PROMPTS) \
+            and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert server.metric("specdec_model_lora_loads_total", model="target_model") - loads == 2 * len(PROMPTS)
     # at once, with the served adapter and the base model beside them: the one whose first step finds the slot
     # held by the other's running request waits for it
     jobs = [(name, prompt) for prompt in PROMPTS for name in (first, second, TINY_LORA, "")]
@@ -172,6 +182,27 @@ def test_a_directorys_adapters_are_read_on_demand_and_take_turns_in_their_slot(s
         expected = texts[name][prompt] if name in texts else merged_greedy(prompt, 16, adapted=name == TINY_LORA)
         assert text == expected, (name, prompt)
     assert server.metric("specdec_requests_total", finish_reason="rejected") == rejected
+    # while a long request runs the one, a request for the other waits for it to end (its slot freed), then
+    # generates its own text
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    responses: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: responses.put((time.monotonic(), result, error)))
+    try:
+        client.async_stream_infer(tn.ENSEMBLE, ensemble_inputs(PROMPTS[0], max_tokens=300, num_draft_tokens=0, stream=True,
+                                                               ignore_eos=True, **{tn.LORA_NAME: _name(first)}),
+                                  enable_empty_final_response=True)
+        _, started, error = responses.get(timeout=60)  # it runs: its first tokens are out
+        assert error is None and started.get_response().outputs, error
+        assert generate(second, PROMPTS[1]) == texts[second][PROMPTS[1]]
+        waited_until = time.monotonic()
+        streamed = [responses.get(timeout=60)]
+        while not streamed[-1][1].get_response().parameters["triton_final_response"].bool_param:
+            streamed.append(responses.get(timeout=60))
+        assert all(error is None for _, _, error in streamed) and len(streamed) > 100
+        assert streamed[-1][0] <= waited_until  # the long request had ended when the other's was answered
+    finally:
+        client.stop_stream()
+        client.close()
     # a name of the directory's that is no adapter, or that would leave it: refused naming the field
     for name in ("nope", "../tiny-lora-a"):
         with pytest.raises(GenerationError, match=f"input '{tn.LORA_NAME}': no LoRA adapter"):

@@ -186,13 +186,17 @@ def test_a_directorys_adapters_are_read_when_first_named_and_the_least_recently_
     assert isinstance(busy, CapacityError) and "each of the 3 LoRA slots" in str(busy) and 4 not in lm.sequences
     lm.release(2)
     run(4, "team/d")  # b's slot now
-    assert held.names == ("every", "c", "team/d")
+    assert held.names == ("every", "c", "team/d") and held.loads == 4
     # sequences of every held adapter and the base model in one forward: each as alone
-    steps = [Step(10 + i, 0, ids, 2, adapter=name) for i, name in enumerate(("c", "", "team/d", "every", "c"))]
-    for step, logits in zip(steps, lm.extend_many(steps)):
-        alone = executor(tiny_lm, {"every": adapters["every"][0]}, lora_directory=str(root), max_loras=3,
-                         max_lora_rank=4).extend_many([step])[0]
-        assert torch.allclose(logits, alone, atol=1e-10), step.adapter
+    # (and of the first two slots only: eagerly the products run over the slots up to the last one a row runs)
+    for names in (("c", "", "team/d", "every", "c"), ("every", "c", "")):
+        steps = [Step(10 + i, 0, ids, 2, adapter=name) for i, name in enumerate(names)]
+        for step, logits in zip(steps, lm.extend_many(steps)):
+            alone = executor(tiny_lm, {"every": adapters["every"][0]}, lora_directory=str(root), max_loras=3,
+                             max_lora_rank=4).extend_many([step])[0]
+            assert torch.allclose(logits, alone, atol=1e-10), step.adapter
+        for step in steps:
+            lm.release(step.seq_id)
     # what is not in the directory, or above max_lora_rank, or a name leaving it: refused naming it
     for name, message in (("nope", f"no LoRA adapter 'nope' \\(served: every, c, team/d; none in lora_directory {root}"),
                           ("notes", "no LoRA adapter 'notes'"), ("../library", "no LoRA adapter '../library'"),

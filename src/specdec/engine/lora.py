@@ -208,6 +208,7 @@ class AdapterSet:
         self.keys = list(range(1, capacity + 1))  # slot s's key at s - 1 (`key`)
         self._next_key = capacity + 1
         self._used = list(range(capacity))  # slot indices, least recently used first
+        self.loads = 0  # adapters read from the directory (what the server's metrics count)
         self._shapes = shapes = _shapes(model)
         dtype, device = next(model.parameters()).dtype, model.device
         self.dtype = dtype = dtype if dtype.is_floating_point else torch.float32
@@ -285,6 +286,7 @@ class AdapterSet:
             self._write(index, adapter)
             self.slots[index], self.keys[index] = name, self._next_key
             self._next_key += 1
+            self.loads += 1
         self._used.remove(index)
         self._used.append(index)
         return index + 1
@@ -306,17 +308,19 @@ class AdapterSet:
         """How a forward's rows (slots (N,), each row's adapter) take their adapters' products: None where
         every row is the base model's (nothing to add)."""
         capturing = slots.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        count = len(self.slots)
         if not capturing:
             present = set(slots.tolist())  # eagerly the host knows which adapters the rows run
             if present == {0}:
                 return None
             if len(present) == 1:  # one adapter for every row: its own matrices, nothing masked
-                return Plan(slots, present.pop(), {})
+                return Plan(slots, present.pop(), {}, 0)
+            count = max(present)  # the slots up to the last one a row runs (slots fill from the first)
         # Rows of several adapters, or of data the host does not read (a graph captured): every adapter's
         # product for every row, each row keeping its own adapter's columns (masks made once a forward)
-        columns = torch.arange(1, len(self.slots) + 1, device=slots.device)
+        columns = torch.arange(1, count + 1, device=slots.device)
         masks = {width: (columns.repeat_interleave(width) == slots[:, None]).to(self.dtype) for width in self.widths}
-        return Plan(slots, 0, masks)
+        return Plan(slots, 0, masks, count)
 
     def add(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor, plan: "Plan") -> torch.Tensor:
         """y (N, out), the base model's `group` product of x (N, in) in `layer`, plus what the rows' adapters add
@@ -328,8 +332,9 @@ class AdapterSet:
         if plan.slot:  # every row runs this one adapter
             first = (plan.slot - 1) * width
             return y.addmm_(torch.nn.functional.linear(x, a_flat[first:first + width]), b_t[first:first + width])
-        low = torch.nn.functional.linear(x, a_flat).mul_(plan.masks[width])  # (N, S R): the row's own columns
-        return y.addmm_(low, b_t)
+        end = plan.count * width  # the slots the plan runs
+        low = torch.nn.functional.linear(x, a_flat[:end]).mul_(plan.masks[width])  # (N, S R): the row's own columns
+        return y.addmm_(low, b_t[:end])
 
 
 class Plan(NamedTuple):
@@ -337,7 +342,8 @@ class Plan(NamedTuple):
 
     slots: torch.Tensor  # (N,) each row's adapter
     slot: int  # > 0: every row runs this adapter; 0: masks
-    masks: dict[int, torch.Tensor]  # per slot width: (N, S width), 1 at a row's own adapter's columns
+    masks: dict[int, torch.Tensor]  # per slot width: (N, count width), 1 at a row's own adapter's columns
+    count: int  # with masks: the first `count` slots' products run (eagerly up to the last a row runs; all in a graph)
 
 
 def load_adapters(model, adapters: dict[str, str], slots: int = 0, rank: int = 0,

@@ -204,7 +204,8 @@ class LanguageModelAdapter(TritonAdapter):
     def _report_metrics(self, flush: bool) -> None:
         self.metrics.report(self.lm.tokens_processed, len(self.lm.sequences), self.lm.kv_bytes_allocated, flush,
                             self.forward_seconds, (self.lm.prefix_queried_tokens, self.lm.prefix_hit_tokens),
-                            self.lm.prefix_cache_bytes, (self.lm.ahead_used, self.lm.ahead_dropped))
+                            self.lm.prefix_cache_bytes, (self.lm.ahead_used, self.lm.ahead_dropped),
+                            self.lm.adapters.loads if self.lm.adapters is not None else 0)
 
     def execute(self, requests):
         """All pending steps (of different sequences: the sequence batcher sends one step per sequence

@@ -74,7 +74,12 @@ class ModelMetrics(_MetricSet):
                      "the next request asked for another step", kinds.COUNTER)
         self.ahead = (ahead.Metric(labels={**labels, "outcome": "used"}),
                       ahead.Metric(labels={**labels, "outcome": "dropped"}))
+        self.lora_loads = make("specdec_model_lora_loads_total",
+                               "LoRA adapters read from lora_directory into a slot (each first request for one "
+                               "not held; many: max_loras too few for the traffic's adapters)",
+                               kinds.COUNTER).Metric(labels=labels)
         self._tokens, self._at, self._seconds, self._prefix, self._ahead = 0, 0.0, 0.0, (0, 0), (0, 0)
+        self._lora_loads = 0
         # A model loaded again after its stub died starts empty: its gauges say so at once, not the dead
         # stub's last values (Triton keeps a family's metrics across the model's instances).
         for gauge in (self.live, self.kv_bytes, self.prefix_bytes):
@@ -83,11 +88,11 @@ class ModelMetrics(_MetricSet):
 
     def report(self, tokens_processed: int, live_sequences: int, kv_bytes: int, flush: bool,
                forward_seconds: float = 0.0, prefix: tuple[int, int] = (0, 0), prefix_bytes: int = 0,
-               ahead: tuple[int, int] = (0, 0)) -> None:
+               ahead: tuple[int, int] = (0, 0), lora_loads: int = 0) -> None:
         """Set the gauges only when they changed, and add to the counters at most twice a second or when
         a sequence ends (flush): this runs on every execute. Counts are totals since load; `prefix` is
         (prompt tokens looked up, found) in the prefix cache, `prefix_bytes` what it keeps, `ahead` (steps
-        run ahead used, dropped)."""
+        run ahead used, dropped), `lora_loads` the LoRA adapters read on demand."""
         now = time.monotonic()
         pending = tokens_processed - self._tokens
         if pending and (flush or now - self._at >= 0.5):
@@ -103,6 +108,9 @@ class ModelMetrics(_MetricSet):
                     if now_count != before:
                         metric.increment(now_count - before)
                 self._ahead = ahead
+            if lora_loads != self._lora_loads:
+                self.lora_loads.increment(lora_loads - self._lora_loads)
+                self._lora_loads = lora_loads
         for key, metric, value in (("live", self.live, live_sequences), ("kv", self.kv_bytes, kv_bytes),
                                    ("prefix", self.prefix_bytes, prefix_bytes)):
             if value != self._gauges[key]:
