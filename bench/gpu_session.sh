@@ -75,7 +75,8 @@
 #                  off off on): issue 48's GPU comparison (the pair's costs are real, its acceptance synthetic)
 #   lora           LoRA adapters in CUDA graphs (every adapter's product for every row): the 8B-shaped target's
 #                  step and verify with none, base rows, one adapter and mixed rows, 2 then 8 adapters of rank
-#                  16 (bench/lora_bench.py, ~3 min)
+#                  16, then adapters read on demand: a read, a slot, steps over 2 and 6 slots (bench/lora_bench.py,
+#                  ~4 min)
 #   profile        cProfile over draft_model's and target_model's execute (SPECDEC_PROFILE_DIR): 8 target-only
 #                  streams, then 1 stream at K=0, 4 and adaptive; pstats' reports in profile-*.txt (~2 min):
 #                  where the host time inside an execution goes (the adapter's share: "in execute" - "in
@@ -178,7 +179,8 @@ for part in "$@"; do
     heads) run head-bench 300 "$python" -m bench.head_bench --out "$out/head-bench.md" ;;
     lora)
       run lora-2 150 "$python" -m bench.lora_bench --pair 8b --adapters 2 --out "$out/lora-2.md"
-      run lora-8 150 "$python" -m bench.lora_bench --pair 8b --adapters 8 --out "$out/lora-8.md" ;;
+      run lora-8 150 "$python" -m bench.lora_bench --pair 8b --adapters 8 --out "$out/lora-8.md"
+      run lora-on-demand 120 "$python" -m bench.lora_bench --pair 8b --on-demand --out "$out/lora-on-demand.md" ;;
     orchestrators)
       run bench-gpu-1-orchestrator 300 "$python" -m bench.gpu_bench --served-only --prompts 4 \
         --launcher-arg=--orchestrator-instances=1 --out "$out/bench-gpu-1-orchestrator.md"

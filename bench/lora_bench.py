@@ -27,6 +27,7 @@ import argparse
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -99,6 +100,46 @@ def served(args) -> str:
                                               "tokens per round", "text = the base model's"], args.out)
 
 
+def on_demand(model, args, device: str, dtype: str, pair: str, reps: int) -> str:
+    """Adapters read from a directory (lora_directory): what one read takes, what a held one's lookup takes,
+    a slot's memory, and a decode step of rows of two adapters with max_loras slots of 2 and of 6."""
+    directory = Path(tempfile.mkdtemp(prefix="lora-library-"))
+    for i in range(reps + 2):
+        weights = {key: (a.to(model.dtype), b.to(model.dtype)) for key, (a, b) in
+                   lora.random_adapter(model, rank=args.rank, seed=i, std=0.01).items()}
+        lora.save_adapter(directory / f"a{i}", weights, rank=args.rank, alpha=args.rank)
+    file_mib = sum(f.stat().st_size for f in (directory / "a0").iterdir()) / 2**20
+    lm = static_executor(model, max_sequences=args.batch + 1, max_context=args.context + 64, max_batch=args.batch,
+                         max_rows=args.k + 1, lora_directory=str(directory), max_loras=1, max_lora_rank=args.rank)
+    reads, lookups = [], []
+    for i in range(2, reps + 2):  # a0 and a1 are the step's; each of the others read into the one slot
+        started = time.perf_counter()
+        lm.adapters.acquire(f"a{i}", set())
+        reads.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        lm.adapters.acquire(f"a{i}", set())
+        lookups.append(time.perf_counter() - started)
+    rows = [["read an adapter into a slot (ms)", f"{statistics.median(reads) * 1e3:.1f}"],
+            ["look up a held one (ms)", f"{statistics.median(lookups) * 1e3:.3f}"],
+            ["its file (MiB)", f"{file_mib:.1f}"], ["a slot's tensors (MiB)", f"{lm.adapters.bytes / 2**20:.1f}"]]
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, model.config.vocab_size, (args.context,), generator=gen).tolist()
+               for _ in range(args.batch)]
+    for slots in (2, 6):
+        lm = static_executor(model, max_sequences=args.batch + 1, max_context=args.context + 64, max_batch=args.batch,
+                             max_rows=args.k + 1, lora_directory=str(directory), max_loras=slots,
+                             max_lora_rank=args.rank)
+        for seq, prompt in enumerate(prompts, 1):
+            lm.extend_many([Step(seq, 0, prompt, 1, adapter=f"a{seq % 2}")])
+        steps = [Step(seq, args.context, prompt[:1], 1) for seq, prompt in enumerate(prompts, 1)]
+        times = [gpu_bench.timed(lambda: lm.extend_many(steps), device, reps) for _ in range(args.turns)]
+        rows.append([f"decode step, {args.batch} rows of 2 adapters, max_loras {slots} (ms)",
+                     f"{statistics.median(times) * 1e3:.2f}"])
+    header = (f"{report.machine()}, {pair} pair's target, {dtype}, adapters of rank "
+              f"{args.rank} (every projection) read on demand")
+    return report.print_table(header, rows, ["what", "value"], args.out)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pair", choices=("default", "tiny", "8b"), default=None, help="default: 8b on a GPU")
@@ -111,6 +152,8 @@ def main(argv=None) -> int:
     parser.add_argument("--turns", type=int, default=5, help="timings per setting, the settings taking turns")
     parser.add_argument("--served", action="store_true", help="the default pair served, with and without an adapter")
     parser.add_argument("--max-tokens", type=int, default=64, help="--served: tokens per request")
+    parser.add_argument("--on-demand", action="store_true",
+                        help="adapters read from a directory: a read, a lookup, a slot, steps over more slots")
     parser.add_argument("--out", help="also write the table (Markdown) here")
     parser.add_argument("--results", metavar="NAME", help="also write it as docs/results/<date>-NAME.md")
     args = parser.parse_args(argv)
@@ -131,6 +174,11 @@ def main(argv=None) -> int:
     if pair == "tiny":
         dtype = "float64"
     model = load_causal_lm(str(target_path), device, dtype)
+    if args.on_demand:
+        text = on_demand(model, args, device, dtype, pair, reps)
+        if args.results:
+            report.write_results(args.results, "LoRA adapters read on demand", text)
+        return 0
     directory = Path(tempfile.mkdtemp(prefix="lora-bench-"))
     paths = {}
     for i in range(args.adapters):

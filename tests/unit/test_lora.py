@@ -276,6 +276,12 @@ def test_the_bench_prints_every_setting(tmp_path):
     for row in ("no adapters", "base rows", "one adapter", "mixed"):
         assert f"| {row} " in text
     assert "5 rows, 2 seqs (ms)" in text
+    # --on-demand: adapters read from a directory
+    assert lora_bench.main(["--pair", "tiny", "--rank", "2", "--reps", "1", "--turns", "1", "--batch", "2",
+                            "--context", "32", "--on-demand", "--out", str(out)]) == 0
+    text = out.read_text()
+    for row in ("read an adapter into a slot (ms)", "a slot's tensors (MiB)", "max_loras 2 (ms)", "max_loras 6 (ms)"):
+        assert row in text, row
 
 
 def test_sampled_speculation_with_an_adapter_follows_the_adapted_target(tmp_path):
