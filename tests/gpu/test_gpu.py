@@ -497,3 +497,27 @@ def test_lora_adapters_in_cuda_graphs_give_the_eager_logits(tiny_pair, tmp_path)
         steps = [Step(i + 1, 7, [3, 4, 5, 6, 7][:width], width) for i in range(4)]
         for got, want in zip(graphs.extend_many(steps), eager.extend_many(steps)):
             assert torch.allclose(got, want, atol=1e-9)
+
+
+def test_adapters_read_on_demand_into_captured_slots_give_the_eager_logits(tiny_pair, tmp_path):
+    """Adapters of a directory taking turns in one slot under CUDA graphs (read in place into the tensors the
+    graphs captured): each read's logits are the eager executor's (float64)."""
+    from specdec.engine import lora
+
+    model = load_causal_lm(tiny_pair.target_path, "cuda", "float64")
+    for i in range(3):
+        lora.save_adapter(tmp_path / f"a{i}", lora.random_adapter(model, rank=4, seed=i), rank=4, alpha=8)
+    settings = dict(kv_pool_tokens=4096, block_size=16, max_context=256, max_batch=4, max_rows=5,
+                    lora_directory=str(tmp_path), max_loras=1, max_lora_rank=4)
+    graphs, eager = static_executor(model, **settings), static_executor(model, compile="off", **settings)
+    assert graphs.forward.mode == "graphs"
+    prompt = [1, 400, 2000, 37, 912, 5, 77]
+    for seq, name in enumerate(("a0", "a1", "a2", "a0"), 1):
+        for lm in (graphs, eager):
+            lm.extend_many([Step(seq, 0, prompt, 1, adapter=name)])
+        for width in (1, 5):
+            step = [Step(seq, 7, [3, 4, 5, 6, 7][:width], width)]
+            assert torch.allclose(graphs.extend_many(step)[0], eager.extend_many(step)[0], atol=1e-9), (name, width)
+        for lm in (graphs, eager):
+            lm.release(seq)
+    assert graphs.adapters.loads == 4
