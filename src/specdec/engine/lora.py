@@ -291,14 +291,6 @@ class AdapterSet:
         self._used.append(index)
         return index + 1
 
-    def slot(self, name: str) -> int:
-        """A held adapter's slot by name ("" : the base model, 0); ValueError naming the adapters held."""
-        if not name:
-            return 0
-        if name not in self.slots:
-            raise ValueError(f"no LoRA adapter {name!r} (served: {', '.join(self.names) or 'none'})")
-        return self.slots.index(name) + 1
-
     def key(self, slot: int) -> int:
         """What tells apart the keys and values of slot's adapter from every other's, the base model's (0)
         and those of an adapter the slot held before (new at every load)."""
