@@ -602,3 +602,26 @@ def test_a_lora_name_must_be_one_the_server_serves():
     params = ModelParameters({"name": "sd", "parameters": {"draft_models": {"string_value": "ngram"},
                                                           "lora_adapters": {"string_value": "sql=/a,chat=/b"}}})
     assert request.RequestLimits.from_parameters(params, 100, frozenset()).lora_names == ("sql", "chat")
+
+
+
+def test_a_lora_name_of_the_directory_of_adapters_is_admitted(tmp_path):
+    """lora_directory: a name of an adapter in it is admitted (the target reads it); one that is not there, or
+    that would leave the directory, is refused naming the field and the directory."""
+    import dataclasses
+
+    (tmp_path / "sql").mkdir()
+    (tmp_path / "sql" / "adapter_config.json").write_text("{}")
+    (tmp_path / "team" / "chat").mkdir(parents=True)
+    (tmp_path / "team" / "chat" / "adapter_config.json").write_text("{}")
+    limits = dataclasses.replace(LIMITS, lora_directory=str(tmp_path))
+
+    def name(value: str) -> str:
+        arrays = {tn.INPUT_IDS: np.array([[5, 6, 7]], dtype=np.int32), tn.LORA_NAME: np.array([[value.encode()]],
+                                                                                             dtype=np.object_)}
+        return ParsedRequest.parse(arrays.get, limits, seq_id=7, encode=_encode).generation.lora_name
+
+    assert name("sql") == "sql" and name("team/chat") == "team/chat"
+    for wrong in ("nope", "team", "../sql", "team/../sql"):
+        with pytest.raises(InputError, match=f"no LoRA adapter '{re.escape(wrong)}' \\(served: none; none in {tmp_path}"):
+            name(wrong)

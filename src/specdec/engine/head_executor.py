@@ -94,6 +94,7 @@ class HeadExecutor:
         self.prefix_cache_bytes = 0
         self.stop_below = 0.0  # the confidence stop, as Executor's
         self.ahead_taken, self.ahead_used, self.ahead_dropped = {}, 0, 0  # nothing runs ahead (Executor's run_ahead)
+        self.adapters = None  # no LoRA adapters (Executor's; a head drafts for the base model's target)
         if graphs is None:
             graphs = self.device.type == "cuda"
         self.kernels = HeadKernels.serving(head) if cpu_kernels is not False else None
