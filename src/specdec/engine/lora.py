@@ -183,12 +183,11 @@ class AdapterSet:
     --max-loaded-loras), an adapter a request names that is not held is read from DIRECTORY/NAME into a free
     slot, or into the least recently used one whose adapter no running sequence runs: `slots` in all (0:
     the adapters', and DIRECTORY_SLOTS more with a directory), each of rank up to `rank` (0: the adapters'
-    largest, at least DIRECTORY_RANK with a directory). The tensors keep their shapes (a CUDA graph's captured products read them in place).
-    A slot's `key` is new at every load: a prefix cache keyed by it never serves one adapter's blocks to
-    another that took the slot later."""
+    largest, at least DIRECTORY_RANK with a directory). The tensors keep their shapes: a CUDA graph's
+    captured products read them in place. A slot's `key` is new at every load: a prefix cache keyed by it
+    never serves one adapter's blocks to another that took the slot later."""
 
-    def __init__(self, model, adapters: list[Adapter], slots: int = 0, rank: int = 0,
-                 directory: str = ""):
+    def __init__(self, model, adapters: list[Adapter], slots: int = 0, rank: int = 0, directory: str = ""):
         names = [adapter.name for adapter in adapters]
         if len(set(names)) != len(names):
             raise ValueError(f"LoRA adapters named twice: {sorted(n for n in set(names) if names.count(n) > 1)}")
