@@ -225,6 +225,51 @@ def test_a_slot_taken_by_another_adapter_does_not_serve_the_blocks_its_earlier_a
     assert lm.prefix_hit_tokens == 24 and again.allclose(first, atol=1e-10)
 
 
+def test_a_held_adapter_whose_entry_changed_is_read_again_and_one_whose_entry_is_gone_is_refused(tiny_lm, library,
+                                                                                                   tmp_path):
+    """The gateway's load_lora_adapter adds an adapter as a link in the directory, load_inplace points it
+    elsewhere, unload_lora_adapter removes it: the next sequence runs what the entry holds now, a running one
+    keeps the version it started with (its slot is not taken while it runs)."""
+    root, found = library
+    directory = tmp_path / "runtime"
+    directory.mkdir()
+    (directory / "x").symlink_to(root / "a")
+    lm = executor(tiny_lm, lora_directory=str(directory), max_loras=2, max_lora_rank=4)
+    ids = prompt(21)
+    want = {name: executor(merged(tiny_lm, *found[name])).extend(1, 0, ids, 2) for name in ("a", "b")}
+
+    def run(seq, expected):
+        out = lm.extend_many([Step(seq, 0, ids, 2, adapter="x")])[0]
+        if expected is not None:
+            assert torch.allclose(out, want[expected], atol=1e-10), expected
+        return out
+
+    run(1, "a")
+    lm.release(1)
+    run(2, "a")  # held: not read again
+    assert lm.adapters.loads == 1
+    (directory / "y").symlink_to(root / "b")
+    (directory / "y").replace(directory / "x")  # x now links to b (what load_inplace does), while 2 runs a
+    run(3, "b")  # into the other slot: 2 still runs the version it started with
+    assert lm.adapters.loads == 2 and lm.adapters.slots.count("x") == 1
+    step = lm.extend_many([Step(2, 21, [ids[0]], 1, adapter="x")])[0]
+    alone = executor(merged(tiny_lm, *found["a"]))
+    alone.extend(1, 0, ids, 2)
+    assert torch.allclose(step, alone.extend(1, 21, [ids[0]], 1), atol=1e-10)
+    # both slots busy (2 on the old version, 3 on the new): another change has no slot until one ends
+    (directory / "y").symlink_to(root / "a")
+    (directory / "y").replace(directory / "x")
+    out = run(4, None)
+    assert isinstance(out, CapacityError), out
+    lm.release(2)
+    run(4, "a")
+    for seq in list(lm.sequences):
+        lm.release(seq)
+    (directory / "x").unlink()  # gone: refused, though a slot still holds it
+    out = run(5, None)
+    assert isinstance(out, CacheError) and "no LoRA adapter 'x'" in str(out), out
+
+
 def test_a_directory_lists_its_adapters_and_keeps_names_inside_it(library):
     root, _ = library
     assert directory_adapters(root) == ["a", "b", "c", "team/d", "wide"]

@@ -185,7 +185,10 @@ class AdapterSet:
     the adapters', and DIRECTORY_SLOTS more with a directory), each of rank up to `rank` (0: the adapters'
     largest, at least DIRECTORY_RANK with a directory). The tensors keep their shapes: a CUDA graph's
     captured products read them in place. A slot's `key` is new at every load: a prefix cache keyed by it
-    never serves one adapter's blocks to another that took the slot later."""
+    never serves one adapter's blocks to another that took the slot later. A held directory adapter whose
+    entry changed since it was read (its link pointed elsewhere, its files rewritten: the gateway's
+    load_lora_adapter with load_inplace) is read again for the next sequence that names it, into another slot
+    while running sequences still run the earlier version; one whose entry is gone is refused."""
 
     def __init__(self, model, adapters: list[Adapter], slots: int = 0, rank: int = 0, directory: str = ""):
         names = [adapter.name for adapter in adapters]
@@ -205,6 +208,7 @@ class AdapterSet:
         self.slots: list[str | None] = names + [None] * (capacity - len(adapters))  # slot s's adapter at s - 1
         self.pinned = len(adapters)  # lora_adapters' slots: never taken over
         self.keys = list(range(1, capacity + 1))  # slot s's key at s - 1 (`key`)
+        self.stamps: list[tuple | None] = [None] * capacity  # a directory adapter's files as read (`_stamp`)
         self._next_key = capacity + 1
         self._used = list(range(capacity))  # slot indices, least recently used first
         self.loads = 0  # adapters read from the directory (what the server's metrics count)
@@ -267,23 +271,29 @@ class AdapterSet:
         slot runs a sequence's adapter."""
         if not name:
             return 0
+        if name in self.slots and self.slots.index(name) >= self.pinned:  # read from the directory: still so?
+            index = self.slots.index(name)
+            if _stamp(directory_adapter(self.directory, name)) != self.stamps[index]:
+                self.slots[index] = None  # out of date (its running sequences keep its matrices: a busy slot)
         if name in self.slots:
             index = self.slots.index(name)
         else:
             problem = self.problem(name)
             if problem:
                 raise ValueError(problem)
-            free = [i for i in self._used if i >= self.pinned and (self.slots[i] is None or i + 1 not in busy)]
+            free = [i for i in self._used if i >= self.pinned and i + 1 not in busy]
             if not free:
                 raise CapacityError(f"LoRA adapter {name!r}: each of the {len(self.slots)} LoRA slots (max_loras) "
                                     "holds an adapter a running request runs; retry later")
-            adapter = load_adapter(name, directory_adapter(self.directory, name), self.model)
+            path = directory_adapter(self.directory, name)
+            stamp = _stamp(path)
+            adapter = load_adapter(name, path, self.model)
             if adapter.rank > self.rank:
                 raise ValueError(f"LoRA adapter {name!r} ({adapter.path}) has rank {adapter.rank}; max_lora_rank is "
                                  f"{self.rank}")
             index = free[0]
             self._write(index, adapter)
-            self.slots[index], self.keys[index] = name, self._next_key
+            self.slots[index], self.keys[index], self.stamps[index] = name, self._next_key, stamp
             self._next_key += 1
             self.loads += 1
         self._used.remove(index)
@@ -326,6 +336,21 @@ class AdapterSet:
         end = plan.count * width  # the slots the plan runs
         low = torch.nn.functional.linear(x, a_flat[:end]).mul_(plan.masks[width])  # (N, S R): the row's own columns
         return y.addmm_(low, b_t[:end])
+
+
+def _stamp(path: Path | None) -> tuple | None:
+    """What tells a directory adapter's files from a later version of them: where they are (links followed)
+    and each file's modification time and size; None: no adapter there."""
+    if path is None:
+        return None
+    out: list = [str(path.resolve())]
+    for name in (CONFIG, *WEIGHTS):
+        try:
+            info = (path / name).stat()
+            out.append((info.st_mtime_ns, info.st_size))
+        except OSError:
+            out.append(None)
+    return tuple(out)
 
 
 class Plan(NamedTuple):
