@@ -286,6 +286,8 @@ def test_helm_test_hook_sends_a_real_request():
     ({"gpu": {"mps": "yes"}}, "/gpu/mps"),
     ({"compileCache": {"source": "hostPath"}}, "/compileCache/source"),
     ({"compileCache": {"source": "existingClaim"}}, "/compileCache/existingClaim/name"),
+    ({"openai": {"allowRuntimeLoraUpdating": True}}, "openai.allowRuntimeLoraUpdating needs models.loraClaim"),
+    ({"openai": {"allowRuntimeLoraUpdating": "yes"}}, "/openai/allowRuntimeLoraUpdating"),
 ])
 def test_bad_values_are_rejected(bad, field):
     with pytest.raises(helm_python.HelmError, match=re.escape(field)):
@@ -480,6 +482,32 @@ def test_the_openai_api_has_a_port_a_service_port_an_ingress_path_and_a_key_from
     assert {var["name"]: var.get("value") for var in triton["env"]}["OPENAI_PORT"] == "0"
     assert "openai" not in {port["name"] for port in triton["ports"]}
     assert "SPECDEC_API_KEY" not in {var["name"] for var in triton["env"]}
+
+
+def test_runtime_lora_updating_links_adapters_in_a_writable_claim_the_models_read():
+    """openai.allowRuntimeLoraUpdating: the launcher's flag, and models.loraClaim mounted writable where the
+    models' lora_directory points (the weights' volume is read-only); loraDirectory may name a folder of it."""
+    def lora_directory(docs, model: str) -> str:
+        (configs,) = [d for d in by_kind(docs, "ConfigMap") if d["metadata"]["name"].endswith("-model-config")]
+        found = re.search(r'key: "lora_directory", value: \{ string_value: "([^"]*)"',
+                          configs["data"][f"{model}.config.pbtxt"])
+        return found.group(1)
+
+    docs = render_chart({"models": {"loraClaim": "adapters"}, "openai": {"allowRuntimeLoraUpdating": True}})
+    spec = deployment(docs)["spec"]["template"]["spec"]
+    triton = spec["containers"][0]
+    assert launcher.parse_args(triton["args"][:triton["args"].index("--")]).allow_runtime_lora_updating
+    (mount,) = [m for m in triton["volumeMounts"] if m["name"] == "lora"]
+    (volume,) = [v for v in spec["volumes"] if v["name"] == "lora"]
+    assert volume["persistentVolumeClaim"] == {"claimName": "adapters"} and not mount.get("readOnly")
+    assert lora_directory(docs, "target_model") == lora_directory(docs, "speculative_decoding") == mount["mountPath"]
+    inner = render_chart({"models": {"loraClaim": "adapters", "loraDirectory": mount["mountPath"] + "/team"}})
+    assert lora_directory(inner, "target_model") == mount["mountPath"] + "/team"
+    default = deployment(render_chart({}))["spec"]["template"]["spec"]
+    assert "lora" not in {v["name"] for v in default["volumes"]}
+    assert not launcher.parse_args(default["containers"][0]["args"][:default["containers"][0]["args"].index("--")]) \
+        .allow_runtime_lora_updating
+    assert lora_directory(render_chart({}), "target_model") == ""
 
 
 def test_the_executor_choices_are_the_models_own():

@@ -7,10 +7,12 @@ a name the server does not serve is refused naming the field, and the server goe
 import json
 import queue
 import time
+from pathlib import Path
 
 import numpy as np
 import openai
 import pytest
+import requests
 import torch
 import tritonclient.grpc as grpcclient
 
@@ -123,17 +125,16 @@ def test_an_adapter_the_server_does_not_serve_is_refused_naming_the_field(server
     assert got[tn.TEXT_OUTPUT] == merged_greedy(PROMPTS[0], 16)
 
 
-def _merged_greedy_of(server, name: str):
-    """Greedy text (transformers) of the served target with the directory's adapter `name` merged in."""
-    from pathlib import Path
-
+def _merged_greedy_of(server, name: str, where: Path | None = None):
+    """Greedy text (transformers) of the served target with the directory's adapter `name` (or the adapter at
+    `where`) merged in."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = _rendered_parameter(server, "target_model", "model_path")
     directory = Path(_rendered_parameter(server, "target_model", "lora_directory"))
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
-    adapter = lora.load_adapter(name, directory / name, model)
+    adapter = lora.load_adapter(name, where or directory / name, model)
     with torch.no_grad():
         for (layer, module), (a, b) in adapter.weights.items():
             getattr(getattr(model.model.layers[layer], lora.MODULES[module][0]), module).weight += b @ a
@@ -218,4 +219,67 @@ def test_a_directorys_adapters_are_read_on_demand_and_take_turns_in_their_slot(s
                                          extra_body={"ignore_eos": True}).choices[0].text
         assert text == texts[second][PROMPTS[1]]
     finally:
+        client.close()
+
+
+def test_adapters_loaded_and_unloaded_while_serving_through_vllms_endpoints(server, tmp_path):
+    """POST /v1/load_lora_adapter (the session's server allows it): an adapter from outside the directory is a
+    model of its name, its text the merged model's, listed; load_inplace another in its place: the next
+    request's text is the other's; one the target cannot serve (its rank above max_lora_rank): refused naming
+    its path, and not served; unloaded: refused as a model, a second unload 404, the directory as it was."""
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(_rendered_parameter(server, "target_model", "model_path"),
+                                                  dtype=torch.float64)
+    paths = {}
+    for name, rank, seed in (("first", 4, 101), ("second", 4, 102), ("wide", 32, 103)):
+        paths[name] = tmp_path / name
+        lora.save_adapter(paths[name], lora.random_adapter(target, rank=rank, seed=seed, std=0.2), rank=rank,
+                          alpha=2 * rank)
+    want = {name: _merged_greedy_of(server, name, paths[name])(PROMPTS[0], 12) for name in ("first", "second")}
+    assert want["first"] != want["second"]
+    name = "runtime-lora"
+    http = requests.Session()
+    client = openai.OpenAI(base_url=server.openai_url, api_key="unused", max_retries=0, timeout=120)
+
+    def complete(model: str) -> str:
+        return client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=12, temperature=0,
+                                         extra_body={"ignore_eos": True}).choices[0].text
+
+    def load(path: Path, **extra) -> requests.Response:
+        return post("load_lora_adapter", lora_path=str(path), **extra)
+
+    def post(endpoint: str, **body) -> requests.Response:
+        return http.post(f"{server.openai_url}/{endpoint}", json={"lora_name": name, **body}, timeout=120)
+
+    before = [card.id for card in client.models.list().data]
+    try:
+        answer = load(paths["first"])
+        assert (answer.status_code, answer.text) == (200, f"Success: LoRA adapter '{name}' added successfully.")
+        assert complete(name) == want["first"]
+        cards = {card.id: card for card in client.models.list().data}
+        assert cards[name].model_extra["parent"] == before[0]
+        again = load(paths["second"])
+        assert again.status_code == 400 and "has already been loaded" in again.json()["error"]["message"]
+        assert load(paths["second"], load_inplace=True).status_code == 200
+        assert complete(name) == want["second"]
+        # grpc too: the name is a lora_name the orchestrator admits
+        assert grpc_stream(server.grpc_url, PROMPTS[0], max_tokens=12, ignore_eos=True, num_draft_tokens=4,
+                           **{tn.LORA_NAME: _name(name)})[tn.TEXT_OUTPUT] == want["second"]
+        unloaded = post("unload_lora_adapter")
+        assert (unloaded.status_code, unloaded.text) == (200, f"Success: LoRA adapter '{name}' removed successfully.")
+        with pytest.raises(openai.NotFoundError, match="does not exist"):
+            complete(name)
+        with pytest.raises(GenerationError, match=f"input '{tn.LORA_NAME}': no LoRA adapter"):
+            grpc_stream(server.grpc_url, PROMPTS[0], max_tokens=4, **{tn.LORA_NAME: _name(name)})
+        assert post("unload_lora_adapter").status_code == 404
+        # the target refuses what it cannot serve: named with its path, the name not served
+        wide = load(paths["wide"])
+        assert wide.status_code == 400, wide.text
+        message = wide.json()["error"]["message"]
+        assert str(paths["wide"]) in message and "has rank 32; max_lora_rank is 16" in message, message
+        assert [card.id for card in client.models.list().data] == before
+    finally:
+        post("unload_lora_adapter")
+        http.close()
         client.close()

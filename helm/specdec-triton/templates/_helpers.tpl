@@ -51,6 +51,12 @@ app.kubernetes.io/component: inference-server
 {{/* Where the Responses API's stored responses are mounted (openai.responsesStoreClaim) */}}
 {{- define "specdec.responsesStorePath" -}}/var/lib/specdec/responses{{- end -}}
 
+{{/* Where models.loraClaim is mounted (writable), and the directory of LoRA adapters the models read. */}}
+{{- define "specdec.loraClaimPath" -}}/var/lib/specdec/lora{{- end -}}
+{{- define "specdec.loraDirectory" -}}
+{{- .Values.models.loraDirectory | default (ternary (include "specdec.loraClaimPath" .) "" (ne .Values.models.loraClaim "")) -}}
+{{- end -}}
+
 {{/* The models the server loads, in load order (explicit model control). */}}
 {{- define "specdec.modelNames" -}}
 {{- $names := list "preprocessing" "postprocessing" "target_model" -}}
@@ -95,6 +101,9 @@ avg({{ include "specdec.scalingSignal" . }}{namespace="{{ .Release.Namespace }}"
 {{- end -}}
 {{- if and .Values.autoscaling.enabled (gt (int .Values.autoscaling.minReplicas) (int .Values.autoscaling.maxReplicas)) -}}
 {{- fail "autoscaling.minReplicas exceeds autoscaling.maxReplicas" -}}
+{{- end -}}
+{{- if and .Values.openai.allowRuntimeLoraUpdating (not .Values.models.loraClaim) -}}
+{{- fail "openai.allowRuntimeLoraUpdating needs models.loraClaim: the adapters it loads are links in a writable directory (the weights' volume is mounted read-only)" -}}
 {{- end -}}
 {{- if and (include "specdec.singleNodeClaim" .) (or (gt (int .Values.replicaCount) 1) .Values.autoscaling.enabled .Values.keda.enabled) -}}
 {{- fail "models.newClaim.accessModes is ReadWriteOnce only: pods on other nodes cannot mount it; use ReadOnlyMany or ReadWriteMany for more than one replica" -}}

@@ -41,7 +41,7 @@ instance_group [ { count: 1, kind: KIND_GPU, gpus: [ {{ ternary $root.Values.gpu
 {{- if eq $role "target" }}
 {{ include "specdec.param" (list "draft_heads" (include "specdec.headPaths" $root)) }}
 {{ include "specdec.param" (list "lora_adapters" (include "specdec.loraAdapters" $root)) }}
-{{ include "specdec.param" (list "lora_directory" $root.Values.models.loraDirectory) }}
+{{ include "specdec.param" (list "lora_directory" (include "specdec.loraDirectory" $root)) }}
 {{ include "specdec.param" (list "max_loras" $root.Values.models.maxLoras) }}
 {{ include "specdec.param" (list "max_lora_rank" $root.Values.models.maxLoraRank) }}
 {{ include "specdec.param" (list "run_ahead" $root.Values.executor.runAhead) }}
@@ -314,7 +314,7 @@ output [
 {{ include "specdec.param" (list "target_model" "target_model") }}
 {{ include "specdec.param" (list "draft_models" (get (dict "model" "draft_model,ngram,suffix,ngram+draft_model" "head" "draft_model,ngram,suffix,ngram+draft_model" "skip" "draft_model,ngram,suffix,ngram+draft_model" "ngram" "ngram,suffix" "suffix" "suffix,ngram") .Values.models.draft.method)) }}
 {{ include "specdec.param" (list "lora_adapters" (include "specdec.loraAdapters" .)) }}
-{{ include "specdec.param" (list "lora_directory" .Values.models.loraDirectory) }}
+{{ include "specdec.param" (list "lora_directory" (include "specdec.loraDirectory" .)) }}
 {{ include "specdec.param" (list "head_drafts" (ternary "draft_model" "" (eq .Values.models.draft.method "head"))) }}
 {{ include "specdec.param" (list "suffix_cache_tokens" $s.suffixCacheTokens) }}
 {{ include "specdec.param" (list "lookup_branches" $s.lookupBranches) }}

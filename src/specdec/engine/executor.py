@@ -213,8 +213,8 @@ class Executor:
             return self.adapters.acquire(name, {seq.adapter for seq in self.sequences.values()})
         except CacheError:
             raise
-        except ValueError as exc:  # an adapter of the directory that does not fit the model
-            raise CacheError(str(exc)) from None
+        except ValueError as exc:  # an adapter of the directory that does not fit the model: the request's input
+            raise CacheError(f"input '{tn.LORA_NAME}': {exc}") from None
 
     def _reuse_prefix(self, seq, step: Step, start: int) -> tuple[int, int]:
         """A new sequence's first step, or the next chunk of a prompt sent in chunks (steps wanting no

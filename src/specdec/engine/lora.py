@@ -35,9 +35,8 @@ from typing import NamedTuple
 import torch
 
 from specdec.engine.errors import CapacityError
-from specdec.engine.lora_config import CONFIG, NAME, directory_adapter
+from specdec.engine.lora_config import CONFIG, NAME, WEIGHTS, directory_adapter
 
-WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 # A layer's adaptable projections, in the order the forward fuses them: its module and its product group.
 MODULES = {"q_proj": ("self_attn", "qkv"), "k_proj": ("self_attn", "qkv"), "v_proj": ("self_attn", "qkv"),
            "o_proj": ("self_attn", "o"), "gate_proj": ("mlp", "gate_up"), "up_proj": ("mlp", "gate_up"),

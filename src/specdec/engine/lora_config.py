@@ -9,6 +9,7 @@ from pathlib import Path
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")  # what an adapter may be named (and a request name)
 CONFIG = "adapter_config.json"  # what makes a directory a (PEFT) adapter
+WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")  # its weights, the first found read
 
 
 def parse_adapters(text: str, field: str) -> dict[str, str]:

@@ -13,6 +13,8 @@ talking to the ensemble over gRPC; the launcher runs it beside the server (OPENA
   background  the Responses API's background responses: generated here, their states and streams stored,
              streams followed from any event, cancelled
   batches    OpenAI's Batch API: files of requests, batches answered here, their output files
+  adapters   vLLM's runtime LoRA endpoints (load_lora_adapter, unload_lora_adapter): links in the target's
+             directory of adapters
   tokenization  vLLM's tokenizer endpoints: /tokenize, /detokenize, /tokenizer_info (pure)
   upstream   one ensemble gRPC stream per request (tritonclient asyncio), cancelled when the caller leaves
   metrics    the API's own Prometheus metrics (GET /metrics): requests by route and status, time to first

@@ -1,7 +1,8 @@
 """`python -m specdec.gateway`: serve the OpenAI API for the ensemble of a running tritonserver.
 
 Environment: OPENAI_PORT (9000), GRPC_PORT (8001, the server's), SPECDEC_API_KEY (an API key clients must
-send as `Authorization: Bearer <key>`; none: no check), SPECDEC_STREAM_KEEPALIVE (--stream-keepalive's seconds). SIGTERM stops taking connections and lets the
+send as `Authorization: Bearer <key>`; none: no check), SPECDEC_STREAM_KEEPALIVE (--stream-keepalive's seconds),
+VLLM_ALLOW_RUNTIME_LORA_UPDATING (True: --allow-runtime-lora-updating). SIGTERM stops taking connections and lets the
 answers in flight finish (at most --drain-timeout), as the launcher's drain expects.
 """
 
@@ -14,6 +15,7 @@ import sys
 from aiohttp import web
 
 from specdec.gateway import protocol
+from specdec.gateway.adapters import RUNTIME_ENV, allowed_by_environment
 from specdec.gateway.app import KEEPALIVE_S, Gateway
 from specdec.gateway.reasoning import PARSERS as REASONING_PARSERS
 from specdec.gateway.response_store import (DEFAULT_MB as DEFAULT_RESPONSES_STORE_MB, MIB, ResponseStore,
@@ -42,6 +44,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--lora-directory", default="", metavar="DIR",
                         help="a directory of LoRA adapters the server reads on demand (target_model's "
                              "lora_directory): each DIR/NAME a model of that name to clients")
+    parser.add_argument("--allow-runtime-lora-updating", action="store_true", default=allowed_by_environment(),
+                        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's), which add and "
+                             "remove adapters as links in --lora-directory (default: vLLM's "
+                             f"{RUNTIME_ENV}=True in the environment)")
     parser.add_argument("--served-model-name", action="append", default=[],
                         help="the model name clients send (repeatable: aliases); the first is listed first")
     parser.add_argument("--tokenizer", default="", help="the target's tokenizer (the text of log-probabilities' tokens and of echoed token-id prompts; "
@@ -94,11 +100,15 @@ def main(argv: list[str] | None = None) -> int:
     store = SharedResponseStore(args.responses_store_dir, budget) if args.responses_store_dir and budget \
         else ResponseStore(budget)
     served = protocol.Served(args.served_model_name, args.lora_module, args.lora_directory)
+    if args.allow_runtime_lora_updating and not args.lora_directory:
+        log("--allow-runtime-lora-updating needs --lora-directory (the adapters it loads are links there)")
+        return 2
     gateway = Gateway(Upstream(args.grpc_url), served, tokenizer, args.api_key or None,
                       args.tool_call_parser, args.max_model_len, args.reasoning_parser, store, args.default_max_tokens,
-                      args.drain_timeout, args.stream_keepalive)
+                      args.drain_timeout, args.stream_keepalive, args.allow_runtime_lora_updating)
     log(f"OpenAI API: http://{args.host}:{args.port}/v1 (models {', '.join(args.served_model_name + args.lora_module)}"
-        f"{', those of ' + args.lora_directory if args.lora_directory else ''}; "
+        f"{', those of ' + args.lora_directory if args.lora_directory else ''}"
+        f"{', loaded and unloaded at run time' if args.allow_runtime_lora_updating else ''}; "
         f"server {args.grpc_url}; API key {'required' if args.api_key else 'not required'}; stored responses "
         f"{'in ' + args.responses_store_dir if isinstance(store, SharedResponseStore) else 'in memory'})")
     web.run_app(gateway.app(), host=args.host, port=args.port, print=None, access_log=None,

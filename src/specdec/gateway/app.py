@@ -23,8 +23,8 @@ from aiohttp import web
 
 from specdec import tensor_names as tn
 from specdec.decoding import json_text
-from specdec.gateway import (batches, conversations, messages, metrics, protocol, reasoning, responses, tokenization,
-                             tools)
+from specdec.gateway import (adapters, batches, conversations, messages, metrics, protocol, reasoning, responses,
+                             tokenization, tools)
 from specdec.gateway.protocol import STATS_FIELD, ApiError, Generation
 from specdec.gateway.background import BackgroundResponses
 from specdec.gateway.response_store import NotStored, ResponseStore, in_store
@@ -50,7 +50,7 @@ class Gateway:
     def __init__(self, upstream: Upstream, served: tuple[str, ...], tokenizer=None, api_key: str | None = None,
                  tool_parser: str | None = None, max_model_len: int = 0, reasoning_parser: str | None = None,
                  store: ResponseStore | None = None, default_max_tokens: int = 0, drain_timeout_s: float = 60.0,
-                 keepalive_s: float = KEEPALIVE_S):
+                 keepalive_s: float = KEEPALIVE_S, runtime_lora: bool = False):
         """tokenizer: the target's (a transformers tokenizer), for the text of log-probabilities' tokens and of
         echoed token-id prompts, and the tokenizer endpoints; None: tokens show as `token_id:N`, and those
         need it. max_model_len: the server's context in tokens (model cards, /tokenize; 0: not known).
@@ -58,7 +58,8 @@ class Gateway:
         generates for a request that does not say (what `truncation: auto` leaves room for; 0: not known).
         drain_timeout_s: how long a stop waits for background responses to finish (then they fail).
         keepalive_s: how long a streamed answer may be silent before a comment line keeps its connection
-        (`_waited`; 0: never)."""
+        (`_waited`; 0: never). runtime_lora: vLLM's load_lora_adapter and unload_lora_adapter (adapters.py;
+        `served` must have a directory of adapters)."""
         self.upstream, self.served, self.tokenizer, self.api_key = upstream, served, tokenizer, api_key
         self.token_text: TokenText | None = token_text_from(tokenizer) if tokenizer is not None else None
         self.tool_parser = tool_parser  # tools.PARSERS: how the model writes calls (tool_choice "auto")
@@ -74,6 +75,7 @@ class Gateway:
         self.metrics = metrics.ApiMetrics(self.store, self.background, self.conversations.store, self.files.contents,
                                           self.batches)
         self.created = int(time.time())
+        self.runtime_adapters = adapters.RuntimeAdapters(served) if runtime_lora else None
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._counted, self._errors], client_max_size=16 * 1024 * 1024)
@@ -105,6 +107,9 @@ class Gateway:
         app.router.add_post(MESSAGES_PREFIX + "/count_tokens", self.count_message_tokens)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model}", self.model)
+        if self.runtime_adapters is not None:  # vLLM's: not there unless allowed
+            app.router.add_post("/v1/load_lora_adapter", self.load_lora_adapter)
+            app.router.add_post("/v1/unload_lora_adapter", self.unload_lora_adapter)
         app.router.add_get(HEALTH_PATH, self.health)
         app.router.add_get(metrics.PATH, self.metrics_page)
         app.router.add_post("/tokenize", self.tokenize)
@@ -872,6 +877,33 @@ class Gateway:
         if anthropic:
             card.update(messages.model_card(name, self.created))
         return card
+
+    async def load_lora_adapter(self, request: web.Request) -> web.Response:
+        """POST /v1/load_lora_adapter {lora_name, lora_path, load_inplace}: the adapter served as a model of its
+        name once the target has read it (one token generated with it: an adapter that does not fit the target
+        is refused here, naming its path, not at its first request)."""
+        runtime = self.runtime_adapters
+        load = runtime.load_request(await self._body(request))
+        before = await asyncio.to_thread(runtime.link, load)
+        try:
+            gen = protocol.parse_completion({"model": load.name, "prompt": "Hello", "max_tokens": 1}, self.served)
+            async with contextlib.aclosing(self.upstream.generate(gen.choices[0], False)) as pieces:
+                async for _ in pieces:
+                    pass
+        except BaseException as exc:
+            await asyncio.shield(asyncio.to_thread(runtime.restore, load, before))
+            if isinstance(exc, ApiError):
+                raise ApiError(exc.status, f"LoRA adapter {load.name!r} ({load.path}) not loaded: {exc.message}",
+                               param="lora_path", code=exc.code) from None
+            raise
+        return web.Response(text=adapters.LOADED.format(load.name))
+
+    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
+        """POST /v1/unload_lora_adapter {lora_name}: no longer served (requests running it run on)."""
+        runtime = self.runtime_adapters
+        name = runtime.unload_request(await self._body(request))
+        await asyncio.to_thread(runtime.unlink, name)
+        return web.Response(text=adapters.UNLOADED.format(name))
 
     def _tokenizer(self):
         if self.tokenizer is None:

@@ -511,7 +511,8 @@ _INPUT = re.compile(r"input '([a-z_]+)'")
 _INPUT_FIELDS = {tn.STOP_WORDS: "stop", tn.MESSAGES: "messages", tn.TEXT_INPUT: "prompt", tn.PROMPT_TOKEN_IDS: "prompt",
                  tn.TOOLS: "tools",
                  tn.GUIDED_DECODING_GUIDE: "response_format", tn.NUM_DRAFT_TOKENS: "num_draft_tokens",
-                 tn.NUM_DRAFT_BRANCHES: "num_draft_branches", tn.DRAFT_MODEL: "draft_model", tn.MAX_TOKENS: "max_tokens"}
+                 tn.NUM_DRAFT_BRANCHES: "num_draft_branches", tn.DRAFT_MODEL: "draft_model", tn.MAX_TOKENS: "max_tokens",
+                 tn.LORA_NAME: "model"}
 
 
 def server_error(message: str, unavailable: bool = False) -> ApiError:

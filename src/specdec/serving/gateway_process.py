@@ -49,7 +49,7 @@ class GatewayProcess:
                  env: dict[str, str], tool_call_parser: str | None = None, max_model_len: int = 0,
                  reasoning_parser: str | None = None, responses_store_mb: float | None = None,
                  default_max_tokens: int = 0, responses_store_dir: str | None = None,
-                 lora: tuple[list[str], str] = ([], "")):
+                 lora: tuple[list[str], str] = ([], ""), runtime_lora: bool = False):
         self.port = port
         self.command = [sys.executable, "-m", "specdec.gateway", "--port", str(port),
                         "--grpc-url", f"127.0.0.1:{grpc_port}", "--drain-timeout", str(drain_timeout_s),
@@ -73,6 +73,8 @@ class GatewayProcess:
             self.command += ["--lora-module", name]
         if directory:  # and those of the directory the target reads on demand
             self.command += ["--lora-directory", directory]
+        if runtime_lora:  # (an environment's VLLM_ALLOW_RUNTIME_LORA_UPDATING also reaches it)
+            self.command += ["--allow-runtime-lora-updating"]
         self.env, self.drain_timeout_s = env, drain_timeout_s
         self.process: subprocess.Popen | None = None
         self.restarts = 0

@@ -45,8 +45,9 @@ from pathlib import Path
 from typing import Callable
 
 from specdec import tensor_names as tn
-from specdec.engine.lora_config import NAME, format_adapters
+from specdec.engine.lora_config import CONFIG, NAME, format_adapters
 from specdec.serving import mps, pairs, repository
+from specdec.gateway.adapters import RUNTIME_ENV, allowed_by_environment
 from specdec.gateway.reasoning import PARSERS as REASONING_PARSERS
 from specdec.gateway.response_store import DEFAULT_MB as RESPONSES_STORE_MB
 from specdec.gateway.tools import PARSERS as TOOL_CALL_PARSERS
@@ -359,8 +360,8 @@ def with_lora_adapters(pair: pairs.PairSpec, specs: list[str], directory: str = 
             raise ValueError(f"--lora-modules {spec!r}: NAME=DIR, NAME letters, digits and . _ : / - (at most 128)")
         if name in named:
             raise ValueError(f"--lora-modules {spec!r}: {name!r} is given twice")
-        if not (Path(path) / "adapter_config.json").is_file():
-            raise ValueError(f"--lora-modules {spec!r}: {path} holds no adapter_config.json (a PEFT LoRA adapter)")
+        if not (Path(path) / CONFIG).is_file():
+            raise ValueError(f"--lora-modules {spec!r}: {path} holds no {CONFIG} (a PEFT LoRA adapter)")
         named[name] = str(Path(path).resolve())
     served = dataclasses.replace(pair, lora_adapters=named)
     format_adapters(named)  # a directory its config value cannot spell is refused now, not at load
@@ -454,6 +455,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="keep the Responses API's stored responses and conversations as files in this "
                              "directory (within --responses-store-mb): replicas that mount the same one (a "
                              "ReadWriteMany volume) continue each other's conversations, and a restart forgets none")
+    parser.add_argument("--allow-runtime-lora-updating", action="store_true", default=allowed_by_environment(),
+                        help="the OpenAI API serves POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's), "
+                             "adding and removing adapters as links in --lora-directory, which the API's process "
+                             f"must be able to write (default: vLLM's {RUNTIME_ENV}=True in the environment)")
     parser.add_argument("--model-repository", help="serve this already rendered repository as is")
     parser.add_argument("--triton-root", default=os.environ.get("TRITON_ROOT"),
                         help="an installed Triton (e.g. /opt/tritonserver) instead of the wheel's server")
@@ -540,10 +545,15 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         tokenizer = repository_tokenizer(repo)
         context, default_max_tokens = repository_limits(repo)
+        lora = repository.served_adapters(repo)
+        if args.allow_runtime_lora_updating and not lora[1]:
+            log("--allow-runtime-lora-updating needs --lora-directory (the adapters it loads are links there; in "
+                f"the chart models.loraDirectory), or {RUNTIME_ENV} unset")
+            return 2
         gateway = GatewayProcess(openai_port(), grpc_port, args.served_model_name or [default_model_name(tokenizer)],
                                  tokenizer, args.drain_timeout, dict(os.environ), args.tool_call_parser,
                                  context, args.reasoning_parser, args.responses_store_mb, default_max_tokens,
-                                 args.responses_store_dir, repository.served_adapters(repo))
+                                 args.responses_store_dir, lora, args.allow_runtime_lora_updating)
     watchdog = None
     if args.heal:
         # Reloading one model in place needs explicit model control; without it the watchdog heals by
