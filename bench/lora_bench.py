@@ -14,6 +14,7 @@ runs for every row (engine/lora.py): there the cost grows with the adapters serv
     python -m bench.lora_bench                         # CPU: the default pair's target
     python -m bench.lora_bench --pair 8b --adapters 4  # GPU: the 8B-shaped target, CUDA graphs
     python -m bench.lora_bench --served                # the default pair served, with and without an adapter
+    python -m bench.lora_bench --runtime               # the default pair served: load_lora_adapter's answer time
 
 --served starts the default pair with one adapter of rank --rank whose products are small (its text stays
 near the base model's, so the drafts' acceptance is comparable: what is measured is the adapter's cost), and
@@ -38,6 +39,7 @@ from specdec.engine.build import static_executor
 from specdec.engine.executor import Step
 from specdec.engine.loading import load_causal_lm
 from specdec.serving import pairs
+from specdec.serving import server as serving
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -57,7 +59,6 @@ def served(args) -> str:
     import json
 
     from client import Client, GenerationParams
-    from specdec.serving import server as serving
 
     work = Path(tempfile.mkdtemp(prefix="lora-bench-served-"))
     model = load_causal_lm(str(pairs.default_pair().target_path), "cpu", "float32")
@@ -116,9 +117,10 @@ def on_demand(model, args, device: str, dtype: str, pair: str, reps: int) -> str
         started = time.perf_counter()
         lm.adapters.acquire(f"a{i}", set())
         reads.append(time.perf_counter() - started)
-        started = time.perf_counter()
-        lm.adapters.acquire(f"a{i}", set())
-        lookups.append(time.perf_counter() - started)
+        for _ in range(5):  # (a held directory adapter's entry is checked for a change: a few stats)
+            started = time.perf_counter()
+            lm.adapters.acquire(f"a{i}", set())
+            lookups.append(time.perf_counter() - started)
     rows = [["read an adapter into a slot (ms)", f"{statistics.median(reads) * 1e3:.1f}"],
             ["look up a held one (ms)", f"{statistics.median(lookups) * 1e3:.3f}"],
             ["its file (MiB)", f"{file_mib:.1f}"], ["a slot's tensors (MiB)", f"{lm.adapters.bytes / 2**20:.1f}"]]
@@ -140,6 +142,49 @@ def on_demand(model, args, device: str, dtype: str, pair: str, reps: int) -> str
     return report.print_table(header, rows, ["what", "value"], args.out)
 
 
+def runtime(args) -> str:
+    """The default pair served with --allow-runtime-lora-updating: what POST /v1/load_lora_adapter takes (a
+    link, the target's read, one token generated with it) and /v1/unload_lora_adapter, against a one-token
+    completion of the base model (what a load adds to it is the read), each adapter new (--reps of them)."""
+    import requests
+
+    work = Path(tempfile.mkdtemp(prefix="lora-bench-runtime-"))
+    model = load_causal_lm(str(pairs.default_pair().target_path), "cpu", "float32")
+    reps = args.reps or 5
+    for i in range(reps):
+        lora.save_adapter(work / "uploads" / f"a{i}", lora.random_adapter(model, rank=args.rank, seed=i, std=0.005),
+                          rank=args.rank, alpha=args.rank)
+    del model
+    (work / "library").mkdir()
+    srv = serving.start(work / "run", work / "server.log", ["--pair", "default", "--lora-directory",
+                                                             str(work / "library"), "--allow-runtime-lora-updating"])
+    timings: dict[str, list[float]] = {}
+
+    def timed(what: str, endpoint: str, body: dict) -> None:
+        started = time.perf_counter()
+        answer = session.post(f"{srv.openai_url}/{endpoint}", json=body, timeout=300)
+        timings.setdefault(what, []).append(time.perf_counter() - started)
+        answer.raise_for_status()
+
+    try:
+        session = requests.Session()
+        model_name = session.get(f"{srv.openai_url}/models", timeout=30).json()["data"][0]["id"]
+        one_token = {"prompt": "Hello", "max_tokens": 1, "temperature": 0}
+        for i in range(reps):
+            timed("completion, 1 token, the base model", "completions", {"model": model_name, **one_token})
+            timed("load_lora_adapter (a new adapter)", "load_lora_adapter",
+                  {"lora_name": f"a{i}", "lora_path": str(work / "uploads" / f"a{i}")})
+            timed("completion, 1 token, the adapter loaded", "completions", {"model": f"a{i}", **one_token})
+            timed("unload_lora_adapter", "unload_lora_adapter", {"lora_name": f"a{i}"})
+    finally:
+        srv.stop()
+    rows = [[what, f"{statistics.median(values) * 1e3:.1f}", f"{min(values) * 1e3:.1f}", f"{max(values) * 1e3:.1f}"]
+            for what, values in timings.items()]
+    header = (f"{report.machine()}, the default pair served (float32), {reps} adapters of rank {args.rank} over every "
+              f"projection loaded, used and unloaded in turn through the OpenAI API")
+    return report.print_table(header, rows, ["call", "median (ms)", "min (ms)", "max (ms)"], args.out)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pair", choices=("default", "tiny", "8b"), default=None, help="default: 8b on a GPU")
@@ -154,9 +199,14 @@ def main(argv=None) -> int:
     parser.add_argument("--max-tokens", type=int, default=64, help="--served: tokens per request")
     parser.add_argument("--on-demand", action="store_true",
                         help="adapters read from a directory: a read, a lookup, a slot, steps over more slots")
+    parser.add_argument("--runtime", action="store_true",
+                        help="the default pair served: load_lora_adapter and unload_lora_adapter's answer times")
     parser.add_argument("--out", help="also write the table (Markdown) here")
     parser.add_argument("--results", metavar="NAME", help="also write it as docs/results/<date>-NAME.md")
     args = parser.parse_args(argv)
+    if args.runtime:
+        runtime(args)
+        return 0
     if args.served:
         text = served(args)
         if args.results:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -338,14 +339,17 @@ class AdapterSet:
 
 
 def _stamp(path: Path | None) -> tuple | None:
-    """What tells a directory adapter's files from a later version of them: where they are (links followed)
-    and each file's modification time and size; None: no adapter there."""
+    """What tells a directory adapter's files from a later version of them: where its entry links to, and
+    each file's modification time and size; None: no adapter there. (os calls: a new sequence pays it.)"""
     if path is None:
         return None
-    out: list = [str(path.resolve())]
+    try:
+        out: list = [os.readlink(path)]
+    except OSError:  # a folder of its own, not a link
+        out = [""]
     for name in (CONFIG, *WEIGHTS):
         try:
-            info = (path / name).stat()
+            info = os.stat(os.path.join(path, name))
             out.append((info.st_mtime_ns, info.st_size))
         except OSError:
             out.append(None)
