@@ -258,7 +258,9 @@ class AdapterSet:
                     row += outs_of[module]
 
     def problem(self, name: str) -> str | None:
-        """Why a request may not run adapter `name` (not held, and not in the directory), or None."""
+        """Why a request may not run adapter `name` (not held, and not in the directory), or None. (Asked at
+        every round of a request: one whose adapter left the directory while it ran runs on with it;
+        `acquire`, at a sequence's first step, refuses it.)"""
         if not name or name in self.slots or directory_adapter(self.directory, name) is not None:
             return None
         where = f"; none in lora_directory {self.directory}" if self.directory else ""
@@ -271,22 +273,23 @@ class AdapterSet:
         slot runs a sequence's adapter."""
         if not name:
             return 0
+        path = None
         if name in self.slots and self.slots.index(name) >= self.pinned:  # read from the directory: still so?
             index = self.slots.index(name)
-            if _stamp(directory_adapter(self.directory, name)) != self.stamps[index]:
+            path = directory_adapter(self.directory, name)
+            if _stamp(path) != self.stamps[index]:
                 self.slots[index] = None  # out of date (its running sequences keep its matrices: a busy slot)
         if name in self.slots:
             index = self.slots.index(name)
         else:
-            problem = self.problem(name)
-            if problem:
-                raise ValueError(problem)
+            path = path or directory_adapter(self.directory, name)
+            if path is None:
+                raise ValueError(self.problem(name))
             free = [i for i in self._used if i >= self.pinned and i + 1 not in busy]
             if not free:
                 raise CapacityError(f"LoRA adapter {name!r}: each of the {len(self.slots)} LoRA slots (max_loras) "
                                     "holds an adapter a running request runs; retry later")
-            path = directory_adapter(self.directory, name)
-            stamp = _stamp(path)
+            stamp = _stamp(path)  # before the read: files changed during it are read again next time
             adapter = load_adapter(name, path, self.model)
             if adapter.rank > self.rank:
                 raise ValueError(f"LoRA adapter {name!r} ({adapter.path}) has rank {adapter.rank}; max_lora_rank is "
