@@ -236,7 +236,8 @@ def test_adapters_loaded_and_unloaded_while_serving_through_vllms_endpoints(serv
         paths[name] = tmp_path / name
         lora.save_adapter(paths[name], lora.random_adapter(target, rank=rank, seed=seed, std=0.2), rank=rank,
                           alpha=2 * rank)
-    want = {name: _merged_greedy_of(server, name, paths[name])(PROMPTS[0], 12) for name in ("first", "second")}
+    runs = {name: _merged_greedy_of(server, name, paths[name]) for name in ("first", "second")}
+    want = {name: run(PROMPTS[0], 12) for name, run in runs.items()}
     assert want["first"] != want["second"]
     name = "runtime-lora"
     http = requests.Session()
@@ -266,8 +267,14 @@ def test_adapters_loaded_and_unloaded_while_serving_through_vllms_endpoints(serv
         # grpc too: the name is a lora_name the orchestrator admits
         assert grpc_stream(server.grpc_url, PROMPTS[0], max_tokens=12, ignore_eos=True, num_draft_tokens=4,
                            **{tn.LORA_NAME: _name(name)})[tn.TEXT_OUTPUT] == want["second"]
+        # unloaded while a request runs it: that request finishes with it
+        stream = client.completions.create(model=name, prompt=PROMPTS[1], max_tokens=300, temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True})
+        pieces = [next(stream).choices[0].text]
         unloaded = post("unload_lora_adapter")
         assert (unloaded.status_code, unloaded.text) == (200, f"Success: LoRA adapter '{name}' removed successfully.")
+        after = [chunk.choices[0].text for chunk in stream if chunk.choices]
+        assert len(after) > 10 and "".join(pieces + after) == runs["second"](PROMPTS[1], 300)
         with pytest.raises(openai.NotFoundError, match="does not exist"):
             complete(name)
         with pytest.raises(GenerationError, match=f"input '{tn.LORA_NAME}': no LoRA adapter"):
