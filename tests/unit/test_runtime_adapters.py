@@ -113,9 +113,9 @@ class Refusing:
         pass
 
 
-def call(served, upstream, requests, runtime_lora=True):
+def call(served, upstream, requests, runtime_lora=True, log=None):
     async def main():
-        gateway = Gateway(upstream, served, runtime_lora=runtime_lora)
+        gateway = Gateway(upstream, served, runtime_lora=runtime_lora, log=log or (lambda message: None))
         async with TestClient(TestServer(gateway.app())) as client:
             out = []
             for path, body in requests:
@@ -131,11 +131,12 @@ def test_the_endpoints_answer_as_vllms_and_undo_a_load_the_server_refuses(settin
     ((status, text),) = call(served, refused, [("/v1/load_lora_adapter", {"lora_name": "sql", "lora_path": str(first)})])
     assert status == 400 and "'sql'" in text and "not loaded: LoRA adapter" in text and "max_lora_rank" in text
     assert "sql" not in served and len(refused.calls) == 1  # the link undone
-    answered = Refusing(None)
+    answered, logged = Refusing(None), []
     out = call(served, answered, [("/v1/load_lora_adapter", {"lora_name": "sql", "lora_path": str(first)}),
                                   ("/v1/unload_lora_adapter", {"lora_name": "sql"}),
-                                  ("/v1/unload_lora_adapter", {"lora_name": "sql"})])
+                                  ("/v1/unload_lora_adapter", {"lora_name": "sql"})], log=logged.append)
     assert out[:2] == [(200, LOADED.format("sql")), (200, UNLOADED.format("sql"))] and out[2][0] == 404
+    assert logged == [f"LoRA adapter 'sql' loaded from {first}", "LoRA adapter 'sql' unloaded"]
     # the load ran one token of the adapter's model (what makes the target read it)
     (inputs,) = answered.calls
     assert inputs["lora_name"].tolist() == [[b"sql"]]

@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     gateway = Gateway(Upstream(args.grpc_url), served, tokenizer, args.api_key or None,
                       args.tool_call_parser, args.max_model_len, args.reasoning_parser, store, args.default_max_tokens,
-                      args.drain_timeout, args.stream_keepalive, args.allow_runtime_lora_updating)
+                      args.drain_timeout, args.stream_keepalive, args.allow_runtime_lora_updating, log)
     log(f"OpenAI API: http://{args.host}:{args.port}/v1 (models {', '.join(args.served_model_name + args.lora_module)}"
         f"{', those of ' + args.lora_directory if args.lora_directory else ''}"
         f"{', loaded and unloaded at run time' if args.allow_runtime_lora_updating else ''}; "

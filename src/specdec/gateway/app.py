@@ -50,7 +50,8 @@ class Gateway:
     def __init__(self, upstream: Upstream, served: tuple[str, ...], tokenizer=None, api_key: str | None = None,
                  tool_parser: str | None = None, max_model_len: int = 0, reasoning_parser: str | None = None,
                  store: ResponseStore | None = None, default_max_tokens: int = 0, drain_timeout_s: float = 60.0,
-                 keepalive_s: float = KEEPALIVE_S, runtime_lora: bool = False):
+                 keepalive_s: float = KEEPALIVE_S, runtime_lora: bool = False,
+                 log: Callable[[str], None] = lambda message: None):
         """tokenizer: the target's (a transformers tokenizer), for the text of log-probabilities' tokens and of
         echoed token-id prompts, and the tokenizer endpoints; None: tokens show as `token_id:N`, and those
         need it. max_model_len: the server's context in tokens (model cards, /tokenize; 0: not known).
@@ -59,7 +60,7 @@ class Gateway:
         drain_timeout_s: how long a stop waits for background responses to finish (then they fail).
         keepalive_s: how long a streamed answer may be silent before a comment line keeps its connection
         (`_waited`; 0: never). runtime_lora: vLLM's load_lora_adapter and unload_lora_adapter (adapters.py;
-        `served` must have a directory of adapters)."""
+        `served` must have a directory of adapters). log: where what changes the served models is written."""
         self.upstream, self.served, self.tokenizer, self.api_key = upstream, served, tokenizer, api_key
         self.token_text: TokenText | None = token_text_from(tokenizer) if tokenizer is not None else None
         self.tool_parser = tool_parser  # tools.PARSERS: how the model writes calls (tool_choice "auto")
@@ -76,6 +77,7 @@ class Gateway:
                                           self.batches)
         self.created = int(time.time())
         self.runtime_adapters = adapters.RuntimeAdapters(served) if runtime_lora else None
+        self.log = log
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._counted, self._errors], client_max_size=16 * 1024 * 1024)
@@ -896,6 +898,7 @@ class Gateway:
                 raise ApiError(exc.status, f"LoRA adapter {load.name!r} ({load.path}) not loaded: {exc.message}",
                                param="lora_path", code=exc.code) from None
             raise
+        self.log(f"LoRA adapter {load.name!r} loaded from {load.path}{' in place' if before else ''}")
         return web.Response(text=adapters.LOADED.format(load.name))
 
     async def unload_lora_adapter(self, request: web.Request) -> web.Response:
@@ -903,6 +906,7 @@ class Gateway:
         runtime = self.runtime_adapters
         name = runtime.unload_request(await self._body(request))
         await asyncio.to_thread(runtime.unlink, name)
+        self.log(f"LoRA adapter {name!r} unloaded")
         return web.Response(text=adapters.UNLOADED.format(name))
 
     def _tokenizer(self):
