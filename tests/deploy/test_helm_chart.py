@@ -288,6 +288,11 @@ def test_helm_test_hook_sends_a_real_request():
     ({"compileCache": {"source": "existingClaim"}}, "/compileCache/existingClaim/name"),
     ({"openai": {"allowRuntimeLoraUpdating": True}}, "openai.allowRuntimeLoraUpdating needs models.loraClaim"),
     ({"openai": {"allowRuntimeLoraUpdating": "yes"}}, "/openai/allowRuntimeLoraUpdating"),
+    ({"models": {"fetch": {"loraRepos": [{"name": "../x", "repo": "org/x"}]}}}, "/models/fetch/loraRepos/0/name"),
+    ({"models": {"source": "initContainer", "fetch": {"loraRepos": [{"name": "sql", "repo": "org/x"}]},
+                 "loraAdapters": [{"name": "sql", "path": "/models/sql"}]}}, "\"sql\" is named twice"),
+    ({"models": {"source": "existingClaim", "existingClaim": {"name": "weights"},
+                 "fetch": {"loraRepos": [{"name": "sql", "repo": "org/x"}]}}}, "models.fetch.loraRepos are fetched"),
 ])
 def test_bad_values_are_rejected(bad, field):
     with pytest.raises(helm_python.HelmError, match=re.escape(field)):
@@ -482,6 +487,30 @@ def test_the_openai_api_has_a_port_a_service_port_an_ingress_path_and_a_key_from
     assert {var["name"]: var.get("value") for var in triton["env"]}["OPENAI_PORT"] == "0"
     assert "openai" not in {port["name"] for port in triton["ports"]}
     assert "SPECDEC_API_KEY" not in {var["name"] for var in triton["env"]}
+
+
+def test_lora_adapters_from_the_hub_are_fetched_by_the_init_container_and_served():
+    """models.fetch.loraRepos: the init container's LORA_REPOS, and the models' lora_adapters at
+    <mountPath>/lora/<name> beside models.loraAdapters' (what `specdec.serving.fetch` writes)."""
+    from specdec.engine.lora_config import parse_adapters
+    from specdec.serving import fetch
+
+    docs = render_chart({"models": {"source": "initContainer",
+                                    "fetch": {"loraRepos": [{"name": "sql", "repo": "org/sql-lora@v2"},
+                                                             {"name": "team/chat", "repo": "org/chat"}]},
+                                    "loraAdapters": [{"name": "local", "path": "/models/local"}]}})
+    (init,) = deployment(docs)["spec"]["template"]["spec"]["initContainers"]
+    env = {var["name"]: var.get("value") for var in init["env"]}
+    repos = parse_adapters(env["LORA_REPOS"], "LORA_REPOS")
+    assert repos == {"sql": "org/sql-lora@v2", "team/chat": "org/chat"}
+    (configs,) = [d for d in by_kind(docs, "ConfigMap") if d["metadata"]["name"].endswith("-model-config")]
+    for model in ("target_model", "speculative_decoding"):
+        served = re.search(r'key: "lora_adapters", value: \{ string_value: "([^"]*)"',
+                           configs["data"][f"{model}.config.pbtxt"]).group(1)
+        assert parse_adapters(served, "lora_adapters") == {
+            "local": "/models/local", **{name: f"{env['MODELS_DIR']}/{fetch.LORA}/{name}" for name in repos}}
+    plain = deployment(render_chart({"models": {"source": "initContainer"}}))["spec"]["template"]["spec"]
+    assert "LORA_REPOS" not in {var["name"] for var in plain["initContainers"][0]["env"]}
 
 
 def test_runtime_lora_updating_links_adapters_in_a_writable_claim_the_models_read():

@@ -2,6 +2,7 @@
 
 import pytest
 
+from specdec.serving import fetch as fetch_module
 from specdec.serving.fetch import MARKER, fetch
 
 
@@ -45,3 +46,28 @@ def test_prompt_lookup_pairs_need_no_draft(tmp_path):
     calls = Downloads()
     fetch(tmp_path, "org/target", "", download=calls)
     assert [c[0] for c in calls.calls] == ["org/target"] and not (tmp_path / "draft").exists()
+
+
+def test_lora_adapters_are_fetched_into_lora_and_one_no_longer_named_is_removed(tmp_path):
+    calls = Downloads()
+    assert fetch(tmp_path, "org/target", "", download=calls, lora={"sql": "org/sql-lora@v2", "team/chat": "org/chat"})
+    assert [(c[0], c[1]) for c in calls.calls] == [("org/target", None), ("org/sql-lora", "v2"), ("org/chat", None)]
+    assert (tmp_path / "lora" / "sql" / "config.json").read_text() == "org/sql-lora"
+    assert (tmp_path / "lora" / "team" / "chat" / "config.json").is_file()
+    assert not fetch(tmp_path, "org/target", "", download=Downloads(), lora={"team/chat": "org/chat", "sql": "org/sql-lora@v2"})
+    assert fetch(tmp_path, "org/target", "", download=Downloads(), lora={"team/chat": "org/chat"})
+    assert not (tmp_path / "lora" / "sql").exists() and (tmp_path / "lora" / "team" / "chat").is_dir()
+    with pytest.raises(ValueError, match="would leave"):
+        fetch(tmp_path, "org/target", "", download=Downloads(), lora={"a/../../target": "org/evil"})
+    assert (tmp_path / "target" / "config.json").read_text() == "org/target"
+
+
+def test_lora_repos_come_from_the_environment_and_a_bad_list_is_refused(tmp_path, monkeypatch, capsys):
+    seen = {}
+    monkeypatch.setattr(fetch_module, "fetch", lambda *args, **kwargs: seen.update(kwargs) or True)
+    monkeypatch.setenv("TARGET_REPO", "org/target")
+    monkeypatch.setenv("MODELS_DIR", str(tmp_path))
+    monkeypatch.setenv("LORA_REPOS", "sql=org/sql-lora,chat=org/chat@main")
+    assert fetch_module.main() == 0 and seen["lora"] == {"sql": "org/sql-lora", "chat": "org/chat@main"}
+    monkeypatch.setenv("LORA_REPOS", "sql")
+    assert fetch_module.main() == 2 and "LORA_REPOS: NAME=DIRECTORY pairs" in capsys.readouterr().err

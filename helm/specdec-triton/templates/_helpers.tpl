@@ -51,6 +51,13 @@ app.kubernetes.io/component: inference-server
 {{/* Where the Responses API's stored responses are mounted (openai.responsesStoreClaim) */}}
 {{- define "specdec.responsesStorePath" -}}/var/lib/specdec/responses{{- end -}}
 
+{{/* models.fetch.loraRepos as the fetch's LORA_REPOS: name=repo,name=repo */}}
+{{- define "specdec.loraRepos" -}}
+{{- $pairs := list -}}
+{{- range .Values.models.fetch.loraRepos -}}{{- $pairs = append $pairs (printf "%s=%s" .name .repo) -}}{{- end -}}
+{{- join "," $pairs -}}
+{{- end -}}
+
 {{/* Where models.loraClaim is mounted (writable), and the directory of LoRA adapters the models read. */}}
 {{- define "specdec.loraClaimPath" -}}/var/lib/specdec/lora{{- end -}}
 {{- define "specdec.loraDirectory" -}}
@@ -101,6 +108,17 @@ avg({{ include "specdec.scalingSignal" . }}{namespace="{{ .Release.Namespace }}"
 {{- end -}}
 {{- if and .Values.autoscaling.enabled (gt (int .Values.autoscaling.minReplicas) (int .Values.autoscaling.maxReplicas)) -}}
 {{- fail "autoscaling.minReplicas exceeds autoscaling.maxReplicas" -}}
+{{- end -}}
+{{- if and .Values.models.fetch.loraRepos (eq .Values.models.source "existingClaim") -}}
+{{- fail "models.fetch.loraRepos are fetched by the init container, which models.source existingClaim does not run: put the adapters on the claim and list them in models.loraAdapters" -}}
+{{- end -}}
+{{- $named := list -}}
+{{- range .Values.models.loraAdapters -}}{{- $named = append $named .name -}}{{- end -}}
+{{- range .Values.models.fetch.loraRepos -}}
+{{- if has .name $named -}}
+{{- fail (printf "LoRA adapter %q is named twice (models.loraAdapters, models.fetch.loraRepos)" .name) -}}
+{{- end -}}
+{{- $named = append $named .name -}}
 {{- end -}}
 {{- if and .Values.openai.allowRuntimeLoraUpdating (not .Values.models.loraClaim) -}}
 {{- fail "openai.allowRuntimeLoraUpdating needs models.loraClaim: the adapters it loads are links in a writable directory (the weights' volume is mounted read-only)" -}}

@@ -26,6 +26,9 @@ instance_group [ { count: 1, kind: KIND_GPU, gpus: [ {{ ternary $root.Values.gpu
 {{- define "specdec.loraAdapters" -}}
 {{- $pairs := list -}}
 {{- range .Values.models.loraAdapters -}}{{- $pairs = append $pairs (printf "%s=%s" .name .path) -}}{{- end -}}
+{{- if ne .Values.models.source "existingClaim" -}}
+{{- range .Values.models.fetch.loraRepos -}}{{- $pairs = append $pairs (printf "%s=%s/lora/%s" .name $.Values.models.mountPath .name) -}}{{- end -}}
+{{- end -}}
 {{- join "," $pairs -}}
 {{- end -}}
 

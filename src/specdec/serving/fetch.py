@@ -3,9 +3,10 @@ container, run from the server's own image (no `pip install` at pod start: air-g
 through a mirror given by HF_ENDPOINT).
 
 Environment: TARGET_REPO and optionally DRAFT_REPO (Hugging Face repository ids, `id@revision` pins a
-revision), MODELS_DIR (default /models; target/ and draft/ go below it), HF_TOKEN (from a Secret) for
-gated repositories. The completion marker names the repositories it holds, so changing TARGET_REPO or
-DRAFT_REPO downloads again instead of serving the old weights.
+revision), LORA_REPOS (LoRA adapters, `NAME=REPO,NAME=REPO`: each into lora/NAME), MODELS_DIR (default
+/models; target/, draft/ and lora/ go below it), HF_TOKEN (from a Secret) for gated repositories. The
+completion marker names the repositories it holds, so changing any downloads again instead of serving the
+old weights (an adapter no longer named is removed).
 """
 
 from __future__ import annotations
@@ -17,12 +18,22 @@ import sys
 from pathlib import Path
 from typing import Callable
 
+from specdec.engine.lora_config import parse_adapters
+
 MARKER = ".complete"
+LORA = "lora"  # MODELS_DIR/lora/NAME: the fetched adapters (the chart's lora_adapters point there)
 
 
-def wanted(target_repo: str, draft_repo: str) -> str:
+def wanted(target_repo: str, draft_repo: str, lora: dict[str, str] | None = None) -> str:
     """What the marker must say for these repositories (ids with their revisions)."""
-    return f"target={target_repo}\ndraft={draft_repo}\n"
+    return f"target={target_repo}\ndraft={draft_repo}\n" + "".join(f"{LORA} {name}={repo}\n"
+                                                                  for name, repo in sorted((lora or {}).items()))
+
+
+def _fetched_adapters(marker: Path) -> list[str]:
+    """The adapters' names a marker lists (what an earlier fetch put under lora/)."""
+    lines = marker.read_text().splitlines() if marker.exists() else []
+    return [line[len(LORA) + 1:].split("=", 1)[0] for line in lines if line.startswith(LORA + " ")]
 
 
 def _split(repo: str) -> tuple[str, str | None]:
@@ -31,16 +42,25 @@ def _split(repo: str) -> tuple[str, str | None]:
 
 
 def fetch(models_dir: Path, target_repo: str, draft_repo: str = "", token: str | None = None,
-          download: Callable[..., object] | None = None) -> bool:
-    """Download what is missing; returns False when the marker already names these repositories."""
+          download: Callable[..., object] | None = None, lora: dict[str, str] | None = None) -> bool:
+    """Download what is missing (the target, the draft, and `lora`'s adapters {name: repo} into lora/NAME);
+    returns False when the marker already names these repositories."""
     marker = models_dir / MARKER
-    expected = wanted(target_repo, draft_repo)
+    lora = lora or {}
+    for name in lora:
+        if any(part in ("", ".", "..") for part in name.split("/")):
+            raise ValueError(f"LORA_REPOS: adapter name {name!r} would leave {models_dir / LORA}")
+    expected = wanted(target_repo, draft_repo, lora)
     if marker.exists() and marker.read_text() == expected:
         return False
     if download is None:
         from huggingface_hub import snapshot_download as download
+    for gone in set(_fetched_adapters(marker)) - set(lora):
+        shutil.rmtree(models_dir / LORA / gone, ignore_errors=True)
     marker.unlink(missing_ok=True)  # a half-finished or different download is never taken for complete
-    for name, repo in (("target", target_repo), ("draft", draft_repo)):
+    wanted_dirs = [("target", target_repo), ("draft", draft_repo)]
+    wanted_dirs += [(f"{LORA}/{name}", repo) for name, repo in sorted(lora.items())]
+    for name, repo in wanted_dirs:
         dest = models_dir / name
         if not repo:
             shutil.rmtree(dest, ignore_errors=True)
@@ -59,8 +79,13 @@ def main() -> int:
         return 2
     models_dir = Path(os.environ.get("MODELS_DIR", "/models"))
     draft = os.environ.get("DRAFT_REPO", "")
-    done = fetch(models_dir, target, draft, token=os.environ.get("HF_TOKEN") or None)
-    key = hashlib.sha256(wanted(target, draft).encode()).hexdigest()[:12]
+    try:
+        lora = parse_adapters(os.environ.get("LORA_REPOS", ""), "LORA_REPOS")
+        done = fetch(models_dir, target, draft, token=os.environ.get("HF_TOKEN") or None, lora=lora)
+    except ValueError as exc:
+        print(str(exc), file=sys.stderr)
+        return 2
+    key = hashlib.sha256(wanted(target, draft, lora).encode()).hexdigest()[:12]
     print(f"[specdec] weights {'downloaded' if done else 'already present'} in {models_dir} ({key})", flush=True)
     return 0
 
