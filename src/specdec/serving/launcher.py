@@ -548,7 +548,7 @@ def main(argv: list[str] | None = None) -> int:
         lora = repository.served_adapters(repo)
         if args.allow_runtime_lora_updating and not lora[1]:
             log("--allow-runtime-lora-updating needs --lora-directory (the adapters it loads are links there; in "
-                f"the chart models.loraDirectory), or {RUNTIME_ENV} unset")
+                f"the chart models.loraClaim), or {RUNTIME_ENV} unset")
             return 2
         gateway = GatewayProcess(openai_port(), grpc_port, args.served_model_name or [default_model_name(tokenizer)],
                                  tokenizer, args.drain_timeout, dict(os.environ), args.tool_call_parser,
