@@ -303,3 +303,21 @@ def test_model_queues_reads_tritons_pending_requests_and_executions():
             'nv_inference_exec_count{model="preprocessing",version="2"} 1\n'
             'nv_inference_exec_count{model="target_model",version="1"} 900\n')
     assert launcher.model_queues(text) == {"preprocessing": (2.0, 42.0), "target_model": (0.0, 900.0)}
+
+
+def test_runtime_lora_updating_without_a_directory_of_adapters_stops_the_launcher_before_tritonserver_starts(
+        monkeypatch, tmp_path, capsys):
+    (port,) = free_ports(1)
+    monkeypatch.setenv("OPENAI_PORT", str(port))
+    monkeypatch.setenv("HEALTH_PORT", "0")
+    started = []
+    monkeypatch.setattr(launcher.subprocess, "Popen", lambda *a, **k: started.append(a))
+    monkeypatch.setattr(launcher, "triton_layout", lambda *a, **k: launcher.ServerLayout(tmp_path, tmp_path, ""))
+    monkeypatch.setattr(launcher, "repository_tokenizer", lambda repo: str(tmp_path / "tokenizer"))
+    monkeypatch.setattr(launcher, "repository_limits", lambda repo: (1024, 64))
+    monkeypatch.setattr(launcher.repository, "served_adapters", lambda repo: ([], ""))
+    (repo := tmp_path / "repo").mkdir()
+    assert launcher.main(["--model-repository", str(repo), "--run-dir", str(tmp_path),
+                          "--allow-runtime-lora-updating"]) == 2
+    assert not started
+    assert "--allow-runtime-lora-updating needs --lora-directory" in capsys.readouterr().err
