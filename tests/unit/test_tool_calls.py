@@ -126,6 +126,17 @@ def test_answers_become_calls_by_mode_and_parser():
         {"name": "get_weather", "arguments": '{"city": "Oslo"}'}, {"name": "get_time", "arguments": "{}"}]
     assert tools.split_output("Oslo is cold.", llama) == ("Oslo is cold.", [])
     assert tools.split_output('{"name": "get_weather", "parameters": {"ci', llama)[1] == []
+    pythonic = ToolCalling(AUTO, ("get_weather", "get_time"), "pythonic")
+    assert tools.split_output('[get_weather(city="Oslo", days=3, metric=True, hours=[1, 2.5], where=None), '
+                              'get_time()]', pythonic) == (None, [
+        {"name": "get_weather", "arguments": '{"city": "Oslo", "days": 3, "metric": true, "hours": [1, 2.5], '
+                                             '"where": null}'}, {"name": "get_time", "arguments": "{}"}])
+    assert tools.split_output('<|python_start|>[get_time(zone={"name": "CET"})]<|python_end|>', pythonic)[1] == [
+        {"name": "get_time", "arguments": '{"zone": {"name": "CET"}}'}]
+    # what is no list of calls with literal keyword arguments stays text (and nothing is ever run)
+    for text in ("Oslo is cold.", "[1] A note.", "[get_weather(city=", "[get_weather('Oslo')]", "[f(**kw)]",
+                 "[f(x=open('/etc/passwd'))]", "[f(x=y)]", "[obj.method(a=1)]", "[]", "[f(x={1, 2})]", DEEP):
+        assert tools.split_output(text, pythonic) == (text, []), text
 
 
 def _stream(calling, pieces):
@@ -154,6 +165,12 @@ def test_streamed_answers_send_content_and_calls_as_they_can():
     content, deltas, called = _stream(ToolCalling(AUTO, ("f",), "llama3_json"), [" {\"name\": \"f\",", ' "parameters": {}}'])
     assert content == "" and called and deltas[0]["function"]["arguments"] == "{}"
     assert _stream(ToolCalling(AUTO, ("f",), "llama3_json"), ["It is", " sunny."]) == ("It is sunny.", [], False)
+    # pythonic: likewise, its list's bracket
+    content, deltas, called = _stream(ToolCalling(AUTO, ("f",), "pythonic"), [" [f(a=", '"x")]'])
+    assert content == "" and called and deltas[0]["function"] == {"name": "f", "arguments": '{"a": "x"}'}
+    assert _stream(ToolCalling(AUTO, ("f",), "pythonic"), ["[1] is", " a footnote."]) == ("[1] is a footnote.", [],
+                                                                                          False)
+    assert _stream(ToolCalling(AUTO, ("f",), "pythonic"), ["It is", " sunny."]) == ("It is sunny.", [], False)
     # required: the calls at the end, whole
     content, deltas, called = _stream(ToolCalling(REQUIRED, ("f",)), ['[{"name": "f", ', '"arguments": {}}]'])
     assert content == "" and called and [d["index"] for d in deltas] == [0]

@@ -9,13 +9,15 @@ is text, which becomes `tool_calls` here in one of three ways, by `tool_choice`:
   schemas (at most one with `parallel_tool_calls: false`); the calls go out when the output ends;
 - "auto": the model chooses, in its own format, which a parser reads (`--tool-call-parser`): `hermes`
   (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks: Qwen2.5, Hermes, SmolLM3) or
-  `llama3_json` (Llama 3.1-3.3's `{"name": ..., "parameters": {...}}`, calls separated by `;`). Text
-  before the first call is the message's content and streams as content; text that does not parse as a
-  call stays content.
+  `llama3_json` (Llama 3.1-3.3's `{"name": ..., "parameters": {...}}`, calls separated by `;`) or `pythonic`
+  (Llama 3.2 and 4's `[get_weather(city="Oslo"), get_time()]`: a Python list of calls whose arguments are
+  keywords of literal values, read with `ast`, never run). Text before the first call is the message's
+  content and streams as content; text that does not parse as a call stays content.
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import uuid
@@ -23,11 +25,12 @@ from dataclasses import dataclass, field
 
 from specdec.decoding import json_text
 
-PARSERS = ("hermes", "llama3_json")
+PARSERS = ("hermes", "llama3_json", "pythonic")
 NAMED, REQUIRED, AUTO = "named", "required", "auto"
 _HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 _PYTHON_TAG = "<|python_tag|>"
+_PYTHON_START, _PYTHON_END = "<|python_start|>", "<|python_end|>"  # Llama 4's around pythonic calls
 
 
 @dataclass(frozen=True)
@@ -75,7 +78,7 @@ def split_output(text: str, calling: ToolCalling) -> tuple[str | None, list[dict
             return text, []
         return None, [{"name": call["name"], "arguments": json.dumps(call["arguments"], ensure_ascii=False)}
                       for call in calls]
-    content, calls = (_hermes if calling.parser == "hermes" else _llama3_json)(text)
+    content, calls = {"hermes": _hermes, "pythonic": _pythonic}.get(calling.parser, _llama3_json)(text)
     return content, calls if calling.parallel else calls[:1]
 
 
@@ -112,6 +115,28 @@ def _llama3_json(text: str) -> tuple[str | None, list[dict]]:
         at = end
         while at < len(body) and body[at] in " \t\n;":
             at += 1
+    return None, calls
+
+
+def _pythonic(text: str) -> tuple[str | None, list[dict]]:
+    body = text.strip()
+    if body.startswith(_PYTHON_START):
+        body = body[len(_PYTHON_START):].removesuffix(_PYTHON_END).strip()
+    if not body.startswith("["):
+        return text, []
+    try:
+        tree = ast.parse(body, mode="eval").body
+        if not isinstance(tree, ast.List) or not tree.elts:
+            return text, []
+        calls = []
+        for node in tree.elts:
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not node.args
+                    and all(keyword.arg for keyword in node.keywords)):  # f(a=1), not f(1) or f(**kw)
+                return text, []
+            arguments = {keyword.arg: ast.literal_eval(keyword.value) for keyword in node.keywords}
+            calls.append({"name": node.func.id, "arguments": json.dumps(arguments, ensure_ascii=False)})
+    except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):  # no call (or not JSON's values)
+        return text, []
     return None, calls
 
 
@@ -203,13 +228,14 @@ class ToolStream:
                 if _HERMES_OPEN.startswith(self.text[-length:]):
                     return len(self.text) - length
             return len(self.text)
-        # llama3_json: a call is the whole answer, so the answer's start decides
+        # llama3_json, pythonic: a call is the whole answer, so the answer's start decides
+        opening, tag = ("[", _PYTHON_START) if self.calling.parser == "pythonic" else ("{", _PYTHON_TAG)
         body = self.text.lstrip()
         if not body:
             return self.sent
-        if body.startswith("{") or body.startswith(_PYTHON_TAG):
+        if body.startswith(opening) or body.startswith(tag):
             self.held = True
             return self.sent
-        if _PYTHON_TAG.startswith(body):
+        if tag.startswith(body):
             return self.sent
         return len(self.text)
