@@ -53,11 +53,17 @@ def format_adapters(adapters: dict[str, str]) -> str:
     return ",".join(f"{name}={path}" for name, path in adapters.items())
 
 
+def stays_inside(name: str) -> bool:
+    """Whether `name` is an adapter's name that keeps DIRECTORY/NAME inside DIRECTORY (no `..`, `.` or empty
+    part), what a directory of adapters (and the fetched adapters' folder) may hold."""
+    return bool(NAME.match(name)) and not any(part in ("", ".", "..") for part in name.split("/"))
+
+
 def directory_adapter(directory: str | Path, name: str) -> Path | None:
     """The adapter `name` in a directory of adapters (lora_directory: DIRECTORY/NAME, PEFT's layout; a name
     with a slash, an owner's: DIRECTORY/OWNER/NAME), or None: no such adapter, or a name that could leave the
     directory (`..`, `.`, an empty part)."""
-    if not directory or not NAME.match(name) or any(part in ("", ".", "..") for part in name.split("/")):
+    if not directory or not stays_inside(name):
         return None
     path = Path(directory, *name.split("/"))
     return path if (path / CONFIG).is_file() else None

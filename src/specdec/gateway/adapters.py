@@ -14,7 +14,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from specdec.engine.lora_config import CONFIG, NAME, WEIGHTS, directory_adapter
+from specdec.engine.lora_config import CONFIG, WEIGHTS, directory_adapter, stays_inside
 from specdec.gateway.protocol import ApiError, Served, invalid
 
 RUNTIME_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"  # vLLM's switch, read as vLLM reads it
@@ -37,7 +37,7 @@ def _name(body: dict) -> str:
     name = body.get("lora_name")
     if not isinstance(name, str) or not name:
         raise invalid("lora_name", "must be a non-empty string")
-    if not NAME.match(name) or any(part in ("", ".", "..") for part in name.split("/")):
+    if not stays_inside(name):
         raise invalid("lora_name", f"{name!r}: letters, digits and . _ : / - (at most 128), no empty, '.' or '..' "
                                    "part")
     return name

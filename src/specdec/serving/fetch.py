@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from specdec.engine.lora_config import parse_adapters
+from specdec.engine.lora_config import parse_adapters, stays_inside
 
 MARKER = ".complete"
 LORA = "lora"  # MODELS_DIR/lora/NAME: the fetched adapters (the chart's lora_adapters point there)
@@ -48,7 +48,7 @@ def fetch(models_dir: Path, target_repo: str, draft_repo: str = "", token: str |
     marker = models_dir / MARKER
     lora = lora or {}
     for name in lora:
-        if any(part in ("", ".", "..") for part in name.split("/")):
+        if not stays_inside(name):
             raise ValueError(f"LORA_REPOS: adapter name {name!r} would leave {models_dir / LORA}")
     expected = wanted(target_repo, draft_repo, lora)
     if marker.exists() and marker.read_text() == expected:
