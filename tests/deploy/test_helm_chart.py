@@ -335,7 +335,8 @@ def pair_for(values: dict) -> PairSpec:
         prefix_caching=values["executor"]["prefixCaching"]["enabled"],
         prefix_cache_tokens=values["executor"]["prefixCaching"]["tokens"],
         lora_adapters={adapter["name"]: adapter["path"] for adapter in models["loraAdapters"]},
-        lora_directory=models["loraDirectory"], max_loras=models["maxLoras"], max_lora_rank=models["maxLoraRank"])
+        lora_directory=models["loraDirectory"], max_loras=models["maxLoras"], max_lora_rank=models["maxLoraRank"],
+        chat_template=models["chatTemplate"])
 
 
 @pytest.mark.parametrize("name, orchestrators", [("defaults", 1), ("cpu-only-ngram", 1), ("cpu-only-defaults", 2),
@@ -537,6 +538,38 @@ def test_runtime_lora_updating_links_adapters_in_a_writable_claim_the_models_rea
     assert not launcher.parse_args(default["containers"][0]["args"][:default["containers"][0]["args"].index("--")]) \
         .allow_runtime_lora_updating
     assert lora_directory(render_chart({}), "target_model") == ""
+
+
+def test_a_chat_template_is_mounted_beside_preprocessings_config_as_the_launcher_writes_it(tmp_path):
+    """models.chatTemplate: the ConfigMap holds it (quotes, newlines and braces intact), mounted where
+    preprocessing's chat_template parameter points and the launcher finds it for the OpenAI API; the configs
+    are the launcher's own for the same template."""
+    from specdec.serving.gateway_process import repository_chat_template
+
+    template = ("{%- for m in messages %}{{ '<|' + m['role'] + '|>\\n' }}{{ m[\"content\"] | trim }}\n"
+                "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}  \n")
+    values = {"models": {"chatTemplate": template}}
+    docs = render_chart(values)
+    (configs,) = [d for d in by_kind(docs, "ConfigMap") if d["metadata"]["name"].endswith("-model-config")]
+    assert configs["data"]["chat_template.jinja"] == template
+    repo = render(pair_for(chart_values(values)), tmp_path / "repo")
+    assert normalized(configs["data"]["preprocessing.config.pbtxt"]) == normalized(
+        (repo / "preprocessing" / "config.pbtxt").read_text())
+    triton = deployment(docs)["spec"]["template"]["spec"]["containers"][0]
+    (mount,) = [m for m in triton["volumeMounts"] if m.get("subPath") == "chat_template.jinja"]
+    assert mount["name"] == "model-config" and mount["readOnly"]
+    # the pod's repository, as the mounts lay it out: the launcher hands the OpenAI API the same file
+    pod = tmp_path / "pod"
+    for m in triton["volumeMounts"]:
+        if m["name"] == "model-config":
+            path = pod / Path(m["mountPath"]).relative_to("/opt/specdec/model_repository")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(configs["data"][m["subPath"]])
+    assert Path(repository_chat_template(pod)).read_text() == template
+    plain = render_chart({})
+    (configs,) = [d for d in by_kind(plain, "ConfigMap") if d["metadata"]["name"].endswith("-model-config")]
+    assert "chat_template.jinja" not in configs["data"]
+    assert repository_chat_template(render(pair_for(chart_values({})), tmp_path / "plain")) == ""
 
 
 def test_the_executor_choices_are_the_models_own():

@@ -3,6 +3,7 @@ rollout or scale-down, drops readiness at once, lets the streams in flight finis
 the OpenAI API) and stops the server, the OpenAI API's process, every stub and the stubs' shared scratch,
 with exit code 0."""
 
+import json
 import re
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import numpy as np
 import openai
 import pytest
 
@@ -26,9 +28,16 @@ pytestmark = pytest.mark.integration
 TOKENS = 300  # the stream SIGTERM meets: seconds of generation
 
 
+# A chat template of the user's own (vLLM's --chat-template FILE), not the tiny tokenizer's ChatML
+TEMPLATE = ("{% for m in messages %}[{{ m['role'] | upper }}] {{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}[ASSISTANT]{% endif %}")
+
+
 @pytest.fixture(scope="module")
 def own(tmp_path_factory):
-    server = start_server(tmp_path_factory.mktemp("lifecycle"))
+    tmp = tmp_path_factory.mktemp("lifecycle")
+    (tmp / "template.jinja").write_text(TEMPLATE)
+    server = start_server(tmp, launcher_args=("--chat-template", str(tmp / "template.jinja")))
     yield server
     if server.process.poll() is None:  # a test failed before the SIGTERM test stopped it
         stop_server(server, require_clean_exit=False)
@@ -66,6 +75,36 @@ def test_every_model_is_warmed_up_in_its_own_stub_before_ready(own):
         grpc_stream(own.grpc_url, "Hello", max_tokens=0)
     scratch = _scratch(own)
     assert len(scratch) == 3 and all(path.is_dir() for path in scratch), scratch
+
+
+def test_chats_are_rendered_with_the_launchers_chat_template_over_grpc_and_the_openai_api(own):
+    """--chat-template FILE: preprocessing renders a chat with it (Triton's messages input, the OpenAI API's chat
+    endpoint), and the OpenAI API's /tokenize and /tokenizer_info say so; greedy, each answers what the
+    target answers to that template's prompt given as token ids."""
+    from specdec.decoding.text import load_tokenizer
+    from specdec.serving import pairs
+
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+    tokenizer = load_tokenizer(pairs.tiny_pair().tokenizer_path)
+    prompt = "[SYSTEM] Be brief.\n[USER] Name a colour.\n[ASSISTANT]"
+    expected = tokenizer.encode(prompt, add_special_tokens=False)
+    assert tokenizer.chat_template != TEMPLATE  # its own is another: what the server renders is the file's
+    params = dict(max_tokens=12, temperature=0.0, num_draft_tokens=2, ignore_eos=True)
+    reference = grpc_stream(own.grpc_url, None, prompt_token_ids=np.array([expected], dtype=np.int32), **params)
+    served = grpc_stream(own.grpc_url, None, messages=json.dumps(chat), **params)
+    assert served[tn.NUM_INPUT_TOKENS] == len(expected) and served[tn.TEXT_OUTPUT] == reference[tn.TEXT_OUTPUT]
+    api = openai.OpenAI(base_url=own.openai_url, api_key="unused", max_retries=0, timeout=120)
+    answer = api.chat.completions.create(model=api.models.list().data[0].id, messages=chat, max_tokens=12,
+                                         temperature=0, extra_body={"ignore_eos": True, "num_draft_tokens": 2})
+    assert answer.usage.prompt_tokens == len(expected)
+    assert answer.choices[0].message.content == reference[tn.TEXT_OUTPUT]
+    root = own.openai_url.removesuffix("/v1")
+    request = urllib.request.Request(f"{root}/tokenize", data=json.dumps({"messages": chat}).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        assert json.loads(response.read())["tokens"] == expected
+    with urllib.request.urlopen(f"{root}/tokenizer_info", timeout=30) as response:
+        assert json.loads(response.read())["chat_template"] == TEMPLATE
 
 
 def test_sigterm_during_a_long_stream_lets_it_finish_then_stops_everything(own):

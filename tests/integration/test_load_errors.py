@@ -66,6 +66,11 @@ def broken(tmp_path_factory) -> dict[str, str]:
                               tmp_path / "head-repo")
     shutil.copytree(heads / "head_wrong", repo / "head_wrong", symlinks=True)
     models.append("head_wrong")
+    # Chat templates: one that does not compile (beside the model's config, as the launcher writes its own) and
+    # one that is not there.
+    models.append(_copy(repo, "preprocessing", "template_broken", "chat_template", "chat_template.jinja"))
+    (repo / "template_broken" / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }")
+    models.append(_copy(repo, "preprocessing", "template_missing", "chat_template", "/nonexistent/template.jinja"))
     layout = triton_layout(tmp_path)
     command = server_command(layout, repo, *free_ports(3)) + ["--model-control-mode=explicit",
                                                               *(f"--load-model={model}" for model in models)]
@@ -109,3 +114,10 @@ def test_a_head_made_for_another_target_is_refused_at_load_naming_both(broken):
     message = broken["head_wrong"]
     assert f"the draft head {broken['head path']} does not fit the target {pairs.tiny_pair().target_path}" in message
     assert "vocabulary has 1000 tokens" in message
+
+
+def test_a_chat_template_that_does_not_compile_or_is_not_there_fails_the_load_naming_it(broken):
+    assert ("template_broken: parameter 'chat_template': the chat template fails on a one-message conversation "
+            "(TemplateSyntaxError") in broken["template_broken"]
+    assert ("template_missing: parameter 'chat_template': '/nonexistent/template.jinja' is not a file"
+            in broken["template_missing"])

@@ -321,3 +321,60 @@ def test_runtime_lora_updating_without_a_directory_of_adapters_stops_the_launche
                           "--allow-runtime-lora-updating"]) == 2
     assert not started
     assert "--allow-runtime-lora-updating needs --lora-directory" in capsys.readouterr().err
+
+
+def test_a_chat_template_reaches_preprocessing_and_the_openai_api_and_bare_means_apply_it(tmp_path, monkeypatch,
+                                                                                          capsys):
+    """--chat-template FILE_OR_TEMPLATE (vLLM's): written into the rendered repository beside preprocessing's
+    config, which names it, and handed to the OpenAI API's process; alone it means --apply-chat-template."""
+    from specdec.gateway.__main__ import parse_args as gateway_args
+    from specdec.serving import repository
+    from specdec.serving.gateway_process import GatewayProcess, repository_chat_template
+    from specdec.serving.pairs import PairSpec
+
+    template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    repo = repository.render(PairSpec(name="t", target_path="/w/target", tokenizer_path="/w/tok",
+                                      chat_template=template), tmp_path / "repo")
+    assert (repo / "preprocessing" / repository.CHAT_TEMPLATE_FILE).read_text() == template
+    config = (repo / "preprocessing" / "config.pbtxt").read_text()
+    assert f'key: "chat_template", value: {{ string_value: "{repository.CHAT_TEMPLATE_FILE}" }}' in config
+    assert repository_chat_template(repo) == str(repo / "preprocessing" / repository.CHAT_TEMPLATE_FILE)
+    process = GatewayProcess(9000, 8001, ["a"], "/w/tok", 30.0, {}, chat_template=repository_chat_template(repo))
+    assert gateway_args(process.command[3:]).chat_template == str(repo / "preprocessing" / "chat_template.jinja")
+    plain = repository.render(PairSpec(name="t", target_path="/w/target", tokenizer_path="/w/tok"), tmp_path / "plain")
+    assert repository_chat_template(plain) == "" and not (plain / "preprocessing" / "chat_template.jinja").exists()
+    assert "--chat-template" not in GatewayProcess(9000, 8001, ["a"], "/w/tok", 30.0, {}).command
+
+    rendered = []
+    monkeypatch.setattr(launcher.repository, "render", lambda pair, dest: rendered.append(pair) or dest)
+    monkeypatch.setattr(launcher, "triton_layout", lambda *a, **k: (_ for _ in ()).throw(SystemExit(7)))
+    file = tmp_path / "template.jinja"
+    file.write_text(template)
+    for flags, applied, text in ((["--chat-template", str(file)], False, template),
+                                 (["--chat-template", template], False, template),
+                                 (["--chat-template"], True, ""), (["--apply-chat-template"], True, ""), ([], False, "")):
+        rendered.clear()
+        with pytest.raises(SystemExit):
+            launcher.main(["--target", "/w/target", "--run-dir", str(tmp_path), *flags])
+        assert (rendered[0].apply_chat_template, rendered[0].chat_template) == (applied, text), flags
+    # a value that is neither a file nor a template: refused before anything starts
+    rendered.clear()
+    assert launcher.main(["--target", "/w/target", "--run-dir", str(tmp_path), "--chat-template", "/no/such.jinja"]) == 2
+    assert not rendered and "--chat-template: '/no/such.jinja' is neither a file nor a Jinja template" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        launcher.parse_args(["--model-repository", str(tmp_path), "--chat-template", template])
+    assert "--model-repository is served as is" in capsys.readouterr().err
+
+
+def test_the_openai_apis_process_refuses_a_chat_template_it_cannot_use(tmp_path, capsys):
+    from specdec.gateway import __main__ as gateway_main
+    from specdec.serving.pairs import smollm2_tokenizer_dir
+
+    assert gateway_main.main(["--served-model-name", "m", "--chat-template", "{{ x }}"]) == 2
+    assert "--chat-template needs --tokenizer" in capsys.readouterr().err
+    tokenizer = str(smollm2_tokenizer_dir())
+    assert gateway_main.main(["--served-model-name", "m", "--tokenizer", tokenizer, "--chat-template", "chatml"]) == 2
+    assert "'chatml' is neither a file nor a Jinja template" in capsys.readouterr().err
+    assert gateway_main.main(["--served-model-name", "m", "--tokenizer", tokenizer,
+                              "--chat-template", "{% if %}"]) == 2
+    assert "--chat-template: the chat template fails on a one-message conversation" in capsys.readouterr().err

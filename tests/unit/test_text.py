@@ -178,3 +178,52 @@ def test_the_prompt_before_a_whole_answer_keeps_its_stop_cut(tokenizer):
     ids, length = with_prompt(tokenizer, prompt, answer, len(emitter.text))
     assert decode(tokenizer, ids)[:length] == "Question: why? Because the sky is blue. " and emission.stopped
 
+
+
+QA_TEMPLATE = ("{% for m in messages %}{{ m['role'] | upper }}: {{ m['content'] }}\n{% endfor %}"
+               "{% if add_generation_prompt %}ASSISTANT:{% endif %}")
+
+
+def test_a_chat_template_of_ones_own_replaces_the_tokenizers(tokenizer, tmp_path):
+    """vLLM's --chat-template: a file's text or the template itself; load_tokenizer renders chats with it."""
+    from specdec.decoding.text import chat_ids, check_chat_template, load_tokenizer, read_chat_template
+
+    path = tmp_path / "qa.jinja"
+    path.write_text(QA_TEMPLATE)
+    assert read_chat_template(str(path), "--chat-template") == QA_TEMPLATE
+    assert read_chat_template(QA_TEMPLATE, "--chat-template") == QA_TEMPLATE
+    chat = [{"role": "user", "content": "hi"}]
+    own = load_tokenizer(str(smollm2_tokenizer_dir()), QA_TEMPLATE)
+    check_chat_template(own, "--chat-template")
+    assert own.decode(chat_ids(own, chat, None, "messages")) == "USER: hi\nASSISTANT:"
+    # the tokenizer's own template otherwise (SmolLM2's ChatML)
+    plain = load_tokenizer(str(smollm2_tokenizer_dir()))
+    assert plain.decode(chat_ids(plain, chat, None, "messages")).endswith("<|im_start|>user\nhi<|im_end|>\n"
+                                                                       "<|im_start|>assistant\n")
+
+
+@pytest.mark.parametrize("value, message", [
+    ("/nonexistent/template.jinja", "'/nonexistent/template.jinja' is neither a file nor a Jinja template"),
+    ("chatml", "'chatml' is neither a file nor a Jinja template"),
+    ("x" * 5000, "is neither a file nor a Jinja template"),  # longer than a path may be
+])
+def test_a_chat_template_that_is_neither_a_file_nor_a_template_is_refused_naming_the_flag(value, message):
+    from specdec.decoding.text import read_chat_template
+
+    with pytest.raises(ValueError, match="^--chat-template: ") as info:
+        read_chat_template(value, "--chat-template")
+    assert message in str(info.value)
+
+
+def test_a_file_without_a_template_and_a_template_that_cannot_render_a_chat_are_refused(tokenizer, tmp_path):
+    from specdec.decoding.text import check_chat_template, load_tokenizer, read_chat_template
+
+    notes = tmp_path / "notes.txt"
+    notes.write_text("just words")
+    with pytest.raises(ValueError, match="holds no Jinja template"):
+        read_chat_template(str(notes), "--chat-template")
+    for broken, reason in (("{% for m in messages %}{{ m.content }", "TemplateSyntaxError"),
+                           ("{{ raise_exception('roles must alternate') }}", "roles must alternate")):
+        own = load_tokenizer(str(smollm2_tokenizer_dir()), broken)
+        with pytest.raises(ValueError, match=f"^p: parameter 'chat_template': the chat template fails .*{reason}"):
+            check_chat_template(own, "p: parameter 'chat_template'")

@@ -142,6 +142,7 @@ output [
 ]
 {{ include "specdec.param" (list "tokenizer_path" (include "specdec.tokenizerPath" .)) }}
 {{ include "specdec.param" (list "apply_chat_template" (ternary "true" "false" .Values.models.applyChatTemplate)) }}
+{{ include "specdec.param" (list "chat_template" (ternary "chat_template.jinja" "" (ne .Values.models.chatTemplate ""))) }}
 instance_group [ { count: 1, kind: KIND_CPU } ]
 {{- end -}}
 

@@ -25,8 +25,9 @@ REPLACEMENT_CHAR = "\ufffd"
 CONTEXT_TOKENS = 6  # preceding tokens sent with a chunk: enough for byte-level and SentencePiece merges
 
 
-def load_tokenizer(path: str):
-    """A Hugging Face tokenizer from a model/tokenizer directory or a GGUF file.
+def load_tokenizer(path: str, chat_template: str | None = None):
+    """A Hugging Face tokenizer from a model/tokenizer directory or a GGUF file; `chat_template` (Jinja text,
+    see `read_chat_template`) replaces the tokenizer's own template where given.
 
     A directory whose tokenizer_config.json names `TokenizersBackend` and no code of its own (what
     transformers 5 writes for a tokenizer.json tokenizer: both pairs here) is loaded with that class:
@@ -39,12 +40,51 @@ def load_tokenizer(path: str):
     if p.is_dir() and _names_tokenizers_backend(p / "tokenizer_config.json"):
         from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
-        return TokenizersBackend.from_pretrained(str(p))
-    from transformers import AutoTokenizer
+        tokenizer = TokenizersBackend.from_pretrained(str(p))
+    else:
+        from transformers import AutoTokenizer
 
-    if p.is_file():
-        return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
-    return AutoTokenizer.from_pretrained(str(p))
+        tokenizer = (AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name) if p.is_file()
+                     else AutoTokenizer.from_pretrained(str(p)))
+    if chat_template:
+        tokenizer.chat_template = chat_template
+    return tokenizer
+
+
+_JINJA_MARKS = ("{%", "{{")  # what any chat template contains and no file name does
+
+
+def read_chat_template(value: str, field: str) -> str:
+    """A chat template given as vLLM's `--chat-template` takes it: the path of a Jinja file (its text), or the
+    template itself (text with Jinja's `{%` or `{{`). ValueError naming `field` for a path that is no file
+    or a file that is no template."""
+    try:
+        is_file = Path(value).is_file()
+    except OSError:  # a template longer than a path may be
+        is_file = False
+    if is_file:
+        try:
+            text = Path(value).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{field}: cannot read {value!r} ({exc})") from None
+        if not any(mark in text for mark in _JINJA_MARKS):
+            raise ValueError(f"{field}: {value!r} holds no Jinja template (no '{{%' or '{{{{')")
+        return text
+    if any(mark in value for mark in _JINJA_MARKS):
+        return value
+    raise ValueError(f"{field}: {value!r} is neither a file nor a Jinja template")
+
+
+def check_chat_template(tokenizer, field: str) -> None:
+    """The tokenizer's chat template renders a one-message conversation with the assistant's turn opened
+    (what every chat request asks of it): a template that does not compile, or fails on the plainest
+    conversation, is refused at load (ValueError naming `field`) rather than at every request."""
+    try:
+        tokenizer.apply_chat_template([{"role": "user", "content": "Hello"}], add_generation_prompt=True,
+                                      tokenize=False)
+    except Exception as exc:  # noqa: BLE001 - jinja2's TemplateSyntaxError, or whatever the template raises
+        raise ValueError(f"{field}: the chat template fails on a one-message conversation "
+                         f"({type(exc).__name__}: {exc})") from None
 
 
 def _names_tokenizers_backend(config: Path) -> bool:

@@ -52,6 +52,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="the model name clients send (repeatable: aliases); the first is listed first")
     parser.add_argument("--tokenizer", default="", help="the target's tokenizer (the text of log-probabilities' tokens and of echoed token-id prompts; "
                              "the tokenizer endpoints)")
+    parser.add_argument("--chat-template", default="", metavar="FILE_OR_TEMPLATE",
+                        help="a chat template replacing the tokenizer's (vLLM's flag; the one the server's "
+                             "preprocessing uses), for /tokenize and counting a chat's prompt tokens")
     parser.add_argument("--max-model-len", type=int, default=0,
                         help="the server's context in tokens, as model cards and /tokenize report it (0: not known)")
     parser.add_argument("--default-max-tokens", type=int, default=0,
@@ -92,10 +95,20 @@ def main(argv: list[str] | None = None) -> int:
         log("--served-model-name is required (the name clients send as `model`)")
         return 2
     tokenizer = None
+    if args.chat_template and not args.tokenizer:
+        log("--chat-template needs --tokenizer (the template replaces the tokenizer's)")
+        return 2
     if args.tokenizer:
-        from specdec.decoding.text import load_tokenizer
+        from specdec.decoding.text import check_chat_template, load_tokenizer, read_chat_template
 
-        tokenizer = load_tokenizer(args.tokenizer)
+        try:
+            template = read_chat_template(args.chat_template, "--chat-template") if args.chat_template else None
+            tokenizer = load_tokenizer(args.tokenizer, template)
+            if template:
+                check_chat_template(tokenizer, "--chat-template")
+        except ValueError as exc:
+            log(str(exc))
+            return 2
     budget = int(max(args.responses_store_mb, 0.0) * MIB)
     store = SharedResponseStore(args.responses_store_dir, budget) if args.responses_store_dir and budget \
         else ResponseStore(budget)

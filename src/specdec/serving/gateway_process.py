@@ -13,16 +13,25 @@ from pathlib import Path
 from specdec.serving.healthcheck import gateway_url
 from specdec.serving.pairs import log
 
-_TOKENIZER = re.compile(r'key: "tokenizer_path", value: \{ string_value: "([^"]*)" \}')
+def _preprocessing_parameter(repo: Path, key: str) -> str:
+    try:
+        config = (repo / "preprocessing" / "config.pbtxt").read_text()
+    except OSError:
+        return ""
+    match = re.search(r'key: "%s", value: \{ string_value: "([^"]*)" \}' % key, config)
+    return match.group(1) if match else ""
 
 
 def repository_tokenizer(repo: Path) -> str:
     """The tokenizer the rendered repository's preprocessing model loads ("" when it names none)."""
-    try:
-        match = _TOKENIZER.search((repo / "preprocessing" / "config.pbtxt").read_text())
-    except OSError:
-        return ""
-    return match.group(1) if match else ""
+    return _preprocessing_parameter(repo, "tokenizer_path")
+
+
+def repository_chat_template(repo: Path) -> str:
+    """The chat template file preprocessing reads instead of the tokenizer's (its `chat_template` parameter,
+    relative to its directory), so that the OpenAI API's /tokenize renders chats as the server does; "" for none."""
+    name = _preprocessing_parameter(repo, "chat_template")
+    return str(repo / "preprocessing" / name) if name else ""
 
 
 def repository_limits(repo: Path) -> tuple[int, int]:
@@ -49,13 +58,15 @@ class GatewayProcess:
                  env: dict[str, str], tool_call_parser: str | None = None, max_model_len: int = 0,
                  reasoning_parser: str | None = None, responses_store_mb: float | None = None,
                  default_max_tokens: int = 0, responses_store_dir: str | None = None,
-                 lora: tuple[list[str], str] = ([], ""), runtime_lora: bool = False):
+                 lora: tuple[list[str], str] = ([], ""), runtime_lora: bool = False, chat_template: str = ""):
         self.port = port
         self.command = [sys.executable, "-m", "specdec.gateway", "--port", str(port),
                         "--grpc-url", f"127.0.0.1:{grpc_port}", "--drain-timeout", str(drain_timeout_s),
                         *[arg for name in names for arg in ("--served-model-name", name)]]
         if tokenizer:
             self.command += ["--tokenizer", tokenizer]
+        if chat_template:
+            self.command += ["--chat-template", chat_template]
         if tool_call_parser:
             self.command += ["--tool-call-parser", tool_call_parser]
         if max_model_len:

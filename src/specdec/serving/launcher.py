@@ -45,13 +45,15 @@ from pathlib import Path
 from typing import Callable
 
 from specdec import tensor_names as tn
+from specdec.decoding.text import read_chat_template
 from specdec.engine.lora_config import CONFIG, NAME, format_adapters
 from specdec.serving import mps, pairs, repository
 from specdec.gateway.adapters import RUNTIME_ENV, allowed_by_environment
 from specdec.gateway.reasoning import PARSERS as REASONING_PARSERS
 from specdec.gateway.response_store import DEFAULT_MB as RESPONSES_STORE_MB
 from specdec.gateway.tools import PARSERS as TOOL_CALL_PARSERS
-from specdec.serving.gateway_process import GatewayProcess, default_model_name, repository_limits, repository_tokenizer
+from specdec.serving.gateway_process import (GatewayProcess, default_model_name, repository_chat_template,
+                                             repository_limits, repository_tokenizer)
 from specdec.serving.healthcheck import (
     READY_PATH, ReadinessEndpoint, answers, drain_marker, gateway_url, health_port, is_ready, openai_port, ready_url,
 )
@@ -66,6 +68,7 @@ from specdec.triton.admission import cancellation, kv_room, sequence_slots
 START_ATTEMPTS = 3  # starts of a server that stalls (come_up), before the launcher gives up on it
 
 
+APPLY_CHAT_TEMPLATE = ""  # --chat-template given no value: the boolean it was before it took vLLM's template
 LAUNCHER_KEY_HEADER = "specdec-launcher-key"  # the header of the repository API key the launcher makes up
 
 
@@ -386,7 +389,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     custom.add_argument("--num-draft-tokens", type=int, default=tn.DEFAULT_NUM_DRAFT_TOKENS, help="default draft length per request")
     custom.add_argument("--max-num-draft-tokens", type=int, default=tn.DEFAULT_MAX_NUM_DRAFT_TOKENS)
     custom.add_argument("--max-context-tokens", type=int, default=tn.DEFAULT_MAX_CONTEXT_TOKENS)
-    custom.add_argument("--chat-template", action="store_true", help="apply the tokenizer's chat template")
+    custom.add_argument("--apply-chat-template", action="store_true",
+                        help="wrap a plain prompt (text_input) in the chat template unless the request's "
+                             "apply_chat_template says otherwise (chats, and the OpenAI API's chat endpoint, always are)")
+    parser.add_argument("--chat-template", nargs="?", const=APPLY_CHAT_TEMPLATE, default=None,
+                        metavar="FILE_OR_TEMPLATE",
+                        help="the chat template, replacing the tokenizer's: a Jinja file or the template itself "
+                             "(vLLM's flag); for a model whose tokenizer has none, or a template of your own. "
+                             "Without a value: --apply-chat-template (this flag's meaning before)")
     parser.add_argument("--draft-head", action="append", default=[], metavar="[NAME=]DIR",
                         help="serve a trained draft head (EAGLE-1, EAGLE-3 or Medusa, in its published layout) "
                              f"over the target as draft model NAME (default {tn.DEFAULT_HEAD_NAME}); repeatable. "
@@ -484,6 +494,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         extra = extra[1:]
     if args.set and args.model_repository:
         parser.error("--set edits a rendered repository; --model-repository is served as is")
+    if args.chat_template not in (None, APPLY_CHAT_TEMPLATE) and args.model_repository:
+        parser.error("--chat-template is set in a rendered repository; --model-repository is served as is "
+                     "(preprocessing's chat_template parameter)")
     if args.executor and args.model_repository:
         parser.error("--executor is set in a rendered repository; --model-repository is served as is (its "
                      "models' executor parameter)")
@@ -508,6 +521,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     label = "custom" if args.target else ("repository" if args.model_repository else args.pair)
     run_dir = Path(args.run_dir or pairs.cache_dir() / "run" / label).resolve()
+    # --apply-chat-template, or --chat-template alone (its meaning before it took vLLM's template)
+    applied = args.apply_chat_template or args.chat_template == APPLY_CHAT_TEMPLATE
     if args.model_repository:
         repo = Path(args.model_repository).resolve()
     else:
@@ -516,9 +531,17 @@ def main(argv: list[str] | None = None) -> int:
                 args.target, args.draft, args.tokenizer, dtype=args.dtype, device=args.device,
                 target_gpu=args.target_gpu, spread_target=args.spread_target, draft_gpu=args.draft_gpu,
                 default_num_draft_tokens=args.num_draft_tokens, max_num_draft_tokens=args.max_num_draft_tokens,
-                max_context_tokens=args.max_context_tokens, apply_chat_template=args.chat_template)
+                max_context_tokens=args.max_context_tokens, apply_chat_template=applied)
         else:
             pair = pairs.prepare_pair(args.pair)
+        try:
+            template = (read_chat_template(args.chat_template, "--chat-template")
+                        if args.chat_template not in (None, APPLY_CHAT_TEMPLATE) else "")
+        except ValueError as exc:
+            log(str(exc))
+            return 2
+        pair = dataclasses.replace(pair, chat_template=template or pair.chat_template,
+                                   apply_chat_template=pair.apply_chat_template or applied)
         pair = dataclasses.replace(pair, compile=args.compile, orchestrator_instances=args.orchestrator_instances,
                                    weights_dtype=args.weights_dtype, executor=args.executor or pair.executor)
         if args.draft_head or args.default_draft or args.skip_draft or args.lora_modules or args.lora_directory \
@@ -554,7 +577,8 @@ def main(argv: list[str] | None = None) -> int:
         gateway = GatewayProcess(openai_port(), grpc_port, args.served_model_name or [default_model_name(tokenizer)],
                                  tokenizer, args.drain_timeout, dict(os.environ), args.tool_call_parser,
                                  context, args.reasoning_parser, args.responses_store_mb, default_max_tokens,
-                                 args.responses_store_dir, lora, args.allow_runtime_lora_updating)
+                                 args.responses_store_dir, lora, args.allow_runtime_lora_updating,
+                                 repository_chat_template(repo))
     watchdog = None
     if args.heal:
         # Reloading one model in place needs explicit model control; without it the watchdog heals by

@@ -59,6 +59,7 @@ class PairSpec:
     cpu_head_weights_dtype: str = "same"
     max_context_tokens: int = tn.DEFAULT_MAX_CONTEXT_TOKENS
     apply_chat_template: bool = False
+    chat_template: str = ""  # Jinja text replacing the tokenizer's chat template (vLLM's --chat-template); "" = its own
     # Placement. "gpu": the target on target_gpu (or, with spread_target, over every GPU the server sees
     # through transformers' device_map="auto"), each draft model on draft_gpu.
     device: str = "cpu"

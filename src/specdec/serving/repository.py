@@ -15,6 +15,9 @@ from specdec.engine.lora_config import format_adapters, parse_adapters
 from specdec.serving.pairs import REPO_ROOT, PairSpec, combined_drafts
 
 SOURCE = REPO_ROOT / "model_repository"
+# A pair's own chat template, written beside preprocessing's config (the chart mounts its own there too); its
+# `chat_template` parameter names it relative to the model's directory
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
 
 
 def set_parameter(config: str, key: str, value: str) -> str:
@@ -80,7 +83,10 @@ def render(pair: PairSpec, dest: Path) -> Path:
                                           else pair.kv_memory_fraction_draft)}
 
     tokenizer = {"tokenizer_path": pair.tokenizer_path}
-    edit("preprocessing", {**tokenizer, "apply_chat_template": str(pair.apply_chat_template).lower()})
+    if pair.chat_template:
+        (dest / "preprocessing" / CHAT_TEMPLATE_FILE).write_text(pair.chat_template, encoding="utf-8")
+    edit("preprocessing", {**tokenizer, "apply_chat_template": str(pair.apply_chat_template).lower(),
+                           "chat_template": CHAT_TEMPLATE_FILE if pair.chat_template else ""})
     edit("postprocessing", tokenizer)
     # target_model serves the features every head reads (draft_heads.served_layers); each head knows the list
     heads = ",".join(pair.draft_heads.values())

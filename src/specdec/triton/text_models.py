@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 
 from specdec import tensor_names as tn
-from specdec.decoding.text import (chat_ids, chat_messages, chat_template_kwargs, chat_tools, decode_delta,
-                                   load_tokenizer)
+from specdec.decoding.text import (chat_ids, chat_messages, chat_template_kwargs, chat_tools, check_chat_template,
+                                   decode_delta, load_tokenizer, read_chat_template)
 from specdec.triton.adapter import TritonAdapter
 from specdec.triton.admission.cancellation import CancellationBoard
 from specdec.triton.config import ModelParameters
@@ -15,11 +17,28 @@ from specdec.triton.execute_clock import ExecuteClock
 
 class PreprocessingAdapter(TritonAdapter):
     def load(self, params: ModelParameters, args: dict) -> None:
-        self.tokenizer = load_tokenizer(params.str("tokenizer_path"))
+        template = self._chat_template(params, args)
+        self.tokenizer = load_tokenizer(params.str("tokenizer_path"), template)
+        if template:  # a template that cannot render a plain chat fails the load, not every request
+            check_chat_template(self.tokenizer, f"{params.model_name}: parameter 'chat_template'")
         self.chat_template_default = params.bool("apply_chat_template", False)
         if self.chat_template_default and not self.tokenizer.chat_template:
             raise ValueError(f"{params.model_name}: parameter 'apply_chat_template' is true but the tokenizer has no chat template")
         self.execute_clock = ExecuteClock(args["model_instance_name"])  # the watchdog's view of a hang
+
+    @staticmethod
+    def _chat_template(params: ModelParameters, args: dict) -> str | None:
+        """Parameter `chat_template`: a Jinja file replacing the tokenizer's template (vLLM's --chat-template),
+        its path absolute or relative to the model's directory (where the launcher and the chart put it);
+        "" = the tokenizer's own."""
+        name = params.str("chat_template", "")
+        if not name:
+            return None
+        path = Path(args.get("model_repository", "")) / name  # an absolute name stays itself
+        field = f"{params.model_name}: parameter 'chat_template'"
+        if not path.is_file():
+            raise ValueError(f"{field}: {str(path)!r} is not a file")
+        return read_chat_template(str(path), field)
 
     def execute(self, requests):
         with self.execute_clock:
@@ -131,6 +150,20 @@ class PostprocessingAdapter(TritonAdapter):
         self.tokenizer = load_tokenizer(params.str("tokenizer_path"))
         self.cancellations = CancellationBoard()
         self.execute_clock = ExecuteClock(args["model_instance_name"])  # the watchdog's view of a hang
+
+    @staticmethod
+    def _chat_template(params: ModelParameters, args: dict) -> str | None:
+        """Parameter `chat_template`: a Jinja file replacing the tokenizer's template (vLLM's --chat-template),
+        its path absolute or relative to the model's directory (where the launcher and the chart put it);
+        "" = the tokenizer's own."""
+        name = params.str("chat_template", "")
+        if not name:
+            return None
+        path = Path(args.get("model_repository", "")) / name  # an absolute name stays itself
+        field = f"{params.model_name}: parameter 'chat_template'"
+        if not path.is_file():
+            raise ValueError(f"{field}: {str(path)!r} is not a file")
+        return read_chat_template(str(path), field)
 
     def execute(self, requests):
         with self.execute_clock:
