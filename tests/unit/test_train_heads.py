@@ -289,3 +289,20 @@ def test_the_command_answers_its_self_written_requests_with_their_own_held_out_s
     assert ["composed prompt 1-4" in a for a in asked(saved["held_out"])] == [True, False]
     assert written[-1] in asked(saved["held_out"])[1]
     assert sum(any(w in a for w in written) for a in asked(saved["train"])) == 9
+
+
+def test_the_command_renders_prompts_with_the_servers_chat_template_and_refuses_one_not_there(tmp_path):
+    """--chat-template (the server's): the head trains on prompts as they will be served."""
+    from specdec.decoding.text import load_tokenizer
+
+    target = pairs.tiny_pair().target_path
+    template = "{% for m in messages %}Q: {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}A:{% endif %}"
+    common = ["--target", target, "--max-prompts", "4", "--answer-tokens", "4", "--draft-vocab", "1024",
+              "--aux-layers", "0,1,1", "--epochs", "0", "--device", "cpu"]
+    assert train_command(common + ["--out", str(tmp_path / "own"), "--chat-template", template]) == 0
+    data = torch.load(tmp_path / "own" / "data.pt", weights_only=False)
+    tokenizer = load_tokenizer(target)
+    texts = [tokenizer.decode(s.tokens) for s in data["train"] + data["held_out"]]
+    assert len(texts) == 4 and all(text.startswith("Q: ") and "\nA:" in text for text in texts), texts
+    with pytest.raises(SystemExit, match="--chat-template: '/no/template.jinja' is neither a file nor a Jinja"):
+        train_command(common + ["--out", str(tmp_path / "none"), "--chat-template", "/no/template.jinja"])

@@ -100,6 +100,9 @@ def parse_args(argv):
                         help="EAGLE-3: target layers read (comma-separated, the output of each); "
                              "default: 2, N/2, N-3 entering")
     parser.add_argument("--no-chat-template", action="store_true")
+    parser.add_argument("--chat-template", default="", metavar="FILE_OR_TEMPLATE",
+                        help="the chat template the server renders chats with (its --chat-template), replacing the "
+                             "tokenizer's: the head learns the prompts as they will be served")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args(argv)
@@ -109,10 +112,16 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from specdec.decoding.text import read_chat_template
+
     from specdec.engine.draft_heads import EAGLE3, MEDUSA, HeadConfig, check_fits, load_head, save_head
     from specdec.train import data, trainer
     from specdec.train.writer import choose as choose_writer
 
+    try:  # before anything loads: a template that is not there fails at once
+        template = read_chat_template(args.chat_template, "--chat-template") if args.chat_template else None
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
     started = time.monotonic()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -122,6 +131,8 @@ def main(argv=None) -> int:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(args.target)
+    if template:
+        tokenizer.chat_template = template
     aux = tuple(int(x) for x in args.aux_layers.split(",") if x.strip())
     text = model.config.get_text_config()
     # EAGLE-1 and Medusa read the target's last hidden state (every sample's `final`); the features kept are
