@@ -209,6 +209,9 @@ CACHED_TOKENS = "cached_tokens"
 # target_model's output on request, a draft head's input (the positions before its last new token)
 FEATURES = "features"
 TEXT_LENGTH = "text_length"  # INT32 [1]: characters of the decoded chunk to keep; -1 = all (stop words)
+# BOOL [1]: whether the chunk's text leaves special tokens out (vLLM's skip_special_tokens, a sampling setting;
+# true unless the request says false)
+SKIP_SPECIAL_TOKENS = "skip_special_tokens"
 SEQUENCE_ID = "sequence_id"  # UINT64 [1]: the generation's key, for cancellation flags
 RELEASE = "release"  # BOOL [1]: free this sequence's cache (sent with the sequence END flag)
 

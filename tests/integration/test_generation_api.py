@@ -59,6 +59,30 @@ def test_a_stream_interval_spaces_the_responses_and_keeps_the_text(server):
         assert not any(chunk.endswith("\ufffd") for chunk in spaced["chunks"][:-1])
 
 
+def test_skip_special_tokens_false_keeps_them_in_the_text_streamed_or_not(server, hf_target):
+    """vLLM's skip_special_tokens false (what a tool-call parser reading a model's [TOOL_CALLS] needs): a
+    special token the answer holds (here one forced by logit_bias; not an end token) shows in the text,
+    whole and streamed, over gRPC and HTTP; by default it is left out."""
+    tokenizer = hf_target[1]
+    special = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    assert special in tokenizer.all_special_ids and special != tokenizer.eos_token_id
+    bias = {"logit_bias": {str(special): 100}, "max_tokens": 5}
+    for stream in (False, True):
+        kept = grpc_stream(server.grpc_url, PROMPTS[0], num_draft_tokens=2, stream=stream,
+                           sampling_parameters=json.dumps({**bias, "skip_special_tokens": False}))
+        assert kept[tn.TEXT_OUTPUT] == "<|im_start|>" * 5 and kept[tn.NUM_OUTPUT_TOKENS] == 5, stream
+        left_out = grpc_stream(server.grpc_url, PROMPTS[0], num_draft_tokens=2, stream=stream,
+                               sampling_parameters=json.dumps(bias))
+        assert left_out[tn.TEXT_OUTPUT] == "" and left_out[tn.NUM_OUTPUT_TOKENS] == 5, stream
+    over_http = http_generate(server.http_url, PROMPTS[0], stream=True, num_draft_tokens=2,
+                              sampling_parameters=json.dumps({**bias, "skip_special_tokens": False}))
+    assert over_http[tn.TEXT_OUTPUT] == "<|im_start|>" * 5
+    # a stop string may then be a special token's text: the answer ends before it
+    stopped = grpc_stream(server.grpc_url, PROMPTS[0], num_draft_tokens=2, sampling_parameters=json.dumps(
+        {"max_tokens": 5, "logit_bias": {str(special): 100}, "skip_special_tokens": False, "stop": "<|im_start|>"}))
+    assert stopped[tn.TEXT_OUTPUT] == "" and stopped[tn.FINISH_REASON] == "stop"
+
+
 def test_http_generate_stream_sse_equals_generate(server):
     prompt = PROMPTS[1]
     whole = http_generate(server.http_url, prompt, max_tokens=30, num_draft_tokens=3)
@@ -1112,8 +1136,8 @@ BAD_REQUESTS = {
                             "seed"),
     "token_id_a_list": (PROMPTS[0], dict(sampling_parameters=np.array([[b'{"allowed_token_ids": [[1]]}']],
                                                                        dtype=np.object_)), "allowed_token_ids"),
-    "skip_special_tokens_false": (PROMPTS[0], dict(sampling_parameters=np.array(
-        [[b'{"skip_special_tokens": false}']], dtype=np.object_)), "skip_special_tokens"),
+    "spaces_between_special_tokens_false": (PROMPTS[0], dict(sampling_parameters=np.array(
+        [[b'{"spaces_between_special_tokens": false}']], dtype=np.object_)), "spaces_between_special_tokens"),
     "truncate_prompt_tokens_zero": (PROMPTS[0], dict(sampling_parameters=np.array(
         [[b'{"truncate_prompt_tokens": 0}']], dtype=np.object_)), "truncate_prompt_tokens"),
     "guide_over_max_guide_chars": (PROMPTS[0], dict(guided_decoding_guide_type=np.array([[b"regex"]], dtype=np.object_),

@@ -300,6 +300,37 @@ def test_auto_tool_calls_are_read_in_the_models_format(server, model):
         assert len(text) > 1 and "".join(text).startswith(plain.choices[0].message.content)
 
 
+def test_mistral_tool_calls_are_read_with_special_tokens_kept_and_mistrals_ids(server, model):
+    """A gateway started with --tool-call-parser mistral: a [TOOL_CALLS] answer (forced, with vLLM's
+    guided_choice) becomes content and calls with 9-character ids, whole and streamed; the server is asked to
+    keep special tokens in the text (a forced <|im_start|>, a special token of this tokenizer, shows in the
+    content); a conversation sending the call and its result back is taken."""
+    with own_gateway(server, model, "--tool-call-parser", "mistral") as port:
+        client = openai.OpenAI(base_url=f"http://localhost:{port}/v1", api_key="x", max_retries=0)
+        forced = 'Checking.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}'
+        args = {"model": model, "messages": CHAT, "max_tokens": 64, "temperature": 0, "tools": [WEATHER],
+                "extra_body": {"guided_choice": [forced]}}
+        whole = client.chat.completions.create(**args)
+        message = whole.choices[0].message
+        assert message.content == "Checking." and whole.choices[0].finish_reason == "tool_calls"
+        (call,) = message.tool_calls
+        assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Paris"})
+        assert len(call.id) == 9 and call.id.isalnum()
+        chunks = list(client.chat.completions.create(stream=True, **args))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Checking."
+        deltas = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or [])]
+        assert [(d.function.name, d.function.arguments) for d in deltas] == [("get_weather", '{"city": "Paris"}')]
+        assert len(deltas[0].id) == 9
+        special = client.chat.completions.create(model=model, messages=CHAT, max_tokens=3, temperature=0,
+                                                 tools=[WEATHER], logit_bias={"1": 100})  # 1: <|im_start|>
+        assert special.choices[0].message.content == "<|im_start|>" * 3
+        history = [*CHAT, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                   {"role": "tool", "tool_call_id": call.id, "content": "20 C and sunny"}]
+        answer = client.chat.completions.create(model=model, messages=history, max_tokens=6, temperature=0,
+                                                tools=[WEATHER], tool_choice="none")
+        assert answer.choices[0].message.content and answer.choices[0].message.tool_calls is None
+
+
 def test_a_reasoning_parser_puts_the_thinking_apart(server, model):
     """A gateway started with --reasoning-parser qwen3 (and hermes tool calls): the thinking a model writes
     between <think> and </think> (here forced, with vLLM's guided_choice: SmolLM2's tokenizer spells <think>

@@ -327,3 +327,25 @@ def test_a_token_limit_of_the_wrong_type_is_refused_naming_it(name, value):
     with pytest.raises(ApiError) as caught:
         parse_chat({"model": "m", "messages": CHAT, name: value}, SERVED)
     assert caught.value.status == 400 and caught.value.param == name
+
+
+def test_the_mistral_parser_keeps_special_tokens_and_sends_ids_in_mistrals_form():
+    """vLLM's way with Mistral: the answer's text keeps special tokens ([TOOL_CALLS]) where the model may call
+    (tool_choice auto), and the ids of calls in the history are shortened to the 9 characters its chat
+    templates require, a call and its result still paired."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    history = [*CHAT, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_0123456789abcdef01234567", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "call_0123456789abcdef01234567", "content": "done"}]
+    gen = parse_chat({"model": "m", "messages": history, "tools": tools}, SERVED, tool_parser="mistral")
+    assert sampling(gen)["skip_special_tokens"] is False and gen.tools.parser == "mistral"
+    sent = json.loads(gen.choices[0][tn.MESSAGES][0, 0])
+    assert sent[1]["tool_calls"][0]["id"] == sent[2]["tool_call_id"] == "f01234567"
+    # a named call's answer is the arguments alone: special tokens stay out; other parsers leave ids and text as sent
+    named = parse_chat({"model": "m", "messages": history, "tools": tools,
+                        "tool_choice": {"type": "function", "function": {"name": "f"}}}, SERVED, tool_parser="mistral")
+    assert "skip_special_tokens" not in sampling(named)
+    assert json.loads(named.choices[0][tn.MESSAGES][0, 0])[2]["tool_call_id"] == "f01234567"
+    hermes = parse_chat({"model": "m", "messages": history, "tools": tools}, SERVED, tool_parser="hermes")
+    assert "skip_special_tokens" not in sampling(hermes)
+    assert json.loads(hermes.choices[0][tn.MESSAGES][0, 0])[2]["tool_call_id"] == "call_0123456789abcdef01234567"

@@ -243,7 +243,9 @@ def test_vllm_sampling_parameters_stand_for_their_inputs():
     (_vllm({"stop": [1]})[tn.SAMPLING_PARAMETERS], "key 'stop' must be a string or a list of strings"),
     (_vllm({"repetition_penalty": "high"})[tn.SAMPLING_PARAMETERS], "key 'repetition_penalty' must be a number"),
     (_vllm({"n": True})[tn.SAMPLING_PARAMETERS], "key 'n' must be an integer"),
-    (_vllm({"skip_special_tokens": False})[tn.SAMPLING_PARAMETERS], "key 'skip_special_tokens' is supported only at true"),
+    (_vllm({"spaces_between_special_tokens": False})[tn.SAMPLING_PARAMETERS],
+     "key 'spaces_between_special_tokens' is supported only at true"),
+    (_vllm({"skip_special_tokens": "no"})[tn.SAMPLING_PARAMETERS], "key 'skip_special_tokens' must be true or false"),
     (_vllm({"detokenize": "no"})[tn.SAMPLING_PARAMETERS], "key 'detokenize' must be true or false"),
     (_vllm({"include_stop_str_in_output": 1})[tn.SAMPLING_PARAMETERS], "key 'include_stop_str_in_output' must be true"),
     (_vllm({"truncate_prompt_tokens": 0})[tn.SAMPLING_PARAMETERS], "key 'truncate_prompt_tokens' must be >= 1 or -1"),
@@ -281,6 +283,9 @@ def test_vllm_text_settings_are_read_and_neutral_ones_accepted():
     assert parsed.stop_words == ("END",) and not parsed.include_stop
     assert parse(**_vllm({"stop": "END", "include_stop_str_in_output": "true"})).include_stop
     assert not parse(**_vllm({"include_stop_str_in_output": False})).include_stop
+    assert parsed.skip_special and parse().skip_special  # special tokens left out of the text by default
+    assert not parse(**_vllm({"skip_special_tokens": False})).skip_special
+    assert not parse(**_vllm({"skip_special_tokens": "false"})).skip_special
 
 
 def test_stream_interval_ms_spaces_a_streamed_requests_responses():

@@ -227,3 +227,23 @@ def test_a_file_without_a_template_and_a_template_that_cannot_render_a_chat_are_
         own = load_tokenizer(str(smollm2_tokenizer_dir()), broken)
         with pytest.raises(ValueError, match=f"^p: parameter 'chat_template': the chat template fails .*{reason}"):
             check_chat_template(own, "p: parameter 'chat_template'")
+
+
+def test_special_tokens_stay_in_the_text_when_asked_and_a_stop_word_may_be_one(tokenizer):
+    """vLLM's skip_special_tokens false: every emission's text and the whole text keep them; streamed in
+    rounds of any size the deltas add up to the tokenizer's own decoding."""
+    ids = tokenizer.encode("Sure.<|im_start|>assistant\nHi<|im_end|> after", add_special_tokens=False)
+    kept = tokenizer.decode(ids, skip_special_tokens=False)
+    assert "<|im_start|>" in kept and "<|im_end|>" in kept
+    for size in (1, 2, 5):
+        emitter = TextEmitter(tokenizer, skip_special=False)
+        rounds = [ids[i:i + size] for i in range(0, len(ids), size)]
+        texts = [e.text for i, r in enumerate(rounds) if (e := emitter.push(r, final=i == len(rounds) - 1))]
+        assert "".join(texts) == kept, size
+        plain = TextEmitter(tokenizer)
+        assert "".join(e.text for i, r in enumerate(rounds)
+                       if (e := plain.push(r, final=i == len(rounds) - 1))) == decode(tokenizer, ids)
+    assert decode_delta(tokenizer, ids[:2], ids[2:], skip_special=False) == kept[len(decode(tokenizer, ids[:2])):]
+    stopped = TextEmitter(tokenizer, ("<|im_end|>",), skip_special=False)
+    emission = stopped.push(ids, final=False)
+    assert emission.stopped and emission.text == kept[:kept.index("<|im_end|>")]

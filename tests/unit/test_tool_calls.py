@@ -201,3 +201,58 @@ def test_json_nested_too_deeply_is_text_or_a_refusal_never_an_escaping_error():
         "name": "get_weather", "arguments": DEEP}}]}]
     with pytest.raises(ValueError, match=r"input 'm'\[0\]\.tool_calls\[0\]\.function\.arguments is not JSON"):
         chat_messages(json.dumps(messages), "m")
+
+
+def test_mistral_calls_are_read_in_both_of_its_formats_with_its_ids():
+    mistral = ToolCalling(AUTO, ("get_weather", "get_time"), "mistral")
+    # Mistral 7B v0.3, Mixtral, Nemo: [TOOL_CALLS] then a JSON list
+    content, calls = tools.split_output('Let me check. [TOOL_CALLS] [{"name": "get_weather", "arguments": '
+                                        '{"city": "Paris"}}, {"name": "get_time", "arguments": {}}]', mistral)
+    assert content == "Let me check."
+    assert [(c["name"], c["arguments"]) for c in calls] == [("get_weather", '{"city": "Paris"}'), ("get_time", "{}")]
+    assert all(len(c["id"]) == tools.MISTRAL_ID_LENGTH and c["id"].isalnum() for c in calls)
+    assert len({c["id"] for c in calls}) == 2
+    # tokenizers v11+ (Mistral Small 3.2, Magistral, Devstral): [TOOL_CALLS]name[ARGS]{...} per call, its own id
+    # where the model wrote one ([CALL_ID])
+    content, calls = tools.split_output('[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}[TOOL_CALLS]get_time'
+                                        '[CALL_ID]a1B2c3D4e[ARGS]{"zone": "CET"}', mistral)
+    assert content is None and [(c["name"], c["arguments"]) for c in calls] == [
+        ("get_weather", '{"city": "Oslo"}'), ("get_time", '{"zone": "CET"}')]
+    assert calls[1]["id"] == "a1B2c3D4e" and len(calls[0]["id"]) == 9
+    assert len(tools.split_output('[TOOL_CALLS]get_time[ARGS]{}[TOOL_CALLS]get_time[ARGS]{}',
+                                  ToolCalling(AUTO, ("get_time",), "mistral", parallel=False))[1]) == 1
+    # what does not read as calls stays text
+    for text in ("No call.", "[TOOL_CALLS]", "[TOOL_CALLS] [not json", "[TOOL_CALLS] []", '[TOOL_CALLS] [{"x": 1}]',
+                 "[TOOL_CALLS]get_weather", '[TOOL_CALLS]bad name[ARGS]{}', "[TOOL_CALLS]f[ARGS][1]",
+                 '[TOOL_CALLS]f[ARGS]{"a": ', "[TOOL_CALLS]" + DEEP):
+        assert tools.split_output(text, mistral) == (text, []), text
+    # the whole answer's calls as a message's and as stream deltas keep those ids
+    (message_call,) = tools.message_calls(calls[1:])
+    assert message_call["id"] == "a1B2c3D4e"
+    assert tools.call_deltas(calls)[1]["id"] == "a1B2c3D4e"
+
+
+def test_mistral_streams_content_until_its_calls_open():
+    stream = ToolStream(ToolCalling(AUTO, ("f",), "mistral"))
+    assert stream.feed("Sure. [TOOL_") == ("Sure. ", [])  # a tail that may open the calls is held
+    assert stream.feed('CALLS]f[ARGS]{"a": 1}') == ("", [])
+    rest, deltas, called = stream.finish()
+    assert rest == "" and called and deltas[0]["function"] == {"name": "f", "arguments": '{"a": 1}'}
+    assert len(deltas[0]["id"]) == 9
+    assert _stream(ToolCalling(AUTO, ("f",), "mistral"), ["See [TOOL", " docs]."]) == ("See [TOOL docs].", [], False)
+
+
+def test_ids_sent_back_take_mistrals_form_and_still_pair_calls_with_results():
+    chat = [{"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "call_0123456789abcdef01234567", "type": "function",
+                 "function": {"name": "get_weather", "arguments": "{}"}},
+                {"id": "x", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": "call_0123456789abcdef01234567", "content": "sunny"},
+            {"role": "tool", "tool_call_id": "x", "content": "noon"}]
+    shortened = tools.mistral_messages(chat)
+    ids = [call["id"] for call in shortened[1]["tool_calls"]]
+    assert ids[0] == "f01234567" and len(ids[1]) == 9 and ids[1].isalnum()
+    assert [m["tool_call_id"] for m in shortened[2:]] == ids
+    assert chat[1]["tool_calls"][0]["id"].startswith("call_")  # the request's own messages are left as they were
+    assert tools.mistral_id("a1B2c3D4e") == "a1B2c3D4e"

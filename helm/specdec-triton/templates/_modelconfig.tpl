@@ -154,6 +154,7 @@ input [
   { name: "output_ids", data_type: TYPE_INT32, dims: [ -1 ], allow_ragged_batch: true },
   { name: "prefix_ids", data_type: TYPE_INT32, dims: [ -1 ], optional: true, allow_ragged_batch: true },
   { name: "text_length", data_type: TYPE_INT32, dims: [ 1 ], optional: true },
+  { name: "skip_special_tokens", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },
   { name: "sequence_id", data_type: TYPE_UINT64, dims: [ 1 ], optional: true }
 ]
 output [
@@ -286,6 +287,7 @@ output [
   { name: "output_ids", data_type: TYPE_INT32, dims: [ -1 ] },
   { name: "prefix_ids", data_type: TYPE_INT32, dims: [ -1 ] },
   { name: "text_length", data_type: TYPE_INT32, dims: [ 1 ] },
+  { name: "skip_special_tokens", data_type: TYPE_BOOL, dims: [ 1 ] },
   { name: "sequence_id", data_type: TYPE_UINT64, dims: [ 1 ] },
   { name: "finish_reason", data_type: TYPE_STRING, dims: [ 1 ] },
   { name: "num_input_tokens", data_type: TYPE_INT32, dims: [ 1 ] },

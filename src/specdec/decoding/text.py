@@ -132,29 +132,32 @@ def same_tokenizer_files(a: str | Path, b: str | Path) -> bool:
     return True
 
 
-def decode(tokenizer, ids: list[int]) -> str:
-    return tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+def decode(tokenizer, ids: list[int], skip_special: bool = True) -> str:
+    """The text of `ids`; special tokens left out unless `skip_special` is false (vLLM's skip_special_tokens:
+    a tool-call parser reading a model's [TOOL_CALLS] needs them)."""
+    return tokenizer.decode(ids, skip_special_tokens=skip_special, clean_up_tokenization_spaces=False)
 
 
-def decode_delta(tokenizer, prefix_ids: list[int], ids: list[int]) -> str:
+def decode_delta(tokenizer, prefix_ids: list[int], ids: list[int], skip_special: bool = True) -> str:
     """Text that `ids` add after `prefix_ids` (the context changes how a token's leading space decodes)."""
     if not prefix_ids:
-        return decode(tokenizer, ids)
-    before = decode(tokenizer, prefix_ids)
-    after = decode(tokenizer, prefix_ids + ids)
+        return decode(tokenizer, ids, skip_special)
+    before = decode(tokenizer, prefix_ids, skip_special)
+    after = decode(tokenizer, prefix_ids + ids, skip_special)
     if after.startswith(before):
         return after[len(before):]
-    return decode(tokenizer, ids)  # a normalizer rewrote the prefix: fall back to the chunk alone
+    return decode(tokenizer, ids, skip_special)  # a normalizer rewrote the prefix: fall back to the chunk alone
 
 
-def with_prompt(tokenizer, prompt_ids: list[int], ids: list[int], length: int) -> tuple[list[int], int]:
+def with_prompt(tokenizer, prompt_ids: list[int], ids: list[int], length: int,
+                skip_special: bool = True) -> tuple[list[int], int]:
     """A whole answer's tokens with the prompt's before them (TensorRT-LLM's exclude_input_in_output false),
     and the characters of their text to keep (`length`: of `ids`' own text; -1 all): what a stop word cut
     from the end stays cut."""
     if length < 0:
         return prompt_ids + ids, -1
-    cut = len(decode(tokenizer, ids)) - length  # characters dropped at the end
-    return prompt_ids + ids, len(decode(tokenizer, prompt_ids + ids)) - cut
+    cut = len(decode(tokenizer, ids, skip_special)) - length  # characters dropped at the end
+    return prompt_ids + ids, len(decode(tokenizer, prompt_ids + ids, skip_special)) - cut
 
 
 @dataclass(frozen=True)
@@ -182,12 +185,15 @@ class TextEmitter:
     Held back: a trailing incomplete character, and trailing text that could be the start of a stop
     word (it may complete in the next round). A stop word found across rounds cuts the text at its
     first character (with `include_stop`, after its last); the tokens it spans are sent with a text_length
-    so nothing past the cut shows.
+    so nothing past the cut shows. The text leaves special tokens out unless `skip_special` is false (then a
+    stop word may be one's text).
     """
 
-    def __init__(self, tokenizer, stop_words: tuple[str, ...] = (), include_stop: bool = False):
+    def __init__(self, tokenizer, stop_words: tuple[str, ...] = (), include_stop: bool = False,
+                 skip_special: bool = True):
         self.tokenizer = tokenizer
         self.include_stop = include_stop
+        self.skip_special = skip_special
         self.stop_words = tuple(w for w in stop_words if w)
         self.longest_stop = max((len(w) for w in self.stop_words), default=0)
         self.emitted: list[int] = []  # tokens already sent
@@ -200,7 +206,7 @@ class TextEmitter:
         if not self.pending:
             return None
         prefix = self.emitted[-CONTEXT_TOKENS:]
-        pending_text = decode_delta(self.tokenizer, prefix, self.pending)
+        pending_text = decode_delta(self.tokenizer, prefix, self.pending, self.skip_special)
         stop_at = self._find_stop(pending_text)
         if stop_at is not None:
             return self._emit(len(self.pending), prefix, pending_text[:stop_at], stop_at, stopped=True)
@@ -209,7 +215,7 @@ class TextEmitter:
         safe = len(pending_text) - self._held_chars(pending_text)
         for count in range(len(self.pending), 0, -1):
             text = pending_text if count == len(self.pending) else decode_delta(
-                self.tokenizer, prefix, self.pending[:count])
+                self.tokenizer, prefix, self.pending[:count], self.skip_special)
             if len(text) <= safe and not text.endswith(REPLACEMENT_CHAR) and pending_text.startswith(text):
                 return self._emit(count, prefix, text, -1, stopped=False)
         return None

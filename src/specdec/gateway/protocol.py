@@ -431,7 +431,12 @@ def parse_chat(body: dict, served: tuple[str, ...], tool_parser: str | None = No
         inputs[tn.THINKING_TOKEN_BUDGET] = np.array([[budget]], dtype=np.int32)
     if reasoning_parser and ("structured_outputs" in sampling or budget is not None):  # (the guide: the answer's)
         inputs[tn.REASONING_PARSER] = _string(reasoning_parser)
-    inputs[tn.MESSAGES] = _string(json.dumps(chat_messages(body)))
+    chat = chat_messages(body)
+    if tool_parser == "mistral":  # its templates refuse ids but its own form, whoever made them
+        chat = tool_calls.mistral_messages(chat)
+    if calling is not None and calling.mode == tool_calls.AUTO and calling.parser == "mistral":
+        sampling["skip_special_tokens"] = False  # its calls open with a special token (vLLM does the same)
+    inputs[tn.MESSAGES] = _string(json.dumps(chat))
     if tools:
         inputs[tn.TOOLS] = _string(json.dumps(tools))
     template_kwargs = _typed(body, "chat_template_kwargs", (dict,), "an object of the chat template's variables")

@@ -282,8 +282,8 @@ def reasoning_text(text: str) -> dict:
 
 def function_call_item(call: dict) -> dict:
     """A call {"name", "arguments"} (tools.split_output's) as a function_call output item."""
-    return {"type": "function_call", "id": "fc_" + uuid.uuid4().hex, "call_id": tools.call_id(), "name": call["name"],
-            "arguments": call["arguments"], "status": "completed"}
+    return {"type": "function_call", "id": "fc_" + uuid.uuid4().hex, "call_id": call.get("id") or tools.call_id(),
+            "name": call["name"], "arguments": call["arguments"], "status": "completed"}
 
 
 def response_object(gen: Generation, body: dict, status: str, output: list[dict], usage: dict | None = None,

@@ -11,26 +11,40 @@ is text, which becomes `tool_calls` here in one of three ways, by `tool_choice`:
   (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks: Qwen2.5, Hermes, SmolLM3) or
   `llama3_json` (Llama 3.1-3.3's `{"name": ..., "parameters": {...}}`, calls separated by `;`) or `pythonic`
   (Llama 3.2 and 4's `[get_weather(city="Oslo"), get_time()]`: a Python list of calls whose arguments are
-  keywords of literal values, read with `ast`, never run). Text before the first call is the message's
-  content and streams as content; text that does not parse as a call stays content.
+  keywords of literal values, read with `ast`, never run) or `mistral` (Mistral's special token
+  `[TOOL_CALLS]` before a JSON list of {"name", "arguments"} (Mistral 7B v0.3, Mixtral, Nemo), or before each
+  call as `name[ARGS]{...}` (tokenizers v11 and later: Mistral Small 3.2, Magistral, Devstral); the server is
+  asked to keep special tokens in the text for it, and calls get Mistral's 9-character ids, to which the ids
+  of calls sent back are shortened too: its chat templates refuse any other). Text before the first call is
+  the message's content and streams as content; text that does not parse as a call stays content.
 """
 
 from __future__ import annotations
 
 import ast
+import hashlib
 import json
 import re
+import secrets
+import string
 import uuid
 from dataclasses import dataclass, field
 
 from specdec.decoding import json_text
 
-PARSERS = ("hermes", "llama3_json", "pythonic")
+PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
 NAMED, REQUIRED, AUTO = "named", "required", "auto"
 _HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 _PYTHON_TAG = "<|python_tag|>"
 _PYTHON_START, _PYTHON_END = "<|python_start|>", "<|python_end|>"  # Llama 4's around pythonic calls
+# Mistral's special tokens, kept in the text for this parser (skip_special_tokens false)
+_MISTRAL_CALLS, _MISTRAL_ARGS, _MISTRAL_CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
+# Where a call opens anywhere in the answer (after content), by parser; the others' calls are the whole answer
+_OPENINGS = {"hermes": _HERMES_OPEN, "mistral": _MISTRAL_CALLS}
+_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # a function's name, as requests' tools are checked
+_ALNUM = string.ascii_letters + string.digits
+MISTRAL_ID_LENGTH = 9  # Mistral's chat templates refuse a tool call id of other length or characters
 
 
 @dataclass(frozen=True)
@@ -52,6 +66,33 @@ class ToolCalling:
 
 def call_id() -> str:
     return "call_" + uuid.uuid4().hex[:24]
+
+
+def mistral_call_id() -> str:
+    return "".join(secrets.choice(_ALNUM) for _ in range(MISTRAL_ID_LENGTH))
+
+
+def mistral_id(given: str) -> str:
+    """A call's id as Mistral's templates take it (9 letters or digits): its last 9 such characters (vLLM's
+    way with ids sent back), or a digest of it where it has fewer; the same id always maps to the same one,
+    so an assistant's call and the tool result answering it still match."""
+    alnum = "".join(ch for ch in given if ch.isascii() and ch.isalnum())
+    if len(alnum) >= MISTRAL_ID_LENGTH:
+        return alnum[-MISTRAL_ID_LENGTH:]
+    return hashlib.sha256(given.encode()).hexdigest()[:MISTRAL_ID_LENGTH]
+
+
+def mistral_messages(messages: list[dict]) -> list[dict]:
+    """A chat whose tool call ids (assistants' calls, tool results) are Mistral's 9-character form."""
+    out = []
+    for message in messages:
+        if message.get("tool_calls"):
+            message = {**message, "tool_calls": [{**call, "id": mistral_id(call["id"])} if isinstance(call.get("id"), str)
+                                                 else call for call in message["tool_calls"]]}
+        if isinstance(message.get("tool_call_id"), str):
+            message = {**message, "tool_call_id": mistral_id(message["tool_call_id"])}
+        out.append(message)
+    return out
 
 
 def forced_schema(tools: list[dict], calling: ToolCalling) -> dict:
@@ -78,7 +119,10 @@ def split_output(text: str, calling: ToolCalling) -> tuple[str | None, list[dict
             return text, []
         return None, [{"name": call["name"], "arguments": json.dumps(call["arguments"], ensure_ascii=False)}
                       for call in calls]
-    content, calls = {"hermes": _hermes, "pythonic": _pythonic}.get(calling.parser, _llama3_json)(text)
+    content, calls = {"hermes": _hermes, "pythonic": _pythonic, "mistral": _mistral}.get(calling.parser,
+                                                                                         _llama3_json)(text)
+    if calling.parser == "mistral":  # the model's own id ([CALL_ID]) or one of Mistral's form
+        calls = [{**call, "id": call.get("id") or mistral_call_id()} for call in calls]
     return content, calls if calling.parallel else calls[:1]
 
 
@@ -116,6 +160,38 @@ def _llama3_json(text: str) -> tuple[str | None, list[dict]]:
         while at < len(body) and body[at] in " \t\n;":
             at += 1
     return None, calls
+
+
+def _mistral(text: str) -> tuple[str | None, list[dict]]:
+    start = text.find(_MISTRAL_CALLS)
+    if start < 0:
+        return text, []
+    calls = []
+    for part in text[start + len(_MISTRAL_CALLS):].split(_MISTRAL_CALLS):
+        part = part.strip()
+        if part.startswith("["):  # a JSON list of {"name", "arguments"} (Mistral 7B v0.3's format)
+            try:
+                listed = json_text.parse(part)
+            except ValueError:
+                return text, []
+            found = [_call(item, "arguments", "parameters") for item in listed] if isinstance(listed, list) else []
+            if not found or None in found:
+                return text, []
+            calls += found
+            continue
+        head, sep, arguments = part.partition(_MISTRAL_ARGS)  # name[ARGS]{...}, or name[CALL_ID]id[ARGS]{...}
+        name, _, given = head.partition(_MISTRAL_CALL_ID)
+        if not sep or not _NAME.fullmatch(name.strip()):
+            return text, []
+        try:
+            value = json_text.parse(arguments.strip())
+        except ValueError:
+            return text, []
+        if not isinstance(value, dict):
+            return text, []
+        call = {"name": name.strip(), "arguments": json.dumps(value, ensure_ascii=False)}
+        calls.append({**call, "id": given.strip()} if given.strip() else call)
+    return text[:start].strip() or None, calls
 
 
 def _pythonic(text: str) -> tuple[str | None, list[dict]]:
@@ -156,15 +232,16 @@ def _call(value, *keys: str) -> dict | None:
 
 
 def call_deltas(calls: list[dict], first_index: int = 0) -> list[dict]:
-    """Whole calls as a streamed chunk's `tool_calls` entries (index, id, type, function)."""
-    return [{"index": first_index + i, "id": call_id(), "type": "function",
+    """Whole calls as a streamed chunk's `tool_calls` entries (index, id, type, function); a call's own id
+    where the parser gave it one."""
+    return [{"index": first_index + i, "id": call.get("id") or call_id(), "type": "function",
              "function": {"name": call["name"], "arguments": call["arguments"]}} for i, call in enumerate(calls)]
 
 
 def message_calls(calls: list[dict]) -> list[dict]:
     """Calls as a message's `tool_calls`."""
-    return [{"id": call_id(), "type": "function", "function": {"name": call["name"], "arguments": call["arguments"]}}
-            for call in calls]
+    return [{"id": call.get("id") or call_id(), "type": "function",
+             "function": {"name": call["name"], "arguments": call["arguments"]}} for call in calls]
 
 
 @dataclass
@@ -200,7 +277,7 @@ class ToolStream:
         if not calls:  # all of it is content
             out, self.sent = self.text[self.sent:], len(self.text)
             return out, [], False
-        opening = self.text.find(_HERMES_OPEN) if self.calling.parser == "hermes" else -1
+        opening = self.text.find(_OPENINGS[self.calling.parser]) if self.calling.parser in _OPENINGS else -1
         rest = self.text[self.sent:opening] if opening > self.sent else ""
         return rest, call_deltas(calls), True
 
@@ -219,13 +296,14 @@ class ToolStream:
     def _content_end(self) -> int:
         """AUTO: how much of the text is surely content: up to the opening of a call, less a tail that may
         begin one."""
-        if self.calling.parser == "hermes":
-            opening = self.text.find(_HERMES_OPEN)
+        if self.calling.parser in _OPENINGS:  # a call may open after content
+            mark = _OPENINGS[self.calling.parser]
+            opening = self.text.find(mark)
             if opening >= 0:
                 self.held = True
                 return opening
-            for length in range(min(len(_HERMES_OPEN) - 1, len(self.text)), 0, -1):
-                if _HERMES_OPEN.startswith(self.text[-length:]):
+            for length in range(min(len(mark) - 1, len(self.text)), 0, -1):
+                if mark.startswith(self.text[-length:]):
                     return len(self.text) - length
             return len(self.text)
         # llama3_json, pythonic: a call is the whole answer, so the answer's start decides

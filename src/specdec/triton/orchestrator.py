@@ -390,11 +390,12 @@ class SpeculativeDecodingAdapter(TritonAdapter):
                                            self.token_text))
         out_ids = ids
         if parsed.echo_prompt and emission is not None:  # the one response: the prompt's tokens before the answer
-            out_ids, length = with_prompt(self.tokenizer, req.prompt_ids, ids, length)
+            out_ids, length = with_prompt(self.tokenizer, req.prompt_ids, ids, length, parsed.skip_special)
         tensors = extra + [
             i32(tn.OUTPUT_IDS, out_ids),
             i32(tn.PREFIX_IDS, prefix),
             i32(tn.TEXT_LENGTH, [length]),
+            pb.Tensor(tn.SKIP_SPECIAL_TOKENS, np.array([[parsed.skip_special]], dtype=np.bool_)),
             pb.Tensor(tn.SEQUENCE_ID, np.array([[req.seq_id]], dtype=np.uint64)),
             i32(tn.NUM_INPUT_TOKENS, [len(req.prompt_ids)]),
             i32(tn.NUM_OUTPUT_TOKENS, [len(emitter.emitted)]),
@@ -437,7 +438,7 @@ class _Responses:
         self.adapter, self.sender, self.arrived = adapter, sender, arrived
         self.gen, self.stream = parsed.generation, parsed.stream
         self.stats = Stats()
-        self.emitter = TextEmitter(adapter.tokenizer, parsed.stop_words, parsed.include_stop)
+        self.emitter = TextEmitter(adapter.tokenizer, parsed.stop_words, parsed.include_stop, parsed.skip_special)
         self.log_probs: list[float] = []  # with return_log_probs: one per generated token, in order
         # with num_top_log_probs: per generated token its n most likely tokens and their log-probabilities
         self.top: tuple[list[list[int]], list[list[float]]] = ([], [])

@@ -99,6 +99,7 @@ class ParsedRequest:
     perf_metrics: bool = False  # return_perf_metrics: TensorRT-LLM's timing outputs in every response
     priority: int = 0  # its place among waiting requests when the server is full: lower first (tn.PRIORITY)
     stream_interval_s: float = 0.0  # streamed: at most one response per this long (0: one per round)
+    skip_special: bool = True  # the text leaves special tokens out (vLLM's skip_special_tokens)
 
     @classmethod
     def parse(cls, lookup: InputLookup, limits: RequestLimits, seq_id: int | None = None,
@@ -206,7 +207,8 @@ class ParsedRequest:
                    bool(inputs.scalar("include_stop_str_in_output", np.bool_, False)), int(branches),
                    vllm_outputs, vllm_logprobs, echo,
                    bool(inputs.scalar(tn.RETURN_PERF_METRICS, np.bool_, False)),
-                   int(inputs.scalar(tn.PRIORITY, np.int32, 0)), interval_ms / 1000.0)
+                   int(inputs.scalar(tn.PRIORITY, np.int32, 0)), interval_ms / 1000.0,
+                   bool(inputs.scalar(tn.SKIP_SPECIAL_TOKENS, np.bool_, True)))
 
 
 def _vllm_logprobs(inputs: Inputs, top: int, field: Callable[[str], str]) -> int | None:

@@ -182,7 +182,9 @@ class PostprocessingAdapter(TritonAdapter):
             ids = pb.get_input_tensor_by_name(request, tn.OUTPUT_IDS).as_numpy().reshape(-1).tolist()
             prefix_tensor = pb.get_input_tensor_by_name(request, tn.PREFIX_IDS)
             prefix = [] if prefix_tensor is None else prefix_tensor.as_numpy().reshape(-1).tolist()
-            text = decode_delta(self.tokenizer, prefix, ids) if ids else ""
+            skip = pb.get_input_tensor_by_name(request, tn.SKIP_SPECIAL_TOKENS)
+            skip_special = True if skip is None else bool(skip.as_numpy().reshape(-1)[0])
+            text = decode_delta(self.tokenizer, prefix, ids, skip_special) if ids else ""
             length_tensor = pb.get_input_tensor_by_name(request, tn.TEXT_LENGTH)
             length = -1 if length_tensor is None else int(length_tensor.as_numpy().reshape(-1)[0])
             if length >= 0:  # the orchestrator cut the text at a stop word inside these tokens

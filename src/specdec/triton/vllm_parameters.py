@@ -33,15 +33,14 @@ SAMPLING_PARAMETER_KEYS = {
     "lora_name": (tn.LORA_NAME, np.object_),  # vLLM's backend reads it from here
 }
 # Settings vLLM's clients send at their neutral values: accepted at those (or null), refused otherwise.
-# (The text is always detokenized without special tokens, as vLLM's defaults do.)
-NEUTRAL_SAMPLING_PARAMETERS = {"n": 1, "best_of": 1, "skip_special_tokens": True, "spaces_between_special_tokens": True,
-                               "detokenize": True}
+NEUTRAL_SAMPLING_PARAMETERS = {"n": 1, "best_of": 1, "spaces_between_special_tokens": True, "detokenize": True}
 # vLLM's keys that no input stands for: token ids (and biases), read from the JSON into arrays of these names ...
 TOKEN_ID_KEYS = ("logit_bias", "allowed_token_ids", "stop_token_ids")
 # ... and these settings: the stop string kept at the text's end, the prompt cut to its last N tokens
 # (-1: as many as fit before max_tokens in the context), and each generated token's N most likely tokens
 # with its own log-probability and rank (sent as the JSON output `logprobs` with return_logprobs).
 VLLM_KEYS = {"include_stop_str_in_output": np.bool_, "truncate_prompt_tokens": np.int32, "logprobs": np.int32,
+             tn.SKIP_SPECIAL_TOKENS: np.bool_,  # false: the text keeps special tokens (a tool-call parser's)
              # this server's own: a streamed request's responses at most one per this many milliseconds (the
              # rounds between are sent together; 0: one per round)
              "stream_interval_ms": np.int32}
