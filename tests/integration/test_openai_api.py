@@ -331,6 +331,34 @@ def test_mistral_tool_calls_are_read_with_special_tokens_kept_and_mistrals_ids(s
         assert answer.choices[0].message.content and answer.choices[0].message.tool_calls is None
 
 
+def test_qwen3_coder_calls_reach_an_anthropic_client_as_tool_use_blocks_of_typed_input(server, model):
+    """A gateway started with --tool-call-parser qwen3_coder (Qwen3-Coder's XML calls, e.g. under Claude Code):
+    a call the model writes (forced, with vLLM's guided_choice) reaches Anthropic's SDK as a tool_use block
+    whose input has the schema's types, the text before it a text block; and OpenAI's SDK reads the same."""
+    forecast = {"name": "get_forecast", "description": "The weather in a city for some days", "input_schema": {
+        "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
+                                         "metric": {"type": "boolean"}}, "required": ["city", "days"]}}
+    forced = ("Checking.\n<tool_call>\n<function=get_forecast>\n<parameter=city>\nSan Jose\n</parameter>\n"
+              "<parameter=days>\n3\n</parameter>\n<parameter=metric>\ntrue\n</parameter>\n</function>\n</tool_call>")
+    with own_gateway(server, model, "--tool-call-parser", "qwen3_coder") as port:
+        claude = anthropic.Anthropic(base_url=f"http://localhost:{port}", api_key="x", max_retries=0)
+        called = claude.messages.create(model=model, max_tokens=96, tools=[forecast],
+                                        messages=[{"role": "user", "content": "Weather in San Jose?"}],
+                                        extra_body={"temperature": 0, "guided_choice": [forced]})
+        text, use = called.content
+        assert (text.type, text.text, called.stop_reason) == ("text", "Checking.", "tool_use")
+        assert (use.type, use.name, use.input) == ("tool_use", "get_forecast",
+                                                   {"city": "San Jose", "days": 3, "metric": True})
+        client = openai.OpenAI(base_url=f"http://localhost:{port}/v1", api_key="x", max_retries=0)
+        tool = {"type": "function", "function": {"name": forecast["name"], "parameters": forecast["input_schema"]}}
+        chunks = list(client.chat.completions.create(
+            model=model, messages=CHAT, max_tokens=96, temperature=0, tools=[tool], stream=True,
+            extra_body={"guided_choice": [forced]}))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Checking.\n"
+        (delta,) = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or [])]
+        assert json.loads(delta.function.arguments) == {"city": "San Jose", "days": 3, "metric": True}
+
+
 def test_a_reasoning_parser_puts_the_thinking_apart(server, model):
     """A gateway started with --reasoning-parser qwen3 (and hermes tool calls): the thinking a model writes
     between <think> and </think> (here forced, with vLLM's guided_choice: SmolLM2's tokenizer spells <think>

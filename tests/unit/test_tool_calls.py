@@ -256,3 +256,47 @@ def test_ids_sent_back_take_mistrals_form_and_still_pair_calls_with_results():
     assert [m["tool_call_id"] for m in shortened[2:]] == ids
     assert chat[1]["tool_calls"][0]["id"].startswith("call_")  # the request's own messages are left as they were
     assert tools.mistral_id("a1B2c3D4e") == "a1B2c3D4e"
+
+
+EDIT = {"type": "object", "properties": {
+    "path": {"type": "string"}, "line": {"type": "integer"}, "ratio": {"type": "number"}, "dry": {"type": "boolean"},
+    "options": {"type": "object"}, "lines": {"type": "array"}, "note": {"type": ["string", "null"]},
+    "limit": {"type": ["integer", "null"]}}}
+
+
+@pytest.mark.parametrize("parser", ["qwen3_coder", "qwen3_xml"])
+def test_qwen3_coder_calls_take_their_values_types_from_the_tools_schemas(parser):
+    calling = ToolCalling(AUTO, ("edit", "run"), parser, schemas={"edit": EDIT, "run": {}})
+    text = ("I will edit it.\n<tool_call>\n<function=edit>\n<parameter=path>\n/tmp/a b.py\n</parameter>\n"
+            "<parameter=line>\n12\n</parameter>\n<parameter=ratio>\n0.5\n</parameter>\n<parameter=dry>\nTrue\n"
+            "</parameter>\n<parameter=options>\n{\"x\": [1, 2]}\n</parameter>\n<parameter=lines>\n[3, 4]\n</parameter>\n"
+            "<parameter=note>\nnull\n</parameter>\n<parameter=limit>\nnull\n</parameter>\n"
+            "<parameter=code>\ndef f():\n    return \"\\\\n\"\n</parameter>\n</function>\n</tool_call>\n"
+            "<tool_call>\n<function=run>\n</function>\n</tool_call>")
+    content, calls = tools.split_output(text, calling)
+    assert content == "I will edit it." and [c["name"] for c in calls] == ["edit", "run"]
+    assert json.loads(calls[0]["arguments"]) == {
+        "path": "/tmp/a b.py", "line": 12, "ratio": 0.5, "dry": True, "options": {"x": [1, 2]}, "lines": [3, 4],
+        "note": "null", "limit": None,  # a string's "null" is the word; elsewhere JSON's null
+        "code": 'def f():\n    return "\\\\n"'}  # a parameter the schema does not name: its text, as it is
+    assert calls[1]["arguments"] == "{}"
+    # a value that is not of its type stays text; a call cut short, or a block that is no call, leaves text
+    (odd,) = tools.split_output("<tool_call><function=edit><parameter=line>twelve</parameter></function></tool_call>",
+                                calling)[1]
+    assert json.loads(odd["arguments"]) == {"line": "twelve"}
+    for text in ("No call.", "<tool_call>\n<function=edit>\n<parameter=path>\n/tmp/a", "<tool_call>{\"a\": 1}</tool_call>",
+                 "<tool_call><function=bad name></function></tool_call>"):
+        assert tools.split_output(text, calling) == (text, []), text
+    stream = ToolStream(calling)
+    assert stream.feed("Sure.\n<tool") == ("Sure.\n", [])
+    assert stream.feed("_call>\n<function=run>\n</function>\n</tool_call>") == ("", [])
+    rest, deltas, called = stream.finish()
+    assert rest == "" and called and deltas[0]["function"] == {"name": "run", "arguments": "{}"}
+
+
+def test_auto_tool_calling_carries_each_tools_parameters_schema():
+    tools_given = [{"type": "function", "function": {"name": "edit", "parameters": EDIT}},
+                   {"type": "function", "function": {"name": "run"}}]
+    gen = parse_chat({"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": tools_given}, ("m",),
+                     tool_parser="qwen3_coder")
+    assert gen.tools.schemas == {"edit": EDIT, "run": {}} and gen.tools.parser == "qwen3_coder"

@@ -373,7 +373,8 @@ def chat_tools(body: dict, sampling: dict, parser: str | None) -> tuple[list[dic
             raise invalid("tool_choice", "auto needs the API started with a tool-call parser (--tool-call-parser "
                                          f"{' or '.join(tool_calls.PARSERS)}, as the model writes its calls); send "
                                          "\"required\", a named function or \"none\"")
-        return tools, ToolCalling(tool_calls.AUTO, tuple(names), parser, parallel)
+        schemas = {tool["function"]["name"]: tool["function"].get("parameters") or {} for tool in tools}
+        return tools, ToolCalling(tool_calls.AUTO, tuple(names), parser, parallel, schemas)
     else:
         raise invalid("tool_choice", f"must be none, auto, required or {{\"type\": \"function\", ...}}, got "
                                      f"{json.dumps(choice)[:80]}")

@@ -15,8 +15,11 @@ is text, which becomes `tool_calls` here in one of three ways, by `tool_choice`:
   `[TOOL_CALLS]` before a JSON list of {"name", "arguments"} (Mistral 7B v0.3, Mixtral, Nemo), or before each
   call as `name[ARGS]{...}` (tokenizers v11 and later: Mistral Small 3.2, Magistral, Devstral); the server is
   asked to keep special tokens in the text for it, and calls get Mistral's 9-character ids, to which the ids
-  of calls sent back are shortened too: its chat templates refuse any other). Text before the first call is
-  the message's content and streams as content; text that does not parse as a call stays content.
+  of calls sent back are shortened too: its chat templates refuse any other) or `qwen3_coder` (Qwen3-Coder's
+  `<tool_call><function=NAME><parameter=KEY>value</parameter>...</function></tool_call>`, each value raw
+  text turned into the type the tool's schema gives that parameter; vLLM's `qwen3_xml` is the same). Text
+  before the first call is the message's content and streams as content; text that does not parse as a call
+  stays content.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from __future__ import annotations
 import ast
 import hashlib
 import json
+import math
 import re
 import secrets
 import string
@@ -32,7 +36,8 @@ from dataclasses import dataclass, field
 
 from specdec.decoding import json_text
 
-PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
+PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder", "qwen3_xml")
+_QWEN3_CODER = ("qwen3_coder", "qwen3_xml")  # one format, vLLM's two names for it
 NAMED, REQUIRED, AUTO = "named", "required", "auto"
 _HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
@@ -41,7 +46,10 @@ _PYTHON_START, _PYTHON_END = "<|python_start|>", "<|python_end|>"  # Llama 4's a
 # Mistral's special tokens, kept in the text for this parser (skip_special_tokens false)
 _MISTRAL_CALLS, _MISTRAL_ARGS, _MISTRAL_CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
 # Where a call opens anywhere in the answer (after content), by parser; the others' calls are the whole answer
-_OPENINGS = {"hermes": _HERMES_OPEN, "mistral": _MISTRAL_CALLS}
+_OPENINGS = {"hermes": _HERMES_OPEN, "mistral": _MISTRAL_CALLS, "qwen3_coder": _HERMES_OPEN,
+             "qwen3_xml": _HERMES_OPEN}
+_FUNCTION = re.compile(r"\s*<function=([^>\n]*)>(.*?)</function>\s*", re.DOTALL)  # a call cut short is none
+_PARAMETER = re.compile(r"<parameter=([^>\n]*)>(.*?)(?:</parameter>|(?=<parameter=)|$)", re.DOTALL)
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # a function's name, as requests' tools are checked
 _ALNUM = string.ascii_letters + string.digits
 MISTRAL_ID_LENGTH = 9  # Mistral's chat templates refuse a tool call id of other length or characters
@@ -56,6 +64,8 @@ class ToolCalling:
     names: tuple[str, ...]
     parser: str | None = None
     parallel: bool = True  # parallel_tool_calls: more than one call per answer
+    # each tool's parameters schema (a JSON schema object), for parsers whose values are text (qwen3_coder)
+    schemas: dict = field(default_factory=dict, compare=False)
 
     def finish_reason(self, reason: str | None) -> str | None:
         """OpenAI's finish reason of an answer that called, from the server's (`reason`): a named function's
@@ -119,8 +129,11 @@ def split_output(text: str, calling: ToolCalling) -> tuple[str | None, list[dict
             return text, []
         return None, [{"name": call["name"], "arguments": json.dumps(call["arguments"], ensure_ascii=False)}
                       for call in calls]
-    content, calls = {"hermes": _hermes, "pythonic": _pythonic, "mistral": _mistral}.get(calling.parser,
-                                                                                         _llama3_json)(text)
+    if calling.parser in _QWEN3_CODER:
+        content, calls = _qwen3_coder(text, calling.schemas)
+    else:
+        content, calls = {"hermes": _hermes, "pythonic": _pythonic, "mistral": _mistral}.get(calling.parser,
+                                                                                             _llama3_json)(text)
     if calling.parser == "mistral":  # the model's own id ([CALL_ID]) or one of Mistral's form
         calls = [{**call, "id": call.get("id") or mistral_call_id()} for call in calls]
     return content, calls if calling.parallel else calls[:1]
@@ -192,6 +205,59 @@ def _mistral(text: str) -> tuple[str | None, list[dict]]:
         call = {"name": name.strip(), "arguments": json.dumps(value, ensure_ascii=False)}
         calls.append({**call, "id": given.strip()} if given.strip() else call)
     return text[:start].strip() or None, calls
+
+
+def _qwen3_coder(text: str, schemas: dict) -> tuple[str | None, list[dict]]:
+    start = text.find(_HERMES_OPEN)
+    if start < 0:
+        return text, []
+    calls = []
+    for block in _HERMES.findall(text[start:]):
+        found = _FUNCTION.fullmatch(block)
+        name = found.group(1).strip() if found else ""
+        if not _NAME.fullmatch(name):
+            return text, []  # a block that is no call: the answer stays text
+        properties = (schemas.get(name) or {}).get("properties") or {}
+        arguments = {}
+        for key, value in _PARAMETER.findall(found.group(2)):
+            key = key.strip()
+            arguments[key] = _typed_value(value.removeprefix("\n").removesuffix("\n"), properties.get(key))
+        calls.append({"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)})
+    return text[:start].strip() or None, calls
+
+
+def _typed_value(text: str, schema) -> object:
+    """A parameter's raw text as the type its schema names (a string where it names none, or the text does
+    not read as that type): Qwen3-Coder writes every value as plain text."""
+    kinds = schema.get("type") if isinstance(schema, dict) else None
+    kinds = [kinds] if isinstance(kinds, str) else [k for k in kinds or [] if isinstance(k, str)]
+    if text.strip() == "null" and "string" not in kinds:  # (a string's "null" is that word)
+        return None
+    for kind in [k for k in kinds if k != "string"] + (["string"] if "string" in kinds else []):
+        if kind == "string":
+            return text
+        if kind == "integer":
+            try:
+                return int(text.strip())
+            except ValueError:
+                continue
+        elif kind == "number":
+            try:
+                number = float(text.strip())
+            except ValueError:
+                continue
+            if math.isfinite(number):
+                return int(number) if number.is_integer() and "." not in text and "e" not in text.lower() else number
+        elif kind == "boolean" and text.strip().lower() in ("true", "false"):
+            return text.strip().lower() == "true"
+        elif kind in ("object", "array"):
+            try:
+                value = json_text.parse(text.strip())
+            except ValueError:
+                continue
+            if isinstance(value, dict if kind == "object" else list):
+                return value
+    return text
 
 
 def _pythonic(text: str) -> tuple[str | None, list[dict]]:

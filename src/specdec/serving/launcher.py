@@ -449,7 +449,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
                         help="how the target writes tool calls, so that the OpenAI API takes tool_choice \"auto\" "
                              "(hermes: Qwen2.5, Hermes, SmolLM3; llama3_json: Llama 3.1-3.3; mistral: Mistral's "
-                             "[TOOL_CALLS]; pythonic: Llama 3.2 and 4's [f(a=1)]); without it a request's tools are "
+                             "[TOOL_CALLS]; pythonic: Llama 3.2 and 4's [f(a=1)]; qwen3_coder or qwen3_xml: Qwen3-Coder's "
+                             "<function=f><parameter=a>); without it a request's tools are "
                              "called only by name or with tool_choice \"required\"")
     parser.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
                         help="how the target writes its thinking, so that the OpenAI API's chat answers carry it "
