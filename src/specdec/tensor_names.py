@@ -60,6 +60,9 @@ LORA_NAME = "lora_name"
 APPLY_CHAT_TEMPLATE = "apply_chat_template"  # BOOL [1]
 # STRING [1]: a JSON object of more variables for the chat template (vLLM's field; e.g. enable_thinking)
 CHAT_TEMPLATE_KWARGS = "chat_template_kwargs"
+# STRING [1]: a chat template (Jinja text) this request's chat is rendered with instead of the server's (vLLM's
+# request field); refused unless the server trusts requests' templates (preprocessing's trust_request_chat_template)
+CHAT_TEMPLATE = "chat_template"
 RETURN_LOG_PROBS = "return_log_probs"  # BOOL [1]: also return each generated token's log-probability
 # INT32 [1]: with return_log_probs, also the n most likely tokens at each generated position (0 to
 # MAX_TOP_LOG_PROBS; 0: none, the default)

@@ -1087,6 +1087,10 @@ BAD_REQUESTS = {
     "empty_prompt": ("", {}, "text_input"),
     "missing_prompt": (None, dict(max_tokens=5), "text_input"),
     "only_chat_template": (None, dict(apply_chat_template=True), "text_input"),
+    # a request's own template: this server does not take one (no trust_request_chat_template)
+    "request_chat_template_untrusted": (None, dict(messages='[{"role": "user", "content": "hi"}]',
+                                                   chat_template="{{ messages[0].content }}"),
+                                        "'chat_template': this server does not take a request's chat template"),
     "blank_prompt": ("   ", {}, "text_input"),
     "prompt_over_context": (LONG_PROMPT, dict(max_tokens=10), "context"),
     "end_id_out_of_range": (PROMPTS[0], dict(end_id=10**8), "end_id"),

@@ -37,7 +37,8 @@ TEMPLATE = ("{% for m in messages %}[{{ m['role'] | upper }}] {{ m['content'] }}
 def own(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("lifecycle")
     (tmp / "template.jinja").write_text(TEMPLATE)
-    server = start_server(tmp, launcher_args=("--chat-template", str(tmp / "template.jinja")))
+    server = start_server(tmp, launcher_args=("--chat-template", str(tmp / "template.jinja"),
+                                              "--trust-request-chat-template"))
     yield server
     if server.process.poll() is None:  # a test failed before the SIGTERM test stopped it
         stop_server(server, require_clean_exit=False)
@@ -80,7 +81,8 @@ def test_every_model_is_warmed_up_in_its_own_stub_before_ready(own):
 def test_chats_are_rendered_with_the_launchers_chat_template_over_grpc_and_the_openai_api(own):
     """--chat-template FILE: preprocessing renders a chat with it (Triton's messages input, the OpenAI API's chat
     endpoint), and the OpenAI API's /tokenize and /tokenizer_info say so; greedy, each answers what the
-    target answers to that template's prompt given as token ids."""
+    target answers to that template's prompt given as token ids. With --trust-request-chat-template a
+    request's own template (vLLM's chat_template) renders its chat instead."""
     from specdec.decoding.text import load_tokenizer
     from specdec.serving import pairs
 
@@ -105,6 +107,18 @@ def test_chats_are_rendered_with_the_launchers_chat_template_over_grpc_and_the_o
         assert json.loads(response.read())["tokens"] == expected
     with urllib.request.urlopen(f"{root}/tokenizer_info", timeout=30) as response:
         assert json.loads(response.read())["chat_template"] == TEMPLATE
+
+    # --trust-request-chat-template: a request's own template (vLLM's chat_template field) renders its chat
+    mine = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<assistant>"
+    expected = tokenizer.encode("<system>Be brief.<user>Name a colour.<assistant>", add_special_tokens=False)
+    reference = grpc_stream(own.grpc_url, None, prompt_token_ids=np.array([expected], dtype=np.int32), **params)
+    served = grpc_stream(own.grpc_url, None, messages=json.dumps(chat), chat_template=mine, **params)
+    assert served[tn.NUM_INPUT_TOKENS] == len(expected) and served[tn.TEXT_OUTPUT] == reference[tn.TEXT_OUTPUT]
+    answer = api.chat.completions.create(model=api.models.list().data[0].id, messages=chat, max_tokens=12,
+                                         temperature=0, extra_body={"ignore_eos": True, "num_draft_tokens": 2,
+                                                                    "chat_template": mine})
+    assert answer.usage.prompt_tokens == len(expected)
+    assert answer.choices[0].message.content == reference[tn.TEXT_OUTPUT]
 
 
 def test_sigterm_during_a_long_stream_lets_it_finish_then_stops_everything(own):

@@ -329,7 +329,8 @@ def test_a_chat_template_reaches_preprocessing_and_the_openai_api_and_bare_means
     config, which names it, and handed to the OpenAI API's process; alone it means --apply-chat-template."""
     from specdec.gateway.__main__ import parse_args as gateway_args
     from specdec.serving import repository
-    from specdec.serving.gateway_process import GatewayProcess, repository_chat_template
+    from specdec.serving.gateway_process import (GatewayProcess, repository_chat_template,
+                                                 repository_trusts_request_templates)
     from specdec.serving.pairs import PairSpec
 
     template = "{% for m in messages %}{{ m.content }}{% endfor %}"
@@ -343,6 +344,12 @@ def test_a_chat_template_reaches_preprocessing_and_the_openai_api_and_bare_means
     assert gateway_args(process.command[3:]).chat_template == str(repo / "preprocessing" / "chat_template.jinja")
     plain = repository.render(PairSpec(name="t", target_path="/w/target", tokenizer_path="/w/tok"), tmp_path / "plain")
     assert repository_chat_template(plain) == "" and not (plain / "preprocessing" / "chat_template.jinja").exists()
+    # --trust-request-chat-template: preprocessing's parameter, which the launcher hands the OpenAI API
+    trusting = repository.render(PairSpec(name="t", target_path="/w/target", tokenizer_path="/w/tok",
+                                          trust_request_chat_template=True), tmp_path / "trusting")
+    assert repository_trusts_request_templates(trusting) and not repository_trusts_request_templates(plain)
+    process = GatewayProcess(9000, 8001, ["a"], "/w/tok", 30.0, {}, trust_request_templates=True)
+    assert gateway_args(process.command[3:]).trust_request_chat_template
     assert "--chat-template" not in GatewayProcess(9000, 8001, ["a"], "/w/tok", 30.0, {}).command
 
     rendered = []
@@ -357,13 +364,19 @@ def test_a_chat_template_reaches_preprocessing_and_the_openai_api_and_bare_means
         with pytest.raises(SystemExit):
             launcher.main(["--target", "/w/target", "--run-dir", str(tmp_path), *flags])
         assert (rendered[0].apply_chat_template, rendered[0].chat_template) == (applied, text), flags
+        assert not rendered[0].trust_request_chat_template
+    rendered.clear()
+    with pytest.raises(SystemExit):
+        launcher.main(["--pair", "tiny", "--run-dir", str(tmp_path), "--trust-request-chat-template"])
+    assert rendered[0].trust_request_chat_template
     # a value that is neither a file nor a template: refused before anything starts
     rendered.clear()
     assert launcher.main(["--target", "/w/target", "--run-dir", str(tmp_path), "--chat-template", "/no/such.jinja"]) == 2
     assert not rendered and "--chat-template: '/no/such.jinja' is neither a file nor a Jinja template" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        launcher.parse_args(["--model-repository", str(tmp_path), "--chat-template", template])
-    assert "--model-repository is served as is" in capsys.readouterr().err
+    for flags in (["--chat-template", template], ["--trust-request-chat-template"]):
+        with pytest.raises(SystemExit):
+            launcher.parse_args(["--model-repository", str(tmp_path), *flags])
+        assert "--model-repository is served as is" in capsys.readouterr().err
 
 
 def test_the_openai_apis_process_refuses_a_chat_template_it_cannot_use(tmp_path, capsys):

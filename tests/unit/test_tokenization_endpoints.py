@@ -72,3 +72,31 @@ def test_a_bad_detokenize_request_names_tokens(tokenizer, tokens):
     with pytest.raises(ApiError) as caught:
         detokenize(tokenizer, {"tokens": tokens})
     assert caught.value.param == "tokens"
+
+
+OWN = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}bot:{% endif %}"
+
+
+def test_a_requests_own_chat_template_is_taken_only_where_trusted(tokenizer):
+    """vLLM's chat_template request field (and --trust-request-chat-template): /tokenize and the chat endpoint
+    render with it where the API trusts requests' templates, and refuse it by name elsewhere."""
+    from specdec.gateway.protocol import parse_chat
+
+    own = tokenize(tokenizer, {"messages": CHAT, "chat_template": OWN}, 0, trust_template=True)["tokens"]
+    assert tokenizer.decode(own) == "system: Be terse.\nuser: Name a colour.\nbot:"
+    gen = parse_chat({"model": "m", "messages": CHAT, "chat_template": OWN}, ("m",), trust_template=True)
+    assert gen.choices[0]["chat_template"][0, 0].decode() == OWN
+    for call in (lambda: tokenize(tokenizer, {"messages": CHAT, "chat_template": OWN}, 0),
+                 lambda: parse_chat({"model": "m", "messages": CHAT, "chat_template": OWN}, ("m",))):
+        with pytest.raises(ApiError, match="--trust-request-chat-template") as caught:
+            call()
+        assert (caught.value.status, caught.value.param) == (400, "chat_template")
+    assert "chat_template" not in parse_chat({"model": "m", "messages": CHAT}, ("m",), trust_template=True).choices[0]
+    for bad, message in ((3, "must be a string"), ("plain words", "is no Jinja template"),
+                         ("{{ x " + "y" * (1 << 20), "more than")):
+        with pytest.raises(ApiError, match=message) as caught:
+            parse_chat({"model": "m", "messages": CHAT, "chat_template": bad}, ("m",), trust_template=True)
+        assert caught.value.param == "chat_template"
+    with pytest.raises(ApiError, match="TemplateSyntaxError") as caught:  # one that does not render: named too
+        tokenize(tokenizer, {"messages": CHAT, "chat_template": "{% for %}"}, 0, trust_template=True)
+    assert caught.value.param == "chat_template"

@@ -91,6 +91,7 @@ input [
   { name: "messages", data_type: TYPE_STRING, dims: [ 1 ], optional: true },
   { name: "tools", data_type: TYPE_STRING, dims: [ 1 ], optional: true },
   { name: "chat_template_kwargs", data_type: TYPE_STRING, dims: [ 1 ], optional: true },
+  { name: "chat_template", data_type: TYPE_STRING, dims: [ 1 ], optional: true },
   { name: "prompt_token_ids", data_type: TYPE_INT32, dims: [ -1 ], optional: true, allow_ragged_batch: true },
   { name: "max_tokens", data_type: TYPE_INT32, dims: [ 1 ], optional: true },
   { name: "num_draft_tokens", data_type: TYPE_INT32, dims: [ 1 ], optional: true },
@@ -143,6 +144,7 @@ output [
 {{ include "specdec.param" (list "tokenizer_path" (include "specdec.tokenizerPath" .)) }}
 {{ include "specdec.param" (list "apply_chat_template" (ternary "true" "false" .Values.models.applyChatTemplate)) }}
 {{ include "specdec.param" (list "chat_template" (ternary "chat_template.jinja" "" (ne .Values.models.chatTemplate ""))) }}
+{{ include "specdec.param" (list "trust_request_chat_template" (ternary "true" "false" .Values.models.trustRequestChatTemplate)) }}
 instance_group [ { count: 1, kind: KIND_CPU } ]
 {{- end -}}
 

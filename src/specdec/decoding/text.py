@@ -75,6 +75,19 @@ def read_chat_template(value: str, field: str) -> str:
     raise ValueError(f"{field}: {value!r} is neither a file nor a Jinja template")
 
 
+MAX_REQUEST_TEMPLATE_CHARS = 1 << 20  # a request's own template: more is no template anyone writes
+
+
+def request_template(text: str, field: str) -> str:
+    """A request's own chat template (vLLM's `chat_template` field), checked to be Jinja text of sane size
+    (ValueError naming `field`); whether it renders is found when it does."""
+    if len(text) > MAX_REQUEST_TEMPLATE_CHARS:
+        raise ValueError(f"{field} has {len(text)} characters, more than {MAX_REQUEST_TEMPLATE_CHARS}")
+    if not any(mark in text for mark in _JINJA_MARKS):
+        raise ValueError(f"{field} is no Jinja template (no '{{%' or '{{{{')")
+    return text
+
+
 def check_chat_template(tokenizer, field: str) -> None:
     """The tokenizer's chat template renders a one-message conversation with the assistant's turn opened
     (what every chat request asks of it): a template that does not compile, or fails on the plainest
@@ -348,13 +361,15 @@ _TEMPLATE_CALL_SETTINGS = frozenset({
 
 
 def chat_ids(tokenizer, messages: list[dict], tools: list[dict] | None, field: str,
-             template_kwargs: dict | None = None) -> list[int]:
-    """A chat's prompt tokens: the tokenizer's chat template over the messages (and the tools, which the
-    template renders where it knows how), the assistant's turn opened, with `template_kwargs` as more of
-    the template's variables (`chat_template_kwargs`); ValueError naming `field` when the template refuses
-    them."""
+             template_kwargs: dict | None = None, template: str | None = None) -> list[int]:
+    """A chat's prompt tokens: the tokenizer's chat template (or `template`, a request's own) over the messages
+    (and the tools, which the template renders where it knows how), the assistant's turn opened, with
+    `template_kwargs` as more of the template's variables (`chat_template_kwargs`); ValueError naming `field`
+    (tn.CHAT_TEMPLATE for a request's own template) when the template refuses them."""
+    own = {} if template is None else {"chat_template": template}
     try:
         return list(tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True,
-                                                  tokenize=True, return_dict=False, **(template_kwargs or {})))
+                                                  tokenize=True, return_dict=False, **own, **(template_kwargs or {})))
     except Exception as exc:  # noqa: BLE001 - a template may raise anything (e.g. roles it refuses)
-        raise ValueError(f"input '{field}': the chat template refused it ({exc})") from None
+        name = tn.CHAT_TEMPLATE if template is not None else field
+        raise ValueError(f"input '{name}': the chat template refused it ({type(exc).__name__}: {exc})") from None

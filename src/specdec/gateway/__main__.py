@@ -55,6 +55,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--chat-template", default="", metavar="FILE_OR_TEMPLATE",
                         help="a chat template replacing the tokenizer's (vLLM's flag; the one the server's "
                              "preprocessing uses), for /tokenize and counting a chat's prompt tokens")
+    parser.add_argument("--trust-request-chat-template", action="store_true",
+                        help="pass a request's own chat_template on (vLLM's flag; the server's preprocessing must "
+                             "take it too); without it such a request is refused")
     parser.add_argument("--max-model-len", type=int, default=0,
                         help="the server's context in tokens, as model cards and /tokenize report it (0: not known)")
     parser.add_argument("--default-max-tokens", type=int, default=0,
@@ -118,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     gateway = Gateway(Upstream(args.grpc_url), served, tokenizer, args.api_key or None,
                       args.tool_call_parser, args.max_model_len, args.reasoning_parser, store, args.default_max_tokens,
-                      args.drain_timeout, args.stream_keepalive, args.allow_runtime_lora_updating, log)
+                      args.drain_timeout, args.stream_keepalive, args.allow_runtime_lora_updating, log,
+                      trust_templates=args.trust_request_chat_template)
     log(f"OpenAI API: http://{args.host}:{args.port}/v1 (models {', '.join(args.served_model_name + args.lora_module)}"
         f"{', those of ' + args.lora_directory if args.lora_directory else ''}"
         f"{', loaded and unloaded at run time' if args.allow_runtime_lora_updating else ''}; "

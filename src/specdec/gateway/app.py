@@ -51,7 +51,7 @@ class Gateway:
                  tool_parser: str | None = None, max_model_len: int = 0, reasoning_parser: str | None = None,
                  store: ResponseStore | None = None, default_max_tokens: int = 0, drain_timeout_s: float = 60.0,
                  keepalive_s: float = KEEPALIVE_S, runtime_lora: bool = False,
-                 log: Callable[[str], None] = lambda message: None):
+                 log: Callable[[str], None] = lambda message: None, trust_templates: bool = False):
         """tokenizer: the target's (a transformers tokenizer), for the text of log-probabilities' tokens and of
         echoed token-id prompts, and the tokenizer endpoints; None: tokens show as `token_id:N`, and those
         need it. max_model_len: the server's context in tokens (model cards, /tokenize; 0: not known).
@@ -60,10 +60,12 @@ class Gateway:
         drain_timeout_s: how long a stop waits for background responses to finish (then they fail).
         keepalive_s: how long a streamed answer may be silent before a comment line keeps its connection
         (`_waited`; 0: never). runtime_lora: vLLM's load_lora_adapter and unload_lora_adapter (adapters.py;
-        `served` must have a directory of adapters). log: where what changes the served models is written."""
+        `served` must have a directory of adapters). log: where what changes the served models is written.
+        trust_templates: a request's own chat template is passed on (the server must take it too), else refused."""
         self.upstream, self.served, self.tokenizer, self.api_key = upstream, served, tokenizer, api_key
         self.token_text: TokenText | None = token_text_from(tokenizer) if tokenizer is not None else None
         self.tool_parser = tool_parser  # tools.PARSERS: how the model writes calls (tool_choice "auto")
+        self.trust_templates = trust_templates
         self.reasoning_parser = reasoning_parser  # reasoning.PARSERS: a chat's thinking apart (None: not split)
         self.max_model_len, self.default_max_tokens = max_model_len, default_max_tokens
         self.keepalive_s = keepalive_s
@@ -202,7 +204,7 @@ class Gateway:
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
-        gen = protocol.parse_chat(body, self.served, self.tool_parser, self.reasoning_parser)
+        gen = self._parse_chat(body)
         try:
             return await self._answer(request, gen)
         except ApiError as exc:
@@ -274,8 +276,7 @@ class Gateway:
         try:
             if url == "/v1/chat/completions":
                 try:
-                    answer = await self._whole_answer(protocol.parse_chat(body, self.served, self.tool_parser,
-                                                                          self.reasoning_parser))
+                    answer = await self._whole_answer(self._parse_chat(body))
                 except ApiError as exc:
                     raise protocol.chat_error(exc) from None
             elif url == "/v1/responses":
@@ -345,8 +346,7 @@ class Gateway:
         a `message`, or streamed as its events."""
         body = await self._body(request)
         try:
-            gen = protocol.parse_chat(messages.chat_body(body, budgets=self.reasoning_parser is not None), self.served,
-                                      self.tool_parser, self.reasoning_parser)
+            gen = self._parse_chat(messages.chat_body(body, budgets=self.reasoning_parser is not None))
             async with self._pieces(gen, request) as pieces:  # errors before the first token: HTTP errors
                 if gen.stream:
                     return await self._stream_message(request, gen, body, pieces)
@@ -366,8 +366,7 @@ class Gateway:
     async def count_message_tokens(self, request: web.Request) -> web.Response:
         """POST /v1/messages/count_tokens: the prompt's tokens, as the server renders the request."""
         tokenizer = self._tokenizer()
-        gen = protocol.parse_chat(messages.chat_body(await self._body(request), count=True), self.served,
-                                  self.tool_parser, self.reasoning_parser)
+        gen = self._parse_chat(messages.chat_body(await self._body(request), count=True))
         try:
             count = await asyncio.to_thread(tokenization.chat_prompt_length, tokenizer, gen.choices[0])
         except ValueError as exc:
@@ -512,8 +511,7 @@ class Gateway:
         turns dropped, as few as make it fit the context with its max_output_tokens (where this API has the
         tokenizer and knows the context: otherwise the server refuses what does not fit, as without it)."""
         def chat(dropped: int) -> Generation:
-            return protocol.parse_chat(responses.chat_body(body, history, dropped), self.served, self.tool_parser,
-                                       self.reasoning_parser)
+            return self._parse_chat(responses.chat_body(body, history, dropped))
 
         gen = chat(0)
         if not responses.truncating(body) or self.tokenizer is None or not self.max_model_len:
@@ -909,6 +907,11 @@ class Gateway:
         self.log(f"LoRA adapter {name!r} unloaded")
         return web.Response(text=adapters.UNLOADED.format(name))
 
+    def _parse_chat(self, body: dict) -> Generation:
+        """A chat body (the chat API's, or one the Messages and Responses APIs made) with this API's settings."""
+        return protocol.parse_chat(body, self.served, self.tool_parser, self.reasoning_parser,
+                                   trust_template=self.trust_templates)
+
     def _tokenizer(self):
         if self.tokenizer is None:
             raise ApiError(404, "the tokenizer endpoints need the API's tokenizer (--tokenizer)", code="not_found")
@@ -916,7 +919,8 @@ class Gateway:
 
     async def tokenize(self, request: web.Request) -> web.Response:
         tokenizer = self._tokenizer()
-        return web.json_response(tokenization.tokenize(tokenizer, await self._body(request), self.max_model_len))
+        return web.json_response(tokenization.tokenize(tokenizer, await self._body(request), self.max_model_len,
+                                                       self.trust_templates))
 
     async def detokenize(self, request: web.Request) -> web.Response:
         tokenizer = self._tokenizer()

@@ -20,6 +20,7 @@ from typing import Callable
 import numpy as np
 
 from specdec import tensor_names as tn
+from specdec.decoding.text import request_template as checked_template
 from specdec.engine.lora_config import directory_adapter, directory_adapters
 from specdec.gateway import tools as tool_calls
 from specdec.gateway.tools import NAMED, REQUIRED, ToolCalling
@@ -45,7 +46,7 @@ COMMON_FIELDS = ("model", "stream", "stream_options", "n", "logit_bias", "logpro
                  *SAMPLING_FIELDS, *GUIDED_FIELDS, *SPECULATIVE_FIELDS, *SCHEDULING_FIELDS, *IGNORED_FIELDS)
 INT32 = (-2**31, 2**31 - 1)
 CHAT_FIELDS = (*COMMON_FIELDS, "messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
-               "tool_choice", "parallel_tool_calls", "functions", "function_call", "chat_template_kwargs",
+               "tool_choice", "parallel_tool_calls", "functions", "function_call", "chat_template_kwargs", "chat_template",
                "include_reasoning", "reasoning_effort", "thinking_token_budget")
 # OpenAI's reasoning efforts (its SDK's ReasoningEffort): handed to the chat template as `reasoning_effort`, the
 # variable the templates that take one read (gpt-oss's); the others leave it unused
@@ -386,8 +387,10 @@ def chat_tools(body: dict, sampling: dict, parser: str | None) -> tuple[list[dic
 
 
 def parse_chat(body: dict, served: tuple[str, ...], tool_parser: str | None = None,
-               reasoning_parser: str | None = None) -> Generation:
-    """A /v1/chat/completions body -> the ensemble's inputs (ApiError naming the field otherwise)."""
+               reasoning_parser: str | None = None, trust_template: bool = False) -> Generation:
+    """A /v1/chat/completions body -> the ensemble's inputs (ApiError naming the field otherwise).
+    trust_template: a request's own `chat_template` is passed on (vLLM's --trust-request-chat-template), else
+    refused."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     _check_fields(body, CHAT_FIELDS)
@@ -448,12 +451,30 @@ def parse_chat(body: dict, served: tuple[str, ...], tool_parser: str | None = No
         template_kwargs = {"reasoning_effort": effort, **(template_kwargs or {})}  # the explicit variable wins
     if template_kwargs:  # the server refuses the names it sets itself, named as this field
         inputs[tn.CHAT_TEMPLATE_KWARGS] = _string(json.dumps(template_kwargs))
+    template = request_template(body, trust_template)
+    if template is not None:
+        inputs[tn.CHAT_TEMPLATE] = _string(template)
     _adapter(inputs, model, served)
     return Generation(chat=True, model=model, choices=_finish(sampling, inputs, stream["stream"], logprobs, n, top),
                       n=n, stream=stream["stream"], include_usage=stream["include_usage"],
                       continuous_usage=stream["continuous_usage"], logprobs=logprobs, top_logprobs=top, tools=calling,
                       reasoning=reasoning_parser, include_reasoning=_typed(body, "include_reasoning", (bool,),
                                                                            "a boolean") is not False)
+
+
+def request_template(body: dict, trusted: bool) -> str | None:
+    """A request's own `chat_template` (vLLM's field), checked; refused unless the API trusts requests' templates
+    (as vLLM refuses it without --trust-request-chat-template)."""
+    template = _typed(body, "chat_template", (str,), "a string: a Jinja chat template")
+    if template is None:
+        return None
+    if not trusted:
+        raise invalid("chat_template", "a request's own chat template is not taken here (a template is code the "
+                                       "server runs): the server was started without --trust-request-chat-template")
+    try:
+        return checked_template(template, "chat_template")
+    except ValueError as exc:
+        raise ApiError(400, str(exc), param="chat_template") from None
 
 
 def _prompts(prompt) -> list[str | list[int]]:

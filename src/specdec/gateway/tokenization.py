@@ -11,7 +11,7 @@ import json
 from specdec import tensor_names as tn
 from specdec.decoding.text import chat_ids, chat_messages as server_messages, chat_template_kwargs, chat_tools, \
     template_variables
-from specdec.gateway.protocol import ApiError, chat_messages, invalid
+from specdec.gateway.protocol import ApiError, chat_messages, invalid, request_template
 
 # The special tokens a tokenizer_info answer names (vLLM's answer is the tokenizer's settings; these are
 # what lm-eval's remote tokenizer reads of it, with the chat template).
@@ -25,10 +25,11 @@ def _flag(body: dict, name: str, default: bool) -> bool:
     return value
 
 
-def tokenize(tokenizer, body: dict, max_model_len: int) -> dict:
+def tokenize(tokenizer, body: dict, max_model_len: int, trust_template: bool = False) -> dict:
     """`{"prompt": text}` (`add_special_tokens`, default true) or `{"messages": [...]}` (the chat template
-    with the assistant's turn opened, as the chat endpoint renders it: `count` is its `prompt_tokens`) ->
-    `{"count", "max_model_len", "tokens", "token_strs"}` (`token_strs` with `return_token_strs`)."""
+    with the assistant's turn opened, as the chat endpoint renders it: `count` is its `prompt_tokens`; a
+    request's own `chat_template` where the API trusts them) -> `{"count", "max_model_len", "tokens",
+    "token_strs"}` (`token_strs` with `return_token_strs`)."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     if ("prompt" in body) == ("messages" in body):
@@ -38,7 +39,8 @@ def tokenize(tokenizer, body: dict, max_model_len: int) -> dict:
             raise invalid("prompt", "must be a string")
         ids = tokenizer.encode(body["prompt"], add_special_tokens=_flag(body, "add_special_tokens", True))
     else:
-        if not getattr(tokenizer, "chat_template", None):
+        template = request_template(body, trust_template)
+        if not getattr(tokenizer, "chat_template", None) and template is None:
             raise invalid("messages", "the model's tokenizer has no chat template")
         if not _flag(body, "add_generation_prompt", True):
             raise invalid("add_generation_prompt", "only true is supported (the assistant's turn opened)")
@@ -48,9 +50,9 @@ def tokenize(tokenizer, body: dict, max_model_len: int) -> dict:
         except ValueError as exc:
             raise invalid("chat_template_kwargs", str(exc)) from None
         try:
-            ids = chat_ids(tokenizer, chat_messages(body), None, "messages", kwargs)
+            ids = chat_ids(tokenizer, chat_messages(body), None, "messages", kwargs, template)
         except ValueError as exc:
-            raise invalid("messages", str(exc)) from None
+            raise invalid("chat_template" if template is not None else "messages", str(exc)) from None
     strings = tokenizer.convert_ids_to_tokens(ids) if _flag(body, "return_token_strs", False) else None
     return {"count": len(ids), "max_model_len": max_model_len, "tokens": list(ids), "token_strs": strings}
 
@@ -65,7 +67,8 @@ def chat_prompt_length(tokenizer, inputs: dict) -> int:
     tools, kwargs = given(tn.TOOLS), given(tn.CHAT_TEMPLATE_KWARGS)
     return len(chat_ids(tokenizer, server_messages(given(tn.MESSAGES), tn.MESSAGES),
                         None if tools is None else chat_tools(tools, tn.TOOLS), tn.MESSAGES,
-                        None if kwargs is None else chat_template_kwargs(kwargs, tn.CHAT_TEMPLATE_KWARGS)))
+                        None if kwargs is None else chat_template_kwargs(kwargs, tn.CHAT_TEMPLATE_KWARGS),
+                        given(tn.CHAT_TEMPLATE)))
 
 
 def requested_max_tokens(inputs: dict, default: int) -> int:

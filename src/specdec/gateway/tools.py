@@ -97,8 +97,9 @@ def mistral_messages(messages: list[dict]) -> list[dict]:
     out = []
     for message in messages:
         if message.get("tool_calls"):
-            message = {**message, "tool_calls": [{**call, "id": mistral_id(call["id"])} if isinstance(call.get("id"), str)
-                                                 else call for call in message["tool_calls"]]}
+            calls = [{**call, "id": mistral_id(call["id"])} if isinstance(call.get("id"), str) else call
+                     for call in message["tool_calls"]]
+            message = {**message, "tool_calls": calls}
         if isinstance(message.get("tool_call_id"), str):
             message = {**message, "tool_call_id": mistral_id(message["tool_call_id"])}
         out.append(message)

@@ -34,6 +34,12 @@ def repository_chat_template(repo: Path) -> str:
     return str(repo / "preprocessing" / name) if name else ""
 
 
+def repository_trusts_request_templates(repo: Path) -> bool:
+    """Whether the rendered repository's preprocessing takes a request's own chat template, so that the OpenAI
+    API passes one on (and counts its prompt tokens with it) rather than refusing it."""
+    return _preprocessing_parameter(repo, "trust_request_chat_template") == "true"
+
+
 def repository_limits(repo: Path) -> tuple[int, int]:
     """The context (tokens) the rendered repository's orchestrator admits requests within and what it generates
     for a request that does not say (its default_max_tokens); 0 for either not found."""
@@ -58,7 +64,8 @@ class GatewayProcess:
                  env: dict[str, str], tool_call_parser: str | None = None, max_model_len: int = 0,
                  reasoning_parser: str | None = None, responses_store_mb: float | None = None,
                  default_max_tokens: int = 0, responses_store_dir: str | None = None,
-                 lora: tuple[list[str], str] = ([], ""), runtime_lora: bool = False, chat_template: str = ""):
+                 lora: tuple[list[str], str] = ([], ""), runtime_lora: bool = False, chat_template: str = "",
+                 trust_request_templates: bool = False):
         self.port = port
         self.command = [sys.executable, "-m", "specdec.gateway", "--port", str(port),
                         "--grpc-url", f"127.0.0.1:{grpc_port}", "--drain-timeout", str(drain_timeout_s),
@@ -67,6 +74,8 @@ class GatewayProcess:
             self.command += ["--tokenizer", tokenizer]
         if chat_template:
             self.command += ["--chat-template", chat_template]
+        if trust_request_templates:
+            self.command += ["--trust-request-chat-template"]
         if tool_call_parser:
             self.command += ["--tool-call-parser", tool_call_parser]
         if max_model_len:

@@ -53,7 +53,8 @@ from specdec.gateway.reasoning import PARSERS as REASONING_PARSERS
 from specdec.gateway.response_store import DEFAULT_MB as RESPONSES_STORE_MB
 from specdec.gateway.tools import PARSERS as TOOL_CALL_PARSERS
 from specdec.serving.gateway_process import (GatewayProcess, default_model_name, repository_chat_template,
-                                             repository_limits, repository_tokenizer)
+                                             repository_limits, repository_tokenizer,
+                                             repository_trusts_request_templates)
 from specdec.serving.healthcheck import (
     READY_PATH, ReadinessEndpoint, answers, drain_marker, gateway_url, health_port, is_ready, openai_port, ready_url,
 )
@@ -397,6 +398,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="the chat template, replacing the tokenizer's: a Jinja file or the template itself "
                              "(vLLM's flag); for a model whose tokenizer has none, or a template of your own. "
                              "Without a value: --apply-chat-template (this flag's meaning before)")
+    parser.add_argument("--trust-request-chat-template", action="store_true",
+                        help="take a request's own chat template (vLLM's chat_template field and flag): a template is "
+                             "code the server runs, so only where the clients are trusted")
     parser.add_argument("--draft-head", action="append", default=[], metavar="[NAME=]DIR",
                         help="serve a trained draft head (EAGLE-1, EAGLE-3 or Medusa, in its published layout) "
                              f"over the target as draft model NAME (default {tn.DEFAULT_HEAD_NAME}); repeatable. "
@@ -495,9 +499,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         extra = extra[1:]
     if args.set and args.model_repository:
         parser.error("--set edits a rendered repository; --model-repository is served as is")
-    if args.chat_template not in (None, APPLY_CHAT_TEMPLATE) and args.model_repository:
-        parser.error("--chat-template is set in a rendered repository; --model-repository is served as is "
-                     "(preprocessing's chat_template parameter)")
+    if (args.chat_template not in (None, APPLY_CHAT_TEMPLATE) or args.trust_request_chat_template) \
+            and args.model_repository:
+        parser.error("--chat-template and --trust-request-chat-template are set in a rendered repository; "
+                     "--model-repository is served as is (preprocessing's chat_template and "
+                     "trust_request_chat_template parameters)")
     if args.executor and args.model_repository:
         parser.error("--executor is set in a rendered repository; --model-repository is served as is (its "
                      "models' executor parameter)")
@@ -542,7 +548,8 @@ def main(argv: list[str] | None = None) -> int:
             log(str(exc))
             return 2
         pair = dataclasses.replace(pair, chat_template=template or pair.chat_template,
-                                   apply_chat_template=pair.apply_chat_template or applied)
+                                   apply_chat_template=pair.apply_chat_template or applied,
+                                   trust_request_chat_template=args.trust_request_chat_template)
         pair = dataclasses.replace(pair, compile=args.compile, orchestrator_instances=args.orchestrator_instances,
                                    weights_dtype=args.weights_dtype, executor=args.executor or pair.executor)
         if args.draft_head or args.default_draft or args.skip_draft or args.lora_modules or args.lora_directory \
@@ -579,7 +586,7 @@ def main(argv: list[str] | None = None) -> int:
                                  tokenizer, args.drain_timeout, dict(os.environ), args.tool_call_parser,
                                  context, args.reasoning_parser, args.responses_store_mb, default_max_tokens,
                                  args.responses_store_dir, lora, args.allow_runtime_lora_updating,
-                                 repository_chat_template(repo))
+                                 repository_chat_template(repo), repository_trusts_request_templates(repo))
     watchdog = None
     if args.heal:
         # Reloading one model in place needs explicit model control; without it the watchdog heals by

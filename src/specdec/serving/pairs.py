@@ -60,6 +60,7 @@ class PairSpec:
     max_context_tokens: int = tn.DEFAULT_MAX_CONTEXT_TOKENS
     apply_chat_template: bool = False
     chat_template: str = ""  # Jinja text replacing the tokenizer's chat template (vLLM's --chat-template); "" = its own
+    trust_request_chat_template: bool = False  # a request's own chat template is taken (vLLM's flag of that name)
     # Placement. "gpu": the target on target_gpu (or, with spread_target, over every GPU the server sees
     # through transformers' device_map="auto"), each draft model on draft_gpu.
     device: str = "cpu"

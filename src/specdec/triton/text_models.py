@@ -8,7 +8,7 @@ import numpy as np
 
 from specdec import tensor_names as tn
 from specdec.decoding.text import (chat_ids, chat_messages, chat_template_kwargs, chat_tools, check_chat_template,
-                                   decode_delta, load_tokenizer, read_chat_template)
+                                   decode_delta, load_tokenizer, read_chat_template, request_template)
 from specdec.triton.adapter import TritonAdapter
 from specdec.triton.admission.cancellation import CancellationBoard
 from specdec.triton.config import ModelParameters
@@ -22,6 +22,7 @@ class PreprocessingAdapter(TritonAdapter):
         if template:  # a template that cannot render a plain chat fails the load, not every request
             check_chat_template(self.tokenizer, f"{params.model_name}: parameter 'chat_template'")
         self.chat_template_default = params.bool("apply_chat_template", False)
+        self.trust_request_templates = params.bool("trust_request_chat_template", False)
         if self.chat_template_default and not self.tokenizer.chat_template:
             raise ValueError(f"{params.model_name}: parameter 'apply_chat_template' is true but the tokenizer has no chat template")
         self.execute_clock = ExecuteClock(args["model_instance_name"])  # the watchdog's view of a hang
@@ -86,9 +87,11 @@ class PreprocessingAdapter(TritonAdapter):
         kwargs_tensor = pb.get_input_tensor_by_name(request, tn.CHAT_TEMPLATE_KWARGS)
         template_kwargs = None if kwargs_tensor is None else chat_template_kwargs(
             _one_string(kwargs_tensor, tn.CHAT_TEMPLATE_KWARGS), tn.CHAT_TEMPLATE_KWARGS)
+        template = self._request_template(request)
         if ids_tensor is not None:
-            if template_kwargs is not None:
-                raise ValueError(f"input '{tn.CHAT_TEMPLATE_KWARGS}' needs a chat template applied; "
+            if template_kwargs is not None or template is not None:
+                name = tn.CHAT_TEMPLATE if template is not None else tn.CHAT_TEMPLATE_KWARGS
+                raise ValueError(f"input '{name}' needs a chat template applied; "
                                  f"'{tn.PROMPT_TOKEN_IDS}' are the prompt as it is")
             given = [name for name, t in ((tn.TEXT_INPUT, tensor), (tn.MESSAGES, chat_tensor)) if t is not None]
             if given:
@@ -99,11 +102,11 @@ class PreprocessingAdapter(TritonAdapter):
         if chat_tensor is not None:
             if tensor is not None:
                 raise ValueError(f"inputs '{tn.TEXT_INPUT}' and '{tn.MESSAGES}' exclude each other: send one")
-            if not self.tokenizer.chat_template:
+            if not self.tokenizer.chat_template and template is None:
                 raise ValueError(f"input '{tn.MESSAGES}' needs a chat template, and the tokenizer has none")
             messages = chat_messages(_one_string(chat_tensor, tn.MESSAGES), tn.MESSAGES)
             tools = None if tools_tensor is None else chat_tools(_one_string(tools_tensor, tn.TOOLS), tn.TOOLS)
-            return chat_ids(self.tokenizer, messages, tools, tn.MESSAGES, template_kwargs)
+            return chat_ids(self.tokenizer, messages, tools, tn.MESSAGES, template_kwargs, template)
         if tensor is None:
             raise ValueError(f"input '{tn.TEXT_INPUT}' is required (the prompt; or '{tn.MESSAGES}', a chat, or "
                              f"'{tn.PROMPT_TOKEN_IDS}')")
@@ -113,14 +116,25 @@ class PreprocessingAdapter(TritonAdapter):
         chat = pb.get_input_tensor_by_name(request, tn.APPLY_CHAT_TEMPLATE)
         use_chat = self.chat_template_default if chat is None else bool(chat.as_numpy().reshape(-1)[0])
         if use_chat:
-            if not self.tokenizer.chat_template:
+            if not self.tokenizer.chat_template and template is None:
                 raise ValueError(f"input '{tn.APPLY_CHAT_TEMPLATE}' is true but the tokenizer has no chat template")
             return chat_ids(self.tokenizer, [{"role": "user", "content": text}], None, tn.APPLY_CHAT_TEMPLATE,
-                            template_kwargs)
-        if template_kwargs is not None:
-            raise ValueError(f"input '{tn.CHAT_TEMPLATE_KWARGS}' needs a chat template applied: '{tn.MESSAGES}', or "
+                            template_kwargs, template)
+        if template_kwargs is not None or template is not None:
+            name = tn.CHAT_TEMPLATE if template is not None else tn.CHAT_TEMPLATE_KWARGS
+            raise ValueError(f"input '{name}' needs a chat template applied: '{tn.MESSAGES}', or "
                              f"'{tn.APPLY_CHAT_TEMPLATE}' true")
         return self.tokenizer.encode(text, add_special_tokens=True)
+
+    def _request_template(self, request) -> str | None:
+        """The request's own chat template (tn.CHAT_TEMPLATE), where the server takes one."""
+        tensor = self.pb.get_input_tensor_by_name(request, tn.CHAT_TEMPLATE)
+        if tensor is None:
+            return None
+        if not self.trust_request_templates:
+            raise ValueError(f"input '{tn.CHAT_TEMPLATE}': this server does not take a request's chat template (a "
+                             "template is code it would run); started with --trust-request-chat-template it does")
+        return request_template(_one_string(tensor, tn.CHAT_TEMPLATE), f"input '{tn.CHAT_TEMPLATE}'")
 
 
 def prompt_token_ids(values: np.ndarray, vocab_size: int, name: str) -> list[int]:
