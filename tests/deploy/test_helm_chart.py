@@ -47,7 +47,9 @@ COMBINATIONS = {
     "eagle-head": {"models": {"draft": {"method": "head", "path": "/models/eagle3-head"}}},
     "lora-adapters": {"models": {"loraAdapters": [{"name": "sql", "path": "/models/lora/sql"},
                                                   {"name": "chat-v2", "path": "/models/lora/chat"}],
-                                 "loraDirectory": "/models/lora/library", "maxLoras": 6, "maxLoraRank": 32}},
+                                 "loraDirectory": "/models/lora/library", "maxLoras": 6, "maxLoraRank": 32,
+                                 # a layer-skip draft model runs them too
+                                 "draft": {"method": "model", "loraLayers": "first"}}},
     "skip-draft": {"models": {"draft": {"method": "skip", "skipLayers": "3,5-7"}}},
     "compile-cache-claim": {"compileCache": {"source": "existingClaim", "existingClaim": {"name": "specdec-kernels"}}},
     "spread-target": {"gpu": {"count": 4, "spreadTarget": True, "draftGpu": 3, "mps": True},
@@ -336,7 +338,9 @@ def pair_for(values: dict) -> PairSpec:
         prefix_cache_tokens=values["executor"]["prefixCaching"]["tokens"],
         lora_adapters={adapter["name"]: adapter["path"] for adapter in models["loraAdapters"]},
         lora_directory=models["loraDirectory"], max_loras=models["maxLoras"], max_lora_rank=models["maxLoraRank"],
-        chat_template=models["chatTemplate"])
+        chat_template=models["chatTemplate"], trust_request_chat_template=models["trustRequestChatTemplate"],
+        draft_lora_layers={"draft_model": models["draft"]["loraLayers"]}
+        if method == "model" and models["draft"]["loraLayers"] else {})
 
 
 @pytest.mark.parametrize("name, orchestrators", [("defaults", 1), ("cpu-only-ngram", 1), ("cpu-only-defaults", 2),

@@ -290,3 +290,17 @@ def test_adapters_loaded_and_unloaded_while_serving_through_vllms_endpoints(serv
         post("unload_lora_adapter")
         http.close()
         client.close()
+
+
+def test_a_draft_made_of_the_targets_layers_drafts_with_the_requests_adapter(server, merged_greedy):
+    """draft_model_exact is the target's own weights (lora_layers first): it runs a request's adapter too, so
+    an adapter's requests accept every token it drafts, as the base model's do; the served adapter and one
+    its directory holds (read on demand by the draft as by the target) alike."""
+    for adapter in (TINY_LORA, TINY_LORA_LIBRARY[0]):
+        for prompt in PROMPTS[:2]:
+            got = grpc_stream(server.grpc_url, prompt, max_tokens=16, num_draft_tokens=4, adaptive_draft=False,
+                              end_id=0, draft_model=_name("draft_model_exact"), **{tn.LORA_NAME: _name(adapter)})
+            assert got[tn.TOTAL_DRAFT_TOKENS] > 0 and got[tn.ACCEPTANCE_RATE] == 1.0, (adapter, prompt, got)
+            if adapter == TINY_LORA:
+                assert got[tn.TEXT_OUTPUT] == merged_greedy(prompt, 16)
+    assert _rendered_parameter(server, "draft_model_exact", "lora_layers") == "first"

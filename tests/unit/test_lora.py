@@ -367,3 +367,59 @@ def test_sampled_speculation_with_an_adapter_follows_the_adapted_target(tmp_path
     bound = 2 * 0.5 * sum(math.sqrt(2 * p * (1 - p) / (math.pi * n)) for p in exact.values()) + 0.01
     assert tv < bound, (tv, bound)
     assert 0.5 * sum(abs(plain[key] - exact[key]) for key in exact) > 3 * bound
+
+
+def _layers(model, keep: list[int]):
+    """A draft made of some of `model`'s layers (a layer-skip draft model, as the default pair's)."""
+    draft = copy.deepcopy(model)
+    draft.model.layers = torch.nn.ModuleList([draft.model.layers[i] for i in keep])
+    draft.config.num_hidden_layers = len(keep)
+    for i, layer in enumerate(draft.model.layers):
+        layer.self_attn.layer_idx = i
+    return draft
+
+
+@pytest.mark.parametrize("keep", [[0], [1]])
+def test_a_draft_made_of_the_targets_layers_runs_its_adapters_on_them(tiny_lm, adapters, keep):
+    """lora_layers: the draft's layer i is the target's keep[i]; it takes the adapter's weights of those
+    layers only (the rest are the target's to run), and computes its own layers with the adapter merged in."""
+    path, weights, scale = adapters["every"]
+    draft = _layers(tiny_lm, keep)
+    lm = executor(draft, {"every": path}, lora_layers=tuple(keep))
+    mine = {(i, module): pair for (layer, module), pair in weights.items() for i, kept in enumerate(keep)
+            if layer == kept}
+    assert mine and len(mine) < len(weights)
+    ids = prompt(19)
+    got = lm.extend_many([Step(1, 0, ids, 2, adapter="every")])[0]
+    want = executor(merged(draft, mine, scale)).extend(1, 0, ids, 2)
+    assert torch.allclose(got, want, atol=1e-10)
+    assert not torch.allclose(got, executor(draft).extend(1, 0, ids, 2), atol=1e-3)  # the adapter changes it
+    # drafting with it: what the merged draft drafts
+    drafted = lm.propose_many([Step(2, 0, ids, k=4, adapter="every")])[0]
+    assert drafted.tokens == executor(merged(draft, mine, scale)).propose_many([Step(2, 0, ids, k=4)])[0].tokens
+
+
+def test_an_adapter_of_none_of_a_drafts_layers_is_its_base_model_and_a_map_of_other_length_is_refused(
+        tiny_lm, tmp_path):
+    only_second = {key: pair for key, pair in lora.random_adapter(tiny_lm, rank=2, seed=5).items() if key[0] == 1}
+    lora.save_adapter(tmp_path / "second", only_second, rank=2, alpha=2)
+    draft = _layers(tiny_lm, [0])
+    lm = executor(draft, {"second": str(tmp_path / "second")}, lora_layers=(0,))
+    ids = prompt(17)
+    assert torch.equal(lm.extend_many([Step(1, 0, ids, 2, adapter="second")])[0], executor(draft).extend(1, 0, ids, 2))
+    with pytest.raises(ValueError, match="lora_layers names 2 of the target's layers; the model has 1"):
+        executor(draft, {"second": str(tmp_path / "second")}, lora_layers=(0, 1))
+    # the target itself (no map) still refuses an adapter of a layer it does not have
+    with pytest.raises(ValueError, match="is layer 1; the model at hand has 1 layers"):
+        executor(draft, {"second": str(tmp_path / "second")})
+
+
+def test_a_drafts_layer_map_parses_or_names_the_field():
+    from specdec.engine.lora_config import parse_layer_map
+
+    assert parse_layer_map("", 3, "f") is None and parse_layer_map("first", 3, "f") == (0, 1, 2)
+    assert parse_layer_map("0-1, 29", 3, "f") == (0, 1, 29)
+    for text, message in (("0-4", "names 5 layers"), ("a", "'a' is not a layer"), ("0,0,1", "distinct"),
+                          ("-1,0,1", "is not a layer")):
+        with pytest.raises(ValueError, match=f"^f: .*{message}"):
+            parse_layer_map(text, 3, "f")

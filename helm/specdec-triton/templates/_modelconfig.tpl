@@ -36,6 +36,11 @@ instance_group [ { count: 1, kind: KIND_GPU, gpus: [ {{ ternary $root.Values.gpu
 {{- if eq .Values.models.draft.method "head" -}}{{ .Values.models.draft.path }}{{- end -}}
 {{- end -}}
 
+{{- /* A draft model made of the target's layers runs the target's LoRA adapters on them (draft_model's lora_layers) */ -}}
+{{- define "specdec.draftLoraLayers" -}}
+{{- ternary .Values.models.draft.loraLayers "" (eq .Values.models.draft.method "model") -}}
+{{- end -}}
+
 {{- define "specdec.lmParams" -}}
 {{- $root := index . 0 -}}{{- $role := index . 1 -}}{{- $path := index . 2 -}}
 {{- $onGpu := gt (int $root.Values.gpu.count) 0 -}}
@@ -57,6 +62,7 @@ instance_group [ { count: 1, kind: KIND_GPU, gpus: [ {{ ternary $root.Values.gpu
 {{ include "specdec.param" (list "draft_stop_below" $root.Values.speculation.draftStopBelow) }}
 {{ include "specdec.param" (list "target_path" (ternary $root.Values.models.target.path "" $head)) }}
 {{ include "specdec.param" (list "target_draft_heads" (include "specdec.headPaths" $root)) }}
+{{ include "specdec.param" (list "lora_layers" (include "specdec.draftLoraLayers" $root)) }}
 {{- end }}
 {{ include "specdec.param" (list "dtype" $root.Values.models.dtype) }}
 {{ include "specdec.param" (list "weights_dtype" $root.Values.models.weightsDtype) }}
@@ -189,6 +195,7 @@ input [
   { name: "top_p", data_type: TYPE_FP32, dims: [ 1 ], optional: true },
   { name: "min_p", data_type: TYPE_FP32, dims: [ 1 ], optional: true },
   { name: "seed", data_type: TYPE_UINT64, dims: [ 1 ], optional: true },
+  { name: "lora_name", data_type: TYPE_STRING, dims: [ 1 ], optional: true },
   { name: "release", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },
   { name: "features", data_type: TYPE_FP32, dims: [ -1, -1 ], optional: true, allow_ragged_batch: true }
 ]
@@ -201,6 +208,12 @@ output [
 ]
 {{ include "specdec.lmParams" (list . "draft" (ternary .Values.models.target.path .Values.models.draft.path (eq .Values.models.draft.method "skip"))) }}
 {{ include "specdec.param" (list "target_tokenizer_path" (include "specdec.tokenizerPath" .)) }}
+{{- if include "specdec.draftLoraLayers" . }}
+{{ include "specdec.param" (list "lora_adapters" (include "specdec.loraAdapters" .)) }}
+{{ include "specdec.param" (list "lora_directory" (include "specdec.loraDirectory" .)) }}
+{{ include "specdec.param" (list "max_loras" .Values.models.maxLoras) }}
+{{ include "specdec.param" (list "max_lora_rank" .Values.models.maxLoraRank) }}
+{{- end }}
 {{- end -}}
 
 {{- define "specdec.triton.config.target_model" -}}

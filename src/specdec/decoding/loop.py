@@ -229,7 +229,7 @@ async def _draft(seq: _Sequence, req: GenerationRequest, proposer: Proposer, pol
         started = time.perf_counter()
         proposal = await proposer.propose(req.seq_id, seq.draft_valid, seq.tokens[seq.draft_valid:], k, req.sampling,
                                           round_seed, reserve=reserve, **_features_for(seq.features, seq.draft_valid),
-                                          **_width(policy, proposer, not chains_only))
+                                          **_width(policy, proposer, not chains_only), **_adapter(req, proposer))
         # what it drafted: a chain may end early (an n-gram's span, a draft's confidence stop). A
         # sequence's first call also prefills its prompt, and one after paused rounds catches up on
         # them: not what a round's draft costs (taken as one, the first priced a trained head's rounds
@@ -253,7 +253,7 @@ async def _draft(seq: _Sequence, req: GenerationRequest, proposer: Proposer, pol
     if policy.shadow:  # a free proposer paused: propose, but only to check it
         shadow = await proposer.propose(req.seq_id, seq.draft_valid, seq.tokens[seq.draft_valid:], 1, req.sampling, 0,
                                         reserve=reserve, **_features_for(seq.features, seq.draft_valid),
-                                        **_width(policy, proposer, False))
+                                        **_width(policy, proposer, False), **_adapter(req, proposer))
         if seq.draft_valid:
             policy.observe_proposal(1, len(shadow.tokens))
         seq.draft_valid = shadow.cached_length
@@ -482,6 +482,12 @@ def _width(policy: DraftLengthPolicy, proposer: Proposer, trees: bool) -> dict:
     """The proposer's `branches` for this round, when it could draft a tree: the policy's choice (a chain
     where the policy is narrower: a request's num_draft_branches), or a chain where trees are not verified."""
     return {"branches": policy.width if trees else 1} if getattr(proposer, "branches", 1) > 1 else {}
+
+
+def _adapter(req: GenerationRequest, proposer: Proposer) -> dict:
+    """The request's LoRA adapter for a proposer that drafts with one (an `adapts` attribute true: a draft model
+    made of the target's layers may run it too, drafting as the adapted target writes)."""
+    return {"adapter": req.lora_name} if req.lora_name and getattr(proposer, "adapts", False) else {}
 
 
 def _first_branch_length(parents: tuple[int, ...]) -> int:

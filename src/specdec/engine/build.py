@@ -72,6 +72,9 @@ class ExecutorConfig:
     lora_directory: str = ""
     max_loras: int = 0
     max_lora_rank: int = 0
+    # a draft made of some of the target's layers (a layer-skip draft model): the target's layer each of its
+    # layers is, so that it runs a target's adapter on those (lora.load_adapter); None: the adapters' own model
+    lora_layers: tuple[int, ...] | None = None
 
 
 def dynamic_executor(model, max_sequences: int = 256, idle_timeout_s: float = 600.0,
@@ -95,12 +98,13 @@ def static_executor(model, max_sequences: int = 256, idle_timeout_s: float = 600
                     log: Callable[[str], None] = lambda message: None, hidden_layers: tuple[int, ...] = (),
                     skip_layers: tuple[int, ...] | None = None, attention: str = "auto",
                     lora_adapters: dict[str, str] | None = None, lora_directory: str = "", max_loras: int = 0,
-                    max_lora_rank: int = 0) -> Executor:
+                    max_lora_rank: int = 0, lora_layers: tuple[int, ...] | None = None) -> Executor:
     """The static Llama forward over a paged pool (see the module's docstring; the arguments are
     `PagedKV`'s and `StaticForward`'s). skip_layers, a layer-skip draft: captured with CUDA graphs, that
     set for life; eagerly `LayerSkipForward` over the static forward (a set per sequence, no prefix caching).
     lora_adapters: {name: directory} of LoRA adapters a sequence may run (lora.py); lora_directory, one whose
-    adapters are read on demand, max_loras slots of rank up to max_lora_rank (lora.AdapterSet)."""
+    adapters are read on demand, max_loras slots of rank up to max_lora_rank (lora.AdapterSet); lora_layers, a
+    draft's map onto the target's layers whose adapters it runs (lora.load_adapter)."""
     problem = supports(model)
     if problem:
         raise ValueError(f"the static executor cannot run this model: {problem}")
@@ -111,7 +115,10 @@ def static_executor(model, max_sequences: int = 256, idle_timeout_s: float = 600
     if (lora_adapters or lora_directory) and skip is not None:
         raise ValueError("LoRA adapters are served on a target, not on a layer-skip draft")
     # before the pool takes its memory
-    adapters = lora.load_adapters(model, dict(lora_adapters or {}), max_loras, max_lora_rank, lora_directory)
+    if lora_layers is not None and len(lora_layers) != layers:
+        raise ValueError(f"lora_layers names {len(lora_layers)} of the target's layers; the model has {layers}")
+    adapters = lora.load_adapters(model, dict(lora_adapters or {}), max_loras, max_lora_rank, lora_directory,
+                                  lora_layers)
     per_sequence = skip is not None and StaticForward.mode_for(compile, model.device) == "off"
     kv = PagedKV(model, max_sequences, max_context, kv_pool_tokens, kv_memory_fraction, block_size,
                  prefix_caching and not per_sequence, log)
@@ -159,7 +166,7 @@ def build_executor(model, config: ExecutorConfig, log: Callable[[str], None] = l
             prefill_rows=config.prefill_graph_rows if wants_graphs else 0, min_window=config.min_window, log=log,
             hidden_layers=config.hidden_layers, skip_layers=config.skip_layers, attention=config.attention,
             lora_adapters=dict(config.lora_adapters), lora_directory=config.lora_directory,
-            max_loras=config.max_loras, max_lora_rank=config.max_lora_rank)
+            max_loras=config.max_loras, max_lora_rank=config.max_lora_rank, lora_layers=config.lora_layers)
     if config.lora_adapters or config.lora_directory:
         raise ValueError(f"LoRA adapters need the static executor (executor={config.executor}"
                          f"{': ' + unsupported if unsupported else ', which did not take it on this device and dtype'})")

@@ -88,9 +88,12 @@ def _read_weights(directory: Path) -> dict[str, torch.Tensor]:
     raise ValueError(f"LoRA adapter {directory}: no {' or '.join(WEIGHTS)}")
 
 
-def load_adapter(name: str, path: str | Path, model) -> Adapter:
+def load_adapter(name: str, path: str | Path, model, layers: tuple[int, ...] | None = None) -> Adapter:
     """The adapter at `path` (PEFT's layout) for `model`, in the model's dtype on its device; ValueError
-    naming the path and what does not fit the model."""
+    naming the path and what does not fit the model. `layers`: the adapter's layer each of the model's layers
+    is (a draft made of some of the target's layers, which runs the target's adapters on those: the adapter's
+    weights for other layers are left out, and an adapter of none of them is the base model); None: the
+    model is the one the adapter was trained for."""
     directory = Path(path)
     where = f"LoRA adapter {name!r} ({directory})"
     if not NAME.match(name):
@@ -110,7 +113,8 @@ def load_adapter(name: str, path: str | Path, model) -> Adapter:
         raise ValueError(f"{where}: r must be > 0, got {config.get('r')!r}")
     fan_in_fan_out = bool(config.get("fan_in_fan_out", False))
     scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
-    layers, shapes = len(model.model.layers), _shapes(model)
+    count, shapes = len(model.model.layers), _shapes(model)
+    own_layer = None if layers is None else {layer: i for i, layer in enumerate(layers)}
     found: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in _read_weights(directory).items():
         match = _KEY.match(key)
@@ -120,8 +124,12 @@ def load_adapter(name: str, path: str | Path, model) -> Adapter:
         layer, part, module, which = int(match.group(1)), match.group(2), match.group(3), match.group(4)
         if module not in MODULES or MODULES[module][0] != part:
             raise ValueError(f"{where}: {key} adapts {part}.{module}; served: {sorted(MODULES)}")
-        if not 0 <= layer < layers:
-            raise ValueError(f"{where}: {key} is layer {layer}; the model at hand has {layers} layers")
+        if own_layer is not None:
+            if layer not in own_layer:
+                continue  # a layer of the target that this draft does not run
+            layer = own_layer[layer]
+        elif not 0 <= layer < count:
+            raise ValueError(f"{where}: {key} is layer {layer}; the model at hand has {count} layers")
         found.setdefault((layer, module), {})[which] = tensor.t() if fan_in_fan_out else tensor
     weights = {}
     dtype, device = next(model.parameters()).dtype, model.device
@@ -137,7 +145,7 @@ def load_adapter(name: str, path: str | Path, model) -> Adapter:
                              "adapter was trained for another model")
         weights[(layer, module)] = (a.to(device=device, dtype=dtype).contiguous(),
                                     (b.double() * scale).to(device=device, dtype=dtype).contiguous())
-    if not weights:
+    if not weights and layers is None:
         raise ValueError(f"{where}: no LoRA weights")
     return Adapter(name, str(directory), rank, weights)
 
@@ -190,7 +198,8 @@ class AdapterSet:
     load_lora_adapter with load_inplace) is read again for the next sequence that names it, into another slot
     while running sequences still run the earlier version; one whose entry is gone is refused."""
 
-    def __init__(self, model, adapters: list[Adapter], slots: int = 0, rank: int = 0, directory: str = ""):
+    def __init__(self, model, adapters: list[Adapter], slots: int = 0, rank: int = 0, directory: str = "",
+                 layers: tuple[int, ...] | None = None):
         names = [adapter.name for adapter in adapters]
         if len(set(names)) != len(names):
             raise ValueError(f"LoRA adapters named twice: {sorted(n for n in set(names) if names.count(n) > 1)}")
@@ -204,7 +213,7 @@ class AdapterSet:
             raise ValueError(f"max_loras={capacity} holds {'no adapter of lora_directory beside ' if directory else ''}"
                              f"the {len(adapters)} of lora_adapters")
         self.directory = directory
-        self.model = model
+        self.model, self.layers = model, layers  # layers: load_adapter's (a draft's map onto the target's)
         self.slots: list[str | None] = names + [None] * (capacity - len(adapters))  # slot s's adapter at s - 1
         self.pinned = len(adapters)  # lora_adapters' slots: never taken over
         self.keys = list(range(1, capacity + 1))  # slot s's key at s - 1 (`key`)
@@ -290,7 +299,7 @@ class AdapterSet:
                 raise CapacityError(f"LoRA adapter {name!r}: each of the {len(self.slots)} LoRA slots (max_loras) "
                                     "holds an adapter a running request runs; retry later")
             stamp = _stamp(path)  # before the read: files changed during it are read again next time
-            adapter = load_adapter(name, path, self.model)
+            adapter = load_adapter(name, path, self.model, self.layers)
             if adapter.rank > self.rank:
                 raise ValueError(f"LoRA adapter {name!r} ({adapter.path}) has rank {adapter.rank}; max_lora_rank is "
                                  f"{self.rank}")
@@ -369,10 +378,10 @@ class Plan(NamedTuple):
 
 
 def load_adapters(model, adapters: dict[str, str], slots: int = 0, rank: int = 0,
-                  directory: str = "") -> AdapterSet | None:
+                  directory: str = "", layers: tuple[int, ...] | None = None) -> AdapterSet | None:
     """`AdapterSet` of {name: path} (held for good), with room for `slots` in all of rank up to `rank` and
-    adapters read on demand from `directory` (`AdapterSet`); None for none."""
+    adapters read on demand from `directory` (`AdapterSet`); None for none. `layers`: `load_adapter`'s."""
     if not adapters and not directory:
         return None
-    return AdapterSet(model, [load_adapter(name, path, model) for name, path in adapters.items()], slots, rank,
-                      directory)
+    return AdapterSet(model, [load_adapter(name, path, model, layers) for name, path in adapters.items()], slots,
+                      rank, directory, layers)

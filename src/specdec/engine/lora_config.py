@@ -84,3 +84,27 @@ def directory_adapters(directory: str | Path) -> list[str]:
             names.extend(f"{path.name}/{inner.name}" for inner in sorted(path.iterdir())
                          if inner.is_dir() and (inner / CONFIG).is_file())
     return [name for name in names if directory_adapter(root, name) is not None]
+
+
+FIRST_LAYERS = "first"  # a draft's lora_layers: its layers are the target's first ones (a layer-skip draft model)
+
+
+def parse_layer_map(text: str, layers: int, field: str) -> tuple[int, ...] | None:
+    """A draft model's `lora_layers`: the target's layer each of its `layers` layers is ("first": the
+    target's first `layers`; or a list like "0-9" or "0,1,2,28,29"), so that it runs the target's adapters
+    on them; "" = None (it runs no adapter). ValueError naming `field`."""
+    text = (text or "").strip()
+    if not text:
+        return None
+    if text == FIRST_LAYERS:
+        return tuple(range(layers))
+    out: list[int] = []
+    for part in text.split(","):
+        low, sep, high = part.strip().partition("-")
+        try:
+            out += list(range(int(low), int(high) + 1)) if sep else [int(low)]
+        except ValueError:
+            raise ValueError(f"{field}: {part.strip()!r} is not a layer or a range of layers (like 0-9)") from None
+    if len(out) != layers or len(set(out)) != len(out) or min(out) < 0:
+        raise ValueError(f"{field}: {text!r} names {len(out)} layers (distinct, >= 0); the model has {layers}")
+    return tuple(out)

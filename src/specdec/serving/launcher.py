@@ -390,6 +390,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     custom.add_argument("--num-draft-tokens", type=int, default=tn.DEFAULT_NUM_DRAFT_TOKENS, help="default draft length per request")
     custom.add_argument("--max-num-draft-tokens", type=int, default=tn.DEFAULT_MAX_NUM_DRAFT_TOKENS)
     custom.add_argument("--max-context-tokens", type=int, default=tn.DEFAULT_MAX_CONTEXT_TOKENS)
+    custom.add_argument("--draft-lora-layers", default="", metavar="first|LAYERS",
+                        help="the draft model is made of some of the target's layers (a layer-skip draft: first, "
+                             "its first N; or a list, 0-9): it runs a request's LoRA adapter on them too, so that "
+                             "an adapter's requests draft as the adapted target writes (the static executor)")
     custom.add_argument("--apply-chat-template", action="store_true",
                         help="wrap a plain prompt (text_input) in the chat template unless the request's "
                              "apply_chat_template says otherwise (chats, and the OpenAI API's chat endpoint, always are)")
@@ -538,7 +542,11 @@ def main(argv: list[str] | None = None) -> int:
                 args.target, args.draft, args.tokenizer, dtype=args.dtype, device=args.device,
                 target_gpu=args.target_gpu, spread_target=args.spread_target, draft_gpu=args.draft_gpu,
                 default_num_draft_tokens=args.num_draft_tokens, max_num_draft_tokens=args.max_num_draft_tokens,
-                max_context_tokens=args.max_context_tokens, apply_chat_template=applied)
+                max_context_tokens=args.max_context_tokens, apply_chat_template=applied,
+                draft_lora_layers={tn.DRAFT_MODEL_NAME: args.draft_lora_layers} if args.draft_lora_layers else {})
+            if args.draft_lora_layers and not pair.draft_paths:
+                log(f"--draft-lora-layers is a draft model's; --draft {args.draft} is none")
+                return 2
         else:
             pair = pairs.prepare_pair(args.pair)
         try:

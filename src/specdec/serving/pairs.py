@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specdec import tensor_names as tn
+from specdec.engine.lora_config import FIRST_LAYERS
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -48,6 +49,9 @@ class PairSpec:
     lora_directory: str = ""
     max_loras: int = 0
     max_lora_rank: int = 0
+    # draft models made of some of the target's layers (a layer-skip draft): name -> the target's layers they
+    # are ("first", or "0-9"), so that they run a request's adapter too (draft_model's lora_layers)
+    draft_lora_layers: dict[str, str] = field(default_factory=dict)
     # parameters of single models, set last: model name -> {parameter: value}
     model_parameters: dict[str, dict[str, str]] = field(default_factory=dict)
     builtin_drafts: tuple[str, ...] = tn.BUILTIN_DRAFTS  # model-free methods a request may choose
@@ -219,7 +223,11 @@ def tiny_pair(test_drafts: bool = False) -> PairSpec:
     return PairSpec(name="tiny", target_path=str(target), tokenizer_path=str(target), draft_paths=drafts,
                     dtype="float64", max_context_tokens=1024, model_parameters=settings, torch_threads="1",
                     executor="static", lora_adapters=served, lora_directory=str(library) if test_drafts else "",
-                    max_loras=2 if test_drafts else 0)
+                    max_loras=2 if test_drafts else 0,
+                    # its drafts are the target's layers (draft_model with noise): they draft with a request's
+                    # adapter too
+                    draft_lora_layers={"draft_model": FIRST_LAYERS,
+                                       **({"draft_model_exact": FIRST_LAYERS} if test_drafts else {})})
 
 
 # ---- default pair ----------------------------------------------------------------------------------
@@ -275,6 +283,8 @@ def default_pair() -> PairSpec:
     return PairSpec(
         name="default", target_path=str(target), tokenizer_path=str(target),
         draft_paths={"draft_model": str(draft)}, draft_heads={DEFAULT_PAIR_HEAD_NAME: str(DEFAULT_PAIR_HEAD)},
+        # the layer-skip draft is the target's first layers: it runs a request's LoRA adapter on them too
+        draft_lora_layers={"draft_model": FIRST_LAYERS},
         default_draft=tn.NGRAM, dtype="float32",
         # The head's linears in 8-bit blocks on a CPU: its step streams 11 MiB instead of bfloat16's 19 (a K=4
         # call after a target step 3.6-3.8 ms against 4.4-4.8), its acceptance the same

@@ -106,8 +106,11 @@ def render(pair: PairSpec, dest: Path) -> Path:
     if not drafts and "draft_model" not in {**pair.draft_heads, **pair.skip_drafts}:  # model-free drafting only
         shutil.rmtree(dest / "draft_model")
     for name, path in drafts:
-        edit(name, {**lm_settings(path, "draft"), "target_tokenizer_path": pair.tokenizer_path},
-             instance_group(pair, "draft"))
+        layers = pair.draft_lora_layers.get(name, "")  # one made of the target's layers runs its adapters too
+        lora = {"lora_adapters": adapters, "lora_directory": pair.lora_directory, "max_loras": str(pair.max_loras),
+                "max_lora_rank": str(pair.max_lora_rank)} if layers else {}
+        edit(name, {**lm_settings(path, "draft"), "target_tokenizer_path": pair.tokenizer_path, "lora_layers": layers,
+                    **lora}, instance_group(pair, "draft"))
     head_weights = (pair.cpu_head_weights_dtype if pair.device == "cpu" and pair.dtype == "float32"
                     and pair.cpu_head_weights_dtype != "same" else pair.weights_dtype)
     for name, path in pair.draft_heads.items():

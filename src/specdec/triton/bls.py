@@ -176,17 +176,23 @@ class BlsProposer(_SequenceModel):
                          call_timeout_s, on_timeout)
         self.wants_features = wants_features
         self.branches = branches  # candidates per drafted position (draft_tree.py): above 1, trees
+        # a request's LoRA adapter goes with its calls (adapter=): a draft made of the target's layers runs it
+        # (draft_model's lora_layers), any other leaves it
+        self.adapts = not wants_features
         if wants_features:  # every call carries the same input set (wire.py)
             self.QUIET = {**self.QUIET, tn.FEATURES: NO_FEATURES}
 
     async def propose(self, seq_id: int, keep: int, new_ids: list[int], k: int,
                       params: SamplingParams, round_seed: int, reserve: int = 0,
-                      features: torch.Tensor | None = None, branches: int | None = None) -> Proposal:
-        keep, new_ids, reserve = await self._prefill(seq_id, keep, new_ids, 1, reserve, [tn.DRAFT_TOKENS])
+                      features: torch.Tensor | None = None, branches: int | None = None,
+                      adapter: str = "") -> Proposal:
+        # a prompt's chunks carry the adapter too: the sequence's first call names it (the draft takes it then)
+        chunk = {**self.QUIET, tn.LORA_NAME: wire.adapter_name(adapter)} if adapter else None
+        keep, new_ids, reserve = await self._prefill(seq_id, keep, new_ids, 1, reserve, [tn.DRAFT_TOKENS], own=chunk)
         outputs = [tn.DRAFT_TOKENS, tn.CACHED_LENGTH, tn.DRAFT_PARENTS, tn.FORWARD_STATS] + \
             ([] if params.greedy else [tn.DRAFT_PROBS])
         width = self.branches if branches is None else max(1, min(branches, self.branches))
-        own = wire.ProposeMessage(k, params, round_seed, width).encode()
+        own = wire.ProposeMessage(k, params, round_seed, width, adapter).encode()
         if self.wants_features:
             own[tn.FEATURES] = NO_FEATURES if features is None else features.float()[None]
         result = await self._call(seq_id, new_ids, keep, outputs, reserve, own=own)

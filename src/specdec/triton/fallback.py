@@ -35,6 +35,7 @@ class FallbackProposer:
         self.no_room_until: dict[int, float] = {}  # sequences the draft had no room for, until when
         self.wants_features = getattr(inner, "wants_features", False)  # a trained head's: the loop sends them
         self.branches = getattr(inner, "branches", 1)  # its trees' width: the policy chooses per round
+        self.adapts = getattr(inner, "adapts", False)  # it takes a request's LoRA adapter (adapter=)
 
     @property
     def available(self) -> bool:

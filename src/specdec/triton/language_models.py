@@ -26,7 +26,7 @@ from specdec.decoding.sampling import (SamplingParams, greedy, greedy_log_probs,
                                       token_log_probs, top_log_probs)
 from specdec.decoding.text import load_tokenizer, same_tokenizer_files, vocabulary_mismatch
 from specdec.engine import host_memory, onednn_linear, threads
-from specdec.engine.lora_config import parse_adapters
+from specdec.engine.lora_config import parse_adapters, parse_layer_map
 from specdec.engine.build import ExecutorConfig, build_executor, plans_static
 from specdec.engine.draft_heads import HeadError, load_head_for, rows_forward, served_layers
 from specdec.engine.executor import CacheError, CapacityError, Scored, Step
@@ -119,7 +119,7 @@ class LanguageModelAdapter(TritonAdapter):
             attention=params.str("attention", default.attention, choices=tn.ATTENTION_KINDS),
             hidden_layers=self._served_layers(params, model.config.get_text_config().num_hidden_layers),
             skip_layers=self._skip_layers(params, model),
-            **self._lora(params))
+            **self._lora(params, model))
         try:
             return build_executor(model, config, log=self.pb.Logger.log_info)
         except ValueError as exc:
@@ -129,9 +129,22 @@ class LanguageModelAdapter(TritonAdapter):
         """The layers a layer-skip self-draft leaves out (None: not one)."""
         return None
 
-    def _lora(self, params: ModelParameters) -> dict:
-        """The LoRA adapters the model serves, as ExecutorConfig's fields (a target's; none for a draft)."""
+    def _lora(self, params: ModelParameters, model) -> dict:
+        """The LoRA adapters the model serves, as ExecutorConfig's fields (a target's; a draft's where it is
+        made of the target's layers)."""
         return {}
+
+    def _adapters(self, params: ModelParameters) -> dict:
+        """lora_adapters, lora_directory, max_loras and max_lora_rank as ExecutorConfig's fields."""
+        try:
+            adapters = tuple(parse_adapters(params.str("lora_adapters", ""), "parameter 'lora_adapters'").items())
+        except ValueError as exc:
+            raise ConfigError(f"{self.name}: {exc}") from None
+        directory = params.str("lora_directory", "")
+        if directory and not Path(directory).is_dir():
+            raise ConfigError(f"{self.name}: parameter 'lora_directory': {directory} is not a directory")
+        return {"lora_adapters": adapters, "lora_directory": directory,
+                "max_loras": params.int("max_loras", 0, low=0), "max_lora_rank": params.int("max_lora_rank", 0, low=0)}
 
     def _served_layers(self, params: ModelParameters, target_layers: int) -> tuple[int, ...]:
         """The layers whose states the served heads read (draft_heads: target_model's list of them)."""
@@ -370,16 +383,8 @@ class TargetModel(LanguageModelAdapter):
     AHEAD_OUTPUTS = frozenset({tn.GREEDY_TOKENS, tn.FORWARD_STATS})
     run_ahead = False  # the run_ahead parameter, read at load (_start)
 
-    def _lora(self, params):
-        try:
-            adapters = tuple(parse_adapters(params.str("lora_adapters", ""), "parameter 'lora_adapters'").items())
-        except ValueError as exc:
-            raise ConfigError(f"{self.name}: {exc}") from None
-        directory = params.str("lora_directory", "")
-        if directory and not Path(directory).is_dir():
-            raise ConfigError(f"{self.name}: parameter 'lora_directory': {directory} is not a directory")
-        return {"lora_adapters": adapters, "lora_directory": directory,
-                "max_loras": params.int("max_loras", 0, low=0), "max_lora_rank": params.int("max_lora_rank", 0, low=0)}
+    def _lora(self, params, model):
+        return self._adapters(params)
 
     def _start(self, params):
         mode = params.str("run_ahead", "auto", choices=tn.RUN_AHEAD_MODES)
@@ -583,6 +588,20 @@ class DraftModel(LanguageModelAdapter):
             tn.SKIP_SEARCH else None
         return lm
 
+    def _lora(self, params, model):
+        """lora_layers: a draft made of some of the target's layers runs the target's adapters on them
+        (lora_config.parse_layer_map); "": none."""
+        layers = model.config.get_text_config().num_hidden_layers
+        try:
+            mapped = parse_layer_map(params.str("lora_layers", ""), layers, "parameter 'lora_layers'")
+        except ValueError as exc:
+            raise ConfigError(f"{self.name}: {exc}") from None
+        if mapped is None:
+            return {}
+        if params.str("draft_kind", "model", choices=tn.DRAFT_KINDS) != "model":
+            raise ConfigError(f"{self.name}: parameter 'lora_layers' is a draft model's (draft_kind model)")
+        return {**self._adapters(params), "lora_layers": mapped}
+
     def _skip_layers(self, params: ModelParameters, model) -> tuple[int, ...] | None:
         """draft_kind skip: model_path is the target's; skip_layers a list, or auto: searched, starting from
         every other intermediate layer of the middle half."""
@@ -656,6 +675,11 @@ class DraftModel(LanguageModelAdapter):
         if message.branches < 1:
             raise ValueError(f"{tn.NUM_DRAFT_BRANCHES} must be >= 1, got {message.branches}")
         options = {"k": message.k, "params": message.params, "generator": generator, "branches": message.branches}
+        # A request's adapter where this draft runs the target's adapters (lora_layers) and can read it; the
+        # base model drafts otherwise (it only drafts: the target's verify keeps the output the adapter's)
+        adapters = getattr(self.lm, "adapters", None)
+        if message.adapter and adapters is not None and adapters.problem(message.adapter) is None:
+            options["adapter"] = message.adapter
         if isinstance(self.lm, HeadExecutor):
             options["features"] = self._features(inputs.get(tn.FEATURES))
         return options

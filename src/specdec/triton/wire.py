@@ -71,13 +71,16 @@ class ProposeMessage:
     params: SamplingParams = SamplingParams()
     seed: int | None = None  # the round's seed for the draft's generator (None: unseeded; sent as 0)
     branches: int = 1  # candidates per drafted position: above 1 a tree of at most k nodes
+    # the sequence's LoRA adapter (read at its first step), which a draft made of the target's layers runs
+    # too (its lora_layers); "": the base model. Others leave it.
+    adapter: str = ""
 
     def encode(self) -> Arrays:
         params = self.params
         return {tn.NUM_DRAFT_TOKENS: _i32([self.k]), tn.NUM_DRAFT_BRANCHES: _i32([self.branches]),
                 tn.TEMPERATURE: _f32(params.temperature),
                 tn.TOP_K: _i32([params.top_k]), tn.TOP_P: _f32(params.top_p), tn.MIN_P: _f32(params.min_p),
-                tn.SEED: np.array([[self.seed or 0]], dtype=np.uint64)}
+                tn.SEED: np.array([[self.seed or 0]], dtype=np.uint64), tn.LORA_NAME: adapter_name(self.adapter)}
 
     @classmethod
     def decode(cls, inputs: Arrays) -> ProposeMessage:
@@ -87,8 +90,10 @@ class ProposeMessage:
             top_p=float(_scalar(inputs, tn.TOP_P, tn.DEFAULT_TOP_P)),
             min_p=float(_scalar(inputs, tn.MIN_P, tn.DEFAULT_MIN_P)),
         )
+        name = inputs.get(tn.LORA_NAME)
         return cls(int(_scalar(inputs, tn.NUM_DRAFT_TOKENS, 1)), params, _scalar(inputs, tn.SEED, None),
-                   int(_scalar(inputs, tn.NUM_DRAFT_BRANCHES, 1)))
+                   int(_scalar(inputs, tn.NUM_DRAFT_BRANCHES, 1)),
+                   "" if name is None or not name.size else _text(name.reshape(-1)[0]))
 
 
 def _forward_stats(forward: ForwardStats) -> np.ndarray:
