@@ -15,6 +15,7 @@ runs for every row (engine/lora.py): there the cost grows with the adapters serv
     python -m bench.lora_bench --pair 8b --adapters 4  # GPU: the 8B-shaped target, CUDA graphs
     python -m bench.lora_bench --served                # the default pair served, with and without an adapter
     python -m bench.lora_bench --runtime               # the default pair served: load_lora_adapter's answer time
+    python -m bench.lora_bench --draft-lora            # a layer-skip self-draft with a request's adapter, or without
 
 --served starts the default pair with one adapter of rank --rank whose products are small (its text stays
 near the base model's, so the drafts' acceptance is comparable: what is measured is the adapter's cost), and
@@ -99,6 +100,62 @@ def served(args) -> str:
               f"{len(prompts)} prompts x {args.turns} turns, {args.max_tokens} tokens each, greedy, streamed")
     return report.print_table(header, table, ["draft", "rows' model", "tokens/s", "over the base model's",
                                               "tokens per round", "text = the base model's"], args.out)
+
+
+def draft_lora(args) -> str:
+    """A layer-skip self-draft of the default pair's target (--skip-layers left out: SWIFT's draft) drafting
+    for an adapter's requests with the adapter (lora_layers first, what the launcher renders) and without
+    (lora_layers empty): two servers, one after the other, the same adapter (one that changes the text),
+    prompts and settings."""
+    import json
+
+    from client import Client, GenerationParams
+
+    work = Path(tempfile.mkdtemp(prefix="lora-bench-draft-"))
+    model = load_causal_lm(str(pairs.default_pair().target_path), "cpu", "float32")
+    lora.save_adapter(work / "tuned", lora.random_adapter(model, rank=args.rank, seed=0, std=args.std), rank=args.rank,
+                      alpha=args.rank)
+    del model
+    rows = [json.loads(line) for line in (REPO / "loadtest" / "prompts.jsonl").read_text().splitlines() if line.strip()]
+    prompts = [row["prompt"] for row in rows]
+    skip = ["--skip-draft", f"draft_skip={args.skip_layers}"]
+    modes = {"with the adapter": skip, "base model": [*skip, "--set", "draft_skip.lora_layers="]}
+    settings = [(k, adapter) for k in (4, None) for adapter in ("adapter", "base model")]
+    results: dict = {}
+    for mode, extra in modes.items():
+        srv = serving.start(work / "run", work / f"server-{len(results)}.log",
+                            ["--pair", "default", "--lora-modules", f"tuned={work / 'tuned'}", *extra])
+        try:
+            client = Client(srv.grpc_url)
+            for turn in range(args.turns):
+                for k, adapter in settings if turn % 2 == 0 else settings[::-1]:
+                    params = GenerationParams(max_tokens=args.max_tokens, ignore_eos=True, temperature=0.0,
+                                              num_draft_tokens=k or 8, adaptive_draft=k is None,
+                                              draft_model="draft_skip",
+                                              lora_name="tuned" if adapter == "adapter" else None)
+                    for prompt in prompts:
+                        results.setdefault((mode, k, adapter), []).append(client.generate(prompt, params, stream=True))
+        finally:
+            srv.stop()
+    table = []
+    for k, adapter in settings:
+        for mode in modes:
+            done = results[(mode, k, adapter)]
+            tokens = sum(r.num_output_tokens for r in done)
+            drafted = sum(r.total_draft_tokens for r in done)
+            table.append([adapter, "K=4" if k else "adaptive K<=8", mode if adapter == "adapter" else "(no adapter)",
+                          f"{tokens / sum(r.latency_s for r in done):.1f}",
+                          f"{sum(r.total_accepted_draft_tokens for r in done) / max(1, drafted):.3f}",
+                          f"{tokens / max(1, sum(r.num_rounds for r in done)):.2f}"])
+    same = sum(a.text == b.text for a, b in zip(results[("with the adapter", 4, "adapter")],
+                                                results[("with the adapter", 4, "base model")]))
+    header = (f"{report.machine()}, the default pair served, a layer-skip self-draft (its target without layers "
+              f"{args.skip_layers}) for every request, one adapter of rank {args.rank} over every "
+              f"projection (drawn at std {args.std}: {len(prompts) * args.turns - same} of "
+              f"{len(prompts) * args.turns} answers differ from the base model's), {len(prompts)} prompts x "
+              f"{args.turns} turns, {args.max_tokens} tokens each, greedy, streamed")
+    return report.print_table(header, table, ["requests' model", "draft length", "the draft drafts with",
+                                              "tokens/s", "acceptance", "tokens per round"], args.out)
 
 
 def on_demand(model, args, device: str, dtype: str, pair: str, reps: int) -> str:
@@ -201,11 +258,21 @@ def main(argv=None) -> int:
                         help="adapters read from a directory: a read, a lookup, a slot, steps over more slots")
     parser.add_argument("--runtime", action="store_true",
                         help="the default pair served: load_lora_adapter and unload_lora_adapter's answer times")
+    parser.add_argument("--draft-lora", action="store_true",
+                        help="the default pair's layer-skip draft drafting with a request's adapter, and without")
+    parser.add_argument("--std", type=float, default=0.02, help="--draft-lora: the adapter's weights' spread")
+    parser.add_argument("--skip-layers", default="7,9,11,13,15,17,19,21",
+                        help="--draft-lora: the layers the self-draft leaves out (the search's first set)")
     parser.add_argument("--out", help="also write the table (Markdown) here")
     parser.add_argument("--results", metavar="NAME", help="also write it as docs/results/<date>-NAME.md")
     args = parser.parse_args(argv)
     if args.runtime:
         runtime(args)
+        return 0
+    if args.draft_lora:
+        text = draft_lora(args)
+        if args.results:
+            report.write_results(args.results, "LoRA adapters: the draft drafting with them", text)
         return 0
     if args.served:
         text = served(args)

@@ -391,3 +391,32 @@ def test_the_openai_apis_process_refuses_a_chat_template_it_cannot_use(tmp_path,
     assert gateway_main.main(["--served-model-name", "m", "--tokenizer", tokenizer,
                               "--chat-template", "{% if %}"]) == 2
     assert "--chat-template: the chat template fails on a one-message conversation" in capsys.readouterr().err
+
+
+def test_a_draft_made_of_the_targets_layers_is_told_so_and_drafts_with_the_requests_adapter(tmp_path, monkeypatch,
+                                                                                             capsys):
+    """--draft-lora-layers: the custom pair's draft model runs the target's adapters on the layers it names;
+    refused without a draft model. The renderer hands it the target's adapters then, and a layer-skip
+    self-draft always."""
+    from specdec.serving import repository
+    from specdec.serving.pairs import PairSpec
+
+    rendered = []
+    real = repository.render
+    monkeypatch.setattr(launcher.repository, "render", lambda pair, dest: rendered.append(pair) or dest)
+    monkeypatch.setattr(launcher, "triton_layout", lambda *a, **k: (_ for _ in ()).throw(SystemExit(7)))
+    with pytest.raises(SystemExit):
+        launcher.main(["--target", "/w/target", "--draft", "/w/draft", "--run-dir", str(tmp_path),
+                       "--draft-lora-layers", "first"])
+    assert rendered[0].draft_lora_layers == {"draft_model": "first"}
+    assert launcher.main(["--target", "/w/target", "--run-dir", str(tmp_path), "--draft-lora-layers", "first"]) == 2
+    assert "--draft-lora-layers is a draft model's" in capsys.readouterr().err
+    pair = PairSpec(name="t", target_path="/w/target", tokenizer_path="/w/tok", draft_paths={"draft_model": "/w/d",
+                    "other": "/w/o"}, lora_adapters={"sql": "/w/sql"}, draft_lora_layers={"draft_model": "0-9"},
+                    skip_drafts={"draft_skip": "3,5"})
+    repo = real(pair, tmp_path / "repo")
+    config = {name: (repo / name / "config.pbtxt").read_text() for name in ("draft_model", "other", "draft_skip")}
+    for name, layers in (("draft_model", "0-9"), ("draft_skip", "first")):
+        assert f'key: "lora_layers", value: {{ string_value: "{layers}" }}' in config[name], name
+        assert 'key: "lora_adapters", value: { string_value: "sql=/w/sql" }' in config[name], name
+    assert 'key: "lora_layers", value: { string_value: "" }' in config["other"] and "sql=" not in config["other"]

@@ -423,3 +423,23 @@ def test_a_drafts_layer_map_parses_or_names_the_field():
                           ("-1,0,1", "is not a layer")):
         with pytest.raises(ValueError, match=f"^f: .*{message}"):
             parse_layer_map(text, 3, "f")
+
+
+def test_a_layer_skip_self_draft_runs_the_adapter_on_the_layers_it_keeps(tmp_path):
+    """A layer-skip self-draft is the target with layers left out: with a request's adapter it computes the
+    merged model with the same layers left out (eagerly: a set per sequence)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(3)
+    config = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         initializer_range=0.5)
+    model = LlamaForCausalLM(config).to(torch.float64).eval()
+    weights = lora.random_adapter(model, rank=4, seed=7)
+    lora.save_adapter(tmp_path / "every", weights, rank=4, alpha=8)
+    lm = executor(model, {"every": str(tmp_path / "every")}, skip_layers=(1, 2))
+    ids = prompt(23)
+    got = lm.extend_many([Step(1, 0, ids, 2, adapter="every")])[0]
+    want = executor(merged(model, weights, 2.0), skip_layers=(1, 2)).extend(1, 0, ids, 2)
+    assert torch.allclose(got, want, atol=1e-10)
+    assert not torch.allclose(got, executor(model, skip_layers=(1, 2)).extend(1, 0, ids, 2), atol=1e-3)

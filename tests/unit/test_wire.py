@@ -21,7 +21,8 @@ def test_a_step_round_trips_and_needs_its_ids():
 def test_a_proposal_round_trips_with_its_sampling_settings_and_seed():
     for message in (wire.ProposeMessage(4, SamplingParams(), 0),
                     wire.ProposeMessage(2, SamplingParams(temperature=0.5, top_k=20, top_p=0.75, min_p=0.125), 2**63 + 5),
-                    wire.ProposeMessage(8, SamplingParams(), 3, branches=3)):
+                    wire.ProposeMessage(8, SamplingParams(), 3, branches=3),
+                    wire.ProposeMessage(4, SamplingParams(), 0, adapter="sql")):
         arrays = message.encode()
         assert arrays[tn.SEED].dtype == np.uint64 and arrays[tn.TEMPERATURE].dtype == np.float32
         assert wire.ProposeMessage.decode(arrays) == message

@@ -36,9 +36,12 @@ instance_group [ { count: 1, kind: KIND_GPU, gpus: [ {{ ternary $root.Values.gpu
 {{- if eq .Values.models.draft.method "head" -}}{{ .Values.models.draft.path }}{{- end -}}
 {{- end -}}
 
-{{- /* A draft model made of the target's layers runs the target's LoRA adapters on them (draft_model's lora_layers) */ -}}
+{{- /* A draft model made of the target's layers runs the target's LoRA adapters on them (draft_model's
+lora_layers); a layer-skip self-draft, the target itself, always */ -}}
 {{- define "specdec.draftLoraLayers" -}}
-{{- ternary .Values.models.draft.loraLayers "" (eq .Values.models.draft.method "model") -}}
+{{- if eq .Values.models.draft.method "skip" -}}first
+{{- else if eq .Values.models.draft.method "model" -}}{{ .Values.models.draft.loraLayers }}
+{{- end -}}
 {{- end -}}
 
 {{- define "specdec.lmParams" -}}

@@ -112,8 +112,6 @@ def static_executor(model, max_sequences: int = 256, idle_timeout_s: float = 600
         raise ValueError(f"compile must be one of {tn.COMPILE_MODES}, got {compile!r}")
     layers = len(model.model.layers)
     skip = None if skip_layers is None else check_skip(tuple(skip_layers), layers)
-    if (lora_adapters or lora_directory) and skip is not None:
-        raise ValueError("LoRA adapters are served on a target, not on a layer-skip draft")
     # before the pool takes its memory
     if lora_layers is not None and len(lora_layers) != layers:
         raise ValueError(f"lora_layers names {len(lora_layers)} of the target's layers; the model has {layers}")

@@ -11,7 +11,7 @@ import shutil
 from pathlib import Path
 
 from specdec import tensor_names as tn
-from specdec.engine.lora_config import format_adapters, parse_adapters
+from specdec.engine.lora_config import FIRST_LAYERS, format_adapters, parse_adapters
 from specdec.serving.pairs import REPO_ROOT, PairSpec, combined_drafts
 
 SOURCE = REPO_ROOT / "model_repository"
@@ -119,8 +119,12 @@ def render(pair: PairSpec, dest: Path) -> Path:
                     "target_draft_heads": heads, "target_tokenizer_path": pair.tokenizer_path},
              instance_group(pair, "draft"))
     for name, layers in pair.skip_drafts.items():  # the target's own weights, some layers left out
+        # (it runs a request's adapter too: it is the target, drafting as the adapted target writes)
+        lora = {"lora_adapters": adapters, "lora_directory": pair.lora_directory, "max_loras": str(pair.max_loras),
+                "max_lora_rank": str(pair.max_lora_rank)}
         edit(name, {**lm_settings(pair.target_path, "draft"), "draft_kind": "skip", "skip_layers": layers,
-                    "target_tokenizer_path": pair.tokenizer_path}, instance_group(pair, "draft"))
+                    "target_tokenizer_path": pair.tokenizer_path, "lora_layers": FIRST_LAYERS, **lora},
+             instance_group(pair, "draft"))
     draft_models = ([name for name, _ in drafts] + list(pair.draft_heads) + list(pair.skip_drafts)
                     + list(pair.builtin_drafts) + combined_drafts(pair))
     if pair.default_draft:  # the first entry is the default

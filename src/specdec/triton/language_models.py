@@ -590,7 +590,7 @@ class DraftModel(LanguageModelAdapter):
 
     def _lora(self, params, model):
         """lora_layers: a draft made of some of the target's layers runs the target's adapters on them
-        (lora_config.parse_layer_map); "": none."""
+        (lora_config.parse_layer_map; a layer-skip self-draft, the target itself: first); "": none."""
         layers = model.config.get_text_config().num_hidden_layers
         try:
             mapped = parse_layer_map(params.str("lora_layers", ""), layers, "parameter 'lora_layers'")
@@ -598,8 +598,9 @@ class DraftModel(LanguageModelAdapter):
             raise ConfigError(f"{self.name}: {exc}") from None
         if mapped is None:
             return {}
-        if params.str("draft_kind", "model", choices=tn.DRAFT_KINDS) != "model":
-            raise ConfigError(f"{self.name}: parameter 'lora_layers' is a draft model's (draft_kind model)")
+        if params.str("draft_kind", "model", choices=tn.DRAFT_KINDS) == "head":
+            raise ConfigError(f"{self.name}: parameter 'lora_layers' is a draft model's or a layer-skip draft's "
+                              "(a head drafts from the adapted target's features)")
         return {**self._adapters(params), "lora_layers": mapped}
 
     def _skip_layers(self, params: ModelParameters, model) -> tuple[int, ...] | None:
