@@ -104,8 +104,8 @@ def served(args) -> str:
 
 def draft_lora(args) -> str:
     """A layer-skip self-draft of the default pair's target (--skip-layers left out: SWIFT's draft) drafting
-    for an adapter's requests with the adapter (lora_layers first, what the launcher renders) and without
-    (lora_layers empty): two servers, one after the other, the same adapter (one that changes the text),
+    for an adapter's requests with the adapter (--skip-draft-lora: lora_layers first) and without (the
+    default): two servers, one after the other, the same adapter (one that changes the text),
     prompts and settings."""
     import json
 
@@ -119,7 +119,7 @@ def draft_lora(args) -> str:
     rows = [json.loads(line) for line in (REPO / "loadtest" / "prompts.jsonl").read_text().splitlines() if line.strip()]
     prompts = [row["prompt"] for row in rows]
     skip = ["--skip-draft", f"draft_skip={args.skip_layers}"]
-    modes = {"with the adapter": skip, "base model": [*skip, "--set", "draft_skip.lora_layers="]}
+    modes = {"with the adapter": [*skip, "--skip-draft-lora"], "base model": skip}
     settings = [(k, adapter) for k in (4, None) for adapter in ("adapter", "base model")]
     results: dict = {}
     for mode, extra in modes.items():

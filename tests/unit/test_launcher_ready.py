@@ -396,8 +396,9 @@ def test_the_openai_apis_process_refuses_a_chat_template_it_cannot_use(tmp_path,
 def test_a_draft_made_of_the_targets_layers_is_told_so_and_drafts_with_the_requests_adapter(tmp_path, monkeypatch,
                                                                                              capsys):
     """--draft-lora-layers: the custom pair's draft model runs the target's adapters on the layers it names;
-    refused without a draft model. The renderer hands it the target's adapters then, and a layer-skip
-    self-draft always."""
+    refused without a draft model. --skip-draft-lora: every layer-skip self-draft does (all its layers are
+    the target's). The renderer hands every draft the target's adapters, its lora_layers saying whether it
+    runs them."""
     from specdec.serving import repository
     from specdec.serving.pairs import PairSpec
 
@@ -411,12 +412,20 @@ def test_a_draft_made_of_the_targets_layers_is_told_so_and_drafts_with_the_reque
     assert rendered[0].draft_lora_layers == {"draft_model": "first"}
     assert launcher.main(["--target", "/w/target", "--run-dir", str(tmp_path), "--draft-lora-layers", "first"]) == 2
     assert "--draft-lora-layers is a draft model's" in capsys.readouterr().err
+    rendered.clear()
+    with pytest.raises(SystemExit):  # --skip-draft-lora: every layer-skip self-draft
+        launcher.main(["--pair", "tiny", "--run-dir", str(tmp_path), "--skip-draft", "3,5", "--skip-draft-lora"])
+    assert rendered[0].draft_lora_layers["draft_skip"] == "first"
+    assert launcher.main(["--pair", "tiny", "--run-dir", str(tmp_path), "--skip-draft-lora"]) == 2
+    assert "--skip-draft-lora needs a layer-skip self-draft" in capsys.readouterr().err
     pair = PairSpec(name="t", target_path="/w/target", tokenizer_path="/w/tok", draft_paths={"draft_model": "/w/d",
-                    "other": "/w/o"}, lora_adapters={"sql": "/w/sql"}, draft_lora_layers={"draft_model": "0-9"},
-                    skip_drafts={"draft_skip": "3,5"})
+                    "other": "/w/o"}, lora_adapters={"sql": "/w/sql"},
+                    draft_lora_layers={"draft_model": "0-9", "draft_skip": "first"},
+                    skip_drafts={"draft_skip": "3,5", "plain_skip": "3"})
     repo = real(pair, tmp_path / "repo")
-    config = {name: (repo / name / "config.pbtxt").read_text() for name in ("draft_model", "other", "draft_skip")}
-    for name, layers in (("draft_model", "0-9"), ("draft_skip", "first")):
+    config = {name: (repo / name / "config.pbtxt").read_text()
+              for name in ("draft_model", "other", "draft_skip", "plain_skip")}
+    for name, layers in (("draft_model", "0-9"), ("draft_skip", "first"), ("other", ""), ("plain_skip", "")):
+        # (every draft takes the target's adapters; those with lora_layers "" never run one)
         assert f'key: "lora_layers", value: {{ string_value: "{layers}" }}' in config[name], name
         assert 'key: "lora_adapters", value: { string_value: "sql=/w/sql" }' in config[name], name
-    assert 'key: "lora_layers", value: { string_value: "" }' in config["other"] and "sql=" not in config["other"]

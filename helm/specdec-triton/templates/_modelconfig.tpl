@@ -37,11 +37,9 @@ instance_group [ { count: 1, kind: KIND_GPU, gpus: [ {{ ternary $root.Values.gpu
 {{- end -}}
 
 {{- /* A draft model made of the target's layers runs the target's LoRA adapters on them (draft_model's
-lora_layers); a layer-skip self-draft, the target itself, always */ -}}
+lora_layers; a layer-skip self-draft's are the target's: first) */ -}}
 {{- define "specdec.draftLoraLayers" -}}
-{{- if eq .Values.models.draft.method "skip" -}}first
-{{- else if eq .Values.models.draft.method "model" -}}{{ .Values.models.draft.loraLayers }}
-{{- end -}}
+{{- if has .Values.models.draft.method (list "model" "skip") -}}{{ .Values.models.draft.loraLayers }}{{- end -}}
 {{- end -}}
 
 {{- define "specdec.lmParams" -}}
@@ -211,7 +209,7 @@ output [
 ]
 {{ include "specdec.lmParams" (list . "draft" (ternary .Values.models.target.path .Values.models.draft.path (eq .Values.models.draft.method "skip"))) }}
 {{ include "specdec.param" (list "target_tokenizer_path" (include "specdec.tokenizerPath" .)) }}
-{{- if include "specdec.draftLoraLayers" . }}
+{{- if has .Values.models.draft.method (list "model" "skip") }}
 {{ include "specdec.param" (list "lora_adapters" (include "specdec.loraAdapters" .)) }}
 {{ include "specdec.param" (list "lora_directory" (include "specdec.loraDirectory" .)) }}
 {{ include "specdec.param" (list "max_loras" .Values.models.maxLoras) }}

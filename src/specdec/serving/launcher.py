@@ -46,7 +46,7 @@ from typing import Callable
 
 from specdec import tensor_names as tn
 from specdec.decoding.text import read_chat_template
-from specdec.engine.lora_config import CONFIG, NAME, format_adapters
+from specdec.engine.lora_config import CONFIG, FIRST_LAYERS, NAME, format_adapters
 from specdec.serving import mps, pairs, repository
 from specdec.gateway.adapters import RUNTIME_ENV, allowed_by_environment
 from specdec.gateway.reasoning import PARSERS as REASONING_PARSERS
@@ -394,6 +394,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="the draft model is made of some of the target's layers (a layer-skip draft: first, "
                              "its first N; or a list, 0-9): it runs a request's LoRA adapter on them too, so that "
                              "an adapter's requests draft as the adapted target writes (the static executor)")
+    parser.add_argument("--skip-draft-lora", action="store_true",
+                        help="every --skip-draft drafts with a request's LoRA adapter too (it is the target, some "
+                             "layers left out); on a CPU an adapter's rows cost the draft 1.2-1.5x")
     custom.add_argument("--apply-chat-template", action="store_true",
                         help="wrap a plain prompt (text_input) in the chat template unless the request's "
                              "apply_chat_template says otherwise (chats, and the OpenAI API's chat endpoint, always are)")
@@ -560,10 +563,15 @@ def main(argv: list[str] | None = None) -> int:
                                    trust_request_chat_template=args.trust_request_chat_template)
         pair = dataclasses.replace(pair, compile=args.compile, orchestrator_instances=args.orchestrator_instances,
                                    weights_dtype=args.weights_dtype, executor=args.executor or pair.executor)
-        if args.draft_head or args.default_draft or args.skip_draft or args.lora_modules or args.lora_directory \
-                or args.max_loras or args.max_lora_rank:
+        if args.draft_head or args.default_draft or args.skip_draft or args.skip_draft_lora or args.lora_modules \
+                or args.lora_directory or args.max_loras or args.max_lora_rank:
             try:
                 pair = with_heads(with_skip_drafts(pair, args.skip_draft), args.draft_head, args.default_draft)
+                if args.skip_draft_lora:
+                    if not pair.skip_drafts:
+                        raise ValueError("--skip-draft-lora needs a layer-skip self-draft (--skip-draft)")
+                    pair = dataclasses.replace(pair, draft_lora_layers={
+                        **pair.draft_lora_layers, **{name: FIRST_LAYERS for name in pair.skip_drafts}})
                 pair = with_lora_adapters(pair, args.lora_modules, args.lora_directory, args.max_loras,
                                           args.max_lora_rank)
             except ValueError as exc:

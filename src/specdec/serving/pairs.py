@@ -49,8 +49,9 @@ class PairSpec:
     lora_directory: str = ""
     max_loras: int = 0
     max_lora_rank: int = 0
-    # draft models made of some of the target's layers (a layer-skip draft): name -> the target's layers they
-    # are ("first", or "0-9"), so that they run a request's adapter too (draft_model's lora_layers)
+    # drafts made of some of the target's layers (a draft model of its first layers, a layer-skip self-draft:
+    # "first"): name -> the target's layers they are ("first", or "0-9"), so that they run a request's adapter
+    # too (draft_model's lora_layers; off unless named: on a CPU an adapter's rows cost a draft 1.2-1.5x)
     draft_lora_layers: dict[str, str] = field(default_factory=dict)
     # parameters of single models, set last: model name -> {parameter: value}
     model_parameters: dict[str, dict[str, str]] = field(default_factory=dict)
@@ -283,8 +284,6 @@ def default_pair() -> PairSpec:
     return PairSpec(
         name="default", target_path=str(target), tokenizer_path=str(target),
         draft_paths={"draft_model": str(draft)}, draft_heads={DEFAULT_PAIR_HEAD_NAME: str(DEFAULT_PAIR_HEAD)},
-        # the layer-skip draft is the target's first layers: it runs a request's LoRA adapter on them too
-        draft_lora_layers={"draft_model": FIRST_LAYERS},
         default_draft=tn.NGRAM, dtype="float32",
         # The head's linears in 8-bit blocks on a CPU: its step streams 11 MiB instead of bfloat16's 19 (a K=4
         # call after a target step 3.6-3.8 ms against 4.4-4.8), its acceptance the same

@@ -105,12 +105,12 @@ def render(pair: PairSpec, dest: Path) -> Path:
         cfg.write_text(cfg.read_text().replace('name: "draft_model"', f'name: "{name}"'))
     if not drafts and "draft_model" not in {**pair.draft_heads, **pair.skip_drafts}:  # model-free drafting only
         shutil.rmtree(dest / "draft_model")
+    # A draft made of the target's layers may run a request's adapter too (its lora_layers; "" : not)
+    lora = {"lora_adapters": adapters, "lora_directory": pair.lora_directory, "max_loras": str(pair.max_loras),
+            "max_lora_rank": str(pair.max_lora_rank)}
     for name, path in drafts:
-        layers = pair.draft_lora_layers.get(name, "")  # one made of the target's layers runs its adapters too
-        lora = {"lora_adapters": adapters, "lora_directory": pair.lora_directory, "max_loras": str(pair.max_loras),
-                "max_lora_rank": str(pair.max_lora_rank)} if layers else {}
-        edit(name, {**lm_settings(path, "draft"), "target_tokenizer_path": pair.tokenizer_path, "lora_layers": layers,
-                    **lora}, instance_group(pair, "draft"))
+        edit(name, {**lm_settings(path, "draft"), "target_tokenizer_path": pair.tokenizer_path,
+                    "lora_layers": pair.draft_lora_layers.get(name, ""), **lora}, instance_group(pair, "draft"))
     head_weights = (pair.cpu_head_weights_dtype if pair.device == "cpu" and pair.dtype == "float32"
                     and pair.cpu_head_weights_dtype != "same" else pair.weights_dtype)
     for name, path in pair.draft_heads.items():
@@ -119,11 +119,9 @@ def render(pair: PairSpec, dest: Path) -> Path:
                     "target_draft_heads": heads, "target_tokenizer_path": pair.tokenizer_path},
              instance_group(pair, "draft"))
     for name, layers in pair.skip_drafts.items():  # the target's own weights, some layers left out
-        # (it runs a request's adapter too: it is the target, drafting as the adapted target writes)
-        lora = {"lora_adapters": adapters, "lora_directory": pair.lora_directory, "max_loras": str(pair.max_loras),
-                "max_lora_rank": str(pair.max_lora_rank)}
         edit(name, {**lm_settings(pair.target_path, "draft"), "draft_kind": "skip", "skip_layers": layers,
-                    "target_tokenizer_path": pair.tokenizer_path, "lora_layers": FIRST_LAYERS, **lora},
+                    "target_tokenizer_path": pair.tokenizer_path,
+                    "lora_layers": FIRST_LAYERS if name in pair.draft_lora_layers else "", **lora},
              instance_group(pair, "draft"))
     draft_models = ([name for name, _ in drafts] + list(pair.draft_heads) + list(pair.skip_drafts)
                     + list(pair.builtin_drafts) + combined_drafts(pair))
