@@ -86,7 +86,20 @@ def test_every_draft_call_carries_one_input_set_with_the_sampling_settings_greed
     assert pb.sent[-1][tn.RELEASE].item() and pb.sent[-1][tn.NUM_DRAFT_TOKENS].item() == 0
     assert _input_sets(pb.sent) == {frozenset([tn.INPUT_IDS, tn.CACHE_LENGTH, tn.RESERVE_TOKENS, tn.RELEASE,
                                                tn.NUM_DRAFT_TOKENS, tn.NUM_DRAFT_BRANCHES, tn.TEMPERATURE, tn.TOP_K,
-                                               tn.TOP_P, tn.MIN_P, tn.SEED])}
+                                               tn.TOP_P, tn.MIN_P, tn.SEED, tn.LORA_NAME])}
+
+
+def test_a_requests_adapter_goes_with_each_of_its_draft_calls_a_prompts_chunks_included():
+    """A draft made of the target's layers takes a sequence's adapter at its first call: a long prompt's
+    chunks (the first call) carry it as the drafting call does; without one the name is empty."""
+    pb = _Pb()
+    proposer = BlsProposer(pb, tn.DRAFT_MODEL_NAME, prefill_chunk=4)
+    assert proposer.adapts
+    asyncio.run(proposer.propose(1, 0, list(range(1, 12)), 2, SamplingParams(), 0, reserve=30, adapter="sql"))
+    assert len(pb.sent) > 1 and all(call[tn.LORA_NAME].reshape(-1)[0] == b"sql" for call in pb.sent)
+    asyncio.run(proposer.propose(2, 0, [1, 2], 2, SamplingParams(), 0))
+    assert pb.sent[-1][tn.LORA_NAME].reshape(-1)[0] == b""
+    assert not BlsProposer(pb, "head", wants_features=True).adapts  # a head drafts from the adapted features
 
 
 def test_a_long_prompt_goes_in_chunks_that_ask_for_nothing_the_first_taking_the_room():

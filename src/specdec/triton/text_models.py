@@ -165,20 +165,6 @@ class PostprocessingAdapter(TritonAdapter):
         self.cancellations = CancellationBoard()
         self.execute_clock = ExecuteClock(args["model_instance_name"])  # the watchdog's view of a hang
 
-    @staticmethod
-    def _chat_template(params: ModelParameters, args: dict) -> str | None:
-        """Parameter `chat_template`: a Jinja file replacing the tokenizer's template (vLLM's --chat-template),
-        its path absolute or relative to the model's directory (where the launcher and the chart put it);
-        "" = the tokenizer's own."""
-        name = params.str("chat_template", "")
-        if not name:
-            return None
-        path = Path(args.get("model_repository", "")) / name  # an absolute name stays itself
-        field = f"{params.model_name}: parameter 'chat_template'"
-        if not path.is_file():
-            raise ValueError(f"{field}: {str(path)!r} is not a file")
-        return read_chat_template(str(path), field)
-
     def execute(self, requests):
         with self.execute_clock:
             return self._execute(requests)
