@@ -349,7 +349,7 @@ def chat_tools(body: dict, sampling: dict, parser: str | None) -> tuple[list[dic
         if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(function, dict):
             raise invalid(f"tools[{i}]", "must be {\"type\": \"function\", \"function\": {\"name\", \"parameters\"}}")
         name = function.get("name")
-        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name):
+        if not isinstance(name, str) or not tool_calls.FUNCTION_NAME.fullmatch(name):
             raise invalid(f"tools[{i}].function.name", "must be 1-64 letters, digits, '_', '.' or '-'")
         if name in names:
             raise invalid(f"tools[{i}].function.name", f"{name} is given twice")

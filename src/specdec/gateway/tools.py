@@ -50,7 +50,7 @@ _OPENINGS = {"hermes": _HERMES_OPEN, "mistral": _MISTRAL_CALLS, "qwen3_coder": _
              "qwen3_xml": _HERMES_OPEN}
 _FUNCTION = re.compile(r"\s*<function=([^>\n]*)>(.*?)</function>\s*", re.DOTALL)  # a call cut short is none
 _PARAMETER = re.compile(r"<parameter=([^>\n]*)>(.*?)(?:</parameter>|(?=<parameter=)|$)", re.DOTALL)
-_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # a function's name, as requests' tools are checked
+FUNCTION_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # a function's name: a request's tools', a parsed call's
 _ALNUM = string.ascii_letters + string.digits
 MISTRAL_ID_LENGTH = 9  # Mistral's chat templates refuse a tool call id of other length or characters
 
@@ -195,7 +195,7 @@ def _mistral(text: str) -> tuple[str | None, list[dict]]:
             continue
         head, sep, arguments = part.partition(_MISTRAL_ARGS)  # name[ARGS]{...}, or name[CALL_ID]id[ARGS]{...}
         name, _, given = head.partition(_MISTRAL_CALL_ID)
-        if not sep or not _NAME.fullmatch(name.strip()):
+        if not sep or not FUNCTION_NAME.fullmatch(name.strip()):
             return text, []
         try:
             value = json_text.parse(arguments.strip())
@@ -216,7 +216,7 @@ def _qwen3_coder(text: str, schemas: dict) -> tuple[str | None, list[dict]]:
     for block in _HERMES.findall(text[start:]):
         found = _FUNCTION.fullmatch(block)
         name = found.group(1).strip() if found else ""
-        if not _NAME.fullmatch(name):
+        if not FUNCTION_NAME.fullmatch(name):
             return text, []  # a block that is no call: the answer stays text
         properties = (schemas.get(name) or {}).get("properties") or {}
         arguments = {}
