@@ -215,6 +215,9 @@ TEXT_LENGTH = "text_length"  # INT32 [1]: characters of the decoded chunk to kee
 # BOOL [1]: whether the chunk's text leaves special tokens out (vLLM's skip_special_tokens, a sampling setting;
 # true unless the request says false)
 SKIP_SPECIAL_TOKENS = "skip_special_tokens"
+# sampling_parameters' key of this server's own: true with no max_tokens generates what the context leaves (up to
+# max_max_tokens), what OpenAI's and vLLM's APIs do; the OpenAI API sends it with every request
+MAX_TOKENS_TO_CONTEXT = "max_tokens_to_context"
 SEQUENCE_ID = "sequence_id"  # UINT64 [1]: the generation's key, for cancellation flags
 RELEASE = "release"  # BOOL [1]: free this sequence's cache (sent with the sequence END flag)
 

@@ -15,6 +15,7 @@ import yaml
 import helm_python  # noqa: E402
 from helm_python import Chart  # noqa: E402
 
+from specdec.decoding.generation_config import SAMPLING_KEYS  # noqa: E402
 from specdec.gateway.response_store import DEFAULT_MB as RESPONSES_STORE_MB  # noqa: E402
 from specdec.serving import launcher, repository  # noqa: E402
 from specdec.serving.pairs import REPO_ROOT, PairSpec  # noqa: E402
@@ -339,6 +340,7 @@ def pair_for(values: dict) -> PairSpec:
         lora_adapters={adapter["name"]: adapter["path"] for adapter in models["loraAdapters"]},
         lora_directory=models["loraDirectory"], max_loras=models["maxLoras"], max_lora_rank=models["maxLoraRank"],
         chat_template=models["chatTemplate"], trust_request_chat_template=models["trustRequestChatTemplate"],
+        generation_config="" if models["generationConfig"] in ("auto", "vllm") else models["generationConfig"],
         draft_lora_layers={"draft_model": models["draft"]["loraLayers"]}
         if method == "model" and models["draft"]["loraLayers"] else {})
 
@@ -544,6 +546,37 @@ def test_runtime_lora_updating_links_adapters_in_a_writable_claim_the_models_rea
     assert lora_directory(render_chart({}), "target_model") == ""
 
 
+@pytest.mark.parametrize("given, param, flag", [("auto", "/models/target", "auto"), ("vllm", "/models/target", "vllm"),
+                                                ("/models/gen", "/models/gen", "auto")])
+def test_the_models_generation_config_reaches_the_orchestrator_and_the_launcher_as_the_launcher_renders_it(
+        given, param, flag, tmp_path):
+    """models.generationConfig (vLLM's --generation-config): the orchestrator reads the file it names for its end
+    tokens (the target's unless a directory is given: the configs equal the launcher's); vllm reaches the
+    launcher, which keeps the model's sampling defaults from the OpenAI API; openai.overrideGenerationConfig
+    reaches it as JSON the launcher takes."""
+    from specdec.serving.gateway_process import repository_generation_config
+
+    override = {"temperature": 0.5, "top_k": None, "max_new_tokens": 256}
+    values = {"models": {"generationConfig": given}, "openai": {"overrideGenerationConfig": override}}
+    docs = render_chart(values)
+    (configs,) = [d for d in by_kind(docs, "ConfigMap") if d["metadata"]["name"].endswith("-model-config")]
+    repo = render(pair_for(chart_values(values)), tmp_path / "repo")
+    text = (repo / "speculative_decoding" / "config.pbtxt").read_text()
+    assert normalized(configs["data"]["speculative_decoding.config.pbtxt"]) == normalized(text)
+    assert repository_generation_config(repo) == param
+    triton = deployment(docs)["spec"]["template"]["spec"]["containers"][0]
+    args = launcher.parse_args(triton["args"])
+    assert args.generation_config == flag and json.loads(args.override_generation_config) == override
+    default = deployment(render_chart({}))["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert (launcher.parse_args(default).generation_config, launcher.parse_args(default).override_generation_config) \
+        == ("auto", "")
+    with pytest.raises(helm_python.HelmError, match="invalid propertyName 'temp'"):
+        render_chart({"openai": {"overrideGenerationConfig": {"temp": 0.5}}})
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    keys = schema["properties"]["openai"]["properties"]["overrideGenerationConfig"]["propertyNames"]["enum"]
+    assert keys == list(SAMPLING_KEYS)  # the keys the launcher takes
+
+
 def test_a_chat_template_is_mounted_beside_preprocessings_config_as_the_launcher_writes_it(tmp_path):
     """models.chatTemplate: the ConfigMap holds it (quotes, newlines and braces intact), mounted where
     preprocessing's chat_template parameter points and the launcher finds it for the OpenAI API; the configs
@@ -583,3 +616,22 @@ def test_the_executor_choices_are_the_models_own():
     schema = json.loads((REPO_ROOT / "helm" / "specdec-triton" / "values.schema.json").read_text())
     executor = schema["properties"]["executor"]["properties"]
     assert executor["kind"]["enum"] == list(tn.EXECUTORS) and executor["compile"]["enum"] == list(tn.COMPILE_MODES)
+
+
+def test_the_origins_of_browser_pages_reach_the_launcher_and_the_openai_apis_process():
+    """openai.allowedOrigins (vLLM's --allowed-origins; ["*"] by default, as vLLM's) and allowCredentials."""
+    from specdec.gateway.__main__ import parse_args as gateway_args
+    from specdec.serving.gateway_process import GatewayProcess
+
+    default = launcher.parse_args(deployment(render_chart({}))["spec"]["template"]["spec"]["containers"][0]["args"])
+    assert (json.loads(default.allowed_origins), default.allow_credentials) == (["*"], False)
+    pages = ["https://chat.example.com", "https://lab.example.com"]
+    args = launcher.parse_args(deployment(render_chart({"openai": {"allowedOrigins": pages, "allowCredentials": True}}))
+                               ["spec"]["template"]["spec"]["containers"][0]["args"])
+    assert (json.loads(args.allowed_origins), args.allow_credentials) == (pages, True)
+    process = GatewayProcess(9000, 8001, ["a"], "/w/tok", 30.0, {}, cors=(args.allowed_origins, args.allowed_methods,
+                                                                         args.allowed_headers, args.allow_credentials))
+    api = gateway_args(process.command[3:])
+    assert (json.loads(api.allowed_origins), api.allowed_methods, api.allow_credentials) == (pages, '["*"]', True)
+    with pytest.raises(SystemExit):
+        launcher.parse_args(["--allowed-origins", "https://chat.example.com"])  # not JSON: refused at start

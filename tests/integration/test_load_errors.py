@@ -39,8 +39,17 @@ def broken(tmp_path_factory) -> dict[str, str]:
     # the tiny target has 2 layers: neither is an intermediate one, so layer 1 cannot be skipped
     pair = dataclasses.replace(pairs.tiny_pair(), skip_drafts={"draft_skip": "1"}, orchestrator_instances=1)
     repo = repository.render(pair, tmp_path / "repo")
+    # Generation configs the orchestrator cannot read (before its own parameter is broken below)
+    bad_json = tmp_path / "bad-generation-config"
+    bad_json.mkdir()
+    (bad_json / "generation_config.json").write_text("{not json")
+    wide = tmp_path / "wide-generation-config"
+    wide.mkdir()
+    (wide / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 10 ** 6]}))
+    generation = [_copy(repo, "speculative_decoding", "generation_unreadable", "generation_config", str(bad_json)),
+                  _copy(repo, "speculative_decoding", "generation_wide", "generation_config", str(wide))]
     repository.override(repo, "speculative_decoding.default_num_draft_tokens=lots")
-    models = ["speculative_decoding", "draft_skip",
+    models = [*generation, "speculative_decoding", "draft_skip",
               _copy(repo, "target_model", "target_missing", "model_path", "/nonexistent/target-weights"),
               _copy(repo, "target_model", "target_threads_many", "torch_threads", "many"),
               _copy(repo, "target_model", "target_threads_0", "torch_threads", "0"),
@@ -121,3 +130,9 @@ def test_a_chat_template_that_does_not_compile_or_is_not_there_fails_the_load_na
             "(TemplateSyntaxError") in broken["template_broken"]
     assert ("template_missing: parameter 'chat_template': '/nonexistent/template.jinja' is not a file"
             in broken["template_missing"])
+
+
+def test_a_generation_config_the_orchestrator_cannot_use_fails_the_load_naming_it(broken):
+    assert ("generation_unreadable: parameter 'generation_config': cannot read" in broken["generation_unreadable"])
+    assert ("generation_wide: parameter 'generation_config': eos_token_id [2, 1000000] is not token ids within"
+            in broken["generation_wide"])

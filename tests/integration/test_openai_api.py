@@ -1500,3 +1500,46 @@ def test_every_field_of_every_endpoint_with_a_wrong_value_gets_a_4xx_and_the_ser
                     unanswered.append((endpoint, field, value, repr(error)))
     assert not unanswered, unanswered
     assert api.chat.completions.create(model=model, messages=CHAT, max_tokens=2).choices[0].finish_reason
+
+
+def _http(url: str, method: str, headers: dict, body: dict | None = None) -> tuple[int, dict, bytes]:
+    request = urllib.request.Request(url, method=method, headers={"Content-Type": "application/json", **headers},
+                                     data=None if body is None else json.dumps(body).encode())
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.status, dict(response.headers), response.read()
+    except urllib.error.HTTPError as error:
+        return error.code, dict(error.headers), error.read()
+
+
+def test_a_browser_page_may_call_the_api_as_on_vllm_and_only_the_origins_allowed(server, model):
+    """CORS (vLLM's --allowed-origins): a page's preflight is answered, and a streamed answer carries the header
+    the browser needs to hand it to the page; with origins given, another's preflight is refused by name."""
+    page = "https://chat.example.com"
+    ask = {"Origin": page, "Access-Control-Request-Method": "POST",
+           "Access-Control-Request-Headers": "authorization, content-type"}
+    chat = {"model": model, "messages": CHAT, "max_tokens": 4, "temperature": 0, "stream": True}
+    status, headers, _ = _http(server.openai_url + "/chat/completions", "OPTIONS", ask)
+    assert status == 200 and headers["Access-Control-Allow-Origin"] == "*"
+    assert headers["Access-Control-Allow-Headers"] == "authorization, content-type"
+    status, headers, body = _http(server.openai_url + "/chat/completions", "POST", {"Origin": page}, chat)
+    assert status == 200 and headers["Access-Control-Allow-Origin"] == "*" and body.rstrip().endswith(b"[DONE]")
+    with own_gateway(server, model, "--allowed-origins", json.dumps([page]), "--api-key", "k") as port:
+        url = f"http://127.0.0.1:{port}/v1/chat/completions"
+        status, _, body = _http(url, "OPTIONS", {**ask, "Origin": "https://elsewhere.example"})
+        assert (status, body) == (400, b"Disallowed CORS origin")
+        status, headers, _ = _http(url, "OPTIONS", ask)  # no key: a preflight never carries one
+        assert status == 200 and headers["Access-Control-Allow-Origin"] == page and headers["Vary"] == "Origin"
+        status, headers, body = _http(url, "POST", {"Origin": page, "Authorization": "Bearer k"}, chat)
+        assert status == 200 and headers["Access-Control-Allow-Origin"] == page and body.rstrip().endswith(b"[DONE]")
+
+
+def test_a_request_without_max_tokens_runs_until_the_context_is_full_as_on_openai(server, api, model):
+    """No max_tokens: what the context leaves (OpenAI's and vLLM's rule), not the Triton API's default_max_tokens
+    (64), which would leave this prompt no room at all; one token more of prompt and nothing is left."""
+    context = 1024  # the tiny pair's (pairs.tiny_pair)
+    prompt = [7] * (context - 24)
+    answer = api.completions.create(model=model, prompt=prompt, temperature=0, extra_body={"ignore_eos": True})
+    assert (answer.usage.completion_tokens, answer.choices[0].finish_reason) == (24, "length")
+    with pytest.raises(openai.BadRequestError, match="leaves none to generate"):
+        api.completions.create(model=model, prompt=[7] * context, temperature=0)

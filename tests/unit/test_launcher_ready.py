@@ -379,6 +379,52 @@ def test_a_chat_template_reaches_preprocessing_and_the_openai_api_and_bare_means
         assert "--model-repository is served as is" in capsys.readouterr().err
 
 
+def test_the_models_generation_config_reaches_the_orchestrator_and_the_openai_api(tmp_path, monkeypatch, capsys):
+    """--generation-config auto|vllm|DIR (vLLM's): the orchestrator reads the target's file (or DIR's) for its end
+    tokens; the OpenAI API's process reads the same file for its sampling defaults, none of it with vllm; an
+    --override-generation-config reaches it. A file or override it could not use stops the launcher first."""
+    import json
+
+    from specdec.gateway.__main__ import parse_args as gateway_args
+    from specdec.serving import repository
+    from specdec.serving.gateway_process import GatewayProcess, repository_generation_config
+    from specdec.serving.pairs import PairSpec
+
+    plain = repository.render(PairSpec(name="t", target_path="/w/target", tokenizer_path="/w/tok"), tmp_path / "r1")
+    assert repository_generation_config(plain) == "/w/target"  # the target's, not the tokenizer's
+    other = repository.render(PairSpec(name="t", target_path="/w/target", tokenizer_path="/w/tok",
+                                       generation_config="/w/gen"), tmp_path / "r2")
+    assert repository_generation_config(other) == "/w/gen"
+    for given, expected in ((("/w/gen", '{"temperature": 0}'), ("/w/gen", '{"temperature": 0}')),
+                            (("vllm", ""), ("vllm", "")), (("", ""), ("vllm", ""))):  # no file: no defaults
+        args = gateway_args(GatewayProcess(9000, 8001, ["a"], "/w/tok", 30.0, {}, generation_config=given).command[3:])
+        assert (args.generation_config, args.override_generation_config) == expected
+
+    rendered = []
+    monkeypatch.setattr(launcher.repository, "render", lambda pair, dest: rendered.append(pair) or dest)
+    monkeypatch.setattr(launcher, "triton_layout", lambda *a, **k: (_ for _ in ()).throw(SystemExit(7)))
+    (gen := tmp_path / "gen").mkdir()
+    (gen / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 3], "temperature": 0.6}))
+    for flags, expected in (([], ""), (["--generation-config", "vllm"], ""), (["--generation-config", str(gen)], str(gen))):
+        rendered.clear()
+        with pytest.raises(SystemExit):
+            launcher.main(["--pair", "tiny", "--run-dir", str(tmp_path), *flags])
+        assert rendered[0].generation_config == expected, flags
+    (gen / "generation_config.json").write_text(json.dumps({"temperature": -1}))
+    rendered.clear()
+    assert launcher.main(["--pair", "tiny", "--run-dir", str(tmp_path), "--generation-config", str(gen)]) == 2
+    assert not rendered and "--generation-config: temperature -1 is out of range" in capsys.readouterr().err
+    assert launcher.main(["--pair", "tiny", "--run-dir", str(tmp_path), "--generation-config", str(tmp_path / "x")]) == 2
+    assert "is neither a model directory nor a generation_config.json" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        launcher.parse_args(["--pair", "tiny", "--override-generation-config", '{"temp": 1}'])
+    assert "'temp' is no sampling default" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        launcher.parse_args(["--model-repository", str(tmp_path), "--generation-config", str(gen)])
+    assert "--model-repository is served as is" in capsys.readouterr().err
+    assert launcher.parse_args(["--model-repository", str(tmp_path), "--generation-config", "vllm"])
+
+
 def test_the_openai_apis_process_refuses_a_chat_template_it_cannot_use(tmp_path, capsys):
     from specdec.gateway import __main__ as gateway_main
     from specdec.serving.pairs import smollm2_tokenizer_dir
@@ -429,3 +475,18 @@ def test_a_draft_made_of_the_targets_layers_is_told_so_and_drafts_with_the_reque
         # (every draft takes the target's adapters; those with lora_layers "" never run one)
         assert f'key: "lora_layers", value: {{ string_value: "{layers}" }}' in config[name], name
         assert 'key: "lora_adapters", value: { string_value: "sql=/w/sql" }' in config[name], name
+
+
+def test_vllms_enable_auto_tool_choice_is_taken_with_a_parser_and_refused_without_one(capsys):
+    """vLLM's command lines pass --enable-auto-tool-choice with --tool-call-parser: both serve them unchanged (not a
+    flag tritonserver would be handed and refuse); alone it is refused, as vLLM refuses it."""
+    from specdec.gateway import __main__ as gateway_main
+
+    args = launcher.parse_args(["--pair", "tiny", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
+    assert args.tool_call_parser == "hermes" and not any("auto-tool" in arg for arg in args.server_args)
+    assert gateway_main.parse_args(["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]).enable_auto_tool_choice
+    with pytest.raises(SystemExit):
+        launcher.parse_args(["--pair", "tiny", "--enable-auto-tool-choice"])
+    assert "--enable-auto-tool-choice needs --tool-call-parser" in capsys.readouterr().err
+    assert gateway_main.main(["--served-model-name", "m", "--enable-auto-tool-choice"]) == 2
+    assert "--enable-auto-tool-choice needs --tool-call-parser" in capsys.readouterr().err

@@ -202,7 +202,8 @@ def test_completions_take_one_prompt_and_logprobs_zero():
                             "temperature": 0, "ignore_eos": True, "min_tokens": 3}, SERVED)
     assert gen.choices[0][tn.TEXT_INPUT][0, 0] == b"only" and gen.logprobs and gen.choices[0][tn.RETURN_LOG_PROBS][0, 0]
     assert gen.stream and gen.include_usage and gen.continuous_usage and gen.choices[0][tn.STREAM][0, 0]
-    assert sampling(gen) == {"temperature": 0, "ignore_eos": True, "min_tokens": 3}
+    # no max_tokens: what the context leaves (the server's max_max_tokens at most), as on OpenAI's API and vLLM's
+    assert sampling(gen) == {"temperature": 0, "ignore_eos": True, "min_tokens": 3, tn.MAX_TOKENS_TO_CONTEXT: True}
     for body, param in (({"prompt": []}, "prompt"), ({"prompt": [[1], []]}, "prompt"), ({"prompt": ["a", 3]}, "prompt"),
                         ({"prompt": [-1]}, "prompt"), ({"prompt": [True]}, "prompt"), ({"prompt": ["a", [3]]}, "prompt"),
                         ({"prompt": "a", "echo": 1}, "echo"),

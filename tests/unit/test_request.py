@@ -630,3 +630,22 @@ def test_a_lora_name_of_the_directory_of_adapters_is_admitted(tmp_path):
     for wrong in ("nope", "team", "../sql", "team/../sql"):
         with pytest.raises(InputError, match=f"no LoRA adapter '{re.escape(wrong)}' \\(served: none; none in {tmp_path}"):
             name(wrong)
+
+
+def test_max_tokens_to_context_generates_what_the_context_leaves_when_no_max_tokens_is_given():
+    """The OpenAI API's requests (OpenAI's and vLLM's rule): no max_tokens runs to the end of the context, at most
+    max_max_tokens; a max_tokens given wins; a prompt that fills the context is refused naming it."""
+    to_context = {tn.MAX_TOKENS_TO_CONTEXT: True}
+    prompt = np.array([list(range(10, 70))], dtype=np.int32)  # 60 tokens in a context of 64
+    assert parse(**{tn.INPUT_IDS: prompt, **_vllm(to_context)}).generation.max_tokens == 4
+    short = parse(**_vllm(to_context)).generation  # 3 tokens: the rest of the context is over max_max_tokens
+    assert short.max_tokens == min(LIMITS.max_max_tokens, LIMITS.max_context - 3)
+    assert parse(**_vllm({**to_context, "max_tokens": 2})).generation.max_tokens == 2
+    assert parse(**_vllm({tn.MAX_TOKENS_TO_CONTEXT: False})).generation.max_tokens == LIMITS.default_max_tokens
+    assert parse().generation.max_tokens == LIMITS.default_max_tokens  # the Triton API's default, unchanged
+    cut = parse(**{tn.INPUT_IDS: prompt, **_vllm({**to_context, "truncate_prompt_tokens": -1})}).generation
+    assert (len(cut.prompt_ids), cut.max_tokens) == (60, 4)  # fits already: -1 keeps it whole
+    full = np.array([list(range(64))], dtype=np.int32)
+    with pytest.raises(InputError, match="'text_input' has 64 tokens: the model context of 64 tokens leaves none"):
+        parse(**{tn.INPUT_IDS: full, **_vllm(to_context)})
+    assert parse(**{tn.INPUT_IDS: full, **_vllm({**to_context, "truncate_prompt_tokens": -1})}).generation.max_tokens == 1

@@ -333,6 +333,7 @@ output [
   { name: "output_prompt_top_log_probs", data_type: TYPE_FP32, dims: [ -1, -1 ] }
 ]
 {{ include "specdec.param" (list "tokenizer_path" (include "specdec.tokenizerPath" .)) }}
+{{ include "specdec.param" (list "generation_config" (ternary .Values.models.target.path .Values.models.generationConfig (has .Values.models.generationConfig (list "auto" "vllm")))) }}
 {{ include "specdec.param" (list "target_model" "target_model") }}
 {{ include "specdec.param" (list "draft_models" (get (dict "model" "draft_model,ngram,suffix,ngram+draft_model" "head" "draft_model,ngram,suffix,ngram+draft_model" "skip" "draft_model,ngram,suffix,ngram+draft_model" "ngram" "ngram,suffix" "suffix" "suffix,ngram") .Values.models.draft.method)) }}
 {{ include "specdec.param" (list "lora_adapters" (include "specdec.loraAdapters" .)) }}

@@ -17,6 +17,7 @@ talking to the ensemble over gRPC; the launcher runs it beside the server (OPENA
              directory of adapters
   tokenization  vLLM's tokenizer endpoints: /tokenize, /detokenize, /tokenizer_info (pure)
   upstream   one ensemble gRPC stream per request (tritonclient asyncio), cancelled when the caller leaves
+  cors       which browser pages may call it (vLLM's --allowed-origins): preflights, the headers of answers
   metrics    the API's own Prometheus metrics (GET /metrics): requests by route and status, time to first
              token, tokens, stored and background responses
   app        the HTTP endpoints (aiohttp): chat, completions, responses (and stored ones), models, health, the
@@ -25,6 +26,6 @@ talking to the ensemble over gRPC; the launcher runs it beside the server (OPENA
   __main__   the command line
 
 May import: `specdec.tensor_names`, `specdec.decoding.text` (the tokenizer: log-probabilities' tokens, echoed
-prompts, the tokenizer endpoints), `specdec.triton.metrics`' buckets (the server's, so that quantiles compare)
+prompts, the tokenizer endpoints), `specdec.decoding.generation_config` (the model's sampling defaults), `specdec.triton.metrics`' buckets (the server's, so that quantiles compare)
 and `specdec.engine.lora_config` (a directory's LoRA adapters, torch-free).
 """

@@ -14,9 +14,11 @@ import sys
 
 from aiohttp import web
 
+from specdec.decoding.generation_config import AUTO, api_defaults
 from specdec.gateway import protocol
 from specdec.gateway.adapters import RUNTIME_ENV, allowed_by_environment
 from specdec.gateway.app import KEEPALIVE_S, Gateway
+from specdec.gateway.cors import ANY_JSON as CORS_ANY, policy_from_flags
 from specdec.gateway.reasoning import PARSERS as REASONING_PARSERS
 from specdec.gateway.response_store import (DEFAULT_MB as DEFAULT_RESPONSES_STORE_MB, MIB, ResponseStore,
                                             SharedResponseStore)
@@ -55,6 +57,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--chat-template", default="", metavar="FILE_OR_TEMPLATE",
                         help="a chat template replacing the tokenizer's (vLLM's flag; the one the server's "
                              "preprocessing uses), for /tokenize and counting a chat's prompt tokens")
+    parser.add_argument("--generation-config", default=AUTO, metavar="auto|vllm|DIR",
+                        help="the sampling defaults of a request that leaves them out (vLLM's flag): auto, the "
+                             "model's generation_config.json (--tokenizer's directory: temperature, top_p, top_k, "
+                             "min_p, repetition_penalty, max_new_tokens); vllm, OpenAI's; or a directory's file")
+    parser.add_argument("--override-generation-config", default="", metavar="JSON",
+                        help='sampling defaults over those (vLLM\'s flag), e.g. \'{"temperature": 0.5}\'; null '
+                             "removes one")
+    parser.add_argument("--allowed-origins", default=CORS_ANY, metavar="JSON",
+                        help='the origins of browser pages that may call the API (vLLM\'s flag, a JSON list; '
+                             '"*": any, the default; [] none)')
+    parser.add_argument("--allowed-methods", default=CORS_ANY, metavar="JSON", help="their methods (JSON list)")
+    parser.add_argument("--allowed-headers", default=CORS_ANY, metavar="JSON", help="their headers (JSON list)")
+    parser.add_argument("--allow-credentials", action="store_true",
+                        help="their cookies and HTTP authentication (Access-Control-Allow-Credentials)")
     parser.add_argument("--trust-request-chat-template", action="store_true",
                         help="pass a request's own chat_template on (vLLM's flag; the server's preprocessing must "
                              "take it too); without it such a request is refused")
@@ -67,6 +83,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help=f"require this key (default: ${API_KEY_ENV}; none: no check)")
     parser.add_argument("--tool-call-parser", choices=PARSERS, default=None,
                         help="how the model writes tool calls: tool_choice \"auto\" reads them (none: auto refused)")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help="vLLM's flag, taken so that its command lines serve unchanged: tool_choice \"auto\" is on "
+                             "wherever --tool-call-parser names the model's format (which it needs)")
     parser.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
                         help="a reasoning model's thinking apart from its answer (the chat API's reasoning_content, "
                              "the Responses API's reasoning item; a structured output constrains the answer only): "
@@ -94,6 +113,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        log("--enable-auto-tool-choice needs --tool-call-parser (how the model writes its calls)")
+        return 2
     if not args.served_model_name:
         log("--served-model-name is required (the name clients send as `model`)")
         return 2
@@ -112,6 +134,16 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as exc:
             log(str(exc))
             return 2
+    try:
+        defaults = api_defaults(args.generation_config, args.tokenizer, args.override_generation_config)
+        cors = policy_from_flags(args.allowed_origins, args.allowed_methods, args.allowed_headers,
+                                 args.allow_credentials)
+    except ValueError as exc:
+        log(str(exc))
+        return 2
+    if defaults:  # as vLLM says it: a client's unchanged request samples otherwise than on OpenAI's defaults
+        log(f"sampling defaults of a request that leaves them out: {defaults} (the model's generation config "
+            "and --override-generation-config; --generation-config vllm for OpenAI's)")
     budget = int(max(args.responses_store_mb, 0.0) * MIB)
     store = SharedResponseStore(args.responses_store_dir, budget) if args.responses_store_dir and budget \
         else ResponseStore(budget)
@@ -122,11 +154,12 @@ def main(argv: list[str] | None = None) -> int:
     gateway = Gateway(Upstream(args.grpc_url), served, tokenizer, args.api_key or None,
                       args.tool_call_parser, args.max_model_len, args.reasoning_parser, store, args.default_max_tokens,
                       args.drain_timeout, args.stream_keepalive, args.allow_runtime_lora_updating, log,
-                      trust_templates=args.trust_request_chat_template)
+                      trust_templates=args.trust_request_chat_template, sampling_defaults=defaults, cors=cors)
     log(f"OpenAI API: http://{args.host}:{args.port}/v1 (models {', '.join(args.served_model_name + args.lora_module)}"
         f"{', those of ' + args.lora_directory if args.lora_directory else ''}"
         f"{', loaded and unloaded at run time' if args.allow_runtime_lora_updating else ''}; "
-        f"server {args.grpc_url}; API key {'required' if args.api_key else 'not required'}; stored responses "
+        f"server {args.grpc_url}; API key {'required' if args.api_key else 'not required'}; browser pages of "
+        f"{'any origin' if '*' in cors.origins else ', '.join(cors.origins) or 'no origin'}; stored responses "
         f"{'in ' + args.responses_store_dir if isinstance(store, SharedResponseStore) else 'in memory'})")
     web.run_app(gateway.app(), host=args.host, port=args.port, print=None, access_log=None,
                 shutdown_timeout=args.drain_timeout, handler_cancellation=True)

@@ -27,6 +27,7 @@ from specdec.gateway import (adapters, batches, conversations, messages, metrics
                              tokenization, tools)
 from specdec.gateway.protocol import STATS_FIELD, ApiError, Generation
 from specdec.gateway.background import BackgroundResponses
+from specdec.gateway.cors import CorsPolicy
 from specdec.gateway.response_store import NotStored, ResponseStore, in_store
 from specdec.gateway.upstream import Piece, Upstream
 
@@ -51,7 +52,8 @@ class Gateway:
                  tool_parser: str | None = None, max_model_len: int = 0, reasoning_parser: str | None = None,
                  store: ResponseStore | None = None, default_max_tokens: int = 0, drain_timeout_s: float = 60.0,
                  keepalive_s: float = KEEPALIVE_S, runtime_lora: bool = False,
-                 log: Callable[[str], None] = lambda message: None, trust_templates: bool = False):
+                 log: Callable[[str], None] = lambda message: None, trust_templates: bool = False,
+                 sampling_defaults: dict | None = None, cors: CorsPolicy = CorsPolicy()):
         """tokenizer: the target's (a transformers tokenizer), for the text of log-probabilities' tokens and of
         echoed token-id prompts, and the tokenizer endpoints; None: tokens show as `token_id:N`, and those
         need it. max_model_len: the server's context in tokens (model cards, /tokenize; 0: not known).
@@ -61,11 +63,16 @@ class Gateway:
         keepalive_s: how long a streamed answer may be silent before a comment line keeps its connection
         (`_waited`; 0: never). runtime_lora: vLLM's load_lora_adapter and unload_lora_adapter (adapters.py;
         `served` must have a directory of adapters). log: where what changes the served models is written.
-        trust_templates: a request's own chat template is passed on (the server must take it too), else refused."""
+        trust_templates: a request's own chat template is passed on (the server must take it too), else refused.
+        sampling_defaults: what a request that leaves sampling fields out gets besides OpenAI's defaults (the
+        model's generation config, generation_config.sampling_defaults; None: OpenAI's alone). cors: which
+        browser pages may call it (cors.py; default: any, as vLLM's)."""
         self.upstream, self.served, self.tokenizer, self.api_key = upstream, served, tokenizer, api_key
         self.token_text: TokenText | None = token_text_from(tokenizer) if tokenizer is not None else None
         self.tool_parser = tool_parser  # tools.PARSERS: how the model writes calls (tool_choice "auto")
         self.trust_templates = trust_templates
+        self.sampling_defaults = {**protocol.DEFAULT_SAMPLING, **(sampling_defaults or {})}
+        self.cors = cors
         self.reasoning_parser = reasoning_parser  # reasoning.PARSERS: a chat's thinking apart (None: not split)
         self.max_model_len, self.default_max_tokens = max_model_len, default_max_tokens
         self.keepalive_s = keepalive_s
@@ -82,7 +89,10 @@ class Gateway:
         self.log = log
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._counted, self._errors], client_max_size=16 * 1024 * 1024)
+        # CORS first: a browser's preflight is answered before the API key is asked for (it never carries one)
+        app = web.Application(middlewares=[self.cors.middleware(), self._counted, self._errors],
+                              client_max_size=16 * 1024 * 1024)
+        app.on_response_prepare.append(self.cors.on_prepare)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/responses", self.responses)
@@ -214,7 +224,7 @@ class Gateway:
         return await self._answer(request, self._completion(await self._body(request)))
 
     def _completion(self, body) -> Generation:
-        gen = protocol.parse_completion(body, self.served)
+        gen = protocol.parse_completion(body, self.served, self.sampling_defaults)
         if gen.echo and self.tokenizer is None and any(not isinstance(prompt, str) for prompt in gen.echo):
             raise protocol.invalid("echo", "of a prompt of token ids needs the API's tokenizer (--tokenizer)")
         return gen
@@ -910,7 +920,7 @@ class Gateway:
     def _parse_chat(self, body: dict) -> Generation:
         """A chat body (the chat API's, or one the Messages and Responses APIs made) with this API's settings."""
         return protocol.parse_chat(body, self.served, self.tool_parser, self.reasoning_parser,
-                                   trust_template=self.trust_templates)
+                                   trust_template=self.trust_templates, defaults=self.sampling_defaults)
 
     def _tokenizer(self):
         if self.tokenizer is None:

@@ -53,6 +53,9 @@ CHAT_FIELDS = (*COMMON_FIELDS, "messages", "max_completion_tokens", "top_logprob
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 COMPLETION_FIELDS = (*COMMON_FIELDS, "prompt", "echo", "suffix", "best_of")
 OPENAI_TEMPERATURE = 1.0  # OpenAI's default: a request that sets no temperature samples
+# What a request that leaves them out gets: OpenAI's, unless the model's generation config says more (the API's
+# --generation-config, generation_config.sampling_defaults merged over these)
+DEFAULT_SAMPLING = {"temperature": OPENAI_TEMPERATURE}
 MAX_CHOICES = 128  # OpenAI's bound on `n`; here also on n x prompts (each choice is a sequence of the server's)
 STATS = (tn.NUM_ROUNDS, tn.TOTAL_DRAFT_TOKENS, tn.TOTAL_ACCEPTED_DRAFT_TOKENS, tn.ACCEPTANCE_RATE,
          tn.MEAN_ACCEPTED_LENGTH)
@@ -102,6 +105,7 @@ class Generation:
     # sent, per choice (a string, or token ids the gateway decodes)
     echo: list[str | list[int]] | None = None
     score_only: bool = False  # echo with max_tokens 0: the prompt's scores, nothing generated (one is, unsent)
+    sampling: dict = field(default_factory=dict)  # the sampling settings sent, defaults included (the echoes')
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -183,8 +187,9 @@ def _choices_per_prompt(body: dict) -> int:
     return 1 if n is None else n
 
 
-def _common(body: dict, chat: bool) -> tuple[dict, dict[str, np.ndarray], dict]:
-    """(sampling_parameters, other inputs, stream settings) of the fields both endpoints take."""
+def _common(body: dict, chat: bool, defaults: dict | None) -> tuple[dict, dict[str, np.ndarray], dict]:
+    """(sampling_parameters, other inputs, stream settings) of the fields both endpoints take; `defaults`: the
+    sampling fields' values where the body has none (None: OpenAI's, DEFAULT_SAMPLING)."""
     stream = bool(_typed(body, "stream", (bool,), "a boolean"))
     options = _typed(body, "stream_options", (dict,), "an object")
     if options is not None and not stream:
@@ -200,13 +205,17 @@ def _common(body: dict, chat: bool) -> tuple[dict, dict[str, np.ndarray], dict]:
 
     # null and [] are unset (clients send `stop: []`, LangChain `stop: null`)
     sampling = {name: body[name] for name in SAMPLING_FIELDS if body.get(name) not in (None, [])}
-    sampling.setdefault("temperature", OPENAI_TEMPERATURE)
+    for name, value in (DEFAULT_SAMPLING if defaults is None else defaults).items():
+        sampling.setdefault(name, value)
     limits = [(name, _typed(body, name, (int,), "an integer")) for name in ("max_completion_tokens", "max_tokens")
               if body.get(name) is not None]
     if len({value for _, value in limits}) > 1:
         raise invalid("max_completion_tokens", "and max_tokens differ; send one")
     if limits:
         sampling["max_tokens"] = limits[0][1]
+    elif "max_tokens" not in sampling:  # OpenAI's: an answer runs until it ends or the context is full (up to
+        # the server's max_max_tokens), not the Triton API's default_max_tokens
+        sampling[tn.MAX_TOKENS_TO_CONTEXT] = True
     bias = _typed(body, "logit_bias", (dict,), "an object of token ids to biases")
     if bias:
         sampling["logit_bias"] = bias  # token ids as JSON keys (strings); the server checks ids and ranges
@@ -387,10 +396,11 @@ def chat_tools(body: dict, sampling: dict, parser: str | None) -> tuple[list[dic
 
 
 def parse_chat(body: dict, served: tuple[str, ...], tool_parser: str | None = None,
-               reasoning_parser: str | None = None, trust_template: bool = False) -> Generation:
+               reasoning_parser: str | None = None, trust_template: bool = False,
+               defaults: dict | None = None) -> Generation:
     """A /v1/chat/completions body -> the ensemble's inputs (ApiError naming the field otherwise).
     trust_template: a request's own `chat_template` is passed on (vLLM's --trust-request-chat-template), else
-    refused."""
+    refused. defaults: the sampling fields' values where the body has none (None: DEFAULT_SAMPLING)."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     _check_fields(body, CHAT_FIELDS)
@@ -399,7 +409,7 @@ def parse_chat(body: dict, served: tuple[str, ...], tool_parser: str | None = No
         if body.get(name) not in (None, "none", []):
             raise invalid(name, "is not supported: send tools and tool_choice")
     n = _choices_per_prompt(body)
-    sampling, inputs, stream = _common(body, chat=True)
+    sampling, inputs, stream = _common(body, True, defaults)
     logprobs = bool(_typed(body, "logprobs", (bool,), "a boolean"))
     top = _typed(body, "top_logprobs", (int,), "an integer") or 0
     if not 0 <= top <= tn.MAX_TOP_LOG_PROBS:
@@ -459,7 +469,8 @@ def parse_chat(body: dict, served: tuple[str, ...], tool_parser: str | None = No
                       n=n, stream=stream["stream"], include_usage=stream["include_usage"],
                       continuous_usage=stream["continuous_usage"], logprobs=logprobs, top_logprobs=top, tools=calling,
                       reasoning=reasoning_parser, include_reasoning=_typed(body, "include_reasoning", (bool,),
-                                                                           "a boolean") is not False)
+                                                                           "a boolean") is not False,
+                      sampling=sampling)
 
 
 def request_template(body: dict, trusted: bool) -> str | None:
@@ -492,8 +503,9 @@ def _prompts(prompt) -> list[str | list[int]]:
     raise invalid("prompt", "must be a string, a list of strings, a list of token ids or a list of such lists")
 
 
-def parse_completion(body: dict, served: tuple[str, ...]) -> Generation:
-    """A /v1/completions body -> the ensemble's inputs (ApiError naming the field otherwise)."""
+def parse_completion(body: dict, served: tuple[str, ...], defaults: dict | None = None) -> Generation:
+    """A /v1/completions body -> the ensemble's inputs (ApiError naming the field otherwise); defaults as
+    parse_chat's."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     _check_fields(body, COMPLETION_FIELDS)
@@ -508,7 +520,7 @@ def parse_completion(body: dict, served: tuple[str, ...]) -> Generation:
         raise invalid("best_of", f"only n ({n}) is supported: choices are not ranked")
     if n * len(prompts) > MAX_CHOICES:
         raise invalid("n", f"n x the prompts ({n} x {len(prompts)}) exceeds {MAX_CHOICES} choices")
-    sampling, inputs, stream = _common(body, chat=False)
+    sampling, inputs, stream = _common(body, False, defaults)
     count = _typed(body, "logprobs", (int,), "an integer")
     if count is not None and not 0 <= count <= tn.MAX_TOP_LOG_PROBS:
         raise invalid("logprobs", f"must be within [0, {tn.MAX_TOP_LOG_PROBS}], got {count}")
@@ -529,7 +541,8 @@ def parse_completion(body: dict, served: tuple[str, ...]) -> Generation:
     return Generation(chat=False, model=model, choices=choices, n=n,
                       stream=stream["stream"], include_usage=stream["include_usage"],
                       continuous_usage=stream["continuous_usage"], logprobs=logprobs, top_logprobs=top,
-                      echo=[prompt for prompt in prompts for _ in range(n)] if echo else None, score_only=score_only)
+                      echo=[prompt for prompt in prompts for _ in range(n)] if echo else None, score_only=score_only,
+                      sampling=sampling)
 
 
 # ---- errors of the server, as OpenAI errors ----------------------------------------------------------------

@@ -297,9 +297,9 @@ def response_object(gen: Generation, body: dict, status: str, output: list[dict]
            "model": gen.model, "output": output, "parallel_tool_calls": body.get("parallel_tool_calls", True),
            "previous_response_id": body.get("previous_response_id"), "store": stored,
            "reasoning": {"effort": (body.get("reasoning") or {}).get("effort"), "summary": None},
-           "temperature": body.get("temperature", 1.0), "text": {"format": fmt},
+           "temperature": gen.sampling.get("temperature", body.get("temperature")), "text": {"format": fmt},
            "tool_choice": body.get("tool_choice", "auto" if body.get("tools") else "none"),
-           "tools": body.get("tools") or [], "top_p": body.get("top_p", 1.0),
+           "tools": body.get("tools") or [], "top_p": gen.sampling.get("top_p", body.get("top_p", 1.0)),
            "truncation": "auto" if body.get("truncation") == "auto" else "disabled",
            "usage": usage, "metadata": body.get("metadata") or {}, "background": bool(body.get("background")),
            "conversation": _conversation(body.get("conversation"))}

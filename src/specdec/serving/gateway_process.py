@@ -10,16 +10,28 @@ import sys
 import time
 from pathlib import Path
 
+from specdec.decoding.generation_config import VLLM
+from specdec.gateway.cors import ANY_JSON as CORS_ANY
 from specdec.serving.healthcheck import gateway_url
 from specdec.serving.pairs import log
 
-def _preprocessing_parameter(repo: Path, key: str) -> str:
+def _parameter(repo: Path, model: str, key: str) -> str:
     try:
-        config = (repo / "preprocessing" / "config.pbtxt").read_text()
+        config = (repo / model / "config.pbtxt").read_text()
     except OSError:
         return ""
     match = re.search(r'key: "%s", value: \{ string_value: "([^"]*)" \}' % key, config)
     return match.group(1) if match else ""
+
+
+def _preprocessing_parameter(repo: Path, key: str) -> str:
+    return _parameter(repo, "preprocessing", key)
+
+
+def repository_generation_config(repo: Path) -> str:
+    """Where the rendered repository's orchestrator reads the model's generation_config.json (its end tokens), so
+    that the OpenAI API takes its sampling defaults from the same file; "" for none."""
+    return _parameter(repo, "speculative_decoding", "generation_config")
 
 
 def repository_tokenizer(repo: Path) -> str:
@@ -65,7 +77,8 @@ class GatewayProcess:
                  reasoning_parser: str | None = None, responses_store_mb: float | None = None,
                  default_max_tokens: int = 0, responses_store_dir: str | None = None,
                  lora: tuple[list[str], str] = ([], ""), runtime_lora: bool = False, chat_template: str = "",
-                 trust_request_templates: bool = False):
+                 trust_request_templates: bool = False, generation_config: tuple[str, str] = ("", ""),
+                 cors: tuple[str, str, str, bool] = (CORS_ANY, CORS_ANY, CORS_ANY, False)):
         self.port = port
         self.command = [sys.executable, "-m", "specdec.gateway", "--port", str(port),
                         "--grpc-url", f"127.0.0.1:{grpc_port}", "--drain-timeout", str(drain_timeout_s),
@@ -76,6 +89,17 @@ class GatewayProcess:
             self.command += ["--chat-template", chat_template]
         if trust_request_templates:
             self.command += ["--trust-request-chat-template"]
+        config, override = generation_config  # (vllm, or the file the server reads; "": none) and the overrides
+        self.command += ["--generation-config", config or VLLM]  # no file: no defaults of the model's
+        if override:
+            self.command += ["--override-generation-config", override]
+        origins, methods, headers, credentials = cors  # vLLM's CORS flags (JSON lists), passed on as given
+        for flag, value in (("--allowed-origins", origins), ("--allowed-methods", methods),
+                            ("--allowed-headers", headers)):
+            if value != CORS_ANY:
+                self.command += [flag, value]
+        if credentials:
+            self.command += ["--allow-credentials"]
         if tool_call_parser:
             self.command += ["--tool-call-parser", tool_call_parser]
         if max_model_len:

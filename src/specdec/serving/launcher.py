@@ -45,14 +45,18 @@ from pathlib import Path
 from typing import Callable
 
 from specdec import tensor_names as tn
+from specdec.decoding import generation_config
+from specdec.decoding.generation_config import AUTO, VLLM, api_defaults
 from specdec.decoding.text import read_chat_template
 from specdec.engine.lora_config import CONFIG, FIRST_LAYERS, NAME, format_adapters
 from specdec.serving import mps, pairs, repository
 from specdec.gateway.adapters import RUNTIME_ENV, allowed_by_environment
+from specdec.gateway.cors import ANY_JSON as CORS_ANY, policy_from_flags
 from specdec.gateway.reasoning import PARSERS as REASONING_PARSERS
 from specdec.gateway.response_store import DEFAULT_MB as RESPONSES_STORE_MB
 from specdec.gateway.tools import PARSERS as TOOL_CALL_PARSERS
 from specdec.serving.gateway_process import (GatewayProcess, default_model_name, repository_chat_template,
+                                             repository_generation_config,
                                              repository_limits, repository_tokenizer,
                                              repository_trusts_request_templates)
 from specdec.serving.healthcheck import (
@@ -405,6 +409,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="the chat template, replacing the tokenizer's: a Jinja file or the template itself "
                              "(vLLM's flag); for a model whose tokenizer has none, or a template of your own. "
                              "Without a value: --apply-chat-template (this flag's meaning before)")
+    parser.add_argument("--generation-config", default=AUTO, metavar="auto|vllm|DIR",
+                        help="the model's generation_config.json (vLLM's flag): its end tokens end every request "
+                             "and its sampling fields (temperature, top_p, top_k, min_p, repetition_penalty, "
+                             "max_new_tokens) are the OpenAI API's defaults; auto: the target's; vllm: end tokens "
+                             "only, OpenAI's defaults; DIR: another directory's file")
+    parser.add_argument("--override-generation-config", default="", metavar="JSON",
+                        help='the OpenAI API\'s sampling defaults over the file\'s (vLLM\'s flag), e.g. '
+                             '\'{"temperature": 0.5}\'; null removes one')
     parser.add_argument("--trust-request-chat-template", action="store_true",
                         help="take a request's own chat template (vLLM's chat_template field and flag): a template is "
                              "code the server runs, so only where the clients are trusted")
@@ -463,6 +475,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "[TOOL_CALLS]; pythonic: Llama 3.2 and 4's [f(a=1)]; qwen3_coder or qwen3_xml: Qwen3-Coder's "
                              "<function=f><parameter=a>); without it a request's tools are "
                              "called only by name or with tool_choice \"required\"")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help="vLLM's flag, taken so that its command lines serve unchanged: tool_choice \"auto\" is on "
+                             "wherever --tool-call-parser names the model's format (which it needs)")
     parser.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
                         help="how the target writes its thinking, so that the OpenAI API's chat answers carry it "
                              "apart (reasoning_content; the Responses API's reasoning item) and a structured output "
@@ -482,6 +497,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="the OpenAI API serves POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's), "
                              "adding and removing adapters as links in --lora-directory, which the API's process "
                              f"must be able to write (default: vLLM's {RUNTIME_ENV}=True in the environment)")
+    parser.add_argument("--allowed-origins", default=CORS_ANY, metavar="JSON",
+                        help='the origins of browser pages that may call the OpenAI API (vLLM\'s flag, a JSON list; '
+                             '"*": any, the default; [] none)')
+    parser.add_argument("--allowed-methods", default=CORS_ANY, metavar="JSON", help="their methods (JSON list)")
+    parser.add_argument("--allowed-headers", default=CORS_ANY, metavar="JSON", help="their headers (JSON list)")
+    parser.add_argument("--allow-credentials", action="store_true",
+                        help="their cookies and HTTP authentication (Access-Control-Allow-Credentials)")
     parser.add_argument("--model-repository", help="serve this already rendered repository as is")
     parser.add_argument("--triton-root", default=os.environ.get("TRITON_ROOT"),
                         help="an installed Triton (e.g. /opt/tritonserver) instead of the wheel's server")
@@ -511,9 +533,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--chat-template and --trust-request-chat-template are set in a rendered repository; "
                      "--model-repository is served as is (preprocessing's chat_template and "
                      "trust_request_chat_template parameters)")
+    if args.generation_config not in (AUTO, VLLM) and args.model_repository:
+        parser.error("--generation-config DIR is set in a rendered repository; --model-repository is served as is "
+                     "(the speculative_decoding model's generation_config parameter); auto and vllm are the API's")
+    try:  # the OpenAI API's settings, refused before anything starts
+        api_defaults(VLLM, "", args.override_generation_config)
+        policy_from_flags(args.allowed_origins, args.allowed_methods, args.allowed_headers, args.allow_credentials)
+    except ValueError as exc:
+        parser.error(str(exc))
     if args.executor and args.model_repository:
         parser.error("--executor is set in a rendered repository; --model-repository is served as is (its "
                      "models' executor parameter)")
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        parser.error("--enable-auto-tool-choice needs --tool-call-parser (how the model writes its calls)")
     if args.orchestrator_instances is not None and args.orchestrator_instances < 1:
         parser.error(f"--orchestrator-instances must be at least 1, got {args.orchestrator_instances}")
     if any(not arg.startswith("--") for arg in extra):
@@ -555,6 +587,21 @@ def main(argv: list[str] | None = None) -> int:
         try:
             template = (read_chat_template(args.chat_template, "--chat-template")
                         if args.chat_template not in (None, APPLY_CHAT_TEMPLATE) else "")
+        except ValueError as exc:
+            log(str(exc))
+            return 2
+        if args.generation_config not in (AUTO, VLLM):
+            try:  # read now: a mistake is refused before tritonserver starts (its end tokens are read again there)
+                generation_config.read(args.generation_config, "--generation-config")
+            except ValueError as exc:
+                log(str(exc))
+                return 2
+            pair = dataclasses.replace(pair, generation_config=str(Path(args.generation_config).resolve()))
+        try:  # the file's sampling fields, checked before the API reads them (a target that is not there fails
+            # its load, naming it)
+            source = pair.generation_config or pair.target_path
+            api_defaults(args.generation_config if Path(source).exists() else VLLM, source,
+                         args.override_generation_config)
         except ValueError as exc:
             log(str(exc))
             return 2
@@ -602,7 +649,11 @@ def main(argv: list[str] | None = None) -> int:
                                  tokenizer, args.drain_timeout, dict(os.environ), args.tool_call_parser,
                                  context, args.reasoning_parser, args.responses_store_mb, default_max_tokens,
                                  args.responses_store_dir, lora, args.allow_runtime_lora_updating,
-                                 repository_chat_template(repo), repository_trusts_request_templates(repo))
+                                 repository_chat_template(repo), repository_trusts_request_templates(repo),
+                                 (VLLM if args.generation_config == VLLM else repository_generation_config(repo),
+                                  args.override_generation_config),
+                                 (args.allowed_origins, args.allowed_methods, args.allowed_headers,
+                                  args.allow_credentials))
     watchdog = None
     if args.heal:
         # Reloading one model in place needs explicit model control; without it the watchdog heals by

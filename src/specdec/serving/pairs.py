@@ -66,6 +66,9 @@ class PairSpec:
     apply_chat_template: bool = False
     chat_template: str = ""  # Jinja text replacing the tokenizer's chat template (vLLM's --chat-template); "" = its own
     trust_request_chat_template: bool = False  # a request's own chat template is taken (vLLM's flag of that name)
+    # where generation_config.json is read (its end tokens end every request; its sampling fields are the OpenAI
+    # API's defaults): a directory or the file; "" = the target's directory
+    generation_config: str = ""
     # Placement. "gpu": the target on target_gpu (or, with spread_target, over every GPU the server sees
     # through transformers' device_map="auto"), each draft model on draft_gpu.
     device: str = "cpu"

@@ -129,7 +129,8 @@ def render(pair: PairSpec, dest: Path) -> Path:
         draft_models.remove(pair.default_draft)
         draft_models.insert(0, pair.default_draft)
     edit("speculative_decoding", {
-        **tokenizer, "draft_models": ",".join(draft_models), "head_drafts": ",".join(pair.draft_heads),
+        **tokenizer, "generation_config": pair.generation_config or pair.target_path,
+        "draft_models": ",".join(draft_models), "head_drafts": ",".join(pair.draft_heads),
         "adaptive_draft": str(pair.adaptive_draft).lower(),
         "default_num_draft_tokens": str(pair.default_num_draft_tokens),
         "max_num_draft_tokens": str(pair.max_num_draft_tokens),

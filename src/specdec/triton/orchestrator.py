@@ -24,7 +24,7 @@ from specdec import tensor_names as tn
 from specdec.decoding.draft_length import CostModel, DraftLengthPolicy, PartPolicies
 from specdec.decoding.grammar import GuideCompiler
 from specdec.decoding.interfaces import NoCapacity
-from specdec.decoding import lookup_first
+from specdec.decoding import generation_config, lookup_first
 from specdec.decoding.loop import GenerationRequest, RoundOutput, Stats, generate
 from specdec.decoding.ngram_proposer import NgramProposer
 from specdec.decoding.suffix_proposer import SuffixCache, SuffixProposer
@@ -70,8 +70,13 @@ class SpeculativeDecodingAdapter(TritonAdapter):
         # a token's text alone (vLLM's `decoded_token` in its logprobs output)
         self.token_text = functools.lru_cache(maxsize=1 << 16)(lambda token: self.tokenizer.decode([token]))
         eos = self.tokenizer.eos_token_id
+        # A request ends at the tokenizer's end token and at every one the model's generation_config.json names
+        # (as generate() and vLLM end it: Llama-3.1's <|eom_id|>, Qwen's <|endoftext|>); "" reads none.
+        field = f"{params.model_name}: parameter 'generation_config'"
+        ends = generation_config.end_ids(generation_config.read(params.str("generation_config", ""), field),
+                                         len(self.tokenizer), field)
         self.limits = RequestLimits.from_parameters(params, len(self.tokenizer),
-                                                    frozenset([] if eos is None else [int(eos)]))
+                                                    frozenset([] if eos is None else [int(eos)]) | ends)
         self.costs = CostModel()  # measured by every request of this instance, shared: the policy's c and v(k)
         # At most max_live_sequences generate at once across every instance of this model (each holds a
         # KV cache in both models; sequence_slots.py); over the cap a request waits for a slot, or with

@@ -117,11 +117,20 @@ class ParsedRequest:
         if prompt_ids is None or prompt_ids.size == 0:
             raise InputError(f"input '{tn.TEXT_INPUT}' is empty: the prompt needs at least one token")
         prompt_ids = prompt_ids.reshape(-1).tolist()
-        max_tokens = inputs.scalar(tn.MAX_TOKENS, np.int32, limits.default_max_tokens)
+        given = inputs.scalar(tn.MAX_TOKENS, np.int32, None)
+        # this server's own setting (the OpenAI API's): no max_tokens generates what the context leaves, up to
+        # max_max_tokens, as OpenAI's and vLLM's APIs do, rather than the Triton API's default_max_tokens
+        to_context = given is None and bool(inputs.scalar(tn.MAX_TOKENS_TO_CONTEXT, np.bool_, False))
+        max_tokens = limits.default_max_tokens if given is None else given
         if not 1 <= max_tokens <= limits.max_max_tokens:
             raise InputError(f"input '{tn.MAX_TOKENS}' must be within [1, {limits.max_max_tokens}], got {max_tokens}")
         prompt_ids = _truncated(prompt_ids, inputs.scalar("truncate_prompt_tokens", np.int32, None),
-                                limits.max_context - max_tokens, settings.field)
+                                limits.max_context - (1 if to_context else max_tokens), settings.field)
+        if to_context:
+            max_tokens = min(limits.max_max_tokens, limits.max_context - len(prompt_ids))
+            if max_tokens < 1:
+                raise InputError(f"input '{tn.TEXT_INPUT}' has {len(prompt_ids)} tokens: the model context of "
+                                 f"{limits.max_context} tokens leaves none to generate")
         if len(prompt_ids) + max_tokens > limits.max_context:
             raise InputError(
                 f"input '{tn.TEXT_INPUT}' has {len(prompt_ids)} tokens; with '{tn.MAX_TOKENS}'={max_tokens} that "

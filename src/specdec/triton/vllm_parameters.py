@@ -43,7 +43,9 @@ VLLM_KEYS = {"include_stop_str_in_output": np.bool_, "truncate_prompt_tokens": n
              tn.SKIP_SPECIAL_TOKENS: np.bool_,  # false: the text keeps special tokens (a tool-call parser's)
              # this server's own: a streamed request's responses at most one per this many milliseconds (the
              # rounds between are sent together; 0: one per round)
-             "stream_interval_ms": np.int32}
+             "stream_interval_ms": np.int32,
+             # and without max_tokens, what the context leaves (up to max_max_tokens), as OpenAI's API does
+             tn.MAX_TOKENS_TO_CONTEXT: np.bool_}
 # What each integer input holds, and float32's largest finite value
 INT_RANGES = {np.int32: (-2**31, 2**31 - 1), np.int64: (-2**63, 2**63 - 1), np.uint64: (0, 2**64 - 1)}
 FLOAT32_MAX = float(np.finfo(np.float32).max)
