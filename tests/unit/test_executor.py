@@ -1,5 +1,7 @@
 """Per-sequence KV caches: incremental steps and rollbacks give exactly the logits of a fresh forward."""
 
+import copy
+
 import pytest
 import torch
 
@@ -272,3 +274,53 @@ def test_sliding_window_attention_matches_transformers():
     assert torch.allclose(reference.extend(1, 8, ids[8:], 2), full[8:], atol=1e-9)
     one_step = reference.extend(1, 10, [13], 1)  # a single query past the window
     assert torch.allclose(one_step, full_logits(model, ids + [13])[-1:], atol=1e-9)
+
+
+def _windowed_models():
+    """A Mistral (sliding window 4) and a gpt-oss (sliding and full layers, attention sinks, experts), float64,
+    each with a reference copy that runs transformers' own attention: SDPA for Mistral (its eager attention
+    takes the softmax in float32), eager for gpt-oss (the one with sinks, in the logits' dtype)."""
+    from transformers import GptOssConfig, GptOssForCausalLM, MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(1)
+    mistral = MistralConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, sliding_window=4, initializer_range=0.5)
+    gpt_oss = GptOssConfig(vocab_size=97, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4,
+                           num_experts_per_tok=2, sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+                           initializer_range=0.5, max_position_embeddings=256,
+                           experts_implementation="eager")  # (grouped_mm takes no float64)
+    for cls, config, attention in ((MistralForCausalLM, mistral, "sdpa"), (GptOssForCausalLM, gpt_oss, "eager")):
+        model = cls(config).to(torch.float64).eval()
+        if hasattr(model.model.layers[0].self_attn, "sinks"):  # initialised at 0 by default: make them matter
+            for layer in model.model.layers:
+                layer.self_attn.sinks.data.normal_(0.0, 2.0)
+        reference = cls(copy.deepcopy(config)).to(torch.float64).eval()  # (a config of its own: the executor
+        reference.load_state_dict(model.state_dict())  # sets the model's attention on its config)
+        reference.set_attn_implementation(attention)
+        yield config.model_type, model, reference
+
+
+@pytest.mark.parametrize("name", ["mistral", "gpt_oss"])
+def test_windowed_attention_and_attention_sinks_match_transformers_eager_forward_chains_and_trees(name):
+    """The per-sequence KV attention over a sliding window (every layer or some: gpt-oss alternates) and with
+    gpt-oss's attention sinks (a logit per head in every softmax, which SDPA has no term for): steps, a packed
+    batch, a rollback and a token tree whose deep nodes see only their window equal transformers' eager forward
+    of each sequence (float64). Its plain forwards (no cache) too."""
+    from specdec.engine.executor import Step
+
+    (model, reference), = [(m, r) for kind, m, r in _windowed_models() if kind == name]
+    lm = dynamic_executor(model)
+    ids = [5, 17, 3, 88, 41, 2, 9, 10, 11, 12, 40, 41, 42]
+    full = full_logits(reference, ids)
+    assert torch.allclose(full_logits(model, ids), full, atol=1e-9)  # the plain forward
+    lm.extend(1, 0, ids[:3], 1)
+    out = lm.extend_many([Step(1, 3, ids[3:8], 5), Step(2, 0, ids[:9], 2)])
+    assert torch.allclose(out[0], full[3:8], atol=1e-9) and torch.allclose(out[1], full[7:9], atol=1e-9)
+    lm.extend(1, 8, [1, 2, 3, 4, 5], 5)  # drafted, then rejected: rolled back below
+    assert torch.allclose(lm.extend(1, 8, ids[8:11], 3), full[8:11], atol=1e-9)
+    # a tree after 11 cached tokens: branches a -> b -> c -> d -> e (past the window of 4) and f -> g
+    a, b, c, d, e, f, g = 60, 61, 62, 63, 64, 70, 71
+    (logits,) = lm.extend_many([Step(1, 11, [a, b, c, d, e, f, g], num_logits=7, tree=(-1, 0, 1, 2, 3, -1, 5))])
+    for node, path in enumerate([[a], [a, b], [a, b, c], [a, b, c, d], [a, b, c, d, e], [f], [f, g]]):
+        assert torch.allclose(logits[node], full_logits(reference, ids[:11] + path)[-1], atol=1e-9), node

@@ -178,8 +178,16 @@ class KVBatch:
         key = (i, window)
         if key not in self._masks:
             tree = self.trees[i] if self.trees else None
-            self._masks[key] = _visible(self.seqs[i].length, self.counts[i], window, device) if tree is None \
-                else tree_mask(self.seqs[i].length, tree, device)
+            length = self.seqs[i].length
+            if tree is None:
+                self._masks[key] = _visible(length, self.counts[i], window, device)
+            else:
+                mask = tree_mask(length, tree, device)
+                if window:  # a node sees a key less than `window` positions before its own (by depth, not index)
+                    nodes = length + torch.tensor(depths(tree), device=device)
+                    keys = torch.cat([torch.arange(length, device=device), nodes])
+                    mask &= (nodes[:, None] - keys[None, :]) < window
+                self._masks[key] = mask
         return self._masks[key]
 
 
@@ -215,16 +223,23 @@ def tree_mask(length: int, tree: tuple[int, ...], device) -> torch.Tensor:
 
 def sequence_kv_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
                           dropout: float = 0.0, scaling: float | None = None, kv_batch: KVBatch | None = None,
-                          sliding_window: int | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+                          sliding_window: int | None = None, s_aux: torch.Tensor | None = None,
+                          **kwargs) -> tuple[torch.Tensor, None]:
     """query (1, heads, R, D); key, value (1, kv_heads, R, D): the packed new positions after rotary
-    embedding. Returns (1, R, heads, D) like transformers' attention functions."""
-    if kv_batch is None:
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      sliding_window=sliding_window, **kwargs)
+    embedding. Returns (1, R, heads, D) like transformers' attention functions. s_aux (heads,): attention
+    sinks (gpt-oss), a logit per head that every query's softmax also spreads its weight over."""
     if kwargs.get("softcap") is not None:
         raise ValueError("attention logit softcapping is not supported by the sequence KV cache")
+    if kv_batch is None:
+        if s_aux is None:
+            from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+            return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                          scaling=scaling, sliding_window=sliding_window, **kwargs)
+        # transformers' SDPA knows no sinks: the mask it built (bool, or none for a plain causal prompt)
+        mask = attention_mask if attention_mask is not None else torch.ones(
+            query.shape[2], key.shape[2], dtype=torch.bool, device=query.device).tril(key.shape[2] - query.shape[2])
+        return attend(query, key, value, mask, scaling, s_aux).transpose(1, 2), None
     layer = module.layer_idx
     out = query.new_zeros(1, query.shape[2], query.shape[1], query.shape[3])
     for i, (seq, start, count) in enumerate(zip(kv_batch.seqs, kv_batch.starts, kv_batch.counts)):
@@ -233,12 +248,30 @@ def sequence_kv_attention(module, query: torch.Tensor, key: torch.Tensor, value:
         keys, values = seq.keys[layer], seq.values[layer]
         keys[:, seq.length:end] = key[0, :, new]
         values[:, seq.length:end] = value[0, :, new]
-        attended = scaled_dot_product_attention(
-            query[:, :, new], keys[None, :, :end], values[None, :, :end],
-            attn_mask=kv_batch.visible(i, sliding_window, query.device), scale=scaling,
-            enable_gqa=query.shape[1] != key.shape[1])
+        attended = attend(query[:, :, new], keys[None, :, :end], values[None, :, :end],
+                          kv_batch.visible(i, sliding_window, query.device), scaling, s_aux)
         out[0, new] = attended[0].transpose(0, 1)
     return out, None
+
+
+def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
+           scale: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """query (B, heads, R, D), keys and values (B, kv_heads, S, D), mask bool (.., R, S) True = seen (None:
+    all) -> (B, heads, R, D). With sinks (heads,), each query's softmax runs over its keys and the head's sink
+    logit, whose share is dropped (gpt-oss; transformers' eager attention): SDPA has no such term."""
+    gqa = query.shape[1] != keys.shape[1]
+    if sinks is None:
+        return scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    if gqa:
+        groups = query.shape[1] // keys.shape[1]
+        keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(query, keys.transpose(-1, -2)) * (query.shape[-1] ** -0.5 if scale is None else scale)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.to(scores.dtype).reshape(1, -1, 1, 1).expand(scores.shape[0], -1, scores.shape[2], 1)
+    combined = torch.cat([scores, sink], dim=-1)
+    weights = torch.softmax(combined - combined.amax(dim=-1, keepdim=True), dim=-1)[..., :-1]
+    return torch.matmul(weights.to(values.dtype), values)
 
 
 def layer_devices(model, num_layers: int) -> list[torch.device]:
