@@ -1543,3 +1543,44 @@ def test_a_request_without_max_tokens_runs_until_the_context_is_full_as_on_opena
     assert (answer.usage.completion_tokens, answer.choices[0].finish_reason) == (24, "length")
     with pytest.raises(openai.BadRequestError, match="leaves none to generate"):
         api.completions.create(model=model, prompt=[7] * context, temperature=0)
+
+
+def test_gpt_oss_harmony_channels_become_reasoning_content_and_tool_calls(server, model):
+    """A gateway started as vLLM serves gpt-oss (--tool-call-parser openai, which implies --reasoning-parser
+    openai_gptoss): the analysis channel comes as reasoning, the final channel (and commentary to the user) as
+    content, a message to functions.NAME as a tool call, whole and streamed, over the chat and Responses APIs.
+    The answers are forced into the format with guided_choice (the tiny pair is no gpt-oss)."""
+    think = "<|channel|>analysis<|message|>Needs the weather tool.<|end|>"
+    call = ('<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>'
+            '{"city":"Oslo"}')
+    final = "<|start|>assistant<|channel|>final<|message|>Red, green, blue."
+    from specdec.serving.pairs import smollm2_tokenizer_dir
+
+    with own_gateway(server, model, "--tool-call-parser", "openai", "--enable-auto-tool-choice",
+                     "--tokenizer", str(smollm2_tokenizer_dir())) as port:  # (the tokenizer counts thinking tokens)
+        client = openai.OpenAI(base_url=f"http://localhost:{port}/v1", api_key="x", max_retries=0)
+        args = {"model": model, "messages": CHAT, "max_tokens": 128, "temperature": 0, "tools": [WEATHER]}
+        whole = client.chat.completions.create(**args, extra_body={"guided_choice": [think + call]}).choices[0]
+        assert whole.finish_reason == "tool_calls" and whole.message.content is None
+        assert whole.message.model_extra["reasoning_content"] == "Needs the weather tool."
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in whole.message.tool_calls] == [
+            ("get_weather", {"city": "Oslo"})]
+        chunks = [c.choices[0] for c in client.chat.completions.create(
+            stream=True, **args, extra_body={"guided_choice": [think + call]}) if c.choices]
+        assert "".join(c.delta.model_extra.get("reasoning_content") or "" for c in chunks) == "Needs the weather tool."
+        assert not "".join(c.delta.content or "" for c in chunks)
+        deltas = [d for c in chunks for d in (c.delta.tool_calls or [])]
+        assert [(d.function.name, json.loads(d.function.arguments)) for d in deltas] == [("get_weather", {"city": "Oslo"})]
+        answered = client.chat.completions.create(**args, extra_body={"guided_choice": [think + final]})
+        thought = answered.usage.completion_tokens_details.reasoning_tokens  # the analysis message, markers too
+        assert 5 < thought < answered.usage.completion_tokens - 5
+        answer = answered.choices[0]
+        assert (answer.message.content, answer.message.model_extra["reasoning_content"], answer.finish_reason) == \
+            ("Red, green, blue.", "Needs the weather tool.", "stop")
+        streamed = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
+            stream=True, **args, extra_body={"guided_choice": [think + final]}) if c.choices]
+        assert "".join(streamed) == "Red, green, blue." and "<|" not in "".join(streamed)
+        built = client.responses.create(model=model, input=CHAT, max_output_tokens=128, temperature=0,
+                                        extra_body={"guided_choice": [think + final]})
+        assert [item.type for item in built.output] == ["reasoning", "message"]
+        assert built.output_text == "Red, green, blue."

@@ -4,6 +4,7 @@ talking to the ensemble over gRPC; the launcher runs it beside the server (OPENA
   protocol   OpenAI requests checked and mapped onto the ensemble's inputs; response objects, errors (pure)
   tools      tool calls: the schemas that force them, the parsers that read them, their streaming (pure)
   reasoning  a reasoning model's thinking apart from its answer (`--reasoning-parser`), whole and streamed (pure)
+  harmony    gpt-oss's harmony channels: thinking, answer and function calls apart, whole and streamed (pure)
   responses  OpenAI's Responses API on the chat path: the request mapped, the response object, its events (pure)
   messages   Anthropic's Messages API on the chat path: the request mapped, the message, its events, its
              errors (pure)

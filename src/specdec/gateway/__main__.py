@@ -151,10 +151,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.allow_runtime_lora_updating and not args.lora_directory:
         log("--allow-runtime-lora-updating needs --lora-directory (the adapters it loads are links there)")
         return 2
-    gateway = Gateway(Upstream(args.grpc_url), served, tokenizer, args.api_key or None,
-                      args.tool_call_parser, args.max_model_len, args.reasoning_parser, store, args.default_max_tokens,
-                      args.drain_timeout, args.stream_keepalive, args.allow_runtime_lora_updating, log,
-                      trust_templates=args.trust_request_chat_template, sampling_defaults=defaults, cors=cors)
+    try:
+        gateway = Gateway(Upstream(args.grpc_url), served, tokenizer, args.api_key or None,
+                          args.tool_call_parser, args.max_model_len, args.reasoning_parser, store,
+                          args.default_max_tokens, args.drain_timeout, args.stream_keepalive,
+                          args.allow_runtime_lora_updating, log, trust_templates=args.trust_request_chat_template,
+                          sampling_defaults=defaults, cors=cors)
+    except ValueError as exc:
+        log(str(exc))
+        return 2
     log(f"OpenAI API: http://{args.host}:{args.port}/v1 (models {', '.join(args.served_model_name + args.lora_module)}"
         f"{', those of ' + args.lora_directory if args.lora_directory else ''}"
         f"{', loaded and unloaded at run time' if args.allow_runtime_lora_updating else ''}; "

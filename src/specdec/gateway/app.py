@@ -73,7 +73,8 @@ class Gateway:
         self.trust_templates = trust_templates
         self.sampling_defaults = {**protocol.DEFAULT_SAMPLING, **(sampling_defaults or {})}
         self.cors = cors
-        self.reasoning_parser = reasoning_parser  # reasoning.PARSERS: a chat's thinking apart (None: not split)
+        # reasoning.PARSERS: a chat's thinking apart (None: not split); the openai tool-call parser implies its own
+        self.reasoning_parser = tools.reasoning_for(tool_parser, reasoning_parser)
         self.max_model_len, self.default_max_tokens = max_model_len, default_max_tokens
         self.keepalive_s = keepalive_s
         self.store = store if store is not None else ResponseStore(0)
@@ -757,7 +758,8 @@ class Gateway:
         without, and no count is reported)."""
         if gen.reasoning is None or self.tokenizer is None:
             return None
-        return reasoning.thinking_tokens(ids, lambda part: self.tokenizer.decode(part, skip_special_tokens=True),
+        skip = gen.sampling.get("skip_special_tokens", True)  # as the server decoded them (gpt-oss's markers kept)
+        return reasoning.thinking_tokens(ids, lambda part: self.tokenizer.decode(part, skip_special_tokens=skip),
                                          gen.reasoning)
 
     async def _stream_response(self, request: web.Request, gen: Generation, body: dict, pieces,

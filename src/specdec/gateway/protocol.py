@@ -440,16 +440,22 @@ def parse_chat(body: dict, served: tuple[str, ...], tool_parser: str | None = No
         if not reasoning_parser:
             raise invalid("thinking_token_budget", "needs the server to know where the model's thinking ends: "
                                                    "it was started without --reasoning-parser")
+        if reasoning_parser == tool_calls.HARMONY_REASONING:
+            raise invalid("thinking_token_budget", f"is not supported with gpt-oss's channels ({tool_calls.HARMONY_REASONING})")
         if not 0 <= budget <= INT32[1]:
             raise invalid("thinking_token_budget", f"must be >= 0 (tokens), got {budget}")
         inputs[tn.THINKING_TOKEN_BUDGET] = np.array([[budget]], dtype=np.int32)
-    if reasoning_parser and ("structured_outputs" in sampling or budget is not None):  # (the guide: the answer's)
+    # (the guide: the answer's, after the thinking; gpt-oss's answer is held from its first token, no channels)
+    if reasoning_parser and reasoning_parser != tool_calls.HARMONY_REASONING and (
+            "structured_outputs" in sampling or budget is not None):
         inputs[tn.REASONING_PARSER] = _string(reasoning_parser)
     chat = chat_messages(body)
     if tool_parser == "mistral":  # its templates refuse ids but its own form, whoever made them
         chat = tool_calls.mistral_messages(chat)
-    if calling is not None and calling.mode == tool_calls.AUTO and calling.parser == "mistral":
-        sampling["skip_special_tokens"] = False  # its calls open with a special token (vLLM does the same)
+    if calling is not None and calling.mode == tool_calls.AUTO and calling.parser == "mistral" \
+            or reasoning_parser == tool_calls.HARMONY_REASONING:
+        # its calls open with a special token (vLLM does the same); gpt-oss's channels are special tokens
+        sampling["skip_special_tokens"] = False
     inputs[tn.MESSAGES] = _string(json.dumps(chat))
     if tools:
         inputs[tn.TOOLS] = _string(json.dumps(tools))

@@ -11,6 +11,9 @@ calls are read from the answer alone. Completions are never split (as in vLLM).
 - `qwen3`: thinking only when the answer opens with `<think>` (Qwen3's hybrid models; with
   `chat_template_kwargs: {"enable_thinking": false}` the template closes an empty block in the prompt and
   the answer is all content).
+- `openai_gptoss`: gpt-oss's harmony channels (harmony.py): the `analysis` channel is thinking, the `final`
+  channel (and commentary to the user) content; its messages to functions go on to the `openai` tool-call
+  parser.
 
 The text between the tags is kept as written (newlines included), as vLLM keeps it. Pure: text in, parts out.
 """
@@ -18,9 +21,14 @@ The text between the tags is kept as written (newlines included), as vLLM keeps 
 from __future__ import annotations
 
 from specdec import tensor_names as tn
+from specdec.gateway import harmony
+from specdec.gateway.tools import HARMONY_REASONING
 
-# The same tags gate a structured output's grammar in the orchestrator (decoding/thinking.py).
-OPEN, CLOSE, PARSERS = tn.THINK_OPEN, tn.THINK_CLOSE, tn.REASONING_PARSERS
+# The same tags gate a structured output's grammar in the orchestrator (decoding/thinking.py); gpt-oss's harmony
+# format is read here only (a structured output holds its answer from the first token)
+OPEN, CLOSE = tn.THINK_OPEN, tn.THINK_CLOSE
+HARMONY = HARMONY_REASONING  # vLLM's name, which tools.py owns (its openai parser implies it)
+PARSERS = (*tn.REASONING_PARSERS, HARMONY)
 
 
 def split(text: str, parser: str) -> tuple[str | None, str | None]:
@@ -31,14 +39,19 @@ def split(text: str, parser: str) -> tuple[str | None, str | None]:
     return (thinking + more_thinking) or None, (content + more_content) or None
 
 
-class ReasoningStream:
+def ReasoningStream(parser: str):  # noqa: N802 (what callers construct: a stream of the parser's kind)
     """Splits an answer's text deltas as they come: `feed(delta)` -> (thinking delta, content delta);
     `finish()` after the last one. A tag split across deltas is held back until it is whole (a delta may
     then give nothing of either part); the parts streamed add up to `split`'s."""
+    if parser not in PARSERS:
+        raise ValueError(f"unknown reasoning parser {parser!r} (one of {', '.join(PARSERS)})")
+    return harmony.HarmonyStream() if parser == HARMONY else _TagStream(parser)
+
+
+class _TagStream:
+    """The thinking between <think> and </think> (deepseek_r1, qwen3)."""
 
     def __init__(self, parser: str):
-        if parser not in PARSERS:
-            raise ValueError(f"unknown reasoning parser {parser!r} (one of {', '.join(PARSERS)})")
         self.parser = parser
         self._state = "start"  # start (is the text opened with <think>?), thinking, answer
         self._held = ""  # text not yet given out: a possible start of the next tag
@@ -75,6 +88,8 @@ class ReasoningStream:
 def thinking_end(text: str, parser: str) -> int:
     """Where a whole answer's thinking block ends in its text (past its `</think>`; the text's end when it
     never closes; 0 when it has none), as `split` reads it."""
+    if parser == HARMONY:
+        return harmony.thinking_end(text)
     if parser == "qwen3" and not text.startswith(OPEN):
         return 0
     end = text.find(CLOSE)

@@ -17,7 +17,9 @@ is text, which becomes `tool_calls` here in one of three ways, by `tool_choice`:
   asked to keep special tokens in the text for it, and calls get Mistral's 9-character ids, to which the ids
   of calls sent back are shortened too: its chat templates refuse any other) or `qwen3_coder` (Qwen3-Coder's
   `<tool_call><function=NAME><parameter=KEY>value</parameter>...</function></tool_call>`, each value raw
-  text turned into the type the tool's schema gives that parameter; vLLM's `qwen3_xml` is the same). Text
+  text turned into the type the tool's schema gives that parameter; vLLM's `qwen3_xml` is the same) or `openai`
+  (gpt-oss's harmony messages to `functions.NAME`, as the reasoning parser `openai_gptoss` passes them on,
+  which it implies; special tokens kept, as for mistral). Text
   before the first call is the message's content and streams as content; text that does not parse as a call
   stays content.
 """
@@ -35,8 +37,11 @@ import uuid
 from dataclasses import dataclass, field
 
 from specdec.decoding import json_text
+from specdec.gateway import harmony
 
-PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder", "qwen3_xml")
+PARSERS = ("hermes", "llama3_json", "mistral", "openai", "pythonic", "qwen3_coder", "qwen3_xml")
+HARMONY_PARSER = "openai"  # gpt-oss's calls, from what the reasoning parser openai_gptoss passes on (harmony.py)
+HARMONY_REASONING = "openai_gptoss"  # that reasoning parser (reasoning.HARMONY)
 _QWEN3_CODER = ("qwen3_coder", "qwen3_xml")  # one format, vLLM's two names for it
 NAMED, REQUIRED, AUTO = "named", "required", "auto"
 _HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
@@ -47,7 +52,7 @@ _PYTHON_START, _PYTHON_END = "<|python_start|>", "<|python_end|>"  # Llama 4's a
 _MISTRAL_CALLS, _MISTRAL_ARGS, _MISTRAL_CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
 # Where a call opens anywhere in the answer (after content), by parser; the others' calls are the whole answer
 _OPENINGS = {"hermes": _HERMES_OPEN, "mistral": _MISTRAL_CALLS, "qwen3_coder": _HERMES_OPEN,
-             "qwen3_xml": _HERMES_OPEN}
+             "qwen3_xml": _HERMES_OPEN, HARMONY_PARSER: harmony.START}
 _FUNCTION = re.compile(r"\s*<function=([^>\n]*)>(.*?)</function>\s*", re.DOTALL)  # a call cut short is none
 _PARAMETER = re.compile(r"<parameter=([^>\n]*)>(.*?)(?:</parameter>|(?=<parameter=)|$)", re.DOTALL)
 FUNCTION_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # a function's name: a request's tools', a parsed call's
@@ -72,6 +77,17 @@ class ToolCalling:
         answer keeps it ("stop", or "length" for arguments cut short); a complete answer that called is
         "tool_calls"."""
         return reason if self.mode == NAMED or reason != "stop" else "tool_calls"
+
+
+def reasoning_for(tool_parser: str | None, reasoning_parser: str | None) -> str | None:
+    """The reasoning parser the API runs with: the `openai` tool-call parser reads what `openai_gptoss` passes on,
+    so it implies that one (vLLM reads gpt-oss's channels whatever is named); ValueError for another beside it."""
+    if tool_parser != HARMONY_PARSER:
+        return reasoning_parser
+    if reasoning_parser not in (None, HARMONY_REASONING):
+        raise ValueError(f"--tool-call-parser {HARMONY_PARSER} reads gpt-oss's harmony channels: --reasoning-parser "
+                         f"must be {HARMONY_REASONING} (or none), got {reasoning_parser}")
+    return HARMONY_REASONING
 
 
 def call_id() -> str:
@@ -132,6 +148,9 @@ def split_output(text: str, calling: ToolCalling) -> tuple[str | None, list[dict
                       for call in calls]
     if calling.parser in _QWEN3_CODER:
         content, calls = _qwen3_coder(text, calling.schemas)
+    elif calling.parser == HARMONY_PARSER:
+        content, calls = harmony.calls(text)
+        calls = [call for call in calls if FUNCTION_NAME.fullmatch(call["name"])]
     else:
         content, calls = {"hermes": _hermes, "pythonic": _pythonic, "mistral": _mistral}.get(calling.parser,
                                                                                              _llama3_json)(text)

@@ -54,7 +54,7 @@ from specdec.gateway.adapters import RUNTIME_ENV, allowed_by_environment
 from specdec.gateway.cors import ANY_JSON as CORS_ANY, policy_from_flags
 from specdec.gateway.reasoning import PARSERS as REASONING_PARSERS
 from specdec.gateway.response_store import DEFAULT_MB as RESPONSES_STORE_MB
-from specdec.gateway.tools import PARSERS as TOOL_CALL_PARSERS
+from specdec.gateway.tools import PARSERS as TOOL_CALL_PARSERS, reasoning_for
 from specdec.serving.gateway_process import (GatewayProcess, default_model_name, repository_chat_template,
                                              repository_generation_config,
                                              repository_limits, repository_tokenizer,
@@ -544,6 +544,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.executor and args.model_repository:
         parser.error("--executor is set in a rendered repository; --model-repository is served as is (its "
                      "models' executor parameter)")
+    try:
+        reasoning_for(args.tool_call_parser, args.reasoning_parser)
+    except ValueError as exc:
+        parser.error(str(exc))
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         parser.error("--enable-auto-tool-choice needs --tool-call-parser (how the model writes its calls)")
     if args.orchestrator_instances is not None and args.orchestrator_instances < 1:
