@@ -18,7 +18,7 @@ from specdec.decoding.generation_config import AUTO, api_defaults
 from specdec.gateway import protocol
 from specdec.gateway.adapters import RUNTIME_ENV, allowed_by_environment
 from specdec.gateway.app import KEEPALIVE_S, Gateway
-from specdec.gateway.cors import ANY_JSON as CORS_ANY, policy_from_flags
+from specdec.gateway import cors
 from specdec.gateway.reasoning import PARSERS as REASONING_PARSERS
 from specdec.gateway.response_store import (DEFAULT_MB as DEFAULT_RESPONSES_STORE_MB, MIB, ResponseStore,
                                             SharedResponseStore)
@@ -64,13 +64,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--override-generation-config", default="", metavar="JSON",
                         help='sampling defaults over those (vLLM\'s flag), e.g. \'{"temperature": 0.5}\'; null '
                              "removes one")
-    parser.add_argument("--allowed-origins", default=CORS_ANY, metavar="JSON",
-                        help='the origins of browser pages that may call the API (vLLM\'s flag, a JSON list; '
-                             '"*": any, the default; [] none)')
-    parser.add_argument("--allowed-methods", default=CORS_ANY, metavar="JSON", help="their methods (JSON list)")
-    parser.add_argument("--allowed-headers", default=CORS_ANY, metavar="JSON", help="their headers (JSON list)")
-    parser.add_argument("--allow-credentials", action="store_true",
-                        help="their cookies and HTTP authentication (Access-Control-Allow-Credentials)")
+    cors.add_flags(parser)
     parser.add_argument("--trust-request-chat-template", action="store_true",
                         help="pass a request's own chat_template on (vLLM's flag; the server's preprocessing must "
                              "take it too); without it such a request is refused")
@@ -136,8 +130,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     try:
         defaults = api_defaults(args.generation_config, args.tokenizer, args.override_generation_config)
-        cors = policy_from_flags(args.allowed_origins, args.allowed_methods, args.allowed_headers,
-                                 args.allow_credentials)
+        policy = cors.from_args(args)
     except ValueError as exc:
         log(str(exc))
         return 2
@@ -156,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
                           args.tool_call_parser, args.max_model_len, args.reasoning_parser, store,
                           args.default_max_tokens, args.drain_timeout, args.stream_keepalive,
                           args.allow_runtime_lora_updating, log, trust_templates=args.trust_request_chat_template,
-                          sampling_defaults=defaults, cors=cors)
+                          sampling_defaults=defaults, cors=policy)
     except ValueError as exc:
         log(str(exc))
         return 2
@@ -164,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{', those of ' + args.lora_directory if args.lora_directory else ''}"
         f"{', loaded and unloaded at run time' if args.allow_runtime_lora_updating else ''}; "
         f"server {args.grpc_url}; API key {'required' if args.api_key else 'not required'}; browser pages of "
-        f"{'any origin' if '*' in cors.origins else ', '.join(cors.origins) or 'no origin'}; stored responses "
+        f"{'any origin' if '*' in policy.origins else ', '.join(policy.origins) or 'no origin'}; stored responses "
         f"{'in ' + args.responses_store_dir if isinstance(store, SharedResponseStore) else 'in memory'})")
     web.run_app(gateway.app(), host=args.host, port=args.port, print=None, access_log=None,
                 shutdown_timeout=args.drain_timeout, handler_cancellation=True)

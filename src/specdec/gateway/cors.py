@@ -88,6 +88,22 @@ class CorsPolicy:
                 response.headers[name] = value
 
 
+def add_flags(parser) -> None:
+    """vLLM's four CORS flags on an argparse parser (the API's process and the launcher that starts it)."""
+    parser.add_argument("--allowed-origins", default=ANY_JSON, metavar="JSON",
+                        help='the origins of browser pages that may call the OpenAI API (vLLM\'s flag, a JSON list; '
+                             '"*": any, the default; [] none)')
+    parser.add_argument("--allowed-methods", default=ANY_JSON, metavar="JSON", help="their methods (JSON list)")
+    parser.add_argument("--allowed-headers", default=ANY_JSON, metavar="JSON", help="their headers (JSON list)")
+    parser.add_argument("--allow-credentials", action="store_true",
+                        help="their cookies and HTTP authentication (Access-Control-Allow-Credentials)")
+
+
+def from_args(args) -> CorsPolicy:
+    """The policy of parsed flags (add_flags'; ValueError naming the flag)."""
+    return policy_from_flags(args.allowed_origins, args.allowed_methods, args.allowed_headers, args.allow_credentials)
+
+
 def parse_list(text: str, flag: str) -> tuple[str, ...]:
     """A JSON list of strings as vLLM's flags take it (ValueError naming `flag` otherwise)."""
     try:

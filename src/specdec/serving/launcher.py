@@ -51,7 +51,7 @@ from specdec.decoding.text import read_chat_template
 from specdec.engine.lora_config import CONFIG, FIRST_LAYERS, NAME, format_adapters
 from specdec.serving import mps, pairs, repository
 from specdec.gateway.adapters import RUNTIME_ENV, allowed_by_environment
-from specdec.gateway.cors import ANY_JSON as CORS_ANY, policy_from_flags
+from specdec.gateway import cors
 from specdec.gateway.reasoning import PARSERS as REASONING_PARSERS
 from specdec.gateway.response_store import DEFAULT_MB as RESPONSES_STORE_MB
 from specdec.gateway.tools import PARSERS as TOOL_CALL_PARSERS, reasoning_for
@@ -497,13 +497,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="the OpenAI API serves POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's), "
                              "adding and removing adapters as links in --lora-directory, which the API's process "
                              f"must be able to write (default: vLLM's {RUNTIME_ENV}=True in the environment)")
-    parser.add_argument("--allowed-origins", default=CORS_ANY, metavar="JSON",
-                        help='the origins of browser pages that may call the OpenAI API (vLLM\'s flag, a JSON list; '
-                             '"*": any, the default; [] none)')
-    parser.add_argument("--allowed-methods", default=CORS_ANY, metavar="JSON", help="their methods (JSON list)")
-    parser.add_argument("--allowed-headers", default=CORS_ANY, metavar="JSON", help="their headers (JSON list)")
-    parser.add_argument("--allow-credentials", action="store_true",
-                        help="their cookies and HTTP authentication (Access-Control-Allow-Credentials)")
+    cors.add_flags(parser)
     parser.add_argument("--model-repository", help="serve this already rendered repository as is")
     parser.add_argument("--triton-root", default=os.environ.get("TRITON_ROOT"),
                         help="an installed Triton (e.g. /opt/tritonserver) instead of the wheel's server")
@@ -538,7 +532,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                      "(the speculative_decoding model's generation_config parameter); auto and vllm are the API's")
     try:  # the OpenAI API's settings, refused before anything starts
         api_defaults(VLLM, "", args.override_generation_config)
-        policy_from_flags(args.allowed_origins, args.allowed_methods, args.allowed_headers, args.allow_credentials)
+        cors.from_args(args)
     except ValueError as exc:
         parser.error(str(exc))
     if args.executor and args.model_repository:
