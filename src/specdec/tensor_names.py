@@ -100,6 +100,10 @@ GUIDE_TYPES = ("json", "json_schema", "regex", "ebnf_grammar", "choice")
 REASONING_PARSER = "reasoning_parser"
 REASONING_PARSERS = ("deepseek_r1", "qwen3")  # as vLLM and SGLang name them (`--reasoning-parser`)
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"  # where their thinking starts and ends
+# An assistant message's thinking in the messages input (vLLM's name), handed to the chat template under it and
+# under "thinking" (gpt-oss's template's name)
+REASONING_CONTENT = "reasoning_content"
+TEMPLATE_THINKING = "thinking"
 # INT32 [1]: with reasoning_parser, the thinking ends after at most this many tokens: the close tag is then forced
 # (decoding/thinking.py; vLLM's thinking_token_budget); -1: no budget (the default)
 THINKING_TOKEN_BUDGET = "thinking_token_budget"

@@ -1577,6 +1577,10 @@ def test_gpt_oss_harmony_channels_become_reasoning_content_and_tool_calls(server
         answer = answered.choices[0]
         assert (answer.message.content, answer.message.model_extra["reasoning_content"], answer.finish_reason) == \
             ("Red, green, blue.", "Needs the weather tool.", "stop")
+        # the answer sent back as the SDK gave it (reasoning_content and all) continues the chat
+        follow = client.chat.completions.create(model=model, max_tokens=4, temperature=0, messages=[
+            *CHAT, answer.message, {"role": "user", "content": "And one more?"}])
+        assert follow.choices[0].finish_reason in ("stop", "length")
         streamed = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
             stream=True, **args, extra_body={"guided_choice": [think + final]}) if c.choices]
         assert "".join(streamed) == "Red, green, blue." and "<|" not in "".join(streamed)

@@ -3,6 +3,7 @@
 import pytest
 from transformers import AutoTokenizer
 
+from specdec import tensor_names as tn
 from specdec.serving.pairs import smollm2_tokenizer_dir
 from specdec.decoding.text import REPLACEMENT_CHAR, TextEmitter, decode, decode_delta, joined, with_prompt
 
@@ -247,3 +248,37 @@ def test_special_tokens_stay_in_the_text_when_asked_and_a_stop_word_may_be_one(t
     stopped = TextEmitter(tokenizer, ("<|im_end|>",), skip_special=False)
     emission = stopped.push(ids, final=False)
     assert emission.stopped and emission.text == kept[:kept.index("<|im_end|>")]
+
+
+# Qwen3's way: the thinking of an assistant turn shown in <think> (gpt-oss's template reads it as `thinking`)
+THINKING_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {% if m.reasoning_content %}<think>{{ m.reasoning_content }}"
+                     "</think>{% endif %}{% if m.thinking %}[{{ m.thinking }}]{% endif %}{{ m['content'] }}\n{% endfor %}")
+
+
+def test_an_answer_sent_back_keeps_its_thinking_for_the_chat_template():
+    """A client that sends an answer back as it got it (the OpenAI SDK's message, reasoning_content and all; vLLM's
+    `reasoning` too) is served, not refused: the thinking reaches the template under both names it is read by."""
+    import json as json_module
+
+    from specdec.decoding.text import chat_ids, chat_messages, load_tokenizer
+    from specdec.gateway import protocol
+
+    for key in ("reasoning_content", "reasoning"):
+        body = {"model": "m", "messages": [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "yo", key: "they greet", "refusal": None, "annotations": []},
+            {"role": "user", "content": "again"}]}
+        sent = protocol.parse_chat(body, ("m",)).choices[0][tn.MESSAGES][0, 0].decode()
+        chat = chat_messages(sent, tn.MESSAGES)
+        assert chat[1] == {"role": "assistant", "content": "yo", "reasoning_content": "they greet",
+                           "thinking": "they greet"}
+        tokenizer = load_tokenizer(str(smollm2_tokenizer_dir()), THINKING_TEMPLATE)
+        assert tokenizer.decode(chat_ids(tokenizer, chat, None, tn.MESSAGES)) == \
+            "user: hi\nassistant: <think>they greet</think>[they greet]yo\nuser: again\n"
+    with pytest.raises(protocol.ApiError, match=r"messages\[1\].reasoning_content"):
+        protocol.parse_chat({"model": "m", "messages": [{"role": "user", "content": "hi"}, {
+            "role": "assistant", "content": "yo", "reasoning_content": ["no"]}]}, ("m",))
+    with pytest.raises(ValueError, match=r"\[0\].reasoning_content must be a string"):
+        chat_messages(json_module.dumps([{"role": "assistant", "content": "", "reasoning_content": 3}]), tn.MESSAGES)
+    with pytest.raises(ValueError, match="fields this server does not take"):  # a user's is no answer's thinking
+        chat_messages(json_module.dumps([{"role": "user", "content": "", "reasoning_content": "x"}]), tn.MESSAGES)

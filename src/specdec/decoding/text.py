@@ -265,7 +265,8 @@ class TextEmitter:
 
 def chat_messages(raw: str, field: str) -> list[dict]:
     """A chat (the `messages` input): a JSON list of {"role": one of CHAT_ROLES, "content": text}, checked;
-    ValueError names `field` and the message at fault. An assistant message may carry `tool_calls` (OpenAI's
+    ValueError names `field` and the message at fault. An assistant message may carry its thinking
+    (`reasoning_content`, which the template also reads as `thinking`) and `tool_calls` (OpenAI's
     {"id", "type": "function", "function": {"name", "arguments"}}; its content then may be null), a tool
     message its `tool_call_id`; a call's arguments, a JSON string in OpenAI's form, reach the chat template
     as the object they encode (what templates that render calls read)."""
@@ -284,8 +285,8 @@ def chat_messages(raw: str, field: str) -> list[dict]:
             content = ""
         if not isinstance(content, str):
             raise ValueError(f"input '{field}'[{i}].content must be a string, got {type(content).__name__}")
-        allowed = {"role", "content", "name"} | ({"tool_calls"} if role == "assistant" else set()) | (
-            {"tool_call_id"} if role == "tool" else set())
+        allowed = {"role", "content", "name"} | ({"tool_calls", tn.REASONING_CONTENT} if role == "assistant"
+                                                 else set()) | ({"tool_call_id"} if role == "tool" else set())
         unknown = sorted(set(message) - allowed)
         if unknown:
             raise ValueError(f"input '{field}'[{i}] has fields this server does not take: {unknown}")
@@ -293,6 +294,11 @@ def chat_messages(raw: str, field: str) -> list[dict]:
         entry["content"] = content
         if calls:
             entry["tool_calls"] = _tool_calls(calls, f"input '{field}'[{i}].tool_calls")
+        thinking = message.get(tn.REASONING_CONTENT)
+        if thinking is not None:  # the template reads it under either name (Qwen3's, gpt-oss's)
+            if not isinstance(thinking, str):
+                raise ValueError(f"input '{field}'[{i}].{tn.REASONING_CONTENT} must be a string")
+            entry[tn.REASONING_CONTENT] = entry[tn.TEMPLATE_THINKING] = thinking
         out.append(entry)
     return out
 

@@ -50,6 +50,7 @@ CHAT_FIELDS = (*COMMON_FIELDS, "messages", "max_completion_tokens", "top_logprob
                "include_reasoning", "reasoning_effort", "thinking_token_budget")
 # OpenAI's reasoning efforts (its SDK's ReasoningEffort): handed to the chat template as `reasoning_effort`, the
 # variable the templates that take one read (gpt-oss's); the others leave it unused
+THINKING_FIELDS = (tn.REASONING_CONTENT, "reasoning")  # an assistant message's thinking: vLLM's two names
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 COMPLETION_FIELDS = (*COMMON_FIELDS, "prompt", "echo", "suffix", "best_of")
 OPENAI_TEMPERATURE = 1.0  # OpenAI's default: a request that sets no temperature samples
@@ -309,7 +310,9 @@ def chat_messages(body: dict) -> list[dict]:
         if role not in ("system", "developer", "user", "assistant", "tool"):
             raise invalid(f"messages[{i}].role", f"must be system, developer, user, assistant or tool, got "
                           f"{json.dumps(role)}" + (" (send tools and tool messages)" if role == "function" else ""))
-        own = {"role", "content", "name"} | ({"tool_calls"} if role == "assistant" else set()) | (
+        # an answer sent back keeps its thinking (vLLM's reasoning_content, or reasoning): the chat template
+        # decides what of it the prompt shows (Qwen3's, gpt-oss's: that of the turn still calling tools)
+        own = {"role", "content", "name"} | ({"tool_calls", *THINKING_FIELDS} if role == "assistant" else set()) | (
             {"tool_call_id"} if role == "tool" else set())
         extra = sorted(set(message) - own)
         if extra and not all(message[key] in (None, [], "") for key in extra):
@@ -321,6 +324,12 @@ def chat_messages(body: dict) -> list[dict]:
             entry["name"] = message["name"]
         if calls:
             entry["tool_calls"] = _message_calls(calls, i)
+        thinking = [(key, message[key]) for key in THINKING_FIELDS if message.get(key) not in (None, "")]
+        if role == "assistant" and thinking:
+            key, value = thinking[0]
+            if not isinstance(value, str):
+                raise invalid(f"messages[{i}].{key}", "must be a string (the answer's thinking)")
+            entry[tn.REASONING_CONTENT] = value
         if role == "tool":
             if not isinstance(message.get("tool_call_id"), str):
                 raise invalid(f"messages[{i}].tool_call_id", "is required in a tool message (the call it answers)")
