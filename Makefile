@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.specdec-setup
 
-.PHONY: readme-examples soak soak-mixed setup serve test unit integration deploy-check image image-lock clean loadtest bench bench-concurrency bench-batching bench-gpu bench-executor bench-overhead bench-structured bench-prefix bench-priority bench-suffix bench-openai bench-trees bench-fp8 bench-ab gpukit
+.PHONY: readme-examples soak soak-mixed setup serve test unit integration deploy-check image image-lock clean loadtest bench bench-concurrency bench-batching bench-gpu bench-executor bench-overhead bench-structured bench-prefix bench-priority bench-suffix bench-openai bench-prediction bench-trees bench-fp8 bench-ab gpukit
 
 setup: $(STAMP)
 
@@ -59,6 +59,10 @@ bench: setup
 # The OpenAI API's own cost: TTFT and chunk gaps through it against direct gRPC streaming, its CPU per token.
 bench-openai: setup
 	$(PY) -m bench.openai_gateway_bench --out .cache/bench-openai.md
+
+# OpenAI's Predicted Outputs: code edits with and without their code as the request's prediction, served.
+bench-prediction: setup
+	$(PY) -m bench.prediction_bench --out .cache/bench-prediction.md
 
 # Concurrency benchmark against a running server: 1, 2, 4, 8 streams, speculative vs target-only.
 bench-concurrency: setup

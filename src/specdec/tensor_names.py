@@ -222,6 +222,10 @@ SKIP_SPECIAL_TOKENS = "skip_special_tokens"
 # sampling_parameters' key of this server's own: true with no max_tokens generates what the context leaves (up to
 # max_max_tokens), what OpenAI's and vLLM's APIs do; the OpenAI API sends it with every request
 MAX_TOKENS_TO_CONTEXT = "max_tokens_to_context"
+# sampling_parameters' key of this server's own: OpenAI's Predicted Outputs, the text a request expects back, which
+# its rounds draft from (prompt lookup over it: decoding/prediction_proposer.py)
+PREDICTION = "prediction"
+PREDICTION_DRAFT = "prediction"  # the draft method's name in the policy's measured costs and the metrics
 SEQUENCE_ID = "sequence_id"  # UINT64 [1]: the generation's key, for cancellation flags
 RELEASE = "release"  # BOOL [1]: free this sequence's cache (sent with the sequence END flag)
 

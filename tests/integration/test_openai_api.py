@@ -1588,3 +1588,22 @@ def test_gpt_oss_harmony_channels_become_reasoning_content_and_tool_calls(server
                                         extra_body={"guided_choice": [think + final]})
         assert [item.type for item in built.output] == ["reasoning", "message"]
         assert built.output_text == "Red, green, blue."
+
+
+def test_a_predicted_output_is_drafted_from_and_changes_nothing_but_the_speed(api, model):
+    """OpenAI's Predicted Outputs (`prediction`): a request that predicts its answer drafts it, greedy output
+    unchanged; usage counts the prediction's tokens the target accepted and rejected, as OpenAI reports them."""
+    args = {"model": model, "messages": CHAT, "max_tokens": 32, "temperature": 0,
+            "extra_body": {"num_draft_tokens": 8, "adaptive_draft": False}}
+    plain = api.chat.completions.create(**args).choices[0].message.content
+    for prediction, accepted in ((plain, 20), ("Blue, and then " + plain, 0), ("Nothing like it at all.", 0)):
+        answer = api.chat.completions.create(**args, prediction={"type": "content", "content": prediction})
+        assert answer.choices[0].message.content == plain, prediction
+        details = answer.usage.completion_tokens_details
+        assert details.accepted_prediction_tokens >= accepted and details.rejected_prediction_tokens >= 0
+        assert details.accepted_prediction_tokens + details.rejected_prediction_tokens > 0
+    streamed = api.chat.completions.create(**args, prediction={"type": "content", "content": plain}, stream=True,
+                                           stream_options={"include_usage": True})
+    chunks = list(streamed)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == plain
+    assert chunks[-1].usage.completion_tokens_details.accepted_prediction_tokens >= 20

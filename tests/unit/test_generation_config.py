@@ -110,3 +110,23 @@ def test_a_request_gets_the_defaults_for_what_it_leaves_out_and_keeps_what_it_se
     # without defaults of the model's: OpenAI's (temperature 1), and no max_tokens (the server's default)
     (openai,) = sent(protocol.parse_chat(chat, ("m",)))
     assert openai["temperature"] == protocol.OPENAI_TEMPERATURE and "max_tokens" not in openai and "top_k" not in openai
+
+
+def test_a_prediction_reaches_the_server_and_its_drafts_are_counted_as_openai_reports_them():
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    for content in ("def f():\n    return 1", [{"type": "text", "text": "def f():\n"}, {"type": "text", "text": "    return 1"}]):
+        (sent,) = sent_of(protocol.parse_chat({**chat, "prediction": {"type": "content", "content": content}}, ("m",)))
+        assert sent[tn.PREDICTION] == "def f():\n    return 1"
+    for bad, field in (({"type": "text", "content": "x"}, "prediction.type"), ({"type": "content", "content": 3},
+                                                                              "prediction.content"), ("x", "prediction")):
+        with pytest.raises(protocol.ApiError) as caught:
+            protocol.parse_chat({**chat, "prediction": bad}, ("m",))
+        assert caught.value.param == field
+    stats = [{tn.NUM_INPUT_TOKENS: 5, tn.NUM_OUTPUT_TOKENS: 9, tn.TOTAL_DRAFT_TOKENS: 8, tn.TOTAL_ACCEPTED_DRAFT_TOKENS: 6}]
+    usage = protocol.combined_usage(stats, [9], 1, predicted=True)
+    assert usage["completion_tokens_details"] == {"accepted_prediction_tokens": 6, "rejected_prediction_tokens": 2}
+    assert "completion_tokens_details" not in protocol.combined_usage(stats, [9], 1)
+
+
+def sent_of(generation) -> list[dict]:
+    return [json.loads(choice[tn.SAMPLING_PARAMETERS][0, 0].decode()) for choice in generation.choices]

@@ -649,3 +649,16 @@ def test_max_tokens_to_context_generates_what_the_context_leaves_when_no_max_tok
     with pytest.raises(InputError, match="'text_input' has 64 tokens: the model context of 64 tokens leaves none"):
         parse(**{tn.INPUT_IDS: full, **_vllm(to_context)})
     assert parse(**{tn.INPUT_IDS: full, **_vllm({**to_context, "truncate_prompt_tokens": -1})}).generation.max_tokens == 1
+
+
+def test_a_prediction_is_the_expected_answers_token_ids_and_one_too_long_is_refused_by_name():
+    """sampling_parameters' `prediction` (OpenAI's Predicted Outputs, what the OpenAI API sends): token ids of the
+    target's tokenizer; at most the context's worth; none when empty or unset."""
+    assert parse(**_vllm({tn.PREDICTION: "abc"})).prediction == (97, 98, 99)
+    assert parse().prediction == () and parse(**_vllm({tn.PREDICTION: ""})).prediction == ()
+    with pytest.raises(InputError, match=r"key 'prediction' has 65 tokens, more than the model's context of 64"):
+        parse(**_vllm({tn.PREDICTION: "x" * 65}))
+    with pytest.raises(InputError, match=r"key 'prediction' is longer than the model's context"):
+        parse(**_vllm({tn.PREDICTION: "x" * 64 * 65}))
+    with pytest.raises(InputError, match=r"key 'prediction' must be one text"):
+        parse(**_vllm({tn.PREDICTION: ["a", "b"]}))

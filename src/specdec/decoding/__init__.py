@@ -17,6 +17,7 @@
   ngram_proposer     prompt lookup: a Proposer with no model
   suffix_proposer    prompt lookup also over earlier requests' text: a cache they share
   lookup_first       prompt lookup first, a draft model where it finds no long enough match ("ngram+NAME")
+  prediction_proposer  OpenAI's Predicted Outputs: a request's expected answer as its draft
   text               tokenizer loading, incremental detokenization, stop words
   generation_config  a model's generation_config.json: the tokens that end its answers, its sampling defaults
   json_text          JSON from a client or a model read with one way to fail (ValueError, deep nesting included)

@@ -1016,7 +1016,7 @@ class Gateway:
         body = protocol.envelope(gen, choices, chunk=False)
         thinking = [self._reasoning_tokens(gen, m.ids) for m in merged]
         body["usage"] = protocol.combined_usage([m.stats for m in merged], [len(m.ids) for m in merged], gen.n,
-                                                None if None in thinking else thinking)
+                                                None if None in thinking else thinking, tn.PREDICTION in gen.sampling)
         body[STATS_FIELD] = protocol.combined_stats([m.stats for m in merged])
         return body
 
@@ -1073,14 +1073,16 @@ class Gateway:
                                           chunk=True)
                 sent_text[index] += len(piece.text)
                 if gen.include_usage:
-                    chunk["usage"] = protocol.combined_usage(stats, sent_ids, gen.n) if gen.continuous_usage else None
+                    chunk["usage"] = protocol.combined_usage(stats, sent_ids, gen.n, None, tn.PREDICTION in gen.sampling) \
+                        if gen.continuous_usage else None
                 if reason:  # this choice's own statistics, with its finish
                     chunk[STATS_FIELD] = protocol.combined_stats([stats[index]])
                 await response.write(protocol.sse(chunk))
             if gen.include_usage:
                 final = protocol.envelope(gen, [], chunk=True)
                 thinking = [self._reasoning_tokens(gen, ids) for ids in generated]
-                final["usage"] = protocol.combined_usage(stats, sent_ids, gen.n, None if None in thinking else thinking)
+                final["usage"] = protocol.combined_usage(stats, sent_ids, gen.n, None if None in thinking else thinking,
+                                                         tn.PREDICTION in gen.sampling)
                 await response.write(protocol.sse(final))
         except ApiError as exc:  # after the stream began: an error event, as OpenAI's SDK reads one
             self.metrics.stream_error(exc.status)

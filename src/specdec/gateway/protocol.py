@@ -47,7 +47,7 @@ COMMON_FIELDS = ("model", "stream", "stream_options", "n", "logit_bias", "logpro
 INT32 = (-2**31, 2**31 - 1)
 CHAT_FIELDS = (*COMMON_FIELDS, "messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
                "tool_choice", "parallel_tool_calls", "functions", "function_call", "chat_template_kwargs", "chat_template",
-               "include_reasoning", "reasoning_effort", "thinking_token_budget")
+               "include_reasoning", "reasoning_effort", "thinking_token_budget", "prediction")
 # OpenAI's reasoning efforts (its SDK's ReasoningEffort): handed to the chat template as `reasoning_effort`, the
 # variable the templates that take one read (gpt-oss's); the others leave it unused
 THINKING_FIELDS = (tn.REASONING_CONTENT, "reasoning")  # an assistant message's thinking: vLLM's two names
@@ -465,6 +465,9 @@ def parse_chat(body: dict, served: tuple[str, ...], tool_parser: str | None = No
             or reasoning_parser == tool_calls.HARMONY_REASONING:
         # its calls open with a special token (vLLM does the same); gpt-oss's channels are special tokens
         sampling["skip_special_tokens"] = False
+    prediction = _prediction(body)
+    if prediction:
+        sampling[tn.PREDICTION] = prediction
     inputs[tn.MESSAGES] = _string(json.dumps(chat))
     if tools:
         inputs[tn.TOOLS] = _string(json.dumps(tools))
@@ -486,6 +489,23 @@ def parse_chat(body: dict, served: tuple[str, ...], tool_parser: str | None = No
                       reasoning=reasoning_parser, include_reasoning=_typed(body, "include_reasoning", (bool,),
                                                                            "a boolean") is not False,
                       sampling=sampling)
+
+
+def _prediction(body: dict) -> str:
+    """OpenAI's Predicted Outputs: `prediction` {"type": "content", "content": text or text parts}, the answer
+    the request expects, which the server drafts from ("" for none)."""
+    prediction = _typed(body, "prediction", (dict,), 'an object {"type": "content", "content": ...}')
+    if prediction is None:
+        return ""
+    if prediction.get("type") != "content":
+        raise invalid("prediction.type", f"must be content, got {json.dumps(prediction.get('type'))}")
+    content = prediction.get("content")
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(part, dict) and part.get("type") == "text"
+                                         and isinstance(part.get("text"), str) for part in content):
+        return "".join(part["text"] for part in content)
+    raise invalid("prediction.content", "must be a string or a list of text parts")
 
 
 def request_template(body: dict, trusted: bool) -> str | None:
@@ -618,17 +638,26 @@ def combined_stats(per_choice: list[dict]) -> dict:
 
 
 def combined_usage(per_choice: list[dict], completion_tokens: list[int], n: int,
-                   reasoning_tokens: list[int] | None = None) -> dict:
+                   reasoning_tokens: list[int] | None = None, predicted: bool = False) -> dict:
     """Usage of an answer of several choices: each prompt's tokens once (its n choices share it, as OpenAI
     counts them), every choice's completion tokens (`token_counts`). `reasoning_tokens`: per choice, those
-    of its thinking (with a reasoning parser), in `completion_tokens_details` as OpenAI reports them."""
+    of its thinking (with a reasoning parser), in `completion_tokens_details` as OpenAI reports them.
+    predicted: the request brought a prediction, whose drafted tokens the target accepted or rejected
+    (`accepted_prediction_tokens`, `rejected_prediction_tokens`, as OpenAI reports Predicted Outputs)."""
     counts = [token_counts(stats, received) for stats, received in zip(per_choice, completion_tokens)]
     groups = [counts[i:i + n] for i in range(0, len(counts), n)]
     # a prompt's cached tokens: as many as each of its choices found (each counts the prompt once)
     out = usage(sum(max(c[0] for c in group) for group in groups), sum(c[1] for c in counts),
                 sum(min(c[2] for c in group) for group in groups))
+    details = {}
     if reasoning_tokens is not None:
-        out["completion_tokens_details"] = {"reasoning_tokens": sum(reasoning_tokens)}
+        details["reasoning_tokens"] = sum(reasoning_tokens)
+    if predicted:
+        accepted = sum(int(stats.get(tn.TOTAL_ACCEPTED_DRAFT_TOKENS, 0)) for stats in per_choice)
+        drafted = sum(int(stats.get(tn.TOTAL_DRAFT_TOKENS, 0)) for stats in per_choice)
+        details.update(accepted_prediction_tokens=accepted, rejected_prediction_tokens=drafted - accepted)
+    if details:
+        out["completion_tokens_details"] = details
     return out
 
 

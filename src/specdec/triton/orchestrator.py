@@ -27,6 +27,7 @@ from specdec.decoding.interfaces import NoCapacity
 from specdec.decoding import generation_config, lookup_first
 from specdec.decoding.loop import GenerationRequest, RoundOutput, Stats, generate
 from specdec.decoding.ngram_proposer import NgramProposer
+from specdec.decoding.prediction_proposer import PredictionProposer
 from specdec.decoding.suffix_proposer import SuffixCache, SuffixProposer
 from specdec.decoding.text import Emission, TextEmitter, joined, load_tokenizer, with_prompt
 from specdec.triton.adapter import TritonAdapter
@@ -300,8 +301,13 @@ class SpeculativeDecodingAdapter(TritonAdapter):
                 raise NoCapacity("cancelled while waiting in line for KV room")  # room.cancelled is set
             started = True
             out.times[tn.FIRST_SCHEDULED_TIME_NS] = time.monotonic()
-            proposer = self.proposers[parsed.draft_name]
-            policy = self._policy(parsed, proposer, gen)
+            if parsed.prediction:  # OpenAI's Predicted Outputs: the request's own draft, free as prompt lookup
+                proposer = PredictionProposer(list(parsed.prediction), len(gen.prompt_ids))
+                policy = DraftLengthPolicy(parsed.num_draft_tokens, self.costs, tn.PREDICTION_DRAFT,
+                                           adaptive=parsed.adaptive, free=True, busy=self._busy(gen))
+            else:
+                proposer = self.proposers[parsed.draft_name]
+                policy = self._policy(parsed, proposer, gen)
             # Between draft and verify only the board is read (one stat): asking Triton is an IPC round
             # trip, paid once per round (`_Responses.round`), off the event loop.
             rounds = generate(gen, proposer, self.scorer, policy, out.stats,

@@ -28,6 +28,7 @@ from specdec.triton.vllm_parameters import MAX_TOKEN_IDS, with_sampling_paramete
 
 Encode = Callable[[str], "list[int]"]  # text -> token ids, without special tokens (the target's tokenizer)
 CompileGuide = Callable[[str, str], Grammar]  # (guide type, guide) -> its grammar; raises GuideError
+MAX_PREDICTION_CHARS_PER_TOKEN = 64  # a prediction's text longer than this per context token is refused untokenized
 MAX_STREAM_INTERVAL_MS = 60_000  # sampling_parameters' stream_interval_ms: longer holds text back for nothing
 
 
@@ -100,6 +101,9 @@ class ParsedRequest:
     priority: int = 0  # its place among waiting requests when the server is full: lower first (tn.PRIORITY)
     stream_interval_s: float = 0.0  # streamed: at most one response per this long (0: one per round)
     skip_special: bool = True  # the text leaves special tokens out (vLLM's skip_special_tokens)
+    # OpenAI's Predicted Outputs: the answer the request expects, as token ids, which its rounds draft from
+    # (decoding/prediction_proposer.py); () for none
+    prediction: tuple[int, ...] = ()
 
     @classmethod
     def parse(cls, lookup: InputLookup, limits: RequestLimits, seq_id: int | None = None,
@@ -217,7 +221,28 @@ class ParsedRequest:
                    vllm_outputs, vllm_logprobs, echo,
                    bool(inputs.scalar(tn.RETURN_PERF_METRICS, np.bool_, False)),
                    int(inputs.scalar(tn.PRIORITY, np.int32, 0)), interval_ms / 1000.0,
-                   bool(inputs.scalar(tn.SKIP_SPECIAL_TOKENS, np.bool_, True)))
+                   bool(inputs.scalar(tn.SKIP_SPECIAL_TOKENS, np.bool_, True)),
+                   _prediction(inputs, encode, limits, settings.field))
+
+
+def _prediction(inputs: Inputs, encode: Encode | None, limits: RequestLimits,
+                field: Callable[[str], str]) -> tuple[int, ...]:
+    """sampling_parameters' `prediction` (OpenAI's Predicted Outputs): the expected answer's text as token ids,
+    at most the context's worth; () when unset or empty."""
+    texts = inputs.strings(tn.PREDICTION)
+    if len(texts) > 1:
+        raise InputError(f"{field(tn.PREDICTION)} must be one text, got {len(texts)}")
+    if not texts or not texts[0]:
+        return ()
+    if encode is None:
+        raise InputError(f"{field(tn.PREDICTION)} is not supported here (no tokenizer)")
+    if len(texts[0]) > MAX_PREDICTION_CHARS_PER_TOKEN * limits.max_context:  # before tokenizing a huge text
+        raise InputError(f"{field(tn.PREDICTION)} is longer than the model's context of {limits.max_context} tokens")
+    ids = tuple(int(token) for token in encode(texts[0]))
+    if len(ids) > limits.max_context:
+        raise InputError(f"{field(tn.PREDICTION)} has {len(ids)} tokens, more than the model's context of "
+                         f"{limits.max_context}")
+    return ids
 
 
 def _vllm_logprobs(inputs: Inputs, top: int, field: Callable[[str], str]) -> int | None:

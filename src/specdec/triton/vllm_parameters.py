@@ -31,6 +31,7 @@ SAMPLING_PARAMETER_KEYS = {
     "frequency_penalty": (tn.FREQUENCY_PENALTY, np.float32),
     "thinking_token_budget": (tn.THINKING_TOKEN_BUDGET, np.int32),
     "lora_name": (tn.LORA_NAME, np.object_),  # vLLM's backend reads it from here
+    tn.PREDICTION: (tn.PREDICTION, np.object_),  # this server's own: OpenAI's Predicted Outputs' text
 }
 # Settings vLLM's clients send at their neutral values: accepted at those (or null), refused otherwise.
 NEUTRAL_SAMPLING_PARAMETERS = {"n": 1, "best_of": 1, "spaces_between_special_tokens": True, "detokenize": True}
