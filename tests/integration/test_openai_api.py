@@ -26,7 +26,7 @@ from specdec.serving.healthcheck import answers, gateway_url
 from specdec.serving.pairs import TINY_LORA, TINY_LORA_LIBRARY
 from specdec.serving.server import free_ports
 
-from .helpers import GenerationError, ensemble_inputs, grpc_stream
+from .helpers import GenerationError, ensemble_inputs, grpc_stream, run_bench
 
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three colours."}]
 PROMPT = "Once upon a time, in a land far away,"
@@ -1607,3 +1607,9 @@ def test_a_predicted_output_is_drafted_from_and_changes_nothing_but_the_speed(ap
     chunks = list(streamed)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == plain
     assert chunks[-1].usage.completion_tokens_details.accepted_prediction_tokens >= 20
+
+
+def test_the_prediction_bench_runs_against_a_served_api(server):
+    """`make bench-prediction`'s script, against the session's server (its table: every mode's answer equal)."""
+    out = run_bench("prediction_bench", "--url", server.openai_url, "--repeats", "1", "--max-tokens", "12").stdout
+    assert out.count("| yes |") == 9 and "| prediction |" in out
