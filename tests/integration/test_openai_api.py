@@ -1588,6 +1588,13 @@ def test_gpt_oss_harmony_channels_become_reasoning_content_and_tool_calls(server
                                         extra_body={"guided_choice": [think + final]})
         assert [item.type for item in built.output] == ["reasoning", "message"]
         assert built.output_text == "Red, green, blue."
+        # Anthropic's SDK with thinking on (a budget gpt-oss's channels cannot be held to: taken, not refused)
+        claude = anthropic.Anthropic(base_url=f"http://localhost:{port}", api_key="x", max_retries=0)
+        message = claude.messages.create(model=model, max_tokens=128, messages=[{"role": "user", "content": "Hi"}],
+                                         thinking={"type": "enabled", "budget_tokens": 1024},
+                                         extra_body={"guided_choice": [think + final]})
+        assert [block.type for block in message.content] == ["thinking", "text"]
+        assert message.content[1].text == "Red, green, blue."
 
 
 def test_a_predicted_output_is_drafted_from_and_changes_nothing_but_the_speed(api, model):

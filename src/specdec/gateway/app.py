@@ -357,7 +357,9 @@ class Gateway:
         a `message`, or streamed as its events."""
         body = await self._body(request)
         try:
-            gen = self._parse_chat(messages.chat_body(body, budgets=self.reasoning_parser is not None))
+            # (a thinking budget where the server can close the thinking: not gpt-oss's channels)
+            budgets = self.reasoning_parser not in (None, reasoning.HARMONY)
+            gen = self._parse_chat(messages.chat_body(body, budgets=budgets))
             async with self._pieces(gen, request) as pieces:  # errors before the first token: HTTP errors
                 if gen.stream:
                     return await self._stream_message(request, gen, body, pieces)
