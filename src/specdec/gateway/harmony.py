@@ -83,7 +83,7 @@ class HarmonyStream:
             if self._state == "body":
                 ends = [(text.find(end), end) for end in ENDS if end in text]
                 if not ends:
-                    keep = max(_partial(text, end) for end in ENDS)
+                    keep = max(held_back(text, end) for end in ENDS)
                     body, self._held = text[:len(text) - keep], text[len(text) - keep:]
                     (thinking if self._kind == "thinking" else content).append(body)
                     break
@@ -151,7 +151,9 @@ def calls(text: str) -> tuple[str | None, list[dict]]:
     return text[:start].strip() or None, found
 
 
-def _partial(text: str, marker: str) -> int:
+def held_back(text: str, marker: str) -> int:
+    """How many of text's last characters could begin `marker` (0 when none): what a stream holds back until the
+    next delta tells (this parser's markers, the reasoning parsers' tags, the tool-call parsers' openings)."""
     for n in range(min(len(marker) - 1, len(text)), 0, -1):
         if marker.startswith(text[-n:]):
             return n

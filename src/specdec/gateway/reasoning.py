@@ -70,7 +70,7 @@ class _TagStream:
         if self._state == "thinking":
             end = text.find(CLOSE)
             if end < 0:
-                keep = _partial_tag(text, CLOSE)
+                keep = harmony.held_back(text, CLOSE)
                 thinking, self._held = text[:len(text) - keep], text[len(text) - keep:]
                 return thinking, ""
             thinking, text, self._state = text[:end], text[end + len(CLOSE):], "answer"
@@ -112,11 +112,3 @@ def thinking_tokens(ids: list[int], decode, parser: str) -> int:
         else:
             low = middle + 1
     return high
-
-
-def _partial_tag(text: str, tag: str) -> int:
-    """How many of text's last characters could begin `tag` (0 when none)."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0

@@ -388,10 +388,7 @@ class ToolStream:
             if opening >= 0:
                 self.held = True
                 return opening
-            for length in range(min(len(mark) - 1, len(self.text)), 0, -1):
-                if mark.startswith(self.text[-length:]):
-                    return len(self.text) - length
-            return len(self.text)
+            return len(self.text) - harmony.held_back(self.text, mark)
         # llama3_json, pythonic: a call is the whole answer, so the answer's start decides
         opening, tag = ("[", _PYTHON_START) if self.calling.parser == "pythonic" else ("{", _PYTHON_TAG)
         body = self.text.lstrip()

@@ -55,13 +55,8 @@ def repository_trusts_request_templates(repo: Path) -> bool:
 def repository_limits(repo: Path) -> tuple[int, int]:
     """The context (tokens) the rendered repository's orchestrator admits requests within and what it generates
     for a request that does not say (its default_max_tokens); 0 for either not found."""
-    try:
-        config = (repo / "speculative_decoding" / "config.pbtxt").read_text()
-    except OSError:
-        return 0, 0
-    found = [re.search(r'key: "%s", value: \{ string_value: "([0-9]+)" \}' % key, config)
-             for key in ("max_context_tokens", "default_max_tokens")]
-    return tuple(int(match.group(1)) if match else 0 for match in found)
+    found = [_parameter(repo, "speculative_decoding", key) for key in ("max_context_tokens", "default_max_tokens")]
+    return tuple(int(value) if value.isdigit() else 0 for value in found)
 
 
 def default_model_name(tokenizer_path: str) -> str:

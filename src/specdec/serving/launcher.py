@@ -45,7 +45,6 @@ from pathlib import Path
 from typing import Callable
 
 from specdec import tensor_names as tn
-from specdec.decoding import generation_config
 from specdec.decoding.generation_config import AUTO, VLLM, api_defaults
 from specdec.decoding.text import read_chat_template
 from specdec.engine.lora_config import CONFIG, FIRST_LAYERS, NAME, format_adapters
@@ -589,17 +588,13 @@ def main(argv: list[str] | None = None) -> int:
             log(str(exc))
             return 2
         if args.generation_config not in (AUTO, VLLM):
-            try:  # read now: a mistake is refused before tritonserver starts (its end tokens are read again there)
-                generation_config.read(args.generation_config, "--generation-config")
-            except ValueError as exc:
-                log(str(exc))
-                return 2
             pair = dataclasses.replace(pair, generation_config=str(Path(args.generation_config).resolve()))
-        try:  # the file's sampling fields, checked before the API reads them (a target that is not there fails
-            # its load, naming it)
-            source = pair.generation_config or pair.target_path
-            api_defaults(args.generation_config if Path(source).exists() else VLLM, source,
-                         args.override_generation_config)
+        # The file's sampling fields checked before anything starts (a DIR that is not there too; a target that is
+        # not there fails its load, naming it); the orchestrator reads the end tokens again at load
+        source = pair.generation_config or pair.target_path
+        try:
+            api_defaults(args.generation_config if args.generation_config != AUTO or Path(source).exists() else VLLM,
+                         source, args.override_generation_config)
         except ValueError as exc:
             log(str(exc))
             return 2
