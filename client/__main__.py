@@ -56,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--guide", help="a JSON schema, regex, GBNF/Lark grammar or JSON list of choices; @FILE reads a file")
     p.add_argument("--reasoning-parser", choices=tn.REASONING_PARSERS,
                    help="a reasoning model's: the guide holds for the answer after its thinking")
+    p.add_argument("--thinking-token-budget", type=int,
+                   help="with --reasoning-parser: the thinking ends after at most this many tokens")
     p.add_argument("--priority", type=int,
                    help="while the server is full, requests with a lower value are admitted first (default 0)")
     p.add_argument("--timeout", type=float, default=300.0)
@@ -72,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         min_length=args.min_length, ignore_eos=args.ignore_eos,
         return_log_probs=args.return_log_probs, num_top_log_probs=args.num_top_log_probs,
         return_prompt_log_probs=args.return_prompt_log_probs, guide_type=args.guide_type, priority=args.priority,
-        reasoning_parser=args.reasoning_parser,
+        reasoning_parser=args.reasoning_parser, thinking_token_budget=args.thinking_token_budget,
         guide=Path(args.guide[1:]).read_text() if args.guide and args.guide.startswith("@") else args.guide)
     client = Client(args.url, args.protocol, args.model, args.timeout)
 

@@ -73,7 +73,10 @@ class GenerationParams:
     # JSON list of choices (none for json: any JSON object)
     guide_type: str | None = None
     guide: str | None = None
-    reasoning_parser: str | None = None  # deepseek_r1 | qwen3: the guide holds after a reasoning model's thinking
+    # deepseek_r1 | qwen3 | openai_gptoss: the guide holds after a reasoning model's thinking (gpt-oss: in its final
+    # channel's message), and thinking_token_budget closes the thinking after at most that many tokens
+    reasoning_parser: str | None = None
+    thinking_token_budget: int | None = None
     priority: int | None = None  # while the server is full, a lower value is admitted first (0 by default)
     # streamed: at most one response per this many milliseconds, the rounds between sent together (None or 0:
     # one per round); what an answer gathered whole but still cancellable asks (docs/api.md, Cancellation)
@@ -96,7 +99,8 @@ class GenerationParams:
                    (tn.IGNORE_EOS, self.ignore_eos, np.bool_), (tn.RETURN_LOG_PROBS, self.return_log_probs, np.bool_),
                    (tn.NUM_TOP_LOG_PROBS, self.num_top_log_probs, np.int32),
                    (tn.RETURN_PROMPT_LOG_PROBS, self.return_prompt_log_probs, np.bool_),
-                   (tn.PRIORITY, self.priority, np.int32)]
+                   (tn.PRIORITY, self.priority, np.int32),
+                   (tn.THINKING_TOKEN_BUDGET, self.thinking_token_budget, np.int32)]
         for name, value, dtype in scalars:
             if value is not None:
                 arrays[name] = np.array([[value]], dtype=dtype)
@@ -122,7 +126,7 @@ class GenerationParams:
                      "repetition_penalty", "presence_penalty", "frequency_penalty", "end_id", "draft_model", "lora_name",
                      "apply_chat_template", "adaptive_draft", "num_draft_branches", "min_length", "ignore_eos",
                      "return_log_probs", "num_top_log_probs", "return_prompt_log_probs", "priority",
-                     "stream_interval_ms"):
+                     "stream_interval_ms", "thinking_token_budget"):
             value = getattr(self, name)
             if value is not None:
                 body[name] = value

@@ -98,8 +98,13 @@ GUIDE_TYPES = ("json", "json_schema", "regex", "ebnf_grammar", "choice")
 # STRING [1]: a reasoning model's parser, one of REASONING_PARSERS (decoding/thinking.py): the guide applies to the
 # answer after the thinking, as that parser splits it (the OpenAI gateway sends it with --reasoning-parser)
 REASONING_PARSER = "reasoning_parser"
-REASONING_PARSERS = ("deepseek_r1", "qwen3")  # as vLLM and SGLang name them (`--reasoning-parser`)
-THINK_OPEN, THINK_CLOSE = "<think>", "</think>"  # where their thinking starts and ends
+HARMONY_REASONING = "openai_gptoss"  # gpt-oss's harmony channels (vLLM's name)
+REASONING_PARSERS = ("deepseek_r1", "qwen3", HARMONY_REASONING)  # as vLLM and SGLang name them (`--reasoning-parser`)
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"  # where deepseek_r1's and qwen3's thinking starts and ends
+# gpt-oss's harmony markers (special tokens in its vocabulary): its answer is the message on the final channel,
+# `<|channel|>final<|message|>`; a message before it closes with `<|end|>` and the next opens `<|start|>assistant`
+HARMONY_START, HARMONY_CHANNEL, HARMONY_MESSAGE, HARMONY_END = "<|start|>", "<|channel|>", "<|message|>", "<|end|>"
+HARMONY_ROLE, HARMONY_FINAL = "assistant", "final"
 # An assistant message's thinking in the messages input (vLLM's name), handed to the chat template under it and
 # under "thinking" (gpt-oss's template's name)
 REASONING_CONTENT = "reasoning_content"

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import queue
 import re
 import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -18,8 +20,10 @@ from client.sync import grpc_inputs
 
 from specdec import tensor_names as tn
 from specdec.serving import server as serving_server
+from specdec.serving.healthcheck import answers, gateway_url
 from specdec.serving.metrics_text import samples
 from specdec.serving.server import ServerProcess as Server
+from specdec.serving.server import free_ports
 
 READY_TIMEOUT_S = 300
 
@@ -252,3 +256,20 @@ def run_bench(script: str, *args: str, timeout: float = 300) -> subprocess.Compl
                             text=True, timeout=timeout, cwd=root)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     return result
+
+
+@contextlib.contextmanager
+def own_gateway(server, model, *args, env=None):
+    """A gateway process of the test's own in front of the session's server (its flags `args`): its port."""
+    port = free_ports(1)[0]
+    process = subprocess.Popen([sys.executable, "-m", "specdec.gateway", "--port", str(port), "--grpc-url",
+                                server.grpc_url, "--served-model-name", model, *args],
+                               env={"PATH": "/usr/bin:/bin", **(env or {})})
+    try:
+        deadline = time.monotonic() + 60
+        while not answers(gateway_url(port), 2) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        yield port
+    finally:
+        process.terminate()
+        process.wait(30)

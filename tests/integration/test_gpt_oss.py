@@ -13,14 +13,16 @@ import pytest
 import torch
 
 from client import Client, GenerationParams
+from specdec import tensor_names as tn
 from specdec.decoding.text import load_tokenizer
 from specdec.serving import pairs
 from specdec.serving import server as serving_server
 
-from .helpers import READY_TIMEOUT_S, stop_server
+from .helpers import READY_TIMEOUT_S, http_generate, own_gateway, stop_server
 
 pytestmark = pytest.mark.integration
 
+HARMONY_MARKERS = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|call|>", "<|return|>", "<|constrain|>"]
 PROMPTS = ["the cat sat on the mat and the cat sat on the mat and the cat sat on the", "Hello there, how are"]
 
 
@@ -50,6 +52,7 @@ def build(directory, tokenizer, seed: int, noise: float = 0.0):
 def gpt_oss(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("gpt-oss")
     tokenizer = load_tokenizer(pairs.tiny_pair().tokenizer_path)
+    tokenizer.add_special_tokens({"additional_special_tokens": HARMONY_MARKERS})  # as gpt-oss's vocabulary has them
     target = build(tmp_path / "target", tokenizer, seed=3)
     build(tmp_path / "draft", tokenizer, seed=3, noise=0.5)  # the target, its head perturbed
     target.set_attn_implementation("eager")  # transformers' attention with sinks, as the reference
@@ -67,7 +70,7 @@ def gpt_oss(tmp_path_factory):
                                    "--generation-config", str(tmp_path / "generation"),
                                    "--override-generation-config", json.dumps({"max_new_tokens": 3})],
                                   ready_timeout_s=READY_TIMEOUT_S)
-    yield served, references, cut
+    yield served, references, cut, tokenizer
     stop_server(served)
 
 
@@ -84,7 +87,7 @@ def greedy(client: Client, prompt: str, **params) -> tuple[list[int], object]:
 
 
 def test_greedy_speculation_equals_target_only_and_transformers_generate(gpt_oss):
-    served, references, _ = gpt_oss
+    served, references, _, _ = gpt_oss
     client = Client(served.grpc_url, "grpc")
     accepted = rejected = 0
     for prompt, expected in zip(PROMPTS, references):
@@ -100,7 +103,7 @@ def test_greedy_speculation_equals_target_only_and_transformers_generate(gpt_oss
 
 
 def test_the_generation_configs_end_tokens_end_requests_and_its_sampling_fields_are_the_openai_apis_defaults(gpt_oss):
-    served, references, cut = gpt_oss
+    served, references, cut, _ = gpt_oss
     written = references[1]
     client = Client(served.grpc_url, "grpc")
     for params in ({"num_draft_tokens": 0}, {"num_draft_tokens": 4, "adaptive_draft": False}):
@@ -126,3 +129,54 @@ def test_the_generation_configs_end_tokens_end_requests_and_its_sampling_fields_
     api.close()
     log = served.log_path.read_text(errors="replace")
     assert "sampling defaults of a request that leaves them out: {'temperature': 0.0, 'max_tokens': 3}" in log
+
+
+def test_a_guide_and_a_thinking_budget_hold_gpt_oss_to_its_final_channel(gpt_oss):
+    """reasoning_parser openai_gptoss (this tokenizer has harmony's markers as tokens, as gpt-oss's has): a guide
+    holds for the final channel's message only: the tiny model, which never writes that header itself, writes
+    its unconstrained greedy text under a guide; a thinking budget of 4 keeps its own first 4 tokens, forces
+    <|end|><|start|>assistant<|channel|>final<|message|>, and the answer follows the guide (3 digits); budget 0
+    forces the header alone. Speculative and target-only decoding give the same tokens. Through the OpenAI API
+    (as vLLM serves gpt-oss: --tool-call-parser openai) the answer is the content."""
+    served, references, cut, tokenizer = gpt_oss
+    digits = "[0-9]{3}"  # (a random model would write JSON's whitespace to max_tokens)
+    ask = {tn.MAX_TOKENS: 40, tn.GUIDED_DECODING_GUIDE_TYPE: "regex",
+           tn.GUIDED_DECODING_GUIDE: digits, tn.REASONING_PARSER: "openai_gptoss",
+           tn.SAMPLING_PARAMETERS: json.dumps({"skip_special_tokens": False})}  # (the ids are what is tested)
+
+    def ids(**params) -> list[int]:
+        out = [http_generate(served.http_url, PROMPTS[1], **ask, **params, **k)[tn.OUTPUT_IDS]
+               for k in ({tn.NUM_DRAFT_TOKENS: 0},
+                         {tn.NUM_DRAFT_TOKENS: 4, tn.ADAPTIVE_DRAFT: False, tn.DRAFT_MODEL: "draft_model"})]
+        assert out[0] == out[1], params  # speculation: the same tokens
+        return out[0]
+
+    def encode(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    assert ids() == references[1][:cut]  # no final header: its own text (the generation config's end ends it)
+    header = encode("<|channel|>final<|message|>")
+    closing = encode("<|end|><|start|>assistant") + header
+    assert len(header) == 3  # the markers are one token each
+    spent = ids(**{tn.THINKING_TOKEN_BUDGET: 4})
+    assert spent[:4] == references[1][:4] and spent[4:4 + len(closing)] == closing
+    assert tokenizer.decode(spent[4 + len(closing):]).isdigit()
+    at_once = ids(**{tn.THINKING_TOKEN_BUDGET: 0})
+    assert at_once[:3] == header and len(tokenizer.decode(at_once[3:])) == 3 and tokenizer.decode(at_once[3:]).isdigit()
+
+    api = openai.OpenAI(base_url=served.openai_url, api_key="unused", max_retries=0, timeout=120)
+    model = api.models.list().data[0].id
+    api.close()
+    with own_gateway(served, model, "--tool-call-parser", "openai", "--enable-auto-tool-choice") as port:
+        chat = openai.OpenAI(base_url=f"http://localhost:{port}/v1", api_key="x", max_retries=0, timeout=120)
+        args = {"model": model, "messages": [{"role": "user", "content": PROMPTS[1]}], "max_tokens": 40,
+                "temperature": 0}  # (a gateway of its own: OpenAI's defaults, not the generation config's)
+        answers = [chat.chat.completions.create(**args, extra_body={"guided_regex": digits, "thinking_token_budget": 0,
+                                                                    **k}).choices[0]
+                   for k in ({"num_draft_tokens": 0}, {"num_draft_tokens": 4, "adaptive_draft": False})]
+        assert answers[0].message.content == answers[1].message.content
+        assert answers[0].message.content.isdigit() and answers[0].finish_reason == "stop"
+        # no budget: the thinking runs on unconstrained (the tiny model never opens the final channel)
+        free = chat.chat.completions.create(**args, extra_body={"guided_regex": digits}).choices[0]
+        assert not (free.message.content or "").isdigit()
+        chat.close()

@@ -4,13 +4,11 @@ directly over gRPC with the same settings; structured output, log-probabilities,
 clients that go away."""
 
 import asyncio
-import contextlib
 import json
 import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -24,9 +22,8 @@ from specdec import tensor_names as tn
 from specdec.serving import metrics_text
 from specdec.serving.healthcheck import answers, gateway_url
 from specdec.serving.pairs import TINY_LORA, TINY_LORA_LIBRARY
-from specdec.serving.server import free_ports
 
-from .helpers import GenerationError, ensemble_inputs, grpc_stream, run_bench
+from .helpers import GenerationError, ensemble_inputs, grpc_stream, own_gateway, run_bench
 
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three colours."}]
 PROMPT = "Once upon a time, in a land far away,"
@@ -42,23 +39,6 @@ def api(server):
 @pytest.fixture(scope="module")
 def model(api):
     return api.models.list().data[0].id
-
-
-@contextlib.contextmanager
-def own_gateway(server, model, *args, env=None):
-    """A gateway process of the test's own in front of the session's server (its flags `args`): its port."""
-    port = free_ports(1)[0]
-    process = subprocess.Popen([sys.executable, "-m", "specdec.gateway", "--port", str(port), "--grpc-url",
-                                server.grpc_url, "--served-model-name", model, *args],
-                               env={"PATH": "/usr/bin:/bin", **(env or {})})
-    try:
-        deadline = time.monotonic() + 60
-        while not answers(gateway_url(port), 2) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        yield port
-    finally:
-        process.terminate()
-        process.wait(30)
 
 
 def _messages_stream(server, messages, **params) -> dict:
@@ -1588,7 +1568,7 @@ def test_gpt_oss_harmony_channels_become_reasoning_content_and_tool_calls(server
                                         extra_body={"guided_choice": [think + final]})
         assert [item.type for item in built.output] == ["reasoning", "message"]
         assert built.output_text == "Red, green, blue."
-        # Anthropic's SDK with thinking on (a budget gpt-oss's channels cannot be held to: taken, not refused)
+        # Anthropic's SDK with thinking on (its budget unused: this vocabulary has no harmony markers to close on)
         claude = anthropic.Anthropic(base_url=f"http://localhost:{port}", api_key="x", max_retries=0)
         message = claude.messages.create(model=model, max_tokens=128, messages=[{"role": "user", "content": "Hi"}],
                                          thinking={"type": "enabled", "budget_tokens": 1024},

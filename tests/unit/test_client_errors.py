@@ -56,6 +56,9 @@ def test_log_probs_accumulate_over_responses_listed_or_bare():
     assert GenerationParams(return_log_probs=True).tensors("hi", False)[tn.RETURN_LOG_PROBS].tolist() == [[True]]
     assert GenerationParams(return_log_probs=True).json("hi", True)["return_log_probs"] is True
     assert "return_log_probs" not in GenerationParams().json("hi", True)
+    budget = GenerationParams(reasoning_parser="openai_gptoss", thinking_token_budget=8)
+    assert budget.tensors("hi", False)[tn.THINKING_TOKEN_BUDGET].tolist() == [[8]]
+    assert budget.json("hi", True)["thinking_token_budget"] == 8 and "thinking_token_budget" not in GenerationParams().json("hi", True)
     top = GenerationParams(return_log_probs=True, num_top_log_probs=2)
     assert top.tensors("hi", False)[tn.NUM_TOP_LOG_PROBS].tolist() == [[2]] and top.json("hi", True)["num_top_log_probs"] == 2
     rows = ResultBuilder(2)  # Triton's HTTP generate endpoint sends a response's rows flat

@@ -81,13 +81,15 @@ def test_the_openai_tool_parser_implies_gpt_oss_channels_and_refuses_other_think
         tools.reasoning_for("openai", "deepseek_r1")
 
 
-def test_requests_keep_special_tokens_and_a_structured_output_holds_the_whole_answer():
+def test_requests_keep_special_tokens_and_gate_a_structured_output_and_a_budget_on_the_final_channel():
     chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
     plain = protocol.parse_chat(chat, ("m",), reasoning_parser="openai_gptoss")
     assert plain.sampling["skip_special_tokens"] is False  # the channels are special tokens
+    assert tn.REASONING_PARSER not in plain.choices[0]  # (nothing to gate)
     forced = protocol.parse_chat({**chat, "response_format": {"type": "json_object"}}, ("m",),
                                  reasoning_parser="openai_gptoss")
-    assert tn.REASONING_PARSER not in forced.choices[0]  # no <think> gate: the guide holds from the first token
-    with pytest.raises(protocol.ApiError, match="thinking_token_budget"):
-        protocol.parse_chat({**chat, "thinking_token_budget": 10}, ("m",), reasoning_parser="openai_gptoss")
+    assert forced.choices[0][tn.REASONING_PARSER].tolist() == [[b"openai_gptoss"]]  # the server gates the guide
+    budget = protocol.parse_chat({**chat, "thinking_token_budget": 10}, ("m",), reasoning_parser="openai_gptoss")
+    assert budget.choices[0][tn.THINKING_TOKEN_BUDGET].tolist() == [[10]]
+    assert budget.choices[0][tn.REASONING_PARSER].tolist() == [[b"openai_gptoss"]]
     assert "skip_special_tokens" not in protocol.parse_chat(chat, ("m",), reasoning_parser="qwen3").sampling

@@ -275,3 +275,79 @@ def test_greedy_speculation_under_a_thinking_budget_equals_target_only(lm, guide
     output = run_fixed_k(GenerationRequest(seq_id=3, prompt_ids=prompt, max_tokens=20, grammar=rule), proposer,
                          LocalScorer(dynamic_executor(lm)), k)
     assert output == reference
+
+
+# gpt-oss's harmony markers as single tokens (as in its vocabulary), the rest of the text SmolLM2's ids
+HARMONY_IDS = {"<|channel|>": 900, "<|message|>": 901, "<|end|>": 902, "<|start|>": 903, "final": 904,
+               "assistant": 905}
+
+
+def harmony_encode(tokenizer):
+    import re
+
+    def encode_text(text):
+        ids = []
+        for part in re.split(r"(<\|[a-z]+\|>|final|assistant)", text):
+            ids += [HARMONY_IDS[part]] if part in HARMONY_IDS else encode(tokenizer, part) if part else []
+        return ids
+    return encode_text
+
+
+def test_harmony_thinks_until_the_final_channel_and_its_budget_closes_the_open_message(guides, tokenizer):
+    """openai_gptoss: every message before `<|channel|>final<|message|>` is thinking (free), the grammar holds
+    for the final message's body; a budget forces `<|end|><|start|>assistant<|channel|>final<|message|>` after
+    a thinking under way (finishing what the thinking began of it), the header alone when nothing was thought.
+    A vocabulary without harmony's markers as tokens does not gate: the grammar holds from the first token."""
+    from specdec.decoding.thinking import ThinkingBudget
+
+    tags = ThinkingTags.of("openai_gptoss", harmony_encode(tokenizer))
+    header, closing = [900, 904, 901], [902, 903, 905, 900, 904, 901]
+    assert (list(tags.close), list(tags.forced), tags.start, tags.open) == (header, closing, THINKING, ())
+    assert ThinkingTags.of("openai_gptoss", lambda text: encode(tokenizer, text)).start == ANSWER
+    grammar = guides.compile("regex", "[0-9]+")
+    four = tokenizer.convert_tokens_to_ids("4")
+    analysis = harmony_encode(tokenizer)("<|channel|>analysis<|message|>Six times seven.<|end|><|start|>assistant")
+    draft = analysis + header + [four]
+    got = rows(grammar.after_thinking(tags).matcher().allowed(draft, len(draft) + 1))
+    everything = set(range(VOCAB))
+    assert got[:len(analysis) + 3] == [everything] * (len(analysis) + 3)
+    assert got[-2:] == [grammar_allows(guides, grammar, []), grammar_allows(guides, grammar, [four])]
+    gated = grammar.after_thinking(tags).matcher()
+    assert gated.advance(draft + [EOS]) == len(draft)  # the answer's end: the grammar's, after the header
+    # The budget: a thinking under way gets the whole closing; nothing thought, the header alone
+    words = encode(tokenizer, "Bob is 42 and lives in Oslo.")
+    spent = ThinkingBudget(tags, 3, VOCAB, grammar).matcher()
+    got = rows(spent.allowed(words[:3] + closing + [four], 3 + len(closing) + 2))
+    assert got[:3] == [everything] * 3 and got[3:3 + len(closing)] == [{t} for t in closing]
+    assert got[-2] == grammar_allows(guides, grammar, [])
+    assert spent.advance(words[:3]) is None and spent.forced(16) == closing
+    assert spent.advance(closing[:2]) is None and spent.forced(16) == closing[2:]
+    assert ThinkingBudget(tags, 0, VOCAB, grammar).matcher().forced(16) == header
+    begun = ThinkingBudget(tags, 3, VOCAB).matcher()  # the thinking ended its message itself: the rest
+    begun.advance(words[:2] + [902])
+    assert begun.forced(16) == closing[1:]
+    header_begun = ThinkingBudget(tags, 3, VOCAB).matcher()  # it began the final header itself
+    header_begun.advance(words[:2] + [900])
+    assert header_begun.forced(16) == header[1:]
+
+
+@pytest.mark.parametrize("draft,k", [("none", 0), ("draft_model", 3), ("ngram", 4)])
+def test_greedy_speculation_under_a_harmony_budget_equals_target_only(lm, guides, tokenizer, draft, k):
+    """The tiny model (no gpt-oss) thinks its own 5 tokens, the budget closes them with harmony's closing, and the
+    final message follows the grammar; speculative decoding gives the same tokens as target-only."""
+    from specdec.decoding.thinking import ThinkingBudget
+
+    prompt = encode(tokenizer, "Think, then answer: what is 6 x 7?")
+    tags = ThinkingTags.of("openai_gptoss", harmony_encode(tokenizer))
+    rule = ThinkingBudget(tags, 5, VOCAB, guides.compile("regex", "[0-9]{3}"))
+    plain = run_fixed_k(GenerationRequest(seq_id=1, prompt_ids=prompt, max_tokens=20), NgramProposer(),
+                        LocalScorer(dynamic_executor(lm)), 0)
+    reference = run_fixed_k(GenerationRequest(seq_id=2, prompt_ids=prompt, max_tokens=20, grammar=rule),
+                            NgramProposer(), LocalScorer(dynamic_executor(lm)), 0)
+    closing = list(tags.forced)
+    assert reference[:5] == plain[:5] and reference[5:11] == closing
+    assert tokenizer.decode(reference[11:]).strip().isdigit()
+    proposer = NgramProposer(min_ngram=1) if draft == "ngram" else LocalProposer(dynamic_executor(noisy_copy(lm)))
+    output = run_fixed_k(GenerationRequest(seq_id=3, prompt_ids=prompt, max_tokens=20, grammar=rule), proposer,
+                         LocalScorer(dynamic_executor(lm)), k)
+    assert output == reference

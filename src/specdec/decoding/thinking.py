@@ -11,10 +11,16 @@ the gateway's text split (gateway/reasoning.py) reads the same answer:
   `<think>`; taking it, the output thinks until `</think>`, else the grammar holds from the first token.
   This needs `<think>` to be one token (as in Qwen3's vocabulary): where it is not, the grammar holds from
   the first token (the model answers without thinking).
+- `openai_gptoss`: gpt-oss's harmony messages (its analysis, commentary, calls) are thinking until the final
+  channel's header, `<|channel|>final<|message|>`, as vLLM gates it; its answer is that message's body. This
+  needs `<|channel|>` and `<|message|>` to be one token each (as in gpt-oss's vocabulary): where they are not,
+  the model does not speak harmony and the grammar holds from the first token.
 
 A thinking budget (`ThinkingBudget`, vLLM's thinking_token_budget) holds the thinking to at most that many
 tokens: past it, the close tag's tokens are the only ones allowed (forced, as a grammar forces its text), with
-or without a grammar after it.
+or without a grammar after it. Harmony's close after a thinking under way is longer: the open message ends
+and the final one starts, `<|end|><|start|>assistant<|channel|>final<|message|>` (the header alone when
+nothing was thought).
 
 A tag is its tokens as the tokenizer spells it (one added token in those models' vocabularies); a model that
 spells it otherwise stays in its thinking, unconstrained. The gate only moves where the grammar starts: each
@@ -36,17 +42,21 @@ THINKING, ANSWER, EITHER = "thinking", "answer", "either"  # where an output sta
 @dataclass(frozen=True)
 class ThinkingTags:
     """Where a parser's thinking starts and ends, in token ids: `open` / `close` are the tags' tokens, `start`
-    where an output stands at its first token (THINKING, or EITHER: it may open a block)."""
+    where an output stands at its first token (THINKING, or EITHER: it may open a block; ANSWER: no thinking).
+    `closing`: what a budget forces after a thinking under way, ending in `close` (harmony's; () : `close`)."""
 
     open: tuple[int, ...]
     close: tuple[int, ...]
     start: str
+    closing: tuple[int, ...] = ()
 
     @classmethod
     def of(cls, parser: str, encode) -> ThinkingTags:
         """`encode(text) -> token ids` without special tokens added. Raises ValueError for an unknown parser."""
         if parser not in tn.REASONING_PARSERS:
             raise ValueError(f"unknown reasoning parser {parser!r} (one of {', '.join(tn.REASONING_PARSERS)})")
+        if parser == tn.HARMONY_REASONING:
+            return cls._harmony(encode)
         open_ids = tuple(int(t) for t in encode(tn.THINK_OPEN))
         close_ids = tuple(int(t) for t in encode(tn.THINK_CLOSE))
         if not close_ids:
@@ -54,6 +64,21 @@ class ThinkingTags:
         if parser == "deepseek_r1":
             return cls(open_ids, close_ids, THINKING)
         return cls(open_ids, close_ids, EITHER if len(open_ids) == 1 else ANSWER)
+
+    @classmethod
+    def _harmony(cls, encode) -> ThinkingTags:
+        def ids(text: str) -> tuple[int, ...]:
+            return tuple(int(t) for t in encode(text))
+
+        header = ids(tn.HARMONY_CHANNEL + tn.HARMONY_FINAL + tn.HARMONY_MESSAGE)
+        if len(ids(tn.HARMONY_CHANNEL)) != 1 or len(ids(tn.HARMONY_MESSAGE)) != 1:
+            return cls((), header, ANSWER)  # no harmony vocabulary: no channels to wait for
+        return cls((), header, THINKING, ids(tn.HARMONY_END + tn.HARMONY_START + tn.HARMONY_ROLE) + header)
+
+    @property
+    def forced(self) -> tuple[int, ...]:
+        """What a budget forces after a thinking under way."""
+        return self.closing or self.close
 
 
 @dataclass(frozen=True)
@@ -92,17 +117,26 @@ class AnswerMatcher:
         """(state, tail, thought) after a token taken in `state` (not ANSWER: the grammar's then)."""
         if state == EITHER:
             return (THINKING, (), 0) if token == self._tags.open[0] else (ANSWER, (), 0)
-        tail = (tail + (token,))[-len(self._tags.close):]
-        return (ANSWER, (), thought + 1) if tail == self._tags.close else (THINKING, tail, thought + 1)
+        close = self._tags.close
+        tail = (tail + (token,))[-len(self._tags.forced):]
+        return (ANSWER, (), thought + 1) if tail[-len(close):] == close else (THINKING, tail, thought + 1)
 
     def _due(self, state: str, tail: tuple[int, ...], thought: int) -> list[int]:
         """The close tag's tokens the budget forces next (none while it lasts, or outside a thinking): those
-        the tail has not begun already."""
+        the tail has not begun already. Of the close and the longer closing (harmony's), the one the tail has
+        begun further; neither begun: the closing after a thinking, the close when nothing was thought."""
         if state != THINKING or self._budget is None or thought < self._budget:
             return []
-        close = self._tags.close
-        begun = next((k for k in range(len(close) - 1, 0, -1) if tail[-k:] == close[:k]), 0)
-        return list(close[begun:])
+        options = []
+        for tag in (self._tags.close, self._tags.forced):
+            begun = next((k for k in range(len(tag) - 1, 0, -1) if tail[-k:] == tag[:k]), 0)
+            options.append((begun, tag))
+        (begun_close, close), (begun_forced, forced) = options
+        if begun_close or begun_forced:
+            begun, tag = max(options, key=lambda option: option[0])
+        else:
+            begun, tag = (0, close) if thought == 0 else (0, forced)
+        return list(tag[begun:])
 
     def _walk(self, tokens: list[int]) -> tuple[int, int | None]:
         """Over `tokens` taken from here: (how many lead the thinking within its budget, where the answer

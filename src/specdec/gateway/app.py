@@ -53,7 +53,7 @@ class Gateway:
                  store: ResponseStore | None = None, default_max_tokens: int = 0, drain_timeout_s: float = 60.0,
                  keepalive_s: float = KEEPALIVE_S, runtime_lora: bool = False,
                  log: Callable[[str], None] = lambda message: None, trust_templates: bool = False,
-                 sampling_defaults: dict | None = None, cors: CorsPolicy = CorsPolicy()):
+                 sampling_defaults: dict | None = None, cors: CorsPolicy = CorsPolicy(), content_format: str = "auto"):
         """tokenizer: the target's (a transformers tokenizer), for the text of log-probabilities' tokens and of
         echoed token-id prompts, and the tokenizer endpoints; None: tokens show as `token_id:N`, and those
         need it. max_model_len: the server's context in tokens (model cards, /tokenize; 0: not known).
@@ -66,11 +66,12 @@ class Gateway:
         trust_templates: a request's own chat template is passed on (the server must take it too), else refused.
         sampling_defaults: what a request that leaves sampling fields out gets besides OpenAI's defaults (the
         model's generation config, generation_config.sampling_defaults; None: OpenAI's alone). cors: which
-        browser pages may call it (cors.py; default: any, as vLLM's)."""
+        browser pages may call it (cors.py; default: any, as vLLM's). content_format: how the server hands a
+        message's content to the chat template (text.CONTENT_FORMATS), for counting prompts as it renders them."""
         self.upstream, self.served, self.tokenizer, self.api_key = upstream, served, tokenizer, api_key
         self.token_text: TokenText | None = token_text_from(tokenizer) if tokenizer is not None else None
         self.tool_parser = tool_parser  # tools.PARSERS: how the model writes calls (tool_choice "auto")
-        self.trust_templates = trust_templates
+        self.trust_templates, self.content_format = trust_templates, content_format
         self.sampling_defaults = {**protocol.DEFAULT_SAMPLING, **(sampling_defaults or {})}
         self.cors = cors
         # reasoning.PARSERS: a chat's thinking apart (None: not split); the openai tool-call parser implies its own
@@ -357,9 +358,8 @@ class Gateway:
         a `message`, or streamed as its events."""
         body = await self._body(request)
         try:
-            # (a thinking budget where the server can close the thinking: not gpt-oss's channels)
-            budgets = self.reasoning_parser not in (None, reasoning.HARMONY)
-            gen = self._parse_chat(messages.chat_body(body, budgets=budgets))
+            # (a thinking budget where the server knows where the thinking ends)
+            gen = self._parse_chat(messages.chat_body(body, budgets=self.reasoning_parser is not None))
             async with self._pieces(gen, request) as pieces:  # errors before the first token: HTTP errors
                 if gen.stream:
                     return await self._stream_message(request, gen, body, pieces)
@@ -381,7 +381,8 @@ class Gateway:
         tokenizer = self._tokenizer()
         gen = self._parse_chat(messages.chat_body(await self._body(request), count=True))
         try:
-            count = await asyncio.to_thread(tokenization.chat_prompt_length, tokenizer, gen.choices[0])
+            count = await asyncio.to_thread(tokenization.chat_prompt_length, tokenizer, gen.choices[0],
+                                          self.content_format)
         except ValueError as exc:
             raise protocol.invalid("messages", str(exc)) from None
         return web.json_response({"input_tokens": count})
@@ -539,7 +540,7 @@ class Gateway:
         def overflow(candidate: Generation) -> tuple[int, int]:
             inputs = candidate.choices[0]
             try:
-                length = tokenization.chat_prompt_length(self.tokenizer, inputs)
+                length = tokenization.chat_prompt_length(self.tokenizer, inputs, self.content_format)
             except ValueError:  # refused by the template: the server says so, naming the field
                 return 0, 0
             return length, length + tokenization.requested_max_tokens(inputs, self.default_max_tokens) \
@@ -934,7 +935,7 @@ class Gateway:
     async def tokenize(self, request: web.Request) -> web.Response:
         tokenizer = self._tokenizer()
         return web.json_response(tokenization.tokenize(tokenizer, await self._body(request), self.max_model_len,
-                                                       self.trust_templates))
+                                                       self.trust_templates, self.content_format))
 
     async def detokenize(self, request: web.Request) -> web.Response:
         tokenizer = self._tokenizer()

@@ -15,7 +15,8 @@ false), as it does for Mistral's calls. The recipient (`to=...`) may stand befor
 `HarmonyStream` is the reasoning parser's half: thinking apart, answers' bodies as content, and a message to a
 recipient passed on whole in one form (`<|start|>assistant` + its header + `<|message|>` + its body + its end
 marker), which `calls` (the tool-call parser's half) reads. Text with no harmony markup is all content (an
-answer a structured output held from its first token). Pure: text in, parts out.
+answer a structured output held from its first token, where the vocabulary has no harmony markers). Pure: text
+in, parts out.
 """
 
 from __future__ import annotations
@@ -23,13 +24,14 @@ from __future__ import annotations
 import json
 import re
 
+from specdec import tensor_names as tn
 from specdec.decoding import json_text
 
-START, CHANNEL, MESSAGE = "<|start|>", "<|channel|>", "<|message|>"
-END, CALL, RETURN = "<|end|>", "<|call|>", "<|return|>"
+START, CHANNEL, MESSAGE, END = tn.HARMONY_START, tn.HARMONY_CHANNEL, tn.HARMONY_MESSAGE, tn.HARMONY_END
+CALL, RETURN = "<|call|>", "<|return|>"
 ENDS = (END, CALL, RETURN)  # what closes a message's body
 MARKERS = (START, CHANNEL, MESSAGE, *ENDS)
-ROLE = "assistant"
+ROLE = tn.HARMONY_ROLE
 ANALYSIS = "analysis"  # the thinking's channel
 FUNCTIONS = "functions."  # a recipient that is one of the request's tools
 
@@ -41,9 +43,10 @@ _MESSAGE = re.compile(re.escape(START) + r"(.*?)" + re.escape(MESSAGE) + r"(.*?)
 
 
 def header_fields(header: str) -> tuple[str | None, str | None]:
-    """A message header's (channel, recipient); None for what it does not name."""
-    channel, recipient = _CHANNEL.search(header), _RECIPIENT.search(header)
-    return channel.group(1) if channel else None, recipient.group(1) if recipient else None
+    """A message header's (channel, recipient); None for what it does not name. Of two channels the last (a
+    header a thinking budget cut short: `<|channel|>analysis<|end|><|start|>assistant<|channel|>final`)."""
+    channels, recipient = _CHANNEL.findall(header), _RECIPIENT.search(header)
+    return channels[-1] if channels else None, recipient.group(1) if recipient else None
 
 
 class HarmonyStream:

@@ -449,14 +449,11 @@ def parse_chat(body: dict, served: tuple[str, ...], tool_parser: str | None = No
         if not reasoning_parser:
             raise invalid("thinking_token_budget", "needs the server to know where the model's thinking ends: "
                                                    "it was started without --reasoning-parser")
-        if reasoning_parser == tool_calls.HARMONY_REASONING:
-            raise invalid("thinking_token_budget", f"is not supported with gpt-oss's channels ({tool_calls.HARMONY_REASONING})")
         if not 0 <= budget <= INT32[1]:
             raise invalid("thinking_token_budget", f"must be >= 0 (tokens), got {budget}")
         inputs[tn.THINKING_TOKEN_BUDGET] = np.array([[budget]], dtype=np.int32)
-    # (the guide: the answer's, after the thinking; gpt-oss's answer is held from its first token, no channels)
-    if reasoning_parser and reasoning_parser != tool_calls.HARMONY_REASONING and (
-            "structured_outputs" in sampling or budget is not None):
+    # (the guide: the answer's, after the thinking; gpt-oss's: its final channel's message)
+    if reasoning_parser and ("structured_outputs" in sampling or budget is not None):
         inputs[tn.REASONING_PARSER] = _string(reasoning_parser)
     chat = chat_messages(body)
     if tool_parser == "mistral":  # its templates refuse ids but its own form, whoever made them

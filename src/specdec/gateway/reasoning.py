@@ -24,11 +24,10 @@ from specdec import tensor_names as tn
 from specdec.gateway import harmony
 from specdec.gateway.tools import HARMONY_REASONING
 
-# The same tags gate a structured output's grammar in the orchestrator (decoding/thinking.py); gpt-oss's harmony
-# format is read here only (a structured output holds its answer from the first token)
+# The same tags gate a structured output's grammar in the orchestrator (decoding/thinking.py)
 OPEN, CLOSE = tn.THINK_OPEN, tn.THINK_CLOSE
-HARMONY = HARMONY_REASONING  # vLLM's name, which tools.py owns (its openai parser implies it)
-PARSERS = (*tn.REASONING_PARSERS, HARMONY)
+HARMONY = HARMONY_REASONING  # (tools.py's openai parser implies it)
+PARSERS = tn.REASONING_PARSERS
 
 
 def split(text: str, parser: str) -> tuple[str | None, str | None]:

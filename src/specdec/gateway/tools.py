@@ -36,12 +36,13 @@ import string
 import uuid
 from dataclasses import dataclass, field
 
+from specdec import tensor_names as tn
 from specdec.decoding import json_text
 from specdec.gateway import harmony
 
 PARSERS = ("hermes", "llama3_json", "mistral", "openai", "pythonic", "qwen3_coder", "qwen3_xml")
 HARMONY_PARSER = "openai"  # gpt-oss's calls, from what the reasoning parser openai_gptoss passes on (harmony.py)
-HARMONY_REASONING = "openai_gptoss"  # that reasoning parser (reasoning.HARMONY)
+HARMONY_REASONING = tn.HARMONY_REASONING  # that reasoning parser (reasoning.HARMONY)
 _QWEN3_CODER = ("qwen3_coder", "qwen3_xml")  # one format, vLLM's two names for it
 NAMED, REQUIRED, AUTO = "named", "required", "auto"
 _HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
