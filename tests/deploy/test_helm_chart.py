@@ -42,6 +42,7 @@ COMBINATIONS = {
                        "resources": {"requests": {"cpu": "2", "memory": "4Gi"}}, "executor": {"torchThreads": 2},
                        "speculation": {"orchestratorInstances": 1}},
     "cpu-only-defaults": {"gpu": {"count": 0}, "models": {"dtype": "float32"}},
+    "content-parts": {"models": {"chatTemplateContentFormat": "openai"}},
     "cpu-bfloat16-static": {"gpu": {"count": 0}, "models": {"dtype": "bfloat16"}, "executor": {"kind": "static"}},
     "cpu-only-suffix": {"gpu": {"count": 0}, "models": {"draft": {"method": "suffix"}, "dtype": "float32"},
                         "speculation": {"suffixCacheTokens": 262144}},
@@ -340,6 +341,7 @@ def pair_for(values: dict) -> PairSpec:
         lora_adapters={adapter["name"]: adapter["path"] for adapter in models["loraAdapters"]},
         lora_directory=models["loraDirectory"], max_loras=models["maxLoras"], max_lora_rank=models["maxLoraRank"],
         chat_template=models["chatTemplate"], trust_request_chat_template=models["trustRequestChatTemplate"],
+        chat_template_content_format=models["chatTemplateContentFormat"],
         generation_config="" if models["generationConfig"] in ("auto", "vllm") else models["generationConfig"],
         draft_lora_layers={"draft_model": models["draft"]["loraLayers"]}
         if method == "model" and models["draft"]["loraLayers"] else {})
@@ -475,6 +477,7 @@ def test_the_openai_api_has_a_port_a_service_port_an_ingress_path_and_a_key_from
     schema = json.loads((REPO_ROOT / "helm" / "specdec-triton" / "values.schema.json").read_text())
     assert schema["properties"]["openai"]["properties"]["toolCallParser"]["enum"] == ["", *launcher.TOOL_CALL_PARSERS]
     assert schema["properties"]["openai"]["properties"]["reasoningParser"]["enum"] == ["", *launcher.REASONING_PARSERS]
+    assert schema["properties"]["models"]["properties"]["chatTemplateContentFormat"]["enum"] == list(launcher.CONTENT_FORMATS)
     (service,) = by_kind(docs, "Service")
     assert {"name": "openai", "port": 9000, "targetPort": "openai", "protocol": "TCP"} in service["spec"]["ports"]
     (ingress,) = by_kind(docs, "Ingress")

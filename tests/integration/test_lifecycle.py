@@ -119,6 +119,20 @@ def test_chats_are_rendered_with_the_launchers_chat_template_over_grpc_and_the_o
                                                                     "chat_template": mine})
     assert answer.usage.prompt_tokens == len(expected)
     assert answer.choices[0].message.content == reference[tn.TEXT_OUTPUT]
+    # A template that loops over each message's parts (OpenAI's list, as multimodal templates read content)
+    # gets them (vLLM's --chat-template-content-format auto): the same prompt, counted alike by the API
+    parts = "{% for m in messages %}<{{ m['role'] }}>{% for p in m['content'] %}{{ p['text'] }}{% endfor %}{% endfor %}<assistant>"
+    served = grpc_stream(own.grpc_url, None, messages=json.dumps(chat), chat_template=parts, **params)
+    assert served[tn.NUM_INPUT_TOKENS] == len(expected) and served[tn.TEXT_OUTPUT] == reference[tn.TEXT_OUTPUT]
+    answer = api.chat.completions.create(model=api.models.list().data[0].id, messages=chat, max_tokens=12,
+                                         temperature=0, extra_body={"ignore_eos": True, "num_draft_tokens": 2,
+                                                                    "chat_template": parts})
+    assert answer.usage.prompt_tokens == len(expected)
+    assert answer.choices[0].message.content == reference[tn.TEXT_OUTPUT]
+    request = urllib.request.Request(f"{root}/tokenize", data=json.dumps({"messages": chat, "chat_template": parts}).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        assert json.loads(response.read())["tokens"] == expected
 
 
 def test_sigterm_during_a_long_stream_lets_it_finish_then_stops_everything(own):

@@ -80,6 +80,7 @@ def broken(tmp_path_factory) -> dict[str, str]:
     models.append(_copy(repo, "preprocessing", "template_broken", "chat_template", "chat_template.jinja"))
     (repo / "template_broken" / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }")
     models.append(_copy(repo, "preprocessing", "template_missing", "chat_template", "/nonexistent/template.jinja"))
+    models.append(_copy(repo, "preprocessing", "template_parts", "chat_template_content_format", "parts"))
     layout = triton_layout(tmp_path)
     command = server_command(layout, repo, *free_ports(3)) + ["--model-control-mode=explicit",
                                                               *(f"--load-model={model}" for model in models)]
@@ -130,6 +131,8 @@ def test_a_chat_template_that_does_not_compile_or_is_not_there_fails_the_load_na
             "(TemplateSyntaxError") in broken["template_broken"]
     assert ("template_missing: parameter 'chat_template': '/nonexistent/template.jinja' is not a file"
             in broken["template_missing"])
+    assert ("template_parts: parameter 'chat_template_content_format' must be one of auto, string, openai, got "
+            "'parts'") in broken["template_parts"]
 
 
 def test_a_generation_config_the_orchestrator_cannot_use_fails_the_load_naming_it(broken):

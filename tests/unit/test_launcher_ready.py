@@ -329,7 +329,7 @@ def test_a_chat_template_reaches_preprocessing_and_the_openai_api_and_bare_means
     config, which names it, and handed to the OpenAI API's process; alone it means --apply-chat-template."""
     from specdec.gateway.__main__ import parse_args as gateway_args
     from specdec.serving import repository
-    from specdec.serving.gateway_process import (GatewayProcess, repository_chat_template,
+    from specdec.serving.gateway_process import (GatewayProcess, repository_chat_template, repository_content_format,
                                                  repository_trusts_request_templates)
     from specdec.serving.pairs import PairSpec
 
@@ -351,6 +351,13 @@ def test_a_chat_template_reaches_preprocessing_and_the_openai_api_and_bare_means
     process = GatewayProcess(9000, 8001, ["a"], "/w/tok", 30.0, {}, trust_request_templates=True)
     assert gateway_args(process.command[3:]).trust_request_chat_template
     assert "--chat-template" not in GatewayProcess(9000, 8001, ["a"], "/w/tok", 30.0, {}).command
+    # --chat-template-content-format: preprocessing's parameter, which the OpenAI API counts prompts with
+    parts = repository.render(PairSpec(name="t", target_path="/w/target", tokenizer_path="/w/tok",
+                                       chat_template_content_format="openai"), tmp_path / "parts")
+    assert (repository_content_format(parts), repository_content_format(plain)) == ("openai", "auto")
+    process = GatewayProcess(9000, 8001, ["a"], "/w/tok", 30.0, {}, content_format="openai")
+    assert gateway_args(process.command[3:]).chat_template_content_format == "openai"
+    assert "--chat-template-content-format" not in GatewayProcess(9000, 8001, ["a"], "/w/tok", 30.0, {}).command
 
     rendered = []
     monkeypatch.setattr(launcher.repository, "render", lambda pair, dest: rendered.append(pair) or dest)
@@ -368,12 +375,17 @@ def test_a_chat_template_reaches_preprocessing_and_the_openai_api_and_bare_means
     rendered.clear()
     with pytest.raises(SystemExit):
         launcher.main(["--pair", "tiny", "--run-dir", str(tmp_path), "--trust-request-chat-template"])
-    assert rendered[0].trust_request_chat_template
+    assert rendered[0].trust_request_chat_template and rendered[0].chat_template_content_format == "auto"
+    rendered.clear()
+    with pytest.raises(SystemExit):
+        launcher.main(["--pair", "tiny", "--run-dir", str(tmp_path), "--chat-template-content-format", "string"])
+    assert rendered[0].chat_template_content_format == "string"
     # a value that is neither a file nor a template: refused before anything starts
     rendered.clear()
     assert launcher.main(["--target", "/w/target", "--run-dir", str(tmp_path), "--chat-template", "/no/such.jinja"]) == 2
     assert not rendered and "--chat-template: '/no/such.jinja' is neither a file nor a Jinja template" in capsys.readouterr().err
-    for flags in (["--chat-template", template], ["--trust-request-chat-template"]):
+    for flags in (["--chat-template", template], ["--trust-request-chat-template"],
+                  ["--chat-template-content-format", "openai"]):
         with pytest.raises(SystemExit):
             launcher.parse_args(["--model-repository", str(tmp_path), *flags])
         assert "--model-repository is served as is" in capsys.readouterr().err

@@ -203,6 +203,49 @@ def test_a_chat_template_of_ones_own_replaces_the_tokenizers(tokenizer, tmp_path
                                                                        "<|im_start|>assistant\n")
 
 
+PARTS_TEMPLATE = ("{% for m in messages %}{{ m.role | upper }}: {% for part in m['content'] %}{{ part['text'] }}"
+                  "{% endfor %}\n{% endfor %}{% if add_generation_prompt %}ASSISTANT:{% endif %}")
+
+
+@pytest.mark.parametrize("template, expected", [
+    (PARTS_TEMPLATE, "openai"),
+    ("{% for m in messages %}{% for p in m.content | selectattr('type', 'equalto', 'text') %}{{ p.text }}"
+     "{% endfor %}{% endfor %}", "openai"),
+    ("{% for m in messages %}{% set c = m['content'] %}{% if c is string %}{{ c }}{% else %}{% for p in c %}"
+     "{{ p.text }}{% endfor %}{% endif %}{% endfor %}", "openai"),  # both forms: parts do
+    (QA_TEMPLATE, "string"),
+    ("{% for m in messages %}{{ m['content'] }}{% for t in tools %}{{ t }}{% endfor %}{% endfor %}", "string"),
+    ("{% for m in messages %}{{ m['content'] ", "string"),  # (broken: rendering says so)
+])
+def test_the_content_format_of_a_template_is_read_from_its_loops(template, expected):
+    from specdec.decoding.text import template_content_format
+
+    assert template_content_format(template) == expected
+
+
+def test_a_template_that_loops_over_content_parts_gets_them(tokenizer):
+    """vLLM's --chat-template-content-format: auto gives a template that loops over a message's content
+    OpenAI's parts (the prompt a string template renders from the same text), string gives it the text (its
+    loop then walks the characters: no text rendered); openai gives any template the parts."""
+    from specdec.decoding.text import chat_ids, check_chat_template, content_parts, load_tokenizer
+
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": ""}]
+    assert content_parts(chat)[1] == {"role": "user", "content": [{"type": "text", "text": "hi"}]}
+    assert content_parts(chat)[2]["content"] == [] and content_parts([{"role": "user", "content": [{"type": "text"}]}]) \
+        == [{"role": "user", "content": [{"type": "text"}]}]
+    own = load_tokenizer(str(smollm2_tokenizer_dir()), PARTS_TEMPLATE)
+    check_chat_template(own, "--chat-template")
+    expected = "SYSTEM: Be brief.USER: hiASSISTANT: ASSISTANT:"  # (templates trim a newline after a tag)
+    assert own.decode(chat_ids(own, chat, None, "messages")) == expected
+    assert own.decode(chat_ids(own, chat, None, "messages", content_format="openai")) == expected
+    assert own.decode(chat_ids(own, chat, None, "messages", content_format="string")) != expected
+    plain = load_tokenizer(str(smollm2_tokenizer_dir()))  # a request's own template is read, not the tokenizer's
+    assert plain.decode(chat_ids(plain, chat, None, "messages", template=PARTS_TEMPLATE)) == expected
+    with pytest.raises(ValueError, match="the chat template refused it"):  # ChatML given parts: its '+' fails
+        chat_ids(plain, chat, None, "messages", content_format="openai")
+
+
 @pytest.mark.parametrize("value, message", [
     ("/nonexistent/template.jinja", "'/nonexistent/template.jinja' is neither a file nor a Jinja template"),
     ("chatml", "'chatml' is neither a file nor a Jinja template"),

@@ -152,6 +152,7 @@ output [
 {{ include "specdec.param" (list "apply_chat_template" (ternary "true" "false" .Values.models.applyChatTemplate)) }}
 {{ include "specdec.param" (list "chat_template" (ternary "chat_template.jinja" "" (ne .Values.models.chatTemplate ""))) }}
 {{ include "specdec.param" (list "trust_request_chat_template" (ternary "true" "false" .Values.models.trustRequestChatTemplate)) }}
+{{ include "specdec.param" (list "chat_template_content_format" .Values.models.chatTemplateContentFormat) }}
 instance_group [ { count: 1, kind: KIND_CPU } ]
 {{- end -}}
 

@@ -14,6 +14,7 @@ to hold back text that is complete but may begin a stop word, which it does not 
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,13 +89,13 @@ def request_template(text: str, field: str) -> str:
     return text
 
 
-def check_chat_template(tokenizer, field: str) -> None:
+def check_chat_template(tokenizer, field: str, content_format: str = "auto") -> None:
     """The tokenizer's chat template renders a one-message conversation with the assistant's turn opened
     (what every chat request asks of it): a template that does not compile, or fails on the plainest
     conversation, is refused at load (ValueError naming `field`) rather than at every request."""
     try:
-        tokenizer.apply_chat_template([{"role": "user", "content": "Hello"}], add_generation_prompt=True,
-                                      tokenize=False)
+        tokenizer.apply_chat_template(formatted(tokenizer, [{"role": "user", "content": "Hello"}], None, content_format),
+                                      add_generation_prompt=True, tokenize=False)
     except Exception as exc:  # noqa: BLE001 - jinja2's TemplateSyntaxError, or whatever the template raises
         raise ValueError(f"{field}: the chat template fails on a one-message conversation "
                          f"({type(exc).__name__}: {exc})") from None
@@ -366,13 +367,65 @@ _TEMPLATE_CALL_SETTINGS = frozenset({
     "return_assistant_tokens_mask", "tokenizer_kwargs"})
 
 
+# How a message's content reaches the chat template (vLLM's --chat-template-content-format): `string`, the text;
+# `openai`, OpenAI's list of parts ([{"type": "text", "text": ...}]), for templates that loop over a message's
+# parts (with a string they would loop over its characters); `auto`: `openai` for a template that loops over one
+CONTENT_FORMATS = ("auto", "string", "openai")
+
+
+@functools.lru_cache(maxsize=16)
+def template_content_format(template: str) -> str:
+    """`openai` when the Jinja template loops over a message's content (`for part in message['content']`,
+    `message.content`, a filter of it, or a name set to it), else `string` (as vLLM's `auto` reads templates)."""
+    import jinja2
+    from jinja2 import nodes
+
+    try:
+        tree = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
+    except jinja2.TemplateError:
+        return "string"  # (rendering it will say what is wrong)
+
+    def content(node) -> bool:
+        while isinstance(node, nodes.Filter):
+            node = node.node
+        return (isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Const) and node.arg.value == "content"
+                or isinstance(node, nodes.Getattr) and node.attr == "content")
+
+    names = {assign.target.name for assign in tree.find_all(nodes.Assign)
+             if isinstance(assign.target, nodes.Name) and content(assign.node)}
+    for loop in tree.find_all(nodes.For):
+        looped = loop.iter
+        while isinstance(looped, nodes.Filter):
+            looped = looped.node
+        if content(looped) or isinstance(looped, nodes.Name) and looped.name in names:
+            return "openai"
+    return "string"
+
+
+def content_parts(messages: list[dict]) -> list[dict]:
+    """Each message's text content as OpenAI's list of parts (the `openai` content format); "" as no parts."""
+    return [{**message, "content": [{"type": "text", "text": message["content"]}] if message["content"] else []}
+            if isinstance(message.get("content"), str) else message for message in messages]
+
+
+def formatted(tokenizer, messages: list[dict], template: str | None, content_format: str) -> list[dict]:
+    """The messages with their content as the template in use (`template`, else the tokenizer's) takes it."""
+    if content_format == "auto":
+        used = template if template is not None else tokenizer.chat_template
+        texts = used.values() if isinstance(used, dict) else [used or ""]  # (named templates: any of them)
+        content_format = "openai" if any(template_content_format(t) == "openai" for t in texts) else "string"
+    return content_parts(messages) if content_format == "openai" else messages
+
+
 def chat_ids(tokenizer, messages: list[dict], tools: list[dict] | None, field: str,
-             template_kwargs: dict | None = None, template: str | None = None) -> list[int]:
+             template_kwargs: dict | None = None, template: str | None = None, content_format: str = "auto") -> list[int]:
     """A chat's prompt tokens: the tokenizer's chat template (or `template`, a request's own) over the messages
     (and the tools, which the template renders where it knows how), the assistant's turn opened, with
-    `template_kwargs` as more of the template's variables (`chat_template_kwargs`); ValueError naming `field`
-    (tn.CHAT_TEMPLATE for a request's own template) when the template refuses them."""
+    `template_kwargs` as more of the template's variables (`chat_template_kwargs`) and the messages' content in
+    `content_format` (CONTENT_FORMATS); ValueError naming `field` (tn.CHAT_TEMPLATE for a request's own
+    template) when the template refuses them."""
     own = {} if template is None else {"chat_template": template}
+    messages = formatted(tokenizer, messages, template, content_format)
     try:
         return list(tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True,
                                                   tokenize=True, return_dict=False, **own, **(template_kwargs or {})))

@@ -15,6 +15,7 @@ import sys
 from aiohttp import web
 
 from specdec.decoding.generation_config import AUTO, api_defaults
+from specdec.decoding.text import CONTENT_FORMATS
 from specdec.gateway import protocol
 from specdec.gateway.adapters import RUNTIME_ENV, allowed_by_environment
 from specdec.gateway.app import KEEPALIVE_S, Gateway
@@ -68,6 +69,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--trust-request-chat-template", action="store_true",
                         help="pass a request's own chat_template on (vLLM's flag; the server's preprocessing must "
                              "take it too); without it such a request is refused")
+    parser.add_argument("--chat-template-content-format", choices=CONTENT_FORMATS, default="auto",
+                        help="how the server hands a message's content to the chat template (vLLM's flag; the "
+                             "server's preprocessing must say the same), for counting prompts as it renders them")
     parser.add_argument("--max-model-len", type=int, default=0,
                         help="the server's context in tokens, as model cards and /tokenize report it (0: not known)")
     parser.add_argument("--default-max-tokens", type=int, default=0,
@@ -124,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
             template = read_chat_template(args.chat_template, "--chat-template") if args.chat_template else None
             tokenizer = load_tokenizer(args.tokenizer, template)
             if template:
-                check_chat_template(tokenizer, "--chat-template")
+                check_chat_template(tokenizer, "--chat-template", args.chat_template_content_format)
         except ValueError as exc:
             log(str(exc))
             return 2
@@ -149,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
                           args.tool_call_parser, args.max_model_len, args.reasoning_parser, store,
                           args.default_max_tokens, args.drain_timeout, args.stream_keepalive,
                           args.allow_runtime_lora_updating, log, trust_templates=args.trust_request_chat_template,
-                          sampling_defaults=defaults, cors=policy)
+                          sampling_defaults=defaults, cors=policy,
+                          content_format=args.chat_template_content_format)
     except ValueError as exc:
         log(str(exc))
         return 2

@@ -25,11 +25,12 @@ def _flag(body: dict, name: str, default: bool) -> bool:
     return value
 
 
-def tokenize(tokenizer, body: dict, max_model_len: int, trust_template: bool = False) -> dict:
+def tokenize(tokenizer, body: dict, max_model_len: int, trust_template: bool = False,
+             content_format: str = "auto") -> dict:
     """`{"prompt": text}` (`add_special_tokens`, default true) or `{"messages": [...]}` (the chat template
     with the assistant's turn opened, as the chat endpoint renders it: `count` is its `prompt_tokens`; a
     request's own `chat_template` where the API trusts them) -> `{"count", "max_model_len", "tokens",
-    "token_strs"}` (`token_strs` with `return_token_strs`)."""
+    "token_strs"}` (`token_strs` with `return_token_strs`). content_format: the server's (text.CONTENT_FORMATS)."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     if ("prompt" in body) == ("messages" in body):
@@ -50,14 +51,14 @@ def tokenize(tokenizer, body: dict, max_model_len: int, trust_template: bool = F
         except ValueError as exc:
             raise invalid("chat_template_kwargs", str(exc)) from None
         try:
-            ids = chat_ids(tokenizer, chat_messages(body), None, "messages", kwargs, template)
+            ids = chat_ids(tokenizer, chat_messages(body), None, "messages", kwargs, template, content_format)
         except ValueError as exc:
             raise invalid("chat_template" if template is not None else "messages", str(exc)) from None
     strings = tokenizer.convert_ids_to_tokens(ids) if _flag(body, "return_token_strs", False) else None
     return {"count": len(ids), "max_model_len": max_model_len, "tokens": list(ids), "token_strs": strings}
 
 
-def chat_prompt_length(tokenizer, inputs: dict) -> int:
+def chat_prompt_length(tokenizer, inputs: dict, content_format: str = "auto") -> int:
     """How many tokens a chat request's ensemble inputs (protocol.parse_chat's, one choice) make: the server's
     preprocessing renders them the same way (its checks, its chat template over the messages and the tools,
     the template's variables). ValueError where the server would refuse them."""
@@ -68,7 +69,7 @@ def chat_prompt_length(tokenizer, inputs: dict) -> int:
     return len(chat_ids(tokenizer, server_messages(given(tn.MESSAGES), tn.MESSAGES),
                         None if tools is None else chat_tools(tools, tn.TOOLS), tn.MESSAGES,
                         None if kwargs is None else chat_template_kwargs(kwargs, tn.CHAT_TEMPLATE_KWARGS),
-                        given(tn.CHAT_TEMPLATE)))
+                        given(tn.CHAT_TEMPLATE), content_format))
 
 
 def requested_max_tokens(inputs: dict, default: int) -> int:

@@ -52,6 +52,12 @@ def repository_trusts_request_templates(repo: Path) -> bool:
     return _preprocessing_parameter(repo, "trust_request_chat_template") == "true"
 
 
+def repository_content_format(repo: Path) -> str:
+    """How the rendered repository's preprocessing hands a message's content to the chat template (its
+    `chat_template_content_format` parameter; "auto" where it names none)."""
+    return _preprocessing_parameter(repo, "chat_template_content_format") or "auto"
+
+
 def repository_limits(repo: Path) -> tuple[int, int]:
     """The context (tokens) the rendered repository's orchestrator admits requests within and what it generates
     for a request that does not say (its default_max_tokens); 0 for either not found."""
@@ -73,7 +79,8 @@ class GatewayProcess:
                  default_max_tokens: int = 0, responses_store_dir: str | None = None,
                  lora: tuple[list[str], str] = ([], ""), runtime_lora: bool = False, chat_template: str = "",
                  trust_request_templates: bool = False, generation_config: tuple[str, str] = ("", ""),
-                 cors: tuple[str, str, str, bool] = (CORS_ANY, CORS_ANY, CORS_ANY, False)):
+                 cors: tuple[str, str, str, bool] = (CORS_ANY, CORS_ANY, CORS_ANY, False),
+                 content_format: str = "auto"):
         self.port = port
         self.command = [sys.executable, "-m", "specdec.gateway", "--port", str(port),
                         "--grpc-url", f"127.0.0.1:{grpc_port}", "--drain-timeout", str(drain_timeout_s),
@@ -84,6 +91,8 @@ class GatewayProcess:
             self.command += ["--chat-template", chat_template]
         if trust_request_templates:
             self.command += ["--trust-request-chat-template"]
+        if content_format != "auto":
+            self.command += ["--chat-template-content-format", content_format]
         config, override = generation_config  # (vllm, or the file the server reads; "": none) and the overrides
         self.command += ["--generation-config", config or VLLM]  # no file: no defaults of the model's
         if override:

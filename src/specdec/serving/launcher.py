@@ -46,7 +46,7 @@ from typing import Callable
 
 from specdec import tensor_names as tn
 from specdec.decoding.generation_config import AUTO, VLLM, api_defaults
-from specdec.decoding.text import read_chat_template
+from specdec.decoding.text import CONTENT_FORMATS, read_chat_template
 from specdec.engine.lora_config import CONFIG, FIRST_LAYERS, NAME, format_adapters
 from specdec.serving import mps, pairs, repository
 from specdec.gateway.adapters import RUNTIME_ENV, allowed_by_environment
@@ -55,7 +55,7 @@ from specdec.gateway.reasoning import PARSERS as REASONING_PARSERS
 from specdec.gateway.response_store import DEFAULT_MB as RESPONSES_STORE_MB
 from specdec.gateway.tools import PARSERS as TOOL_CALL_PARSERS, reasoning_for
 from specdec.serving.gateway_process import (GatewayProcess, default_model_name, repository_chat_template,
-                                             repository_generation_config,
+                                             repository_content_format, repository_generation_config,
                                              repository_limits, repository_tokenizer,
                                              repository_trusts_request_templates)
 from specdec.serving.healthcheck import (
@@ -419,6 +419,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--trust-request-chat-template", action="store_true",
                         help="take a request's own chat template (vLLM's chat_template field and flag): a template is "
                              "code the server runs, so only where the clients are trusted")
+    parser.add_argument("--chat-template-content-format", choices=CONTENT_FORMATS, default="auto",
+                        help="how a message's content reaches the chat template (vLLM's flag): string, its text; "
+                             "openai, OpenAI's list of parts (for templates that loop over them); auto, openai "
+                             "where the template loops over a message's content")
     parser.add_argument("--draft-head", action="append", default=[], metavar="[NAME=]DIR",
                         help="serve a trained draft head (EAGLE-1, EAGLE-3 or Medusa, in its published layout) "
                              f"over the target as draft model NAME (default {tn.DEFAULT_HEAD_NAME}); repeatable. "
@@ -521,11 +525,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         extra = extra[1:]
     if args.set and args.model_repository:
         parser.error("--set edits a rendered repository; --model-repository is served as is")
-    if (args.chat_template not in (None, APPLY_CHAT_TEMPLATE) or args.trust_request_chat_template) \
-            and args.model_repository:
-        parser.error("--chat-template and --trust-request-chat-template are set in a rendered repository; "
-                     "--model-repository is served as is (preprocessing's chat_template and "
-                     "trust_request_chat_template parameters)")
+    if (args.chat_template not in (None, APPLY_CHAT_TEMPLATE) or args.trust_request_chat_template
+            or args.chat_template_content_format != "auto") and args.model_repository:
+        parser.error("--chat-template, --trust-request-chat-template and --chat-template-content-format are set in "
+                     "a rendered repository; --model-repository is served as is (preprocessing's chat_template, "
+                     "trust_request_chat_template and chat_template_content_format parameters)")
     if args.generation_config not in (AUTO, VLLM) and args.model_repository:
         parser.error("--generation-config DIR is set in a rendered repository; --model-repository is served as is "
                      "(the speculative_decoding model's generation_config parameter); auto and vllm are the API's")
@@ -600,7 +604,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         pair = dataclasses.replace(pair, chat_template=template or pair.chat_template,
                                    apply_chat_template=pair.apply_chat_template or applied,
-                                   trust_request_chat_template=args.trust_request_chat_template)
+                                   trust_request_chat_template=args.trust_request_chat_template,
+                                   chat_template_content_format=args.chat_template_content_format)
         pair = dataclasses.replace(pair, compile=args.compile, orchestrator_instances=args.orchestrator_instances,
                                    weights_dtype=args.weights_dtype, executor=args.executor or pair.executor)
         if args.draft_head or args.default_draft or args.skip_draft or args.skip_draft_lora or args.lora_modules \
@@ -646,7 +651,7 @@ def main(argv: list[str] | None = None) -> int:
                                  (VLLM if args.generation_config == VLLM else repository_generation_config(repo),
                                   args.override_generation_config),
                                  (args.allowed_origins, args.allowed_methods, args.allowed_headers,
-                                  args.allow_credentials))
+                                  args.allow_credentials), repository_content_format(repo))
     watchdog = None
     if args.heal:
         # Reloading one model in place needs explicit model control; without it the watchdog heals by

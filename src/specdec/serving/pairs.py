@@ -66,6 +66,7 @@ class PairSpec:
     apply_chat_template: bool = False
     chat_template: str = ""  # Jinja text replacing the tokenizer's chat template (vLLM's --chat-template); "" = its own
     trust_request_chat_template: bool = False  # a request's own chat template is taken (vLLM's flag of that name)
+    chat_template_content_format: str = "auto"  # text.CONTENT_FORMATS: how content reaches the chat template
     # where generation_config.json is read (its end tokens end every request; its sampling fields are the OpenAI
     # API's defaults): a directory or the file; "" = the target's directory
     generation_config: str = ""

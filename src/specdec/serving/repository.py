@@ -87,7 +87,8 @@ def render(pair: PairSpec, dest: Path) -> Path:
         (dest / "preprocessing" / CHAT_TEMPLATE_FILE).write_text(pair.chat_template, encoding="utf-8")
     edit("preprocessing", {**tokenizer, "apply_chat_template": str(pair.apply_chat_template).lower(),
                            "chat_template": CHAT_TEMPLATE_FILE if pair.chat_template else "",
-                           "trust_request_chat_template": str(pair.trust_request_chat_template).lower()})
+                           "trust_request_chat_template": str(pair.trust_request_chat_template).lower(),
+                           "chat_template_content_format": pair.chat_template_content_format})
     edit("postprocessing", tokenizer)
     # target_model serves the features every head reads (draft_heads.served_layers); each head knows the list
     heads = ",".join(pair.draft_heads.values())

@@ -7,8 +7,9 @@ from pathlib import Path
 import numpy as np
 
 from specdec import tensor_names as tn
-from specdec.decoding.text import (chat_ids, chat_messages, chat_template_kwargs, chat_tools, check_chat_template,
-                                   decode_delta, load_tokenizer, read_chat_template, request_template)
+from specdec.decoding.text import (CONTENT_FORMATS, chat_ids, chat_messages, chat_template_kwargs, chat_tools,
+                                   check_chat_template, decode_delta, load_tokenizer, read_chat_template,
+                                   request_template)
 from specdec.triton.adapter import TritonAdapter
 from specdec.triton.admission.cancellation import CancellationBoard
 from specdec.triton.config import ModelParameters
@@ -19,8 +20,12 @@ class PreprocessingAdapter(TritonAdapter):
     def load(self, params: ModelParameters, args: dict) -> None:
         template = self._chat_template(params, args)
         self.tokenizer = load_tokenizer(params.str("tokenizer_path"), template)
+        self.content_format = params.str("chat_template_content_format", "auto")
+        if self.content_format not in CONTENT_FORMATS:
+            raise ValueError(f"{params.model_name}: parameter 'chat_template_content_format' must be one of "
+                             f"{', '.join(CONTENT_FORMATS)}, got {self.content_format!r}")
         if template:  # a template that cannot render a plain chat fails the load, not every request
-            check_chat_template(self.tokenizer, f"{params.model_name}: parameter 'chat_template'")
+            check_chat_template(self.tokenizer, f"{params.model_name}: parameter 'chat_template'", self.content_format)
         self.chat_template_default = params.bool("apply_chat_template", False)
         self.trust_request_templates = params.bool("trust_request_chat_template", False)
         if self.chat_template_default and not self.tokenizer.chat_template:
@@ -106,7 +111,7 @@ class PreprocessingAdapter(TritonAdapter):
                 raise ValueError(f"input '{tn.MESSAGES}' needs a chat template, and the tokenizer has none")
             messages = chat_messages(_one_string(chat_tensor, tn.MESSAGES), tn.MESSAGES)
             tools = None if tools_tensor is None else chat_tools(_one_string(tools_tensor, tn.TOOLS), tn.TOOLS)
-            return chat_ids(self.tokenizer, messages, tools, tn.MESSAGES, template_kwargs, template)
+            return chat_ids(self.tokenizer, messages, tools, tn.MESSAGES, template_kwargs, template, self.content_format)
         if tensor is None:
             raise ValueError(f"input '{tn.TEXT_INPUT}' is required (the prompt; or '{tn.MESSAGES}', a chat, or "
                              f"'{tn.PROMPT_TOKEN_IDS}')")
@@ -119,7 +124,7 @@ class PreprocessingAdapter(TritonAdapter):
             if not self.tokenizer.chat_template and template is None:
                 raise ValueError(f"input '{tn.APPLY_CHAT_TEMPLATE}' is true but the tokenizer has no chat template")
             return chat_ids(self.tokenizer, [{"role": "user", "content": text}], None, tn.APPLY_CHAT_TEMPLATE,
-                            template_kwargs, template)
+                            template_kwargs, template, self.content_format)
         if template_kwargs is not None or template is not None:
             name = tn.CHAT_TEMPLATE if template is not None else tn.CHAT_TEMPLATE_KWARGS
             raise ValueError(f"input '{name}' needs a chat template applied: '{tn.MESSAGES}', or "
