@@ -339,6 +339,35 @@ def test_qwen3_coder_calls_reach_an_anthropic_client_as_tool_use_blocks_of_typed
         assert json.loads(delta.function.arguments) == {"city": "San Jose", "days": 3, "metric": True}
 
 
+@pytest.mark.parametrize("parser, forced", [
+    ("deepseek_v31", 'Checking.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris"}'
+                     '<｜tool▁call▁end｜><｜tool▁calls▁end｜>'),
+    ("kimi_k2", 'Checking.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0'
+                '<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>'),
+    ("glm45", "Checking.<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n</tool_call>"),
+])
+def test_deepseek_kimi_and_glm_calls_are_read_whole_and_streamed(server, model, parser, forced):
+    """Gateways started with --tool-call-parser deepseek_v31, kimi_k2 and glm45 (as vLLM serves those models):
+    a call the model writes (forced, with vLLM's guided_choice) becomes content and the call, whole and
+    streamed (Kimi's own id kept); the server keeps special tokens for them."""
+    with own_gateway(server, model, "--tool-call-parser", parser, "--enable-auto-tool-choice") as port:
+        client = openai.OpenAI(base_url=f"http://localhost:{port}/v1", api_key="x", max_retries=0)
+        args = {"model": model, "messages": CHAT, "max_tokens": 96, "temperature": 0, "tools": [WEATHER],
+                "extra_body": {"guided_choice": [forced]}}
+        whole = client.chat.completions.create(**args).choices[0]
+        assert whole.message.content == "Checking." and whole.finish_reason == "tool_calls"
+        (call,) = whole.message.tool_calls
+        assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Paris"})
+        assert (call.id == "functions.get_weather:0") == (parser == "kimi_k2")
+        chunks = list(client.chat.completions.create(stream=True, **args))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Checking."
+        (delta,) = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or [])]
+        assert (delta.function.name, json.loads(delta.function.arguments)) == ("get_weather", {"city": "Paris"})
+        special = client.chat.completions.create(model=model, messages=CHAT, max_tokens=2, temperature=0,
+                                                 tools=[WEATHER], logit_bias={"1": 100})  # 1: <|im_start|>
+        assert special.choices[0].message.content == "<|im_start|>" * 2
+
+
 def test_a_reasoning_parser_puts_the_thinking_apart(server, model):
     """A gateway started with --reasoning-parser qwen3 (and hermes tool calls): the thinking a model writes
     between <think> and </think> (here forced, with vLLM's guided_choice: SmolLM2's tokenizer spells <think>

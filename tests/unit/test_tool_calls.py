@@ -300,3 +300,73 @@ def test_auto_tool_calling_carries_each_tools_parameters_schema():
     gen = parse_chat({"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": tools_given}, ("m",),
                      tool_parser="qwen3_coder")
     assert gen.tools.schemas == {"edit": EDIT, "run": {}} and gen.tools.parser == "qwen3_coder"
+
+
+@pytest.mark.parametrize("parser", ["deepseek_v3", "deepseek_v31"])
+def test_deepseek_calls_are_read_in_v3s_and_v31s_forms(parser):
+    """DeepSeek-V3 (and R1-0528): `function<｜tool▁sep｜>NAME` then the arguments fenced as ```json; V3.1 and
+    V3.2: `NAME<｜tool▁sep｜>ARGUMENTS`; either parser name reads both."""
+    calling = ToolCalling(AUTO, ("get_weather", "get_time"), parser)
+    v3 = ('Let me look.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n'
+          '{"city": "Oslo"}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_time\n```json\n{}\n'
+          '```<｜tool▁call▁end｜><｜tool▁calls▁end｜>')
+    v31 = ('Let me look.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Oslo"}'
+           '<｜tool▁call▁end｜><｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{}<｜tool▁call▁end｜><｜tool▁calls▁end｜>')
+    for text in (v3, v31):
+        content, calls = tools.split_output(text, calling)
+        assert content == "Let me look." and [(c["name"], json.loads(c["arguments"])) for c in calls] == [
+            ("get_weather", {"city": "Oslo"}), ("get_time", {})], text
+    for text in ("No call.", "<｜tool▁calls▁begin｜>", '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather'
+                 '<｜tool▁sep｜>{"city": "Os', "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>bad name<｜tool▁sep｜>{}"
+                 "<｜tool▁call▁end｜>", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>[1]<｜tool▁call▁end｜>"):
+        assert tools.split_output(text, calling) == (text, []), text
+    content, deltas, called = _stream(calling, ["Sure.<｜tool▁", v31[len("Let me look.<｜tool▁"):]])
+    assert content == "Sure." and called and [d["function"]["name"] for d in deltas] == ["get_weather", "get_time"]
+
+
+def test_kimi_k2_calls_keep_the_models_ids():
+    calling = ToolCalling(AUTO, ("get_weather",), "kimi_k2")
+    text = ('Checking.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0'
+            '<|tool_call_argument_begin|>{"city": "Oslo"}<|tool_call_end|><|tool_call_begin|>functions.get_weather:1'
+            '<|tool_call_argument_begin|>{"city": "Rome"}<|tool_call_end|><|tool_calls_section_end|>')
+    content, calls = tools.split_output(text, calling)
+    assert content == "Checking." and [(c["name"], c["id"], json.loads(c["arguments"])) for c in calls] == [
+        ("get_weather", "functions.get_weather:0", {"city": "Oslo"}),
+        ("get_weather", "functions.get_weather:1", {"city": "Rome"})]
+    assert [m["id"] for m in tools.message_calls(calls)] == ["functions.get_weather:0", "functions.get_weather:1"]
+    for text in ("No call.", "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+                 '<|tool_call_argument_begin|>{"city": "Os'):
+        assert tools.split_output(text, calling) == (text, []), text
+    content, deltas, called = _stream(calling, ["Ok <|tool_calls", "_section_begin|><|tool_call_begin|>functions."
+                                                "get_weather:0<|tool_call_argument_begin|>{}<|tool_call_end|>"
+                                                "<|tool_calls_section_end|>"])
+    assert content == "Ok " and called and deltas[0]["id"] == "functions.get_weather:0"
+
+
+@pytest.mark.parametrize("parser", ["glm45", "glm47"])
+def test_glm_calls_take_their_values_types_from_the_schemas_or_json(parser):
+    calling = ToolCalling(AUTO, ("edit", "run"), parser, schemas={"edit": EDIT, "run": {}})
+    text = ("On it.\n<tool_call>edit\n<arg_key>path</arg_key>\n<arg_value>/tmp/a b.py</arg_value>\n"
+            "<arg_key>line</arg_key>\n<arg_value>12</arg_value>\n<arg_key>options</arg_key>\n"
+            "<arg_value>{\"x\": [1, 2]}</arg_value>\n<arg_key>extra</arg_key>\n<arg_value>[3, 4]</arg_value>\n"
+            "<arg_key>word</arg_key>\n<arg_value>plain text</arg_value>\n</tool_call>\n"
+            "<tool_call>run</tool_call>")
+    content, calls = tools.split_output(text, calling)
+    assert content == "On it." and [c["name"] for c in calls] == ["edit", "run"]
+    assert json.loads(calls[0]["arguments"]) == {"path": "/tmp/a b.py", "line": 12, "options": {"x": [1, 2]},
+                                                 "extra": [3, 4], "word": "plain text"}
+    assert calls[1]["arguments"] == "{}"
+    for text in ("No call.", "<tool_call>edit\n<arg_key>path</arg_key>\n<arg_value>/tmp/a", "<tool_call>edi",
+                 '<tool_call>{"name": "run"}</tool_call>', "<tool_call>bad name</tool_call>"):
+        assert tools.split_output(text, calling) == (text, []), text
+    content, deltas, called = _stream(calling, ["Sure.\n<tool", "_call>run</tool_call>"])
+    assert content == "Sure.\n" and called and deltas[0]["function"] == {"name": "run", "arguments": "{}"}
+
+
+@pytest.mark.parametrize("parser", ["deepseek_v3", "kimi_k2", "glm45", "mistral"])
+def test_parsers_whose_calls_are_special_tokens_keep_them_in_the_text(parser):
+    body = {"model": "m", "messages": CHAT, "tools": [WEATHER]}
+    assert json.loads(parse_chat(body, SERVED, tool_parser=parser).choices[0][tn.SAMPLING_PARAMETERS][0, 0])[
+        "skip_special_tokens"] is False
+    assert "skip_special_tokens" not in json.loads(parse_chat(body, SERVED, tool_parser="hermes").choices[0][
+        tn.SAMPLING_PARAMETERS][0, 0])

@@ -458,7 +458,7 @@ def parse_chat(body: dict, served: tuple[str, ...], tool_parser: str | None = No
     chat = chat_messages(body)
     if tool_parser == "mistral":  # its templates refuse ids but its own form, whoever made them
         chat = tool_calls.mistral_messages(chat)
-    if calling is not None and calling.mode == tool_calls.AUTO and calling.parser == "mistral" \
+    if calling is not None and calling.mode == tool_calls.AUTO and calling.parser in tool_calls.SPECIAL_TOKEN_PARSERS \
             or reasoning_parser == tool_calls.HARMONY_REASONING:
         # its calls open with a special token (vLLM does the same); gpt-oss's channels are special tokens
         sampling["skip_special_tokens"] = False

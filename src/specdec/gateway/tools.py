@@ -19,7 +19,11 @@ is text, which becomes `tool_calls` here in one of three ways, by `tool_choice`:
   `<tool_call><function=NAME><parameter=KEY>value</parameter>...</function></tool_call>`, each value raw
   text turned into the type the tool's schema gives that parameter; vLLM's `qwen3_xml` is the same) or `openai`
   (gpt-oss's harmony messages to `functions.NAME`, as the reasoning parser `openai_gptoss` passes them on,
-  which it implies; special tokens kept, as for mistral). Text
+  which it implies; special tokens kept, as for mistral) or `deepseek_v3` / `deepseek_v31` (DeepSeek's calls
+  between `<｜tool▁call▁begin｜>` and `<｜tool▁call▁end｜>`, V3's fenced JSON or V3.1's bare JSON, either name
+  reading both) or `kimi_k2` (`<|tool_call_begin|>functions.NAME:0<|tool_call_argument_begin|>{...}`, the
+  model's id kept: its template renders it back) or `glm45` / `glm47` (GLM-4.5's `<tool_call>NAME` and
+  `<arg_key>`/`<arg_value>` pairs, typed as qwen3_coder's or read as JSON); these four keep special tokens. Text
   before the first call is the message's content and streams as content; text that does not parse as a call
   stays content.
 """
@@ -40,10 +44,15 @@ from specdec import tensor_names as tn
 from specdec.decoding import json_text
 from specdec.gateway import harmony
 
-PARSERS = ("hermes", "llama3_json", "mistral", "openai", "pythonic", "qwen3_coder", "qwen3_xml")
+PARSERS = ("deepseek_v3", "deepseek_v31", "glm45", "glm47", "hermes", "kimi_k2", "llama3_json", "mistral", "openai",
+           "pythonic", "qwen3_coder", "qwen3_xml")
 HARMONY_PARSER = "openai"  # gpt-oss's calls, from what the reasoning parser openai_gptoss passes on (harmony.py)
 HARMONY_REASONING = tn.HARMONY_REASONING  # that reasoning parser (reasoning.HARMONY)
 _QWEN3_CODER = ("qwen3_coder", "qwen3_xml")  # one format, vLLM's two names for it
+_DEEPSEEK = ("deepseek_v3", "deepseek_v31")  # V3's calls and V3.1's, each read in either form
+_GLM = ("glm45", "glm47")  # GLM-4.5's calls and 4.7's (the same, fewer newlines)
+# Parsers whose calls open with special tokens: the server is asked to keep those in the text (vLLM does too)
+SPECIAL_TOKEN_PARSERS = ("mistral", *_DEEPSEEK, "kimi_k2", *_GLM)
 NAMED, REQUIRED, AUTO = "named", "required", "auto"
 _HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
@@ -52,8 +61,19 @@ _PYTHON_START, _PYTHON_END = "<|python_start|>", "<|python_end|>"  # Llama 4's a
 # Mistral's special tokens, kept in the text for this parser (skip_special_tokens false)
 _MISTRAL_CALLS, _MISTRAL_ARGS, _MISTRAL_CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
 # Where a call opens anywhere in the answer (after content), by parser; the others' calls are the whole answer
+# DeepSeek's (V3, R1-0528, V3.1), Kimi K2's (its ids "functions.NAME:INDEX", which its template renders back) and
+# GLM-4.5's markers
+_DEEPSEEK_CALLS, _DEEPSEEK_CALL = "<｜tool▁calls▁begin｜>", re.compile(
+    r"<｜tool▁call▁begin｜>(.*?)<｜tool▁sep｜>(.*?)(?:<｜tool▁call▁end｜>|<｜tool▁calls▁end｜>|$)", re.DOTALL)
+_DEEPSEEK_FENCED = re.compile(r"\s*([^\n`]*?)\s*```(?:json)?\s*(.*?)\s*```\s*", re.DOTALL)  # V3's name, args
+_KIMI_CALLS, _KIMI_CALL = "<|tool_calls_section_begin|>", re.compile(
+    r"<\|tool_call_begin\|>\s*([^<]*?)\s*<\|tool_call_argument_begin\|>(.*?)(?:<\|tool_call_end\|>|"
+    r"<\|tool_calls_section_end\|>|$)", re.DOTALL)
+_GLM_CALL = re.compile(r"([^<]*?)\s*((?:<arg_key>.*?</arg_key>\s*<arg_value>.*?</arg_value>\s*)*)", re.DOTALL)
+_GLM_ARGUMENT = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
 _OPENINGS = {"hermes": _HERMES_OPEN, "mistral": _MISTRAL_CALLS, "qwen3_coder": _HERMES_OPEN,
-             "qwen3_xml": _HERMES_OPEN, HARMONY_PARSER: harmony.START}
+             "qwen3_xml": _HERMES_OPEN, HARMONY_PARSER: harmony.START, "deepseek_v3": _DEEPSEEK_CALLS,
+             "deepseek_v31": _DEEPSEEK_CALLS, "kimi_k2": _KIMI_CALLS, "glm45": _HERMES_OPEN, "glm47": _HERMES_OPEN}
 _FUNCTION = re.compile(r"\s*<function=([^>\n]*)>(.*?)</function>\s*", re.DOTALL)  # a call cut short is none
 _PARAMETER = re.compile(r"<parameter=([^>\n]*)>(.*?)(?:</parameter>|(?=<parameter=)|$)", re.DOTALL)
 FUNCTION_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # a function's name: a request's tools', a parsed call's
@@ -149,6 +169,12 @@ def split_output(text: str, calling: ToolCalling) -> tuple[str | None, list[dict
                       for call in calls]
     if calling.parser in _QWEN3_CODER:
         content, calls = _qwen3_coder(text, calling.schemas)
+    elif calling.parser in _GLM:
+        content, calls = _glm(text, calling.schemas)
+    elif calling.parser in _DEEPSEEK:
+        content, calls = _deepseek(text)
+    elif calling.parser == "kimi_k2":
+        content, calls = _kimi(text)
     elif calling.parser == HARMONY_PARSER:
         content, calls = harmony.calls(text)
         calls = [call for call in calls if FUNCTION_NAME.fullmatch(call["name"])]
@@ -245,6 +271,79 @@ def _qwen3_coder(text: str, schemas: dict) -> tuple[str | None, list[dict]]:
             arguments[key] = _typed_value(value.removeprefix("\n").removesuffix("\n"), properties.get(key))
         calls.append({"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)})
     return text[:start].strip() or None, calls
+
+
+def _deepseek(text: str) -> tuple[str | None, list[dict]]:
+    """V3's `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME` then its arguments fenced as ```json, or V3.1's
+    `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGUMENTS`, each closed by `<｜tool▁call▁end｜>`."""
+    start = text.find(_DEEPSEEK_CALLS)
+    if start < 0:
+        return text, []
+    calls = []
+    for head, body in _DEEPSEEK_CALL.findall(text[start:]):
+        fenced = _DEEPSEEK_FENCED.fullmatch(body)
+        name, arguments = (fenced.group(1), fenced.group(2)) if fenced else (head, body)
+        call = _named_call(name.strip(), arguments)
+        if call is None:
+            return text, []
+        calls.append(call)
+    return (text[:start].strip() or None, calls) if calls else (text, [])
+
+
+def _kimi(text: str) -> tuple[str | None, list[dict]]:
+    """`<|tool_call_begin|>functions.NAME:INDEX<|tool_call_argument_begin|>ARGUMENTS<|tool_call_end|>` in a
+    section; the model's id is the call's."""
+    start = text.find(_KIMI_CALLS)
+    if start < 0:
+        return text, []
+    calls = []
+    for given, arguments in _KIMI_CALL.findall(text[start:]):
+        call = _named_call(given.rpartition(":")[0].removeprefix("functions.") if ":" in given else given, arguments)
+        if call is None:
+            return text, []
+        calls.append({**call, "id": given})
+    return (text[:start].strip() or None, calls) if calls else (text, [])
+
+
+def _glm(text: str, schemas: dict) -> tuple[str | None, list[dict]]:
+    """`<tool_call>NAME<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>...</tool_call>` (newlines between them
+    or not): a value is text, turned into the type the tool's schema gives it, or read as JSON where it gives
+    none (as GLM's chat template writes values that are no strings)."""
+    start = text.find(_HERMES_OPEN)
+    if start < 0:
+        return text, []
+    calls, blocks = [], _HERMES.findall(text[start:])
+    if text[start:].count(_HERMES_CLOSE) < len(blocks):
+        return text, []  # a call cut short: the answer stays text
+    for block in blocks:
+        found = _GLM_CALL.fullmatch(block)
+        name, pairs = (found.group(1).strip(), found.group(2)) if found else ("", "")
+        if not FUNCTION_NAME.fullmatch(name):
+            return text, []  # a block that is no call: the answer stays text
+        properties = (schemas.get(name) or {}).get("properties") or {}
+        arguments = {}
+        for key, value in _GLM_ARGUMENT.findall(pairs):
+            schema = properties.get(key.strip())
+            if isinstance(schema, dict) and schema.get("type"):
+                arguments[key.strip()] = _typed_value(value.strip(), schema)
+            else:
+                try:
+                    arguments[key.strip()] = json_text.parse(value.strip())
+                except ValueError:
+                    arguments[key.strip()] = value.strip()
+        calls.append({"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)})
+    return text[:start].strip() or None, calls
+
+
+def _named_call(name: str, arguments: str) -> dict | None:
+    """A call of a name and its arguments' text (a JSON object), or None."""
+    if not FUNCTION_NAME.fullmatch(name):
+        return None
+    try:
+        value = json_text.parse(arguments.strip()) if arguments.strip() else {}
+    except ValueError:
+        return None
+    return {"name": name, "arguments": json.dumps(value, ensure_ascii=False)} if isinstance(value, dict) else None
 
 
 def _typed_value(text: str, schema) -> object:
