@@ -212,6 +212,9 @@ DRAFT_PROBS = "draft_probs"  # FP32 [-1, -1]: processed draft distributions, one
 # INT32 [1]: draft_model's candidates per drafted position; above 1 a tree of at most num_draft_tokens nodes
 NUM_DRAFT_BRANCHES = "num_draft_branches"
 MAX_DRAFT_BRANCHES = 8  # speculative_decoding's draft_branches and lookup_branches: at most this wide
+# speculative_decoding's lookup_min_ngram and lookup_max_ngram: prompt lookup's shortest and longest match
+LOOKUP_NGRAM = (2, 4)
+MAX_LOOKUP_NGRAM = 16
 DRAFT_PARENTS = "draft_parents"  # INT32 [-1]: a drafted tree's parent of each token (-1: the root); empty: a chain
 CACHED_LENGTH = "cached_length"  # INT32 [1]: tokens the draft's cache holds after the proposal
 # INT32 [2]: target_model's answer, on request: of the sequence's tokens so far, those its prefix cache held (a

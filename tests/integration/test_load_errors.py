@@ -47,7 +47,8 @@ def broken(tmp_path_factory) -> dict[str, str]:
     wide.mkdir()
     (wide / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 10 ** 6]}))
     generation = [_copy(repo, "speculative_decoding", "generation_unreadable", "generation_config", str(bad_json)),
-                  _copy(repo, "speculative_decoding", "generation_wide", "generation_config", str(wide))]
+                  _copy(repo, "speculative_decoding", "generation_wide", "generation_config", str(wide)),
+                  _copy(repo, "speculative_decoding", "lookup_inverted", "lookup_max_ngram", "1")]
     repository.override(repo, "speculative_decoding.default_num_draft_tokens=lots")
     models = [*generation, "speculative_decoding", "draft_skip",
               _copy(repo, "target_model", "target_missing", "model_path", "/nonexistent/target-weights"),
@@ -133,6 +134,10 @@ def test_a_chat_template_that_does_not_compile_or_is_not_there_fails_the_load_na
             in broken["template_missing"])
     assert ("template_parts: parameter 'chat_template_content_format' must be one of auto, string, openai, got "
             "'parts'") in broken["template_parts"]
+
+
+def test_prompt_lookups_bounds_the_wrong_way_round_fail_the_load_naming_them(broken):
+    assert "lookup_inverted: parameter 'lookup_max_ngram' must be within [2, 16], got 1" in broken["lookup_inverted"]
 
 
 def test_a_generation_config_the_orchestrator_cannot_use_fails_the_load_naming_it(broken):

@@ -342,6 +342,8 @@ output [
 {{ include "specdec.param" (list "head_drafts" (ternary "draft_model" "" (eq .Values.models.draft.method "head"))) }}
 {{ include "specdec.param" (list "suffix_cache_tokens" $s.suffixCacheTokens) }}
 {{ include "specdec.param" (list "lookup_branches" $s.lookupBranches) }}
+{{ include "specdec.param" (list "lookup_min_ngram" $s.lookupMinNgram) }}
+{{ include "specdec.param" (list "lookup_max_ngram" $s.lookupMaxNgram) }}
 {{ include "specdec.param" (list "lookup_first_min_ngram" $s.lookupFirstMinNgram) }}
 {{ include "specdec.param" (list "draft_branches" $s.draftBranches) }}
 {{ include "specdec.param" (list "adaptive_draft" (ternary "true" "false" $s.adaptiveDraft)) }}

@@ -12,6 +12,7 @@ that one verify tries them all.
 
 from __future__ import annotations
 
+from specdec import tensor_names as tn
 from specdec.decoding.interfaces import Proposal
 from specdec.decoding.sampling import SamplingParams
 
@@ -141,7 +142,7 @@ class NgramProposer:
     against 0.38 with 2).
     """
 
-    def __init__(self, max_ngram: int = 4, min_ngram: int = 2, branches: int = 1):
+    def __init__(self, max_ngram: int = tn.LOOKUP_NGRAM[1], min_ngram: int = tn.LOOKUP_NGRAM[0], branches: int = 1):
         if branches < 1:
             raise ValueError(f"branches must be >= 1, got {branches}")
         self.max_ngram, self.min_ngram, self.branches = max_ngram, min_ngram, branches

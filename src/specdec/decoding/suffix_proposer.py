@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from specdec import tensor_names as tn
 from specdec.decoding.ngram_proposer import NgramIndex, NgramProposer
 
 
@@ -102,7 +103,8 @@ class SuffixProposer(NgramProposer):
     the cache is the caller's business: the orchestrator adds every finished request's prompt and output,
     whatever its draft method."""
 
-    def __init__(self, cache: SuffixCache, max_ngram: int = 4, min_ngram: int = 2, branches: int = 1):
+    def __init__(self, cache: SuffixCache, max_ngram: int = tn.LOOKUP_NGRAM[1], min_ngram: int = tn.LOOKUP_NGRAM[0],
+                 branches: int = 1):
         super().__init__(max_ngram, min_ngram, branches)
         self.cache = cache
 

@@ -48,7 +48,7 @@ from specdec import tensor_names as tn
 from specdec.decoding.generation_config import AUTO, VLLM, api_defaults
 from specdec.decoding.text import CONTENT_FORMATS, read_chat_template
 from specdec.engine.lora_config import CONFIG, FIRST_LAYERS, NAME, format_adapters
-from specdec.serving import mps, pairs, repository
+from specdec.serving import mps, pairs, repository, speculative_config
 from specdec.gateway.adapters import RUNTIME_ENV, allowed_by_environment
 from specdec.gateway import cors
 from specdec.gateway.reasoning import PARSERS as REASONING_PARSERS
@@ -392,7 +392,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     custom.add_argument("--draft-gpu", type=int, default=0)
     custom.add_argument("--num-draft-tokens", type=int, default=tn.DEFAULT_NUM_DRAFT_TOKENS, help="default draft length per request")
     custom.add_argument("--max-num-draft-tokens", type=int, default=tn.DEFAULT_MAX_NUM_DRAFT_TOKENS)
-    custom.add_argument("--max-context-tokens", type=int, default=tn.DEFAULT_MAX_CONTEXT_TOKENS)
+    custom.add_argument("--max-context-tokens", "--max-model-len", type=int, default=tn.DEFAULT_MAX_CONTEXT_TOKENS,
+                        help="prompt and output tokens per sequence (--max-model-len: vLLM's name)")
+    custom.add_argument(speculative_config.FLAG, default=None, metavar="JSON",
+                        help="vLLM's speculative config, e.g. '{\"method\": \"eagle3\", \"model\": \"DIR\", "
+                             "\"num_speculative_tokens\": 3}' (ngram, suffix, eagle, eagle3, medusa, draft_model): "
+                             "the --draft, --draft-head and --num-draft-tokens it stands for")
     custom.add_argument("--draft-lora-layers", default="", metavar="first|LAYERS",
                         help="the draft model is made of some of the target's layers (a layer-skip draft: first, "
                              "its first N; or a list, 0-9): it runs a request's LoRA adapter on them too, so that "
@@ -552,6 +557,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--orchestrator-instances must be at least 1, got {args.orchestrator_instances}")
     if any(not arg.startswith("--") for arg in extra):
         parser.error(f"unrecognized arguments: {' '.join(extra)} (server flags go after `--`)")
+    args.speculative_ignored = ()
+    if args.speculative_config is not None:
+        _apply_speculative_config(parser, args)
     if not any(arg.startswith("--model-control-mode=") for arg in extra):
         # Explicit model control lets the watchdog reload one model in place (`--load-model=*`: all of
         # them at start, as in the default mode). The repository API it opens answers only this launcher:
@@ -563,6 +571,28 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                       f"--grpc-restricted-protocol=model-repository:{LAUNCHER_KEY_HEADER}={key}"]
     args.server_args = extra
     return args
+
+
+def _apply_speculative_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--speculative-config (vLLM's) as the flags it stands for (speculative_config.py); refused beside them."""
+    if not args.target:
+        parser.error(f"{speculative_config.FLAG} needs --target (the model it drafts for)")
+    if args.draft != tn.NGRAM or args.draft_head or args.num_draft_tokens != tn.DEFAULT_NUM_DRAFT_TOKENS:
+        parser.error(f"{speculative_config.FLAG} and --draft, --draft-head or --num-draft-tokens both say how to "
+                     "draft: give one")
+    try:
+        spec = speculative_config.read(args.speculative_config)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if spec.draft:
+        args.draft = spec.draft
+    if spec.head:
+        args.draft_head = [spec.head]
+    if spec.num_draft_tokens:
+        args.num_draft_tokens = spec.num_draft_tokens
+        args.max_num_draft_tokens = max(args.max_num_draft_tokens, spec.num_draft_tokens)
+    args.set = [*spec.settings, *args.set]  # (an explicit --set of the same parameter wins)
+    args.speculative_ignored = spec.ignored
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -626,6 +656,8 @@ def main(argv: list[str] | None = None) -> int:
         repo = repository.render(pair, run_dir / "model_repository")
         for setting in args.set:
             repository.override(repo, setting)
+        if args.speculative_ignored:
+            log(f"{speculative_config.FLAG}: {', '.join(args.speculative_ignored)} tune vLLM's engine, nothing here")
     layout = triton_layout(run_dir, Path(args.triton_root) if args.triton_root else None)
     http_port, grpc_port, metrics_port = ports()
     command = server_command(layout, repo, http_port, grpc_port, metrics_port, extra=args.server_args)

@@ -108,8 +108,12 @@ class SpeculativeDecodingAdapter(TritonAdapter):
             if tn.SUFFIX in self.limits.draft_names else None
         # Prompt lookup's continuations of up to this many earlier occurrences, as one token tree (1: a chain)
         branches = params.int("lookup_branches", 1, low=1, high=tn.MAX_DRAFT_BRANCHES)
-        builtin = {tn.NGRAM: lambda: NgramProposer(branches=branches),
-                   tn.SUFFIX: lambda: SuffixProposer(self.suffix_cache, branches=branches)}
+        # Its matches: the longest n-gram of lookup_max_ngram tokens down to lookup_min_ngram (vLLM's
+        # prompt_lookup_max and prompt_lookup_min)
+        shortest = params.int("lookup_min_ngram", tn.LOOKUP_NGRAM[0], low=1, high=tn.MAX_LOOKUP_NGRAM)
+        longest = params.int("lookup_max_ngram", tn.LOOKUP_NGRAM[1], low=shortest, high=tn.MAX_LOOKUP_NGRAM)
+        builtin = {tn.NGRAM: lambda: NgramProposer(longest, shortest, branches),
+                   tn.SUFFIX: lambda: SuffixProposer(self.suffix_cache, longest, shortest, branches)}
         # "ngram+MODEL" (lookup_first.py): prompt lookup drafts where the sequence's suffix matched an earlier
         # n-gram of at least lookup_first_min_ngram tokens, the draft model MODEL otherwise.
         combined = {name: lookup_first.parts(name) for name in self.limits.draft_names if lookup_first.parts(name)}

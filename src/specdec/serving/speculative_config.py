@@ -1,0 +1,113 @@
+"""vLLM's `--speculative-config` (a JSON object) read as this launcher's draft settings, so that a vLLM command
+line's speculation serves here as it is written.
+
+| vLLM's `method` | here |
+| --- | --- |
+| `ngram` (`prompt_lookup_min`, `prompt_lookup_max`) | `--draft ngram` (speculative_decoding's `lookup_min_ngram`, `lookup_max_ngram`) |
+| `suffix` | `--draft suffix` (prompt lookup also over earlier requests' text); its `suffix_decoding_*` tuning is vLLM's own |
+| `eagle`, `eagle3`, `medusa` (`model`: the head's directory) | `--draft-head DIR` (the kind read from its config) |
+| `draft_model` (`model`: a small LM) | `--draft PATH` |
+| none, with `model` | a head where the directory's config.json is one (EAGLE's, EAGLE-3's, Medusa's), else a draft model |
+
+`num_speculative_tokens` K is `--num-draft-tokens K`: the most a round drafts; the adaptive draft length picks
+each round's K up to it (vLLM drafts K every round; the output is the same either way, only the speed differs).
+Keys that tune vLLM's own engine (its parallelism, batching, padding) change nothing here and are logged;
+`acceptance_method` other than rejection sampling (vLLM's typical acceptance changes the output's distribution),
+a method this server has no draft for (MTP, MLP speculators) and keys it does not know are refused, naming them.
+Pure: JSON text in, settings out.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from specdec import tensor_names as tn
+
+FLAG = "--speculative-config"
+HEADS = ("eagle", "eagle3", "medusa")
+METHODS = (tn.NGRAM, tn.SUFFIX, *HEADS, "draft_model")
+# vLLM's engine tuning: nothing to do here (its parallelism and batching are this server's own)
+ENGINE_KEYS = ("draft_tensor_parallel_size", "disable_by_batch_size", "quantization", "max_model_len", "revision",
+               "code_revision", "disable_padded_drafter_batch", "speculative_token_tree", "disable_log_stats",
+               "draft_model_config", "parallel_drafting", "suffix_decoding_max_tree_depth",
+               "suffix_decoding_max_cached_requests", "suffix_decoding_max_spec_factor",
+               "suffix_decoding_min_token_prob")
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """What a --speculative-config asks of the launcher: `draft` (a draft model's path, ngram or suffix) or
+    `head` (a trained head's directory), `num_draft_tokens`, `settings` (speculative_decoding's parameters,
+    as --set takes them) and `ignored` (the keys that change nothing here)."""
+
+    draft: str | None = None
+    head: str | None = None
+    num_draft_tokens: int | None = None
+    settings: tuple[str, ...] = ()
+    ignored: tuple[str, ...] = ()
+
+
+def read(text: str) -> Speculation:
+    """--speculative-config's JSON; ValueError naming the flag and the key for what cannot be served."""
+    try:
+        config = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"{FLAG} is not JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{FLAG} must be a JSON object, got {text[:60]}")
+    known = {"method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+             "acceptance_method", *ENGINE_KEYS}
+    unknown = sorted(set(config) - known)
+    if unknown:
+        raise ValueError(f"{FLAG}: {unknown[0]!r} is not a setting served here (known: {', '.join(sorted(known))})")
+    if config.get("acceptance_method", "rejection_sampler") != "rejection_sampler":
+        raise ValueError(f"{FLAG}: acceptance_method {config['acceptance_method']!r} is not served: rejection "
+                         "sampling keeps the target's distribution exactly, and is the only rule here")
+    model, method = config.get("model"), config.get("method")
+    if model is not None and (not isinstance(model, str) or not model):
+        raise ValueError(f"{FLAG}: 'model' must be a path, got {json.dumps(model)}")
+    if method is None:
+        if model is None:
+            raise ValueError(f"{FLAG}: give 'method' ({', '.join(METHODS)}) or a draft's 'model'")
+        method = HEADS[0] if _is_head(model) else "draft_model"
+    if method not in METHODS:
+        raise ValueError(f"{FLAG}: method {method!r} is not served here (one of {', '.join(METHODS)})")
+    builtin = method in tn.BUILTIN_DRAFTS
+    if builtin == (model is not None):
+        raise ValueError(f"{FLAG}: method {method!r} " + ("takes no 'model'" if builtin else "needs a 'model' (its path)"))
+    k = config.get("num_speculative_tokens")
+    if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
+        raise ValueError(f"{FLAG}: num_speculative_tokens must be an integer >= 1, got {json.dumps(k)}")
+    lookup = [config.get("prompt_lookup_min"), config.get("prompt_lookup_max")]
+    for key, value in zip(("prompt_lookup_min", "prompt_lookup_max"), lookup):
+        if value is not None and not builtin:
+            raise ValueError(f"{FLAG}: {key} is prompt lookup's (method ngram or suffix), not {method!r}'s")
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                  or not 1 <= value <= tn.MAX_LOOKUP_NGRAM):
+            raise ValueError(f"{FLAG}: {key} must be an integer within [1, {tn.MAX_LOOKUP_NGRAM}], got "
+                             f"{json.dumps(value)}")
+    settings = ()
+    if lookup != [None, None]:  # one given: the other the same, as vLLM reads them
+        shortest, longest = (lookup[0] if lookup[0] is not None else lookup[1],
+                             lookup[1] if lookup[1] is not None else lookup[0])
+        if shortest > longest:
+            raise ValueError(f"{FLAG}: prompt_lookup_min ({shortest}) is above prompt_lookup_max ({longest})")
+        settings = (f"speculative_decoding.lookup_min_ngram={shortest}",
+                    f"speculative_decoding.lookup_max_ngram={longest}")
+    return Speculation(draft=method if builtin else (model if method == "draft_model" else None),
+                       head=model if method in HEADS else None, num_draft_tokens=k, settings=settings,
+                       ignored=tuple(sorted(set(config) & set(ENGINE_KEYS))))
+
+
+def _is_head(path: str) -> bool:
+    """Whether a directory's config.json is a trained head's (EAGLE's, EAGLE-3's, Medusa's), as vLLM tells
+    them apart when no method is given."""
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    architectures = " ".join(a for a in config.get("architectures") or [] if isinstance(a, str)).lower()
+    return "medusa_num_heads" in config or "draft_vocab_size" in config or "eagle" in architectures \
+        or "eagle" in Path(path).name.lower()

@@ -1,0 +1,101 @@
+"""vLLM's --speculative-config read as the launcher's draft settings (serving/speculative_config.py), and the
+launcher applying it (the flags it stands for, refusals before anything starts)."""
+
+import json
+
+import pytest
+
+from specdec import tensor_names as tn
+from specdec.serving import launcher, repository
+from specdec.serving.pairs import PairSpec
+from specdec.serving.speculative_config import Speculation, read
+
+
+def test_each_method_stands_for_a_draft_of_this_server(tmp_path):
+    head = tmp_path / "EAGLE3-LLaMA3.1-Instruct-8B"
+    head.mkdir()
+    (head / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": 32000}))
+    draft = tmp_path / "Llama-3.2-1B"
+    draft.mkdir()
+    (draft / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    assert read('{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 3}') \
+        == Speculation(draft=tn.NGRAM, num_draft_tokens=5, settings=(
+            "speculative_decoding.lookup_min_ngram=3", "speculative_decoding.lookup_max_ngram=4"))
+    # one bound given: the other the same (vLLM's reading)
+    assert read('{"method": "ngram", "prompt_lookup_max": 3}').settings == (
+        "speculative_decoding.lookup_min_ngram=3", "speculative_decoding.lookup_max_ngram=3")
+    assert read('{"method": "suffix"}') == Speculation(draft=tn.SUFFIX)
+    for method in ("eagle", "eagle3", "medusa"):
+        assert read(json.dumps({"method": method, "model": str(head), "num_speculative_tokens": 3})) == \
+            Speculation(head=str(head), num_draft_tokens=3)
+    assert read(json.dumps({"method": "draft_model", "model": str(draft)})) == Speculation(draft=str(draft))
+    # no method: a head's config (or an EAGLE in its name) is a head, anything else a draft model
+    assert read(json.dumps({"model": str(head)})).head == str(head)
+    assert read(json.dumps({"model": str(draft)})).draft == str(draft)
+    ignored = read(json.dumps({"method": "eagle3", "model": str(head), "draft_tensor_parallel_size": 1,
+                               "disable_by_batch_size": 8, "acceptance_method": "rejection_sampler"}))
+    assert ignored.ignored == ("disable_by_batch_size", "draft_tensor_parallel_size")
+
+
+@pytest.mark.parametrize("text, message", [
+    ("{not json", "--speculative-config is not JSON"),
+    ("[1]", "must be a JSON object"),
+    ('{"method": "mtp", "num_speculative_tokens": 1}', "method 'mtp' is not served here"),
+    ('{"method": "eagle3"}', "method 'eagle3' needs a 'model'"),
+    ('{"method": "ngram", "model": "/m"}', "method 'ngram' takes no 'model'"),
+    ('{"num_speculative_tokens": 3}', "give 'method'"),
+    ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens must be an integer >= 1"),
+    ('{"method": "ngram", "prompt_lookup_max": 99}', "prompt_lookup_max must be an integer within [1, 16]"),
+    ('{"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2}', "prompt_lookup_min (4) is above"),
+    ('{"method": "eagle", "model": "/h", "prompt_lookup_max": 2}', "prompt_lookup_max is prompt lookup's"),
+    ('{"method": "ngram", "acceptance_method": "typical_acceptance_sampler"}', "acceptance_method"),
+    ('{"method": "ngram", "posterior_threshold": 0.1}', "'posterior_threshold' is not a setting served here"),
+])
+def test_what_cannot_be_served_is_refused_naming_it(text, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+        read(text)
+
+
+def test_the_launcher_drafts_as_the_config_says_and_refuses_it_beside_its_own_flags(tmp_path, monkeypatch, capsys):
+    head = tmp_path / "head"
+    head.mkdir()
+    (head / "config.json").write_text(json.dumps({"medusa_num_heads": 3, "hidden_size": 8, "vocab_size": 16}))
+    rendered, overrides = [], []
+    monkeypatch.setattr(launcher.repository, "render", lambda pair, dest: rendered.append(pair) or dest)
+    monkeypatch.setattr(launcher.repository, "override", lambda repo, setting: overrides.append(setting))
+    monkeypatch.setattr(launcher, "triton_layout", lambda *a, **k: (_ for _ in ()).throw(SystemExit(7)))
+    base = ["--target", "/w/target", "--run-dir", str(tmp_path)]
+    with pytest.raises(SystemExit):
+        launcher.main([*base, "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 24, '
+                                                      '"prompt_lookup_max": 5}', "--max-model-len", "4096"])
+    pair = rendered[-1]
+    assert (pair.default_draft, pair.default_num_draft_tokens, pair.max_num_draft_tokens, pair.max_context_tokens) \
+        == (tn.NGRAM, 24, 24, 4096)
+    assert overrides == ["speculative_decoding.lookup_min_ngram=5", "speculative_decoding.lookup_max_ngram=5"]
+    with pytest.raises(SystemExit):
+        launcher.main([*base, "--speculative-config", json.dumps({"method": "medusa", "model": str(head),
+                                                                  "num_speculative_tokens": 3})])
+    pair = rendered[-1]
+    assert (pair.draft_heads, pair.default_draft, pair.default_num_draft_tokens) == (
+        {tn.DEFAULT_HEAD_NAME: str(head)}, tn.DEFAULT_HEAD_NAME, 3)
+    for flags, message in (
+            (["--draft", "/w/draft"], "both say how to draft"),
+            (["--num-draft-tokens", "2"], "both say how to draft")):
+        with pytest.raises(SystemExit):
+            launcher.parse_args([*base, "--speculative-config", '{"method": "ngram"}', *flags])
+        assert message in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        launcher.parse_args(["--pair", "tiny", "--speculative-config", '{"method": "ngram"}'])
+    assert "needs --target" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        launcher.parse_args([*base, "--speculative-config", '{"method": "mlp_speculator", "model": "/m"}'])
+    assert "method 'mlp_speculator' is not served here" in capsys.readouterr().err
+
+
+def test_prompt_lookups_bounds_are_speculative_decodings_parameters(tmp_path):
+    repo = repository.render(PairSpec(name="t", target_path="/w/target", tokenizer_path="/w/tok"), tmp_path / "repo")
+    config = (repo / "speculative_decoding" / "config.pbtxt").read_text()
+    assert f'key: "lookup_min_ngram", value: {{ string_value: "{tn.LOOKUP_NGRAM[0]}" }}' in config
+    assert f'key: "lookup_max_ngram", value: {{ string_value: "{tn.LOOKUP_NGRAM[1]}" }}' in config
+    repository.override(repo, "speculative_decoding.lookup_max_ngram=6")
+    assert 'key: "lookup_max_ngram", value: { string_value: "6" }' in (repo / "speculative_decoding" / "config.pbtxt").read_text()
