@@ -4,7 +4,8 @@ that agrees with the target often, not always; prompt lookup) equals target-only
 greedy generate() token for token. The same server reads a generation_config.json of its own (--generation-config
 DIR) naming a second end token (as gpt-oss's names <|call|>): it ends every request, speculative or not, over the
 Triton and the OpenAI APIs; its sampling fields and --override-generation-config are the OpenAI API's defaults for
-what a request leaves out, while the Triton API keeps its own. Tiny random models built here (float32)."""
+what a request leaves out, while the Triton API keeps its own. The draft is given as vLLM's --speculative-config.
+Tiny random models built here (float32)."""
 
 import json
 
@@ -66,7 +67,10 @@ def gpt_oss(tmp_path_factory):
     (tmp_path / "generation" / "generation_config.json").write_text(json.dumps(
         {"eos_token_id": [tokenizer.eos_token_id, written[cut]], "temperature": 0.0, "max_new_tokens": 12}))
     served = serving_server.start(tmp_path / "run", tmp_path / "server.log",
-                                  ["--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft"),
+                                  # (the draft given as vLLM's command line gives it)
+                                  ["--target", str(tmp_path / "target"), "--speculative-config", json.dumps(
+                                      {"method": "draft_model", "model": str(tmp_path / "draft"),
+                                       "num_speculative_tokens": 4, "draft_tensor_parallel_size": 1}),
                                    "--generation-config", str(tmp_path / "generation"),
                                    "--override-generation-config", json.dumps({"max_new_tokens": 3})],
                                   ready_timeout_s=READY_TIMEOUT_S)
@@ -129,6 +133,7 @@ def test_the_generation_configs_end_tokens_end_requests_and_its_sampling_fields_
     api.close()
     log = served.log_path.read_text(errors="replace")
     assert "sampling defaults of a request that leaves them out: {'temperature': 0.0, 'max_tokens': 3}" in log
+    assert "--speculative-config: draft_tensor_parallel_size tune vLLM's engine, nothing here" in log
 
 
 def test_a_guide_and_a_thinking_budget_hold_gpt_oss_to_its_final_channel(gpt_oss):
