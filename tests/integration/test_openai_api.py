@@ -1379,6 +1379,29 @@ def test_a_client_that_goes_away_cancels_its_generation(server, api, model):
     impatient.close()
 
 
+def test_the_servers_figures_are_on_the_apis_metrics_under_vllms_names(server, api, model):
+    """GET /metrics on the API's port also restates the server's metrics as vLLM names them (what dashboards,
+    KEDA and the Gateway API Inference Extension read from vLLM): the same counts as the server's own port."""
+    url = server.openai_url.removesuffix("/v1").removeprefix("http://")
+    api.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0,
+                           extra_body={"ignore_eos": True, "num_draft_tokens": 3, "adaptive_draft": False})
+    vllm, own = metrics_text.scrape(url), metrics_text.scrape(server.metrics_url)
+    pairs = [("vllm:spec_decode_num_draft_tokens_total", "specdec_draft_tokens_total"),
+             ("vllm:spec_decode_num_accepted_tokens_total", "specdec_accepted_draft_tokens_total"),
+             ("vllm:generation_tokens_total", "specdec_output_tokens_total"),
+             ("vllm:prompt_tokens_total", "specdec_prompt_tokens_total"),
+             ("vllm:num_requests_running", "specdec_live_sequences"),
+             ("vllm:time_to_first_token_seconds_count", "specdec_time_to_first_token_seconds_count")]
+    for name, source in pairs:
+        assert metrics_text.sum_samples(vllm, name, model_name=model) == metrics_text.sum_samples(own, source), name
+    assert metrics_text.sum_samples(own, "specdec_draft_tokens_total") >= 3
+    assert metrics_text.sum_samples(own, "specdec_prompt_tokens_total") > 0
+    (usage,) = metrics_text.samples(vllm, "vllm:kv_cache_usage_perc")  # the tiny target's paged pool (static)
+    assert usage[0] == {"model_name": model} and 0 <= usage[1] <= 1
+    assert metrics_text.sum_samples(vllm, "vllm:request_success_total", finished_reason="length") == \
+        metrics_text.sum_samples(own, "specdec_requests_total", finish_reason="length") > 0
+
+
 def test_the_apis_own_metrics_count_requests_tokens_refusals_and_disconnects(server, api, model):
     """GET /metrics on the API's port: requests by route and status (200, the API's own refusals, a route that
     does not exist, a client gone mid-stream), usage's tokens, the time to the first token, stored responses."""

@@ -358,6 +358,9 @@ def test_a_chat_template_reaches_preprocessing_and_the_openai_api_and_bare_means
     process = GatewayProcess(9000, 8001, ["a"], "/w/tok", 30.0, {}, content_format="openai")
     assert gateway_args(process.command[3:]).chat_template_content_format == "openai"
     assert "--chat-template-content-format" not in GatewayProcess(9000, 8001, ["a"], "/w/tok", 30.0, {}).command
+    # the server's metrics port, whose figures the API's /metrics restates under vLLM's names
+    assert gateway_args(GatewayProcess(9000, 8001, ["a"], "/w/tok", 30.0, {}, metrics_port=8002).command[3:]) \
+        .server_metrics_url == "127.0.0.1:8002"
 
     rendered = []
     monkeypatch.setattr(launcher.repository, "render", lambda pair, dest: rendered.append(pair) or dest)

@@ -112,6 +112,11 @@ class Executor:
         return self.kv.bytes_held(self.sequences.values())
 
     @property
+    def kv_bytes_capacity(self) -> int:
+        """Bytes the KV memory may hold in all (a paged pool's size; 0: not budgeted, buffers grow on demand)."""
+        return self.kv.capacity_bytes
+
+    @property
     def block_size(self) -> int:
         """Tokens per KV block (the prefix cache's unit, the paged pool's)."""
         return self.kv.block_size

@@ -108,6 +108,8 @@ class HeadExecutor:
             self.steps = CapturedSteps(head, self.pool)
             self.forward = _Captured(self.pool, self.steps)
 
+    kv_bytes_capacity = 0  # not budgeted: sequences outside the graphs' pool grow their caches on demand
+
     @property
     def kv_bytes_allocated(self) -> int:
         own = sum(seq.cache.bytes for seq in self.sequences.values() if seq.slot is None)

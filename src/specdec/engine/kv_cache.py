@@ -356,6 +356,8 @@ class ContiguousKV:
     def release(self, seq: SequenceKV) -> None:
         """The buffers go with the sequence."""
 
+    capacity_bytes = 0  # not budgeted: buffers grow on demand, as far as memory goes
+
     def bytes_held(self, sequences) -> int:
         """Bytes the sequences' KV buffers hold (their capacity, which grows by doubling)."""
         return sum(seq.nbytes for seq in sequences)

@@ -225,6 +225,11 @@ class PagedKV:
     def prefix_cache_bytes(self) -> int:
         return len(self.pool.cached) * self.pool.block_bytes
 
+    @property
+    def capacity_bytes(self) -> int:
+        """Bytes of the whole pool: what bytes_held is a share of."""
+        return self.pool.blocks * self.pool.block_bytes
+
 
 CGROUP_MEMORY = Path("/sys/fs/cgroup")
 

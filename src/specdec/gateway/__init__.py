@@ -21,6 +21,8 @@ talking to the ensemble over gRPC; the launcher runs it beside the server (OPENA
   cors       which browser pages may call it (vLLM's --allowed-origins): preflights, the headers of answers
   metrics    the API's own Prometheus metrics (GET /metrics): requests by route and status, time to first
              token, tokens, stored and background responses
+  vllm_metrics  the server's metrics under vLLM's names on /metrics (dashboards, autoscalers, inference
+             gateways) (pure)
   app        the HTTP endpoints (aiohttp): chat, completions, responses (and stored ones), models, health, the
              tokenizer's;
              streaming, API keys

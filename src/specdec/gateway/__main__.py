@@ -72,6 +72,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--chat-template-content-format", choices=CONTENT_FORMATS, default="auto",
                         help="how the server hands a message's content to the chat template (vLLM's flag; the "
                              "server's preprocessing must say the same), for counting prompts as it renders them")
+    parser.add_argument("--server-metrics-url", default="", metavar="HOST:PORT",
+                        help="the server's metrics port: /metrics also restates its figures under vLLM's names "
+                             "(vllm:num_requests_waiting, vllm:kv_cache_usage_perc, vllm:spec_decode_*)")
     parser.add_argument("--max-model-len", type=int, default=0,
                         help="the server's context in tokens, as model cards and /tokenize report it (0: not known)")
     parser.add_argument("--default-max-tokens", type=int, default=0,
@@ -154,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
                           args.default_max_tokens, args.drain_timeout, args.stream_keepalive,
                           args.allow_runtime_lora_updating, log, trust_templates=args.trust_request_chat_template,
                           sampling_defaults=defaults, cors=policy,
-                          content_format=args.chat_template_content_format)
+                          content_format=args.chat_template_content_format,
+                          server_metrics_url=args.server_metrics_url)
     except ValueError as exc:
         log(str(exc))
         return 2

@@ -19,12 +19,12 @@ import time
 from dataclasses import replace
 from typing import Callable
 
-from aiohttp import web
+from aiohttp import ClientError, ClientSession, ClientTimeout, web
 
 from specdec import tensor_names as tn
 from specdec.decoding import json_text
 from specdec.gateway import (adapters, batches, conversations, messages, metrics, protocol, reasoning, responses,
-                             tokenization, tools)
+                             tokenization, tools, vllm_metrics)
 from specdec.gateway.protocol import STATS_FIELD, ApiError, Generation
 from specdec.gateway.background import BackgroundResponses
 from specdec.gateway.cors import CorsPolicy
@@ -53,7 +53,8 @@ class Gateway:
                  store: ResponseStore | None = None, default_max_tokens: int = 0, drain_timeout_s: float = 60.0,
                  keepalive_s: float = KEEPALIVE_S, runtime_lora: bool = False,
                  log: Callable[[str], None] = lambda message: None, trust_templates: bool = False,
-                 sampling_defaults: dict | None = None, cors: CorsPolicy = CorsPolicy(), content_format: str = "auto"):
+                 sampling_defaults: dict | None = None, cors: CorsPolicy = CorsPolicy(), content_format: str = "auto",
+                 server_metrics_url: str = ""):
         """tokenizer: the target's (a transformers tokenizer), for the text of log-probabilities' tokens and of
         echoed token-id prompts, and the tokenizer endpoints; None: tokens show as `token_id:N`, and those
         need it. max_model_len: the server's context in tokens (model cards, /tokenize; 0: not known).
@@ -67,11 +68,14 @@ class Gateway:
         sampling_defaults: what a request that leaves sampling fields out gets besides OpenAI's defaults (the
         model's generation config, generation_config.sampling_defaults; None: OpenAI's alone). cors: which
         browser pages may call it (cors.py; default: any, as vLLM's). content_format: how the server hands a
-        message's content to the chat template (text.CONTENT_FORMATS), for counting prompts as it renders them."""
+        message's content to the chat template (text.CONTENT_FORMATS), for counting prompts as it renders them.
+        server_metrics_url: the server's metrics port (host:port), whose figures /metrics restates under vLLM's
+        names ("": none)."""
         self.upstream, self.served, self.tokenizer, self.api_key = upstream, served, tokenizer, api_key
         self.token_text: TokenText | None = token_text_from(tokenizer) if tokenizer is not None else None
         self.tool_parser = tool_parser  # tools.PARSERS: how the model writes calls (tool_choice "auto")
         self.trust_templates, self.content_format = trust_templates, content_format
+        self.server_metrics_url = server_metrics_url
         self.sampling_defaults = {**protocol.DEFAULT_SAMPLING, **(sampling_defaults or {})}
         self.cors = cors
         # reasoning.PARSERS: a chat's thinking apart (None: not split); the openai tool-call parser implies its own
@@ -945,8 +949,20 @@ class Gateway:
         return web.json_response(tokenization.tokenizer_info(self._tokenizer(), self.max_model_len))
 
     async def metrics_page(self, request: web.Request) -> web.Response:
-        """GET /metrics: the API's Prometheus metrics (no API key, as /health: a scraper has none)."""
+        """GET /metrics: the API's Prometheus metrics (no API key, as /health: a scraper has none), and the
+        server's under vLLM's names (vllm_metrics.py) where it knows the server's metrics port; a server that
+        does not answer within a second leaves those out of this scrape."""
         page = await asyncio.to_thread(self.metrics.page)  # a shared store's directory is listed
+        if self.server_metrics_url:
+            try:
+                timeout = ClientTimeout(total=1.0)
+                async with ClientSession(timeout=timeout) as session, \
+                        session.get(f"http://{self.server_metrics_url}/metrics") as answer:
+                    server = await answer.text() if answer.status == 200 else ""
+            except (ClientError, asyncio.TimeoutError):
+                server = ""
+            if server:
+                page += await asyncio.to_thread(vllm_metrics.page, server, self.served[0])
         return web.Response(body=page, headers={"Content-Type": metrics.CONTENT_TYPE})
 
     async def health(self, request: web.Request) -> web.Response:

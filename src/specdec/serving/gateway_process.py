@@ -80,7 +80,7 @@ class GatewayProcess:
                  lora: tuple[list[str], str] = ([], ""), runtime_lora: bool = False, chat_template: str = "",
                  trust_request_templates: bool = False, generation_config: tuple[str, str] = ("", ""),
                  cors: tuple[str, str, str, bool] = (CORS_ANY, CORS_ANY, CORS_ANY, False),
-                 content_format: str = "auto"):
+                 content_format: str = "auto", metrics_port: int = 0):
         self.port = port
         self.command = [sys.executable, "-m", "specdec.gateway", "--port", str(port),
                         "--grpc-url", f"127.0.0.1:{grpc_port}", "--drain-timeout", str(drain_timeout_s),
@@ -93,6 +93,8 @@ class GatewayProcess:
             self.command += ["--trust-request-chat-template"]
         if content_format != "auto":
             self.command += ["--chat-template-content-format", content_format]
+        if metrics_port:  # the server's figures under vLLM's names on the API's /metrics
+            self.command += ["--server-metrics-url", f"127.0.0.1:{metrics_port}"]
         config, override = generation_config  # (vllm, or the file the server reads; "": none) and the overrides
         self.command += ["--generation-config", config or VLLM]  # no file: no defaults of the model's
         if override:

@@ -684,7 +684,7 @@ def main(argv: list[str] | None = None) -> int:
                                  (VLLM if args.generation_config == VLLM else repository_generation_config(repo),
                                   args.override_generation_config),
                                  (args.allowed_origins, args.allowed_methods, args.allowed_headers,
-                                  args.allow_credentials), repository_content_format(repo))
+                                  args.allow_credentials), repository_content_format(repo), metrics_port)
     watchdog = None
     if args.heal:
         # Reloading one model in place needs explicit model control; without it the watchdog heals by

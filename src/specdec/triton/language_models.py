@@ -157,6 +157,7 @@ class LanguageModelAdapter(TritonAdapter):
     def _start(self, params: ModelParameters) -> None:
         """Metrics, the warm-up, the evictor thread and the optional responder, once the executor is built."""
         self.metrics = ModelMetrics(self.pb, self.name)
+        self.metrics.kv_capacity.set(self.lm.kv_bytes_capacity)
         self._warm_up()
         # Abandoned sequences (no release call: a crashed orchestrator, a killed client) are evicted by
         # time, also while no request arrives to run `execute`: a thread checks every quarter timeout.

@@ -53,6 +53,9 @@ class ModelMetrics(_MetricSet):
         self.kv_bytes = make("specdec_model_kv_cache_bytes",
                              "Bytes of KV cache the model's sequences hold (pool blocks, or per-sequence buffers "
                              "grown by doubling)", kinds.GAUGE).Metric(labels=labels)
+        self.kv_capacity = make("specdec_model_kv_cache_capacity_bytes",
+                                "Bytes of KV cache the model may hold in all (its paged pool; 0: not budgeted, "
+                                "per-sequence buffers grow on demand)", kinds.GAUGE).Metric(labels=labels)
         self.forward_seconds = make("specdec_model_forward_seconds_total",
                                     "Seconds spent in the model's forward passes (the rest of an execute is "
                                     "the adapter's own work)", kinds.COUNTER).Metric(labels=labels)
@@ -162,6 +165,8 @@ class OrchestratorMetrics(_MetricSet):
         self.rounds = make("specdec_rounds_total", "Propose/verify rounds (target forward passes)",
                            family.COUNTER).Metric(labels={})
         self.output_tokens = make("specdec_output_tokens_total", "Tokens returned to clients",
+                                  family.COUNTER).Metric(labels={})
+        self.prompt_tokens = make("specdec_prompt_tokens_total", "Prompt tokens of the requests that finished",
                                   family.COUNTER).Metric(labels={})
         self.tree_rounds = make("specdec_tree_rounds_total", "Rounds that verified a token tree (its nodes count as "
                                 "drafted tokens, its depths as the positions drafted)", family.COUNTER).Metric(labels={})
@@ -322,9 +327,11 @@ class OrchestratorMetrics(_MetricSet):
             self.live_peak.set(peak)
 
     def record_request(self, finish_reason: str, output_tokens: int, latency_s: float, lora_name: str = "",
-                       drafted: int = 0, accepted: int = 0) -> None:
+                       drafted: int = 0, accepted: int = 0, prompt_tokens: int = 0) -> None:
         self.requests[finish_reason].increment(1)
         self.output_tokens.increment(output_tokens)
+        if prompt_tokens:
+            self.prompt_tokens.increment(prompt_tokens)
         self.latency.observe(latency_s)
         if lora_name:
             if lora_name not in self._lora_metrics:

@@ -541,5 +541,6 @@ class _Responses:
         await self.settle()  # a round that ended without a finish reason
         # Counted before the final response leaves: a client that reads the metrics after it sees them.
         self.adapter.metrics.record_request(finish, len(self.emitter.emitted), time.monotonic() - self.arrived,
-                                            self.parsed.generation.lora_name, self.stats.drafted, self.stats.accepted)
+                                            self.parsed.generation.lora_name, self.stats.drafted, self.stats.accepted,
+                                            len(self.parsed.generation.prompt_ids))
         self.sender.send(self.response(last, finish), flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
