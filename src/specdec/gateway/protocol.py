@@ -22,6 +22,7 @@ import numpy as np
 from specdec import tensor_names as tn
 from specdec.decoding.text import request_template as checked_template
 from specdec.engine.lora_config import directory_adapter, directory_adapters
+from specdec.gateway import reasoning
 from specdec.gateway import tools as tool_calls
 from specdec.gateway.tools import NAMED, REQUIRED, ToolCalling
 
@@ -414,6 +415,8 @@ def parse_chat(body: dict, served: tuple[str, ...], tool_parser: str | None = No
         raise ApiError(400, "the request body must be a JSON object")
     _check_fields(body, CHAT_FIELDS)
     model = _model(body, served)
+    configured, reasoning_parser = reasoning_parser, reasoning.for_request(reasoning_parser,
+                                                                          body.get("chat_template_kwargs"))
     for name in ("functions", "function_call"):  # the API's older form
         if body.get(name) not in (None, "none", []):
             raise invalid(name, "is not supported: send tools and tool_choice")
@@ -447,8 +450,9 @@ def parse_chat(body: dict, served: tuple[str, ...], tool_parser: str | None = No
     budget = _typed(body, "thinking_token_budget", (int,), "an integer")
     if budget is not None:  # vLLM's: the thinking closed after at most this many tokens
         if not reasoning_parser:
-            raise invalid("thinking_token_budget", "needs the server to know where the model's thinking ends: "
-                                                   "it was started without --reasoning-parser")
+            raise invalid("thinking_token_budget", "needs the server to know where the model's thinking ends: " + (
+                "it was started without --reasoning-parser" if not configured else
+                f"with --reasoning-parser {configured} a request thinks where its chat_template_kwargs say thinking"))
         if not 0 <= budget <= INT32[1]:
             raise invalid("thinking_token_budget", f"must be >= 0 (tokens), got {budget}")
         inputs[tn.THINKING_TOKEN_BUDGET] = np.array([[budget]], dtype=np.int32)

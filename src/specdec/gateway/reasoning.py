@@ -14,6 +14,11 @@ calls are read from the answer alone. Completions are never split (as in vLLM).
 - `openai_gptoss`: gpt-oss's harmony channels (harmony.py): the `analysis` channel is thinking, the `final`
   channel (and commentary to the user) content; its messages to functions go on to the `openai` tool-call
   parser.
+- `glm45`: GLM-4.5's (to 4.7's) thinking, read as `qwen3`'s: a block the answer opens with `<think>` (its
+  template closes an empty one in the prompt when thinking is off).
+- `deepseek_v3`: DeepSeek-V3.1's and V3.2's, whose template opens the thinking in the prompt only when the
+  request's `chat_template_kwargs` say `thinking` (or `enable_thinking`): read as `deepseek_r1`'s then, and as
+  no thinking otherwise (vLLM's reading).
 
 The text between the tags is kept as written (newlines included), as vLLM keeps it. Pure: text in, parts out.
 """
@@ -27,7 +32,18 @@ from specdec.gateway.tools import HARMONY_REASONING
 # The same tags gate a structured output's grammar in the orchestrator (decoding/thinking.py)
 OPEN, CLOSE = tn.THINK_OPEN, tn.THINK_CLOSE
 HARMONY = HARMONY_REASONING  # (tools.py's openai parser implies it)
-PARSERS = tn.REASONING_PARSERS
+ALIASES = {"glm45": "qwen3"}  # vLLM's names of a format another parser reads
+PER_REQUEST = "deepseek_v3"  # deepseek_r1's where the request asks for thinking, else none
+PARSERS = (*tn.REASONING_PARSERS, *ALIASES, PER_REQUEST)
+
+
+def for_request(parser: str | None, template_kwargs) -> str | None:
+    """The parser (one of tn.REASONING_PARSERS, the server's) that reads a request's answer, given the server's
+    `--reasoning-parser` and the request's chat_template_kwargs; None: the answer has no thinking."""
+    if parser == PER_REQUEST:
+        kwargs = template_kwargs if isinstance(template_kwargs, dict) else {}
+        return "deepseek_r1" if kwargs.get("thinking") or kwargs.get("enable_thinking") else None
+    return ALIASES.get(parser, parser)
 
 
 def split(text: str, parser: str) -> tuple[str | None, str | None]:
