@@ -51,7 +51,7 @@ def test_tools_choices_thinking_formats_and_settings_take_the_chats_form():
                                                                 "description": "weather"}}]
     assert chat["tool_choice"] == "required" and chat["parallel_tool_calls"] is False and chat["stop"] == ["END"]
     assert (chat["top_k"], chat["temperature"], chat["num_draft_tokens"]) == (5, 0.5, 3)
-    assert chat["chat_template_kwargs"] == {"enable_thinking": False} and chat["reasoning_effort"] == "low"
+    assert chat["chat_template_kwargs"] == {"enable_thinking": False, "thinking": False} and chat["reasoning_effort"] == "low"
     assert chat["response_format"]["json_schema"]["schema"] == {"type": "object"}
     assert not {"metadata", "cache_control", "output_config", "thinking", "stop_sequences"} & set(chat)
     named = messages.chat_body({"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "x"}],
@@ -71,6 +71,9 @@ def test_a_thinking_budget_is_the_chats_where_the_server_reads_the_thinking():
     assert "thinking_token_budget" not in messages.chat_body({**body, "thinking": {"type": "adaptive"}}, budgets=True)
     gen = parse_chat(messages.chat_body(body, budgets=True), SERVED, reasoning_parser="qwen3")
     assert gen.choices[0][tn.THINKING_TOKEN_BUDGET][0, 0] == 1024 and gen.choices[0][tn.REASONING_PARSER][0, 0] == b"qwen3"
+    # DeepSeek-V3.1's template reads `thinking`: its parser thinks where the template opened the block
+    gen = parse_chat(messages.chat_body(body, budgets=True), SERVED, reasoning_parser="deepseek_v3")
+    assert gen.reasoning == "deepseek_r1" and gen.choices[0][tn.THINKING_TOKEN_BUDGET][0, 0] == 1024
 
 
 @pytest.mark.parametrize("body, named", [

@@ -91,14 +91,14 @@ def test_the_thinking_blocks_tokens_are_counted_from_the_text():
 
 def test_vllms_other_names_read_as_the_parser_of_their_format():
     """glm45 reads as qwen3; deepseek_v3 as deepseek_r1 where the request's chat_template_kwargs ask for thinking
-    (DeepSeek-V3.1's `thinking`, or `enable_thinking`), as no thinking otherwise; the ensemble gets the parser
+    (DeepSeek-V3.1's `thinking`, what its template reads), as no thinking otherwise; the ensemble gets the parser
     that reads the answer (a guide after its thinking)."""
     from specdec import tensor_names as tn
     from specdec.gateway import protocol, reasoning
 
     assert reasoning.for_request("glm45", None) == "qwen3" and reasoning.for_request("qwen3", {}) == "qwen3"
     assert reasoning.for_request("deepseek_v3", {"thinking": True}) == "deepseek_r1"
-    assert reasoning.for_request("deepseek_v3", {"enable_thinking": True}) == "deepseek_r1"
+    assert reasoning.for_request("deepseek_v3", {"enable_thinking": True}) is None  # (not DeepSeek's variable)
     assert reasoning.for_request("deepseek_v3", None) is None and reasoning.for_request(None, None) is None
     chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}
     assert protocol.parse_chat(chat, ("m",), reasoning_parser="glm45").reasoning == "qwen3"

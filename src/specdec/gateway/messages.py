@@ -146,8 +146,8 @@ def _tools(body: dict) -> dict:
 
 
 def _thinking(body: dict, budgets: bool) -> dict:
-    """`thinking` as the chat template's `enable_thinking` (what Qwen3's and similar templates read; others
-    ignore it), and its `budget_tokens` as the chat's thinking_token_budget where the server reads the thinking
+    """`thinking` as the chat template's `enable_thinking` (what Qwen3's and GLM's templates read) and
+    `thinking` (DeepSeek-V3.1's; templates ignore a variable they do not read), and its `budget_tokens` as the chat's thinking_token_budget where the server reads the thinking
     (`budgets`: it has a reasoning parser; elsewhere max_tokens bounds the thinking and the answer together)."""
     thinking = body.get("thinking")
     if thinking is None:
@@ -157,6 +157,7 @@ def _thinking(body: dict, budgets: bool) -> dict:
         raise invalid("thinking.type", "must be enabled, disabled, adaptive or between_tools")
     kwargs = dict(body.get("chat_template_kwargs") or {})
     kwargs.setdefault("enable_thinking", thinking["type"] != "disabled")
+    kwargs.setdefault("thinking", thinking["type"] != "disabled")
     budget = thinking.get("budget_tokens") if thinking["type"] == "enabled" else None
     if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 0):
         raise invalid("thinking.budget_tokens", f"must be an integer >= 0, got {json.dumps(budget)[:40]}")

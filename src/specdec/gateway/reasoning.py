@@ -17,8 +17,8 @@ calls are read from the answer alone. Completions are never split (as in vLLM).
 - `glm45`: GLM-4.5's (to 4.7's) thinking, read as `qwen3`'s: a block the answer opens with `<think>` (its
   template closes an empty one in the prompt when thinking is off).
 - `deepseek_v3`: DeepSeek-V3.1's and V3.2's, whose template opens the thinking in the prompt only when the
-  request's `chat_template_kwargs` say `thinking` (or `enable_thinking`): read as `deepseek_r1`'s then, and as
-  no thinking otherwise (vLLM's reading).
+  request's `chat_template_kwargs` say `thinking` (its variable): read as `deepseek_r1`'s then, and as no
+  thinking otherwise (vLLM's reading).
 
 The text between the tags is kept as written (newlines included), as vLLM keeps it. Pure: text in, parts out.
 """
@@ -42,7 +42,7 @@ def for_request(parser: str | None, template_kwargs) -> str | None:
     `--reasoning-parser` and the request's chat_template_kwargs; None: the answer has no thinking."""
     if parser == PER_REQUEST:
         kwargs = template_kwargs if isinstance(template_kwargs, dict) else {}
-        return "deepseek_r1" if kwargs.get("thinking") or kwargs.get("enable_thinking") else None
+        return "deepseek_r1" if kwargs.get("thinking") else None  # (what DeepSeek's template reads)
     return ALIASES.get(parser, parser)
 
 
