@@ -1391,11 +1391,13 @@ def test_the_servers_figures_are_on_the_apis_metrics_under_vllms_names(server, a
              ("vllm:generation_tokens_total", "specdec_output_tokens_total"),
              ("vllm:prompt_tokens_total", "specdec_prompt_tokens_total"),
              ("vllm:num_requests_running", "specdec_live_sequences"),
-             ("vllm:time_to_first_token_seconds_count", "specdec_time_to_first_token_seconds_count")]
+             ("vllm:time_to_first_token_seconds_count", "specdec_time_to_first_token_seconds_count"),
+             ("vllm:request_time_per_output_token_seconds_sum", "specdec_time_per_output_token_seconds_sum")]
     for name, source in pairs:
         assert metrics_text.sum_samples(vllm, name, model_name=model) == metrics_text.sum_samples(own, source), name
     assert metrics_text.sum_samples(own, "specdec_draft_tokens_total") >= 3
     assert metrics_text.sum_samples(own, "specdec_prompt_tokens_total") > 0
+    assert metrics_text.sum_samples(own, "specdec_time_per_output_token_seconds_count") > 0
     (usage,) = metrics_text.samples(vllm, "vllm:kv_cache_usage_perc")  # the tiny target's paged pool (static)
     assert usage[0] == {"model_name": model} and 0 <= usage[1] <= 1
     assert metrics_text.sum_samples(vllm, "vllm:request_success_total", finished_reason="length") == \

@@ -48,6 +48,11 @@ specdec_time_to_first_token_seconds_sum 0.9
 specdec_time_to_first_token_seconds_bucket{le="0.05"} 4
 specdec_time_to_first_token_seconds_bucket{le="0.5"} 8
 specdec_time_to_first_token_seconds_bucket{le="+Inf"} 9
+# TYPE specdec_time_per_output_token_seconds histogram
+specdec_time_per_output_token_seconds_count 8
+specdec_time_per_output_token_seconds_sum 0.4
+specdec_time_per_output_token_seconds_bucket{le="0.04"} 5
+specdec_time_per_output_token_seconds_bucket{le="+Inf"} 8
 """
 
 
@@ -78,6 +83,8 @@ def test_the_servers_figures_under_vllms_names():
     assert got[("vllm:time_to_first_token_seconds_bucket", (("le", "+Inf"),))] == 9
     assert (got[("vllm:time_to_first_token_seconds_count", ())], got[("vllm:time_to_first_token_seconds_sum", ())]) \
         == (9, 0.9)
+    assert got[("vllm:request_time_per_output_token_seconds_bucket", (("le", "0.04"),))] == 5
+    assert got[("vllm:request_time_per_output_token_seconds_count", ())] == 8
 
 
 def test_what_the_server_does_not_say_is_left_out():

@@ -13,7 +13,7 @@ Each scrape of the API's /metrics reads the server's Prometheus text (Triton's m
 | `vllm:request_success_total{finished_reason}` | `specdec_requests_total{finish_reason}`: stop, length; cancelled as abort |
 | `vllm:prefix_cache_queries_total`, `vllm:prefix_cache_hits_total` | target_model's `specdec_model_prefix_cache_*_total` (tokens) |
 | `vllm:spec_decode_num_drafts_total`, `..._num_draft_tokens_total`, `..._num_accepted_tokens_total`, `..._num_accepted_tokens_per_pos_total{position}` (0-based) | rounds that drafted (`specdec_accepted_length`'s count), `specdec_draft_tokens_total`, `specdec_accepted_draft_tokens_total`, `specdec_accepted_at_position_total` (1-based) |
-| `vllm:time_to_first_token_seconds`, `vllm:e2e_request_latency_seconds`, `vllm:request_queue_time_seconds` (histograms) | `specdec_time_to_first_token_seconds`, `specdec_request_latency_seconds`, `specdec_queue_time_seconds` (the server's buckets) |
+| `vllm:time_to_first_token_seconds`, `vllm:e2e_request_latency_seconds`, `vllm:request_queue_time_seconds`, `vllm:request_time_per_output_token_seconds` (histograms) | `specdec_time_to_first_token_seconds`, `specdec_request_latency_seconds`, `specdec_queue_time_seconds`, `specdec_time_per_output_token_seconds` (the server's buckets) |
 
 Every family carries `model_name` (the first served name), as vLLM's do. Pure: Prometheus text in, text out.
 """
@@ -39,7 +39,9 @@ COUNTERS = (("vllm:prompt_tokens", "specdec_prompt_tokens", {}, "Prompt tokens o
             ("vllm:spec_decode_num_accepted_tokens", "specdec_accepted_draft_tokens", {}, "Draft tokens accepted"))
 HISTOGRAMS = (("vllm:time_to_first_token_seconds", "specdec_time_to_first_token_seconds", "Time to first token"),
               ("vllm:e2e_request_latency_seconds", "specdec_request_latency_seconds", "Request latency"),
-              ("vllm:request_queue_time_seconds", "specdec_queue_time_seconds", "Time waiting for a slot"))
+              ("vllm:request_queue_time_seconds", "specdec_queue_time_seconds", "Time waiting for a slot"),
+              ("vllm:request_time_per_output_token_seconds", "specdec_time_per_output_token_seconds",
+               "A request's time per output token after its first"))
 FINISHED = {"stop": "stop", "length": "length", "cancelled": "abort"}  # the server's reasons as vLLM names them
 
 

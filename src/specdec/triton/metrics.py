@@ -15,6 +15,8 @@ from specdec import tensor_names as tn
 LATENCY_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0]
 # Most requests wait for nothing: the first bucket tells those apart from the ones that queued.
 QUEUE_BUCKETS = [0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0]
+# A request's time per output token after its first: milliseconds on GPUs, tens of them on CPUs
+TPOT_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5]
 
 
 class _Families:
@@ -185,6 +187,9 @@ class OrchestratorMetrics(_MetricSet):
                          family.HISTOGRAM).Metric(labels={}, buckets=LATENCY_BUCKETS)
         self.latency = make("specdec_request_latency_seconds", "Request arrival to its final response",
                             family.HISTOGRAM).Metric(labels={}, buckets=LATENCY_BUCKETS)
+        self.tpot = make("specdec_time_per_output_token_seconds", "A request's first generated token to its last, "
+                         "per token after the first (requests of two tokens or more)",
+                         family.HISTOGRAM).Metric(labels={}, buckets=TPOT_BUCKETS)
         self.queue_time = make("specdec_queue_time_seconds", "Time a request waited for a generation slot "
                                "(max_live_sequences) and for room in target_model's KV cache",
                                family.HISTOGRAM).Metric(labels={}, buckets=QUEUE_BUCKETS)
@@ -327,9 +332,13 @@ class OrchestratorMetrics(_MetricSet):
             self.live_peak.set(peak)
 
     def record_request(self, finish_reason: str, output_tokens: int, latency_s: float, lora_name: str = "",
-                       drafted: int = 0, accepted: int = 0, prompt_tokens: int = 0) -> None:
+                       drafted: int = 0, accepted: int = 0, prompt_tokens: int = 0,
+                       after_first_s: float | None = None) -> None:
+        """A finished request: `after_first_s`, from its first generated token to its last (None: none)."""
         self.requests[finish_reason].increment(1)
         self.output_tokens.increment(output_tokens)
+        if after_first_s is not None and output_tokens > 1:
+            self.tpot.observe(after_first_s / (output_tokens - 1))
         if prompt_tokens:
             self.prompt_tokens.increment(prompt_tokens)
         self.latency.observe(latency_s)

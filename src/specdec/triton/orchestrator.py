@@ -346,7 +346,12 @@ class SpeculativeDecodingAdapter(TritonAdapter):
             self.counts.ended()
             self.metrics.flush(time.monotonic())  # this request's rounds are counted before it ends
             self.cancellations.clear(gen.seq_id)
-        await out.final(finish, last)
+        try:
+            await out.final(finish, last)
+        except Exception as exc:  # noqa: BLE001 - a fault in answering ends the request with an error, not never
+            self.metrics.requests["error"].increment(1)
+            with contextlib.suppress(Exception):  # (its final response may have left already)
+                self._fail(sender, exc, self.pb.TritonError.INTERNAL)
 
     def _fail(self, sender, exc: Exception | str, code) -> None:
         pb = self.pb
@@ -540,7 +545,9 @@ class _Responses:
             last, self.held = joined(self.held, last), None
         await self.settle()  # a round that ended without a finish reason
         # Counted before the final response leaves: a client that reads the metrics after it sees them.
+        began, ended = self.times[tn.FIRST_TOKEN_TIME_NS], self.times[tn.LAST_TOKEN_TIME_NS]
         self.adapter.metrics.record_request(finish, len(self.emitter.emitted), time.monotonic() - self.arrived,
                                             self.parsed.generation.lora_name, self.stats.drafted, self.stats.accepted,
-                                            len(self.parsed.generation.prompt_ids))
+                                            len(self.parsed.generation.prompt_ids),
+                                            ended - began if began is not None else None)
         self.sender.send(self.response(last, finish), flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
