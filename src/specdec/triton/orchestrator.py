@@ -350,6 +350,7 @@ class SpeculativeDecodingAdapter(TritonAdapter):
             await out.final(finish, last)
         except Exception as exc:  # noqa: BLE001 - a fault in answering ends the request with an error, not never
             self.metrics.requests["error"].increment(1)
+            self.pb.Logger.log_error(f"speculative_decoding: answering a request failed: {traceback.format_exc()}")
             with contextlib.suppress(Exception):  # (its final response may have left already)
                 self._fail(sender, exc, self.pb.TritonError.INTERNAL)
 
