@@ -63,6 +63,9 @@ CHAT_TEMPLATE_KWARGS = "chat_template_kwargs"
 # STRING [1]: a chat template (Jinja text) this request's chat is rendered with instead of the server's (vLLM's
 # request field); refused unless the server trusts requests' templates (preprocessing's trust_request_chat_template)
 CHAT_TEMPLATE = "chat_template"
+# BOOL [1]: the chat's last message, an assistant's, is continued (its turn left open, no new one opened) instead
+# of answered: vLLM's continue_final_message, Anthropic's prefilled answer
+CONTINUE_FINAL_MESSAGE = "continue_final_message"
 RETURN_LOG_PROBS = "return_log_probs"  # BOOL [1]: also return each generated token's log-probability
 # INT32 [1]: with return_log_probs, also the n most likely tokens at each generated position (0 to
 # MAX_TOP_LOG_PROBS; 0: none, the default)

@@ -1140,6 +1140,32 @@ def test_a_stream_silent_past_the_keepalive_gets_comment_lines_the_sdks_skip(ser
             assert stream.get_final_message().content[0].text == expected.choices[0].message.content
 
 
+def test_a_prefilled_answer_is_continued_over_triton_the_chat_api_and_anthropics(server, api, claude, model):
+    """An answer's beginning sent as the last message (vLLM's continue_final_message; Anthropic's prefill) is
+    continued: the prompt is the chat template's with that message left open, and the greedy continuation is
+    what the model writes after those tokens given as they are (a completion of the rendered prompt's ids)."""
+    from specdec.decoding.text import chat_ids, load_tokenizer
+    from specdec.serving.pairs import smollm2_tokenizer_dir
+
+    prefilled = [*CHAT, {"role": "assistant", "content": "Red, green"}]
+    ids = chat_ids(load_tokenizer(str(smollm2_tokenizer_dir())), prefilled, None, "messages", continue_final=True)
+    reference = api.completions.create(model=model, prompt=ids, max_tokens=8, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    params = dict(max_tokens=8, temperature=0.0, num_draft_tokens=2, ignore_eos=True)
+    served = grpc_stream(server.grpc_url, None, messages=json.dumps(prefilled),
+                         continue_final_message=np.array([[True]], dtype=np.bool_), **params)
+    assert (served[tn.NUM_INPUT_TOKENS], served[tn.TEXT_OUTPUT]) == (len(ids), reference.choices[0].text)
+    answer = api.chat.completions.create(model=model, messages=prefilled, max_tokens=8, temperature=0, extra_body={
+        "continue_final_message": True, "add_generation_prompt": False, "ignore_eos": True})
+    assert (answer.usage.prompt_tokens, answer.choices[0].message.content) == (len(ids), reference.choices[0].text)
+    message = claude.messages.create(model=model, max_tokens=8, system=CHAT[0]["content"], messages=[
+        {"role": "user", "content": CHAT[1]["content"]}, {"role": "assistant", "content": "Red, green"}],
+        extra_body={**GREEDY, "ignore_eos": True})
+    assert message.content[0].text == reference.choices[0].text and message.usage.output_tokens == 8
+    with pytest.raises(GenerationError, match="continue_final_message"):  # a chat to continue, not a prompt
+        grpc_stream(server.grpc_url, "Hello", continue_final_message=np.array([[True]], dtype=np.bool_), **params)
+
+
 def test_anthropic_stop_sequences_tools_and_tool_results(api, claude, model):
     """stop_sequences end the answer before the sequence (stop_reason stop_sequence, naming it); a tool chosen
     by name answers a tool_use block whose input follows its schema (streamed as input_json_delta, the same

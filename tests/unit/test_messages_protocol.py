@@ -144,3 +144,16 @@ def test_the_message_its_blocks_and_its_stop_reasons():
     raw = messages.event("content_block_delta", index=0, delta={"type": "text_delta", "text": "é"}).decode()
     assert raw.startswith("event: content_block_delta\ndata: ") and raw.endswith("\n\n")
     assert json.loads(raw.split("data: ", 1)[1])["delta"]["text"] == "é"
+
+
+def test_a_prefilled_answer_is_continued():
+    """Anthropic's prefill: an assistant message last is the answer's beginning, continued (not answered); one
+    that called a tool is a turn like any other."""
+    prefilled = messages.chat_body({"model": "m", "max_tokens": 8, "messages": [
+        {"role": "user", "content": "JSON please"}, {"role": "assistant", "content": [{"type": "text", "text": "{"}]}]})
+    assert (prefilled["continue_final_message"], prefilled["add_generation_prompt"]) == (True, False)
+    assert prefilled["messages"][-1] == {"role": "assistant", "content": "{"}
+    gen = parse_chat(prefilled, SERVED)
+    assert gen.choices[0][tn.CONTINUE_FINAL_MESSAGE].tolist() == [[True]]
+    asked = messages.chat_body({"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}]})
+    assert "continue_final_message" not in asked

@@ -350,3 +350,22 @@ def test_the_mistral_parser_keeps_special_tokens_and_sends_ids_in_mistrals_form(
     hermes = parse_chat({"model": "m", "messages": history, "tools": tools}, SERVED, tool_parser="hermes")
     assert "skip_special_tokens" not in sampling(hermes)
     assert json.loads(hermes.choices[0][tn.MESSAGES][0, 0])[2]["tool_call_id"] == "call_0123456789abcdef01234567"
+
+
+def test_the_assistants_last_message_is_continued_where_asked():
+    """vLLM's continue_final_message (add_generation_prompt false): the ensemble's input; refused where it cannot
+    be what is asked (both true; a turn closed and none opened; a last message that is not the assistant's)."""
+    chat = [{"role": "user", "content": "Name three colours."}, {"role": "assistant", "content": "Red, green"}]
+    gen = parse_chat({"model": "m", "messages": chat, "continue_final_message": True, "add_generation_prompt": False},
+                     ("m",))
+    assert gen.choices[0][tn.CONTINUE_FINAL_MESSAGE].tolist() == [[True]]
+    assert tn.CONTINUE_FINAL_MESSAGE not in parse_chat({"model": "m", "messages": chat}, ("m",)).choices[0]
+    for extra, param in (({"continue_final_message": True, "add_generation_prompt": True}, "add_generation_prompt"),
+                         ({"add_generation_prompt": False}, "add_generation_prompt"),
+                         ({"continue_final_message": "yes"}, "continue_final_message")):
+        with pytest.raises(ApiError) as caught:
+            parse_chat({"model": "m", "messages": chat, **extra}, ("m",))
+        assert caught.value.param == param, extra
+    with pytest.raises(ApiError) as caught:
+        parse_chat({"model": "m", "messages": chat[:1], "continue_final_message": True}, ("m",))
+    assert caught.value.param == "continue_final_message" and "must be the assistant's" in caught.value.message

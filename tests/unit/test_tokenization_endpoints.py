@@ -60,7 +60,8 @@ def test_tokenizer_info_names_the_special_tokens_and_the_chat_template(tokenizer
 @pytest.mark.parametrize("body,param", [
     ({}, "prompt"), ({"prompt": "a", "messages": CHAT}, "prompt"), ({"prompt": 3}, "prompt"),
     ({"prompt": "a", "add_special_tokens": "yes"}, "add_special_tokens"),
-    ({"messages": "hi"}, "messages"), ({"messages": CHAT, "add_generation_prompt": False}, "add_generation_prompt")])
+    ({"messages": "hi"}, "messages"), ({"messages": CHAT, "add_generation_prompt": False}, "add_generation_prompt"),
+    ({"messages": CHAT, "continue_final_message": True}, "continue_final_message")])
 def test_a_bad_tokenize_request_names_its_field(tokenizer, body, param):
     with pytest.raises(ApiError) as caught:
         tokenize(tokenizer, body, 0)
@@ -100,3 +101,13 @@ def test_a_requests_own_chat_template_is_taken_only_where_trusted(tokenizer):
     with pytest.raises(ApiError, match="TemplateSyntaxError") as caught:  # one that does not render: named too
         tokenize(tokenizer, {"messages": CHAT, "chat_template": "{% for %}"}, 0, trust_template=True)
     assert caught.value.param == "chat_template"
+
+
+def test_a_chat_whose_last_message_is_continued_is_tokenized_without_a_new_turn(tokenizer):
+    """vLLM's continue_final_message (add_generation_prompt false): the assistant's last message left open."""
+    prefilled = [*CHAT, {"role": "assistant", "content": "Red, green"}]
+    ids = tokenize(tokenizer, {"messages": prefilled, "continue_final_message": True,
+                               "add_generation_prompt": False}, 0)["tokens"]
+    assert tokenizer.decode(ids).endswith("<|im_start|>assistant\nRed, green")
+    answered = tokenize(tokenizer, {"messages": prefilled}, 0)["tokens"]
+    assert tokenizer.decode(answered).endswith("Red, green<|im_end|>\n<|im_start|>assistant\n")

@@ -99,6 +99,7 @@ input [
   { name: "tools", data_type: TYPE_STRING, dims: [ 1 ], optional: true },
   { name: "chat_template_kwargs", data_type: TYPE_STRING, dims: [ 1 ], optional: true },
   { name: "chat_template", data_type: TYPE_STRING, dims: [ 1 ], optional: true },
+  { name: "continue_final_message", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },
   { name: "prompt_token_ids", data_type: TYPE_INT32, dims: [ -1 ], optional: true, allow_ragged_batch: true },
   { name: "max_tokens", data_type: TYPE_INT32, dims: [ 1 ], optional: true },
   { name: "num_draft_tokens", data_type: TYPE_INT32, dims: [ 1 ], optional: true },

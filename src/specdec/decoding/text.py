@@ -418,17 +418,23 @@ def formatted(tokenizer, messages: list[dict], template: str | None, content_for
 
 
 def chat_ids(tokenizer, messages: list[dict], tools: list[dict] | None, field: str,
-             template_kwargs: dict | None = None, template: str | None = None, content_format: str = "auto") -> list[int]:
+             template_kwargs: dict | None = None, template: str | None = None, content_format: str = "auto",
+             continue_final: bool = False) -> list[int]:
     """A chat's prompt tokens: the tokenizer's chat template (or `template`, a request's own) over the messages
-    (and the tools, which the template renders where it knows how), the assistant's turn opened, with
-    `template_kwargs` as more of the template's variables (`chat_template_kwargs`) and the messages' content in
-    `content_format` (CONTENT_FORMATS); ValueError naming `field` (tn.CHAT_TEMPLATE for a request's own
-    template) when the template refuses them."""
+    (and the tools, which the template renders where it knows how), the assistant's turn opened (or, with
+    `continue_final`, its last message, an assistant's, left open to be continued: tn.CONTINUE_FINAL_MESSAGE),
+    with `template_kwargs` as more of the template's variables (`chat_template_kwargs`) and the messages'
+    content in `content_format` (CONTENT_FORMATS); ValueError naming `field` (tn.CHAT_TEMPLATE for a request's
+    own template) when the template refuses them."""
+    if continue_final and (not messages or messages[-1].get("role") != "assistant"):
+        raise ValueError(f"input '{tn.CONTINUE_FINAL_MESSAGE}': the chat's last message must be the assistant's "
+                         "(the answer it continues)")
     own = {} if template is None else {"chat_template": template}
     messages = formatted(tokenizer, messages, template, content_format)
     try:
-        return list(tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True,
-                                                  tokenize=True, return_dict=False, **own, **(template_kwargs or {})))
+        return list(tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=not continue_final,
+                                                  continue_final_message=continue_final, tokenize=True,
+                                                  return_dict=False, **own, **(template_kwargs or {})))
     except Exception as exc:  # noqa: BLE001 - a template may raise anything (e.g. roles it refuses)
         name = tn.CHAT_TEMPLATE if template is not None else field
         raise ValueError(f"input '{name}': the chat template refused it ({type(exc).__name__}: {exc})") from None

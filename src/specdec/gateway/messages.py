@@ -185,7 +185,9 @@ def _output_config(body: dict) -> dict:
 
 
 def chat_body(body, count: bool = False, budgets: bool = False) -> dict:
-    """A /v1/messages body -> the /v1/chat/completions body it stands for (ApiError naming the field).
+    """A /v1/messages body -> the /v1/chat/completions body it stands for (ApiError naming the field); an
+    assistant message last is the answer's beginning (Anthropic's prefill), which the model continues (vLLM's
+    continue_final_message).
     count: a count_tokens body (no max_tokens; only what the prompt is made of). budgets: the server reads the
     model's thinking (a reasoning parser), so a thinking budget is enforced."""
     if not isinstance(body, dict):
@@ -199,6 +201,9 @@ def chat_body(body, count: bool = False, budgets: bool = False) -> dict:
     chat = {key: value for key, value in body.items() if key not in (
         "system", "messages", "tools", "tool_choice", "thinking", "stop_sequences", "output_config", *IGNORED)}
     chat["messages"] = chat_messages(body)
+    last = chat["messages"][-1] if chat["messages"] else {}
+    if last.get("role") == "assistant" and not last.get("tool_calls"):  # a prefilled answer: continued
+        chat.update(continue_final_message=True, add_generation_prompt=False)
     if body.get("stop_sequences") is not None:
         if not isinstance(body["stop_sequences"], list):
             raise invalid("stop_sequences", "must be a list of strings")

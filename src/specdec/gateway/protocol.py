@@ -48,7 +48,8 @@ COMMON_FIELDS = ("model", "stream", "stream_options", "n", "logit_bias", "logpro
 INT32 = (-2**31, 2**31 - 1)
 CHAT_FIELDS = (*COMMON_FIELDS, "messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
                "tool_choice", "parallel_tool_calls", "functions", "function_call", "chat_template_kwargs", "chat_template",
-               "include_reasoning", "reasoning_effort", "thinking_token_budget", "prediction")
+               "include_reasoning", "reasoning_effort", "thinking_token_budget", "prediction", "continue_final_message",
+               "add_generation_prompt")
 # OpenAI's reasoning efforts (its SDK's ReasoningEffort): handed to the chat template as `reasoning_effort`, the
 # variable the templates that take one read (gpt-oss's); the others leave it unused
 THINKING_FIELDS = (tn.REASONING_CONTENT, "reasoning")  # an assistant message's thinking: vLLM's two names
@@ -460,6 +461,8 @@ def parse_chat(body: dict, served: tuple[str, ...], tool_parser: str | None = No
     if reasoning_parser and ("structured_outputs" in sampling or budget is not None):
         inputs[tn.REASONING_PARSER] = _string(reasoning_parser)
     chat = chat_messages(body)
+    if continues(body, chat):  # vLLM's continue_final_message: the assistant's last message, continued
+        inputs[tn.CONTINUE_FINAL_MESSAGE] = np.array([[True]], dtype=np.bool_)
     if tool_parser == "mistral":  # its templates refuse ids but its own form, whoever made them
         chat = tool_calls.mistral_messages(chat)
     if calling is not None and calling.mode == tool_calls.AUTO and calling.parser in tool_calls.SPECIAL_TOKEN_PARSERS \
@@ -490,6 +493,24 @@ def parse_chat(body: dict, served: tuple[str, ...], tool_parser: str | None = No
                       reasoning=reasoning_parser, include_reasoning=_typed(body, "include_reasoning", (bool,),
                                                                            "a boolean") is not False,
                       sampling=sampling)
+
+
+def continues(body: dict, chat: list[dict]) -> bool:
+    """vLLM's continue_final_message (with add_generation_prompt false, the only way it takes it): whether the
+    chat's last message, the assistant's, is continued rather than answered. add_generation_prompt false alone
+    (a turn closed and none opened) is refused: nothing here generates from there."""
+    continued = _typed(body, "continue_final_message", (bool,), "a boolean") is True
+    opened = _typed(body, "add_generation_prompt", (bool,), "a boolean")
+    if continued and opened:
+        raise invalid("add_generation_prompt", "and continue_final_message cannot both be true: the last message "
+                                               "is continued, no turn opened")
+    if opened is False and not continued:
+        raise invalid("add_generation_prompt", "false is taken with continue_final_message true (the assistant's "
+                                               "last message continued)")
+    if continued and chat[-1]["role"] != "assistant":
+        raise invalid("continue_final_message", "continues the assistant's last message: the chat's last message "
+                                                "must be the assistant's")
+    return continued
 
 
 def _prediction(body: dict) -> str:

@@ -11,7 +11,7 @@ import json
 from specdec import tensor_names as tn
 from specdec.decoding.text import chat_ids, chat_messages as server_messages, chat_template_kwargs, chat_tools, \
     template_variables
-from specdec.gateway.protocol import ApiError, chat_messages, invalid, request_template
+from specdec.gateway.protocol import ApiError, chat_messages, continues, invalid, request_template
 
 # The special tokens a tokenizer_info answer names (vLLM's answer is the tokenizer's settings; these are
 # what lm-eval's remote tokenizer reads of it, with the chat template).
@@ -28,7 +28,8 @@ def _flag(body: dict, name: str, default: bool) -> bool:
 def tokenize(tokenizer, body: dict, max_model_len: int, trust_template: bool = False,
              content_format: str = "auto") -> dict:
     """`{"prompt": text}` (`add_special_tokens`, default true) or `{"messages": [...]}` (the chat template
-    with the assistant's turn opened, as the chat endpoint renders it: `count` is its `prompt_tokens`; a
+    with the assistant's turn opened, or its last message continued with `continue_final_message`, as the chat
+    endpoint renders it: `count` is its `prompt_tokens`; a
     request's own `chat_template` where the API trusts them) -> `{"count", "max_model_len", "tokens",
     "token_strs"}` (`token_strs` with `return_token_strs`). content_format: the server's (text.CONTENT_FORMATS)."""
     if not isinstance(body, dict):
@@ -43,15 +44,14 @@ def tokenize(tokenizer, body: dict, max_model_len: int, trust_template: bool = F
         template = request_template(body, trust_template)
         if not getattr(tokenizer, "chat_template", None) and template is None:
             raise invalid("messages", "the model's tokenizer has no chat template")
-        if not _flag(body, "add_generation_prompt", True):
-            raise invalid("add_generation_prompt", "only true is supported (the assistant's turn opened)")
         kwargs = body.get("chat_template_kwargs")
         try:
             kwargs = None if kwargs is None else template_variables(kwargs, "chat_template_kwargs")
         except ValueError as exc:
             raise invalid("chat_template_kwargs", str(exc)) from None
         try:
-            ids = chat_ids(tokenizer, chat_messages(body), None, "messages", kwargs, template, content_format)
+            chat = chat_messages(body)
+            ids = chat_ids(tokenizer, chat, None, "messages", kwargs, template, content_format, continues(body, chat))
         except ValueError as exc:
             raise invalid("chat_template" if template is not None else "messages", str(exc)) from None
     strings = tokenizer.convert_ids_to_tokens(ids) if _flag(body, "return_token_strs", False) else None
@@ -69,7 +69,9 @@ def chat_prompt_length(tokenizer, inputs: dict, content_format: str = "auto") ->
     return len(chat_ids(tokenizer, server_messages(given(tn.MESSAGES), tn.MESSAGES),
                         None if tools is None else chat_tools(tools, tn.TOOLS), tn.MESSAGES,
                         None if kwargs is None else chat_template_kwargs(kwargs, tn.CHAT_TEMPLATE_KWARGS),
-                        given(tn.CHAT_TEMPLATE), content_format))
+                        given(tn.CHAT_TEMPLATE), content_format,
+                        bool(inputs[tn.CONTINUE_FINAL_MESSAGE].reshape(-1)[0]) if tn.CONTINUE_FINAL_MESSAGE in inputs
+                        else False))
 
 
 def requested_max_tokens(inputs: dict, default: int) -> int:

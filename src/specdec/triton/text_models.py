@@ -93,6 +93,11 @@ class PreprocessingAdapter(TritonAdapter):
         template_kwargs = None if kwargs_tensor is None else chat_template_kwargs(
             _one_string(kwargs_tensor, tn.CHAT_TEMPLATE_KWARGS), tn.CHAT_TEMPLATE_KWARGS)
         template = self._request_template(request)
+        continued = pb.get_input_tensor_by_name(request, tn.CONTINUE_FINAL_MESSAGE)
+        continue_final = continued is not None and bool(continued.as_numpy().reshape(-1)[0])
+        if continue_final and chat_tensor is None:
+            raise ValueError(f"input '{tn.CONTINUE_FINAL_MESSAGE}' needs '{tn.MESSAGES}' (a chat whose last "
+                             "message, the assistant's, it continues)")
         if ids_tensor is not None:
             if template_kwargs is not None or template is not None:
                 name = tn.CHAT_TEMPLATE if template is not None else tn.CHAT_TEMPLATE_KWARGS
@@ -111,7 +116,8 @@ class PreprocessingAdapter(TritonAdapter):
                 raise ValueError(f"input '{tn.MESSAGES}' needs a chat template, and the tokenizer has none")
             messages = chat_messages(_one_string(chat_tensor, tn.MESSAGES), tn.MESSAGES)
             tools = None if tools_tensor is None else chat_tools(_one_string(tools_tensor, tn.TOOLS), tn.TOOLS)
-            return chat_ids(self.tokenizer, messages, tools, tn.MESSAGES, template_kwargs, template, self.content_format)
+            return chat_ids(self.tokenizer, messages, tools, tn.MESSAGES, template_kwargs, template, self.content_format,
+                            continue_final)
         if tensor is None:
             raise ValueError(f"input '{tn.TEXT_INPUT}' is required (the prompt; or '{tn.MESSAGES}', a chat, or "
                              f"'{tn.PROMPT_TOKEN_IDS}')")
