@@ -25,6 +25,8 @@ def test_each_method_stands_for_a_draft_of_this_server(tmp_path):
     assert read('{"method": "ngram", "prompt_lookup_max": 3}').settings == (
         "speculative_decoding.lookup_min_ngram=3", "speculative_decoding.lookup_max_ngram=3")
     assert read('{"method": "suffix"}') == Speculation(draft=tn.SUFFIX)
+    assert read('{"model": "[ngram]", "num_speculative_tokens": 4}') == read('{"method": "[ngram]", "num_speculative_tokens": 4}') \
+        == Speculation(draft=tn.NGRAM, num_draft_tokens=4)  # vLLM's older spelling
     for method in ("eagle", "eagle3", "medusa"):
         assert read(json.dumps({"method": method, "model": str(head), "num_speculative_tokens": 3})) == \
             Speculation(head=str(head), num_draft_tokens=3)
@@ -32,6 +34,9 @@ def test_each_method_stands_for_a_draft_of_this_server(tmp_path):
     # no method: a head's config (or an EAGLE in its name) is a head, anything else a draft model
     assert read(json.dumps({"model": str(head)})).head == str(head)
     assert read(json.dumps({"model": str(draft)})).draft == str(draft)
+    (tmp_path / "odd").mkdir()
+    (tmp_path / "odd" / "config.json").write_text("[1, 2]")  # not a model's config: a draft model, whose load says so
+    assert read(json.dumps({"model": str(tmp_path / "odd")})).draft == str(tmp_path / "odd")
     ignored = read(json.dumps({"method": "eagle3", "model": str(head), "draft_tensor_parallel_size": 1,
                                "disable_by_batch_size": 8, "acceptance_method": "rejection_sampler"}))
     assert ignored.ignored == ("disable_by_batch_size", "draft_tensor_parallel_size")

@@ -94,8 +94,8 @@ def check_chat_template(tokenizer, field: str, content_format: str = "auto") -> 
     (what every chat request asks of it): a template that does not compile, or fails on the plainest
     conversation, is refused at load (ValueError naming `field`) rather than at every request."""
     try:
-        tokenizer.apply_chat_template(formatted(tokenizer, [{"role": "user", "content": "Hello"}], None, content_format),
-                                      add_generation_prompt=True, tokenize=False)
+        hello = formatted(tokenizer, [{"role": "user", "content": "Hello"}], None, content_format)
+        tokenizer.apply_chat_template(hello, add_generation_prompt=True, tokenize=False)
     except Exception as exc:  # noqa: BLE001 - jinja2's TemplateSyntaxError, or whatever the template raises
         raise ValueError(f"{field}: the chat template fails on a one-message conversation "
                          f"({type(exc).__name__}: {exc})") from None
@@ -432,7 +432,8 @@ def chat_ids(tokenizer, messages: list[dict], tools: list[dict] | None, field: s
     own = {} if template is None else {"chat_template": template}
     messages = formatted(tokenizer, messages, template, content_format)
     try:
-        return list(tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=not continue_final,
+        return list(tokenizer.apply_chat_template(messages, tools=tools or None,
+                                                  add_generation_prompt=not continue_final,
                                                   continue_final_message=continue_final, tokenize=True,
                                                   return_dict=False, **own, **(template_kwargs or {})))
     except Exception as exc:  # noqa: BLE001 - a template may raise anything (e.g. roles it refuses)

@@ -147,8 +147,9 @@ def _tools(body: dict) -> dict:
 
 def _thinking(body: dict, budgets: bool) -> dict:
     """`thinking` as the chat template's `enable_thinking` (what Qwen3's and GLM's templates read) and
-    `thinking` (DeepSeek-V3.1's; templates ignore a variable they do not read), and its `budget_tokens` as the chat's thinking_token_budget where the server reads the thinking
-    (`budgets`: it has a reasoning parser; elsewhere max_tokens bounds the thinking and the answer together)."""
+    `thinking` (DeepSeek-V3.1's; templates ignore a variable they do not read), and its `budget_tokens` as the
+    chat's thinking_token_budget where the server reads the thinking (`budgets`: it has a reasoning parser;
+    elsewhere max_tokens bounds the thinking and the answer together)."""
     thinking = body.get("thinking")
     if thinking is None:
         return {}

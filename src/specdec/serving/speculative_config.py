@@ -28,6 +28,7 @@ from specdec import tensor_names as tn
 FLAG = "--speculative-config"
 HEADS = ("eagle", "eagle3", "medusa")
 METHODS = (tn.NGRAM, tn.SUFFIX, *HEADS, "draft_model")
+LEGACY_NGRAM = "[ngram]"
 # vLLM's engine tuning: nothing to do here (its parallelism and batching are this server's own)
 ENGINE_KEYS = ("draft_tensor_parallel_size", "disable_by_batch_size", "quantization", "max_model_len", "revision",
                "code_revision", "disable_padded_drafter_batch", "speculative_token_tree", "disable_log_stats",
@@ -66,6 +67,8 @@ def read(text: str) -> Speculation:
         raise ValueError(f"{FLAG}: acceptance_method {config['acceptance_method']!r} is not served: rejection "
                          "sampling keeps the target's distribution exactly, and is the only rule here")
     model, method = config.get("model"), config.get("method")
+    if LEGACY_NGRAM in (method, model):  # vLLM's older spelling: {"model": "[ngram]"}
+        method, model = tn.NGRAM, None if model == LEGACY_NGRAM else model
     if model is not None and (not isinstance(model, str) or not model):
         raise ValueError(f"{FLAG}: 'model' must be a path, got {json.dumps(model)}")
     if method is None:
@@ -107,6 +110,8 @@ def _is_head(path: str) -> bool:
     try:
         config = json.loads((Path(path) / "config.json").read_text())
     except (OSError, ValueError):
+        return False
+    if not isinstance(config, dict):
         return False
     architectures = " ".join(a for a in config.get("architectures") or [] if isinstance(a, str)).lower()
     return "medusa_num_heads" in config or "draft_vocab_size" in config or "eagle" in architectures \
