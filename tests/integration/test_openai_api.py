@@ -1405,6 +1405,36 @@ def test_a_client_that_goes_away_cancels_its_generation(server, api, model):
     impatient.close()
 
 
+def test_sagemakers_ping_and_invocations_and_the_version(api, model, server):
+    """SageMaker's container contract as vLLM serves it: GET /ping answers while ready, POST /invocations answers
+    a chat body as the chat endpoint does and a completion body as completions does; GET /version."""
+    root = server.openai_url.removesuffix("/v1")
+
+    def call(path: str, body: dict | None = None) -> tuple[int, dict | str]:
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(root + path, data=data, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=60) as response:
+                text = response.read().decode()
+                return response.status, json.loads(text) if text.startswith("{") else text
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read())
+
+    assert call("/ping") == (200, "ok\n")
+    chat = {"model": model, "messages": CHAT, "max_tokens": 6, "temperature": 0}
+    status, answer = call("/invocations", chat)
+    expected = api.chat.completions.create(**chat).choices[0].message.content
+    assert status == 200 and answer["object"] == "chat.completion" and answer["choices"][0]["message"]["content"] == expected
+    status, answer = call("/invocations", {"model": model, "prompt": PROMPT, "max_tokens": 4, "temperature": 0})
+    assert status == 200 and answer["object"] == "text_completion"
+    assert answer["choices"][0]["text"] == api.completions.create(model=model, prompt=PROMPT, max_tokens=4,
+                                                                  temperature=0).choices[0].text
+    status, error = call("/invocations", {"model": model})
+    assert status == 400 and error["error"]["param"] == "messages"
+    status, version = call("/version")
+    assert status == 200 and version["version"] not in ("", "unknown")
+
+
 def test_the_servers_figures_are_on_the_apis_metrics_under_vllms_names(server, api, model):
     """GET /metrics on the API's port also restates the server's metrics as vLLM names them (what dashboards,
     KEDA and the Gateway API Inference Extension read from vLLM): the same counts as the server's own port."""

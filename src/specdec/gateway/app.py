@@ -17,6 +17,7 @@ import functools
 import hmac
 import time
 from dataclasses import replace
+from importlib import metadata
 from typing import Callable
 
 from aiohttp import ClientError, ClientSession, ClientTimeout, web
@@ -35,6 +36,12 @@ TokenText = Callable[[int], str]  # a token id's text (for log-probabilities)
 API_PREFIX = "/v1/"
 TOKENIZER_PATHS = frozenset({"/tokenize", "/detokenize", "/tokenizer_info"})  # vLLM's, at the root
 HEALTH_PATH = "/health"
+try:  # pyproject.toml's, as installed
+    VERSION = metadata.version("specdec")
+except metadata.PackageNotFoundError:  # run from a source tree without installing it
+    VERSION = "unknown"
+# SageMaker's container contract, as vLLM serves it: GET /ping is the health check, POST /invocations an answer
+PING_PATH, INVOCATIONS_PATH = "/ping", "/invocations"
 MESSAGES_PREFIX = "/v1/messages"  # Anthropic's API: its errors in its own form
 RESPONSES_PREFIX = "/v1/responses"
 KEEPALIVE_S = 15.0  # a streamed answer silent this long gets a comment line (Gateway._waited); 0: never
@@ -131,6 +138,9 @@ class Gateway:
             app.router.add_post("/v1/load_lora_adapter", self.load_lora_adapter)
             app.router.add_post("/v1/unload_lora_adapter", self.unload_lora_adapter)
         app.router.add_get(HEALTH_PATH, self.health)
+        app.router.add_get(PING_PATH, self.health)
+        app.router.add_post(INVOCATIONS_PATH, self.invocations)
+        app.router.add_get("/version", self.version)
         app.router.add_get(metrics.PATH, self.metrics_page)
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
@@ -964,6 +974,20 @@ class Gateway:
             if server:
                 page += await asyncio.to_thread(vllm_metrics.page, server, self.served[0])
         return web.Response(body=page, headers={"Content-Type": metrics.CONTENT_TYPE})
+
+    async def invocations(self, request: web.Request) -> web.StreamResponse:
+        """POST /invocations (SageMaker's, as vLLM routes it): a body with `messages` answered as
+        /v1/chat/completions, one with `prompt` as /v1/completions (aiohttp keeps the body read)."""
+        body = await self._body(request)
+        if isinstance(body, dict) and "messages" in body:
+            return await self.chat(request)
+        if isinstance(body, dict) and "prompt" in body:
+            return await self.completions(request)
+        raise protocol.invalid("messages", "an invocation is a chat (messages) or a completion (prompt)")
+
+    async def version(self, request: web.Request) -> web.Response:
+        """GET /version (vLLM's): this server's version."""
+        return web.json_response({"version": VERSION})
 
     async def health(self, request: web.Request) -> web.Response:
         if await self.upstream.ready():
