@@ -1458,6 +1458,18 @@ def test_the_servers_figures_are_on_the_apis_metrics_under_vllms_names(server, a
     assert usage[0] == {"model_name": model} and 0 <= usage[1] <= 1
     assert metrics_text.sum_samples(vllm, "vllm:request_success_total", finished_reason="length") == \
         metrics_text.sum_samples(own, "specdec_requests_total", finish_reason="length") > 0
+    # vllm:lora_requests_info: the adapters running now (a streamed request of the session's adapter, under
+    # way) and the target's adapter slots (the tiny pair's max_loras, 2)
+    stream = api.completions.create(model=TINY_LORA, prompt=PROMPT, max_tokens=64, temperature=0, stream=True,
+                                    extra_body={"ignore_eos": True})
+    next(iter(stream))
+    ((labels, _),) = metrics_text.samples(metrics_text.scrape(url), "vllm:lora_requests_info")
+    assert (labels["running_lora_adapters"], labels["max_lora"]) == (TINY_LORA, "2")
+    stream.close()
+    deadline = time.monotonic() + 30
+    while metrics_text.samples(metrics_text.scrape(url), "vllm:lora_requests_info")[0][0]["running_lora_adapters"]:
+        assert time.monotonic() < deadline  # (the stream closed: its generation cancelled, no adapter running)
+        time.sleep(0.1)
 
 
 def test_the_apis_own_metrics_count_requests_tokens_refusals_and_disconnects(server, api, model):

@@ -361,6 +361,7 @@ def test_a_chat_template_reaches_preprocessing_and_the_openai_api_and_bare_means
     # the server's metrics port, whose figures the API's /metrics restates under vLLM's names
     assert gateway_args(GatewayProcess(9000, 8001, ["a"], "/w/tok", 30.0, {}, metrics_port=8002).command[3:]) \
         .server_metrics_url == "127.0.0.1:8002"
+    assert gateway_args(GatewayProcess(9000, 8001, ["a"], "/w/tok", 30.0, {}, max_loras=6).command[3:]).max_loras == 6
 
     rendered = []
     monkeypatch.setattr(launcher.repository, "render", lambda pair, dest: rendered.append(pair) or dest)

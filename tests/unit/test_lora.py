@@ -10,7 +10,7 @@ import re
 import pytest
 import torch
 
-from specdec.engine import lora
+from specdec.engine import lora, lora_config
 from specdec.engine.lora_config import directory_adapter, directory_adapters, parse_adapters
 from specdec.engine.build import ExecutorConfig, build_executor, dynamic_executor, static_executor
 from specdec.engine.errors import CacheError, CapacityError
@@ -286,7 +286,7 @@ def test_slots_and_ranks_that_cannot_hold_the_adapters_are_refused(tiny_lm, libr
     with pytest.raises(ValueError, match="'every' has rank 4; max_lora_rank is 2"):
         executor(tiny_lm, {"every": adapters["every"][0]}, lora_directory=str(root), max_lora_rank=2)
     lm = executor(tiny_lm, lora_directory=str(root))  # the defaults: 4 slots of rank 16
-    assert (len(lm.adapters), lm.adapters.rank, lm.adapters.names) == (lora.DIRECTORY_SLOTS, lora.DIRECTORY_RANK, ())
+    assert (len(lm.adapters), lm.adapters.rank, lm.adapters.names) == (lora_config.DIRECTORY_SLOTS, lora.DIRECTORY_RANK, ())
 
 
 def test_rows_of_several_adapters_add_what_each_rows_own_adapter_adds(tiny_lm, adapters):

@@ -93,3 +93,34 @@ def test_what_the_server_does_not_say_is_left_out():
                                                 'capacity_bytes{model="target_model"} 0'), "llama"))
     assert ("vllm:kv_cache_usage_perc", ()) not in got
     assert not read(vllm_metrics.page("", "llama"))
+
+
+def test_the_adapters_running_and_the_slots_as_vllms_lora_requests_info():
+    """With adapters served: the adapters the API's generations run now and the target's slots (what the
+    inference gateway's LoRA affinity reads); without: no such family. ApiMetrics.counted keeps the count."""
+    import asyncio
+
+    from specdec.gateway.metrics import ApiMetrics
+    from specdec.gateway.upstream import Piece
+
+    (info,) = [sample for family in text_string_to_metric_families(
+        vllm_metrics.page(SERVER, "llama", (["chat-v2", "sql"], 6)).decode())
+        for sample in family.samples if sample.name == "vllm:lora_requests_info"]
+    assert info.labels == {"max_lora": "6", "running_lora_adapters": "chat-v2,sql",  # (vLLM gives it no model_name)
+                           "waiting_lora_adapters": ""} and info.value > 1.7e9  # (a time)
+    assert "vllm:lora_requests_info" not in vllm_metrics.page(SERVER, "llama").decode()
+
+    metrics = ApiMetrics()
+
+    async def pieces():
+        yield Piece()
+
+    async def run():
+        stream = metrics.counted(pieces(), lora="sql")
+        first = await anext(stream)
+        seen = dict(metrics.lora_running)
+        await stream.aclose()
+        return first, seen
+
+    first, seen = asyncio.run(run())
+    assert isinstance(first, Piece) and seen == {"sql": 1} and metrics.lora_running == {}

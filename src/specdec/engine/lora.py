@@ -36,7 +36,7 @@ from typing import NamedTuple
 import torch
 
 from specdec.engine.errors import CapacityError
-from specdec.engine.lora_config import CONFIG, NAME, WEIGHTS, directory_adapter
+from specdec.engine.lora_config import CONFIG, NAME, WEIGHTS, directory_adapter, slot_count
 
 # A layer's adaptable projections, in the order the forward fuses them: its module and its product group.
 MODULES = {"q_proj": ("self_attn", "qkv"), "k_proj": ("self_attn", "qkv"), "v_proj": ("self_attn", "qkv"),
@@ -45,9 +45,8 @@ MODULES = {"q_proj": ("self_attn", "qkv"), "k_proj": ("self_attn", "qkv"), "v_pr
 GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
           "down": ("down_proj",)}
 # PEFT's key of a layer's projection's A or B (vLLM's renamed copies drop the prefix; an adapter name may follow)
-# With a lora_directory and no max_loras / max_lora_rank given: slots beside lora_adapters' (vLLM's
-# --max-loras is 1; a few let a few adapters' requests run side by side), and vLLM's --max-lora-rank default
-DIRECTORY_SLOTS = 4
+# With a lora_directory and no max_lora_rank given: vLLM's --max-lora-rank default (its slots:
+# lora_config.slot_count; vLLM's --max-loras is 1, a few let a few adapters' requests run side by side)
 DIRECTORY_RANK = 16
 _KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])"
                   r"(?:\.[\w-]+)?\.weight$")
@@ -190,7 +189,7 @@ class AdapterSet:
     `adapters` hold the first slots for good. With a `directory` (vLLM's LoRA resolver, SGLang's
     --max-loaded-loras), an adapter a request names that is not held is read from DIRECTORY/NAME into a free
     slot, or into the least recently used one whose adapter no running sequence runs: `slots` in all (0:
-    the adapters', and DIRECTORY_SLOTS more with a directory), each of rank up to `rank` (0: the adapters'
+    the adapters', and lora_config.DIRECTORY_SLOTS more with a directory), each of rank up to `rank` (0: the adapters'
     largest, at least DIRECTORY_RANK with a directory). The tensors keep their shapes: a CUDA graph's
     captured products read them in place. A slot's `key` is new at every load: a prefix cache keyed by it
     never serves one adapter's blocks to another that took the slot later. A held directory adapter whose
@@ -208,7 +207,7 @@ class AdapterSet:
         if largest > rank:
             raise ValueError(f"LoRA adapter {max(adapters, key=lambda a: a.rank).name!r} has rank {largest}; "
                              f"max_lora_rank is {rank}")
-        capacity = slots or len(adapters) + (DIRECTORY_SLOTS if directory else 0)
+        capacity = slot_count(slots, len(adapters), directory)
         if capacity < len(adapters) or (directory and capacity <= len(adapters)):
             raise ValueError(f"max_loras={capacity} holds {'no adapter of lora_directory beside ' if directory else ''}"
                              f"the {len(adapters)} of lora_adapters")

@@ -43,6 +43,15 @@ def parse_adapters(text: str, field: str) -> dict[str, str]:
     return out
 
 
+DIRECTORY_SLOTS = 4  # adapters of a directory held at once beside the named ones, where max_loras does not say
+
+
+def slot_count(max_loras: int, named: int, directory: str) -> int:
+    """How many adapters the target holds at once (max_loras; 0: the `named` ones and DIRECTORY_SLOTS more with a
+    directory): what vLLM's max_loras reports."""
+    return max_loras or named + (DIRECTORY_SLOTS if directory else 0)
+
+
 def format_adapters(adapters: dict[str, str]) -> str:
     """{name: path} as a config value ("name=path,name=path"); ValueError for a path that spelling cannot hold."""
     for name, path in adapters.items():

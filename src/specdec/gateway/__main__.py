@@ -75,6 +75,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--server-metrics-url", default="", metavar="HOST:PORT",
                         help="the server's metrics port: /metrics also restates its figures under vLLM's names "
                              "(vllm:num_requests_waiting, vllm:kv_cache_usage_perc, vllm:spec_decode_*)")
+    parser.add_argument("--max-loras", type=int, default=0,
+                        help="the target's adapter slots (its max_loras; 0: its default), as vllm:lora_requests_info "
+                             "reports them")
     parser.add_argument("--max-model-len", type=int, default=0,
                         help="the server's context in tokens, as model cards and /tokenize report it (0: not known)")
     parser.add_argument("--default-max-tokens", type=int, default=0,
@@ -158,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
                           args.allow_runtime_lora_updating, log, trust_templates=args.trust_request_chat_template,
                           sampling_defaults=defaults, cors=policy,
                           content_format=args.chat_template_content_format,
-                          server_metrics_url=args.server_metrics_url)
+                          server_metrics_url=args.server_metrics_url, max_loras=args.max_loras)
     except ValueError as exc:
         log(str(exc))
         return 2

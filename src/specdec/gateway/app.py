@@ -24,6 +24,7 @@ from aiohttp import ClientError, ClientSession, ClientTimeout, web
 
 from specdec import tensor_names as tn
 from specdec.decoding import json_text
+from specdec.engine.lora_config import slot_count
 from specdec.gateway import (adapters, batches, conversations, messages, metrics, protocol, reasoning, responses,
                              tokenization, tools, vllm_metrics)
 from specdec.gateway.protocol import STATS_FIELD, ApiError, Generation
@@ -61,7 +62,7 @@ class Gateway:
                  keepalive_s: float = KEEPALIVE_S, runtime_lora: bool = False,
                  log: Callable[[str], None] = lambda message: None, trust_templates: bool = False,
                  sampling_defaults: dict | None = None, cors: CorsPolicy = CorsPolicy(), content_format: str = "auto",
-                 server_metrics_url: str = ""):
+                 server_metrics_url: str = "", max_loras: int = 0):
         """tokenizer: the target's (a transformers tokenizer), for the text of log-probabilities' tokens and of
         echoed token-id prompts, and the tokenizer endpoints; None: tokens show as `token_id:N`, and those
         need it. max_model_len: the server's context in tokens (model cards, /tokenize; 0: not known).
@@ -77,12 +78,14 @@ class Gateway:
         browser pages may call it (cors.py; default: any, as vLLM's). content_format: how the server hands a
         message's content to the chat template (text.CONTENT_FORMATS), for counting prompts as it renders them.
         server_metrics_url: the server's metrics port (host:port), whose figures /metrics restates under vLLM's
-        names ("": none)."""
+        names ("": none). max_loras: the target's (0: its default, lora_config.slot_count)."""
         self.upstream, self.served, self.tokenizer, self.api_key = upstream, served, tokenizer, api_key
         self.token_text: TokenText | None = token_text_from(tokenizer) if tokenizer is not None else None
         self.tool_parser = tool_parser  # tools.PARSERS: how the model writes calls (tool_choice "auto")
         self.trust_templates, self.content_format = trust_templates, content_format
         self.server_metrics_url = server_metrics_url
+        self.served = served if isinstance(served, protocol.Served) else protocol.Served(served)
+        self.max_loras = slot_count(max_loras, len(self.served.adapters), self.served.directory)  # the target's slots
         self.sampling_defaults = {**protocol.DEFAULT_SAMPLING, **(sampling_defaults or {})}
         self.cors = cors
         # reasoning.PARSERS: a chat's thinking apart (None: not split); the openai tool-call parser implies its own
@@ -500,7 +503,8 @@ class Gateway:
         meanwhile: `_waited`); the upstream stream closed on leaving."""
         async with contextlib.AsyncExitStack() as stack:
             stream = await stack.enter_async_context(contextlib.aclosing(self.metrics.counted(
-                self.upstream.generate(gen.choices[0], gen.logprobs, gen.top_logprobs > 0))))
+                self.upstream.generate(gen.choices[0], gen.logprobs, gen.top_logprobs > 0),
+                lora=_lora_name(gen.choices[0]))))
             firsts = await self._waited(request if gen.stream else None, _first_pieces([stream]))
             yield await stack.enter_async_context(contextlib.aclosing(_merged([stream], firsts)))
 
@@ -884,7 +888,7 @@ class Gateway:
         """GET /v1/models: OpenAI's list; to Anthropic's clients (their `anthropic-version` header) also the
         fields of Anthropic's (each model's type, display_name and created_at; the page's ids)."""
         anthropic = messages.ANTHROPIC_VERSION_HEADER in request.headers
-        names = self.served.listed() if isinstance(self.served, protocol.Served) else self.served
+        names = self.served.listed()
         cards = [self._model_card(name, anthropic) for name in names]
         page = {"object": "list", "data": cards}
         if anthropic:
@@ -972,7 +976,8 @@ class Gateway:
             except (ClientError, asyncio.TimeoutError):
                 server = ""
             if server:
-                page += await asyncio.to_thread(vllm_metrics.page, server, self.served[0])
+                page += await asyncio.to_thread(vllm_metrics.page, server, self.served[0],
+                                                self.lora_info())
         return web.Response(body=page, headers={"Content-Type": metrics.CONTENT_TYPE})
 
     async def invocations(self, request: web.Request) -> web.StreamResponse:
@@ -984,6 +989,13 @@ class Gateway:
         if isinstance(body, dict) and "prompt" in body:
             return await self.completions(request)
         raise protocol.invalid("messages", "an invocation is a chat (messages) or a completion (prompt)")
+
+    def lora_info(self) -> tuple[list[str], int] | None:
+        """The adapters its generations run now and the target's adapter slots (vLLM's lora_requests_info);
+        None where the server serves no adapter."""
+        if not self.served.adapters and not self.served.directory:
+            return None
+        return sorted(self.metrics.lora_running), self.max_loras
 
     async def version(self, request: web.Request) -> web.Response:
         """GET /version (vLLM's): this server's version."""
@@ -1044,8 +1056,8 @@ class Gateway:
         alive meanwhile: `_waited`); the upstream streams closed on leaving."""
         async with contextlib.AsyncExitStack() as stack:
             streams = [await stack.enter_async_context(contextlib.aclosing(self.metrics.counted(
-                self.upstream.generate(inputs, gen.logprobs, gen.top_logprobs > 0), prompt=index % gen.n == 0)))
-                for index, inputs in enumerate(gen.choices)]
+                self.upstream.generate(inputs, gen.logprobs, gen.top_logprobs > 0), prompt=index % gen.n == 0,
+                lora=_lora_name(inputs)))) for index, inputs in enumerate(gen.choices)]
             firsts = await self._waited(request, _first_pieces(streams))
             yield await stack.enter_async_context(contextlib.aclosing(_merged(streams, firsts)))
 
@@ -1278,3 +1290,9 @@ class _StreamedItem:
         await self.send("response.output_item.added", output_index=index, item=self._item("in_progress"))
         await self.send("response.content_part.added", item_id=self.item_id, output_index=index, content_index=0,
                         part=self._part(""))
+
+
+def _lora_name(inputs: dict) -> str:
+    """The LoRA adapter a choice's inputs run ("": the base model)."""
+    given = inputs.get(tn.LORA_NAME)
+    return given.reshape(-1)[0].decode() if given is not None and given.size else ""

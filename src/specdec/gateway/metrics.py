@@ -58,6 +58,7 @@ class ApiMetrics:
         and the files' contents' stores; batches: the Batch API's Batches (len(): those running here). None: not reported."""
         disable_created_metrics()  # no `_created` series per label set: nothing here reads them
         self.registry = registry = CollectorRegistry()
+        self.lora_running: dict[str, int] = {}  # generations now running each LoRA adapter (vllm_metrics)
         by_route = ["method", "endpoint"]
         self.requests = Counter("specdec_openai_requests", "HTTP requests answered by the OpenAI API, by method, "
                                 "endpoint (its route) and code (the HTTP status; an error event after a streamed "
@@ -107,11 +108,14 @@ class ApiMetrics:
         if call is not None:
             call.stream_error = status
 
-    async def counted(self, stream: AsyncIterator, prompt: bool = True) -> AsyncIterator:
+    async def counted(self, stream: AsyncIterator, prompt: bool = True, lora: str = "") -> AsyncIterator:
         """A generation's pieces (upstream.Piece) passed on, its tokens and the request's first token counted
-        under the current request. prompt: count its prompt's tokens (the first of a request's choices)."""
+        under the current request. prompt: count its prompt's tokens (the first of a request's choices).
+        lora: the adapter it runs, counted among the running ones while it generates (`lora_running`)."""
         call = _CALL.get()
         prompt_tokens = cached_tokens = 0
+        if lora:
+            self.lora_running[lora] = self.lora_running.get(lora, 0) + 1
         try:
             async for piece in stream:
                 if call is not None and piece.ids:
@@ -123,6 +127,10 @@ class ApiMetrics:
                 cached_tokens = int(piece.stats.get(tn.NUM_CACHED_TOKENS, cached_tokens))
                 yield piece
         finally:
+            if lora:
+                self.lora_running[lora] -= 1
+                if not self.lora_running[lora]:
+                    del self.lora_running[lora]
             await stream.aclose()
             if call is not None and prompt and prompt_tokens:
                 self.prompt_tokens.labels(call.method, call.endpoint).inc(prompt_tokens)

@@ -15,10 +15,17 @@ Each scrape of the API's /metrics reads the server's Prometheus text (Triton's m
 | `vllm:spec_decode_num_drafts_total`, `..._num_draft_tokens_total`, `..._num_accepted_tokens_total`, `..._num_accepted_tokens_per_pos_total{position}` (0-based) | rounds that drafted (`specdec_accepted_length`'s count), `specdec_draft_tokens_total`, `specdec_accepted_draft_tokens_total`, `specdec_accepted_at_position_total` (1-based) |
 | `vllm:time_to_first_token_seconds`, `vllm:e2e_request_latency_seconds`, `vllm:request_queue_time_seconds`, `vllm:request_time_per_output_token_seconds` (histograms) | `specdec_time_to_first_token_seconds`, `specdec_request_latency_seconds`, `specdec_queue_time_seconds`, `specdec_time_per_output_token_seconds` (the server's buckets) |
 
-Every family carries `model_name` (the first served name), as vLLM's do. Pure: Prometheus text in, text out.
+With LoRA adapters served, `vllm:lora_requests_info{running_lora_adapters, waiting_lora_adapters, max_lora}` (the
+inference gateway's LoRA affinity): the adapters this API's generations run now (the ones waiting for a slot
+count as running: the server does not tell them apart here; `waiting_lora_adapters` stays empty) and the
+target's adapter slots, valued at the scrape's time as vLLM values it at its last change.
+
+Every other family carries `model_name` (the first served name), as vLLM's do. Pure: Prometheus text in, text out.
 """
 
 from __future__ import annotations
+
+import time
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -45,10 +52,11 @@ HISTOGRAMS = (("vllm:time_to_first_token_seconds", "specdec_time_to_first_token_
 FINISHED = {"stop": "stop", "length": "length", "cancelled": "abort"}  # the server's reasons as vLLM names them
 
 
-def page(server_text: str, model_name: str) -> bytes:
-    """vLLM's families, as Prometheus text, from the server's metrics text."""
+def page(server_text: str, model_name: str, lora: tuple[list[str], int] | None = None) -> bytes:
+    """vLLM's families, as Prometheus text, from the server's metrics text; `lora`: the adapters the API's
+    generations run now and the target's adapter slots, as `vllm:lora_requests_info` (None: no adapters served)."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Restated(_samples(server_text), model_name))
+    registry.register(_Restated(_samples(server_text), model_name, lora))
     return generate_latest(registry)
 
 
@@ -63,8 +71,8 @@ def _samples(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
 
 
 class _Restated:
-    def __init__(self, samples: dict, model_name: str):
-        self.samples, self.model = samples, model_name
+    def __init__(self, samples: dict, model_name: str, lora: tuple[list[str], int] | None):
+        self.samples, self.model, self.lora = samples, model_name, lora
 
     def _sum(self, name: str, **labels) -> float | None:
         found = [value for got, value in self.samples.get(name, []) if all(got.get(k) == v for k, v in labels.items())]
@@ -100,6 +108,12 @@ class _Restated:
                                     key=lambda sample: int(sample[0].get("position", 0))):
             per_position.add_metric([self.model, str(int(labels["position"]) - 1)], value)
         yield per_position
+        if self.lora is not None:  # what the inference gateway's LoRA affinity reads: the value is when it was true
+            running, slots = self.lora
+            info = GaugeMetricFamily("vllm:lora_requests_info", "LoRA adapters of the requests running now",
+                                     labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+            info.add_metric([str(slots), ",".join(running), ""], time.time())
+            yield info
         for name, source, doc in HISTOGRAMS:
             counts: dict[str, float] = {}
             for labels, value in self.samples.get(source + "_bucket", []):

@@ -58,6 +58,12 @@ def repository_content_format(repo: Path) -> str:
     return _preprocessing_parameter(repo, "chat_template_content_format") or "auto"
 
 
+def repository_max_loras(repo: Path) -> int:
+    """The rendered repository's target_model's max_loras (0: its default)."""
+    value = _parameter(repo, "target_model", "max_loras")
+    return int(value) if value.isdigit() else 0
+
+
 def repository_limits(repo: Path) -> tuple[int, int]:
     """The context (tokens) the rendered repository's orchestrator admits requests within and what it generates
     for a request that does not say (its default_max_tokens); 0 for either not found."""
@@ -80,7 +86,7 @@ class GatewayProcess:
                  lora: tuple[list[str], str] = ([], ""), runtime_lora: bool = False, chat_template: str = "",
                  trust_request_templates: bool = False, generation_config: tuple[str, str] = ("", ""),
                  cors: tuple[str, str, str, bool] = (CORS_ANY, CORS_ANY, CORS_ANY, False),
-                 content_format: str = "auto", metrics_port: int = 0):
+                 content_format: str = "auto", metrics_port: int = 0, max_loras: int = 0):
         self.port = port
         self.command = [sys.executable, "-m", "specdec.gateway", "--port", str(port),
                         "--grpc-url", f"127.0.0.1:{grpc_port}", "--drain-timeout", str(drain_timeout_s),
@@ -95,6 +101,8 @@ class GatewayProcess:
             self.command += ["--chat-template-content-format", content_format]
         if metrics_port:  # the server's figures under vLLM's names on the API's /metrics
             self.command += ["--server-metrics-url", f"127.0.0.1:{metrics_port}"]
+        if max_loras:
+            self.command += ["--max-loras", str(max_loras)]
         config, override = generation_config  # (vllm, or the file the server reads; "": none) and the overrides
         self.command += ["--generation-config", config or VLLM]  # no file: no defaults of the model's
         if override:

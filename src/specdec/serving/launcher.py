@@ -56,7 +56,7 @@ from specdec.gateway.response_store import DEFAULT_MB as RESPONSES_STORE_MB
 from specdec.gateway.tools import PARSERS as TOOL_CALL_PARSERS, reasoning_for
 from specdec.serving.gateway_process import (GatewayProcess, default_model_name, repository_chat_template,
                                              repository_content_format, repository_generation_config,
-                                             repository_limits, repository_tokenizer,
+                                             repository_limits, repository_max_loras, repository_tokenizer,
                                              repository_trusts_request_templates)
 from specdec.serving.healthcheck import (
     READY_PATH, ReadinessEndpoint, answers, drain_marker, gateway_url, health_port, is_ready, openai_port, ready_url,
@@ -684,7 +684,8 @@ def main(argv: list[str] | None = None) -> int:
                                  (VLLM if args.generation_config == VLLM else repository_generation_config(repo),
                                   args.override_generation_config),
                                  (args.allowed_origins, args.allowed_methods, args.allowed_headers,
-                                  args.allow_credentials), repository_content_format(repo), metrics_port)
+                                  args.allow_credentials), repository_content_format(repo), metrics_port,
+                                 repository_max_loras(repo))
     watchdog = None
     if args.heal:
         # Reloading one model in place needs explicit model control; without it the watchdog heals by
