@@ -189,8 +189,8 @@ class AdapterSet:
     `adapters` hold the first slots for good. With a `directory` (vLLM's LoRA resolver, SGLang's
     --max-loaded-loras), an adapter a request names that is not held is read from DIRECTORY/NAME into a free
     slot, or into the least recently used one whose adapter no running sequence runs: `slots` in all (0:
-    the adapters', and lora_config.DIRECTORY_SLOTS more with a directory), each of rank up to `rank` (0: the adapters'
-    largest, at least DIRECTORY_RANK with a directory). The tensors keep their shapes: a CUDA graph's
+    lora_config.slot_count's), each of rank up to `rank` (0: the adapters' largest, at least DIRECTORY_RANK
+    with a directory). The tensors keep their shapes: a CUDA graph's
     captured products read them in place. A slot's `key` is new at every load: a prefix cache keyed by it
     never serves one adapter's blocks to another that took the slot later. A held directory adapter whose
     entry changed since it was read (its link pointed elsewhere, its files rewritten: the gateway's

@@ -37,12 +37,12 @@ TokenText = Callable[[int], str]  # a token id's text (for log-probabilities)
 API_PREFIX = "/v1/"
 TOKENIZER_PATHS = frozenset({"/tokenize", "/detokenize", "/tokenizer_info"})  # vLLM's, at the root
 HEALTH_PATH = "/health"
-try:  # pyproject.toml's, as installed
+# SageMaker's container contract, as vLLM serves it: GET /ping is the health check, POST /invocations an answer
+PING_PATH, INVOCATIONS_PATH = "/ping", "/invocations"
+try:  # pyproject.toml's, as installed (GET /version)
     VERSION = metadata.version("specdec")
 except metadata.PackageNotFoundError:  # run from a source tree without installing it
     VERSION = "unknown"
-# SageMaker's container contract, as vLLM serves it: GET /ping is the health check, POST /invocations an answer
-PING_PATH, INVOCATIONS_PATH = "/ping", "/invocations"
 MESSAGES_PREFIX = "/v1/messages"  # Anthropic's API: its errors in its own form
 RESPONSES_PREFIX = "/v1/responses"
 KEEPALIVE_S = 15.0  # a streamed answer silent this long gets a comment line (Gateway._waited); 0: never
@@ -79,13 +79,13 @@ class Gateway:
         message's content to the chat template (text.CONTENT_FORMATS), for counting prompts as it renders them.
         server_metrics_url: the server's metrics port (host:port), whose figures /metrics restates under vLLM's
         names ("": none). max_loras: the target's (0: its default, lora_config.slot_count)."""
+        served = served if isinstance(served, protocol.Served) else protocol.Served(served)  # (tests: a tuple)
         self.upstream, self.served, self.tokenizer, self.api_key = upstream, served, tokenizer, api_key
         self.token_text: TokenText | None = token_text_from(tokenizer) if tokenizer is not None else None
         self.tool_parser = tool_parser  # tools.PARSERS: how the model writes calls (tool_choice "auto")
         self.trust_templates, self.content_format = trust_templates, content_format
         self.server_metrics_url = server_metrics_url
-        self.served = served if isinstance(served, protocol.Served) else protocol.Served(served)
-        self.max_loras = slot_count(max_loras, len(self.served.adapters), self.served.directory)  # the target's slots
+        self.max_loras = slot_count(max_loras, len(served.adapters), served.directory)  # the target's adapter slots
         self.sampling_defaults = {**protocol.DEFAULT_SAMPLING, **(sampling_defaults or {})}
         self.cors = cors
         # reasoning.PARSERS: a chat's thinking apart (None: not split); the openai tool-call parser implies its own
