@@ -69,6 +69,7 @@ class GenerationParams:
     # the prompt's tokens and each one's log-probability after the first (result.prompt_ids,
     # result.prompt_log_probs; with num_top_log_probs n their n most likely tokens too): what evaluations score
     return_prompt_log_probs: bool | None = None
+    return_prompt_ids: bool | None = None  # the prompt's tokens as the model read them, unscored (result.prompt_ids)
     # Structured output: json | json_schema | regex | ebnf_grammar | choice, and its schema, pattern, grammar or
     # JSON list of choices (none for json: any JSON object)
     guide_type: str | None = None
@@ -99,7 +100,7 @@ class GenerationParams:
                    (tn.IGNORE_EOS, self.ignore_eos, np.bool_), (tn.RETURN_LOG_PROBS, self.return_log_probs, np.bool_),
                    (tn.NUM_TOP_LOG_PROBS, self.num_top_log_probs, np.int32),
                    (tn.RETURN_PROMPT_LOG_PROBS, self.return_prompt_log_probs, np.bool_),
-                   (tn.PRIORITY, self.priority, np.int32),
+                   (tn.RETURN_PROMPT_IDS, self.return_prompt_ids, np.bool_), (tn.PRIORITY, self.priority, np.int32),
                    (tn.THINKING_TOKEN_BUDGET, self.thinking_token_budget, np.int32)]
         for name, value, dtype in scalars:
             if value is not None:
@@ -125,8 +126,8 @@ class GenerationParams:
         for name in ("max_tokens", "num_draft_tokens", "temperature", "top_k", "top_p", "min_p", "seed",
                      "repetition_penalty", "presence_penalty", "frequency_penalty", "end_id", "draft_model", "lora_name",
                      "apply_chat_template", "adaptive_draft", "num_draft_branches", "min_length", "ignore_eos",
-                     "return_log_probs", "num_top_log_probs", "return_prompt_log_probs", "priority",
-                     "stream_interval_ms", "thinking_token_budget"):
+                     "return_log_probs", "num_top_log_probs", "return_prompt_log_probs", "return_prompt_ids",
+                     "priority", "stream_interval_ms", "thinking_token_budget"):
             value = getattr(self, name)
             if value is not None:
                 body[name] = value
@@ -160,8 +161,9 @@ class GenerationResult:
     # and their log-probabilities
     top_ids: list[list[int]] = field(default_factory=list)
     top_log_probs: list[list[float]] = field(default_factory=list)
-    # With return_prompt_log_probs: the prompt's tokens as the model read them, the log-probability of each
-    # after the first (one fewer), and with num_top_log_probs n those positions' n most likely tokens
+    # With return_prompt_log_probs: the prompt's tokens as the model read them (return_prompt_ids: these
+    # alone), the log-probability of each after the first (one fewer), and with num_top_log_probs n those
+    # positions' n most likely tokens
     prompt_ids: list[int] = field(default_factory=list)
     prompt_log_probs: list[float] = field(default_factory=list)
     prompt_top_ids: list[list[int]] = field(default_factory=list)

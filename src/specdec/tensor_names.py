@@ -75,6 +75,9 @@ MAX_TOP_LOG_PROBS = 20  # OpenAI's bound on top_logprobs
 # evaluation harnesses score, OpenAI's `echo` with `logprobs`); with num_top_log_probs n, each prompt
 # position's n most likely tokens too. The prompt then runs whole, with every row's logits.
 RETURN_PROMPT_LOG_PROBS = "return_prompt_log_probs"
+# BOOL [1]: also return the prompt's tokens as the model reads them, without scoring it (vLLM's
+# return_token_ids: what reinforcement-learning trainers read to train on exactly the tokens sampled)
+RETURN_PROMPT_IDS = "return_prompt_ids"
 # BOOL [1] each: vLLM's Triton backend's additional outputs, by its names and meanings (its clients send
 # them): finish_reason "None" on a streamed response that is not the last; cumulative_logprob; logprobs (the
 # JSON of its `sampling_parameters` key `logprobs`); num_output_tokens this response's tokens (not the total
@@ -166,7 +169,8 @@ OUTPUT_TOP_IDS = "output_top_ids"  # INT32 [-1, -1]
 OUTPUT_TOP_LOG_PROBS = "output_top_log_probs"  # FP32 [-1, -1]
 # With return_prompt_log_probs, in the first response only: the prompt's P tokens as the model reads them
 # (chat template and special tokens included), the log-probabilities of its tokens after the first (P - 1:
-# the first has no context), and with num_top_log_probs n each of those positions' n most likely tokens
+# the first has no context), and with num_top_log_probs n each of those positions' n most likely tokens.
+# With return_prompt_ids, the first response's output_prompt_ids alone.
 OUTPUT_PROMPT_IDS = "output_prompt_ids"  # INT32 [-1]
 OUTPUT_PROMPT_LOG_PROBS = "output_prompt_log_probs"  # FP32 [-1]
 OUTPUT_PROMPT_TOP_IDS = "output_prompt_top_ids"  # INT32 [-1, -1]

@@ -463,7 +463,8 @@ def test_prompt_log_probs_score_every_prompt_token(server, hf_target, protocol):
     """return_prompt_log_probs: the prompt's tokens and each one's log-probability given those before it (and
     with num_top_log_probs its position's most likely tokens), equal to transformers' log-softmax of the
     target; computed whole although the prefix cache holds the prompt (served once before), with a draft
-    verified in the same round or not, greedy or sampled, and the generation unchanged by asking."""
+    verified in the same round or not, greedy or sampled, and the generation unchanged by asking.
+    return_prompt_ids: the prompt's tokens alone, unscored."""
     model, tokenizer = hf_target
     prompt = PROMPTS[2]
     prompt_ids = tokenizer(prompt).input_ids
@@ -485,6 +486,8 @@ def test_prompt_log_probs_score_every_prompt_token(server, hf_target, protocol):
                               atol=1e-4)
         assert torch.equal(top_ids[:, 0], rows.argmax(-1))
         assert scored.text == plain.text and plain.prompt_ids == [] and plain.prompt_log_probs == []
+        ids_only = client.generate(prompt, dataclasses.replace(params, return_prompt_ids=True), stream=stream)
+        assert (ids_only.prompt_ids, ids_only.prompt_log_probs, ids_only.text) == (prompt_ids, [], plain.text)
 
 
 # ---- bad words and TensorRT-LLM's client inputs ---------------------------------------------------------

@@ -157,6 +157,47 @@ def test_prompts_as_token_ids(server, api, model):
         grpc_stream(server.grpc_url, PROMPT, prompt_token_ids=np.array([ids], dtype=np.int32), max_tokens=2)
 
 
+def test_return_token_ids_are_the_tokens_the_model_read_and_wrote(api, model):
+    """vLLM's return_token_ids (what reinforcement-learning trainers send, to train on exactly the tokens
+    served): a chat's prompt_token_ids are its chat template's tokens and each choice's token_ids its
+    answer's, whole and streamed alike; a completion's are on each choice, an echo's token_ids starting with
+    the prompt's; a value that is not a boolean is refused naming the field."""
+    from specdec.decoding.text import chat_ids, load_tokenizer
+    from specdec.serving.pairs import smollm2_tokenizer_dir
+
+    tokenizer = load_tokenizer(str(smollm2_tokenizer_dir()))
+    chat_prompt, text_prompt = chat_ids(tokenizer, CHAT, None, "messages"), tokenizer(PROMPT).input_ids
+    asked = {"return_token_ids": True, "ignore_eos": True}
+    whole = api.chat.completions.create(model=model, messages=CHAT, max_tokens=8, temperature=0, n=2,
+                                        extra_body=asked).model_dump()
+    assert whole["prompt_token_ids"] == chat_prompt and whole["usage"]["prompt_tokens"] == len(chat_prompt)
+    answer = whole["choices"][0]["token_ids"]
+    assert len(answer) == 8 and tokenizer.decode(answer) == whole["choices"][0]["message"]["content"]
+    assert whole["choices"][1]["token_ids"] == answer  # greedy: both choices alike
+    chunks = [chunk.model_dump() for chunk in api.chat.completions.create(
+        model=model, messages=CHAT, max_tokens=8, temperature=0, stream=True, extra_body=asked)]
+    assert chunks[0]["prompt_token_ids"] == chat_prompt and "prompt_token_ids" not in chunks[1]
+    assert [t for chunk in chunks for c in chunk["choices"] for t in c.get("token_ids") or []] == answer
+    plain = api.chat.completions.create(model=model, messages=CHAT, max_tokens=2).model_dump()
+    assert "prompt_token_ids" not in plain and "token_ids" not in plain["choices"][0]
+
+    completion = api.completions.create(model=model, prompt=PROMPT, max_tokens=6, temperature=0,
+                                        extra_body=asked).model_dump()["choices"][0]
+    assert completion["prompt_token_ids"] == text_prompt and len(completion["token_ids"]) == 6
+    assert tokenizer.decode(completion["token_ids"]) == completion["text"]
+    streamed = [chunk.model_dump()["choices"] for chunk in api.completions.create(
+        model=model, prompt=PROMPT, max_tokens=6, temperature=0, stream=True, extra_body=asked)]
+    assert streamed[0][0]["prompt_token_ids"] == text_prompt
+    assert [t for choices in streamed for c in choices for t in c.get("token_ids") or []] == completion["token_ids"]
+    echoed = api.completions.create(model=model, prompt=PROMPT, max_tokens=6, temperature=0, echo=True,
+                                    extra_body=asked).model_dump()["choices"][0]
+    assert echoed["token_ids"] == text_prompt + completion["token_ids"]
+    assert echoed["text"] == PROMPT + completion["text"]
+    with pytest.raises(openai.BadRequestError) as caught:
+        api.completions.create(model=model, prompt=PROMPT, max_tokens=2, extra_body={"return_token_ids": "yes"})
+    assert caught.value.body["param"] == "return_token_ids"
+
+
 def test_n_choices_and_lists_of_prompts(server, api, model):
     """Several choices: every prompt's n choices, indexed as OpenAI does; greedy ones equal the single
     answer, seeded sampled ones the ensemble's with seed + j (streamed, each chunk naming its choice); a

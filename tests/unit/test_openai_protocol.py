@@ -190,6 +190,28 @@ def test_completions_echo_asks_for_the_prompts_scores_and_max_tokens_zero_scores
     assert sampling(parse_completion({"model": "m", "prompt": "text", "max_tokens": 0}, SERVED))["max_tokens"] == 0
 
 
+def test_return_token_ids_asks_for_the_prompts_ids_and_places_them_as_vllm_does():
+    chat = parse_chat({"messages": CHAT, "n": 2, "return_token_ids": True}, SERVED)
+    assert chat.return_token_ids and all(choice[tn.RETURN_PROMPT_IDS][0, 0] for choice in chat.choices)
+    assert not parse_chat({"messages": CHAT, "return_token_ids": False}, SERVED).return_token_ids
+    assert tn.RETURN_PROMPT_IDS not in parse_chat({"messages": CHAT}, SERVED).choices[0]
+    with pytest.raises(ApiError, match="return_token_ids"):
+        parse_completion({"prompt": "p", "return_token_ids": 1}, SERVED)
+    body, entry = {}, {}  # a chat's answer: the prompt's on the body, the answer's on the choice
+    protocol.add_token_ids(chat, body, entry, [1, 2], [3], first=True)
+    assert body == {"prompt_token_ids": [1, 2]} and entry == {"token_ids": [3]}
+    streamed = parse_chat({"messages": CHAT, "stream": True, "return_token_ids": True}, SERVED)
+    body, entry = {}, {}  # (its role chunk carries the prompt's)
+    protocol.add_token_ids(streamed, body, entry, [1, 2], [3], first=True)
+    assert body == {} and entry == {"token_ids": [3]}
+    echo = parse_completion({"prompt": "p", "echo": True, "return_token_ids": True}, SERVED)
+    body, entry = {}, {}  # a completion's on its choice; an echo's answer starts with the prompt
+    protocol.add_token_ids(echo, body, entry, [1, 2], [3], first=True)
+    assert body == {} and entry == {"token_ids": [1, 2, 3], "prompt_token_ids": [1, 2]}
+    protocol.add_token_ids(echo, body, entry, [], [4], first=False)
+    assert entry == {"token_ids": [4], "prompt_token_ids": [1, 2]}
+
+
 def test_echoed_logprobs_start_with_none_for_the_first_prompt_token():
     body = protocol.logprobs_object(False, ["a", "b", "c"], [None, -1.0, -0.5], 0, [None, [("b", -1.0), ("x", -2.0)], [("c", -0.5)]])
     assert body["token_logprobs"] == [None, -1.0, -0.5] and body["top_logprobs"][0] is None

@@ -287,6 +287,7 @@ input [
   { name: "draft_model", data_type: TYPE_STRING, dims: [ 1 ], optional: true },
   { name: "return_log_probs", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },
   { name: "return_prompt_log_probs", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },
+  { name: "return_prompt_ids", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },
   { name: "num_top_log_probs", data_type: TYPE_INT32, dims: [ 1 ], optional: true },
   { name: "return_finish_reason", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },
   { name: "return_cumulative_logprob", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },

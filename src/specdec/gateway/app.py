@@ -1039,27 +1039,28 @@ class Gateway:
         return piece.finish_reason or None
 
     async def _answer(self, request: web.Request, gen: Generation) -> web.StreamResponse:
-        async with self._choices(gen, request if gen.stream else None) as pieces:
+        async with self._choices(gen, request if gen.stream else None) as (firsts, pieces):
             if gen.stream:
-                return await self._stream(request, gen, pieces)
+                return await self._stream(request, gen, firsts, pieces)
             return web.json_response(await self._whole(gen, pieces))
 
     async def _whole_answer(self, gen: Generation) -> dict:
         """A chat or completions request answered whole (a batch's): its JSON body."""
-        async with self._choices(gen) as pieces:
+        async with self._choices(gen) as (_, pieces):
             return await self._whole(gen, pieces)
 
     @contextlib.asynccontextmanager
     async def _choices(self, gen: Generation, request: web.Request | None = None):
         """A chat or completions request's choices as (index, piece) pairs, every first awaited before they are
         handed over (errors before the first token are plain HTTP errors, unless a streamed `request` was kept
-        alive meanwhile: `_waited`); the upstream streams closed on leaving."""
+        alive meanwhile: `_waited`); the upstream streams closed on leaving. Yields (the first pieces, by index
+        (None: none came), the pairs)."""
         async with contextlib.AsyncExitStack() as stack:
             streams = [await stack.enter_async_context(contextlib.aclosing(self.metrics.counted(
                 self.upstream.generate(inputs, gen.logprobs, gen.top_logprobs > 0), prompt=index % gen.n == 0,
                 lora=_lora_name(inputs)))) for index, inputs in enumerate(gen.choices)]
             firsts = await self._waited(request, _first_pieces(streams))
-            yield await stack.enter_async_context(contextlib.aclosing(_merged(streams, firsts)))
+            yield firsts, await stack.enter_async_context(contextlib.aclosing(_merged(streams, firsts)))
 
     async def _whole(self, gen: Generation, pieces) -> dict:
         merged = [Piece() for _ in gen.choices]
@@ -1069,6 +1070,9 @@ class Gateway:
             merged[index].add(piece)
         choices = [self._whole_choice(gen, m, i) for i, m in enumerate(merged)]
         body = protocol.envelope(gen, choices, chunk=False)
+        if gen.return_token_ids:
+            for entry, m in zip(choices, merged):
+                protocol.add_token_ids(gen, body, entry, m.prompt_ids, m.ids, first=True)
         thinking = [self._reasoning_tokens(gen, m.ids) for m in merged]
         body["usage"] = protocol.combined_usage([m.stats for m in merged], [len(m.ids) for m in merged], gen.n,
                                                 None if None in thinking else thinking, tn.PREDICTION in gen.sampling)
@@ -1086,18 +1090,22 @@ class Gateway:
         return protocol.choice(gen, text, reason, self._logprobs(gen, merged, 0), delta=False, index=index,
                                tool_calls=calls, reasoning=thinking)
 
-    async def _stream(self, request: web.Request, gen: Generation, pieces) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, gen: Generation, firsts: list[Piece | None],
+                      pieces) -> web.StreamResponse:
         response = await _event_stream(request)
         if gen.chat:  # the role chunks, sent with the first tokens so that a client's TTFT stays honest
             for index in range(len(gen.choices)):
-                await response.write(protocol.sse(protocol.envelope(
-                    gen, [protocol.choice(gen, "", None, None, True, first=True, index=index)], chunk=True)))
+                chunk = protocol.envelope(gen, [protocol.choice(gen, "", None, None, True, first=True, index=index)],
+                                          chunk=True)
+                if gen.return_token_ids and firsts[index] is not None:  # the prompt's, on the first chunk (vLLM's)
+                    chunk["prompt_token_ids"] = firsts[index].prompt_ids
+                await response.write(protocol.sse(chunk))
         count = len(gen.choices)
         sent_text, sent_ids, stats = [0] * count, [0] * count, [{} for _ in range(count)]
         generated: list[list[int]] = [[] for _ in range(count)]
         calls = [tools.ToolStream(gen.tools) for _ in range(count)] if gen.tools is not None else None
         thinkers = [reasoning.ReasoningStream(gen.reasoning) for _ in range(count)] if gen.reasoning else None
-        seen = [False] * count
+        seen, token_ids_sent = [False] * count, [False] * count
         try:
             async for index, piece in pieces:
                 piece, seen[index] = self._echoed(gen, index, piece, not seen[index]), True
@@ -1119,7 +1127,8 @@ class Gateway:
                         text, deltas = text + rest, deltas + more
                         reason = gen.tools.finish_reason(reason) if called else reason
                 thinking = thinking if gen.include_reasoning else ""
-                if not text and not deltas and not thinking and not reason and not (gen.logprobs and piece.ids):
+                if not text and not deltas and not thinking and not reason and not (
+                        (gen.logprobs or gen.return_token_ids) and piece.ids):
                     continue  # nothing to tell (e.g. text held back at a possible stop word)
                 content = text if text or not (deltas or thinking) else None
                 chunk = protocol.envelope(gen, [protocol.choice(gen, content, reason,
@@ -1127,6 +1136,10 @@ class Gateway:
                                                                 index=index, tool_calls=deltas, reasoning=thinking)],
                                           chunk=True)
                 sent_text[index] += len(piece.text)
+                if gen.return_token_ids:
+                    protocol.add_token_ids(gen, chunk, chunk["choices"][0], piece.prompt_ids, piece.ids,
+                                           first=not token_ids_sent[index])
+                    token_ids_sent[index] = True
                 if gen.include_usage:
                     chunk["usage"] = protocol.combined_usage(stats, sent_ids, gen.n, None, tn.PREDICTION in gen.sampling) \
                         if gen.continuous_usage else None

@@ -43,7 +43,7 @@ SPECULATIVE_FIELDS = {"num_draft_tokens": (tn.NUM_DRAFT_TOKENS, np.int32), "adap
                       "num_draft_branches": (tn.NUM_DRAFT_BRANCHES, np.int32), "draft_model": (tn.DRAFT_MODEL, np.object_)}
 # vLLM's `priority`: a request's place among those waiting while the server is full (lower first).
 SCHEDULING_FIELDS = {"priority": (tn.PRIORITY, np.int32)}
-COMMON_FIELDS = ("model", "stream", "stream_options", "n", "logit_bias", "logprobs", "max_tokens",
+COMMON_FIELDS = ("model", "stream", "stream_options", "n", "logit_bias", "logprobs", "max_tokens", "return_token_ids",
                  *SAMPLING_FIELDS, *GUIDED_FIELDS, *SPECULATIVE_FIELDS, *SCHEDULING_FIELDS, *IGNORED_FIELDS)
 INT32 = (-2**31, 2**31 - 1)
 CHAT_FIELDS = (*COMMON_FIELDS, "messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
@@ -111,6 +111,11 @@ class Generation:
     sampling: dict = field(default_factory=dict)  # the sampling settings sent, defaults included (the echoes')
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def return_token_ids(self) -> bool:
+        """vLLM's return_token_ids: the answer also holds the prompt's and the generated tokens' ids."""
+        return tn.RETURN_PROMPT_IDS in self.choices[0]
 
     @property
     def response_id(self) -> str:
@@ -229,6 +234,8 @@ def _common(body: dict, chat: bool, defaults: dict | None) -> tuple[dict, dict[s
                           "give one structured-output setting")
         sampling["structured_outputs"] = guided
     inputs = {}
+    if _typed(body, "return_token_ids", (bool,), "a boolean"):  # (the generated ones come with every answer)
+        inputs[tn.RETURN_PROMPT_IDS] = np.array([[True]], dtype=np.bool_)
     for name, (tensor, dtype) in {**SPECULATIVE_FIELDS, **SCHEDULING_FIELDS}.items():
         value = body.get(name)
         if value is None:
@@ -728,6 +735,17 @@ def choice(gen: Generation, text: str | None, finish_reason: str | None, logprob
         return {"index": index, ("delta" if delta else "message"): body, "logprobs": logprobs,
                 "finish_reason": finish_reason}
     return {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def add_token_ids(gen: Generation, body: dict, entry: dict, prompt_ids: list[int], ids: list[int], first: bool) -> None:
+    """vLLM's return_token_ids on an answer or chunk `body` and its choice `entry`: the choice's generated
+    tokens (an echo's prompt first, as its text is); the prompt's with the choice's first, a chat's on the
+    body (a chat's first chunk, the role chunk, has them already), a completion's on the choice."""
+    entry["token_ids"] = (prompt_ids if gen.echo is not None and first else []) + ids
+    if first and not gen.chat:
+        entry["prompt_token_ids"] = prompt_ids
+    elif first and not gen.stream:
+        body["prompt_token_ids"] = prompt_ids
 
 
 def envelope(gen: Generation, choices: list[dict], chunk: bool) -> dict:

@@ -159,6 +159,8 @@ class Upstream:
             if top:
                 outputs += [InferRequestedOutput(tn.OUTPUT_PROMPT_TOP_IDS),
                             InferRequestedOutput(tn.OUTPUT_PROMPT_TOP_LOG_PROBS)]
+        elif tn.RETURN_PROMPT_IDS in arrays:
+            outputs.append(InferRequestedOutput(tn.OUTPUT_PROMPT_IDS))
         request = {"model_name": self.model, "inputs": _inputs(arrays), "outputs": outputs,
                    "enable_empty_final_response": True}
 

@@ -370,9 +370,10 @@ class SpeculativeDecodingAdapter(TritonAdapter):
     def _response(self, emission: Emission | None, parsed: ParsedRequest, emitter: TextEmitter, stats: Stats,
                   finish: str | None, log_probs: list[float],
                   top: tuple[list[list[int]], list[list[float]]] = ([], []), prompt: RoundOutput | None = None,
-                  ranks: list[int] | None = None, times: dict[str, float | None] | None = None):
+                  ranks: list[int] | None = None, times: dict[str, float | None] | None = None,
+                  first: bool = False):
         """One response's tensors; `times`: with return_perf_metrics, tn.PERF_METRIC_OUTPUTS' moments
-        (time.monotonic(), None: not yet)."""
+        (time.monotonic(), None: not yet); `first`: the request's first response."""
         pb = self.pb
         req = parsed.generation
         ids, prefix, length = (emission.ids, emission.prefix_ids, emission.text_length) if emission else ([], [], -1)
@@ -400,6 +401,8 @@ class SpeculativeDecodingAdapter(TritonAdapter):
                 extra += [pb.Tensor(tn.OUTPUT_PROMPT_TOP_IDS, np.asarray(prompt.prompt_top[0], dtype=np.int32).reshape(shape)),
                           pb.Tensor(tn.OUTPUT_PROMPT_TOP_LOG_PROBS,
                                     np.asarray(prompt.prompt_top[1], dtype=np.float32).reshape(shape))]
+        elif first and parsed.return_prompt_ids:
+            extra.append(i32(tn.OUTPUT_PROMPT_IDS, req.prompt_ids))
         vllm = {}
         if parsed.vllm_outputs:  # vLLM's backend's outputs, which replace ours of the same names
             this = slice(sent - len(ids), sent)
@@ -478,13 +481,14 @@ class _Responses:
         self.times[tn.ARRIVAL_TIME_NS] = arrived
 
     def response(self, emission: Emission | None, finish: str | None):
-        prompt = None
-        if not self.first_sent:
+        prompt, first = None, not self.first_sent
+        if first:
             self.adapter.metrics.ttft.observe(time.monotonic() - self.arrived)
             self.first_sent = True
             prompt = self.prompt
         return self.adapter._response(emission, self.parsed, self.emitter, self.stats, finish, self.log_probs,
-                                      self.top, prompt, self.ranks, self.times if self.parsed.perf_metrics else None)
+                                      self.top, prompt, self.ranks, self.times if self.parsed.perf_metrics else None,
+                                      first)
 
     async def round(self, rnd) -> tuple[str | None, Emission | None]:
         """A round's tokens counted and pushed into the text, streamed where they make text; returns the

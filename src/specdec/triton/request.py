@@ -104,6 +104,7 @@ class ParsedRequest:
     # OpenAI's Predicted Outputs: the answer the request expects, as token ids, which its rounds draft from
     # (decoding/prediction_proposer.py); () for none
     prediction: tuple[int, ...] = ()
+    return_prompt_ids: bool = False  # the first response also holds the prompt's tokens (tn.RETURN_PROMPT_IDS)
 
     @classmethod
     def parse(cls, lookup: InputLookup, limits: RequestLimits, seq_id: int | None = None,
@@ -222,7 +223,8 @@ class ParsedRequest:
                    bool(inputs.scalar(tn.RETURN_PERF_METRICS, np.bool_, False)),
                    int(inputs.scalar(tn.PRIORITY, np.int32, 0)), interval_ms / 1000.0,
                    bool(inputs.scalar(tn.SKIP_SPECIAL_TOKENS, np.bool_, True)),
-                   _prediction(inputs, encode, limits, settings.field))
+                   _prediction(inputs, encode, limits, settings.field),
+                   bool(inputs.scalar(tn.RETURN_PROMPT_IDS, np.bool_, False)))
 
 
 def _prediction(inputs: Inputs, encode: Encode | None, limits: RequestLimits,
