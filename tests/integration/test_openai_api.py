@@ -1480,16 +1480,29 @@ def test_the_servers_figures_are_on_the_apis_metrics_under_vllms_names(server, a
     """GET /metrics on the API's port also restates the server's metrics as vLLM names them (what dashboards,
     KEDA and the Gateway API Inference Extension read from vLLM): the same counts as the server's own port."""
     url = server.openai_url.removesuffix("/v1").removeprefix("http://")
-    api.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0,
-                           extra_body={"ignore_eos": True, "num_draft_tokens": 3, "adaptive_draft": False})
+    before = metrics_text.scrape(server.metrics_url)
+    answer = api.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0,
+                                    extra_body={"ignore_eos": True, "num_draft_tokens": 3, "adaptive_draft": False})
     vllm, own = metrics_text.scrape(url), metrics_text.scrape(server.metrics_url)
+
+    def grew(name: str) -> float:
+        return metrics_text.sum_samples(own, name) - metrics_text.sum_samples(before, name)
+
+    # The request's sizes and phases, in the server's histograms of them
+    assert (grew("specdec_request_prompt_tokens_sum"), grew("specdec_request_output_tokens_sum"),
+            grew("specdec_request_max_tokens_sum")) == (answer.usage.prompt_tokens, 12, 12)
+    assert grew("specdec_request_prefill_seconds_count") == grew("specdec_request_decode_seconds_count") == 1
+    assert grew("specdec_request_inference_seconds_sum") >= grew("specdec_request_decode_seconds_sum") > 0
     pairs = [("vllm:spec_decode_num_draft_tokens_total", "specdec_draft_tokens_total"),
              ("vllm:spec_decode_num_accepted_tokens_total", "specdec_accepted_draft_tokens_total"),
              ("vllm:generation_tokens_total", "specdec_output_tokens_total"),
              ("vllm:prompt_tokens_total", "specdec_prompt_tokens_total"),
              ("vllm:num_requests_running", "specdec_live_sequences"),
              ("vllm:time_to_first_token_seconds_count", "specdec_time_to_first_token_seconds_count"),
-             ("vllm:request_time_per_output_token_seconds_sum", "specdec_time_per_output_token_seconds_sum")]
+             ("vllm:request_time_per_output_token_seconds_sum", "specdec_time_per_output_token_seconds_sum"),
+             ("vllm:request_prompt_tokens_sum", "specdec_request_prompt_tokens_sum"),
+             ("vllm:request_params_max_tokens_count", "specdec_request_max_tokens_count"),
+             ("vllm:request_inference_time_seconds_sum", "specdec_request_inference_seconds_sum")]
     for name, source in pairs:
         assert metrics_text.sum_samples(vllm, name, model_name=model) == metrics_text.sum_samples(own, source), name
     assert metrics_text.sum_samples(own, "specdec_draft_tokens_total") >= 3

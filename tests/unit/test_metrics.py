@@ -81,6 +81,32 @@ def test_rounds_are_batched_and_flushed_with_exact_totals():
     assert pb.log == []  # nothing pending: nothing sent
 
 
+def test_a_finished_request_is_observed_in_its_phases_and_sizes():
+    """record_request: prefill (start of generating to first token), decode (first to last), inference (both),
+    time per output token after the first, and the prompt, output and max_tokens sizes; a request that never
+    started (max_tokens 0, no times) only counts."""
+    from specdec import tensor_names as tn
+
+    pb = FakePbUtils()
+    metrics = OrchestratorMetrics(pb, max_num_draft_tokens=2)
+    pb.log.clear()
+    times = {tn.ARRIVAL_TIME_NS: 10.0, tn.FIRST_SCHEDULED_TIME_NS: 10.5, tn.FIRST_TOKEN_TIME_NS: 11.0,
+             tn.LAST_TOKEN_TIME_NS: 13.0}
+    metrics.record_request("length", 5, 3.5, prompt_tokens=7, times=times, max_tokens=5)
+    got = totals(pb.log)
+    assert {name: got[("observed", name, ())] for name in (
+        "specdec_request_prefill_seconds", "specdec_request_decode_seconds", "specdec_request_inference_seconds",
+        "specdec_time_per_output_token_seconds", "specdec_request_prompt_tokens", "specdec_request_output_tokens",
+        "specdec_request_max_tokens", "specdec_request_latency_seconds")} == {
+        "specdec_request_prefill_seconds": [0.5], "specdec_request_decode_seconds": [2.0],
+        "specdec_request_inference_seconds": [2.5], "specdec_time_per_output_token_seconds": [0.5],
+        "specdec_request_prompt_tokens": [7], "specdec_request_output_tokens": [5], "specdec_request_max_tokens": [5],
+        "specdec_request_latency_seconds": [3.5]}
+    pb.log.clear()
+    metrics.record_request("cancelled", 0, 0.2)
+    assert [key[0] for op, key, _ in pb.log if op == "obs"] == ["specdec_request_latency_seconds"]
+
+
 def test_a_round_after_half_a_second_flushes_on_its_own():
     pb = FakePbUtils()
     metrics = OrchestratorMetrics(pb, max_num_draft_tokens=2)

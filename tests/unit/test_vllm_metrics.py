@@ -53,6 +53,15 @@ specdec_time_per_output_token_seconds_count 8
 specdec_time_per_output_token_seconds_sum 0.4
 specdec_time_per_output_token_seconds_bucket{le="0.04"} 5
 specdec_time_per_output_token_seconds_bucket{le="+Inf"} 8
+# TYPE specdec_request_output_tokens histogram
+specdec_request_output_tokens_count 8
+specdec_request_output_tokens_sum 64
+specdec_request_output_tokens_bucket{le="10.0"} 7
+specdec_request_output_tokens_bucket{le="+Inf"} 8
+# TYPE specdec_request_prefill_seconds histogram
+specdec_request_prefill_seconds_count 8
+specdec_request_prefill_seconds_sum 0.3
+specdec_request_prefill_seconds_bucket{le="+Inf"} 8
 """
 
 
@@ -85,6 +94,9 @@ def test_the_servers_figures_under_vllms_names():
         == (9, 0.9)
     assert got[("vllm:request_time_per_output_token_seconds_bucket", (("le", "0.04"),))] == 5
     assert got[("vllm:request_time_per_output_token_seconds_count", ())] == 8
+    for name in ("vllm:request_generation_tokens", "vllm:request_max_num_generation_tokens"):  # one sequence each
+        assert (got[(f"{name}_bucket", (("le", "10.0"),))], got[(f"{name}_sum", ())]) == (7, 64)
+    assert got[("vllm:request_prefill_time_seconds_sum", ())] == 0.3
 
 
 def test_what_the_server_does_not_say_is_left_out():

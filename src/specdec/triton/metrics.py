@@ -17,6 +17,8 @@ LATENCY_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
 QUEUE_BUCKETS = [0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0]
 # A request's time per output token after its first: milliseconds on GPUs, tens of them on CPUs
 TPOT_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5]
+# A request's token counts (prompt, output, max_tokens asked): 1-2-5 steps, as vLLM's histograms of them
+TOKEN_BUCKETS = [float(m * 10 ** e) for e in range(6) for m in (1, 2, 5)]
 
 
 class _Families:
@@ -190,6 +192,16 @@ class OrchestratorMetrics(_MetricSet):
         self.tpot = make("specdec_time_per_output_token_seconds", "A request's first generated token to its last, "
                          "per token after the first (requests of two tokens or more)",
                          family.HISTOGRAM).Metric(labels={}, buckets=TPOT_BUCKETS)
+        self.phases = {name: make(f"specdec_request_{name}_seconds", text, family.HISTOGRAM).Metric(
+            labels={}, buckets=LATENCY_BUCKETS) for name, text in (
+                ("prefill", "A request's start of generating (its slot and KV room taken) to its first token"),
+                ("decode", "A request's first generated token to its last"),
+                ("inference", "A request's start of generating to its last token (prefill + decode)"))}
+        self.sizes = {name: make(f"specdec_request_{name}", text, family.HISTOGRAM).Metric(
+            labels={}, buckets=TOKEN_BUCKETS) for name, text in (
+                ("prompt_tokens", "Prompt tokens of each finished request"),
+                ("output_tokens", "Tokens returned to each finished request"),
+                ("max_tokens", "The max_tokens of each finished request"))}
         self.queue_time = make("specdec_queue_time_seconds", "Time a request waited for a generation slot "
                                "(max_live_sequences) and for room in target_model's KV cache",
                                family.HISTOGRAM).Metric(labels={}, buckets=QUEUE_BUCKETS)
@@ -333,15 +345,29 @@ class OrchestratorMetrics(_MetricSet):
 
     def record_request(self, finish_reason: str, output_tokens: int, latency_s: float, lora_name: str = "",
                        drafted: int = 0, accepted: int = 0, prompt_tokens: int = 0,
-                       after_first_s: float | None = None) -> None:
-        """A finished request: `after_first_s`, from its first generated token to its last (None: none)."""
+                       times: dict[str, float | None] | None = None, max_tokens: int = 0) -> None:
+        """A finished request: `times`, its moments (tn.PERF_METRIC_OUTPUTS, time.monotonic(); None: none
+        came, as for a request that generated nothing); `max_tokens`, what it asked for (0: a request refused
+        or cancelled before it started, counted in no histogram of its sizes)."""
         self.requests[finish_reason].increment(1)
         self.output_tokens.increment(output_tokens)
-        if after_first_s is not None and output_tokens > 1:
-            self.tpot.observe(after_first_s / (output_tokens - 1))
         if prompt_tokens:
             self.prompt_tokens.increment(prompt_tokens)
         self.latency.observe(latency_s)
+        if max_tokens:
+            for name, value in (("prompt_tokens", prompt_tokens), ("output_tokens", output_tokens),
+                                ("max_tokens", max_tokens)):
+                self.sizes[name].observe(value)
+        times = times or {}
+        started, first, last = (times.get(name) for name in (tn.FIRST_SCHEDULED_TIME_NS, tn.FIRST_TOKEN_TIME_NS,
+                                                             tn.LAST_TOKEN_TIME_NS))
+        if first is not None and last is not None:
+            self.phases["decode"].observe(last - first)
+            if output_tokens > 1:
+                self.tpot.observe((last - first) / (output_tokens - 1))
+            if started is not None:
+                self.phases["prefill"].observe(first - started)
+                self.phases["inference"].observe(last - started)
         if lora_name:
             if lora_name not in self._lora_metrics:
                 self._lora_metrics[lora_name] = tuple(family.Metric(labels={"lora_name": lora_name})

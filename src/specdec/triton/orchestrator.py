@@ -550,9 +550,7 @@ class _Responses:
             last, self.held = joined(self.held, last), None
         await self.settle()  # a round that ended without a finish reason
         # Counted before the final response leaves: a client that reads the metrics after it sees them.
-        began, ended = self.times[tn.FIRST_TOKEN_TIME_NS], self.times[tn.LAST_TOKEN_TIME_NS]
         self.adapter.metrics.record_request(finish, len(self.emitter.emitted), time.monotonic() - self.arrived,
-                                            self.parsed.generation.lora_name, self.stats.drafted, self.stats.accepted,
-                                            len(self.parsed.generation.prompt_ids),
-                                            ended - began if began is not None else None)
+                                            self.gen.lora_name, self.stats.drafted, self.stats.accepted,
+                                            len(self.gen.prompt_ids), self.times, self.gen.max_tokens)
         self.sender.send(self.response(last, finish), flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
