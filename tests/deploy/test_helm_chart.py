@@ -244,6 +244,7 @@ def test_autoscaling_and_monitoring_objects():
     exprs = " ".join(target["expr"] for panel in panels for target in panel["targets"])
     assert "specdec_queue_time_seconds_bucket" in exprs  # the orchestrator's own waits, beside Triton's
     assert "specdec_openai_requests_total" in exprs and "specdec_openai_time_to_first_token_seconds" in exprs
+    assert "specdec_inter_token_latency_seconds_bucket" in exprs and "specdec_request_prefill_seconds_sum" in exprs
     ingresses = by_kind(mon, "Ingress")
     assert len(ingresses) == 2 and ingresses[1]["metadata"]["annotations"][
         "nginx.ingress.kubernetes.io/backend-protocol"] == "GRPC"

@@ -1493,6 +1493,7 @@ def test_the_servers_figures_are_on_the_apis_metrics_under_vllms_names(server, a
             grew("specdec_request_max_tokens_sum")) == (answer.usage.prompt_tokens, 12, 12)
     assert grew("specdec_request_prefill_seconds_count") == grew("specdec_request_decode_seconds_count") == 1
     assert grew("specdec_request_inference_seconds_sum") >= grew("specdec_request_decode_seconds_sum") > 0
+    assert 1 <= grew("specdec_inter_token_latency_seconds_count") <= 11  # a round's tokens come together
     pairs = [("vllm:spec_decode_num_draft_tokens_total", "specdec_draft_tokens_total"),
              ("vllm:spec_decode_num_accepted_tokens_total", "specdec_accepted_draft_tokens_total"),
              ("vllm:generation_tokens_total", "specdec_output_tokens_total"),
@@ -1502,7 +1503,8 @@ def test_the_servers_figures_are_on_the_apis_metrics_under_vllms_names(server, a
              ("vllm:request_time_per_output_token_seconds_sum", "specdec_time_per_output_token_seconds_sum"),
              ("vllm:request_prompt_tokens_sum", "specdec_request_prompt_tokens_sum"),
              ("vllm:request_params_max_tokens_count", "specdec_request_max_tokens_count"),
-             ("vllm:request_inference_time_seconds_sum", "specdec_request_inference_seconds_sum")]
+             ("vllm:request_inference_time_seconds_sum", "specdec_request_inference_seconds_sum"),
+             ("vllm:inter_token_latency_seconds_count", "specdec_inter_token_latency_seconds_count")]
     for name, source in pairs:
         assert metrics_text.sum_samples(vllm, name, model_name=model) == metrics_text.sum_samples(own, source), name
     assert metrics_text.sum_samples(own, "specdec_draft_tokens_total") >= 3

@@ -103,6 +103,11 @@ def test_a_finished_request_is_observed_in_its_phases_and_sizes():
         "specdec_request_prompt_tokens": [7], "specdec_request_output_tokens": [5], "specdec_request_max_tokens": [5],
         "specdec_request_latency_seconds": [3.5]}
     pb.log.clear()
+    metrics.record_round(0, 0, 20.0, gap_s=0.25)  # a round's time since the request's previous tokens
+    metrics.record_round(0, 0, 20.1)  # (its first tokens: no gap)
+    metrics.flush(20.2)
+    assert totals(pb.log)[("observed", "specdec_inter_token_latency_seconds", ())] == [0.25]
+    pb.log.clear()
     metrics.record_request("cancelled", 0, 0.2)
     assert [key[0] for op, key, _ in pb.log if op == "obs"] == ["specdec_request_latency_seconds"]
 

@@ -13,7 +13,7 @@ Each scrape of the API's /metrics reads the server's Prometheus text (Triton's m
 | `vllm:request_success_total{finished_reason}` | `specdec_requests_total{finish_reason}`: stop, length; cancelled as abort |
 | `vllm:prefix_cache_queries_total`, `vllm:prefix_cache_hits_total` | target_model's `specdec_model_prefix_cache_*_total` (tokens) |
 | `vllm:spec_decode_num_drafts_total`, `..._num_draft_tokens_total`, `..._num_accepted_tokens_total`, `..._num_accepted_tokens_per_pos_total{position}` (0-based) | rounds that drafted (`specdec_accepted_length`'s count), `specdec_draft_tokens_total`, `specdec_accepted_draft_tokens_total`, `specdec_accepted_at_position_total` (1-based) |
-| `vllm:time_to_first_token_seconds`, `vllm:e2e_request_latency_seconds`, `vllm:request_queue_time_seconds`, `vllm:request_time_per_output_token_seconds`, `vllm:request_prefill_time_seconds`, `vllm:request_decode_time_seconds`, `vllm:request_inference_time_seconds` (histograms) | `specdec_time_to_first_token_seconds`, `specdec_request_latency_seconds`, `specdec_queue_time_seconds`, `specdec_time_per_output_token_seconds`, `specdec_request_prefill_seconds`, `..._decode_seconds`, `..._inference_seconds` (the server's buckets) |
+| `vllm:time_to_first_token_seconds`, `vllm:e2e_request_latency_seconds`, `vllm:request_queue_time_seconds`, `vllm:request_time_per_output_token_seconds`, `vllm:inter_token_latency_seconds`, `vllm:request_prefill_time_seconds`, `vllm:request_decode_time_seconds`, `vllm:request_inference_time_seconds` (histograms) | `specdec_time_to_first_token_seconds`, `specdec_request_latency_seconds`, `specdec_queue_time_seconds`, `specdec_time_per_output_token_seconds`, `specdec_inter_token_latency_seconds`, `specdec_request_prefill_seconds`, `..._decode_seconds`, `..._inference_seconds` (the server's buckets) |
 | `vllm:request_prompt_tokens`, `vllm:request_generation_tokens`, `vllm:request_max_num_generation_tokens`, `vllm:request_params_max_tokens` (histograms) | `specdec_request_prompt_tokens`, `specdec_request_output_tokens` (both generation ones: a request is one sequence), `specdec_request_max_tokens` |
 
 With LoRA adapters served, `vllm:lora_requests_info{running_lora_adapters, waiting_lora_adapters, max_lora}` (the
@@ -50,6 +50,9 @@ HISTOGRAMS = (("vllm:time_to_first_token_seconds", "specdec_time_to_first_token_
               ("vllm:request_queue_time_seconds", "specdec_queue_time_seconds", "Time waiting for a slot"),
               ("vllm:request_time_per_output_token_seconds", "specdec_time_per_output_token_seconds",
                "A request's time per output token after its first"),
+              # (vLLM observes each step's gap per request, its steps' tokens together, as a round's are here)
+              ("vllm:inter_token_latency_seconds", "specdec_inter_token_latency_seconds", "Time between a "
+               "request's successive tokens (a round's come together)"),
               ("vllm:request_prefill_time_seconds", "specdec_request_prefill_seconds", "Start of generating to the "
                "first token"),
               ("vllm:request_decode_time_seconds", "specdec_request_decode_seconds", "First token to the last"),

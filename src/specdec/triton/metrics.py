@@ -192,6 +192,9 @@ class OrchestratorMetrics(_MetricSet):
         self.tpot = make("specdec_time_per_output_token_seconds", "A request's first generated token to its last, "
                          "per token after the first (requests of two tokens or more)",
                          family.HISTOGRAM).Metric(labels={}, buckets=TPOT_BUCKETS)
+        self.inter_token = make("specdec_inter_token_latency_seconds", "A request's time from one response's tokens "
+                                "to the next's: one observation per round after its first tokens (a round's tokens "
+                                "come together)", family.HISTOGRAM).Metric(labels={}, buckets=TPOT_BUCKETS)
         self.phases = {name: make(f"specdec_request_{name}_seconds", text, family.HISTOGRAM).Metric(
             labels={}, buckets=LATENCY_BUCKETS) for name, text in (
                 ("prefill", "A request's start of generating (its slot and KV room taken) to its first token"),
@@ -252,12 +255,16 @@ class OrchestratorMetrics(_MetricSet):
             ("specdec_lora_accepted_draft_tokens_total", "Of those, accepted by the adapted target")))
         self._lora_metrics: dict[str, tuple] = {}
 
-    def record_round(self, drafted: int, accepted: int, now: float, depth: int | None = None) -> None:
+    def record_round(self, drafted: int, accepted: int, now: float, depth: int | None = None,
+                     gap_s: float | None = None) -> None:
         """Count a round locally; `flush` sends the totals. Every metric update is an IPC round trip from
         the Python-backend stub to the server, and a round with K = 16 touches ~35 metrics: done per
         round, that cost more than the rounds' own bookkeeping (a serving overhead speculation pays
-        on every round). A tree of `drafted` nodes counts its depths as the positions drafted."""
+        on every round). A tree of `drafted` nodes counts its depths as the positions drafted; `gap_s`: the
+        time since the request's previous tokens (None: these are its first, or it generated none)."""
         self._pending_rounds += 1
+        if gap_s is not None:
+            self._pending_gaps.append(gap_s)
         if drafted:
             self._pending_drafted += drafted
             self._pending_lengths.append(accepted)
@@ -282,6 +289,8 @@ class OrchestratorMetrics(_MetricSet):
             self.tree_rounds.increment(self._pending_trees)
         for length in self._pending_lengths:
             self.accepted_length.observe(float(length))
+        for gap in self._pending_gaps:
+            self.inter_token.observe(gap)
         for counts, metrics in ((self._pending_drafted_at, self.drafted_at), (self._pending_accepted_at, self.accepted_at)):
             for i, count in enumerate(counts):
                 if count:
@@ -321,6 +330,7 @@ class OrchestratorMetrics(_MetricSet):
         self._pending_holds = 0
         self._pending_limited = 0
         self._pending_lengths: list[int] = []
+        self._pending_gaps: list[float] = []
         self._pending_drafted_at = [0] * len(self.drafted_at)
         self._pending_accepted_at = [0] * len(self.accepted_at)
         self._pending_fallbacks: dict[str, int] = {}

@@ -505,11 +505,13 @@ class _Responses:
             self.top[1].extend(rnd.top[1])
         if rnd.ranks:
             self.ranks += rnd.ranks
-        now = time.monotonic()
+        now, gap = time.monotonic(), None
         if rnd.new_tokens:
+            previous = self.times[tn.LAST_TOKEN_TIME_NS]
+            gap = None if previous is None else now - previous
             self.times[tn.FIRST_TOKEN_TIME_NS] = self.times[tn.FIRST_TOKEN_TIME_NS] or now
             self.times[tn.LAST_TOKEN_TIME_NS] = now
-        adapter.metrics.record_round(rnd.num_drafted, rnd.num_accepted, now, rnd.depth)
+        adapter.metrics.record_round(rnd.num_drafted, rnd.num_accepted, now, rnd.depth, gap)
         adapter.metrics.record_costs(adapter.costs, now)
         emission = self.emitter.push(rnd.new_tokens, final=rnd.finish_reason is not None)
         finish = rnd.finish_reason or (tn.FINISH_STOP if emission and emission.stopped else None)
