@@ -198,6 +198,28 @@ def test_return_token_ids_are_the_tokens_the_model_read_and_wrote(api, model):
     assert caught.value.body["param"] == "return_token_ids"
 
 
+def test_a_request_id_names_the_answer_and_comes_back_in_its_header(api, model):
+    """vLLM's request ids: an X-Request-Id header (or else the body's request_id) is the answer's id after its
+    prefix and its X-Request-Id, streamed or not; an answer without one gets a new id in both; a bad id is
+    refused naming where it came from."""
+    raw = api.chat.completions.with_raw_response.create(model=model, messages=CHAT, max_tokens=2,
+                                                        extra_headers={"X-Request-Id": "trace-7f3a"})
+    assert raw.parse().id == "chatcmpl-trace-7f3a" and raw.headers["x-request-id"] == "trace-7f3a"
+    raw = api.completions.with_raw_response.create(model=model, prompt=PROMPT, max_tokens=2,
+                                                   extra_body={"request_id": "batch-12"})
+    assert raw.parse().id == "cmpl-batch-12" and raw.headers["x-request-id"] == "batch-12"
+    with api.chat.completions.with_streaming_response.create(
+            model=model, messages=CHAT, max_tokens=3, stream=True, extra_headers={"X-Request-Id": "s-1"}) as stream:
+        assert stream.headers["x-request-id"] == "s-1"
+        assert {chunk.id for chunk in stream.parse()} == {"chatcmpl-s-1"}
+    raw = api.chat.completions.with_raw_response.create(model=model, messages=CHAT, max_tokens=2)
+    assert raw.parse().id == "chatcmpl-" + raw.headers["x-request-id"]
+    for given in ({"extra_body": {"request_id": ""}}, {"extra_body": {"request_id": 7}}):
+        with pytest.raises(openai.BadRequestError) as caught:
+            api.completions.create(model=model, prompt=PROMPT, max_tokens=2, **given)
+        assert caught.value.body["param"] == "request_id"
+
+
 def test_n_choices_and_lists_of_prompts(server, api, model):
     """Several choices: every prompt's n choices, indexed as OpenAI does; greedy ones equal the single
     answer, seeded sampled ones the ensemble's with seed + j (streamed, each chunk naming its choice); a

@@ -20,7 +20,7 @@ PREFLIGHT = {"Origin": PAGE, "Access-Control-Request-Method": "POST",
 
 
 class Server:
-    async def generate(self, arrays, log_probs, top=False):
+    async def generate(self, arrays, log_probs, top=False, request_id=""):
         yield Piece(text="Hi", ids=[5], finish_reason="stop", stats={tn.NUM_INPUT_TOKENS: 3, tn.NUM_OUTPUT_TOKENS: 1})
 
     async def close(self):

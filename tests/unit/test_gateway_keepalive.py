@@ -27,7 +27,7 @@ class LateServer:
     def __init__(self, wait: float, error: ApiError | None = None):
         self.wait, self.error = wait, error
 
-    async def generate(self, arrays, log_probs, top=False):
+    async def generate(self, arrays, log_probs, top=False, request_id=""):
         await asyncio.sleep(self.wait)
         if self.error is not None:
             raise self.error

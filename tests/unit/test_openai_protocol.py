@@ -212,6 +212,17 @@ def test_return_token_ids_asks_for_the_prompts_ids_and_places_them_as_vllm_does(
     assert entry == {"token_ids": [4], "prompt_token_ids": [1, 2]}
 
 
+def test_a_request_id_comes_from_the_header_else_the_body():
+    assert protocol.request_id("hdr", {"request_id": "body"}) == "hdr"
+    assert protocol.request_id(None, {"request_id": "body"}) == "body"
+    assert protocol.request_id(None, {}) is None
+    for header, body, param in (("", {}, "X-Request-Id"), (None, {"request_id": "a\nb"}, "request_id"),
+                                (None, {"request_id": "x" * 257}, "request_id"), (None, {"request_id": 3}, "request_id")):
+        with pytest.raises(ApiError) as caught:
+            protocol.request_id(header, body)
+        assert caught.value.param == param
+
+
 def test_echoed_logprobs_start_with_none_for_the_first_prompt_token():
     body = protocol.logprobs_object(False, ["a", "b", "c"], [None, -1.0, -0.5], 0, [None, [("b", -1.0), ("x", -2.0)], [("c", -0.5)]])
     assert body["token_logprobs"] == [None, -1.0, -0.5] and body["top_logprobs"][0] is None

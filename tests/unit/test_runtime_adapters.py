@@ -103,7 +103,7 @@ class Refusing:
     def __init__(self, error: ApiError | None):
         self.error, self.calls = error, []
 
-    async def generate(self, arrays, log_probs, top=False):
+    async def generate(self, arrays, log_probs, top=False, request_id=""):
         self.calls.append(arrays)
         if self.error is not None:
             raise self.error

@@ -16,6 +16,7 @@ import contextlib
 import functools
 import hmac
 import time
+import uuid
 from dataclasses import replace
 from importlib import metadata
 from typing import Callable
@@ -48,6 +49,7 @@ RESPONSES_PREFIX = "/v1/responses"
 KEEPALIVE_S = 15.0  # a streamed answer silent this long gets a comment line (Gateway._waited); 0: never
 KEEPALIVE = b": keepalive\n\n"  # an SSE comment: every client's parser skips it
 _PREPARED = web.RequestKey("specdec_event_stream", web.StreamResponse)  # a request's SSE response, once prepared
+_REQUEST_ID = web.RequestKey("specdec_request_id", str)  # a chat's or completion's id (Generation.id)
 
 
 def error_response(error: ApiError, path: str = "") -> web.Response:
@@ -109,6 +111,7 @@ class Gateway:
         app = web.Application(middlewares=[self.cors.middleware(), self._counted, self._errors],
                               client_max_size=16 * 1024 * 1024)
         app.on_response_prepare.append(self.cors.on_prepare)
+        app.on_response_prepare.append(_request_id_header)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/responses", self.responses)
@@ -233,14 +236,25 @@ class Gateway:
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
-        gen = self._parse_chat(body)
+        gen = self._identified(request, body, self._parse_chat(body))
         try:
             return await self._answer(request, gen)
         except ApiError as exc:
             raise protocol.chat_error(exc) from None
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._answer(request, self._completion(await self._body(request)))
+        body = await self._body(request)
+        return await self._answer(request, self._identified(request, body, self._completion(body)))
+
+    @staticmethod
+    def _identified(request: web.Request, body, gen: Generation) -> Generation:
+        """The generation under the id its client gave (protocol.request_id), which the answer's
+        X-Request-Id header repeats (_request_id_header)."""
+        given = protocol.request_id(request.headers.get(protocol.REQUEST_ID_HEADER), body if isinstance(body, dict) else {})
+        if given is not None:
+            gen.id = given
+        request[_REQUEST_ID] = gen.id
+        return gen
 
     def _completion(self, body) -> Generation:
         gen = protocol.parse_completion(body, self.served, self.sampling_defaults)
@@ -1057,7 +1071,8 @@ class Gateway:
         (None: none came), the pairs)."""
         async with contextlib.AsyncExitStack() as stack:
             streams = [await stack.enter_async_context(contextlib.aclosing(self.metrics.counted(
-                self.upstream.generate(inputs, gen.logprobs, gen.top_logprobs > 0), prompt=index % gen.n == 0,
+                self.upstream.generate(inputs, gen.logprobs, gen.top_logprobs > 0, f"{gen.id}-{index}"),
+                prompt=index % gen.n == 0,
                 lora=_lora_name(inputs)))) for index, inputs in enumerate(gen.choices)]
             firsts = await self._waited(request, _first_pieces(streams))
             yield firsts, await stack.enter_async_context(contextlib.aclosing(_merged(streams, firsts)))
@@ -1181,6 +1196,13 @@ def _page(items: list[dict], query, what: str) -> dict:
     page = items[:limit]
     return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
             "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
+
+
+async def _request_id_header(request: web.Request, response: web.StreamResponse) -> None:
+    """Every answer's X-Request-Id (vLLM's, which a proxy's logs join on): a chat's or completion's id as
+    its answer gives it, else the request's own header, else a new one."""
+    response.headers[protocol.REQUEST_ID_HEADER] = request.get(_REQUEST_ID) or request.headers.get(
+        protocol.REQUEST_ID_HEADER) or uuid.uuid4().hex
 
 
 async def _event_stream(request: web.Request) -> web.StreamResponse:

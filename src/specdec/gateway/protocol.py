@@ -44,6 +44,7 @@ SPECULATIVE_FIELDS = {"num_draft_tokens": (tn.NUM_DRAFT_TOKENS, np.int32), "adap
 # vLLM's `priority`: a request's place among those waiting while the server is full (lower first).
 SCHEDULING_FIELDS = {"priority": (tn.PRIORITY, np.int32)}
 COMMON_FIELDS = ("model", "stream", "stream_options", "n", "logit_bias", "logprobs", "max_tokens", "return_token_ids",
+                 "request_id",
                  *SAMPLING_FIELDS, *GUIDED_FIELDS, *SPECULATIVE_FIELDS, *SCHEDULING_FIELDS, *IGNORED_FIELDS)
 INT32 = (-2**31, 2**31 - 1)
 CHAT_FIELDS = (*COMMON_FIELDS, "messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
@@ -84,6 +85,22 @@ class ApiError(Exception):
 
 def invalid(param: str, message: str) -> ApiError:
     return ApiError(400, f"{param}: {message}", param=param)
+
+
+REQUEST_ID_HEADER = "X-Request-Id"
+MAX_REQUEST_ID = 256  # characters: an id goes into logs, Triton's request and a response header
+
+
+def request_id(header: str | None, body: dict) -> str | None:
+    """vLLM's: a request's id from its X-Request-Id header, else its body's `request_id` (None: neither); the
+    answer's id is it, prefixed (chatcmpl-, cmpl-), and Triton's requests carry it (its logs and traces)."""
+    for param, value in ((REQUEST_ID_HEADER, header), ("request_id", body.get("request_id"))):
+        if value is None:
+            continue
+        if not isinstance(value, str) or not 0 < len(value) <= MAX_REQUEST_ID or not value.isprintable():
+            raise invalid(param, f"must be 1 to {MAX_REQUEST_ID} printable characters, got {json.dumps(value)[:80]}")
+        return value
+    return None
 
 
 @dataclass

@@ -145,9 +145,10 @@ class Upstream:
         except Exception:  # noqa: BLE001 - any failure to answer is "not ready"
             return False
 
-    async def generate(self, arrays: dict[str, np.ndarray], log_probs: bool, top: bool = False) -> AsyncIterator[Piece]:
+    async def generate(self, arrays: dict[str, np.ndarray], log_probs: bool, top: bool = False,
+                       request_id: str = "") -> AsyncIterator[Piece]:
         """The request's responses as they come (with the prompt's log-probabilities when its inputs ask for
-        them). Closing the iterator early (the caller went away) cancels the request on the server, which
+        them), under Triton's `request_id` (its logs' and traces'; "": none). Closing the iterator early (the caller went away) cancels the request on the server, which
         frees its sequence within a round."""
         outputs = [InferRequestedOutput(name) for name in _OUTPUTS]
         if log_probs:
@@ -162,7 +163,7 @@ class Upstream:
         elif tn.RETURN_PROMPT_IDS in arrays:
             outputs.append(InferRequestedOutput(tn.OUTPUT_PROMPT_IDS))
         request = {"model_name": self.model, "inputs": _inputs(arrays), "outputs": outputs,
-                   "enable_empty_final_response": True}
+                   "enable_empty_final_response": True, "request_id": request_id}
 
         async def requests():
             yield request
