@@ -78,6 +78,11 @@ RETURN_PROMPT_LOG_PROBS = "return_prompt_log_probs"
 # BOOL [1]: also return the prompt's tokens as the model reads them, without scoring it (vLLM's
 # return_token_ids: what reinforcement-learning trainers read to train on exactly the tokens sampled)
 RETURN_PROMPT_IDS = "return_prompt_ids"
+# STRING [1]: vLLM's cache_salt: the request's prompt finds in the models' prefix caches only the blocks of
+# requests with the same salt (and its own are found only by them), so that one tenant cannot learn from
+# timings what another's prompts were ("" or none: the shared cache). Also each model's BLS input.
+CACHE_SALT = "cache_salt"
+MAX_CACHE_SALT = 1024  # characters
 # BOOL [1] each: vLLM's Triton backend's additional outputs, by its names and meanings (its clients send
 # them): finish_reason "None" on a streamed response that is not the last; cumulative_logprob; logprobs (the
 # JSON of its `sampling_parameters` key `logprobs`); num_output_tokens this response's tokens (not the total

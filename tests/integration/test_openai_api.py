@@ -1151,6 +1151,45 @@ CACHED_SYSTEM = ("Cache-usage test. You answer visitors' questions about a light
                  "children under eight climb with an adult. The shop sells maps, postcards and knitted hats.")
 
 
+# ~100 tokens no other test sends
+SALTED_SYSTEM = ("Cache-salt test. You help visitors of a botanical garden on a southern island find the glasshouses: "
+                 "the orchid house is by the north gate, the cactus house beyond the lily pond, the fern gully down "
+                 "the stone steps, and the tea room at the top of the hill, open from nine until four.")
+
+
+def test_a_cache_salt_shares_cached_prompts_only_among_its_own_requests(server, api, model):
+    """vLLM's cache_salt: a prompt finds in the prefix caches (the target's, reported as cached_tokens, and
+    the draft model's) only what requests of the same salt computed, never another salt's or the shared
+    cache's; the answers are the same."""
+    chat = [{"role": "system", "content": SALTED_SYSTEM}, {"role": "user", "content": "Where are the ferns?"}]
+
+    def draft_hits() -> float:
+        """The draft model's prefix-cache hits once its sequences are released (when it counts them)."""
+        deadline = time.monotonic() + 10
+        while server.metric("specdec_model_live_sequences", model="draft_model") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return server.metric("specdec_model_prefix_cache_hits_total", model="draft_model")
+
+    def ask(salt: str | None) -> tuple[int, str, float]:
+        nonlocal prompt_tokens
+        before = draft_hits()
+        answer = api.chat.completions.create(model=model, messages=chat, max_tokens=6, temperature=0, extra_body={
+            "draft_model": "draft_model", "num_draft_tokens": 3, "adaptive_draft": False,
+            **({"cache_salt": salt} if salt else {})})
+        found = draft_hits() - before
+        prompt_tokens = answer.usage.prompt_tokens
+        return answer.usage.prompt_tokens_details.cached_tokens, answer.choices[0].message.content, found
+
+    prompt_tokens = 0
+    first, text, _ = ask("tenant-a")
+    again, again_text, draft_found = ask("tenant-a")
+    assert prompt_tokens > 64 and (first, again) == (0, (prompt_tokens - 1) // 32 * 32)  # its whole blocks of 32
+    assert again_text == text and draft_found > 0
+    for other in ("tenant-b", None):  # another salt, and the shared cache, find none of tenant-a's blocks
+        cached, other_text, draft_found = ask(other)
+        assert (cached, draft_found, other_text) == (0, 0, text), other
+
+
 def test_usage_counts_the_prompt_tokens_the_prefix_cache_held(api, claude, model):
     """The prompt's tokens the server's prefix cache held (its whole blocks of 32 but the last token's: that
     one's logits are needed), as each API reports them: the chat's and completions' prompt_tokens_details

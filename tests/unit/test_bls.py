@@ -84,7 +84,7 @@ def test_every_draft_call_carries_one_input_set_with_the_sampling_settings_greed
     assert pb.sent[-1][tn.MIN_P].item() == 0.0 and not pb.sent[-1][tn.RELEASE].item()
     asyncio.run(proposer.release(1))
     assert pb.sent[-1][tn.RELEASE].item() and pb.sent[-1][tn.NUM_DRAFT_TOKENS].item() == 0
-    assert _input_sets(pb.sent) == {frozenset([tn.INPUT_IDS, tn.CACHE_LENGTH, tn.RESERVE_TOKENS, tn.RELEASE,
+    assert _input_sets(pb.sent) == {frozenset([tn.INPUT_IDS, tn.CACHE_LENGTH, tn.RESERVE_TOKENS, tn.RELEASE, tn.CACHE_SALT,
                                                tn.NUM_DRAFT_TOKENS, tn.NUM_DRAFT_BRANCHES, tn.TEMPERATURE, tn.TOP_K,
                                                tn.TOP_P, tn.MIN_P, tn.SEED, tn.LORA_NAME])}
 
@@ -102,6 +102,16 @@ def test_a_requests_adapter_goes_with_each_of_its_draft_calls_a_prompts_chunks_i
     assert not BlsProposer(pb, "head", wants_features=True).adapts  # a head drafts from the adapted features
 
 
+def test_a_requests_cache_salt_goes_with_every_call_of_both_models_its_prompts_chunks_too():
+    pb = _Pb()
+    scorer, proposer = BlsScorer(pb, tn.TARGET_MODEL_NAME, prefill_chunk=4), BlsProposer(pb, tn.DRAFT_MODEL_NAME,
+                                                                                     prefill_chunk=4)
+    assert proposer.salted
+    asyncio.run(scorer.score(VerifyCall(1, 0, list(range(1, 12)), 1, reserve=30, salt="tenant-1")))
+    asyncio.run(proposer.propose(1, 0, list(range(1, 12)), 2, SamplingParams(), 0, reserve=30, salt="tenant-1"))
+    assert len(pb.sent) == 6 and all(call[tn.CACHE_SALT].reshape(-1)[0] == b"tenant-1" for call in pb.sent)
+
+
 def test_a_long_prompt_goes_in_chunks_that_ask_for_nothing_the_first_taking_the_room():
     pb = _Pb()
     scorer, proposer = BlsScorer(pb, tn.TARGET_MODEL_NAME, prefill_chunk=4), BlsProposer(pb, tn.DRAFT_MODEL_NAME,
@@ -114,14 +124,14 @@ def test_a_long_prompt_goes_in_chunks_that_ask_for_nothing_the_first_taking_the_
     assert sent == [
         {tn.INPUT_IDS: [1, 2, 3, 4], tn.CACHE_LENGTH: [0], tn.RESERVE_TOKENS: [40], tn.NUM_LOGITS: [0],
          tn.RELEASE: [False], tn.ALLOWED_TOKENS: [], tn.TREE_PARENTS: [], tn.ACCEPTED_PATH: [],
-         tn.SCORE_ROWS: [0], tn.SCORE_NEXT: [-1], tn.LORA_NAME: [b""]},
+         tn.SCORE_ROWS: [0], tn.SCORE_NEXT: [-1], tn.LORA_NAME: [b""], tn.CACHE_SALT: [b""]},
         {tn.INPUT_IDS: [5, 6, 7, 8], tn.CACHE_LENGTH: [4], tn.RESERVE_TOKENS: [0], tn.NUM_LOGITS: [0],
          tn.RELEASE: [False], tn.ALLOWED_TOKENS: [], tn.TREE_PARENTS: [], tn.ACCEPTED_PATH: [],
-         tn.SCORE_ROWS: [0], tn.SCORE_NEXT: [-1], tn.LORA_NAME: [b""]},
+         tn.SCORE_ROWS: [0], tn.SCORE_NEXT: [-1], tn.LORA_NAME: [b""], tn.CACHE_SALT: [b""]},
         # at most 4 + 2 tokens
         {tn.INPUT_IDS: [9, 10, 11, 50, 51], tn.CACHE_LENGTH: [8], tn.RESERVE_TOKENS: [0], tn.NUM_LOGITS: [2],
          tn.RELEASE: [False], tn.ALLOWED_TOKENS: [], tn.TREE_PARENTS: [], tn.ACCEPTED_PATH: [],
-         tn.SCORE_ROWS: [0], tn.SCORE_NEXT: [-1], tn.LORA_NAME: [b""]},
+         tn.SCORE_ROWS: [0], tn.SCORE_NEXT: [-1], tn.LORA_NAME: [b""], tn.CACHE_SALT: [b""]},
     ]
     pb.sent.clear()
     proposal = asyncio.run(proposer.propose(2, 0, prompt, 2, SamplingParams(), 0, reserve=40))
@@ -175,7 +185,7 @@ def test_a_grammar_bitmask_goes_with_the_verify_and_no_logits_come_back():
     assert pb.sent[-1][tn.ALLOWED_TOKENS].size == 0 and pb.sent[-1][tn.NUM_LOGITS].item() == 1  # every token
     asyncio.run(scorer.release(1))
     assert pb.sent[-1][tn.RELEASE].item() and pb.sent[-1][tn.NUM_LOGITS].item() == 0
-    assert _input_sets(pb.sent) == {frozenset([tn.INPUT_IDS, tn.CACHE_LENGTH, tn.RESERVE_TOKENS, tn.RELEASE,
+    assert _input_sets(pb.sent) == {frozenset([tn.INPUT_IDS, tn.CACHE_LENGTH, tn.RESERVE_TOKENS, tn.RELEASE, tn.CACHE_SALT,
                                                tn.NUM_LOGITS, tn.ALLOWED_TOKENS, tn.TREE_PARENTS,
                                                tn.ACCEPTED_PATH, tn.SCORE_ROWS, tn.SCORE_NEXT, tn.LORA_NAME])}
 

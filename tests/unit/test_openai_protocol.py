@@ -212,6 +212,16 @@ def test_return_token_ids_asks_for_the_prompts_ids_and_places_them_as_vllm_does(
     assert entry == {"token_ids": [4], "prompt_token_ids": [1, 2]}
 
 
+def test_a_cache_salt_is_the_ensembles_input():
+    gen = parse_completion({"prompt": ["a", "b"], "cache_salt": "tenant-1"}, SERVED)
+    assert all(choice[tn.CACHE_SALT][0, 0] == b"tenant-1" for choice in gen.choices)
+    assert tn.CACHE_SALT not in parse_chat({"messages": CHAT}, SERVED).choices[0]
+    for salt in ("", 5):
+        with pytest.raises(ApiError) as caught:
+            parse_chat({"messages": CHAT, "cache_salt": salt}, SERVED)
+        assert caught.value.param == "cache_salt"
+
+
 def test_a_request_id_comes_from_the_header_else_the_body():
     assert protocol.request_id("hdr", {"request_id": "body"}) == "hdr"
     assert protocol.request_id(None, {"request_id": "body"}) == "body"

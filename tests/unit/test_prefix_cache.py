@@ -73,6 +73,23 @@ def test_a_repeated_prompt_runs_only_its_uncached_tail_with_the_same_logits(tiny
 
 
 @pytest.mark.parametrize("kind", EXECUTORS)
+def test_a_salted_sequence_finds_only_blocks_of_its_own_salt(tiny_lm, kind):
+    """Step.salt (vLLM's cache_salt): a prompt finds the blocks of sequences with the same salt, never those of
+    another salt or of the shared cache, and its own are not found by them; its logits are the same."""
+    lm = EXECUTORS[kind](tiny_lm)
+    ids = prompt(25)
+    [plain] = lm.extend_many([Step(1, 0, ids, 1)])
+    [alice] = lm.extend_many([Step(2, 0, ids, 1, salt="alice")])
+    [bob] = lm.extend_many([Step(3, 0, ids, 1, salt="bob")])
+    assert [lm.sequences[i].cached for i in (1, 2, 3)] == [0, 0, 0]  # each its own: nothing shared
+    [again] = lm.extend_many([Step(4, 0, ids, 1, salt="alice")])
+    [shared] = lm.extend_many([Step(5, 0, ids, 1)])
+    assert (lm.sequences[4].cached, lm.sequences[5].cached) == (24, 24)  # found within its own salt, and without one
+    for logits in (alice, bob, again, shared):
+        assert torch.allclose(logits, plain, atol=1e-10)
+
+
+@pytest.mark.parametrize("kind", EXECUTORS)
 def test_at_least_the_positions_whose_logits_are_wanted_run(tiny_lm, kind):
     lm = EXECUTORS[kind](tiny_lm)
     ids = prompt(16)  # two full blocks

@@ -580,6 +580,14 @@ def test_bad_guides_are_refused_by_name(inputs, message):
                              tn.GUIDED_DECODING_GUIDE_TYPE: np.array([[b"json"]], dtype=np.object_)}.get, LIMITS)
 
 
+def test_a_cache_salt_is_one_string_of_bounded_length():
+    assert parse().generation.cache_salt == ""
+    assert parse(**{tn.CACHE_SALT: np.array([[b"tenant-1"]], dtype=np.object_)}).generation.cache_salt == "tenant-1"
+    for value in (np.array([[b"a", b"b"]], dtype=np.object_), np.array([[b"x" * (tn.MAX_CACHE_SALT + 1)]], dtype=np.object_)):
+        with pytest.raises(InputError, match=tn.CACHE_SALT):
+            parse(**{tn.CACHE_SALT: value})
+
+
 def test_a_lora_name_must_be_one_the_server_serves():
     """lora_name (an input, or vLLM's sampling_parameters key) names one of the orchestrator's lora_adapters."""
     import dataclasses

@@ -12,7 +12,8 @@ from specdec.triton import wire
 
 
 def test_a_step_round_trips_and_needs_its_ids():
-    for message in (wire.StepMessage(5, [1, 2, 3], reserve=40), wire.StepMessage(0, [], release=True)):
+    for message in (wire.StepMessage(5, [1, 2, 3], reserve=40), wire.StepMessage(0, [], release=True),
+                    wire.StepMessage(0, [4], salt="tenant-7")):
         assert wire.StepMessage.decode(message.encode()) == message
     with pytest.raises(ValueError, match=tn.INPUT_IDS):
         wire.StepMessage.decode({tn.CACHE_LENGTH: np.zeros((1, 1), dtype=np.int32)})

@@ -199,6 +199,7 @@ input [
   { name: "min_p", data_type: TYPE_FP32, dims: [ 1 ], optional: true },
   { name: "seed", data_type: TYPE_UINT64, dims: [ 1 ], optional: true },
   { name: "lora_name", data_type: TYPE_STRING, dims: [ 1 ], optional: true },
+  { name: "cache_salt", data_type: TYPE_STRING, dims: [ 1 ], optional: true },
   { name: "release", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },
   { name: "features", data_type: TYPE_FP32, dims: [ -1, -1 ], optional: true, allow_ragged_batch: true }
 ]
@@ -235,6 +236,7 @@ input [
   { name: "score_rows", data_type: TYPE_INT32, dims: [ 1 ], optional: true },
   { name: "score_next", data_type: TYPE_INT32, dims: [ 1 ], optional: true },
   { name: "lora_name", data_type: TYPE_STRING, dims: [ 1 ], optional: true },
+  { name: "cache_salt", data_type: TYPE_STRING, dims: [ 1 ], optional: true },
   { name: "release", data_type: TYPE_BOOL, dims: [ 1 ], optional: true }
 ]
 output [
@@ -300,7 +302,8 @@ input [
   { name: "guided_decoding_guide", data_type: TYPE_STRING, dims: [ 1 ], optional: true },
   { name: "reasoning_parser", data_type: TYPE_STRING, dims: [ 1 ], optional: true },
   { name: "thinking_token_budget", data_type: TYPE_INT32, dims: [ 1 ], optional: true },
-  { name: "lora_name", data_type: TYPE_STRING, dims: [ 1 ], optional: true }
+  { name: "lora_name", data_type: TYPE_STRING, dims: [ 1 ], optional: true },
+  { name: "cache_salt", data_type: TYPE_STRING, dims: [ 1 ], optional: true }
 ]
 output [
   { name: "output_ids", data_type: TYPE_INT32, dims: [ -1 ] },

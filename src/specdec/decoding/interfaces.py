@@ -72,6 +72,7 @@ class VerifyCall:
     score_rows: int = 0
     score_top: bool = False  # and each scored position's tn.MAX_TOP_LOG_PROBS most likely tokens
     adapter: str = ""  # the LoRA adapter the scorer runs for the sequence (GenerationRequest.lora_name)
+    salt: str = ""  # the sequence's prefix-cache salt (GenerationRequest.cache_salt)
 
 
 class ScoredRows(NamedTuple):

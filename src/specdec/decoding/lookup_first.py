@@ -50,6 +50,7 @@ class LookupFirstProposer:
         self.wants_features = getattr(model, "wants_features", False)
         self.branches = getattr(model, "branches", 1)
         self.adapts = getattr(model, "adapts", False)
+        self.salted = getattr(model, "salted", False)
         self.model_valid: dict[int, int] = {}  # seq -> the model's valid prefix, for sequences it was called for
         self.chosen: dict[int, str] = {}  # seq -> the part `choose` picked for its next call
         self.drafted: dict[int, tuple[int, list[int]]] = {}  # seq -> (where, tokens) of the model's last proposal

@@ -70,6 +70,9 @@ class GenerationRequest:
     # the LoRA adapter the target runs (its name; "": the base model). Drafts propose as they are: the target's
     # verdict alone decides, so the output is the adapted model's
     lora_name: str = ""
+    # its prefix-cache salt (vLLM's cache_salt): the models' caches share its prompt's blocks only with
+    # requests of the same salt ("": the shared cache)
+    cache_salt: str = ""
 
     @property
     def edits_logits(self) -> bool:
@@ -347,7 +350,7 @@ async def _score(scorer: Scorer, req: GenerationRequest, keep: int, new_ids: lis
                                                  allowed=allowed, want_features=want_features, tree=tree,
                                                  path=path, score_rows=score_rows,
                                                  score_top=score_rows > 0 and req.top_log_probs > 0,
-                                                 adapter=req.lora_name))
+                                                 adapter=req.lora_name, salt=req.cache_salt))
         except NoCapacity:
             if not reserve or wait_for_room is None or not await wait_for_room():
                 raise
@@ -486,8 +489,12 @@ def _width(policy: DraftLengthPolicy, proposer: Proposer, trees: bool) -> dict:
 
 def _adapter(req: GenerationRequest, proposer: Proposer) -> dict:
     """The request's LoRA adapter for a proposer that drafts with one (an `adapts` attribute true: a draft model
-    made of the target's layers may run it too, drafting as the adapted target writes)."""
-    return {"adapter": req.lora_name} if req.lora_name and getattr(proposer, "adapts", False) else {}
+    made of the target's layers may run it too, drafting as the adapted target writes), and its prefix-cache
+    salt for one with a prefix cache (`salted`)."""
+    options = {"adapter": req.lora_name} if req.lora_name and getattr(proposer, "adapts", False) else {}
+    if req.cache_salt and getattr(proposer, "salted", False):  # a draft model's prefix cache is salted too
+        options["salt"] = req.cache_salt
+    return options
 
 
 def _first_branch_length(parents: tuple[int, ...]) -> int:

@@ -153,6 +153,7 @@ class Executor:
             adapter = self._adapter_slot(step.adapter) if step.adapter else 0
             seq = self.sequences[seq_id] = self.kv.new_sequence()
             seq.adapter, seq.adapter_key = adapter, self.adapters.key(adapter) if adapter else 0
+            seq.salt = step.salt
             try:
                 cached, queried = self._reuse_prefix(seq, step, 0)
                 self.kv.reserve(seq, grow)

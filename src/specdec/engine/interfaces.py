@@ -53,6 +53,9 @@ class Step(NamedTuple):
     # a new sequence's LoRA adapter by name ("": the base model), taken at its first step (lora.AdapterSet
     # gives it a slot, reading it from its directory if it is not held)
     adapter: str = ""
+    # a new sequence's prefix-cache salt, taken at its first step: its blocks are found only by sequences of
+    # the same salt (and adapter), so that one tenant cannot time another's prompts ("": the shared cache)
+    salt: str = ""
 
 
 class Scored(NamedTuple):

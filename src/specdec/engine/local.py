@@ -69,15 +69,17 @@ class LocalProposer:
         self.lm = lm
         self.wants_features = isinstance(lm, HeadExecutor)
         self.branches = branches  # candidates per drafted position (decoding/draft_tree.py): above 1, trees
+        self.salted = True  # a request's prefix-cache salt reaches its steps (salt=)
         self._propose = _Batcher(lambda steps: self.lm.propose_many(steps))
 
     async def propose(self, seq_id: int, keep: int, new_ids: list[int], k: int, params: SamplingParams,
-                      round_seed: int, reserve: int = 0, branches: int | None = None, **features) -> Proposal:
+                      round_seed: int, reserve: int = 0, branches: int | None = None, salt: str = "",
+                      **features) -> Proposal:
         generator = None if params.greedy else make_generator(round_seed, self.lm.logits_device)
         width = self.branches if branches is None else max(1, min(branches, self.branches))
         with _no_capacity():  # a head's features go with the step
             drafted = await self._propose(Step(seq_id, keep, new_ids, k=k, params=params, generator=generator,
-                                               reserve=reserve, branches=width, **features))
+                                               reserve=reserve, branches=width, salt=salt, **features))
             if isinstance(drafted, Exception):
                 raise drafted
         probs = None if drafted.probs is None else drafted.probs.float().cpu()
@@ -97,7 +99,7 @@ class LocalScorer:
         step = Step(call.seq_id, call.keep, call.new_ids, call.num_positions + call.score_rows, reserve=call.reserve,
                     whole=call.want_features,  # a head reads every position's features
                     tree=call.tree, path=call.path, score_rows=call.score_rows,
-                    adapter=call.adapter)  # the sequence's LoRA adapter by name
+                    adapter=call.adapter, salt=call.salt)  # the sequence's LoRA adapter by name, its salt
         problem = call.adapter and (self.lm.adapters.problem(call.adapter) if self.lm.adapters else
                                     f"no LoRA adapter {call.adapter!r} (this executor serves none)")
         if problem:

@@ -53,15 +53,20 @@ class SequenceState:
         # adapter's key (AdapterSet.key: a slot that takes another adapter takes another key).
         self.adapter = 0
         self.adapter_key = 0
+        # Its prefix-cache salt (Step.salt), fixed at its first step: its blocks are keyed under a root of
+        # that salt's ("": the shared root)
+        self.salt = ""
         # After a step whose new tokens were a tree (`Step.tree`): (the position it started at, its parents,
         # its tokens where the host knows them), which the next step's `Step.path` picks from; else None.
         self.tree: tuple[int, tuple[int, ...], list[int] | None] | None = None
 
 
-def root(seq: SequenceState) -> int:
+def root(seq: SequenceState) -> int | tuple[int, str]:
     """The parent serial of seq's first block: ROOT, or below it one per LoRA adapter loaded (serials count up
-    from ROOT + 1), so that a prompt finds only blocks its own adapter computed."""
-    return ROOT - seq.adapter_key
+    from ROOT + 1), so that a prompt finds only blocks its own adapter computed; with a salt, that root and
+    the salt (a key no serial equals), so that it finds only blocks of its own salt."""
+    parent = ROOT - seq.adapter_key
+    return (parent, seq.salt) if seq.salt else parent
 
 
 class PrefixIndex:

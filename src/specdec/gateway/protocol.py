@@ -44,7 +44,7 @@ SPECULATIVE_FIELDS = {"num_draft_tokens": (tn.NUM_DRAFT_TOKENS, np.int32), "adap
 # vLLM's `priority`: a request's place among those waiting while the server is full (lower first).
 SCHEDULING_FIELDS = {"priority": (tn.PRIORITY, np.int32)}
 COMMON_FIELDS = ("model", "stream", "stream_options", "n", "logit_bias", "logprobs", "max_tokens", "return_token_ids",
-                 "request_id",
+                 "request_id", "cache_salt",
                  *SAMPLING_FIELDS, *GUIDED_FIELDS, *SPECULATIVE_FIELDS, *SCHEDULING_FIELDS, *IGNORED_FIELDS)
 INT32 = (-2**31, 2**31 - 1)
 CHAT_FIELDS = (*COMMON_FIELDS, "messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
@@ -253,6 +253,11 @@ def _common(body: dict, chat: bool, defaults: dict | None) -> tuple[dict, dict[s
     inputs = {}
     if _typed(body, "return_token_ids", (bool,), "a boolean"):  # (the generated ones come with every answer)
         inputs[tn.RETURN_PROMPT_IDS] = np.array([[True]], dtype=np.bool_)
+    salt = _typed(body, "cache_salt", (str,), "a string")
+    if salt is not None:  # (its length the server checks)
+        if not salt:
+            raise invalid("cache_salt", "must not be empty (leave it out for the shared cache)")
+        inputs[tn.CACHE_SALT] = _string(salt)
     for name, (tensor, dtype) in {**SPECULATIVE_FIELDS, **SCHEDULING_FIELDS}.items():
         value = body.get(name)
         if value is None:

@@ -110,23 +110,24 @@ class _SequenceModel:
 
     async def _prefill(self, seq_id: int, keep: int, new_ids: list[int], needed: int, reserve: int,
                        outputs: list[str], answers: list | None = None,
-                       own: wire.Arrays | None = None) -> tuple[int, list[int], int]:
+                       own: wire.Arrays | None = None, salt: str = "") -> tuple[int, list[int], int]:
         """Send new_ids in chunks while more than `needed` tokens would be left after one; returns the
         (keep, new_ids, reserve) of the call that remains. `answers` collects the chunks' outputs; `own`: the
-        chunks' own inputs (QUIET's otherwise)."""
+        chunks' own inputs (QUIET's otherwise); `salt`: the sequence's prefix-cache salt."""
         chunk = self.prefill_chunk
         while chunk and len(new_ids) - needed > chunk:
             answer = await self._call(seq_id, new_ids[:chunk], keep, outputs, reserve=reserve,
-                                      own=own)  # the first takes the room
+                                      own=own, salt=salt)  # the first takes the room
             if answers is not None:
                 answers.append(answer)
             keep, new_ids, reserve = keep + chunk, new_ids[chunk:], 0
         return keep, new_ids, reserve
 
     async def _call(self, seq_id: int, new_ids: list[int], keep: int, outputs: list[str], reserve: int = 0,
-                    end: bool = False, own: wire.Arrays | None = None) -> dict:
+                    end: bool = False, own: wire.Arrays | None = None, salt: str = "") -> dict:
         """Keep `keep` cached tokens and append new_ids, the model's own inputs `own` (QUIET's otherwise);
-        `end`: release the sequence."""
+        `end`: release the sequence; `salt`: its prefix-cache salt (every call carries it: the first, which
+        the model reads it from, may be a chunk's)."""
         pb = self.pb
         flags = 0
         if seq_id not in self._started:
@@ -135,7 +136,7 @@ class _SequenceModel:
         if end:
             flags |= pb.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END
             self._started.discard(seq_id)
-        inputs = {**wire.StepMessage(keep, new_ids, reserve, end).encode(), **self.QUIET, **(own or {})}
+        inputs = {**wire.StepMessage(keep, new_ids, reserve, end, salt).encode(), **self.QUIET, **(own or {})}
         request = pb.InferenceRequest(
             model_name=self.model_name,
             inputs=[_tensor(pb, name, value) for name, value in inputs.items()],
@@ -179,23 +180,25 @@ class BlsProposer(_SequenceModel):
         # a request's LoRA adapter goes with its calls (adapter=): a draft made of the target's layers runs it
         # (draft_model's lora_layers), any other leaves it
         self.adapts = not wants_features
+        self.salted = True  # a request's prefix-cache salt goes with its calls (salt=): the draft's cache is salted
         if wants_features:  # every call carries the same input set (wire.py)
             self.QUIET = {**self.QUIET, tn.FEATURES: NO_FEATURES}
 
     async def propose(self, seq_id: int, keep: int, new_ids: list[int], k: int,
                       params: SamplingParams, round_seed: int, reserve: int = 0,
                       features: torch.Tensor | None = None, branches: int | None = None,
-                      adapter: str = "") -> Proposal:
+                      adapter: str = "", salt: str = "") -> Proposal:
         # a prompt's chunks carry the adapter too: the sequence's first call names it (the draft takes it then)
         chunk = {**self.QUIET, tn.LORA_NAME: wire.adapter_name(adapter)} if adapter else None
-        keep, new_ids, reserve = await self._prefill(seq_id, keep, new_ids, 1, reserve, [tn.DRAFT_TOKENS], own=chunk)
+        keep, new_ids, reserve = await self._prefill(seq_id, keep, new_ids, 1, reserve, [tn.DRAFT_TOKENS], own=chunk,
+                                                     salt=salt)
         outputs = [tn.DRAFT_TOKENS, tn.CACHED_LENGTH, tn.DRAFT_PARENTS, tn.FORWARD_STATS] + \
             ([] if params.greedy else [tn.DRAFT_PROBS])
         width = self.branches if branches is None else max(1, min(branches, self.branches))
         own = wire.ProposeMessage(k, params, round_seed, width, adapter).encode()
         if self.wants_features:
             own[tn.FEATURES] = NO_FEATURES if features is None else features.float()[None]
-        result = await self._call(seq_id, new_ids, keep, outputs, reserve, own=own)
+        result = await self._call(seq_id, new_ids, keep, outputs, reserve, own=own, salt=salt)
         drafted = wire.DraftedMessage.decode({name: result[name].as_numpy() for name in outputs[:4]})
         probs = None if params.greedy else _torch(result[tn.DRAFT_PROBS])[0]
         if probs is not None and not len(probs):  # a deterministic proposal (a head's tree): point masses
@@ -228,7 +231,7 @@ class BlsScorer(_SequenceModel):
             [tn.FEATURES] if call.want_features else [])
         while chunk and rows > chunk and len(new_ids) - call.num_positions > chunk:
             own = wire.VerifyMessage(0, score_rows=chunk, score_next=new_ids[chunk], adapter=call.adapter).encode()
-            chunks.append(await self._call(call.seq_id, new_ids[:chunk], keep, outputs, reserve, own=own))
+            chunks.append(await self._call(call.seq_id, new_ids[:chunk], keep, outputs, reserve, own=own, salt=call.salt))
             keep, new_ids, reserve, rows = keep + chunk, new_ids[chunk:], 0, rows - chunk
         return keep, new_ids, reserve, rows
 
@@ -245,7 +248,7 @@ class BlsScorer(_SequenceModel):
             keep, new_ids, reserve = await self._prefill(
                 call.seq_id, call.keep, call.new_ids, call.num_positions, call.reserve,
                 [tn.GREEDY_TOKENS] + ([tn.FEATURES] if call.want_features else []), chunks,
-                wire.VerifyMessage(0, adapter=call.adapter).encode() if call.adapter else None)
+                wire.VerifyMessage(0, adapter=call.adapter).encode() if call.adapter else None, call.salt)
         answer = [tn.GREEDY_TOKENS, tn.FORWARD_STATS] + ([tn.GREEDY_LOG_PROBS] if call.want_log_probs else []) + (
             [tn.GREEDY_TOP_IDS, tn.GREEDY_TOP_LOG_PROBS] if call.want_top_log_probs else []) + (
             [tn.SCORED_LOG_PROBS] if call.score_rows else []) + (
@@ -255,7 +258,7 @@ class BlsScorer(_SequenceModel):
         # The grammar's (K+1) x V/32 words instead of (K+1) x V logits back.
         result = await self._call(call.seq_id, new_ids, keep, outputs, reserve,
                                   own=wire.VerifyMessage(call.num_positions, call.allowed, call.tree, call.path,
-                                                         rows, adapter=call.adapter).encode())
+                                                         rows, adapter=call.adapter).encode(), salt=call.salt)
         verified = wire.VerifiedMessage.decode({name: result[name].as_numpy() for name in answer})
         logits = _torch(result[tn.LOGITS])[0] if call.want_logits else None
         log_probs = None if verified.log_probs is None else torch.from_numpy(verified.log_probs)

@@ -36,6 +36,7 @@ class FallbackProposer:
         self.wants_features = getattr(inner, "wants_features", False)  # a trained head's: the loop sends them
         self.branches = getattr(inner, "branches", 1)  # its trees' width: the policy chooses per round
         self.adapts = getattr(inner, "adapts", False)  # it takes a request's LoRA adapter (adapter=)
+        self.salted = getattr(inner, "salted", False)  # and its prefix-cache salt (salt=)
 
     @property
     def available(self) -> bool:

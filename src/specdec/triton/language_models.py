@@ -341,7 +341,7 @@ class LanguageModelAdapter(TritonAdapter):
     def _parse_step(self, inputs: wire.Arrays, seq_id: int, wanted: frozenset = frozenset()) -> Step:
         """The step a request asks for (`wanted`: the names of the outputs it asks for)."""
         message = wire.StepMessage.decode(inputs)
-        return Step(seq_id, message.keep, message.new_ids, reserve=message.reserve,
+        return Step(seq_id, message.keep, message.new_ids, reserve=message.reserve, salt=message.salt,
                     **self._step_options(inputs, wanted))
 
     def _step_options(self, inputs: wire.Arrays, wanted: frozenset) -> dict:

@@ -207,6 +207,7 @@ class ParsedRequest:
                              settings.fields.get(tn.THINKING_TOKEN_BUDGET, f"input '{tn.THINKING_TOKEN_BUDGET}'")),
             token_bias=_token_bias(inputs, limits.vocab_size, settings.field, encode),
             lora_name=lora_name,
+            cache_salt=_cache_salt(inputs),
         )
         # A seeded sampled request must be reproducible: measured costs vary from run to run, and a
         # different K changes which random draws pick which token, so it drafts a fixed K.
@@ -334,6 +335,15 @@ def _lora_name(inputs: Inputs, limits: RequestLimits, field: str) -> str:
         where = f"; none in {limits.lora_directory}" if limits.lora_directory else ""
         raise InputError(f"{field}: no LoRA adapter {name!r} (served: {', '.join(limits.lora_names) or 'none'}{where})")
     return name
+
+
+def _cache_salt(inputs: Inputs) -> str:
+    """The request's prefix-cache salt ("": none), at most tn.MAX_CACHE_SALT characters."""
+    salts = inputs.strings(tn.CACHE_SALT)
+    if len(salts) > 1 or (salts and len(salts[0]) > tn.MAX_CACHE_SALT):
+        raise InputError(f"input '{tn.CACHE_SALT}' must be one string of at most {tn.MAX_CACHE_SALT} characters, "
+                         f"got {len(salts)} of up to {max(map(len, salts))} characters")
+    return salts[0] if salts else ""
 
 
 def _grammar(inputs: Inputs, compile_guide: CompileGuide | None, max_chars: int, encode: Encode | None,

@@ -49,18 +49,22 @@ class StepMessage:
     new_ids: list[int]  # tokens to append
     reserve: int = 0  # a new sequence's room for its whole generation (positions)
     release: bool = False  # free the sequence's cache (sent with the sequence END flag)
+    salt: str = ""  # a new sequence's prefix-cache salt (tn.CACHE_SALT; read at its first step)
 
     def encode(self) -> Arrays:
         return {tn.INPUT_IDS: _i32(self.new_ids), tn.CACHE_LENGTH: _i32([self.keep]),
-                tn.RESERVE_TOKENS: _i32([self.reserve]), tn.RELEASE: np.array([[self.release]])}
+                tn.RESERVE_TOKENS: _i32([self.reserve]), tn.RELEASE: np.array([[self.release]]),
+                tn.CACHE_SALT: np.array([[self.salt.encode()]], dtype=np.object_)}
 
     @classmethod
     def decode(cls, inputs: Arrays) -> StepMessage:
         ids = inputs.get(tn.INPUT_IDS)
         if ids is None:
             raise ValueError(f"missing input {tn.INPUT_IDS}")
+        salt = inputs.get(tn.CACHE_SALT)
         return cls(int(_scalar(inputs, tn.CACHE_LENGTH, 0)), ids.reshape(-1).tolist(),
-                   int(_scalar(inputs, tn.RESERVE_TOKENS, 0)), bool(_scalar(inputs, tn.RELEASE, False)))
+                   int(_scalar(inputs, tn.RESERVE_TOKENS, 0)), bool(_scalar(inputs, tn.RELEASE, False)),
+                   "" if salt is None or not salt.size else _text(salt.reshape(-1)[0]))
 
 
 @dataclass(frozen=True)
