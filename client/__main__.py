@@ -42,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="a word the output never contains, as tokens (repeatable; mid-text words need their space)")
     p.add_argument("--draft-model")
     p.add_argument("--lora-name", help="the LoRA adapter the target runs (one the server serves)")
+    p.add_argument("--cache-salt", help="share prefix-cache blocks only with requests of this salt (a tenant's secret)")
     p.add_argument("--adaptive-draft", dest="adaptive_draft", action=argparse.BooleanOptionalAction, default=None,
                    help="adapt K per round (server default: on); --no-adaptive-draft drafts exactly --num-draft-tokens")
     p.add_argument("--chat-template", dest="apply_chat_template", action=argparse.BooleanOptionalAction, default=None)
@@ -69,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
         top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed, end_id=args.end_id, stop_words=tuple(args.stop),
         bad_words=tuple(args.bad_word), repetition_penalty=args.repetition_penalty,
         presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-        draft_model=args.draft_model, lora_name=args.lora_name, apply_chat_template=args.apply_chat_template,
+        draft_model=args.draft_model, lora_name=args.lora_name, cache_salt=args.cache_salt,
+        apply_chat_template=args.apply_chat_template,
         adaptive_draft=args.adaptive_draft, num_draft_branches=args.num_draft_branches,
         min_length=args.min_length, ignore_eos=args.ignore_eos,
         return_log_probs=args.return_log_probs, num_top_log_probs=args.num_top_log_probs,

@@ -62,6 +62,7 @@ class GenerationParams:
     bad_words: tuple[str, ...] = ()  # token sequences the output never contains (mid-text words: " word")
     draft_model: str | None = None
     lora_name: str | None = None  # the LoRA adapter the target runs (one the server serves); None: the base model
+    cache_salt: str | None = None  # the prompt shares prefix-cache blocks only with requests of this salt
     apply_chat_template: bool | None = None
     return_log_probs: bool | None = None  # each token's log-probability under the target (result.log_probs)
     # with return_log_probs: also each position's n most likely tokens (result.top_ids, result.top_log_probs)
@@ -105,7 +106,8 @@ class GenerationParams:
         for name, value, dtype in scalars:
             if value is not None:
                 arrays[name] = np.array([[value]], dtype=dtype)
-        for name, value in ((tn.DRAFT_MODEL, self.draft_model), (tn.LORA_NAME, self.lora_name)):
+        for name, value in ((tn.DRAFT_MODEL, self.draft_model), (tn.LORA_NAME, self.lora_name),
+                            (tn.CACHE_SALT, self.cache_salt)):
             if value is not None:
                 arrays[name] = np.array([[value.encode()]], dtype=np.object_)
         for name, words in ((tn.STOP_WORDS, self.stop_words), (tn.BAD_WORDS, self.bad_words)):
@@ -125,6 +127,7 @@ class GenerationParams:
         body = {tn.TEXT_INPUT: prompt, tn.STREAM: stream}
         for name in ("max_tokens", "num_draft_tokens", "temperature", "top_k", "top_p", "min_p", "seed",
                      "repetition_penalty", "presence_penalty", "frequency_penalty", "end_id", "draft_model", "lora_name",
+                     "cache_salt",
                      "apply_chat_template", "adaptive_draft", "num_draft_branches", "min_length", "ignore_eos",
                      "return_log_probs", "num_top_log_probs", "return_prompt_log_probs", "return_prompt_ids",
                      "priority", "stream_interval_ms", "thinking_token_budget"):

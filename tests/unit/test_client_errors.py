@@ -86,3 +86,12 @@ def test_penalties_and_min_p_go_out_as_fp32_scalars_over_grpc_and_json_numbers_o
     assert arrays[tn.MIN_P].dtype == np.float32 and arrays[tn.MIN_P].tolist() == [[0.5]]
     body = params.json("hi", stream=True)
     assert (body[tn.REPETITION_PENALTY], body[tn.FREQUENCY_PENALTY]) == (1.2, -0.5) and tn.PRESENCE_PENALTY not in body
+
+
+def test_a_cache_salt_and_return_prompt_ids_go_out_over_grpc_and_http():
+    params = GenerationParams(cache_salt="tenant-1", return_prompt_ids=True)
+    arrays = params.tensors("hi", stream=False)
+    assert arrays[tn.CACHE_SALT].tolist() == [[b"tenant-1"]] and arrays[tn.RETURN_PROMPT_IDS].tolist() == [[True]]
+    body = params.json("hi", stream=False)
+    assert (body[tn.CACHE_SALT], body[tn.RETURN_PROMPT_IDS]) == ("tenant-1", True)
+    assert tn.CACHE_SALT not in GenerationParams().tensors("hi", stream=False)
