@@ -84,7 +84,8 @@ def test_every_draft_call_carries_one_input_set_with_the_sampling_settings_greed
     assert pb.sent[-1][tn.MIN_P].item() == 0.0 and not pb.sent[-1][tn.RELEASE].item()
     asyncio.run(proposer.release(1))
     assert pb.sent[-1][tn.RELEASE].item() and pb.sent[-1][tn.NUM_DRAFT_TOKENS].item() == 0
-    assert _input_sets(pb.sent) == {frozenset([tn.INPUT_IDS, tn.CACHE_LENGTH, tn.RESERVE_TOKENS, tn.RELEASE, tn.CACHE_SALT,
+    assert _input_sets(pb.sent) == {frozenset([tn.INPUT_IDS, tn.CACHE_LENGTH, tn.RESERVE_TOKENS, tn.RELEASE,
+                                               tn.CACHE_SALT,
                                                tn.NUM_DRAFT_TOKENS, tn.NUM_DRAFT_BRANCHES, tn.TEMPERATURE, tn.TOP_K,
                                                tn.TOP_P, tn.MIN_P, tn.SEED, tn.LORA_NAME])}
 
@@ -185,7 +186,8 @@ def test_a_grammar_bitmask_goes_with_the_verify_and_no_logits_come_back():
     assert pb.sent[-1][tn.ALLOWED_TOKENS].size == 0 and pb.sent[-1][tn.NUM_LOGITS].item() == 1  # every token
     asyncio.run(scorer.release(1))
     assert pb.sent[-1][tn.RELEASE].item() and pb.sent[-1][tn.NUM_LOGITS].item() == 0
-    assert _input_sets(pb.sent) == {frozenset([tn.INPUT_IDS, tn.CACHE_LENGTH, tn.RESERVE_TOKENS, tn.RELEASE, tn.CACHE_SALT,
+    assert _input_sets(pb.sent) == {frozenset([tn.INPUT_IDS, tn.CACHE_LENGTH, tn.RESERVE_TOKENS, tn.RELEASE,
+                                               tn.CACHE_SALT,
                                                tn.NUM_LOGITS, tn.ALLOWED_TOKENS, tn.TREE_PARENTS,
                                                tn.ACCEPTED_PATH, tn.SCORE_ROWS, tn.SCORE_NEXT, tn.LORA_NAME])}
 

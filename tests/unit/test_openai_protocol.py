@@ -227,7 +227,8 @@ def test_a_request_id_comes_from_the_header_else_the_body():
     assert protocol.request_id(None, {"request_id": "body"}) == "body"
     assert protocol.request_id(None, {}) is None
     for header, body, param in (("", {}, "X-Request-Id"), (None, {"request_id": "a\nb"}, "request_id"),
-                                (None, {"request_id": "x" * 257}, "request_id"), (None, {"request_id": 3}, "request_id")):
+                                (None, {"request_id": "x" * 257}, "request_id"),
+                                (None, {"request_id": 3}, "request_id")):
         with pytest.raises(ApiError) as caught:
             protocol.request_id(header, body)
         assert caught.value.param == param

@@ -583,7 +583,8 @@ def test_bad_guides_are_refused_by_name(inputs, message):
 def test_a_cache_salt_is_one_string_of_bounded_length():
     assert parse().generation.cache_salt == ""
     assert parse(**{tn.CACHE_SALT: np.array([[b"tenant-1"]], dtype=np.object_)}).generation.cache_salt == "tenant-1"
-    for value in (np.array([[b"a", b"b"]], dtype=np.object_), np.array([[b"x" * (tn.MAX_CACHE_SALT + 1)]], dtype=np.object_)):
+    for value in (np.array([[b"a", b"b"]], dtype=np.object_),
+                  np.array([[b"x" * (tn.MAX_CACHE_SALT + 1)]], dtype=np.object_)):
         with pytest.raises(InputError, match=tn.CACHE_SALT):
             parse(**{tn.CACHE_SALT: value})
 

@@ -250,7 +250,8 @@ class Gateway:
     def _identified(request: web.Request, body, gen: Generation) -> Generation:
         """The generation under the id its client gave (protocol.request_id), which the answer's
         X-Request-Id header repeats (_request_id_header)."""
-        given = protocol.request_id(request.headers.get(protocol.REQUEST_ID_HEADER), body if isinstance(body, dict) else {})
+        given = protocol.request_id(request.headers.get(protocol.REQUEST_ID_HEADER),
+                                    body if isinstance(body, dict) else {})
         if given is not None:
             gen.id = given
         request[_REQUEST_ID] = gen.id

@@ -148,8 +148,8 @@ class Upstream:
     async def generate(self, arrays: dict[str, np.ndarray], log_probs: bool, top: bool = False,
                        request_id: str = "") -> AsyncIterator[Piece]:
         """The request's responses as they come (with the prompt's log-probabilities when its inputs ask for
-        them), under Triton's `request_id` (its logs' and traces'; "": none). Closing the iterator early (the caller went away) cancels the request on the server, which
-        frees its sequence within a round."""
+        them), under Triton's `request_id` (its logs' and traces'; "": none). Closing the iterator early (the
+        caller went away) cancels the request on the server, which frees its sequence within a round."""
         outputs = [InferRequestedOutput(name) for name in _OUTPUTS]
         if log_probs:
             outputs.append(InferRequestedOutput(tn.OUTPUT_LOG_PROBS))

@@ -231,7 +231,8 @@ class BlsScorer(_SequenceModel):
             [tn.FEATURES] if call.want_features else [])
         while chunk and rows > chunk and len(new_ids) - call.num_positions > chunk:
             own = wire.VerifyMessage(0, score_rows=chunk, score_next=new_ids[chunk], adapter=call.adapter).encode()
-            chunks.append(await self._call(call.seq_id, new_ids[:chunk], keep, outputs, reserve, own=own, salt=call.salt))
+            chunks.append(await self._call(call.seq_id, new_ids[:chunk], keep, outputs, reserve, own=own,
+                                           salt=call.salt))
             keep, new_ids, reserve, rows = keep + chunk, new_ids[chunk:], 0, rows - chunk
         return keep, new_ids, reserve, rows
 
