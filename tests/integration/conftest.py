@@ -2,13 +2,12 @@
 
 import re
 import time
-import urllib.error
-import urllib.request
 import warnings
 
 import pytest
 
 from specdec.serving import pairs, repository
+from specdec.serving.healthcheck import not_ready
 
 from .helpers import READY_TIMEOUT_S, check_retired, start_server, stop_server
 
@@ -36,26 +35,16 @@ def server(tmp_path_factory):
         warnings.warn(f"tritonserver exited with {code} after the session; log: {srv.log_path}")
 
 
-def launcher_readiness(srv) -> str:
-    """'ready', or the launcher's reason for not being ready (its readiness endpoint, the chart's probe)."""
-    try:
-        with urllib.request.urlopen(srv.readiness_url, timeout=10) as response:
-            return response.read().decode().strip()
-    except urllib.error.HTTPError as exc:
-        return exc.read().decode().strip()
-    except OSError as exc:
-        return f"no answer: {exc}"
-
-
 @pytest.fixture(autouse=True)
 def session_server_serving(request):
     """A test on the session's server starts on a serving one, and a heal during it is reported.
 
     Triton 24.10 has crashed, rarely, under a test's load (seen in CI during Locust's flood of refused
     requests: every later test on this server failed on a refused connection). The launcher restarts a
-    crashed server by design (deployment.md, self-healing); the next test waits for it (the launcher's
-    readiness, READY_TIMEOUT_S at most) instead of failing on the way back, and the heal's log lines are
-    a warning naming the test it happened in (the session's summary lists it)."""
+    crashed server by design (deployment.md, self-healing); the next test waits for it (the readiness the
+    launcher's endpoint answers, healthcheck.not_ready; READY_TIMEOUT_S at most) instead of failing on the
+    way back, and the heal's log lines are a warning naming the test it happened in (the session's summary
+    lists it)."""
     if "server" not in request.fixturenames:
         yield
         return
@@ -63,7 +52,7 @@ def session_server_serving(request):
     deadline = time.monotonic() + READY_TIMEOUT_S
     # A server that reported a fatal signal may answer health checks until the launcher sees it exit
     # (server_process.py): after one, the launcher's line that the restarted server is ready is awaited too.
-    while (state := launcher_readiness(srv)) != "ready" or crashed_unhealed(srv):
+    while (state := not_ready(srv.http_port, openai_port=srv.openai_port)) is not None or crashed_unhealed(srv):
         if time.monotonic() > deadline or srv.process.poll() is not None:
             pytest.fail(f"the session's server is not serving: {state}; log {srv.log_path}:\n{srv.log_tail()}")
         time.sleep(0.5)
