@@ -27,6 +27,8 @@
                  logits kept unscattered for a greedy pick
   cuda_graphs    pinned input staging and one bucket's forward captured as a CUDA graph
   kernels        a Llama layer's pointwise math as pure functions, and their compiled (fused) form
+  gguf_checkpoint  a Llama GGUF file read into config.json's fields and float32 weights (transformers' names)
+                 without transformers' loader: served GGUF targets, the default pair's conversion
   loading        loads a model (Hugging Face directory, GGUF file, FP8 checkpoint) on a device, in a dtype
   onednn_linear  CPU linear layers with weights reordered once for oneDNN; which kernels a model's
                  linears run on (`linear_kernels`, timed at load)

@@ -247,36 +247,22 @@ DEFAULT_PAIR_DRAFT_BRANCHES = 3  # the default pair's draft_branches: its head's
 def default_pair() -> PairSpec:
     root = cache_dir() / "models"
     target = root / "smollm2-135m-instruct"
-    if not _done(target):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+    draft = root / f"smollm2-135m-instruct-first{DEFAULT_DRAFT_LAYERS}layers"
+    if not (_done(target) and _done(draft)):
+        from transformers import AutoTokenizer
+
+        from specdec.engine import gguf_checkpoint
 
         gguf = smollm2_gguf_path()
-        log(f"converting {gguf.name} to safetensors in {target} (once, about 20 s)")
-        gguf_model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        # transformers marks a GGUF-loaded model as quantized and refuses to save it: copy the
-        # dequantized weights into a plain model of the same config.
-        config = gguf_model.config
-        if hasattr(config, "quantization_config"):
-            del config.quantization_config
-        model = AutoModelForCausalLM.from_config(config)
-        model.load_state_dict(gguf_model.state_dict())
-        log("dequantized; saving safetensors")
-        model.save_pretrained(target)
-        # the tokenizer extracted once from the same file (each read of the GGUF parses its vocabulary anew)
-        AutoTokenizer.from_pretrained(smollm2_tokenizer_dir()).save_pretrained(target)
-        _mark_done(target)
+        log(f"converting {gguf.name} to safetensors in {target}, and its first {DEFAULT_DRAFT_LAYERS} layers "
+            f"(the layer-skip draft) in {draft} (once, about 20 s)")
+        config, weights = gguf_checkpoint.read(gguf)
+        tokenizer = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir())
+        for out, layers in ((target, None), (draft, DEFAULT_DRAFT_LAYERS)):
+            gguf_checkpoint.write_model_directory(config, weights, out, num_layers=layers)
+            tokenizer.save_pretrained(out)
+            _mark_done(out)
         log("conversion done")
-    draft = root / f"smollm2-135m-instruct-first{DEFAULT_DRAFT_LAYERS}layers"
-    if not _done(draft):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        log(f"building the layer-skip draft (first {DEFAULT_DRAFT_LAYERS} layers) in {draft}")
-        model = AutoModelForCausalLM.from_pretrained(target)
-        model.model.layers = model.model.layers[:DEFAULT_DRAFT_LAYERS]
-        model.config.num_hidden_layers = DEFAULT_DRAFT_LAYERS
-        model.save_pretrained(draft)
-        AutoTokenizer.from_pretrained(target).save_pretrained(draft)
-        _mark_done(draft)
     max_pos = json.loads((target / "config.json").read_text()).get("max_position_embeddings", 2048)
     # By default prompt lookup (free), the draft that measures fastest here: since the target streams its
     # weights as the 4-bit blocks they are (panel_linear.encode) a step costs half what it did and the head's

@@ -1,0 +1,111 @@
+"""The GGUF reader (engine/gguf_checkpoint.py) against transformers' own GGUF loading, on a tiny Llama written
+here as llama.cpp writes one: q/k rows in its RoPE order, linears in 4- and 8-bit blocks, norms in float32."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from specdec.engine import gguf_checkpoint
+
+VOCAB, HIDDEN, FFN, HEADS, KV_HEADS, LAYERS = 96, 64, 128, 4, 2, 2
+
+
+def write_tiny_llama(path, arch: str = "llama", output: bool = True) -> None:
+    from gguf import GGMLQuantizationType as Q
+    from gguf import GGUFWriter
+    from gguf.quants import quantize
+
+    rng = np.random.default_rng(0)
+    writer = GGUFWriter(str(path), arch)
+    for add, value in (("block_count", LAYERS), ("context_length", 256), ("embedding_length", HIDDEN),
+                       ("feed_forward_length", FFN), ("head_count", HEADS), ("head_count_kv", KV_HEADS),
+                       ("rope_freq_base", 5e5), ("layer_norm_rms_eps", 1e-5), ("rope_dimension_count", HIDDEN // HEADS),
+                       ("vocab_size", VOCAB), ("bos_token_id", 1), ("eos_token_id", 2), ("pad_token_id", 2)):
+        getattr(writer, f"add_{add}")(value)
+
+    def tensor(name, rows, cols, kind=Q.F32):
+        values = rng.normal(0, 0.5, (rows, cols) if cols else (rows,)).astype(np.float32)
+        if kind == Q.F32:
+            writer.add_tensor(name, values)
+        else:
+            writer.add_tensor(name, quantize(values, kind), raw_dtype=kind)
+
+    tensor("token_embd.weight", VOCAB, HIDDEN, Q.Q8_0)
+    tensor("output_norm.weight", HIDDEN, 0)
+    if output:
+        tensor("output.weight", VOCAB, HIDDEN, Q.Q4_0)
+    head = HIDDEN // HEADS
+    for i in range(LAYERS):
+        for name, rows, cols in (("attn_q", HEADS * head, HIDDEN), ("attn_k", KV_HEADS * head, HIDDEN),
+                                 ("attn_v", KV_HEADS * head, HIDDEN), ("attn_output", HIDDEN, HIDDEN),
+                                 ("ffn_gate", FFN, HIDDEN), ("ffn_up", FFN, HIDDEN), ("ffn_down", HIDDEN, FFN)):
+            tensor(f"blk.{i}.{name}.weight", rows, cols, Q.Q4_1 if name != "ffn_down" else Q.Q8_0)
+        tensor(f"blk.{i}.attn_norm.weight", HIDDEN, 0)
+        tensor(f"blk.{i}.ffn_norm.weight", HIDDEN, 0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("output", [True, False], ids=["own head", "tied head"])
+def test_the_weights_and_config_are_transformers_own_bit_for_bit(tmp_path, output):
+    from transformers import AutoModelForCausalLM
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_llama(path, output=output)
+    config, weights = gguf_checkpoint.read(path)
+    reference = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32)
+    expected = reference.state_dict()
+    if not output:  # tied: transformers' state dict shows the embedding again as the head
+        assert "lm_head.weight" not in weights and config["tie_word_embeddings"]
+        expected.pop("lm_head.weight")
+    assert set(weights) == set(expected)
+    unequal = [name for name in expected if not torch.equal(weights[name], expected[name])]
+    assert not unequal, unequal  # the q/k rows back in Hugging Face's order, every block type dequantised alike
+    theirs = {**reference.config.to_dict(), "architectures": [type(reference).__name__]}  # (as a save writes it)
+    for key, value in config.items():
+        assert theirs[key] == value, (key, value, theirs[key])
+
+
+def test_a_written_directory_loads_as_the_same_model_and_a_prefix_of_its_layers(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_llama(path)
+    config, weights = gguf_checkpoint.read(path)
+    gguf_checkpoint.write_model_directory(config, weights, tmp_path / "full")
+    gguf_checkpoint.write_model_directory(config, weights, tmp_path / "first1", num_layers=1)
+    ids = torch.tensor([[1, 5, 9, 33, 70]])
+    reference = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32)
+    full = AutoModelForCausalLM.from_pretrained(tmp_path / "full", dtype=torch.float32)
+    assert torch.equal(full(ids).logits, reference(ids).logits)
+    first = AutoModelForCausalLM.from_pretrained(tmp_path / "first1", dtype=torch.float32)
+    assert first.config.num_hidden_layers == 1 and len(first.model.layers) == 1
+    assert torch.equal(first.model.layers[0].mlp.down_proj.weight, weights["model.layers.0.mlp.down_proj.weight"])
+    assert json.loads((tmp_path / "first1" / "generation_config.json").read_text())["eos_token_id"] == 2
+
+
+def test_another_architecture_is_refused_naming_it(tmp_path):
+    path = tmp_path / "other.gguf"
+    write_tiny_llama(path, arch="qwen2")
+    with pytest.raises(gguf_checkpoint.UnsupportedGGUF, match="'qwen2'"):
+        gguf_checkpoint.read(path)
+
+
+def test_a_served_gguf_loads_through_the_reader_as_transformers_would(tmp_path):
+    """load_causal_lm of a .gguf (what `--target FILE.gguf` serves): the reader's model, transformers' logits."""
+    from transformers import AutoModelForCausalLM
+
+    from specdec.engine.loading import load_causal_lm
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_llama(path, output=False)
+    ids = torch.tensor([[1, 5, 9, 33, 70]])
+    reference = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float64)
+    model = load_causal_lm(str(path), dtype="float64", linear_kernels="torch")
+    with torch.inference_mode():
+        assert torch.equal(model(ids).logits, reference(ids).logits)
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()  # tied as the file says
