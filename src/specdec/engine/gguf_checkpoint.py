@@ -3,9 +3,10 @@ config.json (a dict) and its weights (float32 tensors under transformers' names)
 
 Why not transformers' own GGUF loading: it parses the file once for the config and again for the weights,
 builds a name map by probing every architecture's table, and initialises a model at random before copying the
-weights in: the default pair's conversion from SmolLM2-135M's 98 MB file took 43 s on a 2-core CPU that way,
-22.6 s this way (7 s of it reading: one parse, numpy's dequantisation; the rest writing 0.8 GB). The result is the same bit for bit (tests/unit/test_gguf_checkpoint.py checks it against
-transformers' conversion of a file written with every quantisation the llama.cpp conversions use here).
+weights in; here one parse and numpy's dequantisation (half the default pair's conversion time, a third of a
+served .gguf's load: docs/results/2026-12-04-suite-time.md). The result is the same bit for bit
+(tests/unit/test_gguf_checkpoint.py checks it against transformers' loading of a file written with 4- and 8-bit
+blocks and float32 tensors, q/k rows in llama.cpp's order).
 
 Only `general.architecture: llama` (Llama 1-3, SmolLM, TinyLlama, Mistral's dense models as llama.cpp
 writes them); any other architecture is refused naming it (transformers' loader reads those).
