@@ -15,7 +15,7 @@ from specdec.engine import gguf_checkpoint
 VOCAB, HIDDEN, FFN, HEADS, KV_HEADS, LAYERS = 96, 64, 128, 4, 2, 2
 
 
-def write_tiny_llama(path, arch: str = "llama", output: bool = True) -> None:
+def write_tiny_llama(path, arch: str = "llama", output: bool = True, vocab_size: bool = True) -> None:
     from gguf import GGMLQuantizationType as Q
     from gguf import GGUFWriter
     from gguf.quants import quantize
@@ -26,7 +26,8 @@ def write_tiny_llama(path, arch: str = "llama", output: bool = True) -> None:
                        ("feed_forward_length", FFN), ("head_count", HEADS), ("head_count_kv", KV_HEADS),
                        ("rope_freq_base", 5e5), ("layer_norm_rms_eps", 1e-5), ("rope_dimension_count", HIDDEN // HEADS),
                        ("vocab_size", VOCAB), ("bos_token_id", 1), ("eos_token_id", 2), ("pad_token_id", 2)):
-        getattr(writer, f"add_{add}")(value)
+        if add != "vocab_size" or vocab_size:
+            getattr(writer, f"add_{add}")(value)
 
     def tensor(name, rows, cols, kind=Q.F32):
         values = rng.normal(0, 0.5, (rows, cols) if cols else (rows,)).astype(np.float32)
@@ -71,6 +72,17 @@ def test_the_weights_and_config_are_transformers_own_bit_for_bit(tmp_path, outpu
     theirs = {**reference.config.to_dict(), "architectures": [type(reference).__name__]}  # (as a save writes it)
     for key, value in config.items():
         assert theirs[key] == value, (key, value, theirs[key])
+
+
+def test_a_file_without_a_vocab_size_field_takes_the_embeddings_rows(tmp_path):
+    """Files converted before llama.cpp wrote `llama.vocab_size` (transformers' loader then looks for it in a
+    tokenizer the file need not hold, and fails on this one)."""
+    write_tiny_llama(tmp_path / "with.gguf")
+    write_tiny_llama(tmp_path / "without.gguf", vocab_size=False)
+    (config, weights), (old_config, old_weights) = (gguf_checkpoint.read(tmp_path / name)
+                                                    for name in ("with.gguf", "without.gguf"))
+    assert old_config == config and config["vocab_size"] == VOCAB
+    assert all(torch.equal(old_weights[name], weights[name]) for name in weights)
 
 
 def test_a_written_directory_loads_as_the_same_model_and_a_prefix_of_its_layers(tmp_path):

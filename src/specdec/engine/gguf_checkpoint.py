@@ -41,7 +41,11 @@ def read(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     arch = meta.get("general.architecture")
     if arch != "llama":
         raise UnsupportedGGUF(f"{path}: GGUF architecture {arch!r} is not read here (only 'llama')")
-    config = _config(meta, has_output="output.weight" in {t.name for t in reader.tensors})
+    shapes = {t.name: [int(d) for d in t.shape] for t in reader.tensors}
+    if "token_embd.weight" not in shapes:
+        raise UnsupportedGGUF(f"{path}: no token_embd.weight (not a language model's GGUF)")
+    # (files older than llama.vocab_size have the vocabulary as the embedding's rows: its GGUF dims' last)
+    config = _config(meta, has_output="output.weight" in shapes, vocab=shapes["token_embd.weight"][-1])
     weights = {}
     for tensor in reader.tensors:
         values = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
@@ -76,7 +80,7 @@ def _unpermute(weight: np.ndarray, heads: int) -> np.ndarray:
     return weight.reshape(heads, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-def _config(meta: dict, has_output: bool) -> dict:
+def _config(meta: dict, has_output: bool, vocab: int) -> dict:
     def get(key: str, default=None):
         value = meta.get(f"llama.{key}", default)
         if value is None:
@@ -94,7 +98,7 @@ def _config(meta: dict, has_output: bool) -> dict:
         "max_position_embeddings": int(get("context_length")),
         "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon")),
         "rope_parameters": {"rope_theta": float(get("rope.freq_base", 10000.0)), "rope_type": "default"},
-        "vocab_size": int(get("vocab_size", 0)) or None,
+        "vocab_size": int(get("vocab_size", vocab)),
         "tie_word_embeddings": not has_output, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
         "dtype": "float32",
     }
