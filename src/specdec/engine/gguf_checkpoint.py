@@ -110,12 +110,21 @@ def _config(meta: dict, has_output: bool, vocab: int) -> dict:
     return config
 
 
+def llama_config(config: dict):
+    """transformers' LlamaConfig of `read`'s config fields."""
+    from transformers import LlamaConfig
+
+    hf_config = LlamaConfig(**{k: v for k, v in config.items() if k not in ("architectures", "model_type")})
+    hf_config.architectures = config["architectures"]
+    return hf_config
+
+
 def write_model_directory(config: dict, weights: dict[str, torch.Tensor], out: Path,
                           num_layers: int | None = None) -> None:
     """config.json, generation_config.json and model.safetensors in `out`, as transformers' save_pretrained
     writes them; `num_layers`: only the first layers (a layer-skip draft of the same weights)."""
     from safetensors.torch import save_file
-    from transformers import GenerationConfig, LlamaConfig
+    from transformers import GenerationConfig
 
     if num_layers is not None:
         config = {**config, "num_hidden_layers": num_layers}
@@ -124,8 +133,7 @@ def write_model_directory(config: dict, weights: dict[str, torch.Tensor], out: P
     if config.get("tie_word_embeddings"):
         weights = {name: tensor for name, tensor in weights.items() if name != "lm_head.weight"}
     out.mkdir(parents=True, exist_ok=True)
-    hf_config = LlamaConfig(**{k: v for k, v in config.items() if k not in ("architectures", "model_type")})
-    hf_config.architectures = config["architectures"]
+    hf_config = llama_config(config)
     hf_config.save_pretrained(out)
     GenerationConfig.from_model_config(hf_config).save_pretrained(out)
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})

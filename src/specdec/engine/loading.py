@@ -109,10 +109,10 @@ def load_gguf(path: Path, kwargs: dict):
         except gguf_checkpoint.UnsupportedGGUF:
             pass
         else:
-            from transformers import LlamaConfig, LlamaForCausalLM
+            from transformers import LlamaForCausalLM
 
-            hf = LlamaConfig(**{k: v for k, v in config.items() if k not in ("architectures", "model_type")})
-            return LlamaForCausalLM.from_pretrained(None, config=hf, state_dict=weights, **kwargs)
+            return LlamaForCausalLM.from_pretrained(None, config=gguf_checkpoint.llama_config(config),
+                                                    state_dict=weights, **kwargs)
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, **kwargs)
