@@ -276,7 +276,7 @@ for part in "$@"; do
         --launcher-arg=--skip-draft=swift=auto --launcher-arg=--draft-head=eagle3="$head" \
         --launcher-arg=--draft-head=eagle3_stop="$head" --launcher-arg=--default-draft=draft_model \
         --launcher-arg=--set=speculative_decoding.draft_branches=2 --launcher-arg=--set=swift.draft_stop_below=0 \
-        --launcher-arg=--set=eagle3.draft_stop_below=0 \
+        --launcher-arg=--set=eagle3.draft_stop_below=0 --launcher-arg=--set=swift.compile=off \
         --drafts draft_model:2 swift eagle3 eagle3:2 eagle3_stop "${small[@]}" --out "$out/drafts.md" ;;
     kernels) run kernels 300 "$python" -m bench.kernel_profile --out "$out/kernels.md" ;;
     ksweep)

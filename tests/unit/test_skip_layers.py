@@ -268,3 +268,35 @@ def test_on_the_cpu_kernels_a_searched_draft_runs_on_the_static_forward_with_a_s
     assert torch.allclose(out[0], reference_logits(first, a + [7, 8])[-3:], atol=1e-4)
     assert torch.allclose(out[1], reference_logits(second, b + [9])[-1:], atol=1e-4)
     assert lm.forward.inner.llama.run_layers == tuple(range(LAYERS))  # every layer again outside a forward
+
+
+class _Logger:
+    def __init__(self):
+        self.lines = []
+
+    def log_info(self, message):
+        self.lines.append(message)
+
+    log_warn = log_info
+
+
+@pytest.mark.parametrize("compile_mode", ["auto", "off"])
+def test_a_searched_skip_draft_served_with_compile_auto_runs_eagerly_and_searches(tmp_path, compile_mode):
+    """draft_model's adapter, skip_layers auto: compile auto (a GPU's default: CUDA graphs, which hold one set)
+    becomes eager, logged with what to give for graphs, instead of refusing to load; the tuner searches."""
+    from types import SimpleNamespace
+
+    from specdec.engine.skip_layers import LayerSkipForward
+    from specdec.triton.config import ModelParameters
+    from specdec.triton.language_models import DraftModel
+
+    deep_llama(seed=2).float().save_pretrained(tmp_path / "target")
+    adapter = DraftModel.__new__(DraftModel)  # its executor's choice only: no Triton stub here
+    adapter.name, adapter.pb = "swift", SimpleNamespace(Logger=_Logger())
+    values = {"model_path": str(tmp_path / "target"), "draft_kind": "skip", "skip_layers": "auto",
+              "compile": compile_mode, "max_num_draft_tokens": "4", "max_sequences": "4", "kv_pool_tokens": "1024"}
+    params = ModelParameters({"name": "swift", "parameters": {k: {"string_value": v} for k, v in values.items()}})
+    lm = adapter._executor(params, "cpu")
+    assert isinstance(lm.forward, LayerSkipForward) and adapter.tuner is not None
+    logged = [line for line in adapter.pb.Logger.lines if "runs eagerly" in line]
+    assert len(logged) == (compile_mode == "auto") and all("skip_layers" in line for line in logged)

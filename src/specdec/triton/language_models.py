@@ -87,6 +87,12 @@ class LanguageModelAdapter(TritonAdapter):
         default = ExecutorConfig()
         executor = params.str("executor", default.executor, choices=tn.EXECUTORS)
         compile = params.str("compile", default.compile, choices=tn.COMPILE_MODES)
+        if compile == "auto" and self._searches_skip(params):
+            # The search changes the set between forwards; captured graphs hold one: eager is what "auto" can
+            # give (an explicit graphs is refused by _tuner). Once found, a set given as a list is captured.
+            compile = "off"
+            self.pb.Logger.log_info(f"{self.name}: skip_layers={tn.SKIP_SEARCH} runs eagerly (compile off); give "
+                                    "the set it finds (logged) as skip_layers to capture it in CUDA graphs")
         dtype = params.str("dtype", "float32", choices=tn.DTYPE_NAMES)
         model = load_causal_lm(
             params.str("model_path"),
@@ -124,6 +130,12 @@ class LanguageModelAdapter(TritonAdapter):
             return build_executor(model, config, log=self.pb.Logger.log_info)
         except ValueError as exc:
             raise ConfigError(f"{self.name}: {exc} ({params.str('model_path')})") from None
+
+    @staticmethod
+    def _searches_skip(params: ModelParameters) -> bool:
+        """A layer-skip self-draft whose set is searched on the fly (skip_layers auto)."""
+        return params.str("draft_kind", "model", choices=tn.DRAFT_KINDS) == "skip" and \
+            params.str("skip_layers", tn.SKIP_SEARCH) == tn.SKIP_SEARCH
 
     def _skip_layers(self, params: ModelParameters, model) -> tuple[int, ...] | None:
         """The layers a layer-skip self-draft leaves out (None: not one)."""
@@ -585,8 +597,7 @@ class DraftModel(LanguageModelAdapter):
         lm = super()._executor(params, device) if kind != "head" else self._head_executor(params, device)
         # The confidence stop, for every kind of model draft
         lm.stop_below = params.float("draft_stop_below", tn.DEFAULT_DRAFT_STOP_BELOW, low=0.0, high=1.0)
-        self.tuner = self._tuner(params, lm) if kind == "skip" and params.str("skip_layers", tn.SKIP_SEARCH) == \
-            tn.SKIP_SEARCH else None
+        self.tuner = self._tuner(params, lm) if self._searches_skip(params) else None
         return lm
 
     def _lora(self, params, model):
