@@ -65,6 +65,12 @@
 #                  once the device goes on with the next step (issue 47, item 2)
 #   drafttrees     the draft model's token trees (draft_branches=2: its chain and its second choice beside each
 #                  token, K nodes) against its chains, served rows at K=4 and K=8, one server each (~5 min)
+#   drafts         every draft beside one K=0 on ONE server (each request names its draft_model and branches:
+#                  gpu_bench --drafts): the 4-layer draft model's chains and trees, the skip draft searched on the
+#                  fly (eager) and a set it found given as a list (captured), an EAGLE-3 head trained on the pair
+#                  here (python -m specdec.train, ~2 min) with its confidence stop off and on (~6 min in all; one
+#                  H200 run on 2026-12-04, docs/results/2026-12-04-gpu-h200-drafts.md). GPU_SESSION_SMALL=1
+#                  runs it with the tiny shapes on CPU (PYTHON=.venv/bin/python), to check it before a GPU is lent
 #   fp8            FP8 weights (weights_dtype fp8: the weight-only FP8 kernel, a scale per output channel)
 #                  against bf16: the FP8 GPU test (left to `tests` when named before), the kernel's launches
 #                  per weight kind against cuBLAS's bf16 (bench/fp8_kernel_bench.py, ~1.5 min; skipped where
@@ -87,12 +93,14 @@
 # summary.txt (each part's exit code and time), gpu.txt and session.tgz (all of it). Without $OUT they stay
 # in .cache/gpu-session. So one command runs any parts, in the order named. A session lent 15 device-minutes
 # (a start takes 1-2 of them) has room for one full command: name the parts most wanted first, and what no
-# longer fits the budget is skipped, the rest coming back whole. The next one, in that order (~9 min): FP8
-# against bf16 side by side in one command (the 2026-11-29 H200 rows were two machines: FP8 4.52 ms, bf16 5.67
-# ms per token), the draft model's token trees against its chains (not measured on a GPU yet), and the
-# deployment's max K against the bench's:
+# longer fits the budget is skipped, the rest coming back whole. The next one, in that order (~9 min): the GPU
+# tests (not run since 2026-11-29: the executor's own modules, LoRA, and the layer-skip draft's lower α on
+# 2026-12-04 to explain), then the drafts with the searched set captured:
 #
-#   source .gpukit/activate.sh && GPU_SESSION_SECONDS=540 bash bench/gpu_session.sh fp8 drafttrees maxk
+#   source .gpukit/activate.sh && GPU_SESSION_SECONDS=540 bash bench/gpu_session.sh tests drafts
+#
+# and after it: FP8 against bf16 side by side in one command (the 2026-11-29 H200 rows were two machines: FP8
+# 4.52 ms, bf16 5.67 ms per token) and the deployment's max K against the bench's (`fp8 maxk`).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 dest="${OUT:-}"
@@ -266,18 +274,24 @@ for part in "$@"; do
       run pair-build 240 "$python" -c "from bench.gpu_bench import synthetic_pair; synthetic_pair($shape)"
       pair=$("$python" -c "from bench.gpu_bench import synthetic_pair; print(synthetic_pair($shape)[0])")
       head="$cache/heads/bench-$(basename "$(dirname "$pair")")-eagle3"
-      run head-train 240 "$python" -m specdec.train --target "$pair" --out "$head" --max-prompts "${DRAFTS_PROMPTS:-96}" \
-        --answer-tokens "${DRAFTS_TOKENS:-96}" --epochs "${DRAFTS_EPOCHS:-8}" --draft-vocab 8192
+      run head-train 240 "$python" -m specdec.train --target "$pair" --out "$head" --max-prompts "${DRAFTS_PROMPTS:-64}" \
+        --answer-tokens "${DRAFTS_TOKENS:-96}" --epochs "${DRAFTS_EPOCHS:-5}" --draft-vocab 8192
       cp "$head/config.json" "$out/head-config.json" 2>/dev/null
       # The skip draft is the random target less some layers: as unsure of its tokens as the draft model, whose
       # confidence stop gpu_bench turns off for the same reason; so is the head "eagle3" (K drafted as asked, the
       # drafts compared at their own α), and the same head served again as "eagle3_stop" keeps the default stop.
+      # swift_found: the set the search found on an H200 (2026-12-04, 24 of 32 layers skipped), given as a list:
+      # captured in CUDA graphs, where the searched one runs eagerly; its KV pool sized (a third full-size model)
+      found=${DRAFTS_SKIP_SET:-1-5,7-17,19,22-25,27-29}
+      [ -n "${GPU_SESSION_SMALL:-}" ] && found=1
       run drafts 300 "$python" -m bench.gpu_bench --served-only --prompts 4 --warm-passes 1 --streams --long-prompts \
-        --launcher-arg=--skip-draft=swift=auto --launcher-arg=--draft-head=eagle3="$head" \
+        --launcher-arg=--skip-draft=swift=auto --launcher-arg=--skip-draft=swift_found="$found" \
+        --launcher-arg=--draft-head=eagle3="$head" \
         --launcher-arg=--draft-head=eagle3_stop="$head" --launcher-arg=--default-draft=draft_model \
         --launcher-arg=--set=speculative_decoding.draft_branches=2 --launcher-arg=--set=swift.draft_stop_below=0 \
-        --launcher-arg=--set=eagle3.draft_stop_below=0 --launcher-arg=--set=swift.compile=off \
-        --drafts draft_model:2 swift eagle3 eagle3:2 eagle3_stop "${small[@]}" --out "$out/drafts.md" ;;
+        --launcher-arg=--set=swift_found.draft_stop_below=0 --launcher-arg=--set=swift_found.kv_pool_tokens=65536 \
+        --launcher-arg=--set=eagle3.draft_stop_below=0 \
+        --drafts draft_model:2 swift swift_found eagle3 eagle3:2 eagle3_stop "${small[@]}" --out "$out/drafts.md" ;;
     kernels) run kernels 300 "$python" -m bench.kernel_profile --out "$out/kernels.md" ;;
     ksweep)
       for ks in "6 5" "8 7"; do
