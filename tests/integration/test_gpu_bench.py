@@ -22,6 +22,7 @@ def test_gpu_bench_small_mode_prints_every_row(tmp_path):
     out = tmp_path / "table.md"
     result = subprocess.run([*bench("gpu_bench"), "--small", "--compile", "off", "--prompts", "2",
                              "--max-tokens", "12", "--streams", "3", "--long-prompts", "200", "--extra-k", "6",
+                             "--drafts", "draft_model:2", "--launcher-arg=--set=speculative_decoding.draft_branches=2",
                              "--out", str(out)],
                             capture_output=True, text=True, timeout=600, cwd=REPO_ROOT)
     assert result.returncode == 0, result.stderr[-4000:]
@@ -43,14 +44,18 @@ def test_gpu_bench_small_mode_prints_every_row(tmp_path):
         assert row and float(row.group(1)) > 0, table
         assert tokens - 8 <= int(row.group(2)) <= int(row.group(3)) <= tokens + 8, row.group(0)
     served = [line for line in table.splitlines() if line.startswith("| served, 1 stream") and "first token" not in line]
-    assert len(served) == 5 and all("equal text 100%" in line for line in served)
+    assert len(served) == 7 and all("equal text 100%" in line for line in served)
+    # --drafts draft_model:2: the draft named per request, its trees, at K=4 and adaptive beside the same K=0;
+    # no bound (the in-process c is the layer-skip draft's chain, not another draft's)
+    trees = [line.split("|") for line in served if "draft_model, trees of 2 branches" in line]
+    assert len(trees) == 2 and all(not cells[9].strip() and "drafted per round" in cells[11] for cells in trees), trees
     # --extra-k 6: its rows drafted up to 6 per round, and each has its own bound from its own verify cost
     six = [line.split("|") for line in served if "K=6" in line or "K<=6" in line]
     assert all(float(cells[9]) > 0 for cells in six), six
     # Streamed (the default): every served row's median TTFT and ITL; the first token alone has neither.
     streamed = served + [line for line in table.splitlines() if line.startswith("| served, ") and " streams" in line]
     latencies = [[float(cell) for cell in line.split("|")[7:9]] for line in streamed]
-    assert len(latencies) == 8 and all(ttft > 0 and itl > 0 for ttft, itl in latencies), streamed
+    assert len(latencies) == 10 and all(ttft > 0 and itl > 0 for ttft, itl in latencies), streamed
     # 3 streams (--streams): how many sequences a target forward carried and how busy the target was,
     # the same of the draft where one drafted, and what a round drafted and yielded.
     many = [line for line in table.splitlines() if line.startswith("| served, 3 streams")]
