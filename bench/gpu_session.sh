@@ -71,6 +71,9 @@
 #                  here (python -m specdec.train, ~2 min) with its confidence stop off and on (~6 min in all; one
 #                  H200 run on 2026-12-04, docs/results/2026-12-04-gpu-h200-drafts.md). GPU_SESSION_SMALL=1
 #                  runs it with the tiny shapes on CPU (PYTHON=.venv/bin/python), to check it before a GPU is lent
+#   headround      where a trained head's served round goes when its request drafts nothing (round_overhead
+#                  --paused-draft: the K=0 rows name the head) and at K=4, the target's features handed over on
+#                  the device and through the host (target_model.device_outputs), one server each (~4 min)
 #   fp8            FP8 weights (weights_dtype fp8: the weight-only FP8 kernel, a scale per output channel)
 #                  against bf16: the FP8 GPU test (left to `tests` when named before), the kernel's launches
 #                  per weight kind against cuBLAS's bf16 (bench/fp8_kernel_bench.py, ~1.5 min; skipped where
@@ -158,6 +161,21 @@ run() {  # run NAME SECONDS COMMAND...: its output in $out/NAME.log, its exit co
 # ab NAME FIRST SECONDS BENCH_ARGS -- ON_ARGS... [--off OFF_ARGS...]: gpu_bench's served rows with ON_ARGS
 # ("on") and with OFF_ARGS, by default none ("off"), FIRST of the two first; the part's second call runs them
 # in the other order (named twice: ABBA). BENCH_ARGS (one word list) apply to both.
+# synthetic_head: gpu_bench's 8B-shaped pair ($pair, its target) and an EAGLE-3 head trained on it ($head), each
+# built once; GPU_SESSION_SMALL=1: the tiny shapes on CPU ($small: gpu_bench's arguments for them), to check a
+# part before a GPU is lent (PYTHON=.venv/bin/python)
+synthetic_head() {
+  shape="False, 'bfloat16', 'cuda'" small=()
+  [ -n "${GPU_SESSION_SMALL:-}" ] && shape="True, 'float32', 'cpu'" small=(--small --prompts 2 --max-tokens 16)
+  run pair-build 240 "$python" -c "from bench.gpu_bench import synthetic_pair; synthetic_pair($shape)"
+  pair=$("$python" -c "from bench.gpu_bench import synthetic_pair; print(synthetic_pair($shape)[0])")
+  head="$cache/heads/bench-$(basename "$(dirname "$pair")")-eagle3"
+  [ -f "$head/config.json" ] || run head-train 240 "$python" -m specdec.train --target "$pair" --out "$head" \
+    --max-prompts "${DRAFTS_PROMPTS:-64}" --answer-tokens "${DRAFTS_TOKENS:-96}" --epochs "${DRAFTS_EPOCHS:-5}" \
+    --draft-vocab 8192
+  cp "$head/config.json" "$out/head-config.json" 2>/dev/null
+}
+
 declare -A rounds
 ab() {
   local name=$1 first=$2 seconds=$3 bench=$4 mode
@@ -268,15 +286,7 @@ for part in "$@"; do
       ab drafttrees on 200 "--extra-k 8" -- --launcher-arg=--set=speculative_decoding.draft_branches=2 ;;
     drafts)  # every draft beside one K=0 on one server: the layer-skip draft model's chains and trees, the skip
              # draft searched over traffic, and an EAGLE-3 head trained on the pair here (issues 43, 44, 48)
-      # GPU_SESSION_SMALL=1: the tiny shapes on CPU, to check the part before a GPU is lent
-      shape="False, 'bfloat16', 'cuda'" small=()
-      [ -n "${GPU_SESSION_SMALL:-}" ] && shape="True, 'float32', 'cpu'" small=(--small --prompts 2 --max-tokens 16)
-      run pair-build 240 "$python" -c "from bench.gpu_bench import synthetic_pair; synthetic_pair($shape)"
-      pair=$("$python" -c "from bench.gpu_bench import synthetic_pair; print(synthetic_pair($shape)[0])")
-      head="$cache/heads/bench-$(basename "$(dirname "$pair")")-eagle3"
-      run head-train 240 "$python" -m specdec.train --target "$pair" --out "$head" --max-prompts "${DRAFTS_PROMPTS:-64}" \
-        --answer-tokens "${DRAFTS_TOKENS:-96}" --epochs "${DRAFTS_EPOCHS:-5}" --draft-vocab 8192
-      cp "$head/config.json" "$out/head-config.json" 2>/dev/null
+      synthetic_head
       # The skip draft is the random target less some layers: as unsure of its tokens as the draft model, whose
       # confidence stop gpu_bench turns off for the same reason; so is the head "eagle3" (K drafted as asked, the
       # drafts compared at their own α), and the same head served again as "eagle3_stop" keeps the default stop.
@@ -292,6 +302,17 @@ for part in "$@"; do
         --launcher-arg=--set=swift_found.draft_stop_below=0 --launcher-arg=--set=swift_found.kv_pool_tokens=65536 \
         --launcher-arg=--set=eagle3.draft_stop_below=0 \
         --drafts draft_model:2 swift swift_found eagle3 eagle3:2 eagle3_stop "${small[@]}" --out "$out/drafts.md" ;;
+    headround)  # a head's request that drafts nothing pays the target's features every round (+3.1 ms on an H200):
+                # its rounds split, features handed over on the device (CUDA IPC) and through the host
+      synthetic_head
+      pairflag=(--pair 8b --device gpu)
+      [ -n "${GPU_SESSION_SMALL:-}" ] && pairflag=(--pair small --max-tokens 16 --repeats 1)
+      for outputs in true false; do
+        run "headround-device-outputs-$outputs" 200 "$python" -m bench.round_overhead "${pairflag[@]}" --draft eagle3 \
+          --paused-draft --launcher-arg=--draft-head=eagle3="$head" --launcher-arg=--max-num-draft-tokens=4 \
+          --launcher-arg=--set=eagle3.draft_stop_below=0 --launcher-arg=--set=target_model.device_outputs=$outputs \
+          --out "$out/headround-device-outputs-$outputs.md"
+      done ;;
     kernels) run kernels 300 "$python" -m bench.kernel_profile --out "$out/kernels.md" ;;
     ksweep)
       for ks in "6 5" "8 7"; do
@@ -301,6 +322,6 @@ for part in "$@"; do
       done ;;
     executor) run executor 240 "$python" -m bench.executor_bench --modes graphs,graphs-mlp --reference \
         --out "$out/executor.md" ;;
-    *) echo "unknown part: $part (tests, heads, drafts, bench, ahead, drafttrees, swift, fp8, attention, orchestrators, executor, streams, prefix, pipeline, load, overhead, overhead8b, mps, ksweep, profile, prompts, maxk, kernels, lora)" >&2; exit 2 ;;
+    *) echo "unknown part: $part (tests, heads, drafts, headround, bench, ahead, drafttrees, swift, fp8, attention, orchestrators, executor, streams, prefix, pipeline, load, overhead, overhead8b, mps, ksweep, profile, prompts, maxk, kernels, lora)" >&2; exit 2 ;;
   esac
 done

@@ -27,6 +27,9 @@ model's forwards count once per thread that ran them.
     python -m bench.round_overhead --pair default --draft eagle3 --branches 1
                                                    # the default pair's trained head drafting chains: its
                                                    # model's calls split out like the draft model's
+    python -m bench.round_overhead --pair default --draft eagle3 --paused-draft
+                                                   # the K=0 rows name the head too: what a head's request pays
+                                                   # a round while it drafts nothing (the target's features)
     python -m bench.round_overhead --whole         # one response per request instead of a streamed
                                                    # response per round (the default, what a streaming
                                                    # Triton or OpenAI client sees): what streaming costs
@@ -169,6 +172,9 @@ def main(argv=None) -> int:
     parser.add_argument("--draft", help="the requests' draft_model (e.g. `eagle3`, the default pair's head); "
                         "default: the server's default draft")
     parser.add_argument("--branches", type=int, help="the requests' num_draft_branches (1: chains)")
+    parser.add_argument("--paused-draft", action="store_true",
+                        help="the K=0 rows' requests name --draft too, drafting nothing: what holding that draft "
+                             "costs a round (a trained head's requests take the target's features every round)")
     parser.add_argument("--regex", help="structured output: every request follows this regex guide")
     parser.add_argument("--launcher-arg", action="append", default=[], help="more launcher arguments")
     parser.add_argument("--out", help="also write the table (Markdown) here")
@@ -179,6 +185,8 @@ def main(argv=None) -> int:
         parser.error(str(exc))
     if args.top_p is not None and not args.temperature:
         parser.error("--top-p applies to sampled rounds: give --temperature too")
+    if args.paused_draft and not args.draft:
+        parser.error("--paused-draft names --draft in the K=0 rows: give --draft too")
     launcher_args = [*pair_args, "--device", args.device, *args.launcher_arg]
     prompts = ["Once upon a time", "The capital of France is", "def fibonacci(n):"]
     cache = pairs.cache_dir()
@@ -190,7 +198,8 @@ def main(argv=None) -> int:
                                       ignore_eos=True, temperature=args.temperature, top_p=args.top_p,
                                       seed=1 if args.temperature else None,
                                       guide_type="regex" if args.regex else None, guide=args.regex,
-                                      draft_model=args.draft if k else None, num_draft_branches=args.branches if k else None)
+                                      draft_model=args.draft if k or args.paused_draft else None,
+                                      num_draft_branches=args.branches if k else None)
             results[name] = measure(own, params, prompts, args.repeats, args.stream)
     finally:
         own.stop()
@@ -214,7 +223,7 @@ def main(argv=None) -> int:
     mode += ", streamed" if args.stream else ", whole responses"
     mode += f", guided by the regex {args.regex!r}" if args.regex else ""
     extra = f", {' '.join(args.launcher_arg)}" if args.launcher_arg else ""
-    extra += f", draft {args.draft}" if args.draft else ""
+    extra += f", draft {args.draft}" + (" (K=0 too)" if args.paused_draft else "") if args.draft else ""
     extra += f", {args.branches} branches at most" if args.branches else ""
     header = (f"{platform.machine()} {args.device}, {label}, {mode}, {args.max_tokens} tokens per request, "
               f"one request at a time{extra}")

@@ -103,11 +103,14 @@ def test_round_overhead_bench_splits_a_round(tmp_path):
     assert any(row[2].strip() == "draft_model forward" for row in rows if row[1].strip() == "K=4")
 
 
-def test_round_overhead_bench_refuses_the_8b_pair_on_cpu_and_top_p_without_sampling():
+def test_round_overhead_bench_refuses_the_8b_pair_on_cpu_top_p_without_sampling_and_a_paused_draft_unnamed():
     result = subprocess.run([*bench("round_overhead"), "--pair", "8b"], capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
     assert result.returncode == 2 and "--pair 8b needs --device gpu" in result.stderr
     result = subprocess.run([*bench("round_overhead"), "--top-p", "0.9"], capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
     assert result.returncode == 2 and "--top-p applies to sampled rounds" in result.stderr
+    result = subprocess.run([*bench("round_overhead"), "--paused-draft"], capture_output=True, text=True, timeout=120,
+                            cwd=REPO_ROOT)
+    assert result.returncode == 2 and "--paused-draft names --draft" in result.stderr
 
 
 def test_executor_bench_compares_the_executors_on_the_tiny_pair(tmp_path):
