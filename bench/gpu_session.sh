@@ -200,7 +200,7 @@ ab() {
 
 for part in "$@"; do
   case "$part" in
-    tests) run tests-gpu 240 "$python" -m pytest -q -m gpu tests/gpu -p no:cacheprovider; tests_ran=1 ;;
+    tests) run tests-gpu 240 "$python" -m pytest -v -m gpu tests/gpu -p no:cacheprovider; tests_ran=1 ;;  # -v: a line a test, kept if cut off
     bench) run bench-gpu 420 "$python" -m bench.gpu_bench --out "$out/bench-gpu.md" ;;
     heads) run head-bench 300 "$python" -m bench.head_bench --out "$out/head-bench.md" ;;
     lora)
