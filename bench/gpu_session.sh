@@ -200,7 +200,8 @@ ab() {
 
 for part in "$@"; do
   case "$part" in
-    tests) run tests-gpu 240 "$python" -m pytest -v -m gpu tests/gpu -p no:cacheprovider; tests_ran=1 ;;  # -v: a line a test, kept if cut off
+    tests)  # -v: a line a test, so a run cut off by its budget still says which passed
+      run tests-gpu 240 "$python" -m pytest -v -m gpu tests/gpu -p no:cacheprovider; tests_ran=1 ;;
     bench) run bench-gpu 420 "$python" -m bench.gpu_bench --out "$out/bench-gpu.md" ;;
     heads) run head-bench 300 "$python" -m bench.head_bench --out "$out/head-bench.md" ;;
     lora)
