@@ -158,9 +158,6 @@ run() {  # run NAME SECONDS COMMAND...: its output in $out/NAME.log, its exit co
   return 0
 }
 
-# ab NAME FIRST SECONDS BENCH_ARGS -- ON_ARGS... [--off OFF_ARGS...]: gpu_bench's served rows with ON_ARGS
-# ("on") and with OFF_ARGS, by default none ("off"), FIRST of the two first; the part's second call runs them
-# in the other order (named twice: ABBA). BENCH_ARGS (one word list) apply to both.
 # synthetic_head: gpu_bench's 8B-shaped pair ($pair, its target) and an EAGLE-3 head trained on it ($head), each
 # built once; GPU_SESSION_SMALL=1: the tiny shapes on CPU ($small: gpu_bench's arguments for them), to check a
 # part before a GPU is lent (PYTHON=.venv/bin/python)
@@ -176,6 +173,9 @@ synthetic_head() {
   cp "$head/config.json" "$out/head-config.json" 2>/dev/null
 }
 
+# ab NAME FIRST SECONDS BENCH_ARGS -- ON_ARGS... [--off OFF_ARGS...]: gpu_bench's served rows with ON_ARGS
+# ("on") and with OFF_ARGS, by default none ("off"), FIRST of the two first; the part's second call runs them
+# in the other order (named twice: ABBA). BENCH_ARGS (one word list) apply to both.
 declare -A rounds
 ab() {
   local name=$1 first=$2 seconds=$3 bench=$4 mode

@@ -131,11 +131,9 @@ class LanguageModelAdapter(TritonAdapter):
         except ValueError as exc:
             raise ConfigError(f"{self.name}: {exc} ({params.str('model_path')})") from None
 
-    @staticmethod
-    def _searches_skip(params: ModelParameters) -> bool:
-        """A layer-skip self-draft whose set is searched on the fly (skip_layers auto)."""
-        return params.str("draft_kind", "model", choices=tn.DRAFT_KINDS) == "skip" and \
-            params.str("skip_layers", tn.SKIP_SEARCH) == tn.SKIP_SEARCH
+    def _searches_skip(self, params: ModelParameters) -> bool:
+        """A layer-skip self-draft whose set is searched on the fly (skip_layers auto): a draft's."""
+        return False
 
     def _skip_layers(self, params: ModelParameters, model) -> tuple[int, ...] | None:
         """The layers a layer-skip self-draft leaves out (None: not one)."""
@@ -614,6 +612,10 @@ class DraftModel(LanguageModelAdapter):
             raise ConfigError(f"{self.name}: parameter 'lora_layers' is a draft model's or a layer-skip draft's "
                               "(a head drafts from the adapted target's features)")
         return {**self._adapters(params), "lora_layers": mapped}
+
+    def _searches_skip(self, params: ModelParameters) -> bool:
+        return params.str("draft_kind", "model", choices=tn.DRAFT_KINDS) == "skip" and \
+            params.str("skip_layers", tn.SKIP_SEARCH) == tn.SKIP_SEARCH
 
     def _skip_layers(self, params: ModelParameters, model) -> tuple[int, ...] | None:
         """draft_kind skip: model_path is the target's; skip_layers a list, or auto: searched, starting from
