@@ -108,6 +108,55 @@ def synthetic_pair(small: bool, dtype_name: str, device: str, residual_scale: fl
     return build_pair(root, SHAPES["small" if small else "8b"], getattr(torch, dtype_name), device, residual_scale)
 
 
+def synthetic_heads(target: Path) -> dict[str, Path]:
+    """Heads for the synthetic pair, built in seconds instead of trained (a head trained on this pair learns
+    nothing that serves: its text is its random head's token map, 2026-12-04), saved in the published format
+    beside the pair, once:
+
+      eagle1  an EAGLE-1 head whose drafts are the target's exit after its embedding: fc passes the next
+              token's embedding (scaled to the final norm's RMS) and drops the feature, the layer's output
+              projections are zero, so logits = lm_head(norm(embed(token))) — the pair's 0-layer early exit,
+              agreeing with the target as that exit does (its α is the pair's, like the draft model's); its
+              step computes everything a trained one's does (zeros cost what any weights cost)
+      eagle3  an EAGLE-3 head with random weights and a 32000-token draft vocabulary (the published
+              Llama-3.1-8B head's): its costs only (it agrees with nothing)
+    """
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    from specdec.engine.draft_heads import EAGLE, EAGLE3, random_head, save_head
+
+    where = target.parent / "heads"
+    heads = {"eagle1": where / "eagle1-embedding-exit", "eagle3": where / "eagle3-random"}
+    if all((path / "config.json").exists() for path in heads.values()):
+        return heads
+    config = AutoConfig.from_pretrained(target)
+    embed = next(tensor for name, tensor in _target_weights(target, load_file).items()
+                 if name.endswith("embed_tokens.weight"))
+    rms = embed.float().pow(2).mean(dim=-1).sqrt().mean().item()
+    head = random_head(EAGLE, config)
+    h = config.hidden_size
+    with torch.no_grad():
+        head.fc.weight.zero_()
+        head.fc.weight[:, :h] = torch.eye(h) / rms
+        if head.fc.bias is not None:
+            head.fc.bias.zero_()
+        head.layers[0].self_attn.o_proj.weight.zero_()
+        head.layers[0].mlp.down_proj.weight.zero_()
+    save_head(head.to(embed.dtype), heads["eagle1"])
+    vocab = min(32000, config.vocab_size)
+    save_head(random_head(EAGLE3, config, draft_vocab_size=vocab).to(embed.dtype), heads["eagle3"])
+    log(f"built the pair's heads: {', '.join(str(path) for path in heads.values())}")
+    return heads
+
+
+def _target_weights(target: Path, load_file) -> dict:
+    weights = {}
+    for file in sorted(target.glob("*.safetensors")):
+        weights.update(load_file(str(file)))
+    return weights
+
+
 def load(path: Path, dtype: torch.dtype, device: str):
     from transformers import AutoModelForCausalLM
 

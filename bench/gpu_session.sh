@@ -66,14 +66,17 @@
 #   drafttrees     the draft model's token trees (draft_branches=2: its chain and its second choice beside each
 #                  token, K nodes) against its chains, served rows at K=4 and K=8, one server each (~5 min)
 #   drafts         every draft beside one K=0 on ONE server (each request names its draft_model and branches:
-#                  gpu_bench --drafts): the 4-layer draft model's chains and trees, the skip draft searched on the
-#                  fly (eager) and a set it found given as a list (captured), an EAGLE-3 head trained on the pair
-#                  here (python -m specdec.train, ~2 min) with its confidence stop off and on (~6 min in all; one
-#                  H200 run on 2026-12-04, docs/results/2026-12-04-gpu-h200-drafts.md). GPU_SESSION_SMALL=1
-#                  runs it with the tiny shapes on CPU (PYTHON=.venv/bin/python), to check it before a GPU is lent
-#   headround      where a trained head's served round goes when its request drafts nothing (round_overhead
-#                  --paused-draft: the K=0 rows name the head) and at K=4, the target's features handed over on
-#                  the device and through the host (target_model.device_outputs), one server each (~4 min)
+#                  gpu_bench --drafts): the 4-layer draft model's chains and trees, the skip set the search found
+#                  on an H200 given as a list (captured), and two heads built for the pair in seconds
+#                  (gpu_bench.synthetic_heads): EAGLE-1 as the pair's embedding exit (agreeing as a 0-layer exit
+#                  does: served beside the draft model at a like α), its trees, and a random EAGLE-3 (costs only)
+#                  (~3 min; H200 runs in docs/results/2026-12-04-gpu-h200-drafts.md and -heads.md).
+#                  GPU_SESSION_SMALL=1 runs it with the tiny shapes on CPU (PYTHON=.venv/bin/python), to check it
+#                  before a GPU is lent
+#   headround      where a head's served round goes when its request drafts nothing (round_overhead
+#                  --paused-draft: the K=0 rows name the random EAGLE-3 head) and at K=4, the target's features
+#                  handed over on the device and through the host (target_model.device_outputs), one server each
+#                  (~4 min)
 #   fp8            FP8 weights (weights_dtype fp8: the weight-only FP8 kernel, a scale per output channel)
 #                  against bf16: the FP8 GPU test (left to `tests` when named before), the kernel's launches
 #                  per weight kind against cuBLAS's bf16 (bench/fp8_kernel_bench.py, ~1.5 min; skipped where
@@ -96,14 +99,12 @@
 # summary.txt (each part's exit code and time), gpu.txt and session.tgz (all of it). Without $OUT they stay
 # in .cache/gpu-session. So one command runs any parts, in the order named. A session lent 15 device-minutes
 # (a start takes 1-2 of them) has room for one full command: name the parts most wanted first, and what no
-# longer fits the budget is skipped, the rest coming back whole. The next one, in that order (~9 min): the GPU
-# tests (not run since 2026-11-29: the executor's own modules, LoRA, and the layer-skip draft's lower α on
-# 2026-12-04 to explain), then the drafts with the searched set captured:
+# longer fits the budget is skipped, the rest coming back whole. The next one, in that order (~9 min): a head's
+# rounds that draft nothing, now run ahead (2.2 ms a round slower than K=0 before, 2026-12-04), FP8 against
+# bf16 side by side in one command (the 2026-11-29 H200 rows were two machines: FP8 4.52 ms, bf16 5.67 ms per
+# token), then the served rows at 1 and 8 streams:
 #
-#   source .gpukit/activate.sh && GPU_SESSION_SECONDS=540 bash bench/gpu_session.sh tests drafts
-#
-# and after it: FP8 against bf16 side by side in one command (the 2026-11-29 H200 rows were two machines: FP8
-# 4.52 ms, bf16 5.67 ms per token) and the deployment's max K against the bench's (`fp8 maxk`).
+#   source .gpukit/activate.sh && GPU_SESSION_SECONDS=540 bash bench/gpu_session.sh headround fp8 bench
 set -uo pipefail
 cd "$(dirname "$0")/.."
 dest="${OUT:-}"
@@ -158,19 +159,18 @@ run() {  # run NAME SECONDS COMMAND...: its output in $out/NAME.log, its exit co
   return 0
 }
 
-# synthetic_head: gpu_bench's 8B-shaped pair ($pair, its target) and an EAGLE-3 head trained on it ($head), each
-# built once; GPU_SESSION_SMALL=1: the tiny shapes on CPU ($small: gpu_bench's arguments for them), to check a
-# part before a GPU is lent (PYTHON=.venv/bin/python)
-synthetic_head() {
+# synthetic_heads: gpu_bench's 8B-shaped pair ($pair, its target) and two heads built for it in seconds ($eagle1:
+# its embedding exit as an EAGLE-1 head, agreeing as the pair's 0-layer exit does; $eagle3: random, its costs
+# only; gpu_bench.synthetic_heads), each built once; GPU_SESSION_SMALL=1: the tiny shapes on CPU ($small:
+# gpu_bench's arguments for them), to check a part before a GPU is lent (PYTHON=.venv/bin/python). A head
+# trained on this pair learns nothing that serves (2026-12-04: 151 s of training on an H200, served α 0.00).
+synthetic_heads() {
   shape="False, 'bfloat16', 'cuda'" small=()
   [ -n "${GPU_SESSION_SMALL:-}" ] && shape="True, 'float32', 'cpu'" small=(--small --prompts 2 --max-tokens 16)
-  run pair-build 240 "$python" -c "from bench.gpu_bench import synthetic_pair; synthetic_pair($shape)"
+  run pair-build 240 "$python" -c \
+    "from bench.gpu_bench import synthetic_pair, synthetic_heads as h; h(synthetic_pair($shape)[0])"
   pair=$("$python" -c "from bench.gpu_bench import synthetic_pair; print(synthetic_pair($shape)[0])")
-  head="$cache/heads/bench-$(basename "$(dirname "$pair")")-eagle3"
-  [ -f "$head/config.json" ] || run head-train 240 "$python" -m specdec.train --target "$pair" --out "$head" \
-    --max-prompts "${DRAFTS_PROMPTS:-64}" --answer-tokens "${DRAFTS_TOKENS:-96}" --epochs "${DRAFTS_EPOCHS:-5}" \
-    --draft-vocab 8192
-  cp "$head/config.json" "$out/head-config.json" 2>/dev/null
+  eagle1="$(dirname "$pair")/heads/eagle1-embedding-exit" eagle3="$(dirname "$pair")/heads/eagle3-random"
 }
 
 # ab NAME FIRST SECONDS BENCH_ARGS -- ON_ARGS... [--off OFF_ARGS...]: gpu_bench's served rows with ON_ARGS
@@ -286,31 +286,30 @@ for part in "$@"; do
     drafttrees)  # the draft model's token trees (draft_branches=2) against its chains, K=4 and 8; twice: on off off on
       ab drafttrees on 200 "--extra-k 8" -- --launcher-arg=--set=speculative_decoding.draft_branches=2 ;;
     drafts)  # every draft beside one K=0 on one server: the layer-skip draft model's chains and trees, the skip
-             # draft searched over traffic, and an EAGLE-3 head trained on the pair here (issues 43, 44, 48)
-      synthetic_head
+             # set found on an H200 captured, and the pair's heads (issues 43, 44, 48)
+      synthetic_heads
       # The skip draft is the random target less some layers: as unsure of its tokens as the draft model, whose
-      # confidence stop gpu_bench turns off for the same reason; so is the head "eagle3" (K drafted as asked, the
-      # drafts compared at their own α), and the same head served again as "eagle3_stop" keeps the default stop.
-      # swift_found: the set the search found on an H200 (2026-12-04, 24 of 32 layers skipped), given as a list:
-      # captured in CUDA graphs, where the searched one runs eagerly; its KV pool sized (a third full-size model)
+      # confidence stop gpu_bench turns off for the same reason; so are the heads (K drafted as asked, the drafts
+      # compared at their own α). swift_found: the set the search found on an H200 (2026-12-04, 24 of 32 layers
+      # skipped; searched, it ran eagerly at 0.36x), given as a list: captured in CUDA graphs; its KV pool sized
+      # (a third full-size model)
       found=${DRAFTS_SKIP_SET:-1-5,7-17,19,22-25,27-29}
       [ -n "${GPU_SESSION_SMALL:-}" ] && found=1
       run drafts 300 "$python" -m bench.gpu_bench --served-only --prompts 4 --warm-passes 1 --streams --long-prompts \
-        --launcher-arg=--skip-draft=swift=auto --launcher-arg=--skip-draft=swift_found="$found" \
-        --launcher-arg=--draft-head=eagle3="$head" \
-        --launcher-arg=--draft-head=eagle3_stop="$head" --launcher-arg=--default-draft=draft_model \
-        --launcher-arg=--set=speculative_decoding.draft_branches=2 --launcher-arg=--set=swift.draft_stop_below=0 \
-        --launcher-arg=--set=swift_found.draft_stop_below=0 --launcher-arg=--set=swift_found.kv_pool_tokens=65536 \
+        --launcher-arg=--skip-draft=swift_found="$found" --launcher-arg=--draft-head=eagle1="$eagle1" \
+        --launcher-arg=--draft-head=eagle3="$eagle3" --launcher-arg=--default-draft=draft_model \
+        --launcher-arg=--set=speculative_decoding.draft_branches=2 --launcher-arg=--set=swift_found.draft_stop_below=0 \
+        --launcher-arg=--set=swift_found.kv_pool_tokens=65536 --launcher-arg=--set=eagle1.draft_stop_below=0 \
         --launcher-arg=--set=eagle3.draft_stop_below=0 \
-        --drafts draft_model:2 swift swift_found eagle3 eagle3:2 eagle3_stop "${small[@]}" --out "$out/drafts.md" ;;
+        --drafts draft_model:2 swift_found eagle1 eagle1:2 eagle3 "${small[@]}" --out "$out/drafts.md" ;;
     headround)  # a head's request that drafts nothing pays the target's features every round (+3.1 ms on an H200):
                 # its rounds split, features handed over on the device (CUDA IPC) and through the host
-      synthetic_head
+      synthetic_heads
       pairflag=(--pair 8b --device gpu)
       [ -n "${GPU_SESSION_SMALL:-}" ] && pairflag=(--pair small --max-tokens 16 --repeats 1)
       for outputs in true false; do
         run "headround-device-outputs-$outputs" 200 "$python" -m bench.round_overhead "${pairflag[@]}" --draft eagle3 \
-          --paused-draft --launcher-arg=--draft-head=eagle3="$head" --launcher-arg=--max-num-draft-tokens=4 \
+          --paused-draft --launcher-arg=--draft-head=eagle3="$eagle3" --launcher-arg=--max-num-draft-tokens=4 \
           --launcher-arg=--set=eagle3.draft_stop_below=0 --launcher-arg=--set=target_model.device_outputs=$outputs \
           --out "$out/headround-device-outputs-$outputs.md"
       done ;;

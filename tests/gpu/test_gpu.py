@@ -191,8 +191,10 @@ def test_served_on_the_gpu_samples_with_a_draft_model(tmp_path, tiny_pair, pipel
 
 
 # The captured forwards in float64 (attention through SDPA: the paged kernel serves float32 and narrower)
-# and in float32 with the paged attention kernel, each against the eager SDPA forward.
-ATTENTIONS = [("float64", "sdpa", 1e-9), ("float32", "paged", 1e-4)]
+# and in float32 with the paged attention kernel, each against the eager SDPA forward. In float32 the two
+# attentions sum in different orders: on an H200 (2026-12-04) logits of magnitude ~13 differed by up to
+# 1e-4 (a few dozen ulps); a wrong mask, position or block moves them by tenths.
+ATTENTIONS = [("float64", "sdpa", 1e-9), ("float32", "paged", 5e-4)]
 
 
 @pytest.mark.parametrize("dtype,attention,atol", ATTENTIONS)
@@ -490,13 +492,16 @@ def test_lora_adapters_in_cuda_graphs_give_the_eager_logits(tiny_pair, tmp_path)
     settings = dict(kv_pool_tokens=4096, block_size=16, max_context=256, max_batch=4, max_rows=5, lora_adapters=paths)
     graphs, eager = static_executor(model, **settings), static_executor(model, compile="off", **settings)
     assert graphs.forward.mode == "graphs"
+    # The same fused pointwise kernels both ways (compiled ones round unlike eager ones in float64's last
+    # digits): what differs is the capture and the adapters' masked products
+    eager.forward.llama.kernels = graphs.forward.llama.kernels
     prompts = [[1 + i, 400, 2000 + i, 37, 912, 5, 77] for i in range(4)]
     for lm in (graphs, eager):
         lm.extend_many([Step(i + 1, 0, prompts[i], 1, adapter=["", "a0", "a1"][i % 3]) for i in range(4)])
     for width in (1, 5):
         steps = [Step(i + 1, 7, [3, 4, 5, 6, 7][:width], width) for i in range(4)]
         for got, want in zip(graphs.extend_many(steps), eager.extend_many(steps)):
-            assert torch.allclose(got, want, atol=1e-9)
+            assert torch.allclose(got, want, atol=1e-9), (width, (got - want).abs().max())
 
 
 def test_adapters_read_on_demand_into_captured_slots_give_the_eager_logits(tiny_pair, tmp_path):
@@ -511,13 +516,15 @@ def test_adapters_read_on_demand_into_captured_slots_give_the_eager_logits(tiny_
                     lora_directory=str(tmp_path), max_loras=1, max_lora_rank=4)
     graphs, eager = static_executor(model, **settings), static_executor(model, compile="off", **settings)
     assert graphs.forward.mode == "graphs"
+    eager.forward.llama.kernels = graphs.forward.llama.kernels  # as above
     prompt = [1, 400, 2000, 37, 912, 5, 77]
     for seq, name in enumerate(("a0", "a1", "a2", "a0"), 1):
         for lm in (graphs, eager):
             lm.extend_many([Step(seq, 0, prompt, 1, adapter=name)])
         for width in (1, 5):
             step = [Step(seq, 7, [3, 4, 5, 6, 7][:width], width)]
-            assert torch.allclose(graphs.extend_many(step)[0], eager.extend_many(step)[0], atol=1e-9), (name, width)
+            got, want = graphs.extend_many(step)[0], eager.extend_many(step)[0]
+            assert torch.allclose(got, want, atol=1e-9), (name, width, (got - want).abs().max())
         for lm in (graphs, eager):
             lm.release(seq)
     assert graphs.adapters.loads == 4

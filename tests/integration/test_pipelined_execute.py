@@ -3,8 +3,9 @@ execute once their forward is done and answer through their requests' senders fr
 (responder.py), on the static executor (what GPUs run; eager on CPU), and target_model runs each greedy
 target-only step's successor ahead (engine/run_ahead.py, on as on a GPU). Concurrent mixed requests, two
 of them cancelled mid-stream, each equal their solo target-only output token for token; target-only text
-equals a draft model's (no step run ahead there); a step asked for after one ran ahead gets its own
-answer; every cache is freed and the server stops cleanly (the responder threads too)."""
+equals a draft model's (no step run ahead there); a head's rounds that draft nothing run ahead too; a step
+asked for after one ran ahead gets its own answer; every cache is freed and the server stops cleanly (the
+responder threads too)."""
 
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -35,9 +36,20 @@ def pipelined(tmp_path_factory):
         args += ["--set", f"{model}.pipelined_execute=true", "--set", f"{model}.executor=static",
                  "--set", f"{model}.kv_pool_tokens=8192"]
     args += ["--set", "target_model.run_ahead=on"]
+    # A random EAGLE-3 head: its requests want the target's features every round, drafting or not
+    args += ["--draft-head", f"head={_random_head(tmp_path / 'head')}", "--set", "head.draft_stop_below=0"]
     own = server.start(tmp_path / "run", tmp_path / "server.log", args)
     yield own
     retire_server(own)  # nothing in flight, no stub left, exit code 0
+
+
+def _random_head(path):
+    from transformers import AutoConfig
+
+    from specdec.engine.draft_heads import EAGLE3, random_head, save_head
+
+    config = AutoConfig.from_pretrained(pairs.tiny_pair().target_path)
+    return save_head(random_head(EAGLE3, config, aux_layers=(0, 1, 1)), path)
 
 
 def case(i):
@@ -129,6 +141,25 @@ def test_target_only_steps_run_ahead_and_equal_a_draft_models_text(pipelined):
     while ahead("used") - used < plain[tn.NUM_OUTPUT_TOKENS] - 3 and time.monotonic() < deadline:
         time.sleep(0.2)
     assert ahead("used") - used >= plain[tn.NUM_OUTPUT_TOKENS] - 3
+
+
+def test_a_heads_rounds_that_draft_nothing_run_ahead_and_keep_its_text(pipelined):
+    """A head's request at K=0 asks for the target's features every round (to draft from later): its steps
+    run ahead as a plain target-only request's do, and its text and a drafting one's equal target-only."""
+    ahead = lambda: pipelined.metric("specdec_model_run_ahead_steps_total",  # noqa: E731
+                                     model=tn.TARGET_MODEL_NAME, outcome="used")
+    plain = grpc_stream(pipelined.grpc_url, PROMPTS[1], max_tokens=24, num_draft_tokens=0, ignore_eos=True)
+    used = ahead()
+    paused = grpc_stream(pipelined.grpc_url, PROMPTS[1], max_tokens=24, num_draft_tokens=0, draft_model="head",
+                         ignore_eos=True)
+    drafted = grpc_stream(pipelined.grpc_url, PROMPTS[1], max_tokens=24, num_draft_tokens=3, adaptive_draft=False,
+                          draft_model="head", ignore_eos=True)
+    assert plain[tn.TEXT_OUTPUT] == paused[tn.TEXT_OUTPUT] == drafted[tn.TEXT_OUTPUT]
+    assert paused[tn.TOTAL_DRAFT_TOKENS] == 0 and drafted[tn.TOTAL_DRAFT_TOKENS] > 0
+    deadline = time.monotonic() + 10
+    while ahead() - used < paused[tn.NUM_OUTPUT_TOKENS] - 3 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ahead() - used >= paused[tn.NUM_OUTPUT_TOKENS] - 3
 
 
 def test_a_step_after_one_ran_ahead_gets_its_own_answer(pipelined):

@@ -10,7 +10,7 @@ from specdec import tensor_names as tn
 from specdec.decoding.sampling import SamplingParams
 from specdec.engine.build import dynamic_executor, static_executor
 from specdec.engine.executor import CacheError, Step
-from specdec.triton.language_models import TargetModel
+from specdec.triton.language_models import ReadyFeatures, TargetModel
 from specdec.triton.responder import Job
 
 
@@ -139,3 +139,48 @@ def test_target_model_runs_ahead_only_after_a_target_only_step_that_wants_its_to
     assert 1 in target.lm.ahead_taken and target.lm.ahead_used == 1
     assert torch.allclose(taken[0], dynamic_executor(tiny_lm).extend(9, 0, [5, 6, 7, 4, ahead.token], 1), atol=1e-10)
     assert 1 in target.lm.ahead  # and the next one runs ahead again
+
+
+class _Tensor:  # pb.Tensor's role: a named host array
+    def __init__(self, name, array):
+        self.name, self.array = name, array
+
+
+class _Pb:
+    Tensor = _Tensor
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "static"])
+def test_a_heads_target_only_step_runs_ahead_and_its_features_are_made_first(tiny_lm, kind):
+    """A head's request that drafts nothing asks for its step's features too: its successor still runs ahead
+    (2.2 ms a round on an H200 without), the response's features made before it is queued (the response
+    does not wait for its forward), and the step taken from it gets the features its own forward gives."""
+    layers = (0, 1)
+    build = (lambda: dynamic_executor(tiny_lm, hidden_layers=layers)) if kind == "dynamic" else (
+        lambda: static_executor(tiny_lm, kv_pool_tokens=1024, block_size=4, max_context=256, max_batch=4, max_rows=5,
+                                min_window=16, compile="off", hidden_layers=layers))
+    target = TargetModel.__new__(TargetModel)
+    target.lm, target.run_ahead, target.pb, target.device_outputs = build(), True, _Pb(), False
+    outputs = (tn.GREEDY_TOKENS, tn.FORWARD_STATS, tn.FEATURES)
+
+    def run_features(step):
+        job = Job(_Request(outputs), step.seq_id, step)
+        outcomes = [(result, None) for result in target._gather([step], target._run([step]))]
+        target._run_ahead([job], outcomes)
+        (((_, tokens, features, _), _),) = outcomes
+        return int(tokens[-1]), features
+
+    text = [5, 6, 7]
+    token, _ = run_features(Step(1, 0, text, 1))
+    assert not target.lm.ahead  # a prompt's step is not followed by one
+    for length in range(3, 7):
+        text.append(token)
+        token, features = run_features(Step(1, length, [token], 1))
+        assert 1 in target.lm.ahead and target.lm.ahead[1].start == length + 1
+        assert isinstance(features, ReadyFeatures) and features.tensor.name == tn.FEATURES
+        if length > 3:
+            assert target.lm.ahead_used == length - 3  # this step was the one run ahead
+        # The features the response carries: those of a fresh sequence's forward over the same text
+        fresh = build()
+        want = fresh.extend_many([Step(2, 0, text, 1)], with_hidden=True)[0].hidden[-1]
+        assert torch.allclose(torch.as_tensor(features.tensor.array)[0, -1], want.flatten().float(), atol=1e-5)

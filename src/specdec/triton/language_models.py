@@ -14,6 +14,7 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -388,10 +389,18 @@ class LanguageModelAdapter(TritonAdapter):
 WARM_UP_SEQUENCE = 0  # Triton never uses correlation ID 0 for a sequence: it cannot collide with one
 
 
+class ReadyFeatures(NamedTuple):
+    """A step's FEATURES response tensor made before the response (TargetModel._run_ahead)."""
+
+    tensor: object  # a pb.Tensor
+
+
 class TargetModel(LanguageModelAdapter):
     heads_parameter = "draft_heads"  # the heads it returns features for
-    # What a step run ahead can answer: its greedy token and the forward's cost, nothing of its logits.
-    AHEAD_OUTPUTS = frozenset({tn.GREEDY_TOKENS, tn.FORWARD_STATS})
+    # What a step run ahead can answer: its greedy token, the forward's cost and its features (a head's
+    # request that drafts nothing still takes them: ~2.2 ms a round on an H200 without its step run ahead,
+    # docs/results/2026-12-04-gpu-h200-heads.md), nothing of its logits.
+    AHEAD_OUTPUTS = frozenset({tn.GREEDY_TOKENS, tn.FORWARD_STATS, tn.FEATURES})
     run_ahead = False  # the run_ahead parameter, read at load (_start)
 
     def _lora(self, params, model):
@@ -422,7 +431,11 @@ class TargetModel(LanguageModelAdapter):
         wanted = set(job.request.requested_output_names())  # none named: all of them
         if not wanted or not wanted <= self.AHEAD_OUTPUTS:
             return
-        (logits, tokens, *_), _ = outcome
+        (logits, tokens, hidden, rows), forward = outcome
+        if hidden is not None and tn.FEATURES in wanted:
+            # The response's features made now: made once the step run ahead is queued, they (and the
+            # response) would wait for its whole forward on the stream
+            outcomes[0] = ((logits, tokens, ReadyFeatures(self._features_output(hidden)), rows), forward)
         self.lm.run_ahead(job.seq_id, greedy(logits[-1]).reshape(1), int(tokens[-1]))
 
     def _warm_up_steps(self):
@@ -511,9 +524,16 @@ class TargetModel(LanguageModelAdapter):
             outputs.append(self._output(tn.LOGITS, logits.float()[None]))
         if tn.FEATURES in requested:  # (1, rows, L x H); none served (no head): empty. A request naming no
             # outputs asks for them all, features too
-            features = hidden.flatten(1).float()[None] if hidden is not None else torch.zeros(1, 0, 0)
-            outputs.append(self._output(tn.FEATURES, features))
+            if isinstance(hidden, ReadyFeatures):  # complete already (a step run ahead is on the stream)
+                outputs.append(hidden.tensor)
+            else:
+                outputs.append(self._features_output(hidden))
         return pb.InferenceResponse(output_tensors=outputs)
+
+    def _features_output(self, hidden: torch.Tensor | None):
+        """The FEATURES response tensor of a step's features (rows, L, H) (None: no head served, empty)."""
+        features = hidden.flatten(1).float()[None] if hidden is not None else torch.zeros(1, 0, 0)
+        return self._output(tn.FEATURES, features)
 
 
 class DraftModel(LanguageModelAdapter):
