@@ -114,8 +114,9 @@ def synthetic_heads(target: Path) -> dict[str, Path]:
     beside the pair, once:
 
       eagle1  an EAGLE-1 head whose drafts are the target's exit after its embedding: fc passes the next
-              token's embedding (scaled to the final norm's RMS) and drops the feature, the layer's output
-              projections are zero, so logits = lm_head(norm(embed(token))) — the pair's 0-layer early exit,
+              token's embedding (divided by the embeddings' mean RMS, as the final norm (weights 1) divides
+              each by its own) and drops the feature, the layer's output projections are zero, so logits ~=
+              lm_head(norm(embed(token))): the pair's 0-layer early exit,
               agreeing with the target as that exit does (its α is the pair's, like the draft model's); its
               step computes everything a trained one's does (zeros cost what any weights cost)
       eagle3  an EAGLE-3 head with random weights and a 32000-token draft vocabulary (the published
