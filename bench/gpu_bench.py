@@ -122,19 +122,17 @@ def synthetic_heads(target: Path) -> dict[str, Path]:
       eagle3  an EAGLE-3 head with random weights and a 32000-token draft vocabulary (the published
               Llama-3.1-8B head's): its costs only (it agrees with nothing)
     """
-    from safetensors.torch import load_file
     from transformers import AutoConfig
 
-    from specdec.engine.draft_heads import EAGLE, EAGLE3, random_head, save_head
+    from specdec.engine.draft_heads import EAGLE, EAGLE3, random_head, read_target_tensors, save_head
 
     where = target.parent / "heads"
     heads = {"eagle1": where / "eagle1-embedding-exit", "eagle3": where / "eagle3-random"}
     if all((path / "config.json").exists() for path in heads.values()):
         return heads
     config = AutoConfig.from_pretrained(target)
-    embed = next(tensor for name, tensor in _target_weights(target, load_file).items()
-                 if name.endswith("embed_tokens.weight"))
-    rms = embed.float().pow(2).mean(dim=-1).sqrt().mean().item()
+    _, embed, _ = read_target_tensors(target)  # the embedding alone, in float32
+    rms = embed.pow(2).mean(dim=-1).sqrt().mean().item()
     head = random_head(EAGLE, config)
     h = config.hidden_size
     with torch.no_grad():
@@ -144,18 +142,11 @@ def synthetic_heads(target: Path) -> dict[str, Path]:
             head.fc.bias.zero_()
         head.layers[0].self_attn.o_proj.weight.zero_()
         head.layers[0].mlp.down_proj.weight.zero_()
-    save_head(head.to(embed.dtype), heads["eagle1"])
+    save_head(head.to(config.dtype), heads["eagle1"])  # in the pair's dtype
     vocab = min(32000, config.vocab_size)
-    save_head(random_head(EAGLE3, config, draft_vocab_size=vocab).to(embed.dtype), heads["eagle3"])
+    save_head(random_head(EAGLE3, config, draft_vocab_size=vocab).to(config.dtype), heads["eagle3"])
     log(f"built the pair's heads: {', '.join(str(path) for path in heads.values())}")
     return heads
-
-
-def _target_weights(target: Path, load_file) -> dict:
-    weights = {}
-    for file in sorted(target.glob("*.safetensors")):
-        weights.update(load_file(str(file)))
-    return weights
 
 
 def load(path: Path, dtype: torch.dtype, device: str):

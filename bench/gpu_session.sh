@@ -159,7 +159,7 @@ run() {  # run NAME SECONDS COMMAND...: its output in $out/NAME.log, its exit co
   return 0
 }
 
-# synthetic_heads: gpu_bench's 8B-shaped pair ($pair, its target) and two heads built for it in seconds ($eagle1:
+# synthetic_heads: gpu_bench's 8B-shaped pair and two heads built for it in seconds ($eagle1:
 # its embedding exit as an EAGLE-1 head, agreeing as the pair's 0-layer exit does; $eagle3: random, its costs
 # only; gpu_bench.synthetic_heads), each built once; GPU_SESSION_SMALL=1: the tiny shapes on CPU ($small:
 # gpu_bench's arguments for them), to check a part before a GPU is lent (PYTHON=.venv/bin/python). A head
@@ -169,8 +169,8 @@ synthetic_heads() {
   [ -n "${GPU_SESSION_SMALL:-}" ] && shape="True, 'float32', 'cpu'" small=(--small --prompts 2 --max-tokens 16)
   run pair-build 240 "$python" -c \
     "from bench.gpu_bench import synthetic_pair, synthetic_heads as h; h(synthetic_pair($shape)[0])"
-  pair=$("$python" -c "from bench.gpu_bench import synthetic_pair; print(synthetic_pair($shape)[0])")
-  eagle1="$(dirname "$pair")/heads/eagle1-embedding-exit" eagle3="$(dirname "$pair")/heads/eagle3-random"
+  read -r eagle1 eagle3 < <("$python" -c "from bench.gpu_bench import synthetic_pair, synthetic_heads as h
+heads = h(synthetic_pair($shape)[0]); print(heads['eagle1'], heads['eagle3'])" 2>/dev/null)
 }
 
 # ab NAME FIRST SECONDS BENCH_ARGS -- ON_ARGS... [--off OFF_ARGS...]: gpu_bench's served rows with ON_ARGS
