@@ -415,9 +415,10 @@ def test_served_on_the_gpu_with_a_head(tmp_path, tiny_pair):
 
 
 def test_a_heads_captured_draft_steps_equal_its_eager_ones(tiny_pair):
-    """The one-token draft steps replayed as CUDA graphs (head_graphs.py) propose what the eager steps do:
-    the same greedy tokens, the same sampled distributions (float64), over several rounds with rollback and
-    across window buckets."""
+    """The draft steps replayed as CUDA graphs (head_graphs.py: chain steps, fills, tree levels) propose what
+    the eager steps do: the same greedy tokens and trees, the same sampled distributions (float64), over
+    several rounds with rollback and across window buckets."""
+    from specdec.engine.interfaces import Step
     from specdec.engine.draft_heads import read_target_tensors
     from specdec.engine.head_executor import HeadExecutor
     from transformers import AutoConfig
@@ -425,7 +426,7 @@ def test_a_heads_captured_draft_steps_equal_its_eager_ones(tiny_pair):
     _, embed, _ = read_target_tensors(tiny_pair.target_path, "cuda", torch.float64)
     head.attach(embed, None)
     eager, graphs = HeadExecutor(head, graphs=False), HeadExecutor(head, graphs=True, max_context=512)
-    assert graphs.warm_up()[0] == 3  # windows 128, 256, 512
+    assert graphs.warm_up()[0] == 3 * len(graphs.steps.rows)  # windows 128, 256, 512 for each row bucket
     width = head.config.feature_width
     torch.manual_seed(0)
     prompt = list(range(5, 125))
@@ -443,6 +444,10 @@ def test_a_heads_captured_draft_steps_equal_its_eager_ones(tiny_pair):
         a = eager.propose(2 + round_, 0, prompt, 4, sampled, make_generator(round_, "cuda:0"), features=features)
         b = graphs.propose(2 + round_, 0, prompt, 4, sampled, make_generator(round_, "cuda:0"), features=features)
         assert a.tokens == b.tokens and torch.allclose(a.probs, b.probs, atol=1e-9)
+        tree = [executor.propose_many([Step(1, keep, [11, 12], k=8, params=SamplingParams(), branches=3,
+                                            features=new[:1])])[0] for executor in (eager, graphs)]
+        assert (tree[0].tokens, tree[0].parents) == (tree[1].tokens, tree[1].parents) and tree[0].parents
+        keep = tree[0].cached_length
     assert graphs.sequences[1].slot is not None
 
 

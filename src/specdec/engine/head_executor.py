@@ -65,15 +65,19 @@ class _Captured(_NoForward):
         self.pool, self.steps = pool, steps
 
     def summary(self, ready: int, seconds: float) -> str:
-        return (f"draft head: one-token steps as CUDA graphs ({ready} window buckets up to {self.pool.capacity} "
-                f"positions, captured in {seconds:.1f} s), a pool of {len(self.pool.keys)} sequences "
-                f"({self.pool.bytes / 2**20:.0f} MiB); more sequences run eagerly")
+        steps = self.steps
+        return (f"draft head: steps as CUDA graphs ({ready} buckets: {', '.join(map(str, steps.rows))} rows x "
+                f"{len(steps.windows)} windows up to {self.pool.capacity} positions, captured in {seconds:.1f} s), "
+                f"a pool of {len(self.pool.keys)} sequences ({self.pool.bytes / 2**20:.0f} MiB); more sequences, "
+                f"and fills or tree levels of more rows, run eagerly")
 
 
 class HeadExecutor:
-    """graphs (EAGLE heads on CUDA; default there): the one-token draft steps replay CUDA graphs over a pool
-    of `graph_slots` sequences x `max_context` positions (head_graphs.py); sequences past the slots run
-    eagerly. cpu_kernels (EAGLE heads in float32 on a CPU; default there): every step on the CPU's layer
+    """graphs (EAGLE heads on CUDA; default there): the draft steps (one-token chain steps, the fill of a
+    round's accepted positions, a tree's levels: up to head_graphs.ROW_BUCKETS rows) replay CUDA graphs over
+    a pool of `graph_slots` sequences x `max_context` positions (head_graphs.py); sequences past the slots
+    run eagerly (on a CPU, graphs runs the same static steps uncaptured: what the tests check). cpu_kernels
+    (EAGLE heads in float32 on a CPU; default there): every step on the CPU's layer
     kernels (head_kernels.py) instead of the module's torch operations."""
 
     def __init__(self, head: EagleHead | MedusaHeads, max_sequences: int = 256, idle_timeout_s: float = 600.0,
@@ -192,9 +196,11 @@ class HeadExecutor:
         head: EagleHead = self.head
         features = self._features(step, needed)
         if needed:
-            tokens = torch.tensor(step.new_ids[1:], device=self.device)
-            hidden, logits = self._chain(tokens, head.from_target(features), seq.cache, step.keep)
+            tokens = torch.tensor(step.new_ids[1:])
+            hidden, logits = self._chain(tokens, head.from_target(features), seq, step.keep)
             seq.last_feature, seq.last_logits = hidden[-1:], logits[-1]
+            if seq.slot is not None:  # a captured step's outputs are the next step's (any sequence's) to overwrite
+                seq.last_feature, seq.last_logits = seq.last_feature.clone(), seq.last_logits.clone()
             self.tokens_processed += needed
         seq.entries = seq.cache.length = step.keep + needed
         if step.k == 0 or seq.entries == 0 or seq.last_feature is None:
@@ -209,23 +215,25 @@ class HeadExecutor:
             if self._unsure(logits, token):  # the confidence stop: x_j is verified, nothing after it drafted
                 break
             if j + 1 < step.k:  # entry N - 1 + j: the head's own feature with the token it drafted
-                if seq.slot is not None and self.steps.graphs:  # captured (warm_up)
-                    hidden, logits = self.steps.run(token, hidden, seq.entries + j, seq.slot)
-                else:
-                    hidden, logits = self._chain(token.reshape(1), hidden, seq.cache, seq.entries + j)
-                    logits = logits[-1]
+                hidden, logits = self._chain(token.reshape(1), hidden, seq, seq.entries + j)
+                logits = logits[-1]
         seq.cache.length = seq.entries  # the drafted entries go: the target's features replace them
         return Drafted(torch.cat(drafted).tolist(), torch.stack(probs) if probs else None, seq.entries)
 
-    def _chain(self, tokens: torch.Tensor, hidden: torch.Tensor, cache: HeadCache, start: int
+    def _chain(self, tokens: torch.Tensor, hidden: torch.Tensor, seq: HeadSequence, start: int
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The head over entries start.. (each seeing the cache up to itself): EagleHead.forward."""
-        if self.kernels is None:
-            return self.head(tokens, hidden, cache, start)
+        """The head over entries start.. (each seeing the cache up to itself): EagleHead.forward, or its
+        captured step (a pool slot's sequence, up to the row buckets: the outputs valid until the next)."""
         m = tokens.shape[0]
+        if seq.slot is not None and self.steps.fits(m, start + m - 1):
+            positions = torch.arange(start, start + m)
+            return self.steps.run(tokens, hidden, positions, seq.slot, start, positions + 1)
+        tokens = tokens.to(self.device)
+        if self.kernels is None:
+            return self.head(tokens, hidden, seq.cache, start)
         positions = torch.arange(start, start + m)
-        return self.kernels.step(tokens, hidden, positions, cache, start, positions + 1, torch.zeros_like(positions),
-                                 reduced=True)
+        return self.kernels.step(tokens, hidden, positions, seq.cache, start, positions + 1,
+                                 torch.zeros_like(positions), reduced=True)
 
     def _eagle_tree(self, seq: HeadSequence, step: Step) -> Drafted:
         """EAGLE-2's dynamic tree of at most k nodes (draft_tree.best_first_tree): each level's nodes run
@@ -253,17 +261,26 @@ class HeadExecutor:
             m = len(nodes)
             level = level_of[parents[0]] + 1
             first = used
-            token_ids = torch.tensor(tokens, device=self.device)
+            token_ids = torch.tensor(tokens)
             if ids is not None:
                 token_ids = ids[token_ids]
             inputs = torch.cat([hidden_of[parent] for parent in parents])
-            positions = torch.full((m,), start + level, device=self.device)
+            positions = torch.full((m,), start + level)
             for row, (node, parent) in enumerate(zip(nodes, parents)):
                 bits_of[node] = bits_of[parent] | 1 << (first + row - start)
-            if self.kernels is not None and first + m - start <= ANCESTOR_BITS:
-                bits = [bits_of[node] - (1 << 64 if bits_of[node] >> 63 else 0) for node in nodes]  # as int64
+            as_bits = first + m - start <= ANCESTOR_BITS
+            if as_bits:
+                bits = torch.tensor([bits_of[node] - (1 << 64 if bits_of[node] >> 63 else 0)  # as int64
+                                     for node in nodes])
+            if as_bits and seq.slot is not None and self.steps.fits(m, first + m - 1):
+                hidden, logits = self.steps.run(token_ids, inputs, positions, seq.slot, first, torch.full((m,), start),
+                                                bits, start)
+                hidden = hidden.clone()  # the children's inputs: the next level's run overwrites the outputs
+                if ids is not None:  # ranked over the draft columns, as the eager levels do
+                    logits = DraftLogits(logits.index_select(-1, ids), ids, seq.last_logits.index)
+            elif as_bits and self.kernels is not None:
                 hidden, logits = self.kernels.step(token_ids, inputs, positions, seq.cache, first,
-                                                   torch.full((m,), start), torch.tensor(bits), reduced=ids is not None)
+                                                   torch.full((m,), start), bits, reduced=ids is not None)
             else:
                 visible = torch.zeros(m, first + m, dtype=torch.bool, device=self.device)
                 visible[:, :start] = True
@@ -278,7 +295,7 @@ class HeadExecutor:
                     keys, values = seq.cache.write(first, k, v)
                     return keys, values, visible
 
-                hidden, logits = head.step(token_ids, inputs, positions, window)
+                hidden, logits = head.step(token_ids.to(self.device), inputs, positions.to(self.device), window)
                 if ids is not None:  # the draft columns of the scattered logits
                     logits = DraftLogits(logits.index_select(-1, ids), ids, seq.last_logits.index)
             for row, (node, parent) in enumerate(zip(nodes, parents)):
