@@ -200,8 +200,9 @@ ab() {
 
 for part in "$@"; do
   case "$part" in
-    tests)  # -v: a line a test, so a run cut off by its budget still says which passed
-      run tests-gpu 240 "$python" -m pytest -v -m gpu tests/gpu -p no:cacheprovider; tests_ran=1 ;;
+    tests)  # -v: a line a test, so a run cut off by its budget still says which passed; GPU_TESTS_K: pytest's -k
+      only=(); [ -n "${GPU_TESTS_K:-}" ] && only=(-k "$GPU_TESTS_K")
+      run tests-gpu 240 "$python" -m pytest -v -m gpu tests/gpu -p no:cacheprovider "${only[@]}"; tests_ran=1 ;;
     bench) run bench-gpu 420 "$python" -m bench.gpu_bench --out "$out/bench-gpu.md" ;;
     heads) run head-bench 300 "$python" -m bench.head_bench --out "$out/head-bench.md" ;;
     lora)
@@ -291,17 +292,20 @@ for part in "$@"; do
       # The skip draft is the random target less some layers: as unsure of its tokens as the draft model, whose
       # confidence stop gpu_bench turns off for the same reason; so are the heads (K drafted as asked, the drafts
       # compared at their own α). swift_found: the set the search found on an H200 (2026-12-04, 24 of 32 layers
-      # skipped; searched, it ran eagerly at 0.36x), given as a list: captured in CUDA graphs; its KV pool sized
-      # (a third full-size model)
+      # skipped; searched, it ran eagerly at 0.36x), given as a list: captured in CUDA graphs; swift: searched
+      # again, its graphs following the set it holds best (since 2026-12-04; the warm pass is its search); their
+      # KV pools sized (two more full-size models)
       found=${DRAFTS_SKIP_SET:-1-5,7-17,19,22-25,27-29}
       [ -n "${GPU_SESSION_SMALL:-}" ] && found=1
-      run drafts 300 "$python" -m bench.gpu_bench --served-only --prompts 4 --warm-passes 1 --streams --long-prompts \
-        --launcher-arg=--skip-draft=swift_found="$found" --launcher-arg=--draft-head=eagle1="$eagle1" \
+      run drafts 330 "$python" -m bench.gpu_bench --served-only --prompts 4 --warm-passes 1 --streams --long-prompts \
+        --launcher-arg=--skip-draft=swift_found="$found" --launcher-arg=--skip-draft=swift=auto \
+        --launcher-arg=--draft-head=eagle1="$eagle1" \
         --launcher-arg=--draft-head=eagle3="$eagle3" --launcher-arg=--default-draft=draft_model \
         --launcher-arg=--set=speculative_decoding.draft_branches=2 --launcher-arg=--set=swift_found.draft_stop_below=0 \
-        --launcher-arg=--set=swift_found.kv_pool_tokens=65536 --launcher-arg=--set=eagle1.draft_stop_below=0 \
+        --launcher-arg=--set=swift_found.kv_pool_tokens=65536 --launcher-arg=--set=swift.draft_stop_below=0 \
+        --launcher-arg=--set=swift.kv_pool_tokens=65536 --launcher-arg=--set=eagle1.draft_stop_below=0 \
         --launcher-arg=--set=eagle3.draft_stop_below=0 \
-        --drafts draft_model:2 swift_found eagle1 eagle1:2 eagle3 "${small[@]}" --out "$out/drafts.md" ;;
+        --drafts draft_model:2 swift_found swift eagle1 eagle1:2 eagle3 "${small[@]}" --out "$out/drafts.md" ;;
     headround)  # a head's request that drafts nothing pays the target's features every round (+3.1 ms on an H200):
                 # its rounds split, features handed over on the device (CUDA IPC) and through the host
       synthetic_heads

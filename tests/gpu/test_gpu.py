@@ -451,6 +451,36 @@ def test_a_heads_captured_draft_steps_equal_its_eager_ones(tiny_pair):
     assert graphs.sequences[1].slot is not None
 
 
+def test_a_searched_skip_drafts_cuda_graphs_follow_the_set_chosen():
+    """A searched layer-skip draft on the GPU (skip_search: StaticForward.graph_skip): sequences on the set the
+    graphs hold replay them, a new set moves the graphs (captured again on first use), sequences on the older
+    set run eagerly; logits the model's without those layers (float64, the graphs' compiled pointwise kernels
+    against transformers' own: 1e-8)."""
+    from tests.unit.test_skip_layers import LAYERS, deep_llama, reference_logits, without
+
+    model = deep_llama()
+    first, second = without(model, (1, 3)), without(model, (2, 5, 6))
+    lm = static_executor(model.to("cuda"), kv_pool_tokens=1024, block_size=8, max_context=128, max_batch=4,
+                         max_rows=5, min_window=16, compile="graphs", skip_layers=(1, 3), skip_search=True)
+    ready, _ = lm.warm_up(600)
+    inner = lm.forward.inner
+    assert lm.forward.graph_skip == (1, 3) and ready == len(inner.captured) > 0
+    a, b = list(range(5, 17)), list(range(30, 40))
+    lm.extend(1, 0, a, 1)
+    got = lm.extend(1, len(a), [7, 8], 2).cpu()
+    assert torch.allclose(got, reference_logits(first, a + [7, 8])[-2:], atol=1e-8)
+    lm.forward.set_skip((2, 5, 6))
+    lm.forward.hold_graphs((2, 5, 6))
+    assert not inner.captured
+    lm.extend(2, 0, b, 1)
+    out = lm.extend_many([Step(1, len(a) + 1, [8, 9], 2), Step(2, len(b), [10, 11], 2)])
+    assert torch.allclose(out[0].cpu(), reference_logits(first, a + [7, 8, 9])[-2:], atol=1e-8)
+    assert torch.allclose(out[1].cpu(), reference_logits(second, b + [10, 11])[-2:], atol=1e-8)
+    out = lm.extend_many([Step(2, len(b) + 2, [12], 1)])
+    assert torch.allclose(out[0].cpu(), reference_logits(second, b + [10, 11, 12])[-1:], atol=1e-8)
+    assert inner.captured and inner.llama.run_layers == tuple(range(LAYERS))
+
+
 def test_the_fp8_kernel_computes_the_dequantized_product_for_every_row_count():
     """weights_dtype fp8 on a GPU: the weight-only kernel (up to 128 rows; split along K up to 16) gives the
     dequantized product up to summation order, compiled, the same bits call after call and replayed in a CUDA

@@ -281,9 +281,9 @@ class _Logger:
 
 
 @pytest.mark.parametrize("compile_mode", ["auto", "off"])
-def test_a_searched_skip_draft_served_with_compile_auto_runs_eagerly_and_searches(tmp_path, compile_mode):
-    """draft_model's adapter, skip_layers auto: compile auto (a GPU's default: CUDA graphs, which hold one set)
-    becomes eager, logged with what to give for graphs, instead of refusing to load; the tuner searches."""
+def test_a_searched_skip_draft_served_with_compile_auto_searches_with_a_set_per_sequence(tmp_path, compile_mode):
+    """draft_model's adapter, skip_layers auto, compile auto (a GPU's default) or off: it loads (once refused:
+    graphs hold one set) with a set per sequence, and the tuner searches; on the CPU no graphs are held."""
     from types import SimpleNamespace
 
     from specdec.engine.skip_layers import LayerSkipForward
@@ -298,5 +298,73 @@ def test_a_searched_skip_draft_served_with_compile_auto_runs_eagerly_and_searche
     params = ModelParameters({"name": "swift", "parameters": {k: {"string_value": v} for k, v in values.items()}})
     lm = adapter._executor(params, "cpu")
     assert isinstance(lm.forward, LayerSkipForward) and adapter.tuner is not None
-    logged = [line for line in adapter.pb.Logger.lines if "runs eagerly" in line]
-    assert len(logged) == (compile_mode == "auto") and all("skip_layers" in line for line in logged)
+    assert lm.forward.graph_skip is None and lm.kv.prefix is None
+    logged = [line for line in adapter.pb.Logger.lines if "searching the layers to skip" in line]
+    assert len(logged) == 1 and "CUDA graphs" not in logged[0]
+
+
+class _FrozenCapture:
+    """What capturing a CUDA graph does to a forward, on the CPU: it runs the layers that ran when it was
+    captured, whatever runs later, over its static inputs (which StaticForward's one copy fills)."""
+
+    def __init__(self, llama, shape, scratch, head_rows):
+        from specdec.engine.llama_forward import Batch
+        b, t, blocks = shape
+        size = Batch.size(b, t, blocks)
+        self.flat = torch.zeros(size + b * t, dtype=torch.long)
+        self.inputs = Batch.view(self.flat, b, t, blocks)
+        self.inputs.clear(scratch)
+        self.llama, self.layers = llama, llama.run_layers
+        self.head = self.flat[size:size + head_rows] if head_rows else None
+
+    def run(self):
+        now, self.llama.run_layers = self.llama.run_layers, self.layers
+        try:
+            return self.llama(self.inputs) if self.head is None else self.llama(self.inputs, head_rows=self.head)
+        finally:
+            self.llama.run_layers = now
+
+
+def test_a_searched_drafts_graphs_follow_the_set_chosen_and_older_sets_run_eagerly(model, monkeypatch):
+    """skip_search with CUDA graphs (StaticForward.graph_skip; the capture stood in for by one that freezes
+    the layers as a graph does): sequences on the set the graphs hold replay them, the tuner's new set moves
+    the graphs (hold_graphs: captured again for it on first use), sequences on the older set run eagerly; every
+    logit the model's without that sequence's layers (float64), through rollbacks."""
+    from specdec.engine.skip_layers import LayerSkipForward
+
+    lm = static_executor(model, kv_pool_tokens=1024, block_size=8, max_context=128, max_batch=4, max_rows=5,
+                         min_window=16, compile="off", skip_layers=(1, 3), skip_search=True)
+    forward = lm.forward
+    assert isinstance(forward, LayerSkipForward) and forward.graph_skip is None  # eager on a CPU
+    inner = forward.inner
+    inner.mode, inner.graph_skip = "graphs", (1, 3)  # as built on CUDA
+    captures = []
+
+    def capture(shape):
+        captures.append(inner.llama.run_layers)
+        return _FrozenCapture(inner.llama, shape, inner.pool.scratch, 0)
+    monkeypatch.setattr(inner, "_capture", capture)
+    kept = {skip: tuple(i for i in range(LAYERS) if i not in skip) for skip in ((1, 3), (2, 5, 6))}
+    first, second = without(model, (1, 3)), without(model, (2, 5, 6))
+    a, b = list(range(5, 17)), list(range(30, 40))
+    assert torch.allclose(lm.extend(1, 0, a, 2), reference_logits(first, a)[-2:], atol=1e-10)  # a prompt: eager
+    assert torch.allclose(lm.extend(1, len(a), [7, 8], 2), reference_logits(first, a + [7, 8])[-2:], atol=1e-10)
+    assert captures and set(captures) == {kept[1, 3]}
+    replayed = len(captures)
+
+    forward.set_skip((2, 5, 6))  # what the tuner does with a better set
+    forward.hold_graphs((2, 5, 6))
+    assert forward.graph_skip == (2, 5, 6) and not inner.captured
+    lm.extend(2, 0, b, 1)
+    out = lm.extend_many([Step(1, len(a) + 1, [8, 9], 2), Step(2, len(b), [10, 11], 2)])  # 1: a rollback of one
+    assert torch.allclose(out[0], reference_logits(first, a + [7, 8, 9])[-2:], atol=1e-10)
+    assert torch.allclose(out[1], reference_logits(second, b + [10, 11])[-2:], atol=1e-10)
+    assert set(captures[replayed:]) == {kept[2, 5, 6]}  # the older set never captured again, never replayed
+    for _ in range(3):
+        out = lm.extend_many([Step(2, len(b) + 2, [12], 1)])
+    assert torch.allclose(out[0], reference_logits(second, b + [10, 11, 12])[-1:], atol=1e-10)
+    assert inner.llama.run_layers == tuple(range(LAYERS))
+    with pytest.raises(ValueError, match="graphs hold theirs"):
+        inner.graph_skip = None
+        with inner.skipping((2,)):
+            pass

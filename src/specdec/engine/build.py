@@ -10,8 +10,10 @@ where the model allows it and it pays: on a GPU (CUDA graphs: kernel launches do
 on the CPU for a float32 model where this project's CPU kernels build (kernels.cpu(): a layer's pointwise
 work and attention one call each, reading the pool in place; transformers' eager forward spends more of
 a step dispatching small operations than multiplying). Elsewhere the dynamic one. A layer-skip draft
-whose set may change (its search) runs eagerly: on the CPU's kernels the static forward with a set per
-sequence, else transformers' forward; with CUDA graphs the static one keeps the set it was captured with.
+whose set may change (its search, `skip_search`) keeps a set per sequence: on the CPU's kernels the static
+forward eagerly, else transformers' forward; with CUDA graphs the static forward's graphs run the set the
+search holds best (`StaticForward.retarget`), sequences on an older set eagerly. A set given runs in the
+static forward's graphs for life.
 """
 
 from __future__ import annotations
@@ -45,8 +47,10 @@ class ExecutorConfig:
     block_size: int = 32  # tokens per KV block (the prefix cache's unit; the paged pool's)
     hidden_layers: tuple[int, ...] = ()  # layers whose output a forward also returns (a trained draft's input)
     # A layer-skip self-draft (skip_layers.py): these intermediate layers do not run. None: every layer runs.
-    # Eagerly the set may change (for sequences that start later); with CUDA graphs it is kept for life.
+    # Eagerly the set may change (for sequences that start later); with CUDA graphs it is kept for life,
+    # unless skip_search: then the graphs follow the set the search chose (StaticForward.retarget).
     skip_layers: tuple[int, ...] | None = None
+    skip_search: bool = False
     # dynamic
     prefix_cache_tokens: int = 4096  # the prefix cache's store of copied blocks
     # pad 2..n-1-row forwards to n (None: as `linear_kernels: auto` timed it at load; without that timing 4 on
@@ -98,10 +102,12 @@ def static_executor(model, max_sequences: int = 256, idle_timeout_s: float = 600
                     log: Callable[[str], None] = lambda message: None, hidden_layers: tuple[int, ...] = (),
                     skip_layers: tuple[int, ...] | None = None, attention: str = "auto",
                     lora_adapters: dict[str, str] | None = None, lora_directory: str = "", max_loras: int = 0,
-                    max_lora_rank: int = 0, lora_layers: tuple[int, ...] | None = None) -> Executor:
+                    max_lora_rank: int = 0, lora_layers: tuple[int, ...] | None = None,
+                    skip_search: bool = False) -> Executor:
     """The static Llama forward over a paged pool (see the module's docstring; the arguments are
     `PagedKV`'s and `StaticForward`'s). skip_layers, a layer-skip draft: captured with CUDA graphs, that
-    set for life; eagerly `LayerSkipForward` over the static forward (a set per sequence, no prefix caching).
+    set for life; eagerly `LayerSkipForward` over the static forward (a set per sequence, no prefix caching);
+    with skip_search (its set searched), `LayerSkipForward` over graphs that follow the search's set.
     lora_adapters: {name: directory} of LoRA adapters a sequence may run (lora.py); lora_directory, one whose
     adapters are read on demand, max_loras slots of rank up to max_lora_rank (lora.AdapterSet); lora_layers, a
     draft's map onto the target's layers whose adapters it runs (lora.load_adapter)."""
@@ -117,12 +123,13 @@ def static_executor(model, max_sequences: int = 256, idle_timeout_s: float = 600
         raise ValueError(f"lora_layers names {len(lora_layers)} of the target's layers; the model has {layers}")
     adapters = lora.load_adapters(model, dict(lora_adapters or {}), max_loras, max_lora_rank, lora_directory,
                                   lora_layers)
-    per_sequence = skip is not None and StaticForward.mode_for(compile, model.device) == "off"
+    eager = StaticForward.mode_for(compile, model.device) == "off"
+    per_sequence = skip is not None and (eager or skip_search)
     kv = PagedKV(model, max_sequences, max_context, kv_pool_tokens, kv_memory_fraction, block_size,
                  prefix_caching and not per_sequence, log)
     forward = StaticForward(model, kv, max_batch, max_rows, compile, min_window, fuse_kernels, fuse_mlp,
                             prefill_rows, log, hidden_layers, () if per_sequence or skip is None else skip, attention,
-                            adapters)
+                            adapters, graph_skip=skip if per_sequence and not eager else None)
     if per_sequence:
         forward = LayerSkipForward(forward, model, skip)
     if adapters is not None:
@@ -164,7 +171,8 @@ def build_executor(model, config: ExecutorConfig, log: Callable[[str], None] = l
             prefill_rows=config.prefill_graph_rows if wants_graphs else 0, min_window=config.min_window, log=log,
             hidden_layers=config.hidden_layers, skip_layers=config.skip_layers, attention=config.attention,
             lora_adapters=dict(config.lora_adapters), lora_directory=config.lora_directory,
-            max_loras=config.max_loras, max_lora_rank=config.max_lora_rank, lora_layers=config.lora_layers)
+            max_loras=config.max_loras, max_lora_rank=config.max_lora_rank, lora_layers=config.lora_layers,
+            skip_search=config.skip_search)
     if config.lora_adapters or config.lora_directory:
         raise ValueError(f"LoRA adapters need the static executor (executor={config.executor}"
                          f"{': ' + unsupported if unsupported else ', which did not take it on this device and dtype'})")

@@ -43,10 +43,10 @@ class InputStaging:
 
     def send(self, size: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """The last filled buffer on the device: copied into `out` (or a new tensor) on CUDA, the buffer
-        itself on CPU."""
+        itself on CPU (copied into `out` where one is given)."""
         source = self.buffers[self.slot][:size]
         if not self.pinned:
-            return source
+            return source if out is None else out[:size].copy_(source)
         out = torch.empty(size, dtype=torch.long, device=self.device) if out is None else out[:size]
         out.copy_(source, non_blocking=True)
         self.events[self.slot] = torch.cuda.Event()

@@ -1,11 +1,13 @@
 """A layer-skip self-draft (SWIFT): the target drafts for itself with some of its intermediate decoder
 layers left out, its embedding, final norm and head shared; which layers are found on the fly.
 
-  LayerSkipForward  an eager forward (transformers' `TransformersForward`, or on the CPU the static
-                    executor's `StaticForward` on its C++ kernels) running a chosen subset of the model's layers.
-                    Each sequence keeps the set it started with: its cache holds those layers' keys and
-                    values only, so a new set applies to sequences that start after it is chosen. A batch
-                    of sequences with different sets runs one forward per set.
+  LayerSkipForward  a forward (transformers' `TransformersForward`, or the static executor's `StaticForward`:
+                    on the CPU's C++ kernels, or with CUDA graphs for one set at a time) running a chosen
+                    subset of the model's layers. Each sequence keeps the set it started with: its cache
+                    holds those layers' keys and values only, so a new set applies to sequences that start
+                    after it is chosen. A batch of sequences with different sets runs one forward per set;
+                    with CUDA graphs the search's chosen set replays them (`hold_graphs`), older sets run
+                    eagerly until their sequences end.
   agreement         how often a set's greedy token equals the whole model's over a text (one forward each)
   SkipTuner         the search (`decoding.skip_search.SkipSearch`) fed with the live sequences' text
 
@@ -76,6 +78,16 @@ class LayerSkipForward:
     def set_skip(self, skip: tuple[int, ...]) -> None:
         """Sequences that start from now on skip these layers."""
         self.skip = check_skip(tuple(skip), self.layers)
+
+    @property
+    def graph_skip(self) -> tuple[int, ...] | None:
+        """The set the inner forward's CUDA graphs run (None: it captures none)."""
+        return getattr(self.inner, "graph_skip", None) if getattr(self.inner, "mode", "off") == "graphs" else None
+
+    def hold_graphs(self, skip: tuple[int, ...]) -> None:
+        """The inner forward's CUDA graphs run this set from now on (StaticForward.retarget), if it has any."""
+        if self.graph_skip is not None:
+            self.inner.retarget(check_skip(tuple(skip), self.layers))
 
     def set_of(self, seq) -> tuple[int, ...]:
         # A sequence's first forward fixes its set (kept in its state: it goes with the sequence).
@@ -254,6 +266,7 @@ class SkipTuner:
         if improved:
             self.last_alpha = alpha
             self.forward.set_skip(self.search.best)
+            self.forward.hold_graphs(self.search.best)  # new sequences replay graphs of it (on CUDA)
             self.log(f"layer-skip draft: skipping layers {list(self.search.best)} ({len(self.search.best)} of "
                      f"{self.search.layers}): agreement {alpha:.2f}, draft step {self.cost:.2f} of a target step, "
                      f"estimated speedup {self.search.best_score:.2f}x (trial {self.search.trials})")

@@ -71,7 +71,7 @@ class StaticForward:
                  min_window: int = 128, fuse_kernels: bool | None = None, fuse_mlp: bool | None = None,
                  prefill_rows: int = 0, log: Callable[[str], None] = lambda message: None,
                  hidden_layers: tuple[int, ...] = (), skip: tuple[int, ...] = (), attention: str = "auto",
-                 adapters=None):
+                 adapters=None, graph_skip: tuple[int, ...] | None = None):
         if compile not in COMPILE_MODES:
             raise ValueError(f"compile must be one of {COMPILE_MODES}, got {compile!r}")
         self.device = device = model.device
@@ -105,6 +105,12 @@ class StaticForward:
         self._graph_pool = torch.cuda.graph_pool_handle() if self.mode == "graphs" else None
         self._uncapturable: set[tuple[int, int, int]] = set()
         self._capture_stream = torch.cuda.Stream(device) if self.mode == "graphs" else None
+        # A layer-skip self-draft whose set is searched (skip_layers.LayerSkipForward over this forward, every
+        # layer built): the set its graphs run, captured for it; groups of sequences on another set run
+        # eagerly (`skipping`). `retarget` moves the graphs to a new set. None: the graphs run every layer
+        # this forward was built with.
+        self.graph_skip = None if graph_skip is None else tuple(graph_skip)
+        self._set: tuple[int, ...] | None = None  # the set `skipping` runs now (None: outside it)
         self.staging = InputStaging(device)
         if self.mode == "graphs" and self.llama.attention == "sdpa":
             self.llama.reserve_workspace(self.batch_sizes[-1] * self.window_sizes[-1])
@@ -136,8 +142,9 @@ class StaticForward:
     def summary(self, ready: int, seconds: float) -> str:
         if self.mode == "off":
             return "static executor, eager (compile=off)"
-        return (f"static executor: {ready} of {len(self.bucket_shapes())} shape buckets captured as CUDA graphs "
-                f"in {seconds:.1f} s (the rest on first use)"
+        held = "" if self.graph_skip is None else f" for the skipped layers {list(self.graph_skip)}"
+        return (f"static executor: {ready} of {len(self.bucket_shapes())} shape buckets captured as CUDA graphs"
+                f"{held} in {seconds:.1f} s (the rest on first use)"
                 f"{'; MLP gate/up products fused' if any(self.llama.gate_up) else ''}")
 
     def bucket_shapes(self) -> list[tuple[int, int, int]]:
@@ -157,9 +164,11 @@ class StaticForward:
         # at the same time would count too), without its cached free blocks (eager forwards leave some).
         torch.cuda.empty_cache()
         reserved_before = torch.cuda.memory_reserved(self.device)
-        for shape in self.bucket_shapes():
-            if time.perf_counter() - started > time_budget_s or self._captured(shape) is None:
-                break
+        held = self.skipping(self.graph_skip) if self.graph_skip is not None else contextlib.nullcontext()
+        with held:  # a searched layer-skip draft's graphs run its set
+            for shape in self.bucket_shapes():
+                if time.perf_counter() - started > time_budget_s or self._captured(shape) is None:
+                    break
         torch.cuda.empty_cache()
         self.log(f"{len(self.captured)} CUDA graphs captured, taking "
                  f"{(torch.cuda.memory_reserved(self.device) - reserved_before) / 2**30:.2f} GiB of device memory")
@@ -173,16 +182,14 @@ class StaticForward:
             return self.captured[shape]
         if shape in self._uncapturable:
             return None
-        if torch.cuda.mem_get_info(self.device)[0] < CAPTURE_RESERVE_BYTES:
+        if self.device.type == "cuda" and torch.cuda.mem_get_info(self.device)[0] < CAPTURE_RESERVE_BYTES:
             if not self._uncapturable:
                 self.log(f"less than {CAPTURE_RESERVE_BYTES >> 20} MiB free on {self.device}: no more CUDA graphs "
                          f"are captured (that much stays free for eager prompts); uncaptured buckets run eagerly")
             self._uncapturable.add(shape)
             return None
         try:
-            forward = self.captured[shape] = CapturedForward(
-                self.llama, shape, self.pool.scratch, self.device, self._graph_pool, self._capture_stream,
-                head_rows=self.head_rows if shape[1] > self.row_sizes[-1] else 0)
+            forward = self.captured[shape] = self._capture(shape)
         except torch.cuda.OutOfMemoryError:
             self._uncapturable.add(shape)
             torch.cuda.empty_cache()
@@ -190,6 +197,11 @@ class StaticForward:
                      f"eagerly; lower kv_memory_fraction or kv_pool_tokens to leave room")
             return None
         return forward
+
+    def _capture(self, shape: tuple[int, int, int]) -> CapturedForward:
+        """The bucket's forward captured now, as the layers run now."""
+        return CapturedForward(self.llama, shape, self.pool.scratch, self.device, self._graph_pool,
+                               self._capture_stream, head_rows=self.head_rows if shape[1] > self.row_sizes[-1] else 0)
 
     @staticmethod
     def mode_for(compile: str, device: torch.device) -> str:
@@ -199,15 +211,36 @@ class StaticForward:
     @contextlib.contextmanager
     def skipping(self, skip: tuple[int, ...]):
         """Forwards inside run without the layers in `skip` (a layer-skip self-draft whose set may change,
-        skip_layers.LayerSkipForward). Eagerly only: a captured graph runs the set it was captured with."""
-        if self.mode == "graphs":
-            raise ValueError("a layer-skip draft's set changes only eagerly (compile off): graphs hold theirs")
-        every = self.llama.run_layers
+        skip_layers.LayerSkipForward). With graphs, only a forward built for that (graph_skip set): they
+        replay where `skip` is the set the graphs hold, else run eagerly (a captured graph runs the set it
+        was captured with)."""
+        if self.mode == "graphs" and self.graph_skip is None:
+            raise ValueError("a layer-skip draft's set changes only eagerly (compile off) or where its search "
+                             "holds graphs for one set at a time (graph_skip): graphs hold theirs")
+        every, was = self.llama.run_layers, self._set
         self.llama.run_layers = tuple(i for i in range(len(self.llama.body.layers)) if i not in set(skip))
+        self._set = tuple(skip)
         try:
             yield
         finally:
-            self.llama.run_layers = every
+            self.llama.run_layers, self._set = every, was
+
+    def retarget(self, skip: tuple[int, ...]) -> None:
+        """A searched layer-skip draft's graphs move to the set `skip`: the ones held go (their memory with
+        them), and each bucket is captured again on its first use by a sequence on that set."""
+        if self.graph_skip is None or tuple(skip) == self.graph_skip:
+            return
+        self.captured.clear()
+        self._uncapturable.clear()
+        if self.mode == "graphs" and self.device.type == "cuda":
+            self._graph_pool = torch.cuda.graph_pool_handle()
+            torch.cuda.empty_cache()
+        self.graph_skip = tuple(skip)
+        self.log(f"CUDA graphs now for the skipped layers {list(self.graph_skip)}: captured on first use")
+
+    def _replays(self) -> bool:
+        """Whether this forward's graphs run the layers running now."""
+        return self.mode != "off" and (self.graph_skip is None or self._set == self.graph_skip)
 
     def __call__(self, seqs: list[PagedSequence], rows: list, num_logits: list[int],
                  trees: list | None = None) -> ForwardOutput:
@@ -244,7 +277,7 @@ class StaticForward:
         prompt = width is None and len(seqs) == 1 and num_logits[0] <= self.head_rows
         if prompt:
             width = bucket(counts[0], self.prefill_sizes)
-        bucketed = width is not None and batch is not None and self.mode != "off"
+        bucketed = width is not None and batch is not None and self._replays()
         if not bucketed:  # a prompt, or any forward run eagerly: its own shape (padding would only cost)
             batch, width, window = len(seqs), max(counts), needed_blocks
         # Every input, and the indices of the rows wanted, in one host buffer and one copy.
@@ -283,7 +316,7 @@ class StaticForward:
         for b, row in on_device:  # drafted tokens stay on the device
             inputs.ids[b, :len(row)] = row
         rows_wanted = device_flat[size:size + len(wanted)]
-        if width > self.row_sizes[-1] or self.mode == "off":  # the head on the wanted rows only, in their order
+        if width > self.row_sizes[-1] or not bucketed:  # the head on the wanted rows only, in their order
             out = captured.run() if captured is not None else self.llama(inputs, rows_wanted)
             # Copied: a captured output is overwritten by the next run.
             logits = (out[0] if self.hidden_layers else out)[:sum(num_logits)].clone()

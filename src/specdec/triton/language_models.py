@@ -88,12 +88,6 @@ class LanguageModelAdapter(TritonAdapter):
         default = ExecutorConfig()
         executor = params.str("executor", default.executor, choices=tn.EXECUTORS)
         compile = params.str("compile", default.compile, choices=tn.COMPILE_MODES)
-        if compile == "auto" and self._searches_skip(params):
-            # The search changes the set between forwards; captured graphs hold one: eager is what "auto" can
-            # give (an explicit graphs is refused by _tuner). Once found, a set given as a list is captured.
-            compile = "off"
-            self.pb.Logger.log_info(f"{self.name}: skip_layers={tn.SKIP_SEARCH} runs eagerly (compile off); give "
-                                    "the set it finds (logged) as skip_layers to capture it in CUDA graphs")
         dtype = params.str("dtype", "float32", choices=tn.DTYPE_NAMES)
         model = load_causal_lm(
             params.str("model_path"),
@@ -126,6 +120,8 @@ class LanguageModelAdapter(TritonAdapter):
             attention=params.str("attention", default.attention, choices=tn.ATTENTION_KINDS),
             hidden_layers=self._served_layers(params, model.config.get_text_config().num_hidden_layers),
             skip_layers=self._skip_layers(params, model),
+            # the search changes the set between forwards: with CUDA graphs, they follow the set it holds best
+            skip_search=self._searches_skip(params),
             **self._lora(params, model))
         try:
             return build_executor(model, config, log=self.pb.Logger.log_info)
@@ -654,14 +650,15 @@ class DraftModel(LanguageModelAdapter):
     def _tuner(self, params: ModelParameters, lm) -> SkipTuner:
         """skip_layers auto: the search over the first requests' text, then now and then (skip_layers.py)."""
         if not isinstance(lm.forward, LayerSkipForward):
-            raise ConfigError(f"{self.name}: skip_layers={tn.SKIP_SEARCH} needs the eager executor (compile=off, "
-                              "or a CPU); the static executor's graphs are captured for one set: give the layers")
+            raise ConfigError(f"{self.name}: skip_layers={tn.SKIP_SEARCH} needs a forward with a set per sequence "
+                              "(executor auto, static or dynamic)")
         tuner = SkipTuner(lm, lm.forward, k_max=params.int("max_num_draft_tokens", 16, low=1),
                           seed=params.int("skip_search_seed", 0, low=0),
                           interval_s=params.float("skip_search_interval_s", 10.0, low=0.0),
                           log=self.pb.Logger.log_info, scratch_sequence=WARM_UP_SEQUENCE)
+        graphs = "" if lm.forward.graph_skip is None else " (its CUDA graphs follow the set chosen)"
         self.pb.Logger.log_info(f"{self.name}: layer-skip self-draft, searching the layers to skip from "
-                                f"{list(lm.forward.skip)}")
+                                f"{list(lm.forward.skip)}{graphs}")
         return tuner
 
     def _head_executor(self, params: ModelParameters, device: str) -> HeadExecutor:
