@@ -159,6 +159,55 @@ def test_the_executor_drafts_the_same_on_the_kernels_round_after_round(tiny_lm, 
             assert torch.allclose(drafted[0].probs, drafted[1].probs, atol=1e-5)
 
 
+@pytest.mark.parametrize("kind", [EAGLE, EAGLE3])
+def test_a_batch_drafts_together_what_each_sequence_drafts_alone(tiny_lm, kind):
+    """propose_many over several sequences on the kernels (each head step over every sequence's rows at once:
+    HeadKernels.step_many) drafts what one call per sequence drafts: chains of different K, stopped early by the
+    confidence stop, sampled, trees among them, a first round without features, a step refused (its keep past
+    the cache); round after round with rollbacks."""
+    head = float_head(tiny_lm, kind, seed=3)
+    width = head.config.feature_width if kind == EAGLE3 else head.config.hidden_size
+    gen = torch.Generator().manual_seed(11)
+    together, alone = HeadExecutor(head, cpu_kernels=True), HeadExecutor(head, cpu_kernels=True)
+    together.stop_below = alone.stop_below = 0.05
+    sampled = SamplingParams(temperature=0.9)
+    keep = {seq: 0 for seq in range(1, 7)}
+    tokens = {seq: torch.randint(0, 97, (12 + seq,), generator=gen).tolist() for seq in keep}
+    calls = {"many": 0}
+    step_many = together.kernels.step_many
+
+    def counted(*args, **kwargs):
+        calls["many"] += len(args[3]) > 1
+        return step_many(*args, **kwargs)
+    together.kernels.step_many = counted
+    for round_ in range(8):
+        steps = []
+        for seq in keep:
+            new_ids = tokens[seq][keep[seq]:]
+            features = torch.randn(len(tokens[seq]) - 1, width, generator=gen)
+            if round_ == 0 and seq == 6:
+                features = None  # its first round: the target has run nothing yet
+            steps.append(Step(seq, keep[seq], new_ids, k=1 + (seq + round_) % 5, features=features,
+                              params=sampled if seq == 2 else SamplingParams(), branches=3 if seq == 3 else 1,
+                              generator=torch.Generator().manual_seed(round_)))
+        if round_ == 5:
+            steps.append(Step(9, 4, [1, 2], k=3, features=torch.randn(5, width)))  # keep 4 of nothing: refused
+        many = together.propose_many(steps)
+        for step, a in zip(steps, many):
+            (b,) = alone.propose_many([step._replace(generator=torch.Generator().manual_seed(round_))])  # same draws
+            if isinstance(b, Exception):
+                assert type(a) is type(b) and str(a) == str(b)
+                continue
+            assert (a.tokens, a.parents, a.cached_length) == (b.tokens, b.parents, b.cached_length), (round_, step.seq_id)
+            if b.probs is not None:
+                assert torch.allclose(a.probs, b.probs, atol=1e-5)
+            if step.seq_id in keep:  # the next round: part of the draft accepted, a token of the target's
+                accepted = a.tokens[:round_ % 3] if a.parents is None else []
+                keep[step.seq_id] = len(tokens[step.seq_id]) - 1 if a.tokens or step.features is not None else 0
+                tokens[step.seq_id] += accepted + [int(torch.randint(0, 97, (1,), generator=gen))]
+    assert calls["many"] >= 8  # fills and chain steps ran over several sequences at once
+
+
 def test_the_kernels_are_refused_where_they_do_not_serve(tiny_lm):
     head = float_head(tiny_lm, EAGLE3).double()
     assert HeadKernels.serving(head) is None

@@ -139,12 +139,82 @@ class HeadExecutor:
 
     @torch.inference_mode()
     def propose_many(self, steps: list[Step]) -> list[Drafted | CacheError]:
+        if self.kernels is not None and len(steps) > 1:
+            return self._propose_together(steps)
         results: list = []
         for step in steps:
             try:
                 results.append(self._propose(step))
             except CacheError as exc:
                 results.append(exc.with_traceback(None))
+        return results
+
+    def _propose_together(self, steps: list[Step]) -> list[Drafted | CacheError]:
+        """A batch's steps on the CPU kernels, each head step over every sequence's rows at once
+        (HeadKernels.step_many: the head's weights read once a step, not once a sequence): the fills of the
+        positions each round accepted, then the chains' drafting steps in lockstep; trees then run one
+        sequence after another from their filled caches. What each sequence drafts is what `_propose`
+        drafts for it alone (up to float32 rounding: a product over more rows may sum in another order)."""
+        results: list = [None] * len(steps)
+        filling = []  # (index, sequence, rows to fill)
+        for i, step in enumerate(steps):
+            try:
+                seq = self._sequence(step)
+            except CacheError as exc:
+                results[i] = exc.with_traceback(None)
+                continue
+            needed = len(step.new_ids) - 1
+            if needed and (step.features is None or not len(step.features)):
+                results[i] = Drafted([], None, step.keep)  # no feature at all (a first round): nothing drafted
+            else:
+                filling.append((i, seq, needed))
+        fills = [(i, seq, needed) for i, seq, needed in filling if needed]
+        if fills:
+            tokens = torch.tensor([t for i, _, _ in fills for t in steps[i].new_ids[1:]])
+            positions = torch.cat([torch.arange(steps[i].keep, steps[i].keep + needed) for i, _, needed in fills])
+            hidden = self.head.from_target(torch.cat([self._features(steps[i], needed) for i, _, needed in fills]))
+            caches = [(needed, seq.cache, steps[i].keep, torch.arange(steps[i].keep + 1, steps[i].keep + needed + 1),
+                       torch.zeros(needed, dtype=torch.long)) for i, seq, needed in fills]
+            hidden, logits = self.kernels.step_many(tokens, hidden, positions, caches, reduced=True)
+            row = 0
+            for _, seq, needed in fills:
+                row += needed
+                seq.last_feature, seq.last_logits = hidden[row - 1:row], logits[row - 1]
+                self.tokens_processed += needed
+        chains = []  # [index, sequence, drafted, probs, hidden, logits]
+        for i, seq, needed in filling:
+            step = steps[i]
+            seq.entries = seq.cache.length = step.keep + needed
+            if step.k == 0 or seq.entries == 0 or seq.last_feature is None:
+                results[i] = Drafted([], None, seq.entries)
+            elif step.branches > 1:
+                results[i] = self._eagle_tree(seq, step)
+            else:
+                chains.append([i, seq, [], [], seq.last_feature, seq.last_logits])
+        j = 0
+        while chains:  # drafting step j of every chain still going
+            going = []
+            for chain in chains:
+                i, seq, drafted, probs, hidden, logits = chain
+                step = steps[i]
+                token = self._pick(logits, step, probs)
+                drafted.append(token)
+                if self._unsure(logits, token) or j + 1 >= step.k:  # the confidence stop, or K drafted
+                    seq.cache.length = seq.entries
+                    results[i] = Drafted(torch.cat(drafted).tolist(), torch.stack(probs) if probs else None,
+                                         seq.entries)
+                else:
+                    going.append(chain)
+            if going:  # entry N - 1 + j of each: the head's own feature with the token it drafted
+                tokens = torch.cat([chain[2][-1].reshape(1) for chain in going])
+                positions = torch.tensor([chain[1].entries + j for chain in going])
+                caches = [(1, chain[1].cache, chain[1].entries + j, positions[n:n + 1] + 1,
+                           torch.zeros(1, dtype=torch.long)) for n, chain in enumerate(going)]
+                hidden, logits = self.kernels.step_many(tokens, torch.cat([chain[4] for chain in going]), positions,
+                                                        caches, reduced=True)
+                for n, chain in enumerate(going):
+                    chain[4], chain[5] = hidden[n:n + 1], logits[n]
+            chains, j = going, j + 1
         return results
 
     def propose(self, seq_id: int, keep: int, new_ids: list[int], k: int, params: SamplingParams,

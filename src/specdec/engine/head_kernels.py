@@ -123,6 +123,16 @@ class HeadKernels:
         """tokens (m,), hidden (m, h), positions (m,); before, ancestors (m,) int64 -> (the next hidden
         (m, h), logits over the target's vocabulary (m, V)), as EagleHead.step. With `reduced`, an EAGLE-3
         head's logits as DraftLogits where its draft vocabulary is smaller (and its ids ascend)."""
+        return self.step_many(tokens, hidden, positions, [(tokens.shape[0], cache, first, before, ancestors)],
+                              reduced)
+
+    def step_many(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                  caches: list[tuple[int, HeadCache, int, torch.Tensor, torch.Tensor]], reduced: bool = False
+                  ) -> tuple[torch.Tensor, torch.Tensor | DraftLogits]:
+        """`step` over the rows of several sequences at once: tokens (M,), hidden (M, h), positions (M,), the
+        rows of sequence i the next rows[i] of them, given as caches[i] = (rows, its cache, first, before
+        (rows,), ancestors (rows,)). Every product runs once over the M rows (a batch of sequences reads the
+        head's weights once, not once each); each sequence's rows attend over its own cache."""
         head, layer, fn, eps = self.head, self.layer, self.fn, self.eps
         m = tokens.shape[0]
         embeds = nn.functional.embedding(tokens, head.embed)
@@ -137,9 +147,14 @@ class HeadKernels:
         cos, sin = self._rotary(positions)
         q, k = fn.rotate_qk(qkv, cos, sin, self.heads, self.kv_heads)
         v = qkv[:, (self.heads + self.kv_heads) * self.head_dim:].reshape(m, self.kv_heads, self.head_dim)
-        cache.write(first, k, v)
-        out = self.attention(q, cache.keys[None], cache.values[None], self.table, before[None], ancestors[None],
-                             self.scaling)
+        outs, row = [], 0
+        for rows, cache, first, before, ancestors in caches:
+            end = row + rows
+            cache.write(first, k[row:end], v[row:end])
+            outs.append(self.attention(q[row:end], cache.keys[None], cache.values[None], self.table, before[None],
+                                       ancestors[None], self.scaling))
+            row = end
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
         post = layer.post_attention_layernorm
         x, normed = fn.add_rms_norm(residual.contiguous(), attn.o_proj(out), post.weight, eps)
         mlp = layer.mlp
