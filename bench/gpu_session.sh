@@ -99,12 +99,16 @@
 # summary.txt (each part's exit code and time), gpu.txt and session.tgz (all of it). Without $OUT they stay
 # in .cache/gpu-session. So one command runs any parts, in the order named. A session lent 15 device-minutes
 # (a start takes 1-2 of them) has room for one full command: name the parts most wanted first, and what no
-# longer fits the budget is skipped, the rest coming back whole. The next one, in that order (~9 min): a head's
-# rounds that draft nothing, now run ahead (2.2 ms a round slower than K=0 before, 2026-12-04), FP8 against
-# bf16 side by side in one command (the 2026-11-29 H200 rows were two machines: FP8 4.52 ms, bf16 5.67 ms per
-# token), then the served rows at 1 and 8 streams:
+# longer fits the budget is skipped, the rest coming back whole. The next one, in that order (~9 min): the GPU
+# tests of what changed without a GPU on 2026-12-04 (a head's fills and tree levels captured, a searched skip
+# draft's graphs following its set, a paused head's steps run ahead), every draft on one server (the head's
+# trees with their levels captured; the searched skip draft captured beside the set it found before), then a
+# head's rounds split (K=0 rounds run ahead: 2.2 ms a round slower than K=0 before):
 #
-#   source .gpukit/activate.sh && GPU_SESSION_SECONDS=540 bash bench/gpu_session.sh headround fp8 bench
+#   source .gpukit/activate.sh && GPU_TESTS_K="head or skip or ahead" GPU_SESSION_SECONDS=540 \
+#     bash bench/gpu_session.sh tests drafts headround
+#
+# After it: fp8 (FP8 against bf16 side by side in one command) and bench (the served rows at 1 and 8 streams).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 dest="${OUT:-}"

@@ -12,7 +12,7 @@ from specdec.decoding.sampling import SamplingParams, make_generator
 from specdec.engine.build import dynamic_executor, static_executor
 from specdec.engine.executor import CacheError, CapacityError, Step
 from specdec.engine.llama_forward import supports
-from specdec.engine.static_forward import bucket, buckets
+from specdec.engine.static_forward import EAGER_FORWARD_ROWS, bucket, buckets, padded_groups
 
 
 def static(model, **settings):
@@ -154,6 +154,34 @@ def test_a_prompt_longer_than_the_buckets_runs_beside_bucketed_steps(tiny_lm):
     steps = [Step(1, 3, [7], 1), Step(2, 0, list(range(1, 41)), 3)]  # 40 rows > max_rows: eager
     for a, b in zip(dynamic.extend_many(steps), paged.extend_many(steps)):
         assert torch.allclose(a, b, atol=1e-10)
+
+
+def test_padded_groups_split_a_batch_where_padding_costs_more_than_a_forward():
+    assert padded_groups({0: 1, 1: 1, 2: 1}, 8, 4) == [[0, 1, 2]]  # alike: one forward
+    assert padded_groups({0: 9, 1: 1, 2: 1, 3: 1, 4: 1}, 8, 4) == [[1, 2, 3, 4], [0]]  # 45 padded rows > 4 + 9 + 4
+    assert padded_groups({0: 2, 1: 1, 2: 1}, 8, 4) == [[1, 2, 0]]  # 3 padded rows < one more forward
+    assert padded_groups({i: 1 for i in range(5)}, 2, 4) == [[0], [1, 2], [3, 4]]  # at most `most` a forward
+    assert padded_groups({}, 8, 4) == []
+
+
+def test_an_eager_cpu_batch_of_mixed_lengths_runs_as_the_forwards_that_cost_least(tiny_lm):
+    """One sequence verifying 5 rows beside three one-row steps: two forwards (5 rows, and 3 x 1) instead of
+    one padding all four to 5 rows, the logits the dynamic executor's."""
+    dynamic, paged = dynamic_executor(tiny_lm), static(tiny_lm)
+    for lm in (dynamic, paged):
+        for seq in range(4):
+            lm.extend(seq, 0, [4 + seq, 5, 6, 7], 1)
+    shapes = []
+    forward_group = paged.forward._forward_group
+
+    def counted(seqs, rows, num_logits, trees):
+        shapes.append(sorted(len(row) for row in rows))
+        return forward_group(seqs, rows, num_logits, trees)
+    paged.forward._forward_group = counted
+    steps = [Step(0, 4, [8], 1), Step(1, 4, [9, 10, 11, 12, 13], 5), Step(2, 4, [14], 1), Step(3, 3, [7], 1)]
+    for a, b in zip(dynamic.extend_many(steps), paged.extend_many(steps)):
+        assert torch.allclose(a, b, atol=1e-10)
+    assert sorted(shapes) == [[1, 1, 1], [5]] and EAGER_FORWARD_ROWS < 3 * 4
 
 
 @pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.9, top_k=20)])

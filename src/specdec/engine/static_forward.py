@@ -22,7 +22,7 @@ one step to the next:
 from __future__ import annotations
 
 import contextlib
-
+import math
 import time
 from typing import Callable
 
@@ -39,6 +39,10 @@ from specdec.engine.paged_kv import PagedKV, PagedSequence
 
 COMPILE_MODES = tn.COMPILE_MODES
 CAPTURE_RESERVE_BYTES = 2 << 30  # capturing at load stops when less is free: room for eager prompts
+# What one more eager forward on a CPU costs, in padded rows (its weights streamed once more, its calls): a
+# batch's sequences split where padding every one to the longest would cost more. The default pair's target
+# on a 2-core EPYC: 2-3.5 rows (a row 2.2 ms, 8 sequences of one row 22.6 ms; results/2026-12-04-cpu-batched-drafts)
+EAGER_FORWARD_ROWS = 4
 
 
 def buckets(limit: int) -> list[int]:
@@ -49,6 +53,25 @@ def buckets(limit: int) -> list[int]:
 
 def bucket(value: int, sizes: list[int]) -> int | None:
     return next((size for size in sizes if size >= value), None)
+
+
+def padded_groups(counts: dict[int, int], most: int, fixed_rows: float) -> list[list[int]]:
+    """Sequences {index: rows} into forwards of at most `most` sequences, each forward's rows padded to its
+    longest sequence's: the partition of the sequences sorted by rows that costs the least, a forward costing
+    fixed_rows + its sequences x its longest (one sequence drafting 8 tokens among 7 plain steps: 72 rows in
+    one forward, 16 and one more forward split)."""
+    order = sorted(counts, key=lambda i: counts[i])
+    best, cut = [0.0] + [math.inf] * len(order), [0] * (len(order) + 1)
+    for end in range(1, len(order) + 1):
+        for start in range(max(0, end - most), end):
+            cost = best[start] + fixed_rows + (end - start) * counts[order[end - 1]]
+            if cost < best[end]:
+                best[end], cut[end] = cost, start
+    groups, end = [], len(order)
+    while end:
+        groups.append(order[cut[end]:end])
+        end = cut[end]
+    return groups[::-1]
 
 
 class StaticForward:
@@ -244,16 +267,20 @@ class StaticForward:
 
     def __call__(self, seqs: list[PagedSequence], rows: list, num_logits: list[int],
                  trees: list | None = None) -> ForwardOutput:
-        """One forward per group of at most max_batch sequences whose new rows fit the row buckets; a
-        longer one (a prompt) runs alone. Same contract as `TransformersForward.__call__`."""
+        """One forward per group of at most max_batch sequences whose new rows fit the row buckets (run
+        eagerly on a CPU, the groups that pad the fewest rows: `padded_groups`); a longer one (a prompt)
+        runs alone. Same contract as `TransformersForward.__call__`."""
         trees = trees or [None] * len(seqs)
         if any(tree is not None and len(tree) > self.max_tree_rows for tree in trees):
             raise ValueError(f"a tree of more than {self.max_tree_rows} nodes (max_rows, at most {MAX_TREE_ROWS})")
         order = list(range(len(seqs)))
         long = [i for i in order if len(rows[i]) > self.row_sizes[-1]]
         short = [i for i in order if len(rows[i]) <= self.row_sizes[-1]]
-        groups = [[i] for i in long] + [short[j:j + self.batch_sizes[-1]]
-                                         for j in range(0, len(short), self.batch_sizes[-1])]
+        most = self.batch_sizes[-1]
+        if self.device.type == "cpu" and not self._replays():  # eager on a CPU: a padded row costs a row
+            groups = [[i] for i in long] + padded_groups({i: len(rows[i]) for i in short}, most, EAGER_FORWARD_ROWS)
+        else:  # a GPU's buckets pad anyway, and its rows are nearly free: the fewest forwards
+            groups = [[i] for i in long] + [short[j:j + most] for j in range(0, len(short), most)]
         logits: list = [None] * len(seqs)
         hidden: list | None = [None] * len(seqs) if self.hidden_layers else None
         for group in groups:
