@@ -455,7 +455,7 @@ def test_a_searched_skip_drafts_cuda_graphs_follow_the_set_chosen():
     """A searched layer-skip draft on the GPU (skip_search: StaticForward.graph_skip): sequences on the set the
     graphs hold replay them, a new set moves the graphs (captured again on first use), sequences on the older
     set run eagerly; logits the model's without those layers (float64, the graphs' compiled pointwise kernels
-    against transformers' own: 1e-8)."""
+    against transformers' own on the CPU: 1e-6; a wrong set moves them by tenths)."""
     from tests.unit.test_skip_layers import LAYERS, deep_llama, reference_logits, without
 
     model = deep_llama()
@@ -468,16 +468,16 @@ def test_a_searched_skip_drafts_cuda_graphs_follow_the_set_chosen():
     a, b = list(range(5, 17)), list(range(30, 40))
     lm.extend(1, 0, a, 1)
     got = lm.extend(1, len(a), [7, 8], 2).cpu()
-    assert torch.allclose(got, reference_logits(first, a + [7, 8])[-2:], atol=1e-8)
+    assert torch.allclose(got, reference_logits(first, a + [7, 8])[-2:], atol=1e-6)
     lm.forward.set_skip((2, 5, 6))
     lm.forward.hold_graphs((2, 5, 6))
     assert not inner.captured
     lm.extend(2, 0, b, 1)
     out = lm.extend_many([Step(1, len(a) + 1, [8, 9], 2), Step(2, len(b), [10, 11], 2)])
-    assert torch.allclose(out[0].cpu(), reference_logits(first, a + [7, 8, 9])[-2:], atol=1e-8)
-    assert torch.allclose(out[1].cpu(), reference_logits(second, b + [10, 11])[-2:], atol=1e-8)
+    assert torch.allclose(out[0].cpu(), reference_logits(first, a + [7, 8, 9])[-2:], atol=1e-6)
+    assert torch.allclose(out[1].cpu(), reference_logits(second, b + [10, 11])[-2:], atol=1e-6)
     out = lm.extend_many([Step(2, len(b) + 2, [12], 1)])
-    assert torch.allclose(out[0].cpu(), reference_logits(second, b + [10, 11, 12])[-1:], atol=1e-8)
+    assert torch.allclose(out[0].cpu(), reference_logits(second, b + [10, 11, 12])[-1:], atol=1e-6)
     assert inner.captured and inner.llama.run_layers == tuple(range(LAYERS))
 
 
