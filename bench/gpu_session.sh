@@ -105,7 +105,7 @@
 # trees with their levels captured; the searched skip draft captured beside the set it found before), then a
 # head's rounds split (K=0 rounds run ahead: 2.2 ms a round slower than K=0 before):
 #
-#   source .gpukit/activate.sh && GPU_TESTS_K="head or skip or ahead" GPU_SESSION_SECONDS=540 \
+#   source .gpukit/activate.sh && GPU_TESTS_K="head or searched or ahead" GPU_SESSION_SECONDS=540 \
 #     bash bench/gpu_session.sh tests drafts headround
 #
 # After it: fp8 (FP8 against bf16 side by side in one command) and bench (the served rows at 1 and 8 streams).
