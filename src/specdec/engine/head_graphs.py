@@ -21,9 +21,9 @@ from __future__ import annotations
 import torch
 
 from specdec.engine.draft_heads import EagleHead, HeadCache
+from specdec.engine.head_kernels import ANCESTOR_BITS  # a row's tree entries past `base`: one int64's bits
 
 ROW_BUCKETS = (1, 2, 4, 8, 16)  # a chain step; a fill or a tree level up to 16 rows (more run eagerly)
-ANCESTOR_BITS = 64  # a row's tree entries past `base`: the bits of one int64 (head_kernels' rule)
 
 
 def window_sizes(capacity: int, smallest: int = 128) -> list[int]:
