@@ -34,8 +34,11 @@ def counting(executor):
     return counts
 
 
-@pytest.mark.parametrize("kind", [EAGLE, EAGLE3])
-def test_the_static_steps_draft_what_the_eager_head_does(tiny_lm, kind):
+@pytest.mark.parametrize("kind,together", [(EAGLE, False), (EAGLE3, False), (EAGLE3, True)])
+def test_the_static_steps_draft_what_the_eager_head_does(tiny_lm, kind, together):
+    """together: the static executor gets a round's three steps in one propose_many (their chains in
+    lockstep, each sequence's captured outputs overwritten by the next one's step), the eager one a step
+    a call."""
     head = head_for(tiny_lm, kind)
     eager = HeadExecutor(head, graphs=False)
     static = HeadExecutor(head, graphs=True, max_context=256, graph_slots=2)
@@ -53,21 +56,22 @@ def test_the_static_steps_draft_what_the_eager_head_does(tiny_lm, kind):
     assert static.sequences[1].slot is not None and static.sequences[3].slot is None
     sampled = SamplingParams(temperature=0.9)
     for round_ in range(24):  # past position 128: the second window bucket
+        steps = []
         for seq in (1, 2, 3):
             accepted = 1 + (round_ + seq) % 6  # fills of 1..6 rows; rollbacks of the drafted entries
             new_ids = [7 + (round_ * seq + i) % 80 for i in range(accepted)]
             new = torch.randn(accepted - 1, width, dtype=torch.float64)
-            branches = 1 + round_ % 3
+            branches = 1 if seq == 2 else 1 + round_ % 3  # chains of all three, or beside trees
             params = sampled if round_ % 4 == 3 else SamplingParams()
-            out = []
-            for executor in (eager, static):
-                step = Step(seq, keep[seq], new_ids, k=4 + round_ % 3, params=params, features=new,
-                            branches=1 if params is sampled else branches,
-                            generator=torch.Generator().manual_seed(round_))
-                out.append(executor.propose_many([step])[0])
-            a, b = out
+            steps.append(lambda seq=seq, new_ids=new_ids, new=new, params=params, branches=branches: Step(
+                seq, keep[seq], new_ids, k=4 + (round_ + seq) % 3, params=params, features=new,
+                branches=1 if params is sampled else branches, generator=torch.Generator().manual_seed(round_)))
+        expected = [eager.propose_many([step()])[0] for step in steps]
+        got = (static.propose_many([step() for step in steps]) if together else
+               [static.propose_many([step()])[0] for step in steps])
+        for seq, a, b in zip((1, 2, 3), expected, got):
             assert (a.tokens, a.parents, a.cached_length) == (b.tokens, b.parents, b.cached_length)
-            if params is sampled:
+            if a.probs is not None:
                 assert torch.allclose(a.probs, b.probs, atol=1e-12)
             keep[seq] = a.cached_length
     assert min(keep.values()) > 128

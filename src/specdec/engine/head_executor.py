@@ -17,8 +17,8 @@ zeros: the head drafts worse there, never wrongly (verification decides). No fea
 sequence's first round, before the target ran) drafts nothing.
 
 The executor surface is the one the draft_model adapter uses (sequences, release, evict_idle,
-propose_many, counters); sequences run one after another (a head's step is a small fraction of the
-target's).
+propose_many, counters). A batch's chains draft in lockstep: on the CPU kernels each head step runs over
+every sequence's rows at once; elsewhere (CUDA graphs, the module) a sequence's rows at a time.
 """
 
 from __future__ import annotations
@@ -139,83 +139,94 @@ class HeadExecutor:
 
     @torch.inference_mode()
     def propose_many(self, steps: list[Step]) -> list[Drafted | CacheError]:
-        if self.kernels is not None and len(steps) > 1:
-            return self._propose_together(steps)
-        results: list = []
-        for step in steps:
-            try:
-                results.append(self._propose(step))
-            except CacheError as exc:
-                results.append(exc.with_traceback(None))
-        return results
-
-    def _propose_together(self, steps: list[Step]) -> list[Drafted | CacheError]:
-        """A batch's steps on the CPU kernels, each head step over every sequence's rows at once
-        (HeadKernels.step_many: the head's weights read once a step, not once a sequence): the fills of the
-        positions each round accepted, then the chains' drafting steps in lockstep; trees then run one
-        sequence after another from their filled caches. What each sequence drafts is what `_propose`
-        drafts for it alone (up to float32 rounding: a product over more rows may sum in another order)."""
+        """Each step's proposal (or its CacheError). An EAGLE head's steps go through one loop: the fills of
+        the positions each round accepted, then the chains' drafting steps in lockstep (`_run`: on the CPU
+        kernels each head step over every sequence's rows at once, the head's weights read once a step
+        instead of once a sequence; elsewhere a sequence's rows at a time); trees run one sequence after
+        another from their filled caches."""
         results: list = [None] * len(steps)
-        filling = []  # (index, sequence, rows to fill)
+        live = []  # (index, sequence, rows to fill): an EAGLE head's sequences that draft from their features
         for i, step in enumerate(steps):
             try:
                 seq = self._sequence(step)
+                needed = len(step.new_ids) - 1  # entries keep .. N - 2, each pairing f_i with token i + 1
+                if needed and (step.features is None or not len(step.features)):
+                    # No feature at all: the target has not run these positions yet (a first round)
+                    results[i] = Drafted([], None, step.keep)
+                elif isinstance(self.head, MedusaHeads):
+                    results[i] = self._propose_medusa(seq, step, needed)
+                else:
+                    live.append((i, seq, needed))
             except CacheError as exc:
                 results[i] = exc.with_traceback(None)
-                continue
-            needed = len(step.new_ids) - 1
-            if needed and (step.features is None or not len(step.features)):
-                results[i] = Drafted([], None, step.keep)  # no feature at all (a first round): nothing drafted
-            else:
-                filling.append((i, seq, needed))
-        fills = [(i, seq, needed) for i, seq, needed in filling if needed]
+        fills = [(i, seq, needed) for i, seq, needed in live if needed]
         if fills:
-            tokens = torch.tensor([t for i, _, _ in fills for t in steps[i].new_ids[1:]])
-            positions = torch.cat([torch.arange(steps[i].keep, steps[i].keep + needed) for i, _, needed in fills])
             hidden = self.head.from_target(torch.cat([self._features(steps[i], needed) for i, _, needed in fills]))
-            caches = [(needed, seq.cache, steps[i].keep, torch.arange(steps[i].keep + 1, steps[i].keep + needed + 1),
-                       torch.zeros(needed, dtype=torch.long)) for i, seq, needed in fills]
-            hidden, logits = self.kernels.step_many(tokens, hidden, positions, caches, reduced=True)
-            row = 0
-            for _, seq, needed in fills:
-                row += needed
-                seq.last_feature, seq.last_logits = hidden[row - 1:row], logits[row - 1]
+            rows = torch.tensor([needed for _, _, needed in fills]).cumsum(0).tolist()
+            outputs = self._run([(seq, torch.tensor(steps[i].new_ids[1:]), hidden[end - needed:end], steps[i].keep)
+                                 for (i, seq, needed), end in zip(fills, rows)], outlive=True)
+            for (_, seq, needed), (hidden, logits) in zip(fills, outputs):
+                seq.last_feature, seq.last_logits = hidden, logits
                 self.tokens_processed += needed
         chains = []  # [index, sequence, drafted, probs, hidden, logits]
-        for i, seq, needed in filling:
+        for i, seq, needed in live:
             step = steps[i]
             seq.entries = seq.cache.length = step.keep + needed
             if step.k == 0 or seq.entries == 0 or seq.last_feature is None:
                 results[i] = Drafted([], None, seq.entries)
             elif step.branches > 1:
-                results[i] = self._eagle_tree(seq, step)
+                try:
+                    results[i] = self._eagle_tree(seq, step)
+                except CacheError as exc:
+                    results[i] = exc.with_traceback(None)
             else:
                 chains.append([i, seq, [], [], seq.last_feature, seq.last_logits])
         j = 0
         while chains:  # drafting step j of every chain still going
             going = []
             for chain in chains:
-                i, seq, drafted, probs, hidden, logits = chain
+                i, seq, drafted, probs, _, logits = chain
                 step = steps[i]
                 token = self._pick(logits, step, probs)
                 drafted.append(token)
                 if self._unsure(logits, token) or j + 1 >= step.k:  # the confidence stop, or K drafted
-                    seq.cache.length = seq.entries
+                    seq.cache.length = seq.entries  # the drafted entries go: the target's features replace them
                     results[i] = Drafted(torch.cat(drafted).tolist(), torch.stack(probs) if probs else None,
                                          seq.entries)
                 else:
                     going.append(chain)
-            if going:  # entry N - 1 + j of each: the head's own feature with the token it drafted
-                tokens = torch.cat([chain[2][-1].reshape(1) for chain in going])
-                positions = torch.tensor([chain[1].entries + j for chain in going])
-                caches = [(1, chain[1].cache, chain[1].entries + j, positions[n:n + 1] + 1,
-                           torch.zeros(1, dtype=torch.long)) for n, chain in enumerate(going)]
-                hidden, logits = self.kernels.step_many(tokens, torch.cat([chain[4] for chain in going]), positions,
-                                                        caches, reduced=True)
-                for n, chain in enumerate(going):
-                    chain[4], chain[5] = hidden[n:n + 1], logits[n]
+            # entry N - 1 + j of each: the head's own feature with the token it drafted
+            outputs = self._run([(seq, drafted[-1].reshape(1), hidden, seq.entries + j)
+                                 for _, seq, drafted, _, hidden, _ in going])
+            for chain, (hidden, logits) in zip(going, outputs):
+                chain[4], chain[5] = hidden, logits
             chains, j = going, j + 1
         return results
+
+    def _run(self, rows: list[tuple[HeadSequence, torch.Tensor, torch.Tensor, int]], outlive: bool = False
+             ) -> list[tuple[torch.Tensor, torch.Tensor | DraftLogits]]:
+        """[(sequence, tokens (m,), input features (m, h), first entry)] -> each sequence's last row's output
+        ((1, h) feature, (V,) logits), every row seeing its sequence's cache up to itself: one
+        HeadKernels.step_many over all of them on the CPU kernels, else `_chain` a sequence at a time (a
+        captured step's outputs cloned where they must outlive the next step: another sequence's, or with
+        `outlive` the next call's)."""
+        if self.kernels is not None and len(rows) > 1:
+            positions = [torch.arange(start, start + len(tokens)) for _, tokens, _, start in rows]
+            caches = [(len(tokens), seq.cache, start, at + 1, torch.zeros(len(tokens), dtype=torch.long))
+                      for (seq, tokens, _, start), at in zip(rows, positions)]
+            hidden, logits = self.kernels.step_many(torch.cat([tokens for _, tokens, _, _ in rows]),
+                                                    torch.cat([inputs for _, _, inputs, _ in rows]),
+                                                    torch.cat(positions), caches, reduced=True)
+            ends = torch.tensor([len(tokens) for _, tokens, _, _ in rows]).cumsum(0).tolist()
+            return [(hidden[end - 1:end], logits[end - 1]) for end in ends]
+        outputs = []
+        for seq, tokens, inputs, start in rows:
+            hidden, logits = self._chain(tokens, inputs, seq, start)
+            hidden, logits = hidden[-1:], logits[-1]
+            if seq.slot is not None and (outlive or len(rows) > 1):  # the next captured step overwrites them
+                hidden, logits = hidden.clone(), logits.clone()
+            outputs.append((hidden, logits))
+        return outputs
 
     def propose(self, seq_id: int, keep: int, new_ids: list[int], k: int, params: SamplingParams,
                 generator: torch.Generator | None = None, reserve: int = 0,
@@ -254,41 +265,6 @@ class HeadExecutor:
         if given.shape[0] < needed:
             given = torch.cat([given.new_zeros(needed - given.shape[0], given.shape[1]), given])
         return given
-
-    def _propose(self, step: Step) -> Drafted:
-        seq = self._sequence(step)
-        needed = len(step.new_ids) - 1  # entries keep .. N - 2, each pairing f_i with token i + 1
-        if needed and (step.features is None or not len(step.features)):
-            # No feature at all: the target has not run these positions yet (a first round)
-            return Drafted([], None, step.keep)
-        if isinstance(self.head, MedusaHeads):
-            return self._propose_medusa(seq, step, needed)
-        head: EagleHead = self.head
-        features = self._features(step, needed)
-        if needed:
-            tokens = torch.tensor(step.new_ids[1:])
-            hidden, logits = self._chain(tokens, head.from_target(features), seq, step.keep)
-            seq.last_feature, seq.last_logits = hidden[-1:], logits[-1]
-            if seq.slot is not None:  # a captured step's outputs are the next step's (any sequence's) to overwrite
-                seq.last_feature, seq.last_logits = seq.last_feature.clone(), seq.last_logits.clone()
-            self.tokens_processed += needed
-        seq.entries = seq.cache.length = step.keep + needed
-        if step.k == 0 or seq.entries == 0 or seq.last_feature is None:
-            return Drafted([], None, seq.entries)
-        if step.branches > 1:
-            return self._eagle_tree(seq, step)
-        drafted, probs = [], []
-        hidden, logits = seq.last_feature, seq.last_logits
-        for j in range(step.k):
-            token = self._pick(logits, step, probs)
-            drafted.append(token)
-            if self._unsure(logits, token):  # the confidence stop: x_j is verified, nothing after it drafted
-                break
-            if j + 1 < step.k:  # entry N - 1 + j: the head's own feature with the token it drafted
-                hidden, logits = self._chain(token.reshape(1), hidden, seq, seq.entries + j)
-                logits = logits[-1]
-        seq.cache.length = seq.entries  # the drafted entries go: the target's features replace them
-        return Drafted(torch.cat(drafted).tolist(), torch.stack(probs) if probs else None, seq.entries)
 
     def _chain(self, tokens: torch.Tensor, hidden: torch.Tensor, seq: HeadSequence, start: int
                ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,8 +12,9 @@ sequence's slot and attends over its first W columns; R the smallest row bucket 
 window bucket past the last column written. One graph per (R, W), captured at load. Rows past m are
 padding: they write to the slot's scratch columns (past the capacity, never read) and see column 0.
 
-Without CUDA (the CPU tests) the same static-tensor steps run eagerly: what they compute is checked on a
-CPU, what capture adds on a GPU.
+Without CUDA (the CPU tests) the same static-tensor steps run eagerly, into each bucket's own output tensors
+as a replay writes them: what they compute, and a caller keeping outputs past the next step, are checked on a
+CPU; what capture adds, on a GPU.
 """
 
 from __future__ import annotations
@@ -121,8 +122,8 @@ class CapturedSteps:
                    torch.zeros(0, dtype=torch.long), 0, 0, 0)
         for rows in self.rows:
             for size in self.windows:
-                if not self.cuda:
-                    self.graphs[rows, size] = (None, ())
+                if not self.cuda:  # the outputs a graph would keep, so a caller's reuse of them shows on a CPU too
+                    self.graphs[rows, size] = (None, tuple(torch.empty_like(t) for t in self._step(rows, size)))
                     continue
                 self.stream.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(self.stream), torch.inference_mode():
@@ -169,8 +170,9 @@ class CapturedSteps:
         self._load(tokens.reshape(-1), positions, before, ancestors, first, slot, base)
         self.hidden[:m].copy_(hidden.reshape(m, -1))
         graph, out = self.graphs[rows, size]
-        if graph is None:
-            out = self._step(rows, size)
+        if graph is None:  # uncaptured (no CUDA): into the bucket's own outputs, which a replay overwrites
+            for kept, fresh in zip(out, self._step(rows, size)):
+                kept.copy_(fresh)
         else:
             graph.replay()
         out_hidden, logits = out
