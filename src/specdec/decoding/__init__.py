@@ -5,6 +5,7 @@
   rejection_sampler  the accept/reject rule (greedy and lossless stochastic), pure tensor functions
   tree_sampler       the same rule over a token tree: the greedy path, recursive rejection sampling over siblings; a tree's first branch
   draft_tree         a draft model's chain with its other candidates per position as a token tree
+  features           the target's features a trained head has not read yet, cut to what each round keeps
   sampling           logits -> probabilities (temperature, top-k, top-p), sampling, seeded generators
   draft_length       how many tokens to draft each round: the expected-speedup rule over measured costs
   skip_search        which layers a layer-skip self-draft leaves out: a search scored by agreement and cost

@@ -23,6 +23,19 @@ class ForwardStats(NamedTuple):
 
 
 @dataclass(frozen=True)
+class DraftAsk:
+    """A round's draft for a head in the target's own process (engine/hosted_heads.py): the verify call
+    drafts it first, then verifies it in the same forward, and returns it with the scores (Scores.proposal).
+    k = 0 drafts nothing (the target still keeps the features the head will read)."""
+
+    head: str  # the hosted head's name
+    k: int
+    params: SamplingParams = SamplingParams()
+    seed: int | None = None  # the round's seed for the head's generator (sampled requests)
+    branches: int = 1  # candidates per drafted position: above 1 a tree of at most k nodes
+
+
+@dataclass(frozen=True)
 class Proposal:
     tokens: list[int]  # up to K draft tokens (a proposer may offer fewer, or none)
     # (len(tokens), V_draft) processed draft distributions; None when greedy, or for a deterministic draft
@@ -38,6 +51,8 @@ class Proposal:
     # The call also caught up on rounds the proposer's model did not draft (lookup_first.py): its time is not
     # what a round's draft costs, and the loop does not time it
     caught_up: bool = False
+    # A head in the target's process drafts this round in the verify call (tokens empty until it has)
+    ask: DraftAsk | None = None
 
 
 @dataclass(frozen=True)
@@ -73,6 +88,9 @@ class VerifyCall:
     score_top: bool = False  # and each scored position's tn.MAX_TOP_LOG_PROBS most likely tokens
     adapter: str = ""  # the LoRA adapter the scorer runs for the sequence (GenerationRequest.lora_name)
     salt: str = ""  # the sequence's prefix-cache salt (GenerationRequest.cache_salt)
+    # A head in the target's process drafts this round's proposal first, appended to new_ids and verified
+    # with them: num_positions and tree count only the tokens sent (Scores.proposal says what was drafted)
+    draft: DraftAsk | None = None
 
 
 class ScoredRows(NamedTuple):
@@ -102,6 +120,9 @@ class Scores:
     # held (not run); None where the scorer does not say
     cached_tokens: int | None = None
     block_size: int = 0  # the tokens of the scorer's KV block (its prefix cache's unit); 0: unknown
+    # With VerifyCall.draft: what the hosted head drafted (its forward: the head's execution), verified
+    # after the call's new_ids; the rows above (K+1 of them) count its tokens
+    proposal: Proposal | None = None
 
 
 class NoCapacity(RuntimeError):
@@ -113,6 +134,9 @@ class Proposer(Protocol):
     # A trained head's proposer sets this: the loop then asks the target for its features and hands them
     # to propose (`features`: (rows, F) at the rows positions before new_ids' last token)
     wants_features: bool = False
+    # A head in the target's process (its name there): the loop never calls propose, it sends the round's
+    # DraftAsk with the verify call
+    hosted: str = ""
 
     async def propose(self, seq_id: int, keep: int, new_ids: list[int], k: int,
                       params: SamplingParams, round_seed: int, reserve: int = 0, **features) -> Proposal:
@@ -122,6 +146,27 @@ class Proposer(Protocol):
         1) also takes `branches=`: this round's candidates per position, at most its own (1: a chain)."""
 
     async def release(self, seq_id: int) -> None: ...
+
+
+class HostedProposer:
+    """A trained head in the target's own process (engine/hosted_heads.py), named `hosted` there: its
+    proposal is drafted in the round's verify call, so `propose` returns only what to ask for (Proposal.ask);
+    the target releases the head's side of a sequence with its own."""
+
+    wants_features = False
+
+    def __init__(self, hosted: str, branches: int = 1):
+        self.hosted, self.branches = hosted, branches
+
+    async def propose(self, seq_id: int, keep: int, new_ids: list[int], k: int, params: SamplingParams,
+                      round_seed: int, reserve: int = 0, branches: int | None = None, **_options) -> Proposal:
+        width = self.branches if branches is None else max(1, min(branches, self.branches))
+        # the cache it reports is a head's (all but the last token): the tokens sent next are the target's to hold
+        return Proposal([], None, keep + len(new_ids) - 1,
+                        ask=DraftAsk(self.hosted, k, params, round_seed if not params.greedy else None, width))
+
+    async def release(self, seq_id: int) -> None:
+        pass
 
 
 class Scorer(Protocol):

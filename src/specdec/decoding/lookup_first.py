@@ -48,6 +48,7 @@ class LookupFirstProposer:
             raise ValueError(f"min_ngram {min_ngram} is below the lookup's own ({lookup.min_ngram})")
         self.lookup, self.model, self.min_ngram = lookup, model, min_ngram
         self.wants_features = getattr(model, "wants_features", False)
+        self.hosted = getattr(model, "hosted", "")  # a head in the target's process (interfaces.HostedProposer)
         self.branches = getattr(model, "branches", 1)
         self.adapts = getattr(model, "adapts", False)
         self.salted = getattr(model, "salted", False)
@@ -97,6 +98,11 @@ class LookupFirstProposer:
         self.model_valid[seq_id] = proposal.cached_length
         self.drafted[seq_id] = (keep + len(new_ids), _first_branch(proposal))
         return proposal
+
+    def drafted_in_verify(self, seq_id: int, proposal: Proposal) -> None:
+        """A hosted model's proposal, drafted in the round's verify call after `propose` asked for it."""
+        where, _ = self.drafted[seq_id]
+        self.drafted[seq_id] = (where, _first_branch(proposal))
 
     async def release(self, seq_id: int) -> None:
         self.chosen.pop(seq_id, None)

@@ -25,6 +25,7 @@ drafts trees, whether this round is a tree or a chain (`policy.width`, passed as
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Awaitable, Callable
@@ -34,10 +35,11 @@ import torch
 from specdec import tensor_names as tn
 from specdec.decoding.bad_words import banned_tokens, mask_banned
 from specdec.decoding.draft_length import DraftLengthPolicy
+from specdec.decoding.features import Features, rows_on, with_catch_up
 from specdec.decoding.grammar import Grammar, Matcher
 from specdec.decoding.thinking import ThinkingBudget
 from specdec.decoding.logit_bias import TokenBias, apply_bias
-from specdec.decoding.interfaces import NoCapacity, Proposal, Proposer, Scorer, Scores, VerifyCall
+from specdec.decoding.interfaces import DraftAsk, NoCapacity, Proposal, Proposer, Scorer, Scores, VerifyCall
 from specdec.decoding.penalties import Penalties, TokenOccurrences, penalize
 from specdec.decoding.rejection_sampler import greedy_verify, rejection_sample
 from specdec.decoding.sampling import (SamplingParams, greedy, logits_to_probs, make_generator, pad_vocab, token_log_probs,
@@ -149,8 +151,11 @@ async def generate(req: GenerationRequest, proposer: Proposer, scorer: Scorer, p
                 return
             k = len(proposal.tokens)  # none (an n-gram miss, K = 0) = a plain target-only round
             new_ids = seq.tokens[seq.target_valid:] + proposal.tokens
-            tree = _with_catch_up(len(new_ids) - k, proposal.parents)
+            tree = with_catch_up(len(new_ids) - k, proposal.parents)
             scores = await _verify_call(seq, req, scorer, policy, proposal, new_ids, tree, scoring, wait_for_room)
+            if scores.proposal is not None:  # drafted in the verify call, by a head in the target's process
+                proposal, new_ids, tree = _drafted_in_verify(seq, req, proposer, policy, proposal, scores, new_ids)
+                k = len(proposal.tokens)
             if scores.cached_tokens is not None:
                 stats.cached_tokens, stats.block_size = scores.cached_tokens, scores.block_size
             logits = _edited_logits(req, seq.tokens, proposal.tokens, scores.logits, seq.occurrences, seq.matcher)
@@ -196,6 +201,11 @@ class _Sequence:
     called: bool = False  # this round called the proposer
     called_last: bool = False  # the round before did
     drafted_ever: bool = False
+    hosted: str = ""  # the proposer is a head in the target's process, named so there (HostedProposer)
+    # this round's hosted ask: whether it follows a round that drafted (its draft time is a round's), and
+    # whether the draft's cache held the sequence (its length is a proposal's)
+    ask_steady: bool = False
+    ask_observes: bool = False
 
     @classmethod
     def start(cls, req: GenerationRequest, proposer: Proposer) -> "_Sequence":
@@ -204,7 +214,8 @@ class _Sequence:
                    TokenOccurrences(req.prompt_ids) if req.penalties.active else None,
                    req.grammar.matcher() if req.grammar is not None else None,
                    Features() if getattr(proposer, "wants_features", False) else None,
-                   not req.edits_logits)  # else a tree's first branch is verified as a chain
+                   not req.edits_logits,  # else a tree's first branch is verified as a chain
+                   hosted=getattr(proposer, "hosted", ""))
 
 
 async def _draft(seq: _Sequence, req: GenerationRequest, proposer: Proposer, policy: DraftLengthPolicy,
@@ -239,13 +250,13 @@ async def _draft(seq: _Sequence, req: GenerationRequest, proposer: Proposer, pol
         # at several target steps, the second its probes at a third of a step, and both stopped its
         # drafting). A steady round's call follows a round that called the draft.
         seconds = time.perf_counter() - started
-        steady = seq.draft_valid and seq.called_last and not proposal.caught_up
-        if seq.draft_valid and proposal.parents is None:
-            policy.observe_proposal(k, len(proposal.tokens))
-        if steady and proposal.parents is None:
-            policy.observe_draft(len(proposal.tokens), seconds, forward=proposal.forward)
-        elif steady:
-            policy.observe_draft(k, seconds, max(depths(proposal.parents)) + 1, proposal.forward)
+        steady = bool(seq.draft_valid and seq.called_last and not proposal.caught_up)
+        if proposal.ask is None:
+            _observe_draft(policy, k, proposal, seconds, steady, bool(seq.draft_valid))
+        else:  # observed once the verify call has drafted it
+            seq.ask_steady, seq.ask_observes = steady, bool(seq.draft_valid)
+            if seq.matcher is not None:  # the grammar's mask needs the proposal before the verify: none
+                proposal = dataclasses.replace(proposal, ask=dataclasses.replace(proposal.ask, k=0))
         seq.draft_valid = proposal.cached_length
         seq.drafted_ever = seq.called = True
         if proposal.parents is not None and chains_only:
@@ -273,17 +284,53 @@ async def _verify_call(seq: _Sequence, req: GenerationRequest, scorer: Scorer, p
     k = len(proposal.tokens)
     allowed = seq.matcher.allowed(proposal.tokens, k + 1) if req.target_picks else None
     score_rows = len(new_ids) - k - 1 if scoring else 0  # the prompt's rows but its last
+    # A head in the target's process: the call drafts what it asks (k = 0 where another part drafted, or
+    # none: the target still keeps the features the head reads next)
+    ask = proposal.ask or (DraftAsk(seq.hosted, 0) if seq.hosted else None)
+    if ask is not None and (scoring or tree is not None):
+        ask = dataclasses.replace(ask, k=0)
     started = time.perf_counter()
     scores = await _score(scorer, req, seq.target_valid, new_ids, k + 1, 0 if seq.target_valid else seq.reserve,
-                          wait_for_room, allowed, seq.features is not None, tree, seq.path, score_rows)
-    if len(new_ids) == k + 1:  # a plain round (no prompt prefill or catch-up)
-        policy.observe_verify(k + 1, time.perf_counter() - started, scores.forward)
+                          wait_for_room, allowed, seq.features is not None, tree, seq.path, score_rows, ask)
+    seconds = time.perf_counter() - started
+    if scores.proposal is not None:  # the round verified what the head drafted in the call: priced as one
+        k = len(scores.proposal.tokens)
+        seconds -= scores.proposal.forward.seconds if scores.proposal.forward is not None else 0.0
+    if len(new_ids) == len(proposal.tokens) + 1:  # a plain round (no prompt prefill or catch-up)
+        policy.observe_verify(k + 1, seconds, scores.forward)
         # Only a verify's forward prices verifies: a prompt's has its rows' logits but its last
         # unread, and where the prefix cache holds the prompt it ran a few rows (T(rows) came out
         # below one step's, and v(k) at 1.0: drafting looked free)
         if scores.forward:
             policy.observe_forward(scores.forward)
     return scores
+
+
+def _observe_draft(policy: DraftLengthPolicy, k: int, proposal: Proposal, seconds: float, steady: bool,
+                   observes: bool) -> None:
+    """The policy learns a draft call's cost (`steady`: a round's, see _draft) and, where the draft's cache held
+    the sequence (`observes`), how much of k a chain drafted."""
+    if observes and proposal.parents is None:
+        policy.observe_proposal(k, len(proposal.tokens))
+    if steady and proposal.parents is None:
+        policy.observe_draft(len(proposal.tokens), seconds, forward=proposal.forward)
+    elif steady:
+        policy.observe_draft(k, seconds, max(depths(proposal.parents)) + 1, proposal.forward)
+
+
+def _drafted_in_verify(seq: _Sequence, req: GenerationRequest, proposer: Proposer, policy: DraftLengthPolicy,
+                       asked: Proposal, scores: Scores, new_ids: list[int]
+                       ) -> tuple[Proposal, list[int], tuple[int, ...] | None]:
+    """A round a head in the target's process drafted in the verify call: the proposal (the cache length the
+    ask reported), the verify's new tokens and tree with it; the policy learns its cost from the head's
+    execution, and a proposer that keeps its proposals (lookup_first.py) is told it."""
+    proposal = dataclasses.replace(scores.proposal, cached_length=asked.cached_length)
+    seconds = proposal.forward.seconds if proposal.forward is not None else 0.0
+    _observe_draft(policy, asked.ask.k, proposal, seconds, seq.ask_steady, seq.ask_observes)
+    if getattr(proposer, "drafted_in_verify", None) is not None:
+        proposer.drafted_in_verify(req.seq_id, proposal)
+    new_ids = new_ids + proposal.tokens
+    return proposal, new_ids, with_catch_up(len(new_ids) - len(proposal.tokens), proposal.parents)
 
 
 def _learn(policy: DraftLengthPolicy, proposal: Proposal, verdict: TreeVerdict, depth: int | None) -> None:
@@ -308,7 +355,7 @@ def _accept(seq: _Sequence, proposal: Proposal, scores: Scores, verdict: TreeVer
         if seq.path is None:
             seq.features.add(scores.features, seq.target_valid + len(new_ids), len(seq.tokens) + accepted)
         else:
-            seq.features.add(_rows_on(scores.features, len(new_ids), seq.path), len(seq.tokens) + accepted,
+            seq.features.add(rows_on(scores.features, len(new_ids), seq.path), len(seq.tokens) + accepted,
                              len(seq.tokens) + accepted)
     seq.target_valid = len(seq.tokens) + accepted
     # A proposer's cache holds its first branch (each node's first child): what it keeps of a tree
@@ -336,9 +383,10 @@ async def _score(scorer: Scorer, req: GenerationRequest, keep: int, new_ids: lis
                  reserve: int, wait_for_room: Callable[[], Awaitable[bool]] | None,
                  allowed: torch.Tensor | None = None, want_features: bool = False,
                  tree: tuple[int, ...] | None = None, path: tuple[int, ...] | None = None,
-                 score_rows: int = 0) -> Scores:
-    """The verify call (`allowed`: the grammar's bitmask, for the target to pick with); a sequence's first
-    one (reserve > 0) retries while the target has no room for it and `wait_for_room` says to."""
+                 score_rows: int = 0, ask: DraftAsk | None = None) -> Scores:
+    """The verify call (`allowed`: the grammar's bitmask, for the target to pick with; `ask`: what a head in
+    the target's process drafts first); a sequence's first one (reserve > 0) retries while the target has no
+    room for it and `wait_for_room` says to."""
     # Greedy rounds ship no logits (the target sends its tokens' log-probabilities instead), unless
     # penalties, biases or bad words must edit them first (a grammar alone: the target picks with its mask).
     want_logits = not req.sampling.greedy or (req.edits_logits and allowed is None)
@@ -350,55 +398,10 @@ async def _score(scorer: Scorer, req: GenerationRequest, keep: int, new_ids: lis
                                                  allowed=allowed, want_features=want_features, tree=tree,
                                                  path=path, score_rows=score_rows,
                                                  score_top=score_rows > 0 and req.top_log_probs > 0,
-                                                 adapter=req.lora_name, salt=req.cache_salt))
+                                                 adapter=req.lora_name, salt=req.cache_salt, draft=ask))
         except NoCapacity:
             if not reserve or wait_for_room is None or not await wait_for_room():
                 raise
-
-
-class Features:
-    """The target's features (Scores.features) the head has not read yet: rows for the positions
-    [end - held, end), end being the target's valid prefix. Kept as the verifies' parts and joined when the
-    head reads them: while a head is paused every round adds a row, and joining each time copied all the
-    rows held (a long prompt's, megabytes) every round."""
-
-    def __init__(self):
-        self.parts: list[torch.Tensor] = []
-        self.end = 0
-
-    def add(self, new: torch.Tensor | None, new_end: int, valid: int) -> None:
-        """A verify's rows, for the positions up to new_end, of which those below `valid` stay (accepted)."""
-        if new is None:
-            return
-        new = new[:len(new) - (new_end - valid)] if new_end > valid else new
-        first = valid - len(new)
-        if not self.parts or self.end != first:  # a gap: the older rows are no use
-            self.parts = []
-        self.parts.append(new.to(self.parts[0].device) if self.parts else new)
-        self.end = valid
-
-    def since(self, start: int) -> torch.Tensor | None:
-        """The rows of positions start.. end - 1 that are held (the last ones where some are missing)."""
-        if not self.parts:
-            return None
-        wanted, picked, count = self.end - start, [], 0
-        for part in reversed(self.parts):  # the parts that hold them (the older ones are read)
-            if count >= wanted and picked:
-                break
-            picked.append(part)
-            count += len(part)
-        rows = picked[0] if len(picked) == 1 else torch.cat(picked[::-1])
-        self.parts = [rows[max(len(rows) - wanted, 0):]]
-        return self.parts[0]
-
-
-def _rows_on(rows: torch.Tensor | None, count: int, path: tuple[int, ...]) -> torch.Tensor | None:
-    """A tree verify's feature rows (the last len(rows) of its `count` new tokens, in node order) along the
-    kept `path` (indices into the new tokens, increasing): the rows of the positions the target keeps."""
-    if rows is None:
-        return None
-    first = count - len(rows)
-    return rows[[i - first for i in path if i >= first]]
 
 
 def _features_for(features: Features | None, draft_valid: int) -> dict:
@@ -471,14 +474,6 @@ def _verify(proposal: Proposal, scores: Scores, logits: torch.Tensor | None, par
     width = max(target_probs.shape[-1], draft_probs.shape[-1])
     verdict = rejection_sample(draft, pad_vocab(draft_probs, width), pad_vocab(target_probs, width), uniforms, generator)
     return TreeVerdict(tuple(range(verdict.num_accepted)), verdict.next_token)
-
-
-def _with_catch_up(catch_up: int, parents: tuple[int, ...] | None) -> tuple[int, ...] | None:
-    """A tree proposal's parents over the whole verify's new_ids: the `catch_up` tokens the target's cache
-    lacks come first, a chain, and the tree's roots hang from the last of them. None for a chain."""
-    if not parents:  # a chain, or nothing proposed
-        return None
-    return tuple(range(-1, catch_up - 1)) + tuple(catch_up - 1 if p < 0 else catch_up + p for p in parents)
 
 
 def _width(policy: DraftLengthPolicy, proposer: Proposer, trees: bool) -> dict:

@@ -50,6 +50,9 @@ class Step(NamedTuple):
     # propose, for a trained head (head_executor.py): (rows, F) the target's features at the rows positions
     # before the last new token (fewer than it needs: the first ones are missing)
     features: torch.Tensor | None = None
+    # extend, where the target's process hosts heads (hosted_heads.py): the head that drafts k tokens (with
+    # params, generator and branches) to append to new_ids before the forward verifies them; "": none
+    draft_head: str = ""
     # a new sequence's LoRA adapter by name ("": the base model), taken at its first step (lora.AdapterSet
     # gives it a slot, reading it from its directory if it is not held)
     adapter: str = ""

@@ -23,6 +23,7 @@ from specdec.decoding.token_mask import allowed_greedy
 from specdec.engine.errors import CapacityError
 from specdec.engine.executor import Executor, Step
 from specdec.engine.head_executor import HeadExecutor
+from specdec.engine.hosted_heads import HostedHeads
 
 
 @contextlib.contextmanager
@@ -90,31 +91,62 @@ class LocalProposer:
 
 
 class LocalScorer:
-    def __init__(self, lm: Executor):
-        self.lm = lm
+    """Over an `Executor` (the target); with `hosted`, heads in its process draft in the verify calls that ask
+    (VerifyCall.draft), as a served target_model hosting them does."""
+
+    def __init__(self, lm: Executor, hosted: HostedHeads | None = None):
+        self.lm, self.hosted = lm, hosted
         self._plain = _Batcher(lambda steps: self.lm.extend_many(steps))
         self._with_hidden = _Batcher(lambda steps: self.lm.extend_many(steps, with_hidden=True))
+        self._drafting = _Batcher(self._draft_and_extend)
+
+    def _draft_and_extend(self, steps: list[Step]) -> list:
+        """The hosted heads' steps: each drafts, then one forward verifies; per step (result, proposal or None)."""
+        run, drafted = self.hosted.draft(steps)
+        started = time.perf_counter()
+        results = self.lm.extend_many(run, with_hidden=True)
+        self.hosted.keep(run, results)
+        seconds = time.perf_counter() - started
+        return [(result, drafted.get(step.seq_id), seconds) for step, result in zip(run, results)]
 
     async def score(self, call: VerifyCall) -> Scores:
+        ask = call.draft
+        if ask is not None and self.hosted is None:
+            raise ValueError(f"no hosted head {ask.head!r} (this scorer hosts none)")
         step = Step(call.seq_id, call.keep, call.new_ids, call.num_positions + call.score_rows, reserve=call.reserve,
-                    whole=call.want_features,  # a head reads every position's features
+                    whole=call.want_features or ask is not None,  # a head reads every position's features
                     tree=call.tree, path=call.path, score_rows=call.score_rows,
                     adapter=call.adapter, salt=call.salt)  # the sequence's LoRA adapter by name, its salt
+        if ask is not None:
+            head = self.hosted.heads.get(ask.head)
+            generator = None if ask.params.greedy or head is None else make_generator(ask.seed, head.logits_device)
+            step = step._replace(draft_head=ask.head, k=ask.k, params=ask.params, generator=generator,
+                                 branches=ask.branches)
         problem = call.adapter and (self.lm.adapters.problem(call.adapter) if self.lm.adapters else
                                     f"no LoRA adapter {call.adapter!r} (this executor serves none)")
         if problem:
             raise ValueError(problem)
         started = time.perf_counter()
+        proposal = None
         with _no_capacity():
-            result = await (self._with_hidden if call.want_features else self._plain)(step)
+            if ask is not None:
+                result, drafted, seconds = await self._drafting(step)
+                if drafted is not None:
+                    drafted, stats = drafted
+                    probs = None if drafted.probs is None else drafted.probs.float().cpu()
+                    proposal = Proposal(drafted.tokens, probs, 0, drafted.parents, stats)
+            else:
+                result = await (self._with_hidden if call.want_features else self._plain)(step)
             if isinstance(result, Exception):
                 raise result
         if self.lm.device.type == "cuda":  # the forward's time, not its launch's
             torch.cuda.current_stream(self.lm.device).synchronize()
         # timed as the served target times its forward (language_models.py): the draft-length policy prices
         # verifies from these quietest times, not from the noisier call latencies
-        seconds = time.perf_counter() - started
-        logits, features = (result.logits, result.hidden.flatten(1).cpu()) if call.want_features else (result, None)
+        if ask is None:
+            seconds = time.perf_counter() - started
+        logits, features = (result.logits, result.hidden.flatten(1).cpu()) if call.want_features else \
+            (result.logits if ask is not None else result, None)
         scored = None
         if call.score_rows:  # the rows before the verified positions score the new tokens after them
             values, ids, tops = scored_rows(logits, call.new_ids, call.score_rows,
@@ -129,9 +161,10 @@ class LocalScorer:
         if call.want_log_probs:  # a greedy token's is its row's first of the top ones (the same bits)
             log_probs = (top_values[:, 0] if top_values is not None and allowed is None else
                          greedy_log_probs(logits) if allowed is None else token_log_probs(logits, tokens))
+        rows = len(call.new_ids) + (len(proposal.tokens) if proposal is not None else 0)
         return Scores(tokens.cpu(), logits.float().cpu() if call.want_logits else None,
-                      ForwardStats(len(call.new_ids), 1, seconds), None if log_probs is None else log_probs.cpu(), features,
-                      top_ids, top_values, scored, self._cached(call), self.lm.block_size)
+                      ForwardStats(rows, 1, seconds), None if log_probs is None else log_probs.cpu(), features,
+                      top_ids, top_values, scored, self._cached(call), self.lm.block_size, proposal)
 
     def _cached(self, call: VerifyCall) -> int | None:
         seq = self.lm.sequences.get(call.seq_id) if call.keep == 0 else None
@@ -139,6 +172,8 @@ class LocalScorer:
 
     async def release(self, seq_id: int) -> None:
         self.lm.release(seq_id)
+        if self.hosted is not None:
+            self.hosted.release(seq_id)
 
 
 async def collect(rounds) -> list[int]:
