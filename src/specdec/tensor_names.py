@@ -235,6 +235,13 @@ CACHED_TOKENS = "cached_tokens"
 # FP32 [-1, -1]: the target's features (its hidden_layers' states, concatenated) at every new position:
 # target_model's output on request, a draft head's input (the positions before its last new token)
 FEATURES = "features"
+# target_model hosting heads (engine/hosted_heads.py): a verify call's head that drafts first, BYTES [1] ("": none),
+# and what it drafts, FP64 [7]: k, candidates per position, temperature, top_k, top_p, min_p, the round's seed;
+# its answer: DRAFT_TOKENS, DRAFT_PARENTS, DRAFT_PROBS (sampled chains) and the head's execution, FP32 [3] as
+# FORWARD_STATS
+DRAFT_HEAD = "draft_head"
+DRAFT_ASK = "draft_ask"
+DRAFT_STATS = "draft_stats"
 TEXT_LENGTH = "text_length"  # INT32 [1]: characters of the decoded chunk to keep; -1 = all (stop words)
 # BOOL [1]: whether the chunk's text leaves special tokens out (vLLM's skip_special_tokens, a sampling setting;
 # true unless the request says false)

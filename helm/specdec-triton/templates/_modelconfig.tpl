@@ -237,6 +237,8 @@ input [
   { name: "score_next", data_type: TYPE_INT32, dims: [ 1 ], optional: true },
   { name: "lora_name", data_type: TYPE_STRING, dims: [ 1 ], optional: true },
   { name: "cache_salt", data_type: TYPE_STRING, dims: [ 1 ], optional: true },
+  { name: "draft_head", data_type: TYPE_STRING, dims: [ 1 ], optional: true },
+  { name: "draft_ask", data_type: TYPE_FP64, dims: [ 7 ], optional: true },
   { name: "release", data_type: TYPE_BOOL, dims: [ 1 ], optional: true }
 ]
 output [
@@ -250,7 +252,11 @@ output [
   { name: "logits", data_type: TYPE_FP32, dims: [ -1, -1 ] },
   { name: "features", data_type: TYPE_FP32, dims: [ -1, -1 ] },
   { name: "forward_stats", data_type: TYPE_FP32, dims: [ 3 ] },
-  { name: "cached_tokens", data_type: TYPE_INT32, dims: [ 2 ] }
+  { name: "cached_tokens", data_type: TYPE_INT32, dims: [ 2 ] },
+  { name: "draft_tokens", data_type: TYPE_INT32, dims: [ -1 ] },
+  { name: "draft_parents", data_type: TYPE_INT32, dims: [ -1 ] },
+  { name: "draft_probs", data_type: TYPE_FP32, dims: [ -1, -1 ] },
+  { name: "draft_stats", data_type: TYPE_FP32, dims: [ 3 ] }
 ]
 {{ include "specdec.lmParams" (list . "target" .Values.models.target.path) }}
 {{- end -}}

@@ -432,6 +432,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="serve a trained draft head (EAGLE-1, EAGLE-3 or Medusa, in its published layout) "
                              f"over the target as draft model NAME (default {tn.DEFAULT_HEAD_NAME}); repeatable. "
                              "The first becomes the default draft unless --default-draft names another")
+    parser.add_argument("--heads-in-target", action="store_true",
+                        help="host the trained heads (the pair's and --draft-head's) in target_model's process "
+                             "instead of as draft models of their own: each round is one call, the head drafting "
+                             "first from features that stay in the process (docs/drafts.md)")
     parser.add_argument("--skip-draft", action="append", default=[], metavar="[NAME=]LAYERS",
                         help="serve the target drafting for itself with intermediate layers left out (SWIFT) as "
                              f"draft model NAME (default {tn.DEFAULT_SKIP_DRAFT_NAME}): LAYERS '{tn.SKIP_SEARCH}' "
@@ -653,6 +657,8 @@ def main(argv: list[str] | None = None) -> int:
             except ValueError as exc:
                 log(str(exc))
                 return 2
+        if args.heads_in_target:
+            pair = dataclasses.replace(pair, heads_in_target=True)
         repo = repository.render(pair, run_dir / "model_repository")
         for setting in args.set:
             repository.override(repo, setting)

@@ -93,18 +93,25 @@ def render(pair: PairSpec, dest: Path) -> Path:
     # target_model serves the features every head reads (draft_heads.served_layers); each head knows the list
     heads = ",".join(pair.draft_heads.values())
     adapters = format_adapters(pair.lora_adapters)  # target_model runs them, the orchestrator admits their names
+    head_weights = (pair.cpu_head_weights_dtype if pair.device == "cpu" and pair.dtype == "float32"
+                    and pair.cpu_head_weights_dtype != "same" else pair.weights_dtype)
+    # heads hosted in target_model's process (one call a round) or served as draft models of their own
+    hosted = pair.draft_heads if pair.heads_in_target else {}
+    called_heads = {} if pair.heads_in_target else pair.draft_heads
     edit("target_model", {**lm_settings(pair.target_path, "target"), "draft_heads": heads, "run_ahead": pair.run_ahead,
+                          "hosted_heads": ",".join(f"{name}={path}" for name, path in hosted.items()),
+                          "hosted_head_weights_dtype": head_weights,
                           "lora_adapters": adapters, "lora_directory": pair.lora_directory,
                           "max_loras": str(pair.max_loras), "max_lora_rank": str(pair.max_lora_rank)},
          instance_group(pair, "target"))
     drafts = list(pair.draft_paths.items())
-    for name, _ in drafts[1:] + list(pair.draft_heads.items()) + list(pair.skip_drafts.items()):
+    for name, _ in drafts[1:] + list(called_heads.items()) + list(pair.skip_drafts.items()):
         if name == "draft_model":
             continue
         shutil.copytree(dest / "draft_model", dest / name)
         cfg = dest / name / "config.pbtxt"
         cfg.write_text(cfg.read_text().replace('name: "draft_model"', f'name: "{name}"'))
-    if not drafts and "draft_model" not in {**pair.draft_heads, **pair.skip_drafts}:  # model-free drafting only
+    if not drafts and "draft_model" not in {**called_heads, **pair.skip_drafts}:  # no draft model of its own
         shutil.rmtree(dest / "draft_model")
     # A draft made of the target's layers may run a request's adapter too (its lora_layers; "" : not)
     lora = {"lora_adapters": adapters, "lora_directory": pair.lora_directory, "max_loras": str(pair.max_loras),
@@ -112,9 +119,7 @@ def render(pair: PairSpec, dest: Path) -> Path:
     for name, path in drafts:
         edit(name, {**lm_settings(path, "draft"), "target_tokenizer_path": pair.tokenizer_path,
                     "lora_layers": pair.draft_lora_layers.get(name, ""), **lora}, instance_group(pair, "draft"))
-    head_weights = (pair.cpu_head_weights_dtype if pair.device == "cpu" and pair.dtype == "float32"
-                    and pair.cpu_head_weights_dtype != "same" else pair.weights_dtype)
-    for name, path in pair.draft_heads.items():
+    for name, path in called_heads.items():
         edit(name, {**lm_settings(path, "draft"), "draft_kind": "head", "target_path": pair.target_path,
                     "weights_dtype": head_weights,
                     "target_draft_heads": heads, "target_tokenizer_path": pair.tokenizer_path},
@@ -131,7 +136,8 @@ def render(pair: PairSpec, dest: Path) -> Path:
         draft_models.insert(0, pair.default_draft)
     edit("speculative_decoding", {
         **tokenizer, "generation_config": pair.generation_config or pair.target_path,
-        "draft_models": ",".join(draft_models), "head_drafts": ",".join(pair.draft_heads),
+        "draft_models": ",".join(draft_models), "head_drafts": ",".join(called_heads),
+        "hosted_drafts": ",".join(hosted),
         "adaptive_draft": str(pair.adaptive_draft).lower(),
         "default_num_draft_tokens": str(pair.default_num_draft_tokens),
         "max_num_draft_tokens": str(pair.max_num_draft_tokens),

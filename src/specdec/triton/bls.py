@@ -9,6 +9,7 @@ call carries the START flag and the release call the END flag. Imported only ins
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Callable
 
 import numpy as np
@@ -229,8 +230,10 @@ class BlsScorer(_SequenceModel):
         outputs = [tn.GREEDY_TOKENS, tn.SCORED_LOG_PROBS] + (
             [tn.SCORED_TOP_IDS, tn.SCORED_TOP_LOG_PROBS] if call.score_top else []) + (
             [tn.FEATURES] if call.want_features else [])
+        quiet = dataclasses.replace(call.draft, k=0) if call.draft is not None else None  # a hosted head's features
         while chunk and rows > chunk and len(new_ids) - call.num_positions > chunk:
-            own = wire.VerifyMessage(0, score_rows=chunk, score_next=new_ids[chunk], adapter=call.adapter).encode()
+            own = wire.VerifyMessage(0, score_rows=chunk, score_next=new_ids[chunk], adapter=call.adapter,
+                                     draft=quiet).encode()
             chunks.append(await self._call(call.seq_id, new_ids[:chunk], keep, outputs, reserve, own=own,
                                            salt=call.salt))
             keep, new_ids, reserve, rows = keep + chunk, new_ids[chunk:], 0, rows - chunk
@@ -245,21 +248,27 @@ class BlsScorer(_SequenceModel):
             keep, new_ids, reserve = call.keep, call.new_ids, call.reserve
         elif rows:  # a prompt to score: in chunks that score their rows
             keep, new_ids, reserve, rows = await self._score_chunks(call, chunks)
-        else:
+        else:  # a hosted head's chunks carry its name: the target keeps their features for it
+            quiet = dataclasses.replace(call.draft, k=0) if call.draft is not None else None
             keep, new_ids, reserve = await self._prefill(
                 call.seq_id, call.keep, call.new_ids, call.num_positions, call.reserve,
                 [tn.GREEDY_TOKENS] + ([tn.FEATURES] if call.want_features else []), chunks,
-                wire.VerifyMessage(0, adapter=call.adapter).encode() if call.adapter else None, call.salt)
+                wire.VerifyMessage(0, adapter=call.adapter, draft=quiet).encode() if call.adapter or quiet else None,
+                call.salt)
         answer = [tn.GREEDY_TOKENS, tn.FORWARD_STATS] + ([tn.GREEDY_LOG_PROBS] if call.want_log_probs else []) + (
             [tn.GREEDY_TOP_IDS, tn.GREEDY_TOP_LOG_PROBS] if call.want_top_log_probs else []) + (
             [tn.SCORED_LOG_PROBS] if call.score_rows else []) + (
             [tn.SCORED_TOP_IDS, tn.SCORED_TOP_LOG_PROBS] if call.score_top else []) + (
             [tn.CACHED_TOKENS] if call.keep == 0 else [])  # a sequence's first call: its prompt's cache hits
-        outputs = answer + ([tn.LOGITS] if call.want_logits else []) + ([tn.FEATURES] if call.want_features else [])
+        drafts = call.draft is not None and call.draft.k > 0  # a hosted head drafts in this call
+        hosted = [tn.DRAFT_TOKENS, tn.DRAFT_PARENTS, tn.DRAFT_STATS] if drafts else []
+        outputs = answer + ([tn.LOGITS] if call.want_logits else []) + ([tn.FEATURES] if call.want_features else []) \
+            + hosted + ([tn.DRAFT_PROBS] if drafts and not call.draft.params.greedy else [])
         # The grammar's (K+1) x V/32 words instead of (K+1) x V logits back.
         result = await self._call(call.seq_id, new_ids, keep, outputs, reserve,
                                   own=wire.VerifyMessage(call.num_positions, call.allowed, call.tree, call.path,
-                                                         rows, adapter=call.adapter).encode(), salt=call.salt)
+                                                         rows, adapter=call.adapter, draft=call.draft).encode(),
+                                  salt=call.salt)
         verified = wire.VerifiedMessage.decode({name: result[name].as_numpy() for name in answer})
         logits = _torch(result[tn.LOGITS])[0] if call.want_logits else None
         log_probs = None if verified.log_probs is None else torch.from_numpy(verified.log_probs)
@@ -272,5 +281,11 @@ class BlsScorer(_SequenceModel):
         scored = _scored([wire.VerifiedMessage.decode({name: part[name].as_numpy() for name in part
                                                       if name != tn.FEATURES}) for part in chunks] + [verified]) \
             if call.score_rows else None
+        proposal = None
+        if drafts:
+            drafted = wire.HostedDraftMessage.decode({name: result[name].as_numpy() for name in hosted})
+            probs = _torch(result[tn.DRAFT_PROBS])[0] if tn.DRAFT_PROBS in outputs else None
+            proposal = Proposal(drafted.tokens, probs if probs is not None and len(probs) else None, 0, drafted.parents,
+                                drafted.forward)
         return Scores(torch.from_numpy(verified.greedy_tokens.astype(np.int64)), logits, verified.forward, log_probs,
-                      features, top_ids, top_values, scored, verified.cached_tokens, verified.block_size)
+                      features, top_ids, top_values, scored, verified.cached_tokens, verified.block_size, proposal)

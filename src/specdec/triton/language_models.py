@@ -32,6 +32,8 @@ from specdec.engine.build import ExecutorConfig, build_executor, plans_static
 from specdec.engine.draft_heads import HeadError, load_head_for, rows_forward, served_layers
 from specdec.engine.executor import CacheError, CapacityError, Scored, Step
 from specdec.engine.head_executor import HeadExecutor
+from specdec.engine.hosted_heads import HostedHeads
+from specdec.engine.interfaces import Drafted
 from specdec.engine.loading import check_q8, load_causal_lm, q8_kernels, quantize_q8, resolve_dtype
 from specdec.engine.skip_layers import LayerSkipForward, SkipTuner, parse_layers
 from specdec.triton.adapter import TritonAdapter
@@ -62,6 +64,7 @@ class LanguageModelAdapter(TritonAdapter):
     """Shared load / execute plumbing; subclasses say what a step is and how it is answered."""
 
     profile = None  # an ExecuteProfile when SPECDEC_PROFILE_DIR is set (load)
+    side_seconds = 0.0  # of the last `_run`, the time it spent outside the forward (subtracted from its cost)
     # The parameter listing the served heads whose features this model's executor returns or reads
     heads_parameter = ""
 
@@ -127,6 +130,45 @@ class LanguageModelAdapter(TritonAdapter):
             return build_executor(model, config, log=self.pb.Logger.log_info)
         except ValueError as exc:
             raise ConfigError(f"{self.name}: {exc} ({params.str('model_path')})") from None
+
+    def _load_head(self, params: ModelParameters, device: str, head_path: str, target_path: str,
+                   weights_dtype: str, name: str = "") -> tuple[HeadExecutor, torch.Tensor | None, int]:
+        """A trained head over the target at target_path (its embedding, and EAGLE-1's lm_head, read from its
+        files): (its executor, its layers' columns among the target's served ones (None: all of them, in
+        order), the served layers' count). weights_dtype q8 rounds the head's linears as a model's; fp8 (a
+        pair's setting for its models) leaves them in dtype."""
+        where = f"{self.name}{f' head {name!r}' if name else ''}"
+        dtype_name = params.str("dtype", "float32", choices=tn.DTYPE_NAMES)
+        linear_kernels = params.str("linear_kernels", "auto", choices=onednn_linear.KINDS)
+        try:
+            if weights_dtype == "q8":
+                check_q8(device, dtype_name, linear_kernels)
+            head, target_config = load_head_for(head_path, target_path, device, getattr(torch, dtype_name))
+        except (HeadError, ValueError) as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+        if weights_dtype == "q8":  # the head's own linears (the target's embedding it borrows stays)
+            quantize_q8(head, head_path, self.pb.Logger.log_info)
+        onednn_linear.apply(q8_kernels(linear_kernels, weights_dtype), head, head_path, self.pb.Logger.log_info,
+                            forward=rows_forward(head))
+        # The target returns the states of the layers its heads read, concatenated: this head's, in its order
+        target_layers = target_config.get_text_config().num_hidden_layers
+        served = self._served_layers(params, target_layers)
+        wanted = head.config.feature_layers(target_layers)
+        missing = [layer for layer in wanted if layer not in served]
+        if missing:
+            raise ConfigError(f"{where}: the head {head_path} reads the target's layers {list(wanted)}, but "
+                              f"target_model serves {list(served)} (target_draft_heads must list target_model's "
+                              f"draft_heads, this head among them)")
+        columns = [served.index(layer) for layer in wanted]
+        self.pb.Logger.log_info(f"{where}: {head.config.kind} head {head_path} over the target {target_path}, "
+                                f"reading layers {list(wanted)}")
+        # On CUDA its one-token steps replay CUDA graphs (head_graphs.py) unless compile is off.
+        compile_mode = params.str("compile", "auto", choices=tn.COMPILE_MODES)
+        lm = HeadExecutor(head, max_sequences=params.int("max_sequences", 256, low=1),
+                          idle_timeout_s=params.float("sequence_idle_timeout_s", 600.0, low=1.0),
+                          graphs=False if compile_mode == "off" else None,
+                          max_context=params.int("max_context_tokens", 8192, low=1))
+        return lm, None if columns == list(range(len(served))) else torch.tensor(columns), len(served)
 
     def _searches_skip(self, params: ModelParameters) -> bool:
         """A layer-skip self-draft whose set is searched on the fly (skip_layers auto): a draft's."""
@@ -285,7 +327,8 @@ class LanguageModelAdapter(TritonAdapter):
                         torch.cuda.current_stream(self.lm.device).synchronize()
                 except Exception as exc:  # noqa: BLE001 - the batch fails, the server keeps serving
                     results += [RuntimeError(f"{type(exc).__name__}: {exc}")] * len(group)
-                seconds = time.perf_counter() - started
+                # what _run did besides the forward (a hosted head's drafting) is not the forward's cost
+                seconds, self.side_seconds = time.perf_counter() - started - self.side_seconds, 0.0
                 if self.lm.ahead_taken and len(self.lm.ahead_taken) == len(group):
                     # Run ahead (run_ahead.py): what the forward took, not the rest of it this execute waited
                     seconds = max(timer.seconds() for timer in self.lm.ahead_taken.values())
@@ -402,13 +445,46 @@ class TargetModel(LanguageModelAdapter):
     def _lora(self, params, model):
         return self._adapters(params)
 
+    hosted: HostedHeads | None = None  # hosted_heads, read at load (_start)
+
     def _start(self, params):
         mode = params.str("run_ahead", "auto", choices=tn.RUN_AHEAD_MODES)
         self.run_ahead = mode == "on" or (mode == "auto" and self.lm.device.type == "cuda")
+        self.hosted = self._hosted_heads(params)
+        # a hosted head's proposal and its execution, by sequence, from the forward to the response
+        self._drafted: dict[int, tuple[Drafted, ForwardStats]] = {}
         super()._start(params)
 
+    def _hosted_heads(self, params) -> HostedHeads | None:
+        """hosted_heads (NAME=DIR, ...): heads drafting in this process (engine/hosted_heads.py)."""
+        spec = params.str("hosted_heads", "")
+        if not spec:
+            return None
+        weights_dtype = params.str("hosted_head_weights_dtype", "same", choices=tn.WEIGHTS_DTYPES)
+        stop_below = params.float("hosted_stop_below", tn.DEFAULT_DRAFT_STOP_BELOW, low=0.0, high=1.0)
+        budget = params.float("capture_time_budget_s", 120.0, low=0.0)
+        heads, columns = {}, {}
+        for entry in spec.split(","):
+            name, sep, path = entry.strip().partition("=")
+            if not sep or not name.isidentifier() or not path or name in heads:
+                raise ConfigError(f"{self.name}: parameter 'hosted_heads': {entry!r} is not NAME=DIR (NAME a "
+                                  "model name of its own)")
+            heads[name], columns[name], _ = self._load_head(params, str(self.lm.device), path, params.str("model_path"),
+                                                            weights_dtype, name)
+            heads[name].stop_below = stop_below
+            ready, seconds = heads[name].warm_up(budget)
+            self.pb.Logger.log_info(f"{self.name}: hosted head {name!r}: {heads[name].forward.summary(ready, seconds)}")
+        return HostedHeads(heads, columns)
+
     def _run_jobs(self, jobs):
+        if self.hosted is not None:
+            for job in jobs:
+                if job.error is None and job.step is None:  # a release: the head's side of the sequence too
+                    self.hosted.release(job.seq_id)
+                    self._drafted.pop(job.seq_id, None)
         outcomes = super()._run_jobs(jobs)
+        if self.hosted is not None:
+            self.hosted.keep_only(self.lm.sequences)  # evicted while idle
         self._run_ahead(jobs, outcomes)
         return outcomes
 
@@ -422,7 +498,8 @@ class TargetModel(LanguageModelAdapter):
         (job,), (outcome,) = jobs, outcomes
         step = job.step
         if (step is None or not isinstance(outcome, tuple) or len(step.new_ids) != 1 or step.num_logits != 1
-                or step.allowed is not None or step.tree is not None):
+                or step.allowed is not None or step.tree is not None
+                or (step.seq_id in self._drafted and self._drafted[step.seq_id][0].tokens)):
             return
         wanted = set(job.request.requested_output_names())  # none named: all of them
         if not wanted or not wanted <= self.AHEAD_OUTPUTS:
@@ -440,6 +517,12 @@ class TargetModel(LanguageModelAdapter):
         self.lm.extend(WARM_UP_SEQUENCE, 16, [1], 1)  # a target-only step
         self.lm.extend(WARM_UP_SEQUENCE, 17, [1, 2, 3, 4, 5], 5)  # a verify of K + 1 = 5 positions
         self.lm.release(WARM_UP_SEQUENCE)
+        for head in (self.hosted.heads.values() if self.hosted is not None else ()):  # a head drafts from features
+            features = torch.zeros(15, head.config.feature_width, device=head.device)
+            head.propose(WARM_UP_SEQUENCE, 0, prompt, 4, SamplingParams(), features=features)
+            head.propose(WARM_UP_SEQUENCE, 15, [16, 1], 4, SamplingParams(temperature=1.0, top_p=0.9),
+                         make_generator(0, head.logits_device), features=features[:1])
+            head.release(WARM_UP_SEQUENCE)
 
     def _step_options(self, inputs, wanted=frozenset()):
         message = wire.VerifyMessage.decode(inputs)  # allowed: structured output's picks keep to the grammar
@@ -452,11 +535,20 @@ class TargetModel(LanguageModelAdapter):
                 f"no LoRA adapter {message.adapter!r} (this model serves none)"
             if problem:
                 raise ValueError(f"input '{tn.LORA_NAME}': {problem}")
-        return {"num_logits": message.num_logits + message.score_rows, "allowed": message.allowed,
-                "adapter": message.adapter,
-                "tree": message.tree, "path": message.path, "score_rows": message.score_rows,
-                "score_next": message.score_next,
-                "whole": tn.FEATURES in wanted and bool(self.lm.forward.hidden_layers)}
+        options = {"num_logits": message.num_logits + message.score_rows, "allowed": message.allowed,
+                   "adapter": message.adapter,
+                   "tree": message.tree, "path": message.path, "score_rows": message.score_rows,
+                   "score_next": message.score_next,
+                   "whole": tn.FEATURES in wanted and bool(self.lm.forward.hidden_layers)}
+        ask = message.draft
+        if ask is not None:  # a hosted head drafts first, reading every position's features (whole)
+            head = self.hosted.heads.get(ask.head) if self.hosted is not None else None
+            if head is None:
+                raise ValueError(f"input '{tn.DRAFT_HEAD}': no hosted head {ask.head!r} (this model hosts "
+                                 f"{', '.join(self.hosted.heads) if self.hosted is not None else 'none'})")
+            options.update(draft_head=ask.head, k=ask.k, params=ask.params, branches=ask.branches, whole=True,
+                           generator=None if ask.params.greedy else make_generator(ask.seed, head.logits_device))
+        return options
 
     def _rows(self, group, processed):
         # The rows the forward ran: a prompt's tokens found in the prefix cache are not (counted, a 900-token
@@ -466,7 +558,15 @@ class TargetModel(LanguageModelAdapter):
     def _run(self, steps):
         # With hidden_layers (a draft head is served), every step's features come too (Scored): a head's
         # rounds ask for them, and a forward computes them anyway.
-        return self.lm.extend_many(steps, with_hidden=bool(self.lm.forward.hidden_layers))
+        if self.hosted is None or not any(step.draft_head for step in steps):
+            return self.lm.extend_many(steps, with_hidden=bool(self.lm.forward.hidden_layers))
+        started = time.perf_counter()
+        run, drafted = self.hosted.draft(steps)  # the hosted heads' proposals appended to their steps
+        self.side_seconds = time.perf_counter() - started
+        self._drafted.update(drafted)
+        results = self.lm.extend_many(run, with_hidden=True)
+        self.hosted.keep(run, results)
+        return results
 
     def _gather(self, steps, results):
         """Per step (logits, greedy tokens, features or None, scored rows or None) or its error; a step with
@@ -524,6 +624,14 @@ class TargetModel(LanguageModelAdapter):
                 outputs.append(hidden.tensor)
             else:
                 outputs.append(self._features_output(hidden))
+        drafted = self._drafted.pop(step.seq_id, None) if step.draft_head else None
+        if tn.DRAFT_TOKENS in requested:  # what a hosted head drafted, verified after the step's new tokens
+            proposal, stats = drafted if drafted is not None else (Drafted([], None, 0), ForwardStats(0, 0, 0.0))
+            message = wire.HostedDraftMessage(proposal.tokens, proposal.parents, stats)
+            outputs += [pb.Tensor(name, value) for name, value in message.encode().items()]
+            if tn.DRAFT_PROBS in requested:  # a sampled chain's; none for a tree (its nodes are point masses)
+                probs = proposal.probs if proposal.probs is not None else torch.zeros(0, 0)
+                outputs.append(self._output(tn.DRAFT_PROBS, probs.float()[None]))
         return pb.InferenceResponse(output_tensors=outputs)
 
     def _features_output(self, hidden: torch.Tensor | None):
@@ -663,43 +771,10 @@ class DraftModel(LanguageModelAdapter):
 
     def _head_executor(self, params: ModelParameters, device: str) -> HeadExecutor:
         # A trained head: the target's embedding (and EAGLE-1's lm_head) copied into this process.
-        head_path, target_path = params.str("model_path"), params.str("target_path")
-        dtype_name = params.str("dtype", "float32", choices=tn.DTYPE_NAMES)
-        dtype = getattr(torch, dtype_name)
-        linear_kernels = params.str("linear_kernels", "auto", choices=onednn_linear.KINDS)
-        # q8 rounds a head's linears as a model's; fp8 (a pair's setting for its models) leaves it in dtype
-        weights_dtype = params.str("weights_dtype", "same", choices=tn.WEIGHTS_DTYPES)
-        try:
-            if weights_dtype == "q8":
-                check_q8(device, dtype_name, linear_kernels)
-            head, target_config = load_head_for(head_path, target_path, device, dtype)
-        except (HeadError, ValueError) as exc:
-            raise ConfigError(f"{self.name}: {exc}") from None
-        if weights_dtype == "q8":  # the head's own linears (the target's embedding it borrows stays)
-            quantize_q8(head, head_path, self.pb.Logger.log_info)
-        onednn_linear.apply(q8_kernels(linear_kernels, weights_dtype), head, head_path, self.pb.Logger.log_info,
-                            forward=rows_forward(head))
-        # The target returns the states of the layers its heads read, concatenated: this head's, in its order
-        target_layers = target_config.get_text_config().num_hidden_layers
-        served = self._served_layers(params, target_layers)
-        wanted = head.config.feature_layers(target_layers)
-        missing = [layer for layer in wanted if layer not in served]
-        if missing:
-            raise ConfigError(f"{self.name}: the head {head_path} reads the target's layers {list(wanted)}, but "
-                              f"target_model serves {list(served)} (target_draft_heads must list target_model's "
-                              f"draft_heads, this head among them)")
-        columns = [served.index(layer) for layer in wanted]
-        # the head's layers among those served, in its order (None: all of them as served, read as they are)
-        self.feature_columns = None if columns == list(range(len(served))) else torch.tensor(columns)
-        self.served_layers = len(served)
-        self.pb.Logger.log_info(f"{self.name}: {head.config.kind} head {head_path} over the target {target_path}, "
-                                f"reading layers {list(wanted)}")
-        # On CUDA its one-token steps replay CUDA graphs (head_graphs.py) unless compile is off.
-        compile_mode = params.str("compile", "auto", choices=tn.COMPILE_MODES)
-        return HeadExecutor(head, max_sequences=params.int("max_sequences", 256, low=1),
-                            idle_timeout_s=params.float("sequence_idle_timeout_s", 600.0, low=1.0),
-                            graphs=False if compile_mode == "off" else None,
-                            max_context=params.int("max_context_tokens", 8192, low=1))
+        lm, self.feature_columns, self.served_layers = self._load_head(
+            params, device, params.str("model_path"), params.str("target_path"),
+            params.str("weights_dtype", "same", choices=tn.WEIGHTS_DTYPES))
+        return lm
 
     def _step_options(self, inputs, wanted=frozenset()):
         message = wire.ProposeMessage.decode(inputs)  # num_draft_tokens 0: a prompt's chunk, appended only

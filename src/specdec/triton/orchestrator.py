@@ -23,7 +23,7 @@ import numpy as np
 from specdec import tensor_names as tn
 from specdec.decoding.draft_length import CostModel, DraftLengthPolicy, PartPolicies
 from specdec.decoding.grammar import GuideCompiler
-from specdec.decoding.interfaces import NoCapacity
+from specdec.decoding.interfaces import HostedProposer, NoCapacity
 from specdec.decoding import generation_config, lookup_first
 from specdec.decoding.loop import GenerationRequest, RoundOutput, Stats, generate
 from specdec.decoding.ngram_proposer import NgramProposer
@@ -132,7 +132,12 @@ class SpeculativeDecodingAdapter(TritonAdapter):
         # chain; draft_tree.py); a trained head's: EAGLE-2's dynamic tree that many wide
         draft_branches = self.limits.max_num_draft_branches  # a request's num_draft_branches may ask for fewer
         min_ngram = params.int("lookup_first_min_ngram", lookup_first.DEFAULT_MIN_NGRAM, low=2, high=4)
-        called = {name: FallbackProposer(
+        # Heads hosted in target_model (its hosted_heads): drafted in the verify call, never called
+        hosted = set(params.list("hosted_drafts"))
+        if hosted - set(models) or hosted & heads:
+            raise ConfigError(f"hosted_drafts {sorted(hosted)}: each must be a draft model of draft_models "
+                              f"{list(self.limits.draft_names)} and not among head_drafts")
+        called = {name: HostedProposer(name, draft_branches) if name in hosted else FallbackProposer(
             BlsProposer(pb_utils, name, timeout_us, chunk, wants_features=name in heads,
                         branches=draft_branches, call_timeout_s=call_timeout_s,
                         on_timeout=self.metrics.record_call_timeout), name,

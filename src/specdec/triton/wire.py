@@ -8,6 +8,7 @@ place: each message kind's tensors by name, as numpy arrays, both ways.
   verify     target_model's own inputs: how many positions to score, the grammar's bitmask
   verified   target_model's answer: greedy tokens and the forward's statistics (logits, log-probabilities
              and draft distributions travel as tensors of their own, on the device where they can)
+  hosted     a head hosted in target_model: what a verify call asks it to draft first, and what it drafted
 
 Every call of a model carries the same input set, defaults included: Triton's sequence batcher runs
 requests in one execution only when they carry the same inputs. No pb_utils here: the adapters wrap these
@@ -22,7 +23,7 @@ import numpy as np
 import torch
 
 from specdec import tensor_names as tn
-from specdec.decoding.interfaces import ForwardStats
+from specdec.decoding.interfaces import DraftAsk, ForwardStats
 from specdec.decoding.sampling import SamplingParams
 
 Arrays = dict[str, np.ndarray]
@@ -145,6 +146,7 @@ class VerifyMessage:
     score_rows: int = 0  # the positions before the last num_logits scored too (tn.SCORE_ROWS)
     score_next: int = -1  # the token after the new ones, for the last score row of a prompt's chunk (tn.SCORE_NEXT)
     adapter: str = ""  # the sequence's LoRA adapter (tn.LORA_NAME; read at its first step); "": the base model
+    draft: DraftAsk | None = None  # a head hosted in target_model drafts first (tn.DRAFT_HEAD, tn.DRAFT_ASK)
 
     def encode(self) -> Arrays:
         # An empty bitmask, tree or path stands for none: the input is always there (one input set).
@@ -152,7 +154,7 @@ class VerifyMessage:
         return {tn.NUM_LOGITS: _i32([self.num_logits]), tn.ALLOWED_TOKENS: allowed,
                 tn.TREE_PARENTS: _i32(self.tree or []), tn.ACCEPTED_PATH: _i32(self.path or []),
                 tn.SCORE_ROWS: _i32([self.score_rows]), tn.SCORE_NEXT: _i32([self.score_next]),
-                tn.LORA_NAME: adapter_name(self.adapter)}
+                tn.LORA_NAME: adapter_name(self.adapter), **_encode_ask(self.draft)}
 
     @classmethod
     def decode(cls, inputs: Arrays) -> VerifyMessage:
@@ -165,13 +167,60 @@ class VerifyMessage:
         if score_rows < 0 or (score_rows and tree is not None):
             raise ValueError(f"{tn.SCORE_ROWS} must be >= 0, and 0 with {tn.TREE_PARENTS}; got {score_rows}")
         allowed = inputs.get(tn.ALLOWED_TOKENS)
+        draft = _decode_ask(inputs)
         if allowed is None or not allowed.size:
-            return cls(num_logits, None, tree, path, score_rows, score_next, adapter)
+            return cls(num_logits, None, tree, path, score_rows, score_next, adapter, draft)
         if allowed.ndim != 3 or allowed.shape[0] != 1 or allowed.shape[1] != num_logits:
             raise ValueError(f"{tn.ALLOWED_TOKENS} must be [1, {tn.NUM_LOGITS} = {num_logits}, words], got "
                              f"{list(allowed.shape)}")
         return cls(num_logits, torch.from_numpy(np.ascontiguousarray(allowed[0])), tree, path, score_rows, score_next,
-                   adapter)
+                   adapter, draft)
+
+
+SEED_RANGE = 2**52  # a hosted head's round seed travels in a float64 (the seeds' stream stays deterministic)
+
+
+def _encode_ask(ask: DraftAsk | None) -> Arrays:
+    if ask is None:
+        return {tn.DRAFT_HEAD: adapter_name(""), tn.DRAFT_ASK: np.zeros((1, 7), dtype=np.float64)}
+    params = ask.params
+    values = [ask.k, ask.branches, params.temperature, params.top_k, params.top_p, params.min_p,
+              (ask.seed or 0) % SEED_RANGE]
+    return {tn.DRAFT_HEAD: adapter_name(ask.head), tn.DRAFT_ASK: np.asarray([values], dtype=np.float64)}
+
+
+def _decode_ask(inputs: Arrays) -> DraftAsk | None:
+    name = inputs.get(tn.DRAFT_HEAD)
+    head = "" if name is None or not name.size else _text(name.reshape(-1)[0])
+    if not head:
+        return None
+    values = inputs.get(tn.DRAFT_ASK)
+    if values is None or values.size != 7:
+        raise ValueError(f"{tn.DRAFT_ASK} must hold 7 values with {tn.DRAFT_HEAD} {head!r}")
+    k, branches, temperature, top_k, top_p, min_p, seed = values.reshape(-1).tolist()
+    if k < 0 or branches < 1:
+        raise ValueError(f"{tn.DRAFT_ASK}: k must be >= 0 and the candidates per position >= 1, got {k:g}, {branches:g}")
+    return DraftAsk(head, int(k), SamplingParams(temperature=temperature, top_k=int(top_k), top_p=top_p, min_p=min_p),
+                    int(seed), int(branches))
+
+
+@dataclass(frozen=True)
+class HostedDraftMessage:
+    """target_model's answer about what its hosted head drafted (the distributions go as DRAFT_PROBS)."""
+
+    tokens: list[int]
+    parents: tuple[int, ...] | None
+    forward: ForwardStats  # the head's execution
+
+    def encode(self) -> Arrays:
+        return {tn.DRAFT_TOKENS: _i32(self.tokens), tn.DRAFT_PARENTS: _i32(self.parents or []),
+                tn.DRAFT_STATS: _forward_stats(self.forward)}
+
+    @classmethod
+    def decode(cls, outputs: Arrays) -> HostedDraftMessage:
+        stats = outputs[tn.DRAFT_STATS].reshape(-1).tolist()
+        return cls(outputs[tn.DRAFT_TOKENS].reshape(-1).tolist(), _tuple(outputs, tn.DRAFT_PARENTS),
+                   ForwardStats(int(stats[0]), int(stats[1]), float(stats[2])))
 
 
 def adapter_name(name: str) -> np.ndarray:
