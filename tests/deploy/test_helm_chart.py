@@ -47,6 +47,7 @@ COMBINATIONS = {
     "cpu-only-suffix": {"gpu": {"count": 0}, "models": {"draft": {"method": "suffix"}, "dtype": "float32"},
                         "speculation": {"suffixCacheTokens": 262144}},
     "eagle-head": {"models": {"draft": {"method": "head", "path": "/models/eagle3-head"}}},
+    "eagle-head-in-target": {"models": {"draft": {"method": "head", "path": "/models/eagle3-head", "inTarget": True}}},
     "lora-adapters": {"models": {"loraAdapters": [{"name": "sql", "path": "/models/lora/sql"},
                                                   {"name": "chat-v2", "path": "/models/lora/chat"}],
                                  "loraDirectory": "/models/lora/library", "maxLoras": 6, "maxLoraRank": 32,
@@ -313,12 +314,13 @@ def normalized(config: str) -> list[str]:
 def pair_for(values: dict) -> PairSpec:
     """The PairSpec the local launcher would serve for the chart's settings."""
     models, gpu, spec = values["models"], values["gpu"], values["speculation"]
-    method = models["draft"]["method"]
+    method, in_target = models["draft"]["method"], models["draft"].get("inTarget", False)
     return PairSpec(
         name="chart", target_path=models["target"]["path"],
         tokenizer_path=models["target"]["tokenizerPath"] or models["target"]["path"],
         draft_paths={"draft_model": models["draft"]["path"]} if method == "model" else {},
-        draft_heads={"draft_model": models["draft"]["path"]} if method == "head" else {},
+        draft_heads={"draft_model": models["draft"]["path"]} if method == "head" and not in_target else {},
+        hosted_heads={"draft_model": models["draft"]["path"]} if method == "head" and in_target else {},
         skip_drafts={"draft_model": models["draft"]["skipLayers"]} if method == "skip" else {},
         default_draft="" if method in ("model", "head", "skip") else method, dtype=models["dtype"],
         max_context_tokens=spec["maxContextTokens"], apply_chat_template=models["applyChatTemplate"],
@@ -350,7 +352,7 @@ def pair_for(values: dict) -> PairSpec:
 
 @pytest.mark.parametrize("name, orchestrators", [("defaults", 1), ("cpu-only-ngram", 1), ("cpu-only-defaults", 2),
                                                  ("cpu-only-suffix", 2), ("spread-target", 1), ("eagle-head", 1),
-                                                 ("skip-draft", 1), ("lora-adapters", 1)])
+                                                 ("eagle-head-in-target", 1), ("skip-draft", 1), ("lora-adapters", 1)])
 def test_model_configuration_matches_the_launcher(name, orchestrators, tmp_path):
     docs = render_chart(COMBINATIONS[name])
     (configs,) = [d for d in by_kind(docs, "ConfigMap") if d["metadata"]["name"].endswith("-model-config")]

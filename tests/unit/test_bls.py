@@ -5,10 +5,11 @@ chunks; a grammar's bitmask with a verify."""
 import asyncio
 
 import numpy as np
+import pytest
 import torch
 
 from specdec import tensor_names as tn
-from specdec.decoding.interfaces import VerifyCall
+from specdec.decoding.interfaces import DraftAsk, VerifyCall
 from specdec.decoding.sampling import SamplingParams
 from specdec.triton.bls import BlsProposer, BlsScorer, ModelUnavailable
 
@@ -43,6 +44,7 @@ class _Pb:
                    tn.SCORED_LOG_PROBS: _Tensor(tn.SCORED_LOG_PROBS, -(sent[tn.CACHE_LENGTH].item() + np.arange(
                        sent[tn.SCORE_ROWS].item(), dtype=np.float32))[None]) if tn.SCORE_ROWS in sent else None,
                    tn.FORWARD_STATS: _Tensor(tn.FORWARD_STATS, [[2, 1, 0.01]]),
+                   tn.DRAFT_STATS: _Tensor(tn.DRAFT_STATS, [[6, 1, 0.002]]),
                    # as if the prefix cache held 8 tokens, in blocks of 4
                    tn.CACHED_TOKENS: _Tensor(tn.CACHED_TOKENS, [[8, 4]])}
 
@@ -125,14 +127,17 @@ def test_a_long_prompt_goes_in_chunks_that_ask_for_nothing_the_first_taking_the_
     assert sent == [
         {tn.INPUT_IDS: [1, 2, 3, 4], tn.CACHE_LENGTH: [0], tn.RESERVE_TOKENS: [40], tn.NUM_LOGITS: [0],
          tn.RELEASE: [False], tn.ALLOWED_TOKENS: [], tn.TREE_PARENTS: [], tn.ACCEPTED_PATH: [],
-         tn.SCORE_ROWS: [0], tn.SCORE_NEXT: [-1], tn.LORA_NAME: [b""], tn.CACHE_SALT: [b""]},
+         tn.SCORE_ROWS: [0], tn.SCORE_NEXT: [-1], tn.LORA_NAME: [b""], tn.CACHE_SALT: [b""],
+         tn.DRAFT_HEAD: [b""], tn.DRAFT_ASK: [0.0] * 7},
         {tn.INPUT_IDS: [5, 6, 7, 8], tn.CACHE_LENGTH: [4], tn.RESERVE_TOKENS: [0], tn.NUM_LOGITS: [0],
          tn.RELEASE: [False], tn.ALLOWED_TOKENS: [], tn.TREE_PARENTS: [], tn.ACCEPTED_PATH: [],
-         tn.SCORE_ROWS: [0], tn.SCORE_NEXT: [-1], tn.LORA_NAME: [b""], tn.CACHE_SALT: [b""]},
+         tn.SCORE_ROWS: [0], tn.SCORE_NEXT: [-1], tn.LORA_NAME: [b""], tn.CACHE_SALT: [b""],
+         tn.DRAFT_HEAD: [b""], tn.DRAFT_ASK: [0.0] * 7},
         # at most 4 + 2 tokens
         {tn.INPUT_IDS: [9, 10, 11, 50, 51], tn.CACHE_LENGTH: [8], tn.RESERVE_TOKENS: [0], tn.NUM_LOGITS: [2],
          tn.RELEASE: [False], tn.ALLOWED_TOKENS: [], tn.TREE_PARENTS: [], tn.ACCEPTED_PATH: [],
-         tn.SCORE_ROWS: [0], tn.SCORE_NEXT: [-1], tn.LORA_NAME: [b""], tn.CACHE_SALT: [b""]},
+         tn.SCORE_ROWS: [0], tn.SCORE_NEXT: [-1], tn.LORA_NAME: [b""], tn.CACHE_SALT: [b""],
+         tn.DRAFT_HEAD: [b""], tn.DRAFT_ASK: [0.0] * 7},
     ]
     pb.sent.clear()
     proposal = asyncio.run(proposer.propose(2, 0, prompt, 2, SamplingParams(), 0, reserve=40))
@@ -189,7 +194,8 @@ def test_a_grammar_bitmask_goes_with_the_verify_and_no_logits_come_back():
     assert _input_sets(pb.sent) == {frozenset([tn.INPUT_IDS, tn.CACHE_LENGTH, tn.RESERVE_TOKENS, tn.RELEASE,
                                                tn.CACHE_SALT,
                                                tn.NUM_LOGITS, tn.ALLOWED_TOKENS, tn.TREE_PARENTS,
-                                               tn.ACCEPTED_PATH, tn.SCORE_ROWS, tn.SCORE_NEXT, tn.LORA_NAME])}
+                                               tn.ACCEPTED_PATH, tn.SCORE_ROWS, tn.SCORE_NEXT, tn.LORA_NAME,
+                                               tn.DRAFT_HEAD, tn.DRAFT_ASK])}
 
 
 class _StallingPb(_Pb):
@@ -259,3 +265,27 @@ def test_without_a_call_timeout_a_slow_answer_is_waited_for():
         assert (await scorer.score(VerifyCall(1, 0, [1, 2, 3], 1))).greedy_tokens.tolist() == [7, 8]
 
     asyncio.run(scenario())
+
+
+def test_a_hosted_heads_ask_goes_with_the_verify_and_its_chunks_and_its_proposal_comes_back():
+    """A head hosted in target_model: the verify call names it and what to draft (tn.DRAFT_HEAD, tn.DRAFT_ASK;
+    a long prompt's chunks name it with k = 0, so that the target keeps their features for it), asks for
+    the drafted tokens, their parents and the head's execution (and their distributions when sampled), and
+    returns them as Scores.proposal; a call without one sends the empty name, in the same input set."""
+    pb = _Pb()
+    scorer = BlsScorer(pb, tn.TARGET_MODEL_NAME, prefill_chunk=4)
+    sampled = SamplingParams(temperature=0.5, top_k=7, top_p=0.9)
+    scores = asyncio.run(scorer.score(VerifyCall(1, 0, list(range(1, 12)), 1, reserve=40,
+                                                 draft=DraftAsk("eagle3", 4, sampled, 2**60 + 5, 3))))
+    asks = [(call[tn.DRAFT_HEAD].reshape(-1)[0], call[tn.DRAFT_ASK].reshape(-1).tolist()) for call in pb.sent]
+    quiet = [0.0, 3.0, 0.5, 7.0, 0.9, 0.0, float((2**60 + 5) % 2**52)]
+    assert asks == [(b"eagle3", quiet)] * 2 + [(b"eagle3", [4.0] + quiet[1:])]
+    assert scores.proposal.tokens == [3, 4] and scores.proposal.parents is None
+    assert scores.proposal.forward == (6, 1, pytest.approx(0.002)) and scores.proposal.probs.shape == (2, 5)
+    asyncio.run(scorer.score(VerifyCall(1, 11, [9], 1, draft=DraftAsk("eagle3", 0))))
+    later = asyncio.run(scorer.score(VerifyCall(1, 12, [9], 1)))
+    assert later.proposal is None and pb.sent[-1][tn.DRAFT_HEAD].reshape(-1)[0] == b""
+    assert len(_input_sets(pb.sent)) == 1
+    from specdec.triton import wire
+    back = wire.VerifyMessage.decode({name: value for name, value in pb.sent[2].items()})
+    assert back.draft == DraftAsk("eagle3", 4, sampled, (2**60 + 5) % 2**52, 3)

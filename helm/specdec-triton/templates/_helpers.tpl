@@ -67,7 +67,7 @@ app.kubernetes.io/component: inference-server
 {{/* The models the server loads, in load order (explicit model control). */}}
 {{- define "specdec.modelNames" -}}
 {{- $names := list "preprocessing" "postprocessing" "target_model" -}}
-{{- if has .Values.models.draft.method (list "model" "head" "skip") -}}
+{{- if or (has .Values.models.draft.method (list "model" "skip")) (and (eq .Values.models.draft.method "head") (not .Values.models.draft.inTarget)) -}}
 {{- $names = append $names "draft_model" -}}
 {{- end -}}
 {{- $names = concat $names (list "speculative_decoding" "vllm_compatible" "ensemble") -}}

@@ -49,6 +49,9 @@ lora_layers; a layer-skip self-draft's are the target's: first) */ -}}
 {{ include "specdec.param" (list "model_path" $path) }}
 {{- if eq $role "target" }}
 {{ include "specdec.param" (list "draft_heads" (include "specdec.headPaths" $root)) }}
+{{ include "specdec.param" (list "hosted_heads" (ternary (printf "draft_model=%s" $root.Values.models.draft.path) "" (and $head $root.Values.models.draft.inTarget))) }}
+{{ include "specdec.param" (list "hosted_head_weights_dtype" $root.Values.models.weightsDtype) }}
+{{ include "specdec.param" (list "hosted_stop_below" $root.Values.speculation.draftStopBelow) }}
 {{ include "specdec.param" (list "lora_adapters" (include "specdec.loraAdapters" $root)) }}
 {{ include "specdec.param" (list "lora_directory" (include "specdec.loraDirectory" $root)) }}
 {{ include "specdec.param" (list "max_loras" $root.Values.models.maxLoras) }}
@@ -350,7 +353,8 @@ output [
 {{ include "specdec.param" (list "draft_models" (get (dict "model" "draft_model,ngram,suffix,ngram+draft_model" "head" "draft_model,ngram,suffix,ngram+draft_model" "skip" "draft_model,ngram,suffix,ngram+draft_model" "ngram" "ngram,suffix" "suffix" "suffix,ngram") .Values.models.draft.method)) }}
 {{ include "specdec.param" (list "lora_adapters" (include "specdec.loraAdapters" .)) }}
 {{ include "specdec.param" (list "lora_directory" (include "specdec.loraDirectory" .)) }}
-{{ include "specdec.param" (list "head_drafts" (ternary "draft_model" "" (eq .Values.models.draft.method "head"))) }}
+{{ include "specdec.param" (list "head_drafts" (ternary "draft_model" "" (and (eq .Values.models.draft.method "head") (not .Values.models.draft.inTarget)))) }}
+{{ include "specdec.param" (list "hosted_drafts" (ternary "draft_model" "" (and (eq .Values.models.draft.method "head") .Values.models.draft.inTarget))) }}
 {{ include "specdec.param" (list "suffix_cache_tokens" $s.suffixCacheTokens) }}
 {{ include "specdec.param" (list "lookup_branches" $s.lookupBranches) }}
 {{ include "specdec.param" (list "lookup_min_ngram" $s.lookupMinNgram) }}

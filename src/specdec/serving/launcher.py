@@ -311,6 +311,7 @@ def with_heads(pair: pairs.PairSpec, heads: list[str], default_draft: str = "") 
         name, sep, path = spec.rpartition("=")
         name = name if sep else tn.DEFAULT_HEAD_NAME
         if name in named or name in pair.draft_paths or name in pair.skip_drafts or name in tn.BUILTIN_DRAFTS \
+                or name in pair.hosted_heads \
                 or not name.replace("_", "").isalnum():
             raise ValueError(f"--draft-head {spec!r}: {name!r} is taken or not a model name (letters, digits, _)")
         if not (Path(path) / "config.json").exists():
@@ -320,7 +321,8 @@ def with_heads(pair: pairs.PairSpec, heads: list[str], default_draft: str = "") 
     # The first head given is the default draft (not a head the pair itself serves, e.g. the default pair's)
     default = default_draft or (given[0] if given else pair.default_draft)
     served = dataclasses.replace(pair, draft_heads=named, default_draft=default)
-    offered = (set(pair.draft_paths) | set(named) | set(pair.skip_drafts) | set(pair.builtin_drafts)
+    offered = (set(pair.draft_paths) | set(named) | set(pair.hosted_heads) | set(pair.skip_drafts)
+               | set(pair.builtin_drafts)
                | set(pairs.combined_drafts(served)))
     if default and default not in offered:
         raise ValueError(f"--default-draft {default!r} is not among the drafts served: {sorted(offered)}")
@@ -333,7 +335,8 @@ def with_skip_drafts(pair: pairs.PairSpec, specs: list[str]) -> pairs.PairSpec:
     for spec in specs:
         name, sep, layers = spec.rpartition("=")
         name = name if sep else tn.DEFAULT_SKIP_DRAFT_NAME
-        taken = set(named) | set(pair.draft_paths) | set(pair.draft_heads) | set(tn.BUILTIN_DRAFTS)
+        taken = (set(named) | set(pair.draft_paths) | set(pair.draft_heads) | set(pair.hosted_heads)
+                 | set(tn.BUILTIN_DRAFTS))
         if name in taken or not name.replace("_", "").isalnum():
             raise ValueError(f"--skip-draft {spec!r}: {name!r} is taken or not a model name (letters, digits, _)")
         if layers != tn.SKIP_SEARCH and not all(part.strip().replace("-", "").isdigit()
@@ -657,8 +660,8 @@ def main(argv: list[str] | None = None) -> int:
             except ValueError as exc:
                 log(str(exc))
                 return 2
-        if args.heads_in_target:
-            pair = dataclasses.replace(pair, heads_in_target=True)
+        if args.heads_in_target:  # every head hosted in target_model's process
+            pair = dataclasses.replace(pair, hosted_heads={**pair.hosted_heads, **pair.draft_heads}, draft_heads={})
         repo = repository.render(pair, run_dir / "model_repository")
         for setting in args.set:
             repository.override(repo, setting)

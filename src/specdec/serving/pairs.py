@@ -40,9 +40,9 @@ class PairSpec:
     draft_paths: dict[str, str] = field(default_factory=dict)  # draft model name -> weights; first = default
     # trained heads (EAGLE-1, EAGLE-3, Medusa: draft_heads.py) served as draft models: name -> head directory
     draft_heads: dict[str, str] = field(default_factory=dict)
-    # the heads are hosted in target_model (engine/hosted_heads.py: each round's verify call drafts first, one
-    # call a round) instead of served as draft models of their own
-    heads_in_target: bool = False
+    # trained heads hosted in target_model's process (engine/hosted_heads.py: each round's verify call has the
+    # head draft first, one call a round) instead of served as draft models: name -> head directory
+    hosted_heads: dict[str, str] = field(default_factory=dict)
     # layer-skip self-drafts (skip_layers.py) over the target: name -> the layers skipped ("3,5,7-9") or "auto"
     skip_drafts: dict[str, str] = field(default_factory=dict)
     # LoRA adapters the target serves (engine/lora.py): name -> adapter directory; a request names one as
@@ -316,7 +316,7 @@ def combined_drafts(pair: PairSpec) -> list[str]:
     if tn.NGRAM not in pair.builtin_drafts:
         return []
     return [f"{tn.NGRAM}{tn.DRAFT_SEPARATOR}{name}"
-            for name in [*pair.draft_paths, *pair.draft_heads, *pair.skip_drafts]]
+            for name in [*pair.draft_paths, *pair.draft_heads, *pair.hosted_heads, *pair.skip_drafts]]
 
 
 def custom_pair(target: str, draft: str = tn.NGRAM, tokenizer: str = "", **settings) -> PairSpec:

@@ -91,13 +91,12 @@ def render(pair: PairSpec, dest: Path) -> Path:
                            "chat_template_content_format": pair.chat_template_content_format})
     edit("postprocessing", tokenizer)
     # target_model serves the features every head reads (draft_heads.served_layers); each head knows the list
-    heads = ",".join(pair.draft_heads.values())
+    heads = ",".join([*pair.draft_heads.values(), *pair.hosted_heads.values()])
     adapters = format_adapters(pair.lora_adapters)  # target_model runs them, the orchestrator admits their names
     head_weights = (pair.cpu_head_weights_dtype if pair.device == "cpu" and pair.dtype == "float32"
                     and pair.cpu_head_weights_dtype != "same" else pair.weights_dtype)
-    # heads hosted in target_model's process (one call a round) or served as draft models of their own
-    hosted = pair.draft_heads if pair.heads_in_target else {}
-    called_heads = {} if pair.heads_in_target else pair.draft_heads
+    # heads hosted in target_model's process (one call a round), and heads served as draft models of their own
+    hosted, called_heads = pair.hosted_heads, pair.draft_heads
     edit("target_model", {**lm_settings(pair.target_path, "target"), "draft_heads": heads, "run_ahead": pair.run_ahead,
                           "hosted_heads": ",".join(f"{name}={path}" for name, path in hosted.items()),
                           "hosted_head_weights_dtype": head_weights,
@@ -129,7 +128,7 @@ def render(pair: PairSpec, dest: Path) -> Path:
                     "target_tokenizer_path": pair.tokenizer_path,
                     "lora_layers": FIRST_LAYERS if name in pair.draft_lora_layers else "", **lora},
              instance_group(pair, "draft"))
-    draft_models = ([name for name, _ in drafts] + list(pair.draft_heads) + list(pair.skip_drafts)
+    draft_models = ([name for name, _ in drafts] + list(pair.draft_heads) + list(hosted) + list(pair.skip_drafts)
                     + list(pair.builtin_drafts) + combined_drafts(pair))
     if pair.default_draft:  # the first entry is the default
         draft_models.remove(pair.default_draft)

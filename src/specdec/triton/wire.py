@@ -199,7 +199,8 @@ def _decode_ask(inputs: Arrays) -> DraftAsk | None:
         raise ValueError(f"{tn.DRAFT_ASK} must hold 7 values with {tn.DRAFT_HEAD} {head!r}")
     k, branches, temperature, top_k, top_p, min_p, seed = values.reshape(-1).tolist()
     if k < 0 or branches < 1:
-        raise ValueError(f"{tn.DRAFT_ASK}: k must be >= 0 and the candidates per position >= 1, got {k:g}, {branches:g}")
+        raise ValueError(f"{tn.DRAFT_ASK}: k must be >= 0 and the candidates per position >= 1, got {k:g}, "
+                         f"{branches:g}")
     return DraftAsk(head, int(k), SamplingParams(temperature=temperature, top_k=int(top_k), top_p=top_p, min_p=min_p),
                     int(seed), int(branches))
 
