@@ -1,8 +1,9 @@
 """Trained draft heads served (real tritonserver, tiny pair): an EAGLE-3 head trained here by the training
 command, and random EAGLE-1, EAGLE-3 and Medusa heads, each a draft_model of its own over target_model's
-features. Greedy output equals target-only output with every head; the trained head is accepted where a
-random one is not (its features arrive right over BLS). (A head made for another target is refused at
-load naming both: test_load_errors.py.)"""
+features, and the same heads hosted in target_model's process (hosted_*: drafting in the verify call).
+Greedy output equals target-only output with every head; the trained head is accepted where a random one is
+not (its features arrive right over BLS), hosted as much as called; sampled output follows the target's
+distribution. (A head made for another target is refused at load naming both: test_load_errors.py.)"""
 
 from __future__ import annotations
 
@@ -54,10 +55,12 @@ def heads(tmp_path_factory):
 def head_server(heads, tmp_path_factory):
     paths, _ = heads
     tmp = tmp_path_factory.mktemp("head-server")
-    pair = dataclasses.replace(pairs.tiny_pair(), draft_heads=paths)
+    hosted = {f"hosted_{name.removeprefix('head_')}": path for name, path in paths.items()}
+    pair = dataclasses.replace(pairs.tiny_pair(), draft_heads=paths, hosted_heads=hosted)
     repo = repository.render(pair, tmp / "repo")
     for name in paths:  # every round drafts its whole K (the confidence stop is tested in process)
         repository.override(repo, f"{name}.draft_stop_below=0")
+    repository.override(repo, "target_model.hosted_stop_below=0")
     repository.override(repo, "target_model.kv_block_size=8")  # the training prompts fill blocks (prefix caching)
     server = start_server(tmp, repository=repo)
     yield server
@@ -81,7 +84,8 @@ def target_only(head_server):
             for prompt in GREEDY_PROMPTS for n in (32, 16)}
 
 
-@pytest.mark.parametrize("name", ["head_trained", "head_random_eagle", "head_random_eagle3", "head_random_medusa"])
+@pytest.mark.parametrize("name", ["head_trained", "head_random_eagle", "head_random_eagle3", "head_random_medusa",
+                                  "hosted_trained", "hosted_random_eagle", "hosted_random_medusa"])
 def test_greedy_output_with_a_head_equals_target_only(head_server, target_only, name):
     for prompt in GREEDY_PROMPTS:
         drafted = grpc_stream(head_server.grpc_url, prompt, max_tokens=32, num_draft_tokens=3, draft_model=name,
@@ -92,7 +96,7 @@ def test_greedy_output_with_a_head_equals_target_only(head_server, target_only, 
     assert over_http[tn.TEXT_OUTPUT] == target_only[prompt, 16]
 
 
-@pytest.mark.parametrize("name", ["ngram+head_trained", "ngram+head_random_eagle3"])
+@pytest.mark.parametrize("name", ["ngram+head_trained", "ngram+head_random_eagle3", "ngram+hosted_trained"])
 def test_greedy_output_with_prompt_lookup_first_and_a_head_otherwise_equals_target_only(head_server, target_only,
                                                                                          name):
     """Every server offers "ngram+HEAD" (lookup_first.py): rounds where the sequence repeats an earlier
@@ -121,7 +125,23 @@ def test_a_trained_head_is_accepted_where_a_random_one_is_not(head_server):
     assert accepted["head_trained"] > 0.05 and accepted["head_random_eagle3"] < 0.02, accepted
 
 
-def test_a_heads_request_takes_cached_blocks_with_the_features_kept_for_them(head_server):
+def test_a_hosted_head_drafts_what_the_same_head_called_drafts(head_server):
+    """The trained head hosted in target_model and called as a draft model of its own, on the prompts it
+    trained on, greedy, K fixed, chains and 3-wide trees: the same text, drafted and accepted tokens (the
+    features the hosted head reads are the ones the called head is sent)."""
+    for prompt in load_prompts()[:4]:
+        for branches in (1, 3):
+            called, hosted = (grpc_stream(head_server.grpc_url, prompt, max_tokens=32, num_draft_tokens=3,
+                                          draft_model=name, adaptive_draft=False, num_draft_branches=branches)
+                              for name in ("head_trained", "hosted_trained"))
+            assert hosted[tn.TEXT_OUTPUT] == called[tn.TEXT_OUTPUT]
+            assert (hosted[tn.TOTAL_DRAFT_TOKENS], hosted[tn.TOTAL_ACCEPTED_DRAFT_TOKENS]) == \
+                (called[tn.TOTAL_DRAFT_TOKENS], called[tn.TOTAL_ACCEPTED_DRAFT_TOKENS]), (prompt, branches)
+    assert head_server.metric("nv_inference_request_success", model="head_trained") > 0
+
+
+@pytest.mark.parametrize("name", ["head_trained", "hosted_trained"])
+def test_a_heads_request_takes_cached_blocks_with_the_features_kept_for_them(head_server, name):
     """A prompt sent twice with the trained head: the second run takes the blocks the first keyed, with the
     features kept for them (prefix_cache.py), and its text and acceptance are the first run's. (A served
     tiny head hardly reads its early positions: the features' values are checked in process, in
@@ -130,7 +150,7 @@ def test_a_heads_request_takes_cached_blocks_with_the_features_kept_for_them(hea
     runs = []
     for _ in range(2):
         before = head_server.metric("specdec_model_prefix_cache_hits_total", model="target_model")
-        out = grpc_stream(head_server.grpc_url, prompt, max_tokens=24, num_draft_tokens=3, draft_model="head_trained",
+        out = grpc_stream(head_server.grpc_url, prompt, max_tokens=24, num_draft_tokens=3, draft_model=name,
                           adaptive_draft=False)
         runs.append((out, head_server.metric("specdec_model_prefix_cache_hits_total", model="target_model") - before))
     (first, _), (again, found) = runs
@@ -139,9 +159,10 @@ def test_a_heads_request_takes_cached_blocks_with_the_features_kept_for_them(hea
     assert abs(again[tn.TOTAL_ACCEPTED_DRAFT_TOKENS] - first[tn.TOTAL_ACCEPTED_DRAFT_TOKENS]) <= 1, (first, again)
 
 
-def test_sampled_requests_with_a_head_are_reproducible(head_server):
+@pytest.mark.parametrize("name", ["head_trained", "hosted_trained"])
+def test_sampled_requests_with_a_head_are_reproducible(head_server, name):
     runs = [grpc_stream(head_server.grpc_url, "the cat sat on the mat", max_tokens=24, num_draft_tokens=3,
-                        draft_model="head_trained", temperature=1.0, top_k=16, seed=seed) for seed in (5, 5, 6)]
+                        draft_model=name, temperature=1.0, top_k=16, seed=seed) for seed in (5, 5, 6)]
     assert runs[0][tn.TEXT_OUTPUT] == runs[1][tn.TEXT_OUTPUT] != runs[2][tn.TEXT_OUTPUT]
     assert runs[0][tn.TOTAL_DRAFT_TOKENS] > 0
 
@@ -185,7 +206,7 @@ def exact_three_token_texts(prompt: str, params) -> dict[str, float]:
 
 
 @pytest.mark.parametrize("name", ["head_random_eagle", "head_random_medusa", "head_trained",  # trained: EAGLE-3
-                                  "ngram+head_trained"])
+                                  "ngram+head_trained", "hosted_trained"])
 def test_sampled_output_with_a_head_follows_the_targets_distribution(head_server, name):
     """The first three tokens (a head drafts from the second round on: the second token is its draft's)
     of many seeded requests against the target's exact distribution of their text (chi-square, 1e-3).

@@ -152,3 +152,41 @@ def test_execute_profile_is_off_without_its_variable_and_writes_pstats_with_it(t
     stats = pstats.Stats(str(profile.path)).stats
     calls = {name: value[1] for (_, _, name), value in stats.items()}
     assert profile.path.name.startswith("target_model-") and calls["work"] == 1
+
+
+def test_a_hosted_head_drafts_in_the_verify_step_and_its_proposal_waits_for_the_response(tiny_lm):
+    """hosted_heads: a step naming a hosted head (tn.DRAFT_HEAD, tn.DRAFT_ASK) has it draft first; the forward
+    verifies the proposal after the step's new tokens (its logits' rows count them); the proposal and the
+    head's execution wait, by sequence, for the response; the forward's cost leaves the drafting out. A name
+    it does not host is refused naming the input; a step without one runs as before, in the same forward."""
+    from specdec import tensor_names as tn
+    from specdec.decoding.interfaces import DraftAsk
+    from specdec.engine.draft_heads import EAGLE3
+    from specdec.engine.head_executor import HeadExecutor
+    from specdec.engine.hosted_heads import HostedHeads
+    from specdec.triton import wire
+
+    from .test_draft_heads import head_for
+
+    head = head_for(tiny_lm, EAGLE3)
+    adapter = TargetModel.__new__(TargetModel)
+    adapter.lm = dynamic_executor(tiny_lm, hidden_layers=head.config.feature_layers(2))
+    adapter.hosted, adapter._drafted = HostedHeads({"eagle3": HeadExecutor(head)}, {"eagle3": None}), {}
+
+    def parsed(seq_id, keep, ids, draft):
+        inputs = {**wire.StepMessage(keep, ids).encode(), **wire.VerifyMessage(1, draft=draft).encode()}
+        return adapter._parse_step(inputs, seq_id)
+    with pytest.raises(ValueError, match=f"input '{tn.DRAFT_HEAD}': no hosted head 'other'"):
+        parsed(1, 0, [5, 6], DraftAsk("other", 3))
+    first = [parsed(1, 0, [5, 6, 7, 8, 9], DraftAsk("eagle3", 3)), parsed(2, 0, [4, 3], None)]
+    assert first[0].draft_head == "eagle3" and first[0].k == 3 and first[0].whole and not first[1].draft_head
+    adapter._gather(first, adapter._run(first))
+    assert adapter._drafted[1][0].tokens == []  # a first round: no features yet
+    steps = [parsed(1, 5, [10], DraftAsk("eagle3", 3)), parsed(2, 2, [1], None)]
+    results = adapter._gather(steps, adapter._run(steps))
+    drafted, stats = adapter._drafted.pop(1)
+    assert len(drafted.tokens) == 3 and stats.sequences == 1 and adapter.side_seconds > 0
+    assert results[0][0].shape[0] == 4 and results[1][0].shape[0] == 1  # the proposal verified after [10]
+    solo = dynamic_executor(tiny_lm)
+    expected = solo.extend(1, 0, [5, 6, 7, 8, 9, 10] + drafted.tokens, 4)
+    assert torch.allclose(results[0][0], expected, atol=1e-10, rtol=0)

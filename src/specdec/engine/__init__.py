@@ -23,6 +23,7 @@
   lora_config    adapter lists as configs and command lines spell them (no torch)
   head_executor  drafting with a head over the target's features, per-sequence KV with rollback
   head_graphs    a head's one-token draft step replayed as CUDA graphs over a pool of sequences' KV
+  hosted_heads   heads drafting in the target's process, in its verify call: one call a round
   head_kernels   a head's step on the CPU's layer kernels (csrc/cpu_layer.cpp), its draft vocabulary's
                  logits kept unscattered for a greedy pick
   cuda_graphs    pinned input staging and one bucket's forward captured as a CUDA graph

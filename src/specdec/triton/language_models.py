@@ -499,7 +499,7 @@ class TargetModel(LanguageModelAdapter):
         step = job.step
         if (step is None or not isinstance(outcome, tuple) or len(step.new_ids) != 1 or step.num_logits != 1
                 or step.allowed is not None or step.tree is not None
-                or (step.seq_id in self._drafted and self._drafted[step.seq_id][0].tokens)):
+                or (self.hosted is not None and step.seq_id in self._drafted and self._drafted[step.seq_id][0].tokens)):
             return
         wanted = set(job.request.requested_output_names())  # none named: all of them
         if not wanted or not wanted <= self.AHEAD_OUTPUTS:
