@@ -61,6 +61,7 @@ def head_server(heads, tmp_path_factory):
     for name in paths:  # every round drafts its whole K (the confidence stop is tested in process)
         repository.override(repo, f"{name}.draft_stop_below=0")
     repository.override(repo, "target_model.hosted_stop_below=0")
+    repository.override(repo, "speculative_decoding.draft_branches=3")  # a request may ask for trees 3 wide
     repository.override(repo, "target_model.kv_block_size=8")  # the training prompts fill blocks (prefix caching)
     server = start_server(tmp, repository=repo)
     yield server
