@@ -77,6 +77,9 @@
 #                  --paused-draft: the K=0 rows name the random EAGLE-3 head) and at K=4, the target's features
 #                  handed over on the device and through the host (target_model.device_outputs), one server each
 #                  (~4 min)
+#   hostedround    a head hosted in target_model (--heads-in-target: one call a round, the head drafting in the
+#                  verify call) against the same head as a draft model of its own: the EAGLE-1 embedding exit's
+#                  K=4 chains, their rounds split (round_overhead), one server each (~3 min)
 #   fp8            FP8 weights (weights_dtype fp8: the weight-only FP8 kernel, a scale per output channel)
 #                  against bf16: the FP8 GPU test (left to `tests` when named before), the kernel's launches
 #                  per weight kind against cuBLAS's bf16 (bench/fp8_kernel_bench.py, ~1.5 min; skipped where
@@ -103,10 +106,11 @@
 # tests of what changed without a GPU on 2026-12-04 (a head's fills and tree levels captured, a searched skip
 # draft's graphs following its set, a paused head's steps run ahead), every draft on one server (the head's
 # trees with their levels captured; the searched skip draft captured beside the set it found before), then a
-# head's rounds split (K=0 rounds run ahead: 2.2 ms a round slower than K=0 before):
+# head's rounds split (K=0 rounds run ahead: 2.2 ms a round slower than K=0 before); first the head hosted in
+# target_model against the same head called (2026-12-05; on two CPU cores 15.8-16.0 ms a K=4 round against 18.8):
 #
-#   source .gpukit/activate.sh && GPU_TESTS_K="head or searched or ahead" GPU_SESSION_SECONDS=540 \
-#     bash bench/gpu_session.sh tests drafts headround
+#   source .gpukit/activate.sh && GPU_TESTS_K="head or searched or ahead or hosted" GPU_SESSION_SECONDS=540 \
+#     bash bench/gpu_session.sh tests hostedround drafts headround
 #
 # After it: fp8 (FP8 against bf16 side by side in one command) and bench (the served rows at 1 and 8 streams).
 set -uo pipefail
@@ -321,6 +325,18 @@ for part in "$@"; do
           --launcher-arg=--set=eagle3.draft_stop_below=0 --launcher-arg=--set=target_model.device_outputs=$outputs \
           --out "$out/headround-device-outputs-$outputs.md"
       done ;;
+    hostedround)  # the head hosted in target_model against the same head called (issue 43: a round's machinery)
+      synthetic_heads
+      pairflag=(--pair 8b --device gpu)
+      [ -n "${GPU_SESSION_SMALL:-}" ] && pairflag=(--pair small --max-tokens 16 --repeats 1)
+      for hosted in called hosted; do
+        where=(--launcher-arg=--set=eagle1.draft_stop_below=0)
+        [ "$hosted" = hosted ] && where=(--launcher-arg=--heads-in-target
+                                         --launcher-arg=--set=target_model.hosted_stop_below=0)
+        run "hostedround-$hosted" 200 "$python" -m bench.round_overhead "${pairflag[@]}" --draft eagle1 --branches 1 \
+          --launcher-arg=--draft-head=eagle1="$eagle1" --launcher-arg=--max-num-draft-tokens=4 "${where[@]}" \
+          --out "$out/hostedround-$hosted.md"
+      done ;;
     kernels) run kernels 300 "$python" -m bench.kernel_profile --out "$out/kernels.md" ;;
     ksweep)
       for ks in "6 5" "8 7"; do
@@ -330,6 +346,6 @@ for part in "$@"; do
       done ;;
     executor) run executor 240 "$python" -m bench.executor_bench --modes graphs,graphs-mlp --reference \
         --out "$out/executor.md" ;;
-    *) echo "unknown part: $part (tests, heads, drafts, headround, bench, ahead, drafttrees, swift, fp8, attention, orchestrators, executor, streams, prefix, pipeline, load, overhead, overhead8b, mps, ksweep, profile, prompts, maxk, kernels, lora)" >&2; exit 2 ;;
+    *) echo "unknown part: $part (tests, heads, drafts, headround, hostedround, bench, ahead, drafttrees, swift, fp8, attention, orchestrators, executor, streams, prefix, pipeline, load, overhead, overhead8b, mps, ksweep, profile, prompts, maxk, kernels, lora)" >&2; exit 2 ;;
   esac
 done

@@ -334,8 +334,9 @@ def main(argv=None) -> int:
     prompts = {kind: load_prompts(kind, limit) for kind in ("grounded", "open")}
     pair = pairs.prepare_pair("default")
     # The head given, else the one the default pair serves
+    served = {**pair.draft_heads, **pair.hosted_heads}  # hosted in target_model (the default pair's) or called
     head_name, head_dir = ((HEAD, args.draft_head) if args.draft_head else
-                           (pairs.DEFAULT_PAIR_HEAD_NAME, pair.draft_heads.get(pairs.DEFAULT_PAIR_HEAD_NAME)))
+                           (pairs.DEFAULT_PAIR_HEAD_NAME, served.get(pairs.DEFAULT_PAIR_HEAD_NAME)))
     if head_dir:
         settings = ([SETTINGS[0]] if args.head_only else settings) + head_settings(head_name)
     own = None

@@ -414,6 +414,38 @@ def test_served_on_the_gpu_with_a_head(tmp_path, tiny_pair):
         own.stop()
 
 
+def test_a_hosted_head_in_cuda_graphs_drafts_what_the_called_head_drafts(tiny_pair):
+    """An EAGLE-3 head hosted in the target's process (hosted_heads.py) over the static executor's captured
+    features, its own steps captured: the output and the proposals the same head called gives (float64,
+    greedy and sampled, chains and trees)."""
+    from specdec.decoding.interfaces import HostedProposer
+    from specdec.engine.draft_heads import read_target_tensors
+    from specdec.engine.head_executor import HeadExecutor
+    from specdec.engine.hosted_heads import HostedHeads
+    model = load_causal_lm(tiny_pair.target_path, "cuda", "float64")
+
+    def target():
+        built = static_executor(model, kv_pool_tokens=4096, block_size=8, max_context=512, max_batch=2, max_rows=9,
+                                min_window=16, compile="graphs", hidden_layers=(0, 1, 1))
+        built.warm_up(600)
+        return built
+    head = _random_eagle3(model.config).to(device="cuda", dtype=torch.float64)
+    _, embed, _ = read_target_tensors(tiny_pair.target_path, "cuda", torch.float64)
+    head.attach(embed, None)
+    sampled = SamplingParams(temperature=0.8, seed=3)
+    for params, branches in ((SamplingParams(), 1), (SamplingParams(), 3), (sampled, 1)):
+        outputs = []
+        for hosted in (False, True):
+            draft = HeadExecutor(head)
+            draft.warm_up()
+            proposer = HostedProposer("head", branches) if hosted else LocalProposer(draft, branches)
+            scorer = LocalScorer(target(), HostedHeads({"head": draft}, {"head": None}) if hosted else None)
+            req = GenerationRequest(seq_id=1, prompt_ids=[5, 17, 3, 88, 41, 9, 60], max_tokens=24, sampling=params)
+            policy = DraftLengthPolicy.fixed(4, branches=branches)
+            outputs.append(asyncio.run(collect(generate(req, proposer, scorer, policy))))
+        assert outputs[0] == outputs[1], (params, branches)
+
+
 def test_a_heads_captured_draft_steps_equal_its_eager_ones(tiny_pair):
     """The draft steps replayed as CUDA graphs (head_graphs.py: chain steps, fills, tree levels) propose what
     the eager steps do: the same greedy tokens and trees, the same sampled distributions (float64), over

@@ -7,7 +7,6 @@ several sequences in one batch; greedy output equal to target-only."""
 import asyncio
 
 import pytest
-import torch
 
 from specdec.decoding.draft_length import CostModel, DraftLengthPolicy
 from specdec.decoding.interfaces import HostedProposer
@@ -141,3 +140,24 @@ def test_a_hosted_head_named_wrongly_fails_the_call_only(tiny_lm):
     with pytest.raises(ValueError, match="no hosted head 'other'"):
         asyncio.run(run())
     assert not target.sequences
+
+
+def test_a_hosted_head_that_fails_drafts_nothing_and_the_verify_goes_on(tiny_lm):
+    head = head_for(tiny_lm, EAGLE3)
+    executor = HeadExecutor(head)
+    target = dynamic_executor(tiny_lm, hidden_layers=head.config.feature_layers(2))
+    hosted = HostedHeads({"head": executor}, {"head": None})
+    scorer = LocalScorer(target, hosted)
+    calls = []
+
+    def broken(steps):
+        calls.append(len(steps))
+        raise RuntimeError("planted")
+    executor.propose_many = broken
+
+    async def run():
+        rounds = generate(GenerationRequest(seq_id=1, prompt_ids=PROMPT, max_tokens=12), HostedProposer("head"),
+                          scorer, DraftLengthPolicy.fixed(3))
+        return [t async for rnd in rounds for t in rnd.new_tokens]
+    assert asyncio.run(run()) == reference_greedy(tiny_lm, PROMPT, 12)
+    assert hosted.failures == len(calls) > 5 and "planted" in hosted.last_failure

@@ -47,6 +47,7 @@ class HostedHeads:
     def __init__(self, heads: dict[str, HeadExecutor], columns: dict[str, torch.Tensor | None]):
         self.heads, self.columns = heads, columns
         self.sequences: dict[int, _Hosted] = {}
+        self.failures, self.last_failure = 0, ""  # heads' drafting calls that raised (their rounds drafted nothing)
 
     def draft(self, steps: list[Step]) -> tuple[list[Step], dict[int, tuple[Drafted, ForwardStats]]]:
         """Before the target's forward: each step naming a hosted head brings its sequence up to the call's
@@ -69,9 +70,17 @@ class HostedHeads:
             head = self.heads[name]
             calls = [self._head_step(head, steps[i]) for i in indices]
             started = time.perf_counter()
-            results = head.propose_many(calls)
-            if head.device.type == "cuda":
-                torch.cuda.current_stream(head.device).synchronize()
+            try:
+                results = head.propose_many(calls)
+                if head.device.type == "cuda":
+                    torch.cuda.current_stream(head.device).synchronize()
+            except Exception as exc:  # noqa: BLE001 - the head's failure is its own: the verifies go on
+                self.failures += 1
+                self.last_failure = f"{type(exc).__name__}: {exc}"
+                for call in calls:  # its side of these sequences starts over (features it no longer has
+                    # read as zeros: worse drafts, never wrong ones)
+                    head.release(call.seq_id)
+                results = [exc] * len(calls)
             stats = ForwardStats(sum(len(call.new_ids) + call.k for call in calls), len(calls),
                                  time.perf_counter() - started)
             for i, result in zip(indices, results):

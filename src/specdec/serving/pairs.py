@@ -296,7 +296,9 @@ def default_pair() -> PairSpec:
     # draft model stay a request's draft_model away; the head's rounds may draft EAGLE-2's trees 3 wide.
     return PairSpec(
         name="default", target_path=str(target), tokenizer_path=str(target),
-        draft_paths={"draft_model": str(draft)}, draft_heads={DEFAULT_PAIR_HEAD_NAME: str(DEFAULT_PAIR_HEAD)},
+        # The head hosted in target_model: a K=4 round of its chains 15.8-16.0 ms against 18.8 as a draft model of
+        # its own, the same drafts (docs/results/2026-12-05-hosted-heads.md)
+        draft_paths={"draft_model": str(draft)}, hosted_heads={DEFAULT_PAIR_HEAD_NAME: str(DEFAULT_PAIR_HEAD)},
         default_draft=tn.NGRAM, dtype="float32",
         # The head's linears in 8-bit blocks on a CPU: its step streams 11 MiB instead of bfloat16's 19 (a K=4
         # call after a target step 3.6-3.8 ms against 4.4-4.8), its acceptance the same
