@@ -156,9 +156,10 @@ class LanguageModelAdapter(TritonAdapter):
         wanted = head.config.feature_layers(target_layers)
         missing = [layer for layer in wanted if layer not in served]
         if missing:
+            fix = ("draft_heads must list every hosted head's directory" if name else
+                   "target_draft_heads must list target_model's draft_heads, this head among them")
             raise ConfigError(f"{where}: the head {head_path} reads the target's layers {list(wanted)}, but "
-                              f"target_model serves {list(served)} (target_draft_heads must list target_model's "
-                              f"draft_heads, this head among them)")
+                              f"target_model serves {list(served)} ({fix})")
         columns = [served.index(layer) for layer in wanted]
         self.pb.Logger.log_info(f"{where}: {head.config.kind} head {head_path} over the target {target_path}, "
                                 f"reading layers {list(wanted)}")
