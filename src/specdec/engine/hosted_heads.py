@@ -93,7 +93,19 @@ class HostedHeads:
                     tree = with_catch_up(len(step.new_ids), result.parents)
                     steps[i] = step._replace(new_ids=list(step.new_ids) + list(result.tokens),
                                              num_logits=step.num_logits + len(result.tokens), tree=tree)
+                    self.sequences[step.seq_id].tokens += list(result.tokens)  # the next call says what stays
         return steps, drafted
+
+    def verify(self, executor, steps: list[Step]) -> tuple[list, dict[int, tuple[Drafted, ForwardStats]], float]:
+        """A batch's steps on the target's `executor`: the hosted heads draft (`draft`), one forward verifies
+        every step (extend_many with the features), their features are kept (`keep`). Returns the forward's
+        results (per step as extend_many's), the proposals by sequence, and the seconds the drafting took."""
+        started = time.perf_counter()
+        run, drafted = self.draft(steps)
+        seconds = time.perf_counter() - started
+        results = executor.extend_many(run, with_hidden=True)
+        self.keep(run, results)
+        return results, drafted, seconds
 
     def _catch_up(self, step: Step) -> None:
         """The sequence brought to the call: what stays of the previous call's tokens and features."""
@@ -132,8 +144,6 @@ class HostedHeads:
             if not isinstance(result, Scored):  # the step failed: its sequence starts over
                 self.release(step.seq_id)
                 continue
-            if len(step.new_ids) > len(hosted.tokens) - step.keep:  # the drafted tokens, appended after the call's
-                hosted.tokens += list(step.new_ids[len(hosted.tokens) - step.keep:])
             rows = result.hidden
             columns = self.columns[step.draft_head]
             rows = rows.flatten(1) if columns is None else rows.index_select(1, columns.to(rows.device)).flatten(1)

@@ -101,13 +101,12 @@ class LocalScorer:
         self._drafting = _Batcher(self._draft_and_extend)
 
     def _draft_and_extend(self, steps: list[Step]) -> list:
-        """The hosted heads' steps: each drafts, then one forward verifies; per step (result, proposal or None)."""
-        run, drafted = self.hosted.draft(steps)
+        """The hosted heads' steps: each drafts, then one forward verifies; per step (result, proposal or None,
+        the forward's seconds without the drafting)."""
         started = time.perf_counter()
-        results = self.lm.extend_many(run, with_hidden=True)
-        self.hosted.keep(run, results)
-        seconds = time.perf_counter() - started
-        return [(result, drafted.get(step.seq_id), seconds) for step, result in zip(run, results)]
+        results, drafted, drafting = self.hosted.verify(self.lm, steps)
+        seconds = time.perf_counter() - started - drafting
+        return [(result, drafted.get(step.seq_id), seconds) for step, result in zip(steps, results)]
 
     async def score(self, call: VerifyCall) -> Scores:
         ask = call.draft

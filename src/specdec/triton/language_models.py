@@ -561,15 +561,12 @@ class TargetModel(LanguageModelAdapter):
         # rounds ask for them, and a forward computes them anyway.
         if self.hosted is None or not any(step.draft_head for step in steps):
             return self.lm.extend_many(steps, with_hidden=bool(self.lm.forward.hidden_layers))
-        started, failures = time.perf_counter(), self.hosted.failures
-        run, drafted = self.hosted.draft(steps)  # the hosted heads' proposals appended to their steps
-        self.side_seconds = time.perf_counter() - started
+        failures = self.hosted.failures
+        results, drafted, self.side_seconds = self.hosted.verify(self.lm, steps)  # the heads draft, then the forward
         if self.hosted.failures > failures:
             self.pb.Logger.log_warn(f"{self.name}: a hosted head failed to draft (its rounds verify nothing drafted): "
                                     f"{self.hosted.last_failure}")
         self._drafted.update(drafted)
-        results = self.lm.extend_many(run, with_hidden=True)
-        self.hosted.keep(run, results)
         return results
 
     def _gather(self, steps, results):

@@ -181,12 +181,15 @@ SEED_RANGE = 2**52  # a hosted head's round seed travels in a float64 (the seeds
 
 
 def _encode_ask(ask: DraftAsk | None) -> Arrays:
-    if ask is None:
-        return {tn.DRAFT_HEAD: adapter_name(""), tn.DRAFT_ASK: np.zeros((1, 7), dtype=np.float64)}
+    if ask is None:  # every verify call without one (arrays read only: the BLS tensor copies them)
+        return _NO_ASK
     params = ask.params
     values = [ask.k, ask.branches, params.temperature, params.top_k, params.top_p, params.min_p,
               (ask.seed or 0) % SEED_RANGE]
     return {tn.DRAFT_HEAD: adapter_name(ask.head), tn.DRAFT_ASK: np.asarray([values], dtype=np.float64)}
+
+
+_NO_ASK: Arrays = {tn.DRAFT_HEAD: np.array([[b""]], dtype=np.object_), tn.DRAFT_ASK: np.zeros((1, 7), dtype=np.float64)}
 
 
 def _decode_ask(inputs: Arrays) -> DraftAsk | None:
