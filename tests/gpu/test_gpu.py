@@ -419,7 +419,7 @@ def test_a_hosted_head_in_cuda_graphs_drafts_what_the_called_head_drafts(tiny_pa
     features, its own steps captured: the output and the proposals the same head called gives (float64,
     greedy and sampled, chains and trees)."""
     from specdec.decoding.interfaces import HostedProposer
-    from specdec.engine.draft_heads import read_target_tensors
+    from specdec.engine.draft_heads import shared_target_tensors
     from specdec.engine.head_executor import HeadExecutor
     from specdec.engine.hosted_heads import HostedHeads
     model = load_causal_lm(tiny_pair.target_path, "cuda", "float64")
@@ -430,7 +430,7 @@ def test_a_hosted_head_in_cuda_graphs_drafts_what_the_called_head_drafts(tiny_pa
         built.warm_up(600)
         return built
     head = _random_eagle3(model.config).to(device="cuda", dtype=torch.float64)
-    _, embed, _ = read_target_tensors(tiny_pair.target_path, "cuda", torch.float64)
+    _, embed, _ = shared_target_tensors(model, torch.float64, "cuda")  # borrowed, as target_model's hosted heads
     head.attach(embed, None)
     sampled = SamplingParams(temperature=0.8, seed=3)
     for params, branches in ((SamplingParams(), 1), (SamplingParams(), 3), (sampled, 1)):

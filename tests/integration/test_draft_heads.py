@@ -139,6 +139,9 @@ def test_a_hosted_head_drafts_what_the_same_head_called_drafts(head_server):
             assert (hosted[tn.TOTAL_DRAFT_TOKENS], hosted[tn.TOTAL_ACCEPTED_DRAFT_TOKENS]) == \
                 (called[tn.TOTAL_DRAFT_TOKENS], called[tn.TOTAL_ACCEPTED_DRAFT_TOKENS]), (prompt, branches)
     assert head_server.metric("nv_inference_request_success", model="head_trained") > 0
+    log = head_server.log_path.read_text(errors="replace")  # hosted, they draft with the target's own embedding
+    for name in ("hosted_trained", "hosted_random_eagle", "hosted_random_eagle3"):
+        assert f"hosted head '{name}' borrows the target's embedding" in log, name
 
 
 @pytest.mark.parametrize("name", ["head_trained", "hosted_trained"])

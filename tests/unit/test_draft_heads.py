@@ -13,8 +13,9 @@ from specdec.decoding.loop import GenerationRequest, Stats, generate
 from specdec.decoding.ngram_proposer import NgramProposer
 from specdec.decoding.sampling import SamplingParams
 from specdec.engine.build import dynamic_executor, static_executor
-from specdec.engine.draft_heads import (EAGLE, EAGLE3, KINDS, MEDUSA, HeadCache, HeadError, check_fits, load_head,
-                                        load_head_for, random_head, rows_forward, save_head, target_tensors)
+from specdec.engine.draft_heads import (EAGLE, EAGLE3, KINDS, MEDUSA, HeadCache, HeadError, borrowed, check_fits,
+                                        load_head, load_head_for, random_head, rows_forward, save_head,
+                                        shared_target_tensors, target_tensors)
 from specdec.engine.head_executor import HeadExecutor
 from specdec.engine.local import LocalProposer, LocalScorer
 from tests.unit.conftest import run_fixed_k, run_fixed_k_many
@@ -118,6 +119,34 @@ def test_load_head_for_checks_the_head_against_its_target_and_attaches_the_targe
     head, config = load_head_for(tmp_path / "fits", tmp_path / "target", dtype=torch.float64)
     assert config.vocab_size == tiny_lm.config.vocab_size
     assert torch.equal(head.embed, tiny_lm.get_input_embeddings().weight.to(torch.float64))
+
+
+def test_a_hosted_head_borrows_the_targets_tensors_instead_of_copying_them(tiny_lm, tmp_path):
+    """A head hosted in the target's process (target_model's hosted_heads) holds the served target's embedding,
+    and EAGLE-1 its lm_head, as they are: the same memory, no copy; an lm_head the target packed for its own
+    kernels (not a plain nn.Linear), or weights of another dtype, are not borrowed. It drafts the same."""
+    import copy
+    tiny_lm.save_pretrained(tmp_path / "target", safe_serialization=True)
+    for kind in (EAGLE, EAGLE3):
+        save_head(head_for(tiny_lm, kind), tmp_path / kind)
+    dtype = tiny_lm.dtype
+    assert shared_target_tensors(tiny_lm, torch.float16, "cpu") is None
+    packed = copy.deepcopy(tiny_lm)
+    packed.lm_head = torch.nn.Sequential(packed.lm_head)  # what a packed or quantized lm_head looks like here
+    tokens = torch.tensor([3, 9, 27])
+    for model, kind, expected in [(tiny_lm, EAGLE, ["embedding", "lm_head"]), (tiny_lm, EAGLE3, ["embedding"]),
+                                  (packed, EAGLE, ["embedding"])]:
+        target = shared_target_tensors(model, dtype, "cpu")
+        head, config = load_head_for(tmp_path / kind, tmp_path / "target", dtype=dtype, target=target)
+        copied, _ = load_head_for(tmp_path / kind, tmp_path / "target", dtype=dtype)
+        assert borrowed(head, model) == expected and borrowed(copied, model) == []
+        assert config is model.config
+        hidden = torch.randn(3, head.config.feature_width if kind == EAGLE3 else head.config.hidden_size,
+                             generator=torch.Generator().manual_seed(1), dtype=dtype)
+        with torch.no_grad():
+            ours = head(tokens, head.from_target(hidden), HeadCache(), 0)
+            theirs = copied(tokens, copied.from_target(hidden), HeadCache(), 0)
+        assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
 
 
 def reference_greedy(tiny_lm, prompt, n):

@@ -515,16 +515,66 @@ def read_target_tensors(target_path: str | Path, device: str | torch.device = "c
 
 
 def load_head_for(head_path: str | Path, target_path: str | Path, device: str | torch.device = "cpu",
-                  dtype: torch.dtype = torch.float32) -> tuple[EagleHead | MedusaHeads, object]:
+                  dtype: torch.dtype = torch.float32, target: tuple | None = None
+                  ) -> tuple[EagleHead | MedusaHeads, object]:
     """(head, the target's config): a head ready to draft for its target, as draft_model and the benches
     load it: read, refused if it does not fit (HeadError naming both paths), the target's embedding (and
-    EAGLE-1's lm_head) attached as copies in this process."""
+    EAGLE-1's lm_head) attached as copies in this process. target: (config, embedding, lm_head or None) of
+    the target served in this process (`shared_target_tensors`), borrowed instead of read: a hosted head's
+    (the lm_head read from target_path only where EAGLE-1 needs it and the target's is not borrowable)."""
     head = load_head(head_path, device, dtype)
-    target_config, embed, lm_head = read_target_tensors(target_path, device, dtype)
+    if target is None or (target[2] is None and reads_target_head(head)):
+        target_config, embed, lm_head = read_target_tensors(target_path, device, dtype)
+        if target is not None:  # the config and embedding still borrowed: the copy just read is dropped
+            target_config, embed = target[:2]
+    else:
+        target_config, embed, lm_head = target
     check_fits(head, target_config, str(head_path), str(target_path))
     if hasattr(head, "attach"):
         head.attach(embed, lm_head)
     return head, target_config
+
+
+def reads_target_head(head: EagleHead | MedusaHeads) -> bool:
+    """EAGLE-1 scores its drafts with the target's lm_head; EAGLE-3 and Medusa have their own."""
+    return isinstance(head, EagleHead) and head.config.kind != EAGLE3
+
+
+def shared_target_tensors(model, dtype: torch.dtype, device: torch.device | str) -> tuple | None:
+    """(config, embedding (V, h), lm_head (V, h) or None) of a target model served in this process, for a
+    hosted head to borrow rather than copy (a Llama-3 vocabulary's embedding is ~1 GB in bf16): the tensors
+    themselves, where they are plain weights of the head's dtype on its device; the lm_head None where it is
+    packed or quantized for the target's own kernels. None where the embedding cannot be borrowed."""
+    device = torch.device(device)
+
+    def plain(module, kind) -> torch.Tensor | None:
+        weight = getattr(module, "weight", None)
+        if type(module) is not kind or not isinstance(weight, torch.Tensor):
+            return None
+        if weight.dtype != dtype or weight.dim() != 2 or weight.device.type != device.type or (
+                device.index is not None and weight.device.index != device.index):
+            return None
+        return weight.detach()
+
+    embed = plain(model.get_input_embeddings(), nn.Embedding)
+    if embed is None:
+        return None
+    return model.config, embed, plain(model.get_output_embeddings(), nn.Linear)
+
+
+def borrowed(head: EagleHead | MedusaHeads, model) -> list[str]:
+    """Which of a target model's weights the head holds as they are (the same memory), not as copies."""
+    def same(tensor, module) -> bool:
+        weight = getattr(module, "weight", None)
+        return (tensor is not None and isinstance(weight, torch.Tensor) and weight.device == tensor.device
+                and weight.data_ptr() == tensor.data_ptr())
+
+    names = []
+    if same(getattr(head, "embed", None), model.get_input_embeddings()):
+        names.append("embedding")
+    if reads_target_head(head) and same(head.target_head, model.get_output_embeddings()):
+        names.append("lm_head")
+    return names
 
 
 def served_layers(head_paths: list[str], target_layers: int) -> tuple[int, ...]:

@@ -7,8 +7,8 @@ from the features the target's earlier forwards left in this process (kept here,
 proposal is appended to the call's new tokens (`Step.draft_head` names the head), the one forward
 verifies them, and the proposal goes back with the scores; the orchestrator still decides what is
 accepted, as for any draft. A round saves a call's serving machinery (BLS, Triton, the head's adapter)
-and the features' trip between processes. (The head still reads the target's embedding from its files, a
-copy beside the target's in the same process: sharing the target's tensor is not done yet.)
+and the features' trip between processes; the head borrows the target's embedding, the same tensor
+(draft_heads.shared_target_tensors), where a head in a process of its own holds a copy.
 
 Per sequence it keeps the tokens the target's cache holds and the features the head has not read, cut at
 each call to what the call keeps of the previous one (its `keep`, a tree's accepted `path`): what the

@@ -29,7 +29,8 @@ from specdec.decoding.text import load_tokenizer, same_tokenizer_files, vocabula
 from specdec.engine import host_memory, onednn_linear, threads
 from specdec.engine.lora_config import parse_adapters, parse_layer_map
 from specdec.engine.build import ExecutorConfig, build_executor, plans_static
-from specdec.engine.draft_heads import HeadError, load_head_for, rows_forward, served_layers
+from specdec.engine.draft_heads import (HeadError, borrowed, load_head_for, rows_forward, served_layers,
+                                        shared_target_tensors)
 from specdec.engine.executor import CacheError, CapacityError, Scored, Step
 from specdec.engine.head_executor import HeadExecutor
 from specdec.engine.hosted_heads import HostedHeads
@@ -132,18 +133,19 @@ class LanguageModelAdapter(TritonAdapter):
             raise ConfigError(f"{self.name}: {exc} ({params.str('model_path')})") from None
 
     def _load_head(self, params: ModelParameters, device: str, head_path: str, target_path: str,
-                   weights_dtype: str, name: str = "") -> tuple[HeadExecutor, torch.Tensor | None, int]:
+                   weights_dtype: str, name: str = "", target: tuple | None = None
+                   ) -> tuple[HeadExecutor, torch.Tensor | None, int]:
         """A trained head over the target at target_path (its embedding, and EAGLE-1's lm_head, read from its
-        files): (its executor, its layers' columns among the target's served ones (None: all of them, in
-        order), the served layers' count). weights_dtype q8 rounds the head's linears as a model's; fp8 (a
-        pair's setting for its models) leaves them in dtype."""
+        files, or borrowed from `target`: load_head_for's): (its executor, its layers' columns among the
+        target's served ones (None: all of them, in order), the served layers' count). weights_dtype q8
+        rounds the head's linears as a model's; fp8 (a pair's setting for its models) leaves them in dtype."""
         where = f"{self.name}{f' head {name!r}' if name else ''}"
         dtype_name = params.str("dtype", "float32", choices=tn.DTYPE_NAMES)
         linear_kernels = params.str("linear_kernels", "auto", choices=onednn_linear.KINDS)
         try:
             if weights_dtype == "q8":
                 check_q8(device, dtype_name, linear_kernels)
-            head, target_config = load_head_for(head_path, target_path, device, getattr(torch, dtype_name))
+            head, target_config = load_head_for(head_path, target_path, device, getattr(torch, dtype_name), target)
         except (HeadError, ValueError) as exc:
             raise ConfigError(f"{where}: {exc}") from None
         if weights_dtype == "q8":  # the head's own linears (the target's embedding it borrows stays)
@@ -465,13 +467,19 @@ class TargetModel(LanguageModelAdapter):
         stop_below = params.float("hosted_stop_below", tn.DEFAULT_DRAFT_STOP_BELOW, low=0.0, high=1.0)
         budget = params.float("capture_time_budget_s", 120.0, low=0.0)
         heads, columns = {}, {}
+        # the target's embedding (and EAGLE-1's lm_head) borrowed, not copied: one tensor in this process
+        target = shared_target_tensors(self.lm.model, getattr(torch, params.str("dtype", "float32",
+                                                                                  choices=tn.DTYPE_NAMES)), self.lm.device)
         for entry in spec.split(","):
             name, sep, path = entry.strip().partition("=")
             if not sep or not name.isidentifier() or not path or name in heads:
                 raise ConfigError(f"{self.name}: parameter 'hosted_heads': {entry!r} is not NAME=DIR (NAME a "
                                   "model name of its own)")
             heads[name], columns[name], _ = self._load_head(params, str(self.lm.device), path, params.str("model_path"),
-                                                            weights_dtype, name)
+                                                            weights_dtype, name, target)
+            shared = borrowed(heads[name].head, self.lm.model)
+            self.pb.Logger.log_info(f"{self.name}: hosted head {name!r} borrows the target's "
+                                    f"{' and '.join(shared) or 'nothing'}")
             heads[name].stop_below = stop_below
             ready, seconds = heads[name].warm_up(budget)
             self.pb.Logger.log_info(f"{self.name}: hosted head {name!r}: {heads[name].forward.summary(ready, seconds)}")
