@@ -8,13 +8,16 @@ K=0 (target-only) and K fixed, one at a time, and splits each round's wall time 
 counters (deltas over the measured requests, per round):
 
   target_model / draft_model forward   specdec_model_forward_seconds_total: the executor's forward passes
-  ... adapter                          Triton's compute_infer minus the forward: parsing inputs, building
+  ... hosted heads' drafting           specdec_hosted_head_seconds_total: a head hosted in target_model
+                                       drafting in the verify call, before its forward
+  ... adapter                          Triton's compute_infer minus those: parsing inputs, building
                                        the outputs, metrics (the Python model's own work)
   ... Triton in/out + queue            compute_input + compute_output + queue: the backend moving tensors
                                        to and from the stub, the sequence batcher's wait
   orchestrator, BLS and client         the rest: the orchestrator's Python (decode loop, text, metrics),
                                        its BLS calls' IPC, the ensemble's pre/postprocessing, the client
-  round minus the forwards             everything but the models' forward passes: the serving machinery
+  round minus the forwards             everything but the models' forward passes (and hosted heads'
+                                       drafting): the serving machinery
 
 and the CPU time each server process used per round (Linux): tritonserver and every model's stub; a
 model's forwards count once per thread that ran them.
@@ -102,6 +105,7 @@ def counters(text: str) -> dict:
     out = {"rounds": sum_samples(text, "specdec_rounds_total")}
     for model in forward_models(text):
         out[model, "forward"] = sum_samples(text, "specdec_model_forward_seconds_total", model=model)
+        out[model, "hosted"] = sum_samples(text, "specdec_hosted_head_seconds_total", model=model)  # every head's
         for key, name in TRITON.items():
             out[model, key] = sum_samples(text, name, model=model)
     return out
@@ -127,10 +131,11 @@ def measure(own, params: GenerationParams, prompts: list[str], repeats: int, str
     out["models"], models = {}, 0.0
     for model in dict.fromkeys(key[0] for key in delta if isinstance(key, tuple)):  # counters' models, in order
         forward = delta[model, "forward"] * 1e3 / rounds
+        hosted = delta[model, "hosted"] * 1e3 / rounds
         infer = delta[model, "infer"] / 1e3 / rounds
         edges = (delta[model, "queue"] + delta[model, "input"] + delta[model, "output"]) / 1e3 / rounds
-        out["models"][model] = {"forward": forward, "adapter": max(infer - forward, 0.0), "triton": edges,
-                                "calls": delta[model, "calls"] / rounds}
+        out["models"][model] = {"forward": forward, "hosted": hosted, "adapter": max(infer - forward - hosted, 0.0),
+                                "triton": edges, "calls": delta[model, "calls"] / rounds}
         models += infer + edges
     out["rest"] = out["round"] - models
     out["cpu"] = {name: (cpu_after[name] - cpu_before.get(name, 0.0)) * 1e3 / rounds for name in cpu_after
@@ -210,10 +215,12 @@ def main(argv=None) -> int:
             if not m["calls"]:
                 continue
             rows.append([name, f"{model} forward", f"{m['forward']:.2f}", f"{m['calls']:.2f} calls per round"])
+            if m["hosted"]:
+                rows.append([name, f"{model} hosted heads' drafting", f"{m['hosted']:.2f}", "in the verify call"])
             rows.append([name, f"{model} adapter", f"{m['adapter']:.2f}", ""])
             rows.append([name, f"{model} Triton in/out + queue", f"{m['triton']:.2f}", ""])
         rows.append([name, "orchestrator, BLS, ensemble and client", f"{r['rest']:.2f}", ""])
-        forwards = sum(m["forward"] for m in r["models"].values())
+        forwards = sum(m["forward"] + m["hosted"] for m in r["models"].values())
         rows.append([name, "round minus the forwards: the serving machinery", f"{r['round'] - forwards:.2f}",
                      "adapters, Triton in/out, orchestrator, BLS, ensemble, client"])
         for process, ms in sorted(r["cpu"].items(), key=lambda item: -item[1]):

@@ -142,6 +142,10 @@ def test_a_hosted_head_drafts_what_the_same_head_called_drafts(head_server):
     log = head_server.log_path.read_text(errors="replace")  # hosted, they draft with the target's own embedding
     for name in ("hosted_trained", "hosted_random_eagle", "hosted_random_eagle3"):
         assert f"hosted head '{name}' borrows the target's embedding" in log, name
+    hosted = {name: head_server.metric(f"specdec_hosted_head_{name}_total", model="target_model", head="hosted_trained")
+              for name in ("proposals", "draft_tokens", "seconds", "failures")}
+    assert hosted["proposals"] > 0 and hosted["draft_tokens"] > hosted["proposals"], hosted
+    assert hosted["seconds"] > 0 and hosted["failures"] == 0, hosted
 
 
 @pytest.mark.parametrize("name", ["head_trained", "hosted_trained"])

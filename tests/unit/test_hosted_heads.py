@@ -161,3 +161,25 @@ def test_a_hosted_head_that_fails_drafts_nothing_and_the_verify_goes_on(tiny_lm)
         return [t async for rnd in rounds for t in rnd.new_tokens]
     assert asyncio.run(run()) == reference_greedy(tiny_lm, PROMPT, 12)
     assert hosted.failures == len(calls) > 5 and "planted" in hosted.last_failure
+    totals = hosted.totals["head"]  # what specdec_hosted_head_failures_total reports
+    assert (totals.failures, totals.proposals, totals.tokens) == (len(calls), len(calls), 0)
+
+
+def test_a_hosted_heads_work_is_counted_for_its_metrics(tiny_lm):
+    """HostedHeads.totals, by head (target_model's specdec_hosted_head_* metrics): the proposals asked of it,
+    the tokens it drafted (what the loop verified), its seconds; a head no request named counts nothing."""
+    head = head_for(tiny_lm, EAGLE3)
+    target = dynamic_executor(tiny_lm, hidden_layers=head.config.feature_layers(2))
+    hosted = HostedHeads({"head": HeadExecutor(head), "idle": HeadExecutor(head_for(tiny_lm, EAGLE3, seed=1))},
+                         {"head": None, "idle": None})
+    stats = Stats()
+
+    async def run():
+        rounds = generate(GenerationRequest(seq_id=1, prompt_ids=PROMPT, max_tokens=16), HostedProposer("head"),
+                          LocalScorer(target, hosted), DraftLengthPolicy.fixed(3), stats)
+        return [t async for rnd in rounds for t in rnd.new_tokens]
+    assert asyncio.run(run()) == reference_greedy(tiny_lm, PROMPT, 16)
+    totals, idle = hosted.totals["head"], hosted.totals["idle"]
+    assert totals.tokens == stats.drafted > 0 and totals.failures == 0
+    assert stats.rounds - 1 <= totals.proposals <= stats.rounds  # every round drafts but the first
+    assert totals.seconds > 0 and (idle.proposals, idle.tokens, idle.seconds) == (0, 0, 0.0)

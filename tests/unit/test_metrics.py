@@ -5,7 +5,8 @@ import sys
 import weakref
 
 from specdec.triton import adapter
-from specdec.triton.metrics import ModelMetrics, OrchestratorMetrics
+from specdec.engine.hosted_heads import HeadTotals
+from specdec.triton.metrics import HostedHeadMetrics, ModelMetrics, OrchestratorMetrics
 
 
 class FakeMetric:
@@ -122,14 +123,40 @@ def test_a_round_after_half_a_second_flushes_on_its_own():
     assert totals(pb.log)[("specdec_rounds_total", ())] == 3
 
 
+def test_hosted_heads_work_is_sent_in_batches_with_exact_totals(monkeypatch):
+    """target_model's hosted heads: each head's totals since load become counter increments, at most twice a
+    second unless flushed, nothing sent for what did not change."""
+    pb = FakePbUtils()
+    metrics = HostedHeadMetrics(pb, "target_model", ["eagle3", "other"])
+    clock = iter([10.0, 10.1, 10.7, 11.0])
+    monkeypatch.setattr("specdec.triton.metrics.time.monotonic", lambda: next(clock))
+    totals = {"eagle3": HeadTotals(0.25, 3, 7, 0), "other": HeadTotals()}
+    metrics.report(totals, flush=False)
+    sent = len(pb.log)
+    totals["eagle3"] = HeadTotals(0.5, 5, 11, 1)
+    metrics.report(totals, flush=False)  # 0.1 s later: held
+    assert len(pb.log) == sent
+    metrics.report(totals, flush=False)
+    metrics.report(totals, flush=True)  # nothing new: nothing sent
+    key = lambda name: (name, (("head", "eagle3"), ("model", "target_model")))  # noqa: E731
+    assert totals_sent(pb.log) == {key("specdec_hosted_head_seconds_total"): 0.5, key("specdec_hosted_head_proposals_total"): 5,
+                         key("specdec_hosted_head_draft_tokens_total"): 11, key("specdec_hosted_head_failures_total"): 1}
+
+
+def totals_sent(log):
+    return {key: value for key, value in totals(log).items() if key[0] != "observed"}
+
+
 def test_close_lets_go_of_every_metric_and_family():
     """Left to the stub's exit, a metric's destructor reaches the stub being torn down: every stub with
     metrics segfaulted at each unload (triton-inference-server/server#8662). The models' finalize closes
     their metrics first; the integration tests' stop_server checks the kernel's log for crashed stubs."""
     pb = FakePbUtils()
-    metrics = [OrchestratorMetrics(pb, max_num_draft_tokens=4), ModelMetrics(pb, "target_model")]
+    metrics = [OrchestratorMetrics(pb, max_num_draft_tokens=4), ModelMetrics(pb, "target_model"),
+               HostedHeadMetrics(pb, "target_model", ["eagle3"])]
     metrics[0].record_round(4, 2, now=1.0)
     metrics[1].report(10, 1, 1024, flush=True)
+    metrics[2].report({"eagle3": HeadTotals(0.1, 1, 2, 0)}, flush=True)
     assert pb.made and all(ref() is not None for ref in pb.made)
     for each in metrics:
         each.close()

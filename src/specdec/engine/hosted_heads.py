@@ -41,6 +41,16 @@ class _Hosted:
     pending: tuple[int, int, tuple[int, ...] | None, torch.Tensor | None] | None = None
 
 
+@dataclass
+class HeadTotals:
+    """One hosted head's work since load, what target_model's metrics report (specdec_hosted_head_*)."""
+
+    seconds: float = 0.0  # drafting, its forwards and picks (the target's forward time leaves it out)
+    proposals: int = 0  # sequences' proposals asked of it
+    tokens: int = 0  # tokens it drafted
+    failures: int = 0  # drafting calls that raised (their rounds drafted nothing)
+
+
 class HostedHeads:
     """heads: name -> HeadExecutor; columns: name -> the head's layers among the target's served ones
     (index into the features' layer axis; None: all of them, in order)."""
@@ -48,6 +58,7 @@ class HostedHeads:
     def __init__(self, heads: dict[str, HeadExecutor], columns: dict[str, torch.Tensor | None]):
         self.heads, self.columns = heads, columns
         self.sequences: dict[int, _Hosted] = {}
+        self.totals = {name: HeadTotals() for name in heads}
         self.failures, self.last_failure = 0, ""  # heads' drafting calls that raised (their rounds drafted nothing)
 
     def draft(self, steps: list[Step]) -> tuple[list[Step], dict[int, tuple[Drafted, ForwardStats]]]:
@@ -77,6 +88,7 @@ class HostedHeads:
                     torch.cuda.current_stream(head.device).synchronize()
             except Exception as exc:  # noqa: BLE001 - the head's failure is its own: the verifies go on
                 self.failures += 1
+                self.totals[name].failures += 1
                 self.last_failure = f"{type(exc).__name__}: {exc}"
                 for call in calls:  # its side of these sequences starts over (features it no longer has
                     # read as zeros: worse drafts, never wrong ones)
@@ -84,6 +96,10 @@ class HostedHeads:
                 results = [exc] * len(calls)
             stats = ForwardStats(sum(len(call.new_ids) + call.k for call in calls), len(calls),
                                  time.perf_counter() - started)
+            totals = self.totals[name]
+            totals.seconds += stats.seconds
+            totals.proposals += len(calls)
+            totals.tokens += sum(len(result.tokens) for result in results if not isinstance(result, Exception))
             for i, result in zip(indices, results):
                 if isinstance(result, Exception):  # the round verifies nothing drafted; the head's error is its own
                     result = Drafted([], None, 0)

@@ -39,7 +39,7 @@ from specdec.engine.loading import check_q8, load_causal_lm, q8_kernels, quantiz
 from specdec.engine.skip_layers import LayerSkipForward, SkipTuner, parse_layers
 from specdec.triton.adapter import TritonAdapter
 from specdec.triton.config import ConfigError, ModelParameters
-from specdec.triton.metrics import ModelMetrics, SkipMetrics
+from specdec.triton.metrics import HostedHeadMetrics, ModelMetrics, SkipMetrics
 from specdec.triton.profiling import execute_profile
 from specdec.triton import wire
 from specdec.triton.responder import Job, Responder
@@ -449,6 +449,7 @@ class TargetModel(LanguageModelAdapter):
         return self._adapters(params)
 
     hosted: HostedHeads | None = None  # hosted_heads, read at load (_start)
+    hosted_metrics: HostedHeadMetrics | None = None
 
     def _start(self, params):
         mode = params.str("run_ahead", "auto", choices=tn.RUN_AHEAD_MODES)
@@ -456,7 +457,19 @@ class TargetModel(LanguageModelAdapter):
         self.hosted = self._hosted_heads(params)
         # a hosted head's proposal and its execution, by sequence, from the forward to the response
         self._drafted: dict[int, tuple[Drafted, ForwardStats]] = {}
+        if self.hosted is not None:
+            self.hosted_metrics = HostedHeadMetrics(self.pb, self.name, list(self.hosted.heads))
         super()._start(params)
+
+    def _report_metrics(self, flush):
+        super()._report_metrics(flush)
+        if self.hosted_metrics is not None:
+            self.hosted_metrics.report(self.hosted.totals, flush)
+
+    def finalize(self):
+        super().finalize()
+        if self.hosted_metrics is not None:
+            self.hosted_metrics.close()
 
     def _hosted_heads(self, params) -> HostedHeads | None:
         """hosted_heads (NAME=DIR, ...): heads drafting in this process (engine/hosted_heads.py)."""

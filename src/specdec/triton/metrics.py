@@ -1,5 +1,6 @@
 """Every Prometheus metric the project defines, on Triton's metrics port (pb_utils.MetricFamily):
-the orchestrator's (`OrchestratorMetrics`) and draft_model's / target_model's (`ModelMetrics`).
+the orchestrator's (`OrchestratorMetrics`), draft_model's / target_model's (`ModelMetrics`), target_model's
+hosted heads' (`HostedHeadMetrics`) and a layer-skip draft's search (`SkipMetrics`).
 
 docs/deployment.md lists every metric. The families are kept alive for as long as
 their metrics: Triton refuses to update a metric whose family was garbage-collected. Each update is an
@@ -123,6 +124,42 @@ class ModelMetrics(_MetricSet):
             if value != self._gauges[key]:
                 metric.set(value)
                 self._gauges[key] = value
+
+
+class HostedHeadMetrics(_MetricSet):
+    """target_model's hosted heads (engine/hosted_heads.py): each head's drafting, which the model's forward
+    seconds leave out, labelled with the model and the head's name."""
+
+    FIELDS = ("seconds", "proposals", "tokens", "failures")  # HeadTotals' fields, in the order of the families
+
+    def __init__(self, pb_utils, model_name: str, heads: list[str]):
+        make = self._make = _Families(pb_utils)
+        counter = make.kinds.COUNTER
+        families = [
+            make("specdec_hosted_head_seconds_total", "Seconds a head hosted in the target's process spent "
+                 "drafting (its forwards and picks, before the verify's forward)", counter),
+            make("specdec_hosted_head_proposals_total", "Proposals asked of a hosted head (one per sequence and "
+                 "round it drafted for)", counter),
+            make("specdec_hosted_head_draft_tokens_total", "Tokens a hosted head drafted", counter),
+            make("specdec_hosted_head_failures_total", "A hosted head's drafting calls that raised (their rounds "
+                 "verified nothing drafted; the log has the error)", counter)]
+        self.metrics = {head: [family.Metric(labels={"model": model_name, "head": head}) for family in families]
+                        for head in heads}
+        self._sent = {head: (0.0, 0, 0, 0) for head in heads}
+        self._at = 0.0
+
+    def report(self, totals: dict, flush: bool) -> None:
+        """totals: head -> HeadTotals (totals since load); sent at most twice a second, or now with flush."""
+        now = time.monotonic()
+        if not flush and now - self._at < 0.5:
+            return
+        self._at = now
+        for head, total in totals.items():
+            values = tuple(getattr(total, field) for field in self.FIELDS)
+            for metric, value, sent in zip(self.metrics[head], values, self._sent[head]):
+                if value != sent:
+                    metric.increment(value - sent)
+            self._sent[head] = values
 
 
 class SkipMetrics(_MetricSet):
