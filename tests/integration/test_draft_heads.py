@@ -63,6 +63,8 @@ def head_server(heads, tmp_path_factory):
     repository.override(repo, "target_model.hosted_stop_below=0")
     repository.override(repo, "speculative_decoding.draft_branches=3")  # a request may ask for trees 3 wide
     repository.override(repo, "target_model.kv_block_size=8")  # the training prompts fill blocks (prefix caching)
+    # a hosted head's greedy rounds run ahead (run_ahead.py; a GPU's default): every hosted test goes through it
+    repository.override(repo, "target_model.run_ahead=on")
     server = start_server(tmp, repository=repo)
     yield server
     retire_server(server)
@@ -129,7 +131,11 @@ def test_a_trained_head_is_accepted_where_a_random_one_is_not(head_server):
 def test_a_hosted_head_drafts_what_the_same_head_called_drafts(head_server):
     """The trained head hosted in target_model and called as a draft model of its own, on the prompts it
     trained on, greedy, K fixed, chains and 3-wide trees: the same text, drafted and accepted tokens (the
-    features the hosted head reads are the ones the called head is sent)."""
+    features the hosted head reads are the ones the called head is sent). With run_ahead on, the hosted rounds
+    were drafted and verified ahead of their calls."""
+    ahead = lambda: head_server.metric("specdec_model_run_ahead_steps_total", model="target_model",  # noqa: E731
+                                       outcome="used")
+    before = ahead()
     for prompt in load_prompts()[:4]:
         for branches in (1, 3):
             called, hosted = (grpc_stream(head_server.grpc_url, prompt, max_tokens=32, num_draft_tokens=3,
@@ -139,6 +145,7 @@ def test_a_hosted_head_drafts_what_the_same_head_called_drafts(head_server):
             assert (hosted[tn.TOTAL_DRAFT_TOKENS], hosted[tn.TOTAL_ACCEPTED_DRAFT_TOKENS]) == \
                 (called[tn.TOTAL_DRAFT_TOKENS], called[tn.TOTAL_ACCEPTED_DRAFT_TOKENS]), (prompt, branches)
     assert head_server.metric("nv_inference_request_success", model="head_trained") > 0
+    assert ahead() - before >= 4 * 2 * 3  # the called head's rounds run none ahead (their drafts come in the call)
     log = head_server.log_path.read_text(errors="replace")  # hosted, they draft with the target's own embedding
     for name in ("hosted_trained", "hosted_random_eagle", "hosted_random_eagle3"):
         assert f"hosted head '{name}' borrows the target's embedding" in log, name

@@ -139,8 +139,10 @@ def test_hosted_heads_work_is_sent_in_batches_with_exact_totals(monkeypatch):
     metrics.report(totals, flush=False)
     metrics.report(totals, flush=True)  # nothing new: nothing sent
     key = lambda name: (name, (("head", "eagle3"), ("model", "target_model")))  # noqa: E731
-    assert totals_sent(pb.log) == {key("specdec_hosted_head_seconds_total"): 0.5, key("specdec_hosted_head_proposals_total"): 5,
-                         key("specdec_hosted_head_draft_tokens_total"): 11, key("specdec_hosted_head_failures_total"): 1}
+    assert totals_sent(pb.log) == {key("specdec_hosted_head_seconds_total"): 0.5,
+                                   key("specdec_hosted_head_proposals_total"): 5,
+                                   key("specdec_hosted_head_draft_tokens_total"): 11,
+                                   key("specdec_hosted_head_failures_total"): 1}
 
 
 def totals_sent(log):

@@ -71,6 +71,47 @@ def test_taken_and_dropped_steps_leave_the_logits_of_a_cache_that_never_ran_ahea
         assert lm.prefix_hit_tokens >= (len(history) - 1) // 4 * 4 - 4
 
 
+@pytest.mark.parametrize("kind", ["dynamic", "static"])
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_a_round_run_ahead_is_taken_whole_or_in_part_or_dropped_as_if_it_never_ran(tiny_lm, kind, prefix_caching):
+    """Executor.run_ahead_step (a hosted head's next round: keep this round's accepted drafts, then the bonus
+    token and the next drafts): a step that asks for it, or for a prefix of it (every row's logits are there),
+    gets the logits its own forward gives; any other drops it, and the cache is as if it never ran (float64,
+    both executors, prefix caching on and off). The features: test_a_hosted_heads_greedy_rounds_run_ahead_*."""
+    lm, reference = executors(tiny_lm, kind, prefix_caching)
+    prompt = [5, 17, 3, 88, 41, 2, 9, 30, 11]
+    lm.extend(1, 0, prompt, 1)
+    reference.extend(1, 0, prompt, 1)
+    history = list(prompt)
+    asks = ["same", "prefix", "last-logits", "longer", "earlier", "other", "same", "prefix"]
+    for r, ask in enumerate(asks):
+        length = len(history)
+        verify = Step(1, length, [3 + r, 40, 41, 42], 4)  # a round: its token and three drafts
+        assert torch.allclose(lm.extend_many([verify])[0], reference.extend_many([verify])[0], atol=1e-12, rtol=0)
+        history += verify.new_ids
+        ran = Step(1, length + 2, [50 + r, 60, 61, 62], 4)  # one draft accepted: the next round, run ahead
+        assert lm.run_ahead_step(ran) and not lm.run_ahead_step(ran)  # one pending at most
+        step = {"same": ran, "prefix": ran._replace(new_ids=ran.new_ids[:2], num_logits=2),
+                "last-logits": ran._replace(new_ids=ran.new_ids[:3], num_logits=1),
+                "longer": ran._replace(new_ids=ran.new_ids + [63], num_logits=5),
+                "earlier": Step(1, length + 1, [70, 71], 2),
+                "other": ran._replace(new_ids=[50 + r, 61], num_logits=2)}[ask]
+        (logits,) = lm.extend_many([step])
+        (expected,) = reference.extend_many([step])
+        assert torch.allclose(logits, expected, atol=1e-12, rtol=0), ask
+        assert (1 in lm.ahead_taken) == (ask in ("same", "prefix", "last-logits")), ask
+        history = history[:step.keep] + list(step.new_ids)
+        assert lm.cached_length(1) == reference.cached_length(1) == len(history)
+        assert lm.tokens_processed == reference.tokens_processed
+    assert (lm.ahead_used, lm.ahead_dropped) == (5, 3)
+    fresh = reference.extend(2, 0, history, 1)  # the cache that ran ahead holds what a fresh sequence computes
+    assert torch.allclose(lm.extend(1, len(history) - 1, history[-1:], 1), fresh, atol=1e-10, rtol=0)
+    if prefix_caching:  # only confirmed tokens were keyed: a new prompt finds the blocks of the text kept
+        lm.release(1)
+        lm.extend(3, 0, history, 1)
+        assert lm.prefix_hit_tokens >= (len(history) - 1) // 4 * 4 - 8
+
+
 def test_a_step_run_ahead_is_dropped_by_a_proposal_a_release_and_eviction(tiny_lm):
     lm, _ = executors(tiny_lm, "static", False)
     free = len(lm.kv.pool.free)
@@ -134,10 +175,10 @@ def test_target_model_runs_ahead_only_after_a_target_only_step_that_wants_its_to
         assert not target.lm.ahead
         return
     ahead = target.lm.ahead[1]
-    assert (ahead.start, ahead.token) == (4, int(result[1][-1]))
-    (taken,) = run(target, [Step(1, 4, [ahead.token], 1)])
+    assert (ahead.start, ahead.tokens) == (4, (int(result[1][-1]),))
+    (taken,) = run(target, [Step(1, 4, list(ahead.tokens), 1)])
     assert 1 in target.lm.ahead_taken and target.lm.ahead_used == 1
-    assert torch.allclose(taken[0], dynamic_executor(tiny_lm).extend(9, 0, [5, 6, 7, 4, ahead.token], 1), atol=1e-10)
+    assert torch.allclose(taken[0], dynamic_executor(tiny_lm).extend(9, 0, [5, 6, 7, 4, *ahead.tokens], 1), atol=1e-10)
     assert 1 in target.lm.ahead  # and the next one runs ahead again
 
 
@@ -184,3 +225,81 @@ def test_a_heads_target_only_step_runs_ahead_and_its_features_are_made_first(tin
         fresh = build()
         want = fresh.extend_many([Step(2, 0, text, 1)], with_hidden=True)[0].hidden[-1]
         assert torch.allclose(torch.as_tensor(features.tensor.array)[0, -1], want.flatten().float(), atol=1e-5)
+
+
+def hosted_rounds(tiny_lm, ks, run_ahead, outputs=None, params=SamplingParams(), prepare=None):
+    """A greedy request's rounds through target_model with a hosted EAGLE-3 head, decided from the greedy picks
+    as the orchestrator decides them (accept the drafts they agree with, then the pick after them), K per
+    round from `ks` (0: a round that drafts nothing). Returns (the text, each round's proposal, the adapter)."""
+    from specdec.engine.draft_heads import EAGLE3
+    from specdec.engine.head_executor import HeadExecutor
+    from specdec.engine.hosted_heads import HostedHeads
+    from .test_draft_heads import PROMPT, head_for
+    head = head_for(tiny_lm, EAGLE3)
+    target = TargetModel.__new__(TargetModel)
+    target.lm = dynamic_executor(tiny_lm, hidden_layers=head.config.feature_layers(2))
+    target.run_ahead, target.side_seconds = run_ahead, 0.0
+    target.hosted = HostedHeads({"head": HeadExecutor(head)}, {"head": None})
+    target._drafted, target._hosted_ahead = {}, {}
+    outputs = outputs or (tn.GREEDY_TOKENS, tn.FORWARD_STATS, tn.DRAFT_TOKENS, tn.DRAFT_PARENTS, tn.DRAFT_STATS)
+    if prepare is not None:
+        prepare(target)
+    text, keep, new, proposals = list(PROMPT), 0, list(PROMPT), []
+    for k in ks:
+        step = Step(1, keep, new, 1, k=k, params=params, draft_head="head", whole=True)
+        (result,) = run(target, [step], outputs)
+        drafted = target._drafted.pop(1)[0].tokens if 1 in target._drafted else []  # as the response takes it
+        picks = [int(token) for token in result[1]]
+        accepted = 0
+        while accepted < len(drafted) and picks[accepted] == drafted[accepted]:
+            accepted += 1
+        proposals.append(list(drafted))
+        keep = keep + len(new) + accepted
+        text = text[:keep - accepted] + drafted[:accepted] + [picks[accepted]]
+        new = [picks[accepted]]
+    return text, proposals, target
+
+
+def test_a_hosted_heads_greedy_rounds_run_ahead_and_draft_and_verify_what_they_would_have(tiny_lm):
+    """target_model with a hosted head and run_ahead on: after each greedy chain round it drafts and verifies the
+    next one (its keep and token from the round's picks, this round's K). A round asking for as many drafts
+    or fewer takes it (cut to its K); one asking for more, or none, drops it, the head's side put back. Every
+    round's proposal and the text are those of the same rounds run without it (float64), which are target-only's."""
+    ks = [3, 3, 3, 2, 3, 1, 4, 0, 3, 3, 2, 2, 3]
+    text, proposals, target = hosted_rounds(tiny_lm, ks, run_ahead=True)
+    plain_text, plain_proposals, plain = hosted_rounds(tiny_lm, ks, run_ahead=False)
+    assert (text, proposals) == (plain_text, plain_proposals)
+    assert sum(map(len, proposals)) > 10 and not plain.lm.ahead_used
+    assert target.lm.ahead_used >= 6 and target.lm.ahead_dropped >= 2  # the larger K and the K=0 rounds drop it
+    reference = dynamic_executor(tiny_lm)
+    assert text[-1] == int(reference.extend(1, 0, text[:-1], 1)[-1].argmax())  # the last pick is target-only's
+    target.hosted.release(1)
+    assert not target.hosted.sequences
+
+
+@pytest.mark.parametrize("case", ["log-probs", "features", "logits"])
+def test_a_hosted_round_runs_ahead_only_where_the_picks_decide_the_next_call(tiny_lm, case):
+    """A round that asks for more than the picks and the proposal (log-probabilities, features, logits: a
+    sampled request's, or logits edited by penalties or a grammar) may be decided otherwise: none runs ahead."""
+    outputs = {"log-probs": (tn.GREEDY_TOKENS, tn.GREEDY_LOG_PROBS, tn.DRAFT_TOKENS),
+               "features": (tn.GREEDY_TOKENS, tn.FEATURES, tn.DRAFT_TOKENS),
+               "logits": (tn.GREEDY_TOKENS, tn.LOGITS, tn.DRAFT_TOKENS)}[case]
+    _, proposals, target = hosted_rounds(tiny_lm, [3, 3, 3], run_ahead=True, outputs=outputs)
+    assert sum(map(len, proposals)) > 0 and not target.lm.ahead_used and not target._hosted_ahead
+
+
+def test_a_hosted_round_run_ahead_that_fails_leaves_the_next_call_to_run_its_own(tiny_lm):
+    warnings = []
+
+    def broken(target):
+        def run_ahead_step(step):
+            target.lm._acquire_all([step], target.lm._extend_problem)  # the rollback done, then the forward fails
+            raise RuntimeError("planted")
+        target.lm.run_ahead_step = run_ahead_step
+        target.pb = type("Pb", (), {"Logger": type("Logger", (), {"log_warn": staticmethod(warnings.append)})})
+        target.name = "target_model"
+    ks = [3, 3, 2, 3]
+    text, proposals, target = hosted_rounds(tiny_lm, ks, run_ahead=True, prepare=broken)
+    assert (text, proposals) == hosted_rounds(tiny_lm, ks, run_ahead=False)[:2]
+    # every round but the first (it drafts none: no features yet)
+    assert len(warnings) == len(ks) - 1 and "planted" in warnings[0] and not target._hosted_ahead

@@ -373,7 +373,8 @@ class Executor:
             steps[i], results[i] = asked[j], errors[j]
         ok = [rest[j] for j in ok]
         for i, ahead in taken.items():  # computed already: run ahead after the previous step
-            results[i] = ahead.logits if not with_hidden else Scored(ahead.logits, ahead.hidden)
+            logits, hidden = ahead.rows(steps[i])
+            results[i] = logits if not with_hidden else Scored(logits, hidden)
         # A prompt's chunk found whole in the prefix cache has nothing left to run (and wants no logits).
         run = [i for i in ok if steps[i].new_ids]
         cached = self._cached_features
@@ -417,7 +418,28 @@ class Executor:
         with ForwardTimer(self.device) as timer:
             out = self._forward([seq], [token.reshape(1)], [1])
         self.tokens_processed -= 1  # counted when a request takes it
-        self.ahead[seq_id] = Ahead(start, value, out.logits[0], out.hidden[0] if out.hidden else None, timer)
+        self.ahead[seq_id] = Ahead(start, (value,), out.logits[0], out.hidden[0] if out.hidden else None, timer)
+        return True
+
+    @torch.inference_mode()
+    def run_ahead_step(self, step: Step) -> bool:
+        """Run `step`, a chain whose tokens the host knows (a hosted head's next round, guessed from this
+        round's greedy picks: run_ahead.py), now, without waiting for it: the sequence's next `extend_many`
+        that asks for it (or for a prefix of it, where it has every row's logits) takes its results; any other
+        step drops it. False where it cannot run (no such sequence, one pending already, a tree, no room)."""
+        if step.seq_id not in self.sequences or step.seq_id in self.ahead or step.tree is not None \
+                or step.path is not None:
+            return False
+        ok, _ = self._acquire_all([step], self._extend_problem)
+        if not ok:
+            return False
+        seq = self.sequences[step.seq_id]
+        start = seq.length
+        with ForwardTimer(self.device) as timer:
+            out = self._forward([seq], [list(step.new_ids)], [step.num_logits])
+        self.tokens_processed -= len(step.new_ids)  # counted when a request takes it
+        self.ahead[step.seq_id] = Ahead(start, tuple(int(token) for token in step.new_ids), out.logits[0],
+                                        out.hidden[0] if out.hidden else None, timer)
         return True
 
     def _settle_ahead(self, steps: list[Step], usable: bool) -> dict[int, Ahead]:
@@ -433,12 +455,14 @@ class Executor:
                 continue
             seq = self.sequences[step.seq_id]
             if usable and ahead.matches(step):
+                n = len(step.new_ids)
                 seq.last_used = self.clock()
-                self.tokens_processed += 1
-                if self.tracks_tokens:  # its token is known on the host now: its block can be keyed
-                    seq.tokens[ahead.start] = ahead.token
+                seq.length = ahead.start + n  # asked for fewer: the rest lie past it, as rejected drafts do
+                self.tokens_processed += n
+                if self.tracks_tokens:  # its tokens are known on the host now: their blocks can be keyed
+                    seq.tokens[ahead.start:] = ahead.tokens[:n]
                     if self.prefix is not None:
-                        self._register(seq, seq.length)
+                        self._register(seq, seq.length - max(step.num_logits - 1, 0))
                 self.ahead_used += 1
                 self.ahead_taken[step.seq_id] = ahead.timer
                 taken[i] = ahead

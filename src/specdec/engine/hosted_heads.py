@@ -112,16 +112,55 @@ class HostedHeads:
                     self.sequences[step.seq_id].tokens += list(result.tokens)  # the next call says what stays
         return steps, drafted
 
-    def verify(self, executor, steps: list[Step]) -> tuple[list, dict[int, tuple[Drafted, ForwardStats]], float]:
+    def verify(self, executor, steps: list[Step], ready: dict[int, tuple[Step, tuple[Drafted, ForwardStats]]] | None
+               = None) -> tuple[list, dict[int, tuple[Drafted, ForwardStats]], float]:
         """A batch's steps on the target's `executor`: the hosted heads draft (`draft`), one forward verifies
-        every step (extend_many with the features), their features are kept (`keep`). Returns the forward's
-        results (per step as extend_many's), the proposals by sequence, and the seconds the drafting took."""
+        every step (extend_many with the features), their features are kept (`keep`). ready: by index, steps
+        drafted already (a round run ahead, `ahead`: the step it ran and its proposal), not drafted again.
+        Returns the forward's results (per step as extend_many's), the proposals by sequence, and the seconds
+        the drafting took."""
+        ready = ready or {}
         started = time.perf_counter()
-        run, drafted = self.draft(steps)
+        run, drafted = self.draft([step._replace(draft_head="") if i in ready else step
+                                   for i, step in enumerate(steps)])
         seconds = time.perf_counter() - started
+        for i, (step, proposal) in ready.items():
+            run[i] = step
+            drafted[step.seq_id] = proposal
         results = executor.extend_many(run, with_hidden=True)
         self.keep(run, results)
         return results, drafted, seconds
+
+    def ahead(self, step: Step) -> tuple[Step, tuple[Drafted, ForwardStats], tuple] | None:
+        """A round drafted before it is asked for (run_ahead.py): `step` as the next call is expected to ask
+        for it (its keep and bonus token from this round's greedy picks, this round's K). Returns the step to
+        run (the proposal appended), the proposal, and what `restore` needs where the call asks for another
+        round; None where its head drafted nothing (or failed): nothing to run ahead of a plain verify."""
+        hosted = self.sequences.get(step.seq_id)
+        if hosted is None or hosted.head != step.draft_head:
+            return None
+        head = self.heads[hosted.head].sequences.get(step.seq_id)
+        saved = (list(hosted.tokens), list(hosted.features.parts), hosted.features.end, hosted.pending,
+                 head.entries if head is not None else 0)
+        failures = self.failures
+        run, drafted = self.draft([step])
+        proposal = drafted.get(step.seq_id)
+        if proposal is None or not proposal[0].tokens or self.failures > failures:
+            self.restore(step.seq_id, saved)
+            return None
+        return run[0], proposal, saved
+
+    def restore(self, seq_id: int, saved: tuple) -> None:
+        """Undo `ahead`: the sequence's side as it was before (its head's entries past then are written again)."""
+        hosted = self.sequences.get(seq_id)
+        if hosted is None:
+            return
+        tokens, parts, end, pending, entries = saved
+        hosted.tokens, hosted.pending = tokens, pending
+        hosted.features.parts, hosted.features.end = parts, end
+        head = self.heads[hosted.head].sequences.get(seq_id)
+        if head is not None:
+            head.entries = min(head.entries, entries)
 
     def _catch_up(self, step: Step) -> None:
         """The sequence brought to the call: what stays of the previous call's tokens and features."""

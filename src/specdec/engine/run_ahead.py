@@ -9,6 +9,12 @@ running it again. The GPU then runs forward after forward while the machinery of
 next round's forward (what SGLang's overlap scheduler does for its batches). A request that asks for
 anything else (another token count, a rollback, a tree, other outputs) drops the step: its keys and values
 lie past the sequence's kept length, overwritten like a rejected draft token's.
+
+A head hosted in the target's process (hosted_heads.py) runs a greedy round ahead too: its round's greedy
+picks say which drafts the orchestrator accepts and the token it adds, so the next round's call is known
+but for its K; the head drafts that round at this round's K and the target verifies it at once
+(`Executor.run_ahead_step`). The next call takes it where it asks for the same tokens, or for fewer drafts
+(every row's logits are there: it takes the first ones).
 """
 
 from __future__ import annotations
@@ -23,15 +29,30 @@ class Ahead(NamedTuple):
     """A step run ahead for one sequence: what the request that takes it must ask for, and its results."""
 
     start: int  # the sequence's length before the step (the request's cache_length)
-    token: int  # the token it appended (the request's one new token)
-    logits: torch.Tensor  # (1, V) as extend returns them
-    hidden: torch.Tensor | None  # (1, layers, H) with hidden_layers
+    tokens: tuple[int, ...]  # the tokens it appended (a target-only step's one; a hosted head's round: more)
+    logits: torch.Tensor  # (num_logits, V) as extend returns them
+    hidden: torch.Tensor | None  # (len(tokens), layers, H) with hidden_layers
     timer: "ForwardTimer"
 
     def matches(self, step) -> bool:
-        """Whether `step` (an `interfaces.Step`) asks for exactly this one."""
-        return (step.keep == self.start and step.num_logits == 1 and step.tree is None and step.path is None
-                and len(step.new_ids) == 1 and int(step.new_ids[0]) == self.token)
+        """Whether `step` (an `interfaces.Step`) asks for this one: the same tokens and logits, or (where it
+        has every row's logits: a hosted head's round asking for fewer drafts than it guessed) a prefix of
+        its tokens and logits of some of those rows, the last ones."""
+        n = len(step.new_ids)
+        if step.keep != self.start or step.tree is not None or step.path is not None or not 1 <= n <= len(self.tokens):
+            return False
+        if [int(token) for token in step.new_ids] != list(self.tokens[:n]):
+            return False
+        if n == len(self.tokens) and step.num_logits == len(self.logits):
+            return True
+        return len(self.logits) == len(self.tokens) and step.num_logits <= n
+
+    def rows(self, step) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The (logits, hidden) `step` (one it matches) asks for: those of its tokens' rows."""
+        n = len(step.new_ids)
+        if n == len(self.tokens) and step.num_logits == len(self.logits):
+            return self.logits, self.hidden
+        return self.logits[n - step.num_logits:n], None if self.hidden is None else self.hidden[:n]
 
 
 class ForwardTimer:

@@ -457,6 +457,9 @@ class TargetModel(LanguageModelAdapter):
         self.hosted = self._hosted_heads(params)
         # a hosted head's proposal and its execution, by sequence, from the forward to the response
         self._drafted: dict[int, tuple[Drafted, ForwardStats]] = {}
+        # a hosted head's round run ahead, by sequence: (the call expected, the step run, its proposal, what
+        # HostedHeads.restore needs where the call asks for another)
+        self._hosted_ahead: dict[int, tuple] = {}
         if self.hosted is not None:
             self.hosted_metrics = HostedHeadMetrics(self.pb, self.name, list(self.hosted.heads))
         super()._start(params)
@@ -481,8 +484,8 @@ class TargetModel(LanguageModelAdapter):
         budget = params.float("capture_time_budget_s", 120.0, low=0.0)
         heads, columns = {}, {}
         # the target's embedding (and EAGLE-1's lm_head) borrowed, not copied: one tensor in this process
-        target = shared_target_tensors(self.lm.model, getattr(torch, params.str("dtype", "float32",
-                                                                                  choices=tn.DTYPE_NAMES)), self.lm.device)
+        dtype = getattr(torch, params.str("dtype", "float32", choices=tn.DTYPE_NAMES))
+        target = shared_target_tensors(self.lm.model, dtype, self.lm.device)
         for entry in spec.split(","):
             name, sep, path = entry.strip().partition("=")
             if not sep or not name.isidentifier() or not path or name in heads:
@@ -504,9 +507,12 @@ class TargetModel(LanguageModelAdapter):
                 if job.error is None and job.step is None:  # a release: the head's side of the sequence too
                     self.hosted.release(job.seq_id)
                     self._drafted.pop(job.seq_id, None)
+                    self._hosted_ahead.pop(job.seq_id, None)
         outcomes = super()._run_jobs(jobs)
         if self.hosted is not None:
             self.hosted.keep_only(self.lm.sequences)  # evicted while idle
+            for seq_id in [seq_id for seq_id in self._hosted_ahead if seq_id not in self.lm.sequences]:
+                del self._hosted_ahead[seq_id]
         self._run_ahead(jobs, outcomes)
         return outcomes
 
@@ -519,6 +525,10 @@ class TargetModel(LanguageModelAdapter):
             return
         (job,), (outcome,) = jobs, outcomes
         step = job.step
+        if step is not None and isinstance(outcome, tuple) and step.seq_id in getattr(self, "_drafted", ()) \
+                and self._drafted[step.seq_id][0].tokens:
+            self._run_round_ahead(job, outcome)
+            return
         if (step is None or not isinstance(outcome, tuple) or len(step.new_ids) != 1 or step.num_logits != 1
                 or step.allowed is not None or step.tree is not None
                 or (self.hosted is not None and step.seq_id in self._drafted and self._drafted[step.seq_id][0].tokens)):
@@ -532,6 +542,64 @@ class TargetModel(LanguageModelAdapter):
             # response) would wait for its whole forward on the stream
             outcomes[0] = ((logits, tokens, ReadyFeatures(self._features_output(hidden)), rows), forward)
         self.lm.run_ahead(job.seq_id, greedy(logits[-1]).reshape(1), int(tokens[-1]))
+
+    HOSTED_OUTPUTS = frozenset({tn.GREEDY_TOKENS, tn.FORWARD_STATS, tn.DRAFT_TOKENS, tn.DRAFT_PARENTS, tn.DRAFT_STATS})
+
+    def _run_round_ahead(self, job, outcome) -> None:
+        """After a hosted head's greedy chain round that asked for nothing but the greedy picks and the
+        proposal (so the orchestrator decides from the picks alone: no logits, no grammar), the next call is
+        known but for its K: it keeps the drafts the picks agree with and sends the pick after them. The
+        head drafts that round now, at this round's K, and the target verifies it at once (run_ahead.py);
+        the call takes it where it asks for that round or for fewer drafts (`_take_ahead`)."""
+        step = job.step
+        drafted = self._drafted[step.seq_id][0]
+        wanted = set(job.request.requested_output_names())
+        if (not wanted or not wanted <= self.HOSTED_OUTPUTS or not step.params.greedy or step.branches != 1
+                or drafted.parents is not None or step.allowed is not None or step.score_rows or step.tree is not None):
+            return
+        (_, tokens, _, _), _ = outcome
+        picks = [int(token) for token in tokens[-(len(drafted.tokens) + 1):]]
+        accepted = 0
+        while accepted < len(drafted.tokens) and picks[accepted] == drafted.tokens[accepted]:
+            accepted += 1
+        expected = step._replace(keep=step.keep + len(step.new_ids) + accepted, new_ids=[picks[accepted]],
+                                 num_logits=1, reserve=0, path=None)
+        prepared = self.hosted.ahead(expected)
+        if prepared is None:
+            return
+        run, proposal, saved = prepared
+        try:
+            ran = self.lm.run_ahead_step(run)
+        except Exception as exc:  # noqa: BLE001 - this round's response is made; the next call runs its own
+            self.pb.Logger.log_warn(f"{self.name}: a hosted round run ahead failed: {type(exc).__name__}: {exc}")
+            self.lm.ahead.pop(step.seq_id, None)
+            ran = False
+        if not ran:
+            self.hosted.restore(step.seq_id, saved)
+            return
+        self._hosted_ahead[step.seq_id] = (expected, run, proposal, saved)
+
+    def _take_ahead(self, steps: list[Step]) -> dict[int, tuple[Step, tuple[Drafted, ForwardStats]]]:
+        """The hosted rounds run ahead that these steps ask for, by index: the step that ran, cut to the drafts
+        asked for, and its proposal likewise; the others' sequences' heads are put back as they were (the
+        executor drops their steps as it drops any step run ahead that no call asks for)."""
+        ready = {}
+        for i, step in enumerate(steps):
+            pending = self._hosted_ahead.pop(step.seq_id, None)
+            if pending is None:
+                continue
+            expected, run, (drafted, stats), saved = pending
+            if (step.keep == expected.keep and [int(token) for token in step.new_ids] == expected.new_ids
+                    and step.num_logits == 1 and step.draft_head == expected.draft_head and 0 < step.k <= expected.k
+                    and step.branches == 1 and step.params == expected.params and step.allowed is None
+                    and step.tree is None and step.path is None and not step.score_rows
+                    and step.adapter == expected.adapter):
+                m = min(step.k, len(drafted.tokens))
+                ready[i] = (run._replace(new_ids=list(run.new_ids[:1 + m]), num_logits=1 + m, k=step.k),
+                            (drafted._replace(tokens=list(drafted.tokens[:m])), stats))
+            else:
+                self.hosted.restore(step.seq_id, saved)
+        return ready
 
     def _warm_up_steps(self):
         prompt = list(range(1, 17))
@@ -580,10 +648,12 @@ class TargetModel(LanguageModelAdapter):
     def _run(self, steps):
         # With hidden_layers (a draft head is served), every step's features come too (Scored): a head's
         # rounds ask for them, and a forward computes them anyway.
+        ready = self._take_ahead(steps) if getattr(self, "_hosted_ahead", None) else {}
         if self.hosted is None or not any(step.draft_head for step in steps):
             return self.lm.extend_many(steps, with_hidden=bool(self.lm.forward.hidden_layers))
         failures = self.hosted.failures
-        results, drafted, self.side_seconds = self.hosted.verify(self.lm, steps)  # the heads draft, then the forward
+        # the heads draft (but the rounds run ahead), then the forward
+        results, drafted, self.side_seconds = self.hosted.verify(self.lm, steps, ready)
         if self.hosted.failures > failures:
             self.pb.Logger.log_warn(f"{self.name}: a hosted head failed to draft (its rounds verify nothing drafted): "
                                     f"{self.hosted.last_failure}")
