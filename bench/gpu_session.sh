@@ -79,7 +79,8 @@
 #                  (~4 min)
 #   hostedround    a head hosted in target_model (--heads-in-target: one call a round, the head drafting in the
 #                  verify call) against the same head as a draft model of its own: the EAGLE-1 embedding exit's
-#                  K=4 chains, their rounds split (round_overhead), one server each (~3 min)
+#                  K=4 chains, their rounds split (round_overhead), one server each, the hosted head with its
+#                  rounds run ahead (run_ahead, CUDA's default) and without (~4.5 min)
 #   fp8            FP8 weights (weights_dtype fp8: the weight-only FP8 kernel, a scale per output channel)
 #                  against bf16: the FP8 GPU test (left to `tests` when named before), the kernel's launches
 #                  per weight kind against cuBLAS's bf16 (bench/fp8_kernel_bench.py, ~1.5 min; skipped where
@@ -329,10 +330,12 @@ for part in "$@"; do
       synthetic_heads
       pairflag=(--pair 8b --device gpu)
       [ -n "${GPU_SESSION_SMALL:-}" ] && pairflag=(--pair small --max-tokens 16 --repeats 1)
-      for hosted in called hosted; do
+      for hosted in called hosted hosted-noahead; do
         where=(--launcher-arg=--set=eagle1.draft_stop_below=0)
-        [ "$hosted" = hosted ] && where=(--launcher-arg=--heads-in-target
-                                         --launcher-arg=--set=target_model.hosted_stop_below=0)
+        [ "$hosted" != called ] && where=(--launcher-arg=--heads-in-target
+                                          --launcher-arg=--set=target_model.hosted_stop_below=0)
+        # run_ahead (auto: on, on CUDA) drafts and verifies a hosted greedy round before its call; off: not
+        [ "$hosted" = hosted-noahead ] && where+=(--launcher-arg=--set=target_model.run_ahead=off)
         run "hostedround-$hosted" 200 "$python" -m bench.round_overhead "${pairflag[@]}" --draft eagle1 --branches 1 \
           --launcher-arg=--draft-head=eagle1="$eagle1" --launcher-arg=--max-num-draft-tokens=4 "${where[@]}" \
           --out "$out/hostedround-$hosted.md"

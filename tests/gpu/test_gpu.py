@@ -446,6 +446,31 @@ def test_a_hosted_head_in_cuda_graphs_drafts_what_the_called_head_drafts(tiny_pa
         assert outputs[0] == outputs[1], (params, branches)
 
 
+def test_a_hosted_heads_greedy_rounds_run_ahead_in_cuda_graphs(tiny_pair):
+    """run_ahead with a hosted EAGLE-3 head over the static executor's captured verifies and the head's captured
+    steps: each greedy round's next round drafted and verified before its call (asynchronously, on the device)
+    gives every round the proposal and the text the same rounds give without it (float64); K changes between
+    rounds take it cut or drop it."""
+    from specdec.engine.draft_heads import shared_target_tensors
+    from specdec.engine.head_executor import HeadExecutor
+    from tests.unit.test_run_ahead import hosted_rounds
+    model = load_causal_lm(tiny_pair.target_path, "cuda", "float64")
+    head = _random_eagle3(model.config).to(device="cuda", dtype=torch.float64)
+    head.attach(shared_target_tensors(model, torch.float64, "cuda")[1], None)
+
+    def executors():
+        target = static_executor(model, kv_pool_tokens=4096, block_size=8, max_context=512, max_batch=2, max_rows=9,
+                                 min_window=16, compile="graphs", hidden_layers=(0, 1, 1))
+        target.warm_up(600)
+        drafter = HeadExecutor(head)
+        drafter.warm_up()
+        return target, drafter
+    ks = [4, 4, 4, 3, 4, 2, 4, 0, 4, 4, 4, 4]
+    text, proposals, target = hosted_rounds(model, ks, run_ahead=True, executors=executors())
+    assert (text, proposals) == hosted_rounds(model, ks, run_ahead=False, executors=executors())[:2]
+    assert target.lm.ahead_used >= 6
+
+
 def test_a_heads_captured_draft_steps_equal_its_eager_ones(tiny_pair):
     """The draft steps replayed as CUDA graphs (head_graphs.py: chain steps, fills, tree levels) propose what
     the eager steps do: the same greedy tokens and trees, the same sampled distributions (float64), over

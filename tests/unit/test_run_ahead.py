@@ -227,19 +227,22 @@ def test_a_heads_target_only_step_runs_ahead_and_its_features_are_made_first(tin
         assert torch.allclose(torch.as_tensor(features.tensor.array)[0, -1], want.flatten().float(), atol=1e-5)
 
 
-def hosted_rounds(tiny_lm, ks, run_ahead, outputs=None, params=SamplingParams(), prepare=None):
+def hosted_rounds(tiny_lm, ks, run_ahead, outputs=None, params=SamplingParams(), prepare=None, executors=None):
     """A greedy request's rounds through target_model with a hosted EAGLE-3 head, decided from the greedy picks
     as the orchestrator decides them (accept the drafts they agree with, then the pick after them), K per
-    round from `ks` (0: a round that drafts nothing). Returns (the text, each round's proposal, the adapter)."""
+    round from `ks` (0: a round that drafts nothing). executors: (the target's, the head's) (default: the
+    dynamic executor and the eager head over tiny_lm). Returns (the text, each round's proposal, the adapter)."""
     from specdec.engine.draft_heads import EAGLE3
     from specdec.engine.head_executor import HeadExecutor
     from specdec.engine.hosted_heads import HostedHeads
-    from .test_draft_heads import PROMPT, head_for
-    head = head_for(tiny_lm, EAGLE3)
+    from tests.unit.test_draft_heads import PROMPT, head_for
+    if executors is None:
+        head = head_for(tiny_lm, EAGLE3)
+        executors = dynamic_executor(tiny_lm, hidden_layers=head.config.feature_layers(2)), HeadExecutor(head)
     target = TargetModel.__new__(TargetModel)
-    target.lm = dynamic_executor(tiny_lm, hidden_layers=head.config.feature_layers(2))
+    target.lm, head = executors
     target.run_ahead, target.side_seconds = run_ahead, 0.0
-    target.hosted = HostedHeads({"head": HeadExecutor(head)}, {"head": None})
+    target.hosted = HostedHeads({"head": head}, {"head": None})
     target._drafted, target._hosted_ahead = {}, {}
     outputs = outputs or (tn.GREEDY_TOKENS, tn.FORWARD_STATS, tn.DRAFT_TOKENS, tn.DRAFT_PARENTS, tn.DRAFT_STATS)
     if prepare is not None:
