@@ -519,19 +519,20 @@ class TargetModel(LanguageModelAdapter):
     def _run_ahead(self, jobs, outcomes) -> None:
         """After a greedy one-token step that asked for nothing but its token (a target-only round), run
         the sequence's next step now (engine/run_ahead.py), while this response travels to the orchestrator
-        and its next request comes back. Only with one sequence live: with more, a step run ahead for one
-        would hold up the forward the others' requests are about to ask for."""
+        and its next request comes back; after a hosted head's greedy round, its next round
+        (`_run_round_ahead`). Only with one sequence live: with more, a step run ahead for one would hold up
+        the forward the others' requests are about to ask for."""
         if not self.run_ahead or len(jobs) != 1 or len(self.lm.sequences) != 1:
             return
         (job,), (outcome,) = jobs, outcomes
         step = job.step
-        if step is not None and isinstance(outcome, tuple) and step.seq_id in getattr(self, "_drafted", ()) \
-                and self._drafted[step.seq_id][0].tokens:
+        if step is None or not isinstance(outcome, tuple):
+            return
+        drafted = getattr(self, "_drafted", {}).get(step.seq_id)
+        if drafted is not None and drafted[0].tokens:  # a hosted head drafted in this step
             self._run_round_ahead(job, outcome)
             return
-        if (step is None or not isinstance(outcome, tuple) or len(step.new_ids) != 1 or step.num_logits != 1
-                or step.allowed is not None or step.tree is not None
-                or (self.hosted is not None and step.seq_id in self._drafted and self._drafted[step.seq_id][0].tokens)):
+        if len(step.new_ids) != 1 or step.num_logits != 1 or step.allowed is not None or step.tree is not None:
             return
         wanted = set(job.request.requested_output_names())  # none named: all of them
         if not wanted or not wanted <= self.AHEAD_OUTPUTS:
@@ -564,7 +565,11 @@ class TargetModel(LanguageModelAdapter):
             accepted += 1
         expected = step._replace(keep=step.keep + len(step.new_ids) + accepted, new_ids=[picks[accepted]],
                                  num_logits=1, reserve=0, path=None)
+        failures = self.hosted.failures
         prepared = self.hosted.ahead(expected)
+        if self.hosted.failures > failures:
+            self.pb.Logger.log_warn(f"{self.name}: a hosted head failed to draft a round run ahead (the call will "
+                                    f"draft its own): {self.hosted.last_failure}")
         if prepared is None:
             return
         run, proposal, saved = prepared
