@@ -468,7 +468,7 @@ def test_a_hosted_heads_greedy_rounds_run_ahead_in_cuda_graphs(tiny_pair):
     ks = [4, 4, 4, 3, 4, 2, 4, 0, 4, 4, 4, 4]
     text, proposals, target = hosted_rounds(model, ks, run_ahead=True, executors=executors())
     assert (text, proposals) == hosted_rounds(model, ks, run_ahead=False, executors=executors())[:2]
-    assert target.lm.ahead_used >= 6
+    assert target.lm.ahead_used >= 4  # taken after rounds 2, 3, 10, 11 (K rising drops it and pauses the next)
 
 
 def test_a_heads_captured_draft_steps_equal_its_eager_ones(tiny_pair):

@@ -243,7 +243,7 @@ def hosted_rounds(tiny_lm, ks, run_ahead, outputs=None, params=SamplingParams(),
     target.lm, head = executors
     target.run_ahead, target.side_seconds = run_ahead, 0.0
     target.hosted = HostedHeads({"head": head}, {"head": None})
-    target._drafted, target._hosted_ahead = {}, {}
+    target._drafted, target._hosted_ahead, target._ahead_pause = {}, {}, {}
     outputs = outputs or (tn.GREEDY_TOKENS, tn.FORWARD_STATS, tn.DRAFT_TOKENS, tn.DRAFT_PARENTS, tn.DRAFT_STATS)
     if prepare is not None:
         prepare(target)
@@ -273,7 +273,8 @@ def test_a_hosted_heads_greedy_rounds_run_ahead_and_draft_and_verify_what_they_w
     plain_text, plain_proposals, plain = hosted_rounds(tiny_lm, ks, run_ahead=False)
     assert (text, proposals) == (plain_text, plain_proposals)
     assert sum(map(len, proposals)) > 10 and not plain.lm.ahead_used
-    assert target.lm.ahead_used >= 6 and target.lm.ahead_dropped >= 2  # the larger K and the K=0 rounds drop it
+    # the larger K and the K=0 rounds drop it (and the next round after each runs none ahead)
+    assert target.lm.ahead_used >= 4 and target.lm.ahead_dropped >= 2
     reference = dynamic_executor(tiny_lm)
     assert text[-1] == int(reference.extend(1, 0, text[:-1], 1)[-1].argmax())  # the last pick is target-only's
     target.hosted.release(1)
@@ -306,3 +307,20 @@ def test_a_hosted_round_run_ahead_that_fails_leaves_the_next_call_to_run_its_own
     assert (text, proposals) == hosted_rounds(tiny_lm, ks, run_ahead=False)[:2]
     # every round but the first (it drafts none: no features yet)
     assert len(warnings) == len(ks) - 1 and "planted" in warnings[0] and not target._hosted_ahead
+
+
+def test_a_sequence_whose_rounds_run_ahead_are_dropped_runs_fewer(tiny_lm):
+    """A drop costs a GPU the rest of a forward: after one, a sequence's next round runs none ahead, after
+    another two, then 4, at most 8; a round taken clears it. A round that drafts nothing takes the first row
+    of one run ahead (no drop); one asking for more drafts drops it."""
+    ks = [3, 3] + [2, 3] * 12
+    text, proposals, target = hosted_rounds(tiny_lm, ks, run_ahead=True)
+    assert (text, proposals) == hosted_rounds(tiny_lm, ks, run_ahead=False)[:2]
+    # Run ahead after a K=3 round: the next (K=2) takes it, cut; after a K=2 one: the next drops it. Unpaused,
+    # 12 and 12; paused: after rounds 2 (taken), 3 (dropped: the next round runs none), 5 (dropped: the next
+    # two none), 8 (taken: cleared), 9, 11, 14, 15, 17, 20, 21, 23
+    assert (target.lm.ahead_used, target.lm.ahead_dropped) == (4, 8)
+    paused = [3] + [3, 0] * 6  # the policy pausing every other round (K=0): each takes the bonus token's row
+    text, _, target = hosted_rounds(tiny_lm, paused, run_ahead=True)
+    assert (target.lm.ahead_used, target.lm.ahead_dropped) == (6, 0)
+    assert text == hosted_rounds(tiny_lm, paused, run_ahead=False)[0]

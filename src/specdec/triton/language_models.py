@@ -460,6 +460,10 @@ class TargetModel(LanguageModelAdapter):
         # a hosted head's round run ahead, by sequence: (the call expected, the step run, its proposal, what
         # HostedHeads.restore needs where the call asks for another)
         self._hosted_ahead: dict[int, tuple] = {}
+        # by sequence: [rounds to let pass before one runs ahead again, the pause after the next drop]. A drop
+        # costs a GPU the rest of a forward the call then waits behind: a sequence whose calls often ask for
+        # another round (prompt lookup's drafts under ngram+NAME, K rising) runs fewer ahead
+        self._ahead_pause: dict[int, list[int]] = {}
         if self.hosted is not None:
             self.hosted_metrics = HostedHeadMetrics(self.pb, self.name, list(self.hosted.heads))
         super()._start(params)
@@ -508,11 +512,14 @@ class TargetModel(LanguageModelAdapter):
                     self.hosted.release(job.seq_id)
                     self._drafted.pop(job.seq_id, None)
                     self._hosted_ahead.pop(job.seq_id, None)
+                    self._ahead_pause.pop(job.seq_id, None)
         outcomes = super()._run_jobs(jobs)
         if self.hosted is not None:
             self.hosted.keep_only(self.lm.sequences)  # evicted while idle
             for seq_id in [seq_id for seq_id in self._hosted_ahead if seq_id not in self.lm.sequences]:
                 del self._hosted_ahead[seq_id]
+            for seq_id in [seq_id for seq_id in self._ahead_pause if seq_id not in self.lm.sequences]:
+                del self._ahead_pause[seq_id]
         self._run_ahead(jobs, outcomes)
         return outcomes
 
@@ -544,6 +551,7 @@ class TargetModel(LanguageModelAdapter):
             outcomes[0] = ((logits, tokens, ReadyFeatures(self._features_output(hidden)), rows), forward)
         self.lm.run_ahead(job.seq_id, greedy(logits[-1]).reshape(1), int(tokens[-1]))
 
+    AHEAD_PAUSE_MAX = 8  # rounds a sequence's hosted rounds at most let pass after a drop before one runs ahead
     HOSTED_OUTPUTS = frozenset({tn.GREEDY_TOKENS, tn.FORWARD_STATS, tn.DRAFT_TOKENS, tn.DRAFT_PARENTS, tn.DRAFT_STATS})
 
     def _run_round_ahead(self, job, outcome) -> None:
@@ -557,6 +565,10 @@ class TargetModel(LanguageModelAdapter):
         wanted = set(job.request.requested_output_names())
         if (not wanted or not wanted <= self.HOSTED_OUTPUTS or not step.params.greedy or step.branches != 1
                 or drafted.parents is not None or step.allowed is not None or step.score_rows or step.tree is not None):
+            return
+        pause = self._ahead_pause.get(step.seq_id)
+        if pause is not None and pause[0] > 0:  # its last one was dropped: this round runs none
+            pause[0] -= 1
             return
         (_, tokens, _, _), _ = outcome
         picks = [int(token) for token in tokens[-(len(drafted.tokens) + 1):]]
@@ -602,7 +614,7 @@ class TargetModel(LanguageModelAdapter):
                 m = min(step.k, len(drafted.tokens))
                 ready[i] = (run._replace(new_ids=list(run.new_ids[:1 + m]), num_logits=1 + m, k=step.k),
                             (drafted._replace(tokens=list(drafted.tokens[:m])), stats))
-            else:
+            else:  # (a round that drafts nothing may still take its first row's logits: the executor's match)
                 self.hosted.restore(step.seq_id, saved)
         return ready
 
@@ -651,9 +663,21 @@ class TargetModel(LanguageModelAdapter):
         return self.lm.tokens_processed - processed
 
     def _run(self, steps):
+        pending = [step.seq_id for step in steps if step.seq_id in getattr(self, "_hosted_ahead", ())]
+        if not pending:
+            return self._verify(steps, {})
+        results = self._verify(steps, self._take_ahead(steps))
+        for seq_id in pending:  # the executor took the round run ahead (or its first rows), or dropped it
+            if seq_id in self.lm.ahead_taken:
+                self._ahead_pause.pop(seq_id, None)
+            else:
+                pause = self._ahead_pause.setdefault(seq_id, [0, 1])
+                pause[0], pause[1] = pause[1], min(2 * pause[1], self.AHEAD_PAUSE_MAX)
+        return results
+
+    def _verify(self, steps, ready):
         # With hidden_layers (a draft head is served), every step's features come too (Scored): a head's
         # rounds ask for them, and a forward computes them anyway.
-        ready = self._take_ahead(steps) if getattr(self, "_hosted_ahead", None) else {}
         if self.hosted is None or not any(step.draft_head for step in steps):
             return self.lm.extend_many(steps, with_hidden=bool(self.lm.forward.hidden_layers))
         failures = self.hosted.failures
