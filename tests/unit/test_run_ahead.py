@@ -263,18 +263,24 @@ def hosted_rounds(tiny_lm, ks, run_ahead, outputs=None, params=SamplingParams(),
     return text, proposals, target
 
 
-def test_a_hosted_heads_greedy_rounds_run_ahead_and_draft_and_verify_what_they_would_have(tiny_lm):
+@pytest.mark.parametrize("stop_below", [0.0, 0.05])
+def test_a_hosted_heads_greedy_rounds_run_ahead_and_draft_and_verify_what_they_would_have(tiny_lm, stop_below):
     """target_model with a hosted head and run_ahead on: after each greedy chain round it drafts and verifies the
     next one (its keep and token from the round's picks, this round's K). A round asking for as many drafts
     or fewer takes it (cut to its K); one asking for more, or none, drops it, the head's side put back. Every
     round's proposal and the text are those of the same rounds run without it (float64), which are target-only's."""
     ks = [3, 3, 3, 2, 3, 1, 4, 0, 3, 3, 2, 2, 3]
-    text, proposals, target = hosted_rounds(tiny_lm, ks, run_ahead=True)
-    plain_text, plain_proposals, plain = hosted_rounds(tiny_lm, ks, run_ahead=False)
+
+    def stop(target):  # the confidence stop (served: 0.3): chains that end before K, cut where they would
+        target.hosted.heads["head"].stop_below = stop_below
+    text, proposals, target = hosted_rounds(tiny_lm, ks, run_ahead=True, prepare=stop)
+    plain_text, plain_proposals, plain = hosted_rounds(tiny_lm, ks, run_ahead=False, prepare=stop)
     assert (text, proposals) == (plain_text, plain_proposals)
     assert sum(map(len, proposals)) > 10 and not plain.lm.ahead_used
-    # the larger K and the K=0 rounds drop it (and the next round after each runs none ahead)
-    assert target.lm.ahead_used >= 4 and target.lm.ahead_dropped >= 2
+    assert any(0 < len(drafted) < k for drafted, k in zip(proposals, ks)) == (stop_below > 0)
+    # a larger K drops it (and the next round after each runs none ahead), but where the chain it ran ended
+    # before its K: a larger K drafts the same
+    assert target.lm.ahead_used >= 4 and (target.lm.ahead_dropped >= 1) == (stop_below == 0)
     reference = dynamic_executor(tiny_lm)
     assert text[-1] == int(reference.extend(1, 0, text[:-1], 1)[-1].argmax())  # the last pick is target-only's
     target.hosted.release(1)
