@@ -14,7 +14,8 @@ A head hosted in the target's process (hosted_heads.py) runs a greedy round ahea
 picks say which drafts the orchestrator accepts and the token it adds, so the next round's call is known
 but for its K; the head drafts that round at this round's K and the target verifies it at once
 (`Executor.run_ahead_step`). The next call takes it where it asks for the same tokens, or for fewer drafts
-(every row's logits are there: it takes the first ones).
+(every row's logits are there: it takes the first ones), or for more where the chain ended before its K
+(the confidence stop ends a fresh chain at the same token; target_model's `_take_ahead` decides that).
 """
 
 from __future__ import annotations
