@@ -59,7 +59,12 @@ class HostedHeads:
         self.heads, self.columns = heads, columns
         self.sequences: dict[int, _Hosted] = {}
         self.totals = {name: HeadTotals() for name in heads}
-        self.failures, self.last_failure = 0, ""  # heads' drafting calls that raised (their rounds drafted nothing)
+        self.last_failure = ""  # the last drafting call's error, where one raised
+
+    @property
+    def failures(self) -> int:
+        """Every head's drafting calls that raised (their rounds drafted nothing)."""
+        return sum(totals.failures for totals in self.totals.values())
 
     def draft(self, steps: list[Step]) -> tuple[list[Step], dict[int, tuple[Drafted, ForwardStats]]]:
         """Before the target's forward: each step naming a hosted head brings its sequence up to the call's
@@ -87,7 +92,6 @@ class HostedHeads:
                 if head.device.type == "cuda":
                     torch.cuda.current_stream(head.device).synchronize()
             except Exception as exc:  # noqa: BLE001 - the head's failure is its own: the verifies go on
-                self.failures += 1
                 self.totals[name].failures += 1
                 self.last_failure = f"{type(exc).__name__}: {exc}"
                 for call in calls:  # its side of these sequences starts over (features it no longer has

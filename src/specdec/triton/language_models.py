@@ -22,6 +22,7 @@ import torch.utils.dlpack
 
 from specdec import tensor_names as tn
 from specdec.decoding.interfaces import ForwardStats
+from specdec.decoding.rejection_sampler import greedy_verify
 from specdec.decoding.token_mask import allowed_greedy
 from specdec.decoding.sampling import (SamplingParams, greedy, greedy_log_probs, make_generator, scored_rows,
                                       token_log_probs, top_log_probs)
@@ -516,10 +517,9 @@ class TargetModel(LanguageModelAdapter):
         outcomes = super()._run_jobs(jobs)
         if self.hosted is not None:
             self.hosted.keep_only(self.lm.sequences)  # evicted while idle
-            for seq_id in [seq_id for seq_id in self._hosted_ahead if seq_id not in self.lm.sequences]:
-                del self._hosted_ahead[seq_id]
-            for seq_id in [seq_id for seq_id in self._ahead_pause if seq_id not in self.lm.sequences]:
-                del self._ahead_pause[seq_id]
+            for kept in (self._hosted_ahead, self._ahead_pause):
+                for seq_id in [seq_id for seq_id in kept if seq_id not in self.lm.sequences]:
+                    del kept[seq_id]
         self._run_ahead(jobs, outcomes)
         return outcomes
 
@@ -571,12 +571,9 @@ class TargetModel(LanguageModelAdapter):
             pause[0] -= 1
             return
         (_, tokens, _, _), _ = outcome
-        picks = [int(token) for token in tokens[-(len(drafted.tokens) + 1):]]
-        accepted = 0
-        while accepted < len(drafted.tokens) and picks[accepted] == drafted.tokens[accepted]:
-            accepted += 1
-        expected = step._replace(keep=step.keep + len(step.new_ids) + accepted, new_ids=[picks[accepted]],
-                                 num_logits=1, reserve=0, path=None)
+        verdict = greedy_verify(drafted.tokens, tokens[-(len(drafted.tokens) + 1):])  # the orchestrator's rule
+        expected = step._replace(keep=step.keep + len(step.new_ids) + verdict.num_accepted,
+                                 new_ids=[verdict.next_token], num_logits=1, reserve=0, path=None)
         failures = self.hosted.failures
         prepared = self.hosted.ahead(expected)
         if self.hosted.failures > failures:
