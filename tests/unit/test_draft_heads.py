@@ -87,6 +87,146 @@ def test_vllm_renamed_keys_are_read_too(tiny_lm, tmp_path, kind):
         assert torch.equal(back.state_dict()[key], value), key
 
 
+def speculators_eagle3(tiny_lm, path, head, **flags):
+    """`head` written as the speculators library writes an EAGLE-3 head (vLLM loads that layout as it is): the
+    decoder layer's settings as transformers' own `to_diff_dict` gives them, the layer ids as the states
+    entering those layers (AUX, the outputs of layers 0, 1 and 1, are the states entering 1, 2 and 2), vLLM's
+    key names, the target's embedding kept in the file; `flags` (norm_before_residual, norm_before_fc) too."""
+    from transformers import LlamaConfig
+    text = tiny_lm.config
+    layer = LlamaConfig(vocab_size=text.vocab_size, hidden_size=text.hidden_size, num_hidden_layers=1,
+                        intermediate_size=text.intermediate_size, num_attention_heads=text.num_attention_heads,
+                        num_key_value_heads=text.num_key_value_heads, rms_norm_eps=text.rms_norm_eps,
+                        max_position_embeddings=text.max_position_embeddings, rope_parameters=text.rope_parameters)
+    config = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3", "speculators_version": "0.3.0",
+              "draft_vocab_size": head.lm_head.out_features, "target_hidden_size": None,
+              "eagle_aux_hidden_state_layer_ids": [i + 1 for i in AUX], **flags,
+              "speculators_config": {"algorithm": "eagle3", "default_proposal_method": "greedy",
+                                     "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3}],
+                                     "verifier": {"architectures": ["LlamaForCausalLM"], "name_or_path": "tiny"}},
+              "transformer_layer_config": layer.to_diff_dict()}
+    state = {key.replace("midlayer.", "layers.0."): value.contiguous() for key, value in head.state_dict().items()
+             if not key.startswith("rotary.")}
+    state["embed_tokens.weight"] = tiny_lm.get_input_embeddings().weight.detach().to(torch.float64).clone()
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(config))
+    save_file(state, str(path / "model.safetensors"))
+    return path
+
+
+def first_row(state: dict, embed: torch.Tensor, token: int, features: torch.Tensor, heads: int, kv_heads: int,
+              eps: float, norm_before_residual: bool, norm_before_fc: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """An EAGLE-3 head's first entry of a fresh cache computed from its tensors, as the speculators library's
+    layer does it: one key, so attention returns its value (no rotary embedding, no mask). -> (g' (h,), the
+    logits over the draft vocabulary (V_d,))."""
+    def rms(x, weight):
+        return weight * x / torch.sqrt(x.pow(2).mean() + eps)
+
+    g = state["fc.weight"] @ (rms(features, state["input_norm.weight"]) if norm_before_fc else features)
+    normed = rms(g, state["layers.0.hidden_norm.weight"])
+    x = torch.cat([rms(embed[token], state["layers.0.input_layernorm.weight"]), normed])
+    v = (state["layers.0.self_attn.v_proj.weight"] @ x).view(kv_heads, -1)
+    attn = state["layers.0.self_attn.o_proj.weight"] @ v.repeat_interleave(heads // kv_heads, 0).reshape(-1)
+    x1 = (normed if norm_before_residual else g) + attn
+    post = rms(x1, state["layers.0.post_attention_layernorm.weight"])
+    gate, up = state["layers.0.mlp.gate_proj.weight"] @ post, state["layers.0.mlp.up_proj.weight"] @ post
+    out = x1 + state["layers.0.mlp.down_proj.weight"] @ (torch.nn.functional.silu(gate) * up)
+    return out, state["lm_head.weight"] @ rms(out, state["norm.weight"])
+
+
+@pytest.mark.parametrize("flags", [{}, {"norm_before_residual": True}, {"norm_before_residual": True,
+                                                                         "norm_before_fc": True}])
+def test_a_head_in_the_speculators_layout_is_read_and_drafts_as_that_layout_defines(tiny_lm, tmp_path, flags):
+    """RedHatAI's heads (vLLM serves them as they are): the layer's settings nested, the layer ids as the
+    states entering those layers, norm_before_residual (the layer's residual normed) and norm_before_fc (an
+    RMSNorm over the target's states); the head's first row equal to one computed from its tensors by the
+    layout's definition, on torch's modules and on the CPU kernels, and speculation with it lossless."""
+    from specdec.engine.head_kernels import HeadKernels
+    head = head_for(tiny_lm, EAGLE3, seed=5)
+    if flags.get("norm_before_fc"):
+        head.input_norm = torch.nn.Module()
+        head.input_norm.weight = torch.nn.Parameter(1 + torch.rand(head.config.feature_width, dtype=torch.float64))
+    with torch.no_grad():
+        for name, parameter in head.named_parameters():
+            if "norm" in name:  # norms that are not the identity, so each one's place shows
+                parameter.copy_(1 + torch.rand_like(parameter))
+    path = speculators_eagle3(tiny_lm, tmp_path / "speculators", head, **flags)
+    back = load_head(path, dtype=torch.float64)
+    config = back.config
+    assert (config.kind, config.aux_layers, config.draft_vocab_size) == (EAGLE3, AUX, 64)
+    assert (config.norm_before_residual, config.norm_before_fc) == (bool(flags), "norm_before_fc" in flags)
+    assert config.feature_layers(2) == AUX and config.head_dim == head.config.head_dim
+    again = load_head(save_head(back, tmp_path / "published"), dtype=torch.float64)  # written as EAGLE's authors do
+    assert (again.config.aux_layers, again.config.norm_before_residual, again.config.norm_before_fc) == (
+        AUX, config.norm_before_residual, config.norm_before_fc)
+    assert all(torch.equal(again.state_dict()[key], value) for key, value in back.state_dict().items())
+    back.attach(*target_tensors(tiny_lm))
+    back.to(torch.float64)
+    state = load_file(str(path / "model.safetensors"))
+    features = torch.randn(config.feature_width, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
+    out, draft = first_row(state, state["embed_tokens.weight"], PROMPT[0], features, config.num_attention_heads,
+                           config.num_key_value_heads, config.rms_norm_eps, **{
+                               "norm_before_residual": config.norm_before_residual,
+                               "norm_before_fc": config.norm_before_fc})
+    ids = back.draft_target_ids()
+    with torch.no_grad():
+        hidden = back.from_target(features[None])
+        got, logits = back(torch.tensor(PROMPT[:1]), hidden, HeadCache(), 0)
+        assert torch.allclose(got[0], out, atol=1e-10) and torch.allclose(logits[0, ids], draft, atol=1e-10)
+    if flags:  # the CPU kernels' step (float32), the flags followed
+        head32 = load_head(path)
+        head32.attach(*(tensor.float() for tensor in target_tensors(tiny_lm)))
+        kernels = HeadKernels.serving(head32)
+        zero, one = torch.zeros(1, dtype=torch.long), torch.ones(1, dtype=torch.long)
+        with torch.no_grad():  # the row sees the first entry (itself)
+            got32, logits32 = kernels.step(torch.tensor(PROMPT[:1]), head32.from_target(features[None].float()),
+                                           zero, HeadCache(), 0, one, zero)
+        assert torch.allclose(got32[0].double(), out, atol=1e-4)
+        assert torch.allclose(logits32[0, ids].double(), draft, atol=1e-4)
+    proposer = LocalProposer(HeadExecutor(back))
+    target = LocalScorer(dynamic_executor(tiny_lm, hidden_layers=AUX))
+    stats = Stats()
+    request = GenerationRequest(seq_id=3, prompt_ids=PROMPT, max_tokens=16)
+    assert run_fixed_k(request, proposer, target, 3, stats=stats) == reference_greedy(tiny_lm, PROMPT, 16)
+    assert stats.drafted >= 3 * (stats.rounds - 4)
+
+
+def test_the_speculators_layouts_eagle1_is_read_and_what_it_cannot_be_is_refused(tiny_lm, tmp_path):
+    """EAGLE-1 (and HASS) in the speculators layout: fusion_fc and transformer keys, `fusion_bias`; refused by
+    name: its `layernorms` variant, other kinds, another layer type, more than one layer, the embeddings' id."""
+    head = head_for(tiny_lm, EAGLE)
+    renamed = {("fusion_fc." + key[3:] if key.startswith("fc.") else "transformer." + key[9:]): value.contiguous()
+               for key, value in head.state_dict().items() if not key.startswith("rotary.")}
+    renamed["lm_head.weight"] = tiny_lm.get_output_embeddings().weight.detach().clone()  # the verifier's, unused
+    layer = {key: value for key, value in head.config.to_json().items() if key != "architectures"}
+    config = {"speculators_model_type": "eagle", "layernorms": False, "fusion_bias": False,
+              "transformer_layer_config": {**layer, "num_hidden_layers": 32}}
+    (tmp_path / "eagle").mkdir()
+    (tmp_path / "eagle" / "config.json").write_text(json.dumps(config))
+    save_file(renamed, str(tmp_path / "eagle" / "model.safetensors"))
+    back = load_head(tmp_path / "eagle", dtype=torch.float64)
+    assert back.config.kind == EAGLE and not back.config.fc_bias
+    for key, value in head.state_dict().items():
+        assert torch.equal(back.state_dict()[key], value), key
+    refused = [({**config, "layernorms": True}, "an EAGLE head with `layernorms`"),
+               ({**config, "speculators_model_type": "mlp"}, "speculators_model_type 'mlp'"),
+               ({**config, "transformer_layer_config": {**layer, "model_type": "qwen3"}}, "model_type 'qwen3'")]
+    for bad, message in refused:
+        (tmp_path / "eagle" / "config.json").write_text(json.dumps(bad))
+        with pytest.raises(HeadError, match=message):
+            load_head(tmp_path / "eagle")
+    three = speculators_eagle3(tiny_lm, tmp_path / "three", head_for(tiny_lm, EAGLE3))
+    state = load_file(str(three / "model.safetensors"))
+    save_file({**state, "layers.1.mlp.up_proj.weight": state["layers.0.mlp.up_proj.weight"].clone()},
+              str(three / "model.safetensors"))
+    with pytest.raises(HeadError, match="an EAGLE-3 head of 2 decoder layers"):
+        load_head(three)
+    config = json.loads((three / "config.json").read_text())
+    (three / "config.json").write_text(json.dumps({**config, "eagle_aux_hidden_state_layer_ids": [0, 1, 2]}))
+    with pytest.raises(HeadError, match=r"the embeddings \(id 0\)"):
+        load_head(three)
+
+
 def test_heads_that_do_not_fit_are_refused_naming_both(tiny_lm, tmp_path):
     from transformers import LlamaConfig
     other = LlamaConfig(vocab_size=120, hidden_size=48, intermediate_size=64, num_hidden_layers=2,

@@ -34,6 +34,10 @@ def test_each_method_stands_for_a_draft_of_this_server(tmp_path):
     # no method: a head's config (or an EAGLE in its name) is a head, anything else a draft model
     assert read(json.dumps({"model": str(head)})).head == str(head)
     assert read(json.dumps({"model": str(draft)})).draft == str(draft)
+    speculators = tmp_path / "a-speculator"  # the speculators library's layout: its kind named in the config
+    speculators.mkdir()
+    (speculators / "config.json").write_text(json.dumps({"speculators_model_type": "eagle"}))
+    assert read(json.dumps({"model": str(speculators)})).head == str(speculators)
     (tmp_path / "odd").mkdir()
     (tmp_path / "odd" / "config.json").write_text("[1, 2]")  # not a model's config: a draft model, whose load says so
     assert read(json.dumps({"model": str(tmp_path / "odd")})).draft == str(tmp_path / "odd")

@@ -36,9 +36,12 @@ def sample(tiny_lm):
                                final=states[-1][0])
 
 
-@pytest.mark.parametrize("kind", [EAGLE, EAGLE3])
+@pytest.mark.parametrize("kind", [EAGLE, EAGLE3, "eagle3-normed"])
 def test_the_training_time_test_computes_what_drafting_serves(tiny_lm, sample, kind):
-    head = random_head(kind, tiny_lm.config, seed=2, aux_layers=AUX if kind == EAGLE3 else ()).to(torch.float64)
+    normed = kind == "eagle3-normed"  # the speculators library's variant: residual normed, a norm before fc
+    kind = EAGLE3 if normed else kind
+    head = random_head(kind, tiny_lm.config, seed=2, aux_layers=AUX if kind == EAGLE3 else (),
+                       norm_before_residual=normed, norm_before_fc=normed).to(torch.float64)
     head.attach(*target_tensors(tiny_lm))
     tokens = sample.tokens
     entries = len(tokens) - 1

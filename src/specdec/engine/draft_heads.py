@@ -14,8 +14,9 @@ A head drafts from the target's own features (hidden states) rather than from to
 
 The target's states are the executor's `hidden_layers` (the residual stream after a layer; the last one's
 after the final norm, transformers' `hidden_states[l + 1]`): `HeadConfig.feature_layers` says which.
-Published key names (SafeAILab/EAGLE, FasterDecoding/Medusa) and vLLM's renamed ones are both read;
-`save_head` writes the published ones. Facts and sources: docs/drafts.md.
+Published key names (SafeAILab/EAGLE, FasterDecoding/Medusa), vLLM's renamed ones and the speculators
+library's layout (`speculators_layout`) are read; `save_head` writes the published ones. Facts and sources:
+docs/drafts.md.
 """
 
 from __future__ import annotations
@@ -55,6 +56,10 @@ class HeadConfig:
     # empty: the default, the states entering layers 2, N // 2 and N - 3 of an N-layer target
     aux_layers: tuple[int, ...] = ()
     target_hidden_size: int = 0  # EAGLE-3: the target's width, when it differs from the head's
+    # EAGLE-3, as vLLM and the speculators library read them: the layer's residual is hidden_norm(g) rather
+    # than g; an RMSNorm (`input_norm`, 3h) over the target's states before fc
+    norm_before_residual: bool = False
+    norm_before_fc: bool = False
     medusa_heads: int = 0
     medusa_layers: int = 0
     raw: dict = field(default_factory=dict, compare=False)  # config.json as read (rotary settings)
@@ -79,6 +84,9 @@ class HeadConfig:
 
     @classmethod
     def from_json(cls, raw: dict, where: str) -> HeadConfig:
+        if "speculators_model_type" in raw:
+            raw = speculators_layout(raw, where)
+
         def need(key):
             if key not in raw:
                 raise HeadError(f"{where}: config.json has no {key!r}")
@@ -87,20 +95,23 @@ class HeadConfig:
             return cls(MEDUSA, need("hidden_size"), need("vocab_size"), medusa_heads=int(raw["medusa_num_heads"]),
                        medusa_layers=int(raw.get("medusa_num_layers", 1)), raw=raw)
         eagle3 = "draft_vocab_size" in raw or any("eagle3" in a.lower() for a in raw.get("architectures", []))
-        ids = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") or ()
         return cls(EAGLE3 if eagle3 else EAGLE, need("hidden_size"), need("vocab_size"),
                    draft_vocab_size=int(raw.get("draft_vocab_size") or 0) if eagle3 else 0,
                    num_attention_heads=need("num_attention_heads"),
                    num_key_value_heads=raw.get("num_key_value_heads") or raw["num_attention_heads"],
                    intermediate_size=need("intermediate_size"), rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-                   fc_bias=bool(raw.get("bias", False)) and not eagle3, aux_layers=tuple(int(i) for i in ids),
-                   target_hidden_size=int(raw.get("target_hidden_size") or 0), raw=raw)
+                   fc_bias=bool(raw.get("bias", False)) and not eagle3,
+                   aux_layers=_aux_layers(raw, where) if eagle3 else (),
+                   target_hidden_size=int(raw.get("target_hidden_size") or 0),
+                   norm_before_residual=eagle3 and bool(raw.get("norm_before_residual", False)),
+                   norm_before_fc=eagle3 and bool(raw.get("norm_before_fc", False)), raw=raw)
 
     def to_json(self) -> dict:
         if self.kind == MEDUSA:
             return {**self.raw, "hidden_size": self.hidden_size, "vocab_size": self.vocab_size,
                     "medusa_num_heads": self.medusa_heads, "medusa_num_layers": self.medusa_layers}
-        out = {**self.raw, "model_type": "llama", "num_hidden_layers": 1, "hidden_size": self.hidden_size,
+        raw = {key: value for key, value in self.raw.items() if key != TOP_LEVEL_AUX}  # written nested, below
+        out = {**raw, "model_type": "llama", "num_hidden_layers": 1, "hidden_size": self.hidden_size,
                "vocab_size": self.vocab_size, "num_attention_heads": self.num_attention_heads,
                "num_key_value_heads": self.num_key_value_heads, "intermediate_size": self.intermediate_size,
                "rms_norm_eps": self.rms_norm_eps, "hidden_act": "silu"}
@@ -110,9 +121,56 @@ class HeadConfig:
                 out["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(self.aux_layers)}
             if self.target_hidden_size:
                 out["target_hidden_size"] = self.target_hidden_size
+            out.update({name: True for name in ("norm_before_residual", "norm_before_fc") if getattr(self, name)})
         else:
             out.update(architectures=["LlamaForCausalLM"], bias=self.fc_bias)
         return out
+
+
+TOP_LEVEL_AUX = "eagle_aux_hidden_state_layer_ids"  # vLLM's and the speculators library's place for them
+
+
+def _aux_layers(raw: dict, where: str) -> tuple[int, ...]:
+    """An EAGLE-3 config's layer ids as the executor's hidden_layers (outputs of those layers). Two
+    conventions: `eagle_config.eagle_aux_hidden_state_layer_ids` (ModelOpt's export, as SGLang reads it:
+    the outputs of those layers) and a top-level list (vLLM's and the speculators library's: the states
+    entering those layers, transformers' hidden_states[i], i = N the last layer's after the final norm)."""
+    nested = (raw.get("eagle_config") or {}).get(TOP_LEVEL_AUX)
+    if nested:
+        return tuple(int(i) for i in nested)
+    entering = [int(i) for i in raw.get(TOP_LEVEL_AUX) or ()]
+    if any(i < 1 for i in entering):
+        raise HeadError(f"{where}: {TOP_LEVEL_AUX} {entering}: the embeddings (id 0) are not a layer's states "
+                        "this server serves")
+    return tuple(i - 1 for i in entering)
+
+
+def speculators_layout(raw: dict, where: str) -> dict:
+    """A config in the speculators library's layout (vLLM loads it as it is; RedHatAI publishes heads in it)
+    as the flat one EAGLE's authors publish: the decoder layer's settings (`transformer_layer_config`, a
+    Llama layer) at the top, with the head's own (draft_vocab_size, norm_before_residual, norm_before_fc,
+    target_hidden_size, the layer ids). An EAGLE-1 (or HASS) head's `fusion_bias` is its fc's bias; its
+    `layernorms` variant (norms around the layer EAGLE-1 has not) is refused, as is any other kind."""
+    kind = raw["speculators_model_type"]
+    if kind not in (EAGLE, EAGLE3):
+        raise HeadError(f"{where}: speculators_model_type {kind!r}: this server reads the 'eagle' and 'eagle3' "
+                        "kinds of that layout")
+    layer = dict(raw.get("transformer_layer_config") or {})
+    if layer.get("model_type", "llama") != "llama":
+        raise HeadError(f"{where}: transformer_layer_config.model_type {layer['model_type']!r}: this server's "
+                        "heads have a Llama decoder layer")
+    flat = {key: value for key, value in layer.items() if key not in ("architectures", "num_hidden_layers")}
+    if kind == EAGLE:
+        if raw.get("layernorms"):
+            raise HeadError(f"{where}: an EAGLE head with `layernorms` (an embedding norm, an input norm and a "
+                            "norm before the lm_head): this server reads EAGLE-1's layer without them")
+        return {**flat, "architectures": ["LlamaForCausalLM"], "bias": bool(raw.get("fusion_bias", False))}
+    flat.update(architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=int(raw.get("draft_vocab_size") or
+                                                                             layer.get("vocab_size") or 0))
+    for key in ("norm_before_residual", "norm_before_fc", "target_hidden_size", TOP_LEVEL_AUX):
+        if raw.get(key) is not None:
+            flat[key] = raw[key]
+    return flat
 
 
 class _Attention(nn.Module):
@@ -243,6 +301,8 @@ class EagleHead(nn.Module):
         self.config = config
         h = config.hidden_size
         if config.kind == EAGLE3:
+            if config.norm_before_fc:
+                self.input_norm = RMSNorm(config.feature_width, config.rms_norm_eps)
             self.fc = nn.Linear(config.feature_width, h, bias=False)
             self.midlayer = _Layer(config)
             self.norm = RMSNorm(h, config.rms_norm_eps)
@@ -277,7 +337,13 @@ class EagleHead(nn.Module):
 
     def from_target(self, features: torch.Tensor) -> torch.Tensor:
         """The hidden input of the target's positions: EAGLE-3's fc over its (m, 3h) states; EAGLE-1's as they are."""
-        return self.fc(features) if self.config.kind == EAGLE3 else features
+        if self.config.kind != EAGLE3:
+            return features
+        return self.fc(self.input_norm(features) if self.config.norm_before_fc else features)
+
+    def residual(self, hidden: torch.Tensor, normed: torch.Tensor) -> torch.Tensor:
+        """EAGLE-3: what its layer adds attention's output to, given its hidden input g and hidden_norm(g)."""
+        return normed if self.config.norm_before_residual else hidden
 
     def forward(self, tokens: torch.Tensor, hidden: torch.Tensor, cache: HeadCache, start: int
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -293,8 +359,9 @@ class EagleHead(nn.Module):
         cos, sin = self.rotary(hidden, positions[None])
         if self.config.kind == EAGLE3:
             layer = self.midlayer
-            x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden)], dim=-1)
-            residual = hidden
+            normed = layer.hidden_norm(hidden)
+            x = torch.cat([layer.input_layernorm(embeds), normed], dim=-1)
+            residual = self.residual(hidden, normed)
         else:
             layer = self.layers[0]
             x = residual = self.fc(torch.cat([embeds, hidden], dim=-1))
@@ -352,13 +419,24 @@ def rows_forward(head: EagleHead | MedusaHeads, most: int = 16) -> Callable[[int
     return lambda n: head(tokens[:n], hidden[:n], HeadCache(), 0)
 
 
+# In a speculators-layout file: the target's own tensors, kept for training (the embedding is the target's too)
+VERIFIER_KEYS = ("verifier_norm.weight", "verifier_lm_head.weight")
+
+
 def _published(kind: str, state: dict) -> dict:
-    """Key names as the authors publish them, from vLLM's renamed ones where a file has those."""
+    """Key names as the authors publish them, from vLLM's renamed ones or the speculators library's where a
+    file has those (EAGLE-1's fusion_fc and transformer, its lm_head the target's)."""
     out = {}
+    speculators_eagle = kind == EAGLE and "fusion_fc.weight" in state
     for key, value in state.items():
         key = key.removeprefix("model.")
+        if key in VERIFIER_KEYS or (speculators_eagle and key == "lm_head.weight"):
+            continue
         if kind == EAGLE3:
             key = key.replace("layers.0.", "midlayer.", 1) if key.startswith("layers.0.") else key
+        if speculators_eagle:
+            key = "fc." + key.removeprefix("fusion_fc.") if key.startswith("fusion_fc.") else key
+            key = "layers.0." + key.removeprefix("transformer.") if key.startswith("transformer.") else key
         if kind == MEDUSA:
             parts = key.split(".")
             if parts[0] == "blocks":  # blocks.{i}.layers.{j}.weight -> {i}.{j}.linear.weight
@@ -396,8 +474,14 @@ def load_head(path: str | Path, device: str | torch.device = "cpu", dtype: torch
         state = {f"heads.{key}": value for key, value in state.items()}
     else:
         module = EagleHead(config)
+        layers = {key.split(".")[1] for key in state if key.startswith("layers.")}
+        if config.kind == EAGLE3 and layers:
+            raise HeadError(f"{path}: an EAGLE-3 head of {len(layers) + 1} decoder layers: this server's heads "
+                            "have one")
     missing, unexpected = module.load_state_dict(state, strict=False)
-    missing = [key for key in missing if not key.startswith("rotary.")]
+    # d2t and t2d are left out of a file whose draft vocabulary is the target's (the identity: as made)
+    mapped = config.kind == EAGLE3 and 0 < config.draft_vocab_size < config.vocab_size
+    missing = [key for key in missing if not key.startswith("rotary.") and (mapped or key not in ("d2t", "t2d"))]
     if missing or unexpected:
         raise HeadError(f"{path}: not a {config.kind} head's weights: missing {sorted(missing)[:6]}, "
                         f"unexpected {sorted(unexpected)[:6]}")
@@ -423,7 +507,8 @@ def save_head(head: EagleHead | MedusaHeads, path: str | Path) -> Path:
 
 
 def random_head(kind: str, target_config, seed: int = 0, draft_vocab_size: int = 0, medusa_heads: int = 4,
-                aux_layers: tuple[int, ...] = ()) -> EagleHead | MedusaHeads:
+                aux_layers: tuple[int, ...] = (), norm_before_residual: bool = False, norm_before_fc: bool = False
+                ) -> EagleHead | MedusaHeads:
     """A head of `kind` shaped for a transformers target config, with random weights (fixed seed): a head of
     no quality, which speculation must still keep lossless (tests), and where training starts."""
     text = target_config.get_text_config()
@@ -436,7 +521,8 @@ def random_head(kind: str, target_config, seed: int = 0, draft_vocab_size: int =
                         num_key_value_heads=text.num_key_value_heads or text.num_attention_heads,
                         intermediate_size=text.intermediate_size, rms_norm_eps=text.rms_norm_eps,
                         aux_layers=tuple(aux_layers), medusa_heads=medusa_heads if kind == MEDUSA else 0,
-                        medusa_layers=1 if kind == MEDUSA else 0, raw=raw)
+                        medusa_layers=1 if kind == MEDUSA else 0, norm_before_residual=norm_before_residual,
+                        norm_before_fc=norm_before_fc, raw=raw)
     torch.manual_seed(seed)
     head = MedusaHeads(config) if kind == MEDUSA else EagleHead(config)
     with torch.no_grad():

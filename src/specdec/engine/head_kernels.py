@@ -139,7 +139,7 @@ class HeadKernels:
         if self.eagle3:
             x = torch.cat([fn.rms_norm(embeds, layer.input_layernorm.weight, eps),
                            fn.rms_norm(hidden.contiguous(), layer.hidden_norm.weight, eps)], dim=-1)
-            residual = hidden
+            residual = head.residual(hidden, x[:, hidden.shape[1]:])  # (the norms' outputs may share a buffer)
         else:
             x = residual = head.fc(torch.cat([embeds, hidden], dim=-1))
         attn = layer.self_attn

@@ -115,4 +115,5 @@ def _is_head(path: str) -> bool:
         return False
     architectures = " ".join(a for a in config.get("architectures") or [] if isinstance(a, str)).lower()
     return "medusa_num_heads" in config or "draft_vocab_size" in config or "eagle" in architectures \
+        or config.get("speculators_model_type") in HEADS \
         or "eagle" in Path(path).name.lower()

@@ -61,7 +61,8 @@ def unrolled(head: EagleHead, batch: Batch, steps: int, device) -> list[torch.Te
     attn = layer.self_attn
     tokens = batch.tokens.to(device)
     size, entries = tokens.shape[0], tokens.shape[1] - 1
-    hidden = head.fc(batch.features[:, :entries].to(device)) if eagle3 else batch.final[:, :entries].to(device)
+    features = batch.features if eagle3 else batch.final
+    hidden = head.from_target(features[:, :entries].to(device))  # EAGLE-1: the target's final states as they are
     keys, values, out = [], [], []
     for j in range(steps):
         count = entries - j  # chains whose step-j row exists
@@ -70,8 +71,9 @@ def unrolled(head: EagleHead, batch: Batch, steps: int, device) -> list[torch.Te
         ids = tokens[:, j + 1:j + 1 + count]  # entry i + j reads token i + j + 1
         embeds = nn.functional.embedding(ids, head.embed).to(hidden.dtype)
         if eagle3:
-            x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden[:, :count])], dim=-1)
-            residual = hidden[:, :count]
+            normed = layer.hidden_norm(hidden[:, :count])
+            x = torch.cat([layer.input_layernorm(embeds), normed], dim=-1)
+            residual = head.residual(hidden[:, :count], normed)
         else:  # EAGLE-1: fc over [embed ‖ feature], no input norm
             x = residual = head.fc(torch.cat([embeds, hidden[:, :count]], dim=-1))
         positions = torch.arange(j, j + count, device=device)
