@@ -13,8 +13,8 @@ from specdec.decoding.loop import GenerationRequest, Stats, generate
 from specdec.decoding.ngram_proposer import NgramProposer
 from specdec.decoding.sampling import SamplingParams
 from specdec.engine.build import dynamic_executor, static_executor
-from specdec.engine.draft_heads import (EAGLE, EAGLE3, KINDS, MEDUSA, HeadCache, HeadError, borrowed, check_fits,
-                                        load_head, load_head_for, random_head, rows_forward, save_head,
+from specdec.engine.draft_heads import (EAGLE, EAGLE3, KINDS, MEDUSA, HeadCache, HeadConfig, HeadError, borrowed,
+                                        check_fits, load_head, load_head_for, random_head, rows_forward, save_head,
                                         shared_target_tensors, target_tensors)
 from specdec.engine.head_executor import HeadExecutor
 from specdec.engine.local import LocalProposer, LocalScorer
@@ -225,6 +225,20 @@ def test_the_speculators_layouts_eagle1_is_read_and_what_it_cannot_be_is_refused
     (three / "config.json").write_text(json.dumps({**config, "eagle_aux_hidden_state_layer_ids": [0, 1, 2]}))
     with pytest.raises(HeadError, match=r"the embeddings \(id 0\)"):
         load_head(three)
+
+
+def test_layer_ids_outside_the_speculators_layout_are_the_outputs_of_those_layers():
+    """ModelOpt's export (NVIDIA's heads) writes the ids of the layers whose outputs it trained on, nested in
+    eagle_config or at the top; the speculators layout the layers those states enter."""
+    base = {"hidden_size": 32, "vocab_size": 97, "num_attention_heads": 4, "intermediate_size": 64,
+            "architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": 64}
+    for raw in ({**base, "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 29, 57]}},
+                {**base, "eagle_aux_hidden_state_layer_ids": [1, 29, 57]},
+                {"speculators_model_type": "eagle3", "draft_vocab_size": 64, "transformer_layer_config": base,
+                 "eagle_aux_hidden_state_layer_ids": [2, 30, 58]}):
+        config = HeadConfig.from_json(raw, "/heads/h")
+        assert config.aux_layers == (1, 29, 57) and config.feature_layers(61) == (1, 29, 57)
+        assert HeadConfig.from_json(config.to_json(), "/again").aux_layers == (1, 29, 57)
 
 
 def test_heads_that_do_not_fit_are_refused_naming_both(tiny_lm, tmp_path):

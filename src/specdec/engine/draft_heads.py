@@ -101,7 +101,7 @@ class HeadConfig:
                    num_key_value_heads=raw.get("num_key_value_heads") or raw["num_attention_heads"],
                    intermediate_size=need("intermediate_size"), rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
                    fc_bias=bool(raw.get("bias", False)) and not eagle3,
-                   aux_layers=_aux_layers(raw, where) if eagle3 else (),
+                   aux_layers=_aux_layers(raw) if eagle3 else (),
                    target_hidden_size=int(raw.get("target_hidden_size") or 0),
                    norm_before_residual=eagle3 and bool(raw.get("norm_before_residual", False)),
                    norm_before_fc=eagle3 and bool(raw.get("norm_before_fc", False)), raw=raw)
@@ -110,7 +110,7 @@ class HeadConfig:
         if self.kind == MEDUSA:
             return {**self.raw, "hidden_size": self.hidden_size, "vocab_size": self.vocab_size,
                     "medusa_num_heads": self.medusa_heads, "medusa_num_layers": self.medusa_layers}
-        raw = {key: value for key, value in self.raw.items() if key != TOP_LEVEL_AUX}  # written nested, below
+        raw = {key: value for key, value in self.raw.items() if key != AUX_IDS}  # written nested, below
         out = {**raw, "model_type": "llama", "num_hidden_layers": 1, "hidden_size": self.hidden_size,
                "vocab_size": self.vocab_size, "num_attention_heads": self.num_attention_heads,
                "num_key_value_heads": self.num_key_value_heads, "intermediate_size": self.intermediate_size,
@@ -127,22 +127,15 @@ class HeadConfig:
         return out
 
 
-TOP_LEVEL_AUX = "eagle_aux_hidden_state_layer_ids"  # vLLM's and the speculators library's place for them
+AUX_IDS = "eagle_aux_hidden_state_layer_ids"
 
 
-def _aux_layers(raw: dict, where: str) -> tuple[int, ...]:
-    """An EAGLE-3 config's layer ids as the executor's hidden_layers (outputs of those layers). Two
-    conventions: `eagle_config.eagle_aux_hidden_state_layer_ids` (ModelOpt's export, as SGLang reads it:
-    the outputs of those layers) and a top-level list (vLLM's and the speculators library's: the states
-    entering those layers, transformers' hidden_states[i], i = N the last layer's after the final norm)."""
-    nested = (raw.get("eagle_config") or {}).get(TOP_LEVEL_AUX)
-    if nested:
-        return tuple(int(i) for i in nested)
-    entering = [int(i) for i in raw.get(TOP_LEVEL_AUX) or ()]
-    if any(i < 1 for i in entering):
-        raise HeadError(f"{where}: {TOP_LEVEL_AUX} {entering}: the embeddings (id 0) are not a layer's states "
-                        "this server serves")
-    return tuple(i - 1 for i in entering)
+def _aux_layers(raw: dict) -> tuple[int, ...]:
+    """An EAGLE-3 config's layer ids: the outputs of those layers (the executor's hidden_layers), as ModelOpt
+    exports them (in `eagle_config`, or at the top: NVIDIA's published heads) and SGLang reads them. (vLLM reads
+    them as the states entering those layers; the speculators library writes them so: `speculators_layout`.)"""
+    ids = (raw.get("eagle_config") or {}).get(AUX_IDS) or raw.get(AUX_IDS) or ()
+    return tuple(int(i) for i in ids)
 
 
 def speculators_layout(raw: dict, where: str) -> dict:
@@ -167,9 +160,17 @@ def speculators_layout(raw: dict, where: str) -> dict:
         return {**flat, "architectures": ["LlamaForCausalLM"], "bias": bool(raw.get("fusion_bias", False))}
     flat.update(architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=int(raw.get("draft_vocab_size") or
                                                                              layer.get("vocab_size") or 0))
-    for key in ("norm_before_residual", "norm_before_fc", "target_hidden_size", TOP_LEVEL_AUX):
+    for key in ("norm_before_residual", "norm_before_fc", "target_hidden_size"):
         if raw.get(key) is not None:
             flat[key] = raw[key]
+    # its layer ids: the states entering those layers (transformers' hidden_states[i], as vLLM captures them;
+    # i = N: the last layer's output after the final norm), kept as the outputs of layers i - 1
+    entering = [int(i) for i in raw.get(AUX_IDS) or ()]
+    if any(i < 1 for i in entering):
+        raise HeadError(f"{where}: {AUX_IDS} {entering}: the embeddings (id 0) are not a layer's states this "
+                        "server serves")
+    if entering:
+        flat["eagle_config"] = {AUX_IDS: [i - 1 for i in entering]}
     return flat
 
 
