@@ -8,7 +8,7 @@ import pytest
 from specdec import tensor_names as tn
 from specdec.serving import launcher, repository
 from specdec.serving.pairs import PairSpec
-from specdec.serving.speculative_config import Speculation, read
+from specdec.serving.speculative_config import Speculation, Speculator, read, speculator
 
 
 def test_each_method_stands_for_a_draft_of_this_server(tmp_path):
@@ -108,3 +108,39 @@ def test_prompt_lookups_bounds_are_speculative_decodings_parameters(tmp_path):
     assert f'key: "lookup_max_ngram", value: {{ string_value: "{tn.LOOKUP_NGRAM[1]}" }}' in config
     repository.override(repo, "speculative_decoding.lookup_max_ngram=6")
     assert 'key: "lookup_max_ngram", value: { string_value: "6" }' in (repo / "speculative_decoding" / "config.pbtxt").read_text()
+
+
+def test_a_speculator_given_as_the_target_serves_its_verifier_with_it_as_vllm_does(tmp_path, monkeypatch, capsys):
+    """`vllm serve RedHatAI/...speculator.eagle3`: the head's verifier the target, the head its draft, K its
+    default proposal method's; a verifier that is not a directory here, or drafting flags beside it, refused."""
+    verifier, head = tmp_path / "Llama-3.1-8B-Instruct", tmp_path / "speculator.eagle3"
+    verifier.mkdir()
+    head.mkdir()
+    (verifier / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    config = {"speculators_model_type": "eagle3", "draft_vocab_size": 32000,
+              "speculators_config": {"default_proposal_method": "greedy", "proposal_methods": [
+                  {"proposal_type": "tree", "speculative_tokens": 7},
+                  {"proposal_type": "greedy", "speculative_tokens": 5}],
+                  "verifier": {"name_or_path": str(verifier)}}}
+    (head / "config.json").write_text(json.dumps(config))
+    assert speculator(str(head)) == Speculator(target=str(verifier), head=str(head), num_draft_tokens=5)
+    assert speculator(str(verifier)) is None and speculator(str(tmp_path / "none")) is None
+    rendered = []
+    monkeypatch.setattr(launcher.repository, "render", lambda pair, dest: rendered.append(pair) or dest)
+    monkeypatch.setattr(launcher, "triton_layout", lambda *a, **k: (_ for _ in ()).throw(SystemExit(7)))
+    with pytest.raises(SystemExit):
+        launcher.main(["--target", str(head), "--run-dir", str(tmp_path / "run")])
+    pair = rendered[-1]
+    assert (pair.target_path, pair.tokenizer_path, pair.default_num_draft_tokens) == (str(verifier), str(verifier), 5)
+    assert list(pair.draft_heads.values()) == [str(head)] or list(pair.hosted_heads.values()) == [str(head)]
+    with pytest.raises(SystemExit):  # an explicit K wins
+        launcher.main(["--target", str(head), "--num-draft-tokens", "2", "--run-dir", str(tmp_path / "run")])
+    assert rendered[-1].default_num_draft_tokens == 2
+    for argv in (["--draft-head", str(head)], ["--draft", "suffix"]):
+        with pytest.raises(SystemExit):
+            launcher.parse_args(["--target", str(head), *argv])
+        assert "is a draft head with its verifier" in capsys.readouterr().err
+    config["speculators_config"]["verifier"]["name_or_path"] = "meta-llama/Llama-3.1-8B-Instruct"
+    (head / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="verifier 'meta-llama/Llama-3.1-8B-Instruct' is not a directory here"):
+        speculator(str(head))

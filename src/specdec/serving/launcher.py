@@ -567,6 +567,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.speculative_ignored = ()
     if args.speculative_config is not None:
         _apply_speculative_config(parser, args)
+    if args.target and Path(args.target).is_dir():
+        _apply_speculator(parser, args)
     if not any(arg.startswith("--model-control-mode=") for arg in extra):
         # Explicit model control lets the watchdog reload one model in place (`--load-model=*`: all of
         # them at start, as in the default mode). The repository API it opens answers only this launcher:
@@ -600,6 +602,24 @@ def _apply_speculative_config(parser: argparse.ArgumentParser, args: argparse.Na
         args.max_num_draft_tokens = max(args.max_num_draft_tokens, spec.num_draft_tokens)
     args.set = [*spec.settings, *args.set]  # (an explicit --set of the same parameter wins)
     args.speculative_ignored = spec.ignored
+
+
+def _apply_speculator(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--target a head in the speculators library's layout: served as vLLM serves it, its verifier the target
+    and itself the head (speculative_config.speculator); refused beside flags that draft otherwise."""
+    try:
+        found = speculative_config.speculator(args.target)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if found is None:
+        return
+    if args.draft != tn.NGRAM or args.draft_head or args.speculative_config is not None:
+        parser.error(f"--target {args.target} is a draft head with its verifier; --draft, --draft-head and "
+                     f"{speculative_config.FLAG} draft otherwise: give the verifier as --target to choose")
+    args.target, args.draft_head = found.target, [found.head]
+    if found.num_draft_tokens and args.num_draft_tokens == tn.DEFAULT_NUM_DRAFT_TOKENS:
+        args.num_draft_tokens = found.num_draft_tokens
+        args.max_num_draft_tokens = max(args.max_num_draft_tokens, found.num_draft_tokens)
 
 
 def main(argv: list[str] | None = None) -> int:

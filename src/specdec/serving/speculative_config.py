@@ -9,6 +9,11 @@ line's speculation serves here as it is written.
 | `draft_model` (`model`: a small LM) | `--draft PATH` |
 | none, with `model` | a head where the directory's config.json is one (EAGLE's, EAGLE-3's, Medusa's), else a draft model |
 
+A directory in the speculators library's layout given as the model to serve (`vllm serve
+RedHatAI/Llama-3.1-8B-Instruct-speculator.eagle3`) is served as vLLM serves it (`speculator`): its verifier
+(`speculators_config.verifier.name_or_path`, a directory here: nothing is downloaded) as the target, the
+directory as the head, K its default proposal method's `speculative_tokens`.
+
 `num_speculative_tokens` K is `--num-draft-tokens K`: the most a round drafts; the adaptive draft length picks
 each round's K up to it (vLLM drafts K every round; the output is the same either way, only the speed differs).
 Keys that tune vLLM's own engine (its parallelism, batching, padding) change nothing here and are logged;
@@ -104,14 +109,50 @@ def read(text: str) -> Speculation:
                        ignored=tuple(sorted(set(config) & set(ENGINE_KEYS))))
 
 
-def _is_head(path: str) -> bool:
-    """Whether a directory's config.json is a trained head's (EAGLE's, EAGLE-3's, Medusa's), as vLLM tells
-    them apart when no method is given."""
+@dataclass(frozen=True)
+class Speculator:
+    """A speculators-layout head served with its verifier (vLLM's `serve SPECULATOR`)."""
+
+    target: str  # the verifier's directory
+    head: str
+    num_draft_tokens: int = 0  # its default proposal method's speculative_tokens; 0: none said
+
+
+def speculator(path: str) -> Speculator | None:
+    """`path` as vLLM reads a model directory in the speculators library's layout: its verifier and itself as
+    the head (None for a directory of any other model). A verifier that is not a directory here is refused,
+    naming it and what to give instead (this server downloads nothing at start)."""
+    config = _config(path)
+    if config is None or config.get("speculators_model_type") not in HEADS:
+        return None
+    settings = config.get("speculators_config") if isinstance(config.get("speculators_config"), dict) else {}
+    verifier = (settings.get("verifier") or {}).get("name_or_path") or ""
+    if not verifier or not Path(verifier).is_dir():
+        raise ValueError(f"{path} is a draft head (the speculators library's layout) whose verifier "
+                         f"{verifier or '(none named)'!r} is not a directory here: give the verifier's directory as "
+                         f"the target and {path} as --draft-head (the chart: models.fetch.targetRepo the verifier, "
+                         "draftRepo the head, models.draft.method head)")
+    methods = [method for method in settings.get("proposal_methods") or [] if isinstance(method, dict)]
+    default = settings.get("default_proposal_method")
+    chosen = next((method for method in methods if method.get("proposal_type") == default),
+                  methods[0] if methods else {})
+    return Speculator(target=verifier, head=path, num_draft_tokens=int(chosen.get("speculative_tokens") or 0))
+
+
+def _config(path: str) -> dict | None:
+    """A directory's config.json as a dict; None where it has none or it is not one."""
     try:
         config = json.loads((Path(path) / "config.json").read_text())
     except (OSError, ValueError):
-        return False
-    if not isinstance(config, dict):
+        return None
+    return config if isinstance(config, dict) else None
+
+
+def _is_head(path: str) -> bool:
+    """Whether a directory's config.json is a trained head's (EAGLE's, EAGLE-3's, Medusa's), as vLLM tells
+    them apart when no method is given."""
+    config = _config(path)
+    if config is None:
         return False
     architectures = " ".join(a for a in config.get("architectures") or [] if isinstance(a, str)).lower()
     return "medusa_num_heads" in config or "draft_vocab_size" in config or "eagle" in architectures \
