@@ -227,6 +227,36 @@ def test_the_speculators_layouts_eagle1_is_read_and_what_it_cannot_be_is_refused
         load_head(three)
 
 
+@pytest.mark.parametrize("kind", [EAGLE, EAGLE3])
+def test_a_head_written_in_the_speculators_layout_has_its_names_and_is_read_back(tiny_lm, tmp_path, kind):
+    """What vLLM serves as it is: speculators_model_type, the layer's settings a transformers LlamaConfig, the
+    layer ids as the states entering the next layers, layers.0 (EAGLE-3) or fusion_fc / transformer keys."""
+    from transformers import LlamaConfig
+    head = head_for(tiny_lm, kind, **({"norm_before_residual": True} if kind == EAGLE3 else {}))
+    save_head(head, tmp_path / "h", layout="speculators", verifier="/models/target", speculative_tokens=4)
+    config = json.loads((tmp_path / "h" / "config.json").read_text())
+    keys = set(load_file(str(tmp_path / "h" / "model.safetensors")))
+    assert config["speculators_model_type"] == kind
+    assert config["speculators_config"]["verifier"]["name_or_path"] == "/models/target"
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 4
+    layer = LlamaConfig(**config["transformer_layer_config"])
+    assert (layer.hidden_size, layer.head_dim, layer.num_key_value_heads, layer.num_hidden_layers) == (
+        head.config.hidden_size, head.config.head_dim, head.config.num_key_value_heads, 1)
+    if kind == EAGLE3:
+        assert config["eagle_aux_hidden_state_layer_ids"] == [i + 1 for i in AUX] and config["norm_before_residual"]
+        assert {"fc.weight", "layers.0.hidden_norm.weight", "layers.0.self_attn.q_proj.weight", "d2t", "t2d",
+                "lm_head.weight", "norm.weight"} <= keys and not any(key.startswith("midlayer.") for key in keys)
+    else:
+        assert {"fusion_fc.weight", "transformer.self_attn.q_proj.weight", "transformer.mlp.up_proj.weight"} <= keys
+        assert not config["layernorms"] and not any(key.startswith(("fc.", "layers.")) for key in keys)
+    back = load_head(tmp_path / "h", dtype=torch.float64)
+    assert (back.config.aux_layers, back.config.norm_before_residual) == (head.config.aux_layers,
+                                                                         head.config.norm_before_residual)
+    assert all(torch.equal(back.state_dict()[key], value) for key, value in head.state_dict().items())
+    with pytest.raises(ValueError, match="the speculators layout holds EAGLE heads"):
+        save_head(head_for(tiny_lm, MEDUSA), tmp_path / "m", layout="speculators")
+
+
 def test_layer_ids_outside_the_speculators_layout_are_the_outputs_of_those_layers():
     """ModelOpt's export (NVIDIA's heads) writes the ids of the layers whose outputs it trained on, nested in
     eagle_config or at the top; the speculators layout the layers those states enter."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gzip
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -149,6 +150,19 @@ def test_the_command_trains_each_kind_and_writes_what_the_loader_reads(tmp_path,
                                "--data", str(out / "data.pt"), "--epochs", "1", "--draft-vocab", "1024",
                                "--medusa-heads", "2", "--device", "cpu"])
         assert again == 0 and not (tmp_path / "again" / "data.pt").exists()
+    if kind == EAGLE3:  # the speculators library's layout, which vLLM serves as it is
+        again = train_command(["--target", target, "--out", str(tmp_path / "spec"), "--kind", EAGLE3, "--data",
+                               str(out / "data.pt"), "--epochs", "1", "--draft-vocab", "1024", "--aux-layers", "0,1,1",
+                               "--steps", "2", "--layout", "speculators", "--device", "cpu"])
+        config = json.loads((tmp_path / "spec" / "config.json").read_text())
+        assert again == 0 and config["speculators_model_type"] == EAGLE3
+        assert config["eagle_aux_hidden_state_layer_ids"] == [1, 2, 2]
+        assert config["speculators_config"]["verifier"]["name_or_path"] == str(Path(target).resolve())
+        assert load_head(tmp_path / "spec").config.aux_layers == (0, 1, 1)
+    if kind == MEDUSA:
+        with pytest.raises(SystemExit, match="--layout speculators holds EAGLE heads"):
+            train_command(["--target", target, "--out", str(tmp_path / "m"), "--kind", MEDUSA, "--layout",
+                           "speculators"])
 
 
 def test_the_command_adds_grounded_prompts_over_its_own_answers_and_trains_under_autocast(tmp_path):

@@ -489,10 +489,23 @@ def load_head(path: str | Path, device: str | torch.device = "cpu", dtype: torch
     return module.to(device=device, dtype=dtype).eval()
 
 
-def save_head(head: EagleHead | MedusaHeads, path: str | Path) -> Path:
+PUBLISHED, SPECULATORS = "eagle", "speculators"  # save_head's layouts
+LAYOUTS = (PUBLISHED, SPECULATORS)
+
+
+def save_head(head: EagleHead | MedusaHeads, path: str | Path, layout: str = PUBLISHED, verifier: str = "",
+              speculative_tokens: int = 3) -> Path:
     """Write `head` as its authors publish it: config.json and model.safetensors (EAGLE-1, EAGLE-3 with
-    `midlayer.` keys, d2t and t2d) or medusa_lm_head.safetensors (keys {i}.{j}.linear.*, {i}.{L}.weight)."""
+    `midlayer.` keys, d2t and t2d) or medusa_lm_head.safetensors (keys {i}.{j}.linear.*, {i}.{L}.weight).
+    layout SPECULATORS: an EAGLE head as the speculators library writes it (`speculators_config`, the verifier
+    `verifier` and `speculative_tokens`), what vLLM serves as it is with the layer ids it reads as meant
+    (a published EAGLE-3 config's ids are read by vLLM as the states entering those layers, by SGLang and
+    this server as those layers' outputs: `_aux_layers`)."""
     from safetensors.torch import save_file
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout {layout!r}: one of {', '.join(LAYOUTS)}")
+    if layout == SPECULATORS and isinstance(head, MedusaHeads):
+        raise ValueError("the speculators layout holds EAGLE heads; a Medusa head is written as its authors do")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     state = {key: value.detach().contiguous().cpu() for key, value in head.state_dict().items()
@@ -502,9 +515,42 @@ def save_head(head: EagleHead | MedusaHeads, path: str | Path) -> Path:
         name = "medusa_lm_head.safetensors"
     else:
         name = "model.safetensors"
+    config = head.config.to_json()
+    if layout == SPECULATORS:
+        state, config = _speculators_files(head.config, state, verifier, speculative_tokens)
     save_file(state, str(path / name))
-    (path / "config.json").write_text(json.dumps(head.config.to_json(), indent=2) + "\n")
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return path
+
+
+def _speculators_files(config: HeadConfig, state: dict, verifier: str, speculative_tokens: int
+                       ) -> tuple[dict, dict]:
+    """An EAGLE head's tensors and config.json in the speculators library's layout (`speculators_layout`
+    reads it back)."""
+    eagle3 = config.kind == EAGLE3
+    layer = {key: value for key, value in config.to_json().items()
+             if key not in ("architectures", "draft_vocab_size", "eagle_config", "bias", "target_hidden_size",
+                            "norm_before_residual", "norm_before_fc")}
+    layer.update(num_hidden_layers=1, head_dim=config.head_dim)
+    out = {"architectures": ["Eagle3Speculator" if eagle3 else "EagleSpeculator"],
+           "speculators_model_type": config.kind, "transformer_layer_config": layer,
+           "speculators_config": {"algorithm": config.kind, "default_proposal_method": "greedy",
+                                  "proposal_methods": [{"proposal_type": "greedy",
+                                                        "speculative_tokens": speculative_tokens}],
+                                  "verifier": {"name_or_path": verifier or None}}}
+    if eagle3:
+        out.update(draft_vocab_size=config.draft_vocab_size or config.vocab_size,
+                   norm_before_residual=config.norm_before_residual, norm_before_fc=config.norm_before_fc,
+                   target_hidden_size=config.target_hidden_size or None)
+        if config.aux_layers:  # the states entering the layers after those whose outputs it reads
+            out[AUX_IDS] = [i + 1 for i in config.aux_layers]
+        state = {"layers.0." + key.removeprefix("midlayer.") if key.startswith("midlayer.") else key: value
+                 for key, value in state.items()}
+    else:
+        out.update(layernorms=False, fusion_bias=config.fc_bias)
+        state = {("fusion_fc." + key.removeprefix("fc.") if key.startswith("fc.")
+                  else "transformer." + key.removeprefix("layers.0.")): value for key, value in state.items()}
+    return state, out
 
 
 def random_head(kind: str, target_config, seed: int = 0, draft_vocab_size: int = 0, medusa_heads: int = 4,

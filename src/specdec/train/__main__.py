@@ -41,6 +41,10 @@ def parse_args(argv):
     parser.add_argument("--target", required=True, help="the target: a transformers directory in safetensors")
     parser.add_argument("--out", required=True, help="where the head, its data and checkpoints go")
     parser.add_argument("--kind", choices=KINDS, default=EAGLE3, help="the head's kind (default: eagle3)")
+    parser.add_argument("--layout", choices=("eagle", "speculators"), default="eagle",
+                        help="the files written: EAGLE's authors' layout (default; vLLM, SGLang and this server "
+                             "read it) or the speculators library's (an EAGLE head: vLLM serves it as it is, "
+                             "the layer ids read as meant)")
     parser.add_argument("--medusa-heads", type=int, default=4, help="Medusa: heads (tokens drafted per round)")
     parser.add_argument("--prompts", action="append", default=[],
                         help="prompts: JSON lines or a JSON array of strings, {\"prompt\"}, OpenAI {\"messages\"} or "
@@ -118,6 +122,8 @@ def main(argv=None) -> int:
     from specdec.train import data, trainer
     from specdec.train.writer import choose as choose_writer
 
+    if args.layout == "speculators" and args.kind == MEDUSA:
+        raise SystemExit("--layout speculators holds EAGLE heads; a Medusa head is written as its authors do")
     try:  # before anything loads: a template that is not there fails at once
         template = read_chat_template(args.chat_template, "--chat-template") if args.chat_template else None
     except ValueError as exc:
@@ -219,7 +225,8 @@ def main(argv=None) -> int:
     objective = _objective(args, model, draft_ids, aux, device, init)
     figures = trainer.train(objective, samples, held_out, epochs=args.epochs, lr=args.lr, out=out, device=device,
                             batch_size=args.batch, log=log, autocast=None if args.autocast == "none" else getattr(torch, args.autocast))
-    save_head(objective.finish(), out)
+    save_head(objective.finish(), out, layout=args.layout, verifier=str(Path(args.target).resolve()),
+              speculative_tokens=args.steps)
     (out / "training.json").write_text(json.dumps({
         "target": str(Path(args.target).resolve()), "samples": len(samples), "held_out": len(held_out),
         "kind": args.kind, "tokens": sum(len(s.tokens) for s in samples), "epochs": args.epochs,
