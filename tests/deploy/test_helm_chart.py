@@ -208,6 +208,21 @@ def test_the_weights_fetch_installs_nothing_and_is_keyed_by_the_repositories():
         assert {e["name"]: e.get("value") for e in fetch["env"]}["DRAFT_REPO"] == "", method
 
 
+def test_a_speculator_alone_fetches_its_verifier_and_anything_else_needs_a_target_repository():
+    """targetRepo "" with a draft head in the speculators layout: the fetch finds its verifier (fetch.py);
+    without one, rendering fails naming the value."""
+    head = {"method": "head"}
+    values = {"models": {"source": "newClaim", "draft": head,
+                         "fetch": {"targetRepo": "", "draftRepo": "RedHatAI/Llama-3.1-8B-Instruct-speculator.eagle3"}}}
+    (fetch,) = deployment(render_chart(values))["spec"]["template"]["spec"]["initContainers"]
+    env = {e["name"]: e.get("value") for e in fetch["env"]}
+    assert env["TARGET_REPO"] == "" and env["DRAFT_REPO"] == "RedHatAI/Llama-3.1-8B-Instruct-speculator.eagle3"
+    for draft, repo in (({"method": "model"}, "org/draft"), (head, "")):
+        values = {"models": {"source": "newClaim", "draft": draft, "fetch": {"targetRepo": "", "draftRepo": repo}}}
+        with pytest.raises(helm_python.HelmError, match="models.fetch.targetRepo is empty"):
+            render_chart(values)
+
+
 def test_autoscaling_and_monitoring_objects():
     docs = render_chart(COMBINATIONS["autoscaling-hpa"])
     (hpa,) = by_kind(docs, "HorizontalPodAutoscaler")

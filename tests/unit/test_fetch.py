@@ -41,6 +41,33 @@ def test_a_failed_download_leaves_no_marker(tmp_path):
     assert not (tmp_path / MARKER).exists()  # the next start retries instead of serving a mixed pair
 
 
+def test_a_speculator_alone_fetches_the_verifier_it_names_as_the_target(tmp_path, monkeypatch, capsys):
+    """`vllm serve RedHatAI/...speculator.eagle3`: TARGET_REPO empty, DRAFT_REPO a head in the speculators
+    layout; its verifier is fetched into target/. A draft that names none is refused, leaving no marker."""
+    import json
+
+    class Speculators(Downloads):
+        def __call__(self, repo_id, revision, local_dir, token):
+            super().__call__(repo_id, revision, local_dir, token)
+            if repo_id.endswith("speculator.eagle3"):
+                (local_dir / "config.json").write_text(json.dumps({
+                    "speculators_model_type": "eagle3",
+                    "speculators_config": {"verifier": {"name_or_path": "meta-llama/Llama-3.1-8B-Instruct"}}}))
+
+    calls = Speculators()
+    assert fetch(tmp_path, "", "RedHatAI/Llama-3.1-8B-Instruct-speculator.eagle3@abc", download=calls)
+    assert calls.calls == [("RedHatAI/Llama-3.1-8B-Instruct-speculator.eagle3", "abc", "draft", None),
+                           ("meta-llama/Llama-3.1-8B-Instruct", None, "target", None)]
+    assert not fetch(tmp_path, "", "RedHatAI/Llama-3.1-8B-Instruct-speculator.eagle3@abc", download=Speculators())
+    with pytest.raises(ValueError, match="TARGET_REPO is not set and DRAFT_REPO org/draft names no verifier"):
+        fetch(tmp_path, "", "org/draft", download=Downloads())
+    assert not (tmp_path / MARKER).exists()
+    monkeypatch.setenv("MODELS_DIR", str(tmp_path))
+    for name in ("TARGET_REPO", "DRAFT_REPO", "LORA_REPOS"):
+        monkeypatch.delenv(name, raising=False)
+    assert fetch_module.main() == 2 and "TARGET_REPO is not set" in capsys.readouterr().err
+
+
 def test_prompt_lookup_pairs_need_no_draft(tmp_path):
     (tmp_path / "draft").mkdir()
     calls = Downloads()

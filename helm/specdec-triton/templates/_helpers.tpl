@@ -96,6 +96,10 @@ avg({{ include "specdec.scalingSignal" . }}{namespace="{{ .Release.Namespace }}"
 {{- if gt (int $s.defaultMaxTokens) (int $s.maxMaxTokens) -}}
 {{- fail (printf "speculation.defaultMaxTokens (%v) exceeds speculation.maxMaxTokens (%v)" $s.defaultMaxTokens $s.maxMaxTokens) -}}
 {{- end -}}
+{{- $f := .Values.models.fetch -}}
+{{- if and (ne .Values.models.source "existingClaim") (not $f.targetRepo) (not (and (eq .Values.models.draft.method "head") $f.draftRepo)) -}}
+{{- fail "models.fetch.targetRepo is empty: only a draft head in the speculators library's layout (models.draft.method head, models.fetch.draftRepo) names the model it drafts for" -}}
+{{- end -}}
 {{- $gpus := int .Values.gpu.count -}}
 {{- if and (gt $gpus 0) (or (ge (int .Values.gpu.targetGpu) $gpus) (ge (int .Values.gpu.draftGpu) $gpus)) -}}
 {{- fail (printf "gpu.targetGpu and gpu.draftGpu must be below gpu.count (%d)" $gpus) -}}

@@ -3,7 +3,8 @@ container, run from the server's own image (no `pip install` at pod start: air-g
 through a mirror given by HF_ENDPOINT).
 
 Environment: TARGET_REPO and optionally DRAFT_REPO (Hugging Face repository ids, `id@revision` pins a
-revision), LORA_REPOS (LoRA adapters, `NAME=REPO,NAME=REPO`: each into lora/NAME), MODELS_DIR (default
+revision; TARGET_REPO empty where DRAFT_REPO is a head in the speculators library's layout: its verifier is
+fetched as the target, as `vllm serve` takes such a head alone), LORA_REPOS (LoRA adapters, `NAME=REPO,NAME=REPO`: each into lora/NAME), MODELS_DIR (default
 /models; target/, draft/ and lora/ go below it), HF_TOKEN (from a Secret) for gated repositories. The
 completion marker names the repositories it holds, so changing any downloads again instead of serving the
 old weights (an adapter no longer named is removed).
@@ -12,6 +13,7 @@ old weights (an adapter no longer named is removed).
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import sys
@@ -58,10 +60,17 @@ def fetch(models_dir: Path, target_repo: str, draft_repo: str = "", token: str |
     for gone in set(_fetched_adapters(marker)) - set(lora):
         shutil.rmtree(models_dir / LORA / gone, ignore_errors=True)
     marker.unlink(missing_ok=True)  # a half-finished or different download is never taken for complete
-    wanted_dirs = [("target", target_repo), ("draft", draft_repo)]
+    # no target named: the draft first, a head that names its verifier (checked below)
+    wanted_dirs = [("target", target_repo), ("draft", draft_repo)] if target_repo else [("draft", draft_repo),
+                                                                                      ("target", None)]
     wanted_dirs += [(f"{LORA}/{name}", repo) for name, repo in sorted(lora.items())]
     for name, repo in wanted_dirs:
         dest = models_dir / name
+        if repo is None:
+            repo = verifier_of(models_dir / "draft")
+            if not repo:
+                raise ValueError(f"TARGET_REPO is not set and DRAFT_REPO {draft_repo or '(none)'} names no verifier "
+                                 "(a head in the speculators library's layout names the model it drafts for)")
         if not repo:
             shutil.rmtree(dest, ignore_errors=True)
             continue
@@ -72,13 +81,23 @@ def fetch(models_dir: Path, target_repo: str, draft_repo: str = "", token: str |
     return True
 
 
+def verifier_of(head_dir: Path) -> str:
+    """The repository a head in the speculators library's layout drafts for (its config's
+    speculators_config.verifier.name_or_path); "" for any other directory."""
+    try:
+        config = json.loads((head_dir / "config.json").read_text())
+        return str(config["speculators_config"]["verifier"]["name_or_path"] or "")
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
+
+
 def main() -> int:
     target = os.environ.get("TARGET_REPO", "")
-    if not target:
+    draft = os.environ.get("DRAFT_REPO", "")
+    if not target and not draft:
         print("TARGET_REPO is not set", file=sys.stderr)
         return 2
     models_dir = Path(os.environ.get("MODELS_DIR", "/models"))
-    draft = os.environ.get("DRAFT_REPO", "")
     try:
         lora = parse_adapters(os.environ.get("LORA_REPOS", ""), "LORA_REPOS")
         done = fetch(models_dir, target, draft, token=os.environ.get("HF_TOKEN") or None, lora=lora)
