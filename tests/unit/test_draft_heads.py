@@ -257,6 +257,21 @@ def test_a_head_written_in_the_speculators_layout_has_its_names_and_is_read_back
         save_head(head_for(tiny_lm, MEDUSA), tmp_path / "m", layout="speculators")
 
 
+def test_d2t_and_t2d_may_be_left_out_only_where_the_draft_vocabulary_is_the_targets(tiny_lm, tmp_path):
+    for draft_vocab, fits in ((0, True), (64, False)):  # 0: the whole vocabulary
+        head = random_head(EAGLE3, tiny_lm.config, aux_layers=AUX, draft_vocab_size=draft_vocab)
+        save_head(head, tmp_path / str(draft_vocab), layout="speculators")
+        state = load_file(str(tmp_path / str(draft_vocab) / "model.safetensors"))
+        save_file({key: value for key, value in state.items() if key not in ("d2t", "t2d")},
+                  str(tmp_path / str(draft_vocab) / "model.safetensors"))
+        if fits:
+            back = load_head(tmp_path / str(draft_vocab))
+            assert bool(back.t2d.all()) and torch.equal(back.draft_target_ids(), torch.arange(97))
+        else:
+            with pytest.raises(HeadError, match=r"missing \['d2t', 't2d'\]"):
+                load_head(tmp_path / str(draft_vocab))
+
+
 def test_layer_ids_outside_the_speculators_layout_are_the_outputs_of_those_layers():
     """ModelOpt's export (NVIDIA's heads) writes the ids of the layers whose outputs it trained on, nested in
     eagle_config or at the top; the speculators layout the layers those states enter."""
