@@ -5,9 +5,9 @@ through a mirror given by HF_ENDPOINT).
 Environment: TARGET_REPO and optionally DRAFT_REPO (Hugging Face repository ids, `id@revision` pins a
 revision; TARGET_REPO empty where DRAFT_REPO is a head in the speculators library's layout: its verifier is
 fetched as the target, as `vllm serve` takes such a head alone), LORA_REPOS (LoRA adapters,
-`NAME=REPO,NAME=REPO`: each into lora/NAME), MODELS_DIR (default /models; target/, draft/ and lora/ go below it), HF_TOKEN (from a Secret) for gated repositories. The
-completion marker names the repositories it holds, so changing any downloads again instead of serving the
-old weights (an adapter no longer named is removed).
+`NAME=REPO,NAME=REPO`: each into lora/NAME), MODELS_DIR (default /models; target/, draft/ and lora/ go below
+it), HF_TOKEN (from a Secret) for gated repositories. The completion marker names the repositories it holds,
+so changing any downloads again instead of serving the old weights (an adapter no longer named is removed).
 """
 
 from __future__ import annotations
