@@ -33,7 +33,7 @@ def log(message: str) -> None:
 
 
 def parse_args(argv):
-    from specdec.engine.draft_heads import EAGLE3, KINDS
+    from specdec.engine.draft_heads import EAGLE3, KINDS, LAYOUTS, PUBLISHED
     from specdec.train.data import PROMPTS
     from specdec.train.writer import ENGINES
 
@@ -41,7 +41,7 @@ def parse_args(argv):
     parser.add_argument("--target", required=True, help="the target: a transformers directory in safetensors")
     parser.add_argument("--out", required=True, help="where the head, its data and checkpoints go")
     parser.add_argument("--kind", choices=KINDS, default=EAGLE3, help="the head's kind (default: eagle3)")
-    parser.add_argument("--layout", choices=("eagle", "speculators"), default="eagle",
+    parser.add_argument("--layout", choices=LAYOUTS, default=PUBLISHED,
                         help="the files written: EAGLE's authors' layout (default; vLLM, SGLang and this server "
                              "read it) or the speculators library's (an EAGLE head: vLLM serves it as it is, "
                              "the layer ids read as meant)")
@@ -118,11 +118,11 @@ def main(argv=None) -> int:
 
     from specdec.decoding.text import read_chat_template
 
-    from specdec.engine.draft_heads import EAGLE3, MEDUSA, HeadConfig, check_fits, load_head, save_head
+    from specdec.engine.draft_heads import EAGLE3, MEDUSA, SPECULATORS, HeadConfig, check_fits, load_head, save_head
     from specdec.train import data, trainer
     from specdec.train.writer import choose as choose_writer
 
-    if args.layout == "speculators" and args.kind == MEDUSA:
+    if args.layout == SPECULATORS and args.kind == MEDUSA:
         raise SystemExit("--layout speculators holds EAGLE heads; a Medusa head is written as its authors do")
     try:  # before anything loads: a template that is not there fails at once
         template = read_chat_template(args.chat_template, "--chat-template") if args.chat_template else None
