@@ -257,6 +257,33 @@ def test_a_head_written_in_the_speculators_layout_has_its_names_and_is_read_back
         save_head(head_for(tiny_lm, MEDUSA), tmp_path / "m", layout="speculators")
 
 
+def test_a_head_drafts_with_the_embedding_its_file_carries_only_where_it_is_not_the_targets(tiny_lm, tmp_path):
+    """The speculators layout (and EAGLE-1's) keeps an embedding in the file: the target's, borrowed then, or
+    one the head trained (embed_requires_grad), which it must draft with."""
+    target_dir = tmp_path / "target"
+    tiny_lm.save_pretrained(target_dir, safe_serialization=True)
+    embed = tiny_lm.get_input_embeddings().weight.detach()
+    head = head_for(tiny_lm, EAGLE3, seed=7)
+    trained = embed + 0.5 * torch.randn(embed.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(8))
+    features = torch.randn(1, head.config.feature_width, dtype=torch.float64,
+                           generator=torch.Generator().manual_seed(9))
+    drafted = {}
+    for name, file_embed in (("same", embed), ("own", trained), ("none", None)):
+        path = speculators_eagle3(tiny_lm, tmp_path / name, head)
+        state = load_file(str(path / "model.safetensors"))
+        if file_embed is None:
+            del state["embed_tokens.weight"]
+        else:
+            state["embed_tokens.weight"] = file_embed.clone()
+        save_file(state, str(path / "model.safetensors"))
+        loaded, _ = load_head_for(path, target_dir, dtype=torch.float64)
+        assert loaded.file_embed is None  # let go
+        assert torch.equal(loaded.embed, trained if name == "own" else embed)
+        with torch.no_grad():
+            drafted[name] = loaded(torch.tensor(PROMPT[:1]), loaded.from_target(features), HeadCache(), 0)[1]
+    assert torch.equal(drafted["same"], drafted["none"]) and not torch.equal(drafted["same"], drafted["own"])
+
+
 def test_d2t_and_t2d_may_be_left_out_only_where_the_draft_vocabulary_is_the_targets(tiny_lm, tmp_path):
     for draft_vocab, fits in ((0, True), (64, False)):  # 0: the whole vocabulary
         head = random_head(EAGLE3, tiny_lm.config, aux_layers=AUX, draft_vocab_size=draft_vocab)

@@ -317,6 +317,9 @@ class EagleHead(nn.Module):
             self.layers = nn.ModuleList([_Layer(config)])
         self.rotary = _rotary(config)
         self.embed: torch.Tensor | None = None  # the target's (set by attach)
+        # the token embedding its file carries (load_head), if any: `load_head_for` keeps it where it is not the
+        # target's (a head that trained its own: the speculators library's embed_requires_grad)
+        self.file_embed: torch.Tensor | None = None
         self.target_head: torch.Tensor | None = None
 
     def draft_target_ids(self) -> torch.Tensor:
@@ -468,7 +471,8 @@ def load_head(path: str | Path, device: str | torch.device = "cpu", dtype: torch
         raise HeadError(f"{path}: no config.json (a draft head directory holds config.json and its weights)")
     config = HeadConfig.from_json(json.loads(config_file.read_text()), str(path))
     state = _published(config.kind, _read_weights(path))
-    state.pop("embed_tokens.weight", None)  # some EAGLE-1 files carry the target's embedding: it is read there
+    # many files carry the target's embedding (it is read there) and some a trained one: kept to compare
+    file_embed = state.pop("embed_tokens.weight", None)
     if config.kind == MEDUSA:
         state = {key.replace(".head.", f".{config.medusa_layers}."): value for key, value in state.items()}
         module = MedusaHeads(config)
@@ -480,6 +484,8 @@ def load_head(path: str | Path, device: str | torch.device = "cpu", dtype: torch
             raise HeadError(f"{path}: an EAGLE-3 head of {len(layers) + 1} decoder layers: this server's heads "
                             "have one")
     missing, unexpected = module.load_state_dict(state, strict=False)
+    if isinstance(module, EagleHead):
+        module.file_embed = file_embed
     # d2t and t2d are left out of a file whose draft vocabulary is the target's (the identity: as made)
     mapped = config.kind == EAGLE3 and 0 < config.draft_vocab_size < config.vocab_size
     missing = [key for key in missing if not key.startswith("rotary.") and (mapped or key not in ("d2t", "t2d"))]
@@ -664,8 +670,18 @@ def load_head_for(head_path: str | Path, target_path: str | Path, device: str | 
         target_config, embed, lm_head = target
     check_fits(head, target_config, str(head_path), str(target_path))
     if hasattr(head, "attach"):
-        head.attach(embed, lm_head)
+        head.attach(own_embedding(head, embed), lm_head)
     return head, target_config
+
+
+def own_embedding(head: EagleHead, embed: torch.Tensor) -> torch.Tensor:
+    """The token embedding the head drafts with: the target's `embed`, unless the head's file carries one of its
+    shape that is not the target's at the file's precision (a head trained with its own embedding, as vLLM also
+    takes it): that one, in `embed`'s dtype and device. The file's copy is let go either way."""
+    own, head.file_embed = head.file_embed, None
+    if own is None or own.shape != embed.shape or torch.equal(own, embed.detach().to(device="cpu", dtype=own.dtype)):
+        return embed
+    return own.to(device=embed.device, dtype=embed.dtype)
 
 
 def reads_target_head(head: EagleHead | MedusaHeads) -> bool:
