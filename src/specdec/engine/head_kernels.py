@@ -137,9 +137,9 @@ class HeadKernels:
         m = tokens.shape[0]
         embeds = nn.functional.embedding(tokens, head.embed)
         if self.eagle3:
-            x = torch.cat([fn.rms_norm(embeds, layer.input_layernorm.weight, eps),
-                           fn.rms_norm(hidden.contiguous(), layer.hidden_norm.weight, eps)], dim=-1)
-            residual = head.residual(hidden, x[:, hidden.shape[1]:])  # (the norms' outputs may share a buffer)
+            normed = fn.rms_norm(hidden.contiguous(), layer.hidden_norm.weight, eps)
+            x = torch.cat([fn.rms_norm(embeds, layer.input_layernorm.weight, eps), normed], dim=-1)
+            residual = head.residual(hidden, normed)
         else:
             x = residual = head.fc(torch.cat([embeds, hidden], dim=-1))
         attn = layer.self_attn

@@ -13,7 +13,6 @@ so changing any downloads again instead of serving the old weights (an adapter n
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 import sys
@@ -21,6 +20,7 @@ from pathlib import Path
 from typing import Callable
 
 from specdec.engine.lora_config import parse_adapters, stays_inside
+from specdec.serving.speculative_config import named_verifier, read_config
 
 MARKER = ".complete"
 LORA = "lora"  # MODELS_DIR/lora/NAME: the fetched adapters (the chart's lora_adapters point there)
@@ -67,7 +67,7 @@ def fetch(models_dir: Path, target_repo: str, draft_repo: str = "", token: str |
     for name, repo in wanted_dirs:
         dest = models_dir / name
         if repo is None:
-            repo = verifier_of(models_dir / "draft")
+            repo = named_verifier(read_config(models_dir / "draft"))
             if not repo:
                 raise ValueError(f"TARGET_REPO is not set and DRAFT_REPO {draft_repo or '(none)'} names no verifier "
                                  "(a head in the speculators library's layout names the model it drafts for)")
@@ -79,16 +79,6 @@ def fetch(models_dir: Path, target_repo: str, draft_repo: str = "", token: str |
         download(repo_id, revision=revision, local_dir=dest, token=token)
     marker.write_text(expected)
     return True
-
-
-def verifier_of(head_dir: Path) -> str:
-    """The repository a head in the speculators library's layout drafts for (its config's
-    speculators_config.verifier.name_or_path); "" for any other directory."""
-    try:
-        config = json.loads((head_dir / "config.json").read_text())
-        return str(config["speculators_config"]["verifier"]["name_or_path"] or "")
-    except (OSError, ValueError, KeyError, TypeError):
-        return ""
 
 
 def main() -> int:

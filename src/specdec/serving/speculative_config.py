@@ -122,11 +122,11 @@ def speculator(path: str) -> Speculator | None:
     """`path` as vLLM reads a model directory in the speculators library's layout: its verifier and itself as
     the head (None for a directory of any other model). A verifier that is not a directory here is refused,
     naming it and what to give instead (this server downloads nothing at start)."""
-    config = _config(path)
+    config = read_config(path)
     if config is None or config.get("speculators_model_type") not in HEADS:
         return None
     settings = config.get("speculators_config") if isinstance(config.get("speculators_config"), dict) else {}
-    verifier = (settings.get("verifier") or {}).get("name_or_path") or ""
+    verifier = named_verifier(config)
     if not verifier or not Path(verifier).is_dir():
         raise ValueError(f"{path} is a draft head (the speculators library's layout) whose verifier "
                          f"{verifier or '(none named)'!r} is not a directory here: give the verifier's directory as "
@@ -139,7 +139,16 @@ def speculator(path: str) -> Speculator | None:
     return Speculator(target=verifier, head=path, num_draft_tokens=int(chosen.get("speculative_tokens") or 0))
 
 
-def _config(path: str) -> dict | None:
+def named_verifier(config: dict | None) -> str:
+    """The model a head in the speculators library's layout drafts for, as its config.json names it
+    (speculators_config.verifier.name_or_path: a repository id or a directory); "" for any other config."""
+    try:
+        return str(config["speculators_config"]["verifier"]["name_or_path"] or "")
+    except (KeyError, TypeError):
+        return ""
+
+
+def read_config(path: str | Path) -> dict | None:
     """A directory's config.json as a dict; None where it has none or it is not one."""
     try:
         config = json.loads((Path(path) / "config.json").read_text())
@@ -151,7 +160,7 @@ def _config(path: str) -> dict | None:
 def _is_head(path: str) -> bool:
     """Whether a directory's config.json is a trained head's (EAGLE's, EAGLE-3's, Medusa's), as vLLM tells
     them apart when no method is given."""
-    config = _config(path)
+    config = read_config(path)
     if config is None:
         return False
     architectures = " ".join(a for a in config.get("architectures") or [] if isinstance(a, str)).lower()
