@@ -191,6 +191,112 @@ def test_a_head_in_the_speculators_layout_is_read_and_drafts_as_that_layout_defi
     assert stats.drafted >= 3 * (stats.rounds - 4)
 
 
+def qwen3_reference(state: dict, embed: torch.Tensor, tokens: list[int], features: torch.Tensor, layer: dict,
+                    norm_before_residual: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """An EAGLE-3 head's first m entries of a fresh cache from its tensors, its decoder layer transformers' own
+    Qwen3 layer with 2h-wide query/key/value projections (as the speculators library builds a head for a Qwen3
+    target): causal attention over the m rows at positions 0..m-1. -> (g' (m, h), draft logits (m, V_d))."""
+    from transformers import Qwen3Config
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RotaryEmbedding
+
+    config = Qwen3Config(**layer)
+    config._attn_implementation = "eager"
+    module = Qwen3DecoderLayer(config, 0)
+    attn, h = module.self_attn, config.hidden_size
+    for name in ("q_proj", "k_proj", "v_proj"):
+        setattr(attn, name, torch.nn.Linear(2 * h, getattr(attn, name).out_features, bias=config.attention_bias))
+    module.load_state_dict({key.removeprefix("layers.0."): value for key, value in state.items()
+                            if key.startswith("layers.0.") and "hidden_norm" not in key})
+    module.double()
+
+    def rms(x, weight):
+        return weight * x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + config.rms_norm_eps)
+
+    m = len(tokens)
+    g = features @ state["fc.weight"].T
+    normed = rms(g, state["layers.0.hidden_norm.weight"])
+    x = torch.cat([module.input_layernorm(embed[tokens]), normed], dim=-1)
+    cos, sin = Qwen3RotaryEmbedding(config)(x[None], torch.arange(m)[None])
+    mask = torch.full((m, m), float("-inf"), dtype=torch.float64).triu(1)[None, None]
+    x1 = (normed if norm_before_residual else g) + attn(x[None], (cos, sin), mask)[0][0]
+    out = x1 + module.mlp(module.post_attention_layernorm(x1))
+    return out, rms(out, state["norm.weight"]) @ state["lm_head.weight"].T
+
+
+def test_a_qwen3_layer_head_drafts_as_transformers_qwen3_layer_computes(tiny_lm, tmp_path):
+    """The speculators library trains a head for a Qwen3 target with a Qwen3 decoder layer (per-head norms of
+    the queries and keys before the rotary embedding, a head size of its own, biases where the config says):
+    read, its rows equal to transformers' Qwen3 layer's on torch's modules and on the CPU kernels, written
+    back in both layouts as a Qwen3 layer, and lossless."""
+    from transformers import Qwen3Config
+
+    from specdec.engine.draft_heads import QWEN3, EagleHead
+    from specdec.engine.head_kernels import HeadKernels
+    text = tiny_lm.config
+    layer = Qwen3Config(vocab_size=text.vocab_size, hidden_size=text.hidden_size, num_hidden_layers=1,
+                        intermediate_size=text.intermediate_size, num_attention_heads=text.num_attention_heads,
+                        num_key_value_heads=text.num_key_value_heads, rms_norm_eps=text.rms_norm_eps,
+                        head_dim=2 * text.hidden_size // text.num_attention_heads, attention_bias=True,
+                        max_position_embeddings=text.max_position_embeddings,
+                        rope_parameters={"rope_type": "default", "rope_theta": 1e6}).to_diff_dict()
+    config = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3", "draft_vocab_size": 64,
+              "norm_before_residual": True, "eagle_aux_hidden_state_layer_ids": [i + 1 for i in AUX],
+              "speculators_config": {"algorithm": "eagle3", "verifier": {"name_or_path": "tiny"}},
+              "transformer_layer_config": layer}
+    made = EagleHead(HeadConfig.from_json(config, "made")).to(torch.float64)
+    generator = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for name, parameter in made.named_parameters():
+            scale = 0.3 if "norm" in name else 0.5 / parameter.shape[-1] ** 0.5
+            parameter.copy_((1.0 if "norm" in name else 0.0) + scale * torch.randn(
+                parameter.shape, dtype=torch.float64, generator=generator))
+        made.t2d[:64] = True
+    state = {key.replace("midlayer.", "layers.0."): value.contiguous() for key, value in made.state_dict().items()
+             if not key.startswith("rotary.")}
+    path = tmp_path / "qwen3"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(config))
+    save_file(state, str(path / "model.safetensors"))
+    back = load_head(path, dtype=torch.float64)
+    assert (back.config.layer_type, back.config.attention_bias, back.config.head_dim) == (
+        QWEN3, True, 2 * text.hidden_size // text.num_attention_heads)
+    assert back.midlayer.self_attn.q_proj.bias is not None and hasattr(back.midlayer.self_attn, "k_norm")
+    back.attach(*target_tensors(tiny_lm))
+    embed = tiny_lm.get_input_embeddings().weight.detach()
+    tokens = PROMPT[:5]
+    features = torch.randn(5, back.config.feature_width, dtype=torch.float64, generator=generator)
+    out, draft = qwen3_reference(state, embed, tokens, features, layer, norm_before_residual=True)
+    ids = back.draft_target_ids()
+    with torch.no_grad():
+        got, logits = back(torch.tensor(tokens), back.from_target(features), HeadCache(), 0)
+    torch.testing.assert_close(got, out, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(logits[:, ids], draft, rtol=1e-6, atol=1e-6)
+    head32 = load_head(path)  # the CPU kernels (float32): row r sees entries 0..r
+    head32.attach(*(tensor.float() for tensor in target_tensors(tiny_lm)))
+    rows = torch.arange(5)
+    with torch.no_grad():
+        got32, logits32 = HeadKernels.serving(head32).step(
+            torch.tensor(tokens), head32.from_target(features.float()), rows, HeadCache(), 0,
+            torch.zeros(5, dtype=torch.long), (1 << (rows + 1)) - 1)
+    torch.testing.assert_close(got32.double(), out, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(logits32[:, ids].double(), draft, rtol=1e-4, atol=1e-4)
+    for layout in ("eagle", "speculators"):
+        written = json.loads((save_head(back, tmp_path / layout, layout=layout) / "config.json").read_text())
+        nested = written.get("transformer_layer_config", written)
+        assert nested["model_type"] == QWEN3 and nested["attention_bias"]
+        Qwen3Config(**nested)  # what the speculators library (and transformers) builds the layer from
+        again = load_head(tmp_path / layout, dtype=torch.float64)
+        assert again.config.layer_type == QWEN3
+        assert all(torch.equal(again.state_dict()[key], value) for key, value in back.state_dict().items())
+    # EAGLE's own layout names a Llama layer by its architecture whatever model_type it copied from its target
+    flat = {**back.config.to_json(), "architectures": ["LlamaForCausalLMEagle3"]}
+    assert HeadConfig.from_json(flat, "flat").layer_type == "llama"
+    proposer = LocalProposer(HeadExecutor(back))
+    target = LocalScorer(dynamic_executor(tiny_lm, hidden_layers=AUX))
+    request = GenerationRequest(seq_id=3, prompt_ids=PROMPT, max_tokens=16)
+    assert run_fixed_k(request, proposer, target, 3) == reference_greedy(tiny_lm, PROMPT, 16)
+
+
 def test_the_speculators_layouts_eagle1_is_read_and_what_it_cannot_be_is_refused(tiny_lm, tmp_path):
     """EAGLE-1 (and HASS) in the speculators layout: fusion_fc and transformer keys, `fusion_bias`; refused by
     name: its `layernorms` variant, other kinds, another layer type, more than one layer, the embeddings' id."""
@@ -210,7 +316,7 @@ def test_the_speculators_layouts_eagle1_is_read_and_what_it_cannot_be_is_refused
         assert torch.equal(back.state_dict()[key], value), key
     refused = [({**config, "layernorms": True}, "an EAGLE head with `layernorms`"),
                ({**config, "speculators_model_type": "mlp"}, "speculators_model_type 'mlp'"),
-               ({**config, "transformer_layer_config": {**layer, "model_type": "qwen3"}}, "model_type 'qwen3'")]
+               ({**config, "transformer_layer_config": {**layer, "model_type": "gemma2"}}, "model_type 'gemma2'")]
     for bad, message in refused:
         (tmp_path / "eagle" / "config.json").write_text(json.dumps(bad))
         with pytest.raises(HeadError, match=message):

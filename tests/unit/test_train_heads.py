@@ -37,12 +37,18 @@ def sample(tiny_lm):
                                final=states[-1][0])
 
 
-@pytest.mark.parametrize("kind", [EAGLE, EAGLE3, "eagle3-normed"])
+@pytest.mark.parametrize("kind", [EAGLE, EAGLE3, "eagle3-normed", "eagle3-qwen3"])
 def test_the_training_time_test_computes_what_drafting_serves(tiny_lm, sample, kind):
     normed = kind == "eagle3-normed"  # the speculators library's variant: residual normed, a norm before fc
-    kind = EAGLE3 if normed else kind
+    qwen3 = kind == "eagle3-qwen3"  # its head for a Qwen3 target: a Qwen3 layer (with biases, here)
+    kind = EAGLE3 if normed or qwen3 else kind
     head = random_head(kind, tiny_lm.config, seed=2, aux_layers=AUX if kind == EAGLE3 else (),
-                       norm_before_residual=normed, norm_before_fc=normed).to(torch.float64)
+                       norm_before_residual=normed, norm_before_fc=normed, layer_type="qwen3" if qwen3 else "llama",
+                       attention_bias=qwen3).to(torch.float64)
+    if qwen3:
+        with torch.no_grad():  # per-head norms that are not the identity
+            for norm in (head.midlayer.self_attn.q_norm, head.midlayer.self_attn.k_norm):
+                norm.weight.copy_(1 + torch.rand(norm.weight.shape, generator=torch.Generator().manual_seed(3)))
     head.attach(*target_tensors(tiny_lm))
     tokens = sample.tokens
     entries = len(tokens) - 1

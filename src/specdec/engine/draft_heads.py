@@ -2,7 +2,7 @@
 
 A head drafts from the target's own features (hidden states) rather than from tokens alone:
 
-  EAGLE-1  entry i: fc(embed(token i+1) ‖ f_i) -> one Llama decoder layer without input norm -> feature;
+  EAGLE-1  entry i: fc(embed(token i+1) ‖ f_i) -> one decoder layer without input norm -> feature;
            logits = the target's lm_head(feature). f_i is the target's last hidden state after its final
            norm, later the head's own output feature.
   EAGLE-3  entry i: input_layernorm(embed(token i+1)) ‖ hidden_norm(g_i) -> attention over 2h -> MLP ->
@@ -15,8 +15,8 @@ A head drafts from the target's own features (hidden states) rather than from to
 The target's states are the executor's `hidden_layers` (the residual stream after a layer; the last one's
 after the final norm, transformers' `hidden_states[l + 1]`): `HeadConfig.feature_layers` says which.
 Published key names (SafeAILab/EAGLE, FasterDecoding/Medusa), vLLM's renamed ones and the speculators
-library's layout (`speculators_layout`) are read; `save_head` writes the published ones. Facts and sources:
-docs/drafts.md.
+library's layout (`speculators_layout`) are read; `save_head` writes the published ones. The decoder layer is
+Llama's (biases where its config says) or Qwen3's (`HeadConfig.layer_type`). Facts and sources: docs/drafts.md.
 """
 
 from __future__ import annotations
@@ -60,6 +60,11 @@ class HeadConfig:
     # than g; an RMSNorm (`input_norm`, 3h) over the target's states before fc
     norm_before_residual: bool = False
     norm_before_fc: bool = False
+    # EAGLE's decoder layer, as its config's model_type and biases say (transformers' layers of those types):
+    # a Llama layer, or Qwen3's (an RMSNorm over each head's queries and keys before the rotary embedding)
+    layer_type: str = "llama"
+    attention_bias: bool = False  # q, k, v and o projections with biases
+    mlp_bias: bool = False  # gate, up and down projections with biases (a Llama layer's option)
     medusa_heads: int = 0
     medusa_layers: int = 0
     raw: dict = field(default_factory=dict, compare=False)  # config.json as read (rotary settings)
@@ -95,6 +100,10 @@ class HeadConfig:
             return cls(MEDUSA, need("hidden_size"), need("vocab_size"), medusa_heads=int(raw["medusa_num_heads"]),
                        medusa_layers=int(raw.get("medusa_num_layers", 1)), raw=raw)
         eagle3 = "draft_vocab_size" in raw or any("eagle3" in a.lower() for a in raw.get("architectures", []))
+        # a Llama layer where the architecture names one, whatever model_type says (heads for Qwen3 targets in
+        # EAGLE's layout copy the target's); a Qwen3 layer as the speculators library trains it for Qwen3 targets
+        llama_class = any(a.startswith("Llama") for a in raw.get("architectures", []))
+        layer_type = QWEN3 if raw.get("model_type") == QWEN3 and not llama_class else LLAMA
         return cls(EAGLE3 if eagle3 else EAGLE, need("hidden_size"), need("vocab_size"),
                    draft_vocab_size=int(raw.get("draft_vocab_size") or 0) if eagle3 else 0,
                    num_attention_heads=need("num_attention_heads"),
@@ -104,30 +113,37 @@ class HeadConfig:
                    aux_layers=_aux_layers(raw) if eagle3 else (),
                    target_hidden_size=int(raw.get("target_hidden_size") or 0),
                    norm_before_residual=eagle3 and bool(raw.get("norm_before_residual", False)),
-                   norm_before_fc=eagle3 and bool(raw.get("norm_before_fc", False)), raw=raw)
+                   norm_before_fc=eagle3 and bool(raw.get("norm_before_fc", False)), layer_type=layer_type,
+                   attention_bias=bool(raw.get("attention_bias", False)),
+                   mlp_bias=layer_type == LLAMA and bool(raw.get("mlp_bias", False)), raw=raw)
 
     def to_json(self) -> dict:
         if self.kind == MEDUSA:
             return {**self.raw, "hidden_size": self.hidden_size, "vocab_size": self.vocab_size,
                     "medusa_num_heads": self.medusa_heads, "medusa_num_layers": self.medusa_layers}
         raw = {key: value for key, value in self.raw.items() if key != AUX_IDS}  # written nested, below
-        out = {**raw, "model_type": "llama", "num_hidden_layers": 1, "hidden_size": self.hidden_size,
+        out = {**raw, "model_type": self.layer_type, "num_hidden_layers": 1, "hidden_size": self.hidden_size,
                "vocab_size": self.vocab_size, "num_attention_heads": self.num_attention_heads,
                "num_key_value_heads": self.num_key_value_heads, "intermediate_size": self.intermediate_size,
-               "rms_norm_eps": self.rms_norm_eps, "hidden_act": "silu"}
+               "rms_norm_eps": self.rms_norm_eps, "hidden_act": "silu", "attention_bias": self.attention_bias}
+        if self.layer_type == LLAMA:
+            out["mlp_bias"] = self.mlp_bias
+        model = "Qwen3ForCausalLM" if self.layer_type == QWEN3 else "LlamaForCausalLM"
         if self.kind == EAGLE3:
-            out.update(architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=self.draft_vocab_size or self.vocab_size)
+            out.update(architectures=[model + "Eagle3"], draft_vocab_size=self.draft_vocab_size or self.vocab_size)
             if self.aux_layers:
                 out["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(self.aux_layers)}
             if self.target_hidden_size:
                 out["target_hidden_size"] = self.target_hidden_size
             out.update({name: True for name in ("norm_before_residual", "norm_before_fc") if getattr(self, name)})
         else:
-            out.update(architectures=["LlamaForCausalLM"], bias=self.fc_bias)
+            out.update(architectures=[model], bias=self.fc_bias)
         return out
 
 
 AUX_IDS = "eagle_aux_hidden_state_layer_ids"
+LLAMA, QWEN3 = "llama", "qwen3"  # the decoder layers a head may have (HeadConfig.layer_type)
+LAYER_TYPES = (LLAMA, QWEN3)
 
 
 def _aux_layers(raw: dict) -> tuple[int, ...]:
@@ -141,7 +157,7 @@ def _aux_layers(raw: dict) -> tuple[int, ...]:
 def speculators_layout(raw: dict, where: str) -> dict:
     """A config in the speculators library's layout (vLLM loads it as it is; RedHatAI publishes heads in it)
     as the flat one EAGLE's authors publish: the decoder layer's settings (`transformer_layer_config`, a
-    Llama layer) at the top, with the head's own (draft_vocab_size, norm_before_residual, norm_before_fc,
+    Llama or Qwen3 layer) at the top, with the head's own (draft_vocab_size, norm_before_residual, norm_before_fc,
     target_hidden_size, the layer ids). An EAGLE-1 (or HASS) head's `fusion_bias` is its fc's bias; its
     `layernorms` variant (norms around the layer EAGLE-1 has not) is refused, as is any other kind."""
     kind = raw["speculators_model_type"]
@@ -149,17 +165,18 @@ def speculators_layout(raw: dict, where: str) -> dict:
         raise HeadError(f"{where}: speculators_model_type {kind!r}: this server reads the 'eagle' and 'eagle3' "
                         "kinds of that layout")
     layer = dict(raw.get("transformer_layer_config") or {})
-    if layer.get("model_type", "llama") != "llama":
+    if layer.get("model_type", LLAMA) not in LAYER_TYPES:
         raise HeadError(f"{where}: transformer_layer_config.model_type {layer['model_type']!r}: this server's "
-                        "heads have a Llama decoder layer")
+                        f"heads have a decoder layer of type {' or '.join(LAYER_TYPES)}")
     flat = {key: value for key, value in layer.items() if key not in ("architectures", "num_hidden_layers")}
+    model = "Qwen3ForCausalLM" if layer.get("model_type") == QWEN3 else "LlamaForCausalLM"
     if kind == EAGLE:
         if raw.get("layernorms"):
             raise HeadError(f"{where}: an EAGLE head with `layernorms` (an embedding norm, an input norm and a "
                             "norm before the lm_head): this server reads EAGLE-1's layer without them")
-        return {**flat, "architectures": ["LlamaForCausalLM"], "bias": bool(raw.get("fusion_bias", False))}
-    flat.update(architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=int(raw.get("draft_vocab_size") or
-                                                                             layer.get("vocab_size") or 0))
+        return {**flat, "architectures": [model], "bias": bool(raw.get("fusion_bias", False))}
+    flat.update(architectures=[model + "Eagle3"], draft_vocab_size=int(raw.get("draft_vocab_size") or
+                                                                     layer.get("vocab_size") or 0))
     for key in ("norm_before_residual", "norm_before_fc", "target_hidden_size"):
         if raw.get(key) is not None:
             flat[key] = raw[key]
@@ -179,19 +196,32 @@ class _Attention(nn.Module):
         super().__init__()
         heads, kv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
         self.heads, self.kv_heads, self.head_dim = heads, kv, d
-        self.q_proj = nn.Linear(in_width, heads * d, bias=False)
-        self.k_proj = nn.Linear(in_width, kv * d, bias=False)
-        self.v_proj = nn.Linear(in_width, kv * d, bias=False)
-        self.o_proj = nn.Linear(heads * d, config.hidden_size, bias=False)
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(in_width, heads * d, bias=bias)
+        self.k_proj = nn.Linear(in_width, kv * d, bias=bias)
+        self.v_proj = nn.Linear(in_width, kv * d, bias=bias)
+        self.o_proj = nn.Linear(heads * d, config.hidden_size, bias=bias)
+        if config.layer_type == QWEN3:
+            self.q_norm = RMSNorm(d, config.rms_norm_eps)
+            self.k_norm = RMSNorm(d, config.rms_norm_eps)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (..., m, in) -> queries (..., heads, m, D), keys and values (..., kv_heads, m, D), before the
+        rotary embedding (a Qwen3 layer's queries and keys normed per head)."""
+        shape = x.shape[:-1]
+        q = self.q_proj(x).view(*shape, self.heads, self.head_dim)
+        k = self.k_proj(x).view(*shape, self.kv_heads, self.head_dim)
+        v = self.v_proj(x).view(*shape, self.kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q.transpose(-2, -3), k.transpose(-2, -3), v.transpose(-2, -3)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, window: Window) -> torch.Tensor:
         """x (m, in) -> (m, h): its keys and values go where `window` puts them, and each row attends to
         the keys `window` returns where its mask allows (HeadCache.window: the cache before it and
         itself)."""
         m = x.shape[0]
-        q = self.q_proj(x).view(m, self.heads, self.head_dim).transpose(0, 1)[None]  # (1, heads, m, D)
-        k = self.k_proj(x).view(m, self.kv_heads, self.head_dim).transpose(0, 1)[None]
-        v = self.v_proj(x).view(m, self.kv_heads, self.head_dim).transpose(0, 1)[None]
+        q, k, v = (t[None] for t in self.project(x))  # (1, heads or kv_heads, m, D)
         q, k = rotate(q, k, cos[None], sin[None])
         keys, values, visible = window(k[0].transpose(0, 1), v[0].transpose(0, 1))  # (L, kv, D) each, (m, L)
         if torch.is_grad_enabled() or q.device.type != "cpu":  # training, and GPUs (their graphs as measured)
@@ -208,9 +238,10 @@ class _Attention(nn.Module):
 class _MLP(nn.Module):
     def __init__(self, config: HeadConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        bias = config.mlp_bias
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
 
     def forward(self, x):
         return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -560,8 +591,8 @@ def _speculators_files(config: HeadConfig, state: dict, verifier: str, speculati
 
 
 def random_head(kind: str, target_config, seed: int = 0, draft_vocab_size: int = 0, medusa_heads: int = 4,
-                aux_layers: tuple[int, ...] = (), norm_before_residual: bool = False, norm_before_fc: bool = False
-                ) -> EagleHead | MedusaHeads:
+                aux_layers: tuple[int, ...] = (), norm_before_residual: bool = False, norm_before_fc: bool = False,
+                layer_type: str = LLAMA, attention_bias: bool = False) -> EagleHead | MedusaHeads:
     """A head of `kind` shaped for a transformers target config, with random weights (fixed seed): a head of
     no quality, which speculation must still keep lossless (tests), and where training starts."""
     text = target_config.get_text_config()
@@ -575,7 +606,8 @@ def random_head(kind: str, target_config, seed: int = 0, draft_vocab_size: int =
                         intermediate_size=text.intermediate_size, rms_norm_eps=text.rms_norm_eps,
                         aux_layers=tuple(aux_layers), medusa_heads=medusa_heads if kind == MEDUSA else 0,
                         medusa_layers=1 if kind == MEDUSA else 0, norm_before_residual=norm_before_residual,
-                        norm_before_fc=norm_before_fc, raw=raw)
+                        norm_before_fc=norm_before_fc, layer_type=layer_type, attention_bias=attention_bias,
+                        raw=raw)
     torch.manual_seed(seed)
     head = MedusaHeads(config) if kind == MEDUSA else EagleHead(config)
     with torch.no_grad():

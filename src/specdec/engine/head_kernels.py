@@ -145,7 +145,10 @@ class HeadKernels:
         attn = layer.self_attn
         qkv = self._linear(self.qkv, (attn.q_proj, attn.k_proj, attn.v_proj), x)
         cos, sin = self._rotary(positions)
-        q, k = fn.rotate_qk(qkv, cos, sin, self.heads, self.kv_heads)
+        if hasattr(attn, "q_norm"):  # a Qwen3 layer's per-head norms of the queries and keys
+            q, k = fn.rotate_qk(qkv, cos, sin, self.heads, self.kv_heads, attn.q_norm.weight, attn.k_norm.weight, eps)
+        else:
+            q, k = fn.rotate_qk(qkv, cos, sin, self.heads, self.kv_heads)
         v = qkv[:, (self.heads + self.kv_heads) * self.head_dim:].reshape(m, self.kv_heads, self.head_dim)
         outs, row = [], 0
         for rows, cache, first, before, ancestors in caches:

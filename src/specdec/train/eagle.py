@@ -78,9 +78,7 @@ def unrolled(head: EagleHead, batch: Batch, steps: int, device) -> list[torch.Te
             x = residual = head.fc(torch.cat([embeds, hidden[:, :count]], dim=-1))
         positions = torch.arange(j, j + count, device=device)
         cos, sin = head.rotary(hidden, positions[None])
-        q = attn.q_proj(x).view(size, count, attn.heads, attn.head_dim).transpose(1, 2)
-        k = attn.k_proj(x).view(size, count, attn.kv_heads, attn.head_dim).transpose(1, 2)
-        v = attn.v_proj(x).view(size, count, attn.kv_heads, attn.head_dim).transpose(1, 2)
+        q, k, v = attn.project(x)  # (B, H or KV, count, D)
         q, k = rotate(q, k, cos, sin)
         keys = [key[:, :, :count] for key in keys] + [k]
         values = [value[:, :, :count] for value in values] + [v]
