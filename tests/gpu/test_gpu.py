@@ -370,9 +370,9 @@ def test_prefix_caching_under_cuda_graphs_shares_blocks_with_the_same_logits(tin
     assert shared.sequences[1].blocks[2] != shared.sequences[2].blocks[2]
 
 
-def _random_eagle3(target_config, tmp_path=None):
+def _random_eagle3(target_config, tmp_path=None, **kwargs):
     from specdec.engine.draft_heads import EAGLE3, random_head, save_head
-    head = random_head(EAGLE3, target_config, seed=1, aux_layers=(0, 1, 1), draft_vocab_size=4096)
+    head = random_head(EAGLE3, target_config, seed=1, aux_layers=(0, 1, 1), draft_vocab_size=4096, **kwargs)
     return head if tmp_path is None else save_head(head, tmp_path / "eagle3-head")
 
 
@@ -471,15 +471,18 @@ def test_a_hosted_heads_greedy_rounds_run_ahead_in_cuda_graphs(tiny_pair):
     assert target.lm.ahead_used >= 4  # taken after rounds 2, 3, 10, 11 (K rising drops it and pauses the next)
 
 
-def test_a_heads_captured_draft_steps_equal_its_eager_ones(tiny_pair):
+@pytest.mark.parametrize("layers", [{}, {"num_layers": 3, "layer_type": "qwen3"}], ids=["one", "three-qwen3"])
+def test_a_heads_captured_draft_steps_equal_its_eager_ones(tiny_pair, layers):
     """The draft steps replayed as CUDA graphs (head_graphs.py: chain steps, fills, tree levels) propose what
     the eager steps do: the same greedy tokens and trees, the same sampled distributions (float64), over
-    several rounds with rollback and across window buckets."""
+    several rounds with rollback and across window buckets; a head of one layer, and of three Qwen3 layers
+    (each layer's keys in its own plane of the pool)."""
     from specdec.engine.interfaces import Step
     from specdec.engine.draft_heads import read_target_tensors
     from specdec.engine.head_executor import HeadExecutor
     from transformers import AutoConfig
-    head = _random_eagle3(AutoConfig.from_pretrained(tiny_pair.target_path)).to(device="cuda", dtype=torch.float64)
+    head = _random_eagle3(AutoConfig.from_pretrained(tiny_pair.target_path), **layers).to(device="cuda",
+                                                                                         dtype=torch.float64)
     _, embed, _ = read_target_tensors(tiny_pair.target_path, "cuda", torch.float64)
     head.attach(embed, None)
     eager, graphs = HeadExecutor(head, graphs=False), HeadExecutor(head, graphs=True, max_context=512)

@@ -23,9 +23,12 @@ from tests.unit.stats import chi_square_rejects
 
 PROMPT = [5, 17, 3, 88, 41, 9, 60]
 AUX = (0, 1, 1)  # EAGLE-3's layers on a 2-layer target (its default needs at least 4)
+LAYERED = "eagle3-layers"  # an EAGLE-3 head of three decoder layers (the speculators library trains such)
 
 
 def head_for(tiny_lm, kind, seed=0, **kwargs):
+    if kind == LAYERED:
+        kind, kwargs = EAGLE3, {"num_layers": 3, **kwargs}
     head = random_head(kind, tiny_lm.config, seed=seed, aux_layers=AUX if kind == EAGLE3 else (),
                        **({"draft_vocab_size": 64} if kind == EAGLE3 else {}), **kwargs).to(torch.float64)
     if kind != MEDUSA:
@@ -191,54 +194,69 @@ def test_a_head_in_the_speculators_layout_is_read_and_drafts_as_that_layout_defi
     assert stats.drafted >= 3 * (stats.rounds - 4)
 
 
-def qwen3_reference(state: dict, embed: torch.Tensor, tokens: list[int], features: torch.Tensor, layer: dict,
-                    norm_before_residual: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """An EAGLE-3 head's first m entries of a fresh cache from its tensors, its decoder layer transformers' own
-    Qwen3 layer with 2h-wide query/key/value projections (as the speculators library builds a head for a Qwen3
-    target): causal attention over the m rows at positions 0..m-1. -> (g' (m, h), draft logits (m, V_d))."""
-    from transformers import Qwen3Config
-    from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RotaryEmbedding
+def transformers_reference(state: dict, embed: torch.Tensor, tokens: list[int], features: torch.Tensor, layer: dict,
+                           norm_before_residual: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """An EAGLE-3 head's first m entries of a fresh cache from its tensors, on transformers' own decoder layers of
+    the type `layer` (its transformer_layer_config) names, as the speculators library builds a head: the first
+    with 2h-wide query/key/value projections over [norm(embedding) ‖ hidden_norm(g)], the others (its
+    num_hidden_layers) plain layers; causal attention over the m rows at positions 0..m-1.
+    -> (g' (m, h), draft logits (m, V_d))."""
+    from transformers import LlamaConfig, Qwen3Config
+    from transformers.models.llama import modeling_llama
+    from transformers.models.qwen3 import modeling_qwen3
 
-    config = Qwen3Config(**layer)
+    qwen3 = layer.get("model_type") == "qwen3"
+    config = (Qwen3Config if qwen3 else LlamaConfig)(**layer)
     config._attn_implementation = "eager"
-    module = Qwen3DecoderLayer(config, 0)
-    attn, h = module.self_attn, config.hidden_size
+    modeling = modeling_qwen3 if qwen3 else modeling_llama
+    decoder, rotary = ((modeling.Qwen3DecoderLayer, modeling.Qwen3RotaryEmbedding) if qwen3
+                       else (modeling.LlamaDecoderLayer, modeling.LlamaRotaryEmbedding))
+    modules = [decoder(config, i) for i in range(config.num_hidden_layers)]
+    attn, h = modules[0].self_attn, config.hidden_size
     for name in ("q_proj", "k_proj", "v_proj"):
         setattr(attn, name, torch.nn.Linear(2 * h, getattr(attn, name).out_features, bias=config.attention_bias))
-    module.load_state_dict({key.removeprefix("layers.0."): value for key, value in state.items()
-                            if key.startswith("layers.0.") and "hidden_norm" not in key})
-    module.double()
+    for i, module in enumerate(modules):
+        module.load_state_dict({key.removeprefix(f"layers.{i}."): value for key, value in state.items()
+                                if key.startswith(f"layers.{i}.") and "hidden_norm" not in key})
+        module.double()
 
     def rms(x, weight):
         return weight * x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + config.rms_norm_eps)
 
-    m = len(tokens)
+    m, first = len(tokens), modules[0]
     g = features @ state["fc.weight"].T
     normed = rms(g, state["layers.0.hidden_norm.weight"])
-    x = torch.cat([module.input_layernorm(embed[tokens]), normed], dim=-1)
-    cos, sin = Qwen3RotaryEmbedding(config)(x[None], torch.arange(m)[None])
+    x = torch.cat([first.input_layernorm(embed[tokens]), normed], dim=-1)
+    cos, sin = rotary(config)(x[None], torch.arange(m)[None])
     mask = torch.full((m, m), float("-inf"), dtype=torch.float64).triu(1)[None, None]
     x1 = (normed if norm_before_residual else g) + attn(x[None], (cos, sin), mask)[0][0]
-    out = x1 + module.mlp(module.post_attention_layernorm(x1))
+    out = x1 + first.mlp(first.post_attention_layernorm(x1))
+    for module in modules[1:]:
+        out = module(out[None], attention_mask=mask, position_embeddings=(cos, sin))[0]
     return out, rms(out, state["norm.weight"]) @ state["lm_head.weight"].T
 
 
-def test_a_qwen3_layer_head_drafts_as_transformers_qwen3_layer_computes(tiny_lm, tmp_path):
-    """The speculators library trains a head for a Qwen3 target with a Qwen3 decoder layer (per-head norms of
-    the queries and keys before the rotary embedding, a head size of its own, biases where the config says):
-    read, its rows equal to transformers' Qwen3 layer's on torch's modules and on the CPU kernels, written
-    back in both layouts as a Qwen3 layer, and lossless."""
-    from transformers import Qwen3Config
+@pytest.mark.parametrize("layer_type,layers", [("qwen3", 1), ("llama", 3), ("qwen3", 2)])
+def test_a_head_of_qwen3_layers_or_of_several_drafts_as_transformers_layers_compute(tiny_lm, tmp_path, layer_type,
+                                                                                   layers):
+    """The speculators library trains a head for a Qwen3 target with Qwen3 decoder layers (per-head norms of
+    the queries and keys before the rotary embedding, a head size of its own, biases where the config says),
+    and heads of several layers (the first over 2h, plain ones after it): read, its rows equal to transformers'
+    own layers' on torch's modules and on the CPU kernels, written back in both layouts the same, lossless."""
+    from transformers import LlamaConfig, Qwen3Config
 
     from specdec.engine.draft_heads import QWEN3, EagleHead
     from specdec.engine.head_kernels import HeadKernels
     text = tiny_lm.config
-    layer = Qwen3Config(vocab_size=text.vocab_size, hidden_size=text.hidden_size, num_hidden_layers=1,
-                        intermediate_size=text.intermediate_size, num_attention_heads=text.num_attention_heads,
-                        num_key_value_heads=text.num_key_value_heads, rms_norm_eps=text.rms_norm_eps,
-                        head_dim=2 * text.hidden_size // text.num_attention_heads, attention_bias=True,
-                        max_position_embeddings=text.max_position_embeddings,
-                        rope_parameters={"rope_type": "default", "rope_theta": 1e6}).to_diff_dict()
+    shape = dict(vocab_size=text.vocab_size, hidden_size=text.hidden_size, num_hidden_layers=layers,
+                 intermediate_size=text.intermediate_size, num_attention_heads=text.num_attention_heads,
+                 num_key_value_heads=text.num_key_value_heads, rms_norm_eps=text.rms_norm_eps, attention_bias=True,
+                 max_position_embeddings=text.max_position_embeddings)
+    if layer_type == QWEN3:
+        layer = Qwen3Config(**shape, head_dim=2 * text.hidden_size // text.num_attention_heads,
+                            rope_parameters={"rope_type": "default", "rope_theta": 1e6}).to_diff_dict()
+    else:
+        layer = LlamaConfig(**shape, mlp_bias=True, rope_parameters=text.rope_parameters).to_diff_dict()
     config = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3", "draft_vocab_size": 64,
               "norm_before_residual": True, "eagle_aux_hidden_state_layer_ids": [i + 1 for i in AUX],
               "speculators_config": {"algorithm": "eagle3", "verifier": {"name_or_path": "tiny"}},
@@ -258,14 +276,17 @@ def test_a_qwen3_layer_head_drafts_as_transformers_qwen3_layer_computes(tiny_lm,
     (path / "config.json").write_text(json.dumps(config))
     save_file(state, str(path / "model.safetensors"))
     back = load_head(path, dtype=torch.float64)
-    assert (back.config.layer_type, back.config.attention_bias, back.config.head_dim) == (
-        QWEN3, True, 2 * text.hidden_size // text.num_attention_heads)
-    assert back.midlayer.self_attn.q_proj.bias is not None and hasattr(back.midlayer.self_attn, "k_norm")
+    assert (back.config.layer_type, back.config.attention_bias, back.config.num_layers) == (layer_type, True, layers)
+    assert back.config.head_dim == made.config.head_dim and len(back.decoder_layers()) == layers
+    assert all(hasattr(layer.self_attn, "k_norm") == (layer_type == QWEN3) and layer.self_attn.q_proj.bias is not None
+               for layer in back.decoder_layers())
+    assert back.config.mlp_bias == (layer_type == "llama")
     back.attach(*target_tensors(tiny_lm))
     embed = tiny_lm.get_input_embeddings().weight.detach()
     tokens = PROMPT[:5]
     features = torch.randn(5, back.config.feature_width, dtype=torch.float64, generator=generator)
-    out, draft = qwen3_reference(state, embed, tokens, features, layer, norm_before_residual=True)
+    out, draft = transformers_reference(state, embed, tokens, features, layer, norm_before_residual=True)
+    assert torch.isfinite(draft).all() and draft.std() > 1e-3
     ids = back.draft_target_ids()
     with torch.no_grad():
         got, logits = back(torch.tensor(tokens), back.from_target(features), HeadCache(), 0)
@@ -283,10 +304,16 @@ def test_a_qwen3_layer_head_drafts_as_transformers_qwen3_layer_computes(tiny_lm,
     for layout in ("eagle", "speculators"):
         written = json.loads((save_head(back, tmp_path / layout, layout=layout) / "config.json").read_text())
         nested = written.get("transformer_layer_config", written)
-        assert nested["model_type"] == QWEN3 and nested["attention_bias"]
-        Qwen3Config(**nested)  # what the speculators library (and transformers) builds the layer from
+        assert (nested["model_type"], nested["num_hidden_layers"], nested["attention_bias"]) == (
+            layer_type, layers, True)
+        (Qwen3Config if layer_type == QWEN3 else LlamaConfig)(**nested)  # what the library builds the layers from
+        names = load_file(str(tmp_path / layout / "model.safetensors")).keys()
+        held = {key.split(".")[1] for key in names if key.startswith("layers.")}
+        midlayer = any(key.startswith("midlayer.") for key in names)  # EAGLE's name of the first
+        assert (held, midlayer) == (({str(i) for i in range(layers)}, False) if layout == "speculators"
+                                    else ({str(i) for i in range(1, layers)}, True))
         again = load_head(tmp_path / layout, dtype=torch.float64)
-        assert again.config.layer_type == QWEN3
+        assert (again.config.layer_type, again.config.num_layers) == (layer_type, layers)
         assert all(torch.equal(again.state_dict()[key], value) for key, value in back.state_dict().items())
     # EAGLE's own layout names a Llama layer by its architecture whatever model_type it copied from its target
     flat = {**back.config.to_json(), "architectures": ["LlamaForCausalLMEagle3"]}
@@ -299,7 +326,8 @@ def test_a_qwen3_layer_head_drafts_as_transformers_qwen3_layer_computes(tiny_lm,
 
 def test_the_speculators_layouts_eagle1_is_read_and_what_it_cannot_be_is_refused(tiny_lm, tmp_path):
     """EAGLE-1 (and HASS) in the speculators layout: fusion_fc and transformer keys, `fusion_bias`; refused by
-    name: its `layernorms` variant, other kinds, another layer type, more than one layer, the embeddings' id."""
+    name: its `layernorms` variant, other kinds, another layer type, weights of more layers than the config
+    says, the embeddings' id."""
     head = head_for(tiny_lm, EAGLE)
     renamed = {("fusion_fc." + key[3:] if key.startswith("fc.") else "transformer." + key[9:]): value.contiguous()
                for key, value in head.state_dict().items() if not key.startswith("rotary.")}
@@ -325,7 +353,7 @@ def test_the_speculators_layouts_eagle1_is_read_and_what_it_cannot_be_is_refused
     state = load_file(str(three / "model.safetensors"))
     save_file({**state, "layers.1.mlp.up_proj.weight": state["layers.0.mlp.up_proj.weight"].clone()},
               str(three / "model.safetensors"))
-    with pytest.raises(HeadError, match="an EAGLE-3 head of 2 decoder layers"):
+    with pytest.raises(HeadError, match="its weights hold 2 decoder layers, its config.json's num_hidden_layers"):
         load_head(three)
     config = json.loads((three / "config.json").read_text())
     (three / "config.json").write_text(json.dumps({**config, "eagle_aux_hidden_state_layer_ids": [0, 1, 2]}))
@@ -487,7 +515,7 @@ def reference_greedy(tiny_lm, prompt, n):
 
 
 @pytest.mark.parametrize("executor", ["dynamic", "static"])
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", [*KINDS, LAYERED])
 def test_greedy_speculation_with_a_random_head_equals_target_only(tiny_lm, kind, executor):
     expected = reference_greedy(tiny_lm, PROMPT, 24)
     proposer, scorer = pair(tiny_lm, kind, executor=executor)
@@ -544,7 +572,7 @@ def test_a_head_that_copies_the_target_is_accepted_and_its_cache_matches_a_fresh
             tokens += rnd.new_tokens
             if len(tokens) >= 19:
                 cache = executor.sequences[3].cache
-                return tokens, cache.keys[:cache.length].clone(), cache.length
+                return tokens, cache.keys[:, :cache.length].clone(), cache.length
     import asyncio
     tokens, keys, entries = asyncio.run(run())
     assert stats.drafted > stats.accepted  # rejections happened
@@ -555,7 +583,7 @@ def test_a_head_that_copies_the_target_is_accepted_and_its_cache_matches_a_fresh
     fresh = HeadCache()
     with torch.no_grad():
         head(torch.tensor(ids[1:entries + 1]), hidden[:entries], fresh, 0)
-    assert torch.allclose(keys, fresh.keys[:entries], atol=1e-9)
+    assert torch.allclose(keys, fresh.keys[:, :entries], atol=1e-9)
 
 
 def _marginals(tiny_lm, prompt, temperature):

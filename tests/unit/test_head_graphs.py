@@ -1,6 +1,7 @@
 """A head's captured draft steps (head_graphs.py: chain steps, fills, tree levels in row x window buckets)
 computed by their static-tensor code on the CPU (uncaptured there; tests/gpu replays them as CUDA graphs):
-the same drafts and distributions as the eager head's (float64), for EAGLE-1 and EAGLE-3, chains and trees,
+the same drafts and distributions as the eager head's (float64), for EAGLE-1 and EAGLE-3 (of one layer and of
+three), chains and trees,
 several sequences in the pool's slots and one past them, across window buckets and rollbacks; and greedy
 speculation with the static steps equal to target-only."""
 
@@ -19,7 +20,7 @@ from specdec.engine.head_graphs import HeadPool, window_sizes
 from specdec.engine.interfaces import Step
 from specdec.engine.local import LocalProposer, LocalScorer
 
-from .test_draft_heads import PROMPT, head_for, reference_greedy
+from .test_draft_heads import LAYERED, PROMPT, head_for, reference_greedy
 
 
 def counting(executor):
@@ -34,7 +35,7 @@ def counting(executor):
     return counts
 
 
-@pytest.mark.parametrize("kind,together", [(EAGLE, False), (EAGLE3, False), (EAGLE3, True)])
+@pytest.mark.parametrize("kind,together", [(EAGLE, False), (EAGLE3, False), (EAGLE3, True), (LAYERED, True)])
 def test_the_static_steps_draft_what_the_eager_head_does(tiny_lm, kind, together):
     """together: the static executor gets a round's three steps in one propose_many (their chains in
     lockstep, each sequence's captured outputs overwritten by the next one's step), the eager one a step
@@ -83,10 +84,10 @@ def test_the_pool_keeps_scratch_columns_past_each_slots_cache(tiny_lm):
     head = head_for(tiny_lm, EAGLE3)
     pool = HeadPool(head, slots=2, capacity=64, scratch=16)
     slot, cache = pool.cache()
-    assert pool.keys.shape[1] == 80 and cache.keys.shape[0] == 64 and cache.fixed
+    assert pool.keys.shape[2] == 80 and cache.keys.shape[1] == 64 and cache.fixed
     with pytest.raises(ValueError, match="holds 64 positions"):
-        cache.write(60, torch.zeros(5, *cache.keys.shape[1:], dtype=cache.keys.dtype),
-                    torch.zeros(5, *cache.keys.shape[1:], dtype=cache.keys.dtype))
+        cache.write(60, torch.zeros(5, *cache.keys.shape[2:], dtype=cache.keys.dtype),
+                    torch.zeros(5, *cache.keys.shape[2:], dtype=cache.keys.dtype))
     assert window_sizes(300) == [128, 256, 300] and window_sizes(128) == [128]
 
 

@@ -1,7 +1,8 @@
 """An EAGLE head's step on the CPU layer kernels (head_kernels.py) against the module's own step: logits and
-the cache's entries for chains and tree levels, EAGLE-1 and EAGLE-3; the draft vocabulary's logits kept
-unscattered (DraftLogits) against the scattered ones; and the head executor drafting the same with and
-without the kernels (chains, trees past the kernel's 64 ancestor bits, the confidence stop, sampling)."""
+the cache's entries for chains and tree levels, EAGLE-1 and EAGLE-3 (three Qwen3 layers too); the draft
+vocabulary's logits kept unscattered (DraftLogits) against the scattered ones; and the head executor drafting
+the same with and without the kernels (chains, trees past the kernel's 64 ancestor bits, the confidence stop,
+sampling)."""
 
 import pytest
 import torch
@@ -18,10 +19,16 @@ pytestmark = pytest.mark.skipif(CPU is None, reason=f"the CPU kernels did not bu
 AUX = (0, 1, 1)  # EAGLE-3's layers on a 2-layer target
 
 
+LAYERED = "eagle3-layers"  # an EAGLE-3 head of three decoder layers, of Qwen3's type (per-head q/k norms)
+
+
 def float_head(tiny_lm, kind, seed=0, draft_vocab=40):
     """A random float32 head; EAGLE-3's draft vocabulary the even target ids (draft id i -> target id 2i)."""
+    layered = kind == LAYERED
+    kind = EAGLE3 if layered else kind
     head = random_head(kind, tiny_lm.config, seed=seed, aux_layers=AUX if kind == EAGLE3 else (),
-                       **({"draft_vocab_size": draft_vocab} if kind == EAGLE3 else {})).float()
+                       **({"draft_vocab_size": draft_vocab} if kind == EAGLE3 else {}),
+                       **({"num_layers": 3, "layer_type": "qwen3", "attention_bias": True} if layered else {})).float()
     head.attach(*(t.float() for t in target_tensors(tiny_lm)))
     if kind == EAGLE3:
         head.d2t.copy_(torch.arange(draft_vocab))
@@ -40,7 +47,7 @@ def filled(head, length, generator):
     return cache
 
 
-@pytest.mark.parametrize("kind", [EAGLE, EAGLE3])
+@pytest.mark.parametrize("kind", [EAGLE, EAGLE3, LAYERED])
 def test_a_chain_of_rows_gives_the_modules_logits_and_cache_entries(tiny_lm, kind):
     head = float_head(tiny_lm, kind)
     step = HeadKernels.serving(head)
@@ -57,12 +64,12 @@ def test_a_chain_of_rows_gives_the_modules_logits_and_cache_entries(tiny_lm, kin
     assert torch.equal(finite, torch.isfinite(got)) and finite.any()
     assert torch.allclose(got[finite], want[finite], atol=1e-4, rtol=1e-4), (got[finite] - want[finite]).abs().max()
     assert torch.allclose(got_hidden, want_hidden, atol=1e-4, rtol=1e-4)
-    assert torch.allclose(ours.keys[:start + m], theirs.keys[:start + m], atol=1e-5)
-    assert torch.allclose(ours.values[:start + m], theirs.values[:start + m], atol=1e-5)
+    assert torch.allclose(ours.keys[:, :start + m], theirs.keys[:, :start + m], atol=1e-5)
+    assert torch.allclose(ours.values[:, :start + m], theirs.values[:, :start + m], atol=1e-5)
     assert ours.length == theirs.length == start + m
 
 
-@pytest.mark.parametrize("kind", [EAGLE, EAGLE3])
+@pytest.mark.parametrize("kind", [EAGLE, EAGLE3, LAYERED])
 def test_a_tree_levels_rows_see_the_entries_their_ancestors_and_themselves(tiny_lm, kind):
     """Rows written after two earlier levels' entries, each with its own ancestors (bits past `before`),
     against the module's step over the same boolean mask."""
@@ -84,8 +91,8 @@ def test_a_tree_levels_rows_see_the_entries_their_ancestors_and_themselves(tiny_
             if value >> bit & 1:
                 visible[row, start + bit] = True
 
-    def window(k, v):
-        keys, values = theirs.write(start + 3, k, v)
+    def window(layer, k, v):
+        keys, values = theirs.write(start + 3, k, v, layer)
         return keys, values, visible
 
     with torch.inference_mode():

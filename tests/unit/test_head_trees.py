@@ -24,7 +24,7 @@ from specdec.engine.local import LocalProposer, LocalScorer
 
 from .conftest import run_fixed_k_many
 from .stats import chi_square_rejects
-from .test_draft_heads import AUX, PROMPT, _marginals, head_for, pair, reference_greedy
+from .test_draft_heads import AUX, LAYERED, PROMPT, _marginals, head_for, pair, reference_greedy
 
 
 # ---- the search -----------------------------------------------------------------------------------------
@@ -137,7 +137,7 @@ def features_of(tiny_lm, head, ids):
     return torch.cat([out.hidden_states[layer + 1][0] for layer in layers], dim=-1)
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", [*KINDS, LAYERED])
 @pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.7, top_k=20)], ids=["greedy", "sampled"])
 def test_each_node_is_scored_as_the_head_would_draft_its_path(tiny_lm, kind, params):
     """The executor's tree (its levels run together under a tree mask) equals the search run with a
@@ -203,7 +203,7 @@ def run(req, proposer, scorer, k, stats=None, rounds_out=None):
 
 
 @pytest.mark.parametrize("executor", ["dynamic", "static"])
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", [*KINDS, LAYERED])
 def test_greedy_head_trees_give_the_target_only_output(tiny_lm, kind, executor):
     expected = reference_greedy(tiny_lm, PROMPT, 40)
     proposer, scorer = pair(tiny_lm, kind, executor=executor)
@@ -236,7 +236,7 @@ def test_the_head_reads_the_features_of_the_accepted_path(tiny_lm):
                 rounds.append(rnd)
                 if len(tokens) >= 40:
                     cache = executor.sequences[3].cache
-                    return tokens, cache.keys[:cache.length].clone(), cache.length
+                    return tokens, cache.keys[:, :cache.length].clone(), cache.length
         tokens, keys, entries = asyncio.run(main())
         off_branch = 0
         for proposal, rnd in zip(proposer.proposals, rounds):
@@ -256,7 +256,7 @@ def test_the_head_reads_the_features_of_the_accepted_path(tiny_lm):
         hidden = tiny_lm(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0]
         fresh = HeadCache()
         head(torch.tensor(ids[1:entries + 1]), hidden[:entries], fresh, 0)
-    assert torch.allclose(keys, fresh.keys[:entries], atol=1e-9)
+    assert torch.allclose(keys, fresh.keys[:, :entries], atol=1e-9)
 
 
 @pytest.fixture(scope="module")

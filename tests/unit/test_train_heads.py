@@ -40,15 +40,17 @@ def sample(tiny_lm):
 @pytest.mark.parametrize("kind", [EAGLE, EAGLE3, "eagle3-normed", "eagle3-qwen3"])
 def test_the_training_time_test_computes_what_drafting_serves(tiny_lm, sample, kind):
     normed = kind == "eagle3-normed"  # the speculators library's variant: residual normed, a norm before fc
-    qwen3 = kind == "eagle3-qwen3"  # its head for a Qwen3 target: a Qwen3 layer (with biases, here)
+    qwen3 = kind == "eagle3-qwen3"  # its heads for Qwen3 targets: Qwen3 layers (with biases, and three, here)
     kind = EAGLE3 if normed or qwen3 else kind
     head = random_head(kind, tiny_lm.config, seed=2, aux_layers=AUX if kind == EAGLE3 else (),
                        norm_before_residual=normed, norm_before_fc=normed, layer_type="qwen3" if qwen3 else "llama",
-                       attention_bias=qwen3).to(torch.float64)
+                       attention_bias=qwen3, num_layers=3 if qwen3 else 1).to(torch.float64)
     if qwen3:
-        with torch.no_grad():  # per-head norms that are not the identity
-            for norm in (head.midlayer.self_attn.q_norm, head.midlayer.self_attn.k_norm):
-                norm.weight.copy_(1 + torch.rand(norm.weight.shape, generator=torch.Generator().manual_seed(3)))
+        with torch.no_grad():  # per-head norms and plain layers' input norms that are not the identity
+            generator = torch.Generator().manual_seed(3)
+            for layer in head.decoder_layers():
+                for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm, layer.input_layernorm):
+                    norm.weight.copy_(1 + torch.rand(norm.weight.shape, generator=generator))
     head.attach(*target_tensors(tiny_lm))
     tokens = sample.tokens
     entries = len(tokens) - 1
@@ -159,16 +161,22 @@ def test_the_command_trains_each_kind_and_writes_what_the_loader_reads(tmp_path,
     if kind == EAGLE3:  # the speculators library's layout, which vLLM serves as it is
         again = train_command(["--target", target, "--out", str(tmp_path / "spec"), "--kind", EAGLE3, "--data",
                                str(out / "data.pt"), "--epochs", "1", "--draft-vocab", "1024", "--aux-layers", "0,1,1",
-                               "--steps", "2", "--layout", "speculators", "--device", "cpu"])
+                               "--steps", "2", "--layout", "speculators", "--head-layers", "2", "--device", "cpu"])
         config = json.loads((tmp_path / "spec" / "config.json").read_text())
         assert again == 0 and config["speculators_model_type"] == EAGLE3
         assert config["eagle_aux_hidden_state_layer_ids"] == [1, 2, 2]
         assert config["speculators_config"]["verifier"]["name_or_path"] == str(Path(target).resolve())
-        assert load_head(tmp_path / "spec").config.aux_layers == (0, 1, 1)
+        assert config["transformer_layer_config"]["num_hidden_layers"] == 2  # a head of two layers (--head-layers)
+        record = json.loads((tmp_path / "spec" / "training.json").read_text())
+        assert record["held_out_loss"] < record["held_out_loss_before"], record
+        spec = load_head(tmp_path / "spec")
+        assert spec.config.aux_layers == (0, 1, 1) and len(spec.decoder_layers()) == 2
     if kind == MEDUSA:
         with pytest.raises(SystemExit, match="--layout speculators holds EAGLE heads"):
             train_command(["--target", target, "--out", str(tmp_path / "m"), "--kind", MEDUSA, "--layout",
                            "speculators"])
+        with pytest.raises(SystemExit, match="--head-layers 2: EAGLE-3 heads have one or more decoder layers"):
+            train_command(["--target", target, "--out", str(tmp_path / "m"), "--kind", MEDUSA, "--head-layers", "2"])
 
 
 def test_the_command_adds_grounded_prompts_over_its_own_answers_and_trains_under_autocast(tmp_path):

@@ -5,10 +5,11 @@ A head drafts from the target's own features (hidden states) rather than from to
   EAGLE-1  entry i: fc(embed(token i+1) ‖ f_i) -> one decoder layer without input norm -> feature;
            logits = the target's lm_head(feature). f_i is the target's last hidden state after its final
            norm, later the head's own output feature.
-  EAGLE-3  entry i: input_layernorm(embed(token i+1)) ‖ hidden_norm(g_i) -> attention over 2h -> MLP ->
-           g_{i+1} (pre-norm); logits = lm_head(norm(g)) over a reduced draft vocabulary (target id =
-           draft id + d2t[draft id]). g_i = fc(the target's states entering three of its layers) for the
-           target's positions, the head's own pre-norm output after that.
+  EAGLE-3  entry i: input_layernorm(embed(token i+1)) ‖ hidden_norm(g_i) -> attention over 2h -> MLP
+           (-> further plain decoder layers, where a head has them) -> g_{i+1} (pre-norm); logits =
+           lm_head(norm(g)) over a reduced draft vocabulary (target id = draft id + d2t[draft id]).
+           g_i = fc(the target's states entering three of its layers) for the target's positions, the
+           head's own pre-norm output after that.
   Medusa   head j: [x + SiLU(Linear(x))] * L then Linear(h, V): token t+j+2 from the target's post-norm
            last hidden state at t (no cache, no recurrence).
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
@@ -65,6 +67,9 @@ class HeadConfig:
     layer_type: str = "llama"
     attention_bias: bool = False  # q, k, v and o projections with biases
     mlp_bias: bool = False  # gate, up and down projections with biases (a Llama layer's option)
+    # EAGLE-3: its decoder layers (the config's num_hidden_layers): the first over 2h, the others plain
+    # layers over h (the speculators library trains heads of several); EAGLE-1 has one
+    num_layers: int = 1
     medusa_heads: int = 0
     medusa_layers: int = 0
     raw: dict = field(default_factory=dict, compare=False)  # config.json as read (rotary settings)
@@ -115,14 +120,16 @@ class HeadConfig:
                    norm_before_residual=eagle3 and bool(raw.get("norm_before_residual", False)),
                    norm_before_fc=eagle3 and bool(raw.get("norm_before_fc", False)), layer_type=layer_type,
                    attention_bias=bool(raw.get("attention_bias", False)),
-                   mlp_bias=layer_type == LLAMA and bool(raw.get("mlp_bias", False)), raw=raw)
+                   mlp_bias=layer_type == LLAMA and bool(raw.get("mlp_bias", False)),
+                   num_layers=int(raw.get("num_hidden_layers") or 1) if eagle3 else 1, raw=raw)
 
     def to_json(self) -> dict:
         if self.kind == MEDUSA:
             return {**self.raw, "hidden_size": self.hidden_size, "vocab_size": self.vocab_size,
                     "medusa_num_heads": self.medusa_heads, "medusa_num_layers": self.medusa_layers}
         raw = {key: value for key, value in self.raw.items() if key != AUX_IDS}  # written nested, below
-        out = {**raw, "model_type": self.layer_type, "num_hidden_layers": 1, "hidden_size": self.hidden_size,
+        out = {**raw, "model_type": self.layer_type, "num_hidden_layers": self.num_layers,
+               "hidden_size": self.hidden_size,
                "vocab_size": self.vocab_size, "num_attention_heads": self.num_attention_heads,
                "num_key_value_heads": self.num_key_value_heads, "intermediate_size": self.intermediate_size,
                "rms_norm_eps": self.rms_norm_eps, "hidden_act": "silu", "attention_bias": self.attention_bias}
@@ -168,7 +175,9 @@ def speculators_layout(raw: dict, where: str) -> dict:
     if layer.get("model_type", LLAMA) not in LAYER_TYPES:
         raise HeadError(f"{where}: transformer_layer_config.model_type {layer['model_type']!r}: this server's "
                         f"heads have a decoder layer of type {' or '.join(LAYER_TYPES)}")
-    flat = {key: value for key, value in layer.items() if key not in ("architectures", "num_hidden_layers")}
+    # EAGLE-1's layer config is often its target's (num_hidden_layers 32: not the head's); EAGLE-3's says its own
+    flat = {key: value for key, value in layer.items()
+            if key != "architectures" and (kind == EAGLE3 or key != "num_hidden_layers")}
     model = "Qwen3ForCausalLM" if layer.get("model_type") == QWEN3 else "LlamaForCausalLM"
     if kind == EAGLE:
         if raw.get("layernorms"):
@@ -248,54 +257,70 @@ class _MLP(nn.Module):
 
 
 class _Layer(nn.Module):
-    """EAGLE's one decoder layer; EAGLE-3's takes [norm(embed) ‖ norm(hidden)] (2h) into attention."""
+    """EAGLE's decoder layer. The first takes EAGLE-1's fc output (no input norm) or EAGLE-3's
+    [norm(embed) ‖ norm(hidden)] (2h) into attention; an EAGLE-3 head's further layers (`plain`) are a
+    decoder layer as its type has it, over h."""
 
-    def __init__(self, config: HeadConfig):
+    def __init__(self, config: HeadConfig, plain: bool = False):
         super().__init__()
         h = config.hidden_size
-        eagle3 = config.kind == EAGLE3
-        self.self_attn = _Attention(config, 2 * h if eagle3 else h)
+        first3 = config.kind == EAGLE3 and not plain
+        self.self_attn = _Attention(config, 2 * h if first3 else h)
         self.mlp = _MLP(config)
         self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps)
-        if eagle3:
+        if first3 or plain:
             self.input_layernorm = RMSNorm(h, config.rms_norm_eps)
+        if first3:
             self.hidden_norm = RMSNorm(h, config.rms_norm_eps)
 
+    def plain(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, window: Window) -> torch.Tensor:
+        """A plain layer's step: x (m, h) -> (m, h)."""
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, window)
+        return x + self.mlp(self.post_attention_layernorm(x))
 
-# Where a head's attention puts a step's keys and values and what it attends to:
+
+# Where a head's attention puts a step's keys and values and what it attends to, in one of its layers:
 # (k, v) (m, kv, D) each -> (keys (L, kv, D), values (L, kv, D), visible (m, L) bool)
 Window = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+# The same for every layer of a step: (layer, k, v) -> what a Window returns (EagleHead.step binds the layer)
+Windows = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
 class HeadCache:
-    """One sequence's keys and values in a head's one layer: (capacity, kv_heads, D) each, grown by doubling,
-    or fixed views given (a slot of head_graphs.HeadPool: nothing is reallocated, captured steps read it);
-    `length` entries valid (a rollback is a smaller length)."""
+    """One sequence's keys and values in a head's layers: (layers, capacity, kv_heads, D) each, grown by
+    doubling (and by layers as they are first written), or fixed views given (a slot of head_graphs.HeadPool:
+    nothing is reallocated, captured steps read it); `length` entries valid in every layer (a rollback is a
+    smaller length)."""
 
     def __init__(self, keys: torch.Tensor | None = None, values: torch.Tensor | None = None):
         self.keys, self.values = keys, values
         self.fixed = keys is not None
         self.length = 0
 
-    def write(self, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def write(self, start: int, k: torch.Tensor, v: torch.Tensor, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v (m, kv, D) at entries start.. of `layer` -> that layer's keys and values (end, kv, D) so far."""
         end = start + k.shape[0]
-        if self.keys is None or end > self.keys.shape[0]:
+        if self.keys is None or end > self.keys.shape[1] or layer >= self.keys.shape[0]:
             if self.fixed:
-                raise ValueError(f"the head's cache holds {self.keys.shape[0]} positions, {end} asked for")
-            capacity = max(64, 1 << (end - 1).bit_length())
-            keys = k.new_zeros(capacity, *k.shape[1:])
-            values = v.new_zeros(capacity, *v.shape[1:])
+                raise ValueError(f"the head's cache holds {self.keys.shape[1]} positions of {self.keys.shape[0]} "
+                                 f"layers, {end} asked for in layer {layer}")
+            layers, capacity = layer + 1, max(64, 1 << (end - 1).bit_length())
             if self.keys is not None:
-                keys[:start], values[:start] = self.keys[:start], self.values[:start]
+                layers, capacity = max(layers, self.keys.shape[0]), max(capacity, self.keys.shape[1])
+            keys = k.new_zeros(layers, capacity, *k.shape[1:])
+            values = v.new_zeros(layers, capacity, *v.shape[1:])
+            if self.keys is not None:  # all of it: an earlier layer may have written this step's entries already
+                old_layers, old_capacity = self.keys.shape[:2]
+                keys[:old_layers, :old_capacity], values[:old_layers, :old_capacity] = self.keys, self.values
             self.keys, self.values = keys, values
-        self.keys[start:end], self.values[start:end] = k, v
+        self.keys[layer, start:end], self.values[layer, start:end] = k, v
         self.length = end
-        return self.keys[:end], self.values[:end]
+        return self.keys[layer, :end], self.values[layer, :end]
 
-    def window(self, start: int) -> Window:
+    def window(self, start: int) -> Windows:
         """Rows at positions start.. written here; each sees the cache before it and itself."""
-        def attend(k, v):
-            keys, values = self.write(start, k, v)
+        def attend(layer, k, v):
+            keys, values = self.write(start, k, v, layer)
             m, end = k.shape[0], start + k.shape[0]
             visible = torch.arange(end, device=k.device) <= (start + torch.arange(m, device=k.device))[:, None]
             return keys, values, visible
@@ -337,6 +362,8 @@ class EagleHead(nn.Module):
                 self.input_norm = RMSNorm(config.feature_width, config.rms_norm_eps)
             self.fc = nn.Linear(config.feature_width, h, bias=False)
             self.midlayer = _Layer(config)
+            if config.num_layers > 1:  # keys layers.1. .. as the speculators library names them
+                self.layers = nn.ModuleDict({str(i): _Layer(config, plain=True) for i in range(1, config.num_layers)})
             self.norm = RMSNorm(h, config.rms_norm_eps)
             draft_vocab = config.draft_vocab_size or config.vocab_size
             self.lm_head = nn.Linear(h, draft_vocab, bias=False)
@@ -352,6 +379,12 @@ class EagleHead(nn.Module):
         # target's (a head that trained its own: the speculators library's embed_requires_grad)
         self.file_embed: torch.Tensor | None = None
         self.target_head: torch.Tensor | None = None
+
+    def decoder_layers(self) -> list[_Layer]:
+        """Its decoder layers in order: EAGLE-3's first (`midlayer`) and plain ones after it; EAGLE-1's one."""
+        if self.config.kind != EAGLE3:
+            return [self.layers[0]]
+        return [self.midlayer, *(self.layers.values() if hasattr(self, "layers") else ())]
 
     def draft_target_ids(self) -> torch.Tensor:
         """EAGLE-3: the target id of each draft id (V_d,), draft id + d2t[draft id]; on a CPU kept while d2t
@@ -387,21 +420,23 @@ class EagleHead(nn.Module):
         positions = torch.arange(start, start + tokens.shape[0], device=tokens.device)
         return self.step(tokens, hidden, positions, cache.window(start))
 
-    def step(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, window: Window
+    def step(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, window: Windows
              ) -> tuple[torch.Tensor, torch.Tensor]:
         """`forward` with the positions (m,) and the keys' place given: what a captured step replays."""
         embeds = nn.functional.embedding(tokens, self.embed).to(hidden.dtype)
         cos, sin = self.rotary(hidden, positions[None])
+        cos, sin = cos[0], sin[0]
+        first, *plain = self.decoder_layers()
         if self.config.kind == EAGLE3:
-            layer = self.midlayer
-            normed = layer.hidden_norm(hidden)
-            x = torch.cat([layer.input_layernorm(embeds), normed], dim=-1)
+            normed = first.hidden_norm(hidden)
+            x = torch.cat([first.input_layernorm(embeds), normed], dim=-1)
             residual = self.residual(hidden, normed)
         else:
-            layer = self.layers[0]
             x = residual = self.fc(torch.cat([embeds, hidden], dim=-1))
-        x = residual + layer.self_attn(x, cos[0], sin[0], window)
-        out = x + layer.mlp(layer.post_attention_layernorm(x))
+        x = residual + first.self_attn(x, cos, sin, partial(window, 0))
+        out = x + first.mlp(first.post_attention_layernorm(x))
+        for index, layer in enumerate(plain, start=1):
+            out = layer.plain(out, cos, sin, partial(window, index))
         if self.config.kind != EAGLE3:
             return out, nn.functional.linear(out, self.target_head)
         draft_logits = self.lm_head(self.norm(out))
@@ -510,10 +545,11 @@ def load_head(path: str | Path, device: str | torch.device = "cpu", dtype: torch
         state = {f"heads.{key}": value for key, value in state.items()}
     else:
         module = EagleHead(config)
-        layers = {key.split(".")[1] for key in state if key.startswith("layers.")}
-        if config.kind == EAGLE3 and layers:
-            raise HeadError(f"{path}: an EAGLE-3 head of {len(layers) + 1} decoder layers: this server's heads "
-                            "have one")
+        held = len({"0" if key.startswith("midlayer.") else key.split(".")[1] for key in state
+                    if key.startswith(("midlayer.", "layers."))})  # EAGLE-3's first layer is its midlayer
+        if config.kind == EAGLE3 and held != config.num_layers:
+            raise HeadError(f"{path}: its weights hold {held} decoder layers, its config.json's num_hidden_layers "
+                            f"says {config.num_layers}")
     missing, unexpected = module.load_state_dict(state, strict=False)
     if isinstance(module, EagleHead):
         module.file_embed = file_embed
@@ -568,7 +604,7 @@ def _speculators_files(config: HeadConfig, state: dict, verifier: str, speculati
     layer = {key: value for key, value in config.to_json().items()
              if key not in ("architectures", "draft_vocab_size", "eagle_config", "bias", "target_hidden_size",
                             "norm_before_residual", "norm_before_fc")}
-    layer.update(num_hidden_layers=1, head_dim=config.head_dim)
+    layer.update(num_hidden_layers=config.num_layers, head_dim=config.head_dim)
     out = {"architectures": ["Eagle3Speculator" if eagle3 else "EagleSpeculator"],
            "speculators_model_type": config.kind, "transformer_layer_config": layer,
            "speculators_config": {"algorithm": config.kind, "default_proposal_method": "greedy",
@@ -592,7 +628,7 @@ def _speculators_files(config: HeadConfig, state: dict, verifier: str, speculati
 
 def random_head(kind: str, target_config, seed: int = 0, draft_vocab_size: int = 0, medusa_heads: int = 4,
                 aux_layers: tuple[int, ...] = (), norm_before_residual: bool = False, norm_before_fc: bool = False,
-                layer_type: str = LLAMA, attention_bias: bool = False) -> EagleHead | MedusaHeads:
+                layer_type: str = LLAMA, attention_bias: bool = False, num_layers: int = 1) -> EagleHead | MedusaHeads:
     """A head of `kind` shaped for a transformers target config, with random weights (fixed seed): a head of
     no quality, which speculation must still keep lossless (tests), and where training starts."""
     text = target_config.get_text_config()
@@ -607,7 +643,7 @@ def random_head(kind: str, target_config, seed: int = 0, draft_vocab_size: int =
                         aux_layers=tuple(aux_layers), medusa_heads=medusa_heads if kind == MEDUSA else 0,
                         medusa_layers=1 if kind == MEDUSA else 0, norm_before_residual=norm_before_residual,
                         norm_before_fc=norm_before_fc, layer_type=layer_type, attention_bias=attention_bias,
-                        raw=raw)
+                        num_layers=num_layers if kind == EAGLE3 else 1, raw=raw)
     torch.manual_seed(seed)
     head = MedusaHeads(config) if kind == MEDUSA else EagleHead(config)
     with torch.no_grad():

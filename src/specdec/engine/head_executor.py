@@ -337,8 +337,8 @@ class HeadExecutor:
                         visible[row, slot_of[ancestor]] = True
                         ancestor = parent_of[ancestor]
 
-                def window(k, v):
-                    keys, values = seq.cache.write(first, k, v)
+                def window(layer, k, v):
+                    keys, values = seq.cache.write(first, k, v, layer)
                     return keys, values, visible
 
                 hidden, logits = head.step(token_ids.to(self.device), inputs, positions.to(self.device), window)

@@ -3,7 +3,7 @@ accepted positions and a tree's levels.
 
 Eagerly, a head's step is a few dozen small kernels: on a GPU it costs their launches (about 1 ms on an
 H200), not their work. Captured, it costs the work. A graph replays fixed memory, so the sequences' keys
-and values live in one pool allocated at load, (slots, capacity + scratch, kv_heads, D), a sequence's cache
+and values live in one pool allocated at load, (slots, layers, capacity + scratch, kv_heads, D), a sequence's cache
 being its slot's first `capacity` positions (draft_heads.HeadCache with fixed storage: the eager passes
 write there too). A captured step takes m <= R rows from static tensors (tokens, hidden, rotary positions,
 the columns their keys go to, and what each row sees: every column before `before`, and the columns
@@ -37,13 +37,13 @@ def window_sizes(capacity: int, smallest: int = 128) -> list[int]:
 
 
 class HeadPool:
-    """Every sequence's keys and values of a head's one layer, allocated once; each slot has `scratch`
+    """Every sequence's keys and values in a head's layers, allocated once; each slot has `scratch`
     columns past its capacity for a captured step's padding rows."""
 
     def __init__(self, head: EagleHead, slots: int, capacity: int, scratch: int = max(ROW_BUCKETS)):
         config = head.config
         parameter = next(head.parameters())
-        shape = (slots, capacity + scratch, config.num_key_value_heads, config.head_dim)
+        shape = (slots, len(head.decoder_layers()), capacity + scratch, config.num_key_value_heads, config.head_dim)
         self.keys = torch.zeros(shape, dtype=parameter.dtype, device=parameter.device)
         self.values = torch.zeros_like(self.keys)
         self.capacity = capacity
@@ -54,7 +54,7 @@ class HeadPool:
         if not self.free:
             return None
         slot = self.free.pop()
-        return slot, HeadCache(self.keys[slot, :self.capacity], self.values[slot, :self.capacity])
+        return slot, HeadCache(self.keys[slot, :, :self.capacity], self.values[slot, :, :self.capacity])
 
     def release(self, slot: int) -> None:
         self.free.append(slot)
@@ -96,12 +96,13 @@ class CapturedSteps:
     def _window(self, rows: int, size: int):
         pool, ints = self.pool, self.ints
 
-        def attend(k, v):  # (rows, kv, D) each: written at (slot, writes); the slot's first `size` columns read
+        def attend(layer, k, v):  # (rows, kv, D) each: written at (slot, layer, writes); the first `size` read
             slot = ints[SCALARS, :1]
-            pool.keys.index_put_((slot.expand(rows), ints[WRITES, :rows]), k)
-            pool.values.index_put_((slot.expand(rows), ints[WRITES, :rows]), v)
-            keys = pool.keys.index_select(0, slot)[0, :size]
-            values = pool.values.index_select(0, slot)[0, :size]
+            layer_keys, layer_values = pool.keys.select(1, layer), pool.values.select(1, layer)  # views
+            layer_keys.index_put_((slot.expand(rows), ints[WRITES, :rows]), k)
+            layer_values.index_put_((slot.expand(rows), ints[WRITES, :rows]), v)
+            keys = layer_keys.index_select(0, slot)[0, :size]
+            values = layer_values.index_select(0, slot)[0, :size]
             columns = torch.arange(size, device=k.device)
             offset = columns - ints[SCALARS, 1]
             tree = (offset >= 0) & (offset < ANCESTOR_BITS)

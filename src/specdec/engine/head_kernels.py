@@ -66,13 +66,12 @@ class HeadKernels:
         self.attention = panel_linear.build().module.paged_attention
         config = head.config
         self.eagle3 = config.kind == EAGLE3
-        layer = head.midlayer if self.eagle3 else head.layers[0]
-        self.layer = layer
+        self.layers = head.decoder_layers()
         self.heads, self.kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
         self.scaling = self.head_dim ** -0.5  # SDPA's default, as the head's module uses
         self.eps = config.rms_norm_eps
-        self.qkv = fuse_linears(layer.self_attn, ("q_proj", "k_proj", "v_proj"))
-        self.gate_up = fuse_linears(layer.mlp, ("gate_proj", "up_proj"))
+        self.qkv = [fuse_linears(layer.self_attn, ("q_proj", "k_proj", "v_proj")) for layer in self.layers]
+        self.gate_up = [fuse_linears(layer.mlp, ("gate_proj", "up_proj")) for layer in self.layers]
         self.cos = self.sin = torch.empty(0)
         self.table = torch.zeros(1, 1, dtype=torch.long)  # the cache is one block of the pool the kernel reads
         self.ids = self.index = None  # DraftLogits' (an EAGLE-3 head's reduced vocabulary, its ids ascending)
@@ -133,36 +132,41 @@ class HeadKernels:
         rows of sequence i the next rows[i] of them, given as caches[i] = (rows, its cache, first, before
         (rows,), ancestors (rows,)). Every product runs once over the M rows (a batch of sequences reads the
         head's weights once, not once each); each sequence's rows attend over its own cache."""
-        head, layer, fn, eps = self.head, self.layer, self.fn, self.eps
+        head, fn, eps = self.head, self.fn, self.eps
         m = tokens.shape[0]
         embeds = nn.functional.embedding(tokens, head.embed)
+        first = self.layers[0]
         if self.eagle3:
-            normed = fn.rms_norm(hidden.contiguous(), layer.hidden_norm.weight, eps)
-            x = torch.cat([fn.rms_norm(embeds, layer.input_layernorm.weight, eps), normed], dim=-1)
+            normed = fn.rms_norm(hidden.contiguous(), first.hidden_norm.weight, eps)
+            x = torch.cat([fn.rms_norm(embeds, first.input_layernorm.weight, eps), normed], dim=-1)
             residual = head.residual(hidden, normed)
         else:
             x = residual = head.fc(torch.cat([embeds, hidden], dim=-1))
-        attn = layer.self_attn
-        qkv = self._linear(self.qkv, (attn.q_proj, attn.k_proj, attn.v_proj), x)
         cos, sin = self._rotary(positions)
-        if hasattr(attn, "q_norm"):  # a Qwen3 layer's per-head norms of the queries and keys
-            q, k = fn.rotate_qk(qkv, cos, sin, self.heads, self.kv_heads, attn.q_norm.weight, attn.k_norm.weight, eps)
-        else:
-            q, k = fn.rotate_qk(qkv, cos, sin, self.heads, self.kv_heads)
-        v = qkv[:, (self.heads + self.kv_heads) * self.head_dim:].reshape(m, self.kv_heads, self.head_dim)
-        outs, row = [], 0
-        for rows, cache, first, before, ancestors in caches:
-            end = row + rows
-            cache.write(first, k[row:end], v[row:end])
-            outs.append(self.attention(q[row:end], cache.keys[None], cache.values[None], self.table, before[None],
-                                       ancestors[None], self.scaling))
-            row = end
-        out = outs[0] if len(outs) == 1 else torch.cat(outs)
-        post = layer.post_attention_layernorm
-        x, normed = fn.add_rms_norm(residual.contiguous(), attn.o_proj(out), post.weight, eps)
-        mlp = layer.mlp
-        gate_up = self._linear(self.gate_up, (mlp.gate_proj, mlp.up_proj), normed)
-        update = mlp.down_proj(fn.silu_mul(gate_up))
+        for index, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            qkv = self._linear(self.qkv[index], (attn.q_proj, attn.k_proj, attn.v_proj), x)
+            if hasattr(attn, "q_norm"):  # a Qwen3 layer's per-head norms of the queries and keys
+                q, k = fn.rotate_qk(qkv, cos, sin, self.heads, self.kv_heads, attn.q_norm.weight, attn.k_norm.weight,
+                                    eps)
+            else:
+                q, k = fn.rotate_qk(qkv, cos, sin, self.heads, self.kv_heads)
+            v = qkv[:, (self.heads + self.kv_heads) * self.head_dim:].reshape(m, self.kv_heads, self.head_dim)
+            outs, row = [], 0
+            for rows, cache, start, before, ancestors in caches:
+                end = row + rows
+                cache.write(start, k[row:end], v[row:end], index)
+                outs.append(self.attention(q[row:end], cache.keys[index][None], cache.values[index][None], self.table,
+                                           before[None], ancestors[None], self.scaling))
+                row = end
+            out = outs[0] if len(outs) == 1 else torch.cat(outs)
+            post = layer.post_attention_layernorm
+            x, normed = fn.add_rms_norm(residual.contiguous(), attn.o_proj(out), post.weight, eps)
+            mlp = layer.mlp
+            gate_up = self._linear(self.gate_up[index], (mlp.gate_proj, mlp.up_proj), normed)
+            update = mlp.down_proj(fn.silu_mul(gate_up))
+            if index + 1 < len(self.layers):  # the next (plain) layer's input: its norm of this one's output
+                residual, x = fn.add_rms_norm(x, update, self.layers[index + 1].input_layernorm.weight, eps)
         if not self.eagle3:
             out = x + update
             return out, nn.functional.linear(out, head.target_head)

@@ -99,6 +99,9 @@ def parse_args(argv):
                              "vocabulary) instead of a fresh one: to train it on more text")
     parser.add_argument("--epochs", type=int, default=6)
     parser.add_argument("--steps", type=int, default=4, help="EAGLE's training-time test: unrolled draft steps")
+    parser.add_argument("--head-layers", type=int, default=1,
+                        help="EAGLE-3: the head's decoder layers (the first over 2h, plain ones after it), as the "
+                             "speculators library's --num-layers; each costs a draft step about one more layer")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--aux-layers", default="",
                         help="EAGLE-3: target layers read (comma-separated, the output of each); "
@@ -124,6 +127,9 @@ def main(argv=None) -> int:
 
     if args.layout == SPECULATORS and args.kind == MEDUSA:
         raise SystemExit("--layout speculators holds EAGLE heads; a Medusa head is written as its authors do")
+    if args.head_layers < 1 or (args.head_layers > 1 and args.kind != EAGLE3):
+        raise SystemExit(f"--head-layers {args.head_layers}: EAGLE-3 heads have one or more decoder layers, "
+                         f"{args.kind} heads one")
     try:  # before anything loads: a template that is not there fails at once
         template = read_chat_template(args.chat_template, "--chat-template") if args.chat_template else None
     except ValueError as exc:
@@ -299,7 +305,8 @@ def _objective(args, model, draft_ids: torch.Tensor, aux: tuple[int, ...], devic
         return medusa.MedusaObjective(head, target_head, draft_ids, device)
     head = init
     if head is None:
-        head = random_head(args.kind, model.config, seed=args.seed, draft_vocab_size=len(draft_ids), aux_layers=aux)
+        head = random_head(args.kind, model.config, seed=args.seed, draft_vocab_size=len(draft_ids), aux_layers=aux,
+                           num_layers=args.head_layers)
         if args.kind == EAGLE3:
             with torch.no_grad():
                 head.d2t.copy_(draft_ids - torch.arange(len(draft_ids)))

@@ -57,13 +57,13 @@ def unrolled(head: EagleHead, batch: Batch, steps: int, device) -> list[torch.Te
     EAGLE-3's pre-norm g (its logits: lm_head(norm(g))), EAGLE-1's feature (its logits: the target's lm_head
     times it)."""
     eagle3 = head.config.kind == EAGLE3
-    layer = head.midlayer if eagle3 else head.layers[0]
-    attn = layer.self_attn
+    first, *plain = head.decoder_layers()
     tokens = batch.tokens.to(device)
-    size, entries = tokens.shape[0], tokens.shape[1] - 1
+    entries = tokens.shape[1] - 1
     features = batch.features if eagle3 else batch.final
     hidden = head.from_target(features[:, :entries].to(device))  # EAGLE-1: the target's final states as they are
-    keys, values, out = [], [], []
+    keys, values = [[] for _ in range(1 + len(plain))], [[] for _ in range(1 + len(plain))]  # per layer, per step
+    out = []
     for j in range(steps):
         count = entries - j  # chains whose step-j row exists
         if count <= 0:
@@ -71,19 +71,23 @@ def unrolled(head: EagleHead, batch: Batch, steps: int, device) -> list[torch.Te
         ids = tokens[:, j + 1:j + 1 + count]  # entry i + j reads token i + j + 1
         embeds = nn.functional.embedding(ids, head.embed).to(hidden.dtype)
         if eagle3:
-            normed = layer.hidden_norm(hidden[:, :count])
-            x = torch.cat([layer.input_layernorm(embeds), normed], dim=-1)
+            normed = first.hidden_norm(hidden[:, :count])
+            x = torch.cat([first.input_layernorm(embeds), normed], dim=-1)
             residual = head.residual(hidden[:, :count], normed)
         else:  # EAGLE-1: fc over [embed ‖ feature], no input norm
             x = residual = head.fc(torch.cat([embeds, hidden[:, :count]], dim=-1))
         positions = torch.arange(j, j + count, device=device)
         cos, sin = head.rotary(hidden, positions[None])
-        q, k, v = attn.project(x)  # (B, H or KV, count, D)
-        q, k = rotate(q, k, cos, sin)
-        keys = [key[:, :, :count] for key in keys] + [k]
-        values = [value[:, :, :count] for value in values] + [v]
-        x1 = residual + attn.o_proj(_attend(attn, q, keys, values))
-        hidden = x1 + layer.mlp(layer.post_attention_layernorm(x1))  # the next step's input
+        for index, layer in enumerate([first, *plain]):
+            if index:  # a plain layer over the previous one's output
+                x, residual = layer.input_layernorm(hidden), hidden
+            attn = layer.self_attn
+            q, k, v = attn.project(x)  # (B, H or KV, count, D)
+            q, k = rotate(q, k, cos, sin)
+            keys[index] = [key[:, :, :count] for key in keys[index]] + [k]
+            values[index] = [value[:, :, :count] for value in values[index]] + [v]
+            x1 = residual + attn.o_proj(_attend(attn, q, keys[index], values[index]))
+            hidden = x1 + layer.mlp(layer.post_attention_layernorm(x1))  # the next layer's or step's input
         out.append(hidden)
     return out
 
