@@ -1,5 +1,6 @@
 """Trained draft heads served (real tritonserver, tiny pair): an EAGLE-3 head trained here by the training
-command, and random EAGLE-1, EAGLE-3 and Medusa heads, each a draft_model of its own over target_model's
+command, and random EAGLE-1, EAGLE-3 (three Qwen3 decoder layers, in the speculators library's layout) and
+Medusa heads, each a draft_model of its own over target_model's
 features, and the same heads hosted in target_model's process (hosted_*: drafting in the verify call).
 Greedy output equals target-only output with every head; the trained head is accepted where a random one is
 not (its features arrive right over BLS), hosted as much as called; sampled output follows the target's
@@ -45,9 +46,12 @@ def heads(tmp_path_factory):
     config = AutoConfig.from_pretrained(pair.target_path)
     paths = {"head_trained": trained}
     for kind in (EAGLE, EAGLE3, MEDUSA):
+        # EAGLE-3's as the speculators library trains one for a Qwen3 target (here of three layers)
+        layered = {"num_layers": 3, "layer_type": "qwen3", "attention_bias": True} if kind == EAGLE3 else {}
         head = random_head(kind, config, seed=1, aux_layers=(0, 1, 1) if kind == EAGLE3 else (),
-                           draft_vocab_size=4096 if kind == EAGLE3 else 0)
-        paths[f"head_random_{kind}"] = save_head(head, root / kind)
+                           draft_vocab_size=4096 if kind == EAGLE3 else 0, **layered)
+        paths[f"head_random_{kind}"] = save_head(head, root / kind, layout="speculators" if layered else "eagle",
+                                                 verifier=pair.target_path)
     return {name: str(path) for name, path in paths.items()}, json.loads((trained / "training.json").read_text())
 
 
