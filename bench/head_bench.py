@@ -2,7 +2,8 @@
 
 On a GPU: the 8B-shaped bf16 pair of gpu_bench.py (its target's step on the static executor with CUDA
 graphs, its 4-layer layer-skip draft's) against EAGLE-1, EAGLE-3 (32000-token draft vocabulary, as the
-published Llama-3.1-8B head) and Medusa (4 heads) heads of its shape. On CPU: the default pair
+published Llama-3.1-8B head; of one decoder layer, as published, and of two and three, as the speculators
+library trains with --num-layers) and Medusa (4 heads) heads of its shape. On CPU: the default pair
 (SmolLM2-135M, float32) likewise, with `--default-pair`, and its shipped EAGLE-3 head as served (float32)
 and in bfloat16 (half the bytes a step streams). The other heads have random weights: a step costs the same
 whatever they learned. Per draft: ms per drafted token (K=4 proposals, after the head read one round's
@@ -106,14 +107,17 @@ def main(argv=None) -> int:
     rows.append(["layer-skip draft model", f"{draft_ms:.2f}", f"{draft_ms / target_ms:.3f}"])
     # The target's tensors as a served head reads them (CPU models' lm_head is repacked for oneDNN)
     _, embed, lm_head = read_target_tensors(target_path, device, dtype)
-    for kind in (EAGLE, EAGLE3, MEDUSA):
-        head = random_head(kind, target_model.config, draft_vocab_size=32000 if kind == EAGLE3 else 0)
+    for kind, layers in ((EAGLE, 1), (EAGLE3, 1), (EAGLE3, 2), (EAGLE3, 3), (MEDUSA, 1)):
+        head = random_head(kind, target_model.config, draft_vocab_size=32000 if kind == EAGLE3 else 0,
+                           num_layers=layers)
         head = head.to(device=device, dtype=dtype)
         if kind != MEDUSA:
             head.attach(embed, lm_head)
+        shape = f", {layers} layers" if layers > 1 else ""
         for graphs in ((False, True) if device.type == "cuda" and kind != MEDUSA else (False,)):
             ms = head_step_ms(head, device, args.reps, graphs)
-            rows.append([f"{kind} head ({'CUDA graphs' if graphs else 'eager'})", f"{ms:.2f}", f"{ms / target_ms:.3f}"])
+            rows.append([f"{kind} head{shape} ({'CUDA graphs' if graphs else 'eager'})", f"{ms:.2f}",
+                         f"{ms / target_ms:.3f}"])
         del head
     if args.default_pair:  # the shipped head as served (the pair's float32), and in bfloat16: half the bytes
         for head_dtype in (torch.float32, torch.bfloat16):

@@ -16,7 +16,7 @@ from specdec.engine.draft_heads import EAGLE, EAGLE3, KINDS, MEDUSA, HeadCache, 
 from specdec.serving import pairs
 from specdec.train.__main__ import main as train_command
 from specdec.train.data import answer_and_featurize
-from specdec.train.eagle import EagleObjective, unrolled
+from specdec.train.eagle import EagleObjective, grown, unrolled
 from specdec.train.medusa import MedusaObjective, start_from_target
 from specdec.train.trainer import collate
 from tests.unit.test_train_data import CharTokenizer
@@ -75,6 +75,27 @@ def test_the_training_time_test_computes_what_drafting_serves(tiny_lm, sample, k
             for j in (1, 2):
                 out, _ = head(tokens[i + j + 1:i + j + 2], out, cache, i + j)
                 torch.testing.assert_close(steps[j][i], out[0], rtol=1e-10, atol=1e-10)
+
+
+def test_a_head_grown_by_plain_layers_drafts_as_before_until_they_train(tiny_lm, sample):
+    """`grown`: layers added after a trained head's start as the identity (the speculators library's several-
+    layer heads, started from a one-layer head); a step of training moves them."""
+    head = random_head(EAGLE3, tiny_lm.config, seed=4, aux_layers=AUX, norm_before_residual=True).to(torch.float64)
+    head.attach(*target_tensors(tiny_lm))
+    bigger = grown(head, 3)
+    assert len(bigger.decoder_layers()) == 3 and bigger.config.num_layers == 3
+    assert bigger.embed.data_ptr() == head.embed.data_ptr()  # the same borrowed embedding
+    tokens, features = sample.tokens[1:9], head.from_target(sample.features[:8])
+    with torch.no_grad():
+        assert all(torch.equal(a, b) for a, b in zip(head(tokens, features, HeadCache(), 0),
+                                                      bigger(tokens, features, HeadCache(), 0)))
+    objective = EagleObjective(bigger, 2, target_tensors(tiny_lm)[1], torch.arange(tiny_lm.config.vocab_size), "cpu")
+    loss, _ = objective.loss_and_hits(collate([sample], "cpu", torch.float64), evaluating=False)
+    loss.backward()
+    added = bigger.layers["2"]
+    assert added.self_attn.o_proj.weight.grad.abs().sum() > 0 and added.mlp.down_proj.weight.grad.abs().sum() > 0
+    with pytest.raises(ValueError, match="an EAGLE-3 head grows plain layers"):
+        grown(bigger, 2)
 
 
 def test_medusa_heads_start_as_the_target_and_serve_the_rows_they_trained(tiny_lm, sample):
@@ -171,6 +192,17 @@ def test_the_command_trains_each_kind_and_writes_what_the_loader_reads(tmp_path,
         assert record["held_out_loss"] < record["held_out_loss_before"], record
         spec = load_head(tmp_path / "spec")
         assert spec.config.aux_layers == (0, 1, 1) and len(spec.decoder_layers()) == 2
+        # a trained head grown by a layer (it starts as the identity) and trained on
+        grown_code = train_command(["--target", target, "--out", str(tmp_path / "grown"), "--kind", EAGLE3, "--data",
+                                    str(out / "data.pt"), "--epochs", "1", "--aux-layers", "0,1,1", "--steps", "2",
+                                    "--init", str(tmp_path / "spec"), "--head-layers", "3", "--device", "cpu"])
+        record = json.loads((tmp_path / "grown" / "training.json").read_text())
+        assert grown_code == 0 and record["head_layers"] == 3
+        assert len(load_head(tmp_path / "grown").decoder_layers()) == 3
+        with pytest.raises(SystemExit, match="--head-layers 1: the head in --init .* has 3; layers are added"):
+            train_command(["--target", target, "--out", str(tmp_path / "fewer"), "--kind", EAGLE3, "--data",
+                           str(out / "data.pt"), "--aux-layers", "0,1,1", "--init", str(tmp_path / "grown"),
+                           "--head-layers", "1", "--device", "cpu"])
     if kind == MEDUSA:
         with pytest.raises(SystemExit, match="--layout speculators holds EAGLE heads"):
             train_command(["--target", target, "--out", str(tmp_path / "m"), "--kind", MEDUSA, "--layout",

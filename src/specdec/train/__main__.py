@@ -99,9 +99,10 @@ def parse_args(argv):
                              "vocabulary) instead of a fresh one: to train it on more text")
     parser.add_argument("--epochs", type=int, default=6)
     parser.add_argument("--steps", type=int, default=4, help="EAGLE's training-time test: unrolled draft steps")
-    parser.add_argument("--head-layers", type=int, default=1,
+    parser.add_argument("--head-layers", type=int, default=None,
                         help="EAGLE-3: the head's decoder layers (the first over 2h, plain ones after it), as the "
-                             "speculators library's --num-layers; each costs a draft step about one more layer")
+                             "speculators library's --num-layers; each costs a draft step about one more layer. "
+                             "Default 1, or --init's; more than --init's adds layers that start as the identity")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--aux-layers", default="",
                         help="EAGLE-3: target layers read (comma-separated, the output of each); "
@@ -123,11 +124,12 @@ def main(argv=None) -> int:
 
     from specdec.engine.draft_heads import EAGLE3, MEDUSA, SPECULATORS, HeadConfig, check_fits, load_head, save_head
     from specdec.train import data, trainer
+    from specdec.train.eagle import grown
     from specdec.train.writer import choose as choose_writer
 
     if args.layout == SPECULATORS and args.kind == MEDUSA:
         raise SystemExit("--layout speculators holds EAGLE heads; a Medusa head is written as its authors do")
-    if args.head_layers < 1 or (args.head_layers > 1 and args.kind != EAGLE3):
+    if args.head_layers is not None and (args.head_layers < 1 or (args.head_layers > 1 and args.kind != EAGLE3)):
         raise SystemExit(f"--head-layers {args.head_layers}: EAGLE-3 heads have one or more decoder layers, "
                          f"{args.kind} heads one")
     try:  # before anything loads: a template that is not there fails at once
@@ -224,6 +226,12 @@ def main(argv=None) -> int:
                              f"{list(init.config.feature_layers(text.num_hidden_layers))}; this run trains a "
                              f"{args.kind} head reading {list(layers)} (--kind, --aux-layers)")
         log(f"starting from the {init.config.kind} head in {args.init}")
+        if args.head_layers is not None and args.head_layers != init.config.num_layers:
+            if args.head_layers < init.config.num_layers:
+                raise SystemExit(f"--head-layers {args.head_layers}: the head in --init {args.init} has "
+                                 f"{init.config.num_layers}; layers are added, not taken away")
+            init = grown(init, args.head_layers)
+            log(f"its decoder layers grown to {args.head_layers}: the new ones start as the identity")
     if init is not None and args.kind == EAGLE3:  # its reduced head predicts these
         draft_ids = init.draft_target_ids()
     else:
@@ -238,6 +246,7 @@ def main(argv=None) -> int:
         "kind": args.kind, "tokens": sum(len(s.tokens) for s in samples), "epochs": args.epochs,
         "batch": args.batch, "init": str(Path(args.init).resolve()) if args.init else None,
         "steps": args.medusa_heads if args.kind == MEDUSA else args.steps,
+        "head_layers": None if args.kind == MEDUSA else objective.finish().config.num_layers,
         "draft_vocab": len(draft_ids), "device": str(device), "seconds": round(time.monotonic() - started, 1),
         "held_out_loss_before": figures["loss_before"], "held_out_loss": figures["loss"],
         "held_out_alpha": figures["alpha"]}, indent=2) + "\n")
@@ -292,7 +301,7 @@ def _load_sets(paths: list[Path], layers: tuple[int, ...] | None) -> tuple[list,
 def _objective(args, model, draft_ids: torch.Tensor, aux: tuple[int, ...], device, init=None):
     """The trainer.Objective of `init` (a trained head of args.kind), or of a fresh head of args.kind for
     `model`, warm-started where its kind allows."""
-    from specdec.engine.draft_heads import EAGLE3, MEDUSA, random_head
+    from specdec.engine.draft_heads import EAGLE3, MEDUSA, own_embedding, random_head
     from specdec.train import eagle, medusa
 
     embed = model.get_input_embeddings().weight.detach().float()
@@ -306,7 +315,7 @@ def _objective(args, model, draft_ids: torch.Tensor, aux: tuple[int, ...], devic
     head = init
     if head is None:
         head = random_head(args.kind, model.config, seed=args.seed, draft_vocab_size=len(draft_ids), aux_layers=aux,
-                           num_layers=args.head_layers)
+                           num_layers=args.head_layers or 1)
         if args.kind == EAGLE3:
             with torch.no_grad():
                 head.d2t.copy_(draft_ids - torch.arange(len(draft_ids)))
@@ -316,7 +325,8 @@ def _objective(args, model, draft_ids: torch.Tensor, aux: tuple[int, ...], devic
                 head.lm_head.weight.copy_(target_head[draft_ids].cpu())
                 head.norm.weight.copy_(model.model.norm.weight.detach().float().cpu())
     head = head.to(device)
-    head.attach(embed, None if args.kind == EAGLE3 else target_head)
+    # the embedding an --init head's file carries where it trained its own (as it drafts: own_embedding)
+    head.attach(own_embedding(head, embed.to(device)), None if args.kind == EAGLE3 else target_head)
     return eagle.EagleObjective(head, args.steps, target_head, draft_ids, device)
 
 

@@ -19,6 +19,7 @@ V_d the draft vocabulary.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -90,6 +91,32 @@ def unrolled(head: EagleHead, batch: Batch, steps: int, device) -> list[torch.Te
             hidden = x1 + layer.mlp(layer.post_attention_layernorm(x1))  # the next layer's or step's input
         out.append(hidden)
     return out
+
+
+def grown(head: EagleHead, layers: int) -> EagleHead:
+    """An EAGLE-3 head with plain decoder layers added after its own up to `layers`, each starting as the identity
+    (its attention's and MLP's output projections zero, the rest drawn as a fresh head's): it drafts exactly as
+    `head` until training moves them."""
+    if head.config.kind != EAGLE3 or layers < head.config.num_layers:
+        raise ValueError(f"an EAGLE-3 head grows plain layers: a {head.config.kind} head of "
+                         f"{head.config.num_layers} to {layers}")
+    parameter = next(head.parameters())
+    bigger = EagleHead(dataclasses.replace(head.config, num_layers=layers)).to(device=parameter.device,
+                                                                              dtype=parameter.dtype)
+    missing, unexpected = bigger.load_state_dict(head.state_dict(), strict=False)
+    assert not unexpected and all(key.startswith("layers.") for key in missing), (missing, unexpected)
+    with torch.no_grad():
+        for index in range(head.config.num_layers, layers):
+            for name, weight in bigger.layers[str(index)].named_parameters():
+                if "norm" in name:
+                    continue
+                weight.normal_(0.0, 0.5 / weight.shape[-1] ** 0.5)  # as random_head draws them
+                if name in ("self_attn.o_proj.weight", "mlp.down_proj.weight") or name.endswith(".bias"):
+                    weight.zero_()
+    bigger.file_embed = head.file_embed
+    if head.embed is not None:
+        bigger.attach(head.embed, head.target_head)
+    return bigger.train(head.training)
 
 
 class EagleObjective:
