@@ -36,6 +36,8 @@ from specdec.engine.llama_model import RMSNorm, rotate
 
 EAGLE, EAGLE3, MEDUSA = "eagle", "eagle3", "medusa"
 KINDS = (EAGLE, EAGLE3, MEDUSA)
+LLAMA, QWEN3 = "llama", "qwen3"  # the decoder layers a head may have (HeadConfig.layer_type)
+LAYER_TYPES = (LLAMA, QWEN3)
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "medusa_lm_head.safetensors", "medusa_lm_head.pt")
 
 
@@ -64,7 +66,7 @@ class HeadConfig:
     norm_before_fc: bool = False
     # EAGLE's decoder layer, as its config's model_type and biases say (transformers' layers of those types):
     # a Llama layer, or Qwen3's (an RMSNorm over each head's queries and keys before the rotary embedding)
-    layer_type: str = "llama"
+    layer_type: str = LLAMA
     attention_bias: bool = False  # q, k, v and o projections with biases
     mlp_bias: bool = False  # gate, up and down projections with biases (a Llama layer's option)
     # EAGLE-3: its decoder layers (the config's num_hidden_layers): the first over 2h, the others plain
@@ -149,8 +151,6 @@ class HeadConfig:
 
 
 AUX_IDS = "eagle_aux_hidden_state_layer_ids"
-LLAMA, QWEN3 = "llama", "qwen3"  # the decoder layers a head may have (HeadConfig.layer_type)
-LAYER_TYPES = (LLAMA, QWEN3)
 
 
 def _aux_layers(raw: dict) -> tuple[int, ...]:
