@@ -58,12 +58,13 @@ def unrolled(head: EagleHead, batch: Batch, steps: int, device) -> list[torch.Te
     EAGLE-3's pre-norm g (its logits: lm_head(norm(g))), EAGLE-1's feature (its logits: the target's lm_head
     times it)."""
     eagle3 = head.config.kind == EAGLE3
-    first, *plain = head.decoder_layers()
+    layers = head.decoder_layers()
+    first = layers[0]
     tokens = batch.tokens.to(device)
     entries = tokens.shape[1] - 1
     features = batch.features if eagle3 else batch.final
     hidden = head.from_target(features[:, :entries].to(device))  # EAGLE-1: the target's final states as they are
-    keys, values = [[] for _ in range(1 + len(plain))], [[] for _ in range(1 + len(plain))]  # per layer, per step
+    keys, values = [[] for _ in layers], [[] for _ in layers]  # per layer, per step
     out = []
     for j in range(steps):
         count = entries - j  # chains whose step-j row exists
@@ -79,7 +80,7 @@ def unrolled(head: EagleHead, batch: Batch, steps: int, device) -> list[torch.Te
             x = residual = head.fc(torch.cat([embeds, hidden[:, :count]], dim=-1))
         positions = torch.arange(j, j + count, device=device)
         cos, sin = head.rotary(hidden, positions[None])
-        for index, layer in enumerate([first, *plain]):
+        for index, layer in enumerate(layers):
             if index:  # a plain layer over the previous one's output
                 x, residual = layer.input_layernorm(hidden), hidden
             attn = layer.self_attn
