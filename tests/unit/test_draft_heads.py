@@ -344,7 +344,12 @@ def test_the_speculators_layouts_eagle1_is_read_and_what_it_cannot_be_is_refused
         assert torch.equal(back.state_dict()[key], value), key
     refused = [({**config, "layernorms": True}, "an EAGLE head with `layernorms`"),
                ({**config, "speculators_model_type": "mlp"}, "speculators_model_type 'mlp'"),
-               ({**config, "transformer_layer_config": {**layer, "model_type": "gemma2"}}, "model_type 'gemma2'")]
+               ({**config, "transformer_layer_config": {**layer, "model_type": "gemma2"}}, "model_type 'gemma2'"),
+               ({**config, "transformer_layer_architecture": "MistralDecoderLayer"}, "'MistralDecoderLayer'"),
+               ({**config, "transformer_layer_config": {**layer, "hidden_act": "gelu"}}, "hidden_act 'gelu'")]
+    # the layer's class, where the config names one, is the layer (speculators builds its EAGLE-1 layer from it)
+    for named, layer_type in [("LlamaDecoderLayer", "llama"), ("Qwen3DecoderLayer", "qwen3"), ("auto", "llama")]:
+        assert HeadConfig.from_json({**config, "transformer_layer_architecture": named}, "c").layer_type == layer_type
     for bad, message in refused:
         (tmp_path / "eagle" / "config.json").write_text(json.dumps(bad))
         with pytest.raises(HeadError, match=message):
@@ -383,6 +388,7 @@ def test_a_head_written_in_the_speculators_layout_has_its_names_and_is_read_back
     else:
         assert {"fusion_fc.weight", "transformer.self_attn.q_proj.weight", "transformer.mlp.up_proj.weight"} <= keys
         assert not config["layernorms"] and not any(key.startswith(("fc.", "layers.")) for key in keys)
+        assert config["transformer_layer_architecture"] == "LlamaDecoderLayer"
     back = load_head(tmp_path / "h", dtype=torch.float64)
     assert (back.config.aux_layers, back.config.norm_before_residual) == (head.config.aux_layers,
                                                                          head.config.norm_before_residual)

@@ -133,6 +133,9 @@ def test_a_speculator_given_as_the_target_serves_its_verifier_with_it_as_vllm_do
     pair = rendered[-1]
     assert (pair.target_path, pair.tokenizer_path, pair.default_num_draft_tokens) == (str(verifier), str(verifier), 5)
     assert list(pair.draft_heads.values()) == [str(head)] or list(pair.hosted_heads.values()) == [str(head)]
+    # the OpenAI API's model is named as the head's directory (vLLM names the path it was given)
+    assert launcher.parse_args(["--target", str(head)]).model_name == "speculator.eagle3"
+    assert launcher.parse_args(["--target", str(verifier)]).model_name == ""
     with pytest.raises(SystemExit):  # an explicit K wins
         launcher.main(["--target", str(head), "--num-draft-tokens", "2", "--run-dir", str(tmp_path / "run")])
     assert rendered[-1].default_num_draft_tokens == 2

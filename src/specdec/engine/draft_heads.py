@@ -38,6 +38,7 @@ EAGLE, EAGLE3, MEDUSA = "eagle", "eagle3", "medusa"
 KINDS = (EAGLE, EAGLE3, MEDUSA)
 LLAMA, QWEN3 = "llama", "qwen3"  # the decoder layers a head may have (HeadConfig.layer_type)
 LAYER_TYPES = (LLAMA, QWEN3)
+LAYER_CLASSES = {"LlamaDecoderLayer": LLAMA, "Qwen3DecoderLayer": QWEN3}  # transformers' classes of those layers
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "medusa_lm_head.safetensors", "medusa_lm_head.pt")
 
 
@@ -107,6 +108,10 @@ class HeadConfig:
             return cls(MEDUSA, need("hidden_size"), need("vocab_size"), medusa_heads=int(raw["medusa_num_heads"]),
                        medusa_layers=int(raw.get("medusa_num_layers", 1)), raw=raw)
         eagle3 = "draft_vocab_size" in raw or any("eagle3" in a.lower() for a in raw.get("architectures", []))
+        # the layer's MLP computes SiLU, as every published EAGLE head's does; another would draft wrongly
+        if raw.get("hidden_act", "silu") != "silu":
+            raise HeadError(f"{where}: hidden_act {raw['hidden_act']!r}: this server's EAGLE heads compute "
+                            "their MLP with 'silu'")
         # a Llama layer where the architecture names one, whatever model_type says (heads for Qwen3 targets in
         # EAGLE's layout copy the target's); a Qwen3 layer as the speculators library trains it for Qwen3 targets
         llama_class = any(a.startswith("Llama") for a in raw.get("architectures", []))
@@ -172,6 +177,13 @@ def speculators_layout(raw: dict, where: str) -> dict:
         raise HeadError(f"{where}: speculators_model_type {kind!r}: this server reads the 'eagle' and 'eagle3' "
                         "kinds of that layout")
     layer = dict(raw.get("transformer_layer_config") or {})
+    # the layer's class where the config names one (its EAGLE-1 heads do; "auto": the layer config's type)
+    named = raw.get("transformer_layer_architecture") or "auto"
+    if named != "auto":
+        if named not in LAYER_CLASSES:
+            raise HeadError(f"{where}: transformer_layer_architecture {named!r}: this server's heads have a "
+                            f"decoder layer of class {' or '.join(LAYER_CLASSES)}")
+        layer["model_type"] = LAYER_CLASSES[named]
     if layer.get("model_type", LLAMA) not in LAYER_TYPES:
         raise HeadError(f"{where}: transformer_layer_config.model_type {layer['model_type']!r}: this server's "
                         f"heads have a decoder layer of type {' or '.join(LAYER_TYPES)}")
@@ -620,7 +632,8 @@ def _speculators_files(config: HeadConfig, state: dict, verifier: str, speculati
         state = {"layers.0." + key.removeprefix("midlayer.") if key.startswith("midlayer.") else key: value
                  for key, value in state.items()}
     else:
-        out.update(layernorms=False, fusion_bias=config.fc_bias)
+        layer_class = next(name for name, kind in LAYER_CLASSES.items() if kind == config.layer_type)
+        out.update(layernorms=False, fusion_bias=config.fc_bias, transformer_layer_architecture=layer_class)
         state = {("fusion_fc." + key.removeprefix("fc.") if key.startswith("fc.")
                   else "transformer." + key.removeprefix("layers.0.")): value for key, value in state.items()}
     return state, out

@@ -565,6 +565,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if any(not arg.startswith("--") for arg in extra):
         parser.error(f"unrecognized arguments: {' '.join(extra)} (server flags go after `--`)")
     args.speculative_ignored = ()
+    args.model_name = ""  # the OpenAI API's default model name where not the tokenizer's directory's
     if args.speculative_config is not None:
         _apply_speculative_config(parser, args)
     if args.target and Path(args.target).is_dir():
@@ -616,6 +617,8 @@ def _apply_speculator(parser: argparse.ArgumentParser, args: argparse.Namespace)
     if args.draft != tn.NGRAM or args.draft_head or args.speculative_config is not None:
         parser.error(f"--target {args.target} is a draft head with its verifier; --draft, --draft-head and "
                      f"{speculative_config.FLAG} draft otherwise: give the verifier as --target to choose")
+    # named as the head's directory, as vLLM names the model it was given (`vllm serve .../speculator.eagle3`)
+    args.model_name = default_model_name(args.target)
     args.target, args.draft_head = found.target, [found.head]
     if found.num_draft_tokens and args.num_draft_tokens == tn.DEFAULT_NUM_DRAFT_TOKENS:
         args.num_draft_tokens = found.num_draft_tokens
@@ -705,7 +708,8 @@ def main(argv: list[str] | None = None) -> int:
             log("--allow-runtime-lora-updating needs --lora-directory (the adapters it loads are links there; in "
                 f"the chart models.loraClaim), or {RUNTIME_ENV} unset")
             return 2
-        gateway = GatewayProcess(openai_port(), grpc_port, args.served_model_name or [default_model_name(tokenizer)],
+        names = args.served_model_name or [args.model_name or default_model_name(tokenizer)]
+        gateway = GatewayProcess(openai_port(), grpc_port, names,
                                  tokenizer, args.drain_timeout, dict(os.environ), args.tool_call_parser,
                                  context, args.reasoning_parser, args.responses_store_mb, default_max_tokens,
                                  args.responses_store_dir, lora, args.allow_runtime_lora_updating,
