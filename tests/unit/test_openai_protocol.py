@@ -338,6 +338,11 @@ def test_top_log_probs_are_asked_for_and_shown_as_openai_does():
 def test_log_probs_objects_and_chunks():
     chat = protocol.logprobs_object(True, ["a", "é"], [-0.5, -1.0])
     assert chat["content"][1] == {"token": "é", "logprob": -1.0, "bytes": [195, 169], "top_logprobs": []}
+    # the bytes a token stands for where given (text.token_bytes): a character split over tokens joins from them
+    split = protocol.logprobs_object(True, ["\ufffd", "\ufffd"], [-0.5, -1.0], top=[[("\ufffd", -0.5)], [("x", -1.0)]],
+                                     raw=[b"\xc3", b"\xa9"], top_raw=[[b"\xc3"], None])["content"]
+    assert [e["bytes"] for e in split] == [[0xc3], [0xa9]] and bytes(sum((e["bytes"] for e in split), [])) == "é".encode()
+    assert split[0]["top_logprobs"][0]["bytes"] == [0xc3] and split[1]["top_logprobs"][0]["bytes"] == [120]
     text = protocol.logprobs_object(False, ["ab", "c", "de"], [-1.0, -2.0, -3.0], offset=5)
     assert text["text_offset"] == [5, 7, 8] and text["tokens"] == ["ab", "c", "de"]
     gen = parse_chat({"messages": CHAT, "stream": True}, SERVED)

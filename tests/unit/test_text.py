@@ -5,7 +5,8 @@ from transformers import AutoTokenizer
 
 from specdec import tensor_names as tn
 from specdec.serving.pairs import smollm2_tokenizer_dir
-from specdec.decoding.text import REPLACEMENT_CHAR, TextEmitter, decode, decode_delta, joined, with_prompt
+from specdec.decoding.text import (REPLACEMENT_CHAR, TextEmitter, decode, decode_delta, joined, token_bytes,
+                                   with_prompt)
 
 
 @pytest.fixture(scope="module")
@@ -325,3 +326,30 @@ def test_an_answer_sent_back_keeps_its_thinking_for_the_chat_template():
         chat_messages(json_module.dumps([{"role": "assistant", "content": "", "reasoning_content": 3}]), tn.MESSAGES)
     with pytest.raises(ValueError, match="fields this server does not take"):  # a user's is no answer's thinking
         chat_messages(json_module.dumps([{"role": "user", "content": "", "reasoning_content": "x"}]), tn.MESSAGES)
+
+
+def test_a_tokens_bytes_are_those_it_stands_for_so_a_split_character_joins(tokenizer):
+    """OpenAI's log-probability `bytes`: an emoji or CJK character split over byte-level tokens (each one's
+    text alone U+FFFD) joins from its tokens' bytes; added tokens are their text."""
+    of = token_bytes(tokenizer)
+    for text in [*TEXTS, "<|im_start|>user\nhi<|im_end|>"]:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        assert b"".join(of(i) for i in ids).decode("utf-8") == text
+    split = [i for i in tokenizer.encode("🚀🎉", add_special_tokens=False) if REPLACEMENT_CHAR in tokenizer.decode([i])]
+    assert split and all(REPLACEMENT_CHAR.encode() not in of(i) for i in split)
+
+
+def test_sentencepieces_byte_fallback_tokens_are_their_bytes():
+    """A SentencePiece tokenizer (Llama 2's, Mistral's kind): <0xNN> tokens are that byte, word marks spaces."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+    vocab = {"<unk>": 0, "\u2581hi": 1, "\u2581": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    built = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    built.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    built.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                       decoders.Strip(" ", 1, 0)])
+    pieces = PreTrainedTokenizerFast(tokenizer_object=built)
+    ids = pieces.encode("hi \u20ac", add_special_tokens=False)  # the euro sign: three byte-fallback tokens
+    of = token_bytes(pieces)
+    assert [of(i) for i in ids][-3:] == [b"\xe2", b"\x82", b"\xac"]
+    assert b"".join(of(i) for i in ids).decode() == " hi \u20ac"  # (decoded whole, the first space is stripped)

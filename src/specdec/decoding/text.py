@@ -23,6 +23,7 @@ from specdec import tensor_names as tn
 from specdec.decoding import json_text
 
 REPLACEMENT_CHAR = "\ufffd"
+WORD_MARK = "\u2581"  # SentencePiece's space, which begins a word's token
 CONTEXT_TOKENS = 6  # preceding tokens sent with a chunk: enough for byte-level and SentencePiece merges
 
 
@@ -144,6 +145,46 @@ def same_tokenizer_files(a: str | Path, b: str | Path) -> bool:
         if here.is_file() and (here.stat().st_size != there.stat().st_size or here.read_bytes() != there.read_bytes()):
             return False
     return True
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's printable stand-ins for the 256 bytes (GPT-2's alphabet, which its tokens are written
+    in): the printable Latin-1 bytes stand for themselves, the others for 256, 257, ... in byte order."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+            *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    moved = [b for b in range(256) if b not in kept]
+    return {**{chr(b): b for b in kept}, **{chr(256 + i): b for i, b in enumerate(moved)}}
+
+
+def token_bytes(tokenizer):
+    """token id -> the bytes it stands for, as OpenAI's log-probabilities give them: a character split over
+    several tokens (an emoji in byte-level BPE, SentencePiece's byte-fallback <0xNN> tokens) joins from its
+    tokens' bytes, where each token's text alone is U+FFFD. Byte-level tokens are read through GPT-2's
+    alphabet; SentencePiece's byte-fallback ones as their byte, its others with their word marks as spaces
+    (decoded alone, a token's leading space is stripped); any other token (added ones, or another
+    tokenizer's) is its text alone as UTF-8."""
+    decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+    try:  # the decoder's JSON (a Sequence lists its steps): which kinds of tokens it reads
+        kinds = bytes(decoder.__getstate__()).decode() if decoder is not None else ""
+    except (AttributeError, TypeError, ValueError):
+        kinds = ""
+    byte_level = '"ByteLevel"' in kinds
+    pieces = not byte_level and ('"ByteFallback"' in kinds or '"Metaspace"' in kinds)  # SentencePiece's
+    alphabet = _byte_level_alphabet() if byte_level else {}
+    added = set(getattr(tokenizer, "added_tokens_decoder", {}) or {})
+
+    def of(token: int) -> bytes:
+        text = tokenizer.decode([token])
+        piece = tokenizer.convert_ids_to_tokens(token) if token not in added else None
+        if isinstance(piece, str):
+            if byte_level and piece and all(c in alphabet for c in piece):
+                return bytes(alphabet[c] for c in piece)
+            if pieces:
+                if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                    return bytes([int(piece[3:5], 16)])
+                return piece.replace(WORD_MARK, " ").encode("utf-8")
+        return text.encode("utf-8")
+    return functools.lru_cache(maxsize=1 << 17)(of)
 
 
 def decode(tokenizer, ids: list[int], skip_special: bool = True) -> str:

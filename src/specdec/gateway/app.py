@@ -25,6 +25,7 @@ from aiohttp import ClientError, ClientSession, ClientTimeout, web
 
 from specdec import tensor_names as tn
 from specdec.decoding import json_text
+from specdec.decoding.text import token_bytes
 from specdec.engine.lora_config import slot_count
 from specdec.gateway import (adapters, batches, conversations, messages, metrics, protocol, reasoning, responses,
                              tokenization, tools, vllm_metrics)
@@ -84,6 +85,7 @@ class Gateway:
         served = served if isinstance(served, protocol.Served) else protocol.Served(served)  # (tests: a tuple)
         self.upstream, self.served, self.tokenizer, self.api_key = upstream, served, tokenizer, api_key
         self.token_text: TokenText | None = token_text_from(tokenizer) if tokenizer is not None else None
+        self.token_bytes = token_bytes(tokenizer) if tokenizer is not None else None
         self.tool_parser = tool_parser  # tools.PARSERS: how the model writes calls (tool_choice "auto")
         self.trust_templates, self.content_format = trust_templates, content_format
         self.server_metrics_url = server_metrics_url
@@ -1027,12 +1029,15 @@ class Gateway:
         if not gen.logprobs:
             return None
         text = self.token_text or (lambda token: f"token_id:{token}")
-        top = None
+        data = self.token_bytes if gen.chat else None  # chat's entries carry the tokens' bytes
+        ids = piece.prompt_ids + piece.ids
+        top = top_raw = None
         if gen.top_logprobs:
-            top = [None if ids is None else [(text(t), v) for t, v in zip(ids, values)] for ids, values in
-                   zip(piece.prompt_top_ids + piece.top_ids, piece.prompt_top_log_probs + piece.top_log_probs)]
-        return protocol.logprobs_object(gen.chat, [text(t) for t in piece.prompt_ids + piece.ids],
-                                        piece.prompt_log_probs + piece.log_probs, offset, top)
+            rows = list(zip(piece.prompt_top_ids + piece.top_ids, piece.prompt_top_log_probs + piece.top_log_probs))
+            top = [None if row is None else [(text(t), v) for t, v in zip(row, values)] for row, values in rows]
+            top_raw = [None if row is None else [data(t) for t in row] for row, _ in rows] if data else None
+        return protocol.logprobs_object(gen.chat, [text(t) for t in ids], piece.prompt_log_probs + piece.log_probs,
+                                        offset, top, [data(t) for t in ids] if data else None, top_raw)
 
     def _echoed(self, gen: Generation, index: int, piece: Piece, first: bool) -> Piece:
         """A piece as an echo request's client sees it: the choice's first starts with its prompt's text (the

@@ -713,15 +713,20 @@ def combined_usage(per_choice: list[dict], completion_tokens: list[int], n: int,
 
 
 def logprobs_object(chat: bool, tokens: list[str], values: list[float | None], offset: int = 0,
-                    top: list[list[tuple[str, float]] | None] | None = None) -> dict:
+                    top: list[list[tuple[str, float]] | None] | None = None, raw: list[bytes] | None = None,
+                    top_raw: list[list[bytes] | None] | None = None) -> dict:
     """The choice's `logprobs`: chat's per-token `content` entries, or the completions API's lists (each
     token's text offset counts from `offset`, the text already sent). `top`: per token its position's most
     likely tokens (text, log-probability), most likely first (chat: a list each; completions: an object of
-    texts, as OpenAI's legacy API gives it, so tokens of one text show once)."""
+    texts, as OpenAI's legacy API gives it, so tokens of one text show once). raw, top_raw: chat's `bytes`,
+    those the tokens stand for (text.token_bytes; a character split over tokens joins from them), else
+    each token's text as UTF-8."""
     if chat:
-        return {"content": [{"token": token, "logprob": value, "bytes": list(token.encode("utf-8")),
-                             "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode("utf-8"))}
-                                              for t, v in (top[i] if top else [])]}
+        def entry(token: str, value: float, data: bytes | None) -> dict:
+            return {"token": token, "logprob": value, "bytes": list(token.encode("utf-8") if data is None else data)}
+        return {"content": [{**entry(token, value, raw[i] if raw else None),
+                             "top_logprobs": [entry(t, v, top_raw[i][j] if top_raw and top_raw[i] else None)
+                                              for j, (t, v) in enumerate(top[i] if top else [])]}
                             for i, (token, value) in enumerate(zip(tokens, values))], "refusal": None}
     offsets, at = [], offset
     for token in tokens:
