@@ -197,6 +197,19 @@ def test_return_token_ids_are_the_tokens_the_model_read_and_wrote(api, model):
         api.completions.create(model=model, prompt=PROMPT, max_tokens=2, extra_body={"return_token_ids": "yes"})
     assert caught.value.body["param"] == "return_token_ids"
 
+    # return_tokens_as_token_ids: log-probabilities name those very tokens (and the most likely ones) by id
+    named = {**asked, "return_tokens_as_token_ids": True}
+    out = api.chat.completions.create(model=model, messages=CHAT, max_tokens=8, temperature=0, logprobs=True,
+                                      top_logprobs=2, extra_body=named).model_dump()["choices"][0]
+    assert [e["token"] for e in out["logprobs"]["content"]] == [f"token_id:{t}" for t in answer]
+    assert all(e["top_logprobs"][0]["token"] == e["token"] for e in out["logprobs"]["content"])
+    assert b"".join(bytes(e["bytes"]) for e in out["logprobs"]["content"]).decode() == out["message"]["content"]
+    text = api.completions.create(model=model, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=1,
+                                  extra_body=named).model_dump()["choices"][0]
+    assert text["logprobs"]["tokens"] == [f"token_id:{t}" for t in completion["token_ids"]]
+    widths = [len(tokenizer.decode([t])) for t in completion["token_ids"]]
+    assert text["logprobs"]["text_offset"] == [sum(widths[:i]) for i in range(6)]  # the text's, still
+
 
 def test_a_request_id_names_the_answer_and_comes_back_in_its_header(api, model):
     """vLLM's request ids: an X-Request-Id header (or else the body's request_id) is the answer's id after its

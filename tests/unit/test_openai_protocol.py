@@ -343,6 +343,12 @@ def test_log_probs_objects_and_chunks():
                                      raw=[b"\xc3", b"\xa9"], top_raw=[[b"\xc3"], None])["content"]
     assert [e["bytes"] for e in split] == [[0xc3], [0xa9]] and bytes(sum((e["bytes"] for e in split), [])) == "é".encode()
     assert split[0]["top_logprobs"][0]["bytes"] == [0xc3] and split[1]["top_logprobs"][0]["bytes"] == [120]
+    named = protocol.logprobs_object(False, ["token_id:7", "token_id:8"], [-1.0, -2.0], offset=5, widths=[2, 1])
+    assert named["text_offset"] == [5, 7]  # tokens named by id: the offsets count their text (widths)
+    assert parse_chat({"messages": CHAT, "return_tokens_as_token_ids": True}, SERVED).tokens_as_ids
+    assert not parse_completion({"prompt": "p"}, SERVED).tokens_as_ids
+    with pytest.raises(ApiError, match="return_tokens_as_token_ids"):
+        parse_completion({"prompt": "p", "return_tokens_as_token_ids": 1}, SERVED)
     text = protocol.logprobs_object(False, ["ab", "c", "de"], [-1.0, -2.0, -3.0], offset=5)
     assert text["text_offset"] == [5, 7, 8] and text["tokens"] == ["ab", "c", "de"]
     gen = parse_chat({"messages": CHAT, "stream": True}, SERVED)

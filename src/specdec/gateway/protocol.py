@@ -44,7 +44,7 @@ SPECULATIVE_FIELDS = {"num_draft_tokens": (tn.NUM_DRAFT_TOKENS, np.int32), "adap
 # vLLM's `priority`: a request's place among those waiting while the server is full (lower first).
 SCHEDULING_FIELDS = {"priority": (tn.PRIORITY, np.int32)}
 COMMON_FIELDS = ("model", "stream", "stream_options", "n", "logit_bias", "logprobs", "max_tokens", "return_token_ids",
-                 "request_id", "cache_salt",
+                 "return_tokens_as_token_ids", "request_id", "cache_salt",
                  *SAMPLING_FIELDS, *GUIDED_FIELDS, *SPECULATIVE_FIELDS, *SCHEDULING_FIELDS, *IGNORED_FIELDS)
 INT32 = (-2**31, 2**31 - 1)
 CHAT_FIELDS = (*COMMON_FIELDS, "messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
@@ -118,6 +118,9 @@ class Generation:
     continuous_usage: bool = False  # stream_options.continuous_usage_stats (vLLM): usage on every chunk
     logprobs: bool = False
     top_logprobs: int = 0  # with logprobs: the most likely tokens at each position, this many
+    # vLLM's return_tokens_as_token_ids: log-probabilities name their tokens "token_id:N" (a token whose text
+    # alone is not a character, or that several tokens share, still named exactly)
+    tokens_as_ids: bool = False
     tools: ToolCalling | None = None  # how the answer becomes tool calls (tools.py); None: text only
     reasoning: str | None = None  # reasoning.PARSERS: a chat's thinking apart from its content; None: not split
     include_reasoning: bool = True  # vLLM's include_reasoning: false leaves the thinking out of the answer
@@ -518,7 +521,8 @@ def parse_chat(body: dict, served: tuple[str, ...], tool_parser: str | None = No
     _adapter(inputs, model, served)
     return Generation(chat=True, model=model, choices=_finish(sampling, inputs, stream["stream"], logprobs, n, top),
                       n=n, stream=stream["stream"], include_usage=stream["include_usage"],
-                      continuous_usage=stream["continuous_usage"], logprobs=logprobs, top_logprobs=top, tools=calling,
+                      continuous_usage=stream["continuous_usage"], logprobs=logprobs, top_logprobs=top,
+                      tokens_as_ids=_tokens_as_ids(body), tools=calling,
                       reasoning=reasoning_parser, include_reasoning=_typed(body, "include_reasoning", (bool,),
                                                                            "a boolean") is not False,
                       sampling=sampling)
@@ -589,6 +593,10 @@ def _prompts(prompt) -> list[str | list[int]]:
     raise invalid("prompt", "must be a string, a list of strings, a list of token ids or a list of such lists")
 
 
+def _tokens_as_ids(body: dict) -> bool:
+    return bool(_typed(body, "return_tokens_as_token_ids", (bool,), "a boolean"))
+
+
 def parse_completion(body: dict, served: tuple[str, ...], defaults: dict | None = None) -> Generation:
     """A /v1/completions body -> the ensemble's inputs (ApiError naming the field otherwise); defaults as
     parse_chat's."""
@@ -627,6 +635,7 @@ def parse_completion(body: dict, served: tuple[str, ...], defaults: dict | None 
     return Generation(chat=False, model=model, choices=choices, n=n,
                       stream=stream["stream"], include_usage=stream["include_usage"],
                       continuous_usage=stream["continuous_usage"], logprobs=logprobs, top_logprobs=top,
+                      tokens_as_ids=_tokens_as_ids(body),
                       echo=[prompt for prompt in prompts for _ in range(n)] if echo else None, score_only=score_only,
                       sampling=sampling)
 
@@ -712,15 +721,21 @@ def combined_usage(per_choice: list[dict], completion_tokens: list[int], n: int,
     return out
 
 
+def token_id_name(token: int) -> str:
+    """A token as vLLM's return_tokens_as_token_ids names it in log-probabilities."""
+    return f"token_id:{token}"
+
+
 def logprobs_object(chat: bool, tokens: list[str], values: list[float | None], offset: int = 0,
                     top: list[list[tuple[str, float]] | None] | None = None, raw: list[bytes] | None = None,
-                    top_raw: list[list[bytes] | None] | None = None) -> dict:
+                    top_raw: list[list[bytes] | None] | None = None, widths: list[int] | None = None) -> dict:
     """The choice's `logprobs`: chat's per-token `content` entries, or the completions API's lists (each
     token's text offset counts from `offset`, the text already sent). `top`: per token its position's most
     likely tokens (text, log-probability), most likely first (chat: a list each; completions: an object of
     texts, as OpenAI's legacy API gives it, so tokens of one text show once). raw, top_raw: chat's `bytes`,
     those the tokens stand for (text.token_bytes; a character split over tokens joins from them), else
-    each token's text as UTF-8."""
+    each token's text as UTF-8. widths: the tokens' lengths in the text, where `tokens` names them otherwise
+    (return_tokens_as_token_ids), for the completions API's text offsets."""
     if chat:
         def entry(token: str, value: float, data: bytes | None) -> dict:
             return {"token": token, "logprob": value, "bytes": list(token.encode("utf-8") if data is None else data)}
@@ -729,9 +744,9 @@ def logprobs_object(chat: bool, tokens: list[str], values: list[float | None], o
                                               for j, (t, v) in enumerate(top[i] if top else [])]}
                             for i, (token, value) in enumerate(zip(tokens, values))], "refusal": None}
     offsets, at = [], offset
-    for token in tokens:
+    for i, token in enumerate(tokens):
         offsets.append(at)
-        at += len(token)
+        at += widths[i] if widths is not None else len(token)
     # (an echoed prompt's first token has no log-probability, nor a row: None, as OpenAI gives them)
     tops = None if top is None else [None if row is None else _by_text(row) for row in top]
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
