@@ -1,6 +1,6 @@
 """Trained draft heads served (real tritonserver, tiny pair): an EAGLE-3 head trained here by the training
-command, and random EAGLE-1, EAGLE-3 (three Qwen3 decoder layers, in the speculators library's layout) and
-Medusa heads, each a draft_model of its own over target_model's
+command, and random EAGLE-1, EAGLE-3 (three Qwen3 decoder layers, in the speculators library's layout), Medusa
+heads and an MLP speculator (tied, its input scaled), each a draft_model of its own over target_model's
 features, and the same heads hosted in target_model's process (hosted_*: drafting in the verify call).
 Greedy output equals target-only output with every head; the trained head is accepted where a random one is
 not (its features arrive right over BLS), hosted as much as called; sampled output follows the target's
@@ -19,7 +19,7 @@ import pytest
 from transformers import AutoConfig
 
 from specdec import tensor_names as tn
-from specdec.engine.draft_heads import EAGLE, EAGLE3, MEDUSA, random_head, save_head
+from specdec.engine.draft_heads import EAGLE, EAGLE3, MEDUSA, MLP, random_head, save_head
 from specdec.serving import pairs, repository
 from specdec.train.data import load_prompts
 
@@ -45,13 +45,14 @@ def heads(tmp_path_factory):
     assert result.returncode == 0, result.stderr[-3000:]
     config = AutoConfig.from_pretrained(pair.target_path)
     paths = {"head_trained": trained}
-    for kind in (EAGLE, EAGLE3, MEDUSA):
-        # EAGLE-3's as the speculators library trains one for a Qwen3 target (here of three layers)
-        layered = {"num_layers": 3, "layer_type": "qwen3", "attention_bias": True} if kind == EAGLE3 else {}
+    for kind in (EAGLE, EAGLE3, MEDUSA, MLP):
+        # EAGLE-3's as the speculators library trains one for a Qwen3 target (here of three layers), in its layout
+        shape = {EAGLE3: {"num_layers": 3, "layer_type": "qwen3", "attention_bias": True},
+                 MLP: {"tie_weights": True, "scale_input": True}}.get(kind, {})
         head = random_head(kind, config, seed=1, aux_layers=(0, 1, 1) if kind == EAGLE3 else (),
-                           draft_vocab_size=4096 if kind == EAGLE3 else 0, **layered)
-        paths[f"head_random_{kind}"] = save_head(head, root / kind, layout="speculators" if layered else "eagle",
-                                                 verifier=pair.target_path)
+                           draft_vocab_size=4096 if kind == EAGLE3 else 0, **shape)
+        layout = "speculators" if kind == EAGLE3 else "eagle"
+        paths[f"head_random_{kind}"] = save_head(head, root / kind, layout=layout, verifier=pair.target_path)
     return {name: str(path) for name, path in paths.items()}, json.loads((trained / "training.json").read_text())
 
 
@@ -92,7 +93,8 @@ def target_only(head_server):
 
 
 @pytest.mark.parametrize("name", ["head_trained", "head_random_eagle", "head_random_eagle3", "head_random_medusa",
-                                  "hosted_trained", "hosted_random_eagle", "hosted_random_medusa"])
+                                  "head_random_mlp_speculator", "hosted_trained", "hosted_random_eagle",
+                                  "hosted_random_medusa", "hosted_random_mlp_speculator"])
 def test_greedy_output_with_a_head_equals_target_only(head_server, target_only, name):
     for prompt in GREEDY_PROMPTS:
         drafted = grpc_stream(head_server.grpc_url, prompt, max_tokens=32, num_draft_tokens=3, draft_model=name,

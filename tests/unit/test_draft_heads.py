@@ -13,7 +13,7 @@ from specdec.decoding.loop import GenerationRequest, Stats, generate
 from specdec.decoding.ngram_proposer import NgramProposer
 from specdec.decoding.sampling import SamplingParams
 from specdec.engine.build import dynamic_executor, static_executor
-from specdec.engine.draft_heads import (EAGLE, EAGLE3, KINDS, MEDUSA, HeadCache, HeadConfig, HeadError, borrowed,
+from specdec.engine.draft_heads import (EAGLE, EAGLE3, KINDS, MEDUSA, MLP, HeadCache, HeadConfig, HeadError, borrowed,
                                         check_fits, load_head, load_head_for, random_head, rows_forward, save_head,
                                         shared_target_tensors, target_tensors)
 from specdec.engine.head_executor import HeadExecutor
@@ -31,7 +31,7 @@ def head_for(tiny_lm, kind, seed=0, **kwargs):
         kind, kwargs = EAGLE3, {"num_layers": 3, **kwargs}
     head = random_head(kind, tiny_lm.config, seed=seed, aux_layers=AUX if kind == EAGLE3 else (),
                        **({"draft_vocab_size": 64} if kind == EAGLE3 else {}), **kwargs).to(torch.float64)
-    if kind != MEDUSA:
+    if hasattr(head, "attach"):  # (Medusa and MLP speculators read neither the embedding nor the lm_head)
         head.attach(*target_tensors(tiny_lm))
     return head
 
@@ -51,13 +51,16 @@ def pair(tiny_lm, kind, seed=0, executor="dynamic"):
 def test_a_head_written_is_read_back_with_the_published_key_names(tiny_lm, tmp_path, kind):
     head = head_for(tiny_lm, kind)
     save_head(head, tmp_path / kind)
-    files = {EAGLE: "model.safetensors", EAGLE3: "model.safetensors", MEDUSA: "medusa_lm_head.safetensors"}
+    files = {EAGLE: "model.safetensors", EAGLE3: "model.safetensors", MEDUSA: "medusa_lm_head.safetensors",
+             MLP: "model.safetensors"}
     keys = set(load_file(str(tmp_path / kind / files[kind])))
     published = {EAGLE: {"fc.weight", "layers.0.self_attn.q_proj.weight", "layers.0.mlp.gate_proj.weight",
                          "layers.0.post_attention_layernorm.weight"},
                  EAGLE3: {"fc.weight", "midlayer.hidden_norm.weight", "midlayer.input_layernorm.weight",
                           "midlayer.self_attn.q_proj.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"},
-                 MEDUSA: {"0.0.linear.weight", "0.0.linear.bias", "0.1.weight", "3.1.weight"}}[kind]
+                 MEDUSA: {"0.0.linear.weight", "0.0.linear.bias", "0.1.weight", "3.1.weight"},
+                 MLP: {"emb.0.weight", "proj.0.weight", "proj.1.weight", "head.3.weight", "ln.3.weight",
+                       "ln.3.bias"}}[kind]
     assert published <= keys
     assert not any("input_layernorm" in key for key in keys) or kind == EAGLE3  # EAGLE-1 has none
     config = json.loads((tmp_path / kind / "config.json").read_text())
@@ -453,6 +456,73 @@ def test_layer_ids_outside_the_speculators_layout_are_the_outputs_of_those_layer
         assert HeadConfig.from_json(config.to_json(), "/again").aux_layers == (1, 29, 57)
 
 
+def _ibm_stages(state: dict, config, feature, tokens):
+    """An MLP speculator's logits (S, m, V) recomputed from its tensors by the paper's formula (fms-extras'
+    stages, vLLM's mlp_speculator): s = GELU(LN_j(proj_j s + sqrt((1 - a^2) d / 2) / a emb_j x)), a = 0.5^(0.5/n),
+    LN an RMS norm (no mean taken out) with weight and bias; s_0 the feature (rms-normed / sqrt(2) with
+    scale_input)."""
+    def rms(x):
+        return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+    n, d = config.mlp_stages, config.inner_size
+    a = 0.5 ** (0.5 / n)
+    scale = ((1 - a * a) * d / 2) ** 0.5 / a
+    s = rms(feature) / 2 ** 0.5 if config.scale_input else feature
+    out = []
+    for j in range(tokens.shape[1]):
+        tied = config.tie_weights
+        emb, norm = ("emb.0", "ln.0") if tied else (f"emb.{j}", f"ln.{j}")
+        proj = f"proj.{min(j, 1)}" if tied else f"proj.{j}"
+        mixed = s @ state[proj + ".weight"].T + scale * state[emb + ".weight"][tokens[:, j]]
+        s = torch.nn.functional.gelu(rms(mixed) * state[norm + ".weight"] + state[norm + ".bias"])
+        out.append(s @ state[f"head.{j}.weight"].T)
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_an_mlp_speculator_is_read_in_ibms_layout_and_computes_its_stages(tiny_lm, tmp_path, tied):
+    """IBM's MLP speculators (vLLM's mlp_speculator): config (emb_dim, inner_dim, n_predict, tie_weights,
+    scale_input), keys emb/proj/head/ln.{j} (a tied tensor held once, as vLLM names it; fms-extras'
+    `speculator.` prefix read too); logits equal to the paper's formula recomputed from the tensors; a
+    speculator for another width or vocabulary refused naming both; vLLM's config read as a head."""
+    from specdec.serving.speculative_config import read as read_speculative
+    head = random_head(MLP, tiny_lm.config, seed=5, mlp_stages=3, tie_weights=tied, scale_input=tied).double()
+    with torch.no_grad():  # norms away from their start (ones, zeros): a skipped weight or bias shows
+        for name, parameter in head.named_parameters():
+            if name.startswith("ln."):  # (values a float32 module, as load_head builds one, holds exactly)
+                low = 0.5 if name.endswith("weight") else -0.3
+                parameter.copy_(torch.rand(parameter.shape, generator=torch.Generator().manual_seed(3)) * 0.6 + low)
+    save_head(head, tmp_path / "mlp")
+    keys = set(load_file(str(tmp_path / "mlp" / "model.safetensors")))
+    assert ("emb.1.weight" in keys) != tied and ("proj.2.weight" in keys) != tied and "head.2.weight" in keys
+    config = json.loads((tmp_path / "mlp" / "config.json").read_text())
+    assert config["model_type"] == "mlp_speculator" and config["n_predict"] == 3 and config["emb_dim"] == 32
+    weights = str(tmp_path / "mlp" / "model.safetensors")
+    save_file({f"speculator.{key}": value for key, value in load_file(weights).items()}, weights)
+    back = load_head(tmp_path / "mlp", dtype=torch.float64)
+    features = torch.randn(4, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    tokens = torch.randint(0, 97, (4, 3), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = _ibm_stages(head.state_dict(), head.config, features, tokens)
+        assert torch.allclose(back(features, tokens), expected, atol=1e-10)
+        # drafting: stage by stage over its own tokens, as the reference reads them
+        drafted = HeadExecutor(back).propose(1, 0, PROMPT, 3, SamplingParams(), features=features)
+        path = torch.tensor([[PROMPT[-1], *drafted.tokens[:2]]])
+        stages = _ibm_stages(head.state_dict(), head.config, features[-1:], path)
+        assert drafted.tokens == stages[:, 0].argmax(-1).tolist()
+    check_fits(back, tiny_lm.config, "/heads/m", "/models/t")
+    from transformers import LlamaConfig
+    other = LlamaConfig(vocab_size=120, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2)
+    with pytest.raises(HeadError, match=r"/heads/m does not fit the target /models/t: .*hidden size 32.*"
+                                        r"vocabulary has 97"):
+        check_fits(back, other, "/heads/m", "/models/t")
+    assert read_speculative(json.dumps({"model": str(tmp_path / "mlp"), "num_speculative_tokens": 3})).head
+    assert read_speculative(json.dumps({"method": "mlp_speculator", "model": str(tmp_path / "mlp"),
+                                        "num_speculative_tokens": 3})).head == str(tmp_path / "mlp")
+    with pytest.raises(HeadError, match="n_predict 1"):
+        HeadConfig.from_json({**config, "n_predict": 1, "tie_weights": True}, "/heads/m")
+
+
 def test_heads_that_do_not_fit_are_refused_naming_both(tiny_lm, tmp_path):
     from transformers import LlamaConfig
     other = LlamaConfig(vocab_size=120, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
@@ -610,7 +680,7 @@ def _marginals(tiny_lm, prompt, temperature):
     return p2, p3
 
 
-@pytest.mark.parametrize("kind", [EAGLE3, MEDUSA])
+@pytest.mark.parametrize("kind", [EAGLE3, MEDUSA, MLP])
 def test_sampled_speculation_with_a_head_follows_the_targets_distribution(tiny_lm, kind):
     """Tokens 2 and 3 (the first round a head drafts in) against the target's exact marginals."""
     temperature = 0.6
@@ -631,7 +701,7 @@ def _draws_greedily(drafted):
     return type(drafted)(drafted.probs.argmax(-1).tolist(), drafted.probs, drafted.cached_length)
 
 
-@pytest.mark.parametrize("kind", [EAGLE, EAGLE3, MEDUSA, "planted"])
+@pytest.mark.parametrize("kind", [EAGLE, EAGLE3, MEDUSA, MLP, "planted"])
 def test_a_sampling_head_draws_from_the_distributions_it_reports(tiny_lm, kind):
     """What rejection sampling's exactness rests on (its own joint test: test_rejection_sampler.py): each
     drafted token comes from the distribution reported with it. The first and second drafted tokens of
@@ -803,7 +873,7 @@ def test_a_head_on_other_kernels_drafts_what_it_drafts_on_torchs(tiny_lm, kind, 
         pytest.skip(f"the panel kernel does not build here: {problem}")
     dense = random_head(kind, tiny_lm.config, seed=3, aux_layers=AUX if kind == EAGLE3 else (),
                         **({"draft_vocab_size": 64} if kind == EAGLE3 else {})).float()
-    if kind != MEDUSA:
+    if hasattr(dense, "attach"):
         dense.attach(*(None if t is None else t.float() for t in target_tensors(tiny_lm)))
     packed = copy.deepcopy(dense)
     assert (onednn_linear.prepack_linears if kernels == "onednn" else panel_linear.pack_linears)(packed) > 0

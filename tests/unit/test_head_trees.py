@@ -17,7 +17,7 @@ from specdec.decoding.loop import GenerationRequest, Stats, generate
 from specdec.decoding.sampling import SamplingParams
 from specdec.decoding.tree_sampler import children
 from specdec.engine.build import dynamic_executor
-from specdec.engine.draft_heads import EAGLE, EAGLE3, KINDS, MEDUSA, HeadCache, random_head, target_tensors
+from specdec.engine.draft_heads import EAGLE, EAGLE3, KINDS, MEDUSA, MLP, HeadCache, random_head, target_tensors
 from specdec.engine.head_executor import HeadExecutor
 from specdec.engine.interfaces import Step
 from specdec.engine.local import LocalProposer, LocalScorer
@@ -143,11 +143,18 @@ def test_each_node_is_scored_as_the_head_would_draft_its_path(tiny_lm, kind, par
     """The executor's tree (its levels run together under a tree mask) equals the search run with a
     reference that drafts every node's path as a chain on a fresh cache."""
     head = head_for(tiny_lm, kind, seed=2)
+    if kind == MLP:  # peaked stages: a tree deep enough that nodes expand from their parents' states
+        with torch.no_grad():
+            for stage in head.head:
+                stage.weight.mul_(12)
     features = features_of(tiny_lm, head, PROMPT)[:-1]
     executor = HeadExecutor(head)
     (tree,) = executor.propose_many([Step(1, 0, PROMPT, k=9, branches=3, params=params, features=features)])
+    if kind == MLP:
+        assert any(parent >= 0 and tree.parents[parent] >= 0 for parent in tree.parents), tree.parents
     seq = executor.sequences[1]
-    assert seq.entries == len(PROMPT) - 1 and seq.cache.length == (0 if kind == MEDUSA else seq.entries)  # drafts dropped
+    assert seq.entries == len(PROMPT) - 1  # drafts dropped (Medusa and MLP speculators keep no cache)
+    assert seq.cache.length == (0 if kind in (MEDUSA, MLP) else seq.entries)
     scores = HeadExecutor._scores
 
     with torch.no_grad():
@@ -157,6 +164,13 @@ def test_each_node_is_scored_as_the_head_would_draft_its_path(tiny_lm, kind, par
 
             def chain_scores(path):
                 return scores(logits[len(path)], params)
+        elif kind == MLP:
+            def chain_scores(path):  # its stages from the start along the path, the last prompt token first
+                state, out = head.stage(0, head.start(features[-1:]), torch.tensor([PROMPT[-1]]))
+                for i, token in enumerate(path):
+                    state, out = head.stage(i + 1, state, torch.tensor([token]))
+                return scores(out[0], params)
+            root = chain_scores(())
         else:
             cache = HeadCache()
             hidden, logits = head(torch.tensor(PROMPT[1:]), head.from_target(features), cache, 0)
@@ -169,8 +183,8 @@ def test_each_node_is_scored_as_the_head_would_draft_its_path(tiny_lm, kind, par
                 for i, token in enumerate(path):
                     h, out = head(torch.tensor([token]), h, fresh, len(PROMPT) - 1 + i)
                 return scores(out[-1], params)
-        expected = best_first_tree(root, _chain_expand(chain_scores), 9, 3,
-                                   head.config.medusa_heads if kind == MEDUSA else 9)
+        depth = {MEDUSA: head.config.medusa_heads, MLP: head.config.mlp_stages}.get(kind, 9)
+        expected = best_first_tree(root, _chain_expand(chain_scores), 9, 3, depth)
     assert (tree.tokens, tree.parents) == (list(expected[0]), expected[1]) and tree.probs is None
     assert len(tree.tokens) == 9 and tree.cached_length == len(PROMPT) - 1
 

@@ -97,8 +97,11 @@ def test_the_launcher_drafts_as_the_config_says_and_refuses_it_beside_its_own_fl
         launcher.parse_args(["--pair", "tiny", "--speculative-config", '{"method": "ngram"}'])
     assert "needs --target" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        launcher.parse_args([*base, "--speculative-config", '{"method": "mlp_speculator", "model": "/m"}'])
-    assert "method 'mlp_speculator' is not served here" in capsys.readouterr().err
+        launcher.parse_args([*base, "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1}'])
+    assert "method 'mtp' is not served here" in capsys.readouterr().err
+    # IBM's MLP speculators are heads here (draft_heads.MlpSpeculator)
+    assert launcher.parse_args([*base, "--speculative-config",
+                                '{"method": "mlp_speculator", "model": "/m"}']).draft_head == ["/m"]
 
 
 def test_prompt_lookups_bounds_are_speculative_decodings_parameters(tmp_path):

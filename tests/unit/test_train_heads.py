@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from specdec.engine.draft_heads import EAGLE, EAGLE3, KINDS, MEDUSA, HeadCache, load_head, random_head, target_tensors
+from specdec.engine.draft_heads import EAGLE, EAGLE3, MEDUSA, TRAINED, HeadCache, load_head, random_head, target_tensors
 from specdec.serving import pairs
 from specdec.train.__main__ import main as train_command
 from specdec.train.data import answer_and_featurize
@@ -121,7 +121,7 @@ def test_medusa_heads_start_as_the_target_and_serve_the_rows_they_trained(tiny_l
             torch.testing.assert_close(served[:, others], blocks[j] @ lm_head[others].T)  # the target's rows
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", TRAINED)
 def test_a_padded_batch_computes_what_each_sample_computes_alone(tiny_lm, kind):
     """Samples of different lengths in one batch: each one's unrolled rows, and every step's hits and
     positions, are what it gets alone (the padding on the right changes nothing real)."""
@@ -157,7 +157,7 @@ def test_a_padded_batch_computes_what_each_sample_computes_alone(tiny_lm, kind):
     assert evaluate(objective, samples)["alpha"] == [hit / count for hit, count in hits]
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", TRAINED)
 def test_the_command_trains_each_kind_and_writes_what_the_loader_reads(tmp_path, kind):
     target = pairs.tiny_pair().target_path
     out = tmp_path / kind

@@ -1,4 +1,5 @@
-"""Trained draft heads (EAGLE-1, EAGLE-3, Medusa) in the layouts their authors publish, read and written.
+"""Trained draft heads (EAGLE-1, EAGLE-3, Medusa, MLP speculators) in the layouts their authors publish, read and
+written.
 
 A head drafts from the target's own features (hidden states) rather than from tokens alone:
 
@@ -12,6 +13,9 @@ A head drafts from the target's own features (hidden states) rather than from to
            head's own pre-norm output after that.
   Medusa   head j: [x + SiLU(Linear(x))] * L then Linear(h, V): token t+j+2 from the target's post-norm
            last hidden state at t (no cache, no recurrence).
+  MLP      IBM's speculator (vLLM's `mlp_speculator`): stage j: s_{j+1} = GELU(norm_j(proj_j(s_j) + w emb_j(x_j)))
+           and logits head_j(s_{j+1}) of token x_{j+1}; s_0 the target's post-norm last hidden state at t, x_0
+           token t+1 (no cache: a recurrence over its own drafted tokens).
 
 The target's states are the executor's `hidden_layers` (the residual stream after a layer; the last one's
 after the final norm, transformers' `hidden_states[l + 1]`): `HeadConfig.feature_layers` says which.
@@ -23,6 +27,7 @@ Llama's (biases where its config says) or Qwen3's (`HeadConfig.layer_type`). Fac
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -34,8 +39,9 @@ from torch import nn
 from specdec.engine import llama_model
 from specdec.engine.llama_model import RMSNorm, rotate
 
-EAGLE, EAGLE3, MEDUSA = "eagle", "eagle3", "medusa"
-KINDS = (EAGLE, EAGLE3, MEDUSA)
+EAGLE, EAGLE3, MEDUSA, MLP = "eagle", "eagle3", "medusa", "mlp_speculator"
+KINDS = (EAGLE, EAGLE3, MEDUSA, MLP)
+TRAINED = (EAGLE, EAGLE3, MEDUSA)  # the kinds `python -m specdec.train` trains (IBM's speculators train elsewhere)
 LLAMA, QWEN3 = "llama", "qwen3"  # the decoder layers a head may have (HeadConfig.layer_type)
 LAYER_TYPES = (LLAMA, QWEN3)
 LAYER_CLASSES = {"LlamaDecoderLayer": LLAMA, "Qwen3DecoderLayer": QWEN3}  # transformers' classes of those layers
@@ -75,6 +81,12 @@ class HeadConfig:
     num_layers: int = 1
     medusa_heads: int = 0
     medusa_layers: int = 0
+    # an MLP speculator's: its stages (n_predict), their width (inner_dim), stages 1.. sharing one embedding,
+    # projection and norm (tie_weights), and a norm over the target's state before stage 0 (scale_input)
+    mlp_stages: int = 0
+    inner_size: int = 0
+    tie_weights: bool = False
+    scale_input: bool = False
     raw: dict = field(default_factory=dict, compare=False)  # config.json as read (rotary settings)
 
     def feature_layers(self, target_layers: int) -> tuple[int, ...]:
@@ -107,6 +119,14 @@ class HeadConfig:
         if "medusa_num_heads" in raw:
             return cls(MEDUSA, need("hidden_size"), need("vocab_size"), medusa_heads=int(raw["medusa_num_heads"]),
                        medusa_layers=int(raw.get("medusa_num_layers", 1)), raw=raw)
+        if raw.get("model_type") == MLP or "MLPSpeculatorPreTrainedModel" in raw.get("architectures", []):
+            stages, width = int(need("n_predict")), int(raw.get("inner_dim") or need("emb_dim"))
+            if stages < 1 or (raw.get("tie_weights") and stages < 2):
+                raise HeadError(f"{where}: n_predict {stages}: an MLP speculator has at least one stage (two to "
+                                "tie their weights)")
+            return cls(MLP, need("emb_dim"), need("vocab_size"), mlp_stages=stages, inner_size=width,
+                       tie_weights=bool(raw.get("tie_weights", False)), scale_input=bool(raw.get("scale_input", False)),
+                       raw=raw)
         eagle3 = "draft_vocab_size" in raw or any("eagle3" in a.lower() for a in raw.get("architectures", []))
         # the layer's MLP computes SiLU, as every published EAGLE head's does; another would draft wrongly
         if raw.get("hidden_act", "silu") != "silu":
@@ -134,6 +154,11 @@ class HeadConfig:
         if self.kind == MEDUSA:
             return {**self.raw, "hidden_size": self.hidden_size, "vocab_size": self.vocab_size,
                     "medusa_num_heads": self.medusa_heads, "medusa_num_layers": self.medusa_layers}
+        if self.kind == MLP:  # as IBM's fms-extras writes its speculators (vLLM reads these)
+            return {**self.raw, "architectures": ["MLPSpeculatorPreTrainedModel"], "model_type": MLP,
+                    "emb_dim": self.hidden_size, "inner_dim": self.inner_size, "vocab_size": self.vocab_size,
+                    "n_predict": self.mlp_stages, "tie_weights": self.tie_weights, "scale_input": self.scale_input,
+                    "n_candidates": self.mlp_stages, "top_k_tokens_per_head": [1] * self.mlp_stages}
         raw = {key: value for key, value in self.raw.items() if key != AUX_IDS}  # written nested, below
         out = {**raw, "model_type": self.layer_type, "num_hidden_layers": self.num_layers,
                "hidden_size": self.hidden_size,
@@ -489,15 +514,79 @@ class MedusaHeads(nn.Module):
         return torch.stack([head(feature) for head in self.heads[:count]])
 
 
-def rows_forward(head: EagleHead | MedusaHeads, most: int = 16) -> Callable[[int], object]:
+class _StageNorm(nn.Module):
+    """The MLP speculator's norm: x / rms(x) (no mean taken out), then weight and bias where it has them."""
+
+    def __init__(self, width: int, affine: bool = True, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        if affine:
+            self.weight = nn.Parameter(torch.ones(width))
+            self.bias = nn.Parameter(torch.zeros(width))
+
+    def forward(self, x):
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return x * self.weight + self.bias if hasattr(self, "weight") else x
+
+
+class MlpSpeculator(nn.Module):
+    """IBM's MLP speculator ("Accelerating Production LLMs with Combined Token/Embedding Speculators"): stage
+    j reads its state and the token before it and gives the next state and that token's logits. Tied
+    (tie_weights): one embedding and norm for every stage, one projection for stages 1.. (stage 0's reads the
+    target's width), held once (`emb.0`, `ln.0`, `proj.0`, `proj.1`: the names a tied file holds, as vLLM
+    reads it); each stage keeps its own head."""
+
+    def __init__(self, config: HeadConfig):
+        super().__init__()
+        self.config = config
+        n, h, inner, vocab = config.mlp_stages, config.hidden_size, config.inner_size, config.vocab_size
+        tied = config.tie_weights
+        # stage j's embedding and norm, and its projection: an index into the modules below
+        self.shared = [0 if tied else j for j in range(n)]
+        self.projected = [min(j, 1) if tied else j for j in range(n)]
+        self.emb = nn.ModuleList([nn.Embedding(vocab, inner) for _ in range(1 if tied else n)])
+        self.proj = nn.ModuleList([nn.Linear(h if j == 0 else inner, inner, bias=False)
+                                   for j in range(min(n, 2) if tied else n)])
+        self.head = nn.ModuleList([nn.Linear(inner, vocab, bias=False) for _ in range(n)])
+        self.ln = nn.ModuleList([_StageNorm(inner) for _ in range(1 if tied else n)])
+        self.ln0 = _StageNorm(h, affine=False) if config.scale_input else None
+        # the state's and the token's shares of a stage's input (its norm divides out their common scale)
+        self.state_weight = 0.5 ** (0.5 / n)
+        self.emb_weight = math.sqrt((1 - self.state_weight ** 2) * (inner / 2))
+
+    def start(self, feature: torch.Tensor) -> torch.Tensor:
+        """The target's feature (m, h) -> stage 0's state."""
+        return self.ln0(feature) / math.sqrt(2) if self.ln0 is not None else feature
+
+    def stage(self, j: int, state: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stage j over m rows: state (m, h or inner), tokens (m,) the token each row follows -> (next state
+        (m, inner), logits (m, V) of the token after it)."""
+        shared = self.shared[j]
+        mixed = self.proj[self.projected[j]](state) + self.emb[shared](tokens) * (self.emb_weight / self.state_weight)
+        state = nn.functional.gelu(self.ln[shared](mixed))
+        return state, self.head[j](state)
+
+    def forward(self, feature: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """Teacher-forced: feature (m, h) and tokens (m, S) the tokens each stage reads -> logits (S, m, V)."""
+        state, out = self.start(feature), []
+        for j in range(tokens.shape[1]):
+            state, logits = self.stage(j, state, tokens[:, j])
+            out.append(logits)
+        return torch.stack(out)
+
+
+def rows_forward(head: EagleHead | MedusaHeads | MlpSpeculator, most: int = 16) -> Callable[[int], object]:
     """forward(n): the head over n random rows at the start of a fresh cache (Medusa: its heads on one
-    feature, whatever n), what `onednn_linear.time_kernels` times for a served head."""
+    feature, whatever n; an MLP speculator: its first stage over n rows), what `onednn_linear.time_kernels`
+    times for a served head."""
     parameter = next(head.parameters())
     generator = torch.Generator().manual_seed(0)
     hidden = torch.randn(most, head.config.hidden_size, generator=generator).to(parameter)
     if isinstance(head, MedusaHeads):
         return lambda n: head(hidden[0], head.config.medusa_heads)
     tokens = torch.randint(0, head.config.vocab_size, (most,), generator=generator).to(parameter.device)
+    if isinstance(head, MlpSpeculator):  # a stage over n rows
+        return lambda n: head.stage(0, hidden[:n], tokens[:n])
     return lambda n: head(tokens[:n], hidden[:n], HeadCache(), 0)
 
 
@@ -512,6 +601,8 @@ def _published(kind: str, state: dict) -> dict:
     speculators_eagle = kind == EAGLE and "fusion_fc.weight" in state
     for key, value in state.items():
         key = key.removeprefix("model.")
+        if kind == MLP:  # (fms-extras' checkpoints of the speculator inside a model)
+            key = key.removeprefix("speculator.")
         if key in VERIFIER_KEYS or (speculators_eagle and key == "lm_head.weight"):
             continue
         if kind == EAGLE3:
@@ -541,7 +632,7 @@ def _read_weights(path: Path) -> dict:
 
 
 def load_head(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
-              ) -> EagleHead | MedusaHeads:
+              ) -> EagleHead | MedusaHeads | MlpSpeculator:
     """Read a head directory (config.json and its weights) in its published layout or vLLM's."""
     path = Path(path)
     config_file = path / "config.json"
@@ -555,6 +646,12 @@ def load_head(path: str | Path, device: str | torch.device = "cpu", dtype: torch
         state = {key.replace(".head.", f".{config.medusa_layers}."): value for key, value in state.items()}
         module = MedusaHeads(config)
         state = {f"heads.{key}": value for key, value in state.items()}
+    elif config.kind == MLP:
+        module = MlpSpeculator(config)
+        if config.tie_weights:  # a file holding a tied tensor under every stage's name: the first's is read (vLLM's)
+            held = set(module.state_dict())
+            state = {key: value for key, value in state.items()
+                     if key in held or not key.startswith(("emb.", "proj.", "ln."))}
     else:
         module = EagleHead(config)
         held = len({"0" if key.startswith("midlayer.") else key.split(".")[1] for key in state
@@ -589,8 +686,9 @@ def save_head(head: EagleHead | MedusaHeads, path: str | Path, layout: str = PUB
     from safetensors.torch import save_file
     if layout not in LAYOUTS:
         raise ValueError(f"layout {layout!r}: one of {', '.join(LAYOUTS)}")
-    if layout == SPECULATORS and isinstance(head, MedusaHeads):
-        raise ValueError("the speculators layout holds EAGLE heads; a Medusa head is written as its authors do")
+    if layout == SPECULATORS and isinstance(head, (MedusaHeads, MlpSpeculator)):
+        raise ValueError("the speculators layout holds EAGLE heads; Medusa and MLP speculators are written as their "
+                         "authors do")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     state = {key: value.detach().contiguous().cpu() for key, value in head.state_dict().items()
@@ -598,6 +696,8 @@ def save_head(head: EagleHead | MedusaHeads, path: str | Path, layout: str = PUB
     if isinstance(head, MedusaHeads):
         state = {key.removeprefix("heads."): value for key, value in state.items()}
         name = "medusa_lm_head.safetensors"
+    elif isinstance(head, MlpSpeculator):  # (tied: emb.0, ln.0, proj.0 and proj.1, as fms-extras and vLLM name them)
+        name = "model.safetensors"
     else:
         name = "model.safetensors"
     config = head.config.to_json()
@@ -641,7 +741,9 @@ def _speculators_files(config: HeadConfig, state: dict, verifier: str, speculati
 
 def random_head(kind: str, target_config, seed: int = 0, draft_vocab_size: int = 0, medusa_heads: int = 4,
                 aux_layers: tuple[int, ...] = (), norm_before_residual: bool = False, norm_before_fc: bool = False,
-                layer_type: str = LLAMA, attention_bias: bool = False, num_layers: int = 1) -> EagleHead | MedusaHeads:
+                layer_type: str = LLAMA, attention_bias: bool = False, num_layers: int = 1, mlp_stages: int = 4,
+                tie_weights: bool = False, scale_input: bool = False
+                ) -> EagleHead | MedusaHeads | MlpSpeculator:
     """A head of `kind` shaped for a transformers target config, with random weights (fixed seed): a head of
     no quality, which speculation must still keep lossless (tests), and where training starts."""
     text = target_config.get_text_config()
@@ -656,12 +758,14 @@ def random_head(kind: str, target_config, seed: int = 0, draft_vocab_size: int =
                         aux_layers=tuple(aux_layers), medusa_heads=medusa_heads if kind == MEDUSA else 0,
                         medusa_layers=1 if kind == MEDUSA else 0, norm_before_residual=norm_before_residual,
                         norm_before_fc=norm_before_fc, layer_type=layer_type, attention_bias=attention_bias,
-                        num_layers=num_layers if kind == EAGLE3 else 1, raw=raw)
+                        num_layers=num_layers if kind == EAGLE3 else 1, mlp_stages=mlp_stages if kind == MLP else 0,
+                        inner_size=text.hidden_size if kind == MLP else 0, tie_weights=kind == MLP and tie_weights,
+                        scale_input=kind == MLP and scale_input, raw=raw)
     torch.manual_seed(seed)
-    head = MedusaHeads(config) if kind == MEDUSA else EagleHead(config)
+    head = {MEDUSA: MedusaHeads, MLP: MlpSpeculator}.get(kind, EagleHead)(config)
     with torch.no_grad():
         for name, parameter in head.named_parameters():
-            if "norm" not in name:
+            if "norm" not in name and not name.startswith("ln."):  # (an MLP speculator's norms: ln.)
                 parameter.normal_(0.0, 0.5 / parameter.shape[-1] ** 0.5)
         if kind == EAGLE3 and head.lm_head.out_features < text.vocab_size:
             # The draft vocabulary: the first draft_vocab ids (training picks the most frequent instead).

@@ -32,7 +32,7 @@ import torch
 
 from specdec.decoding.draft_tree import best_first_tree
 from specdec.decoding.sampling import SamplingParams, greedy, logits_to_probs, sample, stops_after, token_probability
-from specdec.engine.draft_heads import EagleHead, HeadCache, MedusaHeads
+from specdec.engine.draft_heads import EagleHead, HeadCache, MedusaHeads, MlpSpeculator
 from specdec.engine.errors import CacheError, CapacityError
 from specdec.engine.executor import Executor
 from specdec.engine.head_kernels import ANCESTOR_BITS, DraftLogits, HeadKernels
@@ -44,7 +44,7 @@ class HeadSequence:
     cache: HeadCache = field(default_factory=HeadCache)
     slot: int | None = None  # its slot of the pool (captured steps), None: a cache of its own (eager)
     # The newest entry's output (EAGLE: the head's feature (1, h) and logits (V,), what the next draft
-    # starts from; Medusa: the target's feature (F,))
+    # starts from; Medusa and MLP speculators: the target's feature (F,))
     last_feature: torch.Tensor | None = None
     last_logits: torch.Tensor | DraftLogits | None = None
     entries: int = 0  # entries holding the target's features (Medusa: positions seen)
@@ -80,7 +80,8 @@ class HeadExecutor:
     (EAGLE heads in float32 on a CPU; default there): every step on the CPU's layer
     kernels (head_kernels.py) instead of the module's torch operations."""
 
-    def __init__(self, head: EagleHead | MedusaHeads, max_sequences: int = 256, idle_timeout_s: float = 600.0,
+    def __init__(self, head: EagleHead | MedusaHeads | MlpSpeculator, max_sequences: int = 256,
+                 idle_timeout_s: float = 600.0,
                  clock: Callable[[], float] = time.monotonic, graphs: bool | None = None, max_context: int = 8192,
                  graph_slots: int = 32, cpu_kernels: bool | None = None):
         self.head = head
@@ -155,6 +156,8 @@ class HeadExecutor:
                     results[i] = Drafted([], None, step.keep)
                 elif isinstance(self.head, MedusaHeads):
                     results[i] = self._propose_medusa(seq, step, needed)
+                elif isinstance(self.head, MlpSpeculator):
+                    results[i] = self._propose_mlp(seq, step, needed)
                 else:
                     live.append((i, seq, needed))
             except CacheError as exc:
@@ -393,6 +396,42 @@ class HeadExecutor:
             drafted.append(self._pick(row, step, probs))
             if self._unsure(row, drafted[-1]):
                 break
+        return Drafted(torch.cat(drafted).tolist(), torch.stack(probs) if probs else None, seq.entries)
+
+    def _propose_mlp(self, seq: HeadSequence, step: Step, needed: int) -> Drafted:
+        """An MLP speculator's chain (each stage reads the token the one before drafted) or tree (a level's
+        nodes each run the next stage from their parent's state: EAGLE-2's dynamic tree over its stages)."""
+        if needed:
+            seq.last_feature = self._features(step, needed)[-1]
+        seq.entries = step.keep + needed
+        count = min(step.k, self.config.mlp_stages)
+        if not count or seq.last_feature is None or not step.new_ids:
+            return Drafted([], None, seq.entries)
+        head = self.head
+        # stage 0 reads the target's feature at the position before the newest token, and that token
+        state, logits = head.stage(0, head.start(seq.last_feature.reshape(1, -1)),
+                                   torch.tensor([step.new_ids[-1]], device=self.device))
+        if step.branches > 1:
+            states, stages = {-1: state}, {-1: 0}  # by node: the state its children's stage reads, that stage
+
+            def expand(nodes, parents, tokens):
+                stage = stages[parents[0]] + 1  # (a level's nodes are one depth)
+                new, children = head.stage(stage, torch.cat([states[p] for p in parents]),
+                                           torch.tensor(tokens, device=self.device))
+                for row, node in enumerate(nodes):
+                    states[node], stages[node] = new[row:row + 1], stage
+                return self._scores(children, step.params)
+
+            tokens, parents = best_first_tree(self._scores(logits[0], step.params), expand, step.k, step.branches,
+                                              count, self.stop_below)
+            return Drafted(tokens, None, seq.entries, parents)
+        probs: list = []
+        drafted = []
+        for j in range(count):
+            drafted.append(self._pick(logits[0], step, probs))
+            if self._unsure(logits[0], drafted[-1]) or j + 1 == count:
+                break
+            state, logits = head.stage(j + 1, state, drafted[-1])
         return Drafted(torch.cat(drafted).tolist(), torch.stack(probs) if probs else None, seq.entries)
 
     def _unsure(self, logits: torch.Tensor | DraftLogits, token: torch.Tensor) -> bool:

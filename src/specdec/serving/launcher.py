@@ -432,8 +432,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "openai, OpenAI's list of parts (for templates that loop over them); auto, openai "
                              "where the template loops over a message's content")
     parser.add_argument("--draft-head", action="append", default=[], metavar="[NAME=]DIR",
-                        help="serve a trained draft head (EAGLE-1, EAGLE-3 or Medusa, in its published layout) "
-                             f"over the target as draft model NAME (default {tn.DEFAULT_HEAD_NAME}); repeatable. "
+                        help="serve a trained draft head (EAGLE-1, EAGLE-3, Medusa or an MLP speculator, in its "
+                             "published layout) over the target as draft model NAME "
+                             f"(default {tn.DEFAULT_HEAD_NAME}); repeatable. "
                              "The first becomes the default draft unless --default-draft names another")
     parser.add_argument("--heads-in-target", action="store_true",
                         help="host the trained heads (the pair's and --draft-head's) in target_model's process "

@@ -38,7 +38,8 @@ class PairSpec:
     target_path: str
     tokenizer_path: str
     draft_paths: dict[str, str] = field(default_factory=dict)  # draft model name -> weights; first = default
-    # trained heads (EAGLE-1, EAGLE-3, Medusa: draft_heads.py) served as draft models: name -> head directory
+    # trained heads (EAGLE-1, EAGLE-3, Medusa, MLP speculators: draft_heads.py) served as draft models: name ->
+    # head directory
     draft_heads: dict[str, str] = field(default_factory=dict)
     # trained heads hosted in target_model's process (engine/hosted_heads.py: each round's verify call has the
     # head draft first, one call a round) instead of served as draft models: name -> head directory

@@ -5,9 +5,9 @@ line's speculation serves here as it is written.
 | --- | --- |
 | `ngram` (`prompt_lookup_min`, `prompt_lookup_max`) | `--draft ngram` (speculative_decoding's `lookup_min_ngram`, `lookup_max_ngram`) |
 | `suffix` | `--draft suffix` (prompt lookup also over earlier requests' text); its `suffix_decoding_*` tuning is vLLM's own |
-| `eagle`, `eagle3`, `medusa` (`model`: the head's directory) | `--draft-head DIR` (the kind read from its config) |
+| `eagle`, `eagle3`, `medusa`, `mlp_speculator` (`model`: the head's directory) | `--draft-head DIR` (the kind read from its config) |
 | `draft_model` (`model`: a small LM) | `--draft PATH` |
-| none, with `model` | a head where the directory's config.json is one (EAGLE's, EAGLE-3's, Medusa's), else a draft model |
+| none, with `model` | a head where the directory's config.json is one (EAGLE's, EAGLE-3's, Medusa's, an MLP speculator's), else a draft model |
 
 A directory in the speculators library's layout given as the model to serve (`vllm serve
 RedHatAI/Llama-3.1-8B-Instruct-speculator.eagle3`) is served as vLLM serves it (`speculator`): its verifier
@@ -18,7 +18,7 @@ directory as the head, K its default proposal method's `speculative_tokens`.
 each round's K up to it (vLLM drafts K every round; the output is the same either way, only the speed differs).
 Keys that tune vLLM's own engine (its parallelism, batching, padding) change nothing here and are logged;
 `acceptance_method` other than rejection sampling (vLLM's typical acceptance changes the output's distribution),
-a method this server has no draft for (MTP, MLP speculators) and keys it does not know are refused, naming them.
+a method this server has no draft for (MTP) and keys it does not know are refused, naming them.
 Pure: JSON text in, settings out.
 """
 
@@ -31,7 +31,7 @@ from pathlib import Path
 from specdec import tensor_names as tn
 
 FLAG = "--speculative-config"
-HEADS = ("eagle", "eagle3", "medusa")
+HEADS = ("eagle", "eagle3", "medusa", "mlp_speculator")  # draft_heads.KINDS (read here without torch)
 METHODS = (tn.NGRAM, tn.SUFFIX, *HEADS, "draft_model")
 LEGACY_NGRAM = "[ngram]"
 # vLLM's engine tuning: nothing to do here (its parallelism and batching are this server's own)
@@ -158,12 +158,13 @@ def read_config(path: str | Path) -> dict | None:
 
 
 def _is_head(path: str) -> bool:
-    """Whether a directory's config.json is a trained head's (EAGLE's, EAGLE-3's, Medusa's), as vLLM tells
-    them apart when no method is given."""
+    """Whether a directory's config.json is a trained head's (EAGLE's, EAGLE-3's, Medusa's, an MLP
+    speculator's), as vLLM tells them apart when no method is given."""
     config = read_config(path)
     if config is None:
         return False
     architectures = " ".join(a for a in config.get("architectures") or [] if isinstance(a, str)).lower()
     return "medusa_num_heads" in config or "draft_vocab_size" in config or "eagle" in architectures \
+        or config.get("model_type") == "mlp_speculator" or "mlpspeculator" in architectures \
         or config.get("speculators_model_type") in HEADS \
         or "eagle" in Path(path).name.lower()

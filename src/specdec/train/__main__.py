@@ -33,14 +33,14 @@ def log(message: str) -> None:
 
 
 def parse_args(argv):
-    from specdec.engine.draft_heads import EAGLE3, KINDS, LAYOUTS, PUBLISHED
+    from specdec.engine.draft_heads import EAGLE3, LAYOUTS, PUBLISHED, TRAINED
     from specdec.train.data import PROMPTS
     from specdec.train.writer import ENGINES
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", required=True, help="the target: a transformers directory in safetensors")
     parser.add_argument("--out", required=True, help="where the head, its data and checkpoints go")
-    parser.add_argument("--kind", choices=KINDS, default=EAGLE3, help="the head's kind (default: eagle3)")
+    parser.add_argument("--kind", choices=TRAINED, default=EAGLE3, help="the head's kind (default: eagle3)")
     parser.add_argument("--layout", choices=LAYOUTS, default=PUBLISHED,
                         help="the files written: EAGLE's authors' layout (default; vLLM, SGLang and this server "
                              "read it) or the speculators library's (an EAGLE head: vLLM serves it as it is, "
