@@ -8,8 +8,8 @@
 #
 # Parts:
 #   tests          tests/gpu (greedy equality in float32/float64, seeded sampling, CUDA graphs vs eager)
-#   heads          a trained head's draft step (EAGLE-1, EAGLE-3, Medusa) against the 8B-shaped target's step and
-#                  its 4-layer layer-skip draft's, in process (bench/head_bench.py; ~3 min with the pair's build)
+#   heads          a trained head's draft step (EAGLE-1, EAGLE-3, Medusa, an MLP speculator) against the 8B-shaped
+#                  target's step and its 4-layer layer-skip draft's, in process (bench/head_bench.py; ~3 min with the pair's build)
 #   bench          `make bench-gpu`'s table: the 8B-shaped pair against the bound, compiled PyTorch and
 #                  transformers, served at 1 and 8 streams (the GPU table of docs/results/)
 #   orchestrators  the served rows with one orchestrator instance and with two: the A/B behind the GPU
