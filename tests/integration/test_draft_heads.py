@@ -226,8 +226,8 @@ def exact_three_token_texts(prompt: str, params) -> dict[str, float]:
     return dict(out)
 
 
-@pytest.mark.parametrize("name", ["head_random_eagle", "head_random_medusa", "head_trained",  # trained: EAGLE-3
-                                  "ngram+head_trained", "hosted_trained"])
+@pytest.mark.parametrize("name", ["head_random_eagle", "head_random_medusa", "head_random_mlp_speculator",
+                                  "head_trained", "ngram+head_trained", "hosted_trained"])  # trained: EAGLE-3
 def test_sampled_output_with_a_head_follows_the_targets_distribution(head_server, name):
     """The first three tokens (a head drafts from the second round on: the second token is its draft's)
     of many seeded requests against the target's exact distribution of their text (chi-square, 1e-3).
