@@ -696,9 +696,7 @@ def save_head(head: EagleHead | MedusaHeads, path: str | Path, layout: str = PUB
     if isinstance(head, MedusaHeads):
         state = {key.removeprefix("heads."): value for key, value in state.items()}
         name = "medusa_lm_head.safetensors"
-    elif isinstance(head, MlpSpeculator):  # (tied: emb.0, ln.0, proj.0 and proj.1, as fms-extras and vLLM name them)
-        name = "model.safetensors"
-    else:
+    else:  # (a tied MLP speculator's shared tensors once: emb.0, ln.0, proj.0, proj.1, as vLLM reads them)
         name = "model.safetensors"
     config = head.config.to_json()
     if layout == SPECULATORS:
