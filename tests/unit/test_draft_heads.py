@@ -510,6 +510,7 @@ def test_an_mlp_speculator_is_read_in_ibms_layout_and_computes_its_stages(tiny_l
         stages = _ibm_stages(head.state_dict(), head.config, features[-1:], path)
         assert drafted.tokens == stages[:, 0].argmax(-1).tolist()
     check_fits(back, tiny_lm.config, "/heads/m", "/models/t")
+    assert "no cache" in HeadExecutor(back).forward.summary(0, 0.0)  # what draft_model's log says of it
     from transformers import LlamaConfig
     other = LlamaConfig(vocab_size=120, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2)

@@ -56,7 +56,12 @@ class _NoForward:
 
     hidden_layers: tuple[int, ...] = ()
 
+    def __init__(self, cached: bool = True):
+        self.cached = cached  # an EAGLE head's per-sequence keys and values (Medusa and MLP speculators: none)
+
     def summary(self, ready: int, seconds: float) -> str:
+        if not self.cached:
+            return "draft head: eager, no cache (the target's newest feature per sequence)"
         return "draft head: eager, per-sequence KV buffers"
 
 
@@ -93,7 +98,7 @@ class HeadExecutor:
         self.vocab_size = self.config.vocab_size
         self.max_sequences, self.idle_timeout_s, self.clock = max_sequences, idle_timeout_s, clock
         self.sequences: dict[int, HeadSequence] = {}
-        self.forward = _NoForward()
+        self.forward = _NoForward(cached=isinstance(head, EagleHead))
         self.tokens_processed = 0
         self.prefix_queried_tokens = self.prefix_hit_tokens = 0
         self.prefix_cache_bytes = 0
