@@ -65,7 +65,11 @@ class _NoForward:
         return "draft head: eager, per-sequence KV buffers"
 
 
-class _Captured(_NoForward):
+class _Captured:
+    """What the adapter reads of an EAGLE head's captured steps (graphs)."""
+
+    hidden_layers: tuple[int, ...] = ()
+
     def __init__(self, pool, steps):
         self.pool, self.steps = pool, steps
 
