@@ -174,7 +174,6 @@ def token_bytes(tokenizer):
     added = set(getattr(tokenizer, "added_tokens_decoder", {}) or {})
 
     def of(token: int) -> bytes:
-        text = tokenizer.decode([token])
         piece = tokenizer.convert_ids_to_tokens(token) if token not in added else None
         if isinstance(piece, str):
             if byte_level and piece and all(c in alphabet for c in piece):
@@ -183,7 +182,7 @@ def token_bytes(tokenizer):
                 if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
                     return bytes([int(piece[3:5], 16)])
                 return piece.replace(WORD_MARK, " ").encode("utf-8")
-        return text.encode("utf-8")
+        return tokenizer.decode([token]).encode("utf-8")
     return functools.lru_cache(maxsize=1 << 17)(of)
 
 

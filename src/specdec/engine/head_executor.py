@@ -380,12 +380,17 @@ class HeadExecutor:
             return torch.log_softmax(logits.float(), dim=-1)
         return logits_to_probs(logits, params).float().log()
 
-    def _propose_medusa(self, seq: HeadSequence, step: Step, needed: int) -> Drafted:
+    def _newest_feature(self, seq: HeadSequence, step: Step, needed: int) -> torch.Tensor | None:
+        """A head without a cache (Medusa, MLP speculators): the target's feature at the position before the
+        newest token, the call's or (it brought none) the last one kept; the positions it has seen."""
         if needed:
             seq.last_feature = self._features(step, needed)[-1]
         seq.entries = step.keep + needed
+        return seq.last_feature
+
+    def _propose_medusa(self, seq: HeadSequence, step: Step, needed: int) -> Drafted:
         count = min(step.k, self.config.medusa_heads)
-        if not count or seq.last_feature is None:
+        if self._newest_feature(seq, step, needed) is None or not count:
             return Drafted([], None, seq.entries)
         logits = self.head(seq.last_feature, count)
         if step.branches > 1:
@@ -410,11 +415,8 @@ class HeadExecutor:
     def _propose_mlp(self, seq: HeadSequence, step: Step, needed: int) -> Drafted:
         """An MLP speculator's chain (each stage reads the token the one before drafted) or tree (a level's
         nodes each run the next stage from their parent's state: EAGLE-2's dynamic tree over its stages)."""
-        if needed:
-            seq.last_feature = self._features(step, needed)[-1]
-        seq.entries = step.keep + needed
         count = min(step.k, self.config.mlp_stages)
-        if not count or seq.last_feature is None or not step.new_ids:
+        if self._newest_feature(seq, step, needed) is None or not count or not step.new_ids:
             return Drafted([], None, seq.entries)
         head = self.head
         # stage 0 reads the target's feature at the position before the newest token, and that token

@@ -1031,18 +1031,16 @@ class Gateway:
         text = self.token_text if self.token_text and not gen.tokens_as_ids else protocol.token_id_name
         data = self.token_bytes if gen.chat else None  # chat's entries carry the tokens' bytes
         # the prompt's tokens lead only an echo's (return_token_ids brings them too, unscored)
-        echoed = gen.echo is not None
-        ids = (piece.prompt_ids if echoed else []) + piece.ids
+        lead = piece if gen.echo is not None else Piece()
+        ids = lead.prompt_ids + piece.ids
         top = top_raw = None
         if gen.top_logprobs:
-            rows = list(zip((piece.prompt_top_ids if echoed else []) + piece.top_ids,
-                            (piece.prompt_top_log_probs if echoed else []) + piece.top_log_probs))
+            rows = list(zip(lead.prompt_top_ids + piece.top_ids, lead.prompt_top_log_probs + piece.top_log_probs))
             top = [None if row is None else [(text(t), v) for t, v in zip(row, values)] for row, values in rows]
             top_raw = [None if row is None else [data(t) for t in row] for row, _ in rows] if data else None
         # named by id, a completion's text offsets still count the tokens' text
         widths = [len(self.token_text(t)) for t in ids] if gen.tokens_as_ids and self.token_text else None
-        values = (piece.prompt_log_probs if echoed else []) + piece.log_probs
-        return protocol.logprobs_object(gen.chat, [text(t) for t in ids], values,
+        return protocol.logprobs_object(gen.chat, [text(t) for t in ids], lead.prompt_log_probs + piece.log_probs,
                                         offset, top, [data(t) for t in ids] if data else None, top_raw, widths)
 
     def _echoed(self, gen: Generation, index: int, piece: Piece, first: bool) -> Piece:
