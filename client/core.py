@@ -165,10 +165,11 @@ class GenerationResult:
     top_ids: list[list[int]] = field(default_factory=list)
     top_log_probs: list[list[float]] = field(default_factory=list)
     # With return_prompt_log_probs: the prompt's tokens as the model read them (return_prompt_ids: these
-    # alone), the log-probability of each after the first (one fewer), and with num_top_log_probs n those
-    # positions' n most likely tokens
+    # alone), the log-probability of each after the first (one fewer) and its rank, and with num_top_log_probs
+    # n those positions' n most likely tokens
     prompt_ids: list[int] = field(default_factory=list)
     prompt_log_probs: list[float] = field(default_factory=list)
+    prompt_ranks: list[int] = field(default_factory=list)  # 1: the most likely token there
     prompt_top_ids: list[list[int]] = field(default_factory=list)
     prompt_top_log_probs: list[list[float]] = field(default_factory=list)
     ttft_s: float = 0.0  # request sent -> first response
@@ -228,7 +229,8 @@ class ResultBuilder:
             values = fields[tn.OUTPUT_LOG_PROBS]
             self.result.log_probs += [float(v) for v in (values if isinstance(values, list) else [values])]
         for name, into, kind in ((tn.OUTPUT_PROMPT_IDS, self.result.prompt_ids, int),
-                                 (tn.OUTPUT_PROMPT_LOG_PROBS, self.result.prompt_log_probs, float)):
+                                 (tn.OUTPUT_PROMPT_LOG_PROBS, self.result.prompt_log_probs, float),
+                                 (tn.OUTPUT_PROMPT_RANKS, self.result.prompt_ranks, int)):
             if name in fields:
                 into += [kind(v) for v in _flat(fields[name])]
         for name, into, kind in ((tn.OUTPUT_TOP_IDS, self.result.top_ids, int),
@@ -256,7 +258,7 @@ def fields_from_infer_result(result) -> dict:
     if log_probs is not None:
         out[tn.OUTPUT_LOG_PROBS] = log_probs.reshape(-1).tolist()
     for name in (tn.OUTPUT_TOP_IDS, tn.OUTPUT_TOP_LOG_PROBS, tn.OUTPUT_PROMPT_IDS, tn.OUTPUT_PROMPT_LOG_PROBS,
-                 tn.OUTPUT_PROMPT_TOP_IDS, tn.OUTPUT_PROMPT_TOP_LOG_PROBS):
+                 tn.OUTPUT_PROMPT_RANKS, tn.OUTPUT_PROMPT_TOP_IDS, tn.OUTPUT_PROMPT_TOP_LOG_PROBS):
         values = result.as_numpy(name)
         if values is not None:
             out[name] = values.reshape(-1).tolist()

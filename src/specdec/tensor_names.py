@@ -174,10 +174,12 @@ OUTPUT_TOP_IDS = "output_top_ids"  # INT32 [-1, -1]
 OUTPUT_TOP_LOG_PROBS = "output_top_log_probs"  # FP32 [-1, -1]
 # With return_prompt_log_probs, in the first response only: the prompt's P tokens as the model reads them
 # (chat template and special tokens included), the log-probabilities of its tokens after the first (P - 1:
-# the first has no context), and with num_top_log_probs n each of those positions' n most likely tokens.
+# the first has no context) and their ranks in their distributions (1: the most likely), and with
+# num_top_log_probs n each of those positions' n most likely tokens.
 # With return_prompt_ids, the first response's output_prompt_ids alone.
 OUTPUT_PROMPT_IDS = "output_prompt_ids"  # INT32 [-1]
 OUTPUT_PROMPT_LOG_PROBS = "output_prompt_log_probs"  # FP32 [-1]
+OUTPUT_PROMPT_RANKS = "output_prompt_ranks"  # INT32 [-1]
 OUTPUT_PROMPT_TOP_IDS = "output_prompt_top_ids"  # INT32 [-1, -1]
 OUTPUT_PROMPT_TOP_LOG_PROBS = "output_prompt_top_log_probs"  # FP32 [-1, -1]
 
@@ -196,6 +198,7 @@ SCORE_ROWS = "score_rows"
 # after it (a long prompt's chunk: the next chunk's first token); -1: none
 SCORE_NEXT = "score_next"
 SCORED_LOG_PROBS = "scored_log_probs"  # FP32 [-1]
+SCORED_RANKS = "scored_ranks"  # INT32 [-1]: each scored token's rank (1 + the tokens its row makes more likely)
 SCORED_TOP_IDS = "scored_top_ids"  # INT32 [-1, MAX_TOP_LOG_PROBS]
 SCORED_TOP_LOG_PROBS = "scored_top_log_probs"  # FP32 [-1, MAX_TOP_LOG_PROBS]
 # INT32 [num_logits, ceil(V / 32)]: bit i of word w allows token 32 w + i at that position (structured output):

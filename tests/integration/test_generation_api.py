@@ -485,6 +485,10 @@ def test_prompt_log_probs_score_every_prompt_token(server, hf_target, protocol):
         assert torch.allclose(rows.gather(1, top_ids), torch.tensor(scored.prompt_top_log_probs, dtype=torch.float64),
                               atol=1e-4)
         assert torch.equal(top_ids[:, 0], rows.argmax(-1))
+        # each token's rank: 1 + the tokens likelier (within the float32 forwards' differences of each other)
+        value = reference[:, None]
+        assert ((rows > value + 1e-4).sum(-1) + 1 <= torch.tensor(scored.prompt_ranks)).all()
+        assert (torch.tensor(scored.prompt_ranks) <= (rows > value - 1e-4).sum(-1) + 1).all()
         assert scored.text == plain.text and plain.prompt_ids == [] and plain.prompt_log_probs == []
         ids_only = client.generate(prompt, dataclasses.replace(params, return_prompt_ids=True), stream=stream)
         assert (ids_only.prompt_ids, ids_only.prompt_log_probs, ids_only.text) == (prompt_ids, [], plain.text)

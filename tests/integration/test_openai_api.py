@@ -140,7 +140,8 @@ def test_prompts_as_token_ids(server, api, model):
 
     from specdec.serving.pairs import smollm2_tokenizer_dir
 
-    ids = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir())(PROMPT).input_ids
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir())
+    ids = tokenizer(PROMPT).input_ids
     text = api.completions.create(model=model, prompt=PROMPT, max_tokens=10, temperature=0)
     by_ids = api.completions.create(model=model, prompt=ids, max_tokens=10, temperature=0)
     assert by_ids.choices[0].text == text.choices[0].text and by_ids.usage.prompt_tokens == len(ids)
@@ -620,7 +621,8 @@ def test_echo_scores_the_prompt_as_evaluation_harnesses_ask(server, api, model):
     from client import Client, GenerationParams
     from specdec.serving.pairs import smollm2_tokenizer_dir
 
-    ids = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir())(PROMPT).input_ids
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir())
+    ids = tokenizer(PROMPT).input_ids
     reference = Client(server.grpc_url).generate(PROMPT, GenerationParams(
         max_tokens=1, temperature=0.0, return_prompt_log_probs=True, return_log_probs=True, num_top_log_probs=1))
     assert reference.prompt_ids == ids
@@ -647,6 +649,38 @@ def test_echo_scores_the_prompt_as_evaluation_harnesses_ask(server, api, model):
     assert only.choices[0].logprobs.token_logprobs[1:] == lp.token_logprobs[1:len(ids)]
     assert only.choices[0].logprobs.top_logprobs is None
     assert only.usage.completion_tokens == 0 and only.usage.prompt_tokens == len(ids) + 3
+    # vLLM's prompt_logprobs k: per prompt token after the first its log-probability and rank and the k most
+    # likely there ({id: {logprob, rank, decoded_token}}); a completion's per choice, a chat's once
+    ranked = Client(server.grpc_url).generate(PROMPT, GenerationParams(
+        max_tokens=1, temperature=0.0, return_prompt_log_probs=True, return_log_probs=True, num_top_log_probs=3,
+        apply_chat_template=False))
+    assert ranked.prompt_ids == ids and len(ranked.prompt_ranks) == len(ids) - 1
+    listed = api.completions.create(model=model, prompt=PROMPT, max_tokens=2, temperature=0, logprobs=1,
+                                    extra_body={"prompt_logprobs": 3}).choices[0]
+    assert listed.prompt_logprobs[0] is None and len(listed.prompt_logprobs) == len(ids)
+    assert all(len(row) == 1 for row in listed.logprobs.top_logprobs)  # logprobs' own count, not 3
+    for i, entry in enumerate(listed.prompt_logprobs[1:]):
+        own = entry[str(ids[i + 1])]
+        assert own["logprob"] == pytest.approx(ranked.prompt_log_probs[i], abs=1e-6)
+        assert own["rank"] == ranked.prompt_ranks[i] and own["decoded_token"] == tokenizer.decode([ids[i + 1]])
+        assert [int(t) for t in entry][1:] == [t for t in ranked.prompt_top_ids[i] if t != ids[i + 1]]
+        assert len(entry) == 3 + (ids[i + 1] not in ranked.prompt_top_ids[i])
+        assert [entry[str(t)]["rank"] for t in ranked.prompt_top_ids[i] if t != ids[i + 1]] == [
+            j + 1 for j, t in enumerate(ranked.prompt_top_ids[i]) if t != ids[i + 1]]
+    assert any(row["rank"] > 3 for entry in listed.prompt_logprobs[1:] for row in entry.values())
+    echoed_too = api.completions.create(model=model, prompt=[ids], max_tokens=0, temperature=0, logprobs=0, echo=True)
+    assert [list(e) for e in echoed_too.choices[0].prompt_logprobs[1:]] == [[str(t)] for t in ids[1:]]
+    chat = api.chat.completions.create(model=model, messages=CHAT, max_tokens=2, temperature=0, n=2,
+                                       extra_body={"prompt_logprobs": 1, "return_token_ids": True})
+    templated = chat.prompt_token_ids  # the chat template's tokens
+    assert len(chat.prompt_logprobs) == len(templated) > len(ids) and chat.prompt_logprobs[0] is None
+    for entry, token in zip(chat.prompt_logprobs[1:], templated[1:]):
+        own = entry[str(token)]
+        assert list(entry)[0] == str(token) and (own["rank"] == 1) == (len(entry) == 1)  # the most likely: alone
+        assert all(row["logprob"] > own["logprob"] and row["rank"] == 1 for row in list(entry.values())[1:])
+    with pytest.raises(openai.BadRequestError, match="prompt_logprobs"):
+        api.chat.completions.create(model=model, messages=CHAT, stream=True, extra_body={"prompt_logprobs": 1})
+
     plain = api.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0).choices[0].text
     echoed = api.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0, echo=True)
     assert echoed.choices[0].text == PROMPT + plain and echoed.choices[0].logprobs is None

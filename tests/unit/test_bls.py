@@ -43,6 +43,8 @@ class _Pb:
                    # each scored row's position, negated: the order of a chunked prompt's scores shows
                    tn.SCORED_LOG_PROBS: _Tensor(tn.SCORED_LOG_PROBS, -(sent[tn.CACHE_LENGTH].item() + np.arange(
                        sent[tn.SCORE_ROWS].item(), dtype=np.float32))[None]) if tn.SCORE_ROWS in sent else None,
+                   tn.SCORED_RANKS: _Tensor(tn.SCORED_RANKS, (sent[tn.CACHE_LENGTH].item() + 1 + np.arange(
+                       sent[tn.SCORE_ROWS].item(), dtype=np.int32))[None]) if tn.SCORE_ROWS in sent else None,
                    tn.FORWARD_STATS: _Tensor(tn.FORWARD_STATS, [[2, 1, 0.01]]),
                    tn.DRAFT_STATS: _Tensor(tn.DRAFT_STATS, [[6, 1, 0.002]]),
                    # as if the prefix cache held 8 tokens, in blocks of 4
@@ -170,6 +172,7 @@ def test_a_long_prompt_goes_in_chunks_that_ask_for_nothing_the_first_taking_the_
     assert [(c[tn.SCORE_ROWS].item(), c[tn.SCORE_NEXT].item(), c[tn.NUM_LOGITS].item(), c[tn.RESERVE_TOKENS].item())
             for c in pb.sent] == [(4, 5, 0, 40), (4, 9, 0, 0), (2, -1, 2, 0)]
     assert scores.scored.log_probs.tolist() == [-float(i) for i in range(10)] and scores.scored.top_ids is None
+    assert scores.scored.ranks.tolist() == list(range(1, 11))  # the chunks' ranks joined in order too
     assert len(_input_sets(pb.sent)) == 1
     pb.sent.clear()
     asyncio.run(BlsScorer(pb, tn.TARGET_MODEL_NAME).score(VerifyCall(6, 0, prompt, 1, score_rows=10)))  # no chunks

@@ -101,11 +101,12 @@ def test_score_rows_score_the_new_token_after_each_and_a_chunks_last_row_the_nex
     new_ids = [11, 12, 13, 14, 15, 16]
     logits = torch.randn(5, 40, dtype=torch.float64)  # the last 5 positions: 3 score rows, 2 verified
     log_softmax = torch.log_softmax(logits, -1)
-    values, ids, tops = scored_rows(logits, new_ids, 3, 2)  # rows of positions 1-3 score tokens 2-4
+    values, ranks, ids, tops = scored_rows(logits, new_ids, 3, 2)  # rows of positions 1-3 score tokens 2-4
     assert torch.allclose(values.double(), log_softmax[[0, 1, 2], [13, 14, 15]], atol=1e-6)
+    assert ranks.tolist() == _sorted_ranks(logits[:3], torch.tensor([13, 14, 15]))
     assert ids.shape == tops.shape == (3, 2)
     # a chunk scored alone: every row is a score row, its last one scores the next chunk's first token
-    values, _, _ = scored_rows(logits, new_ids[:4] + [15], 5, score_next=39)  # rows of new_ids[0..4]
+    values, _, _, _ = scored_rows(logits, new_ids[:4] + [15], 5, score_next=39)  # rows of new_ids[0..4]
     assert torch.allclose(values.double(), log_softmax[torch.arange(5), torch.tensor([12, 13, 14, 15, 39])], atol=1e-6)
     with pytest.raises(ValueError, match="5 score rows need the 5 tokens after them, got 4"):
         scored_rows(logits, new_ids[:5], 5)  # no next token given for the last row
@@ -144,17 +145,28 @@ def test_each_token_carries_its_positions_most_likely_tokens(tiny_lm, draft, k, 
         assert ids[:, 0].tolist() == output  # greedy: each token is its position's first
 
 
-def test_scored_log_probs_are_the_rows_tokens_and_tops_in_blocks():
+def _sorted_ranks(logits: torch.Tensor, tokens: torch.Tensor) -> list[int]:
+    """Each row's token's place in its row sorted most likely first, from 1 (rows without ties)."""
+    return ((logits.argsort(-1, descending=True) == tokens[:, None]).nonzero()[:, 1] + 1).tolist()
+
+
+def test_scored_log_probs_are_the_rows_tokens_their_ranks_and_tops_in_blocks():
     torch.manual_seed(1)
     logits = torch.randn(7, 50, dtype=torch.float64) * 3
     tokens = torch.tensor([1, 4, 49, 0, 7, 7, 30])
-    values, ids, tops = scored_log_probs(logits, tokens, 4, block=3)  # blocks of 3, 3 and 1 rows
+    tokens[3] = logits[3].argmax()  # one row's token its most likely: rank 1
+    values, ranks, ids, tops = scored_log_probs(logits, tokens, 4, block=3)  # blocks of 3, 3 and 1 rows
     assert torch.allclose(values.double(), torch.log_softmax(logits, -1)[torch.arange(7), tokens], atol=1e-5)
+    assert ranks.tolist() == _sorted_ranks(logits, tokens) and ranks[3] == 1 and ranks.max() > 4
     top_ids, top_values = top_log_probs(logits, 4)
     assert torch.equal(ids, top_ids) and torch.allclose(tops, top_values)
-    assert scored_log_probs(logits, tokens)[1:] == (None, None)  # no tops unless asked
+    assert scored_log_probs(logits, tokens)[2:] == (None, None)  # no tops unless asked
+    tied = logits[:1].clone()
+    tied[0, 9] = tied[0, 2] = tied[0].max() + 1  # two most likely: each ranks 1 (ties share the better rank)
+    third = tied[0].clone().index_fill_(0, torch.tensor([2, 9]), -torch.inf).argmax()
+    assert scored_log_probs(tied.repeat(3, 1), torch.tensor([9, 2, third]))[1].tolist() == [1, 1, 3]
     empty = scored_log_probs(logits[:0], tokens[:0], 3)
-    assert empty[0].shape == (0,) and empty[1].shape == (0, 3)
+    assert empty[0].shape == empty[1].shape == (0,) and empty[2].shape == (0, 3)
 
 
 @pytest.mark.parametrize("draft,k,temperature,branches", [
@@ -182,6 +194,7 @@ def test_the_first_round_scores_every_prompt_token(tiny_lm, draft, k, temperatur
     values = torch.tensor(first.prompt_log_probs, dtype=torch.float64)
     assert len(values) == len(PROMPT) - 1
     assert torch.allclose(values, reference[torch.arange(len(PROMPT) - 1), torch.tensor(PROMPT[1:])], atol=1e-4)
+    assert first.prompt_ranks == _sorted_ranks(reference, torch.tensor(PROMPT[1:]))
     ids, tops = torch.tensor(first.prompt_top[0]), torch.tensor(first.prompt_top[1], dtype=torch.float64)
     assert ids.shape == (len(PROMPT) - 1, 3) and torch.allclose(tops, reference.topk(3).values, atol=1e-4)
     assert torch.allclose(reference.gather(1, ids), tops, atol=1e-4)
@@ -195,7 +208,7 @@ def test_the_first_round_scores_every_prompt_token(tiny_lm, draft, k, temperatur
 def test_a_one_token_prompt_scores_nothing(tiny_lm):
     req = GenerationRequest(seq_id=10, prompt_ids=[7], max_tokens=3, prompt_log_probs=True)
     rounds = _run(req, NgramProposer(min_ngram=1), LocalScorer(dynamic_executor(tiny_lm)), 2)
-    assert rounds[0].prompt_log_probs == [] and rounds[0].prompt_top is None
+    assert rounds[0].prompt_log_probs == rounds[0].prompt_ranks == [] and rounds[0].prompt_top is None
 
 
 def test_a_prompt_the_prefix_cache_holds_is_scored_whole_by_the_paged_executor(tiny_lm):

@@ -190,6 +190,45 @@ def test_completions_echo_asks_for_the_prompts_scores_and_max_tokens_zero_scores
     assert sampling(parse_completion({"model": "m", "prompt": "text", "max_tokens": 0}, SERVED))["max_tokens"] == 0
 
 
+def test_prompt_logprobs_ask_for_the_prompts_scores_and_the_most_tops_of_both_lists():
+    """vLLM's prompt_logprobs k: the prompt scored, the server's top rows as many as the larger of k and
+    top_logprobs; refused streamed or out of range, naming it; a completion's echo with logprobs lists them too
+    (as vLLM's does), unless streamed."""
+    chat = parse_chat({"messages": CHAT, "logprobs": True, "top_logprobs": 2, "prompt_logprobs": 5}, SERVED)
+    assert chat.prompt_logprobs == 5 and chat.top_logprobs == 2 and chat.server_top == 5
+    assert chat.choices[0][tn.RETURN_PROMPT_LOG_PROBS][0, 0] and chat.choices[0][tn.NUM_TOP_LOG_PROBS][0, 0] == 5
+    alone = parse_completion({"prompt": "p", "prompt_logprobs": 0}, SERVED)
+    assert alone.prompt_logprobs == 0 and not alone.logprobs and tn.NUM_TOP_LOG_PROBS not in alone.choices[0]
+    assert alone.choices[0][tn.RETURN_PROMPT_LOG_PROBS][0, 0]
+    assert parse_completion({"prompt": "p", "logprobs": 3, "prompt_logprobs": 1}, SERVED).server_top == 3
+    bare = parse_chat({"messages": CHAT, "prompt_logprobs": 4}, SERVED)  # the server sends top rows with log-probs
+    assert not bare.logprobs and bare.choices[0][tn.RETURN_LOG_PROBS][0, 0] and bare.server_top == 4
+    assert parse_chat({"messages": CHAT}, SERVED).prompt_logprobs is None
+    assert parse_completion({"prompt": "p", "echo": True, "logprobs": 2}, SERVED).prompt_logprobs == 2
+    streamed = parse_completion({"prompt": "p", "echo": True, "logprobs": 2, "stream": True}, SERVED)
+    assert streamed.prompt_logprobs is None
+    for body, words in (({"prompt_logprobs": 21}, r"within \[0, 20\]"), ({"prompt_logprobs": -1}, "within"),
+                        ({"prompt_logprobs": "3"}, "an integer"), ({"prompt_logprobs": 2, "stream": True}, "stream")):
+        for parse, base in ((parse_chat, {"messages": CHAT}), (parse_completion, {"prompt": "p"})):
+            with pytest.raises(ApiError, match=words) as caught:
+                parse({**base, **body}, SERVED)
+            assert caught.value.param == "prompt_logprobs" and caught.value.status == 400
+
+
+def test_prompt_logprobs_list_each_tokens_own_entry_then_its_positions_most_likely():
+    names = {5: "a", 6: "b", 7: "c", 9: "z"}.__getitem__
+    listed = protocol.prompt_logprobs([5, 6, 7], [None, -0.5, -3.0], [None, 1, 4], [None, [6, 9], [9, 6]],
+                                      [None, [-0.5, -1.5], [-0.2, -1.9]], 2, names)
+    assert listed[0] is None and list(listed[1]) == [6, 9] and list(listed[2]) == [7, 9, 6]  # its own first, once
+    assert listed[1][6] == {"logprob": -0.5, "rank": 1, "decoded_token": "b"}
+    assert listed[2][7] == {"logprob": -3.0, "rank": 4, "decoded_token": "c"} and listed[2][6]["rank"] == 2
+    assert json.loads(json.dumps(listed))[2]["9"]["decoded_token"] == "z"  # ids as JSON keys: strings
+    own = protocol.prompt_logprobs([5, 6, 7], [None, -0.5, -3.0], [None, 1, 4], [], [], 0, names)
+    assert own == [None, {6: {"logprob": -0.5, "rank": 1, "decoded_token": "b"}},
+                   {7: {"logprob": -3.0, "rank": 4, "decoded_token": "c"}}]
+    assert protocol.prompt_logprobs([], [], [], [], [], 1, names) == []
+
+
 def test_return_token_ids_asks_for_the_prompts_ids_and_places_them_as_vllm_does():
     chat = parse_chat({"messages": CHAT, "n": 2, "return_token_ids": True}, SERVED)
     assert chat.return_token_ids and all(choice[tn.RETURN_PROMPT_IDS][0, 0] for choice in chat.choices)

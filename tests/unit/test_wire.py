@@ -83,8 +83,11 @@ def test_a_prompt_to_score_round_trips_its_rows_and_their_answer():
         with pytest.raises(ValueError, match=tn.SCORE_ROWS):  # a tree's rows are nodes, not a prompt
             wire.VerifyMessage.decode(bad.encode())
     answer = wire.VerifiedMessage(np.array([5], dtype=np.int32), scored_log_probs=np.array([-1.0, -2.5]),
-                                  scored_top_ids=np.arange(40).reshape(2, 20), scored_top_log_probs=np.zeros((2, 20)))
+                                  scored_top_ids=np.arange(40).reshape(2, 20), scored_top_log_probs=np.zeros((2, 20)),
+                                  scored_ranks=np.array([1, 37]))
     back = wire.VerifiedMessage.decode(answer.encode())
+    assert back.scored_ranks.tolist() == [1, 37]
     assert back.scored_log_probs.tolist() == [-1.0, -2.5] and back.scored_top_ids.tolist() == answer.scored_top_ids.tolist()
     assert back.scored_top_log_probs.shape == (2, 20) and back.log_probs is None
-    assert wire.VerifiedMessage.decode(wire.VerifiedMessage(np.array([5], dtype=np.int32)).encode()).scored_log_probs is None
+    bare = wire.VerifiedMessage.decode(wire.VerifiedMessage(np.array([5], dtype=np.int32)).encode())
+    assert bare.scored_log_probs is None and bare.scored_ranks is None

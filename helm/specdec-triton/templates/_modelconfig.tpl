@@ -250,6 +250,7 @@ output [
   { name: "greedy_top_ids", data_type: TYPE_INT32, dims: [ -1, -1 ] },
   { name: "greedy_top_log_probs", data_type: TYPE_FP32, dims: [ -1, -1 ] },
   { name: "scored_log_probs", data_type: TYPE_FP32, dims: [ -1 ] },
+  { name: "scored_ranks", data_type: TYPE_INT32, dims: [ -1 ] },
   { name: "scored_top_ids", data_type: TYPE_INT32, dims: [ -1, -1 ] },
   { name: "scored_top_log_probs", data_type: TYPE_FP32, dims: [ -1, -1 ] },
   { name: "logits", data_type: TYPE_FP32, dims: [ -1, -1 ] },
@@ -344,6 +345,7 @@ output [
   { name: "output_top_log_probs", data_type: TYPE_FP32, dims: [ -1, -1 ] },
   { name: "output_prompt_ids", data_type: TYPE_INT32, dims: [ -1 ] },
   { name: "output_prompt_log_probs", data_type: TYPE_FP32, dims: [ -1 ] },
+  { name: "output_prompt_ranks", data_type: TYPE_INT32, dims: [ -1 ] },
   { name: "output_prompt_top_ids", data_type: TYPE_INT32, dims: [ -1, -1 ] },
   { name: "output_prompt_top_log_probs", data_type: TYPE_FP32, dims: [ -1, -1 ] }
 ]

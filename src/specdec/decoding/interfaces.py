@@ -97,6 +97,7 @@ class ScoredRows(NamedTuple):
     """VerifyCall.score_rows' answer: row r is the position before new token r + 1 of the scored ones."""
 
     log_probs: torch.Tensor  # (score_rows,) float32: each next token's log-probability (the raw logits')
+    ranks: torch.Tensor  # (score_rows,) int64: each next token's rank (1 + the tokens more likely)
     top_ids: torch.Tensor | None  # (score_rows, tn.MAX_TOP_LOG_PROBS) int64, with want_top_log_probs
     top_log_probs: torch.Tensor | None  # (score_rows, tn.MAX_TOP_LOG_PROBS) float32, the same
 

@@ -120,10 +120,11 @@ class RoundOutput:
     depth: int | None = None  # a tree's (its longest branch, num_drafted its nodes); None: a chain
     # with req.top_log_probs n: per new token its position's n most likely tokens and their log-probabilities
     top: tuple[list[list[int]], list[list[float]]] | None = None
-    # The first round of a request with prompt_log_probs: each prompt token's after the first, and with
-    # top_log_probs n its position's n most likely tokens and theirs
+    # The first round of a request with prompt_log_probs: each prompt token's after the first, its rank there
+    # (1 + the tokens more likely), and with top_log_probs n its position's n most likely tokens and theirs
     prompt_log_probs: list[float] | None = None
     prompt_top: tuple[list[list[int]], list[list[float]]] | None = None
+    prompt_ranks: list[int] | None = None
     ranks: list[int] | None = None  # with req.log_ranks: each new token's rank in the target's raw distribution
 
 
@@ -550,9 +551,9 @@ def _prompt_scores(scores: Scores, n: int) -> dict:
     """RoundOutput's prompt fields from a scoring round's Scores.scored (n: the top tokens asked for)."""
     scored = scores.scored
     if scored is None:  # a one-token prompt: nothing to score
-        return {"prompt_log_probs": [], "prompt_top": ([], []) if n else None}
+        return {"prompt_log_probs": [], "prompt_top": ([], []) if n else None, "prompt_ranks": []}
     top = (scored.top_ids[:, :n].tolist(), scored.top_log_probs[:, :n].tolist()) if n else None
-    return {"prompt_log_probs": scored.log_probs.tolist(), "prompt_top": top}
+    return {"prompt_log_probs": scored.log_probs.tolist(), "prompt_top": top, "prompt_ranks": scored.ranks.tolist()}
 
 
 def _record(stats: Stats, k: int, accepted: int) -> None:

@@ -59,29 +59,33 @@ def token_log_probs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def scored_log_probs(logits: torch.Tensor, tokens: torch.Tensor, n: int = 0, block: int = 256
-                     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """A prompt's scores: each row's log-probability of its token (`token_log_probs`) and, with n > 0, its
-    n most likely tokens with theirs (`top_log_probs`): logits (rows, V), tokens (rows,) int64 -> ((rows,)
-    float32, (rows, n) int64 or None, (rows, n) float32 or None). One log-sum-exp a row, `block` rows at a
-    time: a long prompt's float32 copy of its logits stays a block's."""
-    values, ids, tops = [], [], []
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """A prompt's scores: each row's log-probability of its token (`token_log_probs`), the token's rank (1 +
+    the tokens its row makes strictly more likely: 1 where it is the greedy choice, as vLLM ranks a prompt's
+    tokens) and, with n > 0, its n most likely tokens with theirs (`top_log_probs`): logits (rows, V), tokens
+    (rows,) int64 -> ((rows,) float32, (rows,) int64, (rows, n) int64 or None, (rows, n) float32 or None).
+    One log-sum-exp a row, `block` rows at a time: a long prompt's float32 copy of its logits stays a block's."""
+    values, ranks, ids, tops = [], [], [], []
     for start in range(0, len(logits), block):
         part = logits[start:start + block].float()
         norm = part.logsumexp(-1, keepdim=True)
-        values.append(part.gather(-1, tokens[start:start + block].to(part.device)[:, None])[:, 0] - norm[:, 0])
+        chosen = part.gather(-1, tokens[start:start + block].to(part.device)[:, None])
+        values.append(chosen[:, 0] - norm[:, 0])
+        ranks.append((part > chosen).sum(-1) + 1)
         if n:
             top, top_ids = part.topk(min(n, part.shape[-1]), dim=-1)
             ids.append(top_ids)
             tops.append(top - norm)
     if not values:  # no rows
         empty = logits.new_zeros((0,), dtype=torch.float32)
-        return empty, (logits.new_zeros((0, n), dtype=torch.long) if n else None), \
+        return empty, logits.new_zeros((0,), dtype=torch.long), \
+            (logits.new_zeros((0, n), dtype=torch.long) if n else None), \
             (logits.new_zeros((0, n), dtype=torch.float32) if n else None)
-    return torch.cat(values), (torch.cat(ids) if n else None), (torch.cat(tops) if n else None)
+    return torch.cat(values), torch.cat(ranks), (torch.cat(ids) if n else None), (torch.cat(tops) if n else None)
 
 
 def scored_rows(logits: torch.Tensor, new_ids: list[int], score_rows: int, n: int = 0, score_next: int = -1
-                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """`scored_log_probs` of a step's score rows: the first `score_rows` of its logits (rows, V), one per new
     token from the `rows`-th last on, each scoring the new token after its own. The last score row's next
     token is `score_next` where the step's rows end there (a prompt's chunk scored before the next chunk

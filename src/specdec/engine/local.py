@@ -148,9 +148,10 @@ class LocalScorer:
             (result.logits if ask is not None else result, None)
         scored = None
         if call.score_rows:  # the rows before the verified positions score the new tokens after them
-            values, ids, tops = scored_rows(logits, call.new_ids, call.score_rows,
-                                            tn.MAX_TOP_LOG_PROBS if call.score_top else 0)
-            scored = ScoredRows(values.cpu(), None if ids is None else ids.cpu(), None if tops is None else tops.cpu())
+            values, ranks, ids, tops = scored_rows(logits, call.new_ids, call.score_rows,
+                                                   tn.MAX_TOP_LOG_PROBS if call.score_top else 0)
+            scored = ScoredRows(values.cpu(), ranks.cpu(), None if ids is None else ids.cpu(),
+                                None if tops is None else tops.cpu())
             logits = logits[call.score_rows:]
         allowed = call.allowed
         tokens = greedy(logits) if allowed is None else allowed_greedy(logits, allowed)

@@ -1034,10 +1034,11 @@ class Gateway:
         lead = piece if gen.echo is not None else Piece()
         ids = lead.prompt_ids + piece.ids
         top = top_raw = None
-        if gen.top_logprobs:
+        if gen.top_logprobs:  # (the server sends prompt_logprobs' count where that is more)
+            n = gen.top_logprobs
             rows = list(zip(lead.prompt_top_ids + piece.top_ids, lead.prompt_top_log_probs + piece.top_log_probs))
-            top = [None if row is None else [(text(t), v) for t, v in zip(row, values)] for row, values in rows]
-            top_raw = [None if row is None else [data(t) for t in row] for row, _ in rows] if data else None
+            top = [None if row is None else [(text(t), v) for t, v in zip(row[:n], values)] for row, values in rows]
+            top_raw = [None if row is None else [data(t) for t in row[:n]] for row, _ in rows] if data else None
         # named by id, a completion's text offsets still count the tokens' text
         widths = [len(self.token_text(t)) for t in ids] if gen.tokens_as_ids and self.token_text else None
         return protocol.logprobs_object(gen.chat, [text(t) for t in ids], lead.prompt_log_probs + piece.log_probs,
@@ -1081,7 +1082,7 @@ class Gateway:
         (None: none came), the pairs)."""
         async with contextlib.AsyncExitStack() as stack:
             streams = [await stack.enter_async_context(contextlib.aclosing(self.metrics.counted(
-                self.upstream.generate(inputs, gen.logprobs, gen.top_logprobs > 0, f"{gen.id}-{index}"),
+                self.upstream.generate(inputs, gen.logprobs, gen.server_top > 0, f"{gen.id}-{index}"),
                 prompt=index % gen.n == 0,
                 lora=_lora_name(inputs)))) for index, inputs in enumerate(gen.choices)]
             firsts = await self._waited(request, _first_pieces(streams))
@@ -1095,6 +1096,12 @@ class Gateway:
             merged[index].add(piece)
         choices = [self._whole_choice(gen, m, i) for i, m in enumerate(merged)]
         body = protocol.envelope(gen, choices, chunk=False)
+        if gen.prompt_logprobs is not None:  # vLLM's: a chat's once (its choices share the prompt), else per choice
+            name = self.token_text if self.token_text and not gen.tokens_as_ids else protocol.token_id_name
+            scored = [protocol.prompt_logprobs(m.prompt_ids, m.prompt_log_probs, m.prompt_ranks, m.prompt_top_ids,
+                                               m.prompt_top_log_probs, gen.prompt_logprobs, name) for m in merged]
+            for entry, listed in ([(body, scored[0])] if gen.chat else zip(choices, scored)):
+                entry["prompt_logprobs"] = listed
         if gen.return_token_ids:
             for entry, m in zip(choices, merged):
                 protocol.add_token_ids(gen, body, entry, m.prompt_ids, m.ids, first=True)

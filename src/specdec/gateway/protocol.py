@@ -43,7 +43,8 @@ SPECULATIVE_FIELDS = {"num_draft_tokens": (tn.NUM_DRAFT_TOKENS, np.int32), "adap
                       "num_draft_branches": (tn.NUM_DRAFT_BRANCHES, np.int32), "draft_model": (tn.DRAFT_MODEL, np.object_)}
 # vLLM's `priority`: a request's place among those waiting while the server is full (lower first).
 SCHEDULING_FIELDS = {"priority": (tn.PRIORITY, np.int32)}
-COMMON_FIELDS = ("model", "stream", "stream_options", "n", "logit_bias", "logprobs", "max_tokens", "return_token_ids",
+COMMON_FIELDS = ("model", "stream", "stream_options", "n", "logit_bias", "logprobs", "prompt_logprobs", "max_tokens",
+                 "return_token_ids",
                  "return_tokens_as_token_ids", "request_id", "cache_salt",
                  *SAMPLING_FIELDS, *GUIDED_FIELDS, *SPECULATIVE_FIELDS, *SCHEDULING_FIELDS, *IGNORED_FIELDS)
 INT32 = (-2**31, 2**31 - 1)
@@ -121,6 +122,9 @@ class Generation:
     # vLLM's return_tokens_as_token_ids: log-probabilities name their tokens "token_id:N" (a token whose text
     # alone is not a character, or that several tokens share, still named exactly)
     tokens_as_ids: bool = False
+    # vLLM's prompt_logprobs k: the answer lists, for each prompt token after the first, its log-probability
+    # and rank and its position's k most likely tokens (a chat's once, a completion's per choice); None: not
+    prompt_logprobs: int | None = None
     tools: ToolCalling | None = None  # how the answer becomes tool calls (tools.py); None: text only
     reasoning: str | None = None  # reasoning.PARSERS: a chat's thinking apart from its content; None: not split
     include_reasoning: bool = True  # vLLM's include_reasoning: false leaves the thinking out of the answer
@@ -136,6 +140,11 @@ class Generation:
     def return_token_ids(self) -> bool:
         """vLLM's return_token_ids: the answer also holds the prompt's and the generated tokens' ids."""
         return tn.RETURN_PROMPT_IDS in self.choices[0]
+
+    @property
+    def server_top(self) -> int:
+        """The most likely tokens the server sends at each position: the generated ones' and the prompt's."""
+        return max(self.top_logprobs, self.prompt_logprobs or 0)
 
     @property
     def response_id(self) -> str:
@@ -275,6 +284,19 @@ def _common(body: dict, chat: bool, defaults: dict | None) -> tuple[dict, dict[s
                 raise invalid(name, f"must be within [{INT32[0]}, {INT32[1]}], got {value}")
             inputs[tensor] = np.array([[value]], dtype=dtype)
     return sampling, inputs, {"stream": stream, **settings}
+
+
+def _prompt_logprobs(body: dict, inputs: dict[str, np.ndarray], stream: bool) -> int | None:
+    """vLLM's prompt_logprobs k (None: not asked for; ApiError naming it): the server scores the prompt."""
+    k = _typed(body, "prompt_logprobs", (int,), "an integer")
+    if k is None:
+        return None
+    if not 0 <= k <= tn.MAX_TOP_LOG_PROBS:
+        raise invalid("prompt_logprobs", f"must be within [0, {tn.MAX_TOP_LOG_PROBS}], got {k}")
+    if stream:  # (as vLLM: a streamed answer has no place for them)
+        raise invalid("prompt_logprobs", "is not available when stream is true")
+    inputs[tn.RETURN_PROMPT_LOG_PROBS] = np.array([[True]], dtype=np.bool_)
+    return k
 
 
 # An answer sent whole is streamed by the server too, gathered here, a response at most every this many
@@ -519,10 +541,13 @@ def parse_chat(body: dict, served: tuple[str, ...], tool_parser: str | None = No
     if template is not None:
         inputs[tn.CHAT_TEMPLATE] = _string(template)
     _adapter(inputs, model, served)
-    return Generation(chat=True, model=model, choices=_finish(sampling, inputs, stream["stream"], logprobs, n, top),
+    scored = _prompt_logprobs(body, inputs, stream["stream"])
+    server_top = max(top, scored or 0)  # (top rows come with return_log_probs: the answer shows them as asked)
+    return Generation(chat=True, model=model,
+                      choices=_finish(sampling, inputs, stream["stream"], logprobs or server_top > 0, n, server_top),
                       n=n, stream=stream["stream"], include_usage=stream["include_usage"],
                       continuous_usage=stream["continuous_usage"], logprobs=logprobs, top_logprobs=top,
-                      tokens_as_ids=_tokens_as_ids(body), tools=calling,
+                      tokens_as_ids=_tokens_as_ids(body), prompt_logprobs=scored, tools=calling,
                       reasoning=reasoning_parser, include_reasoning=_typed(body, "include_reasoning", (bool,),
                                                                            "a boolean") is not False,
                       sampling=sampling)
@@ -625,17 +650,21 @@ def parse_completion(body: dict, served: tuple[str, ...], defaults: dict | None 
         sampling["max_tokens"] = 1
     if echo and logprobs:  # the prompt's own log-probabilities, from the server
         inputs[tn.RETURN_PROMPT_LOG_PROBS] = np.array([[True]], dtype=np.bool_)
+    scored = _prompt_logprobs(body, inputs, stream["stream"])
+    if scored is None and echo and logprobs and not stream["stream"]:  # vLLM's answer lists them then too
+        scored = top
+    server_top = max(top, scored or 0)  # (top rows come with return_log_probs: the answer shows them as asked)
     _adapter(inputs, model, served)
     choices = []
     for prompt in prompts:
         # A completion continues the text as it is: no chat template (the server's default may apply one)
         given = {tn.TEXT_INPUT: _string(prompt), tn.APPLY_CHAT_TEMPLATE: np.array([[False]], dtype=np.bool_)} \
             if isinstance(prompt, str) else {tn.PROMPT_TOKEN_IDS: np.array([prompt], dtype=np.int32)}
-        choices += _finish(sampling, {**inputs, **given}, stream["stream"], logprobs, n, top)
+        choices += _finish(sampling, {**inputs, **given}, stream["stream"], logprobs or server_top > 0, n, server_top)
     return Generation(chat=False, model=model, choices=choices, n=n,
                       stream=stream["stream"], include_usage=stream["include_usage"],
                       continuous_usage=stream["continuous_usage"], logprobs=logprobs, top_logprobs=top,
-                      tokens_as_ids=_tokens_as_ids(body),
+                      tokens_as_ids=_tokens_as_ids(body), prompt_logprobs=scored,
                       echo=[prompt for prompt in prompts for _ in range(n)] if echo else None, score_only=score_only,
                       sampling=sampling)
 
@@ -750,6 +779,23 @@ def logprobs_object(chat: bool, tokens: list[str], values: list[float | None], o
     # (an echoed prompt's first token has no log-probability, nor a row: None, as OpenAI gives them)
     tops = None if top is None else [None if row is None else _by_text(row) for row in top]
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+
+def prompt_logprobs(ids: list[int], values: list[float | None], ranks: list[int | None],
+                    top_ids: list[list[int] | None], top_values: list[list[float] | None], k: int,
+                    name: Callable[[int], str]) -> list[dict[int, dict] | None]:
+    """vLLM's `prompt_logprobs`: per prompt token None for the first (no context), then an object of token ids
+    to {logprob, rank, decoded_token}: the token's own first, then its position's k most likely (rank 1 the
+    most likely); a token among those listed once, with its own rank. values, ranks, top_*: per token, the
+    first None (top_*: [] where no top row came); name: a token's `decoded_token`."""
+    out: list[dict[int, dict] | None] = [None] if ids else []
+    for i in range(1, len(ids)):
+        entry = {ids[i]: {"logprob": values[i], "rank": ranks[i], "decoded_token": name(ids[i])}}
+        if k and top_ids:
+            for j, (token, value) in enumerate(zip(top_ids[i][:k], top_values[i][:k])):
+                entry.setdefault(token, {"logprob": value, "rank": j + 1, "decoded_token": name(token)})
+        out.append(entry)
+    return out
 
 
 def _by_text(row: list[tuple[str, float]]) -> dict[str, float]:

@@ -35,6 +35,7 @@ class Piece:
     # (None for the first, which has no context: as OpenAI's echo lists them) and their positions' top rows
     prompt_ids: list[int] = field(default_factory=list)
     prompt_log_probs: list[float | None] = field(default_factory=list)
+    prompt_ranks: list[int | None] = field(default_factory=list)  # each's rank there (1: the most likely)
     prompt_top_ids: list[list[int] | None] = field(default_factory=list)
     prompt_top_log_probs: list[list[float] | None] = field(default_factory=list)
     finish_reason: str = ""
@@ -44,6 +45,7 @@ class Piece:
         """Append the next response of the same generation: a whole answer is its responses added up."""
         if piece.prompt_ids:  # the first response's
             self.prompt_ids, self.prompt_log_probs = piece.prompt_ids, piece.prompt_log_probs
+            self.prompt_ranks = piece.prompt_ranks
             self.prompt_top_ids, self.prompt_top_log_probs = piece.prompt_top_ids, piece.prompt_top_log_probs
         self.text += piece.text
         self.ids += piece.ids
@@ -105,6 +107,8 @@ def _piece(result) -> Piece:
             piece.prompt_ids = values.tolist()
         elif name == tn.OUTPUT_PROMPT_LOG_PROBS:
             piece.prompt_log_probs = [None] + values.tolist()
+        elif name == tn.OUTPUT_PROMPT_RANKS:
+            piece.prompt_ranks = [None] + values.tolist()
         elif name in (tn.OUTPUT_PROMPT_TOP_IDS, tn.OUTPUT_PROMPT_TOP_LOG_PROBS):  # (1, tokens - 1, n)
             rows = [None] + (values.reshape(-1, int(output.shape[-1])).tolist() if values.size else [])
             if name == tn.OUTPUT_PROMPT_TOP_IDS:
@@ -156,7 +160,8 @@ class Upstream:
         if top:
             outputs += [InferRequestedOutput(tn.OUTPUT_TOP_IDS), InferRequestedOutput(tn.OUTPUT_TOP_LOG_PROBS)]
         if tn.RETURN_PROMPT_LOG_PROBS in arrays:
-            outputs += [InferRequestedOutput(tn.OUTPUT_PROMPT_IDS), InferRequestedOutput(tn.OUTPUT_PROMPT_LOG_PROBS)]
+            outputs += [InferRequestedOutput(name) for name in (tn.OUTPUT_PROMPT_IDS, tn.OUTPUT_PROMPT_LOG_PROBS,
+                                                                tn.OUTPUT_PROMPT_RANKS)]
             if top:
                 outputs += [InferRequestedOutput(tn.OUTPUT_PROMPT_TOP_IDS),
                             InferRequestedOutput(tn.OUTPUT_PROMPT_TOP_LOG_PROBS)]

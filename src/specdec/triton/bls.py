@@ -215,7 +215,8 @@ def _scored(parts: list[wire.VerifiedMessage]) -> ScoredRows:
             return None
         value = np.concatenate(values)
         return torch.from_numpy(value.astype(dtype) if dtype else value)
-    return ScoredRows(joined("scored_log_probs"), joined("scored_top_ids", np.int64), joined("scored_top_log_probs"))
+    return ScoredRows(joined("scored_log_probs"), joined("scored_ranks", np.int64), joined("scored_top_ids", np.int64),
+                      joined("scored_top_log_probs"))
 
 
 class BlsScorer(_SequenceModel):
@@ -227,7 +228,7 @@ class BlsScorer(_SequenceModel):
         Returns the last call's keep, new_ids, reserve and score rows; `chunks` collects the calls' answers."""
         keep, new_ids, reserve, rows = call.keep, call.new_ids, call.reserve, call.score_rows
         chunk = self.prefill_chunk
-        outputs = [tn.GREEDY_TOKENS, tn.SCORED_LOG_PROBS] + (
+        outputs = [tn.GREEDY_TOKENS, tn.SCORED_LOG_PROBS, tn.SCORED_RANKS] + (
             [tn.SCORED_TOP_IDS, tn.SCORED_TOP_LOG_PROBS] if call.score_top else []) + (
             [tn.FEATURES] if call.want_features else [])
         quiet = dataclasses.replace(call.draft, k=0) if call.draft is not None else None  # a hosted head's features
@@ -257,7 +258,7 @@ class BlsScorer(_SequenceModel):
                 call.salt)
         answer = [tn.GREEDY_TOKENS, tn.FORWARD_STATS] + ([tn.GREEDY_LOG_PROBS] if call.want_log_probs else []) + (
             [tn.GREEDY_TOP_IDS, tn.GREEDY_TOP_LOG_PROBS] if call.want_top_log_probs else []) + (
-            [tn.SCORED_LOG_PROBS] if call.score_rows else []) + (
+            [tn.SCORED_LOG_PROBS, tn.SCORED_RANKS] if call.score_rows else []) + (
             [tn.SCORED_TOP_IDS, tn.SCORED_TOP_LOG_PROBS] if call.score_top else []) + (
             [tn.CACHED_TOKENS] if call.keep == 0 else [])  # a sequence's first call: its prompt's cache hits
         drafts = call.draft is not None and call.draft.k > 0  # a hosted head drafts in this call

@@ -722,10 +722,10 @@ class TargetModel(LanguageModelAdapter):
             log_probs = (top_values[:, 0].copy() if top_values is not None and step.allowed is None else
                          host(greedy_log_probs(logits)) if step.allowed is None else
                          host(token_log_probs(logits, torch.from_numpy(tokens).long())))
-        scored = scored_ids = scored_values = None
+        scored = scored_ranks = scored_ids = scored_values = None
         if scored_logits is not None:  # each score row's next new token (a chunk's last row: score_next)
             top = tn.MAX_TOP_LOG_PROBS if tn.SCORED_TOP_IDS in requested else 0
-            scored, scored_ids, scored_values = (
+            scored, scored_ranks, scored_ids, scored_values = (
                 None if t is None else host(t)
                 for t in scored_rows(scored_logits, step.new_ids, step.score_rows, top, step.score_next))
         cached = None
@@ -734,7 +734,7 @@ class TargetModel(LanguageModelAdapter):
             cached = seq.cached if seq is not None else 0
         message = wire.VerifiedMessage(tokens, forward if tn.FORWARD_STATS in requested else None, log_probs,
                                        top_ids, top_values, scored, scored_ids, scored_values, cached,
-                                       self.lm.block_size)
+                                       self.lm.block_size, scored_ranks)
         outputs = [pb.Tensor(name, value) for name, value in message.encode().items()]
         if tn.LOGITS in requested:
             outputs.append(self._output(tn.LOGITS, logits.float()[None]))

@@ -400,7 +400,8 @@ class SpeculativeDecodingAdapter(TritonAdapter):
                       pb.Tensor(tn.OUTPUT_TOP_LOG_PROBS,
                                 np.asarray(top[1][sent - len(ids):sent], dtype=np.float32).reshape(shape))]
         if prompt is not None:  # the first response: the prompt's tokens and scores
-            extra += [i32(tn.OUTPUT_PROMPT_IDS, req.prompt_ids), f32(tn.OUTPUT_PROMPT_LOG_PROBS, prompt.prompt_log_probs)]
+            extra += [i32(tn.OUTPUT_PROMPT_IDS, req.prompt_ids), i32(tn.OUTPUT_PROMPT_RANKS, prompt.prompt_ranks),
+                      f32(tn.OUTPUT_PROMPT_LOG_PROBS, prompt.prompt_log_probs)]
             if req.top_log_probs:
                 shape = (1, len(prompt.prompt_log_probs), req.top_log_probs)
                 extra += [pb.Tensor(tn.OUTPUT_PROMPT_TOP_IDS, np.asarray(prompt.prompt_top[0], dtype=np.int32).reshape(shape)),

@@ -262,6 +262,7 @@ class VerifiedMessage:
     # when asked for (tn.CACHED_TOKENS): the sequence's tokens its prefix cache held, and the tokens of a KV block
     cached_tokens: int | None = None
     block_size: int = 0
+    scored_ranks: np.ndarray | None = None  # with score_rows: (score_rows,) int32, each next token's rank
 
     def encode(self) -> Arrays:
         out = {tn.GREEDY_TOKENS: _i32(self.greedy_tokens)}
@@ -269,6 +270,8 @@ class VerifiedMessage:
             out[tn.CACHED_TOKENS] = _i32([self.cached_tokens, self.block_size])
         if self.scored_log_probs is not None:
             out[tn.SCORED_LOG_PROBS] = np.asarray(self.scored_log_probs, dtype=np.float32).reshape(1, -1)
+        if self.scored_ranks is not None:
+            out[tn.SCORED_RANKS] = _i32(self.scored_ranks)
         if self.scored_top_ids is not None:
             out[tn.SCORED_TOP_IDS] = np.asarray(self.scored_top_ids, dtype=np.int32)[None]
             out[tn.SCORED_TOP_LOG_PROBS] = np.asarray(self.scored_top_log_probs, dtype=np.float32)[None]
@@ -287,14 +290,15 @@ class VerifiedMessage:
                                                                            tn.GREEDY_TOP_LOG_PROBS))
         scored, scored_ids, scored_values = (outputs.get(name) for name in (
             tn.SCORED_LOG_PROBS, tn.SCORED_TOP_IDS, tn.SCORED_TOP_LOG_PROBS))
-        cached = outputs.get(tn.CACHED_TOKENS)
+        cached, ranks = outputs.get(tn.CACHED_TOKENS), outputs.get(tn.SCORED_RANKS)
         return cls(outputs[tn.GREEDY_TOKENS].reshape(-1).astype(np.int32), _decode_forward_stats(outputs),
                    None if log_probs is None else log_probs.reshape(-1).copy(),
                    None if top_ids is None else top_ids[0].copy(), None if top_values is None else top_values[0].copy(),
                    None if scored is None else scored.reshape(-1).copy(),
                    None if scored_ids is None else scored_ids[0].copy(),
                    None if scored_values is None else scored_values[0].copy(),
-                   *((None, 0) if cached is None or not cached.size else (int(v) for v in cached.reshape(-1)[:2])))
+                   *((None, 0) if cached is None or not cached.size else (int(v) for v in cached.reshape(-1)[:2])),
+                   None if ranks is None else ranks.reshape(-1).astype(np.int32))
 
 
 # What a call that asks for nothing back sends as the model's own inputs (a prompt's chunk, a release).
