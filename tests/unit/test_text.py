@@ -5,7 +5,7 @@ from transformers import AutoTokenizer
 
 from specdec import tensor_names as tn
 from specdec.serving.pairs import smollm2_tokenizer_dir
-from specdec.decoding.text import (REPLACEMENT_CHAR, TextEmitter, decode, decode_delta, joined, token_bytes,
+from specdec.decoding.text import (REPLACEMENT_CHAR, TextEmitter, decode, decode_delta, joined, token_bytes, token_text,
                                    with_prompt)
 
 
@@ -337,6 +337,8 @@ def test_a_tokens_bytes_are_those_it_stands_for_so_a_split_character_joins(token
         assert b"".join(of(i) for i in ids).decode("utf-8") == text
     split = [i for i in tokenizer.encode("🚀🎉", add_special_tokens=False) if REPLACEMENT_CHAR in tokenizer.decode([i])]
     assert split and all(REPLACEMENT_CHAR.encode() not in of(i) for i in split)
+    text = token_text(tokenizer, of)  # byte-level: every token's text is the one it has decoded alone
+    assert all(text(i) == tokenizer.decode([i]) for i in range(0, len(tokenizer), 7))
 
 
 def test_sentencepieces_byte_fallback_tokens_are_their_bytes():
@@ -353,3 +355,7 @@ def test_sentencepieces_byte_fallback_tokens_are_their_bytes():
     of = token_bytes(pieces)
     assert [of(i) for i in ids][-3:] == [b"\xe2", b"\x82", b"\xac"]
     assert b"".join(of(i) for i in ids).decode() == " hi \u20ac"  # (decoded whole, the first space is stripped)
+    # a token's text for log-probabilities keeps its space (decoded alone, "hi"): the tokens join to the text
+    text = token_text(pieces)
+    assert [text(i) for i in ids] == [" ", "h", "i", " ", "\ufffd", "\ufffd", "\ufffd"]
+    assert pieces.decode(ids[:1]) == ""

@@ -186,6 +186,15 @@ def token_bytes(tokenizer):
     return functools.lru_cache(maxsize=1 << 17)(of)
 
 
+def token_text(tokenizer, of_bytes=None):
+    """token id -> its text as OpenAI's log-probabilities name it: the bytes it stands for (`token_bytes`, or
+    `of_bytes`, that function already made) as UTF-8, a byte that completes no character U+FFFD (as decoding
+    it alone gives). A SentencePiece token keeps its word mark's space, which decoding it alone strips: a text's
+    tokens join to it."""
+    of = of_bytes if of_bytes is not None else token_bytes(tokenizer)
+    return functools.lru_cache(maxsize=1 << 17)(lambda token: of(token).decode("utf-8", "replace"))
+
+
 def decode(tokenizer, ids: list[int], skip_special: bool = True) -> str:
     """The text of `ids`; special tokens left out unless `skip_special` is false (vLLM's skip_special_tokens:
     a tool-call parser reading a model's [TOOL_CALLS] needs them)."""

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import hmac
 import time
 import uuid
@@ -25,7 +24,7 @@ from aiohttp import ClientError, ClientSession, ClientTimeout, web
 
 from specdec import tensor_names as tn
 from specdec.decoding import json_text
-from specdec.decoding.text import token_bytes
+from specdec.decoding.text import token_bytes, token_text
 from specdec.engine.lora_config import slot_count
 from specdec.gateway import (adapters, batches, conversations, messages, metrics, protocol, reasoning, responses,
                              tokenization, tools, vllm_metrics)
@@ -84,8 +83,8 @@ class Gateway:
         names ("": none). max_loras: the target's (0: its default, lora_config.slot_count)."""
         served = served if isinstance(served, protocol.Served) else protocol.Served(served)  # (tests: a tuple)
         self.upstream, self.served, self.tokenizer, self.api_key = upstream, served, tokenizer, api_key
-        self.token_text: TokenText | None = token_text_from(tokenizer) if tokenizer is not None else None
         self.token_bytes = token_bytes(tokenizer) if tokenizer is not None else None
+        self.token_text: TokenText | None = token_text(tokenizer, self.token_bytes) if tokenizer is not None else None
         self.tool_parser = tool_parser  # tools.PARSERS: how the model writes calls (tool_choice "auto")
         self.trust_templates, self.content_format = trust_templates, content_format
         self.server_metrics_url = server_metrics_url
@@ -1283,12 +1282,6 @@ async def _merged(streams: list, firsts: list[Piece | None]):
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-
-
-def token_text_from(tokenizer) -> TokenText:
-    """A token's text as OpenAI's log-probabilities show it (the token decoded alone), each decoded once:
-    with top_logprobs every position names up to 20 of them."""
-    return functools.lru_cache(maxsize=1 << 17)(lambda token: tokenizer.decode([token]))
 
 
 class _StreamedItem:
