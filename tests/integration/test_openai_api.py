@@ -516,6 +516,15 @@ def test_a_reasoning_parser_puts_the_thinking_apart(server, model):
             client.chat.completions.create(model=model, messages=CHAT, max_tokens=2,
                                            extra_body={"chat_template_kwargs": {"add_generation_prompt": False}})
         assert caught.value.body["param"] == "chat_template_kwargs" and "set by the server" in caught.value.body["message"]
+        # vLLM's documents: the template's sources (SmolLM2's renders none: the same answer), checked by the server
+        plain = client.chat.completions.create(model=model, messages=CHAT, max_tokens=4, temperature=0)
+        sourced = client.chat.completions.create(model=model, messages=CHAT, max_tokens=4, temperature=0,
+                                                 extra_body={"documents": [{"title": "t", "text": "x"}]})
+        assert sourced.choices[0].message.content == plain.choices[0].message.content
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(model=model, messages=CHAT, max_tokens=2,
+                                           extra_body={"chat_template_kwargs": {"documents": [1]}})
+        assert caught.value.body["param"] == "chat_template_kwargs" and "documents" in caught.value.body["message"]
 
 
 def test_a_reasoning_models_structured_output_constrains_only_its_answer(server, api, model):

@@ -70,6 +70,26 @@ def test_chat_template_kwargs_and_include_reasoning_are_read():
     assert caught.value.param == "chat_template_kwargs"
 
 
+def test_documents_are_the_chat_templates_documents():
+    """vLLM's `documents` (a RAG template's sources) reach the chat template as its call's `documents`, through
+    chat_template_kwargs (whose own `documents` wins, as vLLM's do); anything but a list of objects of strings
+    is refused naming the field."""
+    docs = [{"title": "A", "text": "alpha"}, {"text": "beta"}]
+    gen = parse_chat({"model": "m", "messages": CHAT, "documents": docs, "reasoning_effort": "low"}, SERVED)
+    assert json.loads(gen.choices[0][tn.CHAT_TEMPLATE_KWARGS][0, 0]) == {"documents": docs, "reasoning_effort": "low"}
+    given = parse_chat({"model": "m", "messages": CHAT, "documents": docs,
+                        "chat_template_kwargs": {"documents": docs[:1]}}, SERVED)
+    assert json.loads(given.choices[0][tn.CHAT_TEMPLATE_KWARGS][0, 0]) == {"documents": docs[:1]}
+    for bad, param in (({"text": "x"}, "documents"), ([{"text": "x"}, "y"], "documents[1]"),
+                       ([{"text": 3}], "documents[0]")):
+        with pytest.raises(ApiError) as caught:
+            parse_chat({"model": "m", "messages": CHAT, "documents": bad}, SERVED)
+        assert caught.value.param == param and caught.value.status == 400
+    with pytest.raises(ApiError) as caught:  # a chat's: completions do not take it
+        parse_completion({"model": "m", "prompt": "hi", "documents": docs}, SERVED)
+    assert caught.value.param == "documents"
+
+
 def test_a_structured_output_of_a_reasoning_model_constrains_its_answer():
     """With a reasoning parser, a chat's guide (response_format, vLLM's fields, a named tool) names the parser
     to the ensemble, which applies the guide after the thinking; nothing else does."""

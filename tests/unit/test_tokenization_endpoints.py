@@ -1,6 +1,8 @@
 """vLLM's tokenizer endpoints (gateway/tokenization.py) over the real SmolLM2 tokenizer: what lm-eval's remote
 tokenizer and benchmark clients read; refusals naming the field."""
 
+import json
+
 import pytest
 
 from specdec.decoding.text import chat_ids, chat_template_kwargs, load_tokenizer
@@ -47,6 +49,23 @@ def test_chat_template_kwargs_are_the_templates_variables(tokenizer, monkeypatch
     with pytest.raises(ApiError) as caught:
         tokenize(tokenizer, {"messages": CHAT, "chat_template_kwargs": {"tokenize": False}}, 0)
     assert caught.value.param == "chat_template_kwargs"
+
+
+RAG_TEMPLATE = ("{% for d in documents or [] %}<doc {{ d.title | default('?') }}>{{ d.text }}</doc>\n{% endfor %}"
+                "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
+
+
+def test_documents_reach_a_rag_template_as_its_documents(tokenizer, monkeypatch):
+    """A chat's `documents` (vLLM's field, sent as a variable of chat_template_kwargs) are the template call's
+    `documents`, rendered where a RAG template puts them; refused unless a list of objects of strings."""
+    monkeypatch.setattr(tokenizer, "chat_template", RAG_TEMPLATE)
+    docs = [{"title": "A", "text": "alpha"}, {"text": "beta"}]
+    ids = chat_ids(tokenizer, CHAT, None, "messages", chat_template_kwargs(json.dumps({"documents": docs}), "k"))
+    assert tokenizer.decode(ids).startswith("<doc A>alpha</doc>\n<doc ?>beta</doc>\n")
+    assert not tokenizer.decode(chat_ids(tokenizer, CHAT, None, "messages")).startswith("<doc")
+    for bad in ('{"documents": {"text": "x"}}', '{"documents": [["x"]]}', '{"documents": [{"text": 3}]}'):
+        with pytest.raises(ValueError, match="'documents' must be a list of objects of strings"):
+            chat_template_kwargs(bad, "chat_template_kwargs")
 
 
 def test_tokenizer_info_names_the_special_tokens_and_the_chat_template(tokenizer):

@@ -406,12 +406,19 @@ def template_variables(settings, field: str) -> dict:
     own = sorted(set(settings) & (_TEMPLATE_CALL_SETTINGS | {"conversation", "messages"}))
     if own:
         raise ValueError(f"input '{field}': '{own[0]}' is set by the server, not by the chat template's variables")
+    documents = settings.get("documents")
+    if documents is not None and not (isinstance(documents, list) and all(
+            isinstance(d, dict) and all(isinstance(v, str) for v in d.values()) for d in documents)):
+        raise ValueError(f"input '{field}': 'documents' must be a list of objects of strings (a document's "
+                         "'title', 'text' ...)")
     return settings
 
 
-# apply_chat_template's own parameters (transformers 5): everything else it passes on to the template.
+# apply_chat_template's own parameters (transformers 5): everything else it passes on to the template. Its
+# `documents` (a RAG template's sources: vLLM's request field, which vLLM hands it the same way) is a variable
+# of the request's like any other, checked in template_variables.
 _TEMPLATE_CALL_SETTINGS = frozenset({
-    "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message", "tokenize",
+    "tools", "chat_template", "add_generation_prompt", "continue_final_message", "tokenize",
     "sanitize_control_tokens", "padding", "truncation", "max_length", "return_tensors", "return_dict",
     "return_assistant_tokens_mask", "tokenizer_kwargs"})
 

@@ -51,7 +51,7 @@ INT32 = (-2**31, 2**31 - 1)
 CHAT_FIELDS = (*COMMON_FIELDS, "messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
                "tool_choice", "parallel_tool_calls", "functions", "function_call", "chat_template_kwargs", "chat_template",
                "include_reasoning", "reasoning_effort", "thinking_token_budget", "prediction", "continue_final_message",
-               "add_generation_prompt")
+               "add_generation_prompt", "documents")
 # OpenAI's reasoning efforts (its SDK's ReasoningEffort): handed to the chat template as `reasoning_effort`, the
 # variable the templates that take one read (gpt-oss's); the others leave it unused
 THINKING_FIELDS = (tn.REASONING_CONTENT, "reasoning")  # an assistant message's thinking: vLLM's two names
@@ -535,6 +535,12 @@ def parse_chat(body: dict, served: tuple[str, ...], tool_parser: str | None = No
         if effort not in REASONING_EFFORTS:
             raise invalid("reasoning_effort", f"must be one of {', '.join(REASONING_EFFORTS)}, got {json.dumps(effort)[:40]}")
         template_kwargs = {"reasoning_effort": effort, **(template_kwargs or {})}  # the explicit variable wins
+    documents = _typed(body, "documents", (list,), "a list of documents (objects of strings)")
+    if documents is not None:  # vLLM's: a RAG template's sources, the template call's `documents`
+        for i, document in enumerate(documents):
+            if not isinstance(document, dict) or not all(isinstance(v, str) for v in document.values()):
+                raise invalid(f"documents[{i}]", "must be an object of strings (e.g. its 'title' and 'text')")
+        template_kwargs = {"documents": documents, **(template_kwargs or {})}  # (as vLLM: chat_template_kwargs' win)
     if template_kwargs:  # the server refuses the names it sets itself, named as this field
         inputs[tn.CHAT_TEMPLATE_KWARGS] = _string(json.dumps(template_kwargs))
     template = request_template(body, trust_template)
