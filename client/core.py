@@ -71,6 +71,10 @@ class GenerationParams:
     # result.prompt_log_probs; with num_top_log_probs n their n most likely tokens too): what evaluations score
     return_prompt_log_probs: bool | None = None
     return_prompt_ids: bool | None = None  # the prompt's tokens as the model read them, unscored (result.prompt_ids)
+    # TensorRT-LLM's: the target's raw logits at each generated / prompt position (result.generation_logits,
+    # result.context_logits): V floats a position
+    return_generation_logits: bool | None = None
+    return_context_logits: bool | None = None
     # Structured output: json | json_schema | regex | ebnf_grammar | choice, and its schema, pattern, grammar or
     # JSON list of choices (none for json: any JSON object)
     guide_type: str | None = None
@@ -102,6 +106,8 @@ class GenerationParams:
                    (tn.NUM_TOP_LOG_PROBS, self.num_top_log_probs, np.int32),
                    (tn.RETURN_PROMPT_LOG_PROBS, self.return_prompt_log_probs, np.bool_),
                    (tn.RETURN_PROMPT_IDS, self.return_prompt_ids, np.bool_), (tn.PRIORITY, self.priority, np.int32),
+                   (tn.RETURN_GENERATION_LOGITS, self.return_generation_logits, np.bool_),
+                   (tn.RETURN_CONTEXT_LOGITS, self.return_context_logits, np.bool_),
                    (tn.THINKING_TOKEN_BUDGET, self.thinking_token_budget, np.int32)]
         for name, value, dtype in scalars:
             if value is not None:
@@ -130,7 +136,8 @@ class GenerationParams:
                      "cache_salt",
                      "apply_chat_template", "adaptive_draft", "num_draft_branches", "min_length", "ignore_eos",
                      "return_log_probs", "num_top_log_probs", "return_prompt_log_probs", "return_prompt_ids",
-                     "priority", "stream_interval_ms", "thinking_token_budget"):
+                     "return_generation_logits", "return_context_logits", "priority", "stream_interval_ms",
+                     "thinking_token_budget"):
             value = getattr(self, name)
             if value is not None:
                 body[name] = value
@@ -157,6 +164,7 @@ class GenerationResult:
     num_rounds: int = 0
     num_cached_tokens: int = 0  # of the prompt's tokens, those the server's prefix cache held
     chunks: list[str] = field(default_factory=list)  # text of each response, in order
+    output_ids: list[int] = field(default_factory=list)  # the generated tokens (each response's output_ids)
     # With return_log_probs: the target's log-probability of each output token, and their sum
     log_probs: list[float] = field(default_factory=list)
     cum_log_probs: float = 0.0
@@ -172,6 +180,9 @@ class GenerationResult:
     prompt_ranks: list[int] = field(default_factory=list)  # 1: the most likely token there
     prompt_top_ids: list[list[int]] = field(default_factory=list)
     prompt_top_log_probs: list[list[float]] = field(default_factory=list)
+    # With return_generation_logits / return_context_logits: (output tokens, V) and (input tokens, V) float32
+    generation_logits: np.ndarray | None = None
+    context_logits: np.ndarray | None = None
     ttft_s: float = 0.0  # request sent -> first response
     latency_s: float = 0.0  # request sent -> last response
 
@@ -206,6 +217,7 @@ class ResultBuilder:
         self.top = num_top_log_probs or 0  # the rows' width (Triton's HTTP generate endpoint sends them flat)
         self.sent = time.perf_counter()
         self.first: float | None = None
+        self.logit_rows: list[np.ndarray] = []  # the responses' generation logits, (tokens, V) each
 
     def add(self, fields: dict) -> str:
         """Add one response's fields (name -> python value); returns its text delta."""
@@ -219,16 +231,19 @@ class ResultBuilder:
         self.result.text += delta
         if fields.get(tn.FINISH_REASON):
             self.result.finish_reason = fields[tn.FINISH_REASON]
+        before = self.result.num_output_tokens
         for name in _INT_FIELDS:
             if name in fields:
                 setattr(self.result, name, int(fields[name]))
         for name in _FLOAT_FIELDS:
             if name in fields:
                 setattr(self.result, name, float(fields[name]))
+        self._logits(fields, before)
         if tn.OUTPUT_LOG_PROBS in fields:  # a list; Triton's HTTP generate endpoint writes one value bare
             values = fields[tn.OUTPUT_LOG_PROBS]
             self.result.log_probs += [float(v) for v in (values if isinstance(values, list) else [values])]
-        for name, into, kind in ((tn.OUTPUT_PROMPT_IDS, self.result.prompt_ids, int),
+        for name, into, kind in ((tn.OUTPUT_IDS, self.result.output_ids, int),
+                                 (tn.OUTPUT_PROMPT_IDS, self.result.prompt_ids, int),
                                  (tn.OUTPUT_PROMPT_LOG_PROBS, self.result.prompt_log_probs, float),
                                  (tn.OUTPUT_PROMPT_RANKS, self.result.prompt_ranks, int)):
             if name in fields:
@@ -245,6 +260,19 @@ class ResultBuilder:
         return delta
 
 
+    def _logits(self, fields: dict, before: int) -> None:
+        """A response's logits (flat where Triton's HTTP generate endpoint sent them): its generated tokens' rows
+        (num_output_tokens counts them all so far), the prompt's (num_input_tokens rows)."""
+        values = fields.get(tn.GENERATION_LOGITS)
+        rows = self.result.num_output_tokens - before
+        if values is not None and rows > 0:
+            self.logit_rows.append(np.asarray(values, dtype=np.float32).reshape(rows, -1))
+            self.result.generation_logits = np.concatenate(self.logit_rows)
+        values = fields.get(tn.CONTEXT_LOGITS)
+        if values is not None and self.result.num_input_tokens:
+            self.result.context_logits = np.array(values, dtype=np.float32).reshape(self.result.num_input_tokens, -1)
+
+
 def fields_from_infer_result(result) -> dict:
     """Python values of a tritonclient InferResult's outputs."""
     out = {}
@@ -257,11 +285,16 @@ def fields_from_infer_result(result) -> dict:
     log_probs = result.as_numpy(tn.OUTPUT_LOG_PROBS)
     if log_probs is not None:
         out[tn.OUTPUT_LOG_PROBS] = log_probs.reshape(-1).tolist()
-    for name in (tn.OUTPUT_TOP_IDS, tn.OUTPUT_TOP_LOG_PROBS, tn.OUTPUT_PROMPT_IDS, tn.OUTPUT_PROMPT_LOG_PROBS,
-                 tn.OUTPUT_PROMPT_RANKS, tn.OUTPUT_PROMPT_TOP_IDS, tn.OUTPUT_PROMPT_TOP_LOG_PROBS):
+    for name in (tn.OUTPUT_IDS, tn.OUTPUT_TOP_IDS, tn.OUTPUT_TOP_LOG_PROBS, tn.OUTPUT_PROMPT_IDS,
+                 tn.OUTPUT_PROMPT_LOG_PROBS, tn.OUTPUT_PROMPT_RANKS, tn.OUTPUT_PROMPT_TOP_IDS,
+                 tn.OUTPUT_PROMPT_TOP_LOG_PROBS):
         values = result.as_numpy(name)
         if values is not None:
             out[name] = values.reshape(-1).tolist()
+    for name in (tn.GENERATION_LOGITS, tn.CONTEXT_LOGITS):  # (as arrays: V floats a row)
+        values = result.as_numpy(name)
+        if values is not None:
+            out[name] = values
     return out
 
 

@@ -19,6 +19,10 @@ from client.core import (
 from specdec import tensor_names as tn
 
 TextCallback = Callable[[str], None]
+# Bytes read at a time from a streamed HTTP answer: its events arrive as they are sent whatever this is (each is
+# a chunk of its own), and requests joins a long event (logits: megabytes) from its pieces at quadratic cost in
+# their number, so they are large (at requests' default, 512, an event of generation logits took seconds).
+STREAM_CHUNK = 1 << 16
 
 
 def grpc_inputs(arrays: dict[str, np.ndarray]) -> list:
@@ -136,7 +140,7 @@ class Client:
                 builder.add(response.json())
                 return builder.result
             try:
-                for line in response.iter_lines(decode_unicode=True):
+                for line in response.iter_lines(chunk_size=STREAM_CHUNK, decode_unicode=True):
                     payload = parse_sse_line(line or "")
                     if payload is not None:
                         delta = builder.add(payload)

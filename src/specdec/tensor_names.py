@@ -78,6 +78,11 @@ RETURN_PROMPT_LOG_PROBS = "return_prompt_log_probs"
 # BOOL [1]: also return the prompt's tokens as the model reads them, without scoring it (vLLM's
 # return_token_ids: what reinforcement-learning trainers read to train on exactly the tokens sampled)
 RETURN_PROMPT_IDS = "return_prompt_ids"
+# BOOL [1], TensorRT-LLM's: also return the target's raw logits at each generated position (GENERATION_LOGITS,
+# each response its tokens') and at every prompt position (CONTEXT_LOGITS, the first response: the prompt then
+# runs whole, as for RETURN_PROMPT_LOG_PROBS). V floats a position: for scoring, not for every request.
+RETURN_GENERATION_LOGITS = "return_generation_logits"
+RETURN_CONTEXT_LOGITS = "return_context_logits"
 # STRING [1]: vLLM's cache_salt: the request's prompt finds in the models' prefix caches only the blocks of
 # requests with the same salt (and its own are found only by them), so that one tenant cannot learn from
 # timings what another's prompts were ("" or none: the shared cache). Also each model's BLS input.
@@ -182,6 +187,10 @@ OUTPUT_PROMPT_LOG_PROBS = "output_prompt_log_probs"  # FP32 [-1]
 OUTPUT_PROMPT_RANKS = "output_prompt_ranks"  # INT32 [-1]
 OUTPUT_PROMPT_TOP_IDS = "output_prompt_top_ids"  # INT32 [-1, -1]
 OUTPUT_PROMPT_TOP_LOG_PROBS = "output_prompt_top_log_probs"  # FP32 [-1, -1]
+# With return_generation_logits / return_context_logits, as TensorRT-LLM's ensemble shapes them: (beam 1,
+# tokens, V) per response, its tokens' rows; (P, V) in the first response, row i the logits after prompt token i
+GENERATION_LOGITS = "generation_logits"  # FP32 [-1, -1, -1]
+CONTEXT_LOGITS = "context_logits"  # FP32 [-1, -1]
 
 # ---- internal tensors between the models -----------------------------------------------------
 INPUT_IDS = "input_ids"  # INT32 [-1]: preprocessing output; draft/target: tokens to append
@@ -198,6 +207,7 @@ SCORE_ROWS = "score_rows"
 # after it (a long prompt's chunk: the next chunk's first token); -1: none
 SCORE_NEXT = "score_next"
 SCORED_LOG_PROBS = "scored_log_probs"  # FP32 [-1]
+SCORED_LOGITS = "scored_logits"  # FP32 [-1, V]: with return_context_logits, each score row's logits
 SCORED_RANKS = "scored_ranks"  # INT32 [-1]: each scored token's rank (1 + the tokens its row makes more likely)
 SCORED_TOP_IDS = "scored_top_ids"  # INT32 [-1, MAX_TOP_LOG_PROBS]
 SCORED_TOP_LOG_PROBS = "scored_top_log_probs"  # FP32 [-1, MAX_TOP_LOG_PROBS]

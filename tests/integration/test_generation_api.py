@@ -494,6 +494,33 @@ def test_prompt_log_probs_score_every_prompt_token(server, hf_target, protocol):
         assert (ids_only.prompt_ids, ids_only.prompt_log_probs, ids_only.text) == (prompt_ids, [], plain.text)
 
 
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_generation_and_context_logits_are_the_targets(server, hf_target, protocol):
+    """TensorRT-LLM's return_generation_logits / return_context_logits: each generated token's row of the
+    target's raw logits and every prompt position's, against a transformers forward of the target over the
+    prompt and the answer; greedy and sampled, drafted or not, streamed or not, the text unchanged by asking;
+    at false (as TensorRT-LLM's clients send them) nothing more comes back."""
+    model, tokenizer = hf_target
+    prompt = PROMPTS[0]
+    client = Client(server.grpc_url if protocol == "grpc" else server.http_url, protocol=protocol)
+    for k, temperature, stream in ((0, 0.0, False), (4, 0.0, True), (3, 1.0, False)):
+        params = GenerationParams(max_tokens=10, num_draft_tokens=k, temperature=temperature, seed=3, end_id=0,
+                                  apply_chat_template=False)
+        plain = client.generate(prompt, dataclasses.replace(params, return_generation_logits=False,
+                                                            return_context_logits=False), stream=stream)
+        asked = client.generate(prompt, dataclasses.replace(params, return_generation_logits=True,
+                                                            return_context_logits=True), stream=stream)
+        assert asked.text == plain.text and plain.generation_logits is None and plain.context_logits is None
+        prompt_ids, output = tokenizer(prompt).input_ids, asked.output_ids
+        assert len(output) == asked.num_output_tokens and tokenizer.decode(output) == asked.text
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt_ids + output])).logits[0].float()  # (P + N, V)
+        assert asked.generation_logits.shape == (asked.num_output_tokens, logits.shape[-1])
+        generated = torch.from_numpy(asked.generation_logits)
+        assert torch.allclose(generated, logits[len(prompt_ids) - 1:-1], atol=1e-3)
+        assert torch.allclose(torch.from_numpy(asked.context_logits), logits[:len(prompt_ids)], atol=1e-3)
+
+
 # ---- bad words and TensorRT-LLM's client inputs ---------------------------------------------------------
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
 def test_bad_words_match_transformers_bad_words_ids(server, hf_target, hf_greedy, protocol):

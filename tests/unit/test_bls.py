@@ -29,10 +29,12 @@ class _Pb:
 
     def __init__(self):
         self.sent = []
+        self.asked = set()  # every output name requested
 
     def InferenceRequest(self, model_name, inputs, requested_output_names, correlation_id, flags, timeout):  # noqa: N802
         sent = {t.name(): t.as_numpy() for t in inputs}
         self.sent.append(sent)
+        self.asked.update(requested_output_names)
         # What the draft model's executor reports: every drafted token but the last runs through its cache.
         cached = sent[tn.CACHE_LENGTH].item() + sent[tn.INPUT_IDS].size + sent.get(tn.NUM_DRAFT_TOKENS, np.ones(1)).item() - 1
         outputs = {tn.DRAFT_TOKENS: _Tensor(tn.DRAFT_TOKENS, [[3, 4]]),
@@ -45,6 +47,10 @@ class _Pb:
                        sent[tn.SCORE_ROWS].item(), dtype=np.float32))[None]) if tn.SCORE_ROWS in sent else None,
                    tn.SCORED_RANKS: _Tensor(tn.SCORED_RANKS, (sent[tn.CACHE_LENGTH].item() + 1 + np.arange(
                        sent[tn.SCORE_ROWS].item(), dtype=np.int32))[None]) if tn.SCORE_ROWS in sent else None,
+                   # each score row's logits: its position in every column (1, rows, 3)
+                   tn.SCORED_LOGITS: _Tensor(tn.SCORED_LOGITS, np.repeat((sent[tn.CACHE_LENGTH].item() + np.arange(
+                       sent[tn.SCORE_ROWS].item(), dtype=np.float32))[None, :, None], 3, 2))
+                   if tn.SCORE_ROWS in sent else None,
                    tn.FORWARD_STATS: _Tensor(tn.FORWARD_STATS, [[2, 1, 0.01]]),
                    tn.DRAFT_STATS: _Tensor(tn.DRAFT_STATS, [[6, 1, 0.002]]),
                    # as if the prefix cache held 8 tokens, in blocks of 4
@@ -173,6 +179,10 @@ def test_a_long_prompt_goes_in_chunks_that_ask_for_nothing_the_first_taking_the_
             for c in pb.sent] == [(4, 5, 0, 40), (4, 9, 0, 0), (2, -1, 2, 0)]
     assert scores.scored.log_probs.tolist() == [-float(i) for i in range(10)] and scores.scored.top_ids is None
     assert scores.scored.ranks.tolist() == list(range(1, 11))  # the chunks' ranks joined in order too
+    assert scores.scored.logits is None and tn.SCORED_LOGITS not in pb.asked  # not asked for
+    pb.sent.clear()
+    logged = asyncio.run(scorer.score(VerifyCall(7, 0, prompt + [50], 2, reserve=40, score_rows=10, score_logits=True)))
+    assert logged.scored.logits.tolist() == [[float(i)] * 3 for i in range(10)]  # the chunks' rows joined in order
     assert len(_input_sets(pb.sent)) == 1
     pb.sent.clear()
     asyncio.run(BlsScorer(pb, tn.TARGET_MODEL_NAME).score(VerifyCall(6, 0, prompt, 1, score_rows=10)))  # no chunks

@@ -218,6 +218,20 @@ def test_a_greedy_grammar_alone_is_picked_by_the_target_with_no_logits_shipped(l
     assert tokens == edited == constrained_greedy(lm, guides, grammar, prompt, 30)
     assert log_probs == pytest.approx(edited_log_probs, abs=1e-6)
     json.loads(tokenizer.decode(tokens))
+    # asked for the logits themselves (TensorRT-LLM's return_generation_logits), the target sends them: the loop
+    # masks them, the same tokens; each token's row the raw one
+    logged = RecordingScorer(dynamic_executor(lm))
+
+    async def with_logits():
+        req = GenerationRequest(seq_id=4, prompt_ids=prompt, max_tokens=30, grammar=grammar, end_ids=frozenset([EOS]),
+                                generation_logits=True)
+        return [rnd async for rnd in generate(req, LocalProposer(dynamic_executor(noisy_copy(lm))), logged,
+                                              DraftLengthPolicy.fixed(k))]
+    rounds = asyncio.run(with_logits())
+    assert set(logged.calls) == {(True, False)} and [t for rnd in rounds for t in rnd.new_tokens] == tokens
+    with torch.no_grad():
+        reference = lm(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1].float()
+    assert torch.allclose(torch.cat([rnd.logits for rnd in rounds]), reference, atol=1e-4)
 
 
 def test_the_best_allowed_token_is_the_masked_argmax(guides, tokenizer):

@@ -264,3 +264,36 @@ def test_each_token_carries_its_rank_in_the_raw_distribution(tiny_lm, draft, k, 
     else:
         assert set(ranks) == {1}
     assert not GenerationRequest(seq_id=1, prompt_ids=[1], max_tokens=1, grammar=object(), log_ranks=True).target_picks
+
+
+@pytest.mark.parametrize("draft,k,temperature,branches", [
+    ("none", 0, 0.0, 1), ("draft_model", 3, 0.0, 1), ("draft_model", 4, 0.0, 2), ("ngram", 4, 0.8, 1),
+    ("draft_model", 3, 1.0, 1)])
+def test_generation_and_context_logits_are_the_targets_raw_logits(tiny_lm, draft, k, temperature, branches):
+    """TensorRT-LLM's return_generation_logits / return_context_logits: each generated token's row of the
+    target's raw logits (chains, trees, sampled rounds; under a grammar: test_grammar) and, in the first round,
+    every prompt position's (the last one's the first verified position's); the generation is the one it is
+    without asking."""
+    def run(**asked):
+        proposer = (NgramProposer(min_ngram=1) if draft == "ngram" else
+                    LocalProposer(dynamic_executor(noisy_copy(tiny_lm)), branches=branches))
+        req = GenerationRequest(seq_id=9, prompt_ids=PROMPT, max_tokens=24,
+                                sampling=SamplingParams(temperature=temperature, seed=5), **asked)
+
+        async def main():
+            policy = DraftLengthPolicy.fixed(k, branches=branches)
+            return [rnd async for rnd in generate(req, proposer, LocalScorer(dynamic_executor(tiny_lm)), policy)]
+        return asyncio.run(main())
+    rounds, plain = run(generation_logits=True, context_logits=True), run()
+    output = [t for rnd in rounds for t in rnd.new_tokens]
+    assert output == [t for rnd in plain for t in rnd.new_tokens] and len(output) > 4
+    assert all(rnd.logits is None and rnd.prompt_logits is None for rnd in plain)
+    assert all(rnd.prompt_logits is None for rnd in rounds[1:])
+    with torch.no_grad():
+        reference = tiny_lm(torch.tensor([PROMPT + output])).logits[0].float()  # (P + N, V)
+    generated = torch.cat([rnd.logits for rnd in rounds])
+    assert generated.shape == (len(output), reference.shape[-1])
+    assert torch.allclose(generated, reference[len(PROMPT) - 1:-1], atol=1e-4)
+    assert torch.allclose(rounds[0].prompt_logits, reference[:len(PROMPT)], atol=1e-4)
+    if branches > 1:
+        assert any(rnd.depth is not None and rnd.num_accepted for rnd in rounds)

@@ -251,6 +251,7 @@ output [
   { name: "greedy_top_log_probs", data_type: TYPE_FP32, dims: [ -1, -1 ] },
   { name: "scored_log_probs", data_type: TYPE_FP32, dims: [ -1 ] },
   { name: "scored_ranks", data_type: TYPE_INT32, dims: [ -1 ] },
+  { name: "scored_logits", data_type: TYPE_FP32, dims: [ -1, -1 ] },
   { name: "scored_top_ids", data_type: TYPE_INT32, dims: [ -1, -1 ] },
   { name: "scored_top_log_probs", data_type: TYPE_FP32, dims: [ -1, -1 ] },
   { name: "logits", data_type: TYPE_FP32, dims: [ -1, -1 ] },
@@ -300,6 +301,8 @@ input [
   { name: "return_log_probs", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },
   { name: "return_prompt_log_probs", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },
   { name: "return_prompt_ids", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },
+  { name: "return_generation_logits", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },
+  { name: "return_context_logits", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },
   { name: "num_top_log_probs", data_type: TYPE_INT32, dims: [ 1 ], optional: true },
   { name: "return_finish_reason", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },
   { name: "return_cumulative_logprob", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },
@@ -346,6 +349,8 @@ output [
   { name: "output_prompt_ids", data_type: TYPE_INT32, dims: [ -1 ] },
   { name: "output_prompt_log_probs", data_type: TYPE_FP32, dims: [ -1 ] },
   { name: "output_prompt_ranks", data_type: TYPE_INT32, dims: [ -1 ] },
+  { name: "generation_logits", data_type: TYPE_FP32, dims: [ -1, -1, -1 ] },
+  { name: "context_logits", data_type: TYPE_FP32, dims: [ -1, -1 ] },
   { name: "output_prompt_top_ids", data_type: TYPE_INT32, dims: [ -1, -1 ] },
   { name: "output_prompt_top_log_probs", data_type: TYPE_FP32, dims: [ -1, -1 ] }
 ]

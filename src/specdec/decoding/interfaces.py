@@ -86,6 +86,7 @@ class VerifyCall:
     # were asked for): at each, the log-probability of the new token after it (Scores.scored). A chain only.
     score_rows: int = 0
     score_top: bool = False  # and each scored position's tn.MAX_TOP_LOG_PROBS most likely tokens
+    score_logits: bool = False  # and each scored position's (V,) logits (ScoredRows.logits)
     adapter: str = ""  # the LoRA adapter the scorer runs for the sequence (GenerationRequest.lora_name)
     salt: str = ""  # the sequence's prefix-cache salt (GenerationRequest.cache_salt)
     # A head in the target's process drafts this round's proposal first, appended to new_ids and verified
@@ -100,6 +101,7 @@ class ScoredRows(NamedTuple):
     ranks: torch.Tensor  # (score_rows,) int64: each next token's rank (1 + the tokens more likely)
     top_ids: torch.Tensor | None  # (score_rows, tn.MAX_TOP_LOG_PROBS) int64, with want_top_log_probs
     top_log_probs: torch.Tensor | None  # (score_rows, tn.MAX_TOP_LOG_PROBS) float32, the same
+    logits: torch.Tensor | None = None  # (score_rows, V), with VerifyCall.score_logits
 
 
 @dataclass(frozen=True)

@@ -64,6 +64,11 @@ class GenerationRequest:
     # the target's log-probability of each prompt token after the first (and with top_log_probs n its
     # positions' n most likely tokens): the first round scores the whole prompt, as a chain
     prompt_log_probs: bool = False
+    # TensorRT-LLM's return_generation_logits / return_context_logits: the target's raw logits at each generated
+    # position (RoundOutput.logits), and at every prompt position (the first round's RoundOutput.prompt_logits:
+    # the prompt scored as for prompt_log_probs, its last row the first verify's)
+    generation_logits: bool = False
+    context_logits: bool = False
     bad_words: tuple[tuple[int, ...], ...] = ()  # token sequences the output never contains (bad_words.py)
     penalties: Penalties = Penalties()  # repetition / presence / frequency (penalties.py)
     # structured output, a thinking budget: the output follows it (grammar.py, thinking.ThinkingBudget)
@@ -88,7 +93,8 @@ class GenerationRequest:
         back, so no (K+1) x V logits leave the target (on a GPU, none leave the device)."""
         return (self.sampling.greedy and self.grammar is not None and not self.bad_words
                 and not self.penalties.active and not self.token_bias.active
-                and not self.log_ranks)  # a rank needs the raw logits, the target's pick does not send them
+                and not self.log_ranks  # a rank needs the raw logits, the target's pick does not send them
+                and not self.generation_logits and not self.context_logits)  # nor do these
 
 
 @dataclass
@@ -125,6 +131,10 @@ class RoundOutput:
     prompt_log_probs: list[float] | None = None
     prompt_top: tuple[list[list[int]], list[list[float]]] | None = None
     prompt_ranks: list[int] | None = None
+    # with req.generation_logits: (len(new_tokens), V) float32, the target's raw logits at each new token's
+    # position; with req.context_logits, the first round's (P, V) at every prompt position
+    logits: torch.Tensor | None = None
+    prompt_logits: torch.Tensor | None = None
     ranks: list[int] | None = None  # with req.log_ranks: each new token's rank in the target's raw distribution
 
 
@@ -145,7 +155,8 @@ async def generate(req: GenerationRequest, proposer: Proposer, scorer: Scorer, p
     seq = _Sequence.start(req, proposer)
     try:
         while True:
-            scoring = req.prompt_log_probs and not seq.target_valid  # this round scores the prompt: a chain
+            # this round scores the prompt: a chain
+            scoring = (req.prompt_log_probs or req.context_logits) and not seq.target_valid
             proposal, shadow, forced = await _draft(seq, req, proposer, policy, chains_only=not seq.trees or scoring)
             if cancelled is not None and seq.called and shadow is None and cancelled():
                 yield RoundOutput([], 0, 0, tn.FINISH_CANCELLED)
@@ -171,10 +182,12 @@ async def generate(req: GenerationRequest, proposer: Proposer, scorer: Scorer, p
             log_probs = _log_probs(scores, new, verdict.path) if req.log_probs else None
             top = _top_log_probs(scores, verdict.path, req.top_log_probs) if req.top_log_probs else None
             ranks = _ranks(scores, new, verdict.path) if req.log_ranks else None
+            rows = _path_logits(scores, verdict.path) if req.generation_logits else None
             new, finish = _stops(seq, req, new)
             yield RoundOutput(new, k, len(verdict.path), finish, log_probs and log_probs[:len(new)], depth=depth,
                               top=top and (top[0][:len(new)], top[1][:len(new)]), ranks=ranks and ranks[:len(new)],
-                              **(_prompt_scores(scores, req.top_log_probs) if scoring else {}))
+                              logits=None if rows is None else rows[:len(new)],
+                              **(_prompt_scores(scores, req.top_log_probs, req.context_logits) if scoring else {}))
             if finish:
                 return
     finally:
@@ -390,7 +403,8 @@ async def _score(scorer: Scorer, req: GenerationRequest, keep: int, new_ids: lis
     room for it and `wait_for_room` says to."""
     # Greedy rounds ship no logits (the target sends its tokens' log-probabilities instead), unless
     # penalties, biases or bad words must edit them first (a grammar alone: the target picks with its mask).
-    want_logits = not req.sampling.greedy or (req.edits_logits and allowed is None)
+    want_logits = not req.sampling.greedy or (req.edits_logits and allowed is None) or req.generation_logits or (
+        req.context_logits and score_rows > 0)  # (the prompt's last row: the first verified position's)
     while True:
         try:
             return await scorer.score(VerifyCall(req.seq_id, keep, new_ids, positions, want_logits=want_logits,
@@ -399,6 +413,7 @@ async def _score(scorer: Scorer, req: GenerationRequest, keep: int, new_ids: lis
                                                  allowed=allowed, want_features=want_features, tree=tree,
                                                  path=path, score_rows=score_rows,
                                                  score_top=score_rows > 0 and req.top_log_probs > 0,
+                                                 score_logits=score_rows > 0 and req.context_logits,
                                                  adapter=req.lora_name, salt=req.cache_salt, draft=ask))
         except NoCapacity:
             if not reserve or wait_for_room is None or not await wait_for_room():
@@ -547,13 +562,23 @@ def _top_log_probs(scores: Scores, path: tuple[int, ...], n: int) -> tuple[list[
     return ids.tolist(), values.tolist()
 
 
-def _prompt_scores(scores: Scores, n: int) -> dict:
-    """RoundOutput's prompt fields from a scoring round's Scores.scored (n: the top tokens asked for)."""
+def _prompt_scores(scores: Scores, n: int, logits: bool = False) -> dict:
+    """RoundOutput's prompt fields from a scoring round's Scores.scored (n: the top tokens asked for; logits:
+    the prompt's logits too, its rows' and the first verified position's, its last)."""
     scored = scores.scored
+    last = scores.logits[:1].float() if logits else None
     if scored is None:  # a one-token prompt: nothing to score
-        return {"prompt_log_probs": [], "prompt_top": ([], []) if n else None, "prompt_ranks": []}
+        return {"prompt_log_probs": [], "prompt_top": ([], []) if n else None, "prompt_ranks": [],
+                "prompt_logits": last}
     top = (scored.top_ids[:, :n].tolist(), scored.top_log_probs[:, :n].tolist()) if n else None
-    return {"prompt_log_probs": scored.log_probs.tolist(), "prompt_top": top, "prompt_ranks": scored.ranks.tolist()}
+    return {"prompt_log_probs": scored.log_probs.tolist(), "prompt_top": top, "prompt_ranks": scored.ranks.tolist(),
+            "prompt_logits": torch.cat([scored.logits.float(), last]) if logits else None}
+
+
+def _path_logits(scores: Scores, path: tuple[int, ...]) -> torch.Tensor:
+    """(len(path) + 1, V) float32: the target's raw logits along the accepted path (a chain's rows or a tree's
+    nodes) and at the position after it, the rows of the round's new tokens."""
+    return scores.logits[[0] + [node + 1 for node in path]].float()
 
 
 def _record(stats: Stats, k: int, accepted: int) -> None:

@@ -151,7 +151,8 @@ class LocalScorer:
             values, ranks, ids, tops = scored_rows(logits, call.new_ids, call.score_rows,
                                                    tn.MAX_TOP_LOG_PROBS if call.score_top else 0)
             scored = ScoredRows(values.cpu(), ranks.cpu(), None if ids is None else ids.cpu(),
-                                None if tops is None else tops.cpu())
+                                None if tops is None else tops.cpu(),
+                                logits[:call.score_rows].float().cpu() if call.score_logits else None)
             logits = logits[call.score_rows:]
         allowed = call.allowed
         tokens = greedy(logits) if allowed is None else allowed_greedy(logits, allowed)

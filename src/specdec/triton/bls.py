@@ -207,8 +207,9 @@ class BlsProposer(_SequenceModel):
         return Proposal(drafted.tokens, probs, drafted.cached_length, drafted.parents, drafted.forward)
 
 
-def _scored(parts: list[wire.VerifiedMessage]) -> ScoredRows:
-    """A prompt's scores over its chunks' answers and the last call's, in order."""
+def _scored(parts: list[wire.VerifiedMessage], logits: list[torch.Tensor] | None = None) -> ScoredRows:
+    """A prompt's scores over its chunks' answers and the last call's, in order (logits: their rows' logits,
+    with VerifyCall.score_logits)."""
     def joined(name: str, dtype=None) -> torch.Tensor | None:
         values = [getattr(part, name) for part in parts]
         if any(value is None for value in values):
@@ -216,7 +217,7 @@ def _scored(parts: list[wire.VerifiedMessage]) -> ScoredRows:
         value = np.concatenate(values)
         return torch.from_numpy(value.astype(dtype) if dtype else value)
     return ScoredRows(joined("scored_log_probs"), joined("scored_ranks", np.int64), joined("scored_top_ids", np.int64),
-                      joined("scored_top_log_probs"))
+                      joined("scored_top_log_probs"), None if logits is None else torch.cat(logits))
 
 
 class BlsScorer(_SequenceModel):
@@ -230,7 +231,7 @@ class BlsScorer(_SequenceModel):
         chunk = self.prefill_chunk
         outputs = [tn.GREEDY_TOKENS, tn.SCORED_LOG_PROBS, tn.SCORED_RANKS] + (
             [tn.SCORED_TOP_IDS, tn.SCORED_TOP_LOG_PROBS] if call.score_top else []) + (
-            [tn.FEATURES] if call.want_features else [])
+            [tn.SCORED_LOGITS] if call.score_logits else []) + ([tn.FEATURES] if call.want_features else [])
         quiet = dataclasses.replace(call.draft, k=0) if call.draft is not None else None  # a hosted head's features
         while chunk and rows > chunk and len(new_ids) - call.num_positions > chunk:
             own = wire.VerifyMessage(0, score_rows=chunk, score_next=new_ids[chunk], adapter=call.adapter,
@@ -264,7 +265,8 @@ class BlsScorer(_SequenceModel):
         drafts = call.draft is not None and call.draft.k > 0  # a hosted head drafts in this call
         hosted = [tn.DRAFT_TOKENS, tn.DRAFT_PARENTS, tn.DRAFT_STATS] if drafts else []
         outputs = answer + ([tn.LOGITS] if call.want_logits else []) + ([tn.FEATURES] if call.want_features else []) \
-            + hosted + ([tn.DRAFT_PROBS] if drafts and not call.draft.params.greedy else [])
+            + hosted + ([tn.DRAFT_PROBS] if drafts and not call.draft.params.greedy else []) + (
+                [tn.SCORED_LOGITS] if call.score_logits else [])  # (apart from `answer`: a tensor as LOGITS are)
         # The grammar's (K+1) x V/32 words instead of (K+1) x V logits back.
         result = await self._call(call.seq_id, new_ids, keep, outputs, reserve,
                                   own=wire.VerifyMessage(call.num_positions, call.allowed, call.tree, call.path,
@@ -279,9 +281,13 @@ class BlsScorer(_SequenceModel):
             features = parts[0] if len(parts) == 1 else torch.cat(parts)
         top_ids, top_values = ((None, None) if verified.top_ids is None else
                                (torch.from_numpy(verified.top_ids.astype(np.int64)), torch.from_numpy(verified.top_log_probs)))
-        scored = _scored([wire.VerifiedMessage.decode({name: part[name].as_numpy() for name in part
-                                                      if name != tn.FEATURES}) for part in chunks] + [verified]) \
-            if call.score_rows else None
+        scored = None
+        if call.score_rows:
+            scored = _scored([wire.VerifiedMessage.decode({name: part[name].as_numpy() for name in part
+                                                          if name not in (tn.FEATURES, tn.SCORED_LOGITS)})
+                              for part in chunks] + [verified],
+                             [_torch(part[tn.SCORED_LOGITS])[0] for part in chunks + [result]] if call.score_logits
+                             else None)
         proposal = None
         if drafts:
             drafted = wire.HostedDraftMessage.decode({name: result[name].as_numpy() for name in hosted})

@@ -736,6 +736,8 @@ class TargetModel(LanguageModelAdapter):
                                        top_ids, top_values, scored, scored_ids, scored_values, cached,
                                        self.lm.block_size, scored_ranks)
         outputs = [pb.Tensor(name, value) for name, value in message.encode().items()]
+        if tn.SCORED_LOGITS in requested and scored_logits is not None:  # (1, score rows, V): the context's
+            outputs.append(self._output(tn.SCORED_LOGITS, scored_logits[:step.score_rows].float()[None]))
         if tn.LOGITS in requested:
             outputs.append(self._output(tn.LOGITS, logits.float()[None]))
         if tn.FEATURES in requested:  # (1, rows, L x H); none served (no head): empty. A request naming no

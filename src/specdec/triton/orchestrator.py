@@ -19,6 +19,7 @@ import traceback
 from collections.abc import Callable
 
 import numpy as np
+import torch
 
 from specdec import tensor_names as tn
 from specdec.decoding.draft_length import CostModel, DraftLengthPolicy, PartPolicies
@@ -376,9 +377,10 @@ class SpeculativeDecodingAdapter(TritonAdapter):
                   finish: str | None, log_probs: list[float],
                   top: tuple[list[list[int]], list[list[float]]] = ([], []), prompt: RoundOutput | None = None,
                   ranks: list[int] | None = None, times: dict[str, float | None] | None = None,
-                  first: bool = False):
+                  first: bool = False, logits: list[torch.Tensor | None] | None = None):
         """One response's tensors; `times`: with return_perf_metrics, tn.PERF_METRIC_OUTPUTS' moments
-        (time.monotonic(), None: not yet); `first`: the request's first response."""
+        (time.monotonic(), None: not yet); `first`: the request's first response; `logits`: with
+        return_generation_logits, each generated token's, those this response sends dropped from it."""
         pb = self.pb
         req = parsed.generation
         ids, prefix, length = (emission.ids, emission.prefix_ids, emission.text_length) if emission else ([], [], -1)
@@ -399,7 +401,14 @@ class SpeculativeDecodingAdapter(TritonAdapter):
             extra += [pb.Tensor(tn.OUTPUT_TOP_IDS, np.asarray(top[0][sent - len(ids):sent], dtype=np.int32).reshape(shape)),
                       pb.Tensor(tn.OUTPUT_TOP_LOG_PROBS,
                                 np.asarray(top[1][sent - len(ids):sent], dtype=np.float32).reshape(shape))]
-        if prompt is not None:  # the first response: the prompt's tokens and scores
+        if req.generation_logits:  # (1, beam 1, tokens, V): this response's tokens' rows, then let go
+            rows = logits[sent - len(ids):sent]
+            logits[sent - len(ids):sent] = [None] * len(ids)
+            extra.append(pb.Tensor(tn.GENERATION_LOGITS, torch.stack(rows).cpu().numpy()[None, None] if rows else
+                                   np.zeros((1, 1, 0, 0), dtype=np.float32)))
+        if prompt is not None and req.context_logits:  # (1, P, V)
+            extra.append(pb.Tensor(tn.CONTEXT_LOGITS, prompt.prompt_logits.cpu().numpy()[None]))
+        if prompt is not None and req.prompt_log_probs:  # the first response: the prompt's tokens and scores
             extra += [i32(tn.OUTPUT_PROMPT_IDS, req.prompt_ids), i32(tn.OUTPUT_PROMPT_RANKS, prompt.prompt_ranks),
                       f32(tn.OUTPUT_PROMPT_LOG_PROBS, prompt.prompt_log_probs)]
             if req.top_log_probs:
@@ -473,6 +482,8 @@ class _Responses:
         # with num_top_log_probs: per generated token its n most likely tokens and their log-probabilities
         self.top: tuple[list[list[int]], list[list[float]]] = ([], [])
         self.ranks: list[int] = []  # with vLLM's logprobs and return_logprobs: each generated token's rank
+        # with return_generation_logits: each generated token's (V,) logits, None once sent (V floats each)
+        self.logits: list[torch.Tensor | None] = []
         self.parsed = parsed
         self.in_flight: asyncio.Future | None = None  # the last round's streamed response and check
         self.asked = arrived  # when Triton was last asked whether the caller cancelled
@@ -494,7 +505,7 @@ class _Responses:
             prompt = self.prompt
         return self.adapter._response(emission, self.parsed, self.emitter, self.stats, finish, self.log_probs,
                                       self.top, prompt, self.ranks, self.times if self.parsed.perf_metrics else None,
-                                      first)
+                                      first, self.logits)
 
     async def round(self, rnd) -> tuple[str | None, Emission | None]:
         """A round's tokens counted and pushed into the text, streamed where they make text; returns the
@@ -502,7 +513,7 @@ class _Responses:
         adapter = self.adapter
         if rnd.finish_reason == tn.FINISH_CANCELLED:  # cancelled between draft and verify
             return rnd.finish_reason, None
-        if rnd.prompt_log_probs is not None:
+        if rnd.prompt_log_probs is not None or rnd.prompt_logits is not None:
             self.prompt = rnd
         if rnd.log_probs:
             self.log_probs += rnd.log_probs
@@ -511,6 +522,8 @@ class _Responses:
             self.top[1].extend(rnd.top[1])
         if rnd.ranks:
             self.ranks += rnd.ranks
+        if rnd.logits is not None:
+            self.logits += list(rnd.logits.cpu())
         now, gap = time.monotonic(), None
         if rnd.new_tokens:
             previous = self.times[tn.LAST_TOKEN_TIME_NS]

@@ -201,6 +201,8 @@ class ParsedRequest:
             top_log_probs=int(top),
             log_ranks=vllm_logprobs is not None and tn.RETURN_LOGPROBS in vllm_outputs,
             prompt_log_probs=bool(inputs.scalar(tn.RETURN_PROMPT_LOG_PROBS, np.bool_, False)),
+            generation_logits=bool(inputs.scalar(tn.RETURN_GENERATION_LOGITS, np.bool_, False)),
+            context_logits=bool(inputs.scalar(tn.RETURN_CONTEXT_LOGITS, np.bool_, False)),
             bad_words=bad_words,
             penalties=penalties,
             grammar=_grammar(inputs, compile_guide, limits.max_guide_chars, encode, limits.vocab_size,
