@@ -12,7 +12,7 @@ from client.core import (
     ClientError, GenerationParams, GenerationResult, GenerationTimeoutError, ResultBuilder, ServerUnavailableError,
     classify_error, classify_http_error, server_url,
 )
-from client.sync import TextCallback, consume_grpc_response, grpc_inputs, parse_sse_line
+from client.sync import SseLines, TextCallback, consume_grpc_response, grpc_inputs, parse_sse_line
 from specdec import tensor_names as tn
 
 
@@ -89,12 +89,14 @@ class AsyncClient:
                 if not stream:
                     builder.add(await response.json())
                     return builder.result
-                async for raw in response.content:
-                    payload = parse_sse_line(raw.decode("utf-8").strip())
-                    if payload is not None:
-                        delta = builder.add(payload)
-                        if on_text and delta:
-                            on_text(delta)
+                lines = SseLines()
+                async for piece in response.content.iter_any():
+                    for line in lines.feed(piece):
+                        payload = parse_sse_line(line.strip())
+                        if payload is not None:
+                            delta = builder.add(payload)
+                            if on_text and delta:
+                                on_text(delta)
         except aiohttp.ClientConnectionError as exc:
             raise ServerUnavailableError(f"cannot reach {self.url}: {exc}") from None
         return builder.result

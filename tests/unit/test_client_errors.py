@@ -95,3 +95,39 @@ def test_a_cache_salt_and_return_prompt_ids_go_out_over_grpc_and_http():
     body = params.json("hi", stream=False)
     assert (body[tn.CACHE_SALT], body[tn.RETURN_PROMPT_IDS]) == ("tenant-1", True)
     assert tn.CACHE_SALT not in GenerationParams().tensors("hi", stream=False)
+
+
+def test_a_streamed_http_answers_lines_join_from_any_pieces():
+    """SseLines: lines split anywhere (a multi-byte character, CRLF, a megabyte event in many pieces) come out
+    whole, each once; a last line without its newline too."""
+    from client.sync import SseLines, sse_lines
+
+    event = "data: " + json.dumps({"text_output": "é" * 3, "generation_logits": [0.5] * 200_000})
+    body = (event + "\r\n\r\n" + "data: {}\n" + ": keep-alive").encode()
+    for size in (1, 7, 4096, 1 << 16, len(body)):
+        pieces = [body[i:i + size] for i in range(0, len(body), size)]
+        assert list(sse_lines(pieces)) == [event, "", "data: {}", ": keep-alive"], size
+    lines = SseLines()
+    assert lines.feed(b"data: 1\ndata") == ["data: 1"] and lines.feed(b": 2") == [] and lines.rest() == ["data: 2"]
+    assert lines.rest() == []
+
+
+def test_logits_accumulate_over_responses_flat_or_shaped():
+    """generation_logits: each response's rows (its tokens: num_output_tokens counts them all so far), shaped
+    (gRPC) or flat (HTTP's generate endpoint); context_logits: the prompt's rows."""
+    for flat in (False, True):
+        builder = ResultBuilder()
+        first = np.arange(2 * 5, dtype=np.float32).reshape(1, 1, 2, 5)
+        later = np.arange(100, 105, dtype=np.float32).reshape(1, 1, 1, 5)
+        context = np.ones((3, 5), dtype=np.float32)
+        for fields in ({tn.NUM_INPUT_TOKENS: 3, tn.NUM_OUTPUT_TOKENS: 2, tn.GENERATION_LOGITS: first,
+                        tn.CONTEXT_LOGITS: context},
+                       {tn.NUM_OUTPUT_TOKENS: 3, tn.GENERATION_LOGITS: later},
+                       {tn.NUM_OUTPUT_TOKENS: 3, tn.GENERATION_LOGITS: np.zeros((1, 1, 0, 0), np.float32)}):
+            builder.add({k: (v.reshape(-1).tolist() if flat and isinstance(v, np.ndarray) else v)
+                         for k, v in fields.items()})
+        result = builder.result
+        assert result.generation_logits.shape == (3, 5)
+        assert result.generation_logits[2].tolist() == later.reshape(-1).tolist()
+        assert result.generation_logits[:2].reshape(-1).tolist() == list(range(10))
+        assert result.context_logits.shape == (3, 5) and result.context_logits.flags.writeable
