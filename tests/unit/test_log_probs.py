@@ -297,3 +297,7 @@ def test_generation_and_context_logits_are_the_targets_raw_logits(tiny_lm, draft
     assert torch.allclose(rounds[0].prompt_logits, reference[:len(PROMPT)], atol=1e-4)
     if branches > 1:
         assert any(rnd.depth is not None and rnd.num_accepted for rnd in rounds)
+    one = _run(GenerationRequest(seq_id=10, prompt_ids=PROMPT[:1], max_tokens=3, context_logits=True),
+               NgramProposer(min_ngram=1), LocalScorer(dynamic_executor(tiny_lm)), k)
+    with torch.no_grad():  # a one-token prompt: its one row, the first verified position's
+        assert torch.allclose(one[0].prompt_logits, tiny_lm(torch.tensor([PROMPT[:1]])).logits[0].float(), atol=1e-4)

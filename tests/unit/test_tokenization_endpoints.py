@@ -66,6 +66,25 @@ def test_documents_reach_a_rag_template_as_its_documents(tokenizer, monkeypatch)
     for bad in ('{"documents": {"text": "x"}}', '{"documents": [["x"]]}', '{"documents": [{"text": 3}]}'):
         with pytest.raises(ValueError, match="'documents' must be a list of objects of strings"):
             chat_template_kwargs(bad, "chat_template_kwargs")
+    # /tokenize renders them as the chat endpoint does (its count is the chat's prompt_tokens), the tools too
+    assert tokenize(tokenizer, {"messages": CHAT, "documents": docs}, 0)["tokens"] == ids
+    with pytest.raises(ApiError) as caught:
+        tokenize(tokenizer, {"messages": CHAT, "documents": [1]}, 0)
+    assert caught.value.param == "documents[0]"
+
+
+def test_tokenize_renders_a_chats_tools_as_the_chat_endpoint_does(tokenizer, monkeypatch):
+    """A chat's `tools` reach the template on /tokenize as on the chat endpoint: its count is the chat's
+    prompt_tokens; a tool that is no function tool is refused naming `tools`."""
+    monkeypatch.setattr(tokenizer, "chat_template", "{% for t in tools or [] %}<tool {{ t.function.name }}>\n"
+                        "{% endfor %}" + RAG_TEMPLATE)
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    with_tools = tokenize(tokenizer, {"messages": CHAT, "tools": tools}, 0)["tokens"]
+    assert with_tools == chat_ids(tokenizer, CHAT, tools, "messages")
+    assert len(with_tools) > len(tokenize(tokenizer, {"messages": CHAT}, 0)["tokens"])
+    with pytest.raises(ApiError) as caught:
+        tokenize(tokenizer, {"messages": CHAT, "tools": [{"type": "function"}]}, 0)
+    assert caught.value.param == "tools"
 
 
 def test_tokenizer_info_names_the_special_tokens_and_the_chat_template(tokenizer):

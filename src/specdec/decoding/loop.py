@@ -404,7 +404,7 @@ async def _score(scorer: Scorer, req: GenerationRequest, keep: int, new_ids: lis
     # Greedy rounds ship no logits (the target sends its tokens' log-probabilities instead), unless
     # penalties, biases or bad words must edit them first (a grammar alone: the target picks with its mask).
     want_logits = not req.sampling.greedy or (req.edits_logits and allowed is None) or req.generation_logits or (
-        req.context_logits and score_rows > 0)  # (the prompt's last row: the first verified position's)
+        req.context_logits and keep == 0)  # (the prompt's last row: its first verified position's)
     while True:
         try:
             return await scorer.score(VerifyCall(req.seq_id, keep, new_ids, positions, want_logits=want_logits,

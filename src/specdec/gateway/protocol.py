@@ -535,12 +535,7 @@ def parse_chat(body: dict, served: tuple[str, ...], tool_parser: str | None = No
         if effort not in REASONING_EFFORTS:
             raise invalid("reasoning_effort", f"must be one of {', '.join(REASONING_EFFORTS)}, got {json.dumps(effort)[:40]}")
         template_kwargs = {"reasoning_effort": effort, **(template_kwargs or {})}  # the explicit variable wins
-    documents = _typed(body, "documents", (list,), "a list of documents (objects of strings)")
-    if documents is not None:  # vLLM's: a RAG template's sources, the template call's `documents`
-        for i, document in enumerate(documents):
-            if not isinstance(document, dict) or not all(isinstance(v, str) for v in document.values()):
-                raise invalid(f"documents[{i}]", "must be an object of strings (e.g. its 'title' and 'text')")
-        template_kwargs = {"documents": documents, **(template_kwargs or {})}  # (as vLLM: chat_template_kwargs' win)
+    template_kwargs = with_documents(body, template_kwargs)
     if template_kwargs:  # the server refuses the names it sets itself, named as this field
         inputs[tn.CHAT_TEMPLATE_KWARGS] = _string(json.dumps(template_kwargs))
     template = request_template(body, trust_template)
@@ -557,6 +552,19 @@ def parse_chat(body: dict, served: tuple[str, ...], tool_parser: str | None = No
                       reasoning=reasoning_parser, include_reasoning=_typed(body, "include_reasoning", (bool,),
                                                                            "a boolean") is not False,
                       sampling=sampling)
+
+
+def with_documents(body: dict, template_kwargs: dict | None) -> dict | None:
+    """The chat template's variables with vLLM's `documents` (a RAG template's sources, the template call's
+    `documents`: a list of objects of strings; ApiError naming it) among them; chat_template_kwargs' own
+    `documents` wins, as in vLLM."""
+    documents = _typed(body, "documents", (list,), "a list of documents (objects of strings)")
+    if documents is None:
+        return template_kwargs
+    for i, document in enumerate(documents):
+        if not isinstance(document, dict) or not all(isinstance(v, str) for v in document.values()):
+            raise invalid(f"documents[{i}]", "must be an object of strings (e.g. its 'title' and 'text')")
+    return {"documents": documents, **(template_kwargs or {})}
 
 
 def continues(body: dict, chat: list[dict]) -> bool:

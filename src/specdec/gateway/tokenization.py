@@ -11,7 +11,7 @@ import json
 from specdec import tensor_names as tn
 from specdec.decoding.text import chat_ids, chat_messages as server_messages, chat_template_kwargs, chat_tools, \
     template_variables
-from specdec.gateway.protocol import ApiError, chat_messages, continues, invalid, request_template
+from specdec.gateway.protocol import ApiError, chat_messages, continues, invalid, request_template, with_documents
 
 # The special tokens a tokenizer_info answer names (vLLM's answer is the tokenizer's settings; these are
 # what lm-eval's remote tokenizer reads of it, with the chat template).
@@ -28,8 +28,8 @@ def _flag(body: dict, name: str, default: bool) -> bool:
 def tokenize(tokenizer, body: dict, max_model_len: int, trust_template: bool = False,
              content_format: str = "auto") -> dict:
     """`{"prompt": text}` (`add_special_tokens`, default true) or `{"messages": [...]}` (the chat template
-    with the assistant's turn opened, or its last message continued with `continue_final_message`, as the chat
-    endpoint renders it: `count` is its `prompt_tokens`; a
+    with the assistant's turn opened, or its last message continued with `continue_final_message`, over its
+    `tools` and `documents`, as the chat endpoint renders it: `count` is its `prompt_tokens`; a
     request's own `chat_template` where the API trusts them) -> `{"count", "max_model_len", "tokens",
     "token_strs"}` (`token_strs` with `return_token_strs`). content_format: the server's (text.CONTENT_FORMATS)."""
     if not isinstance(body, dict):
@@ -49,9 +49,15 @@ def tokenize(tokenizer, body: dict, max_model_len: int, trust_template: bool = F
             kwargs = None if kwargs is None else template_variables(kwargs, "chat_template_kwargs")
         except ValueError as exc:
             raise invalid("chat_template_kwargs", str(exc)) from None
+        kwargs = with_documents(body, kwargs)
+        tools = body.get("tools") or None  # rendered as the chat endpoint renders them: the same count
+        try:
+            tools = None if tools is None else chat_tools(json.dumps(tools), "tools")
+        except ValueError as exc:
+            raise invalid("tools", str(exc)) from None
         try:
             chat = chat_messages(body)
-            ids = chat_ids(tokenizer, chat, None, "messages", kwargs, template, content_format, continues(body, chat))
+            ids = chat_ids(tokenizer, chat, tools, "messages", kwargs, template, content_format, continues(body, chat))
         except ValueError as exc:
             raise invalid("chat_template" if template is not None else "messages", str(exc)) from None
     strings = tokenizer.convert_ids_to_tokens(ids) if _flag(body, "return_token_strs", False) else None

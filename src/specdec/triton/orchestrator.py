@@ -402,8 +402,9 @@ class SpeculativeDecodingAdapter(TritonAdapter):
                       pb.Tensor(tn.OUTPUT_TOP_LOG_PROBS,
                                 np.asarray(top[1][sent - len(ids):sent], dtype=np.float32).reshape(shape))]
         if req.generation_logits:  # (1, beam 1, tokens, V): this response's tokens' rows, then let go
+            logits = logits if logits is not None else []  # (a request that ends before generating)
             rows = logits[sent - len(ids):sent]
-            logits[sent - len(ids):sent] = [None] * len(ids)
+            logits[sent - len(ids):sent] = [None] * len(rows)
             extra.append(pb.Tensor(tn.GENERATION_LOGITS, torch.stack(rows).cpu().numpy()[None, None] if rows else
                                    np.zeros((1, 1, 0, 0), dtype=np.float32)))
         if prompt is not None and req.context_logits:  # (1, P, V)
