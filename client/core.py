@@ -180,11 +180,18 @@ class GenerationResult:
     prompt_ranks: list[int] = field(default_factory=list)  # 1: the most likely token there
     prompt_top_ids: list[list[int]] = field(default_factory=list)
     prompt_top_log_probs: list[list[float]] = field(default_factory=list)
-    # With return_generation_logits / return_context_logits: (output tokens, V) and (input tokens, V) float32
-    generation_logits: np.ndarray | None = None
+    # With return_generation_logits: each response's (tokens, V) float32 rows (generation_logits joins them);
+    # with return_context_logits: (input tokens, V)
+    generation_logit_parts: list[np.ndarray] = field(default_factory=list, repr=False)
     context_logits: np.ndarray | None = None
     ttft_s: float = 0.0  # request sent -> first response
     latency_s: float = 0.0  # request sent -> last response
+
+    @property
+    def generation_logits(self) -> np.ndarray | None:
+        """(output tokens, V) float32: the target's raw logits at each generated position, with
+        return_generation_logits."""
+        return np.concatenate(self.generation_logit_parts) if self.generation_logit_parts else None
 
     @property
     def itl_s(self) -> float:
@@ -217,7 +224,6 @@ class ResultBuilder:
         self.top = num_top_log_probs or 0  # the rows' width (Triton's HTTP generate endpoint sends them flat)
         self.sent = time.perf_counter()
         self.first: float | None = None
-        self.logit_rows: list[np.ndarray] = []  # the responses' generation logits, (tokens, V) each
 
     def add(self, fields: dict) -> str:
         """Add one response's fields (name -> python value); returns its text delta."""
@@ -259,15 +265,13 @@ class ResultBuilder:
             into += [[kind(v) for v in flat[i:i + self.top]] for i in range(0, len(flat), self.top)]
         return delta
 
-
     def _logits(self, fields: dict, before: int) -> None:
         """A response's logits (flat where Triton's HTTP generate endpoint sent them): its generated tokens' rows
         (num_output_tokens counts them all so far), the prompt's (num_input_tokens rows)."""
         values = fields.get(tn.GENERATION_LOGITS)
         rows = self.result.num_output_tokens - before
-        if values is not None and rows > 0:
-            self.logit_rows.append(np.asarray(values, dtype=np.float32).reshape(rows, -1))
-            self.result.generation_logits = np.concatenate(self.logit_rows)
+        if values is not None and rows > 0:  # (joined once, when read: a long stream's are many)
+            self.result.generation_logit_parts.append(np.asarray(values, dtype=np.float32).reshape(rows, -1))
         values = fields.get(tn.CONTEXT_LOGITS)
         if values is not None and self.result.num_input_tokens:
             self.result.context_logits = np.array(values, dtype=np.float32).reshape(self.result.num_input_tokens, -1)

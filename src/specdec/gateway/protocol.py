@@ -143,8 +143,7 @@ class Generation:
 
     @property
     def server_top(self) -> int:
-        """The most likely tokens the server sends at each position: the generated ones' and the prompt's."""
-        return max(self.top_logprobs, self.prompt_logprobs or 0)
+        return server_top(self.top_logprobs, self.prompt_logprobs)
 
     @property
     def response_id(self) -> str:
@@ -284,6 +283,13 @@ def _common(body: dict, chat: bool, defaults: dict | None) -> tuple[dict, dict[s
                 raise invalid(name, f"must be within [{INT32[0]}, {INT32[1]}], got {value}")
             inputs[tensor] = np.array([[value]], dtype=dtype)
     return sampling, inputs, {"stream": stream, **settings}
+
+
+def server_top(top: int, prompt_k: int | None) -> int:
+    """The most likely tokens the server sends at each position: as many as the generated tokens' `top_logprobs`
+    or the prompt's `prompt_logprobs` ask, the larger (each list is cut to its own count); they come with
+    return_log_probs, which the request's inputs then carry whether or not its answer shows log-probabilities."""
+    return max(top, prompt_k or 0)
 
 
 def _prompt_logprobs(body: dict, inputs: dict[str, np.ndarray], stream: bool) -> int | None:
@@ -543,9 +549,9 @@ def parse_chat(body: dict, served: tuple[str, ...], tool_parser: str | None = No
         inputs[tn.CHAT_TEMPLATE] = _string(template)
     _adapter(inputs, model, served)
     scored = _prompt_logprobs(body, inputs, stream["stream"])
-    server_top = max(top, scored or 0)  # (top rows come with return_log_probs: the answer shows them as asked)
+    rows = server_top(top, scored)
     return Generation(chat=True, model=model,
-                      choices=_finish(sampling, inputs, stream["stream"], logprobs or server_top > 0, n, server_top),
+                      choices=_finish(sampling, inputs, stream["stream"], logprobs or rows > 0, n, rows),
                       n=n, stream=stream["stream"], include_usage=stream["include_usage"],
                       continuous_usage=stream["continuous_usage"], logprobs=logprobs, top_logprobs=top,
                       tokens_as_ids=_tokens_as_ids(body), prompt_logprobs=scored, tools=calling,
@@ -667,14 +673,14 @@ def parse_completion(body: dict, served: tuple[str, ...], defaults: dict | None 
     scored = _prompt_logprobs(body, inputs, stream["stream"])
     if scored is None and echo and logprobs and not stream["stream"]:  # vLLM's answer lists them then too
         scored = top
-    server_top = max(top, scored or 0)  # (top rows come with return_log_probs: the answer shows them as asked)
+    rows = server_top(top, scored)
     _adapter(inputs, model, served)
     choices = []
     for prompt in prompts:
         # A completion continues the text as it is: no chat template (the server's default may apply one)
         given = {tn.TEXT_INPUT: _string(prompt), tn.APPLY_CHAT_TEMPLATE: np.array([[False]], dtype=np.bool_)} \
             if isinstance(prompt, str) else {tn.PROMPT_TOKEN_IDS: np.array([prompt], dtype=np.int32)}
-        choices += _finish(sampling, {**inputs, **given}, stream["stream"], logprobs or server_top > 0, n, server_top)
+        choices += _finish(sampling, {**inputs, **given}, stream["stream"], logprobs or rows > 0, n, rows)
     return Generation(chat=False, model=model, choices=choices, n=n,
                       stream=stream["stream"], include_usage=stream["include_usage"],
                       continuous_usage=stream["continuous_usage"], logprobs=logprobs, top_logprobs=top,

@@ -734,7 +734,7 @@ class TargetModel(LanguageModelAdapter):
             cached = seq.cached if seq is not None else 0
         message = wire.VerifiedMessage(tokens, forward if tn.FORWARD_STATS in requested else None, log_probs,
                                        top_ids, top_values, scored, scored_ids, scored_values, cached,
-                                       self.lm.block_size, scored_ranks)
+                                       self.lm.block_size, scored_ranks=scored_ranks)
         outputs = [pb.Tensor(name, value) for name, value in message.encode().items()]
         if tn.SCORED_LOGITS in requested and scored_logits is not None:  # (1, score rows, V): the context's
             outputs.append(self._output(tn.SCORED_LOGITS, scored_logits[:step.score_rows].float()[None]))
