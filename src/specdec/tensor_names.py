@@ -334,6 +334,9 @@ DEFAULT_NUM_DRAFT_TOKENS = 4
 DEFAULT_MAX_NUM_DRAFT_TOKENS = 16
 DEFAULT_MAX_MAX_TOKENS = 1024
 DEFAULT_MAX_CONTEXT_TOKENS = 8192  # prompt + output tokens per sequence; the chart's default too
+# return_generation_logits of a whole (not streamed) answer and return_context_logits hold V floats a token until
+# the answer leaves (~200 KB a token for a 49k vocabulary, 0.5 MB for a 128k one): the most tokens they may cover
+DEFAULT_MAX_LOGITS_TOKENS = 512
 # speculative_decoding stub processes by the models' device: on CPU two, concurrent streams' rounds in
 # parallel, not on one Python thread; with the models on GPUs one, where a second gained nothing and each
 # instance's adaptive policy measured its costs apart. The committed

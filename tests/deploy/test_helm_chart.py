@@ -401,6 +401,19 @@ def test_one_default_context_length_for_chart_launcher_and_image():
     assert f'key: "max_context_tokens", value: {{ string_value: "{tn.DEFAULT_MAX_CONTEXT_TOKENS}" }}' in committed
 
 
+def test_one_max_logits_tokens_for_chart_and_committed_configuration_and_the_value_reaches_the_orchestrator():
+    from specdec import tensor_names as tn
+
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert values["speculation"]["maxLogitsTokens"] == tn.DEFAULT_MAX_LOGITS_TOKENS
+    committed = (REPO_ROOT / "model_repository" / "speculative_decoding" / "config.pbtxt").read_text()
+    assert f'key: "max_logits_tokens", value: {{ string_value: "{tn.DEFAULT_MAX_LOGITS_TOKENS}" }}' in committed
+    configs = [doc for doc in render_chart({"speculation": {"maxLogitsTokens": 64}})
+               if doc.get("kind") == "ConfigMap"]
+    assert any('key: "max_logits_tokens", value: { string_value: "64" }' in text
+               for doc in configs for text in (doc.get("data") or {}).values())
+
+
 def test_one_default_for_prompts_in_cuda_graphs_in_chart_launcher_and_configs():
     """prefill_graph_rows: the chart, the launcher's pair and both committed model configurations agree."""
     from specdec import tensor_names as tn

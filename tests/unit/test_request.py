@@ -198,6 +198,44 @@ def test_limits_from_config_are_validated_at_load():
         RequestLimits.from_parameters(ModelParameters(config(draft_models=" , ")), 10, frozenset())
 
 
+def test_logits_outputs_are_held_for_at_most_max_logits_tokens():
+    """A whole answer's generation logits stay until it ends, the prompt's until the first response: both
+    bounded by the server's max_logits_tokens; a streamed answer lets each row go, so any max_tokens streams."""
+    limits = RequestLimits.from_parameters(ModelParameters({"name": "speculative_decoding", "parameters": {
+        "draft_models": {"string_value": "ngram"}, "max_logits_tokens": {"string_value": "4"}}}), 100, frozenset())
+    assert limits.max_logits_tokens == 4
+    assert RequestLimits(vocab_size=1, draft_names=("ngram",)).max_logits_tokens == tn.DEFAULT_MAX_LOGITS_TOKENS
+
+    def parse_with(prompt, **inputs):
+        arrays = {tn.INPUT_IDS: np.array([prompt], dtype=np.int32),
+                  **{name: np.array([[value]]) for name, value in inputs.items()}}
+        return ParsedRequest.parse(arrays.get, limits, seq_id=7)
+
+    generation = {tn.RETURN_GENERATION_LOGITS: True}
+    assert parse_with([5, 6], max_tokens=np.int32(4), **generation).generation.generation_logits  # the cap itself
+    with pytest.raises(InputError, match=r"^input 'return_generation_logits' of a whole \(not streamed\) answer of 5 "
+                                         r"tokens \(input 'max_tokens'\): .*at most 4 tokens' logits .*"
+                                         r"\(max_logits_tokens\)"):
+        parse_with([5, 6], max_tokens=np.int32(5), **generation)
+    assert parse_with([5, 6], max_tokens=np.int32(30), stream=True, **generation).generation.generation_logits
+    assert not parse_with([5, 6], max_tokens=np.int32(30)).generation.generation_logits  # not asked: no cap
+    with pytest.raises(InputError, match=r"^input 'return_generation_logits' .* \(input 'sampling_parameters': key "
+                                         r"'max_tokens'\)"):
+        ParsedRequest.parse({tn.INPUT_IDS: np.array([[5]], dtype=np.int32),
+                             tn.RETURN_GENERATION_LOGITS: np.array([[True]]),
+                             **_vllm({"max_tokens": 5})}.get, limits, seq_id=7)
+
+    context = {tn.RETURN_CONTEXT_LOGITS: True}
+    assert parse_with([5, 6, 7, 8], stream=True, **context).generation.context_logits
+    for stream in (False, True):  # the prompt's rows go in the first response either way, all at once
+        with pytest.raises(InputError, match=r"^input 'return_context_logits' of a prompt of 5 tokens: .*at most 4 "):
+            parse_with([5, 6, 7, 8, 9], stream=stream, **context)
+    refusing = RequestLimits(vocab_size=100, draft_names=("ngram",), max_logits_tokens=0)
+    with pytest.raises(InputError, match="return_context_logits"):
+        ParsedRequest.parse({tn.INPUT_IDS: np.array([[5]], dtype=np.int32),
+                             tn.RETURN_CONTEXT_LOGITS: np.array([[True]])}.get, refusing, seq_id=7)
+
+
 def _vllm(settings) -> dict:
     return {tn.SAMPLING_PARAMETERS: np.array([[json.dumps(settings).encode()]], dtype=np.object_)}
 

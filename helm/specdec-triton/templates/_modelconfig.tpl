@@ -377,6 +377,7 @@ output [
 {{ include "specdec.param" (list "max_stop_words" 16) }}
 {{ include "specdec.param" (list "max_bad_words" 16) }}
 {{ include "specdec.param" (list "max_guide_chars" 65536) }}
+{{ include "specdec.param" (list "max_logits_tokens" $s.maxLogitsTokens) }}
 {{ include "specdec.param" (list "max_live_sequences" $s.maxLiveSequences) }}
 {{ include "specdec.param" (list "when_full" $s.whenFull) }}
 {{ include "specdec.param" (list "verify_gather_ms" $s.verifyGatherMs) }}

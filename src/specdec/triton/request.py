@@ -53,6 +53,8 @@ class RequestLimits:
     # A guide compiles when its request arrives (a large one on a thread, a small one on the orchestrator's
     # event loop); compiling grows with the guide, so its length is bounded.
     max_guide_chars: int = 65536
+    # tokens whose logits a request may have the server hold for it (tn.DEFAULT_MAX_LOGITS_TOKENS)
+    max_logits_tokens: int = tn.DEFAULT_MAX_LOGITS_TOKENS
     lora_names: tuple[str, ...] = ()  # the LoRA adapters target_model serves (its lora_adapters, by name)
     lora_directory: str = ""  # and the directory it reads more from on demand (its lora_directory)
 
@@ -76,6 +78,7 @@ class RequestLimits:
             max_stop_words=params.int("max_stop_words", 16, low=0),
             max_bad_words=params.int("max_bad_words", 16, low=0),
             max_guide_chars=params.int("max_guide_chars", 65536, low=1),
+            max_logits_tokens=params.int("max_logits_tokens", tn.DEFAULT_MAX_LOGITS_TOKENS, low=0),
             lora_names=tuple(parse_adapters(params.str("lora_adapters", ""), "parameter 'lora_adapters'")),
             lora_directory=params.str("lora_directory", ""),
         )
@@ -176,7 +179,7 @@ class ParsedRequest:
         draft_name = names[0] if names else limits.draft_names[0]
         if len(names) > 1 or draft_name not in limits.draft_names:
             raise InputError(f"input '{tn.DRAFT_MODEL}' must be one of {sorted(limits.draft_names)}, got {names}")
-        lora_name = _lora_name(inputs, limits, settings.fields.get(tn.LORA_NAME, f"input '{tn.LORA_NAME}'"))
+        lora_name = _lora_name(inputs, limits, settings.input_field(tn.LORA_NAME))
         sampling = SamplingParams(temperature, top_k, top_p, seed, min_p)
         log_probs = bool(inputs.scalar(tn.RETURN_LOG_PROBS, np.bool_, False))
         top = inputs.scalar(tn.NUM_TOP_LOG_PROBS, np.int32, 0)
@@ -206,7 +209,7 @@ class ParsedRequest:
             bad_words=bad_words,
             penalties=penalties,
             grammar=_grammar(inputs, compile_guide, limits.max_guide_chars, encode, limits.vocab_size,
-                             settings.fields.get(tn.THINKING_TOKEN_BUDGET, f"input '{tn.THINKING_TOKEN_BUDGET}'")),
+                             settings.input_field(tn.THINKING_TOKEN_BUDGET)),
             token_bias=_token_bias(inputs, limits.vocab_size, settings.field, encode),
             lora_name=lora_name,
             cache_salt=_cache_salt(inputs),
@@ -215,6 +218,7 @@ class ParsedRequest:
         # different K changes which random draws pick which token, so it drafts a fixed K.
         adaptive = adaptive and (sampling.greedy or seed is None)
         stream = bool(inputs.scalar(tn.STREAM, np.bool_, False))
+        _check_logits(generation, stream, limits, settings.input_field)
         echo = not inputs.scalar(tn.EXCLUDE_INPUT_IN_OUTPUT, np.bool_, True) and not stream
         interval_ms = int(inputs.scalar("stream_interval_ms", np.int32, 0))
         if not 0 <= interval_ms <= MAX_STREAM_INTERVAL_MS:
@@ -228,6 +232,19 @@ class ParsedRequest:
                    bool(inputs.scalar(tn.SKIP_SPECIAL_TOKENS, np.bool_, True)),
                    _prediction(inputs, encode, limits, settings.field),
                    bool(inputs.scalar(tn.RETURN_PROMPT_IDS, np.bool_, False)))
+
+
+def _check_logits(req: GenerationRequest, stream: bool, limits: RequestLimits, field: Callable[[str], str]):
+    """Logits outputs within the server's max_logits_tokens: a whole answer's generation logits are held until
+    it ends (a streamed one's leave with each response), the prompt's until the first response."""
+    cap = limits.max_logits_tokens
+    if req.generation_logits and not stream and req.max_tokens > cap:
+        raise InputError(f"{field(tn.RETURN_GENERATION_LOGITS)} of a whole (not streamed) answer of {req.max_tokens} "
+                         f"tokens ({field(tn.MAX_TOKENS)}): this server holds at most {cap} tokens' logits for a "
+                         f"request (max_logits_tokens); ask for fewer tokens or stream")
+    if req.context_logits and len(req.prompt_ids) > cap:
+        raise InputError(f"{field(tn.RETURN_CONTEXT_LOGITS)} of a prompt of {len(req.prompt_ids)} tokens: this server "
+                         f"holds at most {cap} tokens' logits for a request (max_logits_tokens)")
 
 
 def _prediction(inputs: Inputs, encode: Encode | None, limits: RequestLimits,

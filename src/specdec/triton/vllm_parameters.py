@@ -76,6 +76,10 @@ class VllmSettings:
     def field(self, key: str) -> str:
         return self.fields.get(key, f"input '{tn.SAMPLING_PARAMETERS}': key {key!r}")
 
+    def input_field(self, name: str) -> str:
+        """Where input `name` came from: a vLLM setting's key, or the input itself."""
+        return self.fields.get(name, f"input '{name}'")
+
 
 def with_sampling_parameters(lookup: InputLookup, parameters: str | None = None) -> VllmSettings:
     """`lookup`, with vLLM's settings as the inputs they stand for: the keys of a `sampling_parameters` JSON
