@@ -109,8 +109,9 @@ PRIORITY = "priority"
 GUIDED_DECODING_GUIDE_TYPE = "guided_decoding_guide_type"  # STRING [1]
 GUIDED_DECODING_GUIDE = "guided_decoding_guide"  # STRING [1]: the schema, pattern, grammar or choices
 # json: any JSON object (the guide is empty); json_schema: a JSON schema; regex; ebnf_grammar: GBNF or Lark;
-# choice: a JSON list of strings, the output is one of them
-GUIDE_TYPES = ("json", "json_schema", "regex", "ebnf_grammar", "choice")
+# choice: a JSON list of strings, the output is one of them; structural_tag: free text in which each of the JSON's
+# `triggers` opens one of its `structures` (`begin`, JSON following `schema`, `end`), vLLM's and SGLang's form
+GUIDE_TYPES = ("json", "json_schema", "regex", "ebnf_grammar", "choice", "structural_tag")
 # STRING [1]: a reasoning model's parser, one of REASONING_PARSERS (decoding/thinking.py): the guide applies to the
 # answer after the thinking, as that parser splits it (the OpenAI gateway sends it with --reasoning-parser)
 REASONING_PARSER = "reasoning_parser"

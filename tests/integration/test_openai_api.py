@@ -6,6 +6,7 @@ clients that go away."""
 import asyncio
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -585,6 +586,29 @@ def test_structured_output_follows_the_schema(api, model):
     choice = api.completions.create(model=model, prompt="Yes or no?", max_tokens=8, temperature=0,
                                     extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
     assert choice.choices[0].text in ("yes", "no")
+
+
+def test_structural_tags_hold_each_tagged_segment_to_its_schema(api, model):
+    """vLLM's and SGLang's response_format structural_tag: free text in which a trigger opens a tagged segment.
+    The tiny model is pushed to write the trigger (a logit bias on its one token, "Call", 12800 in SmolLM2's
+    vocabulary): each "Call" opens "Call(", JSON following the schema, ")"; speculation writes what target-only
+    does, and a refused structure is named."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["n"], "additionalProperties": False, "x-guidance": {"whitespace_flexible": False}}
+    fmt = {"type": "structural_tag", "structures": [{"begin": "Call(", "schema": schema, "end": ")"}],
+           "triggers": ["Call"]}
+    args = dict(model=model, messages=CHAT, max_tokens=40, temperature=0, logit_bias={"12800": 30})
+    tagged = {k: api.chat.completions.create(**args, response_format=fmt, extra_body={"num_draft_tokens": k})
+              .choices[0].message.content for k in (0, 4)}
+    assert tagged[0] == tagged[4]
+    segments = tagged[0].split("Call")
+    assert len(segments) >= 4, tagged[0]
+    for segment in segments[1:-1]:  # (the last may be cut by max_tokens)
+        assert re.match(r'\(\{"n":[0-9]\}\)', segment), tagged[0]
+    plain = api.chat.completions.create(**args).choices[0].message.content
+    assert "Call" in plain and not re.search(r'Call\(\{"n":[0-9]\}\)', plain)  # the guide wrote those
+    with pytest.raises(openai.BadRequestError, match=r"structures\[0\]: 'begin' 'Call\(' starts with none of"):
+        api.chat.completions.create(**args, response_format={**fmt, "triggers": ["Tool"]})
 
 
 def test_log_probs_match_the_ensemble(server, api, model):

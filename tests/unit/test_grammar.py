@@ -108,10 +108,60 @@ def test_the_output_ends_where_the_grammar_ends(guides, tokenizer):
     ("json_schema", '{"type": "foo"}', "foo"), ("choice", "[]", "JSON list of non-empty strings"),
     ("choice", '["a", 3]', "JSON list"), ("ebnf_grammar", "root ::= (", "Expected"), ("regex", "", "empty"),
     ("xml", "<a/>", "unknown guide type"), ("choice", "[" * 5000, "nested too deeply"),  # nested past the decoder's depth
-    ("choice", json.dumps([f"option {i}" for i in range(MAX_CHOICES + 1)]), f"at most {MAX_CHOICES} choices")])
+    ("choice", json.dumps([f"option {i}" for i in range(MAX_CHOICES + 1)]), f"at most {MAX_CHOICES} choices"),
+    ("structural_tag", "{", "not JSON"), ("structural_tag", "[]", "JSON object with 'structures' and 'triggers'"),
+    ("structural_tag", '{"structures": [{"begin": "<f>", "end": ""}], "triggers": []}', "'triggers' must be a list"),
+    ("structural_tag", '{"structures": [], "triggers": ["<f>"]}', "'structures' must be a non-empty list"),
+    ("structural_tag", '{"structures": [{"begin": "<f>", "end": ""}], "triggers": ["<g>"]}',
+     r"structures\[0\]: 'begin' '<f>' starts with none of the triggers \['<g>'\]"),
+    ("structural_tag", '{"structures": [{"begin": "<f>", "end": 1}], "triggers": ["<f>"]}',
+     r"structures\[0\]: 'begin'"),
+    ("structural_tag", '{"structures": [{"begin": "<f>", "end": "", "schema": []}], "triggers": ["<f>"]}',
+     r"structures\[0\]: 'schema' must be a JSON schema object"),
+    ("structural_tag", '{"structures": [{"begin": "<f>", "end": "", "args": {}}], "triggers": ["<f>"]}',
+     r"structures\[0\] must be an object of 'begin', 'schema' and 'end'"),
+    ("structural_tag", '{"structures": [{"begin": "<f>", "end": "", "schema": {"type": "foo"}}], "triggers": ["<f>"]}',
+     "foo"),
+    ("structural_tag", '{"type": "structural_tag", "format": {"type": "triggered_tags"}}', "'format'"),
+    ("structural_tag", '{"structures": [{"begin": "<f>", "end": ""}, {"begin": "<|im_start|>", "end": ""}], '
+                       '"triggers": ["<f>", "<|im_start|>"]}', "are special tokens and .*'<f>'.* are not")])
 def test_a_guide_that_does_not_compile_says_why(guides, guide_type, guide, message):
     with pytest.raises(GuideError, match=message):
         guides.compile(guide_type, guide)
+
+
+def _allows(matcher, tokens: list[int]) -> list[bool]:
+    allowed = unpack_allowed(matcher.allowed([], 1), 49152)[0]
+    return [bool(allowed[token]) for token in tokens]
+
+
+@pytest.mark.parametrize("trigger,special", [("<call", False), ("<|im_start|>", True)])
+def test_a_structural_tag_holds_the_text_after_its_trigger_to_its_begin_schema_and_end(guides, tokenizer, trigger,
+                                                                                      special):
+    """Free text until a trigger; then the rest of the structure's begin, JSON following its schema and its end
+    are the only text allowed, and free text again after it. A trigger that is a special token is that token (a
+    model writes it as one), any other its text."""
+    begin = trigger + ("=weather>" if not special else "weather")
+    grammar = guides.compile("structural_tag", json.dumps({"type": "structural_tag", "structures": [
+        {"begin": begin, "schema": SCHEMA, "end": "</call>"}], "triggers": [trigger]}))
+    matcher = grammar.matcher()
+    encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    free = encode("Sure, 42 {x} ") + [EOS]
+    assert all(_allows(matcher, free))  # anything before the trigger, its end included
+    assert matcher.advance(encode("Let me look: ")) is None
+    assert matcher.advance(encode(trigger) if not special else [tokenizer.convert_tokens_to_ids(trigger)]) is None
+    rest = begin[len(trigger):]
+    assert tokenizer.decode(matcher.forced(20)) == rest + '{"name":"'  # the begin, then the schema's compact start
+    assert matcher.advance(encode(rest + '{"name":"Ann","age":')) is None
+    assert _allows(matcher, encode("7") + encode('"') + [EOS]) == [True, False, False]  # JSON, then the end
+    assert matcher.advance(encode("7}")) is None
+    assert tokenizer.decode(matcher.forced(20)) == "</call>"
+    assert matcher.advance(encode("</call>")) is None
+    assert all(_allows(matcher, free))  # free text again
+    assert matcher.advance(encode(" Done.") + [EOS]) == len(encode(" Done."))  # ends at the end of sequence
+    if not special:  # the trigger's text inside free text opens the structure wherever it is written
+        other = grammar.matcher()
+        assert other.advance(encode("a<call")) is None and tokenizer.decode(other.forced(20)).startswith("=weather>")
 
 
 def test_a_guide_compiles_once_and_each_request_gets_its_own_matcher(tokenizer):

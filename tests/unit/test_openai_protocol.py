@@ -190,6 +190,10 @@ def test_response_format_and_guided_fields_become_structured_outputs():
     assert sampling(parse_chat({"messages": CHAT, "response_format": {"type": "json_object"}}, SERVED))[
         "structured_outputs"] == {"json_object": True}
     assert "structured_outputs" not in sampling(parse_chat({"messages": CHAT, "response_format": {"type": "text"}}, SERVED))
+    tags = {"type": "structural_tag", "structures": [{"begin": "<f>", "schema": schema, "end": "</f>"}],
+            "triggers": ["<f>"]}
+    assert sampling(parse_chat({"messages": CHAT, "response_format": tags}, SERVED))["structured_outputs"] == {
+        "structural_tag": tags}  # (vLLM's form, "type" in it: the guide checks the rest when it compiles)
     assert sampling(parse_completion({"prompt": "p", "guided_choice": ["a", "b"]}, SERVED))["structured_outputs"] == {
         "choice": ["a", "b"]}
 

@@ -514,6 +514,16 @@ def test_a_guide_comes_as_tensorrt_llms_inputs_or_vllms_guided_decoding():
     assert compact.generation.grammar == ("json_schema", json.dumps({"type": "object", "x-guidance": {"whitespace_flexible": False}}))
     assert parse_guided(**_vllm({"guided_decoding": {"regex": "a", "disable_any_whitespace": True}})
                         ).generation.grammar == ("regex", "a")
+    # structural tags: an object or its JSON; compact, each structure's schema (a malformed one left to compile)
+    tags = {"structures": [{"begin": "<f>", "schema": schema, "end": "</f>"}, {"begin": "<g>", "end": ""}, 7],
+            "triggers": ["<f>", "<g>"]}
+    for value in (tags, json.dumps(tags)):
+        assert parse_guided(**_vllm({"structured_outputs": {"structural_tag": value}})).generation.grammar == (
+            "structural_tag", json.dumps(tags))
+    compact = parse_guided(**_vllm({"structured_outputs": {"structural_tag": tags, "disable_any_whitespace": True}}))
+    flat = {"x-guidance": {"whitespace_flexible": False}}
+    assert json.loads(compact.generation.grammar[1]) == {**tags, "structures": [
+        {"begin": "<f>", "schema": {**schema, **flat}, "end": "</f>"}, {"begin": "<g>", "end": "", "schema": flat}, 7]}
     # A guided request's greedy rounds fetch the target's logits, to mask them.
     assert parse_guided(**{tn.GUIDED_DECODING_GUIDE_TYPE: b"json"}).generation.edits_logits
 
@@ -599,7 +609,7 @@ def test_a_thinking_budget_needs_the_parser_and_holds_the_guide_after_it():
     (_vllm({"guided_decoding": {"regex": 5}}), "'regex' must be a string"),
     (_vllm({"guided_decoding": {"json_object": "yes"}}), "'json_object' must be true"),
     (_vllm({"guided_decoding": {"regex": "a", "whitespace_pattern": " "}}), "'whitespace_pattern' is supported only at None"),
-    (_vllm({"guided_decoding": {"regex": "a", "structural_tag": "t"}}), "'structural_tag' is not supported"),
+    (_vllm({"guided_decoding": {"regex": "a", "lark": "t"}}), "'lark' is not supported"),
     (_vllm({"guided_decoding": {"json": "[1]", "disable_any_whitespace": True}}), "must be a JSON schema object"),
     (_vllm({"guided_decoding": {"json": "{", "disable_any_whitespace": True}}), "'json' is not valid JSON"),
     (_vllm({"guided_decoding": {"regex": "a", "disable_any_whitespace": "yes"}}), "must be true or false"),

@@ -1,6 +1,7 @@
 """Structured output: the target's distribution restricted to what a grammar allows, exact under speculation.
 
-A request's guide (a JSON schema, any JSON object, a regex, a GBNF or Lark grammar, or a list of choices)
+A request's guide (a JSON schema, any JSON object, a regex, a GBNF or Lark grammar, a list of choices, or
+structural tags: free text in which a trigger string opens a tagged JSON segment, as tool calls are written)
 compiles once to an llguidance grammar over the target's tokenizer; a matcher follows the request's output
 token by token. The allowed tokens at a verify position depend on the drafts before it, as bans do:
 position j of a round gets the matcher's mask after the output so far plus the drafts x_1..x_j, and every
@@ -84,6 +85,9 @@ class GuideCompiler:
         import llguidance.hf
 
         self.tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer)
+        # a structural tag's trigger that is one of these is matched as the token, not as its text
+        self._special = frozenset(hf_tokenizer.all_special_tokens) | frozenset(
+            added.content for added in getattr(hf_tokenizer, "added_tokens_decoder", {}).values() if added.special)
         self._cached, self._cache = cached, OrderedDict()
         self._seen: OrderedDict[int, None] = OrderedDict()  # hashes of guides compiled once and not kept
         self._lock = threading.Lock()  # large guides compile on a thread, small ones on the event loop
@@ -122,6 +126,8 @@ class GuideCompiler:
                     "start: " + " | ".join(json.dumps(choice) for choice in choices))
             elif guide_type == "json":
                 definition = llguidance.LLMatcher.grammar_from_json_schema({"type": "object"})
+            elif guide_type == "structural_tag":
+                definition = llguidance.grammar_from("lark", structural_tag_grammar(guide, self._special))
             else:
                 definition = llguidance.grammar_from(
                     {"json_schema": "json_schema", "regex": "regex", "ebnf_grammar": "grammar"}[guide_type], guide)
@@ -140,6 +146,54 @@ class GuideCompiler:
         if start.is_error():
             raise GuideError(_short(start.get_error()))
         return Grammar(self.tokenizer, definition, start)
+
+
+def structural_tag_grammar(guide: str, special_tokens: frozenset[str]) -> str:
+    """A structural_tag guide -> its Lark grammar: free text, in which each trigger (a string) may open one of
+    the structures beginning with it: the rest of its `begin`, JSON following its `schema`, its `end`; then free
+    text again. The guide is vLLM's JSON {"structures": [{"begin", "schema", "end"}, ...], "triggers": [...]}
+    ("type": "structural_tag" may stay in it). A trigger written <...> that is one of the tokenizer's special
+    tokens is matched as that token (a model writes it as one), any other trigger as text."""
+    try:
+        spec = json_text.parse(guide)
+    except ValueError as exc:
+        raise GuideError(f"a structural_tag guide is not JSON: {exc}") from None
+    if not isinstance(spec, dict):
+        raise GuideError("a structural_tag guide must be a JSON object with 'structures' and 'triggers'")
+    if "format" in spec:
+        raise GuideError("a structural_tag 'format' (xgrammar's newer form) is not supported: send 'structures' "
+                         "and 'triggers'")
+    unknown = sorted(set(spec) - {"structures", "triggers", "type"})
+    if unknown or spec.get("type", "structural_tag") != "structural_tag":
+        raise GuideError(f"a structural_tag guide has keys 'structures', 'triggers' (and 'type': "
+                         f"\"structural_tag\"), got {unknown or spec.get('type')!r}")
+    triggers, structures = spec.get("triggers"), spec.get("structures")
+    if not (isinstance(triggers, list) and triggers and all(isinstance(t, str) and t for t in triggers)):
+        raise GuideError("a structural_tag guide's 'triggers' must be a list of non-empty strings")
+    if not (isinstance(structures, list) and structures):
+        raise GuideError("a structural_tag guide's 'structures' must be a non-empty list")
+    if len(structures) > MAX_CHOICES:
+        raise GuideError(f"a structural_tag guide may have at most {MAX_CHOICES} structures, got {len(structures)}")
+    tags = []
+    for i, structure in enumerate(structures):
+        where = f"structures[{i}]"
+        if not isinstance(structure, dict) or set(structure) - {"begin", "schema", "end"}:
+            raise GuideError(f"{where} must be an object of 'begin', 'schema' and 'end'")
+        begin, schema, end = structure.get("begin"), structure.get("schema", {}), structure.get("end")
+        if not isinstance(begin, str) or not isinstance(end, str):
+            raise GuideError(f"{where}: 'begin' and 'end' must be strings")
+        if not isinstance(schema, dict):
+            raise GuideError(f"{where}: 'schema' must be a JSON schema object")
+        trigger = next((t for t in triggers if begin.startswith(t)), None)
+        if trigger is None:
+            raise GuideError(f"{where}: 'begin' {begin!r} starts with none of the triggers {triggers!r}")
+        tags.append(llguidance.StructTag(trigger=trigger, begin=begin, grammar=schema, end=end))
+    written = {tag.trigger for tag in tags if tag.trigger.startswith("<") and tag.trigger.endswith(">")}
+    special = written & special_tokens
+    if special and special != written:  # llguidance's tags take <...> as special tokens all or none
+        raise GuideError(f"the triggers {sorted(special)} are special tokens and {sorted(written - special)} are "
+                         "not: send triggers of one kind")
+    return llguidance.StructTag.to_grammar(tags, assume_special=bool(special))
 
 
 def _first_time(seen: OrderedDict, key: int, limit: int) -> bool:

@@ -499,10 +499,13 @@ def parse_chat(body: dict, served: tuple[str, ...], tool_parser: str | None = No
             if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
                 raise invalid("response_format.json_schema", "must be an object with a 'schema' object")
             guide = {"json": spec.get("schema", {})}
+        elif kind == "structural_tag":  # vLLM's and SGLang's: {structures: [{begin, schema, end}], triggers}
+            guide = {"structural_tag": fmt}
         elif kind == "text":
             guide = None
         else:
-            raise invalid("response_format.type", f"must be text, json_object or json_schema, got {json.dumps(kind)}")
+            raise invalid("response_format.type", "must be text, json_object, json_schema or structural_tag, got "
+                                                  f"{json.dumps(kind)}")
         if guide is not None:
             if "structured_outputs" in sampling:
                 raise invalid("response_format", "and structured_outputs both constrain the output; send one")

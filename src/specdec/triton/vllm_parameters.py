@@ -57,7 +57,7 @@ TRITON_PARAMETERS = frozenset({"sequence_id", "sequence_start", "sequence_end", 
 # vLLM's structured-output settings (an object, or its JSON): one of these keys names the guide ...
 GUIDED_DECODING_KEYS = ("guided_decoding", "structured_outputs")
 GUIDE_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "ebnf_grammar",
-              "json_object": "json"}
+              "json_object": "json", "structural_tag": "structural_tag"}
 # ... and these may come at their neutral values (`backend`: any; this server has one), but for
 # `disable_any_whitespace`: true makes a JSON guide compact (llguidance's whitespace_flexible: false).
 NEUTRAL_GUIDE_KEYS = {"whitespace_pattern": None, "disable_fallback": False, "disable_additional_properties": False}
@@ -204,8 +204,8 @@ def _guide_setting(what: str, value) -> dict[str, np.ndarray]:
         if guide is not True:
             raise InputError(f"{what}: 'json_object' must be true, got {guide!r}")
         guide = ""
-    elif key in ("json", "choice") and not isinstance(guide, str):
-        guide = json.dumps(guide)  # a schema object or a list of choices, as the guide's JSON text
+    elif key in ("json", "choice", "structural_tag") and not isinstance(guide, str):
+        guide = json.dumps(guide)  # a schema object, a list of choices or the tags, as the guide's JSON text
     elif not isinstance(guide, str):
         raise InputError(f"{what}: {key!r} must be a string, got {type(guide).__name__}")
     compact = value.get("disable_any_whitespace")
@@ -219,10 +219,25 @@ def _guide_setting(what: str, value) -> dict[str, np.ndarray]:
             raise InputError(f"{what}: 'json' is not valid JSON: {exc}") from None
         if not isinstance(schema, dict):
             raise InputError(f"{what}: 'json' must be a JSON schema object")
-        schema["x-guidance"] = {**schema.get("x-guidance", {}), "whitespace_flexible": False}
-        guide_type, guide = "json_schema", json.dumps(schema)
+        guide_type, guide = "json_schema", json.dumps(_compact(schema))
+    elif compact and guide_type == "structural_tag":  # each structure's JSON compact
+        try:
+            tags = json_text.parse(guide)
+        except ValueError as exc:
+            raise InputError(f"{what}: 'structural_tag' is not valid JSON: {exc}") from None
+        structures = tags.get("structures") if isinstance(tags, dict) else None
+        if isinstance(structures, list):  # (anything else is refused, named, when the guide compiles)
+            tags["structures"] = [{**one, "schema": _compact(one.get("schema", {}))}
+                                  if isinstance(one, dict) and isinstance(one.get("schema", {}), dict) else one
+                                  for one in structures]
+            guide = json.dumps(tags)
     return {tn.GUIDED_DECODING_GUIDE_TYPE: np.array([[guide_type]], dtype=np.object_),
             tn.GUIDED_DECODING_GUIDE: np.array([[guide]], dtype=np.object_)}
+
+
+def _compact(schema: dict) -> dict:
+    """A JSON schema whose JSON has no whitespace between its tokens (llguidance's whitespace_flexible: false)."""
+    return {**schema, "x-guidance": {**schema.get("x-guidance", {}), "whitespace_flexible": False}}
 
 
 def _setting(what: str, value, dtype) -> np.ndarray:
