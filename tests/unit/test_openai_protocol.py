@@ -153,7 +153,7 @@ def test_messages_are_normalized_for_the_chat_template():
     ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "response_format"),
     ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_regex"), ({"num_draft_tokens": 2.5}, "num_draft_tokens"),
     ({"num_draft_tokens": 2**40}, "num_draft_tokens"), ({"priority": 2**31}, "priority"), ({"priority": "high"}, "priority"),
-    ({"priority": True}, "priority"),
+    ({"priority": True}, "priority"), ({"modalities": ["text", "audio"]}, "modalities"), ({"modalities": "text"}, "modalities"),
 ])
 def test_chat_refusals_name_the_field(body, param):
     with pytest.raises(ApiError) as caught:
@@ -190,6 +190,7 @@ def test_response_format_and_guided_fields_become_structured_outputs():
     assert sampling(parse_chat({"messages": CHAT, "response_format": {"type": "json_object"}}, SERVED))[
         "structured_outputs"] == {"json_object": True}
     assert "structured_outputs" not in sampling(parse_chat({"messages": CHAT, "response_format": {"type": "text"}}, SERVED))
+    assert parse_chat({"messages": CHAT, "modalities": ["text"]}, SERVED).choices  # OpenAI's default, accepted
     tags = {"type": "structural_tag", "structures": [{"begin": "<f>", "schema": schema, "end": "</f>"}],
             "triggers": ["<f>"]}
     assert sampling(parse_chat({"messages": CHAT, "response_format": tags}, SERVED))["structured_outputs"] == {

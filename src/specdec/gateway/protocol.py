@@ -51,7 +51,7 @@ INT32 = (-2**31, 2**31 - 1)
 CHAT_FIELDS = (*COMMON_FIELDS, "messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
                "tool_choice", "parallel_tool_calls", "functions", "function_call", "chat_template_kwargs", "chat_template",
                "include_reasoning", "reasoning_effort", "thinking_token_budget", "prediction", "continue_final_message",
-               "add_generation_prompt", "documents")
+               "add_generation_prompt", "documents", "modalities")
 # OpenAI's reasoning efforts (its SDK's ReasoningEffort): handed to the chat template as `reasoning_effort`, the
 # variable the templates that take one read (gpt-oss's); the others leave it unused
 THINKING_FIELDS = (tn.REASONING_CONTENT, "reasoning")  # an assistant message's thinking: vLLM's two names
@@ -481,6 +481,8 @@ def parse_chat(body: dict, served: tuple[str, ...], tool_parser: str | None = No
     for name in ("functions", "function_call"):  # the API's older form
         if body.get(name) not in (None, "none", []):
             raise invalid(name, "is not supported: send tools and tool_choice")
+    if body.get("modalities") not in (None, ["text"]):  # OpenAI's default; audio is not generated here
+        raise invalid("modalities", f"only [\"text\"] is supported, got {json.dumps(body['modalities'])[:80]}")
     n = _choices_per_prompt(body)
     sampling, inputs, stream = _common(body, True, defaults)
     logprobs = bool(_typed(body, "logprobs", (bool,), "a boolean"))
