@@ -340,6 +340,11 @@ def test_auto_tool_calls_are_read_in_the_models_format(server, model):
         assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
         plain = client.chat.completions.create(model=model, messages=CHAT, max_tokens=6, temperature=0, tools=[WEATHER])
         assert plain.choices[0].message.tool_calls is None and plain.choices[0].message.content  # no call: text
+        # a strict tool: its calls held to its schema by structural tags (tools.strict_call_tags), the text
+        # around them free: an answer that calls nothing is the same text
+        strict = {**WEATHER, "function": {**WEATHER["function"], "strict": True}}
+        held = client.chat.completions.create(model=model, messages=CHAT, max_tokens=6, temperature=0, tools=[strict])
+        assert held.choices[0].message.content == plain.choices[0].message.content
         # The Responses API, streamed: the content as it comes (its text deltas end before the call's item
         # opens), then the call's item; and with tools but no call, the text streamed round by round
         tool = {"type": "function", **WEATHER["function"]}

@@ -53,6 +53,58 @@ def test_a_named_function_or_required_constrains_the_output_to_its_schema():
     assert auto.tools == ToolCalling(AUTO, ("get_weather",), "hermes", True)
 
 
+STRICT_WEATHER = {"type": "function", "function": {**WEATHER["function"], "strict": True, "parameters": {
+    **WEATHER["function"]["parameters"], "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+    "required": ["city", "days"], "additionalProperties": False}}}
+
+
+def test_auto_calls_to_strict_tools_are_held_to_their_schemas_in_the_parsers_format_where_it_has_one():
+    """OpenAI's `strict: true`: with tool_choice auto and a parser whose calls are JSON (hermes, llama3_json),
+    structural tags hold each call the model opens to a tool of the request and a strict tool's arguments to
+    its schema; without a strict tool, with another parser, or with a guide of the request's own: none."""
+    body = {"messages": CHAT, "tools": [STRICT_WEATHER, TIME]}
+    tags = guide(parse_chat(body, SERVED, tool_parser="hermes"))["structural_tag"]
+    spaced = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+    assert tags == {"triggers": ["<tool_call>"], "structures": [
+        {"begin": '<tool_call>\n{"name": "get_weather", "arguments": ', "end": "}\n</tool_call>",
+         "schema": {**STRICT_WEATHER["function"]["parameters"], "x-guidance": spaced}},
+        {"begin": '<tool_call>\n{"name": "get_time", "arguments": ', "end": "}\n</tool_call>",
+         "schema": {"type": "object", "x-guidance": spaced}}]}  # not strict: any object
+    llama = guide(parse_chat(body, SERVED, tool_parser="llama3_json"))["structural_tag"]
+    assert llama["triggers"] == ['{"name": "'] and llama["structures"][0]["begin"] == (
+        '{"name": "get_weather", "parameters": ') and llama["structures"][0]["end"] == "}"
+
+    def sampling(gen) -> dict:
+        return json.loads(gen.choices[0][tn.SAMPLING_PARAMETERS][0, 0])
+    assert "structured_outputs" not in sampling(parse_chat({**body, "tools": [WEATHER, TIME]}, SERVED,
+                                                           tool_parser="hermes"))
+    assert "structured_outputs" not in sampling(parse_chat(body, SERVED, tool_parser="pythonic"))
+    own = parse_chat({**body, "response_format": {"type": "json_object"}}, SERVED, tool_parser="hermes")
+    assert guide(own) == {"json_object": True}
+
+
+def test_strict_tags_admit_the_calls_the_parser_reads_and_refuse_calls_off_their_schemas(smollm2_tokenizer):
+    from specdec.decoding.grammar import GuideCompiler
+
+    grammar = GuideCompiler(smollm2_tokenizer).compile(
+        "structural_tag", json.dumps(tools.strict_call_tags([STRICT_WEATHER, TIME], "hermes")))
+
+    def admitted(text: str) -> str:
+        ids = smollm2_tokenizer.encode(text, add_special_tokens=False)
+        return smollm2_tokenizer.decode(ids[:grammar.matcher().valid_prefix(ids)])
+
+    call = 'Let me check.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>'
+    assert admitted(call + " Done.") == call + " Done."
+    content, calls = tools.split_output(call, ToolCalling(AUTO, ("get_weather", "get_time"), "hermes"))
+    assert (content, calls) == ("Let me check.", [{"name": "get_weather", "arguments": '{"city": "Paris", "days": 2}'}])
+    for wrong in ('<tool_call>\n{"name": "get_wind", ', '<tool_call>\n{"name": "get_weather", "arguments": {"town"',
+                  '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}',  # days is required
+                  '<tool_call>{"name"'):  # the format's own newline
+        assert admitted(wrong) != wrong
+    anything = '<tool_call>\n{"name": "get_time", "arguments": {"any": [1]}}\n</tool_call>'  # not strict
+    assert admitted(anything) == anything
+
+
 @pytest.mark.parametrize("body, param", [
     ({"tools": [WEATHER]}, "tool_choice"),  # auto (the default with tools) needs a parser
     ({"tool_choice": "required"}, "tool_choice"),
@@ -63,6 +115,8 @@ def test_a_named_function_or_required_constrains_the_output_to_its_schema():
     ({"tools": [{"type": "retrieval"}], "tool_choice": "required"}, "tools[0]"),
     ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
     ({"functions": [WEATHER["function"]]}, "functions"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "strict": "yes"}}], "tool_choice": "required"},
+     "tools[0].function.strict"),
     ({"messages": [{"role": "tool", "content": "20 C"}]}, "messages[0].tool_call_id"),
     ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": {}}}]}]},
      "messages[0].tool_calls[0]"),

@@ -435,6 +435,8 @@ def chat_tools(body: dict, sampling: dict, parser: str | None) -> tuple[list[dic
             raise invalid(f"tools[{i}].function.name", f"{name} is given twice")
         if not isinstance(function.get("parameters", {}), dict):
             raise invalid(f"tools[{i}].function.parameters", "must be a JSON schema object")
+        if function.get("strict") not in (None, True, False):
+            raise invalid(f"tools[{i}].function.strict", "must be a boolean")
         names.append(name)
     parallel = _typed(body, "parallel_tool_calls", (bool,), "a boolean") is not False
     if choice is None:
@@ -455,6 +457,9 @@ def chat_tools(body: dict, sampling: dict, parser: str | None) -> tuple[list[dic
                                          f"{' or '.join(tool_calls.PARSERS)}, as the model writes its calls); send "
                                          "\"required\", a named function or \"none\"")
         schemas = {tool["function"]["name"]: tool["function"].get("parameters") or {} for tool in tools}
+        tags = tool_calls.strict_call_tags(tools, parser)
+        if tags is not None and "structured_outputs" not in sampling:  # (a guide of the request's own wins)
+            sampling["structured_outputs"] = {"structural_tag": tags}
         return tools, ToolCalling(tool_calls.AUTO, tuple(names), parser, parallel, schemas)
     else:
         raise invalid("tool_choice", f"must be none, auto, required or {{\"type\": \"function\", ...}}, got "

@@ -81,6 +81,15 @@ _ALNUM = string.ascii_letters + string.digits
 MISTRAL_ID_LENGTH = 9  # Mistral's chat templates refuse a tool call id of other length or characters
 
 
+# A call in a parser's format as a structural tag (the guide type): its trigger, the text before the function's
+# name, between the name and the arguments, and after them; the JSON written with the separators the models'
+# templates write (json.dumps' and Jinja's tojson: ", " and ": ")
+_CALL_TAGS = {"hermes": (_HERMES_OPEN, _HERMES_OPEN + '\n{"name": "', '", "arguments": ', "}\n" + _HERMES_CLOSE),
+              "llama3_json": ('{"name": "', '{"name": "', '", "parameters": ', "}")}
+STRICT_PARSERS = tuple(_CALL_TAGS)  # those whose strict tools' calls are held to their schemas
+_TEMPLATE_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
 @dataclass(frozen=True)
 class ToolCalling:
     """How a request's output becomes tool calls: `mode` NAMED (`names[0]`), REQUIRED (any of `names`) or
@@ -154,6 +163,24 @@ def forced_schema(tools: list[dict], calling: ToolCalling) -> dict:
     if not calling.parallel:
         schema["maxItems"] = 1
     return schema
+
+
+def strict_call_tags(tools: list[dict], parser: str) -> dict | None:
+    """With tool_choice auto: where a tool says `strict: true` and the parser's format is one of STRICT_PARSERS,
+    the structural tags that hold every call the model opens to a tool of the request, a strict tool's
+    arguments to its parameters schema (another's to any JSON object); the text around the calls stays free.
+    None otherwise (the calls are read as the model writes them)."""
+    if parser not in _CALL_TAGS or not any(tool["function"].get("strict") is True for tool in tools):
+        return None
+    trigger, before, between, after = _CALL_TAGS[parser]
+    structures = []
+    for tool in tools:
+        function = tool["function"]
+        schema = (function.get("parameters") or {"type": "object"}) if function.get("strict") is True else {
+            "type": "object"}
+        structures.append({"begin": before + function["name"] + between, "end": after,
+                           "schema": {**schema, "x-guidance": {**schema.get("x-guidance", {}), **_TEMPLATE_JSON}}})
+    return {"structures": structures, "triggers": [trigger]}
 
 
 def split_output(text: str, calling: ToolCalling) -> tuple[str | None, list[dict]]:
