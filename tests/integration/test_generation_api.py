@@ -1186,7 +1186,7 @@ BAD_REQUESTS = {
                                                     guided_decoding_guide=np.array([[b"a" * 65537]], dtype=np.object_)),
                                    "guided_decoding_guide"),
     "generation_logits_over_max_logits_tokens": (PROMPTS[0], dict(max_tokens=513, return_generation_logits=np.array(
-        [[True]], dtype=bool)), "return_generation_logits.*max_logits_tokens"),
+        [[True]], dtype=bool)), "max_logits_tokens"),
     "pad_id_negative": (PROMPTS[0], dict(pad_id=np.array([[-1]], dtype=np.int32)), "pad_id"),
     "beam_width_2": (PROMPTS[0], dict(beam_width=np.array([[2]], dtype=np.int32)), "beam_width"),
     "beam_width_wrong_dtype": (PROMPTS[0], dict(beam_width=np.array([[1]], dtype=np.uint32)), "beam_width"),
