@@ -57,6 +57,9 @@ def test_tools_choices_thinking_formats_and_settings_take_the_chats_form():
     named = messages.chat_body({"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "x"}],
                                 "tools": [tool], "tool_choice": {"type": "tool", "name": "w"}})
     assert named["tool_choice"] == {"type": "function", "function": {"name": "w"}}
+    strict = messages.chat_body({"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "x"}],
+                                 "tools": [{**tool, "strict": True}]})  # Anthropic's strict tool use
+    assert strict["tools"][0]["function"]["strict"] is True
     counted = messages.chat_body({"model": "m", "messages": [{"role": "user", "content": "x"}]}, count=True)
     assert counted["max_tokens"] == 1  # count_tokens takes no max_tokens
 

@@ -126,6 +126,8 @@ def _tools(body: dict) -> dict:
             function = {"name": tool["name"], "parameters": tool.get("input_schema") or {"type": "object"}}
             if tool.get("description") is not None:
                 function["description"] = tool["description"]
+            if tool.get("strict") is not None:  # Anthropic's strict tool use: the calls held to input_schema
+                function["strict"] = tool["strict"]
             out["tools"].append({"type": "function", "function": function})
     choice = body.get("tool_choice")
     if choice is None:
