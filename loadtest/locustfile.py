@@ -359,7 +359,8 @@ class HttpStreamUser(_SpecdecMixin, User):
 # A guide of the load test's guides file as the OpenAI API's vLLM-style `structured_outputs` object.
 _OPENAI_GUIDES = {"json": lambda guide: {"json_object": True}, "json_schema": lambda guide: {"json": json.loads(guide)},
                   "regex": lambda guide: {"regex": guide}, "ebnf_grammar": lambda guide: {"grammar": guide},
-                  "choice": lambda guide: {"choice": json.loads(guide)}}
+                  "choice": lambda guide: {"choice": json.loads(guide)},
+                  "structural_tag": lambda guide: {"structural_tag": json.loads(guide)}}
 
 
 class OpenAIUser(_SpecdecMixin, User):

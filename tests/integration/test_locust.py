@@ -101,7 +101,7 @@ def test_every_load_test_guide_compiles():
 
     guides = GuideCompiler(load_tokenizer(str(smollm2_tokenizer_dir())))
     rows = [json.loads(line) for line in (LOCUSTFILE.parent / "guided.jsonl").read_text().splitlines() if line.strip()]
-    assert {row["guide_type"] for row in rows} == {"json_schema", "choice", "regex"}
+    assert {row["guide_type"] for row in rows} == {"json_schema", "choice", "regex", "structural_tag"}
     for row in rows:
         guide = row["guide"] if isinstance(row["guide"], str) else json.dumps(row["guide"])
         guides.compile(row["guide_type"], guide)
