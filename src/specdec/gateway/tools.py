@@ -25,7 +25,8 @@ is text, which becomes `tool_calls` here in one of three ways, by `tool_choice`:
   model's id kept: its template renders it back) or `glm45` / `glm47` (GLM-4.5's `<tool_call>NAME` and
   `<arg_key>`/`<arg_value>` pairs, typed as qwen3_coder's or read as JSON); these four keep special tokens. Text
   before the first call is the message's content and streams as content; text that does not parse as a call
-  stays content.
+  stays content. With a `strict` tool and a parser whose calls are JSON after one opening (hermes,
+  llama3_json), structural tags hold each call the model opens to the request's tools (strict_call_tags).
 """
 
 from __future__ import annotations
@@ -86,7 +87,6 @@ MISTRAL_ID_LENGTH = 9  # Mistral's chat templates refuse a tool call id of other
 # templates write (json.dumps' and Jinja's tojson: ", " and ": ")
 _CALL_TAGS = {"hermes": (_HERMES_OPEN, _HERMES_OPEN + '\n{"name": "', '", "arguments": ', "}\n" + _HERMES_CLOSE),
               "llama3_json": ('{"name": "', '{"name": "', '", "parameters": ', "}")}
-STRICT_PARSERS = tuple(_CALL_TAGS)  # those whose strict tools' calls are held to their schemas
 _TEMPLATE_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
@@ -166,7 +166,7 @@ def forced_schema(tools: list[dict], calling: ToolCalling) -> dict:
 
 
 def strict_call_tags(tools: list[dict], parser: str) -> dict | None:
-    """With tool_choice auto: where a tool says `strict: true` and the parser's format is one of STRICT_PARSERS,
+    """With tool_choice auto: where a tool says `strict: true` and the parser's format is one of _CALL_TAGS,
     the structural tags that hold every call the model opens to a tool of the request, a strict tool's
     arguments to its parameters schema (another's to any JSON object); the text around the calls stays free.
     None otherwise (the calls are read as the model writes them)."""
