@@ -105,6 +105,30 @@ def test_strict_tags_admit_the_calls_the_parser_reads_and_refuse_calls_off_their
     assert admitted(anything) == anything
 
 
+def test_strict_mistral_calls_take_its_special_tokens_in_either_of_its_formats(smollm2_tokenizer):
+    """Mistral's [TOOL_CALLS] and [ARGS] are special tokens (added here to SmolLM2's tokenizer): the tags take
+    them as tokens, and admit both its formats: NAME[ARGS]{...} (tokenizers v11 on) and a JSON list; the
+    mistral parser reads both calls."""
+    from specdec.decoding.grammar import GuideCompiler
+
+    smollm2_tokenizer.add_tokens(["[TOOL_CALLS]", "[ARGS]"], special_tokens=True)
+    calls, args = smollm2_tokenizer.convert_tokens_to_ids(["[TOOL_CALLS]", "[ARGS]"])
+    grammar = GuideCompiler(smollm2_tokenizer).compile(
+        "structural_tag", json.dumps(tools.strict_call_tags([STRICT_WEATHER, TIME], "mistral")))
+    encode = lambda text: smollm2_tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    reading = ToolCalling(AUTO, ("get_weather", "get_time"), "mistral")
+    v11 = encode("Sure.") + [calls] + encode("get_weather") + [args] + encode('{"city": "Paris", "days": 2}')
+    listed = encode("Sure.") + [calls] + encode(' [{"name": "get_weather", "arguments": {"city": "Oslo", "days": 1}}]')
+    for ids in (v11, listed):
+        assert grammar.matcher().valid_prefix(ids) == len(ids)
+        text = smollm2_tokenizer.decode(ids, skip_special_tokens=False)
+        assert [call["name"] for call in tools.split_output(text, reading)[1]] == ["get_weather"]
+    text_args = encode("Sure.") + [calls] + encode("get_weather") + encode("[") + encode("ARGS")
+    assert grammar.matcher().valid_prefix(text_args) < len(text_args)  # [ARGS] is the token, not its text
+    off_schema = encode("Sure.") + [calls] + encode("get_weather") + [args] + encode('{"town": "Paris"}')
+    assert grammar.matcher().valid_prefix(off_schema) < len(off_schema)
+
+
 @pytest.mark.parametrize("body, param", [
     ({"tools": [WEATHER]}, "tool_choice"),  # auto (the default with tools) needs a parser
     ({"tool_choice": "required"}, "tool_choice"),

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -85,9 +86,12 @@ class GuideCompiler:
         import llguidance.hf
 
         self.tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer)
-        # a structural tag's trigger that is one of these is matched as the token, not as its text
-        self._special = frozenset(hf_tokenizer.all_special_tokens) | frozenset(
-            added.content for added in getattr(hf_tokenizer, "added_tokens_decoder", {}).values() if added.special)
+        # special tokens by their text: written in a structural tag, each is matched as the token (a model writes
+        # it as one), not as its text
+        self._special = {added.content: int(token) for token, added in
+                         getattr(hf_tokenizer, "added_tokens_decoder", {}).items() if added.special}
+        self._special.update({text: hf_tokenizer.convert_tokens_to_ids(text) for text in hf_tokenizer.all_special_tokens
+                              if text not in self._special})
         self._cached, self._cache = cached, OrderedDict()
         self._seen: OrderedDict[int, None] = OrderedDict()  # hashes of guides compiled once and not kept
         self._lock = threading.Lock()  # large guides compile on a thread, small ones on the event loop
@@ -148,12 +152,14 @@ class GuideCompiler:
         return Grammar(self.tokenizer, definition, start)
 
 
-def structural_tag_grammar(guide: str, special_tokens: frozenset[str]) -> str:
-    """A structural_tag guide -> its Lark grammar: free text, in which each trigger (a string) may open one of
-    the structures beginning with it: the rest of its `begin`, JSON following its `schema`, its `end`; then free
+def structural_tag_grammar(guide: str, special_tokens: dict[str, int]) -> str:
+    """A structural_tag guide -> its Lark grammar: free text, in which each trigger may open one of the
+    structures beginning with it: the rest of its `begin`, JSON following its `schema`, its `end`; then free
     text again. The guide is vLLM's JSON {"structures": [{"begin", "schema", "end"}, ...], "triggers": [...]}
-    ("type": "structural_tag" may stay in it). A trigger written <...> that is one of the tokenizer's special
-    tokens is matched as that token (a model writes it as one), any other trigger as text."""
+    ("type": "structural_tag" may stay in it). `special_tokens` (text -> id): where a trigger, begin or end
+    writes one, the grammar takes that token (a model writes it as one), elsewhere text. A text trigger is a
+    lazy lexeme (the text ends at its first occurrence: llguidance's tool-calling form); a special token
+    trigger ends the text by itself."""
     try:
         spec = json_text.parse(guide)
     except ValueError as exc:
@@ -174,7 +180,17 @@ def structural_tag_grammar(guide: str, special_tokens: frozenset[str]) -> str:
         raise GuideError("a structural_tag guide's 'structures' must be a non-empty list")
     if len(structures) > MAX_CHOICES:
         raise GuideError(f"a structural_tag guide may have at most {MAX_CHOICES} structures, got {len(structures)}")
-    tags = []
+    texts = [text for text in special_tokens if text]
+    split = re.compile("(" + "|".join(map(re.escape, sorted(texts, key=len, reverse=True))) + ")") if texts else None
+
+    def written(text: str) -> str:
+        """`text` as a sequence of Lark items: its special tokens by id, the rest as string literals."""
+        parts = split.split(text) if split else [text]
+        return " ".join(f"<[{special_tokens[part]}]>" if part in special_tokens else json.dumps(part)
+                        for part in parts if part)
+
+    rules = ["%llguidance {}", "start: (" + " | ".join(f"tag_{i}" for i in range(len(structures))) + ")* TAG_TEXT",
+             "TAG_TEXT: /(.|\\n)*/"]
     for i, structure in enumerate(structures):
         where = f"structures[{i}]"
         if not isinstance(structure, dict) or set(structure) - {"begin", "schema", "end"}:
@@ -187,13 +203,16 @@ def structural_tag_grammar(guide: str, special_tokens: frozenset[str]) -> str:
         trigger = next((t for t in triggers if begin.startswith(t)), None)
         if trigger is None:
             raise GuideError(f"{where}: 'begin' {begin!r} starts with none of the triggers {triggers!r}")
-        tags.append(llguidance.StructTag(trigger=trigger, begin=begin, grammar=schema, end=end))
-    written = {tag.trigger for tag in tags if tag.trigger.startswith("<") and tag.trigger.endswith(">")}
-    special = written & special_tokens
-    if special and special != written:  # llguidance's tags take <...> as special tokens all or none
-        raise GuideError(f"the triggers {sorted(special)} are special tokens and {sorted(written - special)} are "
-                         "not: send triggers of one kind")
-    return llguidance.StructTag.to_grammar(tags, assume_special=bool(special))
+        body = " ".join(item for item in (written(begin[len(trigger):]), "%json " + json.dumps(schema), written(end))
+                        if item)
+        if trigger in special_tokens:
+            rules.append(f"tag_{i}: TAG_TEXT <[{special_tokens[trigger]}]> {body}")
+        elif split is not None and split.search(trigger):
+            raise GuideError(f"{where}: the trigger {trigger!r} is text with a special token in it: a trigger is "
+                             "one special token or text")
+        else:
+            rules += [f"tag_{i}_opens[lazy]: TAG_TEXT {json.dumps(trigger)}", f"tag_{i}: tag_{i}_opens {body}"]
+    return "\n".join(rules) + "\n"
 
 
 def _first_time(seen: OrderedDict, key: int, limit: int) -> bool:

@@ -26,7 +26,8 @@ is text, which becomes `tool_calls` here in one of three ways, by `tool_choice`:
   `<arg_key>`/`<arg_value>` pairs, typed as qwen3_coder's or read as JSON); these four keep special tokens. Text
   before the first call is the message's content and streams as content; text that does not parse as a call
   stays content. With a `strict` tool and a parser whose calls are JSON after one opening (hermes,
-  llama3_json), structural tags hold each call the model opens to the request's tools (strict_call_tags).
+  llama3_json, mistral), structural tags hold each call the model opens to the request's tools
+  (strict_call_tags).
 """
 
 from __future__ import annotations
@@ -86,7 +87,10 @@ MISTRAL_ID_LENGTH = 9  # Mistral's chat templates refuse a tool call id of other
 # name, between the name and the arguments, and after them; the JSON written with the separators the models'
 # templates write (json.dumps' and Jinja's tojson: ", " and ": ")
 _CALL_TAGS = {"hermes": (_HERMES_OPEN, _HERMES_OPEN + '\n{"name": "', '", "arguments": ', "}\n" + _HERMES_CLOSE),
-              "llama3_json": ('{"name": "', '{"name": "', '", "parameters": ', "}")}
+              "llama3_json": ('{"name": "', '{"name": "', '", "parameters": ', "}"),
+              # Mistral's tokenizers v11 on: [TOOL_CALLS]NAME[ARGS]{...} (special tokens, matched as tokens);
+              # its older JSON list after [TOOL_CALLS] is a structure of its own (strict_call_tags)
+              "mistral": (_MISTRAL_CALLS, _MISTRAL_CALLS, _MISTRAL_ARGS, "")}
 _TEMPLATE_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
@@ -173,14 +177,25 @@ def strict_call_tags(tools: list[dict], parser: str) -> dict | None:
     if parser not in _CALL_TAGS or not any(tool["function"].get("strict") is True for tool in tools):
         return None
     trigger, before, between, after = _CALL_TAGS[parser]
-    structures = []
+    structures, arguments = [], {}
     for tool in tools:
         function = tool["function"]
         schema = (function.get("parameters") or {"type": "object"}) if function.get("strict") is True else {
             "type": "object"}
-        structures.append({"begin": before + function["name"] + between, "end": after,
-                           "schema": {**schema, "x-guidance": {**schema.get("x-guidance", {}), **_TEMPLATE_JSON}}})
+        arguments[function["name"]] = schema
+        structures.append({"begin": before + function["name"] + between, "end": after, "schema": _as_written(schema)})
+    if parser == "mistral":  # Mistral 7B v0.3's: [TOOL_CALLS] then a JSON list of {"name", "arguments"}
+        items = [{"type": "object", "properties": {"name": {"const": name}, "arguments": schema},
+                  "required": ["name", "arguments"], "additionalProperties": False}
+                 for name, schema in arguments.items()]
+        listed = _as_written({"type": "array", "minItems": 1, "items": {"anyOf": items}})
+        structures += [{"begin": _MISTRAL_CALLS + space, "end": "", "schema": listed} for space in ("", " ")]
     return {"structures": structures, "triggers": [trigger]}
+
+
+def _as_written(schema: dict) -> dict:
+    """`schema`, its JSON written as the models' templates write it (_TEMPLATE_JSON)."""
+    return {**schema, "x-guidance": {**schema.get("x-guidance", {}), **_TEMPLATE_JSON}}
 
 
 def split_output(text: str, calling: ToolCalling) -> tuple[str | None, list[dict]]:
