@@ -146,9 +146,9 @@ def test_a_structural_tag_holds_the_text_after_its_trigger_to_its_begin_schema_a
         {"begin": begin, "schema": SCHEMA, "end": "</call>"}], "triggers": [trigger]}))
     matcher = grammar.matcher()
     encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
-    free = encode("Sure, 42 {x} ") + [EOS]
-    assert all(_allows(matcher, free))  # anything before the trigger, its end included
-    assert matcher.advance(encode("Let me look: ")) is None
+    free = encode("Sure, 42 {x} ") + [EOS, tokenizer.convert_tokens_to_ids("<reponame>")]
+    assert all(_allows(matcher, free))  # anything before the trigger, its end and other special tokens included
+    assert matcher.advance(encode("Let me") + free[-1:] + encode(" look: ")) is None
     assert matcher.advance(encode(trigger) if not special else [tokenizer.convert_tokens_to_ids(trigger)]) is None
     rest = begin[len(trigger):]
     assert tokenizer.decode(matcher.forced(20)) == rest + '{"name":"'  # the begin, then the schema's compact start

@@ -129,6 +129,31 @@ def test_strict_mistral_calls_take_its_special_tokens_in_either_of_its_formats(s
     assert grammar.matcher().valid_prefix(off_schema) < len(off_schema)
 
 
+@pytest.mark.parametrize("parser", ["deepseek_v3", "deepseek_v31"])
+def test_strict_deepseek_calls_take_its_special_tokens_inside_the_section_it_opens(smollm2_tokenizer, parser):
+    """DeepSeek's markers are special tokens (added here): each call its model opens is held, in V3.1's bare
+    form or V3's fenced one, while the section's own markers stay free special tokens; the parser reads both."""
+    from specdec.decoding.grammar import GuideCompiler
+
+    marks = ["<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>",
+             "<｜tool▁calls▁end｜>"]
+    smollm2_tokenizer.add_tokens(marks, special_tokens=True)
+    section, begin, sep, end, close = smollm2_tokenizer.convert_tokens_to_ids(marks)
+    grammar = GuideCompiler(smollm2_tokenizer).compile(
+        "structural_tag", json.dumps(tools.strict_call_tags([STRICT_WEATHER, TIME], parser)))
+    encode = lambda text: smollm2_tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    bare = [begin] + encode("get_weather") + [sep] + encode('{"city": "Paris", "days": 2}') + [end]
+    fenced = ([begin] + encode("function") + [sep] + encode('get_time\n```json\n{"tz": "UTC"}\n```') + [end])
+    answer = encode("Sure.") + [section] + bare + fenced + [close]
+    assert grammar.matcher().valid_prefix(answer) == len(answer)
+    text = smollm2_tokenizer.decode(answer, skip_special_tokens=False)
+    calls = tools.split_output(text, ToolCalling(AUTO, ("get_weather", "get_time"), parser))[1]
+    assert [(call["name"], json.loads(call["arguments"])) for call in calls] == [
+        ("get_weather", {"city": "Paris", "days": 2}), ("get_time", {"tz": "UTC"})]
+    off_schema = encode("Sure.") + [section, begin] + encode("get_weather") + [sep] + encode('{"town"')
+    assert grammar.matcher().valid_prefix(off_schema) < len(off_schema)
+
+
 @pytest.mark.parametrize("body, param", [
     ({"tools": [WEATHER]}, "tool_choice"),  # auto (the default with tools) needs a parser
     ({"tool_choice": "required"}, "tool_choice"),

@@ -131,7 +131,8 @@ class GuideCompiler:
             elif guide_type == "json":
                 definition = llguidance.LLMatcher.grammar_from_json_schema({"type": "object"})
             elif guide_type == "structural_tag":
-                definition = llguidance.grammar_from("lark", structural_tag_grammar(guide, self._special))
+                definition = llguidance.grammar_from("lark", structural_tag_grammar(
+                    guide, self._special, frozenset(self.tokenizer.eos_tokens)))
             else:
                 definition = llguidance.grammar_from(
                     {"json_schema": "json_schema", "regex": "regex", "ebnf_grammar": "grammar"}[guide_type], guide)
@@ -152,13 +153,14 @@ class GuideCompiler:
         return Grammar(self.tokenizer, definition, start)
 
 
-def structural_tag_grammar(guide: str, special_tokens: dict[str, int]) -> str:
+def structural_tag_grammar(guide: str, special_tokens: dict[str, int], ends: frozenset[int] = frozenset()) -> str:
     """A structural_tag guide -> its Lark grammar: free text, in which each trigger may open one of the
     structures beginning with it: the rest of its `begin`, JSON following its `schema`, its `end`; then free
     text again. The guide is vLLM's JSON {"structures": [{"begin", "schema", "end"}, ...], "triggers": [...]}
     ("type": "structural_tag" may stay in it). `special_tokens` (text -> id): where a trigger, begin or end
-    writes one, the grammar takes that token (a model writes it as one), elsewhere text. A text trigger is a
-    lazy lexeme (the text ends at its first occurrence: llguidance's tool-calling form); a special token
+    writes one, the grammar takes that token (a model writes it as one), elsewhere text; the free text may
+    hold any of them but the triggers and `ends` (the end of sequence, which ends the grammar). A text trigger
+    is a lazy lexeme (the text ends at its first occurrence: llguidance's tool-calling form); a special token
     trigger ends the text by itself."""
     try:
         spec = json_text.parse(guide)
@@ -189,8 +191,7 @@ def structural_tag_grammar(guide: str, special_tokens: dict[str, int]) -> str:
         return " ".join(f"<[{special_tokens[part]}]>" if part in special_tokens else json.dumps(part)
                         for part in parts if part)
 
-    rules = ["%llguidance {}", "start: (" + " | ".join(f"tag_{i}" for i in range(len(structures))) + ")* TAG_TEXT",
-             "TAG_TEXT: /(.|\\n)*/"]
+    rules = ["%llguidance {}", "TAG_TEXT: /(.|\\n)*/"]
     for i, structure in enumerate(structures):
         where = f"structures[{i}]"
         if not isinstance(structure, dict) or set(structure) - {"begin", "schema", "end"}:
@@ -212,6 +213,12 @@ def structural_tag_grammar(guide: str, special_tokens: dict[str, int]) -> str:
                              "one special token or text")
         else:
             rules += [f"tag_{i}_opens[lazy]: TAG_TEXT {json.dumps(trigger)}", f"tag_{i}: tag_{i}_opens {body}"]
+    alternatives = [f"tag_{i}" for i in range(len(structures))]
+    free = sorted(set(special_tokens.values()) - {special_tokens[t] for t in triggers if t in special_tokens} - ends)
+    if free:  # text then one of the other special tokens (a token range: no terminal holds special tokens)
+        rules.append(f"special_in_text: TAG_TEXT <[{','.join(map(str, free))}]>")
+        alternatives.append("special_in_text")
+    rules.insert(1, "start: (" + " | ".join(alternatives) + ")* TAG_TEXT")
     return "\n".join(rules) + "\n"
 
 

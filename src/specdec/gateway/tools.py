@@ -26,8 +26,8 @@ is text, which becomes `tool_calls` here in one of three ways, by `tool_choice`:
   `<arg_key>`/`<arg_value>` pairs, typed as qwen3_coder's or read as JSON); these four keep special tokens. Text
   before the first call is the message's content and streams as content; text that does not parse as a call
   stays content. With a `strict` tool and a parser whose calls are JSON after one opening (hermes,
-  llama3_json, mistral), structural tags hold each call the model opens to the request's tools
-  (strict_call_tags).
+  llama3_json, mistral, deepseek_v3/v31), structural tags hold each call the model opens to the request's
+  tools (strict_call_tags).
 """
 
 from __future__ import annotations
@@ -83,14 +83,22 @@ _ALNUM = string.ascii_letters + string.digits
 MISTRAL_ID_LENGTH = 9  # Mistral's chat templates refuse a tool call id of other length or characters
 
 
-# A call in a parser's format as a structural tag (the guide type): its trigger, the text before the function's
-# name, between the name and the arguments, and after them; the JSON written with the separators the models'
-# templates write (json.dumps' and Jinja's tojson: ", " and ": ")
-_CALL_TAGS = {"hermes": (_HERMES_OPEN, _HERMES_OPEN + '\n{"name": "', '", "arguments": ', "}\n" + _HERMES_CLOSE),
-              "llama3_json": ('{"name": "', '{"name": "', '", "parameters": ', "}"),
-              # Mistral's tokenizers v11 on: [TOOL_CALLS]NAME[ARGS]{...} (special tokens, matched as tokens);
-              # its older JSON list after [TOOL_CALLS] is a structure of its own (strict_call_tags)
-              "mistral": (_MISTRAL_CALLS, _MISTRAL_CALLS, _MISTRAL_ARGS, "")}
+# A call in a parser's format as structural tags (the guide type): its trigger, and for each way the model may
+# write a call, the text before the function's name, between the name and the arguments, and after them; the
+# JSON written with the separators the models' templates write (json.dumps' and Jinja's tojson: ", " and ": ").
+# Special tokens among them are matched as the tokens where the tokenizer has them (grammar.py).
+_DEEPSEEK_BEGIN, _DEEPSEEK_SEP, _DEEPSEEK_END = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
+_CALL_TAGS = {
+    "hermes": (_HERMES_OPEN, ((_HERMES_OPEN + '\n{"name": "', '", "arguments": ', "}\n" + _HERMES_CLOSE),)),
+    "llama3_json": ('{"name": "', (('{"name": "', '", "parameters": ', "}"),)),
+    # Mistral's tokenizers v11 on: [TOOL_CALLS]NAME[ARGS]{...}; its older JSON list after [TOOL_CALLS] is a
+    # structure of its own (strict_call_tags)
+    "mistral": (_MISTRAL_CALLS, ((_MISTRAL_CALLS, _MISTRAL_ARGS, ""),)),
+    # DeepSeek V3.1's bare JSON and V3's fenced (either parser reads both), inside the calls section the model
+    # opens and closes itself
+    **{name: (_DEEPSEEK_BEGIN, ((_DEEPSEEK_BEGIN, _DEEPSEEK_SEP, _DEEPSEEK_END),
+                                (_DEEPSEEK_BEGIN + "function" + _DEEPSEEK_SEP, "\n```json\n", "\n```" + _DEEPSEEK_END)))
+       for name in _DEEPSEEK}}
 _TEMPLATE_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
@@ -176,14 +184,15 @@ def strict_call_tags(tools: list[dict], parser: str) -> dict | None:
     None otherwise (the calls are read as the model writes them)."""
     if parser not in _CALL_TAGS or not any(tool["function"].get("strict") is True for tool in tools):
         return None
-    trigger, before, between, after = _CALL_TAGS[parser]
+    trigger, forms = _CALL_TAGS[parser]
     structures, arguments = [], {}
     for tool in tools:
         function = tool["function"]
         schema = (function.get("parameters") or {"type": "object"}) if function.get("strict") is True else {
             "type": "object"}
         arguments[function["name"]] = schema
-        structures.append({"begin": before + function["name"] + between, "end": after, "schema": _as_written(schema)})
+        structures += [{"begin": before + function["name"] + between, "end": after, "schema": _as_written(schema)}
+                       for before, between, after in forms]
     if parser == "mistral":  # Mistral 7B v0.3's: [TOOL_CALLS] then a JSON list of {"name", "arguments"}
         items = [{"type": "object", "properties": {"name": {"const": name}, "arguments": schema},
                   "required": ["name", "arguments"], "additionalProperties": False}
