@@ -216,10 +216,22 @@ def structural_tag_grammar(guide: str, special_tokens: dict[str, int], ends: fro
     alternatives = [f"tag_{i}" for i in range(len(structures))]
     free = sorted(set(special_tokens.values()) - {special_tokens[t] for t in triggers if t in special_tokens} - ends)
     if free:  # text then one of the other special tokens (a token range: no terminal holds special tokens)
-        rules.append(f"special_in_text: TAG_TEXT <[{','.join(map(str, free))}]>")
+        rules.append(f"special_in_text: TAG_TEXT <[{_id_ranges(free)}]>")
         alternatives.append("special_in_text")
     rules.insert(1, "start: (" + " | ".join(alternatives) + ")* TAG_TEXT")
     return "\n".join(rules) + "\n"
+
+
+def _id_ranges(ids: list[int]) -> str:
+    """Sorted token ids as llguidance's token set: runs of consecutive ids as first-last (Llama 3's 256 reserved
+    special tokens are one run)."""
+    runs: list[list[int]] = []
+    for token in ids:
+        if runs and token == runs[-1][1] + 1:
+            runs[-1][1] = token
+        else:
+            runs.append([token, token])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def _first_time(seen: OrderedDict, key: int, limit: int) -> bool:
