@@ -169,12 +169,18 @@ def forced_schema(tools: list[dict], calling: ToolCalling) -> dict:
     parameters = {tool["function"]["name"]: tool["function"].get("parameters") or {"type": "object"} for tool in tools}
     if calling.mode == NAMED:
         return parameters[calling.names[0]]
-    items = [{"type": "object", "properties": {"name": {"const": name}, "arguments": parameters[name]},
-              "required": ["name", "arguments"], "additionalProperties": False} for name in calling.names]
-    schema = {"type": "array", "minItems": 1, "items": items[0] if len(items) == 1 else {"anyOf": items}}
+    schema = _calls_list_schema({name: parameters[name] for name in calling.names})
     if not calling.parallel:
         schema["maxItems"] = 1
     return schema
+
+
+def _calls_list_schema(arguments: dict[str, dict]) -> dict:
+    """A JSON list of one or more {"name", "arguments"} calls, each function's arguments to its schema
+    (`arguments`: name -> schema)."""
+    items = [{"type": "object", "properties": {"name": {"const": name}, "arguments": schema},
+              "required": ["name", "arguments"], "additionalProperties": False} for name, schema in arguments.items()]
+    return {"type": "array", "minItems": 1, "items": items[0] if len(items) == 1 else {"anyOf": items}}
 
 
 def strict_call_tags(tools: list[dict], parser: str) -> dict | None:
@@ -194,10 +200,7 @@ def strict_call_tags(tools: list[dict], parser: str) -> dict | None:
         structures += [{"begin": before + function["name"] + between, "end": after, "schema": _as_written(schema)}
                        for before, between, after in forms]
     if parser == "mistral":  # Mistral 7B v0.3's: [TOOL_CALLS] then a JSON list of {"name", "arguments"}
-        items = [{"type": "object", "properties": {"name": {"const": name}, "arguments": schema},
-                  "required": ["name", "arguments"], "additionalProperties": False}
-                 for name, schema in arguments.items()]
-        listed = _as_written({"type": "array", "minItems": 1, "items": {"anyOf": items}})
+        listed = _as_written(_calls_list_schema(arguments))
         structures += [{"begin": _MISTRAL_CALLS + space, "end": "", "schema": listed} for space in ("", " ")]
     return {"structures": structures, "triggers": [trigger]}
 
