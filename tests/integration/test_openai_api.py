@@ -594,7 +594,8 @@ def test_structured_output_follows_the_schema(api, model):
 
 
 def test_structural_tags_hold_each_tagged_segment_to_its_schema(api, model):
-    """vLLM's and SGLang's response_format structural_tag: free text in which a trigger opens a tagged segment.
+    """vLLM's and SGLang's response_format structural_tag (their structures, and xgrammar's format tree): free
+    text in which a trigger opens a tagged segment.
     The tiny model is pushed to write the trigger (a logit bias on its one token, "Call", 12800 in SmolLM2's
     vocabulary): each "Call" opens "Call(", JSON following the schema, ")"; speculation writes what target-only
     does, and a refused structure is named."""
@@ -614,6 +615,16 @@ def test_structural_tags_hold_each_tagged_segment_to_its_schema(api, model):
     assert "Call" in plain and not re.search(r'Call\(\{"n":[0-9]\}\)', plain)  # the guide wrote those
     with pytest.raises(openai.BadRequestError, match=r"structures\[0\]: 'begin' 'Call\(' starts with none of"):
         api.chat.completions.create(**args, response_format={**fmt, "triggers": ["Tool"]})
+    # xgrammar's format form of the same tags: the same text, speculated or not
+    tree = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["Call"], "tags": [
+        {"type": "tag", "begin": "Call(", "content": {"type": "json_schema", "json_schema": schema}, "end": ")"}]}}
+    for k in (0, 4):
+        assert api.chat.completions.create(**args, response_format=tree, extra_body={"num_draft_tokens": k}
+                                           ).choices[0].message.content == tagged[0]
+    with pytest.raises(openai.BadRequestError, match=r"format.tags\[0\].content.style must be one of"):
+        api.chat.completions.create(**args, response_format={"type": "structural_tag", "format": {
+            **tree["format"], "tags": [{**tree["format"]["tags"][0], "content": {
+                "type": "json_schema", "json_schema": schema, "style": "yaml"}}]}})
 
 
 def test_log_probs_match_the_ensemble(server, api, model):

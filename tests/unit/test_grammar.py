@@ -122,7 +122,8 @@ def test_the_output_ends_where_the_grammar_ends(guides, tokenizer):
      r"structures\[0\] must be an object of 'begin', 'schema' and 'end'"),
     ("structural_tag", '{"structures": [{"begin": "<f>", "end": "", "schema": {"type": "foo"}}], "triggers": ["<f>"]}',
      "foo"),
-    ("structural_tag", '{"type": "structural_tag", "format": {"type": "triggered_tags"}}', "'format'"),
+    ("structural_tag", '{"type": "structural_tag", "format": {"type": "triggered_tags"}}',
+     r"format: a triggered_tags format has no \['triggers', 'tags'\]"),
     ("structural_tag", '{"structures": [{"begin": "a<|im_start|>", "end": ""}], "triggers": ["a<|im_start|>"]}',
      "is text with a special token in it")])
 def test_a_guide_that_does_not_compile_says_why(guides, guide_type, guide, message):

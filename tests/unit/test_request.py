@@ -524,6 +524,14 @@ def test_a_guide_comes_as_tensorrt_llms_inputs_or_vllms_guided_decoding():
     flat = {"x-guidance": {"whitespace_flexible": False}}
     assert json.loads(compact.generation.grammar[1]) == {**tags, "structures": [
         {"begin": "<f>", "schema": {**schema, **flat}, "end": "</f>"}, {"begin": "<g>", "end": "", "schema": flat}, 7]}
+    # xgrammar's format form: each JSON-style json_schema format compact, wherever it is nested (XML styles not)
+    fmt = {"type": "structural_tag", "format": {"type": "sequence", "elements": [
+        {"type": "json_schema", "json_schema": schema}, {"type": "tag", "begin": "<a>", "end": "</a>", "content": {
+            "type": "json_schema", "json_schema": schema, "style": "qwen_xml"}}]}}
+    compact = json.loads(parse_guided(**_vllm({"structured_outputs": {"structural_tag": fmt, "disable_any_whitespace":
+                                                                      True}})).generation.grammar[1])
+    first, tagged = compact["format"]["elements"]
+    assert first["json_schema"] == {**schema, **flat} and tagged["content"]["json_schema"] == schema
     # A guided request's greedy rounds fetch the target's logits, to mask them.
     assert parse_guided(**{tn.GUIDED_DECODING_GUIDE_TYPE: b"json"}).generation.edits_logits
 

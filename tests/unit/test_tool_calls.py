@@ -79,6 +79,8 @@ def test_auto_calls_to_strict_tools_are_held_to_their_schemas_in_the_parsers_for
     assert "structured_outputs" not in sampling(parse_chat({**body, "tools": [WEATHER, TIME]}, SERVED,
                                                            tool_parser="hermes"))
     assert "structured_outputs" not in sampling(parse_chat(body, SERVED, tool_parser="pythonic"))
+    qwen = guide(parse_chat(body, SERVED, tool_parser="qwen3_coder"))["structural_tag"]  # xgrammar's form
+    assert qwen["format"]["tags"][0]["content"]["style"] == "qwen_xml"
     own = parse_chat({**body, "response_format": {"type": "json_object"}}, SERVED, tool_parser="hermes")
     assert guide(own) == {"json_object": True}
 
@@ -152,6 +154,73 @@ def test_strict_deepseek_calls_take_its_special_tokens_inside_the_section_it_ope
         ("get_weather", {"city": "Paris", "days": 2}), ("get_time", {"tz": "UTC"})]
     off_schema = encode("Sure.") + [section, begin] + encode("get_weather") + [sep] + encode('{"town"')
     assert grammar.matcher().valid_prefix(off_schema) < len(off_schema)
+
+
+@pytest.mark.parametrize("parser,special", [("qwen3_coder", False), ("glm45", False), ("glm47", True)])
+def test_strict_xml_calls_hold_each_parameter_to_its_type_and_the_parser_reads_them(smollm2_tokenizer, parser,
+                                                                                    special):
+    """Qwen3-Coder's <parameter=KEY> lines and GLM's <arg_key>/<arg_value> pairs (its markers special tokens in
+    one case, added here): xgrammar's structural tags in the model's XML style hold each call the model opens to
+    a tool of the request and a strict tool's parameters to their schema; the parser reads the typed values."""
+    from specdec.decoding.grammar import GuideCompiler
+
+    if special:
+        smollm2_tokenizer.add_tokens(["<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>",
+                                      "</arg_value>"], special_tokens=True)
+    tags = tools.strict_call_tags([STRICT_WEATHER, TIME], parser)
+    assert tags["format"]["triggers"] == ["<tool_call>"]
+    grammar = GuideCompiler(smollm2_tokenizer).compile("structural_tag", json.dumps(tags))
+    encode = lambda text: smollm2_tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    if parser == "qwen3_coder":
+        call = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n2\n"
+                "</parameter>\n</function>\n</tool_call>")
+        other = "<tool_call>\n<function=get_time>\n<parameter=tz>\nUTC\n</parameter>\n</function>\n</tool_call>"
+        wrong = ["<tool_call>\n<function=get_wind>", "<tool_call>\n<function=get_weather>\n<parameter=days>",
+                 "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\nx"]
+    else:
+        newline = "\n" if parser == "glm45" else ""
+        call = (f"<tool_call>get_weather{newline}<arg_key>city</arg_key>{newline}<arg_value>Paris</arg_value>{newline}"
+                f"<arg_key>days</arg_key>{newline}<arg_value>2</arg_value>{newline}</tool_call>")
+        other = (f"<tool_call>get_time{newline}<arg_key>tz</arg_key>{newline}<arg_value>UTC</arg_value>{newline}"
+                 "</tool_call>")
+        wrong = ["<tool_call>get_wind", "<tool_call>get_weather<arg_key>days",
+                 "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value><arg_key>days</arg_key>"
+                 "<arg_value>x"]
+    answer = encode("Sure. " + call + " and " + other + " done")
+    assert grammar.matcher().valid_prefix(answer) == len(answer)
+    text = smollm2_tokenizer.decode(answer, skip_special_tokens=False)
+    schemas = {"get_weather": STRICT_WEATHER["function"]["parameters"]}
+    calls = tools.split_output(text, ToolCalling(AUTO, ("get_weather", "get_time"), parser, schemas=schemas))[1]
+    assert [(call["name"], json.loads(call["arguments"])) for call in calls] == [
+        ("get_weather", {"city": "Paris", "days": 2}), ("get_time", {"tz": "UTC"})]
+    for off in wrong:
+        ids = encode("Sure. " + off)
+        assert grammar.matcher().valid_prefix(ids) < len(ids), off
+
+
+def test_strict_kimi_calls_take_its_markers_and_any_index(smollm2_tokenizer):
+    """Kimi K2's functions.NAME:INDEX (the index the model counts) between its special tokens (added here)."""
+    from specdec.decoding.grammar import GuideCompiler
+
+    marks = ["<|tool_calls_section_begin|>", "<|tool_call_begin|>", "<|tool_call_argument_begin|>",
+             "<|tool_call_end|>", "<|tool_calls_section_end|>"]
+    smollm2_tokenizer.add_tokens(marks, special_tokens=True)
+    section, begin, arguments, end, close = smollm2_tokenizer.convert_tokens_to_ids(marks)
+    grammar = GuideCompiler(smollm2_tokenizer).compile(
+        "structural_tag", json.dumps(tools.strict_call_tags([STRICT_WEATHER, TIME], "kimi_k2")))
+    encode = lambda text: smollm2_tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    answer = (encode("Sure.") + [section, begin] + encode("functions.get_weather:0") + [arguments]
+              + encode('{"city": "Paris", "days": 2}') + [end, begin] + encode("functions.get_time:12") + [arguments]
+              + encode('{"tz": "UTC"}') + [end, close])
+    assert grammar.matcher().valid_prefix(answer) == len(answer)
+    text = smollm2_tokenizer.decode(answer, skip_special_tokens=False)
+    calls = tools.split_output(text, ToolCalling(AUTO, ("get_weather", "get_time"), "kimi_k2"))[1]
+    assert [(call["id"], json.loads(call["arguments"])) for call in calls] == [
+        ("functions.get_weather:0", {"city": "Paris", "days": 2}), ("functions.get_time:12", {"tz": "UTC"})]
+    for off in ([begin] + encode("functions.get_wind:0"), [begin] + encode("functions.get_weather:x"),
+                [begin] + encode("functions.get_weather:0") + [arguments] + encode('{"town"')):
+        ids = encode("Sure.") + [section] + off
+        assert grammar.matcher().valid_prefix(ids) < len(ids)
 
 
 @pytest.mark.parametrize("body, param", [

@@ -13,6 +13,7 @@
   bad_words          token sequences the output never contains
   logit_bias         logit_bias and allowed_token_ids (vLLM's and OpenAI's token-level settings)
   grammar            structured output: a grammar's mask per position and its forced text, exact under speculation
+  structural_tags    structural tags (vLLM's structures, xgrammar's format tree) as one Lark grammar
   thinking           a reasoning model's thinking in token ids: a grammar applied to the answer after it
   token_mask         allowed-token bitmasks read where the logits are
   ngram_proposer     prompt lookup: a Proposer with no model

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -39,12 +38,10 @@ import torch
 
 from specdec import tensor_names as tn
 from specdec.decoding import json_text
+from specdec.decoding.structural_tags import MAX_CHOICES, StructuralTagError, structural_tag_grammar
 from specdec.decoding.thinking import AnswerMatcher, ThinkingTags
 
 MAX_ERROR_CHARS = 300  # llguidance's messages can quote the whole grammar; a client gets the start
-# Each choice is one alternative of the grammar's start rule: llguidance's parser refuses a row of more than
-# 2000 items at the first token (seen with 2000 choices), so longer lists are refused when they compile.
-MAX_CHOICES = 1024
 
 
 class GuideError(ValueError):
@@ -131,13 +128,15 @@ class GuideCompiler:
             elif guide_type == "json":
                 definition = llguidance.LLMatcher.grammar_from_json_schema({"type": "object"})
             elif guide_type == "structural_tag":
-                definition = llguidance.grammar_from("lark", structural_tag_grammar(
-                    guide, self._special, frozenset(self.tokenizer.eos_tokens)))
+                definition = structural_tag_grammar(guide, self._special, frozenset(self.tokenizer.eos_tokens),
+                                                    self.tokenizer.vocab_size)
             else:
                 definition = llguidance.grammar_from(
                     {"json_schema": "json_schema", "regex": "regex", "ebnf_grammar": "grammar"}[guide_type], guide)
         except GuideError:
             raise
+        except StructuralTagError as exc:
+            raise GuideError(str(exc)) from None
         except ValueError as exc:  # not JSON, or a grammar not converting
             raise GuideError(_short(str(exc))) from None
         failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(definition, self.tokenizer)
@@ -151,87 +150,6 @@ class GuideCompiler:
         if start.is_error():
             raise GuideError(_short(start.get_error()))
         return Grammar(self.tokenizer, definition, start)
-
-
-def structural_tag_grammar(guide: str, special_tokens: dict[str, int], ends: frozenset[int] = frozenset()) -> str:
-    """A structural_tag guide -> its Lark grammar: free text, in which each trigger may open one of the
-    structures beginning with it: the rest of its `begin`, JSON following its `schema`, its `end`; then free
-    text again. The guide is vLLM's JSON {"structures": [{"begin", "schema", "end"}, ...], "triggers": [...]}
-    ("type": "structural_tag" may stay in it). `special_tokens` (text -> id): where a trigger, begin or end
-    writes one, the grammar takes that token (a model writes it as one), elsewhere text; the free text may
-    hold any of them but the triggers and `ends` (the end of sequence, which ends the grammar). A text trigger
-    is a lazy lexeme (the text ends at its first occurrence: llguidance's tool-calling form); a special token
-    trigger ends the text by itself."""
-    try:
-        spec = json_text.parse(guide)
-    except ValueError as exc:
-        raise GuideError(f"a structural_tag guide is not JSON: {exc}") from None
-    if not isinstance(spec, dict):
-        raise GuideError("a structural_tag guide must be a JSON object with 'structures' and 'triggers'")
-    if "format" in spec:
-        raise GuideError("a structural_tag 'format' (xgrammar's newer form) is not supported: send 'structures' "
-                         "and 'triggers'")
-    unknown = sorted(set(spec) - {"structures", "triggers", "type"})
-    if unknown or spec.get("type", "structural_tag") != "structural_tag":
-        raise GuideError(f"a structural_tag guide has keys 'structures', 'triggers' (and 'type': "
-                         f"\"structural_tag\"), got {unknown or spec.get('type')!r}")
-    triggers, structures = spec.get("triggers"), spec.get("structures")
-    if not (isinstance(triggers, list) and triggers and all(isinstance(t, str) and t for t in triggers)):
-        raise GuideError("a structural_tag guide's 'triggers' must be a list of non-empty strings")
-    if not (isinstance(structures, list) and structures):
-        raise GuideError("a structural_tag guide's 'structures' must be a non-empty list")
-    if len(structures) > MAX_CHOICES:
-        raise GuideError(f"a structural_tag guide may have at most {MAX_CHOICES} structures, got {len(structures)}")
-    texts = [text for text in special_tokens if text]
-    split = re.compile("(" + "|".join(map(re.escape, sorted(texts, key=len, reverse=True))) + ")") if texts else None
-
-    def written(text: str) -> str:
-        """`text` as a sequence of Lark items: its special tokens by id, the rest as string literals."""
-        parts = split.split(text) if split else [text]
-        return " ".join(f"<[{special_tokens[part]}]>" if part in special_tokens else json.dumps(part)
-                        for part in parts if part)
-
-    rules = ["%llguidance {}", "TAG_TEXT: /(.|\\n)*/"]
-    for i, structure in enumerate(structures):
-        where = f"structures[{i}]"
-        if not isinstance(structure, dict) or set(structure) - {"begin", "schema", "end"}:
-            raise GuideError(f"{where} must be an object of 'begin', 'schema' and 'end'")
-        begin, schema, end = structure.get("begin"), structure.get("schema", {}), structure.get("end")
-        if not isinstance(begin, str) or not isinstance(end, str):
-            raise GuideError(f"{where}: 'begin' and 'end' must be strings")
-        if not isinstance(schema, dict):
-            raise GuideError(f"{where}: 'schema' must be a JSON schema object")
-        trigger = next((t for t in triggers if begin.startswith(t)), None)
-        if trigger is None:
-            raise GuideError(f"{where}: 'begin' {begin!r} starts with none of the triggers {triggers!r}")
-        body = " ".join(item for item in (written(begin[len(trigger):]), "%json " + json.dumps(schema), written(end))
-                        if item)
-        if trigger in special_tokens:
-            rules.append(f"tag_{i}: TAG_TEXT <[{special_tokens[trigger]}]> {body}")
-        elif split is not None and split.search(trigger):
-            raise GuideError(f"{where}: the trigger {trigger!r} is text with a special token in it: a trigger is "
-                             "one special token or text")
-        else:
-            rules += [f"tag_{i}_opens[lazy]: TAG_TEXT {json.dumps(trigger)}", f"tag_{i}: tag_{i}_opens {body}"]
-    alternatives = [f"tag_{i}" for i in range(len(structures))]
-    free = sorted(set(special_tokens.values()) - {special_tokens[t] for t in triggers if t in special_tokens} - ends)
-    if free:  # text then one of the other special tokens (a token range: no terminal holds special tokens)
-        rules.append(f"special_in_text: TAG_TEXT <[{_id_ranges(free)}]>")
-        alternatives.append("special_in_text")
-    rules.insert(1, "start: (" + " | ".join(alternatives) + ")* TAG_TEXT")
-    return "\n".join(rules) + "\n"
-
-
-def _id_ranges(ids: list[int]) -> str:
-    """Sorted token ids as llguidance's token set: runs of consecutive ids as first-last (Llama 3's 256 reserved
-    special tokens are one run)."""
-    runs: list[list[int]] = []
-    for token in ids:
-        if runs and token == runs[-1][1] + 1:
-            runs[-1][1] = token
-        else:
-            runs.append([token, token])
-    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def _first_time(seen: OrderedDict, key: int, limit: int) -> bool:

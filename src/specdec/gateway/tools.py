@@ -99,6 +99,12 @@ _CALL_TAGS = {
     **{name: (_DEEPSEEK_BEGIN, ((_DEEPSEEK_BEGIN, _DEEPSEEK_SEP, _DEEPSEEK_END),
                                 (_DEEPSEEK_BEGIN + "function" + _DEEPSEEK_SEP, "\n```json\n", "\n```" + _DEEPSEEK_END)))
        for name in _DEEPSEEK}}
+# Qwen3-Coder's calls (<function=NAME> and its <parameter=KEY> lines) and GLM-4.5's and 4.7's (NAME then
+# <arg_key>/<arg_value> pairs) as xgrammar's structural tags: trigger, (begin, end) of a call, the XML style
+_XML_CALLS = {**{name: (_HERMES_OPEN, (_HERMES_OPEN + "\n<function={name}>\n", "</function>\n" + _HERMES_CLOSE),
+                        "qwen_xml") for name in _QWEN3_CODER},
+              **{name: (_HERMES_OPEN, (_HERMES_OPEN + "{name}", _HERMES_CLOSE), "glm_xml") for name in _GLM}}
+_KIMI_BEGIN, _KIMI_ARGUMENTS, _KIMI_END = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
 _TEMPLATE_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
@@ -184,21 +190,31 @@ def _calls_list_schema(arguments: dict[str, dict]) -> dict:
 
 
 def strict_call_tags(tools: list[dict], parser: str) -> dict | None:
-    """With tool_choice auto: where a tool says `strict: true` and the parser's format is one of _CALL_TAGS,
-    the structural tags that hold every call the model opens to a tool of the request, a strict tool's
-    arguments to its parameters schema (another's to any JSON object); the text around the calls stays free.
-    None otherwise (the calls are read as the model writes them)."""
-    if parser not in _CALL_TAGS or not any(tool["function"].get("strict") is True for tool in tools):
+    """With tool_choice auto: where a tool says `strict: true` and the parser's format is one of _CALL_TAGS or
+    _XML_CALLS (or Kimi K2's), the structural tags that hold every call the model opens to a tool of the
+    request, a strict tool's arguments to its parameters schema (another's to any object); the text around
+    the calls stays free. None otherwise (the calls are read as the model writes them)."""
+    if parser not in (*_CALL_TAGS, *_XML_CALLS, "kimi_k2") or not any(
+            tool["function"].get("strict") is True for tool in tools):
         return None
+    arguments = {tool["function"]["name"]: (tool["function"].get("parameters") or {"type": "object"})
+                 if tool["function"].get("strict") is True else {"type": "object"} for tool in tools}
+    if parser in _XML_CALLS:  # xgrammar's form: the arguments as the model's XML parameters
+        trigger, (before, after), style = _XML_CALLS[parser]
+        return {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": [trigger], "tags": [
+            {"type": "tag", "begin": before.format(name=name), "end": after,
+             "content": {"type": "json_schema", "json_schema": _as_written(schema), "style": style}}
+            for name, schema in arguments.items()]}}
+    if parser == "kimi_k2":  # functions.NAME:INDEX, the index the model counts
+        return {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": [_KIMI_BEGIN], "tags": [
+            {"type": "tag", "begin": f"{_KIMI_BEGIN}functions.{name}:", "end": _KIMI_END, "content": {
+                "type": "sequence", "elements": [
+                    {"type": "regex", "pattern": "[0-9]+"}, {"type": "const_string", "value": _KIMI_ARGUMENTS},
+                    {"type": "json_schema", "json_schema": _as_written(schema)}]}}
+            for name, schema in arguments.items()]}}
     trigger, forms = _CALL_TAGS[parser]
-    structures, arguments = [], {}
-    for tool in tools:
-        function = tool["function"]
-        schema = (function.get("parameters") or {"type": "object"}) if function.get("strict") is True else {
-            "type": "object"}
-        arguments[function["name"]] = schema
-        structures += [{"begin": before + function["name"] + between, "end": after, "schema": _as_written(schema)}
-                       for before, between, after in forms]
+    structures = [{"begin": before + name + between, "end": after, "schema": _as_written(schema)}
+                  for name, schema in arguments.items() for before, between, after in forms]
     if parser == "mistral":  # Mistral 7B v0.3's: [TOOL_CALLS] then a JSON list of {"name", "arguments"}
         listed = _as_written(_calls_list_schema(arguments))
         structures += [{"begin": _MISTRAL_CALLS + space, "end": "", "schema": listed} for space in ("", " ")]

@@ -230,9 +230,23 @@ def _guide_setting(what: str, value) -> dict[str, np.ndarray]:
             tags["structures"] = [{**one, "schema": _compact(one.get("schema", {}))}
                                   if isinstance(one, dict) and isinstance(one.get("schema", {}), dict) else one
                                   for one in structures]
-            guide = json.dumps(tags)
+        guide = json.dumps(_compact_formats(tags))
     return {tn.GUIDED_DECODING_GUIDE_TYPE: np.array([[guide_type]], dtype=np.object_),
             tn.GUIDED_DECODING_GUIDE: np.array([[guide]], dtype=np.object_)}
+
+
+def _compact_formats(node):
+    """xgrammar's structural tag format tree with each JSON-style json_schema format's JSON compact."""
+    if isinstance(node, list):
+        return [_compact_formats(item) for item in node]
+    if not isinstance(node, dict):
+        return node
+    node = {key: _compact_formats(value) if key not in ("json_schema", "schema") else value
+            for key, value in node.items()}
+    if node.get("type") == "json_schema" and isinstance(node.get("json_schema"), dict) and node.get(
+            "style", "json") == "json":
+        node["json_schema"] = _compact(node["json_schema"])
+    return node
 
 
 def _compact(schema: dict) -> dict:
