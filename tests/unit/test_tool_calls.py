@@ -78,7 +78,7 @@ def test_auto_calls_to_strict_tools_are_held_to_their_schemas_in_the_parsers_for
         return json.loads(gen.choices[0][tn.SAMPLING_PARAMETERS][0, 0])
     assert "structured_outputs" not in sampling(parse_chat({**body, "tools": [WEATHER, TIME]}, SERVED,
                                                            tool_parser="hermes"))
-    assert "structured_outputs" not in sampling(parse_chat(body, SERVED, tool_parser="pythonic"))
+    assert "structured_outputs" not in sampling(parse_chat(body, SERVED, tool_parser="openai"))
     qwen = guide(parse_chat(body, SERVED, tool_parser="qwen3_coder"))["structural_tag"]  # xgrammar's form
     assert qwen["format"]["tags"][0]["content"]["style"] == "qwen_xml"
     own = parse_chat({**body, "response_format": {"type": "json_object"}}, SERVED, tool_parser="hermes")
@@ -195,6 +195,36 @@ def test_strict_xml_calls_hold_each_parameter_to_its_type_and_the_parser_reads_t
         ("get_weather", {"city": "Paris", "days": 2}), ("get_time", {"tz": "UTC"})]
     for off in wrong:
         ids = encode("Sure. " + off)
+        assert grammar.matcher().valid_prefix(ids) < len(ids), off
+
+
+def test_strict_pythonic_calls_are_a_list_of_calls_to_the_tools_with_literals_of_their_types(smollm2_tokenizer):
+    """Llama 3.2's and 4's Python list of calls (4's between its special tokens, added here): an answer that opens
+    with "[" is calls to the request's tools, a strict tool's keywords in its order with literals of their
+    types (either quote), the required ones present; any other answer is free; the parser reads the calls."""
+    from specdec.decoding.grammar import GuideCompiler
+
+    smollm2_tokenizer.add_tokens(["<|python_start|>", "<|python_end|>"], special_tokens=True)
+    start, end = smollm2_tokenizer.convert_tokens_to_ids(["<|python_start|>", "<|python_end|>"])
+    unit = {"type": "function", "function": {"name": "set_unit", "strict": True, "parameters": {
+        "type": "object", "properties": {"unit": {"enum": ["C", "F"]}, "on": {"type": "boolean"}}}}}
+    grammar = GuideCompiler(smollm2_tokenizer).compile(
+        "structural_tag", json.dumps(tools.strict_call_tags([STRICT_WEATHER, TIME, unit], "pythonic")))
+    encode = lambda text: smollm2_tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    reading = ToolCalling(AUTO, ("get_weather", "get_time", "set_unit"), "pythonic")
+    for answer, calls in [
+            ("[get_weather(city=\"Paris\", days=2), get_time(tz='UTC'), set_unit(on=True)]",
+             [("get_weather", {"city": "Paris", "days": 2}), ("get_time", {"tz": "UTC"}), ("set_unit", {"on": True})]),
+            ("[set_unit(unit='F',on=False), set_unit()]", [("set_unit", {"unit": "F", "on": False}), ("set_unit", {})]),
+            ("It is sunny [as always].", []), ("", [])]:
+        for ids in (encode(answer), [start] + encode(answer) + [end]) if calls else (encode(answer),):
+            assert grammar.matcher().valid_prefix(ids + [2]) == len(ids) + 1, answer
+            text = smollm2_tokenizer.decode(ids, skip_special_tokens=False)
+            assert [(c["name"], json.loads(c["arguments"])) for c in tools.split_output(text, reading)[1]] == calls
+    for off in ("[get_wind()]", "[get_weather(days=2)]",  # city is required
+                "[get_weather(city='P', days='2')]", "[get_weather(days=2, city='P')]",  # its type; its order
+                "[set_unit(unit='K')]", "[get_weather(city='P', days=2, town='Q')]", " [get_time()]"):
+        ids = encode(off) + [2]
         assert grammar.matcher().valid_prefix(ids) < len(ids), off
 
 

@@ -25,9 +25,9 @@ is text, which becomes `tool_calls` here in one of three ways, by `tool_choice`:
   model's id kept: its template renders it back) or `glm45` / `glm47` (GLM-4.5's `<tool_call>NAME` and
   `<arg_key>`/`<arg_value>` pairs, typed as qwen3_coder's or read as JSON); these four keep special tokens. Text
   before the first call is the message's content and streams as content; text that does not parse as a call
-  stays content. With a `strict` tool and a parser whose calls are JSON after one opening (hermes,
-  llama3_json, mistral, deepseek_v3/v31), structural tags hold each call the model opens to the request's
-  tools (strict_call_tags).
+  stays content. With a `strict` tool, structural tags hold each call the model opens to the request's
+  tools, in the parser's format (strict_call_tags): JSON after an opening (hermes, llama3_json, mistral,
+  deepseek_v3/v31, kimi_k2), XML parameters (qwen3_coder, glm45/47), or a Python list of calls (pythonic).
 """
 
 from __future__ import annotations
@@ -194,7 +194,7 @@ def strict_call_tags(tools: list[dict], parser: str) -> dict | None:
     _XML_CALLS (or Kimi K2's), the structural tags that hold every call the model opens to a tool of the
     request, a strict tool's arguments to its parameters schema (another's to any object); the text around
     the calls stays free. None otherwise (the calls are read as the model writes them)."""
-    if parser not in (*_CALL_TAGS, *_XML_CALLS, "kimi_k2") or not any(
+    if parser not in (*_CALL_TAGS, *_XML_CALLS, "kimi_k2", "pythonic") or not any(
             tool["function"].get("strict") is True for tool in tools):
         return None
     arguments = {tool["function"]["name"]: (tool["function"].get("parameters") or {"type": "object"})
@@ -205,6 +205,12 @@ def strict_call_tags(tools: list[dict], parser: str) -> dict | None:
             {"type": "tag", "begin": before.format(name=name), "end": after,
              "content": {"type": "json_schema", "json_schema": _as_written(schema), "style": style}}
             for name, schema in arguments.items()]}}
+    if parser == "pythonic":  # an answer that opens with "[" is a list of calls (its parser reads none else)
+        calls = {"type": "grammar", "grammar": _python_calls_grammar(arguments)}
+        return {"type": "structural_tag", "format": {"type": "or", "elements": [
+            calls, {"type": "sequence", "elements": [{"type": "const_string", "value": _PYTHON_START}, calls, {
+                "type": "optional", "content": {"type": "const_string", "value": _PYTHON_END}}]},
+            {"type": "const_string", "value": ""}, {"type": "regex", "pattern": "[^\\[\\s](.|\\n)*"}]}}
     if parser == "kimi_k2":  # functions.NAME:INDEX, the index the model counts
         return {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": [_KIMI_BEGIN], "tags": [
             {"type": "tag", "begin": f"{_KIMI_BEGIN}functions.{name}:", "end": _KIMI_END, "content": {
@@ -219,6 +225,59 @@ def strict_call_tags(tools: list[dict], parser: str) -> dict | None:
         listed = _as_written(_calls_list_schema(arguments))
         structures += [{"begin": _MISTRAL_CALLS + space, "end": "", "schema": listed} for space in ("", " ")]
     return {"structures": structures, "triggers": [trigger]}
+
+
+# Python's literals, as the pythonic parser reads them (ast.literal_eval): a value of no schema'd type is any
+_PYTHON_LITERALS = r"""
+py: STR | NUM | "True" | "False" | "None" | "[" (py (SEP py)*)? "]" | "{" (STR ": " py (SEP STR ": " py)*)? "}"
+STR: /"([^"\\\n]|\\.)*"/ | /'([^'\\\n]|\\.)*'/
+INT: /-?[0-9]+/
+NUM: /-?[0-9]+(\.[0-9]+)?([eE][-+]?[0-9]+)?/
+SEP: /, ?/
+"""
+_PYTHON_TYPES = {"string": "STR", "integer": "INT", "number": "NUM", "boolean": '("True" | "False")', "null": '"None"'}
+
+
+def _python_calls_grammar(arguments: dict[str, dict]) -> str:
+    """A Lark grammar of a Python list of calls `[NAME(KEY=VALUE, ...), ...]` to the functions of `arguments`
+    (name -> parameters schema) whose names are Python identifiers: each function's keywords in its schema's
+    order, the required ones present, the others optional (no other keyword where it lists properties), each
+    value a Python literal of its type (a string one of its enum where it has one)."""
+    rules, calls = [], []
+    for i, (name, schema) in enumerate(arguments.items()):
+        if not name.isidentifier():
+            continue  # (a name that is no identifier cannot be called in this form)
+        properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+        required = set(schema.get("required") or [])
+        items = []
+        for key, sub in properties.items():
+            value = _python_value(sub if isinstance(sub, dict) else {})
+            items.append((f"{json.dumps(key + '=')} {value}", key in required))
+        if not properties:  # any keywords, any literals
+            rules.append(f'f{i}_first0: (/[A-Za-z_][A-Za-z0-9_]*/ "=" py (SEP /[A-Za-z_][A-Za-z0-9_]*/ "=" py)*)?')
+        else:  # the keywords, commas only between those written: first_k (none written yet), then_k (some were)
+            end = len(items)
+            rules += [f"f{i}_first{end}: ", f"f{i}_then{end}: "]
+            for k in range(end - 1, -1, -1):
+                item, needed = items[k]
+                rules.append(f"f{i}_first{k}: {item} f{i}_then{k + 1}" + ("" if needed else f" | f{i}_first{k + 1}"))
+                rules.append(f"f{i}_then{k}: SEP {item} f{i}_then{k + 1}" + ("" if needed else f" | f{i}_then{k + 1}"))
+        rules.append(f'f{i}: {json.dumps(name + "(")} f{i}_first0 ")"')
+        calls.append(f"f{i}")
+    if not calls:
+        return 'start: "[" "]"'  # (refused by its parser: no function can be called)
+    return "\n".join(['start: "[" call (SEP call)* "]"', f"call: {' | '.join(calls)}", *rules]) + _PYTHON_LITERALS
+
+
+def _python_value(schema: dict) -> str:
+    """A keyword's value as Lark: a string's enum as Python literals, a type's literal, or any literal."""
+    if isinstance(schema.get("enum"), list) and schema["enum"] and all(isinstance(v, str) for v in schema["enum"]):
+        return "(" + " | ".join(f"{json.dumps(json.dumps(v))} | {json.dumps(repr(v))}" for v in schema["enum"]) + ")"
+    kinds = schema.get("type")
+    kinds = [kinds] if isinstance(kinds, str) else kinds if isinstance(kinds, list) else []
+    if kinds and all(kind in _PYTHON_TYPES for kind in kinds):
+        return "(" + " | ".join(_PYTHON_TYPES[kind] for kind in kinds) + ")"
+    return "py"
 
 
 def _as_written(schema: dict) -> dict:
