@@ -209,3 +209,14 @@ def test_a_verify_rounds_masks_follow_the_drafts_and_the_matcher_rolls_back(guid
         assert set(allowed[j].nonzero().flatten().tolist()) == set(np.flatnonzero(bits[:49152]).tolist())
         assert allowed[j, draft[j]] if j < len(draft) else True
     assert matcher.valid_prefix(draft) == len(draft)  # rolled back: the draft is still ahead of it
+
+
+def test_the_structural_tag_bench_prints_every_parser_and_format(capsys):
+    """`python -m bench.structural_tag_bench` (its page: docs/results/2026-12-05-cpu-structural-tags.md), small."""
+    from bench import structural_tag_bench
+
+    assert structural_tag_bench.main(["--tools", "2", "--repeats", "1"]) == 0
+    table = capsys.readouterr().out
+    for name in [*structural_tag_bench.PARSERS, *structural_tag_bench.FORMATS]:
+        row = next(line for line in table.splitlines() if f" {name} " in line)
+        assert float(row.split("|")[-2]) > 0, row  # the mask's µs per position
