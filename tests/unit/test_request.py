@@ -524,6 +524,20 @@ def test_a_guide_comes_as_tensorrt_llms_inputs_or_vllms_guided_decoding():
     flat = {"x-guidance": {"whitespace_flexible": False}}
     assert json.loads(compact.generation.grammar[1]) == {**tags, "structures": [
         {"begin": "<f>", "schema": {**schema, **flat}, "end": "</f>"}, {"begin": "<g>", "end": "", "schema": flat}, 7]}
+    # vLLM's disable_additional_properties (its guidance backend's): objects that leave additionalProperties
+    # unsaid are closed, at every depth; those that say it keep it; a property named "properties" is a name
+    nested = {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "integer"}}},
+                                               "properties": {"type": "string"}, "open": {"type": "object",
+                                                                                          "additionalProperties": True}},
+              "$defs": {"x": {"properties": {"c": {}}}}, "anyOf": [{"type": "object"}]}
+    closed = json.loads(parse_guided(**_vllm({"structured_outputs": {"json": nested, "disable_additional_properties":
+                                                                     True}})).generation.grammar[1])
+    assert closed["additionalProperties"] is False and closed["properties"]["a"]["additionalProperties"] is False
+    assert closed["properties"]["properties"] == {"type": "string"} and closed["properties"]["open"][
+        "additionalProperties"] is True
+    assert closed["$defs"]["x"]["additionalProperties"] is False and closed["anyOf"][0]["additionalProperties"] is False
+    assert parse_guided(**_vllm({"structured_outputs": {"json": nested, "disable_additional_properties": False}})
+                        ).generation.grammar == ("json_schema", json.dumps(nested))
     # xgrammar's format form: each JSON-style json_schema format compact, wherever it is nested (XML styles not)
     fmt = {"type": "structural_tag", "format": {"type": "sequence", "elements": [
         {"type": "json_schema", "json_schema": schema}, {"type": "tag", "begin": "<a>", "end": "</a>", "content": {

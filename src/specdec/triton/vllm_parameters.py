@@ -60,7 +60,9 @@ GUIDE_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice", "gram
               "json_object": "json", "structural_tag": "structural_tag"}
 # ... and these may come at their neutral values (`backend`: any; this server has one), but for
 # `disable_any_whitespace`: true makes a JSON guide compact (llguidance's whitespace_flexible: false).
-NEUTRAL_GUIDE_KEYS = {"whitespace_pattern": None, "disable_fallback": False, "disable_additional_properties": False}
+NEUTRAL_GUIDE_KEYS = {"whitespace_pattern": None, "disable_fallback": False}
+# and `disable_additional_properties`: true closes a JSON guide's objects that leave additionalProperties unsaid
+# (vLLM's guidance backend's option, so that llguidance keeps to a schema's properties as xgrammar does)
 
 
 class VllmSettings:
@@ -195,7 +197,8 @@ def _guide_setting(what: str, value) -> dict[str, np.ndarray]:
     for key, v in value.items():
         if key in NEUTRAL_GUIDE_KEYS and v is not None and v != NEUTRAL_GUIDE_KEYS[key]:
             raise InputError(f"{what}: {key!r} is supported only at {NEUTRAL_GUIDE_KEYS[key]!r}, got {v!r}")
-        if key not in GUIDE_KEYS and key not in NEUTRAL_GUIDE_KEYS and key not in ("backend", "disable_any_whitespace"):
+        if key not in GUIDE_KEYS and key not in NEUTRAL_GUIDE_KEYS and key not in (
+                "backend", "disable_any_whitespace", "disable_additional_properties"):
             raise InputError(f"{what}: {key!r} is not supported (one of {', '.join(GUIDE_KEYS)})")
     if len(guides) != 1:
         raise InputError(f"{what} must set exactly one of {', '.join(GUIDE_KEYS)}, got {sorted(guides) or 'none'}")
@@ -208,18 +211,20 @@ def _guide_setting(what: str, value) -> dict[str, np.ndarray]:
         guide = json.dumps(guide)  # a schema object, a list of choices or the tags, as the guide's JSON text
     elif not isinstance(guide, str):
         raise InputError(f"{what}: {key!r} must be a string, got {type(guide).__name__}")
-    compact = value.get("disable_any_whitespace")
-    if compact not in (None, False, True):
-        raise InputError(f"{what}: 'disable_any_whitespace' must be true or false, got {compact!r}")
+    compact, closed = value.get("disable_any_whitespace"), value.get("disable_additional_properties")
+    for name, flag in (("disable_any_whitespace", compact), ("disable_additional_properties", closed)):
+        if flag not in (None, False, True):
+            raise InputError(f"{what}: {name!r} must be true or false, got {flag!r}")
     guide_type = GUIDE_KEYS[key]
-    if compact and guide_type in ("json", "json_schema"):  # other guides say their whitespace themselves
+    if (compact or closed) and guide_type in ("json", "json_schema"):  # other guides say their whitespace
         try:
             schema = json_text.parse(guide) if guide else {"type": "object"}
         except ValueError as exc:
             raise InputError(f"{what}: 'json' is not valid JSON: {exc}") from None
         if not isinstance(schema, dict):
             raise InputError(f"{what}: 'json' must be a JSON schema object")
-        guide_type, guide = "json_schema", json.dumps(_compact(schema))
+        schema = _closed(schema) if closed else schema
+        guide_type, guide = "json_schema", json.dumps(_compact(schema) if compact else schema)
     elif compact and guide_type == "structural_tag":  # each structure's JSON compact
         try:
             tags = json_text.parse(guide)
@@ -233,6 +238,32 @@ def _guide_setting(what: str, value) -> dict[str, np.ndarray]:
         guide = json.dumps(_compact_formats(tags))
     return {tn.GUIDED_DECODING_GUIDE_TYPE: np.array([[guide_type]], dtype=np.object_),
             tn.GUIDED_DECODING_GUIDE: np.array([[guide]], dtype=np.object_)}
+
+
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")  # name -> schema
+_SCHEMA_LISTS = ("anyOf", "allOf", "oneOf", "prefixItems")
+_SCHEMAS = ("items", "additionalProperties", "not", "contains", "if", "then", "else", "propertyNames",
+            "unevaluatedProperties", "additionalItems")
+
+
+def _closed(schema):
+    """A JSON schema whose objects that leave `additionalProperties` unsaid (a schema of type object, or with
+    properties) have it false, at every depth of its subschemas."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: _closed(sub) for name, sub in out[key].items()}
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [_closed(sub) for sub in out[key]]
+    for key in _SCHEMAS:
+        if isinstance(out.get(key), dict):
+            out[key] = _closed(out[key])
+    if (out.get("type") == "object" or isinstance(out.get("properties"), dict)) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
 
 
 def _compact_formats(node):
