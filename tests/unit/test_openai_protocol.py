@@ -152,6 +152,7 @@ def test_messages_are_normalized_for_the_chat_template():
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": "no"}}}, "response_format.json_schema"),
     ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "response_format"),
     ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_regex"), ({"num_draft_tokens": 2.5}, "num_draft_tokens"),
+    ({"guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
     ({"num_draft_tokens": 2**40}, "num_draft_tokens"), ({"priority": 2**31}, "priority"), ({"priority": "high"}, "priority"),
     ({"priority": True}, "priority"), ({"modalities": ["text", "audio"]}, "modalities"), ({"modalities": "text"}, "modalities"),
 ])
@@ -197,6 +198,11 @@ def test_response_format_and_guided_fields_become_structured_outputs():
         "structural_tag": tags}  # (vLLM's form, "type" in it: the guide checks the rest when it compiles)
     assert sampling(parse_completion({"prompt": "p", "guided_choice": ["a", "b"]}, SERVED))["structured_outputs"] == {
         "choice": ["a", "b"]}
+    # vLLM's older options beside them: the JSON's whitespace pattern, the backend (any: this server has one)
+    assert sampling(parse_completion({"prompt": "p", "guided_json": schema, "guided_whitespace_pattern": "[ ]?",
+                                      "guided_decoding_backend": "xgrammar"}, SERVED))["structured_outputs"] == {
+        "json": schema, "whitespace_pattern": "[ ]?", "backend": "xgrammar"}
+    assert "structured_outputs" not in sampling(parse_completion({"prompt": "p", "guided_decoding_backend": "x"}, SERVED))
 
 
 def test_completions_echo_asks_for_the_prompts_scores_and_max_tokens_zero_scores_only():

@@ -538,6 +538,18 @@ def test_a_guide_comes_as_tensorrt_llms_inputs_or_vllms_guided_decoding():
     assert closed["$defs"]["x"]["additionalProperties"] is False and closed["anyOf"][0]["additionalProperties"] is False
     assert parse_guided(**_vllm({"structured_outputs": {"json": nested, "disable_additional_properties": False}})
                         ).generation.grammar == ("json_schema", json.dumps(nested))
+    # whitespace_pattern: the JSON's whitespace as a regex (llguidance's option)
+    spaced = json.loads(parse_guided(**_vllm({"structured_outputs": {"json_object": True, "whitespace_pattern": "[ ]?"}})
+                                     ).generation.grammar[1])
+    assert spaced == {"type": "object", "x-guidance": {"whitespace_pattern": "[ ]?"}}
+    from specdec.decoding.grammar import GuideCompiler
+    from specdec.decoding.text import load_tokenizer
+    from specdec.serving.pairs import smollm2_tokenizer_dir
+    tokenizer = load_tokenizer(str(smollm2_tokenizer_dir()))
+    grammar = GuideCompiler(tokenizer).compile("json_schema", json.dumps(spaced))
+    for text, held in (('{"a": 1, "b":2}', True), ('{\n"a": 1}', False), ('{"a":  1}', False)):
+        ids = tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
+        assert (grammar.matcher().valid_prefix(ids) == len(ids)) is held, text
     # xgrammar's format form: each JSON-style json_schema format compact, wherever it is nested (XML styles not)
     fmt = {"type": "structural_tag", "format": {"type": "sequence", "elements": [
         {"type": "json_schema", "json_schema": schema}, {"type": "tag", "begin": "<a>", "end": "</a>", "content": {
@@ -630,7 +642,11 @@ def test_a_thinking_budget_needs_the_parser_and_holds_the_guide_after_it():
     (_vllm({"guided_decoding": ["a"]}), "key 'guided_decoding' must be an object"),
     (_vllm({"guided_decoding": {"regex": 5}}), "'regex' must be a string"),
     (_vllm({"guided_decoding": {"json_object": "yes"}}), "'json_object' must be true"),
-    (_vllm({"guided_decoding": {"regex": "a", "whitespace_pattern": " "}}), "'whitespace_pattern' is supported only at None"),
+    (_vllm({"guided_decoding": {"regex": "a", "whitespace_pattern": " "}}),
+     r"'whitespace_pattern' applies to a JSON guide \('json' or 'json_object'\), not 'regex'"),
+    (_vllm({"guided_decoding": {"json": {}, "whitespace_pattern": " ", "disable_any_whitespace": True}}),
+     "'whitespace_pattern' and 'disable_any_whitespace' both say"),
+    (_vllm({"guided_decoding": {"json": {}, "whitespace_pattern": 3}}), "'whitespace_pattern' must be a regex string"),
     (_vllm({"guided_decoding": {"regex": "a", "lark": "t"}}), "'lark' is not supported"),
     (_vllm({"guided_decoding": {"json": "[1]", "disable_any_whitespace": True}}), "must be a JSON schema object"),
     (_vllm({"guided_decoding": {"json": "{", "disable_any_whitespace": True}}), "'json' is not valid JSON"),

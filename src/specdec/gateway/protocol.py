@@ -38,6 +38,8 @@ SAMPLING_FIELDS = ("temperature", "top_p", "seed", "stop", "presence_penalty", "
                    "spaces_between_special_tokens", "truncate_prompt_tokens", "structured_outputs")
 # vLLM's older structured-output fields -> the key of its `structured_outputs` object they stand for
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+# ... and their options (vLLM's older names): the JSON's whitespace; the backend (this server has one)
+GUIDED_OPTIONS = {"guided_whitespace_pattern": "whitespace_pattern", "guided_decoding_backend": "backend"}
 # This server's own: the speculative settings of a request, as extension fields.
 SPECULATIVE_FIELDS = {"num_draft_tokens": (tn.NUM_DRAFT_TOKENS, np.int32), "adaptive_draft": (tn.ADAPTIVE_DRAFT, np.bool_),
                       "num_draft_branches": (tn.NUM_DRAFT_BRANCHES, np.int32), "draft_model": (tn.DRAFT_MODEL, np.object_)}
@@ -46,7 +48,7 @@ SCHEDULING_FIELDS = {"priority": (tn.PRIORITY, np.int32)}
 COMMON_FIELDS = ("model", "stream", "stream_options", "n", "logit_bias", "logprobs", "prompt_logprobs", "max_tokens",
                  "return_token_ids",
                  "return_tokens_as_token_ids", "request_id", "cache_salt",
-                 *SAMPLING_FIELDS, *GUIDED_FIELDS, *SPECULATIVE_FIELDS, *SCHEDULING_FIELDS, *IGNORED_FIELDS)
+                 *SAMPLING_FIELDS, *GUIDED_FIELDS, *GUIDED_OPTIONS, *SPECULATIVE_FIELDS, *SCHEDULING_FIELDS, *IGNORED_FIELDS)
 INT32 = (-2**31, 2**31 - 1)
 CHAT_FIELDS = (*COMMON_FIELDS, "messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
                "tool_choice", "parallel_tool_calls", "functions", "function_call", "chat_template_kwargs", "chat_template",
@@ -261,6 +263,9 @@ def _common(body: dict, chat: bool, defaults: dict | None) -> tuple[dict, dict[s
             raise invalid(next(iter(n for n in GUIDED_FIELDS if body.get(n) is not None)),
                           "give one structured-output setting")
         sampling["structured_outputs"] = guided
+        guided.update({GUIDED_OPTIONS[name]: body[name] for name in GUIDED_OPTIONS if body.get(name) is not None})
+    elif body.get("guided_whitespace_pattern") is not None:
+        raise invalid("guided_whitespace_pattern", "applies to guided_json's JSON: send guided_json with it")
     inputs = {}
     if _typed(body, "return_token_ids", (bool,), "a boolean"):  # (the generated ones come with every answer)
         inputs[tn.RETURN_PROMPT_IDS] = np.array([[True]], dtype=np.bool_)

@@ -60,9 +60,11 @@ GUIDE_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice", "gram
               "json_object": "json", "structural_tag": "structural_tag"}
 # ... and these may come at their neutral values (`backend`: any; this server has one), but for
 # `disable_any_whitespace`: true makes a JSON guide compact (llguidance's whitespace_flexible: false).
-NEUTRAL_GUIDE_KEYS = {"whitespace_pattern": None, "disable_fallback": False}
+NEUTRAL_GUIDE_KEYS = {"disable_fallback": False}
 # and `disable_additional_properties`: true closes a JSON guide's objects that leave additionalProperties unsaid
-# (vLLM's guidance backend's option, so that llguidance keeps to a schema's properties as xgrammar does)
+# (vLLM's guidance backend's option, so that llguidance keeps to a schema's properties as xgrammar does);
+# `whitespace_pattern`: a JSON guide's whitespace between tokens, a regex (llguidance's own option)
+_JSON_OPTIONS = ("backend", "disable_any_whitespace", "disable_additional_properties", "whitespace_pattern")
 
 
 class VllmSettings:
@@ -197,8 +199,7 @@ def _guide_setting(what: str, value) -> dict[str, np.ndarray]:
     for key, v in value.items():
         if key in NEUTRAL_GUIDE_KEYS and v is not None and v != NEUTRAL_GUIDE_KEYS[key]:
             raise InputError(f"{what}: {key!r} is supported only at {NEUTRAL_GUIDE_KEYS[key]!r}, got {v!r}")
-        if key not in GUIDE_KEYS and key not in NEUTRAL_GUIDE_KEYS and key not in (
-                "backend", "disable_any_whitespace", "disable_additional_properties"):
+        if key not in GUIDE_KEYS and key not in NEUTRAL_GUIDE_KEYS and key not in _JSON_OPTIONS:
             raise InputError(f"{what}: {key!r} is not supported (one of {', '.join(GUIDE_KEYS)})")
     if len(guides) != 1:
         raise InputError(f"{what} must set exactly one of {', '.join(GUIDE_KEYS)}, got {sorted(guides) or 'none'}")
@@ -215,8 +216,18 @@ def _guide_setting(what: str, value) -> dict[str, np.ndarray]:
     for name, flag in (("disable_any_whitespace", compact), ("disable_additional_properties", closed)):
         if flag not in (None, False, True):
             raise InputError(f"{what}: {name!r} must be true or false, got {flag!r}")
+    spaces = value.get("whitespace_pattern")
+    if spaces is not None:
+        if not isinstance(spaces, str):
+            raise InputError(f"{what}: 'whitespace_pattern' must be a regex string, got {spaces!r}")
+        if compact:
+            raise InputError(f"{what}: 'whitespace_pattern' and 'disable_any_whitespace' both say the JSON's "
+                             "whitespace; send one")
+        if GUIDE_KEYS[key] not in ("json", "json_schema"):
+            raise InputError(f"{what}: 'whitespace_pattern' applies to a JSON guide ('json' or 'json_object'), "
+                             f"not {key!r}")
     guide_type = GUIDE_KEYS[key]
-    if (compact or closed) and guide_type in ("json", "json_schema"):  # other guides say their whitespace
+    if (compact or closed or spaces is not None) and guide_type in ("json", "json_schema"):  # (others say theirs)
         try:
             schema = json_text.parse(guide) if guide else {"type": "object"}
         except ValueError as exc:
@@ -224,6 +235,8 @@ def _guide_setting(what: str, value) -> dict[str, np.ndarray]:
         if not isinstance(schema, dict):
             raise InputError(f"{what}: 'json' must be a JSON schema object")
         schema = _closed(schema) if closed else schema
+        if spaces is not None:
+            schema = {**schema, "x-guidance": {**schema.get("x-guidance", {}), "whitespace_pattern": spaces}}
         guide_type, guide = "json_schema", json.dumps(_compact(schema) if compact else schema)
     elif compact and guide_type == "structural_tag":  # each structure's JSON compact
         try:
