@@ -1178,8 +1178,8 @@ BAD_REQUESTS = {
                             "seed"),
     "token_id_a_list": (PROMPTS[0], dict(sampling_parameters=np.array([[b'{"allowed_token_ids": [[1]]}']],
                                                                        dtype=np.object_)), "allowed_token_ids"),
-    "spaces_between_special_tokens_false": (PROMPTS[0], dict(sampling_parameters=np.array(
-        [[b'{"spaces_between_special_tokens": false}']], dtype=np.object_)), "spaces_between_special_tokens"),
+    "spaces_between_special_tokens_not_boolean": (PROMPTS[0], dict(sampling_parameters=np.array(
+        [[b'{"spaces_between_special_tokens": 7}']], dtype=np.object_)), "spaces_between_special_tokens"),
     "truncate_prompt_tokens_zero": (PROMPTS[0], dict(sampling_parameters=np.array(
         [[b'{"truncate_prompt_tokens": 0}']], dtype=np.object_)), "truncate_prompt_tokens"),
     "guide_over_max_guide_chars": (PROMPTS[0], dict(guided_decoding_guide_type=np.array([[b"regex"]], dtype=np.object_),

@@ -34,7 +34,10 @@ SAMPLING_PARAMETER_KEYS = {
     tn.PREDICTION: (tn.PREDICTION, np.object_),  # this server's own: OpenAI's Predicted Outputs' text
 }
 # Settings vLLM's clients send at their neutral values: accepted at those (or null), refused otherwise.
-NEUTRAL_SAMPLING_PARAMETERS = {"n": 1, "best_of": 1, "spaces_between_special_tokens": True, "detokenize": True}
+NEUTRAL_SAMPLING_PARAMETERS = {"n": 1, "best_of": 1, "detokenize": True}
+# Settings taken at either value that change nothing here: a fast tokenizer (the server's) writes no space
+# between special tokens either way (vLLM's fast detokenizer does the same; its slow one reads it)
+NO_EFFECT_PARAMETERS = {"spaces_between_special_tokens": np.bool_}
 # vLLM's keys that no input stands for: token ids (and biases), read from the JSON into arrays of these names ...
 TOKEN_ID_KEYS = ("logit_bias", "allowed_token_ids", "stop_token_ids")
 # ... and these settings: the stop string kept at the text's end, the prompt cut to its last N tokens
@@ -135,6 +138,9 @@ def _read(lookup: InputLookup, arrays: dict[str, np.ndarray], what: str, key: st
     if key in VLLM_KEYS:
         arrays[key] = _setting(what, value, VLLM_KEYS[key])
         return
+    if key in NO_EFFECT_PARAMETERS:
+        _setting(what, value, NO_EFFECT_PARAMETERS[key])  # (checked for its type, then read no further)
+        return
     if key in NEUTRAL_SAMPLING_PARAMETERS:
         neutral = NEUTRAL_SAMPLING_PARAMETERS[key]
         if _setting(what, value, np.bool_ if isinstance(neutral, bool) else np.int32).item() != neutral:
@@ -142,7 +148,8 @@ def _read(lookup: InputLookup, arrays: dict[str, np.ndarray], what: str, key: st
         return  # a setting speculative decoding does not have, at its neutral value
     if key not in SAMPLING_PARAMETER_KEYS:
         raise InputError(f"{what} is not supported (supported: {', '.join(SAMPLING_PARAMETER_KEYS)}, "
-                         f"{', '.join(TOKEN_ID_KEYS + tuple(VLLM_KEYS) + GUIDED_DECODING_KEYS)}; "
+                         f"{', '.join(TOKEN_ID_KEYS + tuple(VLLM_KEYS) + GUIDED_DECODING_KEYS)}, "
+                         f"{', '.join(NO_EFFECT_PARAMETERS)}; "
                          f"at their neutral values: {', '.join(NEUTRAL_SAMPLING_PARAMETERS)})")
     name, dtype = SAMPLING_PARAMETER_KEYS[key]
     if lookup(name) is not None:
