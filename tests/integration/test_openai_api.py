@@ -1344,7 +1344,8 @@ def test_a_stream_silent_past_the_keepalive_gets_comment_lines_the_sdks_skip(ser
 def test_a_prefilled_answer_is_continued_over_triton_the_chat_api_and_anthropics(server, api, claude, model):
     """An answer's beginning sent as the last message (vLLM's continue_final_message; Anthropic's prefill) is
     continued: the prompt is the chat template's with that message left open, and the greedy continuation is
-    what the model writes after those tokens given as they are (a completion of the rendered prompt's ids)."""
+    what the model writes after those tokens given as they are (a completion of the rendered prompt's ids);
+    vLLM's chat `echo` puts the message before it."""
     from specdec.decoding.text import chat_ids, load_tokenizer
     from specdec.serving.pairs import smollm2_tokenizer_dir
 
@@ -1359,6 +1360,13 @@ def test_a_prefilled_answer_is_continued_over_triton_the_chat_api_and_anthropics
     answer = api.chat.completions.create(model=model, messages=prefilled, max_tokens=8, temperature=0, extra_body={
         "continue_final_message": True, "add_generation_prompt": False, "ignore_eos": True})
     assert (answer.usage.prompt_tokens, answer.choices[0].message.content) == (len(ids), reference.choices[0].text)
+    # vLLM's chat echo: the assistant's last message leads the content, whole and streamed (a chunk of its own)
+    extra = {"continue_final_message": True, "add_generation_prompt": False, "ignore_eos": True, "echo": True}
+    echoed = api.chat.completions.create(model=model, messages=prefilled, max_tokens=8, temperature=0, extra_body=extra)
+    assert echoed.choices[0].message.content == "Red, green" + reference.choices[0].text
+    chunks = [chunk.choices[0].delta.content for chunk in api.chat.completions.create(
+        model=model, messages=prefilled, max_tokens=8, temperature=0, extra_body=extra, stream=True) if chunk.choices]
+    assert chunks[1] == "Red, green" and "".join(c or "" for c in chunks) == echoed.choices[0].message.content
     message = claude.messages.create(model=model, max_tokens=8, system=CHAT[0]["content"], messages=[
         {"role": "user", "content": CHAT[1]["content"]}, {"role": "assistant", "content": "Red, green"}],
         extra_body={**GREEDY, "ignore_eos": True})

@@ -205,6 +205,17 @@ def test_response_format_and_guided_fields_become_structured_outputs():
     assert "structured_outputs" not in sampling(parse_completion({"prompt": "p", "guided_decoding_backend": "x"}, SERVED))
 
 
+def test_chat_echo_leads_with_the_assistants_last_message():
+    """vLLM's chat echo: the chat's last message where it is the assistant's (a prefilled answer), else none."""
+    prefilled = [*CHAT, {"role": "assistant", "content": [{"type": "text", "text": "Sure"}]}]
+    assert parse_chat({"messages": prefilled, "echo": True, "continue_final_message": True,
+                       "add_generation_prompt": False}, SERVED).chat_echo == "Sure"
+    assert parse_chat({"messages": CHAT, "echo": True}, SERVED).chat_echo == ""
+    assert parse_chat({"messages": prefilled}, SERVED).chat_echo == ""
+    with pytest.raises(ApiError, match="echo"):
+        parse_chat({"messages": CHAT, "echo": "yes"}, SERVED)
+
+
 def test_completions_echo_asks_for_the_prompts_scores_and_max_tokens_zero_scores_only():
     gen = parse_completion({"model": "m", "prompt": [[5, 6, 7], [8, 9]], "echo": True, "logprobs": 1, "max_tokens": 0,
                             "temperature": 0}, SERVED)

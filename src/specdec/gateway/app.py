@@ -1118,6 +1118,8 @@ class Gateway:
             text, found = tools.split_output(text or "", gen.tools)
             if found:
                 calls, reason = tools.message_calls(found), gen.tools.finish_reason(reason)
+        if gen.chat_echo:  # vLLM's chat echo: the assistant's last message leads the content
+            text = gen.chat_echo + (text or "")
         return protocol.choice(gen, text, reason, self._logprobs(gen, merged, 0), delta=False, index=index,
                                tool_calls=calls, reasoning=thinking)
 
@@ -1131,6 +1133,9 @@ class Gateway:
                 if gen.return_token_ids and firsts[index] is not None:  # the prompt's, on the first chunk (vLLM's)
                     chunk["prompt_token_ids"] = firsts[index].prompt_ids
                 await response.write(protocol.sse(chunk))
+                if gen.chat_echo:  # vLLM's chat echo: the assistant's last message, a chunk of its own
+                    await response.write(protocol.sse(protocol.envelope(gen, [protocol.choice(
+                        gen, gen.chat_echo, None, None, True, index=index)], chunk=True)))
         count = len(gen.choices)
         sent_text, sent_ids, stats = [0] * count, [0] * count, [{} for _ in range(count)]
         generated: list[list[int]] = [[] for _ in range(count)]

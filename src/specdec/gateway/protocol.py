@@ -53,7 +53,7 @@ INT32 = (-2**31, 2**31 - 1)
 CHAT_FIELDS = (*COMMON_FIELDS, "messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
                "tool_choice", "parallel_tool_calls", "functions", "function_call", "chat_template_kwargs", "chat_template",
                "include_reasoning", "reasoning_effort", "thinking_token_budget", "prediction", "continue_final_message",
-               "add_generation_prompt", "documents", "modalities")
+               "add_generation_prompt", "documents", "modalities", "echo")
 # OpenAI's reasoning efforts (its SDK's ReasoningEffort): handed to the chat template as `reasoning_effort`, the
 # variable the templates that take one read (gpt-oss's); the others leave it unused
 THINKING_FIELDS = (tn.REASONING_CONTENT, "reasoning")  # an assistant message's thinking: vLLM's two names
@@ -133,6 +133,8 @@ class Generation:
     # completions' echo: each choice's text (and log-probabilities) start with its prompt's: the prompts as
     # sent, per choice (a string, or token ids the gateway decodes)
     echo: list[str | list[int]] | None = None
+    # vLLM's chat echo: the chat's last message, the assistant's, leads each choice's content ("" for none)
+    chat_echo: str = ""
     score_only: bool = False  # echo with max_tokens 0: the prompt's scores, nothing generated (one is, unsent)
     sampling: dict = field(default_factory=dict)  # the sampling settings sent, defaults included (the echoes')
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
@@ -536,6 +538,8 @@ def parse_chat(body: dict, served: tuple[str, ...], tool_parser: str | None = No
     if reasoning_parser and ("structured_outputs" in sampling or budget is not None):
         inputs[tn.REASONING_PARSER] = _string(reasoning_parser)
     chat = chat_messages(body)
+    echoed = chat[-1]["content"] if _typed(body, "echo", (bool,), "a boolean") and chat[-1]["role"] == "assistant" \
+        else ""  # (vLLM's: the last message where it is the answer's role)
     if continues(body, chat):  # vLLM's continue_final_message: the assistant's last message, continued
         inputs[tn.CONTINUE_FINAL_MESSAGE] = np.array([[True]], dtype=np.bool_)
     if tool_parser == "mistral":  # its templates refuse ids but its own form, whoever made them
@@ -572,7 +576,7 @@ def parse_chat(body: dict, served: tuple[str, ...], tool_parser: str | None = No
                       tokens_as_ids=_tokens_as_ids(body), prompt_logprobs=scored, tools=calling,
                       reasoning=reasoning_parser, include_reasoning=_typed(body, "include_reasoning", (bool,),
                                                                            "a boolean") is not False,
-                      sampling=sampling)
+                      sampling=sampling, chat_echo=echoed)
 
 
 def with_documents(body: dict, template_kwargs: dict | None) -> dict | None:
