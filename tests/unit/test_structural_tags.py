@@ -117,6 +117,10 @@ CASES = [  # (format, admitted outputs, refused outputs)
      ["\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n",
       "<arg_key>city</arg_key><arg_value>Paris</arg_value>"],
      ["<arg_key>days</arg_key><arg_value>3</arg_value>", "<arg_key>city</arg_key><arg_value>Paris</arg_key>"]),
+    ({"type": "json_schema", "json_schema": CITY, "style": "minimax_xml"},
+     ['<parameter name="city">Paris</parameter>\n<parameter name="days">3</parameter>\n',
+      '<parameter name="city">Paris</parameter><parameter name="days">3</parameter>'],
+     ['<parameter name="days">3</parameter>', '<parameter name=city>Paris</parameter>']),
     ({"type": "json_schema", "style": "qwen_xml", "json_schema": {"type": "object", "properties": {
         "on": {"type": "boolean"}, "unit": {"enum": ["C", "F"]}, "tags": {"type": "array"}}}},
      ["<parameter=on>\nTrue\n</parameter>\n<parameter=unit>\nF\n</parameter>\n"

@@ -156,7 +156,8 @@ def test_strict_deepseek_calls_take_its_special_tokens_inside_the_section_it_ope
     assert grammar.matcher().valid_prefix(off_schema) < len(off_schema)
 
 
-@pytest.mark.parametrize("parser,special", [("qwen3_coder", False), ("glm45", False), ("glm47", True)])
+@pytest.mark.parametrize("parser,special", [("qwen3_coder", False), ("glm45", False), ("glm47", True),
+                                            ("minimax_m2", False)])
 def test_strict_xml_calls_hold_each_parameter_to_its_type_and_the_parser_reads_them(smollm2_tokenizer, parser,
                                                                                     special):
     """Qwen3-Coder's <parameter=KEY> lines and GLM's <arg_key>/<arg_value> pairs (its markers special tokens in
@@ -168,7 +169,7 @@ def test_strict_xml_calls_hold_each_parameter_to_its_type_and_the_parser_reads_t
         smollm2_tokenizer.add_tokens(["<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>",
                                       "</arg_value>"], special_tokens=True)
     tags = tools.strict_call_tags([STRICT_WEATHER, TIME], parser)
-    assert tags["format"]["triggers"] == ["<tool_call>"]
+    assert tags["format"]["triggers"] == ["<tool_call>" if parser != "minimax_m2" else "<invoke name="]
     grammar = GuideCompiler(smollm2_tokenizer).compile("structural_tag", json.dumps(tags))
     encode = lambda text: smollm2_tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
     if parser == "qwen3_coder":
@@ -177,6 +178,12 @@ def test_strict_xml_calls_hold_each_parameter_to_its_type_and_the_parser_reads_t
         other = "<tool_call>\n<function=get_time>\n<parameter=tz>\nUTC\n</parameter>\n</function>\n</tool_call>"
         wrong = ["<tool_call>\n<function=get_wind>", "<tool_call>\n<function=get_weather>\n<parameter=days>",
                  "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\nx"]
+    elif parser == "minimax_m2":
+        call = ('<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">Paris</parameter>\n'
+                '<parameter name="days">2</parameter>\n</invoke>\n')
+        other = '<invoke name="get_time">\n<parameter name="tz">UTC</parameter>\n</invoke>\n</minimax:tool_call>'
+        wrong = ['<invoke name="get_wind"', '<invoke name="get_weather">\n<parameter name="days"',
+                 '<invoke name="get_weather">\n<parameter name="city">P</parameter>\n<parameter name="days">x']
     else:
         newline = "\n" if parser == "glm45" else ""
         call = (f"<tool_call>get_weather{newline}<arg_key>city</arg_key>{newline}<arg_value>Paris</arg_value>{newline}"
@@ -565,7 +572,28 @@ def test_glm_calls_take_their_values_types_from_the_schemas_or_json(parser):
     assert content == "Sure.\n" and called and deltas[0]["function"] == {"name": "run", "arguments": "{}"}
 
 
-@pytest.mark.parametrize("parser", ["deepseek_v3", "kimi_k2", "glm45", "mistral"])
+def test_minimax_calls_take_their_values_types_from_the_schemas_or_json():
+    """MiniMax-M2's <minimax:tool_call> section of <invoke name="NAME"> calls (names quoted or not), each value
+    its text less one newline at each end, typed by the schema, else JSON where it reads as JSON."""
+    calling = ToolCalling(AUTO, ("edit", "run"), "minimax_m2", schemas={"edit": EDIT, "run": {}})
+    text = ('Let me edit it.\n<minimax:tool_call>\n<invoke name="edit">\n<parameter name="path">/tmp/a b.py</parameter>\n'
+            '<parameter name="line">12</parameter>\n<parameter name="options">{"x": [1, 2]}</parameter>\n'
+            '<parameter name="word">\nplain text\n</parameter>\n<parameter name="extra">[3, 4]</parameter>\n'
+            "</invoke>\n<invoke name=run>\n</invoke>\n</minimax:tool_call>")
+    content, calls = tools.split_output(text, calling)
+    assert content == "Let me edit it." and [c["name"] for c in calls] == ["edit", "run"]
+    assert json.loads(calls[0]["arguments"]) == {"path": "/tmp/a b.py", "line": 12, "options": {"x": [1, 2]},
+                                                 "word": "plain text", "extra": [3, 4]}
+    assert calls[1]["arguments"] == "{}"
+    for text in ("No call.", '<minimax:tool_call>\n<invoke name="edit">\n<parameter name="path">/tmp/a',
+                 '<minimax:tool_call>\n<invoke name="bad name">\n</invoke>', "<minimax:tool_call>\n"):
+        assert tools.split_output(text, calling) == (text, []), text
+    content, deltas, called = _stream(calling, ["Sure.\n<minimax:tool", '_call>\n<invoke name="run">\n</invoke>\n'
+                                                "</minimax:tool_call>"])
+    assert content == "Sure.\n" and called and deltas[0]["function"] == {"name": "run", "arguments": "{}"}
+
+
+@pytest.mark.parametrize("parser", ["deepseek_v3", "kimi_k2", "glm45", "mistral", "minimax_m2"])
 def test_parsers_whose_calls_are_special_tokens_keep_them_in_the_text(parser):
     body = {"model": "m", "messages": CHAT, "tools": [WEATHER]}
     assert json.loads(parse_chat(body, SERVED, tool_parser=parser).choices[0][tn.SAMPLING_PARAMETERS][0, 0])[

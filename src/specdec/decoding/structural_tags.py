@@ -30,7 +30,7 @@ MAX_CHOICES = 1024
 MAX_NODES = 4096  # formats in one guide (a guide's text is bounded too: max_guide_chars)
 MAX_DEPTH = 32  # formats nested in one another
 ANY = "/(.|\\n)*/"
-XML_STYLES = ("qwen_xml", "glm_xml")
+XML_STYLES = ("qwen_xml", "glm_xml", "minimax_xml")
 NL, NEWLINE = "\n", '"\\n"?'  # a newline; an optional one, in Lark (GLM-4.5 writes them, 4.7 not)
 # Formats that take what follows them as their end: free text (or tokens) until it
 _UNLIMITED = ("any_text", "triggered_tags", "dispatch", "any_tokens", "token_triggered_tags", "token_dispatch")
@@ -516,8 +516,9 @@ class _Builder:
     # -- JSON schemas in a model's XML parameter style -----------------------------------------------------------
     def xml_object(self, schema: dict, style: str, where: str) -> str:
         """An object's properties as Qwen3-Coder writes them (`<parameter=KEY>\\nVALUE\\n</parameter>\\n`, in
-        its template's layout) or GLM-4.5 and 4.7 (`<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>`, a
-        newline before each tag or none): in the schema's order, the optional ones may be left out; a string
+        its template's layout), GLM-4.5 and 4.7 (`<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>`, a
+        newline before each tag or none) or MiniMax-M2 (`<parameter name="KEY">VALUE</parameter>`, a newline
+        after each or none): in the schema's order, the optional ones may be left out; a string
         value is its raw text (one of its enum or const where it has them), any other JSON; without
         properties, any keys with any values."""
         if schema.get("type", "object") != "object":
@@ -528,12 +529,15 @@ class _Builder:
             raise StructuralTagError(f"{where}.properties must be an object")
         required = set(schema.get("required") or [])
         options = schema.get("x-guidance") if isinstance(schema.get("x-guidance"), dict) else {}
-        close = "\n</parameter>" if style == "qwen_xml" else "</arg_value>"
+        close = {"qwen_xml": "\n</parameter>", "glm_xml": "</arg_value>", "minimax_xml": "</parameter>"}[style]
 
         def pair(key: str, value: str) -> str:
             """One parameter: `key` its name's Lark items, `value` its value and closing."""
             if style == "qwen_xml":
                 return f'{self.written("<parameter=")} {key} {self.written(">" + NL)} {value} {self.written(NL)}'
+            if style == "minimax_xml":
+                opening, closing = self.written('<parameter name="'), self.written('">')
+                return f"{opening} {key} {closing} {value} {NEWLINE}"
             return (f"{NEWLINE} {self.written('<arg_key>')} {key} {self.written('</arg_key>')} {NEWLINE} "
                     f"{self.written('<arg_value>')} {value}")
         items = []
@@ -541,7 +545,7 @@ class _Builder:
             item = self.rule(pair(self.written(key), self.xml_value(sub, close, options, f"{where}.properties.{key}")))
             items.append(item if key in required else f"{item}?")
         if not properties:  # any keys, any values
-            items.append(self.rule(pair(self.terminal("/[^<>\\n]+/"), self.xml_value({}, close, options, where)))
+            items.append(self.rule(pair(self.terminal('/[^<>"\\n]+/'), self.xml_value({}, close, options, where)))
                          + "*")
         if style == "glm_xml":
             items.append(NEWLINE)

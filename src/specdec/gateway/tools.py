@@ -23,11 +23,14 @@ is text, which becomes `tool_calls` here in one of three ways, by `tool_choice`:
   between `<｜tool▁call▁begin｜>` and `<｜tool▁call▁end｜>`, V3's fenced JSON or V3.1's bare JSON, either name
   reading both) or `kimi_k2` (`<|tool_call_begin|>functions.NAME:0<|tool_call_argument_begin|>{...}`, the
   model's id kept: its template renders it back) or `glm45` / `glm47` (GLM-4.5's `<tool_call>NAME` and
-  `<arg_key>`/`<arg_value>` pairs, typed as qwen3_coder's or read as JSON); these four keep special tokens. Text
+  `<arg_key>`/`<arg_value>` pairs, typed as qwen3_coder's or read as JSON) or `minimax_m2` (MiniMax-M2's
+  `<minimax:tool_call>` section of `<invoke name="NAME">` calls of `<parameter name="KEY">` values, typed as
+  GLM's); these five keep special tokens. Text
   before the first call is the message's content and streams as content; text that does not parse as a call
   stays content. With a `strict` tool, structural tags hold each call the model opens to the request's
   tools, in the parser's format (strict_call_tags): JSON after an opening (hermes, llama3_json, mistral,
-  deepseek_v3/v31, kimi_k2), XML parameters (qwen3_coder, glm45/47), or a Python list of calls (pythonic).
+  deepseek_v3/v31, kimi_k2), XML parameters (qwen3_coder, glm45/47, minimax_m2), or a Python list of calls
+  (pythonic).
 """
 
 from __future__ import annotations
@@ -46,15 +49,15 @@ from specdec import tensor_names as tn
 from specdec.decoding import json_text
 from specdec.gateway import harmony
 
-PARSERS = ("deepseek_v3", "deepseek_v31", "glm45", "glm47", "hermes", "kimi_k2", "llama3_json", "mistral", "openai",
-           "pythonic", "qwen3_coder", "qwen3_xml")
+PARSERS = ("deepseek_v3", "deepseek_v31", "glm45", "glm47", "hermes", "kimi_k2", "llama3_json", "minimax_m2",
+           "mistral", "openai", "pythonic", "qwen3_coder", "qwen3_xml")
 HARMONY_PARSER = "openai"  # gpt-oss's calls, from what the reasoning parser openai_gptoss passes on (harmony.py)
 HARMONY_REASONING = tn.HARMONY_REASONING  # that reasoning parser (reasoning.HARMONY)
 _QWEN3_CODER = ("qwen3_coder", "qwen3_xml")  # one format, vLLM's two names for it
 _DEEPSEEK = ("deepseek_v3", "deepseek_v31")  # V3's calls and V3.1's, each read in either form
 _GLM = ("glm45", "glm47")  # GLM-4.5's calls and 4.7's (the same, fewer newlines)
 # Parsers whose calls open with special tokens: the server is asked to keep those in the text (vLLM does too)
-SPECIAL_TOKEN_PARSERS = ("mistral", *_DEEPSEEK, "kimi_k2", *_GLM)
+SPECIAL_TOKEN_PARSERS = ("mistral", *_DEEPSEEK, "kimi_k2", *_GLM, "minimax_m2")
 NAMED, REQUIRED, AUTO = "named", "required", "auto"
 _HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
@@ -73,7 +76,12 @@ _KIMI_CALLS, _KIMI_CALL = "<|tool_calls_section_begin|>", re.compile(
     r"<\|tool_calls_section_end\|>|$)", re.DOTALL)
 _GLM_CALL = re.compile(r"([^<]*?)\s*((?:<arg_key>.*?</arg_key>\s*<arg_value>.*?</arg_value>\s*)*)", re.DOTALL)
 _GLM_ARGUMENT = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
-_OPENINGS = {"hermes": _HERMES_OPEN, "mistral": _MISTRAL_CALLS, "qwen3_coder": _HERMES_OPEN,
+# MiniMax-M2's (M2.1, M2.5): a section of <invoke name="NAME"> calls, each of <parameter name="KEY"> values
+_MINIMAX_OPEN, _MINIMAX_CLOSE = "<minimax:tool_call>", "</minimax:tool_call>"
+_MINIMAX_SECTION = re.compile(r"<minimax:tool_call>(.*?)(?:</minimax:tool_call>|$)", re.DOTALL)
+_MINIMAX_INVOKE = re.compile(r"<invoke name=([^>\n]*)>(.*?)</invoke>", re.DOTALL)  # a call cut short is none
+_MINIMAX_PARAMETER = re.compile(r"<parameter name=([^>\n]*)>(.*?)</parameter>", re.DOTALL)
+_OPENINGS = {"minimax_m2": _MINIMAX_OPEN, "hermes": _HERMES_OPEN, "mistral": _MISTRAL_CALLS, "qwen3_coder": _HERMES_OPEN,
              "qwen3_xml": _HERMES_OPEN, HARMONY_PARSER: harmony.START, "deepseek_v3": _DEEPSEEK_CALLS,
              "deepseek_v31": _DEEPSEEK_CALLS, "kimi_k2": _KIMI_CALLS, "glm45": _HERMES_OPEN, "glm47": _HERMES_OPEN}
 _FUNCTION = re.compile(r"\s*<function=([^>\n]*)>(.*?)</function>\s*", re.DOTALL)  # a call cut short is none
@@ -103,6 +111,7 @@ _CALL_TAGS = {
 # <arg_key>/<arg_value> pairs) as xgrammar's structural tags: trigger, (begin, end) of a call, the XML style
 _XML_CALLS = {**{name: (_HERMES_OPEN, (_HERMES_OPEN + "\n<function={name}>\n", "</function>\n" + _HERMES_CLOSE),
                         "qwen_xml") for name in _QWEN3_CODER},
+              "minimax_m2": ("<invoke name=", ('<invoke name="{name}">\n', "</invoke>\n"), "minimax_xml"),
               **{name: (_HERMES_OPEN, (_HERMES_OPEN + "{name}", _HERMES_CLOSE), "glm_xml") for name in _GLM}}
 _KIMI_BEGIN, _KIMI_ARGUMENTS, _KIMI_END = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
 _TEMPLATE_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -304,6 +313,8 @@ def split_output(text: str, calling: ToolCalling) -> tuple[str | None, list[dict
         content, calls = _deepseek(text)
     elif calling.parser == "kimi_k2":
         content, calls = _kimi(text)
+    elif calling.parser == "minimax_m2":
+        content, calls = _minimax(text, calling.schemas)
     elif calling.parser == HARMONY_PARSER:
         content, calls = harmony.calls(text)
         calls = [call for call in calls if FUNCTION_NAME.fullmatch(call["name"])]
@@ -452,16 +463,42 @@ def _glm(text: str, schemas: dict) -> tuple[str | None, list[dict]]:
         properties = (schemas.get(name) or {}).get("properties") or {}
         arguments = {}
         for key, value in _GLM_ARGUMENT.findall(pairs):
-            schema = properties.get(key.strip())
-            if isinstance(schema, dict) and schema.get("type"):
-                arguments[key.strip()] = _typed_value(value.strip(), schema)
-            else:
-                try:
-                    arguments[key.strip()] = json_text.parse(value.strip())
-                except ValueError:
-                    arguments[key.strip()] = value.strip()
+            arguments[key.strip()] = _schema_value(value.strip(), properties.get(key.strip()))
         calls.append({"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)})
     return text[:start].strip() or None, calls
+
+
+def _minimax(text: str, schemas: dict) -> tuple[str | None, list[dict]]:
+    """`<minimax:tool_call>` then `<invoke name="NAME"><parameter name="KEY">VALUE</parameter>...</invoke>`
+    calls (names quoted or not): a value is its text less one newline at each end, turned into the type the
+    tool's schema gives it, or read as JSON where it gives none (else the text)."""
+    start = text.find(_MINIMAX_OPEN)
+    if start < 0:
+        return text, []
+    calls = []
+    for section in _MINIMAX_SECTION.findall(text[start:]):
+        for quoted, body in _MINIMAX_INVOKE.findall(section):
+            name = quoted.strip().strip("\"'")
+            if not FUNCTION_NAME.fullmatch(name):
+                return text, []  # a block that is no call: the answer stays text
+            properties = (schemas.get(name) or {}).get("properties") or {}
+            arguments = {}
+            for key, value in _MINIMAX_PARAMETER.findall(body):
+                key, value = key.strip().strip("\"'"), value.removeprefix("\n").removesuffix("\n")
+                arguments[key] = _schema_value(value, properties.get(key))
+            calls.append({"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)})
+    return (text[:start].strip() or None, calls) if calls else (text, [])
+
+
+def _schema_value(text: str, schema) -> object:
+    """A value written as text: the type its schema names (_typed_value), else JSON where it reads as JSON,
+    else the text (as GLM's and MiniMax's templates write values that are no strings as JSON)."""
+    if isinstance(schema, dict) and schema.get("type"):
+        return _typed_value(text, schema)
+    try:
+        return json_text.parse(text.strip())
+    except ValueError:
+        return text
 
 
 def _named_call(name: str, arguments: str) -> dict | None:
