@@ -202,7 +202,8 @@ def test_response_format_and_guided_fields_become_structured_outputs():
     assert sampling(parse_completion({"prompt": "p", "guided_json": schema, "guided_whitespace_pattern": "[ ]?",
                                       "guided_decoding_backend": "xgrammar"}, SERVED))["structured_outputs"] == {
         "json": schema, "whitespace_pattern": "[ ]?", "backend": "xgrammar"}
-    assert "structured_outputs" not in sampling(parse_completion({"prompt": "p", "guided_decoding_backend": "x"}, SERVED))
+    assert "structured_outputs" not in sampling(parse_completion({"prompt": "p", "guided_decoding_backend": "x"},
+                                                                 SERVED))
 
 
 def test_chat_echo_leads_with_the_assistants_last_message():

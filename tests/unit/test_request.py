@@ -526,9 +526,9 @@ def test_a_guide_comes_as_tensorrt_llms_inputs_or_vllms_guided_decoding():
         {"begin": "<f>", "schema": {**schema, **flat}, "end": "</f>"}, {"begin": "<g>", "end": "", "schema": flat}, 7]}
     # vLLM's disable_additional_properties (its guidance backend's): objects that leave additionalProperties
     # unsaid are closed, at every depth; those that say it keep it; a property named "properties" is a name
-    nested = {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "integer"}}},
-                                               "properties": {"type": "string"}, "open": {"type": "object",
-                                                                                          "additionalProperties": True}},
+    nested = {"type": "object", "properties": {
+        "a": {"type": "object", "properties": {"b": {"type": "integer"}}}, "properties": {"type": "string"},
+        "open": {"type": "object", "additionalProperties": True}},
               "$defs": {"x": {"properties": {"c": {}}}}, "anyOf": [{"type": "object"}]}
     closed = json.loads(parse_guided(**_vllm({"structured_outputs": {"json": nested, "disable_additional_properties":
                                                                      True}})).generation.grammar[1])
@@ -539,8 +539,8 @@ def test_a_guide_comes_as_tensorrt_llms_inputs_or_vllms_guided_decoding():
     assert parse_guided(**_vllm({"structured_outputs": {"json": nested, "disable_additional_properties": False}})
                         ).generation.grammar == ("json_schema", json.dumps(nested))
     # whitespace_pattern: the JSON's whitespace as a regex (llguidance's option)
-    spaced = json.loads(parse_guided(**_vllm({"structured_outputs": {"json_object": True, "whitespace_pattern": "[ ]?"}})
-                                     ).generation.grammar[1])
+    spaced = json.loads(parse_guided(**_vllm({"structured_outputs": {
+        "json_object": True, "whitespace_pattern": "[ ]?"}})).generation.grammar[1])
     assert spaced == {"type": "object", "x-guidance": {"whitespace_pattern": "[ ]?"}}
     from specdec.decoding.grammar import GuideCompiler
     from specdec.decoding.text import load_tokenizer

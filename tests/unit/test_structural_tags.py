@@ -5,24 +5,14 @@ XML parameter styles, and refusals naming the place. (vLLM's `structures` form: 
 import json
 
 import pytest
-from specdec.decoding.grammar import GuideCompiler, GuideError
-from specdec.decoding.text import load_tokenizer
-from specdec.serving.pairs import smollm2_tokenizer_dir
+from specdec.decoding.grammar import GuideError
+
+from .test_grammar import guides, tokenizer  # noqa: F401 (fixtures: SmolLM2's tokenizer and a compiler over it)
 
 EOS = 2  # SmolLM2's <|im_end|>
 START, FILE_SEP, FILENAME = 1, 5, 6  # special tokens of SmolLM2's: <|im_start|>, <file_sep>, <filename>
 CITY = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
         "required": ["city"], "additionalProperties": False}
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer(str(smollm2_tokenizer_dir()))
-
-
-@pytest.fixture(scope="module")
-def guides(tokenizer):
-    return GuideCompiler(tokenizer)
 
 
 def _ids(tokenizer, output) -> list[int]:

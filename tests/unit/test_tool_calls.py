@@ -156,6 +156,33 @@ def test_strict_deepseek_calls_take_its_special_tokens_inside_the_section_it_ope
     assert grammar.matcher().valid_prefix(off_schema) < len(off_schema)
 
 
+def _glm_written(newline: str) -> tuple[str, str, list[str]]:
+    return ((f"<tool_call>get_weather{newline}<arg_key>city</arg_key>{newline}<arg_value>Paris</arg_value>{newline}"
+             f"<arg_key>days</arg_key>{newline}<arg_value>2</arg_value>{newline}</tool_call>"),
+            (f"<tool_call>get_time{newline}<arg_key>tz</arg_key>{newline}<arg_value>UTC</arg_value>{newline}"
+             "</tool_call>"),
+            ["<tool_call>get_wind", "<tool_call>get_weather<arg_key>days",
+             "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value><arg_key>days</arg_key>"
+             "<arg_value>x"])
+
+
+# Per XML parser: a call to get_weather and one to get_time as its template writes them, and openings off the
+# strict tool's schema (an unknown function, a required key left out, a value of the wrong type)
+_XML_WRITTEN = {
+    "qwen3_coder": (("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+                     "<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>"),
+                    "<tool_call>\n<function=get_time>\n<parameter=tz>\nUTC\n</parameter>\n</function>\n</tool_call>",
+                    ["<tool_call>\n<function=get_wind>", "<tool_call>\n<function=get_weather>\n<parameter=days>",
+                     "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+                     "<parameter=days>\nx"]),
+    "minimax_m2": (('<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">Paris</parameter>\n'
+                    '<parameter name="days">2</parameter>\n</invoke>\n'),
+                   '<invoke name="get_time">\n<parameter name="tz">UTC</parameter>\n</invoke>\n</minimax:tool_call>',
+                   ['<invoke name="get_wind"', '<invoke name="get_weather">\n<parameter name="days"',
+                    '<invoke name="get_weather">\n<parameter name="city">P</parameter>\n<parameter name="days">x']),
+    "glm45": _glm_written("\n"), "glm47": _glm_written("")}
+
+
 @pytest.mark.parametrize("parser,special", [("qwen3_coder", False), ("glm45", False), ("glm47", True),
                                             ("minimax_m2", False)])
 def test_strict_xml_calls_hold_each_parameter_to_its_type_and_the_parser_reads_them(smollm2_tokenizer, parser,
@@ -172,27 +199,7 @@ def test_strict_xml_calls_hold_each_parameter_to_its_type_and_the_parser_reads_t
     assert tags["format"]["triggers"] == ["<tool_call>" if parser != "minimax_m2" else "<invoke name="]
     grammar = GuideCompiler(smollm2_tokenizer).compile("structural_tag", json.dumps(tags))
     encode = lambda text: smollm2_tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
-    if parser == "qwen3_coder":
-        call = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n2\n"
-                "</parameter>\n</function>\n</tool_call>")
-        other = "<tool_call>\n<function=get_time>\n<parameter=tz>\nUTC\n</parameter>\n</function>\n</tool_call>"
-        wrong = ["<tool_call>\n<function=get_wind>", "<tool_call>\n<function=get_weather>\n<parameter=days>",
-                 "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\nx"]
-    elif parser == "minimax_m2":
-        call = ('<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">Paris</parameter>\n'
-                '<parameter name="days">2</parameter>\n</invoke>\n')
-        other = '<invoke name="get_time">\n<parameter name="tz">UTC</parameter>\n</invoke>\n</minimax:tool_call>'
-        wrong = ['<invoke name="get_wind"', '<invoke name="get_weather">\n<parameter name="days"',
-                 '<invoke name="get_weather">\n<parameter name="city">P</parameter>\n<parameter name="days">x']
-    else:
-        newline = "\n" if parser == "glm45" else ""
-        call = (f"<tool_call>get_weather{newline}<arg_key>city</arg_key>{newline}<arg_value>Paris</arg_value>{newline}"
-                f"<arg_key>days</arg_key>{newline}<arg_value>2</arg_value>{newline}</tool_call>")
-        other = (f"<tool_call>get_time{newline}<arg_key>tz</arg_key>{newline}<arg_value>UTC</arg_value>{newline}"
-                 "</tool_call>")
-        wrong = ["<tool_call>get_wind", "<tool_call>get_weather<arg_key>days",
-                 "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value><arg_key>days</arg_key>"
-                 "<arg_value>x"]
+    call, other, wrong = _XML_WRITTEN[parser]
     answer = encode("Sure. " + call + " and " + other + " done")
     assert grammar.matcher().valid_prefix(answer) == len(answer)
     text = smollm2_tokenizer.decode(answer, skip_special_tokens=False)
@@ -552,44 +559,41 @@ def test_kimi_k2_calls_keep_the_models_ids():
     assert content == "Ok " and called and deltas[0]["id"] == "functions.get_weather:0"
 
 
-@pytest.mark.parametrize("parser", ["glm45", "glm47"])
-def test_glm_calls_take_their_values_types_from_the_schemas_or_json(parser):
+_GLM_TYPED = ("On it.\n<tool_call>edit\n<arg_key>path</arg_key>\n<arg_value>/tmp/a b.py</arg_value>\n"
+              "<arg_key>line</arg_key>\n<arg_value>12</arg_value>\n<arg_key>options</arg_key>\n"
+              "<arg_value>{\"x\": [1, 2]}</arg_value>\n<arg_key>extra</arg_key>\n<arg_value>[3, 4]</arg_value>\n"
+              "<arg_key>word</arg_key>\n<arg_value>plain text</arg_value>\n</tool_call>\n<tool_call>run</tool_call>",
+              ("<tool_call>edit\n<arg_key>path</arg_key>\n<arg_value>/tmp/a", "<tool_call>edi",
+               '<tool_call>{"name": "run"}</tool_call>', "<tool_call>bad name</tool_call>"),
+              ["Sure.\n<tool", "_call>run</tool_call>"])
+# Per parser whose values are text: an answer calling edit (values of several types) and run as the model writes
+# it, texts that are no call, and a streamed answer calling run
+_TYPED_CALLS = {
+    "glm45": _GLM_TYPED, "glm47": _GLM_TYPED,
+    "minimax_m2": (('On it.\n<minimax:tool_call>\n<invoke name="edit">\n'
+                    '<parameter name="path">/tmp/a b.py</parameter>\n<parameter name="line">12</parameter>\n'
+                    '<parameter name="options">{"x": [1, 2]}</parameter>\n'
+                    '<parameter name="extra">[3, 4]</parameter>\n<parameter name="word">\nplain text\n</parameter>\n'
+                    "</invoke>\n<invoke name=run>\n</invoke>\n</minimax:tool_call>"),  # (a name quoted or not)
+                   ('<minimax:tool_call>\n<invoke name="edit">\n<parameter name="path">/tmp/a',
+                    '<minimax:tool_call>\n<invoke name="bad name">\n</invoke>', "<minimax:tool_call>\n"),
+                   ["Sure.\n<minimax:tool", '_call>\n<invoke name="run">\n</invoke>\n</minimax:tool_call>'])}
+
+
+@pytest.mark.parametrize("parser", list(_TYPED_CALLS))
+def test_text_valued_calls_take_their_values_types_from_the_schemas_or_json(parser):
+    """GLM-4.5's and 4.7's <arg_key>/<arg_value> pairs and MiniMax-M2's <invoke> calls of <parameter name=...>
+    values (less one newline at each end): each typed by the tool's schema, else JSON where it reads as JSON."""
+    text, no_calls, streamed = _TYPED_CALLS[parser]
     calling = ToolCalling(AUTO, ("edit", "run"), parser, schemas={"edit": EDIT, "run": {}})
-    text = ("On it.\n<tool_call>edit\n<arg_key>path</arg_key>\n<arg_value>/tmp/a b.py</arg_value>\n"
-            "<arg_key>line</arg_key>\n<arg_value>12</arg_value>\n<arg_key>options</arg_key>\n"
-            "<arg_value>{\"x\": [1, 2]}</arg_value>\n<arg_key>extra</arg_key>\n<arg_value>[3, 4]</arg_value>\n"
-            "<arg_key>word</arg_key>\n<arg_value>plain text</arg_value>\n</tool_call>\n"
-            "<tool_call>run</tool_call>")
     content, calls = tools.split_output(text, calling)
     assert content == "On it." and [c["name"] for c in calls] == ["edit", "run"]
     assert json.loads(calls[0]["arguments"]) == {"path": "/tmp/a b.py", "line": 12, "options": {"x": [1, 2]},
                                                  "extra": [3, 4], "word": "plain text"}
     assert calls[1]["arguments"] == "{}"
-    for text in ("No call.", "<tool_call>edit\n<arg_key>path</arg_key>\n<arg_value>/tmp/a", "<tool_call>edi",
-                 '<tool_call>{"name": "run"}</tool_call>', "<tool_call>bad name</tool_call>"):
+    for text in ("No call.", *no_calls):
         assert tools.split_output(text, calling) == (text, []), text
-    content, deltas, called = _stream(calling, ["Sure.\n<tool", "_call>run</tool_call>"])
-    assert content == "Sure.\n" and called and deltas[0]["function"] == {"name": "run", "arguments": "{}"}
-
-
-def test_minimax_calls_take_their_values_types_from_the_schemas_or_json():
-    """MiniMax-M2's <minimax:tool_call> section of <invoke name="NAME"> calls (names quoted or not), each value
-    its text less one newline at each end, typed by the schema, else JSON where it reads as JSON."""
-    calling = ToolCalling(AUTO, ("edit", "run"), "minimax_m2", schemas={"edit": EDIT, "run": {}})
-    text = ('Let me edit it.\n<minimax:tool_call>\n<invoke name="edit">\n<parameter name="path">/tmp/a b.py</parameter>\n'
-            '<parameter name="line">12</parameter>\n<parameter name="options">{"x": [1, 2]}</parameter>\n'
-            '<parameter name="word">\nplain text\n</parameter>\n<parameter name="extra">[3, 4]</parameter>\n'
-            "</invoke>\n<invoke name=run>\n</invoke>\n</minimax:tool_call>")
-    content, calls = tools.split_output(text, calling)
-    assert content == "Let me edit it." and [c["name"] for c in calls] == ["edit", "run"]
-    assert json.loads(calls[0]["arguments"]) == {"path": "/tmp/a b.py", "line": 12, "options": {"x": [1, 2]},
-                                                 "word": "plain text", "extra": [3, 4]}
-    assert calls[1]["arguments"] == "{}"
-    for text in ("No call.", '<minimax:tool_call>\n<invoke name="edit">\n<parameter name="path">/tmp/a',
-                 '<minimax:tool_call>\n<invoke name="bad name">\n</invoke>', "<minimax:tool_call>\n"):
-        assert tools.split_output(text, calling) == (text, []), text
-    content, deltas, called = _stream(calling, ["Sure.\n<minimax:tool", '_call>\n<invoke name="run">\n</invoke>\n'
-                                                "</minimax:tool_call>"])
+    content, deltas, called = _stream(calling, streamed)
     assert content == "Sure.\n" and called and deltas[0]["function"] == {"name": "run", "arguments": "{}"}
 
 

@@ -48,7 +48,8 @@ SCHEDULING_FIELDS = {"priority": (tn.PRIORITY, np.int32)}
 COMMON_FIELDS = ("model", "stream", "stream_options", "n", "logit_bias", "logprobs", "prompt_logprobs", "max_tokens",
                  "return_token_ids",
                  "return_tokens_as_token_ids", "request_id", "cache_salt",
-                 *SAMPLING_FIELDS, *GUIDED_FIELDS, *GUIDED_OPTIONS, *SPECULATIVE_FIELDS, *SCHEDULING_FIELDS, *IGNORED_FIELDS)
+                 *SAMPLING_FIELDS, *GUIDED_FIELDS, *GUIDED_OPTIONS, *SPECULATIVE_FIELDS, *SCHEDULING_FIELDS,
+                 *IGNORED_FIELDS)
 INT32 = (-2**31, 2**31 - 1)
 CHAT_FIELDS = (*COMMON_FIELDS, "messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
                "tool_choice", "parallel_tool_calls", "functions", "function_call", "chat_template_kwargs", "chat_template",

@@ -81,9 +81,10 @@ _MINIMAX_OPEN, _MINIMAX_CLOSE = "<minimax:tool_call>", "</minimax:tool_call>"
 _MINIMAX_SECTION = re.compile(r"<minimax:tool_call>(.*?)(?:</minimax:tool_call>|$)", re.DOTALL)
 _MINIMAX_INVOKE = re.compile(r"<invoke name=([^>\n]*)>(.*?)</invoke>", re.DOTALL)  # a call cut short is none
 _MINIMAX_PARAMETER = re.compile(r"<parameter name=([^>\n]*)>(.*?)</parameter>", re.DOTALL)
-_OPENINGS = {"minimax_m2": _MINIMAX_OPEN, "hermes": _HERMES_OPEN, "mistral": _MISTRAL_CALLS, "qwen3_coder": _HERMES_OPEN,
-             "qwen3_xml": _HERMES_OPEN, HARMONY_PARSER: harmony.START, "deepseek_v3": _DEEPSEEK_CALLS,
-             "deepseek_v31": _DEEPSEEK_CALLS, "kimi_k2": _KIMI_CALLS, "glm45": _HERMES_OPEN, "glm47": _HERMES_OPEN}
+_OPENINGS = {"minimax_m2": _MINIMAX_OPEN, "hermes": _HERMES_OPEN, "mistral": _MISTRAL_CALLS,
+             "qwen3_coder": _HERMES_OPEN, "qwen3_xml": _HERMES_OPEN, HARMONY_PARSER: harmony.START,
+             "deepseek_v3": _DEEPSEEK_CALLS, "deepseek_v31": _DEEPSEEK_CALLS, "kimi_k2": _KIMI_CALLS,
+             "glm45": _HERMES_OPEN, "glm47": _HERMES_OPEN}
 _FUNCTION = re.compile(r"\s*<function=([^>\n]*)>(.*?)</function>\s*", re.DOTALL)  # a call cut short is none
 _PARAMETER = re.compile(r"<parameter=([^>\n]*)>(.*?)(?:</parameter>|(?=<parameter=)|$)", re.DOTALL)
 FUNCTION_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # a function's name: a request's tools', a parsed call's
