@@ -108,6 +108,7 @@ def test_the_output_ends_where_the_grammar_ends(guides, tokenizer):
     ("json_schema", '{"type": "foo"}', "foo"), ("choice", "[]", "JSON list of non-empty strings"),
     ("choice", '["a", 3]', "JSON list"), ("ebnf_grammar", "root ::= (", "Expected"), ("regex", "", "empty"),
     ("xml", "<a/>", "unknown guide type"), ("choice", "[" * 5000, "nested too deeply"),  # nested past the decoder's depth
+    ("ebnf_grammar", 'start: t\nt[max_tokens=3]: /[a-z]+/', "the grammar: a rule's max_tokens= is not supported"),
     ("choice", json.dumps([f"option {i}" for i in range(MAX_CHOICES + 1)]), f"at most {MAX_CHOICES} choices"),
     ("structural_tag", "{", "not JSON"), ("structural_tag", "[]", "JSON object with 'structures' and 'triggers'"),
     ("structural_tag", '{"structures": [{"begin": "<f>", "end": ""}], "triggers": []}', "'triggers' must be a list"),

@@ -157,6 +157,8 @@ def test_a_character_budget_holds_free_text_inside_a_tag(guides, tokenizer):
     ({"format": _tag("<a>", {"type": "any_text", "max_tokens": 4}, "</a>")},
      "format.content.max_tokens is not supported on free text .speculation rolls the grammar back"),
     ({"format": {"type": "grammar", "grammar": "root ::= ("}}, "format.grammar does not convert"),
+    ({"format": {"type": "grammar", "grammar": 'start: t\nt[stop="x"]: /[a-z]+/'}},
+     "format.grammar: a rule's stop= is not supported"),
     ({"format": {"type": "triggered_tags", "triggers": ["a<|im_start|>"], "tags": [_tag("a<|im_start|>", ANY, "")]}},
      "is text with a special token in it"),
     ({"format": _tag("<a>", ANY, "</a><file_sep>")}, "mixes text and a special token"),

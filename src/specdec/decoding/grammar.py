@@ -38,7 +38,8 @@ import torch
 
 from specdec import tensor_names as tn
 from specdec.decoding import json_text
-from specdec.decoding.structural_tags import MAX_CHOICES, StructuralTagError, structural_tag_grammar
+from specdec.decoding.structural_tags import (MAX_CHOICES, StructuralTagError, refuse_unrollable,
+                                              structural_tag_grammar)
 from specdec.decoding.thinking import AnswerMatcher, ThinkingTags
 
 MAX_ERROR_CHARS = 300  # llguidance's messages can quote the whole grammar; a client gets the start
@@ -133,6 +134,8 @@ class GuideCompiler:
             else:
                 definition = llguidance.grammar_from(
                     {"json_schema": "json_schema", "regex": "regex", "ebnf_grammar": "grammar"}[guide_type], guide)
+                if guide_type == "ebnf_grammar":
+                    refuse_unrollable(definition, "the grammar")
         except GuideError:
             raise
         except StructuralTagError as exc:

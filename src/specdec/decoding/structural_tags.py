@@ -81,6 +81,21 @@ def structural_tag_grammar(guide: str, special_tokens: dict[str, int], ends: fro
     return builder.definition(start)
 
 
+# A Lark rule's lexeme options that llguidance cannot roll back (its error: "rollback not supported with
+# max_tokens=... or stop=... lexemes"); every verify round rolls the grammar back over its drafts
+_UNROLLABLE = re.compile(r"^[ \t]*[A-Za-z_][\w-]*\[[^\]\n]*\b(max_tokens|stop)\s*=", re.MULTILINE)
+
+
+def refuse_unrollable(lark: str, where: str) -> None:
+    """StructuralTagError where a Lark grammar gives a rule `max_tokens=` or `stop=` (a token budget, a hidden
+    stop): speculation rolls the grammar back each round, which llguidance refuses for such a lexeme."""
+    found = _UNROLLABLE.search(lark)
+    if found:
+        raise StructuralTagError(f"{where}: a rule's {found.group(1)}= is not supported (speculation rolls the "
+                                 "grammar back each round, which llguidance refuses for such a lexeme); "
+                                 "suffix= and lazy are")
+
+
 def _ids_text(ids) -> str:
     """Sorted token ids as llguidance's token set: runs of consecutive ids as first-last (Llama 3's 256 reserved
     special tokens are one run)."""
@@ -294,9 +309,11 @@ class _Builder:
         if not isinstance(node["grammar"], str) or not node["grammar"].strip():
             raise StructuralTagError(f"{where}.grammar must be a non-empty grammar (EBNF/GBNF or Lark)")
         try:
-            self.grammars.append(any_to_lark(node["grammar"]))
+            lark = any_to_lark(node["grammar"])
         except Exception as exc:  # (the converter raises what its parser meets)
             raise StructuralTagError(f"{where}.grammar does not convert: {exc}") from None
+        refuse_unrollable(lark, f"{where}.grammar")
+        self.grammars.append(lark)
         return f"@g{len(self.grammars) - 1}", False
 
     def _regex(self, node, where, ends, depth):
