@@ -164,6 +164,16 @@ def test_a_character_budget_holds_free_text_inside_a_tag(guides, tokenizer):
     ({"format": _tag("<a>", ANY, "</a><file_sep>")}, "mixes text and a special token"),
     ({"format": {"type": "or", "elements": [ANY] * 1025}}, "at most 1024 items"),
     ({"format": ANY, "triggers": []}, r"with 'format' has no other keys, got \['triggers'\]"),
+    # a tag inside another format is checked as any format is (it raised KeyError before)
+    ({"format": {**CALLS, "tags": [{"begin": "<function=f>", "end": "</function>"}]}},
+     r"format.tags\[0\]: a tag format has no \['content'\]"),
+    ({"format": {**CALLS, "tags": [{**WEATHER, "args": 1}]}}, r"format.tags\[0\]: a tag format has unknown keys"),
+    ({"format": {"type": "sequence", "elements": [ANY, {"type": "tag", "begin": "<a>", "end": "</a>"}]}},
+     r"format.elements\[1\]: a tag format has no \['content'\]"),
+    ({"format": {"type": "sequence", "elements": [ANY, {"type": "const_string", "value": "x", "v": 1}]}},
+     r"format.elements\[1\]: a const_string format has unknown keys"),
+    ({"format": {"type": "token_triggered_tags", "trigger_tokens": [START], "tags": [{"content": ANY, "end": "x"}]}},
+     r"format.tags\[0\]: a tag format has no \['begin'\]"),
     ({"type": "json", "format": ANY}, "'type' must be \"structural_tag\""),
 ])
 def test_a_format_that_does_not_compile_names_the_place(guides, guide, message):
@@ -216,3 +226,38 @@ def test_the_structural_tag_bench_prints_every_parser_and_format(capsys):
     for name in [*structural_tag_bench.PARSERS, *structural_tag_bench.FORMATS]:
         row = next(line for line in table.splitlines() if f" {name} " in line)
         assert float(row.split("|")[-2]) > 0, row  # the mask's µs per position
+
+
+def test_any_malformed_tree_is_refused_by_name_never_a_crash():
+    """Seeded random format trees (every type, keys left out or of the wrong kind, tags missing theirs): the
+    builder refuses each bad one with its named error; nothing else escapes (a KeyError did, before)."""
+    import random
+
+    from specdec.decoding.structural_tags import _KEYS, StructuralTagError, structural_tag_grammar
+
+    rng = random.Random(0)
+    values = [None, True, 0, -1, 3, 1.5, "", "x", "<|im_start|>", "a<file_sep>", [], {}, ["a"], [1], [[]]]
+    # keys whose plausible values get a tree further (a begin its trigger opens, a trigger token)
+    pools = {"begin": ["<a>", {"type": "token", "token": START}, 3], "end": ["</a>", {"type": "token", "token": 5}],
+             "triggers": [["<a"], []], "trigger_tokens": [[START]], "value": ["x", 1]}
+
+    def node(depth: int, kind: str | None = None) -> dict:
+        kind = kind or rng.choice([*_KEYS, "tag", "nope"])
+        out = {"type": kind}
+        for key in (*_KEYS.get(kind, ()), "extra"):
+            if rng.random() < (0.8 if key != "extra" else 0.05):
+                roll = rng.random()
+                out[key] = ([node(depth + 1, "tag") for _ in range(2)] if key == "tags" and roll < 0.7 else
+                            node(depth + 1) if depth < 4 and roll < 0.3 else
+                            [node(depth + 1) for _ in range(rng.randint(0, 2))] if depth < 4 and roll < 0.5 else
+                            [[rng.choice(values), node(depth + 1)]] if depth < 4 and roll < 0.55 else
+                            rng.choice(pools.get(key, values)))
+        return out
+    refused = 0
+    for _ in range(3000):
+        try:
+            structural_tag_grammar(json.dumps({"format": node(0)}), {"<|im_start|>": START, "<file_sep>": FILE_SEP},
+                                   frozenset([EOS]), 49152)
+        except StructuralTagError:
+            refused += 1
+    assert refused > 2500  # (most random trees are malformed: the test reaches the refusals)

@@ -14,7 +14,7 @@ matched as the token, as a model writes it, not as its text. Free text (an `any_
 triggered tags) ends where what encloses it goes on: at the enclosing tag's end, or the constant or tag
 begin that follows it in a sequence, its first occurrence (a lazy lexeme); elsewhere it runs to the end of
 the output. It may hold the tokenizer's special tokens other than the triggers, the ends and the end of
-sequence (a model's own markers inside an answer), unless a token or character budget holds it.
+sequence (a model's own markers inside an answer), unless a character budget (`max_chars`) holds it.
 """
 
 from __future__ import annotations
@@ -201,7 +201,7 @@ class _Builder:
             options.append(f"{text} <[{_ids_text(ends.tokens)}]>")
         return self.rule(" | ".join(options))
 
-    def free_then(self, segments: list[str], text: str, specials: set[int], ends: _Ends | None, where: str,
+    def free_then(self, segments: list[str], text: str, specials: set[int], ends: _Ends | None,
                   once: bool = False, first: str | None = None) -> str:
         """Free text with `segments` (each opens in free text: its own opening lexeme) and the free special
         tokens between them, then the final text and `ends`. once: after one segment the free text is over
@@ -264,6 +264,12 @@ class _Builder:
     def format(self, node, where: str, ends: _Ends | None, depth: int) -> tuple[str, bool]:
         """A format node -> (its Lark expression, whether it took `ends`: free text that runs until one of
         them, which it then holds). Formats that do not take them leave them to the caller."""
+        kind = self.checked(node, where, depth)
+        return getattr(self, "_" + kind)(node, where, ends if kind in _UNLIMITED or kind in ("sequence", "or")
+                                         else None, depth + 1)
+
+    def checked(self, node, where: str, depth: int) -> str:
+        """A format node's type, once its keys are checked (StructuralTagError naming the place otherwise)."""
         self.nodes += 1
         if self.nodes > MAX_NODES or depth > MAX_DEPTH:
             raise StructuralTagError(f"{where}: a structural tag may have at most {MAX_NODES} formats, nested at "
@@ -279,8 +285,7 @@ class _Builder:
             raise StructuralTagError(f"{where}: a {kind} format has {'unknown keys ' + str(unknown) if unknown else ''}"
                                      f"{' and ' if unknown and missing else ''}"
                                      f"{'no ' + str(missing) if missing else ''} (its keys: {', '.join(keys)})")
-        return getattr(self, "_" + kind)(node, where, ends if kind in _UNLIMITED or kind in ("sequence", "or", "tag")
-                                         else None, depth + 1)
+        return kind
 
     def sub(self, node, where: str, depth: int) -> str:
         return self.format(node, where, None, depth)[0]
@@ -331,7 +336,7 @@ class _Builder:
                                      "grammar back, which a token budget does not allow): give max_chars")
         if max_chars is not None:  # (a budget holds text alone: no special tokens in it)
             return self.final_text(text, ends), ends is not None
-        return self.free_then([], text, self.free_specials(excludes, ends), ends, where), ends is not None
+        return self.free_then([], text, self.free_specials(excludes, ends), ends), ends is not None
 
     def _sequence(self, node, where, ends, depth):
         elements = _list(node["elements"], f"{where}.elements")
@@ -344,10 +349,11 @@ class _Builder:
             elif isinstance(element, dict) and element.get("type") in _UNLIMITED and self.closes(after):
                 # free text ends at what follows: the constant, or the tag's begin (then the tag goes on)
                 following = f"{where}.elements[{i + 1}]"
+                self.checked(after, following, depth)
                 opening = after["value"] if after["type"] == "const_string" else after["begin"]
                 expression, _ = self.format(element, here, self.ends_of(opening, following), depth)
                 if after["type"] == "tag":
-                    expression += " " + self.tag_rest(after, following, None, depth)[0]
+                    expression += " " + self.tag_rest(after, following, depth + 1)
                 took = False  # (where `after` was the last element, the sequence's ends stay the caller's)
                 i += 1
             else:
@@ -387,30 +393,33 @@ class _Builder:
             opening = self.written(begin)
         else:
             opening = f"<[{self.token_format(begin, where + '.begin')}]>"
-        rest, took = self.tag_rest(node, where, ends, depth)
-        return self.rule(f"{opening} {rest}"), took
+        return self.rule(f"{opening} {self.tag_rest(node, where, depth)}"), False
 
-    def tag_rest(self, node, where, ends, depth) -> tuple[str, bool]:
-        """A tag after its begin: its content and its end (then `ends` stay the caller's)."""
+    def tag_rest(self, node, where, depth) -> str:
+        """A tag after its begin: its content and its end (its content may take the end: free text up to it)."""
         own = self.ends_of(node["end"], where + ".end")
         content, took = self.format(node["content"], where + ".content", own, depth)
-        return (content if took else f"{content} {self.closing(own)}"), False
+        return content if took else f"{content} {self.closing(own)}"
 
-    def tag_list(self, tags, where: str, text_begins: bool) -> list[tuple[dict, str]]:
-        tags = _list(tags, where)
-        for i, tag in enumerate(tags):
+    def tag_list(self, tags, where: str, text_begins: bool, depth: int) -> list[tuple[dict, str]]:
+        """A list of tag formats ("type": "tag" may be left out), each checked, with its place."""
+        out = []
+        for i, tag in enumerate(_list(tags, where)):
             if not isinstance(tag, dict) or tag.get("type", "tag") != "tag":
                 raise StructuralTagError(f"{where}[{i}] must be a tag format")
-            if text_begins and not isinstance(tag.get("begin"), str):
+            tag = {"type": "tag", **tag}
+            self.checked(tag, f"{where}[{i}]", depth)
+            if text_begins and not isinstance(tag["begin"], str):
                 raise StructuralTagError(f"{where}[{i}].begin must be a string")
-        return [({"type": "tag", **tag}, f"{where}[{i}]") for i, tag in enumerate(tags)]
+            out.append((tag, f"{where}[{i}]"))
+        return out
 
     def _triggered_tags(self, node, where, ends, depth):
         triggers = _strings(node["triggers"], f"{where}.triggers", nonempty=True)
         excludes = _strings(node.get("excludes", []), f"{where}.excludes")
         at_least_one = _flag(node, "at_least_one", where)
         once = _flag(node, "stop_after_first", where)
-        tags = self.tag_list(node["tags"], f"{where}.tags", True)
+        tags = self.tag_list(node["tags"], f"{where}.tags", True, depth)
         for trigger in triggers:
             if trigger in self.special:
                 self.triggers.add(self.special[trigger])
@@ -424,14 +433,14 @@ class _Builder:
             trigger = next((t for t in triggers if begin.startswith(t)), None)
             if trigger is None:
                 raise StructuralTagError(f"{here}: 'begin' {begin!r} starts with none of the triggers {triggers!r}")
-            inside = self.tag_rest(tag, here, None, depth)[0]
+            inside = self.tag_rest(tag, here, depth)
             opens = (f"{text} <[{self.special[trigger]}]>" if trigger in self.special
                      else self.rule(f"{text} {json.dumps(trigger)}", "[lazy]"))
             after_trigger = self.written(begin[len(trigger):]) if begin != trigger else ""
             segments.append(self.rule(f"{opens} {after_trigger} {inside}"))
             whole.append(self.rule(f"{self.written(begin)} {inside}"))
         first = self.rule(" | ".join(whole)) if at_least_one else None
-        return self.free_then(segments, text, self.free_specials(excludes, ends), ends, where, once, first), True
+        return self.free_then(segments, text, self.free_specials(excludes, ends), ends, once, first), True
 
     def _dispatch(self, node, where, ends, depth):
         rules = _list(node["rules"], f"{where}.rules")
@@ -454,14 +463,14 @@ class _Builder:
             else:
                 opens = self.rule(f"{text} {json.dumps(pattern)}", "[lazy]")
             segments.append(self.rule(f"{opens} {self.sub(fmt, here + '[1]', depth)}"))
-        return self.free_then(segments, text, self.free_specials(excludes, ends), ends, where, not loop), True
+        return self.free_then(segments, text, self.free_specials(excludes, ends), ends, not loop), True
 
     def _tags_with_separator(self, node, where, ends, depth):
-        tags = self.tag_list(node["tags"], f"{where}.tags", False)
+        tags = self.tag_list(node["tags"], f"{where}.tags", False, depth)
         separator = node["separator"]
         if not isinstance(separator, str):
             raise StructuralTagError(f"{where}.separator must be a string")
-        one = self.rule(" | ".join(self.format(tag, here, None, depth)[0] for tag, here in tags))
+        one = self.rule(" | ".join(self._tag(tag, here, None, depth + 1)[0] for tag, here in tags))
         more = "" if _flag(node, "stop_after_first", where) else f" ({self.written(separator)} {one})*"
         body = f"{one}{more}"
         return (self.rule(body) if _flag(node, "at_least_one", where) else self.rule(f"({body})?")), False
@@ -497,11 +506,11 @@ class _Builder:
         if not triggers:
             raise StructuralTagError(f"{where}.trigger_tokens must not be empty")
         pairs, whole = [], []
-        for tag, here in self.tag_list(node["tags"], f"{where}.tags", False):
+        for tag, here in self.tag_list(node["tags"], f"{where}.tags", False, depth):
             token = self.token_format(tag["begin"], here + ".begin")
             if token not in triggers:
                 raise StructuralTagError(f"{here}.begin: token {token} is none of the trigger tokens")
-            rest = self.tag_rest(tag, here, None, depth)[0]
+            rest = self.tag_rest(tag, here, depth)
             pairs.append((token, rest))
             whole.append(self.rule(f"<[{token}]> {rest}"))
         one, segments, _ = self._token_segments(node, where, ends, pairs, "exclude_tokens")
@@ -637,7 +646,7 @@ class _Builder:
                                               "%json " + json.dumps(schema), self.written(end) if end else "")
                             if item)
             segments.append(self.rule(f"{opens} {body}"))
-        return self.free_then(segments, text, self.free_specials([], None), None, "structures")
+        return self.free_then(segments, text, self.free_specials([], None), None)
 
 
 def _list(value, where: str) -> list:
