@@ -492,14 +492,16 @@ class _Builder:
         repeat = "*" if max_tokens is None else f"{{0,{max_tokens}}}"
         return self.rule(f"{one}{repeat} {self.closing(ends)}".strip()), ends is not None
 
-    def _token_segments(self, node, where, ends, pairs, exclude_key: str) -> tuple[str, list[str], set[int]]:
-        excluded = self.tokens(node.get(exclude_key, []), f"{where}.{exclude_key}")
+    def _token_segments(self, node, where, ends, pairs) -> tuple[str, list[str]]:
+        """Token-level free content: (one free token, as a token set; each (opening token, what follows it) of
+        `pairs` as free tokens then that token and its rest)."""
+        excluded = self.tokens(node.get("exclude_tokens", []), f"{where}.exclude_tokens")
         if ends is not None and ends.texts:
             raise StructuralTagError(f"{where}: {node['type']} ends at a token: it cannot be closed by text "
                                      f"{list(ends.texts)!r}")
         openers = {token for token, _ in pairs}
         one = self.any_token_but(excluded | openers | set(ends.tokens if ends else ()), where)
-        return one, [self.rule(f"{one}* <[{token}]> {rest}") for token, rest in pairs], excluded
+        return one, [self.rule(f"{one}* <[{token}]> {rest}") for token, rest in pairs]
 
     def _token_triggered_tags(self, node, where, ends, depth):
         triggers = self.tokens(node["trigger_tokens"], f"{where}.trigger_tokens")
@@ -513,7 +515,7 @@ class _Builder:
             rest = self.tag_rest(tag, here, depth)
             pairs.append((token, rest))
             whole.append(self.rule(f"<[{token}]> {rest}"))
-        one, segments, _ = self._token_segments(node, where, ends, pairs, "exclude_tokens")
+        one, segments = self._token_segments(node, where, ends, pairs)
         final = self.rule(f"{one}* {self.closing(ends)}".strip())
         closing = self.closing(ends)
         first = self.rule(" | ".join(whole)) if _flag(node, "at_least_one", where) else None
@@ -533,7 +535,7 @@ class _Builder:
             if not (isinstance(pair, list) and len(pair) == 2):
                 raise StructuralTagError(f"{here} must be [token, format]")
             pairs.append((self.token(pair[0], here + "[0]"), self.sub(pair[1], here + "[1]", depth)))
-        one, segments, _ = self._token_segments(node, where, ends, pairs, "exclude_tokens")
+        one, segments = self._token_segments(node, where, ends, pairs)
         final = self.rule(f"{one}* {self.closing(ends)}".strip())
         if loop:
             return self.rule(f"({' | '.join(segments)})* {final}"), True

@@ -77,7 +77,7 @@ _KIMI_CALLS, _KIMI_CALL = "<|tool_calls_section_begin|>", re.compile(
 _GLM_CALL = re.compile(r"([^<]*?)\s*((?:<arg_key>.*?</arg_key>\s*<arg_value>.*?</arg_value>\s*)*)", re.DOTALL)
 _GLM_ARGUMENT = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
 # MiniMax-M2's (M2.1, M2.5): a section of <invoke name="NAME"> calls, each of <parameter name="KEY"> values
-_MINIMAX_OPEN, _MINIMAX_CLOSE = "<minimax:tool_call>", "</minimax:tool_call>"
+_MINIMAX_OPEN = "<minimax:tool_call>"
 _MINIMAX_SECTION = re.compile(r"<minimax:tool_call>(.*?)(?:</minimax:tool_call>|$)", re.DOTALL)
 _MINIMAX_INVOKE = re.compile(r"<invoke name=([^>\n]*)>(.*?)</invoke>", re.DOTALL)  # a call cut short is none
 _MINIMAX_PARAMETER = re.compile(r"<parameter name=([^>\n]*)>(.*?)</parameter>", re.DOTALL)
@@ -108,8 +108,9 @@ _CALL_TAGS = {
     **{name: (_DEEPSEEK_BEGIN, ((_DEEPSEEK_BEGIN, _DEEPSEEK_SEP, _DEEPSEEK_END),
                                 (_DEEPSEEK_BEGIN + "function" + _DEEPSEEK_SEP, "\n```json\n", "\n```" + _DEEPSEEK_END)))
        for name in _DEEPSEEK}}
-# Qwen3-Coder's calls (<function=NAME> and its <parameter=KEY> lines) and GLM-4.5's and 4.7's (NAME then
-# <arg_key>/<arg_value> pairs) as xgrammar's structural tags: trigger, (begin, end) of a call, the XML style
+# Qwen3-Coder's calls (<function=NAME> and its <parameter=KEY> lines), GLM-4.5's and 4.7's (NAME then
+# <arg_key>/<arg_value> pairs) and MiniMax-M2's (<invoke name="NAME"> calls inside the section the model opens)
+# as xgrammar's structural tags: trigger, (begin, end) of a call, the XML style of its arguments
 _XML_CALLS = {**{name: (_HERMES_OPEN, (_HERMES_OPEN + "\n<function={name}>\n", "</function>\n" + _HERMES_CLOSE),
                         "qwen_xml") for name in _QWEN3_CODER},
               "minimax_m2": ("<invoke name=", ('<invoke name="{name}">\n', "</invoke>\n"), "minimax_xml"),
@@ -201,9 +202,10 @@ def _calls_list_schema(arguments: dict[str, dict]) -> dict:
 
 def strict_call_tags(tools: list[dict], parser: str) -> dict | None:
     """With tool_choice auto: where a tool says `strict: true` and the parser's format is one of _CALL_TAGS or
-    _XML_CALLS (or Kimi K2's), the structural tags that hold every call the model opens to a tool of the
+    _XML_CALLS, Kimi K2's or pythonic, the structural tags that hold every call the model opens to a tool of the
     request, a strict tool's arguments to its parameters schema (another's to any object); the text around
-    the calls stays free. None otherwise (the calls are read as the model writes them)."""
+    the calls stays free (pythonic: an answer is a list of calls or text). None otherwise (the openai parser:
+    the calls are read as the model writes them)."""
     if parser not in (*_CALL_TAGS, *_XML_CALLS, "kimi_k2", "pythonic") or not any(
             tool["function"].get("strict") is True for tool in tools):
         return None

@@ -61,12 +61,12 @@ TRITON_PARAMETERS = frozenset({"sequence_id", "sequence_start", "sequence_end", 
 GUIDED_DECODING_KEYS = ("guided_decoding", "structured_outputs")
 GUIDE_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "ebnf_grammar",
               "json_object": "json", "structural_tag": "structural_tag"}
-# ... and these may come at their neutral values (`backend`: any; this server has one), but for
-# `disable_any_whitespace`: true makes a JSON guide compact (llguidance's whitespace_flexible: false).
+# ... this one at its neutral value ...
 NEUTRAL_GUIDE_KEYS = {"disable_fallback": False}
-# and `disable_additional_properties`: true closes a JSON guide's objects that leave additionalProperties unsaid
-# (vLLM's guidance backend's option, so that llguidance keeps to a schema's properties as xgrammar does);
-# `whitespace_pattern`: a JSON guide's whitespace between tokens, a regex (llguidance's own option)
+# ... and these options: `backend` any (this server has one); `disable_any_whitespace`: true makes a JSON guide
+# compact (llguidance's whitespace_flexible: false); `disable_additional_properties`: true closes a JSON guide's
+# objects that leave additionalProperties unsaid (vLLM's guidance backend's, so that llguidance keeps to a
+# schema's properties as xgrammar does); `whitespace_pattern`: a JSON guide's whitespace as a regex (llguidance's)
 _JSON_OPTIONS = ("backend", "disable_any_whitespace", "disable_additional_properties", "whitespace_pattern")
 
 
@@ -261,9 +261,9 @@ def _guide_setting(what: str, value) -> dict[str, np.ndarray]:
 
 
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")  # name -> schema
-_SCHEMA_LISTS = ("anyOf", "allOf", "oneOf", "prefixItems")
+# a subschema, or a list of them
 _SCHEMAS = ("items", "additionalProperties", "not", "contains", "if", "then", "else", "propertyNames",
-            "unevaluatedProperties", "additionalItems")
+            "unevaluatedProperties", "additionalItems", "anyOf", "allOf", "oneOf", "prefixItems")
 
 
 def _closed(schema):
@@ -275,12 +275,11 @@ def _closed(schema):
     for key in _SCHEMA_MAPS:
         if isinstance(out.get(key), dict):
             out[key] = {name: _closed(sub) for name, sub in out[key].items()}
-    for key in _SCHEMA_LISTS:
-        if isinstance(out.get(key), list):
-            out[key] = [_closed(sub) for sub in out[key]]
     for key in _SCHEMAS:
         if isinstance(out.get(key), dict):
             out[key] = _closed(out[key])
+        elif isinstance(out.get(key), list):
+            out[key] = [_closed(sub) for sub in out[key]]
     if (out.get("type") == "object" or isinstance(out.get("properties"), dict)) and "additionalProperties" not in out:
         out["additionalProperties"] = False
     return out
