@@ -24,8 +24,8 @@ from specdec.decoding.text import load_tokenizer
 from specdec.gateway import tools
 from specdec.serving.pairs import smollm2_tokenizer_dir
 
-PARSERS = ("hermes", "llama3_json", "mistral", "deepseek_v31", "kimi_k2", "qwen3_coder", "glm45", "minimax_m2",
-           "pythonic")
+PARSERS = ("hermes", "llama3_json", "mistral", "deepseek_v31", "deepseek_v32", "kimi_k2", "qwen3_coder", "glm45",
+           "minimax_m2", "pythonic")
 PARAMETERS = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
                                               "unit": {"enum": ["C", "F"]}}, "required": ["city"]}
 ANY = {"type": "any_text"}

@@ -111,6 +111,12 @@ CASES = [  # (format, admitted outputs, refused outputs)
      ['<parameter name="city">Paris</parameter>\n<parameter name="days">3</parameter>\n',
       '<parameter name="city">Paris</parameter><parameter name="days">3</parameter>'],
      ['<parameter name="days">3</parameter>', '<parameter name=city>Paris</parameter>']),
+    ({"type": "json_schema", "json_schema": CITY, "style": "deepseek_xml"},
+     ['<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>\n'
+      '<｜DSML｜parameter name="days" string="false">3</｜DSML｜parameter>\n'],
+     ['<｜DSML｜parameter name="city" string="false">Paris</｜DSML｜parameter>',  # a string's flag is "true"
+      '<｜DSML｜parameter name="city" string="true">P</｜DSML｜parameter><｜DSML｜parameter name="days" '
+      'string="false">x</｜DSML｜parameter>']),
     ({"type": "json_schema", "style": "qwen_xml", "json_schema": {"type": "object", "properties": {
         "on": {"type": "boolean"}, "unit": {"enum": ["C", "F"]}, "tags": {"type": "array"}}}},
      ["<parameter=on>\nTrue\n</parameter>\n<parameter=unit>\nF\n</parameter>\n"

@@ -180,11 +180,19 @@ _XML_WRITTEN = {
                    '<invoke name="get_time">\n<parameter name="tz">UTC</parameter>\n</invoke>\n</minimax:tool_call>',
                    ['<invoke name="get_wind"', '<invoke name="get_weather">\n<parameter name="days"',
                     '<invoke name="get_weather">\n<parameter name="city">P</parameter>\n<parameter name="days">x']),
+    "deepseek_v32": (('<｜DSML｜function_calls>\n<｜DSML｜invoke name="get_weather">\n'
+                      '<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>\n'
+                      '<｜DSML｜parameter name="days" string="false">2</｜DSML｜parameter>\n</｜DSML｜invoke>\n'),
+                     ('<｜DSML｜invoke name="get_time">\n<｜DSML｜parameter name="tz" string="true">UTC'
+                      '</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜function_calls>'),
+                     ['<｜DSML｜invoke name="get_wind"',
+                      '<｜DSML｜invoke name="get_weather">\n<｜DSML｜parameter name="days"',
+                      '<｜DSML｜invoke name="get_weather">\n<｜DSML｜parameter name="city" string="false"']),
     "glm45": _glm_written("\n"), "glm47": _glm_written("")}
 
 
 @pytest.mark.parametrize("parser,special", [("qwen3_coder", False), ("glm45", False), ("glm47", True),
-                                            ("minimax_m2", False)])
+                                            ("minimax_m2", False), ("deepseek_v32", False)])
 def test_strict_xml_calls_hold_each_parameter_to_its_type_and_the_parser_reads_them(smollm2_tokenizer, parser,
                                                                                     special):
     """Qwen3-Coder's <parameter=KEY> lines and GLM's <arg_key>/<arg_value> pairs (its markers special tokens in
@@ -196,7 +204,8 @@ def test_strict_xml_calls_hold_each_parameter_to_its_type_and_the_parser_reads_t
         smollm2_tokenizer.add_tokens(["<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>",
                                       "</arg_value>"], special_tokens=True)
     tags = tools.strict_call_tags([STRICT_WEATHER, TIME], parser)
-    assert tags["format"]["triggers"] == ["<tool_call>" if parser != "minimax_m2" else "<invoke name="]
+    assert tags["format"]["triggers"] == [{"minimax_m2": "<invoke name=", "deepseek_v32": "<｜DSML｜invoke name="}.get(
+        parser, "<tool_call>")]
     grammar = GuideCompiler(smollm2_tokenizer).compile("structural_tag", json.dumps(tags))
     encode = lambda text: smollm2_tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
     call, other, wrong = _XML_WRITTEN[parser]
@@ -597,7 +606,31 @@ def test_text_valued_calls_take_their_values_types_from_the_schemas_or_json(pars
     assert content == "Sure.\n" and called and deltas[0]["function"] == {"name": "run", "arguments": "{}"}
 
 
-@pytest.mark.parametrize("parser", ["deepseek_v3", "kimi_k2", "glm45", "mistral", "minimax_m2"])
+def test_deepseek_v32_dsml_calls_take_parameters_by_their_string_flag_or_one_json_object():
+    """DeepSeek-V3.2's <｜DSML｜function_calls> section: an invoke's parameters string="true" (raw text) or "false"
+    (JSON), or its body one JSON object; a call cut short, a bad name or no section: no call."""
+    calling = ToolCalling(AUTO, ("edit", "run"), "deepseek_v32")
+    text = ('On it.\n\n<｜DSML｜function_calls>\n<｜DSML｜invoke name="edit">\n'
+            '<｜DSML｜parameter name="path" string="true">/tmp/a b.py</｜DSML｜parameter>\n'
+            '<｜DSML｜parameter name="line" string="false">12</｜DSML｜parameter>\n'
+            '<｜DSML｜parameter name="options" string="false">{"x": [1, 2]}</｜DSML｜parameter>\n'
+            '<｜DSML｜parameter name="word" string="true">12</｜DSML｜parameter>\n</｜DSML｜invoke>\n'
+            '<｜DSML｜invoke name="run">\n{"fast": true}\n</｜DSML｜invoke>\n</｜DSML｜function_calls>')
+    content, calls = tools.split_output(text, calling)
+    assert content == "On it." and [c["name"] for c in calls] == ["edit", "run"]
+    assert json.loads(calls[0]["arguments"]) == {"path": "/tmp/a b.py", "line": 12, "options": {"x": [1, 2]},
+                                                 "word": "12"}  # (a string "12" stays one)
+    assert json.loads(calls[1]["arguments"]) == {"fast": True}
+    for text in ("No call.", '<｜DSML｜function_calls>\n<｜DSML｜invoke name="edit">\n<｜DSML｜parameter name="p" str',
+                 '<｜DSML｜function_calls>\n<｜DSML｜invoke name="bad name">\n</｜DSML｜invoke>',
+                 '<｜DSML｜function_calls>\n<｜DSML｜invoke name="run">\n{"fast": </｜DSML｜invoke>'):
+        assert tools.split_output(text, calling) == (text, []), text
+    content, deltas, called = _stream(calling, ["Sure.\n<｜DSML｜function", '_calls>\n<｜DSML｜invoke name="run">\n'
+                                                "</｜DSML｜invoke>\n</｜DSML｜function_calls>"])
+    assert content == "Sure.\n" and called and deltas[0]["function"] == {"name": "run", "arguments": "{}"}
+
+
+@pytest.mark.parametrize("parser", ["deepseek_v3", "deepseek_v32", "kimi_k2", "glm45", "mistral", "minimax_m2"])
 def test_parsers_whose_calls_are_special_tokens_keep_them_in_the_text(parser):
     body = {"model": "m", "messages": CHAT, "tools": [WEATHER]}
     assert json.loads(parse_chat(body, SERVED, tool_parser=parser).choices[0][tn.SAMPLING_PARAMETERS][0, 0])[

@@ -30,7 +30,8 @@ MAX_CHOICES = 1024
 MAX_NODES = 4096  # formats in one guide (a guide's text is bounded too: max_guide_chars)
 MAX_DEPTH = 32  # formats nested in one another
 ANY = "/(.|\\n)*/"
-XML_STYLES = ("qwen_xml", "glm_xml", "minimax_xml")
+XML_STYLES = ("qwen_xml", "glm_xml", "minimax_xml", "deepseek_xml")
+_DSML = "｜DSML｜"  # DeepSeek-V3.2's tag prefix
 NL, NEWLINE = "\n", '"\\n"?'  # a newline; an optional one, in Lark (GLM-4.5 writes them, 4.7 not)
 # Formats that take what follows them as their end: free text (or tokens) until it
 _UNLIMITED = ("any_text", "triggered_tags", "dispatch", "any_tokens", "token_triggered_tags", "token_dispatch")
@@ -557,29 +558,35 @@ class _Builder:
             raise StructuralTagError(f"{where}.properties must be an object")
         required = set(schema.get("required") or [])
         options = schema.get("x-guidance") if isinstance(schema.get("x-guidance"), dict) else {}
-        close = {"qwen_xml": "\n</parameter>", "glm_xml": "</arg_value>", "minimax_xml": "</parameter>"}[style]
+        close = {"qwen_xml": "\n</parameter>", "glm_xml": "</arg_value>", "minimax_xml": "</parameter>",
+                 "deepseek_xml": f"</{_DSML}parameter>"}[style]
 
-        def pair(key: str, value: str) -> str:
-            """One parameter: `key` its name's Lark items, `value` its value and closing."""
+        def pair(key: str, value: str, sub=None) -> str:
+            """One parameter: `key` its name's Lark items, `value` its value and closing (`sub`: its schema)."""
             if style == "qwen_xml":
                 return f'{self.written("<parameter=")} {key} {self.written(">" + NL)} {value} {self.written(NL)}'
             if style == "minimax_xml":
                 opening, closing = self.written('<parameter name="'), self.written('">')
                 return f"{opening} {key} {closing} {value} {NEWLINE}"
+            if style == "deepseek_xml":  # string="true": the value is raw text, "false": JSON
+                opening = self.written(f'<{_DSML}parameter name="')
+                flag = self.written('" string="true">' if _is_text(sub) else '" string="false">')
+                return f"{opening} {key} {flag} {value} {NEWLINE}"
             return (f"{NEWLINE} {self.written('<arg_key>')} {key} {self.written('</arg_key>')} {NEWLINE} "
                     f"{self.written('<arg_value>')} {value}")
         items = []
         for key, sub in properties.items():
-            item = self.rule(pair(self.written(key), self.xml_value(sub, close, options, f"{where}.properties.{key}")))
+            value = self.xml_value(sub, close, options, f"{where}.properties.{key}", style)
+            item = self.rule(pair(self.written(key), value, sub))
             items.append(item if key in required else f"{item}?")
         if not properties:  # any keys, any values
-            items.append(self.rule(pair(self.terminal('/[^<>"\\n]+/'), self.xml_value({}, close, options, where)))
-                         + "*")
+            value = self.xml_value({}, close, options, where, style)
+            items.append(self.rule(pair(self.terminal('/[^<>"\\n]+/'), value, {"type": "string"})) + "*")
         if style == "glm_xml":
             items.append(NEWLINE)
         return self.rule(" ".join(items) or '""')
 
-    def xml_value(self, schema, close: str, options: dict, where: str) -> str:
+    def xml_value(self, schema, close: str, options: dict, where: str, style: str) -> str:
         """One value and its closing text: raw text for a string, JSON (with the object's JSON options) else."""
         if not isinstance(schema, dict):
             raise StructuralTagError(f"{where} must be a JSON schema object")
@@ -590,7 +597,7 @@ class _Builder:
         if choices is not None and all(isinstance(c, str) for c in choices) and choices and (
                 not kinds or kinds == ["string"]):
             return self.rule(f"({' | '.join(self.written(c) for c in choices)}) {closing}")
-        if kinds == ["boolean"]:  # (Qwen3-Coder's template writes Python's True and False)
+        if kinds == ["boolean"] and style == "qwen_xml":  # (Qwen3-Coder's template writes Python's True and False)
             return self.rule(f'("true" | "false" | "True" | "False") {closing}')
         if "string" in kinds or not kinds:  # text up to its closing (any JSON is text too)
             return self.final_text(self.terminal(ANY), self.ends_of(close, where))
@@ -649,6 +656,16 @@ class _Builder:
                             if item)
             segments.append(self.rule(f"{opens} {body}"))
         return self.free_then(segments, text, self.free_specials([], None), None)
+
+
+def _is_text(schema) -> bool:
+    """Whether an XML style writes a value of this schema as raw text (a string, or any value where the schema
+    names no type), else JSON."""
+    if not isinstance(schema, dict):
+        return True
+    kinds = schema.get("type")
+    kinds = [kinds] if isinstance(kinds, str) else list(kinds or [])
+    return "string" in kinds or not kinds
 
 
 def _list(value, where: str) -> list:

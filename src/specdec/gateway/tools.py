@@ -25,12 +25,13 @@ is text, which becomes `tool_calls` here in one of three ways, by `tool_choice`:
   model's id kept: its template renders it back) or `glm45` / `glm47` (GLM-4.5's `<tool_call>NAME` and
   `<arg_key>`/`<arg_value>` pairs, typed as qwen3_coder's or read as JSON) or `minimax_m2` (MiniMax-M2's
   `<minimax:tool_call>` section of `<invoke name="NAME">` calls of `<parameter name="KEY">` values, typed as
-  GLM's); these five keep special tokens. Text
+  GLM's) or `deepseek_v32` (DeepSeek-V3.2's DSML: `<｜DSML｜invoke name="NAME">` calls of
+  `<｜DSML｜parameter name="KEY" string="true|false">` values, raw text or JSON); these six keep special tokens. Text
   before the first call is the message's content and streams as content; text that does not parse as a call
   stays content. With a `strict` tool, structural tags hold each call the model opens to the request's
   tools, in the parser's format (strict_call_tags): JSON after an opening (hermes, llama3_json, mistral,
-  deepseek_v3/v31, kimi_k2), XML parameters (qwen3_coder, glm45/47, minimax_m2), or a Python list of calls
-  (pythonic).
+  deepseek_v3/v31, kimi_k2), XML parameters (qwen3_coder, glm45/47, minimax_m2, deepseek_v32), or a Python list
+  of calls (pythonic).
 """
 
 from __future__ import annotations
@@ -49,15 +50,15 @@ from specdec import tensor_names as tn
 from specdec.decoding import json_text
 from specdec.gateway import harmony
 
-PARSERS = ("deepseek_v3", "deepseek_v31", "glm45", "glm47", "hermes", "kimi_k2", "llama3_json", "minimax_m2",
-           "mistral", "openai", "pythonic", "qwen3_coder", "qwen3_xml")
+PARSERS = ("deepseek_v3", "deepseek_v31", "deepseek_v32", "glm45", "glm47", "hermes", "kimi_k2", "llama3_json",
+           "minimax_m2", "mistral", "openai", "pythonic", "qwen3_coder", "qwen3_xml")
 HARMONY_PARSER = "openai"  # gpt-oss's calls, from what the reasoning parser openai_gptoss passes on (harmony.py)
 HARMONY_REASONING = tn.HARMONY_REASONING  # that reasoning parser (reasoning.HARMONY)
 _QWEN3_CODER = ("qwen3_coder", "qwen3_xml")  # one format, vLLM's two names for it
 _DEEPSEEK = ("deepseek_v3", "deepseek_v31")  # V3's calls and V3.1's, each read in either form
 _GLM = ("glm45", "glm47")  # GLM-4.5's calls and 4.7's (the same, fewer newlines)
 # Parsers whose calls open with special tokens: the server is asked to keep those in the text (vLLM does too)
-SPECIAL_TOKEN_PARSERS = ("mistral", *_DEEPSEEK, "kimi_k2", *_GLM, "minimax_m2")
+SPECIAL_TOKEN_PARSERS = ("mistral", *_DEEPSEEK, "deepseek_v32", "kimi_k2", *_GLM, "minimax_m2")
 NAMED, REQUIRED, AUTO = "named", "required", "auto"
 _HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
@@ -81,7 +82,14 @@ _MINIMAX_OPEN = "<minimax:tool_call>"
 _MINIMAX_SECTION = re.compile(r"<minimax:tool_call>(.*?)(?:</minimax:tool_call>|$)", re.DOTALL)
 _MINIMAX_INVOKE = re.compile(r"<invoke name=([^>\n]*)>(.*?)</invoke>", re.DOTALL)  # a call cut short is none
 _MINIMAX_PARAMETER = re.compile(r"<parameter name=([^>\n]*)>(.*?)</parameter>", re.DOTALL)
-_OPENINGS = {"minimax_m2": _MINIMAX_OPEN, "hermes": _HERMES_OPEN, "mistral": _MISTRAL_CALLS,
+# DeepSeek-V3.2's DSML: a section of <｜DSML｜invoke name="NAME"> calls, each of <｜DSML｜parameter name="KEY"
+# string="true|false"> values (a string's raw text, or JSON) or one JSON object
+_DSML_OPEN = "<｜DSML｜function_calls>"
+_DSML_SECTION = re.compile(r"<｜DSML｜function_calls>(.*?)(?:</｜DSML｜function_calls>|$)", re.DOTALL)
+_DSML_INVOKE = re.compile(r'<｜DSML｜invoke\s+name="([^"\n]*)"\s*>(.*?)</｜DSML｜invoke>', re.DOTALL)
+_DSML_PARAMETER = re.compile(r'<｜DSML｜parameter\s+name="([^"\n]*)"\s+string="(true|false)"\s*>(.*?)'
+                             r"</｜DSML｜parameter>", re.DOTALL)
+_OPENINGS = {"minimax_m2": _MINIMAX_OPEN, "deepseek_v32": _DSML_OPEN, "hermes": _HERMES_OPEN, "mistral": _MISTRAL_CALLS,
              "qwen3_coder": _HERMES_OPEN, "qwen3_xml": _HERMES_OPEN, HARMONY_PARSER: harmony.START,
              "deepseek_v3": _DEEPSEEK_CALLS, "deepseek_v31": _DEEPSEEK_CALLS, "kimi_k2": _KIMI_CALLS,
              "glm45": _HERMES_OPEN, "glm47": _HERMES_OPEN}
@@ -109,11 +117,14 @@ _CALL_TAGS = {
                                 (_DEEPSEEK_BEGIN + "function" + _DEEPSEEK_SEP, "\n```json\n", "\n```" + _DEEPSEEK_END)))
        for name in _DEEPSEEK}}
 # Qwen3-Coder's calls (<function=NAME> and its <parameter=KEY> lines), GLM-4.5's and 4.7's (NAME then
-# <arg_key>/<arg_value> pairs) and MiniMax-M2's (<invoke name="NAME"> calls inside the section the model opens)
+# <arg_key>/<arg_value> pairs), MiniMax-M2's and DeepSeek-V3.2's (<invoke name="NAME"> calls inside the section
+# the model opens)
 # as xgrammar's structural tags: trigger, (begin, end) of a call, the XML style of its arguments
 _XML_CALLS = {**{name: (_HERMES_OPEN, (_HERMES_OPEN + "\n<function={name}>\n", "</function>\n" + _HERMES_CLOSE),
                         "qwen_xml") for name in _QWEN3_CODER},
               "minimax_m2": ("<invoke name=", ('<invoke name="{name}">\n', "</invoke>\n"), "minimax_xml"),
+              "deepseek_v32": ("<｜DSML｜invoke name=", ('<｜DSML｜invoke name="{name}">\n', "</｜DSML｜invoke>\n"),
+                               "deepseek_xml"),
               **{name: (_HERMES_OPEN, (_HERMES_OPEN + "{name}", _HERMES_CLOSE), "glm_xml") for name in _GLM}}
 _KIMI_BEGIN, _KIMI_ARGUMENTS, _KIMI_END = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
 _TEMPLATE_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -318,6 +329,8 @@ def split_output(text: str, calling: ToolCalling) -> tuple[str | None, list[dict
         content, calls = _kimi(text)
     elif calling.parser == "minimax_m2":
         content, calls = _minimax(text, calling.schemas)
+    elif calling.parser == "deepseek_v32":
+        content, calls = _dsml(text)
     elif calling.parser == HARMONY_PARSER:
         content, calls = harmony.calls(text)
         calls = [call for call in calls if FUNCTION_NAME.fullmatch(call["name"])]
@@ -490,6 +503,30 @@ def _minimax(text: str, schemas: dict) -> tuple[str | None, list[dict]]:
                 key, value = key.strip().strip("\"'"), value.removeprefix("\n").removesuffix("\n")
                 arguments[key] = _schema_value(value, properties.get(key))
             calls.append({"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)})
+    return (text[:start].strip() or None, calls) if calls else (text, [])
+
+
+def _dsml(text: str) -> tuple[str | None, list[dict]]:
+    """DeepSeek-V3.2's `<｜DSML｜function_calls>` section of `<｜DSML｜invoke name="NAME">` calls: each one JSON
+    object, or `<｜DSML｜parameter name="KEY" string="true|false">` values (a string's raw text; JSON, or the text
+    where it reads as none)."""
+    start = text.find(_DSML_OPEN)
+    if start < 0:
+        return text, []
+    calls = []
+    for section in _DSML_SECTION.findall(text[start:]):
+        for name, body in _DSML_INVOKE.findall(section):
+            if body.strip().startswith("{"):
+                call = _named_call(name.strip(), body)
+            elif FUNCTION_NAME.fullmatch(name.strip()):
+                arguments = {key: value if string == "true" else _schema_value(value, None)
+                             for key, string, value in _DSML_PARAMETER.findall(body)}
+                call = {"name": name.strip(), "arguments": json.dumps(arguments, ensure_ascii=False)}
+            else:
+                call = None
+            if call is None:
+                return text, []  # a block that is no call: the answer stays text
+            calls.append(call)
     return (text[:start].strip() or None, calls) if calls else (text, [])
 
 

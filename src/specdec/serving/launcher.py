@@ -489,7 +489,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="how the target writes tool calls, so that the OpenAI API takes tool_choice \"auto\" "
                              "(hermes: Qwen2.5, Hermes, SmolLM3; llama3_json: Llama 3.1-3.3; mistral: Mistral's "
                              "[TOOL_CALLS]; pythonic: Llama 3.2 and 4's [f(a=1)]; qwen3_coder or qwen3_xml: Qwen3-Coder's "
-                             "<function=f><parameter=a>; openai: gpt-oss's; deepseek_v3, deepseek_v31: DeepSeek's; "
+                             "<function=f><parameter=a>; openai: gpt-oss's; deepseek_v3, deepseek_v31, deepseek_v32: "
+                             "DeepSeek's; "
                              "kimi_k2: Kimi K2's; glm45, glm47: GLM-4.5's; minimax_m2: MiniMax-M2's <invoke>); "
                              "without it a request's tools are "
                              "called only by name or with tool_choice \"required\"")
