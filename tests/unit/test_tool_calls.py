@@ -586,13 +586,27 @@ _TYPED_CALLS = {
                     "</invoke>\n<invoke name=run>\n</invoke>\n</minimax:tool_call>"),  # (a name quoted or not)
                    ('<minimax:tool_call>\n<invoke name="edit">\n<parameter name="path">/tmp/a',
                     '<minimax:tool_call>\n<invoke name="bad name">\n</invoke>', "<minimax:tool_call>\n"),
-                   ["Sure.\n<minimax:tool", '_call>\n<invoke name="run">\n</invoke>\n</minimax:tool_call>'])}
+                   ["Sure.\n<minimax:tool", '_call>\n<invoke name="run">\n</invoke>\n</minimax:tool_call>']),
+    # DeepSeek-V3.2's: each parameter's string flag says raw text ("true") or JSON; an invoke's body may be JSON
+    "deepseek_v32": (('On it.\n\n<｜DSML｜function_calls>\n<｜DSML｜invoke name="edit">\n'
+                      '<｜DSML｜parameter name="path" string="true">/tmp/a b.py</｜DSML｜parameter>\n'
+                      '<｜DSML｜parameter name="line" string="false">12</｜DSML｜parameter>\n'
+                      '<｜DSML｜parameter name="options" string="false">{"x": [1, 2]}</｜DSML｜parameter>\n'
+                      '<｜DSML｜parameter name="extra" string="false">[3, 4]</｜DSML｜parameter>\n'
+                      '<｜DSML｜parameter name="word" string="true">plain text</｜DSML｜parameter>\n</｜DSML｜invoke>\n'
+                      '<｜DSML｜invoke name="run">\n{}\n</｜DSML｜invoke>\n</｜DSML｜function_calls>'),
+                     ('<｜DSML｜function_calls>\n<｜DSML｜invoke name="edit">\n<｜DSML｜parameter name="p" str',
+                      '<｜DSML｜function_calls>\n<｜DSML｜invoke name="bad name">\n</｜DSML｜invoke>',
+                      '<｜DSML｜function_calls>\n<｜DSML｜invoke name="run">\n{"fast": </｜DSML｜invoke>'),
+                     ["Sure.\n<｜DSML｜function", '_calls>\n<｜DSML｜invoke name="run">\n</｜DSML｜invoke>\n'
+                                                 "</｜DSML｜function_calls>"])}
 
 
 @pytest.mark.parametrize("parser", list(_TYPED_CALLS))
 def test_text_valued_calls_take_their_values_types_from_the_schemas_or_json(parser):
     """GLM-4.5's and 4.7's <arg_key>/<arg_value> pairs and MiniMax-M2's <invoke> calls of <parameter name=...>
-    values (less one newline at each end): each typed by the tool's schema, else JSON where it reads as JSON."""
+    values (less one newline at each end): each typed by the tool's schema, else JSON where it reads as JSON;
+    DeepSeek-V3.2's DSML parameters by their string flag."""
     text, no_calls, streamed = _TYPED_CALLS[parser]
     calling = ToolCalling(AUTO, ("edit", "run"), parser, schemas={"edit": EDIT, "run": {}})
     content, calls = tools.split_output(text, calling)
@@ -603,30 +617,6 @@ def test_text_valued_calls_take_their_values_types_from_the_schemas_or_json(pars
     for text in ("No call.", *no_calls):
         assert tools.split_output(text, calling) == (text, []), text
     content, deltas, called = _stream(calling, streamed)
-    assert content == "Sure.\n" and called and deltas[0]["function"] == {"name": "run", "arguments": "{}"}
-
-
-def test_deepseek_v32_dsml_calls_take_parameters_by_their_string_flag_or_one_json_object():
-    """DeepSeek-V3.2's <｜DSML｜function_calls> section: an invoke's parameters string="true" (raw text) or "false"
-    (JSON), or its body one JSON object; a call cut short, a bad name or no section: no call."""
-    calling = ToolCalling(AUTO, ("edit", "run"), "deepseek_v32")
-    text = ('On it.\n\n<｜DSML｜function_calls>\n<｜DSML｜invoke name="edit">\n'
-            '<｜DSML｜parameter name="path" string="true">/tmp/a b.py</｜DSML｜parameter>\n'
-            '<｜DSML｜parameter name="line" string="false">12</｜DSML｜parameter>\n'
-            '<｜DSML｜parameter name="options" string="false">{"x": [1, 2]}</｜DSML｜parameter>\n'
-            '<｜DSML｜parameter name="word" string="true">12</｜DSML｜parameter>\n</｜DSML｜invoke>\n'
-            '<｜DSML｜invoke name="run">\n{"fast": true}\n</｜DSML｜invoke>\n</｜DSML｜function_calls>')
-    content, calls = tools.split_output(text, calling)
-    assert content == "On it." and [c["name"] for c in calls] == ["edit", "run"]
-    assert json.loads(calls[0]["arguments"]) == {"path": "/tmp/a b.py", "line": 12, "options": {"x": [1, 2]},
-                                                 "word": "12"}  # (a string "12" stays one)
-    assert json.loads(calls[1]["arguments"]) == {"fast": True}
-    for text in ("No call.", '<｜DSML｜function_calls>\n<｜DSML｜invoke name="edit">\n<｜DSML｜parameter name="p" str',
-                 '<｜DSML｜function_calls>\n<｜DSML｜invoke name="bad name">\n</｜DSML｜invoke>',
-                 '<｜DSML｜function_calls>\n<｜DSML｜invoke name="run">\n{"fast": </｜DSML｜invoke>'):
-        assert tools.split_output(text, calling) == (text, []), text
-    content, deltas, called = _stream(calling, ["Sure.\n<｜DSML｜function", '_calls>\n<｜DSML｜invoke name="run">\n'
-                                                "</｜DSML｜invoke>\n</｜DSML｜function_calls>"])
     assert content == "Sure.\n" and called and deltas[0]["function"] == {"name": "run", "arguments": "{}"}
 
 

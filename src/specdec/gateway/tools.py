@@ -488,43 +488,42 @@ def _minimax(text: str, schemas: dict) -> tuple[str | None, list[dict]]:
     """`<minimax:tool_call>` then `<invoke name="NAME"><parameter name="KEY">VALUE</parameter>...</invoke>`
     calls (names quoted or not): a value is its text less one newline at each end, turned into the type the
     tool's schema gives it, or read as JSON where it gives none (else the text)."""
-    start = text.find(_MINIMAX_OPEN)
-    if start < 0:
-        return text, []
-    calls = []
-    for section in _MINIMAX_SECTION.findall(text[start:]):
-        for quoted, body in _MINIMAX_INVOKE.findall(section):
-            name = quoted.strip().strip("\"'")
-            if not FUNCTION_NAME.fullmatch(name):
-                return text, []  # a block that is no call: the answer stays text
-            properties = (schemas.get(name) or {}).get("properties") or {}
-            arguments = {}
-            for key, value in _MINIMAX_PARAMETER.findall(body):
-                key, value = key.strip().strip("\"'"), value.removeprefix("\n").removesuffix("\n")
-                arguments[key] = _schema_value(value, properties.get(key))
-            calls.append({"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)})
-    return (text[:start].strip() or None, calls) if calls else (text, [])
+    def read(quoted: str, body: str) -> dict | None:
+        name = quoted.strip().strip("\"'")
+        properties = (schemas.get(name) or {}).get("properties") or {}
+        arguments = {}
+        for key, value in _MINIMAX_PARAMETER.findall(body):
+            key, value = key.strip().strip("\"'"), value.removeprefix("\n").removesuffix("\n")
+            arguments[key] = _schema_value(value, properties.get(key))
+        return {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}
+    return _sectioned(text, _MINIMAX_OPEN, _MINIMAX_SECTION, _MINIMAX_INVOKE, read)
 
 
 def _dsml(text: str) -> tuple[str | None, list[dict]]:
     """DeepSeek-V3.2's `<｜DSML｜function_calls>` section of `<｜DSML｜invoke name="NAME">` calls: each one JSON
     object, or `<｜DSML｜parameter name="KEY" string="true|false">` values (a string's raw text; JSON, or the text
     where it reads as none)."""
-    start = text.find(_DSML_OPEN)
+    def read(name: str, body: str) -> dict | None:
+        if body.strip().startswith("{"):
+            return _named_call(name.strip(), body)
+        arguments = {key: value if string == "true" else _schema_value(value, None)
+                     for key, string, value in _DSML_PARAMETER.findall(body)}
+        return {"name": name.strip(), "arguments": json.dumps(arguments, ensure_ascii=False)}
+    return _sectioned(text, _DSML_OPEN, _DSML_SECTION, _DSML_INVOKE, read)
+
+
+def _sectioned(text: str, opening: str, section: re.Pattern, invoke: re.Pattern, read) -> tuple[str | None, list]:
+    """Calls inside the sections a model opens with `opening`: each `invoke` match (name, body) read as a call
+    (`read`: None for no call); a name that is no function's, or a body that reads as none, leaves the whole
+    answer text; content is the text before the first section."""
+    start = text.find(opening)
     if start < 0:
         return text, []
     calls = []
-    for section in _DSML_SECTION.findall(text[start:]):
-        for name, body in _DSML_INVOKE.findall(section):
-            if body.strip().startswith("{"):
-                call = _named_call(name.strip(), body)
-            elif FUNCTION_NAME.fullmatch(name.strip()):
-                arguments = {key: value if string == "true" else _schema_value(value, None)
-                             for key, string, value in _DSML_PARAMETER.findall(body)}
-                call = {"name": name.strip(), "arguments": json.dumps(arguments, ensure_ascii=False)}
-            else:
-                call = None
-            if call is None:
+    for inside in section.findall(text[start:]):
+        for name, body in invoke.findall(inside):
+            call = read(name, body)
+            if call is None or not FUNCTION_NAME.fullmatch(call["name"]):
                 return text, []  # a block that is no call: the answer stays text
             calls.append(call)
     return (text[:start].strip() or None, calls) if calls else (text, [])
