@@ -219,6 +219,17 @@ class _Builder:
         body = f"({repeated})* {final}" if repeated else final
         return self.rule(f"{first} {body}" if first is not None else body)
 
+    def opening(self, text: str, trigger: str, where: str) -> str:
+        """Free text (its terminal `text`) up to `trigger`: a special token is that token (kept out of free text
+        from here on; the text ends where it comes), text a lazy lexeme (the text ends at its first occurrence)."""
+        if trigger in self.special:
+            self.triggers.add(self.special[trigger])
+            return f"{text} <[{self.special[trigger]}]>"
+        if self.has_special(trigger):
+            raise StructuralTagError(f"{where}: the trigger {trigger!r} is text with a special token in it: a "
+                                     "trigger is one special token or text")
+        return self.rule(f"{text} {json.dumps(trigger)}", "[lazy]")
+
     def closing(self, ends: _Ends | None) -> str:
         """`ends` written, for where a structure that took them ends before free text reaches them."""
         if ends is None:
@@ -421,13 +432,8 @@ class _Builder:
         at_least_one = _flag(node, "at_least_one", where)
         once = _flag(node, "stop_after_first", where)
         tags = self.tag_list(node["tags"], f"{where}.tags", True, depth)
-        for trigger in triggers:
-            if trigger in self.special:
-                self.triggers.add(self.special[trigger])
-            elif self.has_special(trigger):
-                raise StructuralTagError(f"{where}.triggers: {trigger!r} is text with a special token in it: a "
-                                         "trigger is one special token or text")
         text = self.text_terminal(excludes, None)
+        openings = {trigger: self.opening(text, trigger, f"{where}.triggers") for trigger in triggers}
         segments, whole = [], []
         for tag, here in tags:
             begin = tag["begin"]
@@ -435,10 +441,8 @@ class _Builder:
             if trigger is None:
                 raise StructuralTagError(f"{here}: 'begin' {begin!r} starts with none of the triggers {triggers!r}")
             inside = self.tag_rest(tag, here, depth)
-            opens = (f"{text} <[{self.special[trigger]}]>" if trigger in self.special
-                     else self.rule(f"{text} {json.dumps(trigger)}", "[lazy]"))
             after_trigger = self.written(begin[len(trigger):]) if begin != trigger else ""
-            segments.append(self.rule(f"{opens} {after_trigger} {inside}"))
+            segments.append(self.rule(f"{openings[trigger]} {after_trigger} {inside}"))
             whole.append(self.rule(f"{self.written(begin)} {inside}"))
         first = self.rule(" | ".join(whole)) if at_least_one else None
         return self.free_then(segments, text, self.free_specials(excludes, ends), ends, once, first), True
@@ -456,14 +460,7 @@ class _Builder:
             if not (isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], str) and pair[0]):
                 raise StructuralTagError(f"{here} must be [pattern string, format]")
             pattern, fmt = pair
-            if pattern in self.special:
-                self.triggers.add(self.special[pattern])
-                opens = f"{text} <[{self.special[pattern]}]>"
-            elif self.has_special(pattern):
-                raise StructuralTagError(f"{here}: {pattern!r} is text with a special token in it")
-            else:
-                opens = self.rule(f"{text} {json.dumps(pattern)}", "[lazy]")
-            segments.append(self.rule(f"{opens} {self.sub(fmt, here + '[1]', depth)}"))
+            segments.append(self.rule(f"{self.opening(text, pattern, here)} {self.sub(fmt, here + '[1]', depth)}"))
         return self.free_then(segments, text, self.free_specials(excludes, ends), ends, not loop), True
 
     def _tags_with_separator(self, node, where, ends, depth):
@@ -644,13 +641,7 @@ class _Builder:
             trigger = next((t for t in triggers if begin.startswith(t)), None)
             if trigger is None:
                 raise StructuralTagError(f"{where}: 'begin' {begin!r} starts with none of the triggers {triggers!r}")
-            if trigger in self.special:
-                opens = f"{text} <[{self.special[trigger]}]>"
-            elif self.has_special(trigger):
-                raise StructuralTagError(f"{where}: the trigger {trigger!r} is text with a special token in it: a "
-                                         "trigger is one special token or text")
-            else:
-                opens = self.rule(f"{text} {json.dumps(trigger)}", "[lazy]")
+            opens = self.opening(text, trigger, where)
             body = " ".join(item for item in (self.written(begin[len(trigger):]) if begin != trigger else "",
                                               "%json " + json.dumps(schema), self.written(end) if end else "")
                             if item)
