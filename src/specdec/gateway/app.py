@@ -172,6 +172,15 @@ class Gateway:
         except asyncio.CancelledError:  # the client went away (aiohttp's handler_cancellation)
             code = metrics.DISCONNECTED
             raise
+        except ConnectionResetError:
+            # It went away while its stream was written, before aiohttp cancelled the handler: a disconnection,
+            # not a 500. Its prepared stream goes back to aiohttp, which ends an answer to a closed connection
+            # quietly; raised on, it logged a traceback as "Error handling request" and counted a 500.
+            code = metrics.DISCONNECTED
+            prepared = request.get(_PREPARED)
+            if prepared is None:
+                raise
+            return prepared
         finally:
             self.metrics.end(call, code)
 
