@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import openai
 import pytest
+import tritonclient.grpc as grpcclient
 
 from client import Client, GenerationParams
 from specdec import tensor_names as tn
@@ -174,6 +175,10 @@ def test_sigterm_during_a_long_stream_lets_it_finish_then_stops_everything(own):
     assert _readiness(own) == (200, "ready\n")  # the chart's readiness probe
     assert first_text.wait(timeout=120) and first_chat.wait(timeout=120)
     assert worker.is_alive() and chatter.is_alive(), (failures, results)  # still generating: 300 tokens take seconds
+    # A client holding a gRPC stream open between its requests (tritonclient's start_stream, none sent): it held
+    # Triton 2.51's stop for ever once the models had unloaded, and the launcher with it
+    idle = grpcclient.InferenceServerClient(own.grpc_url)
+    idle.start_stream(callback=lambda result, error: None)
     own.process.terminate()  # SIGTERM, as Kubernetes sends it
     deadline = time.monotonic() + 5
     while own.ready() and time.monotonic() < deadline:
@@ -187,6 +192,7 @@ def test_sigterm_during_a_long_stream_lets_it_finish_then_stops_everything(own):
     worker.join(timeout=240)
     chatter.join(timeout=240)
     code = own.process.wait(timeout=120)  # drained, then stopped by itself
+    idle.close()
     assert not failures, failures
     (result,) = [r for r in results if not isinstance(r, list)]
     assert result.finish_reason == "length" and result.num_output_tokens == TOKENS
@@ -195,6 +201,7 @@ def test_sigterm_during_a_long_stream_lets_it_finish_then_stops_everything(own):
     assert chunks[-1].usage.completion_tokens == TOKENS
     assert not Path(f"/proc/{gateway[0]}").exists()  # the OpenAI API's process stopped too
     assert code == 0
+    assert "tritonserver unloaded its models and did not exit 5 s later" in own.log_tail(20000)
     assert not stubs_left(own.run_dir)
     assert not any(path.exists() for path in scratch), scratch  # the launcher removed it
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from specdec.serving import launcher
 from specdec.serving.server import free_ports
-from specdec.serving.server_process import ServerProcess
+from specdec.serving.server_process import ServerProcess, exit_timeout
 from tests.http_get import get
 from tests.polling import wait_for
 
@@ -93,6 +93,52 @@ def test_a_start_counts_as_stalled_once_its_models_loaded_that_long_ago():
     finally:
         server.process.kill()
         server.process.wait()
+
+
+IGNORES_SIGTERM = """
+    import signal, sys, time
+    def stopping(*_):  # Triton's stop: models unload, then (with {unloaded}) its last line before the endpoints
+        if {unloaded}:
+            print('I1205 server.cc:345] "Timeout 27: Found 0 live models and 0 in-flight non-inference requests"',
+                  flush=True)
+        {then}
+    signal.signal(signal.SIGTERM, stopping)
+    print("serving", flush=True)
+    while True:
+        time.sleep(1)
+"""
+
+
+def stopping(unloaded: bool, then: str, *args: str) -> tuple[ServerProcess, list[str]]:
+    """A stand-in asked to stop (SIGTERM) once it serves; `then`: what its handler does after the unloading."""
+    script = textwrap.dedent(IGNORES_SIGTERM.format(unloaded=unloaded, then=then))
+    server = ServerProcess([sys.executable, "-c", script, *args], dict(os.environ), out=io.BytesIO())
+    until(lambda: b"serving" in server.out.getvalue())
+    server.process.terminate()
+    return server, []
+
+
+def test_a_stop_held_after_every_model_unloaded_is_killed_and_counts_as_a_clean_stop():
+    """Triton 2.51 with an open gRPC stream: its models unload, its endpoint's stop waits for ever."""
+    server, logged = stopping(True, "pass")
+    started = time.monotonic()
+    assert server.stopped(logged.append, grace_s=0.5) == 0
+    assert 0.5 <= time.monotonic() - started < 5 and server.process.poll() == -signal.SIGKILL
+    assert logged == ["tritonserver unloaded its models and did not exit 0.5 s later (an open gRPC stream holds "
+                      "its endpoint): killed"]
+
+
+def test_a_stop_that_ends_by_itself_keeps_its_code_and_one_that_never_unloads_ends_at_its_exit_timeout():
+    server, logged = stopping(True, "sys.exit(3)")
+    assert server.stopped(logged.append, grace_s=5) == 3 and not logged
+    server, logged = stopping(False, "pass", "--exit-timeout-secs=1")
+    assert server.exit_timeout_s == 1
+    started = time.monotonic()
+    assert server.stopped(logged.append, grace_s=0.5) == -signal.SIGKILL
+    assert 1.5 <= time.monotonic() - started < 6
+    assert logged == ["tritonserver did not stop within its exit timeout and 0.5 s: killed"]
+    assert [exit_timeout(["tritonserver", *args]) for args in (
+        [], ["--exit-timeout-secs", "7"], ["--exit-timeout-secs=2.5"], ["--exit-timeout-secs=x"])] == [30, 7, 2.5, 30]
 
 
 def test_without_an_nvidia_device_the_server_gets_no_gpu_metrics(tmp_path):

@@ -841,7 +841,7 @@ def main(argv: list[str] | None = None) -> int:
             process.terminate()
     if gateway is not None:
         gateway.wait(10)
-    code = process.wait()
+    code = current[0].stopped(log)  # killed where its stop hangs (server_process.py)
     if endpoint is not None:
         endpoint.close()
     stop_group(process, watchdog.regions if watchdog is not None else set())

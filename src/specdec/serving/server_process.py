@@ -15,6 +15,12 @@ its table of models, and never opened its endpoints (the next lines of a good st
 GPU metrics, then the endpoints, all within a tenth of a second). The output says when the models are
 loaded; a server whose endpoints are not up `ENDPOINTS_STALL_S` after that counts as stalled, and the
 launcher starts it again.
+
+A stop can hang too: Triton 2.51's gRPC endpoint waits, without a bound, for every open stream to close
+(Triton 25.02 bounds that wait), so one tritonclient that keeps `start_stream` open between requests held a
+SIGTERMed server for ever after it had unloaded every model (its endpoint's `Server::Stop` waiting), and the
+launcher with it. The output says when the last model has unloaded; a server that has not exited
+`ENDPOINTS_STOP_S` after that, or within its exit timeout and that grace, is killed (`stopped`).
 """
 
 from __future__ import annotations
@@ -36,6 +42,11 @@ FATAL_EXIT_GRACE_S = 5.0  # Triton's exit after a fatal signal took under a seco
 MODELS_TABLE = re.compile(rb"^\| Model +\| Version +\| Status +\|")
 # From that table to open endpoints took 3-50 ms here; DCGM's start on a GPU machine takes a few seconds.
 ENDPOINTS_STALL_S = 20.0
+# What a stopping Triton prints each second while its models unload; with 0 live models, the last line before
+# its endpoints stop, which took under a second here where no open stream held them.
+UNLOADED_LINE = re.compile(rb".*Found 0 live models and \d+ in-flight non-inference requests")
+ENDPOINTS_STOP_S = 5.0
+EXIT_TIMEOUT_S = 30.0  # tritonserver's --exit-timeout-secs unless its command says otherwise
 
 
 def signal_name(signum: int) -> str:
@@ -56,6 +67,8 @@ class ServerProcess:
         self.out = out if out is not None else sys.stdout.buffer
         self.fatal: tuple[int, float] | None = None  # the fatal signal it reported, and when
         self.loaded_at: float | None = None  # when it printed its table of loaded models
+        self.unloaded_at: float | None = None  # when a stop had unloaded every model
+        self.exit_timeout_s = exit_timeout(command)
         self.process = subprocess.Popen(command, env=env, start_new_session=True,
                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         self._relay = threading.Thread(target=self._copy_output, daemon=True, name="server-output")
@@ -77,6 +90,8 @@ class ServerProcess:
                 self.fatal = (int(match[1]), self.clock())
             if self.loaded_at is None and MODELS_TABLE.match(line):
                 self.loaded_at = self.clock()
+            if self.unloaded_at is None and UNLOADED_LINE.match(line):
+                self.unloaded_at = self.clock()
         self.process.stdout.close()
 
     def crash(self) -> str | None:
@@ -97,6 +112,36 @@ class ServerProcess:
             return f"loaded its models and has not opened its endpoints {self.stall_s:g} s later"
         return None
 
+    def stopped(self, log: Callable[[str], None], grace_s: float = ENDPOINTS_STOP_S, poll_s: float = 0.1) -> int:
+        """Wait for a server asked to stop (SIGTERM) to exit, and return its exit code; kill it where it has not
+        exited `grace_s` after it unloaded its last model (0 then: only its endpoints were left, held open by
+        a client), or its exit timeout and `grace_s` after this call (its code then: -9)."""
+        deadline = self.clock() + self.exit_timeout_s + grace_s
+        while (code := self.process.poll()) is None:
+            unloaded = self.unloaded_at is not None and self.clock() - self.unloaded_at >= grace_s
+            if unloaded or self.clock() >= deadline:
+                why = (f"unloaded its models and did not exit {grace_s:g} s later (an open gRPC stream holds its "
+                       "endpoint)") if unloaded else f"did not stop within its exit timeout and {grace_s:g} s"
+                log(f"tritonserver {why}: killed")
+                self.process.kill()
+                code = self.process.wait()
+                return 0 if unloaded else code
+            time.sleep(poll_s)
+        return code
+
     def flushed(self, timeout_s: float = 5.0) -> None:
         """Wait until the output of an exited server has been copied (its last lines say why it stopped)."""
         self._relay.join(timeout_s)
+
+
+def exit_timeout(command: list[str]) -> float:
+    """The --exit-timeout-secs a tritonserver command gives (`=N` or `N` after it), else Triton's default."""
+    for index, arg in enumerate(command):
+        value = arg.split("=", 1)[1] if arg.startswith("--exit-timeout-secs=") else (
+            command[index + 1] if arg == "--exit-timeout-secs" and index + 1 < len(command) else None)
+        if value is not None:
+            try:
+                return float(value)
+            except ValueError:  # tritonserver refuses it itself
+                return EXIT_TIMEOUT_S
+    return EXIT_TIMEOUT_S
