@@ -15,6 +15,16 @@ def kernel_times_of_its_own(tmp_path_factory, monkeypatch):
     monkeypatch.setenv(TIMES_DIR_ENV, str(tmp_path_factory.mktemp("kernel-times")))
 
 
+@pytest.fixture
+def server_ports_free(monkeypatch):
+    """Free ports for the launcher's tritonserver: it refuses to start on ports something listens on (a
+    developer's `make serve`, say), and tests that run its main with the default ones would stop there."""
+    from specdec.serving.server import free_ports
+
+    for name, port in zip(("HTTP_PORT", "GRPC_PORT", "METRICS_PORT"), free_ports(3)):
+        monkeypatch.setenv(name, str(port))
+
+
 def tiny_llama(vocab_size: int, seed: int, initializer_range: float, max_positions: int):
     """A tiny llama built from a config with a fixed seed (no download), float64 for exact comparisons."""
     torch.manual_seed(seed)

@@ -12,6 +12,8 @@ from tests.http_get import get as _get
 from specdec.serving import healthcheck, launcher
 from specdec.serving.server import free_ports
 
+pytestmark = pytest.mark.usefixtures("server_ports_free")
+
 
 class _Ready(http.server.BaseHTTPRequestHandler):
     def do_GET(self):  # noqa: N802 (the stdlib's name)
@@ -86,7 +88,7 @@ def test_a_taken_health_port_stops_the_launcher_before_tritonserver_starts(monke
         (repo := tmp_path / "repo").mkdir()
         assert launcher.main(["--model-repository", str(repo), "--run-dir", str(tmp_path)]) == 1
     assert not started
-    assert f"HEALTH_PORT {port}: cannot serve the readiness endpoint" in capsys.readouterr().err
+    assert f"HEALTH_PORT {port}: the port is taken (another server listens there" in capsys.readouterr().err
 
 
 class _Health(http.server.BaseHTTPRequestHandler):
@@ -131,6 +133,25 @@ def test_a_taken_openai_port_stops_the_launcher_before_tritonserver_starts(monke
         assert launcher.main(["--model-repository", str(repo), "--run-dir", str(tmp_path)]) == 1
     assert not started
     assert f"OPENAI_PORT {port}: the port is taken" in capsys.readouterr().err
+
+
+def test_a_taken_server_port_stops_the_launcher_before_it_renders_or_starts_anything(monkeypatch, tmp_path, capsys):
+    """A second launcher on a first one's ports: its tritonserver failed to bind, it took the first server's
+    readiness for its own (READY) and restarted its own for ever, re-rendering the repository the first served."""
+    monkeypatch.setenv("OPENAI_PORT", "0")
+    monkeypatch.setenv("HEALTH_PORT", "0")
+    monkeypatch.setattr(launcher.pairs, "prepare_pair", lambda *a, **k: pytest.fail("the pair was prepared"))
+    monkeypatch.setattr(launcher.subprocess, "Popen", lambda *a, **k: pytest.fail("a process was started"))
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for name in ("HTTP_PORT", "GRPC_PORT", "METRICS_PORT"):
+            with monkeypatch.context() as env:
+                env.setenv(name, str(port))
+                assert launcher.main(["--pair", "tiny", "--run-dir", str(tmp_path / "run")]) == 1
+                assert f"{name} {port}: the port is taken (another server listens there" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
 
 
 def test_the_served_model_name_defaults_to_the_tokenizers_directory(tmp_path):

@@ -10,6 +10,8 @@ from specdec.serving import launcher, repository
 from specdec.serving.pairs import PairSpec
 from specdec.serving.speculative_config import Speculation, Speculator, read, speculator
 
+pytestmark = pytest.mark.usefixtures("server_ports_free")  # (tests/unit/conftest.py)
+
 
 def test_each_method_stands_for_a_draft_of_this_server(tmp_path):
     head = tmp_path / "EAGLE3-LLaMA3.1-Instruct-8B"

@@ -304,6 +304,17 @@ def ports() -> tuple[int, int, int]:
             int(os.environ.get("METRICS_PORT", 8002)))
 
 
+def taken_ports() -> str:
+    """What of the ports this launcher serves on something already listens on ("HTTP_PORT 8000: the port is
+    taken; ..."), or "". Checked before anything is rendered or started: a second launcher on a first one's
+    ports had its tritonserver fail to bind, took the first server's answers for its own readiness (READY) and
+    restarted its own for ever, rendering the model repository again under the first one's models."""
+    http, grpc, metrics = ports()
+    named = (("HTTP_PORT", http), ("GRPC_PORT", grpc), ("METRICS_PORT", metrics), ("OPENAI_PORT", openai_port()),
+             ("HEALTH_PORT", health_port()))
+    return "; ".join(f"{name} {port}: the port is taken" for name, port in named if port and accepts(port))
+
+
 def with_heads(pair: pairs.PairSpec, heads: list[str], default_draft: str = "") -> pairs.PairSpec:
     """The pair with --draft-head's heads ([NAME=]DIR each) and --default-draft applied."""
     named, given = dict(pair.draft_heads), []
@@ -632,6 +643,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     label = "custom" if args.target else ("repository" if args.model_repository else args.pair)
     run_dir = Path(args.run_dir or pairs.cache_dir() / "run" / label).resolve()
+    taken = taken_ports()
+    if taken:
+        log(f"{taken} (another server listens there: stop it, or set the variable to a free port; OPENAI_PORT and "
+            "HEALTH_PORT 0: none)")
+        return 1
     # --apply-chat-template, or --chat-template alone (its meaning before it took vLLM's template)
     applied = args.apply_chat_template or args.chat_template == APPLY_CHAT_TEMPLATE
     if args.model_repository:
@@ -700,10 +716,6 @@ def main(argv: list[str] | None = None) -> int:
     drain_marker(http_port).unlink(missing_ok=True)  # left by an earlier server on this port
     gateway = None
     if openai_port():
-        if accepts(openai_port()):
-            log(f"OPENAI_PORT {openai_port()}: the port is taken; set OPENAI_PORT to a free port, or to 0 for no "
-                "OpenAI API")
-            return 1
         tokenizer = repository_tokenizer(repo)
         context, default_max_tokens = repository_limits(repo)
         lora = repository.served_adapters(repo)
