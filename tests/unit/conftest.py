@@ -17,11 +17,12 @@ def kernel_times_of_its_own(tmp_path_factory, monkeypatch):
 
 @pytest.fixture
 def server_ports_free(monkeypatch):
-    """Free ports for the launcher's tritonserver: it refuses to start on ports something listens on (a
-    developer's `make serve`, say), and tests that run its main with the default ones would stop there."""
+    """Free ports for the launcher's server, OpenAI API and readiness endpoint: it refuses to start on ports
+    something listens on (a developer's `make serve`, say), and tests that run its main with the default ones
+    would stop there."""
     from specdec.serving.server import free_ports
 
-    for name, port in zip(("HTTP_PORT", "GRPC_PORT", "METRICS_PORT"), free_ports(3)):
+    for name, port in zip(("HTTP_PORT", "GRPC_PORT", "METRICS_PORT", "OPENAI_PORT", "HEALTH_PORT"), free_ports(5)):
         monkeypatch.setenv(name, str(port))
 
 

@@ -9,6 +9,7 @@ import threading
 import pytest
 
 from tests.http_get import get as _get
+from tests.polling import wait_for
 from specdec.serving import healthcheck, launcher
 from specdec.serving.server import free_ports
 
@@ -527,3 +528,52 @@ def test_vllms_enable_auto_tool_choice_is_taken_with_a_parser_and_refused_withou
     assert "--enable-auto-tool-choice needs --tool-call-parser" in capsys.readouterr().err
     assert gateway_main.main(["--served-model-name", "m", "--enable-auto-tool-choice"]) == 2
     assert "--enable-auto-tool-choice needs --tool-call-parser" in capsys.readouterr().err
+
+
+HEALTH_STAND_IN = """
+import http.server, sys
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+    def log_message(self, *_):
+        pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
+"""
+
+
+def test_an_openai_api_that_stops_answering_its_health_check_is_killed_and_started_again(capsys):
+    """A hung OpenAI API (here SIGSTOPped) kept readiness at 503 for ever, liveness at 200: the pod out of
+    rotation, Triton's endpoints with it, and nothing restarting it. It dying is tested served
+    (tests/integration/test_openai_api.py); a stand-in answering GET /health takes its place here."""
+    import os
+    import re
+    import signal
+    import sys
+    import time
+
+    from specdec.serving.gateway_process import GatewayProcess
+
+    (port,) = free_ports(1)
+    gateway = GatewayProcess(port, 8001, ["a"], "", 30.0, dict(os.environ), hang_timeout_s=1.0)
+    gateway.command, gateway.look_s = [sys.executable, "-c", HEALTH_STAND_IN, str(port)], 0.1
+    gateway.start()
+    first = gateway.process
+    try:
+        wait_for(gateway.probe, 10, "the stand-in's health check")
+        until = time.monotonic() + 1.5
+        while time.monotonic() < until:  # answering: left alone
+            gateway.keep_alive()
+            time.sleep(0.05)
+        assert gateway.restarts == 0 and gateway.process is first
+        os.kill(first.pid, signal.SIGSTOP)
+        wait_for(lambda: gateway.keep_alive() or gateway.restarts, 10, "the hung process's restart", every_s=0.05)
+        assert first.poll() == -signal.SIGKILL and gateway.process is not first
+        wait_for(gateway.probe, 10, "the new process's health check")
+        assert re.search(r"the OpenAI API has not answered its health check for \d+ s \(hung\); killed it; starting it "
+                         r"again \(restart 1\)", capsys.readouterr().err)
+    finally:
+        for process in (first, gateway.process):
+            if process.poll() is None:
+                process.kill()
+                process.wait()

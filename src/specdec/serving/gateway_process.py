@@ -1,6 +1,7 @@
 """The OpenAI API's process (`python -m specdec.gateway`) as the launcher runs it beside tritonserver:
-started with the server, restarted if it dies, drained first on SIGTERM (it stops taking connections and
-finishes the answers in flight while tritonserver, still up, serves them)."""
+started with the server, restarted if it dies or hangs (its health check unanswered for the launcher's
+--hang-timeout), drained first on SIGTERM (it stops taking connections and finishes the answers in flight
+while tritonserver, still up, serves them)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 
 from specdec.decoding.generation_config import VLLM
 from specdec.gateway.cors import ANY_JSON as CORS_ANY
-from specdec.serving.healthcheck import gateway_url
+from specdec.serving.healthcheck import answers, gateway_url
 from specdec.serving.pairs import log
 
 def _parameter(repo: Path, model: str, key: str) -> str:
@@ -78,6 +79,10 @@ def default_model_name(tokenizer_path: str) -> str:
     return (path.stem if path.suffix == ".gguf" else path.name) or "specdec"
 
 
+HEALTH_LOOK_S = 5.0  # how often a running OpenAI API's health check is asked (with hang_timeout_s)
+HEALTH_PROBE_TIMEOUT_S = 2.0  # its answer to GET /health comes from its event loop: milliseconds when it turns
+
+
 class GatewayProcess:
     def __init__(self, port: int, grpc_port: int, names: list[str], tokenizer: str, drain_timeout_s: float,
                  env: dict[str, str], tool_call_parser: str | None = None, max_model_len: int = 0,
@@ -86,7 +91,9 @@ class GatewayProcess:
                  lora: tuple[list[str], str] = ([], ""), runtime_lora: bool = False, chat_template: str = "",
                  trust_request_templates: bool = False, generation_config: tuple[str, str] = ("", ""),
                  cors: tuple[str, str, str, bool] = (CORS_ANY, CORS_ANY, CORS_ANY, False),
-                 content_format: str = "auto", metrics_port: int = 0, max_loras: int = 0):
+                 content_format: str = "auto", metrics_port: int = 0, max_loras: int = 0, hang_timeout_s: float = 0.0):
+        """hang_timeout_s: a process whose health check has not answered this long is hung, killed and started
+        again (0: never; readiness says not ready meanwhile, and before this nothing brought it back)."""
         self.port = port
         self.command = [sys.executable, "-m", "specdec.gateway", "--port", str(port),
                         "--grpc-url", f"127.0.0.1:{grpc_port}", "--drain-timeout", str(drain_timeout_s),
@@ -136,6 +143,9 @@ class GatewayProcess:
         self.env, self.drain_timeout_s = env, drain_timeout_s
         self.process: subprocess.Popen | None = None
         self.restarts = 0
+        self.hang_timeout_s, self.look_s, self.clock = hang_timeout_s, HEALTH_LOOK_S, time.monotonic
+        self.probe = lambda: answers(gateway_url(self.port), HEALTH_PROBE_TIMEOUT_S)
+        self._answered = self._looked = 0.0  # when its health check last answered, and was last asked
 
     @property
     def url(self) -> str:
@@ -143,15 +153,32 @@ class GatewayProcess:
 
     def start(self) -> None:
         self.process = subprocess.Popen(self.command, env=self.env)
+        self._answered = self._looked = self.clock()  # its start (about a second) counts as answered
 
     def keep_alive(self) -> None:
-        """Start it again if it died (readiness says not ready meanwhile, as its health check fails)."""
-        if self.process is not None and self.process.poll() is not None:
-            self.restarts += 1
-            log(f"the OpenAI API exited with code {self.process.returncode}; starting it again "
-                f"(restart {self.restarts})")
-            time.sleep(min(5.0, 0.5 * self.restarts))  # a gateway that cannot start must not spin
-            self.start()
+        """Start it again if it died, or if its health check has not answered for hang_timeout_s (asked every
+        look_s; readiness says not ready meanwhile, as that check fails)."""
+        if self.process is None:
+            return
+        if self.process.poll() is not None:
+            self._again(f"exited with code {self.process.returncode}")
+            return
+        now = self.clock()
+        if not self.hang_timeout_s or now - self._looked < self.look_s:
+            return
+        self._looked = now
+        if self.probe():
+            self._answered = now
+        elif now - self._answered >= self.hang_timeout_s:
+            self.process.kill()
+            self.process.wait()
+            self._again(f"has not answered its health check for {now - self._answered:.0f} s (hung); killed it")
+
+    def _again(self, why: str) -> None:
+        self.restarts += 1
+        log(f"the OpenAI API {why}; starting it again (restart {self.restarts})")
+        time.sleep(min(5.0, 0.5 * self.restarts))  # a gateway that cannot start must not spin
+        self.start()
 
     def drain(self) -> None:
         """SIGTERM: it stops accepting connections; the answers in flight run on (wait with `wait`)."""

@@ -544,7 +544,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--hang-timeout", type=float, default=DEFAULT_HANG_TIMEOUT_S,
                         help="an orchestrator instance whose event loop has not turned for this long while it had "
                              "requests generating is hung: its stub is killed and the server restarted; a text "
-                             "model's instance in one execute this long likewise, reloaded in place (0: never)")
+                             "model's instance in one execute this long likewise, reloaded in place; the OpenAI API "
+                             "not answering its health check this long is killed and started again (0: never)")
     parser.add_argument("--no-heal", dest="heal", action="store_false",
                         help="no watchdog: a dead stub stays dead (and readiness does not notice)")
     args, extra = parser.parse_known_args(argv)
@@ -733,7 +734,7 @@ def main(argv: list[str] | None = None) -> int:
                                   args.override_generation_config),
                                  (args.allowed_origins, args.allowed_methods, args.allowed_headers,
                                   args.allow_credentials), repository_content_format(repo), metrics_port,
-                                 repository_max_loras(repo))
+                                 repository_max_loras(repo), hang_timeout_s=args.hang_timeout if args.heal else 0.0)
     watchdog = None
     if args.heal:
         # Reloading one model in place needs explicit model control; without it the watchdog heals by
