@@ -3,7 +3,8 @@ written before aiohttp cancels the handler, the write fails (ConnectionResetErro
 counted as one, the server's stream is closed, and nothing is logged as an error (it logged aiohttp's "Error
 handling request" with a traceback and counted a 500). The gateway's app runs in process in front of a
 stand-in for the server that sends its second response only once the client has gone; aiohttp's test server
-does not cancel handlers, so every such write fails as a production server's does when it writes first."""
+does not cancel handlers, so every such write fails as a production server's does when it writes first. A
+connection reset that is not the client's leaving stays a 500."""
 
 import asyncio
 import logging
@@ -70,3 +71,27 @@ def test_a_client_gone_mid_stream_is_a_disconnection_not_an_error(path, body, ca
     assert sum_samples(page, "specdec_openai_requests_total", endpoint=path, code=metrics.DISCONNECTED) == 1
     assert sum_samples(page, "specdec_openai_requests_total", endpoint=path, code="500") == 0
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+
+
+class ServerConnectionReset:
+    """A stand-in whose stream fails with a ConnectionResetError of its own (not the client's)."""
+
+    async def generate(self, arrays, log_probs, top=False, request_id=""):
+        raise ConnectionResetError("the server's connection")
+        yield  # (an async generator, as the server's stream is)
+
+    async def close(self):
+        pass
+
+
+def test_a_connection_reset_that_is_not_the_clients_stays_a_500():
+    async def main():
+        gateway = Gateway(ServerConnectionReset(), ("m",))
+        async with TestClient(TestServer(gateway.app())) as client:
+            response = await client.post("/v1/chat/completions", json={**CHAT, "stream": False})
+            return response.status, gateway.metrics.page().decode()
+
+    status, page = asyncio.run(main())
+    assert status == 500
+    assert sum_samples(page, "specdec_openai_requests_total", endpoint="/v1/chat/completions", code="500") == 1
+    assert sum_samples(page, "specdec_openai_requests_total", code=metrics.DISCONNECTED) == 0

@@ -176,10 +176,10 @@ class Gateway:
             # It went away while its stream was written, before aiohttp cancelled the handler: a disconnection,
             # not a 500. Its prepared stream goes back to aiohttp, which ends an answer to a closed connection
             # quietly; raised on, it logged a traceback as "Error handling request" and counted a 500.
-            code = metrics.DISCONNECTED
             prepared = request.get(_PREPARED)
-            if prepared is None:
-                raise
+            if prepared is None or (request.transport is not None and not request.transport.is_closing()):
+                raise  # not the client's leaving: a 500 as before
+            code = metrics.DISCONNECTED
             return prepared
         finally:
             self.metrics.end(call, code)
