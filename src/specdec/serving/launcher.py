@@ -230,7 +230,7 @@ def wait_gateway(gateway: GatewayProcess, stop: threading.Event, timeout_s: floa
     take far longer; a gateway that does not come up is logged, and readiness keeps saying not ready)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and not stop.is_set():
-        if answers(gateway_url(gateway.port), 2.0):
+        if gateway.probe():
             return
         gateway.keep_alive()
         time.sleep(0.25)

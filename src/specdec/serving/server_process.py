@@ -137,11 +137,14 @@ class ServerProcess:
 def exit_timeout(command: list[str]) -> float:
     """The --exit-timeout-secs a tritonserver command gives (`=N` or `N` after it), else Triton's default."""
     for index, arg in enumerate(command):
-        value = arg.split("=", 1)[1] if arg.startswith("--exit-timeout-secs=") else (
-            command[index + 1] if arg == "--exit-timeout-secs" and index + 1 < len(command) else None)
-        if value is not None:
-            try:
-                return float(value)
-            except ValueError:  # tritonserver refuses it itself
-                return EXIT_TIMEOUT_S
+        if arg.startswith("--exit-timeout-secs="):
+            value = arg.split("=", 1)[1]
+        elif arg == "--exit-timeout-secs" and index + 1 < len(command):
+            value = command[index + 1]
+        else:
+            continue
+        try:
+            return float(value)
+        except ValueError:  # tritonserver refuses it itself
+            return EXIT_TIMEOUT_S
     return EXIT_TIMEOUT_S
