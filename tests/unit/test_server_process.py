@@ -19,7 +19,7 @@ from pathlib import Path
 
 from specdec.serving import launcher
 from specdec.serving.server import free_ports
-from specdec.serving.server_process import ServerProcess, exit_timeout
+from specdec.serving.server_process import ServerProcess, die_with_launcher, exit_timeout
 from tests.http_get import get
 from tests.polling import wait_for
 
@@ -208,19 +208,21 @@ def launched(tmp_path: Path, behaviour: str, *args: str):
     try:
         yield root / "bin", log, health
     finally:
-        process.send_signal(signal.SIGTERM)
+        process.send_signal(signal.SIGTERM)  # nothing where a test killed it
         try:
             process.wait(30)
         except subprocess.TimeoutExpired:
             process.kill()
             raise
-    assert not any(Path(f"/proc/{int(pid.read_text())}").exists() for pid in (root / "bin").glob("pid*")), \
-        "a stand-in server outlived the launcher"
+    assert all(gone(pid) for pid in (root / "bin").glob("pid*")), "a stand-in server outlived the launcher"
 
 
 def gone(pid_file: Path) -> bool:
+    """Exited (a zombie counts: an orphan's reaper here may never reap it)."""
     pid = int(pid_file.read_text())
-    return not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
+    with contextlib.suppress(FileNotFoundError):
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    return True
 
 
 def test_the_launcher_restarts_a_server_that_reported_a_fatal_signal_and_hangs(tmp_path):
@@ -248,3 +250,28 @@ def test_the_launcher_starts_again_a_server_whose_start_stalled(tmp_path):
         assert "stand-in start 2 serving" in output
         assert (stand_in / "starts").read_text() == "2"
         assert gone(stand_in / "pid1")
+
+
+def test_a_launcher_killed_outright_takes_its_server_with_it(tmp_path):
+    """SIGKILL (or the OOM killer) gives the launcher no chance to stop anything: the kernel sends its server
+    SIGTERM (`die_with_launcher`), which would otherwise hold the ports the next start needs."""
+    with launched(tmp_path, "serve") as (stand_in, log, health):
+        until(lambda: "READY" in log.read_text(), 30)
+        server = int((stand_in / "pid1").read_text())
+        os.kill(int(Path(f"/proc/{server}/stat").read_text().rsplit(")", 1)[1].split()[1]), signal.SIGKILL)
+        try:
+            until(lambda: gone(stand_in / "pid1"), 10)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(server, signal.SIGKILL)
+
+
+def test_a_child_whose_launcher_died_before_it_was_bound_stops_itself(monkeypatch):
+    """The kernel sends nothing for a parent that died before the prctl: the child checks and stops."""
+    monkeypatch.setattr(os, "getpid", lambda: 1)  # the parent the child expects: not the one it has
+    bind = die_with_launcher()
+    monkeypatch.undo()
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], preexec_fn=bind)
+    assert child.wait(10) == -signal.SIGTERM
+    bound = subprocess.Popen([sys.executable, "-c", "pass"], preexec_fn=die_with_launcher())
+    assert bound.wait(10) == 0

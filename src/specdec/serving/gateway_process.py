@@ -1,7 +1,8 @@
 """The OpenAI API's process (`python -m specdec.gateway`) as the launcher runs it beside tritonserver:
 started with the server, restarted if it dies or hangs (its health check unanswered for the launcher's
 --hang-timeout), drained first on SIGTERM (it stops taking connections and finishes the answers in flight
-while tritonserver, still up, serves them)."""
+while tritonserver, still up, serves them), and sent SIGTERM by the kernel if the launcher dies
+(`server_process.die_with_launcher`)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from specdec.decoding.generation_config import VLLM
 from specdec.gateway.cors import ANY_JSON as CORS_ANY
 from specdec.serving.healthcheck import answers, gateway_url
 from specdec.serving.pairs import log
+from specdec.serving.server_process import die_with_launcher
 
 def _parameter(repo: Path, model: str, key: str) -> str:
     try:
@@ -152,7 +154,7 @@ class GatewayProcess:
         return f"http://localhost:{self.port}/v1"
 
     def start(self) -> None:
-        self.process = subprocess.Popen(self.command, env=self.env)
+        self.process = subprocess.Popen(self.command, env=self.env, preexec_fn=die_with_launcher())
         self._answered = self._looked = self.clock()  # its start (about a second) counts as answered
 
     def keep_alive(self) -> None:

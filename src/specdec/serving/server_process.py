@@ -21,10 +21,17 @@ A stop can hang too: Triton 2.51's gRPC endpoint waits, without a bound, for eve
 SIGTERMed server for ever after it had unloaded every model (its endpoint's `Server::Stop` waiting), and the
 launcher with it. The output says when the last model has unloaded; a server that has not exited
 `ENDPOINTS_STOP_S` after that, or within its exit timeout and that grace, is killed (`stopped`).
+
+And the launcher can die without stopping anything (SIGKILL, the OOM killer): its tritonserver (a session of
+its own) and OpenAI API were left running, holding the ports the next start needs. Each is started with
+`die_with_launcher`: the kernel sends it SIGTERM when the launcher goes, and it stops as on any SIGTERM.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import os
 import re
 import signal
 import subprocess
@@ -47,6 +54,7 @@ ENDPOINTS_STALL_S = 20.0
 UNLOADED_LINE = re.compile(rb".*Found 0 live models and \d+ in-flight non-inference requests")
 ENDPOINTS_STOP_S = 5.0
 EXIT_TIMEOUT_S = 30.0  # tritonserver's --exit-timeout-secs unless its command says otherwise
+PR_SET_PDEATHSIG = 1  # prctl's option (linux/prctl.h): the signal a process gets when its parent thread exits
 
 
 def signal_name(signum: int) -> str:
@@ -54,6 +62,26 @@ def signal_name(signum: int) -> str:
         return signal.Signals(signum).name
     except ValueError:
         return f"signal {signum}"
+
+
+def die_with_launcher(signum: int = signal.SIGTERM) -> Callable[[], None] | None:
+    """A Popen `preexec_fn` that has the child sent `signum` when this process dies, or None where the kernel
+    offers no such thing (not Linux). The kernel sends it when the *thread* that started the child exits: the
+    launcher starts its processes from its main thread, which outlives them."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None).prctl  # libc's, as this process has it loaded
+    parent = os.getpid()
+
+    def bind() -> None:  # in the child, between fork and exec
+        # Until the exec the child runs this process's Python handler, which would only queue the signal.
+        with contextlib.suppress(ValueError):
+            signal.signal(signum, signal.SIG_DFL)
+        prctl(PR_SET_PDEATHSIG, signum, 0, 0, 0)
+        if os.getppid() != parent:  # the launcher died before the prctl: the kernel will not tell
+            os.kill(os.getpid(), signum)
+
+    return bind
 
 
 class ServerProcess:
@@ -69,7 +97,7 @@ class ServerProcess:
         self.loaded_at: float | None = None  # when it printed its table of loaded models
         self.unloaded_at: float | None = None  # when a stop had unloaded every model
         self.exit_timeout_s = exit_timeout(command)
-        self.process = subprocess.Popen(command, env=env, start_new_session=True,
+        self.process = subprocess.Popen(command, env=env, start_new_session=True, preexec_fn=die_with_launcher(),
                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         self._relay = threading.Thread(target=self._copy_output, daemon=True, name="server-output")
         self._relay.start()
