@@ -176,9 +176,9 @@ class Upstream:
         responses = self.client.stream_infer(requests())
         failure, finished, complete = None, False, False
         try:
-            # Read the stream to its end, also after an error: cancelling the RPC right after an error
-            # response (before Triton's final flag) leaves the ensemble request in flight forever in
-            # Triton 24.10 (client/aio.py saw it first).
+            # Read the stream to its end, also after the final response or an error: cancelling the RPC
+            # between Triton's last response and its end of the RPC leaves the request in Triton 24.10's
+            # gRPC frontend for good (~31 KB each, and the ensemble never unloads: docs/api.md).
             async for result, error in responses:
                 if finished:
                     continue
