@@ -1,8 +1,15 @@
 """The gateway's one way to the server: the ensemble's gRPC stream (`ModelStreamInfer`) from asyncio, one
-stream per request, cancelled when the request's caller goes away."""
+stream per request, cancelled when the request's caller goes away before its final response.
+
+After the final response (or an error) a stream is never cancelled: Triton 24.10's gRPC frontend keeps for
+good a request whose RPC is cancelled between its last response and Triton's end of the RPC (about 31 KB
+each, and the ensemble then never unloads: the server's stop waits its exit timeout; docs/api.md). A caller
+that leaves at that moment (a client that disconnects on its last chunk) hands the rest of the stream to a
+task of its own that reads it to its end (`_read_out`)."""
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
@@ -18,6 +25,8 @@ _COUNTS = (tn.NUM_INPUT_TOKENS, tn.NUM_OUTPUT_TOKENS, tn.NUM_CACHED_TOKENS)  # u
 _INT_STATS = (*_COUNTS, tn.NUM_ROUNDS, tn.TOTAL_DRAFT_TOKENS, tn.TOTAL_ACCEPTED_DRAFT_TOKENS)
 _STAT_NAMES = frozenset((*_COUNTS, *STATS))
 _OUTPUTS = (tn.TEXT_OUTPUT, tn.OUTPUT_IDS, tn.FINISH_REASON, *_COUNTS, *STATS)
+READ_OUT_TIMEOUT_S = 30.0  # a stream past its final response that Triton has not ended by then is cancelled
+_READING_OUT: set[asyncio.Task] = set()  # the tasks `_read_out` started (the loop keeps only weak references)
 
 
 @dataclass
@@ -125,6 +134,25 @@ def _is_final(result) -> bool:
     return final is not None and final.bool_param
 
 
+def _read_out(responses) -> None:
+    """Read a stream whose final response (or error) has come to its end, on a task of its own, so that the
+    caller leaving now cancels nothing; cancel it only where Triton has not ended it READ_OUT_TIMEOUT_S later."""
+    async def read() -> None:
+        async def to_end() -> None:
+            async for _ in responses:
+                pass
+        try:
+            await asyncio.wait_for(to_end(), READ_OUT_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            responses.cancel()
+        except Exception:  # noqa: BLE001 - the answer is complete: how its stream ended does not matter
+            pass
+
+    task = asyncio.get_running_loop().create_task(read())
+    _READING_OUT.add(task)
+    task.add_done_callback(_READING_OUT.discard)
+
+
 class Upstream:
     """The ensemble of the server at `url` (gRPC host:port)."""
 
@@ -174,25 +202,22 @@ class Upstream:
             yield request
 
         responses = self.client.stream_infer(requests())
-        failure, finished, complete = None, False, False
+        failure, finished = None, False
         try:
-            # Read the stream to its end, also after the final response or an error: cancelling the RPC
-            # between Triton's last response and its end of the RPC leaves the request in Triton 24.10's
-            # gRPC frontend for good (~31 KB each, and the ensemble never unloads: docs/api.md).
             async for result, error in responses:
-                if finished:
-                    continue
+                finished = error is not None or _is_final(result)
+                if finished:  # the rest of the stream is read on another task, never cancelled (see above)
+                    _read_out(responses)
                 if error is not None:
-                    failure, finished = failure or error, True
-                    continue
-                if result.get_response().outputs:
+                    failure = error
+                elif result.get_response().outputs:
                     yield _piece(result)
-                finished = _is_final(result)
-            complete = True
+                if finished:
+                    break
         except InferenceServerException as exc:
             raise server_error(exc.message() or str(exc), unavailable=True) from None
         finally:
-            if not complete:
+            if not finished:
                 responses.cancel()
         if failure is not None:
             message = failure.message() if hasattr(failure, "message") else str(failure)

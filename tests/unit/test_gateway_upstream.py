@@ -1,0 +1,140 @@
+"""The gateway's stream to the server after its final response (gateway/upstream.py): never cancelled, read to
+its end on a task of its own.
+
+Triton 24.10's gRPC frontend keeps for good a request whose RPC is cancelled between its last response and
+Triton's end of the RPC (measured served: 400 OpenAI clients that dropped their connection on their last
+chunk left the ensemble live, the server's stop waiting its whole exit timeout; docs/api.md). Here the server's
+stream is a stand-in that holds its end until told, with real tritonclient results (ModelInferResponse
+messages); the RPC's cancel is what the test watches."""
+
+import asyncio
+
+import numpy as np
+import pytest
+from tritonclient.grpc import InferResult, service_pb2
+from tritonclient.utils import InferenceServerException
+
+from specdec import tensor_names as tn
+from specdec.gateway import upstream as upstream_module
+from specdec.gateway.protocol import ApiError
+from specdec.gateway.upstream import Upstream
+
+
+def response(text: str = "", final: bool = False) -> InferResult:
+    """A response of the ensemble: `text` (none: an empty response, as enable_empty_final_response sends)."""
+    message = service_pb2.ModelInferResponse(model_name=tn.ENSEMBLE)
+    if text:
+        encoded = text.encode()
+        message.outputs.add(name=tn.TEXT_OUTPUT, datatype="BYTES", shape=[1])
+        message.raw_output_contents.append(len(encoded).to_bytes(4, "little") + encoded)
+        message.outputs.add(name=tn.OUTPUT_IDS, datatype="INT32", shape=[1])
+        message.raw_output_contents.append(np.array([7], "<i4").tobytes())
+    message.parameters["triton_final_response"].bool_param = final
+    return InferResult(message)
+
+
+class Stream:
+    """tritonclient.grpc.aio's stream as the gateway reads it: `items` (result, error) in order, then its end
+    once `end` is set (Triton ends the RPC a moment after its last response); `cancelled` counts cancels."""
+
+    def __init__(self, items):
+        self.items, self.end, self.cancelled, self.ended = list(items), asyncio.Event(), 0, False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if self.items:
+            return self.items.pop(0)
+        await self.end.wait()
+        self.ended = True
+        raise StopAsyncIteration
+
+    def cancel(self):
+        self.cancelled += 1
+        return True
+
+
+def upstream_of(stream: Stream) -> Upstream:
+    upstream = Upstream("localhost:1")
+
+    class Client:
+        def stream_infer(self, requests):
+            return stream
+
+    upstream._client = Client()
+    return upstream
+
+
+def run(main) -> None:
+    asyncio.run(asyncio.wait_for(main, 10))  # a stream waited on for ever fails, not hangs
+
+
+async def drained(stream: Stream) -> None:
+    stream.end.set()
+    for _ in range(100):
+        if not upstream_module._READING_OUT:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the stream was not read out")
+
+
+def test_a_caller_that_leaves_on_the_final_piece_cancels_nothing():
+    async def main():
+        stream = Stream([(response("Hello"), None), (response(" world", final=True), None)])
+        pieces = upstream_of(stream).generate({}, log_probs=False)
+        assert (await pieces.__anext__()).text == "Hello"
+        assert (await pieces.__anext__()).text == " world"
+        await pieces.aclose()  # the client disconnected on its last chunk
+        assert stream.cancelled == 0 and not stream.ended
+        await drained(stream)
+        assert stream.ended and stream.cancelled == 0
+
+    run(main())
+
+
+def test_an_empty_final_response_ends_generation_without_waiting_for_the_end_of_the_rpc():
+    async def main():
+        stream = Stream([(response("Hello"), None), (response(final=True), None)])
+        pieces = [piece.text async for piece in upstream_of(stream).generate({}, log_probs=False)]
+        assert pieces == ["Hello"] and not stream.ended  # the end is still held: generation did not wait
+        await drained(stream)
+        assert stream.cancelled == 0
+
+    run(main())
+
+
+def test_a_caller_that_leaves_before_the_final_response_cancels_the_request():
+    async def main():
+        stream = Stream([(response("Hello"), None), (response(" more"), None), (response(final=True), None)])
+        pieces = upstream_of(stream).generate({}, log_probs=False)
+        await pieces.__anext__()
+        await pieces.aclose()
+        assert stream.cancelled == 1 and not upstream_module._READING_OUT
+
+    run(main())
+
+
+def test_an_error_response_is_raised_and_its_stream_read_out_not_cancelled():
+    async def main():
+        stream = Stream([(None, InferenceServerException("in[0]: invalid argument")), (response(final=True), None)])
+        with pytest.raises(ApiError) as raised:
+            async for _ in upstream_of(stream).generate({}, log_probs=False):
+                pass
+        assert raised.value.status == 400 and stream.cancelled == 0
+        await drained(stream)
+        assert stream.ended and stream.cancelled == 0
+
+    run(main())
+
+
+def test_a_stream_that_triton_never_ends_is_cancelled_after_the_read_out_timeout(monkeypatch):
+    monkeypatch.setattr(upstream_module, "READ_OUT_TIMEOUT_S", 0.1)
+
+    async def main():
+        stream = Stream([(response("Hello", final=True), None)])
+        assert [piece.text async for piece in upstream_of(stream).generate({}, log_probs=False)] == ["Hello"]
+        await asyncio.sleep(0.3)
+        assert stream.cancelled == 1 and not stream.ended and not upstream_module._READING_OUT
+
+    run(main())
