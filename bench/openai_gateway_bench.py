@@ -160,13 +160,16 @@ async def through_vllm_compatible(client: grpcaio.InferenceServerClient, prompt:
     stamps: list[float] = []
     tokens = 0
     sent = time.perf_counter()
+    done = False
+    # Read to the stream's end: leaving it after the last response leaks the request in Triton 24.10 (api.md).
     async for result, error in client.stream_infer(inputs_iterator=one()):
         if error is not None:
             raise RuntimeError(str(error))
+        if done:
+            continue
         stamps.append(time.perf_counter())
         tokens += int(result.as_numpy(tn.NUM_OUTPUT_TOKENS)[0])
-        if result.as_numpy(tn.TEXT_OUTPUT) is not None and tokens >= params.max_tokens:
-            break
+        done = result.as_numpy(tn.TEXT_OUTPUT) is not None and tokens >= params.max_tokens
     return stamps[0] - sent, [b - a for a, b in zip(stamps, stamps[1:])], tokens
 
 
