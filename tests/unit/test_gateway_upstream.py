@@ -138,3 +138,25 @@ def test_a_stream_that_triton_never_ends_is_cancelled_after_the_read_out_timeout
         assert stream.cancelled == 1 and not stream.ended and not upstream_module._READING_OUT
 
     run(main())
+
+
+def test_closing_waits_for_the_streams_being_read_out():
+    async def main():
+        stream = Stream([(response("Hello", final=True), None)])
+        upstream = upstream_of(stream)
+        closed = []
+
+        class Client(type(upstream._client)):
+            async def close(self):
+                closed.append(stream.ended)
+
+        upstream._client = Client()
+        assert [piece.text async for piece in upstream.generate({}, log_probs=False)] == ["Hello"]
+        closing = asyncio.ensure_future(upstream.close())
+        await asyncio.sleep(0.05)
+        assert not closing.done()  # the stream has not ended: the channel stays open
+        stream.end.set()
+        await closing
+        assert closed == [True] and stream.cancelled == 0
+
+    run(main())

@@ -26,6 +26,7 @@ _INT_STATS = (*_COUNTS, tn.NUM_ROUNDS, tn.TOTAL_DRAFT_TOKENS, tn.TOTAL_ACCEPTED_
 _STAT_NAMES = frozenset((*_COUNTS, *STATS))
 _OUTPUTS = (tn.TEXT_OUTPUT, tn.OUTPUT_IDS, tn.FINISH_REASON, *_COUNTS, *STATS)
 READ_OUT_TIMEOUT_S = 30.0  # a stream past its final response that Triton has not ended by then is cancelled
+READ_OUT_AT_CLOSE_S = 5.0  # how long closing waits for them (Triton ends such an RPC within milliseconds)
 _READING_OUT: set[asyncio.Task] = set()  # the tasks `_read_out` started (the loop keeps only weak references)
 
 
@@ -168,6 +169,8 @@ class Upstream:
         return self._client
 
     async def close(self) -> None:
+        if _READING_OUT:  # closing the channel cancels their RPCs: let Triton end them first (it takes a moment)
+            await asyncio.wait(set(_READING_OUT), timeout=READ_OUT_AT_CLOSE_S)
         if self._client is not None:
             await self._client.close()
 
