@@ -46,6 +46,8 @@ COMBINATIONS = {
     "cpu-bfloat16-static": {"gpu": {"count": 0}, "models": {"dtype": "bfloat16"}, "executor": {"kind": "static"}},
     "cpu-only-suffix": {"gpu": {"count": 0}, "models": {"draft": {"method": "suffix"}, "dtype": "float32"},
                         "speculation": {"suffixCacheTokens": 262144}},
+    "openai-mutual-tls": {"openai": {"tls": {"secretName": "openai-tls", "clientCertificates": "required"}},
+                          "monitoring": {"serviceMonitor": {"enabled": True}}, "ingress": {"enabled": True}},
     "eagle-head": {"models": {"draft": {"method": "head", "path": "/models/eagle3-head"}}},
     "eagle-head-in-target": {"models": {"draft": {"method": "head", "path": "/models/eagle3-head", "inTarget": True}}},
     "lora-adapters": {"models": {"loraAdapters": [{"name": "sql", "path": "/models/lora/sql"},
@@ -528,6 +530,39 @@ def test_the_openai_api_has_a_port_a_service_port_an_ingress_path_and_a_key_from
     assert {var["name"]: var.get("value") for var in triton["env"]}["OPENAI_PORT"] == "0"
     assert "openai" not in {port["name"] for port in triton["ports"]}
     assert "SPECDEC_API_KEY" not in {var["name"] for var in triton["env"]}
+
+
+def test_the_openai_api_over_tls_reads_its_secret_and_is_scraped_over_https_and_not_routed_as_plain_http():
+    from specdec.gateway import tls
+
+    def rendered(client_certificates: str):
+        docs = render_chart({"ingress": {"enabled": True}, "monitoring": {"serviceMonitor": {"enabled": True}},
+                             "openai": {"tls": {"secretName": "openai-tls",
+                                                "clientCertificates": client_certificates}}})
+        pod = deployment(docs)["spec"]["template"]["spec"]
+        triton = pod["containers"][0]
+        env = {var["name"]: var.get("value") for var in triton["env"]}
+        (mount,) = [m for m in triton["volumeMounts"] if m["name"] == "openai-tls"]
+        (volume,) = [v for v in pod["volumes"] if v["name"] == "openai-tls"]
+        assert volume["secret"] == {"secretName": "openai-tls"} and mount["readOnly"]
+        files = tls.from_env(env)  # what the launcher, its checks and the API itself read
+        for path in (files.certfile, files.keyfile) + ((files.ca_certs,) if files.cert_reqs else ()):
+            assert path.startswith(mount["mountPath"] + "/")
+        (ingress,) = by_kind(docs, "Ingress")
+        assert [p["path"] for p in ingress["spec"]["rules"][0]["http"]["paths"]] == ["/"]
+        endpoints = {e["port"]: e for e in by_kind(docs, "ServiceMonitor")[0]["spec"]["endpoints"]}
+        return files, endpoints
+
+    files, endpoints = rendered("none")
+    assert files.enabled and files.cert_reqs == 0 and not files.ca_certs
+    assert endpoints["openai"]["scheme"] == "https" and endpoints["openai"]["tlsConfig"] == {"insecureSkipVerify": True}
+    files, endpoints = rendered("optional")
+    assert files.cert_reqs == 1 and files.ca_certs.endswith("/ca.crt") and "openai" in endpoints
+    files, endpoints = rendered("required")
+    assert files.cert_reqs == 2 and "openai" not in endpoints  # Prometheus presents no client certificate
+    plain = deployment(render_chart({}))["spec"]["template"]["spec"]
+    assert not any(var["name"].startswith("OPENAI_SSL_") for var in plain["containers"][0]["env"])
+    assert "openai-tls" not in {v["name"] for v in plain["volumes"]}
 
 
 def test_lora_adapters_from_the_hub_are_fetched_by_the_init_container_and_served():

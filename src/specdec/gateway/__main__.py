@@ -19,7 +19,7 @@ from specdec.decoding.text import CONTENT_FORMATS
 from specdec.gateway import protocol
 from specdec.gateway.adapters import RUNTIME_ENV, allowed_by_environment
 from specdec.gateway.app import KEEPALIVE_S, Gateway
-from specdec.gateway import cors
+from specdec.gateway import cors, tls
 from specdec.gateway.reasoning import PARSERS as REASONING_PARSERS
 from specdec.gateway.response_store import (DEFAULT_MB as DEFAULT_RESPONSES_STORE_MB, MIB, ResponseStore,
                                             SharedResponseStore)
@@ -66,6 +66,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help='sampling defaults over those (vLLM\'s flag), e.g. \'{"temperature": 0.5}\'; null '
                              "removes one")
     cors.add_flags(parser)
+    tls.add_flags(parser)
     parser.add_argument("--trust-request-chat-template", action="store_true",
                         help="pass a request's own chat_template on (vLLM's flag; the server's preprocessing must "
                              "take it too); without it such a request is refused")
@@ -141,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         defaults = api_defaults(args.generation_config, args.tokenizer, args.override_generation_config)
         policy = cors.from_args(args)
+        secure = tls.server_context(tls.from_args(args))
     except ValueError as exc:
         log(str(exc))
         return 2
@@ -165,14 +167,15 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         log(str(exc))
         return 2
-    log(f"OpenAI API: http://{args.host}:{args.port}/v1 (models {', '.join(args.served_model_name + args.lora_module)}"
+    scheme, models = "https" if secure else "http", ", ".join(args.served_model_name + args.lora_module)
+    log(f"OpenAI API: {scheme}://{args.host}:{args.port}/v1 (models {models}"
         f"{', those of ' + args.lora_directory if args.lora_directory else ''}"
         f"{', loaded and unloaded at run time' if args.allow_runtime_lora_updating else ''}; "
         f"server {args.grpc_url}; API key {'required' if args.api_key else 'not required'}; browser pages of "
         f"{'any origin' if '*' in policy.origins else ', '.join(policy.origins) or 'no origin'}; stored responses "
         f"{'in ' + args.responses_store_dir if isinstance(store, SharedResponseStore) else 'in memory'})")
     web.run_app(gateway.app(), host=args.host, port=args.port, print=None, access_log=None,
-                shutdown_timeout=args.drain_timeout, handler_cancellation=True)
+                shutdown_timeout=args.drain_timeout, handler_cancellation=True, ssl_context=secure)
     return 0
 
 

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from specdec.decoding.generation_config import VLLM
+from specdec.gateway import tls
 from specdec.gateway.cors import ANY_JSON as CORS_ANY
 from specdec.serving.healthcheck import answers, gateway_url
 from specdec.serving.pairs import log
@@ -151,7 +152,7 @@ class GatewayProcess:
 
     @property
     def url(self) -> str:
-        return f"http://localhost:{self.port}/v1"
+        return f"{tls.from_env(self.env).scheme}://localhost:{self.port}/v1"
 
     def start(self) -> None:
         self.process = subprocess.Popen(self.command, env=self.env, preexec_fn=die_with_launcher())

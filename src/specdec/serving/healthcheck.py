@@ -6,8 +6,9 @@ Ready means /v2/health/ready answers 200 (with --strict-readiness: every model i
 not draining (after SIGTERM the launcher raises a marker and lets the streams in flight finish, and
 readiness must drop at once so that new requests go elsewhere), no model is down (the launcher's watchdog
 raises a marker naming the models whose stub died until they serve again; watchdog.py), and, where the
-launcher runs the OpenAI API (OPENAI_PORT, not 0), its GET /health answers 200. The ports come from
-HTTP_PORT (default 8000) and OPENAI_PORT.
+launcher runs the OpenAI API (OPENAI_PORT, not 0), its GET /health answers 200 (over TLS where
+OPENAI_SSL_CERTFILE says it serves so: gateway/tls.py). The ports come from HTTP_PORT (default 8000) and
+OPENAI_PORT.
 
 The launcher's endpoint also answers GET /live (the chart's liveness probe: 503 once tritonserver stops
 answering /v2/health/live or a model has been down for longer than the heal timeout) and GET /metrics
@@ -24,6 +25,8 @@ import threading
 import urllib.request
 from pathlib import Path
 from typing import Callable
+
+from specdec.gateway import tls
 
 READY_PATH = "/ready"  # the launcher's readiness endpoint (HEALTH_PORT)
 LIVE_PATH = "/live"  # its liveness endpoint
@@ -56,15 +59,17 @@ def is_ready(http_port: int, timeout_s: float = 4.0, openai_port: int = 0) -> bo
 
 
 def answers(url: str, timeout_s: float) -> bool:
+    # Only the OpenAI API answers over TLS (OPENAI_SSL_*: gateway/tls.py), asked as its probe context says.
+    context = tls.probe_context(tls.from_env()) if url.startswith("https:") else None
     try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+        with urllib.request.urlopen(url, timeout=timeout_s, context=context) as response:
             return response.status == 200
     except OSError:
         return False
 
 
 def gateway_url(openai_port: int, host: str = "127.0.0.1") -> str:
-    return f"http://{host}:{openai_port}{GATEWAY_HEALTH_PATH}"
+    return f"{tls.from_env().scheme}://{host}:{openai_port}{GATEWAY_HEALTH_PATH}"
 
 
 def not_ready(http_port: int, timeout_s: float = 4.0, openai_port: int = 0) -> str | None:

@@ -50,7 +50,7 @@ from specdec.decoding.text import CONTENT_FORMATS, read_chat_template
 from specdec.engine.lora_config import CONFIG, FIRST_LAYERS, NAME, format_adapters
 from specdec.serving import mps, pairs, repository, speculative_config
 from specdec.gateway.adapters import RUNTIME_ENV, allowed_by_environment
-from specdec.gateway import cors
+from specdec.gateway import cors, tls
 from specdec.gateway.reasoning import PARSERS as REASONING_PARSERS
 from specdec.gateway.response_store import DEFAULT_MB as RESPONSES_STORE_MB
 from specdec.gateway.tools import PARSERS as TOOL_CALL_PARSERS, reasoning_for
@@ -649,6 +649,12 @@ def main(argv: list[str] | None = None) -> int:
         log(f"{taken} (another server listens there: stop it, or set the variable to a free port; OPENAI_PORT and "
             "HEALTH_PORT 0: none)")
         return 1
+    if openai_port():
+        try:  # the OpenAI API's TLS files (OPENAI_SSL_*), checked before anything is prepared or started
+            tls.server_context(tls.from_env())
+        except ValueError as exc:
+            log(f"the OpenAI API: {exc}")
+            return 1
     # --apply-chat-template, or --chat-template alone (its meaning before it took vLLM's template)
     applied = args.apply_chat_template or args.chat_template == APPLY_CHAT_TEMPLATE
     if args.model_repository:

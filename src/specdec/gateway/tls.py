@@ -1,0 +1,107 @@
+"""The OpenAI API over TLS: vLLM's flags (--ssl-certfile, --ssl-keyfile, --ssl-ca-certs, --ssl-cert-reqs),
+which default to OPENAI_SSL_CERTFILE, OPENAI_SSL_KEYFILE, OPENAI_SSL_CA_CERTS and OPENAI_SSL_CERT_REQS: the
+launcher, its health checks and the image's HEALTHCHECK read the same variables (as they read OPENAI_PORT),
+so one setting turns TLS on for the API and for everything that asks it whether it is up.
+
+--ssl-cert-reqs is Python's `ssl.VerifyMode` as vLLM (uvicorn) takes it: 0 no client certificate asked for,
+1 one verified if given, 2 one required (mutual TLS); 1 and 2 verify against --ssl-ca-certs. The launcher's
+own checks run over the loopback and do not verify the server (its certificate names the service, not
+127.0.0.1); where client certificates are required they present the server's own, which the CA must accept."""
+
+from __future__ import annotations
+
+import os
+import ssl
+from dataclasses import dataclass
+from typing import Mapping
+
+ENV = {"certfile": "OPENAI_SSL_CERTFILE", "keyfile": "OPENAI_SSL_KEYFILE", "ca_certs": "OPENAI_SSL_CA_CERTS",
+       "cert_reqs": "OPENAI_SSL_CERT_REQS"}
+CERT_REQS = (ssl.CERT_NONE, ssl.CERT_OPTIONAL, ssl.CERT_REQUIRED)  # 0, 1, 2
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    certfile: str = ""  # the server's certificate chain (PEM), its key too unless keyfile is given
+    keyfile: str = ""
+    ca_certs: str = ""  # the CAs a client certificate is verified against
+    cert_reqs: int = ssl.CERT_NONE
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.certfile)
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.enabled else "http"
+
+
+def from_env(environ: Mapping[str, str] = os.environ) -> TlsFiles:
+    """The OPENAI_SSL_* variables (a cert_reqs that is not a number is kept as -1: refused by `check`)."""
+    reqs = environ.get(ENV["cert_reqs"], "").strip() or "0"
+    return TlsFiles(environ.get(ENV["certfile"], ""), environ.get(ENV["keyfile"], ""),
+                    environ.get(ENV["ca_certs"], ""), int(reqs) if reqs.lstrip("-").isdigit() else -1)
+
+
+def add_flags(parser) -> None:
+    default = from_env()
+    parser.add_argument("--ssl-certfile", default=default.certfile, metavar="PEM",
+                        help=f"serve over TLS with this certificate chain (vLLM's flag; default ${ENV['certfile']})")
+    parser.add_argument("--ssl-keyfile", default=default.keyfile, metavar="PEM",
+                        help=f"its private key, unless the certificate file holds it (default ${ENV['keyfile']})")
+    parser.add_argument("--ssl-ca-certs", default=default.ca_certs, metavar="PEM",
+                        help=f"the CAs client certificates are verified against (default ${ENV['ca_certs']})")
+    parser.add_argument("--ssl-cert-reqs", type=int, default=default.cert_reqs, metavar="0|1|2",
+                        help="client certificates: 0 not asked for, 1 verified if given, 2 required (default "
+                             f"${ENV['cert_reqs']}, else 0)")
+
+
+def from_args(args) -> TlsFiles:
+    return TlsFiles(args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs, args.ssl_cert_reqs)
+
+
+def server_context(files: TlsFiles) -> ssl.SSLContext | None:
+    """The API's TLS context (None: plain HTTP); ValueError naming the flag (and its variable) that is wrong."""
+    if not files.enabled:
+        for name in ("keyfile", "ca_certs"):
+            if getattr(files, name):
+                raise ValueError(f"{_flag(name)} needs --ssl-certfile ({ENV['certfile']})")
+        if files.cert_reqs != ssl.CERT_NONE:
+            raise ValueError(f"{_flag('cert_reqs')} needs --ssl-certfile ({ENV['certfile']})")
+        return None
+    if files.cert_reqs not in CERT_REQS:
+        raise ValueError(f"{_flag('cert_reqs')} must be 0, 1 or 2, not {files.cert_reqs}")
+    if files.cert_reqs != ssl.CERT_NONE and not files.ca_certs:
+        raise ValueError(f"{_flag('cert_reqs')} {files.cert_reqs} verifies client certificates: it needs "
+                         f"{_flag('ca_certs')}")
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_cert_chain(files.certfile, files.keyfile or None)
+    except (OSError, ssl.SSLError) as exc:
+        names = f"{_flag('certfile')}" + (f" and {_flag('keyfile')}" if files.keyfile else "")
+        raise ValueError(f"{names}: cannot load the certificate and its key ({_reason(exc)})") from None
+    if files.ca_certs:
+        try:
+            context.load_verify_locations(files.ca_certs)
+        except (OSError, ssl.SSLError) as exc:
+            raise ValueError(f"{_flag('ca_certs')}: cannot load the CA certificates ({_reason(exc)})") from None
+    context.verify_mode = ssl.VerifyMode(files.cert_reqs)
+    return context
+
+
+def probe_context(files: TlsFiles) -> ssl.SSLContext:
+    """The context of the launcher's own checks of the API over the loopback (see the module's docstring)."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    if files.cert_reqs == ssl.CERT_REQUIRED:
+        context.load_cert_chain(files.certfile, files.keyfile or None)
+    return context
+
+
+def _flag(name: str) -> str:
+    return f"--ssl-{name.replace('_', '-')} ({ENV[name]})"
+
+
+def _reason(exc: Exception) -> str:
+    return getattr(exc, "strerror", None) or getattr(exc, "reason", None) or str(exc)
