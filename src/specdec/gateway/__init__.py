@@ -20,6 +20,7 @@ talking to the ensemble over gRPC; the launcher runs it beside the server (OPENA
   upstream   one ensemble gRPC stream per request (tritonclient asyncio), cancelled when the caller leaves
              before its final response
   cors       which browser pages may call it (vLLM's --allowed-origins): preflights, the headers of answers
+  limits     the open-files limit raised at start (a descriptor per client connection)
   tls        serving over TLS (vLLM's --ssl-* flags, OPENAI_SSL_* in the environment), and the context the
              launcher's own checks ask it with
   metrics    the API's own Prometheus metrics (GET /metrics): requests by route and status, time to first

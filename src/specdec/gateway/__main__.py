@@ -19,7 +19,7 @@ from specdec.decoding.text import CONTENT_FORMATS
 from specdec.gateway import protocol
 from specdec.gateway.adapters import RUNTIME_ENV, allowed_by_environment
 from specdec.gateway.app import KEEPALIVE_S, Gateway
-from specdec.gateway import cors, tls
+from specdec.gateway import cors, limits, tls
 from specdec.gateway.reasoning import PARSERS as REASONING_PARSERS
 from specdec.gateway.response_store import (DEFAULT_MB as DEFAULT_RESPONSES_STORE_MB, MIB, ResponseStore,
                                             SharedResponseStore)
@@ -118,6 +118,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    before, after = limits.raise_open_files()
+    if after != before:
+        log(f"open files: soft limit raised from {before} to {after} (one per client connection)")
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         log("--enable-auto-tool-choice needs --tool-call-parser (how the model writes its calls)")
         return 2

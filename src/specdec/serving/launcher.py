@@ -50,7 +50,7 @@ from specdec.decoding.text import CONTENT_FORMATS, read_chat_template
 from specdec.engine.lora_config import CONFIG, FIRST_LAYERS, NAME, format_adapters
 from specdec.serving import mps, pairs, repository, speculative_config
 from specdec.gateway.adapters import RUNTIME_ENV, allowed_by_environment
-from specdec.gateway import cors, tls
+from specdec.gateway import cors, limits, tls
 from specdec.gateway.reasoning import PARSERS as REASONING_PARSERS
 from specdec.gateway.response_store import DEFAULT_MB as RESPONSES_STORE_MB
 from specdec.gateway.tools import PARSERS as TOOL_CALL_PARSERS, reasoning_for
@@ -644,6 +644,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     label = "custom" if args.target else ("repository" if args.model_repository else args.pair)
     run_dir = Path(args.run_dir or pairs.cache_dir() / "run" / label).resolve()
+    limits.raise_open_files()  # tritonserver and the OpenAI API inherit it: a descriptor per client connection
     taken = taken_ports()
     if taken:
         log(f"{taken} (another server listens there: stop it, or set the variable to a free port; OPENAI_PORT and "
