@@ -148,3 +148,10 @@ def test_the_launcher_refuses_wrong_tls_files_before_it_starts_anything(monkeypa
     monkeypatch.setattr(launcher.subprocess, "Popen", lambda *a, **k: pytest.fail("a process was started"))
     assert launcher.main(["--run-dir", str(tmp_path)]) == 1
     assert "the OpenAI API: --ssl-certfile (OPENAI_SSL_CERTFILE): cannot load" in capsys.readouterr().err
+
+
+def test_with_required_client_certificates_the_launcher_checks_that_its_own_probe_gets_in(pki):
+    tls.check_probe(tls.TlsFiles(pki["cert"], pki["key"], pki["ca"], 2))  # the CA signed the server's
+    tls.check_probe(tls.TlsFiles(*pki["stranger"], pki["ca"], 1))  # nothing to check: none required
+    with pytest.raises(ValueError, match="which --ssl-ca-certs .* does not accept"):
+        tls.check_probe(tls.TlsFiles(*pki["stranger"], pki["ca"], 2))  # a server certificate the CA did not sign

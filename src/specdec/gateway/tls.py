@@ -6,7 +6,8 @@ so one setting turns TLS on for the API and for everything that asks it whether 
 --ssl-cert-reqs is Python's `ssl.VerifyMode` as vLLM (uvicorn) takes it: 0 no client certificate asked for,
 1 one verified if given, 2 one required (mutual TLS); 1 and 2 verify against --ssl-ca-certs. The launcher's
 own checks run over the loopback and do not verify the server (its certificate names the service, not
-127.0.0.1); where client certificates are required they present the server's own, which the CA must accept."""
+127.0.0.1); where client certificates are required they present the server's own, which the CA must accept
+(`check_probe`, run by the launcher at start)."""
 
 from __future__ import annotations
 
@@ -97,6 +98,37 @@ def probe_context(files: TlsFiles) -> ssl.SSLContext:
     if files.cert_reqs == ssl.CERT_REQUIRED:
         context.load_cert_chain(files.certfile, files.keyfile or None)
     return context
+
+
+def check_probe(files: TlsFiles) -> None:
+    """Where client certificates are required, that the server accepts the launcher's own checks (which present
+    its certificate): a handshake in memory between the two contexts; ValueError saying why not."""
+    if files.cert_reqs != ssl.CERT_REQUIRED:
+        return
+    server_in, server_out, client_in, client_out = (ssl.MemoryBIO() for _ in range(4))
+    server = server_context(files).wrap_bio(server_in, server_out, server_side=True)
+    client = probe_context(files).wrap_bio(client_in, client_out, server_hostname="localhost")
+    done = {server: False, client: False}
+    try:
+        for _ in range(20):  # a TLS 1.3 handshake takes a few turns
+            for end, out, peer_in in ((client, client_out, server_in), (server, server_out, client_in)):
+                if not done[end]:
+                    try:
+                        end.do_handshake()
+                        done[end] = True
+                    except ssl.SSLWantReadError:
+                        pass
+                peer_in.write(out.read())
+            if all(done.values()):
+                client.write(b"\0")  # TLS 1.3 checks the client's certificate after the client's handshake ends
+                client_in.write(server_out.read())
+                server_in.write(client_out.read())
+                server.read(1)
+                return
+    except ssl.SSLError as exc:
+        raise ValueError(f"{_flag('cert_reqs')} 2: the launcher's own checks of the API present its certificate "
+                         f"({_flag('certfile')}), which {_flag('ca_certs')} does not accept ({_reason(exc)})") from None
+    raise ValueError(f"{_flag('cert_reqs')} 2: the TLS handshake of the launcher's own checks did not finish")
 
 
 def _flag(name: str) -> str:

@@ -59,9 +59,9 @@ def is_ready(http_port: int, timeout_s: float = 4.0, openai_port: int = 0) -> bo
 
 
 def answers(url: str, timeout_s: float) -> bool:
-    # Only the OpenAI API answers over TLS (OPENAI_SSL_*: gateway/tls.py), asked as its probe context says.
-    context = tls.probe_context(tls.from_env()) if url.startswith("https:") else None
     try:
+        # Only the OpenAI API answers over TLS (OPENAI_SSL_*: gateway/tls.py), asked as its probe context says.
+        context = tls.probe_context(tls.from_env()) if url.startswith("https:") else None
         with urllib.request.urlopen(url, timeout=timeout_s, context=context) as response:
             return response.status == 200
     except OSError:

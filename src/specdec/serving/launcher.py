@@ -653,6 +653,7 @@ def main(argv: list[str] | None = None) -> int:
     if openai_port():
         try:  # the OpenAI API's TLS files (OPENAI_SSL_*), checked before anything is prepared or started
             tls.server_context(tls.from_env())
+            tls.check_probe(tls.from_env())
         except ValueError as exc:
             log(f"the OpenAI API: {exc}")
             return 1
