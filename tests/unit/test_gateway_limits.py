@@ -1,6 +1,6 @@
 """The open-files limit (gateway/limits.py): the real API process started with a soft limit of 128 raises it
 and keeps answering with 200 client connections open (before: every request timed out, and its log filled
-with "Too many open files")."""
+with "Too many open files"). And a request body over the API's limit: refused naming it."""
 
 import os
 import resource
@@ -50,3 +50,27 @@ def test_the_api_raises_a_low_open_files_limit_and_answers_with_many_clients_con
 def test_a_limit_is_never_lowered():
     soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     assert raise_open_files(16) == (soft, soft) and resource.getrlimit(resource.RLIMIT_NOFILE)[0] == soft
+
+
+def test_a_body_over_the_limit_is_refused_naming_the_limit():
+    import asyncio
+    import json
+
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from specdec.gateway.app import MAX_BODY_MIB, Gateway
+
+    class Upstream:
+        async def close(self):
+            pass
+
+    async def main():
+        async with TestClient(TestServer(Gateway(Upstream(), ("m",)).app())) as client:
+            body = json.dumps({"model": "m", "prompt": "a " * (MAX_BODY_MIB * 1024 * 1024 // 2 + 1), "max_tokens": 1})
+            response = await client.post("/v1/completions", data=body, headers={"Content-Type": "application/json"})
+            return response.status, await response.json()
+
+    status, answer = asyncio.run(main())
+    assert status == 413
+    assert answer["error"]["message"] == (f"the request body is over the API's limit of {MAX_BODY_MIB} MiB: "
+                                          "POST /v1/completions")

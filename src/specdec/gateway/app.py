@@ -38,6 +38,7 @@ TokenText = Callable[[int], str]  # a token id's text (for log-probabilities)
 API_PREFIX = "/v1/"
 TOKENIZER_PATHS = frozenset({"/tokenize", "/detokenize", "/tokenizer_info"})  # vLLM's, at the root
 HEALTH_PATH = "/health"
+MAX_BODY_MIB = 16  # a request body's limit (a long prompt, images as data URLs); over it: 413 naming it
 # SageMaker's container contract, as vLLM serves it: GET /ping is the health check, POST /invocations an answer
 PING_PATH, INVOCATIONS_PATH = "/ping", "/invocations"
 try:  # pyproject.toml's, as installed (GET /version)
@@ -110,7 +111,7 @@ class Gateway:
     def app(self) -> web.Application:
         # CORS first: a browser's preflight is answered before the API key is asked for (it never carries one)
         app = web.Application(middlewares=[self.cors.middleware(), self._counted, self._errors],
-                              client_max_size=16 * 1024 * 1024)
+                              client_max_size=MAX_BODY_MIB * 1024 * 1024)
         app.on_response_prepare.append(self.cors.on_prepare)
         app.on_response_prepare.append(_request_id_header)
         app.router.add_post("/v1/chat/completions", self.chat)
@@ -200,6 +201,9 @@ class Gateway:
             if request.get(_PREPARED) is not None:  # its stream began (kept alive while waiting): an event
                 return await self._error_event(request[_PREPARED], exc, request.path)
             return error_response(exc, request.path)
+        except web.HTTPRequestEntityTooLarge:
+            return error_response(ApiError(413, f"the request body is over the API's limit of {MAX_BODY_MIB} MiB: "
+                                                f"{request.method} {request.path}"), request.path)
         except web.HTTPException as exc:
             if exc.status >= 400:
                 return error_response(ApiError(exc.status, f"{exc.reason}: {request.method} {request.path}"),
