@@ -38,7 +38,7 @@ TokenText = Callable[[int], str]  # a token id's text (for log-probabilities)
 API_PREFIX = "/v1/"
 TOKENIZER_PATHS = frozenset({"/tokenize", "/detokenize", "/tokenizer_info"})  # vLLM's, at the root
 HEALTH_PATH = "/health"
-MAX_BODY_MIB = 16  # a request body's limit (a long prompt, images as data URLs); over it: 413 naming it
+MAX_BODY_MIB = 16  # a request body's limit (a long prompt or conversation); over it: 413 naming it
 # SageMaker's container contract, as vLLM serves it: GET /ping is the health check, POST /invocations an answer
 PING_PATH, INVOCATIONS_PATH = "/ping", "/invocations"
 try:  # pyproject.toml's, as installed (GET /version)
