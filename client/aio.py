@@ -59,7 +59,7 @@ class AsyncClient:
         try:
             # Read the stream to its natural end, also after the final response or an error: cancelling
             # the RPC between Triton's last response and its end of the RPC leaves the request in
-            # Triton 24.10's gRPC frontend for good (~31 KB each, and the model never unloads: api.md).
+            # Triton 24.10's gRPC frontend for good (its memory, and the model never unloads: api.md).
             async for result, error in responses:
                 if finished:
                     continue

@@ -1,8 +1,7 @@
 """The open-files limit of the API's process (and, raised by the launcher, of tritonserver's): every client
-connection holds a file descriptor, and a soft limit of 1024 (many hosts' and some container runtimes'
-default) let about a thousand concurrent clients stop the API. Measured with a soft limit of 128: 200 idle
-connections left it answering nothing (requests timed out) and wrote "Too many open files" 4,846 times to its
-log. As vLLM does, the soft limit is raised towards the hard one at start (a process may, unprivileged)."""
+connection holds a file descriptor, and once the soft limit (1024 on many hosts) is reached the API stops
+answering and its log fills with "Too many open files" (measured: docs/results/2026-12-06-stream-ends-and-orphans.md).
+As vLLM does, the soft limit is raised towards the hard one at start (a process may, unprivileged)."""
 
 from __future__ import annotations
 

@@ -2,8 +2,8 @@
 stream per request, cancelled when the request's caller goes away before its final response.
 
 After the final response (or an error) a stream is never cancelled: Triton 24.10's gRPC frontend keeps for
-good a request whose RPC is cancelled between its last response and Triton's end of the RPC (about 31 KB
-each, and the ensemble then never unloads: the server's stop waits its exit timeout; docs/api.md). A caller
+good a request whose RPC is cancelled between its last response and Triton's end of the RPC (its memory, and
+the ensemble then never unloads: the server's stop waits its exit timeout; docs/api.md). A caller
 that leaves at that moment (a client that disconnects on its last chunk) hands the rest of the stream to a
 task of its own that reads it to its end (`_read_out`)."""
 

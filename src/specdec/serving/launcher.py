@@ -652,8 +652,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if openai_port():
         try:  # the OpenAI API's TLS files (OPENAI_SSL_*), checked before anything is prepared or started
-            tls.server_context(tls.from_env())
-            tls.check_probe(tls.from_env())
+            files = tls.from_env()
+            tls.server_context(files)
+            tls.check_probe(files)
         except ValueError as exc:
             log(f"the OpenAI API: {exc}")
             return 1
