@@ -13,7 +13,7 @@ from specdec.decoding.loop import GenerationRequest, Stats, generate
 from specdec.decoding.ngram_proposer import NgramProposer
 from specdec.decoding.sampling import SamplingParams
 from specdec.engine.build import dynamic_executor, static_executor
-from specdec.engine.draft_heads import (EAGLE, EAGLE3, KINDS, MEDUSA, MLP, HeadCache, HeadConfig, HeadError, borrowed,
+from specdec.engine.draft_heads import (EAGLE, EAGLE3, KINDS, MEDUSA, MLP, MTP, HeadCache, HeadConfig, HeadError, borrowed,
                                         check_fits, load_head, load_head_for, random_head, rows_forward, save_head,
                                         shared_target_tensors, target_tensors)
 from specdec.engine.head_executor import HeadExecutor
@@ -52,7 +52,7 @@ def test_a_head_written_is_read_back_with_the_published_key_names(tiny_lm, tmp_p
     head = head_for(tiny_lm, kind)
     save_head(head, tmp_path / kind)
     files = {EAGLE: "model.safetensors", EAGLE3: "model.safetensors", MEDUSA: "medusa_lm_head.safetensors",
-             MLP: "model.safetensors"}
+             MLP: "model.safetensors", MTP: "model.safetensors"}
     keys = set(load_file(str(tmp_path / kind / files[kind])))
     published = {EAGLE: {"fc.weight", "layers.0.self_attn.q_proj.weight", "layers.0.mlp.gate_proj.weight",
                          "layers.0.post_attention_layernorm.weight"},
@@ -60,9 +60,16 @@ def test_a_head_written_is_read_back_with_the_published_key_names(tiny_lm, tmp_p
                           "midlayer.self_attn.q_proj.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"},
                  MEDUSA: {"0.0.linear.weight", "0.0.linear.bias", "0.1.weight", "3.1.weight"},
                  MLP: {"emb.0.weight", "proj.0.weight", "proj.1.weight", "head.3.weight", "ln.3.weight",
-                       "ln.3.bias"}}[kind]
+                       "ln.3.bias"},
+                 # MiMo's names (as vLLM's mimo_mtp loads them): the layer's own beside its Qwen2 decoder layer's
+                 MTP: {"model.mtp_layers.0.token_layernorm.weight", "model.mtp_layers.0.hidden_layernorm.weight",
+                       "model.mtp_layers.0.input_proj.weight", "model.mtp_layers.0.final_layernorm.weight",
+                       "model.mtp_layers.0.self_attn.q_proj.bias", "model.mtp_layers.0.input_layernorm.weight",
+                       "model.mtp_layers.0.mlp.down_proj.weight", "model.norm.weight"}}[kind]
     assert published <= keys
-    assert not any("input_layernorm" in key for key in keys) or kind == EAGLE3  # EAGLE-1 has none
+    # EAGLE-1 has no input norm; Qwen2's output projection no bias
+    assert not any("input_layernorm" in key for key in keys) or kind in (EAGLE3, MTP)
+    assert "model.mtp_layers.0.self_attn.o_proj.bias" not in keys
     config = json.loads((tmp_path / kind / "config.json").read_text())
     back = load_head(tmp_path / kind, dtype=torch.float64)
     assert back.config.kind == kind and back.config.feature_width == head.config.feature_width

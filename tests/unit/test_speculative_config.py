@@ -33,6 +33,8 @@ def test_each_method_stands_for_a_draft_of_this_server(tmp_path):
         assert read(json.dumps({"method": method, "model": str(head), "num_speculative_tokens": 3})) == \
             Speculation(head=str(head), num_draft_tokens=3)
     assert read(json.dumps({"method": "draft_model", "model": str(draft)})) == Speculation(draft=str(draft))
+    assert read('{"method": "mtp", "num_speculative_tokens": 2}') == Speculation(mtp=True, num_draft_tokens=2)
+    assert read(json.dumps({"method": "mimo_mtp", "model": str(draft)})) == Speculation(head=str(draft), mtp=True)
     # no method: a head's config (or an EAGLE in its name) is a head, anything else a draft model
     assert read(json.dumps({"model": str(head)})).head == str(head)
     assert read(json.dumps({"model": str(draft)})).draft == str(draft)
@@ -51,7 +53,7 @@ def test_each_method_stands_for_a_draft_of_this_server(tmp_path):
 @pytest.mark.parametrize("text, message", [
     ("{not json", "--speculative-config is not JSON"),
     ("[1]", "must be a JSON object"),
-    ('{"method": "mtp", "num_speculative_tokens": 1}', "method 'mtp' is not served here"),
+    ('{"method": "deepseek_mtp", "num_speculative_tokens": 1}', "method 'deepseek_mtp' is not served here"),
     ('{"method": "eagle3"}', "method 'eagle3' needs a 'model'"),
     ('{"method": "ngram", "model": "/m"}', "method 'ngram' takes no 'model'"),
     ('{"num_speculative_tokens": 3}', "give 'method'"),
@@ -98,9 +100,11 @@ def test_the_launcher_drafts_as_the_config_says_and_refuses_it_beside_its_own_fl
     with pytest.raises(SystemExit):
         launcher.parse_args(["--pair", "tiny", "--speculative-config", '{"method": "ngram"}'])
     assert "needs --target" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        launcher.parse_args([*base, "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1}'])
-    assert "method 'mtp' is not served here" in capsys.readouterr().err
+    # a model's own MTP layer (MiMo's): the target's directory is the head's, or the one the config names
+    assert launcher.parse_args([*base, "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1}']
+                               ).draft_head == ["/w/target"]
+    assert launcher.parse_args([*base, "--speculative-config", '{"method": "mimo_mtp", "model": "/w/mtp"}']
+                               ).draft_head == ["/w/mtp"]
     # IBM's MLP speculators are heads here (draft_heads.MlpSpeculator)
     assert launcher.parse_args([*base, "--speculative-config",
                                 '{"method": "mlp_speculator", "model": "/m"}']).draft_head == ["/m"]

@@ -16,6 +16,10 @@ A head drafts from the target's own features (hidden states) rather than from to
   MLP      IBM's speculator (vLLM's `mlp_speculator`): stage j: s_{j+1} = GELU(norm_j(proj_j(s_j) + w emb_j(x_j)))
            and logits head_j(s_{j+1}) of token x_{j+1}; s_0 the target's post-norm last hidden state at t, x_0
            token t+1 (no cache: a recurrence over its own drafted tokens).
+  MTP      a model's own multi-token-prediction layer (MiMo's `model.mtp_layers.0.*`, in the target's checkpoint):
+           entry i: input_proj(hidden_layernorm(h_i) ‖ token_layernorm(embed(token i+1))) -> a Qwen2 decoder layer
+           -> final_layernorm -> m_i; logits = the target's lm_head(m_i). h_i is the target's last hidden state
+           before its final norm (read here from the state after it: `from_target`), later the head's own m.
 
 The target's states are the executor's `hidden_layers` (the residual stream after a layer; the last one's
 after the final norm, transformers' `hidden_states[l + 1]`): `HeadConfig.feature_layers` says which.
@@ -39,12 +43,18 @@ from torch import nn
 from specdec.engine import llama_model
 from specdec.engine.llama_model import RMSNorm, rotate
 
-EAGLE, EAGLE3, MEDUSA, MLP = "eagle", "eagle3", "medusa", "mlp_speculator"
-KINDS = (EAGLE, EAGLE3, MEDUSA, MLP)
+EAGLE, EAGLE3, MEDUSA, MLP, MTP = "eagle", "eagle3", "medusa", "mlp_speculator", "mtp"
+KINDS = (EAGLE, EAGLE3, MEDUSA, MLP, MTP)
 TRAINED = (EAGLE, EAGLE3, MEDUSA)  # the kinds `python -m specdec.train` trains (IBM's speculators train elsewhere)
 LLAMA, QWEN3 = "llama", "qwen3"  # the decoder layers a head may have (HeadConfig.layer_type)
 LAYER_TYPES = (LLAMA, QWEN3)
 LAYER_CLASSES = {"LlamaDecoderLayer": LLAMA, "Qwen3DecoderLayer": QWEN3}  # transformers' classes of those layers
+QWEN2 = "qwen2"  # an MTP layer's: Qwen2's decoder layer (biases on the query, key and value projections only)
+# The models whose MTP layers are read (config.json's model_type; num_nextn_predict_layers says it has them), the
+# key prefix of their first layer in the model's checkpoint, and the final norm's key (`from_target` reads it)
+MTP_MODEL_TYPES = ("mimo",)
+MTP_PREFIX, MTP_TARGET_NORM = "model.mtp_layers.0.", "model.norm.weight"
+MTP_OWN = ("token_layernorm", "hidden_layernorm", "input_proj", "final_layernorm")  # beside its decoder layer
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "medusa_lm_head.safetensors", "medusa_lm_head.pt")
 
 
@@ -116,6 +126,8 @@ class HeadConfig:
             if key not in raw:
                 raise HeadError(f"{where}: config.json has no {key!r}")
             return raw[key]
+        if raw.get("num_nextn_predict_layers"):
+            return cls._mtp(raw, where, need)
         if "medusa_num_heads" in raw:
             return cls(MEDUSA, need("hidden_size"), need("vocab_size"), medusa_heads=int(raw["medusa_num_heads"]),
                        medusa_layers=int(raw.get("medusa_num_layers", 1)), raw=raw)
@@ -150,7 +162,27 @@ class HeadConfig:
                    mlp_bias=layer_type == LLAMA and bool(raw.get("mlp_bias", False)),
                    num_layers=int(raw.get("num_hidden_layers") or 1) if eagle3 else 1, raw=raw)
 
+    @classmethod
+    def _mtp(cls, raw: dict, where: str, need) -> HeadConfig:
+        """A model's config.json whose checkpoint holds MTP layers: the first of them, as a head."""
+        if raw.get("model_type") not in MTP_MODEL_TYPES:
+            raise HeadError(f"{where}: model_type {raw.get('model_type')!r}: this server reads the MTP layers of "
+                            f"{', '.join(MTP_MODEL_TYPES)} models (num_nextn_predict_layers with a Qwen2 decoder layer)")
+        if raw.get("hidden_act", "silu") != "silu":
+            raise HeadError(f"{where}: hidden_act {raw['hidden_act']!r}: an MTP layer here computes its MLP with 'silu'")
+        return cls(MTP, need("hidden_size"), need("vocab_size"), num_attention_heads=need("num_attention_heads"),
+                   num_key_value_heads=raw.get("num_key_value_heads") or raw["num_attention_heads"],
+                   intermediate_size=need("intermediate_size"), rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+                   layer_type=QWEN2, raw=raw)
+
     def to_json(self) -> dict:
+        if self.kind == MTP:  # a model's config.json as MiMo's says it (the target's layers, where known)
+            return {**self.raw, "architectures": ["MiMoForCausalLM"], "model_type": MTP_MODEL_TYPES[0],
+                    "num_nextn_predict_layers": int(self.raw.get("num_nextn_predict_layers") or 1),
+                    "hidden_size": self.hidden_size, "vocab_size": self.vocab_size,
+                    "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
+                    "intermediate_size": self.intermediate_size, "rms_norm_eps": self.rms_norm_eps,
+                    "hidden_act": "silu"}
         if self.kind == MEDUSA:
             return {**self.raw, "hidden_size": self.hidden_size, "vocab_size": self.vocab_size,
                     "medusa_num_heads": self.medusa_heads, "medusa_num_layers": self.medusa_layers}
@@ -243,9 +275,10 @@ class _Attention(nn.Module):
         heads, kv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
         self.heads, self.kv_heads, self.head_dim = heads, kv, d
         bias = config.attention_bias
-        self.q_proj = nn.Linear(in_width, heads * d, bias=bias)
-        self.k_proj = nn.Linear(in_width, kv * d, bias=bias)
-        self.v_proj = nn.Linear(in_width, kv * d, bias=bias)
+        qkv_bias = bias or config.layer_type == QWEN2
+        self.q_proj = nn.Linear(in_width, heads * d, bias=qkv_bias)
+        self.k_proj = nn.Linear(in_width, kv * d, bias=qkv_bias)
+        self.v_proj = nn.Linear(in_width, kv * d, bias=qkv_bias)
         self.o_proj = nn.Linear(heads * d, config.hidden_size, bias=bias)
         if config.layer_type == QWEN3:
             self.q_norm = RMSNorm(d, config.rms_norm_eps)
@@ -387,7 +420,8 @@ def _rotary(config: "HeadConfig") -> nn.Module:
 
 
 class EagleHead(nn.Module):
-    """An EAGLE-1 or EAGLE-3 head. `embed` (V, h) is the target's token embedding; EAGLE-1 also reads the
+    """An EAGLE-1 or EAGLE-3 head, or an MTP layer (drafting as EAGLE-1 does, one decoder layer over the
+    target's last state). `embed` (V, h) is the target's token embedding; EAGLE-1 and MTP also read the
     target's `lm_head` (V, h); EAGLE-3 has its own over the draft vocabulary."""
 
     def __init__(self, config: HeadConfig):
@@ -407,6 +441,14 @@ class EagleHead(nn.Module):
             self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.long))
             self.register_buffer("t2d", torch.ones(config.vocab_size, dtype=torch.bool) if draft_vocab == config.vocab_size
                                  else torch.zeros(config.vocab_size, dtype=torch.bool))
+        elif config.kind == MTP:
+            self.token_layernorm = RMSNorm(h, config.rms_norm_eps)
+            self.hidden_layernorm = RMSNorm(h, config.rms_norm_eps)
+            self.input_proj = nn.Linear(2 * h, h, bias=False)
+            self.layers = nn.ModuleList([_Layer(config, plain=True)])
+            self.final_layernorm = RMSNorm(h, config.rms_norm_eps)
+            # the target's final norm weight (read from the checkpoint with the layer): `from_target` undoes it
+            self.register_buffer("target_norm", torch.ones(h))
         else:
             self.fc = nn.Linear(2 * h, h, bias=config.fc_bias)
             self.layers = nn.ModuleList([_Layer(config)])
@@ -441,7 +483,16 @@ class EagleHead(nn.Module):
         self.target_head = None if target_head is None else target_head.detach()
 
     def from_target(self, features: torch.Tensor) -> torch.Tensor:
-        """The hidden input of the target's positions: EAGLE-3's fc over its (m, 3h) states; EAGLE-1's as they are."""
+        """The hidden input of the target's positions: EAGLE-3's fc over its (m, 3h) states; EAGLE-1's as they are;
+        an MTP layer's hidden_layernorm of the target's state before its final norm, from the state after it.
+
+        Both norms scale the same h / rms(h) (one eps: the model's), so hidden_layernorm(h) = f * w_h / w_f
+        exactly, f = final_norm(h): the target's forward keeps serving its post-norm state. A weight of the
+        final norm at 0 loses that entry; it is drafted as 0 (a draft's error costs acceptance, never output)."""
+        if self.config.kind == MTP:
+            norm = self.target_norm
+            scale = torch.where(norm != 0, self.hidden_layernorm.weight / torch.where(norm != 0, norm, 1), 0)
+            return features * scale.to(features.dtype)
         if self.config.kind != EAGLE3:
             return features
         return self.fc(self.input_norm(features) if self.config.norm_before_fc else features)
@@ -463,6 +514,8 @@ class EagleHead(nn.Module):
         embeds = nn.functional.embedding(tokens, self.embed).to(hidden.dtype)
         cos, sin = self.rotary(hidden, positions[None])
         cos, sin = cos[0], sin[0]
+        if self.config.kind == MTP:
+            return self._mtp_step(embeds, hidden, positions, cos, sin, window)
         first, *plain = self.decoder_layers()
         if self.config.kind == EAGLE3:
             normed = first.hidden_norm(hidden)
@@ -480,6 +533,15 @@ class EagleHead(nn.Module):
         if draft_logits.shape[-1] == self.config.vocab_size:
             return out, draft_logits
         return out, scatter_logits(draft_logits, self.draft_target_ids(), self.config.vocab_size)
+
+    def _mtp_step(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor, window: Windows) -> tuple[torch.Tensor, torch.Tensor]:
+        """An MTP layer's step; `hidden` is already hidden_layernorm's output (`from_target`'s, or this step's
+        own for the next entry). The embedding at position 0 is zeroed, as vLLM's MiMo MTP has it."""
+        embeds = embeds * (positions != 0).to(embeds.dtype)[:, None]
+        x = self.input_proj(torch.cat([hidden, self.token_layernorm(embeds)], dim=-1))
+        state = self.final_layernorm(self.layers[0].plain(x, cos, sin, partial(window, 0)))
+        return self.hidden_layernorm(state), nn.functional.linear(state, self.target_head)
 
 
 def scatter_logits(draft_logits: torch.Tensor, ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -620,6 +682,46 @@ def _published(kind: str, state: dict) -> dict:
     return out
 
 
+def _mtp_key(key: str) -> str:
+    """A model checkpoint's key of its first MTP layer (or its final norm) -> the head's."""
+    if key == MTP_TARGET_NORM:
+        return "target_norm"
+    key = key.removeprefix(MTP_PREFIX)
+    return key if key.startswith(MTP_OWN) else "layers.0." + key
+
+
+def _published_mtp_key(key: str) -> str:
+    """The head's key -> the model checkpoint's (`_mtp_key` backwards)."""
+    if key == "target_norm":
+        return MTP_TARGET_NORM
+    return MTP_PREFIX + (key.removeprefix("layers.0.") if key.startswith("layers.0.") else key)
+
+
+def _read_mtp_weights(path: Path) -> dict:
+    """A model directory's first MTP layer and its final norm, read alone from its safetensors (one file or
+    shards named by model.safetensors.index.json): the rest of a 7B model's weights stay on disk."""
+    from safetensors import safe_open
+
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted({file for key, file in weight_map.items() if key.startswith(MTP_PREFIX) or key == MTP_TARGET_NORM})
+    else:
+        files = ["model.safetensors"]
+    state = {}
+    for name in files:
+        if not (path / name).exists():
+            raise HeadError(f"{path}: no {name} (a model's MTP layer is read from its safetensors)")
+        with safe_open(str(path / name), framework="pt") as handle:
+            for key in handle.keys():
+                if key.startswith(MTP_PREFIX) or key == MTP_TARGET_NORM:
+                    state[_mtp_key(key)] = handle.get_tensor(key)
+    if not any(key != "target_norm" for key in state):
+        raise HeadError(f"{path}: config.json says num_nextn_predict_layers, its weights hold no {MTP_PREFIX}* tensors "
+                        "(a checkpoint saved without its MTP layers)")
+    return state
+
+
 def _read_weights(path: Path) -> dict:
     for name in WEIGHT_FILES:
         file = path / name
@@ -639,7 +741,7 @@ def load_head(path: str | Path, device: str | torch.device = "cpu", dtype: torch
     if not config_file.exists():
         raise HeadError(f"{path}: no config.json (a draft head directory holds config.json and its weights)")
     config = HeadConfig.from_json(json.loads(config_file.read_text()), str(path))
-    state = _published(config.kind, _read_weights(path))
+    state = _read_mtp_weights(path) if config.kind == MTP else _published(config.kind, _read_weights(path))
     # many files carry the target's embedding (it is read there) and some a trained one: kept to compare
     file_embed = state.pop("embed_tokens.weight", None)
     if config.kind == MEDUSA:
@@ -678,17 +780,18 @@ LAYOUTS = (PUBLISHED, SPECULATORS)
 def save_head(head: EagleHead | MedusaHeads, path: str | Path, layout: str = PUBLISHED, verifier: str = "",
               speculative_tokens: int = 3) -> Path:
     """Write `head` as its authors publish it: config.json and model.safetensors (EAGLE-1, EAGLE-3 with
-    `midlayer.` keys, d2t and t2d) or medusa_lm_head.safetensors (keys {i}.{j}.linear.*, {i}.{L}.weight).
-    layout SPECULATORS: an EAGLE head as the speculators library writes it (`speculators_config`, the verifier
+    `midlayer.` keys, d2t and t2d) or medusa_lm_head.safetensors (keys {i}.{j}.linear.*, {i}.{L}.weight); an
+    MTP layer as a model checkpoint holds it (`model.mtp_layers.0.*` and the final norm it reads, MiMo's
+    config.json: the part of a model's directory it is read from). layout SPECULATORS: an EAGLE head as the speculators library writes it (`speculators_config`, the verifier
     `verifier` and `speculative_tokens`), what vLLM serves as it is with the layer ids it reads as meant
     (a published EAGLE-3 config's ids are read by vLLM as the states entering those layers, by SGLang and
     this server as those layers' outputs: `_aux_layers`)."""
     from safetensors.torch import save_file
     if layout not in LAYOUTS:
         raise ValueError(f"layout {layout!r}: one of {', '.join(LAYOUTS)}")
-    if layout == SPECULATORS and isinstance(head, (MedusaHeads, MlpSpeculator)):
-        raise ValueError("the speculators layout holds EAGLE heads; Medusa and MLP speculators are written as their "
-                         "authors do")
+    if layout == SPECULATORS and (isinstance(head, (MedusaHeads, MlpSpeculator)) or head.config.kind == MTP):
+        raise ValueError("the speculators layout holds EAGLE heads; Medusa heads, MLP speculators and MTP layers "
+                         "are written as their authors do")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     state = {key: value.detach().contiguous().cpu() for key, value in head.state_dict().items()
@@ -696,6 +799,9 @@ def save_head(head: EagleHead | MedusaHeads, path: str | Path, layout: str = PUB
     if isinstance(head, MedusaHeads):
         state = {key.removeprefix("heads."): value for key, value in state.items()}
         name = "medusa_lm_head.safetensors"
+    elif head.config.kind == MTP:  # the MTP layer and the final norm, under the model checkpoint's names
+        state = {_published_mtp_key(key): value for key, value in state.items()}
+        name = "model.safetensors"
     else:  # (a tied MLP speculator's shared tensors once: emb.0, ln.0, proj.0, proj.1, as vLLM reads them)
         name = "model.safetensors"
     config = head.config.to_json()
@@ -746,6 +852,8 @@ def random_head(kind: str, target_config, seed: int = 0, draft_vocab_size: int =
     no quality, which speculation must still keep lossless (tests), and where training starts."""
     text = target_config.get_text_config()
     raw = {key: getattr(text, key) for key in ("rope_theta", "max_position_embeddings") if hasattr(text, key)}
+    if kind == MTP:  # (the model's config.json: its layers, its one MTP layer)
+        raw.update(num_hidden_layers=text.num_hidden_layers, num_nextn_predict_layers=1)
     rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None)
     if rope:
         raw["rope_scaling"] = dict(rope)
@@ -755,7 +863,8 @@ def random_head(kind: str, target_config, seed: int = 0, draft_vocab_size: int =
                         intermediate_size=text.intermediate_size, rms_norm_eps=text.rms_norm_eps,
                         aux_layers=tuple(aux_layers), medusa_heads=medusa_heads if kind == MEDUSA else 0,
                         medusa_layers=1 if kind == MEDUSA else 0, norm_before_residual=norm_before_residual,
-                        norm_before_fc=norm_before_fc, layer_type=layer_type, attention_bias=attention_bias,
+                        norm_before_fc=norm_before_fc, layer_type=QWEN2 if kind == MTP else layer_type,
+                        attention_bias=attention_bias and kind != MTP,
                         num_layers=num_layers if kind == EAGLE3 else 1, mlp_stages=mlp_stages if kind == MLP else 0,
                         inner_size=text.hidden_size if kind == MLP else 0, tie_weights=kind == MLP and tie_weights,
                         scale_input=kind == MLP and scale_input, raw=raw)

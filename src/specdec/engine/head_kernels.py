@@ -22,7 +22,7 @@ from torch import nn
 
 from specdec.decoding.sampling import greedy
 from specdec.engine import kernels, panel_linear
-from specdec.engine.draft_heads import EAGLE3, EagleHead, HeadCache, scatter_logits
+from specdec.engine.draft_heads import EAGLE3, MTP, EagleHead, HeadCache, scatter_logits
 from specdec.engine.llama_forward import fuse_linears
 
 ANCESTOR_BITS = 64  # a row's entries past `before` it can see: the bits of one int64
@@ -85,8 +85,9 @@ class HeadKernels:
     @classmethod
     def serving(cls, head) -> HeadKernels | None:
         """The kernels for this head where they serve it (an EAGLE head, float32 on a CPU, the kernels
-        built); None elsewhere (GPUs replay CUDA graphs of the module's step instead)."""
-        if not isinstance(head, EagleHead):
+        built); None elsewhere (GPUs replay CUDA graphs of the module's step instead; an MTP layer, whose norms
+        around its layer these kernels do not compute, steps as its module does)."""
+        if not isinstance(head, EagleHead) or head.config.kind == MTP:
             return None
         parameter = next(head.parameters())  # its norms' weights (the linears may be packed into buffers)
         fns = kernels.cpu(parameter.device, parameter.dtype)

@@ -31,6 +31,7 @@ from specdec.engine.llama_forward import FAMILY
 
 ROPE_TYPES = ("default", "linear", "llama3")  # computed here; other RoPE types load through transformers
 IGNORED_TENSORS = ("rotary_emb.inv_freq",)  # written by old checkpoints, computed at load
+DRAFT_PREFIXES = ("model.mtp_layers.",)  # a checkpoint's MTP layers: a draft's (draft_heads), not the model's
 
 
 class ModelConfig:
@@ -314,7 +315,8 @@ def load(path: str | Path, dtype: torch.dtype = torch.float32) -> CausalLM:
     config = read_config(path)
     if isinstance(config, str):
         raise ValueError(f"{path}: not built here: {config}")
-    tensors = {key: value for key, value in _read_tensors(path).items() if not key.endswith(IGNORED_TENSORS)}
+    tensors = {key: value for key, value in _read_tensors(path).items()
+               if not key.endswith(IGNORED_TENSORS) and not key.startswith(DRAFT_PREFIXES)}
     biases = {key.split(".")[-2] for key in tensors if key.startswith("model.layers.0.") and key.endswith(".bias")}
     qk_norm = "model.layers.0.self_attn.q_norm.weight" in tensors
     model = CausalLM(config, biases, qk_norm, device="meta")

@@ -74,9 +74,7 @@ def load_causal_lm(model_path: str, device: str = "cpu", dtype: str = "float32",
                                  "(no device_map)")
             model = load_fp8_checkpoint(path, method, torch_dtype)
         else:
-            from transformers import AutoModelForCausalLM
-
-            model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+            model = _transformers_model(path, kwargs)
     if not device_map:
         model.to(torch.device(device))
     model.eval()
@@ -95,6 +93,21 @@ def load_causal_lm(model_path: str, device: str = "cpu", dtype: str = "float32",
     if weights_dtype != "fp8":  # the linears left dense (all but an FP8 checkpoint's)
         onednn_linear.apply(q8_kernels(linear_kernels, weights_dtype), model, model_path, log)
     return model
+
+
+def _transformers_model(path: Path, kwargs: dict):
+    """A Hugging Face directory through transformers' classes. MiMo's are remote code (its repository's Python,
+    which this server does not run): its model is Qwen2's, read as that, its MTP layers left to its draft."""
+    from transformers import AutoModelForCausalLM
+
+    raw = json.loads((path / "config.json").read_text())
+    if raw.get("model_type") == "mimo":
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        config = Qwen2Config(**{key: value for key, value in raw.items()
+                                if key not in ("model_type", "architectures", "auto_map")})
+        return Qwen2ForCausalLM.from_pretrained(str(path), config=config, **kwargs)
+    return AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
 
 
 def load_gguf(path: Path, kwargs: dict):

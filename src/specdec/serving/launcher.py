@@ -444,7 +444,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "where the template loops over a message's content")
     parser.add_argument("--draft-head", action="append", default=[], metavar="[NAME=]DIR",
                         help="serve a trained draft head (EAGLE-1, EAGLE-3, Medusa or an MLP speculator, in its "
-                             "published layout) over the target as draft model NAME "
+                             "published layout; a MiMo model's directory for its MTP layer) over the target as "
+                             "draft model NAME "
                              f"(default {tn.DEFAULT_HEAD_NAME}); repeatable. "
                              "The first becomes the default draft unless --default-draft names another")
     parser.add_argument("--heads-in-target", action="store_true",
@@ -611,8 +612,8 @@ def _apply_speculative_config(parser: argparse.ArgumentParser, args: argparse.Na
         parser.error(str(exc))
     if spec.draft:
         args.draft = spec.draft
-    if spec.head:
-        args.draft_head = [spec.head]
+    if spec.head or spec.mtp:  # (MTP: the target's own layer, unless the config names where it is)
+        args.draft_head = [spec.head or args.target]
     if spec.num_draft_tokens:
         args.num_draft_tokens = spec.num_draft_tokens
         args.max_num_draft_tokens = max(args.max_num_draft_tokens, spec.num_draft_tokens)

@@ -7,6 +7,7 @@ line's speculation serves here as it is written.
 | `suffix` | `--draft suffix` (prompt lookup also over earlier requests' text); its `suffix_decoding_*` tuning is vLLM's own |
 | `eagle`, `eagle3`, `medusa`, `mlp_speculator` (`model`: the head's directory) | `--draft-head DIR` (the kind read from its config) |
 | `draft_model` (`model`: a small LM) | `--draft PATH` |
+| `mtp`, `mimo_mtp` (`model` optional) | `--draft-head DIR`: the MTP layer in DIR, by default the target's (MiMo's) |
 | none, with `model` | a head where the directory's config.json is one (EAGLE's, EAGLE-3's, Medusa's, an MLP speculator's), else a draft model |
 
 A directory in the speculators library's layout given as the model to serve (`vllm serve
@@ -18,7 +19,8 @@ directory as the head, K its default proposal method's `speculative_tokens`.
 each round's K up to it (vLLM drafts K every round; the output is the same either way, only the speed differs).
 Keys that tune vLLM's own engine (its parallelism, batching, padding) change nothing here and are logged;
 `acceptance_method` other than rejection sampling (vLLM's typical acceptance changes the output's distribution),
-a method this server has no draft for (MTP) and keys it does not know are refused, naming them.
+a method this server has no draft for (DeepSeek's and the other MoE models' MTP methods) and keys it does not
+know are refused, naming them.
 Pure: JSON text in, settings out.
 """
 
@@ -32,7 +34,8 @@ from specdec import tensor_names as tn
 
 FLAG = "--speculative-config"
 HEADS = ("eagle", "eagle3", "medusa", "mlp_speculator")  # draft_heads.KINDS (read here without torch)
-METHODS = (tn.NGRAM, tn.SUFFIX, *HEADS, "draft_model")
+MTP_METHODS = ("mtp", "mimo_mtp")  # a model's own MTP layer (draft_heads.MTP): vLLM's name and its older one
+METHODS = (tn.NGRAM, tn.SUFFIX, *HEADS, *MTP_METHODS, "draft_model")
 LEGACY_NGRAM = "[ngram]"
 # vLLM's engine tuning: nothing to do here (its parallelism and batching are this server's own)
 ENGINE_KEYS = ("draft_tensor_parallel_size", "disable_by_batch_size", "quantization", "max_model_len", "revision",
@@ -45,11 +48,13 @@ ENGINE_KEYS = ("draft_tensor_parallel_size", "disable_by_batch_size", "quantizat
 @dataclass(frozen=True)
 class Speculation:
     """What a --speculative-config asks of the launcher: `draft` (a draft model's path, ngram or suffix) or
-    `head` (a trained head's directory), `num_draft_tokens`, `settings` (speculative_decoding's parameters,
-    as --set takes them) and `ignored` (the keys that change nothing here)."""
+    `head` (a trained head's directory), `mtp` (the target's own MTP layer: `head` the directory it is read from,
+    None for the target's), `num_draft_tokens`, `settings` (speculative_decoding's parameters, as --set takes
+    them) and `ignored` (the keys that change nothing here)."""
 
     draft: str | None = None
     head: str | None = None
+    mtp: bool = False
     num_draft_tokens: int | None = None
     settings: tuple[str, ...] = ()
     ignored: tuple[str, ...] = ()
@@ -83,7 +88,7 @@ def read(text: str) -> Speculation:
     if method not in METHODS:
         raise ValueError(f"{FLAG}: method {method!r} is not served here (one of {', '.join(METHODS)})")
     builtin = method in tn.BUILTIN_DRAFTS
-    if builtin == (model is not None):
+    if builtin == (model is not None) and method not in MTP_METHODS:
         raise ValueError(f"{FLAG}: method {method!r} " + ("takes no 'model'" if builtin else "needs a 'model' (its path)"))
     k = config.get("num_speculative_tokens")
     if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
@@ -105,7 +110,8 @@ def read(text: str) -> Speculation:
         settings = (f"speculative_decoding.lookup_min_ngram={shortest}",
                     f"speculative_decoding.lookup_max_ngram={longest}")
     return Speculation(draft=method if builtin else (model if method == "draft_model" else None),
-                       head=model if method in HEADS else None, num_draft_tokens=k, settings=settings,
+                       head=model if method in (*HEADS, *MTP_METHODS) else None, mtp=method in MTP_METHODS,
+                       num_draft_tokens=k, settings=settings,
                        ignored=tuple(sorted(set(config) & set(ENGINE_KEYS))))
 
 
