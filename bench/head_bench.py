@@ -3,8 +3,9 @@
 On a GPU: the 8B-shaped bf16 pair of gpu_bench.py (its target's step on the static executor with CUDA
 graphs, its 4-layer layer-skip draft's) against EAGLE-1, EAGLE-3 (32000-token draft vocabulary, as the
 published Llama-3.1-8B head; of one decoder layer, as published, and of two and three, as the speculators
-library trains with --num-layers), Medusa (4 heads) heads and an MLP speculator (4 stages, IBM's) of its
-shape. On CPU: the default pair (SmolLM2-135M, float32) likewise, with `--default-pair`, and its shipped
+library trains with --num-layers), Medusa (4 heads) heads, an MLP speculator (4 stages, IBM's) and an MTP
+layer (MiMo's: one Qwen2 decoder layer) of its shape. On CPU: the default pair (SmolLM2-135M, float32)
+likewise, with `--default-pair`, and its shipped
 EAGLE-3 head as served (float32) and in bfloat16 (half the bytes a step streams). The other heads have random weights: a step costs the same
 whatever they learned. Per draft: ms per drafted token (K=4 proposals, after the head read one round's
 features) and c = that / the target's one-token step.
@@ -25,7 +26,7 @@ from bench import report
 from bench.report import print_table
 from specdec.decoding.sampling import SamplingParams
 from specdec.engine.build import dynamic_executor, static_executor
-from specdec.engine.draft_heads import (EAGLE, EAGLE3, MEDUSA, MLP, load_head_for, random_head,
+from specdec.engine.draft_heads import (EAGLE, EAGLE3, MEDUSA, MLP, MTP, load_head_for, random_head,
                                         read_target_tensors)
 from specdec.engine.head_executor import HeadExecutor
 
@@ -107,14 +108,14 @@ def main(argv=None) -> int:
     rows.append(["layer-skip draft model", f"{draft_ms:.2f}", f"{draft_ms / target_ms:.3f}"])
     # The target's tensors as a served head reads them (CPU models' lm_head is repacked for oneDNN)
     _, embed, lm_head = read_target_tensors(target_path, device, dtype)
-    for kind, layers in ((EAGLE, 1), (EAGLE3, 1), (EAGLE3, 2), (EAGLE3, 3), (MEDUSA, 1), (MLP, 1)):
+    for kind, layers in ((EAGLE, 1), (EAGLE3, 1), (EAGLE3, 2), (EAGLE3, 3), (MEDUSA, 1), (MLP, 1), (MTP, 1)):
         head = random_head(kind, target_model.config, draft_vocab_size=32000 if kind == EAGLE3 else 0,
                            num_layers=layers)
         head = head.to(device=device, dtype=dtype)
         if hasattr(head, "attach"):  # (Medusa and MLP speculators read neither)
             head.attach(embed, lm_head)
         shape = f", {layers} layers" if layers > 1 else ""
-        for graphs in ((False, True) if device.type == "cuda" and kind in (EAGLE, EAGLE3) else (False,)):
+        for graphs in ((False, True) if device.type == "cuda" and kind in (EAGLE, EAGLE3, MTP) else (False,)):
             ms = head_step_ms(head, device, args.reps, graphs)
             rows.append([f"{kind} head{shape} ({'CUDA graphs' if graphs else 'eager'})", f"{ms:.2f}",
                          f"{ms / target_ms:.3f}"])

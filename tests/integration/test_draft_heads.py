@@ -1,7 +1,8 @@
 """Trained draft heads served (real tritonserver, tiny pair): an EAGLE-3 head trained here by the training
 command, and random EAGLE-1, EAGLE-3 (three Qwen3 decoder layers, in the speculators library's layout), Medusa
 heads and an MLP speculator (tied, its input scaled), each a draft_model of its own over target_model's
-features, and the same heads hosted in target_model's process (hosted_*: drafting in the verify call).
+features, and the same heads hosted in target_model's process (hosted_*: drafting in the verify call); a tiny MiMo
+model served with its own MTP layer as vLLM's command line asks (`--speculative-config '{"method": "mtp"}'`).
 Greedy output equals target-only output with every head; the trained head is accepted where a random one is
 not (its features arrive right over BLS), hosted as much as called; sampled output follows the target's
 distribution. (A head made for another target is refused at load naming both: test_load_errors.py.)"""
@@ -19,11 +20,12 @@ import pytest
 from transformers import AutoConfig
 
 from specdec import tensor_names as tn
-from specdec.engine.draft_heads import EAGLE, EAGLE3, MEDUSA, MLP, random_head, save_head
+from specdec.engine.draft_heads import EAGLE, EAGLE3, MEDUSA, MLP, MTP, MTP_PREFIX, random_head, save_head
 from specdec.serving import pairs, repository
+from specdec.serving import server as serving_server
 from specdec.train.data import load_prompts
 
-from .helpers import grpc_stream, http_generate, retire_server, start_server
+from .helpers import READY_TIMEOUT_S, grpc_stream, http_generate, retire_server, start_server
 
 pytestmark = pytest.mark.integration
 
@@ -45,15 +47,24 @@ def heads(tmp_path_factory):
     assert result.returncode == 0, result.stderr[-3000:]
     config = AutoConfig.from_pretrained(pair.target_path)
     paths = {"head_trained": trained}
-    for kind in (EAGLE, EAGLE3, MEDUSA, MLP):
+    for kind in (EAGLE, EAGLE3, MEDUSA, MLP, MTP):
         # EAGLE-3's as the speculators library trains one for a Qwen3 target (here of three layers), in its layout
         shape = {EAGLE3: {"num_layers": 3, "layer_type": "qwen3", "attention_bias": True},
                  MLP: {"tie_weights": True, "scale_input": True}}.get(kind, {})
         head = random_head(kind, config, seed=1, aux_layers=(0, 1, 1) if kind == EAGLE3 else (),
                            draft_vocab_size=4096 if kind == EAGLE3 else 0, **shape)
+        if kind == MTP:  # an MTP layer reads its target's final norm (a MiMo checkpoint holds both)
+            head.target_norm.copy_(_tensor(pair.target_path, "model.norm.weight"))
         layout = "speculators" if kind == EAGLE3 else "eagle"
         paths[f"head_random_{kind}"] = save_head(head, root / kind, layout=layout, verifier=pair.target_path)
     return {name: str(path) for name, path in paths.items()}, json.loads((trained / "training.json").read_text())
+
+
+def _tensor(model_dir: str | Path, key: str):
+    from safetensors import safe_open
+
+    with safe_open(str(Path(model_dir) / "model.safetensors"), framework="pt") as handle:
+        return handle.get_tensor(key)
 
 
 @pytest.fixture(scope="module")
@@ -93,8 +104,9 @@ def target_only(head_server):
 
 
 @pytest.mark.parametrize("name", ["head_trained", "head_random_eagle", "head_random_eagle3", "head_random_medusa",
-                                  "head_random_mlp_speculator", "hosted_trained", "hosted_random_eagle",
-                                  "hosted_random_medusa", "hosted_random_mlp_speculator"])
+                                  "head_random_mlp_speculator", "head_random_mtp", "hosted_trained",
+                                  "hosted_random_eagle", "hosted_random_medusa", "hosted_random_mlp_speculator",
+                                  "hosted_random_mtp"])
 def test_greedy_output_with_a_head_equals_target_only(head_server, target_only, name):
     for prompt in GREEDY_PROMPTS:
         drafted = grpc_stream(head_server.grpc_url, prompt, max_tokens=32, num_draft_tokens=3, draft_model=name,
@@ -227,7 +239,8 @@ def exact_three_token_texts(prompt: str, params) -> dict[str, float]:
 
 
 @pytest.mark.parametrize("name", ["head_random_eagle", "head_random_medusa", "head_random_mlp_speculator",
-                                  "head_trained", "ngram+head_trained", "hosted_trained"])  # trained: EAGLE-3
+                                  "head_random_mtp", "head_trained", "ngram+head_trained",
+                                  "hosted_trained"])  # trained: EAGLE-3
 def test_sampled_output_with_a_head_follows_the_targets_distribution(head_server, name):
     """The first three tokens (a head drafts from the second round on: the second token is its draft's)
     of many seeded requests against the target's exact distribution of their text (chi-square, 1e-3).
@@ -254,3 +267,48 @@ def test_sampled_output_with_a_head_follows_the_targets_distribution(head_server
     assert sum(r[tn.TOTAL_DRAFT_TOKENS] for r in results) >= requests // 2  # the head drafted
     statistic, critical = chi_square(Counter(r[tn.TEXT_OUTPUT] for r in results), expected, requests)
     assert statistic < critical, (name, statistic, critical)
+
+
+@pytest.fixture(scope="module")
+def mimo_server(tmp_path_factory):
+    """A tiny MiMo model (Qwen2's weights, its MTP layer in the same checkpoint, MiMo's config.json with its
+    remote-code classes named) served by the launcher as vLLM's command line for it reads: `--target DIR
+    --speculative-config '{"method": "mtp", "num_speculative_tokens": 3}'`."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    root = tmp_path_factory.mktemp("mimo")
+    path = root / "MiMo-tiny"
+    tokenizer = AutoTokenizer.from_pretrained(pairs.smollm2_tokenizer_dir())
+    torch.manual_seed(3)
+    model = Qwen2ForCausalLM(Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.5, tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id))
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    head = random_head(MTP, model.config, seed=4)
+    head.target_norm.copy_(model.model.norm.weight)
+    layer = load_file(str(save_head(head, root / "layer") / "model.safetensors"))
+    weights = load_file(str(path / "model.safetensors"))
+    save_file({**weights, **{key: value for key, value in layer.items() if key.startswith(MTP_PREFIX)}},
+              str(path / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    config.update(model_type="mimo", architectures=["MiMoForCausalLM"], num_nextn_predict_layers=1,
+                  auto_map={"AutoModelForCausalLM": "modeling_mimo.MiMoForCausalLM"})
+    (path / "config.json").write_text(json.dumps(config))
+    server = serving_server.start(
+        root / "run", root / "tritonserver.log",
+        ["--target", str(path), "--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": 3}),
+         "--set", f"{tn.DEFAULT_HEAD_NAME}.draft_stop_below=0"], ready_timeout_s=READY_TIMEOUT_S)
+    yield server
+    retire_server(server)
+
+
+def test_a_mimo_model_drafts_with_its_own_mtp_layer_and_gives_target_only_output(mimo_server):
+    for prompt in GREEDY_PROMPTS:
+        expected = grpc_stream(mimo_server.grpc_url, prompt, max_tokens=32, num_draft_tokens=0)
+        drafted = grpc_stream(mimo_server.grpc_url, prompt, max_tokens=32, adaptive_draft=False)  # K 3, the MTP layer
+        assert drafted[tn.TEXT_OUTPUT] == expected[tn.TEXT_OUTPUT] and expected[tn.TEXT_OUTPUT]
+        assert drafted[tn.TOTAL_DRAFT_TOKENS] >= 3 * (drafted["num_rounds"] - 4), drafted

@@ -14,7 +14,7 @@ from specdec.decoding.draft_length import DraftLengthPolicy
 from specdec.decoding.loop import GenerationRequest, generate
 from specdec.decoding.sampling import SamplingParams
 from specdec.engine.build import dynamic_executor
-from specdec.engine.draft_heads import EAGLE, EAGLE3
+from specdec.engine.draft_heads import EAGLE, EAGLE3, MTP
 from specdec.engine.head_executor import HeadExecutor
 from specdec.engine.head_graphs import HeadPool, window_sizes
 from specdec.engine.interfaces import Step
@@ -35,7 +35,8 @@ def counting(executor):
     return counts
 
 
-@pytest.mark.parametrize("kind,together", [(EAGLE, False), (EAGLE3, False), (EAGLE3, True), (LAYERED, True)])
+@pytest.mark.parametrize("kind,together", [(EAGLE, False), (EAGLE3, False), (EAGLE3, True), (LAYERED, True),
+                                           (MTP, True)])
 def test_the_static_steps_draft_what_the_eager_head_does(tiny_lm, kind, together):
     """together: the static executor gets a round's three steps in one propose_many (their chains in
     lockstep, each sequence's captured outputs overwritten by the next one's step), the eager one a step

@@ -9,7 +9,7 @@ import torch
 
 from specdec.decoding.sampling import SamplingParams, greedy, token_probability
 from specdec.engine import kernels, panel_linear
-from specdec.engine.draft_heads import EAGLE, EAGLE3, HeadCache, random_head, target_tensors
+from specdec.engine.draft_heads import EAGLE, EAGLE3, MTP, HeadCache, random_head, target_tensors
 from specdec.engine.head_executor import HeadExecutor
 from specdec.engine.head_kernels import DraftLogits, HeadKernels
 from specdec.engine.interfaces import Step
@@ -47,7 +47,7 @@ def filled(head, length, generator):
     return cache
 
 
-@pytest.mark.parametrize("kind", [EAGLE, EAGLE3, LAYERED])
+@pytest.mark.parametrize("kind", [EAGLE, EAGLE3, LAYERED, MTP])
 def test_a_chain_of_rows_gives_the_modules_logits_and_cache_entries(tiny_lm, kind):
     head = float_head(tiny_lm, kind)
     step = HeadKernels.serving(head)
@@ -69,7 +69,7 @@ def test_a_chain_of_rows_gives_the_modules_logits_and_cache_entries(tiny_lm, kin
     assert ours.length == theirs.length == start + m
 
 
-@pytest.mark.parametrize("kind", [EAGLE, EAGLE3, LAYERED])
+@pytest.mark.parametrize("kind", [EAGLE, EAGLE3, LAYERED, MTP])
 def test_a_tree_levels_rows_see_the_entries_their_ancestors_and_themselves(tiny_lm, kind):
     """Rows written after two earlier levels' entries, each with its own ancestors (bits past `before`),
     against the module's step over the same boolean mask."""
@@ -129,7 +129,7 @@ def test_draft_vocabulary_logits_pick_and_weigh_as_the_scattered_ones(tiny_lm):
     assert isinstance(unordered, torch.Tensor) and unordered.shape == (3, 97)
 
 
-@pytest.mark.parametrize("kind", [EAGLE, EAGLE3])
+@pytest.mark.parametrize("kind", [EAGLE, EAGLE3, MTP])
 def test_the_executor_drafts_the_same_on_the_kernels_round_after_round(tiny_lm, kind):
     """Chains (with and without the confidence stop), trees, rounds that roll back, a tree past the
     kernel's 64 ancestor bits (the module's step then): the same drafts with and without the kernels."""
@@ -148,7 +148,7 @@ def test_the_executor_drafts_the_same_on_the_kernels_round_after_round(tiny_lm, 
             step = Step(stop > 0, keep, new_ids, k=k, branches=branches, features=features[:keep + len(new_ids) - 1])
             (a,), (b,) = on.propose_many([step]), off.propose_many([step])
             assert (a.tokens, a.parents, a.cached_length) == (b.tokens, b.parents, b.cached_length), (keep, k, branches)
-            assert len(a.tokens) > 0 and (kind == EAGLE or all(token % 2 == 0 for token in a.tokens))
+            assert len(a.tokens) > 0 and (kind != EAGLE3 or all(token % 2 == 0 for token in a.tokens))
     # sampling: the same tokens and draft distributions from the same generator; trees ranked by the same
     # processed distribution (on the kernels over the draft vocabulary's columns)
     params = SamplingParams(temperature=0.8, top_k=20, top_p=0.9)
@@ -166,7 +166,7 @@ def test_the_executor_drafts_the_same_on_the_kernels_round_after_round(tiny_lm, 
             assert torch.allclose(drafted[0].probs, drafted[1].probs, atol=1e-5)
 
 
-@pytest.mark.parametrize("kind", [EAGLE, EAGLE3])
+@pytest.mark.parametrize("kind", [EAGLE, EAGLE3, MTP])
 def test_a_batch_drafts_together_what_each_sequence_drafts_alone(tiny_lm, kind):
     """propose_many over several sequences on the kernels (each head step over every sequence's rows at once:
     HeadKernels.step_many) drafts what one call per sequence drafts: chains of different K, stopped early by the

@@ -15,8 +15,9 @@
   llama_model    the Llama family's modules built from a model directory without transformers' model
                  classes (what the static executor reads: weights and config), and their plain forward
   paged_attention  its attention on CUDA: a Triton kernel reading the paged pool in place
-  draft_heads    trained draft heads (EAGLE-1, EAGLE-3, Medusa, MLP speculators): the modules, read and written in the
-                 layouts their authors publish (and vLLM's), refused when made for another target
+  draft_heads    trained draft heads (EAGLE-1, EAGLE-3, Medusa, MLP speculators, a model's MTP layer): the
+                 modules, read and written in the layouts their authors publish (and vLLM's), refused when made
+                 for another target
   skip_layers    the layer-skip self-draft (SWIFT): the target with some layers left out, per sequence,
                  and the search of which over the live text
   lora           LoRA adapters (PEFT's layout) served over one model, each sequence running its own

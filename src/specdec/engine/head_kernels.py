@@ -1,4 +1,4 @@
-"""An EAGLE head's step on the CPU's layer kernels (csrc/cpu_layer.cpp), for drafting.
+"""An EAGLE head's step (or an MTP layer's) on the CPU's layer kernels (csrc/cpu_layer.cpp), for drafting.
 
 Eagerly, `EagleHead.step` is transformers' norms and rotary embedding, SDPA over a masked window and a
 scatter of the draft vocabulary's logits into the target's: about sixty small torch operations around
@@ -65,7 +65,7 @@ class HeadKernels:
         self.head, self.fn = head, kernel_set
         self.attention = panel_linear.build().module.paged_attention
         config = head.config
-        self.eagle3 = config.kind == EAGLE3
+        self.eagle3, self.mtp = config.kind == EAGLE3, config.kind == MTP
         self.layers = head.decoder_layers()
         self.heads, self.kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
         self.scaling = self.head_dim ** -0.5  # SDPA's default, as the head's module uses
@@ -85,9 +85,8 @@ class HeadKernels:
     @classmethod
     def serving(cls, head) -> HeadKernels | None:
         """The kernels for this head where they serve it (an EAGLE head, float32 on a CPU, the kernels
-        built); None elsewhere (GPUs replay CUDA graphs of the module's step instead; an MTP layer, whose norms
-        around its layer these kernels do not compute, steps as its module does)."""
-        if not isinstance(head, EagleHead) or head.config.kind == MTP:
+        built); None elsewhere (GPUs replay CUDA graphs of the module's step instead)."""
+        if not isinstance(head, EagleHead):
             return None
         parameter = next(head.parameters())  # its norms' weights (the linears may be packed into buffers)
         fns = kernels.cpu(parameter.device, parameter.dtype)
@@ -141,6 +140,10 @@ class HeadKernels:
             normed = fn.rms_norm(hidden.contiguous(), first.hidden_norm.weight, eps)
             x = torch.cat([fn.rms_norm(embeds, first.input_layernorm.weight, eps), normed], dim=-1)
             residual = head.residual(hidden, normed)
+        elif self.mtp:  # (EagleHead._mtp_step: `hidden` is hidden_layernorm's already; a plain layer follows)
+            embeds = embeds * (positions != 0).to(embeds.dtype)[:, None]
+            residual = head.input_proj(torch.cat([hidden, fn.rms_norm(embeds, head.token_layernorm.weight, eps)], -1))
+            x = fn.rms_norm(residual, first.input_layernorm.weight, eps)
         else:
             x = residual = head.fc(torch.cat([embeds, hidden], dim=-1))
         cos, sin = self._rotary(positions)
@@ -168,6 +171,9 @@ class HeadKernels:
             update = mlp.down_proj(fn.silu_mul(gate_up))
             if index + 1 < len(self.layers):  # the next (plain) layer's input: its norm of this one's output
                 residual, x = fn.add_rms_norm(x, update, self.layers[index + 1].input_layernorm.weight, eps)
+        if self.mtp:
+            _, state = fn.add_rms_norm(x, update, head.final_layernorm.weight, eps)
+            return fn.rms_norm(state, head.hidden_layernorm.weight, eps), nn.functional.linear(state, head.target_head)
         if not self.eagle3:
             out = x + update
             return out, nn.functional.linear(out, head.target_head)
