@@ -155,6 +155,7 @@ def test_messages_are_normalized_for_the_chat_template():
     ({"guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
     ({"num_draft_tokens": 2**40}, "num_draft_tokens"), ({"priority": 2**31}, "priority"), ({"priority": "high"}, "priority"),
     ({"priority": True}, "priority"), ({"modalities": ["text", "audio"]}, "modalities"), ({"modalities": "text"}, "modalities"),
+    ({"verbosity": "low"}, "verbosity"), ({"verbosity": "high"}, "verbosity"), ({"moderation": {}}, "moderation"),
 ])
 def test_chat_refusals_name_the_field(body, param):
     with pytest.raises(ApiError) as caught:
@@ -192,6 +193,9 @@ def test_response_format_and_guided_fields_become_structured_outputs():
         "structured_outputs"] == {"json_object": True}
     assert "structured_outputs" not in sampling(parse_chat({"messages": CHAT, "response_format": {"type": "text"}}, SERVED))
     assert parse_chat({"messages": CHAT, "modalities": ["text"]}, SERVED).choices  # OpenAI's default, accepted
+    # OpenAI's default verbosity asks nothing of a model; prompt caching's options are bookkeeping here (automatic)
+    assert parse_chat({"messages": CHAT, "verbosity": "medium", "prompt_cache_options": {"mode": "explicit"}},
+                      SERVED).choices
     tags = {"type": "structural_tag", "structures": [{"begin": "<f>", "schema": schema, "end": "</f>"}],
             "triggers": ["<f>"]}
     assert sampling(parse_chat({"messages": CHAT, "response_format": tags}, SERVED))["structured_outputs"] == {

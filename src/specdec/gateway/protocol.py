@@ -29,7 +29,7 @@ from specdec.gateway.tools import NAMED, REQUIRED, ToolCalling
 # Fields a client may send that change nothing here (bookkeeping of OpenAI's platform; prompt caching is automatic
 # here, usage's cached_tokens says what it held).
 IGNORED_FIELDS = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "prompt_cache_retention",
-                  "safety_identifier")
+                  "prompt_cache_options", "safety_identifier")
 # OpenAI's and vLLM's sampling settings that are keys of the server's `sampling_parameters` under the same name.
 SAMPLING_FIELDS = ("temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty",
                    # vLLM's extras, as its OpenAI server takes them
@@ -54,11 +54,14 @@ INT32 = (-2**31, 2**31 - 1)
 CHAT_FIELDS = (*COMMON_FIELDS, "messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
                "tool_choice", "parallel_tool_calls", "functions", "function_call", "chat_template_kwargs", "chat_template",
                "include_reasoning", "reasoning_effort", "thinking_token_budget", "prediction", "continue_final_message",
-               "add_generation_prompt", "documents", "modalities", "echo")
+               "add_generation_prompt", "documents", "modalities", "echo", "verbosity")
 # OpenAI's reasoning efforts (its SDK's ReasoningEffort): handed to the chat template as `reasoning_effort`, the
 # variable the templates that take one read (gpt-oss's); the others leave it unused
 THINKING_FIELDS = (tn.REASONING_CONTENT, "reasoning")  # an assistant message's thinking: vLLM's two names
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+# OpenAI's `verbosity` (the Responses API's `text.verbosity`): its default, which asks nothing of a model; the
+# models served here have no such control, so another value is refused rather than dropped
+DEFAULT_VERBOSITY = "medium"
 COMPLETION_FIELDS = (*COMMON_FIELDS, "prompt", "echo", "suffix", "best_of")
 OPENAI_TEMPERATURE = 1.0  # OpenAI's default: a request that sets no temperature samples
 # What a request that leaves them out gets: OpenAI's, unless the model's generation config says more (the API's
@@ -157,6 +160,13 @@ class Generation:
 
 def _string(value: str) -> np.ndarray:
     return np.array([[value.encode("utf-8")]], dtype=np.object_)
+
+
+def check_verbosity(value, name: str) -> None:
+    """OpenAI's verbosity: absent or its default (`DEFAULT_VERBOSITY`), else refused naming `name`."""
+    if value not in (None, DEFAULT_VERBOSITY):
+        raise invalid(name, f"only {json.dumps(DEFAULT_VERBOSITY)} (OpenAI's default) is served: the models here have "
+                            f"no verbosity setting, got {json.dumps(value)[:40]}")
 
 
 def _check_fields(body: dict, allowed: tuple[str, ...]) -> None:
@@ -496,6 +506,7 @@ def parse_chat(body: dict, served: tuple[str, ...], tool_parser: str | None = No
             raise invalid(name, "is not supported: send tools and tool_choice")
     if body.get("modalities") not in (None, ["text"]):  # OpenAI's default; audio is not generated here
         raise invalid("modalities", f"only [\"text\"] is supported, got {json.dumps(body['modalities'])[:80]}")
+    check_verbosity(body.get("verbosity"), "verbosity")
     n = _choices_per_prompt(body)
     sampling, inputs, stream = _common(body, True, defaults)
     logprobs = bool(_typed(body, "logprobs", (bool,), "a boolean"))

@@ -10,15 +10,15 @@ import json
 import uuid
 
 from specdec.gateway import tools
-from specdec.gateway.protocol import (CHAT_FIELDS, IGNORED_FIELDS, STATS_FIELD, ApiError, Generation, invalid,
-                                      joined_text)
+from specdec.gateway.protocol import (CHAT_FIELDS, IGNORED_FIELDS, STATS_FIELD, ApiError, Generation, check_verbosity,
+                                      invalid, joined_text)
 
 # What the Responses API names differently, or has and chat has not; the rest of the chat's fields (OpenAI's
 # sampling settings, vLLM's extras, this server's speculative settings) are taken as chat takes them.
 OWN_FIELDS = ("input", "instructions", "max_output_tokens", "text", "previous_response_id", "truncation",
               "reasoning", "include", "background", "max_tool_calls", "top_logprobs", "conversation", "stream_options")
 CHAT_ONLY = {"messages", "max_tokens", "max_completion_tokens", "response_format", "n", "logprobs", "top_logprobs",
-             "stream_options", "functions", "function_call", "reasoning_effort"}
+             "stream_options", "functions", "function_call", "reasoning_effort", "verbosity"}
 FIELDS = (*OWN_FIELDS, *(name for name in CHAT_FIELDS if name not in CHAT_ONLY), *IGNORED_FIELDS)
 LOGPROBS_INCLUDE = "message.output_text.logprobs"  # `include`: the output text's log-probabilities
 # `include` that stateless agent clients send for reasoning models: a reasoning item here has no encrypted
@@ -136,6 +136,7 @@ def _format(body: dict) -> dict:
         return {}
     if not isinstance(text, dict):
         raise invalid("text", "must be an object")
+    check_verbosity(text.get("verbosity"), "text.verbosity")
     fmt = text.get("format")
     if fmt is None:
         return {}
