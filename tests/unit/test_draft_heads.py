@@ -13,9 +13,9 @@ from specdec.decoding.loop import GenerationRequest, Stats, generate
 from specdec.decoding.ngram_proposer import NgramProposer
 from specdec.decoding.sampling import SamplingParams
 from specdec.engine.build import dynamic_executor, static_executor
-from specdec.engine.draft_heads import (EAGLE, EAGLE3, KINDS, MEDUSA, MLP, MTP, HeadCache, HeadConfig, HeadError, borrowed,
-                                        check_fits, load_head, load_head_for, random_head, rows_forward, save_head,
-                                        shared_target_tensors, target_tensors)
+from specdec.engine.draft_heads import (EAGLE, EAGLE3, KINDS, MEDUSA, MLP, MTP, HeadCache, HeadConfig, HeadError,
+                                        borrowed, check_fits, load_head, load_head_for, random_head, rows_forward,
+                                        save_head, shared_target_tensors, target_tensors)
 from specdec.engine.head_executor import HeadExecutor
 from specdec.engine.local import LocalProposer, LocalScorer
 from tests.unit.conftest import run_fixed_k, run_fixed_k_many

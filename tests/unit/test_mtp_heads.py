@@ -184,6 +184,8 @@ def test_what_is_no_mtp_layer_here_is_refused_naming_it(mimo, tmp_path):
     config = json.loads((path / "config.json").read_text())
     with pytest.raises(HeadError, match="model_type 'deepseek_v3'"):
         HeadConfig.from_json({**config, "model_type": "deepseek_v3"}, "ds")
+    with pytest.raises(HeadError, match="a mimo model without MTP layers"):
+        HeadConfig.from_json({**config, "num_nextn_predict_layers": 0}, "mimo-without")
     bare = tmp_path / "saved-without-mtp"  # a checkpoint saved through Qwen2's class drops the layer
     bare.mkdir()
     (bare / "config.json").write_text(json.dumps(config))

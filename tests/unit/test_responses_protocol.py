@@ -73,7 +73,8 @@ def test_text_formats_become_structured_output():
     ({"input": "x", "text": {"format": {"type": "json_schema"}}}, "text.format.schema"),
     ({"input": "x", "instructions": 3}, "instructions"), ({"input": "x", "truncation": "middle"}, "truncation"),
     ({"input": "x", "background": "yes"}, "background"), ({"input": "x", "background": True, "store": False}, "background"),
-    ({"input": "x", "max_tool_calls": 3}, "max_tool_calls"), ({"input": "x", "text": {"verbosity": "low"}}, "text.verbosity"),
+    ({"input": "x", "max_tool_calls": 3}, "max_tool_calls"),
+    ({"input": "x", "text": {"verbosity": "low"}}, "text.verbosity"),
     ({"input": "x", "verbosity": "medium"}, "verbosity")])
 def test_refusals_name_the_responses_field(body, param):
     with pytest.raises(ApiError) as caught:

@@ -128,6 +128,9 @@ class HeadConfig:
             return raw[key]
         if raw.get("num_nextn_predict_layers"):
             return cls._mtp(raw, where, need)
+        if raw.get("model_type") in MTP_MODEL_TYPES:
+            raise HeadError(f"{where}: a {raw['model_type']} model without MTP layers (num_nextn_predict_layers "
+                            f"{raw.get('num_nextn_predict_layers')!r}): nothing in it drafts")
         if "medusa_num_heads" in raw:
             return cls(MEDUSA, need("hidden_size"), need("vocab_size"), medusa_heads=int(raw["medusa_num_heads"]),
                        medusa_layers=int(raw.get("medusa_num_layers", 1)), raw=raw)
@@ -167,9 +170,11 @@ class HeadConfig:
         """A model's config.json whose checkpoint holds MTP layers: the first of them, as a head."""
         if raw.get("model_type") not in MTP_MODEL_TYPES:
             raise HeadError(f"{where}: model_type {raw.get('model_type')!r}: this server reads the MTP layers of "
-                            f"{', '.join(MTP_MODEL_TYPES)} models (num_nextn_predict_layers with a Qwen2 decoder layer)")
+                            f"{', '.join(MTP_MODEL_TYPES)} models (num_nextn_predict_layers with a Qwen2 decoder "
+                            "layer)")
         if raw.get("hidden_act", "silu") != "silu":
-            raise HeadError(f"{where}: hidden_act {raw['hidden_act']!r}: an MTP layer here computes its MLP with 'silu'")
+            raise HeadError(f"{where}: hidden_act {raw['hidden_act']!r}: an MTP layer here computes its MLP with "
+                            "'silu'")
         return cls(MTP, need("hidden_size"), need("vocab_size"), num_attention_heads=need("num_attention_heads"),
                    num_key_value_heads=raw.get("num_key_value_heads") or raw["num_attention_heads"],
                    intermediate_size=need("intermediate_size"), rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
@@ -705,7 +710,8 @@ def _read_mtp_weights(path: Path) -> dict:
     index = path / "model.safetensors.index.json"
     if index.exists():
         weight_map = json.loads(index.read_text())["weight_map"]
-        files = sorted({file for key, file in weight_map.items() if key.startswith(MTP_PREFIX) or key == MTP_TARGET_NORM})
+        files = sorted({file for key, file in weight_map.items()
+                        if key.startswith(MTP_PREFIX) or key == MTP_TARGET_NORM})
     else:
         files = ["model.safetensors"]
     state = {}
@@ -782,8 +788,9 @@ def save_head(head: EagleHead | MedusaHeads, path: str | Path, layout: str = PUB
     """Write `head` as its authors publish it: config.json and model.safetensors (EAGLE-1, EAGLE-3 with
     `midlayer.` keys, d2t and t2d) or medusa_lm_head.safetensors (keys {i}.{j}.linear.*, {i}.{L}.weight); an
     MTP layer as a model checkpoint holds it (`model.mtp_layers.0.*` and the final norm it reads, MiMo's
-    config.json: the part of a model's directory it is read from). layout SPECULATORS: an EAGLE head as the speculators library writes it (`speculators_config`, the verifier
-    `verifier` and `speculative_tokens`), what vLLM serves as it is with the layer ids it reads as meant
+    config.json: the part of a model's directory it is read from). layout SPECULATORS: an EAGLE head as the
+    speculators library writes it (`speculators_config`, the verifier `verifier` and `speculative_tokens`), what
+    vLLM serves as it is with the layer ids it reads as meant
     (a published EAGLE-3 config's ids are read by vLLM as the states entering those layers, by SGLang and
     this server as those layers' outputs: `_aux_layers`)."""
     from safetensors.torch import save_file
