@@ -8,7 +8,7 @@ import pytest
 from specdec import tensor_names as tn
 from specdec.serving import launcher, repository
 from specdec.serving.pairs import PairSpec
-from specdec.serving.speculative_config import Speculation, Speculator, read, speculator
+from specdec.serving.speculative_config import Speculation, Speculator, from_sglang, read, speculator
 
 pytestmark = pytest.mark.usefixtures("server_ports_free")  # (tests/unit/conftest.py)
 
@@ -156,3 +156,66 @@ def test_a_speculator_given_as_the_target_serves_its_verifier_with_it_as_vllm_do
     (head / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="verifier 'meta-llama/Llama-3.1-8B-Instruct' is not a directory here"):
         speculator(str(head))
+
+
+def test_sglangs_algorithms_and_tree_shapes_stand_for_this_servers_drafts():
+    """SGLang's flags as its published command lines give them: EAGLE-3 with trees 8 wide of 31 nodes, EAGLE-2
+    chains, NEXTN (a model's MTP layer) with the target's own path or none, STANDALONE draft models, NGRAM."""
+    assert from_sglang("EAGLE3", "/h", num_steps=5, topk=8, num_draft_tokens=32) == Speculation(
+        head="/h", num_draft_tokens=31, settings=("speculative_decoding.draft_branches=8",))
+    assert from_sglang("EAGLE", "/h", num_steps=3, topk=1, num_draft_tokens=4) == Speculation(head="/h",
+                                                                                                num_draft_tokens=3)
+    assert from_sglang("eagle", "/h", num_steps=4, topk=2) == Speculation(  # a tree's nodes: steps x width
+        head="/h", num_draft_tokens=8, settings=("speculative_decoding.draft_branches=2",))
+    assert from_sglang("EAGLE3", "/h", num_draft_tokens=4) == Speculation(head="/h", num_draft_tokens=3)
+    assert from_sglang("NEXTN", num_steps=1, topk=1, num_draft_tokens=2) == Speculation(mtp=True, num_draft_tokens=1)
+    assert from_sglang("NEXTN", "/m") == Speculation(head="/m", mtp=True)
+    assert from_sglang("STANDALONE", "/d", num_steps=5, topk=1) == Speculation(draft="/d", num_draft_tokens=5)
+    assert from_sglang("NGRAM", num_draft_tokens=8, topk=4) == Speculation(draft=tn.NGRAM, num_draft_tokens=7)
+    assert from_sglang("EAGLE3", "/h", engine=("--speculative-token-map",)).ignored == ("--speculative-token-map",)
+    assert from_sglang("EAGLE3", "/h", thresholds=(1.0, 1.0)).head == "/h"  # exact acceptance: SGLang's default
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"algorithm": "LOOKAHEAD"}, "--speculative-algorithm 'LOOKAHEAD' is not served here"),
+    ({"algorithm": "EAGLE3"}, "EAGLE3 needs --speculative-draft-model-path"),
+    ({"algorithm": "STANDALONE"}, "STANDALONE needs --speculative-draft-model-path"),
+    ({"algorithm": "NGRAM", "path": "/d"}, "NGRAM takes no --speculative-draft-model-path"),
+    ({"algorithm": "EAGLE", "path": "/h", "topk": 9}, "--speculative-eagle-topk 9: trees here are at most 8 wide"),
+    ({"algorithm": "EAGLE", "path": "/h", "num_steps": 0}, "--speculative-num-steps must be at least 1"),
+    ({"algorithm": "EAGLE", "path": "/h", "num_draft_tokens": 1}, "--speculative-num-draft-tokens must be at least 2"),
+    ({"algorithm": "EAGLE", "path": "/h", "thresholds": (0.5, None)}, "--speculative-accept-threshold-single 0.5"),
+    ({"algorithm": "EAGLE", "path": "/h", "thresholds": (None, 0.9)}, "--speculative-accept-threshold-acc 0.9"),
+])
+def test_what_sglangs_flags_ask_and_cannot_be_served_is_refused_naming_the_flag(kwargs, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        from_sglang(**kwargs)
+
+
+def test_the_launcher_reads_sglangs_flags_and_refuses_them_beside_its_own_or_vllms(capsys):
+    base = ["--target", "/w/target"]
+    args = launcher.parse_args([*base, "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "/h",
+                                "--speculative-num-steps", "5", "--speculative-eagle-topk", "8",
+                                "--speculative-num-draft-tokens", "32", "--speculative-draft-attention-backend", "fa3"])
+    assert (args.draft_head, args.num_draft_tokens, args.max_num_draft_tokens) == (["/h"], 31, 31)
+    assert args.set == ["speculative_decoding.draft_branches=8"]
+    assert args.speculative_ignored == ("--speculative-draft-attention-backend",)
+    # its older spellings (--speculative-algo, an abbreviation argparse reads; --speculative-draft); NEXTN: the target's
+    args = launcher.parse_args([*base, "--speculative-algo", "NEXTN", "--speculative-num-steps", "3",
+                                "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4"])
+    assert (args.draft_head, args.num_draft_tokens, args.set) == (["/w/target"], 3, [])
+    args = launcher.parse_args([*base, "--speculative-algorithm", "STANDALONE", "--speculative-draft", "/d"])
+    assert (args.draft, args.draft_head) == ("/d", [])
+    for flags, message in (
+            (["--speculative-num-steps", "3"], "--speculative-num-steps need --speculative-algorithm"),
+            (["--speculative-algorithm", "NGRAM", "--draft", "/d"], "both say how to draft"),
+            (["--speculative-algorithm", "NGRAM", "--speculative-config", '{"method": "ngram"}'],
+             "(SGLang's) both say how to draft"),
+            (["--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", "/h",
+              "--speculative-accept-threshold-acc", "0.5"], "changes the output's distribution")):
+        with pytest.raises(SystemExit):
+            launcher.parse_args([*base, *flags])
+        assert message in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        launcher.parse_args(["--pair", "tiny", "--speculative-algorithm", "NGRAM"])
+    assert "SGLang's --speculative-algorithm needs --target" in capsys.readouterr().err

@@ -410,8 +410,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="prompt and output tokens per sequence (--max-model-len: vLLM's name)")
     custom.add_argument(speculative_config.FLAG, default=None, metavar="JSON",
                         help="vLLM's speculative config, e.g. '{\"method\": \"eagle3\", \"model\": \"DIR\", "
-                             "\"num_speculative_tokens\": 3}' (ngram, suffix, eagle, eagle3, medusa, draft_model): "
-                             "the --draft, --draft-head and --num-draft-tokens it stands for")
+                             "\"num_speculative_tokens\": 3}' (ngram, suffix, eagle, eagle3, medusa, mlp_speculator, "
+                             "mtp, draft_model): the --draft, --draft-head and --num-draft-tokens it stands for")
+    sglang = parser.add_argument_group("SGLang's speculative flags, read as the --draft, --draft-head, "
+                                       "--num-draft-tokens and draft_branches they stand for (docs/configuration.md)")
+    sglang.add_argument(speculative_config.SGLANG_ALGORITHM, default=None,
+                        metavar="|".join(speculative_config.SGLANG_ALGORITHMS))
+    sglang.add_argument(speculative_config.SGLANG_PATH, "--speculative-draft", default=None, metavar="DIR")
+    sglang.add_argument(speculative_config.SGLANG_STEPS, type=int, default=None, metavar="N",
+                        help="a chain's depth (topk 1)")
+    sglang.add_argument(speculative_config.SGLANG_TOPK, type=int, default=None, metavar="B",
+                        help=f"trees B wide (at most {tn.MAX_DRAFT_BRANCHES}); 1: chains")
+    sglang.add_argument(speculative_config.SGLANG_TOKENS, type=int, default=None, metavar="T",
+                        help="a tree's T - 1 nodes (a verify's tokens but the root)")
+    for flag in speculative_config.SGLANG_THRESHOLDS:
+        sglang.add_argument(flag, type=float, default=None, help="1.0 only (exact acceptance)")
+    for flag in speculative_config.SGLANG_ENGINE_FLAGS:
+        sglang.add_argument(flag, default=None, help=argparse.SUPPRESS)
     custom.add_argument("--draft-lora-layers", default="", metavar="first|LAYERS",
                         help="the draft model is made of some of the target's layers (a layer-skip draft: first, "
                              "its first N; or a list, 0-9): it runs a request's LoRA adapter on them too, so that "
@@ -582,7 +597,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"unrecognized arguments: {' '.join(extra)} (server flags go after `--`)")
     args.speculative_ignored = ()
     args.model_name = ""  # the OpenAI API's default model name where not the tokenizer's directory's
-    if args.speculative_config is not None:
+    if args.speculative_config is not None or _sglang_flags(args):
         _apply_speculative_config(parser, args)
     if args.target and Path(args.target).is_dir():
         _apply_speculator(parser, args)
@@ -599,15 +614,38 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def _sglang_flags(args: argparse.Namespace) -> list[str]:
+    """SGLang's speculative flags given on the command line (speculative_config.from_sglang reads them)."""
+    return [flag for flag in (speculative_config.SGLANG_ALGORITHM, speculative_config.SGLANG_PATH,
+                              speculative_config.SGLANG_STEPS, speculative_config.SGLANG_TOPK,
+                              speculative_config.SGLANG_TOKENS, *speculative_config.SGLANG_THRESHOLDS,
+                              *speculative_config.SGLANG_ENGINE_FLAGS)
+            if getattr(args, flag.removeprefix("--").replace("-", "_")) is not None]
+
+
 def _apply_speculative_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """--speculative-config (vLLM's) as the flags it stands for (speculative_config.py); refused beside them."""
+    """--speculative-config (vLLM's) or SGLang's speculative flags as the flags they stand for
+    (speculative_config.py); refused beside them and beside each other."""
+    sglang = _sglang_flags(args)
+    given = speculative_config.FLAG if args.speculative_config is not None else "SGLang's " + ", ".join(sglang)
     if not args.target:
-        parser.error(f"{speculative_config.FLAG} needs --target (the model it drafts for)")
+        parser.error(f"{given} needs --target (the model it drafts for)")
     if args.draft != tn.NGRAM or args.draft_head or args.num_draft_tokens != tn.DEFAULT_NUM_DRAFT_TOKENS:
-        parser.error(f"{speculative_config.FLAG} and --draft, --draft-head or --num-draft-tokens both say how to "
-                     "draft: give one")
+        parser.error(f"{given} and --draft, --draft-head or --num-draft-tokens both say how to draft: give one")
+    if args.speculative_config is not None and sglang:
+        parser.error(f"{speculative_config.FLAG} (vLLM's) and {', '.join(sglang)} (SGLang's) both say how to draft: "
+                     "give one")
     try:
-        spec = speculative_config.read(args.speculative_config)
+        if args.speculative_config is not None:
+            spec = speculative_config.read(args.speculative_config)
+        else:
+            if args.speculative_algorithm is None:
+                raise ValueError(f"{', '.join(sglang)} need {speculative_config.SGLANG_ALGORITHM} (SGLang's)")
+            engine = tuple(flag for flag in sglang if flag in speculative_config.SGLANG_ENGINE_FLAGS)
+            spec = speculative_config.from_sglang(
+                args.speculative_algorithm, args.speculative_draft_model_path, args.speculative_num_steps,
+                args.speculative_eagle_topk, args.speculative_num_draft_tokens,
+                (args.speculative_accept_threshold_single, args.speculative_accept_threshold_acc), engine)
     except ValueError as exc:
         parser.error(str(exc))
     if spec.draft:
@@ -719,7 +757,9 @@ def main(argv: list[str] | None = None) -> int:
         for setting in args.set:
             repository.override(repo, setting)
         if args.speculative_ignored:
-            log(f"{speculative_config.FLAG}: {', '.join(args.speculative_ignored)} tune vLLM's engine, nothing here")
+            vllm = args.speculative_config is not None
+            log(f"{speculative_config.FLAG + ': ' if vllm else ''}{', '.join(args.speculative_ignored)} tune "
+                f"{'vLLM' if vllm else 'SGLang'}'s engine, nothing here")
     layout = triton_layout(run_dir, Path(args.triton_root) if args.triton_root else None)
     http_port, grpc_port, metrics_port = ports()
     command = server_command(layout, repo, http_port, grpc_port, metrics_port, extra=args.server_args)

@@ -17,6 +17,20 @@ directory as the head, K its default proposal method's `speculative_tokens`.
 
 `num_speculative_tokens` K is `--num-draft-tokens K`: the most a round drafts; the adaptive draft length picks
 each round's K up to it (vLLM drafts K every round; the output is the same either way, only the speed differs).
+SGLang's speculative flags (`from_sglang`) are read the same way:
+
+| SGLang's `--speculative-algorithm` | here |
+| --- | --- |
+| `EAGLE`, `EAGLE3` (`--speculative-draft-model-path` the head) | `--draft-head DIR` |
+| `NEXTN` (a model's MTP layer; the path the model's own, or none) | `--draft-head DIR`, by default the target |
+| `STANDALONE` (the path a small LM) | `--draft PATH` |
+| `NGRAM` | `--draft ngram` |
+
+and its tree's shape: `--speculative-eagle-topk` 1 (or none) drafts chains of `--speculative-num-steps` tokens
+(else `--speculative-num-draft-tokens` - 1); a topk B > 1 drafts trees B wide (speculative_decoding's
+`draft_branches`) of `--speculative-num-draft-tokens` - 1 nodes (the verify's tokens but the root; else
+num_steps x B), the adaptive draft length choosing each round's size up to that.
+
 Keys that tune vLLM's own engine (its parallelism, batching, padding) change nothing here and are logged;
 `acceptance_method` other than rejection sampling (vLLM's typical acceptance changes the output's distribution),
 a method this server has no draft for (DeepSeek's and the other MoE models' MTP methods) and keys it does not
@@ -122,6 +136,54 @@ class Speculator:
     target: str  # the verifier's directory
     head: str
     num_draft_tokens: int = 0  # its default proposal method's speculative_tokens; 0: none said
+
+
+SGLANG_ALGORITHM = "--speculative-algorithm"
+SGLANG_PATH, SGLANG_STEPS = "--speculative-draft-model-path", "--speculative-num-steps"
+SGLANG_TOPK, SGLANG_TOKENS = "--speculative-eagle-topk", "--speculative-num-draft-tokens"
+SGLANG_HEADS, SGLANG_MTP, SGLANG_STANDALONE, SGLANG_NGRAM = ("EAGLE", "EAGLE3"), "NEXTN", "STANDALONE", "NGRAM"
+SGLANG_ALGORITHMS = (*SGLANG_HEADS, SGLANG_MTP, SGLANG_STANDALONE, SGLANG_NGRAM)
+# SGLang's flags that tune its engine (attention backends, revisions, FR-Spec's reduced lm_head): taken, logged
+SGLANG_ENGINE_FLAGS = ("--speculative-token-map", "--speculative-draft-model-revision", "--speculative-attention-mode",
+                       "--speculative-draft-attention-backend", "--speculative-moe-runner-backend",
+                       "--speculative-draft-load-format")
+# SGLang's relaxed acceptance (a token accepted with less than the target's probability): lossy unless 1.0
+SGLANG_THRESHOLDS = ("--speculative-accept-threshold-single", "--speculative-accept-threshold-acc")
+
+
+def from_sglang(algorithm: str, path: str | None = None, num_steps: int | None = None, topk: int | None = None,
+                num_draft_tokens: int | None = None, thresholds: tuple[float | None, ...] = (),
+                engine: tuple[str, ...] = ()) -> Speculation:
+    """SGLang's speculative flags as the launcher's draft settings (the table above); ValueError naming the flag
+    for what cannot be served. thresholds: the accept-threshold flags' values; engine: the engine flags given."""
+    name = (algorithm or "").upper()
+    if name not in SGLANG_ALGORITHMS:
+        raise ValueError(f"{SGLANG_ALGORITHM} {algorithm!r} is not served here (one of {', '.join(SGLANG_ALGORITHMS)})")
+    if path is not None and not path:
+        raise ValueError(f"{SGLANG_PATH} must be a path")
+    if name in (*SGLANG_HEADS, SGLANG_STANDALONE) and path is None:
+        raise ValueError(f"{SGLANG_ALGORITHM} {name} needs {SGLANG_PATH} (the draft's directory)")
+    if name == SGLANG_NGRAM and path is not None:
+        raise ValueError(f"{SGLANG_ALGORITHM} NGRAM takes no {SGLANG_PATH}")
+    for flag, value, least in ((SGLANG_STEPS, num_steps, 1), (SGLANG_TOPK, topk, 1),
+                               (SGLANG_TOKENS, num_draft_tokens, 2)):
+        if value is not None and value < least:
+            raise ValueError(f"{flag} must be at least {least}, got {value}")
+    if topk is not None and topk > tn.MAX_DRAFT_BRANCHES:
+        raise ValueError(f"{SGLANG_TOPK} {topk}: trees here are at most {tn.MAX_DRAFT_BRANCHES} wide")
+    for flag, value in zip(SGLANG_THRESHOLDS, thresholds):
+        if value is not None and value != 1.0:
+            raise ValueError(f"{flag} {value:g} is not served: a token accepted above the target's probability changes "
+                             "the output's distribution; rejection sampling here keeps it exact (1.0)")
+    branches = topk if topk is not None and topk > 1 and name != SGLANG_NGRAM else 1
+    if branches > 1:  # a tree: its nodes are the verify's tokens but the root
+        k = num_draft_tokens - 1 if num_draft_tokens is not None else (num_steps * branches if num_steps else None)
+    else:
+        k = num_steps if num_steps is not None else (num_draft_tokens - 1 if num_draft_tokens is not None else None)
+    settings = (f"speculative_decoding.draft_branches={branches}",) if branches > 1 else ()
+    return Speculation(draft=tn.NGRAM if name == SGLANG_NGRAM else (path if name == SGLANG_STANDALONE else None),
+                       head=path if name in (*SGLANG_HEADS, SGLANG_MTP) else None, mtp=name == SGLANG_MTP,
+                       num_draft_tokens=k, settings=settings, ignored=tuple(engine))
 
 
 def speculator(path: str) -> Speculator | None:
