@@ -206,6 +206,10 @@ def test_the_launcher_reads_sglangs_flags_and_refuses_them_beside_its_own_or_vll
     assert (args.draft_head, args.num_draft_tokens, args.set) == (["/w/target"], 3, [])
     args = launcher.parse_args([*base, "--speculative-algorithm", "STANDALONE", "--speculative-draft", "/d"])
     assert (args.draft, args.draft_head) == ("/d", [])
+    # SGLang's names of the target and the context
+    args = launcher.parse_args(["--model-path", "/w/target", "--context-length", "8192", "--speculative-algorithm",
+                                "NEXTN"])
+    assert (args.target, args.max_context_tokens, args.draft_head) == ("/w/target", 8192, ["/w/target"])
     for flags, message in (
             (["--speculative-num-steps", "3"], "--speculative-num-steps need --speculative-algorithm"),
             (["--speculative-algorithm", "NGRAM", "--draft", "/d"], "both say how to draft"),

@@ -393,7 +393,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pair", default=os.environ.get("PAIR", "default"), choices=sorted(pairs.PAIRS))
     custom = parser.add_argument_group("a pair given by paths (instead of --pair)")
-    custom.add_argument("--target", help="target model: HF directory or .gguf file")
+    custom.add_argument("--target", "--model-path", help="target model: HF directory or .gguf file (--model-path: "
+                                                        "SGLang's name)")
     custom.add_argument("--draft", default=tn.NGRAM,
                         help=f'draft model path, or "{tn.NGRAM}" for prompt lookup, or "{tn.SUFFIX}" for prompt '
                              "lookup also over earlier requests' text")
@@ -406,8 +407,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     custom.add_argument("--draft-gpu", type=int, default=0)
     custom.add_argument("--num-draft-tokens", type=int, default=tn.DEFAULT_NUM_DRAFT_TOKENS, help="default draft length per request")
     custom.add_argument("--max-num-draft-tokens", type=int, default=tn.DEFAULT_MAX_NUM_DRAFT_TOKENS)
-    custom.add_argument("--max-context-tokens", "--max-model-len", type=int, default=tn.DEFAULT_MAX_CONTEXT_TOKENS,
-                        help="prompt and output tokens per sequence (--max-model-len: vLLM's name)")
+    custom.add_argument("--max-context-tokens", "--max-model-len", "--context-length", type=int,
+                        default=tn.DEFAULT_MAX_CONTEXT_TOKENS,
+                        help="prompt and output tokens per sequence (--max-model-len: vLLM's name; --context-length: "
+                             "SGLang's)")
     custom.add_argument(speculative_config.FLAG, default=None, metavar="JSON",
                         help="vLLM's speculative config, e.g. '{\"method\": \"eagle3\", \"model\": \"DIR\", "
                              "\"num_speculative_tokens\": 3}' (ngram, suffix, eagle, eagle3, medusa, mlp_speculator, "
