@@ -471,20 +471,22 @@ def test_a_hosted_heads_greedy_rounds_run_ahead_in_cuda_graphs(tiny_pair):
     assert target.lm.ahead_used >= 4  # taken after rounds 2, 3, 10, 11 (K rising drops it and pauses the next)
 
 
-@pytest.mark.parametrize("layers", [{}, {"num_layers": 3, "layer_type": "qwen3"}], ids=["one", "three-qwen3"])
+@pytest.mark.parametrize("layers", [{}, {"num_layers": 3, "layer_type": "qwen3"}, "mtp"],
+                         ids=["one", "three-qwen3", "mtp"])
 def test_a_heads_captured_draft_steps_equal_its_eager_ones(tiny_pair, layers):
     """The draft steps replayed as CUDA graphs (head_graphs.py: chain steps, fills, tree levels) propose what
     the eager steps do: the same greedy tokens and trees, the same sampled distributions (float64), over
-    several rounds with rollback and across window buckets; a head of one layer, and of three Qwen3 layers
-    (each layer's keys in its own plane of the pool)."""
+    several rounds with rollback and across window buckets; an EAGLE-3 head of one layer, and of three Qwen3
+    layers (each layer's keys in its own plane of the pool), and an MTP layer (MiMo's: the target's lm_head)."""
     from specdec.engine.interfaces import Step
-    from specdec.engine.draft_heads import read_target_tensors
+    from specdec.engine.draft_heads import MTP, random_head, read_target_tensors
     from specdec.engine.head_executor import HeadExecutor
     from transformers import AutoConfig
-    head = _random_eagle3(AutoConfig.from_pretrained(tiny_pair.target_path), **layers).to(device="cuda",
-                                                                                         dtype=torch.float64)
-    _, embed, _ = read_target_tensors(tiny_pair.target_path, "cuda", torch.float64)
-    head.attach(embed, None)
+    config = AutoConfig.from_pretrained(tiny_pair.target_path)
+    head = random_head(MTP, config, seed=1) if layers == "mtp" else _random_eagle3(config, **layers)
+    head = head.to(device="cuda", dtype=torch.float64)
+    _, embed, lm_head = read_target_tensors(tiny_pair.target_path, "cuda", torch.float64)
+    head.attach(embed, lm_head if layers == "mtp" else None)
     eager, graphs = HeadExecutor(head, graphs=False), HeadExecutor(head, graphs=True, max_context=512)
     assert graphs.warm_up()[0] == 3 * len(graphs.steps.rows)  # windows 128, 256, 512 for each row bucket
     width = head.config.feature_width
