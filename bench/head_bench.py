@@ -29,6 +29,7 @@ from specdec.engine.build import dynamic_executor, static_executor
 from specdec.engine.draft_heads import (EAGLE, EAGLE3, MEDUSA, MLP, MTP, load_head_for, random_head,
                                         read_target_tensors)
 from specdec.engine.head_executor import HeadExecutor
+from specdec.engine.head_kernels import HeadKernels
 
 K = 4
 CONTEXT = 256
@@ -115,9 +116,11 @@ def main(argv=None) -> int:
         if hasattr(head, "attach"):  # (Medusa and MLP speculators read neither)
             head.attach(embed, lm_head)
         shape = f", {layers} layers" if layers > 1 else ""
+        # on a CPU an EAGLE head or MTP layer steps on the layer kernels where they are built (head_kernels.py)
+        eager = "CPU kernels" if HeadKernels.serving(head) is not None else "eager"
         for graphs in ((False, True) if device.type == "cuda" and kind in (EAGLE, EAGLE3, MTP) else (False,)):
             ms = head_step_ms(head, device, args.reps, graphs)
-            rows.append([f"{kind} head{shape} ({'CUDA graphs' if graphs else 'eager'})", f"{ms:.2f}",
+            rows.append([f"{kind} head{shape} ({'CUDA graphs' if graphs else eager})", f"{ms:.2f}",
                          f"{ms / target_ms:.3f}"])
         del head
     if args.default_pair:  # the shipped head as served (the pair's float32), and in bfloat16: half the bytes

@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from specdec.engine import llama_model
+from specdec.engine.llama_forward import MIMO
 from specdec.engine.llama_model import RMSNorm, rotate
 
 EAGLE, EAGLE3, MEDUSA, MLP, MTP = "eagle", "eagle3", "medusa", "mlp_speculator", "mtp"
@@ -52,7 +53,7 @@ LAYER_CLASSES = {"LlamaDecoderLayer": LLAMA, "Qwen3DecoderLayer": QWEN3}  # tran
 QWEN2 = "qwen2"  # an MTP layer's: Qwen2's decoder layer (biases on the query, key and value projections only)
 # The models whose MTP layers are read (config.json's model_type; num_nextn_predict_layers says it has them), the
 # key prefix of their first layer in the model's checkpoint, and the final norm's key (`from_target` reads it)
-MTP_MODEL_TYPES = ("mimo",)
+MTP_MODEL_TYPES = (MIMO,)
 MTP_PREFIX, MTP_TARGET_NORM = "model.mtp_layers.0.", "model.norm.weight"
 MTP_OWN = ("token_layernorm", "hidden_layernorm", "input_proj", "final_layernorm")  # beside its decoder layer
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "medusa_lm_head.safetensors", "medusa_lm_head.pt")

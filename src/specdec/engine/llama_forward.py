@@ -20,8 +20,9 @@ from specdec import tensor_names as tn
 from specdec.engine import fp8_linear, kernels, paged_attention, panel_linear
 from specdec.engine.lora import AdapterSet
 
-# (mimo: MiMo's, a Qwen2 model whose checkpoint also holds MTP layers, which draft_heads serves as a draft)
-FAMILY = ("llama", "mistral", "qwen2", "qwen3", "mimo")
+# MiMo's model_type: a Qwen2 model whose checkpoint also holds MTP layers (draft_heads serves them as a draft)
+MIMO = "mimo"
+FAMILY = ("llama", "mistral", "qwen2", "qwen3", MIMO)
 
 
 def supports(model) -> str | None:

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from specdec import tensor_names as tn
-from specdec.engine import fp8_linear, llama_model, onednn_linear
+from specdec.engine import fp8_linear, llama_forward, llama_model, onednn_linear
 
 DTYPES = {name: getattr(torch, name) for name in tn.DTYPE_NAMES}
 # config.json's quantization_config.quant_method of the FP8 checkpoints loaded here: llm-compressor's
@@ -101,7 +101,7 @@ def _transformers_model(path: Path, kwargs: dict):
     from transformers import AutoModelForCausalLM
 
     raw = json.loads((path / "config.json").read_text())
-    if raw.get("model_type") == "mimo":
+    if raw.get("model_type") == llama_forward.MIMO:
         from transformers import Qwen2Config, Qwen2ForCausalLM
 
         config = Qwen2Config(**{key: value for key, value in raw.items()
