@@ -20,7 +20,7 @@ import pytest
 from transformers import AutoConfig
 
 from specdec import tensor_names as tn
-from specdec.engine.draft_heads import EAGLE, EAGLE3, MEDUSA, MLP, MTP, MTP_PREFIX, random_head, save_head
+from specdec.engine.draft_heads import EAGLE, EAGLE3, MEDUSA, MLP, MTP, random_head, save_head
 from specdec.serving import pairs, repository
 from specdec.serving import server as serving_server
 from specdec.train.data import load_prompts
@@ -272,11 +272,12 @@ def test_sampled_output_with_a_head_follows_the_targets_distribution(head_server
 @pytest.fixture(scope="module")
 def mimo_server(tmp_path_factory):
     """A tiny MiMo model (Qwen2's weights, its MTP layer in the same checkpoint, MiMo's config.json with its
-    remote-code classes named) served by the launcher as vLLM's command line for it reads: `--target DIR
+    remote-code classes named: `write_mimo`) served by the launcher as vLLM's command line for it reads: `--target DIR
     --speculative-config '{"method": "mtp", "num_speculative_tokens": 3}'`."""
     import torch
-    from safetensors.torch import load_file, save_file
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    from tests.unit.test_mtp_heads import write_mimo
 
     root = tmp_path_factory.mktemp("mimo")
     path = root / "MiMo-tiny"
@@ -286,18 +287,8 @@ def mimo_server(tmp_path_factory):
         vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.5, tie_word_embeddings=False,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id))
-    model.save_pretrained(path)
+    write_mimo(path, model, random_head(MTP, model.config, seed=4))
     tokenizer.save_pretrained(path)
-    head = random_head(MTP, model.config, seed=4)
-    head.target_norm.copy_(model.model.norm.weight)
-    layer = load_file(str(save_head(head, root / "layer") / "model.safetensors"))
-    weights = load_file(str(path / "model.safetensors"))
-    save_file({**weights, **{key: value for key, value in layer.items() if key.startswith(MTP_PREFIX)}},
-              str(path / "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads((path / "config.json").read_text())
-    config.update(model_type="mimo", architectures=["MiMoForCausalLM"], num_nextn_predict_layers=1,
-                  auto_map={"AutoModelForCausalLM": "modeling_mimo.MiMoForCausalLM"})
-    (path / "config.json").write_text(json.dumps(config))
     server = serving_server.start(
         root / "run", root / "tritonserver.log",
         ["--target", str(path), "--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": 3}),

@@ -5,6 +5,8 @@ final norm, as vLLM's MiMo MTP reads it), lossless speculation with it, and what
 
 import asyncio
 import json
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -38,27 +40,41 @@ def _randomized(module, seed):
     return module
 
 
-@pytest.fixture(scope="module")
-def mimo(tmp_path_factory):
-    """A tiny MiMo directory in float64: Qwen2's weights in shards, its MTP layer in a shard of its own (as
-    MiMo's index maps them), MiMo's config.json. -> (path, the Qwen2 model, the MTP head as made)."""
-    path = tmp_path_factory.mktemp("mimo") / "MiMo-tiny"
-    torch.manual_seed(0)
-    model = _randomized(Qwen2ForCausalLM(Qwen2Config(**SHAPE)).to(torch.float64), 1).eval()
-    model.save_pretrained(path, max_shard_size="40KB")
-    head = _randomized(random_head(MTP, model.config, seed=2).to(torch.float64), 3)
+def write_mimo(path: Path, model, head, max_shard_size: str = "5GB") -> Path:
+    """A MiMo directory as its checkpoints are laid out: the Qwen2 `model`'s weights (in shards of
+    `max_shard_size`), the MTP `head`'s layer in a shard of its own that the index maps (the head reading
+    `model`'s final norm), MiMo's config.json naming its remote-code classes."""
+    from safetensors import safe_open
+
+    model.save_pretrained(path, max_shard_size=max_shard_size)
     head.target_norm.copy_(model.model.norm.weight)
-    save_head(head, path / "made")
-    layer = {key: value for key, value in load_file(str(path / "made" / "model.safetensors")).items()
-             if key.startswith(MTP_PREFIX)}
-    save_file(layer, str(path / "model-mtp.safetensors"))
-    index = json.loads((path / "model.safetensors.index.json").read_text())
+    with tempfile.TemporaryDirectory() as made:
+        layer = {key: value for key, value in load_file(str(save_head(head, made) / "model.safetensors")).items()
+                 if key.startswith(MTP_PREFIX)}
+        save_file(layer, str(path / "model-mtp.safetensors"), metadata={"format": "pt"})
+    index_file = path / "model.safetensors.index.json"
+    if index_file.exists():
+        index = json.loads(index_file.read_text())
+    else:  # one file: an index naming it, as a sharded checkpoint's does
+        with safe_open(str(path / "model.safetensors"), framework="pt") as handle:
+            index = {"metadata": {}, "weight_map": {key: "model.safetensors" for key in handle.keys()}}
     index["weight_map"].update({key: "model-mtp.safetensors" for key in layer})
-    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    index_file.write_text(json.dumps(index))
     config = json.loads((path / "config.json").read_text())
     config.update(model_type="mimo", architectures=["MiMoForCausalLM"], num_nextn_predict_layers=1,
                   auto_map={"AutoModelForCausalLM": "modeling_mimo.MiMoForCausalLM"})
     (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.fixture(scope="module")
+def mimo(tmp_path_factory):
+    """A tiny MiMo directory in float64: Qwen2's weights in shards, its MTP layer in a shard of its own (as
+    MiMo's index maps them), MiMo's config.json. -> (path, the Qwen2 model, the MTP head as made)."""
+    torch.manual_seed(0)
+    model = _randomized(Qwen2ForCausalLM(Qwen2Config(**SHAPE)).to(torch.float64), 1).eval()
+    head = _randomized(random_head(MTP, model.config, seed=2).to(torch.float64), 3)
+    path = write_mimo(tmp_path_factory.mktemp("mimo") / "MiMo-tiny", model, head, max_shard_size="40KB")
     return path, model, head
 
 
@@ -124,7 +140,7 @@ def test_the_mtp_layer_drafts_as_mimos_mtp_computes(mimo):
     assert head.config.feature_layers(SHAPE["num_hidden_layers"]) == (SHAPE["num_hidden_layers"] - 1,)
     assert torch.equal(head.target_norm, model.model.norm.weight)
     assert all(torch.equal(head.state_dict()[key], value) for key, value in made.state_dict().items())
-    layer = {key: value for key, value in load_file(str(path / "model-mtp.safetensors")).items()}
+    layer = load_file(str(path / "model-mtp.safetensors"))
     expected = mimo_reference(model, layer, PROMPT)
     with torch.no_grad():
         post_norm = model(torch.tensor([PROMPT]), output_hidden_states=True).hidden_states[-1][0, :-1]

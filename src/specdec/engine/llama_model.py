@@ -296,13 +296,18 @@ class CausalLM(nn.Module):
 
 
 def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+    """The model's tensors from its safetensors, but those it does not use (IGNORED_TENSORS, DRAFT_PREFIXES):
+    never read (a MiMo checkpoint's MTP layer stays on disk)."""
+    from safetensors import safe_open
 
     tensors: dict[str, torch.Tensor] = {}
     for file in _weight_files(path):
         if not file.exists():
             raise ValueError(f"{path}: {file.name} is missing")
-        tensors.update(load_file(str(file)))
+        with safe_open(str(file), framework="pt") as handle:
+            for key in handle.keys():
+                if not key.endswith(IGNORED_TENSORS) and not key.startswith(DRAFT_PREFIXES):
+                    tensors[key] = handle.get_tensor(key)
     return tensors
 
 
@@ -315,8 +320,7 @@ def load(path: str | Path, dtype: torch.dtype = torch.float32) -> CausalLM:
     config = read_config(path)
     if isinstance(config, str):
         raise ValueError(f"{path}: not built here: {config}")
-    tensors = {key: value for key, value in _read_tensors(path).items()
-               if not key.endswith(IGNORED_TENSORS) and not key.startswith(DRAFT_PREFIXES)}
+    tensors = _read_tensors(path)
     biases = {key.split(".")[-2] for key in tensors if key.startswith("model.layers.0.") and key.endswith(".bias")}
     qk_norm = "model.layers.0.self_attn.q_norm.weight" in tensors
     model = CausalLM(config, biases, qk_norm, device="meta")

@@ -600,8 +600,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"unrecognized arguments: {' '.join(extra)} (server flags go after `--`)")
     args.speculative_ignored = ()
     args.model_name = ""  # the OpenAI API's default model name where not the tokenizer's directory's
-    if args.speculative_config is not None or _sglang_flags(args):
-        _apply_speculative_config(parser, args)
+    sglang = _sglang_flags(args)
+    if args.speculative_config is not None or sglang:
+        _apply_speculative_config(parser, args, sglang)
     if args.target and Path(args.target).is_dir():
         _apply_speculator(parser, args)
     if not any(arg.startswith("--model-control-mode=") for arg in extra):
@@ -626,10 +627,10 @@ def _sglang_flags(args: argparse.Namespace) -> list[str]:
             if getattr(args, flag.removeprefix("--").replace("-", "_")) is not None]
 
 
-def _apply_speculative_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """--speculative-config (vLLM's) or SGLang's speculative flags as the flags they stand for
-    (speculative_config.py); refused beside them and beside each other."""
-    sglang = _sglang_flags(args)
+def _apply_speculative_config(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                              sglang: list[str]) -> None:
+    """--speculative-config (vLLM's) or SGLang's speculative flags (`sglang`: those given) as the flags they stand
+    for (speculative_config.py); refused beside them and beside each other."""
     given = speculative_config.FLAG if args.speculative_config is not None else "SGLang's " + ", ".join(sglang)
     if not args.target:
         parser.error(f"{given} needs --target (the model it drafts for)")
