@@ -1444,6 +1444,125 @@ def _post(url: str, body: dict) -> dict:
         return json.loads(response.read())
 
 
+def _native(server, path: str, body: dict | None = None, headers: dict | None = None) -> tuple[int, object]:
+    """SGLang's native API on the API's port, as its docs' clients call it (`requests.post(url + "/generate",
+    json=...)`): (status, the JSON answer)."""
+    root = server.openai_url.removesuffix("/v1")
+    request = urllib.request.Request(root + path, data=None if body is None else json.dumps(body).encode(),
+                                     method="GET" if body is None else "POST",
+                                     headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            text = response.read().decode()
+            return response.status, json.loads(text) if text.lstrip()[:1] in "[{" else text
+    except urllib.error.HTTPError as refused:
+        return refused.code, json.loads(refused.read())
+
+
+def _bench_serving_stream(server, body: dict) -> tuple[list[dict], list[str]]:
+    """A streamed /generate read line by line as SGLang's bench_serving reads it (aiohttp, each line stripped,
+    `data: ` removed, [DONE] skipped, the text so far in each event): (the events, every line's payload)."""
+    import aiohttp
+
+    async def read():
+        events, lines = [], []
+        url = server.openai_url.removesuffix("/v1") + "/generate"
+        async with aiohttp.ClientSession() as session, session.post(url, json=body) as response:
+            assert response.status == 200 and response.headers["Content-Type"].startswith("text/event-stream")
+            async for raw in response.content:
+                line = raw.strip()
+                if line:
+                    lines.append(line.decode().removeprefix("data: "))
+                    if lines[-1] != "[DONE]":
+                        events.append(json.loads(lines[-1]))
+        return events, lines
+    return asyncio.run(read())
+
+
+def test_sglangs_generate_answers_as_completions_do_whole_streamed_and_batched(server, api, model):
+    """SGLang's native /generate (what `sglang.bench_serving --backend sglang` and RL rollout workers send):
+    the greedy completion's text and tokens, SGLang's meta_info with the speculative figures, streamed with the
+    output so far in each event; batches of texts or token ids, one sampling_params or one per prompt, n
+    choices; log-probabilities as the completions path's; a stop string named in finish_reason."""
+    greedy = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
+    whole = api.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0, logprobs=2,
+                                   extra_body={"ignore_eos": True, "return_token_ids": True}).model_dump()
+    expected, ids = whole["choices"][0]["text"], whole["choices"][0]["token_ids"]
+    status, out = _native(server, "/generate", {"text": PROMPT, "rid": "mine", "sampling_params": greedy})
+    assert status == 200 and out["text"] == expected and out["output_ids"] == ids
+    meta = out["meta_info"]
+    assert meta["id"] == "mine" and meta["finish_reason"] == {"type": "length", "length": 12}
+    assert (meta["prompt_tokens"], meta["completion_tokens"]) == (whole["usage"]["prompt_tokens"], 12)
+    assert meta["spec_verify_ct"] >= 1 and meta["spec_accept_length"] == 12 / meta["spec_verify_ct"]
+    assert meta["e2e_latency"] > 0
+
+    events, lines = _bench_serving_stream(server, {"text": PROMPT, "sampling_params": greedy, "stream": True})
+    assert lines[-1] == "[DONE]" and events[-1]["text"] == expected and events[-1]["output_ids"] == ids
+    counts = [e["meta_info"]["completion_tokens"] for e in events]
+    assert counts == sorted(set(counts)) and counts[-1] == 12  # each event adds tokens (bench_serving's ITL)
+    assert all(later["text"].startswith(e["text"]) for e, later in zip(events, events[1:]))
+    assert [e["meta_info"]["finish_reason"] for e in events[:-1]] == [None] * (len(events) - 1)
+    assert events[-1]["meta_info"]["finish_reason"]["type"] == "length"
+
+    # a batch: texts and token ids alike, each output its prompt's completion; log-probabilities as completions'
+    prompt_ids = whole["choices"][0]["prompt_token_ids"]
+    status, batch = _native(server, "/generate", {"input_ids": [prompt_ids, prompt_ids[:3]], "rid": ["a", "b"],
+                                                  "sampling_params": greedy, "return_logprob": True,
+                                                  "top_logprobs_num": 2, "return_text_in_logprobs": True})
+    assert status == 200 and [o["meta_info"]["id"] for o in batch] == ["a", "b"] and batch[0]["text"] == expected
+    short = api.completions.create(model=model, prompt=prompt_ids[:3], max_tokens=12, temperature=0,
+                                   extra_body={"ignore_eos": True})
+    assert batch[1]["text"] == short.choices[0].text
+    logprobs = batch[0]["meta_info"]["output_token_logprobs"]
+    assert [t for _, t, _ in logprobs] == ids and "".join(text for _, _, text in logprobs) == expected
+    assert np.allclose([v for v, _, _ in logprobs], whole["choices"][0]["logprobs"]["token_logprobs"], atol=1e-5)
+    tops = batch[0]["meta_info"]["output_top_logprobs"]
+    assert all(len(row) == 2 and row[0][1] == t for row, t in zip(tops, ids))
+    status, split = _native(server, "/generate", {"text": [PROMPT, PROMPT], "sampling_params": [
+        {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}, greedy]})
+    assert status == 200 and [o["text"] for o in split] == [split[0]["text"], expected]
+    assert [o["meta_info"]["completion_tokens"] for o in split] == [3, 12] and expected.startswith(split[0]["text"])
+    status, sampled = _native(server, "/generate", {"text": PROMPT, "rid": "s", "sampling_params": {
+        "n": 2, "temperature": 1.0, "sampling_seed": 5, "max_new_tokens": 8}})
+    assert status == 200 and [o["meta_info"]["id"] for o in sampled] == ["s-0", "s-1"]
+    assert sampled[0]["output_ids"] != sampled[1]["output_ids"]  # each choice its own seed (seed + j)
+
+    word = expected.split()[2]
+    status, stopped = _native(server, "/generate", {"text": PROMPT, "sampling_params": {**greedy, "stop": [word]}})
+    assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": word}
+    assert stopped["text"] == expected[:expected.index(word)]
+    status, kept = _native(server, "/generate", {"text": PROMPT, "sampling_params": {
+        **greedy, "stop": [word], "no_stop_trim": True}})
+    assert kept["text"] == expected[:expected.index(word) + len(word)]
+
+
+def test_sglangs_server_info_model_info_health_generate_and_refusals(server, model):
+    """/get_server_info's avg_spec_accept_length (what bench_serving prints as "Accept length") is the
+    server's tokens per drafting round, from its metrics; /get_model_info; /health_generate generates; bad
+    requests get 400 naming SGLang's field and the server serves on."""
+    _native(server, "/generate", {"text": PROMPT, "sampling_params": {"max_new_tokens": 16, "temperature": 0}})
+    own = metrics_text.scrape(server.metrics_url)
+    rounds = metrics_text.sum_samples(own, "specdec_accepted_length_count")
+    accepted = metrics_text.sum_samples(own, "specdec_accepted_draft_tokens_total")
+    for path in ("/get_server_info", "/server_info"):
+        status, info = _native(server, path)
+        assert status == 200 and info["served_model_name"] == model
+        assert info["internal_states"][0]["avg_spec_accept_length"] == pytest.approx(1 + accepted / rounds)
+    _native(server, "/generate", {"text": PROMPT, "sampling_params": {"max_new_tokens": 16, "temperature": 0}})
+    assert _native(server, "/get_server_info")[1]["internal_states"][0]["last_gen_throughput"] > 0
+    status, info = _native(server, "/get_model_info")
+    assert status == 200 and info["model_path"] == model and info["is_generation"] is True
+    assert _native(server, "/health_generate") == (200, "ok\n")
+    for body, param in [({"text": PROMPT, "image_data": "cat.png"}, "image_data"),
+                        ({"text": PROMPT, "sampling_params": {"max_new_tokens": 10**6}}, "sampling_params.max_new_tokens"),
+                        ({"text": PROMPT, "sampling_params": {"top_k": "x"}}, "sampling_params.top_k"),
+                        ({"text": PROMPT, "lora_path": "no-such-adapter"}, "lora_path"),
+                        ({"input_ids": [10**8]}, "text")]:
+        status, refused = _native(server, "/generate", body)
+        assert status in (400, 404) and refused["error"]["param"] == param, refused
+    assert _native(server, "/generate", {"text": PROMPT, "sampling_params": {"max_new_tokens": 2}})[0] == 200
+
+
 def test_the_tokenizer_endpoints_tokenize_as_the_server_does(server, api, model):
     """vLLM's /tokenize, /detokenize and /tokenizer_info (what lm-eval's remote tokenizer uses): a chat's count is
     the chat endpoint's prompt_tokens, a prompt's tokens are the completions endpoint's, the model card and
@@ -1557,6 +1676,12 @@ def test_an_api_key_is_required_when_set(server, model):
         with pytest.raises(urllib.error.HTTPError) as caught:  # the tokenizer endpoints need it too
             urllib.request.urlopen(request, timeout=10)
         assert caught.value.code == 401
+        # SGLang's native API: /generate and the info pages behind the key, /health_generate not (a probe's)
+        native = {"text": PROMPT, "sampling_params": {"max_new_tokens": 2}}
+        local = type("Local", (), {"openai_url": url})
+        assert _native(local, "/generate", native)[0] == _native(local, "/get_server_info")[0] == 401
+        assert _native(local, "/generate", native, {"Authorization": "Bearer s3cret"})[0] == 200
+        assert _native(local, "/health_generate")[0] == 200
 
 
 def _leave_a_stream(api, model, chunks: int, n: int = 1) -> None:

@@ -8,6 +8,8 @@ talking to the ensemble over gRPC; the launcher runs it beside the server (OPENA
   responses  OpenAI's Responses API on the chat path: the request mapped, the response object, its events (pure)
   messages   Anthropic's Messages API on the chat path: the request mapped, the message, its events, its
              errors (pure)
+  sglang_native  SGLang's native API (/generate, /get_server_info, /get_model_info, /health_generate) on the
+             completions path: the request mapped, its outputs' meta_info, the server's accept length (pure)
   response_store  the Responses API's stored responses (`store`, `previous_response_id`): in memory, or in a
              directory replicas share
   conversations  OpenAI's Conversations API: items that responses naming a conversation read and add to

@@ -27,7 +27,7 @@ from specdec.decoding import json_text
 from specdec.decoding.text import token_bytes, token_text
 from specdec.engine.lora_config import slot_count
 from specdec.gateway import (adapters, batches, conversations, messages, metrics, protocol, reasoning, responses,
-                             tokenization, tools, vllm_metrics)
+                             sglang_native, tokenization, tools, vllm_metrics)
 from specdec.gateway.protocol import STATS_FIELD, ApiError, Generation
 from specdec.gateway.background import BackgroundResponses
 from specdec.gateway.cors import CorsPolicy
@@ -105,6 +105,7 @@ class Gateway:
         self.metrics = metrics.ApiMetrics(self.store, self.background, self.conversations.store, self.files.contents,
                                           self.batches)
         self.created = int(time.time())
+        self._generated_at: tuple[float, float] | None = None  # (time, the server's tokens) at the last server info
         self.runtime_adapters = adapters.RuntimeAdapters(served) if runtime_lora else None
         self.log = log
 
@@ -146,6 +147,12 @@ class Gateway:
             app.router.add_post("/v1/load_lora_adapter", self.load_lora_adapter)
             app.router.add_post("/v1/unload_lora_adapter", self.unload_lora_adapter)
         app.router.add_get(HEALTH_PATH, self.health)
+        app.router.add_post(sglang_native.GENERATE_PATH, self.sglang_generate)
+        for path in sglang_native.SERVER_INFO_PATHS:
+            app.router.add_get(path, self.sglang_server_info)
+        for path in sglang_native.MODEL_INFO_PATHS:
+            app.router.add_get(path, self.sglang_model_info)
+        app.router.add_get(sglang_native.HEALTH_GENERATE_PATH, self.health_generate)
         app.router.add_get(PING_PATH, self.health)
         app.router.add_post(INVOCATIONS_PATH, self.invocations)
         app.router.add_get("/version", self.version)
@@ -187,7 +194,8 @@ class Gateway:
 
     @web.middleware
     async def _errors(self, request: web.Request, handler):
-        if self.api_key and (request.path.startswith(API_PREFIX) or request.path in TOKENIZER_PATHS):
+        if self.api_key and (request.path.startswith(API_PREFIX) or request.path in TOKENIZER_PATHS
+                             or request.path in sglang_native.KEYED_PATHS):
             # OpenAI's clients send the key as a bearer token, Anthropic's as x-api-key
             given = request.headers.get("Authorization", "").encode()
             anthropic = request.headers.get("x-api-key", "").encode()
@@ -993,21 +1001,24 @@ class Gateway:
 
     async def metrics_page(self, request: web.Request) -> web.Response:
         """GET /metrics: the API's Prometheus metrics (no API key, as /health: a scraper has none), and the
-        server's under vLLM's names (vllm_metrics.py) where it knows the server's metrics port; a server that
-        does not answer within a second leaves those out of this scrape."""
+        server's under vLLM's names (vllm_metrics.py) where it knows the server's metrics port."""
         page = await asyncio.to_thread(self.metrics.page)  # a shared store's directory is listed
-        if self.server_metrics_url:
-            try:
-                timeout = ClientTimeout(total=1.0)
-                async with ClientSession(timeout=timeout) as session, \
-                        session.get(f"http://{self.server_metrics_url}/metrics") as answer:
-                    server = await answer.text() if answer.status == 200 else ""
-            except (ClientError, asyncio.TimeoutError):
-                server = ""
-            if server:
-                page += await asyncio.to_thread(vllm_metrics.page, server, self.served[0],
-                                                self.lora_info())
+        server = await self._server_metrics()
+        if server:
+            page += await asyncio.to_thread(vllm_metrics.page, server, self.served[0], self.lora_info())
         return web.Response(body=page, headers={"Content-Type": metrics.CONTENT_TYPE})
+
+    async def _server_metrics(self) -> str:
+        """The server's Prometheus text ("" without its metrics port, or when it does not answer within a
+        second)."""
+        if not self.server_metrics_url:
+            return ""
+        try:
+            async with ClientSession(timeout=ClientTimeout(total=1.0)) as session, \
+                    session.get(f"http://{self.server_metrics_url}/metrics") as answer:
+                return await answer.text() if answer.status == 200 else ""
+        except (ClientError, asyncio.TimeoutError):
+            return ""
 
     async def invocations(self, request: web.Request) -> web.StreamResponse:
         """POST /invocations (SageMaker's, as vLLM routes it): a body with `messages` answered as
@@ -1034,6 +1045,129 @@ class Gateway:
         if await self.upstream.ready():
             return web.Response(text="ok\n")
         return web.Response(status=503, text=f"not ready: {tn.ENSEMBLE} at {self.upstream.url}\n")
+
+    # ---- SGLang's native API (sglang_native.py) ------------------------------------------------------------
+    async def sglang_generate(self, request: web.Request) -> web.StreamResponse:
+        """POST /generate: SGLang's request, answered by the completions path in SGLang's form."""
+        started = time.monotonic()
+        body = await self._body(request)
+        try:
+            native, bodies = sglang_native.completion_bodies(body, self.served[0])
+            gens = [self._completion(one) for one in bodies]
+        except ApiError as exc:
+            raise sglang_native.renamed(exc) from None
+        gen = gens[0]
+        for other in gens[1:]:  # prompts of their own sampling_params: one request's choices all the same
+            gen.choices += other.choices
+        named = {"request_id": native.rids[0]} if not native.batch and native.rids[0] is not None else {}
+        gen = self._identified(request, named, gen)
+        listed = native.batch or native.n > 1  # SGLang answers a list then
+        try:
+            async with self._choices(gen, request if gen.stream else None) as (_, pieces):
+                merged = [Piece() for _ in gen.choices]
+                if gen.stream:
+                    return await self._native_stream(request, gen, native, pieces, merged, started, listed)
+                async for index, piece in pieces:
+                    merged[index].add(piece)
+            outputs = [self._native_output(gen, native, i, m, started) for i, m in enumerate(merged)]
+        except ApiError as exc:
+            raise sglang_native.renamed(exc) from None
+        return web.json_response(outputs if listed else outputs[0])
+
+    async def _native_stream(self, request: web.Request, gen: Generation, native: sglang_native.Native, pieces,
+                             merged: list[Piece], started: float, listed: bool) -> web.StreamResponse:
+        """SGLang's stream: an event per response with the output so far (text, ids, meta_info), `index` with
+        several outputs, then [DONE]; an error after the stream began is an event {"error": ...}."""
+        response = await _event_stream(request)
+        try:
+            async for index, piece in pieces:
+                merged[index].add(piece)
+                if not piece.ids and not piece.finish_reason:
+                    continue
+                out = self._native_output(gen, native, index, merged[index], started)
+                if listed:
+                    out["index"] = index
+                await response.write(protocol.sse(out))
+        except ApiError as exc:
+            self.metrics.stream_error(exc.status)
+            await response.write(protocol.sse(sglang_native.renamed(exc).body()))
+        await response.write(protocol.sse("[DONE]"))
+        await response.write_eof()
+        return response
+
+    def _native_output(self, gen: Generation, native: sglang_native.Native, index: int, merged: Piece,
+                       started: float) -> dict:
+        """Output `index` as SGLang writes it, from its responses so far (`merged`)."""
+        reason = self._finish_reason(merged)
+        prompt, completion, cached = protocol.token_counts(merged.stats, len(merged.ids))
+        matched = None
+        if reason == "stop":
+            stops, stop_ids = native.stops[index // native.n], native.stop_ids[index // native.n]
+            if stops and self.tokenizer is not None:
+                generated = self.tokenizer.decode(merged.ids, skip_special_tokens=True)
+                matched = messages.matched_stop(generated, merged.text, stops)
+            if matched is None and merged.ids and merged.ids[-1] in stop_ids:
+                matched = merged.ids[-1]
+        meta = {"id": native.output_id(index, f"{gen.id}-{index}"),
+                "finish_reason": sglang_native.finish_reason(reason, merged.ids, completion, matched),
+                "prompt_tokens": prompt, "completion_tokens": completion, "cached_tokens": cached}
+        if reason:
+            meta["e2e_latency"] = time.monotonic() - started
+            meta.update(sglang_native.spec_info(merged.stats, completion))
+        if native.return_logprob:
+            name = self.token_text if native.return_text_in_logprobs and self.token_text is not None else None
+            k = native.top_logprobs_num
+            meta["output_token_logprobs"] = sglang_native.token_logprobs(merged.log_probs, merged.ids, name)
+            meta["output_top_logprobs"] = sglang_native.top_logprobs(merged.top_ids, merged.top_log_probs, k, name) \
+                if k else [None] * len(merged.ids)
+            if native.logprob_start_len >= 0:
+                at = native.logprob_start_len
+                meta["input_token_logprobs"] = sglang_native.token_logprobs(merged.prompt_log_probs[at:],
+                                                                            merged.prompt_ids[at:], name)
+                meta["input_top_logprobs"] = sglang_native.top_logprobs(
+                    merged.prompt_top_ids[at:], merged.prompt_top_log_probs[at:], k, name) if k else \
+                    [None] * len(merged.prompt_ids[at:])
+        return {"text": merged.text, "output_ids": merged.ids, "meta_info": meta}
+
+    async def sglang_server_info(self, request: web.Request) -> web.Response:
+        """GET /get_server_info (and /server_info): what SGLang's benchmarks read of it, `internal_states`'
+        avg_spec_accept_length and last_gen_throughput (the tokens per second since the previous call), from
+        the server's metrics; null where the API does not know the server's metrics port."""
+        length, throughput = None, 0.0
+        server = await self._server_metrics()
+        if server:
+            length, generated = sglang_native.server_figures(server)
+            now = time.monotonic()
+            if self._generated_at is not None and now > self._generated_at[0]:
+                throughput = max(generated - self._generated_at[1], 0.0) / (now - self._generated_at[0])
+            self._generated_at = (now, generated)
+        return web.json_response({"version": VERSION, "served_model_name": self.served[0],
+                                  "context_length": self.max_model_len or None,
+                                  "internal_states": [{"avg_spec_accept_length": length,
+                                                       "last_gen_throughput": throughput}]})
+
+    async def sglang_model_info(self, request: web.Request) -> web.Response:
+        """GET /get_model_info (and /model_info): the served model as SGLang describes its own."""
+        return web.json_response({"model_path": self.served[0],
+                                  "tokenizer_path": getattr(self.tokenizer, "name_or_path", None),
+                                  "is_generation": True, "preferred_sampling_params": None,
+                                  "weight_version": "default", "has_image_understanding": False,
+                                  "has_audio_understanding": False})
+
+    async def health_generate(self, request: web.Request) -> web.Response:
+        """GET /health_generate (SGLang's): 200 once a one-token generation went through the whole path within
+        HEALTH_GENERATE_TIMEOUT_S, else 503 (a server that answers /health but cannot generate)."""
+        _, bodies = sglang_native.completion_bodies({"input_ids": [0], "sampling_params": {
+            "max_new_tokens": 1, "temperature": 0}}, self.served[0])
+        gen = self._completion(bodies[0])
+        try:
+            async with asyncio.timeout(sglang_native.HEALTH_GENERATE_TIMEOUT_S):
+                async with self._choices(gen) as (_, pieces):
+                    async for _ in pieces:
+                        pass
+        except (ApiError, TimeoutError) as exc:
+            return web.Response(status=503, text=f"not generating: {exc or 'no token within the time'}\n")
+        return web.Response(text="ok\n")
 
     # ---- answers --------------------------------------------------------------------------------------------
     def _logprobs(self, gen: Generation, piece: Piece, offset: int) -> dict | None:

@@ -71,11 +71,11 @@ def page(server_text: str, model_name: str, lora: tuple[list[str], int] | None =
     """vLLM's families, as Prometheus text, from the server's metrics text; `lora`: the adapters the API's
     generations run now and the target's adapter slots, as `vllm:lora_requests_info` (None: no adapters served)."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Restated(_samples(server_text), model_name, lora))
+    registry.register(_Restated(samples(server_text), model_name, lora))
     return generate_latest(registry)
 
 
-def _samples(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+def samples(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
     """Every sample of the text by its name (counters under `..._total`, histograms' `_bucket`, `_sum`,
     `_count`)."""
     out: dict[str, list] = {}
