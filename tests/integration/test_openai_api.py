@@ -1456,7 +1456,8 @@ def _native(server, path: str, body: dict | None = None, headers: dict | None = 
             text = response.read().decode()
             return response.status, json.loads(text) if text.lstrip()[:1] in "[{" else text
     except urllib.error.HTTPError as refused:
-        return refused.code, json.loads(refused.read())
+        text = refused.read().decode(errors="replace")
+        return refused.code, json.loads(text) if text.startswith("{") else {"error": {"message": text}}
 
 
 def _bench_serving_stream(server, body: dict) -> tuple[list[dict], list[str]]:
@@ -1554,12 +1555,36 @@ def test_sglangs_server_info_model_info_health_generate_and_refusals(server, mod
     assert status == 200 and info["model_path"] == model and info["is_generation"] is True
     assert _native(server, "/health_generate") == (200, "ok\n")
     for body, param in [({"text": PROMPT, "image_data": "cat.png"}, "image_data"),
-                        ({"text": PROMPT, "sampling_params": {"max_new_tokens": 10**6}}, "sampling_params.max_new_tokens"),
+                        ({"text": PROMPT, "sampling_params": {"max_new_tokens": 10**6}},
+                         "sampling_params.max_new_tokens"),
                         ({"text": PROMPT, "sampling_params": {"top_k": "x"}}, "sampling_params.top_k"),
                         ({"text": PROMPT, "lora_path": "no-such-adapter"}, "lora_path"),
                         ({"input_ids": [10**8]}, "text")]:
         status, refused = _native(server, "/generate", body)
         assert status in (400, 404) and refused["error"]["param"] == param, refused
+    assert _native(server, "/generate", {"text": PROMPT, "sampling_params": {"max_new_tokens": 2}})[0] == 200
+
+    # every field and sampling_params key with values of the wrong type or past any range: a 4xx naming it
+    from specdec.gateway import sglang_native
+
+    bad = [-1, "x", [1, "a"], {"a": 1}, 1e308]
+    unanswered = []
+    cases = [(name, None) for name in sglang_native.FIELDS if name not in ("text", "input_ids")] + \
+        [(None, key) for key in (*sglang_native.SAMPLING, *sglang_native.CONSTRAINTS)]
+    for name, key in cases:
+        for value in bad:
+            params = {"max_new_tokens": 2, "temperature": 0, **({key: value} if key else {})}
+            body = {"text": PROMPT, "sampling_params": params, **({name: value} if name else {})}
+            if name == "sampling_params":
+                body[name] = value
+            try:
+                status, answer = _native(server, "/generate", body)
+            except OSError as error:  # never answered
+                unanswered.append((name or key, value, repr(error)))
+                continue
+            if status >= 500 or (status >= 400 and not answer["error"].get("param")):
+                unanswered.append((name or key, value, status, answer))
+    assert not unanswered, unanswered
     assert _native(server, "/generate", {"text": PROMPT, "sampling_params": {"max_new_tokens": 2}})[0] == 200
 
 

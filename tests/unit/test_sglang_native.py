@@ -81,8 +81,8 @@ def test_errors_of_the_completions_path_name_the_field_the_client_sent():
         protocol.parse_completion(body, ("target",))
     assert sglang_native.renamed(refused.value).param == "sampling_params.max_new_tokens"
     renamed = sglang_native.renamed(protocol.invalid("max_tokens", "max_tokens must be positive"))
-    assert (renamed.param, renamed.message) == ("sampling_params.max_new_tokens",
-                                                "sampling_params.max_new_tokens: sampling_params.max_new_tokens must be positive")
+    name = "sampling_params.max_new_tokens"
+    assert (renamed.param, renamed.message) == (name, f"{name}: {name} must be positive")
     server = protocol.server_error("in ensemble 'ensemble', input 'n' must be positive")
     assert sglang_native.renamed(ApiError(400, server.message, "n")).message == \
         "in ensemble 'ensemble', input 'sampling_params.n' must be positive"

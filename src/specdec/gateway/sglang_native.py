@@ -39,7 +39,8 @@ DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's SamplingParams default (OpenAI's comple
 SAMPLING = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "temperature": "temperature",
             "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "frequency_penalty": "frequency_penalty",
             "presence_penalty": "presence_penalty", "repetition_penalty": "repetition_penalty", "stop": "stop",
-            "stop_token_ids": "stop_token_ids", "ignore_eos": "ignore_eos", "skip_special_tokens": "skip_special_tokens",
+            "stop_token_ids": "stop_token_ids", "ignore_eos": "ignore_eos",
+            "skip_special_tokens": "skip_special_tokens",
             "spaces_between_special_tokens": "spaces_between_special_tokens",
             "no_stop_trim": "include_stop_str_in_output", "n": "n", "sampling_seed": "seed", "logit_bias": "logit_bias"}
 # sampling_params' constraints -> the key of vLLM's `structured_outputs` each stands for (one at most)
@@ -194,12 +195,14 @@ def completion_bodies(body, model: str) -> tuple[Native, list[dict]]:
         per_prompt = [_sampling(p, f"sampling_params.{i}") for i, p in enumerate(params)]
     else:
         per_prompt = [_sampling(params, "sampling_params")] * len(prompts)
+    for p in per_prompt:
+        n = p.get("n", 1)
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise invalid("sampling_params.n", "must be a positive integer")
     counts = {p.get("n", 1) for p in per_prompt}
     if len(counts) > 1:
         raise invalid("sampling_params", "n must be the same for every prompt")
     n = counts.pop()
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise invalid("sampling_params.n", "must be a positive integer")
     rids = _per_prompt(body, "rid", len(prompts), str, "a string")
     stream = _flag(body, "stream")
     native = Native(batch=batch, prompts=len(prompts), n=n, rids=rids, stream=stream,
@@ -230,7 +233,7 @@ def completion_bodies(body, model: str) -> tuple[Native, list[dict]]:
         if native.logprob_start_len >= 0:
             common["prompt_logprobs"] = native.top_logprobs_num
     native.stops = [_strings(p.get("stop")) for p in per_prompt]
-    native.stop_ids = [list(p.get("stop_token_ids") or []) for p in per_prompt]
+    native.stop_ids = [_ids(p.get("stop_token_ids")) for p in per_prompt]  # (the server checks their values)
     if all(p == per_prompt[0] for p in per_prompt) and len(set(map(type, prompts))) == 1:
         bodies = [{**common, **per_prompt[0], "prompt": prompts if batch else prompts[0]}]
     else:
@@ -238,6 +241,10 @@ def completion_bodies(body, model: str) -> tuple[Native, list[dict]]:
     if rids[0] is not None and not batch:
         bodies[0]["request_id"] = rids[0]
     return native, bodies
+
+
+def _ids(given) -> list[int]:
+    return [t for t in given if isinstance(t, int)] if isinstance(given, list) else []
 
 
 def _strings(stop) -> list[str]:
