@@ -8,6 +8,7 @@ what a request leaves out, while the Triton API keeps its own. The draft is give
 Tiny random models built here (float32)."""
 
 import json
+import re
 
 import openai
 import pytest
@@ -72,7 +73,10 @@ def gpt_oss(tmp_path_factory):
                                       {"method": "draft_model", "model": str(tmp_path / "draft"),
                                        "num_speculative_tokens": 4, "draft_tensor_parallel_size": 1}),
                                    "--generation-config", str(tmp_path / "generation"),
-                                   "--override-generation-config", json.dumps({"max_new_tokens": 3})],
+                                   "--override-generation-config", json.dumps({"max_new_tokens": 3}),
+                                   # vLLM's engine flags, as its command line gives them (engine_flags.py)
+                                   "--max-num-seqs", "8", "--enable-prefix-caching", "--tensor-parallel-size", "1",
+                                   "--trust-remote-code", "--disable-log-requests", "--gpu-memory-utilization", "0.9"],
                                   ready_timeout_s=READY_TIMEOUT_S)
     yield served, references, cut, tokenizer
     stop_server(served)
@@ -134,6 +138,10 @@ def test_the_generation_configs_end_tokens_end_requests_and_its_sampling_fields_
     log = served.log_path.read_text(errors="replace")
     assert "sampling defaults of a request that leaves them out: {'temperature': 0.0, 'max_tokens': 3}" in log
     assert "--speculative-config: draft_tensor_parallel_size tune vLLM's engine, nothing here" in log
+    assert "--gpu-memory-utilization, --disable-log-requests tune vLLM's or SGLang's engine, nothing here" in log
+    assert "--trust-remote-code: no model's own code runs here" in log
+    config = (served.run_dir / "model_repository" / "speculative_decoding" / "config.pbtxt").read_text()
+    assert re.search(r'key: "max_live_sequences", value: \{ string_value: "8" \}', config)  # --max-num-seqs
 
 
 def test_a_guide_and_a_thinking_budget_hold_gpt_oss_to_its_final_channel(gpt_oss):

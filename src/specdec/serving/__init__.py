@@ -5,6 +5,8 @@
   pairs        the model pairs (tiny, default, custom paths) prepared into a local cache
   repository   render model_repository/ for a pair (config.pbtxt parameters, instance groups)
   speculative_config  vLLM's --speculative-config read as the launcher's draft settings
+  engine_flags  vLLM's and SGLang's server flags (--port, --api-key, --max-num-seqs, --enforce-eager, ...) read as
+             the launcher's settings they stand for (pure)
   healthcheck  exit 0 when the local server is ready (the image's HEALTHCHECK); the launcher's /ready, /live, /metrics
   watchdog     notice a model whose stub died and bring it back (reload in place, or restart the server)
   server_process  tritonserver as the launcher runs it: its output passed through, when it counts as crashed

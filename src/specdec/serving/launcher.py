@@ -48,7 +48,7 @@ from specdec import tensor_names as tn
 from specdec.decoding.generation_config import AUTO, VLLM, api_defaults
 from specdec.decoding.text import CONTENT_FORMATS, read_chat_template
 from specdec.engine.lora_config import CONFIG, FIRST_LAYERS, NAME, format_adapters
-from specdec.serving import mps, pairs, repository, speculative_config
+from specdec.serving import engine_flags, mps, pairs, repository, speculative_config
 from specdec.gateway.adapters import RUNTIME_ENV, allowed_by_environment
 from specdec.gateway import cors, limits, tls
 from specdec.gateway.reasoning import PARSERS as REASONING_PARSERS
@@ -430,6 +430,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         sglang.add_argument(flag, type=float, default=None, help="1.0 only (exact acceptance)")
     for flag in speculative_config.SGLANG_ENGINE_FLAGS:
         sglang.add_argument(flag, default=None, help=argparse.SUPPRESS)
+    engine_flags.add_arguments(parser)
     custom.add_argument("--draft-lora-layers", default="", metavar="first|LAYERS",
                         help="the draft model is made of some of the target's layers (a layer-skip draft: first, "
                              "its first N; or a list, 0-9): it runs a request's LoRA adapter on them too, so that "
@@ -599,6 +600,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if any(not arg.startswith("--") for arg in extra):
         parser.error(f"unrecognized arguments: {' '.join(extra)} (server flags go after `--`)")
     args.speculative_ignored = ()
+    try:
+        args.engine = engine_flags.read(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.engine.changes_repository and args.model_repository:
+        parser.error(f"{', '.join(args.engine.given)} set a rendered repository's parameters; --model-repository is "
+                     "served as is (--set after rendering, or its config.pbtxt)")
+    if args.engine.compile_off:
+        if args.compile not in ("auto", "off"):
+            parser.error(f"--enforce-eager / --disable-cuda-graph and --compile {args.compile} disagree")
+        args.compile = "off"
+    if args.engine.fp8:
+        if args.weights_dtype not in ("same", engine_flags.FP8):
+            parser.error(f"--quantization fp8 and --weights-dtype {args.weights_dtype} disagree")
+        args.weights_dtype = engine_flags.FP8
+    args.set = [*args.engine.settings, *args.set]  # (an explicit --set of the same parameter wins)
     args.model_name = ""  # the OpenAI API's default model name where not the tokenizer's directory's
     sglang = _sglang_flags(args)
     if args.speculative_config is not None or sglang:
@@ -685,6 +702,9 @@ def _apply_speculator(parser: argparse.ArgumentParser, args: argparse.Namespace)
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    os.environ.update(args.engine.env)  # --port, --api-key: read where the API's port and key are read
+    for note in args.engine.notes:
+        log(note)
     label = "custom" if args.target else ("repository" if args.model_repository else args.pair)
     run_dir = Path(args.run_dir or pairs.cache_dir() / "run" / label).resolve()
     limits.raise_open_files()  # tritonserver and the OpenAI API inherit it: a descriptor per client connection
@@ -741,6 +761,10 @@ def main(argv: list[str] | None = None) -> int:
                                    chat_template_content_format=args.chat_template_content_format)
         pair = dataclasses.replace(pair, compile=args.compile, orchestrator_instances=args.orchestrator_instances,
                                    weights_dtype=args.weights_dtype, executor=args.executor or pair.executor)
+        if args.engine.max_live_sequences is not None:
+            pair = dataclasses.replace(pair, max_live_sequences=args.engine.max_live_sequences)
+        if args.engine.prefix_caching is not None:
+            pair = dataclasses.replace(pair, prefix_caching=args.engine.prefix_caching)
         if args.draft_head or args.default_draft or args.skip_draft or args.skip_draft_lora or args.lora_modules \
                 or args.lora_directory or args.max_loras or args.max_lora_rank:
             try:

@@ -1,0 +1,142 @@
+"""vLLM's and SGLang's server flags read as what they stand for here, so that a `vllm serve` or
+`sglang.launch_server` command line (with its speculative flags, speculative_config.py) starts this server
+instead of stopping at the first flag the launcher does not know. docs/configuration.md.
+
+The table (the user's view) is in docs/configuration.md, "vLLM's and SGLang's server flags": the API's port and
+key, generation slots, prefix caching, chunked prefill, CUDA graphs off, FP8 weights, tensor parallelism 1 only,
+--trust-remote-code accepted (no model's own code runs here).
+
+Flags that tune the other engines' memory, scheduling or logging (`--gpu-memory-utilization`,
+`--mem-fraction-static`, `--seed`, `--disable-log-requests`, ...: ENGINE_ONLY) are accepted and logged as
+changing nothing. Pure: the parsed values in, what they stand for out (ValueError naming the flag).
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+
+PORT, HOST, API_KEY = ("--port",), ("--host",), ("--api-key",)
+MAX_SEQS = ("--max-num-seqs", "--max-running-requests")
+PREFIX_ON, PREFIX_OFF = ("--enable-prefix-caching",), ("--no-enable-prefix-caching", "--disable-radix-cache")
+CHUNK = ("--max-num-batched-tokens", "--chunked-prefill-size")
+EAGER = ("--enforce-eager", "--disable-cuda-graph")
+QUANTIZATION = ("--quantization", "-q")
+TENSOR_PARALLEL = ("--tensor-parallel-size", "-tp", "--tp-size", "--tp")
+TRUST_REMOTE_CODE = ("--trust-remote-code",)
+FP8 = "fp8"
+# The other engines' own tuning: taken with their value, logged, nothing done
+ENGINE_ONLY = ("--gpu-memory-utilization", "--mem-fraction-static", "--seed", "--random-seed", "--log-level",
+               "--uvicorn-log-level", "--kv-cache-dtype", "--max-total-tokens", "--cuda-graph-max-bs",
+               "--attention-backend", "--swap-space", "--max-prefill-tokens", "--schedule-policy",
+               "--load-format", "--revision", "--download-dir")
+ENGINE_ONLY_SWITCHES = ("--disable-log-requests", "--disable-log-stats", "--enable-metrics", "--enable-log-requests",
+                        "--skip-server-warmup", "--disable-overlap-schedule", "--enable-chunked-prefill")
+PREFIX_DEST = "engine_prefix_caching"
+
+
+def _dest(flag: str) -> str:
+    return "engine_" + flag.lstrip("-").replace("-", "_")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags above as an argument group of the launcher's (each None or False unless given)."""
+    group = parser.add_argument_group("vLLM's and SGLang's server flags, read as what they stand for here "
+                                      "(docs/configuration.md)")
+    group.add_argument(*PORT, dest=_dest(PORT[0]), type=int, default=None, help="the OpenAI API's port (OPENAI_PORT)")
+    group.add_argument(*HOST, dest=_dest(HOST[0]), default=None, help="accepted: the API listens on every interface")
+    group.add_argument(*API_KEY, dest=_dest(API_KEY[0]), default=None, help="the OpenAI API's key (SPECDEC_API_KEY)")
+    group.add_argument(*MAX_SEQS, dest=_dest(MAX_SEQS[0]), type=int, default=None, metavar="N",
+                       help="generation slots (speculative_decoding's max_live_sequences)")
+    group.add_argument(*PREFIX_ON, dest=PREFIX_DEST, action="store_const", const=True, default=None)
+    group.add_argument(*PREFIX_OFF, dest=PREFIX_DEST, action="store_const", const=False,
+                       help="prefix caching off (the models' prefix_caching)")
+    group.add_argument(*CHUNK, dest=_dest(CHUNK[0]), type=int, default=None, metavar="TOKENS",
+                       help="prompts in chunks of this many tokens (prefill_chunk_tokens)")
+    group.add_argument(*EAGER, dest=_dest(EAGER[0]), action="store_true", help="no CUDA graphs (--compile off)")
+    group.add_argument(*QUANTIZATION, dest=_dest(QUANTIZATION[0]), default=None, metavar=FP8,
+                       help="fp8: --weights-dtype fp8")
+    group.add_argument(*TENSOR_PARALLEL, dest=_dest(TENSOR_PARALLEL[0]), type=int, default=None, metavar="1")
+    group.add_argument(*TRUST_REMOTE_CODE, dest=_dest(TRUST_REMOTE_CODE[0]), action="store_true",
+                       help="accepted: no model's own code runs here")
+    for flag in ENGINE_ONLY:
+        group.add_argument(flag, dest=_dest(flag), default=None, help=argparse.SUPPRESS)
+    for flag in ENGINE_ONLY_SWITCHES:
+        group.add_argument(flag, dest=_dest(flag), action="store_true", help=argparse.SUPPRESS)
+
+
+@dataclass
+class Engine:
+    """What the flags given stand for."""
+
+    env: dict[str, str] = field(default_factory=dict)  # the launcher's environment (the API's port and key)
+    max_live_sequences: int | None = None
+    prefix_caching: bool | None = None
+    settings: list[str] = field(default_factory=list)  # --set MODEL.PARAMETER=VALUE
+    compile_off: bool = False
+    fp8: bool = False
+    notes: list[str] = field(default_factory=list)  # logged at start: what was accepted without effect
+    given: list[str] = field(default_factory=list)  # the flags that change the served repository
+
+    @property
+    def changes_repository(self) -> bool:
+        return bool(self.given)
+
+
+def read(args: argparse.Namespace) -> Engine:
+    """The parsed flags -> what they stand for (ValueError naming the flag where nothing here stands for the
+    value)."""
+    out = Engine()
+    port = getattr(args, _dest(PORT[0]))
+    if port is not None:
+        if not 0 <= port <= 65535:
+            raise ValueError(f"--port {port}: not a port (0-65535; 0: no OpenAI API)")
+        out.env["OPENAI_PORT"] = str(port)
+    host = getattr(args, _dest(HOST[0]))
+    if host is not None:
+        out.notes.append(f"--host {host}: the OpenAI API listens on every interface (its checks reach it over the "
+                         "loopback)")
+    key = getattr(args, _dest(API_KEY[0]))
+    if key is not None:
+        if not key:
+            raise ValueError("--api-key: empty (leave it out for none)")
+        out.env["SPECDEC_API_KEY"] = key
+    seqs = getattr(args, _dest(MAX_SEQS[0]))
+    if seqs is not None:
+        if seqs < 1:
+            raise ValueError(f"--max-num-seqs / --max-running-requests {seqs}: at least 1")
+        out.max_live_sequences = seqs
+        out.given.append("--max-num-seqs")
+    prefix = getattr(args, PREFIX_DEST)
+    if prefix is not None:
+        out.prefix_caching = prefix
+        out.given.append("--enable-prefix-caching" if prefix else "--no-enable-prefix-caching")
+    chunk = getattr(args, _dest(CHUNK[0]))
+    if chunk is not None:
+        if chunk < -1 or chunk == 0:
+            raise ValueError(f"--max-num-batched-tokens / --chunked-prefill-size {chunk}: tokens (> 0), or -1 "
+                             "(SGLang's: prompts whole)")
+        out.settings.append(f"speculative_decoding.prefill_chunk_tokens={max(chunk, 0)}")
+        out.given.append("--max-num-batched-tokens")
+    if getattr(args, _dest(EAGER[0])):
+        out.compile_off = True
+        out.given.append("--enforce-eager")
+    quantization = getattr(args, _dest(QUANTIZATION[0]))
+    if quantization is not None:
+        if quantization.lower() != FP8:
+            raise ValueError(f"--quantization {quantization}: only {FP8} here (FP8 weights scaled per channel at "
+                             "load; --weights-dtype q8: 8-bit blocks on the CPU)")
+        out.fp8 = True
+        out.given.append("--quantization")
+    parallel = getattr(args, _dest(TENSOR_PARALLEL[0]))
+    if parallel is not None and parallel != 1:
+        raise ValueError(f"--tensor-parallel-size / --tp-size {parallel}: a model runs on one GPU here (1); "
+                         "--spread-target spreads the target's layers over every visible GPU")
+    if getattr(args, _dest(TRUST_REMOTE_CODE[0])):
+        out.notes.append("--trust-remote-code: no model's own code runs here (the families served are the "
+                         "project's modules or transformers')")
+    ignored = [flag for flag in ENGINE_ONLY if getattr(args, _dest(flag)) is not None]
+    ignored += [flag for flag in ENGINE_ONLY_SWITCHES if getattr(args, _dest(flag))]
+    if ignored:
+        out.notes.append(f"{', '.join(ignored)} tune vLLM's or SGLang's engine, nothing here")
+    return out

@@ -1,0 +1,77 @@
+"""vLLM's and SGLang's server flags read by the launcher as what they stand for here (serving/engine_flags.py):
+its parsed arguments, no server."""
+
+import dataclasses
+
+import pytest
+
+from specdec.serving import engine_flags, pairs, repository
+from specdec.serving.launcher import parse_args
+
+
+def test_vllms_server_flags_stand_for_the_launchers_settings():
+    args = parse_args(["--target", "/m", "--port", "8000", "--host", "0.0.0.0", "--api-key", "k",
+                       "--max-num-seqs", "8", "--no-enable-prefix-caching", "--enforce-eager",
+                       "--tensor-parallel-size", "1", "--max-num-batched-tokens", "512", "--quantization", "fp8",
+                       "--trust-remote-code", "--gpu-memory-utilization", "0.9", "--disable-log-requests"])
+    engine = args.engine
+    assert engine.env == {"OPENAI_PORT": "8000", "SPECDEC_API_KEY": "k"}
+    assert (engine.max_live_sequences, engine.prefix_caching) == (8, False)
+    assert (args.compile, args.weights_dtype) == ("off", "fp8")
+    assert args.set[0] == "speculative_decoding.prefill_chunk_tokens=512"
+    assert any("--host 0.0.0.0" in note for note in engine.notes)
+    assert any(note.startswith("--trust-remote-code") for note in engine.notes)
+    assert "--gpu-memory-utilization, --disable-log-requests tune vLLM's or SGLang's engine, nothing here" in \
+        engine.notes
+
+
+def test_sglangs_server_flags_stand_for_the_same():
+    args = parse_args(["--model-path", "/m", "--port", "30000", "--max-running-requests", "4",
+                       "--disable-radix-cache", "--disable-cuda-graph", "--tp-size", "1", "--chunked-prefill-size",
+                       "-1", "--mem-fraction-static", "0.8", "--enable-metrics", "--log-level", "info"])
+    engine = args.engine
+    assert engine.env == {"OPENAI_PORT": "30000"} and args.target == "/m"
+    assert (engine.max_live_sequences, engine.prefix_caching, args.compile) == (4, False, "off")
+    assert args.set[0] == "speculative_decoding.prefill_chunk_tokens=0"  # -1: prompts whole
+    assert "--mem-fraction-static, --log-level, --enable-metrics tune vLLM's or SGLang's engine, nothing here" in \
+        engine.notes
+    on = parse_args(["--target", "/m", "--enable-prefix-caching"]).engine
+    assert on.prefix_caching is True
+    plain = parse_args(["--target", "/m"]).engine
+    assert plain == engine_flags.Engine() and not plain.changes_repository
+
+
+def test_the_rendered_repository_holds_what_they_stand_for(tmp_path):
+    args = parse_args(["--target", "/m", "--max-num-seqs", "8", "--no-enable-prefix-caching"])
+    pair = pairs.tiny_pair()
+    pair = dataclasses.replace(pair, max_live_sequences=args.engine.max_live_sequences,
+                               prefix_caching=args.engine.prefix_caching)
+    repo = repository.render(pair, tmp_path / "repo")
+    assert 'key: "max_live_sequences", value: { string_value: "8" }' in \
+        (repo / "speculative_decoding" / "config.pbtxt").read_text()
+    assert 'key: "prefix_caching", value: { string_value: "false" }' in \
+        (repo / "target_model" / "config.pbtxt").read_text()
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["--tensor-parallel-size", "2"], "--tensor-parallel-size"),
+    (["--tp", "4"], "--tp-size"),
+    (["--quantization", "awq"], "--quantization awq"),
+    (["--port", "70000"], "--port 70000"),
+    (["--api-key", ""], "--api-key"),
+    (["--max-num-seqs", "0"], "--max-num-seqs"),
+    (["--chunked-prefill-size", "0"], "--chunked-prefill-size"),
+    (["--enforce-eager", "--compile", "graphs"], "--compile graphs"),
+    (["--quantization", "fp8", "--weights-dtype", "q8"], "--weights-dtype q8"),
+])
+def test_values_nothing_here_stands_for_are_refused_naming_the_flag(argv, named, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--target", "/m", *argv])
+    assert named in capsys.readouterr().err
+
+
+def test_a_repository_served_as_is_refuses_the_flags_that_would_change_it(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--model-repository", str(tmp_path), "--max-num-seqs", "8"])
+    assert "--max-num-seqs set a rendered repository's parameters" in capsys.readouterr().err
+    assert parse_args(["--model-repository", str(tmp_path), "--port", "8000"]).engine.env == {"OPENAI_PORT": "8000"}
