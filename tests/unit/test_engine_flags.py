@@ -75,3 +75,9 @@ def test_a_repository_served_as_is_refuses_the_flags_that_would_change_it(tmp_pa
         parse_args(["--model-repository", str(tmp_path), "--max-num-seqs", "8"])
     assert "--max-num-seqs set a rendered repository's parameters" in capsys.readouterr().err
     assert parse_args(["--model-repository", str(tmp_path), "--port", "8000"]).engine.env == {"OPENAI_PORT": "8000"}
+
+
+def test_a_vllm_serve_command_line_model_first_and_unnamed_is_the_target():
+    args = parse_args(["/models/llama", "--port", "8000", "--max-num-seqs", "16"])
+    assert args.target == "/models/llama" and args.engine.max_live_sequences == 16
+    assert "--log-verbose=1" in parse_args(["--pair", "tiny", "--", "--log-verbose=1"]).server_args

@@ -568,6 +568,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "not answering its health check this long is killed and started again (0: never)")
     parser.add_argument("--no-heal", dest="heal", action="store_false",
                         help="no watchdog: a dead stub stays dead (and readiness does not notice)")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and not argv[0].startswith("-"):  # `vllm serve MODEL ...`'s model, first and unnamed: the target
+        argv = ["--target", *argv]
     args, extra = parser.parse_known_args(argv)
     if extra and extra[0] == "--":
         extra = extra[1:]
