@@ -81,3 +81,16 @@ def test_a_vllm_serve_command_line_model_first_and_unnamed_is_the_target():
     args = parse_args(["/models/llama", "--port", "8000", "--max-num-seqs", "16"])
     assert args.target == "/models/llama" and args.engine.max_live_sequences == 16
     assert "--log-verbose=1" in parse_args(["--pair", "tiny", "--", "--log-verbose=1"]).server_args
+
+
+def test_vllms_dtype_names_and_auto(tmp_path):
+    assert parse_args(["--target", "/m", "--dtype", "half"]).dtype == "float16"
+    assert parse_args(["--target", "/m", "--dtype", "float"]).dtype == "float32"
+    assert parse_args(["--target", "/m", "--dtype", "auto"]).dtype == "float32"  # the CPU: float32's kernels
+    (tmp_path / "config.json").write_text('{"torch_dtype": "bfloat16"}')
+    on_gpu = ["--target", str(tmp_path), "--device", "gpu", "--dtype", "auto"]
+    assert parse_args(on_gpu).dtype == "bfloat16"  # the checkpoint's
+    (tmp_path / "config.json").write_text('{"dtype": "float32"}')
+    assert parse_args(on_gpu).dtype == "float16"  # vLLM's: a float32 checkpoint in half precision
+    assert engine_flags.dtype("auto", "gpu", str(tmp_path / "none")) == "float16"
+    assert parse_args(["--target", "/m", "--dtype", "bfloat16"]).dtype == "bfloat16"

@@ -14,7 +14,9 @@ changing nothing. Pure: the parsed values in, what they stand for out (ValueErro
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
 PORT, HOST, API_KEY = ("--port",), ("--host",), ("--api-key",)
 MAX_SEQS = ("--max-num-seqs", "--max-running-requests")
@@ -33,6 +35,9 @@ ENGINE_ONLY = ("--gpu-memory-utilization", "--mem-fraction-static", "--seed", "-
 ENGINE_ONLY_SWITCHES = ("--disable-log-requests", "--disable-log-stats", "--enable-metrics", "--enable-log-requests",
                         "--skip-server-warmup", "--disable-overlap-schedule", "--enable-chunked-prefill")
 PREFIX_DEST = "engine_prefix_caching"
+# vLLM's and SGLang's --dtype values besides the models' own names: auto (see dtype()), half, float
+DTYPE_ALIASES = ("auto", "half", "float")
+CHECKPOINT_DTYPES = ("bfloat16", "float16")  # a checkpoint's dtype `auto` keeps on a GPU
 
 
 def _dest(flag: str) -> str:
@@ -140,3 +145,21 @@ def read(args: argparse.Namespace) -> Engine:
     if ignored:
         out.notes.append(f"{', '.join(ignored)} tune vLLM's or SGLang's engine, nothing here")
     return out
+
+
+def dtype(given: str, device: str, target: str | None) -> str:
+    """--dtype as the models' dtype: half and float by their names; auto as vLLM reads it, the checkpoint's
+    bfloat16 or float16 on a GPU (float16 for a float32 checkpoint), and float32 on the CPU, where this
+    project's kernels serve float32 (a checkpoint's config unreadable: its GPU default, float16)."""
+    if given not in DTYPE_ALIASES:
+        return given
+    if given != "auto":
+        return {"half": "float16", "float": "float32"}[given]
+    if device != "gpu":
+        return "float32"
+    try:
+        config = json.loads((Path(target) / "config.json").read_text()) if target else {}
+    except (OSError, ValueError):
+        config = {}
+    stored = config.get("torch_dtype") or config.get("dtype") or (config.get("text_config") or {}).get("dtype")
+    return stored if stored in CHECKPOINT_DTYPES else "float16"

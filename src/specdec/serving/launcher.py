@@ -399,7 +399,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help=f'draft model path, or "{tn.NGRAM}" for prompt lookup, or "{tn.SUFFIX}" for prompt '
                              "lookup also over earlier requests' text")
     custom.add_argument("--tokenizer", default="", help="tokenizer directory (default: the target's)")
-    custom.add_argument("--dtype", default="float32", choices=tn.DTYPE_NAMES)
+    custom.add_argument("--dtype", default="float32", choices=(*tn.DTYPE_NAMES, *engine_flags.DTYPE_ALIASES),
+                        help="the models' dtype; vLLM's and SGLang's auto, half, float: engine_flags.DTYPE_ALIASES")
     custom.add_argument("--device", default="cpu", choices=("cpu", "gpu"))
     custom.add_argument("--target-gpu", type=int, default=0)
     custom.add_argument("--spread-target", action="store_true",
@@ -610,6 +611,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.engine.changes_repository and args.model_repository:
         parser.error(f"{', '.join(args.engine.given)} set a rendered repository's parameters; --model-repository is "
                      "served as is (--set after rendering, or its config.pbtxt)")
+    args.dtype = engine_flags.dtype(args.dtype, args.device, args.target)
     if args.engine.compile_off:
         if args.compile not in ("auto", "off"):
             parser.error(f"--enforce-eager / --disable-cuda-graph and --compile {args.compile} disagree")
