@@ -174,6 +174,11 @@ def test_sglangs_algorithms_and_tree_shapes_stand_for_this_servers_drafts():
     assert from_sglang("NGRAM", num_draft_tokens=8, topk=4) == Speculation(draft=tn.NGRAM, num_draft_tokens=7)
     assert from_sglang("EAGLE3", "/h", engine=("--speculative-token-map",)).ignored == ("--speculative-token-map",)
     assert from_sglang("EAGLE3", "/h", thresholds=(1.0, 1.0)).head == "/h"  # exact acceptance: SGLang's default
+    # NGRAM's match window: prompt lookup's n-grams (SGLang's defaults, 1 and 12, for the one not given)
+    assert from_sglang("NGRAM", num_draft_tokens=8, windows=(2, 6)).settings == (
+        "speculative_decoding.lookup_min_ngram=2", "speculative_decoding.lookup_max_ngram=6")
+    assert from_sglang("NGRAM", windows=(None, 4)).settings[0] == "speculative_decoding.lookup_min_ngram=1"
+    assert from_sglang("NGRAM", windows=(3, None)).settings[1] == "speculative_decoding.lookup_max_ngram=12"
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -186,6 +191,9 @@ def test_sglangs_algorithms_and_tree_shapes_stand_for_this_servers_drafts():
     ({"algorithm": "EAGLE", "path": "/h", "num_draft_tokens": 1}, "--speculative-num-draft-tokens must be at least 2"),
     ({"algorithm": "EAGLE", "path": "/h", "thresholds": (0.5, None)}, "--speculative-accept-threshold-single 0.5"),
     ({"algorithm": "EAGLE", "path": "/h", "thresholds": (None, 0.9)}, "--speculative-accept-threshold-acc 0.9"),
+    ({"algorithm": "NGRAM", "windows": (1, 17)}, "--speculative-ngram-max-match-window-size 17: prompt lookup"),
+    ({"algorithm": "NGRAM", "windows": (8, 4)}, "--speculative-ngram-min-match-window-size 8 is above"),
+    ({"algorithm": "EAGLE", "path": "/h", "windows": (2, None)}, "--speculative-ngram-min-match-window-size is NGRAM's"),
 ])
 def test_what_sglangs_flags_ask_and_cannot_be_served_is_refused_naming_the_flag(kwargs, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -223,3 +231,11 @@ def test_the_launcher_reads_sglangs_flags_and_refuses_them_beside_its_own_or_vll
     with pytest.raises(SystemExit):
         launcher.parse_args(["--pair", "tiny", "--speculative-algorithm", "NGRAM"])
     assert "SGLang's --speculative-algorithm needs --target" in capsys.readouterr().err
+    # NGRAM's window as prompt lookup's n-grams; its trie's own shape logged
+    args = launcher.parse_args([*base, "--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "8",
+                                "--speculative-ngram-min-match-window-size", "2",
+                                "--speculative-ngram-max-match-window-size", "6",
+                                "--speculative-ngram-max-bfs-breadth", "10", "--speculative-ngram-capacity", "1000"])
+    assert (args.draft, args.num_draft_tokens) == (tn.NGRAM, 7)
+    assert args.set == ["speculative_decoding.lookup_min_ngram=2", "speculative_decoding.lookup_max_ngram=6"]
+    assert args.speculative_ignored == ("--speculative-ngram-max-bfs-breadth", "--speculative-ngram-capacity")

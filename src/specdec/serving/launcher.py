@@ -429,7 +429,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="a tree's T - 1 nodes (a verify's tokens but the root)")
     for flag in speculative_config.SGLANG_THRESHOLDS:
         sglang.add_argument(flag, type=float, default=None, help="1.0 only (exact acceptance)")
-    for flag in speculative_config.SGLANG_ENGINE_FLAGS:
+    for flag in speculative_config.SGLANG_NGRAM_WINDOW:
+        sglang.add_argument(flag, type=int, default=None, metavar="N", help="NGRAM's: prompt lookup's n-grams")
+    for flag in (*speculative_config.SGLANG_ENGINE_FLAGS, *speculative_config.SGLANG_NGRAM_ENGINE):
         sglang.add_argument(flag, default=None, help=argparse.SUPPRESS)
     engine_flags.add_arguments(parser)
     custom.add_argument("--draft-lora-layers", default="", metavar="first|LAYERS",
@@ -645,7 +647,8 @@ def _sglang_flags(args: argparse.Namespace) -> list[str]:
     return [flag for flag in (speculative_config.SGLANG_ALGORITHM, speculative_config.SGLANG_PATH,
                               speculative_config.SGLANG_STEPS, speculative_config.SGLANG_TOPK,
                               speculative_config.SGLANG_TOKENS, *speculative_config.SGLANG_THRESHOLDS,
-                              *speculative_config.SGLANG_ENGINE_FLAGS)
+                              *speculative_config.SGLANG_NGRAM_WINDOW, *speculative_config.SGLANG_ENGINE_FLAGS,
+                              *speculative_config.SGLANG_NGRAM_ENGINE)
             if getattr(args, flag.removeprefix("--").replace("-", "_")) is not None]
 
 
@@ -667,11 +670,13 @@ def _apply_speculative_config(parser: argparse.ArgumentParser, args: argparse.Na
         else:
             if args.speculative_algorithm is None:
                 raise ValueError(f"{', '.join(sglang)} need {speculative_config.SGLANG_ALGORITHM} (SGLang's)")
-            engine = tuple(flag for flag in sglang if flag in speculative_config.SGLANG_ENGINE_FLAGS)
+            engine = tuple(flag for flag in sglang if flag in (*speculative_config.SGLANG_ENGINE_FLAGS,
+                                                               *speculative_config.SGLANG_NGRAM_ENGINE))
             spec = speculative_config.from_sglang(
                 args.speculative_algorithm, args.speculative_draft_model_path, args.speculative_num_steps,
                 args.speculative_eagle_topk, args.speculative_num_draft_tokens,
-                (args.speculative_accept_threshold_single, args.speculative_accept_threshold_acc), engine)
+                (args.speculative_accept_threshold_single, args.speculative_accept_threshold_acc), engine,
+                (args.speculative_ngram_min_match_window_size, args.speculative_ngram_max_match_window_size))
     except ValueError as exc:
         parser.error(str(exc))
     if spec.draft:

@@ -24,7 +24,7 @@ SGLang's speculative flags (`from_sglang`) are read the same way:
 | `EAGLE`, `EAGLE3` (`--speculative-draft-model-path` the head) | `--draft-head DIR` |
 | `NEXTN` (a model's MTP layer; the path the model's own, or none) | `--draft-head DIR`, by default the target |
 | `STANDALONE` (the path a small LM) | `--draft PATH` |
-| `NGRAM` | `--draft ngram` |
+| `NGRAM` (its match window: `lookup_min_ngram`, `lookup_max_ngram`) | `--draft ngram` |
 
 and its tree's shape: `--speculative-eagle-topk` 1 (or none) drafts chains of `--speculative-num-steps` tokens
 (else `--speculative-num-draft-tokens` - 1); a topk B > 1 drafts trees B wide (speculative_decoding's
@@ -147,15 +147,22 @@ SGLANG_ALGORITHMS = (*SGLANG_HEADS, SGLANG_MTP, SGLANG_STANDALONE, SGLANG_NGRAM)
 SGLANG_ENGINE_FLAGS = ("--speculative-token-map", "--speculative-draft-model-revision", "--speculative-attention-mode",
                        "--speculative-draft-attention-backend", "--speculative-moe-runner-backend",
                        "--speculative-draft-load-format")
+# SGLang's NGRAM: its match window, prompt lookup's shortest and longest n-gram here; the shape of its trie's
+# search (breadth, match type, branch length, capacity) is its own: taken, logged
+SGLANG_NGRAM_WINDOW = ("--speculative-ngram-min-match-window-size", "--speculative-ngram-max-match-window-size")
+SGLANG_NGRAM_ENGINE = ("--speculative-ngram-min-bfs-breadth", "--speculative-ngram-max-bfs-breadth",
+                       "--speculative-ngram-match-type", "--speculative-ngram-branch-length",
+                       "--speculative-ngram-capacity")
 # SGLang's relaxed acceptance (a token accepted with less than the target's probability): lossy unless 1.0
 SGLANG_THRESHOLDS = ("--speculative-accept-threshold-single", "--speculative-accept-threshold-acc")
 
 
 def from_sglang(algorithm: str, path: str | None = None, num_steps: int | None = None, topk: int | None = None,
                 num_draft_tokens: int | None = None, thresholds: tuple[float | None, ...] = (),
-                engine: tuple[str, ...] = ()) -> Speculation:
+                engine: tuple[str, ...] = (), windows: tuple[int | None, int | None] = (None, None)) -> Speculation:
     """SGLang's speculative flags as the launcher's draft settings (the table above); ValueError naming the flag
-    for what cannot be served. thresholds: the accept-threshold flags' values; engine: the engine flags given."""
+    for what cannot be served. thresholds: the accept-threshold flags' values; engine: the engine flags given;
+    windows: NGRAM's min and max match window (SGLANG_NGRAM_WINDOW), None where not given."""
     name = (algorithm or "").upper()
     if name not in SGLANG_ALGORITHMS:
         raise ValueError(f"{SGLANG_ALGORITHM} {algorithm!r} is not served here (one of {', '.join(SGLANG_ALGORITHMS)})")
@@ -175,12 +182,26 @@ def from_sglang(algorithm: str, path: str | None = None, num_steps: int | None =
         if value is not None and value != 1.0:
             raise ValueError(f"{flag} {value:g} is not served: a token accepted above the target's probability changes "
                              "the output's distribution; rejection sampling here keeps it exact (1.0)")
+    lookup = ()
+    if windows != (None, None):
+        if name != SGLANG_NGRAM:
+            raise ValueError(f"{SGLANG_NGRAM_WINDOW[windows[0] is None]} is NGRAM's, not {name}'s")
+        for flag, value in zip(SGLANG_NGRAM_WINDOW, windows):
+            if value is not None and not 1 <= value <= tn.MAX_LOOKUP_NGRAM:
+                raise ValueError(f"{flag} {value}: prompt lookup here matches 1 to {tn.MAX_LOOKUP_NGRAM} tokens")
+        # SGLang's defaults for the one not given (1 and 12)
+        shortest = windows[0] if windows[0] is not None else 1
+        longest = windows[1] if windows[1] is not None else max(12, shortest)
+        if shortest > longest:
+            raise ValueError(f"{SGLANG_NGRAM_WINDOW[0]} {shortest} is above {SGLANG_NGRAM_WINDOW[1]} {longest}")
+        lookup = (f"speculative_decoding.lookup_min_ngram={shortest}",
+                  f"speculative_decoding.lookup_max_ngram={longest}")
     branches = topk if topk is not None and topk > 1 and name != SGLANG_NGRAM else 1
     if branches > 1:  # a tree: its nodes are the verify's tokens but the root
         k = num_draft_tokens - 1 if num_draft_tokens is not None else (num_steps * branches if num_steps else None)
     else:
         k = num_steps if num_steps is not None else (num_draft_tokens - 1 if num_draft_tokens is not None else None)
-    settings = (f"speculative_decoding.draft_branches={branches}",) if branches > 1 else ()
+    settings = ((f"speculative_decoding.draft_branches={branches}",) if branches > 1 else ()) + lookup
     return Speculation(draft=tn.NGRAM if name == SGLANG_NGRAM else (path if name == SGLANG_STANDALONE else None),
                        head=path if name in (*SGLANG_HEADS, SGLANG_MTP) else None, mtp=name == SGLANG_MTP,
                        num_draft_tokens=k, settings=settings, ignored=tuple(engine))
