@@ -94,3 +94,24 @@ def test_vllms_dtype_names_and_auto(tmp_path):
     assert parse_args(on_gpu).dtype == "float16"  # vLLM's: a float32 checkpoint in half precision
     assert engine_flags.dtype("auto", "gpu", str(tmp_path / "none")) == "float16"
     assert parse_args(["--target", "/m", "--dtype", "bfloat16"]).dtype == "bfloat16"
+
+
+def test_more_of_their_flags_parallelism_sampling_defaults_and_switches():
+    args = parse_args(["--model-path", "/m", "--tokenizer-path", "/t", "--sampling-defaults", "openai",
+                       "--enable-lora", "--enable-reasoning", "--grammar-backend", "xgrammar", "--dp-size", "1",
+                       "--pp-size", "1", "--enable-torch-compile"])
+    assert (args.tokenizer, args.generation_config) == ("/t", "vllm")
+    assert "--grammar-backend, --enable-torch-compile, --enable-lora, --enable-reasoning tune vLLM's or SGLang's " \
+           "engine, nothing here" in args.engine.notes
+    assert parse_args(["--target", "/m", "--sampling-defaults", "model"]).generation_config == "auto"
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["--pipeline-parallel-size", "2"], "--pipeline-parallel-size / -pp / --pp-size 2"),
+    (["--dp", "2"], "--data-parallel-size / -dp / --dp-size / --dp 2"),
+    (["--sampling-defaults", "openai", "--generation-config", "/g"], "--sampling-defaults and --generation-config"),
+])
+def test_more_refusals_naming_the_flag(argv, named, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--target", "/m", *argv])
+    assert named in capsys.readouterr().err

@@ -18,6 +18,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from specdec.decoding.generation_config import AUTO, VLLM
+
 PORT, HOST, API_KEY = ("--port",), ("--host",), ("--api-key",)
 MAX_SEQS = ("--max-num-seqs", "--max-running-requests")
 PREFIX_ON, PREFIX_OFF = ("--enable-prefix-caching",), ("--no-enable-prefix-caching", "--disable-radix-cache")
@@ -25,6 +27,10 @@ CHUNK = ("--max-num-batched-tokens", "--chunked-prefill-size")
 EAGER = ("--enforce-eager", "--disable-cuda-graph")
 QUANTIZATION = ("--quantization", "-q")
 TENSOR_PARALLEL = ("--tensor-parallel-size", "-tp", "--tp-size", "--tp")
+PIPELINE_PARALLEL = ("--pipeline-parallel-size", "-pp", "--pp-size")
+DATA_PARALLEL = ("--data-parallel-size", "-dp", "--dp-size", "--dp")
+SAMPLING_DEFAULTS = ("--sampling-defaults",)  # SGLang's: model (the checkpoint's generation config) or openai
+SAMPLING_DEFAULT_CHOICES = {"model": AUTO, "openai": VLLM}  # -> --generation-config's
 TRUST_REMOTE_CODE = ("--trust-remote-code",)
 FP8 = "fp8"
 # The other engines' own tuning: taken with their value, logged, nothing done
@@ -32,8 +38,16 @@ ENGINE_ONLY = ("--gpu-memory-utilization", "--mem-fraction-static", "--seed", "-
                "--uvicorn-log-level", "--kv-cache-dtype", "--max-total-tokens", "--cuda-graph-max-bs",
                "--attention-backend", "--swap-space", "--max-prefill-tokens", "--schedule-policy",
                "--load-format", "--revision", "--download-dir")
+ENGINE_ONLY += ("--guided-decoding-backend", "--grammar-backend", "--num-scheduler-steps",
+                "--distributed-executor-backend", "--max-seq-len-to-capture", "--max-cpu-loras", "--lora-dtype",
+                "--lora-extra-vocab-size", "--torch-compile-max-bs", "--page-size", "--stream-interval",
+                "--watchdog-timeout")
 ENGINE_ONLY_SWITCHES = ("--disable-log-requests", "--disable-log-stats", "--enable-metrics", "--enable-log-requests",
-                        "--skip-server-warmup", "--disable-overlap-schedule", "--enable-chunked-prefill")
+                        "--skip-server-warmup", "--disable-overlap-schedule", "--enable-chunked-prefill",
+                        "--disable-custom-all-reduce", "--enable-sleep-mode", "--disable-frontend-multiprocessing",
+                        "--enable-prompt-tokens-details", "--enable-torch-compile", "--enable-mixed-chunk",
+                        # served whenever given here: vLLM's switches for LoRA adapters and reasoning parsers
+                        "--enable-lora", "--enable-reasoning")
 PREFIX_DEST = "engine_prefix_caching"
 # vLLM's and SGLang's --dtype values besides the models' own names: auto (see dtype()), half, float
 DTYPE_ALIASES = ("auto", "half", "float")
@@ -62,6 +76,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(*QUANTIZATION, dest=_dest(QUANTIZATION[0]), default=None, metavar=FP8,
                        help="fp8: --weights-dtype fp8")
     group.add_argument(*TENSOR_PARALLEL, dest=_dest(TENSOR_PARALLEL[0]), type=int, default=None, metavar="1")
+    group.add_argument(*PIPELINE_PARALLEL, dest=_dest(PIPELINE_PARALLEL[0]), type=int, default=None, metavar="1")
+    group.add_argument(*DATA_PARALLEL, dest=_dest(DATA_PARALLEL[0]), type=int, default=None, metavar="1",
+                       help="1 only: replicas are separate servers here (the chart's replicaCount)")
+    group.add_argument(*SAMPLING_DEFAULTS, dest=_dest(SAMPLING_DEFAULTS[0]), default=None,
+                       choices=tuple(SAMPLING_DEFAULT_CHOICES),
+                       help="--generation-config auto (model) or vllm (openai)")
     group.add_argument(*TRUST_REMOTE_CODE, dest=_dest(TRUST_REMOTE_CODE[0]), action="store_true",
                        help="accepted: no model's own code runs here")
     for flag in ENGINE_ONLY:
@@ -80,6 +100,7 @@ class Engine:
     settings: list[str] = field(default_factory=list)  # --set MODEL.PARAMETER=VALUE
     compile_off: bool = False
     fp8: bool = False
+    generation_config: str | None = None  # SGLang's --sampling-defaults as --generation-config auto or vllm
     notes: list[str] = field(default_factory=list)  # logged at start: what was accepted without effect
     given: list[str] = field(default_factory=list)  # the flags that change the served repository
 
@@ -137,6 +158,14 @@ def read(args: argparse.Namespace) -> Engine:
     if parallel is not None and parallel != 1:
         raise ValueError(f"--tensor-parallel-size / --tp-size {parallel}: a model runs on one GPU here (1); "
                          "--spread-target spreads the target's layers over every visible GPU")
+    for flags, what in ((PIPELINE_PARALLEL, "a model's layers on one GPU (--spread-target: over the visible ones)"),
+                        (DATA_PARALLEL, "replicas are separate servers (the chart's replicaCount)")):
+        value = getattr(args, _dest(flags[0]))
+        if value is not None and value != 1:
+            raise ValueError(f"{' / '.join(flags)} {value}: 1 only here ({what})")
+    defaults = getattr(args, _dest(SAMPLING_DEFAULTS[0]))
+    if defaults is not None:
+        out.generation_config = SAMPLING_DEFAULT_CHOICES[defaults]
     if getattr(args, _dest(TRUST_REMOTE_CODE[0])):
         out.notes.append("--trust-remote-code: no model's own code runs here (the families served are the "
                          "project's modules or transformers')")

@@ -398,7 +398,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     custom.add_argument("--draft", default=tn.NGRAM,
                         help=f'draft model path, or "{tn.NGRAM}" for prompt lookup, or "{tn.SUFFIX}" for prompt '
                              "lookup also over earlier requests' text")
-    custom.add_argument("--tokenizer", default="", help="tokenizer directory (default: the target's)")
+    custom.add_argument("--tokenizer", "--tokenizer-path", default="",
+                        help="tokenizer directory (default: the target's; --tokenizer-path: SGLang's name)")
     custom.add_argument("--dtype", default="float32", choices=(*tn.DTYPE_NAMES, *engine_flags.DTYPE_ALIASES),
                         help="the models' dtype; vLLM's and SGLang's auto, half, float: engine_flags.DTYPE_ALIASES")
     custom.add_argument("--device", default="cpu", choices=("cpu", "gpu"))
@@ -613,6 +614,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.engine.changes_repository and args.model_repository:
         parser.error(f"{', '.join(args.engine.given)} set a rendered repository's parameters; --model-repository is "
                      "served as is (--set after rendering, or its config.pbtxt)")
+    if args.engine.generation_config is not None:
+        if args.generation_config not in (AUTO, args.engine.generation_config):
+            parser.error(f"--sampling-defaults and --generation-config {args.generation_config} disagree")
+        args.generation_config = args.engine.generation_config
     args.dtype = engine_flags.dtype(args.dtype, args.device, args.target)
     if args.engine.compile_off:
         if args.compile not in ("auto", "off"):
