@@ -1536,6 +1536,18 @@ def test_sglangs_generate_answers_as_completions_do_whole_streamed_and_batched(s
         **greedy, "stop": [word], "no_stop_trim": True}})
     assert kept["text"] == expected[:expected.index(word) + len(word)]
 
+    # max_new_tokens 0 (RL trainers' and SGLang's `select`): the prompt's log-probabilities alone, as echo scores it
+    status, scored = _native(server, "/generate", {"input_ids": prompt_ids, "return_logprob": True,
+                                                   "logprob_start_len": 0, "sampling_params": {"max_new_tokens": 0}})
+    echoed = api.completions.create(model=model, prompt=prompt_ids, echo=True, logprobs=1, max_tokens=0,
+                                    temperature=0).choices[0].logprobs
+    meta = scored["meta_info"]
+    assert status == 200 and (scored["text"], scored["output_ids"], meta["completion_tokens"]) == ("", [], 0)
+    assert meta["finish_reason"] == {"type": "length", "length": 0} and meta["output_token_logprobs"] == []
+    assert [t for _, t, _ in meta["input_token_logprobs"]] == prompt_ids
+    assert meta["input_token_logprobs"][0][0] is None and echoed.token_logprobs[0] is None
+    assert np.allclose([v for v, _, _ in meta["input_token_logprobs"][1:]], echoed.token_logprobs[1:], atol=1e-5)
+
 
 def test_sglangs_server_info_model_info_health_generate_and_refusals(server, model):
     """/get_server_info's avg_spec_accept_length (what bench_serving prints as "Accept length") is the

@@ -117,3 +117,14 @@ def test_server_figures_from_the_servers_prometheus_text():
         "# TYPE specdec_output_tokens_total counter", "specdec_output_tokens_total 123.0", ""])
     assert sglang_native.server_figures(text) == (2.0, 123.0)  # 1 + 20 accepted / 20 rounds
     assert sglang_native.server_figures("") == (None, 0.0)
+
+
+def test_max_new_tokens_zero_scores_the_prompt_alone():
+    native, [body] = bodies({"input_ids": [[1, 2], [3]], "return_logprob": True, "logprob_start_len": 0,
+                             "sampling_params": {"max_new_tokens": 0}})
+    assert native.score_only and body["max_tokens"] == 1 and body["prompt_logprobs"] == 0
+    with pytest.raises(ApiError) as refused:
+        bodies({"text": ["a", "b"], "sampling_params": [{"max_new_tokens": 0}, {"max_new_tokens": 2}]})
+    assert refused.value.param == "sampling_params.max_new_tokens"
+    assert not bodies({"text": "a"})[0].score_only
+

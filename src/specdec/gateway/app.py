@@ -1100,6 +1100,10 @@ class Gateway:
         """Output `index` as SGLang writes it, from its responses so far (`merged`)."""
         reason = self._finish_reason(merged)
         prompt, completion, cached = protocol.token_counts(merged.stats, len(merged.ids))
+        if native.score_only:  # the one token generated is not the answer's (max_new_tokens 0)
+            merged = replace(merged, text="", ids=[], log_probs=[], top_ids=[], top_log_probs=[],
+                             stats={} if reason else merged.stats)
+            completion, reason = 0, "length" if reason else reason
         matched = None
         if reason == "stop":
             stops, stop_ids = native.stops[index // native.n], native.stop_ids[index // native.n]

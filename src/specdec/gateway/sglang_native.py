@@ -90,6 +90,9 @@ class Native:
     logprob_start_len: int = -1  # -1: no input log-probabilities
     return_text_in_logprobs: bool = False
     stream: bool = False
+    # max_new_tokens 0 (what RL trainers and SGLang's `select` send for the prompt's log-probabilities): the
+    # server generates one token, never shown (as the completions endpoint's echo with max_tokens 0)
+    score_only: bool = False
     stops: list[list[str]] = field(default_factory=list)  # per prompt: its stop strings
     stop_ids: list[list[int]] = field(default_factory=list)  # per prompt: its stop token ids
 
@@ -203,9 +206,15 @@ def completion_bodies(body, model: str) -> tuple[Native, list[dict]]:
     if len(counts) > 1:
         raise invalid("sampling_params", "n must be the same for every prompt")
     n = counts.pop()
+    zero = [p["max_tokens"] == 0 for p in per_prompt]
+    if any(zero) and not all(zero):
+        raise invalid("sampling_params.max_new_tokens", "0 (the prompt's log-probabilities alone) for every prompt "
+                                                        "of a batch or none")
+    if all(zero):
+        per_prompt = [{**p, "max_tokens": 1} for p in per_prompt]
     rids = _per_prompt(body, "rid", len(prompts), str, "a string")
     stream = _flag(body, "stream")
-    native = Native(batch=batch, prompts=len(prompts), n=n, rids=rids, stream=stream,
+    native = Native(batch=batch, prompts=len(prompts), n=n, rids=rids, stream=stream, score_only=all(zero),
                     return_logprob=_flag(body, "return_logprob"),
                     return_text_in_logprobs=_flag(body, "return_text_in_logprobs"))
     top = body.get("top_logprobs_num")
