@@ -322,6 +322,9 @@ WEIGHTS_DTYPES = ("same", "fp8", "q8")
 
 # ---- request defaults (what a request that leaves an input out gets) ---------------------------------
 DEFAULT_TEMPERATURE = 0.0  # greedy
+# A temperature below this is greedy, as vLLM (1e-5) and SGLang treat it: sampling there differs from the argmax
+# only between logits within ~1e-4 of each other, and benchmark clients send 1e-6 for greedy (TensorRT-LLM's)
+GREEDY_BELOW_TEMPERATURE = 1e-5
 DEFAULT_TOP_K = 0
 DEFAULT_TOP_P = 1.0
 DEFAULT_MIN_P = 0.0

@@ -6,6 +6,7 @@ import json
 import queue
 import re
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -94,6 +95,23 @@ def test_http_generate_stream_sse_equals_generate(server):
     assert streamed[tn.TEXT_OUTPUT] == whole[tn.TEXT_OUTPUT]
     assert len(streamed["chunks"]) > 1
     assert streamed[tn.FINISH_REASON] == whole[tn.FINISH_REASON]
+
+
+def test_tensorrt_llms_benchmark_payload_streams_to_max_tokens(server):
+    """What SGLang's `bench_serving --backend trt` posts to /v2/models/ensemble/generate_stream (TensorRT-LLM's
+    ensemble): `accumulate_tokens` (its BLS's; the ensemble's text is the new text either way), `min_length` and
+    an `end_id` past the vocabulary, so that no token ends the answer before max_tokens: every response's
+    `text_output` the new text, joined the greedy answer of 16 tokens."""
+    payload = {"accumulate_tokens": True, "text_input": PROMPTS[1], "temperature": 0.000001, "top_p": 1.0,
+               "max_tokens": 16, "stream": True, "min_length": 16, "end_id": 1048576}
+    request = urllib.request.Request(f"{server.http_url}/v2/models/ensemble/generate_stream",
+                                     data=json.dumps(payload).encode(), method="POST")
+    with urllib.request.urlopen(request, timeout=60) as response:
+        events = [json.loads(line.decode().removeprefix("data:")) for line in response if line.strip()]
+    greedy = grpc_stream(server.grpc_url, PROMPTS[1], max_tokens=16, ignore_eos=True)
+    assert all("error" not in event for event in events), events
+    assert "".join(event[tn.TEXT_OUTPUT] for event in events) == greedy[tn.TEXT_OUTPUT]
+    assert events[-1][tn.NUM_OUTPUT_TOKENS] == greedy[tn.NUM_OUTPUT_TOKENS] == 16
 
 
 # ---- sampling -------------------------------------------------------------------------------------
@@ -1131,7 +1149,7 @@ BAD_REQUESTS = {
                                         "'chat_template': this server does not take a request's chat template"),
     "blank_prompt": ("   ", {}, "text_input"),
     "prompt_over_context": (LONG_PROMPT, dict(max_tokens=10), "context"),
-    "end_id_out_of_range": (PROMPTS[0], dict(end_id=10**8), "end_id"),
+    "end_id_negative": (PROMPTS[0], dict(end_id=-1), "end_id"),
     "min_length_over_max_tokens": (PROMPTS[0], dict(max_tokens=5, min_length=6), "min_length"),
     "min_tokens_over_max_tokens": (PROMPTS[0], dict(max_tokens=5, min_tokens=np.array([[6]], dtype=np.int32)),
                                    "min_tokens"),

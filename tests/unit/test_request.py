@@ -100,6 +100,12 @@ def test_return_log_probs_is_read_and_typed():
 
 def test_forced_lengths():
     assert parse(**{tn.IGNORE_EOS: np.array([[True]])}).generation.end_ids == frozenset()
+    # a temperature below 1e-5 is greedy (vLLM's and SGLang's rule; TensorRT-LLM's benchmarks send 1e-6)
+    tiny = parse(**{tn.TEMPERATURE: np.array([[1e-6]], dtype=np.float32)}).generation.sampling
+    assert tiny.greedy and tiny.temperature == 0.0
+    assert not parse(**{tn.TEMPERATURE: np.array([[1e-4]], dtype=np.float32)}).generation.sampling.greedy
+    # an end id past the vocabulary (TensorRT-LLM's benchmarks' 1048576): no token ends the request
+    assert parse(**{tn.END_ID: np.array([[1048576]], dtype=np.int32)}).generation.end_ids == frozenset([1048576])
     assert parse(**{tn.MIN_LENGTH: np.array([[7]], dtype=np.int32)}).generation.min_tokens == 7
     # min_tokens is the same setting under TensorRT-LLM's current, vLLM's and aiperf's name.
     assert parse(**{tn.MIN_TOKENS: np.array([[5]], dtype=np.int32)}).generation.min_tokens == 5
@@ -135,7 +141,7 @@ def test_seeded_sampling_drafts_a_fixed_k_greedy_stays_adaptive():
     (tn.MIN_P, np.array([[-0.1]], dtype=np.float32)),
     (tn.MIN_P, np.array([[1.5]], dtype=np.float32)),
     (tn.MIN_P, np.array([[np.nan]], dtype=np.float32)),
-    (tn.END_ID, np.array([[100]], dtype=np.int32)),
+    (tn.END_ID, np.array([[-1]], dtype=np.int32)),
     (tn.MIN_LENGTH, np.array([[17]], dtype=np.int32)),  # over max_tokens (16)
     (tn.MIN_LENGTH, np.array([[-1]], dtype=np.int32)),
     (tn.MIN_TOKENS, np.array([[17]], dtype=np.int32)),

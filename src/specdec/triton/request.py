@@ -155,6 +155,8 @@ class ParsedRequest:
         temperature = inputs.scalar(tn.TEMPERATURE, np.float32, tn.DEFAULT_TEMPERATURE)
         if not 0.0 <= temperature < float("inf"):  # also rejects NaN
             raise InputError(f"input '{tn.TEMPERATURE}' must be a finite number >= 0, got {temperature}")
+        if temperature < tn.GREEDY_BELOW_TEMPERATURE:
+            temperature = 0.0
         top_k = inputs.scalar(tn.TOP_K, np.int32, tn.DEFAULT_TOP_K)
         if top_k < 0:
             raise InputError(f"input '{tn.TOP_K}' must be >= 0, got {top_k}")
@@ -167,8 +169,11 @@ class ParsedRequest:
         seed = inputs.scalar(tn.SEED, np.uint64, None)
         penalties = _penalties(inputs)
         end_id = inputs.scalar(tn.END_ID, np.int32, None)
-        if end_id is not None and not 0 <= end_id < limits.vocab_size:
-            raise InputError(f"input '{tn.END_ID}' must be a token id within [0, {limits.vocab_size}), got {end_id}")
+        # An id past the vocabulary is never generated: no token ends the request (what TensorRT-LLM's
+        # benchmarks send, 1048576, to run to max_tokens), as on TensorRT-LLM
+        if end_id is not None and end_id < 0:
+            raise InputError(f"input '{tn.END_ID}' must be a token id (>= 0; past the vocabulary's "
+                             f"{limits.vocab_size}: none ends the request), got {end_id}")
         min_length = _min_length(inputs, max_tokens)
         ignore_eos = bool(inputs.scalar(tn.IGNORE_EOS, np.bool_, False))
         # vLLM's stop_token_ids: end tokens besides the end id (ignore_eos leaves them), dropped from the text.

@@ -37,7 +37,11 @@ SAMPLING_PARAMETER_KEYS = {
 NEUTRAL_SAMPLING_PARAMETERS = {"n": 1, "best_of": 1, "detokenize": True}
 # Settings taken at either value that change nothing here: a fast tokenizer (the server's) writes no space
 # between special tokens either way (vLLM's fast detokenizer does the same; its slow one reads it)
-NO_EFFECT_PARAMETERS = {"spaces_between_special_tokens": np.bool_}
+NO_EFFECT_PARAMETERS = {"spaces_between_special_tokens": np.bool_,
+                        # TensorRT-LLM's BLS setting (its ensemble ignores the request's): a streamed response's text
+                        # decoded from every token so far; here each response's text is always read so, and sent as
+                        # the new text, as TensorRT-LLM's ensemble sends it (SGLang's bench_serving sends it)
+                        "accumulate_tokens": np.bool_}
 # vLLM's keys that no input stands for: token ids (and biases), read from the JSON into arrays of these names ...
 TOKEN_ID_KEYS = ("logit_bias", "allowed_token_ids", "stop_token_ids")
 # ... and these settings: the stop string kept at the text's end, the prompt cut to its last N tokens
