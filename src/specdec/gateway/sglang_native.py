@@ -82,7 +82,6 @@ class Native:
     """A /generate request's own settings, besides the completions bodies it stands for."""
 
     batch: bool  # a list of prompts: the answer is a list
-    prompts: int
     n: int
     rids: list[str | None]  # per prompt (None: the server names it)
     return_logprob: bool = False
@@ -214,7 +213,7 @@ def completion_bodies(body, model: str) -> tuple[Native, list[dict]]:
         per_prompt = [{**p, "max_tokens": 1} for p in per_prompt]
     rids = _per_prompt(body, "rid", len(prompts), str, "a string")
     stream = _flag(body, "stream")
-    native = Native(batch=batch, prompts=len(prompts), n=n, rids=rids, stream=stream, score_only=all(zero),
+    native = Native(batch=batch, n=n, rids=rids, stream=stream, score_only=all(zero),
                     return_logprob=_flag(body, "return_logprob"),
                     return_text_in_logprobs=_flag(body, "return_text_in_logprobs"))
     top = body.get("top_logprobs_num")

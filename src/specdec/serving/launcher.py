@@ -432,7 +432,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         sglang.add_argument(flag, type=float, default=None, help="1.0 only (exact acceptance)")
     for flag in speculative_config.SGLANG_NGRAM_WINDOW:
         sglang.add_argument(flag, type=int, default=None, metavar="N", help="NGRAM's: prompt lookup's n-grams")
-    for flag in (*speculative_config.SGLANG_ENGINE_FLAGS, *speculative_config.SGLANG_NGRAM_ENGINE):
+    for flag in speculative_config.SGLANG_ENGINE_FLAGS:
         sglang.add_argument(flag, default=None, help=argparse.SUPPRESS)
     engine_flags.add_arguments(parser)
     custom.add_argument("--draft-lora-layers", default="", metavar="first|LAYERS",
@@ -652,8 +652,7 @@ def _sglang_flags(args: argparse.Namespace) -> list[str]:
     return [flag for flag in (speculative_config.SGLANG_ALGORITHM, speculative_config.SGLANG_PATH,
                               speculative_config.SGLANG_STEPS, speculative_config.SGLANG_TOPK,
                               speculative_config.SGLANG_TOKENS, *speculative_config.SGLANG_THRESHOLDS,
-                              *speculative_config.SGLANG_NGRAM_WINDOW, *speculative_config.SGLANG_ENGINE_FLAGS,
-                              *speculative_config.SGLANG_NGRAM_ENGINE)
+                              *speculative_config.SGLANG_NGRAM_WINDOW, *speculative_config.SGLANG_ENGINE_FLAGS)
             if getattr(args, flag.removeprefix("--").replace("-", "_")) is not None]
 
 
@@ -675,8 +674,7 @@ def _apply_speculative_config(parser: argparse.ArgumentParser, args: argparse.Na
         else:
             if args.speculative_algorithm is None:
                 raise ValueError(f"{', '.join(sglang)} need {speculative_config.SGLANG_ALGORITHM} (SGLang's)")
-            engine = tuple(flag for flag in sglang if flag in (*speculative_config.SGLANG_ENGINE_FLAGS,
-                                                               *speculative_config.SGLANG_NGRAM_ENGINE))
+            engine = tuple(flag for flag in sglang if flag in speculative_config.SGLANG_ENGINE_FLAGS)
             spec = speculative_config.from_sglang(
                 args.speculative_algorithm, args.speculative_draft_model_path, args.speculative_num_steps,
                 args.speculative_eagle_topk, args.speculative_num_draft_tokens,

@@ -143,16 +143,15 @@ SGLANG_PATH, SGLANG_STEPS = "--speculative-draft-model-path", "--speculative-num
 SGLANG_TOPK, SGLANG_TOKENS = "--speculative-eagle-topk", "--speculative-num-draft-tokens"
 SGLANG_HEADS, SGLANG_MTP, SGLANG_STANDALONE, SGLANG_NGRAM = ("EAGLE", "EAGLE3"), "NEXTN", "STANDALONE", "NGRAM"
 SGLANG_ALGORITHMS = (*SGLANG_HEADS, SGLANG_MTP, SGLANG_STANDALONE, SGLANG_NGRAM)
-# SGLang's flags that tune its engine (attention backends, revisions, FR-Spec's reduced lm_head): taken, logged
+# SGLang's NGRAM: its match window, prompt lookup's shortest and longest n-gram here
+SGLANG_NGRAM_WINDOW = ("--speculative-ngram-min-match-window-size", "--speculative-ngram-max-match-window-size")
+# SGLang's flags that tune its engine (attention backends, revisions, FR-Spec's reduced lm_head) and the shape of
+# its NGRAM trie's search (breadth, match type, branch length, capacity): taken, logged
 SGLANG_ENGINE_FLAGS = ("--speculative-token-map", "--speculative-draft-model-revision", "--speculative-attention-mode",
                        "--speculative-draft-attention-backend", "--speculative-moe-runner-backend",
-                       "--speculative-draft-load-format")
-# SGLang's NGRAM: its match window, prompt lookup's shortest and longest n-gram here; the shape of its trie's
-# search (breadth, match type, branch length, capacity) is its own: taken, logged
-SGLANG_NGRAM_WINDOW = ("--speculative-ngram-min-match-window-size", "--speculative-ngram-max-match-window-size")
-SGLANG_NGRAM_ENGINE = ("--speculative-ngram-min-bfs-breadth", "--speculative-ngram-max-bfs-breadth",
-                       "--speculative-ngram-match-type", "--speculative-ngram-branch-length",
-                       "--speculative-ngram-capacity")
+                       "--speculative-draft-load-format", "--speculative-ngram-min-bfs-breadth",
+                       "--speculative-ngram-max-bfs-breadth", "--speculative-ngram-match-type",
+                       "--speculative-ngram-branch-length", "--speculative-ngram-capacity")
 # SGLang's relaxed acceptance (a token accepted with less than the target's probability): lossy unless 1.0
 SGLANG_THRESHOLDS = ("--speculative-accept-threshold-single", "--speculative-accept-threshold-acc")
 
