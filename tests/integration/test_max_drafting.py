@@ -1,11 +1,13 @@
 """A server of its own with one orchestrator instance and `max_drafting_sequences` at 1: a request drafts
 while it generates alone; while another one generates, every round of both is target-only, with the same
 greedy text. A seeded sampled request keeps drafting: its text must not depend on the load. And `make
-bench-suffix`'s script against it (one instance: one suffix cache sees every request)."""
+bench-suffix`'s script against it and a reset of the caches (one instance: one suffix cache sees every
+request)."""
 
 import subprocess
 import sys
 import threading
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -75,3 +77,21 @@ def test_suffix_bench_drafts_the_second_pass_from_the_first(limited, tmp_path):
     assert len(rows) == 7 and all(cells[-1] == "100%" for cells in rows.values())
     first, second = rows["repeated", "suffix, adaptive K<=16"], rows["repeated", "suffix, adaptive K<=16, second pass"]
     assert float(second[5]) > float(first[5]) and float(second[4]) > 0.5, (first, second)
+
+
+def test_a_cache_reset_forgets_earlier_requests_text_for_the_suffix_draft(limited):
+    """SGLang's /flush_cache on this server's API empties the suffix cache: a prompt sent again is drafted from
+    its first answer (more accepted, fewer rounds); sent after a reset, it is drafted exactly as on its first
+    send after the reset before it, with the same greedy text."""
+    prompt = "The lighthouse keeper counted the ships that passed the point before dawn"
+    params = dict(max_tokens=24, num_draft_tokens=8, draft_model="suffix", adaptive_draft=False)
+    flush = lambda: urllib.request.urlopen(urllib.request.Request(  # noqa: E731
+        limited.openai_url.removesuffix("/v1") + "/flush_cache", data=b"", method="POST"), timeout=30).status
+    figures = lambda r: (r[tn.TEXT_OUTPUT], r[tn.TOTAL_ACCEPTED_DRAFT_TOKENS], r[tn.NUM_ROUNDS])  # noqa: E731
+    assert flush() == 200
+    first = grpc_stream(limited.grpc_url, prompt, **params)
+    again = grpc_stream(limited.grpc_url, prompt, **params)
+    assert again[tn.TEXT_OUTPUT] == first[tn.TEXT_OUTPUT]
+    assert again[tn.TOTAL_ACCEPTED_DRAFT_TOKENS] > first[tn.TOTAL_ACCEPTED_DRAFT_TOKENS], (first, again)
+    assert flush() == 200
+    assert figures(grpc_stream(limited.grpc_url, prompt, **params)) == figures(first)

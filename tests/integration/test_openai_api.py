@@ -1256,26 +1256,27 @@ SALTED_SYSTEM = ("Cache-salt test. You help visitors of a botanical garden on a 
                  "the stone steps, and the tea room at the top of the hill, open from nine until four.")
 
 
+def _draft_prefix_hits(server) -> float:
+    """The draft model's prefix-cache hits once its sequences are released (when it counts them)."""
+    deadline = time.monotonic() + 10
+    while server.metric("specdec_model_live_sequences", model="draft_model") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return server.metric("specdec_model_prefix_cache_hits_total", model="draft_model")
+
+
 def test_a_cache_salt_shares_cached_prompts_only_among_its_own_requests(server, api, model):
     """vLLM's cache_salt: a prompt finds in the prefix caches (the target's, reported as cached_tokens, and
     the draft model's) only what requests of the same salt computed, never another salt's or the shared
     cache's; the answers are the same."""
     chat = [{"role": "system", "content": SALTED_SYSTEM}, {"role": "user", "content": "Where are the ferns?"}]
 
-    def draft_hits() -> float:
-        """The draft model's prefix-cache hits once its sequences are released (when it counts them)."""
-        deadline = time.monotonic() + 10
-        while server.metric("specdec_model_live_sequences", model="draft_model") and time.monotonic() < deadline:
-            time.sleep(0.05)
-        return server.metric("specdec_model_prefix_cache_hits_total", model="draft_model")
-
     def ask(salt: str | None) -> tuple[int, str, float]:
         nonlocal prompt_tokens
-        before = draft_hits()
+        before = _draft_prefix_hits(server)
         answer = api.chat.completions.create(model=model, messages=chat, max_tokens=6, temperature=0, extra_body={
             "draft_model": "draft_model", "num_draft_tokens": 3, "adaptive_draft": False,
             **({"cache_salt": salt} if salt else {})})
-        found = draft_hits() - before
+        found = _draft_prefix_hits(server) - before
         prompt_tokens = answer.usage.prompt_tokens
         return answer.usage.prompt_tokens_details.cached_tokens, answer.choices[0].message.content, found
 
@@ -1287,6 +1288,48 @@ def test_a_cache_salt_shares_cached_prompts_only_among_its_own_requests(server, 
     for other in ("tenant-b", None):  # another salt, and the shared cache, find none of tenant-a's blocks
         cached, other_text, draft_found = ask(other)
         assert (cached, draft_found, other_text) == (0, 0, text), other
+
+
+RESET_SYSTEM = ("You answer questions about the harbour. The ferry leaves from pier two at every full hour, the "
+                "fish market opens at five and closes at noon, the lighthouse may be climbed on Sundays, the harbour "
+                "master's office is the red house by the crane, and the sailing school rents boats from May on.")
+
+
+def test_a_cache_reset_empties_the_target_and_draft_prefix_caches(server, api, model):
+    """vLLM's POST /reset_prefix_cache and SGLang's /flush_cache (POST or GET): a prompt the target's prefix
+    cache (cached_tokens) and the draft model's (its hits) held is found in neither after a reset, with the
+    same answer, and both fill again; a flag that is no boolean is refused, naming it."""
+    chat = [{"role": "system", "content": RESET_SYSTEM}, {"role": "user", "content": "When does the ferry leave?"}]
+
+    def ask() -> tuple[int, str, float]:
+        before = _draft_prefix_hits(server)
+        answer = api.chat.completions.create(model=model, messages=chat, max_tokens=6, temperature=0, extra_body={
+            "draft_model": "draft_model", "num_draft_tokens": 3, "adaptive_draft": False})
+        found = _draft_prefix_hits(server) - before
+        return answer.usage.prompt_tokens_details.cached_tokens, answer.choices[0].message.content, found
+
+    root = server.openai_url.removesuffix("/v1")
+
+    def reset(path: str, method: str = "POST") -> tuple[int, str]:
+        request = urllib.request.Request(root + path, method=method, data=b"" if method == "POST" else None)
+        try:
+            with urllib.request.urlopen(request, timeout=30) as answer:
+                return answer.status, answer.read().decode()
+        except urllib.error.HTTPError as refused:
+            return refused.code, refused.read().decode()
+
+    ask()
+    cached, text, draft_found = ask()
+    assert cached >= 64 and draft_found > 0  # held by both
+    flushed, both_flags = "Cache flushed.\n", "?reset_running_requests=true&reset_external=false"
+    for path, method, expected in (("/reset_prefix_cache", "POST", ""), ("/flush_cache", "POST", flushed),
+                                   ("/flush_cache", "GET", flushed), ("/reset_prefix_cache" + both_flags, "POST", "")):
+        assert reset(path, method) == (200, expected), path
+        assert ask() == (0, text, 0), path  # found in neither cache, the same answer
+        assert ask() == (cached, text, draft_found), path  # and cached again by that request
+    status, body = reset("/reset_prefix_cache?reset_external=maybe")
+    assert status == 400 and json.loads(body)["error"]["param"] == "reset_external"
+    assert ask()[0] == cached  # a refused reset resets nothing
 
 
 def test_usage_counts_the_prompt_tokens_the_prefix_cache_held(api, claude, model):
@@ -1719,6 +1762,16 @@ def test_an_api_key_is_required_when_set(server, model):
         assert _native(local, "/generate", native)[0] == _native(local, "/get_server_info")[0] == 401
         assert _native(local, "/generate", native, {"Authorization": "Bearer s3cret"})[0] == 200
         assert _native(local, "/health_generate")[0] == 200
+        # resetting the caches too; this gateway was started without the launcher's marker: it cannot
+        for path in ("/flush_cache", "/reset_prefix_cache"):
+            request = urllib.request.Request(root + path, data=b"", method="POST")
+            with pytest.raises(urllib.error.HTTPError) as caught:
+                urllib.request.urlopen(request, timeout=10)
+            assert caught.value.code == 401, path
+            request.add_header("Authorization", "Bearer s3cret")
+            with pytest.raises(urllib.error.HTTPError) as caught:
+                urllib.request.urlopen(request, timeout=10)
+            assert caught.value.code == 501 and "SPECDEC_CACHE_RESET_FILE" in caught.value.read().decode(), path
 
 
 def _leave_a_stream(api, model, chunks: int, n: int = 1) -> None:

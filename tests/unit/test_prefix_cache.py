@@ -150,6 +150,37 @@ def test_a_rollback_into_a_block_it_alone_holds_rekeys_that_block(tiny_lm):
     assert lm.prefix_hit_tokens == 0 and torch.allclose(after, reference.extend(1, 0, ids, 1), atol=1e-10)
 
 
+@pytest.mark.parametrize("kind", EXECUTORS)
+def test_a_reset_forgets_every_cached_prefix_while_running_sequences_keep_theirs(tiny_lm, kind):
+    """A client's reset (cache_reset.py): no later prompt finds a block cached before it, the blocks no sequence
+    holds are free again, one still running keeps its blocks and goes on computing what it would have; once it
+    ends its blocks are free, and the cache fills again from the prompts after the reset."""
+    lm, reference = EXECUTORS[kind](tiny_lm), EXECUTORS[kind](tiny_lm, prefix_caching=False)
+    ended, running = prompt(25, seed=7), prompt(25, seed=8)
+    lm.extend(1, 0, ended, 1)
+    lm.extend(2, 0, running, 1)
+    reference.extend(2, 0, running, 1)
+    lm.release(1)
+    assert lm.prefix_cache_bytes > 0 and len(lm.prefix) == 6
+    held = list(lm.sequences[2].blocks) if kind == "static" else None
+    assert lm.reset_prefix_cache() == 6
+    assert len(lm.prefix) == 0 and lm.prefix_cache_bytes == 0 and lm.prefix.match(ended, 3) == ([], [])
+    if kind == "static":  # ended's blocks free again; running's still its own, no longer offered to anyone
+        assert not lm.kv.pool.cached and lm.sequences[2].blocks == held
+        assert lm.kv_bytes_allocated == len(held) * lm.kv.pool.block_bytes
+    hits = lm.prefix_hit_tokens
+    for seq_id, ids in ((3, ended), (4, running)):  # neither prompt is found any more: both run whole
+        lm.extend(seq_id, 0, ids, 1)
+    assert lm.prefix_hit_tokens == hits and lm.tokens_processed == 4 * 25
+    assert torch.allclose(lm.extend(2, 25, [3, 4], 1), reference.extend(2, 25, [3, 4], 1), atol=1e-10)
+    lm.release(2)
+    if kind == "static":  # released after the reset: free, not cached
+        assert not any(block in lm.kv.pool.cached for block in held)
+    [again] = lm.extend_many([Step(5, 0, ended + [1], 1)])  # the cache fills again from after the reset
+    assert lm.sequences[5].cached == 24
+    assert torch.allclose(again, reference.extend(6, 0, ended + [1], 1), atol=1e-10)
+
+
 def test_cached_blocks_are_evicted_oldest_first_when_the_pool_needs_them(tiny_lm):
     lm = paged(tiny_lm, kv_pool_tokens=64, max_context=64)  # 8 blocks of 8
     old, new = prompt(17, seed=4), prompt(17, seed=5)

@@ -56,6 +56,16 @@ def test_the_index_names_exactly_the_latest_occurrences_in_the_sequences_kept():
             gram: key << 32 | end for gram, (key, end) in latest.items()} and len(cache.index) == len(latest)
 
 
+def test_a_reset_forgets_every_sequence_and_the_cache_fills_again():
+    cache = SuffixCache(100, ngram=2)
+    cache.add([1, 2, 3, 4, 5])
+    cache.add([6, 7, 8, 9])
+    assert cache.clear() == 9
+    assert (cache.tokens, cache.sequences, cache.index) == (0, {}, {}) and cache.lookup([0, 1, 2], 2) == (0, [])
+    cache.add([1, 2, 7, 7])  # added after the reset: found, and nothing from before it
+    assert cache.lookup([0, 1, 2], 3) == (2, [7, 7]) and cache.tokens == 4
+
+
 def test_a_zero_budget_keeps_nothing():
     cache = SuffixCache(0)
     cache.add(list(range(100)))

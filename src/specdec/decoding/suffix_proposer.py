@@ -81,6 +81,14 @@ class SuffixCache:
                 if index.get(gram) == base | end:
                     del index[gram]
 
+    def clear(self) -> int:
+        """Forget every sequence kept (a client's reset of the server's caches); returns the tokens forgotten."""
+        forgotten = self.tokens
+        self.sequences.clear()
+        self.index.clear()
+        self.tokens = 0
+        return forgotten
+
     def _index(self, key: int, tokens: list[int]) -> None:
         index, base = self.index, key << 32
         for end, gram in _grams(tokens[:-1], self.ngram):  # an n-gram ending at `end`, followed by tokens[end]

@@ -616,6 +616,11 @@ class Executor:
             self.kv.release(seq)
         return seq is not None
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix (a client's reset: cache_reset.py), and the trained heads' features kept
+        with them; running sequences keep the blocks they hold. Returns the blocks forgotten."""
+        return self.kv.reset_prefix_cache()
+
     def evict_idle(self) -> list[int]:
         """Drop sequences idle for longer than idle_timeout_s; returns their ids."""
         deadline = self.clock() - self.idle_timeout_s

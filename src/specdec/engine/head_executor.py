@@ -147,6 +147,10 @@ class HeadExecutor:
     # The executor's own rule, over the same fields (sequences, last_used, clock, idle_timeout_s, release)
     evict_idle = Executor.evict_idle
 
+    def reset_prefix_cache(self) -> int:
+        """No prefix cache of its own: a head's features come from the target's."""
+        return 0
+
     @torch.inference_mode()
     def propose_many(self, steps: list[Step]) -> list[Drafted | CacheError]:
         """Each step's proposal (or its CacheError). An EAGLE head's steps go through one loop: the fills of

@@ -102,6 +102,7 @@ class KVStore(Protocol):
     def rewrite_from(self, seq, j: int) -> None: ...  # seq writes into its blocks from j on next
     def move(self, seq, source: list[int], target: list[int]) -> None: ...  # entries at positions source to target
     def release(self, seq) -> None: ...
+    def reset_prefix_cache(self) -> int: ...  # every cached prefix forgotten (held blocks stay held): how many
     def bytes_held(self, sequences) -> int: ...
     prefix_cache_bytes: int
 

@@ -137,6 +137,13 @@ class BlockStore:
         self.used[block] = None
         return block
 
+    def forget(self) -> int:
+        """A prefix-cache reset: every keyed block forgotten and free again; returns how many there were."""
+        forgotten = self.index.clear()
+        self.free += list(self.used)
+        self.used.clear()
+        return len(forgotten)
+
     def load(self, seq: "SequenceKV", blocks: list[int], first: int = 0) -> None:
         """seq gets these blocks' keys and values at its blocks first, first + 1, ..."""
         size = self.index.block_size
@@ -355,6 +362,10 @@ class ContiguousKV:
 
     def release(self, seq: SequenceKV) -> None:
         """The buffers go with the sequence."""
+
+    def reset_prefix_cache(self) -> int:
+        """Every keyed block forgotten (sequences keep their own buffers); returns how many there were."""
+        return self.store.forget() if self.store is not None else 0
 
     capacity_bytes = 0  # not budgeted: buffers grow on demand, as far as memory goes
 

@@ -126,6 +126,14 @@ class BlockPool:
         elif self.index is not None and self.index.registered(block):
             self.index.remove(block)
 
+    def forget_prefixes(self) -> int:
+        """A prefix-cache reset: the index forgets every block; those no sequence holds are free again, those
+        sequences hold stay theirs (released, they go to the free list). Returns the blocks forgotten."""
+        forgotten = self.index.clear()
+        self.free += list(self.cached)
+        self.cached.clear()
+        return len(forgotten)
+
     def release(self, seq: PagedSequence) -> None:
         # Last blocks first: a released prompt's tail is evicted before its head, which more prompts share.
         for block in reversed(seq.blocks):
@@ -215,6 +223,9 @@ class PagedKV:
 
     def release(self, seq: PagedSequence) -> None:
         self.pool.release(seq)
+
+    def reset_prefix_cache(self) -> int:
+        return self.pool.forget_prefixes() if self.prefix is not None else 0
 
     def bytes_held(self, sequences) -> int:
         """Bytes of the pool's blocks that sequences hold (cached prefixes that none holds are not counted:

@@ -141,6 +141,17 @@ class PrefixIndex:
             out.append(rows)
         return out
 
+    def clear(self) -> list[int]:
+        """Forget every registered block (a reset: later prompts find none of them) and the features kept with
+        them; returns the blocks. Serials go on counting: the chain of a sequence still running names a parent
+        that no entry has, so the blocks it keys later are found by no prompt's lookup from the root."""
+        blocks = list(self._entries)
+        self._blocks.clear()
+        self._entries.clear()
+        self._features.clear()
+        self.features_bytes = 0
+        return blocks
+
     def remove(self, block: int) -> None:
         """Forget what `block` holds (it is evicted or about to be written); its successors' entries
         become unreachable and age out of the LRU like any unused block."""

@@ -25,6 +25,7 @@ from specdec.gateway.response_store import (DEFAULT_MB as DEFAULT_RESPONSES_STOR
                                             SharedResponseStore)
 from specdec.gateway.tools import PARSERS
 from specdec.gateway.upstream import Upstream
+from specdec.triton import cache_reset
 
 DEFAULT_PORT = 9000  # Triton's own OpenAI frontend's port: its clients' configurations work unchanged
 API_KEY_ENV = "SPECDEC_API_KEY"
@@ -112,6 +113,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "connection, and again each as long after: proxies and load balancers close idle "
                              f"connections (often after 60 s); 0: never (default: ${KEEPALIVE_ENV}, else "
                              f"{KEEPALIVE_S:g})")
+    parser.add_argument("--cache-reset-file", default=cache_reset.path_from_env(), metavar="PATH",
+                        help="the marker file through which POST /reset_prefix_cache (vLLM's) and /flush_cache "
+                             "(SGLang's) reset the server's caches (default: "
+                             f"${cache_reset.ENV}, which the launcher sets; none: those endpoints answer 501)")
     parser.add_argument("--drain-timeout", type=float, default=60.0)
     return parser.parse_args(argv)
 
@@ -166,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
                           args.allow_runtime_lora_updating, log, trust_templates=args.trust_request_chat_template,
                           sampling_defaults=defaults, cors=policy,
                           content_format=args.chat_template_content_format,
-                          server_metrics_url=args.server_metrics_url, max_loras=args.max_loras)
+                          server_metrics_url=args.server_metrics_url, max_loras=args.max_loras,
+                          cache_reset_file=args.cache_reset_file)
     except ValueError as exc:
         log(str(exc))
         return 2

@@ -33,10 +33,16 @@ from specdec.gateway.background import BackgroundResponses
 from specdec.gateway.cors import CorsPolicy
 from specdec.gateway.response_store import NotStored, ResponseStore, in_store
 from specdec.gateway.upstream import Piece, Upstream
+from specdec.triton import cache_reset
 
 TokenText = Callable[[int], str]  # a token id's text (for log-probabilities)
 API_PREFIX = "/v1/"
 TOKENIZER_PATHS = frozenset({"/tokenize", "/detokenize", "/tokenizer_info"})  # vLLM's, at the root
+# vLLM's (its development mode's): the server's caches across requests reset (cache_reset.py); behind the key
+RESET_PREFIX_CACHE_PATH = "/reset_prefix_cache"
+RESET_FLAGS = ("reset_running_requests", "reset_external")  # its query's flags: both mean the same here
+QUERY_BOOLEANS = {"true": True, "1": True, "yes": True, "on": True, "t": True, "y": True,  # FastAPI's spellings
+                  "false": False, "0": False, "no": False, "off": False, "f": False, "n": False}
 HEALTH_PATH = "/health"
 MAX_BODY_MIB = 16  # a request body's limit (a long prompt or conversation); over it: 413 naming it
 # SageMaker's container contract, as vLLM serves it: GET /ping is the health check, POST /invocations an answer
@@ -65,7 +71,7 @@ class Gateway:
                  keepalive_s: float = KEEPALIVE_S, runtime_lora: bool = False,
                  log: Callable[[str], None] = lambda message: None, trust_templates: bool = False,
                  sampling_defaults: dict | None = None, cors: CorsPolicy = CorsPolicy(), content_format: str = "auto",
-                 server_metrics_url: str = "", max_loras: int = 0):
+                 server_metrics_url: str = "", max_loras: int = 0, cache_reset_file: str = ""):
         """tokenizer: the target's (a transformers tokenizer), for the text of log-probabilities' tokens and of
         echoed token-id prompts, and the tokenizer endpoints; None: tokens show as `token_id:N`, and those
         need it. max_model_len: the server's context in tokens (model cards, /tokenize; 0: not known).
@@ -81,14 +87,15 @@ class Gateway:
         browser pages may call it (cors.py; default: any, as vLLM's). content_format: how the server hands a
         message's content to the chat template (text.CONTENT_FORMATS), for counting prompts as it renders them.
         server_metrics_url: the server's metrics port (host:port), whose figures /metrics restates under vLLM's
-        names ("": none). max_loras: the target's (0: its default, lora_config.slot_count)."""
+        names ("": none). max_loras: the target's (0: its default, lora_config.slot_count). cache_reset_file: the
+        marker through which a client resets the server's caches (cache_reset.py; "": no reset)."""
         served = served if isinstance(served, protocol.Served) else protocol.Served(served)  # (tests: a tuple)
         self.upstream, self.served, self.tokenizer, self.api_key = upstream, served, tokenizer, api_key
         self.token_bytes = token_bytes(tokenizer) if tokenizer is not None else None
         self.token_text: TokenText | None = token_text(tokenizer, self.token_bytes) if tokenizer is not None else None
         self.tool_parser = tool_parser  # tools.PARSERS: how the model writes calls (tool_choice "auto")
         self.trust_templates, self.content_format = trust_templates, content_format
-        self.server_metrics_url = server_metrics_url
+        self.server_metrics_url, self.cache_reset_file = server_metrics_url, cache_reset_file
         self.max_loras = slot_count(max_loras, len(served.adapters), served.directory)  # the target's adapter slots
         self.sampling_defaults = {**protocol.DEFAULT_SAMPLING, **(sampling_defaults or {})}
         self.cors = cors
@@ -153,6 +160,9 @@ class Gateway:
         for path in sglang_native.MODEL_INFO_PATHS:
             app.router.add_get(path, self.sglang_model_info)
         app.router.add_get(sglang_native.HEALTH_GENERATE_PATH, self.health_generate)
+        app.router.add_route("GET", sglang_native.FLUSH_CACHE_PATH, self.flush_cache)
+        app.router.add_post(sglang_native.FLUSH_CACHE_PATH, self.flush_cache)
+        app.router.add_post(RESET_PREFIX_CACHE_PATH, self.reset_prefix_cache)
         app.router.add_get(PING_PATH, self.health)
         app.router.add_post(INVOCATIONS_PATH, self.invocations)
         app.router.add_get("/version", self.version)
@@ -195,7 +205,7 @@ class Gateway:
     @web.middleware
     async def _errors(self, request: web.Request, handler):
         if self.api_key and (request.path.startswith(API_PREFIX) or request.path in TOKENIZER_PATHS
-                             or request.path in sglang_native.KEYED_PATHS):
+                             or request.path in sglang_native.KEYED_PATHS or request.path == RESET_PREFIX_CACHE_PATH):
             # OpenAI's clients send the key as a bearer token, Anthropic's as x-api-key
             given = request.headers.get("Authorization", "").encode()
             anthropic = request.headers.get("x-api-key", "").encode()
@@ -976,6 +986,37 @@ class Gateway:
         await asyncio.to_thread(runtime.unlink, name)
         self.log(f"LoRA adapter {name!r} unloaded")
         return web.Response(text=adapters.UNLOADED.format(name))
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        """SGLang's GET or POST /flush_cache: the server's caches reset (its answer's text). Unlike SGLang's, it
+        is done with requests running too: they keep the blocks they hold."""
+        await self._reset_caches(request.path)
+        return web.Response(text=sglang_native.FLUSHED)
+
+    async def reset_prefix_cache(self, request: web.Request) -> web.Response:
+        """vLLM's POST /reset_prefix_cache[?reset_running_requests=&reset_external=]: the server's caches reset,
+        an empty 200. Both flags are read and change nothing: running requests keep the blocks they hold (no
+        preemption is needed for the reset to take), and there is no external KV cache."""
+        for name in RESET_FLAGS:
+            value = request.query.get(name)
+            if value is not None and value.lower() not in QUERY_BOOLEANS:
+                raise ApiError(400, f"query parameter '{name}': {value!r} is not a boolean (true or false)",
+                               param=name)
+        await self._reset_caches(request.path)
+        return web.Response()
+
+    async def _reset_caches(self, path: str) -> None:
+        """Ask every model instance to forget its cached prefixes and suffix index (cache_reset.py): every request
+        that arrives after this returns finds them empty."""
+        if not self.cache_reset_file:
+            raise ApiError(501, "resetting the server's caches needs the marker file the launcher names "
+                                f"(--cache-reset-file, ${cache_reset.ENV}); this API was started without one",
+                           code="not_implemented")
+        try:
+            await asyncio.to_thread(cache_reset.request, self.cache_reset_file)
+        except OSError as exc:
+            raise ApiError(500, f"the caches were not reset: {exc}", code="internal_error") from None
+        self.log(f"caches reset at a client's request ({path}): prefix caches of every model, suffix caches")
 
     def _parse_chat(self, body: dict) -> Generation:
         """A chat body (the chat API's, or one the Messages and Responses APIs made) with this API's settings."""

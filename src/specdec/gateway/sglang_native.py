@@ -31,7 +31,10 @@ GENERATE_PATH = "/generate"
 SERVER_INFO_PATHS = ("/get_server_info", "/server_info")  # the second: SGLang's newer name for the same
 MODEL_INFO_PATHS = ("/get_model_info", "/model_info")
 HEALTH_GENERATE_PATH = "/health_generate"  # a one-token generation: the whole path serving (no API key, as /health)
-KEYED_PATHS = frozenset({GENERATE_PATH, *SERVER_INFO_PATHS, *MODEL_INFO_PATHS})  # behind --api-key, as on SGLang
+# GET or POST: the server's caches across requests reset (cache_reset.py), answered with FLUSHED
+FLUSH_CACHE_PATH, FLUSHED = "/flush_cache", "Cache flushed.\n"
+# behind --api-key, as on SGLang
+KEYED_PATHS = frozenset({GENERATE_PATH, *SERVER_INFO_PATHS, *MODEL_INFO_PATHS, FLUSH_CACHE_PATH})
 HEALTH_GENERATE_TIMEOUT_S = 20.0  # SGLang's: a server that cannot generate one token in this is unhealthy
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's SamplingParams default (OpenAI's completions: 16)
 

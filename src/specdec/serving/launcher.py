@@ -66,7 +66,7 @@ from specdec.serving.pairs import log
 from specdec.serving.server_process import ENDPOINTS_STALL_S, ServerProcess
 from specdec.serving.watchdog import (DEFAULT_HANG_TIMEOUT_S, ModelControl, Watchdog, control_mode,
                                       restricted_header, stubs_of)
-from specdec.triton import execute_clock
+from specdec.triton import cache_reset, execute_clock
 from specdec.triton.admission import cancellation, kv_room, sequence_slots
 
 START_ATTEMPTS = 3  # starts of a server that stalls (come_up), before the launcher gives up on it
@@ -803,6 +803,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"{'vLLM' if vllm else 'SGLang'}'s engine, nothing here")
     layout = triton_layout(run_dir, Path(args.triton_root) if args.triton_root else None)
     http_port, grpc_port, metrics_port = ports()
+    # The marker through which the API resets the models' caches (cache_reset.py): in the environment of
+    # tritonserver's stubs and of the API alike
+    os.environ[cache_reset.ENV] = str(cache_reset.marker(http_port))
     command = server_command(layout, repo, http_port, grpc_port, metrics_port, extra=args.server_args)
     log(f"starting tritonserver ({label}): {' '.join(redact(arg) for arg in command)}")
     drain_marker(http_port).unlink(missing_ok=True)  # left by an earlier server on this port

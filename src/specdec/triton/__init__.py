@@ -13,6 +13,7 @@
   language_models  draft_model and target_model over an `engine.executor.Executor`
   responder        pipelined_execute: a model's responses sent from a thread of its own
   text_models      preprocessing (text -> ids) and postprocessing (ids -> text)
+  cache_reset      a client's reset of the caches across requests, seen by every instance (a marker file)
   execute_clock    since when a text model's current execute runs, for the launcher's watchdog
   config           typed, validated config.pbtxt parameters
   metrics          every Prometheus metric the models define

@@ -42,7 +42,7 @@ from specdec.triton.adapter import TritonAdapter
 from specdec.triton.config import ConfigError, ModelParameters
 from specdec.triton.metrics import HostedHeadMetrics, ModelMetrics, SkipMetrics
 from specdec.triton.profiling import execute_profile
-from specdec.triton import wire
+from specdec.triton import cache_reset, wire
 from specdec.triton.responder import Job, Responder
 
 
@@ -69,6 +69,7 @@ class LanguageModelAdapter(TritonAdapter):
     side_seconds = 0.0  # of the last `_run`, the time it spent outside the forward (subtracted from its cost)
     # The parameter listing the served heads whose features this model's executor returns or reads
     heads_parameter = ""
+    reset_watch = cache_reset.Watch("")  # a client's reset of the caches: the marker's, once started (`_start`)
 
     def load(self, params: ModelParameters, args: dict) -> None:
         self.name = params.model_name
@@ -217,6 +218,9 @@ class LanguageModelAdapter(TritonAdapter):
         # The lock keeps it out of a running forward.
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        # A client's reset of the caches (cache_reset.py): looked for before each execute's work and by the
+        # evictor thread, so that an idle model's metrics show it too
+        self.reset_watch = cache_reset.Watch(cache_reset.path_from_env())
         # The same thread hands the host memory of ended sequences back to the OS, at most once per
         # interval (0: never): glibc keeps it otherwise and the stub's RSS creeps up under load.
         self.heap_trim_interval_s = params.float("heap_trim_interval_s", 30.0, low=0.0)
@@ -254,10 +258,19 @@ class LanguageModelAdapter(TritonAdapter):
     def _evict_periodically(self, interval_s: float) -> None:
         while not self._stop.wait(interval_s):
             with self._lock:
-                if self.lm.evict_idle():
+                reset = self._reset_if_asked()
+                if self.lm.evict_idle() or reset:
                     self._freed_since_trim = True
                     self._report_metrics(flush=True)
             self._trim_heap_if_due()
+
+    def _reset_if_asked(self) -> bool:
+        """Forget the cached prefixes if a client asked since the last look (under the lock)."""
+        if not self.reset_watch.due():
+            return False
+        forgotten = self.lm.reset_prefix_cache()
+        self.pb.Logger.log_info(f"{self.name}: caches reset at a client's request: {forgotten} cached blocks forgotten")
+        return True
 
     def _trim_heap_if_due(self) -> None:
         # Outside the lock: forwards go on meanwhile (malloc_trim locks one heap at a time and ctypes
@@ -305,9 +318,9 @@ class LanguageModelAdapter(TritonAdapter):
     def _run_jobs(self, jobs: list[Job]) -> list:
         """Per job its outcome: (result, ForwardStats) for a step, RELEASED for a release, or an Exception.
         The steps run as one batched forward (one per step with batched_forward false)."""
+        released = self._reset_if_asked()
         self.lm.evict_idle()
         outcomes: list = [job.error for job in jobs]
-        released = False
         steps, owners = [], []
         for i, job in enumerate(jobs):
             if job.error is not None:

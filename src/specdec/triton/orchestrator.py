@@ -39,7 +39,7 @@ from specdec.triton.config import ConfigError, ModelParameters
 from specdec.triton.fallback import FallbackProposer
 from specdec.triton.metrics import OrchestratorMetrics
 from specdec.triton.request import InputError, ParsedRequest, RequestLimits
-from specdec.triton import vllm_outputs
+from specdec.triton import cache_reset, vllm_outputs
 from specdec.triton.admission.kv_room import RoomLine, RoomWait
 from specdec.triton.admission.sequence_slots import SlotPool
 from specdec.triton.admission.verify_gate import GatedScorer, VerifyGate
@@ -107,6 +107,8 @@ class SpeculativeDecodingAdapter(TritonAdapter):
         # Every finished request's prompt and output go into the suffix cache (while "suffix" is offered).
         self.suffix_cache = SuffixCache(params.int("suffix_cache_tokens", 262144, low=0)) \
             if tn.SUFFIX in self.limits.draft_names else None
+        # emptied when a client resets the caches (cache_reset.py), looked for as each request arrives
+        self.reset_watch = cache_reset.Watch(cache_reset.path_from_env() if self.suffix_cache is not None else "")
         # Prompt lookup's continuations of up to this many earlier occurrences, as one token tree (1: a chain)
         branches = params.int("lookup_branches", 1, low=1, high=tn.MAX_DRAFT_BRANCHES)
         # Its matches: the longest n-gram of lookup_max_ngram tokens down to lookup_min_ngram (vLLM's
@@ -210,6 +212,10 @@ class SpeculativeDecodingAdapter(TritonAdapter):
         if arrived - self.last_sweep > 60:
             self.cancellations.sweep()
             self.last_sweep = arrived
+        if self.reset_watch.due():
+            forgotten = self.suffix_cache.clear()
+            pb.Logger.log_info(f"speculative_decoding: suffix cache reset at a client's request: {forgotten} tokens "
+                               "forgotten")
         sender = request.get_response_sender()
         # Listed once: pb_utils.get_input_tensor_by_name lists every input on each lookup, and parsing looks
         # up some thirty names.
