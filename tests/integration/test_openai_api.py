@@ -1592,6 +1592,30 @@ def test_sglangs_generate_answers_as_completions_do_whole_streamed_and_batched(s
     assert np.allclose([v for v, _, _ in meta["input_token_logprobs"][1:]], echoed.token_logprobs[1:], atol=1e-5)
 
 
+def test_sglangs_incremental_streaming_output_sends_what_each_event_adds(server, model):
+    """An API started with SGLang's --incremental-streaming-output (the launcher sets it for the flag): a streamed
+    /generate of two prompts with log-probabilities, read as bench_serving reads it, concatenates per index to
+    the text, tokens and log-probabilities of the same request answered whole, in several events."""
+    body = {"text": [PROMPT, "The colour of the sky is"], "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}}
+    status, whole = _native(server, "/generate", body)
+    assert status == 200 and len(whole) == 2
+    with own_gateway(server, model, "--incremental-streaming-output") as port:
+        events, _ = _bench_serving_stream(type("Local", (), {"openai_url": f"http://localhost:{port}/v1"}),
+                                          {**body, "stream": True})
+    for index, output in enumerate(whole):
+        mine = [event for event in events if event["index"] == index]
+        assert len(mine) > 1 and "".join(event["text"] for event in mine) == output["text"]
+        assert sum((event["output_ids"] for event in mine), []) == output["output_ids"]
+        logprobs = sum((event["meta_info"]["output_token_logprobs"] for event in mine), [])
+        expected = output["meta_info"]["output_token_logprobs"]
+        assert [entry[1] for entry in logprobs] == [entry[1] for entry in expected]
+        assert np.allclose([entry[0] for entry in logprobs], [entry[0] for entry in expected], atol=1e-5)
+        counts = [event["meta_info"]["completion_tokens"] for event in mine]
+        assert counts == sorted(counts) and counts[-1] == 12 and mine[-1]["meta_info"]["finish_reason"]["type"] == \
+            "length"
+
+
 def test_sglangs_server_info_model_info_health_generate_and_refusals(server, model):
     """/get_server_info's avg_spec_accept_length (what bench_serving prints as "Accept length") is the
     server's tokens per drafting round, from its metrics; /get_model_info; /health_generate generates; bad

@@ -37,6 +37,8 @@ def test_sglangs_server_flags_stand_for_the_same():
         engine.notes
     on = parse_args(["--target", "/m", "--enable-prefix-caching"]).engine
     assert on.prefix_caching is True
+    incremental = parse_args(["--model-path", "/m", "--incremental-streaming-output"]).engine  # the API's own flag
+    assert incremental.env == {"SPECDEC_INCREMENTAL_STREAMING_OUTPUT": "1"} and not incremental.changes_repository
     plain = parse_args(["--target", "/m"]).engine
     assert plain == engine_flags.Engine() and not plain.changes_repository
 

@@ -128,3 +128,29 @@ def test_max_new_tokens_zero_scores_the_prompt_alone():
     assert refused.value.param == "sampling_params.max_new_tokens"
     assert not bodies({"text": "a"})[0].score_only
 
+
+
+def test_incremental_streaming_sends_what_each_event_adds():
+    """--incremental-streaming-output: each event's text, tokens and output log-probabilities are what it adds to
+    those sent before; the counts and the rest of meta_info are the output's so far, as SGLang sends them; the
+    events concatenate to the whole output."""
+    outputs = [{"text": "Hel", "output_ids": [5], "meta_info": {"completion_tokens": 1, "finish_reason": None,
+                                                                 "output_token_logprobs": [[-0.1, 5, None]]}},
+               {"text": "Hello wor", "output_ids": [5, 6, 7], "meta_info": {
+                   "completion_tokens": 3, "finish_reason": None,
+                   "output_token_logprobs": [[-0.1, 5, None], [-0.2, 6, None], [-0.3, 7, None]]}},
+               {"text": "Hello world", "output_ids": [5, 6, 7, 8], "meta_info": {
+                   "completion_tokens": 4, "finish_reason": {"type": "length", "length": 4},
+                   "output_token_logprobs": [[-0.1, 5, None], [-0.2, 6, None], [-0.3, 7, None], [-0.4, 8, None]]}}]
+    sent, events = (0, 0), []
+    for output in outputs:
+        events.append(sglang_native.incremental(output, *sent))
+        sent = (len(output["text"]), len(output["output_ids"]))
+    assert [event["text"] for event in events] == ["Hel", "lo wor", "ld"]
+    assert [event["output_ids"] for event in events] == [[5], [6, 7], [8]]
+    assert [len(event["meta_info"]["output_token_logprobs"]) for event in events] == [1, 2, 1]
+    assert [event["meta_info"]["completion_tokens"] for event in events] == [1, 3, 4]
+    assert events[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 4}
+    assert sum((event["meta_info"]["output_token_logprobs"] for event in events), []) == \
+        outputs[-1]["meta_info"]["output_token_logprobs"]
+    assert outputs[1]["meta_info"]["output_token_logprobs"][0] == [-0.1, 5, None]  # the outputs are left as they were

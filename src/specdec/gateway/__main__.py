@@ -19,7 +19,7 @@ from specdec.decoding.text import CONTENT_FORMATS
 from specdec.gateway import protocol
 from specdec.gateway.adapters import RUNTIME_ENV, allowed_by_environment
 from specdec.gateway.app import KEEPALIVE_S, Gateway
-from specdec.gateway import cors, limits, tls
+from specdec.gateway import cors, limits, sglang_native, tls
 from specdec.gateway.reasoning import PARSERS as REASONING_PARSERS
 from specdec.gateway.response_store import (DEFAULT_MB as DEFAULT_RESPONSES_STORE_MB, MIB, ResponseStore,
                                             SharedResponseStore)
@@ -113,6 +113,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "connection, and again each as long after: proxies and load balancers close idle "
                              f"connections (often after 60 s); 0: never (default: ${KEEPALIVE_ENV}, else "
                              f"{KEEPALIVE_S:g})")
+    parser.add_argument("--incremental-streaming-output", action="store_true",
+                        default=os.environ.get(sglang_native.INCREMENTAL_ENV) == "1",
+                        help="SGLang's flag: a streamed /generate event holds the text, tokens and log-probabilities "
+                             "it adds, not everything so far (default: "
+                             f"${sglang_native.INCREMENTAL_ENV}=1, which the launcher sets for the flag)")
     parser.add_argument("--cache-reset-file", default=cache_reset.path_from_env(), metavar="PATH",
                         help="the marker file through which POST /reset_prefix_cache (vLLM's) and /flush_cache "
                              "(SGLang's) reset the server's caches (default: "
@@ -172,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
                           sampling_defaults=defaults, cors=policy,
                           content_format=args.chat_template_content_format,
                           server_metrics_url=args.server_metrics_url, max_loras=args.max_loras,
-                          cache_reset_file=args.cache_reset_file)
+                          cache_reset_file=args.cache_reset_file,
+                          incremental_streaming=args.incremental_streaming_output)
     except ValueError as exc:
         log(str(exc))
         return 2

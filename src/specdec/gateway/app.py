@@ -71,7 +71,8 @@ class Gateway:
                  keepalive_s: float = KEEPALIVE_S, runtime_lora: bool = False,
                  log: Callable[[str], None] = lambda message: None, trust_templates: bool = False,
                  sampling_defaults: dict | None = None, cors: CorsPolicy = CorsPolicy(), content_format: str = "auto",
-                 server_metrics_url: str = "", max_loras: int = 0, cache_reset_file: str = ""):
+                 server_metrics_url: str = "", max_loras: int = 0, cache_reset_file: str = "",
+                 incremental_streaming: bool = False):
         """tokenizer: the target's (a transformers tokenizer), for the text of log-probabilities' tokens and of
         echoed token-id prompts, and the tokenizer endpoints; None: tokens show as `token_id:N`, and those
         need it. max_model_len: the server's context in tokens (model cards, /tokenize; 0: not known).
@@ -88,7 +89,9 @@ class Gateway:
         message's content to the chat template (text.CONTENT_FORMATS), for counting prompts as it renders them.
         server_metrics_url: the server's metrics port (host:port), whose figures /metrics restates under vLLM's
         names ("": none). max_loras: the target's (0: its default, lora_config.slot_count). cache_reset_file: the
-        marker through which a client resets the server's caches (cache_reset.py; "": no reset)."""
+        marker through which a client resets the server's caches (cache_reset.py; "": no reset).
+        incremental_streaming: SGLang's --incremental-streaming-output (a streamed /generate event holds what it
+        adds, not the output so far)."""
         served = served if isinstance(served, protocol.Served) else protocol.Served(served)  # (tests: a tuple)
         self.upstream, self.served, self.tokenizer, self.api_key = upstream, served, tokenizer, api_key
         self.token_bytes = token_bytes(tokenizer) if tokenizer is not None else None
@@ -96,6 +99,7 @@ class Gateway:
         self.tool_parser = tool_parser  # tools.PARSERS: how the model writes calls (tool_choice "auto")
         self.trust_templates, self.content_format = trust_templates, content_format
         self.server_metrics_url, self.cache_reset_file = server_metrics_url, cache_reset_file
+        self.incremental_streaming = incremental_streaming
         self.max_loras = slot_count(max_loras, len(served.adapters), served.directory)  # the target's adapter slots
         self.sampling_defaults = {**protocol.DEFAULT_SAMPLING, **(sampling_defaults or {})}
         self.cors = cors
@@ -1117,15 +1121,20 @@ class Gateway:
 
     async def _native_stream(self, request: web.Request, gen: Generation, native: sglang_native.Native, pieces,
                              merged: list[Piece], started: float, listed: bool) -> web.StreamResponse:
-        """SGLang's stream: an event per response with the output so far (text, ids, meta_info), `index` with
-        several outputs, then [DONE]; an error after the stream began is an event {"error": ...}."""
+        """SGLang's stream: an event per response with the output so far (text, ids, meta_info; with
+        --incremental-streaming-output what it adds), `index` with several outputs, then [DONE]; an error after
+        the stream began is an event {"error": ...}."""
         response = await _event_stream(request)
+        sent = [(0, 0)] * len(merged)  # per output: the characters and tokens sent (incremental streaming)
         try:
             async for index, piece in pieces:
                 merged[index].add(piece)
                 if not piece.ids and not piece.finish_reason:
                     continue
                 out = self._native_output(gen, native, index, merged[index], started)
+                if self.incremental_streaming:
+                    whole, out = out, sglang_native.incremental(out, *sent[index])
+                    sent[index] = (len(whole["text"]), len(whole["output_ids"]))
                 if listed:
                     out["index"] = index
                 await response.write(protocol.sse(out))

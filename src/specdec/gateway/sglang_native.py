@@ -9,7 +9,8 @@ as a list), `sampling_params` (one object, or one per prompt), `stream`, `rid`, 
 `top_logprobs_num` and `logprob_start_len`, `lora_path` (an adapter's served name). It is turned into the
 completions body it stands for (`completion_bodies`) and answered by the same path; the answer is SGLang's:
 per output `{"text", "output_ids", "meta_info"}`, a list for a batch, streamed as SSE events whose `text` and
-`output_ids` hold everything so far (SGLang's default; not its --incremental-streaming-output), then `[DONE]`.
+`output_ids` hold everything so far (SGLang's default; with its --incremental-streaming-output, what each event
+adds: `incremental`), then `[DONE]`.
 meta_info carries SGLang's speculative figures (`spec_verify_ct`: the rounds, `spec_accept_length`: tokens per
 round) from the server's statistics.
 
@@ -35,6 +36,9 @@ HEALTH_GENERATE_PATH = "/health_generate"  # a one-token generation: the whole p
 FLUSH_CACHE_PATH, FLUSHED = "/flush_cache", "Cache flushed.\n"
 # behind --api-key, as on SGLang
 KEYED_PATHS = frozenset({GENERATE_PATH, *SERVER_INFO_PATHS, *MODEL_INFO_PATHS, FLUSH_CACHE_PATH})
+# SGLang's --incremental-streaming-output, as the launcher hands it to the API: "1" on
+INCREMENTAL_ENV = "SPECDEC_INCREMENTAL_STREAMING_OUTPUT"
+INCREMENTAL_KEYS = ("output_token_logprobs", "output_top_logprobs")  # meta_info's per-token lists, sliced too
 HEALTH_GENERATE_TIMEOUT_S = 20.0  # SGLang's: a server that cannot generate one token in this is unhealthy
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's SamplingParams default (OpenAI's completions: 16)
 
@@ -298,6 +302,16 @@ def top_logprobs(rows_ids: list, rows_values: list, k: int, name=None) -> list:
     """SGLang's per position list of its k most likely [logprob, token id, text or None] (None: no row)."""
     return [None if row is None else token_logprobs(values[:k], row[:k], name)
             for row, values in zip(rows_ids, rows_values)]
+
+
+def incremental(output: dict, sent_chars: int, sent_ids: int) -> dict:
+    """A streamed event under --incremental-streaming-output: what `output` (the output so far, as `text`,
+    `output_ids` and meta_info's per-token log-probabilities) adds to the first sent_chars characters and
+    sent_ids tokens already sent; the rest of meta_info (counts, finish reason, figures) as it is, as SGLang does."""
+    meta = dict(output["meta_info"])
+    for key in meta.keys() & set(INCREMENTAL_KEYS):
+        meta[key] = meta[key][sent_ids:]
+    return {"text": output["text"][sent_chars:], "output_ids": output["output_ids"][sent_ids:], "meta_info": meta}
 
 
 def server_figures(server_metrics: str) -> tuple[float | None, float]:

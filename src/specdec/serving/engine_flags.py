@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specdec.decoding.generation_config import AUTO, VLLM
+from specdec.gateway.sglang_native import INCREMENTAL_ENV
 
 PORT, HOST, API_KEY = ("--port",), ("--host",), ("--api-key",)
 MAX_SEQS = ("--max-num-seqs", "--max-running-requests")
@@ -32,6 +33,7 @@ DATA_PARALLEL = ("--data-parallel-size", "-dp", "--dp-size", "--dp")
 SAMPLING_DEFAULTS = ("--sampling-defaults",)  # SGLang's: model (the checkpoint's generation config) or openai
 SAMPLING_DEFAULT_CHOICES = {"model": AUTO, "openai": VLLM}  # -> --generation-config's
 TRUST_REMOTE_CODE = ("--trust-remote-code",)
+INCREMENTAL = ("--incremental-streaming-output",)  # SGLang's: its native stream's events hold what they add
 FP8 = "fp8"
 # The other engines' own tuning: taken with their value, logged, nothing done
 ENGINE_ONLY = ("--gpu-memory-utilization", "--mem-fraction-static", "--seed", "--random-seed", "--log-level",
@@ -84,6 +86,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="--generation-config auto (model) or vllm (openai)")
     group.add_argument(*TRUST_REMOTE_CODE, dest=_dest(TRUST_REMOTE_CODE[0]), action="store_true",
                        help="accepted: no model's own code runs here")
+    group.add_argument(*INCREMENTAL, dest=_dest(INCREMENTAL[0]), action="store_true",
+                       help="SGLang's native /generate streams what each event adds (the API's flag)")
     for flag in ENGINE_ONLY:
         group.add_argument(flag, dest=_dest(flag), default=None, help=argparse.SUPPRESS)
     for flag in ENGINE_ONLY_SWITCHES:
@@ -166,6 +170,8 @@ def read(args: argparse.Namespace) -> Engine:
     defaults = getattr(args, _dest(SAMPLING_DEFAULTS[0]))
     if defaults is not None:
         out.generation_config = SAMPLING_DEFAULT_CHOICES[defaults]
+    if getattr(args, _dest(INCREMENTAL[0])):
+        out.env[INCREMENTAL_ENV] = "1"
     if getattr(args, _dest(TRUST_REMOTE_CODE[0])):
         out.notes.append("--trust-remote-code: no model's own code runs here (the families served are the "
                          "project's modules or transformers')")
