@@ -1798,6 +1798,32 @@ def test_an_api_key_is_required_when_set(server, model):
             assert caught.value.code == 501 and "SPECDEC_CACHE_RESET_FILE" in caught.value.read().decode(), path
 
 
+def _outward_address() -> str | None:
+    """This machine's address on its default route (no packet is sent), None where it has only the loopback."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("10.255.255.255", 1))
+            address = probe.getsockname()[0]
+        except OSError:
+            return None
+    return None if address.startswith("127.") else address
+
+
+def test_host_binds_the_api_to_one_address(server, model):
+    """OPENAI_HOST (vLLM's and SGLang's --host, which the launcher sets it from): the API answers at that address
+    and at no other of this machine's."""
+    with own_gateway(server, model, env={"OPENAI_HOST": "127.0.0.1"}) as port:
+        assert answers(gateway_url(port, "127.0.0.1"), 5)
+        outward = _outward_address()
+        if outward is not None:  # (a machine with only the loopback has no other address to try)
+            with pytest.raises(OSError):
+                socket.create_connection((outward, port), timeout=5).close()
+    with own_gateway(server, model) as port:  # unset: every interface
+        assert answers(gateway_url(port, "127.0.0.1"), 5)
+        if outward is not None:
+            socket.create_connection((outward, port), timeout=5).close()
+
+
 def _leave_a_stream(api, model, chunks: int, n: int = 1) -> None:
     """A long streamed completion of n choices, closed by the SDK after `chunks` chunks."""
     stream = api.completions.create(model=model, prompt=PROMPT, n=n, max_tokens=900, temperature=0, stream=True,

@@ -15,11 +15,10 @@ def test_vllms_server_flags_stand_for_the_launchers_settings():
                        "--tensor-parallel-size", "1", "--max-num-batched-tokens", "512", "--quantization", "fp8",
                        "--trust-remote-code", "--gpu-memory-utilization", "0.9", "--disable-log-requests"])
     engine = args.engine
-    assert engine.env == {"OPENAI_PORT": "8000", "SPECDEC_API_KEY": "k"}
+    assert engine.env == {"OPENAI_PORT": "8000", "OPENAI_HOST": "0.0.0.0", "SPECDEC_API_KEY": "k"}
     assert (engine.max_live_sequences, engine.prefix_caching) == (8, False)
     assert (args.compile, args.weights_dtype) == ("off", "fp8")
     assert args.set[0] == "speculative_decoding.prefill_chunk_tokens=512"
-    assert any("--host 0.0.0.0" in note for note in engine.notes)
     assert any(note.startswith("--trust-remote-code") for note in engine.notes)
     assert "--gpu-memory-utilization, --disable-log-requests tune vLLM's or SGLang's engine, nothing here" in \
         engine.notes
@@ -61,6 +60,7 @@ def test_the_rendered_repository_holds_what_they_stand_for(tmp_path):
     (["--quantization", "awq"], "--quantization awq"),
     (["--port", "70000"], "--port 70000"),
     (["--api-key", ""], "--api-key"),
+    (["--host", " "], "--host"),
     (["--max-num-seqs", "0"], "--max-num-seqs"),
     (["--chunked-prefill-size", "0"], "--chunked-prefill-size"),
     (["--enforce-eager", "--compile", "graphs"], "--compile graphs"),
@@ -117,3 +117,16 @@ def test_more_refusals_naming_the_flag(argv, named, capsys):
     with pytest.raises(SystemExit):
         parse_args(["--target", "/m", *argv])
     assert named in capsys.readouterr().err
+
+
+def test_host_is_where_the_api_listens_and_where_the_launcher_asks_it(monkeypatch):
+    """--host: the API's address (OPENAI_HOST), which the launcher's health checks ask; every interface or
+    localhost: asked over the loopback; an IPv6 address bracketed."""
+    from specdec.serving.healthcheck import api_host, gateway_url
+
+    assert parse_args(["--model-path", "/m", "--host", "127.0.0.1"]).engine.env == {"OPENAI_HOST": "127.0.0.1"}
+    for given, asked in (("", "127.0.0.1"), ("0.0.0.0", "127.0.0.1"), ("::", "127.0.0.1"), ("localhost", "127.0.0.1"),
+                         ("10.1.2.3", "10.1.2.3"), ("::1", "[::1]")):
+        monkeypatch.setenv("OPENAI_HOST", given)
+        assert api_host() == asked and gateway_url(9000).endswith(f"//{asked}:9000/health"), given
+    assert api_host({}) == "127.0.0.1"

@@ -1,9 +1,11 @@
 """`python -m specdec.gateway`: serve the OpenAI API for the ensemble of a running tritonserver.
 
-Environment: OPENAI_PORT (9000), GRPC_PORT (8001, the server's), SPECDEC_API_KEY (an API key clients must
-send as `Authorization: Bearer <key>`; none: no check), SPECDEC_STREAM_KEEPALIVE (--stream-keepalive's seconds),
-VLLM_ALLOW_RUNTIME_LORA_UPDATING (True: --allow-runtime-lora-updating). SIGTERM stops taking connections and lets the
-answers in flight finish (at most --drain-timeout), as the launcher's drain expects.
+Environment: OPENAI_PORT (9000), OPENAI_HOST (the address to listen on; unset: every interface), GRPC_PORT
+(8001, the server's), SPECDEC_API_KEY (an API key clients must send as `Authorization: Bearer <key>`; none: no
+check), SPECDEC_STREAM_KEEPALIVE (--stream-keepalive's seconds), VLLM_ALLOW_RUNTIME_LORA_UPDATING (True:
+--allow-runtime-lora-updating), SPECDEC_INCREMENTAL_STREAMING_OUTPUT and SPECDEC_CACHE_RESET_FILE (the flags of
+those names). SIGTERM stops taking connections and lets the answers in flight finish (at most --drain-timeout),
+as the launcher's drain expects.
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--grpc-url", default=f"127.0.0.1:{os.environ.get('GRPC_PORT', 8001)}",
                         help="the tritonserver's gRPC endpoint")
-    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--host", default=os.environ.get(tls.HOST_ENV) or "0.0.0.0",
+                        help=f"the address to listen on (default: ${tls.HOST_ENV}, else every interface)")
     parser.add_argument("--port", type=int, default=int(os.environ.get("OPENAI_PORT", DEFAULT_PORT)))
     parser.add_argument("--lora-module", action="append", default=[], metavar="NAME",
                         help="a LoRA adapter the server serves (its lora_name): a model of that name to clients, "

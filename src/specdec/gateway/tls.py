@@ -16,6 +16,9 @@ import ssl
 from dataclasses import dataclass
 from typing import Mapping
 
+# The address the API listens on (vLLM's and SGLang's --host; unset: every interface), beside its TLS settings:
+# the launcher's health checks read it too (serving/healthcheck.api_host)
+HOST_ENV = "OPENAI_HOST"
 ENV = {"certfile": "OPENAI_SSL_CERTFILE", "keyfile": "OPENAI_SSL_KEYFILE", "ca_certs": "OPENAI_SSL_CA_CERTS",
        "cert_reqs": "OPENAI_SSL_CERT_REQS"}
 CERT_REQS = (ssl.CERT_NONE, ssl.CERT_OPTIONAL, ssl.CERT_REQUIRED)  # 0, 1, 2

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from specdec.decoding.generation_config import AUTO, VLLM
 from specdec.gateway.sglang_native import INCREMENTAL_ENV
+from specdec.gateway.tls import HOST_ENV
 
 PORT, HOST, API_KEY = ("--port",), ("--host",), ("--api-key",)
 MAX_SEQS = ("--max-num-seqs", "--max-running-requests")
@@ -65,7 +66,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("vLLM's and SGLang's server flags, read as what they stand for here "
                                       "(docs/configuration.md)")
     group.add_argument(*PORT, dest=_dest(PORT[0]), type=int, default=None, help="the OpenAI API's port (OPENAI_PORT)")
-    group.add_argument(*HOST, dest=_dest(HOST[0]), default=None, help="accepted: the API listens on every interface")
+    group.add_argument(*HOST, dest=_dest(HOST[0]), default=None,
+                       help=f"the address the OpenAI API listens on ({HOST_ENV}; default: every interface)")
     group.add_argument(*API_KEY, dest=_dest(API_KEY[0]), default=None, help="the OpenAI API's key (SPECDEC_API_KEY)")
     group.add_argument(*MAX_SEQS, dest=_dest(MAX_SEQS[0]), type=int, default=None, metavar="N",
                        help="generation slots (speculative_decoding's max_live_sequences)")
@@ -124,8 +126,9 @@ def read(args: argparse.Namespace) -> Engine:
         out.env["OPENAI_PORT"] = str(port)
     host = getattr(args, _dest(HOST[0]))
     if host is not None:
-        out.notes.append(f"--host {host}: the OpenAI API listens on every interface (its checks reach it over the "
-                         "loopback)")
+        if not host.strip():
+            raise ValueError("--host: empty (leave it out for every interface)")
+        out.env[HOST_ENV] = host.strip()
     key = getattr(args, _dest(API_KEY[0]))
     if key is not None:
         if not key:

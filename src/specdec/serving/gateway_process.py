@@ -15,7 +15,7 @@ from pathlib import Path
 from specdec.decoding.generation_config import VLLM
 from specdec.gateway import tls
 from specdec.gateway.cors import ANY_JSON as CORS_ANY
-from specdec.serving.healthcheck import answers, gateway_url
+from specdec.serving.healthcheck import answers, api_host, gateway_url
 from specdec.serving.pairs import log
 from specdec.serving.server_process import die_with_launcher
 
@@ -147,12 +147,13 @@ class GatewayProcess:
         self.process: subprocess.Popen | None = None
         self.restarts = 0
         self.hang_timeout_s, self.look_s, self.clock = hang_timeout_s, HEALTH_LOOK_S, time.monotonic
-        self.probe = lambda: answers(gateway_url(self.port), HEALTH_PROBE_TIMEOUT_S)
+        self.probe = lambda: answers(gateway_url(self.port, api_host(self.env)), HEALTH_PROBE_TIMEOUT_S)
         self._answered = self._looked = 0.0  # when its health check last answered, and was last asked
 
     @property
     def url(self) -> str:
-        return f"{tls.from_env(self.env).scheme}://localhost:{self.port}/v1"
+        host = api_host(self.env)
+        return f"{tls.from_env(self.env).scheme}://{'localhost' if host == '127.0.0.1' else host}:{self.port}/v1"
 
     def start(self) -> None:
         self.process = subprocess.Popen(self.command, env=self.env, preexec_fn=die_with_launcher())
@@ -203,4 +204,4 @@ class GatewayProcess:
             self.process.wait()
 
     def health_url(self) -> str:
-        return gateway_url(self.port)
+        return gateway_url(self.port, api_host(self.env))

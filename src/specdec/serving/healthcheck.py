@@ -7,8 +7,8 @@ not draining (after SIGTERM the launcher raises a marker and lets the streams in
 readiness must drop at once so that new requests go elsewhere), no model is down (the launcher's watchdog
 raises a marker naming the models whose stub died until they serve again; watchdog.py), and, where the
 launcher runs the OpenAI API (OPENAI_PORT, not 0), its GET /health answers 200 (over TLS where
-OPENAI_SSL_CERTFILE says it serves so: gateway/tls.py). The ports come from HTTP_PORT (default 8000) and
-OPENAI_PORT.
+OPENAI_SSL_CERTFILE says it serves so: gateway/tls.py; at OPENAI_HOST where that names one address). The ports
+come from HTTP_PORT (default 8000) and OPENAI_PORT.
 
 The launcher's endpoint also answers GET /live (the chart's liveness probe: 503 once tritonserver stops
 answering /v2/health/live or a model has been down for longer than the heal timeout) and GET /metrics
@@ -24,7 +24,7 @@ import tempfile
 import threading
 import urllib.request
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping
 
 from specdec.gateway import tls
 
@@ -32,6 +32,7 @@ READY_PATH = "/ready"  # the launcher's readiness endpoint (HEALTH_PORT)
 LIVE_PATH = "/live"  # its liveness endpoint
 METRICS_PATH = "/metrics"  # the watchdog's metrics
 GATEWAY_HEALTH_PATH = "/health"  # the OpenAI API's (specdec.gateway): 200 once it reaches a ready ensemble
+WILDCARD_HOSTS = ("", "0.0.0.0", "::")  # every interface
 
 
 def ready_url(http_port: int, host: str = "127.0.0.1") -> str:
@@ -68,8 +69,17 @@ def answers(url: str, timeout_s: float) -> bool:
         return False
 
 
-def gateway_url(openai_port: int, host: str = "127.0.0.1") -> str:
-    return f"{tls.from_env().scheme}://{host}:{openai_port}{GATEWAY_HEALTH_PATH}"
+def api_host(env: Mapping[str, str] = os.environ) -> str:
+    """Where the OpenAI API answers this machine's checks: OPENAI_HOST where it names one address (vLLM's and
+    SGLang's --host), else the loopback (it listens on every interface; "localhost" is the loopback too)."""
+    host = env.get(tls.HOST_ENV, "")
+    if host in WILDCARD_HOSTS or host == "localhost":
+        return "127.0.0.1"
+    return f"[{host}]" if ":" in host else host  # an IPv6 address, bracketed in a URL
+
+
+def gateway_url(openai_port: int, host: str | None = None) -> str:
+    return f"{tls.from_env().scheme}://{host or api_host()}:{openai_port}{GATEWAY_HEALTH_PATH}"
 
 
 def not_ready(http_port: int, timeout_s: float = 4.0, openai_port: int = 0) -> str | None:
