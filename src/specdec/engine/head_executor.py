@@ -146,10 +146,7 @@ class HeadExecutor:
 
     # The executor's own rule, over the same fields (sequences, last_used, clock, idle_timeout_s, release)
     evict_idle = Executor.evict_idle
-
-    def reset_prefix_cache(self) -> int:
-        """No prefix cache of its own: a head's features come from the target's."""
-        return 0
+    prefix = None  # no prefix cache of its own: a head's features come from the target's
 
     @torch.inference_mode()
     def propose_many(self, steps: list[Step]) -> list[Drafted | CacheError]:

@@ -41,8 +41,8 @@ TOKENIZER_PATHS = frozenset({"/tokenize", "/detokenize", "/tokenizer_info"})  # 
 # vLLM's (its development mode's): the server's caches across requests reset (cache_reset.py); behind the key
 RESET_PREFIX_CACHE_PATH = "/reset_prefix_cache"
 RESET_FLAGS = ("reset_running_requests", "reset_external")  # its query's flags: both mean the same here
-QUERY_BOOLEANS = {"true": True, "1": True, "yes": True, "on": True, "t": True, "y": True,  # FastAPI's spellings
-                  "false": False, "0": False, "no": False, "off": False, "f": False, "n": False}
+# A boolean query value as FastAPI (vLLM's server) spells it, either way
+QUERY_BOOLEANS = frozenset({"true", "1", "yes", "on", "t", "y", "false", "0", "no", "off", "f", "n"})
 HEALTH_PATH = "/health"
 MAX_BODY_MIB = 16  # a request body's limit (a long prompt or conversation); over it: 413 naming it
 # SageMaker's container contract, as vLLM serves it: GET /ping is the health check, POST /invocations an answer

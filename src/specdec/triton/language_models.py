@@ -219,8 +219,8 @@ class LanguageModelAdapter(TritonAdapter):
         self._lock = threading.Lock()
         self._stop = threading.Event()
         # A client's reset of the caches (cache_reset.py): looked for before each execute's work and by the
-        # evictor thread, so that an idle model's metrics show it too
-        self.reset_watch = cache_reset.Watch(cache_reset.path_from_env())
+        # evictor thread, so that an idle model's metrics show it too; not at all without a prefix cache
+        self.reset_watch = cache_reset.Watch(cache_reset.path_from_env() if self.lm.prefix is not None else "")
         # The same thread hands the host memory of ended sequences back to the OS, at most once per
         # interval (0: never): glibc keeps it otherwise and the stub's RSS creeps up under load.
         self.heap_trim_interval_s = params.float("heap_trim_interval_s", 30.0, low=0.0)
