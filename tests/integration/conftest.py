@@ -23,9 +23,11 @@ def retired_servers_stop_cleanly():
 def server(tmp_path_factory):
     """With the test drafts (`draft_model_exact`, `draft_model_random`) beside `draft_model`."""
     tmp_path = tmp_path_factory.mktemp("triton")
-    # (and vLLM's runtime LoRA endpoints, over the pair's directory of adapters: test_lora.py)
+    # (and vLLM's runtime LoRA endpoints, over the pair's directory of adapters: test_lora.py; clients'
+    # profiles: test_openai_api.py)
     srv = start_server(tmp_path, repository=repository.render(pairs.tiny_pair(test_drafts=True), tmp_path / "repo"),
-                       launcher_args=("--allow-runtime-lora-updating",))
+                       launcher_args=("--allow-runtime-lora-updating",
+                                      "--torch-profiler-dir", str(tmp_path / "traces")))
     yield srv
     # Strict here: nothing pending and every stub gone. A clean exit code is asserted by
     # test_lifecycle.py on a server of its own; after this session's hundreds of requests, cancellations

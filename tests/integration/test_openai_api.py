@@ -4,6 +4,7 @@ directly over gRPC with the same settings; structured output, log-probabilities,
 clients that go away."""
 
 import asyncio
+import gzip
 import json
 import os
 import re
@@ -1332,6 +1333,55 @@ def test_a_cache_reset_empties_the_target_and_draft_prefix_caches(server, api, m
     assert ask()[0] == cached  # a refused reset resets nothing
 
 
+def test_a_clients_profile_traces_the_models_executions(server, api, model):
+    """vLLM's and SGLang's POST /start_profile and /stop_profile (the session's server has --torch-profiler-dir):
+    the stop answers once target_model's and draft_model's traces are written, naming them; each holds that
+    model's profiled executions (their labels, torch's operators), and the answer is what it is unprofiled.
+    A bad setting is refused naming it; a stop with no profile running is refused; SGLang's GET works too."""
+    root = server.openai_url.removesuffix("/v1")
+
+    def call(path: str, body: dict | None = None, method: str = "POST") -> tuple[int, str]:
+        data = json.dumps(body).encode() if body is not None else (b"" if method == "POST" else None)
+        request = urllib.request.Request(root + path, data=data, method=method,
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=120) as answer:
+                return answer.status, answer.read().decode()
+        except urllib.error.HTTPError as refused:
+            return refused.code, refused.read().decode()
+
+    def ask() -> str:
+        answer = api.chat.completions.create(model=model, messages=[{"role": "user", "content": "Name three rivers."}],
+                                             max_tokens=8, temperature=0,
+                                             extra_body={"draft_model": "draft_model", "num_draft_tokens": 3})
+        return answer.choices[0].message.content
+
+    unprofiled = ask()
+    assert call("/start_profile", {"activities": ["CPU"], "record_shapes": True}) == (200, "Start profiling.\n")
+    assert ask() == unprofiled
+    status, text = call("/stop_profile")
+    assert status == 200 and text.startswith("Stop profiling.\n"), text
+    traces = text.splitlines()[1:]
+    assert sorted(re.sub(r"^.*-(\w+_model)-\d+\.trace\.json\.gz$", r"\1", path) for path in traces) == [
+        "draft_model", "target_model"], text
+    for path in traces:
+        with gzip.open(path, "rt") as trace:
+            found = json.load(trace)["traceEvents"]
+        name = "target_model" if "-target_model-" in path else "draft_model"
+        executes = {e["name"] for e in found if e.get("cat") == "user_annotation" and e["name"].startswith(name)}
+        assert f"{name} execute 0" in executes and any(e.get("name") == "aten::mm" for e in found), path
+        assert not [n for n in os.listdir(os.path.dirname(path)) if n.endswith(".tracing")]
+    assert call("/stop_profile")[0] == 400  # none running now
+    status, text = call("/start_profile", {"num_steps": 0})
+    assert status == 400 and json.loads(text)["error"]["param"] == "num_steps"
+    status, text = call("/start_profile", {"activities": ["RPD"]})
+    assert status == 400 and json.loads(text)["error"]["param"] == "activities"
+    assert call("/start_profile", method="GET") == (200, "Start profiling.\n")
+    status, text = call("/stop_profile", method="GET")  # nothing executed meanwhile: no trace, and no wait
+    assert (status, text) == (200, "Stop profiling.\n")
+    assert ask() == unprofiled
+
+
 def test_usage_counts_the_prompt_tokens_the_prefix_cache_held(api, claude, model):
     """The prompt's tokens the server's prefix cache held (its whole blocks of 32 but the last token's: that
     one's logits are needed), as each API reports them: the chat's and completions' prompt_tokens_details
@@ -1787,7 +1837,9 @@ def test_an_api_key_is_required_when_set(server, model):
         assert _native(local, "/generate", native, {"Authorization": "Bearer s3cret"})[0] == 200
         assert _native(local, "/health_generate")[0] == 200
         # resetting the caches too; this gateway was started without the launcher's marker: it cannot
-        for path in ("/flush_cache", "/reset_prefix_cache"):
+        # nor profile the models (no --torch-profiler-dir)
+        for path, names in (("/flush_cache", "SPECDEC_CACHE_RESET_FILE"), ("/reset_prefix_cache", "SPECDEC_CACHE"),
+                            ("/start_profile", "--torch-profiler-dir"), ("/stop_profile", "--torch-profiler-dir")):
             request = urllib.request.Request(root + path, data=b"", method="POST")
             with pytest.raises(urllib.error.HTTPError) as caught:
                 urllib.request.urlopen(request, timeout=10)
@@ -1795,7 +1847,7 @@ def test_an_api_key_is_required_when_set(server, model):
             request.add_header("Authorization", "Bearer s3cret")
             with pytest.raises(urllib.error.HTTPError) as caught:
                 urllib.request.urlopen(request, timeout=10)
-            assert caught.value.code == 501 and "SPECDEC_CACHE_RESET_FILE" in caught.value.read().decode(), path
+            assert caught.value.code == 501 and names in caught.value.read().decode(), path
 
 
 def _outward_address() -> str | None:

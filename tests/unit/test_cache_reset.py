@@ -4,15 +4,15 @@ an instance started, a missing one and none configured ask for nothing."""
 
 import os
 
-from specdec.triton import cache_reset
+from specdec.triton import cache_reset, marker_file
 
 
 def test_each_watcher_sees_each_reset_once(tmp_path):
     path = str(tmp_path / "marker")
-    early, never = cache_reset.Watch(path), cache_reset.Watch("")
+    early, never = marker_file.Watch(path), marker_file.Watch("")
     assert not early.due()  # no marker yet
     cache_reset.request(path)
-    late = cache_reset.Watch(path)  # started after that reset: not one of its caches'
+    late = marker_file.Watch(path)  # started after that reset: not one of its caches'
     assert early.due() and not early.due() and not late.due()
     for _ in range(3):  # resets in quick succession: each is new (another file, another time to the nanosecond)
         cache_reset.request(path)
@@ -27,7 +27,7 @@ def test_each_watcher_sees_each_reset_once(tmp_path):
 def test_a_removed_marker_asks_for_nothing_and_a_new_one_does(tmp_path):
     path = tmp_path / "marker"
     cache_reset.request(str(path))
-    watch = cache_reset.Watch(str(path))
+    watch = marker_file.Watch(str(path))
     path.unlink()
     assert not watch.due()
     cache_reset.request(str(path))

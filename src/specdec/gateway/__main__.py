@@ -27,7 +27,7 @@ from specdec.gateway.response_store import (DEFAULT_MB as DEFAULT_RESPONSES_STOR
                                             SharedResponseStore)
 from specdec.gateway.tools import PARSERS
 from specdec.gateway.upstream import Upstream
-from specdec.triton import cache_reset
+from specdec.triton import cache_reset, live_profile
 
 DEFAULT_PORT = 9000  # Triton's own OpenAI frontend's port: its clients' configurations work unchanged
 API_KEY_ENV = "SPECDEC_API_KEY"
@@ -125,6 +125,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="the marker file through which POST /reset_prefix_cache (vLLM's) and /flush_cache "
                              "(SGLang's) reset the server's caches (default: "
                              f"${cache_reset.ENV}, which the launcher sets; none: those endpoints answer 501)")
+    parser.add_argument("--profile-control-file", default=os.environ.get(live_profile.CONTROL_ENV, ""), metavar="PATH",
+                        help="the file through which POST /start_profile and /stop_profile (vLLM's and SGLang's) "
+                             "start and stop the models' torch profiles (default: "
+                             f"${live_profile.CONTROL_ENV}, which the launcher sets with --torch-profiler-dir; "
+                             "none: those endpoints answer 501)")
+    parser.add_argument("--torch-profiler-dir", default=live_profile.directory_from_env(os.environ), metavar="DIR",
+                        help="where a profile's traces go unless its start names an output_dir (default: "
+                             f"${live_profile.DIR_ENV}, which the launcher sets)")
     parser.add_argument("--drain-timeout", type=float, default=60.0)
     return parser.parse_args(argv)
 
@@ -181,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
                           content_format=args.chat_template_content_format,
                           server_metrics_url=args.server_metrics_url, max_loras=args.max_loras,
                           cache_reset_file=args.cache_reset_file,
+                          profile=(args.profile_control_file, os.path.abspath(args.torch_profiler_dir)
+                                   if args.torch_profiler_dir else ""),
                           incremental_streaming=args.incremental_streaming_output)
     except ValueError as exc:
         log(str(exc))

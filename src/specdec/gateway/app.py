@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import os
 import time
 import uuid
 from dataclasses import replace
@@ -33,7 +34,7 @@ from specdec.gateway.background import BackgroundResponses
 from specdec.gateway.cors import CorsPolicy
 from specdec.gateway.response_store import NotStored, ResponseStore, in_store
 from specdec.gateway.upstream import Piece, Upstream
-from specdec.triton import cache_reset
+from specdec.triton import cache_reset, live_profile
 
 TokenText = Callable[[int], str]  # a token id's text (for log-probabilities)
 API_PREFIX = "/v1/"
@@ -42,6 +43,12 @@ TOKENIZER_PATHS = frozenset({"/tokenize", "/detokenize", "/tokenizer_info"})  # 
 RESET_PREFIX_CACHE_PATH = "/reset_prefix_cache"
 RESET_FLAGS = ("reset_running_requests", "reset_external")  # its query's flags: both mean the same here
 # A boolean query value as FastAPI (vLLM's server) spells it, either way
+# vLLM's and SGLang's: torch profiler traces of the models' executions, started and stopped (live_profile.py);
+# POST, and GET as SGLang's; behind the key. The answers' texts are SGLang's, the stop's naming the traces.
+START_PROFILE_PATH, STOP_PROFILE_PATH = "/start_profile", "/stop_profile"
+PROFILE_STARTED, PROFILE_STOPPED = "Start profiling.\n", "Stop profiling.\n"
+PROFILE_STOP_WAIT_S = 300.0  # how long a stop waits for the traces to be written before it answers
+KEYED_PATHS = frozenset({RESET_PREFIX_CACHE_PATH, START_PROFILE_PATH, STOP_PROFILE_PATH})  # beside /v1's
 QUERY_BOOLEANS = frozenset({"true", "1", "yes", "on", "t", "y", "false", "0", "no", "off", "f", "n"})
 HEALTH_PATH = "/health"
 MAX_BODY_MIB = 16  # a request body's limit (a long prompt or conversation); over it: 413 naming it
@@ -72,7 +79,7 @@ class Gateway:
                  log: Callable[[str], None] = lambda message: None, trust_templates: bool = False,
                  sampling_defaults: dict | None = None, cors: CorsPolicy = CorsPolicy(), content_format: str = "auto",
                  server_metrics_url: str = "", max_loras: int = 0, cache_reset_file: str = "",
-                 incremental_streaming: bool = False):
+                 incremental_streaming: bool = False, profile: tuple[str, str] = ("", "")):
         """tokenizer: the target's (a transformers tokenizer), for the text of log-probabilities' tokens and of
         echoed token-id prompts, and the tokenizer endpoints; None: tokens show as `token_id:N`, and those
         need it. max_model_len: the server's context in tokens (model cards, /tokenize; 0: not known).
@@ -91,7 +98,8 @@ class Gateway:
         names ("": none). max_loras: the target's (0: its default, lora_config.slot_count). cache_reset_file: the
         marker through which a client resets the server's caches (cache_reset.py; "": no reset).
         incremental_streaming: SGLang's --incremental-streaming-output (a streamed /generate event holds what it
-        adds, not the output so far)."""
+        adds, not the output so far). profile: the control file through which clients start and stop the
+        models' torch profiles, and the traces' default directory (live_profile.py; "": not served)."""
         served = served if isinstance(served, protocol.Served) else protocol.Served(served)  # (tests: a tuple)
         self.upstream, self.served, self.tokenizer, self.api_key = upstream, served, tokenizer, api_key
         self.token_bytes = token_bytes(tokenizer) if tokenizer is not None else None
@@ -100,6 +108,7 @@ class Gateway:
         self.trust_templates, self.content_format = trust_templates, content_format
         self.server_metrics_url, self.cache_reset_file = server_metrics_url, cache_reset_file
         self.incremental_streaming = incremental_streaming
+        self.profile_control_file, self.profile_dir = profile
         self.max_loras = slot_count(max_loras, len(served.adapters), served.directory)  # the target's adapter slots
         self.sampling_defaults = {**protocol.DEFAULT_SAMPLING, **(sampling_defaults or {})}
         self.cors = cors
@@ -167,6 +176,9 @@ class Gateway:
         app.router.add_route("GET", sglang_native.FLUSH_CACHE_PATH, self.flush_cache)
         app.router.add_post(sglang_native.FLUSH_CACHE_PATH, self.flush_cache)
         app.router.add_post(RESET_PREFIX_CACHE_PATH, self.reset_prefix_cache)
+        for method in ("GET", "POST"):
+            app.router.add_route(method, START_PROFILE_PATH, self.start_profile)
+            app.router.add_route(method, STOP_PROFILE_PATH, self.stop_profile)
         app.router.add_get(PING_PATH, self.health)
         app.router.add_post(INVOCATIONS_PATH, self.invocations)
         app.router.add_get("/version", self.version)
@@ -209,7 +221,7 @@ class Gateway:
     @web.middleware
     async def _errors(self, request: web.Request, handler):
         if self.api_key and (request.path.startswith(API_PREFIX) or request.path in TOKENIZER_PATHS
-                             or request.path in sglang_native.KEYED_PATHS or request.path == RESET_PREFIX_CACHE_PATH):
+                             or request.path in sglang_native.KEYED_PATHS or request.path in KEYED_PATHS):
             # OpenAI's clients send the key as a bearer token, Anthropic's as x-api-key
             given = request.headers.get("Authorization", "").encode()
             anthropic = request.headers.get("x-api-key", "").encode()
@@ -1021,6 +1033,53 @@ class Gateway:
         except OSError as exc:
             raise ApiError(500, f"the caches were not reset: {exc}", code="internal_error") from None
         self.log(f"caches reset at a client's request ({path}): prefix caches of every model, suffix caches")
+
+    async def start_profile(self, request: web.Request) -> web.Response:
+        """vLLM's and SGLang's /start_profile: every model instance profiles its executions from its next one
+        on (live_profile.py). SGLang's body is optional: output_dir, activities, start_step, num_steps,
+        with_stack, record_shapes. A start while a profile runs ends that one (its traces are written)."""
+        self._profiling()
+        fields = await self._body(request) if (await request.read()).strip() else {}
+        try:
+            command = live_profile.start_command(fields, self.profile_dir, live_profile.new_profile_id())
+        except live_profile.SettingError as exc:
+            raise ApiError(400, str(exc), param=exc.field) from None
+        try:
+            await asyncio.to_thread(os.makedirs, command.output_dir, exist_ok=True)
+            await asyncio.to_thread(live_profile.send, self.profile_control_file, command)
+        except OSError as exc:
+            raise ApiError(500, f"the profile was not started: {exc}", code="internal_error") from None
+        self.log(f"profile {command.profile_id} started at a client's request: traces into {command.output_dir}")
+        return web.Response(text=PROFILE_STARTED)
+
+    async def stop_profile(self, request: web.Request) -> web.Response:
+        """vLLM's and SGLang's /stop_profile: the running profile ends in every model instance; answered once
+        their traces are written (PROFILE_STOP_WAIT_S at most), naming them."""
+        self._profiling()
+        started = await asyncio.to_thread(live_profile.current, self.profile_control_file)
+        if started is None or started.action != "start":
+            raise ApiError(400, f"no profile is running (POST {START_PROFILE_PATH} first)")
+        try:
+            await asyncio.to_thread(live_profile.send, self.profile_control_file,
+                                    replace(started, action="stop"))
+        except OSError as exc:
+            raise ApiError(500, f"the profile was not stopped: {exc}", code="internal_error") from None
+        deadline = time.monotonic() + PROFILE_STOP_WAIT_S
+        # Each instance ends its profile within live_profile.POLL_S (idle) or its current execute
+        await asyncio.sleep(2 * live_profile.POLL_S)
+        while (pending := await asyncio.to_thread(live_profile.unfinished, started)) and time.monotonic() < deadline:
+            await asyncio.sleep(live_profile.POLL_S / 2)
+        written = await asyncio.to_thread(live_profile.traces, started)
+        self.log(f"profile {started.profile_id} stopped at a client's request: {len(written)} traces written")
+        lines = [PROFILE_STOPPED, *(f"{path}\n" for path in written)]
+        lines += [f"still being written: {name}\n" for name in pending]
+        return web.Response(text="".join(lines))
+
+    def _profiling(self) -> None:
+        if not self.profile_control_file:
+            raise ApiError(501, "profiling needs the launcher's --torch-profiler-dir (or "
+                                f"${live_profile.DIR_ENV}); this server was started without one",
+                           code="not_implemented")
 
     def _parse_chat(self, body: dict) -> Generation:
         """A chat body (the chat API's, or one the Messages and Responses APIs made) with this API's settings."""

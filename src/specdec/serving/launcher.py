@@ -66,7 +66,7 @@ from specdec.serving.pairs import log
 from specdec.serving.server_process import ENDPOINTS_STALL_S, ServerProcess
 from specdec.serving.watchdog import (DEFAULT_HANG_TIMEOUT_S, ModelControl, Watchdog, control_mode,
                                       restricted_header, stubs_of)
-from specdec.triton import cache_reset, execute_clock
+from specdec.triton import cache_reset, execute_clock, live_profile
 from specdec.triton.admission import cancellation, kv_room, sequence_slots
 
 START_ATTEMPTS = 3  # starts of a server that stalls (come_up), before the launcher gives up on it
@@ -551,6 +551,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="the OpenAI API serves POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's), "
                              "adding and removing adapters as links in --lora-directory, which the API's process "
                              f"must be able to write (default: vLLM's {RUNTIME_ENV}=True in the environment)")
+    parser.add_argument("--torch-profiler-dir", default=live_profile.directory_from_env(os.environ), metavar="DIR",
+                        help="clients may start and stop torch profiles of the models' executions (POST "
+                             "/start_profile and /stop_profile on the OpenAI API's port, vLLM's and SGLang's), "
+                             "traced into this directory (default: $" + live_profile.DIR_ENV + ", else vLLM's "
+                             "and SGLang's variables; none: not served)")
     cors.add_flags(parser)
     parser.add_argument("--model-repository", help="serve this already rendered repository as is")
     parser.add_argument("--triton-root", default=os.environ.get("TRITON_ROOT"),
@@ -806,6 +811,14 @@ def main(argv: list[str] | None = None) -> int:
     # The marker through which the API resets the models' caches (cache_reset.py): in the environment of
     # tritonserver's stubs and of the API alike
     os.environ[cache_reset.ENV] = str(cache_reset.marker(http_port))
+    if args.torch_profiler_dir:  # clients' torch profiles of the models (live_profile.py), the same way
+        os.environ[live_profile.DIR_ENV] = os.path.abspath(args.torch_profiler_dir)
+        control = live_profile.control_file(http_port)
+        control.unlink(missing_ok=True)  # an earlier server's on this port
+        os.environ[live_profile.CONTROL_ENV] = str(control)
+        log(f"profiling on request: POST /start_profile and /stop_profile; traces into {args.torch_profiler_dir}")
+    else:
+        os.environ.pop(live_profile.CONTROL_ENV, None)
     command = server_command(layout, repo, http_port, grpc_port, metrics_port, extra=args.server_args)
     log(f"starting tritonserver ({label}): {' '.join(redact(arg) for arg in command)}")
     drain_marker(http_port).unlink(missing_ok=True)  # left by an earlier server on this port

@@ -13,7 +13,9 @@
   language_models  draft_model and target_model over an `engine.executor.Executor`
   responder        pipelined_execute: a model's responses sent from a thread of its own
   text_models      preprocessing (text -> ids) and postprocessing (ids -> text)
+  marker_file      a file through which one process tells every model instance something, each seeing it once
   cache_reset      a client's reset of the caches across requests, seen by every instance (a marker file)
+  live_profile     torch profiler traces of the models' executions, started and stopped by a client
   execute_clock    since when a text model's current execute runs, for the launcher's watchdog
   config           typed, validated config.pbtxt parameters
   metrics          every Prometheus metric the models define

@@ -11,6 +11,7 @@ num_logits positions; draft_model proposes num_draft_tokens tokens
 from __future__ import annotations
 
 
+import os
 import threading
 import time
 from pathlib import Path
@@ -42,7 +43,7 @@ from specdec.triton.adapter import TritonAdapter
 from specdec.triton.config import ConfigError, ModelParameters
 from specdec.triton.metrics import HostedHeadMetrics, ModelMetrics, SkipMetrics
 from specdec.triton.profiling import execute_profile
-from specdec.triton import cache_reset, wire
+from specdec.triton import cache_reset, live_profile, marker_file, wire
 from specdec.triton.responder import Job, Responder
 
 
@@ -66,10 +67,11 @@ class LanguageModelAdapter(TritonAdapter):
     """Shared load / execute plumbing; subclasses say what a step is and how it is answered."""
 
     profile = None  # an ExecuteProfile when SPECDEC_PROFILE_DIR is set (load)
+    tracer = None  # a live_profile.Tracer when the launcher enables clients' profiles (load)
     side_seconds = 0.0  # of the last `_run`, the time it spent outside the forward (subtracted from its cost)
     # The parameter listing the served heads whose features this model's executor returns or reads
     heads_parameter = ""
-    reset_watch = cache_reset.Watch("")  # a client's reset of the caches: the marker's, once started (`_start`)
+    reset_watch = marker_file.Watch("")  # a client's reset of the caches: the marker's, once started (`_start`)
 
     def load(self, params: ModelParameters, args: dict) -> None:
         self.name = params.model_name
@@ -220,7 +222,7 @@ class LanguageModelAdapter(TritonAdapter):
         self._stop = threading.Event()
         # A client's reset of the caches (cache_reset.py): looked for before each execute's work and by the
         # evictor thread, so that an idle model's metrics show it too; not at all without a prefix cache
-        self.reset_watch = cache_reset.Watch(cache_reset.path_from_env() if self.lm.prefix is not None else "")
+        self.reset_watch = marker_file.Watch(cache_reset.path_from_env() if self.lm.prefix is not None else "")
         # The same thread hands the host memory of ended sequences back to the OS, at most once per
         # interval (0: never): glibc keeps it otherwise and the stub's RSS creeps up under load.
         self.heap_trim_interval_s = params.float("heap_trim_interval_s", 30.0, low=0.0)
@@ -237,6 +239,8 @@ class LanguageModelAdapter(TritonAdapter):
         self.profile = execute_profile(self.name)  # SPECDEC_PROFILE_DIR set: cProfile over execute (profiling.py)
         if self.profile is not None:
             self.pb.Logger.log_info(f"{self.name}: profiling execute into {self.profile.path}")
+        control = os.environ.get(live_profile.CONTROL_ENV, "")  # clients' torch profiles (live_profile.py)
+        self.tracer = live_profile.Tracer(self.name, control, self.pb.Logger.log_info) if control else None
         if params.bool("pipelined_execute", False):
             self.responder = self._responder()
             self.pb.Logger.log_info(f"{self.name}: pipelined execute: responses sent from the model's responder thread")
@@ -291,8 +295,10 @@ class LanguageModelAdapter(TritonAdapter):
         """All pending steps (of different sequences: the sequence batcher sends one step per sequence
         at a time) run as one batched forward; each request gets its own response or error. Pipelined,
         the responses are built and sent by the responder's thread (responder.py) and execute returns."""
-        if self.profile is None:
-            return self._execute(requests)
+        run = self._execute if self.profile is None else self._execute_in_cprofile
+        return run(requests) if self.tracer is None else self.tracer.run(run, requests)
+
+    def _execute_in_cprofile(self, requests):
         with self.profile:
             return self._execute(requests)
 
@@ -433,6 +439,8 @@ class LanguageModelAdapter(TritonAdapter):
     def finalize(self):
         if self.profile is not None:
             self.profile.write()
+        if self.tracer is not None:
+            self.tracer.close()
         if self.responder is not None:
             self.responder.stop()
         self._stop.set()

@@ -39,7 +39,7 @@ from specdec.triton.config import ConfigError, ModelParameters
 from specdec.triton.fallback import FallbackProposer
 from specdec.triton.metrics import OrchestratorMetrics
 from specdec.triton.request import InputError, ParsedRequest, RequestLimits
-from specdec.triton import cache_reset, vllm_outputs
+from specdec.triton import cache_reset, marker_file, vllm_outputs
 from specdec.triton.admission.kv_room import RoomLine, RoomWait
 from specdec.triton.admission.sequence_slots import SlotPool
 from specdec.triton.admission.verify_gate import GatedScorer, VerifyGate
@@ -108,7 +108,7 @@ class SpeculativeDecodingAdapter(TritonAdapter):
         self.suffix_cache = SuffixCache(params.int("suffix_cache_tokens", 262144, low=0)) \
             if tn.SUFFIX in self.limits.draft_names else None
         # emptied when a client resets the caches (cache_reset.py), looked for as each request arrives
-        self.reset_watch = cache_reset.Watch(cache_reset.path_from_env() if self.suffix_cache is not None else "")
+        self.reset_watch = marker_file.Watch(cache_reset.path_from_env() if self.suffix_cache is not None else "")
         # Prompt lookup's continuations of up to this many earlier occurrences, as one token tree (1: a chain)
         branches = params.int("lookup_branches", 1, low=1, high=tn.MAX_DRAFT_BRANCHES)
         # Its matches: the longest n-gram of lookup_max_ngram tokens down to lookup_min_ngram (vLLM's
