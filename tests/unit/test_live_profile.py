@@ -186,16 +186,23 @@ def test_the_summary_counts_executions_and_operators_by_self_time(tmp_path):
     for _ in range(3):
         model.execute()
     text = live_profile.summary(model.stop(started))
-    assert "3 executions" in text and "| `aten::mm` | 3 |" in text
+    assert "3 executions" in text and "| `aten::mm` | 3 |" in text and "Python's functions" in text
     events_ = [{"ph": "X", "cat": "user_annotation", "name": "m execute 0", "ts": 0, "dur": 20, "tid": 1},
                {"ph": "X", "cat": "cpu_op", "name": "outer", "ts": 1, "dur": 10, "tid": 1},
                {"ph": "X", "cat": "cpu_op", "name": "inner", "ts": 2, "dur": 4, "tid": 1},
                {"ph": "X", "cat": "cpu_op", "name": "inner", "ts": 12, "dur": 2, "tid": 1},
-               {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 3, "dur": 5, "tid": 7}]
+               {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 3, "dur": 5, "tid": 7},
+               {"ph": "X", "cat": "python_function", "name": "<built-in method view of Tensor object at 0x7f1>",
+                "ts": 15, "dur": 1, "tid": 1},
+               {"ph": "X", "cat": "python_function", "name": "<built-in method view of Tensor object at 0x7f2>",
+                "ts": 16, "dur": 1, "tid": 1},
+               {"ph": "X", "cat": "python_function", "name": "threading.py(331): wait", "ts": 0, "dur": 20, "tid": 2}]
     path = tmp_path / "made.trace.json.gz"
     with gzip.open(path, "wt") as out:
         json.dump({"traceEvents": events_}, out)
     text = live_profile.summary(str(path))
     # outer's own time: 10 less the 4 of the inner call within it; the later inner is not inside it
     assert "| `outer` | 1 | 0.01 | 30.0% |" in text and "| `inner` | 2 | 0.01 | 30.0% |" in text
-    assert "| `gemm` | 1 | 0.01 | 25.0% |" in text and "60.0% of the executions' time" in text
+    assert "| `gemm` | 1 | 0.01 | 25.0% |" in text and "torch's CPU operators 60.0%" in text
+    # one row per C function, whatever it was called on; another thread's wait is no execution's time
+    assert "| `view (C)` | 2 | 0.00 | 10.0% |" in text and "threading" not in text

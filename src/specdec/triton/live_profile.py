@@ -19,6 +19,7 @@ until the trace is whole, which the API's stop waits for (`unfinished`) before i
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import gzip
 import json
@@ -41,6 +42,7 @@ ACTIVITIES = ("CPU", "GPU", "MEM")  # SGLang's names: CPU operators, GPU kernels
 DEFAULT_ACTIVITIES = ("CPU", "GPU")
 POLL_S = 0.1  # how often an idle profile looks for a stop
 TRACE_SUFFIX, UNFINISHED_SUFFIX = ".trace.json.gz", ".tracing"
+HOST_KINDS = {"cpu_op": "torch's CPU operators", "python_function": "Python's functions"}  # a trace's categories
 
 
 def control_file(http_port: int) -> Path:
@@ -330,7 +332,8 @@ class Session(threading.Thread):
                 started = time.perf_counter()
                 profiler.export_chrome_trace(str(scratch))
                 text = repaired(scratch.read_bytes())
-                with gzip.open(path, "wt", encoding="utf-8") as out:
+                # the fastest level: a trace is hundreds of MB of JSON, and the stop waits for it
+                with gzip.open(path, "wt", encoding="utf-8", compresslevel=1) as out:
                     out.write(text)
                 self.tracer.log(f"{self.tracer.model}: {self.profiled} executions profiled into {path} "
                                 f"(written in {time.perf_counter() - started:.1f} s)")
@@ -353,32 +356,44 @@ def prime() -> None:
 
 def summary(path: str, top: int = 15) -> str:
     """A trace's executions and where their time went, as markdown: the profiled executions' count and mean
-    time; torch's CPU operators by self time (their time less that of the operators they called, per thread)
-    and, from a GPU, kernels by device time, each as a share of the executions' summed time."""
+    time; by self time (an event's time less that of the events it encloses, per thread) torch's CPU
+    operators and, with with_stack, Python's functions (a C function's call its own event); from a GPU, kernels
+    by device time; each as a share of the executions' summed time."""
     with gzip.open(path, "rt", encoding="utf-8") as trace:
         found = [e for e in json.load(trace)["traceEvents"] if e.get("ph") == "X" and "dur" in e]
     executions = [e for e in found if e.get("cat") == "user_annotation" and " execute " in e.get("name", "")]
     spent_us = sum(e["dur"] for e in executions) or 1.0
-    lines = [f"### {Path(path).name}", "",
-             f"{len(executions)} executions, {spent_us / max(len(executions), 1) / 1000:.3f} ms each on average", ""]
-    operators = sorted((e for e in found if e.get("cat") == "cpu_op"), key=lambda e: (e["tid"], e["ts"], -e["dur"]))
-    own: dict[str, list[float]] = {}
-    stack: list[tuple[float, dict]] = []  # (end, its own time's entry) of the operators enclosing the next one
-    for event in operators:
+    within: dict[object, list[tuple[float, float]]] = {}  # per thread, its executions' spans
+    for execution in sorted(executions, key=lambda e: e["ts"]):
+        within.setdefault(execution["tid"], []).append((execution["ts"], execution["ts"] + execution["dur"]))
+
+    def inside(event: dict) -> bool:  # not the waits of other threads (the stub's, handing executions over)
+        spans = within.get(event["tid"], [])
+        at = bisect.bisect_right(spans, (event["ts"], float("inf"))) - 1
+        return at >= 0 and event["ts"] + event["dur"] <= spans[at][1]
+
+    nested = sorted((e for e in found if e.get("cat") in HOST_KINDS and inside(e)),
+                    key=lambda e: (e["tid"], e["ts"], -e["dur"]))
+    own: dict[str, dict[str, list[float]]] = {kind: {} for kind in HOST_KINDS}
+    stack: list[tuple[float, dict, list]] = []  # (end, event, its entry) of the events enclosing the next one
+    for event in nested:
         while stack and (stack[-1][1]["tid"] != event["tid"] or stack[-1][0] <= event["ts"]):
             stack.pop()
-        entry = own.setdefault(event["name"], [0, 0.0])
+        entry = own[event["cat"]].setdefault(_display(event["name"]), [0, 0.0])
         entry[0] += 1
         entry[1] += event["dur"]
         if stack:
-            own[stack[-1][1]["name"]][1] -= event["dur"]
-        stack.append((event["ts"] + event["dur"], event))
-    in_operators = sum(us for _, us in own.values())
-    if own:
-        lines += [f"torch's CPU operators: {in_operators / spent_us:.1%} of the executions' time; the rest is Python "
-                  "around them (the adapter, the executor's bookkeeping) and waits", ""]
-    for title, table in (("CPU operators, by self time", own),
-                         ("GPU kernels, by device time", _totals(e for e in found if e.get("cat") == "kernel"))):
+            stack[-1][2][1] -= event["dur"]
+        stack.append((event["ts"] + event["dur"], event, entry))
+    shares = ", ".join(f"{HOST_KINDS[kind]} {sum(us for _, us in table.values()) / spent_us:.1%}"
+                       for kind, table in own.items() if table)
+    lines = [f"### {Path(path).name}", "",
+             f"{len(executions)} executions, {spent_us / max(len(executions), 1) / 1000:.3f} ms each on average; "
+             f"their time by self time: {shares or 'no host events'} (the rest: between events, waits)", ""]
+    kernels = _totals(e for e in found if e.get("cat") == "kernel")
+    for title, table in ((f"{HOST_KINDS['cpu_op']}, by self time", own["cpu_op"]),
+                         (f"{HOST_KINDS['python_function']}, by self time", own["python_function"]),
+                         ("GPU kernels, by device time", kernels)):
         if not table:
             continue
         lines += [f"{title}:", "", "| | calls | ms | share of the executions |", "|---|---|---|---|"]
@@ -386,6 +401,16 @@ def summary(path: str, top: int = 15) -> str:
             lines.append(f"| `{name[:80]}` | {calls} | {us / 1000:.2f} | {us / spent_us:.1%} |")
         lines.append("")
     return "\n".join(lines)
+
+
+_C_CALL = re.compile(r"<built-in (?:method|function) (\w+)(?: of .*)?>")
+
+
+def _display(name: str) -> str:
+    """A Python tracer's name of a C function's call without the object it was called on (`reshape (C)`):
+    one row per function, not per tensor."""
+    call = _C_CALL.fullmatch(name)
+    return f"{call.group(1)} (C)" if call else name
 
 
 def _totals(events) -> dict[str, list[float]]:
@@ -397,31 +422,31 @@ def _totals(events) -> dict[str, list[float]]:
     return table
 
 
-# A field of Kineto's JSON, one per line: `  "name": "<text>",`
-_FIELD = re.compile(r'^(\s*"[^"\\]+": ")(.*)("(,?))$')
+# A field of Kineto's JSON, one per line (`  "name": "<text>",`), and where one may hold an unescaped quote:
+# a value's quote followed by something other than its end (a cheap scan: a trace is hundreds of MB)
+_FIELD = re.compile(r'^(\s*"[^"\\]+": ")(.*)("(,?))$', re.M)
+_SUSPECT = re.compile(r'": "[^"\n]*"[^,\n]')
 
 
 def repaired(raw: bytes) -> str:
     """A Chrome trace as Kineto wrote it, made valid JSON: torch's Python tracer (with_stack) at times names
     a frame with bytes that are no UTF-8 or with quotes, which Kineto writes unescaped (and Perfetto and
-    json refuse); such a field's text is escaped, the bytes replaced."""
+    json refuse); such bytes are replaced, such a field's text escaped."""
     text = raw.decode("utf-8", errors="replace")
-    try:
-        json.loads(text)
-        return text
-    except ValueError:
-        pass
-    lines = text.split("\n")
-    for i, line in enumerate(lines):
-        field = _FIELD.match(line)
-        if field is None:
+    pieces, at = [], 0
+    for suspect in _SUSPECT.finditer(text):
+        start = text.rfind("\n", 0, suspect.start()) + 1
+        end = text.find("\n", suspect.end())
+        end = len(text) if end < 0 else end
+        field = _FIELD.match(text, start, end)
+        if field is None or start < at:
             continue
         try:
-            json.loads("{" + line.rstrip().rstrip(",") + "}")
+            json.loads("{" + field.group(0).rstrip().rstrip(",") + "}")
         except ValueError:
-            lines[i] = field.group(1)[:-1] + json.dumps(field.group(2)) + field.group(4)
-    return "\n".join(lines)
-
+            pieces += [text[at:start], field.group(1)[:-1], json.dumps(field.group(2)), field.group(4)]
+            at = end
+    return "".join(pieces) + text[at:] if pieces else text
 
 if __name__ == "__main__":  # python -m specdec.triton.live_profile TRACE...: each trace's summary
     import sys
