@@ -36,3 +36,15 @@ def set_torch_threads(count: int | None) -> int:
 
     torch.set_num_threads(min(torch.get_num_threads(), available_cpus()) if count is None else count)
     return torch.get_num_threads()
+
+
+def adopt_torch_threads() -> int:
+    """Give the calling thread the process's torch thread count for OpenMP's parallel regions too, before it
+    runs forwards. torch.set_num_threads sets OpenMP's count for the thread that calls it only: a thread
+    Python starts later begins with OpenMP's default (every core, or OMP_NUM_THREADS), which the project's
+    own kernels (`#pragma omp parallel`, panel_linear.py) would use there until torch's first parallel
+    operator on that thread set it. Returns the count."""
+    import torch
+
+    torch.set_num_threads(torch.get_num_threads())
+    return torch.get_num_threads()

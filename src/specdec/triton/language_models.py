@@ -835,6 +835,7 @@ class DraftModel(LanguageModelAdapter):
         """One trial after a batch, while the search wants one (SkipTuner.due); while its warm trials run, one
         a second without a batch too: a draft the orchestrator keeps paused (no set so far pays) has few
         batches, and its search would stall on the set that does not pay."""
+        threads.adopt_torch_threads()  # trials cost what executions cost: on as many threads
         while not self._stop.is_set():
             if not self._batch_done.wait(1.0) and not self.tuner.warming:
                 continue

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from specdec.engine.threads import adopt_torch_threads
 from specdec.triton import marker_file
 
 DIR_ENV = "SPECDEC_TORCH_PROFILER_DIR"  # the traces' default directory; unset: no live profiling
@@ -254,6 +255,7 @@ class Session(threading.Thread):
         return value
 
     def run(self) -> None:
+        adopt_torch_threads()  # the executions' forwards on as many threads as on the stub's
         if self.previous is not None:
             self.previous.join()  # one torch profiler at a time in a process
         profiler, command = None, self.command
