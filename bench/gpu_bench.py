@@ -15,6 +15,9 @@ final norm and head, agrees with it about as often as a real early-exit draft), 
                  with how the streams shared each model's forwards (sequences per forward, the share of
                  the time in forwards and in the adapter's whole execute)
   transformers   `generate` in process: plain and assisted (the same draft, K constant)
+  traces         with --traces DIR, after the served rows: a client's profile (POST /start_profile and
+                 /stop_profile, live_profile.py) over one stream at K=0 and at K, each model instance's trace
+                 in DIR and its summary (executions; CPU operators and, on a GPU, kernels) after the table
 
 with α, tokens per round, the median TTFT and ITL of the streamed requests (ITL as genai-perf defines
 it: (latency - TTFT) / (output tokens - 1)), the bound E/(K·c+v) at the measured α, efficiency = speedup /
@@ -425,6 +428,25 @@ def sharing_note(before: dict, after: dict, wall: float, costs: dict) -> str:
     return f"alone the forwards would fill {alone / wall:.0%} of the time, served they took {', '.join(stretch)} as long"
 
 
+def served_traces(own, prompts: list[str], max_tokens: int, k: int) -> list[str]:
+    """A client's profile over one stream's requests at K=0 and at K=k, without Python's frames (a GPU's
+    kernels are what it is for): the trace files the stop names."""
+    import urllib.request
+
+    root = own.openai_url.removesuffix("/v1")
+
+    def post(path: str, body: dict | None = None) -> str:
+        request = urllib.request.Request(root + path, data=json.dumps(body or {}).encode(), method="POST",
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=600) as answer:
+            return answer.read().decode()
+
+    post("/start_profile", {"with_stack": False})
+    for params in (GenerationParams(num_draft_tokens=0), GenerationParams(num_draft_tokens=k, adaptive_draft=False)):
+        asyncio.run(served_streams(own.grpc_url, prompts, max_tokens, params, 1))
+    return [line for line in post("/stop_profile").splitlines()[1:] if line.endswith(".trace.json.gz")]
+
+
 # ---- the run -------------------------------------------------------------------------------------------
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -463,6 +485,9 @@ def main(argv=None) -> int:
                              "by --launcher-arg=--draft-head=NAME=DIR, a skip draft; BRANCHES > 1: its trees)")
     parser.add_argument("--warm-passes", type=int, default=0,
                         help="untimed passes over the prompts before each --drafts row (a searching skip draft)")
+    parser.add_argument("--traces", metavar="DIR",
+                        help="after the served rows, profile one stream at K=0 and K on the server: the models' "
+                             "traces into DIR, their summaries after the table")
     parser.add_argument("--launcher-arg", action="append", default=[],
                         help="more launcher arguments, e.g. --launcher-arg=--set "
                              "--launcher-arg=speculative_decoding.verify_gather_ms=10")
@@ -495,6 +520,8 @@ def main(argv=None) -> int:
     stop = [] if args.target else ["--set", "draft_model.draft_stop_below=0"]
     launcher_args = ["--target", str(target_path), "--draft", str(draft_path), "--device", kind, "--dtype", dtype_name,
                      "--max-num-draft-tokens", str(max(*all_k, 1)), *stop, *args.launcher_arg]
+    if args.traces:
+        launcher_args += ["--torch-profiler-dir", str(Path(args.traces).resolve())]
     log("starting the server")
     own = server.start(cache / "run" / "bench-gpu", cache / "bench-gpu-server.log", launcher_args)
     try:
@@ -526,6 +553,7 @@ def main(argv=None) -> int:
                 # How well the streams share forwards: a model's requests per execution (Triton's counters),
                 # and the share of the wall time it spent in forwards.
                 many[streams, name] = (result, before, after, wall)
+        traces = served_traces(own, prompts, args.max_tokens, args.k) if args.traces else []
     finally:
         own.stop(120)
 
@@ -608,6 +636,16 @@ def main(argv=None) -> int:
               + (f", launcher {' '.join(args.launcher_arg)}" if args.launcher_arg else ""))
     text = print_table(header, rows, ["", "time", "tokens/s", "vs served K=0", "α", "tokens/round", "TTFT p50 (ms)",
                                "ITL p50 (ms)", "bound", "efficiency", "notes"], args.out)
+    if traces:
+        from specdec.triton import live_profile
+
+        summaries = "\n".join(["", f"## Traces: one stream at K=0 and K={args.k} ({args.traces})", "",
+                                *(live_profile.summary(path) for path in traces)])
+        print(summaries)
+        if args.out:
+            with open(args.out, "a") as out:
+                out.write(summaries + "\n")
+        text += "\n" + summaries
     if args.results:
         report.write_results(args.results, "The 8B-shaped pair on a GPU: `make bench-gpu`", text)
     return 0

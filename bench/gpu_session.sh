@@ -93,6 +93,9 @@
 #                  step and verify with none, base rows, one adapter and mixed rows, 2 then 8 adapters of rank
 #                  16, then adapters read on demand: a read, a slot, steps over 2 and 6 slots (bench/lora_bench.py,
 #                  ~4 min)
+#   traces         a client's torch profile of the served pair (POST /start_profile, /stop_profile): one stream
+#                  at K=0 and K=4; each model's CPU operators and kernels by device time after the table in
+#                  traces.md (bench/gpu_bench.py --traces; the traces in traces/: Perfetto) (~3 min)
 #   profile        cProfile over draft_model's and target_model's execute (SPECDEC_PROFILE_DIR): 8 target-only
 #                  streams, then 1 stream at K=0, 4 and adaptive; pstats' reports in profile-*.txt (~2 min):
 #                  where the host time inside an execution goes (the adapter's share: "in execute" - "in
@@ -270,6 +273,10 @@ for part in "$@"; do
       for dir in profile-8-streams profile-1-stream; do
         [ -d "$out/$dir" ] && "$python" -m specdec.triton.profiling "$out/$dir" > "$out/$dir.txt" 2>&1
       done ;;
+    traces)  # a client's torch profile of the served models (/start_profile, /stop_profile): one stream at K=0
+             # and K=4, each model's kernels by device time in traces.md, the traces in traces/ (~3 min)
+      run traces 240 "$python" -m bench.gpu_bench --served-only --prompts 2 --max-tokens 64 --no-one-stream \
+        --streams --traces "$out/traces" --out "$out/traces.md" ;;
     attention)
       run executor-attention 200 "$python" -m bench.executor_bench --modes graphs-mlp,graphs-mlp-sdpa \
         --out "$out/executor-attention.md"
@@ -349,6 +356,6 @@ for part in "$@"; do
       done ;;
     executor) run executor 240 "$python" -m bench.executor_bench --modes graphs,graphs-mlp --reference \
         --out "$out/executor.md" ;;
-    *) echo "unknown part: $part (tests, heads, drafts, headround, hostedround, bench, ahead, drafttrees, swift, fp8, attention, orchestrators, executor, streams, prefix, pipeline, load, overhead, overhead8b, mps, ksweep, profile, prompts, maxk, kernels, lora)" >&2; exit 2 ;;
+    *) echo "unknown part: $part (tests, heads, drafts, headround, hostedround, bench, ahead, drafttrees, swift, fp8, attention, orchestrators, executor, streams, prefix, pipeline, load, overhead, overhead8b, mps, ksweep, profile, traces, prompts, maxk, kernels, lora)" >&2; exit 2 ;;
   esac
 done

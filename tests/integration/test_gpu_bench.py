@@ -23,7 +23,7 @@ def test_gpu_bench_small_mode_prints_every_row(tmp_path):
     result = subprocess.run([*bench("gpu_bench"), "--small", "--compile", "off", "--prompts", "2",
                              "--max-tokens", "12", "--streams", "3", "--long-prompts", "200", "--extra-k", "6",
                              "--drafts", "draft_model:2", "--launcher-arg=--set=speculative_decoding.draft_branches=2",
-                             "--out", str(out)],
+                             "--traces", str(tmp_path / "traces"), "--out", str(out)],
                             capture_output=True, text=True, timeout=600, cwd=REPO_ROOT)
     assert result.returncode == 0, result.stderr[-4000:]
     table = out.read_text()
@@ -77,6 +77,12 @@ def test_gpu_bench_small_mode_prints_every_row(tmp_path):
     # (under load on 2 cores it may draft nothing at 3 streams)
     assert all(bool(match.group(3)) == ("K=4 " in line) for match, line in zip(shared, many)
                if "adaptive" not in line), many
+    # --traces: a client's profile over one stream at K=0 and K=4 after the rows, each model's trace summarised
+    traced = table.split("## Traces: one stream at K=0 and K=4", 1)[-1]
+    for model in ("target_model", "draft_model"):
+        (path,) = (tmp_path / "traces").glob(f"*-{model}-*.trace.json.gz")
+        assert re.search(rf"### {re.escape(path.name)}\n\n\d+ executions", traced), traced[:2000]
+    assert traced.count("| `aten::mm` |") == 2, traced[:2000]
 
 
 def test_round_overhead_bench_splits_a_round(tmp_path):
