@@ -532,6 +532,24 @@ def test_the_openai_api_has_a_port_a_service_port_an_ingress_path_and_a_key_from
     assert "SPECDEC_API_KEY" not in {var["name"] for var in triton["env"]}
 
 
+def test_profiling_gives_the_launcher_a_directory_on_an_empty_dir_of_its_size():
+    """openai.profiling: the launcher's --torch-profiler-dir (the API's /start_profile, /stop_profile) on an
+    emptyDir mounted writable there; off by default, and off without the API."""
+    profiled = render_chart({"openai": {"profiling": {"enabled": True, "sizeLimit": "3Gi"}}})
+    pod = deployment(profiled)["spec"]["template"]["spec"]
+    triton = pod["containers"][0]
+    directory = launcher.parse_args(triton["args"][:triton["args"].index("--")]).torch_profiler_dir
+    (mount,) = [m for m in triton["volumeMounts"] if m["name"] == "profiles"]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "profiles"]
+    assert directory and mount["mountPath"] == directory and not mount.get("readOnly")
+    assert volume == {"name": "profiles", "emptyDir": {"sizeLimit": "3Gi"}}
+    for values in ({}, {"openai": {"enabled": False, "profiling": {"enabled": True}}}):
+        pod = deployment(render_chart(values))["spec"]["template"]["spec"]
+        args = pod["containers"][0]["args"]
+        assert not launcher.parse_args(args[:args.index("--")]).torch_profiler_dir, values
+        assert "profiles" not in {v["name"] for v in pod["volumes"]}, values
+
+
 def test_the_openai_api_over_tls_reads_its_secret_and_is_scraped_over_https_and_not_routed_as_plain_http():
     from specdec.gateway import tls
 

@@ -51,6 +51,9 @@ app.kubernetes.io/component: inference-server
 {{/* Where the Responses API's stored responses are mounted (openai.responsesStoreClaim) */}}
 {{- define "specdec.responsesStorePath" -}}/var/lib/specdec/responses{{- end -}}
 
+{{/* Where clients' torch profiles go (openai.profiling) */}}
+{{- define "specdec.profilesPath" -}}/var/lib/specdec/profiles{{- end -}}
+
 {{/* models.fetch.loraRepos as the fetch's LORA_REPOS: name=repo,name=repo */}}
 {{- define "specdec.loraRepos" -}}
 {{- $pairs := list -}}
