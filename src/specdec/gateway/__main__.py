@@ -3,9 +3,9 @@
 Environment: OPENAI_PORT (9000), OPENAI_HOST (the address to listen on; unset: every interface), GRPC_PORT
 (8001, the server's), SPECDEC_API_KEY (an API key clients must send as `Authorization: Bearer <key>`; none: no
 check), SPECDEC_STREAM_KEEPALIVE (--stream-keepalive's seconds), VLLM_ALLOW_RUNTIME_LORA_UPDATING (True:
---allow-runtime-lora-updating), SPECDEC_INCREMENTAL_STREAMING_OUTPUT and SPECDEC_CACHE_RESET_FILE (the flags of
-those names). SIGTERM stops taking connections and lets the answers in flight finish (at most --drain-timeout),
-as the launcher's drain expects.
+--allow-runtime-lora-updating), SPECDEC_INCREMENTAL_STREAMING_OUTPUT, SPECDEC_CACHE_RESET_FILE,
+SPECDEC_PROFILE_CONTROL_FILE and SPECDEC_TORCH_PROFILER_DIR (the flags of those names). SIGTERM stops taking
+connections and lets the answers in flight finish (at most --drain-timeout), as the launcher's drain expects.
 """
 
 from __future__ import annotations

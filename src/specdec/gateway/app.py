@@ -42,13 +42,13 @@ TOKENIZER_PATHS = frozenset({"/tokenize", "/detokenize", "/tokenizer_info"})  # 
 # vLLM's (its development mode's): the server's caches across requests reset (cache_reset.py); behind the key
 RESET_PREFIX_CACHE_PATH = "/reset_prefix_cache"
 RESET_FLAGS = ("reset_running_requests", "reset_external")  # its query's flags: both mean the same here
-# A boolean query value as FastAPI (vLLM's server) spells it, either way
 # vLLM's and SGLang's: torch profiler traces of the models' executions, started and stopped (live_profile.py);
 # POST, and GET as SGLang's; behind the key. The answers' texts are SGLang's, the stop's naming the traces.
 START_PROFILE_PATH, STOP_PROFILE_PATH = "/start_profile", "/stop_profile"
 PROFILE_STARTED, PROFILE_STOPPED = "Start profiling.\n", "Stop profiling.\n"
 PROFILE_STOP_WAIT_S = 300.0  # how long a stop waits for the traces to be written before it answers
 KEYED_PATHS = frozenset({RESET_PREFIX_CACHE_PATH, START_PROFILE_PATH, STOP_PROFILE_PATH})  # beside /v1's
+# A boolean query value as FastAPI (vLLM's server) spells it, either way
 QUERY_BOOLEANS = frozenset({"true", "1", "yes", "on", "t", "y", "false", "0", "no", "off", "f", "n"})
 HEALTH_PATH = "/health"
 MAX_BODY_MIB = 16  # a request body's limit (a long prompt or conversation); over it: 413 naming it
