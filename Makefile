@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.specdec-setup
 
-.PHONY: readme-examples soak soak-mixed setup serve test unit integration deploy-check image image-lock clean loadtest bench bench-concurrency bench-batching bench-gpu bench-executor bench-overhead bench-structured bench-prefix bench-priority bench-suffix bench-openai bench-prediction bench-trees bench-fp8 bench-ab gpukit
+.PHONY: readme-examples soak soak-mixed setup serve test unit integration deploy-check image image-lock clean loadtest bench bench-concurrency bench-batching bench-gpu bench-executor bench-overhead bench-structured bench-prefix bench-priority bench-suffix bench-openai bench-prediction bench-trees bench-fp8 bench-ab bench-allocator gpukit
 
 setup: $(STAMP)
 
@@ -131,6 +131,11 @@ bench-overhead: setup
 # AB_ARGS="--b-arg=--set=speculative_decoding.torch_threads=auto" or "--a-env GOMP_SPINCOUNT=3000".
 bench-ab: setup
 	$(PY) -m bench.ab_bench --out .cache/bench-ab.md $${AB_ARGS:-}
+
+# The launcher's --allocator: glibc's malloc against TCMalloc (needs libtcmalloc-minimal4), side by side,
+# a mixed load of short and long prompts: wall time, TTFT, the stubs' memory.
+bench-allocator: setup
+	$(PY) -m bench.allocator_bench --out .cache/bench-allocator.md
 
 # Rewrite the README's real-output examples from a default-pair server it starts (about a minute).
 readme-examples: setup

@@ -219,12 +219,16 @@ def test_the_image_base_is_the_triton_release_the_tests_serve_with(server):
     assert ngc_release(version) == base_image_release(), version
 
 
-def test_the_stubs_run_with_the_launchers_openmp_spin_limit(server):
+def test_the_stubs_run_with_the_launchers_openmp_spin_limit_and_allocator(server):
     """Every model's stub inherits GOMP_SPINCOUNT: with libgomp's default an idle model's workers keep a
-    core busy for milliseconds after each forward, through the next model's."""
+    core busy for milliseconds after each forward, through the next model's. The CPU models run on TCMalloc
+    where the machine has it (`--allocator auto`), on glibc's malloc where not."""
     import os
 
+    from specdec.serving import allocator
     from specdec.serving.launcher import STUB_ENV_DEFAULTS
+
+    tcmalloc = "" if allocator.preloads_an_allocator(os.environ.get("LD_PRELOAD", "")) else allocator.find_tcmalloc()
 
     expected = os.environ.get("GOMP_SPINCOUNT", STUB_ENV_DEFAULTS["GOMP_SPINCOUNT"])
     stubs = stub_processes(server.run_dir)
@@ -234,3 +238,7 @@ def test_the_stubs_run_with_the_launchers_openmp_spin_limit(server):
         with open(f"/proc/{pid}/environ", "rb") as env:
             variables = dict(item.split(b"=", 1) for item in env.read().split(b"\0") if b"=" in item)
         assert variables.get(b"GOMP_SPINCOUNT") == expected.encode(), line
+        with open(f"/proc/{pid}/maps") as maps:
+            mapped = {row.split()[-1] for row in maps if "malloc" in row}
+        assert (os.path.realpath(tcmalloc) in {os.path.realpath(path) for path in mapped}) == bool(tcmalloc), \
+            (line, mapped)

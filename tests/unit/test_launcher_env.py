@@ -2,6 +2,8 @@
 
 from pathlib import Path
 
+import pytest
+
 from specdec.serving import launcher
 
 
@@ -89,3 +91,40 @@ def test_a_head_given_on_the_command_line_is_the_default_draft_beside_the_pairs_
     assert launcher.with_heads(pair, [], "eagle3").default_draft == "eagle3"
     with pytest.raises(ValueError, match="'eagle3' is taken"):
         launcher.with_heads(pair, [f"eagle3={head}"])
+
+
+def test_the_allocator_is_tcmalloc_for_cpu_models_where_installed_and_a_users_choice_wins(tmp_path):
+    from specdec.serving import allocator
+
+    lib = "/lib/libtcmalloc_minimal.so.4"
+    found, missing = (lambda: lib), (lambda: "")
+    env, line = allocator.environment("auto", on_cpu=True, environ={}, find=found)
+    assert env["LD_PRELOAD"] == lib and lib in line
+    assert env["TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD"] == allocator.QUIET["TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD"]
+    # a user's preload is kept after it, their threshold wins
+    env, _ = allocator.environment("auto", True, {"LD_PRELOAD": "/x/libfoo.so",
+                                                  "TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": "5"}, found)
+    assert env["LD_PRELOAD"] == f"{lib}:/x/libfoo.so" and env["TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD"] == "5"
+    # auto: nothing on GPUs, nothing where none is installed (the line says how), nothing over a user's allocator
+    assert allocator.environment("auto", False, {}, found)[0] == {}
+    env, line = allocator.environment("auto", True, {}, missing)
+    assert env == {} and allocator.INSTALL_HINT in line
+    assert allocator.environment("auto", True, {"LD_PRELOAD": "/y/libjemalloc.so.2"}, found)[0] == {}
+    # tcmalloc: on GPUs too, over another allocator; an error naming the flag where none is installed
+    env, _ = allocator.environment("tcmalloc", False, {"LD_PRELOAD": "/y/libjemalloc.so.2 /x/a.so"}, found)
+    assert env["LD_PRELOAD"] == f"{lib}:/x/a.so"
+    with pytest.raises(ValueError, match="--allocator tcmalloc"):
+        allocator.environment("tcmalloc", True, {}, missing)
+    # glibc: an inherited allocator taken out, the rest kept
+    assert allocator.environment("glibc", True, {"LD_PRELOAD": f"{lib}:/x/a.so"}, found)[0] == {"LD_PRELOAD": "/x/a.so"}
+    with pytest.raises(ValueError, match="--allocator 'mimalloc'"):
+        allocator.environment("mimalloc", True, {}, found)
+    # found on disk; the repository's target_model placement read from its config
+    (tmp_path / "libtcmalloc.so.4").write_bytes(b"")
+    assert allocator.find_tcmalloc((str(tmp_path / "none"), str(tmp_path))) == str(tmp_path / "libtcmalloc.so.4")
+    assert allocator.find_tcmalloc((str(tmp_path / "none"),)) == ""
+    (tmp_path / "target_model").mkdir()
+    (tmp_path / "target_model" / "config.pbtxt").write_text("instance_group [ { count: 1, kind: KIND_CPU } ]")
+    assert allocator.models_on_cpu(tmp_path)
+    (tmp_path / "target_model" / "config.pbtxt").write_text("instance_group [ { count: 1, kind: KIND_GPU } ]")
+    assert not allocator.models_on_cpu(tmp_path) and not allocator.models_on_cpu(tmp_path / "none")

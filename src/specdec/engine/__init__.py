@@ -38,7 +38,7 @@
                  use): weights in column panels, 1-6 rows for about the cost of one
   fp8_linear     linear layers with FP8 weights and a scale per output channel, and their weight-only kernel
   errors         CacheError, CapacityError
-  host_memory    gives freed host memory back to the OS (glibc malloc_trim)
+  host_memory    gives freed host memory back to the OS (glibc malloc_trim, TCMalloc's release)
   machine_lock   one process at a time on the machine (an advisory file lock): kernel timing and builds
   threads        the CPUs this process may use
   local          the loop's Proposer and Scorer over in-process executors (tests, benchmarks)

@@ -1,10 +1,12 @@
-"""Giving freed host memory back to the operating system (glibc's `malloc_trim`).
+"""Giving freed host memory back to the operating system (glibc's `malloc_trim`, or TCMalloc's release).
 
 A CPU model stub allocates and frees buffers of many sizes per sequence (KV tensors that grow by
 concatenation, activations of prompts of every length). glibc keeps freed blocks in its heaps for reuse,
 and a heap whose top is still in use never shrinks on its own: the process's resident memory creeps up
 under a long mixed load although nothing is live. `malloc_trim(0)` returns the
-free pages of every heap (`madvise(MADV_DONTNEED)` inside heaps, not only at their top).
+free pages of every heap (`madvise(MADV_DONTNEED)` inside heaps, not only at their top). Where the launcher
+preloaded TCMalloc (serving/allocator.py), glibc's heaps hold nothing: TCMalloc's `ReleaseFreeMemory` gives
+back the free spans it keeps instead.
 """
 
 from __future__ import annotations
@@ -12,6 +14,16 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+
+
+@functools.cache
+def _tcmalloc_release():
+    """TCMalloc's MallocExtension_ReleaseFreeMemory when TCMalloc is this process's allocator (preloaded),
+    else None."""
+    try:
+        return ctypes.CDLL(None).MallocExtension_ReleaseFreeMemory
+    except (OSError, AttributeError):
+        return None
 
 
 @functools.cache
@@ -25,11 +37,16 @@ def _malloc_trim():
 
 
 def trim_heap() -> bool:
-    """Return the free pages of the C heaps to the OS; False where the C library cannot (not glibc).
+    """Return the free pages of the C heaps to the OS; False where the allocator cannot (neither glibc nor
+    TCMalloc).
 
     Its cost grows with what there is to give back (hundreds of milliseconds after a heavy churn):
     callers keep it off the hot path.
     """
+    release = _tcmalloc_release()
+    if release is not None:
+        release()
+        return True
     trim = _malloc_trim()
     if trim is None:
         return False

@@ -13,6 +13,7 @@
   gateway_process  the OpenAI API's process as the launcher runs it (started, restarted, drained first)
   fetch        download the pair's weights into a volume once (the chart's init container)
   mps          a CUDA MPS control daemon of the launcher's own (`--mps`)
+  allocator    the C allocator tritonserver and its stubs run with (`--allocator`: TCMalloc for CPU models)
   metrics_text reading a server's Prometheus text (the launcher's drain, benchmarks, tests)
 
 May import: every layer below, though it only needs `specdec.tensor_names` (models load in the server).

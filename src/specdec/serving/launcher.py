@@ -48,7 +48,7 @@ from specdec import tensor_names as tn
 from specdec.decoding.generation_config import AUTO, VLLM, api_defaults
 from specdec.decoding.text import CONTENT_FORMATS, read_chat_template
 from specdec.engine.lora_config import CONFIG, FIRST_LAYERS, NAME, format_adapters
-from specdec.serving import engine_flags, mps, pairs, repository, speculative_config
+from specdec.serving import allocator, engine_flags, mps, pairs, repository, speculative_config
 from specdec.gateway.adapters import RUNTIME_ENV, allowed_by_environment
 from specdec.gateway import cors, limits, tls
 from specdec.gateway.reasoning import PARSERS as REASONING_PARSERS
@@ -511,6 +511,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="speculative_decoding processes (concurrent streams' rounds run in parallel); default "
                              f"{tn.DEFAULT_ORCHESTRATOR_INSTANCES['gpu']} with --device gpu, "
                              f"{tn.DEFAULT_ORCHESTRATOR_INSTANCES['cpu']} on CPU")
+    parser.add_argument("--allocator", default=allocator.AUTO, choices=allocator.CHOICES,
+                        help="the C allocator of tritonserver and its stubs: auto = TCMalloc when the models run on "
+                             "CPU and it is installed (LD_PRELOAD; faster CPU forwards), else glibc's malloc")
     parser.add_argument("--mps", action="store_true",
                         help="run the server's processes under a CUDA MPS daemon of its own: the draft's and the "
                              "target's kernels side by side on a shared GPU instead of time-sliced")
@@ -819,6 +822,12 @@ def main(argv: list[str] | None = None) -> int:
         log(f"profiling on request: POST /start_profile and /stop_profile; traces into {args.torch_profiler_dir}")
     else:
         os.environ.pop(live_profile.CONTROL_ENV, None)
+    try:
+        allocator_env, allocator_line = allocator.environment(args.allocator, allocator.models_on_cpu(repo))
+    except ValueError as exc:
+        log(str(exc))
+        return 2
+    log(allocator_line)
     command = server_command(layout, repo, http_port, grpc_port, metrics_port, extra=args.server_args)
     log(f"starting tritonserver ({label}): {' '.join(redact(arg) for arg in command)}")
     drain_marker(http_port).unlink(missing_ok=True)  # left by an earlier server on this port
@@ -881,8 +890,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def start_server() -> ServerProcess:
         # Its own process group, which its stubs join: whatever outlives it is found and stopped below.
-        return ServerProcess(command, env=server_env(layout, mps_daemon.env if mps_daemon else None),
-                             stall_s=args.stall_timeout)
+        extra = {**allocator_env, **(mps_daemon.env if mps_daemon else {})}
+        return ServerProcess(command, env=server_env(layout, extra), stall_s=args.stall_timeout)
 
     current = [start_server()]  # the server process (a restart replaces it; the signal handler reads it)
     if gateway is not None:

@@ -108,6 +108,9 @@ class LanguageModelAdapter(TritonAdapter):
             # the static executor reads only the weights: built without transformers' modeling stack
             own_modules=plans_static(executor, compile, device, resolve_dtype(dtype)),
         )
+        # Loading freed its temporaries (dequantized blocks, the file's tensors): given back before the KV pool
+        # is allocated, which under TCMalloc would otherwise reuse their pages, resident from the start.
+        host_memory.trim_heap()
         config = ExecutorConfig(
             executor=executor,
             compile=compile,
@@ -227,6 +230,8 @@ class LanguageModelAdapter(TritonAdapter):
         # interval (0: never): glibc keeps it otherwise and the stub's RSS creeps up under load.
         self.heap_trim_interval_s = params.float("heap_trim_interval_s", 30.0, low=0.0)
         self._freed_since_trim, self._last_trim = False, time.monotonic()
+        if self.heap_trim_interval_s:  # what the warm-up's forwards freed
+            host_memory.trim_heap()
         interval = min(max(self.lm.idle_timeout_s / 4, 0.25), 30.0)
         if self.heap_trim_interval_s:
             interval = min(interval, max(self.heap_trim_interval_s, 0.25))
