@@ -128,3 +128,29 @@ def test_the_allocator_is_tcmalloc_for_cpu_models_where_installed_and_a_users_ch
     assert allocator.models_on_cpu(tmp_path)
     (tmp_path / "target_model" / "config.pbtxt").write_text("instance_group [ { count: 1, kind: KIND_GPU } ]")
     assert not allocator.models_on_cpu(tmp_path) and not allocator.models_on_cpu(tmp_path / "none")
+
+
+def test_scratch_directories_of_servers_no_longer_running_are_removed(tmp_path):
+    import os
+    import subprocess
+
+    from specdec.triton import execute_clock
+    from specdec.triton.admission import cancellation, kv_room, sequence_slots
+
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    dead, alive = ended.pid, os.getpid()
+    orphans = [f"{cancellation.PREFIX}{dead}", f"{kv_room.PREFIX}{dead}", f"{execute_clock.PREFIX}{dead}",
+               f"{sequence_slots.PREFIX}{dead}-8"]
+    kept = [f"{kv_room.PREFIX}{alive}", f"{sequence_slots.PREFIX}{alive}-8", f"specdec-mps-{dead}",
+            f"{kv_room.PREFIX}x{dead}", "other"]
+    for name in orphans + kept:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "flag").touch()
+    (tmp_path / f"{cancellation.PREFIX}{dead}9").write_text("")  # a file, not a server's directory
+    assert launcher.remove_orphaned_scratch(tmp_path) == len(orphans)
+    assert sorted(path.name for path in tmp_path.iterdir()) == sorted([*kept, f"{cancellation.PREFIX}{dead}9"])
+    assert launcher.remove_orphaned_scratch(tmp_path) == 0
+    # the names the stubs make are the names it looks for
+    assert cancellation.default_directory(dead).name == orphans[0]
+    assert sequence_slots.default_directory(8, dead).name == orphans[3]

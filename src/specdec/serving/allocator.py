@@ -3,9 +3,10 @@ machine has it, glibc's malloc otherwise.
 
 A CPU forward allocates and frees activations of up to tens of megabytes per layer. glibc's malloc serves a
 block above its mmap threshold with a fresh mapping each time, whose pages the kernel faults in and zeroes on
-first touch, and gives it back at the free; TCMalloc keeps such spans for the next forward. vLLM's and SGLang's
-CPU back ends preload it for that reason, and Triton's own image ships it for the memory a model's reload
-leaves behind. Measured on the default pair: docs/results/2026-12-06-tcmalloc.md.
+first touch, and gives it back at the free; TCMalloc keeps such spans for the next forward. vLLM's CPU
+documentation recommends preloading it for that reason, and NVIDIA's Triton documentation suggests it (its image
+ships it) for the memory a model's reload leaves behind. Measured on the default pair:
+docs/results/2026-12-06-tcmalloc.md.
 
 It is preloaded (`LD_PRELOAD`) into tritonserver, whose stubs inherit the environment, from the Debian/Ubuntu
 packages' places (libtcmalloc-minimal4, or libgoogle-perftools4 as in Triton's image). The stubs' periodic

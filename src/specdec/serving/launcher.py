@@ -729,6 +729,9 @@ def main(argv: list[str] | None = None) -> int:
     label = "custom" if args.target else ("repository" if args.model_repository else args.pair)
     run_dir = Path(args.run_dir or pairs.cache_dir() / "run" / label).resolve()
     limits.raise_open_files()  # tritonserver and the OpenAI API inherit it: a descriptor per client connection
+    orphaned = remove_orphaned_scratch()
+    if orphaned:
+        log(f"removed {orphaned} scratch directories of servers no longer running ({cancellation.scratch_base()})")
     taken = taken_ports()
     if taken:
         log(f"{taken} (another server listens there: stop it, or set the variable to a free port; OPENAI_PORT and "
@@ -988,6 +991,35 @@ def retire(server: ServerProcess, regions: set[str]) -> None:
         server.process.wait()
     stop_group(server.process, regions)
     server.flushed()
+
+
+# The directories a server's stubs share, each named PREFIX<the server's PID>[-<more>] (cancellation.scratch_base)
+SCRATCH_PREFIXES = (cancellation.PREFIX, kv_room.PREFIX, execute_clock.PREFIX, sequence_slots.PREFIX)
+
+
+def remove_orphaned_scratch(base: Path | None = None) -> int:
+    """Remove the scratch directories of servers no longer running, and say how many: `stop_group` removes a
+    server's own, but a launcher killed outright (SIGKILL, the OOM killer) leaves them in /dev/shm for good.
+    A directory whose PID runs (another server, or a process that took the PID since) is kept."""
+    removed = 0
+    for path in (base or cancellation.scratch_base()).iterdir():
+        prefix = next((prefix for prefix in SCRATCH_PREFIXES if path.name.startswith(prefix)), "")
+        pid = path.name[len(prefix):].split("-")[0]
+        if not prefix or not pid.isdigit() or not path.is_dir() or process_exists(int(pid)):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed += 1
+    return removed
+
+
+def process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
 
 
 def stop_group(process: subprocess.Popen, regions: set[str] = frozenset()) -> None:

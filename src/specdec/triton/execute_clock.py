@@ -23,8 +23,11 @@ from specdec.triton.admission.cancellation import scratch_base
 STAMP = struct.Struct("<dq")  # since (wall-clock seconds; 0.0: idle), the writer's pid
 
 
+PREFIX = "specdec-executing-"  # then the server's PID
+
+
 def default_directory(server_pid: int | None = None) -> Path:
-    return scratch_base() / f"specdec-executing-{server_pid or os.getppid()}"
+    return scratch_base() / f"{PREFIX}{server_pid or os.getppid()}"
 
 
 class ExecuteClock:

@@ -19,12 +19,16 @@ from pathlib import Path
 
 
 def scratch_base() -> Path:
-    """Where the directories the stubs of one server share go (this board, the live-sequence slots)."""
+    """Where the directories the stubs of one server share go (this board, the live-sequence slots), each
+    named specdec-<what>-<the server's PID>[-<more>]: the launcher removes those of servers no longer running."""
     return Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
 
 
+PREFIX = "specdec-cancel-"  # then the server's PID
+
+
 def default_directory(server_pid: int | None = None) -> Path:
-    return scratch_base() / f"specdec-cancel-{server_pid or os.getppid()}"
+    return scratch_base() / f"{PREFIX}{server_pid or os.getppid()}"
 
 
 class CancellationBoard:

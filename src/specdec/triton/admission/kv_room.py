@@ -34,8 +34,11 @@ from specdec.triton.admission.ticket_line import Ticket, TicketLine
 ROOM_RETRY_S = (0.01, 0.1)
 
 
+PREFIX = "specdec-room-"  # then the server's PID
+
+
 def default_directory(server_pid: int | None = None) -> Path:
-    return scratch_base() / f"specdec-room-{server_pid or os.getppid()}"
+    return scratch_base() / f"{PREFIX}{server_pid or os.getppid()}"
 
 
 class RoomLine(TicketLine):

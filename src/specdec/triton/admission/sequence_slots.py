@@ -27,14 +27,17 @@ from specdec.triton.admission.cancellation import scratch_base
 from specdec.triton.admission.ticket_line import TicketLine
 
 
+PREFIX = "specdec-slots-"  # then the server's PID, then the cap
+
+
 def default_directory(total: int, server_pid: int | None = None) -> Path:
     # The cap in the name: instances that disagree on it cannot share slots by accident.
-    return scratch_base() / f"specdec-slots-{server_pid or os.getppid()}-{total}"
+    return scratch_base() / f"{PREFIX}{server_pid or os.getppid()}-{total}"
 
 
 def server_directories(server_pid: int) -> list[Path]:
     """Every slot directory of a server's stubs (one per cap they were loaded with)."""
-    return sorted(scratch_base().glob(f"specdec-slots-{server_pid}-*"))
+    return sorted(scratch_base().glob(f"{PREFIX}{server_pid}-*"))
 
 
 class SlotPool:
