@@ -130,27 +130,39 @@ def test_the_allocator_is_tcmalloc_for_cpu_models_where_installed_and_a_users_ch
     assert not allocator.models_on_cpu(tmp_path) and not allocator.models_on_cpu(tmp_path / "none")
 
 
-def test_scratch_directories_of_servers_no_longer_running_are_removed(tmp_path):
+def test_the_scratch_of_a_run_directorys_last_server_is_removed_once_it_no_longer_runs(tmp_path, monkeypatch):
+    """A launcher killed outright leaves its server's scratch directories; the next launcher of the run directory
+    removes those of the server its PID file names, if that no longer runs, and nothing else (another PID
+    namespace's servers share /dev/shm under `--ipc=host`)."""
     import os
     import subprocess
 
     from specdec.triton import execute_clock
     from specdec.triton.admission import cancellation, kv_room, sequence_slots
 
+    base = tmp_path / "shm"
+    base.mkdir()
+    monkeypatch.setattr(cancellation, "scratch_base", lambda: base)
+    for module in (kv_room, execute_clock, sequence_slots):
+        monkeypatch.setattr(module, "scratch_base", lambda: base)
     ended = subprocess.Popen(["true"])
     ended.wait()
     dead, alive = ended.pid, os.getpid()
-    orphans = [f"{cancellation.PREFIX}{dead}", f"{kv_room.PREFIX}{dead}", f"{execute_clock.PREFIX}{dead}",
-               f"{sequence_slots.PREFIX}{dead}-8"]
-    kept = [f"{kv_room.PREFIX}{alive}", f"{sequence_slots.PREFIX}{alive}-8", f"specdec-mps-{dead}",
-            f"{kv_room.PREFIX}x{dead}", "other"]
-    for name in orphans + kept:
-        (tmp_path / name).mkdir()
-        (tmp_path / name / "flag").touch()
-    (tmp_path / f"{cancellation.PREFIX}{dead}9").write_text("")  # a file, not a server's directory
-    assert launcher.remove_orphaned_scratch(tmp_path) == len(orphans)
-    assert sorted(path.name for path in tmp_path.iterdir()) == sorted([*kept, f"{cancellation.PREFIX}{dead}9"])
-    assert launcher.remove_orphaned_scratch(tmp_path) == 0
-    # the names the stubs make are the names it looks for
-    assert cancellation.default_directory(dead).name == orphans[0]
-    assert sequence_slots.default_directory(8, dead).name == orphans[3]
+    for pid in (dead, alive, 12345678):  # 12345678: another namespace's server, not running here
+        for path in (cancellation.default_directory(pid), kv_room.default_directory(pid),
+                     execute_clock.default_directory(pid), sequence_slots.default_directory(8, pid),
+                     sequence_slots.default_directory(16, pid)):
+            path.mkdir()
+            (path / "flag").touch()
+    run_dir = tmp_path / "run"
+    assert launcher.remove_ended_servers_scratch(run_dir) == 0  # no run directory yet
+    run_dir.mkdir()
+    (run_dir / launcher.SERVER_PID_FILE).write_text(f"{alive}\n")
+    assert launcher.remove_ended_servers_scratch(run_dir) == 0  # still running
+    (run_dir / launcher.SERVER_PID_FILE).write_text(f"{dead}\n")
+    assert launcher.remove_ended_servers_scratch(run_dir) == 5
+    left = sorted(path.name for path in base.iterdir())
+    assert not [name for name in left if name.endswith((f"-{dead}", f"-{dead}-8", f"-{dead}-16"))]
+    assert len(left) == 10  # the running one's and the other namespace's
+    assert not (run_dir / launcher.SERVER_PID_FILE).exists()
+    assert launcher.remove_ended_servers_scratch(run_dir) == 0

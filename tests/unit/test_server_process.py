@@ -9,6 +9,7 @@ fatal signal, and hangs on, still answering."""
 import contextlib
 import io
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -192,11 +193,11 @@ def launched(tmp_path: Path, behaviour: str, *args: str):
     yields the stand-in's directory, the log and the launcher's health port; stops it with SIGTERM and
     checks that no stand-in outlives it."""
     root = tmp_path / "triton"
-    (root / "bin").mkdir(parents=True)
+    (root / "bin").mkdir(parents=True, exist_ok=True)  # a second launch over the same directory: another start
     binary = root / "bin" / "tritonserver"
     binary.write_text(STAND_IN.format(python=sys.executable, behaviour=behaviour))
     binary.chmod(0o755)
-    (repo := tmp_path / "repo").mkdir()
+    (repo := tmp_path / "repo").mkdir(exist_ok=True)
     http, grpc, metrics, health = free_ports(4)
     env = {**os.environ, "HTTP_PORT": str(http), "GRPC_PORT": str(grpc), "METRICS_PORT": str(metrics),
            "HEALTH_PORT": str(health), "OPENAI_PORT": "0"}
@@ -252,9 +253,12 @@ def test_the_launcher_starts_again_a_server_whose_start_stalled(tmp_path):
         assert gone(stand_in / "pid1")
 
 
-def test_a_launcher_killed_outright_takes_its_server_with_it(tmp_path):
+def test_a_launcher_killed_outright_takes_its_server_with_it_and_the_next_removes_its_scratch(tmp_path):
     """SIGKILL (or the OOM killer) gives the launcher no chance to stop anything: the kernel sends its server
-    SIGTERM (`die_with_launcher`), which would otherwise hold the ports the next start needs."""
+    SIGTERM (`die_with_launcher`), which would otherwise hold the ports the next start needs; the scratch
+    directories its stubs shared stay, and the next launcher of the run directory removes them."""
+    from specdec.triton.admission import kv_room
+
     with launched(tmp_path, "serve") as (stand_in, log, health):
         until(lambda: "READY" in log.read_text(), 30)
         server = int((stand_in / "pid1").read_text())
@@ -264,6 +268,17 @@ def test_a_launcher_killed_outright_takes_its_server_with_it(tmp_path):
         finally:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(server, signal.SIGKILL)
+    assert (tmp_path / "run" / launcher.SERVER_PID_FILE).read_text() == f"{server}\n"
+    left = kv_room.default_directory(server)  # as its stubs would have left it
+    left.mkdir()
+    (left / "ticket").touch()
+    try:
+        with launched(tmp_path, "serve") as (stand_in, log, health):
+            until(lambda: "READY" in log.read_text(), 30)
+            assert not left.exists()
+            assert "removed 1 scratch directories of this run directory's last server" in log.read_text()
+    finally:
+        shutil.rmtree(left, ignore_errors=True)
 
 
 def test_a_child_whose_launcher_died_before_it_was_bound_stops_itself(monkeypatch):

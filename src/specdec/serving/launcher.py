@@ -729,9 +729,6 @@ def main(argv: list[str] | None = None) -> int:
     label = "custom" if args.target else ("repository" if args.model_repository else args.pair)
     run_dir = Path(args.run_dir or pairs.cache_dir() / "run" / label).resolve()
     limits.raise_open_files()  # tritonserver and the OpenAI API inherit it: a descriptor per client connection
-    orphaned = remove_orphaned_scratch()
-    if orphaned:
-        log(f"removed {orphaned} scratch directories of servers no longer running ({cancellation.scratch_base()})")
     taken = taken_ports()
     if taken:
         log(f"{taken} (another server listens there: stop it, or set the variable to a free port; OPENAI_PORT and "
@@ -812,6 +809,10 @@ def main(argv: list[str] | None = None) -> int:
             vllm = args.speculative_config is not None
             log(f"{speculative_config.FLAG + ': ' if vllm else ''}{', '.join(args.speculative_ignored)} tune "
                 f"{'vLLM' if vllm else 'SGLang'}'s engine, nothing here")
+    orphaned = remove_ended_servers_scratch(run_dir)
+    if orphaned:
+        log(f"removed {orphaned} scratch directories of this run directory's last server, which ended without "
+            f"its launcher ({cancellation.scratch_base()})")
     layout = triton_layout(run_dir, Path(args.triton_root) if args.triton_root else None)
     http_port, grpc_port, metrics_port = ports()
     # The marker through which the API resets the models' caches (cache_reset.py): in the environment of
@@ -894,7 +895,9 @@ def main(argv: list[str] | None = None) -> int:
     def start_server() -> ServerProcess:
         # Its own process group, which its stubs join: whatever outlives it is found and stopped below.
         extra = {**allocator_env, **(mps_daemon.env if mps_daemon else {})}
-        return ServerProcess(command, env=server_env(layout, extra), stall_s=args.stall_timeout)
+        server = ServerProcess(command, env=server_env(layout, extra), stall_s=args.stall_timeout)
+        (run_dir / SERVER_PID_FILE).write_text(f"{server.pid}\n")  # for the next launcher, if this one is killed
+        return server
 
     current = [start_server()]  # the server process (a restart replaces it; the signal handler reads it)
     if gateway is not None:
@@ -993,26 +996,44 @@ def retire(server: ServerProcess, regions: set[str]) -> None:
     server.flushed()
 
 
-# The directories a server's stubs share, each named PREFIX<the server's PID>[-<more>] (cancellation.scratch_base)
-SCRATCH_PREFIXES = (cancellation.PREFIX, kv_room.PREFIX, execute_clock.PREFIX, sequence_slots.PREFIX)
+# The last tritonserver's PID, in the run directory: a launcher killed outright (SIGKILL, the OOM killer) cannot
+# remove its stubs' scratch directories (`stop_group`), so the next launcher of that run directory does.
+SERVER_PID_FILE = "tritonserver.pid"
 
 
-def remove_orphaned_scratch(base: Path | None = None) -> int:
-    """Remove the scratch directories of servers no longer running, and say how many: `stop_group` removes a
-    server's own, but a launcher killed outright (SIGKILL, the OOM killer) leaves them in /dev/shm for good.
-    A directory whose PID runs (another server, or a process that took the PID since) is kept."""
-    removed = 0
-    for path in (base or cancellation.scratch_base()).iterdir():
-        prefix = next((prefix for prefix in SCRATCH_PREFIXES if path.name.startswith(prefix)), "")
-        pid = path.name[len(prefix):].split("-")[0]
-        if not prefix or not pid.isdigit() or not path.is_dir() or process_exists(int(pid)):
-            continue
+def scratch_directories(server_pid: int) -> list[Path]:
+    """The directories a server's stubs share (named after its PID): cancellation flags, live-sequence slots,
+    the KV-room line, the execute clocks."""
+    return [cancellation.default_directory(server_pid), kv_room.default_directory(server_pid),
+            execute_clock.default_directory(server_pid), *sequence_slots.server_directories(server_pid)]
+
+
+def remove_ended_servers_scratch(run_dir: Path) -> int:
+    """Remove the scratch directories of the run directory's last server if it no longer runs, and say how
+    many there were. Only that server's: /dev/shm may be shared with other PID namespaces (containers with
+    `--ipc=host`), whose servers' PIDs this process cannot see, so a PID that is not running here says nothing
+    of a directory it did not start."""
+    try:
+        pid = int((run_dir / SERVER_PID_FILE).read_text())
+    except (OSError, ValueError):
+        return 0
+    if process_exists(pid):  # still running (a process that took the PID since: its directories are kept)
+        return 0
+    found = [path for path in scratch_directories(pid) if path.is_dir()]
+    for path in found:
         shutil.rmtree(path, ignore_errors=True)
-        removed += 1
-    return removed
+    (run_dir / SERVER_PID_FILE).unlink(missing_ok=True)
+    return len(found)
 
 
 def process_exists(pid: int) -> bool:
+    """Whether the process runs: a zombie does not (a killed launcher's server may wait a long while for a
+    reaper that never comes)."""
+    if Path("/proc/self/stat").exists():
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -1030,9 +1051,7 @@ def stop_group(process: subprocess.Popen, regions: set[str] = frozenset()) -> No
     # memory) for good. One was seen once, half an hour after its server stopped.
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(process.pid, signal.SIGKILL)
-    # The cancellation flags, live-sequence slots and KV-room line its stubs shared (named after its PID).
-    for scratch in [cancellation.default_directory(process.pid), kv_room.default_directory(process.pid),
-                    execute_clock.default_directory(process.pid), *sequence_slots.server_directories(process.pid)]:
+    for scratch in scratch_directories(process.pid):
         shutil.rmtree(scratch, ignore_errors=True)
     for region in regions:
         if region and "/" not in region:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 def scratch_base() -> Path:
     """Where the directories the stubs of one server share go (this board, the live-sequence slots), each
-    named specdec-<what>-<the server's PID>[-<more>]: the launcher removes those of servers no longer running."""
+    named specdec-<what>-<the server's PID>[-<more>] (the launcher removes them: launcher.scratch_directories)."""
     return Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
 
 
