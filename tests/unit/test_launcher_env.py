@@ -124,9 +124,10 @@ def test_the_allocator_is_tcmalloc_for_cpu_models_where_installed_and_a_users_ch
     assert allocator.find_tcmalloc((str(tmp_path / "none"), str(tmp_path))) == str(tmp_path / "libtcmalloc.so.4")
     assert allocator.find_tcmalloc((str(tmp_path / "none"),)) == ""
     (tmp_path / "target_model").mkdir()
-    (tmp_path / "target_model" / "config.pbtxt").write_text("instance_group [ { count: 1, kind: KIND_CPU } ]")
+    device = 'parameters {{ key: "device", value: {{ string_value: "{}" }} }}'.format
+    (tmp_path / "target_model" / "config.pbtxt").write_text(device("cpu"))
     assert allocator.models_on_cpu(tmp_path)
-    (tmp_path / "target_model" / "config.pbtxt").write_text("instance_group [ { count: 1, kind: KIND_GPU } ]")
+    (tmp_path / "target_model" / "config.pbtxt").write_text(device("cuda"))
     assert not allocator.models_on_cpu(tmp_path) and not allocator.models_on_cpu(tmp_path / "none")
 
 

@@ -19,6 +19,8 @@ import os
 import re
 from pathlib import Path
 
+from specdec.serving.gateway_process import repository_device
+
 AUTO, TCMALLOC, GLIBC = "auto", "tcmalloc", "glibc"
 CHOICES = (AUTO, TCMALLOC, GLIBC)
 # The minimal build first: the allocator without gperftools' heap profiler hooks.
@@ -41,12 +43,8 @@ def find_tcmalloc(directories: tuple[str, ...] = LIBRARY_DIRECTORIES) -> str:
 
 
 def models_on_cpu(repo: Path) -> bool:
-    """Whether the repository's target_model runs on CPU (its instance group's kind)."""
-    try:
-        config = (repo / "target_model" / "config.pbtxt").read_text()
-    except OSError:
-        return False
-    return re.search(r"kind:\s*KIND_CPU", config) is not None
+    """Whether the repository's target_model runs on CPU (its `device` parameter)."""
+    return repository_device(repo) == "cpu"
 
 
 def _entries(ld_preload: str) -> list[str]:

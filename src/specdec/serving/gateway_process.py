@@ -68,6 +68,11 @@ def repository_max_loras(repo: Path) -> int:
     return int(value) if value.isdigit() else 0
 
 
+def repository_device(repo: Path) -> str:
+    """The device the rendered repository's target_model runs on (its `device` parameter: "cpu", "cuda"), or ""."""
+    return _parameter(repo, "target_model", "device")
+
+
 def repository_limits(repo: Path) -> tuple[int, int]:
     """The context (tokens) the rendered repository's orchestrator admits requests within and what it generates
     for a request that does not say (its default_max_tokens); 0 for either not found."""
