@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.specdec-setup
 
-.PHONY: readme-examples soak soak-mixed setup serve test unit integration deploy-check image image-lock clean loadtest bench bench-concurrency bench-batching bench-gpu bench-executor bench-overhead bench-structured bench-prefix bench-priority bench-suffix bench-openai bench-prediction bench-trees bench-fp8 bench-ab bench-allocator gpukit
+.PHONY: readme-examples soak soak-mixed setup serve test unit integration deploy-check image image-lock clean loadtest bench bench-concurrency bench-batching bench-gpu bench-executor bench-overhead bench-structured bench-prefix bench-priority bench-suffix bench-openai bench-prediction bench-trees bench-fp8 bench-ab bench-allocator bench-peer gpukit
 
 setup: $(STAMP)
 
@@ -136,6 +136,11 @@ bench-ab: setup
 # a mixed load of short and long prompts: wall time, TTFT, the stubs' memory.
 bench-allocator: setup
 	$(PY) -m bench.allocator_bench --out .cache/bench-allocator.md
+
+# This server beside llama.cpp's llama-server (on PATH, or PEER_ARGS="--llama-server PATH"), the same GGUF,
+# every configuration at once; PEER_ARGS may add --llama-draft GGUF and --llama-eagle3 GGUF.
+bench-peer: setup
+	$(PY) -m bench.peer_bench --out .cache/bench-peer.md $${PEER_ARGS:-}
 
 # Rewrite the README's real-output examples from a default-pair server it starts (about a minute).
 readme-examples: setup
