@@ -241,6 +241,9 @@ MAX_DRAFT_BRANCHES = 8  # speculative_decoding's draft_branches and lookup_branc
 # speculative_decoding's lookup_min_ngram and lookup_max_ngram: prompt lookup's shortest and longest match
 LOOKUP_NGRAM = (2, 4)
 MAX_LOOKUP_NGRAM = 16
+# speculative_decoding's stream_interval and a request's (SGLang's --stream-interval): a streamed answer's
+# responses at least this many tokens apart, at most this many
+MAX_STREAM_INTERVAL_TOKENS = 4096
 DRAFT_PARENTS = "draft_parents"  # INT32 [-1]: a drafted tree's parent of each token (-1: the root); empty: a chain
 CACHED_LENGTH = "cached_length"  # INT32 [1]: tokens the draft's cache holds after the proposal
 # INT32 [2]: target_model's answer, on request: of the sequence's tokens so far, those its prefix cache held (a

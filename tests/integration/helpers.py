@@ -193,13 +193,13 @@ class GenerationError(Exception):
 
 def grpc_stream(url: str, prompt: str, timeout: float = 120, **params) -> dict:
     """One request over gRPC streaming (ModelStreamInfer). Returns the final outputs plus 'chunks',
-    the text of every response in order."""
+    the text of every response in order, and 'chunk_ids', the tokens of each."""
     client = grpcclient.InferenceServerClient(url)
     responses: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: responses.put((result, error)))
     try:
         client.async_stream_infer(tn.ENSEMBLE, ensemble_inputs(prompt, **params), enable_empty_final_response=True)
-        chunks, final = [], {}
+        chunks, chunk_ids, final = [], [], {}
         deadline = time.monotonic() + timeout
         while True:
             result, error = responses.get(timeout=max(1, deadline - time.monotonic()))
@@ -209,10 +209,12 @@ def grpc_stream(url: str, prompt: str, timeout: float = 120, **params) -> dict:
             if response.outputs:
                 decoded = _decode_result(result)
                 chunks.append(decoded.get(tn.TEXT_OUTPUT, ""))
+                ids = result.as_numpy(tn.OUTPUT_IDS)
+                chunk_ids.append([] if ids is None else [int(i) for i in ids.reshape(-1)])
                 final = decoded
             if response.parameters.get("triton_final_response") and response.parameters["triton_final_response"].bool_param:
                 break
-        final["chunks"] = chunks
+        final["chunks"], final["chunk_ids"] = chunks, chunk_ids
         final[tn.TEXT_OUTPUT] = "".join(chunks)
         return final
     finally:

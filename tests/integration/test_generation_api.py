@@ -64,6 +64,23 @@ def test_a_stream_interval_spaces_the_responses_and_keeps_the_text(server):
         assert not any(chunk.endswith("\ufffd") for chunk in spaced["chunks"][:-1])
 
 
+def test_a_token_stream_interval_sends_at_least_that_many_tokens_a_response(server):
+    """sampling_parameters' stream_interval (tokens, SGLang's --stream-interval as the server's default): after
+    the first (sent at once: the time to first token is kept), a response leaves once that many tokens wait,
+    the rounds before it together; the same text and tokens."""
+    prompt = PROMPTS[3]
+    settings = dict(max_tokens=60, num_draft_tokens=2, adaptive_draft=False, stream=True, end_id=0)
+    one_by_one = grpc_stream(server.grpc_url, prompt, **settings)
+    spaced = grpc_stream(server.grpc_url, prompt, **settings, sampling_parameters=json.dumps({"stream_interval": 5}))
+    assert spaced[tn.TEXT_OUTPUT] == one_by_one[tn.TEXT_OUTPUT]
+    assert sum(spaced["chunk_ids"], []) == sum(one_by_one["chunk_ids"], []) and len(sum(spaced["chunk_ids"], [])) == 60
+    sent = [ids for ids in spaced["chunk_ids"] if ids]
+    assert len(sent[0]) < 5 and all(len(ids) >= 5 for ids in sent[1:-1]) and len(sent) <= 60 // 5 + 2
+    assert any(len(ids) < 5 for ids in one_by_one["chunk_ids"][:-1])  # (a round of K=2 holds at most 3)
+    with pytest.raises(GenerationError, match=r"stream_interval' must be within \[1, 4096\]"):
+        grpc_stream(server.grpc_url, prompt, **settings, sampling_parameters=json.dumps({"stream_interval": 0}))
+
+
 def test_skip_special_tokens_false_keeps_them_in_the_text_streamed_or_not(server, hf_target):
     """vLLM's skip_special_tokens false (what a tool-call parser reading a model's [TOOL_CALLS] needs): a
     special token the answer holds (here one forced by logit_bias; not an end token) shows in the text,

@@ -40,6 +40,10 @@ def test_sglangs_server_flags_stand_for_the_same():
     assert incremental.env == {"SPECDEC_INCREMENTAL_STREAMING_OUTPUT": "1"} and not incremental.changes_repository
     plain = parse_args(["--target", "/m"]).engine
     assert plain == engine_flags.Engine() and not plain.changes_repository
+    # SGLang's --stream-interval: a streamed answer's responses at least that many tokens apart
+    spaced = parse_args(["--model-path", "/m", "--stream-interval", "8"])
+    assert spaced.set == ["speculative_decoding.stream_interval=8"] and spaced.engine.changes_repository
+    assert not any("--stream-interval" in note for note in spaced.engine.notes)
 
 
 def test_the_rendered_repository_holds_what_they_stand_for(tmp_path):
@@ -63,6 +67,7 @@ def test_the_rendered_repository_holds_what_they_stand_for(tmp_path):
     (["--host", " "], "--host"),
     (["--max-num-seqs", "0"], "--max-num-seqs"),
     (["--chunked-prefill-size", "0"], "--chunked-prefill-size"),
+    (["--stream-interval", "0"], "--stream-interval 0"),
     (["--enforce-eager", "--compile", "graphs"], "--compile graphs"),
     (["--quantization", "fp8", "--weights-dtype", "q8"], "--weights-dtype q8"),
 ])

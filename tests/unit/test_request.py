@@ -299,6 +299,8 @@ def test_vllm_sampling_parameters_stand_for_their_inputs():
     (_vllm({"logprobs": "many"})[tn.SAMPLING_PARAMETERS], "key 'logprobs' must be an integer"),
     (_vllm({"stream_interval_ms": -1})[tn.SAMPLING_PARAMETERS], r"key 'stream_interval_ms' must be within \[0, 60000\]"),
     (_vllm({"stream_interval_ms": 0.5})[tn.SAMPLING_PARAMETERS], "key 'stream_interval_ms' must be an integer"),
+    (_vllm({"stream_interval": 0})[tn.SAMPLING_PARAMETERS], r"key 'stream_interval' must be within \[1, 4096\]"),
+    (_vllm({"stream_interval": 4097})[tn.SAMPLING_PARAMETERS], r"key 'stream_interval' must be within \[1, 4096\]"),
     (_vllm({"prompt_logprobs": 1})[tn.SAMPLING_PARAMETERS], "key 'prompt_logprobs' is not supported"),
     # numbers the inputs cannot hold: numpy would raise on them after the request was accepted
     (_vllm({"min_tokens": 1e308})[tn.SAMPLING_PARAMETERS], r"key 'min_tokens' must be within \[-2147483648"),
@@ -335,6 +337,23 @@ def test_vllm_text_settings_are_read_and_neutral_ones_accepted():
 def test_stream_interval_ms_spaces_a_streamed_requests_responses():
     assert parse(**_vllm({"stream_interval_ms": 250})).stream_interval_s == 0.25
     assert parse().stream_interval_s == 0.0
+
+
+def test_a_token_stream_interval_comes_from_the_server_unless_the_request_asks():
+    """stream_interval (tokens): speculative_decoding's parameter (SGLang's --stream-interval), 1 by default
+    (a response per round); a request's sampling_parameters may ask for another, either way."""
+    assert parse().stream_interval_tokens == 1
+    assert parse(**_vllm({"stream_interval": 8})).stream_interval_tokens == 8
+    limits = RequestLimits.from_parameters(ModelParameters({"name": "speculative_decoding", "parameters": {
+        "draft_models": {"string_value": "ngram"}, "stream_interval": {"string_value": "6"}}}), 100, frozenset())
+    assert limits.default_stream_interval == 6
+    prompt = {tn.INPUT_IDS: np.array([[5, 6, 7]], dtype=np.int32)}
+    assert ParsedRequest.parse(prompt.get, limits, seq_id=1, encode=_encode).stream_interval_tokens == 6
+    asked = {**prompt, **_vllm({"stream_interval": 1})}
+    assert ParsedRequest.parse(asked.get, limits, seq_id=1, encode=_encode).stream_interval_tokens == 1
+    with pytest.raises(ValueError, match="stream_interval"):
+        RequestLimits.from_parameters(ModelParameters({"name": "speculative_decoding", "parameters": {
+            "draft_models": {"string_value": "ngram"}, "stream_interval": {"string_value": "0"}}}), 100, frozenset())
 
 
 def test_vllm_truncate_prompt_tokens_keeps_the_prompts_last_tokens():

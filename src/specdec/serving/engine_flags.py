@@ -18,6 +18,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from specdec import tensor_names as tn
 from specdec.decoding.generation_config import AUTO, VLLM
 from specdec.gateway.sglang_native import INCREMENTAL_ENV
 from specdec.gateway.tls import HOST_ENV
@@ -35,6 +36,9 @@ SAMPLING_DEFAULTS = ("--sampling-defaults",)  # SGLang's: model (the checkpoint'
 SAMPLING_DEFAULT_CHOICES = {"model": AUTO, "openai": VLLM}  # -> --generation-config's
 TRUST_REMOTE_CODE = ("--trust-remote-code",)
 INCREMENTAL = ("--incremental-streaming-output",)  # SGLang's: its native stream's events hold what they add
+# SGLang's: a streamed answer's responses at least this many tokens apart (fewer responses, more tokens a second
+# where each response costs the server's processes CPU: docs/results/2026-12-06-cpu-llama-cpp.md)
+STREAM_INTERVAL = ("--stream-interval",)
 FP8 = "fp8"
 # The other engines' own tuning: taken with their value, logged, nothing done
 ENGINE_ONLY = ("--gpu-memory-utilization", "--mem-fraction-static", "--seed", "--random-seed", "--log-level",
@@ -43,8 +47,7 @@ ENGINE_ONLY = ("--gpu-memory-utilization", "--mem-fraction-static", "--seed", "-
                "--load-format", "--revision", "--download-dir")
 ENGINE_ONLY += ("--guided-decoding-backend", "--grammar-backend", "--num-scheduler-steps",
                 "--distributed-executor-backend", "--max-seq-len-to-capture", "--max-cpu-loras", "--lora-dtype",
-                "--lora-extra-vocab-size", "--torch-compile-max-bs", "--page-size", "--stream-interval",
-                "--watchdog-timeout")
+                "--lora-extra-vocab-size", "--torch-compile-max-bs", "--page-size", "--watchdog-timeout")
 ENGINE_ONLY_SWITCHES = ("--disable-log-requests", "--disable-log-stats", "--enable-metrics", "--enable-log-requests",
                         "--skip-server-warmup", "--disable-overlap-schedule", "--enable-chunked-prefill",
                         "--disable-custom-all-reduce", "--enable-sleep-mode", "--disable-frontend-multiprocessing",
@@ -90,6 +93,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="accepted: no model's own code runs here")
     group.add_argument(*INCREMENTAL, dest=_dest(INCREMENTAL[0]), action="store_true",
                        help="SGLang's native /generate streams what each event adds (the API's flag)")
+    group.add_argument(*STREAM_INTERVAL, dest=_dest(STREAM_INTERVAL[0]), type=int, default=None, metavar="TOKENS",
+                       help="a streamed answer's responses at least this many tokens apart (speculative_decoding's "
+                            "stream_interval; a request's sampling_parameters may ask otherwise)")
     for flag in ENGINE_ONLY:
         group.add_argument(flag, dest=_dest(flag), default=None, help=argparse.SUPPRESS)
     for flag in ENGINE_ONLY_SWITCHES:
@@ -151,6 +157,13 @@ def read(args: argparse.Namespace) -> Engine:
                              "(SGLang's: prompts whole)")
         out.settings.append(f"speculative_decoding.prefill_chunk_tokens={max(chunk, 0)}")
         out.given.append("--max-num-batched-tokens")
+    interval = getattr(args, _dest(STREAM_INTERVAL[0]))
+    if interval is not None:
+        if not 1 <= interval <= tn.MAX_STREAM_INTERVAL_TOKENS:
+            raise ValueError(f"--stream-interval {interval}: tokens within [1, {tn.MAX_STREAM_INTERVAL_TOKENS}] "
+                             "(1: a response per round)")
+        out.settings.append(f"speculative_decoding.stream_interval={interval}")
+        out.given.append("--stream-interval")
     if getattr(args, _dest(EAGER[0])):
         out.compile_off = True
         out.given.append("--enforce-eager")

@@ -494,8 +494,8 @@ class _Responses:
         self.parsed = parsed
         self.in_flight: asyncio.Future | None = None  # the last round's streamed response and check
         self.asked = arrived  # when Triton was last asked whether the caller cancelled
-        # With stream_interval_ms: the rounds' text not yet sent (it goes with the next response) and when a
-        # streamed response last left
+        # With stream_interval_ms or stream_interval: the rounds' text not yet sent (it goes with the next
+        # response) and when a streamed response last left
         self.held: Emission | None = None
         self.streamed_at = arrived
         self.first_sent = False
@@ -553,7 +553,9 @@ class _Responses:
         out = None
         if self.stream and emission:
             self.held = joined(self.held, emission)
-            if now - self.streamed_at >= self.parsed.stream_interval_s:
+            # the first tokens leave at once whatever the token interval (the time to first token is kept)
+            if ((not self.first_sent or len(self.held.ids) >= self.parsed.stream_interval_tokens)
+                    and now - self.streamed_at >= self.parsed.stream_interval_s):
                 out, self.held, self.streamed_at = self.response(self.held, None), None, now
         if out is not None or now - self.asked >= CANCEL_POLL_S:
             self.asked = now

@@ -57,6 +57,9 @@ class RequestLimits:
     max_logits_tokens: int = tn.DEFAULT_MAX_LOGITS_TOKENS
     lora_names: tuple[str, ...] = ()  # the LoRA adapters target_model serves (its lora_adapters, by name)
     lora_directory: str = ""  # and the directory it reads more from on demand (its lora_directory)
+    # a streamed request's responses at least this many tokens apart unless it asks otherwise (its
+    # sampling_parameters' stream_interval; 1: a response per round), SGLang's --stream-interval
+    default_stream_interval: int = 1
 
     @classmethod
     def from_parameters(cls, params: ModelParameters, vocab_size: int, end_ids: frozenset[int]) -> RequestLimits:
@@ -81,6 +84,7 @@ class RequestLimits:
             max_logits_tokens=params.int("max_logits_tokens", tn.DEFAULT_MAX_LOGITS_TOKENS, low=0),
             lora_names=tuple(parse_adapters(params.str("lora_adapters", ""), "parameter 'lora_adapters'")),
             lora_directory=params.str("lora_directory", ""),
+            default_stream_interval=params.int("stream_interval", 1, low=1, high=tn.MAX_STREAM_INTERVAL_TOKENS),
         )
 
 
@@ -108,6 +112,7 @@ class ParsedRequest:
     # (decoding/prediction_proposer.py); () for none
     prediction: tuple[int, ...] = ()
     return_prompt_ids: bool = False  # the first response also holds the prompt's tokens (tn.RETURN_PROMPT_IDS)
+    stream_interval_tokens: int = 1  # streamed: a response once this many tokens are waiting (1: one per round)
 
     @classmethod
     def parse(cls, lookup: InputLookup, limits: RequestLimits, seq_id: int | None = None,
@@ -229,6 +234,10 @@ class ParsedRequest:
         if not 0 <= interval_ms <= MAX_STREAM_INTERVAL_MS:
             raise InputError(f"{settings.field('stream_interval_ms')} must be within [0, {MAX_STREAM_INTERVAL_MS}] "
                              f"(milliseconds), got {interval_ms}")
+        interval_tokens = int(inputs.scalar("stream_interval", np.int32, limits.default_stream_interval))
+        if not 1 <= interval_tokens <= tn.MAX_STREAM_INTERVAL_TOKENS:
+            raise InputError(f"{settings.field('stream_interval')} must be within [1, {tn.MAX_STREAM_INTERVAL_TOKENS}] "
+                             f"(tokens), got {interval_tokens}")
         return cls(generation, k, adaptive, draft_name, stream, stop_words,
                    bool(inputs.scalar("include_stop_str_in_output", np.bool_, False)), int(branches),
                    vllm_outputs, vllm_logprobs, echo,
@@ -236,7 +245,7 @@ class ParsedRequest:
                    int(inputs.scalar(tn.PRIORITY, np.int32, 0)), interval_ms / 1000.0,
                    bool(inputs.scalar(tn.SKIP_SPECIAL_TOKENS, np.bool_, True)),
                    _prediction(inputs, encode, limits, settings.field),
-                   bool(inputs.scalar(tn.RETURN_PROMPT_IDS, np.bool_, False)))
+                   bool(inputs.scalar(tn.RETURN_PROMPT_IDS, np.bool_, False)), interval_tokens)
 
 
 def _check_logits(req: GenerationRequest, stream: bool, limits: RequestLimits, field: Callable[[str], str]):

@@ -52,6 +52,8 @@ VLLM_KEYS = {"include_stop_str_in_output": np.bool_, "truncate_prompt_tokens": n
              # this server's own: a streamed request's responses at most one per this many milliseconds (the
              # rounds between are sent together; 0: one per round)
              "stream_interval_ms": np.int32,
+             # and at least this many tokens apart (SGLang's stream_interval; default: the server's)
+             "stream_interval": np.int32,
              # and without max_tokens, what the context leaves (up to max_max_tokens), as OpenAI's API does
              tn.MAX_TOKENS_TO_CONTEXT: np.bool_}
 # What each integer input holds, and float32's largest finite value
