@@ -43,10 +43,10 @@ import openai
 from bench.report import emit, machine, table, write_results
 from bench.speculative_bench import load_prompts
 from specdec import tensor_names as tn
+from specdec.gateway.protocol import STATS_FIELD
 from specdec.serving import pairs, server
 
 OURS, LLAMA = "this server", "llama.cpp"
-PROTOCOL_STATS = "speculative_decoding"  # gateway/protocol.STATS_FIELD: our answers' speculation counts
 
 
 @dataclass(frozen=True, eq=False)  # hashed as itself: a row of the run
@@ -138,7 +138,7 @@ def ask(client: openai.OpenAI, model: str, prompt: str, max_tokens: int, extra_b
         usage = chunk.usage or usage
         extra.update(chunk.model_extra or {})
     seconds = time.perf_counter() - started
-    ours, timings = extra.get(PROTOCOL_STATS) or {}, extra.get("timings") or {}
+    ours, timings = extra.get(STATS_FIELD) or {}, extra.get("timings") or {}
     if ours:
         drafted, accepted, rounds = (ours.get(tn.TOTAL_DRAFT_TOKENS), ours.get(tn.TOTAL_ACCEPTED_DRAFT_TOKENS),
                                      ours.get(tn.NUM_ROUNDS))
