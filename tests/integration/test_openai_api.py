@@ -93,6 +93,15 @@ def test_completions_sync_async_and_streamed_equal_the_ensemble(server, api, mod
     assert whole.usage.prompt_tokens == direct[tn.NUM_INPUT_TOKENS]
     streamed = api.completions.create(model=model, prompt=PROMPT, max_tokens=20, temperature=0, stream=True)
     assert "".join(c.choices[0].text for c in streamed if c.choices) == direct[tn.TEXT_OUTPUT]
+    # stream_interval (tokens, SGLang's name): the same text in fewer chunks, the first at once (target-only:
+    # a round's token a chunk otherwise)
+    chunks = {}
+    for interval in (1, 8):
+        stream = api.completions.create(model=model, prompt=PROMPT, max_tokens=20, temperature=0, stream=True,
+                                        extra_body={"stream_interval": interval, "num_draft_tokens": 0})
+        chunks[interval] = [c.choices[0].text for c in stream if c.choices and c.choices[0].text]
+        assert "".join(chunks[interval]) == direct[tn.TEXT_OUTPUT]
+    assert len(chunks[8]) <= 20 // 8 + 2 < len(chunks[1])
 
     async def concurrently():
         async with openai.AsyncOpenAI(base_url=server.openai_url, api_key="unused", max_retries=0) as client:

@@ -45,6 +45,15 @@ def test_every_answer_is_streamed_by_the_server_a_whole_one_at_an_interval():
         assert all("stream_interval_ms" not in sampling(streamed, i) for i in range(len(streamed.choices)))
 
 
+def test_a_stream_interval_is_a_sampling_setting():
+    """stream_interval (tokens; SGLang's name, the server's default otherwise): a streamed answer's chunks at
+    least that many tokens apart, passed on as a sampling_parameters key (the server checks its range)."""
+    for parse, body in ((parse_chat, {"messages": CHAT}), (parse_completion, {"prompt": "hi"})):
+        gen = parse({"model": "m", "stream": True, "stream_interval": 4, **body}, SERVED)
+        assert sampling(gen)["stream_interval"] == 4
+        assert "stream_interval" not in sampling(parse({"model": "m", "stream": True, **body}, SERVED))
+
+
 def test_priority_is_the_ensembles_priority_input():
     for parse, body in ((parse_chat, {"messages": CHAT}), (parse_completion, {"prompt": "hi", "n": 2})):
         gen = parse({"model": "m", "priority": -3, **body}, SERVED)

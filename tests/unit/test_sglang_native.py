@@ -17,10 +17,10 @@ def test_a_request_becomes_the_completions_body_it_stands_for():
                              "sampling_params": {"max_new_tokens": 7, "min_new_tokens": 2, "temperature": 0.5,
                                                  "top_k": -1, "top_p": 0.9, "no_stop_trim": True, "stop": ["\n"],
                                                  "stop_token_ids": [5], "sampling_seed": 3, "ignore_eos": True,
-                                                 "regex": "[a-z]+", "dtype": "float16"}})
+                                                 "regex": "[a-z]+", "dtype": "float16", "stream_interval": 4}})
     assert body == {"model": "adapter", "stream": True, "priority": -1, "prompt": "Hi", "max_tokens": 7,
                     "min_tokens": 2, "temperature": 0.5, "top_p": 0.9, "include_stop_str_in_output": True,
-                    "stop": ["\n"], "stop_token_ids": [5], "seed": 3, "ignore_eos": True,
+                    "stop": ["\n"], "stop_token_ids": [5], "seed": 3, "ignore_eos": True, "stream_interval": 4,
                     "structured_outputs": {"regex": "[a-z]+"}, "request_id": "r1"}  # top_k -1: none
     assert not native.batch and native.rids == ["r1"] and native.stops == [["\n"]] and native.stop_ids == [[5]]
     # SGLang's default length, not OpenAI's 16; the completions path reads the body

@@ -35,7 +35,9 @@ SAMPLING_FIELDS = ("temperature", "top_p", "seed", "stop", "presence_penalty", "
                    # vLLM's extras, as its OpenAI server takes them
                    "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
                    "bad_words", "allowed_token_ids", "include_stop_str_in_output", "skip_special_tokens",
-                   "spaces_between_special_tokens", "truncate_prompt_tokens", "structured_outputs")
+                   "spaces_between_special_tokens", "truncate_prompt_tokens", "structured_outputs",
+                   # this server's (SGLang's name): a streamed answer's chunks at least this many tokens apart
+                   "stream_interval")
 # vLLM's older structured-output fields -> the key of its `structured_outputs` object they stand for
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 # ... and their options (vLLM's older names): the JSON's whitespace; the backend (this server has one)

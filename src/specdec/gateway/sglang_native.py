@@ -49,11 +49,12 @@ SAMPLING = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "tem
             "stop_token_ids": "stop_token_ids", "ignore_eos": "ignore_eos",
             "skip_special_tokens": "skip_special_tokens",
             "spaces_between_special_tokens": "spaces_between_special_tokens",
-            "no_stop_trim": "include_stop_str_in_output", "n": "n", "sampling_seed": "seed", "logit_bias": "logit_bias"}
+            "no_stop_trim": "include_stop_str_in_output", "n": "n", "sampling_seed": "seed", "logit_bias": "logit_bias",
+            "stream_interval": "stream_interval"}
 # sampling_params' constraints -> the key of vLLM's `structured_outputs` each stands for (one at most)
 CONSTRAINTS = {"json_schema": "json", "regex": "regex", "ebnf": "grammar", "structural_tag": "structural_tag"}
-# SGLang's that change nothing here: the server's own dtype, a stream's chunking, its metric logging
-IGNORED_SAMPLING = ("dtype", "stream_interval")
+# SGLang's that change nothing here: the server's own dtype
+IGNORED_SAMPLING = ("dtype",)
 IGNORED = ("log_metrics", "stream_options", "modalities", "session_params", "data_parallel_rank", "routed_dp_rank",
            "background", "extra_key", "no_logs", "received_time", "conversation_id")
 REFUSED = {"input_embeds": "embeddings as input are not served (send text or input_ids)",
