@@ -48,7 +48,10 @@ def test_gpu_bench_small_mode_prints_every_row(tmp_path):
     # --drafts draft_model:2: the draft named per request, its trees, at K=4 and adaptive beside the same K=0;
     # no bound (the in-process c is the layer-skip draft's chain, not another draft's)
     trees = [line.split("|") for line in served if "draft_model, trees of 2 branches" in line]
-    assert len(trees) == 2 and all(not cells[9].strip() and "drafted per round" in cells[11] for cells in trees), trees
+    assert len(trees) == 2 and all(not cells[9].strip() for cells in trees), trees
+    # the fixed K drafts every round; the adaptive row may draft nothing where this machine's measured costs say
+    # drafting does not pay (seen in a CI run: α 0.00, 1.00 tokens a round)
+    assert "drafted per round" in next(cells for cells in trees if "K=4" in cells[1])[11], trees
     # --extra-k 6: its rows drafted up to 6 per round, and each has its own bound from its own verify cost
     six = [line.split("|") for line in served if "K=6" in line or "K<=6" in line]
     assert all(float(cells[9]) > 0 for cells in six), six
