@@ -1,6 +1,7 @@
 """The orchestrator's metrics: rounds are counted locally and sent in batches, with the same totals; at
 unload every metric is let go while the stub still runs."""
 
+import subprocess
 import sys
 import weakref
 
@@ -176,3 +177,21 @@ def test_finalize_skips_the_interpreters_teardown_only_in_a_stub(monkeypatch):
     monkeypatch.setitem(sys.modules, adapter.STUB_MODULE, object())
     adapter.TritonAdapter().finalize()
     assert registered == [adapter._exit_now]
+
+
+def test_a_crashed_stub_leaves_every_threads_python_stack_in_the_log():
+    """report_crashes (every adapter's initialize): a segfault prints each thread's Python stack to stderr,
+    which tritonserver's log carries; without it a process that reads no environment (the stub) prints nothing."""
+    code = ("import faulthandler, threading, time\n"
+            "from specdec.triton.adapter import report_crashes\n"
+            "def waiting_for_an_answer():\n"
+            "    time.sleep(30)\n"
+            "threading.Thread(target=waiting_for_an_answer, daemon=True).start()\n"
+            "time.sleep(0.2)\n"
+            "report_crashes() if __import__('sys').argv[1] == 'on' else None\n"
+            "faulthandler._sigsegv()\n")
+    crashed = {flag: subprocess.run([sys.executable, "-I", "-c", code, flag], capture_output=True, text=True,
+                                    timeout=60) for flag in ("on", "off")}
+    assert crashed["on"].returncode != 0 and "Fatal Python error: Segmentation fault" in crashed["on"].stderr
+    assert "in waiting_for_an_answer" in crashed["on"].stderr  # the other thread's stack too
+    assert "Fatal Python error" not in crashed["off"].stderr  # -I: like the stub, no environment read

@@ -7,6 +7,7 @@ and handed to the adapter as `self.pb`; everything below this layer never sees i
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import os
 import sys
 
@@ -22,10 +23,21 @@ def _exit_now() -> None:
     os._exit(0)
 
 
+def report_crashes() -> None:
+    """A fatal signal in this process (a segfault) prints every thread's Python stack to stderr, which
+    tritonserver's log carries: the stub's embedded interpreter ignores PYTHONFAULTHANDLER (it reads no
+    environment variable), so without this a crashed stub leaves nothing but the watchdog's line."""
+    try:
+        faulthandler.enable(file=sys.stderr, all_threads=True)
+    except (AttributeError, ValueError, OSError):  # stderr without a file descriptor: nothing to write to
+        pass
+
+
 class TritonAdapter:
     def initialize(self, args: dict) -> None:
         import triton_python_backend_utils as pb_utils
 
+        report_crashes()
         self.pb = pb_utils
         self.load(ModelParameters(args["model_config"]), args)
 
