@@ -29,7 +29,7 @@ def report_crashes() -> None:
     environment variable), so without this a crashed stub leaves nothing but the watchdog's line."""
     try:
         faulthandler.enable(file=sys.stderr, all_threads=True)
-    except (AttributeError, ValueError, OSError):  # stderr without a file descriptor: nothing to write to
+    except (AttributeError, ValueError, OSError, RuntimeError):  # no stderr, or one without a descriptor
         pass
 
 
