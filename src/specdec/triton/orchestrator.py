@@ -158,11 +158,18 @@ class SpeculativeDecodingAdapter(TritonAdapter):
         self.max_drafting = params.int("max_drafting_sequences", 0, low=0)
         self.scorer = GatedScorer(BlsScorer(pb_utils, params.str("target_model", tn.TARGET_MODEL_NAME), timeout_us,
                                             chunk, call_timeout_s, self.metrics.record_call_timeout), self.gate)
-        # A streamed response and the cancellation check are IPC round trips to the backend process that
-        # block their thread (GIL released) for hundreds of microseconds: on the event loop they would
-        # hold up every other request's round. A request's response leaves while its next round runs; the
-        # request collects it before sending the next one, so its responses stay in order.
+        # The cancellation check is an IPC round trip to the backend process that blocks its thread (GIL
+        # released) for hundreds of microseconds: on the event loop it would hold up every other request's
+        # round. (A streamed response leaves from the loop's thread, once the request's next round went out:
+        # _Responses._send_and_check.) The request collects both before its next send, so its responses stay
+        # in order.
         self.ipc = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="specdec-ipc")
+        # The stub runs every async_exec (a BLS call) as a blocking call on its event loop's default executor,
+        # asyncio's min(32, cores + 4) threads: past that many calls in flight the next waits for a thread before
+        # it reaches its model, out of the batch it was meant to join. A live request has one call in flight at a
+        # time; the margin is for calls past model_call_timeout_s, which keep their thread until answered.
+        self.bls_threads = concurrent.futures.ThreadPoolExecutor(max_workers=self.max_live + 8,
+                                                                 thread_name_prefix="specdec-bls")
         self.compiling = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="specdec-guide")
         self.cancellations = CancellationBoard()
         self.cancellations.sweep()
@@ -186,7 +193,9 @@ class SpeculativeDecodingAdapter(TritonAdapter):
 
     async def execute(self, requests):
         if self.heartbeat is None:  # the stub's event loop exists once the first execute runs on it
-            self.heartbeat = asyncio.get_running_loop().create_task(self._beat())
+            loop = asyncio.get_running_loop()
+            self.heartbeat = loop.create_task(self._beat())
+            loop.set_default_executor(self.bls_threads)  # async_exec's threads (see __init__)
         await asyncio.gather(*(self._serve(request) for request in requests))
         return None
 
@@ -371,14 +380,6 @@ class SpeculativeDecodingAdapter(TritonAdapter):
         sender.send(pb.InferenceResponse(error=pb.TritonError(f"speculative_decoding: {exc}", code)),
                     flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
-    @staticmethod
-    def _send_and_check(sender, response) -> bool:
-        """On an IPC thread: send a streamed response (if any), then ask whether the request was
-        cancelled. Both wait on the backend process with the GIL released."""
-        if response is not None:
-            sender.send(response, flags=0)
-        return sender.is_cancelled()
-
     def _response(self, emission: Emission | None, parsed: ParsedRequest, emitter: TextEmitter, stats: Stats,
                   finish: str | None, log_probs: list[float],
                   top: tuple[list[list[int]], list[list[float]]] = ([], []), prompt: RoundOutput | None = None,
@@ -476,9 +477,8 @@ def kv_blocks(stats: Stats, positions: int) -> tuple[int, int, int]:
 
 class _Responses:
     """One request's side of the conversation: its text (stop words cut), statistics and log-probabilities;
-    each round's streamed response and cancellation check, sent on an IPC thread while the next round
-    runs (the request collects it before sending the next, so its responses stay in order); the final
-    response."""
+    each round's streamed response and cancellation check, done while the next round runs (the request
+    collects them before sending the next, so its responses stay in order); the final response."""
 
     def __init__(self, adapter: SpeculativeDecodingAdapter, sender, parsed: ParsedRequest, arrived: float):
         self.adapter, self.sender, self.arrived = adapter, sender, arrived
@@ -559,9 +559,19 @@ class _Responses:
                 out, self.held, self.streamed_at = self.response(self.held, None), None, now
         if out is not None or now - self.asked >= CANCEL_POLL_S:
             self.asked = now
-            self.in_flight = asyncio.get_running_loop().run_in_executor(
-                adapter.ipc, adapter._send_and_check, self.sender, out)
+            self.in_flight = asyncio.ensure_future(self._send_and_check(out))
         return None, emission
+
+    async def _send_and_check(self, response) -> bool:
+        """A streamed response (if any), then whether the request was cancelled. A task: it starts once the
+        request's coroutine next waits, i.e. after its next round's calls went out, so the send (an IPC round
+        trip that blocks the loop's thread) overlaps that round instead of delaying it. The send stays on the
+        loop's thread: Triton 24.10's stub sent from another thread while the loop ran Python code and, after a
+        client that stopped reading was killed, corrupted the stub's heap (docs/results/
+        2026-12-07-orchestrator-send-thread.md). The cancellation check waits on an IPC thread."""
+        if response is not None:
+            self.sender.send(response, flags=0)
+        return await asyncio.get_running_loop().run_in_executor(self.adapter.ipc, self.sender.is_cancelled)
 
     async def settle(self) -> None:
         """Let a response still in flight leave before the request's final one (its error is moot)."""
