@@ -1,10 +1,10 @@
-"""Which threads the orchestrator's blocking calls run on. A streamed response (`_Responses.round`) leaves from the
-event loop's thread, once the request's coroutine next waits (its next round's calls out), never from a worker
-thread: Triton 24.10's stub, sending from another thread while the loop ran Python code, corrupted its heap
-(docs/results/2026-12-07-orchestrator-send-thread.md); the cancellation check still waits on an IPC thread. BLS
-calls (the stub's async_exec, on the loop's default executor) run on the orchestrator's own pool, not asyncio's
-min(32, cores + 4) threads. Fakes stand in for Triton's response sender and the adapter's metrics: this is the
-orchestrator's own logic."""
+"""Which threads the orchestrator's blocking calls run on. A response leaves from the event loop's thread,
+never from a worker thread while the loop runs Python: Triton 24.10's stub, sending from other threads, corrupted
+its heap after a client that stopped reading was killed (docs/results/2026-12-07-orchestrator-send-thread.md).
+The orchestrator (`_Responses.round`) sends a round's streamed response once the request's coroutine next waits
+(its next round's calls out); the cancellation check waits on an IPC thread. Its BLS calls (the stub's
+async_exec, on the loop's default executor) run on its own pool, not asyncio's min(32, cores + 4) threads.
+Fakes stand in for Triton's response sender and the adapter's metrics: this is the orchestrator's own logic."""
 
 import asyncio
 import concurrent.futures
