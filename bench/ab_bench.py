@@ -12,6 +12,8 @@ the numbers: the count is reported, not enforced).
     python -m bench.ab_bench --b-arg=--set=speculative_decoding.torch_threads=auto
     python -m bench.ab_bench --a-env GOMP_SPINCOUNT=30000 --b-env GOMP_SPINCOUNT=3000 --settings target-only,head-k3
     python -m bench.ab_bench --a-url localhost:8101 --b-url localhost:8201   # two servers already running
+    python -m bench.ab_bench --stream --settings target-only,default          # responses streamed, as clients
+                                                                               # ask (default: one a request)
                                                                                # (e.g. from two checkouts)
 """
 
@@ -63,7 +65,7 @@ DEFAULT_SETTINGS = "target-only,default,head-k3,head-adaptive"
 
 
 def run(clients: dict[str, Client], prompts: dict[str, list[str]], settings: list[Setting], max_tokens: int,
-        repeats: int) -> dict:
+        repeats: int, stream: bool = False) -> dict:
     """{(kind, label): {server: {tokens, seconds, rounds}, "equal": n, "requests": n}}; each request to
     both servers back to back, the first of them alternating."""
     names = list(clients)
@@ -86,7 +88,7 @@ def run(clients: dict[str, Client], prompts: dict[str, list[str]], settings: lis
                     turn += 1
                     texts = {}
                     for name in order:
-                        response = clients[name].generate(prompt, s.params(max_tokens))
+                        response = clients[name].generate(prompt, s.params(max_tokens), stream=stream)
                         texts[name] = response.text
                         agg[name]["tokens"] += response.num_output_tokens
                         agg[name]["seconds"] += response.latency_s
@@ -100,12 +102,13 @@ def run(clients: dict[str, Client], prompts: dict[str, list[str]], settings: lis
 
 
 def report(results: dict, settings: list[Setting], labels: dict[str, str], max_tokens: int, per_set: int,
-           repeats: int) -> str:
+           repeats: int, stream: bool = False) -> str:
     def rate(agg, name):
         return agg[name]["tokens"] / agg[name]["seconds"]
 
     lines = [f"{machine()}. Two servers at once, every request to both back to back (the first alternating), "
-             f"{per_set} prompts per set x {repeats}, {max_tokens} tokens, greedy.", "",
+             f"{per_set} prompts per set x {repeats}, {max_tokens} tokens, greedy, "
+             f"{'streamed (a response per round)' if stream else 'one response a request'}.", "",
              f"- A: {labels['A']}", f"- B: {labels['B']}", ""]
     base_label = SETTINGS["target-only"].label
     for kind in dict.fromkeys(kind for kind, _ in results):
@@ -149,6 +152,9 @@ def main(argv=None) -> int:
     parser.add_argument("--prompts", type=int, default=4, help="prompts per set (bench/prompts_*.jsonl)")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--stream", action="store_true",
+                        help="stream every request's responses (a response per round, as clients ask): what the "
+                             "server does per response then counts")
     parser.add_argument("--out", help="also write the report (markdown) here")
     parser.add_argument("--results", metavar="NAME", help="also write it as docs/results/<date>-NAME.md")
     args = parser.parse_args(argv)
@@ -177,11 +183,11 @@ def main(argv=None) -> int:
             urls[name] = own.grpc_url
             labels[name] = f"`{' '.join([*env, 'python -m specdec.serving.launcher', *launcher])}`"
         clients = {name: Client(url, "grpc", timeout_s=600) for name, url in urls.items()}
-        results = run(clients, prompts, settings, args.max_tokens, args.repeats)
+        results = run(clients, prompts, settings, args.max_tokens, args.repeats, args.stream)
     finally:
         for own in owned:
             own.stop()
-    text = report(results, settings, labels, args.max_tokens, args.prompts, args.repeats)
+    text = report(results, settings, labels, args.max_tokens, args.prompts, args.repeats, args.stream)
     emit(text, args.out)
     if args.results:
         write_results(args.results, "Two servers side by side: `make bench-ab`", text)

@@ -19,6 +19,9 @@ def test_the_report_divides_each_servers_figures_by_its_own():
     cells = [cell.strip() for cell in row.strip("|").split("|")]
     assert cells[1:] == ["100.0", "125.0", "1.25x", "2.00x", "1.25x", "2.00 / 2.00", "3/4"]
     assert "- A: old" in text and "- B: new" in text
+    assert "one response a request" in text
+    assert "streamed (a response per round)" in ab_bench.report(results, settings, {"A": "a", "B": "b"}, 96, 2, 2,
+                                                                stream=True)
 
 
 def test_environment_settings_are_key_value():
