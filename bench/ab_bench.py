@@ -14,15 +14,18 @@ the numbers: the count is reported, not enforced).
     python -m bench.ab_bench --a-url localhost:8101 --b-url localhost:8201   # two servers already running
     python -m bench.ab_bench --stream --settings target-only,default          # responses streamed, as clients
                                                                                # ask (default: one a request)
+    python -m bench.ab_bench --stream --streams 8 --pair tiny                 # 8 requests at once
                                                                                # (e.g. from two checkouts)
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import os
 import signal
 import sys
+import time
 from dataclasses import dataclass
 
 from bench.report import emit, machine, table, write_results
@@ -64,12 +67,20 @@ SETTINGS = {
 DEFAULT_SETTINGS = "target-only,default,head-k3,head-adaptive"
 
 
-def run(clients: dict[str, Client], prompts: dict[str, list[str]], settings: list[Setting], max_tokens: int,
+def batches(plist: list[str], streams: int) -> list[list[str]]:
+    """The prompts as sent: one at a time (streams 1), or `streams` at once, the set's prompts in turn (wrapping
+    round when there are fewer)."""
+    return [[plist[(i + j) % len(plist)] for j in range(streams)] for i in range(0, len(plist), streams)]
+
+
+def run(clients: dict[str, list[Client]], prompts: dict[str, list[str]], settings: list[Setting], max_tokens: int,
         repeats: int, stream: bool = False) -> dict:
-    """{(kind, label): {server: {tokens, seconds, rounds}, "equal": n, "requests": n}}; each request to
-    both servers back to back, the first of them alternating."""
+    """{(kind, label): {server: {tokens, seconds, rounds}, "equal": n, "requests": n}}; each batch of requests
+    (as many at once as each server has clients) to both servers back to back, the first of them alternating;
+    seconds: each batch's wall time."""
     names = list(clients)
-    for client in clients.values():  # warm every path (and each orchestrator's cost measurements)
+    for pool in clients.values():  # warm every path (and each orchestrator's cost measurements)
+        client = pool[0]
         for s in settings:
             client.generate(prompts["grounded"][0], s.params(16))
         # and every prompt once: each setting then finds its prompt's blocks in the prefix cache, not only the
@@ -77,38 +88,45 @@ def run(clients: dict[str, Client], prompts: dict[str, list[str]], settings: lis
         for plist in prompts.values():
             for prompt in plist:
                 client.generate(prompt, settings[0].params(1))
+    streams = len(clients[names[0]])
     results, turn = {}, 0
-    for kind, plist in prompts.items():
-        for s in settings:
-            agg = {name: dict(tokens=0, seconds=0.0, rounds=0) for name in names}
-            agg["equal"] = agg["requests"] = 0
-            for _ in range(repeats):
-                for prompt in plist:
-                    order = names if turn % 2 == 0 else names[::-1]
-                    turn += 1
-                    texts = {}
-                    for name in order:
-                        response = clients[name].generate(prompt, s.params(max_tokens), stream=stream)
-                        texts[name] = response.text
-                        agg[name]["tokens"] += response.num_output_tokens
-                        agg[name]["seconds"] += response.latency_s
-                        agg[name]["rounds"] += response.num_rounds
-                    agg["requests"] += 1
-                    agg["equal"] += len(set(texts.values())) == 1
-            results[kind, s.label] = agg
-            rates = "  ".join(f"{name} {agg[name]['tokens'] / agg[name]['seconds']:6.1f}" for name in names)
-            print(f"  {kind:8s} {s.label:40s} tok/s {rates}", file=sys.stderr, flush=True)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=streams) as threads:
+        for kind, plist in prompts.items():
+            for s in settings:
+                agg = {name: dict(tokens=0, seconds=0.0, rounds=0) for name in names}
+                agg["equal"] = agg["requests"] = 0
+                for _ in range(repeats):
+                    for batch in batches(plist, streams):
+                        order = names if turn % 2 == 0 else names[::-1]
+                        turn += 1
+                        texts = {}
+                        for name in order:
+                            start = time.perf_counter()
+                            responses = list(threads.map(
+                                lambda client, prompt: client.generate(prompt, s.params(max_tokens), stream=stream),
+                                clients[name], batch))
+                            agg[name]["seconds"] += time.perf_counter() - start
+                            texts[name] = [response.text for response in responses]
+                            agg[name]["tokens"] += sum(response.num_output_tokens for response in responses)
+                            agg[name]["rounds"] += sum(response.num_rounds for response in responses)
+                        agg["requests"] += len(batch)
+                        agg["equal"] += sum(len(set(answers)) == 1 for answers in zip(*texts.values()))
+                results[kind, s.label] = agg
+                rates = "  ".join(f"{name} {agg[name]['tokens'] / agg[name]['seconds']:6.1f}" for name in names)
+                print(f"  {kind:8s} {s.label:40s} tok/s {rates}", file=sys.stderr, flush=True)
     return results
 
 
 def report(results: dict, settings: list[Setting], labels: dict[str, str], max_tokens: int, per_set: int,
-           repeats: int, stream: bool = False) -> str:
+           repeats: int, stream: bool = False, streams: int = 1) -> str:
     def rate(agg, name):
         return agg[name]["tokens"] / agg[name]["seconds"]
 
     lines = [f"{machine()}. Two servers at once, every request to both back to back (the first alternating), "
              f"{per_set} prompts per set x {repeats}, {max_tokens} tokens, greedy, "
-             f"{'streamed (a response per round)' if stream else 'one response a request'}.", "",
+             f"{'streamed (a response per round)' if stream else 'one response a request'}, "
+             f"{'one request at a time' if streams == 1 else f'{streams} requests at once (tokens/s: all of theirs)'}.",
+             "",
              f"- A: {labels['A']}", f"- B: {labels['B']}", ""]
     base_label = SETTINGS["target-only"].label
     for kind in dict.fromkeys(kind for kind, _ in results):
@@ -152,6 +170,8 @@ def main(argv=None) -> int:
     parser.add_argument("--prompts", type=int, default=4, help="prompts per set (bench/prompts_*.jsonl)")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--streams", type=int, default=1,
+                        help="requests at once, each on a connection of its own (the set's prompts in turn)")
     parser.add_argument("--stream", action="store_true",
                         help="stream every request's responses (a response per round, as clients ask): what the "
                              "server does per response then counts")
@@ -162,6 +182,8 @@ def main(argv=None) -> int:
     if unknown:
         parser.error(f"--settings: unknown {unknown}; choose from {list(SETTINGS)}")
     settings = [SETTINGS[name] for name in args.settings.split(",")]
+    if args.streams < 1:
+        parser.error(f"--streams must be at least 1, got {args.streams}")
     try:
         envs = {"A": _env(args.a_env), "B": _env(args.b_env)}
     except ValueError as exc:
@@ -182,12 +204,13 @@ def main(argv=None) -> int:
             owned.append(own)
             urls[name] = own.grpc_url
             labels[name] = f"`{' '.join([*env, 'python -m specdec.serving.launcher', *launcher])}`"
-        clients = {name: Client(url, "grpc", timeout_s=600) for name, url in urls.items()}
+        clients = {name: [Client(url, "grpc", timeout_s=600) for _ in range(args.streams)]
+                   for name, url in urls.items()}
         results = run(clients, prompts, settings, args.max_tokens, args.repeats, args.stream)
     finally:
         for own in owned:
             own.stop()
-    text = report(results, settings, labels, args.max_tokens, args.prompts, args.repeats, args.stream)
+    text = report(results, settings, labels, args.max_tokens, args.prompts, args.repeats, args.stream, args.streams)
     emit(text, args.out)
     if args.results:
         write_results(args.results, "Two servers side by side: `make bench-ab`", text)

@@ -28,3 +28,14 @@ def test_environment_settings_are_key_value():
     assert ab_bench._env(["GOMP_SPINCOUNT=3000"])["GOMP_SPINCOUNT"] == "3000"
     with pytest.raises(ValueError, match="KEY=VALUE"):
         ab_bench._env(["GOMP_SPINCOUNT"])
+
+
+def test_prompts_go_one_at_a_time_or_so_many_at_once_in_turn():
+    assert ab_bench.batches(["a", "b", "c"], 1) == [["a"], ["b"], ["c"]]
+    assert ab_bench.batches(["a", "b", "c", "d"], 2) == [["a", "b"], ["c", "d"]]
+    assert ab_bench.batches(["a", "b"], 3) == [["a", "b", "a"]]  # fewer prompts than streams: round again
+    settings = [ab_bench.SETTINGS["target-only"]]
+    results = {("open", settings[0].label): {"A": dict(tokens=10, seconds=1.0, rounds=10),
+                                             "B": dict(tokens=10, seconds=1.0, rounds=10), "equal": 3, "requests": 3}}
+    assert "3 requests at once" in ab_bench.report(results, settings, {"A": "a", "B": "b"}, 96, 1, 1, streams=3)
+    assert "one request at a time" in ab_bench.report(results, settings, {"A": "a", "B": "b"}, 96, 1, 1)
