@@ -12,10 +12,10 @@ the numbers: the count is reported, not enforced).
     python -m bench.ab_bench --b-arg=--set=speculative_decoding.torch_threads=auto
     python -m bench.ab_bench --a-env GOMP_SPINCOUNT=30000 --b-env GOMP_SPINCOUNT=3000 --settings target-only,head-k3
     python -m bench.ab_bench --a-url localhost:8101 --b-url localhost:8201   # two servers already running
+                                                                               # (e.g. from two checkouts)
     python -m bench.ab_bench --stream --settings target-only,default          # responses streamed, as clients
                                                                                # ask (default: one a request)
     python -m bench.ab_bench --stream --streams 8 --pair tiny                 # 8 requests at once
-                                                                               # (e.g. from two checkouts)
 """
 
 from __future__ import annotations
