@@ -415,5 +415,8 @@ output [
   { name: "num_output_tokens", data_type: TYPE_UINT32, dims: [ -1 ] }
 ]
 parameters { key: "ensemble", value: { string_value: "ensemble" } }
+# the server's own gRPC endpoint, host:port, through which it calls the ensemble ("": the launcher's, else
+# 127.0.0.1:8001)
+parameters { key: "server_grpc_url", value: { string_value: "" } }
 instance_group [ { count: 1, kind: KIND_CPU } ]
 {{- end -}}

@@ -66,7 +66,7 @@ from specdec.serving.pairs import log
 from specdec.serving.server_process import ENDPOINTS_STALL_S, ServerProcess
 from specdec.serving.watchdog import (DEFAULT_HANG_TIMEOUT_S, ModelControl, Watchdog, control_mode,
                                       restricted_header, stubs_of)
-from specdec.triton import cache_reset, execute_clock, live_profile
+from specdec.triton import cache_reset, execute_clock, live_profile, loopback
 from specdec.triton.admission import cancellation, kv_room, sequence_slots
 
 START_ATTEMPTS = 3  # starts of a server that stalls (come_up), before the launcher gives up on it
@@ -818,6 +818,7 @@ def main(argv: list[str] | None = None) -> int:
     # The marker through which the API resets the models' caches (cache_reset.py): in the environment of
     # tritonserver's stubs and of the API alike
     os.environ[cache_reset.ENV] = str(cache_reset.marker(http_port))
+    os.environ[loopback.URL_ENV] = f"127.0.0.1:{grpc_port}"  # where vllm_compatible reaches the ensemble
     if args.torch_profiler_dir:  # clients' torch profiles of the models (live_profile.py), the same way
         os.environ[live_profile.DIR_ENV] = os.path.abspath(args.torch_profiler_dir)
         control = live_profile.control_file(http_port)

@@ -7,6 +7,7 @@
   vllm_parameters  vLLM's `sampling_parameters` JSON read into the inputs it stands for
   vllm_outputs     vLLM's backend's additional outputs (its `return_*` flags), by its names and meanings
   vllm_compatible  vllm_compatible: vLLM's backend's interface ([1]-shaped tensors) over the ensemble
+  loopback         a model's gRPC stream into its own server (where 24.10's decoupled BLS is unsafe)
   wire             the BLS messages between the orchestrator and the models, encoded and decoded
   bls              the loop's Proposer and Scorer as BLS calls into draft_model / target_model
   fallback         a failing draft model is bypassed (target-only rounds) and retried after a wait

@@ -1,26 +1,31 @@
 """Triton adapter for `vllm_compatible`: vLLM's Triton backend's interface over the ensemble, for its clients
 as they are. vLLM's backend model has max_batch_size 0, so its clients send [1]-shaped tensors, which the
-batching ensemble refuses; this decoupled model takes them, calls the ensemble (BLS, streamed) with its
-inputs batch-shaped, and answers with vLLM's outputs and meanings: `text_output` with the prompt before it
-when not streamed (unless exclude_input_in_output), the additional outputs only with their return_* flags,
-num_input_tokens and num_output_tokens as UINT32. A client's cancellation goes on to the generation through
-the cancellation board (BLS requests cannot be cancelled), keyed by the ensemble's `generation_id`.
+batching ensemble refuses; this decoupled model takes them, calls the ensemble (streamed, through the server's
+own gRPC endpoint: loopback.py says why not BLS) with its inputs batch-shaped, and answers with vLLM's outputs
+and meanings: `text_output` with the prompt before it when not streamed (unless exclude_input_in_output), the
+additional outputs only with their return_* flags, num_input_tokens and num_output_tokens as UINT32. A
+client's cancellation goes on to the generation through the cancellation board, keyed by the ensemble's
+`generation_id`: the inner stream is never cancelled, but read to its end (Triton 24.10 keeps for good a
+request whose stream is cancelled just after its final response; docs/api.md, "Cancellation").
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import dataclasses
+import json
+import threading
 from dataclasses import dataclass
 
+import grpc
 import numpy as np
+from tritonclient.grpc import service_pb2_grpc
 
 from specdec import tensor_names as tn
 from specdec.triton.adapter import TritonAdapter
 from specdec.triton.admission.cancellation import CancellationBoard
 from specdec.triton.config import ModelParameters
-from specdec.triton import vllm_outputs
+from specdec.triton import loopback, vllm_outputs
 from specdec.triton.inputs import InputError, InputLookup, Inputs
 
 # This server's own inputs that vllm_compatible takes beside vLLM's ([1]-shaped too): the draft, its length
@@ -115,12 +120,17 @@ def error_code(pb, message: str):
 class VllmCompatibleAdapter(TritonAdapter):
     def load(self, params: ModelParameters, args: dict) -> None:
         self.ensemble = params.str("ensemble", tn.ENSEMBLE)
+        self.url = loopback.server_url(params.str("server_grpc_url", ""))
         self.cancellations = CancellationBoard()
         # A request is relayed on a thread of its own: the ensemble's responses come from a blocking iterator
         # (waiting with the GIL released), each sent on as it arrives. Past this many streams at once,
         # requests wait for a thread.
         self.relays = concurrent.futures.ThreadPoolExecutor(
             max_workers=params.int("max_streams", 256, low=1), thread_name_prefix="vllm-relay")
+        # One channel for every stream (HTTP/2 carries them side by side), opened at the first request: the
+        # server's endpoint is not up while it loads its models
+        self._channel_lock = threading.Lock()
+        self._server: service_pb2_grpc.GRPCInferenceServiceStub | None = None
 
     def execute(self, requests):
         for request in requests:
@@ -131,6 +141,13 @@ class VllmCompatibleAdapter(TritonAdapter):
         self.relays.shutdown(wait=True)
         super().finalize()
 
+    def _stream(self, message):
+        with self._channel_lock:
+            if self._server is None:
+                channel = grpc.insecure_channel(self.url, options=loopback.CHANNEL_OPTIONS)
+                self._server = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        return self._server.ModelStreamInfer(iter([message]))
+
     def _relay(self, request) -> None:
         pb = self.pb
         sender = request.get_response_sender()
@@ -140,31 +157,47 @@ class VllmCompatibleAdapter(TritonAdapter):
             inputs = {tensor.name(): tensor.as_numpy() for tensor in request.inputs()}
             try:
                 req = VllmRequest.parse(inputs.get, request.parameters())
+                message = loopback.stream_request(self.ensemble, req.ensemble_inputs(), req.requested_outputs(),
+                                                  req.parameters,  # passed on: the orchestrator reads them
+                                                  request_id=request.request_id())
             except (InputError, ValueError) as exc:
                 sender.send(pb.InferenceResponse(error=pb.TritonError(str(exc), pb.TritonError.INVALID_ARG)),
                             flags=final)
                 return
-            call = pb.InferenceRequest(model_name=self.ensemble, requested_output_names=req.requested_outputs(),
-                                       inputs=[pb.Tensor(name, value) for name, value in req.ensemble_inputs().items()],
-                                       parameters=req.parameters)  # passed on: the orchestrator reads them
-            for response in call.exec(decoupled=True):
-                if done:
-                    continue  # the ensemble's own end, after the last response went out
-                if response.has_error():
-                    message = response.error().message()
-                    sender.send(pb.InferenceResponse(error=pb.TritonError(message, error_code(pb, message))),
-                                flags=final)
+            stream = self._stream(message)
+            read_out = None  # after the last response: cancels a stream Triton has not ended in time
+            try:
+                for reply in stream:
+                    if loopback.is_final(reply) and read_out is None:
+                        read_out = threading.Timer(loopback.READ_OUT_TIMEOUT_S, stream.cancel)
+                        read_out.daemon = True
+                        read_out.start()
+                    if done:
+                        continue  # the ensemble's own end, after the last response went out
+                    if reply.error_message:
+                        error = reply.error_message
+                        sender.send(pb.InferenceResponse(error=pb.TritonError(error, error_code(pb, error))),
+                                    flags=final)
+                        done = True
+                        continue
+                    got = loopback.reply_outputs(reply)
+                    if tn.TEXT_OUTPUT not in got:
+                        continue  # an empty response: the ensemble's end
+                    done = finished(got)
+                    sender.send(pb.InferenceResponse(output_tensors=[pb.Tensor(name, value)
+                                                                     for name, value in req.outputs(got).items()]),
+                                flags=final if done else 0)
+                    if not done and sender.is_cancelled():  # the orchestrator stops at its next round
+                        self.cancellations.cancel(int(got[tn.GENERATION_ID].reshape(-1)[0]))
+            except grpc.RpcError as exc:
+                if not done:  # the server's endpoint is not there, or the stream broke
+                    sender.send(pb.InferenceResponse(error=pb.TritonError(
+                        f"{tn.VLLM_COMPATIBLE}: the ensemble's stream through the server's gRPC endpoint {self.url} "
+                        f"failed: {exc.code().name}: {exc.details()}", pb.TritonError.UNAVAILABLE)), flags=final)
                     done = True
-                    continue
-                got = {tensor.name(): tensor.as_numpy() for tensor in response.output_tensors()}
-                if tn.TEXT_OUTPUT not in got:
-                    continue  # an empty response: the ensemble's end
-                done = finished(got)
-                sender.send(pb.InferenceResponse(output_tensors=[pb.Tensor(name, value)
-                                                                 for name, value in req.outputs(got).items()]),
-                            flags=final if done else 0)
-                if not done and sender.is_cancelled():  # the orchestrator stops at its next round
-                    self.cancellations.cancel(int(got[tn.GENERATION_ID].reshape(-1)[0]))
+            finally:
+                if read_out is not None:
+                    read_out.cancel()
         except Exception as exc:  # noqa: BLE001 - the request fails, the model keeps serving
             if not done:
                 sender.send(pb.InferenceResponse(error=pb.TritonError(f"{tn.VLLM_COMPATIBLE}: {exc}",

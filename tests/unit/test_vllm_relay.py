@@ -1,0 +1,152 @@
+"""vllm_compatible's relay of the ensemble's gRPC stream: each response sent on as vLLM's backend shapes it, the
+stream read to its end and never cancelled (Triton 24.10 keeps for good a request whose stream is cancelled
+just after its final response), a client's cancellation passed on by generation id, a broken stream answered
+UNAVAILABLE naming the endpoint. Fakes stand in for Triton's request, sender and pb_utils, and for the stream:
+this is the relay's own logic (the integration tests run it against a real server)."""
+
+from types import SimpleNamespace
+
+import grpc
+import numpy as np
+from tritonclient.grpc import service_pb2
+from tritonclient.utils import serialize_byte_tensor
+
+from specdec import tensor_names as tn
+from specdec.triton.vllm_compatible import VllmCompatibleAdapter
+
+FINAL = 1
+
+
+class TritonError:
+    INVALID_ARG, UNAVAILABLE, INTERNAL = "INVALID_ARG", "UNAVAILABLE", "INTERNAL"
+
+    def __init__(self, message, code=INTERNAL):
+        self.message, self.code = message, code
+
+
+PB = SimpleNamespace(TRITONSERVER_RESPONSE_COMPLETE_FINAL=FINAL, TritonError=TritonError,
+                     Tensor=lambda name, value: (name, value),
+                     InferenceResponse=lambda output_tensors=(), error=None: SimpleNamespace(
+                         outputs=dict(output_tensors), error=error))
+
+
+class Sender:
+    def __init__(self, cancelled=False):
+        self.sent, self.cancelled = [], cancelled
+
+    def send(self, response=None, flags=0):
+        self.sent.append((response, flags))
+
+    def is_cancelled(self):
+        return self.cancelled
+
+
+class Tensor:
+    def __init__(self, name, value):
+        self._name, self._value = name, value
+
+    def name(self):
+        return self._name
+
+    def as_numpy(self):
+        return self._value
+
+
+class Request:
+    def __init__(self, sender, stream=True):
+        self.sender = sender
+        self._inputs = [Tensor(tn.TEXT_INPUT, np.array([b"Hi"], dtype=np.object_)),
+                        Tensor(tn.STREAM, np.array([stream]))]
+
+    def inputs(self):
+        return self._inputs
+
+    def parameters(self):
+        return "{}"
+
+    def request_id(self):
+        return "r1"
+
+    def get_response_sender(self):
+        return self.sender
+
+
+def reply(text=None, finish="", final=False, error=""):
+    out = service_pb2.ModelStreamInferResponse(error_message=error)
+    response = out.infer_response
+    if text is not None:
+        for name, array in ((tn.TEXT_OUTPUT, np.array([[text.encode()]], dtype=np.object_)),
+                            (tn.FINISH_REASON, np.array([[finish.encode()]], dtype=np.object_))):
+            response.outputs.add(name=name, datatype="BYTES", shape=[1, 1])
+            response.raw_output_contents.append(serialize_byte_tensor(array).item())
+        response.outputs.add(name=tn.GENERATION_ID, datatype="UINT64", shape=[1, 1])
+        response.raw_output_contents.append(np.array([[5]], dtype=np.uint64).tobytes())
+    response.parameters["triton_final_response"].bool_param = final
+    return out
+
+
+class Stream:
+    """A ModelStreamInfer call: its replies in order (an exception among them is raised there)."""
+
+    def __init__(self, replies):
+        self.replies, self.ended, self.cancelled = replies, False, False
+
+    def __iter__(self):
+        for item in self.replies:
+            if isinstance(item, Exception):
+                raise item
+            yield item
+        self.ended = True  # read to its end: Triton ended the RPC
+
+    def cancel(self):
+        self.cancelled = True
+
+
+class Broken(grpc.RpcError):
+    def code(self):
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self):
+        return "failed to connect to all addresses"
+
+
+def relay(replies, sender):
+    model = VllmCompatibleAdapter()
+    cancelled = []
+    model.pb, model.ensemble, model.url = PB, tn.ENSEMBLE, "127.0.0.1:9"
+    model.cancellations = SimpleNamespace(cancel=cancelled.append)
+    stream = Stream(replies)
+    model._stream = lambda message: stream
+    model._relay(Request(sender))
+    return stream, cancelled
+
+
+def test_each_response_is_sent_on_and_the_stream_is_read_to_its_end_never_cancelled():
+    sender = Sender()
+    stream, cancelled = relay([reply("He"), reply("llo", finish="length"), reply(final=True)], sender)
+    assert [(r.outputs[tn.TEXT_OUTPUT].tolist(), flags) for r, flags in sender.sent] == [([b"He"], 0),
+                                                                                         ([b"llo"], FINAL)]
+    assert stream.ended and not stream.cancelled and cancelled == []
+
+
+def test_a_client_cancellation_reaches_the_generation_and_the_stream_is_still_read_out():
+    sender = Sender(cancelled=True)
+    stream, cancelled = relay([reply("He"), reply("", finish="cancelled"), reply(final=True)], sender)
+    assert cancelled == [5] and stream.ended and not stream.cancelled
+    assert sender.sent[-1][1] == FINAL
+
+
+def test_the_ensembles_error_is_sent_once_with_its_code():
+    sender = Sender()
+    stream, _ = relay([reply(error="in ensemble 'ensemble', input 'top_p' must be within (0, 1]", final=True)],
+                      sender)
+    [(response, flags)] = sender.sent
+    assert flags == FINAL and response.error.code == TritonError.INVALID_ARG and "top_p" in response.error.message
+
+
+def test_a_broken_stream_is_answered_unavailable_naming_the_endpoint():
+    sender = Sender()
+    relay([reply("He"), Broken()], sender)
+    (first, flags0), (failure, flags1) = sender.sent
+    assert flags0 == 0 and flags1 == FINAL and failure.error.code == TritonError.UNAVAILABLE
+    assert "127.0.0.1:9" in failure.error.message and "UNAVAILABLE" in failure.error.message
