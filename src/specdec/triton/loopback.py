@@ -4,8 +4,8 @@
 Why not BLS: Triton 24.10's stub corrupts its heap on its decoupled BLS response path (`exec(decoupled=True)`:
 every core shows its C++ threads, the response monitor building a response's numpy arrays, handed a corrupt
 block by pymalloc; the bug itself was not found). `vllm_compatible`, which relayed the ensemble's stream that
-way, crashed about once in 64 streamed 128-token requests; relayed over this stream, none in 496
-(docs/results/2026-12-07-vllm-compatible-loopback.md). A gRPC stream is read by the calling thread, like any
+way, crashed under sustained streamed traffic, and does not over this stream (measured in
+docs/results/2026-12-07-vllm-compatible-loopback.md). A gRPC stream is read by the calling thread, like any
 other Python code, and never enters that path.
 
 Plain protobuf messages in and out (no `pb_utils`): unit-tested without a server.
