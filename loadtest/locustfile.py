@@ -1,7 +1,8 @@
-"""Locust load test of the speculative decoding ensemble: gRPC streaming, HTTP generate_stream, OpenAI API and
-Anthropic Messages API users.
+"""Locust load test of the speculative decoding ensemble: gRPC streaming, HTTP generate_stream, OpenAI API,
+Anthropic Messages API and vLLM-backend-client users.
 
     locust -f loadtest/locustfile.py --headless -u 8 -r 8 -t 60s --host localhost:8001          # gRPC
+    locust -f loadtest/locustfile.py --headless -u 8 -r 8 -t 60s --host localhost:8001 VllmBackendUser
     locust -f loadtest/locustfile.py --headless -u 8 -r 8 -t 60s --host http://localhost:8000   # HTTP
     locust -f loadtest/locustfile.py --headless -u 8 -r 8 -t 60s --host http://localhost:9000/v1  # OpenAI API
     locust -f loadtest/locustfile.py --headless -u 8 -r 8 -t 60s --host http://localhost:9000/v1 AnthropicUser
@@ -10,7 +11,9 @@ The host picks the user class (.../v1 -> OpenAIUser: streamed chat completions w
 -> HttpStreamUser; else GrpcStreamUser) unless classes are named on the command line. OpenAIUser sends
 temperature 0 unless --temperature says otherwise (OpenAI's default, 1, would make its runs incomparable
 with the other users'), the model --openai-model (SPECDEC_OPENAI_MODEL; default: the first /v1/models
-lists) and the key SPECDEC_API_KEY if set. Each request is one entry in Locust's statistics ("generate"); its time to first token,
+lists) and the key SPECDEC_API_KEY if set. VllmBackendUser sends its requests to vllm_compatible as the clients of
+Triton's vLLM backend do; --vllm-fraction (SPECDEC_VLLM_FRACTION, 0) sends that share of GrpcStreamUser's so.
+Each request is one entry in Locust's statistics ("generate"); its time to first token,
 inter-token latency, output tokens and acceptance are kept beside them (as entries they would add to
 Locust's aggregated request rate), and at the end the summary prints requests, failures, TTFT
 p50/p90/p99, ITL p50/p90, output tokens/s and mean acceptance rate (genai-perf definitions); with --csv
@@ -42,14 +45,15 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import gevent.queue  # noqa: E402
+import numpy as np  # noqa: E402
 import tritonclient.grpc as grpcclient  # noqa: E402
 import requests  # noqa: E402
 from locust import User, events, task  # noqa: E402
 from locust.runners import WorkerRunner  # noqa: E402
 
 from client.core import GenerationParams, ResultBuilder  # noqa: E402
-from client.core import classify_http_error  # noqa: E402
-from client.sync import consume_grpc_response, grpc_inputs, parse_sse_line  # noqa: E402
+from client.core import classify_error, classify_http_error  # noqa: E402
+from client.sync import consume_grpc_response, grpc_inputs, is_final, parse_sse_line  # noqa: E402
 from specdec import tensor_names as tn  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -78,6 +82,9 @@ def _options(parser):
     parser.add_argument("--guides-file", default=env("SPECDEC_GUIDES", str(HERE / "guided.jsonl")))
     parser.add_argument("--system-prompt-file", default=env("SPECDEC_SYSTEM_PROMPT", ""))
     parser.add_argument("--openai-model", default=env("SPECDEC_OPENAI_MODEL", ""))
+    parser.add_argument("--vllm-fraction", type=float, default=float(env("SPECDEC_VLLM_FRACTION", "0")),
+                        help="gRPC users: the share of requests sent as vLLM's Triton backend's clients send them, "
+                             "to vllm_compatible (VllmBackendUser: all)")
     parser.add_argument("--mix", action="store_true", default=env("SPECDEC_MIX", "") not in ("", "0"),
                         help="mixed traffic (gRPC users): streamed or not, greedy or seeded sampling, penalties on "
                              "some, and a share of clients that cancel mid-stream")
@@ -159,8 +166,7 @@ def _receive_samples(client_id, data, **_kwargs):
 def _summary(environment, **_kwargs):
     if isinstance(environment.runner, WorkerRunner):
         return  # the master has this worker's samples and prints the summary
-    entries = [environment.stats.entries[key] for key in (("generate", "grpc"), ("generate", "http"), ("generate", "openai"))
-               if key in environment.stats.entries]
+    entries = [entry for (name, _kind), entry in environment.stats.entries.items() if name == "generate"]
     requests_done = sum(e.num_requests for e in entries)
     failures = sum(e.num_failures for e in entries)
     duration = (SAMPLES.last_done - SAMPLES.first_sent) if SAMPLES.first_sent is not None else 0.0
@@ -175,7 +181,8 @@ def _summary(environment, **_kwargs):
         f" / {percentile(SAMPLES.ttft, 99) * 1000:.0f} ms",
         f"  ITL p50/p90         {percentile(SAMPLES.itl, 50) * 1000:.1f} / {percentile(SAMPLES.itl, 90) * 1000:.1f} ms",
         f"  output tokens/s     {tokens_per_s:.1f}  ({SAMPLES.output_tokens} tokens in {duration:.1f} s)",
-        f"  mean acceptance     {acceptance:.3f}",
+        # vllm_compatible's responses carry no acceptance (vLLM's outputs): "n/a" when no request's did
+        f"  mean acceptance     {acceptance:.3f}" if SAMPLES.acceptance else "  mean acceptance     n/a",
     ]
     print("\n".join(lines), flush=True)
     prefix = getattr(environment.parsed_options, "csv_prefix", None)
@@ -243,10 +250,10 @@ class _SpecdecMixin:
                 params = dataclasses.replace(params, repetition_penalty=1.1, presence_penalty=0.3)
         return self.system + prompt, params
 
-    def record(self, sent: float, result, exception) -> None:
+    def record(self, sent: float, result, exception, request_type: str | None = None) -> None:
         if exception is None:
             SAMPLES.add(sent, result)
-        self.environment.events.request.fire(request_type=self.request_type, name="generate",
+        self.environment.events.request.fire(request_type=request_type or self.request_type, name="generate",
              response_time=(time.perf_counter() - sent) * 1000,
              response_length=result.num_output_tokens if result else 0, exception=exception, context={})
 
@@ -275,13 +282,64 @@ def _close_grpc_clients(**_kwargs):
         OPEN_GRPC_CLIENTS.pop().close()
 
 
+# A guide of the load test's guides file as vLLM's `structured_outputs` object (its OpenAI API's and its Triton
+# backend's sampling_parameters' key).
+_STRUCTURED_OUTPUTS = {"json": lambda guide: {"json_object": True},
+                       "json_schema": lambda guide: {"json": json.loads(guide)},
+                       "regex": lambda guide: {"regex": guide}, "ebnf_grammar": lambda guide: {"grammar": guide},
+                       "choice": lambda guide: {"choice": json.loads(guide)},
+                       "structural_tag": lambda guide: {"structural_tag": json.loads(guide)}}
+# Settings of GenerationParams that vLLM's sampling_parameters JSON takes under the same name
+_VLLM_SETTINGS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "repetition_penalty",
+                  "presence_penalty", "frequency_penalty", "ignore_eos", "lora_name")
+# This server's speculation inputs that vllm_compatible takes beside vLLM's, with their types
+_VLLM_SPECULATION = ((tn.DRAFT_MODEL, "draft_model", np.object_), (tn.NUM_DRAFT_TOKENS, "num_draft_tokens", np.int32),
+                     (tn.NUM_DRAFT_BRANCHES, "num_draft_branches", np.int32))
+
+
+def vllm_request(prompt: str, params: GenerationParams, stream: bool) -> dict[str, np.ndarray]:
+    """A request as vLLM's Triton backend's clients send it (to vllm_compatible): [1]-shaped tensors (its model
+    has max_batch_size 0), the settings as one sampling_parameters JSON, the text without the prompt, and each
+    response's token count (return_num_output_tokens); this server's speculation inputs beside them."""
+    settings = {key: value for key in _VLLM_SETTINGS if (value := getattr(params, key)) is not None}
+    if params.guide_type:
+        settings["structured_outputs"] = _STRUCTURED_OUTPUTS[params.guide_type](params.guide)
+    arrays = {tn.TEXT_INPUT: np.array([prompt.encode()], dtype=np.object_), tn.STREAM: np.array([stream]),
+              tn.SAMPLING_PARAMETERS: np.array([json.dumps(settings).encode()], dtype=np.object_),
+              tn.EXCLUDE_INPUT_IN_OUTPUT: np.array([True]), tn.RETURN_NUM_OUTPUT_TOKENS: np.array([True])}
+    for name, key, dtype in _VLLM_SPECULATION:
+        value = getattr(params, key)
+        if value is not None:
+            arrays[name] = np.array([value.encode() if isinstance(value, str) else value], dtype=dtype)
+    return arrays
+
+
+def consume_vllm_response(builder: ResultBuilder, result, error) -> bool:
+    """Add one of vllm_compatible's streamed responses to the result (its text; num_output_tokens counts the
+    response's own tokens, vLLM's meaning, so they are summed); True when it was the request's last."""
+    if error is not None:
+        raise classify_error(error.message(), str(error.status()))
+    if result.get_response().outputs:
+        text = "".join(item.decode() for item in result.as_numpy(tn.TEXT_OUTPUT).reshape(-1))
+        tokens = int(result.as_numpy(tn.NUM_OUTPUT_TOKENS).sum())
+        builder.add({tn.TEXT_OUTPUT: text, tn.NUM_OUTPUT_TOKENS: builder.result.num_output_tokens + tokens})
+    return is_final(result)
+
+
 class GrpcStreamUser(_SpecdecMixin, User):
-    """Streams every request over gRPC ModelStreamInfer (host: host:port of the gRPC endpoint)."""
+    """Streams every request over gRPC ModelStreamInfer (host: host:port of the gRPC endpoint): to `ensemble`, or
+    with --vllm-fraction a share of them to `vllm_compatible` as vLLM's backend's clients send them (their own
+    "vllm" entry in Locust's table; no acceptance: vLLM's outputs have none)."""
 
     request_type = "grpc"
+    vllm_fraction: float | None = None  # None: --vllm-fraction
 
     def on_start(self):
         super().on_start()
+        if self.vllm_fraction is None:
+            self.vllm_fraction = getattr(self.environment.parsed_options, "vllm_fraction", 0.0)
+        if not 0.0 <= self.vllm_fraction <= 1.0:
+            raise ValueError(f"--vllm-fraction must be within [0, 1], got {self.vllm_fraction}")
         self.client = GeventGrpcClient(self.host.replace("grpc://", ""))
         OPEN_GRPC_CLIENTS.add(self.client)
 
@@ -299,12 +357,19 @@ class GrpcStreamUser(_SpecdecMixin, User):
         mix = getattr(self.environment.parsed_options, "mix", False)
         streamed = not (mix and random.random() < MIX["whole"])
         cancel = mix and streamed and random.random() < MIX["cancelled"]
+        vllm = random.random() < self.vllm_fraction
+        request_type = "vllm" if vllm else self.request_type
         self.client.start_stream(callback=lambda result, error: responses.put((result, error)))
         try:
             prompt, params = self.request()
-            self.client.async_stream_infer(tn.ENSEMBLE, grpc_inputs(params.tensors(prompt, streamed)),
-                                           enable_empty_final_response=True)
-            while not consume_grpc_response(builder, *responses.get(timeout=600), None):
+            if vllm:
+                model, arrays = tn.VLLM_COMPATIBLE, vllm_request(prompt, params, streamed)
+                consume = consume_vllm_response
+            else:
+                model, arrays = tn.ENSEMBLE, params.tensors(prompt, streamed)
+                consume = lambda *response: consume_grpc_response(*response, None)  # noqa: E731
+            self.client.async_stream_infer(model, grpc_inputs(arrays), enable_empty_final_response=True)
+            while not consume(builder, *responses.get(timeout=600)):
                 if cancel and builder.first is not None:
                     break  # the client walks away mid-stream: the stream is closed with cancel_requests below
         except Exception as exc:  # noqa: BLE001 - every failure is recorded as one
@@ -312,11 +377,21 @@ class GrpcStreamUser(_SpecdecMixin, User):
         finally:
             self.client.stop_stream(cancel_requests=cancel)
         if cancel and exception is None:
-            self.environment.events.request.fire(request_type=self.request_type, name="cancelled",
+            self.environment.events.request.fire(request_type=request_type, name="cancelled",
                                                  response_time=(time.perf_counter() - sent) * 1000,
                                                  response_length=0, exception=None, context={})
             return
-        self.record(sent, builder.result, exception)
+        self.record(sent, builder.result, exception, request_type)
+
+
+class VllmBackendUser(GrpcStreamUser):
+    """Streams every request to `vllm_compatible` as the clients of Triton's vLLM backend send them ([1]-shaped
+    tensors, one sampling_parameters JSON; host: host:port of the gRPC endpoint; name the class on the command
+    line): TTFT at the first response, output tokens summed from each response's num_output_tokens, no
+    acceptance (vLLM's outputs carry none)."""
+
+    request_type = "vllm"
+    vllm_fraction = 1.0
 
 
 class HttpStreamUser(_SpecdecMixin, User):
@@ -356,13 +431,6 @@ class HttpStreamUser(_SpecdecMixin, User):
         self.record(sent, builder.result, exception)
 
 
-# A guide of the load test's guides file as the OpenAI API's vLLM-style `structured_outputs` object.
-_OPENAI_GUIDES = {"json": lambda guide: {"json_object": True}, "json_schema": lambda guide: {"json": json.loads(guide)},
-                  "regex": lambda guide: {"regex": guide}, "ebnf_grammar": lambda guide: {"grammar": guide},
-                  "choice": lambda guide: {"choice": json.loads(guide)},
-                  "structural_tag": lambda guide: {"structural_tag": json.loads(guide)}}
-
-
 class OpenAIUser(_SpecdecMixin, User):
     """Streams every request as an OpenAI chat completion (host: the API's base URL, http://host:9000/v1),
     with stream_options.include_usage: TTFT at the first chunk with content, output tokens from `usage`,
@@ -394,7 +462,7 @@ class OpenAIUser(_SpecdecMixin, User):
         if params.draft_model is not None:
             body["draft_model"] = params.draft_model
         if params.guide_type:
-            body["structured_outputs"] = _OPENAI_GUIDES[params.guide_type](params.guide)
+            body["structured_outputs"] = _STRUCTURED_OUTPUTS[params.guide_type](params.guide)
         return body
 
     path = "/chat/completions"

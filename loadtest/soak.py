@@ -12,7 +12,8 @@ RSS growth under 5 % after warm-up.
     python loadtest/soak.py --mix --kill target_model --duration 1800   # `make soak-mixed`
 
 --mix sends mixed traffic (the locustfile's MIX: streamed and not, greedy and seeded sampling, penalties,
-clients that cancel mid-stream, and structured output on 15 %); --kill MODEL SIGKILLs that model's first
+clients that cancel mid-stream, structured output on 15 %, and 20 % sent to vllm_compatible as the clients of
+Triton's vLLM backend send them); --kill MODEL SIGKILLs that model's first
 stub halfway through the run, as the OOM killer would: the launcher's watchdog brings it back, and the
 failures of the requests it was serving (the server's "being restored, retry", or a dropped stream when
 the server restarts) are counted apart as expected; any other failure is unexpected.
@@ -124,19 +125,20 @@ def sample_every(server_pid: int, seconds: float, stop: threading.Event) -> list
 
 
 def locust(grpc_url: str, seconds: float, users: int, csv_prefix: Path, max_tokens: int, mix: bool = False) -> dict:
-    """Run Locust headless; returns its aggregated `generate` row and the summary it printed."""
+    """Run Locust headless; returns its `generate` rows' counts (summed over the kinds) and the summary it printed."""
     command = [sys.executable, "-m", "locust", "-f", str(HERE / "locustfile.py"), "--headless", "-u", str(users),
                "-r", str(users), "-t", f"{int(seconds)}s", "--stop-timeout", "60", "--host", grpc_url,
                "--csv", str(csv_prefix), "--max-tokens", str(max_tokens), "--only-summary"]
     if mix:
-        command += ["--mix", "--guided-fraction", "0.15"]
+        command += ["--mix", "--guided-fraction", "0.15", "--vllm-fraction", "0.2"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=seconds + 300)
     rows = list(csv.DictReader(open(f"{csv_prefix}_stats.csv")))
-    (row,) = [r for r in rows if r["Name"] == "generate"]
+    generate = [r for r in rows if r["Name"] == "generate"]  # one per kind: ensemble's ("grpc") and "vllm"
     lines = (result.stdout + result.stderr).splitlines()
     start = next((i for i, line in enumerate(lines) if line.startswith("speculative decoding load summary")), None)
     summary = [] if start is None else lines[start + 1:start + 7]  # the locustfile's own summary
-    return {"requests": int(row["Request Count"]), "failures": int(row["Failure Count"]),
+    return {"requests": sum(int(r["Request Count"]) for r in generate),
+            "failures": sum(int(r["Failure Count"]) for r in generate),
             "code": result.returncode, "summary": summary}
 
 

@@ -897,17 +897,21 @@ def test_vllm_backend_clients_are_served_as_they_are(server):
     # this server's draft inputs beside vLLM's, [1]-shaped too
     drafted = _vllm_client_request(server, PROMPTS[0], stream=False, parameters=settings, exclude_input_in_output=True,
                                    num_draft_tokens=np.array([3], dtype=np.int32), adaptive_draft=False,
+                                   num_draft_branches=np.array([1], dtype=np.int32),
                                    draft_model=np.array([b"ngram"], dtype=np.object_))
     assert drafted[0][tn.TEXT_OUTPUT].tolist() == [expected[tn.TEXT_OUTPUT].encode()]
     errors = [_vllm_client_request(server, PROMPTS[0], stream=True, exclude_input_in_output=False)[-1],
               _vllm_client_request(server, PROMPTS[0], stream=False,
                                    draft_model=np.array([b"nonexistent"], dtype=np.object_))[-1],
               _vllm_client_request(server, PROMPTS[0], stream=False, settings={"max_tokens": 0})[-1],
-              _vllm_client_request(server, PROMPTS[0], stream=False, parameters={"n": 3})[-1]]
+              _vllm_client_request(server, PROMPTS[0], stream=False, parameters={"n": 3})[-1],
+              _vllm_client_request(server, PROMPTS[0], stream=False,
+                                   num_draft_branches=np.array([999], dtype=np.int32))[-1]]
     assert "'exclude_input_in_output' false is not allowed when streaming" in str(errors[0])
     assert f"input '{tn.DRAFT_MODEL}' must be one of" in str(errors[1])
     assert f"'{tn.MAX_TOKENS}' must be within" in str(errors[2])
     assert "request parameter 'n' is supported only at 1" in str(errors[3])
+    assert f"input '{tn.NUM_DRAFT_BRANCHES}' must be within" in str(errors[4])  # passed on to the ensemble
 
 
 def test_a_cancelled_vllm_backend_stream_stops_its_generation(server):

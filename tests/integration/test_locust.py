@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from specdec import tensor_names as tn
 from specdec.serving.pairs import TINY_LORA
 
 pytestmark = pytest.mark.integration
@@ -30,14 +31,15 @@ def run_locust(tmp_path, host, seconds=5, extra=()):
     return out, {(row["Type"], row["Name"]): row for row in rows}, latency
 
 
-@pytest.mark.parametrize("scheme", ["grpc", "http", "openai", "anthropic"])
+@pytest.mark.parametrize("scheme", ["grpc", "http", "openai", "anthropic", "vllm"])
 def test_locust_headless_records_requests_and_ttft(server, tmp_path, scheme):
     host = {"grpc": server.grpc_url, "http": server.http_url, "openai": server.openai_url,
-            "anthropic": server.openai_url}[scheme]
-    # gRPC and OpenAI users spread their requests over the session's LoRA adapter and the base model
-    adapters = ["--lora-names", f"{TINY_LORA},"] if scheme in ("grpc", "openai") else []
+            "anthropic": server.openai_url, "vllm": server.grpc_url}[scheme]
+    # gRPC, OpenAI and vLLM-backend users spread their requests over the session's LoRA adapter and the base model
+    adapters = ["--lora-names", f"{TINY_LORA},"] if scheme in ("grpc", "openai", "vllm") else []
+    user_class = {"anthropic": ["AnthropicUser"], "vllm": ["VllmBackendUser"]}.get(scheme, [])
     before = server.metric("specdec_lora_requests_total", lora_name=TINY_LORA)
-    out, rows, latency = run_locust(tmp_path, host, extra=["AnthropicUser"] if scheme == "anthropic" else adapters)
+    out, rows, latency = run_locust(tmp_path, host, extra=user_class + adapters)
     assert out.returncode == 0, out.stderr[-3000:]
     assert (server.metric("specdec_lora_requests_total", lora_name=TINY_LORA) > before) == bool(adapters)
     generate = rows[(scheme, "generate")]
@@ -49,8 +51,18 @@ def test_locust_headless_records_requests_and_ttft(server, tmp_path, scheme):
     assert int(latency["ttft_ms"]["count"]) > 0 and float(latency["ttft_ms"]["p50"]) > 0
     assert int(latency["itl_ms"]["count"]) > 0
     summary = out.stdout + out.stderr
-    for line in ("requests", "failures", "TTFT p50/p90/p99", "ITL p50/p90", "output tokens/s", "mean acceptance"):
+    for line in ("TTFT p50/p90/p99", "ITL p50/p90", "output tokens/s", "mean acceptance"):
         assert line in summary
+    # The summary counts every user class's requests (those finished in the stop timeout too, after the CSV);
+    # finished ones have their tokens (vLLM's responses count their own: summed), 24 each unless an end token
+    # came first
+    requests_done = int(re.search(r"requests +(\d+)", summary).group(1))
+    finished = int(latency["ttft_ms"]["count"])
+    assert requests_done >= int(generate["Request Count"]) and requests_done >= finished, summary
+    tokens = int(re.search(r"\((\d+) tokens in", summary).group(1))
+    assert finished * 24 >= tokens > finished * 4, summary
+    if scheme == "vllm":  # vLLM's outputs carry no acceptance (the others' may have none: a paused draft)
+        assert "mean acceptance     n/a" in summary
 
 
 def test_locust_sends_guided_requests(server, tmp_path):
@@ -122,13 +134,15 @@ def test_locust_distributed_summary_counts_every_workers_requests(server, tmp_pa
 
 
 def test_soak_reports_memory_over_time_against_a_running_server(server, tmp_path):
-    """`make soak`'s script, briefly, against the suite's server: no failures, every process's RSS at start
-    and end split into anonymous and shared growth, and the largest grower's RSS over time."""
+    """`make soak-mixed`'s script (mixed traffic, vllm_compatible's clients among it), briefly, against the suite's
+    server: no failures, every process's RSS at start and end split into anonymous and shared growth, and the
+    largest grower's RSS over time."""
     script = LOCUSTFILE.parent / "soak.py"
     out = tmp_path / "soak.md"
+    relayed = server.metric("nv_inference_request_success", model=tn.VLLM_COMPATIBLE)
     result = subprocess.run([sys.executable, str(script), "--grpc-url", server.grpc_url,
                              "--server-pid", str(server.process.pid), "--duration", "8", "--warmup", "2",
-                             "--sample-every", "2", "--users", "2", "--max-tokens", "16", "--out", str(out)],
+                             "--sample-every", "2", "--users", "3", "--max-tokens", "16", "--mix", "--out", str(out)],
                             capture_output=True, text=True, timeout=240)
     # 1: grew >= 5 % (an 8 s run proves nothing), with its report written; a crash exits 1 too, without one.
     assert result.returncode in (0, 1) and out.exists(), result.stdout[-2000:] + result.stderr[-3000:]
@@ -138,6 +152,7 @@ def test_soak_reports_memory_over_time_against_a_running_server(server, tmp_path
     assert {"target_model", "speculative_decoding", "tritonserver", "total"} <= set(table)
     # One row per stub: the orchestrator's second instance has its own.
     assert "speculative_decoding #2" in table, sorted(table)
+    assert server.metric("nv_inference_request_success", model=tn.VLLM_COMPATIBLE) > relayed  # its share was sent
     assert re.search(r"[+-]\d+ / [+-]\d+", table["target_model"])  # anonymous / shared growth
     series = re.search(r"RSS \(anonymous \+ shared, MiB\) every 2 s: ([\d, ]+)", report)
     assert series and len(series.group(1).split(",")) >= 3

@@ -399,6 +399,7 @@ input [
   { name: "exclude_input_in_output", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },
   { name: "draft_model", data_type: TYPE_STRING, dims: [ 1 ], optional: true },
   { name: "num_draft_tokens", data_type: TYPE_INT32, dims: [ 1 ], optional: true },
+  { name: "num_draft_branches", data_type: TYPE_INT32, dims: [ 1 ], optional: true },
   { name: "adaptive_draft", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },
   { name: "return_finish_reason", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },
   { name: "return_cumulative_logprob", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },

@@ -28,8 +28,9 @@ from specdec.triton.config import ModelParameters
 from specdec.triton import loopback, vllm_outputs
 from specdec.triton.inputs import InputError, InputLookup, Inputs
 
-# This server's own inputs that vllm_compatible takes beside vLLM's ([1]-shaped too): the draft, its length
-SPECULATION_INPUTS = (tn.DRAFT_MODEL, tn.NUM_DRAFT_TOKENS, tn.ADAPTIVE_DRAFT)
+# This server's own inputs that vllm_compatible takes beside vLLM's ([1]-shaped too): the draft, its length and width,
+# whether the length adapts
+SPECULATION_INPUTS = (tn.DRAFT_MODEL, tn.NUM_DRAFT_TOKENS, tn.NUM_DRAFT_BRANCHES, tn.ADAPTIVE_DRAFT)
 # Finish reasons that mean "not finished": this server's own ("") and vLLM's (with its flag)
 NOT_FINISHED = ("", vllm_outputs.NOT_FINISHED)
 
