@@ -5,6 +5,7 @@ Anthropic Messages API and vLLM-backend-client users.
     locust -f loadtest/locustfile.py --headless -u 8 -r 8 -t 60s --host localhost:8001 VllmBackendUser
     locust -f loadtest/locustfile.py --headless -u 8 -r 8 -t 60s --host http://localhost:8000   # HTTP
     locust -f loadtest/locustfile.py --headless -u 8 -r 8 -t 60s --host http://localhost:9000/v1  # OpenAI API
+    locust -f loadtest/locustfile.py --headless -u 8 -r 8 -t 60s --host http://localhost:9000/v1 OpenAICompletionsUser
     locust -f loadtest/locustfile.py --headless -u 8 -r 8 -t 60s --host http://localhost:9000/v1 AnthropicUser
 
 The host picks the user class (.../v1 -> OpenAIUser: streamed chat completions with usage; other http://
@@ -474,7 +475,8 @@ class OpenAIUser(_SpecdecMixin, User):
         if "error" in chunk:
             raise classify_http_error(500, json.dumps({"error": chunk["error"]["message"]}))
         fields = dict(chunk.get("speculative_decoding") or {})
-        content = "".join((c.get("delta") or {}).get("content") or "" for c in chunk.get("choices", []))
+        choices = chunk.get("choices", [])  # a chat chunk's delta, or a text completion's text
+        content = "".join((c.get("delta") or {}).get("content") or c.get("text") or "" for c in choices)
         if content:
             fields[tn.TEXT_OUTPUT] = content
         if chunk.get("usage"):
@@ -502,6 +504,22 @@ class OpenAIUser(_SpecdecMixin, User):
         except Exception as exc:  # noqa: BLE001
             exception = exc
         self.record(sent, builder.result, exception)
+
+
+class OpenAICompletionsUser(OpenAIUser):
+    """Streams every request as an OpenAI text completion (`/v1/completions`, what vLLM's benchmark_serving and
+    most throughput tools send; host: the API's base URL; name the class on the command line): the prompt as it
+    is, no chat template; TTFT at the first chunk with text, tokens from `usage`, acceptance from the chunks'
+    `speculative_decoding` statistics."""
+
+    request_type = "completions"
+    path = "/completions"
+
+    def body(self, prompt: str, params: GenerationParams) -> dict:
+        body = super().body(prompt, params)
+        del body["messages"]
+        body["prompt"] = prompt
+        return body
 
 
 class AnthropicUser(OpenAIUser):

@@ -31,13 +31,14 @@ def run_locust(tmp_path, host, seconds=5, extra=()):
     return out, {(row["Type"], row["Name"]): row for row in rows}, latency
 
 
-@pytest.mark.parametrize("scheme", ["grpc", "http", "openai", "anthropic", "vllm"])
+@pytest.mark.parametrize("scheme", ["grpc", "http", "openai", "completions", "anthropic", "vllm"])
 def test_locust_headless_records_requests_and_ttft(server, tmp_path, scheme):
     host = {"grpc": server.grpc_url, "http": server.http_url, "openai": server.openai_url,
-            "anthropic": server.openai_url, "vllm": server.grpc_url}[scheme]
+            "completions": server.openai_url, "anthropic": server.openai_url, "vllm": server.grpc_url}[scheme]
     # gRPC, OpenAI and vLLM-backend users spread their requests over the session's LoRA adapter and the base model
-    adapters = ["--lora-names", f"{TINY_LORA},"] if scheme in ("grpc", "openai", "vllm") else []
-    user_class = {"anthropic": ["AnthropicUser"], "vllm": ["VllmBackendUser"]}.get(scheme, [])
+    adapters = ["--lora-names", f"{TINY_LORA},"] if scheme in ("grpc", "openai", "completions", "vllm") else []
+    user_class = {"anthropic": ["AnthropicUser"], "vllm": ["VllmBackendUser"],
+                  "completions": ["OpenAICompletionsUser"]}.get(scheme, [])
     before = server.metric("specdec_lora_requests_total", lora_name=TINY_LORA)
     out, rows, latency = run_locust(tmp_path, host, extra=user_class + adapters)
     assert out.returncode == 0, out.stderr[-3000:]
