@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from specdec.decoding.sampling import SamplingParams
-from specdec.engine.build import dynamic_executor, static_executor
+from specdec.engine.build import ExecutorConfig, build_executor, dynamic_executor, static_executor
 from specdec.engine.executor import Step
-from specdec.engine.prefix_cache import ROOT, PrefixIndex
+from specdec.engine.prefix_cache import FEATURES_SHARE, ROOT, PrefixIndex
 
 from .conftest import run_fixed_k
 
@@ -193,6 +193,38 @@ def test_cached_blocks_are_evicted_oldest_first_when_the_pool_needs_them(tiny_lm
     lm.extend(4, 0, new + [1], 1)  # takes new's cached blocks back, and evicts old's head for its third
     assert lm.prefix_hit_tokens == 16 and not lm.kv.pool.cached and not lm.kv.pool.free
     assert lm.prefix.match(old, 2) == ([], [])
+
+
+@pytest.mark.parametrize("cap", [16, None])
+def test_a_capped_pool_keeps_the_newest_prefixes_and_reuses_their_blocks_before_untouched_ones(tiny_lm, cap):
+    """prefix_cache_tokens on the static pool (a CPU's): at most that many tokens' blocks stay cached once no
+    sequence holds them, the newest, and the evicted ones are handed out again before a block never used, so a
+    long run of new prompts touches a bounded set of blocks (a CPU pool's resident pages). Uncapped, every
+    prompt's blocks stay cached and each new prompt takes blocks never used."""
+    lm = paged(tiny_lm, kv_pool_tokens=512, max_context=64, prefix_cache_tokens=cap)  # 64 blocks of 8
+    touched = set()
+    for i in range(12):
+        lm.extend(i, 0, prompt(17, seed=10 + i), 1)  # 3 blocks, 2 of them full (keyed)
+        touched |= set(lm.sequences[i].blocks)
+        lm.release(i)
+        assert len(lm.kv.pool.cached) == (min(2 * (i + 1), 2) if cap else 2 * (i + 1))
+    # one sequence's 3 blocks and the 2 cached; uncapped 2 new per prompt (its unkeyed tail's block is reused)
+    assert len(touched) == (5 if cap else 2 * 12 + 1)
+    assert len(lm.prefix.match(prompt(17, seed=21), 2)[0]) == 2  # the newest prompt's are found
+    assert len(lm.prefix.match(prompt(17, seed=10), 2)[0]) == (0 if cap else 2)
+    assert lm.prefix_cache_bytes == len(lm.kv.pool.cached) * lm.kv.pool.block_bytes
+    before = lm.tokens_processed
+    lm.extend(99, 0, prompt(17, seed=21) + [7], 1)
+    assert lm.tokens_processed - before == 2  # the cached blocks serve: 16 positions not run
+
+
+def test_the_cpu_executor_caps_its_cached_prefixes_at_prefix_cache_tokens(tiny_lm):
+    """The executor the server builds on a CPU: its static pool keeps prefix_cache_tokens of cached blocks
+    (the pool's pages become resident as used); the features a hosted head keeps, a share of those."""
+    lm = build_executor(tiny_lm, ExecutorConfig(executor="static", max_sequences=2, max_context=256, block_size=8,
+                                                prefix_cache_tokens=64))
+    assert lm.kv.pool.max_cached == 8 < lm.kv.pool.blocks
+    assert lm.prefix.features_budget == int(FEATURES_SHARE * 8 * lm.kv.pool.block_bytes)
 
 
 @pytest.mark.parametrize("kind", EXECUTORS)

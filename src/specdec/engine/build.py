@@ -52,7 +52,8 @@ class ExecutorConfig:
     skip_layers: tuple[int, ...] | None = None
     skip_search: bool = False
     # dynamic
-    prefix_cache_tokens: int = 4096  # the prefix cache's store of copied blocks
+    # the prefix cache's store of copied blocks; on a CPU also the static pool's cap on cached unheld blocks
+    prefix_cache_tokens: int = 4096
     # pad 2..n-1-row forwards to n (None: as `linear_kernels: auto` timed it at load; without that timing 4 on
     # CPU with torch's own linear kernels, whose 2-3-row GEMMs are slower than 4 rows in some BLAS builds;
     # oneDNN's reordered weights have no such cliff)
@@ -103,7 +104,7 @@ def static_executor(model, max_sequences: int = 256, idle_timeout_s: float = 600
                     skip_layers: tuple[int, ...] | None = None, attention: str = "auto",
                     lora_adapters: dict[str, str] | None = None, lora_directory: str = "", max_loras: int = 0,
                     max_lora_rank: int = 0, lora_layers: tuple[int, ...] | None = None,
-                    skip_search: bool = False) -> Executor:
+                    skip_search: bool = False, prefix_cache_tokens: int | None = None) -> Executor:
     """The static Llama forward over a paged pool (see the module's docstring; the arguments are
     `PagedKV`'s and `StaticForward`'s). skip_layers, a layer-skip draft: captured with CUDA graphs, that
     set for life; eagerly `LayerSkipForward` over the static forward (a set per sequence, no prefix caching);
@@ -126,7 +127,7 @@ def static_executor(model, max_sequences: int = 256, idle_timeout_s: float = 600
     eager = StaticForward.mode_for(compile, model.device) == "off"
     per_sequence = skip is not None and (eager or skip_search)
     kv = PagedKV(model, max_sequences, max_context, kv_pool_tokens, kv_memory_fraction, block_size,
-                 prefix_caching and not per_sequence, log)
+                 prefix_caching and not per_sequence, log, prefix_cache_tokens)
     forward = StaticForward(model, kv, max_batch, max_rows, compile, min_window, fuse_kernels, fuse_mlp,
                             prefill_rows, log, hidden_layers, () if per_sequence or skip is None else skip, attention,
                             adapters, graph_skip=skip if per_sequence and not eager else None)
@@ -172,7 +173,12 @@ def build_executor(model, config: ExecutorConfig, log: Callable[[str], None] = l
             hidden_layers=config.hidden_layers, skip_layers=config.skip_layers, attention=config.attention,
             lora_adapters=dict(config.lora_adapters), lora_directory=config.lora_directory,
             max_loras=config.max_loras, max_lora_rank=config.max_lora_rank, lora_layers=config.lora_layers,
-            skip_search=config.skip_search)
+            skip_search=config.skip_search,
+            # On a CPU the pool's pages become resident as blocks are first used: prefixes cached in every block
+            # the sequences leave free grow the process towards the pool's size (half the host's memory for a
+            # target) under a mixed load, so the cache keeps to prefix_cache_tokens there, as the dynamic
+            # executor's store does. A GPU's pool is resident from its allocation: caching costs nothing there.
+            prefix_cache_tokens=config.prefix_cache_tokens if model.device.type == "cpu" else None)
     if config.lora_adapters or config.lora_directory:
         raise ValueError(f"LoRA adapters need the static executor (executor={config.executor}"
                          f"{': ' + unsupported if unsupported else ', which did not take it on this device and dtype'})")

@@ -43,10 +43,14 @@ class BlockPool:
 
     With a prefix index, a block may be held by several sequences (`refs`), and a registered block that
     no sequence holds any more stays `cached` (its contents reusable by a later prompt) until the pool
-    needs it: free blocks are handed out first, then cached ones, least recently released first."""
+    needs it: free blocks are handed out first, then cached ones, least recently released first. With
+    `max_cached` at most that many stay cached (the oldest beyond it are freed): free blocks are a stack, so
+    those are reused before a block never touched, and the pool's resident pages stay near what the sequences
+    held at most plus the cap, where otherwise every block of the pool ends up cached and resident."""
 
     def __init__(self, num_layers: int, blocks: int, block_size: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device, index: PrefixIndex | None = None):
+                 dtype: torch.dtype, device: torch.device, index: PrefixIndex | None = None,
+                 max_cached: int | None = None):
         shape = (blocks + 1, block_size, kv_heads, head_dim)
         self.keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
@@ -56,6 +60,7 @@ class BlockPool:
         self.index = index
         self.refs = [0] * blocks  # sequences holding each block
         self.cached: OrderedDict[int, None] = OrderedDict()  # registered, held by none: oldest first
+        self.max_cached = blocks if max_cached is None else max_cached
         self._zero([self.scratch])
         # Read on every execute (the KV-bytes gauge): computed once, not from 2 x layers tensor views.
         self.block_bytes = 2 * sum(k[0].nbytes for k in self.keys)
@@ -145,6 +150,10 @@ class BlockPool:
             else:
                 self.free.append(block)
         seq.blocks = []
+        while len(self.cached) > self.max_cached:  # the oldest beyond the cap, freed
+            block, _ = self.cached.popitem(last=False)
+            self.index.remove(block)
+            self.free.append(block)
 
 
 class PagedKV:
@@ -154,11 +163,12 @@ class PagedKV:
     kv_memory_fraction of the device's free memory (host memory on CPU). max_context: the most positions
     one sequence may hold (and at least what the pool must hold). prefix_caching: a new sequence reuses
     the pool's blocks that hold its prompt's first tokens; their keys and values are those its own
-    prefill would write."""
+    prefill would write. prefix_cache_tokens: at most this many tokens' blocks kept for later prompts while
+    no sequence holds them (None: every block the sequences leave free; see BlockPool)."""
 
     def __init__(self, model, max_sequences: int = 256, max_context: int = 8192, kv_pool_tokens: int = 0,
                  kv_memory_fraction: float = 0.4, block_size: int = 32, prefix_caching: bool = True,
-                 log: Callable[[str], None] = lambda message: None):
+                 log: Callable[[str], None] = lambda message: None, prefix_cache_tokens: int | None = None):
         layers, kv_heads, head_dim = kv_layout(model)
         device = model.device
         self.block_size = block_size
@@ -174,11 +184,14 @@ class PagedKV:
                 f"cannot hold one sequence of max_context={self.max_context} tokens: raise kv_pool_tokens or the memory")
         # The pool holds the cached prefixes (in its blocks no sequence needs): no store of their own.
         self.prefix = PrefixIndex(block_size) if prefix_caching else None
-        self.pool = BlockPool(layers, blocks, block_size, kv_heads, head_dim, model.dtype, device, self.prefix)
+        cached = None if prefix_cache_tokens is None else min(blocks, prefix_cache_tokens // block_size)
+        self.pool = BlockPool(layers, blocks, block_size, kv_heads, head_dim, model.dtype, device, self.prefix,
+                              cached)
         if self.prefix is not None:  # a served head's features kept with the blocks (prefix_cache.py)
-            self.prefix.features_budget = int(FEATURES_SHARE * blocks * self.pool.block_bytes)
+            self.prefix.features_budget = int(FEATURES_SHARE * self.pool.max_cached * self.pool.block_bytes)
+        capped = "" if self.prefix is None or cached is None else f"; prefixes cached in at most {cached} of them"
         log(f"KV pool: {blocks} blocks of {block_size} tokens ({blocks * block_size} tokens, "
-            f"{blocks * self.pool.block_bytes / 2**30:.2f} GiB) on {device}")
+            f"{blocks * self.pool.block_bytes / 2**30:.2f} GiB) on {device}{capped}")
 
     def new_sequence(self) -> PagedSequence:
         return PagedSequence()
