@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import csv
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -166,8 +167,8 @@ def main(argv=None) -> int:
         cache = HERE.parent / ".cache"
         own = server.start(cache / "run" / "soak", cache / "soak-server.log", ["--pair", args.pair, *args.launcher_arg])
         args.grpc_url, args.server_pid = own.grpc_url, own.process.pid
+    work = Path(tempfile.mkdtemp(prefix="soak-"))  # Locust's CSVs, read here (the failures' texts are printed)
     try:
-        work = Path(tempfile.mkdtemp(prefix="soak-"))
         warm = locust(args.grpc_url, args.warmup, args.users, work / "warmup", args.max_tokens, args.mix)
         start = rss_mb(server_processes(args.server_pid))
         started = time.monotonic()
@@ -185,6 +186,7 @@ def main(argv=None) -> int:
         expected, unexpected, unexpected_texts = failures_by_kind(work / "soak", bool(killed))
         _, warm_unexpected, warm_texts = failures_by_kind(work / "warmup", False)
     finally:
+        shutil.rmtree(work, ignore_errors=True)
         if own is not None:
             own.stop()
     if not samples:
