@@ -87,9 +87,7 @@ class BlockPool:
                 f"{tn.RETRY_LATER}")
         taken = [self.free.pop() for _ in range(min(count, len(self.free)))]
         while len(taken) < count:  # evict the least recently used cached prefixes
-            block, _ = self.cached.popitem(last=False)
-            self.index.remove(block)
-            taken.append(block)
+            taken.append(self._evict_oldest())
         fresh = [block for block in taken if not self.zeroed[block]]
         if fresh:
             self._zero(fresh)
@@ -151,9 +149,13 @@ class BlockPool:
                 self.free.append(block)
         seq.blocks = []
         while len(self.cached) > self.max_cached:  # the oldest beyond the cap, freed
-            block, _ = self.cached.popitem(last=False)
-            self.index.remove(block)
-            self.free.append(block)
+            self.free.append(self._evict_oldest())
+
+    def _evict_oldest(self) -> int:
+        """The least recently released cached block, out of the cache and the index."""
+        block, _ = self.cached.popitem(last=False)
+        self.index.remove(block)
+        return block
 
 
 class PagedKV:
