@@ -61,6 +61,8 @@ def test_chat_equals_the_ensemble_and_streams_as_openai_does(server, api, model)
     first, usage only in the last chunk (choices empty), the statistics with the finish."""
     # A fixed K: the adaptive one picks each round's k from measured timings, so two runs' rounds may differ
     direct = _messages_stream(server, CHAT, max_tokens=24, num_draft_tokens=3, temperature=0.0, adaptive_draft=False)
+    calls = {name: server.metric("nv_inference_request_success", model=name)
+             for name in (tn.ENSEMBLE, tn.PREPROCESSING, tn.SPECULATIVE_DECODING, tn.POSTPROCESSING)}
     whole = api.chat.completions.create(model=model, messages=CHAT, max_tokens=24, temperature=0,  # vLLM's priority:
                                         extra_body={"num_draft_tokens": 3, "adaptive_draft": False, "priority": 7})
     assert whole.choices[0].message.content == direct[tn.TEXT_OUTPUT]
@@ -82,6 +84,16 @@ def test_chat_equals_the_ensemble_and_streams_as_openai_does(server, api, model)
     assert all(c.usage is None for c in chunks[:-1])
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert finishes == ["length"]
+    # The launcher's API calls preprocessing, then speculative_decoding (--upstream direct): no ensemble, and no
+    # postprocessing step for each of the stream's responses
+    expected = {tn.ENSEMBLE: 0, tn.PREPROCESSING: 2, tn.SPECULATIVE_DECODING: 2, tn.POSTPROCESSING: 0}
+    deadline = time.monotonic() + 10  # Triton counts a decoupled request once it is released, just after its end
+    while True:
+        now = {name: server.metric("nv_inference_request_success", model=name) - calls[name] for name in calls}
+        if now == expected or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert now == expected
 
 
 def test_completions_sync_async_and_streamed_equal_the_ensemble(server, api, model):

@@ -160,3 +160,88 @@ def test_closing_waits_for_the_streams_being_read_out():
         assert closed == [True] and stream.cancelled == 0
 
     run(main())
+
+
+# ---- direct: preprocessing, then speculative_decoding (what the launcher's gateway calls) ----------------------
+TAKEN = {tn.PREPROCESSING: (tn.MESSAGES, tn.MAX_TOKENS, tn.STREAM),  # stand-ins for their configs'
+         tn.SPECULATIVE_DECODING: (tn.INPUT_IDS, tn.MAX_TOKENS, tn.TEMPERATURE, tn.STREAM, tn.RETURN_PROMPT_IDS)}
+
+
+class DirectClient:
+    """The server as the direct path calls it: preprocessing answers `ids` (or raises `refusal`), the stream is
+    `stream`; every call is recorded."""
+
+    def __init__(self, stream: Stream, ids=(5, 6, 7), refusal: InferenceServerException | None = None):
+        self.stream, self.ids, self.refusal, self.calls = stream, ids, refusal, []
+
+    async def get_model_config(self, model, as_json=False):
+        self.calls.append(("config", model))
+        return {"config": {"name": model, "input": [{"name": name} for name in TAKEN[model]]}}
+
+    async def infer(self, model, inputs, outputs=None, request_id=""):
+        self.calls.append(("infer", model, sorted(each.name() for each in inputs), request_id))
+        if self.refusal is not None:
+            raise self.refusal
+        message = service_pb2.ModelInferResponse(model_name=model)
+        message.outputs.add(name=tn.INPUT_IDS, datatype="INT32", shape=[1, len(self.ids)])
+        message.raw_output_contents.append(np.array(self.ids, "<i4").tobytes())
+        return InferResult(message)
+
+    def stream_infer(self, requests):
+        async def sent():
+            async for request in requests:
+                self.calls.append(("stream", request["model_name"],
+                                   {each.name(): each for each in request["inputs"]}, request["request_id"]))
+        self.reading = asyncio.ensure_future(sent())
+        return self.stream
+
+
+def direct_upstream(client: DirectClient) -> Upstream:
+    upstream = Upstream("localhost:1", direct=True)
+    upstream._client = client
+    return upstream
+
+
+ARRAYS = {tn.MESSAGES: np.array([[b'[{"role": "user", "content": "Hi"}]']], dtype=np.object_),
+          tn.MAX_TOKENS: np.array([[8]], dtype=np.int32), tn.STREAM: np.array([[True]]),
+          tn.RETURN_PROMPT_IDS: np.array([[True]])}  # (speculative_decoding's alone)
+
+
+def test_direct_sends_every_input_to_preprocessing_and_its_ids_with_the_generations_own_to_speculative_decoding():
+    async def main():
+        client = DirectClient(None)
+        upstream = direct_upstream(client)
+        assert upstream.models == (tn.PREPROCESSING, tn.SPECULATIVE_DECODING)
+        for _ in range(2):
+            client.stream = Stream([(response("Hello"), None), (response(final=True), None)])
+            assert [p.text async for p in upstream.generate(dict(ARRAYS), log_probs=False, request_id="r")] \
+                == ["Hello"]
+            await drained(client.stream)
+        kinds = [call[:2] for call in client.calls]
+        # their inputs asked once; each request: preprocessing, then the stream
+        assert kinds == [("config", tn.PREPROCESSING), ("infer", tn.PREPROCESSING), ("config", tn.SPECULATIVE_DECODING),
+                         ("stream", tn.SPECULATIVE_DECODING), ("infer", tn.PREPROCESSING),
+                         ("stream", tn.SPECULATIVE_DECODING)]
+        assert client.calls[1][2:] == (sorted((tn.MESSAGES, tn.MAX_TOKENS, tn.STREAM)), "r")
+        sent, request_id = client.calls[3][2:]
+        assert sorted(sent) == sorted((tn.INPUT_IDS, tn.MAX_TOKENS, tn.STREAM, tn.RETURN_PROMPT_IDS))
+        assert request_id == "r"
+        assert sent[tn.INPUT_IDS].shape() == [1, 3] and sent[tn.INPUT_IDS].datatype() == "INT32"
+
+    run(main())
+
+
+@pytest.mark.parametrize("status, code", [("StatusCode.INVALID_ARGUMENT", 400), ("StatusCode.UNAVAILABLE", 503)])
+def test_a_refusal_of_preprocessing_is_the_requests_error_and_nothing_is_generated(status, code):
+    async def main():
+        refusal = InferenceServerException("preprocessing: input 'messages' must be a non-empty JSON list",
+                                           status=status)
+        client = DirectClient(Stream([]), refusal=refusal)
+        with pytest.raises(ApiError) as raised:
+            async for _ in direct_upstream(client).generate(dict(ARRAYS), log_probs=False):
+                pass
+        assert raised.value.status == code and not any(call[0] == "stream" for call in client.calls)
+        if code == 400:
+            assert raised.value.param == "messages"
+
+    run(main())

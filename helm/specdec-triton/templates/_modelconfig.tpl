@@ -319,6 +319,7 @@ input [
   { name: "cache_salt", data_type: TYPE_STRING, dims: [ 1 ], optional: true }
 ]
 output [
+  { name: "text_output", data_type: TYPE_STRING, dims: [ -1 ] },
   { name: "output_ids", data_type: TYPE_INT32, dims: [ -1 ] },
   { name: "prefix_ids", data_type: TYPE_INT32, dims: [ -1 ] },
   { name: "text_length", data_type: TYPE_INT32, dims: [ 1 ] },

@@ -26,7 +26,7 @@ from specdec.gateway.reasoning import PARSERS as REASONING_PARSERS
 from specdec.gateway.response_store import (DEFAULT_MB as DEFAULT_RESPONSES_STORE_MB, MIB, ResponseStore,
                                             SharedResponseStore)
 from specdec.gateway.tools import PARSERS
-from specdec.gateway.upstream import Upstream
+from specdec.gateway.upstream import UPSTREAMS, Upstream
 from specdec.triton import cache_reset, live_profile
 
 DEFAULT_PORT = 9000  # Triton's own OpenAI frontend's port: its clients' configurations work unchanged
@@ -42,6 +42,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--grpc-url", default=f"127.0.0.1:{os.environ.get('GRPC_PORT', 8001)}",
                         help="the tritonserver's gRPC endpoint")
+    parser.add_argument("--upstream", choices=UPSTREAMS, default="ensemble",
+                        help="what a request calls: the server's ensemble, or (direct, the launcher's) preprocessing "
+                             "and then speculative_decoding itself, without the ensemble's postprocessing step for "
+                             "every streamed response (docs/openai.md)")
     parser.add_argument("--host", default=os.environ.get(tls.HOST_ENV) or "0.0.0.0",
                         help=f"the address to listen on (default: ${tls.HOST_ENV}, else every interface)")
     parser.add_argument("--port", type=int, default=int(os.environ.get("OPENAI_PORT", DEFAULT_PORT)))
@@ -181,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         log("--allow-runtime-lora-updating needs --lora-directory (the adapters it loads are links there)")
         return 2
     try:
-        gateway = Gateway(Upstream(args.grpc_url), served, tokenizer, args.api_key or None,
+        gateway = Gateway(Upstream(args.grpc_url, direct=args.upstream == "direct"), served, tokenizer, args.api_key or None,
                           args.tool_call_parser, args.max_model_len, args.reasoning_parser, store,
                           args.default_max_tokens, args.drain_timeout, args.stream_keepalive,
                           args.allow_runtime_lora_updating, log, trust_templates=args.trust_request_chat_template,
@@ -199,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     log(f"OpenAI API: {scheme}://{args.host}:{args.port}/v1 (models {models}"
         f"{', those of ' + args.lora_directory if args.lora_directory else ''}"
         f"{', loaded and unloaded at run time' if args.allow_runtime_lora_updating else ''}; "
-        f"server {args.grpc_url}; API key {'required' if args.api_key else 'not required'}; browser pages of "
+        f"server {args.grpc_url} ({args.upstream}); "
+        f"API key {'required' if args.api_key else 'not required'}; browser pages of "
         f"{'any origin' if '*' in policy.origins else ', '.join(policy.origins) or 'no origin'}; stored responses "
         f"{'in ' + args.responses_store_dir if isinstance(store, SharedResponseStore) else 'in memory'})")
     web.run_app(gateway.app(), host=args.host, port=args.port, print=None, access_log=None,

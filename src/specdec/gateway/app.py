@@ -1148,7 +1148,7 @@ class Gateway:
     async def health(self, request: web.Request) -> web.Response:
         if await self.upstream.ready():
             return web.Response(text="ok\n")
-        return web.Response(status=503, text=f"not ready: {tn.ENSEMBLE} at {self.upstream.url}\n")
+        return web.Response(status=503, text=f"not ready: {', '.join(self.upstream.models)} at {self.upstream.url}\n")
 
     # ---- SGLang's native API (sglang_native.py) ------------------------------------------------------------
     async def sglang_generate(self, request: web.Request) -> web.StreamResponse:

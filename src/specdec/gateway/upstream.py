@@ -1,5 +1,9 @@
-"""The gateway's one way to the server: the ensemble's gRPC stream (`ModelStreamInfer`) from asyncio, one
-stream per request, cancelled when the request's caller goes away before its final response.
+"""The gateway's way to the server: one gRPC stream (`ModelStreamInfer`, from asyncio) per request, cancelled
+when the request's caller goes away before its final response. The stream is the ensemble's, or with `direct`
+(what the launcher runs) `speculative_decoding`'s after one call to `preprocessing` for the prompt's tokens: the
+text then comes from the orchestrator's own `text_output`, without the ensemble's `postprocessing` step for every
+streamed response (docs/results/2026-12-07-openai-direct.md), and a caller that leaves reaches the generation
+through its response sender's flag instead of postprocessing's.
 
 After the final response (or an error) a stream is never cancelled: Triton 24.10's gRPC frontend keeps for
 good a request whose RPC is cancelled between its last response and Triton's end of the RPC (its memory, and
@@ -154,12 +158,18 @@ def _read_out(responses) -> None:
     task.add_done_callback(_READING_OUT.discard)
 
 
-class Upstream:
-    """The ensemble of the server at `url` (gRPC host:port)."""
+UPSTREAMS = ("ensemble", "direct")  # --upstream's choices
 
-    def __init__(self, url: str, model: str = tn.ENSEMBLE):
-        self.url, self.model = url, model
+
+class Upstream:
+    """The server at `url` (gRPC host:port): its ensemble, or with `direct` preprocessing, then
+    speculative_decoding."""
+
+    def __init__(self, url: str, direct: bool = False):
+        self.url, self.direct = url, direct
+        self.models = (tn.PREPROCESSING, tn.SPECULATIVE_DECODING) if direct else (tn.ENSEMBLE,)
         self._client: grpcaio.InferenceServerClient | None = None
+        self._taken: dict[str, frozenset[str]] = {}  # the inputs preprocessing and speculative_decoding take
 
     @property
     def client(self) -> grpcaio.InferenceServerClient:
@@ -176,9 +186,32 @@ class Upstream:
 
     async def ready(self) -> bool:
         try:
-            return await self.client.is_model_ready(self.model, client_timeout=2.0)
+            for model in self.models:
+                if not await self.client.is_model_ready(model, client_timeout=2.0):
+                    return False
+            return True
         except Exception:  # noqa: BLE001 - any failure to answer is "not ready"
             return False
+
+    async def _taking(self, model: str, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Those of the ensemble's inputs `arrays` that `model` takes (its config's, asked once), as the ensemble
+        hands them on."""
+        if model not in self._taken:
+            config = await self.client.get_model_config(model, as_json=True)
+            self._taken[model] = frozenset(each["name"] for each in config["config"]["input"])
+        return {name: array for name, array in arrays.items() if name in self._taken[model]}
+
+    async def _direct_inputs(self, arrays: dict[str, np.ndarray], request_id: str) -> dict[str, np.ndarray]:
+        """The ensemble's inputs `arrays` as speculative_decoding's: preprocessing's `input_ids` for those it takes
+        (its checks and refusals, as the ensemble's first step), and those speculative_decoding takes."""
+        try:
+            result = await self.client.infer(tn.PREPROCESSING, _inputs(await self._taking(tn.PREPROCESSING, arrays)),
+                                             outputs=[InferRequestedOutput(tn.INPUT_IDS)], request_id=request_id)
+            return {tn.INPUT_IDS: result.as_numpy(tn.INPUT_IDS),
+                    **await self._taking(tn.SPECULATIVE_DECODING, arrays)}
+        except InferenceServerException as exc:
+            # a refused input names its field; a server that cannot be reached is unavailable (retry)
+            raise server_error(exc.message() or str(exc), unavailable="UNAVAILABLE" in str(exc.status())) from None
 
     async def generate(self, arrays: dict[str, np.ndarray], log_probs: bool, top: bool = False,
                        request_id: str = "") -> AsyncIterator[Piece]:
@@ -198,7 +231,10 @@ class Upstream:
                             InferRequestedOutput(tn.OUTPUT_PROMPT_TOP_LOG_PROBS)]
         elif tn.RETURN_PROMPT_IDS in arrays:
             outputs.append(InferRequestedOutput(tn.OUTPUT_PROMPT_IDS))
-        request = {"model_name": self.model, "inputs": _inputs(arrays), "outputs": outputs,
+        model = tn.ENSEMBLE
+        if self.direct:
+            model, arrays = tn.SPECULATIVE_DECODING, await self._direct_inputs(arrays, request_id)
+        request = {"model_name": model, "inputs": _inputs(arrays), "outputs": outputs,
                    "enable_empty_final_response": True, "request_id": request_id}
 
         async def requests():

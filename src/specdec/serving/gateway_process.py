@@ -99,11 +99,14 @@ class GatewayProcess:
                  lora: tuple[list[str], str] = ([], ""), runtime_lora: bool = False, chat_template: str = "",
                  trust_request_templates: bool = False, generation_config: tuple[str, str] = ("", ""),
                  cors: tuple[str, str, str, bool] = (CORS_ANY, CORS_ANY, CORS_ANY, False),
-                 content_format: str = "auto", metrics_port: int = 0, max_loras: int = 0, hang_timeout_s: float = 0.0):
+                 content_format: str = "auto", metrics_port: int = 0, max_loras: int = 0, hang_timeout_s: float = 0.0,
+                 upstream: str = "direct"):
         """hang_timeout_s: a process whose health check has not answered this long is hung, killed and started
-        again (0: never; readiness says not ready meanwhile, and before this nothing brought it back)."""
+        again (0: never; readiness says not ready meanwhile, and before this nothing brought it back); upstream:
+        its --upstream (direct: the repository it serves has preprocessing and speculative_decoding, whose
+        tokenizer is `tokenizer`)."""
         self.port = port
-        self.command = [sys.executable, "-m", "specdec.gateway", "--port", str(port),
+        self.command = [sys.executable, "-m", "specdec.gateway", "--port", str(port), "--upstream", upstream,
                         "--grpc-url", f"127.0.0.1:{grpc_port}", "--drain-timeout", str(drain_timeout_s),
                         *[arg for name in names for arg in ("--served-model-name", name)]]
         if tokenizer:

@@ -54,6 +54,7 @@ from specdec.gateway import cors, limits, tls
 from specdec.gateway.reasoning import PARSERS as REASONING_PARSERS
 from specdec.gateway.response_store import DEFAULT_MB as RESPONSES_STORE_MB
 from specdec.gateway.tools import PARSERS as TOOL_CALL_PARSERS, reasoning_for
+from specdec.gateway.upstream import UPSTREAMS
 from specdec.serving.gateway_process import (GatewayProcess, default_model_name, repository_chat_template,
                                              repository_content_format, repository_generation_config,
                                              repository_limits, repository_max_loras, repository_tokenizer,
@@ -523,6 +524,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--served-model-name", action="append", default=[],
                         help="the model name OpenAI clients send (repeatable: aliases); default: the target's "
                              "directory name")
+    parser.add_argument("--openai-upstream", choices=UPSTREAMS, default="direct",
+                        help="what the OpenAI API calls: direct = preprocessing, then speculative_decoding itself "
+                             "(no postprocessing step for each streamed response); ensemble = the ensemble, as a "
+                             "Triton client does")
     parser.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
                         help="how the target writes tool calls, so that the OpenAI API takes tool_choice \"auto\" "
                              "(hermes: Qwen2.5, Hermes, SmolLM3; llama3_json: Llama 3.1-3.3; mistral: Mistral's "
@@ -855,7 +860,8 @@ def main(argv: list[str] | None = None) -> int:
                                   args.override_generation_config),
                                  (args.allowed_origins, args.allowed_methods, args.allowed_headers,
                                   args.allow_credentials), repository_content_format(repo), metrics_port,
-                                 repository_max_loras(repo), hang_timeout_s=args.hang_timeout if args.heal else 0.0)
+                                 repository_max_loras(repo), hang_timeout_s=args.hang_timeout if args.heal else 0.0,
+                                 upstream=args.openai_upstream)
     watchdog = None
     if args.heal:
         # Reloading one model in place needs explicit model control; without it the watchdog heals by

@@ -30,7 +30,7 @@ from specdec.decoding.loop import GenerationRequest, RoundOutput, Stats, generat
 from specdec.decoding.ngram_proposer import NgramProposer
 from specdec.decoding.prediction_proposer import PredictionProposer
 from specdec.decoding.suffix_proposer import SuffixCache, SuffixProposer
-from specdec.decoding.text import Emission, TextEmitter, joined, load_tokenizer, with_prompt
+from specdec.decoding.text import Emission, TextEmitter, decode, joined, load_tokenizer, with_prompt
 from specdec.triton.adapter import TritonAdapter
 from specdec.triton.bls import BlsProposer, BlsScorer, ModelUnavailable
 from specdec.triton.admission.cancellation import CancellationBoard
@@ -435,10 +435,14 @@ class SpeculativeDecodingAdapter(TritonAdapter):
                 vllm_outputs.logprobs_json(ids, log_probs[this], ranks[this] if ranks else None,
                                            (top[0][this], top[1][this]) if req.top_log_probs else None,
                                            self.token_text))
-        out_ids = ids
+        out_ids, text = ids, emission.text if emission else ""
         if parsed.echo_prompt and emission is not None:  # the one response: the prompt's tokens before the answer
             out_ids, length = with_prompt(self.tokenizer, req.prompt_ids, ids, length, parsed.skip_special)
+            text = decode(self.tokenizer, out_ids, parsed.skip_special)
+            text = text[:length] if length >= 0 else text
         tensors = extra + [
+            # the text postprocessing makes of the next four (the ensemble's); a direct caller's, unmapped there
+            pb.Tensor(tn.TEXT_OUTPUT, np.array([[text.encode("utf-8")]], dtype=np.object_)),
             i32(tn.OUTPUT_IDS, out_ids),
             i32(tn.PREFIX_IDS, prefix),
             i32(tn.TEXT_LENGTH, [length]),
