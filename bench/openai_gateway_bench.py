@@ -1,7 +1,9 @@
 """What the OpenAI API costs (`make bench-openai`): the same streamed requests through the gateway and
 straight to the ensemble over gRPC, interleaved in one run against one server; and through
 `vllm_compatible` (vLLM's backend's clients' form: [1]-shaped tensors over tritonclient's gRPC asyncio
-stream, relayed to the ensemble by a Python stub).
+stream, relayed to the ensemble by a Python stub). The launcher's gateway calls preprocessing and then
+speculative_decoding itself (`--upstream direct`); a second gateway process in front of the same server calls the
+ensemble (`--upstream ensemble`), the same bare client's requests to both side by side.
 
 Serves the tiny pair (or `--pair default`), sends each prompt both ways at a fixed K, greedy, one request at
 a time (and with --concurrency N, N at once), and prints per path: time to first token and the gap between
@@ -25,6 +27,7 @@ import json
 import os
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -40,6 +43,7 @@ from client import GenerationParams
 from client.aio import AsyncClient
 from specdec import tensor_names as tn
 from specdec.serving import server as serving
+from specdec.serving.healthcheck import answers, gateway_url
 
 HERE = Path(__file__).resolve().parent
 
@@ -178,7 +182,23 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
 
 
-async def run(srv, texts: list[str], params: GenerationParams, concurrency: int) -> dict:
+def ensemble_gateway(srv, model: str) -> tuple[subprocess.Popen, str]:
+    """A gateway process of its own in front of `srv` calling its ensemble (`--upstream ensemble`): (it, its URL)."""
+    port = serving.free_ports(1)[0]
+    process = subprocess.Popen([sys.executable, "-m", "specdec.gateway", "--port", str(port), "--upstream",
+                                "ensemble", "--grpc-url", srv.grpc_url, "--served-model-name", model],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}/v1"
+    deadline = time.monotonic() + 60
+    while not answers(gateway_url(port), 2):
+        if time.monotonic() > deadline or process.poll() is not None:
+            process.kill()
+            raise RuntimeError(f"the --upstream ensemble gateway on port {port} did not come up")
+        time.sleep(0.2)
+    return process, url
+
+
+async def run(srv, texts: list[str], params: GenerationParams, concurrency: int, via_ensemble: str) -> dict:
     grpc_client = AsyncClient(srv.grpc_url, timeout_s=600)
     api = openai.AsyncOpenAI(base_url=srv.openai_url, api_key="unused", max_retries=0, timeout=600)
     model = (await api.models.list()).data[0].id
@@ -186,16 +206,20 @@ async def run(srv, texts: list[str], params: GenerationParams, concurrency: int)
     vllm_client = grpcaio.InferenceServerClient(srv.grpc_url)
     # each front door's own process: the gateway, vllm_compatible's stub
     gateway, relay = gateway_pid(srv.openai_port), stub_pid(srv.run_dir, f"{tn.VLLM_COMPATIBLE}_0_0")
+    second = gateway_pid(int(via_ensemble.rsplit(":", 1)[1].removesuffix("/v1")))
     calls = {"direct": lambda p: direct(grpc_client, p, params),
              "gateway, openai SDK": lambda p: through_gateway(api, model, p, params),
              "gateway, aiohttp client": lambda p: through_raw(session, srv.openai_url, model, p, params),
+             "gateway --upstream ensemble, aiohttp client": lambda p: through_raw(session, via_ensemble, model, p,
+                                                                                  params),
              "gateway, chat completions (aiohttp)":
                  lambda p: through_chat_api(session, srv.openai_url, model, p, params, anthropic=False),
              "gateway, Anthropic messages (aiohttp)":
                  lambda p: through_chat_api(session, srv.openai_url, model, p, params, anthropic=True),
              "vllm_compatible": lambda p: through_vllm_compatible(vllm_client, p, params)}
-    pids = {path: relay if path == "vllm_compatible" else gateway for path in calls}
-    out = {path: {"ttft": [], "gaps": [], "tokens": 0, "cpu": 0.0} for path in calls}
+    pids = {path: relay if path == "vllm_compatible" else second if "--upstream ensemble" in path else gateway
+            for path in calls}
+    out = {path: {"ttft": [], "gaps": [], "tokens": 0, "cpu": 0.0, "wall": 0.0} for path in calls}
     for call in calls.values():  # warm every path
         await call(texts[0])
     order = list(calls)
@@ -203,8 +227,9 @@ async def run(srv, texts: list[str], params: GenerationParams, concurrency: int)
         batch = texts[start:start + concurrency]
         order = order[1:] + order[:1]  # each path first in turn: drift spreads over all
         for path in order:
-            before = cpu_seconds(pids[path])
+            before, started = cpu_seconds(pids[path]), time.perf_counter()
             results = await asyncio.gather(*[calls[path](p) for p in batch])
+            out[path]["wall"] += time.perf_counter() - started
             out[path]["cpu"] += cpu_seconds(pids[path]) - before
             for ttft, gaps, tokens in results:
                 out[path]["ttft"].append(ttft)
@@ -234,15 +259,19 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="openai-bench-"))
     srv = serving.start(work / "run", work / "server.log", ["--pair", args.pair])
     rows = []
+    second = None
     try:
+        model = openai.OpenAI(base_url=srv.openai_url, api_key="unused").models.list().data[0].id
+        second, via_ensemble = ensemble_gateway(srv, model)
         for concurrency in args.concurrency:
-            measured = asyncio.run(run(srv, prompts(args.requests), params, concurrency))
+            measured = asyncio.run(run(srv, prompts(args.requests), params, concurrency, via_ensemble))
             d = measured["direct"]
             for path, m in measured.items():
                 chunks = len(m["gaps"]) + len(m["ttft"])
                 gateway = path != "direct"
                 same_prompt = gateway and "(aiohttp)" not in path  # the chat APIs' prompt has the template's tokens
-                rows.append([concurrency, path, f"{pct(m['ttft'], 50) * 1e3:.1f}", f"{pct(m['ttft'], 99) * 1e3:.1f}",
+                rows.append([concurrency, path, f"{m['tokens'] / m['wall']:.1f}",
+                             f"{pct(m['ttft'], 50) * 1e3:.1f}", f"{pct(m['ttft'], 99) * 1e3:.1f}",
                              f"{pct(m['gaps'], 50) * 1e3:.2f}", f"{pct(m['gaps'], 99) * 1e3:.2f}", f"{m['tokens']}",
                              f"{(statistics.median(m['ttft']) - statistics.median(d['ttft'])) * 1e3:+.1f}"
                              if same_prompt else "",
@@ -250,11 +279,15 @@ def main() -> None:
                              f"{m['cpu'] / chunks * 1e6:.0f}" if gateway else "",
                              f"{m['cpu'] / m['tokens'] * 1e6:.0f}" if gateway else ""])
     finally:
+        if second is not None:
+            second.terminate()
+            second.wait(30)
         srv.stop()
     header = (f"OpenAI API and vllm_compatible against direct gRPC streaming, {args.pair} pair, {args.requests} requests per path and "
               f"concurrency, {args.max_tokens} tokens each, K={args.num_draft_tokens} fixed, greedy "
               f"({report.machine()})")
-    text = report.print_table(header, rows, ["streams", "path", "TTFT p50 ms", "TTFT p99 ms", "chunk gap p50 ms",
+    text = report.print_table(header, rows, ["streams", "path", "tokens/s", "TTFT p50 ms", "TTFT p99 ms",
+                                             "chunk gap p50 ms",
                                              "chunk gap p99 ms", "output tokens", "TTFT over direct (median) ms",
                                              "gap over direct (median) ms", "front door's CPU µs/chunk",
                                              "front door's CPU µs/token"], args.out)

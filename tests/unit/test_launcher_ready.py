@@ -199,6 +199,11 @@ def test_the_gateways_command_carries_the_launchers_openai_settings():
     assert plain.tool_call_parser is None and plain.reasoning_parser is None and plain.default_max_tokens == 0
     assert plain.responses_store_dir == ""
     assert plain.responses_store_mb == RESPONSES_STORE_MB
+    # the launcher's gateway calls preprocessing and speculative_decoding itself unless told to call the ensemble
+    assert (args.upstream, plain.upstream) == ("direct", "direct")
+    assert parse_args(GatewayProcess(9000, 8001, ["a"], "", 30.0, {}, upstream="ensemble").command[3:]).upstream \
+        == "ensemble"
+    assert parse_args(["--served-model-name", "a"]).upstream == "ensemble"  # the command's own default
 
 
 def test_a_stop_past_its_timeout_signals_again_before_killing(tmp_path):

@@ -53,10 +53,15 @@ class Tensor:
 
 
 class Request:
-    def __init__(self, sender, stream=True):
-        self.sender = sender
+    def __init__(self, sender, stream=True, outputs=(tn.TEXT_OUTPUT, tn.FINISH_REASON), finish_reason=False):
+        self.sender, self.outputs = sender, outputs
         self._inputs = [Tensor(tn.TEXT_INPUT, np.array([b"Hi"], dtype=np.object_)),
                         Tensor(tn.STREAM, np.array([stream]))]
+        if finish_reason:
+            self._inputs.append(Tensor(tn.RETURN_FINISH_REASON, np.array([True])))
+
+    def requested_output_names(self):  # (Triton lists them all where the client named none)
+        return list(self.outputs)
 
     def inputs(self):
         return self._inputs
@@ -110,14 +115,14 @@ class Broken(grpc.RpcError):
         return "failed to connect to all addresses"
 
 
-def relay(replies, sender):
+def relay(replies, sender, request=None):
     model = VllmCompatibleAdapter()
     cancelled = []
     model.pb, model.ensemble, model.url = PB, tn.ENSEMBLE, "127.0.0.1:9"
     model.cancellations = SimpleNamespace(cancel=cancelled.append)
     stream = Stream(replies)
     model._stream = lambda message: stream
-    model._relay(Request(sender))
+    model._relay(request or Request(sender))
     return stream, cancelled
 
 
@@ -127,6 +132,17 @@ def test_each_response_is_sent_on_and_the_stream_is_read_to_its_end_never_cancel
     assert [(r.outputs[tn.TEXT_OUTPUT].tolist(), flags) for r, flags in sender.sent] == [([b"He"], 0),
                                                                                          ([b"llo"], FINAL)]
     assert stream.ended and not stream.cancelled and cancelled == []
+
+
+def test_only_the_outputs_the_client_asked_for_are_sent():
+    """return_finish_reason with only text_output asked for: finish_reason is left out here, not by the stub's
+    send (which drops it without the GIL: orchestrator._response)."""
+    for outputs, expected in (((tn.TEXT_OUTPUT,), {tn.TEXT_OUTPUT}),
+                              ((tn.TEXT_OUTPUT, tn.FINISH_REASON), {tn.TEXT_OUTPUT, tn.FINISH_REASON})):
+        sender = Sender()
+        relay([reply("He"), reply("llo", finish="length"), reply(final=True)], sender,
+              Request(sender, outputs=outputs, finish_reason=True))
+        assert [set(r.outputs) for r, _ in sender.sent] == [expected, expected]
 
 
 def test_a_client_cancellation_reaches_the_generation_and_the_stream_is_still_read_out():

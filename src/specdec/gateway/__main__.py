@@ -185,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
         log("--allow-runtime-lora-updating needs --lora-directory (the adapters it loads are links there)")
         return 2
     try:
-        gateway = Gateway(Upstream(args.grpc_url, direct=args.upstream == "direct"), served, tokenizer, args.api_key or None,
+        upstream = Upstream(args.grpc_url, direct=args.upstream == "direct")
+        gateway = Gateway(upstream, served, tokenizer, args.api_key or None,
                           args.tool_call_parser, args.max_model_len, args.reasoning_parser, store,
                           args.default_max_tokens, args.drain_timeout, args.stream_keepalive,
                           args.allow_runtime_lora_updating, log, trust_templates=args.trust_request_chat_template,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import functools
 import time
 import traceback
@@ -230,6 +231,7 @@ class SpeculativeDecodingAdapter(TritonAdapter):
         # up some thirty names.
         inputs = {tensor.name(): tensor.as_numpy() for tensor in request.inputs()}
         parameters = request.parameters()  # vLLM's clients' sampling settings may come as these
+        outputs = frozenset(request.requested_output_names())
         parse = functools.partial(ParsedRequest.parse, inputs.get, self.limits, encode=self._encode_word,
                                   compile_guide=self.guides.compile, parameters=parameters)
         try:
@@ -254,6 +256,7 @@ class SpeculativeDecodingAdapter(TritonAdapter):
             pb.Logger.log_error(f"speculative_decoding: reading a request failed: {traceback.format_exc()}")
             await asyncio.sleep(0.005)  # see the note on server#8537 above
             return self._fail(sender, f"the request could not be read: {exc!r}", pb.TritonError.INTERNAL)
+        parsed = dataclasses.replace(parsed, outputs=outputs)
         slot = self.slots.take_now()
         if slot is None and self.when_full == "reject":
             self.metrics.requests["rejected"].increment(1)
@@ -465,6 +468,12 @@ class SpeculativeDecodingAdapter(TritonAdapter):
                         for name, at in times.items()]
             tensors += [i32(name, [blocks]) for name, blocks in zip(
                 tn.KV_CACHE_METRIC_OUTPUTS, kv_blocks(stats, len(req.prompt_ids) + len(emitter.emitted)))]
+        # Only what the caller asked for. Triton 24.10's stub drops the rest itself inside the response sender's
+        # send, after releasing the GIL: the last reference to a dropped tensor's numpy array then goes without
+        # the GIL while this process's other threads run Python, which corrupts its heap (a stub crash, seen with
+        # an output the ensemble does not map). Dropped here, they go with the GIL held.
+        if parsed.outputs:
+            tensors = [t for t in tensors if t.name() in parsed.outputs]
         return pb.InferenceResponse(output_tensors=tensors)
 
 

@@ -156,6 +156,9 @@ class VllmCompatibleAdapter(TritonAdapter):
         done = False
         try:
             inputs = {tensor.name(): tensor.as_numpy() for tensor in request.inputs()}
+            # Only what the caller asked for: the stub drops the rest inside send without the GIL, from this
+            # thread while others run Python, and corrupts its heap (orchestrator._response says more)
+            wanted = frozenset(request.requested_output_names())
             try:
                 req = VllmRequest.parse(inputs.get, request.parameters())
                 message = loopback.stream_request(self.ensemble, req.ensemble_inputs(), req.requested_outputs(),
@@ -185,9 +188,9 @@ class VllmCompatibleAdapter(TritonAdapter):
                     if tn.TEXT_OUTPUT not in got:
                         continue  # an empty response: the ensemble's end
                     done = finished(got)
-                    sender.send(pb.InferenceResponse(output_tensors=[pb.Tensor(name, value)
-                                                                     for name, value in req.outputs(got).items()]),
-                                flags=final if done else 0)
+                    sender.send(pb.InferenceResponse(output_tensors=[
+                        pb.Tensor(name, value) for name, value in req.outputs(got).items() if name in wanted]),
+                        flags=final if done else 0)
                     if not done and sender.is_cancelled():  # the orchestrator stops at its next round
                         self.cancellations.cancel(int(got[tn.GENERATION_ID].reshape(-1)[0]))
             except grpc.RpcError as exc:
