@@ -355,6 +355,9 @@ DEFAULT_ORCHESTRATOR_INSTANCES = {"cpu": 2, "gpu": 1}
 # graphs: require CUDA graphs.
 COMPILE_MODES = ("auto", "off", "graphs")
 EXECUTORS = ("auto", "static", "dynamic")  # auto: static on CUDA where the model family allows it
+# What the OpenAI API and vllm_compatible call: direct = preprocessing, then speculative_decoding (whose responses
+# carry their text: no postprocessing step per response); ensemble = the ensemble
+UPSTREAMS = ("direct", "ensemble")
 # The static executor's attention: paged (engine/paged_attention.py, a Triton kernel reading the KV pool in
 # place), sdpa (the window gathered, then torch's SDPA), auto (paged on CUDA where Triton serves the dtype).
 ATTENTION_KINDS = ("auto", "paged", "sdpa")

@@ -76,7 +76,7 @@ class Request:
         return self.sender
 
 
-def reply(text=None, finish="", final=False, error=""):
+def reply(text=None, finish="", final=False, error="", key=tn.GENERATION_ID):
     out = service_pb2.ModelStreamInferResponse(error_message=error)
     response = out.infer_response
     if text is not None:
@@ -84,7 +84,7 @@ def reply(text=None, finish="", final=False, error=""):
                             (tn.FINISH_REASON, np.array([[finish.encode()]], dtype=np.object_))):
             response.outputs.add(name=name, datatype="BYTES", shape=[1, 1])
             response.raw_output_contents.append(serialize_byte_tensor(array).item())
-        response.outputs.add(name=tn.GENERATION_ID, datatype="UINT64", shape=[1, 1])
+        response.outputs.add(name=key, datatype="UINT64", shape=[1, 1])
         response.raw_output_contents.append(np.array([[5]], dtype=np.uint64).tobytes())
     response.parameters["triton_final_response"].bool_param = final
     return out
@@ -115,13 +115,48 @@ class Broken(grpc.RpcError):
         return "failed to connect to all addresses"
 
 
-def relay(replies, sender, request=None):
+class Endpoint:
+    """The server's gRPC endpoint as the direct relay calls it: the two models' inputs, preprocessing's
+    `input_ids` (or its refusal `refusal`); the messages it was sent."""
+
+    TAKEN = {tn.PREPROCESSING: (tn.TEXT_INPUT, tn.STREAM, tn.SAMPLING_PARAMETERS),
+             tn.SPECULATIVE_DECODING: (tn.INPUT_IDS, tn.STREAM, tn.SAMPLING_PARAMETERS, tn.RETURN_FINISH_REASON)}
+
+    def __init__(self, refusal: grpc.RpcError | None = None):
+        self.refusal, self.infers, self.streams = refusal, [], []
+
+    def ModelConfig(self, request):
+        response = service_pb2.ModelConfigResponse()
+        response.config.name = request.name
+        for name in self.TAKEN[request.name]:
+            response.config.input.add(name=name)
+        return response
+
+    def ModelInfer(self, message):
+        self.infers.append(message)
+        if self.refusal is not None:
+            raise self.refusal
+        response = service_pb2.ModelInferResponse(model_name=message.model_name)
+        response.outputs.add(name=tn.INPUT_IDS, datatype="INT32", shape=[1, 3])
+        response.raw_output_contents.append(np.array([[4, 5, 6]], dtype=np.int32).tobytes())
+        return response
+
+
+def relay(replies, sender, request=None, endpoint: Endpoint | None = None):
+    """The relay of `request` over `replies` (with an `endpoint`, direct: preprocessing, then
+    speculative_decoding's stream; else the ensemble's)."""
     model = VllmCompatibleAdapter()
     cancelled = []
     model.pb, model.ensemble, model.url = PB, tn.ENSEMBLE, "127.0.0.1:9"
+    model.direct, model._taken, model._endpoint = endpoint is not None, {}, lambda: endpoint
     model.cancellations = SimpleNamespace(cancel=cancelled.append)
     stream = Stream(replies)
-    model._stream = lambda message: stream
+
+    def stream_of(message):
+        if endpoint is not None:
+            endpoint.streams.append(message)
+        return stream
+    model._stream = stream_of
     model._relay(request or Request(sender))
     return stream, cancelled
 
@@ -166,3 +201,43 @@ def test_a_broken_stream_is_answered_unavailable_naming_the_endpoint():
     (first, flags0), (failure, flags1) = sender.sent
     assert flags0 == 0 and flags1 == FINAL and failure.error.code == TritonError.UNAVAILABLE
     assert "127.0.0.1:9" in failure.error.message and "UNAVAILABLE" in failure.error.message
+
+
+# ---- direct (the default): preprocessing, then speculative_decoding's stream --------------------------------
+
+
+class Refused(grpc.RpcError):
+    def code(self):
+        return grpc.StatusCode.INVALID_ARGUMENT
+
+    def details(self):
+        return "preprocessing: input 'sampling_parameters' key 'truncate_prompt_tokens' must be an integer"
+
+
+def test_direct_asks_preprocessing_for_the_prompts_tokens_and_streams_speculative_decoding_with_them():
+    sender, endpoint = Sender(cancelled=True), Endpoint()
+    request = Request(sender, finish_reason=True)
+    stream, cancelled = relay([reply("He", key=tn.SEQUENCE_ID), reply("", finish="cancelled", key=tn.SEQUENCE_ID),
+                               reply(final=True)], sender, request, endpoint)
+    [infer], [message] = endpoint.infers, endpoint.streams
+    assert infer.model_name == tn.PREPROCESSING and [each.name for each in infer.inputs] == [tn.TEXT_INPUT, tn.STREAM]
+    assert [each.name for each in infer.outputs] == [tn.INPUT_IDS]
+    assert "triton_enable_empty_final_response" not in infer.parameters  # (a unary call)
+    assert message.model_name == tn.SPECULATIVE_DECODING
+    assert [each.name for each in message.inputs] == [tn.INPUT_IDS, tn.STREAM, tn.RETURN_FINISH_REASON]
+    assert np.frombuffer(message.raw_input_contents[0], dtype=np.int32).tolist() == [4, 5, 6]
+    # the generation's id under speculative_decoding's name, the cancel passed on by it
+    assert tn.SEQUENCE_ID in [each.name for each in message.outputs]
+    assert tn.GENERATION_ID not in [each.name for each in message.outputs]
+    assert cancelled == [5] and stream.ended and not stream.cancelled
+    assert sender.sent[0][0].outputs[tn.TEXT_OUTPUT].tolist() == [b"He"]
+
+
+def test_a_refusal_of_preprocessing_is_the_requests_error_and_nothing_is_streamed():
+    for refusal, code, says in ((Refused(), TritonError.INVALID_ARG, "truncate_prompt_tokens"),
+                                (Broken(), TritonError.UNAVAILABLE, "127.0.0.1:9")):
+        sender, endpoint = Sender(), Endpoint(refusal)
+        relay([], sender, endpoint=endpoint)
+        [(response, flags)] = sender.sent
+        assert flags == FINAL and response.error.code == code and says in response.error.message
+        assert endpoint.streams == []

@@ -16,6 +16,7 @@ import sys
 
 from aiohttp import web
 
+from specdec import tensor_names as tn
 from specdec.decoding.generation_config import AUTO, api_defaults
 from specdec.decoding.text import CONTENT_FORMATS
 from specdec.gateway import protocol
@@ -26,7 +27,7 @@ from specdec.gateway.reasoning import PARSERS as REASONING_PARSERS
 from specdec.gateway.response_store import (DEFAULT_MB as DEFAULT_RESPONSES_STORE_MB, MIB, ResponseStore,
                                             SharedResponseStore)
 from specdec.gateway.tools import PARSERS
-from specdec.gateway.upstream import UPSTREAMS, Upstream
+from specdec.gateway.upstream import Upstream
 from specdec.triton import cache_reset, live_profile
 
 DEFAULT_PORT = 9000  # Triton's own OpenAI frontend's port: its clients' configurations work unchanged
@@ -42,7 +43,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--grpc-url", default=f"127.0.0.1:{os.environ.get('GRPC_PORT', 8001)}",
                         help="the tritonserver's gRPC endpoint")
-    parser.add_argument("--upstream", choices=UPSTREAMS, default="ensemble",
+    parser.add_argument("--upstream", choices=tn.UPSTREAMS, default="ensemble",
                         help="what a request calls: the server's ensemble, or (direct, the launcher's) preprocessing "
                              "and then speculative_decoding itself, without the ensemble's postprocessing step for "
                              "every streamed response (docs/openai.md)")

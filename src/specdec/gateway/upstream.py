@@ -158,9 +158,6 @@ def _read_out(responses) -> None:
     task.add_done_callback(_READING_OUT.discard)
 
 
-UPSTREAMS = ("ensemble", "direct")  # --upstream's choices
-
-
 class Upstream:
     """The server at `url` (gRPC host:port): its ensemble, or with `direct` preprocessing, then
     speculative_decoding."""

@@ -54,7 +54,6 @@ from specdec.gateway import cors, limits, tls
 from specdec.gateway.reasoning import PARSERS as REASONING_PARSERS
 from specdec.gateway.response_store import DEFAULT_MB as RESPONSES_STORE_MB
 from specdec.gateway.tools import PARSERS as TOOL_CALL_PARSERS, reasoning_for
-from specdec.gateway.upstream import UPSTREAMS
 from specdec.serving.gateway_process import (GatewayProcess, default_model_name, repository_chat_template,
                                              repository_content_format, repository_generation_config,
                                              repository_limits, repository_max_loras, repository_tokenizer,
@@ -524,7 +523,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--served-model-name", action="append", default=[],
                         help="the model name OpenAI clients send (repeatable: aliases); default: the target's "
                              "directory name")
-    parser.add_argument("--openai-upstream", choices=UPSTREAMS, default="direct",
+    parser.add_argument("--openai-upstream", choices=tn.UPSTREAMS, default="direct",
                         help="what the OpenAI API calls: direct = preprocessing, then speculative_decoding itself "
                              "(no postprocessing step for each streamed response); ensemble = the ensemble, as a "
                              "Triton client does")

@@ -49,9 +49,17 @@ def parameter_value(key: str, value) -> service_pb2.InferParameter:
 
 def stream_request(model: str, arrays: dict[str, np.ndarray], outputs: list[str], parameters: dict,
                    request_id: str = "") -> service_pb2.ModelInferRequest:
-    """One request of a `ModelStreamInfer` stream to `model`: its inputs (`arrays`, object arrays of bytes for
-    strings), the outputs it asks for, the request's parameters, and Triton's empty final response turned on
-    (the only way a stream says that a decoupled request has ended)."""
+    """One request of a `ModelStreamInfer` stream to `model` (infer_request's), with Triton's empty final response
+    turned on (the only way a stream says that a decoupled request has ended)."""
+    message = infer_request(model, arrays, outputs, parameters, request_id)
+    message.parameters["triton_enable_empty_final_response"].bool_param = True
+    return message
+
+
+def infer_request(model: str, arrays: dict[str, np.ndarray], outputs: list[str], parameters: dict,
+                  request_id: str = "") -> service_pb2.ModelInferRequest:
+    """A request to `model` (`ModelInfer`): its inputs (`arrays`, object arrays of bytes for strings), the
+    outputs it asks for and the request's parameters."""
     message = service_pb2.ModelInferRequest(model_name=model, id=request_id)
     for name, array in arrays.items():
         tensor = message.inputs.add(name=name, datatype=np_to_triton_dtype(array.dtype))
@@ -64,7 +72,6 @@ def stream_request(model: str, arrays: dict[str, np.ndarray], outputs: list[str]
         message.outputs.add(name=name)
     for key, value in parameters.items():
         message.parameters[key].CopyFrom(parameter_value(key, value))
-    message.parameters["triton_enable_empty_final_response"].bool_param = True
     return message
 
 
@@ -73,6 +80,12 @@ def reply_outputs(reply: service_pb2.ModelStreamInferResponse) -> dict[str, np.n
     response = reply.infer_response
     result = InferResult(response)
     return {output.name: result.as_numpy(output.name) for output in response.outputs}
+
+
+def infer_outputs(reply: service_pb2.ModelInferResponse) -> dict[str, np.ndarray]:
+    """A `ModelInfer` response's outputs by name (strings as object arrays of bytes)."""
+    result = InferResult(reply)
+    return {output.name: result.as_numpy(output.name) for output in reply.outputs}
 
 
 def is_final(reply: service_pb2.ModelStreamInferResponse) -> bool:

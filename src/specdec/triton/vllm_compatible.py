@@ -1,12 +1,14 @@
-"""Triton adapter for `vllm_compatible`: vLLM's Triton backend's interface over the ensemble, for its clients
-as they are. vLLM's backend model has max_batch_size 0, so its clients send [1]-shaped tensors, which the
-batching ensemble refuses; this decoupled model takes them, calls the ensemble (streamed, through the server's
-own gRPC endpoint: loopback.py says why not BLS) with its inputs batch-shaped, and answers with vLLM's outputs
-and meanings: `text_output` with the prompt before it when not streamed (unless exclude_input_in_output), the
+"""Triton adapter for `vllm_compatible`: vLLM's Triton backend's interface over the ensemble's models, for its
+clients as they are. vLLM's backend model has max_batch_size 0, so its clients send [1]-shaped tensors, which the
+batching models refuse; this decoupled model takes them, calls the server's models with its inputs batch-shaped
+(through the server's own gRPC endpoint: loopback.py says why not BLS): `preprocessing`, then a stream of
+`speculative_decoding`, whose responses carry their text (upstream "direct", the default: no `postprocessing`
+step per response), or the `ensemble`'s stream (upstream "ensemble"); and answers with vLLM's outputs and
+meanings: `text_output` with the prompt before it when not streamed (unless exclude_input_in_output), the
 additional outputs only with their return_* flags, num_input_tokens and num_output_tokens as UINT32. A
-client's cancellation goes on to the generation through the cancellation board, keyed by the ensemble's
-`generation_id`: the inner stream is never cancelled, but read to its end (Triton 24.10 keeps for good a
-request whose stream is cancelled just after its final response; docs/api.md, "Cancellation").
+client's cancellation goes on to the generation through the cancellation board, keyed by the generation's id:
+the inner stream is never cancelled, but read to its end (Triton 24.10 keeps for good a request whose stream is
+cancelled just after its final response; docs/api.md, "Cancellation").
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from dataclasses import dataclass
 
 import grpc
 import numpy as np
-from tritonclient.grpc import service_pb2_grpc
+from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from specdec import tensor_names as tn
 from specdec.triton.adapter import TritonAdapter
@@ -121,6 +123,8 @@ def error_code(pb, message: str):
 class VllmCompatibleAdapter(TritonAdapter):
     def load(self, params: ModelParameters, args: dict) -> None:
         self.ensemble = params.str("ensemble", tn.ENSEMBLE)
+        self.direct = params.str("upstream", "direct", choices=tn.UPSTREAMS) == "direct"
+        self._taken: dict[str, frozenset[str]] = {}  # the inputs preprocessing and speculative_decoding take
         self.url = loopback.server_url(params.str("server_grpc_url", ""))
         self.cancellations = CancellationBoard()
         # A request is relayed on a thread of its own: the ensemble's responses come from a blocking iterator
@@ -142,12 +146,39 @@ class VllmCompatibleAdapter(TritonAdapter):
         self.relays.shutdown(wait=True)
         super().finalize()
 
-    def _stream(self, message):
+    def _endpoint(self) -> service_pb2_grpc.GRPCInferenceServiceStub:
         with self._channel_lock:
             if self._server is None:
                 channel = grpc.insecure_channel(self.url, options=loopback.CHANNEL_OPTIONS)
                 self._server = service_pb2_grpc.GRPCInferenceServiceStub(channel)
-        return self._server.ModelStreamInfer(iter([message]))
+        return self._server
+
+    def _stream(self, message):
+        return self._endpoint().ModelStreamInfer(iter([message]))
+
+    def _infer(self, message) -> service_pb2.ModelInferResponse:
+        return self._endpoint().ModelInfer(message)
+
+    def _taking(self, model: str, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Those of the ensemble's inputs `arrays` that `model` takes (its config's, asked once)."""
+        if model not in self._taken:
+            config = self._endpoint().ModelConfig(service_pb2.ModelConfigRequest(name=model)).config
+            self._taken[model] = frozenset(each.name for each in config.input)
+        return {name: array for name, array in arrays.items() if name in self._taken[model]}
+
+    def _upstream_request(self, req: VllmRequest, request_id: str):
+        """The stream request that generates `req`, and the output naming its generation: the ensemble's, or
+        (direct) speculative_decoding's for preprocessing's `input_ids` (a call of its own; grpc.RpcError where it
+        refuses the request or cannot be reached)."""
+        arrays, outputs = req.ensemble_inputs(), req.requested_outputs()
+        if not self.direct:
+            return loopback.stream_request(self.ensemble, arrays, outputs, req.parameters, request_id), tn.GENERATION_ID
+        ids = loopback.infer_outputs(self._infer(loopback.infer_request(
+            tn.PREPROCESSING, self._taking(tn.PREPROCESSING, arrays), [tn.INPUT_IDS], req.parameters, request_id)))
+        arrays = {tn.INPUT_IDS: ids[tn.INPUT_IDS], **self._taking(tn.SPECULATIVE_DECODING, arrays)}
+        outputs = [tn.SEQUENCE_ID if name == tn.GENERATION_ID else name for name in outputs]  # (the ensemble's name)
+        return loopback.stream_request(tn.SPECULATIVE_DECODING, arrays, outputs, req.parameters, request_id), \
+            tn.SEQUENCE_ID
 
     def _relay(self, request) -> None:
         pb = self.pb
@@ -161,12 +192,18 @@ class VllmCompatibleAdapter(TritonAdapter):
             wanted = frozenset(request.requested_output_names())
             try:
                 req = VllmRequest.parse(inputs.get, request.parameters())
-                message = loopback.stream_request(self.ensemble, req.ensemble_inputs(), req.requested_outputs(),
-                                                  req.parameters,  # passed on: the orchestrator reads them
-                                                  request_id=request.request_id())
+                # (the request's parameters passed on: the orchestrator reads them)
+                message, generation = self._upstream_request(req, request.request_id())
             except (InputError, ValueError) as exc:
                 sender.send(pb.InferenceResponse(error=pb.TritonError(str(exc), pb.TritonError.INVALID_ARG)),
                             flags=final)
+                return
+            except grpc.RpcError as exc:  # preprocessing refused the request, or the endpoint is not there
+                refused = exc.code() == grpc.StatusCode.INVALID_ARGUMENT
+                sender.send(pb.InferenceResponse(error=pb.TritonError(
+                    exc.details() if refused else f"{tn.VLLM_COMPATIBLE}: {tn.PREPROCESSING} through the server's gRPC "
+                    f"endpoint {self.url} failed: {exc.code().name}: {exc.details()}",
+                    pb.TritonError.INVALID_ARG if refused else pb.TritonError.UNAVAILABLE)), flags=final)
                 return
             stream = self._stream(message)
             read_out = None  # after the last response: cancels a stream Triton has not ended in time
@@ -192,7 +229,7 @@ class VllmCompatibleAdapter(TritonAdapter):
                         pb.Tensor(name, value) for name, value in req.outputs(got).items() if name in wanted]),
                         flags=final if done else 0)
                     if not done and sender.is_cancelled():  # the orchestrator stops at its next round
-                        self.cancellations.cancel(int(got[tn.GENERATION_ID].reshape(-1)[0]))
+                        self.cancellations.cancel(int(got[generation].reshape(-1)[0]))
             except grpc.RpcError as exc:
                 if not done:  # the server's endpoint is not there, or the stream broke
                     sender.send(pb.InferenceResponse(error=pb.TritonError(
