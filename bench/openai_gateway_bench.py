@@ -286,7 +286,8 @@ def main() -> None:
             second.wait(30)
         srv.stop()
     header = (f"OpenAI API and vllm_compatible against gRPC streaming to the ensemble, {args.pair} pair, "
-              f"{args.requests} requests per path and concurrency, {args.max_tokens} tokens each, K={args.num_draft_tokens} fixed, greedy "
+              f"{args.requests} requests per path and concurrency, {args.max_tokens} tokens each, "
+              f"K={args.num_draft_tokens} fixed, greedy "
               f"({report.machine()})")
     text = report.print_table(header, rows, ["streams", "path", "tokens/s", "TTFT p50 ms", "TTFT p99 ms",
                                              "chunk gap p50 ms",

@@ -26,7 +26,8 @@ class Tensor:
         return self._name
 
 
-PB = SimpleNamespace(Tensor=Tensor, InferenceResponse=lambda output_tensors: {t.name(): t.value for t in output_tensors})
+PB = SimpleNamespace(Tensor=Tensor,
+                     InferenceResponse=lambda output_tensors: {t.name(): t.value for t in output_tensors})
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +77,8 @@ def test_an_echoed_answer_holds_the_prompt_before_its_text(tokenizer):
 def test_a_response_holds_only_the_outputs_asked_for(tokenizer):
     _, everything, _ = respond(tokenizer, ["Hello"])
     assert {tn.TEXT_OUTPUT, tn.OUTPUT_IDS, tn.PREFIX_IDS, tn.FINISH_REASON, tn.NUM_ROUNDS} <= set(everything)
-    asked = frozenset({tn.OUTPUT_IDS, tn.PREFIX_IDS, tn.TEXT_LENGTH, tn.FINISH_REASON})  # (no text_output: the ensemble's)
+    # the ensemble's: no text_output
+    asked = frozenset({tn.OUTPUT_IDS, tn.PREFIX_IDS, tn.TEXT_LENGTH, tn.FINISH_REASON})
     _, response, _ = respond(tokenizer, ["Hello"], outputs=asked)
     assert set(response) == asked
     assert np.array_equal(response[tn.OUTPUT_IDS], everything[tn.OUTPUT_IDS])

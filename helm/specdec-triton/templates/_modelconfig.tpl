@@ -416,8 +416,11 @@ output [
   { name: "num_input_tokens", data_type: TYPE_UINT32, dims: [ 1 ] },
   { name: "num_output_tokens", data_type: TYPE_UINT32, dims: [ -1 ] }
 ]
+# what it calls: direct = preprocessing, then speculative_decoding (no postprocessing step per response);
+# ensemble = the model `ensemble` names
+parameters { key: "upstream", value: { string_value: "direct" } }
 parameters { key: "ensemble", value: { string_value: "ensemble" } }
-# the server's own gRPC endpoint, host:port, through which it calls the ensemble ("": the launcher's, else
+# the server's own gRPC endpoint, host:port, through which it calls them ("": the launcher's, else
 # 127.0.0.1:8001)
 parameters { key: "server_grpc_url", value: { string_value: "" } }
 instance_group [ { count: 1, kind: KIND_CPU } ]
