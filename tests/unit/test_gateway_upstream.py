@@ -231,7 +231,8 @@ def test_direct_sends_every_input_to_preprocessing_and_its_ids_with_the_generati
     run(main())
 
 
-@pytest.mark.parametrize("status, code", [("StatusCode.INVALID_ARGUMENT", 400), ("StatusCode.UNAVAILABLE", 503)])
+@pytest.mark.parametrize("status, code", [("StatusCode.INVALID_ARGUMENT", 400), ("StatusCode.UNAVAILABLE", 503),
+                                          ("StatusCode.NOT_FOUND", 503)])
 def test_a_refusal_of_preprocessing_is_the_requests_error_and_nothing_is_generated(status, code):
     async def main():
         refusal = InferenceServerException("preprocessing: input 'messages' must be a non-empty JSON list",

@@ -108,11 +108,16 @@ class Stream:
 
 
 class Broken(grpc.RpcError):
+    """A call of the server's gRPC endpoint that failed with `code` (default: the endpoint is not there)."""
+
+    def __init__(self, code=grpc.StatusCode.UNAVAILABLE, details="failed to connect to all addresses"):
+        self._code, self._details = code, details
+
     def code(self):
-        return grpc.StatusCode.UNAVAILABLE
+        return self._code
 
     def details(self):
-        return "failed to connect to all addresses"
+        return self._details
 
 
 class Endpoint:
@@ -206,14 +211,6 @@ def test_a_broken_stream_is_answered_unavailable_naming_the_endpoint():
 # ---- direct (the default): preprocessing, then speculative_decoding's stream --------------------------------
 
 
-class Refused(grpc.RpcError):
-    def code(self):
-        return grpc.StatusCode.INVALID_ARGUMENT
-
-    def details(self):
-        return "preprocessing: input 'sampling_parameters' key 'truncate_prompt_tokens' must be an integer"
-
-
 def test_direct_asks_preprocessing_for_the_prompts_tokens_and_streams_speculative_decoding_with_them():
     sender, endpoint = Sender(cancelled=True), Endpoint()
     request = Request(sender, finish_reason=True)
@@ -234,8 +231,14 @@ def test_direct_asks_preprocessing_for_the_prompts_tokens_and_streams_speculativ
 
 
 def test_a_refusal_of_preprocessing_is_the_requests_error_and_nothing_is_streamed():
-    for refusal, code, says in ((Refused(), TritonError.INVALID_ARG, "truncate_prompt_tokens"),
-                                (Broken(), TritonError.UNAVAILABLE, "127.0.0.1:9")):
+    refused = Broken(grpc.StatusCode.INVALID_ARGUMENT,
+                     "preprocessing: input 'sampling_parameters' key 'truncate_prompt_tokens' must be an integer")
+    for refusal, code, says in ((refused, TritonError.INVALID_ARG, "truncate_prompt_tokens"),
+                                (Broken(), TritonError.UNAVAILABLE, "127.0.0.1:9"),
+                                (Broken(grpc.StatusCode.NOT_FOUND, "unknown model"), TritonError.UNAVAILABLE,
+                                 "NOT_FOUND"),
+                                (Broken(grpc.StatusCode.INTERNAL, "something unforeseen"), TritonError.INTERNAL,
+                                 "unforeseen")):
         sender, endpoint = Sender(), Endpoint(refusal)
         relay([], sender, endpoint=endpoint)
         [(response, flags)] = sender.sent

@@ -207,8 +207,10 @@ class Upstream:
             return {tn.INPUT_IDS: result.as_numpy(tn.INPUT_IDS),
                     **await self._taking(tn.SPECULATIVE_DECODING, arrays)}
         except InferenceServerException as exc:
-            # a refused input names its field; a server that cannot be reached is unavailable (retry)
-            raise server_error(exc.message() or str(exc), unavailable="UNAVAILABLE" in str(exc.status())) from None
+            # a refused input names its field; a server that cannot be reached, or a model of it being restored
+            # (not found meanwhile), is unavailable (retry)
+            gone = any(code in str(exc.status()) for code in ("UNAVAILABLE", "NOT_FOUND"))
+            raise server_error(exc.message() or str(exc), unavailable=gone) from None
 
     async def generate(self, arrays: dict[str, np.ndarray], log_probs: bool, top: bool = False,
                        request_id: str = "") -> AsyncIterator[Piece]:

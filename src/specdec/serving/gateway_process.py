@@ -103,8 +103,7 @@ class GatewayProcess:
                  upstream: str = "direct"):
         """hang_timeout_s: a process whose health check has not answered this long is hung, killed and started
         again (0: never; readiness says not ready meanwhile, and before this nothing brought it back); upstream:
-        its --upstream (direct: the repository it serves has preprocessing and speculative_decoding, whose
-        tokenizer is `tokenizer`)."""
+        its --upstream (tn.UPSTREAMS; direct: the repository it serves has preprocessing and speculative_decoding)."""
         self.port = port
         self.command = [sys.executable, "-m", "specdec.gateway", "--port", str(port), "--upstream", upstream,
                         "--grpc-url", f"127.0.0.1:{grpc_port}", "--drain-timeout", str(drain_timeout_s),

@@ -113,8 +113,8 @@ class ParsedRequest:
     prediction: tuple[int, ...] = ()
     return_prompt_ids: bool = False  # the first response also holds the prompt's tokens (tn.RETURN_PROMPT_IDS)
     stream_interval_tokens: int = 1  # streamed: a response once this many tokens are waiting (1: one per round)
-    # The outputs its caller asked for (Triton lists them all when it named none); () until the adapter sets it:
-    # every response holds only these (see orchestrator._response)
+    # The outputs its caller asked for (Triton lists them all when it named none), set by the adapter after
+    # parsing (empty: all): every response holds only these (see orchestrator._response)
     outputs: frozenset[str] = frozenset()
 
     @classmethod

@@ -198,12 +198,13 @@ class VllmCompatibleAdapter(TritonAdapter):
                 sender.send(pb.InferenceResponse(error=pb.TritonError(str(exc), pb.TritonError.INVALID_ARG)),
                             flags=final)
                 return
-            except grpc.RpcError as exc:  # preprocessing refused the request, or the endpoint is not there
-                refused = exc.code() == grpc.StatusCode.INVALID_ARGUMENT
+            except grpc.RpcError as exc:  # preprocessing refused the request, or is not there (retry)
+                gone = exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND)
                 sender.send(pb.InferenceResponse(error=pb.TritonError(
-                    exc.details() if refused else f"{tn.VLLM_COMPATIBLE}: {tn.PREPROCESSING} through the server's gRPC "
-                    f"endpoint {self.url} failed: {exc.code().name}: {exc.details()}",
-                    pb.TritonError.INVALID_ARG if refused else pb.TritonError.UNAVAILABLE)), flags=final)
+                    f"{tn.VLLM_COMPATIBLE}: {tn.PREPROCESSING} through the server's gRPC endpoint {self.url} failed: "
+                    f"{exc.code().name}: {exc.details()}" if gone else exc.details(),
+                    pb.TritonError.UNAVAILABLE if gone else pb.TritonError.INVALID_ARG
+                    if exc.code() == grpc.StatusCode.INVALID_ARGUMENT else error_code(pb, exc.details()))), flags=final)
                 return
             stream = self._stream(message)
             read_out = None  # after the last response: cancels a stream Triton has not ended in time
