@@ -199,7 +199,8 @@ def ensemble_gateway(srv, model: str) -> tuple[subprocess.Popen, str]:
     return process, url
 
 
-async def run(srv, texts: list[str], params: GenerationParams, concurrency: int, via_ensemble: str) -> dict:
+async def run(srv, texts: list[str], params: GenerationParams, concurrency: int,
+              via_ensemble: tuple[subprocess.Popen, str]) -> dict:
     grpc_client = AsyncClient(srv.grpc_url, timeout_s=600)
     api = openai.AsyncOpenAI(base_url=srv.openai_url, api_key="unused", max_retries=0, timeout=600)
     model = (await api.models.list()).data[0].id
@@ -207,11 +208,11 @@ async def run(srv, texts: list[str], params: GenerationParams, concurrency: int,
     vllm_client = grpcaio.InferenceServerClient(srv.grpc_url)
     # each front door's own process: the gateway, vllm_compatible's stub
     gateway, relay = gateway_pid(srv.openai_port), stub_pid(srv.run_dir, f"{tn.VLLM_COMPATIBLE}_0_0")
-    second = gateway_pid(int(via_ensemble.rsplit(":", 1)[1].removesuffix("/v1")))
+    second, ensemble_url = via_ensemble[0].pid, via_ensemble[1]
     calls = {"direct": lambda p: direct(grpc_client, p, params),
              "gateway, openai SDK": lambda p: through_gateway(api, model, p, params),
              "gateway, aiohttp client": lambda p: through_raw(session, srv.openai_url, model, p, params),
-             "gateway --upstream ensemble, aiohttp client": lambda p: through_raw(session, via_ensemble, model, p,
+             "gateway --upstream ensemble, aiohttp client": lambda p: through_raw(session, ensemble_url, model, p,
                                                                                   params),
              "gateway, chat completions (aiohttp)":
                  lambda p: through_chat_api(session, srv.openai_url, model, p, params, anthropic=False),
@@ -263,9 +264,9 @@ def main() -> None:
     second = None
     try:
         model = openai.OpenAI(base_url=srv.openai_url, api_key="unused").models.list().data[0].id
-        second, via_ensemble = ensemble_gateway(srv, model)
+        second = ensemble_gateway(srv, model)
         for concurrency in args.concurrency:
-            measured = asyncio.run(run(srv, prompts(args.requests), params, concurrency, via_ensemble))
+            measured = asyncio.run(run(srv, prompts(args.requests), params, concurrency, second))
             d = measured["direct"]
             for path, m in measured.items():
                 chunks = len(m["gaps"]) + len(m["ttft"])
@@ -282,8 +283,8 @@ def main() -> None:
                              f"{m['cpu'] / m['tokens'] * 1e6:.0f}" if gateway else ""])
     finally:
         if second is not None:
-            second.terminate()
-            second.wait(30)
+            second[0].terminate()
+            second[0].wait(30)
         srv.stop()
     header = (f"OpenAI API and vllm_compatible against gRPC streaming to the ensemble, {args.pair} pair, "
               f"{args.requests} requests per path and concurrency, {args.max_tokens} tokens each, "
