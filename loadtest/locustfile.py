@@ -13,7 +13,8 @@ The host picks the user class (.../v1 -> OpenAIUser: streamed chat completions w
 temperature 0 unless --temperature says otherwise (OpenAI's default, 1, would make its runs incomparable
 with the other users'), the model --openai-model (SPECDEC_OPENAI_MODEL; default: the first /v1/models
 lists) and the key SPECDEC_API_KEY if set. VllmBackendUser sends its requests to vllm_compatible as the clients of
-Triton's vLLM backend do; --vllm-fraction (SPECDEC_VLLM_FRACTION, 0) sends that share of GrpcStreamUser's so.
+Triton's vLLM backend do; --vllm-fraction (SPECDEC_VLLM_FRACTION, 0) sends that share of GrpcStreamUser's so,
+and --openai-fraction (SPECDEC_OPENAI_FRACTION, 0) that share as chat completions to the API at --openai-url.
 Each request is one entry in Locust's statistics ("generate"); its time to first token,
 inter-token latency, output tokens and acceptance are kept beside them (as entries they would add to
 Locust's aggregated request rate), and at the end the summary prints requests, failures, TTFT
@@ -27,8 +28,8 @@ grounded | open), --guided-fraction (SPECDEC_GUIDED_FRACTION, 0: the share of re
 structured output) with --guides-file (SPECDEC_GUIDES, loadtest/guided.jsonl: prompt, guide_type, guide),
 --system-prompt-file (SPECDEC_SYSTEM_PROMPT, none: a text every prompt starts with, as a shared system prompt
 does; loadtest/system_prompt.txt is one; the server's prefix caching computes it once), --mix (SPECDEC_MIX:
-mixed gRPC traffic, `MIX`: streamed or not, seeded sampling, penalties, clients cancelling mid-stream,
-whose requests count as "cancelled" in Locust's table).
+mixed traffic, `MIX`: streamed or not, seeded sampling, penalties, clients cancelling mid-stream,
+whose requests count as "cancelled" in Locust's table; the gRPC and OpenAI users).
 """
 
 # gRPC must be made gevent-cooperative before any channel exists.
@@ -54,7 +55,8 @@ from locust.runners import WorkerRunner  # noqa: E402
 
 from client.core import GenerationParams, ResultBuilder  # noqa: E402
 from client.core import classify_error, classify_http_error  # noqa: E402
-from client.sync import consume_grpc_response, grpc_inputs, is_final, parse_sse_line  # noqa: E402
+from client.sync import STREAM_CHUNK, consume_grpc_response, grpc_inputs, is_final, parse_sse_line  # noqa: E402
+from client.sync import sse_lines  # noqa: E402
 from specdec import tensor_names as tn  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -86,9 +88,14 @@ def _options(parser):
     parser.add_argument("--vllm-fraction", type=float, default=float(env("SPECDEC_VLLM_FRACTION", "0")),
                         help="gRPC users: the share of requests sent as vLLM's Triton backend's clients send them, "
                              "to vllm_compatible (VllmBackendUser: all)")
+    parser.add_argument("--openai-fraction", type=float, default=float(env("SPECDEC_OPENAI_FRACTION", "0")),
+                        help="gRPC users: the share of requests sent as chat completions to the OpenAI API at "
+                             "--openai-url (its own \"openai\" entry)")
+    parser.add_argument("--openai-url", default=env("SPECDEC_OPENAI_URL", ""),
+                        help="the OpenAI API's base URL for --openai-fraction (http://host:9000/v1)")
     parser.add_argument("--mix", action="store_true", default=env("SPECDEC_MIX", "") not in ("", "0"),
-                        help="mixed traffic (gRPC users): streamed or not, greedy or seeded sampling, penalties on "
-                             "some, and a share of clients that cancel mid-stream")
+                        help="mixed traffic (gRPC and OpenAI users): streamed or not, greedy or seeded sampling, "
+                             "penalties on some, and a share of clients that cancel mid-stream")
 
 
 class Samples:
@@ -251,12 +258,23 @@ class _SpecdecMixin:
                 params = dataclasses.replace(params, repetition_penalty=1.1, presence_penalty=0.3)
         return self.system + prompt, params
 
-    def record(self, sent: float, result, exception, request_type: str | None = None) -> None:
-        if exception is None:
+    def shape(self) -> tuple[bool, bool]:
+        """(streamed, cancelled): with --mix a share answered whole and a share of the streamed ones left by
+        their client after the first token (MIX); else streamed to the end."""
+        mix = getattr(self.environment.parsed_options, "mix", False)
+        streamed = not (mix and random.random() < MIX["whole"])
+        return streamed, mix and streamed and random.random() < MIX["cancelled"]
+
+    def record(self, sent: float, result, exception, request_type: str | None = None, cancelled: bool = False) -> None:
+        """One request in Locust's table: "generate" with its time and tokens, or a "cancelled" one (its client
+        left mid-stream: no sample; a failure before that is a failed "generate")."""
+        name = "cancelled" if cancelled and exception is None else "generate"
+        if name == "generate" and exception is None:
             SAMPLES.add(sent, result)
-        self.environment.events.request.fire(request_type=request_type or self.request_type, name="generate",
+        self.environment.events.request.fire(request_type=request_type or self.request_type, name=name,
              response_time=(time.perf_counter() - sent) * 1000,
-             response_length=result.num_output_tokens if result else 0, exception=exception, context={})
+             response_length=result.num_output_tokens if result and name == "generate" else 0,
+             exception=exception, context={})
 
 
 # --mix: the share of requests that sample (seeded), that carry penalties, that are not streamed (one
@@ -330,35 +348,56 @@ def consume_vllm_response(builder: ResultBuilder, result, error) -> bool:
 class GrpcStreamUser(_SpecdecMixin, User):
     """Streams every request over gRPC ModelStreamInfer (host: host:port of the gRPC endpoint): to `ensemble`, or
     with --vllm-fraction a share of them to `vllm_compatible` as vLLM's backend's clients send them (their own
-    "vllm" entry in Locust's table; no acceptance: vLLM's outputs have none)."""
+    "vllm" entry in Locust's table; no acceptance: vLLM's outputs have none), and with --openai-fraction a share
+    as chat completions to the OpenAI API at --openai-url (their own "openai" entry), mixed alike."""
 
     request_type = "grpc"
     vllm_fraction: float | None = None  # None: --vllm-fraction
 
     def on_start(self):
         super().on_start()
+        options = self.environment.parsed_options
         if self.vllm_fraction is None:
-            self.vllm_fraction = getattr(self.environment.parsed_options, "vllm_fraction", 0.0)
-        if not 0.0 <= self.vllm_fraction <= 1.0:
-            raise ValueError(f"--vllm-fraction must be within [0, 1], got {self.vllm_fraction}")
+            self.vllm_fraction = getattr(options, "vllm_fraction", 0.0)
+        self.openai_fraction = getattr(options, "openai_fraction", 0.0)
+        for name, share in (("--vllm-fraction", self.vllm_fraction), ("--openai-fraction", self.openai_fraction)):
+            if not 0.0 <= share <= 1.0:
+                raise ValueError(f"{name} must be within [0, 1], got {share}")
+        if self.vllm_fraction + self.openai_fraction > 1.0:
+            raise ValueError(f"--vllm-fraction and --openai-fraction add up to more than 1 "
+                             f"({self.vllm_fraction} + {self.openai_fraction})")
+        self.api = None
+        if self.openai_fraction:
+            if not getattr(options, "openai_url", ""):
+                raise ValueError("--openai-fraction needs --openai-url (the API's base URL, http://host:9000/v1)")
+            self.api = ChatApi(options.openai_url, getattr(options, "openai_model", ""))
         self.client = GeventGrpcClient(self.host.replace("grpc://", ""))
         OPEN_GRPC_CLIENTS.add(self.client)
 
     def on_stop(self):
+        if self.api is not None:
+            self.api.close()
         if self.client in OPEN_GRPC_CLIENTS:
             OPEN_GRPC_CLIENTS.discard(self.client)
             self.client.close()
 
     @task
     def generate(self):
+        streamed, cancel = self.shape()
+        draw = random.random()  # one draw for the path: the shares do not overlap
+        if draw < self.openai_fraction:
+            builder, exception = ResultBuilder(), None
+            try:
+                self.api.send(builder, *self.request(), streamed, cancel)
+            except Exception as exc:  # noqa: BLE001 - every failure is recorded as one
+                exception = exc
+            self.record(builder.sent, builder.result, exception, OpenAIUser.request_type, cancel)
+            return
+        vllm = draw < self.openai_fraction + self.vllm_fraction
         responses: gevent.queue.Queue = gevent.queue.Queue()
         builder = ResultBuilder()
         sent = builder.sent
         exception = None
-        mix = getattr(self.environment.parsed_options, "mix", False)
-        streamed = not (mix and random.random() < MIX["whole"])
-        cancel = mix and streamed and random.random() < MIX["cancelled"]
-        vllm = random.random() < self.vllm_fraction
         request_type = "vllm" if vllm else self.request_type
         self.client.start_stream(callback=lambda result, error: responses.put((result, error)))
         try:
@@ -377,12 +416,7 @@ class GrpcStreamUser(_SpecdecMixin, User):
             exception = exc
         finally:
             self.client.stop_stream(cancel_requests=cancel)
-        if cancel and exception is None:
-            self.environment.events.request.fire(request_type=request_type, name="cancelled",
-                                                 response_time=(time.perf_counter() - sent) * 1000,
-                                                 response_length=0, exception=None, context={})
-            return
-        self.record(sent, builder.result, exception, request_type)
+        self.record(sent, builder.result, exception, request_type, cancel)
 
 
 class VllmBackendUser(GrpcStreamUser):
@@ -423,8 +457,8 @@ class HttpStreamUser(_SpecdecMixin, User):
                                    stream=True, timeout=(10, 600)) as response:
                 if response.status_code != 200:
                     raise classify_http_error(response.status_code, response.text)
-                for line in response.iter_lines(decode_unicode=True):
-                    payload = parse_sse_line(line or "")
+                for line in sse_lines(response.iter_content(chunk_size=STREAM_CHUNK)):
+                    payload = parse_sse_line(line)
                     if payload is not None:
                         builder.add(payload)
         except Exception as exc:  # noqa: BLE001
@@ -432,51 +466,54 @@ class HttpStreamUser(_SpecdecMixin, User):
         self.record(sent, builder.result, exception)
 
 
-class OpenAIUser(_SpecdecMixin, User):
-    """Streams every request as an OpenAI chat completion (host: the API's base URL, http://host:9000/v1),
-    with stream_options.include_usage: TTFT at the first chunk with content, output tokens from `usage`,
-    acceptance from the response's `speculative_decoding` statistics."""
+class ChatApi:
+    """An OpenAI-compatible API's client (base: its URL, http://host:9000/v1): one plain requests session
+    (gevent-patched by Locust), the key SPECDEC_API_KEY if set, the model `model` or the first /v1/models lists.
+    `send` makes one chat completion, streamed with stream_options.include_usage or answered whole: TTFT at the
+    first chunk with content, output tokens from `usage`, acceptance from the `speculative_decoding` statistics."""
 
-    request_type = "openai"
+    path = "/chat/completions"
 
-    def on_start(self):
-        super().on_start()
+    def __init__(self, base: str, model: str = ""):
         self.session = requests.Session()
         key = os.environ.get("SPECDEC_API_KEY")
         if key:
-            self.session.headers["Authorization"] = f"Bearer {key}"
-        self.base = self.host.rstrip("/")
-        self.model = getattr(self.environment.parsed_options, "openai_model", "") or \
-            self.session.get(f"{self.base}/models", timeout=30).json()["data"][0]["id"]
+            self.authorize(key)
+        self.base = base.rstrip("/")
+        self.model = model or self.session.get(f"{self.base}/models", timeout=30).json()["data"][0]["id"]
 
-    def on_stop(self):
+    def authorize(self, key: str) -> None:
+        self.session.headers["Authorization"] = f"Bearer {key}"
+
+    def close(self) -> None:
         self.session.close()
 
-    def body(self, prompt: str, params: GenerationParams) -> dict:
-        body = {"model": params.lora_name or self.model, "messages": [{"role": "user", "content": prompt}], "stream": True,
-                "stream_options": {"include_usage": True}, "max_tokens": params.max_tokens,
+    def body(self, prompt: str, params: GenerationParams, stream: bool) -> dict:
+        body = {"model": params.lora_name or self.model, "messages": [{"role": "user", "content": prompt}],
+                "stream": stream, "max_tokens": params.max_tokens,
                 "temperature": params.temperature if params.temperature is not None else 0.0}
-        if params.num_draft_tokens is not None:
-            body["num_draft_tokens"] = params.num_draft_tokens
-        if params.num_draft_branches is not None:
-            body["num_draft_branches"] = params.num_draft_branches
-        if params.draft_model is not None:
-            body["draft_model"] = params.draft_model
+        if stream:
+            body["stream_options"] = {"include_usage": True}
+        # --mix's sampled and penalised requests, and the speculation settings, under the API's (and vLLM's) names
+        for key in ("top_p", "seed", "repetition_penalty", "presence_penalty", "num_draft_tokens",
+                    "num_draft_branches", "draft_model"):
+            value = getattr(params, key)
+            if value is not None:
+                body[key] = value
         if params.guide_type:
             body["structured_outputs"] = _STRUCTURED_OUTPUTS[params.guide_type](params.guide)
         return body
 
-    path = "/chat/completions"
-
     @staticmethod
     def fields(chunk: dict) -> dict:
-        """A streamed chunk's text, counts and statistics, as the result builder takes them (empty: a chunk that
-        carries no token, as the role chunk: TTFT stays honest)."""
+        """A streamed chunk's (or a whole answer's) text, counts and statistics, as the result builder takes them
+        (empty: a chunk that carries no token, as the role chunk: TTFT stays honest)."""
         if "error" in chunk:
             raise classify_http_error(500, json.dumps({"error": chunk["error"]["message"]}))
         fields = dict(chunk.get("speculative_decoding") or {})
-        choices = chunk.get("choices", [])  # a chat chunk's delta, or a text completion's text
-        content = "".join((c.get("delta") or {}).get("content") or c.get("text") or "" for c in choices)
+        choices = chunk.get("choices", [])  # a chat chunk's delta or a whole answer's message, or a completion's text
+        content = "".join((c.get("delta") or c.get("message") or {}).get("content") or c.get("text") or ""
+                          for c in choices)
         if content:
             fields[tn.TEXT_OUTPUT] = content
         if chunk.get("usage"):
@@ -484,62 +521,59 @@ class OpenAIUser(_SpecdecMixin, User):
             fields[tn.NUM_INPUT_TOKENS] = chunk["usage"]["prompt_tokens"]
         return fields
 
-    @task
-    def generate(self):
-        builder = ResultBuilder()
-        sent = builder.sent
-        exception = None
-        prompt, params = self.request()
-        try:
-            with self.session.post(f"{self.base}{self.path}", json=self.body(prompt, params), stream=True,
-                                   timeout=(10, 600)) as response:
-                if response.status_code != 200:
-                    raise classify_http_error(response.status_code, response.text)
-                for line in response.iter_lines(decode_unicode=True):
-                    if not line or not line.startswith("data:") or line == "data: [DONE]":
-                        continue
-                    fields = self.fields(json.loads(line[len("data:"):]))
-                    if fields:
-                        builder.add(fields)
-        except Exception as exc:  # noqa: BLE001
-            exception = exc
-        self.record(sent, builder.result, exception)
+    def send(self, builder: ResultBuilder, prompt: str, params: GenerationParams, stream: bool = True,
+             cancel: bool = False) -> None:
+        """One request into `builder`; with `cancel` the client leaves after the first chunk with a token (the
+        connection closed mid-stream, as a user who stops reading)."""
+        with self.session.post(f"{self.base}{self.path}", json=self.body(prompt, params, stream), stream=stream,
+                               timeout=(10, 600)) as response:
+            if response.status_code != 200:
+                raise classify_http_error(response.status_code, response.text)
+            if not stream:
+                builder.add(self.fields(response.json()))
+                return
+            # lines end at "\n" alone (sse_lines): iter_lines(decode_unicode=True) would also cut at U+2028 and
+            # the like, which JSON may hold raw
+            for line in sse_lines(response.iter_content(chunk_size=STREAM_CHUNK)):
+                if not line or not line.startswith("data:") or line == "data: [DONE]":
+                    continue
+                fields = self.fields(json.loads(line[len("data:"):]))
+                if fields:
+                    builder.add(fields)
+                    if cancel and builder.first is not None:
+                        return
 
 
-class OpenAICompletionsUser(OpenAIUser):
-    """Streams every request as an OpenAI text completion (`/v1/completions`, what vLLM's benchmark_serving and
-    most throughput tools send; host: the API's base URL; name the class on the command line): the prompt as it
-    is, no chat template; TTFT at the first chunk with text, tokens from `usage`, acceptance from the chunks'
-    `speculative_decoding` statistics."""
+class CompletionsApi(ChatApi):
+    """Text completions (`/v1/completions`, what vLLM's benchmark_serving and most throughput tools send): the
+    prompt as it is, no chat template."""
 
-    request_type = "completions"
     path = "/completions"
 
-    def body(self, prompt: str, params: GenerationParams) -> dict:
-        body = super().body(prompt, params)
+    def body(self, prompt: str, params: GenerationParams, stream: bool) -> dict:
+        body = super().body(prompt, params, stream)
         del body["messages"]
         body["prompt"] = prompt
         return body
 
 
-class AnthropicUser(OpenAIUser):
-    """Streams every request through Anthropic's Messages API on the same port (host: the API's base URL,
-    http://host:9000/v1; name the class on the command line): TTFT at the first text delta, the counts from
-    message_start and message_delta, acceptance from message_delta's `speculative_decoding` statistics."""
+class MessagesApi(ChatApi):
+    """Anthropic's Messages API on the same port: the key as x-api-key; TTFT at the first text delta, the counts
+    from message_start and message_delta (a whole answer's `usage`), acceptance from message_delta's (the
+    answer's) `speculative_decoding` statistics."""
 
-    request_type = "anthropic"
     path = "/messages"
 
-    def on_start(self):
-        super().on_start()
-        key = self.session.headers.pop("Authorization", None)
-        if key:  # Anthropic's clients send it as x-api-key
-            self.session.headers["x-api-key"] = key.removeprefix("Bearer ")
-        self.session.headers["anthropic-version"] = "2023-06-01"
+    def __init__(self, base: str, model: str = ""):
+        super().__init__(base, model)
+        self.session.headers["anthropic-version"] = "2023-06-01"  # every Anthropic client sends it
 
-    def body(self, prompt: str, params: GenerationParams) -> dict:
-        body = super().body(prompt, params)
-        del body["stream_options"]
+    def authorize(self, key: str) -> None:
+        self.session.headers["x-api-key"] = key
+
+    def body(self, prompt: str, params: GenerationParams, stream: bool) -> dict:
+        body = super().body(prompt, params, stream)
+        body.pop("stream_options", None)
         return body
 
     @staticmethod
@@ -549,7 +583,52 @@ class AnthropicUser(OpenAIUser):
             raise classify_http_error(500, json.dumps({"error": chunk["error"]["message"]}))
         if kind == "content_block_delta" and chunk["delta"].get("text"):
             return {tn.TEXT_OUTPUT: chunk["delta"]["text"]}
-        if kind == "message_delta":
-            return {**(chunk.get("speculative_decoding") or {}), tn.NUM_OUTPUT_TOKENS: chunk["usage"]["output_tokens"],
+        if kind in ("message_delta", "message"):  # the stream's last counts, or a whole answer
+            text = "".join(block.get("text", "") for block in chunk.get("content") or [])
+            return {**(chunk.get("speculative_decoding") or {}), **({tn.TEXT_OUTPUT: text} if text else {}),
+                    tn.NUM_OUTPUT_TOKENS: chunk["usage"]["output_tokens"],
                     tn.NUM_INPUT_TOKENS: chunk["usage"]["input_tokens"]}
         return {}
+
+
+class OpenAIUser(_SpecdecMixin, User):
+    """Sends every request as an OpenAI chat completion (host: the API's base URL, http://host:9000/v1): streamed,
+    or with --mix as GrpcStreamUser mixes them (streamed or whole, clients that leave mid-stream); see ChatApi."""
+
+    request_type = "openai"
+    api_class = ChatApi
+
+    def on_start(self):
+        super().on_start()
+        self.api = self.api_class(self.host, getattr(self.environment.parsed_options, "openai_model", ""))
+
+    def on_stop(self):
+        self.api.close()
+
+    @task
+    def generate(self):
+        builder = ResultBuilder()
+        exception = None
+        prompt, params = self.request()
+        streamed, cancel = self.shape()
+        try:
+            self.api.send(builder, prompt, params, streamed, cancel)
+        except Exception as exc:  # noqa: BLE001 - every failure is recorded as one
+            exception = exc
+        self.record(builder.sent, builder.result, exception, cancelled=cancel)
+
+
+class OpenAICompletionsUser(OpenAIUser):
+    """Sends every request as an OpenAI text completion (host: the API's base URL; name the class on the command
+    line); see CompletionsApi."""
+
+    request_type = "completions"
+    api_class = CompletionsApi
+
+
+class AnthropicUser(OpenAIUser):
+    """Sends every request through Anthropic's Messages API (host: the API's base URL, http://host:9000/v1; name
+    the class on the command line); see MessagesApi."""
+
+    request_type = "anthropic"
+    api_class = MessagesApi

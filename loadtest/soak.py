@@ -12,11 +12,12 @@ RSS growth under 5 % after warm-up.
     python loadtest/soak.py --mix --kill target_model --duration 1800   # `make soak-mixed`
 
 --mix sends mixed traffic (the locustfile's MIX: streamed and not, greedy and seeded sampling, penalties,
-clients that cancel mid-stream, structured output on 15 %, and 20 % sent to vllm_compatible as the clients of
-Triton's vLLM backend send them); --kill MODEL SIGKILLs that model's first
-stub halfway through the run, as the OOM killer would: the launcher's watchdog brings it back, and the
-failures of the requests it was serving (the server's "being restored, retry", or a dropped stream when
-the server restarts) are counted apart as expected; any other failure is unexpected.
+clients that cancel mid-stream, structured output on 15 %, 20 % sent to vllm_compatible as the clients of
+Triton's vLLM backend send them, and --openai-fraction (20 % with --mix) as chat completions through the
+OpenAI API the launcher runs, mixed alike: its own process's memory is a row of the table); --kill MODEL
+SIGKILLs that model's first stub halfway through the run, as the OOM killer would: the launcher's watchdog
+brings it back, and the failures of the requests it was serving (the server's "being restored, retry", or a
+dropped stream when the server restarts) are counted apart as expected; any other failure is unexpected.
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ def server_processes(pid: int) -> dict[str, psutil.Process]:
             continue
         if short == "tritonserver" or (cmd and cmd[0].endswith("/tritonserver")):
             out["tritonserver"] = proc
+        elif "specdec.gateway" in cmd:  # the OpenAI API the launcher runs beside the server
+            out["openai api"] = proc
         elif cmd and "triton_python_backend_stub" in cmd[0]:
             # The stub's arguments: its model repository path ends in <model>/<version>/model.py.
             model = next((Path(a).parts[-3] for a in cmd if a.endswith("model.py")), f"stub {proc.pid}")
@@ -125,21 +128,25 @@ def sample_every(server_pid: int, seconds: float, stop: threading.Event) -> list
             return samples
 
 
-def locust(grpc_url: str, seconds: float, users: int, csv_prefix: Path, max_tokens: int, mix: bool = False) -> dict:
+def locust(grpc_url: str, seconds: float, users: int, csv_prefix: Path, max_tokens: int, mix: bool = False,
+           openai_url: str = "", openai_fraction: float = 0.0) -> dict:
     """Run Locust headless; returns its `generate` rows' counts (summed over the kinds) and the summary it printed."""
     command = [sys.executable, "-m", "locust", "-f", str(HERE / "locustfile.py"), "--headless", "-u", str(users),
                "-r", str(users), "-t", f"{int(seconds)}s", "--stop-timeout", "60", "--host", grpc_url,
                "--csv", str(csv_prefix), "--max-tokens", str(max_tokens), "--only-summary"]
     if mix:
         command += ["--mix", "--guided-fraction", "0.15", "--vllm-fraction", "0.2"]
+    if openai_fraction:
+        command += ["--openai-fraction", str(openai_fraction), "--openai-url", openai_url]
     result = subprocess.run(command, capture_output=True, text=True, timeout=seconds + 300)
     rows = list(csv.DictReader(open(f"{csv_prefix}_stats.csv")))
-    generate = [r for r in rows if r["Name"] == "generate"]  # one per kind: ensemble's ("grpc") and "vllm"
+    generate = [r for r in rows if r["Name"] == "generate"]  # one per kind: ensemble's ("grpc"), "vllm", "openai"
     lines = (result.stdout + result.stderr).splitlines()
     start = next((i for i, line in enumerate(lines) if line.startswith("speculative decoding load summary")), None)
     summary = [] if start is None else lines[start + 1:start + 7]  # the locustfile's own summary
     return {"requests": sum(int(r["Request Count"]) for r in generate),
             "failures": sum(int(r["Failure Count"]) for r in generate),
+            "kinds": ", ".join(f"{r['Type']} {r['Request Count']}" for r in generate),
             "code": result.returncode, "summary": summary}
 
 
@@ -153,6 +160,9 @@ def main(argv=None) -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--pair", default="default")
     parser.add_argument("--grpc-url", help="a running server instead of one started here (with --server-pid)")
+    parser.add_argument("--openai-url", help="its OpenAI API's base URL (http://host:9000/v1), for --openai-fraction")
+    parser.add_argument("--openai-fraction", type=float,
+                        help="the share of requests sent through the OpenAI API (default: 0.2 with --mix, else 0)")
     parser.add_argument("--server-pid", type=int)
     parser.add_argument("--launcher-arg", action="append", default=[],
                         help="more arguments for the server started here (repeatable)")
@@ -162,14 +172,19 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.launcher_arg and args.grpc_url is not None:
         parser.error("--launcher-arg applies to the server started here, not to --grpc-url's")
+    if args.openai_fraction is None:
+        args.openai_fraction = 0.2 if args.mix else 0.0
+    if args.openai_fraction and args.grpc_url is not None and not args.openai_url:
+        parser.error("--openai-fraction with --grpc-url needs --openai-url (the running server's OpenAI API)")
     own = None
     if args.grpc_url is None:
         cache = HERE.parent / ".cache"
         own = server.start(cache / "run" / "soak", cache / "soak-server.log", ["--pair", args.pair, *args.launcher_arg])
-        args.grpc_url, args.server_pid = own.grpc_url, own.process.pid
+        args.grpc_url, args.server_pid, args.openai_url = own.grpc_url, own.process.pid, own.openai_url
     work = Path(tempfile.mkdtemp(prefix="soak-"))  # Locust's CSVs, read here (the failures' texts are printed)
     try:
-        warm = locust(args.grpc_url, args.warmup, args.users, work / "warmup", args.max_tokens, args.mix)
+        traffic = dict(mix=args.mix, openai_url=args.openai_url, openai_fraction=args.openai_fraction)
+        warm = locust(args.grpc_url, args.warmup, args.users, work / "warmup", args.max_tokens, **traffic)
         start = rss_mb(server_processes(args.server_pid))
         started = time.monotonic()
         stop, samples, killed = threading.Event(), [], []
@@ -178,7 +193,7 @@ def main(argv=None) -> int:
         if args.kill:
             killer = threading.Timer(args.duration / 2, lambda: killed.append(kill_stub(args.server_pid, args.kill)))
             killer.start()
-        run = locust(args.grpc_url, args.duration, args.users, work / "soak", args.max_tokens, args.mix)
+        run = locust(args.grpc_url, args.duration, args.users, work / "soak", args.max_tokens, **traffic)
         stop.set()
         sampler.join()
         elapsed = time.monotonic() - started
@@ -204,13 +219,14 @@ def main(argv=None) -> int:
     grower = max((name for name in start if name in end), key=lambda name: end[name] - start[name])
     series = ", ".join(f"{sum(sample[grower].values()):.0f}" for sample in samples if grower in sample)
     settings = f" ({' '.join(args.launcher_arg)})" if args.launcher_arg else ""
-    traffic = " mixed traffic," if args.mix else ""
+    traffic = (" mixed traffic," if args.mix else "") + \
+        (f" {args.openai_fraction:.0%} through the OpenAI API," if args.openai_fraction else "")
     kill = (f" {args.kill}'s stub (pid {killed[0]}) SIGKILLed at {args.duration / 2:.0f} s: {expected} expected "
             f"failures;" if killed else "")
     text = "\n".join([
         f"soak: {args.pair} pair{settings},{traffic} {args.users} users, {args.max_tokens} tokens per request, "
         f"{args.warmup:.0f} s warm-up ({warm['requests']} requests, {warm['failures']} failures), "
-        f"then {elapsed:.0f} s: {run['requests']} requests;{kill} {unexpected} unexpected failures",
+        f"then {elapsed:.0f} s: {run['requests']} requests ({run['kinds']});{kill} {unexpected} unexpected failures",
         *[f"  unexpected: {t}" for t in unexpected_texts + warm_texts],
         *run["summary"], "",
         tabulate(rows, ["process", "RSS after warm-up (MiB)", "RSS at end (MiB)", "growth",

@@ -135,22 +135,25 @@ def test_locust_distributed_summary_counts_every_workers_requests(server, tmp_pa
 
 
 def test_soak_reports_memory_over_time_against_a_running_server(server, tmp_path):
-    """`make soak-mixed`'s script (mixed traffic, vllm_compatible's clients among it), briefly, against the suite's
-    server: no failures, every process's RSS at start and end split into anonymous and shared growth, and the
-    largest grower's RSS over time."""
+    """`make soak-mixed`'s script (mixed traffic, vllm_compatible's and the OpenAI API's clients among it), briefly,
+    against the suite's server: no failures, every process's RSS (the API's too) at start and end split into
+    anonymous and shared growth, and the largest grower's RSS over time."""
     script = LOCUSTFILE.parent / "soak.py"
     out = tmp_path / "soak.md"
     relayed = server.metric("nv_inference_request_success", model=tn.VLLM_COMPATIBLE)
     result = subprocess.run([sys.executable, str(script), "--grpc-url", server.grpc_url,
                              "--server-pid", str(server.process.pid), "--duration", "8", "--warmup", "2",
-                             "--sample-every", "2", "--users", "3", "--max-tokens", "16", "--mix", "--out", str(out)],
+                             "--sample-every", "2", "--users", "3", "--max-tokens", "16", "--mix", "--out", str(out),
+                             "--openai-url", server.openai_url, "--openai-fraction", "0.3"],
                             capture_output=True, text=True, timeout=240)
     # 1: grew >= 5 % (an 8 s run proves nothing), with its report written; a crash exits 1 too, without one.
     assert result.returncode in (0, 1) and out.exists(), result.stdout[-2000:] + result.stderr[-3000:]
     report = out.read_text()
     assert ", 0 failures" in report and "requests" in report
     table = {line.split("|")[1].strip(): line for line in report.splitlines() if line.startswith("| ")}
-    assert {"target_model", "speculative_decoding", "tritonserver", "total"} <= set(table)
+    assert {"target_model", "speculative_decoding", "tritonserver", "openai api", "total"} <= set(table)
+    assert "30% through the OpenAI API" in report
+    assert int(re.search(r"requests \(.*openai (\d+)", report).group(1)) > 0  # its share was sent
     # One row per stub: the orchestrator's second instance has its own.
     assert "speculative_decoding #2" in table, sorted(table)
     assert server.metric("nv_inference_request_success", model=tn.VLLM_COMPATIBLE) > relayed  # its share was sent

@@ -78,6 +78,27 @@ def test_a_files_lines_are_checked_and_each_error_names_its_line():
     assert [r["custom_id"] for r in good] == ["a", "b"] and none == []
 
 
+def test_a_line_holding_line_separators_raw_is_one_request_and_its_answer_one_line():
+    """JSON may hold U+2028, U+2029 and U+0085 raw in a string; str.splitlines() ends lines there. A file's line
+    holding them is one request, and its output line stays one line for a reader that splits so."""
+    odd = "a\u2028b\x85c\u2029d"
+    text = "\n".join(json.dumps(item, ensure_ascii=False) for item in (line(odd), line("e"))) + "\r\n"
+    requests, errors = parse_requests(text, URL)
+    assert errors == [] and [r["custom_id"] for r in requests] == [odd, "e"]
+
+    async def main():
+        store = ResponseStore(1 << 22)
+        files = Files(store.sibling("files"))
+        jobs = Batches(store.sibling("batches"), files, Answers(), drain_timeout_s=1)
+        upload = await files.create(text.encode(), "in.jsonl", "batch")
+        done = await until(jobs, (await jobs.create({"input_file_id": upload["id"], "endpoint": URL,
+                                                     "completion_window": "24h"}))["id"])
+        out = await lines_of(files, done["output_file_id"])  # splitlines(): one line each
+        assert [o["response"]["body"]["choices"][0]["message"]["content"] for o in out] == [odd, "e"]
+        assert "\\u2028" in await files.content(done["output_file_id"])  # escaped: the same JSON string
+    asyncio.run(main())
+
+
 def test_a_batch_answers_every_request_in_order_within_its_concurrency():
     async def main():
         store = ResponseStore(1 << 22)

@@ -147,6 +147,12 @@ def test_the_message_its_blocks_and_its_stop_reasons():
     raw = messages.event("content_block_delta", index=0, delta={"type": "text_delta", "text": "é"}).decode()
     assert raw.startswith("event: content_block_delta\ndata: ") and raw.endswith("\n\n")
     assert json.loads(raw.split("data: ", 1)[1])["delta"]["text"] == "é"
+    # text with the characters str.splitlines() breaks at (requests' iter_lines(decode_unicode=True) does) stays
+    # on its data line, and the same text
+    odd = "a\u2028b\x85c\u2029d"
+    raw = messages.event("content_block_delta", index=0, delta={"type": "text_delta", "text": odd}).decode()
+    assert raw.splitlines() == raw.split("\n")[:-1]
+    assert json.loads(raw.splitlines()[1].removeprefix("data: "))["delta"]["text"] == odd
 
 
 def test_a_prefilled_answer_is_continued():

@@ -23,7 +23,7 @@ import uuid
 from typing import Awaitable, Callable
 
 from specdec.gateway.background import ORPHAN_S, WATCH_S, drain
-from specdec.gateway.protocol import ApiError, invalid
+from specdec.gateway.protocol import ApiError, invalid, json_line
 from specdec.gateway.response_store import NotStored, in_store
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")  # what a batch's requests may call
@@ -278,7 +278,7 @@ class Batches:
         for name, lines in (("output_file_id", [r for r in results if r and r["response"]["status_code"] == 200]),
                             ("error_file_id", [r for r in results if r and r["response"]["status_code"] != 200])):
             if lines:
-                text = "".join(json.dumps(line, separators=(",", ":"), ensure_ascii=False) + "\n" for line in lines)
+                text = "".join(json_line(line) + "\n" for line in lines)
                 try:
                     files[name] = (await self.files.create(text.encode("utf-8"), f"{batch['id']}_{name[:-8]}.jsonl",
                                                            "batch_output", output_expiry))["id"]
@@ -319,7 +319,8 @@ def parse_requests(text: str, endpoint: str) -> tuple[list[dict], list[dict]]:
     def error(line: int | None, code: str, message: str, param: str | None = None) -> None:
         errors.append({"code": code, "message": message, "param": param, "line": line})
 
-    for number, line in enumerate(text.splitlines(), 1):
+    # JSONL's lines end at "\n" alone: a JSON string may hold U+2028 and the like raw, where splitlines() would cut
+    for number, line in enumerate(text.split("\n"), 1):
         if not line.strip():
             continue
         try:

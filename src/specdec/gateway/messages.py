@@ -11,7 +11,7 @@ import datetime
 import json
 
 from specdec.gateway import tools
-from specdec.gateway.protocol import CHAT_FIELDS, STATS_FIELD, ApiError, Generation, invalid, joined_text
+from specdec.gateway.protocol import CHAT_FIELDS, STATS_FIELD, ApiError, Generation, invalid, joined_text, json_line
 
 # Hints that change nothing here: prompt caching (automatic here: prefix caching), where and how fast Anthropic
 # runs a request, who asks, a code tool's container
@@ -277,5 +277,5 @@ def model_card(name: str, created: int) -> dict:
 
 def event(kind: str, **fields) -> bytes:
     """One streamed event, as Anthropic sends them (its type as the SSE event name and in the data)."""
-    data = json.dumps({"type": kind, **fields}, separators=(",", ":"), ensure_ascii=False)
+    data = json_line({"type": kind, **fields})
     return f"event: {kind}\ndata: {data}\n\n".encode("utf-8")

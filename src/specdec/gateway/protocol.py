@@ -895,6 +895,18 @@ def envelope(gen: Generation, choices: list[dict], chunk: bool) -> dict:
             "system_fingerprint": None, "choices": choices}
 
 
+# The characters str.splitlines() ends a line at that JSON leaves raw without ensure_ascii (it escapes the
+# control characters): a JSON line or event carrying them would come apart in readers that split so (requests'
+# iter_lines(decode_unicode=True), a JSONL file read with splitlines()), though it is valid JSON
+_LINE_BREAKERS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def json_line(value) -> str:
+    """Compact JSON with its text as it is (UTF-8 on the wire, not \\u escapes), on one line for every reader:
+    the characters str.splitlines() breaks at escaped (the same JSON value)."""
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False).translate(_LINE_BREAKERS)
+
+
 def sse(payload: dict | str) -> bytes:
     """One Server-Sent Event, as OpenAI's SDK reads it."""
     data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
