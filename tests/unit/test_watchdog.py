@@ -476,3 +476,39 @@ def test_a_text_model_with_requests_pending_and_no_execution_has_its_stubs_kille
     assert killed == [21] and "preprocessing has had 2 request(s) pending and executed none for 30 s (hung)" in lines[-1]
     assert 'specdec_model_execute_hangs_total{model="preprocessing"} 1' in dog.metrics_text()
     assert 11 not in killed  # target_model's own pending requests are the call timeout's business
+
+
+def test_the_regions_of_dead_stubs_the_server_still_maps_are_counted_as_stranded():
+    """A stub killed serving requests leaves its instance and shared-memory region in Triton 24.10 (found with
+    SIGKILLed stubs): the regions the server maps of stubs gone are gauged, the live stubs' and files that are
+    no stub's are not."""
+    mapped = {"shm-a": 4096, "shm-b": 8192, "unrelated": 1}
+    stubs, clock = Stubs(), Clock()
+    dog = Watchdog(PORT, Control(stubs), log=lambda _: None, stubs=stubs, clock=clock, kill=lambda pid: None,
+                   mapped=lambda pid: {**mapped, **{stub.shm: 10 for stub in stubs(pid) if stub.shm}})
+    dog.arm(SERVER)
+    assert dog.stranded() == {} and "specdec_stranded_shm_regions 0" in dog.metrics_text()
+    stubs.kill("target_model_0_0")
+    clock.now += 0.5
+    dog.tick()  # reloaded: a new stub, a new region; the old one still mapped by the server
+    assert dog.stranded() == {"shm-a": 4096}
+    text = dog.metrics_text()
+    assert "specdec_stranded_shm_regions 1" in text and "specdec_stranded_shm_bytes 4096" in text
+    del mapped["shm-a"]  # an idle stub's region: released with its instance
+    assert dog.stranded() == {}
+
+
+def test_the_shared_memory_a_process_maps_is_read_from_proc(tmp_path):
+    shm, proc = tmp_path / "shm", tmp_path / "proc"
+    shm.mkdir()
+    (proc / "77").mkdir(parents=True)
+    (shm / "region_a").write_bytes(b"x" * 10000)
+    (proc / "77" / "maps").write_text(
+        f"7f0000000000-7f0000100000 rw-s 00000000 00:1a 12 {shm}/region_a\n"
+        f"7f0000100000-7f0000200000 rw-s 00000000 00:1a 12 {shm}/region_a\n"  # grown: mapped again
+        f"7f0000200000-7f0000300000 rw-s 00000000 00:1a 13 {shm}/region b (deleted)\n"
+        "7f0000300000-7f0000400000 r-xp 00000000 08:01 99 /usr/lib/libc.so.6\n"
+        "7f0000400000-7f0000401000 rw-p 00000000 00:00 0\n")
+    found = watchdog.shm_mapped(77, proc, shm)
+    assert set(found) == {"region_a", "region b"}
+    assert found["region_a"] >= 10000 and found["region b"] == 0

@@ -102,6 +102,25 @@ def stubs_of(server_pid: int, proc: Path = Path("/proc")) -> list[Stub]:
     return found
 
 
+def shm_mapped(server_pid: int, proc: Path = Path("/proc"), shm_dir: Path = Path("/dev/shm")) -> dict[str, int]:
+    """The files of `shm_dir` that process `server_pid` maps, by name, with the memory each holds (its allocated
+    bytes; 0 for one unlinked meanwhile). A region grown is mapped again: each name counts once."""
+    found: dict[str, int] = {}
+    prefix = f"{shm_dir}/"
+    with open(proc / str(server_pid) / "maps") as maps:
+        for line in maps:
+            fields = line.rstrip("\n").split(None, 5)
+            if len(fields) < 6 or not fields[5].startswith(prefix):
+                continue
+            name = fields[5][len(prefix):].removesuffix(" (deleted)")
+            if name not in found:
+                try:
+                    found[name] = (shm_dir / name).stat().st_blocks * 512
+                except OSError:
+                    found[name] = 0
+    return found
+
+
 class ModelControl:
     """Triton's model repository API (HTTP), with the restricted-API header where the server demands one."""
 
@@ -193,7 +212,7 @@ class Watchdog:
                  hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S,
                  stamps: Callable[[int], dict[str, tuple[float, int]]] | None = None,
                  queues: Callable[[], dict[str, tuple[float, float]]] | None = None,
-                 wall: Callable[[], float] = time.time):
+                 wall: Callable[[], float] = time.time, mapped: Callable[[int], dict[str, int]] = shm_mapped):
         self.marker = down_marker(http_port)
         self.control, self.heal_timeout_s, self.period_s = control, heal_timeout_s, period_s
         self.log, self.stubs, self.clock, self.kill = log, stubs, clock, kill
@@ -216,6 +235,7 @@ class Watchdog:
         self._next_stall_look = 0.0
         self.models: dict[str, ModelHealth] = {}
         self.regions: set[str] = set()  # the stubs' shared-memory regions seen (removed once the server is gone)
+        self.mapped = mapped  # the shared-memory files a server maps, with their bytes (see `stranded`)
         self.server_pid = 0
         self.server_restarts = 0
         self.server = ModelHealth(set())  # tritonserver's own crashes (down while the launcher restarts it)
@@ -512,9 +532,25 @@ class Watchdog:
                             f"{self.heal_timeout_s:.0f} s): {health.reason}")
         return None
 
+    def stranded(self) -> dict[str, int]:
+        """The shared-memory regions of stubs gone that the server still maps, with their bytes. Triton 24.10's
+        Python backend never releases the requests a stub was serving when it died: the old instance, and its
+        region (as large as that stub's traffic grew it), stay until the server stops, whose stop then waits
+        its whole exit timeout (found with SIGKILLed stubs: an idle stub's region is freed at its reload)."""
+        pid = self.server_pid
+        if not pid:
+            return {}
+        try:
+            live = {stub.shm for stub in self.stubs(pid)}
+            mapped = self.mapped(pid)
+        except OSError:  # the server gone meanwhile
+            return {}
+        return {name: size for name, size in mapped.items() if name in self.regions and name not in live}
+
     def metrics_text(self) -> str:
         """The watchdog's metrics in Prometheus' text format (served on the launcher's HEALTH_PORT)."""
         now = self.clock()
+        stranded = self.stranded()
         lines = ["# HELP specdec_model_restarts_total Times the watchdog brought a model back after its stub died",
                  "# TYPE specdec_model_restarts_total counter"]
         with self._lock:
@@ -541,4 +577,9 @@ class Watchdog:
                       "hung: an instance in one execute, or requests pending and none executed, past the hang "
                       "timeout (its stubs killed, the model reloaded)", "# TYPE specdec_model_execute_hangs_total counter"]
             lines += [f'specdec_model_execute_hangs_total{{model="{m}"}} {n}' for m, n in sorted(self.execute_hangs.items())]
+        lines += ["# HELP specdec_stranded_shm_regions Shared-memory regions of stubs that died serving requests, "
+                  "still held by tritonserver until it restarts (Triton's Python backend keeps their instances)",
+                  "# TYPE specdec_stranded_shm_regions gauge", f"specdec_stranded_shm_regions {len(stranded)}",
+                  "# HELP specdec_stranded_shm_bytes The memory those regions hold",
+                  "# TYPE specdec_stranded_shm_bytes gauge", f"specdec_stranded_shm_bytes {sum(stranded.values())}"]
         return "\n".join(lines) + "\n"
