@@ -96,6 +96,12 @@
 #   traces         a client's torch profile of the served pair (POST /start_profile, /stop_profile): one stream
 #                  at K=0 and K=4; each model's CPU operators and kernels by device time after the table in
 #                  traces.md (bench/gpu_bench.py --traces; the traces in traces/: Perfetto) (~3 min)
+#   openai         the OpenAI API's cost on the 8B-shaped pair (bench/openai_gateway_bench.py --pair 8b): streamed
+#                  completions through the launcher's API (calling preprocessing, then speculative_decoding) and
+#                  through a second one calling the ensemble (its postprocessing step a streamed response), the
+#                  gRPC stream to the ensemble and vllm_compatible beside them, at 1 and 4 streams, K=4 (~4 min):
+#                  what the API adds to a GPU's round (issue 47, item 2). On two CPU cores, the default pair:
+#                  the direct API 1.09-1.16x the ensemble's tokens/s (docs/results/2026-12-07-openai-direct.md)
 #   profile        cProfile over draft_model's and target_model's execute (SPECDEC_PROFILE_DIR): 8 target-only
 #                  streams, then 1 stream at K=0, 4 and adaptive; pstats' reports in profile-*.txt (~2 min):
 #                  where the host time inside an execution goes (the adapter's share: "in execute" - "in
@@ -116,7 +122,8 @@
 #   source .gpukit/activate.sh && GPU_TESTS_K="head or searched or ahead or hosted" GPU_SESSION_SECONDS=540 \
 #     bash bench/gpu_session.sh tests hostedround drafts headround
 #
-# After it: fp8 (FP8 against bf16 side by side in one command) and bench (the served rows at 1 and 8 streams).
+# After it: fp8 (FP8 against bf16 side by side in one command), bench (the served rows at 1 and 8 streams) and
+# openai (the OpenAI API calling speculative_decoding itself against through the ensemble, ~4 min).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 dest="${OUT:-}"
@@ -347,6 +354,11 @@ for part in "$@"; do
           --launcher-arg=--draft-head=eagle1="$eagle1" --launcher-arg=--max-num-draft-tokens=4 "${where[@]}" \
           --out "$out/hostedround-$hosted.md"
       done ;;
+    openai)
+      pairflag=(--pair 8b --device gpu --requests 8 --max-tokens 128)
+      [ -n "${GPU_SESSION_SMALL:-}" ] && pairflag=(--pair small --requests 2 --max-tokens 16)
+      run openai 300 "$python" -m bench.openai_gateway_bench "${pairflag[@]}" --concurrency 1 4 \
+        --out "$out/openai.md" ;;
     kernels) run kernels 300 "$python" -m bench.kernel_profile --out "$out/kernels.md" ;;
     ksweep)
       for ks in "6 5" "8 7"; do
@@ -356,6 +368,6 @@ for part in "$@"; do
       done ;;
     executor) run executor 240 "$python" -m bench.executor_bench --modes graphs,graphs-mlp --reference \
         --out "$out/executor.md" ;;
-    *) echo "unknown part: $part (tests, heads, drafts, headround, hostedround, bench, ahead, drafttrees, swift, fp8, attention, orchestrators, executor, streams, prefix, pipeline, load, overhead, overhead8b, mps, ksweep, profile, traces, prompts, maxk, kernels, lora)" >&2; exit 2 ;;
+    *) echo "unknown part: $part (tests, heads, drafts, headround, hostedround, bench, ahead, drafttrees, swift, fp8, attention, orchestrators, executor, streams, prefix, pipeline, load, overhead, overhead8b, openai, mps, ksweep, profile, traces, prompts, maxk, kernels, lora)" >&2; exit 2 ;;
   esac
 done

@@ -5,7 +5,8 @@ stream, relayed to the ensemble by a Python stub). The launcher's gateway calls 
 speculative_decoding itself (`--upstream direct`); a second gateway process in front of the same server calls the
 ensemble (`--upstream ensemble`), the same bare client's requests to both side by side.
 
-Serves the tiny pair (or `--pair default`), sends each prompt both ways at a fixed K, greedy, one request at
+Serves the tiny pair (or `--pair default`; `--pair 8b --device gpu`: gpu_bench's synthetic 8B-shaped pair, `--pair
+small` its CPU twin), sends each prompt both ways at a fixed K, greedy, one request at
 a time (and with --concurrency N, N at once), and prints per path: time to first token and the gap between
 consecutive chunks (p50/p99), their difference to the direct path at the median, and the gateway process's
 CPU time per streamed chunk and per output token (Linux /proc). Every client runs in this process on one
@@ -17,6 +18,7 @@ the same prompt, its chat template applied), compared with each other (their pro
 
     python -m bench.openai_gateway_bench                      # tiny pair, 1 and 4 streams
     python -m bench.openai_gateway_bench --results openai-gateway
+    python -m bench.openai_gateway_bench --pair 8b --device gpu --requests 8 --max-tokens 128   # a GPU's machinery
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import tritonclient.grpc.aio as grpcaio
 from tritonclient.utils import np_to_triton_dtype
 
 from bench import report
+from bench.round_overhead import PAIRS, served_pair
 from client import GenerationParams
 from client.aio import AsyncClient
 from specdec import tensor_names as tn
@@ -246,7 +249,8 @@ async def run(srv, texts: list[str], params: GenerationParams, concurrency: int,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--pair", default="tiny", choices=("tiny", "default"))
+    parser.add_argument("--pair", default="tiny", choices=PAIRS)
+    parser.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
     parser.add_argument("--requests", type=int, default=24)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--num-draft-tokens", type=int, default=4)
@@ -254,12 +258,17 @@ def main() -> None:
     parser.add_argument("--out", help="also write the table here")
     parser.add_argument("--results", metavar="NAME", help="also write it as docs/results/<date>-NAME.md")
     args = parser.parse_args()
+    try:
+        label, pair_args = served_pair(args.pair, args.device)
+    except ValueError as exc:
+        parser.error(str(exc))
     # No chat template: the completions endpoint takes the text as it is (the default pair's text_input would
     # take one), so both paths send the same prompt
     params = GenerationParams(max_tokens=args.max_tokens, num_draft_tokens=args.num_draft_tokens, adaptive_draft=False,
                               temperature=0.0, ignore_eos=True, apply_chat_template=False)
     work = Path(tempfile.mkdtemp(prefix="openai-bench-"))
-    srv = serving.start(work / "run", work / "server.log", ["--pair", args.pair])
+    srv = serving.start(work / "run", work / "server.log",
+                        [*pair_args, *(["--device", "gpu"] if args.device == "gpu" else [])])
     rows = []
     second = None
     try:
@@ -286,7 +295,7 @@ def main() -> None:
             second[0].terminate()
             second[0].wait(30)
         srv.stop()
-    header = (f"OpenAI API and vllm_compatible against gRPC streaming to the ensemble, {args.pair} pair, "
+    header = (f"OpenAI API and vllm_compatible against gRPC streaming to the ensemble, {label}, "
               f"{args.requests} requests per path and concurrency, {args.max_tokens} tokens each, "
               f"K={args.num_draft_tokens} fixed, greedy "
               f"({report.machine()})")
