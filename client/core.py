@@ -320,10 +320,15 @@ def server_url(url: str | None, protocol: str) -> str:
 
 
 def classify_http_error(status: int, body: str) -> ClientError:
-    """The error of a non-200 answer of Triton's HTTP endpoints (body: its JSON {"error": ...} or text)."""
+    """The error of a non-200 answer of Triton's HTTP endpoints (body: its JSON {"error": ...} or text), or of
+    the OpenAI and Anthropic APIs ({"error": {"message": ..., "type": ...}})."""
     try:
         message = json.loads(body).get("error", body)
     except (ValueError, AttributeError):
+        message = body
+    if isinstance(message, dict):
+        message = message.get("message", body)
+    if not isinstance(message, str):
         message = body
     lowered = message.lower()
     if tn.RETRY_LATER in lowered:

@@ -47,9 +47,9 @@ def srv(tmp_path_factory):
     server.start_s = time.monotonic() - started_at  # what a restart takes again, on this machine and its load
     yield server
     # Triton never finishes unloading the old instance of a model whose stub died with requests in
-    # flight (their state is lost with the stub): the server then stops only at its exit timeout, with
-    # code 1 (docs/deployment.md, "Self-healing").
-    retire_server(server, require_clean_exit=False)
+    # flight (their state is lost with the stub): its own stop would end only at its exit timeout, with
+    # code 1; the launcher ends it once only those are left, a clean stop (docs/deployment.md, "Self-healing").
+    retire_server(server)
 
 
 @pytest.fixture(scope="module")

@@ -37,6 +37,18 @@ def test_http_error_with_a_plain_text_body():
     assert str(classify_http_error(500, "upstream died")) == "upstream died"
 
 
+def test_the_openai_and_anthropic_apis_errors_are_classified_by_their_message():
+    restoring = "speculative_decoding: target_model: a model is being restored, retry"
+    openai_body = {"error": {"message": restoring, "type": "server_error", "param": None, "code": None}}
+    anthropic_body = {"type": "error", "error": {"type": "overloaded_error", "message": restoring}}
+    for body in (openai_body, anthropic_body):
+        error = classify_http_error(503, json.dumps(body))
+        assert type(error) is ModelNotReadyError and str(error) == restoring
+    assert type(classify_http_error(400, json.dumps({"error": {"message": "max_tokens: must be >= 1"}}))) \
+        is InvalidArgumentError
+    assert str(classify_http_error(500, json.dumps({"error": 3}))) == '{"error": 3}'  # no message: the body
+
+
 def test_server_url():
     assert server_url(None, "grpc") == "localhost:8001"
     assert server_url(None, "http") == "http://localhost:8000"

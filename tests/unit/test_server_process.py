@@ -100,8 +100,8 @@ IGNORES_SIGTERM = """
     import signal, sys, time
     def stopping(*_):  # Triton's stop: models unload, then (with {unloaded}) its last line before the endpoints
         if {unloaded}:
-            print('I1205 server.cc:345] "Timeout 27: Found 0 live models and 0 in-flight non-inference requests"',
-                  flush=True)
+            print('I1205 server.cc:345] "Timeout 27: Found {live} live models and 0 in-flight non-inference '
+                  'requests"', flush=True)
         {then}
     signal.signal(signal.SIGTERM, stopping)
     print("serving", flush=True)
@@ -110,10 +110,13 @@ IGNORES_SIGTERM = """
 """
 
 
-def stopping(unloaded: bool, then: str, *args: str) -> tuple[ServerProcess, list[str]]:
-    """A stand-in asked to stop (SIGTERM) once it serves; `then`: what its handler does after the unloading."""
-    script = textwrap.dedent(IGNORES_SIGTERM.format(unloaded=unloaded, then=then))
+def stopping(unloaded: bool, then: str, *args: str, live: int = 0, stranded: int = 0
+             ) -> tuple[ServerProcess, list[str]]:
+    """A stand-in asked to stop (SIGTERM) once it serves; `then`: what its handler does after the unloading
+    (which leaves `live` models); `stranded`: the models the launcher told it cannot unload."""
+    script = textwrap.dedent(IGNORES_SIGTERM.format(unloaded=unloaded, then=then, live=live))
     server = ServerProcess([sys.executable, "-c", script, *args], dict(os.environ), out=io.BytesIO())
+    server.stranded_models = stranded
     until(lambda: b"serving" in server.out.getvalue())
     server.process.terminate()
     return server, []
@@ -127,6 +130,21 @@ def test_a_stop_held_after_every_model_unloaded_is_killed_and_counts_as_a_clean_
     assert 0.5 <= time.monotonic() - started < 5 and server.process.poll() == -signal.SIGKILL
     assert logged == ["tritonserver unloaded its models and did not exit 0.5 s later (an open gRPC stream holds "
                       "its endpoint): killed"]
+
+
+def test_a_stop_left_with_only_the_models_of_stubs_that_died_serving_is_killed_at_once():
+    """Triton 24.10 never unloads a model version whose stub died with requests in flight: once only those are
+    live, nothing else happens until its exit timeout. Told of them, the stop ends there (a clean stop); not
+    told (or with more live than those), it waits the exit timeout out."""
+    server, logged = stopping(True, "pass", "--exit-timeout-secs=20", live=2, stranded=2)
+    started = time.monotonic()
+    assert server.stopped(logged.append, grace_s=5) == 0
+    assert time.monotonic() - started < 3 and server.process.poll() == -signal.SIGKILL
+    assert logged == ["tritonserver unloaded every model but the 2 held by stubs that died serving requests "
+                      "(Triton never releases those): killed"]
+    server, logged = stopping(True, "pass", "--exit-timeout-secs=1", live=2, stranded=1)
+    assert server.stopped(logged.append, grace_s=0.5) == -signal.SIGKILL
+    assert logged == ["tritonserver did not stop within its exit timeout and 0.5 s: killed"]
 
 
 def test_a_stop_that_ends_by_itself_keeps_its_code_and_one_that_never_unloads_ends_at_its_exit_timeout():

@@ -492,10 +492,15 @@ def test_the_regions_of_dead_stubs_the_server_still_maps_are_counted_as_stranded
     clock.now += 0.5
     dog.tick()  # reloaded: a new stub, a new region; the old one still mapped by the server
     assert dog.stranded() == {"shm-a": 4096}
+    assert dog.stranded_versions() == 1  # what the server's stop cannot unload
     text = dog.metrics_text()
     assert "specdec_stranded_shm_regions 1" in text and "specdec_stranded_shm_bytes 4096" in text
     del mapped["shm-a"]  # an idle stub's region: released with its instance
-    assert dog.stranded() == {}
+    assert dog.stranded() == {} and dog.stranded_versions() == 0
+    mapped["shm-a"] = 4096
+    stubs.server = SERVER + 1
+    dog.arm(SERVER + 1)  # a new server holds nothing of the old one's
+    assert dog.stranded_versions() == 0
 
 
 def test_the_shared_memory_a_process_maps_is_read_from_proc(tmp_path):

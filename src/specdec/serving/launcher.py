@@ -979,6 +979,8 @@ def main(argv: list[str] | None = None) -> int:
         if gateway is not None:
             gateway.wait(max(1.0, deadline - time.monotonic()))
         if process.poll() is None:
+            if watchdog is not None:  # what its stop cannot unload: no reason to wait its exit timeout for them
+                current[0].stranded_models = watchdog.stranded_versions()
             process.terminate()
     if gateway is not None:
         gateway.wait(10)

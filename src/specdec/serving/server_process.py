@@ -49,9 +49,9 @@ FATAL_EXIT_GRACE_S = 5.0  # Triton's exit after a fatal signal took under a seco
 MODELS_TABLE = re.compile(rb"^\| Model +\| Version +\| Status +\|")
 # From that table to open endpoints took 3-50 ms here; DCGM's start on a GPU machine takes a few seconds.
 ENDPOINTS_STALL_S = 20.0
-# What a stopping Triton prints each second while its models unload; with 0 live models, the last line before
-# its endpoints stop, which took under a second here where no open stream held them.
-UNLOADED_LINE = re.compile(rb".*Found 0 live models and \d+ in-flight non-inference requests")
+# What a stopping Triton prints each second while its models unload, with the count still live; at 0, the last
+# line before its endpoints stop, which took under a second here where no open stream held them.
+LIVE_LINE = re.compile(rb".*Found (\d+) live models and \d+ in-flight non-inference requests")
 ENDPOINTS_STOP_S = 5.0
 EXIT_TIMEOUT_S = 30.0  # tritonserver's --exit-timeout-secs unless its command says otherwise
 PR_SET_PDEATHSIG = 1  # prctl's option (linux/prctl.h): the signal a process gets when its parent thread exits
@@ -95,7 +95,12 @@ class ServerProcess:
         self.out = out if out is not None else sys.stdout.buffer
         self.fatal: tuple[int, float] | None = None  # the fatal signal it reported, and when
         self.loaded_at: float | None = None  # when it printed its table of loaded models
-        self.unloaded_at: float | None = None  # when a stop had unloaded every model
+        self.unloaded_at: float | None = None  # when a stop had unloaded every model it can
+        # Model versions this server cannot unload, set before its stop: those whose stub died serving requests
+        # (Triton 24.10 never releases them; the watchdog's `stranded_versions`). Its stop counts as done when
+        # only these are left, instead of waiting out its exit timeout for them.
+        self.stranded_models = 0
+        self.left_stranded = 0  # how many of them its stop found left
         self.exit_timeout_s = exit_timeout(command)
         self.process = subprocess.Popen(command, env=env, start_new_session=True, preexec_fn=die_with_launcher(),
                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -118,7 +123,9 @@ class ServerProcess:
                 self.fatal = (int(match[1]), self.clock())
             if self.loaded_at is None and MODELS_TABLE.match(line):
                 self.loaded_at = self.clock()
-            if self.unloaded_at is None and UNLOADED_LINE.match(line):
+            live = LIVE_LINE.match(line)
+            if self.unloaded_at is None and live and int(live[1]) <= self.stranded_models:
+                self.left_stranded = int(live[1])
                 self.unloaded_at = self.clock()
         self.process.stdout.close()
 
@@ -143,13 +150,21 @@ class ServerProcess:
     def stopped(self, log: Callable[[str], None], grace_s: float = ENDPOINTS_STOP_S, poll_s: float = 0.1) -> int:
         """Wait for a server asked to stop (SIGTERM) to exit, and return its exit code; kill it where it has not
         exited `grace_s` after it unloaded its last model (0 then: only its endpoints were left, held open by
-        a client), or its exit timeout and `grace_s` after this call (its code then: -9)."""
+        a client), at once where only its `stranded_models` were left (0 too: nothing else would happen until
+        its exit timeout), or its exit timeout and `grace_s` after this call (its code then: -9)."""
         deadline = self.clock() + self.exit_timeout_s + grace_s
         while (code := self.process.poll()) is None:
-            unloaded = self.unloaded_at is not None and self.clock() - self.unloaded_at >= grace_s
+            unloaded = self.unloaded_at is not None and (
+                self.left_stranded > 0 or self.clock() - self.unloaded_at >= grace_s)
             if unloaded or self.clock() >= deadline:
-                why = (f"unloaded its models and did not exit {grace_s:g} s later (an open gRPC stream holds its "
-                       "endpoint)") if unloaded else f"did not stop within its exit timeout and {grace_s:g} s"
+                if unloaded and self.left_stranded:
+                    why = (f"unloaded every model but the {self.left_stranded} held by stubs that died serving "
+                           "requests (Triton never releases those)")
+                elif unloaded:
+                    why = (f"unloaded its models and did not exit {grace_s:g} s later (an open gRPC stream holds "
+                           "its endpoint)")
+                else:
+                    why = f"did not stop within its exit timeout and {grace_s:g} s"
                 log(f"tritonserver {why}: killed")
                 self.process.kill()
                 code = self.process.wait()

@@ -236,6 +236,8 @@ class Watchdog:
         self.models: dict[str, ModelHealth] = {}
         self.regions: set[str] = set()  # the stubs' shared-memory regions seen (removed once the server is gone)
         self.mapped = mapped  # the shared-memory files a server maps, with their bytes (see `stranded`)
+        self._model_regions: dict[str, set[str]] = {}  # each model's current stubs' regions
+        self._retired: list[set[str]] = []  # the regions of each instance set a reload replaced, one per reload
         self.server_pid = 0
         self.server_restarts = 0
         self.server = ModelHealth(set())  # tritonserver's own crashes (down while the launcher restarts it)
@@ -253,9 +255,14 @@ class Watchdog:
         """Watch the stubs of this (ready) server: the instances its models run (asked of the server, where
         there is model control) and those found running; what went down before is up again."""
         seen: dict[str, set[str]] = {}
+        if server_pid != self.server_pid:  # a new server: what the old one held went with it
+            self._model_regions.clear()
+            self._retired.clear()
         for stub in self.stubs(server_pid):
             seen.setdefault(stub.model, set()).add(stub.instance)
             self.regions.add(stub.shm)
+            if stub.shm:
+                self._model_regions.setdefault(stub.model, set()).add(stub.shm)
         # A stub that died between the server's readiness and this look is in no list of running ones, and
         # would never be watched: seen once, a stub killed just as its server turned ready (the launcher
         # notices readiness up to half a second after a client can).
@@ -462,6 +469,8 @@ class Watchdog:
             if stub.state == "T":
                 self.kill(stub.pid)
         started = self.clock()
+        # The instances this reload replaces: their regions stay mapped if Triton keeps them (`stranded`)
+        replaced = self._model_regions.get(model, set()) | {stub.shm for stub in running.values() if stub.shm}
         try:
             self._incarnation += 1
             self.control.reload(model, self._incarnation)
@@ -476,6 +485,9 @@ class Watchdog:
             stubs = [stub for stub in self.stubs(self.server_pid) if stub.model == model]
             health.instances = {stub.instance for stub in stubs}
             self.regions.update(stub.shm for stub in stubs)
+            self._model_regions[model] = {stub.shm for stub in stubs if stub.shm} - replaced
+            if replaced:
+                self._retired.append(replaced)
             self._up(model, health, now)
             self._write_marker()
         self.log(f"watchdog: {model} reloaded in {now - started:.1f} s, serving again after {down_for:.1f} s down "
@@ -546,6 +558,12 @@ class Watchdog:
         except OSError:  # the server gone meanwhile
             return {}
         return {name: size for name, size in mapped.items() if name in self.regions and name not in live}
+
+    def stranded_versions(self) -> int:
+        """How many model versions the server keeps for good: the instance sets replaced by a reload whose
+        regions it still maps (what its stop cannot unload; ServerProcess.stranded_models)."""
+        held = self.stranded()
+        return sum(1 for regions in self._retired if regions & held.keys())
 
     def metrics_text(self) -> str:
         """The watchdog's metrics in Prometheus' text format (served on the launcher's HEALTH_PORT)."""
