@@ -547,8 +547,9 @@ class Watchdog:
     def stranded(self) -> dict[str, int]:
         """The shared-memory regions of stubs gone that the server still maps, with their bytes. Triton 24.10's
         Python backend never releases the requests a stub was serving when it died: the old instance, and its
-        region (as large as that stub's traffic grew it), stay until the server stops, whose stop then waits
-        its whole exit timeout (found with SIGKILLed stubs: an idle stub's region is freed at its reload)."""
+        region (as large as that stub's traffic grew it), stay until the server stops, whose own stop would wait
+        its whole exit timeout for them (found with SIGKILLed stubs: an idle stub's region is freed at its
+        reload). The launcher's stop ends it once only those are left (`stranded_versions`)."""
         pid = self.server_pid
         if not pid:
             return {}
