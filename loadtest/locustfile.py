@@ -265,6 +265,15 @@ class _SpecdecMixin:
         streamed = not (mix and random.random() < MIX["whole"])
         return streamed, mix and streamed and random.random() < MIX["cancelled"]
 
+    def through_api(self, api: "ChatApi", streamed: bool, cancel: bool, request_type: str | None = None) -> None:
+        """The next request sent through an OpenAI-compatible API (ChatApi.send), recorded."""
+        builder, exception = ResultBuilder(), None
+        try:
+            api.send(builder, *self.request(), streamed, cancel)
+        except Exception as exc:  # noqa: BLE001 - every failure is recorded as one
+            exception = exc
+        self.record(builder.sent, builder.result, exception, request_type, cancel)
+
     def record(self, sent: float, result, exception, request_type: str | None = None, cancelled: bool = False) -> None:
         """One request in Locust's table: "generate" with its time and tokens, or a "cancelled" one (its client
         left mid-stream: no sample; a failure before that is a failed "generate")."""
@@ -386,12 +395,7 @@ class GrpcStreamUser(_SpecdecMixin, User):
         streamed, cancel = self.shape()
         draw = random.random()  # one draw for the path: the shares do not overlap
         if draw < self.openai_fraction:
-            builder, exception = ResultBuilder(), None
-            try:
-                self.api.send(builder, *self.request(), streamed, cancel)
-            except Exception as exc:  # noqa: BLE001 - every failure is recorded as one
-                exception = exc
-            self.record(builder.sent, builder.result, exception, OpenAIUser.request_type, cancel)
+            self.through_api(self.api, streamed, cancel, OpenAIUser.request_type)
             return
         vllm = draw < self.openai_fraction + self.vllm_fraction
         responses: gevent.queue.Queue = gevent.queue.Queue()
@@ -607,15 +611,7 @@ class OpenAIUser(_SpecdecMixin, User):
 
     @task
     def generate(self):
-        builder = ResultBuilder()
-        exception = None
-        prompt, params = self.request()
-        streamed, cancel = self.shape()
-        try:
-            self.api.send(builder, prompt, params, streamed, cancel)
-        except Exception as exc:  # noqa: BLE001 - every failure is recorded as one
-            exception = exc
-        self.record(builder.sent, builder.result, exception, cancelled=cancel)
+        self.through_api(self.api, *self.shape())
 
 
 class OpenAICompletionsUser(OpenAIUser):
