@@ -177,6 +177,7 @@ def main(argv=None) -> int:
     if args.openai_fraction and args.grpc_url is not None and not args.openai_url:
         parser.error("--openai-fraction with --grpc-url needs --openai-url (the running server's OpenAI API)")
     own = None
+    served = f"the server at {args.grpc_url}" if args.grpc_url else f"{args.pair} pair"  # (a running one's: unknown)
     if args.grpc_url is None:
         cache = HERE.parent / ".cache"
         own = server.start(cache / "run" / "soak", cache / "soak-server.log", ["--pair", args.pair, *args.launcher_arg])
@@ -224,7 +225,7 @@ def main(argv=None) -> int:
     kill = (f" {args.kill}'s stub (pid {killed[0]}) SIGKILLed at {args.duration / 2:.0f} s: {expected} expected "
             f"failures;" if killed else "")
     text = "\n".join([
-        f"soak: {args.pair} pair{settings},{traffic} {args.users} users, {args.max_tokens} tokens per request, "
+        f"soak: {served}{settings},{traffic} {args.users} users, {args.max_tokens} tokens per request, "
         f"{args.warmup:.0f} s warm-up ({warm['requests']} requests, {warm['failures']} failures), "
         f"then {elapsed:.0f} s: {run['requests']} requests ({run['kinds']});{kill} {unexpected} unexpected failures",
         *[f"  unexpected: {t}" for t in unexpected_texts + warm_texts],

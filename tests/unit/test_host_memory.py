@@ -47,3 +47,23 @@ def test_trim_returns_tcmallocs_free_spans_where_it_is_preloaded():
     released, before, after = churn(env)
     assert released == "True"  # TCMalloc's release, not glibc's trim of heaps that hold nothing
     assert before - after > 150 * 1024, (before, after)
+
+
+def test_a_trim_is_due_once_an_interval_after_memory_was_freed():
+    """TrimSchedule: nothing freed, no trim however long; freed, a trim once the interval since the last has
+    passed, then none until something is freed again; an interval of 0 never trims."""
+    now = [100.0]
+    schedule = host_memory.TrimSchedule(30.0, clock=lambda: now[0])
+    now[0] += 120
+    assert not schedule.due()  # idle: nothing to give back
+    schedule.freed()
+    assert schedule.due()  # 120 s since the schedule began
+    schedule.freed()
+    now[0] += 29
+    assert not schedule.due()  # within the interval of the last trim
+    now[0] += 1
+    assert schedule.due() and not schedule.due()  # once, then nothing freed since
+    never = host_memory.TrimSchedule(0.0, clock=lambda: now[0])
+    never.freed()
+    now[0] += 1e6
+    assert not never.due()

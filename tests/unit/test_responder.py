@@ -8,6 +8,7 @@ import types
 import numpy as np
 
 from specdec import tensor_names as tn
+from specdec.engine import host_memory
 from specdec.engine.build import dynamic_executor
 from specdec.triton.language_models import DraftModel, TargetModel
 from specdec.triton.responder import Job, Responder
@@ -69,7 +70,7 @@ FAKE_PB = types.SimpleNamespace(InferenceResponse=_Response, TritonError=_Error,
 def _adapter(cls, lm, pipelined):
     adapter = cls.__new__(cls)  # the execute logic only: no Triton stub here
     adapter.pb, adapter.name, adapter.lm, adapter.batched = FAKE_PB, cls.__name__, lm, True
-    adapter.device_outputs, adapter.forward_seconds, adapter._freed_since_trim = True, 0.0, False
+    adapter.device_outputs, adapter.forward_seconds, adapter.trims = True, 0.0, host_memory.TrimSchedule(0.0)
     adapter._lock = threading.Lock()
     adapter._report_metrics = lambda flush: None
     adapter.responder = adapter._responder() if pipelined else None

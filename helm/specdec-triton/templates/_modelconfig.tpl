@@ -364,6 +364,7 @@ output [
 {{ include "specdec.param" (list "head_drafts" (ternary "draft_model" "" (and (eq .Values.models.draft.method "head") (not .Values.models.draft.inTarget)))) }}
 {{ include "specdec.param" (list "hosted_drafts" (ternary "draft_model" "" (and (eq .Values.models.draft.method "head") .Values.models.draft.inTarget))) }}
 {{ include "specdec.param" (list "suffix_cache_tokens" $s.suffixCacheTokens) }}
+{{ include "specdec.param" (list "heap_trim_interval_s" $s.heapTrimIntervalSeconds) }}
 {{ include "specdec.param" (list "lookup_branches" $s.lookupBranches) }}
 {{ include "specdec.param" (list "lookup_min_ngram" $s.lookupMinNgram) }}
 {{ include "specdec.param" (list "lookup_max_ngram" $s.lookupMaxNgram) }}

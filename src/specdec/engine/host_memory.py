@@ -14,6 +14,9 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import threading
+import time
+from typing import Callable
 
 
 @functools.cache
@@ -52,3 +55,26 @@ def trim_heap() -> bool:
         return False
     trim(0)
     return True
+
+
+class TrimSchedule:
+    """When a stub hands its freed heap back: at most once per `interval_s` (0: never), and only once memory
+    was freed since the last time (`freed`), so that an idle stub does not trim for nothing. `freed` may come
+    from any thread; `due` from the one thread that trims."""
+
+    def __init__(self, interval_s: float, clock: Callable[[], float] = time.monotonic):
+        self.interval_s, self.clock = interval_s, clock
+        self._freed = threading.Event()
+        self._last = clock()
+
+    def freed(self) -> None:
+        self._freed.set()
+
+    def due(self) -> bool:
+        """Whether to trim now; True starts the next interval."""
+        now = self.clock()
+        if not self.interval_s or not self._freed.is_set() or now - self._last < self.interval_s:
+            return False
+        self._freed.clear()
+        self._last = now
+        return True

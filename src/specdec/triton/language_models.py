@@ -229,7 +229,7 @@ class LanguageModelAdapter(TritonAdapter):
         # The same thread hands the host memory of ended sequences back to the OS, at most once per
         # interval (0: never): glibc keeps it otherwise and the stub's RSS creeps up under load.
         self.heap_trim_interval_s = params.float("heap_trim_interval_s", 30.0, low=0.0)
-        self._freed_since_trim, self._last_trim = False, time.monotonic()
+        self.trims = host_memory.TrimSchedule(self.heap_trim_interval_s)
         if self.heap_trim_interval_s:  # what the warm-up's forwards freed
             host_memory.trim_heap()
         interval = min(max(self.lm.idle_timeout_s / 4, 0.25), 30.0)
@@ -269,7 +269,7 @@ class LanguageModelAdapter(TritonAdapter):
             with self._lock:
                 reset = self._reset_if_asked()
                 if self.lm.evict_idle() or reset:
-                    self._freed_since_trim = True
+                    self.trims.freed()
                     self._report_metrics(flush=True)
             self._trim_heap_if_due()
 
@@ -284,9 +284,7 @@ class LanguageModelAdapter(TritonAdapter):
     def _trim_heap_if_due(self) -> None:
         # Outside the lock: forwards go on meanwhile (malloc_trim locks one heap at a time and ctypes
         # releases the GIL), and a trim after a heavy churn can take tens of milliseconds.
-        now = time.monotonic()
-        if self.heap_trim_interval_s and self._freed_since_trim and now - self._last_trim >= self.heap_trim_interval_s:
-            self._freed_since_trim, self._last_trim = False, now
+        if self.trims.due():
             if host_memory.trim_heap():
                 self.metrics.heap_trims.increment(1)
 
@@ -338,7 +336,8 @@ class LanguageModelAdapter(TritonAdapter):
                 continue
             if job.step is None:
                 self.lm.release(job.seq_id)
-                released = self._freed_since_trim = True
+                self.trims.freed()
+                released = True
                 outcomes[i] = RELEASED
             else:
                 steps.append(job.step)

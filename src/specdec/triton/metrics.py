@@ -35,6 +35,12 @@ class _Families:
         return family
 
 
+# One family in every stub that trims (the language models, the orchestrator), labelled with the model's name: a
+# family made twice must have the same help text.
+HEAP_TRIMS = ("specdec_model_heap_trims_total", "Times the model's stub handed the host memory its ended sequences "
+              "and requests freed back to the OS (heap_trim_interval_s)")
+
+
 class _MetricSet:
     def close(self) -> None:
         """Let go of every metric and family now, while the stub runs (the model's `finalize`): left to the
@@ -64,9 +70,7 @@ class ModelMetrics(_MetricSet):
         self.forward_seconds = make("specdec_model_forward_seconds_total",
                                     "Seconds spent in the model's forward passes (the rest of an execute is "
                                     "the adapter's own work)", kinds.COUNTER).Metric(labels=labels)
-        self.heap_trims = make("specdec_model_heap_trims_total",
-                               "Times the model's stub handed the freed host memory of ended sequences back to "
-                               "the OS (heap_trim_interval_s)", kinds.COUNTER).Metric(labels=labels)
+        self.heap_trims = make(*HEAP_TRIMS, kinds.COUNTER).Metric(labels=labels)
         self.prefix_queries = make("specdec_model_prefix_cache_queries_total",
                                    "Prompt tokens of new sequences looked up in the prefix cache",
                                    kinds.COUNTER).Metric(labels=labels)
@@ -194,10 +198,14 @@ class OrchestratorMetrics(_MetricSet):
     """The orchestrator's metrics. Every instance of the model (a stub process each) updates the same
     counters and histograms, which add up; a gauge of one instance's state carries `instance`."""
 
-    def __init__(self, pb_utils, max_num_draft_tokens: int, instance: str = ""):
+    def __init__(self, pb_utils, max_num_draft_tokens: int, instance: str = "", model: str = tn.SPECULATIVE_DECODING):
         make = self._make = _Families(pb_utils)
         family = make.kinds
         mine = {"instance": instance}
+        self.heap_trims = make(*HEAP_TRIMS, family.COUNTER).Metric(labels={"model": model})
+        self.suffix_tokens = make("specdec_suffix_cache_tokens", "Tokens of earlier requests this instance keeps for "
+                                  "the suffix draft (at most suffix_cache_tokens; ~150 bytes each)",
+                                  family.GAUGE).Metric(labels=mine)
 
         self.drafted = make("specdec_draft_tokens_total", "Draft tokens sent to verification",
                             family.COUNTER).Metric(labels={})

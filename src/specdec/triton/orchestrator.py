@@ -15,6 +15,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import functools
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -32,6 +33,7 @@ from specdec.decoding.ngram_proposer import NgramProposer
 from specdec.decoding.prediction_proposer import PredictionProposer
 from specdec.decoding.suffix_proposer import SuffixCache, SuffixProposer
 from specdec.decoding.text import Emission, TextEmitter, decode, joined, load_tokenizer, with_prompt
+from specdec.engine import host_memory
 from specdec.triton.adapter import TritonAdapter
 from specdec.triton.bls import BlsProposer, BlsScorer, ModelUnavailable
 from specdec.triton.admission.cancellation import CancellationBoard
@@ -99,7 +101,14 @@ class SpeculativeDecodingAdapter(TritonAdapter):
         chunk = params.int("prefill_chunk_tokens", 0, low=0)
         # Gauges of one instance carry its name: the server's figure is their sum (or max for the peak).
         self.metrics = OrchestratorMetrics(pb_utils, self.limits.max_num_draft_tokens,
-                                           args.get("model_instance_name", params.model_name))
+                                           args.get("model_instance_name", params.model_name), params.model_name)
+        # A thread hands the heap that ended requests freed back to the OS at most this often (0: never), as
+        # the model stubs do: glibc keeps it otherwise (tens of MiB per instance under a mixed load, measured:
+        # docs/results/2026-12-07-orchestrator-memory.md).
+        self.trims = host_memory.TrimSchedule(params.float("heap_trim_interval_s", 30.0, low=0.0))
+        self._stop_trimming = threading.Event()
+        if self.trims.interval_s:
+            threading.Thread(target=self._trim_periodically, daemon=True, name="specdec-heap-trim").start()
         self.metrics.max_live.set(self.max_live)  # the denominator of the chart's backlog signal
         # "ngram" and "suffix" are built in (prompt lookup; "suffix" also over the text of this instance's
         # earlier requests, up to suffix_cache_tokens); any other name is a draft model to call over BLS.
@@ -108,6 +117,8 @@ class SpeculativeDecodingAdapter(TritonAdapter):
         # Every finished request's prompt and output go into the suffix cache (while "suffix" is offered).
         self.suffix_cache = SuffixCache(params.int("suffix_cache_tokens", 262144, low=0)) \
             if tn.SUFFIX in self.limits.draft_names else None
+        if self.suffix_cache is not None:  # a reloaded instance's cache starts empty
+            self.metrics.suffix_tokens.set(0)
         # emptied when a client resets the caches (cache_reset.py), looked for as each request arrives
         self.reset_watch = marker_file.Watch(cache_reset.path_from_env() if self.suffix_cache is not None else "")
         # Prompt lookup's continuations of up to this many earlier occurrences, as one token tree (1: a chain)
@@ -208,7 +219,14 @@ class SpeculativeDecodingAdapter(TritonAdapter):
             self.metrics.heartbeats.increment(1)
             await asyncio.sleep(tn.HEARTBEAT_S)
 
+    def _trim_periodically(self) -> None:
+        # Off the event loop: a trim after a heavy churn takes milliseconds (ctypes releases the GIL meanwhile).
+        while not self._stop_trimming.wait(max(self.trims.interval_s / 4, 0.25)):
+            if self.trims.due() and host_memory.trim_heap():
+                self.metrics.heap_trims.increment(1)
+
     def finalize(self):
+        self._stop_trimming.set()
         if self.heartbeat is not None:
             with contextlib.suppress(RuntimeError):  # the stub's loop may be closed already
                 self.heartbeat.get_loop().call_soon_threadsafe(self.heartbeat.cancel)
@@ -224,6 +242,7 @@ class SpeculativeDecodingAdapter(TritonAdapter):
             self.last_sweep = arrived
         if self.reset_watch.due():
             forgotten = self.suffix_cache.clear()
+            self.metrics.suffix_tokens.set(0)
             pb.Logger.log_info(f"speculative_decoding: suffix cache reset at a client's request: {forgotten} tokens "
                                "forgotten")
         sender = request.get_response_sender()
@@ -366,8 +385,10 @@ class SpeculativeDecodingAdapter(TritonAdapter):
                 self.room.freed()
                 if self.suffix_cache is not None:  # all it generated
                     self.suffix_cache.add(gen.prompt_ids + out.emitter.emitted + out.emitter.pending)
+                    self.metrics.suffix_tokens.set(self.suffix_cache.tokens)
             self.metrics.queue_time.observe(slot_wait + room.waited_s)
             self.counts.ended()
+            self.trims.freed()
             self.metrics.flush(time.monotonic())  # this request's rounds are counted before it ends
             self.cancellations.clear(gen.seq_id)
         try:
