@@ -107,8 +107,7 @@ class SpeculativeDecodingAdapter(TritonAdapter):
         # docs/results/2026-12-07-orchestrator-memory.md).
         self.trims = host_memory.TrimSchedule(params.float("heap_trim_interval_s", 30.0, low=0.0))
         self._stop_trimming = threading.Event()
-        if self.trims.interval_s:
-            threading.Thread(target=self._trim_periodically, daemon=True, name="specdec-heap-trim").start()
+        self._trimmer = threading.Thread(target=self._trim_periodically, daemon=True, name="specdec-heap-trim")
         self.metrics.max_live.set(self.max_live)  # the denominator of the chart's backlog signal
         # "ngram" and "suffix" are built in (prompt lookup; "suffix" also over the text of this instance's
         # earlier requests, up to suffix_cache_tokens); any other name is a draft model to call over BLS.
@@ -186,6 +185,8 @@ class SpeculativeDecodingAdapter(TritonAdapter):
         self.cancellations = CancellationBoard()
         self.cancellations.sweep()
         self.last_sweep = time.monotonic()
+        if self.trims.interval_s:  # once the configuration is whole (a load that fails leaves no thread)
+            self._trimmer.start()
 
     def _policy(self, parsed: ParsedRequest, proposer, gen: GenerationRequest) -> DraftLengthPolicy | PartPolicies:
         """The request's draft-length policy: a combined draft's (ngram+NAME) one per part, its lookup rounds
@@ -227,6 +228,8 @@ class SpeculativeDecodingAdapter(TritonAdapter):
 
     def finalize(self):
         self._stop_trimming.set()
+        if self._trimmer.is_alive():  # its counter goes with the metrics below
+            self._trimmer.join(timeout=5)
         if self.heartbeat is not None:
             with contextlib.suppress(RuntimeError):  # the stub's loop may be closed already
                 self.heartbeat.get_loop().call_soon_threadsafe(self.heartbeat.cancel)
