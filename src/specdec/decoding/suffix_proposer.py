@@ -16,6 +16,7 @@ text: a timing signal across requests, as with any shared cache (`suffix_cache_t
 
 from __future__ import annotations
 
+from array import array
 from collections import OrderedDict
 
 from specdec import tensor_names as tn
@@ -59,16 +60,18 @@ class SuffixCache:
 
     def __init__(self, max_tokens: int, ngram: int = 4, max_match: int = 64):
         self.max_tokens, self.ngram, self.max_match = max_tokens, ngram, max_match
-        self.sequences: OrderedDict[int, list[int]] = OrderedDict()  # key -> tokens, oldest first
+        # key -> tokens, oldest first; 4 bytes a token in an array (a list's int objects took 36: 147 bytes a
+        # token in all with the index, 116 so; docs/results/2026-12-07-orchestrator-memory.md)
+        self.sequences: OrderedDict[int, array] = OrderedDict()
         self.tokens = 0  # held in `sequences`
         self.index: dict[int, int] = {}  # n-gram (`_gram`) -> its latest occurrence: key << 32 | its end
         self._next_key = 0
 
     def add(self, tokens: list[int]) -> None:
         """Keep a finished request's tokens (the last max_tokens of them), evicting the oldest."""
-        tokens = tokens[-self.max_tokens:] if self.max_tokens else []  # a copy: the cache keeps it
-        if len(tokens) <= self.ngram:
+        if not self.max_tokens or len(tokens) <= self.ngram:
             return
+        tokens = array("i", tokens[-self.max_tokens:])  # a copy: the cache keeps it
         key, self._next_key = self._next_key, self._next_key + 1
         self.sequences[key] = tokens
         self.tokens += len(tokens)
@@ -89,7 +92,7 @@ class SuffixCache:
         self.tokens = 0
         return forgotten
 
-    def _index(self, key: int, tokens: list[int]) -> None:
+    def _index(self, key: int, tokens: array) -> None:
         index, base = self.index, key << 32
         for end, gram in _grams(tokens[:-1], self.ngram):  # an n-gram ending at `end`, followed by tokens[end]
             index[gram] = base | end
@@ -103,7 +106,7 @@ class SuffixCache:
         if hit is None:
             return 0, []
         sequence, end = self.sequences[hit >> 32], hit & 0xFFFFFFFF
-        return match_length(sequence, end, tokens, len(tokens), self.max_match), sequence[end:end + k]
+        return match_length(sequence, end, tokens, len(tokens), self.max_match), sequence[end:end + k].tolist()
 
 
 class SuffixProposer(NgramProposer):
