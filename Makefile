@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.specdec-setup
 
-.PHONY: readme-examples soak soak-mixed setup serve test unit integration deploy-check image image-lock clean loadtest bench bench-concurrency bench-batching bench-gpu bench-executor bench-overhead bench-structured bench-prefix bench-priority bench-suffix bench-openai bench-prediction bench-trees bench-fp8 bench-ab bench-allocator bench-peer gpukit
+.PHONY: readme-examples soak soak-mixed setup serve test unit integration deploy-check image image-lock clean loadtest bench bench-concurrency bench-batching bench-gpu bench-executor bench-overhead bench-structured bench-prefix bench-priority bench-suffix bench-openai bench-prediction bench-trees bench-fp8 bench-ab bench-allocator bench-peer gpukit fuzz
 
 setup: $(STAMP)
 
@@ -150,6 +150,11 @@ readme-examples: setup
 # server's memory (tritonserver and every stub) at start and end; exits 1 on a failure or >= 5 % growth.
 soak: setup
 	$(PY) loadtest/soak.py --duration $${SOAK_SECONDS:-600} --warmup $${SOAK_WARMUP:-300} --users $${SOAK_USERS:-8} --out .cache/soak.md
+
+# Malformed requests at every HTTP front door (a server of the tiny pair, or FUZZ_ARGS="--url HOST"): exits 1
+# on a 500, an error without a message, a cut stream, a hang, a server not ready after, or a generation left live.
+fuzz: setup
+	$(PY) loadtest/fuzz.py --requests $${FUZZ_REQUESTS:-400} --seed $${FUZZ_SEED:-0} $${FUZZ_ARGS:-}
 
 # Mixed traffic (streamed and not, sampled, penalties, structured output, cancelling clients) with
 # target_model's stub SIGKILLed halfway (SOAK_KILL: another model, or "" for none).

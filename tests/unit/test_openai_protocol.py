@@ -402,9 +402,21 @@ def test_choices_combine_into_one_usage_and_one_set_of_statistics():
 
 def test_server_refusals_become_openai_errors_naming_the_request_field():
     key = server_error("in ensemble 'ensemble', input 'sampling_parameters': key 'top_k' must be an integer")
-    assert (key.status, key.param) == (400, "top_k")
+    assert (key.status, key.param, key.message) == (400, "top_k", "top_k must be an integer")
     stop = server_error("input 'stop_words' has 20 words; at most 16")
-    assert (stop.status, stop.param) == (400, "stop")
+    assert (stop.status, stop.param, stop.message) == (400, "stop", "stop has 20 words; at most 16")
+    # a guide's refusal names the field it came from: a forced tool call's schema came from the tools
+    guide = server_error(f"input '{tn.GUIDED_DECODING_GUIDE}' (json_schema): properties must be an object")
+    assert (guide.param, guide.message) == ("response_format", "response_format (json_schema): properties must be "
+                                                               "an object")
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    forced = parse_chat({"messages": CHAT, "tools": tools, "tool_choice": "required"}, SERVED)
+    assert forced.guide_field == "tools" and protocol.guide_error(guide, forced.guide_field).message == \
+        "tools (json_schema): properties must be an object"
+    assert parse_chat({"messages": CHAT, "response_format": {"type": "json_object"}}, SERVED).guide_field == \
+        "response_format"
+    assert parse_completion({"prompt": "p", "guided_regex": "a+"}, SERVED).guide_field == "guided_regex"
+    assert protocol.guide_error(key, "tools") is key
     busy = server_error(f"max_live_sequences (8) reached; {tn.RETRY_LATER}")
     assert (busy.status, busy.code) == (503, "server_busy")
     assert server_error("Stub process is not healthy").status == 500
@@ -412,6 +424,7 @@ def test_server_refusals_become_openai_errors_naming_the_request_field():
     # a chat's prompt is what the server rendered from its messages: a chat names `messages`
     long = server_error(f"input '{tn.TEXT_INPUT}' has 1100 tokens; with 'max_tokens'=4 that exceeds the model context")
     assert long.param == "prompt" and protocol.chat_error(long).param == "messages"
+    assert protocol.chat_error(long).message.startswith("messages has 1100 tokens")
     assert protocol.chat_error(stop) is stop
 
 

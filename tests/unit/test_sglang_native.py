@@ -84,8 +84,10 @@ def test_errors_of_the_completions_path_name_the_field_the_client_sent():
     name = "sampling_params.max_new_tokens"
     assert (renamed.param, renamed.message) == (name, f"{name}: {name} must be positive")
     server = protocol.server_error("in ensemble 'ensemble', input 'n' must be positive")
-    assert sglang_native.renamed(ApiError(400, server.message, "n")).message == \
-        "in ensemble 'ensemble', input 'sampling_params.n' must be positive"
+    assert (server.param, server.message) == ("n", "n must be positive")  # the server's words for it left out
+    assert sglang_native.renamed(server).message == "sampling_params.n must be positive"
+    assert sglang_native.renamed(ApiError(400, "in ensemble 'ensemble', input 'n' must be positive", "n")).message \
+        == "in ensemble 'ensemble', input 'sampling_params.n' must be positive"  # the word alone: not in "in"
     assert sglang_native.renamed(protocol.invalid("other", "x")).param == "other"
 
 

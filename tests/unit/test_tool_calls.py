@@ -627,3 +627,18 @@ def test_parsers_whose_calls_are_special_tokens_keep_them_in_the_text(parser):
         "skip_special_tokens"] is False
     assert "skip_special_tokens" not in json.loads(parse_chat(body, SERVED, tool_parser="hermes").choices[0][
         tn.SAMPLING_PARAMETERS][0, 0])
+
+
+@pytest.mark.parametrize("text, where", [
+    ('{"messages": [{"role": "user", "content": "hi \\ud800"}]}', "messages.0.content"),
+    (b'{"prompt": ["ok", "\\uDFFF"]}', "prompt.1"), ('{"a": {"\\udc00": 1}}', "a key of a"),
+    ('"\\ud83d"', "the value")])
+def test_json_with_a_lone_surrogate_is_refused_naming_where(text, where):
+    """json.loads reads an escaped lone surrogate into a str no tokenizer or encoder takes (the API answered 500
+    to one in a prompt, found by loadtest/fuzz.py); a pair is one character, and is read."""
+    from specdec.decoding import json_text
+
+    with pytest.raises(ValueError, match=f"^{where} holds a lone UTF-16 surrogate"):
+        json_text.parse(text)
+    assert json_text.parse('{"a": "\\ud83d\\ude00 \\u00e9"}') == {"a": "\U0001F600 é"}
+    assert json_text.parse(b'"\\\\ud800"') == "\\ud800"  # an escaped backslash: text, not a surrogate

@@ -568,7 +568,7 @@ class Gateway:
             stream = await stack.enter_async_context(contextlib.aclosing(self.metrics.counted(
                 self.upstream.generate(gen.choices[0], gen.logprobs, gen.top_logprobs > 0),
                 lora=_lora_name(gen.choices[0]))))
-            firsts = await self._waited(request if gen.stream else None, _first_pieces([stream]))
+            firsts = await self._waited(request if gen.stream else None, _guide_named(gen, _first_pieces([stream])))
             yield await stack.enter_async_context(contextlib.aclosing(_merged([stream], firsts)))
 
     async def _background_answer(self, gen: Generation, body: dict, started: dict, send) -> dict:
@@ -1344,7 +1344,7 @@ class Gateway:
                 self.upstream.generate(inputs, gen.logprobs, gen.server_top > 0, f"{gen.id}-{index}"),
                 prompt=index % gen.n == 0,
                 lora=_lora_name(inputs)))) for index, inputs in enumerate(gen.choices)]
-            firsts = await self._waited(request, _first_pieces(streams))
+            firsts = await self._waited(request, _guide_named(gen, _first_pieces(streams)))
             yield firsts, await stack.enter_async_context(contextlib.aclosing(_merged(streams, firsts)))
 
     async def _whole(self, gen: Generation, pieces) -> dict:
@@ -1495,6 +1495,14 @@ async def _event_stream(request: web.Request) -> web.StreamResponse:
         await response.prepare(request)
         request[_PREPARED] = response
     return response
+
+
+async def _guide_named(gen: Generation, first):
+    """`first` awaited; a refusal of the request's guide names the field it came from (protocol.guide_error)."""
+    try:
+        return await first
+    except ApiError as exc:
+        raise protocol.guide_error(exc, gen.guide_field) from None
 
 
 async def _first_pieces(streams: list) -> list[Piece | None]:

@@ -22,6 +22,7 @@ import time
 import uuid
 from typing import Awaitable, Callable
 
+from specdec.decoding import json_text
 from specdec.gateway.background import ORPHAN_S, WATCH_S, drain
 from specdec.gateway.protocol import ApiError, invalid, json_line
 from specdec.gateway.response_store import NotStored, in_store
@@ -324,7 +325,7 @@ def parse_requests(text: str, endpoint: str) -> tuple[list[dict], list[dict]]:
         if not line.strip():
             continue
         try:
-            request = json.loads(line)
+            request = json_text.parse(line)  # (a lone surrogate too: json_text)
         except ValueError:
             error(number, "invalid_json_line", "This line is not parseable as valid JSON.")
             continue

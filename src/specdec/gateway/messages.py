@@ -81,7 +81,9 @@ def chat_messages(body: dict) -> list[dict]:
         for j, block in enumerate(content):
             kind = block.get("type") if isinstance(block, dict) else None
             at = f"{where}.content.{j}"
-            if kind == "text" and isinstance(block.get("text"), str):
+            if kind == "text":
+                if not isinstance(block.get("text"), str):
+                    raise invalid(f"{at}.text", "must be a string")
                 texts.append(block["text"])
             elif kind == "tool_use" and role == "assistant":
                 if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str) \

@@ -143,6 +143,8 @@ class Generation:
     chat_echo: str = ""
     score_only: bool = False  # echo with max_tokens 0: the prompt's scores, nothing generated (one is, unsent)
     sampling: dict = field(default_factory=dict)  # the sampling settings sent, defaults included (the echoes')
+    # The request's field its guide (structured output) came from, named in the server's refusal of the guide
+    guide_field: str = "response_format"
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -366,8 +368,11 @@ def joined_text(content, where: str, kinds: tuple[str, ...], parts: str,
     if isinstance(content, list):
         texts = []
         for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") not in kinds or not isinstance(part.get("text"), str):
-                raise invalid(part_name(j) if part_name else f"{where}[{j}]", f"only {parts} are supported")
+            name = part_name(j) if part_name else f"{where}[{j}]"
+            if not isinstance(part, dict) or part.get("type") not in kinds:
+                raise invalid(name, f"only {parts} are supported")
+            if not isinstance(part.get("text"), str):  # (a text part: its text is what is wrong)
+                raise invalid(f"{name}.text", "must be a string")
             texts.append(part["text"])
         return "".join(texts)
     raise invalid(where, f"must be a string or a list of {parts}")
@@ -538,6 +543,7 @@ def parse_chat(body: dict, served: tuple[str, ...], tool_parser: str | None = No
             if "structured_outputs" in sampling:
                 raise invalid("response_format", "and structured_outputs both constrain the output; send one")
             sampling["structured_outputs"] = guide
+    guided = "structured_outputs" in sampling
     tools, calling = chat_tools(body, sampling, tool_parser)
     budget = _typed(body, "thinking_token_budget", (int,), "an integer")
     if budget is not None:  # vLLM's: the thinking closed after at most this many tokens
@@ -590,7 +596,8 @@ def parse_chat(body: dict, served: tuple[str, ...], tool_parser: str | None = No
                       tokens_as_ids=_tokens_as_ids(body), prompt_logprobs=scored, tools=calling,
                       reasoning=reasoning_parser, include_reasoning=_typed(body, "include_reasoning", (bool,),
                                                                            "a boolean") is not False,
-                      sampling=sampling, chat_echo=echoed)
+                      sampling=sampling, chat_echo=echoed,
+                      guide_field=guide_field(body, tools_guided=not guided and "structured_outputs" in sampling))
 
 
 def with_documents(body: dict, template_kwargs: dict | None) -> dict | None:
@@ -719,7 +726,7 @@ def parse_completion(body: dict, served: tuple[str, ...], defaults: dict | None 
                       continuous_usage=stream["continuous_usage"], logprobs=logprobs, top_logprobs=top,
                       tokens_as_ids=_tokens_as_ids(body), prompt_logprobs=scored,
                       echo=[prompt for prompt in prompts for _ in range(n)] if echo else None, score_only=score_only,
-                      sampling=sampling)
+                      sampling=sampling, guide_field=guide_field(body))
 
 
 # ---- errors of the server, as OpenAI errors ----------------------------------------------------------------
@@ -734,21 +741,52 @@ _INPUT_FIELDS = {tn.STOP_WORDS: "stop", tn.MESSAGES: "messages", tn.TEXT_INPUT: 
 
 def server_error(message: str, unavailable: bool = False) -> ApiError:
     """A refusal of the ensemble as an OpenAI error: capacity and readiness are 503 (retry), a refused
-    input 400 naming the request's field it came from, anything else 500."""
+    input 400 naming the request's field it came from, in its param and at the start of its message (the
+    server's names of its inputs are not the client's: "input 'sampling_parameters': key 'top_k' must be an
+    integer" -> "top_k must be an integer"), anything else 500."""
     lowered = message.lower()
     if tn.RETRY_LATER in lowered or tn.MODEL_DOWN in lowered or unavailable:
         return ApiError(503, message, code="server_busy" if tn.RETRY_LATER in lowered else "unavailable")
     key, name = _KEY.search(message), _INPUT.search(message)
-    if key or name or "invalid argument" in lowered or "invalid_arg" in lowered:
-        param = key.group(1) if key else (_INPUT_FIELDS.get(name.group(1), name.group(1)) if name else None)
-        return ApiError(400, message, param=param)
+    if key:
+        return ApiError(400, key.group(1) + message[key.end():], param=key.group(1))
+    if name:
+        param = _INPUT_FIELDS.get(name.group(1), name.group(1))
+        return ApiError(400, param + message[name.end():], param=param)
+    if "invalid argument" in lowered or "invalid_arg" in lowered:
+        return ApiError(400, message)
     return ApiError(500, message)
+
+
+def guide_field(body: dict, tools_guided: bool = False) -> str:
+    """The field of a request whose value became its guide: `tools` where they did (tools_guided: calls held
+    to their schemas), else the first structured-output field the body has."""
+    if tools_guided:
+        return "tools"
+    return next((name for name in (*GUIDED_FIELDS, "structured_outputs") if body.get(name) is not None),
+                "response_format")
+
+
+def guide_error(error: ApiError, field: str) -> ApiError:
+    """A refusal of the server's guide (named response_format by `server_error`) named as the request's
+    field it came from (`Generation.guide_field`): `tools` for the schemas of its calls, say."""
+    if error.param != "response_format" or field == "response_format":
+        return error
+    return ApiError(error.status, renamed_message(error.message, "response_format", field), field, error.code)
+
+
+def renamed_message(message: str, old: str, new: str) -> str:
+    """A refusal's message that starts with the field `old` (as `invalid` and `server_error` write them),
+    starting with `new` instead."""
+    return new + message[len(old):] if message.startswith(old) else message
 
 
 def chat_error(error: ApiError) -> ApiError:
     """A refusal of a chat request: the server names the prompt it rendered from the messages (a prompt too
     long for the context, say) as the prompt; the chat's field for it is `messages`."""
-    return ApiError(error.status, error.message, "messages", error.code) if error.param == "prompt" else error
+    if error.param != "prompt":
+        return error
+    return ApiError(error.status, renamed_message(error.message, "prompt", "messages"), "messages", error.code)
 
 
 # ---- responses -----------------------------------------------------------------------------------------------

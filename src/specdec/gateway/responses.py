@@ -11,7 +11,7 @@ import uuid
 
 from specdec.gateway import tools
 from specdec.gateway.protocol import (CHAT_FIELDS, IGNORED_FIELDS, STATS_FIELD, ApiError, Generation, check_verbosity,
-                                      invalid, joined_text)
+                                      invalid, joined_text, renamed_message)
 
 # What the Responses API names differently, or has and chat has not; the rest of the chat's fields (OpenAI's
 # sampling settings, vLLM's extras, this server's speculative settings) are taken as chat takes them.
@@ -32,11 +32,12 @@ RENAMED = {"messages": "input", "max_tokens": "max_output_tokens", "response_for
 def renamed(error: ApiError) -> ApiError:
     """An error about the chat request, about the Responses request it came from."""
     param = error.param
-    if param:
-        head, dot, rest = param.partition(".")
-        head, bracket, index = head.partition("[")
-        param = RENAMED.get(head, head) + (bracket + index) + (dot + rest)
-    return ApiError(error.status, error.message, param, error.code)
+    if not param:
+        return error
+    head, dot, rest = param.partition(".")
+    head, bracket, index = head.partition("[")
+    param = RENAMED.get(head, head) + (bracket + index) + (dot + rest)
+    return ApiError(error.status, renamed_message(error.message, error.param, param), param, error.code)
 
 
 def _text(content, where: str) -> str:
