@@ -14,10 +14,10 @@ SPEC.loader.exec_module(fuzz)
 
 def test_malformed_requests_are_refused_with_a_message_and_the_server_keeps_serving(server):
     base = {"openai": f"http://localhost:{server.openai_port}", "http": server.http_url}
-    tallies = asyncio.run(fuzz.fuzz(base, f"http://{server.metrics_url}/metrics", requests=120, seed=1,
+    tallies = asyncio.run(fuzz.fuzz(base, f"http://{server.metrics_url}/metrics", requests=80, seed=1,
                                     concurrency=4, timeout_s=60, log=lambda _line: None))
     table, findings = fuzz.report(tallies)
     assert not findings, table + "".join(f"\n[{f.endpoint}] {f.what}\n  {f.request}\n  {f.answer}" for f in findings)
     endpoints = {name: t for name, t in tallies.items() if name != "server"}
     assert len(endpoints) == len(fuzz.endpoints("m"))
-    assert sum(t.answered for t in endpoints.values()) > 20 and sum(t.refused for t in endpoints.values()) > 30, table
+    assert sum(t.answered for t in endpoints.values()) > 10 and sum(t.refused for t in endpoints.values()) > 20, table
