@@ -99,3 +99,19 @@ def test_a_faulty_servers_answers_are_findings_and_a_good_refusal_is_not():
     for path, problem in (("/bare", "without a JSON error message"), ("/crash", "HTTP 500"),
                           ("/stream", "ended without [DONE]"), ("/hang", "no answer within 1 s")):
         assert outcomes[path][0] == "finding" and problem in outcomes[path][1], (path, outcomes[path])
+
+
+def test_tensor_requests_are_seeded_and_keep_a_prompt_of_the_inputs_types():
+    spec = [{"name": "text_input", "data_type": "TYPE_STRING", "dims": [1]},
+            {"name": "max_tokens", "data_type": "TYPE_INT32", "dims": [1]},
+            {"name": "prompt_token_ids", "data_type": "TYPE_INT32", "dims": [-1]},
+            {"name": "temperature", "data_type": "TYPE_FP32", "dims": [1]},
+            {"name": "stream", "data_type": "TYPE_BOOL", "dims": [1]}]
+    first = [fuzz.tensor_request(spec, random.Random(i)) for i in range(40)]
+    again = [fuzz.tensor_request(spec, random.Random(i)) for i in range(40)]
+    assert [w for _, w in first] == [w for _, w in again]
+    assert all(all((a == b).all() or a.dtype.kind == "f" for a, b in zip(x.values(), y.values()))
+               for (x, _), (y, _) in zip(first, again))
+    kinds = {name: arrays[name].dtype for arrays, _ in first for name in arrays}
+    assert kinds["text_input"] == object and len(kinds) == 5
+    assert any("batch of two" in what for _, what in (fuzz.tensor_request(spec, random.Random(i)) for i in range(200)))
