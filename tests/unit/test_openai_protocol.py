@@ -417,6 +417,11 @@ def test_server_refusals_become_openai_errors_naming_the_request_field():
         "response_format"
     assert parse_completion({"prompt": "p", "guided_regex": "a+"}, SERVED).guide_field == "guided_regex"
     assert protocol.guide_error(key, "tools") is key
+    # reworded only where the input leads the message (after the ensemble's, a request id's or a model's prefix)
+    told = server_error("the chat template failed: input 'messages' is not a list")
+    assert (told.param, told.message) == ("messages", "the chat template failed: input 'messages' is not a list")
+    assert server_error("[request id: 7] preprocessing: input 'max_tokens' must be within [1, 1024], got -3"
+                        ).message == "max_tokens must be within [1, 1024], got -3"
     busy = server_error(f"max_live_sequences (8) reached; {tn.RETRY_LATER}")
     assert (busy.status, busy.code) == (503, "server_busy")
     assert server_error("Stub process is not healthy").status == 500

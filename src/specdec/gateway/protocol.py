@@ -730,8 +730,10 @@ def parse_completion(body: dict, served: tuple[str, ...], defaults: dict | None 
 
 
 # ---- errors of the server, as OpenAI errors ----------------------------------------------------------------
-_KEY = re.compile(r"key '([a-z_]+)'")
+_KEY = re.compile(rf"input '{tn.SAMPLING_PARAMETERS}': key '([a-z_]+)'")
 _INPUT = re.compile(r"input '([a-z_]+)'")
+# What the server's refusals say before the input they are about: the ensemble, Triton's request id, a model
+_WHERE = re.compile(r"(in ensemble '[^']*', |\[request id: [^\]]*\] |[a-z_]+: )*")
 _INPUT_FIELDS = {tn.STOP_WORDS: "stop", tn.MESSAGES: "messages", tn.TEXT_INPUT: "prompt", tn.PROMPT_TOKEN_IDS: "prompt",
                  tn.TOOLS: "tools",
                  tn.GUIDED_DECODING_GUIDE: "response_format", tn.NUM_DRAFT_TOKENS: "num_draft_tokens",
@@ -748,11 +750,12 @@ def server_error(message: str, unavailable: bool = False) -> ApiError:
     if tn.RETRY_LATER in lowered or tn.MODEL_DOWN in lowered or unavailable:
         return ApiError(503, message, code="server_busy" if tn.RETRY_LATER in lowered else "unavailable")
     key, name = _KEY.search(message), _INPUT.search(message)
-    if key:
-        return ApiError(400, key.group(1) + message[key.end():], param=key.group(1))
-    if name:
-        param = _INPUT_FIELDS.get(name.group(1), name.group(1))
-        return ApiError(400, param + message[name.end():], param=param)
+    if key or name:
+        param = key.group(1) if key else _INPUT_FIELDS.get(name.group(1), name.group(1))
+        found = key or name
+        if _WHERE.fullmatch(message[:found.start()]):  # (what the message says first: not reworded otherwise)
+            message = param + message[found.end():]
+        return ApiError(400, message, param=param)
     if "invalid argument" in lowered or "invalid_arg" in lowered:
         return ApiError(400, message)
     return ApiError(500, message)
