@@ -88,6 +88,9 @@ def test_errors_of_the_completions_path_name_the_field_the_client_sent():
     assert sglang_native.renamed(server).message == "sampling_params.n must be positive"
     assert sglang_native.renamed(ApiError(400, "in ensemble 'ensemble', input 'n' must be positive", "n")).message \
         == "in ensemble 'ensemble', input 'sampling_params.n' must be positive"  # the word alone: not in "in"
+    bound = protocol.server_error("input 'min_tokens' must be within [0, max_tokens=1], got 2")
+    assert sglang_native.renamed(bound).message == ("sampling_params.min_new_tokens must be within "
+                                                    "[0, sampling_params.max_new_tokens=1], got 2")
     assert sglang_native.renamed(protocol.invalid("other", "x")).param == "other"
 
 

@@ -81,8 +81,13 @@ def renamed(error: ApiError) -> ApiError:
     if error.param in RENAMED:
         name = RENAMED[error.param]  # (the word alone: "n" is in "in ensemble" too)
         message = re.sub(rf"(?<![\w.]){re.escape(error.param)}(?!\w)", name, error.message)
+        # another field's value it is checked against, named so too: "within [0, max_tokens=1]"
+        message = _BOUND.sub(lambda bound: f"{RENAMED[bound.group(1)]}=", message)
         return ApiError(error.status, message, name, error.code)
     return error
+
+
+_BOUND = re.compile(r"(?<![\w.])(max_tokens)=")
 
 
 @dataclass
