@@ -3,9 +3,10 @@ between a request's own match and the cache's; greedy output through the decode 
 
 import asyncio
 import random
+from array import array
 
 from specdec.decoding.sampling import SamplingParams
-from specdec.decoding.suffix_proposer import SuffixCache, SuffixProposer, _gram, match_length
+from specdec.decoding.suffix_proposer import NgramTable, SuffixCache, SuffixProposer, match_length
 
 
 def propose(proposer, seq_id, keep, new_ids, k):
@@ -44,17 +45,67 @@ def test_the_newest_occurrence_wins_and_the_oldest_sequences_are_evicted():
 
 
 def test_the_index_names_exactly_the_latest_occurrences_in_the_sequences_kept():
-    rng = random.Random(0)
-    cache = SuffixCache(50, ngram=3)
-    for _ in range(300):
-        cache.add([rng.randrange(6) for _ in range(rng.randrange(3, 21))])  # a small alphabet: n-grams recur
-        assert cache.tokens <= 50
-        latest = {}
-        for key, sequence in cache.sequences.items():  # oldest first: later occurrences overwrite
-            for end in range(3, len(sequence)):
-                latest[tuple(sequence[end - 3:end])] = (key, end)
-        assert {gram: cache.index[_gram(list(gram), 3, 3)] for gram in latest} == {
-            gram: key << 32 | end for gram, (key, end) in latest.items()} and len(cache.index) == len(latest)
+    check_index_exact(SuffixCache(50, ngram=3), 300, seed=0)
+
+
+def assert_index_exact(cache):
+    """The index names exactly each n-gram's latest occurrence in the sequences kept, and a lookup finds it."""
+    latest = {}
+    for key, sequence in cache.sequences.items():  # oldest first: later occurrences overwrite
+        for end in range(cache.ngram, len(sequence)):
+            latest[tuple(sequence[end - cache.ngram:end])] = (key, end)
+    assert {gram: cache.index.get(list(gram)) for gram in latest} == latest
+    assert len(cache.index) == len(latest) == sum(1 for slot in cache.index.slots if slot)
+    for gram, (key, end) in latest.items():
+        assert cache.lookup([9, *gram], 2)[1] == cache.sequences[key][end:end + 2].tolist()
+
+
+def check_index_exact(cache, rounds, seed, alphabet=6):
+    """Random adds over a small alphabet (n-grams recur, the oldest sequences go), the index exact after each."""
+    rng = random.Random(seed)
+    for _ in range(rounds):
+        cache.add([rng.randrange(alphabet) for _ in range(rng.randrange(3, 21))])
+        assert cache.tokens <= cache.max_tokens
+        assert_index_exact(cache)
+
+
+def test_the_index_stays_exact_when_every_n_gram_collides(monkeypatch):
+    """Every n-gram hashed to one of two slots next to the table's end, all with one fingerprint: clusters
+    wrap around, a fingerprint match is told apart by the n-gram itself, and a removal shifts the cluster
+    back without losing an entry (a wrong shift condition or a trusted fingerprint fails here)."""
+    monkeypatch.setattr(NgramTable, "_hash", lambda self, window: (self.mask - sum(window) % 2, 7 << 56))
+    monkeypatch.setattr(NgramTable, "_hashes", lambda self, tokens: tuple(map(list, zip(*(
+        self._hash(tokens[end - self.n:end]) for end in range(self.n, len(tokens) + 1))))))
+    check_index_exact(SuffixCache(40, ngram=3), 150, seed=1)
+    check_index_exact(SuffixCache(300, ngram=3), 60, seed=3, alphabet=30)  # clusters of 200 and more
+
+
+def test_a_removal_moves_back_an_entry_far_from_home(monkeypatch):
+    """An n-gram starting with 0 homes at slot 0, any other at 1. The first sequence's one n-gram takes slot 0,
+    the second's 300 fill 1..300, the third's three land 301 and more from home; when the first is evicted,
+    those three must move back into its slot over 300 entries that may not: their distance is rehashed."""
+    monkeypatch.setattr(NgramTable, "_hash", lambda self, window: (int(window[0] != 0), 7 << 56))
+    monkeypatch.setattr(NgramTable, "_hashes", lambda self, tokens: tuple(map(list, zip(*(
+        self._hash(tokens[end - self.n:end]) for end in range(self.n, len(tokens) + 1))))))
+    rng = random.Random(4)
+    second = [1 + rng.randrange(40) for _ in range(302)]
+    cache = SuffixCache(4 + 302 + 9 + 6, ngram=3)
+    for sequence in ([0, 0, 0, 9], second, [0, 1, 1, 0, 2, 2, 0, 3, 3], [5] * 6):
+        cache.add(sequence)
+        assert_index_exact(cache)
+    assert len(cache.sequences) == 4
+    cache.add([6, 6])  # too short to keep: nothing goes
+    cache.add([7] * 4)  # the first goes
+    assert len(cache.sequences) == 4 and cache.index.slots[0] >> 48 & 255 == 0
+    assert_index_exact(cache)
+
+
+def test_a_sequences_hashes_at_once_are_each_n_grams_own():
+    rng = random.Random(2)
+    table = NgramTable(300_000, 4, None)
+    tokens = array("i", [rng.randrange(1 << 24) for _ in range(500)] + [0, 0, 0, 0, (1 << 24) - 1])
+    assert list(zip(*table._hashes(tokens))) == [table._hash(tokens[end - 4:end]) for end in range(4, len(tokens) + 1)]
+    assert table.bits == 20 and len(NgramTable(262144, 4, None).slots) * 8 == 16 * 262144  # half full at most
 
 
 def test_a_reset_forgets_every_sequence_and_the_cache_fills_again():
@@ -62,7 +113,8 @@ def test_a_reset_forgets_every_sequence_and_the_cache_fills_again():
     cache.add([1, 2, 3, 4, 5])
     cache.add([6, 7, 8, 9])
     assert cache.clear() == 9
-    assert (cache.tokens, cache.sequences, cache.index) == (0, {}, {}) and cache.lookup([0, 1, 2], 2) == (0, [])
+    assert (cache.tokens, cache.sequences, len(cache.index)) == (0, {}, 0) and cache.lookup([0, 1, 2], 2) == (0, [])
+    assert not any(cache.index.slots)
     cache.add([1, 2, 7, 7])  # added after the reset: found, and nothing from before it
     assert cache.lookup([0, 1, 2], 3) == (2, [7, 7]) and cache.tokens == 4
 

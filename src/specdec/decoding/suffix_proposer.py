@@ -19,6 +19,8 @@ from __future__ import annotations
 from array import array
 from collections import OrderedDict
 
+import numpy as np
+
 from specdec import tensor_names as tn
 from specdec.decoding.ngram_proposer import NgramIndex, NgramProposer
 
@@ -31,40 +33,137 @@ def match_length(a: list[int], a_end: int, b: list[int], b_end: int, limit: int)
     return n
 
 
-_BITS = 24  # per token id in an n-gram's key (ids below 2**24: every vocabulary)
+# A slot: fingerprint | distance from its home slot | sequence key | end, 8 + 8 + 24 + 24 bits; 0 is an empty
+# slot (an end is >= n >= 1). The distance saves rehashing an entry when a removal shifts it back; 255 is "255 or
+# more: rehash it".
+_FIELD = 24
+_FIELD_MASK = (1 << _FIELD) - 1
+_PLACE = (1 << 2 * _FIELD) - 1  # key | end: one occurrence
+_FAR = 255
+_KEEP = ~(_FAR << 48)  # all but the distance
+MAX_TOKENS = _FIELD_MASK  # the most a cache keeps: every live key and every end fit their 24 bits
+_M64 = (1 << 64) - 1
+_P, _MIX, _MIX_FP = 0x100000001B3, 0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F  # odd 64-bit multipliers
 
 
-def _gram(tokens: list[int], end: int, n: int) -> int:
-    """The n tokens before `end` packed into one int: a smaller key than their tuple (memory per token)."""
-    key = 0
-    for token in tokens[end - n:end]:
-        key = key << _BITS | token
-    return key
+def _poly(window) -> int:
+    """An n-gram's 64-bit polynomial hash (`NgramTable._hashes` computes the same for every window at once)."""
+    x = 0
+    for token in window:
+        x = (x * _P + token + 1) & _M64
+    return x
 
 
-def _grams(tokens: list[int], n: int):
-    """(end, `_gram(tokens, end, n)`) for every end from n on, each key rolled from the last."""
-    mask, key = (1 << _BITS * n) - 1, _gram(tokens, n - 1, n - 1)
-    for end in range(n, len(tokens) + 1):
-        key = (key << _BITS | tokens[end - 1]) & mask
-        yield end, key
+class NgramTable:
+    """Where each n-gram of `SuffixCache`'s sequences last occurred: a flat open-addressing table.
+
+    A dict of packed n-grams to packed positions took ~110 bytes a cached token (two int objects and a
+    hash-table entry each); here an 8-byte slot an entry in an array of 2**bits slots, at most half full,
+    allocated at the start for the cache's budget (an n-gram entry per token at most): 16 bytes a token of
+    a power-of-two budget such as the default, up to 32 otherwise. Linear probing; an entry's home slot and
+    8-bit fingerprint come from its n-gram's hash, and a fingerprint match is confirmed by the n-gram itself,
+    read back from the sequence the slot names (`tokens_of`): the table is exact. A removal shifts the rest of
+    its cluster back (no tombstones, so no rebuild and no pause of the event loop that serves every stream).
+    A sequence's hashes are computed at once (numpy): what is left in Python per token is the probing."""
+
+    def __init__(self, entries: int, n: int, tokens_of):
+        self.n, self.tokens_of = n, tokens_of  # tokens_of(key) -> the sequence that key names
+        self.bits = max(4, (2 * entries - 1).bit_length())
+        self.mask = (1 << self.bits) - 1
+        self.slots = array("Q", [0]) * (1 << self.bits)
+        self.entries = 0
+
+    def clear(self) -> None:
+        self.slots = array("Q", [0]) * (1 << self.bits)
+        self.entries = 0
+
+    def __len__(self) -> int:
+        return self.entries
+
+    def _hash(self, window) -> tuple[int, int]:
+        """(home slot, fingerprint << 56) of one n-gram: `_hashes`'s figures for it."""
+        x = _poly(window)
+        return (x * _MIX & _M64) >> (64 - self.bits), (x * _MIX_FP & _M64) >> 56 << 56
+
+    def _hashes(self, tokens: array) -> tuple[list[int], list[int]]:
+        """(home slots, fingerprints << 56) of the n-grams ending at n .. len(tokens), first to last."""
+        ids = np.frombuffer(tokens, dtype=np.int32).astype(np.uint64) + np.uint64(1)
+        windows = len(ids) - self.n + 1
+        x = np.zeros(windows, dtype=np.uint64)
+        for i in range(self.n):  # uint64 arithmetic wraps: the same as `_poly`'s mod 2**64
+            x = x * np.uint64(_P) + ids[i:i + windows]
+        homes = (x * np.uint64(_MIX)) >> np.uint64(64 - self.bits)
+        return homes.tolist(), ((x * np.uint64(_MIX_FP)) >> np.uint64(56) << np.uint64(56)).tolist()
+
+    def _window(self, slot: int):
+        end = slot & _FIELD_MASK
+        return self.tokens_of(slot >> _FIELD & _FIELD_MASK)[end - self.n:end]
+
+    def get(self, window: list[int]) -> tuple[int, int] | None:
+        """(sequence key, end) of the latest occurrence of the n-gram `window` followed by a token, or None."""
+        (i, fingerprint), slots, mask = self._hash(window), self.slots, self.mask
+        while slot := slots[i]:
+            if slot >> 56 << 56 == fingerprint and self._window(slot).tolist() == window:
+                return slot >> _FIELD & _FIELD_MASK, slot & _FIELD_MASK
+            i = (i + 1) & mask
+        return None
+
+    def add(self, key: int, tokens: array) -> None:
+        """Index every n-gram of `tokens` that a token follows as its latest occurrence (sequence `key`)."""
+        if len(tokens) <= self.n:
+            return
+        n, slots, mask, base = self.n, self.slots, self.mask, key << _FIELD
+        homes, fingerprints = self._hashes(tokens[:-1])
+        for end, i, fingerprint in zip(range(n, len(tokens)), homes, fingerprints):
+            distance = 0
+            while slot := slots[i]:
+                if slot >> 56 << 56 == fingerprint and self._window(slot) == tokens[end - n:end]:
+                    break  # an earlier occurrence: this one is the latest
+                i, distance = (i + 1) & mask, distance + 1
+            else:
+                self.entries += 1
+            slots[i] = fingerprint | min(distance, _FAR) << 48 | base | end
+
+    def remove(self, key: int, tokens: array) -> None:
+        """Drop the entries `add(key, tokens)` made that no later sequence has taken over."""
+        if len(tokens) <= self.n:
+            return
+        slots, mask, base = self.slots, self.mask, key << _FIELD
+        removed = 0
+        for place, i in zip(range(base | self.n, base | len(tokens)), self._hashes(tokens[:-1])[0]):
+            while (slot := slots[i]) and slot & _PLACE != place:
+                i = (i + 1) & mask
+            if not slot:
+                continue  # taken over
+            removed += 1
+            j = i  # shift the cluster's later entries back where their probe path allows: no hole inside it
+            while slot := slots[(j := (j + 1) & mask)]:
+                distance = slot >> 48 & _FAR
+                if distance == _FAR:
+                    distance = (j - self._hash(self._window(slot))[0]) & mask
+                gap = (j - i) & mask
+                if gap <= distance:  # its home is at or before the hole: move it there
+                    slots[i], i = slot & _KEEP | min(distance - gap, _FAR) << 48, j
+            slots[i] = 0
+        self.entries -= removed
 
 
 class SuffixCache:
     """Finished requests' token sequences, the newest kept while their tokens sum to at most `max_tokens`
-    (0: none kept), and where each `ngram`-gram of them was last followed by a token.
+    (0: none kept; at most `MAX_TOKENS`), and where each `ngram`-gram of them was last followed by a token.
 
     Adding and evicting a sequence each cost one pass over its tokens (an evicted sequence takes its
     index entries along, unless a newer sequence has taken the n-gram over): no rebuild, so no pause of
-    the event loop every request shares (one cache per orchestrator process, no lock)."""
+    the event loop every request shares (one cache per orchestrator process, no lock). Memory: 4 bytes a
+    token kept and the index's 16 (`NgramTable`, allocated at the start): 20 bytes a token of the budget."""
 
     def __init__(self, max_tokens: int, ngram: int = 4, max_match: int = 64):
+        if not 0 <= max_tokens <= MAX_TOKENS:
+            raise ValueError(f"a suffix cache keeps at most {MAX_TOKENS} tokens, got {max_tokens}")
         self.max_tokens, self.ngram, self.max_match = max_tokens, ngram, max_match
-        # key -> tokens, oldest first; 4 bytes a token in an array (a list's int objects took 36: 147 bytes a
-        # token in all with the index, 116 so; docs/results/2026-12-07-orchestrator-memory.md)
-        self.sequences: OrderedDict[int, array] = OrderedDict()
+        self.sequences: OrderedDict[int, array] = OrderedDict()  # key -> tokens (4 bytes each), oldest first
         self.tokens = 0  # held in `sequences`
-        self.index: dict[int, int] = {}  # n-gram (`_gram`) -> its latest occurrence: key << 32 | its end
+        self.index = NgramTable(max_tokens, ngram, self.sequences.__getitem__)
         self._next_key = 0
 
     def add(self, tokens: list[int]) -> None:
@@ -72,17 +171,16 @@ class SuffixCache:
         if not self.max_tokens or len(tokens) <= self.ngram:
             return
         tokens = array("i", tokens[-self.max_tokens:])  # a copy: the cache keeps it
-        key, self._next_key = self._next_key, self._next_key + 1
+        # Keys wrap at 24 bits: a live sequence holds more than `ngram` tokens, so fewer than 2**24 live at once
+        key, self._next_key = self._next_key, (self._next_key + 1) & _FIELD_MASK
         self.sequences[key] = tokens
         self.tokens += len(tokens)
-        self._index(key, tokens)
+        self.index.add(key, tokens)
         while self.tokens > self.max_tokens:
-            evicted, sequence = self.sequences.popitem(last=False)
+            evicted, sequence = next(iter(self.sequences.items()))  # still readable while its entries go
+            self.index.remove(evicted, sequence)
+            del self.sequences[evicted]
             self.tokens -= len(sequence)
-            index, base = self.index, evicted << 32
-            for end, gram in _grams(sequence[:-1], self.ngram):
-                if index.get(gram) == base | end:
-                    del index[gram]
 
     def clear(self) -> int:
         """Forget every sequence kept (a client's reset of the server's caches); returns the tokens forgotten."""
@@ -92,20 +190,15 @@ class SuffixCache:
         self.tokens = 0
         return forgotten
 
-    def _index(self, key: int, tokens: array) -> None:
-        index, base = self.index, key << 32
-        for end, gram in _grams(tokens[:-1], self.ngram):  # an n-gram ending at `end`, followed by tokens[end]
-            index[gram] = base | end
-
     def lookup(self, tokens: list[int], k: int) -> tuple[int, list[int]]:
         """(match length, up to k tokens) continuing the latest cached occurrence of tokens' suffix;
         (0, []) without one of at least `ngram` tokens."""
         if k <= 0 or len(tokens) < self.ngram:
             return 0, []
-        hit = self.index.get(_gram(tokens, len(tokens), self.ngram))
+        hit = self.index.get(tokens[-self.ngram:])
         if hit is None:
             return 0, []
-        sequence, end = self.sequences[hit >> 32], hit & 0xFFFFFFFF
+        sequence, end = self.sequences[hit[0]], hit[1]
         return match_length(sequence, end, tokens, len(tokens), self.max_match), sequence[end:end + k].tolist()
 
 

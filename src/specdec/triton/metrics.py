@@ -204,7 +204,7 @@ class OrchestratorMetrics(_MetricSet):
         mine = {"instance": instance}
         self.heap_trims = make(*HEAP_TRIMS, family.COUNTER).Metric(labels={"model": model})
         self.suffix_tokens = make("specdec_suffix_cache_tokens", "Tokens of earlier requests this instance keeps for "
-                                  "the suffix draft (at most suffix_cache_tokens; ~120 bytes each)",
+                                  "the suffix draft (at most suffix_cache_tokens; ~20 bytes each with the index)",
                                   family.GAUGE).Metric(labels=mine)
 
         self.drafted = make("specdec_draft_tokens_total", "Draft tokens sent to verification",

@@ -31,7 +31,7 @@ from specdec.decoding import generation_config, lookup_first
 from specdec.decoding.loop import GenerationRequest, RoundOutput, Stats, generate
 from specdec.decoding.ngram_proposer import NgramProposer
 from specdec.decoding.prediction_proposer import PredictionProposer
-from specdec.decoding.suffix_proposer import SuffixCache, SuffixProposer
+from specdec.decoding.suffix_proposer import MAX_TOKENS, SuffixCache, SuffixProposer
 from specdec.decoding.text import Emission, TextEmitter, decode, joined, load_tokenizer, with_prompt
 from specdec.engine import host_memory
 from specdec.triton.adapter import TritonAdapter
@@ -114,7 +114,7 @@ class SpeculativeDecodingAdapter(TritonAdapter):
         # A draft model that fails is bypassed (target-only rounds) and retried after a wait.
         retry_s = params.float("draft_retry_after_s", 1.0, low=0.0)
         # Every finished request's prompt and output go into the suffix cache (while "suffix" is offered).
-        self.suffix_cache = SuffixCache(params.int("suffix_cache_tokens", 262144, low=0)) \
+        self.suffix_cache = SuffixCache(params.int("suffix_cache_tokens", 262144, low=0, high=MAX_TOKENS)) \
             if tn.SUFFIX in self.limits.draft_names else None
         if self.suffix_cache is not None:  # a reloaded instance's cache starts empty
             self.metrics.suffix_tokens.set(0)
