@@ -16,6 +16,8 @@ speedup over target-only, acceptance, tokens per round, and (greedy) the fractio
 equals target-only's: all of them. Sampled, a seeded request's tokens depend on its draft lengths.
 
     python -m bench.suffix_bench [--max-tokens 96] [--temperature 0.7] [--out table.md]
+    python -m bench.suffix_bench --cache-cost [--cache-tokens 262144] [--vocab 49152]   # the cache alone,
+        # in process: its memory a token when full, and what adding a request and a lookup cost
     python -m bench.suffix_bench --url localhost:8001 --pair tiny   # a running server: one orchestrator
                                                                      # instance, and no earlier requests
                                                                      # of these prompts, for figures that mean this
@@ -30,7 +32,7 @@ import sys
 from pathlib import Path
 
 from client import Client, GenerationParams
-from bench.report import print_table
+from bench.report import cpu_name, print_table
 from specdec import tensor_names as tn
 from specdec.serving import pairs, server
 
@@ -64,6 +66,48 @@ def run(client: Client, prompts: list[str], params: GenerationParams) -> dict:
     return out
 
 
+def cache_cost(tokens: int, vocab: int, out: str | None) -> int:
+    """The suffix cache in process, no server: filled to `tokens` with sequences of 100-400 random ids (seed
+    0), its memory (tracemalloc) a token; then as many tokens again added at full (each request evicting the
+    oldest, the orchestrator's steady state) and 20,000 lookups of 10-token suffixes, half of them cached."""
+    import gc
+    import random
+    import time
+    import tracemalloc
+
+    from specdec.decoding.suffix_proposer import SuffixCache
+
+    rng = random.Random(0)
+    sequences = [[rng.randrange(vocab) for _ in range(rng.randrange(100, 401))] for _ in range(3 * tokens // 250)]
+    fill, steady = sequences[:len(sequences) // 2], sequences[len(sequences) // 2:]
+    gc.collect()
+    tracemalloc.start()
+    cache = SuffixCache(tokens)
+    for sequence in fill:
+        cache.add(sequence)
+    memory = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    start = time.perf_counter()
+    for sequence in steady:
+        cache.add(sequence)
+    add_s = time.perf_counter() - start
+    kept = list(cache.sequences.values())
+    queries = [list(seq[end - 10:end]) for seq in rng.choices(kept, k=10000)
+               for end in [rng.randrange(10, len(seq))]] + [[rng.randrange(vocab) for _ in range(10)]
+                                                           for _ in range(10000)]
+    start = time.perf_counter()
+    hits = sum(cache.lookup(query, 4)[0] > 0 for query in queries)
+    lookup_s = time.perf_counter() - start
+    added = sum(map(len, steady))
+    header = (f"{cpu_name()}, Python {platform.python_version()}: a SuffixCache of {tokens} tokens, "
+              f"random ids below {vocab}")
+    print_table(header, [[f"{cache.tokens}", f"{memory / 2**20:.1f} MiB", f"{memory / cache.tokens:.0f}",
+                          f"{add_s / added * 1e6:.2f}", f"{lookup_s / len(queries) * 1e6:.2f}",
+                          f"{hits} of {len(queries)}"]],
+                ["tokens kept", "memory", "bytes a token", "add at full, µs a token", "lookup, µs", "hits"], out)
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--url", help="a running server's gRPC address instead of starting one (--pair: its pair)")
@@ -73,7 +117,12 @@ def main(argv=None) -> int:
     parser.add_argument("--k", type=int, default=16, help="the most a round drafts (adaptive)")
     parser.add_argument("--temperature", type=float, default=0.0, help="> 0: seeded sampling (seed per prompt)")
     parser.add_argument("--out", help="also write the table (Markdown) here")
+    parser.add_argument("--cache-cost", action="store_true", help="measure the cache alone, in process (no server)")
+    parser.add_argument("--cache-tokens", type=int, default=262144, help="--cache-cost: the cache's budget")
+    parser.add_argument("--vocab", type=int, default=49152, help="--cache-cost: ids below this")
     args = parser.parse_args(argv)
+    if args.cache_cost:
+        return cache_cost(args.cache_tokens, args.vocab, args.out)
     cache = pairs.cache_dir()
     own = None if args.url else server.start(cache / "run" / "bench-suffix", cache / "bench-suffix-server.log",
                                              ["--pair", args.pair, "--orchestrator-instances", "1"])

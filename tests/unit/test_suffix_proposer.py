@@ -183,3 +183,15 @@ def test_greedy_output_is_the_targets_whatever_the_cache_holds(tiny_lm):
     assert misled.drafted > 0 and misled.accepted < misled.drafted  # the noise was proposed and rejected
     # The repeat drafted from the first request's text: nearly everything accepted, in few rounds.
     assert repeated.accepted >= 0.8 * repeated.drafted and repeated.rounds <= 6, repeated
+
+
+def test_the_cache_cost_bench_measures_memory_a_token_and_the_times(tmp_path, capsys):
+    """`python -m bench.suffix_bench --cache-cost`, small: the cache full, at most 40 bytes a token with its
+    index (a dict of Python ints took ~150), each time measured."""
+    from bench.suffix_bench import cache_cost
+
+    assert cache_cost(2048, 500, str(tmp_path / "cost.md")) == 0
+    rows = [line for line in (tmp_path / "cost.md").read_text().splitlines() if line.startswith("| ")]
+    kept, _, per_token, add_us, lookup_us, hits = [cell.strip() for cell in rows[1].split("|")[1:-1]]
+    assert 2048 - 400 < int(kept) <= 2048 and int(per_token) <= 40
+    assert float(add_us) > 0 and float(lookup_us) > 0 and hits.endswith("of 20000") and int(hits.split()[0]) >= 10000
