@@ -129,7 +129,7 @@ def endpoints(model: str) -> list[Endpoint]:
     triton_features = {"temperature": [0.0, 0.7], "top_k": [1, 20], "top_p": [0.4], "seed": [5], "max_tokens": [1, 4],
                        "num_draft_tokens": [0, 2, 6], "min_length": [3], "ignore_eos": [True], "stream": [True],
                        "presence_penalty": [1.0], "repetition_penalty": [1.2], "return_log_probs": [True],
-                       "num_top_log_probs": [2], "exclude_input_in_output": [True], "draft_model": ["ngram", "none"],
+                       "num_top_log_probs": [2], "exclude_input_in_output": [True], "draft_model": ["ngram", "suffix"],
                        "guided_decoding_guide_type": ["regex"], "guided_decoding_guide": ["[a-z ]{1,12}"],
                        "stop_words": ["e"], "bad_words": ["the"], "end_id": [0], "pad_id": [0]}
     tokenizer = [{"model": model, "prompt": "Hello there"}, {"model": model, "messages": messages,
@@ -152,7 +152,8 @@ def endpoints(model: str) -> list[Endpoint]:
     chat_features = {**sampling, "echo": [True], "reasoning_effort": ["low"], "parallel_tool_calls": [False],
                      "add_generation_prompt": [False], "continue_final_message": [True], "user": ["u-1"],
                      "messages.0.content": ["", "A much longer instruction, in several words. " * 20]}
-    text_features = {**sampling, "echo": [True, False], "logprobs": [0, 1, 3], "prompt_logprobs": [0, 2],
+    text_features = {**{k: v for k, v in sampling.items() if k != "top_logprobs"},  # (chat's; completions: logprobs)
+                     "echo": [True, False], "logprobs": [0, 1, 3], "prompt_logprobs": [0, 2],
                      "suffix": [None], "best_of": [1, 2], "prompt": ["", "x" * 3000, [1, 2, 3], [[7], [8, 9]]]}
     return [
         Endpoint("chat", "openai", "/v1/chat/completions", chat, features=chat_features),
@@ -161,7 +162,7 @@ def endpoints(model: str) -> list[Endpoint]:
             "temperature": [0, 1.2], "top_p": [0.3], "stream": [True, False], "max_output_tokens": [1, 8],
             "truncation": ["auto", "disabled"], "store": [False], "include": [["reasoning.encrypted_content"]],
             "tool_choice": ["none", "required"], "parallel_tool_calls": [False], "top_logprobs": [0, 3],
-            "text": [{"format": {"type": "json_object"}}, {"verbosity": "low"}], "metadata": [{"k": "v"}]}),
+            "text": [{"format": {"type": "json_object"}}, {"verbosity": "medium"}], "metadata": [{"k": "v"}]}),
         Endpoint("messages", "openai", "/v1/messages", anthropic, stream_end="", features={
             "temperature": [0, 0.9], "top_k": [1, 40], "top_p": [0.5], "stop_sequences": [["e", "."], []],
             "stream": [True, False], "max_tokens": [1, MAX_TOKENS], "thinking": [{"type": "disabled"}],

@@ -615,6 +615,12 @@ def test_structured_output_follows_the_schema(api, model):
     choice = api.completions.create(model=model, prompt="Yes or no?", max_tokens=8, temperature=0,
                                     extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
     assert choice.choices[0].text in ("yes", "no")
+    # vLLM's completions take response_format too (a completions client of vLLM's sends it so)
+    completion = api.completions.create(model=model, prompt="A person as JSON:", max_tokens=60, temperature=0,
+                                        extra_body={"response_format": {"type": "json_schema", "json_schema": {
+                                            "name": "person", "schema": schema}}})
+    value = json.loads(completion.choices[0].text)
+    assert set(value) == {"name", "age"} and isinstance(value["age"], int)
 
 
 def test_structural_tags_hold_each_tagged_segment_to_its_schema(api, model):

@@ -211,6 +211,16 @@ def test_response_format_and_guided_fields_become_structured_outputs():
         "structural_tag": tags}  # (vLLM's form, "type" in it: the guide checks the rest when it compiles)
     assert sampling(parse_completion({"prompt": "p", "guided_choice": ["a", "b"]}, SERVED))["structured_outputs"] == {
         "choice": ["a", "b"]}
+    # vLLM's completions take response_format as its chat does
+    assert sampling(parse_completion({"prompt": "p", "response_format": {"type": "json_object"}}, SERVED))[
+        "structured_outputs"] == {"json_object": True}
+    assert sampling(parse_completion({"prompt": "p", "response_format": {
+        "type": "json_schema", "json_schema": {"schema": schema}}}, SERVED))["structured_outputs"] == {"json": schema}
+    assert "structured_outputs" not in sampling(parse_completion({"prompt": "p", "response_format": {"type": "text"}},
+                                                                 SERVED))
+    with pytest.raises(ApiError, match="response_format: and structured_outputs both constrain") as both:
+        parse_completion({"prompt": "p", "response_format": {"type": "json_object"}, "guided_regex": "a"}, SERVED)
+    assert both.value.param == "response_format"
     # vLLM's older options beside them: the JSON's whitespace pattern, the backend (any: this server has one)
     assert sampling(parse_completion({"prompt": "p", "guided_json": schema, "guided_whitespace_pattern": "[ ]?",
                                       "guided_decoding_backend": "xgrammar"}, SERVED))["structured_outputs"] == {

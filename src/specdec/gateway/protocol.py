@@ -64,7 +64,7 @@ REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 # OpenAI's `verbosity` (the Responses API's `text.verbosity`): its default, which asks nothing of a model; the
 # models served here have no such control, so another value is refused rather than dropped
 DEFAULT_VERBOSITY = "medium"
-COMPLETION_FIELDS = (*COMMON_FIELDS, "prompt", "echo", "suffix", "best_of")
+COMPLETION_FIELDS = (*COMMON_FIELDS, "prompt", "echo", "suffix", "best_of", "response_format")  # (vLLM's too)
 OPENAI_TEMPERATURE = 1.0  # OpenAI's default: a request that sets no temperature samples
 # What a request that leaves them out gets: OpenAI's, unless the model's generation config says more (the API's
 # --generation-config, generation_config.sampling_defaults merged over these)
@@ -496,6 +496,31 @@ def chat_tools(body: dict, sampling: dict, parser: str | None) -> tuple[list[dic
     return tools, calling
 
 
+def response_format(body: dict, sampling: dict) -> None:
+    """A body's `response_format` as its sampling's `structured_outputs` (chat, and vLLM's completions too)."""
+    fmt = _typed(body, "response_format", (dict,), "an object")
+    if fmt is None:
+        return
+    kind = fmt.get("type")
+    if kind == "json_object":
+        guide = {"json_object": True}
+    elif kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+            raise invalid("response_format.json_schema", "must be an object with a 'schema' object")
+        guide = {"json": spec.get("schema", {})}
+    elif kind == "structural_tag":  # vLLM's and SGLang's: {structures: [{begin, schema, end}], triggers}
+        guide = {"structural_tag": fmt}
+    elif kind == "text":
+        return
+    else:
+        raise invalid("response_format.type", "must be text, json_object, json_schema or structural_tag, got "
+                                              f"{json.dumps(kind)}")
+    if "structured_outputs" in sampling:
+        raise invalid("response_format", "and structured_outputs both constrain the output; send one")
+    sampling["structured_outputs"] = guide
+
+
 def parse_chat(body: dict, served: tuple[str, ...], tool_parser: str | None = None,
                reasoning_parser: str | None = None, trust_template: bool = False,
                defaults: dict | None = None) -> Generation:
@@ -522,27 +547,7 @@ def parse_chat(body: dict, served: tuple[str, ...], tool_parser: str | None = No
         raise invalid("top_logprobs", f"must be within [0, {tn.MAX_TOP_LOG_PROBS}], got {top}")
     if top and not logprobs:
         raise invalid("top_logprobs", "needs logprobs: true")
-    fmt = _typed(body, "response_format", (dict,), "an object")
-    if fmt is not None:
-        kind = fmt.get("type")
-        if kind == "json_object":
-            guide = {"json_object": True}
-        elif kind == "json_schema":
-            spec = fmt.get("json_schema")
-            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
-                raise invalid("response_format.json_schema", "must be an object with a 'schema' object")
-            guide = {"json": spec.get("schema", {})}
-        elif kind == "structural_tag":  # vLLM's and SGLang's: {structures: [{begin, schema, end}], triggers}
-            guide = {"structural_tag": fmt}
-        elif kind == "text":
-            guide = None
-        else:
-            raise invalid("response_format.type", "must be text, json_object, json_schema or structural_tag, got "
-                                                  f"{json.dumps(kind)}")
-        if guide is not None:
-            if "structured_outputs" in sampling:
-                raise invalid("response_format", "and structured_outputs both constrain the output; send one")
-            sampling["structured_outputs"] = guide
+    response_format(body, sampling)
     guided = "structured_outputs" in sampling
     tools, calling = chat_tools(body, sampling, tool_parser)
     budget = _typed(body, "thinking_token_budget", (int,), "an integer")
@@ -700,6 +705,7 @@ def parse_completion(body: dict, served: tuple[str, ...], defaults: dict | None 
     if n * len(prompts) > MAX_CHOICES:
         raise invalid("n", f"n x the prompts ({n} x {len(prompts)}) exceeds {MAX_CHOICES} choices")
     sampling, inputs, stream = _common(body, False, defaults)
+    response_format(body, sampling)
     count = _typed(body, "logprobs", (int,), "an integer")
     if count is not None and not 0 <= count <= tn.MAX_TOP_LOG_PROBS:
         raise invalid("logprobs", f"must be within [0, {tn.MAX_TOP_LOG_PROBS}], got {count}")
