@@ -137,7 +137,10 @@ def test_sampling_settings_reach_the_ensemble(server, api, model):
     out = api.completions.create(model=model, prompt=PROMPT, max_tokens=16, **{k: settings[k] for k in
                                  ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty")},
                                  extra_body={"top_k": 40, "repetition_penalty": 1.2, "min_p": 0.01,
-                                             "num_draft_tokens": 2, "adaptive_draft": False})
+                                             "num_draft_tokens": 2, "adaptive_draft": False,
+                                             # (vLLM's, as clients written for it send them: at their defaults)
+                                             "use_beam_search": False, "length_penalty": 1.0, "early_stopping": False,
+                                             "add_special_tokens": True})
     assert out.choices[0].text == direct[tn.TEXT_OUTPUT]
     greedy = api.completions.create(model=model, prompt=PROMPT, max_tokens=16, temperature=0).choices[0].text
     sampled = {api.completions.create(model=model, prompt=PROMPT, max_tokens=16, seed=s).choices[0].text

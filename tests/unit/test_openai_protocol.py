@@ -364,6 +364,26 @@ def test_completions_take_one_prompt_and_logprobs_zero():
         assert caught.value.param == param
 
 
+def test_vllms_beam_and_tokenizing_fields_at_their_defaults_are_taken():
+    """Clients written for vLLM send its beam-search settings and add_special_tokens at their defaults: taken,
+    asking nothing; beam search itself, or the other add_special_tokens, refused naming the field."""
+    vllm = {"use_beam_search": False, "length_penalty": 1.0, "early_stopping": False}
+    chat = parse_chat({"messages": CHAT, "best_of": 2, "n": 2, "add_special_tokens": False, **vllm}, SERVED)
+    completion = parse_completion({"prompt": "a", "add_special_tokens": True, **vllm, "early_stopping": "never"}, SERVED)
+    assert chat.n == 2 and sampling(chat) == sampling(parse_chat({"messages": CHAT, "n": 2}, SERVED))
+    assert sampling(completion) == sampling(parse_completion({"prompt": "a"}, SERVED))
+    for parse, body, param in ((parse_chat, {"messages": CHAT, "use_beam_search": True}, "use_beam_search"),
+                               (parse_completion, {"prompt": "a", "use_beam_search": True}, "use_beam_search"),
+                               (parse_chat, {"messages": CHAT, "best_of": 3}, "best_of"),
+                               (parse_chat, {"messages": CHAT, "add_special_tokens": True}, "add_special_tokens"),
+                               (parse_completion, {"prompt": "a", "add_special_tokens": False}, "add_special_tokens"),
+                               (parse_completion, {"prompt": "a", "length_penalty": "x"}, "length_penalty"),
+                               (parse_chat, {"messages": CHAT, "early_stopping": "always"}, "early_stopping")):
+        with pytest.raises(ApiError) as caught:
+            parse(body, SERVED)
+        assert caught.value.param == param, body
+
+
 def test_prompts_may_be_token_ids():
     one = parse_completion({"prompt": [5, 6, 7]}, SERVED)
     assert len(one.choices) == 1 and tn.TEXT_INPUT not in one.choices[0]

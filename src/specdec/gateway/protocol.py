@@ -47,8 +47,11 @@ SPECULATIVE_FIELDS = {"num_draft_tokens": (tn.NUM_DRAFT_TOKENS, np.int32), "adap
                       "num_draft_branches": (tn.NUM_DRAFT_BRANCHES, np.int32), "draft_model": (tn.DRAFT_MODEL, np.object_)}
 # vLLM's `priority`: a request's place among those waiting while the server is full (lower first).
 SCHEDULING_FIELDS = {"priority": (tn.PRIORITY, np.int32)}
-COMMON_FIELDS = ("model", "stream", "stream_options", "n", "logit_bias", "logprobs", "prompt_logprobs", "max_tokens",
-                 "return_token_ids",
+# vLLM's beam-search settings and its tokenizing flag, which clients written for vLLM send at their defaults: taken
+# where they ask for nothing (`_vllm_defaults`)
+VLLM_DEFAULT_FIELDS = ("use_beam_search", "length_penalty", "early_stopping", "add_special_tokens")
+COMMON_FIELDS = ("model", "stream", "stream_options", "n", "best_of", "logit_bias", "logprobs", "prompt_logprobs",
+                 "max_tokens", "return_token_ids", *VLLM_DEFAULT_FIELDS,
                  "return_tokens_as_token_ids", "request_id", "cache_salt",
                  *SAMPLING_FIELDS, *GUIDED_FIELDS, *GUIDED_OPTIONS, *SPECULATIVE_FIELDS, *SCHEDULING_FIELDS,
                  *IGNORED_FIELDS)
@@ -64,7 +67,7 @@ REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 # OpenAI's `verbosity` (the Responses API's `text.verbosity`): its default, which asks nothing of a model; the
 # models served here have no such control, so another value is refused rather than dropped
 DEFAULT_VERBOSITY = "medium"
-COMPLETION_FIELDS = (*COMMON_FIELDS, "prompt", "echo", "suffix", "best_of", "response_format")  # (vLLM's too)
+COMPLETION_FIELDS = (*COMMON_FIELDS, "prompt", "echo", "suffix", "response_format")  # (vLLM's too)
 OPENAI_TEMPERATURE = 1.0  # OpenAI's default: a request that sets no temperature samples
 # What a request that leaves them out gets: OpenAI's, unless the model's generation config says more (the API's
 # --generation-config, generation_config.sampling_defaults merged over these)
@@ -240,6 +243,25 @@ def _choices_per_prompt(body: dict) -> int:
     if n is not None and not 1 <= n <= MAX_CHOICES:
         raise invalid("n", f"must be within [1, {MAX_CHOICES}], got {n}")
     return 1 if n is None else n
+
+
+def _vllm_defaults(body: dict, chat: bool, n: int) -> None:
+    """vLLM's fields that clients written for it send at their defaults: taken where they ask for nothing."""
+    best_of = _typed(body, "best_of", (int,), "an integer")
+    if best_of not in (None, n):
+        raise invalid("best_of", f"only n ({n}) is supported: choices are not ranked")
+    if _typed(body, "use_beam_search", (bool,), "a boolean"):
+        raise invalid("use_beam_search", "beam search is not served: a request decodes greedily or samples")
+    # beam search's own: nothing without it, as on vLLM
+    _typed(body, "length_penalty", (int, float), "a number")
+    if body.get("early_stopping") not in (None, True, False, "never"):
+        raise invalid("early_stopping", f"must be a boolean or \"never\", got {json.dumps(body['early_stopping'])[:80]}")
+    # vLLM's defaults: a chat's template writes the model's special tokens, a text prompt gets the tokenizer's
+    special = _typed(body, "add_special_tokens", (bool,), "a boolean")
+    if special is not None and special == chat:
+        raise invalid("add_special_tokens", f"only {str(not chat).lower()} is served on this endpoint (" + (
+            "the chat template writes the model's special tokens" if chat else
+            "a text prompt gets its tokenizer's special tokens; send prompt token ids for other ones") + ")")
 
 
 def _common(body: dict, chat: bool, defaults: dict | None) -> tuple[dict, dict[str, np.ndarray], dict]:
@@ -540,6 +562,7 @@ def parse_chat(body: dict, served: tuple[str, ...], tool_parser: str | None = No
         raise invalid("modalities", f"only [\"text\"] is supported, got {json.dumps(body['modalities'])[:80]}")
     check_verbosity(body.get("verbosity"), "verbosity")
     n = _choices_per_prompt(body)
+    _vllm_defaults(body, True, n)
     sampling, inputs, stream = _common(body, True, defaults)
     logprobs = bool(_typed(body, "logprobs", (bool,), "a boolean"))
     top = _typed(body, "top_logprobs", (int,), "an integer") or 0
@@ -699,9 +722,7 @@ def parse_completion(body: dict, served: tuple[str, ...], defaults: dict | None 
     if body.get("suffix") not in (None, ""):
         raise invalid("suffix", "is not supported")
     n = _choices_per_prompt(body)
-    best_of = _typed(body, "best_of", (int,), "an integer")
-    if best_of not in (None, n):
-        raise invalid("best_of", f"only n ({n}) is supported: choices are not ranked")
+    _vllm_defaults(body, False, n)
     if n * len(prompts) > MAX_CHOICES:
         raise invalid("n", f"n x the prompts ({n} x {len(prompts)}) exceeds {MAX_CHOICES} choices")
     sampling, inputs, stream = _common(body, False, defaults)
