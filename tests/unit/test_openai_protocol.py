@@ -369,7 +369,8 @@ def test_vllms_beam_and_tokenizing_fields_at_their_defaults_are_taken():
     asking nothing; beam search itself, or the other add_special_tokens, refused naming the field."""
     vllm = {"use_beam_search": False, "length_penalty": 1.0, "early_stopping": False}
     chat = parse_chat({"messages": CHAT, "best_of": 2, "n": 2, "add_special_tokens": False, **vllm}, SERVED)
-    completion = parse_completion({"prompt": "a", "add_special_tokens": True, **vllm, "early_stopping": "never"}, SERVED)
+    completion = parse_completion({"prompt": "a", "add_special_tokens": True, **vllm, "early_stopping": "never"},
+                                  SERVED)
     assert chat.n == 2 and sampling(chat) == sampling(parse_chat({"messages": CHAT, "n": 2}, SERVED))
     assert sampling(completion) == sampling(parse_completion({"prompt": "a"}, SERVED))
     for parse, body, param in ((parse_chat, {"messages": CHAT, "use_beam_search": True}, "use_beam_search"),

@@ -255,7 +255,8 @@ def _vllm_defaults(body: dict, chat: bool, n: int) -> None:
     # beam search's own: nothing without it, as on vLLM
     _typed(body, "length_penalty", (int, float), "a number")
     if body.get("early_stopping") not in (None, True, False, "never"):
-        raise invalid("early_stopping", f"must be a boolean or \"never\", got {json.dumps(body['early_stopping'])[:80]}")
+        got = json.dumps(body["early_stopping"])[:80]
+        raise invalid("early_stopping", f"must be a boolean or \"never\", got {got}")
     # vLLM's defaults: a chat's template writes the model's special tokens, a text prompt gets the tokenizer's
     special = _typed(body, "add_special_tokens", (bool,), "a boolean")
     if special is not None and special == chat:
