@@ -148,7 +148,8 @@ def endpoints(model: str) -> list[Endpoint]:
                 "stream_options": [{"include_usage": True, "continuous_usage_stats": True}],
                 "skip_special_tokens": [False], "include_stop_str_in_output": [True], "priority": [-5, 5],
                 "response_format": [{"type": "json_object"}, {"type": "text"}], "guided_choice": [["a", "bb"]],
-                "bad_words": [["the", "a"]], "return_token_ids": [True], "truncate_prompt_tokens": [1, 4]}
+                "bad_words": [["the", "a"]], "return_token_ids": [True], "truncate_prompt_tokens": [1, 4],
+                "use_beam_search": [False], "length_penalty": [1.0, 0.5], "early_stopping": [False, "never"]}
     chat_features = {**sampling, "echo": [True], "reasoning_effort": ["low"], "parallel_tool_calls": [False],
                      "add_generation_prompt": [False], "continue_final_message": [True], "user": ["u-1"],
                      "messages.0.content": ["", "A much longer instruction, in several words. " * 20]}
