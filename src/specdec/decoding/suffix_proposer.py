@@ -112,8 +112,9 @@ class NgramTable:
         """Index every n-gram of `tokens` that a token follows as its latest occurrence (sequence `key`)."""
         if len(tokens) <= self.n:
             return
-        n, slots, mask, base = self.n, self.slots, self.mask, key << _FIELD
+        n, slots, mask, far = self.n, self.slots, self.mask, _FAR
         homes, fingerprints = self._hashes(tokens[:-1])
+        added = 0
         for end, i, fingerprint in zip(range(n, len(tokens)), homes, fingerprints):
             distance = 0
             while slot := slots[i]:
@@ -121,29 +122,31 @@ class NgramTable:
                     break  # an earlier occurrence: this one is the latest
                 i, distance = (i + 1) & mask, distance + 1
             else:
-                self.entries += 1
-            slots[i] = fingerprint | min(distance, _FAR) << 48 | base | end
+                added += 1
+            slots[i] = fingerprint | (distance if distance < far else far) << 48 | key << _FIELD | end
+        self.entries += added
 
     def remove(self, key: int, tokens: array) -> None:
         """Drop the entries `add(key, tokens)` made that no later sequence has taken over."""
         if len(tokens) <= self.n:
             return
-        slots, mask, base = self.slots, self.mask, key << _FIELD
+        slots, mask, base, far, keep, place_mask = self.slots, self.mask, key << _FIELD, _FAR, _KEEP, _PLACE
         removed = 0
         for place, i in zip(range(base | self.n, base | len(tokens)), self._hashes(tokens[:-1])[0]):
-            while (slot := slots[i]) and slot & _PLACE != place:
+            while (slot := slots[i]) and slot & place_mask != place:
                 i = (i + 1) & mask
             if not slot:
                 continue  # taken over
             removed += 1
             j = i  # shift the cluster's later entries back where their probe path allows: no hole inside it
             while slot := slots[(j := (j + 1) & mask)]:
-                distance = slot >> 48 & _FAR
-                if distance == _FAR:
+                distance = slot >> 48 & far
+                if distance == far:
                     distance = (j - self._hash(self._window(slot))[0]) & mask
                 gap = (j - i) & mask
                 if gap <= distance:  # its home is at or before the hole: move it there
-                    slots[i], i = slot & _KEEP | min(distance - gap, _FAR) << 48, j
+                    distance -= gap
+                    slots[i], i = slot & keep | (distance if distance < far else far) << 48, j
             slots[i] = 0
         self.entries -= removed
 
